@@ -1,0 +1,63 @@
+"""Typed errors of kareus.
+
+Every error a user can cause derives from :class:`KareusError` and from the
+built-in type that fits it (``ValueError`` for bad values, ``KeyError`` is
+avoided because its message is repr-quoted). Messages say what was wrong and
+what to do instead.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigError",
+    "HardwareError",
+    "InvalidSMCountError",
+    "KareusError",
+    "PlanError",
+    "UnknownPresetError",
+    "UnknownSlotError",
+    "UnsupportedFrequencyError",
+    "WorkloadError",
+]
+
+
+class KareusError(Exception):
+    """Base class of every error raised by kareus on purpose."""
+
+
+class UnknownPresetError(KareusError, ValueError):
+    """A preset name (GPU, workload, schedule) that kareus does not know."""
+
+    def __init__(self, kind: str, name: str, known: list[str] | tuple[str, ...]) -> None:
+        self.kind = kind
+        self.name = name
+        self.known = tuple(known)
+        super().__init__(f"unknown {kind} {name!r}; known {kind}s: {', '.join(self.known)}")
+
+
+class WorkloadError(KareusError, ValueError):
+    """A workload whose parallelism or shapes do not fit the model or each other."""
+
+
+class ConfigError(KareusError, ValueError):
+    """A schedule configuration that is not valid for its partition or GPU."""
+
+
+class InvalidSMCountError(ConfigError):
+    """A communication SM count outside what the GPU can give."""
+
+
+class UnsupportedFrequencyError(ConfigError):
+    """An SM clock the GPU does not support."""
+
+
+class UnknownSlotError(ConfigError):
+    """A launch slot that the partition does not have."""
+
+
+class PlanError(KareusError, ValueError):
+    """A plan file that is corrupt, of another version, or invalid for its GPU."""
+
+
+class HardwareError(KareusError, RuntimeError):
+    """A GPU, driver or permission problem found while touching real hardware."""

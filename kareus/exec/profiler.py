@@ -1,0 +1,46 @@
+"""The Profiler role: measure one partition under one configuration.
+
+Every source of measurements — the emulated GPU, real GPUs through NVML, a file
+of recorded measurements — implements :class:`Profiler`, so the search, the
+composition and the command line drive them all the same way.
+"""
+
+from __future__ import annotations
+
+import abc
+
+from kareus.model.config import ScheduleConfig
+from kareus.model.gpu import GPUSpec
+from kareus.model.measurement import Measurement
+from kareus.model.partition import OutsideWork, Partition
+
+__all__ = ["Profiler"]
+
+
+class Profiler(abc.ABC):
+    """Measures partitions.
+
+    Subclasses implement :meth:`measure`; :meth:`measure_outside` (work outside partitions,
+    run sequentially) and :meth:`static_power_w` have defaults where possible.
+
+    Scope: a partition's :class:`Measurement` covers every GPU of the partition's group
+    (TP x CP GPUs), static power included.
+    """
+
+    #: The GPU the measurements are of.
+    gpu: GPUSpec
+
+    @abc.abstractmethod
+    def measure(self, partition: Partition, config: ScheduleConfig) -> Measurement:
+        """Run (or emulate, or look up) ``partition`` under ``config`` once and measure it."""
+
+    def measure_outside(self, work: OutsideWork, freq_mhz: int, *, group_size: int,
+                        comm_sms: int | None = None) -> Measurement:
+        """Measure work outside partitions at ``freq_mhz`` (sequential, no overlap)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot measure work outside partitions; "
+            "use a profiler that can (e.g. EmulatedProfiler) for iteration-level composition")
+
+    def static_power_w(self, group_size: int) -> float:
+        """Static power of ``group_size`` GPUs."""
+        return self.gpu.static_power_w * group_size

@@ -1,0 +1,70 @@
+"""Value objects of kareus: GPUs, ops, workloads, partitions, configurations, schedules.
+
+Nothing here touches hardware; everything runs on any CPU.
+"""
+
+from __future__ import annotations
+
+from kareus.model.config import FEATURE_NAMES, ConfigSpace, ScheduleConfig
+from kareus.model.gpu import GPU_PRESETS, GPUSpec, get_gpu, gpu_names
+from kareus.model.measurement import Measurement
+from kareus.model.ops import CommKind, CommOp, ComputeOp, OpKind
+from kareus.model.partition import (
+    LaunchSlot,
+    OpPartition,
+    OutsideWork,
+    Partition,
+    PartitionSet,
+    TransformerPartition,
+    build_partitions,
+    launch_slots,
+)
+from kareus.model.pipeline import (
+    Computation,
+    PipelineSchedule,
+    get_schedule,
+    gpipe,
+    one_f_one_b,
+)
+from kareus.model.workload import (
+    MODEL_PRESETS,
+    ModelArch,
+    Parallelism,
+    Workload,
+    get_model,
+    model_names,
+)
+
+__all__ = [
+    "FEATURE_NAMES",
+    "GPU_PRESETS",
+    "MODEL_PRESETS",
+    "CommKind",
+    "CommOp",
+    "Computation",
+    "ComputeOp",
+    "ConfigSpace",
+    "GPUSpec",
+    "LaunchSlot",
+    "Measurement",
+    "ModelArch",
+    "OpKind",
+    "OpPartition",
+    "OutsideWork",
+    "Parallelism",
+    "Partition",
+    "PartitionSet",
+    "PipelineSchedule",
+    "ScheduleConfig",
+    "TransformerPartition",
+    "Workload",
+    "build_partitions",
+    "get_gpu",
+    "get_model",
+    "get_schedule",
+    "gpipe",
+    "gpu_names",
+    "launch_slots",
+    "model_names",
+    "one_f_one_b",
+]

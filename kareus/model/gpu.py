@@ -1,0 +1,173 @@
+"""GPU descriptions: what the emulator, the config spaces and the plans need to know.
+
+A :class:`GPUSpec` is a frozen value object. The three presets carry vendor
+datasheet figures and, for the H200, figures measured on real machines (see
+``docs/emulator.md`` and FACTS.md). Each field's unit is in its name.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from kareus.errors import UnknownPresetError
+
+__all__ = ["GPUSpec", "get_gpu", "gpu_names", "GPU_PRESETS"]
+
+
+def _clock_tuple(values: tuple[int, ...] | list[int]) -> tuple[int, ...]:
+    return tuple(sorted({int(v) for v in values}))
+
+
+@attrs.frozen(kw_only=True)
+class GPUSpec:
+    """One GPU model.
+
+    Attributes:
+        name: Preset name, e.g. ``"h200-sxm"``.
+        sm_count: Streaming multiprocessors on the chip.
+        clocks_mhz: Supported SM (graphics) clocks, ascending.
+        search_clocks_mhz: The default frequency grid searched by kareus,
+            descending from the maximum clock (a subset of ``clocks_mhz``).
+        bf16_peak_tflops: Dense bf16 tensor-core peak at the maximum clock on all SMs.
+        hbm_bandwidth_gbps: Peak HBM bandwidth in GB/s (10^9 bytes per second).
+        nvlink_bandwidth_gbps: NVLink bandwidth per GPU, both directions together, GB/s.
+        power_limit_w: Board power limit; above it the GPU lowers its own clock.
+        static_power_w: Power drawn while the GPU waits (blocked on communication),
+            charged for every second of an iteration, per GPU.
+        idle_power_w: Power at the idle clock with nothing running, per GPU.
+        default_comm_sms: SMs (CTAs) that NCCL gives a collective when nobody caps it;
+            used by the Megatron-LM and nanobatching baselines.
+        memory_gib: Device memory.
+    """
+
+    name: str
+    sm_count: int
+    clocks_mhz: tuple[int, ...] = attrs.field(converter=_clock_tuple)
+    search_clocks_mhz: tuple[int, ...] = attrs.field(converter=tuple)
+    bf16_peak_tflops: float
+    hbm_bandwidth_gbps: float
+    nvlink_bandwidth_gbps: float
+    power_limit_w: float
+    static_power_w: float
+    idle_power_w: float
+    default_comm_sms: int
+    memory_gib: float
+
+    def __attrs_post_init__(self) -> None:
+        if self.sm_count < 2:
+            raise ValueError(f"sm_count must be >= 2, got {self.sm_count}")
+        if not self.clocks_mhz:
+            raise ValueError("clocks_mhz must not be empty")
+        missing = [f for f in self.search_clocks_mhz if f not in self.clocks_mhz]
+        if missing:
+            raise ValueError(f"search_clocks_mhz {missing} are not in clocks_mhz")
+        if not 1 <= self.default_comm_sms < self.sm_count:
+            raise ValueError(f"default_comm_sms must be in 1..{self.sm_count - 1}")
+        for field in ("bf16_peak_tflops", "hbm_bandwidth_gbps", "nvlink_bandwidth_gbps",
+                      "power_limit_w", "static_power_w", "idle_power_w", "memory_gib"):
+            if not getattr(self, field) > 0:
+                raise ValueError(f"{field} must be positive")
+
+    @property
+    def max_clock_mhz(self) -> int:
+        """The highest supported SM clock (the default clock under no power cap)."""
+        return self.clocks_mhz[-1]
+
+    @property
+    def min_clock_mhz(self) -> int:
+        """The lowest supported SM clock."""
+        return self.clocks_mhz[0]
+
+    def supports_clock(self, freq_mhz: int) -> bool:
+        """Whether ``freq_mhz`` is one of the GPU's supported SM clocks."""
+        return int(freq_mhz) in self.clocks_mhz
+
+    def nearest_clock(self, freq_mhz: float) -> int:
+        """The supported clock closest to ``freq_mhz`` (ties go to the lower one)."""
+        return min(self.clocks_mhz, key=lambda c: (abs(c - freq_mhz), c))
+
+    def to_dict(self) -> dict[str, object]:
+        """A JSON-ready dict of every field."""
+        return attrs.asdict(self)
+
+
+def _steps(lo: int, hi: int, step: int) -> list[int]:
+    return list(range(lo, hi + 1, step))
+
+
+def _desc(hi: int, step: int, count: int) -> tuple[int, ...]:
+    return tuple(hi - i * step for i in range(count))
+
+
+GPU_PRESETS: dict[str, GPUSpec] = {
+    # A100 SXM 40GB: datasheet figures; clocks 210..1410 MHz in 15 MHz steps; the search grid
+    # is the reference artifact's 1410 -> 900 MHz in 30 MHz steps (18 values); static power
+    # 85 W as measured by the reference (a GPU blocked in a point-to-point receive). The idle
+    # power (55 W) is an estimate, not a measurement; only the emulator uses it.
+    "a100-40gb": GPUSpec(
+        name="a100-40gb",
+        sm_count=108,
+        clocks_mhz=_steps(210, 1410, 15),
+        search_clocks_mhz=_desc(1410, 30, 18),
+        bf16_peak_tflops=312.0,
+        hbm_bandwidth_gbps=1555.0,
+        nvlink_bandwidth_gbps=600.0,
+        power_limit_w=400.0,
+        static_power_w=85.0,
+        idle_power_w=55.0,
+        default_comm_sms=32,
+        memory_gib=40.0,
+    ),
+    # H100 SXM 80GB: datasheet figures; same GH100 clock table as the H200 (345..1980 MHz,
+    # 15 MHz steps). Static and idle power taken equal to the H200's measured idle power.
+    "h100-sxm": GPUSpec(
+        name="h100-sxm",
+        sm_count=132,
+        clocks_mhz=_steps(345, 1980, 15),
+        search_clocks_mhz=_desc(1980, 45, 18),
+        bf16_peak_tflops=989.0,
+        hbm_bandwidth_gbps=3350.0,
+        nvlink_bandwidth_gbps=900.0,
+        power_limit_w=700.0,
+        static_power_w=78.0,
+        idle_power_w=78.0,
+        default_comm_sms=32,
+        memory_gib=80.0,
+    ),
+    # H200 SXM 141GB: datasheet figures; 110 supported clocks 345..1980 MHz (measured);
+    # idle power about 78 W per GPU at the 345 MHz idle clock (measured, 4x H200). The
+    # blocked-in-communication power has not been measured yet: the idle figure stands in.
+    "h200-sxm": GPUSpec(
+        name="h200-sxm",
+        sm_count=132,
+        clocks_mhz=_steps(345, 1980, 15),
+        search_clocks_mhz=_desc(1980, 45, 18),
+        bf16_peak_tflops=989.0,
+        hbm_bandwidth_gbps=4800.0,
+        nvlink_bandwidth_gbps=900.0,
+        power_limit_w=700.0,
+        static_power_w=78.0,
+        idle_power_w=78.0,
+        default_comm_sms=32,
+        memory_gib=141.0,
+    ),
+}
+
+
+def gpu_names() -> list[str]:
+    """Names of the GPU presets."""
+    return sorted(GPU_PRESETS)
+
+
+def get_gpu(name: str | GPUSpec) -> GPUSpec:
+    """Look up a GPU preset by name (a :class:`GPUSpec` passes through).
+
+    Raises:
+        UnknownPresetError: ``name`` is not a preset; the message lists the known ones.
+    """
+    if isinstance(name, GPUSpec):
+        return name
+    key = str(name).lower()
+    if key not in GPU_PRESETS:
+        raise UnknownPresetError("GPU", str(name), gpu_names())
+    return GPU_PRESETS[key]

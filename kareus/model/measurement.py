@@ -1,0 +1,64 @@
+"""Measurements: time and energy of one run of some work.
+
+Energy splits into a static part (static power x time; what the GPUs would draw
+anyway while waiting) and a dynamic part (the rest). kareus models time and
+dynamic energy separately and recombines them, since the static power is a
+property of the GPUs, not of the configuration.
+
+Scope: a partition's measurement covers every GPU that runs it (its TP x CP
+group), and ``static_power_w`` is the static power of that whole group.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+
+__all__ = ["Measurement"]
+
+
+def _finite_nonneg(instance: object, attribute: attrs.Attribute, value: float) -> None:
+    if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"Measurement.{attribute.name} must be finite and >= 0, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class Measurement:
+    """Time and energy of one run.
+
+    Attributes:
+        time_s: Wall time in seconds.
+        energy_j: Total energy in joules over the measurement's scope.
+        static_power_w: Static power of the scope in watts.
+    """
+
+    time_s: float = attrs.field(converter=float, validator=_finite_nonneg)
+    energy_j: float = attrs.field(converter=float, validator=_finite_nonneg)
+    static_power_w: float = attrs.field(converter=float, validator=_finite_nonneg)
+
+    @property
+    def static_energy_j(self) -> float:
+        """static_power_w x time_s."""
+        return self.static_power_w * self.time_s
+
+    @property
+    def dynamic_energy_j(self) -> float:
+        """energy_j - static_energy_j (may be slightly negative for noisy measurements)."""
+        return self.energy_j - self.static_energy_j
+
+    @property
+    def average_power_w(self) -> float:
+        return self.energy_j / self.time_s if self.time_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, float]:
+        return {"time_s": self.time_s, "energy_j": self.energy_j,
+                "static_power_w": self.static_power_w}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, float]) -> Measurement:
+        return cls(time_s=d["time_s"], energy_j=d["energy_j"], static_power_w=d["static_power_w"])
+
+    def __str__(self) -> str:
+        return (f"{self.time_s * 1e3:.3f} ms, {self.energy_j:.3f} J "
+                f"(static {self.static_energy_j:.3f} J, dynamic {self.dynamic_energy_j:.3f} J)")

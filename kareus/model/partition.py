@@ -1,0 +1,437 @@
+"""Partitions: one communication kernel beside a run of computation it does not depend on.
+
+A training iteration repeats a few patterns. With nanobatching, the collective of
+nanobatch *i* overlaps the computation of the next piece of work in stream order:
+nanobatch *i+1* of the same layer segment, or nanobatch 1 of the next segment. A
+:class:`Partition` is that pair: ``comm_op`` plus the ``compute_ops`` it may overlap.
+Partitions of the same *type* (same computation, same collective) share one
+configuration, so the search runs once per type.
+
+Launch slots: the communication kernel can start together with any computation op
+(``ScheduleConfig.launch_slot`` names the op), or after all of them (sequential).
+Each GEMM or attention op opens its own slot; consecutive memory-bound ops share the
+slot of the first of them, since launching between them changes little but costs
+bandwidth contention.
+
+:func:`build_partitions` derives every partition type of a :class:`Workload`, how many
+instances each pipeline stage runs per microbatch forward and backward, and the work
+outside partitions (embedding, LM head and loss). All FLOPs and bytes are per rank.
+
+Modelling choices (documented in docs/architecture.md): the chain of one stage is
+treated as cyclic, so the first computation of a stage is paired with the last
+collective of the stage (one exposed collective and one bare computation per stage
+and microbatch are counted as one overlapped pair); residual additions are omitted;
+with full recomputation the backward pass of each layer re-runs its forward,
+collectives included, so backward computations also hold forward partition types.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+
+import attrs
+
+from kareus.errors import WorkloadError
+from kareus.model.ops import CommKind, CommOp, ComputeOp, OpKind
+from kareus.model.workload import Workload
+
+__all__ = [
+    "LaunchSlot",
+    "OpPartition",
+    "OutsideWork",
+    "Partition",
+    "PartitionSet",
+    "TransformerPartition",
+    "build_partitions",
+    "launch_slots",
+]
+
+PHASES = ("fwd", "bwd")
+
+
+@attrs.frozen(kw_only=True)
+class LaunchSlot:
+    """A point where the communication kernel may be launched.
+
+    Attributes:
+        name: Name of the op the communication starts with (the slot's first op).
+        index: Position of that op in ``Partition.compute_ops``.
+        op_names: Every op that belongs to the slot (consecutive memory-bound ops share one).
+        compute_bound: Whether the slot's first op is a GEMM or attention op.
+        arithmetic_intensity: FLOPs per byte of the slot's first op.
+    """
+
+    name: str
+    index: int
+    op_names: tuple[str, ...]
+    compute_bound: bool
+    arithmetic_intensity: float
+
+
+def launch_slots(ops: Sequence[ComputeOp]) -> tuple[LaunchSlot, ...]:
+    """The launch slots of an ordered run of computation ops.
+
+    Every compute-bound op opens a slot; a memory-bound op opens one only if the op
+    before it is compute-bound (or it is the first op).
+    """
+    groups: list[list[int]] = []
+    for i, op in enumerate(ops):
+        if op.compute_bound or i == 0 or ops[i - 1].compute_bound:
+            groups.append([i])
+        else:
+            groups[-1].append(i)
+    return tuple(
+        LaunchSlot(name=ops[g[0]].name, index=g[0], op_names=tuple(ops[i].name for i in g),
+                   compute_bound=ops[g[0]].compute_bound,
+                   arithmetic_intensity=ops[g[0]].arithmetic_intensity)
+        for g in groups
+    )
+
+
+class Partition(abc.ABC):
+    """One communication kernel and the computation kernels it may overlap.
+
+    Subclass it to describe your own pattern; the emulator and the search need only
+    ``name``, ``compute_ops`` and ``comm_op``. ``slots`` and ``overlappable`` have defaults.
+    """
+
+    @property
+    @abc.abstractmethod
+    def name(self) -> str:
+        """The partition type's name, unique within a workload (e.g. ``"fwd_attn"``)."""
+
+    @property
+    @abc.abstractmethod
+    def compute_ops(self) -> tuple[ComputeOp, ...]:
+        """The computation kernels, in stream order."""
+
+    @property
+    @abc.abstractmethod
+    def comm_op(self) -> CommOp:
+        """The communication kernel."""
+
+    @property
+    def overlappable(self) -> bool:
+        """Whether the communication may run beside the computation (False: sequential only)."""
+        return True
+
+    @property
+    def slots(self) -> tuple[LaunchSlot, ...]:
+        """The launch slots (empty when the partition is not overlappable)."""
+        return launch_slots(self.compute_ops) if self.overlappable else ()
+
+    def slot(self, name: str) -> LaunchSlot:
+        """The slot called ``name``; raises ``KeyError`` if there is none."""
+        for s in self.slots:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+    @property
+    def flops(self) -> float:
+        """FLOPs of the computation ops together (per rank)."""
+        return float(sum(op.flops for op in self.compute_ops))
+
+    @property
+    def compute_bytes(self) -> float:
+        """HBM bytes of the computation ops together (per rank)."""
+        return float(sum(op.bytes_moved for op in self.compute_ops))
+
+    def __repr__(self) -> str:
+        slots = ", ".join(s.name for s in self.slots) or "sequential only"
+        return (f"{type(self).__name__}({self.name!r}: {len(self.compute_ops)} ops, "
+                f"{self.flops / 1e9:.1f} GFLOP, {self.comm_op.kind.value} "
+                f"{self.comm_op.bytes / 2**20:.1f} MiB x{self.comm_op.group_size}; slots: {slots})")
+
+
+@attrs.frozen(kw_only=True, repr=False)
+class OpPartition(Partition):
+    """A partition given directly by its ops: the simplest way to describe your own."""
+
+    name: str  # type: ignore[misc]
+    compute_ops: tuple[ComputeOp, ...] = attrs.field(converter=tuple)  # type: ignore[misc]
+    comm_op: CommOp  # type: ignore[misc]
+    overlappable: bool = True  # type: ignore[misc]
+
+    def __attrs_post_init__(self) -> None:
+        if not self.compute_ops:
+            raise ValueError(f"partition {self.name!r} needs at least one computation op")
+        names = [op.name for op in self.compute_ops]
+        if len(set(names)) != len(names):
+            raise ValueError(f"partition {self.name!r}: op names must be unique, got {names}")
+
+
+@attrs.frozen(kw_only=True, repr=False)
+class TransformerPartition(OpPartition):
+    """A partition of a transformer layer, as built by :func:`build_partitions`.
+
+    Attributes:
+        phase: ``"fwd"`` or ``"bwd"``.
+        segment: The layer segment whose computation it holds (``"attn"``, ``"mlp"``, ...).
+    """
+
+    phase: str = "fwd"
+    segment: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class OutsideWork:
+    """Work of a microbatch computation that is not part of any partition, run sequentially.
+
+    Attributes:
+        ops: Computation ops (embedding, final norm, LM head, loss), per rank.
+        comms: Collectives run after them without overlap (e.g. vocab-parallel all-reduces).
+    """
+
+    ops: tuple[ComputeOp, ...] = attrs.field(converter=tuple, factory=tuple)
+    comms: tuple[CommOp, ...] = attrs.field(converter=tuple, factory=tuple)
+
+    @property
+    def flops(self) -> float:
+        return float(sum(op.flops for op in self.ops))
+
+
+@attrs.frozen(kw_only=True)
+class PartitionSet:
+    """Everything a workload's microbatch computations are made of.
+
+    Attributes:
+        workload: The workload it was built from.
+        types: Partition types by name.
+        counts: ``counts[phase][type]`` = instances one stage runs per microbatch (the same on
+            every stage, since layers are spread evenly).
+        outside: ``outside[(stage, phase)]`` = the work outside partitions.
+    """
+
+    workload: Workload
+    types: dict[str, Partition]
+    counts: dict[str, dict[str, int]]
+    outside: dict[tuple[int, str], OutsideWork]
+
+    def __getitem__(self, name: str) -> Partition:
+        return self.types[name]
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self.types.values())
+
+    def __len__(self) -> int:
+        return len(self.types)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.types)
+
+    def computation_flops(self, stage: int, phase: str) -> float:
+        """FLOPs one rank of ``stage`` executes for one microbatch's ``phase``."""
+        total = sum(self.types[t].flops * c for t, c in self.counts[phase].items())
+        return total + self.outside[(stage, phase)].flops
+
+    def model_flops_per_gpu_iteration(self) -> float:
+        """Model FLOPs per GPU per iteration: 3x forward, recomputation not counted.
+
+        Averaged over the pipeline stages (each stage's GPUs do their stage's share).
+        """
+        wl = self.workload
+        pp = wl.parallelism.pp
+        fwd_partitions = sum(self.types[t].flops * c for t, c in self.counts["fwd"].items())
+        total = sum(3.0 * (fwd_partitions + self.outside[(s, "fwd")].flops) for s in range(pp))
+        return total * wl.num_microbatches / pp
+
+    def __repr__(self) -> str:
+        lines = [f"PartitionSet({self.workload.describe()})"]
+        for name, p in self.types.items():
+            c = {ph: self.counts[ph].get(name, 0) for ph in PHASES}
+            lines.append(f"  {p!r}  x{c['fwd']} fwd, x{c['bwd']} bwd per microbatch")
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- builder
+
+
+@attrs.frozen
+class _Segment:
+    name: str
+    ops: tuple[ComputeOp, ...]
+    comm: CommOp | None
+
+
+class _Shapes:
+    """Per-rank shapes of one nanobatch (or one microbatch, with ``nanobatches=1``)."""
+
+    def __init__(self, wl: Workload, parts: int) -> None:
+        m, p = wl.model, wl.parallelism
+        self.d = wl.dtype_bytes
+        self.b = wl.microbatch_size // parts  # sequences
+        self.sq = wl.seq_len // p.cp  # query tokens per sequence on this rank
+        self.sk = wl.seq_len  # key tokens per sequence after the CP all-gather
+        self.t = self.b * self.sq  # tokens on this rank
+        self.h = m.hidden
+        self.q = m.heads // p.tp * m.head_dim
+        self.kv = m.kv_heads // p.tp * m.head_dim
+        self.f = m.ffn // p.tp
+        self.v = m.vocab // p.tp if m.vocab % p.tp == 0 else -(-m.vocab // p.tp)
+        self.heads = m.heads // p.tp
+        self.head_dim = m.head_dim
+
+    def gemm(self, name: str, m: int, k: int, n: int) -> ComputeOp:
+        moved = (m * k + m * n + k * n) * self.d
+        return ComputeOp(name=name, kind=OpKind.GEMM, flops=2.0 * m * k * n, bytes_moved=moved)
+
+    def mem(self, name: str, kind: OpKind, elems_moved: float, flops_per_elem: float = 1.0
+            ) -> ComputeOp:
+        return ComputeOp(name=name, kind=kind, flops=flops_per_elem * elems_moved,
+                         bytes_moved=elems_moved * self.d)
+
+    def attention(self, name: str, backward: bool) -> ComputeOp:
+        # Causal attention, load-balanced over CP ranks: half the score matrix on average.
+        fwd_flops = 4.0 * self.b * self.sq * self.sk * self.heads * self.head_dim * 0.5
+        kv_elems = 2 * self.b * self.sk * self.kv
+        if backward:
+            return ComputeOp(name=name, kind=OpKind.ATTENTION, flops=2.5 * fwd_flops,
+                             bytes_moved=(4 * self.t * self.q + 2 * kv_elems) * self.d)
+        return ComputeOp(name=name, kind=OpKind.ATTENTION, flops=fwd_flops,
+                         bytes_moved=(2 * self.t * self.q + kv_elems) * self.d)
+
+
+def _layer_segments(wl: Workload, phase: str, s: _Shapes) -> list[_Segment]:
+    p = wl.parallelism
+    t, h, q, kv, f = s.t, s.h, s.q, s.kv, s.f
+    ar = (CommOp(name="tp_all_reduce", kind=CommKind.ALL_REDUCE, bytes=t * h * s.d,
+                 group_size=p.tp) if p.tp > 1 else None)
+    kv_bytes = 2 * s.b * s.sk * kv * s.d
+    if phase == "fwd":
+        attn_in = (s.mem("attn_norm", OpKind.NORM, 2 * t * h, 2.0),
+                   s.gemm("qkv", t, h, q + 2 * kv),
+                   s.mem("rope", OpKind.ROPE, 2 * t * (q + kv), 1.5))
+        attn_out = (s.attention("attn_core", backward=False), s.gemm("out_proj", t, q, h))
+        mlp = (s.mem("mlp_norm", OpKind.NORM, 2 * t * h, 2.0), s.gemm("gate", t, h, f),
+               s.gemm("up", t, h, f), s.mem("swiglu", OpKind.ACTIVATION, 3 * t * f, 2.0),
+               s.gemm("down", t, f, h))
+        if p.cp > 1:
+            ag = CommOp(name="cp_all_gather_kv", kind=CommKind.ALL_GATHER, bytes=kv_bytes,
+                        group_size=p.cp)
+            return [_Segment("attn_in", attn_in, ag), _Segment("attn_out", attn_out, ar),
+                    _Segment("mlp", mlp, ar)]
+        return [_Segment("attn", attn_in + attn_out, ar), _Segment("mlp", mlp, ar)]
+    # Backward, from the top of a layer down. The norm backward of a block needs the
+    # all-reduced input gradient, so it opens the next segment in stream order.
+    mlp = (s.mem("attn_norm_bwd", OpKind.NORM, 3 * t * h, 3.0),
+           s.gemm("down_dgrad", t, h, f), s.gemm("down_wgrad", f, t, h),
+           s.mem("swiglu_bwd", OpKind.ACTIVATION, 5 * t * f, 3.0),
+           s.gemm("gate_dgrad", t, f, h), s.gemm("up_dgrad", t, f, h),
+           s.gemm("gate_wgrad", h, t, f), s.gemm("up_wgrad", h, t, f))
+    attn_out = (s.mem("mlp_norm_bwd", OpKind.NORM, 3 * t * h, 3.0),
+                s.gemm("out_dgrad", t, h, q), s.gemm("out_wgrad", q, t, h),
+                s.attention("attn_core_bwd", backward=True))
+    attn_in = (s.mem("rope_bwd", OpKind.ROPE, 2 * t * (q + kv), 1.5),
+               s.gemm("qkv_dgrad", t, q + 2 * kv, h), s.gemm("qkv_wgrad", h, t, q + 2 * kv))
+    if p.cp > 1:
+        rs = CommOp(name="cp_reduce_scatter_dkv", kind=CommKind.REDUCE_SCATTER, bytes=kv_bytes,
+                    group_size=p.cp)
+        return [_Segment("mlp", mlp, ar), _Segment("attn_out", attn_out, rs),
+                _Segment("attn_in", attn_in, ar)]
+    return [_Segment("mlp", mlp, ar), _Segment("attn", attn_out + attn_in, ar)]
+
+
+def _normalise(segments: list[_Segment]) -> list[_Segment]:
+    """Rotate the cyclic segment list so it ends with a collective, then merge every
+    segment without a collective into the one after it."""
+    if all(seg.comm is None for seg in segments):
+        return []
+    while segments[-1].comm is None:
+        segments = [segments[-1], *segments[:-1]]
+    out: list[_Segment] = []
+    pending: list[_Segment] = []
+    for seg in segments:
+        if seg.comm is None:
+            pending.append(seg)
+            continue
+        if pending:
+            ops = tuple(op for p in pending for op in p.ops) + seg.ops
+            name = "_".join([p.name for p in pending] + [seg.name])
+            seg = _Segment(name, ops, seg.comm)
+            pending = []
+        out.append(seg)
+    return out
+
+
+def build_partitions(workload: Workload) -> PartitionSet:
+    """Partition types, per-microbatch instance counts and outside work of a workload.
+
+    Raises:
+        WorkloadError: the workload has no collective to schedule (TP = CP = 1).
+    """
+    wl = workload
+    p = wl.parallelism
+    n = wl.nanobatches
+    if p.tp == 1 and p.cp == 1:
+        raise WorkloadError(
+            f"{wl.model.name}: with TP=1 and CP=1 no layer has a collective to overlap; "
+            "kareus needs tensor or context parallelism (set tp >= 2 or cp >= 2)")
+    shapes = _Shapes(wl, n)
+    L = wl.layers_per_stage
+    types: dict[str, TransformerPartition] = {}
+    counts: dict[str, dict[str, int]] = {ph: {} for ph in PHASES}
+
+    for phase in PHASES:
+        segs = _normalise(_layer_segments(wl, phase, shapes))
+        pairs: list[tuple[_Segment, CommOp, int]] = []
+        m = len(segs)
+        for j, seg in enumerate(segs):
+            assert seg.comm is not None
+            if n == 1:
+                pairs.append((seg, seg.comm, 1))
+            else:
+                pairs.append((seg, seg.comm, n - 1))
+                pairs.append((segs[(j + 1) % m], seg.comm, 1))
+        kinds_by_segment: dict[str, set[tuple[str, float]]] = {}
+        for seg, comm, _ in pairs:
+            kinds_by_segment.setdefault(seg.name, set()).add((comm.kind.value, comm.bytes))
+        for seg, comm, k in pairs:
+            name = f"{phase}_{seg.name}"
+            if len(kinds_by_segment[seg.name]) > 1:
+                name += f"_{comm.kind.short}"
+            if name not in types:
+                types[name] = TransformerPartition(name=name, compute_ops=seg.ops, comm_op=comm,
+                                                   overlappable=n > 1, phase=phase,
+                                                   segment=seg.name)
+            counts[phase][name] = counts[phase].get(name, 0) + k * L
+
+    if wl.recompute:
+        for name, c in counts["fwd"].items():
+            counts["bwd"][name] = counts["bwd"].get(name, 0) + c
+
+    return PartitionSet(workload=wl, types=dict(types), counts=counts,
+                        outside=_outside_work(wl))
+
+
+def _outside_work(wl: Workload) -> dict[tuple[int, str], OutsideWork]:
+    p = wl.parallelism
+    s = _Shapes(wl, 1)
+    t, h, v = s.t, s.h, s.v
+    ar = (CommOp(name="tp_all_reduce_vocab", kind=CommKind.ALL_REDUCE, bytes=t * h * s.d,
+                 group_size=p.tp) if p.tp > 1 else None)
+    out: dict[tuple[int, str], OutsideWork] = {}
+    for stage in range(p.pp):
+        fwd_ops: list[ComputeOp] = []
+        bwd_ops: list[ComputeOp] = []
+        fwd_comms: list[CommOp] = []
+        bwd_comms: list[CommOp] = []
+        if stage == 0:
+            fwd_ops.append(s.mem("embedding", OpKind.EMBEDDING, 2 * t * h, 0.0001))
+            bwd_ops.append(s.mem("embedding_bwd", OpKind.EMBEDDING, 3 * t * h, 1.0))
+            if ar is not None:
+                fwd_comms.append(ar)
+        if stage == p.pp - 1:
+            fwd_ops += [s.mem("final_norm", OpKind.NORM, 2 * t * h, 2.0),
+                        s.gemm("lm_head", t, h, v),
+                        s.mem("loss", OpKind.LOSS, 3 * t * v, 4.0)]
+            bwd_ops += [s.mem("loss_bwd", OpKind.LOSS, 2 * t * v, 2.0),
+                        s.gemm("lm_head_dgrad", t, v, h), s.gemm("lm_head_wgrad", h, t, v),
+                        s.mem("final_norm_bwd", OpKind.NORM, 3 * t * h, 3.0)]
+            if ar is not None:
+                bwd_comms.append(ar)
+        out[(stage, "fwd")] = OutsideWork(ops=fwd_ops, comms=fwd_comms)
+        out[(stage, "bwd")] = OutsideWork(ops=bwd_ops, comms=bwd_comms)
+    return out

@@ -1,0 +1,205 @@
+"""Workloads: a model architecture, its parallelism and its batch.
+
+The presets carry the public architecture configs of FACTS.md. A
+:class:`Workload` checks that its parallelism divides the model (heads, KV heads,
+FFN width, vocabulary, layers) and that its batch splits into nanobatches.
+
+Nanobatching splits each microbatch along the batch dimension into
+``nanobatches`` equal parts, so ``microbatch_size`` must be divisible by it;
+``nanobatches=1`` means no split (communication cannot then overlap any
+independent computation, and only sequential schedules exist).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from kareus.errors import UnknownPresetError, WorkloadError
+
+__all__ = [
+    "MODEL_PRESETS",
+    "ModelArch",
+    "Parallelism",
+    "Workload",
+    "get_model",
+    "model_names",
+]
+
+
+@attrs.frozen(kw_only=True)
+class ModelArch:
+    """A decoder-only transformer with grouped-query attention and a SwiGLU MLP."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+
+    def __attrs_post_init__(self) -> None:
+        for field in ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab"):
+            if getattr(self, field) < 1:
+                raise WorkloadError(f"{self.name}: {field} must be >= 1")
+        if self.heads % self.kv_heads:
+            raise WorkloadError(f"{self.name}: heads ({self.heads}) must be a multiple of "
+                                f"kv_heads ({self.kv_heads})")
+
+    @property
+    def params(self) -> int:
+        """Parameter count (untied embedding and LM head counted once each)."""
+        attn = self.hidden * (self.heads + 2 * self.kv_heads) * self.head_dim
+        attn += self.heads * self.head_dim * self.hidden
+        mlp = 3 * self.hidden * self.ffn
+        norms = 2 * self.hidden
+        return self.layers * (attn + mlp + norms) + 2 * self.vocab * self.hidden + self.hidden
+
+
+MODEL_PRESETS: dict[str, ModelArch] = {
+    "llama3.2-3b": ModelArch(name="llama3.2-3b", layers=28, hidden=3072, heads=24, kv_heads=8,
+                             head_dim=128, ffn=8192, vocab=128256),
+    "qwen3-1.7b": ModelArch(name="qwen3-1.7b", layers=28, hidden=2048, heads=16, kv_heads=8,
+                            head_dim=128, ffn=6144, vocab=151936),
+    "llama3.3-70b": ModelArch(name="llama3.3-70b", layers=80, hidden=8192, heads=64, kv_heads=8,
+                              head_dim=128, ffn=28672, vocab=128256),
+}
+
+
+def model_names() -> list[str]:
+    """Names of the model presets."""
+    return sorted(MODEL_PRESETS)
+
+
+def get_model(name: str | ModelArch) -> ModelArch:
+    """Look up a model preset by name (a :class:`ModelArch` passes through)."""
+    if isinstance(name, ModelArch):
+        return name
+    if name not in MODEL_PRESETS:
+        raise UnknownPresetError("workload", name, model_names())
+    return MODEL_PRESETS[name]
+
+
+@attrs.frozen(kw_only=True)
+class Parallelism:
+    """Tensor, context, pipeline and data parallel degrees."""
+
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    dp: int = 1
+
+    def __attrs_post_init__(self) -> None:
+        for field in ("tp", "cp", "pp", "dp"):
+            if getattr(self, field) < 1:
+                raise WorkloadError(f"parallelism {field} must be >= 1, got {getattr(self, field)}")
+
+    @property
+    def world_size(self) -> int:
+        """GPUs in the job."""
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def gpus_per_stage(self) -> int:
+        """GPUs that run one pipeline stage of one data-parallel replica (TP x CP)."""
+        return self.tp * self.cp
+
+
+@attrs.frozen(kw_only=True)
+class Workload:
+    """A training job: model, parallelism, and the batch of one iteration.
+
+    Attributes:
+        model: The architecture.
+        parallelism: TP, CP, PP, DP degrees.
+        microbatch_size: Sequences per microbatch (per data-parallel replica).
+        seq_len: Tokens per sequence.
+        num_microbatches: Microbatches per iteration and replica.
+        recompute: Full activation recomputation (the backward pass re-runs each layer's forward).
+        nanobatches: Parts each microbatch is split into for overlap (>= 1).
+        dtype_bytes: Bytes per activation element (2 for bf16).
+    """
+
+    model: ModelArch = attrs.field(converter=get_model)
+    parallelism: Parallelism = attrs.field(factory=Parallelism)
+    microbatch_size: int = 1
+    seq_len: int = 4096
+    num_microbatches: int = 1
+    recompute: bool = True
+    nanobatches: int = 2
+    dtype_bytes: int = 2
+
+    def __attrs_post_init__(self) -> None:
+        m, p = self.model, self.parallelism
+        for field in ("microbatch_size", "seq_len", "num_microbatches", "nanobatches",
+                      "dtype_bytes"):
+            if getattr(self, field) < 1:
+                raise WorkloadError(f"{field} must be >= 1, got {getattr(self, field)}")
+        checks = [
+            (m.heads % p.tp == 0, f"TP={p.tp} does not divide the {m.heads} attention heads"),
+            (m.kv_heads % p.tp == 0,
+             f"TP={p.tp} does not divide the {m.kv_heads} KV heads (use TP <= {m.kv_heads})"),
+            (m.ffn % p.tp == 0, f"TP={p.tp} does not divide the FFN width {m.ffn}"),
+            (m.layers % p.pp == 0,
+             f"PP={p.pp} does not divide the {m.layers} layers; choose a divisor of {m.layers}"),
+            (self.seq_len % (2 * p.cp) == 0 or p.cp == 1,
+             f"CP={p.cp} needs seq_len divisible by 2*CP={2 * p.cp} (load-balanced causal split)"),
+            (self.microbatch_size % self.nanobatches == 0,
+             f"microbatch_size={self.microbatch_size} does not split into "
+             f"{self.nanobatches} nanobatches; use a divisor of the microbatch size"),
+            (self.num_microbatches >= 1, "num_microbatches must be >= 1"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise WorkloadError(f"{m.name}: {msg}")
+
+    @classmethod
+    def preset(
+        cls,
+        name: str,
+        *,
+        tp: int = 1,
+        cp: int = 1,
+        pp: int = 1,
+        dp: int = 1,
+        **kwargs: object,
+    ) -> Workload:
+        """A workload of a preset model, e.g. ``Workload.preset("llama3.2-3b", tp=4)``."""
+        return cls(model=get_model(name), parallelism=Parallelism(tp=tp, cp=cp, pp=pp, dp=dp),
+                   **kwargs)  # type: ignore[arg-type]
+
+    @property
+    def layers_per_stage(self) -> int:
+        """Transformer layers on each pipeline stage."""
+        return self.model.layers // self.parallelism.pp
+
+    @property
+    def tokens_per_rank(self) -> int:
+        """Tokens of one microbatch held by one rank (CP splits the sequence)."""
+        return self.microbatch_size * self.seq_len // self.parallelism.cp
+
+    @property
+    def tokens_per_nanobatch(self) -> int:
+        """Tokens of one nanobatch held by one rank."""
+        return self.tokens_per_rank // self.nanobatches
+
+    def with_(self, **changes: object) -> Workload:
+        """A copy with some fields changed (validated again)."""
+        return attrs.evolve(self, **changes)  # type: ignore[arg-type]
+
+    def describe(self) -> str:
+        """One line: model, parallelism and batch."""
+        p = self.parallelism
+        return (f"{self.model.name} TP={p.tp} CP={p.cp} PP={p.pp} DP={p.dp} "
+                f"mbs={self.microbatch_size} seq={self.seq_len} "
+                f"microbatches={self.num_microbatches} nanobatches={self.nanobatches}"
+                f"{' recompute' if self.recompute else ''}")
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready description."""
+        p = self.parallelism
+        return {"model": self.model.name, "tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": p.dp,
+                "microbatch_size": self.microbatch_size, "seq_len": self.seq_len,
+                "num_microbatches": self.num_microbatches, "recompute": self.recompute,
+                "nanobatches": self.nanobatches}
