@@ -438,12 +438,13 @@ __global__ void __launch_bounds__(KC_THREADS, 1)
 }
 
 // ------------------------------------------------------------------ all-gather
-// in: m elements per rank; out: n*m elements, rank q's shard at [q*m, (q+1)*m).
+// in: m elements per rank; out: rank q's shard at [q*stride, q*stride + m) (stride >= m;
+// stride > m when the host splits a large message into pieces).
 // Data region: n slots of `slot` elements. VEC requires m % (16/sizeof(T)) == 0 and
 // 16-byte aligned pointers (checked by the host).
 template <typename T, int NR, bool VEC>
 __global__ void __launch_bounds__(KC_THREADS, 1)
-    allgather(Comm c, const T* in, T* out, size_t m, size_t slot) {
+    allgather(Comm c, const T* in, T* out, size_t m, size_t stride, size_t slot) {
   using U = typename Unit<T, VEC>::type;
   constexpr int V = Unit<T, VEC>::N;
   constexpr int D1 = Depth<NR>::ONE;
@@ -460,7 +461,7 @@ __global__ void __launch_bounds__(KC_THREADS, 1)
     for_owned<D1>(
         nu, [&](int k, size_t i) { v[k] = reinterpret_cast<const U*>(in)[i]; },
         [&](int k, size_t i) {
-          reinterpret_cast<U*>(out + (size_t)r * m)[i] = v[k];
+          reinterpret_cast<U*>(out + (size_t)r * stride)[i] = v[k];
 #pragma unroll
           for (int p = 0; p < NR; ++p) {
             if (p == r) continue;
@@ -484,7 +485,7 @@ __global__ void __launch_bounds__(KC_THREADS, 1)
 #pragma unroll
           for (int q = 0; q < NR; ++q) {
             if (q == r) continue;
-            reinterpret_cast<U*>(out + (size_t)q * m)[i] = v[k][q];
+            reinterpret_cast<U*>(out + (size_t)q * stride)[i] = v[k][q];
           }
         });
   }
@@ -493,11 +494,11 @@ __global__ void __launch_bounds__(KC_THREADS, 1)
 }
 
 // -------------------------------------------------------------- reduce-scatter
-// in: n*m elements; out: m elements = sum over ranks q (in rank order) of rank q's
-// in[r*m, (r+1)*m). Data region: n slots of `slot` elements.
+// in: block q at [q*stride, q*stride + m); out: m elements = sum over ranks q (in rank
+// order) of rank q's block r. Data region: n slots of `slot` elements.
 template <typename T, int NR, bool VEC>
 __global__ void __launch_bounds__(KC_THREADS, 1)
-    reducescatter(Comm c, const T* in, T* out, size_t m, size_t slot) {
+    reducescatter(Comm c, const T* in, T* out, size_t m, size_t stride, size_t slot) {
   using U = typename Unit<T, VEC>::type;
   constexpr int V = Unit<T, VEC>::N;
   constexpr int D1 = Depth<NR>::ONE;
@@ -517,7 +518,7 @@ __global__ void __launch_bounds__(KC_THREADS, 1)
 #pragma unroll
           for (int q = 0; q < NR; ++q) {
             if (q == r) continue;
-            v[k][q] = reinterpret_cast<const U*>(in + (size_t)q * m)[i];
+            v[k][q] = reinterpret_cast<const U*>(in + (size_t)q * stride)[i];
           }
         },
         [&](int k, size_t i) {
@@ -536,7 +537,7 @@ __global__ void __launch_bounds__(KC_THREADS, 1)
         [&](int k, size_t i) {
 #pragma unroll
           for (int s = 0; s < NR; ++s) {
-            const U u = (s == r) ? reinterpret_cast<const U*>(in + (size_t)r * m)[i]
+            const U u = (s == r) ? reinterpret_cast<const U*>(in + (size_t)r * stride)[i]
                                  : ld_cg(reinterpret_cast<const U*>(mine + (size_t)s * slot_bytes) + i);
             if (s == 0)
               acc_set<T, U>(acc[k], u);
@@ -592,33 +593,35 @@ int launch_allreduce(const kc::Comm& c, const void* in, void* out, size_t numel,
 }
 
 template <typename T, int NR>
-int launch_ag_rs(const kc::Comm& c, int op, const void* in, void* out, size_t m, int blocks, cudaStream_t s) {
+int launch_ag_rs(const kc::Comm& c, int op, const void* in, void* out, size_t m, size_t stride, int blocks,
+                 cudaStream_t s) {
+  if (stride < m) return set_msg("stride must be >= numel");
   constexpr int V = 16 / sizeof(T);
   const size_t slot = (m + V - 1) / V * V;
   if ((size_t)NR * slot * sizeof(T) > c.data_bytes) return set_msg("all-gather/reduce-scatter: message too large for staging");
-  const bool vec = (m % V == 0) && ((uintptr_t)in % 16 == 0) && ((uintptr_t)out % 16 == 0);
+  const bool vec = (m % V == 0) && (stride % V == 0) && ((uintptr_t)in % 16 == 0) && ((uintptr_t)out % 16 == 0);
   if (op == 1) {
     if (vec)
-      kc::allgather<T, NR, true><<<blocks, KC_THREADS, 0, s>>>(c, (const T*)in, (T*)out, m, slot);
+      kc::allgather<T, NR, true><<<blocks, KC_THREADS, 0, s>>>(c, (const T*)in, (T*)out, m, stride, slot);
     else
-      kc::allgather<T, NR, false><<<blocks, KC_THREADS, 0, s>>>(c, (const T*)in, (T*)out, m, slot);
+      kc::allgather<T, NR, false><<<blocks, KC_THREADS, 0, s>>>(c, (const T*)in, (T*)out, m, stride, slot);
   } else {
     if (vec)
-      kc::reducescatter<T, NR, true><<<blocks, KC_THREADS, 0, s>>>(c, (const T*)in, (T*)out, m, slot);
+      kc::reducescatter<T, NR, true><<<blocks, KC_THREADS, 0, s>>>(c, (const T*)in, (T*)out, m, stride, slot);
     else
-      kc::reducescatter<T, NR, false><<<blocks, KC_THREADS, 0, s>>>(c, (const T*)in, (T*)out, m, slot);
+      kc::reducescatter<T, NR, false><<<blocks, KC_THREADS, 0, s>>>(c, (const T*)in, (T*)out, m, stride, slot);
   }
   return set_err(cudaGetLastError(), op == 1 ? "all-gather launch" : "reduce-scatter launch");
 }
 
 template <typename T>
-int dispatch_world(const kc::Comm& c, int op, const void* in, void* out, size_t n, int algo, int blocks,
-                   cudaStream_t s) {
+int dispatch_world(const kc::Comm& c, int op, const void* in, void* out, size_t n, size_t stride, int algo,
+                   int blocks, cudaStream_t s) {
   switch (c.world) {
 #define KC_CASE(NR)                                                  \
   case NR:                                                           \
     if (op == 0) return launch_allreduce<T, NR>(c, in, out, n, algo, blocks, s); \
-    return launch_ag_rs<T, NR>(c, op, in, out, n, blocks, s);
+    return launch_ag_rs<T, NR>(c, op, in, out, n, stride, blocks, s);
     KC_CASE(2)
     KC_CASE(4)
     KC_CASE(8)
@@ -716,11 +719,12 @@ int kc_comm_destroy(void* comm) {
   return rc;
 }
 
-// op: 0 all-reduce (numel = elements of in/out; algo 0 one-shot, 1 two-shot),
-//     1 all-gather (numel = elements per rank), 2 reduce-scatter (numel = output elements).
+// op: 0 all-reduce (numel = elements of in/out; algo 0 one-shot, 1 two-shot; stride unused),
+//     1 all-gather (numel = elements per rank; output shard q at out + q*stride),
+//     2 reduce-scatter (numel = output elements; input block q at in + q*stride).
 // dtype: 0 bf16, 1 fp16, 2 fp32. blocks: grid size = number of SMs used.
-int kc_run(void* comm, int op, int dtype, const void* in, void* out, size_t numel, int algo, int blocks,
-           void* stream) {
+int kc_run(void* comm, int op, int dtype, const void* in, void* out, size_t numel, size_t stride, int algo,
+           int blocks, void* stream) {
   const kc::Comm* c = reinterpret_cast<const kc::Comm*>(comm);
   if (!c) return set_msg("null communicator");
   if (blocks < 1 || blocks > KC_MAX_BLOCKS) return set_msg("blocks out of range");
@@ -729,11 +733,11 @@ int kc_run(void* comm, int op, int dtype, const void* in, void* out, size_t nume
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   switch (dtype) {
     case KC_BF16:
-      return dispatch_world<__nv_bfloat16>(*c, op, in, out, numel, algo, blocks, s);
+      return dispatch_world<__nv_bfloat16>(*c, op, in, out, numel, stride, algo, blocks, s);
     case KC_FP16:
-      return dispatch_world<__half>(*c, op, in, out, numel, algo, blocks, s);
+      return dispatch_world<__half>(*c, op, in, out, numel, stride, algo, blocks, s);
     case KC_FP32:
-      return dispatch_world<float>(*c, op, in, out, numel, algo, blocks, s);
+      return dispatch_world<float>(*c, op, in, out, numel, stride, algo, blocks, s);
     default:
       return set_msg("unknown dtype");
   }
