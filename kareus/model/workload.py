@@ -123,9 +123,9 @@ class Workload:
 
     model: ModelArch = attrs.field(converter=get_model)
     parallelism: Parallelism = attrs.field(factory=Parallelism)
-    microbatch_size: int = 1
+    microbatch_size: int = 8
     seq_len: int = 4096
-    num_microbatches: int = 1
+    num_microbatches: int = 8
     recompute: bool = True
     nanobatches: int = 2
     dtype_bytes: int = 2

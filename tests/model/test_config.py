@@ -1,0 +1,77 @@
+import numpy as np
+import pytest
+
+from kareus.errors import (
+    ConfigError,
+    InvalidSMCountError,
+    UnknownSlotError,
+    UnsupportedFrequencyError,
+)
+from kareus.model import FEATURE_NAMES, ConfigSpace, ScheduleConfig, Workload, build_partitions
+
+
+@pytest.fixture(scope="module")
+def attn():
+    return build_partitions(Workload.preset("llama3.2-3b", tp=4, microbatch_size=8))["fwd_attn"]
+
+
+def test_default_space_size_and_membership(attn):
+    space = ConfigSpace(attn, "a100-40gb")
+    assert len(space) == 18 * 32 * (5 + 1)
+    assert len(space.configs) == len(space)
+    c = ScheduleConfig(1410, 4, "qkv")
+    assert c in space
+    assert ScheduleConfig(1410, 4, None) in space
+    assert ScheduleConfig(1400, 4, "qkv") not in space
+    assert space.configs[space.index(c)] == c
+
+
+def test_validation_errors_are_typed_and_helpful(attn):
+    space = ConfigSpace(attn, "a100-40gb")
+    with pytest.raises(InvalidSMCountError, match=r"1\.\.107"):
+        space.validate(ScheduleConfig(1410, 108, "qkv"))
+    with pytest.raises(InvalidSMCountError):
+        space.validate(ScheduleConfig(1410, 0, "qkv"))
+    with pytest.raises(UnsupportedFrequencyError, match="nearest supported: 1410"):
+        space.validate(ScheduleConfig(1411, 4, "qkv"))
+    with pytest.raises(UnknownSlotError, match="attn_norm, qkv, rope, attn_core, out_proj"):
+        space.validate(ScheduleConfig(1410, 4, "nope"))
+    with pytest.raises(ConfigError):
+        ConfigSpace(attn, "a100-40gb", comm_sms=[200])
+    with pytest.raises(UnsupportedFrequencyError):
+        ConfigSpace(attn, "h200-sxm", freqs_mhz=[1000, 1001])
+    with pytest.raises(TypeError):
+        ConfigSpace("fwd_attn", "h200-sxm")  # type: ignore[arg-type]
+
+
+def test_sequential_only_partition():
+    p = build_partitions(Workload.preset("llama3.2-3b", tp=4, microbatch_size=8,
+                                         nanobatches=1))["fwd_attn"]
+    space = ConfigSpace(p, "h200-sxm")
+    assert space.slots == (None,)
+    with pytest.raises(UnknownSlotError, match="sequential only"):
+        space.validate(ScheduleConfig(1980, 4, "qkv"))
+
+
+def test_features_are_physical(attn):
+    space = ConfigSpace(attn, "h200-sxm", freqs_mhz=[1980, 1500], comm_sms=[2, 16])
+    X = space.features()
+    assert X.shape == (len(space), len(FEATURE_NAMES))
+    rows = {c: x for c, x in zip(space.configs, X)}
+    seq = rows[ScheduleConfig(1500, 16, None)]
+    assert tuple(seq) == (1500.0, 16.0, 1.0, 0.0, 1.0)
+    norm = rows[ScheduleConfig(1980, 2, "attn_norm")]
+    qkv = rows[ScheduleConfig(1980, 2, "qkv")]
+    assert norm[2] == 0.0 and 0.0 < qkv[2] < 1.0  # slot position grows along the ops
+    assert qkv[3] > norm[3]  # the GEMM is more compute-bound than the norm
+    positions = [rows[ScheduleConfig(1980, 2, s.name)][2] for s in attn.slots]
+    assert np.all(np.diff(positions) > 0)
+
+
+def test_restrict_and_roundtrip(attn):
+    space = ConfigSpace(attn, "h200-sxm")
+    sub = space.restrict(freqs_mhz=[1980], comm_sms=[32], slots=[None])
+    assert sub.configs == [ScheduleConfig(1980, 32, None)]
+    c = ScheduleConfig(1500, 8, "rope")
+    assert ScheduleConfig.from_dict(c.to_dict()) == c
+    assert "sequential" in str(ScheduleConfig(1500, 8, None))

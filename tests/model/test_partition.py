@@ -1,0 +1,138 @@
+import pytest
+
+from kareus.errors import WorkloadError
+from kareus.model import (
+    CommKind,
+    CommOp,
+    ComputeOp,
+    OpKind,
+    OpPartition,
+    Workload,
+    build_partitions,
+    launch_slots,
+)
+
+
+def _llama(**kw):
+    base = dict(tp=4, microbatch_size=8, seq_len=4096)
+    base.update(kw)
+    return Workload.preset("llama3.2-3b", **base)
+
+
+def test_fwd_mlp_gemm_flops_by_hand():
+    wl = _llama()
+    ps = build_partitions(wl)
+    mlp = ps["fwd_mlp"]
+    tokens, hidden, ffn, tp = 8 * 4096, 3072, 8192, 4
+    gemm_flops_nb = sum(op.flops for op in mlp.compute_ops if op.kind is OpKind.GEMM)
+    # Per microbatch (summed over the 2 nanobatches) the three GEMMs carry 2*T*h*ffn*3/tp.
+    assert gemm_flops_nb * wl.nanobatches == pytest.approx(2 * tokens * hidden * ffn * 3 / tp)
+    assert [op.name for op in mlp.compute_ops if op.kind is OpKind.GEMM] == ["gate", "up", "down"]
+
+
+def test_fwd_attn_flops_by_hand():
+    wl = _llama()
+    attn = build_partitions(wl)["fwd_attn"]
+    t = 8 * 4096 // 2  # tokens per nanobatch
+    q, kv, h = 24 * 128 // 4, 8 * 128 // 4, 3072
+    ops = {op.name: op for op in attn.compute_ops}
+    assert ops["qkv"].flops == pytest.approx(2 * t * h * (q + 2 * kv))
+    assert ops["out_proj"].flops == pytest.approx(2 * t * q * h)
+    # Causal attention: 4 * b * s^2 * heads * head_dim / 2 per nanobatch of b = 4 sequences.
+    assert ops["attn_core"].flops == pytest.approx(4 * 4 * 4096**2 * (24 // 4) * 128 / 2)
+
+
+def test_tp_partition_types_counts_and_comm():
+    wl = _llama(pp=2, num_microbatches=4)
+    ps = build_partitions(wl)
+    assert set(ps.names) == {"fwd_attn", "fwd_mlp", "bwd_attn", "bwd_mlp"}
+    per_stage = 28 // 2 * 2  # layers per stage x nanobatches
+    assert ps.counts["fwd"] == {"fwd_attn": per_stage, "fwd_mlp": per_stage}
+    # Full recomputation: the backward also re-runs the forward partitions.
+    assert ps.counts["bwd"]["fwd_attn"] == per_stage
+    assert ps.counts["bwd"]["bwd_mlp"] == per_stage
+    comm = ps["fwd_attn"].comm_op
+    assert comm.kind is CommKind.ALL_REDUCE and comm.group_size == 4
+    assert comm.bytes == 8 * 4096 // 2 * 3072 * 2
+    no_recompute = build_partitions(wl.with_(recompute=False))
+    assert "fwd_attn" not in no_recompute.counts["bwd"]
+
+
+def test_slots_merge_memory_bound_ops():
+    mlp = build_partitions(_llama())["fwd_mlp"]
+    assert [s.name for s in mlp.slots] == ["mlp_norm", "gate", "up", "swiglu", "down"]
+    ops = [
+        ComputeOp(name="a", kind="norm", flops=1, bytes_moved=10),
+        ComputeOp(name="b", kind="elementwise", flops=1, bytes_moved=10),
+        ComputeOp(name="g", kind="gemm", flops=100, bytes_moved=1),
+        ComputeOp(name="c", kind="rope", flops=1, bytes_moved=10),
+        ComputeOp(name="d", kind="activation", flops=1, bytes_moved=10),
+        ComputeOp(name="h", kind="attention", flops=100, bytes_moved=1),
+    ]
+    slots = launch_slots(ops)
+    assert [s.name for s in slots] == ["a", "g", "c", "h"]
+    assert slots[0].op_names == ("a", "b")
+    assert slots[2].op_names == ("c", "d")
+    assert slots[1].compute_bound and not slots[0].compute_bound
+
+
+def test_cp_adds_all_gather_and_reduce_scatter_kinds():
+    wl = Workload.preset("qwen3-1.7b", tp=4, cp=2, pp=2, microbatch_size=16, seq_len=4096,
+                         num_microbatches=8)
+    ps = build_partitions(wl)
+    kinds = {p.comm_op.kind for p in ps}
+    assert kinds == {CommKind.ALL_REDUCE, CommKind.ALL_GATHER, CommKind.REDUCE_SCATTER}
+    ag = [p for p in ps if p.comm_op.kind is CommKind.ALL_GATHER]
+    assert all(p.comm_op.group_size == 2 for p in ag)
+    # Every layer's collectives are all counted: per nanobatch 3 in fwd (AG, AR, AR).
+    n_fwd_comms = sum(ps.counts["fwd"].values())
+    assert n_fwd_comms == 3 * 2 * 14
+
+
+def test_single_nanobatch_is_sequential_only():
+    ps = build_partitions(_llama(nanobatches=1, microbatch_size=8))
+    assert all(not p.overlappable and p.slots == () for p in ps)
+
+
+def test_no_collective_is_an_error():
+    with pytest.raises(WorkloadError, match="tp >= 2 or cp >= 2"):
+        build_partitions(Workload.preset("llama3.2-3b", tp=1, microbatch_size=2))
+
+
+def test_outside_work_on_first_and_last_stage():
+    wl = _llama(pp=4, num_microbatches=8)
+    ps = build_partitions(wl)
+    assert [op.name for op in ps.outside[(0, "fwd")].ops] == ["embedding"]
+    last = ps.outside[(3, "fwd")]
+    assert [op.name for op in last.ops] == ["final_norm", "lm_head", "loss"]
+    assert ps.outside[(1, "fwd")].ops == ()
+    lm = last.ops[1]
+    assert lm.flops == pytest.approx(2 * 8 * 4096 * 3072 * (128256 / 4))
+    assert ps.model_flops_per_gpu_iteration() > 0
+
+
+def test_user_partition_validation():
+    comm = CommOp(name="ar", kind="all_reduce", bytes=1e6, group_size=4)
+    op = ComputeOp(name="x", kind="gemm", flops=1e9, bytes_moved=1e6)
+    p = OpPartition(name="mine", compute_ops=[op], comm_op=comm)
+    assert p.slots[0].name == "x"
+    assert "mine" in repr(p)
+    with pytest.raises(ValueError, match="unique"):
+        OpPartition(name="dup", compute_ops=[op, op], comm_op=comm)
+    with pytest.raises(ValueError, match="at least one"):
+        OpPartition(name="empty", compute_ops=[], comm_op=comm)
+
+
+def test_op_validation():
+    with pytest.raises(ValueError, match="flops"):
+        ComputeOp(name="x", kind="gemm", flops=-1, bytes_moved=1)
+    with pytest.raises(ValueError, match="does no work"):
+        ComputeOp(name="x", kind="gemm", flops=0, bytes_moved=0)
+    with pytest.raises(ValueError):
+        ComputeOp(name="x", kind="not-a-kind", flops=1, bytes_moved=1)
+    with pytest.raises(ValueError, match="group_size"):
+        CommOp(name="c", kind="all_reduce", bytes=1, group_size=1)
+    ar = CommOp(name="c", kind="all_reduce", bytes=100, group_size=4)
+    ag = CommOp(name="c", kind="all_gather", bytes=100, group_size=4)
+    assert ar.bus_bytes == pytest.approx(150)
+    assert ag.bus_bytes == pytest.approx(75)
