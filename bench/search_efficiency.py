@@ -1,0 +1,236 @@
+"""Search efficiency: how close each search's measured front gets to the true front.
+
+For every partition type of ``llama3.2-3b`` (TP=4) and ``qwen3-1.7b`` (CP=2, TP=4),
+microbatch 8, sequence 4096, two nanobatches, on ``a100-40gb`` and ``h200-sxm`` (all
+EMULATED: kareus.exec.emulator.EmulatedProfiler), over the full default space: each
+GPU's default frequency grid (``GPUSpec.search_clocks_mhz``: A100 1410 -> 900 MHz in
+30 MHz steps, H200 1980 -> 1215 MHz in 45 MHz steps; 18 values each), SM counts 1..32,
+every launch slot plus sequential (ConfigSpace's default):
+
+* ground truth: every configuration emulated without noise; its (time, total energy)
+  front and that front's hypervolume against the reference point 1.1 x the true
+  front's worst time and worst energy (the nadir of the front, not of the whole space,
+  so that dominated junk earns no area);
+* three searches, each profiling with noise (``noise=0.01``, seeded per run) up to 224
+  profiles: (a) kareus (:class:`kareus.search.MultiPassSearch` with its defaults: a
+  16-point maximin design, batches of 16, the default pass mix, its hypervolume stop
+  rule), (b) uniform random search, (c) the reference schedule of FACTS.md (96 random,
+  then 4 batches of 32: 40% hypervolume improvement in (time, total energy), 20% in
+  (time, dynamic energy), 20% lowest predicted time, the rest largest bootstrap spread,
+  scored on the mean prediction, top-k per pass; same surrogates as kareus);
+* after 16, 32, 48, 64, 96, 128 and 224 profiles, the hypervolume of the front of the
+  configurations the search has measured so far, each re-evaluated noise-free (looked
+  up in the ground truth), divided by the true front's hypervolume. Noise steers the
+  searches but cannot inflate their fronts. A search that stopped early keeps its
+  final front at larger budgets.
+
+Reported: median and worst ratio over partitions and seeds, and the search overhead
+(everything but profiling: fitting, predicting, choosing) per batch.
+
+Usage::
+
+    python bench/search_efficiency.py [--quick] [--json PATH]
+
+``--quick`` (for CI; under 5 minutes on a 2-core machine) runs a documented subset:
+five partition types per GPU (llama3.2-3b fwd_attn, bwd_mlp; qwen3-1.7b fwd_attn_in_ag,
+fwd_mlp, bwd_attn_out_rs) and 2 seeds; the full mode runs all 28 partitions x 5 seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from kareus.model import ConfigSpace, Workload, build_partitions  # noqa: E402
+from kareus.search.acquisition import FastestPass, HypervolumePass, UncertaintyPass  # noqa: E402
+from kareus.search.optimizer import MultiPassSearch  # noqa: E402
+from kareus.search.pareto import hypervolume, pareto_front, reference_point  # noqa: E402
+
+BUDGETS = (16, 32, 48, 64, 96, 128, 224)
+GPUS = ("a100-40gb", "h200-sxm")
+WORKLOADS = {
+    "llama3.2-3b": {"tp": 4},
+    "qwen3-1.7b": {"cp": 2, "tp": 4},
+}
+QUICK_TYPES = {
+    "llama3.2-3b": ("fwd_attn", "bwd_mlp"),
+    "qwen3-1.7b": ("fwd_attn_in_ag", "fwd_mlp", "bwd_attn_out_rs"),
+}
+NOISE = 0.01
+MAX_BUDGET = max(BUDGETS)
+
+
+def make_profiler(kind: str, gpu: str, noise: float, seed: int) -> Any:
+    if kind == "emulated":
+        from kareus.exec.emulator import EmulatedProfiler  # noqa: PLC0415
+
+        return EmulatedProfiler(gpu, noise=noise, seed=seed)
+    from kareus.testing import FakeProfiler  # noqa: PLC0415 - development stand-in only
+
+    return FakeProfiler(gpu, noise=noise, seed=seed)
+
+
+def partitions(quick: bool) -> list[tuple[str, str, Any]]:
+    out = []
+    for model, par in WORKLOADS.items():
+        wl = Workload.preset(model, microbatch_size=8, seq_len=4096, **par)
+        ps = build_partitions(wl)
+        for gpu in GPUS:
+            for p in ps:
+                if quick and p.name not in QUICK_TYPES[model]:
+                    continue
+                out.append((model, gpu, p))
+    return out
+
+
+def ground_truth(space: ConfigSpace, profiler: Any) -> np.ndarray:
+    """(n, 2) noise-free (time, total energy) of every configuration."""
+    part = space.partition
+    return np.array([(m.time_s, m.energy_j) for m in
+                     (profiler.measure(part, c) for c in space.configs)])
+
+
+def ratios(order: list[int], truth: np.ndarray, ref: np.ndarray, hv_true: float
+           ) -> dict[str, float]:
+    out = {}
+    for b in BUDGETS:
+        idx = order[:b]
+        out[str(b)] = hypervolume(truth[idx], ref) / hv_true if idx else 0.0
+    return out
+
+
+def run_kareus(space: ConfigSpace, profiler: Any, seed: int) -> tuple[list[int], MultiPassSearch]:
+    search = MultiPassSearch(space, budget=MAX_BUDGET, seed=seed, progress=False)
+    search.run(profiler)
+    return [space.index(o.config) for o in search.observations], search
+
+
+def run_reference(space: ConfigSpace, profiler: Any, seed: int
+                  ) -> tuple[list[int], MultiPassSearch]:
+    passes = [(HypervolumePass("total", greedy=False), 0.4),
+              (HypervolumePass("dynamic", greedy=False), 0.2),
+              (FastestPass(), 0.2), (UncertaintyPass(), 0.2)]
+    search = MultiPassSearch(space, budget=MAX_BUDGET, seed=seed, passes=passes,
+                             batch_size=32, initial_size=96, initial_design="random",
+                             allocation="last", stop_patience=None, progress=False)
+    search.run(profiler)
+    return [space.index(o.config) for o in search.observations], search
+
+
+def run_random(space: ConfigSpace, seed: int) -> list[int]:
+    rng = np.random.default_rng([seed, 31337])
+    return [int(i) for i in rng.permutation(len(space))[:MAX_BUDGET]]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="documented subset (CI)")
+    ap.add_argument("--json", type=Path, help="write results here")
+    ap.add_argument("--seeds", type=int, default=None, help="override the number of seeds")
+    ap.add_argument("--profiler", choices=("emulated", "fake"), default="emulated",
+                    help="'fake' = kareus.testing.FakeProfiler, for development only")
+    args = ap.parse_args(argv)
+    seeds = list(range(args.seeds if args.seeds is not None else (2 if args.quick else 5)))
+    parts = partitions(args.quick)
+    methods = ("kareus", "random", "reference")
+    runs: dict[str, list[dict[str, float]]] = {m: [] for m in methods}
+    overhead: dict[str, list[float]] = {m: [] for m in methods}
+    used: list[int] = []
+    per_partition = []
+    t0 = time.time()
+    gt_seconds = 0.0
+    for model, gpu, part in parts:
+        space = ConfigSpace(part, gpu)
+        tg = time.time()
+        truth = ground_truth(space, make_profiler(args.profiler, gpu, 0.0, 0))
+        gt_seconds += time.time() - tg
+        front = pareto_front(truth)
+        ref = reference_point(front, 0.1)
+        hv_true = hypervolume(front, ref)
+        row: dict[str, Any] = {"model": model, "gpu": gpu, "partition": part.name,
+                               "configs": len(space), "true_front_points": len(front)}
+        for seed in seeds:
+            noisy = make_profiler(args.profiler, gpu, NOISE, 1000 + seed)
+            order, search = run_kareus(space, noisy, seed)
+            runs["kareus"].append(ratios(order, truth, ref, hv_true))
+            overhead["kareus"] += search.ask_seconds[1:]
+            used.append(search.n_measured)
+            noisy = make_profiler(args.profiler, gpu, NOISE, 2000 + seed)
+            order, search = run_reference(space, noisy, seed)
+            runs["reference"].append(ratios(order, truth, ref, hv_true))
+            overhead["reference"] += search.ask_seconds[1:]
+            tr = time.perf_counter()
+            order = run_random(space, seed)
+            overhead["random"].append(time.perf_counter() - tr)
+            runs["random"].append(ratios(order, truth, ref, hv_true))
+        for m in methods:
+            row[m] = {b: round(min(r[b] for r in runs[m][-len(seeds):]), 4)
+                      for b in ("64", "96", "224")}
+        per_partition.append(row)
+        print(f"{model:12s} {gpu:10s} {part.name:18s} {len(space):5d} configs, true front "
+              f"{len(front):2d} pts | worst@64 kareus {row['kareus']['64']:.4f} reference "
+              f"{row['reference']['64']:.4f} random {row['random']['64']:.4f} "
+              f"[{time.time() - t0:.0f}s]", flush=True)
+
+    result: dict[str, Any] = {}
+    for m in methods:
+        result[m] = {
+            "hv_ratio_median": {str(b): round(statistics.median(r[str(b)] for r in runs[m]), 5)
+                                for b in BUDGETS},
+            "hv_ratio_worst": {str(b): round(min(r[str(b)] for r in runs[m]), 5)
+                               for b in BUDGETS},
+            "overhead_s_per_batch": round(float(np.mean(overhead[m])) if overhead[m] else 0.0,
+                                          4),
+        }
+    result["kareus"]["profiles_used_median"] = statistics.median(used)
+    result["kareus"]["profiles_used_min"] = min(used)
+    result["meta"] = {
+        "command": "python bench/search_efficiency.py " + " ".join(
+            sys.argv[1:] if argv is None else argv),
+        "emulated": args.profiler == "emulated",
+        "profiler": ("kareus.exec.emulator.EmulatedProfiler" if args.profiler == "emulated"
+                     else "kareus.testing.FakeProfiler (development stand-in)"),
+        "noise": NOISE,
+        "machine": f"{platform.machine()} CPU, {platform.system()} (2-core dev machine)",
+        "quick": args.quick,
+        "seeds": seeds,
+        "partitions": len(parts),
+        "budgets": list(BUDGETS),
+        "space": "GPU default frequency grid (18 values), comm SMs 1..32, every slot + "
+                 "sequential",
+        "reference_point": "1.1 x worst time and worst energy of the true front",
+        "evaluation": "fronts of measured configs re-evaluated noise-free",
+        "ground_truth_s": round(gt_seconds, 1),
+        "wall_s": round(time.time() - t0, 1),
+        "per_partition_worst": per_partition,
+    }
+    print()
+    print(f"{'method':10s} " + " ".join(f"{b:>7d}" for b in BUDGETS) + "   overhead/batch")
+    for m in methods:
+        for stat in ("median", "worst"):
+            vals = result[m][f"hv_ratio_{stat}"]
+            print(f"{m[:10]:10s} {stat[:3]} " + " ".join(f"{vals[str(b)]:7.4f}" for b in BUDGETS)
+                  + (f"   {result[m]['overhead_s_per_batch']:.3f} s" if stat == "median" else ""))
+    print(f"(emulated: {result['meta']['emulated']}; {len(parts)} partitions x {len(seeds)} "
+          f"seeds; kareus used a median of {result['kareus']['profiles_used_median']} profiles; "
+          f"{result['meta']['wall_s']:.0f} s)")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

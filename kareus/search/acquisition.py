@@ -1,0 +1,324 @@
+"""Acquisition passes: which configurations to profile next.
+
+Each batch of a :class:`~kareus.search.MultiPassSearch` is filled by several
+*passes*, each with its share of the batch. A pass looks at the surrogates'
+predictions for every candidate configuration and at the measured points, and
+picks its candidates:
+
+* :class:`HypervolumePass` - hypervolume improvement of each candidate's *predicted*
+  point over the measured front, in (time, total energy), (time, dynamic energy) or
+  (time, static energy). The last is a front of one point (static energy is static
+  power x time), so that pass rewards being faster than the fastest measured point.
+  This is the hypervolume improvement of the predicted mean, not an expectation
+  over the prediction's uncertainty; with ``optimism > 0`` it scores an optimistic
+  point (mean lowered by ``optimism`` spreads) instead.
+* :class:`UncertaintyPass` - the candidates the surrogates agree on least (largest
+  bootstrap spread): exploration.
+* :class:`FastestPass` - lowest predicted time (the reference artifact's third pass).
+* :class:`RandomPass` - uniform random, for baselines and tests.
+
+No pass picks a candidate that is not ``available`` in the context (measured, pending
+or already chosen for this batch by an earlier pass), nor one candidate twice.
+
+Conformance: :func:`kareus.testing.check_acquisition_pass` checks any subclass.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+
+from kareus.search.pareto import hypervolume_improvement, pareto_front, reference_point
+from kareus.search.surrogate import ObjectivePrediction
+
+__all__ = [
+    "AcquisitionContext",
+    "AcquisitionPass",
+    "FastestPass",
+    "HypervolumePass",
+    "RandomPass",
+    "UncertaintyPass",
+    "allocate",
+]
+
+_ENERGIES = ("total", "dynamic", "static")
+
+
+def _as_index_array(values: object, n: int, name: str) -> np.ndarray:
+    arr = np.asarray(values, dtype=np.int64).reshape(-1)
+    if arr.size and (arr.min() < 0 or arr.max() >= n):
+        raise ValueError(f"{name} indices must be in 0..{n - 1}")
+    return arr
+
+
+@attrs.frozen(kw_only=True)
+class AcquisitionContext:
+    """What a pass sees when it picks.
+
+    Attributes:
+        prediction: Predicted objectives of every candidate (n candidates).
+        available: Boolean mask (n,): candidates a pass may pick.
+        observed_time_s: Measured times (m,).
+        observed_energy_j: Measured total energies (m,).
+        observed_static_power_w: Static power of each measurement (m,).
+        chosen: Indices already chosen for this batch by earlier passes (their
+            predicted points may be treated as if measured).
+        rng: Random generator for tie-breaking and random passes.
+    """
+
+    prediction: ObjectivePrediction
+    available: np.ndarray = attrs.field(converter=lambda a: np.asarray(a, dtype=bool))
+    observed_time_s: np.ndarray = attrs.field(converter=lambda a: np.asarray(a, dtype=float))
+    observed_energy_j: np.ndarray = attrs.field(converter=lambda a: np.asarray(a, dtype=float))
+    observed_static_power_w: np.ndarray = attrs.field(
+        converter=lambda a: np.asarray(a, dtype=float))
+    chosen: np.ndarray = attrs.field(factory=lambda: np.zeros(0, dtype=np.int64),
+                                     converter=lambda a: np.asarray(a, dtype=np.int64))
+    rng: np.random.Generator = attrs.field(factory=lambda: np.random.default_rng(0))
+
+    def __attrs_post_init__(self) -> None:
+        n = len(self.prediction)
+        if self.available.shape != (n,):
+            raise ValueError(f"available must have shape ({n},), got {self.available.shape}")
+        m = len(self.observed_time_s)
+        if self.observed_energy_j.shape != (m,) or self.observed_static_power_w.shape != (m,):
+            raise ValueError("observed_time_s, observed_energy_j and observed_static_power_w "
+                             "must have the same length")
+        _as_index_array(self.chosen, n, "chosen")
+
+    @property
+    def n_candidates(self) -> int:
+        return len(self.prediction)
+
+    def observed(self, energy: str) -> np.ndarray:
+        """Measured points (m, 2) in (time, ``energy``) with energy total/dynamic/static."""
+        static = self.observed_static_power_w * self.observed_time_s
+        if energy == "total":
+            e = self.observed_energy_j
+        elif energy == "dynamic":
+            e = self.observed_energy_j - static
+        elif energy == "static":
+            e = static
+        else:
+            raise ValueError(f"energy must be one of {_ENERGIES}, got {energy!r}")
+        return np.column_stack([self.observed_time_s, e])
+
+    def with_chosen(self, chosen: Sequence[int] | np.ndarray) -> AcquisitionContext:
+        """A copy in which ``chosen`` are also chosen (and no longer available)."""
+        add = np.asarray(chosen, dtype=np.int64)
+        available = self.available.copy()
+        available[add] = False
+        return attrs.evolve(self, available=available,
+                            chosen=np.concatenate([self.chosen, add]))
+
+
+class AcquisitionPass(abc.ABC):
+    """Picks candidates for one share of a batch.
+
+    Subclasses implement :meth:`select`. A pass must return at most ``k`` distinct
+    indices of available candidates (fewer only if fewer are available), and must not
+    modify the context.
+    """
+
+    @abc.abstractmethod
+    def select(self, context: AcquisitionContext, k: int) -> np.ndarray:
+        """Indices (into the context's candidates) of up to ``k`` candidates, best first."""
+
+    @property
+    def name(self) -> str:
+        """Short label for logs and tables."""
+        return type(self).__name__
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def _top_k(score: np.ndarray, available: np.ndarray, k: int, rng: np.random.Generator
+           ) -> np.ndarray:
+    """Indices of the k highest scores among available candidates, ties broken at random."""
+    idx = np.flatnonzero(available)
+    if k <= 0 or idx.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    jitter = rng.random(idx.size)
+    order = np.lexsort((jitter, -score[idx]))
+    return idx[order[:k]].astype(np.int64)
+
+
+def _epsilon_distance(cand: np.ndarray, front: np.ndarray) -> np.ndarray:
+    """Multiplicative distance of each candidate to a front (0 for non-dominated ones):
+    min over front points f of max(c_x / f_x, c_y / f_y) - 1, floored at 0."""
+    if len(front) == 0:
+        return np.zeros(len(cand))
+    f = np.maximum(front, 1e-300)
+    ratio = np.maximum(cand[:, None, 0] / f[None, :, 0], cand[:, None, 1] / f[None, :, 1])
+    return np.maximum(ratio.min(axis=1) - 1.0, 0.0)
+
+
+class HypervolumePass(AcquisitionPass):
+    """Hypervolume improvement of predicted points over the measured front.
+
+    The objectives are (time, ``energy``). Candidates whose predicted point the front
+    dominates score by how far the front dominates them (closest first), so the pass
+    always fills its share.
+
+    Args:
+        energy: ``"total"``, ``"dynamic"`` or ``"static"`` energy.
+        greedy: Pick one candidate at a time and add its predicted point to the front
+            before scoring the next (so one batch spreads along the front rather than
+            piling onto one region); ``False`` = the top ``k`` scores against the
+            measured front alone. Candidates chosen by earlier passes of the same batch
+            join the front when ``greedy``.
+        optimism: Score the point ``optimism`` spreads below the mean in log space
+            (time and dynamic energy each); 0 = the mean (needs no spread).
+        margin: Reference point = (1 + margin) x the worst measured value of each objective.
+    """
+
+    def __init__(self, energy: str = "total", *, greedy: bool = True, optimism: float = 0.0,
+                 margin: float = 0.1) -> None:
+        if energy not in _ENERGIES:
+            raise ValueError(f"energy must be one of {_ENERGIES}, got {energy!r}")
+        if optimism < 0:
+            raise ValueError(f"optimism must be >= 0, got {optimism}")
+        if margin <= 0:
+            raise ValueError(f"margin must be > 0, got {margin}")
+        self.energy = energy
+        self.greedy = bool(greedy)
+        self.optimism = float(optimism)
+        self.margin = float(margin)
+
+    @property
+    def name(self) -> str:
+        return f"hv-{self.energy}"
+
+    def predicted_points(self, context: AcquisitionContext) -> np.ndarray:
+        """The scored point of each candidate: (n, 2) in (time, energy)."""
+        p = context.prediction
+        t, d = p.time_s, p.dynamic_energy_j
+        if self.optimism > 0:
+            if p.time_spread is not None:
+                t = t * np.exp(-self.optimism * p.time_spread)
+            if p.dynamic_spread is not None:
+                d = d * np.exp(-self.optimism * p.dynamic_spread)
+        if self.energy == "total":
+            e = t * p.static_power_w + d
+        elif self.energy == "dynamic":
+            e = d
+        else:
+            e = t * p.static_power_w
+        return np.column_stack([t, e])
+
+    def select(self, context: AcquisitionContext, k: int) -> np.ndarray:
+        available = context.available.copy()
+        if k <= 0 or not available.any():
+            return np.zeros(0, dtype=np.int64)
+        pts = self.predicted_points(context)
+        observed = context.observed(self.energy)
+        if len(observed) == 0:
+            # Nothing measured: no front to improve on; the fastest predicted first.
+            return _top_k(-pts[:, 0], available, k, context.rng)
+        ref = reference_point(observed, self.margin)
+        front = pareto_front(observed)
+        if self.greedy and context.chosen.size:
+            front = pareto_front(np.vstack([front, pts[context.chosen]]))
+        picks: list[int] = []
+        rounds = k if self.greedy else 1
+        for _ in range(rounds):
+            if not available.any():
+                break
+            score = self._score(pts, front, ref)
+            take = _top_k(score, available, 1 if self.greedy else k, context.rng)
+            picks.extend(int(i) for i in take)
+            available[take] = False
+            if self.greedy:
+                front = pareto_front(np.vstack([front, pts[take]]))
+        return np.asarray(picks, dtype=np.int64)
+
+    @staticmethod
+    def _score(pts: np.ndarray, front: np.ndarray, ref: np.ndarray) -> np.ndarray:
+        hvi = hypervolume_improvement(pts, front, ref)
+        # Positive improvements rank above every dominated candidate; dominated ones rank
+        # by closeness to the front.
+        return np.where(hvi > 0, hvi, -_epsilon_distance(pts, front) - 1e-300)
+
+    def __repr__(self) -> str:
+        return (f"HypervolumePass(energy={self.energy!r}, greedy={self.greedy}, "
+                f"optimism={self.optimism})")
+
+
+class UncertaintyPass(AcquisitionPass):
+    """The candidates with the largest predicted spread (exploration).
+
+    The spread is sqrt(time spread^2 + dynamic-energy spread^2), each relative (log
+    space). Without a spread (a surrogate that gives none) it picks uniformly at random.
+    """
+
+    @property
+    def name(self) -> str:
+        return "uncertainty"
+
+    def select(self, context: AcquisitionContext, k: int) -> np.ndarray:
+        spread = context.prediction.spread
+        if spread is None:
+            return RandomPass().select(context, k)
+        return _top_k(np.asarray(spread, dtype=float), context.available, k, context.rng)
+
+
+class FastestPass(AcquisitionPass):
+    """The candidates with the lowest predicted time."""
+
+    @property
+    def name(self) -> str:
+        return "fastest"
+
+    def select(self, context: AcquisitionContext, k: int) -> np.ndarray:
+        return _top_k(-context.prediction.time_s, context.available, k, context.rng)
+
+
+class RandomPass(AcquisitionPass):
+    """Uniformly random available candidates."""
+
+    @property
+    def name(self) -> str:
+        return "random"
+
+    def select(self, context: AcquisitionContext, k: int) -> np.ndarray:
+        idx = np.flatnonzero(context.available)
+        if k <= 0 or idx.size == 0:
+            return np.zeros(0, dtype=np.int64)
+        return context.rng.choice(idx, size=min(k, idx.size), replace=False).astype(np.int64)
+
+
+def allocate(weights: Sequence[float], k: int, *, remainder: str = "largest") -> list[int]:
+    """Split ``k`` slots by ``weights``.
+
+    Each share gets the floor of its exact share; the slots left over go, with
+    ``remainder="largest"``, to the largest fractional parts (ties to the earlier pass),
+    or, with ``remainder="last"``, all to the last pass (the reference artifact's rule:
+    "the rest" is exploration).
+
+    >>> allocate([0.4, 0.2, 0.2, 0.2], 32)
+    [13, 7, 6, 6]
+    >>> allocate([0.4, 0.2, 0.2, 0.2], 32, remainder="last")
+    [12, 6, 6, 8]
+    """
+    if remainder not in ("largest", "last"):
+        raise ValueError(f"remainder must be 'largest' or 'last', got {remainder!r}")
+    w = np.asarray(weights, dtype=float)
+    if w.ndim != 1 or w.size == 0 or np.any(w < 0) or not np.isfinite(w).all() or w.sum() <= 0:
+        raise ValueError(f"weights must be non-negative with a positive sum, got {list(weights)}")
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    exact = w / w.sum() * k
+    counts = np.floor(exact + 1e-9).astype(int)
+    rest = k - int(counts.sum())
+    if rest > 0 and remainder == "last":
+        counts[-1] += rest
+    elif rest > 0:
+        frac = exact - counts
+        order = np.lexsort((np.arange(w.size), -np.round(frac, 9)))
+        for i in order[:rest]:
+            counts[i] += 1
+    return [int(c) for c in counts]

@@ -1,0 +1,598 @@
+"""Multi-pass multi-objective Bayesian search for one partition type's frontier.
+
+Profiling a configuration on real GPUs costs about 13 s (FACTS.md) and a space
+holds thousands of them, so :class:`MultiPassSearch` profiles few: a space-filling
+initial design, then batches chosen by :mod:`acquisition passes
+<kareus.search.acquisition>` from :mod:`surrogate <kareus.search.surrogate>`
+predictions of time and dynamic energy on every configuration not yet measured.
+It stops at the budget, or earlier when the measured front stops improving
+(hypervolume gain below a tolerance over a few batches).
+
+The core is ask/tell, so real GPUs, the emulator and recorded data drive the same
+optimizer::
+
+    search = MultiPassSearch(space, budget=128, seed=0, log="fwd_attn.jsonl")
+    while batch := search.ask():
+        search.tell_many([(c, profiler.measure(partition, c)) for c in batch])
+    frontier = search.frontier()
+
+or simply ``frontier = search.run(profiler)``. Every measurement is appended to a
+versioned JSONL log as it is told; ``resume=PATH`` replays a log (validating that it
+belongs to the same partition, GPU, space and seed) and continues where the search
+stopped: nothing is measured twice and nothing told is lost. Configurations asked
+but not yet told when the search was killed are asked again first, so a resumed
+search makes exactly the choices an uninterrupted one would have made.
+
+The result is a :class:`~kareus.search.frontier.PartitionFrontier`: the measured
+Pareto points with their configurations, plus every observation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kareus.model.config import ConfigSpace, ScheduleConfig
+from kareus.model.measurement import Measurement
+from kareus.model.partition import Partition
+from kareus.search._progress import ProgressBar
+from kareus.search.acquisition import (
+    AcquisitionContext,
+    AcquisitionPass,
+    HypervolumePass,
+    RandomPass,
+    UncertaintyPass,
+    allocate,
+)
+from kareus.search.frontier import Observation, PartitionFrontier
+from kareus.search.pareto import hypervolume, reference_point
+from kareus.search.surrogate import ObjectiveModel, Surrogate
+
+__all__ = ["LOG_FORMAT", "LOG_VERSION", "MultiPassSearch", "default_passes", "maximin_design"]
+
+LOG_FORMAT = "kareus-search-log"
+LOG_VERSION = 1
+
+
+def default_passes() -> list[tuple[AcquisitionPass, float]]:
+    """The default pass mix (FACTS.md's shares): 40% hypervolume improvement in (time, total
+    energy), 20% in (time, dynamic energy), 20% in (time, static energy), 20% uncertainty."""
+    return [(HypervolumePass("total"), 0.4), (HypervolumePass("dynamic"), 0.2),
+            (HypervolumePass("static"), 0.2), (UncertaintyPass(), 0.2)]
+
+
+# ------------------------------------------------------------------------ initial design
+
+
+def _unit_coordinates(space: ConfigSpace) -> np.ndarray:
+    """Each configuration as (freq, SMs, slot) in [0, 1] x [0, 1] x slot index.
+
+    Frequency is linear in MHz; SM count is logarithmic (a communication kernel's speed
+    changes most at small SM counts, until the link saturates it).
+    """
+    cfgs = space.configs
+    f = np.array([c.freq_mhz for c in cfgs], dtype=float)
+    s = np.log(np.array([c.comm_sms for c in cfgs], dtype=float))
+    slot_of = {name: i for i, name in enumerate(space.slots)}
+    sl = np.array([slot_of[c.launch_slot] for c in cfgs], dtype=float)
+
+    def unit(v: np.ndarray) -> np.ndarray:
+        span = v.max() - v.min()
+        return (v - v.min()) / span if span > 0 else np.zeros_like(v)
+
+    return np.column_stack([unit(f), unit(s), sl])
+
+
+def maximin_design(space: ConfigSpace, n: int, *, seed: int = 0, tries: int = 64) -> list[int]:
+    """A space-filling design of ``n`` distinct configurations (indices into ``space.configs``).
+
+    Latin-hypercube samples in (frequency, log SM count), with launch slots (sequential
+    included) balanced so each appears ``n // slots`` or ``n // slots + 1`` times; of
+    ``tries`` such designs, the one whose closest pair of points is farthest apart
+    (maximin; a differing slot counts as distance 1) is kept.
+
+    Args:
+        space: The configuration space.
+        n: Points (capped at the space's size).
+        seed: Random seed.
+        tries: Candidate designs to choose among.
+    """
+    n = min(int(n), len(space))
+    if n <= 0:
+        return []
+    rng = np.random.default_rng([seed, 7919])
+    coords = _unit_coordinates(space)
+    freqs = np.array(sorted(set(coords[:, 0])))
+    sms = np.array(sorted(set(coords[:, 1])))
+    n_slots = len(space.slots)
+    # Lookup from (freq level, sm level, slot) to config index.
+    fi = np.searchsorted(freqs, coords[:, 0])
+    si = np.searchsorted(sms, coords[:, 1])
+    grid = np.full((len(freqs), len(sms), n_slots), -1, dtype=np.int64)
+    grid[fi, si, coords[:, 2].astype(int)] = np.arange(len(coords))
+
+    def nearest_level(levels: np.ndarray, x: np.ndarray) -> np.ndarray:
+        return np.abs(levels[None, :] - x[:, None]).argmin(axis=1)
+
+    best: list[int] | None = None
+    best_score = -np.inf
+    for _ in range(max(1, tries)):
+        uf = (rng.permutation(n) + rng.random(n)) / n
+        us = (rng.permutation(n) + rng.random(n)) / n
+        slots = rng.permutation(np.resize(rng.permutation(n_slots), n))
+        f_lv = nearest_level(freqs, uf)
+        s_lv = nearest_level(sms, us)
+        idx = grid[f_lv, s_lv, slots]
+        chosen: list[int] = []
+        used: set[int] = set()
+        for i, j in enumerate(idx):
+            if j < 0 or int(j) in used:
+                # Collision on a coarse grid: the closest unused configuration.
+                d = ((coords[:, 0] - freqs[f_lv[i]]) ** 2 + (coords[:, 1] - sms[s_lv[i]]) ** 2
+                     + (coords[:, 2] != slots[i]))
+                d[list(used)] = np.inf
+                j = int(np.argmin(d))
+            used.add(int(j))
+            chosen.append(int(j))
+        pts = coords[chosen]
+        if n < 2:
+            return chosen
+        diff = pts[:, None, :2] - pts[None, :, :2]
+        dist = np.sqrt((diff ** 2).sum(-1) + (pts[:, None, 2] != pts[None, :, 2]))
+        np.fill_diagonal(dist, np.inf)
+        score = float(dist.min())
+        if score > best_score:
+            best, best_score = chosen, score
+    assert best is not None
+    return best
+
+
+# ---------------------------------------------------------------------------- the search
+
+
+def _space_description(space: ConfigSpace) -> dict[str, Any]:
+    return {"freqs_mhz": list(space.freqs_mhz), "comm_sms": list(space.comm_sms),
+            "slots": list(space.slots)}
+
+
+class MultiPassSearch:
+    """Ask/tell multi-objective Bayesian search of one partition type's configuration space.
+
+    Args:
+        space: The configurations to search (one partition type on one GPU).
+        surrogate: Template surrogate for time and dynamic energy (each gets a clone, fitted
+            in log space); ``None`` = a :class:`~kareus.search.BootstrapEnsemble` of five
+            :class:`~kareus.search.XGBoostSurrogate` on 80% subsamples (mean + spread).
+        passes: ``(pass, weight)`` pairs that fill each batch in proportion to their weights;
+            ``None`` = :func:`default_passes` (40/20/20/20, FACTS.md). A pass that cannot fill
+            its share leaves it to the next passes, then to random picks.
+        batch_size: Configurations per batch; ``None`` = 16.
+        budget: Profiles in all; ``None`` = 224 (the reference artifact's budget). Capped at
+            the space's size.
+        initial_size: Profiles of the space-filling initial design; ``None`` = ``batch_size``.
+        initial_design: ``"maximin"`` (:func:`maximin_design`, space-filling) or
+            ``"random"`` (uniform, as the reference artifact does).
+        allocation: How leftover batch slots are shared when weights do not divide the
+            batch: ``"largest"`` remainders, or ``"last"`` pass (see
+            :func:`~kareus.search.acquisition.allocate`).
+        seed: Seed of the design, the surrogates and the tie-breaking.
+        stop_patience: Stop when the measured front's hypervolume grew by less than
+            ``stop_tol`` (relative) over the last ``stop_patience`` batches; ``None`` = never
+            stop before the budget.
+        stop_tol: Relative hypervolume gain below which the front counts as converged.
+        log: Path of a new JSONL log of every measurement (an existing non-empty file is an
+            error: resume it instead).
+        resume: Path of a log to continue (replayed, validated, then appended to); if the
+            file does not exist yet, a new search starts logging there.
+        progress: Show a progress bar on stderr in :meth:`run`; ``None`` = when stderr is a
+            terminal.
+
+    Raises:
+        TypeError: for a space, surrogate or pass of the wrong type.
+        ValueError: for bad sizes, or a resume log of another search.
+    """
+
+    def __init__(
+        self,
+        space: ConfigSpace,
+        *,
+        surrogate: Surrogate | None = None,
+        passes: Sequence[tuple[AcquisitionPass, float]] | None = None,
+        batch_size: int | None = None,
+        budget: int | None = None,
+        initial_size: int | None = None,
+        initial_design: str = "maximin",
+        allocation: str = "largest",
+        seed: int = 0,
+        stop_patience: int | None = 3,
+        stop_tol: float = 1e-3,
+        log: str | os.PathLike[str] | None = None,
+        resume: str | os.PathLike[str] | None = None,
+        progress: bool | None = None,
+    ) -> None:
+        if not isinstance(space, ConfigSpace):
+            raise TypeError(f"space must be a kareus ConfigSpace, got {type(space).__name__}")
+        if surrogate is not None and not isinstance(surrogate, Surrogate):
+            raise TypeError(f"surrogate must be a kareus Surrogate, got "
+                            f"{type(surrogate).__name__}")
+        self.space = space
+        self.seed = int(seed)
+        self.surrogate = surrogate
+        self.passes = self._check_passes(default_passes() if passes is None else passes)
+        self.batch_size = 16 if batch_size is None else int(batch_size)
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.budget = min(224 if budget is None else int(budget), len(space))
+        if self.budget < 1:
+            raise ValueError(f"budget must be >= 1, got {budget}")
+        self.initial_size = min(self.batch_size if initial_size is None else int(initial_size),
+                                self.budget)
+        if self.initial_size < 1:
+            raise ValueError(f"initial_size must be >= 1, got {initial_size}")
+        if stop_patience is not None and stop_patience < 1:
+            raise ValueError(f"stop_patience must be >= 1 or None, got {stop_patience}")
+        if stop_tol < 0:
+            raise ValueError(f"stop_tol must be >= 0, got {stop_tol}")
+        if initial_design not in ("maximin", "random"):
+            raise ValueError(f"initial_design must be 'maximin' or 'random', got "
+                             f"{initial_design!r}")
+        if allocation not in ("largest", "last"):
+            raise ValueError(f"allocation must be 'largest' or 'last', got {allocation!r}")
+        self.initial_design = initial_design
+        self.allocation = allocation
+        self.stop_patience = stop_patience
+        self.stop_tol = float(stop_tol)
+        self.progress = progress
+
+        n = len(space)
+        self._features = space.features()
+        self._observations: list[Observation] = []
+        self._measured = np.zeros(n, dtype=bool)
+        self._pending: list[int] = []
+        self._batches = 0  # batches asked so far
+        self._hv_ref: np.ndarray | None = None
+        self._hv_history: list[float] = []  # measured-front hypervolume after each batch
+        self._stopped: str | None = None
+        if initial_design == "maximin":
+            self._initial = maximin_design(space, self.initial_size, seed=self.seed)
+        else:
+            rng = np.random.default_rng([self.seed, 104729])
+            self._initial = [int(i) for i in rng.choice(n, self.initial_size, replace=False)]
+        #: Seconds spent in :meth:`ask` per batch (search overhead: fitting, predicting,
+        #: choosing), for benchmarks.
+        self.ask_seconds: list[float] = []
+        #: The pass that chose each configuration asked (config -> pass name).
+        self.chosen_by: dict[ScheduleConfig, str] = {}
+
+        self._log_path: Path | None = None
+        if log is not None and resume is not None and Path(log) != Path(resume):
+            raise ValueError("give either log= (a new search) or resume= (continue one), "
+                             "or the same path to both")
+        if resume is not None and Path(resume).exists() and Path(resume).stat().st_size > 0:
+            self._replay(Path(resume))
+            self._log_path = Path(resume)
+        else:
+            path = resume if resume is not None else log
+            if path is not None:
+                p = Path(path)
+                if p.exists() and p.stat().st_size > 0:
+                    raise FileExistsError(f"search log {p} already exists; pass resume={str(p)!r} "
+                                          "to continue that search, or choose another path")
+                p.parent.mkdir(parents=True, exist_ok=True)
+                self._log_path = p
+                self._write(self._header())
+
+    # ---------------------------------------------------------------------- checking
+    @staticmethod
+    def _check_passes(passes: Sequence[tuple[AcquisitionPass, float]]
+                      ) -> list[tuple[AcquisitionPass, float]]:
+        out = []
+        for item in passes:
+            if not (isinstance(item, tuple) and len(item) == 2):
+                raise TypeError("passes must be (AcquisitionPass, weight) pairs, got "
+                                f"{item!r}")
+            p, w = item
+            if not isinstance(p, AcquisitionPass):
+                raise TypeError(f"not an AcquisitionPass: {p!r}")
+            if not (isinstance(w, (int, float)) and math.isfinite(w) and w >= 0):
+                raise ValueError(f"pass weight must be a finite number >= 0, got {w!r}")
+            out.append((p, float(w)))
+        if not out or sum(w for _, w in out) <= 0:
+            raise ValueError("passes need at least one pass with a positive weight")
+        return out
+
+    # ---------------------------------------------------------------------- state
+    @property
+    def observations(self) -> list[Observation]:
+        """Every observation told, in order."""
+        return list(self._observations)
+
+    @property
+    def n_measured(self) -> int:
+        return len(self._observations)
+
+    @property
+    def pending(self) -> list[ScheduleConfig]:
+        """Configurations asked but not told yet."""
+        return [self.space.configs[i] for i in self._pending]
+
+    @property
+    def stopped_reason(self) -> str | None:
+        """Why the search is done (``"budget"``, ``"converged"``, ``"exhausted"``), or None."""
+        if self._stopped is not None:
+            return self._stopped
+        if self.n_measured >= self.budget:
+            return "budget"
+        if self._measured.all():
+            return "exhausted"
+        return None
+
+    @property
+    def done(self) -> bool:
+        """Whether :meth:`ask` will return nothing more."""
+        return not self._pending and self.stopped_reason is not None
+
+    @property
+    def hypervolume_history(self) -> list[float]:
+        """Measured-front hypervolume in (time, total energy) after each batch (reference
+        point fixed after the initial design)."""
+        return list(self._hv_history)
+
+    def frontier(self) -> PartitionFrontier:
+        """The observations so far as a :class:`PartitionFrontier`."""
+        return PartitionFrontier.from_observations(self.space.partition.name,
+                                                   self.space.gpu.name, self._observations)
+
+    # ---------------------------------------------------------------------- ask
+    def ask(self) -> list[ScheduleConfig]:
+        """The next batch to measure (empty when done).
+
+        Configurations already asked and not yet told are returned again (once every
+        one of them is told, a new batch is chosen). No configuration already measured
+        is ever returned.
+        """
+        if self._pending:
+            return self.pending
+        if self.stopped_reason is not None:
+            return []
+        start = time.perf_counter()
+        room = self.budget - self.n_measured
+        if self.n_measured < self.initial_size:
+            k = min(room, self.initial_size - self.n_measured)
+            picks = [i for i in self._initial if not self._measured[i]][:k]
+            if len(picks) < k:  # told configurations outside the design took its places
+                rng = np.random.default_rng([self.seed, self._batches, 1])
+                free = np.flatnonzero(~self._measured)
+                free = free[~np.isin(free, picks)]
+                picks += [int(i) for i in rng.choice(free, size=k - len(picks), replace=False)]
+            names = ["initial"] * len(picks)
+        else:
+            k = min(room, self.batch_size)
+            picks, names = self._choose(k)
+        self._batches += 1
+        self._pending = list(picks)
+        for i, name in zip(picks, names):
+            self.chosen_by[self.space.configs[i]] = name
+        self.ask_seconds.append(time.perf_counter() - start)
+        self._write({"kind": "ask", "batch": self._batches,
+                     "configs": [self.space.configs[i].to_dict() for i in picks],
+                     "passes": names})
+        return self.pending
+
+    def _context(self) -> AcquisitionContext:
+        obs = self._observations
+        idx = np.array([self.space.index(o.config) for o in obs], dtype=np.int64)
+        t = np.array([o.time_s for o in obs])
+        e = np.array([o.energy_j for o in obs])
+        sp = np.array([o.measurement.static_power_w for o in obs])
+        static = float(np.median(sp))
+        model = ObjectiveModel(self.surrogate, seed=self.seed * 7919 + self._batches)
+        model.fit(self._features[idx], t, e - sp * t, static)
+        prediction = model.predict(self._features)
+        available = ~self._measured
+        available[self._pending] = False
+        rng = np.random.default_rng([self.seed, self._batches])
+        return AcquisitionContext(prediction=prediction, available=available,
+                                  observed_time_s=t, observed_energy_j=e,
+                                  observed_static_power_w=sp, rng=rng)
+
+    def _choose(self, k: int) -> tuple[list[int], list[str]]:
+        ctx = self._context()
+        k = min(k, int(ctx.available.sum()))
+        shares = allocate([w for _, w in self.passes], k, remainder=self.allocation)
+        picks: list[int] = []
+        names: list[str] = []
+        carry = 0
+        for (p, _), share in zip(self.passes, shares):
+            want = share + carry
+            got = self._run_pass(p, ctx, want)
+            ctx = ctx.with_chosen(got)
+            picks += got
+            names += [p.name] * len(got)
+            carry = want - len(got)
+        if len(picks) < k:
+            got = self._run_pass(RandomPass(), ctx, k - len(picks))
+            picks += got
+            names += ["random"] * len(got)
+        return picks, names
+
+    @staticmethod
+    def _run_pass(p: AcquisitionPass, ctx: AcquisitionContext, k: int) -> list[int]:
+        if k <= 0:
+            return []
+        got = [int(i) for i in np.asarray(p.select(ctx, k)).reshape(-1)]
+        # Defend the never-re-measure guarantee against a faulty third-party pass.
+        out: list[int] = []
+        seen: set[int] = set()
+        for i in got[:k]:
+            if 0 <= i < ctx.n_candidates and ctx.available[i] and i not in seen:
+                out.append(i)
+                seen.add(i)
+        return out
+
+    # ---------------------------------------------------------------------- tell
+    def tell(self, config: ScheduleConfig, measurement: Measurement) -> None:
+        """Record the measurement of ``config`` (appended to the log first).
+
+        Raises:
+            ValueError: if ``config`` is not in the space or was already measured.
+            TypeError: if ``measurement`` is not a :class:`Measurement`.
+        """
+        if not isinstance(measurement, Measurement):
+            raise TypeError(f"measurement must be a kareus Measurement, got "
+                            f"{type(measurement).__name__}")
+        i = self.space.index(config)
+        if self._measured[i]:
+            raise ValueError(f"{config} was already measured; a search never re-measures")
+        self._write({"kind": "tell", "n": self.n_measured + 1, "config": config.to_dict(),
+                     "measurement": measurement.to_dict()})
+        self._record(i, measurement)
+
+    def tell_many(self, results: Iterable[tuple[ScheduleConfig, Measurement]]) -> None:
+        """:meth:`tell` each ``(config, measurement)`` pair."""
+        for c, m in results:
+            self.tell(c, m)
+
+    def _record(self, i: int, measurement: Measurement) -> None:
+        self._observations.append(Observation(config=self.space.configs[i],
+                                              measurement=measurement))
+        self._measured[i] = True
+        if i in self._pending:
+            self._pending.remove(i)
+            if not self._pending:
+                self._batch_done()
+
+    def _batch_done(self) -> None:
+        pts = np.array([(o.time_s, o.energy_j) for o in self._observations])
+        if self._hv_ref is None:
+            if self.n_measured < self.initial_size:
+                return
+            self._hv_ref = reference_point(pts, 0.1)
+        self._hv_history.append(hypervolume(pts, self._hv_ref))
+        p = self.stop_patience
+        if p is not None and len(self._hv_history) > p:
+            now, before = self._hv_history[-1], self._hv_history[-1 - p]
+            if now <= 0 or (now - before) / now < self.stop_tol:
+                self._stopped = "converged"
+
+    # ---------------------------------------------------------------------- run
+    def run(self, profiler: Any, partition: Partition | None = None, *,
+            progress: bool | None = None) -> PartitionFrontier:
+        """Measure with ``profiler`` until done; return the frontier.
+
+        Args:
+            profiler: A :class:`kareus.exec.Profiler` (anything with
+                ``measure(partition, config) -> Measurement``).
+            partition: The partition to measure; ``None`` = the space's. It must be the
+                space's partition type (same name).
+            progress: Override the constructor's ``progress``.
+        """
+        if not callable(getattr(profiler, "measure", None)):
+            raise TypeError(f"profiler must have a measure(partition, config) method, got "
+                            f"{type(profiler).__name__}")
+        part = self.space.partition if partition is None else partition
+        if not isinstance(part, Partition):
+            raise TypeError(f"partition must be a kareus Partition, got {type(part).__name__}")
+        if part.name != self.space.partition.name:
+            raise ValueError(f"partition {part.name!r} is not the space's partition type "
+                             f"{self.space.partition.name!r}")
+        show = self.progress if progress is None else progress
+        bar = ProgressBar(self.budget, desc=f"{part.name} on {self.space.gpu.name}",
+                          enabled=show)
+        bar.update(self.n_measured)
+        with bar:
+            while batch := self.ask():
+                for c in batch:
+                    self.tell(c, profiler.measure(part, c))
+                    bar.update(1, status=self._status())
+            if self.stopped_reason == "converged":
+                bar.set_status(self._status() + " (converged)")
+        return self.frontier()
+
+    def _status(self) -> str:
+        front = len(self.frontier().points) if self._observations else 0
+        return f"front {front} pts"
+
+    # ---------------------------------------------------------------------- log
+    def _header(self) -> dict[str, Any]:
+        import kareus  # noqa: PLC0415 - the package is fully imported by now
+
+        return {"kind": "header", "format": LOG_FORMAT, "version": LOG_VERSION,
+                "kareus_version": getattr(kareus, "__version__", "unknown"),
+                "partition": self.space.partition.name, "gpu": self.space.gpu.name,
+                "space": _space_description(self.space), "seed": self.seed,
+                "batch_size": self.batch_size, "budget": self.budget,
+                "initial_size": self.initial_size,
+                "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self._log_path is None:
+            return
+        with open(self._log_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record, separators=(",", ":")) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _replay(self, path: Path) -> None:
+        raw = path.read_bytes()
+        lines = raw.split(b"\n")
+        records: list[dict[str, Any]] = []
+        good_bytes = 0
+        for k, line in enumerate(lines):
+            if not line.strip():
+                good_bytes += len(line) + (1 if k < len(lines) - 1 else 0)
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                if k == len(lines) - 1:  # a record cut short by the kill: drop it
+                    break
+                raise ValueError(f"search log {path} is corrupt at line {k + 1}") from None
+            good_bytes += len(line) + (1 if k < len(lines) - 1 else 0)
+        if good_bytes < len(raw):
+            with open(path, "r+b") as f:
+                f.truncate(good_bytes)
+        if not records or records[0].get("kind") != "header":
+            raise ValueError(f"{path} is not a kareus search log (no header line)")
+        self._check_header(records[0], path)
+        for rec in records[1:]:
+            kind = rec.get("kind")
+            if kind == "ask":
+                self._batches = int(rec["batch"])
+                cfgs = [ScheduleConfig.from_dict(c) for c in rec["configs"]]
+                self._pending = [self.space.index(c) for c in cfgs
+                                 if not self._measured[self.space.index(c)]]
+                for c, name in zip(cfgs, rec.get("passes", [])):
+                    self.chosen_by[c] = name
+            elif kind == "tell":
+                config = ScheduleConfig.from_dict(rec["config"])
+                i = self.space.index(config)
+                if self._measured[i]:
+                    raise ValueError(f"search log {path} measures {config} twice")
+                self._record(i, Measurement.from_dict(rec["measurement"]))
+            else:
+                raise ValueError(f"search log {path}: unknown record kind {kind!r}")
+
+    def _check_header(self, head: dict[str, Any], path: Path) -> None:
+        if head.get("format") != LOG_FORMAT:
+            raise ValueError(f"{path} is not a kareus search log")
+        if head.get("version") != LOG_VERSION:
+            raise ValueError(f"search log {path} has version {head.get('version')}; this "
+                             f"kareus reads version {LOG_VERSION}")
+        mine = {"partition": self.space.partition.name, "gpu": self.space.gpu.name,
+                "space": _space_description(self.space), "seed": self.seed}
+        for key, value in mine.items():
+            if head.get(key) != value:
+                raise ValueError(f"search log {path} belongs to another search: its {key} is "
+                                 f"{head.get(key)!r}, this search's is {value!r}")
+
+    def __repr__(self) -> str:
+        return (f"MultiPassSearch({self.space!r}, {self.n_measured}/{self.budget} measured, "
+                f"batch_size={self.batch_size}, seed={self.seed})")

@@ -1,0 +1,419 @@
+"""Surrogate models: cheap stand-ins for profiling, fitted to the measurements so far.
+
+A :class:`Surrogate` learns one scalar objective (time, or dynamic energy) from
+configuration features (:meth:`kareus.model.ConfigSpace.encode`) and predicts it
+for configurations not yet measured. Some surrogates also give a *spread*: how much
+they trust each prediction. The search uses predictions to decide what to profile
+next, never as results: a partition frontier holds measured points only.
+
+* :class:`XGBoostSurrogate` - gradient-boosted trees, the default learner: fast to fit
+  on a few hundred points, and at ease with the kinks of this domain (a communication
+  kernel becomes link-bound above some SM count; a launch slot is categorical).
+* :class:`BootstrapEnsemble` - n copies of a base surrogate, each fitted on a resample
+  of the data; the mean of their predictions is the prediction and their standard
+  deviation is the spread. That is how the search measures its own uncertainty.
+
+kareus models time and *dynamic* energy separately, and recombines them into total
+energy as ``time x static power + dynamic energy``: static power is a property of the
+GPUs, not of the configuration (:class:`ObjectiveModel`). Both targets are fitted in
+log space (they are positive and span decades across frequencies and slots), so the
+spread of an ensemble in log space is a *relative* uncertainty.
+"""
+
+from __future__ import annotations
+
+import abc
+import copy
+import math
+from typing import Any
+
+import attrs
+import numpy as np
+from numpy.typing import ArrayLike
+
+__all__ = [
+    "BootstrapEnsemble",
+    "ObjectiveModel",
+    "ObjectivePrediction",
+    "Surrogate",
+    "XGBoostSurrogate",
+]
+
+
+def _check_xy(X: ArrayLike, y: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+    x = np.asarray(X, dtype=np.float64)
+    t = np.asarray(y, dtype=np.float64)
+    if x.ndim != 2:
+        raise ValueError(f"X must be a 2-D array (samples x features), got shape {x.shape}")
+    if t.ndim != 1 or len(t) != len(x):
+        raise ValueError(f"y must be a 1-D array with one value per row of X "
+                         f"({len(x)} rows), got shape {t.shape}")
+    if len(x) == 0:
+        raise ValueError("cannot fit a surrogate on zero samples")
+    if not (np.all(np.isfinite(x)) and np.all(np.isfinite(t))):
+        raise ValueError("X and y must be finite")
+    return x, t
+
+
+def _check_x(X: ArrayLike, n_features: int | None) -> np.ndarray:
+    x = np.asarray(X, dtype=np.float64)
+    if x.ndim != 2:
+        raise ValueError(f"X must be a 2-D array (samples x features), got shape {x.shape}")
+    if n_features is not None and x.shape[1] != n_features:
+        raise ValueError(f"X has {x.shape[1]} features; the surrogate was fitted on {n_features}")
+    return x
+
+
+class Surrogate(abc.ABC):
+    """A regression model of one objective over configuration features.
+
+    Subclasses implement :meth:`fit` and :meth:`predict`. A surrogate that can say how
+    much it trusts its predictions sets ``has_spread = True`` and overrides
+    :meth:`predict_spread`. :meth:`clone` must return an *unfitted* copy with the same
+    settings (optionally reseeded); the default deep-copies an unfitted instance, so
+    override it when ``self`` may be fitted and fitting state is heavy.
+
+    Conformance: :func:`kareus.testing.check_surrogate` checks a subclass.
+    """
+
+    #: Whether :meth:`predict_spread` is implemented.
+    has_spread: bool = False
+
+    @abc.abstractmethod
+    def fit(self, X: ArrayLike, y: ArrayLike) -> Surrogate:
+        """Fit to features ``X`` (n x d) and targets ``y`` (n,); return ``self``.
+
+        Raises:
+            ValueError: on shapes that do not match, non-finite values or zero samples.
+        """
+
+    @abc.abstractmethod
+    def predict(self, X: ArrayLike) -> np.ndarray:
+        """Predicted mean target for each row of ``X``: a float array of shape (n,).
+
+        Raises:
+            RuntimeError: if called before :meth:`fit`.
+        """
+
+    def predict_spread(self, X: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+        """Predicted mean and spread (a standard deviation, >= 0) for each row of ``X``.
+
+        Raises:
+            NotImplementedError: if this surrogate gives no spread (``has_spread`` False).
+        """
+        raise NotImplementedError(f"{type(self).__name__} gives no spread; wrap it in a "
+                                  "BootstrapEnsemble for one")
+
+    def clone(self, *, seed: int | None = None) -> Surrogate:
+        """An unfitted copy with the same settings; ``seed`` reseeds it where it has one."""
+        other = copy.deepcopy(self)
+        if seed is not None and hasattr(other, "seed"):
+            other.seed = int(seed)
+        return other
+
+    @property
+    @abc.abstractmethod
+    def fitted(self) -> bool:
+        """Whether :meth:`fit` has been called."""
+
+
+class XGBoostSurrogate(Surrogate):
+    """Gradient-boosted regression trees (XGBoost), the default learner.
+
+    Small and fast by default: a partition search refits its models every batch on at
+    most a few hundred points, and search overhead must stay well under the seconds a
+    profile costs.
+
+    Args:
+        n_estimators: Boosting rounds.
+        max_depth: Tree depth.
+        learning_rate: Shrinkage per round.
+        subsample: Row subsampling per tree (1.0 = none).
+        colsample_bytree: Feature subsampling per tree.
+        min_child_weight: Minimum hessian weight in a leaf (squared error: samples).
+        reg_lambda: L2 regularisation of leaf weights.
+        nthread: XGBoost threads; ``None`` = 1 (fitting is tiny, threads cost more than
+            they give, and the profiler may be sharing the machine).
+        seed: Random seed (used by subsampling).
+        params: Extra XGBoost booster parameters, merged last.
+    """
+
+    def __init__(
+        self,
+        *,
+        n_estimators: int = 80,
+        max_depth: int = 5,
+        learning_rate: float = 0.15,
+        subsample: float = 1.0,
+        colsample_bytree: float = 1.0,
+        min_child_weight: float = 1.0,
+        reg_lambda: float = 1.0,
+        nthread: int | None = None,
+        seed: int = 0,
+        params: dict[str, Any] | None = None,
+    ) -> None:
+        if n_estimators < 1:
+            raise ValueError(f"n_estimators must be >= 1, got {n_estimators}")
+        if max_depth < 1:
+            raise ValueError(f"max_depth must be >= 1, got {max_depth}")
+        if not 0 < learning_rate <= 1:
+            raise ValueError(f"learning_rate must be in (0, 1], got {learning_rate}")
+        if not 0 < subsample <= 1 or not 0 < colsample_bytree <= 1:
+            raise ValueError("subsample and colsample_bytree must be in (0, 1]")
+        self.n_estimators = int(n_estimators)
+        self.max_depth = int(max_depth)
+        self.learning_rate = float(learning_rate)
+        self.subsample = float(subsample)
+        self.colsample_bytree = float(colsample_bytree)
+        self.min_child_weight = float(min_child_weight)
+        self.reg_lambda = float(reg_lambda)
+        self.nthread = 1 if nthread is None else int(nthread)
+        self.seed = int(seed)
+        self.params = dict(params or {})
+        self._booster: Any = None
+        self._n_features: int | None = None
+        self._constant: float | None = None
+
+    def _booster_params(self) -> dict[str, Any]:
+        p: dict[str, Any] = {
+            "objective": "reg:squarederror", "tree_method": "hist", "max_depth": self.max_depth,
+            "eta": self.learning_rate, "subsample": self.subsample,
+            "colsample_bytree": self.colsample_bytree, "min_child_weight": self.min_child_weight,
+            "lambda": self.reg_lambda, "nthread": self.nthread, "seed": self.seed,
+            "verbosity": 0, "max_bin": 64,
+        }
+        p.update(self.params)
+        return p
+
+    def fit(self, X: ArrayLike, y: ArrayLike) -> XGBoostSurrogate:
+        x, t = _check_xy(X, y)
+        self._n_features = x.shape[1]
+        if len(t) < 2 or np.ptp(t) == 0:
+            # Nothing to learn: a constant (XGBoost would also give one, more slowly).
+            self._booster, self._constant = None, float(t.mean())
+            return self
+        import xgboost as xgb  # noqa: PLC0415 - heavy import, only when fitting
+
+        self._constant = None
+        # base_score at the mean: trees then model deviations, which small ensembles
+        # of shallow trees do better than the raw level.
+        params = self._booster_params()
+        params.setdefault("base_score", float(t.mean()))
+        dtrain = xgb.DMatrix(x, label=t, nthread=self.nthread)
+        self._booster = xgb.train(params, dtrain, num_boost_round=self.n_estimators)
+        return self
+
+    @property
+    def fitted(self) -> bool:
+        return self._booster is not None or self._constant is not None
+
+    def predict(self, X: ArrayLike) -> np.ndarray:
+        if not self.fitted:
+            raise RuntimeError("XGBoostSurrogate.predict called before fit")
+        x = _check_x(X, self._n_features)
+        if self._constant is not None:
+            return np.full(len(x), self._constant)
+        if len(x) == 0:
+            return np.zeros(0)
+        import xgboost as xgb  # noqa: PLC0415
+
+        return np.asarray(self._booster.predict(xgb.DMatrix(x, nthread=self.nthread)),
+                          dtype=np.float64)
+
+    def clone(self, *, seed: int | None = None) -> XGBoostSurrogate:
+        return XGBoostSurrogate(
+            n_estimators=self.n_estimators, max_depth=self.max_depth,
+            learning_rate=self.learning_rate, subsample=self.subsample,
+            colsample_bytree=self.colsample_bytree, min_child_weight=self.min_child_weight,
+            reg_lambda=self.reg_lambda, nthread=self.nthread,
+            seed=self.seed if seed is None else int(seed), params=self.params)
+
+    def __repr__(self) -> str:
+        return (f"XGBoostSurrogate(n_estimators={self.n_estimators}, max_depth="
+                f"{self.max_depth}, learning_rate={self.learning_rate}, seed={self.seed})")
+
+
+class BootstrapEnsemble(Surrogate):
+    """``n_models`` copies of a base surrogate, each fitted on a bootstrap resample.
+
+    The prediction is the mean over the members; the spread is their standard deviation.
+    Each member sees ``fraction`` x n distinct samples drawn without replacement (the
+    reference artifact fits 5 models on 80% resamples; FACTS.md); with
+    ``replace=True`` it sees n samples drawn with replacement (the classic bootstrap).
+
+    Args:
+        base: The member surrogate (cloned, never fitted itself); ``None`` =
+            :class:`XGBoostSurrogate` with default settings.
+        n_models: Members (>= 2).
+        fraction: Share of the samples each member sees, in (0, 1].
+        replace: Draw with replacement (``fraction`` is then ignored).
+        seed: Seed of the resampling and of the members.
+    """
+
+    has_spread = True
+
+    def __init__(self, *, base: Surrogate | None = None, n_models: int = 5,
+                 fraction: float = 0.8, replace: bool = False, seed: int = 0) -> None:
+        if base is None:
+            base = XGBoostSurrogate()
+        if not isinstance(base, Surrogate):
+            raise TypeError(f"base must be a kareus Surrogate, got {type(base).__name__}")
+        if n_models < 2:
+            raise ValueError(f"n_models must be >= 2 for a spread, got {n_models}")
+        if not 0 < fraction <= 1:
+            raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+        self.base = base
+        self.n_models = int(n_models)
+        self.fraction = float(fraction)
+        self.replace = bool(replace)
+        self.seed = int(seed)
+        self.members: list[Surrogate] = []
+
+    def fit(self, X: ArrayLike, y: ArrayLike) -> BootstrapEnsemble:
+        x, t = _check_xy(X, y)
+        n = len(t)
+        rng = np.random.default_rng([self.seed, n])
+        members = []
+        for i in range(self.n_models):
+            if self.replace:
+                idx = rng.integers(0, n, size=n)
+            else:
+                m = max(1, min(n, int(math.ceil(self.fraction * n))))
+                idx = rng.choice(n, size=m, replace=False)
+            member = self.base.clone(seed=self.seed * 1000 + i)
+            member.fit(x[idx], t[idx])
+            members.append(member)
+        self.members = members
+        return self
+
+    @property
+    def fitted(self) -> bool:
+        return bool(self.members)
+
+    def member_predictions(self, X: ArrayLike) -> np.ndarray:
+        """Each member's predictions: shape (n_models, n)."""
+        if not self.fitted:
+            raise RuntimeError("BootstrapEnsemble.predict called before fit")
+        x = _check_x(X, None)
+        return np.stack([m.predict(x) for m in self.members])
+
+    def predict(self, X: ArrayLike) -> np.ndarray:
+        return self.member_predictions(X).mean(axis=0)
+
+    def predict_spread(self, X: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+        p = self.member_predictions(X)
+        return p.mean(axis=0), p.std(axis=0)
+
+    def clone(self, *, seed: int | None = None) -> BootstrapEnsemble:
+        return BootstrapEnsemble(base=self.base, n_models=self.n_models, fraction=self.fraction,
+                                 replace=self.replace,
+                                 seed=self.seed if seed is None else int(seed))
+
+    def __repr__(self) -> str:
+        return (f"BootstrapEnsemble({self.base!r}, n_models={self.n_models}, "
+                f"fraction={self.fraction}, seed={self.seed})")
+
+
+# --------------------------------------------------------------------------- objectives
+
+
+@attrs.frozen(kw_only=True)
+class ObjectivePrediction:
+    """Predicted objectives of a set of configurations.
+
+    Attributes:
+        time_s: Predicted time, seconds (n,).
+        dynamic_energy_j: Predicted dynamic energy, joules (n,), over the partition's scope.
+        static_power_w: Static power of the scope, watts (from the measurements).
+        time_spread: Relative (log-space) spread of the time prediction, or ``None``.
+        dynamic_spread: Relative (log-space) spread of the dynamic energy, or ``None``.
+    """
+
+    time_s: np.ndarray
+    dynamic_energy_j: np.ndarray
+    static_power_w: float
+    time_spread: np.ndarray | None = None
+    dynamic_spread: np.ndarray | None = None
+
+    @property
+    def total_energy_j(self) -> np.ndarray:
+        """time x static power + dynamic energy."""
+        return self.time_s * self.static_power_w + self.dynamic_energy_j
+
+    @property
+    def static_energy_j(self) -> np.ndarray:
+        return self.time_s * self.static_power_w
+
+    def energy(self, kind: str) -> np.ndarray:
+        """``"total"``, ``"dynamic"`` or ``"static"`` energy, joules."""
+        if kind == "total":
+            return self.total_energy_j
+        if kind == "dynamic":
+            return self.dynamic_energy_j
+        if kind == "static":
+            return self.static_energy_j
+        raise ValueError(f"energy must be 'total', 'dynamic' or 'static', got {kind!r}")
+
+    @property
+    def spread(self) -> np.ndarray | None:
+        """Combined relative spread sqrt(time_spread^2 + dynamic_spread^2), or ``None``."""
+        if self.time_spread is None and self.dynamic_spread is None:
+            return None
+        ts = 0.0 if self.time_spread is None else self.time_spread
+        ds = 0.0 if self.dynamic_spread is None else self.dynamic_spread
+        return np.sqrt(np.square(ts) + np.square(ds)) * np.ones(len(self.time_s))
+
+    def __len__(self) -> int:
+        return len(self.time_s)
+
+
+class ObjectiveModel:
+    """Time and dynamic energy, each modelled by its own surrogate in log space.
+
+    Total energy is recombined as ``time x static power + dynamic energy``. Dynamic
+    energies are floored at a small positive fraction of their median before the log
+    (a noisy measurement's dynamic energy can come out slightly negative).
+
+    Args:
+        surrogate: Template for both models (cloned twice); ``None`` =
+            :class:`BootstrapEnsemble` of 5 :class:`XGBoostSurrogate`.
+        seed: Seed for the clones.
+    """
+
+    def __init__(self, surrogate: Surrogate | None = None, *, seed: int = 0) -> None:
+        if surrogate is None:
+            surrogate = BootstrapEnsemble(seed=seed)
+        if not isinstance(surrogate, Surrogate):
+            raise TypeError(f"surrogate must be a kareus Surrogate, got "
+                            f"{type(surrogate).__name__}")
+        self.template = surrogate
+        self.seed = int(seed)
+        self.time_model: Surrogate | None = None
+        self.dynamic_model: Surrogate | None = None
+        self.static_power_w = 0.0
+
+    def fit(self, X: ArrayLike, time_s: ArrayLike, dynamic_energy_j: ArrayLike,
+            static_power_w: float) -> ObjectiveModel:
+        t = np.asarray(time_s, dtype=np.float64)
+        d = np.asarray(dynamic_energy_j, dtype=np.float64)
+        if np.any(t <= 0):
+            raise ValueError("times must be positive")
+        floor = max(float(np.median(np.abs(d))) * 1e-3, 1e-12)
+        self.time_model = self.template.clone(seed=self.seed * 2 + 1).fit(X, np.log(t))
+        self.dynamic_model = self.template.clone(seed=self.seed * 2 + 2).fit(
+            X, np.log(np.maximum(d, floor)))
+        self.static_power_w = float(static_power_w)
+        return self
+
+    def predict(self, X: ArrayLike) -> ObjectivePrediction:
+        if self.time_model is None or self.dynamic_model is None:
+            raise RuntimeError("ObjectiveModel.predict called before fit")
+        if self.time_model.has_spread and self.dynamic_model.has_spread:
+            tm, ts = self.time_model.predict_spread(X)
+            dm, ds = self.dynamic_model.predict_spread(X)
+        else:
+            tm, ts = self.time_model.predict(X), None
+            dm, ds = self.dynamic_model.predict(X), None
+        return ObjectivePrediction(time_s=np.exp(tm), dynamic_energy_j=np.exp(dm),
+                                   static_power_w=self.static_power_w,
+                                   time_spread=ts, dynamic_spread=ds)
