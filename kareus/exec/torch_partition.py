@@ -1,0 +1,528 @@
+"""Runnable partitions: the computation ops of a partition as real torch kernels.
+
+To profile a partition on a GPU, kareus needs its ops as kernels, not only as FLOP
+and byte counts. :class:`RunnableTransformerPartition` wraps a
+:class:`~kareus.model.partition.TransformerPartition` of a preset workload and builds,
+on one GPU, the attention and MLP forward and backward ops at the workload's
+per-rank nanobatch shapes: GEMMs (``torch.matmul``), RMSNorm, rotary position
+embedding, causal scaled-dot-product attention with grouped-query heads, SwiGLU, and
+their backward passes. No model is needed. :class:`CallablePartition` does the same
+for user callables.
+
+``build()`` returns a :class:`PartitionProgram`: zero-argument callables that
+enqueue each op on the current stream, plus the tensors the partition's collective
+acts on. The program double-buffers the collective's tensor, as nanobatching does:
+step ``j`` computes into one buffer while the collective of step ``j-1`` reduces the
+other (:meth:`PartitionProgram.advance` flips them), so a loop of steps is the
+steady state of a nanobatched layer.
+
+torch is imported inside the functions that need it.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+
+from kareus.model.ops import CommKind, CommOp, ComputeOp
+from kareus.model.partition import OpPartition, Partition, TransformerPartition
+from kareus.model.workload import Workload
+
+__all__ = [
+    "CallablePartition",
+    "PartitionProgram",
+    "RunnablePartition",
+    "RunnableTransformerPartition",
+    "runnable_partitions",
+]
+
+# Ops whose result is the tensor the partition's all-reduce sums (the layer segment's
+# output, or its input gradient in the backward pass).
+_OUTPUT_OPS = frozenset({"out_proj", "down", "up_dgrad", "qkv_dgrad"})
+
+
+class PartitionProgram:
+    """One partition instance on one device: op callables and the collective's buffers.
+
+    Attributes:
+        op_names: The ops' names, in stream order.
+        comm_kind: ``"all_reduce"``, ``"all_gather"`` or ``"reduce_scatter"``.
+        step: Steps taken so far (see :meth:`advance`).
+    """
+
+    def __init__(self, *, op_names: Sequence[str], ops: Sequence[Callable[[], Any]],
+                 comm_kind: str, buffers: Sequence[Any], comm_outputs: Sequence[Any] = (),
+                 state: dict[str, Any] | None = None) -> None:
+        if len(op_names) != len(ops):
+            raise ValueError(f"{len(ops)} ops but {len(op_names)} names")
+        if len(buffers) != 2:
+            raise ValueError("a program double-buffers its collective's tensor: 2 buffers")
+        self.op_names = tuple(op_names)
+        self._ops = tuple(ops)
+        self.comm_kind = comm_kind
+        self._buffers = list(buffers)
+        self._comm_outputs = list(comm_outputs)
+        self.state = state if state is not None else {}
+        self.step = 0
+
+    @property
+    def ops(self) -> tuple[Callable[[], Any], ...]:
+        """Zero-argument callables that enqueue each op on the current stream."""
+        return self._ops
+
+    @property
+    def output(self) -> Any:
+        """The buffer this step's computation writes (the collective's input next step)."""
+        return self._buffers[self.step % 2]
+
+    @property
+    def comm_tensor(self) -> Any:
+        """The tensor this step's collective acts on: the previous step's output."""
+        return self._buffers[(self.step + 1) % 2]
+
+    @property
+    def comm_output(self) -> Any:
+        """Output tensor of an all-gather / reduce-scatter (``None`` for all-reduce)."""
+        return self._comm_outputs[self.step % 2] if self._comm_outputs else None
+
+    def advance(self) -> None:
+        """Move to the next step (flip the double buffers)."""
+        self.step += 1
+
+    def run_plain(self) -> None:
+        """Enqueue every op on the current stream, in order (no collective)."""
+        for fn in self._ops:
+            fn()
+
+
+class RunnablePartition(Partition):
+    """A partition whose ops can be built as kernels on a GPU."""
+
+    @abc.abstractmethod
+    def build(self, *, device: Any = None, seed: int = 0) -> PartitionProgram:
+        """Allocate inputs and weights on ``device`` and return the program."""
+
+
+# ------------------------------------------------------------------ transformer ops
+
+
+@attrs.frozen
+class _Dims:
+    b: int  # sequences per nanobatch
+    sq: int  # query tokens per sequence on this rank
+    sk: int  # key tokens per sequence
+    h: int
+    heads: int  # query heads on this rank
+    kvh: int  # KV heads on this rank
+    hd: int
+    f: int
+
+    @property
+    def t(self) -> int:
+        return self.b * self.sq
+
+    @property
+    def q(self) -> int:
+        return self.heads * self.hd
+
+    @property
+    def kv(self) -> int:
+        return self.kvh * self.hd
+
+
+def _dims(wl: Workload) -> _Dims:
+    m, p = wl.model, wl.parallelism
+    return _Dims(b=wl.microbatch_size // wl.nanobatches, sq=wl.seq_len // p.cp, sk=wl.seq_len,
+                 h=m.hidden, heads=m.heads // p.tp, kvh=m.kv_heads // p.tp, hd=m.head_dim,
+                 f=m.ffn // p.tp)
+
+
+def _rms_norm(torch: Any, x: Any, w: Any, eps: float = 1e-5) -> Any:
+    fn = getattr(torch.nn.functional, "rms_norm", None)
+    if fn is not None:
+        return fn(x, (x.shape[-1],), w, eps)
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+
+def _rms_norm_bwd(torch: Any, x: Any, w: Any, dy: Any, eps: float = 1e-5) -> Any:
+    xf, g = x.float(), (dy * w).float()
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    dot = (g * xf).mean(-1, keepdim=True)
+    return (r * g - xf * r.pow(3) * dot).to(x.dtype)
+
+
+def _rotate_half(torch: Any, x: Any) -> Any:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rope(torch: Any, x: Any, cos: Any, sin: Any) -> Any:
+    return x * cos + _rotate_half(torch, x) * sin
+
+
+def _sdpa(torch: Any, q: Any, k: Any, v: Any) -> Any:
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _op_builders() -> dict[str, Callable[[Any, dict[str, Any], _Dims, Any], Callable[[], Any]]]:
+    """Op name -> builder(torch, ctx, dims, out_buffer_getter) -> op callable.
+
+    Each builder creates the inputs it needs in ``ctx`` if earlier ops did not, and its
+    op stores results in ``ctx``; ops named in ``_OUTPUT_OPS`` write the collective's
+    buffer (``out()``) instead.
+    """
+
+    def rnd(torch: Any, ctx: dict[str, Any], key: str, *shape: int, scale: float = 1.0) -> Any:
+        if key not in ctx:
+            g = ctx["_gen"]
+            ctx[key] = (torch.randn(*shape, generator=g, device=ctx["_device"],
+                                    dtype=torch.float32) * scale).to(ctx["_dtype"])
+        return ctx[key]
+
+    def weight(torch: Any, ctx: dict[str, Any], key: str, *shape: int) -> Any:
+        return rnd(torch, ctx, key, *shape, scale=shape[0] ** -0.5)
+
+    def cos_sin(torch: Any, ctx: dict[str, Any], d: _Dims) -> tuple[Any, Any]:
+        if "cos" not in ctx:
+            inv = 1.0 / (500000.0 ** (torch.arange(0, d.hd, 2, device=ctx["_device"],
+                                                   dtype=torch.float32) / d.hd))
+            pos = torch.arange(d.sq, device=ctx["_device"], dtype=torch.float32)
+            ang = torch.outer(pos, inv)
+            ang = torch.cat((ang, ang), dim=-1)[:, None, :]  # [s, 1, hd]
+            ctx["cos"] = ang.cos().to(ctx["_dtype"])
+            ctx["sin"] = ang.sin().to(ctx["_dtype"])
+        return ctx["cos"], ctx["sin"]
+
+    def norm(key_w: str) -> Callable[..., Callable[[], Any]]:
+        def build(torch: Any, ctx: dict[str, Any], d: _Dims, out: Any) -> Callable[[], Any]:
+            x = rnd(torch, ctx, "x", d.t, d.h)
+            w = rnd(torch, ctx, key_w, d.h, scale=0.1)
+            w.add_(1.0)
+
+            def op() -> None:
+                ctx["xn"] = _rms_norm(torch, x, w)
+            return op
+        return build
+
+    def norm_bwd(key_w: str) -> Callable[..., Callable[[], Any]]:
+        def build(torch: Any, ctx: dict[str, Any], d: _Dims, out: Any) -> Callable[[], Any]:
+            x = rnd(torch, ctx, "x", d.t, d.h)
+            w = rnd(torch, ctx, key_w, d.h, scale=0.1)
+            dy = rnd(torch, ctx, "dy", d.t, d.h)
+
+            def op() -> None:
+                ctx["dyn"] = _rms_norm_bwd(torch, x, w, dy)
+            return op
+        return build
+
+    def gemm(a_key: str, a_shape: Callable[[_Dims], tuple[int, int]], w_key: str,
+             w_shape: Callable[[_Dims], tuple[int, int]], dst: str, *,
+             trans_a: bool = False, trans_w: bool = False,
+             add_key: str | None = None) -> Callable[..., Callable[[], Any]]:
+        def build(torch: Any, ctx: dict[str, Any], d: _Dims, out: Any) -> Callable[[], Any]:
+            def operand(key: str, shape: tuple[int, int], is_weight: bool) -> Callable[[], Any]:
+                if is_weight and key.startswith("W"):
+                    weight(torch, ctx, key, *shape)
+                else:
+                    rnd(torch, ctx, key, *shape)
+                return lambda: ctx[key]
+
+            get_a = operand(a_key, a_shape(d), False)
+            get_w = operand(w_key, w_shape(d), True)
+
+            def op() -> None:
+                a = get_a().t() if trans_a else get_a()
+                w = get_w().t() if trans_w else get_w()
+                if out is not None:
+                    if add_key is not None:
+                        torch.addmm(ctx[add_key], a, w, out=out())
+                    else:
+                        torch.matmul(a, w, out=out())
+                else:
+                    ctx[dst] = (torch.addmm(ctx[add_key], a, w) if add_key is not None
+                                else torch.matmul(a, w))
+            return op
+        return build
+
+    def rope(torch: Any, ctx: dict[str, Any], d: _Dims, out: Any) -> Callable[[], Any]:
+        rnd(torch, ctx, "qkv", d.t, d.q + 2 * d.kv)
+        cos, sin = cos_sin(torch, ctx, d)
+
+        def op() -> None:
+            qkv = ctx["qkv"].view(d.b, d.sq, d.heads + 2 * d.kvh, d.hd)
+            q, k, v = qkv.split((d.heads, d.kvh, d.kvh), dim=2)
+            ctx["q"] = _rope(torch, q, cos, sin).transpose(1, 2)
+            ctx["k"] = _rope(torch, k, cos, sin).transpose(1, 2)
+            ctx["v"] = v.transpose(1, 2)
+        return op
+
+    def ensure_qkv(torch: Any, ctx: dict[str, Any], d: _Dims) -> None:
+        if "q" not in ctx:
+            ctx["q"] = rnd(torch, ctx, "_q", d.b, d.sq, d.heads, d.hd).transpose(1, 2)
+        if "k" not in ctx:
+            ctx["k"] = rnd(torch, ctx, "_k", d.b, d.sk, d.kvh, d.hd).transpose(1, 2)
+            ctx["v"] = rnd(torch, ctx, "_v", d.b, d.sk, d.kvh, d.hd).transpose(1, 2)
+
+    def attn_core(torch: Any, ctx: dict[str, Any], d: _Dims, out: Any) -> Callable[[], Any]:
+        ensure_qkv(torch, ctx, d)
+
+        def op() -> None:
+            o = _sdpa(torch, ctx["q"], ctx["k"], ctx["v"])
+            ctx["attn"] = o.transpose(1, 2).reshape(d.t, d.q)
+        return op
+
+    def attn_core_bwd(torch: Any, ctx: dict[str, Any], d: _Dims, out: Any) -> Callable[[], Any]:
+        ensure_qkv(torch, ctx, d)
+        q = ctx["q"].detach().requires_grad_()
+        k = ctx["k"].detach().requires_grad_()
+        v = ctx["v"].detach().requires_grad_()
+        with torch.enable_grad():
+            o = _sdpa(torch, q, k, v)
+        rnd(torch, ctx, "dattn", d.t, d.q)
+
+        def op() -> None:
+            do = ctx["dattn"].view(d.b, d.sq, d.heads, d.hd).transpose(1, 2)
+            dq, dk, dv = torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+            ctx["dq"], ctx["dk"], ctx["dv"] = dq, dk, dv
+        return op
+
+    def rope_bwd(torch: Any, ctx: dict[str, Any], d: _Dims, out: Any) -> Callable[[], Any]:
+        cos, sin = cos_sin(torch, ctx, d)
+        if "dq" not in ctx:
+            ctx["dq"] = rnd(torch, ctx, "_dq", d.b, d.sq, d.heads, d.hd).transpose(1, 2)
+            ctx["dk"] = rnd(torch, ctx, "_dk", d.b, d.sq, d.kvh, d.hd).transpose(1, 2)
+            ctx["dv"] = rnd(torch, ctx, "_dv", d.b, d.sq, d.kvh, d.hd).transpose(1, 2)
+
+        def op() -> None:
+            # RoPE is a rotation: its backward rotates back (sin -> -sin).
+            dq = _rope(torch, ctx["dq"].transpose(1, 2), cos, -sin)
+            dk = _rope(torch, ctx["dk"].transpose(1, 2), cos, -sin)
+            dv = ctx["dv"].transpose(1, 2)
+            ctx["dqkv"] = torch.cat((dq, dk, dv), dim=2).reshape(d.t, d.q + 2 * d.kv)
+        return op
+
+    def swiglu(torch: Any, ctx: dict[str, Any], d: _Dims, out: Any) -> Callable[[], Any]:
+        rnd(torch, ctx, "g", d.t, d.f)
+        rnd(torch, ctx, "u", d.t, d.f)
+
+        def op() -> None:
+            ctx["a"] = torch.nn.functional.silu(ctx["g"]) * ctx["u"]
+        return op
+
+    def swiglu_bwd(torch: Any, ctx: dict[str, Any], d: _Dims, out: Any) -> Callable[[], Any]:
+        g = rnd(torch, ctx, "g", d.t, d.f)
+        u = rnd(torch, ctx, "u", d.t, d.f)
+        rnd(torch, ctx, "da", d.t, d.f)
+
+        def op() -> None:
+            da = ctx["da"]
+            s = torch.sigmoid(g)
+            silu = g * s
+            ctx["du"] = da * silu
+            ctx["dg"] = da * u * s * (1 + g * (1 - s))
+        return op
+
+    tq = lambda d: (d.t, d.q)  # noqa: E731
+    th = lambda d: (d.t, d.h)  # noqa: E731
+    tf = lambda d: (d.t, d.f)  # noqa: E731
+    tqkv = lambda d: (d.t, d.q + 2 * d.kv)  # noqa: E731
+    return {
+        "attn_norm": norm("w_attn_norm"),
+        "mlp_norm": norm("w_mlp_norm"),
+        "qkv": gemm("xn", th, "Wqkv", lambda d: (d.h, d.q + 2 * d.kv), "qkv"),
+        "rope": rope,
+        "attn_core": attn_core,
+        "out_proj": gemm("attn", tq, "Wo", lambda d: (d.q, d.h), "y"),
+        "gate": gemm("xn", th, "Wg", lambda d: (d.h, d.f), "g"),
+        "up": gemm("xn", th, "Wu", lambda d: (d.h, d.f), "u"),
+        "swiglu": swiglu,
+        "down": gemm("a", tf, "Wd", lambda d: (d.f, d.h), "y"),
+        # backward (weights stored [in, out]; dgrad multiplies by W^T, wgrad is in^T @ dout)
+        "attn_norm_bwd": norm_bwd("w_attn_norm"),
+        "mlp_norm_bwd": norm_bwd("w_mlp_norm"),
+        "down_dgrad": gemm("dyn", th, "Wd", lambda d: (d.f, d.h), "da", trans_w=True),
+        "down_wgrad": gemm("a", tf, "dyn", th, "dWd", trans_a=True),
+        "swiglu_bwd": swiglu_bwd,
+        "gate_dgrad": gemm("dg", tf, "Wg", lambda d: (d.h, d.f), "dx_g", trans_w=True),
+        "up_dgrad": gemm("du", tf, "Wu", lambda d: (d.h, d.f), "dx", trans_w=True,
+                         add_key="dx_g"),
+        "gate_wgrad": gemm("xn", th, "dg", tf, "dWg", trans_a=True),
+        "up_wgrad": gemm("xn", th, "du", tf, "dWu", trans_a=True),
+        "out_dgrad": gemm("dyn", th, "Wo", lambda d: (d.q, d.h), "dattn", trans_w=True),
+        "out_wgrad": gemm("attn", tq, "dyn", th, "dWo", trans_a=True),
+        "attn_core_bwd": attn_core_bwd,
+        "rope_bwd": rope_bwd,
+        "qkv_dgrad": gemm("dqkv", tqkv, "Wqkv", lambda d: (d.h, d.q + 2 * d.kv), "dx",
+                          trans_w=True),
+        "qkv_wgrad": gemm("xn", th, "dqkv", tqkv, "dWqkv", trans_a=True),
+    }
+
+
+def _comm_buffers(torch: Any, comm: CommOp, device: Any, dtype: Any, shape: tuple[int, ...]
+                  ) -> tuple[list[Any], list[Any]]:
+    """Two input buffers (and two outputs for all-gather / reduce-scatter)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    n = int(comm.bytes) // elem
+    g = comm.group_size
+    if comm.kind is CommKind.ALL_REDUCE:
+        ins = [torch.zeros(shape if _numel(shape) == n else (n,), device=device, dtype=dtype)
+               for _ in range(2)]
+        return ins, []
+    if comm.kind is CommKind.ALL_GATHER:  # bytes = gathered output
+        ins = [torch.zeros(n // g, device=device, dtype=dtype) for _ in range(2)]
+        outs = [torch.zeros(n // g * g, device=device, dtype=dtype) for _ in range(2)]
+        return ins, outs
+    ins = [torch.zeros(n // g * g, device=device, dtype=dtype) for _ in range(2)]
+    outs = [torch.zeros(n // g, device=device, dtype=dtype) for _ in range(2)]
+    return ins, outs
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+class RunnableTransformerPartition(RunnablePartition):
+    """A preset workload's partition whose ops run as torch kernels at its shapes.
+
+    Args:
+        partition: The partition type (from :func:`~kareus.model.partition.build_partitions`).
+        workload: The workload it was built from (gives the per-rank nanobatch shapes).
+        dtype: torch dtype name of activations and weights (default ``"bfloat16"``).
+    """
+
+    def __init__(self, partition: TransformerPartition, workload: Workload, *,
+                 dtype: str | None = None) -> None:
+        if not isinstance(partition, TransformerPartition):
+            raise TypeError(f"partition must be a TransformerPartition, got "
+                            f"{type(partition).__name__}")
+        if not isinstance(workload, Workload):
+            raise TypeError(f"workload must be a Workload, got {type(workload).__name__}")
+        builders = _op_builders()
+        unknown = [op.name for op in partition.compute_ops if op.name not in builders]
+        if unknown:
+            raise ValueError(f"no kernel for ops {unknown} of partition {partition.name!r}")
+        self.partition = partition
+        self.workload = workload
+        self.dtype = "bfloat16" if dtype is None else str(dtype)
+
+    @property
+    def name(self) -> str:
+        return self.partition.name
+
+    @property
+    def compute_ops(self) -> tuple[ComputeOp, ...]:
+        return self.partition.compute_ops
+
+    @property
+    def comm_op(self) -> CommOp:
+        return self.partition.comm_op
+
+    @property
+    def overlappable(self) -> bool:
+        return self.partition.overlappable
+
+    @property
+    def dims(self) -> _Dims:
+        return _dims(self.workload)
+
+    def build(self, *, device: Any = None, seed: int = 0) -> PartitionProgram:
+        """Allocate inputs, weights and buffers on ``device`` (default: the current CUDA
+        device), run each op once to materialise its outputs, and return the program."""
+        import torch  # noqa: PLC0415
+
+        dev = torch.device("cuda", torch.cuda.current_device()) if device is None \
+            else torch.device(device)
+        dtype = getattr(torch, self.dtype)
+        d = self.dims
+        gen = torch.Generator(device=dev)
+        gen.manual_seed(seed)
+        ctx: dict[str, Any] = {"_gen": gen, "_device": dev, "_dtype": dtype}
+        bufs, outs = _comm_buffers(torch, self.comm_op, dev, dtype, (d.t, d.h))
+        holder: dict[str, Any] = {}
+        builders = _op_builders()
+        names = [op.name for op in self.compute_ops]
+        out_ops = [n for n in names if n in _OUTPUT_OPS]
+        writes_buffer = (self.comm_op.kind is CommKind.ALL_REDUCE and bool(out_ops)
+                         and bufs[0].shape == (d.t, d.h))
+        ops = []
+        for name in names:
+            out = (lambda: holder["prog"].output) if writes_buffer and name == out_ops[-1] \
+                else None
+            fn = builders[name](torch, ctx, d, out)
+            ops.append(fn)
+        prog = PartitionProgram(op_names=names, ops=ops, comm_kind=self.comm_op.kind.value,
+                                buffers=bufs, comm_outputs=outs, state=ctx)
+        holder["prog"] = prog
+        with torch.no_grad():
+            prog.run_plain()  # materialise every intermediate once
+        torch.cuda.synchronize(dev) if dev.type == "cuda" else None
+        return prog
+
+    def __repr__(self) -> str:
+        return f"Runnable{self.partition!r}"
+
+
+def runnable_partitions(workload: Workload, names: Sequence[str] | None = None, *,
+                        dtype: str | None = None) -> dict[str, RunnableTransformerPartition]:
+    """Runnable versions of a workload's partition types (all, or those in ``names``)."""
+    from kareus.model.partition import build_partitions  # noqa: PLC0415
+
+    ps = build_partitions(workload)
+    chosen = ps.names if names is None else list(names)
+    out = {}
+    for n in chosen:
+        p = ps[n]
+        if not isinstance(p, TransformerPartition):
+            raise TypeError(f"partition {n!r} is not a TransformerPartition")
+        out[n] = RunnableTransformerPartition(p, workload, dtype=dtype)
+    return out
+
+
+# ------------------------------------------------------------------ user callables
+
+
+@attrs.frozen(kw_only=True, repr=False)
+class CallablePartition(OpPartition, RunnablePartition):
+    """A partition given by its ops and one callable per op, for your own kernels.
+
+    Attributes:
+        callables: One zero-argument callable per entry of ``compute_ops``, each
+            enqueueing that op on the current stream.
+        comm_buffers: The two tensors the collective alternates between (step ``j``
+            reduces buffer ``(j+1) % 2`` while the ops write buffer ``j % 2``); the
+            callables write ``program.output`` themselves if they want real data flow.
+        comm_outputs: Two output tensors for all-gather / reduce-scatter (empty for
+            all-reduce).
+    """
+
+    callables: tuple[Callable[[], Any], ...] = attrs.field(converter=tuple)
+    comm_buffers: tuple[Any, Any] = attrs.field(converter=tuple)
+    comm_outputs: tuple[Any, ...] = attrs.field(converter=tuple, factory=tuple)
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        if len(self.callables) != len(self.compute_ops):
+            raise ValueError(f"partition {self.name!r}: {len(self.compute_ops)} ops but "
+                             f"{len(self.callables)} callables")
+        if not all(callable(c) for c in self.callables):
+            raise TypeError("every entry of callables must be callable")
+        if len(self.comm_buffers) != 2:
+            raise ValueError("comm_buffers must hold two tensors (double buffering)")
+        if self.comm_op.kind is not CommKind.ALL_REDUCE and len(self.comm_outputs) != 2:
+            raise ValueError(f"{self.comm_op.kind.value} needs two comm_outputs")
+
+    def build(self, *, device: Any = None, seed: int = 0) -> PartitionProgram:
+        return PartitionProgram(op_names=[op.name for op in self.compute_ops],
+                                ops=self.callables, comm_kind=self.comm_op.kind.value,
+                                buffers=self.comm_buffers, comm_outputs=self.comm_outputs)

@@ -1,0 +1,96 @@
+"""A fake NVML module for CPU tests: a stepping energy counter, temperatures, clocks
+and locked-clock calls with a permission switch."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+
+class NVMLError(Exception):
+    def __init__(self, value: int) -> None:
+        super().__init__(f"NVML error {value}")
+        self.value = value
+
+
+class NVMLError_NoPermission(NVMLError):  # noqa: N801 - pynvml's naming
+    def __init__(self) -> None:
+        super().__init__(4)
+
+
+NVML_ERROR_NO_PERMISSION = 4
+NVML_CLOCK_SM = 1
+
+
+class FakeDevice:
+    def __init__(self, idle_w: float) -> None:
+        self.idle_w = idle_w
+        self.busy: list[tuple[float, float, float]] = []  # (start, end, extra watts)
+        self.temp_c = 40.0
+        self.locked: tuple[int, int] | None = None
+        self.sm_clock_mhz = 1980
+
+    def energy_j(self, t: float, t0: float) -> float:
+        e = self.idle_w * (t - t0)
+        for a, b, w in self.busy:
+            lo, hi = max(a, t0), min(b, t)
+            if hi > lo:
+                e += w * (hi - lo)
+        return e
+
+
+class FakeNVML:
+    """Counter steps every ``period_s``; reads return the value at the last step."""
+
+    NVMLError = NVMLError
+    NVMLError_NoPermission = NVMLError_NoPermission
+    NVML_CLOCK_SM = NVML_CLOCK_SM
+
+    def __init__(self, n: int = 1, *, period_s: float = 0.02, idle_w: float = 80.0,
+                 allow_clock_changes: bool = True, counter_moves: bool = True) -> None:
+        self.t0 = time.perf_counter()
+        self.period_s = period_s
+        self.devices = [FakeDevice(idle_w) for _ in range(n)]
+        self.allow = allow_clock_changes
+        self.counter_moves = counter_moves
+        self.calls: list[tuple] = []
+        self.lock = threading.Lock()
+        self.inits = 0
+
+    def nvmlInit(self) -> None:  # noqa: N802
+        self.inits += 1
+
+    def nvmlDeviceGetCount(self) -> int:  # noqa: N802
+        return len(self.devices)
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> FakeDevice:  # noqa: N802
+        return self.devices[i]
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, h: FakeDevice) -> int:  # noqa: N802
+        if not self.counter_moves:
+            return 123456
+        now = time.perf_counter()
+        k = int((now - self.t0) / self.period_s)
+        t_step = self.t0 + k * self.period_s
+        with self.lock:
+            return int(h.energy_j(t_step, self.t0) * 1000)
+
+    def nvmlDeviceGetTemperature(self, h: FakeDevice, sensor: int) -> float:  # noqa: N802
+        return h.temp_c
+
+    def nvmlDeviceGetClockInfo(self, h: FakeDevice, kind: int) -> int:  # noqa: N802
+        return h.locked[0] if h.locked else h.sm_clock_mhz
+
+    def nvmlDeviceSetGpuLockedClocks(self, h, lo, hi):  # noqa: N802
+        self.calls.append(("lock", self.devices.index(h), lo, hi))
+        if not self.allow:
+            raise NVMLError_NoPermission()
+        h.locked = (lo, hi)
+
+    def nvmlDeviceResetGpuLockedClocks(self, h):  # noqa: N802
+        self.calls.append(("reset", self.devices.index(h)))
+        h.locked = None
+
+    def add_busy(self, dev: int, start: float, end: float, extra_w: float) -> None:
+        with self.lock:
+            self.devices[dev].busy.append((start, end, extra_w))
