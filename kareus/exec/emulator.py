@@ -111,6 +111,10 @@ class EmulatedGPU:
         comm_freq_exponent: ``alpha`` of the per-SM throughput's clock dependence ``(f/f_max)^alpha``.
         comm_hbm_bytes_per_bus_byte: Local HBM bytes read and written per bus byte.
         comm_sm_activity: Busy-SM power of a communication SM relative to a computing SM.
+        comm_interference: Slow-down of a collective's per-SM throughput while a tensor-core
+            kernel (GEMM, attention) runs beside it: the per-SM rate is divided by
+            ``1 + comm_interference`` (L2 and crossbar queueing lengthen the latency that
+            a latency-bound copy loop waits on). Link saturation is not affected.
         sm_busy_power_w: Dynamic power of all SMs busy (non-tensor part) at the maximum clock
             and voltage, watts.
         tensor_power_w: Additional dynamic power of all SMs' tensor cores at 100% use, at
@@ -142,6 +146,7 @@ class EmulatedGPU:
     comm_freq_exponent: float = attrs.field(validator=_nonneg)
     comm_hbm_bytes_per_bus_byte: float = attrs.field(validator=_nonneg)
     comm_sm_activity: float = attrs.field(validator=_fraction)
+    comm_interference: float = attrs.field(validator=_nonneg)
     sm_busy_power_w: float = attrs.field(validator=_nonneg)
     tensor_power_w: float = attrs.field(validator=_nonneg)
     mem_op_sm_activity: float = attrs.field(validator=_fraction)
@@ -201,10 +206,13 @@ class EmulatedGPU:
         v = self.voltage_fraction(freq_mhz)
         return freq_mhz / self.spec.max_clock_mhz * v * v
 
-    def comm_bus_rate(self, sms: int, freq_mhz: float) -> float:
-        """Bus bytes per second of a collective on ``sms`` SMs at ``freq_mhz`` (no contention)."""
+    def comm_bus_rate(self, sms: int, freq_mhz: float, *, beside_tensor: bool = False) -> float:
+        """Bus bytes per second of a collective on ``sms`` SMs at ``freq_mhz`` (no HBM
+        contention); ``beside_tensor``: while a GEMM or attention kernel runs beside it."""
         per_sm = (self.comm_gbps_per_sm * 1e9
                   * (freq_mhz / self.spec.max_clock_mhz) ** self.comm_freq_exponent)
+        if beside_tensor:
+            per_sm /= 1.0 + self.comm_interference
         p = self.comm_saturation_p
         link = self.comm_link_gbps * 1e9
         return ((sms * per_sm) ** -p + link ** -p) ** (-1.0 / p)
@@ -247,6 +255,7 @@ def _default_constants(spec: GPUSpec) -> dict[str, Any]:
         comm_freq_exponent=0.25,
         comm_hbm_bytes_per_bus_byte=3.0,
         comm_sm_activity=0.6,
+        comm_interference=0.2,
         sm_busy_power_w=0.3 * spec.power_limit_w,
         tensor_power_w=0.7 * spec.power_limit_w,
         mem_op_sm_activity=0.6,
@@ -277,9 +286,10 @@ def _default_constants(spec: GPUSpec) -> dict[str, Any]:
             gemm_efficiency=0.88,
             attention_efficiency=0.55,
             hbm_efficiency=0.896 if name == "h200-sxm" else 0.88,  # H200: 4.3 of 4.8 TB/s
-            comm_link_gbps=400.0,
+            comm_gbps_per_sm=47.6,
+            comm_link_gbps=302.0,
             sm_busy_power_w=460.0,
-            tensor_power_w=985.0,
+            tensor_power_w=790.0,
             uncore_power_w=60.0,
             hbm_energy_pj_per_byte=50.0,
         )
@@ -426,13 +436,13 @@ class _Sim:
         # Comm stream state: a list of pending (bus, sms), the active one with phase.
         pending_overlap = overlapped[0] if overlapped else None
         active: list[float] | None = None  # [latency_left, bus_left, sms]
-        comm_rate0_cache: dict[int, float] = {}
+        comm_rate0_cache: dict[tuple[int, bool], float] = {}
 
-        def comm_rate0(sms: int) -> float:
-            r = comm_rate0_cache.get(sms)
+        def comm_rate0(sms: int, beside_tensor: bool) -> float:
+            r = comm_rate0_cache.get((sms, beside_tensor))
             if r is None:
-                r = gpu.comm_bus_rate(sms, f_mhz)
-                comm_rate0_cache[sms] = r
+                r = gpu.comm_bus_rate(sms, f_mhz, beside_tensor=beside_tensor)
+                comm_rate0_cache[(sms, beside_tensor)] = r
             return r
 
         def start_comm(bus: float, sms: int) -> list[float]:
@@ -466,7 +476,8 @@ class _Sim:
             dt_comm = math.inf
             op_rate = 0.0
             op = ops[i] if compute_active else None
-            comm_rate = comm_rate0(comm_sms) if comm_transfer else 0.0
+            comm_rate = (comm_rate0(comm_sms, op is not None and op.tensor and not in_gap)
+                         if comm_transfer else 0.0)
             if comm_rate * hbm_per_bus > hbm:  # never more than HBM can feed
                 comm_rate = hbm / hbm_per_bus
             if op is not None and not in_gap:
