@@ -58,7 +58,7 @@ from kareus.exec.profiler import Profiler
 from kareus.model.config import ScheduleConfig
 from kareus.model.gpu import GPUSpec, get_gpu
 from kareus.model.measurement import Measurement
-from kareus.model.ops import CommOp, ComputeOp
+from kareus.model.ops import CommKind, CommOp, ComputeOp
 from kareus.model.partition import OutsideWork, Partition
 
 __all__ = ["EmulatedGPU", "EmulatedProfiler", "EmulationTrace"]
@@ -372,6 +372,17 @@ class EmulationTrace:
     op_times_s: tuple[float, ...]
 
 
+def _comm_tuple(gpu: EmulatedGPU, comm: CommOp, sms: int, start: int | None
+                ) -> tuple[float, int, int | None, float]:
+    """A collective for :meth:`_Sim.run`. Ring all-gather moves fewer local HBM bytes per
+    bus byte (write what arrives, read it to forward) than all-reduce and reduce-scatter
+    (which also read the local operand): 2/3 of ``comm_hbm_bytes_per_bus_byte``."""
+    factor = gpu.comm_hbm_bytes_per_bus_byte
+    if comm.kind is CommKind.ALL_GATHER:
+        factor *= 2.0 / 3.0
+    return (comm.bus_bytes, sms, start, factor)
+
+
 class _Sim:
     """Event-driven simulation of a compute stream and a communication stream on one GPU."""
 
@@ -386,13 +397,14 @@ class _Sim:
         self.gap = gpu.launch_overhead_s
         self.p_static = gpu.spec.static_power_w
 
-    def run(self, f_mhz: float, comms: Sequence[tuple[float, int, int | None]],
+    def run(self, f_mhz: float, comms: Sequence[tuple[float, int, int | None, float]],
             detail: bool = False) -> tuple[float, float, dict[str, Any] | None]:
         """Simulate.
 
         Args:
             f_mhz: SM clock.
-            comms: Collectives as (bus bytes, SMs, start op index or None = after all ops);
+            comms: Collectives as (bus bytes, SMs, start op index or None = after all ops,
+                HBM bytes per bus byte);
                 at most one may overlap; those with ``None`` run one after another at the end.
             detail: Whether to return per-op timings.
 
@@ -407,7 +419,6 @@ class _Sim:
         p_uncore = gpu.uncore_power_w * scale
         e_hbm = gpu.hbm_energy_pj_per_byte * 1e-12
         e_link = gpu.link_energy_pj_per_byte * 1e-12
-        hbm_per_bus = gpu.comm_hbm_bytes_per_bus_byte
         comm_act = gpu.comm_sm_activity
         S, hbm, issue, gap = self.S, self.hbm, self.issue, self.gap
         ops = self.ops
@@ -435,7 +446,7 @@ class _Sim:
 
         # Comm stream state: a list of pending (bus, sms), the active one with phase.
         pending_overlap = overlapped[0] if overlapped else None
-        active: list[float] | None = None  # [latency_left, bus_left, sms]
+        active: list[float] | None = None  # [latency_left, bus_left, sms, hbm_per_bus]
         comm_rate0_cache: dict[tuple[int, bool], float] = {}
 
         def comm_rate0(sms: int, beside_tensor: bool) -> float:
@@ -445,14 +456,14 @@ class _Sim:
                 comm_rate0_cache[(sms, beside_tensor)] = r
             return r
 
-        def start_comm(bus: float, sms: int) -> list[float]:
-            return [gap + gpu.comm_latency_s, bus, float(sms)]
+        def start_comm(c: tuple[float, int, int | None, float]) -> list[float]:
+            return [gap + gpu.comm_latency_s, c[0], float(c[1]), c[3]]
 
         while True:
             # Launch the overlapped collective when op at its slot starts.
             if (pending_overlap is not None and i < n and in_gap and gap_left == gap
                     and i == pending_overlap[2]):
-                active = start_comm(pending_overlap[0], pending_overlap[1])
+                active = start_comm(pending_overlap)
                 pending_overlap = None
                 comm_start = t
             compute_active = i < n
@@ -461,13 +472,13 @@ class _Sim:
                     tail.insert(0, pending_overlap)
                     pending_overlap = None
                 if tail:
-                    bus, sms, _ = tail.pop(0)
-                    active = start_comm(bus, sms)
+                    active = start_comm(tail.pop(0))
                     if comm_start is None:
                         comm_start = t
                     continue
                 break
             comm_sms = int(active[2]) if active is not None else 0
+            hbm_per_bus = active[3] if active is not None else 0.0
             comm_transfer = active is not None and active[0] <= 0.0
             sms_c = S - comm_sms
             # Demands at full HBM.
@@ -558,6 +569,8 @@ class _Prepared:
     slot_index: dict[str, int]
     bus_bytes: float
     group_gpus: int
+    results: dict[tuple[int, int, str | None], tuple[float, float, int]] = attrs.field(
+        factory=dict)
 
 
 class EmulatedProfiler(Profiler):
@@ -614,7 +627,6 @@ class EmulatedProfiler(Profiler):
         self.power_limit = bool(power_limit)
         self.calls = 0
         self._prepared: dict[int, _Prepared] = {}
-        self._results: dict[tuple[int, int, int, str | None], tuple[float, float, int]] = {}
         self._op_cache: dict[ComputeOp, _Op] = {}
         self._clocks = self.gpu.clocks_mhz
 
@@ -630,14 +642,14 @@ class EmulatedProfiler(Profiler):
         prep = self._prepare(partition)
         if not isinstance(config, ScheduleConfig):
             raise TypeError(f"config must be a ScheduleConfig, got {type(config).__name__}")
-        key = (id(partition), config.freq_mhz, config.comm_sms, config.launch_slot)
-        res = self._results.get(key)
+        key = (config.freq_mhz, config.comm_sms, config.launch_slot)
+        res = prep.results.get(key)
         if res is None:
             self._check(prep, config)
             res = self._emulate(prep, config)
-            if len(self._results) > 200_000:
-                self._results.clear()
-            self._results[key] = res
+            if len(prep.results) > 100_000:
+                prep.results.clear()
+            prep.results[key] = res
         time_s, energy_gpu, _ = res
         g = prep.group_gpus
         return self._noisy(time_s, energy_gpu * g, self.gpu.static_power_w * g)
@@ -662,7 +674,7 @@ class EmulatedProfiler(Profiler):
         if not work.ops and not work.comms:
             return self._noisy(0.0, 0.0, self.gpu.static_power_w * group_size)
         sim = _Sim(self.emulated_gpu, [self._op(o) for o in work.ops])
-        comms = [(c.bus_bytes, sms, None) for c in work.comms]
+        comms = [_comm_tuple(self.emulated_gpu, c, sms, None) for c in work.comms]
         time_s, energy, _ = self._run_limited(sim, int(freq_mhz), comms)[:3]
         return self._noisy(time_s, energy * group_size, self.gpu.static_power_w * group_size)
 
@@ -724,7 +736,6 @@ class EmulatedProfiler(Profiler):
                          group_gpus=gg)
         if len(self._prepared) > 4096:
             self._prepared.clear()
-            self._results.clear()
         self._prepared[id(partition)] = prep
         return prep
 
@@ -766,16 +777,17 @@ class EmulatedProfiler(Profiler):
                 f"its slots: {names} (or launch_slot=None for sequential)")
 
     def _comms(self, prep: _Prepared, config: ScheduleConfig
-               ) -> list[tuple[float, int, int | None]]:
+               ) -> list[tuple[float, int, int | None, float]]:
         idx = None if config.launch_slot is None else prep.slot_index[config.launch_slot]
-        return [(prep.bus_bytes, config.comm_sms, idx)]
+        return [_comm_tuple(self.emulated_gpu, prep.partition.comm_op, config.comm_sms, idx)]
 
     def _emulate(self, prep: _Prepared, config: ScheduleConfig) -> tuple[float, float, int]:
         time_s, energy, f_eff, _ = self._run_limited(prep.sim, config.freq_mhz,
                                                      self._comms(prep, config))
         return time_s, energy, f_eff
 
-    def _run_limited(self, sim: _Sim, freq_mhz: int, comms: list[tuple[float, int, int | None]]
+    def _run_limited(self, sim: _Sim, freq_mhz: int,
+                     comms: list[tuple[float, int, int | None, float]]
                      ) -> tuple[float, float, int, bool]:
         """Run at ``freq_mhz``, or at the highest supported clock under the power limit."""
         t, e, _ = sim.run(freq_mhz, comms)
