@@ -80,16 +80,18 @@ def main() -> int:  # noqa: C901, PLR0915 - a linear script
     ap.add_argument("--sms", default="1,2,4,8,16,24,32", help="SM counts of the grid")
     ap.add_argument("--partitions", default="fwd_attn,fwd_mlp")
     ap.add_argument("--slots", default=None, help="restrict slots (comma list), default all")
-    ap.add_argument("--search-budget", type=int, default=16)
-    ap.add_argument("--search-batch", type=int, default=8)
-    ap.add_argument("--repeat-every", type=int, default=10,
+    ap.add_argument("--search-budget", type=int, default=12)
+    ap.add_argument("--search-batch", type=int, default=6)
+    ap.add_argument("--repeat-every", type=int, default=8,
                     help="re-measure the check configuration every N grid configurations")
     ap.add_argument("--extra-repeats", type=int, default=0,
                     help="back-to-back repeats of the check configuration before the grid")
     ap.add_argument("--time-limit-s", type=float, default=420.0,
                     help="stop starting new measurements after this long")
-    ap.add_argument("--warmup-s", type=float, default=0.2)
-    ap.add_argument("--window-steps", type=int, default=4)
+    ap.add_argument("--warmup-s", type=float, default=0.5)
+    ap.add_argument("--window-steps", type=int, default=6)
+    ap.add_argument("--sub-windows", type=int, default=3)
+    ap.add_argument("--max-runs", type=int, default=1)
     ap.add_argument("--max-cooldown-s", type=float, default=1.5)
     ap.add_argument("--no-search", action="store_true")
     args = ap.parse_args()
@@ -134,7 +136,8 @@ def main() -> int:  # noqa: C901, PLR0915 - a linear script
     coord = TorchDistributedCoordinator()
     prof = NVMLProfiler(gpu="h200-sxm", runner=runner, meter=meter, coordinator=coord,
                         warmup_s=args.warmup_s, window_steps=args.window_steps,
-                        max_cooldown_s=args.max_cooldown_s, max_runs=2)
+                        max_cooldown_s=args.max_cooldown_s, max_runs=args.max_runs,
+                        sub_windows=args.sub_windows)
     prof.start()
     log(f"[{time.perf_counter() - t_begin:.1f}s] counter step {prof.step_period_s * 1e3:.1f} ms;"
         f" static (blocked) {prof.blocked_power_w} W, idle {prof.idle_power_w:.1f} W (group)")
@@ -155,8 +158,8 @@ def main() -> int:  # noqa: C901, PLR0915 - a linear script
         m = rec.measurement
         log(f"  {kind:9s} {part.name:9s} sms={str(cfg.comm_sms):>4s} "
             f"slot={str(cfg.launch_slot):10s} {m.time_s * 1e3:8.3f} ms {m.energy_j:8.3f} J "
-            f"P={rec.power_w:6.0f} W cv={rec.power_cv:.4f} runs={rec.runs} "
-            f"clk={rec.sm_clock_mhz or 0:5.0f} cool={rec.cooldown_s:.2f}s wall={rec.wall_s:.2f}s")
+            f"P={rec.power_w:5.0f}W cv={rec.subwindow_cv:.3f} "
+            f"clk={rec.sm_clock_mhz or 0:4.0f} cool={rec.cooldown_s:.2f} wall={rec.wall_s:.2f}")
         return row
 
     def dump() -> None:

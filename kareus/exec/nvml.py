@@ -12,10 +12,14 @@ that here:
   to about the polling period, so average power over an edge-to-edge span of a few
   steps is accurate to a fraction of a percent.
 * **Steady-state windows.** :class:`NVMLProfiler` runs the partition back to back for
-  a warm-up, then a measurement span of whole counter steps, then a short tail; power
-  comes from the edges inside the span, time per run from device events over the same
-  steady state, and energy per run is their product. The span is cut into sub-windows
-  whose spread is checked; while it is above the target, the profiler measures again.
+  a warm-up, then a measurement span of whole counter steps, then a short tail, with a
+  device event after every run. The events give the host time at which each run
+  finished, so the runs completed between the span's first and last counter step are
+  counted (fractionally at the ends): energy per run = counter energy over the span /
+  runs in it, time per run = span / runs in it. Under a power cap the GPU's clock
+  wanders, and this keeps energy and time of exactly the same span together. The span
+  is cut into sub-windows whose spread is checked; while it is above the target, the
+  profiler measures again.
 * **Thermal state.** Before each candidate, the profiler waits until every GPU's
   temperature is back near the baseline taken when the profiler started (not a fixed
   sleep), so the heat of one configuration does not leak into the next.
@@ -36,6 +40,7 @@ broadcast, so no loop length depends on one rank's timing.
 from __future__ import annotations
 
 import abc
+import bisect
 import math
 import statistics
 import threading
@@ -384,7 +389,7 @@ class TorchPartitionRunner(PartitionRunner):
         self._torch = torch
         self.executor = executor
         self.seed = int(seed)
-        self._programs: dict[str, Any] = {}
+        self._programs: dict[int, tuple[Partition, Any]] = {}
 
     def program(self, partition: Partition) -> Any:
         from kareus.exec.torch_partition import RunnablePartition  # noqa: PLC0415
@@ -392,9 +397,11 @@ class TorchPartitionRunner(PartitionRunner):
         if not isinstance(partition, RunnablePartition):
             raise TypeError(f"partition {partition.name!r} is not runnable: wrap it in "
                             "RunnableTransformerPartition or CallablePartition")
-        if partition.name not in self._programs:
-            self._programs[partition.name] = partition.build(seed=self.seed)
-        return self._programs[partition.name]
+        key = id(partition)
+        if key not in self._programs:
+            # Keep the partition alive with its program so the id is never reused.
+            self._programs[key] = (partition, partition.build(seed=self.seed))
+        return self._programs[key][1]
 
     def prepare(self, partition: Partition, config: ScheduleConfig) -> Callable[[], None]:
         prog = self.program(partition)
@@ -430,8 +437,8 @@ class MeasurementRecord:
         partition: Partition type.
         measurement: The result (group scope).
         steps: Steps run in the last run; ``runs``: runs made (repeats).
-        power_w: Group power over the measured span; ``power_cv``: spread of sub-window
-            powers (std / mean) in the accepted run.
+        power_w: Group power over the measured span; ``subwindow_cv``: spread (std / mean) of
+            the energy per step of the span's sub-windows in the accepted run.
         window_s: Edge-to-edge span of the accepted run (rank 0).
         cooldown_s: Time spent waiting for the temperature before the candidate.
         start_temp_c: Hottest GPU at the start of the candidate.
@@ -447,7 +454,7 @@ class MeasurementRecord:
     steps: int
     runs: int
     power_w: float
-    power_cv: float
+    subwindow_cv: float
     window_s: float
     cooldown_s: float
     start_temp_c: float
@@ -477,7 +484,8 @@ class NVMLProfiler(Profiler):
         window_steps: Counter steps in the measured span (each ~100 ms on H200); ``None``
             = 4.
         sub_windows: Parts the span is cut into to estimate the spread.
-        target_cv: Accept a run when its sub-window power spread is at most this.
+        target_cv: Accept a run when its sub-windows' energy-per-step spread is at most this
+            (else run again, up to ``max_runs``).
         max_runs: Runs per candidate at most (each one a full warm-up and span).
         cooldown_tolerance_c: Wait before a candidate until every GPU is at most this
             much above the baseline temperature...
@@ -649,42 +657,45 @@ class NVMLProfiler(Profiler):
         while runs < self.max_runs:
             runs += 1
             t_start = self._clock()
-            mark_a = mark_b = None
-            for i in range(n_steps):
-                if i == n_warm:
-                    mark_a = self.runner.mark()
+            marks = []
+            for _ in range(n_steps):
                 step()
-            mark_b = self.runner.mark()
+                marks.append(self.runner.mark())
             host_step_s = (self._clock() - t_start) / n_steps
             self.runner.synchronize()
             t_end = self._clock()
-            step_s = self.runner.elapsed_s(mark_a, mark_b) / (n_steps - n_warm)
-            lo, hi = t_start + self.warmup_s, t_end - 0.02
-            e_j, dt_s, nsteps = self.meter.energy_between(lo, hi)
-            p_mine = e_j / dt_s if dt_s > 0 else 0.0
-            parts = self.meter.split_powers_w(lo, hi, self.sub_windows)
-            parts = (parts + [p_mine] * self.sub_windows)[: self.sub_windows]
-            summed = self.coord.sum([p_mine, step_s, float(nsteps < 2), *parts])
-            p_group, step_mean = summed[0], summed[1] / self.coord.world_size
-            short = summed[2] > 0
-            sub = summed[3:]
-            cv = (statistics.pstdev(sub) / statistics.fmean(sub)) if len(sub) > 1 and \
-                statistics.fmean(sub) > 0 else 0.0
-            result = (p_group, step_mean, cv, dt_s, float(nsteps))
+            # Host time at which each step finished on the device: the last one finished
+            # just before synchronize() returned; the others by device time before it.
+            done = [t_end - self.runner.elapsed_s(m, marks[-1]) for m in marks]
+            lo = max(t_start + self.warmup_s, done[n_warm - 1])
+            hi = t_end - 0.01
+            edges = [(t, e) for t, e in self.meter.edges() if lo <= t <= hi]
+            mine = _per_step(edges, done, self.sub_windows)
+            summed = self.coord.sum([float(mine is None),
+                                     *(mine or [0.0] * (3 + self.sub_windows))])
+            short = summed[0] > 0
             if short:
-                # The span held fewer than two counter steps on some GPU: run longer.
+                # Some GPU saw fewer than two counter steps in the span: run longer.
                 n_steps = n_warm + 2 * (n_steps - n_warm)
                 continue
+            e_step, t_step, span = summed[1], summed[2] / self.coord.world_size, summed[3]
+            sub = summed[4:]
+            cv = (statistics.pstdev(sub) / statistics.fmean(sub)) if len(sub) > 1 and \
+                statistics.fmean(sub) > 0 else 0.0
+            result = (e_step, t_step, cv, span / self.coord.world_size, 0.0)
             decision = self.coord.broadcast([1.0 if cv <= self.target_cv else 0.0])[0]
             if decision > 0:
                 break
+        if result is None:
+            raise HardwareError(f"could not measure {partition.name} under {config}: the "
+                                "energy counter did not step inside the measured span")
         assert result is not None
-        p_group, step_mean, cv, dt_s, _ = result
-        m = Measurement(time_s=step_mean, energy_j=p_group * step_mean,
-                        static_power_w=self.static_power_w())
+        e_group, step_mean, cv, dt_s, _ = result
+        p_group = e_group / step_mean if step_mean > 0 else 0.0
+        m = Measurement(time_s=step_mean, energy_j=e_group, static_power_w=self.static_power_w())
         rec = MeasurementRecord(
             config=config, partition=partition.name, measurement=m, steps=n_steps, runs=runs,
-            power_w=p_group, power_cv=cv, window_s=dt_s, cooldown_s=cooldown_s,
+            power_w=p_group, subwindow_cv=cv, window_s=dt_s, cooldown_s=cooldown_s,
             start_temp_c=start_temp, sm_clock_mhz=self.meter.mean_sm_clock_mhz(lo, hi),
             wall_s=self._clock() - wall0, host_step_s=host_step_s)
         self.records.append(rec)
@@ -693,3 +704,37 @@ class NVMLProfiler(Profiler):
     def close(self) -> None:
         """Stop the meter's thread."""
         self.meter.stop()
+
+
+def _steps_done_at(t: float, done: Sequence[float]) -> float:
+    """Steps finished by host time ``t`` (linear between step completions)."""
+    i = bisect.bisect_right(done, t)
+    if i == 0:
+        return 0.0
+    if i >= len(done):
+        return float(len(done))
+    a, b = done[i - 1], done[i]
+    return i + ((t - a) / (b - a) if b > a else 0.0)
+
+
+def _per_step(edges: Sequence[tuple[float, int]], done: Sequence[float], parts: int
+              ) -> list[float] | None:
+    """This GPU's energy per step (J), time per step (s), span (s) and energy per step of
+    each of ``parts`` sub-windows, from the counter steps inside the span and the steps'
+    completion times; ``None`` with fewer than two counter steps."""
+    if len(edges) < 2:
+        return None
+    (ta, ea), (tb, eb) = edges[0], edges[-1]
+    steps = _steps_done_at(tb, done) - _steps_done_at(ta, done)
+    if steps <= 0 or tb <= ta:
+        return None
+    n = len(edges) - 1
+    k = max(1, min(parts, n))
+    bounds = [round(i * n / k) for i in range(k + 1)]
+    sub = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        (t0, e0), (t1, e1) = edges[a], edges[b]
+        st = _steps_done_at(t1, done) - _steps_done_at(t0, done)
+        sub.append((e1 - e0) / 1000.0 / st if st > 0 else 0.0)
+    sub = (sub + [sub[-1]] * parts)[:parts]
+    return [(eb - ea) / 1000.0 / steps, (tb - ta) / steps, tb - ta, *sub]
