@@ -100,6 +100,7 @@ def main() -> int:  # noqa: C901, PLR0915 - a linear script
     import torch
     import torch.distributed as dist
 
+    from kareus.errors import HardwareError
     from kareus.exec.collectives import NCCLCappedCollective
     from kareus.exec.executor import ProcessGroupCollective, TorchExecutor
     from kareus.exec.nvml import (
@@ -151,8 +152,14 @@ def main() -> int:  # noqa: C901, PLR0915 - a linear script
         stopped["flag"] = stopped["flag"] or not flag
         return flag
 
-    def measure(kind: str, part: Any, cfg: Any, **extra: Any) -> dict[str, Any]:
-        rec = prof.measure_record(part, cfg)
+    def measure(kind: str, part: Any, cfg: Any, **extra: Any) -> dict[str, Any] | None:
+        try:
+            rec = prof.measure_record(part, cfg)
+        except HardwareError as exc:  # raised on every rank together (a group decision)
+            log(f"  {kind} {part.name} {cfg}: FAILED {exc}")
+            rows.append({"kind": kind + "_failed", "partition": part.name,
+                         "config": cfg.to_dict(), "error": str(exc)})
+            return None
         row = {"kind": kind, **rec.to_dict(), **extra}
         rows.append(row)
         m = rec.measurement
@@ -207,8 +214,11 @@ def main() -> int:  # noqa: C901, PLR0915 - a linear script
     # temperature as the cool-down baseline.
     first = parts[names[0]]
     check = {n: DefaultCTAConfig(DEFAULT_FREQ_MHZ, parts[n].slots[0].name) for n in names}
-    prof.measure_record(first, check[names[0]])
-    prof.measure_record(first, check[names[0]])
+    for _ in range(2):
+        try:
+            prof.measure_record(first, check[names[0]])
+        except HardwareError as exc:
+            log(f"pre-heat measurement failed: {exc}")
     time.sleep(0.5)
     prof.baseline_temp_c = max(meter.temperatures_c())
     log(f"[{time.perf_counter() - t_begin:.1f}s] pre-heated; baseline temperature "
@@ -276,6 +286,9 @@ def main() -> int:  # noqa: C901, PLR0915 - a linear script
                             raise TimeoutError("study time limit reached during the search")
                         coord.broadcast([1.0, float(configs.index(cfg))])  # noqa: B023
                         row = measure("search", part, cfg)
+                        if row is None:
+                            release()
+                            raise HardwareError(f"measurement of {cfg} failed")
                         return Measurement.from_dict(row["measurement"])
 
                 search = MultiPassSearch(space, budget=args.search_budget,
@@ -318,6 +331,7 @@ def summarize(rows: list[dict[str, Any]], names: list[str], log: Any) -> None:
         mine = [r for r in rows if r["partition"] == n]
         if not mine:
             continue
+        mine = [r for r in mine if "measurement" in r]
         grid = [r for r in mine if r["kind"] == "grid"]
         reps = [r["measurement"]["energy_j"] for r in mine if r["kind"] in ("nanobatch", "repeat")]
         rep_t = [r["measurement"]["time_s"] for r in mine if r["kind"] in ("nanobatch", "repeat")]

@@ -43,6 +43,7 @@ import abc
 import bisect
 import math
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -126,6 +127,14 @@ class EnergyMeter:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        #: Failed counter reads so far, and the last failure.
+        self.read_errors = 0
+        self.last_error: str | None = None
+
+    @property
+    def alive(self) -> bool:
+        """Whether the polling thread runs."""
+        return self._thread is not None and self._thread.is_alive()
 
     # -- raw reads ---------------------------------------------------------------------
     def read_energy_mj(self) -> list[int]:
@@ -172,7 +181,13 @@ class EnergyMeter:
                 self._edges[k].append(_Edge(now, v))
         next_sample = now
         while not self._stop.is_set():
-            vals = self.read_energy_mj()
+            try:
+                vals = self.read_energy_mj()
+            except Exception as exc:  # noqa: BLE001 - keep polling through NVML hiccups
+                self.read_errors += 1
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                self._stop.wait(self.poll_interval_s)
+                continue
             now = time.perf_counter()
             changed = [k for k, v in enumerate(vals) if v != last[k]]
             if changed:
@@ -640,13 +655,14 @@ class NVMLProfiler(Profiler):
         cooldown_s, start_temp = self._cooldown()
         step = self.runner.prepare(partition, config)
         # Calibrate the step time (the same number of steps on every rank).
-        step()
-        self.runner.synchronize()
-        c0 = self._clock()
-        for _ in range(3):
+        for _ in range(2):
             step()
         self.runner.synchronize()
-        est = max((self._clock() - c0) / 3, 1e-6)
+        c0 = self._clock()
+        for _ in range(5):
+            step()
+        self.runner.synchronize()
+        est = max((self._clock() - c0) / 5, 1e-6)
         span_s = self.window_steps * self.step_period_s
         total_s = self.warmup_s + span_s + 0.6 * self.step_period_s + 0.05
         n_steps = int(self.coord.broadcast([math.ceil(total_s / est)])[0])
@@ -654,29 +670,57 @@ class NVMLProfiler(Profiler):
         n_steps = max(n_steps, n_warm + 3)
         result: tuple[float, float, float, float, float] | None = None
         runs = 0
+        short_retries = 0
+        diag = ""
         while runs < self.max_runs:
             runs += 1
-            t_start = self._clock()
-            marks = []
-            for _ in range(n_steps):
-                step()
-                marks.append(self.runner.mark())
-            host_step_s = (self._clock() - t_start) / n_steps
-            self.runner.synchronize()
-            t_end = self._clock()
+            # Let the meter's thread take the GIL often while this thread enqueues.
+            switch = sys.getswitchinterval()
+            sys.setswitchinterval(min(switch, 1e-4))
+            try:
+                t_start = self._clock()
+                marks = []
+                for _ in range(n_steps):
+                    step()
+                    marks.append(self.runner.mark())
+                host_step_s = (self._clock() - t_start) / n_steps
+                self.runner.synchronize()
+                t_end = self._clock()
+            finally:
+                sys.setswitchinterval(switch)
+            # A run much shorter than planned (the calibration was off): rescale, run again.
+            ratio = self.coord.broadcast([total_s / max(t_end - t_start, 1e-6)])[0]
+            if ratio > 1.25 and short_retries < 3:
+                short_retries += 1
+                runs -= 1
+                n_steps = n_warm + math.ceil((n_steps - n_warm) * ratio * 1.1)
+                n_warm = math.ceil(n_warm * ratio)
+                n_steps = max(n_steps, n_warm + 3)
+                continue
             # Host time at which each step finished on the device: the last one finished
             # just before synchronize() returned; the others by device time before it.
             done = [t_end - self.runner.elapsed_s(m, marks[-1]) for m in marks]
-            lo = max(t_start + self.warmup_s, done[n_warm - 1])
-            hi = t_end - 0.01
-            edges = [(t, e) for t, e in self.meter.edges() if lo <= t <= hi]
+            lo, hi = t_start + self.warmup_s, t_end - 0.01
+            all_edges = self.meter.edges()
+            edges = [(t, e) for t, e in all_edges if lo <= t <= hi]
             mine = _per_step(edges, done, self.sub_windows)
             summed = self.coord.sum([float(mine is None),
                                      *(mine or [0.0] * (3 + self.sub_windows))])
-            short = summed[0] > 0
-            if short:
+            if summed[0] > 0:
                 # Some GPU saw fewer than two counter steps in the span: run longer.
-                n_steps = n_warm + 2 * (n_steps - n_warm)
+                n_run = sum(1 for t, _ in all_edges if t_start <= t <= t_end)
+                diag = (f"run {runs}: {n_steps} steps over {t_end - t_start:.3f} s, "
+                        f"{len(edges)} counter steps in the span [{lo - t_start:.3f}, "
+                        f"{hi - t_start:.3f}] s and {n_run} in the run on this GPU; steps "
+                        f"finished from {done[0] - t_start:.3f} to {done[-1] - t_start:.3f} s; "
+                        f"meter alive={self.meter.alive}, read errors={self.meter.read_errors} "
+                        f"({self.meter.last_error})")
+                if not self.meter.alive:
+                    self.meter.start()
+                if short_retries < 2:
+                    short_retries += 1
+                    runs -= 1
+                    n_steps = n_warm + 2 * (n_steps - n_warm)
                 continue
             e_step, t_step, span = summed[1], summed[2] / self.coord.world_size, summed[3]
             sub = summed[4:]
@@ -688,7 +732,7 @@ class NVMLProfiler(Profiler):
                 break
         if result is None:
             raise HardwareError(f"could not measure {partition.name} under {config}: the "
-                                "energy counter did not step inside the measured span")
+                                f"energy counter did not step inside the measured span ({diag})")
         assert result is not None
         e_group, step_mean, cv, dt_s, _ = result
         p_group = e_group / step_mean if step_mean > 0 else 0.0
