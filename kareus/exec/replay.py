@@ -1,0 +1,171 @@
+"""Replaying recorded measurements: a profiler that looks configurations up in a file.
+
+A measured grid (every configuration of some partitions, profiled on real GPUs, as
+``bench/h200_study.py`` writes it) lets the search, the composition and their tests
+run on any CPU against what the hardware really did. :class:`ReplayProfiler` answers
+``measure(partition, config)`` from such a file: a configuration measured several
+times answers with its samples in turn (so a search sees the real spread), and a
+configuration never measured raises :class:`~kareus.errors.ConfigError` naming what
+the file holds.
+
+File format (JSON): ``gpu`` (preset name), ``static_power_w`` (of the measured group),
+``workload`` (optional, :meth:`~kareus.model.workload.Workload.to_dict`) and
+``measurements``: a list of rows, each with ``partition``, ``config``
+(:meth:`~kareus.model.config.ScheduleConfig.to_dict`), ``measurement``
+(:meth:`~kareus.model.measurement.Measurement.to_dict`) and ``kind`` (rows whose kind
+is not in ``kinds`` are ignored; rows whose ``comm_sms`` is ``null`` are baselines
+with the collective library's own SM count, kept in :attr:`ReplayProfiler.baselines`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from kareus.errors import ConfigError
+from kareus.exec.profiler import Profiler
+from kareus.model.config import ConfigSpace, ScheduleConfig
+from kareus.model.gpu import GPUSpec, get_gpu
+from kareus.model.measurement import Measurement
+from kareus.model.partition import Partition
+
+__all__ = ["ReplayProfiler"]
+
+
+class ReplayProfiler(Profiler):
+    """Answers measurements from a recorded grid.
+
+    Args:
+        source: Path of the JSON file, or the loaded dict.
+        gpu: GPU preset; ``None`` = the file's ``gpu``.
+        kinds: Row kinds to replay (default: ``("grid", "repeat", "search", "nanobatch",
+            "seq_default")``: every per-partition measurement of a scheduled config).
+        samples: ``"cycle"`` answers a configuration's samples in turn; ``"mean"`` always
+            answers their mean.
+
+    Raises:
+        ValueError: The file has no usable rows or an unknown ``samples`` mode.
+    """
+
+    DEFAULT_KINDS = ("grid", "repeat", "search", "nanobatch", "seq_default")
+
+    def __init__(self, source: str | os.PathLike[str] | Mapping[str, Any], *,
+                 gpu: str | GPUSpec | None = None, kinds: Sequence[str] | None = None,
+                 samples: str = "cycle") -> None:
+        if isinstance(source, Mapping):
+            data = dict(source)
+            self.path: Path | None = None
+        else:
+            self.path = Path(source)
+            data = json.loads(self.path.read_text())
+        if samples not in ("cycle", "mean"):
+            raise ValueError(f"samples must be 'cycle' or 'mean', got {samples!r}")
+        self.samples = samples
+        self.data = data
+        self.gpu = get_gpu(gpu if gpu is not None else data.get("gpu", "h200-sxm"))
+        self._static_w = float(data["static_power_w"])
+        self.group_size = int(data.get("workload", {}).get("tp", 1)) * \
+            int(data.get("workload", {}).get("cp", 1))
+        wanted = set(self.DEFAULT_KINDS if kinds is None else kinds)
+        self._table: dict[tuple[str, ScheduleConfig], list[Measurement]] = {}
+        self.baselines: dict[tuple[str, str], list[Measurement]] = {}
+        for row in data.get("measurements", []):
+            if "measurement" not in row:
+                continue
+            m = Measurement.from_dict(row["measurement"])
+            cfg = row["config"]
+            if cfg.get("comm_sms") is None:
+                self.baselines.setdefault((row["partition"], row["kind"]), []).append(m)
+                continue
+            if row.get("kind") not in wanted:
+                continue
+            key = (row["partition"], ScheduleConfig.from_dict(cfg))
+            self._table.setdefault(key, []).append(m)
+        if not self._table:
+            raise ValueError("no replayable measurements (rows with a comm_sms and a kind in "
+                             f"{sorted(wanted)})")
+        self._served: dict[tuple[str, ScheduleConfig], int] = {}
+        self.calls = 0
+
+    # -- lookups -----------------------------------------------------------------------
+    @property
+    def partitions(self) -> list[str]:
+        """Partition types in the file."""
+        return sorted({p for p, _ in self._table})
+
+    def configs(self, partition: str) -> list[ScheduleConfig]:
+        """Configurations recorded for ``partition``."""
+        return sorted(c for p, c in self._table if p == partition)
+
+    def samples_of(self, partition: str, config: ScheduleConfig) -> list[Measurement]:
+        """Every recorded measurement of one configuration."""
+        return list(self._table.get((partition, config), []))
+
+    def space(self, partition: Partition) -> ConfigSpace:
+        """The grid recorded for ``partition``, as a :class:`ConfigSpace` (the file must hold
+        the full product of its frequencies, SM counts and slots)."""
+        cfgs = self.configs(partition.name)
+        if not cfgs:
+            raise ConfigError(f"no measurements of partition {partition.name!r}; the file has "
+                              f"{', '.join(self.partitions)}")
+        freqs = sorted({c.freq_mhz for c in cfgs}, reverse=True)
+        sms = sorted({c.comm_sms for c in cfgs})
+        named = [s.name for s in partition.slots if any(c.launch_slot == s.name for c in cfgs)]
+        seq = any(c.launch_slot is None for c in cfgs)
+        space = ConfigSpace(partition, self.gpu, freqs_mhz=freqs, comm_sms=sms, slots=named,
+                            include_sequential=seq)
+        missing = [c for c in space.configs if (partition.name, c) not in self._table]
+        if missing:
+            raise ConfigError(f"the recorded grid of {partition.name!r} is not a full product: "
+                              f"{len(missing)} configurations missing, e.g. {missing[0]}")
+        return space
+
+    def baseline(self, partition: str, kind: str) -> Measurement:
+        """Mean of the baseline rows of ``kind`` (e.g. ``"megatron"``, ``"nanobatch"``)."""
+        ms = self.baselines.get((partition, kind))
+        if not ms:
+            have = sorted({k for p, k in self.baselines if p == partition})
+            raise KeyError(f"no {kind!r} baseline for {partition!r}; recorded: {have}")
+        return _mean(ms)
+
+    # -- Profiler --------------------------------------------------------------------
+    def measure(self, partition: Partition, config: ScheduleConfig) -> Measurement:
+        key = (partition.name, config)
+        ms = self._table.get(key)
+        if not ms:
+            have = self.configs(partition.name)
+            hint = (f"{len(have)} configurations of {partition.name!r} are recorded "
+                    f"(SM counts {sorted({c.comm_sms for c in have})}, slots "
+                    f"{sorted({str(c.launch_slot) for c in have})}, "
+                    f"MHz {sorted({c.freq_mhz for c in have})})" if have else
+                    f"no configuration of {partition.name!r} is recorded (partitions: "
+                    f"{', '.join(self.partitions)})")
+            raise ConfigError(f"{config} was not measured: {hint}")
+        self.calls += 1
+        if self.samples == "mean":
+            return _mean(ms)
+        i = self._served.get(key, 0)
+        self._served[key] = i + 1
+        return ms[i % len(ms)]
+
+    def static_power_w(self, group_size: int | None = None) -> float:
+        """The recorded static power of the measured group (scaled per GPU for another
+        ``group_size``)."""
+        if group_size is None or group_size == self.group_size or self.group_size < 1:
+            return self._static_w
+        return self._static_w / self.group_size * group_size
+
+    def __repr__(self) -> str:
+        n = sum(len(v) for v in self._table.values())
+        return (f"ReplayProfiler({self.path or 'dict'}: {n} measurements of "
+                f"{len(self._table)} configurations, partitions {self.partitions})")
+
+
+def _mean(ms: Iterable[Measurement]) -> Measurement:
+    ms = list(ms)
+    return Measurement(time_s=sum(m.time_s for m in ms) / len(ms),
+                       energy_j=sum(m.energy_j for m in ms) / len(ms),
+                       static_power_w=ms[0].static_power_w)
