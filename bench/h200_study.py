@@ -94,7 +94,19 @@ def main() -> int:  # noqa: C901, PLR0915 - a linear script
     ap.add_argument("--max-runs", type=int, default=1)
     ap.add_argument("--max-cooldown-s", type=float, default=1.5)
     ap.add_argument("--no-search", action="store_true")
+    ap.add_argument("--tp", type=int, default=4, help="tensor-parallel degree = GPUs")
+    ap.add_argument("--analyze", type=Path, default=None,
+                    help="CPU only: analyse a measured grid file (replayed search, baselines)")
+    ap.add_argument("--budgets", default="10,16", help="replayed search budgets (--analyze)")
+    ap.add_argument("--seeds", type=int, default=5, help="replayed search seeds (--analyze)")
     args = ap.parse_args()
+    if args.analyze is not None:
+        result = analyze(args.analyze, budgets=[int(b) for b in args.budgets.split(",")],
+                         seeds=args.seeds)
+        if args.json is not None:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(result, indent=1))
+        return 0
 
     import pynvml
     import torch
@@ -121,7 +133,8 @@ def main() -> int:  # noqa: C901, PLR0915 - a linear script
     log = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
 
     w = dict(WORKLOAD)
-    wl = Workload.preset(w.pop("model"), tp=w.pop("tp"), **w)
+    w.pop("tp")
+    wl = Workload.preset(w.pop("model"), tp=args.tp, **w)
     names = args.partitions.split(",")
     parts = runnable_partitions(wl, names)
     full = runnable_partitions(wl.with_(nanobatches=1), names)  # Megatron: no split
@@ -175,18 +188,19 @@ def main() -> int:  # noqa: C901, PLR0915 - a linear script
         args.json.parent.mkdir(parents=True, exist_ok=True)
         data = {
             "what": ("Measured grid of schedule configurations, Llama 3.2 3B fwd_attn and fwd_mlp "
-                     "partitions at TP=4 (microbatch 8, sequence 4096, 2 nanobatches), bf16, on "
-                     "4x NVIDIA H200 SXM (NVLink), default clocks (not locked; the GPUs lower "
+                     f"partitions at TP={args.tp} (microbatch 8, sequence 4096, 2 nanobatches), "
+                     f"bf16, on {args.tp}x NVIDIA H200 SXM (NVLink), default clocks (not locked; the GPUs lower "
                      "their own SM clock under the 700 W limit). Energy: NVML total-energy "
-                     "counter summed over the 4 GPUs, read at counter step edges; time: CUDA "
-                     "events per run of the partition (one nanobatch's computation + the "
+                     f"counter summed over the {args.tp} GPUs, read at counter step edges; "
+                     "energy and time per run from the runs completed between the first and "
+                     "last counter step of the measured span (CUDA events per run) (one nanobatch's computation + the "
                      "previous nanobatch's all-reduce). comm_sms = NCCL min_ctas = max_ctas; "
                      "null = NCCL's own choice. launch_slot null = sequential."),
-            "machine": "4x NVIDIA H200 SXM 141GB, NVLink",
+            "machine": f"{args.tp}x NVIDIA H200 SXM 141GB, NVLink",
             "software": {"torch": torch.__version__,
                          "nccl": ".".join(map(str, torch.cuda.nccl.version())),
                          "driver": pynvml.nvmlSystemGetDriverVersion()},
-            "command": "torchrun --standalone --nproc_per_node 4 bench/h200_study.py "
+            "command": f"torchrun --standalone --nproc_per_node {args.tp} bench/h200_study.py "
                        + " ".join(sys.argv[1:]),
             "workload": wl.to_dict(),
             "gpu": "h200-sxm",
@@ -359,6 +373,130 @@ def summarize(rows: list[dict[str, Any]], names: list[str], log: Any) -> None:
                     dt = (1 - k * m["time_s"] / b["time_s"]) * 100
                     line += f" | vs {bk}: E {de:+.1f}%, T {dt:+.1f}% lower"
             log(line)
+
+
+def _pct_lower(x: float, base: float) -> float:
+    return (1.0 - x / base) * 100.0
+
+
+def analyze(path: Path, *, budgets: list[int], seeds: int) -> dict[str, Any]:
+    """Replay the search on a measured grid (CPU) and compare with the baselines."""
+    import numpy as np
+
+    from kareus.exec.replay import ReplayProfiler
+    from kareus.model.partition import build_partitions
+    from kareus.model.workload import Workload
+    from kareus.search.optimizer import MultiPassSearch
+    from kareus.search.pareto import hypervolume, pareto_front, reference_point
+
+    data = json.loads(Path(path).read_text())
+    w = data["workload"]
+    wl = Workload.preset(w["model"], tp=w["tp"], cp=w.get("cp", 1),
+                         microbatch_size=w["microbatch_size"], seq_len=w["seq_len"],
+                         nanobatches=w["nanobatches"])
+    ps = build_partitions(wl)
+    grid = ReplayProfiler(data, kinds=("grid",), samples="mean")
+    out: dict[str, Any] = {"source": str(path), "machine": data.get("machine"),
+                           "static_power_w": data["static_power_w"], "partitions": {}}
+    print(f"{data.get('machine')}: {wl.describe()}; static power {data['static_power_w']:.0f} W "
+          "(group, measured)")
+    for name in grid.partitions:
+        part = ps[name]
+        space = grid.space(part)
+        pts = np.array([(grid.measure(part, c).time_s, grid.measure(part, c).energy_j)
+                        for c in space.configs])
+        front = pareto_front(pts)
+        refs = {"wide": reference_point(pts, 0.1), "front": reference_point(front, 0.1)}
+        hv_exh = {k: hypervolume(front, r) for k, r in refs.items()}
+        rows = [r for r in data["measurements"] if r["partition"] == name and "measurement" in r]
+        res: dict[str, Any] = {"space": repr(space), "configs": len(space),
+                               "exhaustive_front": front.tolist(),
+                               "reference_points": {k: v.tolist() for k, v in refs.items()}}
+        # Repeats of one configuration (default nanobatching), interleaved through the run.
+        reps = [r["measurement"] for r in rows if r["kind"] in ("nanobatch", "repeat")]
+        if len(reps) > 1:
+            e = [m["energy_j"] for m in reps]
+            t = [m["time_s"] for m in reps]
+            res["repeat_check"] = {"n": len(reps),
+                                   "energy_cv": statistics.pstdev(e) / statistics.fmean(e),
+                                   "time_cv": statistics.pstdev(t) / statistics.fmean(t)}
+        walls = [r["wall_s"] for r in rows if "wall_s" in r]
+        res["mean_wall_s_per_candidate"] = statistics.fmean(walls) if walls else None
+        # Optimal schedules against the baselines.
+        best_e = min(space.configs, key=lambda c: grid.measure(part, c).energy_j)
+        best_t = min(space.configs, key=lambda c: grid.measure(part, c).time_s)
+        base = {}
+        for kind, factor in (("megatron", 0.5), ("seq_default", 1.0), ("nanobatch", 1.0)):
+            try:
+                b = grid.baseline(name, kind)
+            except KeyError:
+                continue
+            if kind == "nanobatch":
+                ms = grid.baselines.get((name, "nanobatch"), []) + \
+                    grid.baselines.get((name, "repeat"), [])
+                b = type(b)(time_s=statistics.fmean(m.time_s for m in ms),
+                            energy_j=statistics.fmean(m.energy_j for m in ms),
+                            static_power_w=b.static_power_w)
+            # Megatron runs the whole microbatch: half of it compares with one partition run.
+            base[kind] = (b.time_s * factor, b.energy_j * factor)
+        res["baselines_per_partition_run"] = {k: {"time_s": v[0], "energy_j": v[1]}
+                                              for k, v in base.items()}
+        for label, cfg in (("energy_optimal", best_e), ("time_optimal", best_t)):
+            m = grid.measure(part, cfg)
+            entry: dict[str, Any] = {"config": cfg.to_dict(), "time_s": m.time_s,
+                                     "energy_j": m.energy_j}
+            for k, (bt, be) in base.items():
+                entry[f"vs_{k}"] = {"energy_pct_lower": _pct_lower(m.energy_j, be),
+                                    "time_pct_lower": _pct_lower(m.time_s, bt)}
+            res[label] = entry
+        # The search, replayed on the measured grid (each configuration's grid sample).
+        res["replayed_search"] = {}
+        for budget in budgets:
+            ratios: dict[str, list[float]] = {k: [] for k in refs}
+            for seed in range(seeds):
+                replay = ReplayProfiler(data, kinds=("grid",), samples="mean")
+                search = MultiPassSearch(space, budget=budget, batch_size=min(8, budget),
+                                         seed=seed, stop_patience=None, progress=False)
+                fr = search.run(replay, part)
+                got = np.array([(o.time_s, o.energy_j) for o in fr.points])
+                for k, r in refs.items():
+                    ratios[k].append(hypervolume(got, r) / hv_exh[k])
+            res["replayed_search"][str(budget)] = {
+                k: {"mean": statistics.fmean(v), "min": min(v)} for k, v in ratios.items()}
+        live = data.get("search", {}).get(name, {})
+        if "front" in live:
+            got = np.array([(o["measurement"]["time_s"], o["measurement"]["energy_j"])
+                            for o in live["front"]])
+            res["live_search"] = {"budget": live["budget"], "measured": live["measured"],
+                                  **{f"hv_ratio_{k}": hypervolume(got, r) / hv_exh[k]
+                                     for k, r in refs.items()}}
+        out["partitions"][name] = res
+        # Table.
+        print(f"== {name}: {len(space)} configurations measured "
+              f"(mean {res['mean_wall_s_per_candidate'] or 0:.2f} s per candidate)")
+        if "repeat_check" in res:
+            rc = res["repeat_check"]
+            print(f"   repeat check, {rc['n']}x default nanobatching: energy cv "
+                  f"{rc['energy_cv'] * 100:.2f}%, time cv {rc['time_cv'] * 100:.2f}%")
+        for label in ("energy_optimal", "time_optimal"):
+            e = res[label]
+            line = (f"   {label:14s} {e['config']['comm_sms']:>2} SMs @ "
+                    f"{str(e['config']['launch_slot']):10s} {e['time_s'] * 1e3:7.3f} ms "
+                    f"{e['energy_j']:7.3f} J")
+            for k in base:
+                v = e[f"vs_{k}"]
+                line += (f" | vs {k}: E {v['energy_pct_lower']:+5.1f}% T "
+                         f"{v['time_pct_lower']:+5.1f}%")
+            print(line)
+        for b, v in res["replayed_search"].items():
+            print(f"   replayed search, budget {b}/{len(space)}, {seeds} seeds: HV ratio "
+                  f"{v['front']['mean']:.3f} (min {v['front']['min']:.3f}; wide reference "
+                  f"{v['wide']['mean']:.3f})")
+        if "live_search" in res:
+            v = res["live_search"]
+            print(f"   live search, budget {v['budget']}: HV ratio {v['hv_ratio_front']:.3f} "
+                  f"(wide reference {v['hv_ratio_wide']:.3f})")
+    return out
 
 
 if __name__ == "__main__":

@@ -98,7 +98,8 @@ class ReplayProfiler(Profiler):
 
     def configs(self, partition: str) -> list[ScheduleConfig]:
         """Configurations recorded for ``partition``."""
-        return sorted(c for p, c in self._table if p == partition)
+        return sorted((c for p, c in self._table if p == partition),
+                      key=lambda c: (-c.freq_mhz, c.comm_sms, c.launch_slot or "~"))
 
     def samples_of(self, partition: str, config: ScheduleConfig) -> list[Measurement]:
         """Every recorded measurement of one configuration."""
