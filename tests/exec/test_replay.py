@@ -1,0 +1,126 @@
+"""ReplayProfiler: lookups on synthetic data, and the search replayed on the grid measured
+on real H200 GPUs (data/h200_llama3b_tp*_grid.json); runs on CPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kareus.errors import ConfigError
+from kareus.exec.replay import ReplayProfiler
+from kareus.model.config import ScheduleConfig
+from kareus.model.partition import build_partitions
+from kareus.model.workload import Workload
+from kareus.search.pareto import hypervolume, pareto_front, reference_point
+
+DATA = sorted((Path(__file__).resolve().parents[2] / "data").glob("h200_llama3b_tp*_grid.json"))
+
+
+def _row(part, sms, slot, t, e, kind="grid"):
+    return {"kind": kind, "partition": part,
+            "config": {"freq_mhz": 1980, "comm_sms": sms, "launch_slot": slot},
+            "measurement": {"time_s": t, "energy_j": e, "static_power_w": 400.0}}
+
+
+def synthetic():
+    rows = [_row("fwd_attn", s, slot, 1e-3 * (1 + 0.1 * s), 2.0 + 0.01 * s)
+            for s in (2, 4) for slot in ("attn_norm", "qkv", None)]
+    rows += [_row("fwd_attn", 2, "qkv", 9e-3, 9.0, kind="repeat"),
+             _row("fwd_attn", None, None, 3e-3, 5.0, kind="megatron"),
+             {"kind": "grid_failed", "partition": "fwd_attn", "config": {}, "error": "x"}]
+    return {"gpu": "h200-sxm", "static_power_w": 400.0,
+            "workload": {"model": "llama3.2-3b", "tp": 4, "cp": 1}, "measurements": rows}
+
+
+def attn():
+    wl = Workload.preset("llama3.2-3b", tp=4, microbatch_size=8, seq_len=4096, nanobatches=2)
+    return build_partitions(wl)["fwd_attn"]
+
+
+def test_lookup_cycles_samples_and_keeps_baselines_apart():
+    rp = ReplayProfiler(synthetic())
+    p = attn()
+    c = ScheduleConfig(1980, 2, "qkv")
+    first, second, third = (rp.measure(p, c) for _ in range(3))
+    assert first.time_s == pytest.approx(1.2e-3) and second.time_s == pytest.approx(9e-3)
+    assert third == first
+    assert ReplayProfiler(synthetic(), samples="mean").measure(p, c).energy_j == \
+        pytest.approx((2.02 + 9.0) / 2)
+    assert rp.baseline("fwd_attn", "megatron").energy_j == 5.0
+    with pytest.raises(KeyError, match="recorded"):
+        rp.baseline("fwd_attn", "nanobatch")
+    assert rp.static_power_w() == 400.0 and rp.static_power_w(8) == pytest.approx(800.0)
+
+
+def test_unmeasured_config_names_what_is_recorded():
+    rp = ReplayProfiler(synthetic())
+    with pytest.raises(ConfigError, match=r"SM counts \[2, 4\]"):
+        rp.measure(attn(), ScheduleConfig(1980, 8, "qkv"))
+
+
+def test_space_is_the_recorded_grid():
+    rp = ReplayProfiler(synthetic())
+    space = rp.space(attn())
+    assert len(space) == 6 and space.comm_sms == (2, 4)
+    assert space.slots == ("attn_norm", "qkv", None)
+    broken = synthetic()
+    broken["measurements"].pop(0)
+    with pytest.raises(ConfigError, match="not a full product"):
+        ReplayProfiler(broken).space(attn())
+
+
+def test_file_without_rows_is_rejected(tmp_path):
+    path = tmp_path / "empty.json"
+    path.write_text(json.dumps({"gpu": "h200-sxm", "static_power_w": 1.0, "measurements": []}))
+    with pytest.raises(ValueError, match="no replayable"):
+        ReplayProfiler(path)
+
+
+# ----------------------------------------------------------------- measured H200 data
+
+
+@pytest.mark.skipif(not DATA, reason="no measured grid in data/")
+def test_measured_grid_is_complete_and_physical():
+    data = json.loads(DATA[-1].read_text())
+    rp = ReplayProfiler(DATA[-1], kinds=("grid",))
+    w = data["workload"]
+    wl = Workload.preset(w["model"], tp=w["tp"], microbatch_size=w["microbatch_size"],
+                         seq_len=w["seq_len"], nanobatches=w["nanobatches"])
+    ps = build_partitions(wl)
+    assert data["static_power_w"] > 0 and "H200" in data["machine"]
+    for name in rp.partitions:
+        space = rp.space(ps[name])  # raises unless every configuration was measured
+        ms = [rp.measure(ps[name], c) for c in space.configs]
+        assert all(m.time_s > 0 and m.energy_j > 0 for m in ms)
+        # Group power stays within what the GPUs can draw (static .. 700 W each, + margin).
+        for m in ms:
+            assert data["static_power_w"] * 0.8 < m.average_power_w < 760.0 * w["tp"]
+
+
+@pytest.mark.skipif(not DATA, reason="no measured grid in data/")
+def test_search_replayed_on_measured_grid_finds_most_of_the_front():
+    pytest.importorskip("xgboost")
+    from kareus.search.optimizer import MultiPassSearch
+
+    data = json.loads(DATA[-1].read_text())
+    w = data["workload"]
+    wl = Workload.preset(w["model"], tp=w["tp"], microbatch_size=w["microbatch_size"],
+                         seq_len=w["seq_len"], nanobatches=w["nanobatches"])
+    ps = build_partitions(wl)
+    rp = ReplayProfiler(data, kinds=("grid",))
+    for name in rp.partitions:
+        space = rp.space(ps[name])
+        pts = np.array([(rp.measure(ps[name], c).time_s, rp.measure(ps[name], c).energy_j)
+                        for c in space.configs])
+        ref = reference_point(pts, 0.1)
+        exhaustive = hypervolume(pareto_front(pts), ref)
+        budget = max(8, len(space) // 3)
+        search = MultiPassSearch(space, budget=budget, batch_size=8, seed=0,
+                                 stop_patience=None, progress=False)
+        front = search.run(ReplayProfiler(data, kinds=("grid",)), ps[name])
+        got = np.array([(o.time_s, o.energy_j) for o in front.points])
+        assert len(front.measured()) == budget
+        assert hypervolume(got, ref) / exhaustive > 0.9, name
