@@ -31,10 +31,11 @@ Training-loop hooks let a user's own loop apply a plan::
             qkv = part.op("qkv", proj, h)         # launches at the configured slot
             ...
 
-A plan is any object with a ``digest`` attribute, a per-partition-type configuration
-(``config_for(type)`` or a ``configs`` mapping) and per-computation frequencies
-(``frequency_for(stage, microbatch, phase)`` or a ``freqs_mhz`` mapping keyed by
-``(stage, microbatch, phase)``).
+A plan is a :class:`kareus.compose.plan.Plan` (configurations and frequencies per
+microbatch computation, keyed ``"s{stage}.m{microbatch}.{phase}"``) or any object with a
+``digest`` attribute, a per-partition-type configuration (``config_for(type)`` or a
+``configs`` mapping) and per-computation frequencies (``frequency_for(stage,
+microbatch, phase)`` or a ``freqs_mhz`` mapping keyed by ``(stage, microbatch, phase)``).
 """
 
 from __future__ import annotations
@@ -265,20 +266,44 @@ class ProcessGroupCollective:
 # ------------------------------------------------------------------------ plans
 
 
-def plan_config(plan: Any, partition_type: str) -> ScheduleConfig:
+def _computation_key(computation: tuple[int, int, str] | None) -> str | None:
+    if computation is None:
+        return None
+    stage, mb, phase = computation
+    return f"s{stage}.m{mb}.{phase}"
+
+
+def plan_config(plan: Any, partition_type: str,
+                computation: tuple[int, int, str] | None = None) -> ScheduleConfig:
     """The configuration ``plan`` gives partition type ``partition_type``.
 
-    Accepts ``plan.config_for(type)``, or a mapping ``plan.configs`` /
-    ``plan.partition_configs`` (values: :class:`ScheduleConfig` or its dict form).
+    Accepts :class:`kareus.compose.plan.Plan` (per computation: ``plan.config(key, type)``
+    with ``key = "s{stage}.m{microbatch}.{phase}"``, so ``computation`` is needed),
+    ``plan.config_for(type)``, or a mapping ``plan.configs`` / ``plan.partition_configs``
+    (values: :class:`ScheduleConfig` or its dict form).
+
+    Raises:
+        PlanError: the plan has no configuration for it, or needs the computation.
     """
-    if hasattr(plan, "config_for") and callable(plan.config_for):
+    if callable(getattr(plan, "config_for", None)):
         cfg = plan.config_for(partition_type)
+    elif hasattr(plan, "assignment") and callable(getattr(plan, "config", None)):
+        key = _computation_key(computation)
+        if key is None:
+            raise PlanError("this plan sets configurations per microbatch computation: run "
+                            "partitions inside executor.microbatch(stage, microbatch, phase)")
+        try:
+            cfg = plan.config(key, partition_type)
+        except KeyError:
+            raise PlanError(f"the plan has no configuration for partition type "
+                            f"{partition_type!r} in computation {key}") from None
     else:
         table = getattr(plan, "configs", None)
-        if table is None:
+        if not isinstance(table, Mapping):
             table = getattr(plan, "partition_configs", None)
         if not isinstance(table, Mapping):
-            raise TypeError(f"{type(plan).__name__} has no config_for() or configs mapping")
+            raise TypeError(f"{type(plan).__name__} has no config_for(), config(computation, "
+                            "type) or configs mapping")
         if partition_type not in table:
             raise PlanError(f"the plan has no configuration for partition type "
                             f"{partition_type!r}; it has: {', '.join(map(str, table))}")
@@ -294,14 +319,17 @@ def plan_config(plan: Any, partition_type: str) -> ScheduleConfig:
 def plan_frequency(plan: Any, stage: int, microbatch: int, phase: str) -> int | None:
     """The SM clock ``plan`` gives one microbatch computation (``None``: leave it).
 
-    Accepts ``plan.frequency_for(stage, microbatch, phase)`` or a mapping ``plan.freqs_mhz``
+    Accepts :class:`kareus.compose.plan.Plan` (``plan.freq_mhz("s0.m1.fwd")``),
+    ``plan.frequency_for(stage, microbatch, phase)``, or a mapping ``plan.freqs_mhz``
     keyed by ``(stage, microbatch, phase)``.
     """
-    if hasattr(plan, "frequency_for") and callable(plan.frequency_for):
+    if callable(getattr(plan, "frequency_for", None)):
         f = plan.frequency_for(stage, microbatch, phase)
+    elif hasattr(plan, "assignment") and callable(getattr(plan, "freq_mhz", None)):
+        f = plan.freq_mhz(_computation_key((stage, microbatch, phase)))
     else:
         table = getattr(plan, "freqs_mhz", None)
-        if table is None:
+        if not isinstance(table, Mapping):
             return None
         f = table.get((stage, microbatch, phase))
     return None if f is None else int(f)
@@ -593,7 +621,7 @@ class TorchExecutor(Executor):
             if self.plan is None:
                 raise PlanError(f"no plan and no config for partition {key!r}")
             self._require_started()
-            config = plan_config(self.plan, key)
+            config = plan_config(self.plan, key, self.current)
         scope = PartitionScope(self, key, config, op_names)
         ok = False
         try:

@@ -229,3 +229,32 @@ def test_constructor_type_checks():
         TorchExecutor(collective=FakeCollective(dev), streams=dev, plan=object())
     with pytest.raises(TypeError, match="StreamBackend"):
         TorchExecutor(collective=FakeCollective(dev), streams=object())
+
+
+def test_real_plan_drives_hooks_per_microbatch_computation():
+    from kareus.compose.plan import MicrobatchChoice, Plan
+
+    fast = MicrobatchChoice(freq_mhz=1980, configs={"fwd_attn": ScheduleConfig(1980, 16, "qkv")})
+    slow = MicrobatchChoice(freq_mhz=1410, configs={"fwd_attn": ScheduleConfig(1410, 4, None)})
+    plan = Plan(gpu="h200-sxm", num_stages=1, num_microbatches=2, choices=[fast, slow],
+                assignment={"s0.m0.fwd": 0, "s0.m1.fwd": 1}, time_s=1.0, energy_j=1.0,
+                dynamic_energy_j=0.5, static_power_w=100.0)
+    requests = []
+
+    class Trigger:
+        def request(self, freq_mhz, *, stream=None):
+            requests.append(freq_mhz)
+
+    ex, dev, coll = make(plan, frequency=Trigger(), digest_exchange=lambda d: [d, d])
+    ex.start()
+    with pytest.raises(PlanError, match="microbatch"), ex.partition("fwd_attn"):
+        pass
+    for mb in (0, 1):
+        with ex.microbatch(0, mb, "fwd"), ex.partition("fwd_attn") as part:
+            part.communicate(f"x{mb}")
+            for op in OPS:
+                part.op(op, dev.launch, f"{op}{mb}")
+    assert requests == [1980, 1410]
+    assert [c[2] for c in coll.calls] == [16, 4]
+    assert dev.happens_before(("compute", "out_proj1"), ("comm", "all_reduce(x1)"))
+    assert not dev.happens_before(("compute", "qkv0"), ("comm", "all_reduce(x0)"))
