@@ -1,0 +1,281 @@
+"""Frontiers one and two levels above the partitions.
+
+A :class:`MicrobatchFrontier` holds the time-energy trade-offs of one microbatch
+computation (the forward or the backward of one pipeline stage): each point is a
+:class:`MicrobatchChoice` (a frequency and one configuration per partition type) with
+its time and *dynamic* energy. Static energy is charged once, at iteration level, for
+the whole iteration (bubbles included), so microbatch points compare on dynamic energy.
+
+An :class:`IterationFrontier` holds the Pareto-optimal trade-offs of a whole training
+iteration: each point is a :class:`~kareus.compose.plan.Plan` with its iteration time
+and total energy. Users pick from it with :meth:`IterationFrontier.select`.
+
+Energy scope: microbatch energies cover every GPU that runs the stage in the job
+(TP x CP GPUs of one replica, times DP); iteration energies cover every GPU of the job.
+Times are wall times seen by one rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from kareus.compose.plan import MicrobatchChoice, Plan
+from kareus.search.pareto import hypervolume, pareto_mask
+
+__all__ = ["IterationFrontier", "IterationPoint", "MicrobatchFrontier", "MicrobatchPoint"]
+
+
+@attrs.frozen(kw_only=True)
+class MicrobatchPoint:
+    """One way to run a microbatch computation and what it costs.
+
+    Attributes:
+        time_s: Wall time of the computation on one rank.
+        dynamic_energy_j: Dynamic energy over every GPU of the stage (TP x CP x DP).
+        choice: The frequency and per-type configurations that achieve it.
+    """
+
+    time_s: float = attrs.field(converter=float)
+    dynamic_energy_j: float = attrs.field(converter=float)
+    choice: MicrobatchChoice
+
+    @property
+    def freq_mhz(self) -> int:
+        return self.choice.freq_mhz
+
+    @property
+    def predicted(self) -> bool:
+        return self.choice.predicted
+
+
+def _pareto_points(points: Iterable[Any], key: Any) -> tuple[Any, ...]:
+    pts = list(points)
+    if not pts:
+        return ()
+    arr = np.array([key(p) for p in pts], dtype=np.float64)
+    mask = pareto_mask(arr)
+    kept = [p for p, m in zip(pts, mask) if m]
+    return tuple(sorted(kept, key=lambda p: key(p)[0]))
+
+
+@attrs.frozen(kw_only=True)
+class MicrobatchFrontier:
+    """The time-energy frontier of one microbatch computation (one stage, one phase).
+
+    Attributes:
+        stage: Pipeline stage.
+        phase: ``"fwd"`` or ``"bwd"``.
+        by_freq: Frequency -> the Pareto points at that frequency, fastest first.
+        points: Pareto points over every frequency in (time, dynamic energy), fastest first.
+    """
+
+    stage: int
+    phase: str
+    by_freq: dict[int, tuple[MicrobatchPoint, ...]]
+    points: tuple[MicrobatchPoint, ...] = attrs.field(converter=tuple)
+
+    @classmethod
+    def from_fronts(cls, stage: int, phase: str,
+                    by_freq: dict[int, Sequence[MicrobatchPoint]]) -> MicrobatchFrontier:
+        """Build from per-frequency fronts; ``points`` is their joint Pareto front."""
+        fronts = {int(f): tuple(sorted(p, key=lambda x: x.time_s)) for f, p in by_freq.items()
+                  if p}
+        allp = [p for ps in fronts.values() for p in ps]
+        pts = _pareto_points(allp, lambda p: (p.time_s, p.dynamic_energy_j))
+        return cls(stage=stage, phase=phase, by_freq=dict(sorted(fronts.items(), reverse=True)),
+                   points=pts)
+
+    @property
+    def freqs_mhz(self) -> list[int]:
+        """Frequencies with at least one point, descending."""
+        return list(self.by_freq)
+
+    def at(self, freq_mhz: int) -> tuple[MicrobatchPoint, ...]:
+        """The Pareto points at one frequency (empty if none)."""
+        return self.by_freq.get(int(freq_mhz), ())
+
+    def __len__(self) -> int:
+        return len(self.points)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self.points)
+
+    def __repr__(self) -> str:
+        if not self.points:
+            return f"MicrobatchFrontier(stage {self.stage} {self.phase}: empty)"
+        fast, slow = self.points[0], self.points[-1]
+        npred = sum(p.predicted for p in self.points)
+        pred = f", {npred} predicted" if npred else ""
+        return (f"MicrobatchFrontier(stage {self.stage} {self.phase}: {len(self.points)} points "
+                f"over {len(self.by_freq)} frequencies{pred}; fastest {fast.time_s * 1e3:.3f} ms "
+                f"/ {fast.dynamic_energy_j:.2f} J dyn @ {fast.freq_mhz} MHz; lowest energy "
+                f"{slow.time_s * 1e3:.3f} ms / {slow.dynamic_energy_j:.2f} J dyn "
+                f"@ {slow.freq_mhz} MHz)")
+
+    def plot(self, ax: Any = None, **kwargs: Any) -> Any:
+        """Per-frequency fronts in grey and the joint front in colour (needs matplotlib)."""
+        import matplotlib.pyplot as plt  # noqa: PLC0415 - optional dependency
+
+        if ax is None:
+            _, ax = plt.subplots(figsize=(5, 4))
+        for pts in self.by_freq.values():
+            ax.plot([p.time_s * 1e3 for p in pts], [p.dynamic_energy_j for p in pts], ".",
+                    color="0.7", ms=3)
+        ax.plot([p.time_s * 1e3 for p in self.points],
+                [p.dynamic_energy_j for p in self.points], "o-", color="C3", **kwargs)
+        ax.set_xlabel("time (ms)")
+        ax.set_ylabel("dynamic energy (J, all GPUs of the stage)")
+        ax.set_title(f"stage {self.stage} {self.phase}")
+        return ax
+
+
+@attrs.frozen(kw_only=True)
+class IterationPoint:
+    """One Pareto-optimal iteration plan.
+
+    Attributes:
+        time_s: Iteration time (per rank).
+        energy_j: Iteration energy over every GPU of the job (dynamic + static).
+        plan: The plan that achieves it.
+    """
+
+    time_s: float = attrs.field(converter=float)
+    energy_j: float = attrs.field(converter=float)
+    plan: Plan
+
+    @property
+    def dynamic_energy_j(self) -> float:
+        return self.plan.dynamic_energy_j
+
+
+@attrs.frozen(kw_only=True)
+class IterationFrontier:
+    """The iteration-level time-energy frontier: Pareto-optimal plans, fastest first.
+
+    Attributes:
+        points: The Pareto points, by increasing time (and so decreasing energy).
+        label: What produced it (e.g. ``"kareus"``, ``"perseus"``).
+        stats: Facts about how it was composed (time unit, steps, wall time, ...).
+    """
+
+    points: tuple[IterationPoint, ...] = attrs.field(converter=tuple)
+    label: str = ""
+    stats: dict[str, Any] = attrs.field(factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        for a, b in zip(self.points, self.points[1:]):
+            if not (a.time_s < b.time_s and a.energy_j > b.energy_j):
+                raise ValueError("IterationFrontier points must be strictly faster-and-costlier "
+                                 "in order (a Pareto front sorted by time)")
+
+    @classmethod
+    def from_points(cls, points: Iterable[IterationPoint], *, label: str = "",
+                    stats: dict[str, Any] | None = None) -> IterationFrontier:
+        """Keep the Pareto-optimal points in (time, energy) and sort them by time."""
+        pts = _pareto_points(points, lambda p: (p.time_s, p.energy_j))
+        # Drop exact ties in time or energy that pareto_mask keeps (equal x, equal y only).
+        out: list[IterationPoint] = []
+        for p in pts:
+            if out and (p.time_s <= out[-1].time_s or p.energy_j >= out[-1].energy_j):
+                continue
+            out.append(p)
+        return cls(points=tuple(out), label=label, stats=dict(stats or {}))
+
+    def __len__(self) -> int:
+        return len(self.points)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self.points)
+
+    def __getitem__(self, i: int) -> IterationPoint:
+        return self.points[i]
+
+    def array(self) -> np.ndarray:
+        """``(n, 2)`` array of (time_s, energy_j)."""
+        return np.array([(p.time_s, p.energy_j) for p in self.points],
+                        dtype=np.float64).reshape(-1, 2)
+
+    def hypervolume(self, ref: Sequence[float]) -> float:
+        """Hypervolume of the frontier against a reference point (time_s, energy_j)."""
+        return hypervolume(self.array(), ref)
+
+    # -- selection -------------------------------------------------------------------
+    def _need_points(self) -> None:
+        if not self.points:
+            raise ValueError(f"the {self.label or 'iteration'} frontier is empty")
+
+    def max_throughput(self) -> Plan:
+        """The fastest plan."""
+        self._need_points()
+        return self.points[0].plan
+
+    def min_energy(self) -> Plan:
+        """The lowest-energy plan."""
+        self._need_points()
+        return self.points[-1].plan
+
+    def select(self, *, deadline_s: float | None = None,
+               energy_budget_j: float | None = None) -> Plan:
+        """The best plan under one constraint.
+
+        Args:
+            deadline_s: Iteration time limit: returns the lowest-energy plan that meets it.
+            energy_budget_j: Iteration energy limit: returns the fastest plan within it.
+
+        Raises:
+            ValueError: neither or both constraints given, or no plan meets the constraint
+                (the message gives the closest the frontier can do).
+        """
+        if (deadline_s is None) == (energy_budget_j is None):
+            raise ValueError("give exactly one of deadline_s= or energy_budget_j=")
+        self._need_points()
+        if deadline_s is not None:
+            ok = [p for p in self.points if p.time_s <= deadline_s]
+            if not ok:
+                raise ValueError(f"no plan meets the deadline {deadline_s:.6g} s; the fastest "
+                                 f"takes {self.points[0].time_s:.6g} s")
+            return min(ok, key=lambda p: p.energy_j).plan
+        assert energy_budget_j is not None
+        ok = [p for p in self.points if p.energy_j <= energy_budget_j]
+        if not ok:
+            raise ValueError(f"no plan fits the energy budget {energy_budget_j:.6g} J; the "
+                             f"lowest-energy plan uses {self.points[-1].energy_j:.6g} J")
+        return min(ok, key=lambda p: p.time_s).plan
+
+    # -- display ---------------------------------------------------------------------
+    def __repr__(self) -> str:
+        if not self.points:
+            return f"IterationFrontier({self.label or ''}: empty)"
+        f, e = self.points[0], self.points[-1]
+        return (f"IterationFrontier({self.label + ': ' if self.label else ''}{len(self.points)} "
+                f"plans; fastest {f.time_s:.4f} s / {f.energy_j:.1f} J; lowest energy "
+                f"{e.time_s:.4f} s / {e.energy_j:.1f} J)")
+
+    def summary(self, max_rows: int = 10) -> str:
+        """A text table of (a sample of) the frontier's points."""
+        lines = [repr(self), f"  {'time (s)':>10} {'energy (J)':>12} {'dynamic (J)':>12}  MHz"]
+        n = len(self.points)
+        idx = sorted(set(np.linspace(0, n - 1, min(n, max_rows)).round().astype(int).tolist()))
+        for i in idx:
+            p = self.points[i]
+            freqs = sorted({p.plan.choices[j].freq_mhz for j in set(p.plan.assignment.values())})
+            lines.append(f"  {p.time_s:10.4f} {p.energy_j:12.1f} {p.dynamic_energy_j:12.1f}  "
+                         f"{freqs[0]}-{freqs[-1]}")
+        return "\n".join(lines)
+
+    def plot(self, ax: Any = None, **kwargs: Any) -> Any:
+        """Draw the frontier as a staircase of points (needs matplotlib)."""
+        import matplotlib.pyplot as plt  # noqa: PLC0415 - optional dependency
+
+        if ax is None:
+            _, ax = plt.subplots(figsize=(5, 4))
+        a = self.array()
+        kwargs.setdefault("label", self.label or None)
+        ax.plot(a[:, 0], a[:, 1], "o-", ms=3, **kwargs)
+        ax.set_xlabel("iteration time (s)")
+        ax.set_ylabel("iteration energy (J, all GPUs)")
+        return ax

@@ -1,0 +1,237 @@
+"""Microbatch composition: partition frontiers -> the frontier of each microbatch computation.
+
+A microbatch computation (the forward or the backward of one pipeline stage for one
+microbatch) runs ``counts[phase][type]`` instances of each partition type, plus some
+work outside partitions (embedding, LM head, loss) run sequentially. It runs at one
+frequency, and all instances of a type share one configuration. So, for each frequency
+f, its time and dynamic energy are::
+
+    sum over types of count(type) x (time, dynamic energy) of the type's chosen point at f
+    + (time, dynamic energy) of the outside work at f
+
+Choosing one point per type is a Cartesian product; we never form it. Types are added
+one at a time (a Minkowski sum of two Pareto sets) and the result is pruned to its
+Pareto points after each addition, which is exact: a combination that uses a dominated
+partial sum is itself dominated. Work is O(sum of |front_k| x |partial front|) per
+frequency instead of the product of the front sizes.
+
+By default only measured points are used; a frequency at which a type has no
+measurement is skipped. With ``include_predicted=True`` the surrogate's predicted
+points stand in for such types, and the resulting microbatch points are marked
+``predicted``.
+
+Energy scope: a partition measurement covers one TP x CP group (the GPUs of one stage
+of one data-parallel replica); microbatch energies are scaled by ``energy_scale``
+(default: the workload's DP degree) to cover every GPU of the stage in the job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from kareus.compose.base import FrontierComposer
+from kareus.compose.frontiers import MicrobatchFrontier, MicrobatchPoint
+from kareus.compose.plan import MicrobatchChoice
+from kareus.exec.profiler import Profiler
+from kareus.model.measurement import Measurement
+from kareus.model.partition import OutsideWork, PartitionSet
+from kareus.search.frontier import Observation, PartitionFrontier
+
+__all__ = ["MicrobatchComposer", "OutsideTable", "measure_outside_work", "pareto_sum"]
+
+#: ``outside[(stage, phase)][freq_mhz]`` = measurement of the work outside partitions.
+OutsideTable = Mapping[tuple[int, str], Mapping[int, Measurement]]
+
+
+def _prune(t: np.ndarray, e: np.ndarray) -> np.ndarray:
+    """Indices of the Pareto points of (t, e), sorted by t (first of exact duplicates kept)."""
+    order = np.lexsort((e, t))
+    es = e[order]
+    if len(es) == 0:
+        return order
+    run_min = np.minimum.accumulate(es)
+    keep = np.empty(len(es), dtype=bool)
+    keep[0] = True
+    keep[1:] = es[1:] < run_min[:-1]
+    return order[keep]
+
+
+def pareto_sum(fronts: Sequence[tuple[np.ndarray, np.ndarray]]
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Pareto front of all sums picking one point from each front, with the picks.
+
+    Args:
+        fronts: ``(times, energies)`` arrays of each front (any points; dominated ones are
+            dropped on the way).
+
+    Returns:
+        ``(times, energies, picks)``: the Pareto sums sorted by time, and for each, the
+        index picked in every input front (shape ``(n, len(fronts))``).
+    """
+    if not fronts:
+        return np.zeros(1), np.zeros(1), np.zeros((1, 0), dtype=np.int64)
+    t0, e0 = (np.asarray(a, dtype=np.float64) for a in fronts[0])
+    keep = _prune(t0, e0)
+    T, E = t0[keep], e0[keep]
+    picks = keep[:, None].astype(np.int64)
+    for t_k, e_k in fronts[1:]:
+        t_k = np.asarray(t_k, dtype=np.float64)
+        e_k = np.asarray(e_k, dtype=np.float64)
+        k_keep = _prune(t_k, e_k)
+        t_k, e_k = t_k[k_keep], e_k[k_keep]
+        st = (T[:, None] + t_k[None, :]).ravel()
+        se = (E[:, None] + e_k[None, :]).ravel()
+        sel = _prune(st, se)
+        i, j = np.divmod(sel, len(t_k))
+        T, E = st[sel], se[sel]
+        picks = np.concatenate([picks[i], k_keep[j][:, None]], axis=1)
+    return T, E, picks
+
+
+def _is_empty(work: OutsideWork) -> bool:
+    return not work.ops and not work.comms
+
+
+def measure_outside_work(profiler: Profiler, partitions: PartitionSet,
+                         freqs_mhz: Sequence[int], *, comm_sms: int | None = None
+                         ) -> dict[tuple[int, str], dict[int, Measurement]]:
+    """Measure the work outside partitions of every stage and phase at every frequency.
+
+    Identical work (e.g. the empty outside work of middle stages) is measured once; empty
+    work costs nothing. Measurements cover one stage's TP x CP group.
+    """
+    if not isinstance(profiler, Profiler):
+        raise TypeError(f"profiler must be a kareus Profiler, got {type(profiler).__name__}")
+    p = partitions.workload.parallelism
+    group = p.tp * p.cp
+    static = profiler.static_power_w(group)
+    cache: dict[tuple[OutsideWork, int], Measurement] = {}
+    out: dict[tuple[int, str], dict[int, Measurement]] = {}
+    for key, work in partitions.outside.items():
+        row: dict[int, Measurement] = {}
+        for f in freqs_mhz:
+            if _is_empty(work):
+                row[int(f)] = Measurement(time_s=0.0, energy_j=0.0, static_power_w=static)
+                continue
+            ck = (work, int(f))
+            if ck not in cache:
+                cache[ck] = profiler.measure_outside(work, int(f), group_size=group,
+                                                     comm_sms=comm_sms)
+            row[int(f)] = cache[ck]
+        out[key] = row
+    return out
+
+
+class MicrobatchComposer(FrontierComposer):
+    """Composes partition frontiers into each microbatch computation's frontier.
+
+    Args:
+        include_predicted: Use surrogate-predicted points for a type at frequencies where
+            it has no measurement (the microbatch points built on them are marked
+            ``predicted``). Default: measured points only.
+        freqs_mhz: Frequencies to compose at; ``None`` = every frequency any frontier has.
+    """
+
+    def __init__(self, *, include_predicted: bool = False,
+                 freqs_mhz: Sequence[int] | None = None) -> None:
+        self.include_predicted = bool(include_predicted)
+        self.freqs_mhz = None if freqs_mhz is None else tuple(int(f) for f in freqs_mhz)
+
+    def __repr__(self) -> str:
+        return (f"MicrobatchComposer(include_predicted={self.include_predicted}, "
+                f"freqs_mhz={self.freqs_mhz})")
+
+    def _type_front(self, pf: PartitionFrontier, freq: int) -> tuple[list[Observation], bool]:
+        obs = pf.front_at(freq, energy="dynamic")
+        if obs or not self.include_predicted:
+            return obs, False
+        pred = [o for o in pf.front_at(freq, energy="dynamic", include_predicted=True)
+                if o.predicted]
+        return pred, True
+
+    def compose(self, frontiers: Mapping[str, PartitionFrontier], /, *,  # type: ignore[override]
+                partitions: PartitionSet, outside: OutsideTable | None = None,
+                energy_scale: float | None = None) -> dict[tuple[int, str], MicrobatchFrontier]:
+        """The frontier of every microbatch computation ``(stage, phase)``.
+
+        Args:
+            frontiers: Partition type name -> its frontier (every type the counts use).
+            partitions: The workload's partition set (types, counts, outside work).
+            outside: Measurements of the outside work per ``(stage, phase)`` and frequency
+                (:func:`measure_outside_work`); ``None`` = no outside work is counted.
+            energy_scale: Multiplier from a partition measurement's scope (one TP x CP group)
+                to the microbatch's (every GPU of the stage); ``None`` = the DP degree.
+
+        Raises:
+            ValueError: a type the counts use has no frontier, or a computation has no
+                frequency at which every type has a point.
+        """
+        if not isinstance(partitions, PartitionSet):
+            raise TypeError(f"partitions must be a PartitionSet, got {type(partitions).__name__}")
+        for name, pf in frontiers.items():
+            if not isinstance(pf, PartitionFrontier):
+                raise TypeError(f"frontier of {name!r} must be a PartitionFrontier, "
+                                f"got {type(pf).__name__}")
+        scale = (float(partitions.workload.parallelism.dp) if energy_scale is None
+                 else float(energy_scale))
+        pp = partitions.workload.parallelism.pp
+        out: dict[tuple[int, str], MicrobatchFrontier] = {}
+        for phase in ("fwd", "bwd"):
+            counts = {t: c for t, c in sorted(partitions.counts[phase].items()) if c > 0}
+            missing = [t for t in counts if t not in frontiers]
+            if missing:
+                raise ValueError(f"no partition frontier for type(s) {missing} "
+                                 f"(needed by the {phase} computations)")
+            freqs = self.freqs_mhz
+            if freqs is None:
+                fs: set[int] = set()
+                for t in counts:
+                    fs.update(o.config.freq_mhz for o in frontiers[t].observations
+                              if self.include_predicted or not o.predicted)
+                freqs = tuple(sorted(fs, reverse=True))
+            # Stage-independent part: sum over partition types at each frequency.
+            per_freq: dict[int, tuple[np.ndarray, np.ndarray, list[MicrobatchChoice]]] = {}
+            for f in freqs:
+                type_obs: list[list[Observation]] = []
+                type_pred: list[bool] = []
+                for t in counts:
+                    obs, pred = self._type_front(frontiers[t], f)
+                    if not obs:
+                        break
+                    type_obs.append(obs)
+                    type_pred.append(pred)
+                else:
+                    arrays = [(np.array([o.time_s for o in obs]) * c,
+                               np.array([o.dynamic_energy_j for o in obs]) * c)
+                              for obs, c in zip(type_obs, counts.values())]
+                    T, E, picks = pareto_sum(arrays)
+                    names = list(counts)
+                    choices = []
+                    for row in picks:
+                        sel = [type_obs[k][row[k]] for k in range(len(names))]
+                        pred = any(type_pred) or any(o.predicted for o in sel)
+                        choices.append(MicrobatchChoice(
+                            freq_mhz=f, configs={n: o.config for n, o in zip(names, sel)},
+                            predicted=pred))
+                    per_freq[f] = (T, E, choices)
+            for stage in range(pp):
+                by_freq: dict[int, list[MicrobatchPoint]] = {}
+                for f, (T, E, choices) in per_freq.items():
+                    if outside is not None:
+                        row = outside[(stage, phase)]
+                        if f not in row:
+                            continue
+                        m = row[f]
+                        ot, oe = m.time_s, m.dynamic_energy_j
+                    else:
+                        ot, oe = 0.0, 0.0
+                    by_freq[f] = [MicrobatchPoint(time_s=t + ot, dynamic_energy_j=(e + oe) * scale,
+                                                  choice=ch)
+                                  for t, e, ch in zip(T.tolist(), E.tolist(), choices)]
+                if not by_freq:
+                    raise ValueError(f"stage {stage} {phase}: no frequency at which every "
+                                     f"partition type ({', '.join(counts)}) has a point")
+                out[(stage, phase)] = MicrobatchFrontier.from_fronts(stage, phase, by_freq)
+        return out

@@ -1,0 +1,351 @@
+"""Plans: what a user runs, as versioned JSON with a digest.
+
+A :class:`Plan` fixes, for one training iteration of a pipeline schedule, the GPU
+frequency of every microbatch computation ``(stage, microbatch, fwd|bwd)`` and the
+configuration (communication SMs, launch slot) of every partition type inside it.
+
+A microbatch computation runs at one frequency, and every instance of a partition
+type inside it shares one configuration. Different computations may run at different
+frequencies, so the plan stores the distinct *microbatch choices* once
+(:class:`MicrobatchChoice`: a frequency and one configuration per partition type) and
+maps each computation to one of them.
+
+Files are JSON, never executable code. Every file carries ``version`` and a SHA-256
+``digest`` of its canonical content; ranks compare digests before use, so that every
+rank issues the same collectives with the same SM caps. Loading validates the version,
+the keys, the digest, and every frequency and SM count against the GPU, and raises
+:class:`~kareus.errors.PlanError` with a clear message on any problem.
+
+Energy scope: ``energy_j`` covers every GPU of the job for one iteration (dynamic energy
+of every computation plus static power x iteration time x number of GPUs); ``time_s`` is
+the iteration time seen by each rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import attrs
+
+from kareus.errors import KareusError, PlanError
+from kareus.model.config import ScheduleConfig
+from kareus.model.gpu import get_gpu
+from kareus.model.pipeline import Computation, get_schedule
+
+__all__ = ["PLAN_VERSION", "MicrobatchChoice", "Plan"]
+
+#: The plan file format this version of kareus reads and writes.
+PLAN_VERSION = 1
+
+_REQUIRED_KEYS = ("version", "gpu", "schedule", "num_stages", "num_microbatches", "choices",
+                  "assignment", "time_s", "energy_j", "dynamic_energy_j", "static_power_w")
+
+
+def _configs_converter(value: Mapping[str, ScheduleConfig] | Iterable[tuple[str, ScheduleConfig]]
+                       ) -> tuple[tuple[str, ScheduleConfig], ...]:
+    items = value.items() if isinstance(value, Mapping) else value
+    return tuple(sorted((str(k), v) for k, v in items))
+
+
+@attrs.frozen(kw_only=True)
+class MicrobatchChoice:
+    """One way to run a microbatch computation: a frequency and a configuration per type.
+
+    Attributes:
+        freq_mhz: The SM clock of the whole computation.
+        configs: ``(partition type, ScheduleConfig)`` pairs, sorted by type name; every
+            config runs at ``freq_mhz``. Build from a dict; read with :meth:`config`.
+        predicted: Whether any part of it rests on a surrogate prediction, not a measurement.
+    """
+
+    freq_mhz: int = attrs.field(converter=int)
+    configs: tuple[tuple[str, ScheduleConfig], ...] = attrs.field(converter=_configs_converter)
+    predicted: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        for name, cfg in self.configs:
+            if not isinstance(cfg, ScheduleConfig):
+                raise TypeError(f"config of {name!r} must be a ScheduleConfig, "
+                                f"got {type(cfg).__name__}")
+            if cfg.freq_mhz != self.freq_mhz:
+                raise ValueError(f"config of {name!r} runs at {cfg.freq_mhz} MHz but the "
+                                 f"microbatch runs at {self.freq_mhz} MHz")
+
+    @property
+    def types(self) -> list[str]:
+        return [name for name, _ in self.configs]
+
+    def config(self, partition_type: str) -> ScheduleConfig:
+        """The configuration of ``partition_type``; ``KeyError`` if it has none here."""
+        for name, cfg in self.configs:
+            if name == partition_type:
+                return cfg
+        raise KeyError(partition_type)
+
+    def as_dict(self) -> dict[str, ScheduleConfig]:
+        return dict(self.configs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"freq_mhz": self.freq_mhz, "predicted": self.predicted,
+                "configs": {name: {"comm_sms": c.comm_sms, "launch_slot": c.launch_slot}
+                            for name, c in self.configs}}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> MicrobatchChoice:
+        f = int(d["freq_mhz"])
+        configs = {name: ScheduleConfig(freq_mhz=f, comm_sms=int(c["comm_sms"]),
+                                        launch_slot=c.get("launch_slot"))
+                   for name, c in d["configs"].items()}
+        return cls(freq_mhz=f, configs=configs, predicted=bool(d.get("predicted", False)))
+
+    def __str__(self) -> str:
+        parts = ", ".join(f"{n}: {c.comm_sms} SMs @ {c.launch_slot or 'sequential'}"
+                          for n, c in self.configs)
+        return f"{self.freq_mhz} MHz [{parts}]{' (predicted)' if self.predicted else ''}"
+
+
+@attrs.frozen(kw_only=True)
+class Plan:
+    """A frequency for each microbatch computation and a configuration for each partition type.
+
+    Attributes:
+        gpu: GPU preset name the plan was made for.
+        schedule: Pipeline schedule name (``"1f1b"``).
+        num_stages: Pipeline stages.
+        num_microbatches: Microbatches per iteration.
+        choices: The distinct microbatch choices.
+        assignment: Computation key (``"s0.m3.fwd"``) -> index into ``choices``.
+        time_s: Iteration time (per rank) the plan was composed to take.
+        energy_j: Iteration energy over every GPU of the job, static included.
+        dynamic_energy_j: The dynamic part of ``energy_j``.
+        static_power_w: Static power of every GPU of the job together.
+        label: Free text, e.g. the baseline's name (``"kareus"``, ``"perseus"``).
+        workload: The workload's description (``Workload.to_dict()``), if known.
+    """
+
+    gpu: str
+    schedule: str = "1f1b"
+    num_stages: int
+    num_microbatches: int
+    choices: tuple[MicrobatchChoice, ...] = attrs.field(converter=tuple)
+    assignment: dict[str, int] = attrs.field(converter=dict)
+    time_s: float = attrs.field(converter=float)
+    energy_j: float = attrs.field(converter=float)
+    dynamic_energy_j: float = attrs.field(converter=float)
+    static_power_w: float = attrs.field(converter=float)
+    label: str = ""
+    workload: dict[str, Any] | None = None
+
+    def __attrs_post_init__(self) -> None:
+        for key, idx in self.assignment.items():
+            if not 0 <= idx < len(self.choices):
+                raise PlanError(f"computation {key} refers to choice {idx}, but the plan has "
+                                f"{len(self.choices)} choices")
+
+    # -- access ----------------------------------------------------------------------
+    def choice(self, computation: Computation | str) -> MicrobatchChoice:
+        """The microbatch choice of a computation (a :class:`Computation` or its key)."""
+        key = computation.key() if isinstance(computation, Computation) else computation
+        try:
+            return self.choices[self.assignment[key]]
+        except KeyError:
+            raise PlanError(f"the plan has no computation {key}") from None
+
+    def freq_mhz(self, computation: Computation | str) -> int:
+        """The SM clock of a computation."""
+        return self.choice(computation).freq_mhz
+
+    def config(self, computation: Computation | str, partition_type: str) -> ScheduleConfig:
+        """The configuration of ``partition_type`` inside ``computation``."""
+        return self.choice(computation).config(partition_type)
+
+    def partition_configs(self) -> dict[str, tuple[ScheduleConfig, ...]]:
+        """Every partition type's distinct configurations (one per frequency it runs at)."""
+        used = sorted(set(self.assignment.values()))
+        out: dict[str, set[ScheduleConfig]] = {}
+        for i in used:
+            for name, cfg in self.choices[i].configs:
+                out.setdefault(name, set()).add(cfg)
+        return {name: tuple(sorted(cfgs, reverse=True)) for name, cfgs in sorted(out.items())}
+
+    @property
+    def frequencies_mhz(self) -> dict[str, int]:
+        """Computation key -> SM clock."""
+        return {k: self.choices[i].freq_mhz for k, i in self.assignment.items()}
+
+    @property
+    def predicted(self) -> bool:
+        """Whether any used choice rests on a surrogate prediction."""
+        return any(self.choices[i].predicted for i in set(self.assignment.values()))
+
+    @property
+    def static_energy_j(self) -> float:
+        return self.static_power_w * self.time_s
+
+    # -- serialisation ---------------------------------------------------------------
+    def _content(self) -> dict[str, Any]:
+        return {
+            "version": PLAN_VERSION,
+            "gpu": self.gpu,
+            "schedule": self.schedule,
+            "num_stages": self.num_stages,
+            "num_microbatches": self.num_microbatches,
+            "label": self.label,
+            "workload": self.workload,
+            "time_s": self.time_s,
+            "energy_j": self.energy_j,
+            "dynamic_energy_j": self.dynamic_energy_j,
+            "static_power_w": self.static_power_w,
+            "choices": [c.to_dict() for c in self.choices],
+            "assignment": dict(sorted(self.assignment.items(),
+                                      key=lambda kv: Computation.from_key(kv[0]))),
+        }
+
+    @property
+    def digest(self) -> str:
+        """SHA-256 of the canonical JSON content (ranks compare it before use)."""
+        return _digest(self._content())
+
+    def to_dict(self) -> dict[str, Any]:
+        d = self._content()
+        d["digest"] = _digest(d)
+        return d
+
+    def to_json(self, *, indent: int | None = 1) -> str:
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=False)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the plan as JSON to ``path``."""
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(self.to_json())
+            fh.write("\n")
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Plan:
+        """Build and validate a plan from its dict form.
+
+        Raises:
+            PlanError: another version, a missing key, a wrong digest, an unknown GPU, a
+                frequency or SM count the GPU cannot take, or computations missing.
+        """
+        if not isinstance(d, Mapping):
+            raise PlanError(f"a plan must be a JSON object, got {type(d).__name__}")
+        if "version" not in d:
+            raise PlanError("not a kareus plan: the key 'version' is missing")
+        if d["version"] != PLAN_VERSION:
+            raise PlanError(f"plan format version {d['version']!r} is not supported; this "
+                            f"kareus reads version {PLAN_VERSION} (make the plan again)")
+        missing = [k for k in _REQUIRED_KEYS if k not in d]
+        if missing:
+            raise PlanError(f"plan lacks the key(s) {', '.join(missing)}")
+        try:
+            gpu = get_gpu(d["gpu"])
+        except KareusError as exc:
+            raise PlanError(f"plan is for an unknown GPU: {exc}") from None
+        try:
+            choices = [MicrobatchChoice.from_dict(c) for c in d["choices"]]
+            plan = cls(gpu=gpu.name, schedule=str(d["schedule"]),
+                       num_stages=int(d["num_stages"]),
+                       num_microbatches=int(d["num_microbatches"]), choices=choices,
+                       assignment={str(k): int(v) for k, v in d["assignment"].items()},
+                       time_s=d["time_s"], energy_j=d["energy_j"],
+                       dynamic_energy_j=d["dynamic_energy_j"],
+                       static_power_w=d["static_power_w"], label=str(d.get("label", "")),
+                       workload=d.get("workload"))
+        except PlanError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise PlanError(f"malformed plan: {type(exc).__name__}: {exc}") from None
+        for i, ch in enumerate(plan.choices):
+            if not gpu.supports_clock(ch.freq_mhz):
+                raise PlanError(f"choice {i}: {ch.freq_mhz} MHz is not a supported SM clock of "
+                                f"{gpu.name} ({gpu.min_clock_mhz}..{gpu.max_clock_mhz} MHz)")
+            for name, cfg in ch.configs:
+                if not 1 <= cfg.comm_sms <= gpu.sm_count - 1:
+                    raise PlanError(f"choice {i}, partition {name!r}: comm_sms={cfg.comm_sms} is "
+                                    f"impossible on {gpu.name} (must be 1..{gpu.sm_count - 1})")
+        try:
+            sched = get_schedule(plan.schedule, plan.num_stages, plan.num_microbatches)
+            keys = {c.key() for c in sched.nodes}
+            given = set()
+            for k in plan.assignment:
+                given.add(Computation.from_key(k).key())
+        except (KareusError, ValueError) as exc:
+            raise PlanError(f"malformed plan: {exc}") from None
+        if keys != given:
+            lack = sorted(keys - given)[:3]
+            extra = sorted(given - keys)[:3]
+            raise PlanError(f"plan computations do not match a {plan.schedule} schedule of "
+                            f"{plan.num_stages} stages x {plan.num_microbatches} microbatches "
+                            f"(missing e.g. {lack}, unexpected e.g. {extra})")
+        if "digest" in d and d["digest"] != plan.digest:
+            raise PlanError("plan digest does not match its content: the file was changed "
+                            "or corrupted after it was written")
+        return plan
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """Parse and validate a plan from JSON text (raises :class:`PlanError`)."""
+        try:
+            d = json.loads(text)
+        except (json.JSONDecodeError, TypeError) as exc:
+            raise PlanError(f"plan is not valid JSON: {exc}") from None
+        return cls.from_dict(d)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Plan:
+        """Read and validate a plan file (raises :class:`PlanError`; ``OSError`` if unreadable)."""
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+        try:
+            return cls.from_json(text)
+        except PlanError as exc:
+            raise PlanError(f"{os.fspath(path)}: {exc}") from None
+
+    # -- display ---------------------------------------------------------------------
+    def summary(self) -> str:
+        """A readable text summary (what ``kareus show PLAN`` prints)."""
+        lines = [
+            f"kareus plan v{PLAN_VERSION} {self.label or ''}".rstrip(),
+            f"  digest      {self.digest[:16]}",
+            f"  gpu         {self.gpu}",
+            f"  schedule    {self.schedule}, {self.num_stages} stages x "
+            f"{self.num_microbatches} microbatches",
+        ]
+        if self.workload:
+            w = self.workload
+            lines.append("  workload    " + ", ".join(f"{k}={v}" for k, v in w.items()))
+        lines += [
+            f"  iteration   {self.time_s:.4f} s, {self.energy_j:.1f} J over all GPUs "
+            f"(dynamic {self.dynamic_energy_j:.1f} J, static {self.static_energy_j:.1f} J)",
+        ]
+        if self.predicted:
+            lines.append("  note        some choices rest on surrogate predictions")
+        lines.append("  frequencies per stage (MHz: computations)")
+        for s in range(self.num_stages):
+            for phase in ("fwd", "bwd"):
+                cnt = Counter(self.choices[i].freq_mhz for k, i in self.assignment.items()
+                              if k.startswith(f"s{s}.") and k.endswith(phase))
+                txt = ", ".join(f"{f}: {n}" for f, n in sorted(cnt.items(), reverse=True))
+                lines.append(f"    stage {s} {phase}  {txt}")
+        lines.append("  partition configurations (MHz, comm SMs, launch slot)")
+        for name, cfgs in self.partition_configs().items():
+            lines.append(f"    {name}: " + "; ".join(str(c) for c in cfgs))
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        freqs = sorted({self.choices[i].freq_mhz for i in set(self.assignment.values())})
+        rng = f"{freqs[0]}-{freqs[-1]} MHz" if len(freqs) > 1 else f"{freqs[0]} MHz"
+        return (f"Plan({self.label + ': ' if self.label else ''}{self.gpu}, {self.schedule} "
+                f"{self.num_stages}x{self.num_microbatches}, {self.time_s:.4f} s, "
+                f"{self.energy_j:.1f} J, {rng}, digest {self.digest[:12]})")
+
+
+def _digest(content: Mapping[str, Any]) -> str:
+    blob = json.dumps(content, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
