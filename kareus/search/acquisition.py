@@ -31,7 +31,12 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
-from kareus.search.pareto import hypervolume_improvement, pareto_front, reference_point
+from kareus.search.pareto import (
+    hypervolume_improvement,
+    pareto_front,
+    pareto_mask,
+    reference_point,
+)
 from kareus.search.surrogate import ObjectivePrediction
 
 __all__ = [
@@ -39,6 +44,7 @@ __all__ = [
     "AcquisitionPass",
     "FastestPass",
     "HypervolumePass",
+    "NeighbourhoodPass",
     "RandomPass",
     "UncertaintyPass",
     "allocate",
@@ -67,6 +73,9 @@ class AcquisitionContext:
         chosen: Indices already chosen for this batch by earlier passes (their
             predicted points may be treated as if measured).
         rng: Random generator for tie-breaking and random passes.
+        features: Features of every candidate (n, d), or ``None``.
+        observed_index: Candidate index of each measured point (m,), ``-1`` where a
+            measured point is not a candidate; ``None`` if unknown.
     """
 
     prediction: ObjectivePrediction
@@ -78,6 +87,8 @@ class AcquisitionContext:
     chosen: np.ndarray = attrs.field(factory=lambda: np.zeros(0, dtype=np.int64),
                                      converter=lambda a: np.asarray(a, dtype=np.int64))
     rng: np.random.Generator = attrs.field(factory=lambda: np.random.default_rng(0))
+    features: np.ndarray | None = None
+    observed_index: np.ndarray | None = None
 
     def __attrs_post_init__(self) -> None:
         n = len(self.prediction)
@@ -88,6 +99,10 @@ class AcquisitionContext:
             raise ValueError("observed_time_s, observed_energy_j and observed_static_power_w "
                              "must have the same length")
         _as_index_array(self.chosen, n, "chosen")
+        if self.features is not None and (self.features.ndim != 2 or len(self.features) != n):
+            raise ValueError(f"features must have shape ({n}, d)")
+        if self.observed_index is not None and np.shape(self.observed_index) != (m,):
+            raise ValueError(f"observed_index must have shape ({m},)")
 
     @property
     def n_candidates(self) -> int:
@@ -174,10 +189,18 @@ class HypervolumePass(AcquisitionPass):
         optimism: Score the point ``optimism`` spreads below the mean in log space
             (time and dynamic energy each); 0 = the mean (needs no spread).
         margin: Reference point = (1 + margin) x the worst measured value of each objective.
+        front: ``"measured"`` = the front of the measured values; ``"denoised"`` = the
+            front of the *predicted* values of the measured configurations (the surrogate
+            averages noise out; a point measured with lucky noise then no longer hides
+            the candidates around it). Needs ``observed_index`` in the context, else
+            falls back to ``"measured"``.
     """
 
     def __init__(self, energy: str = "total", *, greedy: bool = True, optimism: float = 0.0,
-                 margin: float = 0.1) -> None:
+                 margin: float = 0.1, front: str = "measured") -> None:
+        if front not in ("measured", "denoised"):
+            raise ValueError(f"front must be 'measured' or 'denoised', got {front!r}")
+        self.front = front
         if energy not in _ENERGIES:
             raise ValueError(f"energy must be one of {_ENERGIES}, got {energy!r}")
         if optimism < 0:
@@ -216,6 +239,13 @@ class HypervolumePass(AcquisitionPass):
             return np.zeros(0, dtype=np.int64)
         pts = self.predicted_points(context)
         observed = context.observed(self.energy)
+        where = context.observed_index
+        if self.front == "denoised" and where is not None and len(where) and (where >= 0).all():
+            p = context.prediction
+            t, d = p.time_s[where], p.dynamic_energy_j[where]
+            e = {"total": t * p.static_power_w + d, "dynamic": d,
+                 "static": t * p.static_power_w}[self.energy]
+            observed = np.column_stack([t, e])
         if len(observed) == 0:
             # Nothing measured: no front to improve on; the fastest predicted first.
             return _top_k(-pts[:, 0], available, k, context.rng)
@@ -246,6 +276,110 @@ class HypervolumePass(AcquisitionPass):
     def __repr__(self) -> str:
         return (f"HypervolumePass(energy={self.energy!r}, greedy={self.greedy}, "
                 f"optimism={self.optimism})")
+
+
+class NeighbourhoodPass(AcquisitionPass):
+    """Exploitation: hypervolume improvement among the neighbours of the front's configurations.
+
+    A partition's front holds about one point per clock frequency, and neighbouring
+    frequencies share nearly the same best SM count and slot; tree surrogates predict
+    in plateaus, so a pass over the whole space picks at random among many candidates
+    that look alike. This pass looks only near the front: at configurations that differ
+    from a configuration on the front of the measured ones in exactly one knob (a group
+    of feature columns), by at most that knob's ``steps`` distinct values (``None``: any
+    value). The front is taken in (time, total energy) and in (time, dynamic energy),
+    on the *predicted* values of the measured configurations (``front="denoised"``) so
+    that a point measured with lucky noise does not pull the search to it. Neighbours
+    are ranked as :class:`HypervolumePass` ranks candidates; when fewer than ``k`` are
+    available (or the context has no ``features`` / ``observed_index``), the rest of the
+    share falls back to that plain hypervolume pass over every candidate.
+
+    Args:
+        energy: ``"total"``, ``"dynamic"`` or ``"static"``: the objective of the ranking.
+        knobs: Feature column groups, one per knob; ``None`` = ConfigSpace's features:
+            frequency (0), SM count (1), launch slot (2, 3, 4).
+        steps: Radius per knob in distinct values, ``None`` = any value; ``None`` =
+            ``(None, 2, None)``: any frequency (a sweep), SM count +-2 steps, any slot.
+        front: ``"denoised"`` or ``"measured"`` (see :class:`HypervolumePass`).
+    """
+
+    def __init__(self, energy: str = "total", *,
+                 knobs: Sequence[Sequence[int]] | None = None,
+                 steps: Sequence[int | None] | None = None, front: str = "denoised") -> None:
+        self.knobs = tuple(tuple(int(c) for c in k) for k in (knobs or ((0,), (1,), (2, 3, 4))))
+        self.steps = tuple(steps) if steps is not None else (
+            (None, 2, None) if knobs is None else (None,) * len(self.knobs))
+        if len(self.steps) != len(self.knobs):
+            raise ValueError("steps needs one radius per knob")
+        if any(st is not None and st < 1 for st in self.steps):
+            raise ValueError(f"steps must be >= 1 or None, got {self.steps}")
+        self._hv = HypervolumePass(energy, front=front)
+        self.energy = energy
+        self.front = front
+
+    @property
+    def name(self) -> str:
+        return "local"
+
+    def _centres(self, context: AcquisitionContext) -> list[int]:
+        where = context.observed_index
+        assert where is not None
+        centres: set[int] = set()
+        for e in ("total", "dynamic"):
+            pts = context.observed(e)
+            if self.front == "denoised":
+                p = context.prediction
+                t, d = p.time_s[where], p.dynamic_energy_j[where]
+                pts = np.column_stack([t, t * p.static_power_w + d if e == "total" else d])
+            centres |= {int(i) for i in where[pareto_mask(pts)]}
+        return sorted(centres)
+
+    def neighbours(self, context: AcquisitionContext) -> list[np.ndarray]:
+        """Per knob, the mask (n,) of available neighbours of the front's configurations
+        along that knob."""
+        n = context.n_candidates
+        masks = [np.zeros(n, dtype=bool) for _ in self.knobs]
+        feats, where = context.features, context.observed_index
+        if feats is None or where is None or len(where) == 0 or (where < 0).any():
+            return masks
+        ranks = np.column_stack([np.unique(feats[:, c], return_inverse=True)[1]
+                                 for c in range(feats.shape[1])])
+        for c in self._centres(context):
+            same = feats == feats[c]
+            for m, knob, radius in zip(masks, self.knobs, self.steps):
+                others = [j for j in range(feats.shape[1]) if j not in knob]
+                near = same[:, others].all(axis=1) if others else np.ones(n, dtype=bool)
+                if radius is not None:
+                    for j in knob:
+                        near &= np.abs(ranks[:, j] - ranks[c, j]) <= radius
+                m |= near
+        return [m & context.available for m in masks]
+
+    def select(self, context: AcquisitionContext, k: int) -> np.ndarray:
+        if k <= 0:
+            return np.zeros(0, dtype=np.int64)
+        masks = self.neighbours(context)
+        picks: list[int] = []
+        ctx = context
+        # Round robin over the knobs, so that one knob's neighbours (say, the sweep over
+        # frequencies) cannot crowd out another's (a step in SM count).
+        while len(picks) < k and any(m.any() for m in masks):
+            for m in masks:
+                if len(picks) >= k:
+                    break
+                m &= ctx.available
+                if not m.any():
+                    continue
+                got = self._hv.select(attrs.evolve(ctx, available=m), 1)
+                picks.extend(int(i) for i in got)
+                ctx = ctx.with_chosen(got)
+        if len(picks) < k:
+            picks.extend(int(i) for i in self._hv.select(ctx, k - len(picks)))
+        return np.asarray(picks, dtype=np.int64)
+
+    def __repr__(self) -> str:
+        return (f"NeighbourhoodPass(energy={self.energy!r}, knobs={self.knobs}, "
+                f"steps={self.steps}, front={self.front!r})")
 
 
 class UncertaintyPass(AcquisitionPass):

@@ -135,6 +135,11 @@ class XGBoostSurrogate(Surrogate):
         nthread: XGBoost threads; ``None`` = 1 (fitting is tiny, threads cost more than
             they give, and the profiler may be sharing the machine).
         seed: Random seed (used by subsampling).
+        trend_features: Feature columns of a linear trend fitted (least squares) before
+            boosting; the trees then fit what the trend leaves. Trees predict in steps and
+            cannot interpolate between the values they saw; a trend in a smooth knob (the
+            clock frequency: column 0 of ConfigSpace's features) keeps predictions ordered
+            along it. ``()`` = no trend.
         params: Extra XGBoost booster parameters, merged last.
     """
 
@@ -150,6 +155,7 @@ class XGBoostSurrogate(Surrogate):
         reg_lambda: float = 1.0,
         nthread: int | None = None,
         seed: int = 0,
+        trend_features: tuple[int, ...] | list[int] = (),
         params: dict[str, Any] | None = None,
     ) -> None:
         if n_estimators < 1:
@@ -170,6 +176,8 @@ class XGBoostSurrogate(Surrogate):
         self.nthread = 1 if nthread is None else int(nthread)
         self.seed = int(seed)
         self.params = dict(params or {})
+        self.trend_features = tuple(int(c) for c in trend_features)
+        self._trend: tuple[np.ndarray, np.ndarray, np.ndarray, float] | None = None
         self._booster: Any = None
         self._n_features: int | None = None
         self._constant: float | None = None
@@ -185,9 +193,37 @@ class XGBoostSurrogate(Surrogate):
         p.update(self.params)
         return p
 
+    def _fit_trend(self, x: np.ndarray, t: np.ndarray) -> np.ndarray:
+        """Fit the linear trend; return the residuals."""
+        self._trend = None
+        cols = [c for c in self.trend_features if c < x.shape[1]]
+        if not cols or len(t) < 3:
+            return t
+        z = x[:, cols]
+        mu, sd = z.mean(axis=0), z.std(axis=0)
+        keep = sd > 0
+        if not keep.any():
+            return t
+        zs = (z[:, keep] - mu[keep]) / sd[keep]
+        a = np.column_stack([np.ones(len(t)), zs])
+        # A little ridge on the slopes: a trend from few points must not run wild.
+        reg = np.diag([0.0] + [1e-3 * len(t)] * zs.shape[1])
+        coef = np.linalg.solve(a.T @ a + reg, a.T @ t)
+        self._trend = (np.asarray(cols)[keep], mu[keep], sd[keep], 0.0)
+        self._trend_coef = coef
+        return t - a @ coef
+
+    def _trend_at(self, x: np.ndarray) -> np.ndarray | float:
+        if self._trend is None:
+            return 0.0
+        cols, mu, sd, _ = self._trend
+        zs = (x[:, cols] - mu) / sd
+        return self._trend_coef[0] + zs @ self._trend_coef[1:]
+
     def fit(self, X: ArrayLike, y: ArrayLike) -> XGBoostSurrogate:
         x, t = _check_xy(X, y)
         self._n_features = x.shape[1]
+        t = self._fit_trend(x, t)
         if len(t) < 2 or np.ptp(t) == 0:
             # Nothing to learn: a constant (XGBoost would also give one, more slowly).
             self._booster, self._constant = None, float(t.mean())
@@ -211,14 +247,15 @@ class XGBoostSurrogate(Surrogate):
         if not self.fitted:
             raise RuntimeError("XGBoostSurrogate.predict called before fit")
         x = _check_x(X, self._n_features)
-        if self._constant is not None:
-            return np.full(len(x), self._constant)
         if len(x) == 0:
             return np.zeros(0)
+        trend = self._trend_at(x)
+        if self._constant is not None:
+            return np.full(len(x), self._constant) + trend
         import xgboost as xgb  # noqa: PLC0415
 
         return np.asarray(self._booster.predict(xgb.DMatrix(x, nthread=self.nthread)),
-                          dtype=np.float64)
+                          dtype=np.float64) + trend
 
     def clone(self, *, seed: int | None = None) -> XGBoostSurrogate:
         return XGBoostSurrogate(
@@ -226,7 +263,8 @@ class XGBoostSurrogate(Surrogate):
             learning_rate=self.learning_rate, subsample=self.subsample,
             colsample_bytree=self.colsample_bytree, min_child_weight=self.min_child_weight,
             reg_lambda=self.reg_lambda, nthread=self.nthread,
-            seed=self.seed if seed is None else int(seed), params=self.params)
+            seed=self.seed if seed is None else int(seed),
+            trend_features=self.trend_features, params=self.params)
 
     def __repr__(self) -> str:
         return (f"XGBoostSurrogate(n_estimators={self.n_estimators}, max_depth="

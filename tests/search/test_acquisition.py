@@ -1,0 +1,217 @@
+"""Acquisition passes: conformance, and each pass's choice on small hand-made cases."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kareus.search.acquisition import (
+    AcquisitionContext,
+    AcquisitionPass,
+    FastestPass,
+    HypervolumePass,
+    NeighbourhoodPass,
+    RandomPass,
+    UncertaintyPass,
+    allocate,
+)
+from kareus.search.surrogate import ObjectivePrediction
+from kareus.testing import AcquisitionPassConformance, make_acquisition_context
+
+P_STATIC = 1.0
+
+
+class TestHypervolumeTotal(AcquisitionPassConformance):
+    def make_pass(self) -> AcquisitionPass:
+        return HypervolumePass("total")
+
+
+class TestHypervolumeDynamicDenoised(AcquisitionPassConformance):
+    def make_pass(self) -> AcquisitionPass:
+        return HypervolumePass("dynamic", front="denoised")
+
+
+class TestHypervolumeStaticTopK(AcquisitionPassConformance):
+    def make_pass(self) -> AcquisitionPass:
+        return HypervolumePass("static", greedy=False, optimism=1.0)
+
+
+class TestUncertainty(AcquisitionPassConformance):
+    def make_pass(self) -> AcquisitionPass:
+        return UncertaintyPass()
+
+
+class TestFastest(AcquisitionPassConformance):
+    def make_pass(self) -> AcquisitionPass:
+        return FastestPass()
+
+
+class TestRandom(AcquisitionPassConformance):
+    def make_pass(self) -> AcquisitionPass:
+        return RandomPass()
+
+
+class TestNeighbourhood(AcquisitionPassConformance):
+    def make_pass(self) -> AcquisitionPass:
+        return NeighbourhoodPass()
+
+
+def context(time_s, dynamic_j, *, observed, spread=None, available=None, features=None,
+            observed_index=None) -> AcquisitionContext:
+    """Candidates given by predicted (time, dynamic energy); observed (time, dynamic) pairs."""
+    t = np.asarray(time_s, dtype=float)
+    obs = np.asarray(observed, dtype=float).reshape(-1, 2)
+    pred = ObjectivePrediction(
+        time_s=t, dynamic_energy_j=np.asarray(dynamic_j, dtype=float), static_power_w=P_STATIC,
+        time_spread=None if spread is None else np.asarray(spread, dtype=float),
+        dynamic_spread=None if spread is None else np.zeros(len(t)))
+    return AcquisitionContext(
+        prediction=pred,
+        available=np.ones(len(t), dtype=bool) if available is None else available,
+        observed_time_s=obs[:, 0], observed_energy_j=obs[:, 1] + P_STATIC * obs[:, 0],
+        observed_static_power_w=np.full(len(obs), P_STATIC), features=features,
+        observed_index=observed_index)
+
+
+# Measured front in (time, dynamic): (1.0, 10), (2.0, 5); in (time, total): (1, 11), (2, 7).
+# Static 1 W.
+OBSERVED = [(1.0, 10.0), (2.0, 5.0)]
+
+
+def test_hypervolume_total_prefers_the_largest_improvement():
+    # 0: dominated; 1: small gain; 2: large gain (fast and frugal); 3: slow and wasteful.
+    ctx = context([1.5, 1.9, 1.2, 3.0], [10.0, 4.9, 6.0, 12.0], observed=OBSERVED)
+    assert HypervolumePass("total").select(ctx, 1).tolist() == [2]
+    assert HypervolumePass("total").select(ctx, 2).tolist() == [2, 1]
+
+
+def test_hypervolume_energy_kinds_pick_differently():
+    # In total energy the fast candidate 0 wins; in dynamic energy the frugal but slow
+    # candidate 1 wins; in static energy only speed counts.
+    ctx = context([0.2, 2.05, 1.9], [10.5, 1.0, 6.0], observed=OBSERVED)
+    assert HypervolumePass("total").select(ctx, 1).tolist() == [0]
+    assert HypervolumePass("dynamic").select(ctx, 1).tolist() == [1]
+    assert HypervolumePass("static").select(ctx, 1).tolist() == [0]
+
+
+def test_greedy_spreads_a_batch_along_the_front():
+    # Candidates 0 and 1 are nearly the same point with the largest gains; 2 improves
+    # elsewhere. Greedy takes 0, then sees 1 as worthless next to it and takes 2.
+    ctx = context([1.2, 1.2001, 1.9], [6.0, 6.0, 4.0], observed=OBSERVED)
+    assert HypervolumePass("total", greedy=False).select(ctx, 1).tolist() == [0]
+    assert HypervolumePass("total", greedy=True).select(ctx, 2).tolist() == [0, 2]
+    assert sorted(HypervolumePass("total", greedy=False).select(ctx, 2).tolist()) == [0, 1]
+
+
+def test_dominated_candidates_rank_by_closeness_to_the_front():
+    ctx = context([3.0, 2.05, 4.0], [9.0, 5.1, 20.0], observed=OBSERVED)
+    assert HypervolumePass("total").select(ctx, 3).tolist() == [1, 0, 2]
+
+
+def test_optimism_rewards_uncertain_candidates():
+    # Candidate 1's mean is a little worse than candidate 0's but it is far less certain.
+    ctx = context([1.3, 1.35], [6.0, 6.0], observed=OBSERVED, spread=[0.0, 0.5])
+    assert HypervolumePass("total").select(ctx, 1).tolist() == [0]
+    assert HypervolumePass("total", optimism=1.0).select(ctx, 1).tolist() == [1]
+
+
+def test_denoised_front_uses_predicted_values_of_measured_configs():
+    # Candidate 0 was measured with lucky noise (dynamic 4.0) but is predicted at 6.0.
+    # The measured front dominates both candidates and 2 is closer to it; against the
+    # denoised front (1.5, 6.0) candidate 1 is the larger improvement.
+    t, d = [1.5, 1.5, 1.6], [6.0, 5.0, 4.2]
+    ctx = context(t, d, observed=[(1.5, 4.0)], available=np.array([False, True, True]),
+                  observed_index=np.array([0]))
+    assert HypervolumePass("dynamic").select(ctx, 1).tolist() == [2]
+    assert HypervolumePass("dynamic", front="denoised").select(ctx, 1).tolist() == [1]
+
+
+def test_uncertainty_picks_the_largest_spread():
+    ctx = context([1.0, 1.0, 1.0, 1.0], [5.0] * 4, observed=OBSERVED, spread=[0.1, 0.4, 0.0, 0.3])
+    assert UncertaintyPass().select(ctx, 2).tolist() == [1, 3]
+
+
+def test_fastest_picks_lowest_predicted_time():
+    ctx = context([3.0, 0.9, 2.0], [1.0, 50.0, 1.0], observed=OBSERVED)
+    assert FastestPass().select(ctx, 2).tolist() == [1, 2]
+
+
+def test_no_pass_picks_unavailable_or_chosen():
+    ctx = context([0.1, 0.2, 0.3, 0.4], [0.1, 0.2, 0.3, 0.4], observed=OBSERVED,
+                  spread=[1.0, 0.9, 0.8, 0.7],
+                  available=np.array([False, True, True, True])).with_chosen([1])
+    for p in (HypervolumePass("total"), HypervolumePass("static"), UncertaintyPass(),
+              FastestPass(), RandomPass(), NeighbourhoodPass()):
+        got = p.select(ctx, 4).tolist()
+        assert sorted(got) == [2, 3], p
+
+
+def test_neighbourhood_looks_near_the_front():
+    # Features: (freq, SMs, slot-a, slot-b, seq). Grid: 2 freqs x 5 SM counts x 1 slot.
+    feats = np.array([(f, s, 0.0, 0.0, 0.0) for f in (1000.0, 1400.0)
+                      for s in (1.0, 2.0, 4.0, 8.0, 16.0)])
+    n = len(feats)
+    # Measured: config 1 (1000 MHz, 2 SMs) on the front; predicted everywhere flat except a
+    # far candidate (1000 MHz, 16 SMs) that looks great.
+    t = np.full(n, 2.0)
+    d = np.full(n, 10.0)
+    t[4], d[4] = 1.0, 1.0
+    available = np.ones(n, dtype=bool)
+    available[1] = False
+    ctx = context(t, d, observed=[(2.0, 10.0)], available=available, features=feats,
+                  observed_index=np.array([1]))
+    masks = NeighbourhoodPass().neighbours(ctx)
+    near = np.flatnonzero(np.logical_or.reduce(masks)).tolist()
+    # Same SMs at the other frequency (6), +-2 SM steps at the same frequency (0, 2, 3).
+    assert near == [0, 2, 3, 6]
+    got = NeighbourhoodPass().select(ctx, 4).tolist()
+    assert sorted(got) == [0, 2, 3, 6]
+    # Asked for more than the neighbourhood holds, it falls back to the whole space,
+    # where candidate 4 wins.
+    assert NeighbourhoodPass().select(ctx, 5).tolist()[-1] == 4
+    # Without features it behaves as a plain hypervolume pass.
+    plain = context(t, d, observed=[(2.0, 10.0)], available=available)
+    assert NeighbourhoodPass().select(plain, 1).tolist() == [4]
+
+
+def test_pass_arguments_are_checked():
+    with pytest.raises(ValueError):
+        HypervolumePass("kinetic")
+    with pytest.raises(ValueError):
+        HypervolumePass(optimism=-1)
+    with pytest.raises(ValueError):
+        HypervolumePass(front="guessed")
+    with pytest.raises(ValueError):
+        NeighbourhoodPass(knobs=[(0,)], steps=[1, 2])
+
+
+def test_context_checks_shapes():
+    ctx = make_acquisition_context(n=10)
+    with pytest.raises(ValueError):
+        AcquisitionContext(prediction=ctx.prediction, available=np.ones(3, dtype=bool),
+                           observed_time_s=[], observed_energy_j=[],
+                           observed_static_power_w=[])
+    with pytest.raises(ValueError):
+        ctx.observed("kinetic")
+
+
+def test_allocate_examples():
+    assert allocate([0.4, 0.2, 0.2, 0.2], 16) == [7, 3, 3, 3]
+    assert allocate([0.4, 0.2, 0.2, 0.2], 32, remainder="last") == [12, 6, 6, 8]
+    assert allocate([1, 0], 5) == [5, 0]
+    with pytest.raises(ValueError):
+        allocate([0, 0], 3)
+    with pytest.raises(ValueError):
+        allocate([1], 3, remainder="first")
+
+
+@given(st.lists(st.floats(0, 10), min_size=1, max_size=6).filter(lambda w: sum(w) > 0.01),
+       st.integers(0, 100))
+def test_allocate_properties(weights, k):
+    shares = allocate(weights, k)
+    assert sum(shares) == k
+    exact = np.asarray(weights) / sum(weights) * k
+    assert np.all(np.asarray(shares) >= np.floor(exact - 1e-6))
+    assert np.all(np.asarray(shares) <= np.ceil(exact + 1e-6))

@@ -1,0 +1,316 @@
+"""MultiPassSearch: ask/tell, never re-measuring, the initial design, stopping, log and resume."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from kareus.model import ConfigSpace, Measurement, ScheduleConfig
+from kareus.search.acquisition import FastestPass, HypervolumePass, RandomPass
+from kareus.search.frontier import PartitionFrontier
+from kareus.search.optimizer import (
+    LOG_FORMAT,
+    LOG_VERSION,
+    MultiPassSearch,
+    default_passes,
+    facts_passes,
+    maximin_design,
+)
+from kareus.search.surrogate import XGBoostSurrogate
+from kareus.testing import FakeProfiler
+
+FAST = XGBoostSurrogate(n_estimators=15, max_depth=3)  # keeps the tests quick
+
+
+def search(space: ConfigSpace, **kw) -> MultiPassSearch:
+    kw.setdefault("surrogate", FAST)
+    kw.setdefault("progress", False)
+    return MultiPassSearch(space, **kw)
+
+
+class Interrupt(Exception):
+    pass
+
+
+class DyingProfiler(FakeProfiler):
+    """Raises after ``die_after`` measurements (a killed search)."""
+
+    def __init__(self, *args, die_after: int, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.die_after = die_after
+
+    def measure(self, partition, config):
+        if len(self.calls) >= self.die_after:
+            raise Interrupt
+        return super().measure(partition, config)
+
+
+def test_run_returns_a_frontier_of_measured_points(small_space):
+    prof = FakeProfiler("a100-40gb", noise=0.01, seed=1)
+    s = search(small_space, budget=40, batch_size=8, seed=0, stop_patience=None)
+    frontier = s.run(prof)
+    assert isinstance(frontier, PartitionFrontier)
+    assert frontier.partition == "fwd_attn" and frontier.gpu == "a100-40gb"
+    assert len(frontier.observations) == 40 == len(prof.calls) == s.n_measured
+    assert s.done and s.stopped_reason == "budget" and s.ask() == []
+    configs = [o.config for o in frontier.observations]
+    assert len(set(configs)) == 40
+    assert all(c in small_space for c in configs)
+    assert frontier.points and all(p in frontier.observations for p in frontier.points)
+    assert set(s.chosen_by.values()) >= {"initial", "hv-total"}
+    assert len(s.ask_seconds) == 1 + (40 - 16 + 7) // 8
+
+
+def test_never_remeasures_even_when_exhausting_the_space(small_space):
+    prof = FakeProfiler("a100-40gb", noise=0.02)
+    s = search(small_space, budget=10_000, batch_size=16, stop_patience=None)
+    assert s.budget == len(small_space)
+    s.run(prof)
+    assert len(prof.calls) == len(small_space) == len({c for _, c in prof.calls})
+    assert s.stopped_reason in ("budget", "exhausted")
+
+
+def test_ask_repeats_pending_and_tell_rejects_repeats(small_space):
+    prof = FakeProfiler("a100-40gb")
+    s = search(small_space, budget=30)
+    first = s.ask()
+    assert len(first) == 16 and s.ask() == first == s.pending
+    c = first[0]
+    s.tell(c, prof.measure(small_space.partition, c))
+    assert s.ask() == first[1:]
+    with pytest.raises(ValueError, match="already measured"):
+        s.tell(c, prof.measure(small_space.partition, c))
+    with pytest.raises(ValueError):
+        s.tell(ScheduleConfig(1395, 2, "qkv"), prof.measure(small_space.partition, c))
+    with pytest.raises(TypeError):
+        s.tell(first[1], (1.0, 2.0))  # type: ignore[arg-type]
+    # A configuration told without being asked is accepted and never asked afterwards.
+    outside = next(x for x in small_space.configs if x not in first)
+    s.tell(outside, prof.measure(small_space.partition, outside))
+    s.tell_many((x, prof.measure(small_space.partition, x)) for x in first[1:])
+    nxt = s.ask()
+    assert outside not in nxt and not set(nxt) & set(first)
+
+
+def test_batches_follow_the_pass_mix(medium_space):
+    prof = FakeProfiler("a100-40gb", noise=0.01)
+    passes = [(HypervolumePass("total"), 3), (FastestPass(), 1)]
+    s = search(medium_space, budget=24, batch_size=8, passes=passes)
+    s.run(prof)
+    second = [s.chosen_by[o.config] for o in s.observations[16:]]
+    assert second.count("hv-total") == 6 and second.count("fastest") == 2
+
+
+def test_constructor_checks(small_space):
+    with pytest.raises(TypeError):
+        MultiPassSearch("space")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        MultiPassSearch(small_space, surrogate="xgb")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        MultiPassSearch(small_space, passes=[HypervolumePass()])  # type: ignore[list-item]
+    with pytest.raises(ValueError):
+        MultiPassSearch(small_space, passes=[(HypervolumePass(), -1.0)])
+    with pytest.raises(ValueError):
+        MultiPassSearch(small_space, batch_size=0)
+    with pytest.raises(ValueError):
+        MultiPassSearch(small_space, initial_design="sobol")
+    with pytest.raises(ValueError):
+        MultiPassSearch(small_space, stop_patience=0)
+    s = MultiPassSearch(small_space)
+    with pytest.raises(TypeError):
+        s.run(object())
+    with pytest.raises(ValueError, match="not the space's partition"):
+        s.run(FakeProfiler(), partition=_other_partition(small_space))
+
+
+def _other_partition(space: ConfigSpace):
+    from kareus.model import Workload, build_partitions
+
+    return build_partitions(Workload.preset("llama3.2-3b", tp=4, microbatch_size=8))["fwd_mlp"]
+
+
+def test_default_and_facts_mixes():
+    assert [w for _, w in default_passes()] == [0.4, 0.2, 0.2, 0.2]
+    assert [p.name for p, _ in facts_passes()] == ["hv-total", "hv-dynamic", "hv-static",
+                                                   "uncertainty"]
+
+
+# ---------------------------------------------------------------------- initial design
+
+
+def test_maximin_design_fills_the_space(medium_space):
+    idx = maximin_design(medium_space, 16, seed=3)
+    assert len(idx) == len(set(idx)) == 16
+    cfgs = [medium_space.configs[i] for i in idx]
+    slots = [c.launch_slot for c in cfgs]
+    counts = [slots.count(s) for s in medium_space.slots]
+    assert max(counts) - min(counts) <= 1  # slots balanced, sequential included
+    assert len({c.freq_mhz for c in cfgs}) == 6  # every frequency level used
+    assert len({c.comm_sms for c in cfgs}) >= 9
+    assert idx == maximin_design(medium_space, 16, seed=3)
+
+
+def test_maximin_beats_random_on_spread(medium_space):
+    from kareus.search.optimizer import _unit_coordinates
+
+    coords = _unit_coordinates(medium_space)
+
+    def min_dist(idx):
+        p = coords[idx]
+        d = np.sqrt(((p[:, None, :2] - p[None, :, :2]) ** 2).sum(-1)
+                    + (p[:, None, 2] != p[None, :, 2]))
+        np.fill_diagonal(d, np.inf)
+        return d.min()
+
+    rng = np.random.default_rng(0)
+    rand = np.median([min_dist(rng.choice(len(coords), 16, replace=False)) for _ in range(30)])
+    assert min_dist(maximin_design(medium_space, 16, seed=0)) > rand
+
+
+def test_tiny_space_design(small_space):
+    tiny = small_space.restrict(freqs_mhz=[1410], comm_sms=[4], slots=["qkv"])
+    assert maximin_design(tiny, 5) == [0]
+
+
+# ---------------------------------------------------------------------- stopping
+
+
+class FlatProfiler(FakeProfiler):
+    """Every configuration costs the same: nothing to improve after the first point."""
+
+    def measure(self, partition, config):
+        self.calls.append((partition.name, config))
+        return Measurement(time_s=1e-3, energy_j=1.0, static_power_w=340.0)
+
+
+def test_stops_when_the_front_stops_improving(medium_space):
+    s = search(medium_space, budget=200, batch_size=8, stop_patience=2)
+    s.run(FlatProfiler())
+    assert s.stopped_reason == "converged"
+    assert s.n_measured == 16 + 3 * 8
+    assert s.ask() == [] and s.done
+    hv = s.hypervolume_history
+    assert len(hv) == 4 and hv[0] == hv[-1]
+
+
+def test_without_stop_rule_runs_to_budget(medium_space):
+    s = search(medium_space, budget=48, batch_size=8, stop_patience=None)
+    s.run(FlatProfiler())
+    assert s.n_measured == 48 and s.stopped_reason == "budget"
+
+
+# ---------------------------------------------------------------------- log and resume
+
+
+def test_log_is_versioned_jsonl(small_space, tmp_path):
+    path = tmp_path / "s.jsonl"
+    s = search(small_space, budget=24, batch_size=8, seed=5, log=path)
+    s.run(FakeProfiler(noise=0.01))
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    head = lines[0]
+    assert head["kind"] == "header" and head["format"] == LOG_FORMAT
+    assert head["version"] == LOG_VERSION and head["kareus_version"]
+    assert head["partition"] == "fwd_attn" and head["gpu"] == "a100-40gb" and head["seed"] == 5
+    assert head["space"]["slots"][-1] is None and head["space"]["comm_sms"] == [1, 2, 4, 8, 16, 32]
+    tells = [x for x in lines if x["kind"] == "tell"]
+    asks = [x for x in lines if x["kind"] == "ask"]
+    assert len(tells) == 24 and len(asks) == 2
+    assert [t["n"] for t in tells] == list(range(1, 25))
+    assert Measurement.from_dict(tells[0]["measurement"]) == s.observations[0].measurement
+    with pytest.raises(FileExistsError, match="resume"):
+        search(small_space, log=path)
+
+
+@pytest.mark.parametrize("die_after", [5, 16, 29])
+def test_resume_after_a_kill_loses_and_repeats_nothing(medium_space, tmp_path, die_after):
+    kw = dict(budget=40, batch_size=8, seed=2, stop_patience=None)
+    reference = search(medium_space, **kw)
+    ref_prof = FakeProfiler(noise=0.01, seed=9)
+    reference.run(ref_prof)
+
+    path = tmp_path / "run.jsonl"
+    dying = DyingProfiler(noise=0.01, seed=9, die_after=die_after)
+    first = search(medium_space, log=path, **kw)
+    with pytest.raises(Interrupt):
+        first.run(dying)
+    assert first.n_measured == die_after
+
+    # Resume with a profiler whose noise stream continues where the dead one stopped.
+    rest = FakeProfiler(noise=0.01, seed=9)
+    for _ in range(die_after):
+        rest.measure(medium_space.partition, medium_space.configs[0])
+    rest.calls.clear()
+    second = search(medium_space, resume=path, **kw)
+    assert second.n_measured == die_after
+    second.run(rest)
+    measured = [c for _, c in dying.calls] + [c for _, c in rest.calls]
+    assert len(measured) == 40 == len(set(measured))  # nothing repeated
+    assert [o.config for o in second.observations] == measured  # nothing lost
+    # And the resumed search made exactly the uninterrupted search's choices.
+    assert [o.config for o in second.observations] == [o.config
+                                                       for o in reference.observations]
+    assert second.observations == reference.observations
+
+
+def test_resume_drops_a_torn_last_line(small_space, tmp_path):
+    path = tmp_path / "torn.jsonl"
+    kw = dict(budget=20, batch_size=8, seed=1)
+    s = search(small_space, log=path, **kw)
+    with pytest.raises(Interrupt):
+        s.run(DyingProfiler(die_after=10))
+    with open(path, "a") as f:
+        f.write('{"kind":"tell","n":11,"config":{"freq')  # killed while writing
+    again = search(small_space, resume=path, **kw)
+    assert again.n_measured == 10
+    assert path.read_text().endswith("\n")
+    again.run(FakeProfiler())
+    assert again.n_measured == 20
+    assert sum(1 for line in path.read_text().splitlines() if '"tell"' in line) == 20
+
+
+def test_resume_rejects_another_search(small_space, tmp_path):
+    path = tmp_path / "a.jsonl"
+    search(small_space, budget=16, seed=1, log=path).run(FakeProfiler())
+    with pytest.raises(ValueError, match="seed"):
+        search(small_space, seed=2, resume=path)
+    other = small_space.restrict(comm_sms=[1, 2, 4])
+    with pytest.raises(ValueError, match="space"):
+        search(other, seed=1, resume=path)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"kind": "tell"}\n')
+    with pytest.raises(ValueError, match="not a kareus search log"):
+        search(small_space, resume=bad)
+    with pytest.raises(ValueError):
+        search(small_space, log=tmp_path / "x.jsonl", resume=path)
+
+
+def test_resume_of_a_missing_file_starts_a_new_search(small_space, tmp_path):
+    path = tmp_path / "new" / "s.jsonl"
+    s = search(small_space, budget=16, resume=path)
+    s.run(FakeProfiler())
+    assert path.exists() and s.n_measured == 16
+    # Resuming a finished search measures nothing more and extends with a larger budget.
+    prof = FakeProfiler()
+    done = search(small_space, budget=16, resume=path)
+    done.run(prof)
+    assert prof.calls == []
+    more = search(small_space, budget=24, resume=path, batch_size=8)
+    more.run(prof)
+    assert len(prof.calls) == 8 and more.n_measured == 24
+
+
+def test_progress_bar_goes_to_the_given_stream(small_space, capsys):
+    s = search(small_space, budget=16, progress=True)
+    s.run(FakeProfiler())
+    err = capsys.readouterr().err
+    assert "fwd_attn on a100-40gb" in err and "16/16" in err
+
+
+def test_random_initial_design_and_last_remainder(small_space):
+    s = search(small_space, budget=20, initial_size=12, batch_size=8, initial_design="random",
+               allocation="last", passes=[(HypervolumePass(), 0.5), (RandomPass(), 0.5)])
+    s.run(FakeProfiler())
+    assert s.n_measured == 20
+    assert [s.chosen_by[o.config] for o in s.observations].count("initial") == 12
