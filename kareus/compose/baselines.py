@@ -1,0 +1,222 @@
+"""The five systems compared, as restricted configuration spaces run through one machinery.
+
+Every system below is a restriction of kareus's configuration space, measured with the
+same profiler and composed with the same :class:`MicrobatchComposer` and
+:class:`IterationComposer`, so differences come only from what each may choose:
+
+==========================  ==================  ==========================  ===================
+system                      launch              communication SMs           frequency
+==========================  ==================  ==========================  ===================
+``megatron``                sequential          ``gpu.default_comm_sms``    maximum clock
+``nanobatching``            first slot          ``gpu.default_comm_sms``    maximum clock
+``perseus``                 sequential          ``gpu.default_comm_sms``    per computation
+``nanobatching+perseus``    first slot          ``gpu.default_comm_sms``    per computation
+``kareus``                  searched            searched                    jointly searched
+==========================  ==================  ==========================  ===================
+
+The sequential systems run the workload without nanobatching (``nanobatches=1``): each
+microbatch's collectives follow the computation that produces their input, as in
+Megatron-LM. The nanobatching systems split each microbatch in the workload's number of
+nanobatches (2 if the workload has 1) and launch every collective with the first
+computation op it may overlap. The restricted spaces are small, so they are measured
+exhaustively; kareus's full space is searched by an injectable search function (by
+default :class:`kareus.search.optimizer.MultiPassSearch`).
+
+Energy scope: iteration energies cover every GPU of the job (see :mod:`kareus.compose`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from kareus.compose.frontiers import IterationFrontier, MicrobatchFrontier
+from kareus.compose.iteration import IterationComposer
+from kareus.compose.microbatch import MicrobatchComposer, measure_outside_work
+from kareus.exec.profiler import Profiler
+from kareus.model.config import ConfigSpace
+from kareus.model.partition import Partition, PartitionSet, build_partitions
+from kareus.model.pipeline import PipelineSchedule, one_f_one_b
+from kareus.model.workload import Workload
+from kareus.search.frontier import Observation, PartitionFrontier
+
+__all__ = ["BASELINES", "BaselineResult", "SearchFn", "baseline_space", "compose_baselines",
+           "default_search", "exhaustive_search"]
+
+#: Names of the five systems, in the order they are reported.
+BASELINES = ("megatron", "nanobatching", "perseus", "nanobatching+perseus", "kareus")
+
+#: ``search(profiler, partition) -> PartitionFrontier``: how kareus's full space is searched.
+SearchFn = Callable[[Profiler, Partition], PartitionFrontier]
+
+_SEQUENTIAL = ("megatron", "perseus")
+_FIXED_CLOCK = ("megatron", "nanobatching")
+
+
+def default_search(profiler: Profiler, partition: Partition) -> PartitionFrontier:
+    """Kareus's search of one partition type's full space: :class:`MultiPassSearch`."""
+    from kareus.search.optimizer import MultiPassSearch  # noqa: PLC0415 - optional peer module
+
+    return MultiPassSearch(ConfigSpace(partition, profiler.gpu)).run(profiler, partition,
+                                                                     progress=False)
+
+
+def exhaustive_search(profiler: Profiler, space: ConfigSpace) -> PartitionFrontier:
+    """Measure every configuration of ``space`` once."""
+    obs = [Observation(config=c, measurement=profiler.measure(space.partition, c))
+           for c in space.configs]
+    return PartitionFrontier.from_observations(space.partition.name, space.gpu.name, obs)
+
+
+def baseline_space(name: str, partition: Partition, gpu: Any,
+                   freqs_mhz: Sequence[int] | None = None) -> ConfigSpace:
+    """The restricted configuration space of a baseline (not ``kareus``) for one type."""
+    if name not in BASELINES or name == "kareus":
+        raise ValueError(f"no restricted space for {name!r}; baselines: {BASELINES[:-1]}")
+    space = ConfigSpace(partition, gpu, freqs_mhz=freqs_mhz)
+    g = space.gpu
+    freqs = [g.max_clock_mhz] if name in _FIXED_CLOCK else list(space.freqs_mhz)
+    if name in _SEQUENTIAL or not partition.slots:
+        slots: list[str | None] = [None]
+    else:
+        slots = [partition.slots[0].name]
+    return ConfigSpace(partition, g, freqs_mhz=freqs, comm_sms=[g.default_comm_sms],
+                       slots=[s for s in slots if s is not None],
+                       include_sequential=None in slots)
+
+
+def _baseline_workload(name: str, workload: Workload) -> Workload:
+    if name in _SEQUENTIAL:
+        return workload.with_(nanobatches=1)
+    if name == "kareus" or workload.nanobatches >= 2:
+        return workload
+    return workload.with_(nanobatches=2)
+
+
+@attrs.frozen(kw_only=True)
+class BaselineResult:
+    """The iteration frontiers of the systems compared, and what they were built from.
+
+    Attributes:
+        workload: The workload.
+        gpu: GPU preset name.
+        frontiers: System name -> its iteration frontier.
+        microbatch: System name -> its microbatch frontiers per ``(stage, phase)``.
+        partitions: System name -> its partition frontiers per type.
+    """
+
+    workload: Workload
+    gpu: str
+    frontiers: dict[str, IterationFrontier]
+    microbatch: dict[str, dict[tuple[int, str], MicrobatchFrontier]]
+    partitions: dict[str, dict[str, PartitionFrontier]]
+
+    def __getitem__(self, name: str) -> IterationFrontier:
+        return self.frontiers[name]
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self.frontiers)
+
+    def summary(self) -> str:
+        """A table: each system's fastest and lowest-energy plans, and its energy at the
+        fastest Megatron-LM iteration time (iso-time), where it can meet it."""
+        ref = self.frontiers.get("megatron")
+        t_ref = ref.points[0].time_s if ref is not None and len(ref) else None
+        lines = [f"{self.workload.describe()} on {self.gpu} (iteration energy: all GPUs)",
+                 f"  {'system':<22} {'plans':>5} {'fastest s':>10} {'J':>11} "
+                 f"{'min-energy s':>12} {'J':>11} {'J @ megatron time':>18}"]
+        for name, fr in self.frontiers.items():
+            if not len(fr):
+                lines.append(f"  {name:<22} {'-':>5}")
+                continue
+            f, e = fr.points[0], fr.points[-1]
+            iso = "-"
+            if t_ref is not None:
+                ok = [p.energy_j for p in fr.points if p.time_s <= t_ref * (1 + 1e-9)]
+                iso = f"{min(ok):.1f}" if ok else "-"
+            lines.append(f"  {name:<22} {len(fr):>5} {f.time_s:>10.4f} {f.energy_j:>11.1f} "
+                         f"{e.time_s:>12.4f} {e.energy_j:>11.1f} {iso:>18}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (f"BaselineResult({self.workload.describe()} on {self.gpu}: "
+                f"{', '.join(self.frontiers)})")
+
+
+def compose_baselines(workload: Workload, profiler: Profiler, *,
+                      search: SearchFn | None = None,
+                      systems: Sequence[str] | None = None,
+                      freqs_mhz: Sequence[int] | None = None,
+                      schedule: Callable[[int, int], PipelineSchedule] | None = None,
+                      microbatch_composer: MicrobatchComposer | None = None,
+                      iteration_composer: IterationComposer | None = None,
+                      kareus_frontiers: Mapping[str, PartitionFrontier] | None = None,
+                      ) -> BaselineResult:
+    """Iteration frontiers of the five systems for one workload and one profiler.
+
+    Args:
+        workload: The training workload (needs TP >= 2 or CP >= 2).
+        profiler: Measures partitions and the work outside them.
+        search: How kareus's full space is searched per partition type; ``None`` =
+            :func:`default_search` (MultiPassSearch).
+        systems: Which of :data:`BASELINES` to compose; ``None`` = all five.
+        freqs_mhz: Frequencies of the frequency-planning systems; ``None`` = the GPU's
+            search grid.
+        schedule: ``(stages, microbatches) -> PipelineSchedule``; ``None`` = 1F1B.
+        microbatch_composer, iteration_composer: ``None`` = defaults.
+        kareus_frontiers: Partition frontiers already searched for kareus (skips the search).
+    """
+    if not isinstance(workload, Workload):
+        raise TypeError(f"workload must be a Workload, got {type(workload).__name__}")
+    if not isinstance(profiler, Profiler):
+        raise TypeError(f"profiler must be a kareus Profiler, got {type(profiler).__name__}")
+    names = list(BASELINES if systems is None else systems)
+    unknown = [n for n in names if n not in BASELINES]
+    if unknown:
+        raise ValueError(f"unknown system(s) {unknown}; known: {', '.join(BASELINES)}")
+    search_fn = default_search if search is None else search
+    if not callable(search_fn):
+        raise TypeError("search must be callable as search(profiler, partition)")
+    mbc = MicrobatchComposer() if microbatch_composer is None else microbatch_composer
+    itc = IterationComposer() if iteration_composer is None else iteration_composer
+    make_schedule = one_f_one_b if schedule is None else schedule
+    gpu = profiler.gpu
+    p = workload.parallelism
+    static_w = profiler.static_power_w(p.world_size)
+    sched = make_schedule(p.pp, workload.num_microbatches)
+    grid = list(gpu.search_clocks_mhz if freqs_mhz is None else freqs_mhz)
+
+    frontiers: dict[str, IterationFrontier] = {}
+    micro: dict[str, dict[tuple[int, str], MicrobatchFrontier]] = {}
+    parts_out: dict[str, dict[str, PartitionFrontier]] = {}
+    pset_cache: dict[Workload, PartitionSet] = {}
+    for name in names:
+        wl = _baseline_workload(name, workload)
+        if wl not in pset_cache:
+            pset_cache[wl] = build_partitions(wl)
+        pset = pset_cache[wl]
+        pfs: dict[str, PartitionFrontier] = {}
+        for tname, part in pset.types.items():
+            if name == "kareus":
+                if kareus_frontiers is not None and tname in kareus_frontiers:
+                    pfs[tname] = kareus_frontiers[tname]
+                else:
+                    pf = search_fn(profiler, part)
+                    if not isinstance(pf, PartitionFrontier):
+                        raise TypeError(f"search returned {type(pf).__name__}, "
+                                        "expected a PartitionFrontier")
+                    pfs[tname] = pf
+            else:
+                pfs[tname] = exhaustive_search(profiler, baseline_space(name, part, gpu, grid))
+        used = sorted({o.config.freq_mhz for pf in pfs.values() for o in pf.observations},
+                      reverse=True)
+        outside = measure_outside_work(profiler, pset, used)
+        mf = mbc.compose(pfs, partitions=pset, outside=outside)
+        frontiers[name] = itc.compose(mf, static_power_w=static_w, gpu=gpu.name,
+                                      schedule=sched, label=name, workload=wl.to_dict())
+        micro[name] = mf
+        parts_out[name] = pfs
+    return BaselineResult(workload=workload, gpu=gpu.name, frontiers=frontiers,
+                          microbatch=micro, partitions=parts_out)
