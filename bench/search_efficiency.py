@@ -134,6 +134,16 @@ def run_random(space: ConfigSpace, seed: int) -> list[int]:
     return [int(i) for i in rng.permutation(len(space))[:MAX_BUDGET]]
 
 
+def _git(*args: str) -> str:
+    import subprocess  # noqa: PLC0415
+
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                              check=False).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="documented subset (CI)")
@@ -200,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python bench/search_efficiency.py " + " ".join(
             sys.argv[1:] if argv is None else argv),
         "emulated": args.profiler == "emulated",
+        "git_head": _git("rev-parse", "--short", "HEAD"),
+        "emulator_commit": _git("log", "-1", "--format=%h", "--", "kareus/exec/emulator.py"),
+        "emulator_dirty": bool(_git("status", "--porcelain", "--", "kareus/exec/emulator.py")),
         "profiler": ("kareus.exec.emulator.EmulatedProfiler" if args.profiler == "emulated"
                      else "kareus.testing.FakeProfiler (development stand-in)"),
         "noise": NOISE,

@@ -113,12 +113,14 @@ def default_surrogate(seed: int = 0) -> Surrogate:
 def _unit_coordinates(space: ConfigSpace) -> np.ndarray:
     """Each configuration as (freq, SMs, slot) in [0, 1] x [0, 1] x slot index.
 
-    Frequency is linear in MHz; SM count is logarithmic (a communication kernel's speed
-    changes most at small SM counts, until the link saturates it).
+    Both frequency and SM count are linear. (A logarithmic SM scale, which samples the
+    small SM counts where a collective's speed changes fastest more densely, gave worse
+    16-point designs on the emulator: most of those configurations leave the collective
+    exposed and are far from the front; docs/search.md.)
     """
     cfgs = space.configs
     f = np.array([c.freq_mhz for c in cfgs], dtype=float)
-    s = np.log(np.array([c.comm_sms for c in cfgs], dtype=float))
+    s = np.array([c.comm_sms for c in cfgs], dtype=float)
     slot_of = {name: i for i, name in enumerate(space.slots)}
     sl = np.array([slot_of[c.launch_slot] for c in cfgs], dtype=float)
 
@@ -132,7 +134,7 @@ def _unit_coordinates(space: ConfigSpace) -> np.ndarray:
 def maximin_design(space: ConfigSpace, n: int, *, seed: int = 0, tries: int = 64) -> list[int]:
     """A space-filling design of ``n`` distinct configurations (indices into ``space.configs``).
 
-    Latin-hypercube samples in (frequency, log SM count), with launch slots (sequential
+    Latin-hypercube samples in (frequency, SM count), with launch slots (sequential
     included) balanced so each appears ``n // slots`` or ``n // slots + 1`` times; of
     ``tries`` such designs, the one whose closest pair of points is farthest apart
     (maximin; a differing slot counts as distance 1) is kept.
@@ -250,7 +252,7 @@ class MultiPassSearch:
         initial_design: str = "maximin",
         allocation: str = "largest",
         seed: int = 0,
-        stop_patience: int | None = 3,
+        stop_patience: int | None = 4,
         stop_tol: float = 1e-3,
         log: str | os.PathLike[str] | None = None,
         resume: str | os.PathLike[str] | None = None,
