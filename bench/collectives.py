@@ -116,7 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--sms", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--ops", nargs="+", default=["all_reduce", "all_gather", "reduce_scatter"])
-    parser.add_argument("--backends", nargs="+", default=["own", "nccl_capped"])
+    parser.add_argument("--backends", nargs="+", default=["own", "own_reg", "nccl_capped"],
+                        choices=["own", "own_reg", "own_reg_two_phase", "nccl_capped"],
+                        help="own: plain tensors; own_reg: tensors from OwnKernelCollective.empty()")
+    parser.add_argument("--threads-per-block", type=int, default=None)
+    parser.add_argument("--loads-in-flight", type=int, default=None)
+    parser.add_argument("--tag", default="", help="label stored in the JSON")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--target-ms", type=float, default=20.0, help="length of one timed batch")
     parser.add_argument("--trials", type=int, default=3)
@@ -134,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         OwnKernelCollective,
         bus_bandwidth_factor,
         choose_all_reduce_algorithm,
+        choose_registered_all_reduce_algorithm,
     )
 
     local = int(os.environ["LOCAL_RANK"])
@@ -146,10 +152,18 @@ def main(argv: list[str] | None = None) -> int:
 
     t_build = time.perf_counter()
     backends = {}
-    if "own" in args.backends:
+    kernel_opts = {"threads_per_block": args.threads_per_block, "loads_in_flight": args.loads_in_flight}
+    if any(b.startswith("own") for b in args.backends):
         backends["own"] = OwnKernelCollective(staging_bytes=args.staging_mib * MIB, spin_timeout_s=60.0,
-                                               memory=args.memory)
+                                               memory=args.memory, **kernel_opts)
     build_s = time.perf_counter() - t_build
+    if "own_reg_two_phase" in args.backends:
+        backends["own_reg_two_phase"] = OwnKernelCollective(
+            staging_bytes=args.staging_mib * MIB, spin_timeout_s=60.0, memory=args.memory,
+            registered_algorithm="two_phase", **kernel_opts)
+    # Registered tensors (allocated through the backend, mapped by every rank).
+    reg_big = {name: b.empty(int(max(args.sizes_mib) * MIB) // 4 + 1024, torch.float32).view(torch.uint8)
+               for name, b in backends.items() if name.startswith("own")}
     if "nccl_capped" in args.backends:
         backends["nccl_capped"] = NCCLCappedCollective()
 
@@ -177,16 +191,37 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 inp = torch.randn(numel, generator=gen, device=dev).to(dtype)
                 out = torch.empty(numel // world, device=dev, dtype=dtype)
-            calls = {"nccl_uncapped": _uncapped_call(dist, op, out, inp)}
-
-            t = _time_per_call(torch, dist, calls["nccl_uncapped"], target_s=target_s, trials=args.trials)
+            t = _time_per_call(torch, dist, _uncapped_call(dist, op, out, inp), target_s=target_s,
+                               trials=args.trials)
             record(op, nbytes, "nccl_uncapped", None, t)
             for sms in args.sms:
-                for name, b in backends.items():
-                    t = _time_per_call(torch, dist, _backend_call(b, op, out, inp, sms), target_s=target_s, trials=args.trials)
-                    extra = {}
-                    if name == "own" and op == "all_reduce":
-                        extra["algorithm"] = choose_all_reduce_algorithm(nbytes, world)
+                for name in args.backends:
+                    extra: dict[str, object] = {}
+                    if name == "nccl_capped":
+                        fn = _backend_call(backends[name], op, out, inp, sms)
+                    elif name == "own":
+                        fn = _backend_call(backends["own"], op, out, inp, sms)
+                        if op == "all_reduce":
+                            extra["algorithm"] = choose_all_reduce_algorithm(nbytes, world)
+                    else:  # own_reg / own_reg_two_phase: the same op on registered tensors
+                        key = "own" if name == "own_reg" else name
+                        if name == "own_reg_two_phase" and op != "all_reduce":
+                            continue
+                        big = reg_big[key]
+                        r_out, r_inp = out, inp
+                        if op == "all_reduce":
+                            r_out = r_inp = big[: numel * esize].view(dtype)
+                            r_out.copy_(out)
+                        elif op == "all_gather":
+                            r_out = big[: numel * esize].view(dtype)
+                        else:
+                            r_inp = big[: numel * esize].view(dtype)
+                            r_inp.copy_(inp)
+                        fn = _backend_call(backends[key], op, r_out, r_inp, sms)
+                        if op == "all_reduce":
+                            extra["algorithm"] = choose_registered_all_reduce_algorithm(
+                                nbytes, world, "two_phase" if name == "own_reg_two_phase" else "auto")
+                    t = _time_per_call(torch, dist, fn, target_s=target_s, trials=args.trials)
                     record(op, nbytes, name, sms, t, **extra)
             if rank == 0:
                 print(f"# done {op} {nbytes / MIB:g} MiB", flush=True)
@@ -205,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
                 "machine": _machine(torch),
                 "env": {k: os.environ.get(k) for k in NO_MULTICAST_ENV},
                 "own_first_use_build_and_setup_s": round(build_s, 2),
+                "kernel_options": kernel_opts,
+                "tag": args.tag,
                 "rows": rows,
                 "targets": _targets(rows),
             }
@@ -218,30 +255,33 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _targets(rows: list[dict[str, object]]) -> list[dict[str, object]]:
-    """The issue's targets, evaluated on the measured rows."""
+    """The issue's targets, evaluated on the measured rows of each own backend."""
     out = []
     by = {(r["op"], r["size_bytes"], r["backend"], r["sms"]): r for r in rows}
     for (op, size, backend, sms), r in by.items():
-        if backend != "own":
+        if not str(backend).startswith("own"):
             continue
         nccl = by.get((op, size, "nccl_capped", sms))
         if nccl and sms <= 8 and size >= 8 * MIB:
             ratio = r["busbw_gbps"] / nccl["busbw_gbps"]
-            out.append({"target": "own >= 1.5x nccl_capped at <=8 SMs, >=8 MiB", "op": op,
-                        "size_bytes": size, "sms": sms, "ratio": round(ratio, 2), "met": ratio >= 1.5})
+            out.append({"target": "busbw >= 1.5x nccl_capped (<=8 SMs, >=8 MiB)", "backend": backend,
+                        "op": op, "size_bytes": size, "sms": sms, "ratio": round(ratio, 2),
+                        "met": ratio >= 1.5})
         unc = by.get((op, size, "nccl_uncapped", None))
         if unc and sms == 32 and size >= 256 * MIB:
             ratio = r["busbw_gbps"] / unc["busbw_gbps"]
-            out.append({"target": "own at 32 SMs within 20% of uncapped NCCL, 256 MiB", "op": op,
-                        "size_bytes": size, "sms": sms, "ratio": round(ratio, 2), "met": ratio >= 0.8})
+            out.append({"target": "busbw >= 0.8x uncapped NCCL (32 SMs, 256 MiB)", "backend": backend,
+                        "op": op, "size_bytes": size, "sms": sms, "ratio": round(ratio, 2),
+                        "met": ratio >= 0.8})
     return out
 
 
 def _print_table(rows: list[dict[str, object]], args: argparse.Namespace, world: int) -> None:
-    print(f"\nbus bandwidth GB/s, {world} GPUs, {args.dtype}: own / nccl_capped at each SM count; "
-          "nccl uncapped")
-    head = f"{'op':<15}{'MiB':>6} " + "".join(f"{f'sms={s}':>15}" for s in args.sms) + f"{'uncapped':>10}"
-    print(head)
+    names = [b for b in args.backends]
+    print(f"\nbus bandwidth GB/s, {world} GPUs, {args.dtype}; each cell: {' / '.join(names)}; "
+          "last column: NCCL uncapped")
+    width = 6 * len(names) + 2
+    print(f"{'op':<15}{'MiB':>5} " + "".join(f"{f'sms={s}':>{width}}" for s in args.sms) + f"{'uncapped':>10}")
     by = {(r["op"], r["size_bytes"], r["backend"], r["sms"]): r["busbw_gbps"] for r in rows}
     sizes = sorted({r["size_bytes"] for r in rows})
     for op in args.ops:
@@ -250,14 +290,19 @@ def _print_table(rows: list[dict[str, object]], args: argparse.Namespace, world:
                 continue
             cells = []
             for s in args.sms:
-                own = by.get((op, size, "own", s))
-                nccl = by.get((op, size, "nccl_capped", s))
-                cells.append(f"{own or 0:>7.0f}/{nccl or 0:<7.0f}")
-            print(f"{op:<15}{size / MIB:>6.0f} " + "".join(cells)
+                vals = [by.get((op, size, n, s)) for n in names]
+                cells.append("/".join("-" if v is None else f"{v:.0f}" for v in vals).rjust(width))
+            print(f"{op:<15}{size / MIB:>5.0f} " + "".join(cells)
                   + f"{by[(op, size, 'nccl_uncapped', None)]:>10.0f}")
-    for t in _targets(rows):
-        print(f"target {'MET ' if t['met'] else 'MISS'} {t['target']}: {t['op']} "
-              f"{t['size_bytes'] / MIB:g} MiB sms={t['sms']} ratio={t['ratio']}")
+    targets = _targets(rows)
+    for backend in names:
+        mine = [t for t in targets if t["backend"] == backend]
+        for kind in sorted({t["target"] for t in mine}):
+            sel = [t for t in mine if t["target"] == kind]
+            met = sum(t["met"] for t in sel)
+            worst = min(sel, key=lambda t: t["ratio"])
+            print(f"target {backend}: {kind}: met {met}/{len(sel)}; worst {worst['op']} "
+                  f"{worst['size_bytes'] / MIB:g} MiB sms={worst['sms']} ratio={worst['ratio']}")
 
 
 if __name__ == "__main__":

@@ -47,12 +47,20 @@
 
 #define KC_MAX_RANKS 8
 #define KC_MAX_BLOCKS 256
+// Threads per block and unroll scale are build-time knobs (the Python loader passes
+// them as -D flags, so each setting is its own cached build).
+#ifndef KC_THREADS
 #define KC_THREADS 512
+#endif
+// 16-byte loads each thread keeps in flight (registers: 4 per load).
+#ifndef KC_INFLIGHT
+#define KC_INFLIGHT (KC_THREADS > 512 ? 8 : 16)
+#endif
 #define KC_FLAG_BYTES (KC_MAX_BLOCKS * KC_MAX_RANKS * 4)
 // Data region starts 64 KiB into the staging allocation (keeps it 16-byte aligned
 // and leaves room for the flags).
 #define KC_DATA_OFFSET 65536
-#define KC_API_VERSION 1
+#define KC_API_VERSION 2
 
 namespace kc {
 
@@ -206,12 +214,38 @@ __device__ __forceinline__ void for_owned(size_t n, Load&& load, Store&& store) 
   }
 }
 
-// Unroll depth: kernels that hold one unit per peer per step use fewer steps for
-// more peers, to stay in registers.
-template <int NR>
-struct Depth {
-  static constexpr int ONE = 4;                                   // one unit per step
-  static constexpr int PER_PEER = NR <= 2 ? 4 : (NR <= 4 ? 2 : 1);  // NR-1 units per step
+// Unroll depth of a loop whose step loads `loads` units per owned index: as many
+// steps as keep about KC_INFLIGHT 16-byte loads in flight per thread (a power of two,
+// 1..8). Memory latency, not bandwidth, limits one SM, so loads in flight set speed.
+__host__ __device__ constexpr int depth_for(int loads) {
+  return KC_INFLIGHT / loads >= 8 ? 8 : (KC_INFLIGHT / loads >= 4 ? 4 : (KC_INFLIGHT / loads >= 2 ? 2 : 1));
+}
+
+// Reduces every owned unit i < n over the NR sources src(s) + i in rank order (fp32
+// accumulation) and hands the packed result to store(i, u). All NR loads of a step's
+// units are issued before the first add.
+template <typename T, typename U, int NR, typename Src, typename Store>
+__device__ __forceinline__ void reduce_owned(size_t n, Src&& src, Store&& store) {
+  constexpr int DR = depth_for(NR);
+  U raw[DR][NR];
+  for_owned<DR>(
+      n,
+      [&](int k, size_t i) {
+#pragma unroll
+        for (int s = 0; s < NR; ++s) raw[k][s] = ld_cg(src(s) + i);
+      },
+      [&](int k, size_t i) {
+        float acc[sizeof(U) / sizeof(T)];
+        acc_set<T, U>(acc, raw[k][0]);
+#pragma unroll
+        for (int s = 1; s < NR; ++s) acc_add<T, U>(acc, raw[k][s]);
+        store(i, acc_pack<T, U>(acc));
+      });
+}
+
+// Pointers to one buffer of every rank (a registered tensor), as mapped here.
+struct Ptrs {
+  char* p[KC_MAX_RANKS];
 };
 
 // ------------------------------------------------------------ one-shot all-reduce
@@ -224,7 +258,7 @@ __global__ void __launch_bounds__(KC_THREADS, 1)
     allreduce_oneshot(Comm c, const T* in, T* out, size_t numel, size_t slot_elems) {
   using U = uint4;
   constexpr int V = 16 / sizeof(T);
-  constexpr int D = Depth<NR>::ONE;
+  constexpr int D = depth_for(1);
   const uint32_t base = c.counters[blockIdx.x];
   const int r = c.rank;
   const size_t nvec = numel / V;
@@ -259,21 +293,10 @@ __global__ void __launch_bounds__(KC_THREADS, 1)
   block_barrier<NR>(c, base + 2);
 
   {  // Phase 2: reduce all slots in rank order.
-    float acc[D][V];
-    for_owned<D>(
+    reduce_owned<T, U, NR>(
         nvec,
-        [&](int k, size_t i) {
-#pragma unroll
-          for (int s = 0; s < NR; ++s) {
-            const U u = (s == r) ? reinterpret_cast<const U*>(in)[i]
-                                 : ld_cg(reinterpret_cast<const U*>(mine + (size_t)s * slot_bytes) + i);
-            if (s == 0)
-              acc_set<T, U>(acc[k], u);
-            else
-              acc_add<T, U>(acc[k], u);
-          }
-        },
-        [&](int k, size_t i) { reinterpret_cast<U*>(out)[i] = acc_pack<T, U>(acc[k]); });
+        [&](int s) -> const U* { return s == r ? reinterpret_cast<const U*>(in) : reinterpret_cast<const U*>(mine + (size_t)s * slot_bytes); },
+        [&](size_t i, const U& res) { reinterpret_cast<U*>(out)[i] = res; });
     if (blockIdx.x == 0 && threadIdx.x < tail) {
       const size_t e = nvec * V + threadIdx.x;
       float a = 0.f;
@@ -300,8 +323,7 @@ __global__ void __launch_bounds__(KC_THREADS, 1)
     allreduce_twoshot(Comm c, const T* in, T* out, size_t numel, size_t chunk) {
   using U = uint4;
   constexpr int V = 16 / sizeof(T);
-  constexpr int D1 = Depth<NR>::ONE;
-  constexpr int DP = Depth<NR>::PER_PEER;
+  constexpr int DP = depth_for(NR - 1);
   const uint32_t base = c.counters[blockIdx.x];
   const int r = c.rank;
   const size_t chunk_bytes = chunk * sizeof(T);
@@ -352,7 +374,6 @@ __global__ void __launch_bounds__(KC_THREADS, 1)
   block_barrier<NR>(c, base + 2);
 
   {  // Phase 2: reduce own chunk in rank order; store locally and into gather slot r of every peer.
-    float acc[D1][V];
     size_t my_vec = 0, my_len = 0;
 #pragma unroll
     for (int q = 0; q < NR; ++q)
@@ -360,21 +381,10 @@ __global__ void __launch_bounds__(KC_THREADS, 1)
         my_vec = lenv[q];
         my_len = len[q];
       }
-    for_owned<D1>(
+    reduce_owned<T, U, NR>(
         my_vec,
-        [&](int k, size_t i) {
-#pragma unroll
-          for (int s = 0; s < NR; ++s) {
-            const U u = (s == r) ? reinterpret_cast<const U*>(in + (size_t)r * chunk)[i]
-                                 : ld_cg(reinterpret_cast<const U*>(mine + (size_t)s * chunk_bytes) + i);
-            if (s == 0)
-              acc_set<T, U>(acc[k], u);
-            else
-              acc_add<T, U>(acc[k], u);
-          }
-        },
-        [&](int k, size_t i) {
-          const U res = acc_pack<T, U>(acc[k]);
+        [&](int s) -> const U* { return s == r ? reinterpret_cast<const U*>(in + (size_t)r * chunk) : reinterpret_cast<const U*>(mine + (size_t)s * chunk_bytes); },
+        [&](size_t i, const U& res) {
           reinterpret_cast<U*>(out + (size_t)r * chunk)[i] = res;
 #pragma unroll
           for (int p = 0; p < NR; ++p) {
@@ -447,8 +457,8 @@ __global__ void __launch_bounds__(KC_THREADS, 1)
     allgather(Comm c, const T* in, T* out, size_t m, size_t stride, size_t slot) {
   using U = typename Unit<T, VEC>::type;
   constexpr int V = Unit<T, VEC>::N;
-  constexpr int D1 = Depth<NR>::ONE;
-  constexpr int DP = Depth<NR>::PER_PEER;
+  constexpr int D1 = depth_for(1);
+  constexpr int DP = depth_for(NR - 1);
   const uint32_t base = c.counters[blockIdx.x];
   const int r = c.rank;
   const size_t nu = m / V;
@@ -501,8 +511,7 @@ __global__ void __launch_bounds__(KC_THREADS, 1)
     reducescatter(Comm c, const T* in, T* out, size_t m, size_t stride, size_t slot) {
   using U = typename Unit<T, VEC>::type;
   constexpr int V = Unit<T, VEC>::N;
-  constexpr int D1 = Depth<NR>::ONE;
-  constexpr int DP = Depth<NR>::PER_PEER;
+  constexpr int DP = depth_for(NR - 1);
   const uint32_t base = c.counters[blockIdx.x];
   const int r = c.rank;
   const size_t nu = m / V;
@@ -531,23 +540,193 @@ __global__ void __launch_bounds__(KC_THREADS, 1)
   }
   block_barrier<NR>(c, base + 2);
   {  // Phase 2: reduce in rank order.
-    float acc[D1][sizeof(U) / sizeof(T)];
-    for_owned<D1>(
+    reduce_owned<T, U, NR>(
         nu,
-        [&](int k, size_t i) {
-#pragma unroll
-          for (int s = 0; s < NR; ++s) {
-            const U u = (s == r) ? reinterpret_cast<const U*>(in + (size_t)r * stride)[i]
-                                 : ld_cg(reinterpret_cast<const U*>(mine + (size_t)s * slot_bytes) + i);
-            if (s == 0)
-              acc_set<T, U>(acc[k], u);
-            else
-              acc_add<T, U>(acc[k], u);
-          }
-        },
-        [&](int k, size_t i) { reinterpret_cast<U*>(out)[i] = acc_pack<T, U>(acc[k]); });
+        [&](int s) -> const U* { return s == r ? reinterpret_cast<const U*>(in + (size_t)r * stride) : reinterpret_cast<const U*>(mine + (size_t)s * slot_bytes); },
+        [&](size_t i, const U& res) { reinterpret_cast<U*>(out)[i] = res; });
   }
   __syncthreads();
+  if (threadIdx.x == 0) c.counters[blockIdx.x] = base + 2;
+}
+
+
+// ====================================================== registered-buffer kernels
+// These run on tensors that every rank allocated through the communicator (mapped by
+// every peer), so results are stored straight into the peers' tensors and no staging
+// copy is needed. Element ownership and barriers are as above; every kernel ends
+// with a barrier so that a rank's tensor is complete when its kernel finishes.
+
+// All-reduce in place, one phase: rank r reads chunk r of every rank's tensor (peers
+// over NVLink), reduces in rank order and stores the result into chunk r of every
+// rank's tensor. Per rank: reads S, writes S.
+template <typename T, int NR>
+__global__ void __launch_bounds__(KC_THREADS, 1)
+    allreduce_reg_onephase(Comm c, Ptrs buf, size_t numel, size_t chunk) {
+  using U = uint4;
+  constexpr int V = 16 / sizeof(T);
+  const uint32_t base = c.counters[blockIdx.x];
+  const int r = c.rank;
+  const size_t lo = (size_t)r * chunk;
+  const size_t my_len = lo >= numel ? 0 : (numel - lo < chunk ? numel - lo : chunk);
+  const size_t my_vec = my_len / V;
+  const size_t off = lo * sizeof(T);
+
+  block_barrier<NR>(c, base + 1);
+  {
+    reduce_owned<T, U, NR>(
+        my_vec,
+        [&](int s) -> const U* { return reinterpret_cast<const U*>(buf.p[s] + off); },
+        [&](size_t i, const U& res) {
+#pragma unroll
+          for (int p = 0; p < NR; ++p) reinterpret_cast<U*>(buf.p[p] + off)[i] = res;
+        });
+    if (blockIdx.x == 0 && threadIdx.x < my_len - my_vec * V) {
+      const size_t e = my_vec * V + threadIdx.x;
+      float a = 0.f;
+#pragma unroll
+      for (int s = 0; s < NR; ++s) {
+        const T x = ld_cg(reinterpret_cast<const T*>(buf.p[s] + off) + e);
+        a = (s == 0) ? to_f32<T>(x) : a + to_f32<T>(x);
+      }
+      const T res = from_f32<T>(a);
+#pragma unroll
+      for (int p = 0; p < NR; ++p) reinterpret_cast<T*>(buf.p[p] + off)[e] = res;
+    }
+  }
+  block_barrier<NR>(c, base + 2);
+  if (threadIdx.x == 0) c.counters[blockIdx.x] = base + 2;
+}
+
+// All-reduce in place, two phases, stores only: rank r pushes chunk q of its tensor
+// into slot r of rank q's staging; then rank q reduces its slots (own chunk read from
+// its tensor) and stores the result into chunk q of every rank's tensor. Per rank:
+// reads 1.75 S, writes 1.75 S (n = 4), no remote loads.
+template <typename T, int NR>
+__global__ void __launch_bounds__(KC_THREADS, 1)
+    allreduce_reg_twophase(Comm c, Ptrs buf, size_t numel, size_t chunk) {
+  using U = uint4;
+  constexpr int V = 16 / sizeof(T);
+  constexpr int DP = depth_for(NR - 1);
+  const uint32_t base = c.counters[blockIdx.x];
+  const int r = c.rank;
+  const size_t chunk_bytes = chunk * sizeof(T);
+  const size_t chunk_vec = chunk / V;
+  const char* mine = c.peers.data[r];
+  const T* in = reinterpret_cast<const T*>(buf.p[r]);
+  size_t len[NR], lenv[NR];
+#pragma unroll
+  for (int q = 0; q < NR; ++q) {
+    const size_t lo = (size_t)q * chunk;
+    len[q] = lo >= numel ? 0 : (numel - lo < chunk ? numel - lo : chunk);
+    lenv[q] = len[q] / V;
+  }
+
+  block_barrier<NR>(c, base + 1);
+  {
+    U v[DP][NR];
+    for_owned<DP>(
+        chunk_vec,
+        [&](int k, size_t i) {
+#pragma unroll
+          for (int q = 0; q < NR; ++q) {
+            if (q == r) continue;
+            if (i < lenv[q]) v[k][q] = reinterpret_cast<const U*>(in + (size_t)q * chunk)[i];
+          }
+        },
+        [&](int k, size_t i) {
+#pragma unroll
+          for (int q = 0; q < NR; ++q) {
+            if (q == r) continue;
+            if (i < lenv[q]) reinterpret_cast<U*>(c.peers.data[q] + (size_t)r * chunk_bytes)[i] = v[k][q];
+          }
+        });
+    if (blockIdx.x == 0) {
+#pragma unroll
+      for (int q = 0; q < NR; ++q) {
+        if (q == r) continue;
+        if (threadIdx.x < len[q] - lenv[q] * V) {
+          const size_t e = lenv[q] * V + threadIdx.x;
+          reinterpret_cast<T*>(c.peers.data[q] + (size_t)r * chunk_bytes)[e] = in[(size_t)q * chunk + e];
+        }
+      }
+    }
+  }
+  block_barrier<NR>(c, base + 2);
+  {
+    size_t my_vec = 0, my_len = 0;
+#pragma unroll
+    for (int q = 0; q < NR; ++q)
+      if (q == r) {
+        my_vec = lenv[q];
+        my_len = len[q];
+      }
+    const size_t off = (size_t)r * chunk_bytes;
+    reduce_owned<T, U, NR>(
+        my_vec,
+        [&](int s) -> const U* { return s == r ? reinterpret_cast<const U*>(in + (size_t)r * chunk) : reinterpret_cast<const U*>(mine + (size_t)s * chunk_bytes); },
+        [&](size_t i, const U& res) {
+#pragma unroll
+          for (int p = 0; p < NR; ++p) reinterpret_cast<U*>(buf.p[p] + off)[i] = res;
+        });
+    if (blockIdx.x == 0 && threadIdx.x < my_len - my_vec * V) {
+      const size_t e = my_vec * V + threadIdx.x;
+      float a = 0.f;
+#pragma unroll
+      for (int s = 0; s < NR; ++s) {
+        const T x = (s == r) ? in[(size_t)r * chunk + e]
+                             : ld_cg(reinterpret_cast<const T*>(mine + (size_t)s * chunk_bytes) + e);
+        a = (s == 0) ? to_f32<T>(x) : a + to_f32<T>(x);
+      }
+      const T res = from_f32<T>(a);
+#pragma unroll
+      for (int p = 0; p < NR; ++p) reinterpret_cast<T*>(buf.p[p] + off)[e] = res;
+    }
+  }
+  block_barrier<NR>(c, base + 3);
+  if (threadIdx.x == 0) c.counters[blockIdx.x] = base + 3;
+}
+
+// All-gather into registered outputs: rank r stores its input straight into
+// [r*stride, r*stride + m) of every rank's output. Per rank: reads m, writes n*m.
+template <typename T, int NR, bool VEC>
+__global__ void __launch_bounds__(KC_THREADS, 1)
+    allgather_reg(Comm c, const T* in, Ptrs outs, size_t m, size_t stride) {
+  using U = typename Unit<T, VEC>::type;
+  constexpr int V = Unit<T, VEC>::N;
+  constexpr int D1 = depth_for(1);
+  const uint32_t base = c.counters[blockIdx.x];
+  const size_t off = (size_t)c.rank * stride * sizeof(T);
+  block_barrier<NR>(c, base + 1);
+  {
+    U v[D1];
+    for_owned<D1>(
+        m / V, [&](int k, size_t i) { v[k] = reinterpret_cast<const U*>(in)[i]; },
+        [&](int k, size_t i) {
+#pragma unroll
+          for (int p = 0; p < NR; ++p) reinterpret_cast<U*>(outs.p[p] + off)[i] = v[k];
+        });
+  }
+  block_barrier<NR>(c, base + 2);
+  if (threadIdx.x == 0) c.counters[blockIdx.x] = base + 2;
+}
+
+// Reduce-scatter from registered inputs: rank r reads block r of every rank's input
+// (peers over NVLink), reduces in rank order into its output. Per rank: reads n*m,
+// writes m.
+template <typename T, int NR, bool VEC>
+__global__ void __launch_bounds__(KC_THREADS, 1)
+    reducescatter_reg(Comm c, Ptrs ins, T* out, size_t m, size_t stride) {
+  using U = typename Unit<T, VEC>::type;
+  constexpr int V = Unit<T, VEC>::N;
+  const uint32_t base = c.counters[blockIdx.x];
+  const size_t off = (size_t)c.rank * stride * sizeof(T);
+  block_barrier<NR>(c, base + 1);
+  {
+    reduce_owned<T, U, NR>(
+        m / V, [&](int s) -> const U* { return reinterpret_cast<const U*>(ins.p[s] + off); },
+        [&](size_t i, const U& res) { reinterpret_cast<U*>(out)[i] = res; });
+  }
+  block_barrier<NR>(c, base + 2);
   if (threadIdx.x == 0) c.counters[blockIdx.x] = base + 2;
 }
 
@@ -626,6 +805,60 @@ int dispatch_world(const kc::Comm& c, int op, const void* in, void* out, size_t 
     KC_CASE(4)
     KC_CASE(8)
 #undef KC_CASE
+    default:
+      return set_msg("world size must be 2, 4 or 8");
+  }
+}
+
+template <typename T, int NR>
+int launch_registered(const kc::Comm& c, int op, const void* in, void* out, void* const* regs, size_t n,
+                      size_t stride, int algo, int blocks, cudaStream_t s) {
+  constexpr int V = 16 / sizeof(T);
+  kc::Ptrs ptrs;
+  memset(&ptrs, 0, sizeof(ptrs));
+  for (int q = 0; q < NR; ++q) ptrs.p[q] = reinterpret_cast<char*>(regs[q]);
+  bool aligned = true;
+  for (int q = 0; q < NR; ++q) aligned = aligned && ((uintptr_t)regs[q] % 16 == 0);
+  if (op == 0) {
+    if (!aligned) return set_msg("registered all-reduce: tensor not 16-byte aligned");
+    size_t chunk = (n + NR - 1) / NR;
+    chunk = (chunk + V - 1) / V * V;
+    if (chunk == 0) chunk = V;
+    if (algo == 0) {
+      kc::allreduce_reg_onephase<T, NR><<<blocks, KC_THREADS, 0, s>>>(c, ptrs, n, chunk);
+    } else {
+      if ((size_t)NR * chunk * sizeof(T) > c.data_bytes) return set_msg("two-phase all-reduce: message too large for staging");
+      kc::allreduce_reg_twophase<T, NR><<<blocks, KC_THREADS, 0, s>>>(c, ptrs, n, chunk);
+    }
+    return set_err(cudaGetLastError(), "registered all-reduce launch");
+  }
+  if (stride < n) return set_msg("stride must be >= numel");
+  const bool vec = aligned && (n % V == 0) && (stride % V == 0) && ((uintptr_t)in % 16 == 0) &&
+                   ((uintptr_t)out % 16 == 0);
+  if (op == 1) {
+    if (vec)
+      kc::allgather_reg<T, NR, true><<<blocks, KC_THREADS, 0, s>>>(c, (const T*)in, ptrs, n, stride);
+    else
+      kc::allgather_reg<T, NR, false><<<blocks, KC_THREADS, 0, s>>>(c, (const T*)in, ptrs, n, stride);
+  } else {
+    if (vec)
+      kc::reducescatter_reg<T, NR, true><<<blocks, KC_THREADS, 0, s>>>(c, ptrs, (T*)out, n, stride);
+    else
+      kc::reducescatter_reg<T, NR, false><<<blocks, KC_THREADS, 0, s>>>(c, ptrs, (T*)out, n, stride);
+  }
+  return set_err(cudaGetLastError(), op == 1 ? "registered all-gather launch" : "registered reduce-scatter launch");
+}
+
+template <typename T>
+int dispatch_registered(const kc::Comm& c, int op, const void* in, void* out, void* const* regs, size_t n,
+                        size_t stride, int algo, int blocks, cudaStream_t s) {
+  switch (c.world) {
+    case 2:
+      return launch_registered<T, 2>(c, op, in, out, regs, n, stride, algo, blocks, s);
+    case 4:
+      return launch_registered<T, 4>(c, op, in, out, regs, n, stride, algo, blocks, s);
+    case 8:
+      return launch_registered<T, 8>(c, op, in, out, regs, n, stride, algo, blocks, s);
     default:
       return set_msg("world size must be 2, 4 or 8");
   }
@@ -738,6 +971,30 @@ int kc_run(void* comm, int op, int dtype, const void* in, void* out, size_t nume
       return dispatch_world<__half>(*c, op, in, out, numel, stride, algo, blocks, s);
     case KC_FP32:
       return dispatch_world<float>(*c, op, in, out, numel, stride, algo, blocks, s);
+    default:
+      return set_msg("unknown dtype");
+  }
+}
+
+// Registered-buffer variant. regs[q] is rank q's registered tensor as mapped here:
+// op 0 all-reduce in place on regs (algo 0 one-phase, 1 two-phase; in/out unused),
+// op 1 all-gather of local `in` into the registered outputs regs (shard q at q*stride),
+// op 2 reduce-scatter of the registered inputs regs (block q at q*stride) into local `out`.
+int kc_run_registered(void* comm, int op, int dtype, const void* in, void* out, void* const* regs,
+                      size_t numel, size_t stride, int algo, int blocks, void* stream) {
+  const kc::Comm* c = reinterpret_cast<const kc::Comm*>(comm);
+  if (!c) return set_msg("null communicator");
+  if (blocks < 1 || blocks > KC_MAX_BLOCKS) return set_msg("blocks out of range");
+  if (op < 0 || op > 2) return set_msg("unknown op");
+  if (numel == 0) return 0;
+  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  switch (dtype) {
+    case KC_BF16:
+      return dispatch_registered<__nv_bfloat16>(*c, op, in, out, regs, numel, stride, algo, blocks, s);
+    case KC_FP16:
+      return dispatch_registered<__half>(*c, op, in, out, regs, numel, stride, algo, blocks, s);
+    case KC_FP32:
+      return dispatch_registered<float>(*c, op, in, out, regs, numel, stride, algo, blocks, s);
     default:
       return set_msg("unknown dtype");
   }

@@ -33,7 +33,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from kareus.errors import KareusError
@@ -193,7 +193,17 @@ def compile_object(source: Path, output: Path, *, arch: str = "sm_90") -> Path:
     return output
 
 
-def build_shared_library(name: str, *, arch: str = "sm_90") -> Path:
+def _define_flags(defines: Mapping[str, int | str] | None) -> list[str]:
+    flags = []
+    for key, value in sorted((defines or {}).items()):
+        if not key.isidentifier():
+            raise ValueError(f"macro names must be identifiers, got {key!r}")
+        flags.append(f"-D{key}={value}")
+    return flags
+
+
+def build_shared_library(name: str, *, arch: str = "sm_90",
+                         defines: Mapping[str, int | str] | None = None) -> Path:
     """Builds (or finds in the cache) the shared library of extension ``name``.
 
     The library is ``<cache>/ext/<name>-<arch>-<hash>/lib<name>.so``, where the hash
@@ -203,6 +213,7 @@ def build_shared_library(name: str, *, arch: str = "sm_90") -> Path:
     Args:
         name: Extension name (subdirectory of ``ext/``).
         arch: Target architecture, e.g. ``"sm_90"`` for H100/H200.
+        defines: Preprocessor macros (``-DKEY=VALUE``), part of the cache key.
 
     Returns:
         Path of the shared library.
@@ -216,7 +227,7 @@ def build_shared_library(name: str, *, arch: str = "sm_90") -> Path:
     if not units:
         raise ExtensionBuildError(f"no .cu sources in {src_dir}")
     nvcc = _require_nvcc()
-    flags = [*_COMMON_FLAGS, *gencode_flags(arch), "-shared", "-cudart", "static"]
+    flags = [*_COMMON_FLAGS, *gencode_flags(arch), *_define_flags(defines), "-shared", "-cudart", "static"]
     digest = source_hash(sources, flags, extra=nvcc_version(nvcc))
     out_dir = cache_dir() / f"{name}-{arch}-{digest}"
     lib = out_dir / f"lib{name}.so"
@@ -244,18 +255,19 @@ def build_shared_library(name: str, *, arch: str = "sm_90") -> Path:
     return lib
 
 
-_LOADED: dict[tuple[str, str], ctypes.CDLL] = {}
+_LOADED: dict[tuple[str, str, tuple[tuple[str, str], ...]], ctypes.CDLL] = {}
 
 
-def load_shared_library(name: str, *, arch: str = "sm_90") -> ctypes.CDLL:
+def load_shared_library(name: str, *, arch: str = "sm_90",
+                        defines: Mapping[str, int | str] | None = None) -> ctypes.CDLL:
     """Builds if needed and loads extension ``name``; cached per process.
 
     Raises:
         ExtensionBuildError: The build failed or the library could not be loaded.
     """
-    key = (name, arch)
+    key = (name, arch, tuple(sorted((k, str(v)) for k, v in (defines or {}).items())))
     if key not in _LOADED:
-        lib = build_shared_library(name, arch=arch)
+        lib = build_shared_library(name, arch=arch, defines=defines)
         try:
             _LOADED[key] = ctypes.CDLL(str(lib))
         except OSError as exc:

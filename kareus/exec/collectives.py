@@ -47,6 +47,7 @@ from ._ext_build import ExtensionBuildError, find_nvcc, load_shared_library
 
 __all__ = [
     "ALL_REDUCE_ALGORITHMS",
+    "REGISTERED_ALL_REDUCE_ALGORITHMS",
     "BACKEND_NAMES",
     "COLLECTIVE_OPS",
     "DEFAULT_BACKEND_PREFERENCE",
@@ -68,6 +69,7 @@ __all__ = [
     "bus_bandwidth_factor",
     "choose_all_reduce_algorithm",
     "choose_collective_backend",
+    "choose_registered_all_reduce_algorithm",
     "mscclpp_available",
     "plan_pieces",
     "probe_collective_environment",
@@ -82,6 +84,7 @@ COLLECTIVE_OPS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter")
 SUPPORTED_WORLD_SIZES: tuple[int, ...] = (2, 4, 8)
 SUPPORTED_DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
 ALL_REDUCE_ALGORITHMS: tuple[str, ...] = ("auto", "one_shot", "two_shot")
+REGISTERED_ALL_REDUCE_ALGORITHMS: tuple[str, ...] = ("auto", "one_phase", "two_phase")
 BACKEND_NAMES: tuple[str, ...] = ("own", "nccl_capped", "mscclpp")
 DEFAULT_BACKEND_PREFERENCE: tuple[str, ...] = ("own", "nccl_capped")
 
@@ -245,6 +248,35 @@ def choose_all_reduce_algorithm(nbytes: int, world_size: int, algorithm: str = "
     return "two_shot"
 
 
+def choose_registered_all_reduce_algorithm(nbytes: int, world_size: int,
+                                           algorithm: str = "auto") -> str:
+    """Picks the all-reduce for tensors allocated with :meth:`OwnKernelCollective.empty`.
+
+    Such tensors are mapped by every rank, so results go straight into the peers'
+    tensors. ``"one_phase"``: rank r reads chunk r of every rank's tensor (loads over
+    NVLink), reduces, and stores the result into every rank's tensor; each rank moves
+    S in and S out. ``"two_phase"``: ranks first push chunks into the owners' staging
+    buffers, then each owner reduces and stores into every rank's tensor; only stores
+    cross NVLink, at 2(n-1)/n S each way plus local reads.
+
+    Args:
+        nbytes: Message size in bytes.
+        world_size: GPUs in the group.
+        algorithm: ``"auto"``, ``"one_phase"`` or ``"two_phase"``.
+
+    Raises:
+        CollectiveArgumentError: Unknown ``algorithm``.
+    """
+    if algorithm not in REGISTERED_ALL_REDUCE_ALGORITHMS:
+        raise CollectiveArgumentError(
+            f"registered_algorithm must be one of {', '.join(REGISTERED_ALL_REDUCE_ALGORITHMS)}, "
+            f"got {algorithm!r}"
+        )
+    if algorithm != "auto":
+        return algorithm
+    return "one_phase"
+
+
 def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
@@ -254,14 +286,20 @@ def staging_bytes_needed(op: str, numel: int, elem_bytes: int, world_size: int,
     """Bytes of each rank's staging buffer that one own-kernel call of this size needs.
 
     ``numel`` is the all-reduce tensor size, the all-gather input (per-rank shard) size
-    or the reduce-scatter output size. Mirrors the layout in ``ext/collectives``.
+    or the reduce-scatter output size; ``algorithm`` is an all-reduce algorithm of
+    either family (``one_shot``/``two_shot`` for plain tensors, ``one_phase``/
+    ``two_phase`` for registered ones). Mirrors the layout in ``ext/collectives``.
     """
     _validate_op(op)
     vec = 16 // elem_bytes
     if op == "all_reduce":
         if algorithm == "one_shot":
             return world_size * _round_up(numel, vec) * elem_bytes
+        if algorithm == "one_phase":
+            return 0
         chunk = max(_round_up(-(-numel // world_size), vec), vec)
+        if algorithm == "two_phase":
+            return world_size * chunk * elem_bytes
         return 2 * world_size * chunk * elem_bytes
     return world_size * _round_up(numel, vec) * elem_bytes
 
@@ -605,6 +643,26 @@ def _resolve_stream(stream: Any) -> Any:
     return torch.cuda.current_stream() if stream is None else stream
 
 
+class _CudaBytes:
+    """Exposes raw device bytes through ``__cuda_array_interface__`` (no ownership)."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3,
+            "strides": None, "stream": None,
+        }
+
+
+@dataclasses.dataclass
+class _SharedAllocation:
+    """One allocation of this rank plus its peers' counterparts mapped here."""
+
+    own: ctypes.c_void_p
+    opened: list[ctypes.c_void_p]
+    bases: list[int]  # data region of every rank (own included), as mapped here
+    nbytes: int
+
+
 class OwnKernelCollective(CollectiveBackend):
     """kareus's own SM-capped kernels over CUDA IPC peer memory (2, 4 or 8 GPUs).
 
@@ -613,8 +671,17 @@ class OwnKernelCollective(CollectiveBackend):
     peers' buffers. The CUDA library is built on first use (see
     :mod:`kareus.exec._ext_build`).
 
-    Messages whose staging need exceeds ``staging_bytes`` are split into pieces, one
-    kernel launch each, identically on every rank.
+    Two kinds of tensors can be passed:
+
+    * Any CUDA tensor. Data is pushed into the peers' staging buffers and copied out
+      there (messages larger than the staging buffer go in pieces, identically on
+      every rank).
+    * Tensors from :meth:`empty` ("registered": every rank has mapped them). Results
+      are stored straight into the peers' tensors, which saves the staging copies and
+      moves fewer bytes per SM: use these for the executor's communication buffers.
+      A registered tensor must sit at the same offset of its allocation on every rank
+      (it does when all ranks allocate and slice alike), and must not be in use on
+      another stream while a collective on it runs.
 
     Args:
         group: ``torch.distributed`` group of 2, 4 or 8 ranks on one node (default:
@@ -622,12 +689,19 @@ class OwnKernelCollective(CollectiveBackend):
         staging_bytes: Size of each rank's receive buffer (default 256 MiB). Two-shot
             all-reduce needs about 2x the message; one-shot, all-gather and
             reduce-scatter need world_size x the per-rank shard.
-        algorithm: All-reduce algorithm: ``"auto"`` (one-shot for small messages or 2
-            GPUs, two-shot otherwise), ``"one_shot"`` or ``"two_shot"``.
+        algorithm: All-reduce algorithm for plain tensors: ``"auto"`` (one-shot for
+            small messages or 2 GPUs, two-shot otherwise), ``"one_shot"``, ``"two_shot"``.
+        registered_algorithm: All-reduce algorithm for registered tensors: ``"auto"``,
+            ``"one_phase"`` or ``"two_phase"`` (see
+            :func:`choose_registered_all_reduce_algorithm`).
         memory: ``"ipc"`` (own ``cudaMalloc`` buffers shared with ``cudaIpc*``) or
-            ``"symm_mem"`` (PyTorch symmetric memory, multicast unused).
+            ``"symm_mem"`` (PyTorch symmetric memory for the staging buffer,
+            multicast unused).
         spin_timeout_s: If set, a kernel that waits longer than this for a peer traps
             (turning a hang into an error); ``None`` waits forever, as NCCL does.
+        threads_per_block: Build option, 512 (default) or 1024 threads per SM.
+        loads_in_flight: Build option, 16-byte loads each thread keeps in flight
+            (default 16 at 512 threads, 8 at 1024).
         arch: CUDA architecture to build for (default: the current GPU's, e.g. sm_90).
 
     Raises:
@@ -641,13 +715,16 @@ class OwnKernelCollective(CollectiveBackend):
     name: ClassVar[str] = "own"
 
     def __init__(self, *, group: Any = None, staging_bytes: int | None = None,
-                 algorithm: str = "auto", memory: str = "ipc",
-                 spin_timeout_s: float | None = None, arch: str | None = None) -> None:
+                 algorithm: str = "auto", registered_algorithm: str = "auto",
+                 memory: str = "ipc", spin_timeout_s: float | None = None,
+                 threads_per_block: int | None = None, loads_in_flight: int | None = None,
+                 arch: str | None = None) -> None:
         torch, dist = _require_dist(group)
         if algorithm not in ALL_REDUCE_ALGORITHMS:
             raise CollectiveArgumentError(
                 f"algorithm must be one of {', '.join(ALL_REDUCE_ALGORITHMS)}, got {algorithm!r}"
             )
+        choose_registered_all_reduce_algorithm(0, 2, registered_algorithm)  # validates
         if memory not in ("ipc", "symm_mem"):
             raise CollectiveArgumentError(f"memory must be 'ipc' or 'symm_mem', got {memory!r}")
         staging_bytes = DEFAULT_STAGING_BYTES if staging_bytes is None else int(staging_bytes)
@@ -655,6 +732,7 @@ class OwnKernelCollective(CollectiveBackend):
             raise CollectiveArgumentError(f"staging_bytes must be >= 1 MiB, got {staging_bytes}")
         if spin_timeout_s is not None and spin_timeout_s <= 0:
             raise CollectiveArgumentError(f"spin_timeout_s must be > 0 or None, got {spin_timeout_s}")
+        defines = _build_defines(threads_per_block, loads_in_flight)
         self._group = group
         self._world = validate_world_size(dist.get_world_size(group))
         self._rank = dist.get_rank(group)
@@ -662,43 +740,29 @@ class OwnKernelCollective(CollectiveBackend):
         props = torch.cuda.get_device_properties(self._device)
         self._sm_count = props.multi_processor_count
         self._algorithm = algorithm
+        self._registered_algorithm = registered_algorithm
         self._staging_bytes = staging_bytes
         self._memory = memory
-        self._lib = load_shared_library("collectives", arch=arch or f"sm_{props.major}{props.minor}")
+        self._lib = load_shared_library("collectives", arch=arch or f"sm_{props.major}{props.minor}",
+                                        defines=defines)
         self._declare(self._lib)
         self._max_blocks = int(self._lib.kc_max_blocks())
+        self._offset = int(self._lib.kc_data_offset())
         self._comm = ctypes.c_void_p()
-        self._own_ptr = ctypes.c_void_p()
-        self._peer_ptrs: list[ctypes.c_void_p] = []
+        self._staging: _SharedAllocation | None = None
+        self._registered: list[_SharedAllocation] = []
         self._symm: tuple[Any, Any] | None = None
         self._last_stream: Any = None
         self._closed = False
         timeout_ns = 0 if spin_timeout_s is None else int(spin_timeout_s * 1e9)
-        offset = int(self._lib.kc_data_offset())
 
         if memory == "ipc":
-            hbytes = int(self._lib.kc_ipc_handle_bytes())
-            handle = (ctypes.c_ubyte * hbytes)()
-            self._call("kc_staging_alloc", ctypes.c_size_t(staging_bytes),
-                       ctypes.byref(self._own_ptr), handle)
-            mine = torch.tensor(list(bytes(handle)), dtype=torch.uint8, device=self._device)
-            gathered = torch.empty(self._world * hbytes, dtype=torch.uint8, device=self._device)
-            dist.all_gather_into_tensor(gathered, mine, group=group)
-            all_handles = gathered.cpu().tolist()
-            bases: list[int] = []
-            for q in range(self._world):
-                if q == self._rank:
-                    bases.append(int(self._own_ptr.value or 0))
-                    continue
-                hq = (ctypes.c_ubyte * hbytes)(*all_handles[q * hbytes:(q + 1) * hbytes])
-                ptr = ctypes.c_void_p()
-                self._call("kc_ipc_open", hq, ctypes.byref(ptr))
-                self._peer_ptrs.append(ptr)
-                bases.append(int(ptr.value or 0))
+            self._staging = self._alloc_shared(staging_bytes)
+            bases = [b - self._offset for b in self._staging.bases]
         else:
             import torch.distributed._symmetric_memory as symm_mem
 
-            buf = symm_mem.empty(offset + staging_bytes, dtype=torch.uint8, device=self._device)
+            buf = symm_mem.empty(self._offset + staging_bytes, dtype=torch.uint8, device=self._device)
             buf.zero_()
             torch.cuda.synchronize()
             gname = (group if group is not None else dist.group.WORLD).group_name
@@ -725,16 +789,50 @@ class OwnKernelCollective(CollectiveBackend):
                                        ctypes.POINTER(vp)]
         lib.kc_comm_destroy.argtypes = [vp]
         lib.kc_run.argtypes = [vp, i, i, vp, vp, sz, sz, i, i, vp]
+        lib.kc_run_registered.argtypes = [vp, i, i, vp, vp, ctypes.POINTER(vp), sz, sz, i, i, vp]
 
     def _call(self, fn: str, *args: Any) -> None:
         rc = getattr(self._lib, fn)(*args)
         if rc != 0:
             msg = (self._lib.kc_last_error() or b"").decode(errors="replace")
             hint = ""
-            if fn in ("kc_ipc_open",):
+            if fn == "kc_ipc_open":
                 hint = ("; the GPUs may lack peer access, or the processes may not share the "
                         "node: try memory='symm_mem' or NCCLCappedCollective")
             raise CollectiveLaunchError(f"{fn} failed on rank {self._rank}: {msg}{hint}")
+
+    def _alloc_shared(self, nbytes: int) -> _SharedAllocation:
+        """Allocates ``nbytes`` (zeroed) on every rank and maps the peers' (collective)."""
+        import torch
+        import torch.distributed as dist
+
+        hbytes = int(self._lib.kc_ipc_handle_bytes())
+        handle = (ctypes.c_ubyte * hbytes)()
+        own = ctypes.c_void_p()
+        self._call("kc_staging_alloc", ctypes.c_size_t(nbytes), ctypes.byref(own), handle)
+        mine = torch.tensor(list(bytes(handle)), dtype=torch.uint8, device=self._device)
+        gathered = torch.empty(self._world * hbytes, dtype=torch.uint8, device=self._device)
+        dist.all_gather_into_tensor(gathered, mine, group=self._group)
+        all_handles = gathered.cpu().tolist()
+        alloc = _SharedAllocation(own=own, opened=[], bases=[], nbytes=nbytes)
+        for q in range(self._world):
+            if q == self._rank:
+                alloc.bases.append(int(own.value or 0) + self._offset)
+                continue
+            hq = (ctypes.c_ubyte * hbytes)(*all_handles[q * hbytes:(q + 1) * hbytes])
+            ptr = ctypes.c_void_p()
+            self._call("kc_ipc_open", hq, ctypes.byref(ptr))
+            alloc.opened.append(ptr)
+            alloc.bases.append(int(ptr.value or 0) + self._offset)
+        return alloc
+
+    def _free_shared(self, alloc: _SharedAllocation) -> None:
+        for ptr in alloc.opened:
+            self._call("kc_ipc_close", ptr)
+        alloc.opened = []
+        if alloc.own.value:
+            self._call("kc_free", alloc.own)
+            alloc.own = ctypes.c_void_p()
 
     @property
     def world_size(self) -> int:
@@ -757,13 +855,59 @@ class OwnKernelCollective(CollectiveBackend):
         """Capacity of each rank's staging buffer."""
         return self._staging_bytes
 
+    def empty(self, shape: int | Sequence[int], dtype: Any) -> Any:
+        """Allocates a registered tensor: one that every rank of the group has mapped.
+
+        Collective: every rank must call it with the same shape and dtype, in the same
+        order. Collectives on such tensors (all-reduce in place, all-gather output,
+        reduce-scatter input) store into or load from the peers' tensors directly.
+        The memory lives until :meth:`close`; contents start as zeros.
+
+        Args:
+            shape: Tensor shape (an int for 1-D).
+            dtype: ``torch.bfloat16``, ``torch.float16`` or ``torch.float32``.
+
+        Returns:
+            A contiguous CUDA tensor on the current device.
+        """
+        import math
+
+        import torch
+
+        self._check_open()
+        shape_t = (int(shape),) if isinstance(shape, int) else tuple(int(d) for d in shape)
+        if any(d < 0 for d in shape_t):
+            raise CollectiveArgumentError(f"shape must be non-negative, got {shape_t}")
+        tdtype = getattr(torch, validate_dtype(dtype))
+        esize = _DTYPE_BYTES[validate_dtype(dtype)]
+        numel = math.prod(shape_t)
+        nbytes = _round_up(max(numel * esize, 16), 256)
+        alloc = self._alloc_shared(nbytes)
+        self._registered.append(alloc)
+        own = alloc.bases[self._rank]
+        raw = torch.as_tensor(_CudaBytes(own, nbytes), device=f"cuda:{self._device}")
+        return raw[: numel * esize].view(tdtype).view(shape_t)
+
+    def is_registered(self, tensor: Any) -> bool:
+        """Whether ``tensor`` lies in memory from :meth:`empty` (zero-copy paths)."""
+        return self._registered_ptrs(tensor) is not None
+
+    def _registered_ptrs(self, tensor: Any) -> list[int] | None:
+        ptr = int(tensor.data_ptr())
+        end = ptr + tensor.numel() * tensor.element_size()
+        for alloc in self._registered:
+            base = alloc.bases[self._rank]
+            if base <= ptr and end <= base + alloc.nbytes:
+                return [b + (ptr - base) for b in alloc.bases]
+        return None
+
     def _enter_stream(self, stream: Any) -> Any:
         import torch
 
         stream = _resolve_stream(stream)
         last = self._last_stream
         if last is not None and last != stream:
-            # The staging buffer is reused: order this call after the previous one.
+            # Buffers are reused: order this call after the previous one.
             ev = torch.cuda.Event()
             ev.record(last)
             stream.wait_event(ev)
@@ -775,6 +919,14 @@ class OwnKernelCollective(CollectiveBackend):
         self._call("kc_run", self._comm, _OP_CODE[op], _DTYPE_CODE[dtype], ctypes.c_void_p(in_ptr),
                    ctypes.c_void_p(out_ptr), ctypes.c_size_t(numel), ctypes.c_size_t(stride),
                    0 if algo == "one_shot" else 1, sms, ctypes.c_void_p(stream.cuda_stream))
+
+    def _launch_registered(self, op: str, dtype: str, in_ptr: int, out_ptr: int, regs: list[int],
+                           numel: int, stride: int, algo: str, sms: int, stream: Any) -> None:
+        arr = (ctypes.c_void_p * self._world)(*regs)
+        self._call("kc_run_registered", self._comm, _OP_CODE[op], _DTYPE_CODE[dtype],
+                   ctypes.c_void_p(in_ptr), ctypes.c_void_p(out_ptr), arr, ctypes.c_size_t(numel),
+                   ctypes.c_size_t(stride), 1 if algo == "two_phase" else 0, sms,
+                   ctypes.c_void_p(stream.cuda_stream))
 
     def _check_open(self) -> None:
         if self._closed:
@@ -789,6 +941,15 @@ class OwnKernelCollective(CollectiveBackend):
         if numel == 0:
             return tensor
         esize = _DTYPE_BYTES[dtype]
+        regs = self._registered_ptrs(tensor)
+        if regs is not None and all(r % 16 == 0 for r in regs):
+            algo = choose_registered_all_reduce_algorithm(numel * esize, self._world,
+                                                          self._registered_algorithm)
+            for start, count in plan_pieces("all_reduce", numel, esize, self._world,
+                                            self._staging_bytes, algo):
+                self._launch_registered("all_reduce", dtype, 0, 0, [r + start * esize for r in regs],
+                                        count, 0, algo, sms, stream)
+            return tensor
         algo = choose_all_reduce_algorithm(numel * esize, self._world, self._algorithm)
         work = tensor
         if tensor.data_ptr() % 16:
@@ -814,7 +975,14 @@ class OwnKernelCollective(CollectiveBackend):
         dtype = _check_pair("all_gather", output, input, self._world, self._device)
         stream = self._enter_stream(stream)
         m = input.numel()
+        if m == 0:
+            return output
         esize = _DTYPE_BYTES[dtype]
+        regs = self._registered_ptrs(output)
+        if regs is not None:
+            self._launch_registered("all_gather", dtype, input.data_ptr(), output.data_ptr(), regs,
+                                    m, m, "", sms, stream)
+            return output
         for start, count in plan_pieces("all_gather", m, esize, self._world, self._staging_bytes):
             self._launch("all_gather", dtype, input.data_ptr() + start * esize,
                          output.data_ptr() + start * esize, count, m, "", sms, stream)
@@ -826,14 +994,24 @@ class OwnKernelCollective(CollectiveBackend):
         dtype = _check_pair("reduce_scatter", output, input, self._world, self._device)
         stream = self._enter_stream(stream)
         m = output.numel()
+        if m == 0:
+            return output
         esize = _DTYPE_BYTES[dtype]
+        regs = self._registered_ptrs(input)
+        if regs is not None:
+            self._launch_registered("reduce_scatter", dtype, input.data_ptr(), output.data_ptr(),
+                                    regs, m, m, "", sms, stream)
+            return output
         for start, count in plan_pieces("reduce_scatter", m, esize, self._world, self._staging_bytes):
             self._launch("reduce_scatter", dtype, input.data_ptr() + start * esize,
                          output.data_ptr() + start * esize, count, m, "", sms, stream)
         return output
 
     def close(self) -> None:
-        """Frees the buffers. Collective: every rank must call it (peers may still write)."""
+        """Frees the buffers, registered tensors included.
+
+        Collective: every rank must call it (peers may still be writing).
+        """
         if self._closed:
             return
         import torch
@@ -843,13 +1021,29 @@ class OwnKernelCollective(CollectiveBackend):
         torch.cuda.synchronize()
         dist.barrier(group=self._group)
         self._call("kc_comm_destroy", self._comm)
-        for ptr in self._peer_ptrs:
-            self._call("kc_ipc_close", ptr)
-        self._peer_ptrs = []
-        if self._own_ptr.value:
-            self._call("kc_free", self._own_ptr)
-            self._own_ptr = ctypes.c_void_p()
+        for alloc in self._registered:
+            self._free_shared(alloc)
+        self._registered = []
+        if self._staging is not None:
+            self._free_shared(self._staging)
+            self._staging = None
         self._symm = None
+
+
+def _build_defines(threads_per_block: int | None, loads_in_flight: int | None) -> dict[str, int]:
+    """Build-time kernel options as preprocessor macros (validated)."""
+    defines: dict[str, int] = {}
+    if threads_per_block is not None:
+        if threads_per_block not in (256, 512, 1024):
+            raise CollectiveArgumentError(
+                f"threads_per_block must be 256, 512 or 1024, got {threads_per_block}"
+            )
+        defines["KC_THREADS"] = threads_per_block
+    if loads_in_flight is not None:
+        if not 1 <= loads_in_flight <= 64:
+            raise CollectiveArgumentError(f"loads_in_flight must be in 1..64, got {loads_in_flight}")
+        defines["KC_INFLIGHT"] = loads_in_flight
+    return defines
 
 
 class NCCLCappedCollective(CollectiveBackend):

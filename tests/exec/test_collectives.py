@@ -296,3 +296,30 @@ def test_shared_library_builds_once_loads_and_reports_limits(
     assert lib.kc_max_blocks() == C.OWN_MAX_BLOCKS
     assert lib.kc_max_ranks() == 8
     assert lib.kc_ipc_handle_bytes() == 64
+
+
+def test_registered_all_reduce_algorithms() -> None:
+    assert C.choose_registered_all_reduce_algorithm(64 * MIB, 4, "two_phase") == "two_phase"
+    assert C.choose_registered_all_reduce_algorithm(64 * MIB, 4) in ("one_phase", "two_phase")
+    with pytest.raises(C.CollectiveArgumentError, match="registered_algorithm"):
+        C.choose_registered_all_reduce_algorithm(64 * MIB, 4, "two_shot")
+
+
+def test_registered_staging_needs() -> None:
+    # one-phase stores straight into the peers' tensors: no staging; two-phase: world chunks
+    assert C.staging_bytes_needed("all_reduce", 10**6, 2, 4, "one_phase") == 0
+    assert C.plan_pieces("all_reduce", 10**9, 2, 4, MIB, "one_phase") == [(0, 10**9)]
+    assert C.staging_bytes_needed("all_reduce", 1000, 2, 4, "two_phase") == 4 * 256 * 2
+    pieces = C.plan_pieces("all_reduce", 10**6, 2, 4, MIB, "two_phase")
+    assert len(pieces) == 2 and sum(c for _, c in pieces) == 10**6
+
+
+@pytest.mark.parametrize(("threads", "loads"), [(128, None), (None, 0), (None, 65)])
+def test_build_options_are_checked(threads: int | None, loads: int | None) -> None:
+    with pytest.raises(C.CollectiveArgumentError):
+        C._build_defines(threads, loads)
+
+
+def test_build_options_become_macros() -> None:
+    assert C._build_defines(None, None) == {}
+    assert C._build_defines(1024, 8) == {"KC_THREADS": 1024, "KC_INFLIGHT": 8}

@@ -107,22 +107,32 @@ def _tolerance(dtype_name: str) -> dict[str, float]:
 
 
 def _check_case(torch, dist, coll, rank: int, world: int, op: str, nbytes: int, dtype_name: str,
-                sms: int, seed: int, stream) -> list[str]:
-    """Runs one collective and returns failure messages (empty when correct)."""
+                sms: int, seed: int, stream, reg=None) -> list[str]:
+    """Runs one collective and returns failure messages (empty when correct).
+
+    With ``reg`` (a registered uint8 tensor from ``coll.empty``), the all-reduce
+    tensor, the all-gather output or the reduce-scatter input is carved from it, at
+    offset 0 on every rank, so the registered (zero-copy) kernels run.
+    """
     dtype = getattr(torch, dtype_name)
     esize = torch.empty((), dtype=dtype).element_size()
     numel = max(1, nbytes // esize)
     dev = torch.cuda.current_device()
     gen = torch.Generator(device="cuda").manual_seed(seed * 1009 + rank)
     fails: list[str] = []
-    tag = f"{op} {dtype_name} bytes={nbytes} numel={numel} sms={sms}"
+    tag = f"{op} {dtype_name} bytes={nbytes} numel={numel} sms={sms} registered={reg is not None}"
+
+    def carve(n: int):
+        return reg[: n * esize].view(dtype) if reg is not None else torch.empty(n, device=dev, dtype=dtype)
+
     if op == "all_reduce":
         x = torch.randn(numel, generator=gen, device=dev, dtype=torch.float32).to(dtype)
         gathered = torch.empty(world * numel, device=dev, dtype=dtype)
         dist.all_gather_into_tensor(gathered, x)
         nccl = x.clone()
         dist.all_reduce(nccl)
-        out = x.clone()
+        out = carve(numel)
+        out.copy_(x)
         stream.wait_stream(torch.cuda.current_stream())
         coll.all_reduce(out, stream, sms)
         torch.cuda.current_stream().wait_stream(stream)
@@ -143,7 +153,8 @@ def _check_case(torch, dist, coll, rank: int, world: int, op: str, nbytes: int, 
         x = torch.randn(m, generator=gen, device=dev, dtype=torch.float32).to(dtype)
         ref = torch.empty(world * m, device=dev, dtype=dtype)
         dist.all_gather_into_tensor(ref, x)
-        out = torch.full((world * m,), float("nan"), device=dev, dtype=dtype)
+        out = carve(world * m)
+        out.fill_(float("nan"))
         stream.wait_stream(torch.cuda.current_stream())
         coll.all_gather(out, x, stream, sms)
         torch.cuda.current_stream().wait_stream(stream)
@@ -152,7 +163,8 @@ def _check_case(torch, dist, coll, rank: int, world: int, op: str, nbytes: int, 
                          f"{(out != ref).sum().item()} elements (NaN = unwritten)")
     else:
         m = max(1, numel // world)
-        x = torch.randn(world * m, generator=gen, device=dev, dtype=torch.float32).to(dtype)
+        x = carve(world * m)
+        x.copy_(torch.randn(world * m, generator=gen, device=dev, dtype=torch.float32))
         gathered = torch.empty(world * world * m, device=dev, dtype=dtype)
         dist.all_gather_into_tensor(gathered, x)
         nccl = torch.empty(m, device=dev, dtype=dtype)
@@ -202,13 +214,32 @@ def _worker_correctness(args: argparse.Namespace) -> int:
     for i, nbytes in enumerate(SIZES_BYTES[:7]):
         fails += _check_case(torch, dist, one, rank, world, "all_reduce", nbytes, "bfloat16",
                              1 + (5 * i) % max_sms, 10_000 + i, stream)
+    # Registered (zero-copy) kernels: every SM count, sizes rotated, both all-reduce
+    # algorithms, plus every size at 1, 8 and 32 SMs.
+    reg_cases = 0
+    for alg in ("one_phase", "two_phase"):
+        rc = OwnKernelCollective(staging_bytes=600 * MIB, registered_algorithm=alg,
+                                 spin_timeout_s=60.0, memory=args.memory)
+        big = rc.empty((max(SIZES_BYTES) + 4096) // 4, torch.float32)
+        reg = big.view(torch.uint8)
+        todo = [(op, SIZES_BYTES[(5 * sms + j) % len(SIZES_BYTES)], "bfloat16", sms)
+                for sms in range(1, max_sms + 1) for j, op in enumerate(ops)
+                if alg == "one_phase" or op == "all_reduce"]
+        todo += [("all_reduce", nb, "bfloat16", sms) for sms in sorted({1, 8, max_sms})
+                 for nb in SIZES_BYTES]
+        todo += [("all_reduce", nb, dt, 3) for dt in ("float16", "float32") for nb in SIZES_BYTES[:6]]
+        for i, (op, nbytes, dtype, sms) in enumerate(todo):
+            fails += _check_case(torch, dist, rc, rank, world, op, nbytes, dtype, sms,
+                                 20_000 + 100 * reg_cases + i, stream, reg=reg)
+        reg_cases += len(todo)
+        rc.close()
     torch.cuda.synchronize()
     counts = [None] * world
     dist.all_gather_object(counts, len(fails))
     for msg in fails[:20]:
         print(f"[rank {rank}] FAIL {msg}", flush=True)
     if rank == 0:
-        total = len(cases) + 7
+        total = len(cases) + 7 + reg_cases
         if sum(counts) == 0:
             print(f"CORRECTNESS OK world={world} cases={total} sms=1..{max_sms}", flush=True)
         else:
@@ -226,13 +257,15 @@ def _worker_stress(args: argparse.Namespace) -> int:
     torch, dist, rank, world = _init()
     from kareus.exec.collectives import OwnKernelCollective
 
-    coll = OwnKernelCollective(staging_bytes=64 * MIB, spin_timeout_s=60.0, memory=args.memory)
+    coll = OwnKernelCollective(staging_bytes=64 * MIB, spin_timeout_s=60.0, memory=args.memory,
+                               registered_algorithm=args.registered_algorithm)
     rng = random.Random(20261129)  # same sequence on every rank
     dev = torch.cuda.current_device()
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     sizes = [2048, 32 * 1024 + 3, 512 * 1024, 4 * MIB + 5]  # bf16 elements
     gen = torch.Generator(device="cuda").manual_seed(rank)
     src = {n: torch.randn(world * n, generator=gen, device=dev).to(torch.bfloat16) for n in sizes}
+    reg = coll.empty(world * max(sizes), torch.bfloat16)
     fails = 0
     torch.cuda.synchronize()
     dist.barrier()
@@ -243,17 +276,26 @@ def _worker_stress(args: argparse.Namespace) -> int:
         sms = rng.randint(1, args.max_sms)
         s = streams[rng.randrange(2)]
         check = (i + 1) % 500 == 0
+        use_reg = rng.random() < 0.5  # registered (zero-copy) or plain tensors
         s.wait_stream(torch.cuda.current_stream())
+        if use_reg:  # the shared registered buffer may still be in use on the other stream
+            s.wait_stream(streams[0] if s is streams[1] else streams[1])
         with torch.cuda.stream(s):
             if op == "all_reduce":
-                out = src[n][:n].clone()
+                out = reg[:n] if use_reg else torch.empty(n, device=dev, dtype=torch.bfloat16)
+                out.copy_(src[n][:n])
                 coll.all_reduce(out, s, sms)
             elif op == "all_gather":
-                out = torch.empty(world * n, device=dev, dtype=torch.bfloat16)
+                out = reg[: world * n] if use_reg else torch.empty(world * n, device=dev,
+                                                                   dtype=torch.bfloat16)
                 coll.all_gather(out, src[n][:n], s, sms)
             else:
+                inp = src[n]
+                if use_reg:
+                    inp = reg[: world * n]
+                    inp.copy_(src[n])
                 out = torch.empty(n, device=dev, dtype=torch.bfloat16)
-                coll.reduce_scatter(out, src[n], s, sms)
+                coll.reduce_scatter(out, inp, s, sms)
         if check:
             torch.cuda.current_stream().wait_stream(s)
             if op == "all_reduce":
@@ -287,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=10_000)
     parser.add_argument("--max-sms", type=int, default=32)
     parser.add_argument("--memory", choices=("ipc", "symm_mem"), default="ipc")
+    parser.add_argument("--registered-algorithm", default="auto")
     args = parser.parse_args(argv)
     os.environ.update(NO_MULTICAST_ENV)  # never NVLink multicast, whatever the caller set
     if args.mode == "correctness":
