@@ -94,12 +94,14 @@ def gemm_chain(count: int, comm: CommOp) -> OpPartition:
 
 def fit_interference(gpu: EmulatedGPU, iso: dict[str, object], default_ctas: int
                      ) -> tuple[EmulatedGPU, dict[str, object]]:
-    """Fit ``comm_interference`` to the isolated run of 4 GEMMs + an async all-reduce.
+    """Fit the two interference constants to the isolated run of 4 GEMMs + an async all-reduce.
 
     That run was short (30 steps), so its clock is not the steady-state power-limited
     one: the clock is first set so that the emulated 4 GEMMs alone take the measured
-    time (power limit off), then the slow-down of the all-reduce beside GEMMs is fitted
-    to the three overlapped times (caps 2, 8 and default, launched with the first GEMM).
+    time (power limit off), then the slow-down of the all-reduce beside GEMMs
+    (``comm_interference``) and of the GEMMs beside the all-reduce (``tensor_interference``)
+    are fitted to the three overlapped times (caps 2, 8 and default, launched with the
+    first GEMM), by grid search on the squared relative error.
     """
     part = gemm_chain(4, probe_partition().comm_op)
     target = float(iso["gemm_only_4_chained"])  # type: ignore[arg-type]
@@ -110,25 +112,69 @@ def fit_interference(gpu: EmulatedGPU, iso: dict[str, object], default_ctas: int
     gemm_ms = {f: free.measure_outside(OutsideWork(ops=part.compute_ops), f,
                                        group_size=1).time_s * 1e3 for f in clocks}
     f_iso = min(clocks, key=lambda f: abs(gemm_ms[f] - target))
-    best: tuple[float, float] | None = None
-    for kappa in np.linspace(0.0, 3.0, 121):
-        prof = EmulatedProfiler(gpu.with_(comm_interference=float(kappa)), noise=0.0,
-                                group_gpus=1, power_limit=False)
-        err = sum((prof.ground_truth(part, ScheduleConfig(f_iso, s, "g0")).time_s * 1e3 / t
-                   - 1.0) ** 2 for s, t in caps.items())
-        if best is None or err < best[0]:
-            best = (err, float(kappa))
+    best: tuple[float, float, float] | None = None
+    for kappa in np.linspace(0.0, 2.0, 41):
+        for delta in np.linspace(0.0, 0.6, 31):
+            prof = EmulatedProfiler(gpu.with_(comm_interference=float(kappa),
+                                              tensor_interference=float(delta)),
+                                    noise=0.0, group_gpus=1, power_limit=False)
+            err = sum((prof.ground_truth(part, ScheduleConfig(f_iso, s, "g0")).time_s * 1e3 / t
+                       - 1.0) ** 2 for s, t in caps.items())
+            if best is None or err < best[0]:
+                best = (err, float(kappa), float(delta))
     assert best is not None
-    fitted = gpu.with_(comm_interference=round(best[1], 3))
+    fitted = gpu.with_(comm_interference=round(best[1], 3), tensor_interference=round(best[2], 3))
     prof = EmulatedProfiler(fitted, noise=0.0, group_gpus=1, power_limit=False)
     check = {f"cap_{'none' if s == default_ctas else s}": {
         "measured_ms": t,
         "emulated_ms": round(prof.ground_truth(part, ScheduleConfig(f_iso, s, "g0")).time_s
                              * 1e3, 4)} for s, t in caps.items()}
-    return fitted, {"comm_interference": fitted.comm_interference, "clock_of_that_run_mhz": f_iso,
+    return fitted, {"comm_interference": fitted.comm_interference,
+                    "tensor_interference": fitted.tensor_interference,
+                    "clock_of_that_run_mhz": f_iso,
                     "gemm_only_4_chained_ms": {"measured": target,
                                                "emulated": round(gemm_ms[f_iso], 4)},
                     "rms_rel_err": math.sqrt(best[0] / len(caps)), "overlapped": check}
+
+
+POWER_PROBE = Path(__file__).resolve().parent / "results" / "emulator_power_probe_h200.json"
+INTERFERENCE_PROBE = (Path(__file__).resolve().parent / "results"
+                      / "emulator_interference_probe_h200.json")
+
+
+def power_probe_check(gpu: EmulatedGPU) -> dict[str, object]:
+    """Emulated vs measured single-GPU loads of bench/emulator_power_probe.py (H200)."""
+    if not POWER_PROBE.exists():
+        return {}
+    meas = json.loads(POWER_PROBE.read_text())["loads"]
+    chain = gemm_chain(4, probe_partition().comm_op).compute_ops
+    lim = EmulatedProfiler(gpu, noise=0.0, group_gpus=1)
+    free = EmulatedProfiler(gpu, noise=0.0, group_gpus=1, power_limit=False)
+    out: dict[str, object] = {}
+    d1 = lim.measure_outside(OutsideWork(ops=chain), gpu.spec.max_clock_mhz, group_size=1)
+    m = meas["gemm_d1.0"]
+    out["gemm_chain_power_limited"] = {
+        "measured_ms": round(m["ms_per_step"], 4), "emulated_ms": round(d1.time_s * 1e3, 4),
+        "measured_w": round(m["avg_w"], 1), "emulated_w": round(d1.average_power_w, 1),
+        "measured_clock_mhz": m["sm_clock_median_mhz"]}
+    for key in ("gemm_d0.8", "gemm_d0.6", "gemm_d0.45", "gemm_d0.3"):
+        m = meas[key]
+        f = gpu.spec.nearest_clock(m["sm_clock_median_mhz"])
+        g = free.measure_outside(OutsideWork(ops=chain), f, group_size=1)
+        out[f"{key}_gemm_part_at_{f}_mhz"] = {"measured_ms": round(m["gemm_ms_in_this_load"], 4),
+                                              "emulated_ms": round(g.time_s * 1e3, 4)}
+    ew = ComputeOp(name="ew", kind=OpKind.ELEMENTWISE, flops=float(ELEMS),
+                   bytes_moved=4.0 * ELEMS)
+    e = free.measure_outside(OutsideWork(ops=[ew] * 20), 1980, group_size=1)
+    m = meas["elementwise"]
+    out["elementwise_1980_mhz"] = {
+        "measured_tb_per_s": round(m["tb_per_s"], 3),
+        "emulated_tb_per_s": round(20 * 4.0 * ELEMS / e.time_s / 1e12, 3),
+        "measured_w": round(m["avg_w"], 1), "emulated_w": round(e.average_power_w, 1)}
+    spin_w = gpu.spec.idle_power_w + gpu.uncore_power_w
+    out["one_spinning_block_1980_mhz_w"] = {"measured": round(meas["spin"]["avg_w"], 1),
+                                            "emulated": round(spin_w, 1)}
+    return out
 
 
 def run(args: argparse.Namespace) -> dict[str, object]:
@@ -140,7 +186,11 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     gpu, interference_fit = fit_interference(gpu, data["isolated_ms"], args.nccl_default_ctas)
     if args.interference is not None:  # sensitivity runs only; the default is the fit
         gpu = gpu.with_(comm_interference=args.interference)
-        interference_fit["overridden_by_command_line"] = args.interference
+        interference_fit["comm_interference_overridden_by_command_line"] = args.interference
+    if args.tensor_interference is not None:
+        gpu = gpu.with_(tensor_interference=args.tensor_interference)
+        interference_fit["tensor_interference_overridden_by_command_line"] = (
+            args.tensor_interference)
     prof = EmulatedProfiler(gpu, noise=0.0, group_gpus=1)
     fmax = gpu.spec.max_clock_mhz
     slots = {"with_mem": "mem1", "with_gemm": "gemm1", "seq": None}
@@ -177,6 +227,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     # Steady-state anchor (separate file): back-to-back 8192^3 GEMMs at the power limit.
     big = ComputeOp(name="g", kind=OpKind.GEMM, flops=2.0 * 8192**3, bytes_moved=3.0 * 8192**2 * 2)
     steady = prof.measure_outside(OutsideWork(ops=[big] * 4), fmax, group_size=1)
+    power_check = power_probe_check(EmulatedGPU.from_spec("h200-sxm"))
     result = {
         "what": "emulated (kareus EmulatedProfiler, h200-sxm, noise off) vs measured "
                 "(data/h200_tp4_overlap_probe.json, 4x H200) per-rank time and energy",
@@ -184,6 +235,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         "nccl_default_ctas": args.nccl_default_ctas,
         "comm_fit": comm_fit,
         "interference_fit": interference_fit,
+        "power_probe_check": power_check,
         "steady_gemm_8192_cubed": {
             "measured_ms": 1.685, "measured_w": 692.0,
             "source": "data/h200_nvml_energy_counter.json (1-2 s windows; NVML power reading)",
@@ -212,11 +264,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="start-up latency of a collective kept fixed in the fit (us)")
     ap.add_argument("--interference", type=float, default=None,
                     help="override the fitted comm_interference (sensitivity study)")
+    ap.add_argument("--tensor-interference", type=float, default=None,
+                    help="override the fitted tensor_interference (sensitivity study)")
+    ap.add_argument("--markdown", action="store_true",
+                    help="also print the per-row table as Markdown (for docs/emulator.md)")
     args = ap.parse_args(argv)
     res = run(args)
     print(f"comm fit: {res['comm_fit']}")
     print(f"interference fit: {res['interference_fit']}")
     print(f"steady-state 8192^3 GEMM at the power limit: {res['steady_gemm_8192_cubed']}")
+    for k, v in res["power_probe_check"].items():  # type: ignore[union-attr]
+        print(f"power probe (h200-sxm preset) {k}: {v}")
     hdr = (f"{'cap':>5} {'mode':>9} | {'ms meas':>8} {'ms emu':>8} {'err':>7} | "
            f"{'mJ meas':>8} {'mJ emu':>8} {'err':>7} | {'W meas':>6} {'W emu':>6} | "
            f"{'MHz after':>9} {'MHz emu':>7}")
@@ -231,6 +289,16 @@ def main(argv: list[str] | None = None) -> int:
           f"energy median |rel err| = {res['energy_median_abs_rel_err']:.3f}, "
           f"best row match = {res['best_row_match']}, worst row match = {res['worst_row_match']}, "
           f"Spearman time {res['time_spearman']}, energy {res['energy_spearman']}")
+    if args.markdown:
+        print()
+        print("| cap (CTAs) | mode | time measured (ms) | time emulated (ms) | error | "
+              "energy measured (mJ) | energy emulated (mJ) | error | emulated clock (MHz) |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in res["rows"]:  # type: ignore[union-attr]
+            cap = "default (32)" if r["cap"] is None else r["cap"]
+            print(f"| {cap} | {r['mode']} | {r['measured_ms']:.3f} | {r['emulated_ms']:.3f} | "
+                  f"{r['time_rel_err']:+.1%} | {r['measured_mj']:.1f} | {r['emulated_mj']:.1f} | "
+                  f"{r['energy_rel_err']:+.1%} | {r['emulated_clock_mhz']} |")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         res["command"] = "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])])

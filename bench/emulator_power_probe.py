@@ -21,6 +21,7 @@ Usage (on the GPU machine)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import threading
@@ -44,12 +45,10 @@ def main() -> int:
 
     def poll() -> None:
         while not stop.is_set():
-            try:
+            with contextlib.suppress(pynvml.NVMLError):
                 samples.append((time.perf_counter(), pynvml.nvmlDeviceGetPowerUsage(h) / 1e3,
                                 pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
                                 pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU)))
-            except pynvml.NVMLError:
-                pass
             time.sleep(0.02)
 
     th = threading.Thread(target=poll, daemon=True)
@@ -156,7 +155,6 @@ def main() -> int:
         r["tflops_of_gemm_part"] = flops4 / (g * 1e-3) / 1e12
         loads[f"gemm_d{duty}"] = r
         print(f"gemm_d{duty}", r, flush=True)
-    del a, w, c
 
     src = torch.empty(2**30, device=dev, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
@@ -164,7 +162,6 @@ def main() -> int:
     r["tb_per_s"] = 2 * src.numel() * 2 / (r["ms_per_step"] * 1e-3) / 1e12
     loads["copy"] = r
     print("copy", r, flush=True)
-    del src, dst
     big = torch.randn(96 * 2**20, device=dev, dtype=torch.bfloat16)
     r = window(lambda: big.mul_(1.0001), args.seconds)
     r["tb_per_s"] = 2 * big.numel() * 2 / (r["ms_per_step"] * 1e-3) / 1e12

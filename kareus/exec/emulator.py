@@ -98,6 +98,10 @@ class EmulatedGPU:
         vector_flops_per_clock_per_sm: CUDA-core FLOPs per SM per clock (FP32 FMA x 2).
         gemm_efficiency: Achieved fraction of the tensor peak for GEMMs.
         attention_efficiency: Achieved fraction of the tensor peak for attention kernels.
+        tensor_feed_tflops: FLOP rate (all SMs, TFLOP/s) at which the memory hierarchy (L2,
+            crossbar) can feed the tensor cores, independent of the SM clock: tensor-core
+            kernels lose efficiency as the clock rises towards it (measured on H200: 0.82
+            of the clock's peak at 1500 MHz, 0.74 at 1980 MHz).
         vector_efficiency: Achieved fraction of the CUDA-core peak for other kernels.
         hbm_efficiency: Achievable fraction of the datasheet HBM bandwidth.
         mem_knee_fraction: Clock (as a fraction of the maximum) at which all SMs can just
@@ -115,6 +119,9 @@ class EmulatedGPU:
             kernel (GEMM, attention) runs beside it: the per-SM rate is divided by
             ``1 + comm_interference`` (L2 and crossbar queueing lengthen the latency that
             a latency-bound copy loop waits on). Link saturation is not affected.
+        tensor_interference: The other direction: a tensor-core kernel runs
+            ``1 + tensor_interference`` times slower (beyond losing the collective's SMs)
+            while a collective runs beside it (shared L2 and crossbar).
         sm_busy_power_w: Dynamic power of all SMs busy (non-tensor part) at the maximum clock
             and voltage, watts.
         tensor_power_w: Additional dynamic power of all SMs' tensor cores at 100% use, at
@@ -135,6 +142,7 @@ class EmulatedGPU:
     vector_flops_per_clock_per_sm: float = attrs.field(validator=_pos)
     gemm_efficiency: float = attrs.field(validator=_fraction)
     attention_efficiency: float = attrs.field(validator=_fraction)
+    tensor_feed_tflops: float = attrs.field(validator=_pos)
     vector_efficiency: float = attrs.field(validator=_fraction)
     hbm_efficiency: float = attrs.field(validator=_fraction)
     mem_knee_fraction: float = attrs.field(validator=_fraction)
@@ -147,6 +155,7 @@ class EmulatedGPU:
     comm_hbm_bytes_per_bus_byte: float = attrs.field(validator=_nonneg)
     comm_sm_activity: float = attrs.field(validator=_fraction)
     comm_interference: float = attrs.field(validator=_nonneg)
+    tensor_interference: float = attrs.field(validator=_nonneg)
     sm_busy_power_w: float = attrs.field(validator=_nonneg)
     tensor_power_w: float = attrs.field(validator=_nonneg)
     mem_op_sm_activity: float = attrs.field(validator=_fraction)
@@ -242,8 +251,9 @@ def _default_constants(spec: GPUSpec) -> dict[str, Any]:
     generic: dict[str, Any] = dict(
         tensor_flops_per_clock_per_sm=spec.bf16_peak_tflops * 1e12 / (spec.sm_count * fmax * 1e6),
         vector_flops_per_clock_per_sm=128.0,
-        gemm_efficiency=0.82,
-        attention_efficiency=0.6,
+        gemm_efficiency=0.9,
+        attention_efficiency=0.65,
+        tensor_feed_tflops=spec.bf16_peak_tflops,
         vector_efficiency=0.5,
         hbm_efficiency=0.88,
         mem_knee_fraction=0.45,
@@ -255,14 +265,15 @@ def _default_constants(spec: GPUSpec) -> dict[str, Any]:
         comm_freq_exponent=0.25,
         comm_hbm_bytes_per_bus_byte=3.0,
         comm_sm_activity=0.6,
-        comm_interference=0.2,
-        sm_busy_power_w=0.3 * spec.power_limit_w,
+        comm_interference=0.15,  # measured H200 (docs/emulator.md)
+        tensor_interference=0.0,
+        sm_busy_power_w=0.35 * spec.power_limit_w,
         tensor_power_w=0.7 * spec.power_limit_w,
-        mem_op_sm_activity=0.6,
-        uncore_power_w=0.05 * spec.power_limit_w,
-        hbm_energy_pj_per_byte=55.0,
+        mem_op_sm_activity=0.57,
+        uncore_power_w=max(spec.static_power_w - spec.idle_power_w, 0.06 * spec.power_limit_w),
+        hbm_energy_pj_per_byte=60.0,
         link_energy_pj_per_byte=40.0,
-        voltage_floor=0.75,
+        voltage_floor=0.81,
         voltage_floor_clock_fraction=0.5,
     )
     name = spec.name
@@ -270,28 +281,31 @@ def _default_constants(spec: GPUSpec) -> dict[str, Any]:
         generic.update(
             tensor_flops_per_clock_per_sm=2048.0,  # 108 x 2048 x 1.41 GHz = 312 TFLOP/s
             vector_flops_per_clock_per_sm=128.0,  # 19.5 TFLOP/s FP32
-            gemm_efficiency=0.80,
-            attention_efficiency=0.65,
+            gemm_efficiency=0.90,  # with the feed ceiling: 0.80 of peak at 1410 MHz
+            attention_efficiency=0.70,  # with the feed ceiling: 0.66 at 1410 MHz
+            tensor_feed_tflops=320.0,
             hbm_efficiency=0.88,
+            comm_gbps_per_sm=44.0,  # 47.6 x (1410/1980)^0.25, see docs/emulator.md
             comm_link_gbps=240.0,  # 300 GB/s per direction x 0.8
-            sm_busy_power_w=90.0,
-            tensor_power_w=210.0,
-            uncore_power_w=20.0,
-            hbm_energy_pj_per_byte=60.0,
+            sm_busy_power_w=103.0,
+            tensor_power_w=193.0,
+            uncore_power_w=30.0,  # static 85 W (blocked in a receive at 1410) - idle 55 W
         )
     elif name in ("h100-sxm", "h200-sxm"):
         generic.update(
             tensor_flops_per_clock_per_sm=4096.0,  # 132 x 4096 x 1.83 GHz = 989 TFLOP/s
             vector_flops_per_clock_per_sm=256.0,  # 67 TFLOP/s FP32 at 1.98 GHz
-            gemm_efficiency=0.88,
+            gemm_efficiency=0.90,  # measured H200, with the feed ceiling (docs/emulator.md)
             attention_efficiency=0.55,
-            hbm_efficiency=0.896 if name == "h200-sxm" else 0.88,  # H200: 4.3 of 4.8 TB/s
+            tensor_feed_tflops=956.0,  # measured H200: GEMM 668 / 756 / 795 TF/s at 1500-1980
+            hbm_efficiency=0.87 if name == "h200-sxm" else 0.88,  # H200: elementwise 4.07 TB/s
             comm_gbps_per_sm=47.6,
             comm_link_gbps=302.0,
-            sm_busy_power_w=460.0,
-            tensor_power_w=790.0,
-            uncore_power_w=60.0,
-            hbm_energy_pj_per_byte=50.0,
+            mem_knee_fraction=0.40,  # measured H200: one SM copies ~76 GB/s (read + write)
+            tensor_interference=0.135,  # measured H200: GEMMs beside SM-holding kernels
+            sm_busy_power_w=340.0,
+            tensor_power_w=686.0,
+            uncore_power_w=42.6,  # measured H200: one spinning block at 1980 MHz = 120.6 W
         )
     return generic
 
@@ -309,6 +323,7 @@ class _Op:
     tensor_flops: float  # flops on tensor cores (for power)
     fpc: float  # peak flops per SM per clock of the unit it runs on
     activity: float  # busy-SM activity
+    feed_sm_s: float  # SM-seconds at the clock-independent feed ceiling (0: none)
 
 
 def _prep_op(gpu: EmulatedGPU, op: ComputeOp) -> _Op:
@@ -320,22 +335,26 @@ def _prep_op(gpu: EmulatedGPU, op: ComputeOp) -> _Op:
     else:
         eff, fpc, tensor = gpu.vector_efficiency, gpu.vector_flops_per_clock_per_sm, False
     activity = 1.0 if tensor else gpu.mem_op_sm_activity
+    feed = (op.flops * gpu.sm_count / (gpu.tensor_feed_tflops * 1e12)) if tensor else 0.0
     return _Op(cycles=op.flops / (eff * fpc), bytes=float(op.bytes_moved), tensor=tensor,
-               tensor_flops=float(op.flops) if tensor else 0.0, fpc=fpc, activity=activity)
+               tensor_flops=float(op.flops) if tensor else 0.0, fpc=fpc, activity=activity,
+               feed_sm_s=feed)
 
 
 def _op_work_time(op: _Op, sms: float, f_hz: float, bw_share: float, issue_per_sm_cycle: float
                   ) -> float:
     """Work time of an op on ``sms`` SMs at ``f_hz`` with ``bw_share`` bytes/s of HBM."""
-    tc = op.cycles / (sms * f_hz)
-    if op.bytes <= 0:
-        return tc
-    issue = sms * issue_per_sm_cycle * f_hz
-    p = _ISSUE_P
-    bw = (bw_share ** -p + issue ** -p) ** (-1.0 / p)
-    tm = op.bytes / bw
     q = _ROOFLINE_P
-    return (tc ** q + tm ** q) ** (1.0 / q)
+    tc = op.cycles / (sms * f_hz)
+    acc = tc ** q
+    if op.feed_sm_s > 0.0:
+        acc += (op.feed_sm_s / sms) ** q
+    if op.bytes > 0:
+        issue = sms * issue_per_sm_cycle * f_hz
+        p = _ISSUE_P
+        bw = (bw_share ** -p + issue ** -p) ** (-1.0 / p)
+        acc += (op.bytes / bw) ** q
+    return acc ** (1.0 / q)
 
 
 # ----------------------------------------------------------------------------- simulation
@@ -395,7 +414,7 @@ class _Sim:
         self.hbm = gpu.hbm_bytes_per_s
         self.issue = gpu._issue_per_sm_cycle
         self.gap = gpu.launch_overhead_s
-        self.p_static = gpu.spec.static_power_w
+        self.p_static = gpu.spec.idle_power_w
 
     def run(self, f_mhz: float, comms: Sequence[tuple[float, int, int | None, float]],
             detail: bool = False) -> tuple[float, float, dict[str, Any] | None]:
@@ -420,6 +439,7 @@ class _Sim:
         e_hbm = gpu.hbm_energy_pj_per_byte * 1e-12
         e_link = gpu.link_energy_pj_per_byte * 1e-12
         comm_act = gpu.comm_sm_activity
+        tensor_slow = 1.0 + gpu.tensor_interference
         S, hbm, issue, gap = self.S, self.hbm, self.issue, self.gap
         ops = self.ops
         n = len(ops)
@@ -499,6 +519,8 @@ class _Sim:
                     share = hbm / (op_demand + comm_demand)
                     t_op = _op_work_time(op, sms_c, f_hz, op_demand * share, issue)
                     comm_rate *= share
+                if op.tensor and active is not None:
+                    t_op *= tensor_slow
                 op_rate = 1.0 / t_op
                 dt_compute = work_left * t_op
                 # Power of the op.
@@ -581,7 +603,8 @@ class EmulatedProfiler(Profiler):
             ``a100-40gb`` preset).
         noise: Relative standard deviation of the multiplicative measurement noise on
             energy (default 1%); ``0`` gives the noise-free ground truth.
-        time_noise: Relative standard deviation of the noise on time; ``None`` = ``noise``.
+        time_noise: Relative standard deviation of the noise on time; ``None`` = a quarter
+            of ``noise`` (on real GPUs time scatters far less than NVML energy: FACTS.md).
         seed: Seed of the noise. The noise of the n-th measurement depends only on
             ``(seed, n)``, so a run is reproducible.
         group_gpus: GPUs a partition's measurement covers: an int, a callable
@@ -621,7 +644,7 @@ class EmulatedProfiler(Profiler):
         self.emulated_gpu: EmulatedGPU = gpu
         self.gpu: GPUSpec = gpu.spec
         self.noise = float(noise)
-        self.time_noise = self.noise if time_noise is None else float(time_noise)
+        self.time_noise = 0.25 * self.noise if time_noise is None else float(time_noise)
         self.seed = int(seed)
         self.group_gpus = group_gpus
         self.power_limit = bool(power_limit)

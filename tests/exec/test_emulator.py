@@ -169,6 +169,9 @@ def test_noise_off_is_ground_truth_and_noise_is_about_one_percent(fwd_attn):
     sd = math.sqrt(sum((r - mean) ** 2 for r in rel) / len(rel))
     assert abs(mean) < 0.003
     assert 0.007 < sd < 0.013
+    rel_t = [noisy.measure(fwd_attn, cfg).time_s / truth.time_s - 1 for _ in range(200)]
+    sd_t = math.sqrt(sum(r * r for r in rel_t) / len(rel_t))
+    assert 0.0015 < sd_t < 0.004  # time scatters a quarter as much as energy by default
 
 
 # ----------------------------------------------------------------------------- physics
@@ -178,9 +181,11 @@ def test_roofline_knee_and_frequency_scaling():
     gpu = EmulatedGPU.from_spec("a100-40gb")
     gemm = ComputeOp(name="g", kind=OpKind.GEMM, flops=2e11, bytes_moved=5e7)
     norm = ComputeOp(name="n", kind=OpKind.NORM, flops=2e8, bytes_moved=2e8)
-    # Compute-bound: time ~ 1/f and ~ 1/SMs.
-    assert gpu.op_time_s(gemm, 705) / gpu.op_time_s(gemm, 1410) == pytest.approx(2.0, rel=0.02)
+    # Compute-bound: time ~ 1/SMs; ~ 1/f at low clocks, flatter near the maximum clock
+    # (the clock-independent feed ceiling: measured on H200, 0.82 -> 0.74 of peak).
     assert gpu.op_time_s(gemm, 1410, 54) / gpu.op_time_s(gemm, 1410) == pytest.approx(2.0, rel=0.02)
+    assert gpu.op_time_s(gemm, 352) / gpu.op_time_s(gemm, 705) == pytest.approx(2.0, rel=0.05)
+    assert 1.6 < gpu.op_time_s(gemm, 705) / gpu.op_time_s(gemm, 1410) < 2.0
     # Below peak, not at peak.
     assert gemm.flops / gpu.op_time_s(gemm, 1410) < 0.85 * 312e12
     # Memory-bound: nearly flat above the knee, slower well below it.
