@@ -397,6 +397,9 @@ def analyze(path: Path, *, budgets: list[int], seeds: int) -> dict[str, Any]:
     ps = build_partitions(wl)
     grid = ReplayProfiler(data, kinds=("grid",), samples="mean")
     out: dict[str, Any] = {"source": str(path), "machine": data.get("machine"),
+                           "command": "python bench/h200_study.py --analyze "
+                                      + " ".join(sys.argv[2:]),
+                           "measured_with": data.get("command"),
                            "static_power_w": data["static_power_w"], "partitions": {}}
     print(f"{data.get('machine')}: {wl.describe()}; static power {data['static_power_w']:.0f} W "
           "(group, measured)")
