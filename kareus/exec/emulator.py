@@ -35,10 +35,9 @@ runs on this model, so it is built as a performance model, not a lookup table:
 Scope: a partition's :class:`~kareus.model.measurement.Measurement` covers every GPU of
 the partition's group. All ranks of a collective are symmetric, so the emulator
 simulates one rank and multiplies its energy (and the static power) by the group's GPU
-count: ``partition.group_gpus`` if the partition defines it, else the profiler's
-``group_gpus`` argument, else ``partition.comm_op.group_size``. For context-parallel
-workloads the partition runs on all TP x CP GPUs of a stage; pass ``group_gpus`` (or give
-the partition a ``group_gpus`` attribute) to charge all of them.
+count: the profiler's ``group_gpus`` argument if given, else ``partition.group_gpus``
+(the TP x CP GPUs of a stage for partitions built by ``build_partitions``; the
+collective's group by default), else ``partition.comm_op.group_size``.
 
 The constants of the presets, where each comes from, and the calibration against the
 measured H200 probe are in ``docs/emulator.md``.
@@ -608,8 +607,9 @@ class EmulatedProfiler(Profiler):
         seed: Seed of the noise. The noise of the n-th measurement depends only on
             ``(seed, n)``, so a run is reproducible.
         group_gpus: GPUs a partition's measurement covers: an int, a callable
-            ``partition -> int``, or ``None`` (``partition.group_gpus`` if defined, else
-            the collective's group size).
+            ``partition -> int``, or ``None``: ``partition.group_gpus`` (for partitions
+            built by ``build_partitions``, the stage's TP x CP GPUs), else the collective's
+            group size.
         power_limit: Whether the emulated GPU lowers its clock above its power limit
             (default True, as real GPUs do).
 
@@ -763,9 +763,6 @@ class EmulatedProfiler(Profiler):
         return prep
 
     def _group_gpus(self, partition: Partition) -> int:
-        own = getattr(partition, "group_gpus", None)
-        if isinstance(own, int) and own >= 1:
-            return own
         if callable(self.group_gpus):
             g = int(self.group_gpus(partition))
             if g < 1:
@@ -773,6 +770,9 @@ class EmulatedProfiler(Profiler):
             return g
         if isinstance(self.group_gpus, int):
             return self.group_gpus
+        own = getattr(partition, "group_gpus", None)
+        if isinstance(own, int) and own >= 1:
+            return own
         return int(partition.comm_op.group_size)
 
     def _check_freq(self, f: int) -> None:

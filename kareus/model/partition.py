@@ -117,6 +117,12 @@ class Partition(abc.ABC):
         return True
 
     @property
+    def group_gpus(self) -> int:
+        """GPUs that run this partition: the scope of its measurements (default: the
+        collective's group; a transformer stage's TP x CP GPUs for built partitions)."""
+        return self.comm_op.group_size
+
+    @property
     def slots(self) -> tuple[LaunchSlot, ...]:
         """The launch slots (empty when the partition is not overlappable)."""
         return launch_slots(self.compute_ops) if self.overlappable else ()
@@ -169,10 +175,17 @@ class TransformerPartition(OpPartition):
     Attributes:
         phase: ``"fwd"`` or ``"bwd"``.
         segment: The layer segment whose computation it holds (``"attn"``, ``"mlp"``, ...).
+        stage_gpus: GPUs of the pipeline stage that run it (TP x CP); ``None`` = the
+            collective's group. Sets :attr:`group_gpus`, the scope of its measurements.
     """
 
     phase: str = "fwd"
     segment: str = ""
+    stage_gpus: int | None = None
+
+    @property
+    def group_gpus(self) -> int:
+        return self.comm_op.group_size if self.stage_gpus is None else int(self.stage_gpus)
 
 
 @attrs.frozen(kw_only=True)
@@ -395,7 +408,7 @@ def build_partitions(workload: Workload) -> PartitionSet:
             if name not in types:
                 types[name] = TransformerPartition(name=name, compute_ops=seg.ops, comm_op=comm,
                                                    overlappable=n > 1, phase=phase,
-                                                   segment=seg.name)
+                                                   segment=seg.name, stage_gpus=p.tp * p.cp)
             counts[phase][name] = counts[phase].get(name, 0) + k * L
 
     if wl.recompute:

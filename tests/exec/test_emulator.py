@@ -367,3 +367,22 @@ def test_emulated_gpu_is_a_frozen_value_object():
     assert gpu.with_(gemm_efficiency=0.5).gemm_efficiency == 0.5
     assert EmulatedGPU.preset("a100-40gb").tensor_flops_per_clock_per_sm == 2048
     assert 0 < gpu.dynamic_scale(990) < gpu.dynamic_scale(1980) == pytest.approx(1.0)
+
+
+def test_scope_is_the_stage_for_context_parallel_partitions():
+    wl = Workload.preset("qwen3-1.7b", tp=4, cp=2, microbatch_size=8, seq_len=8192)
+    ps = build_partitions(wl)
+    prof = EmulatedProfiler("a100-40gb", noise=0.0)
+    for part in ps:
+        assert part.group_gpus == 8
+        cfg = ScheduleConfig(1410, 8, None)
+        m = prof.measure(part, cfg)
+        assert m.static_power_w == pytest.approx(8 * 85.0)
+        one = EmulatedProfiler("a100-40gb", noise=0.0, group_gpus=1).measure(part, cfg)
+        assert m.energy_j == pytest.approx(8 * one.energy_j)
+    # A user partition without that information: the collective's group.
+    user = OpPartition(name="u", compute_ops=[ComputeOp(name="g", kind=OpKind.GEMM, flops=1e11,
+                                                        bytes_moved=1e8)],
+                       comm_op=CommOp(name="ag", kind=CommKind.ALL_GATHER, bytes=2**24,
+                                      group_size=2))
+    assert prof.measure(user, ScheduleConfig(1410, 4, "g")).static_power_w == pytest.approx(170)
