@@ -47,12 +47,13 @@
 
 #define KC_MAX_RANKS 8
 #define KC_MAX_BLOCKS 256
-// Threads per block and unroll scale are build-time knobs (the Python loader passes
-// them as -D flags, so each setting is its own cached build).
+// Threads per block and loads in flight of the registered-buffer kernels are
+// build-time knobs (the Python loader passes them as -D flags; each setting is its
+// own cached build).
 #ifndef KC_THREADS
 #define KC_THREADS 512
 #endif
-// 16-byte loads each thread keeps in flight (registers: 4 per load).
+// 16-byte loads each thread of a registered-buffer kernel keeps in flight.
 #ifndef KC_INFLIGHT
 #define KC_INFLIGHT (KC_THREADS > 512 ? 8 : 16)
 #endif
@@ -214,38 +215,12 @@ __device__ __forceinline__ void for_owned(size_t n, Load&& load, Store&& store) 
   }
 }
 
-// Unroll depth of a loop whose step loads `loads` units per owned index: as many
-// steps as keep about KC_INFLIGHT 16-byte loads in flight per thread (a power of two,
-// 1..8). Memory latency, not bandwidth, limits one SM, so loads in flight set speed.
-__host__ __device__ constexpr int depth_for(int loads) {
-  return KC_INFLIGHT / loads >= 8 ? 8 : (KC_INFLIGHT / loads >= 4 ? 4 : (KC_INFLIGHT / loads >= 2 ? 2 : 1));
-}
-
-// Reduces every owned unit i < n over the NR sources src(s) + i in rank order (fp32
-// accumulation) and hands the packed result to store(i, u). All NR loads of a step's
-// units are issued before the first add.
-template <typename T, typename U, int NR, typename Src, typename Store>
-__device__ __forceinline__ void reduce_owned(size_t n, Src&& src, Store&& store) {
-  constexpr int DR = depth_for(NR);
-  U raw[DR][NR];
-  for_owned<DR>(
-      n,
-      [&](int k, size_t i) {
-#pragma unroll
-        for (int s = 0; s < NR; ++s) raw[k][s] = ld_cg(src(s) + i);
-      },
-      [&](int k, size_t i) {
-        float acc[sizeof(U) / sizeof(T)];
-        acc_set<T, U>(acc, raw[k][0]);
-#pragma unroll
-        for (int s = 1; s < NR; ++s) acc_add<T, U>(acc, raw[k][s]);
-        store(i, acc_pack<T, U>(acc));
-      });
-}
-
-// Pointers to one buffer of every rank (a registered tensor), as mapped here.
-struct Ptrs {
-  char* p[KC_MAX_RANKS];
+// Unroll depth: kernels that hold one unit per peer per step use fewer steps for
+// more peers, to stay in registers.
+template <int NR>
+struct Depth {
+  static constexpr int ONE = 4;                                   // one unit per step
+  static constexpr int PER_PEER = NR <= 2 ? 4 : (NR <= 4 ? 2 : 1);  // NR-1 units per step
 };
 
 // ------------------------------------------------------------ one-shot all-reduce
@@ -258,7 +233,7 @@ __global__ void __launch_bounds__(KC_THREADS, 1)
     allreduce_oneshot(Comm c, const T* in, T* out, size_t numel, size_t slot_elems) {
   using U = uint4;
   constexpr int V = 16 / sizeof(T);
-  constexpr int D = depth_for(1);
+  constexpr int D = Depth<NR>::ONE;
   const uint32_t base = c.counters[blockIdx.x];
   const int r = c.rank;
   const size_t nvec = numel / V;
@@ -293,10 +268,21 @@ __global__ void __launch_bounds__(KC_THREADS, 1)
   block_barrier<NR>(c, base + 2);
 
   {  // Phase 2: reduce all slots in rank order.
-    reduce_owned<T, U, NR>(
+    float acc[D][V];
+    for_owned<D>(
         nvec,
-        [&](int s) -> const U* { return s == r ? reinterpret_cast<const U*>(in) : reinterpret_cast<const U*>(mine + (size_t)s * slot_bytes); },
-        [&](size_t i, const U& res) { reinterpret_cast<U*>(out)[i] = res; });
+        [&](int k, size_t i) {
+#pragma unroll
+          for (int s = 0; s < NR; ++s) {
+            const U u = (s == r) ? reinterpret_cast<const U*>(in)[i]
+                                 : ld_cg(reinterpret_cast<const U*>(mine + (size_t)s * slot_bytes) + i);
+            if (s == 0)
+              acc_set<T, U>(acc[k], u);
+            else
+              acc_add<T, U>(acc[k], u);
+          }
+        },
+        [&](int k, size_t i) { reinterpret_cast<U*>(out)[i] = acc_pack<T, U>(acc[k]); });
     if (blockIdx.x == 0 && threadIdx.x < tail) {
       const size_t e = nvec * V + threadIdx.x;
       float a = 0.f;
@@ -323,7 +309,8 @@ __global__ void __launch_bounds__(KC_THREADS, 1)
     allreduce_twoshot(Comm c, const T* in, T* out, size_t numel, size_t chunk) {
   using U = uint4;
   constexpr int V = 16 / sizeof(T);
-  constexpr int DP = depth_for(NR - 1);
+  constexpr int D1 = Depth<NR>::ONE;
+  constexpr int DP = Depth<NR>::PER_PEER;
   const uint32_t base = c.counters[blockIdx.x];
   const int r = c.rank;
   const size_t chunk_bytes = chunk * sizeof(T);
@@ -374,6 +361,7 @@ __global__ void __launch_bounds__(KC_THREADS, 1)
   block_barrier<NR>(c, base + 2);
 
   {  // Phase 2: reduce own chunk in rank order; store locally and into gather slot r of every peer.
+    float acc[D1][V];
     size_t my_vec = 0, my_len = 0;
 #pragma unroll
     for (int q = 0; q < NR; ++q)
@@ -381,10 +369,21 @@ __global__ void __launch_bounds__(KC_THREADS, 1)
         my_vec = lenv[q];
         my_len = len[q];
       }
-    reduce_owned<T, U, NR>(
+    for_owned<D1>(
         my_vec,
-        [&](int s) -> const U* { return s == r ? reinterpret_cast<const U*>(in + (size_t)r * chunk) : reinterpret_cast<const U*>(mine + (size_t)s * chunk_bytes); },
-        [&](size_t i, const U& res) {
+        [&](int k, size_t i) {
+#pragma unroll
+          for (int s = 0; s < NR; ++s) {
+            const U u = (s == r) ? reinterpret_cast<const U*>(in + (size_t)r * chunk)[i]
+                                 : ld_cg(reinterpret_cast<const U*>(mine + (size_t)s * chunk_bytes) + i);
+            if (s == 0)
+              acc_set<T, U>(acc[k], u);
+            else
+              acc_add<T, U>(acc[k], u);
+          }
+        },
+        [&](int k, size_t i) {
+          const U res = acc_pack<T, U>(acc[k]);
           reinterpret_cast<U*>(out + (size_t)r * chunk)[i] = res;
 #pragma unroll
           for (int p = 0; p < NR; ++p) {
@@ -457,8 +456,8 @@ __global__ void __launch_bounds__(KC_THREADS, 1)
     allgather(Comm c, const T* in, T* out, size_t m, size_t stride, size_t slot) {
   using U = typename Unit<T, VEC>::type;
   constexpr int V = Unit<T, VEC>::N;
-  constexpr int D1 = depth_for(1);
-  constexpr int DP = depth_for(NR - 1);
+  constexpr int D1 = Depth<NR>::ONE;
+  constexpr int DP = Depth<NR>::PER_PEER;
   const uint32_t base = c.counters[blockIdx.x];
   const int r = c.rank;
   const size_t nu = m / V;
@@ -511,7 +510,8 @@ __global__ void __launch_bounds__(KC_THREADS, 1)
     reducescatter(Comm c, const T* in, T* out, size_t m, size_t stride, size_t slot) {
   using U = typename Unit<T, VEC>::type;
   constexpr int V = Unit<T, VEC>::N;
-  constexpr int DP = depth_for(NR - 1);
+  constexpr int D1 = Depth<NR>::ONE;
+  constexpr int DP = Depth<NR>::PER_PEER;
   const uint32_t base = c.counters[blockIdx.x];
   const int r = c.rank;
   const size_t nu = m / V;
@@ -540,15 +540,59 @@ __global__ void __launch_bounds__(KC_THREADS, 1)
   }
   block_barrier<NR>(c, base + 2);
   {  // Phase 2: reduce in rank order.
-    reduce_owned<T, U, NR>(
+    float acc[D1][sizeof(U) / sizeof(T)];
+    for_owned<D1>(
         nu,
-        [&](int s) -> const U* { return s == r ? reinterpret_cast<const U*>(in + (size_t)r * stride) : reinterpret_cast<const U*>(mine + (size_t)s * slot_bytes); },
-        [&](size_t i, const U& res) { reinterpret_cast<U*>(out)[i] = res; });
+        [&](int k, size_t i) {
+#pragma unroll
+          for (int s = 0; s < NR; ++s) {
+            const U u = (s == r) ? reinterpret_cast<const U*>(in + (size_t)r * stride)[i]
+                                 : ld_cg(reinterpret_cast<const U*>(mine + (size_t)s * slot_bytes) + i);
+            if (s == 0)
+              acc_set<T, U>(acc[k], u);
+            else
+              acc_add<T, U>(acc[k], u);
+          }
+        },
+        [&](int k, size_t i) { reinterpret_cast<U*>(out)[i] = acc_pack<T, U>(acc[k]); });
   }
   __syncthreads();
   if (threadIdx.x == 0) c.counters[blockIdx.x] = base + 2;
 }
 
+// Unroll depth of a loop whose step loads `loads` units per owned index: as many
+// steps as keep about KC_INFLIGHT 16-byte loads in flight per thread (a power of two,
+// 1..8). Memory latency, not bandwidth, limits one SM, so loads in flight set speed.
+__host__ __device__ constexpr int depth_for(int loads) {
+  return KC_INFLIGHT / loads >= 8 ? 8 : (KC_INFLIGHT / loads >= 4 ? 4 : (KC_INFLIGHT / loads >= 2 ? 2 : 1));
+}
+
+// Reduces every owned unit i < n over the NR sources src(s) + i in rank order (fp32
+// accumulation) and hands the packed result to store(i, u). All NR loads of a step's
+// units are issued before the first add.
+template <typename T, typename U, int NR, typename Src, typename Store>
+__device__ __forceinline__ void reduce_owned(size_t n, Src&& src, Store&& store) {
+  constexpr int DR = depth_for(NR);
+  U raw[DR][NR];
+  for_owned<DR>(
+      n,
+      [&](int k, size_t i) {
+#pragma unroll
+        for (int s = 0; s < NR; ++s) raw[k][s] = ld_cg(src(s) + i);
+      },
+      [&](int k, size_t i) {
+        float acc[sizeof(U) / sizeof(T)];
+        acc_set<T, U>(acc, raw[k][0]);
+#pragma unroll
+        for (int s = 1; s < NR; ++s) acc_add<T, U>(acc, raw[k][s]);
+        store(i, acc_pack<T, U>(acc));
+      });
+}
+
+// Pointers to one buffer of every rank (a registered tensor), as mapped here.
+struct Ptrs {
+  char* p[KC_MAX_RANKS];
+};
 
 // ====================================================== registered-buffer kernels
 // These run on tensors that every rank allocated through the communicator (mapped by
