@@ -1,10 +1,14 @@
-"""Measured study on 4x H200 (NVLink): Llama 3.2 3B fwd_attn / fwd_mlp at TP=4.
+"""Measured study on H200 GPUs (NVLink): Llama 3.2 3B fwd_attn / fwd_mlp at TP = GPUs.
 
-Run with one process per GPU, at the GPUs' default clocks (this script never changes
-clocks, power limits or any other GPU setting)::
+Run with one process per GPU (4 for the TP=4 study, ``--tp 2`` on two GPUs), at the
+GPUs' default clocks (this script never changes clocks, power limits or any other GPU
+setting)::
 
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     torchrun --standalone --nproc_per_node 4 bench/h200_study.py --json out/study.json
+
+``--analyze FILE`` (CPU, no torch) replays the search on a measured grid with
+``ReplayProfiler`` and prints the comparison with the baselines (docs/results.md).
 
 What it does, on every rank in lockstep:
 
@@ -18,7 +22,7 @@ What it does, on every rank in lockstep:
    runs the search and broadcasts each configuration; the others follow).
 
 Rank 0 prints a table and writes every measurement as JSON (``--json``). Energy is the
-sum over the 4 GPUs of the tensor-parallel group; time is per run of the partition.
+sum over the GPUs of the tensor-parallel group; time is per run of the partition.
 """
 
 from __future__ import annotations
@@ -228,13 +232,11 @@ def main() -> int:  # noqa: C901, PLR0915 - a linear script
     # temperature as the cool-down baseline.
     first = parts[names[0]]
     check = {n: DefaultCTAConfig(DEFAULT_FREQ_MHZ, parts[n].slots[0].name) for n in names}
-    for _ in range(2):
-        try:
-            prof.measure_record(first, check[names[0]])
-        except HardwareError as exc:
-            log(f"pre-heat measurement failed: {exc}")
-    time.sleep(0.5)
-    prof.baseline_temp_c = max(meter.temperatures_c())
+    try:
+        prof.preheat(first, check[names[0]])
+    except HardwareError as exc:
+        log(f"pre-heat measurement failed: {exc}")
+        prof.baseline_temp_c = max(meter.temperatures_c())
     log(f"[{time.perf_counter() - t_begin:.1f}s] pre-heated; baseline temperature "
         f"{prof.baseline_temp_c:.0f} C (rank 0)")
 

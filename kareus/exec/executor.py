@@ -22,8 +22,8 @@ sms)`` and friends), with the configuration's SM count.
 
 Training-loop hooks let a user's own loop apply a plan::
 
-    executor = TorchExecutor(plan=plan, collective=backend)
-    executor.start()                     # ranks compare the plan's digest
+    executor = TorchExecutor(plan=plan, collective=backend, frequency=trigger)
+    executor.start()                     # ranks compare the plan's digest (or use `with`)
     with executor.microbatch(stage, mb, "fwd"):   # stream-ordered frequency request
         with executor.partition("fwd_attn") as part:
             part.communicate(prev_nanobatch_out)  # the collective of this partition
@@ -140,8 +140,8 @@ class RecordingStreamBackend(StreamBackend):
 
     ``log`` holds tuples: ``("launch", stream, what)``, ``("record", stream, event_id)``
     and ``("wait", stream, event_id)``. Ops and collectives passed to an executor that
-    uses this backend should call :meth:`launch` to log themselves (see
-    :meth:`op` and :class:`RecordingCollective`-style fakes in the tests).
+    uses this backend call :meth:`launch` to log themselves (:meth:`op` makes such an
+    op); :meth:`happens_before` answers ordering questions on the device's terms.
     """
 
     def __init__(self) -> None:
@@ -507,6 +507,13 @@ class TorchExecutor(Executor):
                 raise PlanError("ranks hold different plans; every rank must load the same "
                                 f"plan before training ({listing})")
         self._started = True
+
+    def __enter__(self) -> TorchExecutor:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
 
     def _require_started(self) -> None:
         if self.plan is not None and not self._started:

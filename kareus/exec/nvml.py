@@ -79,9 +79,10 @@ def load_nvml(nvml: Any = None) -> Any:
     """
     if nvml is None:
         try:
-            import pynvml as nvml  # noqa: PLC0415
+            import pynvml  # noqa: PLC0415
         except ImportError as exc:
             raise HardwareError("NVML is not available: install nvidia-ml-py") from exc
+        nvml = pynvml
     try:
         nvml.nvmlInit()
     except Exception as exc:  # noqa: BLE001 - pynvml raises NVMLError subclasses
@@ -575,6 +576,23 @@ class NVMLProfiler(Profiler):
         if self._static_w is None:
             self.measure_static_power()
         self._started = True
+
+    def preheat(self, partition: Partition, config: ScheduleConfig, *, runs: int = 2,
+                settle_s: float = 0.5) -> float:
+        """Run ``partition`` a few times, let the GPUs settle, and take their temperature
+        then as the cool-down baseline (a working temperature: waiting for the cold idle
+        temperature before every candidate would cost far more time). Collective.
+
+        Returns:
+            The new baseline temperature (hottest GPU of this rank).
+        """
+        self.start()
+        for _ in range(runs):
+            self.measure_record(partition, config)
+        self.records = self.records[:-runs] if runs else self.records
+        self._sleep(settle_s)
+        self.baseline_temp_c = max(self.meter.temperatures_c())
+        return self.baseline_temp_c
 
     def static_power_w(self, group_size: int | None = None) -> float:
         """Measured static power of the whole group (W); per GPU times ``group_size``

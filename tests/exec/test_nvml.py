@@ -153,3 +153,16 @@ def test_type_checks():
     with pytest.raises(TypeError, match="Coordinator"):
         NVMLProfiler(gpu="h200-sxm", runner=FakeRunner(nvml), meter=meter, coordinator=1)
     assert LocalCoordinator().sum([1.0, 2.0]) == [1.0, 2.0]
+
+
+def test_preheat_sets_a_working_baseline_temperature():
+    prof, nvml, _ = make()
+    try:
+        prof.start()
+        idle = prof.baseline_temp_c
+        nvml.devices[0].temp_c = idle + 15  # as if heated by the runs
+        base = prof.preheat(PART, ScheduleConfig(1980, 4, "mm"), runs=1, settle_s=0.01)
+        assert base == idle + 15 and prof.baseline_temp_c == base
+        assert prof.records == []  # pre-heat runs are not measurements
+    finally:
+        prof.close()
