@@ -9,8 +9,11 @@ runs on this model, so it is built as a performance model, not a lookup table:
   peak, CUDA cores for the rest) and ``B / bw`` of memory time, where ``bw`` is the
   smaller (smoothly) of the op's share of the achievable HBM bandwidth and what ``s`` SMs
   can issue at ``f`` (a per-SM issue limit puts a *knee* in frequency: above it
-  memory-bound ops are nearly flat in frequency). The two combine as a p-norm close to
-  the roofline's max, plus a fixed launch overhead per kernel.
+  memory-bound ops are nearly flat in frequency). Tensor-core kernels also have a
+  clock-independent feed time (the L2 and crossbar feed the tensor cores at a rate that
+  does not follow the SM clock; measured on H200, GEMMs reach 0.82 of the clock's peak at
+  1500 MHz and 0.74 at 1980 MHz). The terms combine as a p-norm close to the roofline's
+  max, plus a fixed launch overhead per kernel.
 * **Communication kernels** move ``CommOp.bus_bytes`` at a rate that grows with their SM
   count and saturates at the effective link bandwidth: ``1/R = ((s r(f))^-p + L^-p)^(1/p)``
   with a per-SM throughput ``r(f) = r0 (f/f_max)^alpha`` (mildly frequency dependent),
@@ -18,11 +21,13 @@ runs on this model, so it is built as a performance model, not a lookup table:
 * **Overlap** is an event-driven simulation of the computation stream and the
   communication stream. While the collective runs, its SMs are taken from the
   computation; HBM bandwidth is shared in proportion to the kernels' demands when they
-  ask for more than the memory delivers. Rates are recomputed at every event (a kernel
+  ask for more than the memory delivers. Beside a tensor-core kernel the collective's
+  per-SM rate drops, and the tensor-core kernel runs slower than its SM share alone
+  explains (both measured on H200). Rates are recomputed at every event (a kernel
   or a kernel's phase starts or ends), so a partition needs a few dozen events at most.
   The collective starts together with the op of its launch slot (or after all
   computation, when sequential).
-* **Power** = static + dynamic. Dynamic SM power is activity x f x V(f)^2 with V(f)
+* **Power** = idle power + dynamic. Dynamic SM power is activity x f x V(f)^2 with V(f)
   flat below a floor clock and linear above it (a tensor-core term for GEMM/attention, a
   busy-SM term for every kernel, an uncore term while anything runs), plus HBM energy
   per byte and link energy per byte. When the average power of the (repeated) work
