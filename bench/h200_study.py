@@ -81,22 +81,22 @@ def nvml_index_of_current_device(nvml: Any) -> int:
 def main() -> int:  # noqa: C901, PLR0915 - a linear script
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, default=None, help="write every measurement here")
-    ap.add_argument("--sms", default="1,2,4,8,16,24,32", help="SM counts of the grid")
+    ap.add_argument("--sms", default="2,4,8,16,24,32", help="SM counts of the grid")
     ap.add_argument("--partitions", default="fwd_attn,fwd_mlp")
     ap.add_argument("--slots", default=None, help="restrict slots (comma list), default all")
-    ap.add_argument("--search-budget", type=int, default=12)
-    ap.add_argument("--search-batch", type=int, default=6)
+    ap.add_argument("--search-budget", type=int, default=10)
+    ap.add_argument("--search-batch", type=int, default=5)
     ap.add_argument("--repeat-every", type=int, default=8,
                     help="re-measure the check configuration every N grid configurations")
     ap.add_argument("--extra-repeats", type=int, default=0,
                     help="back-to-back repeats of the check configuration before the grid")
-    ap.add_argument("--time-limit-s", type=float, default=420.0,
+    ap.add_argument("--time-limit-s", type=float, default=175.0,
                     help="stop starting new measurements after this long")
-    ap.add_argument("--warmup-s", type=float, default=0.5)
+    ap.add_argument("--warmup-s", type=float, default=0.4)
     ap.add_argument("--window-steps", type=int, default=6)
     ap.add_argument("--sub-windows", type=int, default=3)
     ap.add_argument("--max-runs", type=int, default=1)
-    ap.add_argument("--max-cooldown-s", type=float, default=1.5)
+    ap.add_argument("--max-cooldown-s", type=float, default=1.0)
     ap.add_argument("--no-search", action="store_true")
     ap.add_argument("--tp", type=int, default=4, help="tensor-parallel degree = GPUs")
     ap.add_argument("--analyze", type=Path, default=None,

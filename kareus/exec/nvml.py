@@ -496,16 +496,21 @@ class NVMLProfiler(Profiler):
         runner: Runs the partition's steps (e.g. :class:`TorchPartitionRunner`).
         meter: This rank's :class:`EnergyMeter` (started by the profiler).
         coordinator: Agreement among the group's ranks; ``None`` = :class:`LocalCoordinator`.
-        warmup_s: Back-to-back running before the measured span.
-        window_steps: Counter steps in the measured span (each ~100 ms on H200); ``None``
-            = 4.
-        sub_windows: Parts the span is cut into to estimate the spread.
+        warmup_s: Back-to-back running before the measured span; ``None`` = 0.4 s.
+        window_steps: Counter steps in the measured span (each 75-100 ms on H200);
+            ``None`` = 6.
+        sub_windows: Parts the span is cut into to detect a span that is not steady.
         target_cv: Accept a run when its sub-windows' energy-per-step spread is at most this
-            (else run again, up to ``max_runs``).
-        max_runs: Runs per candidate at most (each one a full warm-up and span).
+            (else run again, up to ``max_runs``); ``None`` = 0.05. Sub-windows of two
+            counter steps scatter by 1-4% under a power cap even when whole spans agree
+            to 0.2% (measured on H200, docs/results.md), so this only catches spans that
+            are clearly not steady.
+        max_runs: Runs per candidate at most (each one a full warm-up and span); ``None``
+            = 2.
         cooldown_tolerance_c: Wait before a candidate until every GPU is at most this
             much above the baseline temperature...
-        max_cooldown_s: ...but no longer than this.
+        max_cooldown_s: ...but no longer than this (``None`` = 1 s; an H200 falls from
+            ~58 C to within 3 C of its working baseline in 0.3-0.6 s).
         static_power_w: Static power of the whole group; ``None`` = measure it at
             :meth:`start` (blocked-in-communication power, or idle power on one GPU).
         group_size: GPUs of the group (``None`` = the coordinator's world size).
@@ -533,14 +538,14 @@ class NVMLProfiler(Profiler):
         self.runner = runner
         self.meter = meter
         self.coord = coordinator if coordinator is not None else LocalCoordinator()
-        self.warmup_s = 0.2 if warmup_s is None else float(warmup_s)
-        self.window_steps = 4 if window_steps is None else int(window_steps)
-        self.sub_windows = 2 if sub_windows is None else int(sub_windows)
-        self.target_cv = 0.01 if target_cv is None else float(target_cv)
-        self.max_runs = 3 if max_runs is None else int(max_runs)
+        self.warmup_s = 0.4 if warmup_s is None else float(warmup_s)
+        self.window_steps = 6 if window_steps is None else int(window_steps)
+        self.sub_windows = 3 if sub_windows is None else int(sub_windows)
+        self.target_cv = 0.05 if target_cv is None else float(target_cv)
+        self.max_runs = 2 if max_runs is None else int(max_runs)
         self.cooldown_tolerance_c = 3.0 if cooldown_tolerance_c is None \
             else float(cooldown_tolerance_c)
-        self.max_cooldown_s = 3.0 if max_cooldown_s is None else float(max_cooldown_s)
+        self.max_cooldown_s = 1.0 if max_cooldown_s is None else float(max_cooldown_s)
         self.group_size = self.coord.world_size if group_size is None else int(group_size)
         if self.window_steps < 1 or self.sub_windows < 1 or self.max_runs < 1:
             raise ValueError("window_steps, sub_windows and max_runs must be >= 1")
