@@ -17,7 +17,7 @@ Times are wall times seen by one rank.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -62,6 +62,10 @@ def _pareto_points(points: Iterable[Any], key: Any) -> tuple[Any, ...]:
     return tuple(sorted(kept, key=lambda p: key(p)[0]))
 
 
+def _tuple(value: Iterable[Any]) -> tuple[Any, ...]:
+    return tuple(value)
+
+
 @attrs.frozen(kw_only=True)
 class MicrobatchFrontier:
     """The time-energy frontier of one microbatch computation (one stage, one phase).
@@ -76,11 +80,11 @@ class MicrobatchFrontier:
     stage: int
     phase: str
     by_freq: dict[int, tuple[MicrobatchPoint, ...]]
-    points: tuple[MicrobatchPoint, ...] = attrs.field(converter=tuple)
+    points: tuple[MicrobatchPoint, ...] = attrs.field(converter=_tuple)
 
     @classmethod
     def from_fronts(cls, stage: int, phase: str,
-                    by_freq: dict[int, Sequence[MicrobatchPoint]]) -> MicrobatchFrontier:
+                    by_freq: Mapping[int, Sequence[MicrobatchPoint]]) -> MicrobatchFrontier:
         """Build from per-frequency fronts; ``points`` is their joint Pareto front."""
         fronts = {int(f): tuple(sorted(p, key=lambda x: x.time_s)) for f, p in by_freq.items()
                   if p}
@@ -162,7 +166,7 @@ class IterationFrontier:
         stats: Facts about how it was composed (time unit, steps, wall time, ...).
     """
 
-    points: tuple[IterationPoint, ...] = attrs.field(converter=tuple)
+    points: tuple[IterationPoint, ...] = attrs.field(converter=_tuple)
     label: str = ""
     stats: dict[str, Any] = attrs.field(factory=dict)
 

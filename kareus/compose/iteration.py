@@ -346,6 +346,7 @@ class _TypeTable:
     room_down: np.ndarray  # unit steps of speed-up left on the current hull segment
     room_up: np.ndarray  # unit steps of slow-down left on the current hull segment
     realized: np.ndarray  # index (into the type's options) of the slowest point that fits
+    fastest_twin: np.ndarray  # per option: the fastest option rounded to the same unit time
 
 
 def _type_table(times_s: np.ndarray, costs: np.ndarray, unit_s: float, big: float) -> _TypeTable:
@@ -394,9 +395,17 @@ def _type_table(times_s: np.ndarray, costs: np.ndarray, unit_s: float, big: floa
     room_up = np.where(grid < qmax, verts[upper_i] - grid, 0)
     qarr = np.array(qs)
     realized = np.array(idx, dtype=np.int64)[np.searchsorted(qarr, grid, side="right") - 1]
+    # Options that round to the same unit time: the cheapest plans the trade-off, the
+    # fastest is realised as an alternative (rounding must not hide a faster option).
+    twin = np.arange(len(times_s))
+    fastest: dict[int, int] = {}
+    for i in np.argsort(times_s, kind="stable").tolist():
+        fastest.setdefault(int(q_all[i]), i)
+    for i in idx:
+        twin[i] = fastest[int(q_all[i])]
     return _TypeTable(q0=q0, qmax=qmax, hull_cost=hull_cost, ub=ub, lb=lb,
                       room_down=room_down.astype(np.int64), room_up=room_up.astype(np.int64),
-                      realized=realized)
+                      realized=realized, fastest_twin=twin)
 
 
 @attrs.frozen(kw_only=True)
@@ -472,14 +481,17 @@ def solve_time_cost(num_nodes: int, edges: Sequence[tuple[int, int]],
     records_t: list[float] = []
     records_c: list[float] = []
 
+    twin_all = np.concatenate([tb.fastest_twin + ooffs[k] for k, tb in enumerate(tables)])
+
     def record(rows: np.ndarray) -> None:
-        # rows: (b, n) option indices (positions order).
+        # rows: (b, n) option indices (positions order); each is also realised with the
+        # fastest twin of every option.
         flat = rows + obase[None, :]
-        dur = all_t[flat]
-        times = dag.makespans(dur)
+        flat = np.vstack([flat, twin_all[flat]])
+        times = dag.makespans(all_t[flat])
         costs = all_c[flat].sum(axis=1)
-        for r, tt, cc in zip(rows, times.tolist(), costs.tolist()):
-            records_choice.append(r.copy())
+        for r, tt, cc in zip(flat - obase[None, :], times.tolist(), costs.tolist()):
+            records_choice.append(r)
             records_t.append(tt)
             records_c.append(cc)
 

@@ -52,6 +52,14 @@ def _configs_converter(value: Mapping[str, ScheduleConfig] | Iterable[tuple[str,
     return tuple(sorted((str(k), v) for k, v in items))
 
 
+def _choices_tuple(value: Iterable[MicrobatchChoice]) -> tuple[MicrobatchChoice, ...]:
+    return tuple(value)
+
+
+def _assignment_dict(value: Mapping[str, int]) -> dict[str, int]:
+    return dict(value)
+
+
 @attrs.frozen(kw_only=True)
 class MicrobatchChoice:
     """One way to run a microbatch computation: a frequency and a configuration per type.
@@ -132,8 +140,8 @@ class Plan:
     schedule: str = "1f1b"
     num_stages: int
     num_microbatches: int
-    choices: tuple[MicrobatchChoice, ...] = attrs.field(converter=tuple)
-    assignment: dict[str, int] = attrs.field(converter=dict)
+    choices: tuple[MicrobatchChoice, ...] = attrs.field(converter=_choices_tuple)
+    assignment: dict[str, int] = attrs.field(converter=_assignment_dict)
     time_s: float = attrs.field(converter=float)
     energy_j: float = attrs.field(converter=float)
     dynamic_energy_j: float = attrs.field(converter=float)
