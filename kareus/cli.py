@@ -59,6 +59,103 @@ def cmd_workloads(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _workload_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from kareus.errors import WorkloadError  # noqa: PLC0415
+    from kareus.model.workload import Parallelism, Workload, get_model  # noqa: PLC0415
+
+    model = get_model(args.workload)
+    dp = args.dp
+    if args.gpus is not None:
+        per_replica = args.tp * args.cp * args.pp
+        if args.gpus % per_replica:
+            raise WorkloadError(
+                f"--gpus {args.gpus} is not a multiple of TP x CP x PP = {args.tp} x {args.cp} x "
+                f"{args.pp} = {per_replica}; choose parallel degrees whose product divides it")
+        dp = args.gpus // per_replica
+    if args.tp > 8:
+        raise WorkloadError(f"--tp {args.tp}: tensor parallelism beyond one 8-GPU NVLink node "
+                            "is not modelled; use --tp <= 8 and spread the rest over --cp/--pp")
+    return Workload(model=model, parallelism=Parallelism(tp=args.tp, cp=args.cp, pp=args.pp,
+                                                         dp=dp),
+                    microbatch_size=args.microbatch_size, seq_len=args.seq_len,
+                    num_microbatches=args.microbatches, recompute=not args.no_recompute,
+                    nanobatches=args.nanobatches)
+
+
+def _profiler_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    spec = args.profiler
+    if spec == "emulated":
+        from kareus.exec.emulator import EmulatedProfiler  # noqa: PLC0415
+
+        return EmulatedProfiler(args.gpu, noise=args.noise, seed=args.seed)
+    if spec.startswith("replay:"):
+        from pathlib import Path  # noqa: PLC0415
+
+        from kareus.exec.replay import ReplayProfiler  # noqa: PLC0415
+
+        path = Path(spec.split(":", 1)[1])
+        if not path.is_file():
+            raise FileNotFoundError(f"--profiler {spec}: no such file {str(path)!r}")
+        return ReplayProfiler(path, gpu=args.gpu)
+    raise ValueError(f"--profiler must be 'emulated' or 'replay:FILE', got {spec!r}")
+
+
+def cmd_optimize(args: argparse.Namespace) -> int:
+    from pathlib import Path  # noqa: PLC0415
+
+    from kareus.model.gpu import get_gpu  # noqa: PLC0415
+    from kareus.workflow import optimize  # noqa: PLC0415
+
+    get_gpu(args.gpu)
+    if args.deadline_s is not None and args.energy_budget_j is not None:
+        raise ValueError("give at most one of --deadline-s and --energy-budget-j")
+    workload = _workload_from_args(args)
+    profiler = _profiler_from_args(args)
+    out = Path(args.out)
+    print(f"kareus: optimising {workload.describe()} on {profiler.gpu.name} "
+          f"({workload.parallelism.world_size} GPUs) with the {args.profiler} profiler",
+          file=sys.stderr)
+    result = optimize(workload, profiler=profiler, budget=args.budget, seed=args.seed,
+                      log_dir=out / "logs", schedule=args.schedule,
+                      progress=None if not args.quiet else False)
+    plan = result.select(deadline_s=args.deadline_s, energy_budget_j=args.energy_budget_j)
+    paths = result.save(out, plan=plan)
+    print(result.table())
+    print()
+    print(f"chosen plan: {plan.time_s:.4f} s, {plan.energy_j:,.0f} J per iteration "
+          f"(digest {plan.digest[:12]})")
+    print("wrote " + ", ".join(str(p) for p in paths.values()) + f", and {out / 'logs'}/ "
+          f"({result.wall_s:.1f} s)")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from kareus.compose.plan import Plan  # noqa: PLC0415
+
+    print(Plan.load(args.plan).summary())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kareus",
@@ -69,6 +166,50 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_gpus)
     p = sub.add_parser("workloads", help="list the model presets")
     p.set_defaults(func=cmd_workloads)
+
+    p = sub.add_parser(
+        "optimize", help="search, compose and compare the five systems on a workload",
+        description="Search every partition type's schedule space, compose the iteration "
+                    "frontiers of megatron, nanobatching, perseus, nanobatching+perseus and "
+                    "kareus, print the comparison and write results.json, plan.json, "
+                    "frontier.png and the search logs to --out.")
+    p.add_argument("--workload", required=True, help="model preset (see `kareus workloads`)")
+    p.add_argument("--gpu", default="a100-40gb", help="GPU preset (default: a100-40gb)")
+    p.add_argument("--tp", type=_positive_int, default=4, help="tensor parallel (default 4)")
+    p.add_argument("--cp", type=_positive_int, default=1, help="context parallel (default 1)")
+    p.add_argument("--pp", type=_positive_int, default=2, help="pipeline stages (default 2)")
+    p.add_argument("--dp", type=_positive_int, default=1, help="data parallel (default 1)")
+    p.add_argument("--gpus", type=_positive_int, default=None,
+                   help="total GPUs; sets DP = GPUs / (TP x CP x PP)")
+    p.add_argument("--microbatches", type=_positive_int, default=8,
+                   help="microbatches per iteration (default 8)")
+    p.add_argument("--microbatch-size", type=_positive_int, default=8,
+                   help="sequences per microbatch (default 8)")
+    p.add_argument("--seq-len", type=_positive_int, default=4096,
+                   help="sequence length (default 4096)")
+    p.add_argument("--nanobatches", type=_positive_int, default=2,
+                   help="nanobatches per microbatch for overlap (default 2)")
+    p.add_argument("--no-recompute", action="store_true",
+                   help="no activation recomputation (default: full recomputation)")
+    p.add_argument("--schedule", default="1f1b", help="pipeline schedule: 1f1b or gpipe")
+    p.add_argument("--profiler", default="emulated",
+                   help="emulated (default) or replay:FILE (recorded measurements)")
+    p.add_argument("--noise", type=float, default=0.01,
+                   help="emulated measurement noise, relative (default 0.01)")
+    p.add_argument("--budget", type=_positive_int, default=96,
+                   help="profiles per partition type for kareus's search (default 96)")
+    p.add_argument("--seed", type=int, default=0, help="seed of search and emulator noise")
+    p.add_argument("--out", default="kareus-out", help="output folder (default kareus-out)")
+    p.add_argument("--deadline-s", type=_positive_float, default=None,
+                   help="plan.json: lowest-energy plan within this iteration time")
+    p.add_argument("--energy-budget-j", type=_positive_float, default=None,
+                   help="plan.json: fastest plan within this iteration energy (all GPUs)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_optimize)
+
+    p = sub.add_parser("show", help="print a plan file in human-readable form")
+    p.add_argument("plan", help="path of a plan.json")
+    p.set_defaults(func=cmd_show)
     return parser
 
 
@@ -80,7 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         return int(args.func(args) or 0)
-    except KareusError as exc:
+    except (KareusError, ValueError, FileNotFoundError) as exc:
         print(f"kareus: error: {exc}", file=sys.stderr)
         return 2
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 __all__ = [
     "ConfigError",
     "HardwareError",
+    "InfeasibleError",
     "InvalidSMCountError",
     "KareusError",
     "PlanError",
@@ -61,3 +62,7 @@ class PlanError(KareusError, ValueError):
 
 class HardwareError(KareusError, RuntimeError):
     """A GPU, driver or permission problem found while touching real hardware."""
+
+
+class InfeasibleError(KareusError, ValueError):
+    """A constraint (deadline, energy budget, search budget) that no plan can meet."""

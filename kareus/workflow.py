@@ -1,0 +1,342 @@
+"""The whole pipeline in one call: search every partition type, compose, compare.
+
+:func:`optimize` is what ``kareus optimize`` runs and what notebooks call:
+
+1. build the workload's partition types (:func:`kareus.model.build_partitions`);
+2. search each type's full configuration space with :class:`MultiPassSearch` (every
+   measurement appended to a JSONL log per type, so a killed run resumes where it stopped);
+3. compose the five systems (Megatron-LM, nanobatching, Perseus, nanobatching + Perseus,
+   kareus) through the same microbatch and iteration composers
+   (:func:`kareus.compose.baselines.compose_baselines`);
+4. summarise: each system's maximum-throughput point, and kareus's iso-time energy saving
+   and iso-energy time saving against a reference system (Perseus by default).
+
+Energy scope: every energy here is a total over all GPUs of the job for one iteration, as
+published tables report; TFLOP/s per GPU counts model FLOPs (3x forward, no
+recomputation) over the iteration time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from kareus.compose.baselines import BASELINES, BaselineResult, compose_baselines
+from kareus.compose.frontiers import IterationFrontier, IterationPoint
+from kareus.compose.plan import Plan
+from kareus.errors import InfeasibleError
+from kareus.exec.profiler import Profiler
+from kareus.model.config import ConfigSpace
+from kareus.model.partition import Partition, PartitionSet, build_partitions
+from kareus.model.workload import Workload
+from kareus.search.frontier import PartitionFrontier
+
+__all__ = ["OptimizationResult", "SystemSummary", "iso_energy_time_saving",
+           "iso_time_energy_saving", "optimize"]
+
+RESULTS_VERSION = 1
+
+
+@attrs.frozen(kw_only=True)
+class SystemSummary:
+    """One system's maximum-throughput iteration (energies over every GPU of the job)."""
+
+    name: str
+    time_s: float
+    static_j: float
+    dynamic_j: float
+    total_j: float
+    tflops_per_gpu: float
+
+    def to_dict(self) -> dict[str, float]:
+        return {"time_s": self.time_s, "static_j": self.static_j, "dynamic_j": self.dynamic_j,
+                "total_j": self.total_j, "tflops_per_gpu": self.tflops_per_gpu}
+
+
+def iso_time_energy_saving(system: IterationFrontier, reference: IterationFrontier
+                           ) -> float | None:
+    """Energy saved by ``system`` at the reference's fastest iteration time, as a fraction.
+
+    ``1 - E_system(t_ref) / E_ref(t_ref)`` where ``t_ref`` is the reference's fastest time and
+    ``E_system(t)`` the lowest energy of a ``system`` plan that takes at most ``t``. ``None``
+    when ``system`` cannot run that fast.
+    """
+    if not len(system) or not len(reference):
+        return None
+    ref = reference.points[0]
+    ok = [p.energy_j for p in system.points if p.time_s <= ref.time_s * (1 + 1e-9)]
+    return 1.0 - min(ok) / ref.energy_j if ok else None
+
+
+def iso_energy_time_saving(system: IterationFrontier, reference: IterationFrontier
+                           ) -> float | None:
+    """Time saved by ``system`` at the reference's lowest iteration energy, as a fraction.
+
+    ``1 - T_system(e_ref) / T_ref(e_ref)`` where ``e_ref`` is the reference's lowest energy
+    and ``T_system(e)`` the shortest time of a ``system`` plan that uses at most ``e``.
+    ``None`` when ``system`` cannot use that little energy.
+    """
+    if not len(system) or not len(reference):
+        return None
+    ref = reference.points[-1]
+    ok = [p.time_s for p in system.points if p.energy_j <= ref.energy_j * (1 + 1e-9)]
+    return 1.0 - min(ok) / ref.time_s if ok else None
+
+
+@attrs.frozen(kw_only=True)
+class OptimizationResult:
+    """What :func:`optimize` found.
+
+    Attributes:
+        workload: The workload optimised.
+        gpu: GPU preset name.
+        partitions: The workload's partition types (kareus's view, with nanobatching).
+        baselines: The five systems' iteration frontiers and what they were built from.
+        wall_s: Wall time of the whole run.
+        profiles: Profiles (measurements) made by kareus's searches, per partition type.
+    """
+
+    workload: Workload
+    gpu: str
+    partitions: PartitionSet
+    baselines: BaselineResult
+    wall_s: float
+    profiles: dict[str, int]
+
+    @property
+    def frontiers(self) -> dict[str, IterationFrontier]:
+        """System name -> iteration frontier."""
+        return self.baselines.frontiers
+
+    @property
+    def kareus(self) -> IterationFrontier:
+        return self.baselines.frontiers["kareus"]
+
+    def partition_frontiers(self) -> dict[str, PartitionFrontier]:
+        """kareus's partition frontiers, per type."""
+        return self.baselines.partitions["kareus"]
+
+    def _summary(self, name: str, point: IterationPoint) -> SystemSummary:
+        flops = self.partitions.model_flops_per_gpu_iteration()
+        return SystemSummary(name=name, time_s=point.time_s,
+                             static_j=point.energy_j - point.dynamic_energy_j,
+                             dynamic_j=point.dynamic_energy_j, total_j=point.energy_j,
+                             tflops_per_gpu=flops / point.time_s / 1e12)
+
+    def systems(self) -> dict[str, SystemSummary]:
+        """Each system's maximum-throughput point."""
+        return {name: self._summary(name, fr.points[0])
+                for name, fr in self.frontiers.items() if len(fr)}
+
+    def savings(self, reference: str = "perseus") -> dict[str, float | None]:
+        """kareus's iso-time energy saving and iso-energy time saving against ``reference``."""
+        ref = self.frontiers[reference]
+        return {"iso_time_energy_saving": iso_time_energy_saving(self.kareus, ref),
+                "iso_energy_time_saving": iso_energy_time_saving(self.kareus, ref)}
+
+    def select(self, *, deadline_s: float | None = None,
+               energy_budget_j: float | None = None) -> Plan:
+        """A kareus plan: the fastest (no constraint), or the best under one constraint.
+
+        Raises:
+            InfeasibleError: no kareus plan meets the constraint.
+        """
+        if deadline_s is None and energy_budget_j is None:
+            return self.kareus.max_throughput()
+        try:
+            return self.kareus.select(deadline_s=deadline_s, energy_budget_j=energy_budget_j)
+        except ValueError as exc:
+            raise InfeasibleError(str(exc)) from None
+
+    def table(self) -> str:
+        """The comparison table and kareus's savings against Perseus, as text."""
+        rows = []
+        for s in self.systems().values():
+            rows.append([s.name, f"{s.time_s:.4f}", f"{s.static_j:,.0f}", f"{s.dynamic_j:,.0f}",
+                         f"{s.total_j:,.0f}", f"{s.tflops_per_gpu:.1f}"])
+        headers = ["system", "iteration time (s)", "static energy (J)", "dynamic energy (J)",
+                   "total energy (J)", "TFLOP/s per GPU"]
+        widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
+        lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w)
+                           for i, (h, w) in enumerate(zip(headers, widths)))]
+        lines.append("  ".join("-" * w for w in widths))
+        for r in rows:
+            lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                                   for i, (c, w) in enumerate(zip(r, widths))))
+        lines.append("")
+        lines.append(f"Maximum-throughput point of each system; energies are totals over all "
+                     f"{self.workload.parallelism.world_size} GPUs per iteration.")
+        if "perseus" in self.frontiers:
+            sv = self.savings("perseus")
+            lines.append("kareus vs perseus: " + _pct(sv["iso_time_energy_saving"], "less energy")
+                         + " at perseus's fastest iteration time (iso-time); "
+                         + _pct(sv["iso_energy_time_saving"], "less time")
+                         + " at perseus's lowest energy (iso-energy).")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The content of ``results.json``."""
+        sv = self.savings("perseus") if "perseus" in self.frontiers else {}
+        return {
+            "version": RESULTS_VERSION,
+            "workload": self.workload.to_dict(),
+            "gpu": self.gpu,
+            "energy_scope": "total over all GPUs of the job, per iteration",
+            "systems": {n: s.to_dict() for n, s in self.systems().items()},
+            "iso_time_energy_saving_vs_perseus": sv.get("iso_time_energy_saving"),
+            "iso_energy_time_saving_vs_perseus": sv.get("iso_energy_time_saving"),
+            "frontiers": {n: [[p.time_s, p.energy_j] for p in fr.points]
+                          for n, fr in self.frontiers.items()},
+            "profiles_per_partition_type": self.profiles,
+            "wall_s": self.wall_s,
+        }
+
+    def plot(self, ax: Any = None) -> Any:
+        """The systems' iteration frontiers, time vs energy (needs matplotlib)."""
+        import matplotlib.pyplot as plt  # noqa: PLC0415 - optional dependency
+
+        if ax is None:
+            _, ax = plt.subplots(figsize=(7, 5))
+        markers = {"megatron": "s", "nanobatching": "D", "perseus": "^",
+                   "nanobatching+perseus": "v", "kareus": "o"}
+        for name, fr in self.frontiers.items():
+            if not len(fr):
+                continue
+            a = fr.array()
+            style = "-" if len(fr) > 1 else ""
+            ax.plot(a[:, 0], a[:, 1] / 1e3, style, marker=markers.get(name, "."),
+                    ms=6 if len(fr) == 1 else 3, label=name, lw=2 if name == "kareus" else 1)
+        ax.set_xlabel("iteration time (s)")
+        ax.set_ylabel("iteration energy (kJ, all GPUs)")
+        ax.set_title(f"{self.workload.describe()}\non {self.gpu}", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        return ax
+
+    def save(self, out_dir: str | os.PathLike[str], *, plan: Plan | None = None,
+             figure: bool = True) -> dict[str, Path]:
+        """Write ``results.json``, ``plan.json`` (``plan`` or the fastest kareus plan) and,
+        if matplotlib is installed, ``frontier.png`` to ``out_dir``; return their paths."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        paths = {"results": out / "results.json", "plan": out / "plan.json"}
+        paths["results"].write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        (plan if plan is not None else self.select()).save(paths["plan"])
+        if figure:
+            try:
+                import matplotlib  # noqa: PLC0415
+
+                matplotlib.use("Agg")
+                import matplotlib.pyplot as plt  # noqa: PLC0415
+            except ImportError:
+                print("kareus: matplotlib is not installed; skipping frontier.png "
+                      "(pip install 'kareus[plot]')", file=sys.stderr)
+            else:
+                fig, ax = plt.subplots(figsize=(7, 5))
+                self.plot(ax)
+                fig.tight_layout()
+                paths["figure"] = out / "frontier.png"
+                fig.savefig(paths["figure"], dpi=120)
+                plt.close(fig)
+        return paths
+
+    def __repr__(self) -> str:
+        sv = self.savings() if "perseus" in self.frontiers else {}
+        return (f"OptimizationResult({self.workload.describe()} on {self.gpu}; "
+                f"{sum(self.profiles.values())} profiles in {self.wall_s:.1f} s; kareus vs "
+                f"perseus: {_pct(sv.get('iso_time_energy_saving'), 'energy')} iso-time, "
+                f"{_pct(sv.get('iso_energy_time_saving'), 'time')} iso-energy)")
+
+
+def _pct(x: float | None, what: str) -> str:
+    return f"{100 * x:.1f}% {what}" if x is not None else f"n/a ({what}: not reachable)"
+
+
+def optimize(
+    workload: Workload,
+    gpu: str | None = None,
+    *,
+    profiler: Profiler | None = None,
+    budget: int = 96,
+    batch_size: int | None = None,
+    seed: int = 0,
+    log_dir: str | os.PathLike[str] | None = None,
+    systems: Sequence[str] | None = None,
+    schedule: str = "1f1b",
+    progress: bool | None = None,
+) -> OptimizationResult:
+    """Search, compose and compare: the whole kareus pipeline for one workload.
+
+    Args:
+        workload: The training workload (TP >= 2 or CP >= 2).
+        gpu: GPU preset name; ``None`` = the profiler's GPU (``a100-40gb`` without a profiler).
+        profiler: Where measurements come from; ``None`` = the embedded
+            :class:`~kareus.exec.emulator.EmulatedProfiler` (1% noise, ``seed``).
+        budget: Profiles per partition type for kareus's search (it may stop earlier once
+            the measured front stops improving).
+        batch_size: Profiles per search batch; ``None`` = the search's default.
+        seed: Seed of the searches (and of the emulator's noise).
+        log_dir: Where each type's search log (``search-<type>.jsonl``) goes; an existing log
+            is resumed, so a killed run continues without re-measuring. ``None`` = no logs.
+        systems: Which systems to compose; ``None`` = all five.
+        schedule: Pipeline schedule (``"1f1b"`` or ``"gpipe"``).
+        progress: Progress bars on stderr; ``None`` = when stderr is a terminal.
+
+    Raises:
+        InfeasibleError: the budget is below 1.
+        WorkloadError, UnknownPresetError: for an invalid workload or GPU.
+    """
+    from functools import partial  # noqa: PLC0415
+
+    from kareus.model.pipeline import get_schedule  # noqa: PLC0415
+    from kareus.search.optimizer import MultiPassSearch  # noqa: PLC0415
+
+    if not isinstance(workload, Workload):
+        raise TypeError(f"workload must be a kareus Workload, got {type(workload).__name__}")
+    if budget < 1:
+        raise InfeasibleError(f"budget must be at least 1 profile per partition type, got "
+                              f"{budget}")
+    if profiler is None:
+        from kareus.exec.emulator import EmulatedProfiler  # noqa: PLC0415
+
+        profiler = EmulatedProfiler(gpu or "a100-40gb", seed=seed)
+    elif not isinstance(profiler, Profiler):
+        raise TypeError(f"profiler must be a kareus Profiler, got {type(profiler).__name__}")
+    if gpu is not None and profiler.gpu.name != gpu:
+        raise ValueError(f"the profiler measures {profiler.gpu.name}, not {gpu}")
+    get_schedule(schedule, 1, 1)  # raises UnknownPresetError early
+    start = time.monotonic()
+    pset = build_partitions(workload)
+    log_path = Path(log_dir) if log_dir is not None else None
+    if log_path is not None:
+        log_path.mkdir(parents=True, exist_ok=True)
+    profiles: dict[str, int] = {}
+    frontiers: dict[str, PartitionFrontier] = {}
+    for name, part in pset.types.items():
+        frontiers[name] = _search_type(
+            MultiPassSearch, profiler, part, budget=budget, batch_size=batch_size, seed=seed,
+            log=None if log_path is None else log_path / f"search-{name}.jsonl",
+            progress=progress)
+        profiles[name] = len(frontiers[name].measured())
+    result = compose_baselines(workload, profiler, systems=list(systems or BASELINES),
+                               kareus_frontiers=frontiers,
+                               schedule=partial(get_schedule, schedule))
+    return OptimizationResult(workload=workload, gpu=profiler.gpu.name, partitions=pset,
+                              baselines=result, wall_s=time.monotonic() - start,
+                              profiles=profiles)
+
+
+def _search_type(search_cls: Any, profiler: Profiler, part: Partition, *, budget: int,
+                 batch_size: int | None, seed: int, log: Path | None,
+                 progress: bool | None) -> PartitionFrontier:
+    space = ConfigSpace(part, profiler.gpu)
+    search = search_cls(space, budget=min(budget, len(space)), batch_size=batch_size, seed=seed,
+                        resume=log, progress=progress)
+    return search.run(profiler, part)
