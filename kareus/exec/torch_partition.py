@@ -433,6 +433,19 @@ class RunnableTransformerPartition(RunnablePartition):
         return self.partition.overlappable
 
     @property
+    def group_gpus(self) -> int:
+        """GPUs that run it (the wrapped partition's scope: TP x CP of the stage)."""
+        return int(getattr(self.partition, "group_gpus", self.comm_op.group_size))
+
+    @property
+    def phase(self) -> str:
+        return self.partition.phase
+
+    @property
+    def segment(self) -> str:
+        return self.partition.segment
+
+    @property
     def dims(self) -> _Dims:
         return _dims(self.workload)
 
