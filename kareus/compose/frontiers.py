@@ -18,6 +18,7 @@ Times are wall times seen by one rank.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from operator import attrgetter
 from typing import Any
 
 import attrs
@@ -58,8 +59,9 @@ def _pareto_points(points: Iterable[Any], key: Any) -> tuple[Any, ...]:
         return ()
     arr = np.array([key(p) for p in pts], dtype=np.float64)
     mask = pareto_mask(arr)
-    kept = [p for p, m in zip(pts, mask) if m]
-    return tuple(sorted(kept, key=lambda p: key(p)[0]))
+    kept = np.nonzero(mask)[0]
+    kept = kept[np.argsort(arr[kept, 0], kind="stable")]
+    return tuple(pts[i] for i in kept.tolist())
 
 
 def _tuple(value: Iterable[Any]) -> tuple[Any, ...]:
@@ -86,10 +88,10 @@ class MicrobatchFrontier:
     def from_fronts(cls, stage: int, phase: str,
                     by_freq: Mapping[int, Sequence[MicrobatchPoint]]) -> MicrobatchFrontier:
         """Build from per-frequency fronts; ``points`` is their joint Pareto front."""
-        fronts = {int(f): tuple(sorted(p, key=lambda x: x.time_s)) for f, p in by_freq.items()
+        fronts = {int(f): tuple(sorted(p, key=attrgetter("time_s"))) for f, p in by_freq.items()
                   if p}
         allp = [p for ps in fronts.values() for p in ps]
-        pts = _pareto_points(allp, lambda p: (p.time_s, p.dynamic_energy_j))
+        pts = _pareto_points(allp, attrgetter("time_s", "dynamic_energy_j"))
         return cls(stage=stage, phase=phase, by_freq=dict(sorted(fronts.items(), reverse=True)),
                    points=pts)
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import attrs
 import numpy as np
 
 from kareus.compose.base import FrontierComposer
@@ -208,15 +209,25 @@ class MicrobatchComposer(FrontierComposer):
                               for obs, c in zip(type_obs, counts.values())]
                     T, E, picks = pareto_sum(arrays)
                     names = list(counts)
+                    cfgs = [[(n, o.config) for o in obs] for n, obs in zip(names, type_obs)]
+                    preds = [[pk or o.predicted for o in obs]
+                             for obs, pk in zip(type_obs, type_pred)]
                     choices = []
-                    for row in picks:
-                        sel = [type_obs[k][row[k]] for k in range(len(names))]
-                        pred = any(type_pred) or any(o.predicted for o in sel)
-                        choices.append(MicrobatchChoice(
-                            freq_mhz=f, configs={n: o.config for n, o in zip(names, sel)},
-                            predicted=pred))
+                    for row in picks.tolist():
+                        choices.append(MicrobatchChoice._trusted(
+                            f, tuple(c[i] for c, i in zip(cfgs, row)),
+                            any(p[i] for p, i in zip(preds, row))))
                     per_freq[f] = (T, E, choices)
+            built: dict[tuple[tuple[int, float, float], ...], MicrobatchFrontier] = {}
             for stage in range(pp):
+                # Stages whose outside work costs the same share one frontier's points.
+                sig = tuple((f, outside[(stage, phase)][f].time_s,
+                             outside[(stage, phase)][f].dynamic_energy_j)
+                            if outside is not None and f in outside[(stage, phase)]
+                            else (f, -1.0, -1.0) for f in per_freq)
+                if sig in built:
+                    out[(stage, phase)] = attrs.evolve(built[sig], stage=stage)
+                    continue
                 by_freq: dict[int, list[MicrobatchPoint]] = {}
                 for f, (T, E, choices) in per_freq.items():
                     if outside is not None:
@@ -233,5 +244,6 @@ class MicrobatchComposer(FrontierComposer):
                 if not by_freq:
                     raise ValueError(f"stage {stage} {phase}: no frequency at which every "
                                      f"partition type ({', '.join(counts)}) has a point")
-                out[(stage, phase)] = MicrobatchFrontier.from_fronts(stage, phase, by_freq)
+                out[(stage, phase)] = built[sig] = MicrobatchFrontier.from_fronts(stage, phase,
+                                                                                 by_freq)
         return out

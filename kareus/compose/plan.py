@@ -84,6 +84,17 @@ class MicrobatchChoice:
                 raise ValueError(f"config of {name!r} runs at {cfg.freq_mhz} MHz but the "
                                  f"microbatch runs at {self.freq_mhz} MHz")
 
+    @classmethod
+    def _trusted(cls, freq_mhz: int, configs: tuple[tuple[str, ScheduleConfig], ...],
+                 predicted: bool) -> MicrobatchChoice:
+        """Build without conversion or checks (``configs`` already sorted by type name, every
+        config at ``freq_mhz``): the composer makes thousands of these."""
+        obj = object.__new__(cls)
+        object.__setattr__(obj, "freq_mhz", freq_mhz)
+        object.__setattr__(obj, "configs", configs)
+        object.__setattr__(obj, "predicted", predicted)
+        return obj
+
     @property
     def types(self) -> list[str]:
         return [name for name, _ in self.configs]
