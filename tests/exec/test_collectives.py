@@ -274,15 +274,19 @@ def test_missing_sources_and_nvcc_are_explained(tmp_path: Path, monkeypatch: pyt
 
 
 @needs_nvcc
+@pytest.mark.slow
 def test_kernels_compile_for_sm90_without_a_gpu(tmp_path: Path) -> None:
     obj = _ext_build.compile_object(CU_SOURCE, tmp_path / "k.o", arch="sm_90")
     data = obj.read_bytes()
-    for kernel in (b"allreduce_oneshot", b"allreduce_twoshot", b"allgather", b"reducescatter"):
+    for kernel in (b"allreduce_oneshot", b"allreduce_twoshot", b"allgather", b"reducescatter",
+                   b"allreduce_reg_onephase", b"allreduce_reg_twophase", b"allgather_reg",
+                   b"reducescatter_reg"):
         assert kernel in data
     assert b"sm_90" in data
 
 
 @needs_nvcc
+@pytest.mark.slow
 def test_shared_library_builds_once_loads_and_reports_limits(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -17,7 +17,9 @@ Correctness mode, for every SM count from 1 to 32 and message sizes from 4 KiB t
 * all-gather and reduce-scatter outputs are poisoned with NaN before every run, so an
   element the kernel fails to write shows; the all-reduce is in place, so an
   unwritten element keeps its input and fails the comparison;
-* all-reduce results are bitwise identical on every rank.
+* all-reduce results are bitwise identical on every rank;
+* the same checks on registered tensors (``OwnKernelCollective.empty``), for both
+  registered all-reduce algorithms.
 
 Stress mode issues N back-to-back collectives with SM counts, ops, sizes and streams
 drawn from one seeded generator (the same sequence on every rank), checking results
