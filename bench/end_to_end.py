@@ -1,0 +1,135 @@
+"""End-to-end comparison on the reference evaluation's workloads (emulated GPUs).
+
+For each workload configuration and GPU this runs the whole kareus pipeline
+(:func:`kareus.workflow.optimize`: search every partition type, compose the five
+systems) on the embedded emulator and reports:
+
+- kareus vs Perseus: the energy saved at Perseus's fastest iteration time (iso-time)
+  and the time saved at Perseus's lowest iteration energy (iso-energy);
+- every system vs Megatron-LM: the same two savings against Megatron-LM's single point.
+
+The ten configurations follow the reference evaluation described in FACTS.md
+(16 GPUs as PP=2 x TP=8 or PP=2 x CP=2 x TP=4, 8 microbatches, Llama 3.2 3B and
+Qwen 3 1.7B, microbatch size 8 or 16, sequence 4096 or 8192, full recomputation).
+FACTS.md does not list which ten combinations the reference ran; the ten below are
+our choice: five per model.
+
+Every figure is emulated (EmulatedProfiler with 1% measurement noise), not measured.
+
+Usage:
+    python bench/end_to_end.py [--quick] [--budget N] --json PATH
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from kareus.model import Workload
+from kareus.workflow import iso_energy_time_saving, iso_time_energy_saving, optimize
+
+CONFIGS = [
+    # (model, tp, cp, microbatch size, sequence length)
+    ("llama3.2-3b", 8, 1, 8, 4096),
+    ("llama3.2-3b", 8, 1, 16, 4096),
+    ("llama3.2-3b", 8, 1, 8, 8192),
+    ("llama3.2-3b", 4, 2, 8, 8192),
+    ("llama3.2-3b", 4, 2, 16, 4096),
+    ("qwen3-1.7b", 8, 1, 8, 4096),
+    ("qwen3-1.7b", 8, 1, 16, 4096),
+    ("qwen3-1.7b", 8, 1, 8, 8192),
+    ("qwen3-1.7b", 4, 2, 8, 8192),
+    ("qwen3-1.7b", 4, 2, 16, 4096),
+]
+QUICK = [CONFIGS[0], CONFIGS[9]]
+GPUS = ("a100-40gb", "h200-sxm")
+PUBLISHED = {"iso_time_energy_saving_vs_perseus_up_to": 0.283,
+             "iso_energy_time_saving_vs_perseus_up_to": 0.275}
+
+
+def _pct(x: float | None) -> str:
+    return "   n/a" if x is None else f"{100 * x:5.1f}%"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="two configurations per GPU")
+    ap.add_argument("--budget", type=int, default=96, help="profiles per partition type")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, default=None, help="write results here")
+    args = ap.parse_args(argv)
+
+    configs = QUICK if args.quick else CONFIGS
+    rows = []
+    t0 = time.time()
+    for gpu in GPUS:
+        for model, tp, cp, mbs, seq in configs:
+            wl = Workload.preset(model, tp=tp, cp=cp, pp=2, microbatch_size=mbs, seq_len=seq,
+                                 num_microbatches=8)
+            res = optimize(wl, gpu, budget=args.budget, seed=args.seed, progress=False)
+            fr = res.frontiers
+            row = {
+                "gpu": gpu, "workload": wl.to_dict(), "wall_s": res.wall_s,
+                "kareus_vs_perseus": {
+                    "iso_time_energy_saving": iso_time_energy_saving(fr["kareus"], fr["perseus"]),
+                    "iso_energy_time_saving": iso_energy_time_saving(fr["kareus"], fr["perseus"]),
+                },
+                "vs_megatron": {
+                    name: {"iso_time_energy_saving": iso_time_energy_saving(f, fr["megatron"]),
+                           "iso_energy_time_saving": iso_energy_time_saving(f, fr["megatron"])}
+                    for name, f in fr.items() if name != "megatron"},
+                "systems": {n: s.to_dict() for n, s in res.systems().items()},
+            }
+            rows.append(row)
+            kp = row["kareus_vs_perseus"]
+            vm = row["vs_megatron"]
+            print(f"{gpu:10} {model:12} TP={tp} CP={cp} mbs={mbs:2} seq={seq}  "
+                  f"kareus vs perseus: {_pct(kp['iso_time_energy_saving'])} energy iso-time, "
+                  f"{_pct(kp['iso_energy_time_saving'])} time iso-energy | vs megatron "
+                  f"(iso-time energy): " + " ".join(
+                      f"{n}={_pct(v['iso_time_energy_saving']).strip()}" for n, v in vm.items())
+                  + f"  [{res.wall_s:.0f} s]", flush=True)
+
+    summary: dict[str, dict[str, dict[str, float | None]]] = {}
+    for gpu in GPUS:
+        g = [r for r in rows if r["gpu"] == gpu]
+        summary[gpu] = {}
+        for key in ("iso_time_energy_saving", "iso_energy_time_saving"):
+            vals = [r["kareus_vs_perseus"][key] for r in g
+                    if r["kareus_vs_perseus"][key] is not None]
+            summary[gpu][f"kareus_vs_perseus_{key}"] = {
+                "median": statistics.median(vals) if vals else None,
+                "max": max(vals) if vals else None, "n": len(vals), "of": len(g)}
+    print()
+    print(f"{'gpu':10} {'kareus vs perseus':>20} {'median':>8} {'max':>8}   published up-to")
+    for gpu in GPUS:
+        for key, pub in (("iso_time_energy_saving", 0.283), ("iso_energy_time_saving", 0.275)):
+            s = summary[gpu][f"kareus_vs_perseus_{key}"]
+            print(f"{gpu:10} {key:>20} {_pct(s['median']):>8} {_pct(s['max']):>8}   "
+                  f"{100 * pub:.1f}%")
+    out = {
+        "what": "kareus pipeline on emulated GPUs (EmulatedProfiler, 1% noise): savings of "
+                "kareus vs perseus and of every system vs megatron; EMULATED, not measured",
+        "command": "python bench/end_to_end.py " + " ".join(argv if argv is not None
+                                                             else sys.argv[1:]),
+        "machine": f"{platform.machine()} CPU, {platform.python_version()}",
+        "budget_per_partition_type": args.budget,
+        "rows": rows,
+        "summary": summary,
+        "published": PUBLISHED,
+        "wall_s": time.time() - t0,
+    }
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

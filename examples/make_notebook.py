@@ -1,0 +1,56 @@
+"""Write examples/tutorial.ipynb from examples/tutorial.py (cells split at ``# %%`` markers).
+
+The script is the source of truth: edit it, then run ``python examples/make_notebook.py``;
+tests/test_examples.py fails while the two differ.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def script_cells(path: Path) -> list[tuple[str, str]]:
+    """``(kind, source)`` per cell: kind is ``"markdown"`` or ``"code"``."""
+    cells: list[tuple[str, list[str]]] = []
+    for line in path.read_text().splitlines():
+        if line.startswith("# %%"):
+            cells.append(("markdown" if "[markdown]" in line else "code", []))
+            continue
+        if not cells:
+            continue
+        kind, lines = cells[-1]
+        if kind == "markdown":
+            lines.append(line[2:] if line.startswith("# ") else line.lstrip("#"))
+        else:
+            lines.append(line)
+    return [(kind, "\n".join(lines).strip("\n")) for kind, lines in cells]
+
+
+def build(script: Path):  # type: ignore[no-untyped-def]
+    import nbformat  # noqa: PLC0415 - a dev dependency
+
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    for kind, source in script_cells(script):
+        nb.cells.append(nbformat.v4.new_markdown_cell(source) if kind == "markdown"
+                        else nbformat.v4.new_code_cell(source))
+    return nb
+
+
+def main() -> int:
+    import nbformat  # noqa: PLC0415
+
+    nb = build(HERE / "tutorial.py")
+    for i, cell in enumerate(nb.cells):
+        cell["id"] = f"cell-{i}"
+    nbformat.write(nb, HERE / "tutorial.ipynb")
+    print(f"wrote {HERE / 'tutorial.ipynb'} ({len(nb.cells)} cells)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def _load_maker():
+    spec = importlib.util.spec_from_file_location("make_notebook", EXAMPLES / "make_notebook.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_notebook_matches_script():
+    nbformat = pytest.importorskip("nbformat")
+    maker = _load_maker()
+    nb = nbformat.read(EXAMPLES / "tutorial.ipynb", as_version=4)
+    expected = maker.script_cells(EXAMPLES / "tutorial.py")
+    got = [(c.cell_type, c.source) for c in nb.cells]
+    assert got == expected, "examples/tutorial.ipynb is stale: run examples/make_notebook.py"
+
+
+def test_tutorial_script_runs(tmp_path):
+    pytest.importorskip("matplotlib")
+    env = dict(os.environ, KAREUS_TUTORIAL_OUT=str(tmp_path), MPLBACKEND="Agg")
+    out = subprocess.run([sys.executable, str(EXAMPLES / "tutorial.py")], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "kareus plan v1" in out.stdout
+    assert (tmp_path / "plan.json").is_file()
+    assert (tmp_path / "frontiers.png").stat().st_size > 1000
