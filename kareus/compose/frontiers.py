@@ -17,17 +17,21 @@ Times are wall times seen by one rank.
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from operator import attrgetter
+from pathlib import Path
 from typing import Any
 
 import attrs
 import numpy as np
 
 from kareus.compose.plan import MicrobatchChoice, Plan
+from kareus.errors import PlanError
 from kareus.search.pareto import hypervolume, pareto_mask
 
-__all__ = ["IterationFrontier", "IterationPoint", "MicrobatchFrontier", "MicrobatchPoint"]
+__all__ = ["FRONTIER_VERSION", "IterationFrontier", "IterationPoint", "MicrobatchFrontier", "MicrobatchPoint"]
 
 
 @attrs.frozen(kw_only=True)
@@ -62,6 +66,25 @@ def _pareto_points(points: Iterable[Any], key: Any) -> tuple[Any, ...]:
     kept = np.nonzero(mask)[0]
     kept = kept[np.argsort(arr[kept, 0], kind="stable")]
     return tuple(pts[i] for i in kept.tolist())
+
+
+#: Version of the frontier file formats (plans inside carry their own version).
+FRONTIER_VERSION = 1
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, TypeError) as exc:
+        raise PlanError(f"frontier file is not valid JSON: {exc}") from None
+
+
+def _check_kind(d: Any, kind: str) -> None:
+    if not isinstance(d, Mapping) or d.get("kind") != kind:
+        raise PlanError(f"not a kareus {kind.replace('_', ' ')} file")
+    if d.get("version") != FRONTIER_VERSION:
+        raise PlanError(f"{kind.replace('_', ' ')} format version {d.get('version')!r} is not "
+                        f"supported; this kareus reads version {FRONTIER_VERSION}")
 
 
 def _tuple(value: Iterable[Any]) -> tuple[Any, ...]:
@@ -109,6 +132,40 @@ class MicrobatchFrontier:
 
     def __iter__(self):  # type: ignore[no-untyped-def]
         return iter(self.points)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "microbatch_frontier", "version": FRONTIER_VERSION, "stage": self.stage,
+                "phase": self.phase,
+                "by_freq": {str(f): [{"time_s": p.time_s, "dynamic_energy_j": p.dynamic_energy_j,
+                                      "choice": p.choice.to_dict()} for p in pts]
+                            for f, pts in self.by_freq.items()}}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> MicrobatchFrontier:
+        _check_kind(d, "microbatch_frontier")
+        try:
+            by_freq = {int(f): [MicrobatchPoint(time_s=p["time_s"],
+                                                dynamic_energy_j=p["dynamic_energy_j"],
+                                                choice=MicrobatchChoice.from_dict(p["choice"]))
+                                for p in pts] for f, pts in d["by_freq"].items()}
+            return cls.from_fronts(int(d["stage"]), str(d["phase"]), by_freq)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanError(f"malformed microbatch frontier: {type(exc).__name__}: {exc}"
+                            ) from None
+
+    def to_json(self, *, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> MicrobatchFrontier:
+        return cls.from_dict(_loads(text))
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        Path(path).write_text(self.to_json() + "\n", encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> MicrobatchFrontier:
+        return cls.from_json(Path(path).read_text(encoding="utf-8"))
 
     def __repr__(self) -> str:
         if not self.points:
@@ -199,6 +256,41 @@ class IterationFrontier:
 
     def __getitem__(self, i: int) -> IterationPoint:
         return self.points[i]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "iteration_frontier", "version": FRONTIER_VERSION, "label": self.label,
+                "stats": self.stats, "plans": [p.plan.to_dict() for p in self.points]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> IterationFrontier:
+        """Rebuild from :meth:`to_dict` output; every plan is validated (PlanError)."""
+        _check_kind(d, "iteration_frontier")
+        try:
+            plans = [Plan.from_dict(p) for p in d["plans"]]
+            return cls(points=[IterationPoint(time_s=p.time_s, energy_j=p.energy_j, plan=p)
+                               for p in plans], label=str(d.get("label", "")),
+                       stats=dict(d.get("stats", {})))
+        except PlanError:
+            raise
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanError(f"malformed iteration frontier: {type(exc).__name__}: {exc}"
+                            ) from None
+
+    def to_json(self, *, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> IterationFrontier:
+        return cls.from_dict(_loads(text))
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the frontier (every plan) as JSON."""
+        Path(path).write_text(self.to_json() + "\n", encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> IterationFrontier:
+        """Read a frontier written by :meth:`save` (raises PlanError if invalid)."""
+        return cls.from_json(Path(path).read_text(encoding="utf-8"))
 
     def array(self) -> np.ndarray:
         """``(n, 2)`` array of (time_s, energy_j)."""

@@ -175,3 +175,22 @@ def test_plot_smoke(composed):
     ax = composed["kareus"].plot()
     composed.microbatch["kareus"][(0, "fwd")].plot(ax=None)
     assert ax.get_xlabel().startswith("iteration time")
+
+
+def test_frontiers_round_trip_through_json(composed, tmp_path):
+    from kareus.compose.frontiers import IterationFrontier, MicrobatchFrontier
+    from kareus.errors import PlanError
+
+    fr = composed["kareus"]
+    path = tmp_path / "frontier.json"
+    fr.save(path)
+    again = IterationFrontier.load(path)
+    assert np.array_equal(again.array(), fr.array())
+    assert [p.plan.digest for p in again] == [p.plan.digest for p in fr]
+    mf = composed.microbatch["kareus"][(1, "bwd")]
+    mf2 = MicrobatchFrontier.from_json(mf.to_json())
+    assert mf2.points == mf.points and mf2.by_freq == mf.by_freq
+    with pytest.raises(PlanError, match="not a kareus iteration frontier"):
+        IterationFrontier.from_json(mf.to_json())
+    with pytest.raises(PlanError, match="not valid JSON"):
+        IterationFrontier.from_json("{")
