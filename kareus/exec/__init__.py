@@ -1,11 +1,122 @@
 """Execution: profilers, energy meters, frequency control, collectives, executors.
 
 Only this package touches hardware, and only lazily: importing it initialises
-neither CUDA nor NVML.
+neither CUDA nor NVML, and imports neither torch nor pynvml.
+
+- Profilers (:class:`Profiler`): :class:`EmulatedProfiler` (the embedded emulated GPU),
+  :class:`NVMLProfiler` (real GPUs, NVML energy counter), :class:`ReplayProfiler`
+  (recorded measurements).
+- Frequency: :class:`FrequencyController` with :class:`NVMLFrequencyController` and
+  :class:`DryRunFrequencyController`; :class:`StreamOrderedTrigger` applies changes in
+  stream order.
+- Collectives with an exact SM count: :class:`CollectiveBackend` with
+  :class:`OwnKernelCollective`, :class:`NCCLCappedCollective`, :class:`MscclppCollective`.
+- Execution of plans in a training loop: :class:`Executor` / :class:`TorchExecutor`, and
+  runnable partitions (:class:`RunnableTransformerPartition`, :class:`CallablePartition`).
 """
 
 from __future__ import annotations
 
+from kareus.exec.collectives import (
+    CollectiveArgumentError,
+    CollectiveBackend,
+    CollectiveEnvironment,
+    CollectiveError,
+    CollectiveLaunchError,
+    CollectiveUnavailableError,
+    CommSMCountError,
+    ExtensionBuildError,
+    MscclppCollective,
+    NCCLCappedCollective,
+    NoCollectiveBackendError,
+    OwnKernelCollective,
+    select_collective_backend,
+)
+from kareus.exec.emulator import EmulatedGPU, EmulatedProfiler, EmulationTrace
+from kareus.exec.executor import (
+    Executor,
+    PartitionScope,
+    ProcessGroupCollective,
+    RecordingStreamBackend,
+    StreamBackend,
+    TorchExecutor,
+    TorchStreamBackend,
+)
+from kareus.exec.frequency import (
+    DryRunFrequencyController,
+    EventPollingMarker,
+    FrequencyController,
+    FrequencyPermissionError,
+    HostFunctionMarker,
+    NVMLFrequencyController,
+    StreamMarker,
+    StreamOrderedTrigger,
+)
+from kareus.exec.nvml import (
+    Coordinator,
+    EnergyMeter,
+    LocalCoordinator,
+    MeasurementRecord,
+    NVMLProfiler,
+    PartitionRunner,
+    TorchDistributedCoordinator,
+    TorchPartitionRunner,
+)
 from kareus.exec.profiler import Profiler
+from kareus.exec.replay import ReplayProfiler
+from kareus.exec.torch_partition import (
+    CallablePartition,
+    PartitionProgram,
+    RunnablePartition,
+    RunnableTransformerPartition,
+    runnable_partitions,
+)
 
-__all__ = ["Profiler"]
+__all__ = [
+    "CallablePartition",
+    "CollectiveArgumentError",
+    "CollectiveBackend",
+    "CollectiveEnvironment",
+    "CollectiveError",
+    "CollectiveLaunchError",
+    "CollectiveUnavailableError",
+    "CommSMCountError",
+    "Coordinator",
+    "DryRunFrequencyController",
+    "EmulatedGPU",
+    "EmulatedProfiler",
+    "EmulationTrace",
+    "EnergyMeter",
+    "EventPollingMarker",
+    "Executor",
+    "ExtensionBuildError",
+    "FrequencyController",
+    "FrequencyPermissionError",
+    "HostFunctionMarker",
+    "LocalCoordinator",
+    "MeasurementRecord",
+    "MscclppCollective",
+    "NCCLCappedCollective",
+    "NVMLFrequencyController",
+    "NVMLProfiler",
+    "NoCollectiveBackendError",
+    "OwnKernelCollective",
+    "PartitionProgram",
+    "PartitionRunner",
+    "PartitionScope",
+    "ProcessGroupCollective",
+    "Profiler",
+    "RecordingStreamBackend",
+    "ReplayProfiler",
+    "RunnablePartition",
+    "RunnableTransformerPartition",
+    "StreamBackend",
+    "StreamMarker",
+    "StreamOrderedTrigger",
+    "TorchDistributedCoordinator",
+    "TorchExecutor",
+    "TorchPartitionRunner",
+    "TorchStreamBackend",
+    "runnable_partitions",
+    "select_collective_backend",
+]

@@ -32,6 +32,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -72,14 +73,21 @@ def extension_source_dir(name: str) -> Path:
         ExtensionBuildError: The directory does not exist.
     """
     root = os.environ.get("KAREUS_EXT_DIR")
-    base = Path(root) if root else Path(__file__).resolve().parents[2] / "ext"
-    path = base / name
-    if not path.is_dir():
-        raise ExtensionBuildError(
-            f"CUDA sources of extension {name!r} not found at {path}; run kareus from a source "
-            "checkout or set KAREUS_EXT_DIR to the directory that holds ext/<name>/"
-        )
-    return path
+    if root:
+        bases = [Path(root)]
+    else:
+        # A source checkout (editable install) keeps ext/ beside the package; a wheel
+        # installs the sources as data files under <prefix>/share/kareus/ext.
+        bases = [Path(__file__).resolve().parents[2] / "ext",
+                 Path(sys.prefix) / "share" / "kareus" / "ext"]
+    for base in bases:
+        if (base / name).is_dir():
+            return base / name
+    raise ExtensionBuildError(
+        f"CUDA sources of extension {name!r} not found in {', '.join(str(b) for b in bases)}; "
+        "run kareus from a source checkout or set KAREUS_EXT_DIR to the directory that holds "
+        "ext/<name>/"
+    )
 
 
 def find_nvcc() -> str | None:

@@ -1,10 +1,30 @@
 """Search for partition frontiers: Pareto utilities, surrogates, acquisition, the optimizer.
 
+- :mod:`~kareus.search.pareto`: Pareto filter, exact 2-D hypervolume and hypervolume
+  improvement.
+- :class:`Surrogate` (:class:`XGBoostSurrogate`, :class:`BootstrapEnsemble`): models of time
+  and dynamic energy over the physical features of a configuration.
+- :class:`AcquisitionPass` (:class:`HypervolumePass`, :class:`UncertaintyPass`, ...): each
+  picks part of a batch from the predictions and the measured front.
+- :class:`MultiPassSearch`: the ask/tell optimizer, with a JSONL log that a killed search
+  resumes from; its result is a :class:`PartitionFrontier`.
+
 Nothing here touches hardware.
 """
 
 from __future__ import annotations
 
+from kareus.search.acquisition import (
+    AcquisitionContext,
+    AcquisitionPass,
+    FastestPass,
+    HypervolumePass,
+    NeighbourhoodPass,
+    RandomPass,
+    UncertaintyPass,
+)
+from kareus.search.frontier import Observation, PartitionFrontier
+from kareus.search.optimizer import MultiPassSearch, default_passes, facts_passes, maximin_design
 from kareus.search.pareto import (
     hypervolume,
     hypervolume_improvement,
@@ -12,10 +32,27 @@ from kareus.search.pareto import (
     pareto_mask,
     reference_point,
 )
+from kareus.search.surrogate import BootstrapEnsemble, Surrogate, XGBoostSurrogate
 
 __all__ = [
+    "AcquisitionContext",
+    "AcquisitionPass",
+    "BootstrapEnsemble",
+    "FastestPass",
+    "HypervolumePass",
+    "MultiPassSearch",
+    "NeighbourhoodPass",
+    "Observation",
+    "PartitionFrontier",
+    "RandomPass",
+    "Surrogate",
+    "UncertaintyPass",
+    "XGBoostSurrogate",
+    "default_passes",
+    "facts_passes",
     "hypervolume",
     "hypervolume_improvement",
+    "maximin_design",
     "pareto_front",
     "pareto_mask",
     "reference_point",
