@@ -180,7 +180,8 @@ def power_probe_check(gpu: EmulatedGPU) -> dict[str, object]:
 def run(args: argparse.Namespace) -> dict[str, object]:
     data = json.loads(DATA.read_text())
     part = probe_partition()
-    base = EmulatedGPU.from_spec("h200-sxm")
+    # The probe used NCCL: fit the scalar curve (comm_backend="custom") to its own data.
+    base = EmulatedGPU.from_spec("h200-sxm", comm_backend="custom")
     gpu, comm_fit = fit_comm(base, data["isolated_ms"]["allreduce_only"],
                              args.nccl_default_ctas, args.comm_latency_us * 1e-6)
     gpu, interference_fit = fit_interference(gpu, data["isolated_ms"], args.nccl_default_ctas)

@@ -5,8 +5,10 @@ NVLink, default clocks, NCCL with min_ctas = max_ctas = comm_sms): Llama 3.2 3B
 ``fwd_attn`` and ``fwd_mlp`` partitions at TP=2 (microbatch 8, sequence 4096, two
 nanobatches), energy summed over the 2 GPUs. Every measured configuration (the grid of
 comm SMs x launch slots, the search's points, repeats and the baselines) is emulated on the
-``h200-sxm`` preset with the NCCL communication constants fitted by
-``bench/emulator_calibration.py`` on the 4-GPU probe (nothing is fitted to this grid).
+``h200-sxm`` preset with NCCL's measured collective curves for 2 GPUs
+(``comm_backend="nccl"``, from ``bench/collectives.py``) and the interference constants
+fitted by ``bench/emulator_calibration.py`` on the 4-GPU probe (nothing is fitted to this
+grid).
 NCCL's own CTA choice (``comm_sms`` null) is taken as 32, as in the calibration. The
 ``megatron`` baseline is the whole microbatch without nanobatching (a partition built with
 ``nanobatches=1``), emulated as such.
@@ -34,8 +36,6 @@ from kareus.model.workload import Workload
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data" / "h200_llama3b_tp2_grid.json"
 CALIBRATION = REPO / "bench" / "results" / "emulator_calibration.json"
-NCCL_KEYS = ("comm_gbps_per_sm", "comm_link_gbps", "comm_latency_s", "comm_interference",
-             "tensor_interference")
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -52,10 +52,13 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     parts = build_partitions(workload)
     whole = build_partitions(workload.with_(nanobatches=1))
     consts = json.loads(CALIBRATION.read_text())["gpu_constants"]
-    overrides = {k: consts[k] for k in NCCL_KEYS}
+    # NCCL's measured curves for 2 GPUs (bench/results/collectives_2xh200_nvlink.json) and
+    # the interference constants fitted on the 4-GPU probe's NCCL runs.
+    overrides = {k: consts[k] for k in ("comm_interference", "tensor_interference")}
+    backend = "nccl"
     if args.preset_comm:
-        overrides = {}
-    gpu = EmulatedGPU.from_spec("h200-sxm", **overrides)
+        overrides, backend = {}, "own"
+    gpu = EmulatedGPU.from_spec("h200-sxm", comm_backend=backend, **overrides)
     prof = EmulatedProfiler(gpu, noise=0.0)  # scope: the stage's TP GPUs, as measured
     rows = []
     for m in data["measurements"]:
@@ -77,7 +80,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         "what": "emulated (h200-sxm preset + NCCL constants fitted on the 4-GPU probe, noise off) "
                 "vs measured (data/h200_llama3b_tp2_grid.json, 2x H200); energy over the 2 GPUs",
         "machine": "2-core CPU, emulated", "nccl_default_ctas": args.nccl_default_ctas,
-        "comm_constants": "preset" if args.preset_comm else overrides}
+        "comm_backend": backend, "overrides": overrides}
     summary = {}
     for name in ("fwd_attn", "fwd_mlp", "all"):
         sel = [r for r in rows if name == "all" or r["partition"] == name]
@@ -108,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--nccl-default-ctas", type=int, default=32)
     ap.add_argument("--preset-comm", action="store_true",
-                    help="use the preset's communication constants (own kernels) instead of NCCL's")
+                    help="model kareus's own kernels (the preset) instead of NCCL")
     args = ap.parse_args(argv)
     res = run(args)
     print(f"{'kind':>11} {'part':>8} {'sms':>4} {'slot':>9} | {'ms meas':>7} {'ms emu':>7} "

@@ -137,6 +137,11 @@ class EmulatedGPU:
         link_energy_pj_per_byte: NVLink energy per bus byte (both ends).
         voltage_floor: V(f) / V(f_max) at and below the floor clock.
         voltage_floor_clock_fraction: The floor clock as a fraction of the maximum clock.
+        comm_curves: Measured collective curves that override ``comm_gbps_per_sm`` and
+            ``comm_link_gbps`` per (collective kind, group size): entries
+            ``(kind, group_size, gbps_per_sm, link_gbps)``. A collective uses the entry of
+            its kind and group size, else the entry of its kind with the nearest group size,
+            else the two scalar fields.
         power_window_runs: Documentation only: the power controller is modelled as acting on
             the average power of back-to-back repetitions of the work.
     """
@@ -168,25 +173,45 @@ class EmulatedGPU:
     link_energy_pj_per_byte: float = attrs.field(validator=_nonneg)
     voltage_floor: float = attrs.field(validator=_fraction)
     voltage_floor_clock_fraction: float = attrs.field(validator=_fraction)
+    comm_curves: tuple[tuple[str, int, float, float], ...] = attrs.field(
+        default=(), converter=lambda v: tuple((str(k), int(g), float(r), float(lk))
+                                              for k, g, r, lk in v))
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_spec(cls, gpu: str | GPUSpec, **overrides: Any) -> EmulatedGPU:
+    def from_spec(cls, gpu: str | GPUSpec, *, comm_backend: str | None = None,
+                  **overrides: Any) -> EmulatedGPU:
         """The model of ``gpu`` with the documented default constants.
 
         Known presets (``a100-40gb``, ``h100-sxm``, ``h200-sxm``) get their own constants;
         any other :class:`GPUSpec` gets generic ones derived from its datasheet fields.
         Keyword arguments override single constants.
+
+        Args:
+            gpu: Preset name or :class:`GPUSpec`.
+            comm_backend: Whose collective kernels to model: ``"own"`` (kareus's SM-capped
+                kernels, measured on H200), ``"nccl"`` (NCCL capped with min/max CTAs,
+                measured on H200), or ``"custom"`` (only the scalar ``comm_gbps_per_sm``
+                and ``comm_link_gbps``). ``None``: ``"custom"`` if either scalar is
+                overridden, else ``"own"``.
         """
         spec = get_gpu(gpu)
+        if comm_backend is None:
+            comm_backend = ("custom" if {"comm_gbps_per_sm", "comm_link_gbps"} & set(overrides)
+                            else "own")
+        if comm_backend not in ("own", "nccl", "custom"):
+            raise ValueError(f"comm_backend must be 'own', 'nccl' or 'custom', got "
+                             f"{comm_backend!r}")
         base = _default_constants(spec)
+        base["comm_curves"] = () if comm_backend == "custom" else _comm_curves(spec, comm_backend)
         base.update(overrides)
         return cls(spec=spec, **base)
 
     @classmethod
-    def preset(cls, name: str, **overrides: Any) -> EmulatedGPU:
+    def preset(cls, name: str, *, comm_backend: str | None = None,
+               **overrides: Any) -> EmulatedGPU:
         """Alias of :meth:`from_spec` for a preset name."""
-        return cls.from_spec(name, **overrides)
+        return cls.from_spec(name, comm_backend=comm_backend, **overrides)
 
     def with_(self, **changes: Any) -> EmulatedGPU:
         """A copy with some constants changed (validated again)."""
@@ -219,21 +244,36 @@ class EmulatedGPU:
         v = self.voltage_fraction(freq_mhz)
         return freq_mhz / self.spec.max_clock_mhz * v * v
 
-    def comm_bus_rate(self, sms: int, freq_mhz: float, *, beside_tensor: bool = False) -> float:
+    def comm_curve(self, kind: str | CommKind | None = None, group_size: int | None = None
+                   ) -> tuple[float, float]:
+        """(bus GB/s per SM at the maximum clock, link limit GB/s) of a collective."""
+        if kind is not None and self.comm_curves:
+            k = CommKind(kind).value
+            same = [c for c in self.comm_curves if c[0] == k]
+            if same:
+                g = int(group_size) if group_size is not None else same[0][1]
+                best = min(same, key=lambda c: (abs(c[1] - g), -c[1]))
+                return best[2], best[3]
+        return self.comm_gbps_per_sm, self.comm_link_gbps
+
+    def comm_bus_rate(self, sms: int, freq_mhz: float, *, beside_tensor: bool = False,
+                      kind: str | CommKind | None = None, group_size: int | None = None
+                      ) -> float:
         """Bus bytes per second of a collective on ``sms`` SMs at ``freq_mhz`` (no HBM
-        contention); ``beside_tensor``: while a GEMM or attention kernel runs beside it."""
-        per_sm = (self.comm_gbps_per_sm * 1e9
-                  * (freq_mhz / self.spec.max_clock_mhz) ** self.comm_freq_exponent)
+        contention); ``beside_tensor``: while a GEMM or attention kernel runs beside it;
+        ``kind`` and ``group_size`` select a measured curve (:attr:`comm_curves`)."""
+        gbps, link_gbps = self.comm_curve(kind, group_size)
+        per_sm = gbps * 1e9 * (freq_mhz / self.spec.max_clock_mhz) ** self.comm_freq_exponent
         if beside_tensor:
             per_sm /= 1.0 + self.comm_interference
         p = self.comm_saturation_p
-        link = self.comm_link_gbps * 1e9
+        link = link_gbps * 1e9
         return ((sms * per_sm) ** -p + link ** -p) ** (-1.0 / p)
 
     def comm_time_s(self, comm: CommOp, sms: int, freq_mhz: float) -> float:
         """Time of ``comm`` alone on ``sms`` SMs at ``freq_mhz`` (latency + transfer)."""
-        return self.launch_overhead_s + self.comm_latency_s + comm.bus_bytes / self.comm_bus_rate(
-            sms, freq_mhz)
+        rate = self.comm_bus_rate(sms, freq_mhz, kind=comm.kind, group_size=comm.group_size)
+        return self.launch_overhead_s + self.comm_latency_s + comm.bus_bytes / rate
 
     def op_time_s(self, op: ComputeOp, freq_mhz: float, sms: int | None = None) -> float:
         """Time of ``op`` alone on ``sms`` SMs (default all) at ``freq_mhz``, launch included."""
@@ -262,8 +302,9 @@ def _default_constants(spec: GPUSpec) -> dict[str, Any]:
         hbm_efficiency=0.88,
         mem_knee_fraction=0.45,
         launch_overhead_s=3e-6,
-        comm_gbps_per_sm=44.0,
-        comm_link_gbps=0.8 * spec.nvlink_bandwidth_gbps / 2,
+        # Fallbacks for collectives without a curve: kareus's all-reduce on 4x H200, scaled.
+        comm_gbps_per_sm=round(25.1 * (fmax / 1980.0) ** 0.25, 2),
+        comm_link_gbps=round(301.0 * spec.nvlink_bandwidth_gbps / 900.0, 1),
         comm_saturation_p=2.0,
         comm_latency_s=10e-6,
         comm_freq_exponent=0.25,
@@ -289,8 +330,6 @@ def _default_constants(spec: GPUSpec) -> dict[str, Any]:
             attention_efficiency=0.70,  # with the feed ceiling: 0.66 at 1410 MHz
             tensor_feed_tflops=320.0,
             hbm_efficiency=0.88,
-            comm_gbps_per_sm=44.0,  # 47.6 x (1410/1980)^0.25, see docs/emulator.md
-            comm_link_gbps=240.0,  # 300 GB/s per direction x 0.8
             sm_busy_power_w=103.0,
             tensor_power_w=193.0,
             uncore_power_w=30.0,  # static 85 W (blocked in a receive at 1410) - idle 55 W
@@ -303,8 +342,6 @@ def _default_constants(spec: GPUSpec) -> dict[str, Any]:
             attention_efficiency=0.55,
             tensor_feed_tflops=956.0,  # measured H200: GEMM 668 / 756 / 795 TF/s at 1500-1980
             hbm_efficiency=0.87 if name == "h200-sxm" else 0.88,  # H200: elementwise 4.07 TB/s
-            comm_gbps_per_sm=47.6,
-            comm_link_gbps=302.0,
             mem_knee_fraction=0.40,  # measured H200: one SM copies ~76 GB/s (read + write)
             tensor_interference=0.135,  # measured H200: GEMMs beside SM-holding kernels
             sm_busy_power_w=340.0,
@@ -312,6 +349,31 @@ def _default_constants(spec: GPUSpec) -> dict[str, Any]:
             uncore_power_w=42.6,  # measured H200: one spinning block at 1980 MHz = 120.6 W
         )
     return generic
+
+
+# Collective curves measured on H200 (bench/results/collectives_{4,2}xh200_nvlink.json,
+# fitted by bench/emulator_comm_tables.py on the 64 MiB rows): (kind, group size,
+# bus GB/s per SM at the maximum clock, link limit GB/s).
+_H200_COMM: dict[str, tuple[tuple[str, int, float, float], ...]] = {
+    "own": (("all_reduce", 4, 25.1, 301.0), ("all_gather", 4, 19.3, 259.0),
+            ("reduce_scatter", 4, 20.8, 257.0), ("all_reduce", 2, 10.9, 216.0),
+            ("all_gather", 2, 11.9, 239.0), ("reduce_scatter", 2, 10.8, 208.0)),
+    "nccl": (("all_reduce", 4, 25.3, 365.0), ("all_gather", 4, 19.9, 325.0),
+             ("reduce_scatter", 4, 26.0, 304.0), ("all_reduce", 2, 21.1, 324.0),
+             ("all_gather", 2, 15.2, 268.0), ("reduce_scatter", 2, 18.4, 236.0)),
+}
+
+
+def _comm_curves(spec: GPUSpec, backend: str) -> tuple[tuple[str, int, float, float], ...]:
+    """Collective curves for ``spec``: measured on H200 (H100: the same NVLink 4 and SMs);
+    other GPUs scale the per-SM rate by the clock (``(f_max / 1980)^0.25``, as a
+    latency-bound copy loop) and the link limit by the NVLink bandwidth (an estimate)."""
+    curves = _H200_COMM[backend]
+    if spec.name in ("h100-sxm", "h200-sxm"):
+        return curves
+    clock = (spec.max_clock_mhz / 1980.0) ** 0.25
+    link = spec.nvlink_bandwidth_gbps / 900.0
+    return tuple((k, g, round(r * clock, 2), round(lk * link, 1)) for k, g, r, lk in curves)
 
 
 # ----------------------------------------------------------------------------- ops
@@ -396,14 +458,14 @@ class EmulationTrace:
 
 
 def _comm_tuple(gpu: EmulatedGPU, comm: CommOp, sms: int, start: int | None
-                ) -> tuple[float, int, int | None, float]:
+                ) -> tuple[float, int, int | None, float, str, int]:
     """A collective for :meth:`_Sim.run`. Ring all-gather moves fewer local HBM bytes per
     bus byte (write what arrives, read it to forward) than all-reduce and reduce-scatter
     (which also read the local operand): 2/3 of ``comm_hbm_bytes_per_bus_byte``."""
     factor = gpu.comm_hbm_bytes_per_bus_byte
     if comm.kind is CommKind.ALL_GATHER:
         factor *= 2.0 / 3.0
-    return (comm.bus_bytes, sms, start, factor)
+    return (comm.bus_bytes, sms, start, factor, comm.kind.value, comm.group_size)
 
 
 class _Sim:
@@ -420,7 +482,7 @@ class _Sim:
         self.gap = gpu.launch_overhead_s
         self.p_static = gpu.spec.idle_power_w
 
-    def run(self, f_mhz: float, comms: Sequence[tuple[float, int, int | None, float]],
+    def run(self, f_mhz: float, comms: Sequence[tuple[float, int, int | None, float, str, int]],
             detail: bool = False) -> tuple[float, float, dict[str, Any] | None]:
         """Simulate.
 
@@ -470,18 +532,21 @@ class _Sim:
 
         # Comm stream state: a list of pending (bus, sms), the active one with phase.
         pending_overlap = overlapped[0] if overlapped else None
-        active: list[float] | None = None  # [latency_left, bus_left, sms, hbm_per_bus]
-        comm_rate0_cache: dict[tuple[int, bool], float] = {}
+        # [latency_left, bus_left, sms, hbm_per_bus, kind, group_size]
+        active: list[Any] | None = None
+        comm_rate0_cache: dict[tuple[int, bool, str, int], float] = {}
 
-        def comm_rate0(sms: int, beside_tensor: bool) -> float:
-            r = comm_rate0_cache.get((sms, beside_tensor))
+        def comm_rate0(c: list[Any], beside_tensor: bool) -> float:
+            key = (int(c[2]), beside_tensor, c[4], c[5])
+            r = comm_rate0_cache.get(key)
             if r is None:
-                r = gpu.comm_bus_rate(sms, f_mhz, beside_tensor=beside_tensor)
-                comm_rate0_cache[(sms, beside_tensor)] = r
+                r = gpu.comm_bus_rate(key[0], f_mhz, beside_tensor=beside_tensor,
+                                      kind=c[4], group_size=c[5])
+                comm_rate0_cache[key] = r
             return r
 
-        def start_comm(c: tuple[float, int, int | None, float]) -> list[float]:
-            return [gap + gpu.comm_latency_s, c[0], float(c[1]), c[3]]
+        def start_comm(c: tuple[float, int, int | None, float, str, int]) -> list[Any]:
+            return [gap + gpu.comm_latency_s, c[0], float(c[1]), c[3], c[4], c[5]]
 
         while True:
             # Launch the overlapped collective when op at its slot starts.
@@ -511,8 +576,8 @@ class _Sim:
             dt_comm = math.inf
             op_rate = 0.0
             op = ops[i] if compute_active else None
-            comm_rate = (comm_rate0(comm_sms, op is not None and op.tensor and not in_gap)
-                         if comm_transfer else 0.0)
+            comm_rate = (comm_rate0(active, op is not None and op.tensor and not in_gap)
+                         if comm_transfer and active is not None else 0.0)
             if comm_rate * hbm_per_bus > hbm:  # never more than HBM can feed
                 comm_rate = hbm / hbm_per_bus
             if op is not None and not in_gap:
@@ -805,7 +870,7 @@ class EmulatedProfiler(Profiler):
                 f"its slots: {names} (or launch_slot=None for sequential)")
 
     def _comms(self, prep: _Prepared, config: ScheduleConfig
-               ) -> list[tuple[float, int, int | None, float]]:
+               ) -> list[tuple[float, int, int | None, float, str, int]]:
         idx = None if config.launch_slot is None else prep.slot_index[config.launch_slot]
         return [_comm_tuple(self.emulated_gpu, prep.partition.comm_op, config.comm_sms, idx)]
 
@@ -815,7 +880,7 @@ class EmulatedProfiler(Profiler):
         return time_s, energy, f_eff
 
     def _run_limited(self, sim: _Sim, freq_mhz: int,
-                     comms: list[tuple[float, int, int | None, float]]
+                     comms: list[tuple[float, int, int | None, float, str, int]]
                      ) -> tuple[float, float, int, bool]:
         """Run at ``freq_mhz``, or at the highest supported clock under the power limit."""
         t, e, _ = sim.run(freq_mhz, comms)

@@ -252,26 +252,51 @@ def test_dynamic_power_grows_faster_than_frequency(fwd_attn, a100):
 # ----------------------------------------------------------------------------- A100 case study
 
 
+def _optimal_sms(prof, part, freq=1410, slot="qkv"):
+    return _best(prof, part, freq, [slot])[1].comm_sms
+
+
 def test_a100_two_sms_expose_communication(fwd_attn, a100):
     t2 = a100.trace(fwd_attn, ScheduleConfig(1410, 2, "qkv"))
     t4 = a100.trace(fwd_attn, ScheduleConfig(1410, 4, "qkv"))
+    best = a100.trace(fwd_attn, ScheduleConfig(1410, _optimal_sms(a100, fwd_attn), "qkv"))
     assert t2.time_s > t4.time_s
-    assert t2.exposed_comm_s > 0.0
-    assert t4.exposed_comm_s < 0.1 * t2.exposed_comm_s
+    assert t2.exposed_comm_s > 2 * t4.exposed_comm_s > 0
+    assert best.exposed_comm_s < 0.05 * t2.exposed_comm_s
 
 
-def test_a100_four_sms_beat_two_and_twenty(fwd_attn, a100):
+def test_a100_a_few_sms_are_energy_optimal(fwd_attn, a100):
     e = {s: a100.measure(fwd_attn, ScheduleConfig(1410, s, "qkv")).energy_j for s in (2, 4, 20)}
     assert e[4] < e[2]
-    assert e[4] < e[20]
-    # Also when every SM count picks its best slot.
-    best = {s: _best(a100, fwd_attn, 1410, [x.name for x in fwd_attn.slots], [s])[0]
-            for s in (2, 4, 20)}
-    assert best[4] < best[2] and best[4] < best[20]
+    k = _optimal_sms(a100, fwd_attn)
+    e_k = a100.measure(fwd_attn, ScheduleConfig(1410, k, "qkv")).energy_j
+    assert 2 < k < 20
+    assert e_k < e[2] and e_k < e[20]  # fewer SMs expose the comm, more slow Linear 1
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "Not reproduced with kareus's own collective kernels as measured on H200 (25 GB/s per SM "
+    "for a 4-GPU all-reduce, scaled to the A100 clock): 4 SMs leave this 96 MiB all-reduce "
+    "exposed and the optimum is 6 SMs; 20 SMs beat 4. See docs/emulator.md."))
+def test_a100_four_sms_beat_twenty_with_measured_kernels(fwd_attn, a100):
+    e4 = a100.measure(fwd_attn, ScheduleConfig(1410, 4, "qkv")).energy_j
+    e20 = a100.measure(fwd_attn, ScheduleConfig(1410, 20, "qkv")).energy_j
+    assert e4 < e20
+
+
+def test_a100_four_sms_beat_two_and_twenty_with_faster_kernels(fwd_attn):
+    # What-if: comm kernels with twice the per-SM throughput (e.g. the reference artifact's
+    # 1024-thread blocks; not measured). Then the paper's numbers come back exactly.
+    gpu = EmulatedGPU.from_spec("a100-40gb", comm_backend="custom", comm_gbps_per_sm=46.2)
+    prof = EmulatedProfiler(gpu, noise=0.0)
+    e = {s: prof.measure(fwd_attn, ScheduleConfig(1410, s, "qkv")).energy_j for s in (2, 4, 20)}
+    assert e[4] < e[2] and e[4] < e[20]
+    assert prof.trace(fwd_attn, ScheduleConfig(1410, 4, "qkv")).exposed_comm_s == 0.0
 
 
 def test_a100_norm_slot_costs_more_than_first_gemm(fwd_attn, a100):
-    for s in (4, 6, 8):
+    k = _optimal_sms(a100, fwd_attn)
+    for s in (k, k + 2, 16):
         norm = a100.measure(fwd_attn, ScheduleConfig(1410, s, "attn_norm"))
         qkv = a100.measure(fwd_attn, ScheduleConfig(1410, s, "qkv"))
         assert norm.energy_j > qkv.energy_j
@@ -386,3 +411,24 @@ def test_scope_is_the_stage_for_context_parallel_partitions():
                        comm_op=CommOp(name="ag", kind=CommKind.ALL_GATHER, bytes=2**24,
                                       group_size=2))
     assert prof.measure(user, ScheduleConfig(1410, 4, "g")).static_power_w == pytest.approx(170)
+
+
+def test_comm_backends_and_measured_curves():
+    own = EmulatedGPU.from_spec("h200-sxm")
+    nccl = EmulatedGPU.from_spec("h200-sxm", comm_backend="nccl")
+    custom = EmulatedGPU.from_spec("h200-sxm", comm_gbps_per_sm=40.0)
+    assert own.comm_curve("all_reduce", 4) == (25.1, 301.0)
+    assert nccl.comm_curve("all_reduce", 2) == (21.1, 324.0)
+    assert own.comm_curve("all_reduce", 8) == own.comm_curve("all_reduce", 4)  # nearest group
+    assert custom.comm_curves == () and custom.comm_curve("all_gather", 4)[0] == 40.0
+    with pytest.raises(ValueError):
+        EmulatedGPU.from_spec("h200-sxm", comm_backend="mpi")
+    # Measured on 4x H200 (bench/results/collectives_4xh200_nvlink.json): kareus's own
+    # all-reduce of 64 MiB moves 95 GB/s (bus) on 4 SMs and 278 GB/s on 32 SMs.
+    op = CommOp(name="ar", kind=CommKind.ALL_REDUCE, bytes=2**26, group_size=4)
+    for sms, busbw in ((4, 95.0), (32, 278.0)):
+        t = own.comm_time_s(op, sms, 1980)
+        assert op.bus_bytes / t / 1e9 == pytest.approx(busbw, rel=0.08)
+    a100 = EmulatedGPU.from_spec("a100-40gb")
+    assert a100.comm_curve("all_reduce", 4)[0] < 25.1  # lower clock
+    assert a100.comm_curve("all_reduce", 4)[1] < 301.0  # NVLink 3
