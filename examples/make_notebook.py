@@ -1,7 +1,7 @@
-"""Write examples/tutorial.ipynb from examples/tutorial.py (cells split at ``# %%`` markers).
+"""Write examples/tutorial.ipynb and docs/tutorial.md from examples/tutorial.py.
 
-The script is the source of truth: edit it, then run ``python examples/make_notebook.py``;
-tests/test_examples.py fails while the two differ.
+The script is the source of truth (cells split at ``# %%`` markers): edit it, then run
+``python examples/make_notebook.py``; tests/test_examples.py fails while they differ.
 """
 
 from __future__ import annotations
@@ -41,6 +41,14 @@ def build(script: Path):  # type: ignore[no-untyped-def]
     return nb
 
 
+def markdown(script: Path) -> str:
+    """The tutorial as a Markdown page: prose cells as text, code cells as Python blocks."""
+    parts = ["<!-- generated from examples/tutorial.py by examples/make_notebook.py -->"]
+    for kind, source in script_cells(script):
+        parts.append(source if kind == "markdown" else f"```python\n{source}\n```")
+    return "\n\n".join(parts) + "\n"
+
+
 def main() -> int:
     import nbformat  # noqa: PLC0415
 
@@ -49,6 +57,9 @@ def main() -> int:
         cell["id"] = f"cell-{i}"
     nbformat.write(nb, HERE / "tutorial.ipynb")
     print(f"wrote {HERE / 'tutorial.ipynb'} ({len(nb.cells)} cells)")
+    doc = HERE.parent / "docs" / "tutorial.md"
+    doc.write_text(markdown(HERE / "tutorial.py"))
+    print(f"wrote {doc}")
     return 0
 
 

@@ -25,6 +25,13 @@ def test_notebook_matches_script():
     assert got == expected, "examples/tutorial.ipynb is stale: run examples/make_notebook.py"
 
 
+def test_tutorial_page_matches_script():
+    maker = _load_maker()
+    page = (EXAMPLES.parent / "docs" / "tutorial.md").read_text()
+    assert page == maker.markdown(EXAMPLES / "tutorial.py"), (
+        "docs/tutorial.md is stale: run examples/make_notebook.py")
+
+
 def test_tutorial_script_runs(tmp_path):
     pytest.importorskip("matplotlib")
     env = dict(os.environ, KAREUS_TUTORIAL_OUT=str(tmp_path), MPLBACKEND="Agg")
