@@ -96,12 +96,15 @@ class EmulatedGPU:
     ``docs/emulator.md``; pass any field to override it (``attrs.evolve`` works too).
 
     Attributes:
-        spec: The GPU's datasheet description (SMs, clocks, peaks, power limit, static power).
+        spec: The GPU's datasheet description (SMs, clocks, peaks, power limit, idle and
+            static power). ``idle_power_w`` is the floor of the power model;
+            ``static_power_w`` is only the accounting constant of Measurements.
         tensor_flops_per_clock_per_sm: Dense bf16 tensor-core FLOPs per SM per clock
             (A100: 2048, Hopper: 4096).
         vector_flops_per_clock_per_sm: CUDA-core FLOPs per SM per clock (FP32 FMA x 2).
-        gemm_efficiency: Achieved fraction of the tensor peak for GEMMs.
-        attention_efficiency: Achieved fraction of the tensor peak for attention kernels.
+        gemm_efficiency: Achieved fraction of the clock's tensor peak for GEMMs, before the
+            feed ceiling (``tensor_feed_tflops``) lowers it at high clocks.
+        attention_efficiency: The same for attention kernels.
         tensor_feed_tflops: FLOP rate (all SMs, TFLOP/s) at which the memory hierarchy (L2,
             crossbar) can feed the tensor cores, independent of the SM clock: tensor-core
             kernels lose efficiency as the clock rises towards it (measured on H200: 0.82
@@ -142,8 +145,6 @@ class EmulatedGPU:
             ``(kind, group_size, gbps_per_sm, link_gbps)``. A collective uses the entry of
             its kind and group size, else the entry of its kind with the nearest group size,
             else the two scalar fields.
-        power_window_runs: Documentation only: the power controller is modelled as acting on
-            the average power of back-to-back repetitions of the work.
     """
 
     spec: GPUSpec = attrs.field(converter=get_gpu)
