@@ -131,6 +131,10 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         raise ValueError("give at most one of --deadline-s and --energy-budget-j")
     workload = _workload_from_args(args)
     profiler = _profiler_from_args(args)
+    if args.record is not None:
+        from kareus.exec.replay import RecordingProfiler  # noqa: PLC0415
+
+        profiler = RecordingProfiler(profiler)
     out = Path(args.out)
     print(f"kareus: optimising {workload.describe()} on {profiler.gpu.name} "
           f"({workload.parallelism.world_size} GPUs) with the {args.profiler} profiler",
@@ -140,6 +144,11 @@ def cmd_optimize(args: argparse.Namespace) -> int:
                       progress=None if not args.quiet else False)
     plan = result.select(deadline_s=args.deadline_s, energy_budget_j=args.energy_budget_j)
     paths = result.save(out, plan=plan)
+    if args.record is not None:
+        paths["record"] = profiler.save(
+            args.record, workload=workload.to_dict(),
+            what=f"every measurement of `kareus optimize` on {workload.describe()} with the "
+                 f"{args.profiler} profiler ({profiler.gpu.name})")
     print(result.table())
     print()
     print(f"chosen plan: {plan.time_s:.4f} s, {plan.energy_j:,.0f} J per iteration "
@@ -194,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", default="1f1b", help="pipeline schedule: 1f1b or gpipe")
     p.add_argument("--profiler", default="emulated",
                    help="emulated (default) or replay:FILE (recorded measurements)")
+    p.add_argument("--record", default=None, metavar="FILE",
+                   help="also save every measurement to FILE (replay it with "
+                        "--profiler replay:FILE)")
     p.add_argument("--noise", type=float, default=0.01,
                    help="emulated measurement noise, relative (default 0.01)")
     p.add_argument("--budget", type=_positive_int, default=96,

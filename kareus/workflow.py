@@ -33,7 +33,6 @@ from kareus.compose.frontiers import IterationFrontier, IterationPoint
 from kareus.compose.plan import Plan
 from kareus.errors import InfeasibleError
 from kareus.exec.profiler import Profiler
-from kareus.model.config import ConfigSpace
 from kareus.model.partition import Partition, PartitionSet, build_partitions
 from kareus.model.workload import Workload
 from kareus.search.frontier import PartitionFrontier
@@ -336,7 +335,7 @@ def optimize(
 def _search_type(search_cls: Any, profiler: Profiler, part: Partition, *, budget: int,
                  batch_size: int | None, seed: int, log: Path | None,
                  progress: bool | None) -> PartitionFrontier:
-    space = ConfigSpace(part, profiler.gpu)
+    space = profiler.space(part)
     search = search_cls(space, budget=min(budget, len(space)), batch_size=batch_size, seed=seed,
                         resume=log, progress=progress)
     return search.run(profiler, part)

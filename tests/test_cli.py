@@ -96,3 +96,18 @@ def test_bad_budget_is_rejected_by_argparse(capsys):
         main(["optimize", "--workload", "qwen3-1.7b", "--budget", "0"])
     assert info.value.code == 2
     assert "must be >= 1" in capsys.readouterr().err
+
+
+def test_record_then_replay_reproduces_results(tmp_path, capsys):
+    import json
+
+    record = tmp_path / "run.json"
+    assert main(_small(tmp_path, "--record", str(record))) == 0
+    first = json.loads((tmp_path / "out" / "results.json").read_text())
+    replay = tmp_path / "replayed"
+    argv = _small(tmp_path, "--profiler", f"replay:{record}")
+    argv[argv.index("--out") + 1] = str(replay)
+    assert main(argv) == 0
+    second = json.loads((replay / "results.json").read_text())
+    assert second["systems"] == first["systems"]
+    assert second["frontiers"] == first["frontiers"]

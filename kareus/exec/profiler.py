@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 
-from kareus.model.config import ScheduleConfig
+from kareus.model.config import ConfigSpace, ScheduleConfig
 from kareus.model.gpu import GPUSpec
 from kareus.model.measurement import Measurement
 from kareus.model.partition import OutsideWork, Partition
@@ -44,3 +44,8 @@ class Profiler(abc.ABC):
     def static_power_w(self, group_size: int) -> float:
         """Static power of ``group_size`` GPUs."""
         return self.gpu.static_power_w * group_size
+
+    def space(self, partition: Partition) -> ConfigSpace:
+        """The configurations of ``partition`` this profiler can measure: by default the
+        GPU's full space (a replay of recorded data narrows it to what was recorded)."""
+        return ConfigSpace(partition, self.gpu)

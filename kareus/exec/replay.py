@@ -8,17 +8,24 @@ times answers with its samples in turn (so a search sees the real spread), and a
 configuration never measured raises :class:`~kareus.errors.ConfigError` naming what
 the file holds.
 
-File format (JSON): ``gpu`` (preset name), ``static_power_w`` (of the measured group),
+File format (JSON): ``gpu`` (preset name), ``static_power_w`` (of the measured group;
+``static_power_scope_gpus`` says how many GPUs that is, else TP x CP of ``workload``),
 ``workload`` (optional, :meth:`~kareus.model.workload.Workload.to_dict`) and
 ``measurements``: a list of rows, each with ``partition``, ``config``
 (:meth:`~kareus.model.config.ScheduleConfig.to_dict`), ``measurement``
 (:meth:`~kareus.model.measurement.Measurement.to_dict`) and ``kind`` (rows whose kind
 is not in ``kinds`` are ignored; rows whose ``comm_sms`` is ``null`` are baselines
 with the collective library's own SM count, kept in :attr:`ReplayProfiler.baselines`).
+Rows of kind ``"outside"`` hold work outside partitions: ``work`` (:func:`work_key`),
+``freq_mhz``, ``comm_sms`` (or ``null``) and ``group_size``.
+
+:class:`RecordingProfiler` wraps any profiler and writes what it measured in this format,
+so a run on real GPUs (or on the emulator) can be replayed exactly on any CPU.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -30,9 +37,16 @@ from kareus.exec.profiler import Profiler
 from kareus.model.config import ConfigSpace, ScheduleConfig
 from kareus.model.gpu import GPUSpec, get_gpu
 from kareus.model.measurement import Measurement
-from kareus.model.partition import Partition
+from kareus.model.partition import OutsideWork, Partition
 
-__all__ = ["ReplayProfiler"]
+__all__ = ["RecordingProfiler", "ReplayProfiler", "work_key"]
+
+
+def work_key(work: OutsideWork) -> str:
+    """A stable content key of work outside partitions (its ops and collectives)."""
+    content = {"ops": [[o.name, o.kind.value, o.flops, o.bytes_moved] for o in work.ops],
+               "comms": [[c.name, c.kind.value, c.bytes, c.group_size] for c in work.comms]}
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
 
 
 class ReplayProfiler(Profiler):
@@ -67,8 +81,12 @@ class ReplayProfiler(Profiler):
         self.data = data
         self.gpu = get_gpu(gpu if gpu is not None else data.get("gpu", "h200-sxm"))
         self._static_w = float(data["static_power_w"])
-        self.group_size = int(data.get("workload", {}).get("tp", 1)) * \
-            int(data.get("workload", {}).get("cp", 1))
+        if "static_power_scope_gpus" in data:
+            self.group_size = int(data["static_power_scope_gpus"])
+        else:
+            self.group_size = int(data.get("workload", {}).get("tp", 1)) * \
+                int(data.get("workload", {}).get("cp", 1))
+        self._outside: dict[tuple[str, int, int | None, int], list[Measurement]] = {}
         wanted = set(self.DEFAULT_KINDS if kinds is None else kinds)
         self._table: dict[tuple[str, ScheduleConfig], list[Measurement]] = {}
         self.baselines: dict[tuple[str, str], list[Measurement]] = {}
@@ -76,6 +94,12 @@ class ReplayProfiler(Profiler):
             if "measurement" not in row:
                 continue
             m = Measurement.from_dict(row["measurement"])
+            if row.get("kind") == "outside":
+                sms = row.get("comm_sms")
+                okey = (str(row["work"]), int(row["freq_mhz"]), None if sms is None else int(sms),
+                        int(row["group_size"]))
+                self._outside.setdefault(okey, []).append(m)
+                continue
             cfg = row["config"]
             if cfg.get("comm_sms") is None:
                 self.baselines.setdefault((row["partition"], row["kind"]), []).append(m)
@@ -87,7 +111,7 @@ class ReplayProfiler(Profiler):
         if not self._table:
             raise ValueError("no replayable measurements (rows with a comm_sms and a kind in "
                              f"{sorted(wanted)})")
-        self._served: dict[tuple[str, ScheduleConfig], int] = {}
+        self._served: dict[Any, int] = {}
         self.calls = 0
 
     # -- lookups -----------------------------------------------------------------------
@@ -106,6 +130,17 @@ class ReplayProfiler(Profiler):
         return list(self._table.get((partition, config), []))
 
     def space(self, partition: Partition) -> ConfigSpace:
+        """The configurations to search for ``partition``: the recorded grid when it is a
+        full product of its frequencies, SM counts and slots (a measured study), else the
+        GPU's full space (a recorded search replays by asking the same configurations)."""
+        try:
+            return self.grid_space(partition)
+        except ConfigError:
+            if not self.configs(partition.name):
+                raise
+            return super().space(partition)
+
+    def grid_space(self, partition: Partition) -> ConfigSpace:
         """The grid recorded for ``partition``, as a :class:`ConfigSpace` (the file must hold
         the full product of its frequencies, SM counts and slots)."""
         cfgs = self.configs(partition.name)
@@ -152,6 +187,24 @@ class ReplayProfiler(Profiler):
         self._served[key] = i + 1
         return ms[i % len(ms)]
 
+    def measure_outside(self, work: OutsideWork, freq_mhz: int, *, group_size: int,
+                        comm_sms: int | None = None) -> Measurement:
+        key = (work_key(work), int(freq_mhz), None if comm_sms is None else int(comm_sms),
+               int(group_size))
+        ms = self._outside.get(key)
+        if not ms:
+            have = sorted({f for w, f, _, _ in self._outside if w == key[0]})
+            raise ConfigError(
+                f"work outside partitions ({len(work.ops)} ops, {len(work.comms)} collectives) "
+                f"was not recorded at {freq_mhz} MHz" + (f"; recorded at {have} MHz" if have else
+                "; record a run with RecordingProfiler to replay whole iterations"))
+        self.calls += 1
+        if self.samples == "mean":
+            return _mean(ms)
+        i = self._served.get(key, 0)
+        self._served[key] = i + 1
+        return ms[i % len(ms)]
+
     def static_power_w(self, group_size: int | None = None) -> float:
         """The recorded static power of the measured group (scaled per GPU for another
         ``group_size``)."""
@@ -170,3 +223,65 @@ def _mean(ms: Iterable[Measurement]) -> Measurement:
     return Measurement(time_s=sum(m.time_s for m in ms) / len(ms),
                        energy_j=sum(m.energy_j for m in ms) / len(ms),
                        static_power_w=ms[0].static_power_w)
+
+
+class RecordingProfiler(Profiler):
+    """Wraps a profiler and keeps every measurement it makes, to save as a replay file.
+
+    Args:
+        inner: The profiler that measures.
+
+    Example::
+
+        rec = RecordingProfiler(NVMLProfiler(...))
+        result = optimize(workload, profiler=rec)
+        rec.save("my-run.json", what="...")   # replay: ReplayProfiler("my-run.json")
+    """
+
+    def __init__(self, inner: Profiler) -> None:
+        if not isinstance(inner, Profiler):
+            raise TypeError(f"inner must be a kareus Profiler, got {type(inner).__name__}")
+        self.inner = inner
+        self.gpu = inner.gpu
+        self.rows: list[dict[str, Any]] = []
+
+    def measure(self, partition: Partition, config: ScheduleConfig) -> Measurement:
+        m = self.inner.measure(partition, config)
+        self.rows.append({"kind": "grid", "partition": partition.name,
+                          "config": config.to_dict(), "measurement": m.to_dict()})
+        return m
+
+    def measure_outside(self, work: OutsideWork, freq_mhz: int, *, group_size: int,
+                        comm_sms: int | None = None) -> Measurement:
+        m = self.inner.measure_outside(work, freq_mhz, group_size=group_size,
+                                       comm_sms=comm_sms)
+        self.rows.append({"kind": "outside", "work": work_key(work), "freq_mhz": int(freq_mhz),
+                          "comm_sms": comm_sms, "group_size": int(group_size),
+                          "measurement": m.to_dict()})
+        return m
+
+    def static_power_w(self, group_size: int) -> float:
+        return self.inner.static_power_w(group_size)
+
+    def space(self, partition: Partition) -> ConfigSpace:
+        return self.inner.space(partition)
+
+    def to_dict(self, *, what: str = "", workload: Mapping[str, Any] | None = None
+                ) -> dict[str, Any]:
+        """The replay file's content."""
+        return {"what": what or f"measurements recorded from {self.inner!r}",
+                "gpu": self.gpu.name, "static_power_w": self.inner.static_power_w(1),
+                "static_power_scope_gpus": 1,
+                **({"workload": dict(workload)} if workload is not None else {}),
+                "measurements": list(self.rows)}
+
+    def save(self, path: str | os.PathLike[str], *, what: str = "",
+             workload: Mapping[str, Any] | None = None) -> Path:
+        """Write the replay file (JSON) and return its path."""
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(self.to_dict(what=what, workload=workload), indent=0) + "\n")
+        return p
+
+    def __repr__(self) -> str:
+        return f"RecordingProfiler({self.inner!r}: {len(self.rows)} measurements)"
