@@ -177,6 +177,42 @@ def power_probe_check(gpu: EmulatedGPU) -> dict[str, object]:
     return out
 
 
+OVERLAP_PROBE = (Path(__file__).resolve().parent / "results"
+                 / "emulator_overlap_probe_2xh200.json")
+
+
+def overlap_probe_check() -> dict[str, object]:
+    """Emulated (h200-sxm preset, each backend's measured curves) vs measured 2x H200
+    overlap of 4 GEMMs and a 64 MiB all-reduce (bench/emulator_overlap_probe.py).
+
+    The probe's runs are short (not at the power-limited steady state), so times are
+    also compared relative to the GEMM chain alone of the same source.
+    """
+    if not OVERLAP_PROBE.exists():
+        return {}
+    meas = json.loads(OVERLAP_PROBE.read_text())["ms"]
+    comm = CommOp(name="ar", kind=CommKind.ALL_REDUCE, bytes=float(AR_BYTES), group_size=2)
+    part = gemm_chain(4, comm)
+    out: dict[str, object] = {}
+    for backend in ("own", "nccl"):
+        prof = EmulatedProfiler(EmulatedGPU.from_spec("h200-sxm", comm_backend=backend),
+                                noise=0.0, group_gpus=1)
+        fmax = prof.gpu.max_clock_mhz
+        g_emu = prof.measure_outside(OutsideWork(ops=part.compute_ops), fmax,
+                                     group_size=1).time_s * 1e3
+        g_meas = meas["gemm/own/1"]
+        for sms in (2, 8, 32):
+            ar = prof.measure_outside(OutsideWork(comms=[comm]), fmax, group_size=1,
+                                      comm_sms=sms).time_s * 1e3
+            both = prof.ground_truth(part, ScheduleConfig(fmax, sms, "g0")).time_s * 1e3
+            out[f"{backend}_{sms}_sms"] = {
+                "allreduce_alone_ms": {"measured": round(meas[f"ar/{backend}/{sms}"], 4),
+                                       "emulated": round(ar, 4)},
+                "both_over_gemm_alone": {"measured": round(meas[f"both/{backend}/{sms}"] / g_meas, 3),
+                                         "emulated": round(both / g_emu, 3)}}
+    return out
+
+
 def run(args: argparse.Namespace) -> dict[str, object]:
     data = json.loads(DATA.read_text())
     part = probe_partition()
@@ -229,6 +265,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     big = ComputeOp(name="g", kind=OpKind.GEMM, flops=2.0 * 8192**3, bytes_moved=3.0 * 8192**2 * 2)
     steady = prof.measure_outside(OutsideWork(ops=[big] * 4), fmax, group_size=1)
     power_check = power_probe_check(EmulatedGPU.from_spec("h200-sxm"))
+    overlap_check = overlap_probe_check()
     result = {
         "what": "emulated (kareus EmulatedProfiler, h200-sxm, noise off) vs measured "
                 "(data/h200_tp4_overlap_probe.json, 4x H200) per-rank time and energy",
@@ -237,6 +274,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         "comm_fit": comm_fit,
         "interference_fit": interference_fit,
         "power_probe_check": power_check,
+        "overlap_probe_2xh200_check": overlap_check,
         "steady_gemm_8192_cubed": {
             "measured_ms": 1.685, "measured_w": 692.0,
             "source": "data/h200_nvml_energy_counter.json (1-2 s windows; NVML power reading)",
@@ -276,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"steady-state 8192^3 GEMM at the power limit: {res['steady_gemm_8192_cubed']}")
     for k, v in res["power_probe_check"].items():  # type: ignore[union-attr]
         print(f"power probe (h200-sxm preset) {k}: {v}")
+    for k, v in res["overlap_probe_2xh200_check"].items():  # type: ignore[union-attr]
+        print(f"2x H200 overlap probe (h200-sxm preset) {k}: {v}")
     hdr = (f"{'cap':>5} {'mode':>9} | {'ms meas':>8} {'ms emu':>8} {'err':>7} | "
            f"{'mJ meas':>8} {'mJ emu':>8} {'err':>7} | {'W meas':>6} {'W emu':>6} | "
            f"{'MHz after':>9} {'MHz emu':>7}")
