@@ -135,8 +135,11 @@ GPU_PRESETS: dict[str, GPUSpec] = {
         memory_gib=80.0,
     ),
     # H200 SXM 141GB: datasheet figures; 110 supported clocks 345..1980 MHz (measured);
-    # idle power about 78 W per GPU at the 345 MHz idle clock (measured, 4x H200). The
-    # blocked-in-communication power has not been measured yet: the idle figure stands in.
+    # idle power about 78 W per GPU at the 345 MHz idle clock (measured, 4x H200). Static
+    # power: a GPU blocked in a receive drew 120 W at default clocks (measured, 2x H200,
+    # docs/results.md), but that figure falls with the SM clock (the emulator puts it near
+    # 106 W at 1500 MHz), so its clock-dependent part is dynamic power that a lower clock
+    # saves. kareus charges as static the part no clock choice can save: the idle 78 W.
     "h200-sxm": GPUSpec(
         name="h200-sxm",
         sm_count=132,
