@@ -50,8 +50,9 @@ from kareus.compose.base import FrontierComposer
 from kareus.compose.frontiers import IterationFrontier, IterationPoint, MicrobatchFrontier
 from kareus.compose.plan import MicrobatchChoice, Plan
 from kareus.model.pipeline import Computation, PipelineSchedule, one_f_one_b
+from kareus.search.pareto import pareto_mask
 
-__all__ = ["IterationComposer", "TimeCostResult", "solve_time_cost"]
+__all__ = ["IterationComposer", "TimeCostResult", "evaluate_plan", "solve_time_cost"]
 
 
 # ----------------------------------------------------------------------------- DAG helpers
@@ -681,8 +682,6 @@ class IterationComposer(FrontierComposer):
         total = res.costs + static_power_w * res.times_s
         # Pareto filter before building plans.
         pts_arr = np.column_stack([res.times_s, total])
-        from kareus.search.pareto import pareto_mask  # noqa: PLC0415
-
         mask = pareto_mask(pts_arr)
         points: list[IterationPoint] = []
         for r in np.nonzero(mask)[0].tolist():
@@ -702,22 +701,6 @@ class IterationComposer(FrontierComposer):
                  "realised_plans": len(res.times_s), "computations": len(nodes),
                  "wall_s": time.perf_counter() - t_start}
         return IterationFrontier.from_points(points, label=label, stats=stats)
-
-
-def computation_durations(plan: Plan, frontiers: Mapping[tuple[int, str], MicrobatchFrontier]
-                          ) -> dict[Computation, tuple[float, float]]:
-    """(time_s, dynamic_energy_j) of every computation of ``plan``, looked up in ``frontiers``."""
-    out: dict[Computation, tuple[float, float]] = {}
-    for key, i in plan.assignment.items():
-        c = Computation.from_key(key)
-        ch = plan.choices[i]
-        for p in frontiers[(c.stage, c.phase)].points:
-            if p.choice == ch:
-                out[c] = (p.time_s, p.dynamic_energy_j)
-                break
-        else:
-            raise KeyError(f"{key}: its choice is not a point of the microbatch frontier")
-    return out
 
 
 def evaluate_plan(plan: Plan, *, frontiers: Mapping[str, Any], partitions: Any,
