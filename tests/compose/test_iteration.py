@@ -194,3 +194,45 @@ def test_frontiers_round_trip_through_json(composed, tmp_path):
         IterationFrontier.from_json(mf.to_json())
     with pytest.raises(PlanError, match="not valid JSON"):
         IterationFrontier.from_json("{")
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(0, 10_000), st.integers(1, 3), st.integers(1, 5))
+def test_iteration_frontier_invariants(seed, pp, m):
+    """Random microbatch frontiers: the iteration frontier is monotone, and every plan's
+    computations, looked up in the microbatch frontiers, give its time and energy."""
+    from kareus.compose.frontiers import MicrobatchFrontier, MicrobatchPoint
+    from kareus.compose.plan import MicrobatchChoice
+    from kareus.model.config import ScheduleConfig
+
+    rng = np.random.default_rng(seed)
+    freqs = [1410, 1200, 1050, 900]
+    mfs = {}
+    for s in range(pp):
+        for ph in ("fwd", "bwd"):
+            by_freq = {}
+            for f in freqs:
+                k = int(rng.integers(1, 4))
+                ts = np.sort(rng.uniform(1, 2, k)) * 1410 / f * (2 if ph == "bwd" else 1)
+                es = np.sort(rng.uniform(5, 10, k))[::-1] * f / 1410
+                by_freq[f] = [MicrobatchPoint(time_s=t, dynamic_energy_j=e, choice=MicrobatchChoice(
+                    freq_mhz=f, configs={"t": ScheduleConfig(f, i + 1, None)}))
+                    for i, (t, e) in enumerate(zip(ts, es))]
+            mfs[(s, ph)] = MicrobatchFrontier.from_fronts(s, ph, by_freq)
+    static = float(rng.uniform(0, 20))
+    fr = IterationComposer(resolution=0.05).compose(mfs, static_power_w=static,
+                                                    gpu="a100-40gb", num_microbatches=m)
+    a = fr.array()
+    assert len(fr) >= 1
+    assert np.all(np.diff(a[:, 0]) > 0) and np.all(np.diff(a[:, 1]) < 0)
+    sched = one_f_one_b(pp, m)
+    for pt in fr.points:
+        durations, dyn = {}, 0.0
+        for c in sched.nodes:
+            ch = pt.plan.choice(c)
+            p = next(p for p in mfs[(c.stage, c.phase)].points if p.choice == ch)
+            durations[c] = p.time_s
+            dyn += p.dynamic_energy_j
+        t = sched.makespan(durations)
+        assert t == pytest.approx(pt.time_s, rel=1e-9)
+        assert dyn + static * t == pytest.approx(pt.energy_j, rel=1e-9)
