@@ -287,7 +287,7 @@ class NeighbourhoodPass(AcquisitionPass):
     that look alike. This pass looks only near the front: at configurations that differ
     from a configuration on the front of the measured ones in exactly one knob (a group
     of feature columns), by at most that knob's ``steps`` distinct values (``None``: any
-    value). The front is taken in (time, total energy) and in (time, dynamic energy),
+    value). Feature columns in no knob (derived features) are ignored. The front is taken in (time, total energy) and in (time, dynamic energy),
     on the *predicted* values of the measured configurations (``front="denoised"``) so
     that a point measured with lucky noise does not pull the search to it. Neighbours
     are ranked as :class:`HypervolumePass` ranks candidates; when fewer than ``k`` are
@@ -299,7 +299,7 @@ class NeighbourhoodPass(AcquisitionPass):
         knobs: Feature column groups, one per knob; ``None`` = ConfigSpace's features:
             frequency (0), SM count (1), launch slot (2, 3, 4).
         steps: Radius per knob in distinct values, ``None`` = any value; ``None`` =
-            ``(None, 2, None)``: any frequency (a sweep), SM count +-2 steps, any slot.
+            ``(None, 4, None)``: any frequency (a sweep), SM count +-4 steps, any slot.
         front: ``"denoised"`` or ``"measured"`` (see :class:`HypervolumePass`).
     """
 
@@ -308,7 +308,7 @@ class NeighbourhoodPass(AcquisitionPass):
                  steps: Sequence[int | None] | None = None, front: str = "denoised") -> None:
         self.knobs = tuple(tuple(int(c) for c in k) for k in (knobs or ((0,), (1,), (2, 3, 4))))
         self.steps = tuple(steps) if steps is not None else (
-            (None, 2, None) if knobs is None else (None,) * len(self.knobs))
+            (None, 4, None) if knobs is None else (None,) * len(self.knobs))
         if len(self.steps) != len(self.knobs):
             raise ValueError("steps needs one radius per knob")
         if any(st is not None and st < 1 for st in self.steps):
@@ -344,10 +344,11 @@ class NeighbourhoodPass(AcquisitionPass):
             return masks
         ranks = np.column_stack([np.unique(feats[:, c], return_inverse=True)[1]
                                  for c in range(feats.shape[1])])
+        cols = sorted({j for knob in self.knobs for j in knob if j < feats.shape[1]})
         for c in self._centres(context):
             same = feats == feats[c]
             for m, knob, radius in zip(masks, self.knobs, self.steps):
-                others = [j for j in range(feats.shape[1]) if j not in knob]
+                others = [j for j in cols if j not in knob]
                 near = same[:, others].all(axis=1) if others else np.ones(n, dtype=bool)
                 if radius is not None:
                     for j in knob:
@@ -362,7 +363,10 @@ class NeighbourhoodPass(AcquisitionPass):
         picks: list[int] = []
         ctx = context
         # Round robin over the knobs, so that one knob's neighbours (say, the sweep over
-        # frequencies) cannot crowd out another's (a step in SM count).
+        # frequencies) cannot crowd out another's (a step in SM count); it starts at a
+        # random knob, since a small share may not get round them all.
+        start = int(context.rng.integers(len(masks))) if masks else 0
+        masks = masks[start:] + masks[:start]
         while len(picks) < k and any(m.any() for m in masks):
             for m in masks:
                 if len(picks) >= k:

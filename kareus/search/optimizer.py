@@ -69,6 +69,7 @@ __all__ = [
     "default_surrogate",
     "facts_passes",
     "maximin_design",
+    "search_features",
 ]
 
 LOG_FORMAT = "kareus-search-log"
@@ -105,6 +106,25 @@ def default_surrogate(seed: int = 0) -> Surrogate:
     (feature column 0) under its trees."""
     return BootstrapEnsemble(base=XGBoostSurrogate(trend_features=(0,)), n_models=5,
                              fraction=0.8, seed=seed)
+
+
+# ------------------------------------------------------------------------ features
+
+
+def search_features(space: ConfigSpace) -> np.ndarray:
+    """The surrogates' features: ConfigSpace's physical features (MHz, SMs, slot position,
+    slot log intensity, sequential) plus the SM count per relative clock,
+    ``comm_sms x max MHz / MHz``.
+
+    Whether a collective hides behind the computation is a balance between its speed
+    (about proportional to its SMs until the link saturates) and the computation's
+    (about proportional to the clock), so the best SM count grows with the clock: a
+    diagonal ridge in (MHz, SMs), which axis-aligned trees need many splits to follow
+    and which is a single threshold in the ratio.
+    """
+    base = space.features()
+    ratio = base[:, 1] * max(space.freqs_mhz) / base[:, 0]
+    return np.column_stack([base, ratio])
 
 
 # ------------------------------------------------------------------------ initial design
@@ -228,6 +248,8 @@ class MultiPassSearch:
             ``stop_tol`` (relative) over the last ``stop_patience`` batches; ``None`` = never
             stop before the budget.
         stop_tol: Relative hypervolume gain below which the front counts as converged.
+        stop: Whether to stop when the rule fires; ``False`` = only record when it fired
+            (:attr:`converged_at`) and go on to the budget (for benchmarks).
         log: Path of a new JSONL log of every measurement (an existing non-empty file is an
             error: resume it instead).
         resume: Path of a log to continue (replayed, validated, then appended to); if the
@@ -254,6 +276,7 @@ class MultiPassSearch:
         seed: int = 0,
         stop_patience: int | None = 4,
         stop_tol: float = 1e-3,
+        stop: bool = True,
         log: str | os.PathLike[str] | None = None,
         resume: str | os.PathLike[str] | None = None,
         progress: bool | None = None,
@@ -290,10 +313,13 @@ class MultiPassSearch:
         self.allocation = allocation
         self.stop_patience = stop_patience
         self.stop_tol = float(stop_tol)
+        self.stop = bool(stop)
+        #: Profiles measured when the stop rule first fired (None: it has not).
+        self.converged_at: int | None = None
         self.progress = progress
 
         n = len(space)
-        self._features = space.features()
+        self._features = search_features(space)
         self._observations: list[Observation] = []
         self._measured = np.zeros(n, dtype=bool)
         self._pending: list[int] = []
@@ -529,7 +555,9 @@ class MultiPassSearch:
             ref = reference_point(now, 0.1)
             hv_now = hypervolume(now, ref)
             gain = (hv_now - hypervolume(before, ref)) / hv_now if hv_now > 0 else 0.0
-            if gain < self.stop_tol:
+            if gain < self.stop_tol and self.converged_at is None:
+                self.converged_at = self.n_measured
+            if gain < self.stop_tol and self.stop:
                 self._stopped = "converged"
 
     # ---------------------------------------------------------------------- run

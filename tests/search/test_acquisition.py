@@ -162,15 +162,23 @@ def test_neighbourhood_looks_near_the_front():
     available[1] = False
     ctx = context(t, d, observed=[(2.0, 10.0)], available=available, features=feats,
                   observed_index=np.array([1]))
-    masks = NeighbourhoodPass().neighbours(ctx)
+    local = NeighbourhoodPass(steps=(None, 2, None))
+    masks = local.neighbours(ctx)
     near = np.flatnonzero(np.logical_or.reduce(masks)).tolist()
     # Same SMs at the other frequency (6), +-2 SM steps at the same frequency (0, 2, 3).
     assert near == [0, 2, 3, 6]
-    got = NeighbourhoodPass().select(ctx, 4).tolist()
+    got = local.select(ctx, 4).tolist()
     assert sorted(got) == [0, 2, 3, 6]
     # Asked for more than the neighbourhood holds, it falls back to the whole space,
     # where candidate 4 wins.
-    assert NeighbourhoodPass().select(ctx, 5).tolist()[-1] == 4
+    assert local.select(ctx, 5).tolist()[-1] == 4
+    # The default radius (4 SM steps) reaches it directly.
+    assert 4 in NeighbourhoodPass().select(ctx, 4).tolist()
+    # A derived feature column in no knob (here a ratio) does not restrict neighbours.
+    ratio = np.column_stack([feats, feats[:, 1] / feats[:, 0]])
+    ctx2 = context(t, d, observed=[(2.0, 10.0)], available=available, features=ratio,
+                   observed_index=np.array([1]))
+    assert np.flatnonzero(np.logical_or.reduce(local.neighbours(ctx2))).tolist() == near
     # Without features it behaves as a plain hypervolume pass.
     plain = context(t, d, observed=[(2.0, 10.0)], available=available)
     assert NeighbourhoodPass().select(plain, 1).tolist() == [4]

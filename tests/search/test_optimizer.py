@@ -195,6 +195,13 @@ def test_stops_when_the_front_stops_improving(medium_space):
     assert len(hv) == 4 and hv[0] == hv[-1]
 
 
+def test_stop_false_records_where_the_rule_fired(medium_space):
+    s = search(medium_space, budget=72, batch_size=8, stop_patience=2, stop=False)
+    s.run(FlatProfiler())
+    assert s.n_measured == 72 and s.stopped_reason == "budget"
+    assert s.converged_at == 16 + 3 * 8
+
+
 def test_without_stop_rule_runs_to_budget(medium_space):
     s = search(medium_space, budget=48, batch_size=8, stop_patience=None)
     s.run(FlatProfiler())
@@ -314,3 +321,14 @@ def test_random_initial_design_and_last_remainder(small_space):
     s.run(FakeProfiler())
     assert s.n_measured == 20
     assert [s.chosen_by[o.config] for o in s.observations].count("initial") == 12
+
+
+def test_search_features_add_sms_per_relative_clock(medium_space):
+    from kareus.search.optimizer import search_features
+
+    f = search_features(medium_space)
+    base = medium_space.features()
+    assert f.shape == (len(medium_space), base.shape[1] + 1)
+    np.testing.assert_array_equal(f[:, :-1], base)
+    c = medium_space.configs[-1]
+    assert f[-1, -1] == pytest.approx(c.comm_sms * 1410 / c.freq_mhz)
