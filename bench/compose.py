@@ -124,6 +124,16 @@ def _synthetic_frontiers(pset, gpu, rng):
     return out
 
 
+def _git_commit():
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True, cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller SM grid, coarser time unit")
@@ -235,6 +245,7 @@ def main(argv=None):
         "targets": {"hv_ratio_vs_lowtime": ">= 0.999", "speedup_vs_lowtime": ">= 10",
                     "microbatch_compose_s": "<= 1"},
         "python": sys.version.split()[0],
+        "git_commit": _git_commit(),
     }
     print(f"compose benchmark (emulated {gpu.name}; {wl.describe()})")
     print(f"  {len(nodes)} computations, unit {unit * 1e3:.4f} ms "
