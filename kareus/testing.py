@@ -149,8 +149,7 @@ class FakeProfiler(Profiler):
         if not isinstance(partition, Partition):
             raise TypeError(f"partition must be a kareus Partition, got "
                             f"{type(partition).__name__}")
-        if config.launch_slot is not None:
-            partition.slot(config.launch_slot)  # KeyError for an unknown slot
+        self.space(partition).validate(config)  # typed ConfigErrors for impossible configs
         self.calls.append((partition.name, config))
         t, e = self._simulate(partition, config)
         if self.noise > 0:
@@ -468,3 +467,132 @@ class AcquisitionPassConformance:
 
 _add_tests(SurrogateConformance, SURROGATE_CHECKS, "make_surrogate")
 _add_tests(AcquisitionPassConformance, PASS_CHECKS, "make_pass")
+
+
+# -------------------------------------------------------------------- profiler conformance
+
+
+def _default_partition() -> Partition:
+    from kareus.model.partition import build_partitions  # noqa: PLC0415
+    from kareus.model.workload import Workload  # noqa: PLC0415
+
+    wl = Workload.preset("llama3.2-3b", tp=4, microbatch_size=2, seq_len=1024)
+    return build_partitions(wl)["fwd_attn"]
+
+
+def _sample_configs(profiler: Profiler, partition: Partition, k: int = 6) -> list[ScheduleConfig]:
+    space = profiler.space(partition)
+    cfgs = space.configs
+    idx = np.unique(np.linspace(0, len(cfgs) - 1, min(k, len(cfgs))).round().astype(int))
+    picks = [cfgs[i] for i in idx]
+    seq = [c for c in cfgs if c.launch_slot is None]
+    if seq and seq[0] not in picks:
+        picks.append(seq[0])
+    return picks
+
+
+def _check_profiler_type(make: Callable[[], Profiler], partition: Partition) -> None:
+    from kareus.model.config import ConfigSpace  # noqa: PLC0415
+
+    p = make()
+    assert isinstance(p, Profiler), f"factory returned {type(p).__name__}, not a Profiler"
+    assert isinstance(p.gpu, GPUSpec), "profiler.gpu must be a GPUSpec"
+    space = p.space(partition)
+    assert isinstance(space, ConfigSpace) and len(space) > 0, \
+        "space(partition) must return a non-empty ConfigSpace"
+    assert space.partition.name == partition.name, "space(partition) is of another partition"
+
+
+def _check_profiler_measurements(make: Callable[[], Profiler], partition: Partition) -> None:
+    p = make()
+    for c in _sample_configs(p, partition):
+        m = p.measure(partition, c)
+        assert isinstance(m, Measurement), f"measure must return a Measurement, got {type(m)}"
+        assert m.time_s > 0 and m.energy_j > 0, f"{c}: time and energy must be > 0, got {m}"
+        assert m.static_power_w > 0, f"{c}: static_power_w must be > 0"
+
+
+def _check_profiler_static_power(make: Callable[[], Profiler], partition: Partition) -> None:
+    p = make()
+    for g in (1, 2, 4, 8):
+        w = p.static_power_w(g)
+        assert np.isfinite(w) and w > 0, f"static_power_w({g}) must be finite and > 0, got {w}"
+    assert p.static_power_w(8) > p.static_power_w(1), "more GPUs must draw more static power"
+
+
+def _check_profiler_rejects_bad_configs(make: Callable[[], Profiler],
+                                        partition: Partition) -> None:
+    from kareus.errors import ConfigError  # noqa: PLC0415
+
+    p = make()
+    good = _sample_configs(p, partition, 1)[0]
+    bad = [ScheduleConfig(good.freq_mhz, p.gpu.sm_count + 5, good.launch_slot),
+           ScheduleConfig(good.freq_mhz, 0, good.launch_slot),
+           ScheduleConfig(p.gpu.max_clock_mhz + 1, good.comm_sms, good.launch_slot),
+           ScheduleConfig(good.freq_mhz, good.comm_sms, "no-such-slot")]
+    for c in bad:
+        try:
+            p.measure(partition, c)
+        except ConfigError:
+            continue
+        raise AssertionError(f"measure must raise a kareus ConfigError for {c}")
+
+
+PROFILER_CHECKS: dict[str, Callable[[Callable[[], Profiler], Partition], None]] = {
+    "type": _check_profiler_type,
+    "measurements": _check_profiler_measurements,
+    "static_power": _check_profiler_static_power,
+    "rejects_bad_configs": _check_profiler_rejects_bad_configs,
+}
+
+
+def check_profiler(make: Callable[[], Profiler], *, partition: Partition | None = None,
+                   skip: tuple[str, ...] = ()) -> None:
+    """Run every profiler conformance check on profilers made by ``make``.
+
+    Args:
+        make: Returns a new profiler each call.
+        partition: A partition the profiler can measure; ``None`` = a small Llama 3.2 3B
+            forward-attention partition at TP=4.
+        skip: Names (keys of :data:`PROFILER_CHECKS`) to skip.
+
+    Raises:
+        AssertionError: naming the first check that fails.
+    """
+    part = _default_partition() if partition is None else partition
+    for name, check in PROFILER_CHECKS.items():
+        if name in skip:
+            continue
+        try:
+            check(make, part)
+        except AssertionError as e:
+            raise AssertionError(f"profiler conformance check {name!r} failed: {e}") from e
+
+
+class ProfilerConformance:
+    """Mix-in: subclass in a ``Test*`` class and implement :meth:`make_profiler` (and
+    optionally :meth:`make_partition`); pytest then runs one test per check."""
+
+    skip_checks: tuple[str, ...] = ()
+
+    def make_profiler(self) -> Profiler:
+        raise NotImplementedError("implement make_profiler() to return a new profiler")
+
+    def make_partition(self) -> Partition:
+        return _default_partition()
+
+
+def _add_profiler_tests(cls: type) -> type:
+    for name, check in PROFILER_CHECKS.items():
+        def test(self: Any, _check: Any = check, _name: str = name) -> None:
+            if _name in getattr(self, "skip_checks", ()):
+                return
+            _check(self.make_profiler, self.make_partition())
+        test.__name__ = f"test_conformance_{name}"
+        test.__doc__ = f"Profiler conformance check {name!r}."
+        setattr(cls, test.__name__, test)
+    return cls
+
+
+_add_profiler_tests(ProfilerConformance)
+__all__ += ["PROFILER_CHECKS", "ProfilerConformance", "check_profiler"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kareus.errors import UnknownSlotError
 from kareus.model import ConfigSpace, Measurement, ScheduleConfig, Workload, build_partitions
 from kareus.search.acquisition import AcquisitionPass, HypervolumePass
 from kareus.search.surrogate import Surrogate, XGBoostSurrogate
@@ -48,7 +49,7 @@ def test_fake_profiler_noise_is_seeded(part):
     assert np.median(b) == pytest.approx(exact.time_s, rel=0.05)
     with pytest.raises(ValueError):
         FakeProfiler(noise=-1)
-    with pytest.raises(KeyError):
+    with pytest.raises(UnknownSlotError):
         FakeProfiler().measure(part, ScheduleConfig(1200, 4, "no_such_op"))
 
 
