@@ -727,8 +727,12 @@ def evaluate_plan(plan: Plan, *, frontiers: Mapping[str, Any], partitions: Any,
         for o in reversed(pf.observations):
             lookup[(tname, o.config)] = o
         for f in {o.config.freq_mhz for o in pf.observations}:
+            # The observations composition uses: measured front points first, predicted
+            # ones only for configurations without a measured front point.
             for o in pf.front_at(f, include_predicted=True):
-                lookup[(tname, o.config)] = o  # the observation composition used
+                lookup[(tname, o.config)] = o
+            for o in pf.front_at(f):
+                lookup[(tname, o.config)] = o
     durations: dict[Computation, float] = {}
     dyn = 0.0
     for c in schedule.nodes:
