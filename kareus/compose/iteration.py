@@ -162,6 +162,9 @@ class _WarmCut:
     then augments from s to t. Between consecutive steps of the trade-off almost every
     arc keeps a feasible flow (a computation sped up sits at its upper bound, whose new
     lower bound is that same slope), so few augmenting paths are needed per cut.
+
+    Written here, not taken from a library: kareus's run-time dependencies are closed
+    (numpy, attrs, xgboost, nvidia-ml-py); scipy and networkx are not among them.
     """
 
     def __init__(self, dag: _Dag, big: float, eps: float) -> None:
