@@ -41,3 +41,12 @@ def test_tutorial_script_runs(tmp_path):
     assert "kareus plan v1" in out.stdout
     assert (tmp_path / "plan.json").is_file()
     assert (tmp_path / "frontiers.png").stat().st_size > 1000
+
+
+def test_custom_plugins_example_runs():
+    out = subprocess.run([sys.executable, str(EXAMPLES / "custom_plugins.py")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "passes the surrogate conformance suite" in out.stdout
+    assert "passes the profiler conformance suite" in out.stdout
+    assert "PartitionFrontier('fwd_mlp'" in out.stdout
