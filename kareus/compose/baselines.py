@@ -37,7 +37,8 @@ from kareus.compose.iteration import IterationComposer
 from kareus.compose.microbatch import MicrobatchComposer, measure_outside_work
 from kareus.exec.profiler import Profiler
 from kareus.model.config import ConfigSpace
-from kareus.model.partition import Partition, PartitionSet, build_partitions
+from kareus.model.measurement import Measurement
+from kareus.model.partition import OutsideWork, Partition, PartitionSet, build_partitions
 from kareus.model.pipeline import PipelineSchedule, one_f_one_b
 from kareus.model.workload import Workload
 from kareus.search.frontier import Observation, PartitionFrontier
@@ -61,6 +62,56 @@ def default_search(profiler: Profiler, partition: Partition) -> PartitionFrontie
 
     return MultiPassSearch(ConfigSpace(partition, profiler.gpu)).run(profiler, partition,
                                                                      progress=False)
+
+
+class _SharedMeasurements(Profiler):
+    """One measurement per (partition, configuration) for all the systems compared.
+
+    The systems' spaces overlap (Megatron-LM's configuration is Perseus's at the maximum
+    clock, and kareus's space holds them all). Measuring the same run twice would let
+    measurement noise, not the system, decide which one wins, and would waste profiles on
+    real GPUs; so the first measurement of a configuration serves every system.
+    """
+
+    def __init__(self, inner: Profiler) -> None:
+        self.inner = inner
+        self.gpu = inner.gpu
+        self._runs: dict[Any, Measurement] = {}
+        self._outside: dict[Any, Measurement] = {}
+
+    @staticmethod
+    def _key(partition: Partition) -> Any:
+        try:
+            hash(partition)
+        except TypeError:
+            return id(partition)
+        return partition
+
+    def remember(self, partition: Partition, frontier: PartitionFrontier) -> None:
+        """Take the measured observations of a search already made."""
+        for o in frontier.measured():
+            self._runs.setdefault((self._key(partition), o.config), o.measurement)
+
+    def measure(self, partition: Partition, config: Any) -> Measurement:
+        key = (self._key(partition), config)
+        if key not in self._runs:
+            self._runs[key] = self.inner.measure(partition, config)
+        return self._runs[key]
+
+    def measure_outside(self, work: OutsideWork, freq_mhz: int, *, group_size: int,
+                        comm_sms: int | None = None) -> Measurement:
+        key = (work, int(freq_mhz), int(group_size), comm_sms)
+        if key not in self._outside:
+            self._outside[key] = self.inner.measure_outside(work, freq_mhz,
+                                                            group_size=group_size,
+                                                            comm_sms=comm_sms)
+        return self._outside[key]
+
+    def static_power_w(self, group_size: int) -> float:
+        return self.inner.static_power_w(group_size)
+
+    def space(self, partition: Partition) -> ConfigSpace:
+        return self.inner.space(partition)
 
 
 def exhaustive_search(profiler: Profiler, space: ConfigSpace) -> PartitionFrontier:
@@ -192,7 +243,10 @@ def compose_baselines(workload: Workload, profiler: Profiler, *,
     micro: dict[str, dict[tuple[int, str], MicrobatchFrontier]] = {}
     parts_out: dict[str, dict[str, PartitionFrontier]] = {}
     pset_cache: dict[Workload, PartitionSet] = {}
-    for name in names:
+    shared = _SharedMeasurements(profiler)
+    profiler = shared
+    # kareus first, so its search's measurements serve the restricted spaces too.
+    for name in sorted(names, key=lambda n: n != "kareus"):
         wl = _baseline_workload(name, workload)
         if wl not in pset_cache:
             pset_cache[wl] = build_partitions(wl)
@@ -202,6 +256,7 @@ def compose_baselines(workload: Workload, profiler: Profiler, *,
             if name == "kareus":
                 if kareus_frontiers is not None and tname in kareus_frontiers:
                     pfs[tname] = kareus_frontiers[tname]
+                    shared.remember(part, pfs[tname])
                 else:
                     pf = search_fn(profiler, part)
                     if not isinstance(pf, PartitionFrontier):
@@ -218,5 +273,8 @@ def compose_baselines(workload: Workload, profiler: Profiler, *,
                                       schedule=sched, label=name, workload=wl.to_dict())
         micro[name] = mf
         parts_out[name] = pfs
-    return BaselineResult(workload=workload, gpu=gpu.name, frontiers=frontiers,
-                          microbatch=micro, partitions=parts_out)
+    order = list(names)
+    return BaselineResult(workload=workload, gpu=gpu.name,
+                          frontiers={n: frontiers[n] for n in order},
+                          microbatch={n: micro[n] for n in order},
+                          partitions={n: parts_out[n] for n in order})

@@ -70,3 +70,24 @@ def test_argument_errors(tiny_workload, fake_profiler):
         compose_baselines(tiny_workload, fake_profiler, systems=["zeus"])
     with pytest.raises(TypeError, match="Profiler"):
         compose_baselines(tiny_workload, object())  # type: ignore[arg-type]
+
+
+def test_systems_share_measurements_of_the_same_run(tiny_workload):
+    from kareus.testing import FakeProfiler
+
+    noisy = FakeProfiler(noise=0.05, seed=7)
+    search, _ = _search_calls()
+    res = compose_baselines(tiny_workload, noisy, search=search)
+    # Megatron-LM's plan is Perseus's all-maximum-clock plan: with one measurement per
+    # configuration, Perseus is never slower than Megatron-LM at its fastest, whatever the noise.
+    meg, per = res["megatron"].points[0], res["perseus"].points[0]
+    assert per.time_s == pytest.approx(meg.time_s, rel=1e-9)
+    assert per.energy_j <= meg.energy_j * (1 + 1e-9)
+    # Each (partition, configuration) was measured once: the nanobatching systems' max-clock
+    # first-slot configuration appears with one measurement in both.
+    nb = res.partitions["nanobatching"]
+    nbp = res.partitions["nanobatching+perseus"]
+    for t, pf in nb.items():
+        (obs,) = pf.observations
+        twin = [o for o in nbp[t].observations if o.config == obs.config]
+        assert [o.measurement for o in twin] == [obs.measurement]
