@@ -73,9 +73,9 @@ def test_argument_errors(tiny_workload, fake_profiler):
 
 
 def test_systems_share_measurements_of_the_same_run(tiny_workload):
-    from kareus.testing import FakeProfiler
+    from kareus.exec.emulator import EmulatedProfiler
 
-    noisy = FakeProfiler(noise=0.05, seed=7)
+    noisy = EmulatedProfiler("a100-40gb", noise=0.05, seed=7)
     search, _ = _search_calls()
     res = compose_baselines(tiny_workload, noisy, search=search)
     # Megatron-LM's plan is Perseus's all-maximum-clock plan: with one measurement per
