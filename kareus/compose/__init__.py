@@ -31,7 +31,7 @@ from kareus.compose.frontiers import (
     MicrobatchFrontier,
     MicrobatchPoint,
 )
-from kareus.compose.iteration import IterationComposer, solve_time_cost
+from kareus.compose.iteration import IterationComposer, evaluate_plan, solve_time_cost
 from kareus.compose.microbatch import MicrobatchComposer, measure_outside_work
 from kareus.compose.plan import PLAN_VERSION, MicrobatchChoice, Plan
 
@@ -51,6 +51,7 @@ __all__ = [
     "baseline_space",
     "compose_baselines",
     "default_search",
+    "evaluate_plan",
     "exhaustive_search",
     "measure_outside_work",
     "solve_time_cost",
