@@ -69,7 +69,10 @@ def test_space_is_the_recorded_grid():
     broken = synthetic()
     broken["measurements"].pop(0)
     with pytest.raises(ConfigError, match="not a full product"):
-        ReplayProfiler(broken).space(attn())
+        ReplayProfiler(broken).grid_space(attn())
+    # A recording that is not a grid (a search's) is searched over the GPU's full space:
+    # the replayed search asks the configurations it asked when it was recorded.
+    assert len(ReplayProfiler(broken).space(attn())) > 6
 
 
 def test_file_without_rows_is_rejected(tmp_path):
