@@ -373,7 +373,8 @@ def test_property_lower_clock_is_not_faster(part, sms):
     slot = part.slots[-1].name
     times = [prof.ground_truth(part, ScheduleConfig(f, sms, slot)).time_s
              for f in (1410, 1200, 900, 600)]
-    assert all(b >= a * (1 - 1e-9) for a, b in zip(times, times[1:]))
+    # Equal up to the event simulation's float round-off (a comm-bound run ends together).
+    assert all(b >= a * (1 - 1e-6) for a, b in zip(times, times[1:]))
 
 
 @settings(max_examples=30, deadline=None)
