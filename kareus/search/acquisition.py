@@ -11,7 +11,10 @@ picks its candidates:
   power x time), so that pass rewards being faster than the fastest measured point.
   This is the hypervolume improvement of the predicted mean, not an expectation
   over the prediction's uncertainty; with ``optimism > 0`` it scores an optimistic
-  point (mean lowered by ``optimism`` spreads) instead.
+  point (mean lowered by ``optimism`` spreads) instead; with ``front="denoised"`` it
+  scores against the front of the *predicted* values of the measured configurations.
+* :class:`NeighbourhoodPass` - exploitation: the same score, among configurations one
+  knob away from the front's (any other frequency, a few SM steps, any other slot).
 * :class:`UncertaintyPass` - the candidates the surrogates agree on least (largest
   bootstrap spread): exploration.
 * :class:`FastestPass` - lowest predicted time (the reference artifact's third pass).
@@ -214,7 +217,7 @@ class HypervolumePass(AcquisitionPass):
 
     @property
     def name(self) -> str:
-        return f"hv-{self.energy}"
+        return f"hv-{self.energy}" + (f"-optimistic{self.optimism:g}" if self.optimism else "")
 
     def predicted_points(self, context: AcquisitionContext) -> np.ndarray:
         """The scored point of each candidate: (n, 2) in (time, energy)."""

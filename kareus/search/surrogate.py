@@ -122,7 +122,10 @@ class XGBoostSurrogate(Surrogate):
 
     Small and fast by default: a partition search refits its models every batch on at
     most a few hundred points, and search overhead must stay well under the seconds a
-    profile costs.
+    profile costs. The defaults (100 rounds of depth-4 trees, learning rate 0.1, at least
+    2 samples per leaf) are regularised a little against measurement noise: on the
+    emulator with 1% noise they found better fronts than deeper, faster-learning trees
+    (docs/search.md).
 
     Args:
         n_estimators: Boosting rounds.
@@ -146,12 +149,12 @@ class XGBoostSurrogate(Surrogate):
     def __init__(
         self,
         *,
-        n_estimators: int = 80,
-        max_depth: int = 5,
-        learning_rate: float = 0.15,
+        n_estimators: int = 100,
+        max_depth: int = 4,
+        learning_rate: float = 0.1,
         subsample: float = 1.0,
         colsample_bytree: float = 1.0,
-        min_child_weight: float = 1.0,
+        min_child_weight: float = 2.0,
         reg_lambda: float = 1.0,
         nthread: int | None = None,
         seed: int = 0,
@@ -177,7 +180,8 @@ class XGBoostSurrogate(Surrogate):
         self.seed = int(seed)
         self.params = dict(params or {})
         self.trend_features = tuple(int(c) for c in trend_features)
-        self._trend: tuple[np.ndarray, np.ndarray, np.ndarray, float] | None = None
+        # (columns, means, standard deviations, coefficients) of the linear trend.
+        self._trend: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
         self._booster: Any = None
         self._n_features: int | None = None
         self._constant: float | None = None
@@ -209,16 +213,15 @@ class XGBoostSurrogate(Surrogate):
         # A little ridge on the slopes: a trend from few points must not run wild.
         reg = np.diag([0.0] + [1e-3 * len(t)] * zs.shape[1])
         coef = np.linalg.solve(a.T @ a + reg, a.T @ t)
-        self._trend = (np.asarray(cols)[keep], mu[keep], sd[keep], 0.0)
-        self._trend_coef = coef
+        self._trend = (np.asarray(cols)[keep], mu[keep], sd[keep], coef)
         return t - a @ coef
 
     def _trend_at(self, x: np.ndarray) -> np.ndarray | float:
         if self._trend is None:
             return 0.0
-        cols, mu, sd, _ = self._trend
+        cols, mu, sd, coef = self._trend
         zs = (x[:, cols] - mu) / sd
-        return self._trend_coef[0] + zs @ self._trend_coef[1:]
+        return coef[0] + zs @ coef[1:]
 
     def fit(self, X: ArrayLike, y: ArrayLike) -> XGBoostSurrogate:
         x, t = _check_xy(X, y)
