@@ -28,7 +28,12 @@ from typing import Any
 
 import attrs
 
-from kareus.compose.baselines import BASELINES, BaselineResult, compose_baselines
+from kareus.compose.baselines import (
+    BASELINES,
+    BaselineResult,
+    compose_baselines,
+    seed_with_anchors,
+)
 from kareus.compose.frontiers import IterationFrontier, IterationPoint
 from kareus.compose.plan import Plan
 from kareus.errors import InfeasibleError
@@ -338,4 +343,5 @@ def _search_type(search_cls: Any, profiler: Profiler, part: Partition, *, budget
     space = profiler.space(part)
     search = search_cls(space, budget=min(budget, len(space)), batch_size=batch_size, seed=seed,
                         resume=log, progress=progress)
+    seed_with_anchors(search, profiler, part)
     return search.run(profiler, part)
