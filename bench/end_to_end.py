@@ -52,6 +52,17 @@ PUBLISHED = {"iso_time_energy_saving_vs_perseus_up_to": 0.283,
              "iso_energy_time_saving_vs_perseus_up_to": 0.275}
 
 
+def _commit() -> str:
+    import subprocess  # noqa: PLC0415
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, cwd=Path(__file__).resolve().parent, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return out.stdout.strip()
+
+
 def _pct(x: float | None) -> str:
     return "   n/a" if x is None else f"{100 * x:5.1f}%"
 
@@ -118,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python bench/end_to_end.py " + " ".join(argv if argv is not None
                                                              else sys.argv[1:]),
         "machine": f"{platform.machine()} CPU, {platform.python_version()}",
+        "commit": _commit(),
         "budget_per_partition_type": args.budget,
         "rows": rows,
         "summary": summary,
