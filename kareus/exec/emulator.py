@@ -57,7 +57,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from kareus.errors import InvalidSMCountError, UnknownSlotError, UnsupportedFrequencyError
+from kareus.errors import UnknownSlotError
 from kareus.exec.profiler import Profiler
 from kareus.model.config import ScheduleConfig
 from kareus.model.gpu import GPUSpec, get_gpu
@@ -847,17 +847,10 @@ class EmulatedProfiler(Profiler):
         return int(partition.comm_op.group_size)
 
     def _check_freq(self, f: int) -> None:
-        if not self.gpu.supports_clock(f):
-            raise UnsupportedFrequencyError(
-                f"{f} MHz is not a supported SM clock of {self.gpu.name} "
-                f"({self.gpu.min_clock_mhz}..{self.gpu.max_clock_mhz} MHz; nearest supported: "
-                f"{self.gpu.nearest_clock(f)} MHz)")
+        self.gpu.check_clock(f)
 
     def _check_sms(self, s: int) -> None:
-        if not 1 <= s <= self.gpu.sm_count - 1:
-            raise InvalidSMCountError(
-                f"comm_sms={s} is impossible on {self.gpu.name}: it must be in "
-                f"1..{self.gpu.sm_count - 1}")
+        self.gpu.check_comm_sms(s)
 
     def _check(self, prep: _Prepared, config: ScheduleConfig) -> None:
         if not isinstance(config, ScheduleConfig):

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import attrs
 import numpy as np
 
-from kareus.errors import InvalidSMCountError, UnknownSlotError, UnsupportedFrequencyError
+from kareus.errors import UnknownSlotError
 from kareus.model.gpu import GPUSpec, get_gpu
 from kareus.model.partition import Partition
 
@@ -128,18 +128,10 @@ class ConfigSpace:
 
     # -- validation ------------------------------------------------------------------
     def _check_freq(self, f: int) -> None:
-        if not self.gpu.supports_clock(f):
-            raise UnsupportedFrequencyError(
-                f"{f} MHz is not a supported SM clock of {self.gpu.name} "
-                f"({self.gpu.min_clock_mhz}..{self.gpu.max_clock_mhz} MHz; nearest supported: "
-                f"{self.gpu.nearest_clock(f)} MHz)")
+        self.gpu.check_clock(f)
 
     def _check_sms(self, s: int) -> None:
-        if not 1 <= s <= self.gpu.sm_count - 1:
-            raise InvalidSMCountError(
-                f"comm_sms={s} is impossible on {self.gpu.name}: it must be in "
-                f"1..{self.gpu.sm_count - 1} (the GPU has {self.gpu.sm_count} SMs and the "
-                "computation needs at least one)")
+        self.gpu.check_comm_sms(s)
 
     def _check_slot(self, name: str) -> None:
         names = [s.name for s in self.partition.slots]

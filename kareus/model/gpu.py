@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import attrs
 
-from kareus.errors import UnknownPresetError
+from kareus.errors import InvalidSMCountError, UnknownPresetError, UnsupportedFrequencyError
 
 __all__ = ["GPUSpec", "get_gpu", "gpu_names", "GPU_PRESETS"]
 
@@ -85,6 +85,26 @@ class GPUSpec:
     def nearest_clock(self, freq_mhz: float) -> int:
         """The supported clock closest to ``freq_mhz`` (ties go to the lower one)."""
         return min(self.clocks_mhz, key=lambda c: (abs(c - freq_mhz), c))
+
+    def check_clock(self, freq_mhz: int) -> int:
+        """Return ``freq_mhz`` if supported; else raise :class:`UnsupportedFrequencyError`
+        naming the range and the nearest supported clock."""
+        if not self.supports_clock(freq_mhz):
+            raise UnsupportedFrequencyError(
+                f"{freq_mhz} MHz is not a supported SM clock of {self.name} "
+                f"({self.min_clock_mhz}..{self.max_clock_mhz} MHz; nearest supported: "
+                f"{self.nearest_clock(freq_mhz)} MHz)")
+        return int(freq_mhz)
+
+    def check_comm_sms(self, sms: int) -> int:
+        """Return ``sms`` if a collective can run on that many SMs beside some computation
+        (1..SMs-1); else raise :class:`InvalidSMCountError`."""
+        if not 1 <= sms <= self.sm_count - 1:
+            raise InvalidSMCountError(
+                f"comm_sms={sms} is impossible on {self.name}: it must be in "
+                f"1..{self.sm_count - 1} (the GPU has {self.sm_count} SMs and the "
+                "computation needs at least one)")
+        return int(sms)
 
     def to_dict(self) -> dict[str, object]:
         """A JSON-ready dict of every field."""
