@@ -578,6 +578,12 @@ def solve_time_cost(num_nodes: int, edges: Sequence[tuple[int, int]],
         T = makespan_int(d)
         steps += j
 
+    # The all-fastest assignment bounds the frontier's short end exactly; the discretised
+    # walk can stop a few time units short of it (a unit is a fraction of the shortest
+    # computation), so it is always offered to the Pareto filter too.
+    fastest_opt = [int(np.lexsort((c, t))[0]) for t, c in zip(opt_t, opt_c)]
+    record(np.array([fastest_opt[k] for k in types_pos], dtype=np.int64)[None, :])
+
     # Back to original node ids.
     choices = np.array(records_choice, dtype=np.int64).reshape(-1, n)
     out = np.empty_like(choices)

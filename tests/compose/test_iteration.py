@@ -236,3 +236,21 @@ def test_iteration_frontier_invariants(seed, pp, m):
         t = sched.makespan(durations)
         assert t == pytest.approx(pt.time_s, rel=1e-9)
         assert dyn + static * t == pytest.approx(pt.energy_j, rel=1e-9)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 10_000), st.floats(0.05, 3.0))
+def test_shortest_time_is_the_all_fastest_makespan(seed, unit_frac):
+    """Whatever the time unit, the frontier reaches the makespan of every computation at its
+    fastest option (a coarse unit must not leave the short end out of reach)."""
+    from kareus.compose.iteration import _Dag
+
+    rng = np.random.default_rng(seed)
+    n, edges, node_type, k = _dag(3, 4)
+    options = [(rng.uniform(1.0, 3.0, size=4), rng.uniform(1.0, 10.0, size=4)) for _ in range(k)]
+    unit = unit_frac * min(float(t.min()) for t, _ in options)
+    res = solve_time_cost(n, edges, node_type, options, unit)
+    dag = _Dag(n, edges)
+    fastest = np.array([options[node_type[v]][0].min() for v in range(n)])
+    best = dag.makespans(fastest[dag.order][None, :])[0]
+    assert res.times_s.min() == pytest.approx(best, rel=1e-12)
