@@ -86,7 +86,10 @@ def load_nvml(nvml: Any = None) -> Any:
     try:
         nvml.nvmlInit()
     except Exception as exc:  # noqa: BLE001 - pynvml raises NVMLError subclasses
-        raise HardwareError(f"NVML failed to initialise: {exc}") from exc
+        raise HardwareError(
+            f"NVML failed to initialise ({exc}): this needs a machine with NVIDIA GPUs and their "
+            "driver. Without GPUs, measure with EmulatedProfiler (or replay recorded data with "
+            "ReplayProfiler) and use DryRunFrequencyController") from exc
     return nvml
 
 

@@ -166,3 +166,15 @@ def test_preheat_sets_a_working_baseline_temperature():
         assert prof.records == []  # pre-heat runs are not measurements
     finally:
         prof.close()
+
+
+def test_missing_driver_says_what_to_do():
+    from kareus.errors import HardwareError
+    from kareus.exec.nvml import load_nvml
+
+    class NoDriver:
+        def nvmlInit(self):
+            raise RuntimeError("NVML Shared Library Not Found")
+
+    with pytest.raises(HardwareError, match="EmulatedProfiler"):
+        load_nvml(NoDriver())
