@@ -22,9 +22,19 @@ from kareus.search.acquisition import (
     NeighbourhoodPass,
     RandomPass,
     UncertaintyPass,
+    allocate,
 )
 from kareus.search.frontier import Observation, PartitionFrontier
-from kareus.search.optimizer import MultiPassSearch, default_passes, facts_passes, maximin_design
+from kareus.search.optimizer import (
+    LOG_FORMAT,
+    LOG_VERSION,
+    MultiPassSearch,
+    default_passes,
+    default_surrogate,
+    facts_passes,
+    maximin_design,
+    search_features,
+)
 from kareus.search.pareto import (
     hypervolume,
     hypervolume_improvement,
@@ -32,9 +42,17 @@ from kareus.search.pareto import (
     pareto_mask,
     reference_point,
 )
-from kareus.search.surrogate import BootstrapEnsemble, Surrogate, XGBoostSurrogate
+from kareus.search.surrogate import (
+    BootstrapEnsemble,
+    ObjectiveModel,
+    ObjectivePrediction,
+    Surrogate,
+    XGBoostSurrogate,
+)
 
 __all__ = [
+    "LOG_FORMAT",
+    "LOG_VERSION",
     "AcquisitionContext",
     "AcquisitionPass",
     "BootstrapEnsemble",
@@ -42,13 +60,17 @@ __all__ = [
     "HypervolumePass",
     "MultiPassSearch",
     "NeighbourhoodPass",
+    "ObjectiveModel",
+    "ObjectivePrediction",
     "Observation",
     "PartitionFrontier",
     "RandomPass",
     "Surrogate",
     "UncertaintyPass",
     "XGBoostSurrogate",
+    "allocate",
     "default_passes",
+    "default_surrogate",
     "facts_passes",
     "hypervolume",
     "hypervolume_improvement",
@@ -56,4 +78,5 @@ __all__ = [
     "pareto_front",
     "pareto_mask",
     "reference_point",
+    "search_features",
 ]
