@@ -46,7 +46,6 @@ order: all loop counts are fixed before the loop, never taken from timings.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -298,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915 - a linea
     import torch
     import torch.distributed as dist
 
-    from kareus.exec.collectives import NCCLCappedCollective
+    from kareus.exec.collectives import CollectiveUnavailableError, NCCLCappedCollective
     from kareus.exec.executor import ProcessGroupCollective, TorchExecutor
     from kareus.exec.frequency import (
         DryRunFrequencyController,
@@ -340,11 +339,17 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915 - a linea
 
     # Collectives: one NCCL communicator per SM cap of the plan (created up front, in the
     # same order on every rank), and the plain world group for the baselines.
-    capped = NCCLCappedCollective()
     caps = sorted({cfg.comm_sms for cfgs in plan.partition_configs().values() for cfg in cfgs})
-    for sms in caps:
-        capped.group_for(sms)
     default = ProcessGroupCollective()
+    try:
+        capped: Any = NCCLCappedCollective()
+        for sms in caps:
+            capped.group_for(sms)
+        collective_note = "NCCLCappedCollective (min_ctas = max_ctas = the plan's SM count)"
+    except CollectiveUnavailableError as exc:  # the same on every rank (PyTorch's options)
+        capped = default
+        collective_note = f"UNCAPPED fallback, the plan's SM counts are not applied: {exc}"
+        log(f"warning: {collective_note}")
 
     if args.clocks == "nvml":  # only with --allow-clock-changes (checked in parse_args)
         controller: Any = NVMLFrequencyController(device_indices=[local], gpu=plan.gpu)
@@ -382,8 +387,10 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915 - a linea
                 expected_freqs += [plan.freq_mhz(c) for c in computations]
             if it >= args.warmup:
                 times[s].append(start.elapsed_time(end) / 1e3)
-        if it == args.warmup - 1:
-            log(f"[{time.perf_counter() - t_begin:.1f}s] warm-up done")
+        log(f"[{time.perf_counter() - t_begin:.1f}s] step {it + 1}/{args.warmup + args.steps}"
+            f"{' (warm-up)' if it < args.warmup else ''}: " + ", ".join(
+                f"{s} {times[s][-1] * 1e3:.1f} ms" for s in args.schedules
+                if it >= args.warmup))
     torch.cuda.synchronize()
     trigger.close()
     if args.clocks == "nvml":
@@ -446,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915 - a linea
                 "software": {"torch": torch.__version__,
                              "nccl": ".".join(map(str, torch.cuda.nccl.version()))},
                 "workload": wl.to_dict(),
+                "collective": collective_note,
                 "layers_run": layers,
                 "computations_per_step": [c.key() for c in computations],
                 "steps": args.steps, "warmup": args.warmup,
@@ -462,8 +470,6 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915 - a linea
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(data, indent=1) + "\n")
             print(f"wrote {args.json}")
-    with contextlib.suppress(Exception):
-        capped.close()
     dist.barrier()
     dist.destroy_process_group()
     return 0
