@@ -65,6 +65,7 @@ __all__ = [
     "LOG_FORMAT",
     "LOG_VERSION",
     "MultiPassSearch",
+    "anchor_indices",
     "default_passes",
     "default_surrogate",
     "facts_passes",
@@ -220,6 +221,26 @@ def maximin_design(space: ConfigSpace, n: int, *, seed: int = 0, tries: int = 64
     return best
 
 
+def anchor_indices(space: ConfigSpace) -> list[int]:
+    """The configurations a training job runs without kareus, where they lie in ``space``
+    (indices into ``space.configs``): the maximum clock with the GPU's default SM count
+    for communication (NCCL's), sequential and launched in the first slot.
+
+    They are what Megatron-LM and nanobatching run (``kareus.compose.baselines``
+    measures the same ones), and the fastest end of a front is often at the maximum
+    clock, where the surrogates, which see time nearly flat in frequency once a
+    collective is exposed, would not look: a front missing its fastest point loses much
+    of its hypervolume.
+    """
+    g = space.gpu
+    f = g.max_clock_mhz if g.max_clock_mhz in space.freqs_mhz else max(space.freqs_mhz)
+    sms = g.default_comm_sms if g.default_comm_sms in space.comm_sms else max(space.comm_sms)
+    slots = [sl for sl in space.slots if sl is not None]
+    cands = [ScheduleConfig(f, sms, None)] + ([ScheduleConfig(f, sms, slots[0])] if slots
+                                               else [])
+    return [space.index(c) for c in cands if c in space]
+
+
 # ---------------------------------------------------------------------------- the search
 
 
@@ -245,6 +266,10 @@ class MultiPassSearch:
         initial_size: Profiles of the space-filling initial design; ``None`` = 16.
         initial_design: ``"maximin"`` (:func:`maximin_design`, space-filling) or
             ``"random"`` (uniform, as the reference artifact does).
+        anchors: Whether the initial design starts with :func:`anchor_indices` (the
+            maximum clock with the default SM count, sequential and in the first slot)
+            and fills the rest of its points with the space-filling design; ``None`` =
+            yes for ``"maximin"``, no for ``"random"``.
         allocation: How leftover batch slots are shared when weights do not divide the
             batch: ``"largest"`` remainders, or ``"last"`` pass (see
             :func:`~kareus.search.acquisition.allocate`).
@@ -277,6 +302,7 @@ class MultiPassSearch:
         budget: int | None = None,
         initial_size: int | None = None,
         initial_design: str = "maximin",
+        anchors: bool | None = None,
         allocation: str = "largest",
         seed: int = 0,
         stop_patience: int | None = 4,
@@ -331,11 +357,21 @@ class MultiPassSearch:
         self._batches = 0  # batches asked so far
         self._fronts: list[np.ndarray] = []  # measured front after each batch
         self._stopped: str | None = None
-        if initial_design == "maximin":
-            self._initial = maximin_design(space, self.initial_size, seed=self.seed)
+        self.anchors = (initial_design == "maximin") if anchors is None else bool(anchors)
+        anchor = anchor_indices(space)[:self.initial_size] if self.anchors else []
+        rest = self.initial_size - len(anchor)
+        if rest <= 0:
+            design: list[int] = []
+        elif initial_design == "maximin":
+            design = [i for i in maximin_design(space, rest, seed=self.seed) if i not in anchor]
+            if len(design) < rest:  # the design hit an anchor: top up from a larger one
+                more = maximin_design(space, rest + len(anchor), seed=self.seed)
+                design += [i for i in more if i not in anchor and i not in design]
         else:
             rng = np.random.default_rng([self.seed, 104729])
-            self._initial = [int(i) for i in rng.choice(n, self.initial_size, replace=False)]
+            free = np.setdiff1d(np.arange(n), anchor) if anchor else n
+            design = [int(i) for i in rng.choice(free, rest, replace=False)]
+        self._initial = anchor + design[:rest]
         #: Seconds spent in :meth:`ask` per batch (search overhead: fitting, predicting,
         #: choosing), for benchmarks.
         self.ask_seconds: list[float] = []

@@ -14,6 +14,7 @@ from kareus.search.optimizer import (
     LOG_FORMAT,
     LOG_VERSION,
     MultiPassSearch,
+    anchor_indices,
     default_passes,
     facts_passes,
     maximin_design,
@@ -172,6 +173,36 @@ def test_maximin_beats_random_on_spread(medium_space):
 def test_tiny_space_design(small_space):
     tiny = small_space.restrict(freqs_mhz=[1410], comm_sms=[4], slots=["qkv"])
     assert maximin_design(tiny, 5) == [0]
+
+
+def test_initial_design_starts_with_the_anchors(medium_space):
+    # The maximum clock with the default SM count (32 on the A100), sequential and in the
+    # first slot: what a job runs without kareus; the rest is the maximin design.
+    anchors = anchor_indices(medium_space)
+    assert [medium_space.configs[i] for i in anchors] == [
+        ScheduleConfig(1410, 32, None), ScheduleConfig(1410, 32, "attn_norm")]
+    s = search(medium_space, budget=32, seed=4)
+    first = s.ask()
+    assert len(first) == len(set(first)) == 16
+    assert first[:2] == [medium_space.configs[i] for i in anchors]
+    design = [medium_space.configs[i] for i in maximin_design(medium_space, 14, seed=4)]
+    assert set(first[2:]) == set(design) - set(first[:2])
+    # Without anchors: the plain maximin design; a random design has none by default.
+    plain = search(medium_space, budget=32, seed=4, anchors=False).ask()
+    assert plain == [medium_space.configs[i] for i in maximin_design(medium_space, 16, seed=4)]
+    rnd = search(medium_space, budget=32, seed=4, initial_design="random").ask()
+    expect = np.random.default_rng([4, 104729]).choice(len(medium_space), 16, replace=False)
+    assert rnd == [medium_space.configs[int(i)] for i in expect]
+    rnd_a = search(medium_space, budget=32, seed=4, initial_design="random", anchors=True).ask()
+    assert rnd_a[:2] == first[:2] and len(set(rnd_a)) == 16
+    # A design smaller than the anchors holds anchors only.
+    assert search(medium_space, budget=8, initial_size=1).ask() == first[:1]
+
+
+def test_anchors_outside_the_space_are_skipped(medium_space):
+    low = medium_space.restrict(comm_sms=[1, 2, 4, 8], slots=["qkv", "rope"])
+    # No 32 SMs: the largest SM count stands in; no sequential slot: only the slotted one.
+    assert [low.configs[i] for i in anchor_indices(low)] == [ScheduleConfig(1410, 8, "qkv")]
 
 
 # ---------------------------------------------------------------------- stopping
