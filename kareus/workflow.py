@@ -3,8 +3,9 @@
 :func:`optimize` is what ``kareus optimize`` runs and what notebooks call:
 
 1. build the workload's partition types (:func:`kareus.model.build_partitions`);
-2. search each type's full configuration space with :class:`MultiPassSearch` (every
-   measurement appended to a JSONL log per type, so a killed run resumes where it stopped);
+2. search each type's full configuration space with :class:`MultiPassSearch` (its initial
+   design starts with the baselines' own configurations; every measurement is appended to
+   a JSONL log per type, so a killed run resumes where it stopped);
 3. compose the five systems (Megatron-LM, nanobatching, Perseus, nanobatching + Perseus,
    kareus) through the same microbatch and iteration composers
    (:func:`kareus.compose.baselines.compose_baselines`);
@@ -28,12 +29,7 @@ from typing import Any
 
 import attrs
 
-from kareus.compose.baselines import (
-    BASELINES,
-    BaselineResult,
-    compose_baselines,
-    seed_with_anchors,
-)
+from kareus.compose.baselines import BASELINES, BaselineResult, compose_baselines
 from kareus.compose.frontiers import IterationFrontier, IterationPoint
 from kareus.compose.plan import Plan
 from kareus.errors import InfeasibleError
@@ -343,5 +339,4 @@ def _search_type(search_cls: Any, profiler: Profiler, part: Partition, *, budget
     space = profiler.space(part)
     search = search_cls(space, budget=min(budget, len(space)), batch_size=batch_size, seed=seed,
                         resume=log, progress=progress)
-    seed_with_anchors(search, profiler, part)
     return search.run(profiler, part)

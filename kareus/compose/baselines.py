@@ -44,7 +44,7 @@ from kareus.model.workload import Workload
 from kareus.search.frontier import Observation, PartitionFrontier
 
 __all__ = ["BASELINES", "BaselineResult", "SearchFn", "anchor_configs", "baseline_space",
-           "compose_baselines", "default_search", "exhaustive_search", "seed_with_anchors"]
+           "compose_baselines", "default_search", "exhaustive_search"]
 
 #: Names of the five systems, in the order they are reported.
 BASELINES = ("megatron", "nanobatching", "perseus", "nanobatching+perseus", "kareus")
@@ -60,34 +60,21 @@ def anchor_configs(space: ConfigSpace) -> list[ScheduleConfig]:
     """The baselines' own configurations at the maximum clock that lie in ``space``:
     sequential and launched with the first slot, both with NCCL's default SM count.
 
-    kareus's search measures them first, so its front starts from what Megatron-LM and
-    nanobatching do and can only improve on them (its space holds theirs).
+    :class:`~kareus.search.MultiPassSearch` starts its initial design with them
+    (:func:`~kareus.search.optimizer.anchor_indices`), so kareus's front starts from what
+    Megatron-LM and nanobatching run and can only improve on it (its space holds theirs).
     """
-    g = space.gpu
-    f = g.max_clock_mhz if g.max_clock_mhz in space.freqs_mhz else max(space.freqs_mhz)
-    sms = g.default_comm_sms if g.default_comm_sms in space.comm_sms else max(space.comm_sms)
-    slots = [s for s in space.slots if s is not None]
-    cands = [ScheduleConfig(f, sms, None)] + ([ScheduleConfig(f, sms, slots[0])] if slots else [])
-    return [c for c in cands if c in space]
+    from kareus.search.optimizer import anchor_indices  # noqa: PLC0415 - optional peer module
 
-
-def seed_with_anchors(search: Any, profiler: Profiler, partition: Partition) -> None:
-    """Measure and tell ``search`` the :func:`anchor_configs` it has not measured yet
-    (within its budget); a resumed search re-measures nothing."""
-    done = {o.config for o in search.observations}
-    for c in anchor_configs(search.space):
-        if c not in done and search.n_measured < search.budget:
-            search.tell(c, profiler.measure(partition, c))
+    return [space.configs[i] for i in anchor_indices(space)]
 
 
 def default_search(profiler: Profiler, partition: Partition) -> PartitionFrontier:
-    """Kareus's search of one partition type's full space: :class:`MultiPassSearch`, seeded
-    with the baselines' configurations (:func:`anchor_configs`)."""
+    """Kareus's search of one partition type's full space: :class:`MultiPassSearch` (whose
+    initial design starts with the baselines' configurations, :func:`anchor_configs`)."""
     from kareus.search.optimizer import MultiPassSearch  # noqa: PLC0415 - optional peer module
 
-    search = MultiPassSearch(profiler.space(partition))
-    seed_with_anchors(search, profiler, partition)
-    return search.run(profiler, partition, progress=False)
+    return MultiPassSearch(profiler.space(partition)).run(profiler, partition, progress=False)
 
 
 class _SharedMeasurements(Profiler):
