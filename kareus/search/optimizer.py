@@ -226,8 +226,8 @@ def anchor_indices(space: ConfigSpace) -> list[int]:
     (indices into ``space.configs``): the maximum clock with the GPU's default SM count
     for communication (NCCL's), sequential and launched in the first slot.
 
-    They are what Megatron-LM and nanobatching run (``kareus.compose.baselines``
-    measures the same ones), and the fastest end of a front is often at the maximum
+    They are what Megatron-LM and nanobatching run (``kareus.compose.baselines.anchor_configs``
+    returns them), and the fastest end of a front is often at the maximum
     clock, where the surrogates, which see time nearly flat in frequency once a
     collective is exposed, would not look: a front missing its fastest point loses much
     of its hypervolume.
