@@ -303,13 +303,19 @@ def check_surrogate(make: Callable[[], Surrogate], *, skip: tuple[str, ...] = ()
     Raises:
         AssertionError: naming the first check that fails.
     """
-    for name, check in SURROGATE_CHECKS.items():
+    _run_checks("surrogate", SURROGATE_CHECKS, skip, make)
+
+
+def _run_checks(what: str, checks: dict[str, Callable[..., None]], skip: tuple[str, ...],
+                *args: Any) -> None:
+    """Run ``checks`` (name -> check) on ``args``, naming the first that fails."""
+    for name, check in checks.items():
         if name in skip:
             continue
         try:
-            check(make)
+            check(*args)
         except AssertionError as e:
-            raise AssertionError(f"surrogate conformance check {name!r} failed: {e}") from e
+            raise AssertionError(f"{what} conformance check {name!r} failed: {e}") from e
 
 
 # ------------------------------------------------------------------- pass conformance
@@ -421,25 +427,20 @@ def check_acquisition_pass(make: Callable[[], AcquisitionPass], *,
     Raises:
         AssertionError: naming the first check that fails.
     """
-    for name, check in PASS_CHECKS.items():
-        if name in skip:
-            continue
-        try:
-            check(make)
-        except AssertionError as e:
-            raise AssertionError(f"acquisition pass conformance check {name!r} failed: "
-                                 f"{e}") from e
+    _run_checks("acquisition pass", PASS_CHECKS, skip, make)
 
 
 # ------------------------------------------------------------------ pytest mix-ins
 
 
-def _add_tests(cls: type, checks: dict[str, Callable[[Any], None]], factory: str) -> type:
+def _add_tests(cls: type, checks: dict[str, Callable[..., None]],
+               args: Callable[[Any], tuple[Any, ...]]) -> type:
+    """Give ``cls`` one pytest test per check, called with ``args(self)``."""
     for name, check in checks.items():
-        def test(self: Any, _check: Callable[[Any], None] = check, _name: str = name) -> None:
+        def test(self: Any, _check: Callable[..., None] = check, _name: str = name) -> None:
             if _name in getattr(self, "skip_checks", ()):
                 return
-            _check(getattr(self, factory))
+            _check(*args(self))
         test.__name__ = f"test_conformance_{name}"
         test.__doc__ = f"Conformance check {name!r}."
         setattr(cls, test.__name__, test)
@@ -465,8 +466,8 @@ class AcquisitionPassConformance:
         raise NotImplementedError("implement make_pass() to return a new pass")
 
 
-_add_tests(SurrogateConformance, SURROGATE_CHECKS, "make_surrogate")
-_add_tests(AcquisitionPassConformance, PASS_CHECKS, "make_pass")
+_add_tests(SurrogateConformance, SURROGATE_CHECKS, lambda self: (self.make_surrogate,))
+_add_tests(AcquisitionPassConformance, PASS_CHECKS, lambda self: (self.make_pass,))
 
 
 # -------------------------------------------------------------------- profiler conformance
@@ -560,13 +561,7 @@ def check_profiler(make: Callable[[], Profiler], *, partition: Partition | None 
         AssertionError: naming the first check that fails.
     """
     part = _default_partition() if partition is None else partition
-    for name, check in PROFILER_CHECKS.items():
-        if name in skip:
-            continue
-        try:
-            check(make, part)
-        except AssertionError as e:
-            raise AssertionError(f"profiler conformance check {name!r} failed: {e}") from e
+    _run_checks("profiler", PROFILER_CHECKS, skip, make, part)
 
 
 class ProfilerConformance:
@@ -582,17 +577,6 @@ class ProfilerConformance:
         return _default_partition()
 
 
-def _add_profiler_tests(cls: type) -> type:
-    for name, check in PROFILER_CHECKS.items():
-        def test(self: Any, _check: Any = check, _name: str = name) -> None:
-            if _name in getattr(self, "skip_checks", ()):
-                return
-            _check(self.make_profiler, self.make_partition())
-        test.__name__ = f"test_conformance_{name}"
-        test.__doc__ = f"Profiler conformance check {name!r}."
-        setattr(cls, test.__name__, test)
-    return cls
-
-
-_add_profiler_tests(ProfilerConformance)
+_add_tests(ProfilerConformance, PROFILER_CHECKS,
+           lambda self: (self.make_profiler, self.make_partition()))
 __all__ += ["PROFILER_CHECKS", "ProfilerConformance", "check_profiler"]
