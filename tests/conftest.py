@@ -1,0 +1,15 @@
+"""Shared test set-up.
+
+Hypothesis runs derandomized by default, so a test run is reproducible and CI cannot
+fail on an example no one has seen before. To hunt for new counter-examples, run
+``python -m pytest --hypothesis-profile=explore`` (random, many more examples) and turn
+whatever it finds into a fixed test.
+"""
+
+from __future__ import annotations
+
+from hypothesis import settings
+
+settings.register_profile("default", derandomize=True, deadline=None)
+settings.register_profile("explore", derandomize=False, max_examples=500, deadline=None)
+settings.load_profile("default")
