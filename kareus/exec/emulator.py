@@ -365,14 +365,29 @@ _H200_COMM: dict[str, tuple[tuple[str, int, float, float], ...]] = {
 }
 
 
+# Per-SM throughput of the A100 case study's collective kernels relative to kareus's own
+# (512-thread blocks, measured on H200, clock-scaled). Nothing was measured on an A100
+# here; the one A100 observation is FACTS.md's case study (Llama 3.2 3B fwd_attn, TP=4,
+# 1410 MHz, 1024-thread blocks): 4 communication SMs hid the 96 MiB all-reduce inside the
+# computation and were energy-optimal, so 3 SMs did not hide it. In this model that bounds
+# the all-reduce rate to [35.8, 48.3) GB/s per SM at 1410 MHz (bench/emulator_a100_case_study.py
+# finds the bounds by bisection); the factor puts it at the geometric middle, 41.6 GB/s,
+# and scales every A100 curve (all kinds, group sizes) alike: the same kernel design.
+_A100_KERNEL_FACTOR = 1.80
+
+
 def _comm_curves(spec: GPUSpec, backend: str) -> tuple[tuple[str, int, float, float], ...]:
     """Collective curves for ``spec``: measured on H200 (H100: the same NVLink 4 and SMs);
     other GPUs scale the per-SM rate by the clock (``(f_max / 1980)^0.25``, as a
-    latency-bound copy loop) and the link limit by the NVLink bandwidth (an estimate)."""
+    latency-bound copy loop) and the link limit by the NVLink bandwidth (an estimate).
+    The ``a100-40gb`` preset's own-kernel rates are further scaled to its published case
+    study (``_A100_KERNEL_FACTOR``)."""
     curves = _H200_COMM[backend]
     if spec.name in ("h100-sxm", "h200-sxm"):
         return curves
     clock = (spec.max_clock_mhz / 1980.0) ** 0.25
+    if spec.name == "a100-40gb" and backend == "own":
+        clock *= _A100_KERNEL_FACTOR
     link = spec.nvlink_bandwidth_gbps / 900.0
     return tuple((k, g, round(r * clock, 2), round(lk * link, 1)) for k, g, r, lk in curves)
 

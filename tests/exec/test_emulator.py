@@ -261,7 +261,7 @@ def test_a100_two_sms_expose_communication(fwd_attn, a100):
     t4 = a100.trace(fwd_attn, ScheduleConfig(1410, 4, "qkv"))
     best = a100.trace(fwd_attn, ScheduleConfig(1410, _optimal_sms(a100, fwd_attn), "qkv"))
     assert t2.time_s > t4.time_s
-    assert t2.exposed_comm_s > 2 * t4.exposed_comm_s > 0
+    assert t2.exposed_comm_s > 0.25 * t2.time_s and t4.exposed_comm_s == 0.0
     assert best.exposed_comm_s < 0.05 * t2.exposed_comm_s
 
 
@@ -274,24 +274,30 @@ def test_a100_a_few_sms_are_energy_optimal(fwd_attn, a100):
     assert e_k < e[2] and e_k < e[20]  # fewer SMs expose the comm, more slow Linear 1
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Not reproduced with kareus's own collective kernels as measured on H200 (25 GB/s per SM "
-    "for a 4-GPU all-reduce, scaled to the A100 clock): 4 SMs leave this 96 MiB all-reduce "
-    "exposed and the optimum is 6 SMs; 20 SMs beat 4. See docs/emulator.md."))
-def test_a100_four_sms_beat_twenty_with_measured_kernels(fwd_attn, a100):
-    e4 = a100.measure(fwd_attn, ScheduleConfig(1410, 4, "qkv")).energy_j
-    e20 = a100.measure(fwd_attn, ScheduleConfig(1410, 20, "qkv")).energy_j
-    assert e4 < e20
-
-
-def test_a100_four_sms_beat_two_and_twenty_with_faster_kernels(fwd_attn):
-    # What-if: comm kernels with twice the per-SM throughput (e.g. the reference artifact's
-    # 1024-thread blocks; not measured). Then the paper's numbers come back exactly.
-    gpu = EmulatedGPU.from_spec("a100-40gb", comm_backend="custom", comm_gbps_per_sm=46.2)
-    prof = EmulatedProfiler(gpu, noise=0.0)
-    e = {s: prof.measure(fwd_attn, ScheduleConfig(1410, s, "qkv")).energy_j for s in (2, 4, 20)}
+def test_a100_four_sms_are_energy_optimal(fwd_attn, a100):
+    # FACTS.md: 4 SMs hid the all-reduce and used less energy than 2 and than 20. The
+    # preset's collective rate is calibrated to the first half (4 hide, 3 do not:
+    # bench/emulator_a100_case_study.py); that 20 SMs cost more is a consequence, not an input.
+    e = {s: a100.measure(fwd_attn, ScheduleConfig(1410, s, "qkv")).energy_j
+         for s in range(2, 31)}
+    assert min(e, key=e.get) == 4
     assert e[4] < e[2] and e[4] < e[20]
-    assert prof.trace(fwd_attn, ScheduleConfig(1410, 4, "qkv")).exposed_comm_s == 0.0
+    assert a100.trace(fwd_attn, ScheduleConfig(1410, 4, "qkv")).exposed_comm_s == 0.0
+    assert a100.trace(fwd_attn, ScheduleConfig(1410, 3, "qkv")).exposed_comm_s > 0.0
+    # 20 SMs slow Linear 1 (the qkv GEMM loses SMs for as long as the collective runs).
+    t4 = a100.trace(fwd_attn, ScheduleConfig(1410, 4, "qkv"))
+    t20 = a100.trace(fwd_attn, ScheduleConfig(1410, 20, "qkv"))
+    qkv = [s.name for s in fwd_attn.slots].index("qkv")
+    assert t20.op_times_s[qkv] > t4.op_times_s[qkv]
+
+
+def test_a100_case_study_needs_faster_kernels_than_kareus_own(fwd_attn):
+    # With kareus's own kernels as measured on H200 (clock-scaled, no A100 factor) 4 SMs
+    # leave the all-reduce exposed: the case study's kernels were faster per SM.
+    own_rate = round(25.1 * (1410 / 1980) ** 0.25, 2)
+    gpu = EmulatedGPU.from_spec("a100-40gb", comm_backend="custom", comm_gbps_per_sm=own_rate)
+    prof = EmulatedProfiler(gpu, noise=0.0)
+    assert prof.trace(fwd_attn, ScheduleConfig(1410, 4, "qkv")).exposed_comm_s > 0.0
 
 
 def test_a100_norm_slot_costs_more_than_first_gemm(fwd_attn, a100):
@@ -397,8 +403,8 @@ def test_lower_clock_can_shorten_a_collective_bound_overlap():
     comm = CommOp(name="ar", kind=CommKind.ALL_REDUCE, bytes=1.0957e8, group_size=4)
     part = OpPartition(name="p", compute_ops=[norm], comm_op=comm)
     prof = EmulatedProfiler("a100-40gb", noise=0.0, group_gpus=1, power_limit=False)
-    fast = prof.trace(part, ScheduleConfig(900, 10, "norm"))
-    slow = prof.trace(part, ScheduleConfig(600, 10, "norm"))
+    fast = prof.trace(part, ScheduleConfig(900, 6, "norm"))
+    slow = prof.trace(part, ScheduleConfig(600, 6, "norm"))
     assert fast.comm_end_s == pytest.approx(fast.time_s)  # the collective is critical
     assert fast.exposed_comm_s > 0.1 * fast.time_s
     assert slow.compute_end_s > fast.compute_end_s  # the norm itself is slower ...
@@ -408,8 +414,8 @@ def test_lower_clock_can_shorten_a_collective_bound_overlap():
     alone = EmulatedProfiler(
         EmulatedGPU.from_spec("a100-40gb").with_(comm_hbm_bytes_per_bus_byte=0.0),
         noise=0.0, group_gpus=1, power_limit=False)
-    assert (alone.trace(part, ScheduleConfig(600, 10, "norm")).time_s
-            >= alone.trace(part, ScheduleConfig(900, 10, "norm")).time_s)
+    assert (alone.trace(part, ScheduleConfig(600, 6, "norm")).time_s
+            >= alone.trace(part, ScheduleConfig(900, 6, "norm")).time_s)
 
 
 @settings(max_examples=30, deadline=None)
@@ -466,5 +472,12 @@ def test_comm_backends_and_measured_curves():
         t = own.comm_time_s(op, sms, 1980)
         assert op.bus_bytes / t / 1e9 == pytest.approx(busbw, rel=0.08)
     a100 = EmulatedGPU.from_spec("a100-40gb")
-    assert a100.comm_curve("all_reduce", 4)[0] < 25.1  # lower clock
+    # H200's rate, clock-scaled, times the factor the A100 case study implies.
+    assert a100.comm_curve("all_reduce", 4)[0] == pytest.approx(
+        25.1 * (1410 / 1980) ** 0.25 * 1.80, abs=0.01)
+    assert a100.comm_curve("all_gather", 2)[0] == pytest.approx(
+        11.9 * (1410 / 1980) ** 0.25 * 1.80, abs=0.01)
+    nccl_a100 = EmulatedGPU.from_spec("a100-40gb", comm_backend="nccl")
+    assert nccl_a100.comm_curve("all_reduce", 4)[0] == pytest.approx(
+        25.3 * (1410 / 1980) ** 0.25, abs=0.01)  # NCCL's kernels: no case-study factor
     assert a100.comm_curve("all_reduce", 4)[1] < 301.0  # NVLink 3
