@@ -103,6 +103,9 @@ NCCL_MAX_CTAS = 64
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 _DTYPE_CODE = {"bfloat16": 0, "float16": 1, "float32": 2}
 _OP_CODE = {"all_reduce": 0, "all_gather": 1, "reduce_scatter": 2}
+# torch.distributed function that runs each op on flat tensors (NCCL backend).
+_DIST_TENSOR_COLLECTIVE = {"all_gather": "all_gather_into_tensor",
+                           "reduce_scatter": "reduce_scatter_tensor"}
 # Pieces of a split message keep 16-byte alignment: piece sizes are multiples of this
 # many bytes.
 _PIECE_ALIGN_BYTES = 256
@@ -556,6 +559,11 @@ class CollectiveBackend(abc.ABC):
     ``reduce_scatter(output, input)`` writes to rank r's ``output`` the sum over ranks
     of ``input.view(-1)[r*m:(r+1)*m]`` with ``m = output.numel()``. Tensors are
     contiguous CUDA tensors of one supported dtype on the current device.
+
+    A backend may also offer ``empty(shape, dtype)`` for tensors its collectives run
+    faster on (:meth:`OwnKernelCollective.empty`); runnable partitions
+    (:mod:`kareus.exec.torch_partition`) allocate their communication buffers with it
+    when it is there and with ``torch.zeros`` otherwise.
     """
 
     #: Short name used by :func:`select_collective_backend` (``prefer=``).
@@ -686,10 +694,10 @@ class OwnKernelCollective(CollectiveBackend):
       moves fewer bytes per SM: use these for the executor's communication buffers.
       A registered tensor must sit at the same offset of its allocation on every rank
       (it does when all ranks allocate and slice alike), and must not be in use on
-      another stream while a collective on it runs. Status: these kernels compile
-      for sm_90 and are covered by ``tests/exec/test_collectives_gpu.py``, but they
-      have not run on a GPU yet (see docs/collectives.md); the plain-tensor path is
-      the one measured on 4x H200.
+      another stream while a collective on it runs. Runnable partitions built with
+      ``build(collective=this_backend)`` get their buffers this way. Status: checked
+      and measured on 2x H200 (``tests/exec/test_collectives_gpu.py``,
+      docs/collectives.md); not yet run on 4 or 8 GPUs.
 
     Args:
         group: ``torch.distributed`` group of 2, 4 or 8 ranks on one node (default:
@@ -978,40 +986,33 @@ class OwnKernelCollective(CollectiveBackend):
         return tensor
 
     def all_gather(self, output: Any, input: Any, stream: Any, sms: int) -> Any:
-        self._check_open()
-        sms = self._check_sms(sms)
-        dtype = _check_pair("all_gather", output, input, self._world, self._device)
-        stream = self._enter_stream(stream)
-        m = input.numel()
-        if m == 0:
-            return output
-        esize = _DTYPE_BYTES[dtype]
-        regs = self._registered_ptrs(output)
-        if regs is not None:
-            self._launch_registered("all_gather", dtype, input.data_ptr(), output.data_ptr(), regs,
-                                    m, m, "", sms, stream)
-            return output
-        for start, count in plan_pieces("all_gather", m, esize, self._world, self._staging_bytes):
-            self._launch("all_gather", dtype, input.data_ptr() + start * esize,
-                         output.data_ptr() + start * esize, count, m, "", sms, stream)
-        return output
+        return self._shard_collective("all_gather", output, input, stream, sms)
 
     def reduce_scatter(self, output: Any, input: Any, stream: Any, sms: int) -> Any:
+        return self._shard_collective("reduce_scatter", output, input, stream, sms)
+
+    def _shard_collective(self, op: str, output: Any, input: Any, stream: Any, sms: int) -> Any:
+        """All-gather or reduce-scatter: one shard of ``m`` elements per rank.
+
+        The full-size tensor (all-gather output, reduce-scatter input) is the one the
+        peers touch, so its being registered selects the zero-copy kernels.
+        """
         self._check_open()
         sms = self._check_sms(sms)
-        dtype = _check_pair("reduce_scatter", output, input, self._world, self._device)
+        dtype = _check_pair(op, output, input, self._world, self._device)
         stream = self._enter_stream(stream)
-        m = output.numel()
+        full, shard = (output, input) if op == "all_gather" else (input, output)
+        m = shard.numel()
         if m == 0:
             return output
-        esize = _DTYPE_BYTES[dtype]
-        regs = self._registered_ptrs(input)
+        regs = self._registered_ptrs(full)
         if regs is not None:
-            self._launch_registered("reduce_scatter", dtype, input.data_ptr(), output.data_ptr(),
-                                    regs, m, m, "", sms, stream)
+            self._launch_registered(op, dtype, input.data_ptr(), output.data_ptr(), regs, m, m, "",
+                                    sms, stream)
             return output
-        for start, count in plan_pieces("reduce_scatter", m, esize, self._world, self._staging_bytes):
-            self._launch("reduce_scatter", dtype, input.data_ptr() + start * esize,
+        esize = _DTYPE_BYTES[dtype]
+        for start, count in plan_pieces(op, m, esize, self._world, self._staging_bytes):
+            self._launch(op, dtype, input.data_ptr() + start * esize,
                          output.data_ptr() + start * esize, count, m, "", sms, stream)
         return output
 
@@ -1134,23 +1135,20 @@ class NCCLCappedCollective(CollectiveBackend):
         return tensor
 
     def all_gather(self, output: Any, input: Any, stream: Any, sms: int) -> Any:
-        import torch
-        import torch.distributed as dist
-
-        _check_pair("all_gather", output, input, self._world, self._device)
-        g = self.group_for(sms)
-        with torch.cuda.stream(_resolve_stream(stream)):
-            dist.all_gather_into_tensor(output.view(-1), input.view(-1), group=g)
-        return output
+        return self._shard_collective("all_gather", output, input, stream, sms)
 
     def reduce_scatter(self, output: Any, input: Any, stream: Any, sms: int) -> Any:
+        return self._shard_collective("reduce_scatter", output, input, stream, sms)
+
+    def _shard_collective(self, op: str, output: Any, input: Any, stream: Any, sms: int) -> Any:
         import torch
         import torch.distributed as dist
 
-        _check_pair("reduce_scatter", output, input, self._world, self._device)
+        _check_pair(op, output, input, self._world, self._device)
         g = self.group_for(sms)
+        run = getattr(dist, _DIST_TENSOR_COLLECTIVE[op])
         with torch.cuda.stream(_resolve_stream(stream)):
-            dist.reduce_scatter_tensor(output.view(-1), input.view(-1), group=g)
+            run(output.view(-1), input.view(-1), group=g)
         return output
 
     def close(self) -> None:
@@ -1234,15 +1232,15 @@ class MscclppCollective(CollectiveBackend):
         return tensor
 
     def all_gather(self, output: Any, input: Any, stream: Any, sms: int) -> Any:
-        sms = self._check_sms(sms)
-        _check_pair("all_gather", output, input, self._world, self._device)
-        self._runner("all_gather")(output, input, _resolve_stream(stream), sms)
-        return output
+        return self._shard_collective("all_gather", output, input, stream, sms)
 
     def reduce_scatter(self, output: Any, input: Any, stream: Any, sms: int) -> Any:
+        return self._shard_collective("reduce_scatter", output, input, stream, sms)
+
+    def _shard_collective(self, op: str, output: Any, input: Any, stream: Any, sms: int) -> Any:
         sms = self._check_sms(sms)
-        _check_pair("reduce_scatter", output, input, self._world, self._device)
-        self._runner("reduce_scatter")(output, input, _resolve_stream(stream), sms)
+        _check_pair(op, output, input, self._world, self._device)
+        self._runner(op)(output, input, _resolve_stream(stream), sms)
         return output
 
 
