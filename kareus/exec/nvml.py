@@ -395,7 +395,9 @@ class PartitionRunner(abc.ABC):
 
 class TorchPartitionRunner(PartitionRunner):
     """Runs :class:`~kareus.exec.torch_partition.RunnablePartition` programs through a
-    :class:`~kareus.exec.executor.TorchExecutor` (programs are built once and cached).
+    :class:`~kareus.exec.executor.TorchExecutor` (programs are built once and cached,
+    with the executor's collective backend, so that
+    :class:`~kareus.exec.collectives.OwnKernelCollective` gets registered buffers).
 
     Args:
         executor: The executor (carries the collective backend and the streams).
@@ -418,8 +420,12 @@ class TorchPartitionRunner(PartitionRunner):
                             "RunnableTransformerPartition or CallablePartition")
         key = id(partition)
         if key not in self._programs:
+            # Buffers from the executor's backend: registered memory for the own kernels
+            # (a collective allocation: every rank measures the same partitions in order).
+            prog = partition.build(seed=self.seed,
+                                   collective=getattr(self.executor, "collective", None))
             # Keep the partition alive with its program so the id is never reused.
-            self._programs[key] = (partition, partition.build(seed=self.seed))
+            self._programs[key] = (partition, prog)
         return self._programs[key][1]
 
     def prepare(self, partition: Partition, config: ScheduleConfig) -> Callable[[], None]:

@@ -16,6 +16,12 @@ step ``j`` computes into one buffer while the collective of step ``j-1`` reduces
 other (:meth:`PartitionProgram.advance` flips them), so a loop of steps is the
 steady state of a nanobatched layer.
 
+``build(collective=backend)`` allocates those buffers with ``backend.empty(shape,
+dtype)`` when the backend has such a method: with
+:class:`~kareus.exec.collectives.OwnKernelCollective` they are registered tensors, so
+the executor's collectives take the zero-copy path; backends without ``empty`` (NCCL)
+get plain ``torch.zeros`` buffers, as before.
+
 torch is imported inside the functions that need it.
 """
 
@@ -102,8 +108,14 @@ class RunnablePartition(Partition):
     """A partition whose ops can be built as kernels on a GPU."""
 
     @abc.abstractmethod
-    def build(self, *, device: Any = None, seed: int = 0) -> PartitionProgram:
-        """Allocate inputs and weights on ``device`` and return the program."""
+    def build(self, *, device: Any = None, seed: int = 0,
+              collective: Any = None) -> PartitionProgram:
+        """Allocate inputs and weights on ``device`` and return the program.
+
+        ``collective`` is the backend that will run the program's collective; a
+        partition that allocates its communication buffers should take them from
+        ``collective.empty(shape, dtype)`` when the backend offers that method.
+        """
 
 
 # ------------------------------------------------------------------ transformer ops
@@ -366,22 +378,41 @@ def _op_builders() -> dict[str, Callable[[Any, dict[str, Any], _Dims, Any], Call
     }
 
 
-def _comm_buffers(torch: Any, comm: CommOp, device: Any, dtype: Any, shape: tuple[int, ...]
-                  ) -> tuple[list[Any], list[Any]]:
-    """Two input buffers (and two outputs for all-gather / reduce-scatter)."""
+def _comm_zeros(torch: Any, collective: Any, shape: tuple[int, ...], device: Any,
+                dtype: Any) -> Any:
+    """A zeroed buffer for the collective: from ``collective.empty`` when the backend has
+    it (registered memory for the own kernels), else from ``torch.zeros``."""
+    empty = getattr(collective, "empty", None)
+    if not callable(empty):
+        return torch.zeros(shape, device=device, dtype=dtype)
+    t = empty(shape, dtype)
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device:
+        raise ValueError(f"{type(collective).__name__}.empty({shape}, {dtype}) gave a tensor "
+                         f"of shape {tuple(t.shape)}, {t.dtype} on {t.device}; the program is "
+                         f"built on {device}: build it on the backend's device")
+    return t.zero_()
+
+
+def _comm_buffers(torch: Any, comm: CommOp, device: Any, dtype: Any, shape: tuple[int, ...],
+                  collective: Any = None) -> tuple[list[Any], list[Any]]:
+    """Two input buffers (and two outputs for all-gather / reduce-scatter), zeroed.
+
+    Every tensor the collective reads or writes comes from :func:`_comm_zeros`, in a
+    fixed order (inputs, then outputs), so that a backend whose ``empty`` is collective
+    sees the same calls on every rank.
+    """
     elem = torch.empty((), dtype=dtype).element_size()
     n = int(comm.bytes) // elem
     g = comm.group_size
     if comm.kind is CommKind.ALL_REDUCE:
-        ins = [torch.zeros(shape if _numel(shape) == n else (n,), device=device, dtype=dtype)
-               for _ in range(2)]
-        return ins, []
-    if comm.kind is CommKind.ALL_GATHER:  # bytes = gathered output
-        ins = [torch.zeros(n // g, device=device, dtype=dtype) for _ in range(2)]
-        outs = [torch.zeros(n // g * g, device=device, dtype=dtype) for _ in range(2)]
-        return ins, outs
-    ins = [torch.zeros(n // g * g, device=device, dtype=dtype) for _ in range(2)]
-    outs = [torch.zeros(n // g, device=device, dtype=dtype) for _ in range(2)]
+        in_shape, out_shape = (shape if _numel(shape) == n else (n,)), None
+    elif comm.kind is CommKind.ALL_GATHER:  # bytes = gathered output
+        in_shape, out_shape = (n // g,), (n // g * g,)
+    else:
+        in_shape, out_shape = (n // g * g,), (n // g,)
+    ins = [_comm_zeros(torch, collective, in_shape, device, dtype) for _ in range(2)]
+    outs = ([] if out_shape is None
+            else [_comm_zeros(torch, collective, out_shape, device, dtype) for _ in range(2)])
     return ins, outs
 
 
@@ -449,9 +480,22 @@ class RunnableTransformerPartition(RunnablePartition):
     def dims(self) -> _Dims:
         return _dims(self.workload)
 
-    def build(self, *, device: Any = None, seed: int = 0) -> PartitionProgram:
+    def build(self, *, device: Any = None, seed: int = 0,
+              collective: Any = None) -> PartitionProgram:
         """Allocate inputs, weights and buffers on ``device`` (default: the current CUDA
-        device), run each op once to materialise its outputs, and return the program."""
+        device), run each op once to materialise its outputs, and return the program.
+
+        Args:
+            device: Where to build (a CUDA device; ``"cpu"`` works for small shapes).
+            seed: Seed of the random inputs and weights.
+            collective: The backend that will run the program's collective. If it has
+                ``empty(shape, dtype)`` (:class:`~kareus.exec.collectives.OwnKernelCollective`
+                does), the collective's buffers come from it: registered tensors, which
+                the own kernels reduce without staging copies. ``empty`` is then a
+                collective call, so every rank must build the same partitions in the same
+                order, and the buffers live until the backend is closed (do not use the
+                program after that). Backends without ``empty`` get ``torch.zeros``.
+        """
         import torch  # noqa: PLC0415
 
         dev = torch.device("cuda", torch.cuda.current_device()) if device is None \
@@ -461,7 +505,7 @@ class RunnableTransformerPartition(RunnablePartition):
         gen = torch.Generator(device=dev)
         gen.manual_seed(seed)
         ctx: dict[str, Any] = {"_gen": gen, "_device": dev, "_dtype": dtype}
-        bufs, outs = _comm_buffers(torch, self.comm_op, dev, dtype, (d.t, d.h))
+        bufs, outs = _comm_buffers(torch, self.comm_op, dev, dtype, (d.t, d.h), collective)
         holder: dict[str, Any] = {}
         builders = _op_builders()
         names = [op.name for op in self.compute_ops]
@@ -515,6 +559,8 @@ class CallablePartition(OpPartition, RunnablePartition):
         comm_buffers: The two tensors the collective alternates between (step ``j``
             reduces buffer ``(j+1) % 2`` while the ops write buffer ``j % 2``); the
             callables write ``program.output`` themselves if they want real data flow.
+            Allocate them (and ``comm_outputs``) with ``backend.empty(shape, dtype)``
+            when the backend has it, for the own kernels' zero-copy path.
         comm_outputs: Two output tensors for all-gather / reduce-scatter (empty for
             all-reduce).
     """
@@ -535,7 +581,10 @@ class CallablePartition(OpPartition, RunnablePartition):
         if self.comm_op.kind is not CommKind.ALL_REDUCE and len(self.comm_outputs) != 2:
             raise ValueError(f"{self.comm_op.kind.value} needs two comm_outputs")
 
-    def build(self, *, device: Any = None, seed: int = 0) -> PartitionProgram:
+    def build(self, *, device: Any = None, seed: int = 0,
+              collective: Any = None) -> PartitionProgram:
+        """The program over the given callables and buffers (which you allocated, so
+        ``device``, ``seed`` and ``collective`` are not used)."""
         return PartitionProgram(op_names=[op.name for op in self.compute_ops],
                                 ops=self.callables, comm_kind=self.comm_op.kind.value,
                                 buffers=self.comm_buffers, comm_outputs=self.comm_outputs)

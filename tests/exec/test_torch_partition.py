@@ -1,0 +1,191 @@
+"""Runnable partitions on the CPU: communication buffers come from the backend's ``empty``.
+
+A backend that offers ``empty(shape, dtype)`` (the own kernels' registered memory) must
+be asked for every tensor the partition's collective touches, in the same order on
+every rank, and the executed results must not change. The partitions run on the CPU
+through :class:`TorchExecutor` on a recording fake device; the fake collectives do
+their arithmetic on the host. Skipped without torch.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kareus.exec.executor import RecordingStreamBackend, TorchExecutor  # noqa: E402
+from kareus.exec.nvml import TorchPartitionRunner  # noqa: E402
+from kareus.exec.torch_partition import (  # noqa: E402
+    RunnableTransformerPartition,
+    runnable_partitions,
+)
+from kareus.model.config import ScheduleConfig  # noqa: E402
+from kareus.model.workload import ModelArch, Parallelism, Workload  # noqa: E402
+
+GROUP = 2  # the fake collectives act as a group of two identical ranks
+
+
+def tiny_workload(cp: int = 1) -> Workload:
+    m = ModelArch(name="tiny", layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64,
+                  ffn=512, vocab=1000)
+    return Workload(model=m, parallelism=Parallelism(tp=2, cp=cp), microbatch_size=2,
+                    seq_len=128, nanobatches=2)
+
+
+# (workload's CP, partition): every collective kind, with and without ops writing the buffer.
+CASES = [(1, "fwd_attn"), (1, "bwd_mlp"), (2, "fwd_attn_in_ag"), (2, "bwd_attn_out_rs"),
+         (2, "fwd_mlp")]
+
+
+class HostCollective:
+    """Collectives of a group whose ranks all hold the same data, computed on the host:
+    all-reduce doubles, all-gather repeats the shard, reduce-scatter adds the blocks."""
+
+    def all_reduce(self, tensor, stream, sms):
+        tensor.mul_(GROUP)
+        return tensor
+
+    def all_gather(self, output, input, stream, sms):
+        output.view(GROUP, -1).copy_(input.view(1, -1).expand(GROUP, -1))
+        return output
+
+    def reduce_scatter(self, output, input, stream, sms):
+        output.view(-1).copy_(input.view(GROUP, -1).sum(0))
+        return output
+
+
+class AllocatingCollective(HostCollective):
+    """Offers ``empty``, as OwnKernelCollective does; hands out NaN-filled memory so that
+    a buffer the partition forgets to zero shows up in the results."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[tuple[int, ...], object]] = []
+        self.given: list[object] = []
+
+    def empty(self, shape, dtype):
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        self.calls.append((shape, dtype))
+        t = torch.full(shape, float("nan"), dtype=dtype)
+        self.given.append(t)
+        return t
+
+    def is_registered(self, tensor) -> bool:
+        return any(tensor.data_ptr() == g.data_ptr() for g in self.given)
+
+
+def reference_collective(prog) -> None:
+    """What the host collective does to the program's current communication tensors."""
+    coll = HostCollective()
+    if prog.comm_kind == "all_reduce":
+        coll.all_reduce(prog.comm_tensor, None, None)
+    else:
+        getattr(coll, prog.comm_kind)(prog.comm_output, prog.comm_tensor, None, None)
+
+
+def seed_inputs(prog, seed: int) -> None:
+    """All-gather / reduce-scatter inputs are not written by the ops: give them data."""
+    if prog.comm_kind == "all_reduce":
+        return
+    g = torch.Generator().manual_seed(seed)
+    for step in range(2):
+        buf = prog._buffers[step]
+        buf.copy_(torch.randn(buf.shape, generator=g).to(buf.dtype))
+
+
+def buffers(prog) -> list[object]:
+    return [*prog._buffers, *prog._comm_outputs]
+
+
+@pytest.mark.parametrize(("cp", "name"), CASES)
+def test_backend_empty_is_asked_for_every_communication_buffer(cp, name):
+    part = runnable_partitions(tiny_workload(cp), [name])[name]
+    coll = AllocatingCollective()
+    prog = part.build(device="cpu", seed=3, collective=coll)
+    plain = part.build(device="cpu", seed=3)
+    # Inputs first, then outputs: a fixed order, the same on every rank.
+    assert coll.calls == [(tuple(b.shape), b.dtype) for b in buffers(plain)]
+    assert [b.data_ptr() for b in buffers(prog)] == [t.data_ptr() for t in coll.given]
+    assert all(coll.is_registered(b) for b in buffers(prog))
+    assert coll.is_registered(prog.comm_tensor)
+    if prog.comm_output is not None:
+        assert coll.is_registered(prog.comm_output)
+    # Zeroed as torch.zeros would be, and the materialising run wrote the same data.
+    for a, b in zip(buffers(prog), buffers(plain)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(("cp", "name"), CASES)
+def test_executed_results_do_not_change_with_backend_buffers(cp, name):
+    part = runnable_partitions(tiny_workload(cp), [name])[name]
+    slots = [part.slots[0].name, part.slots[-1].name, None]
+    for slot in slots:
+        coll = AllocatingCollective()
+        progs = {"empty": part.build(device="cpu", seed=5, collective=coll),
+                 "zeros": part.build(device="cpu", seed=5, collective=HostCollective())}
+        ref = part.build(device="cpu", seed=5)
+        for p in (*progs.values(), ref):
+            seed_inputs(p, 11)
+        executors = {"empty": TorchExecutor(collective=coll, streams=RecordingStreamBackend()),
+                     "zeros": TorchExecutor(collective=HostCollective(),
+                                            streams=RecordingStreamBackend())}
+        for _ in range(3):  # three steps: the double buffers flip
+            for key, prog in progs.items():
+                executors[key].run_partition(prog.ops, prog.op_names, prog.comm_tensor,
+                                             ScheduleConfig(1980, 8, slot),
+                                             comm_kind=prog.comm_kind,
+                                             comm_output=prog.comm_output)
+                prog.advance()
+            ref.run_plain()
+            reference_collective(ref)
+            ref.advance()
+        for key, prog in progs.items():
+            for a, b in zip(buffers(prog), buffers(ref)):
+                assert torch.equal(a, b), f"{name} slot={slot} ({key}): result differs"
+        assert all(coll.is_registered(b) for b in buffers(progs["empty"]))
+    assert any(b.abs().sum() > 0 for b in buffers(ref))
+
+
+def test_backend_without_empty_gets_plain_zeros():
+    part = runnable_partitions(tiny_workload(), ["fwd_mlp"])["fwd_mlp"]
+    coll = HostCollective()
+    prog = part.build(device="cpu", seed=1, collective=coll)
+    assert not hasattr(coll, "empty")
+    assert prog.comm_tensor.shape == (128, 256) and not prog.comm_tensor.any()
+
+
+def test_empty_on_another_device_or_dtype_is_refused():
+    class WrongDtype(AllocatingCollective):
+        def empty(self, shape, dtype):
+            return super().empty(shape, torch.float32)
+
+    part = runnable_partitions(tiny_workload(), ["fwd_mlp"])["fwd_mlp"]
+    with pytest.raises(ValueError, match="build it on the backend's device"):
+        part.build(device="cpu", seed=1, collective=WrongDtype())
+
+
+class CPUPartition(RunnableTransformerPartition):
+    """Builds on the CPU whatever device the caller asks for (the runner asks for none)."""
+
+    def build(self, *, device=None, seed=0, collective=None):
+        return super().build(device="cpu", seed=seed, collective=collective)
+
+
+def test_profiler_runner_builds_with_the_executors_backend():
+    wl = tiny_workload()
+    base = runnable_partitions(wl, ["fwd_attn"])["fwd_attn"]
+    part = CPUPartition(base.partition, wl)
+    coll = AllocatingCollective()
+    ex = TorchExecutor(collective=coll, streams=RecordingStreamBackend())
+    runner = TorchPartitionRunner(ex, seed=2)
+    step = runner.prepare(part, ScheduleConfig(1980, 8, "qkv"))
+    prog = runner.program(part)
+    assert len(coll.calls) == 2  # both all-reduce buffers, once (programs are cached)
+    assert coll.is_registered(prog.comm_tensor) and coll.is_registered(prog.output)
+    ref = part.build(seed=2)
+    for _ in range(2):
+        step()
+        ref.run_plain()
+        reference_collective(ref)
+        ref.advance()
+    assert len(coll.calls) == 2
+    assert torch.equal(prog.output, ref.output) and torch.equal(prog.comm_tensor, ref.comm_tensor)
