@@ -47,6 +47,20 @@ __all__ = [
 
 # Ops whose result is the tensor the partition's all-reduce sums (the layer segment's
 # output, or its input gradient in the backward pass).
+#
+# A partition type pairs a segment's computation with either the segment's own
+# collective (of the previous nanobatch), whose input one of these ops produces, or, for
+# nanobatch 1, the last collective of the segment before it (kareus.model.partition).
+# When a segment meets two kinds of collective (TP x CP), that second pairing is a type
+# of its own: ``fwd_attn_in_ar`` (attn_norm, qkv, rope beside the MLP's all-reduce) and
+# ``bwd_attn_out_ar`` (mlp_norm_bwd ... attn_core_bwd beside the MLP's backward
+# all-reduce). Their collective's input comes from ``down`` / ``up_dgrad``, ops of the
+# previous segment's type, so no op of theirs writes the buffer, by design: running the
+# producer too would measure a GEMM the type does not hold, and storing some other op's
+# result there would fake a dependence. In a chain of segments (a training loop) the
+# collective is handed the previous program's output; alone (profiling) the buffer
+# stays zero, a fixed point of the in-place sum (seeded data, with nothing rewriting
+# it, would grow by the group size every other step until it overflows).
 _OUTPUT_OPS = frozenset({"out_proj", "down", "up_dgrad", "qkv_dgrad"})
 
 
@@ -56,14 +70,18 @@ class PartitionProgram:
     Attributes:
         op_names: The ops' names, in stream order.
         comm_kind: ``"all_reduce"``, ``"all_gather"`` or ``"reduce_scatter"``.
+        writer: The op that writes :attr:`output` (the collective's next input), or
+            ``None`` when no op of the program does (the input is produced elsewhere).
         step: Steps taken so far (see :meth:`advance`).
     """
 
     def __init__(self, *, op_names: Sequence[str], ops: Sequence[Callable[[], Any]],
                  comm_kind: str, buffers: Sequence[Any], comm_outputs: Sequence[Any] = (),
-                 state: dict[str, Any] | None = None) -> None:
+                 state: dict[str, Any] | None = None, writer: str | None = None) -> None:
         if len(op_names) != len(ops):
             raise ValueError(f"{len(ops)} ops but {len(op_names)} names")
+        if writer is not None and writer not in op_names:
+            raise ValueError(f"writer {writer!r} is not one of the ops {list(op_names)}")
         if len(buffers) != 2:
             raise ValueError("a program double-buffers its collective's tensor: 2 buffers")
         self.op_names = tuple(op_names)
@@ -72,6 +90,7 @@ class PartitionProgram:
         self._buffers = list(buffers)
         self._comm_outputs = list(comm_outputs)
         self.state = state if state is not None else {}
+        self.writer = writer
         self.step = 0
 
     @property
@@ -393,16 +412,24 @@ def _comm_zeros(torch: Any, collective: Any, shape: tuple[int, ...], device: Any
     return t.zero_()
 
 
-def _comm_buffers(torch: Any, comm: CommOp, device: Any, dtype: Any, shape: tuple[int, ...],
+def _comm_buffers(torch: Any, comm: CommOp, model_bytes: int, device: Any, dtype: Any,
+                  shape: tuple[int, ...],
                   collective: Any = None) -> tuple[list[Any], list[Any]]:
     """Two input buffers (and two outputs for all-gather / reduce-scatter), zeroed.
+
+    ``comm.bytes`` counts the model's elements at ``model_bytes`` bytes each (the
+    workload's ``dtype_bytes``, 2 for bf16), whatever ``dtype`` the kernels run in: the
+    element count is what the buffers keep, so that e.g. a float32 program's all-reduce
+    buffer is still the ``shape`` its output op writes.
 
     Every tensor the collective reads or writes comes from :func:`_comm_zeros`, in a
     fixed order (inputs, then outputs), so that a backend whose ``empty`` is collective
     sees the same calls on every rank.
     """
-    elem = torch.empty((), dtype=dtype).element_size()
-    n = int(comm.bytes) // elem
+    n, rest = divmod(int(comm.bytes), int(model_bytes))
+    if rest or n <= 0:
+        raise ValueError(f"{comm.name}: {comm.bytes} bytes is not a whole number of "
+                         f"{model_bytes}-byte elements")
     g = comm.group_size
     if comm.kind is CommKind.ALL_REDUCE:
         in_shape, out_shape = (shape if _numel(shape) == n else (n,)), None
@@ -505,21 +532,24 @@ class RunnableTransformerPartition(RunnablePartition):
         gen = torch.Generator(device=dev)
         gen.manual_seed(seed)
         ctx: dict[str, Any] = {"_gen": gen, "_device": dev, "_dtype": dtype}
-        bufs, outs = _comm_buffers(torch, self.comm_op, dev, dtype, (d.t, d.h), collective)
+        bufs, outs = _comm_buffers(torch, self.comm_op, self.workload.dtype_bytes, dev,
+                                   dtype, (d.t, d.h), collective)
         holder: dict[str, Any] = {}
         builders = _op_builders()
         names = [op.name for op in self.compute_ops]
+        # The op that produces the all-reduce's input writes the buffer; a type whose
+        # collective belongs to the segment before it has none (see _OUTPUT_OPS).
         out_ops = [n for n in names if n in _OUTPUT_OPS]
         writes_buffer = (self.comm_op.kind is CommKind.ALL_REDUCE and bool(out_ops)
                          and bufs[0].shape == (d.t, d.h))
+        writer = out_ops[-1] if writes_buffer else None
         ops = []
         for name in names:
-            out = (lambda: holder["prog"].output) if writes_buffer and name == out_ops[-1] \
-                else None
+            out = (lambda: holder["prog"].output) if name == writer else None
             fn = builders[name](torch, ctx, d, out)
             ops.append(fn)
         prog = PartitionProgram(op_names=names, ops=ops, comm_kind=self.comm_op.kind.value,
-                                buffers=bufs, comm_outputs=outs, state=ctx)
+                                buffers=bufs, comm_outputs=outs, state=ctx, writer=writer)
         holder["prog"] = prog
         with torch.no_grad():
             prog.run_plain()  # materialise every intermediate once

@@ -189,3 +189,107 @@ def test_profiler_runner_builds_with_the_executors_backend():
         ref.advance()
     assert len(coll.calls) == 2
     assert torch.equal(prog.output, ref.output) and torch.equal(prog.comm_tensor, ref.comm_tensor)
+
+
+# ------------------------------------------------------------------ buffer sizes by dtype
+
+
+@pytest.mark.parametrize(("dtype_bytes", "dtype"), [(2, "float32"), (2, "float16"),
+                                                    (4, "float32"), (4, "bfloat16")])
+@pytest.mark.parametrize(("cp", "name"), CASES)
+def test_buffers_keep_the_models_element_count_in_any_dtype(dtype_bytes, dtype, cp, name):
+    """CommOp bytes count the workload's elements (``dtype_bytes`` each); the buffers hold
+    that many elements whatever dtype the kernels run in, so the output op still writes
+    the buffer and data reaches the collective."""
+    ref_wl = tiny_workload(cp)
+    wl = Workload(model=ref_wl.model, parallelism=ref_wl.parallelism, microbatch_size=2,
+                  seq_len=128, nanobatches=2, dtype_bytes=dtype_bytes)
+    ref = runnable_partitions(ref_wl, [name])[name].build(device="cpu", seed=4)
+    coll = AllocatingCollective()
+    part = runnable_partitions(wl, [name], dtype=dtype)[name]
+    prog = part.build(device="cpu", seed=4, collective=coll)
+    assert [tuple(b.shape) for b in buffers(prog)] == [tuple(b.shape) for b in buffers(ref)]
+    assert all(b.dtype == getattr(torch, dtype) for b in buffers(prog))
+    assert [s for s, _ in coll.calls] == [tuple(b.shape) for b in buffers(ref)]
+    assert prog.writer == ref.writer
+    if prog.writer is not None:  # the materialising run wrote real data into the buffer
+        assert prog.output.shape == (part.dims.t, part.dims.h)
+        assert prog.output.abs().sum() > 0 and torch.isfinite(prog.output).all()
+        prog.advance()
+        prog.run_plain()  # the other buffer, next step
+        assert prog.output.abs().sum() > 0
+
+
+def test_float32_all_reduce_carries_the_output_through_the_collective():
+    part = runnable_partitions(tiny_workload(), ["fwd_mlp"], dtype="float32")["fwd_mlp"]
+    prog = part.build(device="cpu", seed=6, collective=HostCollective())
+    ex = TorchExecutor(collective=HostCollective(), streams=RecordingStreamBackend())
+    for _ in range(2):
+        ex.run_partition(prog.ops, prog.op_names, prog.comm_tensor,
+                         ScheduleConfig(1980, 8, "gate"), comm_kind=prog.comm_kind)
+        prog.advance()
+    # step 1 reduced what step 0's down wrote: twice the down GEMM of the same inputs
+    ctx = prog.state
+    down = torch.matmul(ctx["a"], ctx["Wd"])
+    assert down.abs().sum() > 0 and torch.allclose(prog.output, GROUP * down)
+    assert prog.writer == "down"
+
+
+# ------------------------------------------------------------------ who writes the buffer
+
+
+# The all-reduce types of the TP=2 x CP=2 workload and the op that writes their buffer.
+# fwd_attn_in_ar and bwd_attn_out_ar pair a segment's first nanobatch with the *previous*
+# segment's last all-reduce (kareus.model.partition): its input is produced by that
+# segment's output op (down, up_dgrad), which is not one of their ops.
+CP_AR_WRITERS = {"fwd_attn_out_ar": "out_proj", "fwd_mlp": "down", "fwd_attn_in_ar": None,
+                 "bwd_mlp": "up_dgrad", "bwd_attn_out_ar": None, "bwd_attn_in_ar": "qkv_dgrad"}
+CROSS_PRODUCER = {"fwd_attn_in_ar": "fwd_mlp", "bwd_attn_out_ar": "bwd_mlp"}
+
+
+def test_the_op_producing_the_all_reduce_input_writes_the_buffer():
+    wl = tiny_workload(cp=2)
+    parts = runnable_partitions(wl)
+    ar = {n for n, p in parts.items() if p.comm_op.kind.value == "all_reduce"}
+    assert ar == set(CP_AR_WRITERS)
+    for name, writer in CP_AR_WRITERS.items():
+        assert parts[name].build(device="cpu", seed=1).writer == writer, name
+
+
+@pytest.mark.parametrize("name", sorted(CROSS_PRODUCER))
+def test_cross_segment_all_reduce_has_no_writer_by_design(name):
+    """The collective of these types reduces the previous segment's output: the op that
+    produces it runs in that segment's type, so no op of theirs writes the buffer."""
+    parts = runnable_partitions(tiny_workload(cp=2))
+    part, before = parts[name], parts[CROSS_PRODUCER[name]]
+    producer = CP_AR_WRITERS[CROSS_PRODUCER[name]]
+    assert part.comm_op == before.comm_op  # the same collective
+    assert producer in [o.name for o in before.compute_ops]
+    assert producer not in [o.name for o in part.compute_ops]
+    # Alone (profiling), the buffer stays zero: finite under the repeated in-place sum.
+    prog = part.build(device="cpu", seed=2)
+    ex = TorchExecutor(collective=HostCollective(), streams=RecordingStreamBackend())
+    for _ in range(4):
+        ex.run_partition(prog.ops, prog.op_names, prog.comm_tensor,
+                         ScheduleConfig(1980, 8, prog.op_names[0]), comm_kind=prog.comm_kind)
+        prog.advance()
+    assert not any(b.any() for b in buffers(prog))
+
+
+@pytest.mark.parametrize("name", sorted(CROSS_PRODUCER))
+def test_in_a_chain_the_cross_segment_all_reduce_reduces_real_data(name):
+    """As in a training loop: the previous segment's program writes its output, then this
+    type's collective reduces that tensor beside this type's ops."""
+    parts = runnable_partitions(tiny_workload(cp=2))
+    first = parts[CROSS_PRODUCER[name]].build(device="cpu", seed=3)
+    second = parts[name].build(device="cpu", seed=4)
+    ex = TorchExecutor(collective=HostCollective(), streams=RecordingStreamBackend())
+    ex.run_partition(first.ops, first.op_names, first.comm_tensor,
+                     ScheduleConfig(1980, 8, None), comm_kind=first.comm_kind)
+    first.advance()
+    pending = first.comm_tensor  # the buffer the previous segment just wrote
+    written = pending.clone()
+    assert written.abs().sum() > 0
+    ex.run_partition(second.ops, second.op_names, pending,
+                     ScheduleConfig(1980, 8, second.op_names[0]), comm_kind=second.comm_kind)
+    assert torch.equal(pending, written * GROUP)
