@@ -17,7 +17,9 @@ What every rank does:
 
 * builds the runnable partitions of the plan's workload (the layer segments' real
   kernels at the per-rank shapes: GEMMs, RMSNorm, RoPE, attention, SwiGLU and their
-  backward passes; random weights, no model needed);
+  backward passes; random weights, no model needed), with communication buffers from
+  the executor's collective backend (registered memory, if that backend is
+  :class:`~kareus.exec.collectives.OwnKernelCollective`);
 * opens a :class:`~kareus.exec.executor.TorchExecutor` with NCCL communicators capped
   at each SM count of the plan (:class:`~kareus.exec.collectives.NCCLCappedCollective`),
   and a :class:`~kareus.exec.frequency.StreamOrderedTrigger` driving a
@@ -190,6 +192,26 @@ def segment_order(pset: Any, phase: str, nanobatches: int, recompute: bool) -> l
     return (of("fwd") if recompute else []) + of("bwd")
 
 
+def build_programs(wl: Any, collective: Any, *, device: Any = None
+                   ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Programs of every partition type: at nanobatch shapes (kareus, nanobatching) and at
+    whole-microbatch shapes (Megatron-style); one program per type, reused by every layer.
+
+    ``collective`` is the executor's backend: when it has ``empty(shape, dtype)``
+    (:class:`~kareus.exec.collectives.OwnKernelCollective`) the communication buffers
+    are registered tensors, which its kernels reduce without staging copies. ``empty``
+    is a collective call: every rank builds the same programs in the same order.
+    ``device``: where to build (default: the current CUDA device).
+    """
+    from kareus.exec.torch_partition import runnable_partitions
+
+    def build(workload: Any, seed0: int) -> dict[str, Any]:
+        return {name: p.build(device=device, seed=seed0 + i, collective=collective)
+                for i, (name, p) in enumerate(runnable_partitions(workload).items())}
+
+    return build(wl, 1000), build(wl.with_(nanobatches=1), 2000)
+
+
 # ------------------------------------------------------------------ schedules
 
 
@@ -304,7 +326,6 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915 - a linea
         NVMLFrequencyController,
         StreamOrderedTrigger,
     )
-    from kareus.exec.torch_partition import runnable_partitions
     from kareus.model.partition import build_partitions
     from kareus.model.pipeline import get_schedule
 
@@ -329,14 +350,6 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915 - a linea
                   for ph in ("fwd", "bwd")}
     computations = list(get_schedule(plan.schedule, 1, plan.num_microbatches).stage_orders[0])
 
-    # Kernels of every partition type, at nanobatch shapes (kareus, nanobatching) and at
-    # whole-microbatch shapes (Megatron-style). One program per type, reused by every layer.
-    progs = {name: p.build(seed=1000 + i)
-             for i, (name, p) in enumerate(runnable_partitions(wl).items())}
-    full_progs = {name: p.build(seed=2000 + i)
-                  for i, (name, p) in enumerate(runnable_partitions(
-                      wl.with_(nanobatches=1)).items())}
-
     # Collectives: one NCCL communicator per SM cap of the plan (created up front, in the
     # same order on every rank), and the plain world group for the baselines.
     caps = sorted({cfg.comm_sms for cfgs in plan.partition_configs().values() for cfg in cfgs})
@@ -359,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915 - a linea
     executor = TorchExecutor(plan=plan, collective=capped, frequency=trigger,
                              default_collective=default)
     baseline = TorchExecutor(collective=capped, default_collective=default)
+    # Kernels of every partition type, their communication buffers from the executors'
+    # backend (the same one: registered memory if it is OwnKernelCollective).
+    progs, full_progs = build_programs(wl, executor.collective)
     executor.start()  # every rank compares the plan's digest; raises PlanError on a mismatch
     digests: list[Any] = [None] * world
     dist.all_gather_object(digests, plan.digest)

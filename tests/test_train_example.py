@@ -241,3 +241,37 @@ def test_plan_digest_mismatch_stops_before_any_collective(ex_mod):
         ex.start()
     assert dev.log == []
     assert isinstance(plan, Plan)
+
+
+def test_programs_take_their_buffers_from_the_executors_backend(ex_mod):
+    """main() builds the programs with the executor's backend, so a backend with
+    ``empty`` (OwnKernelCollective) hands out every communication buffer."""
+    torch = pytest.importorskip("torch")
+    from kareus.model.workload import ModelArch, Parallelism, Workload
+
+    class AllocatingBackend:
+        def __init__(self):
+            self.given = []
+
+        def all_reduce(self, tensor, stream, sms):
+            return tensor
+
+        def empty(self, shape, dtype):
+            t = torch.full(tuple(shape), float("nan"), dtype=dtype)
+            self.given.append(t)
+            return t
+
+    m = ModelArch(name="tiny", layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64,
+                  ffn=512, vocab=1000)
+    wl = Workload(model=m, parallelism=Parallelism(tp=2), microbatch_size=2, seq_len=64,
+                  nanobatches=2)
+    backend = AllocatingBackend()
+    ex = TorchExecutor(collective=backend, streams=RecordingStreamBackend())
+    progs, full_progs = ex_mod.build_programs(wl, ex.collective, device="cpu")
+    assert set(progs) == set(build_partitions(wl).types)
+    assert set(full_progs) == set(build_partitions(wl.with_(nanobatches=1)).types)
+    ptrs = {t.data_ptr() for t in backend.given}
+    for prog in (*progs.values(), *full_progs.values()):
+        assert prog.output.data_ptr() in ptrs and prog.comm_tensor.data_ptr() in ptrs
+        assert torch.isfinite(prog.comm_tensor).all()  # zeroed, then written by the ops
+    assert len(backend.given) == 2 * (len(progs) + len(full_progs))
