@@ -49,6 +49,7 @@ from typing import Any
 import attrs
 
 from kareus.errors import ConfigError, PlanError, UnknownSlotError
+from kareus.exec.collectives import _DIST_TENSOR_COLLECTIVE
 from kareus.model.config import ScheduleConfig
 
 __all__ = [
@@ -249,17 +250,18 @@ class ProcessGroupCollective:
         return tensor
 
     def all_gather(self, output: Any, input: Any, stream: Any, sms: int | None) -> Any:
-        import torch  # noqa: PLC0415
-
-        with torch.cuda.stream(stream):
-            self._dist.all_gather_into_tensor(output.view(-1), input.view(-1), group=self.group)
-        return output
+        return self._shard_collective("all_gather", output, input, stream)
 
     def reduce_scatter(self, output: Any, input: Any, stream: Any, sms: int | None) -> Any:
+        return self._shard_collective("reduce_scatter", output, input, stream)
+
+    def _shard_collective(self, op: str, output: Any, input: Any, stream: Any) -> Any:
+        """All-gather or reduce-scatter through ``torch.distributed``'s flat-tensor call."""
         import torch  # noqa: PLC0415
 
+        run = getattr(self._dist, _DIST_TENSOR_COLLECTIVE[op])
         with torch.cuda.stream(stream):
-            self._dist.reduce_scatter_tensor(output.view(-1), input.view(-1), group=self.group)
+            run(output.view(-1), input.view(-1), group=self.group)
         return output
 
 
