@@ -120,17 +120,55 @@ def default_surrogate(seed: int = 0) -> Surrogate:
 def search_features(space: ConfigSpace) -> np.ndarray:
     """The surrogates' features: ConfigSpace's physical features (MHz, SMs, slot position,
     slot log intensity, sequential) plus the SM count per relative clock,
-    ``comm_sms x max MHz / MHz``.
+    ``comm_sms x max MHz / MHz``, and the hide balance (:func:`_hide_balance`).
 
     Whether a collective hides behind the computation is a balance between its speed
     (about proportional to its SMs until the link saturates) and the computation's
     (about proportional to the clock), so the best SM count grows with the clock: a
     diagonal ridge in (MHz, SMs), which axis-aligned trees need many splits to follow
-    and which is a single threshold in the ratio.
+    and which is a single threshold in the ratio. The hide balance also accounts for the
+    launch slot and for how compute-bound the overlapped ops are.
     """
     base = space.features()
     ratio = base[:, 1] * max(space.freqs_mhz) / base[:, 0]
-    return np.column_stack([base, ratio])
+    return np.column_stack([base, ratio, _hide_balance(space)])
+
+
+def _hide_balance(space: ConfigSpace) -> np.ndarray:
+    """log(rough collective time / rough computation time from the launch slot on).
+
+    A datasheet-only estimate, per configuration: the collective's bus bytes over its SM
+    count (its speed grows with SMs until the link saturates, and weakly with the clock),
+    against the roofline time of the ops from the slot to the end at that clock (the
+    compute-bound part scales with 1/clock, the memory-bound part does not). The
+    collective hides where this crosses a partition-specific constant, the same for every
+    clock and slot, so the trees find the hinge with one split on it instead of one per
+    (clock, slot). Sequential configurations get one more than the largest value.
+    """
+    part, gpu = space.partition, space.gpu
+    comm = part.comm_op
+    out = np.zeros(len(space), dtype=np.float64)
+    if comm is None or not part.compute_ops:
+        return out
+    fmax = float(gpu.max_clock_mhz)
+    peak = gpu.bf16_peak_tflops * 1e12
+    hbm = gpu.hbm_bandwidth_gbps * 1e9
+    comp = np.array([op.flops / peak for op in part.compute_ops])
+    mem = np.array([op.bytes_moved / hbm for op in part.compute_ops])
+    start = {s.name: s.index for s in part.slots}
+    bus = max(float(comm.bus_bytes), 1.0)
+    seq = np.zeros(len(space), dtype=bool)
+    for i, c in enumerate(space.configs):
+        if c.launch_slot is None:
+            seq[i] = True
+            continue
+        k = start[c.launch_slot]
+        scale = fmax / c.freq_mhz
+        t_after = float(np.maximum(comp[k:] * scale, mem[k:]).sum()) or 1e-12
+        out[i] = math.log(bus * scale ** 0.25 / c.comm_sms / t_after)
+    if seq.any():
+        out[seq] = (out[~seq].max() + 1.0) if (~seq).any() else 0.0
+    return out
 
 
 # ------------------------------------------------------------------------ initial design
