@@ -196,11 +196,20 @@ def _rope(torch: Any, x: Any, cos: Any, sin: Any) -> Any:
 
 
 def _sdpa(torch: Any, q: Any, k: Any, v: Any) -> Any:
+    """Causal attention over grouped K/V. With ``enable_gqa`` (PyTorch >= 2.5) the
+    kernel reads the K/V groups in place, as the partition's ops declare; copying them
+    with ``repeat_interleave`` first cost 31% more time on one H200 (0.476 vs 0.365 ms
+    for 4 x 12 query heads over 4 K/V heads, 4096 tokens, head dim 128, identical
+    output; bench/results/sdpa_gqa_probe_h200.json)."""
     rep = q.shape[1] // k.shape[1]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
     if rep > 1:
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        try:
+            return sdpa(q, k, v, is_causal=True, enable_gqa=True)
+        except TypeError:  # PyTorch < 2.5: no enable_gqa
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+    return sdpa(q, k, v, is_causal=True)
 
 
 def _op_builders() -> dict[str, Callable[[Any, dict[str, Any], _Dims, Any], Callable[[], Any]]]:

@@ -293,3 +293,24 @@ def test_in_a_chain_the_cross_segment_all_reduce_reduces_real_data(name):
     ex.run_partition(second.ops, second.op_names, pending,
                      ScheduleConfig(1980, 8, second.op_names[0]), comm_kind=second.comm_kind)
     assert torch.equal(pending, written * GROUP)
+
+
+def test_grouped_attention_reads_kv_groups_in_place_and_matches_the_copy():
+    # _sdpa hands grouped K/V to the kernel (enable_gqa) instead of copying each group
+    # per query head; the result and the gradients must equal the copied version's.
+    from kareus.exec.torch_partition import _sdpa
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 32, 8, generator=g, requires_grad=True)
+    k = torch.randn(2, 2, 32, 8, generator=g, requires_grad=True)
+    v = torch.randn(2, 2, 32, 8, generator=g, requires_grad=True)
+    out = _sdpa(torch, q, k, v)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1), is_causal=True)
+    torch.testing.assert_close(out, ref)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b)
+    # Causal: the first position attends to itself only.
+    torch.testing.assert_close(out[:, :, 0], v.repeat_interleave(3, dim=1)[:, :, 0])
