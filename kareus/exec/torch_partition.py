@@ -198,7 +198,7 @@ def _rope(torch: Any, x: Any, cos: Any, sin: Any) -> Any:
 def _sdpa(torch: Any, q: Any, k: Any, v: Any) -> Any:
     """Causal attention over grouped K/V. With ``enable_gqa`` (PyTorch >= 2.5) the
     kernel reads the K/V groups in place, as the partition's ops declare; copying them
-    with ``repeat_interleave`` first cost 31% more time on one H200 (0.476 vs 0.365 ms
+    with ``repeat_interleave`` first cost 30% more time on one H200 (0.475 vs 0.364 ms
     for 4 x 12 query heads over 4 K/V heads, 4096 tokens, head dim 128, identical
     output; bench/results/sdpa_gqa_probe_h200.json)."""
     rep = q.shape[1] // k.shape[1]
