@@ -165,6 +165,11 @@ def load_plan(path: Path) -> tuple[Any, Any]:
     if plan.num_stages != 1 or int(w.get("pp", 1)) != 1:
         raise PlanError(f"{path}: this example runs one pipeline stage (PP=1); the plan has "
                         f"{plan.num_stages}")
+    if int(w.get("cp", 1)) != 1:
+        # The loop below pairs one all-reduce with each layer segment; context parallelism
+        # adds all-gather / reduce-scatter partition types it does not schedule.
+        raise PlanError(f"{path}: this example runs tensor parallelism only (CP=1); the plan "
+                        f"has CP={w['cp']}: make a TP-only plan")
     wl = Workload.preset(str(w["model"]), tp=int(w["tp"]), cp=int(w.get("cp", 1)),
                          pp=1, dp=int(w.get("dp", 1)),
                          microbatch_size=int(w["microbatch_size"]), seq_len=int(w["seq_len"]),

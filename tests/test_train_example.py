@@ -96,6 +96,16 @@ def test_plan_without_workload_or_tampered_is_refused(ex_mod, tmp_path):
         ex_mod.load_plan(p)
 
 
+def test_context_parallel_plan_is_refused_with_what_to_do(ex_mod, tmp_path):
+    d = json.loads(PLAN.read_text())
+    d["workload"]["cp"] = 2
+    d.pop("digest")
+    p = tmp_path / "cp2.json"
+    p.write_text(json.dumps(d))
+    with pytest.raises(PlanError, match="CP=1.*TP-only"):
+        ex_mod.load_plan(p)
+
+
 def test_make_plan_writes_a_loadable_plan(ex_mod, tmp_path, capsys):
     pytest.importorskip("xgboost")
     out = tmp_path / "plan.json"
