@@ -371,8 +371,9 @@ _H200_COMM: dict[str, tuple[tuple[str, int, float, float], ...]] = {
 # 1410 MHz, 1024-thread blocks): 4 communication SMs hid the 96 MiB all-reduce inside the
 # computation and were energy-optimal, so 3 SMs did not hide it. In this model that bounds
 # the all-reduce rate to [35.8, 48.3) GB/s per SM at 1410 MHz (bench/emulator_a100_case_study.py
-# finds the bounds by bisection); the factor puts it at the geometric middle, 41.6 GB/s,
-# and scales every A100 curve (all kinds, group sizes) alike: the same kernel design.
+# finds the bounds by bisection); the factor puts it near the geometric middle (41.6):
+# 1.80 x 23.06 = 41.5 GB/s, and it scales every A100 curve (all kinds, group sizes)
+# alike: the same kernel design.
 _A100_KERNEL_FACTOR = 1.80
 
 
