@@ -15,6 +15,9 @@ picks its candidates:
   scores against the front of the *predicted* values of the measured configurations.
 * :class:`NeighbourhoodPass` - exploitation: the same score, among configurations one
   knob away from the front's (any other frequency, a few SM steps, any other slot).
+* :class:`HingePass` - bisection toward the fewest SMs that keep a front
+  configuration's time: at the front's clock and slot, halfway between its SM count
+  and the next smaller one measured.
 * :class:`UncertaintyPass` - the candidates the surrogates agree on least (largest
   bootstrap spread): exploration.
 * :class:`FastestPass` - lowest predicted time (the reference artifact's third pass).
@@ -46,6 +49,7 @@ __all__ = [
     "AcquisitionContext",
     "AcquisitionPass",
     "FastestPass",
+    "HingePass",
     "HypervolumePass",
     "NeighbourhoodPass",
     "RandomPass",
@@ -387,6 +391,106 @@ class NeighbourhoodPass(AcquisitionPass):
     def __repr__(self) -> str:
         return (f"NeighbourhoodPass(energy={self.energy!r}, knobs={self.knobs}, "
                 f"steps={self.steps}, front={self.front!r})")
+
+
+class HingePass(AcquisitionPass):
+    """Exploitation along the SM axis: bisection toward the hinge.
+
+    At one clock and launch slot, a partition's time over the collective's SM count is a
+    hinge: with too few SMs the collective outlasts the computation beside it and the
+    time falls about as 1/SMs; once it hides, every further SM is taken from the
+    computation and the time rises slowly (0.1-0.3% per SM on the emulator). The
+    front's configuration at that clock sits at or just past the corner. Past it, the
+    differences are under the profiling noise and tree surrogates predict a plateau, so
+    the hypervolume passes pick among "equally good" SM counts at random and a search
+    can settle several SMs above the corner for good.
+
+    This pass proposes, for each configuration on the front (of the *predicted* values
+    of the measured configurations, in time against total and against dynamic energy),
+    the SM count halfway between its own and the next smaller one measured at the same
+    clock and slot (half its own when none is measured). Repeated over batches this
+    bisects the gap until the SM count just below a front configuration has been
+    measured: the corner is then bracketed by measurements, not by the surrogate. The
+    largest gaps go first (ties at random). Only the SM count moves; the gap is counted in
+    the distinct SM values of the space. When it has fewer than ``k`` proposals, the
+    rest of its share is filled by :class:`HypervolumePass` in (time, total energy).
+
+    Args:
+        sm_column: Feature column of the SM count.
+        group_columns: Feature columns that must match the front configuration's (clock
+            and launch slot): ConfigSpace's frequency (0) and slot features (2, 3, 4).
+        front: ``"denoised"`` or ``"measured"`` (see :class:`HypervolumePass`).
+    """
+
+    def __init__(self, *, sm_column: int = 1, group_columns: Sequence[int] = (0, 2, 3, 4),
+                 front: str = "denoised") -> None:
+        self.sm_column = int(sm_column)
+        self.group_columns = tuple(int(c) for c in group_columns)
+        if self.sm_column in self.group_columns:
+            raise ValueError("sm_column cannot also be a group column")
+        self._hv = HypervolumePass("total", front=front)
+        self.front = front
+
+    @property
+    def name(self) -> str:
+        return "hinge"
+
+    def _centres(self, context: AcquisitionContext) -> list[int]:
+        where = context.observed_index
+        assert where is not None
+        centres: set[int] = set()
+        for e in ("total", "dynamic"):
+            pts = context.observed(e)
+            if self.front == "denoised":
+                p = context.prediction
+                t, d = p.time_s[where], p.dynamic_energy_j[where]
+                pts = np.column_stack([t, t * p.static_power_w + d if e == "total" else d])
+            centres |= {int(i) for i in where[pareto_mask(pts)]}
+        return sorted(centres)
+
+    def proposals(self, context: AcquisitionContext) -> np.ndarray:
+        """The bisection candidates, largest gap first (ties in random order)."""
+        feats, where = context.features, context.observed_index
+        if (feats is None or where is None or len(where) == 0 or (where < 0).any()
+                or max(self.sm_column, *self.group_columns) >= feats.shape[1]):
+            return np.zeros(0, dtype=np.int64)
+        levels = np.unique(feats[:, self.sm_column])
+        rank = np.searchsorted(levels, feats[:, self.sm_column])
+        measured = np.zeros(context.n_candidates, dtype=bool)
+        measured[where] = True
+        cols = list(self.group_columns)
+        found: dict[int, float] = {}
+        for c in self._centres(context):
+            group = (feats[:, cols] == feats[c, cols]).all(axis=1)
+            below = rank[group & measured & (rank < rank[c])]
+            lower = int(below.max()) if below.size else -1
+            gap = int(rank[c]) - lower
+            if gap <= 1:
+                continue  # the SM count just below is measured: the corner is bracketed
+            mid = (rank[c] + lower + 1) // 2 if lower >= 0 else rank[c] // 2
+            mid = min(max(int(mid), lower + 1), int(rank[c]) - 1)
+            j = np.flatnonzero(group & (rank == mid) & context.available)
+            if j.size:
+                found[int(j[0])] = max(found.get(int(j[0]), 0), gap)
+        if not found:
+            return np.zeros(0, dtype=np.int64)
+        idx = np.fromiter(found, dtype=np.int64)
+        gaps = np.fromiter(found.values(), dtype=float)
+        order = np.lexsort((context.rng.random(idx.size), -gaps))
+        return idx[order]
+
+    def select(self, context: AcquisitionContext, k: int) -> np.ndarray:
+        if k <= 0 or not context.available.any():
+            return np.zeros(0, dtype=np.int64)
+        picks = [int(i) for i in self.proposals(context)[:k]]
+        if len(picks) < k:
+            rest = self._hv.select(context.with_chosen(picks), k - len(picks))
+            picks.extend(int(i) for i in rest)
+        return np.asarray(picks, dtype=np.int64)
+
+    def __repr__(self) -> str:
+        return (f"HingePass(sm_column={self.sm_column}, group_columns={self.group_columns}, "
+                f"front={self.front!r})")
 
 
 class UncertaintyPass(AcquisitionPass):

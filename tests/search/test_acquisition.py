@@ -11,6 +11,7 @@ from kareus.search.acquisition import (
     AcquisitionContext,
     AcquisitionPass,
     FastestPass,
+    HingePass,
     HypervolumePass,
     NeighbourhoodPass,
     RandomPass,
@@ -56,6 +57,11 @@ class TestRandom(AcquisitionPassConformance):
 class TestNeighbourhood(AcquisitionPassConformance):
     def make_pass(self) -> AcquisitionPass:
         return NeighbourhoodPass()
+
+
+class TestHinge(AcquisitionPassConformance):
+    def make_pass(self) -> AcquisitionPass:
+        return HingePass()
 
 
 def context(time_s, dynamic_j, *, observed, spread=None, available=None, features=None,
@@ -143,7 +149,7 @@ def test_no_pass_picks_unavailable_or_chosen():
                   spread=[1.0, 0.9, 0.8, 0.7],
                   available=np.array([False, True, True, True])).with_chosen([1])
     for p in (HypervolumePass("total"), HypervolumePass("static"), UncertaintyPass(),
-              FastestPass(), RandomPass(), NeighbourhoodPass()):
+              FastestPass(), RandomPass(), NeighbourhoodPass(), HingePass()):
         got = p.select(ctx, 4).tolist()
         assert sorted(got) == [2, 3], p
 
@@ -184,6 +190,45 @@ def test_neighbourhood_looks_near_the_front():
     assert NeighbourhoodPass().select(plain, 1).tolist() == [4]
 
 
+def _hinge_context(measured: list[int]) -> AcquisitionContext:
+    # Features (freq, SMs, slot-a, slot-b, seq): 2 clocks x SM counts 1..16, one slot.
+    # Index i < 16 is 1400 MHz with i + 1 SMs; i >= 16 is 1000 MHz. Predicted: 16 SMs at
+    # 1400 MHz (index 15) is the fastest and cheapest; everything else is worse.
+    feats = np.array([(f, s, 0.0, 0.0, 0.0) for f in (1400.0, 1000.0)
+                      for s in range(1, 17)])
+    n = len(feats)
+    t = np.full(n, 3.0)
+    d = np.full(n, 3.0)
+    t[15], d[15] = 1.0, 1.0
+    available = np.ones(n, dtype=bool)
+    available[measured] = False
+    return context(t, d, observed=[(t[i], d[i]) for i in measured], available=available,
+                   features=feats, observed_index=np.array(measured))
+
+
+def test_hinge_bisects_below_the_front_configuration():
+    # Front: 16 SMs at 1400 MHz; 2 SMs measured there: halfway is 9 SMs (index 8).
+    # Measurements at the other clock (1 and 8 SMs at 1000 MHz) do not narrow the gap.
+    assert HingePass().select(_hinge_context([1, 15, 16, 23]), 1).tolist() == [8]
+    # With 9 SMs measured, the next step is 13 SMs (index 12), then 15, then 16 is
+    # bracketed (15 SMs measured) and nothing is left to bisect.
+    assert HingePass().proposals(_hinge_context([1, 8, 15])).tolist() == [12]
+    assert HingePass().proposals(_hinge_context([1, 8, 12, 15])).tolist() == [14]
+    assert HingePass().proposals(_hinge_context([1, 8, 12, 14, 15])).tolist() == []
+    # Nothing measured below: half the front configuration's SM count (8 SMs, index 7).
+    assert HingePass().proposals(_hinge_context([15])).tolist() == [7]
+
+
+def test_hinge_fills_its_share_from_the_hypervolume_pass():
+    measured = [1, 8, 12, 14, 15]
+    got = HingePass().select(_hinge_context(measured), 2).tolist()
+    want = HypervolumePass("total", front="denoised").select(_hinge_context(measured), 2)
+    assert got == want.tolist()
+    # Without features or observed indices it is a plain hypervolume pass.
+    plain = context([2.0, 1.0, 3.0], [1.0, 1.0, 1.0], observed=OBSERVED)
+    assert HingePass().select(plain, 1).tolist() == [1]
+
+
 def test_pass_arguments_are_checked():
     with pytest.raises(ValueError):
         HypervolumePass("kinetic")
@@ -193,6 +238,8 @@ def test_pass_arguments_are_checked():
         HypervolumePass(front="guessed")
     with pytest.raises(ValueError):
         NeighbourhoodPass(knobs=[(0,)], steps=[1, 2])
+    with pytest.raises(ValueError):
+        HingePass(sm_column=1, group_columns=(0, 1))
 
 
 def test_context_checks_shapes():

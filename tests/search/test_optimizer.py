@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kareus.model import ConfigSpace, Measurement, ScheduleConfig
-from kareus.search.acquisition import FastestPass, HypervolumePass, RandomPass
+from kareus.search.acquisition import FastestPass, HypervolumePass, RandomPass, allocate
 from kareus.search.frontier import PartitionFrontier
 from kareus.search.optimizer import (
     LOG_FORMAT,
@@ -133,7 +133,13 @@ def _other_partition(space: ConfigSpace):
 
 
 def test_default_and_facts_mixes():
-    assert [w for _, w in default_passes()] == [0.4, 0.2, 0.2, 0.2]
+    mix = default_passes()
+    assert [w for _, w in mix] == [0.3, 0.1, 0.2, 0.1, 0.1]
+    assert [p.name for p, _ in mix] == ["hv-total", "hv-dynamic", "local",
+                                        "hv-total-optimistic2", "hinge"]
+    # In batches of 8, every pass gets a slot.
+    assert allocate([w for _, w in mix], 8) == [3, 1, 2, 1, 1]
+    assert [w for _, w in facts_passes()] == [0.4, 0.2, 0.2, 0.2]
     assert [p.name for p, _ in facts_passes()] == ["hv-total", "hv-dynamic", "hv-static",
                                                    "uncertainty"]
 
@@ -359,12 +365,13 @@ def test_search_features_add_sms_per_relative_clock_and_hide_balance(medium_spac
 
     f = search_features(medium_space)
     base = medium_space.features()
-    assert f.shape == (len(medium_space), base.shape[1] + 2)
-    np.testing.assert_array_equal(f[:, :-2], base)
+    assert f.shape == (len(medium_space), base.shape[1] + 3)
+    np.testing.assert_array_equal(f[:, :base.shape[1]], base)
     c = medium_space.configs[-1]
-    assert f[-1, -2] == pytest.approx(c.comm_sms * 1410 / c.freq_mhz)
+    assert f[-1, 5] == pytest.approx(c.comm_sms * 1410 / c.freq_mhz)
+    assert f[-1, 7] == pytest.approx(c.comm_sms * (1410 / c.freq_mhz) ** 2)
     # The balance falls as SMs rise (same clock and slot); sequential rows sit above all.
-    bal = f[:, -1]
+    bal = f[:, 6]
     seq = f[:, 4] == 1.0
     assert bal[seq].min() > bal[~seq].max()
     by = {cfg: b for cfg, b in zip(medium_space.configs, bal)}
@@ -372,6 +379,32 @@ def test_search_features_add_sms_per_relative_clock_and_hide_balance(medium_spac
     more = ScheduleConfig(some.freq_mhz, some.comm_sms + 1, some.launch_slot)
     if more in by:
         assert by[more] < by[some]
+
+
+def test_squared_ratio_lines_up_a_ridge_that_grows_faster_than_the_clock():
+    # qwen3-1.7b's attention-input all-reduce on the emulated A100: the fewest SMs that
+    # hide it (launched at attn_norm) grow about as clock^2, so SMs x (max/MHz)^2 takes
+    # about one value along the ridge while SMs x max/MHz drifts with the clock.
+    from kareus.exec.emulator import EmulatedProfiler
+    from kareus.model import Workload, build_partitions
+    from kareus.search.optimizer import search_features
+
+    wl = Workload.preset("qwen3-1.7b", cp=2, tp=4, microbatch_size=8, seq_len=4096)
+    part = build_partitions(wl)["fwd_attn_in_ar"]
+    space = ConfigSpace(part, "a100-40gb", freqs_mhz=[1410, 1200, 1050, 900],
+                        comm_sms=range(1, 33), slots=["attn_norm"])
+    prof = EmulatedProfiler("a100-40gb", noise=0.0)
+    feats = search_features(space)
+    index = {c: i for i, c in enumerate(space.configs)}
+    ridge = []
+    for f in space.freqs_mhz:
+        times = [prof.measure(part, ScheduleConfig(f, s, "attn_norm")).time_s
+                 for s in space.comm_sms]
+        ridge.append(index[ScheduleConfig(f, space.comm_sms[int(np.argmin(times))],
+                                          "attn_norm")])
+    lin, sq = np.log(feats[ridge, 5]), np.log(feats[ridge, 7])
+    assert np.ptp(feats[ridge, 1]) >= 10       # the SM count moves a lot along the ridge
+    assert np.std(sq) < 0.5 * np.std(lin)
 
 
 def test_hide_balance_lines_up_the_hinge_across_clocks_and_slots():
@@ -398,7 +431,7 @@ def test_hide_balance_lines_up_the_hinge_across_clocks_and_slots():
             if not hidden or hidden[0] == 1:
                 continue
             i = index[ScheduleConfig(f, hidden[0], slot)]
-            hinge_bal.append(feats[i, -1])
-            hinge_ratio.append(np.log(feats[i, -2]))
+            hinge_bal.append(feats[i, 6])
+            hinge_ratio.append(np.log(feats[i, 5]))
     assert len(hinge_bal) >= 6
     assert np.std(hinge_bal) < 0.5 * np.std(hinge_ratio)
