@@ -285,6 +285,23 @@ class HypervolumePass(AcquisitionPass):
                 f"optimism={self.optimism})")
 
 
+def _front_centres(context: AcquisitionContext, front: str) -> list[int]:
+    """Candidate indices of the measured configurations on the front in (time, total
+    energy) or in (time, dynamic energy), on their predicted values when ``front`` is
+    ``"denoised"``. Needs ``observed_index``."""
+    where = context.observed_index
+    assert where is not None
+    centres: set[int] = set()
+    for e in ("total", "dynamic"):
+        pts = context.observed(e)
+        if front == "denoised":
+            p = context.prediction
+            t, d = p.time_s[where], p.dynamic_energy_j[where]
+            pts = np.column_stack([t, t * p.static_power_w + d if e == "total" else d])
+        centres |= {int(i) for i in where[pareto_mask(pts)]}
+    return sorted(centres)
+
+
 class NeighbourhoodPass(AcquisitionPass):
     """Exploitation: hypervolume improvement among the neighbours of the front's configurations.
 
@@ -328,19 +345,6 @@ class NeighbourhoodPass(AcquisitionPass):
     def name(self) -> str:
         return "local"
 
-    def _centres(self, context: AcquisitionContext) -> list[int]:
-        where = context.observed_index
-        assert where is not None
-        centres: set[int] = set()
-        for e in ("total", "dynamic"):
-            pts = context.observed(e)
-            if self.front == "denoised":
-                p = context.prediction
-                t, d = p.time_s[where], p.dynamic_energy_j[where]
-                pts = np.column_stack([t, t * p.static_power_w + d if e == "total" else d])
-            centres |= {int(i) for i in where[pareto_mask(pts)]}
-        return sorted(centres)
-
     def neighbours(self, context: AcquisitionContext) -> list[np.ndarray]:
         """Per knob, the mask (n,) of available neighbours of the front's configurations
         along that knob."""
@@ -352,7 +356,7 @@ class NeighbourhoodPass(AcquisitionPass):
         ranks = np.column_stack([np.unique(feats[:, c], return_inverse=True)[1]
                                  for c in range(feats.shape[1])])
         cols = sorted({j for knob in self.knobs for j in knob if j < feats.shape[1]})
-        for c in self._centres(context):
+        for c in _front_centres(context, self.front):
             same = feats == feats[c]
             for m, knob, radius in zip(masks, self.knobs, self.steps):
                 others = [j for j in cols if j not in knob]
@@ -435,19 +439,6 @@ class HingePass(AcquisitionPass):
     def name(self) -> str:
         return "hinge"
 
-    def _centres(self, context: AcquisitionContext) -> list[int]:
-        where = context.observed_index
-        assert where is not None
-        centres: set[int] = set()
-        for e in ("total", "dynamic"):
-            pts = context.observed(e)
-            if self.front == "denoised":
-                p = context.prediction
-                t, d = p.time_s[where], p.dynamic_energy_j[where]
-                pts = np.column_stack([t, t * p.static_power_w + d if e == "total" else d])
-            centres |= {int(i) for i in where[pareto_mask(pts)]}
-        return sorted(centres)
-
     def proposals(self, context: AcquisitionContext) -> np.ndarray:
         """The bisection candidates, largest gap first (ties in random order)."""
         feats, where = context.features, context.observed_index
@@ -460,7 +451,7 @@ class HingePass(AcquisitionPass):
         measured[where] = True
         cols = list(self.group_columns)
         found: dict[int, float] = {}
-        for c in self._centres(context):
+        for c in _front_centres(context, self.front):
             group = (feats[:, cols] == feats[c, cols]).all(axis=1)
             below = rank[group & measured & (rank < rank[c])]
             lower = int(below.max()) if below.size else -1
