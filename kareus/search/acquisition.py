@@ -443,7 +443,7 @@ class HingePass(AcquisitionPass):
         """The bisection candidates, largest gap first (ties in random order)."""
         feats, where = context.features, context.observed_index
         if (feats is None or where is None or len(where) == 0 or (where < 0).any()
-                or max(self.sm_column, *self.group_columns) >= feats.shape[1]):
+                or max((self.sm_column, *self.group_columns)) >= feats.shape[1]):
             return np.zeros(0, dtype=np.int64)
         levels = np.unique(feats[:, self.sm_column])
         rank = np.searchsorted(levels, feats[:, self.sm_column])

@@ -227,6 +227,9 @@ def test_hinge_fills_its_share_from_the_hypervolume_pass():
     # Without features or observed indices it is a plain hypervolume pass.
     plain = context([2.0, 1.0, 3.0], [1.0, 1.0, 1.0], observed=OBSERVED)
     assert HingePass().select(plain, 1).tolist() == [1]
+    # No group columns: every configuration is one group, so SM counts measured at the
+    # other clock count too (8 SMs at 1000 MHz, index 23, narrows 16 down to 12).
+    assert HingePass(group_columns=()).proposals(_hinge_context([15, 23])).tolist() == [11]
 
 
 def test_pass_arguments_are_checked():
