@@ -30,17 +30,24 @@ stopped (and the ratio there) is reported under ``kareus.stop_rule``.
 
 Usage::
 
-    python bench/search_efficiency.py [--quick] [--json PATH]
+    python bench/search_efficiency.py [--quick] [--json PATH] [--jobs N]
+        [--seeds N] [--first-seed S] [--methods kareus,random,reference]
+        [--partitions MODEL/GPU/TYPE,...]
 
 ``--quick`` (for CI; under 5 minutes on a 2-core machine) runs a documented subset:
 five partition types per GPU (llama3.2-3b fwd_attn, bwd_mlp; qwen3-1.7b fwd_attn_in_ag,
 fwd_mlp, bwd_attn_out_rs) and 2 seeds; the full mode runs all 28 partitions x 5 seeds.
+``--first-seed`` and ``--seeds`` pick other seeds (development compares variants on seeds
+5 and up, keeping 0-4 for the measurement of record); ``--methods`` and ``--partitions``
+(each entry matched against the end of ``model/gpu/type``) run a part; ``--jobs`` runs
+searches in that many processes (the results do not depend on it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -149,17 +156,84 @@ def _git(*args: str) -> str:
         return "unknown"
 
 
+def _part_by_key(model: str, gpu: str, name: str) -> Any:
+    wl = Workload.preset(model, microbatch_size=8, seq_len=4096, **WORKLOADS[model])
+    return build_partitions(wl)[name]
+
+
+_TRUTH: dict[tuple[str, str, str, str], tuple[np.ndarray, np.ndarray, float]] = {}
+
+
+def _truth(model: str, gpu: str, name: str, kind: str) -> tuple[np.ndarray, np.ndarray, float]:
+    """Ground truth of one partition (cached per process): values, reference point, HV."""
+    key = (model, gpu, name, kind)
+    if key not in _TRUTH:
+        space = ConfigSpace(_part_by_key(model, gpu, name), gpu)
+        truth = ground_truth(space, make_profiler(kind, gpu, 0.0, 0))
+        front = pareto_front(truth)
+        ref = reference_point(front, 0.1)
+        _TRUTH[key] = (truth, ref, hypervolume(front, ref))
+    return _TRUTH[key]
+
+
+def run_unit(unit: tuple[str, str, str, int, tuple[str, ...], str]) -> dict[str, Any]:
+    """Every method's search on one partition with one seed (a process-pool job)."""
+    model, gpu, name, seed, methods, kind = unit
+    t0 = time.perf_counter()
+    truth, ref, hv_true = _truth(model, gpu, name, kind)
+    gt_s = time.perf_counter() - t0
+    space = ConfigSpace(_part_by_key(model, gpu, name), gpu)
+    out: dict[str, Any] = {"ratios": {}, "overhead": {}, "ground_truth_s": gt_s,
+                           "configs": len(space), "true_front_points": len(pareto_front(truth))}
+    if "kareus" in methods:
+        order, search = run_kareus(space, make_profiler(kind, gpu, NOISE, 1000 + seed), seed)
+        out["ratios"]["kareus"] = ratios(order, truth, ref, hv_true)
+        out["overhead"]["kareus"] = search.ask_seconds[1:]
+        stop_at = search.converged_at or search.n_measured
+        out["stop_at"] = stop_at
+        out["ratio_at_stop"] = hypervolume(truth[order[:stop_at]], ref) / hv_true
+    if "reference" in methods:
+        order, search = run_reference(space, make_profiler(kind, gpu, NOISE, 2000 + seed), seed)
+        out["ratios"]["reference"] = ratios(order, truth, ref, hv_true)
+        out["overhead"]["reference"] = search.ask_seconds[1:]
+    if "random" in methods:
+        tr = time.perf_counter()
+        order = run_random(space, seed)
+        out["overhead"]["random"] = [time.perf_counter() - tr]
+        out["ratios"]["random"] = ratios(order, truth, ref, hv_true)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="documented subset (CI)")
     ap.add_argument("--json", type=Path, help="write results here")
     ap.add_argument("--seeds", type=int, default=None, help="override the number of seeds")
+    ap.add_argument("--first-seed", type=int, default=0, help="first seed (default 0)")
+    ap.add_argument("--methods", default="kareus,random,reference",
+                    help="comma-separated subset of kareus,random,reference")
+    ap.add_argument("--partitions", default=None,
+                    help="comma-separated model/gpu/type suffixes (default: all of the mode)")
+    ap.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
     ap.add_argument("--profiler", choices=("emulated", "fake"), default="emulated",
                     help="'fake' = kareus.testing.FakeProfiler, for development only")
     args = ap.parse_args(argv)
-    seeds = list(range(args.seeds if args.seeds is not None else (2 if args.quick else 5)))
+    methods = tuple(m for m in ("kareus", "random", "reference")
+                    if m in args.methods.split(","))
+    unknown = set(args.methods.split(",")) - {"kareus", "random", "reference"}
+    if unknown or not methods:
+        ap.error(f"--methods takes kareus, random, reference; got {args.methods!r}")
+    if args.jobs < 1:
+        ap.error("--jobs must be >= 1")
+    n_seeds = args.seeds if args.seeds is not None else (2 if args.quick else 5)
+    seeds = list(range(args.first_seed, args.first_seed + n_seeds))
     parts = partitions(args.quick)
-    methods = ("kareus", "random", "reference")
+    if args.partitions:
+        wanted = [w.strip() for w in args.partitions.split(",") if w.strip()]
+        parts = [(m, g, p) for m, g, p in parts
+                 if any(f"{m}/{g}/{p.name}".endswith(w) for w in wanted)]
+        if not parts:
+            ap.error(f"--partitions {args.partitions!r} matches no partition")
     runs: dict[str, list[dict[str, float]]] = {m: [] for m in methods}
     overhead: dict[str, list[float]] = {m: [] for m in methods}
     used: list[int] = []
@@ -167,40 +241,40 @@ def main(argv: list[str] | None = None) -> int:
     per_partition = []
     t0 = time.time()
     gt_seconds = 0.0
-    for model, gpu, part in parts:
-        space = ConfigSpace(part, gpu)
-        tg = time.time()
-        truth = ground_truth(space, make_profiler(args.profiler, gpu, 0.0, 0))
-        gt_seconds += time.time() - tg
-        front = pareto_front(truth)
-        ref = reference_point(front, 0.1)
-        hv_true = hypervolume(front, ref)
-        row: dict[str, Any] = {"model": model, "gpu": gpu, "partition": part.name,
-                               "configs": len(space), "true_front_points": len(front)}
-        for seed in seeds:
-            noisy = make_profiler(args.profiler, gpu, NOISE, 1000 + seed)
-            order, search = run_kareus(space, noisy, seed)
-            runs["kareus"].append(ratios(order, truth, ref, hv_true))
-            overhead["kareus"] += search.ask_seconds[1:]
-            stop_at = search.converged_at or search.n_measured
-            used.append(stop_at)
-            at_stop.append(hypervolume(truth[order[:stop_at]], ref) / hv_true)
-            noisy = make_profiler(args.profiler, gpu, NOISE, 2000 + seed)
-            order, search = run_reference(space, noisy, seed)
-            runs["reference"].append(ratios(order, truth, ref, hv_true))
-            overhead["reference"] += search.ask_seconds[1:]
-            tr = time.perf_counter()
-            order = run_random(space, seed)
-            overhead["random"].append(time.perf_counter() - tr)
-            runs["random"].append(ratios(order, truth, ref, hv_true))
-        for m in methods:
-            row[m] = {b: round(min(r[b] for r in runs[m][-len(seeds):]), 4)
-                      for b in ("64", "96", "224")}
-        per_partition.append(row)
-        print(f"{model:12s} {gpu:10s} {part.name:18s} {len(space):5d} configs, true front "
-              f"{len(front):2d} pts | worst@64 kareus {row['kareus']['64']:.4f} reference "
-              f"{row['reference']['64']:.4f} random {row['random']['64']:.4f} "
-              f"[{time.time() - t0:.0f}s]", flush=True)
+    units = [(model, gpu, part.name, seed, methods, args.profiler)
+             for model, gpu, part in parts for seed in seeds]
+    if args.jobs > 1:
+        from concurrent.futures import ProcessPoolExecutor  # noqa: PLC0415
+
+        pool: Any = ProcessPoolExecutor(args.jobs)
+        results = pool.map(run_unit, units)
+    else:
+        pool, results = None, map(run_unit, units)
+    try:
+        for model, gpu, part in parts:
+            row: dict[str, Any] = {"model": model, "gpu": gpu, "partition": part.name}
+            for _seed in seeds:
+                res = next(results)
+                gt_seconds += res["ground_truth_s"]
+                row["configs"] = res["configs"]
+                row["true_front_points"] = res["true_front_points"]
+                for m in methods:
+                    runs[m].append(res["ratios"][m])
+                    overhead[m] += res["overhead"][m]
+                if "kareus" in methods:
+                    used.append(res["stop_at"])
+                    at_stop.append(res["ratio_at_stop"])
+            for m in methods:
+                row[m] = {b: round(min(r[b] for r in runs[m][-len(seeds):]), 4)
+                          for b in ("64", "96", "224")}
+            per_partition.append(row)
+            print(f"{model:12s} {gpu:10s} {part.name:18s} {row['configs']:5d} configs, true "
+                  f"front {row['true_front_points']:2d} pts | worst@64 "
+                  + " ".join(f"{m} {row[m]['64']:.4f}" for m in methods)
+                  + f" [{time.time() - t0:.0f}s]", flush=True)
+    finally:
+        if pool is not None:
+            pool.shutdown()
 
     result: dict[str, Any] = {}
     for m in methods:
@@ -209,17 +283,20 @@ def main(argv: list[str] | None = None) -> int:
                                 for b in BUDGETS},
             "hv_ratio_worst": {str(b): round(min(r[str(b)] for r in runs[m]), 5)
                                for b in BUDGETS},
+            "hv_ratio_mean": {str(b): round(statistics.fmean(r[str(b)] for r in runs[m]), 5)
+                              for b in BUDGETS},
             "overhead_s_per_batch": round(float(np.mean(overhead[m])) if overhead[m] else 0.0,
                                           4),
         }
-    result["kareus"]["stop_rule"] = {
-        "profiles_median": statistics.median(used), "profiles_min": min(used),
-        "profiles_max": max(used),
-        "hv_ratio_median": round(statistics.median(at_stop), 5),
-        "hv_ratio_worst": round(min(at_stop), 5),
-        "note": "where the default stop rule (4 batches with < 0.1% relative hypervolume "
-                "gain) fired (224 if never), and the ratio there",
-    }
+    if "kareus" in methods:
+        result["kareus"]["stop_rule"] = {
+            "profiles_median": statistics.median(used), "profiles_min": min(used),
+            "profiles_max": max(used),
+            "hv_ratio_median": round(statistics.median(at_stop), 5),
+            "hv_ratio_worst": round(min(at_stop), 5),
+            "note": "where the default stop rule (4 batches with < 0.1% relative hypervolume "
+                    "gain) fired (224 if never), and the ratio there",
+        }
     result["meta"] = {
         "command": "python bench/search_efficiency.py " + " ".join(
             sys.argv[1:] if argv is None else argv),
@@ -230,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         "profiler": ("kareus.exec.emulator.EmulatedProfiler" if args.profiler == "emulated"
                      else "kareus.testing.FakeProfiler (development stand-in)"),
         "noise": NOISE,
-        "machine": f"{platform.machine()} CPU, {platform.system()} (2-core dev machine)",
+        "machine": f"{platform.machine()} CPU, {platform.system()}, {os.cpu_count()} cores",
         "quick": args.quick,
         "seeds": seeds,
         "partitions": len(parts),
@@ -239,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
                  "sequential",
         "reference_point": "1.1 x worst time and worst energy of the true front",
         "evaluation": "fronts of measured configs re-evaluated noise-free",
+        "methods": list(methods),
+        "jobs": args.jobs,
         "ground_truth_s": round(gt_seconds, 1),
         "wall_s": round(time.time() - t0, 1),
         "per_partition_worst": per_partition,
@@ -246,16 +325,18 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"{'method':10s} " + " ".join(f"{b:>7d}" for b in BUDGETS) + "   overhead/batch")
     for m in methods:
-        for stat in ("median", "worst"):
+        for stat in ("median", "mean", "worst"):
             vals = result[m][f"hv_ratio_{stat}"]
             print(f"{m[:10]:10s} {stat[:3]} " + " ".join(f"{vals[str(b)]:7.4f}" for b in BUDGETS)
                   + (f"   {result[m]['overhead_s_per_batch']:.3f} s" if stat == "median" else ""))
+    tail = ""
+    if "kareus" in methods:
+        sr = result["kareus"]["stop_rule"]
+        tail = (f"; kareus's stop rule would stop at a median of {sr['profiles_median']} "
+                f"profiles with ratio median {sr['hv_ratio_median']:.4f}, worst "
+                f"{sr['hv_ratio_worst']:.4f}")
     print(f"(emulated: {result['meta']['emulated']}; {len(parts)} partitions x {len(seeds)} "
-          f"seeds; kareus's stop rule would stop at a median of "
-          f"{result['kareus']['stop_rule']['profiles_median']} profiles with ratio median "
-          f"{result['kareus']['stop_rule']['hv_ratio_median']:.4f}, worst "
-          f"{result['kareus']['stop_rule']['hv_ratio_worst']:.4f}; "
-          f"{result['meta']['wall_s']:.0f} s)")
+          f"seeds {seeds[0]}-{seeds[-1]}{tail}; {result['meta']['wall_s']:.0f} s)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")
