@@ -226,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.jobs < 1:
         ap.error("--jobs must be >= 1")
     n_seeds = args.seeds if args.seeds is not None else (2 if args.quick else 5)
+    if n_seeds < 1:
+        ap.error("--seeds must be >= 1")
     seeds = list(range(args.first_seed, args.first_seed + n_seeds))
     parts = partitions(args.quick)
     if args.partitions:
