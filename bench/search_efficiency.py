@@ -90,11 +90,16 @@ def make_profiler(kind: str, gpu: str, noise: float, seed: int) -> Any:
     return FakeProfiler(gpu, noise=noise, seed=seed)
 
 
+def model_partitions(model: str) -> Any:
+    """The partition types of one benchmark workload (microbatch 8, sequence 4096)."""
+    return build_partitions(Workload.preset(model, microbatch_size=8, seq_len=4096,
+                                            **WORKLOADS[model]))
+
+
 def partitions(quick: bool) -> list[tuple[str, str, Any]]:
     out = []
-    for model, par in WORKLOADS.items():
-        wl = Workload.preset(model, microbatch_size=8, seq_len=4096, **par)
-        ps = build_partitions(wl)
+    for model in WORKLOADS:
+        ps = model_partitions(model)
         for gpu in GPUS:
             for p in ps:
                 if quick and p.name not in QUICK_TYPES[model]:
@@ -156,11 +161,6 @@ def _git(*args: str) -> str:
         return "unknown"
 
 
-def _part_by_key(model: str, gpu: str, name: str) -> Any:
-    wl = Workload.preset(model, microbatch_size=8, seq_len=4096, **WORKLOADS[model])
-    return build_partitions(wl)[name]
-
-
 _TRUTH: dict[tuple[str, str, str, str], tuple[np.ndarray, np.ndarray, float]] = {}
 
 
@@ -168,7 +168,7 @@ def _truth(model: str, gpu: str, name: str, kind: str) -> tuple[np.ndarray, np.n
     """Ground truth of one partition (cached per process): values, reference point, HV."""
     key = (model, gpu, name, kind)
     if key not in _TRUTH:
-        space = ConfigSpace(_part_by_key(model, gpu, name), gpu)
+        space = ConfigSpace(model_partitions(model)[name], gpu)
         truth = ground_truth(space, make_profiler(kind, gpu, 0.0, 0))
         front = pareto_front(truth)
         ref = reference_point(front, 0.1)
@@ -182,7 +182,7 @@ def run_unit(unit: tuple[str, str, str, int, tuple[str, ...], str]) -> dict[str,
     t0 = time.perf_counter()
     truth, ref, hv_true = _truth(model, gpu, name, kind)
     gt_s = time.perf_counter() - t0
-    space = ConfigSpace(_part_by_key(model, gpu, name), gpu)
+    space = ConfigSpace(model_partitions(model)[name], gpu)
     out: dict[str, Any] = {"ratios": {}, "overhead": {}, "ground_truth_s": gt_s,
                            "configs": len(space), "true_front_points": len(pareto_front(truth))}
     if "kareus" in methods:
