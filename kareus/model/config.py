@@ -13,6 +13,7 @@ byte), and a sequential flag.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Iterator, Sequence
 
@@ -28,9 +29,13 @@ __all__ = ["ConfigSpace", "ScheduleConfig", "FEATURE_NAMES"]
 FEATURE_NAMES = ("freq_mhz", "comm_sms", "slot_position", "slot_log_intensity", "sequential")
 
 
-@attrs.frozen(order=True)
+@functools.total_ordering
+@attrs.frozen(order=False)
 class ScheduleConfig:
     """One configuration of a partition.
+
+    Configurations order by clock, then SM count, then launch slot, with sequential
+    execution (no slot) before any slot, so a mix of both sorts.
 
     Attributes:
         freq_mhz: SM clock in MHz.
@@ -46,6 +51,15 @@ class ScheduleConfig:
     @property
     def sequential(self) -> bool:
         return self.launch_slot is None
+
+    def _sort_key(self) -> tuple[int, int, bool, str]:
+        return (self.freq_mhz, self.comm_sms, self.launch_slot is not None,
+                self.launch_slot or "")
+
+    def __lt__(self, other: object) -> bool:
+        if not isinstance(other, ScheduleConfig):
+            return NotImplemented
+        return self._sort_key() < other._sort_key()
 
     def to_dict(self) -> dict[str, object]:
         return {"freq_mhz": self.freq_mhz, "comm_sms": self.comm_sms,

@@ -2,8 +2,9 @@
 
 - :mod:`~kareus.search.pareto`: Pareto filter, exact 2-D hypervolume and hypervolume
   improvement.
-- :class:`Surrogate` (:class:`XGBoostSurrogate`, :class:`BootstrapEnsemble`): models of time
-  and dynamic energy over the physical features of a configuration.
+- :class:`Surrogate` (:class:`GaussianProcessSurrogate`, the default;
+  :class:`XGBoostSurrogate`, :class:`BootstrapEnsemble`): models of time and dynamic
+  energy over the physical features of a configuration.
 - :class:`AcquisitionPass` (:class:`HypervolumePass`, :class:`UncertaintyPass`, ...): each
   picks part of a batch from the predictions and the measured front.
 - :class:`MultiPassSearch`: the ask/tell optimizer, with a JSONL log that a killed search
@@ -36,6 +37,7 @@ from kareus.search.optimizer import (
     facts_passes,
     maximin_design,
     search_features,
+    tree_surrogate,
 )
 from kareus.search.pareto import (
     hypervolume,
@@ -46,6 +48,7 @@ from kareus.search.pareto import (
 )
 from kareus.search.surrogate import (
     BootstrapEnsemble,
+    GaussianProcessSurrogate,
     ObjectiveModel,
     ObjectivePrediction,
     Surrogate,
@@ -59,6 +62,7 @@ __all__ = [
     "AcquisitionPass",
     "BootstrapEnsemble",
     "FastestPass",
+    "GaussianProcessSurrogate",
     "HingePass",
     "HypervolumePass",
     "MultiPassSearch",
@@ -83,4 +87,5 @@ __all__ = [
     "pareto_mask",
     "reference_point",
     "search_features",
+    "tree_surrogate",
 ]

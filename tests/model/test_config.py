@@ -75,3 +75,16 @@ def test_restrict_and_roundtrip(attn):
     c = ScheduleConfig(1500, 8, "rope")
     assert ScheduleConfig.from_dict(c.to_dict()) == c
     assert "sequential" in str(ScheduleConfig(1500, 8, None))
+
+
+def test_configs_sort_with_sequential_and_slots_mixed():
+    # Sequential (no slot) and slotted configurations at the same clock and SM count
+    # must order without comparing None to a string (a plan's summary sorts them).
+    a = ScheduleConfig(1410, 8, "qkv")
+    b = ScheduleConfig(1410, 8, None)
+    c = ScheduleConfig(1410, 8, "attn_norm")
+    d = ScheduleConfig(1200, 16, "qkv")
+    assert sorted([a, b, c, d]) == [d, b, c, a]
+    assert b < c < a and not a < b
+    assert max([a, b, c, d]) == a
+    assert a == ScheduleConfig(1410, 8, "qkv") and len({a, b, c, d, a}) == 4
