@@ -57,7 +57,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+# One BLAS thread per process, set before numpy loads: the search's matrices are a few
+# hundred rows, where OpenBLAS's threads cost more than they give, and with --jobs they
+# busy-wait against the other processes (8x slower searches on 2 cores).
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import numpy as np  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:

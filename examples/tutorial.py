@@ -53,9 +53,9 @@ for config in [ScheduleConfig(1980, 32, None), ScheduleConfig(1980, 32, "attn_no
 #
 # The space is frequency x SM count x (slots + sequential): thousands of configurations.
 # `MultiPassSearch` measures a space-filling initial design, then batches chosen by
-# hypervolume-improvement passes on XGBoost surrogates and an uncertainty pass, and stops
-# when the measured front stops improving. `ask()`/`tell()` let any measurement source
-# drive it; `run()` is the convenience loop. `log=` keeps every measurement in a JSONL
+# hypervolume-improvement passes on Gaussian-process surrogates and exploration
+# passes, and stops when the measured front stops improving. `ask()`/`tell()` let any
+# measurement source drive it; `run()` is the convenience loop. `log=` keeps every measurement in a JSONL
 # file, and `resume=` continues a killed search from it.
 
 # %%
