@@ -103,10 +103,13 @@ def main() -> int:  # noqa: C901, PLR0915 - a linear script
                     help="CPU only: analyse a measured grid file (replayed search, baselines)")
     ap.add_argument("--budgets", default="10,16", help="replayed search budgets (--analyze)")
     ap.add_argument("--seeds", type=int, default=5, help="replayed search seeds (--analyze)")
+    ap.add_argument("--surrogates", default="gp",
+                    help="replayed searches' surrogates, comma list of gp (the default) and "
+                         "trees (the XGBoost ensemble) (--analyze)")
     args = ap.parse_args()
     if args.analyze is not None:
         result = analyze(args.analyze, budgets=[int(b) for b in args.budgets.split(",")],
-                         seeds=args.seeds)
+                         seeds=args.seeds, surrogates=args.surrogates.split(","))
         if args.json is not None:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(result, indent=1))
@@ -381,15 +384,27 @@ def _pct_lower(x: float, base: float) -> float:
     return (1.0 - x / base) * 100.0
 
 
-def analyze(path: Path, *, budgets: list[int], seeds: int) -> dict[str, Any]:
-    """Replay the search on a measured grid (CPU) and compare with the baselines."""
+def analyze(path: Path, *, budgets: list[int], seeds: int,
+            surrogates: list[str] | None = None) -> dict[str, Any]:
+    """Replay the search on a measured grid (CPU) and compare with the baselines.
+
+    ``surrogates``: ``"gp"`` (kareus's default) and/or ``"trees"`` (the XGBoost ensemble);
+    the first one's replays are ``replayed_search``, all of them
+    ``replayed_search_by_surrogate``.
+    """
     import numpy as np
 
     from kareus.exec.replay import ReplayProfiler
     from kareus.model.partition import build_partitions
     from kareus.model.workload import Workload
-    from kareus.search.optimizer import MultiPassSearch
+    from kareus.search.optimizer import MultiPassSearch, default_surrogate, tree_surrogate
     from kareus.search.pareto import hypervolume, pareto_front, reference_point
+
+    makers = {"gp": default_surrogate, "trees": tree_surrogate}
+    surrogates = surrogates or ["gp"]
+    unknown = set(surrogates) - set(makers)
+    if unknown:
+        raise SystemExit(f"--surrogates takes gp and trees, got {sorted(unknown)}")
 
     data = json.loads(Path(path).read_text())
     w = data["workload"]
@@ -455,19 +470,24 @@ def analyze(path: Path, *, budgets: list[int], seeds: int) -> dict[str, Any]:
                                     "time_pct_lower": _pct_lower(m.time_s, bt)}
             res[label] = entry
         # The search, replayed on the measured grid (each configuration's grid sample).
-        res["replayed_search"] = {}
-        for budget in budgets:
-            ratios: dict[str, list[float]] = {k: [] for k in refs}
-            for seed in range(seeds):
-                replay = ReplayProfiler(data, kinds=("grid",), samples="mean")
-                search = MultiPassSearch(space, budget=budget, batch_size=min(8, budget),
-                                         seed=seed, stop_patience=None, progress=False)
-                fr = search.run(replay, part)
-                got = np.array([(o.time_s, o.energy_j) for o in fr.points])
-                for k, r in refs.items():
-                    ratios[k].append(hypervolume(got, r) / hv_exh[k])
-            res["replayed_search"][str(budget)] = {
-                k: {"mean": statistics.fmean(v), "min": min(v)} for k, v in ratios.items()}
+        res["replayed_search_by_surrogate"] = {}
+        for sname in surrogates:
+            by_budget: dict[str, Any] = {}
+            for budget in budgets:
+                ratios: dict[str, list[float]] = {k: [] for k in refs}
+                for seed in range(seeds):
+                    replay = ReplayProfiler(data, kinds=("grid",), samples="mean")
+                    search = MultiPassSearch(space, budget=budget, batch_size=min(8, budget),
+                                             seed=seed, stop_patience=None, progress=False,
+                                             surrogate=makers[sname](seed))
+                    fr = search.run(replay, part)
+                    got = np.array([(o.time_s, o.energy_j) for o in fr.points])
+                    for k, r in refs.items():
+                        ratios[k].append(hypervolume(got, r) / hv_exh[k])
+                by_budget[str(budget)] = {
+                    k: {"mean": statistics.fmean(v), "min": min(v)} for k, v in ratios.items()}
+            res["replayed_search_by_surrogate"][sname] = by_budget
+        res["replayed_search"] = res["replayed_search_by_surrogate"][surrogates[0]]
         live = data.get("search", {}).get(name, {})
         if "front" in live:
             got = np.array([(o["measurement"]["time_s"], o["measurement"]["energy_j"])
@@ -493,10 +513,11 @@ def analyze(path: Path, *, budgets: list[int], seeds: int) -> dict[str, Any]:
                 line += (f" | vs {k}: E {v['energy_pct_lower']:+5.1f}% T "
                          f"{v['time_pct_lower']:+5.1f}%")
             print(line)
-        for b, v in res["replayed_search"].items():
-            print(f"   replayed search, budget {b}/{len(space)}, {seeds} seeds: HV ratio "
-                  f"{v['front']['mean']:.3f} (min {v['front']['min']:.3f}; wide reference "
-                  f"{v['wide']['mean']:.3f})")
+        for sname, by_budget in res["replayed_search_by_surrogate"].items():
+            for b, v in by_budget.items():
+                print(f"   replayed search ({sname}), budget {b}/{len(space)}, {seeds} seeds: "
+                      f"HV ratio {v['front']['mean']:.3f} (min {v['front']['min']:.3f}; wide "
+                      f"reference {v['wide']['mean']:.3f})")
         if "live_search" in res:
             v = res["live_search"]
             print(f"   live search, budget {v['budget']}: HV ratio {v['hv_ratio_front']:.3f} "

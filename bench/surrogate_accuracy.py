@@ -11,11 +11,12 @@ its predictions on the rest, for
 
 Two sources:
 
-* **measured**: the 2x H200 (NVLink) grid of ``data/h200_llama3b_tp2_grid.json`` (Llama
-  3.2 3B ``fwd_attn`` and ``fwd_mlp`` at TP=2, 6 SM counts x 6 launch slots at the default
-  clock, 36 configurations each, measured with NVML's energy counter). Training sets of
-  10 and 18 configurations drawn at random (50 draws); scored on the other
-  configurations' measured values.
+* **measured**: two 2x H200 (NVLink) grids of Llama 3.2 3B ``fwd_attn`` and ``fwd_mlp`` at
+  TP=2 at the default clock (5 launch slots + sequential), measured with NVML's energy
+  counter: ``data/h200_llama3b_tp2_grid.json`` (6 SM counts, 36 configurations each;
+  training sets of 10 and 18) and ``data/h200_llama3b_tp2_grid13.json`` (13 SM counts,
+  1-32, 78 configurations each; training sets of 16 and 32). Training sets drawn at
+  random (50 draws); scored on the other configurations' measured values.
 * **emulated**: the 28 partition types of ``bench/search_efficiency.py`` on the
   emulated A100 and H200; training sets of 64 configurations measured with 1% noise,
   drawn at random (3 draws per partition); scored on every configuration's noise-free
@@ -74,7 +75,9 @@ from kareus.search import (  # noqa: E402
 from kareus.search.pareto import hypervolume, pareto_front, pareto_mask, reference_point  # noqa: E402
 
 SURROGATES = {"gp": default_surrogate, "trees": tree_surrogate}
-MEASURED = ROOT / "data" / "h200_llama3b_tp2_grid.json"
+# Measured grids (2x H200, NVLink, TP=2, default clock): file -> training-set sizes.
+MEASURED = {ROOT / "data" / "h200_llama3b_tp2_grid.json": (10, 18),
+            ROOT / "data" / "h200_llama3b_tp2_grid13.json": (16, 32)}
 QUICK_EMULATED = ("llama3.2-3b/a100-40gb/fwd_attn", "llama3.2-3b/h200-sxm/bwd_mlp",
                   "qwen3-1.7b/a100-40gb/fwd_attn_in_ar", "qwen3-1.7b/a100-40gb/fwd_mlp",
                   "qwen3-1.7b/h200-sxm/fwd_attn_out_ag", "qwen3-1.7b/h200-sxm/bwd_attn_in_rs")
@@ -116,31 +119,33 @@ def score(name: str, x: np.ndarray, train: np.ndarray, test: np.ndarray,
 def measured(draws: int) -> dict[str, Any]:
     from kareus.exec.replay import ReplayProfiler  # noqa: PLC0415
 
-    data = json.loads(MEASURED.read_text())
-    w = data["workload"]
-    parts = build_partitions(Workload.preset(
-        w["model"], tp=w["tp"], cp=w.get("cp", 1), microbatch_size=w["microbatch_size"],
-        seq_len=w["seq_len"], nanobatches=w["nanobatches"]))
-    grid = ReplayProfiler(data, kinds=("grid",), samples="mean")
     out: dict[str, Any] = {}
-    for pname in grid.partitions:
-        part = parts[pname]
-        space = grid.space(part)
-        ms = [grid.measure(part, c) for c in space.configs]
-        tt = np.array([m.time_s for m in ms])
-        te = np.array([m.energy_j for m in ms])
-        td = np.array([m.dynamic_energy_j for m in ms])
-        x = search_features(space)
-        for n_train in (10, 18):
-            rows: dict[str, list[dict[str, float]]] = {k: [] for k in SURROGATES}
-            for draw in range(draws):
-                perm = np.random.default_rng([draw, n_train]).permutation(len(space))
-                train, test = perm[:n_train], perm[n_train:]
-                for name in SURROGATES:
-                    rows[name].append(score(name, x, train, test, tt, td,
-                                            ms[0].static_power_w, tt, te, draw))
-            out[f"{pname}/n{n_train}"] = {k: _mean(v) for k, v in rows.items()}
-            _print_row(f"measured 2xH200 {pname}", n_train, out[f"{pname}/n{n_train}"])
+    for path, sizes in MEASURED.items():
+        data = json.loads(path.read_text())
+        w = data["workload"]
+        parts = build_partitions(Workload.preset(
+            w["model"], tp=w["tp"], cp=w.get("cp", 1), microbatch_size=w["microbatch_size"],
+            seq_len=w["seq_len"], nanobatches=w["nanobatches"]))
+        grid = ReplayProfiler(data, kinds=("grid",), samples="mean")
+        for pname in grid.partitions:
+            part = parts[pname]
+            space = grid.space(part)
+            ms = [grid.measure(part, c) for c in space.configs]
+            tt = np.array([m.time_s for m in ms])
+            te = np.array([m.energy_j for m in ms])
+            td = np.array([m.dynamic_energy_j for m in ms])
+            x = search_features(space)
+            for n_train in sizes:
+                rows: dict[str, list[dict[str, float]]] = {k: [] for k in SURROGATES}
+                for draw in range(draws):
+                    perm = np.random.default_rng([draw, n_train]).permutation(len(space))
+                    train, test = perm[:n_train], perm[n_train:]
+                    for name in SURROGATES:
+                        rows[name].append(score(name, x, train, test, tt, td,
+                                                ms[0].static_power_w, tt, te, draw))
+                key = f"{path.stem}/{pname}/n{n_train}"
+                out[key] = {k: _mean(v) for k, v in rows.items()}
+                _print_row(f"measured {path.stem} {pname} ({len(space)})", n_train, out[key])
     return out
 
 
