@@ -140,7 +140,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
           f"({workload.parallelism.world_size} GPUs) with the {args.profiler} profiler",
           file=sys.stderr)
     result = optimize(workload, profiler=profiler, budget=args.budget, seed=args.seed,
-                      log_dir=out / "logs", schedule=args.schedule,
+                      log_dir=out / "logs", schedule=args.schedule, surrogate=args.surrogate,
                       progress=None if not args.quiet else False)
     plan = result.select(deadline_s=args.deadline_s, energy_budget_j=args.energy_budget_j)
     paths = result.save(out, plan=plan)
@@ -211,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=_positive_int, default=96,
                    help="profiles per partition type for kareus's search (default 96)")
     p.add_argument("--seed", type=int, default=0, help="seed of search and emulator noise")
+    p.add_argument("--surrogate", choices=("gp", "trees"), default="gp",
+                   help="the search's model of time and energy: gp (Gaussian process, the "
+                        "default) or trees (the reference artifact's XGBoost ensemble)")
     p.add_argument("--out", default="kareus-out", help="output folder (default kareus-out)")
     p.add_argument("--deadline-s", type=_positive_float, default=None,
                    help="plan.json: lowest-energy plan within this iteration time")

@@ -37,6 +37,7 @@ from kareus.exec.profiler import Profiler
 from kareus.model.partition import Partition, PartitionSet, build_partitions
 from kareus.model.workload import Workload
 from kareus.search.frontier import PartitionFrontier
+from kareus.search.surrogate import Surrogate
 
 __all__ = ["OptimizationResult", "SystemSummary", "iso_energy_time_saving",
            "iso_time_energy_saving", "optimize"]
@@ -271,6 +272,7 @@ def optimize(
     systems: Sequence[str] | None = None,
     schedule: str = "1f1b",
     progress: bool | None = None,
+    surrogate: Surrogate | str | None = None,
 ) -> OptimizationResult:
     """Search, compose and compare: the whole kareus pipeline for one workload.
 
@@ -288,6 +290,10 @@ def optimize(
         systems: Which systems to compose; ``None`` = all five.
         schedule: Pipeline schedule (``"1f1b"`` or ``"gpipe"``).
         progress: Progress bars on stderr; ``None`` = when stderr is a terminal.
+        surrogate: The searches' surrogate: ``None`` or ``"gp"`` = the default Gaussian
+            process (:func:`~kareus.search.default_surrogate`), ``"trees"`` = the XGBoost
+            ensemble of the reference artifact (:func:`~kareus.search.tree_surrogate`), or
+            a :class:`~kareus.search.Surrogate` template of your own.
 
     Raises:
         InfeasibleError: the budget is below 1.
@@ -298,6 +304,7 @@ def optimize(
     from kareus.model.pipeline import get_schedule  # noqa: PLC0415
     from kareus.search.optimizer import MultiPassSearch  # noqa: PLC0415
 
+    template = resolve_surrogate(surrogate, seed)
     if not isinstance(workload, Workload):
         raise TypeError(f"workload must be a kareus Workload, got {type(workload).__name__}")
     if budget < 1:
@@ -323,7 +330,7 @@ def optimize(
         frontiers[name] = _search_type(
             MultiPassSearch, profiler, part, budget=budget, batch_size=batch_size, seed=seed,
             log=None if log_path is None else log_path / f"search-{name}.jsonl",
-            progress=progress)
+            progress=progress, surrogate=template)
         profiles[name] = len(frontiers[name].measured())
     result = compose_baselines(workload, profiler, systems=list(systems or BASELINES),
                                kareus_frontiers=frontiers,
@@ -335,8 +342,36 @@ def optimize(
 
 def _search_type(search_cls: Any, profiler: Profiler, part: Partition, *, budget: int,
                  batch_size: int | None, seed: int, log: Path | None,
-                 progress: bool | None) -> PartitionFrontier:
+                 progress: bool | None, surrogate: Surrogate | None = None
+                 ) -> PartitionFrontier:
     space = profiler.space(part)
     search = search_cls(space, budget=min(budget, len(space)), batch_size=batch_size, seed=seed,
-                        resume=log, progress=progress)
+                        resume=log, progress=progress, surrogate=surrogate)
     return search.run(profiler, part)
+
+
+#: Surrogates by name, for :func:`optimize` and ``kareus optimize --surrogate``.
+SURROGATE_NAMES = ("gp", "trees")
+
+
+def resolve_surrogate(surrogate: Surrogate | str | None, seed: int = 0) -> Surrogate | None:
+    """A surrogate template from a name (``"gp"``, ``"trees"``), an instance, or ``None``
+    (the search's default).
+
+    Raises:
+        ValueError: an unknown name.
+        TypeError: neither a name nor a :class:`~kareus.search.Surrogate`.
+    """
+    from kareus.search.optimizer import default_surrogate, tree_surrogate  # noqa: PLC0415
+
+    if surrogate is None or isinstance(surrogate, Surrogate):
+        return surrogate
+    if isinstance(surrogate, str):
+        if surrogate == "gp":
+            return default_surrogate(seed)
+        if surrogate == "trees":
+            return tree_surrogate(seed)
+        raise ValueError(f"unknown surrogate {surrogate!r}: use one of {SURROGATE_NAMES}, or "
+                         "pass a kareus.search.Surrogate")
+    raise TypeError(f"surrogate must be a name {SURROGATE_NAMES} or a kareus Surrogate, got "
+                    f"{type(surrogate).__name__}")

@@ -89,6 +89,15 @@ def test_helpful_errors(tmp_path, capsys):
         assert pattern in capsys.readouterr().err, argv
 
 
+def test_unknown_surrogate_is_rejected_by_argparse(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as info:
+        main(["optimize", "--workload", "qwen3-1.7b", "--surrogate", "forest"])
+    assert info.value.code == 2
+    assert "invalid choice: 'forest'" in capsys.readouterr().err
+
+
 def test_bad_budget_is_rejected_by_argparse(capsys):
     import pytest
 

@@ -81,3 +81,32 @@ def test_bad_budget():
     wl = Workload.preset("qwen3-1.7b", tp=2, microbatch_size=2, seq_len=1024)
     with pytest.raises(InfeasibleError, match="budget"):
         optimize(wl, "h200-sxm", budget=0)
+
+
+def test_surrogate_by_name_or_instance():
+    from kareus.search import GaussianProcessSurrogate, XGBoostSurrogate
+    from kareus.search.surrogate import BootstrapEnsemble
+    from kareus.workflow import resolve_surrogate
+
+    assert resolve_surrogate(None) is None
+    assert isinstance(resolve_surrogate("gp"), GaussianProcessSurrogate)
+    trees = resolve_surrogate("trees", seed=3)
+    assert isinstance(trees, BootstrapEnsemble) and isinstance(trees.base, XGBoostSurrogate)
+    mine = XGBoostSurrogate(n_estimators=10)
+    assert resolve_surrogate(mine) is mine
+    with pytest.raises(ValueError, match="unknown surrogate 'forest'"):
+        resolve_surrogate("forest")
+    with pytest.raises(TypeError, match="surrogate must be"):
+        resolve_surrogate(3)  # type: ignore[arg-type]
+    wl = Workload.preset("qwen3-1.7b", tp=2, microbatch_size=2, seq_len=1024)
+    with pytest.raises(ValueError, match="unknown surrogate"):
+        optimize(wl, "h200-sxm", budget=8, surrogate="forest")
+
+
+def test_optimize_with_the_tree_surrogate_searches_past_the_design():
+    # Budget 24 > the 16-point design: the last batch is chosen on the trees' predictions.
+    wl = Workload.preset("qwen3-1.7b", tp=2, pp=2, microbatch_size=2, seq_len=1024,
+                         num_microbatches=4)
+    res = optimize(wl, "h200-sxm", budget=24, seed=2, progress=False, surrogate="trees")
+    assert res.profiles and all(n == 24 for n in res.profiles.values())
+    assert "kareus" in res.baselines.frontiers
