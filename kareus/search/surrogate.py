@@ -384,8 +384,9 @@ class GaussianProcessSurrogate(Surrogate):
 
     Why not scikit-learn's GaussianProcessRegressor: it is not a kareus dependency, puts no
     prior on the hyperparameters, and refits this small problem no faster. Exact GPs cost
-    O(n^3) in the number of measurements: a few milliseconds at 200, about a second at
-    2,000 (far beyond a partition search's budget).
+    O(n^3) in the number of measurements n (fits of 0.01 s at 64 and 0.15 s at 224 on one
+    core) and O(n^2) per predicted configuration: 85,000 candidates from 224
+    measurements take about 0.3 s for the mean and 0.55 s with the spread.
 
     Args:
         features: Columns of ``X`` to use (``None`` = all).
@@ -401,7 +402,7 @@ class GaussianProcessSurrogate(Surrogate):
 
     _KERNELS = ("matern52", "matern32")
     # Rows of predictions computed at once (bounds the n_pred x n_train x d temporary).
-    _CHUNK = 2048
+    _CHUNK = 4096
 
     def __init__(self, *, features: tuple[int, ...] | list[int] | None = None,
                  log_features: tuple[int, ...] | list[int] = (), kernel: str = "matern52",
@@ -550,6 +551,12 @@ class GaussianProcessSurrogate(Surrogate):
     # -- prediction -------------------------------------------------------------------------
 
     def predict_spread(self, X: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+        return self._predict(X, spread=True)
+
+    def predict(self, X: ArrayLike) -> np.ndarray:
+        return self._predict(X, spread=False)[0]
+
+    def _predict(self, X: ArrayLike, *, spread: bool) -> tuple[np.ndarray, np.ndarray]:
         if self._state is None:
             raise RuntimeError("GaussianProcessSurrogate.predict called before fit")
         x = _check_x(X, self._n_features)
@@ -558,24 +565,26 @@ class GaussianProcessSurrogate(Surrogate):
             return np.full(len(x), s["constant"]), np.zeros(len(x))
         if len(x) == 0:
             return np.zeros(0), np.zeros(0)
-        q = (self._transform(x)[:, s["keep"]] - s["mu"]) / s["sd"]
+        from scipy.linalg import solve_triangular  # noqa: PLC0415
+
+        q = (self._transform(x)[:, s["keep"]] - s["mu"]) / s["sd"] / s["ls"]
+        z = s["z"] / s["ls"]
+        zz = np.sum(z * z, axis=1)
         mean = np.empty(len(q))
-        spread = np.empty(len(q))
+        sd = np.zeros(len(q))
         with _one_blas_thread():
             for a in range(0, len(q), self._CHUNK):
                 b = min(a + self._CHUNK, len(q))
-                r = np.sqrt((np.square(q[a:b, None, :] - s["z"][None, :, :]) / s["ls"] ** 2)
-                            .sum(axis=-1))
-                ks = s["s2"] * self._corr(r)
+                qc = q[a:b]
+                # Squared scaled distances by |q|^2 + |z|^2 - 2 q.z: one matrix product
+                # instead of an (rows x n x d) temporary.
+                d2 = np.sum(qc * qc, axis=1)[:, None] + zz[None, :] - 2.0 * (qc @ z.T)
+                ks = s["s2"] * self._corr(np.sqrt(np.maximum(d2, 0.0)))
                 mean[a:b] = ks @ s["alpha"]
-                from scipy.linalg import solve_triangular  # noqa: PLC0415
-
-                v = solve_triangular(s["chol"], ks.T, lower=True)  # L^-1 k*
-                spread[a:b] = np.sqrt(np.maximum(s["s2"] - np.sum(v * v, axis=0), 0.0))
-        return s["y_mean"] + s["y_sd"] * mean, s["y_sd"] * spread
-
-    def predict(self, X: ArrayLike) -> np.ndarray:
-        return self.predict_spread(X)[0]
+                if spread:
+                    v = solve_triangular(s["chol"], ks.T, lower=True)  # L^-1 k*
+                    sd[a:b] = np.sqrt(np.maximum(s["s2"] - np.sum(v * v, axis=0), 0.0))
+        return s["y_mean"] + s["y_sd"] * mean, s["y_sd"] * sd
 
     def clone(self, *, seed: int | None = None) -> GaussianProcessSurrogate:
         return GaussianProcessSurrogate(
