@@ -401,7 +401,7 @@ class GaussianProcessSurrogate(Surrogate):
     has_spread = True
 
     _KERNELS = ("matern52", "matern32")
-    # Rows of predictions computed at once (bounds the n_pred x n_train x d temporary).
+    # Rows of predictions computed at once (bounds the rows x n_train kernel matrix).
     _CHUNK = 4096
 
     def __init__(self, *, features: tuple[int, ...] | list[int] | None = None,
@@ -524,8 +524,16 @@ class GaussianProcessSurrogate(Surrogate):
             p = res.x
             ls, s2, n2 = np.exp(p[:d]), math.exp(p[d]), math.exp(p[d + 1])
             k = s2 * self._corr(np.sqrt((sq / ls ** 2).sum(axis=-1)))
-            k[np.diag_indices(len(u))] += n2 + 1e-9
-            chol = np.linalg.cholesky(k)
+            for jitter in (1e-9, 1e-6, 1e-4):  # more only if rounding broke definiteness
+                try:
+                    chol = np.linalg.cholesky(k + (n2 + jitter) * np.eye(len(u)))
+                    break
+                except np.linalg.LinAlgError:
+                    continue
+            else:
+                raise RuntimeError("GaussianProcessSurrogate: the fitted kernel matrix is not "
+                                   "positive definite; duplicate rows with different targets "
+                                   "need a larger noise_bounds low end")
             alpha = _chol_solve(chol, u)
         self._state = {"keep": keep, "mu": mu[keep], "sd": sd[keep], "z": z,
                        "y_mean": y_mean, "y_sd": y_sd, "ls": ls, "s2": s2, "noise": n2,
