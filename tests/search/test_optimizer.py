@@ -435,3 +435,34 @@ def test_hide_balance_lines_up_the_hinge_across_clocks_and_slots():
             hinge_ratio.append(np.log(feats[i, 5]))
     assert len(hinge_bal) >= 6
     assert np.std(hinge_bal) < 0.5 * np.std(hinge_ratio)
+
+
+def test_default_search_finds_most_of_an_emulated_front_and_beats_random():
+    # The default search (GP surrogate, default passes) on a real emulated partition with
+    # 1% noise: within 48 profiles of 960 its measured front, re-evaluated noise-free,
+    # holds most of the true front's hypervolume, and more than uniform random picks.
+    from kareus.exec.emulator import EmulatedProfiler
+    from kareus.model import Workload, build_partitions
+    from kareus.search.pareto import hypervolume, pareto_front, reference_point
+
+    part = build_partitions(Workload.preset("llama3.2-3b", tp=4, microbatch_size=8,
+                                            seq_len=4096))["fwd_attn"]
+    space = ConfigSpace(part, "a100-40gb", freqs_mhz=[1410, 1290, 1170, 1050, 930],
+                        comm_sms=list(range(1, 33)))
+    exact = EmulatedProfiler("a100-40gb", noise=0.0)
+    truth = np.array([(m.time_s, m.energy_j) for m in
+                      (exact.measure(part, c) for c in space.configs)])
+    front = pareto_front(truth)
+    ref = reference_point(front, 0.1)
+    hv_true = hypervolume(front, ref)
+    ours, rand = [], []
+    for seed in (0, 1):
+        s = MultiPassSearch(space, budget=48, seed=seed, stop=False, progress=False)
+        s.run(EmulatedProfiler("a100-40gb", noise=0.01, seed=100 + seed), part)
+        got = [space.index(o.config) for o in s.observations]
+        assert len(got) == 48
+        ours.append(hypervolume(truth[got], ref) / hv_true)
+        pick = np.random.default_rng(seed).permutation(len(space))[:48]
+        rand.append(hypervolume(truth[pick], ref) / hv_true)
+    assert min(ours) >= 0.95, ours  # 0.998 and 0.978 at the time of writing; random 0.92-0.94
+    assert np.mean(ours) > np.mean(rand), (ours, rand)
