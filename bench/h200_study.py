@@ -397,12 +397,11 @@ def analyze(path: Path, *, budgets: list[int], seeds: int,
     from kareus.exec.replay import ReplayProfiler
     from kareus.model.partition import build_partitions
     from kareus.model.workload import Workload
-    from kareus.search.optimizer import MultiPassSearch, default_surrogate, tree_surrogate
+    from kareus.search.optimizer import SURROGATES, MultiPassSearch
     from kareus.search.pareto import hypervolume, pareto_front, reference_point
 
-    makers = {"gp": default_surrogate, "trees": tree_surrogate}
     surrogates = surrogates or ["gp"]
-    unknown = set(surrogates) - set(makers)
+    unknown = set(surrogates) - set(SURROGATES)
     if unknown:
         raise SystemExit(f"--surrogates takes gp and trees, got {sorted(unknown)}")
 
@@ -479,7 +478,7 @@ def analyze(path: Path, *, budgets: list[int], seeds: int,
                     replay = ReplayProfiler(data, kinds=("grid",), samples="mean")
                     search = MultiPassSearch(space, budget=budget, batch_size=min(8, budget),
                                              seed=seed, stop_patience=None, progress=False,
-                                             surrogate=makers[sname](seed))
+                                             surrogate=SURROGATES[sname](seed))
                     fr = search.run(replay, part)
                     got = np.array([(o.time_s, o.energy_j) for o in fr.points])
                     for k, r in refs.items():

@@ -66,15 +66,9 @@ for _p in (ROOT, ROOT / "bench"):
 import search_efficiency as se  # noqa: E402
 
 from kareus.model import ConfigSpace, Workload, build_partitions  # noqa: E402
-from kareus.search import (  # noqa: E402
-    ObjectiveModel,
-    default_surrogate,
-    search_features,
-    tree_surrogate,
-)
+from kareus.search import SURROGATES, ObjectiveModel, search_features  # noqa: E402
 from kareus.search.pareto import hypervolume, pareto_front, pareto_mask, reference_point  # noqa: E402
 
-SURROGATES = {"gp": default_surrogate, "trees": tree_surrogate}
 # Measured grids (2x H200, NVLink, TP=2, default clock): file -> training-set sizes.
 MEASURED = {ROOT / "data" / "h200_llama3b_tp2_grid.json": (10, 18),
             ROOT / "data" / "h200_llama3b_tp2_grid13.json": (16, 32)}
@@ -219,7 +213,7 @@ def main() -> int:
         "command": "python bench/surrogate_accuracy.py" + (" --quick" if args.quick else ""),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (the measured grid: 2x "
                    "NVIDIA H200 SXM, NVLink; the rest EMULATED)",
-        "surrogates": {"gp": repr(default_surrogate(0)), "trees": repr(tree_surrogate(0))},
+        "surrogates": {name: repr(make(0)) for name, make in SURROGATES.items()},
     }
     result["measured"] = measured(10 if args.quick else 50)
     keys = (list(QUICK_EMULATED) if args.quick else

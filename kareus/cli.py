@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from kareus.errors import KareusError
 from kareus.model.gpu import GPU_PRESETS
 from kareus.model.workload import MODEL_PRESETS
+from kareus.search.optimizer import SURROGATES
 
 __all__ = ["main"]
 
@@ -211,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=_positive_int, default=96,
                    help="profiles per partition type for kareus's search (default 96)")
     p.add_argument("--seed", type=int, default=0, help="seed of search and emulator noise")
-    p.add_argument("--surrogate", choices=("gp", "trees"), default="gp",
+    p.add_argument("--surrogate", choices=tuple(SURROGATES), default="gp",
                    help="the search's model of time and energy: gp (Gaussian process, the "
                         "default) or trees (the reference artifact's XGBoost ensemble)")
     p.add_argument("--out", default="kareus-out", help="output folder (default kareus-out)")

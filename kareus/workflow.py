@@ -350,28 +350,22 @@ def _search_type(search_cls: Any, profiler: Profiler, part: Partition, *, budget
     return search.run(profiler, part)
 
 
-#: Surrogates by name, for :func:`optimize` and ``kareus optimize --surrogate``.
-SURROGATE_NAMES = ("gp", "trees")
-
-
 def resolve_surrogate(surrogate: Surrogate | str | None, seed: int = 0) -> Surrogate | None:
-    """A surrogate template from a name (``"gp"``, ``"trees"``), an instance, or ``None``
-    (the search's default).
+    """A surrogate template from a name (a key of :data:`kareus.search.SURROGATES`: ``"gp"``,
+    ``"trees"``), an instance, or ``None`` (the search's default).
 
     Raises:
         ValueError: an unknown name.
         TypeError: neither a name nor a :class:`~kareus.search.Surrogate`.
     """
-    from kareus.search.optimizer import default_surrogate, tree_surrogate  # noqa: PLC0415
+    from kareus.search.optimizer import SURROGATES  # noqa: PLC0415
 
     if surrogate is None or isinstance(surrogate, Surrogate):
         return surrogate
     if isinstance(surrogate, str):
-        if surrogate == "gp":
-            return default_surrogate(seed)
-        if surrogate == "trees":
-            return tree_surrogate(seed)
-        raise ValueError(f"unknown surrogate {surrogate!r}: use one of {SURROGATE_NAMES}, or "
-                         "pass a kareus.search.Surrogate")
-    raise TypeError(f"surrogate must be a name {SURROGATE_NAMES} or a kareus Surrogate, got "
-                    f"{type(surrogate).__name__}")
+        if surrogate not in SURROGATES:
+            raise ValueError(f"unknown surrogate {surrogate!r}: use one of "
+                             f"{tuple(SURROGATES)}, or pass a kareus.search.Surrogate")
+        return SURROGATES[surrogate](seed)
+    raise TypeError(f"surrogate must be a name {tuple(SURROGATES)} or a kareus Surrogate, "
+                    f"got {type(surrogate).__name__}")

@@ -30,6 +30,7 @@ from kareus.search.frontier import Observation, PartitionFrontier
 from kareus.search.optimizer import (
     LOG_FORMAT,
     LOG_VERSION,
+    SURROGATES,
     MultiPassSearch,
     anchor_indices,
     default_passes,
@@ -58,6 +59,7 @@ from kareus.search.surrogate import (
 __all__ = [
     "LOG_FORMAT",
     "LOG_VERSION",
+    "SURROGATES",
     "AcquisitionContext",
     "AcquisitionPass",
     "BootstrapEnsemble",

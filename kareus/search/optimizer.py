@@ -33,7 +33,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +66,7 @@ from kareus.search.surrogate import (
 __all__ = [
     "LOG_FORMAT",
     "LOG_VERSION",
+    "SURROGATES",
     "MultiPassSearch",
     "anchor_indices",
     "default_passes",
@@ -123,7 +124,7 @@ def default_surrogate(seed: int = 0) -> Surrogate:
 
     On the emulator with 1% noise it finds better fronts with the same profiles than the
     tree ensemble (:func:`tree_surrogate`, the default before): over the benchmark's 28
-    partitions a median hypervolume ratio of 0.994 against 0.987 after 64 profiles
+    partitions a median hypervolume ratio of 0.993 against 0.987 after 64 profiles
     (docs/search.md). A GP interpolates between the SM counts it measured and pools
     neighbouring clocks; trees predict a plateau there and cannot tell where the time
     stops falling. ``seed`` is accepted for symmetry (the GP's fit is deterministic).
@@ -139,6 +140,12 @@ def tree_surrogate(seed: int = 0) -> Surrogate:
     that help trees follow the diagonal ridge of the best SM count."""
     return BootstrapEnsemble(base=XGBoostSurrogate(trend_features=(0,)), n_models=5,
                              fraction=0.8, seed=seed)
+
+
+#: Surrogate templates by name (``seed -> Surrogate``), for ``optimize(surrogate=...)``,
+#: ``kareus optimize --surrogate`` and the benchmarks.
+SURROGATES: dict[str, Callable[[int], Surrogate]] = {"gp": default_surrogate,
+                                                     "trees": tree_surrogate}
 
 
 # ------------------------------------------------------------------------ features

@@ -514,7 +514,8 @@ class GaussianProcessSurrogate(Surrogate):
         d = z.shape[1]
         lo, hi = np.log(self.noise_bounds)
 
-        from scipy.optimize import minimize  # noqa: PLC0415 - only when fitting
+        from scipy.linalg import cho_solve  # noqa: PLC0415 - only when fitting
+        from scipy.optimize import minimize  # noqa: PLC0415
 
         p0 = np.concatenate([np.zeros(d), [0.0], [float(np.clip(np.log(1e-2), lo, hi))]])
         bounds = [(-3.0, 3.0)] * d + [(-3.0, 3.0), (float(lo), float(hi))]
@@ -534,7 +535,7 @@ class GaussianProcessSurrogate(Surrogate):
                 raise RuntimeError("GaussianProcessSurrogate: the fitted kernel matrix is not "
                                    "positive definite; duplicate rows with different targets "
                                    "need a larger noise_bounds low end")
-            alpha = _chol_solve(chol, u)
+            alpha = cho_solve((chol, True), u, check_finite=False)
         self._state = {"keep": keep, "mu": mu[keep], "sd": sd[keep], "z": z,
                        "y_mean": y_mean, "y_sd": y_sd, "ls": ls, "s2": s2, "noise": n2,
                        "chol": chol, "alpha": alpha}
@@ -608,10 +609,11 @@ class GaussianProcessSurrogate(Surrogate):
 def _one_blas_thread() -> contextlib.AbstractContextManager[Any]:
     """Limit BLAS to one thread while a GP fits or predicts, if threadpoolctl is installed.
 
-    The GP's matrices are a few hundred rows; there OpenBLAS's threads cost more than
-    they give (a 224-profile search's batches took 0.19 s multi-threaded and 0.13 s on
-    one thread on a 2-core machine), and beside a profiler or a process pool on the same
-    cores they busy-wait (several times slower). threadpoolctl is optional: without it
+    The GP's matrices are a few hundred rows; there OpenBLAS's threads give little (on
+    an otherwise idle 2-core machine, a 224-profile search's batches took 0.10-0.19 s
+    either way), and beside a profiler or a process pool on the same cores they
+    busy-wait: beside two other search processes on 2 cores, a 224-profile search took
+    52 s with default threads and 7.9 s with one. threadpoolctl is optional: without it
     the process's own setting (``OPENBLAS_NUM_THREADS``) applies.
     """
     try:
@@ -619,13 +621,6 @@ def _one_blas_thread() -> contextlib.AbstractContextManager[Any]:
     except ImportError:
         return contextlib.nullcontext()
     return threadpool_limits(1, user_api="blas")
-
-
-def _chol_solve(chol: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Solve (L L^T) x = b for a lower-triangular Cholesky factor L."""
-    from scipy.linalg import solve_triangular  # noqa: PLC0415
-
-    return solve_triangular(chol.T, solve_triangular(chol, b, lower=True), lower=False)
 
 
 # --------------------------------------------------------------------------- objectives
