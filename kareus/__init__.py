@@ -87,7 +87,7 @@ from kareus.search import (
 )
 from kareus.workflow import OptimizationResult, optimize
 
-__version__ = "0.1.0"
+from kareus._version import __version__
 
 __all__ = [
     "AcquisitionPass",

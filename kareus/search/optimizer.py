@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from kareus._version import __version__
 from kareus.model.config import ConfigSpace, ScheduleConfig
 from kareus.model.measurement import Measurement
 from kareus.model.partition import Partition
@@ -721,10 +722,8 @@ class MultiPassSearch:
 
     # ---------------------------------------------------------------------- log
     def _header(self) -> dict[str, Any]:
-        import kareus  # noqa: PLC0415 - the package is fully imported by now
-
         return {"kind": "header", "format": LOG_FORMAT, "version": LOG_VERSION,
-                "kareus_version": getattr(kareus, "__version__", "unknown"),
+                "kareus_version": __version__,
                 "partition": self.space.partition.name, "gpu": self.space.gpu.name,
                 "space": _space_description(self.space), "seed": self.seed,
                 "batch_size": self.batch_size, "budget": self.budget,

@@ -1,0 +1,118 @@
+"""Reading and writing kareus's JSON files: one place for encoding, atomic replacement
+and the typed errors a corrupt or unreadable file gets.
+
+Every file kareus writes (results.json, plan.json, frontiers, recordings, GPU profiles)
+goes through :func:`write_json_atomic`: the text is written to a temporary file in the
+same folder, flushed to disk and renamed over the target, so a reader (or a run killed
+half-way) sees either the old file or the new one, never a torn one. Every file kareus
+reads goes through :func:`read_json`, which turns the ways a file can be bad (missing, a
+folder, not UTF-8, not JSON, too large, not an object) into one typed error whose message
+names the file and says what to do.
+
+This module imports nothing from kareus's layers, so every layer may use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+__all__ = ["DEFAULT_MAX_BYTES", "dumps", "read_json", "write_json_atomic", "write_text_atomic"]
+
+DEFAULT_MAX_BYTES = 64 * 1024 * 1024
+"""Files larger than this are refused before they are parsed (64 MiB: far above any plan,
+result or recording kareus writes, far below what would exhaust a laptop's memory)."""
+
+
+def dumps(obj: Any, *, indent: int | None = 1) -> str:
+    """Serialise ``obj`` as kareus writes JSON: NaN and infinities refused, a final newline."""
+    return json.dumps(obj, indent=indent, allow_nan=False) + "\n"
+
+
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
+    """Write ``text`` to ``path`` atomically (temporary file in the same folder, fsync, rename).
+
+    Returns:
+        The path written.
+    """
+    target = Path(path)
+    folder = target.parent if str(target.parent) else Path(".")
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return target
+
+
+def write_json_atomic(path: str | os.PathLike[str], obj: Any, *, indent: int | None = 1) -> Path:
+    """Serialise ``obj`` with :func:`dumps` and write it to ``path`` atomically."""
+    return write_text_atomic(path, dumps(obj, indent=indent))
+
+
+def read_json(
+    path: str | os.PathLike[str],
+    *,
+    error: type[Exception],
+    what: str = "file",
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    expect_object: bool = True,
+) -> Any:
+    """Read a JSON file, turning every way it can be bad into ``error`` with a one-line message.
+
+    Args:
+        path: the file.
+        error: the exception class raised (a :class:`kareus.errors.KareusError` subclass,
+            e.g. ``PlanError``); it is called with one message string.
+        what: what the file is, for the message ("plan", "recording", ...).
+        max_bytes: larger files are refused before parsing.
+        expect_object: require the top level to be a JSON object.
+
+    Raises:
+        error: the file is missing, a folder, unreadable, too large, not UTF-8, not JSON,
+            or (with ``expect_object``) not a JSON object.
+    """
+    p = Path(path)
+    if p.is_dir():
+        raise error(f"{what} {p} is a folder, not a file: pass the path of the {what} file")
+    try:
+        size = p.stat().st_size
+    except FileNotFoundError:
+        raise error(f"{what} {p} does not exist: check the path") from None
+    except OSError as exc:
+        raise error(f"cannot read {what} {p}: {exc.strerror or exc}") from None
+    if size > max_bytes:
+        raise error(f"{what} {p} is {size:,} bytes, over the {max_bytes:,}-byte limit: "
+                    f"it is not a file kareus wrote")
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise error(f"cannot read {what} {p}: {exc.strerror or exc}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(f"{what} {p} is not UTF-8 text (byte {exc.start}): "
+                    f"it is corrupt or not a kareus {what}") from None
+    try:
+        data = json.loads(text, parse_constant=_refuse_constant)
+    except ValueError as exc:
+        raise error(f"{what} {p} is not valid JSON ({exc}): it is corrupt or not a kareus "
+                    f"{what}") from None
+    if expect_object and not isinstance(data, dict):
+        raise error(f"{what} {p} holds a JSON {type(data).__name__}, not an object: "
+                    f"it is not a kareus {what}")
+    return data
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number kareus writes")
