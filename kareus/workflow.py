@@ -33,8 +33,8 @@ from kareus.compose.baselines import BASELINES, BaselineResult, compose_baseline
 from kareus.compose.frontiers import IterationFrontier, IterationPoint
 from kareus.compose.plan import Plan
 from kareus.errors import InfeasibleError
-from kareus.exec.profiler import Profiler
 from kareus.model.partition import Partition, PartitionSet, build_partitions
+from kareus.model.profiler import Profiler
 from kareus.model.workload import Workload
 from kareus.search.frontier import PartitionFrontier
 from kareus.search.surrogate import Surrogate

@@ -35,11 +35,11 @@ import attrs
 from kareus.compose.frontiers import IterationFrontier, MicrobatchFrontier
 from kareus.compose.iteration import IterationComposer
 from kareus.compose.microbatch import MicrobatchComposer, measure_outside_work
-from kareus.exec.profiler import Profiler
 from kareus.model.config import ConfigSpace, ScheduleConfig
 from kareus.model.measurement import Measurement
 from kareus.model.partition import OutsideWork, Partition, PartitionSet, build_partitions
 from kareus.model.pipeline import PipelineSchedule, one_f_one_b
+from kareus.model.profiler import Profiler
 from kareus.model.workload import Workload
 from kareus.search.frontier import Observation, PartitionFrontier
 

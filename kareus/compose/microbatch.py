@@ -35,9 +35,9 @@ import numpy as np
 from kareus.compose.base import FrontierComposer
 from kareus.compose.frontiers import MicrobatchFrontier, MicrobatchPoint
 from kareus.compose.plan import MicrobatchChoice
-from kareus.exec.profiler import Profiler
 from kareus.model.measurement import Measurement
 from kareus.model.partition import OutsideWork, PartitionSet
+from kareus.model.profiler import Profiler
 from kareus.search.frontier import Observation, PartitionFrontier
 
 __all__ = ["MicrobatchComposer", "OutsideTable", "measure_outside_work", "pareto_sum"]

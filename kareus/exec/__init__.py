@@ -62,7 +62,6 @@ from kareus.exec.nvml import (
     TorchDistributedCoordinator,
     TorchPartitionRunner,
 )
-from kareus.exec.profiler import Profiler
 from kareus.exec.replay import ReplayProfiler
 from kareus.exec.torch_partition import (
     CallablePartition,
@@ -71,6 +70,7 @@ from kareus.exec.torch_partition import (
     RunnableTransformerPartition,
     runnable_partitions,
 )
+from kareus.model.profiler import Profiler
 
 __all__ = [
     "CallablePartition",

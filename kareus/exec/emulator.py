@@ -58,12 +58,12 @@ import attrs
 import numpy as np
 
 from kareus.errors import UnknownSlotError
-from kareus.exec.profiler import Profiler
 from kareus.model.config import ScheduleConfig
 from kareus.model.gpu import GPUSpec, get_gpu
 from kareus.model.measurement import Measurement
 from kareus.model.ops import CommKind, CommOp, ComputeOp
 from kareus.model.partition import OutsideWork, Partition
+from kareus.model.profiler import Profiler
 
 __all__ = ["EmulatedGPU", "EmulatedProfiler", "EmulationTrace"]
 

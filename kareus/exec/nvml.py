@@ -52,11 +52,11 @@ from typing import Any
 import attrs
 
 from kareus.errors import HardwareError
-from kareus.exec.profiler import Profiler
 from kareus.model.config import ScheduleConfig
 from kareus.model.gpu import GPUSpec, get_gpu
 from kareus.model.measurement import Measurement
 from kareus.model.partition import Partition
+from kareus.model.profiler import Profiler
 
 __all__ = [
     "Coordinator",

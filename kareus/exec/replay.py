@@ -33,11 +33,11 @@ from pathlib import Path
 from typing import Any
 
 from kareus.errors import ConfigError
-from kareus.exec.profiler import Profiler
 from kareus.model.config import ConfigSpace, ScheduleConfig
 from kareus.model.gpu import GPUSpec, get_gpu
 from kareus.model.measurement import Measurement
 from kareus.model.partition import OutsideWork, Partition
+from kareus.model.profiler import Profiler
 
 __all__ = ["RecordingProfiler", "ReplayProfiler", "work_key"]
 

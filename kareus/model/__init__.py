@@ -26,6 +26,7 @@ from kareus.model.pipeline import (
     gpipe,
     one_f_one_b,
 )
+from kareus.model.profiler import Profiler
 from kareus.model.workload import (
     MODEL_PRESETS,
     ModelArch,
@@ -55,6 +56,7 @@ __all__ = [
     "Partition",
     "PartitionSet",
     "PipelineSchedule",
+    "Profiler",
     "ScheduleConfig",
     "TransformerPartition",
     "Workload",

@@ -29,12 +29,12 @@ from typing import Any
 
 import numpy as np
 
-from kareus.exec.profiler import Profiler
 from kareus.model.config import ScheduleConfig
 from kareus.model.gpu import GPUSpec, get_gpu
 from kareus.model.measurement import Measurement
 from kareus.model.ops import CommKind
 from kareus.model.partition import Partition
+from kareus.model.profiler import Profiler
 from kareus.search.acquisition import AcquisitionContext, AcquisitionPass
 from kareus.search.surrogate import ObjectivePrediction, Surrogate
 

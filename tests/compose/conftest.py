@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from kareus.exec.profiler import Profiler
 from kareus.model.config import ScheduleConfig
 from kareus.model.gpu import get_gpu
 from kareus.model.measurement import Measurement
 from kareus.model.partition import OutsideWork, Partition
+from kareus.model.profiler import Profiler
 from kareus.model.workload import Workload
 
 

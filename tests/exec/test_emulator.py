@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 
 from kareus.errors import InvalidSMCountError, UnknownSlotError, UnsupportedFrequencyError
 from kareus.exec.emulator import EmulatedGPU, EmulatedProfiler
-from kareus.exec.profiler import Profiler
 from kareus.model.config import ConfigSpace, ScheduleConfig
 from kareus.model.measurement import Measurement
 from kareus.model.ops import CommKind, CommOp, ComputeOp, OpKind
 from kareus.model.partition import OpPartition, OutsideWork, build_partitions
+from kareus.model.profiler import Profiler
 from kareus.model.workload import Workload
 
 
