@@ -49,7 +49,7 @@ from typing import Any
 import attrs
 
 from kareus.errors import ConfigError, PlanError, UnknownSlotError
-from kareus.exec.collectives import _DIST_TENSOR_COLLECTIVE
+from kareus.exec.collectives._base import _DIST_TENSOR_COLLECTIVE
 from kareus.model.config import ScheduleConfig
 
 __all__ = [

@@ -1,0 +1,128 @@
+"""Communication collectives that use exactly the number of SMs a schedule asks for.
+
+A kareus schedule gives each communication kernel a number of SMs (``comm_sms``):
+few SMs leave more of the GPU to the overlapped computation but may expose
+communication; many SMs finish communication sooner but slow the computation. For
+that trade-off to be real, the collective must occupy exactly ``sms`` SMs. Every
+backend here is called as ``op(tensor(s), stream, sms)`` and enqueues the collective
+on ``stream`` using ``sms`` SMs:
+
+* :class:`OwnKernelCollective` runs kareus's own CUDA kernels (``ext/collectives``):
+  one thread block per SM, grid size = ``sms``, data pushed over NVLink into peer
+  buffers mapped through CUDA IPC, per-block flags instead of grid-wide barriers,
+  fp32 accumulation in rank order (bitwise-identical results on every rank). It
+  serves 2, 4 or 8 GPUs of one node with peer access, in bf16, fp16 and fp32, on
+  any tensors, and without staging copies on tensors allocated with
+  :meth:`OwnKernelCollective.empty`.
+* :class:`NCCLCappedCollective` runs NCCL with one communicator per cap, created
+  lazily through ``ProcessGroupNCCL.Options().config.min_ctas = max_ctas = sms``.
+  It runs anywhere NCCL runs; one CTA of NCCL moves about as much as one SM of the
+  plain-tensor own kernels (measured on 4x H200, NVLink: docs/collectives.md).
+* :class:`MscclppCollective` adapts kernels of MSCCL++ when ``import mscclpp``
+  works; it is never required.
+
+:func:`select_collective_backend` probes the process group and picks the first
+backend in a preference order that can run there, or raises
+:class:`NoCollectiveBackendError` naming, for each backend, why it cannot.
+
+Rules every caller must keep (as with NCCL): every rank of the group issues the same
+collectives, in the same order, with the same ``sms`` and sizes. The own kernels
+reuse one staging buffer, so calls on one backend are ordered; the backend makes a
+new stream wait for the previous one when the caller switches streams.
+
+Only pure-Python validation and selection logic runs at import; torch is imported
+inside the functions that need it, and nothing is compiled until the first
+:class:`OwnKernelCollective` is built.
+
+Modules (import the names from this package, not from them): ``_base`` (the
+:class:`CollectiveBackend` role), ``_errors``, ``_validation`` (SM counts, dtypes,
+algorithm choice, message pieces), ``_environment`` (probing a process group and the
+pure backend choice), ``_own``, ``_nccl``, ``_mscclpp`` (the backends) and
+``_selection`` (:func:`select_collective_backend`).
+"""
+
+from __future__ import annotations
+
+from kareus.exec._ext_build import ExtensionBuildError
+from kareus.exec.collectives._base import CollectiveBackend
+from kareus.exec.collectives._environment import (
+    BACKEND_NAMES,
+    DEFAULT_BACKEND_PREFERENCE,
+    CollectiveEnvironment,
+    backend_unavailable_reason,
+    choose_collective_backend,
+    mscclpp_available,
+    probe_collective_environment,
+)
+from kareus.exec.collectives._errors import (
+    CollectiveArgumentError,
+    CollectiveError,
+    CollectiveLaunchError,
+    CollectiveUnavailableError,
+    CommSMCountError,
+    NoCollectiveBackendError,
+)
+from kareus.exec.collectives._mscclpp import MscclppCollective, MscclppRunner
+from kareus.exec.collectives._nccl import NCCL_MAX_CTAS, NCCLCappedCollective
+from kareus.exec.collectives._own import (
+    DEFAULT_STAGING_BYTES,
+    OWN_MAX_BLOCKS,
+    OwnKernelCollective,
+)
+from kareus.exec.collectives._selection import select_collective_backend
+from kareus.exec.collectives._validation import (
+    ALL_REDUCE_ALGORITHMS,
+    COLLECTIVE_OPS,
+    ONE_SHOT_MAX_BYTES,
+    REGISTERED_ALL_REDUCE_ALGORITHMS,
+    SUPPORTED_DTYPES,
+    SUPPORTED_WORLD_SIZES,
+    bus_bandwidth_factor,
+    choose_all_reduce_algorithm,
+    choose_registered_all_reduce_algorithm,
+    plan_pieces,
+    staging_bytes_needed,
+    validate_comm_sms,
+    validate_dtype,
+    validate_world_size,
+)
+
+__all__ = [
+    "ALL_REDUCE_ALGORITHMS",
+    "BACKEND_NAMES",
+    "COLLECTIVE_OPS",
+    "DEFAULT_BACKEND_PREFERENCE",
+    "DEFAULT_STAGING_BYTES",
+    "NCCL_MAX_CTAS",
+    "ONE_SHOT_MAX_BYTES",
+    "OWN_MAX_BLOCKS",
+    "REGISTERED_ALL_REDUCE_ALGORITHMS",
+    "SUPPORTED_DTYPES",
+    "SUPPORTED_WORLD_SIZES",
+    "CollectiveArgumentError",
+    "CollectiveBackend",
+    "CollectiveEnvironment",
+    "CollectiveError",
+    "CollectiveLaunchError",
+    "CollectiveUnavailableError",
+    "CommSMCountError",
+    "ExtensionBuildError",
+    "MscclppCollective",
+    "MscclppRunner",
+    "NCCLCappedCollective",
+    "NoCollectiveBackendError",
+    "OwnKernelCollective",
+    "backend_unavailable_reason",
+    "bus_bandwidth_factor",
+    "choose_all_reduce_algorithm",
+    "choose_collective_backend",
+    "choose_registered_all_reduce_algorithm",
+    "mscclpp_available",
+    "plan_pieces",
+    "probe_collective_environment",
+    "select_collective_backend",
+    "staging_bytes_needed",
+    "validate_comm_sms",
+    "validate_dtype",
+    "validate_world_size",
+]

@@ -1,0 +1,144 @@
+"""The collective-backend role: all-reduce, all-gather and reduce-scatter on an exact SM count.
+
+:class:`CollectiveBackend` is the contract every backend implements (and the type the
+executor takes); the helpers here check tensors and resolve streams for the torch-based
+backends. torch is imported inside the functions that need it.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, ClassVar
+
+from kareus.exec.collectives._errors import CollectiveArgumentError, CollectiveUnavailableError
+from kareus.exec.collectives._validation import validate_comm_sms, validate_dtype
+
+__all__ = ["CollectiveBackend"]
+
+# torch.distributed function that runs each op on flat tensors (NCCL backend).
+_DIST_TENSOR_COLLECTIVE = {"all_gather": "all_gather_into_tensor",
+                           "reduce_scatter": "reduce_scatter_tensor"}
+
+
+def _require_dist(group: Any) -> tuple[Any, Any]:
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise CollectiveUnavailableError(
+            "torch.distributed is not initialised: call torch.distributed.init_process_group("
+            "'nccl') (e.g. under torchrun) before building a collective backend"
+        )
+    if not torch.cuda.is_available():
+        raise CollectiveUnavailableError("no CUDA GPU visible: collective backends need GPUs")
+    return torch, dist
+
+
+class CollectiveBackend(abc.ABC):
+    """A way to run all-reduce, all-gather and reduce-scatter on an exact SM count.
+
+    Every op is enqueued on ``stream`` (``None``: the current stream) and uses
+    ``sms`` SMs (thread blocks / CTAs). Ops are collective: every rank of the group
+    calls the same op with the same sizes and ``sms``, in the same order.
+
+    Shapes: ``all_reduce(tensor)`` reduces in place and returns ``tensor``;
+    ``all_gather(output, input)`` writes rank q's ``input`` to
+    ``output.view(-1)[q*m:(q+1)*m]`` with ``m = input.numel()``;
+    ``reduce_scatter(output, input)`` writes to rank r's ``output`` the sum over ranks
+    of ``input.view(-1)[r*m:(r+1)*m]`` with ``m = output.numel()``. Tensors are
+    contiguous CUDA tensors of one supported dtype on the current device.
+
+    A backend may also offer ``empty(shape, dtype)`` for tensors its collectives run
+    faster on (:meth:`OwnKernelCollective.empty`); runnable partitions
+    (:mod:`kareus.exec.torch_partition`) allocate their communication buffers with it
+    when it is there and with ``torch.zeros`` otherwise.
+    """
+
+    #: Short name used by :func:`select_collective_backend` (``prefer=``).
+    name: ClassVar[str] = ""
+
+    @property
+    @abc.abstractmethod
+    def world_size(self) -> int:
+        """Ranks in the group."""
+
+    @property
+    @abc.abstractmethod
+    def rank(self) -> int:
+        """This process's rank in the group."""
+
+    @property
+    @abc.abstractmethod
+    def sm_count(self) -> int:
+        """SMs of this rank's GPU."""
+
+    @property
+    def max_sms(self) -> int:
+        """Largest ``sms`` this backend accepts on this GPU."""
+        return self.sm_count - 1
+
+    @abc.abstractmethod
+    def all_reduce(self, tensor: Any, stream: Any, sms: int) -> Any:
+        """Sums ``tensor`` over the group in place; returns ``tensor``."""
+
+    @abc.abstractmethod
+    def all_gather(self, output: Any, input: Any, stream: Any, sms: int) -> Any:
+        """Gathers every rank's ``input`` into ``output`` in rank order; returns ``output``."""
+
+    @abc.abstractmethod
+    def reduce_scatter(self, output: Any, input: Any, stream: Any, sms: int) -> Any:
+        """Sums ``input`` over the group and keeps this rank's block in ``output``."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Releases resources (collective where the backend holds shared buffers)."""
+
+    def __enter__(self) -> CollectiveBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # Helpers shared by the torch-based backends.
+    def _check_sms(self, sms: int) -> int:
+        return validate_comm_sms(sms, self.sm_count,
+                                 backend_limit=min(self.max_sms, self.sm_count - 1), backend=self.name)
+
+
+def _check_tensor(t: Any, what: str, device: int) -> str:
+    """Validates one tensor; returns its dtype name."""
+    import torch
+
+    if not isinstance(t, torch.Tensor):
+        raise CollectiveArgumentError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_cuda or t.device.index != device:
+        raise CollectiveArgumentError(
+            f"{what} must be on cuda:{device} (the current device), got {t.device}; "
+            "call torch.cuda.set_device(local_rank) first"
+        )
+    if not t.is_contiguous():
+        raise CollectiveArgumentError(f"{what} must be contiguous; call .contiguous() first")
+    return validate_dtype(t.dtype)
+
+
+def _check_pair(op: str, output: Any, input: Any, world: int, device: int) -> str:
+    d_out = _check_tensor(output, "output", device)
+    d_in = _check_tensor(input, "input", device)
+    if d_out != d_in:
+        raise CollectiveArgumentError(f"{op}: input is {d_in} but output is {d_out}; use one dtype")
+    if op == "all_gather" and output.numel() != world * input.numel():
+        raise CollectiveArgumentError(
+            f"all_gather: output must hold world_size x input.numel() = {world} x {input.numel()} "
+            f"elements, got {output.numel()}"
+        )
+    if op == "reduce_scatter" and input.numel() != world * output.numel():
+        raise CollectiveArgumentError(
+            f"reduce_scatter: input must hold world_size x output.numel() = {world} x "
+            f"{output.numel()} elements, got {input.numel()}"
+        )
+    return d_in
+
+
+def _resolve_stream(stream: Any) -> Any:
+    import torch
+
+    return torch.cuda.current_stream() if stream is None else stream

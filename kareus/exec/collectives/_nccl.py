@@ -1,0 +1,125 @@
+"""NCCL with the number of CTAs fixed per call: one capped communicator per SM count."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from kareus.exec.collectives._base import (
+    _DIST_TENSOR_COLLECTIVE,
+    CollectiveBackend,
+    _check_pair,
+    _check_tensor,
+    _require_dist,
+    _resolve_stream,
+)
+from kareus.exec.collectives._errors import CollectiveArgumentError, CollectiveUnavailableError
+
+__all__ = ["NCCL_MAX_CTAS", "NCCLCappedCollective"]
+
+#: NCCL's upper limit for ``max_ctas`` (MAXCHANNELS in current NCCL releases).
+NCCL_MAX_CTAS = 64
+
+
+class NCCLCappedCollective(CollectiveBackend):
+    """NCCL with the number of CTAs (= SMs) fixed per call.
+
+    NCCL fixes CTA counts per communicator, so this keeps one ``torch.distributed``
+    NCCL group per cap, created on first use with
+    ``ProcessGroupNCCL.Options().config.min_ctas = max_ctas = sms`` and cached. It
+    never touches ``NCCL_MAX_CTAS`` in the environment (that would cap every
+    communicator of the process). Group creation is collective over the group's
+    ranks; since all ranks issue the same calls, they create the same groups in the
+    same order.
+
+    Args:
+        group: Process group whose ranks take part (default: the world).
+        max_sms: Largest cap accepted (default: NCCL's 64-channel limit).
+    """
+
+    name: ClassVar[str] = "nccl_capped"
+
+    def __init__(self, *, group: Any = None, max_sms: int | None = None) -> None:
+        torch, dist = _require_dist(group)
+        try:
+            has_caps = hasattr(dist.ProcessGroupNCCL.Options().config, "max_ctas")
+        except AttributeError:
+            has_caps = False
+        if not has_caps:
+            raise CollectiveUnavailableError(
+                "this PyTorch's ProcessGroupNCCL.Options().config has no max_ctas; upgrade "
+                "PyTorch (NCCL >= 2.17) or use OwnKernelCollective"
+            )
+        self._group = group
+        self._world = dist.get_world_size(group)
+        self._rank = dist.get_rank(group)
+        self._ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self._world))
+        self._device = torch.cuda.current_device()
+        self._sm_count = torch.cuda.get_device_properties(self._device).multi_processor_count
+        self._max_sms = NCCL_MAX_CTAS if max_sms is None else int(max_sms)
+        if not 1 <= self._max_sms <= NCCL_MAX_CTAS:
+            raise CollectiveArgumentError(f"max_sms must be in 1..{NCCL_MAX_CTAS}, got {max_sms}")
+        self._groups: dict[int, Any] = {}
+
+    @property
+    def world_size(self) -> int:
+        return self._world
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def sm_count(self) -> int:
+        return self._sm_count
+
+    @property
+    def max_sms(self) -> int:
+        return min(self._max_sms, self._sm_count - 1)
+
+    def group_for(self, sms: int) -> Any:
+        """The NCCL group capped at ``sms`` CTAs (created on first use; collective)."""
+        sms = self._check_sms(sms)
+        if sms not in self._groups:
+            import torch.distributed as dist
+
+            opts = dist.ProcessGroupNCCL.Options()
+            opts.config.max_ctas = sms
+            opts.config.min_ctas = sms
+            self._groups[sms] = dist.new_group(ranks=self._ranks, backend="nccl", pg_options=opts,
+                                               use_local_synchronization=True)
+        return self._groups[sms]
+
+    def all_reduce(self, tensor: Any, stream: Any, sms: int) -> Any:
+        import torch
+        import torch.distributed as dist
+
+        _check_tensor(tensor, "tensor", self._device)
+        g = self.group_for(sms)
+        with torch.cuda.stream(_resolve_stream(stream)):
+            dist.all_reduce(tensor, group=g)
+        return tensor
+
+    def all_gather(self, output: Any, input: Any, stream: Any, sms: int) -> Any:
+        return self._shard_collective("all_gather", output, input, stream, sms)
+
+    def reduce_scatter(self, output: Any, input: Any, stream: Any, sms: int) -> Any:
+        return self._shard_collective("reduce_scatter", output, input, stream, sms)
+
+    def _shard_collective(self, op: str, output: Any, input: Any, stream: Any, sms: int) -> Any:
+        import torch
+        import torch.distributed as dist
+
+        _check_pair(op, output, input, self._world, self._device)
+        g = self.group_for(sms)
+        run = getattr(dist, _DIST_TENSOR_COLLECTIVE[op])
+        with torch.cuda.stream(_resolve_stream(stream)):
+            run(output.view(-1), input.view(-1), group=g)
+        return output
+
+    def close(self) -> None:
+        """Destroys the capped groups (collective)."""
+        import torch.distributed as dist
+
+        for g in self._groups.values():
+            dist.destroy_process_group(g)
+        self._groups = {}
