@@ -2,8 +2,8 @@
 
 kareus never compiles anything when it is installed or imported. The first time a
 GPU code path needs a CUDA extension (today: the SM-capped collectives in
-``ext/collectives/``), this module compiles the sources with ``nvcc`` into a shared
-library and loads it with :mod:`ctypes`. The library holds plain ``extern "C"``
+``kareus/exec/_ext/collectives/``), this module compiles the sources with ``nvcc`` into
+a shared library and loads it with :mod:`ctypes`. The library holds plain ``extern "C"``
 functions, so it does not depend on PyTorch's C++ ABI, and building it takes seconds
 instead of the minutes a ``torch.utils.cpp_extension`` build takes.
 
@@ -15,8 +15,9 @@ build at once: a file lock lets one compile while the others wait, and the resul
 is published by an atomic rename.
 
 Environment variables:
-    KAREUS_EXT_DIR: directory holding the extension sources (default: ``ext/`` at
-        the repository root, next to the ``kareus`` package).
+    KAREUS_EXT_DIR: directory holding the extension sources (default: the package
+        data ``kareus/exec/_ext/``, found through :mod:`importlib.resources` in any
+        install layout: a source checkout, an editable install, a wheel).
     KAREUS_CACHE_DIR: cache root (default: ``$XDG_CACHE_HOME/kareus`` or
         ``~/.cache/kareus``).
     KAREUS_NVCC: the ``nvcc`` to use (default: ``$CUDA_HOME/bin/nvcc``, then ``nvcc``
@@ -32,7 +33,6 @@ import hashlib
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -67,27 +67,42 @@ def extension_source_dir(name: str) -> Path:
     """Returns the directory holding the sources of extension ``name``.
 
     Args:
-        name: Extension name, a subdirectory of ``ext/`` (e.g. ``"collectives"``).
+        name: Extension name, a subdirectory of ``kareus/exec/_ext/`` (e.g.
+            ``"collectives"``).
 
     Raises:
         ExtensionBuildError: The directory does not exist.
     """
     root = os.environ.get("KAREUS_EXT_DIR")
     if root:
-        bases = [Path(root)]
+        base = Path(root)
     else:
-        # A source checkout (editable install) keeps ext/ beside the package; a wheel
-        # installs the sources as data files under <prefix>/share/kareus/ext.
-        bases = [Path(__file__).resolve().parents[2] / "ext",
-                 Path(sys.prefix) / "share" / "kareus" / "ext"]
-    for base in bases:
-        if (base / name).is_dir():
-            return base / name
+        # The sources ship as package data of kareus.exec, so every install layout has
+        # them; a zipped install is extracted once into the build cache.
+        base = _packaged_sources()
+    if (base / name).is_dir():
+        return base / name
     raise ExtensionBuildError(
-        f"CUDA sources of extension {name!r} not found in {', '.join(str(b) for b in bases)}; "
-        "run kareus from a source checkout or set KAREUS_EXT_DIR to the directory that holds "
-        "ext/<name>/"
+        f"CUDA sources of extension {name!r} not found in {base}; reinstall kareus, or set "
+        "KAREUS_EXT_DIR to a directory that holds <name>/ with the .cu sources"
     )
+
+
+def _packaged_sources() -> Path:
+    """The directory of the packaged CUDA sources (``kareus/exec/_ext``) on disk."""
+    from importlib.resources import files  # noqa: PLC0415
+
+    tree = files("kareus.exec") / "_ext"
+    if isinstance(tree, Path):
+        return tree
+    out = cache_dir() / "src"  # pragma: no cover - only for zipped installs
+    for ext in tree.iterdir():  # pragma: no cover
+        if ext.is_dir():
+            (out / ext.name).mkdir(parents=True, exist_ok=True)
+            for f in ext.iterdir():
+                if f.is_file():
+                    (out / ext.name / f.name).write_bytes(f.read_bytes())
+    return out  # pragma: no cover
 
 
 def find_nvcc() -> str | None:
@@ -215,11 +230,11 @@ def build_shared_library(name: str, *, arch: str = "sm_90",
     """Builds (or finds in the cache) the shared library of extension ``name``.
 
     The library is ``<cache>/ext/<name>-<arch>-<hash>/lib<name>.so``, where the hash
-    covers every ``.cu``/``.cuh``/``.h`` file of ``ext/<name>/``, the flags and the
+    covers every ``.cu``/``.cuh``/``.h`` file of ``_ext/<name>/``, the flags and the
     nvcc version.
 
     Args:
-        name: Extension name (subdirectory of ``ext/``).
+        name: Extension name (subdirectory of ``kareus/exec/_ext/``).
         arch: Target architecture, e.g. ``"sm_90"`` for H100/H200.
         defines: Preprocessor macros (``-DKEY=VALUE``), part of the cache key.
 

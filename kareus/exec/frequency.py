@@ -6,7 +6,7 @@ host thread happens to enqueue it (the host runs far ahead of the device), so a
 request travels in stream order:
 
 * :class:`StreamOrderedTrigger` puts a marker on the stream at the boundary. With the
-  small CUDA extension in ``ext/hostfn`` the marker is a host function
+  small CUDA extension in ``_ext/hostfn`` the marker is a host function
   (``cudaLaunchHostFunc``) that only writes the request's token into a pipe; without
   it, the marker is a CUDA event that a polling thread watches. Either way, the
   trigger's own thread receives the request when the GPU gets there and calls the
@@ -291,7 +291,7 @@ _HOSTFN_LIB: Any = None
 
 
 def load_hostfn_library(*, arch: str | None = None) -> Any:
-    """Build (first use) and load ``ext/hostfn``; returns the ``ctypes`` library.
+    """Build (first use) and load ``_ext/hostfn``; returns the ``ctypes`` library.
 
     Raises:
         kareus.exec._ext_build.ExtensionBuildError: nvcc missing or the build failed.
@@ -322,7 +322,7 @@ def _stream_handle(stream: Any) -> int:
 
 
 class HostFunctionMarker(StreamMarker):
-    """Markers as CUDA host functions (``ext/hostfn``) that write tokens into a pipe.
+    """Markers as CUDA host functions (``_ext/hostfn``) that write tokens into a pipe.
 
     Args:
         lib: The loaded library (``None``: :func:`load_hostfn_library`).
@@ -376,7 +376,7 @@ class HostFunctionMarker(StreamMarker):
 
 
 class EventPollingMarker(StreamMarker):
-    """Markers as events that a thread polls (the fallback without ``ext/hostfn``).
+    """Markers as events that a thread polls (the fallback without ``_ext/hostfn``).
 
     Args:
         event_factory: ``stream -> event`` recording an event on ``stream`` (an object
@@ -446,7 +446,7 @@ class StreamOrderedTrigger:
     Args:
         controller: The :class:`FrequencyController` that changes the clock.
         marker: How markers are put on streams; ``None`` = :class:`HostFunctionMarker`
-            if ``ext/hostfn`` builds and loads, else :class:`EventPollingMarker`.
+            if ``_ext/hostfn`` builds and loads, else :class:`EventPollingMarker`.
 
     Use as a context manager, or call :meth:`close` (it waits for delivered markers).
     ``fired`` lists ``(token, freq_mhz, time_s)`` in the order requests reached the

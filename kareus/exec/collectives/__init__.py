@@ -7,7 +7,7 @@ that trade-off to be real, the collective must occupy exactly ``sms`` SMs. Every
 backend here is called as ``op(tensor(s), stream, sms)`` and enqueues the collective
 on ``stream`` using ``sms`` SMs:
 
-* :class:`OwnKernelCollective` runs kareus's own CUDA kernels (``ext/collectives``):
+* :class:`OwnKernelCollective` runs kareus's own CUDA kernels (``kareus/exec/_ext/collectives``):
   one thread block per SM, grid size = ``sms``, data pushed over NVLink into peer
   buffers mapped through CUDA IPC, per-block flags instead of grid-wide barriers,
   fp32 accumulation in rank order (bitwise-identical results on every rank). It
