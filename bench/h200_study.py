@@ -273,7 +273,7 @@ def main() -> int:  # noqa: C901, PLR0915 - a linear script
         try:
             import xgboost  # noqa: F401
 
-            from kareus.search.optimizer import MultiPassSearch  # noqa: F401
+            from kareus.search import MultiPassSearch  # noqa: F401
         except Exception as exc:  # noqa: BLE001
             log(f"search not available here: {exc}")
             have_search = 0.0
@@ -289,7 +289,7 @@ def main() -> int:  # noqa: C901, PLR0915 - a linear script
             configs = space.configs
             if rank == 0:
                 from kareus.model.measurement import Measurement
-                from kareus.search.optimizer import MultiPassSearch
+                from kareus.search import MultiPassSearch
 
                 released = {"done": False}
 
@@ -397,7 +397,7 @@ def analyze(path: Path, *, budgets: list[int], seeds: int,
     from kareus.exec.replay import ReplayProfiler
     from kareus.model.partition import build_partitions
     from kareus.model.workload import Workload
-    from kareus.search.optimizer import SURROGATES, MultiPassSearch
+    from kareus.search import SURROGATES, MultiPassSearch
     from kareus.search.pareto import hypervolume, pareto_front, reference_point
 
     surrogates = surrogates or ["gp"]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kareus.compose.baselines import anchor_configs
+from kareus.compose import system_configs
 from kareus.errors import InfeasibleError
 from kareus.model import ConfigSpace, Workload
 from kareus.workflow import iso_energy_time_saving, iso_time_energy_saving, optimize
@@ -19,7 +19,7 @@ def test_searches_start_from_the_baselines_configurations(result):
     for name, pf in result.partition_frontiers().items():
         part = result.partitions[name]
         measured = {o.config for o in pf.measured()}
-        anchors = anchor_configs(ConfigSpace(part, "h200-sxm"))
+        anchors = system_configs(ConfigSpace(part, "h200-sxm"))
         assert len(anchors) == 2 and set(anchors) <= measured
         assert len(measured) <= 10
 
@@ -84,8 +84,7 @@ def test_bad_budget():
 
 
 def test_surrogate_by_name_or_instance():
-    from kareus.search import GaussianProcessSurrogate, XGBoostSurrogate
-    from kareus.search.surrogate import BootstrapEnsemble
+    from kareus.search import BootstrapEnsemble, GaussianProcessSurrogate, XGBoostSurrogate
     from kareus.workflow import resolve_surrogate
 
     assert resolve_surrogate(None) is None

@@ -15,6 +15,21 @@ Nothing here touches hardware.
 
 from __future__ import annotations
 
+from kareus.search._bootstrap_ensemble import BootstrapEnsemble
+from kareus.search._defaults import (
+    SURROGATES,
+    default_passes,
+    default_surrogate,
+    reference_passes,
+    tree_surrogate,
+)
+from kareus.search._features import search_features
+from kareus.search._gaussian_process import GaussianProcessSurrogate
+from kareus.search._initial_design import maximin_design, system_config_indices
+from kareus.search._log import LOG_FORMAT, LOG_VERSION
+from kareus.search._multi_pass_search import MultiPassSearch
+from kareus.search._objective_model import ObjectiveModel, ObjectivePrediction
+from kareus.search._xgboost_surrogate import XGBoostSurrogate
 from kareus.search.acquisition import (
     AcquisitionContext,
     AcquisitionPass,
@@ -26,20 +41,6 @@ from kareus.search.acquisition import (
     UncertaintyPass,
     allocate,
 )
-from kareus.search.frontier import Observation, PartitionFrontier
-from kareus.search.optimizer import (
-    LOG_FORMAT,
-    LOG_VERSION,
-    SURROGATES,
-    MultiPassSearch,
-    anchor_indices,
-    default_passes,
-    default_surrogate,
-    facts_passes,
-    maximin_design,
-    search_features,
-    tree_surrogate,
-)
 from kareus.search.pareto import (
     hypervolume,
     hypervolume_improvement,
@@ -47,14 +48,8 @@ from kareus.search.pareto import (
     pareto_mask,
     reference_point,
 )
-from kareus.search.surrogate import (
-    BootstrapEnsemble,
-    GaussianProcessSurrogate,
-    ObjectiveModel,
-    ObjectivePrediction,
-    Surrogate,
-    XGBoostSurrogate,
-)
+from kareus.search.partition_frontier import Observation, PartitionFrontier
+from kareus.search.surrogate import Surrogate
 
 __all__ = [
     "LOG_FORMAT",
@@ -78,16 +73,16 @@ __all__ = [
     "UncertaintyPass",
     "XGBoostSurrogate",
     "allocate",
-    "anchor_indices",
     "default_passes",
     "default_surrogate",
-    "facts_passes",
     "hypervolume",
     "hypervolume_improvement",
     "maximin_design",
     "pareto_front",
     "pareto_mask",
+    "reference_passes",
     "reference_point",
     "search_features",
+    "system_config_indices",
     "tree_surrogate",
 ]

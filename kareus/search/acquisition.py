@@ -37,13 +37,13 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
+from kareus.search._objective_model import ObjectivePrediction
 from kareus.search.pareto import (
     hypervolume_improvement,
     pareto_front,
     pareto_mask,
     reference_point,
 )
-from kareus.search.surrogate import ObjectivePrediction
 
 __all__ = [
     "AcquisitionContext",

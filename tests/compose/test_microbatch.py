@@ -14,8 +14,8 @@ from kareus.compose.microbatch import MicrobatchComposer, measure_outside_work, 
 from kareus.model.config import ScheduleConfig
 from kareus.model.measurement import Measurement
 from kareus.model.partition import build_partitions
-from kareus.search.frontier import Observation, PartitionFrontier
 from kareus.search.pareto import pareto_front
+from kareus.search.partition_frontier import Observation, PartitionFrontier
 
 fronts_st = st.lists(
     st.lists(st.tuples(st.floats(0.1, 10), st.floats(0.1, 10)), min_size=1, max_size=6),

@@ -106,7 +106,7 @@ def test_measured_grid_is_complete_and_physical():
 @pytest.mark.skipif(not DATA, reason="no measured grid in data/")
 def test_search_replayed_on_measured_grid_finds_most_of_the_front():
     pytest.importorskip("xgboost")
-    from kareus.search.optimizer import MultiPassSearch
+    from kareus.search import MultiPassSearch
 
     data = json.loads(DATA[-1].read_text())
     w = data["workload"]

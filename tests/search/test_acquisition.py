@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kareus.search import ObjectivePrediction
 from kareus.search.acquisition import (
     AcquisitionContext,
     AcquisitionPass,
@@ -18,7 +19,6 @@ from kareus.search.acquisition import (
     UncertaintyPass,
     allocate,
 )
-from kareus.search.surrogate import ObjectivePrediction
 from kareus.testing import AcquisitionPassConformance, make_acquisition_context
 
 P_STATIC = 1.0

@@ -1,4 +1,4 @@
-"""MultiPassSearch: ask/tell, never re-measuring, the initial design, stopping, log and resume."""
+"""MultiPassSearch: ask/tell, never re-measuring, the pass mix, stopping, log and resume."""
 
 from __future__ import annotations
 
@@ -8,32 +8,29 @@ import numpy as np
 import pytest
 
 from kareus.model import ConfigSpace, Measurement, ScheduleConfig
-from kareus.search.acquisition import FastestPass, HypervolumePass, RandomPass, allocate
-from kareus.search.frontier import PartitionFrontier
-from kareus.search.optimizer import (
+from kareus.search import (
     LOG_FORMAT,
     LOG_VERSION,
+    FastestPass,
+    HypervolumePass,
     MultiPassSearch,
-    anchor_indices,
-    default_passes,
-    facts_passes,
+    PartitionFrontier,
+    RandomPass,
+    XGBoostSurrogate,
     maximin_design,
+    system_config_indices,
 )
-from kareus.search.surrogate import XGBoostSurrogate
 from kareus.testing import FakeProfiler
 
 FAST = XGBoostSurrogate(n_estimators=15, max_depth=3)  # keeps the tests quick
-
 
 def search(space: ConfigSpace, **kw) -> MultiPassSearch:
     kw.setdefault("surrogate", FAST)
     kw.setdefault("progress", False)
     return MultiPassSearch(space, **kw)
 
-
 class Interrupt(Exception):
     pass
-
 
 class DyingProfiler(FakeProfiler):
     """Raises after ``die_after`` measurements (a killed search)."""
@@ -132,83 +129,31 @@ def _other_partition(space: ConfigSpace):
     return build_partitions(Workload.preset("llama3.2-3b", tp=4, microbatch_size=8))["fwd_mlp"]
 
 
-def test_default_and_facts_mixes():
-    mix = default_passes()
-    assert [w for _, w in mix] == [0.3, 0.1, 0.2, 0.1, 0.1]
-    assert [p.name for p, _ in mix] == ["hv-total", "hv-dynamic", "local",
-                                        "hv-total-optimistic2", "hinge"]
-    # In batches of 8, every pass gets a slot.
-    assert allocate([w for _, w in mix], 8) == [3, 1, 2, 1, 1]
-    assert [w for _, w in facts_passes()] == [0.4, 0.2, 0.2, 0.2]
-    assert [p.name for p, _ in facts_passes()] == ["hv-total", "hv-dynamic", "hv-static",
-                                                   "uncertainty"]
-
-
 # ---------------------------------------------------------------------- initial design
 
 
-def test_maximin_design_fills_the_space(medium_space):
-    idx = maximin_design(medium_space, 16, seed=3)
-    assert len(idx) == len(set(idx)) == 16
-    cfgs = [medium_space.configs[i] for i in idx]
-    slots = [c.launch_slot for c in cfgs]
-    counts = [slots.count(s) for s in medium_space.slots]
-    assert max(counts) - min(counts) <= 1  # slots balanced, sequential included
-    assert len({c.freq_mhz for c in cfgs}) == 6  # every frequency level used
-    assert len({c.comm_sms for c in cfgs}) >= 9
-    assert idx == maximin_design(medium_space, 16, seed=3)
-
-
-def test_maximin_beats_random_on_spread(medium_space):
-    from kareus.search.optimizer import _unit_coordinates
-
-    coords = _unit_coordinates(medium_space)
-
-    def min_dist(idx):
-        p = coords[idx]
-        d = np.sqrt(((p[:, None, :2] - p[None, :, :2]) ** 2).sum(-1)
-                    + (p[:, None, 2] != p[None, :, 2]))
-        np.fill_diagonal(d, np.inf)
-        return d.min()
-
-    rng = np.random.default_rng(0)
-    rand = np.median([min_dist(rng.choice(len(coords), 16, replace=False)) for _ in range(30)])
-    assert min_dist(maximin_design(medium_space, 16, seed=0)) > rand
-
-
-def test_tiny_space_design(small_space):
-    tiny = small_space.restrict(freqs_mhz=[1410], comm_sms=[4], slots=["qkv"])
-    assert maximin_design(tiny, 5) == [0]
-
-
-def test_initial_design_starts_with_the_anchors(medium_space):
+def test_initial_design_opens_with_the_system_configs(medium_space):
     # The maximum clock with the default SM count (32 on the A100), sequential and in the
     # first slot: what a job runs without kareus; the rest is the maximin design.
-    anchors = anchor_indices(medium_space)
-    assert [medium_space.configs[i] for i in anchors] == [
+    opening = system_config_indices(medium_space)
+    assert [medium_space.configs[i] for i in opening] == [
         ScheduleConfig(1410, 32, None), ScheduleConfig(1410, 32, "attn_norm")]
     s = search(medium_space, budget=32, seed=4)
     first = s.ask()
     assert len(first) == len(set(first)) == 16
-    assert first[:2] == [medium_space.configs[i] for i in anchors]
+    assert first[:2] == [medium_space.configs[i] for i in opening]
     design = [medium_space.configs[i] for i in maximin_design(medium_space, 14, seed=4)]
     assert set(first[2:]) == set(design) - set(first[:2])
-    # Without anchors: the plain maximin design; a random design has none by default.
-    plain = search(medium_space, budget=32, seed=4, anchors=False).ask()
+    # Without the system configurations: the plain maximin design; a random design has none by default.
+    plain = search(medium_space, budget=32, seed=4, system_configs=False).ask()
     assert plain == [medium_space.configs[i] for i in maximin_design(medium_space, 16, seed=4)]
     rnd = search(medium_space, budget=32, seed=4, initial_design="random").ask()
     expect = np.random.default_rng([4, 104729]).choice(len(medium_space), 16, replace=False)
     assert rnd == [medium_space.configs[int(i)] for i in expect]
-    rnd_a = search(medium_space, budget=32, seed=4, initial_design="random", anchors=True).ask()
+    rnd_a = search(medium_space, budget=32, seed=4, initial_design="random", system_configs=True).ask()
     assert rnd_a[:2] == first[:2] and len(set(rnd_a)) == 16
-    # A design smaller than the anchors holds anchors only.
+    # A design smaller than the opening holds opening points only.
     assert search(medium_space, budget=8, initial_size=1).ask() == first[:1]
-
-
-def test_anchors_outside_the_space_are_skipped(medium_space):
-    low = medium_space.restrict(comm_sms=[1, 2, 4, 8], slots=["qkv", "rope"])
-    # No 32 SMs: the largest SM count stands in; no sequential slot: only the slotted one.
-    assert [low.configs[i] for i in anchor_indices(low)] == [ScheduleConfig(1410, 8, "qkv")]
 
 
 # ---------------------------------------------------------------------- stopping
@@ -358,83 +303,6 @@ def test_random_initial_design_and_last_remainder(small_space):
     s.run(FakeProfiler())
     assert s.n_measured == 20
     assert [s.chosen_by[o.config] for o in s.observations].count("initial") == 12
-
-
-def test_search_features_add_sms_per_relative_clock_and_hide_balance(medium_space):
-    from kareus.search.optimizer import search_features
-
-    f = search_features(medium_space)
-    base = medium_space.features()
-    assert f.shape == (len(medium_space), base.shape[1] + 3)
-    np.testing.assert_array_equal(f[:, :base.shape[1]], base)
-    c = medium_space.configs[-1]
-    assert f[-1, 5] == pytest.approx(c.comm_sms * 1410 / c.freq_mhz)
-    assert f[-1, 7] == pytest.approx(c.comm_sms * (1410 / c.freq_mhz) ** 2)
-    # The balance falls as SMs rise (same clock and slot); sequential rows sit above all.
-    bal = f[:, 6]
-    seq = f[:, 4] == 1.0
-    assert bal[seq].min() > bal[~seq].max()
-    by = {cfg: b for cfg, b in zip(medium_space.configs, bal)}
-    some = next(cfg for cfg in medium_space.configs if cfg.launch_slot is not None)
-    more = ScheduleConfig(some.freq_mhz, some.comm_sms + 1, some.launch_slot)
-    if more in by:
-        assert by[more] < by[some]
-
-
-def test_squared_ratio_lines_up_a_ridge_that_grows_faster_than_the_clock():
-    # qwen3-1.7b's attention-input all-reduce on the emulated A100: the fewest SMs that
-    # hide it (launched at attn_norm) grow about as clock^2, so SMs x (max/MHz)^2 takes
-    # about one value along the ridge while SMs x max/MHz drifts with the clock.
-    from kareus.exec.emulator import EmulatedProfiler
-    from kareus.model import Workload, build_partitions
-    from kareus.search.optimizer import search_features
-
-    wl = Workload.preset("qwen3-1.7b", cp=2, tp=4, microbatch_size=8, seq_len=4096)
-    part = build_partitions(wl)["fwd_attn_in_ar"]
-    space = ConfigSpace(part, "a100-40gb", freqs_mhz=[1410, 1200, 1050, 900],
-                        comm_sms=range(1, 33), slots=["attn_norm"])
-    prof = EmulatedProfiler("a100-40gb", noise=0.0)
-    feats = search_features(space)
-    index = {c: i for i, c in enumerate(space.configs)}
-    ridge = []
-    for f in space.freqs_mhz:
-        times = [prof.measure(part, ScheduleConfig(f, s, "attn_norm")).time_s
-                 for s in space.comm_sms]
-        ridge.append(index[ScheduleConfig(f, space.comm_sms[int(np.argmin(times))],
-                                          "attn_norm")])
-    lin, sq = np.log(feats[ridge, 5]), np.log(feats[ridge, 7])
-    assert np.ptp(feats[ridge, 1]) >= 10       # the SM count moves a lot along the ridge
-    assert np.std(sq) < 0.5 * np.std(lin)
-
-
-def test_hide_balance_lines_up_the_hinge_across_clocks_and_slots():
-    # Where the collective just hides (emulated A100, llama3.2-3b fwd_attn) the balance
-    # feature should take about one value for every clock and slot: that is what lets a
-    # tree find the hinge with one split. Compare its scatter at the hinge with the
-    # scatter of the SMs-per-relative-clock feature there.
-    from kareus.exec.emulator import EmulatedProfiler
-    from kareus.model import Workload, build_partitions
-    from kareus.search.optimizer import search_features
-
-    part = build_partitions(Workload.preset("llama3.2-3b", tp=4))["fwd_attn"]
-    space = ConfigSpace(part, "a100-40gb", freqs_mhz=[1410, 1200, 990], comm_sms=range(1, 33))
-    prof = EmulatedProfiler("a100-40gb", noise=0.0)
-    feats = search_features(space)
-    index = {c: i for i, c in enumerate(space.configs)}
-    hinge_bal, hinge_ratio = [], []
-    for f in space.freqs_mhz:
-        for slot in space.slots:
-            if slot is None:
-                continue
-            hidden = [s for s in space.comm_sms
-                      if prof.trace(part, ScheduleConfig(f, s, slot)).exposed_comm_s == 0.0]
-            if not hidden or hidden[0] == 1:
-                continue
-            i = index[ScheduleConfig(f, hidden[0], slot)]
-            hinge_bal.append(feats[i, 6])
-            hinge_ratio.append(np.log(feats[i, 5]))
-    assert len(hinge_bal) >= 6
-    assert np.std(hinge_bal) < 0.5 * np.std(hinge_ratio)
 
 
 def test_default_search_finds_most_of_an_emulated_front_and_beats_random():

@@ -34,25 +34,35 @@ class Observation:
 
     @property
     def time_s(self) -> float:
+        """The measured (or predicted) time, seconds."""
         return self.measurement.time_s
 
     @property
     def energy_j(self) -> float:
+        """The total energy over the partition's group of GPUs, joules."""
         return self.measurement.energy_j
 
     @property
     def dynamic_energy_j(self) -> float:
+        """The total energy less static power x time, joules."""
         return self.measurement.dynamic_energy_j
 
     def to_dict(self) -> dict[str, Any]:
+        """This observation as JSON-ready data (inverse of :meth:`from_dict`)."""
         return {"config": self.config.to_dict(), "measurement": self.measurement.to_dict(),
                 "predicted": self.predicted}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Observation:
+        """An observation from :meth:`to_dict`'s data (``predicted`` defaults to False)."""
         return cls(config=ScheduleConfig.from_dict(d["config"]),
                    measurement=Measurement.from_dict(d["measurement"]),
                    predicted=bool(d.get("predicted", False)))
+
+
+def _observation_tuple(observations: Iterable[Observation]) -> tuple[Observation, ...]:
+    """attrs converter: any iterable of observations as a tuple."""
+    return tuple(observations)
 
 
 def _front(obs: list[Observation], energy: str) -> list[Observation]:
@@ -81,11 +91,18 @@ class PartitionFrontier:
 
     partition: str
     gpu: str
-    observations: tuple[Observation, ...] = attrs.field(converter=tuple)
+    observations: tuple[Observation, ...] = attrs.field(converter=_observation_tuple)
 
     @classmethod
     def from_observations(cls, partition: str, gpu: str,
                           observations: Iterable[Observation]) -> PartitionFrontier:
+        """A frontier of ``observations`` (in the order made) of one partition type.
+
+        Args:
+            partition: The partition type's name.
+            gpu: The GPU preset's name.
+            observations: Every observation, measured or predicted.
+        """
         return cls(partition=partition, gpu=gpu, observations=tuple(observations))
 
     def measured(self) -> list[Observation]:
@@ -110,11 +127,13 @@ class PartitionFrontier:
         return _front(obs, energy)
 
     def to_dict(self) -> dict[str, Any]:
+        """This frontier as JSON-ready data (inverse of :meth:`from_dict`)."""
         return {"partition": self.partition, "gpu": self.gpu,
                 "observations": [o.to_dict() for o in self.observations]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PartitionFrontier:
+        """A frontier from :meth:`to_dict`'s data."""
         return cls(partition=d["partition"], gpu=d["gpu"],
                    observations=tuple(Observation.from_dict(o) for o in d["observations"]))
 

@@ -1,0 +1,143 @@
+"""The search log: a versioned JSONL record of every batch asked and measurement told.
+
+A :class:`~kareus.search.MultiPassSearch` given ``log=PATH`` writes a header line (format,
+version, partition, GPU, space, seed, sizes), then one ``ask`` record per batch (the
+configurations and the pass that chose each) and one ``tell`` record per measurement, each
+line flushed and synced to disk before the search goes on. ``resume=PATH`` reads it back
+(:func:`read_log`), checks that it belongs to the same search (:func:`check_header`) and
+replays it. A line cut short by a kill is dropped from the file; a corrupt line anywhere
+else is an error. Logs are JSON, never executable code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from kareus._version import __version__
+from kareus.model.config import ConfigSpace
+
+__all__ = ["LOG_FORMAT", "LOG_VERSION", "append_record", "check_header", "log_header",
+           "read_log", "space_description"]
+
+#: The ``format`` field of a search log's header.
+LOG_FORMAT = "kareus-search-log"
+#: The version of the search log format this kareus writes and reads.
+LOG_VERSION = 1
+
+
+def space_description(space: ConfigSpace) -> dict[str, Any]:
+    """The knob values of ``space``, as the log's header records them.
+
+    Args:
+        space: The searched configuration space.
+
+    Returns:
+        ``{"freqs_mhz": [...], "comm_sms": [...], "slots": [...]}``.
+    """
+    return {"freqs_mhz": list(space.freqs_mhz), "comm_sms": list(space.comm_sms),
+            "slots": list(space.slots)}
+
+
+def log_header(space: ConfigSpace, *, seed: int, batch_size: int, budget: int,
+               initial_size: int) -> dict[str, Any]:
+    """The header record of a new search log.
+
+    Args:
+        space: The searched configuration space.
+        seed: The search's seed.
+        batch_size: Configurations per batch.
+        budget: Profiles in all.
+        initial_size: Profiles of the initial design.
+
+    Returns:
+        The header record (``kind == "header"``), with the kareus version and the time of
+        creation (UTC).
+    """
+    return {"kind": "header", "format": LOG_FORMAT, "version": LOG_VERSION,
+            "kareus_version": __version__,
+            "partition": space.partition.name, "gpu": space.gpu.name,
+            "space": space_description(space), "seed": seed,
+            "batch_size": batch_size, "budget": budget,
+            "initial_size": initial_size,
+            "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def append_record(path: Path, record: dict[str, Any]) -> None:
+    """Append ``record`` to the log at ``path`` as one JSON line, synced to disk.
+
+    Args:
+        path: The log file.
+        record: A JSON-serialisable record.
+    """
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record, separators=(",", ":")) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_log(path: Path) -> list[dict[str, Any]]:
+    """Every record of the log at ``path``, the header first.
+
+    A last line cut short (a search killed while writing) is dropped, and the file is
+    truncated after the last whole record so that appending continues cleanly.
+
+    Args:
+        path: The log file.
+
+    Returns:
+        The records, in order; the first is the header.
+
+    Raises:
+        ValueError: if a line other than the last is not JSON, or there is no header.
+    """
+    raw = path.read_bytes()
+    lines = raw.split(b"\n")
+    records: list[dict[str, Any]] = []
+    good_bytes = 0
+    for k, line in enumerate(lines):
+        if not line.strip():
+            good_bytes += len(line) + (1 if k < len(lines) - 1 else 0)
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if k == len(lines) - 1:  # a record cut short by the kill: drop it
+                break
+            raise ValueError(f"search log {path} is corrupt at line {k + 1}") from None
+        good_bytes += len(line) + (1 if k < len(lines) - 1 else 0)
+    if good_bytes < len(raw):
+        with open(path, "r+b") as f:
+            f.truncate(good_bytes)
+    if not records or records[0].get("kind") != "header":
+        raise ValueError(f"{path} is not a kareus search log (no header line)")
+    return records
+
+
+def check_header(head: dict[str, Any], space: ConfigSpace, seed: int, path: Path) -> None:
+    """Check that the header ``head`` of the log at ``path`` belongs to this search.
+
+    Args:
+        head: The log's header record.
+        space: This search's configuration space.
+        seed: This search's seed.
+        path: The log file (for the messages).
+
+    Raises:
+        ValueError: for another format or version, or another partition, GPU, space or
+            seed.
+    """
+    if head.get("format") != LOG_FORMAT:
+        raise ValueError(f"{path} is not a kareus search log")
+    if head.get("version") != LOG_VERSION:
+        raise ValueError(f"search log {path} has version {head.get('version')}; this "
+                         f"kareus reads version {LOG_VERSION}")
+    mine = {"partition": space.partition.name, "gpu": space.gpu.name,
+            "space": space_description(space), "seed": seed}
+    for key, value in mine.items():
+        if head.get(key) != value:
+            raise ValueError(f"search log {path} belongs to another search: its {key} is "
+                             f"{head.get(key)!r}, this search's is {value!r}")

@@ -1,0 +1,38 @@
+"""The machinery the conformance suites share: running a table of checks, and pytest mix-ins.
+
+Each suite (surrogates, acquisition passes, profilers) is a table of named checks; each
+check raises ``AssertionError`` saying what is wrong. :func:`_run_checks` runs a table and
+names the first check that fails; :func:`_add_tests` gives a mix-in class one pytest test
+per check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+
+def _run_checks(what: str, checks: dict[str, Callable[..., None]], skip: tuple[str, ...],
+                *args: Any) -> None:
+    """Run ``checks`` (name -> check) on ``args``, naming the first that fails."""
+    for name, check in checks.items():
+        if name in skip:
+            continue
+        try:
+            check(*args)
+        except AssertionError as e:
+            raise AssertionError(f"{what} conformance check {name!r} failed: {e}") from e
+
+
+def _add_tests(cls: type, checks: dict[str, Callable[..., None]],
+               args: Callable[[Any], tuple[Any, ...]]) -> type:
+    """Give ``cls`` one pytest test per check, called with ``args(self)``."""
+    for name, check in checks.items():
+        def test(self: Any, _check: Callable[..., None] = check, _name: str = name) -> None:
+            if _name in getattr(self, "skip_checks", ()):
+                return
+            _check(*args(self))
+        test.__name__ = f"test_conformance_{name}"
+        test.__doc__ = f"Conformance check {name!r}."
+        setattr(cls, test.__name__, test)
+    return cls

@@ -1,0 +1,67 @@
+"""The search log: header, appended records, reading back a killed search's log."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kareus.search._log import (
+    LOG_FORMAT,
+    LOG_VERSION,
+    append_record,
+    check_header,
+    log_header,
+    read_log,
+    space_description,
+)
+
+
+def test_header_describes_the_search(small_space):
+    head = log_header(small_space, seed=5, batch_size=8, budget=40, initial_size=16)
+    assert head["kind"] == "header" and head["format"] == LOG_FORMAT
+    assert head["version"] == LOG_VERSION and head["kareus_version"]
+    assert head["partition"] == "fwd_attn" and head["gpu"] == "a100-40gb"
+    assert (head["seed"], head["batch_size"], head["budget"], head["initial_size"]) == \
+        (5, 8, 40, 16)
+    assert head["space"] == space_description(small_space)
+    assert head["space"]["comm_sms"] == [1, 2, 4, 8, 16, 32]
+    assert head["created_utc"].endswith("Z")
+    json.dumps(head)  # JSON-serialisable as written
+
+
+def test_records_round_trip_and_a_torn_last_line_is_cut(small_space, tmp_path):
+    path = tmp_path / "s.jsonl"
+    head = log_header(small_space, seed=1, batch_size=8, budget=16, initial_size=16)
+    append_record(path, head)
+    append_record(path, {"kind": "ask", "batch": 1, "configs": [], "passes": []})
+    whole = path.read_text()
+    assert read_log(path) == [head, {"kind": "ask", "batch": 1, "configs": [], "passes": []}]
+    with open(path, "a") as f:
+        f.write('{"kind":"tell","n":1,"con')  # killed while writing
+    assert len(read_log(path)) == 2
+    assert path.read_text() == whole  # truncated after the last whole record
+
+
+def test_corrupt_or_headerless_logs_are_rejected(small_space, tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"kind": "header"}\nnot json\n{"kind": "ask"}\n')
+    with pytest.raises(ValueError, match="corrupt at line 2"):
+        read_log(path)
+    path.write_text('{"kind": "tell"}\n')
+    with pytest.raises(ValueError, match="no header"):
+        read_log(path)
+
+
+def test_header_of_another_search_is_rejected(small_space, tmp_path):
+    path = tmp_path / "a.jsonl"
+    head = log_header(small_space, seed=1, batch_size=8, budget=16, initial_size=16)
+    check_header(head, small_space, 1, path)  # its own search: accepted
+    with pytest.raises(ValueError, match="seed"):
+        check_header(head, small_space, 2, path)
+    with pytest.raises(ValueError, match="space"):
+        check_header(head, small_space.restrict(comm_sms=[1, 2, 4]), 1, path)
+    with pytest.raises(ValueError, match="version"):
+        check_header({**head, "version": LOG_VERSION + 1}, small_space, 1, path)
+    with pytest.raises(ValueError, match="not a kareus search log"):
+        check_header({**head, "format": "other"}, small_space, 1, path)
