@@ -7,6 +7,8 @@ datasheet figures and, for the H200, figures measured on real machines (see
 
 from __future__ import annotations
 
+import os
+
 import attrs
 
 from kareus.errors import InvalidSMCountError, UnknownPresetError, UnsupportedFrequencyError
@@ -110,6 +112,25 @@ class GPUSpec:
         """A JSON-ready dict of every field."""
         return attrs.asdict(self)
 
+    @property
+    def is_preset(self) -> bool:
+        """Whether this is exactly one of the built-in presets."""
+        return GPU_PRESETS.get(self.name) == self
+
+    @classmethod
+    def from_dict(cls, d: dict[str, object]) -> GPUSpec:
+        """Build and check from a dict of every field (raises ``SpecFileError``)."""
+        from kareus.model.files import gpu_from_dict  # noqa: PLC0415
+
+        return gpu_from_dict(d)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> GPUSpec:
+        """Read a ``.toml`` or ``.json`` GPU file (see :mod:`kareus.model.files`)."""
+        from kareus.model.files import load_gpu_file  # noqa: PLC0415
+
+        return load_gpu_file(path)
+
 
 def _steps(lo: int, hi: int, step: int) -> list[int]:
     return list(range(lo, hi + 1, step))
@@ -177,9 +198,13 @@ GPU_PRESETS: dict[str, GPUSpec] = {
 }
 
 
+_REGISTERED_GPUS: dict[str, GPUSpec] = {}
+"""GPUs registered at run time (:func:`kareus.model.files.register_gpu`), by lower-case name."""
+
+
 def gpu_names() -> list[str]:
-    """Names of the GPU presets."""
-    return sorted(GPU_PRESETS)
+    """Names of the GPU presets and of the GPUs registered at run time."""
+    return sorted({*GPU_PRESETS, *_REGISTERED_GPUS})
 
 
 def get_gpu(name: str | GPUSpec) -> GPUSpec:
@@ -191,6 +216,7 @@ def get_gpu(name: str | GPUSpec) -> GPUSpec:
     if isinstance(name, GPUSpec):
         return name
     key = str(name).lower()
-    if key not in GPU_PRESETS:
+    found = GPU_PRESETS.get(key) or _REGISTERED_GPUS.get(key)
+    if found is None:
         raise UnknownPresetError("GPU", str(name), gpu_names())
-    return GPU_PRESETS[key]
+    return found

@@ -12,6 +12,8 @@ independent computation, and only sequential schedules exist).
 
 from __future__ import annotations
 
+import os
+
 import attrs
 
 from kareus.errors import UnknownPresetError, WorkloadError
@@ -56,6 +58,29 @@ class ModelArch:
         norms = 2 * self.hidden
         return self.layers * (attn + mlp + norms) + 2 * self.vocab * self.hidden + self.hidden
 
+    @property
+    def is_preset(self) -> bool:
+        """Whether this is exactly one of the built-in presets."""
+        return MODEL_PRESETS.get(self.name) == self
+
+    def to_dict(self) -> dict[str, object]:
+        """Every field, JSON-ready (what :meth:`from_dict` and model files take)."""
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, object]) -> ModelArch:
+        """Build and check from a dict of every field (raises ``SpecFileError``)."""
+        from kareus.model.files import model_from_dict  # noqa: PLC0415
+
+        return model_from_dict(d)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> ModelArch:
+        """Read a ``.toml`` or ``.json`` model file (see :mod:`kareus.model.files`)."""
+        from kareus.model.files import load_model_file  # noqa: PLC0415
+
+        return load_model_file(path)
+
 
 MODEL_PRESETS: dict[str, ModelArch] = {
     "llama3.2-3b": ModelArch(name="llama3.2-3b", layers=28, hidden=3072, heads=24, kv_heads=8,
@@ -67,18 +92,24 @@ MODEL_PRESETS: dict[str, ModelArch] = {
 }
 
 
+_REGISTERED_MODELS: dict[str, ModelArch] = {}
+"""Models registered at run time (:func:`kareus.model.files.register_model`)."""
+
+
 def model_names() -> list[str]:
-    """Names of the model presets."""
-    return sorted(MODEL_PRESETS)
+    """Names of the model presets and of the models registered at run time."""
+    return sorted({*MODEL_PRESETS, *_REGISTERED_MODELS})
 
 
 def get_model(name: str | ModelArch) -> ModelArch:
-    """Look up a model preset by name (a :class:`ModelArch` passes through)."""
+    """Look up a model preset or registered model by name (a :class:`ModelArch` passes
+    through)."""
     if isinstance(name, ModelArch):
         return name
-    if name not in MODEL_PRESETS:
+    found = MODEL_PRESETS.get(name) or _REGISTERED_MODELS.get(name)
+    if found is None:
         raise UnknownPresetError("workload", name, model_names())
-    return MODEL_PRESETS[name]
+    return found
 
 
 @attrs.frozen(kw_only=True)
@@ -197,9 +228,29 @@ class Workload:
                 f"{' recompute' if self.recompute else ''}")
 
     def to_dict(self) -> dict[str, object]:
-        """JSON-ready description."""
+        """JSON-ready description: ``model`` is the preset's name, or every field of an
+        architecture that is not a preset (so :meth:`from_dict` can rebuild it)."""
         p = self.parallelism
-        return {"model": self.model.name, "tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": p.dp,
+        model: object = self.model.name if self.model.is_preset else self.model.to_dict()
+        return {"model": model, "tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": p.dp,
                 "microbatch_size": self.microbatch_size, "seq_len": self.seq_len,
                 "num_microbatches": self.num_microbatches, "recompute": self.recompute,
                 "nanobatches": self.nanobatches}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, object]) -> Workload:
+        """Rebuild a workload from :meth:`to_dict` (``results.json``, a plan's ``workload``).
+
+        Raises:
+            WorkloadError: a key is missing or the workload is invalid.
+            UnknownPresetError: ``model`` names no preset or registered model.
+            SpecFileError: ``model`` is an architecture with bad fields.
+        """
+        if not isinstance(d, dict) or "model" not in d:
+            raise WorkloadError("a workload description needs at least the key 'model'")
+        model = d["model"]
+        arch = ModelArch.from_dict(model) if isinstance(model, dict) else get_model(str(model))
+        par = {k: int(d.get(k, 1)) for k in ("tp", "cp", "pp", "dp")}  # type: ignore[call-overload]
+        rest = {k: d[k] for k in ("microbatch_size", "seq_len", "num_microbatches",
+                                  "recompute", "nanobatches", "dtype_bytes") if k in d}
+        return cls(model=arch, parallelism=Parallelism(**par), **rest)  # type: ignore[arg-type]
