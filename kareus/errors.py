@@ -13,7 +13,9 @@ __all__ = [
     "HardwareError",
     "InfeasibleError",
     "InvalidSMCountError",
+    "FolderInUseError",
     "KareusError",
+    "OutputError",
     "PlanError",
     "UnknownPresetError",
     "UnknownSlotError",
@@ -23,11 +25,20 @@ __all__ = [
 
 
 class KareusError(Exception):
-    """Base class of every error raised by kareus on purpose."""
+    """Base class of every error raised by kareus on purpose.
+
+    Attributes:
+        exit_code: The ``kareus`` command's exit status for this error: 2 for a bad request
+            (arguments, presets, paths the user named), 1 for a failure found while running.
+    """
+
+    exit_code: int = 1
 
 
 class UnknownPresetError(KareusError, ValueError):
     """A preset name (GPU, workload, schedule) that kareus does not know."""
+
+    exit_code = 2
 
     def __init__(self, kind: str, name: str, known: list[str] | tuple[str, ...]) -> None:
         self.kind = kind
@@ -39,9 +50,13 @@ class UnknownPresetError(KareusError, ValueError):
 class WorkloadError(KareusError, ValueError):
     """A workload whose parallelism or shapes do not fit the model or each other."""
 
+    exit_code = 2
+
 
 class ConfigError(KareusError, ValueError):
     """A schedule configuration that is not valid for its partition or GPU."""
+
+    exit_code = 2
 
 
 class InvalidSMCountError(ConfigError):
@@ -66,3 +81,15 @@ class HardwareError(KareusError, RuntimeError):
 
 class InfeasibleError(KareusError, ValueError):
     """A constraint (deadline, energy budget, search budget) that no plan can meet."""
+
+
+class OutputError(KareusError, ValueError):
+    """An output folder or file that cannot be used: an existing file where a folder is
+    wanted (or the reverse), a folder that is not writable, an empty path, or a folder made
+    by another job (its manifest names other inputs)."""
+
+    exit_code = 2
+
+
+class FolderInUseError(KareusError, RuntimeError):
+    """An output folder locked by another running job."""
