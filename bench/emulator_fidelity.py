@@ -1,0 +1,279 @@
+"""Fidelity of the emulated GPU against every measured configuration grid in ``data/``.
+
+For each measured grid (a JSON file written by ``bench/h200_study.py``: by default every
+``data/*_grid*.json``, today the two TP=2 grids on 2x H200; a TP=4 grid is picked up as
+soon as it lands there), every measured configuration is emulated and compared:
+
+* **median relative error** of time and of energy over every measured row of the grid
+  (grid points, the search's points, repeats and the Megatron-LM / nanobatching
+  baselines). Energy is total energy of one run of the partition summed over the
+  partition's GPUs (its TP x CP group, as the grid's NVML counters were summed), static
+  and idle power included; the emulated energy has the same scope
+  (``EmulatedProfiler.ground_truth``, whose Measurement covers ``partition.group_gpus``);
+* **Spearman rank correlation** (``scipy.stats.spearmanr``) between measured and emulated
+  time, and energy, among the overlapped grid configurations of each partition type (grid
+  rows with a launch slot; one row per configuration);
+* **the emulator's pick**: the grid configuration with the lowest emulated energy (and
+  the one with the lowest emulated time), and its *measured* energy (time) against the
+  lowest measured, in percent (0% = the emulator picked the measured best).
+
+Targets (issue 16): median error <= 8% in time and energy; Spearman >= 0.9; the pick
+within 2% of the measured best in energy and in time.
+
+The emulator is the GPU preset named in the grid (``h200-sxm``) with the collective
+curves of the backend the grid ran (NCCL capped with ``min_ctas = max_ctas``:
+``comm_backend="nccl"``) and nothing else changed; NCCL's own CTA choice (``comm_sms``
+null) is taken as the preset's ``default_comm_sms`` (32). The ``megatron`` row is the
+whole microbatch without nanobatching (a partition built with ``nanobatches=1``).
+``--gpu-profile PATH`` asks for the emulator calibrated from a measured
+:class:`kareus.model.gpu_profile.GPUProfile` instead (``EmulatedGPU.from_profile(path,
+comm_backend="nccl")``); until the emulator has that constructor it stops with a message
+saying so.
+
+The grids ran the runnable partitions' eager kernels of the time (hand-written RMSNorm and
+RoPE, copied K/V before SDPA): the emulated ops are fused. A calibrated emulator must take
+its per-op inputs from measurements of the kernels that ran.
+
+Usage (CPU, a few seconds)::
+
+    python bench/emulator_fidelity.py --json bench/results/emulator_fidelity.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from scipy.stats import spearmanr
+
+from kareus._io import read_json, write_json_atomic
+from kareus.exec import EmulatedGPU, EmulatedProfiler
+from kareus.model import ScheduleConfig, Workload, build_partitions
+from kareus.model.gpu_profile import GPUProfile
+
+REPO = Path(__file__).resolve().parents[1]
+TARGETS = {"median_rel_err_max": 0.08, "spearman_min": 0.9, "pick_regret_max": 0.02}
+
+
+class GridError(ValueError):
+    """A grid file that this bench cannot read."""
+
+
+def default_grids() -> list[Path]:
+    """Every measured configuration grid in ``data/`` (files named ``*_grid*.json``)."""
+    return sorted((REPO / "data").glob("*_grid*.json"))
+
+
+def _rel(p: Path) -> str:
+    try:
+        return str(p.resolve().relative_to(REPO))
+    except ValueError:
+        return str(p)
+
+
+def make_emulator(gpu: str, profile: Path | None) -> tuple[EmulatedGPU, str]:
+    """The emulated GPU compared with the grids, and how it was made (for the JSON)."""
+    if profile is None:
+        return (EmulatedGPU.from_spec(gpu, comm_backend="nccl"),
+                f"preset {gpu} (uncalibrated), NCCL's measured collective curves")
+    prof = GPUProfile.load(profile)  # validates the file (typed GPUProfileError)
+    from_profile = getattr(EmulatedGPU, "from_profile", None)
+    if from_profile is None:
+        raise SystemExit(
+            f"--gpu-profile {profile}: the profile is valid (gpu {prof.gpu}, digest "
+            f"{prof.digest[:12]}), but the emulator cannot take a measured profile yet "
+            "(EmulatedGPU.from_profile does not exist): run without --gpu-profile for the "
+            "preset's figures")
+    return (from_profile(profile, comm_backend="nccl"),
+            f"calibrated from {_rel(profile)} (digest {prof.digest[:12]}), NCCL curves")
+
+
+def _workload(w: dict[str, Any]) -> Workload:
+    return Workload.preset(w["model"], tp=w["tp"], cp=w.get("cp", 1), pp=w.get("pp", 1),
+                           dp=w.get("dp", 1), microbatch_size=w["microbatch_size"],
+                           seq_len=w["seq_len"], nanobatches=w["nanobatches"])
+
+
+def _median_abs(xs: list[float]) -> float:
+    return statistics.median(abs(x) for x in xs)
+
+
+def _spearman(a: list[float], b: list[float]) -> float | None:
+    if len(a) < 3:
+        return None
+    rho = spearmanr(a, b).statistic
+    return None if rho != rho else float(rho)  # NaN (a constant column) -> None
+
+
+def _cfg(r: dict[str, Any]) -> str:
+    slot = r["launch_slot"] or "sequential"
+    return f"{r['comm_sms'] if r['comm_sms'] is not None else 'nccl-default'} CTAs, {slot}"
+
+
+def evaluate_grid(path: Path, gpu: EmulatedGPU) -> dict[str, Any]:
+    """Emulate every measured row of the grid file ``path``; errors, ranks and picks."""
+    data = read_json(path, error=GridError, what="measured grid")
+    for key in ("workload", "measurements", "gpu"):
+        if key not in data:
+            raise GridError(f"measured grid {path} has no {key!r}: it is not a file written "
+                            "by bench/h200_study.py")
+    if data["gpu"] != gpu.name:
+        raise GridError(f"measured grid {path} ran on {data['gpu']}, the emulator models "
+                        f"{gpu.name}")
+    workload = _workload(data["workload"])
+    parts = build_partitions(workload)
+    whole = build_partitions(workload.with_(nanobatches=1))
+    prof = EmulatedProfiler(gpu, noise=0.0)
+    rows: list[dict[str, Any]] = []
+    for m in data["measurements"]:
+        if "measurement" not in m:
+            continue  # a failed measurement
+        c = m["config"]
+        sms = gpu.spec.default_comm_sms if c["comm_sms"] is None else int(c["comm_sms"])
+        part = (whole if m["kind"] == "megatron" else parts)[m["partition"]]
+        cfg = ScheduleConfig(int(c["freq_mhz"]), sms, c["launch_slot"])
+        emu = prof.ground_truth(part, cfg)  # energy over partition.group_gpus GPUs
+        clock = prof.trace(part, cfg).freq_mhz
+        meas = m["measurement"]
+        rows.append({
+            "kind": m["kind"], "partition": m["partition"], "comm_sms": c["comm_sms"],
+            "launch_slot": c["launch_slot"], "gpus": part.group_gpus,
+            "measured_ms": meas["time_s"] * 1e3, "emulated_ms": emu.time_s * 1e3,
+            "measured_j": meas["energy_j"], "emulated_j": emu.energy_j,
+            "measured_clock_mhz": m.get("sm_clock_mhz"), "emulated_clock_mhz": clock,
+            "time_rel_err": emu.time_s / meas["time_s"] - 1.0,
+            "energy_rel_err": emu.energy_j / meas["energy_j"] - 1.0})
+    partitions: dict[str, Any] = {}
+    for name in sorted({r["partition"] for r in rows}):
+        mine = [r for r in rows if r["partition"] == name]
+        grid = [r for r in mine if r["kind"] == "grid"]
+        over = [r for r in grid if r["launch_slot"] is not None]
+        res: dict[str, Any] = {
+            "n_rows": len(mine), "n_grid": len(grid), "n_overlapped": len(over),
+            "time_median_abs_rel_err": _median_abs([r["time_rel_err"] for r in mine]),
+            "energy_median_abs_rel_err": _median_abs([r["energy_rel_err"] for r in mine]),
+            "time_median_rel_err_signed": statistics.median(r["time_rel_err"] for r in mine),
+            "energy_median_rel_err_signed": statistics.median(r["energy_rel_err"]
+                                                              for r in mine),
+            "spearman_time_overlapped": _spearman([r["measured_ms"] for r in over],
+                                                  [r["emulated_ms"] for r in over]),
+            "spearman_energy_overlapped": _spearman([r["measured_j"] for r in over],
+                                                    [r["emulated_j"] for r in over]),
+        }
+        for obj, key in (("energy", "j"), ("time", "ms")):
+            best_m = min(grid, key=lambda r, k=key: r[f"measured_{k}"])
+            best_e = min(grid, key=lambda r, k=key: r[f"emulated_{k}"])
+            res[f"pick_{obj}"] = {
+                "emulator_pick": _cfg(best_e), "measured_best": _cfg(best_m),
+                f"pick_measured_{key}": best_e[f"measured_{key}"],
+                f"best_measured_{key}": best_m[f"measured_{key}"],
+                "regret": best_e[f"measured_{key}"] / best_m[f"measured_{key}"] - 1.0}
+        partitions[name] = res
+    # Energy error left after dividing out one global scale factor (the median ratio):
+    # how much of the error is a level, how much is shape.
+    scale = statistics.median(r["emulated_j"] / r["measured_j"] for r in rows)
+    tscale = statistics.median(r["emulated_ms"] / r["measured_ms"] for r in rows)
+    overall = {
+        "n_rows": len(rows),
+        "time_median_abs_rel_err": _median_abs([r["time_rel_err"] for r in rows]),
+        "energy_median_abs_rel_err": _median_abs([r["energy_rel_err"] for r in rows]),
+        "energy_scale_median": scale,
+        "energy_median_abs_rel_err_after_scale": _median_abs(
+            [r["emulated_j"] / scale / r["measured_j"] - 1.0 for r in rows]),
+        "time_scale_median": tscale,
+        "time_median_abs_rel_err_after_scale": _median_abs(
+            [r["emulated_ms"] / tscale / r["measured_ms"] - 1.0 for r in rows]),
+    }
+    overall["targets"] = _targets(overall, partitions)
+    return {"grid": _rel(path), "machine": data.get("machine"),
+            "measured_with": data.get("command"), "software": data.get("software"),
+            "workload": workload.describe(),
+            "energy_scope": f"total energy of one partition run over its {rows[0]['gpus']} "
+                            "GPUs (TP x CP group), static included",
+            "overall": overall, "partitions": partitions, "rows": rows}
+
+
+def _targets(overall: dict[str, Any], partitions: dict[str, Any]) -> dict[str, bool]:
+    t = TARGETS
+    sp = [v for p in partitions.values()
+          for v in (p["spearman_time_overlapped"], p["spearman_energy_overlapped"])]
+    return {
+        "median_time_err_le_8pct": overall["time_median_abs_rel_err"] <= t["median_rel_err_max"],
+        "median_energy_err_le_8pct": (overall["energy_median_abs_rel_err"]
+                                      <= t["median_rel_err_max"]),
+        "spearman_ge_0.9_every_partition": all(v is not None and v >= t["spearman_min"]
+                                               for v in sp),
+        "pick_within_2pct_energy_every_partition": all(
+            p["pick_energy"]["regret"] <= t["pick_regret_max"] for p in partitions.values()),
+        "pick_within_2pct_time_every_partition": all(
+            p["pick_time"]["regret"] <= t["pick_regret_max"] for p in partitions.values()),
+    }
+
+
+def run(grids: list[Path], gpu_profile: Path | None, gpu_name: str = "h200-sxm"
+        ) -> dict[str, Any]:
+    """Evaluate the emulator on ``grids``; the result written by ``--json``."""
+    gpu, how = make_emulator(gpu_name, gpu_profile)
+    return {
+        "what": "emulator fidelity: EMULATED (CPU) vs MEASURED grids (data/); per grid the "
+                "median abs. relative error of time and energy over every measured row, "
+                "Spearman among overlapped grid configurations, and the measured value of "
+                "the emulator's best grid configuration vs the measured best",
+        "emulator": how, "machine": "emulated, CPU",
+        "nccl_default_ctas": gpu.spec.default_comm_sms, "targets": TARGETS,
+        "grids": [evaluate_grid(p, gpu) for p in grids]}
+
+
+def _pct(x: float | None) -> str:
+    return "   n/a" if x is None else f"{x * 100:5.1f}%"
+
+
+def print_table(res: dict[str, Any]) -> None:
+    """Print one line per grid and partition."""
+    print(f"emulator: {res['emulator']} (EMULATED) vs MEASURED grids")
+    print(f"{'grid':34s} {'part':8s} {'n':>4s} | {'t err':>6s} {'E err':>6s} | "
+          f"{'rho t':>5s} {'rho E':>5s} | {'pick E':>6s} {'pick t':>6s}")
+    for g in res["grids"]:
+        name = Path(g["grid"]).name
+        for p, v in g["partitions"].items():
+            rt, re_ = v["spearman_time_overlapped"], v["spearman_energy_overlapped"]
+            print(f"{name:34s} {p:8s} {v['n_rows']:4d} | "
+                  f"{_pct(v['time_median_abs_rel_err'])} {_pct(v['energy_median_abs_rel_err'])}"
+                  f" | {rt if rt is None else round(rt, 2)!s:>5s} "
+                  f"{re_ if re_ is None else round(re_, 2)!s:>5s} | "
+                  f"{_pct(v['pick_energy']['regret'])} {_pct(v['pick_time']['regret'])}")
+        o = g["overall"]
+        print(f"{name:34s} {'all':8s} {o['n_rows']:4d} | {_pct(o['time_median_abs_rel_err'])} "
+              f"{_pct(o['energy_median_abs_rel_err'])} | energy err after one scale "
+              f"({o['energy_scale_median']:.3f}): {_pct(o['energy_median_abs_rel_err_after_scale'])}")
+        met = [k for k, ok in o["targets"].items() if ok]
+        missed = [k for k, ok in o["targets"].items() if not ok]
+        print(f"  targets met: {', '.join(met) or 'none'}; missed: {', '.join(missed) or 'none'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", type=Path, help="write the full result here")
+    ap.add_argument("--grid", type=Path, action="append",
+                    help="a measured grid file (repeatable; default: every data/*_grid*.json)")
+    ap.add_argument("--gpu-profile", type=Path,
+                    help="a measured GPUProfile JSON to calibrate the emulator with")
+    args = ap.parse_args(argv)
+    grids = args.grid or default_grids()
+    if not grids:
+        raise SystemExit("no measured grid found: pass --grid PATH")
+    res = run(grids, args.gpu_profile)
+    print_table(res)
+    if args.json:
+        res["command"] = "python bench/emulator_fidelity.py " + " ".join(
+            sys.argv[1:] if argv is None else argv)
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(args.json, res)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

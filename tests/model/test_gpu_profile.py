@@ -1,0 +1,317 @@
+"""GPUProfile: validation, versioned JSON with a digest, and the builder from measured files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import attrs
+import pytest
+
+from kareus.errors import KareusError
+from kareus.model.gpu_profile import (
+    PROFILE_FORMAT,
+    PROFILE_VERSION,
+    CollectivePoint,
+    GPUProfile,
+    GPUProfileError,
+    LoadPower,
+    MachineInfo,
+    OpProfile,
+    profile_digest,
+)
+from kareus.model.gpu_profile_build import (
+    build_gpu_profile,
+    read_collectives,
+    read_grid_static_power,
+    read_op_table,
+    read_power_probe,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _profile(**changes: object) -> GPUProfile:
+    base: dict[str, object] = dict(
+        gpu="h200-sxm", sm_count=132,
+        machine=MachineInfo(gpu_name="NVIDIA H200", driver="580.159.04", torch="2.11.0"),
+        gemm_peak_tflops=795.3, gemm_peak_freq_mhz=1980, hbm_bandwidth_gbps=4233.6,
+        idle_power_w=79.6, idle_freq_mhz=345, static_power_w=120.1,
+        load_powers=(LoadPower(load="idle", power_w=79.6, freq_mhz=345, source="probe.json"),
+                     LoadPower(load="GEMM chain", power_w=709.1, freq_mhz=1500)),
+        ops=(OpProfile(workload="llama3.2-3b tp4", partition="fwd_attn", op="qkv", kind="gemm",
+                       time_s=2.1e-4, power_w=650.0, freq_mhz=1755, roofline_s=1.9e-4,
+                       kernel="cublas"),
+             OpProfile(workload="llama3.2-3b tp4", partition="fwd_attn", op="rope",
+                       kind="elementwise", time_s=2.39e-4)),
+        collectives=(CollectivePoint(backend="nccl_capped", collective="all_reduce",
+                                     group_size=2, size_bytes=64 << 20, comm_sms=8,
+                                     time_s=4.4e-4, bus_gbps=152.0),
+                     CollectivePoint(backend="nccl_capped", collective="all_reduce",
+                                     group_size=2, size_bytes=64 << 20, comm_sms=2,
+                                     time_s=1.6e-3, bus_gbps=41.3),
+                     CollectivePoint(backend="nccl_uncapped", collective="all_reduce",
+                                     group_size=2, size_bytes=64 << 20, comm_sms=None,
+                                     time_s=2.5e-4, bus_gbps=272.0)),
+        sources=("a.json",), notes=("synthetic",))
+    base.update(changes)
+    return GPUProfile(**base)  # type: ignore[arg-type]
+
+
+def test_round_trip_through_a_file_keeps_every_field_and_the_digest(tmp_path):
+    p = _profile()
+    path = p.save(tmp_path / "prof.json")
+    data = json.loads(path.read_text())
+    assert data["format"] == PROFILE_FORMAT and data["version"] == PROFILE_VERSION
+    assert data["digest"] == p.digest and len(p.digest) == 64
+    q = GPUProfile.load(path)
+    assert q == p
+    assert q.digest == p.digest
+    assert GPUProfile.from_dict(q.to_dict()) == p
+
+
+def test_digest_changes_with_the_content():
+    assert _profile().digest != _profile(static_power_w=121.0).digest
+
+
+def test_queries():
+    p = _profile()
+    assert p.clocks_observed_mhz == (345, 1500, 1755, 1980)
+    assert p.backends == ("nccl_capped", "nccl_uncapped")
+    assert p.op_profile("llama3.2-3b tp4", "fwd_attn", "qkv").kernel == "cublas"
+    assert p.op_profile("llama3.2-3b tp4", "fwd_attn", "qkv").energy_j == pytest.approx(0.1365)
+    assert p.op_profile("llama3.2-3b tp4", "fwd_attn", "rope").energy_j is None
+    assert [o.op for o in p.ops_of("llama3.2-3b tp4", "fwd_attn")] == ["qkv", "rope"]
+    curve = p.collective_curve("nccl_capped", "all_reduce", 2, 64 << 20)
+    assert [c.comm_sms for c in curve] == [2, 8]
+    assert p.uncapped_point("nccl_uncapped", "all_reduce", 2, 64 << 20).bus_gbps == 272.0
+    assert p.uncapped_point("nccl_capped", "all_reduce", 2, 64 << 20) is None
+    with pytest.raises(GPUProfileError, match="no op 'norm'.*llama3.2-3b tp4/fwd_attn"):
+        p.op_profile("llama3.2-3b tp4", "fwd_attn", "norm")
+
+
+@pytest.mark.parametrize(("cls", "field", "value", "match"), [
+    (OpProfile, "kind", "conv", "kind must be one of"),
+    (OpProfile, "time_s", 0.0, "time_s must be a finite number > 0"),
+    (OpProfile, "time_s", float("nan"), "time_s must be a finite number > 0"),
+    (OpProfile, "power_w", -1.0, "power_w must be a finite number > 0 or null"),
+    (OpProfile, "freq_mhz", 0, "freq_mhz must be a clock"),
+    (OpProfile, "workload", "", "workload must be a non-empty string"),
+    (OpProfile, "kernel", 3, "kernel must be a string"),
+    (CollectivePoint, "collective", "broadcast", "collective must be one of"),
+    (CollectivePoint, "group_size", 1, "group_size must be an integer >= 2"),
+    (CollectivePoint, "comm_sms", 0, "comm_sms must be an integer >= 1 or null"),
+    (CollectivePoint, "bus_gbps", True, "bus_gbps must be a finite number"),
+    (LoadPower, "power_w", float("inf"), "power_w must be a finite number"),
+    (MachineInfo, "gpu_name", " ", "gpu_name must be a non-empty string"),
+])
+def test_every_record_field_is_validated(cls, field, value, match):
+    p = _profile()
+    good = {OpProfile: p.ops[0], CollectivePoint: p.collectives[0], LoadPower: p.load_powers[0],
+            MachineInfo: p.machine}[cls]
+    with pytest.raises(GPUProfileError, match=match) as info:
+        attrs.evolve(good, **{field: value})
+    assert isinstance(info.value, KareusError) and isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize(("changes", "match"), [
+    ({"gpu": ""}, "gpu must be a non-empty string"),
+    ({"sm_count": 1}, "sm_count must be an integer >= 2"),
+    ({"gemm_peak_tflops": 0}, "gemm_peak_tflops must be"),
+    ({"hbm_bandwidth_gbps": -3.0}, "hbm_bandwidth_gbps must be"),
+    ({"idle_freq_mhz": 20_000}, "idle_freq_mhz must be a clock"),
+    ({"static_power_w": 50.0}, "below idle_power_w"),
+    ({"machine": {"gpu_name": "x"}}, "machine must be a MachineInfo"),
+    ({"ops": "qkv"}, "ops must be a list"),
+    ({"collectives": [1]}, r"collectives\[0\] must be a CollectivePoint"),
+    ({"notes": ["", "x"]}, "notes must hold non-empty strings"),
+])
+def test_profile_fields_are_validated(changes, match):
+    with pytest.raises(GPUProfileError, match=match):
+        _profile(**changes)
+
+
+def test_duplicate_keys_are_refused():
+    p = _profile()
+    with pytest.raises(GPUProfileError, match="two entries"):
+        _profile(ops=(p.ops[0], p.ops[0]))
+    with pytest.raises(GPUProfileError, match="two entries"):
+        _profile(collectives=(p.collectives[0], attrs.evolve(p.collectives[0], time_s=1.0)))
+
+
+def _write(path: Path, obj: object) -> Path:
+    path.write_text(json.dumps(obj))
+    return path
+
+
+@pytest.mark.parametrize(("edit", "match"), [
+    (lambda d: d.update(version=99), "version 99"),
+    (lambda d: d.update(format="other"), "not a kareus GPU profile"),
+    (lambda d: d["profile"].update(static_power_w=130.0), "digest does not match"),
+    (lambda d: d.update(extra=1), "unknown field"),
+    (lambda d: d.pop("digest"), "missing digest"),
+])
+def test_bad_files_raise_one_typed_error(tmp_path, edit, match):
+    d = _profile().to_dict()
+    edit(d)
+    with pytest.raises(GPUProfileError, match=match):
+        GPUProfile.load(_write(tmp_path / "p.json", d))
+
+
+def test_bad_content_with_a_matching_digest_is_still_validated(tmp_path):
+    d = _profile().to_dict()
+    body = d["profile"]
+    body["ops"][0]["kind"] = "conv"
+    d["digest"] = profile_digest(body)
+    with pytest.raises(GPUProfileError, match="kind must be one of"):
+        GPUProfile.load(_write(tmp_path / "p.json", d))
+    body["ops"][0]["kind"] = "gemm"
+    body["ops"][0]["color"] = "red"
+    d["digest"] = profile_digest(body)
+    with pytest.raises(GPUProfileError, match=r"ops\[0\]: unknown field\(s\) color"):
+        GPUProfile.load(_write(tmp_path / "p.json", d))
+
+
+def test_missing_and_corrupt_files(tmp_path):
+    with pytest.raises(GPUProfileError, match="does not exist"):
+        GPUProfile.load(tmp_path / "nope.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(GPUProfileError, match="not valid JSON"):
+        GPUProfile.load(tmp_path / "bad.json")
+    with pytest.raises(GPUProfileError, match="holds a JSON list"):
+        GPUProfile.load(_write(tmp_path / "list.json", [1]))
+
+
+# ----------------------------------------------------------------------------- builder
+
+def _op_table(tmp_path: Path) -> Path:
+    """A small file in the layout of bench/op_roofline.py's JSON."""
+    return _write(tmp_path / "op_roofline.json", {
+        "gpu": "NVIDIA H200", "driver": "580.159.04", "torch": "2.11.0+cu130",
+        "gemm_peak_tflops": 780.5, "hbm_bandwidth_gbps": 4300.0,
+        "rows": [
+            {"workload": "llama3.2-3b", "partition": "fwd_attn", "op": "qkv", "kind": "gemm",
+             "measured_ms": 0.21, "roofline_ms": 0.19, "ratio": 1.105, "kernel": "cublas",
+             "power_w": 655.0, "sm_clock_mhz": 1755},
+            {"workload": "llama3.2-3b", "partition": "fwd_attn", "op": "rope",
+             "kind": "elementwise", "measured_ms": 0.239, "roofline_ms": 0.019, "ratio": 12.6,
+             "kernel": "eager", "power_w": 480.0},
+        ],
+        "partitions": [{"workload": "llama3.2-3b", "partition": "fwd_attn", "compute_ms": 0.78,
+                        "roofline_sum_ms": 0.5, "ratio": 1.56}],
+    })
+
+
+def _power_probe(tmp_path: Path) -> Path:
+    return _write(tmp_path / "power.json", {
+        "gpu": "NVIDIA H200", "driver": "580.159.04", "torch": "2.11.0+cu130",
+        "loads": {"idle": {"avg_w": 79.6, "sm_clock_median_mhz": 345.0},
+                  "spin": {"avg_w": 120.6, "sm_clock_median_mhz": 1980},
+                  "gemm_d1.0": {"avg_w": 709.0, "sm_clock_median_mhz": 1500.0, "tflops": 667.7},
+                  "gemm_d0.6": {"avg_w": 608.5, "sm_clock_median_mhz": 1980,
+                                "tflops_of_gemm_part": 791.2},
+                  "copy": {"avg_w": 407.6, "sm_clock_median_mhz": 1980, "tb_per_s": 4.23}}})
+
+
+def _collectives(tmp_path: Path, name: str, world: int, backend_time: dict) -> Path:
+    rows = [{"op": "all_reduce", "size_bytes": 64 << 20, "backend": b, "sms": s,
+             "time_us": t, "algbw_gbps": 1.0, "busbw_gbps": 100.0 / (t / 1000)}
+            for (b, s), t in backend_time.items()]
+    return _write(tmp_path / name, {
+        "world_size": world, "rows": rows,
+        "machine": {"gpu": "NVIDIA H200", "torch": "2.11.0+cu130", "cuda": "13.0",
+                    "nccl": "2.28.9", "nvidia_smi": ["580.159.04, 1980 MHz, 700.00 W"]}})
+
+
+def _grid(tmp_path: Path, name: str, blocked_w: float, tp: int) -> Path:
+    return _write(tmp_path / name, {"workload": {"model": "llama3.2-3b", "tp": tp, "cp": 1},
+                                    "blocked_power_w": blocked_w, "idle_power_w": 0.98 * blocked_w,
+                                    "measurements": []})
+
+
+def test_builder_assembles_a_profile_from_synthetic_files(tmp_path):
+    c2 = _collectives(tmp_path, "c2.json", 2, {("nccl_capped", 8): 440.0,
+                                               ("nccl_uncapped", None): 250.0})
+    c2r = _collectives(tmp_path, "c2r.json", 2, {("nccl_capped", 8): 999.0,
+                                                 ("own_reg", 8): 300.0})
+    c4 = _collectives(tmp_path, "c4.json", 4, {("own", 4): 800.0})
+    prof = build_gpu_profile(
+        gpu="h200-sxm", power_probe=_power_probe(tmp_path),
+        grids=[_grid(tmp_path, "g2.json", 240.0, 2), _grid(tmp_path, "g4.json", 504.0, 4)],
+        collectives=[c4, c2, c2r], op_table=_op_table(tmp_path), root=tmp_path)
+    assert prof.gpu == "h200-sxm" and prof.sm_count == 132
+    # Per-op rows: ms -> s, the clock where given, the peaks of the same run.
+    qkv = prof.op_profile("llama3.2-3b", "fwd_attn", "qkv")
+    assert qkv.time_s == pytest.approx(2.1e-4) and qkv.roofline_s == pytest.approx(1.9e-4)
+    assert (qkv.power_w, qkv.freq_mhz, qkv.kernel) == (655.0, 1755, "cublas")
+    assert prof.op_profile("llama3.2-3b", "fwd_attn", "rope").freq_mhz is None
+    assert prof.gemm_peak_tflops == 780.5 and prof.hbm_bandwidth_gbps == 4300.0
+    # Power: idle from the probe, static = median of blocked power per GPU (120, 126).
+    assert prof.idle_power_w == 79.6 and prof.idle_freq_mhz == 345
+    assert prof.static_power_w == pytest.approx(123.0)
+    assert {lp.source for lp in prof.load_powers} == {"power.json", "g2.json", "g4.json"}
+    # Collectives: group size from the file, us -> s, the first file wins on a clash.
+    assert len(prof.collectives) == 4
+    capped = prof.collective_curve("nccl_capped", "all_reduce", 2, 64 << 20)
+    assert len(capped) == 1 and capped[0].time_s == pytest.approx(4.4e-4)
+    assert capped[0].source == "c2.json"
+    assert prof.collective_curve("own", "all_reduce", 4, 64 << 20)[0].group_size == 4
+    assert prof.machine == MachineInfo(gpu_name="NVIDIA H200", driver="580.159.04",
+                                       torch="2.11.0+cu130", cuda="13.0", nccl="2.28.9")
+    assert prof.sources[0] == "op_roofline.json"
+    assert GPUProfile.from_dict(prof.to_dict()) == prof
+
+
+def test_builder_without_per_op_data_uses_the_probe_and_says_so(tmp_path):
+    prof = build_gpu_profile(gpu="h200-sxm", power_probe=_power_probe(tmp_path))
+    assert prof.ops == ()
+    assert prof.gemm_peak_tflops == 791.2 and prof.gemm_peak_freq_mhz == 1980
+    assert prof.hbm_bandwidth_gbps == pytest.approx(4230.0)
+    assert prof.static_power_w == 120.6  # one spinning block: no grid measured blocked power
+    assert any(n.startswith("ops: none") for n in prof.notes)
+    assert any("spinning block" in n for n in prof.notes)
+
+
+def test_readers_name_the_file_and_field(tmp_path):
+    bad = _write(tmp_path / "ops.json", {"rows": [{"workload": "w", "partition": "p",
+                                                   "op": "o", "kind": "gemm"}]})
+    with pytest.raises(GPUProfileError, match=r"ops.json, rows\[0\]: missing 'measured_ms'"):
+        read_op_table(bad)
+    bad_kind = _write(tmp_path / "ops2.json", {"rows": [{"workload": "w", "partition": "p",
+                                                         "op": "o", "kind": "conv",
+                                                         "measured_ms": 1.0}]})
+    with pytest.raises(GPUProfileError, match="kind must be one of"):
+        read_op_table(bad_kind)
+    with pytest.raises(GPUProfileError, match="missing 'world_size'"):
+        read_collectives(_write(tmp_path / "c.json", {"rows": []}))
+    with pytest.raises(GPUProfileError, match="missing 'loads'"):
+        read_power_probe(_write(tmp_path / "p.json", {}))
+    with pytest.raises(GPUProfileError, match="missing 'blocked_power_w'"):
+        read_grid_static_power(_write(tmp_path / "g.json", {"workload": {"tp": 2}}))
+    with pytest.raises(GPUProfileError, match="has no 'idle' load"):
+        build_gpu_profile(gpu="h200-sxm", power_probe=_write(
+            tmp_path / "p2.json", {"loads": {"spin": {"avg_w": 120.0}}}))
+
+
+def test_builder_reads_the_projects_measured_files():
+    """The measured files in the repository assemble into a valid profile that keeps every
+    distinct collective point and every power reading of the probe."""
+    colls = sorted((REPO / "bench" / "results").glob("collectives_*xh200_nvlink*.json"))
+    probe = REPO / "bench" / "results" / "emulator_power_probe_h200.json"
+    grids = sorted((REPO / "data").glob("*_grid*.json"))
+    if not (colls and probe.exists() and grids):
+        pytest.skip("measured files not in this checkout")
+    prof = build_gpu_profile(gpu="h200-sxm", power_probe=probe, grids=grids,
+                             collectives=colls, root=REPO)
+    keys = set()
+    for c in colls:
+        keys.update(p.key for p in read_collectives(c))
+    assert {p.key for p in prof.collectives} == keys
+    assert {"own", "nccl_capped", "nccl_uncapped"} <= set(prof.backends)
+    assert {p.group_size for p in prof.collectives} == {2, 4}
+    probe_loads = json.loads(probe.read_text())["loads"]
+    assert prof.idle_power_w == probe_loads["idle"]["avg_w"]
+    assert len([lp for lp in prof.load_powers if lp.source.endswith(probe.name)]) == \
+        len(probe_loads)
+    assert prof.idle_power_w < prof.static_power_w < 200.0
+    assert GPUProfile.from_dict(prof.to_dict()) == prof
