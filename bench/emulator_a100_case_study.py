@@ -44,7 +44,7 @@ def _partition():
 
 
 def _exposed_s(part, rate_gbps: float, sms: int) -> float:
-    gpu = EmulatedGPU.from_spec("a100-40gb", comm_backend="custom", comm_gbps_per_sm=rate_gbps)
+    gpu = EmulatedGPU.from_spec("a100-40gb", comm_backend="custom", comm_gb_per_s_per_sm=rate_gbps)
     prof = EmulatedProfiler(gpu, noise=0.0)
     return prof.trace(part, ScheduleConfig(FREQ_MHZ, sms, SLOT)).exposed_comm_s
 

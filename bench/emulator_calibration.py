@@ -69,19 +69,19 @@ def fit_comm(gpu: EmulatedGPU, iso: dict[str, float], default_ctas: int,
     best: tuple[float, float, float] | None = None
     for r in np.linspace(10.0, 60.0, 251):
         for link in np.linspace(150.0, 600.0, 226):
-            g = gpu.with_(comm_gbps_per_sm=float(r), comm_link_gbps=float(link),
+            g = gpu.with_(comm_gb_per_s_per_sm=float(r), comm_link_gb_per_s=float(link),
                           comm_latency_s=latency_s)
             err = sum((g.comm_time_s(comm, s, f) * 1e3 / t - 1.0) ** 2 for s, t in caps.items())
             if best is None or err < best[0]:
                 best = (err, float(r), float(link))
     assert best is not None
     err, r, link = best
-    fitted = gpu.with_(comm_gbps_per_sm=round(r, 2), comm_link_gbps=round(link, 1),
+    fitted = gpu.with_(comm_gb_per_s_per_sm=round(r, 2), comm_link_gb_per_s=round(link, 1),
                        comm_latency_s=latency_s)
     check = {f"cap_{'none' if s == default_ctas else s}_ms": fitted.comm_time_s(comm, s, f) * 1e3
              for s in caps}
-    return fitted, {"comm_gbps_per_cta": fitted.comm_gbps_per_sm,
-                    "comm_link_gbps": fitted.comm_link_gbps, "comm_latency_s": latency_s,
+    return fitted, {"comm_gbps_per_cta": fitted.comm_gb_per_s_per_sm,
+                    "comm_link_gbps": fitted.comm_link_gb_per_s, "comm_latency_s": latency_s,
                     "rms_rel_err": math.sqrt(err / len(caps)), **check}
 
 

@@ -1,0 +1,356 @@
+"""The emulated GPU's physical model: op times (a soft roofline at the running clock),
+collective rates (per-SM throughput saturating at the link), and power (static plus
+activity x f x V(f)^2), with the constants of the presets.
+
+The constants of the presets, where each comes from, and the calibration against the
+measured H200 probe are in ``docs/emulator.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import attrs
+
+from kareus.exec.emulator._comm import CommCurve, _comm_curves
+from kareus.model.gpu import GPUSpec, get_gpu
+from kareus.model.ops import CommKind, CommOp, ComputeOp
+
+__all__ = ["EmulatedGPU"]
+
+# p of the p-norm that combines compute time and memory time of an op (a soft roofline max).
+_ROOFLINE_P = 4.0
+# p of the soft minimum between an op's bandwidth share and what its SMs can issue.
+_ISSUE_P = 4.0
+
+
+def _pos(instance: object, attribute: attrs.Attribute, value: float) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ValueError(f"EmulatedGPU.{attribute.name} must be a finite number > 0, got {value!r}")
+
+
+def _nonneg(instance: object, attribute: attrs.Attribute, value: float) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+        raise ValueError(f"EmulatedGPU.{attribute.name} must be a finite number >= 0, got {value!r}")
+
+
+def _fraction(instance: object, attribute: attrs.Attribute, value: float) -> None:
+    if not (isinstance(value, (int, float)) and 0 < value <= 1):
+        raise ValueError(f"EmulatedGPU.{attribute.name} must be in (0, 1], got {value!r}")
+
+
+def _comm_curves_tuple(value: Iterable[Sequence[Any]]) -> tuple[CommCurve, ...]:
+    """The converter of :attr:`EmulatedGPU.comm_curves`: records from 4-tuples."""
+    return tuple(CommCurve(str(k), int(g), float(r), float(lk)) for k, g, r, lk in value)
+
+
+@attrs.frozen(kw_only=True)
+class EmulatedGPU:
+    """The physical model of one GPU: the datasheet :class:`GPUSpec` plus model constants.
+
+    Use :meth:`from_spec` (or :meth:`preset`) for the constants documented in
+    ``docs/emulator.md``; pass any field to override it (``attrs.evolve`` works too).
+
+    Attributes:
+        spec: The GPU's datasheet description (SMs, clocks, peaks, power limit, idle and
+            static power). ``idle_power_w`` is the floor of the power model;
+            ``static_power_w`` is only the accounting constant of Measurements.
+        tensor_flops_per_clock_per_sm: Dense bf16 tensor-core FLOPs per SM per clock
+            (A100: 2048, Hopper: 4096).
+        vector_flops_per_clock_per_sm: CUDA-core FLOPs per SM per clock (FP32 FMA x 2).
+        gemm_efficiency: Achieved fraction of the clock's tensor peak for GEMMs, before the
+            feed ceiling (``tensor_feed_tflops``) lowers it at high clocks.
+        attention_efficiency: The same for attention kernels.
+        tensor_feed_tflops: FLOP rate (all SMs, TFLOP/s) at which the memory hierarchy (L2,
+            crossbar) can feed the tensor cores, independent of the SM clock: tensor-core
+            kernels lose efficiency as the clock rises towards it (measured on H200: 0.82
+            of the clock's peak at 1500 MHz, 0.74 at 1980 MHz).
+        vector_efficiency: Achieved fraction of the CUDA-core peak for other kernels.
+        hbm_efficiency: Achievable fraction of the datasheet HBM bandwidth.
+        mem_knee_fraction: Clock (as a fraction of the maximum) at which all SMs can just
+            issue enough memory traffic to saturate HBM; memory-bound ops slow down below it.
+        launch_overhead_s: Gap per kernel on a stream (launch and tail), seconds.
+        comm_gb_per_s_per_sm: Bus bandwidth (GB/s, nccl-tests convention) one SM of a collective
+            moves at the maximum clock.
+        comm_link_gb_per_s: Bus bandwidth at which collectives saturate (the NVLink limit), GB/s.
+        comm_saturation_p: Sharpness of the saturation (p of the p-norm; large = hard min).
+        comm_latency_s: Start-up latency of a collective (handshake with the peers), seconds.
+        comm_freq_exponent: ``alpha`` of the per-SM throughput's clock dependence ``(f/f_max)^alpha``.
+        comm_hbm_bytes_per_bus_byte: Local HBM bytes read and written per bus byte.
+        comm_sm_activity: Busy-SM power of a communication SM relative to a computing SM.
+        comm_interference: Slow-down of a collective's per-SM throughput while a tensor-core
+            kernel (GEMM, attention) runs beside it: the per-SM rate is divided by
+            ``1 + comm_interference`` (L2 and crossbar queueing lengthen the latency that
+            a latency-bound copy loop waits on). Link saturation is not affected.
+        tensor_interference: The other direction: a tensor-core kernel runs
+            ``1 + tensor_interference`` times slower (beyond losing the collective's SMs)
+            while a collective runs beside it (shared L2 and crossbar).
+        sm_busy_power_w: Dynamic power of all SMs busy (non-tensor part) at the maximum clock
+            and voltage, watts.
+        tensor_power_w: Additional dynamic power of all SMs' tensor cores at 100% use, at
+            the maximum clock and voltage, watts.
+        mem_op_sm_activity: Busy-SM activity of memory-bound kernels (they mostly stall).
+        uncore_power_w: Dynamic power of the L2, crossbar and clocks while any kernel runs, at
+            the maximum clock and voltage, watts.
+        hbm_energy_pj_per_byte: HBM energy (DRAM, PHY, controller, on-chip movement) per byte.
+        link_energy_pj_per_byte: NVLink energy per bus byte (both ends).
+        voltage_floor: V(f) / V(f_max) at and below the floor clock.
+        voltage_floor_clock_fraction: The floor clock as a fraction of the maximum clock.
+        comm_curves: Measured collective curves that override ``comm_gb_per_s_per_sm`` and
+            ``comm_link_gb_per_s`` per (collective kind, group size): entries
+            :class:`CommCurve` records ``(kind, group_size, gb_per_s_per_sm, link_gb_per_s)``
+            (plain 4-tuples are converted). A collective uses the entry of
+            its kind and group size, else the entry of its kind with the nearest group size,
+            else the two scalar fields.
+    """
+
+    spec: GPUSpec = attrs.field(converter=get_gpu)
+    tensor_flops_per_clock_per_sm: float = attrs.field(validator=_pos)
+    vector_flops_per_clock_per_sm: float = attrs.field(validator=_pos)
+    gemm_efficiency: float = attrs.field(validator=_fraction)
+    attention_efficiency: float = attrs.field(validator=_fraction)
+    tensor_feed_tflops: float = attrs.field(validator=_pos)
+    vector_efficiency: float = attrs.field(validator=_fraction)
+    hbm_efficiency: float = attrs.field(validator=_fraction)
+    mem_knee_fraction: float = attrs.field(validator=_fraction)
+    launch_overhead_s: float = attrs.field(validator=_nonneg)
+    comm_gb_per_s_per_sm: float = attrs.field(validator=_pos)
+    comm_link_gb_per_s: float = attrs.field(validator=_pos)
+    comm_saturation_p: float = attrs.field(validator=_pos)
+    comm_latency_s: float = attrs.field(validator=_nonneg)
+    comm_freq_exponent: float = attrs.field(validator=_nonneg)
+    comm_hbm_bytes_per_bus_byte: float = attrs.field(validator=_nonneg)
+    comm_sm_activity: float = attrs.field(validator=_fraction)
+    comm_interference: float = attrs.field(validator=_nonneg)
+    tensor_interference: float = attrs.field(validator=_nonneg)
+    sm_busy_power_w: float = attrs.field(validator=_nonneg)
+    tensor_power_w: float = attrs.field(validator=_nonneg)
+    mem_op_sm_activity: float = attrs.field(validator=_fraction)
+    uncore_power_w: float = attrs.field(validator=_nonneg)
+    hbm_energy_pj_per_byte: float = attrs.field(validator=_nonneg)
+    link_energy_pj_per_byte: float = attrs.field(validator=_nonneg)
+    voltage_floor: float = attrs.field(validator=_fraction)
+    voltage_floor_clock_fraction: float = attrs.field(validator=_fraction)
+    comm_curves: tuple[CommCurve, ...] = attrs.field(default=(), converter=_comm_curves_tuple)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_spec(cls, gpu: str | GPUSpec, *, comm_backend: str | None = None,
+                  **overrides: Any) -> EmulatedGPU:
+        """The model of ``gpu`` with the documented default constants.
+
+        Known presets (``a100-40gb``, ``h100-sxm``, ``h200-sxm``) get their own constants;
+        any other :class:`GPUSpec` gets generic ones derived from its datasheet fields.
+        Keyword arguments override single constants.
+
+        Args:
+            gpu: Preset name or :class:`GPUSpec`.
+            comm_backend: Whose collective kernels to model: ``"own"`` (kareus's SM-capped
+                kernels, measured on H200), ``"nccl"`` (NCCL capped with min/max CTAs,
+                measured on H200), or ``"custom"`` (only the scalar ``comm_gb_per_s_per_sm``
+                and ``comm_link_gb_per_s``). ``None``: ``"custom"`` if either scalar is
+                overridden, else ``"own"``.
+        """
+        spec = get_gpu(gpu)
+        if comm_backend is None:
+            comm_backend = ("custom" if {"comm_gb_per_s_per_sm", "comm_link_gb_per_s"} & set(overrides)
+                            else "own")
+        if comm_backend not in ("own", "nccl", "custom"):
+            raise ValueError(f"comm_backend must be 'own', 'nccl' or 'custom', got "
+                             f"{comm_backend!r}")
+        base = _default_constants(spec)
+        base["comm_curves"] = () if comm_backend == "custom" else _comm_curves(spec, comm_backend)
+        base.update(overrides)
+        return cls(spec=spec, **base)
+
+    @classmethod
+    def preset(cls, name: str, *, comm_backend: str | None = None,
+               **overrides: Any) -> EmulatedGPU:
+        """Alias of :meth:`from_spec` for a preset name."""
+        return cls.from_spec(name, comm_backend=comm_backend, **overrides)
+
+    def with_(self, **changes: Any) -> EmulatedGPU:
+        """A copy with some constants changed (validated again)."""
+        return attrs.evolve(self, **changes)
+
+    # ------------------------------------------------------------------ physics helpers
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def sm_count(self) -> int:
+        return self.spec.sm_count
+
+    @property
+    def hbm_bytes_per_s(self) -> float:
+        """Achievable HBM bandwidth, bytes per second."""
+        return self.spec.hbm_bandwidth_gbps * 1e9 * self.hbm_efficiency
+
+    def voltage_fraction(self, freq_mhz: float) -> float:
+        """V(f) / V(f_max): flat at ``voltage_floor`` below the floor clock, linear above."""
+        fmax = self.spec.max_clock_mhz
+        f0 = self.voltage_floor_clock_fraction * fmax
+        if freq_mhz <= f0 or fmax <= f0:
+            return self.voltage_floor
+        return self.voltage_floor + (1.0 - self.voltage_floor) * (freq_mhz - f0) / (fmax - f0)
+
+    def dynamic_scale(self, freq_mhz: float) -> float:
+        """(f / f_max) x (V(f) / V(f_max))^2: dynamic power relative to the maximum clock."""
+        v = self.voltage_fraction(freq_mhz)
+        return freq_mhz / self.spec.max_clock_mhz * v * v
+
+    def comm_curve(self, kind: str | CommKind | None = None, group_size: int | None = None
+                   ) -> tuple[float, float]:
+        """(bus GB/s per SM at the maximum clock, link limit GB/s) of a collective."""
+        if kind is not None and self.comm_curves:
+            k = CommKind(kind).value
+            same = [c for c in self.comm_curves if c.kind == k]
+            if same:
+                g = int(group_size) if group_size is not None else same[0].group_size
+                best = min(same, key=lambda c: (abs(c.group_size - g), -c.group_size))
+                return best.gb_per_s_per_sm, best.link_gb_per_s
+        return self.comm_gb_per_s_per_sm, self.comm_link_gb_per_s
+
+    def comm_bus_rate(self, sms: int, freq_mhz: float, *, beside_tensor: bool = False,
+                      kind: str | CommKind | None = None, group_size: int | None = None
+                      ) -> float:
+        """Bus bytes per second of a collective on ``sms`` SMs at ``freq_mhz`` (no HBM
+        contention); ``beside_tensor``: while a GEMM or attention kernel runs beside it;
+        ``kind`` and ``group_size`` select a measured curve (:attr:`comm_curves`)."""
+        gb_per_s, link_gb_per_s = self.comm_curve(kind, group_size)
+        per_sm = gb_per_s * 1e9 * (freq_mhz / self.spec.max_clock_mhz) ** self.comm_freq_exponent
+        if beside_tensor:
+            per_sm /= 1.0 + self.comm_interference
+        p = self.comm_saturation_p
+        link = link_gb_per_s * 1e9
+        return ((sms * per_sm) ** -p + link ** -p) ** (-1.0 / p)
+
+    def comm_time_s(self, comm: CommOp, sms: int, freq_mhz: float) -> float:
+        """Time of ``comm`` alone on ``sms`` SMs at ``freq_mhz`` (latency + transfer)."""
+        rate = self.comm_bus_rate(sms, freq_mhz, kind=comm.kind, group_size=comm.group_size)
+        return self.launch_overhead_s + self.comm_latency_s + comm.bus_bytes / rate
+
+    def op_time_s(self, op: ComputeOp, freq_mhz: float, sms: int | None = None) -> float:
+        """Time of ``op`` alone on ``sms`` SMs (default all) at ``freq_mhz``, launch included."""
+        prep = _prep_op(self, op)
+        s = self.sm_count if sms is None else sms
+        return self.launch_overhead_s + _op_work_time(prep, s, freq_mhz * 1e6,
+                                                      self.hbm_bytes_per_s, self._issue_per_sm_cycle)
+
+    @property
+    def _issue_per_sm_cycle(self) -> float:
+        # Bytes per SM per clock that saturate HBM exactly at the knee clock on all SMs.
+        return self.hbm_bytes_per_s / (self.sm_count * self.mem_knee_fraction
+                                       * self.spec.max_clock_mhz * 1e6)
+
+
+def _default_constants(spec: GPUSpec) -> dict[str, Any]:
+    """Model constants for ``spec`` (see docs/emulator.md for the sources)."""
+    fmax = spec.max_clock_mhz
+    generic: dict[str, Any] = dict(
+        tensor_flops_per_clock_per_sm=spec.bf16_peak_tflops * 1e12 / (spec.sm_count * fmax * 1e6),
+        vector_flops_per_clock_per_sm=128.0,
+        gemm_efficiency=0.9,
+        attention_efficiency=0.65,
+        tensor_feed_tflops=spec.bf16_peak_tflops,
+        vector_efficiency=0.5,
+        hbm_efficiency=0.88,
+        mem_knee_fraction=0.45,
+        launch_overhead_s=3e-6,
+        # Fallbacks for collectives without a curve: kareus's all-reduce on 4x H200, scaled.
+        comm_gb_per_s_per_sm=round(25.1 * (fmax / 1980.0) ** 0.25, 2),
+        comm_link_gb_per_s=round(301.0 * spec.nvlink_bandwidth_gbps / 900.0, 1),
+        comm_saturation_p=2.0,
+        comm_latency_s=10e-6,
+        comm_freq_exponent=0.25,
+        comm_hbm_bytes_per_bus_byte=3.0,
+        comm_sm_activity=0.6,
+        comm_interference=0.15,  # measured H200 (docs/emulator.md)
+        tensor_interference=0.0,
+        sm_busy_power_w=0.35 * spec.power_limit_w,
+        tensor_power_w=0.7 * spec.power_limit_w,
+        mem_op_sm_activity=0.57,
+        uncore_power_w=max(spec.static_power_w - spec.idle_power_w, 0.06 * spec.power_limit_w),
+        hbm_energy_pj_per_byte=60.0,
+        link_energy_pj_per_byte=40.0,
+        voltage_floor=0.81,
+        voltage_floor_clock_fraction=0.5,
+    )
+    name = spec.name
+    if name == "a100-40gb":
+        generic.update(
+            tensor_flops_per_clock_per_sm=2048.0,  # 108 x 2048 x 1.41 GHz = 312 TFLOP/s
+            vector_flops_per_clock_per_sm=128.0,  # 19.5 TFLOP/s FP32
+            gemm_efficiency=0.90,  # with the feed ceiling: 0.80 of peak at 1410 MHz
+            attention_efficiency=0.70,  # with the feed ceiling: 0.66 at 1410 MHz
+            tensor_feed_tflops=320.0,
+            hbm_efficiency=0.88,
+            sm_busy_power_w=103.0,
+            tensor_power_w=193.0,
+            uncore_power_w=30.0,  # static 85 W (blocked in a receive at 1410) - idle 55 W
+        )
+    elif name in ("h100-sxm", "h200-sxm"):
+        generic.update(
+            tensor_flops_per_clock_per_sm=4096.0,  # 132 x 4096 x 1.83 GHz = 989 TFLOP/s
+            vector_flops_per_clock_per_sm=256.0,  # 67 TFLOP/s FP32 at 1.98 GHz
+            gemm_efficiency=0.90,  # measured H200, with the feed ceiling (docs/emulator.md)
+            attention_efficiency=0.55,
+            tensor_feed_tflops=956.0,  # measured H200: GEMM 668 / 756 / 795 TF/s at 1500-1980
+            hbm_efficiency=0.87 if name == "h200-sxm" else 0.88,  # H200: elementwise 4.07 TB/s
+            mem_knee_fraction=0.40,  # measured H200: one SM copies ~76 GB/s (read + write)
+            tensor_interference=0.135,  # measured H200: GEMMs beside SM-holding kernels
+            sm_busy_power_w=340.0,
+            tensor_power_w=686.0,
+            uncore_power_w=42.6,  # measured H200: one spinning block at 1980 MHz = 120.6 W
+        )
+    return generic
+
+
+# ----------------------------------------------------------------------------- ops
+
+
+@attrs.frozen
+class _Op:
+    """An op reduced to what the simulation needs."""
+
+    cycles: float  # SM-clock cycles of compute work summed over SMs (flops / (eff x fpc))
+    bytes: float
+    tensor: bool
+    tensor_flops: float  # flops on tensor cores (for power)
+    fpc: float  # peak flops per SM per clock of the unit it runs on
+    activity: float  # busy-SM activity
+    feed_sm_s: float  # SM-seconds at the clock-independent feed ceiling (0: none)
+
+
+def _prep_op(gpu: EmulatedGPU, op: ComputeOp) -> _Op:
+    kind = op.kind.value
+    if kind == "gemm":
+        eff, fpc, tensor = gpu.gemm_efficiency, gpu.tensor_flops_per_clock_per_sm, True
+    elif kind == "attention":
+        eff, fpc, tensor = gpu.attention_efficiency, gpu.tensor_flops_per_clock_per_sm, True
+    else:
+        eff, fpc, tensor = gpu.vector_efficiency, gpu.vector_flops_per_clock_per_sm, False
+    activity = 1.0 if tensor else gpu.mem_op_sm_activity
+    feed = (op.flops * gpu.sm_count / (gpu.tensor_feed_tflops * 1e12)) if tensor else 0.0
+    return _Op(cycles=op.flops / (eff * fpc), bytes=float(op.bytes_moved), tensor=tensor,
+               tensor_flops=float(op.flops) if tensor else 0.0, fpc=fpc, activity=activity,
+               feed_sm_s=feed)
+
+
+def _op_work_time(op: _Op, sms: float, f_hz: float, bw_share: float, issue_per_sm_cycle: float
+                  ) -> float:
+    """Work time of an op on ``sms`` SMs at ``f_hz`` with ``bw_share`` bytes/s of HBM."""
+    q = _ROOFLINE_P
+    tc = op.cycles / (sms * f_hz)
+    acc = tc ** q
+    if op.feed_sm_s > 0.0:
+        acc += (op.feed_sm_s / sms) ** q
+    if op.bytes > 0:
+        issue = sms * issue_per_sm_cycle * f_hz
+        p = _ISSUE_P
+        bw = (bw_share ** -p + issue ** -p) ** (-1.0 / p)
+        acc += (op.bytes / bw) ** q
+    return acc ** (1.0 / q)
