@@ -38,17 +38,21 @@ from pathlib import Path
 
 import numpy as np
 
-from kareus.compose.baselines import exhaustive_search
-from kareus.compose.iteration import IterationComposer, _Dag
-from kareus.compose.microbatch import MicrobatchComposer, measure_outside_work
+from kareus.compose import (
+    IterationComposer,
+    MicrobatchComposer,
+    exhaustive_search,
+    measure_outside_work,
+)
 from kareus.exec.emulator import EmulatedProfiler
 from kareus.model.config import ConfigSpace, ScheduleConfig
+from kareus.model.dag import Dag
 from kareus.model.measurement import Measurement
 from kareus.model.partition import build_partitions
 from kareus.model.pipeline import one_f_one_b
 from kareus.model.workload import Workload
-from kareus.search.frontier import Observation, PartitionFrontier
 from kareus.search.pareto import hypervolume, pareto_front, pareto_mask
+from kareus.search.partition_frontier import Observation, PartitionFrontier
 
 
 def _lowtime_solve(n, edges, node_type, options, unit):
@@ -186,7 +190,7 @@ def main(argv=None):
     ours_s = time.perf_counter() - t0
 
     lt_s, snaps = _lowtime_solve(len(nodes), edges, node_type, options, unit)
-    dag = _Dag(len(nodes), edges)
+    dag = Dag(len(nodes), edges)
     knobs = np.array(snaps, dtype=np.int64)
     opt_t = [np.asarray(t) for t, _ in options]
     opt_c = [np.asarray(c) for _, c in options]

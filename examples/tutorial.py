@@ -10,10 +10,10 @@
 import os
 
 import kareus
-from kareus.compose.baselines import compose_baselines
+from kareus.compose import compose_systems
 from kareus.exec.emulator import EmulatedProfiler
 from kareus.model import ConfigSpace, ScheduleConfig, Workload, build_partitions
-from kareus.search.optimizer import MultiPassSearch
+from kareus.search import MultiPassSearch
 
 OUT = os.environ.get("KAREUS_TUTORIAL_OUT", "kareus-tutorial")
 os.makedirs(OUT, exist_ok=True)
@@ -82,8 +82,8 @@ def small_search(profiler, partition):
                            seed=0).run(profiler, partition, progress=False)
 
 
-result = compose_baselines(workload, profiler, search=small_search,
-                           kareus_frontiers={"fwd_attn": frontier})
+result = compose_systems(workload, profiler, search=small_search,
+                         kareus_frontiers={"fwd_attn": frontier})
 print(result.summary())
 
 # %% [markdown]

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 from kareus import errors
 from kareus.compose import (
-    BASELINES,
+    SYSTEMS,
+    FrontierComposer,
     IterationComposer,
     IterationFrontier,
     MicrobatchComposer,
     MicrobatchFrontier,
     Plan,
-    compose_baselines,
+    compose_systems,
 )
 from kareus.errors import (
     ConfigError,
@@ -91,7 +92,6 @@ from kareus._version import __version__
 
 __all__ = [
     "AcquisitionPass",
-    "BASELINES",
     "BootstrapEnsemble",
     "CallablePartition",
     "CollectiveBackend",
@@ -105,6 +105,7 @@ __all__ = [
     "EmulatedProfiler",
     "Executor",
     "FrequencyController",
+    "FrontierComposer",
     "GPUSpec",
     "HardwareError",
     "HypervolumePass",
@@ -133,6 +134,7 @@ __all__ = [
     "PlanError",
     "Profiler",
     "ReplayProfiler",
+    "SYSTEMS",
     "ScheduleConfig",
     "StreamOrderedTrigger",
     "Surrogate",
@@ -147,7 +149,7 @@ __all__ = [
     "XGBoostSurrogate",
     "__version__",
     "build_partitions",
-    "compose_baselines",
+    "compose_systems",
     "errors",
     "get_gpu",
     "get_schedule",

@@ -8,7 +8,7 @@
    a JSONL log per type, so a killed run resumes where it stopped);
 3. compose the five systems (Megatron-LM, nanobatching, Perseus, nanobatching + Perseus,
    kareus) through the same microbatch and iteration composers
-   (:func:`kareus.compose.baselines.compose_baselines`);
+   (:func:`kareus.compose.compose_systems`);
 4. summarise: each system's maximum-throughput point, and kareus's iso-time energy saving
    and iso-energy time saving against a reference system (Perseus by default).
 
@@ -29,8 +29,14 @@ from typing import Any
 
 import attrs
 
-from kareus.compose.baselines import BASELINES, BaselineResult, compose_baselines
-from kareus.compose.frontiers import IterationFrontier, IterationPoint
+from kareus.compose.iteration_frontier import IterationFrontier, IterationPoint
+from kareus.compose.systems import (
+    SYSTEMS,
+    AnyIterationComposer,
+    AnyMicrobatchComposer,
+    SystemsResult,
+    compose_systems,
+)
 from kareus.compose.plan import Plan
 from kareus.errors import InfeasibleError
 from kareus.model.partition import Partition, PartitionSet, build_partitions
@@ -107,7 +113,7 @@ class OptimizationResult:
     workload: Workload
     gpu: str
     partitions: PartitionSet
-    baselines: BaselineResult
+    baselines: SystemsResult
     wall_s: float
     profiles: dict[str, int]
 
@@ -273,6 +279,8 @@ def optimize(
     schedule: str = "1f1b",
     progress: bool | None = None,
     surrogate: Surrogate | str | None = None,
+    microbatch_composer: AnyMicrobatchComposer | None = None,
+    iteration_composer: AnyIterationComposer | None = None,
 ) -> OptimizationResult:
     """Search, compose and compare: the whole kareus pipeline for one workload.
 
@@ -294,6 +302,10 @@ def optimize(
             process (:func:`~kareus.search.default_surrogate`), ``"trees"`` = the XGBoost
             ensemble of the reference artifact (:func:`~kareus.search.tree_surrogate`), or
             a :class:`~kareus.search.Surrogate` template of your own.
+        microbatch_composer, iteration_composer: Any
+            :class:`~kareus.compose.FrontierComposer` of each level, used for every system;
+            ``None`` = :class:`~kareus.compose.MicrobatchComposer` and
+            :class:`~kareus.compose.IterationComposer`.
 
     Raises:
         InfeasibleError: the budget is below 1.
@@ -332,9 +344,11 @@ def optimize(
             log=None if log_path is None else log_path / f"search-{name}.jsonl",
             progress=progress, surrogate=template)
         profiles[name] = len(frontiers[name].measured())
-    result = compose_baselines(workload, profiler, systems=list(systems or BASELINES),
-                               kareus_frontiers=frontiers,
-                               schedule=partial(get_schedule, schedule))
+    result = compose_systems(workload, profiler, systems=list(systems or SYSTEMS),
+                             kareus_frontiers=frontiers,
+                             schedule=partial(get_schedule, schedule),
+                             microbatch_composer=microbatch_composer,
+                             iteration_composer=iteration_composer)
     return OptimizationResult(workload=workload, gpu=profiler.gpu.name, partitions=pset,
                               baselines=result, wall_s=time.monotonic() - start,
                               profiles=profiles)

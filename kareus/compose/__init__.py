@@ -1,14 +1,20 @@
-"""Composition of frontiers: partition -> microbatch -> iteration, plans and baselines.
+"""Composition of frontiers: partition -> microbatch -> iteration, plans and the systems.
 
+- :class:`FrontierComposer`: the role, generic in what a composer takes and returns.
 - :class:`MicrobatchComposer`: per frequency, the Pareto sum of the partition types'
   fronts (weighted by instance count) plus the work outside partitions, for each
   (stage, phase) microbatch computation.
 - :class:`IterationComposer`: the iteration frontier over the pipeline DAG by the
-  time-cost tradeoff algorithm (Perseus; Phillips-Dessouky minimum cuts).
+  time-cost tradeoff algorithm (Perseus, SOSP'24; Phillips-Dessouky minimum cuts),
+  solved by :func:`solve_time_cost`.
 - :class:`Plan`: a frequency per microbatch computation and a configuration per partition
-  type; versioned JSON with a digest.
-- :func:`compose_baselines`: megatron, nanobatching, perseus, nanobatching+perseus and
-  kareus through the same machinery.
+  type; versioned JSON with a digest. :func:`evaluate_plan` recomputes a plan's figures
+  from its parts.
+- :func:`compose_systems`: the five :data:`SYSTEMS` (megatron, nanobatching, perseus,
+  nanobatching+perseus and kareus) through the same machinery.
+
+Modules whose names start with an underscore are implementation; import their public
+names from here.
 
 Energy scope: microbatch and iteration energies cover every GPU of the job. Nothing here
 touches hardware.
@@ -16,29 +22,31 @@ touches hardware.
 
 from __future__ import annotations
 
+from kareus.compose._evaluate import evaluate_plan
+from kareus.compose._time_cost import TimeCostResult, solve_time_cost
 from kareus.compose.base import FrontierComposer
-from kareus.compose.baselines import (
-    BASELINES,
-    BaselineResult,
+from kareus.compose.iteration import IterationComposer
+from kareus.compose.iteration_frontier import IterationFrontier, IterationPoint
+from kareus.compose.microbatch import MicrobatchComposer, measure_outside_work
+from kareus.compose.microbatch_frontier import MicrobatchFrontier, MicrobatchPoint
+from kareus.compose.plan import PLAN_VERSION, MicrobatchChoice, Plan
+from kareus.compose.systems import (
+    SYSTEMS,
+    AnyIterationComposer,
+    AnyMicrobatchComposer,
+    SystemsResult,
     baseline_space,
-    compose_baselines,
+    compose_systems,
     default_search,
     exhaustive_search,
+    system_configs,
 )
-from kareus.compose.frontiers import (
-    IterationFrontier,
-    IterationPoint,
-    MicrobatchFrontier,
-    MicrobatchPoint,
-)
-from kareus.compose.iteration import IterationComposer, evaluate_plan, solve_time_cost
-from kareus.compose.microbatch import MicrobatchComposer, measure_outside_work
-from kareus.compose.plan import PLAN_VERSION, MicrobatchChoice, Plan
 
 __all__ = [
-    "BASELINES",
     "PLAN_VERSION",
-    "BaselineResult",
+    "SYSTEMS",
+    "AnyIterationComposer",
+    "AnyMicrobatchComposer",
     "FrontierComposer",
     "IterationComposer",
     "IterationFrontier",
@@ -48,11 +56,14 @@ __all__ = [
     "MicrobatchFrontier",
     "MicrobatchPoint",
     "Plan",
+    "SystemsResult",
+    "TimeCostResult",
     "baseline_space",
-    "compose_baselines",
+    "compose_systems",
     "default_search",
     "evaluate_plan",
     "exhaustive_search",
     "measure_outside_work",
     "solve_time_cost",
+    "system_configs",
 ]

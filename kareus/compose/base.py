@@ -6,27 +6,51 @@ the iteration frontier over the pipeline DAG
 (:class:`~kareus.compose.iteration.IterationComposer`). Both take the lower level's
 frontiers keyed by what they describe, plus the context they need as keyword
 arguments, and return the upper level's frontier(s).
+
+The role is generic in what a composer takes and what it returns:
+``FrontierComposer[Mapping[str, PartitionFrontier], dict[tuple[int, str],
+MicrobatchFrontier]]`` is any microbatch composer, ``FrontierComposer[Mapping[tuple[int,
+str], MicrobatchFrontier], IterationFrontier]`` any iteration composer.
+:func:`~kareus.compose.compose_systems` and :func:`kareus.optimize` accept either kind, so
+a different composition (another pipeline model, another trade-off solver) plugs in
+without touching the search or the executor. :mod:`kareus.testing` has a conformance
+suite (:func:`kareus.testing.check_frontier_composer`).
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 __all__ = ["FrontierComposer"]
 
+#: What a composer takes: the lower level's frontiers, keyed by what each describes.
+InT = TypeVar("InT", contravariant=True)
+#: What a composer returns: the level above (one frontier or several, keyed).
+OutT = TypeVar("OutT", covariant=True)
 
-class FrontierComposer(abc.ABC):
+
+class FrontierComposer(abc.ABC, Generic[InT, OutT]):
     """Composes lower-level time-energy frontiers into the level above.
 
-    Subclasses implement :meth:`compose`. Every point of every frontier they return keeps
-    the choices that produce it (a plan), so that any point can be executed.
+    Subclasses implement :meth:`compose`, naming the context they need as keyword-only
+    arguments. Every point of every frontier they return keeps the choices that produce
+    it (a plan), so that any point can be executed.
     """
 
     @abc.abstractmethod
-    def compose(self, frontiers: Mapping[Any, Any], /, **context: Any) -> Any:
-        """Compose ``frontiers`` (keyed by what each describes) into the level above."""
+    def compose(self, frontiers: InT, /, *args: Any, **context: Any) -> OutT:
+        """Compose ``frontiers`` into the level above.
+
+        Args:
+            frontiers: The lower level's frontiers, keyed by what each describes.
+            *args: Unused by the defaults; subclasses take their context keyword-only.
+            **context: What the composer needs besides the frontiers (the partition set,
+                the pipeline schedule, static power, ...), named by each subclass.
+
+        Returns:
+            The upper level's frontier(s).
+        """
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -33,12 +33,13 @@ import attrs
 import numpy as np
 
 from kareus.compose.base import FrontierComposer
-from kareus.compose.frontiers import MicrobatchFrontier, MicrobatchPoint
+from kareus.compose.microbatch_frontier import MicrobatchFrontier, MicrobatchPoint
 from kareus.compose.plan import MicrobatchChoice
 from kareus.model.measurement import Measurement
 from kareus.model.partition import OutsideWork, PartitionSet
 from kareus.model.profiler import Profiler
-from kareus.search.frontier import Observation, PartitionFrontier
+from kareus.search import Observation, PartitionFrontier
+from kareus.search.pareto import pareto_mask
 
 __all__ = ["MicrobatchComposer", "OutsideTable", "measure_outside_work", "pareto_sum"]
 
@@ -48,15 +49,8 @@ OutsideTable = Mapping[tuple[int, str], Mapping[int, Measurement]]
 
 def _prune(t: np.ndarray, e: np.ndarray) -> np.ndarray:
     """Indices of the Pareto points of (t, e), sorted by t (first of exact duplicates kept)."""
-    order = np.lexsort((e, t))
-    es = e[order]
-    if len(es) == 0:
-        return order
-    run_min = np.minimum.accumulate(es)
-    keep = np.empty(len(es), dtype=bool)
-    keep[0] = True
-    keep[1:] = es[1:] < run_min[:-1]
-    return order[keep]
+    kept = np.flatnonzero(pareto_mask(np.column_stack([t, e])))
+    return kept[np.argsort(t[kept], kind="stable")]
 
 
 def pareto_sum(fronts: Sequence[tuple[np.ndarray, np.ndarray]]
@@ -125,7 +119,8 @@ def measure_outside_work(profiler: Profiler, partitions: PartitionSet,
     return out
 
 
-class MicrobatchComposer(FrontierComposer):
+class MicrobatchComposer(
+        FrontierComposer[Mapping[str, PartitionFrontier], dict[tuple[int, str], MicrobatchFrontier]]):
     """Composes partition frontiers into each microbatch computation's frontier.
 
     Args:
@@ -152,7 +147,7 @@ class MicrobatchComposer(FrontierComposer):
                 if o.predicted]
         return pred, True
 
-    def compose(self, frontiers: Mapping[str, PartitionFrontier], /, *,  # type: ignore[override]
+    def compose(self, frontiers: Mapping[str, PartitionFrontier], /, *,
                 partitions: PartitionSet, outside: OutsideTable | None = None,
                 energy_scale: float | None = None) -> dict[tuple[int, str], MicrobatchFrontier]:
         """The frontier of every microbatch computation ``(stage, phase)``.

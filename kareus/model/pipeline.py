@@ -14,11 +14,12 @@ then drains the remaining backwards.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import attrs
 
 from kareus.errors import UnknownPresetError
+from kareus.model.dag import Dag
 
 __all__ = ["Computation", "PipelineSchedule", "get_schedule", "one_f_one_b", "gpipe"]
 
@@ -75,36 +76,30 @@ class PipelineSchedule:
     def __len__(self) -> int:
         return sum(len(o) for o in self.stage_orders)
 
-    def topological_order(self) -> list[Computation]:
-        """Nodes in an order compatible with every edge."""
-        preds: dict[Computation, int] = {c: 0 for c in self.nodes}
-        succ: dict[Computation, list[Computation]] = {c: [] for c in self.nodes}
-        for u, v in self.edges:
-            preds[v] += 1
-            succ[u].append(v)
-        ready = [c for c, k in preds.items() if k == 0]
-        out: list[Computation] = []
-        while ready:
-            c = ready.pop()
-            out.append(c)
-            for v in succ[c]:
-                preds[v] -= 1
-                if preds[v] == 0:
-                    ready.append(v)
-        if len(out) != len(preds):
-            raise ValueError(f"schedule {self.name!r} has a cycle")
-        return out
+    def dag(self) -> Dag:
+        """The schedule as a :class:`~kareus.model.dag.Dag` over node indices (the
+        positions in :attr:`nodes`)."""
+        index = {c: i for i, c in enumerate(self.nodes)}
+        return Dag(len(index), [(index[u], index[v]) for u, v in self.edges])
 
-    def makespan(self, durations: dict[Computation, float]) -> float:
+    def topological_order(self) -> list[Computation]:
+        """Nodes in an order compatible with every edge.
+
+        Raises:
+            ValueError: The schedule has a cycle.
+        """
+        nodes = self.nodes
+        try:
+            dag = self.dag()
+        except ValueError:
+            raise ValueError(f"schedule {self.name!r} has a cycle") from None
+        return [nodes[i] for i in dag.order]
+
+    def makespan(self, durations: Mapping[Computation, float]) -> float:
         """Length of the longest path when each computation takes ``durations[c]``."""
-        finish: dict[Computation, float] = {}
-        preds: dict[Computation, list[Computation]] = {c: [] for c in self.nodes}
-        for u, v in self.edges:
-            preds[v].append(u)
-        for c in self.topological_order():
-            start = max((finish[p] for p in preds[c]), default=0.0)
-            finish[c] = start + durations[c]
-        return max(finish.values(), default=0.0)
+        dag = self.dag()
+        nodes = self.nodes
+        return float(dag.makespan([float(durations[nodes[i]]) for i in dag.order]))
 
 
 def _data_edges(pp: int, m: int) -> list[tuple[Computation, Computation]]:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from kareus.model.config import ScheduleConfig
+from kareus.compose import SystemsResult, compose_systems, exhaustive_search
+from kareus.model.config import ConfigSpace, ScheduleConfig
 from kareus.model.gpu import get_gpu
 from kareus.model.measurement import Measurement
 from kareus.model.partition import OutsideWork, Partition
 from kareus.model.profiler import Profiler
 from kareus.model.workload import Workload
+from kareus.search import PartitionFrontier
 
 
 class FakeProfiler(Profiler):
@@ -60,3 +62,17 @@ def fake_profiler() -> FakeProfiler:
 def tiny_workload() -> Workload:
     return Workload.preset("qwen3-1.7b", tp=2, pp=2, dp=2, microbatch_size=2, seq_len=1024,
                            num_microbatches=3, nanobatches=2)
+
+
+@pytest.fixture
+def composed(tiny_workload: Workload, fake_profiler: FakeProfiler) -> SystemsResult:
+    """Perseus and kareus composed on the tiny workload, each partition type measured
+    exhaustively over a small grid (every other clock, three SM counts)."""
+
+    def search(p: Profiler, part: Partition) -> PartitionFrontier:
+        space = ConfigSpace(part, p.gpu, freqs_mhz=p.gpu.search_clocks_mhz[::2],
+                            comm_sms=[2, 8, 32])
+        return exhaustive_search(p, space)
+
+    return compose_systems(tiny_workload, fake_profiler, search=search,
+                           systems=["perseus", "kareus"])

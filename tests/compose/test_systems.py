@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kareus.compose.baselines import BASELINES, baseline_space, compose_baselines, exhaustive_search
+from kareus.compose import SYSTEMS, baseline_space, compose_systems, exhaustive_search
 from kareus.model.config import ConfigSpace
 from kareus.model.partition import build_partitions
 
@@ -23,8 +23,8 @@ def _search_calls():
 
 def test_all_five_systems(tiny_workload, fake_profiler):
     search, calls = _search_calls()
-    res = compose_baselines(tiny_workload, fake_profiler, search=search)
-    assert list(res.frontiers) == list(BASELINES)
+    res = compose_systems(tiny_workload, fake_profiler, search=search)
+    assert list(res.frontiers) == list(SYSTEMS)
     gpu = fake_profiler.gpu
     assert sorted(calls) == sorted(build_partitions(tiny_workload).types)
     for name in ("megatron", "nanobatching"):
@@ -51,7 +51,7 @@ def test_all_five_systems(tiny_workload, fake_profiler):
     assert res["perseus"].points[-1].energy_j < res["megatron"].points[0].energy_j
     assert res["megatron"].max_throughput().workload["nanobatches"] == 1
     text = res.summary()
-    assert all(name in text for name in BASELINES)
+    assert all(name in text for name in SYSTEMS)
 
 
 def test_baseline_space_restrictions(tiny_workload):
@@ -67,9 +67,9 @@ def test_baseline_space_restrictions(tiny_workload):
 
 def test_argument_errors(tiny_workload, fake_profiler):
     with pytest.raises(ValueError, match="unknown system"):
-        compose_baselines(tiny_workload, fake_profiler, systems=["zeus"])
+        compose_systems(tiny_workload, fake_profiler, systems=["zeus"])
     with pytest.raises(TypeError, match="Profiler"):
-        compose_baselines(tiny_workload, object())  # type: ignore[arg-type]
+        compose_systems(tiny_workload, object())  # type: ignore[arg-type]
 
 
 def test_systems_share_measurements_of_the_same_run(tiny_workload):
@@ -77,7 +77,7 @@ def test_systems_share_measurements_of_the_same_run(tiny_workload):
 
     noisy = EmulatedProfiler("a100-40gb", noise=0.05, seed=7)
     search, _ = _search_calls()
-    res = compose_baselines(tiny_workload, noisy, search=search)
+    res = compose_systems(tiny_workload, noisy, search=search)
     # Megatron-LM's plan is Perseus's all-maximum-clock plan: with one measurement per
     # configuration, Perseus is never slower than Megatron-LM at its fastest, whatever the noise.
     meg, per = res["megatron"].points[0], res["perseus"].points[0]

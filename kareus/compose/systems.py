@@ -20,7 +20,7 @@ Megatron-LM. The nanobatching systems split each microbatch in the workload's nu
 nanobatches (2 if the workload has 1) and launch every collective with the first
 computation op it may overlap. The restricted spaces are small, so they are measured
 exhaustively; kareus's full space is searched by an injectable search function (by
-default :class:`kareus.search.optimizer.MultiPassSearch`).
+default :class:`kareus.search.MultiPassSearch`).
 
 Energy scope: iteration energies cover every GPU of the job (see :mod:`kareus.compose`).
 """
@@ -32,22 +32,35 @@ from typing import Any
 
 import attrs
 
-from kareus.compose.frontiers import IterationFrontier, MicrobatchFrontier
+from kareus.compose.base import FrontierComposer
 from kareus.compose.iteration import IterationComposer
+from kareus.compose.iteration_frontier import IterationFrontier
 from kareus.compose.microbatch import MicrobatchComposer, measure_outside_work
+from kareus.compose.microbatch_frontier import MicrobatchFrontier
 from kareus.model.config import ConfigSpace, ScheduleConfig
 from kareus.model.measurement import Measurement
 from kareus.model.partition import OutsideWork, Partition, PartitionSet, build_partitions
 from kareus.model.pipeline import PipelineSchedule, one_f_one_b
 from kareus.model.profiler import Profiler
 from kareus.model.workload import Workload
-from kareus.search.frontier import Observation, PartitionFrontier
+from kareus.search import MultiPassSearch, Observation, PartitionFrontier, system_config_indices
 
-__all__ = ["BASELINES", "BaselineResult", "SearchFn", "anchor_configs", "baseline_space",
-           "compose_baselines", "default_search", "exhaustive_search"]
+__all__ = ["SYSTEMS", "AnyIterationComposer", "AnyMicrobatchComposer", "SearchFn",
+           "SystemsResult", "baseline_space", "compose_systems", "default_search",
+           "exhaustive_search", "system_configs"]
 
-#: Names of the five systems, in the order they are reported.
-BASELINES = ("megatron", "nanobatching", "perseus", "nanobatching+perseus", "kareus")
+#: Names of the five systems, in the order they are reported (the four baselines, then kareus).
+SYSTEMS = ("megatron", "nanobatching", "perseus", "nanobatching+perseus", "kareus")
+
+#: Any composer of partition frontiers into the microbatch frontiers of every
+#: ``(stage, phase)``; called as ``compose(frontiers, partitions=..., outside=...)``.
+AnyMicrobatchComposer = FrontierComposer[Mapping[str, PartitionFrontier],
+                                         dict[tuple[int, str], MicrobatchFrontier]]
+
+#: Any composer of microbatch frontiers into an iteration frontier; called as
+#: ``compose(frontiers, static_power_w=..., gpu=..., schedule=..., label=..., workload=...)``.
+AnyIterationComposer = FrontierComposer[Mapping[tuple[int, str], MicrobatchFrontier],
+                                        IterationFrontier]
 
 #: ``search(profiler, partition) -> PartitionFrontier``: how kareus's full space is searched.
 SearchFn = Callable[[Profiler, Partition], PartitionFrontier]
@@ -56,24 +69,36 @@ _SEQUENTIAL = ("megatron", "perseus")
 _FIXED_CLOCK = ("megatron", "nanobatching")
 
 
-def anchor_configs(space: ConfigSpace) -> list[ScheduleConfig]:
-    """The baselines' own configurations at the maximum clock that lie in ``space``:
-    sequential and launched with the first slot, both with NCCL's default SM count.
+def system_configs(space: ConfigSpace) -> list[ScheduleConfig]:
+    """The baselines' own configurations at the maximum clock that lie in ``space``.
 
+    Sequential and launched with the first slot, both with NCCL's default SM count.
     :class:`~kareus.search.MultiPassSearch` starts its initial design with them
-    (:func:`~kareus.search.optimizer.anchor_indices`), so kareus's front starts from what
+    (:func:`~kareus.search.system_config_indices`), so kareus's front starts from what
     Megatron-LM and nanobatching run and can only improve on it (its space holds theirs).
-    """
-    from kareus.search.optimizer import anchor_indices  # noqa: PLC0415 - optional peer module
 
-    return [space.configs[i] for i in anchor_indices(space)]
+    Args:
+        space: A partition type's configuration space.
+
+    Returns:
+        Those configurations of ``space``, in the order the search tries them.
+    """
+    return [space.configs[i] for i in system_config_indices(space)]
 
 
 def default_search(profiler: Profiler, partition: Partition) -> PartitionFrontier:
-    """Kareus's search of one partition type's full space: :class:`MultiPassSearch` (whose
-    initial design starts with the baselines' configurations, :func:`anchor_configs`)."""
-    from kareus.search.optimizer import MultiPassSearch  # noqa: PLC0415 - optional peer module
+    """Kareus's search of one partition type's full space.
 
+    :class:`~kareus.search.MultiPassSearch`, whose initial design starts with the
+    baselines' configurations (:func:`system_configs`).
+
+    Args:
+        profiler: Measures the partition.
+        partition: The partition type.
+
+    Returns:
+        The partition type's frontier.
+    """
     return MultiPassSearch(profiler.space(partition)).run(profiler, partition, progress=False)
 
 
@@ -137,8 +162,8 @@ def exhaustive_search(profiler: Profiler, space: ConfigSpace) -> PartitionFronti
 def baseline_space(name: str, partition: Partition, gpu: Any,
                    freqs_mhz: Sequence[int] | None = None) -> ConfigSpace:
     """The restricted configuration space of a baseline (not ``kareus``) for one type."""
-    if name not in BASELINES or name == "kareus":
-        raise ValueError(f"no restricted space for {name!r}; baselines: {BASELINES[:-1]}")
+    if name not in SYSTEMS or name == "kareus":
+        raise ValueError(f"no restricted space for {name!r}; baselines: {SYSTEMS[:-1]}")
     space = ConfigSpace(partition, gpu, freqs_mhz=freqs_mhz)
     g = space.gpu
     freqs = [g.max_clock_mhz] if name in _FIXED_CLOCK else list(space.freqs_mhz)
@@ -151,7 +176,7 @@ def baseline_space(name: str, partition: Partition, gpu: Any,
                        include_sequential=None in slots)
 
 
-def _baseline_workload(name: str, workload: Workload) -> Workload:
+def _system_workload(name: str, workload: Workload) -> Workload:
     if name in _SEQUENTIAL:
         return workload.with_(nanobatches=1)
     if name == "kareus" or workload.nanobatches >= 2:
@@ -160,7 +185,7 @@ def _baseline_workload(name: str, workload: Workload) -> Workload:
 
 
 @attrs.frozen(kw_only=True)
-class BaselineResult:
+class SystemsResult:
     """The iteration frontiers of the systems compared, and what they were built from.
 
     Attributes:
@@ -205,19 +230,19 @@ class BaselineResult:
         return "\n".join(lines)
 
     def __repr__(self) -> str:
-        return (f"BaselineResult({self.workload.describe()} on {self.gpu}: "
+        return (f"SystemsResult({self.workload.describe()} on {self.gpu}: "
                 f"{', '.join(self.frontiers)})")
 
 
-def compose_baselines(workload: Workload, profiler: Profiler, *,
-                      search: SearchFn | None = None,
-                      systems: Sequence[str] | None = None,
-                      freqs_mhz: Sequence[int] | None = None,
-                      schedule: Callable[[int, int], PipelineSchedule] | None = None,
-                      microbatch_composer: MicrobatchComposer | None = None,
-                      iteration_composer: IterationComposer | None = None,
-                      kareus_frontiers: Mapping[str, PartitionFrontier] | None = None,
-                      ) -> BaselineResult:
+def compose_systems(workload: Workload, profiler: Profiler, *,
+                    search: SearchFn | None = None,
+                    systems: Sequence[str] | None = None,
+                    freqs_mhz: Sequence[int] | None = None,
+                    schedule: Callable[[int, int], PipelineSchedule] | None = None,
+                    microbatch_composer: AnyMicrobatchComposer | None = None,
+                    iteration_composer: AnyIterationComposer | None = None,
+                    kareus_frontiers: Mapping[str, PartitionFrontier] | None = None,
+                    ) -> SystemsResult:
     """Iteration frontiers of the five systems for one workload and one profiler.
 
     Args:
@@ -225,26 +250,37 @@ def compose_baselines(workload: Workload, profiler: Profiler, *,
         profiler: Measures partitions and the work outside them.
         search: How kareus's full space is searched per partition type; ``None`` =
             :func:`default_search` (MultiPassSearch).
-        systems: Which of :data:`BASELINES` to compose; ``None`` = all five.
+        systems: Which of :data:`SYSTEMS` to compose; ``None`` = all five.
         freqs_mhz: Frequencies of the frequency-planning systems; ``None`` = the GPU's
             search grid.
         schedule: ``(stages, microbatches) -> PipelineSchedule``; ``None`` = 1F1B.
-        microbatch_composer, iteration_composer: ``None`` = defaults.
+        microbatch_composer: Any :class:`FrontierComposer` of partition frontiers into
+            microbatch frontiers, called as ``compose(frontiers, partitions=...,
+            outside=...)``; ``None`` = :class:`MicrobatchComposer`.
+        iteration_composer: Any :class:`FrontierComposer` of microbatch frontiers into an
+            iteration frontier, called as ``compose(frontiers, static_power_w=..., gpu=...,
+            schedule=..., label=..., workload=...)``; ``None`` = :class:`IterationComposer`.
         kareus_frontiers: Partition frontiers already searched for kareus (skips the search).
     """
     if not isinstance(workload, Workload):
         raise TypeError(f"workload must be a Workload, got {type(workload).__name__}")
     if not isinstance(profiler, Profiler):
         raise TypeError(f"profiler must be a kareus Profiler, got {type(profiler).__name__}")
-    names = list(BASELINES if systems is None else systems)
-    unknown = [n for n in names if n not in BASELINES]
+    names = list(SYSTEMS if systems is None else systems)
+    unknown = [n for n in names if n not in SYSTEMS]
     if unknown:
-        raise ValueError(f"unknown system(s) {unknown}; known: {', '.join(BASELINES)}")
+        raise ValueError(f"unknown system(s) {unknown}; known: {', '.join(SYSTEMS)}")
     search_fn = default_search if search is None else search
     if not callable(search_fn):
         raise TypeError("search must be callable as search(profiler, partition)")
-    mbc = MicrobatchComposer() if microbatch_composer is None else microbatch_composer
-    itc = IterationComposer() if iteration_composer is None else iteration_composer
+    mbc: AnyMicrobatchComposer = (MicrobatchComposer() if microbatch_composer is None
+                                  else microbatch_composer)
+    itc: AnyIterationComposer = (IterationComposer() if iteration_composer is None
+                                 else iteration_composer)
+    for what, comp in (("microbatch_composer", mbc), ("iteration_composer", itc)):
+        if not isinstance(comp, FrontierComposer):
+            raise TypeError(f"{what} must be a kareus FrontierComposer, "
+                            f"got {type(comp).__name__}")
     make_schedule = one_f_one_b if schedule is None else schedule
     gpu = profiler.gpu
     p = workload.parallelism
@@ -260,7 +296,7 @@ def compose_baselines(workload: Workload, profiler: Profiler, *,
     profiler = shared
     # kareus first, so its search's measurements serve the restricted spaces too.
     for name in sorted(names, key=lambda n: n != "kareus"):
-        wl = _baseline_workload(name, workload)
+        wl = _system_workload(name, workload)
         if wl not in pset_cache:
             pset_cache[wl] = build_partitions(wl)
         pset = pset_cache[wl]
@@ -287,7 +323,7 @@ def compose_baselines(workload: Workload, profiler: Profiler, *,
         micro[name] = mf
         parts_out[name] = pfs
     order = list(names)
-    return BaselineResult(workload=workload, gpu=gpu.name,
+    return SystemsResult(workload=workload, gpu=gpu.name,
                           frontiers={n: frontiers[n] for n in order},
                           microbatch={n: micro[n] for n in order},
                           partitions={n: parts_out[n] for n in order})

@@ -1,0 +1,69 @@
+"""Plan evaluation: a plan's iteration time and energy, recomputed from its parts.
+
+The composers build a plan's figures bottom-up (partition fronts -> microbatch points ->
+the longest path of the pipeline DAG). :func:`evaluate_plan` recomputes them from the
+partition observations, the partition counts and the outside work, independently of the
+composers' Pareto sums and the time-cost solver, so tests and benchmarks can check that a
+plan costs what its frontier says.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kareus.compose.plan import Plan
+from kareus.model.pipeline import Computation, PipelineSchedule, one_f_one_b
+
+__all__ = ["evaluate_plan"]
+
+
+def evaluate_plan(plan: Plan, *, frontiers: Mapping[str, Any], partitions: Any,
+                  outside: Mapping[tuple[int, str], Mapping[int, Any]] | None,
+                  static_power_w: float, energy_scale: float | None = None,
+                  schedule: PipelineSchedule | None = None) -> tuple[float, float, float]:
+    """Re-evaluate a plan from its parts: partition measurements, counts and outside work.
+
+    Each computation's time is ``sum count x partition time + outside time`` at its
+    frequency and configurations (the partition observations are looked up by
+    configuration in ``frontiers``); the iteration time is the schedule's longest path;
+    the energy is every computation's dynamic energy (scaled by ``energy_scale``, default
+    the DP degree) plus ``static_power_w`` x time.
+
+    Returns:
+        ``(time_s, energy_j, dynamic_energy_j)``.
+    """
+    scale = (float(partitions.workload.parallelism.dp) if energy_scale is None
+             else float(energy_scale))
+    if schedule is None:
+        schedule = one_f_one_b(plan.num_stages, plan.num_microbatches)
+    lookup: dict[tuple[str, Any], Any] = {}
+    for tname, pf in frontiers.items():
+        for o in reversed(pf.observations):
+            lookup[(tname, o.config)] = o
+        for f in {o.config.freq_mhz for o in pf.observations}:
+            # The observations composition uses: measured front points first, predicted
+            # ones only for configurations without a measured front point.
+            for o in pf.front_at(f, include_predicted=True):
+                lookup[(tname, o.config)] = o
+            for o in pf.front_at(f):
+                lookup[(tname, o.config)] = o
+    durations: dict[Computation, float] = {}
+    dyn = 0.0
+    for c in schedule.nodes:
+        ch = plan.choice(c)
+        t = e = 0.0
+        for tname, count in partitions.counts[c.phase].items():
+            if count <= 0:
+                continue
+            o = lookup[(tname, ch.config(tname))]
+            t += count * o.time_s
+            e += count * o.dynamic_energy_j
+        if outside is not None:
+            m = outside[(c.stage, c.phase)][ch.freq_mhz]
+            t += m.time_s
+            e += m.dynamic_energy_j
+        durations[c] = t
+        dyn += e * scale
+    time_s = schedule.makespan(durations)
+    return time_s, dyn + static_power_w * time_s, dyn

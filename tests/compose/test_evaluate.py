@@ -1,0 +1,43 @@
+"""Plan evaluation: every plan of a composed frontier costs what the frontier says."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kareus.compose import evaluate_plan, measure_outside_work
+from kareus.model.partition import build_partitions
+
+
+def test_frontier_is_monotone_and_plans_reevaluate(composed, tiny_workload, fake_profiler):
+    p = tiny_workload.parallelism
+    static = fake_profiler.static_power_w(p.world_size)
+    for name, wl in (("kareus", tiny_workload), ("perseus", tiny_workload.with_(nanobatches=1))):
+        fr = composed[name]
+        assert len(fr) >= 2
+        a = fr.array()
+        assert np.all(np.diff(a[:, 0]) > 0) and np.all(np.diff(a[:, 1]) < 0)
+        pset = build_partitions(wl)
+        freqs = sorted({o.config.freq_mhz for pf in composed.partitions[name].values()
+                        for o in pf.observations})
+        outside = measure_outside_work(fake_profiler, pset, freqs)
+        for pt in fr.points:
+            t, e, dyn = evaluate_plan(pt.plan, frontiers=composed.partitions[name],
+                                      partitions=pset, outside=outside, static_power_w=static)
+            assert t == pytest.approx(pt.time_s, rel=1e-9)
+            assert e == pytest.approx(pt.energy_j, rel=1e-9)
+            assert dyn == pytest.approx(pt.plan.dynamic_energy_j, rel=1e-9)
+
+
+def test_energy_scale_multiplies_dynamic_energy(composed, tiny_workload, fake_profiler):
+    pset = build_partitions(tiny_workload)
+    freqs = sorted({o.config.freq_mhz for pf in composed.partitions["kareus"].values()
+                    for o in pf.observations})
+    outside = measure_outside_work(fake_profiler, pset, freqs)
+    plan = composed["kareus"].max_throughput()
+    kw = dict(frontiers=composed.partitions["kareus"], partitions=pset, outside=outside,
+              static_power_w=0.0)
+    t1, _, dyn1 = evaluate_plan(plan, energy_scale=1.0, **kw)
+    t3, _, dyn3 = evaluate_plan(plan, energy_scale=3.0, **kw)
+    assert t1 == t3
+    assert dyn3 == pytest.approx(3 * dyn1)
