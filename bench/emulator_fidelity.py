@@ -20,6 +20,12 @@ soon as it lands there), every measured configuration is emulated and compared:
 Targets (issue 16): median error <= 8% in time and energy; Spearman >= 0.9; the pick
 within 2% of the measured best in energy and in time.
 
+**Measurement floor.** Where two grids measured the same workload on the same machine
+(today the two TP=2 grids, on 6 common SM caps x 6 slots), they are compared with each
+other in the same way (``measurement_floor``; the pick column is the worse of the two
+directions): no emulator can agree with one measurement better than a second
+measurement of the same configurations does.
+
 The emulator is the GPU preset named in the grid (``h200-sxm``) with the collective
 curves of the backend the grid ran (NCCL capped with ``min_ctas = max_ctas``:
 ``comm_backend="nccl"``) and nothing else changed; NCCL's own CTA choice (``comm_sms``
@@ -164,6 +170,19 @@ def evaluate_grid(path: Path, gpu: EmulatedGPU) -> dict[str, Any]:
                                                     [r["emulated_j"] for r in over]),
         }
         for obj, key in (("energy", "j"), ("time", "ms")):
+            # Error left after dividing out this partition's median ratio: shape, not level.
+            sc = statistics.median(r[f"emulated_{key}"] / r[f"measured_{key}"] for r in mine)
+            res[f"{obj}_median_abs_rel_err_after_scale"] = _median_abs(
+                [r[f"emulated_{key}"] / sc / r[f"measured_{key}"] - 1.0 for r in mine])
+        # Average power per GPU (energy / time / GPUs), median over the rows.
+        for side in ("measured", "emulated"):
+            res[f"power_per_gpu_w_median_{side}"] = statistics.median(
+                r[f"{side}_j"] / (r[f"{side}_ms"] * 1e-3) / r["gpus"] for r in mine)
+        clocks = [(r["measured_clock_mhz"], r["emulated_clock_mhz"]) for r in mine
+                  if r["measured_clock_mhz"]]
+        res["clock_mhz_median_measured"] = statistics.median(c[0] for c in clocks)
+        res["clock_mhz_median_emulated"] = statistics.median(c[1] for c in clocks)
+        for obj, key in (("energy", "j"), ("time", "ms")):
             best_m = min(grid, key=lambda r, k=key: r[f"measured_{k}"])
             best_e = min(grid, key=lambda r, k=key: r[f"emulated_{k}"])
             res[f"pick_{obj}"] = {
@@ -213,10 +232,49 @@ def _targets(overall: dict[str, Any], partitions: dict[str, Any]) -> dict[str, b
     }
 
 
+def measurement_floor(a: Path, b: Path) -> dict[str, Any] | None:
+    """Two measured grids of the same workload on the same machine, compared with each
+    other as the emulator is compared with one: what agreement the measurement itself
+    reaches (median difference, Spearman among overlapped configurations, the measured
+    value in ``b`` of ``a``'s best configuration and the reverse). ``None`` when the two
+    grids do not share a workload and machine or have fewer than 3 common configurations."""
+    da = read_json(a, error=GridError, what="measured grid")
+    db = read_json(b, error=GridError, what="measured grid")
+    if (da.get("workload"), da.get("machine")) != (db.get("workload"), db.get("machine")):
+        return None
+
+    def grid(d: dict[str, Any]) -> dict[tuple[Any, ...], dict[str, float]]:
+        return {(m["partition"], m["config"]["comm_sms"], m["config"]["launch_slot"]):
+                m["measurement"] for m in d["measurements"]
+                if m["kind"] == "grid" and "measurement" in m}
+
+    ga, gb = grid(da), grid(db)
+    out: dict[str, Any] = {"grids": [_rel(a), _rel(b)], "partitions": {}}
+    for name in sorted({k[0] for k in ga} & {k[0] for k in gb}):
+        keys = sorted((k for k in set(ga) & set(gb) if k[0] == name), key=str)
+        over = [k for k in keys if k[2] is not None]
+        if len(keys) < 3:
+            continue
+        res: dict[str, Any] = {"n_common": len(keys), "n_overlapped": len(over)}
+        for obj, f in (("time", "time_s"), ("energy", "energy_j")):
+            res[f"{obj}_median_abs_rel_diff"] = _median_abs(
+                [gb[k][f] / ga[k][f] - 1.0 for k in keys])
+            res[f"spearman_{obj}_overlapped"] = _spearman([ga[k][f] for k in over],
+                                                          [gb[k][f] for k in over])
+            best_a = min(keys, key=lambda k, f=f: ga[k][f])
+            best_b = min(keys, key=lambda k, f=f: gb[k][f])
+            res[f"pick_{obj}_regret_a_in_b"] = gb[best_a][f] / gb[best_b][f] - 1.0
+            res[f"pick_{obj}_regret_b_in_a"] = ga[best_b][f] / ga[best_a][f] - 1.0
+        out["partitions"][name] = res
+    return out if out["partitions"] else None
+
+
 def run(grids: list[Path], gpu_profile: Path | None, gpu_name: str = "h200-sxm"
         ) -> dict[str, Any]:
     """Evaluate the emulator on ``grids``; the result written by ``--json``."""
     gpu, how = make_emulator(gpu_name, gpu_profile)
+    floors = [f for i, a in enumerate(grids) for b in grids[i + 1:]
+              if (f := measurement_floor(a, b)) is not None]
     return {
         "what": "emulator fidelity: EMULATED (CPU) vs MEASURED grids (data/); per grid the "
                 "median abs. relative error of time and energy over every measured row, "
@@ -224,7 +282,8 @@ def run(grids: list[Path], gpu_profile: Path | None, gpu_name: str = "h200-sxm"
                 "the emulator's best grid configuration vs the measured best",
         "emulator": how, "machine": "emulated, CPU",
         "nccl_default_ctas": gpu.spec.default_comm_sms, "targets": TARGETS,
-        "grids": [evaluate_grid(p, gpu) for p in grids]}
+        "grids": [evaluate_grid(p, gpu) for p in grids],
+        "measurement_floor": floors}
 
 
 def _pct(x: float | None) -> str:
@@ -252,6 +311,18 @@ def print_table(res: dict[str, Any]) -> None:
         met = [k for k, ok in o["targets"].items() if ok]
         missed = [k for k, ok in o["targets"].items() if not ok]
         print(f"  targets met: {', '.join(met) or 'none'}; missed: {', '.join(missed) or 'none'}")
+    for f in res["measurement_floor"]:
+        a, b = (Path(x).name for x in f["grids"])
+        print(f"MEASURED vs MEASURED, common grid configurations of {a} and {b}:")
+        for p, v in f["partitions"].items():
+            rt, re_ = v["spearman_time_overlapped"], v["spearman_energy_overlapped"]
+            print(f"{'  (measurement floor)':34s} {p:8s} {v['n_common']:4d} | "
+                  f"{_pct(v['time_median_abs_rel_diff'])} "
+                  f"{_pct(v['energy_median_abs_rel_diff'])} | "
+                  f"{rt if rt is None else round(rt, 2)!s:>5s} "
+                  f"{re_ if re_ is None else round(re_, 2)!s:>5s} | "
+                  f"{_pct(max(v['pick_energy_regret_a_in_b'], v['pick_energy_regret_b_in_a']))} "
+                  f"{_pct(max(v['pick_time_regret_a_in_b'], v['pick_time_regret_b_in_a']))}")
 
 
 def main(argv: list[str] | None = None) -> int:
