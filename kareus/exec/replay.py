@@ -32,6 +32,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from kareus._io import read_json
 from kareus.errors import ConfigError
 from kareus.model.config import ConfigSpace, ScheduleConfig
 from kareus.model.gpu import GPUSpec, get_gpu
@@ -74,12 +75,17 @@ class ReplayProfiler(Profiler):
             self.path: Path | None = None
         else:
             self.path = Path(source)
-            data = json.loads(self.path.read_text())
+            data = read_json(self.path, error=ConfigError, what="recording")
         if samples not in ("cycle", "mean"):
             raise ValueError(f"samples must be 'cycle' or 'mean', got {samples!r}")
         self.samples = samples
         self.data = data
-        self.gpu = get_gpu(gpu if gpu is not None else data.get("gpu", "h200-sxm"))
+        recorded = data.get("gpu")
+        self.gpu = get_gpu(gpu if gpu is not None else recorded or "h200-sxm")
+        if recorded is not None and gpu is not None and self.gpu.name != recorded:
+            raise ConfigError(f"recording {self.path or '(dict)'} was measured on {recorded}, "
+                              f"not {self.gpu.name}: replay it as {recorded} (--gpu {recorded}) "
+                              "or record on the GPU you want")
         self._static_w = float(data["static_power_w"])
         if "static_power_scope_gpus" in data:
             self.group_size = int(data["static_power_scope_gpus"])
@@ -101,6 +107,7 @@ class ReplayProfiler(Profiler):
                 self._outside.setdefault(okey, []).append(m)
                 continue
             cfg = row["config"]
+            _check_row(cfg, self.gpu, self.path)
             if cfg.get("comm_sms") is None:
                 self.baselines.setdefault((row["partition"], row["kind"]), []).append(m)
                 continue
@@ -223,6 +230,23 @@ def _mean(ms: Iterable[Measurement]) -> Measurement:
     return Measurement(time_s=sum(m.time_s for m in ms) / len(ms),
                        energy_j=sum(m.energy_j for m in ms) / len(ms),
                        static_power_w=ms[0].static_power_w)
+
+
+def _check_row(cfg: Any, gpu: GPUSpec, path: Path | None) -> None:
+    """Refuse a recorded configuration the GPU cannot run (a clock it lacks, an SM count
+    outside ``1..SMs - 1``): such a row is corrupt or from another GPU."""
+    where = f"recording {path or '(dict)'}"
+    if not isinstance(cfg, Mapping):
+        raise ConfigError(f"{where}: a row's config is not an object: {cfg!r:.60}")
+    sms, freq = cfg.get("comm_sms"), cfg.get("freq_mhz")
+    if sms is not None and (isinstance(sms, bool) or not isinstance(sms, int)
+                            or not 1 <= sms <= gpu.sm_count - 1):
+        raise ConfigError(f"{where}: a row has comm_sms={sms!r:.20}, impossible on {gpu.name} "
+                          f"(1..{gpu.sm_count - 1}): the recording is corrupt or of another GPU")
+    if freq is not None and (isinstance(freq, bool) or not isinstance(freq, int)
+                             or not gpu.supports_clock(freq)):
+        raise ConfigError(f"{where}: a row has freq_mhz={freq!r:.20}, not a clock of "
+                          f"{gpu.name}: the recording is corrupt or of another GPU")
 
 
 class RecordingProfiler(Profiler):
