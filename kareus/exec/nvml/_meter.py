@@ -1,0 +1,197 @@
+"""Step-edge reads of NVML's total-energy counter on a background thread.
+
+The counter steps about every 100 ms on an H200; the energy between two of its steps is
+exact, and their host times are known to about the polling period, so average power
+over an edge-to-edge span of a few steps is accurate to a fraction of a percent.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from kareus.exec.nvml._device import load_nvml
+
+__all__ = ["EnergyMeter"]
+
+
+@attrs.frozen
+class _Edge:
+    t_s: float  # host time (perf_counter) at which the new value was first seen
+    energy_mj: int
+
+
+class EnergyMeter:
+    """Step-edge reads of NVML's total-energy counter of some local GPUs.
+
+    A background thread polls each GPU's counter every ``poll_interval_s`` and records
+    the host time and value whenever the value changes. :meth:`energy_between` then
+    answers "energy and exact duration between the first and last counter step inside
+    [t0, t1]" per GPU. The thread also samples SM clock and temperature.
+
+    Args:
+        device_indices: NVML indices of the GPUs to read (a rank's own GPU).
+        nvml: The NVML module (``None``: ``pynvml``).
+        poll_interval_s: Polling period; the edge times are known to about this much.
+        history: Edges kept per GPU.
+    """
+
+    def __init__(self, *, device_indices: Sequence[int], nvml: Any = None,
+                 poll_interval_s: float | None = None, history: int = 20000) -> None:
+        self.nvml = load_nvml(nvml)
+        self.device_indices = tuple(int(i) for i in device_indices)
+        if not self.device_indices:
+            raise ValueError("an EnergyMeter needs at least one GPU")
+        self.poll_interval_s = 0.0005 if poll_interval_s is None else float(poll_interval_s)
+        self._handles = [self.nvml.nvmlDeviceGetHandleByIndex(i) for i in self.device_indices]
+        self._history = int(history)
+        self._edges: list[list[_Edge]] = [[] for _ in self._handles]
+        self._samples: list[tuple[float, list[float], list[float]]] = []  # t, temps, clocks
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        #: Failed counter reads so far, and the last failure.
+        self.read_errors = 0
+        self.last_error: str | None = None
+
+    @property
+    def alive(self) -> bool:
+        """Whether the polling thread runs."""
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- raw reads ---------------------------------------------------------------------
+    def read_energy_mj(self) -> list[int]:
+        """Current counter values (mJ), one per GPU."""
+        return [int(self.nvml.nvmlDeviceGetTotalEnergyConsumption(h)) for h in self._handles]
+
+    def temperatures_c(self) -> list[float]:
+        """GPU temperatures (degrees C)."""
+        return [float(self.nvml.nvmlDeviceGetTemperature(h, 0)) for h in self._handles]
+
+    def sm_clocks_mhz(self) -> list[float]:
+        """Current SM clocks (MHz)."""
+        sm = getattr(self.nvml, "NVML_CLOCK_SM", 1)
+        return [float(self.nvml.nvmlDeviceGetClockInfo(h, sm)) for h in self._handles]
+
+    # -- background polling ---------------------------------------------------------
+    def start(self) -> EnergyMeter:
+        """Start the polling thread (idempotent)."""
+        if self._thread is None or not self._thread.is_alive():
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._poll, name="kareus-energy-meter",
+                                            daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the polling thread."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=1.0)
+        self._thread = None
+
+    def __enter__(self) -> EnergyMeter:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _poll(self) -> None:
+        last = self.read_energy_mj()
+        now = time.perf_counter()
+        with self._lock:
+            for k, v in enumerate(last):
+                self._edges[k].append(_Edge(now, v))
+        next_sample = now
+        while not self._stop.is_set():
+            try:
+                vals = self.read_energy_mj()
+            except Exception as exc:  # noqa: BLE001 - keep polling through NVML hiccups
+                self.read_errors += 1
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                self._stop.wait(self.poll_interval_s)
+                continue
+            now = time.perf_counter()
+            changed = [k for k, v in enumerate(vals) if v != last[k]]
+            if changed:
+                with self._lock:
+                    for k in changed:
+                        edges = self._edges[k]
+                        edges.append(_Edge(now, vals[k]))
+                        if len(edges) > self._history:
+                            del edges[: len(edges) - self._history]
+                last = vals
+            if now >= next_sample:
+                try:
+                    s = (now, self.temperatures_c(), self.sm_clocks_mhz())
+                except Exception:  # noqa: BLE001 - sampling is best effort
+                    s = None
+                if s is not None:
+                    with self._lock:
+                        self._samples.append(s)
+                        if len(self._samples) > self._history:
+                            del self._samples[: len(self._samples) - self._history]
+                next_sample = now + 0.05
+            self._stop.wait(self.poll_interval_s)
+
+    # -- queries -----------------------------------------------------------------------
+    def edges(self, device: int = 0) -> list[tuple[float, int]]:
+        """(host time, mJ) of every recorded counter step of GPU ``device`` (position)."""
+        with self._lock:
+            return [(e.t_s, e.energy_mj) for e in self._edges[device]]
+
+    def step_period_s(self, device: int = 0) -> float | None:
+        """Median time between counter steps seen so far (``None`` before two steps)."""
+        ts = [t for t, _ in self.edges(device)]
+        gaps = [b - a for a, b in zip(ts[:-1], ts[1:]) if b > a]
+        return statistics.median(gaps) if gaps else None
+
+    def wait_edges(self, count: int, *, timeout_s: float = 5.0) -> None:
+        """Block until every GPU's counter has stepped ``count`` more times."""
+        start = [len(self.edges(k)) for k in range(len(self._handles))]
+        deadline = time.perf_counter() + timeout_s
+        while time.perf_counter() < deadline:
+            if all(len(self.edges(k)) - start[k] >= count for k in range(len(self._handles))):
+                return
+            time.sleep(self.poll_interval_s)
+
+    def energy_between(self, t0_s: float, t1_s: float, *, device: int = 0,
+                       ) -> tuple[float, float, int]:
+        """Energy (J), duration (s) and step count between the first and last counter
+        steps of GPU ``device`` inside [t0_s, t1_s] (host ``perf_counter`` times).
+
+        Returns ``(0, 0, 0)`` when fewer than two steps fall inside.
+        """
+        inside = [(t, e) for t, e in self.edges(device) if t0_s <= t <= t1_s]
+        if len(inside) < 2:
+            return 0.0, 0.0, 0
+        (ta, ea), (tb, eb) = inside[0], inside[-1]
+        return (eb - ea) / 1000.0, tb - ta, len(inside) - 1
+
+    def split_powers_w(self, t0_s: float, t1_s: float, parts: int, *, device: int = 0
+                       ) -> list[float]:
+        """Average power (W) over ``parts`` consecutive edge-to-edge sub-windows that
+        together span the steps inside [t0_s, t1_s] (fewer if there are too few steps)."""
+        inside = [(t, e) for t, e in self.edges(device) if t0_s <= t <= t1_s]
+        n = len(inside) - 1
+        if n < 1:
+            return []
+        parts = max(1, min(parts, n))
+        bounds = [round(i * n / parts) for i in range(parts + 1)]
+        out = []
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            (ta, ea), (tb, eb) = inside[a], inside[b]
+            if tb > ta:
+                out.append((eb - ea) / 1000.0 / (tb - ta))
+        return out
+
+    def mean_sm_clock_mhz(self, t0_s: float, t1_s: float) -> float | None:
+        """Mean sampled SM clock over [t0_s, t1_s] (all GPUs of this meter)."""
+        with self._lock:
+            vals = [c for t, _, cs in self._samples if t0_s <= t <= t1_s for c in cs]
+        return statistics.fmean(vals) if vals else None

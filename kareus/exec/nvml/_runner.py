@@ -1,0 +1,89 @@
+"""Running steps of a partition under a configuration on this rank's device."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from typing import Any
+
+from kareus.model.config import ScheduleConfig
+from kareus.model.partition import Partition
+
+__all__ = ["PartitionRunner", "TorchPartitionRunner"]
+
+
+class PartitionRunner(abc.ABC):
+    """Runs steps of a partition under a configuration on this rank's device."""
+
+    @abc.abstractmethod
+    def prepare(self, partition: Partition, config: ScheduleConfig) -> Callable[[], None]:
+        """A callable that enqueues one step (one run of the partition)."""
+
+    @abc.abstractmethod
+    def synchronize(self) -> None:
+        """Wait until the device has finished everything enqueued."""
+
+    @abc.abstractmethod
+    def mark(self) -> Any:
+        """A point in the device's stream order (an event), for :meth:`elapsed_s`."""
+
+    @abc.abstractmethod
+    def elapsed_s(self, start: Any, end: Any) -> float:
+        """Device time between two marks (after :meth:`synchronize`)."""
+
+
+class TorchPartitionRunner(PartitionRunner):
+    """Runs :class:`~kareus.exec.torch_partition.RunnablePartition` programs through a
+    :class:`~kareus.exec.executor.TorchExecutor` (programs are built once and cached,
+    with the executor's collective backend, so that
+    :class:`~kareus.exec.collectives.OwnKernelCollective` gets registered buffers).
+
+    Args:
+        executor: The executor (carries the collective backend and the streams).
+        seed: Seed of the programs' random inputs and weights.
+    """
+
+    def __init__(self, executor: Any, *, seed: int = 0) -> None:
+        import torch  # noqa: PLC0415
+
+        self._torch = torch
+        self.executor = executor
+        self.seed = int(seed)
+        self._programs: dict[int, tuple[Partition, Any]] = {}
+
+    def program(self, partition: Partition) -> Any:
+        from kareus.exec.torch_partition import RunnablePartition  # noqa: PLC0415
+
+        if not isinstance(partition, RunnablePartition):
+            raise TypeError(f"partition {partition.name!r} is not runnable: wrap it in "
+                            "RunnableTransformerPartition or CallablePartition")
+        key = id(partition)
+        if key not in self._programs:
+            # Buffers from the executor's backend: registered memory for the own kernels
+            # (a collective allocation: every rank measures the same partitions in order).
+            prog = partition.build(seed=self.seed,
+                                   collective=getattr(self.executor, "collective", None))
+            # Keep the partition alive with its program so the id is never reused.
+            self._programs[key] = (partition, prog)
+        return self._programs[key][1]
+
+    def prepare(self, partition: Partition, config: ScheduleConfig) -> Callable[[], None]:
+        prog = self.program(partition)
+        ex = self.executor
+
+        def step() -> None:
+            ex.run_partition(prog.ops, prog.op_names, prog.comm_tensor, config,
+                             comm_kind=prog.comm_kind, comm_output=prog.comm_output)
+            prog.advance()
+        return step
+
+    def synchronize(self) -> None:
+        self._torch.cuda.synchronize()
+
+    def mark(self) -> Any:
+        ev = self._torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def elapsed_s(self, start: Any, end: Any) -> float:
+        return float(start.elapsed_time(end)) / 1000.0
