@@ -24,6 +24,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from kareus.compose.systems import (
 )
 from kareus.compose.plan import Plan
 from kareus.errors import InfeasibleError
+from kareus.model.gpu import get_gpu
 from kareus.model.partition import Partition, PartitionSet, build_partitions
 from kareus.model.profiler import Profiler
 from kareus.model.workload import Workload
@@ -195,6 +197,7 @@ class OptimizationResult:
             "version": RESULTS_VERSION,
             "workload": self.workload.to_dict(),
             "gpu": self.gpu,
+            **({} if get_gpu(self.gpu).is_preset else {"gpu_spec": get_gpu(self.gpu).to_dict()}),
             "energy_scope": "total over all GPUs of the job, per iteration",
             "systems": {n: s.to_dict() for n, s in self.systems().items()},
             "iso_time_energy_saving_vs_perseus": sv.get("iso_time_energy_saving"),
@@ -281,6 +284,7 @@ def optimize(
     surrogate: Surrogate | str | None = None,
     microbatch_composer: AnyMicrobatchComposer | None = None,
     iteration_composer: AnyIterationComposer | None = None,
+    executor: Executor | None = None,
 ) -> OptimizationResult:
     """Search, compose and compare: the whole kareus pipeline for one workload.
 
@@ -306,6 +310,11 @@ def optimize(
             :class:`~kareus.compose.FrontierComposer` of each level, used for every system;
             ``None`` = :class:`~kareus.compose.MicrobatchComposer` and
             :class:`~kareus.compose.IterationComposer`.
+        executor: Run each partition type's search as a task of this
+            ``concurrent.futures.Executor`` (a thread or process pool,
+            :class:`~kareus.interop.ray.RayExecutor`, submitit's executor on Slurm);
+            ``None`` = one after another here. Logs come back into ``log_dir``; the
+            result is the serial run's (:mod:`kareus.interop.tasks`).
 
     Raises:
         InfeasibleError: the budget is below 1.
@@ -338,12 +347,19 @@ def optimize(
         log_path.mkdir(parents=True, exist_ok=True)
     profiles: dict[str, int] = {}
     frontiers: dict[str, PartitionFrontier] = {}
-    for name, part in pset.types.items():
-        frontiers[name] = _search_type(
-            MultiPassSearch, profiler, part, budget=budget, batch_size=batch_size, seed=seed,
-            log=None if log_path is None else log_path / f"search-{name}.jsonl",
-            progress=progress, surrogate=template)
-        profiles[name] = len(frontiers[name].measured())
+    if executor is not None:
+        from kareus.interop.tasks import run_searches  # noqa: PLC0415
+
+        frontiers, profiles = run_searches(executor, profiler, pset, budget=budget,
+                                           batch_size=batch_size, seed=seed, log_dir=log_path,
+                                           surrogate=template)
+    else:
+        for name, part in pset.types.items():
+            frontiers[name] = _search_type(
+                MultiPassSearch, profiler, part, budget=budget, batch_size=batch_size,
+                seed=seed, log=None if log_path is None else log_path / f"search-{name}.jsonl",
+                progress=progress, surrogate=template)
+            profiles[name] = len(frontiers[name].measured())
     result = compose_systems(workload, profiler, systems=list(systems or SYSTEMS),
                              kareus_frontiers=frontiers,
                              schedule=partial(get_schedule, schedule),
