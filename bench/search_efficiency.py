@@ -14,11 +14,11 @@ every launch slot plus sequential (ConfigSpace's default):
 * three searches, each profiling with noise (``noise=0.01``, seeded per run) up to 224
   profiles: (a) kareus (:class:`kareus.search.MultiPassSearch` with its defaults: a
   16-point maximin design, batches of 8, the default pass mix, the Gaussian-process
-  surrogate; its hypervolume stop
-  rule is evaluated, not enforced: see below), (b) uniform random search, (c) the reference schedule of FACTS.md (96 random,
-  then 4 batches of 32: 40% hypervolume improvement in (time, total energy), 20% in
-  (time, dynamic energy), 20% lowest predicted time, the rest largest bootstrap spread,
-  scored on the mean prediction, top-k per pass, on the reference's surrogates: a
+  surrogate; its hypervolume stop rule is evaluated, not enforced: see below), (b)
+  uniform random search, (c) the schedule of the public reference artifact of the Kareus
+  paper (96 random, then 4 batches of 32: 40% hypervolume improvement in (time, total
+  energy), 20% in (time, dynamic energy), 20% lowest predicted time, the rest largest
+  bootstrap spread, scored on the mean prediction, top-k per pass, on the reference's surrogates: a
   bootstrap ensemble of five XGBoost models, :func:`kareus.search.tree_surrogate`);
 * after 16, 32, 48, 64, 96, 128 and 224 profiles, the hypervolume of the front of the
   configurations the search has measured so far, each re-evaluated noise-free (looked
@@ -71,8 +71,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from kareus.model import ConfigSpace, Workload, build_partitions  # noqa: E402
+from kareus.search import MultiPassSearch, tree_surrogate  # noqa: E402
 from kareus.search.acquisition import FastestPass, HypervolumePass, UncertaintyPass  # noqa: E402
-from kareus.search.optimizer import MultiPassSearch, tree_surrogate  # noqa: E402
 from kareus.search.pareto import hypervolume, pareto_front, reference_point  # noqa: E402
 
 BUDGETS = (16, 32, 48, 64, 96, 128, 224)
@@ -148,7 +148,7 @@ def run_reference(space: ConfigSpace, profiler: Any, seed: int
     passes = [(HypervolumePass("total", greedy=False), 0.4),
               (HypervolumePass("dynamic", greedy=False), 0.2),
               (FastestPass(), 0.2), (UncertaintyPass(), 0.2)]
-    # FACTS.md's reference fits XGBoost models: the tree ensemble, not kareus's default GP.
+    # The reference artifact fits XGBoost models: the tree ensemble, not kareus's default GP.
     search = MultiPassSearch(space, budget=MAX_BUDGET, seed=seed, passes=passes,
                              surrogate=tree_surrogate(seed), batch_size=32, initial_size=96, initial_design="random",
                              allocation="last", stop_patience=None, progress=False)

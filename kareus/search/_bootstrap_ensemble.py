@@ -56,6 +56,7 @@ class BootstrapEnsemble(Surrogate):
         self.members: list[Surrogate] = []
 
     def fit(self, X: ArrayLike, y: ArrayLike) -> BootstrapEnsemble:
+        """Fit each member on its own resample of ``X``, ``y``; return ``self``."""
         x, t = _check_xy(X, y)
         n = len(t)
         rng = np.random.default_rng([self.seed, n])
@@ -74,6 +75,7 @@ class BootstrapEnsemble(Surrogate):
 
     @property
     def fitted(self) -> bool:
+        """Whether the members have been fitted."""
         return bool(self.members)
 
     def member_predictions(self, X: ArrayLike) -> np.ndarray:
@@ -84,13 +86,16 @@ class BootstrapEnsemble(Surrogate):
         return np.stack([m.predict(x) for m in self.members])
 
     def predict(self, X: ArrayLike) -> np.ndarray:
+        """The members' mean prediction for each row of ``X``."""
         return self.member_predictions(X).mean(axis=0)
 
     def predict_spread(self, X: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+        """The members' mean and standard deviation for each row of ``X``."""
         p = self.member_predictions(X)
         return p.mean(axis=0), p.std(axis=0)
 
     def clone(self, *, seed: int | None = None) -> BootstrapEnsemble:
+        """An unfitted ensemble with the same settings (``seed`` reseeds it)."""
         return BootstrapEnsemble(base=self.base, n_models=self.n_models, fraction=self.fraction,
                                  replace=self.replace,
                                  seed=self.seed if seed is None else int(seed))

@@ -48,13 +48,13 @@ def default_passes() -> list[tuple[AcquisitionPass, float]]:
     against the *denoised* front (the predicted values of the measured configurations).
     In batches of 8 that is 3/1/2/1/1.
 
-    The public reference artifact's mix (:func:`reference_passes`) is four passes in
-    shares 40/20/20/20: the same first two, then lowest predicted time (= hypervolume in
-    (time, static energy)) and the largest spread alone. On the emulator with 1% noise the passes here found better
-    fronts with the same profiles, and giving the hinge pass its batch slot from the
-    dynamic-energy pass did better in median and mean than every 40/20/20/20 arrangement
-    of these passes that was tried (docs/search.md); pass ``passes=reference_passes()``
-    for the reference artifact's mix.
+    The public reference artifact's mix (:func:`reference_passes`) is four passes in shares
+    40/20/20/20: the same first two, then lowest predicted time (= hypervolume in (time,
+    static energy)) and the largest spread alone. On the emulator with 1% noise the passes
+    here found better fronts with the same profiles, and giving the hinge pass its batch
+    slot from the dynamic-energy pass did better in median and mean than every 40/20/20/20
+    arrangement of these passes that was tried (docs/search.md); pass
+    ``passes=reference_passes()`` for the reference artifact's mix.
     """
     return [(HypervolumePass("total", front="denoised"), 0.3),
             (HypervolumePass("dynamic", front="denoised"), 0.1),

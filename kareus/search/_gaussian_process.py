@@ -157,6 +157,7 @@ class GaussianProcessSurrogate(Surrogate):
     # -- fitting --------------------------------------------------------------------------
 
     def fit(self, X: ArrayLike, y: ArrayLike) -> GaussianProcessSurrogate:
+        """Fit the hyperparameters (MAP, L-BFGS-B) and the posterior; return ``self``."""
         x, t = _check_xy(X, y)
         self._n_features = x.shape[1]
         for c in (*(self.features or ()), *self.log_features):
@@ -206,6 +207,7 @@ class GaussianProcessSurrogate(Surrogate):
 
     @property
     def fitted(self) -> bool:
+        """Whether :meth:`fit` has been called."""
         return self._state is not None
 
     @property
@@ -223,9 +225,11 @@ class GaussianProcessSurrogate(Surrogate):
     # -- prediction -------------------------------------------------------------------------
 
     def predict_spread(self, X: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+        """Posterior mean and standard deviation for each row of ``X``."""
         return self._predict(X, spread=True)
 
     def predict(self, X: ArrayLike) -> np.ndarray:
+        """Posterior mean for each row of ``X`` (without the spread's solve)."""
         return self._predict(X, spread=False)[0]
 
     def _predict(self, X: ArrayLike, *, spread: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -259,6 +263,7 @@ class GaussianProcessSurrogate(Surrogate):
         return s["y_mean"] + s["y_sd"] * mean, s["y_sd"] * sd
 
     def clone(self, *, seed: int | None = None) -> GaussianProcessSurrogate:
+        """An unfitted GP with the same settings (``seed`` reseeds it)."""
         return GaussianProcessSurrogate(
             features=self.features, log_features=self.log_features, kernel=self.kernel,
             noise_bounds=self.noise_bounds, max_iter=self.max_iter,

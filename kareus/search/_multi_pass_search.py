@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from kareus._logging import get_logger
 from kareus.model.config import ConfigSpace, ScheduleConfig
 from kareus.model.measurement import Measurement
 from kareus.model.partition import Partition
@@ -61,6 +62,8 @@ from kareus.search.surrogate import Surrogate
 
 __all__ = ["MultiPassSearch"]
 
+_log = get_logger(__name__)
+
 
 class MultiPassSearch:
     """Ask/tell multi-objective Bayesian search of one partition type's configuration space.
@@ -72,8 +75,8 @@ class MultiPassSearch:
             process: mean + posterior spread); :func:`~kareus.search.tree_surrogate` is
             the XGBoost ensemble.
         passes: ``(pass, weight)`` pairs that fill each batch in proportion to their weights;
-            ``None`` = :func:`~kareus.search.default_passes` (30/10/20/10/10). A pass that cannot fill
-            its share leaves it to the next passes, then to random picks.
+            ``None`` = :func:`~kareus.search.default_passes` (30/10/20/10/10). A pass that
+            cannot fill its share leaves it to the next passes, then to random picks.
         batch_size: Configurations per batch; ``None`` = 8.
         budget: Profiles in all; ``None`` = 224 (the reference artifact's budget). Capped at
             the space's size.
@@ -191,6 +194,8 @@ class MultiPassSearch:
         if resume is not None and Path(resume).exists() and Path(resume).stat().st_size > 0:
             self._replay(Path(resume))
             self._log_path = Path(resume)
+            _log.info("resuming the search of %s on %s from %s: %d measurements replayed",
+                      space.partition.name, space.gpu.name, resume, self.n_measured)
         else:
             path = resume if resume is not None else log
             if path is not None:
@@ -230,6 +235,7 @@ class MultiPassSearch:
 
     @property
     def n_measured(self) -> int:
+        """Observations told so far."""
         return len(self._observations)
 
     @property

@@ -45,6 +45,7 @@ class ObjectivePrediction:
 
     @property
     def static_energy_j(self) -> np.ndarray:
+        """time x static power, joules (n,)."""
         return self.time_s * self.static_power_w
 
     def energy(self, kind: str) -> np.ndarray:
@@ -97,6 +98,17 @@ class ObjectiveModel:
 
     def fit(self, X: ArrayLike, time_s: ArrayLike, dynamic_energy_j: ArrayLike,
             static_power_w: float) -> ObjectiveModel:
+        """Fit the time and dynamic-energy models (log space); return ``self``.
+
+        Args:
+            X: Features (n x d).
+            time_s: Measured times, seconds (n,), positive.
+            dynamic_energy_j: Measured dynamic energies, joules (n,).
+            static_power_w: Static power of the scope, watts.
+
+        Raises:
+            ValueError: for a time <= 0, or bad shapes.
+        """
         t = np.asarray(time_s, dtype=np.float64)
         d = np.asarray(dynamic_energy_j, dtype=np.float64)
         if np.any(t <= 0):
@@ -109,6 +121,11 @@ class ObjectiveModel:
         return self
 
     def predict(self, X: ArrayLike) -> ObjectivePrediction:
+        """Predicted time, dynamic energy and their spreads for each row of ``X``.
+
+        Raises:
+            RuntimeError: if called before :meth:`fit`.
+        """
         if self.time_model is None or self.dynamic_model is None:
             raise RuntimeError("ObjectiveModel.predict called before fit")
         if self.time_model.has_spread and self.dynamic_model.has_spread:

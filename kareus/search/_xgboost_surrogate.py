@@ -126,6 +126,7 @@ class XGBoostSurrogate(Surrogate):
         return coef[0] + zs @ coef[1:]
 
     def fit(self, X: ArrayLike, y: ArrayLike) -> XGBoostSurrogate:
+        """Fit the trend (if any), then the boosted trees on what it leaves; return ``self``."""
         x, t = _check_xy(X, y)
         self._n_features = x.shape[1]
         t = self._fit_trend(x, t)
@@ -146,9 +147,11 @@ class XGBoostSurrogate(Surrogate):
 
     @property
     def fitted(self) -> bool:
+        """Whether :meth:`fit` has been called."""
         return self._booster is not None or self._constant is not None
 
     def predict(self, X: ArrayLike) -> np.ndarray:
+        """The trees' prediction plus the trend for each row of ``X``."""
         if not self.fitted:
             raise RuntimeError("XGBoostSurrogate.predict called before fit")
         x = _check_x(X, self._n_features)
@@ -163,6 +166,7 @@ class XGBoostSurrogate(Surrogate):
                           dtype=np.float64) + trend
 
     def clone(self, *, seed: int | None = None) -> XGBoostSurrogate:
+        """An unfitted model with the same settings (``seed`` reseeds it)."""
         return XGBoostSurrogate(
             n_estimators=self.n_estimators, max_depth=self.max_depth,
             learning_rate=self.learning_rate, subsample=self.subsample,

@@ -113,6 +113,7 @@ class AcquisitionContext:
 
     @property
     def n_candidates(self) -> int:
+        """Candidates in the context (rows of the predictions)."""
         return len(self.prediction)
 
     def observed(self, energy: str) -> np.ndarray:
@@ -221,6 +222,7 @@ class HypervolumePass(AcquisitionPass):
 
     @property
     def name(self) -> str:
+        """``hv-<energy>``, with ``-optimistic<k>`` when optimistic."""
         return f"hv-{self.energy}" + (f"-optimistic{self.optimism:g}" if self.optimism else "")
 
     def predicted_points(self, context: AcquisitionContext) -> np.ndarray:
@@ -241,6 +243,7 @@ class HypervolumePass(AcquisitionPass):
         return np.column_stack([t, e])
 
     def select(self, context: AcquisitionContext, k: int) -> np.ndarray:
+        """The ``k`` available candidates of largest hypervolume improvement."""
         available = context.available.copy()
         if k <= 0 or not available.any():
             return np.zeros(0, dtype=np.int64)
@@ -311,9 +314,10 @@ class NeighbourhoodPass(AcquisitionPass):
     that look alike. This pass looks only near the front: at configurations that differ
     from a configuration on the front of the measured ones in exactly one knob (a group
     of feature columns), by at most that knob's ``steps`` distinct values (``None``: any
-    value). Feature columns in no knob (derived features) are ignored. The front is taken in (time, total energy) and in (time, dynamic energy),
-    on the *predicted* values of the measured configurations (``front="denoised"``) so
-    that a point measured with lucky noise does not pull the search to it. Neighbours
+    value). Feature columns in no knob (derived features) are ignored. The front is taken
+    in (time, total energy) and in (time, dynamic energy), on the *predicted* values of
+    the measured configurations (``front="denoised"``) so that a point measured with
+    lucky noise does not pull the search to it. Neighbours
     are ranked as :class:`HypervolumePass` ranks candidates; when fewer than ``k`` are
     available (or the context has no ``features`` / ``observed_index``), the rest of the
     share falls back to that plain hypervolume pass over every candidate.
@@ -343,6 +347,7 @@ class NeighbourhoodPass(AcquisitionPass):
 
     @property
     def name(self) -> str:
+        """``local``."""
         return "local"
 
     def neighbours(self, context: AcquisitionContext) -> list[np.ndarray]:
@@ -368,6 +373,7 @@ class NeighbourhoodPass(AcquisitionPass):
         return [m & context.available for m in masks]
 
     def select(self, context: AcquisitionContext, k: int) -> np.ndarray:
+        """Up to ``k`` available neighbours of the front, best improvement first."""
         if k <= 0:
             return np.zeros(0, dtype=np.int64)
         masks = self.neighbours(context)
@@ -437,6 +443,7 @@ class HingePass(AcquisitionPass):
 
     @property
     def name(self) -> str:
+        """``hinge``."""
         return "hinge"
 
     def proposals(self, context: AcquisitionContext) -> np.ndarray:
@@ -471,6 +478,7 @@ class HingePass(AcquisitionPass):
         return idx[order]
 
     def select(self, context: AcquisitionContext, k: int) -> np.ndarray:
+        """The bisection candidates first, then the hypervolume pass's picks."""
         if k <= 0 or not context.available.any():
             return np.zeros(0, dtype=np.int64)
         picks = [int(i) for i in self.proposals(context)[:k]]
@@ -493,9 +501,11 @@ class UncertaintyPass(AcquisitionPass):
 
     @property
     def name(self) -> str:
+        """``uncertainty``."""
         return "uncertainty"
 
     def select(self, context: AcquisitionContext, k: int) -> np.ndarray:
+        """The ``k`` available candidates of largest spread (random without one)."""
         spread = context.prediction.spread
         if spread is None:
             return RandomPass().select(context, k)
@@ -507,9 +517,11 @@ class FastestPass(AcquisitionPass):
 
     @property
     def name(self) -> str:
+        """``fastest``."""
         return "fastest"
 
     def select(self, context: AcquisitionContext, k: int) -> np.ndarray:
+        """The ``k`` available candidates of lowest predicted time."""
         return _top_k(-context.prediction.time_s, context.available, k, context.rng)
 
 
@@ -518,9 +530,11 @@ class RandomPass(AcquisitionPass):
 
     @property
     def name(self) -> str:
+        """``random``."""
         return "random"
 
     def select(self, context: AcquisitionContext, k: int) -> np.ndarray:
+        """``k`` available candidates drawn uniformly with the context's rng."""
         idx = np.flatnonzero(context.available)
         if k <= 0 or idx.size == 0:
             return np.zeros(0, dtype=np.int64)

@@ -144,13 +144,15 @@ def test_initial_design_opens_with_the_system_configs(medium_space):
     assert first[:2] == [medium_space.configs[i] for i in opening]
     design = [medium_space.configs[i] for i in maximin_design(medium_space, 14, seed=4)]
     assert set(first[2:]) == set(design) - set(first[:2])
-    # Without the system configurations: the plain maximin design; a random design has none by default.
+    # Without the system configurations: the plain maximin design; a random design has
+    # none by default.
     plain = search(medium_space, budget=32, seed=4, system_configs=False).ask()
     assert plain == [medium_space.configs[i] for i in maximin_design(medium_space, 16, seed=4)]
     rnd = search(medium_space, budget=32, seed=4, initial_design="random").ask()
     expect = np.random.default_rng([4, 104729]).choice(len(medium_space), 16, replace=False)
     assert rnd == [medium_space.configs[int(i)] for i in expect]
-    rnd_a = search(medium_space, budget=32, seed=4, initial_design="random", system_configs=True).ask()
+    rnd_a = search(medium_space, budget=32, seed=4, initial_design="random",
+                   system_configs=True).ask()
     assert rnd_a[:2] == first[:2] and len(set(rnd_a)) == 16
     # A design smaller than the opening holds opening points only.
     assert search(medium_space, budget=8, initial_size=1).ask() == first[:1]

@@ -1,4 +1,5 @@
-"""ObjectiveModel and ObjectivePrediction: time and dynamic energy in log space, total recombined."""
+"""ObjectiveModel and ObjectivePrediction: time and dynamic energy in log space, total
+recombined."""
 
 from __future__ import annotations
 
