@@ -1,13 +1,17 @@
 """GPU descriptions: what the emulator, the config spaces and the plans need to know.
 
-A :class:`GPUSpec` is a frozen value object. The three presets carry vendor
-datasheet figures and, for the H200, figures measured on real machines (see
-``docs/emulator.md`` and FACTS.md). Each field's unit is in its name.
+A :class:`GPUSpec` is a frozen value object. The three presets carry the vendor
+datasheets' figures (NVIDIA A100, H100 and H200: SM counts, clocks, BF16 and HBM peaks,
+NVLink bandwidth, power limit), the A100 search grid and static power of the Kareus
+paper's reference artifact, and, for the H200, figures measured on real machines (the
+files under ``data/`` and ``bench/results/``, described in ``docs/emulator.md`` and
+``docs/results.md``). Each field's unit is in its name.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 
 import attrs
 
@@ -18,6 +22,10 @@ __all__ = ["GPUSpec", "get_gpu", "gpu_names", "GPU_PRESETS"]
 
 def _clock_tuple(values: tuple[int, ...] | list[int]) -> tuple[int, ...]:
     return tuple(sorted({int(v) for v in values}))
+
+
+def _int_tuple(values: Iterable[int]) -> tuple[int, ...]:
+    return tuple(values)
 
 
 @attrs.frozen(kw_only=True)
@@ -45,7 +53,7 @@ class GPUSpec:
     name: str
     sm_count: int
     clocks_mhz: tuple[int, ...] = attrs.field(converter=_clock_tuple)
-    search_clocks_mhz: tuple[int, ...] = attrs.field(converter=tuple)
+    search_clocks_mhz: tuple[int, ...] = attrs.field(converter=_int_tuple)
     bf16_peak_tflops: float
     hbm_bandwidth_gbps: float
     nvlink_bandwidth_gbps: float

@@ -28,7 +28,7 @@ collectives included, so backward computations also hold forward partition types
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import attrs
 
@@ -48,6 +48,14 @@ __all__ = [
 ]
 
 PHASES = ("fwd", "bwd")
+
+
+def _compute_ops(ops: Iterable[ComputeOp]) -> tuple[ComputeOp, ...]:
+    return tuple(ops)
+
+
+def _comm_ops(ops: Iterable[CommOp]) -> tuple[CommOp, ...]:
+    return tuple(ops)
 
 
 @attrs.frozen(kw_only=True)
@@ -156,7 +164,7 @@ class OpPartition(Partition):
     """A partition given directly by its ops: the simplest way to describe your own."""
 
     name: str  # type: ignore[misc]
-    compute_ops: tuple[ComputeOp, ...] = attrs.field(converter=tuple)  # type: ignore[misc]
+    compute_ops: tuple[ComputeOp, ...] = attrs.field(converter=_compute_ops)  # type: ignore[misc]
     comm_op: CommOp  # type: ignore[misc]
     overlappable: bool = True  # type: ignore[misc]
 
@@ -197,8 +205,8 @@ class OutsideWork:
         comms: Collectives run after them without overlap (e.g. vocab-parallel all-reduces).
     """
 
-    ops: tuple[ComputeOp, ...] = attrs.field(converter=tuple, factory=tuple)
-    comms: tuple[CommOp, ...] = attrs.field(converter=tuple, factory=tuple)
+    ops: tuple[ComputeOp, ...] = attrs.field(converter=_compute_ops, factory=tuple)
+    comms: tuple[CommOp, ...] = attrs.field(converter=_comm_ops, factory=tuple)
 
     @property
     def flops(self) -> float:
@@ -225,7 +233,7 @@ class PartitionSet:
     def __getitem__(self, name: str) -> Partition:
         return self.types[name]
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self) -> Iterator[Partition]:
         return iter(self.types.values())
 
     def __len__(self) -> int:
@@ -313,6 +321,9 @@ def _layer_segments(wl: Workload, phase: str, s: _Shapes) -> list[_Segment]:
     ar = (CommOp(name="tp_all_reduce", kind=CommKind.ALL_REDUCE, bytes=t * h * s.d,
                  group_size=p.tp) if p.tp > 1 else None)
     kv_bytes = 2 * s.b * s.sk * kv * s.d
+    attn_in: tuple[ComputeOp, ...]
+    attn_out: tuple[ComputeOp, ...]
+    mlp: tuple[ComputeOp, ...]
     if phase == "fwd":
         attn_in = (s.mem("attn_norm", OpKind.NORM, 2 * t * h, 2.0),
                    s.gemm("qkv", t, h, q + 2 * kv),

@@ -1,7 +1,8 @@
 """Workloads: a model architecture, its parallelism and its batch.
 
-The presets carry the public architecture configs of FACTS.md. A
-:class:`Workload` checks that its parallelism divides the model (heads, KV heads,
+The presets carry the models' public architecture configs (the ``config.json`` published
+with the weights of meta-llama/Llama-3.2-3B, Qwen/Qwen3-1.7B and
+meta-llama/Llama-3.3-70B-Instruct on Hugging Face). A :class:`Workload` checks that its parallelism divides the model (heads, KV heads,
 FFN width, vocabulary, layers) and that its batch splits into nanobatches.
 
 Nanobatching splits each microbatch along the batch dimension into
