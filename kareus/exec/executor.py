@@ -48,6 +48,7 @@ from typing import Any
 
 import attrs
 
+from kareus._logging import get_logger
 from kareus.errors import ConfigError, PlanError, UnknownSlotError
 from kareus.exec.collectives._base import _DIST_TENSOR_COLLECTIVE
 from kareus.model.config import ScheduleConfig
@@ -66,6 +67,8 @@ __all__ = [
 ]
 
 #: Collective kinds the executor can launch (the names of ``CollectiveBackend`` methods).
+_log = get_logger(__name__)
+
 COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
@@ -506,6 +509,7 @@ class TorchExecutor(Executor):
             every = list(self._exchange(mine))
             if any(d != mine for d in every):
                 listing = ", ".join(f"rank {i}: {d}" for i, d in enumerate(every))
+                _log.error("refusing to train: ranks hold different plans (%s)", listing)
                 raise PlanError("ranks hold different plans; every rank must load the same "
                                 f"plan before training ({listing})")
         self._started = True

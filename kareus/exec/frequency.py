@@ -35,8 +35,11 @@ from typing import Any
 
 import attrs
 
+from kareus._logging import get_logger
 from kareus.errors import HardwareError, UnsupportedFrequencyError
 from kareus.model.gpu import GPUSpec, get_gpu
+
+_log = get_logger(__name__)
 
 __all__ = [
     "DryRunFrequencyController",
@@ -468,6 +471,9 @@ class StreamOrderedTrigger:
             except Exception as exc:  # noqa: BLE001 - any build/load failure
                 self.fallback_reason = f"{type(exc).__name__}: {exc}"[:500]
                 marker = EventPollingMarker()
+                _log.warning("clock changes fall back to event polling (delivered up to "
+                             "%.1f ms late): the host-function extension is unavailable: %s",
+                             1e3 * marker._poll_s, self.fallback_reason)
         self.marker = marker
         self._requests: dict[int, int] = {}
         self._next = 1

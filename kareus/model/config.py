@@ -73,7 +73,8 @@ class ScheduleConfig:
 
     def __str__(self) -> str:
         slot = self.launch_slot if self.launch_slot is not None else "sequential"
-        return f"{self.freq_mhz} MHz, {self.comm_sms} SMs, {slot}"
+        sms = "1 SM" if self.comm_sms == 1 else f"{self.comm_sms} SMs"
+        return f"{self.freq_mhz} MHz, {sms}, {slot}"
 
 
 def _op_time_estimate_s(flops: float, bytes_moved: float, gpu: GPUSpec) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kareus._logging import get_logger
 from kareus.exec.collectives._base import CollectiveBackend
 from kareus.exec.collectives._environment import (
     DEFAULT_BACKEND_PREFERENCE,
@@ -17,6 +18,8 @@ from kareus.exec.collectives._nccl import NCCLCappedCollective
 from kareus.exec.collectives._own import OwnKernelCollective
 
 __all__ = ["select_collective_backend"]
+
+_log = get_logger(__name__)
 
 _BACKEND_CLASSES: dict[str, type[CollectiveBackend]] = {
     "own": OwnKernelCollective,
@@ -53,6 +56,7 @@ def select_collective_backend(*, group: Any = None,
     if "runners" not in options.get("mscclpp", {}):
         disabled["mscclpp"] = "no runners given (options={'mscclpp': {'runners': {...}}})"
     name = choose_collective_backend(env, prefer, disabled=disabled)
+    _log.info("collective backend: %s (preference %s)", name, ", ".join(prefer))
     kwargs = dict(options.get(name, {}))
     kwargs.setdefault("group", group)
     return _BACKEND_CLASSES[name](**kwargs)
