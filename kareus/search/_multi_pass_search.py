@@ -40,7 +40,6 @@ from typing import Any
 import numpy as np
 
 from kareus._logging import get_logger
-from kareus._logging import get_logger
 from kareus.model.config import ConfigSpace, ScheduleConfig
 from kareus.model.measurement import Measurement
 from kareus.model.partition import Partition
@@ -62,8 +61,6 @@ from kareus.search.partition_frontier import Observation, PartitionFrontier
 from kareus.search.surrogate import Surrogate
 
 __all__ = ["MultiPassSearch"]
-
-_log = get_logger(__name__)
 
 _log = get_logger(__name__)
 
@@ -197,8 +194,6 @@ class MultiPassSearch:
         if resume is not None and Path(resume).exists() and Path(resume).stat().st_size > 0:
             self._replay(Path(resume))
             self._log_path = Path(resume)
-            _log.info("resuming the search of %s on %s from %s: %d measurements replayed",
-                      space.partition.name, space.gpu.name, resume, self.n_measured)
             _log.info("resuming the search of %s on %s from %s: %d measurements replayed",
                       space.partition.name, space.gpu.name, resume, self.n_measured)
         else:
