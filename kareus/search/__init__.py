@@ -8,9 +8,15 @@
 - :class:`AcquisitionPass` (:class:`HypervolumePass`, :class:`UncertaintyPass`, ...): each
   picks part of a batch from the predictions and the measured front.
 - :class:`MultiPassSearch`: the ask/tell optimizer, with a JSONL log that a killed search
-  resumes from; its result is a :class:`PartitionFrontier`.
+  resumes from; its result is a :class:`PartitionFrontier`
+  (:mod:`~kareus.search.partition_frontier`). Its parts: the features
+  (:func:`search_features`), the initial design (:func:`maximin_design`, opened by
+  :func:`system_config_indices`), the defaults (:func:`default_passes`,
+  :func:`reference_passes`, :func:`default_surrogate`, :func:`tree_surrogate`).
 
-Nothing here touches hardware.
+Import from here: the modules with a leading underscore are implementation modules, one
+concern each; :mod:`~kareus.search.surrogate` and :mod:`~kareus.search.acquisition` hold
+the two role contracts a plug-in subclasses. Nothing here touches hardware.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ class BootstrapEnsemble(Surrogate):
 
     The prediction is the mean over the members; the spread is their standard deviation.
     Each member sees ``fraction`` x n distinct samples drawn without replacement (the
-    reference artifact fits 5 models on 80% resamples; FACTS.md); with
+    public reference artifact of the Kareus paper fits 5 models on 80% resamples); with
     ``replace=True`` it sees n samples drawn with replacement (the classic bootstrap).
 
     Args:

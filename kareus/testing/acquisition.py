@@ -138,6 +138,7 @@ class AcquisitionPassConformance:
     skip_checks: tuple[str, ...] = ()
 
     def make_pass(self) -> AcquisitionPass:
+        """A new pass to check (override in the test class)."""
         raise NotImplementedError("implement make_pass() to return a new pass")
 
 

@@ -168,6 +168,7 @@ class SurrogateConformance:
     skip_checks: tuple[str, ...] = ()
 
     def make_surrogate(self) -> Surrogate:
+        """A new, unfitted surrogate to check (override in the test class)."""
         raise NotImplementedError("implement make_surrogate() to return a new surrogate")
 
 
