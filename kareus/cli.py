@@ -84,7 +84,14 @@ def _workload_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-de
     from kareus.errors import WorkloadError  # noqa: PLC0415
     from kareus.model.workload import Parallelism, Workload, get_model  # noqa: PLC0415
 
-    model = get_model(args.workload)
+    if (args.workload is None) == (args.model_file is None):
+        raise WorkloadError("give either --workload PRESET or --model-file FILE (one of them)")
+    if args.model_file is not None:
+        from kareus.model.files import register_model  # noqa: PLC0415
+
+        model = register_model(args.model_file, replace=True)
+    else:
+        model = get_model(args.workload)
     dp = args.dp
     if args.gpus is not None:
         per_replica = args.tp * args.cp * args.pp
@@ -127,6 +134,10 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     from kareus.model.gpu import get_gpu  # noqa: PLC0415
     from kareus.workflow import optimize  # noqa: PLC0415
 
+    if args.gpu_file is not None:
+        from kareus.model.files import register_gpu  # noqa: PLC0415
+
+        args.gpu = register_gpu(args.gpu_file, replace=True).name
     get_gpu(args.gpu)
     if args.deadline_s is not None and args.energy_budget_j is not None:
         raise ValueError("give at most one of --deadline-s and --energy-budget-j")
@@ -162,6 +173,10 @@ def cmd_optimize(args: argparse.Namespace) -> int:
 def cmd_show(args: argparse.Namespace) -> int:
     from kareus.compose.plan import Plan  # noqa: PLC0415
 
+    if args.gpu_file is not None:
+        from kareus.model.files import register_gpu  # noqa: PLC0415
+
+        register_gpu(args.gpu_file, replace=True)
     print(Plan.load(args.plan).summary())
     return 0
 
@@ -183,8 +198,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "frontiers of megatron, nanobatching, perseus, nanobatching+perseus and "
                     "kareus, print the comparison and write results.json, plan.json, "
                     "frontier.png and the search logs to --out.")
-    p.add_argument("--workload", required=True, help="model preset (see `kareus workloads`)")
+    p.add_argument("--workload", default=None, help="model preset (see `kareus workloads`)")
+    p.add_argument("--model-file", default=None, metavar="FILE",
+                   help="your own model architecture, a .toml or .json file (instead of "
+                        "--workload; see docs/plugins.md)")
     p.add_argument("--gpu", default="a100-40gb", help="GPU preset (default: a100-40gb)")
+    p.add_argument("--gpu-file", default=None, metavar="FILE",
+                   help="your own GPU, a .toml or .json file (instead of --gpu)")
     p.add_argument("--tp", type=_positive_int, default=4, help="tensor parallel (default 4)")
     p.add_argument("--cp", type=_positive_int, default=1, help="context parallel (default 1)")
     p.add_argument("--pp", type=_positive_int, default=2, help="pipeline stages (default 2)")
@@ -225,6 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("show", help="print a plan file in human-readable form")
     p.add_argument("plan", help="path of a plan.json")
+    p.add_argument("--gpu-file", default=None, metavar="FILE",
+                   help="the GPU file of a plan made for your own GPU")
     p.set_defaults(func=cmd_show)
     return parser
 

@@ -460,7 +460,15 @@ def _parse_workload(w: Any, source: str) -> Any:
 
     w = _obj(w, source, "workload")
     _keys(w, sorted(_WORKLOAD_KEYS), _WORKLOAD_KEYS, source, "workload")
-    model = _str(w["model"], source, "workload.model", _MAX_NAME)
+    if isinstance(w["model"], dict):  # the architecture of a model that is not a preset
+        from kareus.model.workload import ModelArch  # noqa: PLC0415
+
+        try:
+            model: Any = ModelArch.from_dict(w["model"])
+        except (KareusError, ValueError) as exc:
+            raise _err(source, "workload.model", str(exc)) from None
+    else:
+        model = _str(w["model"], source, "workload.model", _MAX_NAME)
     ints = {k: _int(w[k], source, f"workload.{k}", 1, 100_000_000) for k in _WORKLOAD_INTS}
     if not isinstance(w["recompute"], bool):
         raise _err(source, "workload.recompute", f"{_show(w['recompute'])} is not true or false")

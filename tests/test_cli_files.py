@@ -1,0 +1,91 @@
+"""`kareus optimize --model-file F --gpu-file F`: your own model and GPU from files, through
+results.json and plan.json and back."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kareus.cli import main
+from kareus.compose.plan import Plan
+from kareus.model import files
+from kareus.model.gpu import GPUSpec
+from kareus.model.workload import ModelArch, Workload
+
+MODEL = {"name": "lab-3b", "layers": 4, "hidden": 2048, "heads": 16, "kv_heads": 8,
+         "head_dim": 128, "ffn": 5632, "vocab": 32000}
+GPU_TOML = """\
+name = "lab-gpu"
+sm_count = 100
+clocks_mhz = {min = 300, max = 1500, step = 15}
+search_clocks_mhz = {max = 1500, step = 60, count = 6}
+bf16_peak_tflops = 300.0
+hbm_bandwidth_gbps = 2000.0
+nvlink_bandwidth_gbps = 400.0
+power_limit_w = 450.0
+static_power_w = 90.0
+idle_power_w = 60.0
+default_comm_sms = 24
+memory_gib = 48
+"""
+
+
+@pytest.fixture(autouse=True)
+def _clean_registry():
+    yield
+    for name in list(files.registered_models()) + list(files.registered_gpus()):
+        files.unregister(name)
+
+
+@pytest.fixture()
+def spec_files(tmp_path: Path) -> tuple[Path, Path]:
+    m = tmp_path / "lab-3b.json"
+    m.write_text(json.dumps(MODEL))
+    g = tmp_path / "lab-gpu.toml"
+    g.write_text(GPU_TOML)
+    return m, g
+
+
+def test_optimize_with_own_model_and_gpu_round_trips(spec_files: tuple[Path, Path],
+                                                     tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    m, g = spec_files
+    out = tmp_path / "out"
+    rc = main(["optimize", "--model-file", str(m), "--gpu-file", str(g), "--tp", "2", "--pp",
+               "2", "--microbatches", "4", "--microbatch-size", "4", "--budget", "6", "--quiet",
+               "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    res = json.loads((out / "results.json").read_text())
+    assert res["workload"]["model"] == MODEL and res["gpu"] == "lab-gpu"
+    wl = Workload.from_dict(res["workload"])
+    assert wl.model == ModelArch(**MODEL) and wl.parallelism.tp == 2
+    assert GPUSpec.from_dict(res["gpu_spec"]) == GPUSpec.from_file(g)
+    # plan.json: its workload carries the architecture; its GPU needs the GPU file.
+    files.unregister("lab-gpu")
+    files.unregister("lab-3b")
+    rc = main(["show", str(out / "plan.json")])
+    assert rc == 2 and "unknown GPU 'lab-gpu'" in capsys.readouterr().err
+    rc = main(["show", str(out / "plan.json"), "--gpu-file", str(g)])
+    assert rc == 0 and "lab-gpu" in capsys.readouterr().out
+    plan = Plan.load(out / "plan.json")
+    assert Workload.from_dict(plan.workload) == wl  # no model registration needed
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--workload", "qwen3-1.7b", "--model-file", "M"], "either --workload PRESET or --model"),
+    ([], "either --workload PRESET or --model-file"),
+    (["--model-file", "nope.toml"], "does not exist"),
+    (["--workload", "qwen3-1.7b", "--gpu-file", "BAD"], "unknown key(s) 'sm_cnt'"),
+])
+def test_bad_inputs_exit_2_with_one_line(argv: list[str], needle: str, tmp_path: Path,
+                                         spec_files: tuple[Path, Path],
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    m, g = spec_files
+    bad = tmp_path / "bad.toml"
+    bad.write_text(GPU_TOML.replace("sm_count", "sm_cnt"))
+    argv = [str(m) if a == "M" else str(bad) if a == "BAD" else a for a in argv]
+    rc = main(["optimize", *argv, "--budget", "2", "--quiet", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1
