@@ -10,6 +10,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from kareus._logging import configure as configure_logging
+from kareus._version import __version__
 from kareus.errors import KareusError
 from kareus.model.gpu import GPU_PRESETS
 from kareus.model.workload import MODEL_PRESETS
@@ -153,7 +155,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
           file=sys.stderr)
     result = optimize(workload, profiler=profiler, budget=args.budget, seed=args.seed,
                       log_dir=out / "logs", schedule=args.schedule, surrogate=args.surrogate,
-                      progress=None if not args.quiet else False)
+                      progress=not args.quiet)
     plan = result.select(deadline_s=args.deadline_s, energy_budget_j=args.energy_budget_j)
     paths = result.save(out, plan=plan)
     if args.record is not None:
@@ -181,11 +183,17 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+_VERBOSE_HELP = ("log what kareus decides (resumes, refusals, fallbacks, device and kernel "
+                 "choices) to stderr: -v info, -vv debug")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kareus",
         description="Joint communication-SM, launch-slot and GPU-frequency scheduling for "
                     "large-model training.")
+    parser.add_argument("--version", action="version", version=f"kareus {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help=_VERBOSE_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p = sub.add_parser("gpus", help="list the GPU presets")
     p.set_defaults(func=cmd_gpus)
@@ -240,7 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plan.json: lowest-energy plan within this iteration time")
     p.add_argument("--energy-budget-j", type=_positive_float, default=None,
                    help="plan.json: fastest plan within this iteration energy (all GPUs)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress (default: a bar on a terminal, a line every few seconds "
+                        "in a pipe or log)")
     p.set_defaults(func=cmd_optimize)
 
     p = sub.add_parser("show", help="print a plan file in human-readable form")
@@ -248,12 +258,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-file", default=None, metavar="FILE",
                    help="the GPU file of a plan made for your own GPU")
     p.set_defaults(func=cmd_show)
+    for command in sub.choices.values():  # -v after the command works too
+        command.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                             help=_VERBOSE_HELP)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    configure_logging(getattr(args, "verbose", 0))
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
