@@ -71,6 +71,7 @@ from kareus.model import (
     get_schedule,
     one_f_one_b,
 )
+from kareus.model.files import SpecFileError, register_gpu, register_model
 from kareus.search import (
     AcquisitionPass,
     BootstrapEnsemble,
@@ -134,6 +135,7 @@ __all__ = [
     "PlanError",
     "Profiler",
     "ReplayProfiler",
+    "SpecFileError",
     "SYSTEMS",
     "ScheduleConfig",
     "StreamOrderedTrigger",
@@ -159,4 +161,6 @@ __all__ = [
     "optimize",
     "pareto_front",
     "pareto_mask",
+    "register_gpu",
+    "register_model",
 ]
