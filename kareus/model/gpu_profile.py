@@ -299,6 +299,26 @@ class MachineInfo:
 # ----------------------------------------------------------------------------- the profile
 
 
+def _load_powers(value: object) -> tuple[LoadPower, ...]:
+    return _tuple_of(LoadPower, "load_powers")(value)
+
+
+def _ops(value: object) -> tuple[OpProfile, ...]:
+    return _tuple_of(OpProfile, "ops")(value)
+
+
+def _collectives(value: object) -> tuple[CollectivePoint, ...]:
+    return _tuple_of(CollectivePoint, "collectives")(value)
+
+
+def _sources(value: object) -> tuple[str, ...]:
+    return _str_tuple("sources")(value)
+
+
+def _notes(value: object) -> tuple[str, ...]:
+    return _str_tuple("notes")(value)
+
+
 @attrs.frozen(kw_only=True)
 class GPUProfile:
     """What was measured on one GPU model, for the emulator (see the module docstring).
@@ -338,13 +358,11 @@ class GPUProfile:
                                             validator=_clock("GPUProfile"))
     static_power_w: float = attrs.field(converter=_float_or_same,
                                         validator=_positive("GPUProfile"))
-    load_powers: tuple[LoadPower, ...] = attrs.field(
-        default=(), converter=_tuple_of(LoadPower, "load_powers"))
-    ops: tuple[OpProfile, ...] = attrs.field(default=(), converter=_tuple_of(OpProfile, "ops"))
-    collectives: tuple[CollectivePoint, ...] = attrs.field(
-        default=(), converter=_tuple_of(CollectivePoint, "collectives"))
-    sources: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple("sources"))
-    notes: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple("notes"))
+    load_powers: tuple[LoadPower, ...] = attrs.field(default=(), converter=_load_powers)
+    ops: tuple[OpProfile, ...] = attrs.field(default=(), converter=_ops)
+    collectives: tuple[CollectivePoint, ...] = attrs.field(default=(), converter=_collectives)
+    sources: tuple[str, ...] = attrs.field(default=(), converter=_sources)
+    notes: tuple[str, ...] = attrs.field(default=(), converter=_notes)
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.machine, MachineInfo):

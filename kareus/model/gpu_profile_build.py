@@ -288,7 +288,7 @@ def read_power_probe(path: PathLike, *, root: PathLike | None = None) -> PowerPr
         if name.startswith("gemm_d"):
             label = f"bf16 GEMM chain, duty {name[len('gemm_d'):]}"
         else:
-            label = _PROBE_LOADS.get(name, name)
+            label = _PROBE_LOADS.get(name) or str(name)
         lp = LoadPower(load=label, power_w=power, freq_mhz=clock, source=src)
         out.append(lp)
         if name == "idle":
