@@ -67,7 +67,12 @@ import search_efficiency as se  # noqa: E402
 
 from kareus.model import ConfigSpace, Workload, build_partitions  # noqa: E402
 from kareus.search import SURROGATES, ObjectiveModel, search_features  # noqa: E402
-from kareus.search.pareto import hypervolume, pareto_front, pareto_mask, reference_point  # noqa: E402
+from kareus.search.pareto import (  # noqa: E402
+    hypervolume,
+    pareto_front,
+    pareto_mask,
+    reference_point,
+)
 
 # Measured grids (2x H200, NVLink, TP=2, default clock): file -> training-set sizes.
 MEASURED = {ROOT / "data" / "h200_llama3b_tp2_grid.json": (10, 18),
