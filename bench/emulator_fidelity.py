@@ -15,7 +15,11 @@ soon as it lands there), every measured configuration is emulated and compared:
   rows with a launch slot; one row per configuration);
 * **the emulator's pick**: the grid configuration with the lowest emulated energy (and
   the one with the lowest emulated time), and its *measured* energy (time) against the
-  lowest measured, in percent (0% = the emulator picked the measured best).
+  lowest measured, in percent (0% = the emulator picked the measured best);
+* **savings**: the best grid configuration's saving over the Megatron-LM (half of its
+  whole-microbatch run), sequential and default-nanobatching baselines, measured and
+  emulated, each side against its own baseline (does the emulator overstate what
+  overlap saves?).
 
 Targets (issue 16): median error <= 8% in time and energy; Spearman >= 0.9; the pick
 within 2% of the measured best in energy and in time.
@@ -190,6 +194,7 @@ def evaluate_grid(path: Path, gpu: EmulatedGPU) -> dict[str, Any]:
                 f"pick_measured_{key}": best_e[f"measured_{key}"],
                 f"best_measured_{key}": best_m[f"measured_{key}"],
                 "regret": best_e[f"measured_{key}"] / best_m[f"measured_{key}"] - 1.0}
+        res["savings"] = _savings(mine, grid)
         partitions[name] = res
     # Energy error left after dividing out one global scale factor (the median ratio):
     # how much of the error is a level, how much is shape.
@@ -213,6 +218,30 @@ def evaluate_grid(path: Path, gpu: EmulatedGPU) -> dict[str, Any]:
             "energy_scope": f"total energy of one partition run over its {rows[0]['gpus']} "
                             "GPUs (TP x CP group), static included",
             "overall": overall, "partitions": partitions, "rows": rows}
+
+
+def _savings(mine: list[dict[str, Any]], grid: list[dict[str, Any]]) -> dict[str, Any]:
+    """Saving of the best grid configuration over each baseline, measured and emulated
+    (each side's own best against its own baseline): does the emulator overstate what
+    overlap saves? Megatron-LM runs the whole microbatch, so half of it is compared."""
+    out: dict[str, Any] = {}
+    for kind, factor in (("megatron", 0.5), ("seq_default", 1.0), ("nanobatch", 1.0)):
+        base = [r for r in mine if r["kind"] == kind]
+        if not base:
+            continue
+        b = base[0]
+        entry: dict[str, Any] = {}
+        for obj, key in (("energy", "j"), ("time", "ms")):
+            sides = {}
+            for side in ("measured", "emulated"):
+                best = min(r[f"{side}_{key}"] for r in grid)
+                sides[side] = 1.0 - best / (b[f"{side}_{key}"] * factor)
+            entry[f"{obj}_saving_measured"] = sides["measured"]
+            entry[f"{obj}_saving_emulated"] = sides["emulated"]
+            entry[f"{obj}_saving_ratio"] = (sides["emulated"] / sides["measured"]
+                                            if sides["measured"] > 0 else None)
+        out[f"best_vs_{kind}"] = entry
+    return out
 
 
 def _targets(overall: dict[str, Any], partitions: dict[str, Any]) -> dict[str, bool]:
@@ -304,6 +333,10 @@ def print_table(res: dict[str, Any]) -> None:
                   f" | {rt if rt is None else round(rt, 2)!s:>5s} "
                   f"{re_ if re_ is None else round(re_, 2)!s:>5s} | "
                   f"{_pct(v['pick_energy']['regret'])} {_pct(v['pick_time']['regret'])}")
+            for k, sv in v["savings"].items():
+                print(f"{'':34s}   {k:22s} saving E {_pct(sv['energy_saving_measured'])} "
+                      f"measured, {_pct(sv['energy_saving_emulated'])} emulated; T "
+                      f"{_pct(sv['time_saving_measured'])} / {_pct(sv['time_saving_emulated'])}")
         o = g["overall"]
         print(f"{name:34s} {'all':8s} {o['n_rows']:4d} | {_pct(o['time_median_abs_rel_err'])} "
               f"{_pct(o['energy_median_abs_rel_err'])} | energy err after one scale "
