@@ -180,6 +180,12 @@ class OpProfile:
         roofline_s: The op's roofline time (FLOPs over the measured GEMM peak, bytes over
             the measured bandwidth), seconds (``None``: not given).
         kernel: The kernel or implementation that ran (``""``: not recorded).
+        kernels: The kernel set the op belongs to, e.g. ``"fused"`` (production kernels) or
+            ``"reference"`` (the eager formulas); ``""``: not recorded. The same op may be
+            measured with several sets.
+        power_busy_fraction: Fraction of the power window in which the op was running
+            (``None``: not recorded); below 1 the window held launch gaps and ``power_w``
+            understates the power while the op runs.
     """
 
     workload: str = attrs.field(validator=_name("OpProfile"))
@@ -194,6 +200,17 @@ class OpProfile:
     roofline_s: float | None = attrs.field(default=None, converter=_float_or_same,
                                            validator=_positive("OpProfile", optional=True))
     kernel: str = attrs.field(default="", validator=_text("OpProfile"))
+    kernels: str = attrs.field(default="", validator=_text("OpProfile"))
+    power_busy_fraction: float | None = attrs.field(default=None, converter=_float_or_same)
+
+    @power_busy_fraction.validator
+    def _check_busy(self, attribute: attrs.Attribute, value: object) -> None:
+        if value is None:
+            return
+        if (isinstance(value, bool) or not isinstance(value, float) or not math.isfinite(value)
+                or not 0 < value <= 1):
+            raise GPUProfileError(f"OpProfile.power_busy_fraction must be in (0, 1] or null, "
+                                  f"got {value!r}")
 
     @kind.validator
     def _check_kind(self, attribute: attrs.Attribute, value: object) -> None:
@@ -202,9 +219,9 @@ class OpProfile:
                                   f"got {value!r} (op {self.op!r})")
 
     @property
-    def key(self) -> tuple[str, str, str]:
-        """``(workload, partition, op)``: unique within a profile."""
-        return (self.workload, self.partition, self.op)
+    def key(self) -> tuple[str, str, str, str]:
+        """``(workload, partition, op, kernels)``: unique within a profile."""
+        return (self.workload, self.partition, self.op, self.kernels)
 
     @property
     def energy_j(self) -> float | None:
@@ -329,6 +346,8 @@ class GPUProfile:
         gpu: The GPU preset this profile refines (``"h200-sxm"``).
         sm_count: SMs of the measured GPU.
         machine: Machine, driver and software versions.
+        kernel_set: The kernel set of the main per-op measurements (what
+            :meth:`op_profile` returns by default; ``""``: not recorded).
         gemm_peak_tflops: Best bf16 GEMM throughput measured, TFLOP/s.
         gemm_peak_freq_mhz: The SM clock it was measured at (``None``: not recorded).
         hbm_bandwidth_gbps: Best HBM bandwidth measured (bytes read + written), GB/s.
@@ -347,6 +366,7 @@ class GPUProfile:
     gpu: str = attrs.field(validator=_name("GPUProfile"))
     sm_count: int = attrs.field(converter=_int_or_none, validator=_count("GPUProfile", minimum=2))
     machine: MachineInfo = attrs.field()
+    kernel_set: str = attrs.field(validator=_text("GPUProfile"))
     gemm_peak_tflops: float = attrs.field(converter=_float_or_same,
                                           validator=_positive("GPUProfile"))
     gemm_peak_freq_mhz: int | None = attrs.field(converter=_int_or_none,
@@ -395,24 +415,36 @@ class GPUProfile:
         """Collective backends measured, sorted."""
         return tuple(sorted({c.backend for c in self.collectives}))
 
-    def op_profile(self, workload: str, partition: str, op: str) -> OpProfile:
-        """The measurement of one op.
+    @property
+    def kernel_sets(self) -> tuple[str, ...]:
+        """Kernel sets with per-op measurements, sorted."""
+        return tuple(sorted({o.kernels for o in self.ops}))
+
+    def op_profile(self, workload: str, partition: str, op: str, *,
+                   kernels: str | None = None) -> OpProfile:
+        """The measurement of one op with one kernel set (default: :attr:`kernel_set`).
 
         Raises:
-            GPUProfileError: the profile has no such op; the message lists the partitions.
+            GPUProfileError: the profile has no such op; the message lists what it has.
         """
+        ks = self.kernel_set if kernels is None else kernels
         for o in self.ops:
-            if o.key == (workload, partition, op):
+            if o.key == (workload, partition, op, ks):
                 return o
-        have = sorted({(o.workload, o.partition) for o in self.ops})
+        have = sorted({(o.workload, o.partition) for o in self.ops if o.kernels == ks})
         raise GPUProfileError(f"GPU profile of {self.gpu} has no op {op!r} of partition "
-                              f"{partition!r} in workload {workload!r}; it has "
-                              f"{len(have)} (workload, partition) pairs: "
-                              f"{', '.join(f'{w}/{p}' for w, p in have[:8]) or 'none'}")
+                              f"{partition!r} in workload {workload!r} with kernel set "
+                              f"{ks!r}; with that set it has {len(have)} (workload, partition) "
+                              f"pairs: {', '.join(f'{w}/{p}' for w, p in have[:8]) or 'none'}"
+                              f" (kernel sets: {', '.join(map(repr, self.kernel_sets))})")
 
-    def ops_of(self, workload: str, partition: str) -> tuple[OpProfile, ...]:
-        """The measured ops of one partition, in the order stored."""
-        return tuple(o for o in self.ops if (o.workload, o.partition) == (workload, partition))
+    def ops_of(self, workload: str, partition: str, *, kernels: str | None = None
+               ) -> tuple[OpProfile, ...]:
+        """The measured ops of one partition with one kernel set (default:
+        :attr:`kernel_set`), in the order stored."""
+        ks = self.kernel_set if kernels is None else kernels
+        return tuple(o for o in self.ops
+                     if (o.workload, o.partition, o.kernels) == (workload, partition, ks))
 
     def collective_curve(self, backend: str, collective: str | CommKind, group_size: int,
                          size_bytes: int) -> tuple[CollectivePoint, ...]:

@@ -66,16 +66,22 @@ class OpTable:
     """What a per-op measurement file holds.
 
     Attributes:
-        ops: The per-op rows.
+        ops: The per-op rows: the main kernel set's, then each candidate set's.
+        kernel_set: The main kernel set's name (``""``: not in the file).
         gemm_peak_tflops: The GEMM peak measured in the same run (``None``: not in the file).
         hbm_bandwidth_gbps: The HBM bandwidth measured in the same run (``None``: not in it).
+        idle_power_w: The file's idle reading (``None``: none).
         machine: Machine fields found in the file (``gpu_name``, ``driver``, ``torch``, ...).
+        notes: What the reader had to decide (duplicates dropped, clocks not recorded).
     """
 
     ops: tuple[OpProfile, ...]
+    kernel_set: str
     gemm_peak_tflops: float | None
     hbm_bandwidth_gbps: float | None
+    idle_power_w: float | None
     machine: Mapping[str, str]
+    notes: tuple[str, ...] = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -171,12 +177,17 @@ def _machine_fields(data: Mapping[str, Any]) -> dict[str, str]:
 def read_op_table(path: PathLike) -> OpTable:
     """Read a per-op measurement file (``bench/op_roofline.py --json`` layout).
 
-    Each row needs ``workload``, ``partition``, ``op``, ``kind`` and ``measured_ms``;
-    ``roofline_ms``, ``kernel``, ``power_w`` and a clock (``sm_clock_mhz`` or
-    ``freq_mhz``, per row or for the whole file) are taken when present. The GEMM peak
-    is looked up as ``gemm_peak_tflops`` (or ``gemm_tflops``), the HBM bandwidth as
-    ``hbm_bandwidth_gbps`` / ``hbm_gbps`` (GB/s) or ``hbm_tbps`` / ``hbm_tb_per_s``
-    (TB/s), at the top level or one level down.
+    Each row of ``rows`` needs ``workload``, ``partition``, ``op``, ``kind`` and
+    ``measured_ms``; ``roofline_ms``, ``kernel``, ``power_w``, ``power_busy_frac`` and a
+    clock (``sm_clock_mhz`` or ``freq_mhz``, per row or for the whole file) are taken when
+    present. The same op measured once and listed under several partitions gives one
+    record per partition; a repeated (workload, partition, op) keeps its first row.
+    ``kernels`` names the main kernel set. Rows of ``candidates`` (other kernel sets, e.g.
+    ``"reference"``: the eager formulas) that name an ``op`` are added under their
+    ``kernels`` for every partition the main rows list that op in. The GEMM peak is
+    looked up as ``gemm_peak_tflops`` (or ``gemm_tflops``), the HBM bandwidth as
+    ``hbm_bandwidth_gbps`` / ``hbm_gbps`` (GB/s) or ``hbm_tb_s`` / ``hbm_tbps`` (TB/s),
+    at the top level or one level down (e.g. in ``ceilings``).
 
     Raises:
         GPUProfileError: the file is unreadable or a row lacks a required field.
@@ -185,37 +196,84 @@ def read_op_table(path: PathLike) -> OpTable:
     rows = _get(data, "rows", f"per-op file {path}")
     if not isinstance(rows, list) or not rows:
         raise GPUProfileError(f"per-op file {path}: 'rows' must be a non-empty list")
+    main_set = data.get("kernels") if isinstance(data.get("kernels"), str) else ""
     file_clock = _find_number(data, ("sm_clock_mhz", "freq_mhz"))
-    ops = []
+    notes: list[str] = []
+    ops: dict[tuple[str, str, str, str], OpProfile] = {}
+    partitions_of: dict[tuple[str, str], list[str]] = {}
+    dropped = 0
     for i, r in enumerate(rows):
         where = f"per-op file {path}, rows[{i}]"
-        if not isinstance(r, Mapping):
-            raise GPUProfileError(f"{where}: expected an object")
-        clock = r.get("sm_clock_mhz", r.get("freq_mhz"))
-        if clock is None and file_clock is not None:
-            clock = file_clock[1]
-        roof = r.get("roofline_ms")
-        power = r.get("power_w")
-        try:
-            ops.append(OpProfile(
-                workload=str(_get(r, "workload", where)),
-                partition=str(_get(r, "partition", where)),
-                op=str(_get(r, "op", where)), kind=_get(r, "kind", where),
-                time_s=_num(_get(r, "measured_ms", where), where) / 1e3,
-                power_w=None if power is None else _num(power, where),
-                freq_mhz=_opt_clock(clock),
-                roofline_s=None if roof is None else _num(roof, where) / 1e3,
-                kernel=str(r.get("kernel") or "")))
-        except GPUProfileError as exc:
-            raise GPUProfileError(f"{where}: {exc}") from None
+        op = _op_record(r, where, kernels=main_set,
+                        clock=None if file_clock is None else file_clock[1])
+        partitions_of.setdefault((op.workload, op.op), [])
+        if op.partition not in partitions_of[(op.workload, op.op)]:
+            partitions_of[(op.workload, op.op)].append(op.partition)
+        if op.key in ops:
+            dropped += 1
+            continue
+        ops[op.key] = op
+    if dropped:
+        notes.append(f"ops: {dropped} repeated (workload, partition, op) row(s) of {path} "
+                     "dropped (first kept)")
+    cand = data.get("candidates")
+    skipped = 0
+    for i, r in enumerate(cand if isinstance(cand, list) else []):
+        if not isinstance(r, Mapping) or "op" not in r or not isinstance(r.get("kernels"), str):
+            continue  # a per-partition candidate row, or not a row
+        where = f"per-op file {path}, candidates[{i}]"
+        parts = partitions_of.get((str(r.get("workload")), str(r["op"])), [])
+        if not parts:
+            skipped += 1
+        for part in parts:
+            op = _op_record({**r, "partition": part}, where, kernels=r["kernels"],
+                            clock=None if file_clock is None else file_clock[1])
+            ops.setdefault(op.key, op)
+    if skipped:
+        notes.append(f"ops: {skipped} candidate row(s) of {path} name an op the main rows do "
+                     "not have; left out")
+    if file_clock is None and not any(o.freq_mhz for o in ops.values()):
+        m = data.get("machine") if isinstance(data.get("machine"), Mapping) else {}
+        seen = {k: m[k] for k in ("sm_clock_mhz_at_start", "sm_clock_mhz_at_end",
+                                  "max_sm_clock_mhz") if isinstance(m.get(k), (int, float))}
+        notes.append("ops: SM clock during each op not recorded (default clocks, nothing "
+                     "locked)" + (f"; the file's readings: {seen}" if seen else ""))
     gemm = _find_number(data, ("gemm_peak_tflops", "gemm_tflops"))
     hbm = _find_number(data, ("hbm_bandwidth_gbps", "hbm_gbps"))
     if hbm is None:
-        tb = _find_number(data, ("hbm_tbps", "hbm_tb_per_s", "hbm_bandwidth_tbps"))
+        tb = _find_number(data, ("hbm_tb_s", "hbm_tbps", "hbm_tb_per_s", "hbm_bandwidth_tbps"))
         hbm = None if tb is None else (tb[0], tb[1] * 1e3)
-    return OpTable(ops=tuple(ops), gemm_peak_tflops=None if gemm is None else gemm[1],
+    idle = data.get("idle_power_w")
+    return OpTable(ops=tuple(ops.values()), kernel_set=main_set,
+                   gemm_peak_tflops=None if gemm is None else gemm[1],
                    hbm_bandwidth_gbps=None if hbm is None else hbm[1],
-                   machine=_machine_fields(data))
+                   idle_power_w=float(idle) if isinstance(idle, (int, float))
+                   and not isinstance(idle, bool) and idle > 0 else None,
+                   machine=_machine_fields(data), notes=tuple(notes))
+
+
+def _op_record(r: object, where: str, *, kernels: str, clock: float | None) -> OpProfile:
+    if not isinstance(r, Mapping):
+        raise GPUProfileError(f"{where}: expected an object")
+    c = r.get("sm_clock_mhz", r.get("freq_mhz"))
+    if c is None:
+        c = clock
+    roof = r.get("roofline_ms")
+    power = r.get("power_w")
+    busy = r.get("power_busy_frac")
+    try:
+        return OpProfile(
+            workload=str(_get(r, "workload", where)),
+            partition=str(_get(r, "partition", where)),
+            op=str(_get(r, "op", where)), kind=_get(r, "kind", where),
+            time_s=_num(_get(r, "measured_ms", where), where) / 1e3,
+            power_w=None if power is None else _num(power, where),
+            freq_mhz=_opt_clock(c),
+            roofline_s=None if roof is None else _num(roof, where) / 1e3,
+            kernel=str(r.get("kernel") or ""), kernels=kernels,
+            power_busy_fraction=None if busy is None else _num(busy, where))
+    except GPUProfileError as exc:
+        raise GPUProfileError(f"{where}: {exc}") from None
 
 
 def read_collectives(path: PathLike, *, root: PathLike | None = None
@@ -395,6 +453,7 @@ def build_gpu_profile(
         for pt in read_collectives(c, root=root):
             points.setdefault(pt.key, pt)
     ops: tuple[OpProfile, ...] = ()
+    kernel_set = ""
     gemm, gemm_clock, hbm = probe.gemm_peak_tflops, probe.gemm_peak_freq_mhz, \
         probe.hbm_bandwidth_gbps
     gemm_src = "the power probe's best GEMM chain"
@@ -403,7 +462,14 @@ def build_gpu_profile(
         table = read_op_table(op_table)
         sources.insert(0, _label(op_table, root))
         ops = table.ops
+        kernel_set = table.kernel_set
         machine.update(table.machine)
+        notes_out.extend(table.notes)
+        if table.idle_power_w is not None:
+            loads.append(LoadPower(load="idle for 1 s right after the GEMM and copy "
+                                        "ceilings (clock not settled)",
+                                   power_w=table.idle_power_w, freq_mhz=None,
+                                   source=_label(op_table, root)))
         if table.gemm_peak_tflops is not None:
             gemm, gemm_clock = table.gemm_peak_tflops, None
             clocks = {o.freq_mhz for o in ops if o.kind == "gemm" and o.freq_mhz}
@@ -435,7 +501,7 @@ def build_gpu_profile(
                        driver=machine.get("driver", ""), torch=machine.get("torch", ""),
                        cuda=machine.get("cuda", ""), nccl=machine.get("nccl", ""))
     return GPUProfile(
-        gpu=spec.name, sm_count=spec.sm_count, machine=info,
+        gpu=spec.name, sm_count=spec.sm_count, machine=info, kernel_set=kernel_set,
         gemm_peak_tflops=gemm, gemm_peak_freq_mhz=gemm_clock, hbm_bandwidth_gbps=hbm,
         idle_power_w=probe.idle.power_w, idle_freq_mhz=probe.idle.freq_mhz,
         static_power_w=static_w, load_powers=tuple(loads), ops=ops,

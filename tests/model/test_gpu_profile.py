@@ -35,15 +35,18 @@ def _profile(**changes: object) -> GPUProfile:
     base: dict[str, object] = dict(
         gpu="h200-sxm", sm_count=132,
         machine=MachineInfo(gpu_name="NVIDIA H200", driver="580.159.04", torch="2.11.0"),
+        kernel_set="fused",
         gemm_peak_tflops=795.3, gemm_peak_freq_mhz=1980, hbm_bandwidth_gbps=4233.6,
         idle_power_w=79.6, idle_freq_mhz=345, static_power_w=120.1,
         load_powers=(LoadPower(load="idle", power_w=79.6, freq_mhz=345, source="probe.json"),
                      LoadPower(load="GEMM chain", power_w=709.1, freq_mhz=1500)),
         ops=(OpProfile(workload="llama3.2-3b tp4", partition="fwd_attn", op="qkv", kind="gemm",
                        time_s=2.1e-4, power_w=650.0, freq_mhz=1755, roofline_s=1.9e-4,
-                       kernel="cublas"),
+                       kernel="cublas", kernels="fused", power_busy_fraction=0.97),
              OpProfile(workload="llama3.2-3b tp4", partition="fwd_attn", op="rope",
-                       kind="elementwise", time_s=2.39e-4)),
+                       kind="elementwise", time_s=2.2e-5, kernels="fused"),
+             OpProfile(workload="llama3.2-3b tp4", partition="fwd_attn", op="rope",
+                       kind="elementwise", time_s=2.39e-4, kernels="reference")),
         collectives=(CollectivePoint(backend="nccl_capped", collective="all_reduce",
                                      group_size=2, size_bytes=64 << 20, comm_sms=8,
                                      time_s=4.4e-4, bus_gbps=152.0),
@@ -82,12 +85,20 @@ def test_queries():
     assert p.op_profile("llama3.2-3b tp4", "fwd_attn", "qkv").energy_j == pytest.approx(0.1365)
     assert p.op_profile("llama3.2-3b tp4", "fwd_attn", "rope").energy_j is None
     assert [o.op for o in p.ops_of("llama3.2-3b tp4", "fwd_attn")] == ["qkv", "rope"]
+    assert p.kernel_sets == ("fused", "reference")
+    assert p.op_profile("llama3.2-3b tp4", "fwd_attn", "rope").time_s == 2.2e-5
+    assert p.op_profile("llama3.2-3b tp4", "fwd_attn", "rope",
+                        kernels="reference").time_s == 2.39e-4
+    assert [o.op for o in p.ops_of("llama3.2-3b tp4", "fwd_attn", kernels="reference")] == \
+        ["rope"]
     curve = p.collective_curve("nccl_capped", "all_reduce", 2, 64 << 20)
     assert [c.comm_sms for c in curve] == [2, 8]
     assert p.uncapped_point("nccl_uncapped", "all_reduce", 2, 64 << 20).bus_gbps == 272.0
     assert p.uncapped_point("nccl_capped", "all_reduce", 2, 64 << 20) is None
     with pytest.raises(GPUProfileError, match="no op 'norm'.*llama3.2-3b tp4/fwd_attn"):
         p.op_profile("llama3.2-3b tp4", "fwd_attn", "norm")
+    with pytest.raises(GPUProfileError, match="kernel set 'reference'.*kernel sets: 'fused'"):
+        p.op_profile("llama3.2-3b tp4", "fwd_attn", "qkv", kernels="reference")
 
 
 @pytest.mark.parametrize(("cls", "field", "value", "match"), [
@@ -98,6 +109,8 @@ def test_queries():
     (OpProfile, "freq_mhz", 0, "freq_mhz must be a clock"),
     (OpProfile, "workload", "", "workload must be a non-empty string"),
     (OpProfile, "kernel", 3, "kernel must be a string"),
+    (OpProfile, "kernels", None, "kernels must be a string"),
+    (OpProfile, "power_busy_fraction", 1.5, r"power_busy_fraction must be in \(0, 1\]"),
     (CollectivePoint, "collective", "broadcast", "collective must be one of"),
     (CollectivePoint, "group_size", 1, "group_size must be an integer >= 2"),
     (CollectivePoint, "comm_sms", 0, "comm_sms must be an integer >= 1 or null"),
@@ -117,6 +130,7 @@ def test_every_record_field_is_validated(cls, field, value, match):
 @pytest.mark.parametrize(("changes", "match"), [
     ({"gpu": ""}, "gpu must be a non-empty string"),
     ({"sm_count": 1}, "sm_count must be an integer >= 2"),
+    ({"kernel_set": 1}, "kernel_set must be a string"),
     ({"gemm_peak_tflops": 0}, "gemm_peak_tflops must be"),
     ({"hbm_bandwidth_gbps": -3.0}, "hbm_bandwidth_gbps must be"),
     ({"idle_freq_mhz": 20_000}, "idle_freq_mhz must be a clock"),
@@ -185,20 +199,35 @@ def test_missing_and_corrupt_files(tmp_path):
 # ----------------------------------------------------------------------------- builder
 
 def _op_table(tmp_path: Path) -> Path:
-    """A small file in the layout of bench/op_roofline.py's JSON."""
+    """A small file in the layout of bench/op_roofline.py's JSON: ceilings one level down,
+    one op listed under two partitions, candidate kernel sets, no per-op clock."""
+    qkv = {"workload": "llama3.2-3b", "op": "qkv", "kind": "gemm", "measured_ms": 0.21,
+           "roofline_ms": 0.19, "ratio": 1.105, "kernel": "matmul", "flops": 1.0e11,
+           "bytes": 1.0e8, "measured_in": "fwd_attn", "power_w": 655.0,
+           "power_busy_frac": 0.98, "power_method": "cuda graph"}
+    rope = {"workload": "llama3.2-3b", "op": "rope", "kind": "elementwise",
+            "measured_ms": 0.021, "roofline_ms": 0.019, "ratio": 1.1, "kernel": "triton rope",
+            "power_w": 480.0, "power_busy_frac": 0.9}
     return _write(tmp_path / "op_roofline.json", {
-        "gpu": "NVIDIA H200", "driver": "580.159.04", "torch": "2.11.0+cu130",
-        "gemm_peak_tflops": 780.5, "hbm_bandwidth_gbps": 4300.0,
-        "rows": [
-            {"workload": "llama3.2-3b", "partition": "fwd_attn", "op": "qkv", "kind": "gemm",
-             "measured_ms": 0.21, "roofline_ms": 0.19, "ratio": 1.105, "kernel": "cublas",
-             "power_w": 655.0, "sm_clock_mhz": 1755},
-            {"workload": "llama3.2-3b", "partition": "fwd_attn", "op": "rope",
-             "kind": "elementwise", "measured_ms": 0.239, "roofline_ms": 0.019, "ratio": 12.6,
-             "kernel": "eager", "power_w": 480.0},
-        ],
+        "command": "python bench/op_roofline.py --json x.json --candidates reference",
+        "machine": {"gpu": "NVIDIA H200", "torch": "2.11.0+cu130", "cuda": "13.0",
+                    "driver": "580.159.04", "sm_clock_mhz_at_start": 1980,
+                    "max_sm_clock_mhz": 1980},
+        "kernels": "fused", "ceilings": {"gemm_peak_tflops": 780.5, "hbm_tb_s": 4.3},
+        "idle_power_w": 118.0,
+        "rows": [{**qkv, "partition": "fwd_attn"}, {**rope, "partition": "fwd_attn"},
+                 {**qkv, "partition": "bwd_attn"}, {**qkv, "partition": "bwd_attn"}],
         "partitions": [{"workload": "llama3.2-3b", "partition": "fwd_attn", "compute_ms": 0.78,
                         "roofline_sum_ms": 0.5, "ratio": 1.56}],
+        "candidates": [
+            {"kernels": "reference", "workload": "llama3.2-3b", "op": "rope",
+             "kind": "elementwise", "measured_ms": 0.239, "roofline_ms": 0.019, "ratio": 12.6,
+             "kernel": "eager"},
+            {"kernels": "reference", "workload": "llama3.2-3b", "op": "rope_bwd",
+             "kind": "elementwise", "measured_ms": 0.3, "roofline_ms": 0.02, "ratio": 15.0,
+             "kernel": "eager"},
+            {"kernels": "reference", "partition": "fwd_attn", "workload": "llama3.2-3b",
+             "compute_ms": 1.2, "roofline_sum_ms": 0.5, "ratio": 2.4}],
     })
 
 
@@ -240,16 +269,27 @@ def test_builder_assembles_a_profile_from_synthetic_files(tmp_path):
         grids=[_grid(tmp_path, "g2.json", 240.0, 2), _grid(tmp_path, "g4.json", 504.0, 4)],
         collectives=[c4, c2, c2r], op_table=_op_table(tmp_path), root=tmp_path)
     assert prof.gpu == "h200-sxm" and prof.sm_count == 132
-    # Per-op rows: ms -> s, the clock where given, the peaks of the same run.
+    # Per-op rows: ms -> s, one record per partition an op is listed in (a repeated row
+    # dropped), the candidate set under its own name, the peaks of the same run.
+    assert prof.kernel_set == "fused" and prof.kernel_sets == ("fused", "reference")
     qkv = prof.op_profile("llama3.2-3b", "fwd_attn", "qkv")
     assert qkv.time_s == pytest.approx(2.1e-4) and qkv.roofline_s == pytest.approx(1.9e-4)
-    assert (qkv.power_w, qkv.freq_mhz, qkv.kernel) == (655.0, 1755, "cublas")
-    assert prof.op_profile("llama3.2-3b", "fwd_attn", "rope").freq_mhz is None
-    assert prof.gemm_peak_tflops == 780.5 and prof.hbm_bandwidth_gbps == 4300.0
+    assert (qkv.power_w, qkv.power_busy_fraction, qkv.kernel) == (655.0, 0.98, "matmul")
+    assert qkv.freq_mhz is None  # the file records no clock per op
+    assert prof.op_profile("llama3.2-3b", "bwd_attn", "qkv").time_s == qkv.time_s
+    assert len([o for o in prof.ops if o.kernels == "fused"]) == 3
+    ref = prof.op_profile("llama3.2-3b", "fwd_attn", "rope", kernels="reference")
+    assert ref.time_s == pytest.approx(2.39e-4) and ref.power_w is None
+    assert len(prof.ops) == 4
+    assert any("1 repeated" in n for n in prof.notes)
+    assert any("rope_bwd" not in n and "1 candidate row" in n for n in prof.notes)
+    assert any("not recorded" in n and "sm_clock_mhz_at_start" in n for n in prof.notes)
+    assert prof.gemm_peak_tflops == 780.5 and prof.hbm_bandwidth_gbps == pytest.approx(4300.0)
     # Power: idle from the probe, static = median of blocked power per GPU (120, 126).
     assert prof.idle_power_w == 79.6 and prof.idle_freq_mhz == 345
     assert prof.static_power_w == pytest.approx(123.0)
-    assert {lp.source for lp in prof.load_powers} == {"power.json", "g2.json", "g4.json"}
+    assert {lp.source for lp in prof.load_powers} == {"power.json", "g2.json", "g4.json",
+                                                      "op_roofline.json"}
     # Collectives: group size from the file, us -> s, the first file wins on a clash.
     assert len(prof.collectives) == 4
     capped = prof.collective_curve("nccl_capped", "all_reduce", 2, 64 << 20)
@@ -264,7 +304,7 @@ def test_builder_assembles_a_profile_from_synthetic_files(tmp_path):
 
 def test_builder_without_per_op_data_uses_the_probe_and_says_so(tmp_path):
     prof = build_gpu_profile(gpu="h200-sxm", power_probe=_power_probe(tmp_path))
-    assert prof.ops == ()
+    assert prof.ops == () and prof.kernel_set == ""
     assert prof.gemm_peak_tflops == 791.2 and prof.gemm_peak_freq_mhz == 1980
     assert prof.hbm_bandwidth_gbps == pytest.approx(4230.0)
     assert prof.static_power_w == 120.6  # one spinning block: no grid measured blocked power
