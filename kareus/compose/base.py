@@ -11,10 +11,13 @@ The role is generic in what a composer takes and what it returns:
 ``FrontierComposer[Mapping[str, PartitionFrontier], dict[tuple[int, str],
 MicrobatchFrontier]]`` is any microbatch composer, ``FrontierComposer[Mapping[tuple[int,
 str], MicrobatchFrontier], IterationFrontier]`` any iteration composer.
-:func:`~kareus.compose.compose_systems` and :func:`kareus.optimize` accept either kind, so
-a different composition (another pipeline model, another trade-off solver) plugs in
-without touching the search or the executor. :mod:`kareus.testing` has a conformance
-suite (:func:`kareus.testing.check_frontier_composer`).
+:func:`~kareus.compose.compose_systems` and :func:`kareus.optimize` accept any composer
+of each level (the aliases :data:`~kareus.compose.AnyMicrobatchComposer` and
+:data:`~kareus.compose.AnyIterationComposer` name the two kinds), so a different
+composition (another pipeline model, another trade-off solver) plugs in without touching
+the search or the executor. :mod:`kareus.testing` has a conformance suite per level
+(:func:`kareus.testing.check_microbatch_composer`,
+:func:`kareus.testing.check_iteration_composer`).
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@
 * :func:`check_surrogate` - conformance checks for any :class:`~kareus.search.Surrogate`.
 * :func:`check_acquisition_pass` - conformance checks for any
   :class:`~kareus.search.AcquisitionPass`.
+* :func:`check_partition` - conformance checks for any :class:`~kareus.model.Partition`.
+* :func:`check_microbatch_composer`, :func:`check_iteration_composer` - conformance checks
+  for any :class:`~kareus.compose.FrontierComposer` of either level.
 
 Each check raises ``AssertionError`` saying what is wrong. To run them as separate
 pytest tests, subclass :class:`SurrogateConformance` or :class:`AcquisitionPassConformance`
@@ -41,15 +44,33 @@ from kareus.testing.acquisition import (
     check_acquisition_pass,
     make_acquisition_context,
 )
+from kareus.testing.composer import (
+    ITERATION_COMPOSER_CHECKS,
+    MICROBATCH_COMPOSER_CHECKS,
+    IterationComposerConformance,
+    MicrobatchComposerConformance,
+    check_iteration_composer,
+    check_microbatch_composer,
+)
+from kareus.testing.partition import PARTITION_CHECKS, PartitionConformance, check_partition
 from kareus.testing.surrogate import SURROGATE_CHECKS, SurrogateConformance, check_surrogate
 
 __all__ = [
+    "ITERATION_COMPOSER_CHECKS",
+    "MICROBATCH_COMPOSER_CHECKS",
+    "PARTITION_CHECKS",
     "PASS_CHECKS",
     "SURROGATE_CHECKS",
     "AcquisitionPassConformance",
     "FakeProfiler",
+    "IterationComposerConformance",
+    "MicrobatchComposerConformance",
+    "PartitionConformance",
     "SurrogateConformance",
     "check_acquisition_pass",
+    "check_iteration_composer",
+    "check_microbatch_composer",
+    "check_partition",
     "check_surrogate",
     "make_acquisition_context",
 ]

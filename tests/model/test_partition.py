@@ -1,3 +1,7 @@
+"""Partitions: launch slots, the partition builder, and the Partition conformance suite."""
+
+from __future__ import annotations
+
 import pytest
 
 from kareus.errors import WorkloadError
@@ -5,12 +9,15 @@ from kareus.model import (
     CommKind,
     CommOp,
     ComputeOp,
+    LaunchSlot,
     OpKind,
     OpPartition,
+    Partition,
     Workload,
     build_partitions,
     launch_slots,
 )
+from kareus.testing import PartitionConformance, check_partition
 
 
 def _llama(**kw):
@@ -136,3 +143,55 @@ def test_op_validation():
     ag = CommOp(name="c", kind="all_gather", bytes=100, group_size=4)
     assert ar.bus_bytes == pytest.approx(150)
     assert ag.bus_bytes == pytest.approx(75)
+
+
+# ------------------------------------------------------------------ conformance suite
+
+
+class TestTransformerPartitionConformance(PartitionConformance):
+    """A partition build_partitions makes, nanobatched (overlappable), with a CP collective."""
+
+    def make_partition(self) -> Partition:
+        wl = Workload.preset("qwen3-1.7b", tp=2, cp=2, pp=2, microbatch_size=2, seq_len=1024,
+                             num_microbatches=2)
+        return build_partitions(wl)["bwd_attn_out_rs"]
+
+
+class TestSequentialPartitionConformance(PartitionConformance):
+    """Without nanobatching a partition is not overlappable: no launch slots."""
+
+    def make_partition(self) -> Partition:
+        wl = Workload.preset("qwen3-1.7b", tp=2, pp=1, microbatch_size=2, seq_len=1024,
+                             num_microbatches=2, nanobatches=1)
+        return build_partitions(wl)["fwd_mlp"]
+
+
+class TestOpPartitionConformance(PartitionConformance):
+    def make_partition(self) -> Partition:
+        return OpPartition(
+            name="mine",
+            compute_ops=[ComputeOp(name="norm", kind=OpKind.NORM, flops=1e6, bytes_moved=4e6),
+                         ComputeOp(name="act", kind=OpKind.ACTIVATION, flops=1e6,
+                                   bytes_moved=4e6),
+                         ComputeOp(name="gemm", kind=OpKind.GEMM, flops=1e12, bytes_moved=1e8)],
+            comm_op=CommOp(name="ar", kind=CommKind.ALL_REDUCE, bytes=2**24, group_size=4))
+
+
+def test_every_built_partition_conforms():
+    wl = Workload.preset("llama3.2-3b", tp=2, cp=2, pp=2, microbatch_size=2, seq_len=1024,
+                         num_microbatches=2)
+    for part in build_partitions(wl):
+        check_partition(lambda part=part: part)
+
+
+def test_the_suite_catches_a_partition_whose_slots_lie():
+    class _Lying(OpPartition):
+        @property
+        def slots(self) -> tuple[LaunchSlot, ...]:
+            return tuple(reversed(super().slots))
+
+    make = TestOpPartitionConformance().make_partition
+    base = make()
+    with pytest.raises(AssertionError, match="'slots'.*stream order"):
+        check_partition(lambda: _Lying(name=base.name, compute_ops=base.compute_ops,
+                                       comm_op=base.comm_op))
