@@ -2,8 +2,9 @@
 
 Reads (paths relative to the repository; every one measured on H200 SXM):
 
-* ``data/h200_op_roofline.json`` (per-op time, power, kernel; the GEMM peak and HBM
-  bandwidth of the same run), when it exists;
+* ``data/h200_op_roofline.json`` (per-op time, power, kernel and kernel set, the eager
+  reference set among the candidates; the GEMM peak and HBM bandwidth of the same run),
+  or else ``bench/results/op_roofline_h200.json``, when one exists;
 * ``bench/results/emulator_power_probe_h200.json`` (idle power and clock, power under
   GEMM chains, copies and elementwise kernels at the clocks observed);
 * ``data/*_grid*.json`` (the power of GPUs blocked in a receive: static power);
@@ -33,22 +34,26 @@ COLLECTIVES = ("collectives_4xh200_nvlink.json", "collectives_2xh200_nvlink.json
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="profile file to write")
-    ap.add_argument("--op-table", type=Path, default=REPO / "data" / "h200_op_roofline.json",
-                    help="per-op measurement file (used if it exists)")
+    ap.add_argument("--op-table", type=Path, default=None,
+                    help="per-op measurement file (default: data/h200_op_roofline.json, else "
+                         "bench/results/op_roofline_h200.json, whichever exists)")
     ap.add_argument("--require-ops", action="store_true",
                     help="fail if the per-op measurement file does not exist")
     args = ap.parse_args(argv)
-    op_table = args.op_table if args.op_table.exists() else None
-    if op_table is None and args.require_ops:
-        raise SystemExit(f"{args.op_table} does not exist: measure it with "
-                         "bench/op_roofline.py on one H200 first")
+    candidates = ([args.op_table] if args.op_table is not None else
+                  [REPO / "data" / "h200_op_roofline.json", RESULTS / "op_roofline_h200.json"])
+    op_table = next((p for p in candidates if p.exists()), None)
+    if op_table is None and (args.require_ops or args.op_table is not None):
+        raise SystemExit(f"{', '.join(map(str, candidates))}: not found; measure the per-op "
+                         "table with bench/op_roofline.py on one H200 first")
     prof = build_gpu_profile(
         gpu="h200-sxm", power_probe=RESULTS / "emulator_power_probe_h200.json",
         grids=sorted((REPO / "data").glob("*_grid*.json")),
         collectives=[RESULTS / n for n in COLLECTIVES], op_table=op_table, root=REPO)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     prof.save(args.out)
-    print(f"{args.out}: {prof.gpu}, {len(prof.ops)} ops, {len(prof.collectives)} collective "
+    print(f"{args.out}: {prof.gpu}, {len(prof.ops)} ops (kernel sets: "
+          f"{', '.join(prof.kernel_sets) or 'none'}), {len(prof.collectives)} collective "
           f"points ({', '.join(prof.backends)}), GEMM peak {prof.gemm_peak_tflops:.0f} TFLOP/s, "
           f"HBM {prof.hbm_bandwidth_gbps:.0f} GB/s, idle {prof.idle_power_w:.1f} W, static "
           f"{prof.static_power_w:.1f} W; digest {prof.digest[:12]}")
