@@ -185,7 +185,7 @@ def run_searches(executor: Executor, profiler: Profiler, pset: PartitionSet, *, 
 
     Raises:
         TypeError: ``executor`` is not a ``concurrent.futures.Executor``.
-        Whatever a task raised (re-raised here).
+        Exception: whatever a task raised (re-raised here).
     """
     if not isinstance(executor, Executor):
         raise TypeError(f"executor must be a concurrent.futures.Executor (a thread or process "

@@ -96,7 +96,8 @@ class NVMLProfiler(Profiler):
             :meth:`start` (blocked-in-communication power, or idle power on one GPU).
         group_size: GPUs of the group (``None`` = the coordinator's world size).
         counter_timeout_s: How long :meth:`start` waits for the counter to step.
-        clock, sleep: Time source and sleep (tests).
+        clock: Time source (tests).
+        sleep: Sleep function (tests).
     """
 
     def __init__(self, *, gpu: str | GPUSpec, runner: PartitionRunner, meter: EnergyMeter,
