@@ -1,0 +1,251 @@
+"""Zeus interop: clocks through the Zeus daemon, energy through ZeusMonitor.
+
+Zeus (https://github.com/ml-energy/zeus, ``pip install 'kareus[zeus]'``) measures and
+optimises the energy of deep-learning jobs. Two of its pieces slot into kareus's roles:
+
+* :class:`ZeusdFrequencyController`, a :class:`~kareus.exec.FrequencyController`. Locking
+  GPU clocks needs root (``CAP_SYS_ADMIN``), which :class:`~kareus.exec.NVMLFrequencyController`
+  therefore needs. Zeus's daemon ``zeusd`` runs privileged and takes clock requests over a
+  Unix socket; with ``ZEUSD_SOCK_PATH`` set, Zeus's device layer
+  (``zeus.device.get_gpus()``) sends ``set_gpu_locked_clocks`` and
+  ``reset_gpu_locked_clocks`` to it, so an unprivileged training job can follow a plan's
+  frequencies (zeus 0.16: ``zeus/device/gpu/nvidia.py``, ``ZeusdNVIDIAGPU``; the daemon's
+  HTTP API is documented in ``zeusd/`` of the same repository).
+* :class:`ZeusEnergyMeter`, an :class:`~kareus.exec.EnergyMeter` (so
+  :class:`~kareus.exec.NVMLProfiler` takes it as ``meter=``) that reads each GPU's energy
+  counter through a ``ZeusMonitor``'s devices instead of pynvml: the GPU indices are
+  ZeusMonitor's (after ``CUDA_VISIBLE_DEVICES``), and the same monitor stays available for
+  Zeus's own measurement windows (:meth:`ZeusEnergyMeter.begin_window`). ZeusMonitor's
+  windows read the counter when they begin and end; kareus's profiler needs the moments
+  the counter *steps*, so the meter polls the counter as the NVML meter does.
+
+Importing this module imports no Zeus; the classes do when built. Tests inject fake
+``zeus`` modules (``tests/interop/test_zeus.py``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from kareus.errors import HardwareError, UnsupportedFrequencyError
+from kareus.exec import EnergyMeter, FrequencyController, FrequencyPermissionError
+from kareus.exec.frequency import FrequencyRequest
+from kareus.model.gpu import GPUSpec, get_gpu
+
+__all__ = ["ZeusEnergyMeter", "ZeusdFrequencyController", "zeus_gpus"]
+
+_INSTALL = "pip install 'kareus[zeus]'"
+
+
+def zeus_gpus() -> Any:
+    """Zeus's GPU collection (``zeus.device.get_gpus()``).
+
+    Raises:
+        HardwareError: Zeus is not installed, or it cannot reach the GPUs or the daemon.
+    """
+    try:
+        from zeus.device import get_gpus  # noqa: PLC0415 - optional dependency
+    except ImportError as exc:
+        raise HardwareError(f"Zeus is not installed: {_INSTALL}") from exc
+    try:
+        return get_gpus()
+    except Exception as exc:  # noqa: BLE001 - Zeus raises its own error classes
+        raise HardwareError(f"Zeus could not open the GPUs ({type(exc).__name__}: {exc})") \
+            from exc
+
+
+def _call(obj: Any, snake: str, camel: str, *args: Any, **kwargs: Any) -> Any:
+    """Call a Zeus GPUs method by its current (snake_case) or older (camelCase) name."""
+    fn = getattr(obj, snake, None) or getattr(obj, camel)
+    return fn(*args, **kwargs)
+
+
+class ZeusdFrequencyController(FrequencyController):
+    """Locks SM clocks through Zeus (the ``zeusd`` daemon) and always gives them back.
+
+    Args:
+        device_indices: Zeus's indices of the GPUs to control (after
+            ``CUDA_VISIBLE_DEVICES``; a rank's own GPU).
+        gpu: GPU preset or spec; requested clocks must be among its supported clocks.
+        gpus: Zeus's GPU collection; ``None`` = ``zeus.device.get_gpus()`` (a fake in tests).
+        require_zeusd: Refuse to start unless ``ZEUSD_SOCK_PATH`` is set (without the daemon,
+            Zeus locks clocks through NVML directly, which needs root: then use
+            :class:`~kareus.exec.NVMLFrequencyController`).
+
+    Use as a context manager (or call :meth:`close`): the default clocks come back on exit,
+    on exceptions and at interpreter exit.
+
+    Raises:
+        HardwareError: Zeus is missing, ``ZEUSD_SOCK_PATH`` is not set, or Zeus fails.
+    """
+
+    def __init__(self, *, device_indices: Sequence[int], gpu: str | GPUSpec | None = None,
+                 gpus: Any = None, require_zeusd: bool = True) -> None:
+        self.device_indices = tuple(int(i) for i in device_indices)
+        if not self.device_indices:
+            raise ValueError("a ZeusdFrequencyController needs at least one GPU")
+        if gpus is None:
+            if require_zeusd and not os.environ.get("ZEUSD_SOCK_PATH"):
+                raise HardwareError(
+                    "ZEUSD_SOCK_PATH is not set: start the Zeus daemon (zeusd) and set "
+                    "ZEUSD_SOCK_PATH to its socket before the first Zeus call, or pass "
+                    "require_zeusd=False to lock clocks through NVML as root")
+            gpus = zeus_gpus()
+        self.gpus = gpus
+        self.gpu = None if gpu is None else get_gpu(gpu)
+        self._locked: set[int] = set()
+        self._lock = threading.RLock()
+        self.current_mhz: int | None = None
+        self.requests: list[FrequencyRequest] = []
+        self._closed = False
+        atexit.register(self._atexit)
+
+    def set_frequency(self, freq_mhz: int, *, token: int | None = None) -> None:
+        """Lock every controlled GPU's SM clock at ``freq_mhz`` (blocking until zeusd did)."""
+        f = int(freq_mhz)
+        if self.gpu is not None and not self.gpu.supports_clock(f):
+            raise UnsupportedFrequencyError(
+                f"{f} MHz is not a supported clock of {self.gpu.name} (nearest: "
+                f"{self.gpu.nearest_clock(f)} MHz)")
+        with self._lock:
+            for i in self.device_indices:
+                try:
+                    self.gpus.set_gpu_locked_clocks(i, f, f, block=True)
+                except Exception as exc:  # noqa: BLE001 - ZeusdError, ZeusGPU*Error
+                    self._raise(exc, f"lock GPU {i} at {f} MHz")
+                self._locked.add(i)
+            self.current_mhz = f
+            self.requests.append(FrequencyRequest(freq_mhz=f, time_s=time.perf_counter(),
+                                                  token=token))
+
+    def _raise(self, exc: BaseException, what: str) -> None:
+        with contextlib.suppress(Exception):
+            self.reset()
+        text = f"{type(exc).__name__}: {exc}"
+        if "NoPermission" in type(exc).__name__ or "403" in str(exc):
+            raise FrequencyPermissionError(
+                f"could not {what}: permission denied ({text}); check that zeusd runs as "
+                "root and that this user may write to its socket") from exc
+        raise HardwareError(f"could not {what} through Zeus ({text})") from exc
+
+    def reset(self) -> None:
+        """Restore the default clocks of every GPU this controller locked."""
+        with self._lock:
+            errors = []
+            for i in sorted(self._locked):
+                try:
+                    self.gpus.reset_gpu_locked_clocks(i, block=True)
+                except Exception as exc:  # noqa: BLE001
+                    errors.append(f"GPU {i}: {exc}")
+                    continue
+                self._locked.discard(i)
+            self.current_mhz = None
+            self.requests.append(FrequencyRequest(freq_mhz=None, time_s=time.perf_counter()))
+            if errors:
+                raise HardwareError("could not restore the default clocks through Zeus: "
+                                    + "; ".join(errors))
+
+    @property
+    def locked_devices(self) -> tuple[int, ...]:
+        """GPUs whose clocks are locked now."""
+        return tuple(sorted(self._locked))
+
+    def close(self) -> None:
+        """Restore the clocks (once)."""
+        if self._closed:
+            return
+        try:
+            self.reset()
+        finally:
+            self._closed = True
+            with contextlib.suppress(Exception):
+                atexit.unregister(self._atexit)
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _atexit(self) -> None:
+        with contextlib.suppress(Exception):
+            self.reset()
+
+
+class _ZeusHandles:
+    """The two NVML entry points EnergyMeter's constructor uses, answered for Zeus indices
+    (every counter, temperature and clock read goes through :class:`ZeusEnergyMeter`)."""
+
+    def nvmlInit(self) -> None:  # noqa: N802 - NVML's name
+        return None
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:  # noqa: N802
+        return int(index)
+
+
+class ZeusEnergyMeter(EnergyMeter):
+    """Step-edge reads of the GPUs' energy counters through a ``ZeusMonitor``.
+
+    A drop-in for :class:`~kareus.exec.EnergyMeter` (``NVMLProfiler(meter=...)``): the same
+    polling thread, edges and queries, with every read going through Zeus's device layer.
+
+    Args:
+        device_indices: ZeusMonitor's GPU indices to read (``None`` = the monitor's own).
+        monitor: A ``zeus.monitor.ZeusMonitor``; ``None`` = a new one on ``device_indices``.
+        poll_interval_s: As for :class:`~kareus.exec.EnergyMeter`.
+        history: As for :class:`~kareus.exec.EnergyMeter`.
+
+    Raises:
+        HardwareError: Zeus is missing, or a GPU has no energy counter (older than Volta,
+            where ZeusMonitor samples power instead).
+    """
+
+    def __init__(self, *, device_indices: Sequence[int] | None = None, monitor: Any = None,
+                 poll_interval_s: float | None = None, history: int = 20000) -> None:
+        if monitor is None:
+            try:
+                from zeus.monitor import ZeusMonitor  # noqa: PLC0415 - optional dependency
+            except ImportError as exc:
+                raise HardwareError(f"Zeus is not installed: {_INSTALL}") from exc
+            monitor = ZeusMonitor(gpu_indices=None if device_indices is None
+                                  else list(device_indices))
+        indices = list(monitor.gpu_indices if device_indices is None else device_indices)
+        self.monitor = monitor
+        gpus = monitor.gpus
+        for i in indices:
+            if not _call(gpus, "supports_get_total_energy_consumption",
+                         "supportsGetTotalEnergyConsumption", i):
+                raise HardwareError(f"GPU {i} has no energy counter (ZeusMonitor samples its "
+                                    "power instead); kareus's meter needs a Volta or newer GPU")
+        super().__init__(device_indices=indices, nvml=_ZeusHandles(),
+                         poll_interval_s=poll_interval_s, history=history)
+
+    def read_energy_mj(self) -> list[int]:
+        """Current counter values (mJ), one per GPU, through Zeus."""
+        gpus = self.monitor.gpus
+        return [int(_call(gpus, "get_total_energy_consumption", "getTotalEnergyConsumption", i))
+                for i in self.device_indices]
+
+    def temperatures_c(self) -> list[float]:
+        """GPU temperatures (degrees C), through Zeus."""
+        gpus = self.monitor.gpus
+        return [float(_call(gpus, "get_gpu_temperature", "getGpuTemperature", i))
+                for i in self.device_indices]
+
+    def sm_clocks_mhz(self) -> list[float]:
+        """Not available through Zeus's device layer: raises, so samples carry no clock and
+        :meth:`mean_sm_clock_mhz` answers ``None``."""
+        raise NotImplementedError("Zeus's device layer does not report the current SM clock")
+
+    def begin_window(self, key: str, *, sync_execution: bool = True) -> None:
+        """Begin a ZeusMonitor measurement window (Zeus's own API, same monitor)."""
+        self.monitor.begin_window(key, sync_execution=sync_execution)
+
+    def end_window(self, key: str, *, sync_execution: bool = True) -> tuple[float, float]:
+        """End a ZeusMonitor window; returns ``(time_s, energy_j)``, the energy summed over
+        this meter's GPUs."""
+        m = self.monitor.end_window(key, sync_execution=sync_execution)
+        return float(m.time), float(sum(m.gpu_energy[i] for i in self.device_indices))

@@ -1,0 +1,86 @@
+"""A plan's per-rank, per-microbatch frequencies in Perseus's schedule format."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import attrs
+import pytest
+
+from kareus.compose.plan import Plan
+from kareus.errors import PlanError
+from kareus.interop.perseus import (
+    frequency_schedules,
+    rank_schedules,
+    read_point_solution,
+    stage_of_rank,
+    stage_schedules,
+    write_point_solution,
+)
+from kareus.model.pipeline import get_schedule
+from kareus.model.workload import Workload
+from kareus.workflow import optimize
+
+
+@pytest.fixture(scope="module")
+def plan() -> Plan:
+    wl = Workload.preset("qwen3-1.7b", tp=2, cp=2, pp=2, dp=2, microbatch_size=4,
+                         num_microbatches=4)
+    res = optimize(wl, budget=8, seed=0, progress=False, systems=["kareus", "perseus"])
+    # The lowest-energy kareus plan: it runs several clocks.
+    return res.kareus.points[-1].plan
+
+
+def test_stage_lists_follow_the_pipeline_order(plan: Plan) -> None:
+    stages = stage_schedules(plan)
+    sched = get_schedule(plan.schedule, plan.num_stages, plan.num_microbatches)
+    assert len(stages) == plan.num_stages == 2
+    for s, order in enumerate(sched.stage_orders):
+        assert len(stages[s]) == 2 * plan.num_microbatches
+        assert stages[s] == [({"fwd": "forward", "bwd": "backward"}[c.phase], plan.freq_mhz(c))
+                             for c in order]
+    # 1F1B on the first of two stages: one warm-up forward, then alternating.
+    assert [name for name, _ in stages[0][:4]] == ["forward", "forward", "backward", "forward"]
+    assert [name for name, _ in stages[1][:2]] == ["forward", "backward"]
+
+
+def test_ranks_take_their_stage_in_megatron_order(plan: Plan) -> None:
+    ranks = rank_schedules(plan)  # TP=2, CP=2, DP=2 from the plan's workload
+    assert len(ranks) == 16
+    stages = stage_schedules(plan)
+    assert all(ranks[r] == stages[r // 8] for r in range(16))
+    assert stage_of_rank(9, tp=2, cp=2, dp=2) == 1
+    assert len(rank_schedules(plan, tp=1, cp=1, dp=1)) == 2
+    with pytest.raises(PlanError, match="pass tp="):
+        rank_schedules(attrs.evolve(plan, workload=None))
+
+
+def test_server_json_round_trips(plan: Plan) -> None:
+    scheds = json.loads(json.dumps(frequency_schedules(plan)))
+    assert [s["rank"] for s in scheds] == list(range(16))
+    assert all(isinstance(f, int) and name in ("forward", "backward")
+               for s in scheds for name, f in s["frequencies"])
+    assert [tuple(x) for x in scheds[15]["frequencies"]] == stage_schedules(plan)[1]
+
+
+@pytest.mark.parametrize("per", ["stage", "rank"])
+def test_solution_file_is_one_literal(plan: Plan, tmp_path: Path, per: str) -> None:
+    path = write_point_solution(plan, tmp_path / "kareus_freqs.py", per=per)
+    want = stage_schedules(plan) if per == "stage" else rank_schedules(plan)
+    assert read_point_solution(path) == want
+    # Perseus's PointSolution reads the file with eval(): the same value comes out.
+    assert eval(path.read_text(encoding="utf-8")) == want  # noqa: S307 - a literal we wrote
+    assert plan.digest[:12] in path.read_text().splitlines()[0]
+
+
+def test_bad_requests(plan: Plan, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="ending in .py"):
+        write_point_solution(plan, tmp_path / "freqs.json")
+    with pytest.raises(ValueError, match="per must be"):
+        write_point_solution(plan, tmp_path / "f.py", per="gpu")
+    with pytest.raises(TypeError, match="kareus Plan"):
+        stage_schedules({"gpu": "a100-40gb"})  # type: ignore[arg-type]
+    (tmp_path / "x.py").write_text("__import__('os').getcwd()\n")
+    with pytest.raises(ValueError, match="not a Perseus solution literal"):
+        read_point_solution(tmp_path / "x.py")
