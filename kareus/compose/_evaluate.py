@@ -13,13 +13,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from kareus.compose.plan import Plan
+from kareus.model.measurement import Measurement
+from kareus.model.partition import PartitionSet
 from kareus.model.pipeline import Computation, PipelineSchedule, one_f_one_b
+from kareus.search import Observation, PartitionFrontier
 
 __all__ = ["evaluate_plan"]
 
 
-def evaluate_plan(plan: Plan, *, frontiers: Mapping[str, Any], partitions: Any,
-                  outside: Mapping[tuple[int, str], Mapping[int, Any]] | None,
+def evaluate_plan(plan: Plan, *, frontiers: Mapping[str, PartitionFrontier],
+                  partitions: PartitionSet,
+                  outside: Mapping[tuple[int, str], Mapping[int, Measurement]] | None,
                   static_power_w: float, energy_scale: float | None = None,
                   schedule: PipelineSchedule | None = None) -> tuple[float, float, float]:
     """Re-evaluate a plan from its parts: partition measurements, counts and outside work.
@@ -30,6 +34,18 @@ def evaluate_plan(plan: Plan, *, frontiers: Mapping[str, Any], partitions: Any,
     the energy is every computation's dynamic energy (scaled by ``energy_scale``, default
     the DP degree) plus ``static_power_w`` x time.
 
+    Args:
+        plan: The plan.
+        frontiers: Partition type name -> its frontier (the observations the plan chose).
+        partitions: The partition set of the plan's workload (counts per phase).
+        outside: Measurements of the work outside partitions per ``(stage, phase)`` and
+            frequency; ``None`` = no outside work.
+        static_power_w: Static power of every GPU of the job together.
+        energy_scale: Multiplier from a partition measurement's scope (one TP x CP group)
+            to every GPU of the stage; ``None`` = the DP degree.
+        schedule: The pipeline DAG; ``None`` = 1F1B over the plan's stages and
+            microbatches.
+
     Returns:
         ``(time_s, energy_j, dynamic_energy_j)``.
     """
@@ -37,7 +53,7 @@ def evaluate_plan(plan: Plan, *, frontiers: Mapping[str, Any], partitions: Any,
              else float(energy_scale))
     if schedule is None:
         schedule = one_f_one_b(plan.num_stages, plan.num_microbatches)
-    lookup: dict[tuple[str, Any], Any] = {}
+    lookup: dict[tuple[str, Any], Observation] = {}
     for tname, pf in frontiers.items():
         for o in reversed(pf.observations):
             lookup[(tname, o.config)] = o

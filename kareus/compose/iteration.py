@@ -70,6 +70,15 @@ class IterationComposer(FrontierComposer[Mapping[tuple[int, str], MicrobatchFron
             num_microbatches: Needed when ``schedule`` is ``None``.
             label: Recorded in the frontier and its plans (e.g. ``"kareus"``).
             workload: Workload description recorded in plans.
+
+        Returns:
+            The Pareto-optimal plans, fastest first; ``stats`` records the time unit, the
+            cuts and unit steps taken, the realised plans and the wall time.
+
+        Raises:
+            ValueError: a computation of the schedule has no (or an empty) frontier, or
+                the static power is negative.
+            TypeError: ``schedule`` is not a PipelineSchedule.
         """
         t_start = time.perf_counter()
         if schedule is None:

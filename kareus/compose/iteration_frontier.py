@@ -46,6 +46,7 @@ class IterationPoint:
 
     @property
     def dynamic_energy_j(self) -> float:
+        """The plan's dynamic energy (the total less static power x time)."""
         return self.plan.dynamic_energy_j
 
 
@@ -92,6 +93,7 @@ class IterationFrontier:
         return self.points[i]
 
     def to_dict(self) -> dict[str, Any]:
+        """The frontier as a JSON-ready dict (kind, version, label, stats, every plan)."""
         return {"kind": "iteration_frontier", "version": FRONTIER_VERSION, "label": self.label,
                 "stats": self.stats, "plans": [p.plan.to_dict() for p in self.points]}
 
@@ -111,10 +113,12 @@ class IterationFrontier:
                             ) from None
 
     def to_json(self, *, indent: int | None = None) -> str:
+        """:meth:`to_dict` as JSON text."""
         return json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
     def from_json(cls, text: str) -> IterationFrontier:
+        """Rebuild from :meth:`to_json` output (raises PlanError if invalid)."""
         return cls.from_dict(loads(text))
 
     def save(self, path: str | os.PathLike[str]) -> None:

@@ -96,6 +96,15 @@ def measure_outside_work(profiler: Profiler, partitions: PartitionSet,
 
     Identical work (e.g. the empty outside work of middle stages) is measured once; empty
     work costs nothing. Measurements cover one stage's TP x CP group.
+
+    Args:
+        profiler: Measures the work.
+        partitions: The workload's partition set (its ``outside`` work per stage and phase).
+        freqs_mhz: Frequencies to measure at.
+        comm_sms: SM count of the outside collectives; ``None`` = the profiler's default.
+
+    Returns:
+        ``outside[(stage, phase)][freq_mhz]``: the measurement.
     """
     if not isinstance(profiler, Profiler):
         raise TypeError(f"profiler must be a kareus Profiler, got {type(profiler).__name__}")
@@ -159,6 +168,9 @@ class MicrobatchComposer(
                 (:func:`measure_outside_work`); ``None`` = no outside work is counted.
             energy_scale: Multiplier from a partition measurement's scope (one TP x CP group)
                 to the microbatch's (every GPU of the stage); ``None`` = the DP degree.
+
+        Returns:
+            ``(stage, phase)`` -> the microbatch frontier of that computation.
 
         Raises:
             ValueError: a type the counts use has no frontier, or a computation has no

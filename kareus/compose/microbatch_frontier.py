@@ -47,10 +47,12 @@ class MicrobatchPoint:
 
     @property
     def freq_mhz(self) -> int:
+        """The frequency of the choice."""
         return self.choice.freq_mhz
 
     @property
     def predicted(self) -> bool:
+        """Whether the point is built on surrogate predictions (not only measurements)."""
         return self.choice.predicted
 
 
@@ -97,6 +99,8 @@ class MicrobatchFrontier:
         return iter(self.points)
 
     def to_dict(self) -> dict[str, Any]:
+        """The frontier as a JSON-ready dict (kind, version, stage, phase, points by
+        frequency)."""
         return {"kind": "microbatch_frontier", "version": FRONTIER_VERSION, "stage": self.stage,
                 "phase": self.phase,
                 "by_freq": {str(f): [{"time_s": p.time_s, "dynamic_energy_j": p.dynamic_energy_j,
@@ -105,6 +109,7 @@ class MicrobatchFrontier:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> MicrobatchFrontier:
+        """Rebuild from :meth:`to_dict` output (raises PlanError if invalid)."""
         check_kind(d, "microbatch_frontier")
         try:
             by_freq = {int(f): [MicrobatchPoint(time_s=p["time_s"],
@@ -117,17 +122,21 @@ class MicrobatchFrontier:
                             ) from None
 
     def to_json(self, *, indent: int | None = None) -> str:
+        """:meth:`to_dict` as JSON text."""
         return json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
     def from_json(cls, text: str) -> MicrobatchFrontier:
+        """Rebuild from :meth:`to_json` output (raises PlanError if invalid)."""
         return cls.from_dict(loads(text))
 
     def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the frontier as JSON."""
         Path(path).write_text(self.to_json() + "\n", encoding="utf-8")
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> MicrobatchFrontier:
+        """Read a frontier written by :meth:`save` (raises PlanError if invalid)."""
         return cls.from_json(Path(path).read_text(encoding="utf-8"))
 
     def __repr__(self) -> str:

@@ -38,6 +38,7 @@ from kareus.compose.iteration_frontier import IterationFrontier
 from kareus.compose.microbatch import MicrobatchComposer, measure_outside_work
 from kareus.compose.microbatch_frontier import MicrobatchFrontier
 from kareus.model.config import ConfigSpace, ScheduleConfig
+from kareus.model.gpu import GPUSpec
 from kareus.model.measurement import Measurement
 from kareus.model.partition import OutsideWork, Partition, PartitionSet, build_partitions
 from kareus.model.pipeline import PipelineSchedule, one_f_one_b
@@ -130,7 +131,7 @@ class _SharedMeasurements(Profiler):
         for o in frontier.measured():
             self._runs.setdefault((self._key(partition), o.config), o.measurement)
 
-    def measure(self, partition: Partition, config: Any) -> Measurement:
+    def measure(self, partition: Partition, config: ScheduleConfig) -> Measurement:
         key = (self._key(partition), config)
         if key not in self._runs:
             self._runs[key] = self.inner.measure(partition, config)
@@ -153,15 +154,37 @@ class _SharedMeasurements(Profiler):
 
 
 def exhaustive_search(profiler: Profiler, space: ConfigSpace) -> PartitionFrontier:
-    """Measure every configuration of ``space`` once."""
+    """Measure every configuration of ``space`` once.
+
+    Args:
+        profiler: Measures the space's partition.
+        space: The configurations.
+
+    Returns:
+        The frontier over every measurement.
+    """
     obs = [Observation(config=c, measurement=profiler.measure(space.partition, c))
            for c in space.configs]
     return PartitionFrontier.from_observations(space.partition.name, space.gpu.name, obs)
 
 
-def baseline_space(name: str, partition: Partition, gpu: Any,
+def baseline_space(name: str, partition: Partition, gpu: str | GPUSpec,
                    freqs_mhz: Sequence[int] | None = None) -> ConfigSpace:
-    """The restricted configuration space of a baseline (not ``kareus``) for one type."""
+    """The restricted configuration space of a baseline (not ``kareus``) for one type.
+
+    Args:
+        name: One of the four baselines of :data:`SYSTEMS`.
+        partition: The partition type.
+        gpu: GPU preset name or spec.
+        freqs_mhz: Frequencies of the frequency-planning baselines; ``None`` = the GPU's
+            search grid.
+
+    Returns:
+        The space the baseline may choose from (see the table in the module docstring).
+
+    Raises:
+        ValueError: ``name`` is ``"kareus"`` or not a system.
+    """
     if name not in SYSTEMS or name == "kareus":
         raise ValueError(f"no restricted space for {name!r}; baselines: {SYSTEMS[:-1]}")
     space = ConfigSpace(partition, gpu, freqs_mhz=freqs_mhz)
@@ -261,6 +284,15 @@ def compose_systems(workload: Workload, profiler: Profiler, *,
             iteration frontier, called as ``compose(frontiers, static_power_w=..., gpu=...,
             schedule=..., label=..., workload=...)``; ``None`` = :class:`IterationComposer`.
         kareus_frontiers: Partition frontiers already searched for kareus (skips the search).
+
+    Returns:
+        Every system's iteration frontier, microbatch frontiers and partition frontiers.
+
+    Raises:
+        TypeError: an argument of the wrong type (a profiler that is not a Profiler, a
+            composer that is not a FrontierComposer, a search that returns something else
+            than a PartitionFrontier).
+        ValueError: an unknown system name.
     """
     if not isinstance(workload, Workload):
         raise TypeError(f"workload must be a Workload, got {type(workload).__name__}")

@@ -50,6 +50,7 @@ class ScheduleConfig:
 
     @property
     def sequential(self) -> bool:
+        """Whether the communication runs after all the computation (no overlap)."""
         return self.launch_slot is None
 
     def _sort_key(self) -> tuple[int, int, bool, str]:
@@ -62,11 +63,13 @@ class ScheduleConfig:
         return self._sort_key() < other._sort_key()
 
     def to_dict(self) -> dict[str, object]:
+        """``{"freq_mhz", "comm_sms", "launch_slot"}``, JSON-ready."""
         return {"freq_mhz": self.freq_mhz, "comm_sms": self.comm_sms,
                 "launch_slot": self.launch_slot}
 
     @classmethod
     def from_dict(cls, d: dict[str, object]) -> ScheduleConfig:
+        """Rebuild from :meth:`to_dict` output."""
         return cls(freq_mhz=int(d["freq_mhz"]),  # type: ignore[call-overload]
                    comm_sms=int(d["comm_sms"]),  # type: ignore[call-overload]
                    launch_slot=d.get("launch_slot"))  # type: ignore[arg-type]
@@ -182,6 +185,7 @@ class ConfigSpace:
 
     @property
     def size(self) -> int:
+        """Number of configurations (frequencies x SM counts x slots)."""
         return len(self)
 
     def __iter__(self) -> Iterator[ScheduleConfig]:

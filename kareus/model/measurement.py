@@ -49,14 +49,17 @@ class Measurement:
 
     @property
     def average_power_w(self) -> float:
+        """Energy over time (0 for a zero-time measurement)."""
         return self.energy_j / self.time_s if self.time_s > 0 else 0.0
 
     def to_dict(self) -> dict[str, float]:
+        """``{"time_s", "energy_j", "static_power_w"}``, JSON-ready."""
         return {"time_s": self.time_s, "energy_j": self.energy_j,
                 "static_power_w": self.static_power_w}
 
     @classmethod
     def from_dict(cls, d: dict[str, float]) -> Measurement:
+        """Rebuild from :meth:`to_dict` output."""
         return cls(time_s=d["time_s"], energy_j=d["energy_j"], static_power_w=d["static_power_w"])
 
     def __str__(self) -> str:

@@ -193,6 +193,7 @@ class TransformerPartition(OpPartition):
 
     @property
     def group_gpus(self) -> int:
+        """``stage_gpus`` when given, else the collective's group."""
         return self.comm_op.group_size if self.stage_gpus is None else int(self.stage_gpus)
 
 
@@ -210,6 +211,7 @@ class OutsideWork:
 
     @property
     def flops(self) -> float:
+        """FLOPs of the computation ops together (per rank)."""
         return float(sum(op.flops for op in self.ops))
 
 
@@ -241,6 +243,7 @@ class PartitionSet:
 
     @property
     def names(self) -> list[str]:
+        """The partition type names, in build order."""
         return list(self.types)
 
     def computation_flops(self, stage: int, phase: str) -> float:

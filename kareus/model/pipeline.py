@@ -42,6 +42,7 @@ class Computation:
 
     @classmethod
     def from_key(cls, key: str) -> Computation:
+        """Parse :meth:`key` output (``ValueError`` if it is not one)."""
         s, m, phase = key.split(".")
         if not (s.startswith("s") and m.startswith("m")):
             raise ValueError(f"not a computation key: {key!r}")
@@ -68,6 +69,7 @@ class PipelineSchedule:
 
     @property
     def nodes(self) -> list[Computation]:
+        """Every computation, stage by stage in execution order."""
         return [c for order in self.stage_orders for c in order]
 
     def __iter__(self) -> Iterator[Computation]:
