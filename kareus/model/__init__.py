@@ -1,11 +1,15 @@
 """Value objects of kareus: GPUs, ops, workloads, partitions, configurations, schedules.
 
-Nothing here touches hardware; everything runs on any CPU.
+Also the role contracts the policy layers need (:class:`Partition`, :class:`Profiler`)
+and :class:`Dag`, the one DAG (topological order, longest paths) that the pipeline
+schedules and the iteration composer share. Nothing here touches hardware; everything
+runs on any CPU.
 """
 
 from __future__ import annotations
 
 from kareus.model.config import FEATURE_NAMES, ConfigSpace, ScheduleConfig
+from kareus.model.dag import Dag
 from kareus.model.gpu import GPU_PRESETS, GPUSpec, get_gpu, gpu_names
 from kareus.model.measurement import Measurement
 from kareus.model.ops import CommKind, CommOp, ComputeOp, OpKind
@@ -45,6 +49,7 @@ __all__ = [
     "Computation",
     "ComputeOp",
     "ConfigSpace",
+    "Dag",
     "GPUSpec",
     "LaunchSlot",
     "Measurement",
