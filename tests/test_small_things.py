@@ -154,3 +154,19 @@ def test_plot_in_an_interactive_session_only_draws(result, tmp_path, monkeypatch
     fig, ax2 = plt.subplots()
     assert result.plot(ax=ax2) is ax2 and not list(tmp_path.iterdir())
     plt.close("all")
+
+
+def test_device_choice_of_the_energy_meter_is_logged(caplog):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "exec"))
+    try:
+        from fake_nvml import FakeNVML
+    finally:
+        sys.path.pop(0)
+    from kareus.exec.nvml import EnergyMeter
+
+    with caplog.at_level(logging.INFO, logger="kareus"):
+        EnergyMeter(device_indices=[0, 1], nvml=FakeNVML(2), poll_interval_s=0.001)
+    assert "energy meter on NVML GPU(s) 0, 1, polled every 1.00 ms" in caplog.text

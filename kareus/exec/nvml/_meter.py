@@ -15,9 +15,12 @@ from typing import Any
 
 import attrs
 
+from kareus._logging import get_logger
 from kareus.exec.nvml._device import load_nvml
 
 __all__ = ["EnergyMeter"]
+
+_log = get_logger(__name__)
 
 
 @attrs.frozen
@@ -49,6 +52,8 @@ class EnergyMeter:
             raise ValueError("an EnergyMeter needs at least one GPU")
         self.poll_interval_s = 0.0005 if poll_interval_s is None else float(poll_interval_s)
         self._handles = [self.nvml.nvmlDeviceGetHandleByIndex(i) for i in self.device_indices]
+        _log.info("energy meter on NVML GPU(s) %s, polled every %.2f ms",
+                  ", ".join(map(str, self.device_indices)), 1e3 * self.poll_interval_s)
         self._history = int(history)
         self._edges: list[list[_Edge]] = [[] for _ in self._handles]
         self._samples: list[tuple[float, list[float], list[float]]] = []  # t, temps, clocks
