@@ -37,7 +37,24 @@ _FORMAT = "kareus: %(levelname)s: %(message)s"
 
 
 class _CliHandler(logging.StreamHandler):  # type: ignore[type-arg]
-    """The handler :func:`configure` installs (so that a second call replaces it)."""
+    """The handler :func:`configure` installs (so that a second call replaces it).
+
+    Without an explicit stream it writes to whatever ``sys.stderr`` is at each record, so
+    a redirected or captured stderr (tests, notebooks) never leaves it writing to a
+    closed file.
+    """
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self._follow = stream is None
+        super().__init__(stream)
+
+    @property  # type: ignore[override]
+    def stream(self) -> TextIO:
+        return sys.stderr if self._follow else self._stream
+
+    @stream.setter
+    def stream(self, value: TextIO) -> None:
+        self._stream = value
 
 
 def get_logger(name: str = LOGGER_NAME) -> logging.Logger:
@@ -69,7 +86,7 @@ def configure(verbosity: int = 0, *, stream: TextIO | None = None) -> logging.Ha
     for h in list(_root.handlers):
         if isinstance(h, _CliHandler):
             _root.removeHandler(h)
-    handler = _CliHandler(sys.stderr if stream is None else stream)
+    handler = _CliHandler(stream)
     handler.setFormatter(logging.Formatter(_FORMAT))
     handler.setLevel(level)
     _root.addHandler(handler)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import logging
 import re
+import sys
 
 import pytest
 
@@ -40,11 +41,23 @@ def test_version(capsys):
 
 def test_library_logs_only_through_a_null_handler(capsys):
     root = logging.getLogger("kareus")
+    root.handlers[:] = [h for h in root.handlers if not isinstance(h, _logging._CliHandler)]
     assert any(isinstance(h, logging.NullHandler) for h in root.handlers)
     _logging.get_logger("kareus.exec.frequency").warning("nobody configured logging")
     assert capsys.readouterr().err == ""  # no lastResort output from a library
     with pytest.raises(ValueError, match="under 'kareus'"):
         _logging.get_logger("other")
+
+
+def test_cli_handler_follows_stderr(monkeypatch):
+    handler = _logging.configure(1)
+    for _ in range(2):  # a new stderr each time, the old one closed (as pytest does)
+        out = io.StringIO()
+        monkeypatch.setattr(sys, "stderr", out)
+        _logging.get_logger("kareus.workflow").info("to the stderr of now")
+        assert out.getvalue() == "kareus: INFO: to the stderr of now\n"
+        out.close()
+    assert handler.stream is sys.stderr
 
 
 def test_configure_levels_and_replaces_its_handler():
