@@ -14,9 +14,11 @@ import pytest
 from kareus.compose.plan import Plan
 from kareus.errors import PlanError
 from kareus.exec.executor import RecordingStreamBackend, TorchExecutor
+from kareus.exec.frequency import FrequencyTrigger
 from kareus.exec.torch_partition import PartitionProgram
 from kareus.model.partition import build_partitions
 from kareus.model.pipeline import get_schedule
+from kareus.testing import RecordingCollective
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_torchrun.py"
@@ -131,8 +133,9 @@ def test_segment_order_follows_nanobatches_and_recompute(ex_mod):
     assert ex_mod.segment_order(pset, "bwd", 1, False) == ["bwd_mlp", "bwd_attn"]
 
 
-class FakeCollective:
+class FakeCollective(RecordingCollective):
     def __init__(self, dev, tag):
+        super().__init__()
         self.dev, self.tag = dev, tag
 
     def all_reduce(self, tensor, stream, sms):
@@ -140,7 +143,7 @@ class FakeCollective:
         return tensor
 
 
-class FakeTrigger:
+class FakeTrigger(FrequencyTrigger):
     def __init__(self):
         self.requests = []
 
@@ -259,8 +262,9 @@ def test_programs_take_their_buffers_from_the_executors_backend(ex_mod):
     torch = pytest.importorskip("torch")
     from kareus.model.workload import ModelArch, Parallelism, Workload
 
-    class AllocatingBackend:
+    class AllocatingBackend(RecordingCollective):
         def __init__(self):
+            super().__init__()
             self.given = []
 
         def all_reduce(self, tensor, stream, sms):

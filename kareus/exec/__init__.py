@@ -7,10 +7,11 @@ neither CUDA nor NVML, and imports neither torch nor pynvml.
   :class:`NVMLProfiler` (real GPUs, NVML energy counter), :class:`ReplayProfiler`
   (recorded measurements).
 - Frequency: :class:`FrequencyController` with :class:`NVMLFrequencyController` and
-  :class:`DryRunFrequencyController`; :class:`StreamOrderedTrigger` applies changes in
-  stream order.
+  :class:`DryRunFrequencyController`; a :class:`FrequencyTrigger`
+  (:class:`StreamOrderedTrigger`) applies changes in stream order.
 - Collectives with an exact SM count: :class:`CollectiveBackend` with
-  :class:`OwnKernelCollective`, :class:`NCCLCappedCollective`, :class:`MscclppCollective`.
+  :class:`OwnKernelCollective`, :class:`NCCLCappedCollective`, :class:`MscclppCollective`
+  (and :class:`ProcessGroupCollective`, NCCL's own CTA count, for uncapped systems).
 - Execution of plans in a training loop: :class:`Executor` / :class:`TorchExecutor`, and
   runnable partitions (:class:`RunnableTransformerPartition`, :class:`CallablePartition`).
 """
@@ -30,13 +31,14 @@ from kareus.exec.collectives import (
     NCCLCappedCollective,
     NoCollectiveBackendError,
     OwnKernelCollective,
+    ProcessGroupCollective,
     select_collective_backend,
 )
 from kareus.exec.emulator import EmulatedGPU, EmulatedProfiler, EmulationTrace
 from kareus.exec.executor import (
     Executor,
+    PartitionHook,
     PartitionScope,
-    ProcessGroupCollective,
     RecordingStreamBackend,
     StreamBackend,
     TorchExecutor,
@@ -47,6 +49,7 @@ from kareus.exec.frequency import (
     EventPollingMarker,
     FrequencyController,
     FrequencyPermissionError,
+    FrequencyTrigger,
     HostFunctionMarker,
     NVMLFrequencyController,
     StreamMarker,
@@ -92,6 +95,7 @@ __all__ = [
     "ExtensionBuildError",
     "FrequencyController",
     "FrequencyPermissionError",
+    "FrequencyTrigger",
     "HostFunctionMarker",
     "LocalCoordinator",
     "MeasurementRecord",
@@ -101,6 +105,7 @@ __all__ = [
     "NVMLProfiler",
     "NoCollectiveBackendError",
     "OwnKernelCollective",
+    "PartitionHook",
     "PartitionProgram",
     "PartitionRunner",
     "PartitionScope",

@@ -16,11 +16,14 @@ them (with nanobatching: the collective of the previous nanobatch). Its
 The streams are reached through a :class:`StreamBackend` (CUDA streams through
 torch in :class:`TorchStreamBackend`; :class:`RecordingStreamBackend` records which
 stream launched what and which stream waited on which event, so the ordering logic
-is tested on any CPU without torch). The collective runs through a collective
-backend (``kareus.exec.collectives.CollectiveBackend``: ``all_reduce(tensor, stream,
-sms)`` and friends), with the configuration's SM count.
+is tested on any CPU without torch). The collective runs through a
+:class:`~kareus.exec.collectives.CollectiveBackend` (``all_reduce(tensor, stream, sms)``
+and friends), with the configuration's SM count.
 
-Training-loop hooks let a user's own loop apply a plan::
+:class:`Executor` is the role (what a training loop and the NVML profiler's runner
+rely on); :class:`TorchExecutor` is the implementation, and ``kareus.testing`` has a
+recording fake and a conformance suite. Training-loop hooks let a user's own loop apply
+a plan::
 
     executor = TorchExecutor(plan=plan, collective=backend, frequency=trigger)
     executor.start()                     # ranks compare the plan's digest (or use `with`)
@@ -31,313 +34,116 @@ Training-loop hooks let a user's own loop apply a plan::
             qkv = part.op("qkv", proj, h)         # launches at the configured slot
             ...
 
-A plan is a :class:`kareus.compose.plan.Plan` (configurations and frequencies per
-microbatch computation, keyed ``"s{stage}.m{microbatch}.{phase}"``) or any object with a
-``digest`` attribute, a per-partition-type configuration (``config_for(type)`` or a
-``configs`` mapping) and per-computation frequencies (``frequency_for(stage,
-microbatch, phase)`` or a ``freqs_mhz`` mapping keyed by ``(stage, microbatch, phase)``).
+The plan is a :class:`kareus.compose.Plan`: a frequency per microbatch computation and a
+configuration per partition type inside it, keyed ``"s{stage}.m{microbatch}.{phase}"``;
+the frequency reaches the GPU through a
+:class:`~kareus.exec.frequency.FrequencyTrigger` (:class:`StreamOrderedTrigger`).
 """
 
 from __future__ import annotations
 
 import abc
 import contextlib
-import itertools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import attrs
-
 from kareus._logging import get_logger
+from kareus.compose import Plan
 from kareus.errors import ConfigError, PlanError, UnknownSlotError
-from kareus.exec.collectives._base import _DIST_TENSOR_COLLECTIVE
+from kareus.exec._streams import RecordingStreamBackend, StreamBackend, TorchStreamBackend
+from kareus.exec.collectives import CollectiveBackend, ProcessGroupCollective
+from kareus.exec.frequency import FrequencyTrigger
 from kareus.model.config import ScheduleConfig
 
 __all__ = [
     "COMM_KINDS",
     "Executor",
+    "PartitionHook",
     "PartitionScope",
     "ProcessGroupCollective",
     "RecordingStreamBackend",
     "StreamBackend",
     "TorchExecutor",
     "TorchStreamBackend",
+    "computation_key",
     "plan_config",
     "plan_frequency",
 ]
 
-#: Collective kinds the executor can launch (the names of ``CollectiveBackend`` methods).
 _log = get_logger(__name__)
 
+#: Collective kinds the executor can launch (the names of ``CollectiveBackend`` methods).
 COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 
-
-# ------------------------------------------------------------------------ streams
-
-
-class StreamBackend(abc.ABC):
-    """Streams and events: the only device primitives the executor's ordering needs."""
-
-    @abc.abstractmethod
-    def current_stream(self) -> Any:
-        """The stream work is enqueued on now."""
-
-    @abc.abstractmethod
-    def new_stream(self, *, name: str) -> Any:
-        """A new stream (``name`` is for logs and fakes)."""
-
-    @abc.abstractmethod
-    def record_event(self, stream: Any) -> Any:
-        """Record and return an event at the current end of ``stream``."""
-
-    @abc.abstractmethod
-    def wait_event(self, stream: Any, event: Any) -> None:
-        """Make ``stream`` wait (on the device) until ``event`` has happened."""
-
-    @abc.abstractmethod
-    def use_stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
-        """Context in which ``stream`` is the current stream."""
-
-
-class TorchStreamBackend(StreamBackend):
-    """CUDA streams and events through ``torch.cuda`` (imported lazily)."""
-
-    def __init__(self, *, device: Any = None) -> None:
-        import torch  # noqa: PLC0415 - heavy, optional
-
-        self._torch = torch
-        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None \
-            else torch.device(device)
-
-    def current_stream(self) -> Any:
-        return self._torch.cuda.current_stream(self.device)
-
-    def new_stream(self, *, name: str) -> Any:
-        return self._torch.cuda.Stream(device=self.device)
-
-    def record_event(self, stream: Any) -> Any:
-        ev = self._torch.cuda.Event()
-        ev.record(stream)
-        return ev
-
-    def wait_event(self, stream: Any, event: Any) -> None:
-        stream.wait_event(event)
-
-    def use_stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
-        return self._torch.cuda.stream(stream)
-
-
-@attrs.frozen
-class _FakeStream:
-    name: str
-
-
-@attrs.frozen
-class _FakeEvent:
-    id: int
-    stream: str
-    after: int  # number of log entries on that stream before the record
-
-
-class RecordingStreamBackend(StreamBackend):
-    """A fake device that records what each stream was asked to do, in host order.
-
-    ``log`` holds tuples: ``("launch", stream, what)``, ``("record", stream, event_id)``
-    and ``("wait", stream, event_id)``. Ops and collectives passed to an executor that
-    uses this backend call :meth:`launch` to log themselves (:meth:`op` makes such an
-    op); :meth:`happens_before` answers ordering questions on the device's terms.
-    """
-
-    def __init__(self) -> None:
-        self.log: list[tuple[str, str, Any]] = []
-        self._stack: list[_FakeStream] = [_FakeStream("compute")]
-        self._ids = itertools.count()
-        self.events: dict[int, _FakeEvent] = {}
-
-    def current_stream(self) -> _FakeStream:
-        return self._stack[-1]
-
-    def new_stream(self, *, name: str) -> _FakeStream:
-        return _FakeStream(name)
-
-    def record_event(self, stream: Any) -> _FakeEvent:
-        n = sum(1 for e in self.log if e[1] == stream.name and e[0] == "launch")
-        ev = _FakeEvent(next(self._ids), stream.name, n)
-        self.events[ev.id] = ev
-        self.log.append(("record", stream.name, ev.id))
-        return ev
-
-    def wait_event(self, stream: Any, event: Any) -> None:
-        self.log.append(("wait", stream.name, event.id))
-
-    @contextlib.contextmanager
-    def use_stream(self, stream: Any) -> Iterator[Any]:
-        self._stack.append(stream)
-        try:
-            yield stream
-        finally:
-            self._stack.pop()
-
-    def launch(self, what: str, stream: Any = None) -> None:
-        """Log that ``what`` was enqueued on ``stream`` (default: the current stream)."""
-        s = self.current_stream() if stream is None else stream
-        self.log.append(("launch", s.name, what))
-
-    def op(self, what: str) -> Callable[..., None]:
-        """A callable that logs ``what`` as launched on the current stream."""
-        def run(*_: Any, **__: Any) -> None:
-            self.launch(what)
-        return run
-
-    # -- queries used by tests -----------------------------------------------------
-    def launches(self, stream: str) -> list[str]:
-        """What was launched on ``stream``, in order."""
-        return [e[2] for e in self.log if e[0] == "launch" and e[1] == stream]
-
-    def happens_before(self, first: tuple[str, str], second: tuple[str, str]) -> bool:
-        """Whether launch ``first`` = (stream, what) is ordered before launch ``second`` on
-        the device: same stream in order, or through a record/wait chain."""
-        return _happens_before(self.log, first, second)
-
-
-def _happens_before(log: list[tuple[str, str, Any]], first: tuple[str, str],
-                    second: tuple[str, str]) -> bool:
-    # Device order: each stream runs its entries in order; a wait makes everything after
-    # it on the waiting stream follow everything before the record on the recording stream.
-    pos = {(e[1], e[2]): i for i, e in enumerate(log) if e[0] == "launch"}
-    if first not in pos or second not in pos:
-        raise KeyError(f"{first if first not in pos else second} was never launched")
-    records = {e[2]: i for i, e in enumerate(log) if e[0] == "record"}
-    # reach[stream] = latest log index on `stream` whose predecessors include `first`.
-    start = pos[first]
-    reached: dict[str, int] = {log[start][1]: start}
-    changed = True
-    while changed:
-        changed = False
-        for i, e in enumerate(log):
-            if e[0] != "wait":
-                continue
-            rec = records.get(e[2])
-            if rec is None:
-                continue
-            src = log[rec][1]
-            if src in reached and reached[src] < rec and (
-                    e[1] not in reached or reached[e[1]] > i):
-                reached[e[1]] = i
-                changed = True
-    s2, idx2 = second[0], pos[second]
-    return s2 in reached and reached[s2] < idx2
-
-
-# ------------------------------------------------------------------------ collectives
-
-
-class ProcessGroupCollective:
-    """Collectives through a ``torch.distributed`` group with the library's own CTA count.
-
-    This is what Megatron-LM and plain nanobatching use (NCCL picks its CTAs); the
-    ``sms`` argument is ignored. Use it as ``default_collective`` for baselines.
-    """
-
-    def __init__(self, *, group: Any = None) -> None:
-        import torch.distributed as dist  # noqa: PLC0415
-
-        self._dist = dist
-        self.group = group
-
-    def all_reduce(self, tensor: Any, stream: Any, sms: int | None) -> Any:
-        import torch  # noqa: PLC0415
-
-        with torch.cuda.stream(stream):
-            self._dist.all_reduce(tensor, group=self.group)
-        return tensor
-
-    def all_gather(self, output: Any, input: Any, stream: Any, sms: int | None) -> Any:
-        return self._shard_collective("all_gather", output, input, stream)
-
-    def reduce_scatter(self, output: Any, input: Any, stream: Any, sms: int | None) -> Any:
-        return self._shard_collective("reduce_scatter", output, input, stream)
-
-    def _shard_collective(self, op: str, output: Any, input: Any, stream: Any) -> Any:
-        """All-gather or reduce-scatter through ``torch.distributed``'s flat-tensor call."""
-        import torch  # noqa: PLC0415
-
-        run = getattr(self._dist, _DIST_TENSOR_COLLECTIVE[op])
-        with torch.cuda.stream(stream):
-            run(output.view(-1), input.view(-1), group=self.group)
-        return output
+#: A microbatch computation: ``(stage, microbatch, phase)`` with phase ``"fwd"``/``"bwd"``.
+ComputationId = tuple[int, int, str]
 
 
 # ------------------------------------------------------------------------ plans
 
 
-def _computation_key(computation: tuple[int, int, str] | None) -> str | None:
-    if computation is None:
-        return None
-    stage, mb, phase = computation
-    return f"s{stage}.m{mb}.{phase}"
+def computation_key(stage: int, microbatch: int, phase: str) -> str:
+    """The key a :class:`~kareus.compose.Plan` gives a microbatch computation.
+
+    Args:
+        stage: Pipeline stage.
+        microbatch: Microbatch index.
+        phase: ``"fwd"`` or ``"bwd"``.
+
+    Returns:
+        ``"s{stage}.m{microbatch}.{phase}"``.
+    """
+    return f"s{stage}.m{microbatch}.{phase}"
 
 
-def plan_config(plan: Any, partition_type: str,
-                computation: tuple[int, int, str] | None = None) -> ScheduleConfig:
-    """The configuration ``plan`` gives partition type ``partition_type``.
+def _require_plan(plan: object) -> Plan:
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a kareus.compose.Plan (load one with Plan.load(path)), "
+                        f"got {type(plan).__name__}")
+    return plan
 
-    Accepts :class:`kareus.compose.plan.Plan` (per computation: ``plan.config(key, type)``
-    with ``key = "s{stage}.m{microbatch}.{phase}"``, so ``computation`` is needed),
-    ``plan.config_for(type)``, or a mapping ``plan.configs`` / ``plan.partition_configs``
-    (values: :class:`ScheduleConfig` or its dict form).
+
+def plan_config(plan: Plan, partition_type: str,
+                computation: ComputationId | None) -> ScheduleConfig:
+    """The configuration ``plan`` gives partition type ``partition_type`` in a computation.
+
+    Args:
+        plan: The plan.
+        partition_type: The partition type (e.g. ``"fwd_attn"``).
+        computation: ``(stage, microbatch, phase)`` of the microbatch computation the
+            partition runs in (a plan sets configurations per computation).
 
     Raises:
-        PlanError: the plan has no configuration for it, or needs the computation.
+        TypeError: ``plan`` is not a :class:`~kareus.compose.Plan`.
+        PlanError: no computation is given, or the plan has no configuration for the
+            partition type there.
     """
-    if callable(getattr(plan, "config_for", None)):
-        cfg = plan.config_for(partition_type)
-    elif hasattr(plan, "assignment") and callable(getattr(plan, "config", None)):
-        key = _computation_key(computation)
-        if key is None:
-            raise PlanError("this plan sets configurations per microbatch computation: run "
-                            "partitions inside executor.microbatch(stage, microbatch, phase)")
-        try:
-            cfg = plan.config(key, partition_type)
-        except KeyError:
-            raise PlanError(f"the plan has no configuration for partition type "
-                            f"{partition_type!r} in computation {key}") from None
-    else:
-        table = getattr(plan, "configs", None)
-        if not isinstance(table, Mapping):
-            table = getattr(plan, "partition_configs", None)
-        if not isinstance(table, Mapping):
-            raise TypeError(f"{type(plan).__name__} has no config_for(), config(computation, "
-                            "type) or configs mapping")
-        if partition_type not in table:
-            raise PlanError(f"the plan has no configuration for partition type "
-                            f"{partition_type!r}; it has: {', '.join(map(str, table))}")
-        cfg = table[partition_type]
-    if isinstance(cfg, Mapping):
-        cfg = ScheduleConfig.from_dict(dict(cfg))
-    if not isinstance(cfg, ScheduleConfig):
-        raise TypeError(f"plan configuration of {partition_type!r} must be a ScheduleConfig, "
-                        f"got {type(cfg).__name__}")
-    return cfg
+    _require_plan(plan)
+    if computation is None:
+        raise PlanError("this plan sets configurations per microbatch computation: run "
+                        "partitions inside executor.microbatch(stage, microbatch, phase)")
+    key = computation_key(*computation)
+    try:
+        return plan.config(key, partition_type)
+    except KeyError:
+        raise PlanError(f"the plan has no configuration for partition type "
+                        f"{partition_type!r} in computation {key}") from None
 
 
-def plan_frequency(plan: Any, stage: int, microbatch: int, phase: str) -> int | None:
-    """The SM clock ``plan`` gives one microbatch computation (``None``: leave it).
+def plan_frequency(plan: Plan, stage: int, microbatch: int, phase: str) -> int:
+    """The SM clock ``plan`` gives one microbatch computation.
 
-    Accepts :class:`kareus.compose.plan.Plan` (``plan.freq_mhz("s0.m1.fwd")``),
-    ``plan.frequency_for(stage, microbatch, phase)``, or a mapping ``plan.freqs_mhz``
-    keyed by ``(stage, microbatch, phase)``.
+    Args:
+        plan: The plan.
+        stage: Pipeline stage.
+        microbatch: Microbatch index.
+        phase: ``"fwd"`` or ``"bwd"``.
+
+    Raises:
+        TypeError: ``plan`` is not a :class:`~kareus.compose.Plan`.
+        PlanError: the plan has no such computation.
     """
-    if callable(getattr(plan, "frequency_for", None)):
-        f = plan.frequency_for(stage, microbatch, phase)
-    elif hasattr(plan, "assignment") and callable(getattr(plan, "freq_mhz", None)):
-        f = plan.freq_mhz(_computation_key((stage, microbatch, phase)))
-    else:
-        table = getattr(plan, "freqs_mhz", None)
-        if not isinstance(table, Mapping):
-            return None
-        f = table.get((stage, microbatch, phase))
-    return None if f is None else int(f)
+    return int(_require_plan(plan).freq_mhz(computation_key(stage, microbatch, phase)))
 
 
 def _default_digest_exchange(digest: str) -> list[str]:
@@ -352,30 +158,141 @@ def _default_digest_exchange(digest: str) -> list[str]:
     return [str(d) for d in out]
 
 
-# ------------------------------------------------------------------------ executors
+# ------------------------------------------------------------------------ the role
+
+
+class PartitionHook(abc.ABC):
+    """The scope of one partition in a user's loop (what :meth:`Executor.partition` yields).
+
+    Call :meth:`communicate` to name the partition's collective, then :meth:`op` for each
+    computation op in order; the executor launches the collective at the configured slot.
+
+    Attributes:
+        key: The partition type.
+        config: The configuration it runs under.
+    """
+
+    key: str
+    config: ScheduleConfig
+
+    @abc.abstractmethod
+    def communicate(self, tensor: Any, *, kind: str = "all_reduce", output: Any = None) -> None:
+        """Register the collective of this partition (launched at the configured slot).
+
+        Args:
+            tensor: The tensor to all-reduce in place, or the input of an all-gather /
+                reduce-scatter.
+            kind: ``"all_reduce"``, ``"all_gather"`` or ``"reduce_scatter"``.
+            output: Output tensor of all-gather / reduce-scatter.
+        """
+
+    @abc.abstractmethod
+    def op(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run (enqueue) computation op ``name`` as ``fn(*args, **kwargs)``; returns its result.
+
+        Args:
+            name: The op's name (launch slots refer to it).
+            fn: The callable that enqueues the op.
+            *args: Positional arguments of ``fn``.
+            **kwargs: Keyword arguments of ``fn``.
+        """
 
 
 class Executor(abc.ABC):
-    """Runs partitions (and microbatches of them) under configurations or a plan."""
+    """Runs partitions (and microbatches of them) under configurations or a plan.
+
+    The role a training loop and the NVML profiler's runner rely on. Under a plan, call
+    :meth:`start` first (every rank compares the plan's digest), then wrap each
+    microbatch computation in :meth:`microbatch` and each partition in :meth:`partition`;
+    outside a plan, :meth:`run_partition` and :meth:`run_nanobatched` take a
+    configuration directly. Usable as a context manager (``with executor:`` calls
+    :meth:`start`).
+
+    Attributes:
+        plan: The plan the executor applies, or ``None``.
+        current: ``(stage, microbatch, phase)`` of the microbatch computation being run,
+            or ``None`` outside :meth:`microbatch`.
+    """
+
+    plan: Plan | None
+    current: ComputationId | None
+
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Agree with every rank on the plan (compare digests) before any collective runs.
+
+        Raises:
+            PlanError: some rank holds another plan.
+        """
+
+    def __enter__(self) -> Executor:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
 
     @abc.abstractmethod
     def run_partition(self, ops: Sequence[Callable[[], Any]], op_names: Sequence[str],
                       comm_tensor: Any, config: ScheduleConfig, *,
                       comm_kind: str = "all_reduce", comm_output: Any = None) -> None:
-        """Enqueue one partition: ``ops`` in order, the collective at ``config``'s slot."""
+        """Enqueue one partition: ``ops`` in order, the collective at ``config``'s slot.
+
+        Args:
+            ops: Zero-argument callables that enqueue each computation op.
+            op_names: Their names (the slot names refer to them).
+            comm_tensor: The tensor the collective acts on.
+            config: The schedule configuration.
+            comm_kind: The collective (one of :data:`COMM_KINDS`).
+            comm_output: Output tensor of all-gather / reduce-scatter.
+        """
 
     @abc.abstractmethod
-    def partition(self, key: str, *, config: ScheduleConfig | None = None
-                  ) -> contextlib.AbstractContextManager[PartitionScope]:
-        """Hook for a user's loop: a scope whose ops and collective follow the plan."""
+    def run_nanobatched(self, ops: Sequence[Callable[[int], Any]], op_names: Sequence[str],
+                        comm_tensors: Sequence[Any], config: ScheduleConfig, *,
+                        comm_kind: str = "all_reduce", comm_outputs: Sequence[Any] | None = None,
+                        ) -> None:
+        """Run one layer segment over ``n >= 2`` nanobatches, each nanobatch's collective
+        overlapping the next nanobatch's computation from ``config``'s slot on.
+
+        Args:
+            ops: Callables ``op(i)`` that enqueue an op for nanobatch ``i``.
+            op_names: Their names.
+            comm_tensors: Per nanobatch, the tensor its collective acts on.
+            config: The schedule configuration.
+            comm_kind: The collective.
+            comm_outputs: Per nanobatch, the output tensor (all-gather / reduce-scatter).
+        """
+
+    @abc.abstractmethod
+    def partition(self, key: str, *, config: ScheduleConfig | None = None,
+                  op_names: Sequence[str] | None = None
+                  ) -> contextlib.AbstractContextManager[PartitionHook]:
+        """Hook for a user's loop: the scope of one partition of type ``key``.
+
+        Args:
+            key: The partition type (e.g. ``"fwd_attn"``).
+            config: Override the plan's configuration.
+            op_names: Expected op order, checked as ops are issued (optional).
+        """
 
     @abc.abstractmethod
     def microbatch(self, stage: int, microbatch: int, phase: str
                    ) -> contextlib.AbstractContextManager[None]:
-        """Hook for a user's loop around one microbatch computation."""
+        """Hook for a user's loop around one microbatch computation (under a plan: its clock
+        is requested here, in stream order).
+
+        Args:
+            stage: Pipeline stage.
+            microbatch: Microbatch index.
+            phase: ``"fwd"`` or ``"bwd"``.
+        """
 
 
-class PartitionScope:
+# ------------------------------------------------------------------------ on CUDA streams
+
+
+class PartitionScope(PartitionHook):
     """Ops of one partition, launched in stream order with the collective at its slot.
 
     Created by :meth:`TorchExecutor.partition`; call :meth:`communicate` before the
@@ -451,44 +368,49 @@ class TorchExecutor(Executor):
     """Runs partitions on CUDA streams with an SM-capped collective backend.
 
     Args:
-        collective: The collective backend (``kareus.exec.collectives.CollectiveBackend``
-            or anything with ``all_reduce(tensor, stream, sms)``; also ``all_gather`` /
-            ``reduce_scatter(output, input, stream, sms)`` for those kinds).
+        collective: The collective backend (e.g. :class:`~kareus.exec.collectives.
+            NCCLCappedCollective` or :class:`~kareus.exec.collectives.OwnKernelCollective`).
         plan: The plan a training loop applies (optional for :meth:`run_partition`).
         streams: The stream backend; ``None`` = :class:`TorchStreamBackend`.
-        frequency: A ``StreamOrderedTrigger`` (or any object with ``request(freq_mhz,
-            stream=...)``) that changes the clock at microbatch boundaries in stream
-            order; ``None`` = no frequency control.
+        frequency: The trigger (:class:`~kareus.exec.frequency.StreamOrderedTrigger`) that
+            changes the clock at microbatch boundaries in stream order; ``None`` = no
+            frequency control.
         default_collective: Used when a configuration's SM count is ``None`` (the
-            library's own choice, e.g. an uncapped NCCL group; baselines use it).
+            library's own choice, e.g. :class:`ProcessGroupCollective`; the systems that
+            do not cap SMs use it).
         digest_exchange: ``digest -> list of every rank's digest``; ``None`` = an
             ``all_gather_object`` over the default process group (a single process
             without one compares with itself).
     """
 
-    def __init__(self, *, collective: Any, plan: Any = None,
-                 streams: StreamBackend | None = None, frequency: Any = None,
-                 default_collective: Any = None,
+    def __init__(self, *, collective: CollectiveBackend, plan: Plan | None = None,
+                 streams: StreamBackend | None = None, frequency: FrequencyTrigger | None = None,
+                 default_collective: CollectiveBackend | None = None,
                  digest_exchange: Callable[[str], Sequence[str]] | None = None) -> None:
-        if not callable(getattr(collective, "all_reduce", None)):
-            raise TypeError("collective must be a CollectiveBackend (with all_reduce(tensor, "
-                            f"stream, sms)), got {type(collective).__name__}")
+        for label, backend in (("collective", collective),
+                               ("default_collective", default_collective)):
+            if backend is not None and not isinstance(backend, CollectiveBackend):
+                raise TypeError(f"{label} must be a CollectiveBackend (kareus.exec.collectives), "
+                                f"got {type(backend).__name__}")
+        if collective is None:
+            raise TypeError("collective must be a CollectiveBackend (kareus.exec.collectives), "
+                            "got None")
         if streams is not None and not isinstance(streams, StreamBackend):
             raise TypeError(f"streams must be a StreamBackend, got {type(streams).__name__}")
-        if frequency is not None and not callable(getattr(frequency, "request", None)):
-            raise TypeError("frequency must have request(freq_mhz, stream=...), got "
-                            f"{type(frequency).__name__}")
-        if plan is not None and not hasattr(plan, "digest"):
-            raise TypeError(f"plan must have a digest, got {type(plan).__name__}")
-        self.collective = collective
-        self.default_collective = default_collective
+        if frequency is not None and not isinstance(frequency, FrequencyTrigger):
+            raise TypeError("frequency must be a FrequencyTrigger (e.g. StreamOrderedTrigger), "
+                            f"got {type(frequency).__name__}")
+        if plan is not None:
+            _require_plan(plan)
+        self.collective: CollectiveBackend = collective
+        self.default_collective: CollectiveBackend | None = default_collective
         self.plan = plan
-        self.streams = streams if streams is not None else TorchStreamBackend()
-        self.frequency = frequency
+        self.streams: StreamBackend = streams if streams is not None else TorchStreamBackend()
+        self.frequency: FrequencyTrigger | None = frequency
         self._exchange = digest_exchange or _default_digest_exchange
         self._comm_stream: Any = None
         self._started = False
-        self.current: tuple[int, int, str] | None = None
+        self.current = None
 
     # -- setup -----------------------------------------------------------------------
     @property
@@ -513,13 +435,6 @@ class TorchExecutor(Executor):
                 raise PlanError("ranks hold different plans; every rank must load the same "
                                 f"plan before training ({listing})")
         self._started = True
-
-    def __enter__(self) -> TorchExecutor:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
     def _require_started(self) -> None:
         if self.plan is not None and not self._started:
@@ -653,8 +568,7 @@ class TorchExecutor(Executor):
         self._require_started()
         if self.plan is not None and self.frequency is not None:
             f = plan_frequency(self.plan, stage, microbatch, phase)
-            if f is not None:
-                self.frequency.request(f, stream=self.streams.current_stream())
+            self.frequency.request(f, stream=self.streams.current_stream())
         prev = self.current
         self.current = (stage, microbatch, phase)
         try:

@@ -5,8 +5,9 @@ the *GPU* reaches the boundary between two microbatch computations, not when the
 host thread happens to enqueue it (the host runs far ahead of the device), so a
 request travels in stream order:
 
-* :class:`StreamOrderedTrigger` puts a marker on the stream at the boundary. With the
-  small CUDA extension in ``_ext/hostfn`` the marker is a host function
+* :class:`StreamOrderedTrigger` (a :class:`FrequencyTrigger`, the role the executor
+  asks) puts a marker on the stream at the boundary. With the small CUDA extension in
+  ``_ext/hostfn`` the marker is a host function
   (``cudaLaunchHostFunc``) that only writes the request's token into a pipe; without
   it, the marker is a CUDA event that a polling thread watches. Either way, the
   trigger's own thread receives the request when the GPU gets there and calls the
@@ -36,7 +37,7 @@ from typing import Any
 import attrs
 
 from kareus._logging import get_logger
-from kareus.errors import HardwareError, UnsupportedFrequencyError
+from kareus.errors import HardwareError
 from kareus.model.gpu import GPUSpec, get_gpu
 
 _log = get_logger(__name__)
@@ -47,6 +48,7 @@ __all__ = [
     "FrequencyController",
     "FrequencyPermissionError",
     "FrequencyRequest",
+    "FrequencyTrigger",
     "HostFunctionMarker",
     "NVMLFrequencyController",
     "StreamMarker",
@@ -116,10 +118,8 @@ class DryRunFrequencyController(FrequencyController):
 
     def set_frequency(self, freq_mhz: int, *, token: int | None = None) -> None:
         f = int(freq_mhz)
-        if self.gpu is not None and not self.gpu.supports_clock(f):
-            raise UnsupportedFrequencyError(
-                f"{f} MHz is not a supported clock of {self.gpu.name} (nearest: "
-                f"{self.gpu.nearest_clock(f)} MHz)")
+        if self.gpu is not None:
+            self.gpu.check_clock(f)  # UnsupportedFrequencyError naming the nearest clock
         with self._lock:
             self.requests.append(FrequencyRequest(freq_mhz=f, time_s=self._clock(), token=token))
             self.current_mhz = f
@@ -180,10 +180,8 @@ class NVMLFrequencyController(FrequencyController):
 
     def set_frequency(self, freq_mhz: int, *, token: int | None = None) -> None:
         f = int(freq_mhz)
-        if self.gpu is not None and not self.gpu.supports_clock(f):
-            raise UnsupportedFrequencyError(
-                f"{f} MHz is not a supported clock of {self.gpu.name} (nearest: "
-                f"{self.gpu.nearest_clock(f)} MHz)")
+        if self.gpu is not None:
+            self.gpu.check_clock(f)  # UnsupportedFrequencyError naming the nearest clock
         with self._lock:
             for i, h in self._handles.items():
                 try:
@@ -443,7 +441,26 @@ class EventPollingMarker(StreamMarker):
             self._thread.join(timeout=5.0)
 
 
-class StreamOrderedTrigger:
+class FrequencyTrigger(abc.ABC):
+    """Requests clock changes that take effect in stream order (the executor's role for
+    frequency: it asks at each microbatch boundary, the trigger gets it there).
+
+    :class:`StreamOrderedTrigger` is the implementation for GPUs; ``kareus.testing``
+    has a recording fake.
+    """
+
+    @abc.abstractmethod
+    def request(self, freq_mhz: int, *, stream: Any = None) -> int:
+        """Ask for ``freq_mhz`` from the current end of ``stream`` on; returns a token.
+
+        Args:
+            freq_mhz: The SM clock to run at from that point of the stream on.
+            stream: The stream whose current end marks the boundary (``None``: the
+                current CUDA stream).
+        """
+
+
+class StreamOrderedTrigger(FrequencyTrigger):
     """Hands clock requests to a controller when the GPU reaches them in stream order.
 
     Args:

@@ -1,4 +1,6 @@
-"""Ordering logic of the executor, on a recording fake device (no torch needed)."""
+"""The executor (kareus.exec.executor): ordering logic on a recording fake device (no
+torch needed), plans, the role's conformance suite on TorchExecutor and on the recording
+fake of kareus.testing."""
 
 from __future__ import annotations
 
@@ -9,40 +11,25 @@ from kareus.errors import ConfigError, PlanError, UnknownSlotError
 from kareus.exec.executor import (
     RecordingStreamBackend,
     TorchExecutor,
+    computation_key,
     plan_config,
     plan_frequency,
 )
 from kareus.model.config import ScheduleConfig
+from kareus.testing import (
+    ExecutorConformance,
+    RecordingCollective,
+    RecordingExecutor,
+    RecordingTrigger,
+    make_test_plan,
+)
 
 OPS = ("attn_norm", "qkv", "rope", "attn_core", "out_proj")
 
 
-class FakeCollective:
-    """Logs each collective as launched on the stream it is given, with its SM count."""
-
-    def __init__(self, dev: RecordingStreamBackend) -> None:
-        self.dev = dev
-        self.calls: list[tuple[str, object, int | None]] = []
-
-    def all_reduce(self, tensor, stream, sms):
-        self.calls.append(("all_reduce", tensor, sms))
-        self.dev.launch(f"all_reduce({tensor})", stream)
-        return tensor
-
-    def all_gather(self, output, input, stream, sms):
-        self.calls.append(("all_gather", input, sms))
-        self.dev.launch(f"all_gather({input}->{output})", stream)
-        return output
-
-    def reduce_scatter(self, output, input, stream, sms):
-        self.calls.append(("reduce_scatter", input, sms))
-        self.dev.launch(f"reduce_scatter({input}->{output})", stream)
-        return output
-
-
 def make(plan=None, **kw):
     dev = RecordingStreamBackend()
-    coll = FakeCollective(dev)
+    coll = RecordingCollective(streams=dev)
     ex = TorchExecutor(collective=coll, streams=dev, plan=plan, **kw)
     return ex, dev, coll
 
@@ -101,7 +88,7 @@ def test_unknown_slot_is_rejected():
 
 def test_default_collective_used_for_uncapped_configs():
     dev = RecordingStreamBackend()
-    capped, default = FakeCollective(dev), FakeCollective(dev)
+    capped, default = RecordingCollective(streams=dev), RecordingCollective(streams=dev)
 
     @attrs.frozen
     class Uncapped:
@@ -147,32 +134,19 @@ def test_nanobatches_sequential_mode_never_overlaps():
 # ----------------------------------------------------------------- plans and hooks
 
 
-@attrs.frozen
-class FakePlan:
-    digest: str
-    configs: dict
-    freqs_mhz: dict = attrs.field(factory=dict)
-
-
 def test_digest_mismatch_refuses_to_run():
-    plan = FakePlan("abc", {"fwd_attn": ScheduleConfig(1980, 8, "qkv")})
-    ex, _, _ = make(plan, digest_exchange=lambda d: [d, "abc", "zzz", d])
+    ex, dev, _ = make(make_test_plan(), digest_exchange=lambda d: [d, d, "zzz", d])
     with pytest.raises(PlanError, match="rank 2: zzz"):
         ex.start()
     with pytest.raises(PlanError, match="start"), ex.partition("fwd_attn"):
         pass
+    assert dev.log == []  # nothing ran
 
 
 def test_digest_match_starts_and_hooks_follow_plan():
-    plan = FakePlan("abc", {"fwd_attn": ScheduleConfig(1980, 8, "qkv")},
-                    {(0, 0, "fwd"): 1500})
-    requests = []
-
-    class Trigger:
-        def request(self, freq_mhz, *, stream=None):
-            requests.append((freq_mhz, stream.name))
-
-    ex, dev, coll = make(plan, frequency=Trigger(), digest_exchange=lambda d: [d] * 4)
+    plan = make_test_plan(freqs_mhz=(1500, 1410), slots=("qkv", None), sms=(8, 4))
+    trigger = RecordingTrigger()
+    ex, dev, coll = make(plan, frequency=trigger, digest_exchange=lambda d: [d] * 4)
     ex.start()
     with ex.microbatch(0, 0, "fwd"):
         assert ex.current == (0, 0, "fwd")
@@ -181,71 +155,79 @@ def test_digest_match_starts_and_hooks_follow_plan():
             for op in OPS:
                 part.op(op, dev.launch, op)
     assert ex.current is None
-    assert requests == [(1500, "compute")]
+    assert [(f, s.name) for f, s in trigger.requests] == [(1500, "compute")]
     assert coll.calls == [("all_reduce", "prev", 8)]
     assert dev.happens_before(("compute", "attn_norm"), ("comm", "all_reduce(prev)"))
     assert not dev.happens_before(("compute", "qkv"), ("comm", "all_reduce(prev)"))
 
 
 def test_scope_checks_op_order_and_missing_comm():
-    plan = FakePlan("d", {"fwd_attn": ScheduleConfig(1980, 8, "qkv")})
-    ex, dev, _ = make(plan, digest_exchange=lambda d: [d])
+    ex, dev, _ = make(make_test_plan(slots=("qkv", "qkv")), digest_exchange=lambda d: [d])
     ex.start()
-    with pytest.raises(ConfigError, match="out of order"), \
+    with pytest.raises(ConfigError, match="out of order"), ex.microbatch(0, 0, "fwd"), \
             ex.partition("fwd_attn", op_names=OPS) as part:
         part.communicate("x")
         part.op("qkv", dev.launch, "qkv")
-    with pytest.raises(RuntimeError, match="communicate"), ex.partition("fwd_attn") as part:
+    with pytest.raises(RuntimeError, match="communicate"), ex.microbatch(0, 1, "fwd"), \
+            ex.partition("fwd_attn") as part:
         part.op("attn_norm", dev.launch, "a")
         part.op("qkv", dev.launch, "q")
 
 
 def test_plan_accessors():
-    cfg = ScheduleConfig(1500, 4, None)
-
-    class ByMethod:
-        digest = "x"
-
-        def config_for(self, key):
-            return cfg
-
-        def frequency_for(self, stage, mb, phase):
-            return 1410 if phase == "bwd" else None
-
-    assert plan_config(ByMethod(), "any") == cfg
-    assert plan_frequency(ByMethod(), 0, 1, "bwd") == 1410
-    assert plan_frequency(ByMethod(), 0, 1, "fwd") is None
-    d = FakePlan("y", {"t": cfg.to_dict()})
-    assert plan_config(d, "t") == cfg
+    plan = make_test_plan(freqs_mhz=(1980, 1410), slots=("qkv", None), sms=(16, 4))
+    assert computation_key(0, 1, "fwd") == "s0.m1.fwd"
+    assert plan_config(plan, "fwd_attn", (0, 1, "fwd")) == ScheduleConfig(1410, 4, None)
+    assert plan_frequency(plan, 0, 0, "fwd") == 1980
+    with pytest.raises(PlanError, match="microbatch"):
+        plan_config(plan, "fwd_attn", None)
     with pytest.raises(PlanError, match="no configuration"):
-        plan_config(d, "other")
+        plan_config(plan, "bwd_mlp", (0, 0, "fwd"))
+    with pytest.raises(PlanError, match="no computation"):
+        plan_frequency(plan, 0, 5, "fwd")
+
+
+@attrs.frozen
+class _DuckPlan:
+    """The shape the executor once accepted instead of a Plan: no longer a plan."""
+
+    digest: str = "x"
+    configs: dict = attrs.field(factory=dict)
+
+
+def test_only_a_plan_is_a_plan():
+    with pytest.raises(TypeError, match="Plan"):
+        plan_config(_DuckPlan(), "fwd_attn", (0, 0, "fwd"))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="Plan"):
+        plan_frequency(_DuckPlan(), 0, 0, "fwd")  # type: ignore[arg-type]
 
 
 def test_constructor_type_checks():
     dev = RecordingStreamBackend()
+    coll = RecordingCollective(streams=dev)
     with pytest.raises(TypeError, match="CollectiveBackend"):
-        TorchExecutor(collective=object(), streams=dev)
-    with pytest.raises(TypeError, match="digest"):
-        TorchExecutor(collective=FakeCollective(dev), streams=dev, plan=object())
+        TorchExecutor(collective=object(), streams=dev)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="CollectiveBackend"):
+        TorchExecutor(collective=None, streams=dev)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="default_collective"):
+        TorchExecutor(collective=coll, streams=dev, default_collective=object())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="Plan"):
+        TorchExecutor(collective=coll, streams=dev, plan=_DuckPlan())  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="StreamBackend"):
-        TorchExecutor(collective=FakeCollective(dev), streams=object())
+        TorchExecutor(collective=coll, streams=object())  # type: ignore[arg-type]
+
+    class Trigger:  # a request() method is not enough: the role is FrequencyTrigger
+        def request(self, freq_mhz, *, stream=None):
+            return 0
+
+    with pytest.raises(TypeError, match="FrequencyTrigger"):
+        TorchExecutor(collective=coll, streams=dev, frequency=Trigger())  # type: ignore[arg-type]
 
 
 def test_real_plan_drives_hooks_per_microbatch_computation():
-    from kareus.compose.plan import MicrobatchChoice, Plan
-
-    fast = MicrobatchChoice(freq_mhz=1980, configs={"fwd_attn": ScheduleConfig(1980, 16, "qkv")})
-    slow = MicrobatchChoice(freq_mhz=1410, configs={"fwd_attn": ScheduleConfig(1410, 4, None)})
-    plan = Plan(gpu="h200-sxm", num_stages=1, num_microbatches=2, choices=[fast, slow],
-                assignment={"s0.m0.fwd": 0, "s0.m1.fwd": 1}, time_s=1.0, energy_j=1.0,
-                dynamic_energy_j=0.5, static_power_w=100.0)
-    requests = []
-
-    class Trigger:
-        def request(self, freq_mhz, *, stream=None):
-            requests.append(freq_mhz)
-
-    ex, dev, coll = make(plan, frequency=Trigger(), digest_exchange=lambda d: [d, d])
+    plan = make_test_plan(freqs_mhz=(1980, 1410), slots=("qkv", None), sms=(16, 4))
+    trigger = RecordingTrigger()
+    ex, dev, coll = make(plan, frequency=trigger, digest_exchange=lambda d: [d, d])
     ex.start()
     with pytest.raises(PlanError, match="microbatch"), ex.partition("fwd_attn"):
         pass
@@ -254,10 +236,60 @@ def test_real_plan_drives_hooks_per_microbatch_computation():
             part.communicate(f"x{mb}")
             for op in OPS:
                 part.op(op, dev.launch, f"{op}{mb}")
-    assert requests == [1980, 1410]
+    assert trigger.freqs_mhz == [1980, 1410]
     assert [c[2] for c in coll.calls] == [16, 4]
     assert dev.happens_before(("compute", "out_proj1"), ("comm", "all_reduce(x1)"))
     assert not dev.happens_before(("compute", "qkv0"), ("comm", "all_reduce(x0)"))
+
+
+# ------------------------------------------------------------ the role's conformance
+
+
+class TestTorchExecutorConformance(ExecutorConformance):
+    def make_executor(self, plan):
+        dev = RecordingStreamBackend()
+        return TorchExecutor(collective=RecordingCollective(streams=dev), streams=dev,
+                             plan=plan, digest_exchange=lambda d: [d, d])
+
+
+class TestRecordingExecutorConformance(ExecutorConformance):
+    def make_executor(self, plan):
+        return RecordingExecutor(plan=plan, digest_exchange=lambda d: [d, d])
+
+
+def test_conformance_catches_an_executor_that_skips_ops():
+    from kareus.testing import check_executor
+
+    class Lazy(RecordingExecutor):
+        def run_partition(self, ops, op_names, comm_tensor, config, **kw):
+            for fn in ops[:-1]:
+                fn()
+
+    with pytest.raises(AssertionError, match="run_partition"):
+        check_executor(lambda plan: Lazy(plan=plan))
+
+
+def test_recording_executor_records_what_the_torch_executor_launches():
+    """The fake and the real executor agree on where each collective starts: the fake
+    records the launch point, the real one's stream log shows it."""
+    plan = make_test_plan(freqs_mhz=(1980, 1410), slots=("rope", None), sms=(16, 4))
+    fake = RecordingExecutor(plan=plan)
+    real, dev, _ = make(plan, digest_exchange=lambda d: [d])
+    for ex in (fake, real):
+        ex.start()
+        for mb in (0, 1):
+            with ex.microbatch(0, mb, "fwd"), ex.partition("fwd_attn", op_names=OPS) as part:
+                part.communicate(f"x{mb}")
+                for op in OPS:
+                    part.op(op, dev.launch if ex is real else (lambda *_: None), f"{op}{mb}")
+    assert fake.entries("microbatch") == [(0, 0, "fwd", 1980), (0, 1, "fwd", 1410)]
+    assert fake.entries("collective") == [("fwd_attn", "all_reduce", 16, "rope"),
+                                          ("fwd_attn", "all_reduce", 4, None)]
+    # the real executor launched x0 right before rope0 and x1 after every op of mb 1
+    launches = [e[2] for e in dev.log if e[0] == "launch"]
+    assert launches.index("all_reduce(x0)") == launches.index("rope0") - 1
+    assert launches.index("all_reduce(x1)") > launches.index("out_proj1")
+    assert [op for _, op in fake.entries("op")[:5]] == list(OPS)
 
 
 # ------------------------------------------------------------------ ProcessGroupCollective

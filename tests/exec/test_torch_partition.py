@@ -21,6 +21,7 @@ from kareus.exec.torch_partition import (  # noqa: E402
 )
 from kareus.model.config import ScheduleConfig  # noqa: E402
 from kareus.model.workload import ModelArch, Parallelism, Workload  # noqa: E402
+from kareus.testing import RecordingCollective  # noqa: E402
 
 GROUP = 2  # the fake collectives act as a group of two identical ranks
 
@@ -37,9 +38,12 @@ CASES = [(1, "fwd_attn"), (1, "bwd_mlp"), (2, "fwd_attn_in_ag"), (2, "bwd_attn_o
          (2, "fwd_mlp")]
 
 
-class HostCollective:
+class HostCollective(RecordingCollective):
     """Collectives of a group whose ranks all hold the same data, computed on the host:
     all-reduce doubles, all-gather repeats the shard, reduce-scatter adds the blocks."""
+
+    def __init__(self) -> None:
+        super().__init__(world_size=GROUP)
 
     def all_reduce(self, tensor, stream, sms):
         tensor.mul_(GROUP)
@@ -59,7 +63,8 @@ class AllocatingCollective(HostCollective):
     a buffer the partition forgets to zero shows up in the results."""
 
     def __init__(self) -> None:
-        self.calls: list[tuple[tuple[int, ...], object]] = []
+        super().__init__()
+        self.calls: list[tuple[tuple[int, ...], object]] = []  # type: ignore[assignment]
         self.given: list[object] = []
 
     def empty(self, shape, dtype):

@@ -17,12 +17,13 @@ from kareus.exec.torch_partition import (  # noqa: E402
 from kareus.model.config import ScheduleConfig  # noqa: E402
 from kareus.model.ops import CommKind, CommOp, ComputeOp, OpKind  # noqa: E402
 from kareus.model.workload import ModelArch, Parallelism, Workload  # noqa: E402
+from kareus.testing import RecordingCollective  # noqa: E402
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 pytestmark = pytest.mark.gpu
 
 
-class ScaleCollective:
+class ScaleCollective(RecordingCollective):
     """A one-GPU stand-in for an all-reduce: multiplies in place on the given stream,
     after a delay kernel so that missing waits would show up as wrong results."""
 

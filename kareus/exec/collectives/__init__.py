@@ -20,6 +20,8 @@ on ``stream`` using ``sms`` SMs:
   plain-tensor own kernels (measured on 4x H200, NVLink: docs/collectives.md).
 * :class:`MscclppCollective` adapts kernels of MSCCL++ when ``import mscclpp``
   works; it is never required.
+* :class:`ProcessGroupCollective` runs plain ``torch.distributed`` collectives with
+  NCCL's own CTA count (``sms`` ignored): the systems that do not cap SMs use it.
 
 :func:`select_collective_backend` probes the process group and picks the first
 backend in a preference order that can run there, or raises
@@ -37,8 +39,8 @@ inside the functions that need it, and nothing is compiled until the first
 Modules (import the names from this package, not from them): ``_base`` (the
 :class:`CollectiveBackend` role), ``_errors``, ``_validation`` (SM counts, dtypes,
 algorithm choice, message pieces), ``_environment`` (probing a process group and the
-pure backend choice), ``_own``, ``_nccl``, ``_mscclpp`` (the backends) and
-``_selection`` (:func:`select_collective_backend`).
+pure backend choice), ``_own``, ``_nccl``, ``_mscclpp``, ``_process_group`` (the
+backends) and ``_selection`` (:func:`select_collective_backend`).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ from kareus.exec.collectives._own import (
     OWN_MAX_BLOCKS,
     OwnKernelCollective,
 )
+from kareus.exec.collectives._process_group import ProcessGroupCollective
 from kareus.exec.collectives._selection import select_collective_backend
 from kareus.exec.collectives._validation import (
     ALL_REDUCE_ALGORITHMS,
@@ -112,6 +115,7 @@ __all__ = [
     "NCCLCappedCollective",
     "NoCollectiveBackendError",
     "OwnKernelCollective",
+    "ProcessGroupCollective",
     "backend_unavailable_reason",
     "bus_bandwidth_factor",
     "choose_all_reduce_algorithm",

@@ -38,8 +38,10 @@ class CollectiveBackend(abc.ABC):
     """A way to run all-reduce, all-gather and reduce-scatter on an exact SM count.
 
     Every op is enqueued on ``stream`` (``None``: the current stream) and uses
-    ``sms`` SMs (thread blocks / CTAs). Ops are collective: every rank of the group
-    calls the same op with the same sizes and ``sms``, in the same order.
+    ``sms`` SMs (thread blocks / CTAs); ``sms=None`` asks for the library's own choice,
+    which only backends without exact caps accept (:class:`ProcessGroupCollective`; the
+    capped backends raise :class:`CommSMCountError`). Ops are collective: every rank of
+    the group calls the same op with the same sizes and ``sms``, in the same order.
 
     Shapes: ``all_reduce(tensor)`` reduces in place and returns ``tensor``;
     ``all_gather(output, input)`` writes rank q's ``input`` to
@@ -78,15 +80,15 @@ class CollectiveBackend(abc.ABC):
         return self.sm_count - 1
 
     @abc.abstractmethod
-    def all_reduce(self, tensor: Any, stream: Any, sms: int) -> Any:
+    def all_reduce(self, tensor: Any, stream: Any, sms: int | None) -> Any:
         """Sums ``tensor`` over the group in place; returns ``tensor``."""
 
     @abc.abstractmethod
-    def all_gather(self, output: Any, input: Any, stream: Any, sms: int) -> Any:
+    def all_gather(self, output: Any, input: Any, stream: Any, sms: int | None) -> Any:
         """Gathers every rank's ``input`` into ``output`` in rank order; returns ``output``."""
 
     @abc.abstractmethod
-    def reduce_scatter(self, output: Any, input: Any, stream: Any, sms: int) -> Any:
+    def reduce_scatter(self, output: Any, input: Any, stream: Any, sms: int | None) -> Any:
         """Sums ``input`` over the group and keeps this rank's block in ``output``."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
@@ -99,7 +101,7 @@ class CollectiveBackend(abc.ABC):
         self.close()
 
     # Helpers shared by the torch-based backends.
-    def _check_sms(self, sms: int) -> int:
+    def _check_sms(self, sms: int | None) -> int:
         return validate_comm_sms(sms, self.sm_count,
                                  backend_limit=min(self.max_sms, self.sm_count - 1), backend=self.name)
 

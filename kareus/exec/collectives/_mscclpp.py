@@ -83,19 +83,19 @@ class MscclppCollective(CollectiveBackend):
             )
         return self._runners[op]
 
-    def all_reduce(self, tensor: Any, stream: Any, sms: int) -> Any:
+    def all_reduce(self, tensor: Any, stream: Any, sms: int | None) -> Any:
         sms = self._check_sms(sms)
         _check_tensor(tensor, "tensor", self._device)
         self._runner("all_reduce")(tensor, tensor, _resolve_stream(stream), sms)
         return tensor
 
-    def all_gather(self, output: Any, input: Any, stream: Any, sms: int) -> Any:
+    def all_gather(self, output: Any, input: Any, stream: Any, sms: int | None) -> Any:
         return self._shard_collective("all_gather", output, input, stream, sms)
 
-    def reduce_scatter(self, output: Any, input: Any, stream: Any, sms: int) -> Any:
+    def reduce_scatter(self, output: Any, input: Any, stream: Any, sms: int | None) -> Any:
         return self._shard_collective("reduce_scatter", output, input, stream, sms)
 
-    def _shard_collective(self, op: str, output: Any, input: Any, stream: Any, sms: int) -> Any:
+    def _shard_collective(self, op: str, output: Any, input: Any, stream: Any, sms: int | None) -> Any:
         sms = self._check_sms(sms)
         _check_pair(op, output, input, self._world, self._device)
         self._runner(op)(output, input, _resolve_stream(stream), sms)

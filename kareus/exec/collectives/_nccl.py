@@ -76,7 +76,7 @@ class NCCLCappedCollective(CollectiveBackend):
     def max_sms(self) -> int:
         return min(self._max_sms, self._sm_count - 1)
 
-    def group_for(self, sms: int) -> Any:
+    def group_for(self, sms: int | None) -> Any:
         """The NCCL group capped at ``sms`` CTAs (created on first use; collective)."""
         sms = self._check_sms(sms)
         if sms not in self._groups:
@@ -89,7 +89,7 @@ class NCCLCappedCollective(CollectiveBackend):
                                                use_local_synchronization=True)
         return self._groups[sms]
 
-    def all_reduce(self, tensor: Any, stream: Any, sms: int) -> Any:
+    def all_reduce(self, tensor: Any, stream: Any, sms: int | None) -> Any:
         import torch
         import torch.distributed as dist
 
@@ -99,13 +99,13 @@ class NCCLCappedCollective(CollectiveBackend):
             dist.all_reduce(tensor, group=g)
         return tensor
 
-    def all_gather(self, output: Any, input: Any, stream: Any, sms: int) -> Any:
+    def all_gather(self, output: Any, input: Any, stream: Any, sms: int | None) -> Any:
         return self._shard_collective("all_gather", output, input, stream, sms)
 
-    def reduce_scatter(self, output: Any, input: Any, stream: Any, sms: int) -> Any:
+    def reduce_scatter(self, output: Any, input: Any, stream: Any, sms: int | None) -> Any:
         return self._shard_collective("reduce_scatter", output, input, stream, sms)
 
-    def _shard_collective(self, op: str, output: Any, input: Any, stream: Any, sms: int) -> Any:
+    def _shard_collective(self, op: str, output: Any, input: Any, stream: Any, sms: int | None) -> Any:
         import torch
         import torch.distributed as dist
 

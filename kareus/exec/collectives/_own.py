@@ -330,7 +330,7 @@ class OwnKernelCollective(CollectiveBackend):
         if self._closed:
             raise CollectiveArgumentError("this OwnKernelCollective was closed; build a new one")
 
-    def all_reduce(self, tensor: Any, stream: Any, sms: int) -> Any:
+    def all_reduce(self, tensor: Any, stream: Any, sms: int | None) -> Any:
         self._check_open()
         sms = self._check_sms(sms)
         dtype = _check_tensor(tensor, "tensor", self._device)
@@ -367,13 +367,13 @@ class OwnKernelCollective(CollectiveBackend):
                 tensor.copy_(work)
         return tensor
 
-    def all_gather(self, output: Any, input: Any, stream: Any, sms: int) -> Any:
+    def all_gather(self, output: Any, input: Any, stream: Any, sms: int | None) -> Any:
         return self._shard_collective("all_gather", output, input, stream, sms)
 
-    def reduce_scatter(self, output: Any, input: Any, stream: Any, sms: int) -> Any:
+    def reduce_scatter(self, output: Any, input: Any, stream: Any, sms: int | None) -> Any:
         return self._shard_collective("reduce_scatter", output, input, stream, sms)
 
-    def _shard_collective(self, op: str, output: Any, input: Any, stream: Any, sms: int) -> Any:
+    def _shard_collective(self, op: str, output: Any, input: Any, stream: Any, sms: int | None) -> Any:
         """All-gather or reduce-scatter: one shard of ``m`` elements per rank.
 
         The full-size tensor (all-gather output, reduce-scatter input) is the one the

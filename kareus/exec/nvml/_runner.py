@@ -6,6 +6,7 @@ import abc
 from collections.abc import Callable
 from typing import Any
 
+from kareus.exec.executor import Executor
 from kareus.model.config import ScheduleConfig
 from kareus.model.partition import Partition
 
@@ -43,7 +44,10 @@ class TorchPartitionRunner(PartitionRunner):
         seed: Seed of the programs' random inputs and weights.
     """
 
-    def __init__(self, executor: Any, *, seed: int = 0) -> None:
+    def __init__(self, executor: Executor, *, seed: int = 0) -> None:
+        if not isinstance(executor, Executor):
+            raise TypeError(f"executor must be an Executor (e.g. TorchExecutor), got "
+                            f"{type(executor).__name__}")
         import torch  # noqa: PLC0415
 
         self._torch = torch

@@ -1,0 +1,173 @@
+"""Streams and events: the only device primitives the executor's ordering needs.
+
+:class:`TorchStreamBackend` reaches CUDA streams through torch (imported lazily);
+:class:`RecordingStreamBackend` records which stream launched what and which stream
+waited on which event, so the executor's ordering logic is tested on any CPU without
+torch, and answers ordering questions on the device's terms (:meth:`happens_before`).
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import itertools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import attrs
+
+__all__ = ["RecordingStreamBackend", "StreamBackend", "TorchStreamBackend"]
+
+
+class StreamBackend(abc.ABC):
+    """Streams and events: the only device primitives the executor's ordering needs."""
+
+    @abc.abstractmethod
+    def current_stream(self) -> Any:
+        """The stream work is enqueued on now."""
+
+    @abc.abstractmethod
+    def new_stream(self, *, name: str) -> Any:
+        """A new stream (``name`` is for logs and fakes)."""
+
+    @abc.abstractmethod
+    def record_event(self, stream: Any) -> Any:
+        """Record and return an event at the current end of ``stream``."""
+
+    @abc.abstractmethod
+    def wait_event(self, stream: Any, event: Any) -> None:
+        """Make ``stream`` wait (on the device) until ``event`` has happened."""
+
+    @abc.abstractmethod
+    def use_stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        """Context in which ``stream`` is the current stream."""
+
+
+class TorchStreamBackend(StreamBackend):
+    """CUDA streams and events through ``torch.cuda`` (imported lazily)."""
+
+    def __init__(self, *, device: Any = None) -> None:
+        import torch  # noqa: PLC0415 - heavy, optional
+
+        self._torch = torch
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None \
+            else torch.device(device)
+
+    def current_stream(self) -> Any:
+        return self._torch.cuda.current_stream(self.device)
+
+    def new_stream(self, *, name: str) -> Any:
+        return self._torch.cuda.Stream(device=self.device)
+
+    def record_event(self, stream: Any) -> Any:
+        ev = self._torch.cuda.Event()
+        ev.record(stream)
+        return ev
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        stream.wait_event(event)
+
+    def use_stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return self._torch.cuda.stream(stream)
+
+
+@attrs.frozen
+class _FakeStream:
+    name: str
+
+
+@attrs.frozen
+class _FakeEvent:
+    id: int
+    stream: str
+    after: int  # number of log entries on that stream before the record
+
+
+class RecordingStreamBackend(StreamBackend):
+    """A fake device that records what each stream was asked to do, in host order.
+
+    ``log`` holds tuples: ``("launch", stream, what)``, ``("record", stream, event_id)``
+    and ``("wait", stream, event_id)``. Ops and collectives passed to an executor that
+    uses this backend call :meth:`launch` to log themselves (:meth:`op` makes such an
+    op); :meth:`happens_before` answers ordering questions on the device's terms.
+    """
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, str, Any]] = []
+        self._stack: list[_FakeStream] = [_FakeStream("compute")]
+        self._ids = itertools.count()
+        self.events: dict[int, _FakeEvent] = {}
+
+    def current_stream(self) -> _FakeStream:
+        return self._stack[-1]
+
+    def new_stream(self, *, name: str) -> _FakeStream:
+        return _FakeStream(name)
+
+    def record_event(self, stream: Any) -> _FakeEvent:
+        n = sum(1 for e in self.log if e[1] == stream.name and e[0] == "launch")
+        ev = _FakeEvent(next(self._ids), stream.name, n)
+        self.events[ev.id] = ev
+        self.log.append(("record", stream.name, ev.id))
+        return ev
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        self.log.append(("wait", stream.name, event.id))
+
+    @contextlib.contextmanager
+    def use_stream(self, stream: Any) -> Iterator[Any]:
+        self._stack.append(stream)
+        try:
+            yield stream
+        finally:
+            self._stack.pop()
+
+    def launch(self, what: str, stream: Any = None) -> None:
+        """Log that ``what`` was enqueued on ``stream`` (default: the current stream)."""
+        s = self.current_stream() if stream is None else stream
+        self.log.append(("launch", s.name, what))
+
+    def op(self, what: str) -> Callable[..., None]:
+        """A callable that logs ``what`` as launched on the current stream."""
+        def run(*_: Any, **__: Any) -> None:
+            self.launch(what)
+        return run
+
+    # -- queries used by tests -----------------------------------------------------
+    def launches(self, stream: str) -> list[str]:
+        """What was launched on ``stream``, in order."""
+        return [e[2] for e in self.log if e[0] == "launch" and e[1] == stream]
+
+    def happens_before(self, first: tuple[str, str], second: tuple[str, str]) -> bool:
+        """Whether launch ``first`` = (stream, what) is ordered before launch ``second`` on
+        the device: same stream in order, or through a record/wait chain."""
+        return _happens_before(self.log, first, second)
+
+
+def _happens_before(log: list[tuple[str, str, Any]], first: tuple[str, str],
+                    second: tuple[str, str]) -> bool:
+    # Device order: each stream runs its entries in order; a wait makes everything after
+    # it on the waiting stream follow everything before the record on the recording stream.
+    pos = {(e[1], e[2]): i for i, e in enumerate(log) if e[0] == "launch"}
+    if first not in pos or second not in pos:
+        raise KeyError(f"{first if first not in pos else second} was never launched")
+    records = {e[2]: i for i, e in enumerate(log) if e[0] == "record"}
+    # reach[stream] = latest log index on `stream` whose predecessors include `first`.
+    start = pos[first]
+    reached: dict[str, int] = {log[start][1]: start}
+    changed = True
+    while changed:
+        changed = False
+        for i, e in enumerate(log):
+            if e[0] != "wait":
+                continue
+            rec = records.get(e[2])
+            if rec is None:
+                continue
+            src = log[rec][1]
+            if src in reached and reached[src] < rec and (
+                    e[1] not in reached or reached[e[1]] > i):
+                reached[e[1]] = i
+                changed = True
+    s2, idx2 = second[0], pos[second]
+    return s2 in reached and reached[s2] < idx2

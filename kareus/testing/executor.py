@@ -1,0 +1,478 @@
+"""Fakes and the conformance suite of the Executor role.
+
+* :class:`RecordingExecutor` - an :class:`~kareus.exec.executor.Executor` without a
+  device: it runs the ops it is given (so the caller's code runs) and records, in order,
+  what a real executor would have done: digests compared, clock requests, partitions
+  with their configurations, collectives with their SM count and launch point. Use it to
+  test code that drives an executor (a training loop, a runner) on any CPU.
+* :class:`RecordingCollective` - a :class:`~kareus.exec.collectives.CollectiveBackend`
+  that records each call (and, given a
+  :class:`~kareus.exec.executor.RecordingStreamBackend`, logs it as launched on the
+  stream it was given), for executors on a fake device.
+* :class:`RecordingTrigger` - a :class:`~kareus.exec.frequency.FrequencyTrigger` that
+  records each clock request with the stream it was made on.
+* :func:`check_executor`, :data:`EXECUTOR_CHECKS` and the pytest mix-in
+  :class:`ExecutorConformance` - conformance checks for any executor, made by a factory
+  ``make(plan) -> Executor`` whose executor runs without a GPU (or on one).
+
+This module imports neither pytest nor any hardware library.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, ClassVar
+
+from kareus.compose import MicrobatchChoice, Plan
+from kareus.errors import ConfigError, PlanError, UnknownSlotError
+from kareus.exec.collectives import CollectiveBackend
+from kareus.exec.executor import (
+    COMM_KINDS,
+    Executor,
+    PartitionHook,
+    RecordingStreamBackend,
+    plan_config,
+    plan_frequency,
+)
+from kareus.exec.frequency import FrequencyTrigger
+from kareus.model.config import ScheduleConfig
+from kareus.testing._suite import _add_tests, _run_checks
+
+__all__ = [
+    "EXECUTOR_CHECKS",
+    "ExecutorConformance",
+    "RecordingCollective",
+    "RecordingExecutor",
+    "RecordingTrigger",
+    "check_executor",
+    "make_test_plan",
+]
+
+
+# ------------------------------------------------------------------------ fakes
+
+
+class RecordingCollective(CollectiveBackend):
+    """A collective backend that records each call instead of communicating.
+
+    Args:
+        streams: When given, each call is also logged on it as launched on the stream
+            the call was given (``"all_reduce(x)"``, ``"all_gather(x->y)"``, ...), so
+            ordering questions can be asked of the stream log.
+        world_size: Ranks the fake group has.
+        sm_count: SMs of the fake GPU.
+        name: Prefix of the stream-log entries (``"{name}[{sms}]:"`` when not empty).
+
+    Attributes:
+        calls: ``(op, tensor or input, sms)`` of every call, in order.
+    """
+
+    name: ClassVar[str] = "recording"
+
+    def __init__(self, *, streams: RecordingStreamBackend | None = None, world_size: int = 2,
+                 sm_count: int = 132, name: str = "") -> None:
+        self._streams = streams
+        self._world = int(world_size)
+        self._sm_count = int(sm_count)
+        self._prefix = name
+        self.calls: list[tuple[str, Any, int | None]] = []
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the fake group."""
+        return self._world
+
+    @property
+    def rank(self) -> int:
+        """Always rank 0."""
+        return 0
+
+    @property
+    def sm_count(self) -> int:
+        """SMs of the fake GPU."""
+        return self._sm_count
+
+    def _log(self, what: str, stream: Any, sms: int | None) -> None:
+        if self._streams is not None:
+            prefix = f"{self._prefix}[{sms}]:" if self._prefix else ""
+            self._streams.launch(prefix + what, stream)
+
+    def all_reduce(self, tensor: Any, stream: Any, sms: int | None) -> Any:
+        """Records an all-reduce of ``tensor``; returns ``tensor``."""
+        self.calls.append(("all_reduce", tensor, sms))
+        self._log(f"all_reduce({tensor})", stream, sms)
+        return tensor
+
+    def all_gather(self, output: Any, input: Any, stream: Any, sms: int | None) -> Any:
+        """Records an all-gather of ``input`` into ``output``; returns ``output``."""
+        self.calls.append(("all_gather", input, sms))
+        self._log(f"all_gather({input}->{output})", stream, sms)
+        return output
+
+    def reduce_scatter(self, output: Any, input: Any, stream: Any, sms: int | None) -> Any:
+        """Records a reduce-scatter of ``input`` into ``output``; returns ``output``."""
+        self.calls.append(("reduce_scatter", input, sms))
+        self._log(f"reduce_scatter({input}->{output})", stream, sms)
+        return output
+
+
+class RecordingTrigger(FrequencyTrigger):
+    """A frequency trigger that records each request instead of changing a clock.
+
+    Attributes:
+        requests: ``(freq_mhz, stream)`` of every request, in order.
+    """
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[int, Any]] = []
+
+    def request(self, freq_mhz: int, *, stream: Any = None) -> int:
+        """Records the request; returns its token (1, 2, ...)."""
+        self.requests.append((int(freq_mhz), stream))
+        return len(self.requests)
+
+    @property
+    def freqs_mhz(self) -> list[int]:
+        """The requested clocks, in order."""
+        return [f for f, _ in self.requests]
+
+
+class _RecordingScope(PartitionHook):
+    """The scope :meth:`RecordingExecutor.partition` yields."""
+
+    def __init__(self, executor: RecordingExecutor, key: str, config: ScheduleConfig,
+                 op_names: Sequence[str] | None) -> None:
+        self._ex = executor
+        self.key = key
+        self.config = config
+        self._op_names = None if op_names is None else tuple(op_names)
+        self._count = 0
+        self._comm: tuple[str, Any] | None = None
+        self._launched = False
+
+    def communicate(self, tensor: Any, *, kind: str = "all_reduce", output: Any = None) -> None:
+        """Records the partition's collective (launched at the configured slot)."""
+        if kind not in COMM_KINDS:
+            raise ValueError(f"kind must be one of {COMM_KINDS}, got {kind!r}")
+        if self._comm is not None:
+            raise RuntimeError(f"partition {self.key!r} already has a collective")
+        if kind != "all_reduce" and output is None:
+            raise ValueError(f"{kind} needs an output tensor")
+        self._comm = (kind, tensor)
+        self._ex.log.append(("communicate", self.key, kind))
+
+    def op(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Runs ``fn(*args, **kwargs)`` as op ``name``, recording the collective's launch
+        first if ``name`` is the configured slot."""
+        names = self._op_names
+        if names is not None and (self._count >= len(names) or names[self._count] != name):
+            expected = names[self._count] if self._count < len(names) else "no more ops"
+            raise ConfigError(f"partition {self.key!r}: op {name!r} out of order "
+                              f"(expected {expected!r})")
+        if not self._launched and self.config.launch_slot == name:
+            self._launch(at=name)
+        self._count += 1
+        self._ex.log.append(("op", self.key, name))
+        return fn(*args, **kwargs)
+
+    def _launch(self, *, at: str | None) -> None:
+        if self._comm is None:
+            raise RuntimeError(
+                f"partition {self.key!r} reached its launch slot {self.config.launch_slot!r} "
+                "before communicate() named the collective")
+        self._ex.log.append(("collective", self.key, self._comm[0], self.config.comm_sms, at))
+        self._launched = True
+
+    def close(self) -> None:
+        """Records a collective not launched yet as launched after the ops (sequential)."""
+        if self._comm is None:
+            return
+        if not self._launched:
+            if self.config.launch_slot is not None and self._op_names is not None:
+                raise UnknownSlotError(f"partition {self.key!r}: slot "
+                                       f"{self.config.launch_slot!r} was never reached")
+            self._launch(at=None)
+
+
+class RecordingExecutor(Executor):
+    """An executor without a device: runs the ops, records what would have been launched.
+
+    Follows the contract of :class:`~kareus.exec.executor.TorchExecutor` (the same plan
+    lookups, slot and op-order checks and errors) so that code tested against it runs
+    the same against the real one.
+
+    Args:
+        plan: The plan to apply, or ``None``.
+        digest_exchange: ``digest -> every rank's digest`` (default: this rank alone).
+
+    Attributes:
+        log: What happened, in order: ``("start", digest)``, ``("microbatch", stage,
+            microbatch, phase, freq_mhz)`` (``freq_mhz`` ``None`` without a plan),
+            ``("partition", key, config)``, ``("communicate", key, kind)``, ``("op", key,
+            name)`` and ``("collective", key, kind, comm_sms, launch_slot)`` at the point
+            the collective is launched (``launch_slot`` ``None``: after the ops).
+    """
+
+    def __init__(self, *, plan: Plan | None = None,
+                 digest_exchange: Callable[[str], Sequence[str]] | None = None) -> None:
+        if plan is not None and not isinstance(plan, Plan):
+            raise TypeError(f"plan must be a kareus.compose.Plan, got {type(plan).__name__}")
+        self.plan = plan
+        self.current = None
+        self._exchange = digest_exchange or (lambda d: [d])
+        self._started = False
+        self.log: list[tuple[Any, ...]] = []
+
+    def start(self) -> None:
+        """Compares the plan's digest over the (fake) ranks; records it."""
+        if self.plan is not None:
+            mine = self.plan.digest
+            every = list(self._exchange(mine))
+            if any(d != mine for d in every):
+                listing = ", ".join(f"rank {i}: {d}" for i, d in enumerate(every))
+                raise PlanError("ranks hold different plans; every rank must load the same "
+                                f"plan before training ({listing})")
+            self.log.append(("start", mine))
+        self._started = True
+
+    def _require_started(self) -> None:
+        if self.plan is not None and not self._started:
+            raise PlanError("call executor.start() first: ranks must compare the plan's digest "
+                            "before any collective runs under it")
+
+    def run_partition(self, ops: Sequence[Callable[[], Any]], op_names: Sequence[str],
+                      comm_tensor: Any, config: ScheduleConfig, *,
+                      comm_kind: str = "all_reduce", comm_output: Any = None) -> None:
+        """Runs ``ops`` in order, recording the collective at ``config``'s slot."""
+        if len(ops) != len(op_names):
+            raise ValueError(f"{len(ops)} ops but {len(op_names)} names")
+        if config.launch_slot is not None and config.launch_slot not in op_names:
+            raise UnknownSlotError(f"launch slot {config.launch_slot!r} is not one of the ops "
+                                   f"{list(op_names)} (or None for sequential)")
+        with self.partition("partition", config=config, op_names=op_names) as part:
+            part.communicate(comm_tensor, kind=comm_kind, output=comm_output)
+            for name, fn in zip(op_names, ops):
+                part.op(name, fn)
+
+    def run_nanobatched(self, ops: Sequence[Callable[[int], Any]], op_names: Sequence[str],
+                        comm_tensors: Sequence[Any], config: ScheduleConfig, *,
+                        comm_kind: str = "all_reduce", comm_outputs: Sequence[Any] | None = None,
+                        ) -> None:
+        """Runs every op of every nanobatch in order, recording each nanobatch's collective
+        where the real executor launches it."""
+        n = len(comm_tensors)
+        if n < 2:
+            raise ValueError(f"nanobatching needs n >= 2 nanobatches, got {n}")
+        outs = list(comm_outputs) if comm_outputs is not None else [None] * n
+        for fn in ops:
+            fn(0)
+        for i in range(1, n):
+            if config.sequential:  # the previous nanobatch's collective, exposed
+                self.log.append(("collective", f"nanobatch{i - 1}", comm_kind, config.comm_sms,
+                                 None))
+                for fn in ops:
+                    fn(i)
+                continue
+            with self.partition(f"nanobatch{i - 1}", config=config, op_names=op_names) as part:
+                part.communicate(comm_tensors[i - 1], kind=comm_kind, output=outs[i - 1])
+                for name, fn in zip(op_names, ops):
+                    part.op(name, fn, i)
+        self.log.append(("collective", f"nanobatch{n - 1}", comm_kind, config.comm_sms, None))
+
+    @contextlib.contextmanager
+    def partition(self, key: str, *, config: ScheduleConfig | None = None,
+                  op_names: Sequence[str] | None = None) -> Iterator[PartitionHook]:
+        """The scope of one partition of type ``key`` (the plan's configuration unless
+        ``config`` is given)."""
+        if config is None:
+            if self.plan is None:
+                raise PlanError(f"no plan and no config for partition {key!r}")
+            self._require_started()
+            config = plan_config(self.plan, key, self.current)
+        self.log.append(("partition", key, config))
+        scope = _RecordingScope(self, key, config, op_names)
+        yield scope
+        scope.close()
+
+    @contextlib.contextmanager
+    def microbatch(self, stage: int, microbatch: int, phase: str) -> Iterator[None]:
+        """The scope of one microbatch computation; records the plan's clock for it."""
+        if phase not in ("fwd", "bwd"):
+            raise ValueError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
+        self._require_started()
+        f = None if self.plan is None else plan_frequency(self.plan, stage, microbatch, phase)
+        self.log.append(("microbatch", stage, microbatch, phase, f))
+        prev = self.current
+        self.current = (stage, microbatch, phase)
+        try:
+            yield None
+        finally:
+            self.current = prev
+
+    def entries(self, kind: str) -> list[tuple[Any, ...]]:
+        """The log entries of one kind (``"op"``, ``"collective"``, ...), without the kind."""
+        return [e[1:] for e in self.log if e[0] == kind]
+
+
+# ------------------------------------------------------------------ conformance
+
+
+#: The op names of the conformance checks' partition.
+OPS = ("attn_norm", "qkv", "rope", "attn_core", "out_proj")
+
+
+def make_test_plan(*, freqs_mhz: Sequence[int] = (1980, 1410),
+                   slots: Sequence[str | None] = ("qkv", None),
+                   sms: Sequence[int] = (16, 4)) -> Plan:
+    """A small valid plan for one stage and two forward microbatches of ``fwd_attn``.
+
+    Microbatch ``i`` runs at ``freqs_mhz[i]`` with ``sms[i]`` SMs launched at ``slots[i]``
+    (ops :data:`OPS`); the plan is for an ``h200-sxm``.
+    """
+    choices = [MicrobatchChoice(freq_mhz=f, configs={"fwd_attn": ScheduleConfig(f, s, slot)})
+               for f, slot, s in zip(freqs_mhz, slots, sms)]
+    return Plan(gpu="h200-sxm", num_stages=1, num_microbatches=len(choices), choices=choices,
+                assignment={f"s0.m{i}.fwd": i for i in range(len(choices))}, time_s=1.0,
+                energy_j=1.0, dynamic_energy_j=0.5, static_power_w=100.0)
+
+
+def _recorder(calls: list[str], name: str) -> Callable[..., str]:
+    def op(*args: Any) -> str:
+        calls.append(name if not args else f"{name}[{args[0]}]")
+        return name
+    return op
+
+
+def _check_type(make: Callable[[Plan | None], Executor]) -> None:
+    ex = make(None)
+    assert isinstance(ex, Executor), f"factory returned {type(ex).__name__}, not an Executor"
+    assert ex.plan is None, "an executor made without a plan must have plan None"
+    assert ex.current is None, "current must be None outside microbatch()"
+
+
+def _check_run_partition(make: Callable[[Plan | None], Executor]) -> None:
+    for slot in (*OPS, None):
+        ex = make(None)
+        calls: list[str] = []
+        ex.run_partition([_recorder(calls, o) for o in OPS], OPS, "buf",
+                         ScheduleConfig(1980, 8, slot))
+        assert calls == list(OPS), f"slot {slot}: ops must run once each, in order; got {calls}"
+    ex = make(None)
+    try:
+        ex.run_partition([_recorder([], o) for o in OPS], OPS, "b", ScheduleConfig(1980, 8, "x"))
+    except UnknownSlotError:
+        pass
+    else:
+        raise AssertionError("an unknown launch slot must raise UnknownSlotError")
+
+
+def _check_run_nanobatched(make: Callable[[Plan | None], Executor]) -> None:
+    for slot in ("rope", None):
+        ex = make(None)
+        calls: list[str] = []
+        ex.run_nanobatched([_recorder(calls, o) for o in OPS], OPS, ["y0", "y1", "y2"],
+                           ScheduleConfig(1980, 16, slot))
+        want = [f"{o}[{i}]" for i in range(3) for o in OPS]
+        assert calls == want, f"slot {slot}: every op of every nanobatch, in order; got {calls}"
+    try:
+        make(None).run_nanobatched([_recorder([], o) for o in OPS], OPS, ["y0"],
+                                   ScheduleConfig(1980, 16, "rope"))
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("run_nanobatched with one nanobatch must raise ValueError")
+
+
+def _check_hooks_follow_the_plan(make: Callable[[Plan | None], Executor]) -> None:
+    plan = make_test_plan()
+    ex = make(plan)
+    assert ex.plan is plan, "the executor must keep the plan it was given"
+    try:
+        with ex.partition("fwd_attn"):
+            pass
+    except PlanError:
+        pass
+    else:
+        raise AssertionError("a partition under a plan before start() must raise PlanError")
+    ex.start()
+    for mb in (0, 1):
+        calls: list[str] = []
+        with ex.microbatch(0, mb, "fwd"):
+            assert ex.current == (0, mb, "fwd"), "current must name the computation"
+            with ex.partition("fwd_attn", op_names=OPS) as part:
+                assert isinstance(part, PartitionHook), "partition() must yield a PartitionHook"
+                assert part.config == plan.config(f"s0.m{mb}.fwd", "fwd_attn"), \
+                    "the scope must carry the plan's configuration of this computation"
+                part.communicate(f"x{mb}")
+                got = [part.op(o, _recorder(calls, o)) for o in OPS]
+        assert got == list(OPS), "op() must return what the op returns"
+        assert calls == list(OPS), f"ops must run once each, in order; got {calls}"
+        assert ex.current is None, "current must be restored after microbatch()"
+    try:
+        with ex.microbatch(0, 0, "sideways"):
+            pass
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("a phase other than 'fwd'/'bwd' must raise ValueError")
+
+
+def _check_scope_rules(make: Callable[[Plan | None], Executor]) -> None:
+    ex = make(None)
+    try:
+        with ex.partition("fwd_attn"):
+            pass
+    except PlanError:
+        pass
+    else:
+        raise AssertionError("a partition with neither plan nor config must raise PlanError")
+    try:
+        with ex.partition("fwd_attn", config=ScheduleConfig(1980, 8, "qkv"),
+                          op_names=OPS) as part:
+            part.communicate("x")
+            part.op("qkv", _recorder([], "qkv"))
+    except ConfigError:
+        pass
+    else:
+        raise AssertionError("an op out of the declared order must raise ConfigError")
+
+
+EXECUTOR_CHECKS: dict[str, Callable[[Callable[[Plan | None], Executor]], None]] = {
+    "type": _check_type,
+    "run_partition": _check_run_partition,
+    "run_nanobatched": _check_run_nanobatched,
+    "hooks_follow_the_plan": _check_hooks_follow_the_plan,
+    "scope_rules": _check_scope_rules,
+}
+
+
+def check_executor(make: Callable[[Plan | None], Executor], *,
+                   skip: tuple[str, ...] = ()) -> None:
+    """Run every executor conformance check on executors made by ``make``.
+
+    Args:
+        make: ``make(plan)`` returns a new executor applying ``plan`` (or none), on a
+            device or fake device where every rank holds the same plan (the checks call
+            :meth:`~kareus.exec.executor.Executor.start`). The checks' plans are for an
+            ``h200-sxm`` and one stage (:func:`make_test_plan`).
+        skip: Names (keys of :data:`EXECUTOR_CHECKS`) to skip.
+
+    Raises:
+        AssertionError: naming the first check that fails.
+    """
+    _run_checks("executor", EXECUTOR_CHECKS, skip, make)
+
+
+class ExecutorConformance:
+    """Mix-in: subclass in a ``Test*`` class and implement :meth:`make_executor`; pytest
+    then runs one test per check. Set ``skip_checks`` to a tuple of names to skip."""
+
+    skip_checks: tuple[str, ...] = ()
+
+    def make_executor(self, plan: Plan | None) -> Executor:
+        """A new executor applying ``plan`` (implement it in the subclass)."""
+        raise NotImplementedError("implement make_executor(plan) to return a new executor")
+
+
+_add_tests(ExecutorConformance, EXECUTOR_CHECKS, lambda self: (self.make_executor,))
