@@ -108,8 +108,10 @@ class ProgressBar:
         self._closed = False
         self._lock = threading.Lock()
         if self.mode == "tqdm":
+            # without a total: the elapsed time and the status only (no "0it [?it/s]")
+            fmt = "{desc} {elapsed}{postfix}" if self.total is None else None
             self._tqdm = _tqdm_class()(total=self.total, desc=desc or None, file=self.file,
-                                       leave=True, dynamic_ncols=True)
+                                       leave=True, dynamic_ncols=True, bar_format=fmt)
 
     @property
     def enabled(self) -> bool:

@@ -138,6 +138,10 @@ def test_tqdm_auto_when_installed(monkeypatch: pytest.MonkeyPatch):
         bar.update(2)
     text = out.getvalue()
     assert "attn" in text and "3/3" in text and "front 2 pts" in text
+    out.truncate(0)
+    with ProgressBar(None, desc="composing 5 systems") as bar:
+        bar.set_status("done")
+    assert "composing 5 systems 00:00, done" in out.getvalue() and "it/s" not in out.getvalue()
     # never tqdm when asked not to, nor for an explicit file
     assert ProgressBar(3, use_tqdm=False).mode == "inplace"
     assert ProgressBar(3, file=_Tty()).mode == "inplace"
