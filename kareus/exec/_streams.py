@@ -54,20 +54,25 @@ class TorchStreamBackend(StreamBackend):
             else torch.device(device)
 
     def current_stream(self) -> Any:
+        """The current CUDA stream of the device."""
         return self._torch.cuda.current_stream(self.device)
 
     def new_stream(self, *, name: str) -> Any:
+        """A new CUDA stream on the device (``name`` is unused)."""
         return self._torch.cuda.Stream(device=self.device)
 
     def record_event(self, stream: Any) -> Any:
+        """Record and return a CUDA event at the current end of ``stream``."""
         ev = self._torch.cuda.Event()
         ev.record(stream)
         return ev
 
     def wait_event(self, stream: Any, event: Any) -> None:
+        """Make ``stream`` wait on the device until ``event`` has happened."""
         stream.wait_event(event)
 
     def use_stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        """``torch.cuda.stream(stream)``: ``stream`` is current inside."""
         return self._torch.cuda.stream(stream)
 
 
@@ -99,12 +104,15 @@ class RecordingStreamBackend(StreamBackend):
         self.events: dict[int, _FakeEvent] = {}
 
     def current_stream(self) -> _FakeStream:
+        """The fake stream work is logged on now (``compute`` outside :meth:`use_stream`)."""
         return self._stack[-1]
 
     def new_stream(self, *, name: str) -> _FakeStream:
+        """A new fake stream called ``name``."""
         return _FakeStream(name)
 
     def record_event(self, stream: Any) -> _FakeEvent:
+        """Log a record on ``stream``; return the event (it counts the launches before it)."""
         n = sum(1 for e in self.log if e[1] == stream.name and e[0] == "launch")
         ev = _FakeEvent(next(self._ids), stream.name, n)
         self.events[ev.id] = ev
@@ -112,10 +120,12 @@ class RecordingStreamBackend(StreamBackend):
         return ev
 
     def wait_event(self, stream: Any, event: Any) -> None:
+        """Log that ``stream`` waits for ``event``."""
         self.log.append(("wait", stream.name, event.id))
 
     @contextlib.contextmanager
     def use_stream(self, stream: Any) -> Iterator[Any]:
+        """Context in which ``stream`` is the current fake stream."""
         self._stack.append(stream)
         try:
             yield stream

@@ -117,6 +117,11 @@ class DryRunFrequencyController(FrequencyController):
         self.current_mhz: int | None = None
 
     def set_frequency(self, freq_mhz: int, *, token: int | None = None) -> None:
+        """Record a request for ``freq_mhz`` (checked against the GPU's clocks when it is known).
+
+        Raises:
+            UnsupportedFrequencyError: not a supported clock of the GPU.
+        """
         f = int(freq_mhz)
         if self.gpu is not None:
             self.gpu.check_clock(f)  # UnsupportedFrequencyError naming the nearest clock
@@ -125,6 +130,7 @@ class DryRunFrequencyController(FrequencyController):
             self.current_mhz = f
 
     def reset(self) -> None:
+        """Record a request to restore the default clock."""
         with self._lock:
             self.requests.append(FrequencyRequest(freq_mhz=None, time_s=self._clock()))
             self.current_mhz = None
@@ -179,6 +185,13 @@ class NVMLFrequencyController(FrequencyController):
             self._handles_signal = False
 
     def set_frequency(self, freq_mhz: int, *, token: int | None = None) -> None:
+        """Lock every controlled GPU's SM clock at ``freq_mhz``.
+
+        Raises:
+            UnsupportedFrequencyError: not a supported clock of the GPU.
+            FrequencyPermissionError: NVML refuses (needs root); the clocks are restored.
+            HardwareError: any other NVML failure; the clocks are restored.
+        """
         f = int(freq_mhz)
         if self.gpu is not None:
             self.gpu.check_clock(f)  # UnsupportedFrequencyError naming the nearest clock
@@ -338,6 +351,7 @@ class HostFunctionMarker(StreamMarker):
         self._fire: Callable[[int], None] | None = None
 
     def start(self, fire: Callable[[int], None]) -> None:
+        """Start the thread that reads tokens from the pipe and hands them to ``fire``."""
         self._fire = fire
         self._thread = threading.Thread(target=self._read, name="kareus-hostfn-reader",
                                         daemon=True)
@@ -359,6 +373,7 @@ class HostFunctionMarker(StreamMarker):
                 self._fire(token)
 
     def enqueue(self, stream: Any, token: int) -> None:
+        """Enqueue a host function on ``stream`` that writes ``token`` into the pipe."""
         rc = self._lib.kareus_hostfn_enqueue(ctypes.c_void_p(_stream_handle(stream)),
                                              self._w, ctypes.c_ulonglong(token))
         if rc != 0:
@@ -366,6 +381,7 @@ class HostFunctionMarker(StreamMarker):
 
     def close(self, *, drained: bool = True) -> None:
         # The stop token goes through the pipe after every token already written.
+        """Stop the reader after every token already written; close the pipe if ``drained``."""
         os.write(self._w, (0xFFFFFFFFFFFFFFFF).to_bytes(8, "little"))
         if self._thread is not None:
             self._thread.join(timeout=5.0)
@@ -406,12 +422,14 @@ class EventPollingMarker(StreamMarker):
         return ev
 
     def start(self, fire: Callable[[int], None]) -> None:
+        """Start the thread that polls the events and hands reached tokens to ``fire``."""
         self._fire = fire
         self._thread = threading.Thread(target=self._poll, name="kareus-event-poller",
                                         daemon=True)
         self._thread.start()
 
     def enqueue(self, stream: Any, token: int) -> None:
+        """Record an event for ``token`` at the current end of ``stream``."""
         ev = self._factory(stream)
         with self._lock:
             self._pending.append((token, ev))
@@ -436,6 +454,7 @@ class EventPollingMarker(StreamMarker):
         self._deliver_ready()
 
     def close(self, *, drained: bool = True) -> None:
+        """Stop the polling thread (after delivering the events already reached)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5.0)

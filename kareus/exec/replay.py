@@ -176,6 +176,12 @@ class ReplayProfiler(Profiler):
 
     # -- Profiler --------------------------------------------------------------------
     def measure(self, partition: Partition, config: ScheduleConfig) -> Measurement:
+        """The recorded measurement of ``partition`` under ``config`` (samples in turn, or
+        their mean).
+
+        Raises:
+            ConfigError: the configuration was never recorded for this partition.
+        """
         key = (partition.name, config)
         ms = self._table.get(key)
         if not ms:
@@ -196,6 +202,11 @@ class ReplayProfiler(Profiler):
 
     def measure_outside(self, work: OutsideWork, freq_mhz: int, *, group_size: int,
                         comm_sms: int | None = None) -> Measurement:
+        """The recorded measurement of work outside partitions at ``freq_mhz``.
+
+        Raises:
+            ConfigError: that work was never recorded at this clock and SM count.
+        """
         key = (work_key(work), int(freq_mhz), None if comm_sms is None else int(comm_sms),
                int(group_size))
         ms = self._outside.get(key)
@@ -270,6 +281,7 @@ class RecordingProfiler(Profiler):
         self.rows: list[dict[str, Any]] = []
 
     def measure(self, partition: Partition, config: ScheduleConfig) -> Measurement:
+        """Measure with the wrapped profiler and record the row."""
         m = self.inner.measure(partition, config)
         self.rows.append({"kind": "grid", "partition": partition.name,
                           "config": config.to_dict(), "measurement": m.to_dict()})
@@ -277,6 +289,7 @@ class RecordingProfiler(Profiler):
 
     def measure_outside(self, work: OutsideWork, freq_mhz: int, *, group_size: int,
                         comm_sms: int | None = None) -> Measurement:
+        """Measure outside work with the wrapped profiler and record the row."""
         m = self.inner.measure_outside(work, freq_mhz, group_size=group_size,
                                        comm_sms=comm_sms)
         self.rows.append({"kind": "outside", "work": work_key(work), "freq_mhz": int(freq_mhz),
@@ -285,9 +298,11 @@ class RecordingProfiler(Profiler):
         return m
 
     def static_power_w(self, group_size: int) -> float:
+        """The wrapped profiler's static power of ``group_size`` GPUs."""
         return self.inner.static_power_w(group_size)
 
     def space(self, partition: Partition) -> ConfigSpace:
+        """The wrapped profiler's configuration space of ``partition``."""
         return self.inner.space(partition)
 
     def to_dict(self, *, what: str = "", workload: Mapping[str, Any] | None = None

@@ -210,7 +210,8 @@ def test_constructor_type_checks():
     with pytest.raises(TypeError, match="CollectiveBackend"):
         TorchExecutor(collective=None, streams=dev)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="default_collective"):
-        TorchExecutor(collective=coll, streams=dev, default_collective=object())  # type: ignore[arg-type]
+        TorchExecutor(collective=coll, streams=dev,
+                      default_collective=object())  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="Plan"):
         TorchExecutor(collective=coll, streams=dev, plan=_DuckPlan())  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="StreamBackend"):
@@ -290,40 +291,3 @@ def test_recording_executor_records_what_the_torch_executor_launches():
     assert launches.index("all_reduce(x0)") == launches.index("rope0") - 1
     assert launches.index("all_reduce(x1)") > launches.index("out_proj1")
     assert [op for _, op in fake.entries("op")[:5]] == list(OPS)
-
-
-# ------------------------------------------------------------------ ProcessGroupCollective
-
-
-class RecordingDist:
-    """torch.distributed stand-in: records the flat-tensor collectives it is asked for."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, object, object, object]] = []
-
-    def __getattr__(self, name):
-        if name not in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"):
-            raise AttributeError(name)
-
-        def call(*args, group=None):
-            self.calls.append((name, *args, group))
-        return call
-
-
-@pytest.mark.parametrize(("op", "dist_call"), [("all_gather", "all_gather_into_tensor"),
-                                               ("reduce_scatter", "reduce_scatter_tensor")])
-def test_process_group_collective_shard_ops_call_the_flat_tensor_collectives(op, dist_call):
-    torch = pytest.importorskip("torch")
-    from kareus.exec.executor import ProcessGroupCollective
-
-    group = object()
-    coll = ProcessGroupCollective(group=group)
-    coll._dist = RecordingDist()
-    full, shard = torch.zeros(2, 3, 4), torch.zeros(3, 4)
-    output, input = (full, shard) if op == "all_gather" else (shard, full)
-    assert getattr(coll, op)(output, input, None, 7) is output  # sms is ignored
-    ((name, out_flat, in_flat, got_group),) = coll._dist.calls
-    assert (name, got_group) == (dist_call, group)
-    # flat views of the caller's tensors (the same memory), output first
-    assert out_flat.shape == (output.numel(),) and out_flat.data_ptr() == output.data_ptr()
-    assert in_flat.shape == (input.numel(),) and in_flat.data_ptr() == input.data_ptr()

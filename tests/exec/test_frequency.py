@@ -285,3 +285,31 @@ def test_type_checks():
         StreamOrderedTrigger(object())
     with pytest.raises(TypeError, match="StreamMarker"):
         StreamOrderedTrigger(DryRunFrequencyController(), marker=object())
+
+
+# ------------------------------------------------------------------ one clock check
+
+
+@pytest.mark.parametrize("freq", [1501, 100, 5000])
+def test_controllers_check_clocks_exactly_as_the_gpu_spec_does(freq):
+    from kareus.model.gpu import get_gpu
+
+    with pytest.raises(UnsupportedFrequencyError) as want:
+        get_gpu("h200-sxm").check_clock(freq)
+    nvml = FakeNVML(n=1)
+    with NVMLFrequencyController(device_indices=[0], gpu="h200-sxm", nvml=nvml,
+                                 handle_signals=False) as nvml_ctrl:
+        for ctrl in (DryRunFrequencyController(gpu="h200-sxm"), nvml_ctrl):
+            with pytest.raises(UnsupportedFrequencyError) as got:
+                ctrl.set_frequency(freq)
+            assert str(got.value) == str(want.value)
+            assert "nearest supported" in str(got.value)
+    assert not any(c[0] == "lock" for c in nvml.calls)
+
+
+def test_the_trigger_is_the_frequency_role_the_executor_takes():
+    from kareus.exec.frequency import FrequencyTrigger
+
+    with pytest.raises(TypeError, match="request"):
+        FrequencyTrigger()  # type: ignore[abstract]
+    assert issubclass(StreamOrderedTrigger, FrequencyTrigger)

@@ -66,14 +66,17 @@ class MscclppCollective(CollectiveBackend):
 
     @property
     def world_size(self) -> int:
+        """Ranks in the group."""
         return self._world
 
     @property
     def rank(self) -> int:
+        """This process's rank in the group."""
         return self._rank
 
     @property
     def sm_count(self) -> int:
+        """SMs of this rank's GPU."""
         return self._sm_count
 
     def _runner(self, op: str) -> MscclppRunner:
@@ -84,18 +87,22 @@ class MscclppCollective(CollectiveBackend):
         return self._runners[op]
 
     def all_reduce(self, tensor: Any, stream: Any, sms: int | None) -> Any:
+        """Sums ``tensor`` over the group in place (the MSCCL++ runner); returns ``tensor``."""
         sms = self._check_sms(sms)
         _check_tensor(tensor, "tensor", self._device)
         self._runner("all_reduce")(tensor, tensor, _resolve_stream(stream), sms)
         return tensor
 
     def all_gather(self, output: Any, input: Any, stream: Any, sms: int | None) -> Any:
+        """Gathers every rank's ``input`` into ``output`` through the MSCCL++ runner."""
         return self._shard_collective("all_gather", output, input, stream, sms)
 
     def reduce_scatter(self, output: Any, input: Any, stream: Any, sms: int | None) -> Any:
+        """Sums ``input`` over the group into this rank's ``output`` through the MSCCL++ runner."""
         return self._shard_collective("reduce_scatter", output, input, stream, sms)
 
-    def _shard_collective(self, op: str, output: Any, input: Any, stream: Any, sms: int | None) -> Any:
+    def _shard_collective(self, op: str, output: Any, input: Any, stream: Any,
+                          sms: int | None) -> Any:
         sms = self._check_sms(sms)
         _check_pair(op, output, input, self._world, self._device)
         self._runner(op)(output, input, _resolve_stream(stream), sms)

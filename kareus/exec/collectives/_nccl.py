@@ -62,18 +62,22 @@ class NCCLCappedCollective(CollectiveBackend):
 
     @property
     def world_size(self) -> int:
+        """Ranks in the group."""
         return self._world
 
     @property
     def rank(self) -> int:
+        """This process's rank in the group."""
         return self._rank
 
     @property
     def sm_count(self) -> int:
+        """SMs of this rank's GPU."""
         return self._sm_count
 
     @property
     def max_sms(self) -> int:
+        """Largest cap accepted: ``max_sms`` and at most SMs - 1."""
         return min(self._max_sms, self._sm_count - 1)
 
     def group_for(self, sms: int | None) -> Any:
@@ -90,6 +94,7 @@ class NCCLCappedCollective(CollectiveBackend):
         return self._groups[sms]
 
     def all_reduce(self, tensor: Any, stream: Any, sms: int | None) -> Any:
+        """Sums ``tensor`` over the group in place, on NCCL capped at ``sms`` CTAs."""
         import torch
         import torch.distributed as dist
 
@@ -100,12 +105,15 @@ class NCCLCappedCollective(CollectiveBackend):
         return tensor
 
     def all_gather(self, output: Any, input: Any, stream: Any, sms: int | None) -> Any:
+        """Gathers every rank's ``input`` into ``output``, on NCCL capped at ``sms`` CTAs."""
         return self._shard_collective("all_gather", output, input, stream, sms)
 
     def reduce_scatter(self, output: Any, input: Any, stream: Any, sms: int | None) -> Any:
+        """Sums ``input`` over the group into this rank's ``output`` (NCCL, ``sms`` CTAs)."""
         return self._shard_collective("reduce_scatter", output, input, stream, sms)
 
-    def _shard_collective(self, op: str, output: Any, input: Any, stream: Any, sms: int | None) -> Any:
+    def _shard_collective(self, op: str, output: Any, input: Any, stream: Any,
+                          sms: int | None) -> Any:
         import torch
         import torch.distributed as dist
 

@@ -234,18 +234,22 @@ class OwnKernelCollective(CollectiveBackend):
 
     @property
     def world_size(self) -> int:
+        """Ranks in the group."""
         return self._world
 
     @property
     def rank(self) -> int:
+        """This process's rank in the group."""
         return self._rank
 
     @property
     def sm_count(self) -> int:
+        """SMs of this rank's GPU."""
         return self._sm_count
 
     @property
     def max_sms(self) -> int:
+        """Largest grid the kernels take here: SMs - 1, at most the compiled block limit."""
         return min(self._sm_count - 1, self._max_blocks)
 
     @property
@@ -331,6 +335,11 @@ class OwnKernelCollective(CollectiveBackend):
             raise CollectiveArgumentError("this OwnKernelCollective was closed; build a new one")
 
     def all_reduce(self, tensor: Any, stream: Any, sms: int | None) -> Any:
+        """Sums ``tensor`` over the group in place with ``sms`` thread blocks; returns ``tensor``.
+
+        Registered tensors (from :meth:`empty`) take the zero-copy kernels; others go
+        through the staging buffer, in pieces when larger than it.
+        """
         self._check_open()
         sms = self._check_sms(sms)
         dtype = _check_tensor(tensor, "tensor", self._device)
@@ -368,12 +377,15 @@ class OwnKernelCollective(CollectiveBackend):
         return tensor
 
     def all_gather(self, output: Any, input: Any, stream: Any, sms: int | None) -> Any:
+        """Gathers every rank's ``input`` into ``output`` with ``sms`` thread blocks."""
         return self._shard_collective("all_gather", output, input, stream, sms)
 
     def reduce_scatter(self, output: Any, input: Any, stream: Any, sms: int | None) -> Any:
+        """Sums ``input`` over the group into this rank's ``output`` with ``sms`` thread blocks."""
         return self._shard_collective("reduce_scatter", output, input, stream, sms)
 
-    def _shard_collective(self, op: str, output: Any, input: Any, stream: Any, sms: int | None) -> Any:
+    def _shard_collective(self, op: str, output: Any, input: Any, stream: Any,
+                          sms: int | None) -> Any:
         """All-gather or reduce-scatter: one shard of ``m`` elements per rank.
 
         The full-size tensor (all-gather output, reduce-scatter input) is the one the

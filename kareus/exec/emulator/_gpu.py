@@ -178,10 +178,12 @@ class EmulatedGPU:
     # ------------------------------------------------------------------ physics helpers
     @property
     def name(self) -> str:
+        """The GPU's preset name."""
         return self.spec.name
 
     @property
     def sm_count(self) -> int:
+        """SMs of the GPU."""
         return self.spec.sm_count
 
     @property

@@ -17,11 +17,13 @@ class Coordinator(abc.ABC):
 
     @property
     @abc.abstractmethod
-    def rank(self) -> int: ...
+    def rank(self) -> int:
+        """This process's rank in the group."""
 
     @property
     @abc.abstractmethod
-    def world_size(self) -> int: ...
+    def world_size(self) -> int:
+        """Ranks in the group."""
 
     @abc.abstractmethod
     def broadcast(self, values: Sequence[float]) -> list[float]:
@@ -32,6 +34,7 @@ class Coordinator(abc.ABC):
         """Element-wise sum over ranks."""
 
     def barrier(self) -> None:
+        """Wait until every rank gets here."""
         self.sum([0.0])
 
     def blocked_wait(self, *, waiting: bool, peer: int, seconds: float) -> None:
@@ -45,16 +48,20 @@ class LocalCoordinator(Coordinator):
 
     @property
     def rank(self) -> int:
+        """Always 0."""
         return 0
 
     @property
     def world_size(self) -> int:
+        """Always 1."""
         return 1
 
     def broadcast(self, values: Sequence[float]) -> list[float]:
+        """``values`` as floats (this process is rank 0)."""
         return [float(v) for v in values]
 
     def sum(self, values: Sequence[float]) -> list[float]:
+        """``values`` as floats (the only rank)."""
         return [float(v) for v in values]
 
 
@@ -74,10 +81,12 @@ class TorchDistributedCoordinator(Coordinator):
 
     @property
     def rank(self) -> int:
+        """This process's rank in the group."""
         return int(self._dist.get_rank(self._group))
 
     @property
     def world_size(self) -> int:
+        """Ranks in the group."""
         return int(self._dist.get_world_size(self._group))
 
     def _tensor(self, values: Sequence[float]) -> Any:
@@ -85,17 +94,20 @@ class TorchDistributedCoordinator(Coordinator):
                                   device=self._device)
 
     def broadcast(self, values: Sequence[float]) -> list[float]:
+        """Rank 0's ``values`` on every rank (a float64 tensor broadcast)."""
         t = self._tensor(values)
         src = self._dist.get_global_rank(self._group, 0) if self._group is not None else 0
         self._dist.broadcast(t, src=src, group=self._group)
         return [float(v) for v in t.tolist()]
 
     def sum(self, values: Sequence[float]) -> list[float]:
+        """Element-wise sum of ``values`` over the group (a float64 all-reduce)."""
         t = self._tensor(values)
         self._dist.all_reduce(t, group=self._group)
         return [float(v) for v in t.tolist()]
 
     def blocked_wait(self, *, waiting: bool, peer: int, seconds: float) -> None:
+        """Block in a receive from ``peer`` (``waiting``), or sleep ``seconds``, then send."""
         buf = self._torch.zeros(1024, device=self._device)
         if self._group is not None:
             peer = self._dist.get_global_rank(self._group, peer)

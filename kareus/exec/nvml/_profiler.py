@@ -60,6 +60,7 @@ class MeasurementRecord:
     host_step_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (configuration and measurement as their dicts)."""
         d = attrs.asdict(self, recurse=False)
         d["config"] = self.config.to_dict()
         d["measurement"] = self.measurement.to_dict()

@@ -56,6 +56,11 @@ class TorchPartitionRunner(PartitionRunner):
         self._programs: dict[int, tuple[Partition, Any]] = {}
 
     def program(self, partition: Partition) -> Any:
+        """The built program of ``partition`` (built once with the executor's backend, then cached).
+
+        Raises:
+            TypeError: ``partition`` is not a runnable partition.
+        """
         from kareus.exec.torch_partition import RunnablePartition  # noqa: PLC0415
 
         if not isinstance(partition, RunnablePartition):
@@ -72,6 +77,7 @@ class TorchPartitionRunner(PartitionRunner):
         return self._programs[key][1]
 
     def prepare(self, partition: Partition, config: ScheduleConfig) -> Callable[[], None]:
+        """A callable that runs one step of ``partition`` under ``config`` through the executor."""
         prog = self.program(partition)
         ex = self.executor
 
@@ -82,12 +88,15 @@ class TorchPartitionRunner(PartitionRunner):
         return step
 
     def synchronize(self) -> None:
+        """``torch.cuda.synchronize()``."""
         self._torch.cuda.synchronize()
 
     def mark(self) -> Any:
+        """A timing CUDA event recorded on the current stream."""
         ev = self._torch.cuda.Event(enable_timing=True)
         ev.record()
         return ev
 
     def elapsed_s(self, start: Any, end: Any) -> float:
+        """Device time between two marks, seconds."""
         return float(start.elapsed_time(end)) / 1000.0
