@@ -46,6 +46,7 @@ from kareus.model.pipeline import PipelineSchedule, one_f_one_b
 from kareus.model.workload import Workload
 from kareus.search import PartitionFrontier
 from kareus.testing._suite import _add_tests, _run_checks
+from kareus.testing.profiler import FakeProfiler
 
 __all__ = [
     "ITERATION_COMPOSER_CHECKS",
@@ -80,8 +81,6 @@ class ComposerCase:
     """
 
     def __init__(self) -> None:
-        from kareus.testing import FakeProfiler  # noqa: PLC0415 - the package imports this module
-
         profiler = FakeProfiler("a100-40gb")
         self.workload = Workload.preset("qwen3-1.7b", tp=2, pp=2, dp=2, microbatch_size=2,
                                         seq_len=1024, num_microbatches=3, nanobatches=2)
