@@ -64,6 +64,7 @@ from kareus.exec.nvml import (
     PartitionRunner,
     TorchDistributedCoordinator,
     TorchPartitionRunner,
+    nvml_device_index,
 )
 from kareus.exec.replay import ReplayProfiler
 from kareus.exec.torch_partition import (
@@ -122,6 +123,7 @@ __all__ = [
     "TorchExecutor",
     "TorchPartitionRunner",
     "TorchStreamBackend",
+    "nvml_device_index",
     "runnable_partitions",
     "select_collective_backend",
 ]

@@ -149,7 +149,9 @@ class NVMLFrequencyController(FrequencyController):
     """Locks SM clocks through NVML and always gives them back.
 
     Args:
-        device_indices: NVML indices of the GPUs to control (this rank's GPU).
+        device_indices: NVML indices of the GPUs to control; ``None`` = this process's
+            current CUDA device, found in NVML by its UUID
+            (:func:`kareus.exec.nvml.nvml_device_index`: right under ``CUDA_VISIBLE_DEVICES``).
         gpu: GPU preset; requested clocks must be among its supported clocks.
         nvml: The NVML module (``None``: ``pynvml``); a fake for tests.
         handle_signals: Restore the clocks on SIGTERM (then run the previous handler,
@@ -159,11 +161,14 @@ class NVMLFrequencyController(FrequencyController):
         HardwareError: NVML is missing or fails.
     """
 
-    def __init__(self, *, device_indices: Sequence[int], gpu: str | GPUSpec | None = None,
-                 nvml: Any = None, handle_signals: bool = True) -> None:
-        from kareus.exec.nvml import load_nvml  # noqa: PLC0415
+    def __init__(self, *, device_indices: Sequence[int] | None = None,
+                 gpu: str | GPUSpec | None = None, nvml: Any = None,
+                 handle_signals: bool = True) -> None:
+        from kareus.exec.nvml import load_nvml, nvml_device_index  # noqa: PLC0415
 
         self.nvml = load_nvml(nvml)
+        if device_indices is None:
+            device_indices = [nvml_device_index(nvml=self.nvml)]
         self.device_indices = tuple(int(i) for i in device_indices)
         if not self.device_indices:
             raise ValueError("an NVMLFrequencyController needs at least one GPU")

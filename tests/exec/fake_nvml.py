@@ -23,8 +23,10 @@ NVML_CLOCK_SM = 1
 
 
 class FakeDevice:
-    def __init__(self, idle_w: float) -> None:
+    def __init__(self, idle_w: float, uuid: str = "GPU-00000000-0000-0000-0000-000000000000"
+                 ) -> None:
         self.idle_w = idle_w
+        self.uuid = uuid
         self.busy: list[tuple[float, float, float]] = []  # (start, end, extra watts)
         self.temp_c = 40.0
         self.locked: tuple[int, int] | None = None
@@ -50,7 +52,9 @@ class FakeNVML:
                  allow_clock_changes: bool = True, counter_moves: bool = True) -> None:
         self.t0 = time.perf_counter()
         self.period_s = period_s
-        self.devices = [FakeDevice(idle_w) for _ in range(n)]
+        # NVML reports UUIDs as "GPU-<hex>"; device i's ends in its index.
+        self.devices = [FakeDevice(idle_w, f"GPU-5eed{i:04x}-1111-2222-3333-{i:012x}")
+                        for i in range(n)]
         self.allow = allow_clock_changes
         self.counter_moves = counter_moves
         self.calls: list[tuple] = []
@@ -65,6 +69,9 @@ class FakeNVML:
 
     def nvmlDeviceGetHandleByIndex(self, i: int) -> FakeDevice:  # noqa: N802
         return self.devices[i]
+
+    def nvmlDeviceGetUUID(self, h: FakeDevice) -> bytes:  # noqa: N802
+        return h.uuid.encode()  # older pynvml releases return bytes
 
     def nvmlDeviceGetTotalEnergyConsumption(self, h: FakeDevice) -> int:  # noqa: N802
         if not self.counter_moves:

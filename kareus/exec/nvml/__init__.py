@@ -40,7 +40,8 @@ broadcast, so no loop length depends on one rank's timing.
 ``pynvml`` (the ``nvidia-ml-py`` package) is imported lazily; pass a fake module as
 ``nvml=`` to test without GPUs.
 
-Modules (import the names from this package, not from them): ``_device`` (loading NVML),
+Modules (import the names from this package, not from them): ``_device`` (loading NVML,
+and :func:`nvml_device_index`: this process's GPU in NVML's numbering, by UUID),
 ``_meter`` (:class:`EnergyMeter`), ``_coordinator`` (agreement among ranks), ``_runner``
 (running partition steps) and ``_profiler`` (:class:`NVMLProfiler`).
 """
@@ -52,7 +53,7 @@ from kareus.exec.nvml._coordinator import (
     LocalCoordinator,
     TorchDistributedCoordinator,
 )
-from kareus.exec.nvml._device import load_nvml
+from kareus.exec.nvml._device import cuda_device_uuid, load_nvml, nvml_device_index
 from kareus.exec.nvml._meter import EnergyMeter
 from kareus.exec.nvml._profiler import MeasurementRecord, NVMLProfiler
 from kareus.exec.nvml._runner import PartitionRunner, TorchPartitionRunner
@@ -66,5 +67,7 @@ __all__ = [
     "PartitionRunner",
     "TorchDistributedCoordinator",
     "TorchPartitionRunner",
+    "cuda_device_uuid",
     "load_nvml",
+    "nvml_device_index",
 ]

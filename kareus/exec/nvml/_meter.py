@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 
 from kareus._logging import get_logger
-from kareus.exec.nvml._device import load_nvml
+from kareus.exec.nvml._device import load_nvml, nvml_device_index
 
 __all__ = ["EnergyMeter"]
 
@@ -38,15 +38,19 @@ class EnergyMeter:
     [t0, t1]" per GPU. The thread also samples SM clock and temperature.
 
     Args:
-        device_indices: NVML indices of the GPUs to read (a rank's own GPU).
+        device_indices: NVML indices of the GPUs to read; ``None`` = this process's
+            current CUDA device, found in NVML by its UUID (:func:`nvml_device_index`:
+            right under ``CUDA_VISIBLE_DEVICES``).
         nvml: The NVML module (``None``: ``pynvml``).
         poll_interval_s: Polling period; the edge times are known to about this much.
         history: Edges kept per GPU.
     """
 
-    def __init__(self, *, device_indices: Sequence[int], nvml: Any = None,
+    def __init__(self, *, device_indices: Sequence[int] | None = None, nvml: Any = None,
                  poll_interval_s: float | None = None, history: int = 20000) -> None:
         self.nvml = load_nvml(nvml)
+        if device_indices is None:
+            device_indices = [nvml_device_index(nvml=self.nvml)]
         self.device_indices = tuple(int(i) for i in device_indices)
         if not self.device_indices:
             raise ValueError("an EnergyMeter needs at least one GPU")
