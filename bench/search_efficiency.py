@@ -314,8 +314,8 @@ def main(argv: list[str] | None = None) -> int:
             sys.argv[1:] if argv is None else argv),
         "emulated": args.profiler == "emulated",
         "git_head": _git("rev-parse", "--short", "HEAD"),
-        "emulator_commit": _git("log", "-1", "--format=%h", "--", "kareus/exec/emulator.py"),
-        "emulator_dirty": bool(_git("status", "--porcelain", "--", "kareus/exec/emulator.py")),
+        "emulator_commit": _git("log", "-1", "--format=%h", "--", "kareus/exec/emulator"),
+        "emulator_dirty": bool(_git("status", "--porcelain", "--", "kareus/exec/emulator")),
         "profiler": ("kareus.exec.emulator.EmulatedProfiler" if args.profiler == "emulated"
                      else "kareus.testing.FakeProfiler (development stand-in)"),
         "noise": NOISE,
