@@ -48,11 +48,11 @@ def pareto_mask(points: ArrayLike) -> np.ndarray:
     if n == 0:
         return mask
     order = np.lexsort((np.arange(n), p[:, 1], p[:, 0]))  # by x, then y, then index
-    best_y = np.inf
-    for i in order:
-        if p[i, 1] < best_y:
-            mask[i] = True
-            best_y = p[i, 1]
+    ys = p[order, 1]
+    # In that order a point is on the front iff its energy is strictly below every
+    # energy before it (one sweep, vectorised as a running minimum).
+    best_before = np.concatenate(([np.inf], np.minimum.accumulate(ys)[:-1]))
+    mask[order[ys < best_before]] = True
     return mask
 
 
