@@ -43,6 +43,13 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
     folder = target.parent if str(target.parent) else Path(".")
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
     try:
+        # mkstemp makes the file private (0600); give it the mode an ordinary write would
+        # (the old file's, else 0666 less the umask), so shared results stay readable.
+        try:
+            mode = target.stat().st_mode & 0o7777
+        except OSError:
+            mode = 0o666 & ~_umask()
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
@@ -53,6 +60,20 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
             os.unlink(tmp)
         raise
     return target
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux allows (else set and reset)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def write_json_atomic(path: str | os.PathLike[str], obj: Any, *, indent: int | None = 1) -> Path:

@@ -15,7 +15,7 @@ from kareus._version import __version__
 from kareus.errors import KareusError
 from kareus.model.gpu import GPU_PRESETS
 from kareus.model.workload import MODEL_PRESETS
-from kareus.search.optimizer import SURROGATES
+from kareus.search import SURROGATES
 
 __all__ = ["main"]
 
@@ -117,7 +117,7 @@ def _profiler_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-de
     if spec == "emulated":
         from kareus.exec.emulator import EmulatedProfiler  # noqa: PLC0415
 
-        return EmulatedProfiler(args.gpu, noise=args.noise, seed=args.seed)
+        return EmulatedProfiler(args.gpu or "a100-40gb", noise=args.noise, seed=args.seed)
     if spec.startswith("replay:"):
         from pathlib import Path  # noqa: PLC0415
 
@@ -126,43 +126,107 @@ def _profiler_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-de
         path = Path(spec.split(":", 1)[1])
         if not path.is_file():
             raise FileNotFoundError(f"--profiler {spec}: no such file {str(path)!r}")
-        return ReplayProfiler(path, gpu=args.gpu)
+        return ReplayProfiler(path, gpu=args.gpu)  # None: the recording's GPU
     raise ValueError(f"--profiler must be 'emulated' or 'replay:FILE', got {spec!r}")
 
 
-def cmd_optimize(args: argparse.Namespace) -> int:
-    from pathlib import Path  # noqa: PLC0415
+_MIN_SEQ_LEN = 128
 
+# The up-front estimate of a run's length (emulated profiler, GP surrogate), fitted to runs of
+# the README job on a 2-core CPU (budget 96 and 300: 960 profiles in 5.9 s, 2,004 in 16.8 s;
+# 8, 32 and 128 microbatches: 5.9, 7.2 and 67.6 s): per partition type with n profiles,
+# a x n + b x n^4 seconds (the GP refits every batch); composing C microbatch computations
+# for the five systems, c x C^2 seconds.
+_EST_S_PER_PROFILE = 5e-3
+_EST_S_PER_PROFILE4 = 4e-10
+_EST_S_PER_COMPUTATION2 = 2.4e-4
+_EST_SAY_ABOVE_S = 120.0
+_EST_REFUSE_ABOVE_S = 2 * 86400.0
+
+
+def _say_estimate(workload, profiler, args) -> None:  # type: ignore[no-untyped-def]
+    """Say up front, on stderr, how long a long run will take (profiles and composition);
+    refuse one estimated at more than two days."""
+    from kareus.errors import InfeasibleError  # noqa: PLC0415
+    from kareus.model.partition import build_partitions  # noqa: PLC0415
+
+    pset = build_partitions(workload)
+    counts = [min(args.budget, len(profiler.space(p))) for p in pset.types.values()]
+    computations = 2 * workload.parallelism.pp * workload.num_microbatches
+    est = (sum(_EST_S_PER_PROFILE * n + _EST_S_PER_PROFILE4 * float(n) ** 4 for n in counts)
+           + _EST_S_PER_COMPUTATION2 * float(computations) ** 2)
+    if est > _EST_REFUSE_ABOVE_S:
+        raise InfeasibleError(
+            f"this run would make up to {sum(counts):,} profiles over {len(counts)} partition "
+            f"types and compose {computations:,} microbatch computations: roughly "
+            f"{_duration(est)} on a 2-core CPU (estimated); lower --budget (each type's space "
+            f"has {min(len(profiler.space(p)) for p in pset.types.values()):,}+ "
+            f"configurations) or --microbatches")
+    if est > _EST_SAY_ABOVE_S:
+        print(f"kareus: this run makes up to {sum(counts):,} profiles over {len(counts)} "
+              f"partition types and composes {computations:,} microbatch computations: "
+              f"roughly {_duration(est)} on a 2-core CPU (estimated; lower --budget or "
+              f"--microbatches for a quicker run). Ctrl-C stops it; the same command resumes.",
+              file=sys.stderr)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 3600:
+        return f"{seconds / 60:,.0f} min"
+    if seconds < 86400 * 3:
+        return f"{seconds / 3600:,.1f} h"
+    return f"{seconds / 86400:,.0f} days"
+
+
+def cmd_optimize(args: argparse.Namespace) -> int:
+    from kareus._outdir import check_output_file, check_output_folder, guarded_folder  # noqa: PLC0415
+    from kareus.errors import WorkloadError  # noqa: PLC0415
     from kareus.model.gpu import get_gpu  # noqa: PLC0415
-    from kareus.workflow import optimize  # noqa: PLC0415
+    from kareus.model.memory import check_memory  # noqa: PLC0415
+    from kareus.workflow import manifest_inputs, optimize  # noqa: PLC0415
 
     if args.gpu_file is not None:
         from kareus.model.files import register_gpu  # noqa: PLC0415
 
         args.gpu = register_gpu(args.gpu_file, replace=True).name
-    get_gpu(args.gpu)
+    if args.gpu is not None:
+        get_gpu(args.gpu)
     if args.deadline_s is not None and args.energy_budget_j is not None:
         raise ValueError("give at most one of --deadline-s and --energy-budget-j")
+    # Paths first: a bad --out or --record is found now, not after the search.
+    out = check_output_folder(args.out, what="--out")
+    if args.record is not None:
+        check_output_file(args.record, what="--record")
     workload = _workload_from_args(args)
+    if workload.seq_len < _MIN_SEQ_LEN:
+        raise WorkloadError(f"--seq-len {workload.seq_len}: training sequences shorter than "
+                            f"{_MIN_SEQ_LEN} tokens are not modelled (launch overheads would "
+                            f"dominate every kernel); use --seq-len >= {_MIN_SEQ_LEN}")
     profiler = _profiler_from_args(args)
     if args.record is not None:
         from kareus.exec.replay import RecordingProfiler  # noqa: PLC0415
 
         profiler = RecordingProfiler(profiler)
-    out = Path(args.out)
-    print(f"kareus: optimising {workload.describe()} on {profiler.gpu.name} "
-          f"({workload.parallelism.world_size} GPUs) with the {args.profiler} profiler",
-          file=sys.stderr)
-    result = optimize(workload, profiler=profiler, budget=args.budget, seed=args.seed,
-                      log_dir=out / "logs", schedule=args.schedule, surrogate=args.surrogate,
-                      progress=not args.quiet)
-    plan = result.select(deadline_s=args.deadline_s, energy_budget_j=args.energy_budget_j)
-    paths = result.save(out, plan=plan)
-    if args.record is not None:
-        paths["record"] = profiler.save(
-            args.record, workload=workload.to_dict(),
-            what=f"every measurement of `kareus optimize` on {workload.describe()} with the "
-                 f"{args.profiler} profiler ({profiler.gpu.name})")
+    check_memory(workload, profiler.gpu, schedule=args.schedule)
+    _say_estimate(workload, profiler, args)
+    inputs = manifest_inputs(workload, profiler, budget=args.budget, batch_size=None,
+                             seed=args.seed, schedule=args.schedule, surrogate=args.surrogate,
+                             systems=None)
+    with guarded_folder(out, inputs, fresh=args.fresh, what="--out"):
+        args.resume_hint = f"the search logs in {out / 'logs'} keep every measurement"
+        print(f"kareus: optimising {workload.describe()} on {profiler.gpu.name} "
+              f"({workload.parallelism.world_size} GPUs) with the {args.profiler} profiler",
+              file=sys.stderr)
+        result = optimize(workload, profiler=profiler, budget=args.budget, seed=args.seed,
+                          log_dir=out / "logs", schedule=args.schedule,
+                          surrogate=args.surrogate, progress=not args.quiet)
+        plan = result.select(deadline_s=args.deadline_s, energy_budget_j=args.energy_budget_j)
+        paths = result.save(out, plan=plan)
+        if args.record is not None:
+            paths["record"] = profiler.save(
+                args.record, workload=workload.to_dict(),
+                what=f"every measurement of `kareus optimize` on {workload.describe()} with "
+                     f"the {args.profiler} profiler ({profiler.gpu.name})")
     print(result.table())
     print()
     print(f"chosen plan: {plan.time_s:.4f} s, {plan.energy_j:,.0f} J per iteration "
@@ -179,7 +243,12 @@ def cmd_show(args: argparse.Namespace) -> int:
         from kareus.model.files import register_gpu  # noqa: PLC0415
 
         register_gpu(args.gpu_file, replace=True)
-    print(Plan.load(args.plan).summary())
+    from pathlib import Path  # noqa: PLC0415
+
+    path = Path(args.plan)
+    if path.is_dir() and (path / "plan.json").is_file():  # `kareus show OUT`
+        path = path / "plan.json"
+    print(Plan.load(path).summary())
     return 0
 
 
@@ -210,7 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-file", default=None, metavar="FILE",
                    help="your own model architecture, a .toml or .json file (instead of "
                         "--workload; see docs/plugins.md)")
-    p.add_argument("--gpu", default="a100-40gb", help="GPU preset (default: a100-40gb)")
+    p.add_argument("--gpu", default=None,
+                   help="GPU preset (default: a100-40gb, or the recording's GPU with "
+                        "--profiler replay:FILE)")
     p.add_argument("--gpu-file", default=None, metavar="FILE",
                    help="your own GPU, a .toml or .json file (instead of --gpu)")
     p.add_argument("--tp", type=_positive_int, default=4, help="tensor parallel (default 4)")
@@ -243,7 +314,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--surrogate", choices=tuple(SURROGATES), default="gp",
                    help="the search's model of time and energy: gp (Gaussian process, the "
                         "default) or trees (the reference artifact's XGBoost ensemble)")
-    p.add_argument("--out", default="kareus-out", help="output folder (default kareus-out)")
+    p.add_argument("--out", default="kareus-out",
+                   help="output folder (default kareus-out); a run resumes the search logs "
+                        "of the same job there, and refuses a folder of another job")
+    p.add_argument("--fresh", action="store_true",
+                   help="discard the results and search logs already in --out and start again")
     p.add_argument("--deadline-s", type=_positive_float, default=None,
                    help="plan.json: lowest-energy plan within this iteration time")
     p.add_argument("--energy-budget-j", type=_positive_float, default=None,
@@ -254,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_optimize)
 
     p = sub.add_parser("show", help="print a plan file in human-readable form")
-    p.add_argument("plan", help="path of a plan.json")
+    p.add_argument("plan", help="path of a plan.json, or the --out folder holding one")
     p.add_argument("--gpu-file", default=None, metavar="FILE",
                    help="the GPU file of a plan made for your own GPU")
     p.set_defaults(func=cmd_show)
@@ -273,9 +348,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         return int(args.func(args) or 0)
-    except (KareusError, ValueError, FileNotFoundError) as exc:
-        print(f"kareus: error: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        hint = getattr(args, "resume_hint", None)
+        print("kareus: interrupted" + (f"; run the same command again to resume ({hint})"
+                                       if hint else ""), file=sys.stderr)
+        return 130
+    except KareusError as exc:
+        print(f"kareus: error: {_one_line(exc)}", file=sys.stderr)
+        return exc.exit_code
+    except (ValueError, TypeError, FileNotFoundError) as exc:  # arguments kareus refused
+        print(f"kareus: error: {_one_line(exc)}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader of stdout went away (`kareus gpus | head`)
+        return 1
+    except OSError as exc:
+        print(f"kareus: error: {_one_line(exc)}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # noqa: BLE001 - a bug: still one line, and how to see more
+        print(f"kareus: internal error: {type(exc).__name__}: {_one_line(exc)} (please "
+              f"report it; python -X dev -m kareus ... shows the traceback)", file=sys.stderr)
+        if sys.flags.dev_mode:
+            raise
+        return 1
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 2000 else text[:1997] + "..."
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -29,10 +29,12 @@ class KareusError(Exception):
 
     Attributes:
         exit_code: The ``kareus`` command's exit status for this error: 2 for a bad request
-            (arguments, presets, paths the user named), 1 for a failure found while running.
+            (arguments, presets, files and folders the user named, constraints no plan
+            meets), 1 for a failure of the machine while running (hardware, a folder locked
+            by another run).
     """
 
-    exit_code: int = 1
+    exit_code: int = 2
 
 
 class UnknownPresetError(KareusError, ValueError):
@@ -78,6 +80,8 @@ class PlanError(KareusError, ValueError):
 class HardwareError(KareusError, RuntimeError):
     """A GPU, driver or permission problem found while touching real hardware."""
 
+    exit_code = 1
+
 
 class InfeasibleError(KareusError, ValueError):
     """A constraint (deadline, energy budget, search budget) that no plan can meet."""
@@ -93,3 +97,5 @@ class OutputError(KareusError, ValueError):
 
 class FolderInUseError(KareusError, RuntimeError):
     """An output folder locked by another running job."""
+
+    exit_code = 1

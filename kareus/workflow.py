@@ -19,9 +19,12 @@ recomputation) over the iteration time.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import sys
+import textwrap
 import time
 from collections.abc import Sequence
 from concurrent.futures import Executor
@@ -30,7 +33,11 @@ from typing import Any
 
 import attrs
 
+from kareus._logging import get_logger
+from kareus._outdir import guarded_folder, is_held, move_aside
+from kareus._version import __version__
 from kareus.compose.iteration_frontier import IterationFrontier, IterationPoint
+from kareus.compose.plan import Plan
 from kareus.compose.systems import (
     SYSTEMS,
     AnyIterationComposer,
@@ -38,19 +45,22 @@ from kareus.compose.systems import (
     SystemsResult,
     compose_systems,
 )
-from kareus.compose.plan import Plan
-from kareus.errors import InfeasibleError
+from kareus.errors import InfeasibleError, OutputError
 from kareus.model.gpu import get_gpu
+from kareus.model.memory import check_memory
 from kareus.model.partition import Partition, PartitionSet, build_partitions
 from kareus.model.profiler import Profiler
 from kareus.model.workload import Workload
-from kareus.search.frontier import PartitionFrontier
+from kareus.search._progress import ProgressBar, in_notebook
+from kareus.search.partition_frontier import PartitionFrontier
 from kareus.search.surrogate import Surrogate
 
 __all__ = ["OptimizationResult", "SystemSummary", "iso_energy_time_saving",
            "iso_time_energy_saving", "optimize"]
 
 RESULTS_VERSION = 1
+
+_log = get_logger(__name__)
 
 
 @attrs.frozen(kw_only=True)
@@ -208,11 +218,24 @@ class OptimizationResult:
             "wall_s": self.wall_s,
         }
 
-    def plot(self, ax: Any = None) -> Any:
-        """The systems' iteration frontiers, time vs energy (needs matplotlib)."""
+    def plot(self, path: str | os.PathLike[str] | None = None, *, ax: Any = None) -> Any:
+        """The systems' iteration frontiers, time vs energy (needs matplotlib).
+
+        Args:
+            path: Save the figure to this file (the format follows the suffix: ``.png``,
+                ``.pdf``, ``.svg``).
+            ax: Draw into these matplotlib axes; ``None`` = a new figure.
+
+        Returns:
+            The matplotlib axes. Without ``path`` and ``ax``, a notebook or an interactive
+            matplotlib session shows the figure as usual; in a script, where nothing would
+            ever show it, it is saved to ``kareus-frontier.png`` in the working directory
+            and stderr says so.
+        """
         import matplotlib.pyplot as plt  # noqa: PLC0415 - optional dependency
 
-        if ax is None:
+        fresh = ax is None
+        if fresh:
             _, ax = plt.subplots(figsize=(7, 5))
         markers = {"megatron": "s", "nanobatching": "D", "perseus": "^",
                    "nanobatching+perseus": "v", "kareus": "o"}
@@ -225,19 +248,44 @@ class OptimizationResult:
                     ms=6 if len(fr) == 1 else 3, label=name, lw=2 if name == "kareus" else 1)
         ax.set_xlabel("iteration time (s)")
         ax.set_ylabel("iteration energy (kJ, all GPUs)")
-        ax.set_title(f"{self.workload.describe()}\non {self.gpu}", fontsize=9)
+        # wrapped, so that a long workload description is not cut at the figure's edge
+        ax.set_title("\n".join(textwrap.wrap(f"{self.workload.describe()} on {self.gpu}",
+                                              width=64)), fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend()
+        if path is None and fresh and not _shows_figures():
+            path = Path("kareus-frontier.png")
+            print(f"kareus: saved the frontier plot to {path.resolve()} (pass a path to "
+                  "choose where)", file=sys.stderr)
+        if path is not None:
+            fig = ax.figure
+            fig.tight_layout()
+            fig.savefig(path, dpi=120)
+            _log.info("wrote the frontier plot to %s", path)
         return ax
 
     def save(self, out_dir: str | os.PathLike[str], *, plan: Plan | None = None,
              figure: bool = True) -> dict[str, Path]:
         """Write ``results.json``, ``plan.json`` (``plan`` or the fastest kareus plan) and,
-        if matplotlib is installed, ``frontier.png`` to ``out_dir``; return their paths."""
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
+        if matplotlib is installed, ``frontier.png`` to ``out_dir``; return their paths.
+
+        Every file is written atomically (a temporary file renamed over the target), so a
+        run killed while saving leaves the old file or the new one, never a torn one.
+
+        Raises:
+            OutputError: ``out_dir`` is empty, an existing file, or not writable.
+        """
+        from kareus._io import write_json_atomic  # noqa: PLC0415
+        from kareus._outdir import check_output_folder  # noqa: PLC0415
+
+        out = check_output_folder(out_dir, what="out_dir")
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OutputError(f"out_dir {out}: cannot create it ({exc.strerror or exc})"
+                              ) from None
         paths = {"results": out / "results.json", "plan": out / "plan.json"}
-        paths["results"].write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        write_json_atomic(paths["results"], self.to_dict())
         (plan if plan is not None else self.select()).save(paths["plan"])
         if figure:
             try:
@@ -250,10 +298,12 @@ class OptimizationResult:
                       "(pip install 'kareus[plot]')", file=sys.stderr)
             else:
                 fig, ax = plt.subplots(figsize=(7, 5))
-                self.plot(ax)
+                self.plot(ax=ax)
                 fig.tight_layout()
                 paths["figure"] = out / "frontier.png"
-                fig.savefig(paths["figure"], dpi=120)
+                tmp = out / ".frontier.png.tmp"
+                fig.savefig(tmp, dpi=120, format="png")
+                os.replace(tmp, paths["figure"])
                 plt.close(fig)
         return paths
 
@@ -263,6 +313,14 @@ class OptimizationResult:
                 f"{sum(self.profiles.values())} profiles in {self.wall_s:.1f} s; kareus vs "
                 f"perseus: {_pct(sv.get('iso_time_energy_saving'), 'energy')} iso-time, "
                 f"{_pct(sv.get('iso_energy_time_saving'), 'time')} iso-energy)")
+
+
+def _shows_figures() -> bool:
+    """Whether a new matplotlib figure is shown without a call to ``savefig``: in a
+    notebook, or in an interactive session (IPython's ``%matplotlib``, ``plt.ion()``)."""
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    return in_notebook() or plt.isinteractive()
 
 
 def _pct(x: float | None, what: str) -> str:
@@ -285,6 +343,7 @@ def optimize(
     microbatch_composer: AnyMicrobatchComposer | None = None,
     iteration_composer: AnyIterationComposer | None = None,
     executor: Executor | None = None,
+    fresh: bool = False,
 ) -> OptimizationResult:
     """Search, compose and compare: the whole kareus pipeline for one workload.
 
@@ -301,33 +360,52 @@ def optimize(
             is resumed, so a killed run continues without re-measuring. ``None`` = no logs.
         systems: Which systems to compose; ``None`` = all five.
         schedule: Pipeline schedule (``"1f1b"`` or ``"gpipe"``).
-        progress: Progress bars on stderr; ``None`` = when stderr is a terminal.
+        progress: Progress on stderr, of each search and of the composition: ``None`` = on
+            a terminal or in a notebook (``tqdm.auto`` when installed, kareus's own bar
+            otherwise); ``True`` = also elsewhere, as a plain line every few seconds (a
+            pipe, a log file); ``False`` = none.
         surrogate: The searches' surrogate: ``None`` or ``"gp"`` = the default Gaussian
             process (:func:`~kareus.search.default_surrogate`), ``"trees"`` = the XGBoost
             ensemble of the reference artifact (:func:`~kareus.search.tree_surrogate`), or
             a :class:`~kareus.search.Surrogate` template of your own.
-        microbatch_composer, iteration_composer: Any
-            :class:`~kareus.compose.FrontierComposer` of each level, used for every system;
-            ``None`` = :class:`~kareus.compose.MicrobatchComposer` and
+        microbatch_composer: Any :class:`~kareus.compose.FrontierComposer` of the
+            microbatch level, used for every system; ``None`` =
+            :class:`~kareus.compose.MicrobatchComposer`.
+        iteration_composer: The same for the iteration level; ``None`` =
             :class:`~kareus.compose.IterationComposer`.
         executor: Run each partition type's search as a task of this
             ``concurrent.futures.Executor`` (a thread or process pool,
             :class:`~kareus.interop.ray.RayExecutor`, submitit's executor on Slurm);
             ``None`` = one after another here. Logs come back into ``log_dir``; the
             result is the serial run's (:mod:`kareus.interop.tasks`).
+        fresh: Discard the search logs (and results) already in ``log_dir`` instead of
+            resuming them.
+
+    ``log_dir`` is guarded (:mod:`kareus._outdir`): a manifest of every input that changes
+    a number is kept there and a folder of another job is refused; an exclusive lock
+    refuses a second run on the same folder at once.
 
     Raises:
         InfeasibleError: the budget is below 1.
-        WorkloadError, UnknownPresetError: for an invalid workload or GPU.
+        WorkloadError, UnknownPresetError: for an invalid workload or GPU, or a workload
+            that does not fit in the GPU's memory (:func:`kareus.model.memory.check_memory`).
+        OutputError: ``log_dir`` is unusable or holds another job's logs.
+        FolderInUseError: another run holds ``log_dir``.
+        TypeError: an argument of the wrong type.
     """
     from functools import partial  # noqa: PLC0415
 
     from kareus.model.pipeline import get_schedule  # noqa: PLC0415
-    from kareus.search.optimizer import MultiPassSearch  # noqa: PLC0415
+    from kareus.search import MultiPassSearch  # noqa: PLC0415
 
     template = resolve_surrogate(surrogate, seed)
     if not isinstance(workload, Workload):
         raise TypeError(f"workload must be a kareus Workload, got {type(workload).__name__}")
+    for label, value in (("budget", budget), ("seed", seed), ("batch_size", batch_size)):
+        if (value is not None or label != "batch_size") and (
+                isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{label} must be a whole number, got {value!r} "
+                            f"({type(value).__name__})")
     if budget < 1:
         raise InfeasibleError(f"budget must be at least 1 profile per partition type, got "
                               f"{budget}")
@@ -340,34 +418,130 @@ def optimize(
     if gpu is not None and profiler.gpu.name != gpu:
         raise ValueError(f"the profiler measures {profiler.gpu.name}, not {gpu}")
     get_schedule(schedule, 1, 1)  # raises UnknownPresetError early
+    check_memory(workload, profiler.gpu, schedule=schedule)  # before any long work
     start = time.monotonic()
     pset = build_partitions(workload)
+    _log.info("optimising %s on %s with %s: %d partition types, budget %d each",
+              workload.describe(), profiler.gpu.name, type(profiler).__name__,
+              len(pset.types), budget)
     log_path = Path(log_dir) if log_dir is not None else None
-    if log_path is not None:
-        log_path.mkdir(parents=True, exist_ok=True)
-    profiles: dict[str, int] = {}
-    frontiers: dict[str, PartitionFrontier] = {}
-    if executor is not None:
-        from kareus.interop.tasks import run_searches  # noqa: PLC0415
+    guard = contextlib.ExitStack()
+    if log_path is not None and not is_held(log_path):
+        guard.enter_context(guarded_folder(
+            log_path, what="log_dir", fresh=fresh, inputs=manifest_inputs(
+                workload, profiler, budget=budget, batch_size=batch_size, seed=seed,
+                schedule=schedule, surrogate=surrogate, systems=systems,
+                microbatch_composer=microbatch_composer,
+                iteration_composer=iteration_composer)))
+    with guard:
+        if log_path is not None:
+            log_path.mkdir(parents=True, exist_ok=True)
+            _recover_torn_logs(log_path)
+        profiles: dict[str, int] = {}
+        frontiers: dict[str, PartitionFrontier] = {}
+        if executor is not None:
+            from kareus.interop.tasks import run_searches  # noqa: PLC0415
 
-        frontiers, profiles = run_searches(executor, profiler, pset, budget=budget,
-                                           batch_size=batch_size, seed=seed, log_dir=log_path,
-                                           surrogate=template)
-    else:
-        for name, part in pset.types.items():
-            frontiers[name] = _search_type(
-                MultiPassSearch, profiler, part, budget=budget, batch_size=batch_size,
-                seed=seed, log=None if log_path is None else log_path / f"search-{name}.jsonl",
-                progress=progress, surrogate=template)
-            profiles[name] = len(frontiers[name].measured())
-    result = compose_systems(workload, profiler, systems=list(systems or SYSTEMS),
-                             kareus_frontiers=frontiers,
-                             schedule=partial(get_schedule, schedule),
-                             microbatch_composer=microbatch_composer,
-                             iteration_composer=iteration_composer)
-    return OptimizationResult(workload=workload, gpu=profiler.gpu.name, partitions=pset,
-                              baselines=result, wall_s=time.monotonic() - start,
-                              profiles=profiles)
+            frontiers, profiles = run_searches(executor, profiler, pset, budget=budget,
+                                               batch_size=batch_size, seed=seed, log_dir=log_path,
+                                               surrogate=template)
+        else:
+            for name, part in pset.types.items():
+                frontiers[name] = _search_type(
+                    MultiPassSearch, profiler, part, budget=budget, batch_size=batch_size,
+                    seed=seed, log=None if log_path is None else log_path / f"search-{name}.jsonl",
+                    progress=progress, surrogate=template)
+                profiles[name] = len(frontiers[name].measured())
+        names = list(systems or SYSTEMS)
+        _log.info("composing %s over a %s schedule", ", ".join(names), schedule)
+        bar = ProgressBar(None, desc=f"composing {len(names)} systems", enabled=progress)
+        bar.refresh()
+        with bar, bar.heartbeat():
+            result = compose_systems(workload, profiler, systems=names,
+                                     kareus_frontiers=frontiers,
+                                     schedule=partial(get_schedule, schedule),
+                                     microbatch_composer=microbatch_composer,
+                                     iteration_composer=iteration_composer)
+            bar.set_status("done")
+        return OptimizationResult(workload=workload, gpu=profiler.gpu.name, partitions=pset,
+                                  baselines=result, wall_s=time.monotonic() - start,
+                                  profiles=profiles)
+
+
+def _recover_torn_logs(log_dir: Path) -> None:
+    """Move aside a search log whose header line was cut short by a kill (it holds no
+    measurement yet), so that the search starts it again instead of failing on it; the
+    torn file is kept beside it as ``<name>.torn``."""
+    for log in sorted(log_dir.glob("search-*.jsonl")):
+        try:
+            with open(log, "rb") as fh:
+                head = fh.readline()
+        except OSError:
+            continue
+        if not head or head.endswith(b"\n"):
+            continue
+        try:
+            complete = isinstance(json.loads(head), dict)
+        except ValueError:
+            complete = False
+        if not complete:
+            kept = move_aside(log)
+            print(f"kareus: {log} had a torn header line (a run was killed as it started); "
+                  f"kept it as {kept.name} and starting that search again", file=sys.stderr)
+
+
+def _digest_json(obj: Any) -> str:
+    blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=repr)
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+def _profiler_identity(profiler: Profiler) -> dict[str, Any]:
+    inner: Any = profiler
+    while isinstance(getattr(inner, "inner", None), Profiler):  # recorders are transparent
+        inner = inner.inner
+    ident: dict[str, Any] = {"class": f"{type(inner).__module__}.{type(inner).__qualname__}"}
+    for attr in ("noise", "time_noise", "seed", "power_limit", "samples"):
+        value = getattr(inner, attr, None)
+        if isinstance(value, (bool, int, float, str)):
+            ident[attr] = value
+    data = getattr(inner, "data", None)
+    if isinstance(data, dict):
+        ident["data_digest"] = _digest_json(data)
+    return ident
+
+
+def _name_of(obj: Any) -> Any:
+    if obj is None or isinstance(obj, str):
+        return obj
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def manifest_inputs(workload: Workload, profiler: Profiler, *, budget: int,
+                    batch_size: int | None, seed: int, schedule: str,
+                    surrogate: Surrogate | str | None, systems: Sequence[str] | None,
+                    microbatch_composer: Any = None, iteration_composer: Any = None
+                    ) -> dict[str, Any]:
+    """Every input of :func:`optimize` that changes a number, as the manifest of its output
+    folder records it (:mod:`kareus._outdir`): a folder whose manifest differs is refused."""
+    gpu = profiler.gpu
+    try:
+        spec = attrs.asdict(gpu)
+    except attrs.exceptions.NotAnAttrsClassError:
+        spec = repr(gpu)
+    return {
+        "kareus_version": __version__,
+        "workload": {**workload.to_dict(), "dtype_bytes": workload.dtype_bytes,
+                     "architecture": attrs.asdict(workload.model)},
+        "gpu": {"name": gpu.name, "spec_digest": _digest_json(spec)},
+        "profiler": _profiler_identity(profiler),
+        "budget": budget,
+        "batch_size": batch_size,
+        "seed": seed,
+        "schedule": schedule,
+        "surrogate": _name_of(surrogate) or "gp",
+        "systems": list(systems) if systems is not None else None,
+        "composers": [_name_of(microbatch_composer), _name_of(iteration_composer)],
+    }
 
 
 def _search_type(search_cls: Any, profiler: Profiler, part: Partition, *, budget: int,
@@ -388,7 +562,7 @@ def resolve_surrogate(surrogate: Surrogate | str | None, seed: int = 0) -> Surro
         ValueError: an unknown name.
         TypeError: neither a name nor a :class:`~kareus.search.Surrogate`.
     """
-    from kareus.search.optimizer import SURROGATES  # noqa: PLC0415
+    from kareus.search import SURROGATES  # noqa: PLC0415
 
     if surrogate is None or isinstance(surrogate, Surrogate):
         return surrogate

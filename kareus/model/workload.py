@@ -113,6 +113,13 @@ def get_model(name: str | ModelArch) -> ModelArch:
     return found
 
 
+def _check_whole(field: str, value: object) -> None:
+    """A typed error, not a TypeError from a comparison, for a count of the wrong type."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise WorkloadError(f"{field} must be a whole number (int), got {value!r:.40} "
+                            f"({type(value).__name__})")
+
+
 @attrs.frozen(kw_only=True)
 class Parallelism:
     """Tensor, context, pipeline and data parallel degrees."""
@@ -124,6 +131,7 @@ class Parallelism:
 
     def __attrs_post_init__(self) -> None:
         for field in ("tp", "cp", "pp", "dp"):
+            _check_whole(f"parallelism {field}", getattr(self, field))
             if getattr(self, field) < 1:
                 raise WorkloadError(f"parallelism {field} must be >= 1, got {getattr(self, field)}")
 
@@ -166,6 +174,7 @@ class Workload:
         m, p = self.model, self.parallelism
         for field in ("microbatch_size", "seq_len", "num_microbatches", "nanobatches",
                       "dtype_bytes"):
+            _check_whole(field, getattr(self, field))
             if getattr(self, field) < 1:
                 raise WorkloadError(f"{field} must be >= 1, got {getattr(self, field)}")
         checks = [
