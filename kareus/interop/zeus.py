@@ -210,8 +210,12 @@ class ZeusEnergyMeter(EnergyMeter):
                 from zeus.monitor import ZeusMonitor  # noqa: PLC0415 - optional dependency
             except ImportError as exc:
                 raise HardwareError(f"Zeus is not installed: {_INSTALL}") from exc
-            monitor = ZeusMonitor(gpu_indices=None if device_indices is None
-                                  else list(device_indices))
+            try:
+                monitor = ZeusMonitor(gpu_indices=None if device_indices is None
+                                      else list(device_indices))
+            except Exception as exc:  # noqa: BLE001 - Zeus raises its own error classes
+                raise HardwareError(f"ZeusMonitor could not start ({type(exc).__name__}: "
+                                    f"{exc})") from exc
         indices = list(monitor.gpu_indices if device_indices is None else device_indices)
         self.monitor = monitor
         gpus = monitor.gpus

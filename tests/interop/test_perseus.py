@@ -84,3 +84,20 @@ def test_bad_requests(plan: Plan, tmp_path: Path) -> None:
     (tmp_path / "x.py").write_text("__import__('os').getcwd()\n")
     with pytest.raises(ValueError, match="not a Perseus solution literal"):
         read_point_solution(tmp_path / "x.py")
+
+
+def test_perseus_server_reads_the_file(plan: Plan, tmp_path: Path) -> None:
+    # Runs where Zeus's frequency server is installed (zeus[pfo-server] and torch); checked
+    # by hand once with zeus 0.16.0 (the torch import stubbed): both schedulers loaded
+    # kareus's files and handed out these lists.
+    sched_mod = pytest.importorskip("zeus.optimizer.pipeline_frequency.server.scheduler")
+    common = pytest.importorskip("zeus.optimizer.pipeline_frequency.common")
+    path = write_point_solution(plan, tmp_path / "kareus_freqs.py")
+    tp = 2 * 2  # Perseus has no CP degree: CP ranks count as TP ranks of the stage
+    job = common.JobInfo(pp_degree=2, dp_degree=2, tp_degree=tp, world_size=16)
+    ranks = [common.RankInfo(rank=r, dp_rank=(r // tp) % 2, pp_rank=r // 8, tp_rank=r % tp,
+                             available_frequencies=[1410]) for r in range(16)]
+    settings = common.PFOServerSettings(scheduler="PointSolution3D", dump_data=False)
+    got = sched_mod.PointSolution3D(job, ranks, settings, solution_path=str(path))
+    by_rank = {s.rank: list(s.frequencies) for s in got.next_schedule()}
+    assert by_rank == dict(enumerate(rank_schedules(plan)))
