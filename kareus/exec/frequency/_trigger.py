@@ -1,0 +1,150 @@
+"""The stream-ordered trigger: clock requests reach the controller when the GPU gets there."""
+
+from __future__ import annotations
+
+import abc
+import queue
+import threading
+import time
+from typing import Any
+
+from kareus._logging import get_logger
+from kareus.exec.frequency._controllers import FrequencyController
+from kareus.exec.frequency._markers import EventPollingMarker, HostFunctionMarker, StreamMarker
+
+__all__ = ["FrequencyTrigger", "StreamOrderedTrigger"]
+
+# The package's logger: users configure "kareus.exec.frequency".
+_log = get_logger("kareus.exec.frequency")
+
+
+class FrequencyTrigger(abc.ABC):
+    """Requests clock changes that take effect in stream order (the executor's role for
+    frequency: it asks at each microbatch boundary, the trigger gets it there).
+
+    :class:`StreamOrderedTrigger` is the implementation for GPUs; ``kareus.testing``
+    has a recording fake.
+    """
+
+    @abc.abstractmethod
+    def request(self, freq_mhz: int, *, stream: Any = None) -> int:
+        """Ask for ``freq_mhz`` from the current end of ``stream`` on; returns a token.
+
+        Args:
+            freq_mhz: The SM clock to run at from that point of the stream on.
+            stream: The stream whose current end marks the boundary (``None``: the
+                current CUDA stream).
+        """
+
+
+class StreamOrderedTrigger(FrequencyTrigger):
+    """Hands clock requests to a controller when the GPU reaches them in stream order.
+
+    Args:
+        controller: The :class:`FrequencyController` that changes the clock.
+        marker: How markers are put on streams; ``None`` = :class:`HostFunctionMarker`
+            if ``_ext/hostfn`` builds and loads, else :class:`EventPollingMarker`.
+
+    Use as a context manager, or call :meth:`close` (it waits for delivered markers).
+    ``fired`` lists ``(token, freq_mhz, time_s)`` in the order requests reached the
+    controller; ``errors`` holds exceptions the controller raised on its thread.
+    """
+
+    def __init__(self, controller: FrequencyController, *,
+                 marker: StreamMarker | None = None) -> None:
+        if not isinstance(controller, FrequencyController):
+            raise TypeError(f"controller must be a FrequencyController, got "
+                            f"{type(controller).__name__}")
+        if marker is not None and not isinstance(marker, StreamMarker):
+            raise TypeError(f"marker must be a StreamMarker, got {type(marker).__name__}")
+        self.controller = controller
+        self.fallback_reason: str | None = None
+        if marker is None:
+            try:
+                marker = HostFunctionMarker()
+            except Exception as exc:  # noqa: BLE001 - any build/load failure
+                self.fallback_reason = f"{type(exc).__name__}: {exc}"[:500]
+                marker = EventPollingMarker()
+                _log.warning("clock changes fall back to event polling (delivered up to "
+                             "%.1f ms late): the host-function extension is unavailable: %s",
+                             1e3 * marker._poll_s, self.fallback_reason)
+        self.marker = marker
+        self._requests: dict[int, int] = {}
+        self._next = 1
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[int | None] = queue.Queue()
+        self.fired: list[tuple[int, int, float]] = []
+        self.errors: list[BaseException] = []
+        self._worker = threading.Thread(target=self._work, name="kareus-frequency",
+                                        daemon=True)
+        self._worker.start()
+        self.marker.start(self._queue.put)
+        self._closed = False
+
+    @property
+    def mechanism(self) -> str:
+        """``"hostfn"`` or ``"event"`` (or a custom marker's name)."""
+        return self.marker.name
+
+    def request(self, freq_mhz: int, *, stream: Any = None) -> int:
+        """Ask for ``freq_mhz`` from the current end of ``stream`` on; returns a token."""
+        if self._closed:
+            raise RuntimeError("the trigger is closed")
+        if stream is None:
+            import torch  # noqa: PLC0415
+
+            stream = torch.cuda.current_stream()
+        with self._lock:
+            token = self._next
+            self._next += 1
+            self._requests[token] = int(freq_mhz)
+        self.marker.enqueue(stream, token)
+        return token
+
+    def _work(self) -> None:
+        while True:
+            token = self._queue.get()
+            if token is None:
+                return
+            with self._lock:
+                freq = self._requests.pop(token, None)
+            if freq is None:
+                continue
+            try:
+                self.controller.set_frequency(freq, token=token)
+            except BaseException as exc:  # noqa: BLE001 - reported through errors
+                self.errors.append(exc)
+            self.fired.append((token, freq, time.perf_counter()))
+
+    def pending(self) -> int:
+        """Requests not yet delivered to the controller."""
+        with self._lock:
+            return len(self._requests)
+
+    def wait(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every request made so far has been handled by the controller."""
+        deadline = time.perf_counter() + timeout_s
+        while time.perf_counter() < deadline:
+            with self._lock:
+                made = self._next - 1
+            if len(self.fired) >= made:
+                return True
+            time.sleep(0.0005)
+        return False
+
+    def close(self, *, timeout_s: float = 10.0) -> None:
+        """Wait (up to ``timeout_s``) for outstanding markers, then stop the marker and
+        the worker thread."""
+        if self._closed:
+            return
+        self._closed = True
+        drained = self.wait(timeout_s)
+        self.marker.close(drained=drained)
+        self._queue.put(None)
+        self._worker.join(timeout=5.0)
+
+    def __enter__(self) -> StreamOrderedTrigger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
