@@ -109,7 +109,8 @@ def is_held(path: str | os.PathLike[str]) -> bool:
 
 def _first_difference(old: Any, new: Any, prefix: str = "") -> str | None:
     if isinstance(old, Mapping) and isinstance(new, Mapping):
-        for key in sorted(set(old) | set(new), key=str):
+        # the new inputs' order (the workload's model before its architecture), then the rest
+        for key in [*new, *(k for k in old if k not in new)]:
             name = f"{prefix}.{key}" if prefix else str(key)
             if key not in old or key not in new:
                 return name

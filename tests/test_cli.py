@@ -1,3 +1,5 @@
+import pytest
+
 from kareus.cli import main
 
 
@@ -120,3 +122,192 @@ def test_record_then_replay_reproduces_results(tmp_path, capsys):
     second = json.loads((replay / "results.json").read_text())
     assert second["systems"] == first["systems"]
     assert second["frontiers"] == first["frontiers"]
+
+
+# -- one-line errors, checked before long work ----------------------------------------------
+def _one_line_failure(capsys, argv, code, pattern):
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == code, (argv, rc, err)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("kareus: error:"), (argv, err)
+    assert "Traceback" not in err
+    assert pattern in lines[0], (argv, lines[0])
+
+
+def test_bad_paths_and_absurd_sizes_fail_in_one_line_before_the_search(tmp_path, capsys):
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    out = str(tmp_path / "o")
+    cases = [
+        (["--out", str(a_file)], "existing file"),
+        (["--out", ""], "--out is empty"),
+        (["--out", str(a_file / "sub")], "cannot be created"),
+        (["--out", out, "--record", str(tmp_path)], "is a folder"),
+        (["--out", out, "--record", ""], "--record is empty"),
+        (["--out", out, "--seq-len", "1"], "--seq-len >= 128"),
+        (["--out", out, "--seq-len", "100000000"], "does not fit on h200-sxm"),
+        (["--out", out, "--microbatch-size", "1000000"], "GiB per GPU"),
+        (["--out", out, "--microbatches", "100000"], "days"),
+        (["--out", out, "--budget", "1000000000"], "lower --budget"),
+    ]
+    for extra, pattern in cases:
+        argv = _small(tmp_path, *extra)
+        _one_line_failure(capsys, argv, 2, pattern)
+        # nothing was searched: no log was written anywhere
+        assert not list(tmp_path.rglob("search-*.jsonl")), extra
+
+
+def test_show_a_folder_a_corrupt_plan_and_a_non_plan(tmp_path, capsys):
+    _one_line_failure(capsys, ["show", str(tmp_path)], 2, "is a folder")
+    bad = tmp_path / "plan.json"
+    bad.write_text('{"version": 1, "workload": 5}')
+    _one_line_failure(capsys, ["show", str(bad)], 2, str(bad))
+    bad.write_bytes(b"\xff\xfe{}")
+    _one_line_failure(capsys, ["show", str(bad)], 2, "not UTF-8")
+    # `kareus show OUT` reads OUT/plan.json
+    assert main(_small(tmp_path)) == 0
+    capsys.readouterr()
+    assert main(["show", str(tmp_path / "out")]) == 0
+    assert "partition configurations" in capsys.readouterr().out
+
+
+def test_a_folder_of_another_job_is_refused_naming_the_field(tmp_path, capsys):
+    assert main(_small(tmp_path)) == 0
+    capsys.readouterr()
+    before = (tmp_path / "out" / "results.json").read_bytes()
+    for extra, field in ((["--seq-len", "512"], "workload.seq_len"),
+                         (["--workload", "llama3.2-3b"], "workload.model"),
+                         (["--seed", "3"], "seed"), (["--noise", "0.02"], "profiler.noise"),
+                         (["--budget", "13"], "budget"),
+                         (["--surrogate", "trees"], "surrogate")):
+        _one_line_failure(capsys, _small(tmp_path, *extra), 2, f"its {field} is")
+    assert (tmp_path / "out" / "results.json").read_bytes() == before
+    capsys.readouterr()
+    # --fresh discards the old results and runs the new job
+    assert main(_small(tmp_path, "--seq-len", "512", "--fresh")) == 0
+    import json
+
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["workload"][
+        "seq_len"] == 512
+
+
+def test_a_folder_without_manifest_holding_results_is_refused(tmp_path, capsys):
+    (tmp_path / "out" / "logs").mkdir(parents=True)
+    (tmp_path / "out" / "logs" / "search-fwd_mlp.jsonl").write_text("{}\n")
+    _one_line_failure(capsys, _small(tmp_path), 2, "without a manifest")
+
+
+def test_a_folder_in_use_is_refused_at_once(tmp_path, capsys):
+    from kareus._outdir import guarded_folder
+
+    with guarded_folder(tmp_path / "out", {"x": 1}, what="--out"):
+        # the lock is per open file: a second open in this process is refused like another run
+        import time
+
+        t0 = time.monotonic()
+        _one_line_failure(capsys, _small(tmp_path), 1, "in use by another kareus run")
+        assert time.monotonic() - t0 < 5
+
+
+def test_two_concurrent_runs_one_refused_no_duplicated_measurements(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "kareus", *_small(tmp_path)]
+    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
+    codes = sorted(rc for rc, _ in results)
+    for p in procs:
+        p.stdout.close()
+        p.stderr.close()
+    assert codes in ([0, 0], [0, 1]), results
+    if codes == [0, 1]:
+        err = next(e for rc, e in results if rc == 1)
+        assert "in use by another kareus run" in err and "Traceback" not in err
+    for log in (tmp_path / "out" / "logs").glob("search-*.jsonl"):
+        told = [json.dumps(r["config"], sort_keys=True)
+                for r in map(json.loads, log.read_text().splitlines()) if r["kind"] == "tell"]
+        assert len(told) == len(set(told)), f"{log.name} measures a configuration twice"
+    # and the folder is usable afterwards
+    assert subprocess.run(argv, capture_output=True, timeout=300).returncode == 0
+
+
+def test_ctrl_c_says_the_same_command_resumes_and_exits_130(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    argv = [sys.executable, "-m", "kareus", *_small(tmp_path)]
+    argv[argv.index("--budget") + 1] = "40"
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    logs = tmp_path / "out" / "logs"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not any(
+            p.stat().st_size > 2000 for p in logs.glob("search-*.jsonl")):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    if proc.returncode == 0:
+        pytest.skip("the run finished before the interrupt arrived")
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert "interrupted" in last and "same command" in last
+    assert subprocess.run(argv, capture_output=True, timeout=300).returncode == 0
+
+
+def test_a_torn_log_header_is_recovered_not_truncated(tmp_path, capsys):
+    logs = tmp_path / "out" / "logs"
+    assert main(_small(tmp_path)) == 0
+    log = sorted(logs.glob("search-*.jsonl"))[0]
+    torn = log.read_bytes().split(b"\n")[0][:40]
+    log.write_bytes(torn)  # a kill while the header line was being written
+    capsys.readouterr()
+    assert main(_small(tmp_path)) == 0
+    kept = log.with_name(log.name + ".torn")
+    assert kept.read_bytes() == torn, "the torn file is kept, not truncated to nothing"
+    assert log.read_bytes().split(b"\n")[0].startswith(b'{"kind":"header"')
+
+
+def test_replay_as_another_gpu_and_impossible_rows_are_refused(tmp_path, capsys):
+    import json
+
+    record = tmp_path / "run.json"
+    assert main(_small(tmp_path, "--record", str(record))) == 0
+    capsys.readouterr()
+    replay = _small(tmp_path, "--profiler", f"replay:{record}")
+    replay[replay.index("--out") + 1] = str(tmp_path / "replayed")
+    other = list(replay)
+    other[other.index("--gpu") + 1] = "a100-40gb"
+    _one_line_failure(capsys, other, 2, "was measured on h200-sxm")
+    data = json.loads(record.read_text())
+    row = next(r for r in data["measurements"] if r.get("config", {}).get("comm_sms"))
+    row["config"]["comm_sms"] = 5000
+    record.write_text(json.dumps(data))
+    _one_line_failure(capsys, replay, 2, "comm_sms=5000")
+
+
+def test_python_api_type_and_path_errors(tmp_path, capsys):
+    from kareus.errors import KareusError, OutputError, WorkloadError
+    from kareus.model import Workload
+
+    with pytest.raises(WorkloadError, match="microbatch_size must be a whole number"):
+        Workload.preset("qwen3-1.7b", tp=2, microbatch_size="8")
+    with pytest.raises(WorkloadError, match="tp must be a whole number"):
+        Workload.preset("qwen3-1.7b", tp=2.0)
+    assert main(_small(tmp_path)) == 0
+    from kareus.workflow import optimize
+
+    wl = Workload.preset("qwen3-1.7b", tp=2, pp=2, microbatch_size=2, seq_len=1024,
+                         num_microbatches=4)
+    result = optimize(wl, "h200-sxm", budget=4, progress=False)
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(OutputError, match="existing file"):
+        result.save(a_file)
+    with pytest.raises(KareusError):
+        result.save("")

@@ -109,3 +109,64 @@ def test_optimize_with_the_tree_surrogate_searches_past_the_design():
     res = optimize(wl, "h200-sxm", budget=24, seed=2, progress=False, surrogate="trees")
     assert res.profiles and all(n == 24 for n in res.profiles.values())
     assert "kareus" in res.baselines.frontiers
+
+
+def _small_workload(**kw):
+    return Workload.preset("qwen3-1.7b", tp=2, pp=2, microbatch_size=2, seq_len=1024,
+                           num_microbatches=4, **kw)
+
+
+def test_log_dir_is_guarded_by_a_manifest_and_fresh_starts_again(tmp_path):
+    from kareus.errors import OutputError
+
+    logs = tmp_path / "logs"
+    first = optimize(_small_workload(), "h200-sxm", budget=4, seed=1, log_dir=logs,
+                     progress=False)
+    assert (logs / "kareus-manifest.json").is_file()
+    # the same job resumes
+    again = optimize(_small_workload(), "h200-sxm", budget=4, seed=1, log_dir=logs,
+                     progress=False)
+    assert again.profiles == first.profiles
+    # another job is refused, naming the field
+    with pytest.raises(OutputError, match="its workload.seq_len is 1024, this run's is 512"):
+        optimize(_small_workload().with_(seq_len=512), "h200-sxm", budget=4, seed=1,
+                 log_dir=logs, progress=False)
+    with pytest.raises(OutputError, match="its seed is 1"):
+        optimize(_small_workload(), "h200-sxm", budget=4, seed=2, log_dir=logs,
+                 progress=False)
+    other = optimize(_small_workload().with_(seq_len=512), "h200-sxm", budget=4, seed=1,
+                     log_dir=logs, progress=False, fresh=True)
+    assert other.workload.seq_len == 512
+
+
+def test_a_workload_beyond_the_gpu_memory_is_refused_with_the_numbers():
+    from kareus.errors import WorkloadError
+
+    huge = _small_workload().with_(microbatch_size=4096)
+    with pytest.raises(WorkloadError, match=r"does not fit on a100-40gb: .* GiB per GPU"):
+        optimize(huge, "a100-40gb", budget=4, progress=False)
+
+
+def test_arguments_of_the_wrong_type_raise_type_error():
+    with pytest.raises(TypeError, match="budget must be a whole number"):
+        optimize(_small_workload(), "h200-sxm", budget="8", progress=False)
+    with pytest.raises(TypeError, match="seed must be a whole number"):
+        optimize(_small_workload(), "h200-sxm", seed=1.5, progress=False)
+
+
+def test_memory_accounting_by_hand():
+    """bf16 weights and grads (2 + 2 B), fp32 master + Adam (12 B / DP) per parameter."""
+    from kareus.model.memory import estimate_memory
+
+    wl = Workload.preset("llama3.2-3b", tp=1, pp=1, microbatch_size=2, seq_len=128,
+                         num_microbatches=1)
+    est = estimate_memory(wl)
+    params = wl.model.params
+    assert est.weights_bytes == pytest.approx(2 * params, rel=1e-6)
+    assert est.optimizer_bytes == pytest.approx(12 * params, rel=1e-6)
+    dp2 = estimate_memory(wl.with_(parallelism=wl.parallelism.__class__(dp=2)))
+    assert dp2.optimizer_bytes == pytest.approx(6 * params, rel=1e-6)
+    # recomputation keeps far fewer activations than none
+    full = estimate_memory(wl.with_(seq_len=4096, microbatch_size=8))
+    none = estimate_memory(wl.with_(seq_len=4096, microbatch_size=8, recompute=False))
+    assert none.activations_bytes > 3 * full.activations_bytes
