@@ -89,6 +89,8 @@ def test_resumes_from_the_run_folder(serial: tuple[OptimizationResult, Path, int
     for d in (s_dir, p_dir):
         d.mkdir()
         (d / first.name).write_text("\n".join(lines[:cut]) + "\n")
+        for other in ref_logs.glob("*manifest*"):  # what the killed run had written
+            (d / other.name).write_bytes(other.read_bytes())
     a = optimize(WL, log_dir=s_dir, **KW)
     with ThreadPoolExecutor(max_workers=2) as ex:
         b = optimize(WL, log_dir=p_dir, executor=ex, **KW)
