@@ -2,9 +2,11 @@
 
 Reads (paths relative to the repository; every one measured on H200 SXM):
 
-* ``data/h200_op_roofline.json`` (per-op time, power, kernel and kernel set, the eager
-  reference set among the candidates; the GEMM peak and HBM bandwidth of the same run),
-  or else ``bench/results/op_roofline_h200.json``, when one exists;
+* ``data/h200_op_roofline.json`` (per-op time, power and kernel of the main kernel set;
+  the GEMM peak and HBM bandwidth of the same run) and the raw bench file it was trimmed
+  from, ``bench/results/op_roofline_h200.json`` (adds the candidate kernel sets: the
+  eager ``reference`` formulas the measured grids ran, and plain ``torch``), those that
+  exist;
 * ``bench/results/emulator_power_probe_h200.json`` (idle power and clock, power under
   GEMM chains, copies and elementwise kernels at the clocks observed);
 * ``data/*_grid*.json`` (the power of GPUs blocked in a receive: static power);
@@ -34,22 +36,26 @@ COLLECTIVES = ("collectives_4xh200_nvlink.json", "collectives_2xh200_nvlink.json
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="profile file to write")
-    ap.add_argument("--op-table", type=Path, default=None,
-                    help="per-op measurement file (default: data/h200_op_roofline.json, else "
-                         "bench/results/op_roofline_h200.json, whichever exists)")
+    ap.add_argument("--op-table", type=Path, action="append",
+                    help="per-op measurement file, repeatable (default: "
+                         "data/h200_op_roofline.json and bench/results/op_roofline_h200.json, "
+                         "those that exist; the first gives the main kernel set)")
     ap.add_argument("--require-ops", action="store_true",
                     help="fail if the per-op measurement file does not exist")
     args = ap.parse_args(argv)
-    candidates = ([args.op_table] if args.op_table is not None else
-                  [REPO / "data" / "h200_op_roofline.json", RESULTS / "op_roofline_h200.json"])
-    op_table = next((p for p in candidates if p.exists()), None)
-    if op_table is None and (args.require_ops or args.op_table is not None):
-        raise SystemExit(f"{', '.join(map(str, candidates))}: not found; measure the per-op "
+    wanted = args.op_table or [REPO / "data" / "h200_op_roofline.json",
+                               RESULTS / "op_roofline_h200.json"]
+    missing = [p for p in wanted if not p.exists()]
+    if args.op_table and missing:
+        raise SystemExit(f"{', '.join(map(str, missing))}: not found")
+    op_tables = [p for p in wanted if p.exists()]
+    if not op_tables and args.require_ops:
+        raise SystemExit(f"{', '.join(map(str, wanted))}: not found; measure the per-op "
                          "table with bench/op_roofline.py on one H200 first")
     prof = build_gpu_profile(
         gpu="h200-sxm", power_probe=RESULTS / "emulator_power_probe_h200.json",
         grids=sorted((REPO / "data").glob("*_grid*.json")),
-        collectives=[RESULTS / n for n in COLLECTIVES], op_table=op_table, root=REPO)
+        collectives=[RESULTS / n for n in COLLECTIVES], op_table=op_tables or None, root=REPO)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     prof.save(args.out)
     print(f"{args.out}: {prof.gpu}, {len(prof.ops)} ops (kernel sets: "

@@ -25,7 +25,9 @@ Every field is validated on construction. The file format is versioned JSON::
 silently used. Files are read through :func:`kareus._io.read_json`, so every way a file
 can be bad raises one :class:`GPUProfileError` naming the file.
 
-The profile is data, not a model: the emulator decides how to use it.
+Profiles measured by the project ship as package data (``kareus/model/profiles/``):
+:meth:`GPUProfile.preset` loads one by GPU preset name, :func:`shipped_profiles` lists
+them. The profile is data, not a model: the emulator decides how to use it.
 :mod:`kareus.model.gpu_profile_build` assembles a profile from the project's measured
 files (bench results and data files).
 """
@@ -33,6 +35,7 @@ files (bench results and data files).
 from __future__ import annotations
 
 import hashlib
+import importlib.resources
 import json
 import math
 import os
@@ -57,6 +60,7 @@ __all__ = [
     "MachineInfo",
     "OpProfile",
     "profile_digest",
+    "shipped_profiles",
 ]
 
 PROFILE_FORMAT = "kareus.gpu_profile"
@@ -524,6 +528,21 @@ class GPUProfile:
             raise GPUProfileError(f"{source}: {exc}") from None
 
     @classmethod
+    def preset(cls, gpu: str) -> GPUProfile:
+        """The measured profile shipped with kareus for ``gpu`` (see :func:`shipped_profiles`).
+
+        Raises:
+            GPUProfileError: kareus ships no profile for ``gpu``; the message lists those
+                it ships.
+        """
+        path = _shipped_path(gpu)
+        if path is None:
+            raise GPUProfileError(f"kareus ships no measured profile for {gpu!r}; it ships "
+                                  f"{', '.join(shipped_profiles()) or 'none'}: build one with "
+                                  "kareus.model.gpu_profile_build.build_gpu_profile")
+        return cls.load(path)
+
+    @classmethod
     def load(cls, path: str | os.PathLike[str]) -> GPUProfile:
         """Read and validate a profile file.
 
@@ -533,6 +552,23 @@ class GPUProfile:
         """
         data = read_json(path, error=GPUProfileError, what="GPU profile")
         return cls.from_dict(data, source=f"GPU profile {path}")
+
+
+def _profiles_dir() -> Path:
+    return Path(str(importlib.resources.files("kareus.model").joinpath("profiles")))
+
+
+def shipped_profiles() -> tuple[str, ...]:
+    """GPU presets for which kareus ships a measured profile (package data)."""
+    folder = _profiles_dir()
+    if not folder.is_dir():
+        return ()
+    return tuple(sorted(p.stem.replace("_", "-") for p in folder.glob("*.json")))
+
+
+def _shipped_path(gpu: str) -> Path | None:
+    path = _profiles_dir() / f"{str(gpu).lower().replace('-', '_')}.json"
+    return path if path.is_file() else None
 
 
 def profile_digest(body: Mapping[str, Any]) -> str:

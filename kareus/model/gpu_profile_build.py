@@ -29,6 +29,8 @@ file does not have the layout it expects.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
@@ -105,6 +107,16 @@ class PowerProbe:
     machine: Mapping[str, str]
 
 
+def _source(path: PathLike, root: PathLike | None) -> str:
+    """A source file as the profile records it: its path and the start of its SHA-256, so
+    that a profile names exactly the measurement it was built from."""
+    try:
+        digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:12]
+    except OSError:
+        return _label(path, root)
+    return f"{_label(path, root)} (sha256 {digest})"
+
+
 def _label(path: PathLike, root: PathLike | None) -> str:
     p = Path(path)
     if root is not None:
@@ -174,11 +186,11 @@ def _machine_fields(data: Mapping[str, Any]) -> dict[str, str]:
 # ----------------------------------------------------------------------------- readers
 
 
-def read_op_table(path: PathLike) -> OpTable:
+def read_op_table(path: PathLike, *, root: PathLike | None = None) -> OpTable:
     """Read a per-op measurement file (``bench/op_roofline.py --json`` layout).
 
-    Each row of ``rows`` needs ``workload``, ``partition``, ``op``, ``kind`` and
-    ``measured_ms``; ``roofline_ms``, ``kernel``, ``power_w``, ``power_busy_frac`` and a
+    Each row of ``rows`` needs ``workload``, ``partition`` (or ``partitions``, a list: one
+    record per partition), ``op``, ``kind`` and ``measured_ms``; ``roofline_ms``, ``kernel``, ``power_w``, ``power_busy_frac`` and a
     clock (``sm_clock_mhz`` or ``freq_mhz``, per row or for the whole file) are taken when
     present. The same op measured once and listed under several partitions gives one
     record per partition; a repeated (workload, partition, op) keeps its first row.
@@ -189,10 +201,15 @@ def read_op_table(path: PathLike) -> OpTable:
     ``hbm_bandwidth_gbps`` / ``hbm_gbps`` (GB/s) or ``hbm_tb_s`` / ``hbm_tbps`` (TB/s),
     at the top level or one level down (e.g. in ``ceilings``).
 
+    Args:
+        path: The file.
+        root: Paths in notes are written relative to it (the repository), when given.
+
     Raises:
         GPUProfileError: the file is unreadable or a row lacks a required field.
     """
     data = read_json(path, error=GPUProfileError, what="per-op measurement file")
+    label = _label(path, root)
     rows = _get(data, "rows", f"per-op file {path}")
     if not isinstance(rows, list) or not rows:
         raise GPUProfileError(f"per-op file {path}: 'rows' must be a non-empty list")
@@ -204,17 +221,27 @@ def read_op_table(path: PathLike) -> OpTable:
     dropped = 0
     for i, r in enumerate(rows):
         where = f"per-op file {path}, rows[{i}]"
-        op = _op_record(r, where, kernels=main_set,
-                        clock=None if file_clock is None else file_clock[1])
-        partitions_of.setdefault((op.workload, op.op), [])
-        if op.partition not in partitions_of[(op.workload, op.op)]:
-            partitions_of[(op.workload, op.op)].append(op.partition)
-        if op.key in ops:
-            dropped += 1
-            continue
-        ops[op.key] = op
+        if not isinstance(r, Mapping):
+            raise GPUProfileError(f"{where}: expected an object")
+        names = r.get("partitions")
+        if names is None:
+            expanded = [r]
+        elif isinstance(names, list) and names and all(isinstance(n, str) for n in names):
+            expanded = [{**r, "partition": n} for n in names]
+        else:
+            raise GPUProfileError(f"{where}: 'partitions' must be a non-empty list of names")
+        for rr in expanded:
+            op = _op_record(rr, where, kernels=main_set,
+                            clock=None if file_clock is None else file_clock[1])
+            partitions_of.setdefault((op.workload, op.op), [])
+            if op.partition not in partitions_of[(op.workload, op.op)]:
+                partitions_of[(op.workload, op.op)].append(op.partition)
+            if op.key in ops:
+                dropped += 1
+                continue
+            ops[op.key] = op
     if dropped:
-        notes.append(f"ops: {dropped} repeated (workload, partition, op) row(s) of {path} "
+        notes.append(f"ops: {dropped} repeated (workload, partition, op) row(s) of {label} "
                      "dropped (first kept)")
     cand = data.get("candidates")
     skipped = 0
@@ -230,8 +257,12 @@ def read_op_table(path: PathLike) -> OpTable:
                             clock=None if file_clock is None else file_clock[1])
             ops.setdefault(op.key, op)
     if skipped:
-        notes.append(f"ops: {skipped} candidate row(s) of {path} name an op the main rows do "
+        notes.append(f"ops: {skipped} candidate row(s) of {label} name an op the main rows do "
                      "not have; left out")
+    shapes = {k: data[k] for k in ("workloads", "batch") if isinstance(data.get(k), Mapping)}
+    if shapes:
+        notes.append(f"ops: workload shapes of {label}: "
+                     + "; ".join(f"{k} {json.dumps(v, sort_keys=True)}" for k, v in shapes.items()))
     if file_clock is None and not any(o.freq_mhz for o in ops.values()):
         m = data.get("machine") if isinstance(data.get("machine"), Mapping) else {}
         seen = {k: m[k] for k in ("sm_clock_mhz_at_start", "sm_clock_mhz_at_end",
@@ -399,7 +430,7 @@ def build_gpu_profile(
     power_probe: PathLike,
     grids: Iterable[PathLike] = (),
     collectives: Iterable[PathLike] = (),
-    op_table: PathLike | None = None,
+    op_table: PathLike | Sequence[PathLike] | None = None,
     root: PathLike | None = None,
     notes: Iterable[str] = (),
 ) -> GPUProfile:
@@ -414,7 +445,10 @@ def build_gpu_profile(
         collectives: Collective bench files. Where two files hold the same point
             (backend, collective, group, size, SMs), the first file's is kept.
         op_table: The per-op measurement file, if measured (else the profile has no ops
-            and says so in its notes).
+            and says so in its notes), or several: the first gives the main kernel set,
+            the peaks and the machine; the others only add records whose (workload,
+            partition, op, kernel set) the profile does not have yet (e.g. the raw bench
+            file's candidate kernel sets beside a trimmed table in ``data/``).
         root: Source paths are recorded relative to it (the repository).
         notes: Extra notes to record.
 
@@ -426,7 +460,7 @@ def build_gpu_profile(
     if probe.idle is None:
         raise GPUProfileError(f"power probe {power_probe} has no 'idle' load: the profile "
                               "needs the idle power")
-    sources = [_label(power_probe, root)]
+    sources = [_source(power_probe, root)]
     notes_out = list(notes)
     loads = list(probe.loads)
     static_readings = []
@@ -434,7 +468,7 @@ def build_gpu_profile(
         got = read_grid_static_power(g, root=root)
         loads.extend(got)
         static_readings.append(got[0].power_w)
-        sources.append(_label(g, root))
+        sources.append(_source(g, root))
     if static_readings:
         static_w = statistics.median(static_readings)
         notes_out.append(f"static_power_w: median over {len(static_readings)} grid(s) of the "
@@ -449,7 +483,7 @@ def build_gpu_profile(
     points: dict[tuple[Any, ...], CollectivePoint] = {}
     machine: dict[str, str] = {}
     for c in collectives:
-        sources.append(_label(c, root))
+        sources.append(_source(c, root))
         for pt in read_collectives(c, root=root):
             points.setdefault(pt.key, pt)
     ops: tuple[OpProfile, ...] = ()
@@ -458,23 +492,41 @@ def build_gpu_profile(
         probe.hbm_bandwidth_gbps
     gemm_src = "the power probe's best GEMM chain"
     hbm_src = "the power probe's best copy"
-    if op_table is not None:
-        table = read_op_table(op_table)
-        sources.insert(0, _label(op_table, root))
-        ops = table.ops
+    tables = ([] if op_table is None else
+              [op_table] if isinstance(op_table, (str, os.PathLike)) else list(op_table))
+    if tables:
+        table = read_op_table(tables[0], root=root)
+        sources.insert(0, _source(tables[0], root))
+        merged = {o.key: o for o in table.ops}
         kernel_set = table.kernel_set
         machine.update(table.machine)
         notes_out.extend(table.notes)
+        for extra in tables[1:]:
+            more = read_op_table(extra, root=root)
+            added = [o for o in more.ops if o.key not in merged]
+            filled = 0
+            for o in more.ops:  # the same measurement: take a busy fraction it lacks
+                have = merged.get(o.key)
+                if (have is not None and have.power_busy_fraction is None
+                        and o.power_busy_fraction is not None
+                        and (have.time_s, have.power_w) == (o.time_s, o.power_w)):
+                    merged[o.key] = attrs.evolve(have, power_busy_fraction=o.power_busy_fraction)
+                    filled += 1
+            merged.update((o.key, o) for o in added)
+            sources.insert(1, _source(extra, root))
+            sets = sorted({o.kernels for o in added})
+            notes_out.append(f"ops: {len(added)} record(s) added from {_label(extra, root)}"
+                             + (f" (kernel sets {', '.join(sets)})" if sets else "")
+                             + (f"; power busy fraction of {filled} identical record(s) taken "
+                                "from it" if filled else ""))
+        ops = tuple(merged.values())
         if table.idle_power_w is not None:
             loads.append(LoadPower(load="idle for 1 s right after the GEMM and copy "
                                         "ceilings (clock not settled)",
                                    power_w=table.idle_power_w, freq_mhz=None,
-                                   source=_label(op_table, root)))
+                                   source=_label(tables[0], root)))
         if table.gemm_peak_tflops is not None:
             gemm, gemm_clock = table.gemm_peak_tflops, None
-            clocks = {o.freq_mhz for o in ops if o.kind == "gemm" and o.freq_mhz}
-            if len(clocks) == 1:
-                gemm_clock = clocks.pop()
             gemm_src = "the per-op run"
         if table.hbm_bandwidth_gbps is not None:
             hbm = table.hbm_bandwidth_gbps

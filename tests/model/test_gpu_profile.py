@@ -298,7 +298,7 @@ def test_builder_assembles_a_profile_from_synthetic_files(tmp_path):
     assert prof.collective_curve("own", "all_reduce", 4, 64 << 20)[0].group_size == 4
     assert prof.machine == MachineInfo(gpu_name="NVIDIA H200", driver="580.159.04",
                                        torch="2.11.0+cu130", cuda="13.0", nccl="2.28.9")
-    assert prof.sources[0] == "op_roofline.json"
+    assert prof.sources[0].startswith("op_roofline.json (sha256 ")
     assert GPUProfile.from_dict(prof.to_dict()) == prof
 
 
@@ -355,3 +355,76 @@ def test_builder_reads_the_projects_measured_files():
         len(probe_loads)
     assert prof.idle_power_w < prof.static_power_w < 200.0
     assert GPUProfile.from_dict(prof.to_dict()) == prof
+
+
+def test_a_trimmed_table_with_partition_lists_and_the_raw_file_merge(tmp_path):
+    """data/'s table lists each op once with its partitions; the raw bench file adds the
+    candidate kernel sets (and repeats the main rows, which are not added twice)."""
+    raw = _op_table(tmp_path)
+    trimmed = _write(tmp_path / "trimmed.json", {
+        "source": "op_roofline.json", "gpu": "NVIDIA H200", "driver": "580.159.04",
+        "torch": "2.11.0+cu130", "cuda": "13.0", "kernels": "fused",
+        "workloads": {"llama3.2-3b": {"tp": 4}}, "batch": {"microbatch_size": 8},
+        "gemm_peak_tflops": 788.5, "hbm_tb_s": 4.15, "idle_power_w": 123.0,
+        "rows": [{"workload": "llama3.2-3b", "op": "qkv", "partitions": ["fwd_attn", "bwd_attn"],
+                  "kind": "gemm", "measured_ms": 0.2, "roofline_ms": 0.19, "kernel": "cublas",
+                  "power_w": 650.0},
+                 {"workload": "llama3.2-3b", "op": "rope", "partitions": ["fwd_attn"],
+                  "kind": "elementwise", "measured_ms": 0.021, "roofline_ms": 0.019,
+                  "kernel": "triton", "power_w": 480.0}]})
+    table = read_op_table(trimmed)
+    assert sorted(o.key[1:3] for o in table.ops) == [("bwd_attn", "qkv"), ("fwd_attn", "qkv"),
+                                                     ("fwd_attn", "rope")]
+    assert table.hbm_bandwidth_gbps == pytest.approx(4150.0) and table.gemm_peak_tflops == 788.5
+    assert any('llama3.2-3b": {"tp": 4}' in n for n in table.notes)
+    prof = build_gpu_profile(gpu="h200-sxm", power_probe=_power_probe(tmp_path),
+                             op_table=[trimmed, raw], root=tmp_path)
+    # Main rows from the trimmed table (its times, not the raw file's), the reference set
+    # from the raw file, the peaks of the first file.
+    assert prof.op_profile("llama3.2-3b", "fwd_attn", "qkv").time_s == pytest.approx(2.0e-4)
+    assert prof.op_profile("llama3.2-3b", "fwd_attn", "rope",
+                           kernels="reference").time_s == pytest.approx(2.39e-4)
+    assert len(prof.ops) == 4
+    assert prof.gemm_peak_tflops == 788.5
+    assert [x.split(" ")[0] for x in prof.sources[:2]] == ["trimmed.json", "op_roofline.json"]
+    # The raw file's identical measurement lends its power busy fraction; qkv differs.
+    assert prof.op_profile("llama3.2-3b", "fwd_attn", "rope").power_busy_fraction == 0.9
+    assert prof.op_profile("llama3.2-3b", "fwd_attn", "qkv").power_busy_fraction is None
+    assert any("busy fraction of 1 identical record" in n for n in prof.notes)
+    assert any("1 record(s) added from op_roofline.json (kernel sets reference)" in n
+               for n in prof.notes)
+    bad = _write(tmp_path / "bad.json", {"rows": [{"workload": "w", "op": "o", "kind": "gemm",
+                                                   "partitions": [], "measured_ms": 1.0}]})
+    with pytest.raises(GPUProfileError, match="'partitions' must be a non-empty list"):
+        read_op_table(bad)
+
+
+def test_the_shipped_h200_profile_loads_and_names_the_files_it_was_built_from():
+    from kareus.model import build_partitions
+    from kareus.model.gpu_profile import shipped_profiles
+    from kareus.model.workload import Workload
+
+    assert "h200-sxm" in shipped_profiles()
+    prof = GPUProfile.preset("h200-sxm")
+    assert prof.gpu == "h200-sxm" and prof.sm_count == 132
+    # Every op of every partition type of the measured workloads, in the main kernel set.
+    shapes = {"llama3.2-3b": {"tp": 4}, "qwen3-1.7b": {"tp": 4, "cp": 2},
+              "llama3.3-70b": {"tp": 8}}
+    for name, par in shapes.items():
+        wl = Workload.preset(name, microbatch_size=8, seq_len=4096, nanobatches=2, **par)
+        for pname, part in build_partitions(wl).types.items():
+            got = [o.op for o in prof.ops_of(name, pname)]
+            assert got and set(got) == {o.name for o in part.compute_ops}, (name, pname)
+    # Each source file still holds what the profile was built from (else: rebuild it with
+    # python bench/build_gpu_profile.py --out kareus/model/profiles/h200_sxm.json).
+    import hashlib
+
+    for src in prof.sources:
+        path, _, digest = src.partition(" (sha256 ")
+        file = REPO / path
+        if digest and file.exists():
+            assert hashlib.sha256(file.read_bytes()).hexdigest()[:12] == digest.rstrip(")"), (
+                f"{path} changed since the shipped profile was built: run python "
+                "bench/build_gpu_profile.py --out kareus/model/profiles/h200_sxm.json")
+    with pytest.raises(GPUProfileError, match="ships no measured profile for 'a100-40gb'"):
+        GPUProfile.preset("a100-40gb")
