@@ -5,7 +5,8 @@ probes. A :class:`GPUProfile` carries what was *measured* on a real GPU of that 
 that the emulator can take its inputs from measurements instead:
 
 * per-op time and average power of the runnable partitions' ops, at the clock they ran
-  at (:class:`OpProfile`, keyed by workload, partition and op name);
+  at where it was recorded (:class:`OpProfile`, keyed by workload, partition, op name and
+  kernel set: the production kernels and, e.g., the eager reference formulas);
 * the GEMM peak (TFLOP/s) and the HBM bandwidth (GB/s) measured on the same GPU;
 * idle power and static power (a GPU blocked waiting on communication), and power under
   other named loads at the clock observed (:class:`LoadPower`): the power-capped loads sit
