@@ -89,6 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--schedules", default=",".join(SCHEDULES),
                     help="schedules to time, in this order per step (default %(default)s)")
     ap.add_argument("--json", type=Path, default=None, help="write the results here (rank 0)")
+    ap.add_argument("--kernels", default="auto",
+                    help="the ops' kernel set (kareus.exec.kernels): triton (fused, the "
+                         "default on a GPU), torch, reference (the old eager formulas)")
     clocks = ap.add_mutually_exclusive_group()
     clocks.add_argument("--dry-run-clocks", dest="clocks", action="store_const",
                         const="dry-run", help="record clock requests only (the default)")
@@ -197,7 +200,7 @@ def segment_order(pset: Any, phase: str, nanobatches: int, recompute: bool) -> l
     return (of("fwd") if recompute else []) + of("bwd")
 
 
-def build_programs(wl: Any, collective: Any, *, device: Any = None
+def build_programs(wl: Any, collective: Any, *, device: Any = None, kernels: Any = None
                    ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Programs of every partition type: at nanobatch shapes (kareus, nanobatching) and at
     whole-microbatch shapes (Megatron-style); one program per type, reused by every layer.
@@ -206,13 +209,19 @@ def build_programs(wl: Any, collective: Any, *, device: Any = None
     (:class:`~kareus.exec.collectives.OwnKernelCollective`) the communication buffers
     are registered tensors, which its kernels reduce without staging copies. ``empty``
     is a collective call: every rank builds the same programs in the same order.
-    ``device``: where to build (default: the current CUDA device).
+    ``device``: where to build (default: the current CUDA device). ``kernels``: the ops'
+    kernel set (:mod:`kareus.exec.kernels`, the one definition of each op; default: the
+    fused kernels on a GPU).
     """
+    from kareus.exec.kernels import get_kernels
     from kareus.exec.torch_partition import runnable_partitions
+
+    ks = get_kernels(None if kernels == "auto" else kernels)
 
     def build(workload: Any, seed0: int) -> dict[str, Any]:
         return {name: p.build(device=device, seed=seed0 + i, collective=collective)
-                for i, (name, p) in enumerate(runnable_partitions(workload).items())}
+                for i, (name, p) in enumerate(runnable_partitions(workload,
+                                                                  kernels=ks).items())}
 
     return build(wl, 1000), build(wl.with_(nanobatches=1), 2000)
 
@@ -379,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915 - a linea
     baseline = TorchExecutor(collective=capped, default_collective=default)
     # Kernels of every partition type, their communication buffers from the executors'
     # backend (the same one: registered memory if it is OwnKernelCollective).
-    progs, full_progs = build_programs(wl, executor.collective)
+    progs, full_progs = build_programs(wl, executor.collective, kernels=args.kernels)
     executor.start()  # every rank compares the plan's digest; raises PlanError on a mismatch
     digests: list[Any] = [None] * world
     dist.all_gather_object(digests, plan.digest)
@@ -475,6 +484,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915 - a linea
                              "nccl": ".".join(map(str, torch.cuda.nccl.version()))},
                 "workload": wl.to_dict(),
                 "collective": collective_note,
+                "kernels": next(iter(progs.values())).state["_kernels"].kernel_names()
+                if progs and hasattr(next(iter(progs.values())), "state") else None,
                 "layers_run": layers,
                 "computations_per_step": [c.key() for c in computations],
                 "steps": args.steps, "warmup": args.warmup,

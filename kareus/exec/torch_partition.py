@@ -4,9 +4,11 @@ To profile a partition on a GPU, kareus needs its ops as kernels, not only as FL
 and byte counts. :class:`RunnableTransformerPartition` wraps a
 :class:`~kareus.model.partition.TransformerPartition` of a preset workload and builds,
 on one GPU, the attention and MLP forward and backward ops at the workload's
-per-rank nanobatch shapes: GEMMs (``torch.matmul``), RMSNorm, rotary position
-embedding, causal scaled-dot-product attention with grouped-query heads, SwiGLU, and
-their backward passes. No model is needed. :class:`CallablePartition` does the same
+per-rank nanobatch shapes: GEMMs (cuBLAS), RMSNorm, rotary position embedding, causal
+scaled-dot-product attention with grouped-query heads, SwiGLU, and their backward
+passes, each from a :class:`~kareus.exec.kernels.KernelSet` (fused Triton kernels on a
+GPU by default, see :mod:`kareus.exec.kernels`), so that what is profiled is what
+production stacks train with. No model is needed. :class:`CallablePartition` does the same
 for user callables.
 
 ``build()`` returns a :class:`PartitionProgram`: zero-argument callables that
@@ -62,6 +64,12 @@ __all__ = [
 # stays zero, a fixed point of the in-place sum (seeded data, with nothing rewriting
 # it, would grow by the group size every other step until it overflows).
 _OUTPUT_OPS = frozenset({"out_proj", "down", "up_dgrad", "qkv_dgrad"})
+
+# Ops whose result the next op accumulates into in place: gate_dgrad writes dX, then
+# up_dgrad adds its product to it (one GEMM with beta=1, as Megatron-LM's fused gate/up
+# weight does). ``torch.addmm(C, A, B)`` into a third tensor first copies C: 1.28x the
+# plain GEMM's time at llama3.2-3b TP=4 on one H200 (bench/results/op_roofline_h200.json).
+_ACCUMULATED_BY = {"gate_dgrad": "up_dgrad"}
 
 
 class PartitionProgram:
@@ -171,45 +179,12 @@ def _dims(wl: Workload) -> _Dims:
                  f=m.ffn // p.tp)
 
 
-def _rms_norm(torch: Any, x: Any, w: Any, eps: float = 1e-5) -> Any:
-    fn = getattr(torch.nn.functional, "rms_norm", None)
-    if fn is not None:
-        return fn(x, (x.shape[-1],), w, eps)
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
-
-
-def _rms_norm_bwd(torch: Any, x: Any, w: Any, dy: Any, eps: float = 1e-5) -> Any:
-    xf, g = x.float(), (dy * w).float()
-    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    dot = (g * xf).mean(-1, keepdim=True)
-    return (r * g - xf * r.pow(3) * dot).to(x.dtype)
-
-
-def _rotate_half(torch: Any, x: Any) -> Any:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def _rope(torch: Any, x: Any, cos: Any, sin: Any) -> Any:
-    return x * cos + _rotate_half(torch, x) * sin
-
-
 def _sdpa(torch: Any, q: Any, k: Any, v: Any) -> Any:
-    """Causal attention over grouped K/V. With ``enable_gqa`` (PyTorch >= 2.5) the
-    kernel reads the K/V groups in place, as the partition's ops declare; copying them
-    with ``repeat_interleave`` first cost 30% more time on one H200 (0.475 vs 0.364 ms
-    for 4 x 12 query heads over 4 K/V heads, 4096 tokens, head dim 128, identical
-    output; bench/results/sdpa_gqa_probe_h200.json)."""
-    rep = q.shape[1] // k.shape[1]
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    if rep > 1:
-        try:
-            return sdpa(q, k, v, is_causal=True, enable_gqa=True)
-        except TypeError:  # PyTorch < 2.5: no enable_gqa
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-    return sdpa(q, k, v, is_causal=True)
+    """Causal attention over grouped K/V (PyTorch's default SDPA dispatch); the one
+    definition is :meth:`kareus.exec.kernels.KernelSet.attention`."""
+    from kareus.exec.kernels.base import _sdpa as sdpa  # noqa: PLC0415
+
+    return sdpa(q, k, v)
 
 
 def _op_builders() -> dict[str, Callable[[Any, dict[str, Any], _Dims, Any], Callable[[], Any]]]:
@@ -217,7 +192,8 @@ def _op_builders() -> dict[str, Callable[[Any, dict[str, Any], _Dims, Any], Call
 
     Each builder creates the inputs it needs in ``ctx`` if earlier ops did not, and its
     op stores results in ``ctx``; ops named in ``_OUTPUT_OPS`` write the collective's
-    buffer (``out()``) instead.
+    buffer (``out()``) instead. Every op runs through the kernel set in
+    ``ctx["_kernels"]`` (:mod:`kareus.exec.kernels`, the one definition of each op).
     """
 
     def rnd(torch: Any, ctx: dict[str, Any], key: str, *shape: int, scale: float = 1.0) -> Any:
@@ -236,7 +212,7 @@ def _op_builders() -> dict[str, Callable[[Any, dict[str, Any], _Dims, Any], Call
                                                    dtype=torch.float32) / d.hd))
             pos = torch.arange(d.sq, device=ctx["_device"], dtype=torch.float32)
             ang = torch.outer(pos, inv)
-            ang = torch.cat((ang, ang), dim=-1)[:, None, :]  # [s, 1, hd]
+            ang = torch.cat((ang, ang), dim=-1)  # [s, hd], the two halves equal
             ctx["cos"] = ang.cos().to(ctx["_dtype"])
             ctx["sin"] = ang.sin().to(ctx["_dtype"])
         return ctx["cos"], ctx["sin"]
@@ -247,8 +223,10 @@ def _op_builders() -> dict[str, Callable[[Any, dict[str, Any], _Dims, Any], Call
             w = rnd(torch, ctx, key_w, d.h, scale=0.1)
             w.add_(1.0)
 
+            ks = ctx["_kernels"]
+
             def op() -> None:
-                ctx["xn"] = _rms_norm(torch, x, w)
+                ctx["xn"] = ks.rms_norm(x, w)
             return op
         return build
 
@@ -258,15 +236,17 @@ def _op_builders() -> dict[str, Callable[[Any, dict[str, Any], _Dims, Any], Call
             w = rnd(torch, ctx, key_w, d.h, scale=0.1)
             dy = rnd(torch, ctx, "dy", d.t, d.h)
 
+            ks = ctx["_kernels"]
+
             def op() -> None:
-                ctx["dyn"] = _rms_norm_bwd(torch, x, w, dy)
+                ctx["dyn"], ctx["d" + key_w] = ks.rms_norm_bwd(dy, x, w)
             return op
         return build
 
     def gemm(a_key: str, a_shape: Callable[[_Dims], tuple[int, int]], w_key: str,
              w_shape: Callable[[_Dims], tuple[int, int]], dst: str, *,
              trans_a: bool = False, trans_w: bool = False,
-             add_key: str | None = None) -> Callable[..., Callable[[], Any]]:
+             accumulate: bool = False) -> Callable[..., Callable[[], Any]]:
         def build(torch: Any, ctx: dict[str, Any], d: _Dims, out: Any) -> Callable[[], Any]:
             def operand(key: str, shape: tuple[int, int], is_weight: bool) -> Callable[[], Any]:
                 if is_weight and key.startswith("W"):
@@ -277,30 +257,34 @@ def _op_builders() -> dict[str, Callable[[Any, dict[str, Any], _Dims, Any], Call
 
             get_a = operand(a_key, a_shape(d), False)
             get_w = operand(w_key, w_shape(d), True)
+            ks = ctx["_kernels"]
+
+            if accumulate and out is None:
+                rnd(torch, ctx, dst, a_shape(d)[0], w_shape(d)[0 if trans_w else 1])
 
             def op() -> None:
                 a = get_a().t() if trans_a else get_a()
                 w = get_w().t() if trans_w else get_w()
-                if out is not None:
-                    if add_key is not None:
-                        torch.addmm(ctx[add_key], a, w, out=out())
-                    else:
-                        torch.matmul(a, w, out=out())
+                if accumulate:  # into the result of the op before (_ACCUMULATED_BY)
+                    ks.matmul(a, w, out=out() if out is not None else ctx[dst],
+                              accumulate=True)
+                elif out is not None:
+                    ks.matmul(a, w, out=out())
                 else:
-                    ctx[dst] = (torch.addmm(ctx[add_key], a, w) if add_key is not None
-                                else torch.matmul(a, w))
+                    ctx[dst] = ks.matmul(a, w)
             return op
         return build
 
     def rope(torch: Any, ctx: dict[str, Any], d: _Dims, out: Any) -> Callable[[], Any]:
         rnd(torch, ctx, "qkv", d.t, d.q + 2 * d.kv)
         cos, sin = cos_sin(torch, ctx, d)
+        ks = ctx["_kernels"]
 
         def op() -> None:
-            qkv = ctx["qkv"].view(d.b, d.sq, d.heads + 2 * d.kvh, d.hd)
-            q, k, v = qkv.split((d.heads, d.kvh, d.kvh), dim=2)
-            ctx["q"] = _rope(torch, q, cos, sin).transpose(1, 2)
-            ctx["k"] = _rope(torch, k, cos, sin).transpose(1, 2)
+            qkv = ctx["qkv"]
+            q, k = ks.rope(qkv, cos, sin, heads=d.heads, kv_heads=d.kvh)
+            ctx["q"], ctx["k"] = q.transpose(1, 2), k.transpose(1, 2)
+            v = qkv.view(d.b, d.sq, d.heads + 2 * d.kvh, d.hd)[:, :, d.heads + d.kvh:]
             ctx["v"] = v.transpose(1, 2)
         return op
 
@@ -313,9 +297,10 @@ def _op_builders() -> dict[str, Callable[[Any, dict[str, Any], _Dims, Any], Call
 
     def attn_core(torch: Any, ctx: dict[str, Any], d: _Dims, out: Any) -> Callable[[], Any]:
         ensure_qkv(torch, ctx, d)
+        ks = ctx["_kernels"]
 
         def op() -> None:
-            o = _sdpa(torch, ctx["q"], ctx["k"], ctx["v"])
+            o = ks.attention(ctx["q"], ctx["k"], ctx["v"])
             ctx["attn"] = o.transpose(1, 2).reshape(d.t, d.q)
         return op
 
@@ -325,7 +310,7 @@ def _op_builders() -> dict[str, Callable[[Any, dict[str, Any], _Dims, Any], Call
         k = ctx["k"].detach().requires_grad_()
         v = ctx["v"].detach().requires_grad_()
         with torch.enable_grad():
-            o = _sdpa(torch, q, k, v)
+            o = ctx["_kernels"].attention(q, k, v)
         rnd(torch, ctx, "dattn", d.t, d.q)
 
         def op() -> None:
@@ -341,20 +326,21 @@ def _op_builders() -> dict[str, Callable[[Any, dict[str, Any], _Dims, Any], Call
             ctx["dk"] = rnd(torch, ctx, "_dk", d.b, d.sq, d.kvh, d.hd).transpose(1, 2)
             ctx["dv"] = rnd(torch, ctx, "_dv", d.b, d.sq, d.kvh, d.hd).transpose(1, 2)
 
+        ks = ctx["_kernels"]
+
         def op() -> None:
-            # RoPE is a rotation: its backward rotates back (sin -> -sin).
-            dq = _rope(torch, ctx["dq"].transpose(1, 2), cos, -sin)
-            dk = _rope(torch, ctx["dk"].transpose(1, 2), cos, -sin)
-            dv = ctx["dv"].transpose(1, 2)
-            ctx["dqkv"] = torch.cat((dq, dk, dv), dim=2).reshape(d.t, d.q + 2 * d.kv)
+            # RoPE is a rotation: its backward rotates back; dv is packed beside.
+            ctx["dqkv"] = ks.rope_bwd(ctx["dq"].transpose(1, 2), ctx["dk"].transpose(1, 2),
+                                      ctx["dv"].transpose(1, 2), cos, sin)
         return op
 
     def swiglu(torch: Any, ctx: dict[str, Any], d: _Dims, out: Any) -> Callable[[], Any]:
         rnd(torch, ctx, "g", d.t, d.f)
         rnd(torch, ctx, "u", d.t, d.f)
+        ks = ctx["_kernels"]
 
         def op() -> None:
-            ctx["a"] = torch.nn.functional.silu(ctx["g"]) * ctx["u"]
+            ctx["a"] = ks.swiglu(ctx["g"], ctx["u"])
         return op
 
     def swiglu_bwd(torch: Any, ctx: dict[str, Any], d: _Dims, out: Any) -> Callable[[], Any]:
@@ -362,12 +348,10 @@ def _op_builders() -> dict[str, Callable[[Any, dict[str, Any], _Dims, Any], Call
         u = rnd(torch, ctx, "u", d.t, d.f)
         rnd(torch, ctx, "da", d.t, d.f)
 
+        ks = ctx["_kernels"]
+
         def op() -> None:
-            da = ctx["da"]
-            s = torch.sigmoid(g)
-            silu = g * s
-            ctx["du"] = da * silu
-            ctx["dg"] = da * u * s * (1 + g * (1 - s))
+            ctx["dg"], ctx["du"] = ks.swiglu_bwd(ctx["da"], g, u)
         return op
 
     tq = lambda d: (d.t, d.q)  # noqa: E731
@@ -391,9 +375,9 @@ def _op_builders() -> dict[str, Callable[[Any, dict[str, Any], _Dims, Any], Call
         "down_dgrad": gemm("dyn", th, "Wd", lambda d: (d.f, d.h), "da", trans_w=True),
         "down_wgrad": gemm("a", tf, "dyn", th, "dWd", trans_a=True),
         "swiglu_bwd": swiglu_bwd,
-        "gate_dgrad": gemm("dg", tf, "Wg", lambda d: (d.h, d.f), "dx_g", trans_w=True),
+        "gate_dgrad": gemm("dg", tf, "Wg", lambda d: (d.h, d.f), "dx", trans_w=True),
         "up_dgrad": gemm("du", tf, "Wu", lambda d: (d.h, d.f), "dx", trans_w=True,
-                         add_key="dx_g"),
+                         accumulate=True),
         "gate_wgrad": gemm("xn", th, "dg", tf, "dWg", trans_a=True),
         "up_wgrad": gemm("xn", th, "du", tf, "dWu", trans_a=True),
         "out_dgrad": gemm("dyn", th, "Wo", lambda d: (d.q, d.h), "dattn", trans_w=True),
@@ -466,10 +450,13 @@ class RunnableTransformerPartition(RunnablePartition):
         partition: The partition type (from :func:`~kareus.model.partition.build_partitions`).
         workload: The workload it was built from (gives the per-rank nanobatch shapes).
         dtype: torch dtype name of activations and weights (default ``"bfloat16"``).
+        kernels: The ops' kernels: a :class:`~kareus.exec.kernels.KernelSet` or a
+            registered name (``"triton"``, ``"torch"``, ``"reference"``); default
+            :func:`~kareus.exec.kernels.get_kernels`'s choice, made at :meth:`build`.
     """
 
     def __init__(self, partition: TransformerPartition, workload: Workload, *,
-                 dtype: str | None = None) -> None:
+                 dtype: str | None = None, kernels: Any = None) -> None:
         if not isinstance(partition, TransformerPartition):
             raise TypeError(f"partition must be a TransformerPartition, got "
                             f"{type(partition).__name__}")
@@ -482,6 +469,7 @@ class RunnableTransformerPartition(RunnablePartition):
         self.partition = partition
         self.workload = workload
         self.dtype = "bfloat16" if dtype is None else str(dtype)
+        self.kernels = kernels
 
     @property
     def name(self) -> str:
@@ -540,7 +528,10 @@ class RunnableTransformerPartition(RunnablePartition):
         d = self.dims
         gen = torch.Generator(device=dev)
         gen.manual_seed(seed)
-        ctx: dict[str, Any] = {"_gen": gen, "_device": dev, "_dtype": dtype}
+        from kareus.exec.kernels import get_kernels  # noqa: PLC0415
+
+        ctx: dict[str, Any] = {"_gen": gen, "_device": dev, "_dtype": dtype,
+                               "_kernels": get_kernels(self.kernels)}
         bufs, outs = _comm_buffers(torch, self.comm_op, self.workload.dtype_bytes, dev,
                                    dtype, (d.t, d.h), collective)
         holder: dict[str, Any] = {}
@@ -554,7 +545,9 @@ class RunnableTransformerPartition(RunnablePartition):
         writer = out_ops[-1] if writes_buffer else None
         ops = []
         for name in names:
-            out = (lambda: holder["prog"].output) if name == writer else None
+            writes = name == writer or (writer is not None
+                                        and _ACCUMULATED_BY.get(name) == writer)
+            out = (lambda: holder["prog"].output) if writes else None
             fn = builders[name](torch, ctx, d, out)
             ops.append(fn)
         prog = PartitionProgram(op_names=names, ops=ops, comm_kind=self.comm_op.kind.value,
@@ -570,8 +563,10 @@ class RunnableTransformerPartition(RunnablePartition):
 
 
 def runnable_partitions(workload: Workload, names: Sequence[str] | None = None, *,
-                        dtype: str | None = None) -> dict[str, RunnableTransformerPartition]:
-    """Runnable versions of a workload's partition types (all, or those in ``names``)."""
+                        dtype: str | None = None,
+                        kernels: Any = None) -> dict[str, RunnableTransformerPartition]:
+    """Runnable versions of a workload's partition types (all, or those in ``names``),
+    their ops run by ``kernels`` (see :class:`RunnableTransformerPartition`)."""
     from kareus.model.partition import build_partitions  # noqa: PLC0415
 
     ps = build_partitions(workload)
@@ -581,7 +576,7 @@ def runnable_partitions(workload: Workload, names: Sequence[str] | None = None, 
         p = ps[n]
         if not isinstance(p, TransformerPartition):
             raise TypeError(f"partition {n!r} is not a TransformerPartition")
-        out[n] = RunnableTransformerPartition(p, workload, dtype=dtype)
+        out[n] = RunnableTransformerPartition(p, workload, dtype=dtype, kernels=kernels)
     return out
 
 

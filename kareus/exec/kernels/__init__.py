@@ -1,0 +1,66 @@
+"""The one definition of every op a runnable partition runs: fused kernels by default.
+
+What kareus profiles on a GPU must be what people train with: a slow eager formula
+makes the computation that hides communication look longer than it is in a real job,
+and every overlap gain measured on it overstates what users get. This package holds
+each op of a transformer layer once, behind one interface, :class:`KernelSet`:
+
+=================  ======================================================================
+op                 what it computes
+=================  ======================================================================
+``rms_norm``       ``y = (x * rsqrt(mean(x^2) + eps)).to(dtype) * w`` (Llama's casting)
+``rms_norm_bwd``   ``dx`` and ``dw`` of that, from ``dy``, ``x`` and ``w``
+``rope``           rotary embedding of q and k, read from the packed QKV projection
+``rope_bwd``       the inverse rotation of ``dq`` and ``dk``, packed with ``dv`` into dQKV
+``swiglu``         ``silu(g) * u``
+``swiglu_bwd``     ``dg`` and ``du`` of that
+``attention``      causal scaled-dot-product attention, grouped K/V read in place
+``matmul``         GEMMs (cuBLAS through ``torch.matmul`` / ``torch.addmm``)
+=================  ======================================================================
+
+Implementations (:func:`get_kernels` picks one by name):
+
+* ``"triton"`` (the default on a CUDA GPU): fused Triton kernels, one launch per op
+  forward and backward. RMSNorm forward and SwiGLU forward come from liger-kernel
+  when it is installed (``pip install kareus[kernels]``); the other ops use kareus's
+  own Triton kernels in :mod:`kareus.exec.kernels._triton` (see there why).
+* ``"torch"`` (the default without CUDA or Triton): the best plain-torch path:
+  ``torch.nn.functional.rms_norm`` and PyTorch's fused RMSNorm backward, single-formula
+  RoPE and SwiGLU. Runs on the CPU.
+* ``"reference"``: the eager formulas the runnable partitions used before the fused
+  kernels (float32 RMSNorm backward, ``rotate_half`` RoPE with ``torch.cat``), kept to
+  measure what the fused kernels change.
+
+Attention runs on the SDPA backends in :attr:`KernelSet.sdpa_backends` order (cuDNN,
+then flash, then memory-efficient), GEMMs on cuBLAS, in every implementation.
+
+To run your own kernels, subclass :class:`KernelSet` (or one of the classes here) and
+pass an instance as ``kernels=`` to
+:class:`~kareus.exec.torch_partition.RunnableTransformerPartition` or
+:func:`~kareus.exec.torch_partition.runnable_partitions`; :func:`register_kernels`
+makes it selectable by name (``KAREUS_KERNELS=name`` in the environment picks the
+default). :mod:`kareus.exec.kernels.autograd` wraps any kernel set as differentiable
+functions for a model's own training loop.
+
+torch and triton are imported inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+from kareus.exec.kernels.base import (
+    KernelSet,
+    ReferenceKernels,
+    TorchKernels,
+    available_kernels,
+    get_kernels,
+    register_kernels,
+)
+
+__all__ = [
+    "KernelSet",
+    "ReferenceKernels",
+    "TorchKernels",
+    "available_kernels",
+    "get_kernels",
+    "register_kernels",
+]

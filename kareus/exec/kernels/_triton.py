@@ -1,0 +1,331 @@
+"""kareus's own Triton kernels: one launch per op, each input read once, each output
+written once, nothing modified in place.
+
+Why our own, beside liger-kernel: liger's RMSNorm backward, SwiGLU backward and RoPE
+write their results into their inputs (they reuse buffers a training step no longer
+needs) and its RoPE needs q and k contiguous. A runnable partition runs each op again
+and again on the same inputs, and its q and k are strided views of the packed QKV
+projection: in-place kernels would feed each run the previous run's output (values
+drift to inf over a profiling loop, which changes the power drawn), and making q and k
+contiguous first is an extra copy of both. These kernels take strided inputs and write
+fresh outputs. RMSNorm forward and SwiGLU forward, which liger computes out of place,
+come from liger when it is installed (:mod:`kareus.exec.kernels.triton_ops`).
+
+All arithmetic is float32; results are rounded once to the output dtype. Importing
+this module imports triton.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import triton
+import triton.language as tl
+
+# ------------------------------------------------------------------------- RMSNorm
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(X, Y, W, stride_x, stride_y, M, N, eps,
+                         BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    cmask = cols < N
+    m = (rows < M)[:, None] & cmask[None, :]
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
+    w = tl.load(W + cols, mask=cmask, other=0.0)
+    # Llama's casting: normalise in float32, round to the activation dtype, then scale.
+    xn = (x * rstd[:, None]).to(W.dtype.element_ty)
+    y = xn.to(tl.float32) * w.to(tl.float32)[None, :]
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(DY, X, W, DX, DWP, stride_dy, stride_x, stride_dx, M, N, eps, iters,
+                         BLOCK: tl.constexpr, ROWS: tl.constexpr, PREFETCH: tl.constexpr):
+    # Persistent: program p handles row blocks p, p + P, ... and keeps its share of dw
+    # in registers, written once at the end (P x N float32 partial sums). With PREFETCH
+    # the loads of the next row block are issued before the current one is computed,
+    # so memory latency overlaps the reductions.
+    pid = tl.program_id(0)
+    progs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK)
+    cmask = cols < N
+    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK], dtype=tl.float32)
+    rows = (pid * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    m = (rows < M)[:, None] & cmask[None, :]
+    x_nxt = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0)
+    dy_nxt = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=m, other=0.0)
+    for i in range(0, iters):
+        x = x_nxt.to(tl.float32)
+        dy = dy_nxt.to(tl.float32)
+        cur, mc = rows, m
+        rows = ((pid + (i + 1) * progs) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+        m = (rows < M)[:, None] & cmask[None, :]
+        if PREFETCH:
+            x_nxt = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0)
+            dy_nxt = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=m,
+                             other=0.0)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
+        xhat = x * rstd[:, None]
+        g = dy * w[None, :]
+        c = tl.sum(g * xhat, axis=1) / N
+        dx = (g - xhat * c[:, None]) * rstd[:, None]
+        tl.store(DX + cur[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty),
+                 mask=mc)
+        dw += tl.sum(dy * xhat, axis=0)
+        if not PREFETCH:
+            x_nxt = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0)
+            dy_nxt = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=m,
+                             other=0.0)
+    tl.store(DWP + pid.to(tl.int64) * N + cols, dw, mask=cmask)
+
+
+@triton.jit
+def _sum_rows_kernel(P_ptr, OUT, N, P: tl.constexpr, BLOCK_P: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
+    # OUT[n] = sum_p P[p, n], rounded once to OUT's dtype (the dw partials' final sum).
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cm = cols < N
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for p0 in tl.static_range(0, P, BLOCK_P):
+        r = p0 + tl.arange(0, BLOCK_P)
+        acc += tl.sum(tl.load(P_ptr + r[:, None] * N + cols[None, :],
+                              mask=(r < P)[:, None] & cm[None, :], other=0.0), axis=0)
+    tl.store(OUT + cols, acc.to(OUT.dtype.element_ty), mask=cm)
+
+
+def _norm_config(n: int, rows: int | None, num_warps: int | None) -> tuple[int, int, int]:
+    block = triton.next_power_of_2(n)
+    if rows is None:
+        rows = max(1, min(16, 4096 // block))
+    if num_warps is None:
+        num_warps = 16 if block * rows >= 8192 else 8 if block * rows >= 2048 else 4
+    return block, rows, num_warps
+
+
+def _bwd_config(n: int, rows: int | None, num_warps: int | None,
+                programs_per_sm: int | None) -> tuple[int, int, int, int]:
+    # Measured on one H200 (bench/results/op_roofline_h200_tune.json): widths of 2048,
+    # 3072 and 8192 ran fastest with 2 x 2048, 1 x 4096 and 1 x 8192 elements a program
+    # step, 8, 8 and 16 warps, and 2, 2 and 1 programs per SM.
+    block = triton.next_power_of_2(n)
+    if rows is None:
+        rows = max(1, min(16, 4096 // block))
+    if num_warps is None:
+        num_warps = 16 if block * rows >= 8192 else 8 if block * rows >= 2048 else 4
+    if programs_per_sm is None:
+        programs_per_sm = 1 if block >= 8192 else 2
+    return block, rows, num_warps, programs_per_sm
+
+
+def rms_norm_fwd(x: Any, w: Any, eps: float, *, rows: int | None = None,
+                 num_warps: int | None = None) -> Any:
+    """RMSNorm forward over the last dimension (rows of ``x`` may be strided)."""
+    import torch  # noqa: PLC0415
+
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    block, rows, warps = _norm_config(n, rows, num_warps)
+    m = x2.shape[0]
+    _rms_norm_fwd_kernel[(triton.cdiv(m, rows),)](
+        x2, y, w, x2.stride(0), y.stride(0), m, n, eps, BLOCK=block, ROWS=rows,
+        num_warps=warps)
+    return y.view(x.shape)
+
+
+def rms_norm_bwd(dy: Any, x: Any, w: Any, eps: float, *, rows: int | None = None,
+                 num_warps: int | None = None, programs_per_sm: int | None = None,
+                 prefetch: bool = True) -> tuple[Any, Any]:
+    """RMSNorm backward: ``(dx, dw)`` in one pass over ``x`` and ``dy`` (plus a sum of
+    the per-program ``dw`` partials, ``programs x N`` floats)."""
+    import torch  # noqa: PLC0415
+
+    n = x.shape[-1]
+    x2, dy2 = x.reshape(-1, n), dy.reshape(-1, n)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if dy2.stride(-1) != 1:
+        dy2 = dy2.contiguous()
+    m = x2.shape[0]
+    dx = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    block, rows, warps, programs_per_sm = _bwd_config(n, rows, num_warps, programs_per_sm)
+    sms = (torch.cuda.get_device_properties(x.device).multi_processor_count
+           if x.device.type == "cuda" else 4)
+    progs = max(1, min(triton.cdiv(m, rows), sms * programs_per_sm))
+    dwp = torch.empty(progs, n, dtype=torch.float32, device=x.device)
+    _rms_norm_bwd_kernel[(progs,)](
+        dy2, x2, w, dx, dwp, dy2.stride(0), x2.stride(0), dx.stride(0), m, n, eps,
+        triton.cdiv(triton.cdiv(m, rows), progs),
+        BLOCK=block, ROWS=rows, PREFETCH=prefetch, num_warps=warps)
+    dw = torch.empty(n, dtype=w.dtype, device=w.device)
+    _sum_rows_kernel[(triton.cdiv(n, 64),)](dwp, dw, n, P=progs, BLOCK_P=32, BLOCK_N=64,
+                                            num_warps=4)
+    return dx.view(x.shape), dw
+
+
+# ---------------------------------------------------------------------------- RoPE
+
+
+@triton.jit
+def _rope_rows(src, s_b, s_s, s_h, dst, d_b, d_s, d_h, cos, sin, c_s, n_rows, heads, seq,
+               blk, SIGN: tl.constexpr, ROTATE: tl.constexpr, HALF: tl.constexpr,
+               PAD: tl.constexpr, BLOCK_R: tl.constexpr):
+    # Rows are (token, head) pairs of one tensor; each row is one head's vector.
+    rows = (blk * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    tok = rows // heads
+    head = rows % heads
+    bi = tok // seq
+    si = tok % seq
+    cols = tl.arange(0, PAD)
+    m = (rows < n_rows)[:, None] & (cols < HALF)[None, :]
+    so = (bi * s_b + si * s_s + head * s_h)[:, None] + cols[None, :]
+    do = (bi * d_b + si * d_s + head * d_h)[:, None] + cols[None, :]
+    x1 = tl.load(src + so, mask=m, other=0.0)
+    x2 = tl.load(src + so + HALF, mask=m, other=0.0)
+    if ROTATE:
+        co = (si * c_s)[:, None] + cols[None, :]
+        c = tl.load(cos + co, mask=m, other=0.0).to(tl.float32)
+        s = tl.load(sin + co, mask=m, other=0.0).to(tl.float32) * SIGN
+        a = x1.to(tl.float32)
+        b = x2.to(tl.float32)
+        tl.store(dst + do, (a * c - b * s).to(dst.dtype.element_ty), mask=m)
+        tl.store(dst + do + HALF, (b * c + a * s).to(dst.dtype.element_ty), mask=m)
+    else:
+        tl.store(dst + do, x1.to(dst.dtype.element_ty), mask=m)
+        tl.store(dst + do + HALF, x2.to(dst.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _rope_kernel(a_src, a_sb, a_ss, a_sh, a_dst, a_db, a_ds, a_dh, a_heads, a_blocks,
+                 b_src, b_sb, b_ss, b_sh, b_dst, b_db, b_ds, b_dh, b_heads, b_blocks,
+                 c_src, c_sb, c_ss, c_sh, c_dst, c_db, c_ds, c_dh, c_heads,
+                 cos, sin, c_s, tokens, seq,
+                 SIGN: tl.constexpr, HALF: tl.constexpr, PAD: tl.constexpr,
+                 BLOCK_R: tl.constexpr, COPY_C: tl.constexpr):
+    # One launch over q and k (and, backward, the copy of dv): the grid's first blocks
+    # rotate tensor a, the next ones tensor b, the last ones copy tensor c.
+    pid = tl.program_id(0)
+    if pid < a_blocks:
+        _rope_rows(a_src, a_sb, a_ss, a_sh, a_dst, a_db, a_ds, a_dh, cos, sin, c_s,
+                   tokens * a_heads, a_heads, seq, pid, SIGN, True, HALF, PAD, BLOCK_R)
+    elif pid < a_blocks + b_blocks:
+        _rope_rows(b_src, b_sb, b_ss, b_sh, b_dst, b_db, b_ds, b_dh, cos, sin, c_s,
+                   tokens * b_heads, b_heads, seq, pid - a_blocks, SIGN, True, HALF, PAD,
+                   BLOCK_R)
+    elif COPY_C:
+        _rope_rows(c_src, c_sb, c_ss, c_sh, c_dst, c_db, c_ds, c_dh, cos, sin, c_s,
+                   tokens * c_heads, c_heads, seq, pid - a_blocks - b_blocks, SIGN, False,
+                   HALF, PAD, BLOCK_R)
+
+
+def _strides(t: Any) -> tuple[int, int, int]:
+    if t.stride(-1) != 1:
+        raise ValueError("RoPE kernels need the head dimension contiguous (stride 1)")
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _launch_rope(a: Any, a_out: Any, b: Any, b_out: Any, c: Any, c_out: Any, cos: Any,
+                 sin: Any, sign: float, block_r: int, num_warps: int) -> None:
+    bsz, seq, _, hd = a.shape
+    if hd % 2 or cos.shape[-1] != hd or sin.shape != cos.shape or cos.shape[0] < seq:
+        raise ValueError(f"cos/sin of shape {tuple(cos.shape)} do not fit head dim {hd} and "
+                         f"{seq} positions")
+    if cos.stride(-1) != 1 or sin.stride(-1) != 1 or sin.stride(0) != cos.stride(0):
+        cos, sin = cos.contiguous(), sin.contiguous()
+    tokens = bsz * seq
+    half = hd // 2
+    ab = triton.cdiv(tokens * a.shape[2], block_r)
+    bb = triton.cdiv(tokens * b.shape[2], block_r)
+    cb = triton.cdiv(tokens * c.shape[2], block_r) if c is not None else 0
+    c_args = ((c, *_strides(c), c_out, *_strides(c_out), c.shape[2]) if c is not None
+              else (a, 0, 0, 0, a_out, 0, 0, 0, 1))
+    _rope_kernel[(ab + bb + cb,)](
+        a, *_strides(a), a_out, *_strides(a_out), a.shape[2], ab,
+        b, *_strides(b), b_out, *_strides(b_out), b.shape[2], bb,
+        *c_args, cos, sin, cos.stride(0), tokens, seq,
+        SIGN=sign, HALF=half, PAD=triton.next_power_of_2(half), BLOCK_R=block_r,
+        COPY_C=c is not None, num_warps=num_warps)
+
+
+def rope_fwd(q: Any, k: Any, cos: Any, sin: Any, *, block_r: int = 16,
+             num_warps: int = 4) -> tuple[Any, Any]:
+    """Rotate ``q`` and ``k`` ([b, s, heads, hd], any strides with the last 1, e.g.
+    views of the packed QKV) into new contiguous tensors, in one launch."""
+    import torch  # noqa: PLC0415
+
+    qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    ko = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    _launch_rope(q, qo, k, ko, None, None, cos, sin, 1.0, block_r, num_warps)
+    return qo, ko
+
+
+def rope_bwd(dq: Any, dk: Any, dv: Any, cos: Any, sin: Any, *, block_r: int = 16,
+             num_warps: int = 4) -> Any:
+    """Rotate ``dq`` and ``dk`` back and write them with ``dv`` into one packed
+    ``[b * s, (heads + 2 kv_heads) * hd]`` tensor, in one launch."""
+    import torch  # noqa: PLC0415
+
+    b, s, nq, hd = dq.shape
+    nk, nv = dk.shape[2], dv.shape[2]
+    out = torch.empty(b, s, nq + nk + nv, hd, dtype=dq.dtype, device=dq.device)
+    _launch_rope(dq, out[:, :, :nq], dk, out[:, :, nq:nq + nk], dv, out[:, :, nq + nk:],
+                 cos, sin, -1.0, block_r, num_warps)
+    return out.view(b * s, -1)
+
+
+# -------------------------------------------------------------------------- SwiGLU
+
+
+@triton.jit
+def _swiglu_fwd_kernel(G, U, A, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    g = tl.load(G + offs, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(U + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(A + offs, (g * tl.sigmoid(g) * u).to(A.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(DA, G, U, DG, DU, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    da = tl.load(DA + offs, mask=m, other=0.0).to(tl.float32)
+    g = tl.load(G + offs, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(U + offs, mask=m, other=0.0).to(tl.float32)
+    s = tl.sigmoid(g)
+    tl.store(DU + offs, (da * g * s).to(DU.dtype.element_ty), mask=m)
+    tl.store(DG + offs, (da * u * s * (1.0 + g * (1.0 - s))).to(DG.dtype.element_ty), mask=m)
+
+
+def _flat(*ts: Any) -> list[Any]:
+    return [t if t.is_contiguous() else t.contiguous() for t in ts]
+
+
+def swiglu_fwd(g: Any, u: Any, *, block: int = 2048, num_warps: int = 8) -> Any:
+    """``silu(g) * u`` in one pass."""
+    import torch  # noqa: PLC0415
+
+    g, u = _flat(g, u)
+    a = torch.empty_like(g)
+    n = g.numel()
+    _swiglu_fwd_kernel[(triton.cdiv(n, block),)](g, u, a, n, BLOCK=block, num_warps=num_warps)
+    return a
+
+
+def swiglu_bwd(da: Any, g: Any, u: Any, *, block: int = 2048,
+               num_warps: int = 8) -> tuple[Any, Any]:
+    """``(dg, du)`` of ``silu(g) * u`` in one pass (reads da, g, u; writes dg, du)."""
+    import torch  # noqa: PLC0415
+
+    da, g, u = _flat(da, g, u)
+    dg, du = torch.empty_like(g), torch.empty_like(u)
+    n = g.numel()
+    _swiglu_bwd_kernel[(triton.cdiv(n, block),)](da, g, u, dg, du, n, BLOCK=block,
+                                                 num_warps=num_warps)
+    return dg, du

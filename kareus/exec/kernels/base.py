@@ -1,0 +1,404 @@
+"""The :class:`KernelSet` interface, the plain-torch and reference sets, and the registry.
+
+Layouts (the runnable partitions' and most training stacks'):
+
+* activations are row-major ``[tokens, features]`` (``tokens = batch * seq``);
+* the QKV projection's output is packed ``[tokens, (heads + 2 * kv_heads) * head_dim]``;
+  ``rope`` reads q and k from it and returns them as ``[batch, seq, heads, head_dim]``
+  (attention takes ``.transpose(1, 2)`` of that, a view); ``rope_bwd`` takes the
+  attention's gradients in that layout (any strides, last one 1) and writes one packed
+  dQKV for the QKV GEMMs' backward;
+* ``cos`` / ``sin`` are ``[seq, head_dim]`` with the two halves equal (the Llama / HF
+  layout), position ``p`` in row ``p``.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+from collections.abc import Callable
+from typing import Any
+
+__all__ = [
+    "KernelSet",
+    "ReferenceKernels",
+    "TorchKernels",
+    "available_kernels",
+    "get_kernels",
+    "register_kernels",
+]
+
+OPS = ("rms_norm", "rms_norm_bwd", "rope", "rope_bwd", "swiglu", "swiglu_bwd", "attention",
+       "matmul")
+
+
+class KernelSet(abc.ABC):
+    """One implementation of every op of a transformer layer (see the package docstring).
+
+    Subclass it, or one of :class:`TorchKernels` / ``TritonKernels``, overriding the ops
+    you have your own kernels for. Every method enqueues its work on the current stream
+    and returns new tensors (no input is modified), so an op can run again and again on
+    the same inputs, as a profiling loop does.
+
+    Attributes:
+        name: Short name (``"triton"``, ``"torch"``, ``"reference"``, yours).
+        sdpa_backends: ``torch.nn.attention.SDPBackend`` member names, in priority order,
+            that :meth:`attention` may use (the math backend is always the last resort).
+    """
+
+    name: str = "custom"
+    sdpa_backends: tuple[str, ...] = ("CUDNN_ATTENTION", "FLASH_ATTENTION",
+                                      "EFFICIENT_ATTENTION")
+
+    @abc.abstractmethod
+    def rms_norm(self, x: Any, w: Any, eps: float = 1e-5) -> Any:
+        """``(x * rsqrt(mean(x^2, -1) + eps)).to(x.dtype) * w`` over the last dimension."""
+
+    @abc.abstractmethod
+    def rms_norm_bwd(self, dy: Any, x: Any, w: Any, eps: float = 1e-5) -> tuple[Any, Any]:
+        """Gradients ``(dx, dw)`` of :meth:`rms_norm` (``dw`` may be ``None`` if not computed)."""
+
+    @abc.abstractmethod
+    def rope(self, qkv: Any, cos: Any, sin: Any, *, heads: int,
+             kv_heads: int) -> tuple[Any, Any]:
+        """Rotate q and k of the packed ``qkv`` ([tokens, (heads + 2 kv_heads) * hd]);
+        returns ``(q, k)``, each ``[batch, seq, heads, hd]`` with ``seq = cos.shape[0]``."""
+
+    @abc.abstractmethod
+    def rope_bwd(self, dq: Any, dk: Any, dv: Any, cos: Any, sin: Any) -> Any:
+        """Rotate ``dq`` and ``dk`` back and pack them with ``dv`` into
+        ``[tokens, (heads + 2 kv_heads) * hd]`` (inputs ``[batch, seq, heads, hd]``)."""
+
+    @abc.abstractmethod
+    def swiglu(self, g: Any, u: Any) -> Any:
+        """``silu(g) * u``."""
+
+    @abc.abstractmethod
+    def swiglu_bwd(self, da: Any, g: Any, u: Any) -> tuple[Any, Any]:
+        """Gradients ``(dg, du)`` of :meth:`swiglu` for the output gradient ``da``."""
+
+    # -------------------------------------------------------------- shared defaults
+
+    def attention(self, q: Any, k: Any, v: Any) -> Any:
+        """Causal attention of ``q`` [b, heads, s, hd] over grouped ``k``, ``v``
+        [b, kv_heads, s_k, hd], on the first of :attr:`sdpa_backends` that takes it.
+
+        Grouped K/V are read in place (``enable_gqa``): copying them with
+        ``repeat_interleave`` first cost 30% more time on one H200 (0.475 vs 0.364 ms
+        for 4 x 12 query heads over 4 K/V heads, 4096 tokens, head dim 128;
+        bench/results/sdpa_gqa_probe_h200.json).
+        """
+        with self._sdpa_context():
+            return _sdpa(q, k, v)
+
+    def attention_backend(self, q: Any, k: Any, v: Any) -> str:
+        """Name of the SDPA backend :meth:`attention` runs for these inputs."""
+        import torch  # noqa: PLC0415
+
+        with self._sdpa_context():
+            try:
+                idx = torch._fused_sdp_choice(q, k, v, is_causal=True,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+            except (AttributeError, RuntimeError, TypeError):
+                return "unknown"
+        from torch.nn.attention import SDPBackend  # noqa: PLC0415
+
+        for name in ("ERROR", "MATH", "FLASH_ATTENTION", "EFFICIENT_ATTENTION",
+                     "CUDNN_ATTENTION", "OVERRIDEABLE"):
+            member = getattr(SDPBackend, name, None)
+            if member is not None and int(member) == int(idx):
+                return name.lower()
+        return f"backend {idx}"
+
+    def _sdpa_context(self) -> Any:
+        import contextlib  # noqa: PLC0415
+
+        try:
+            from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
+        except ImportError:  # PyTorch < 2.3
+            return contextlib.nullcontext()
+        names = [n for n in self.sdpa_backends if hasattr(SDPBackend, n)] + ["MATH"]
+        backends = [getattr(SDPBackend, n) for n in dict.fromkeys(names)]
+        try:
+            return sdpa_kernel(backends, set_priority=True)
+        except TypeError:  # PyTorch < 2.6: no priority order
+            return sdpa_kernel(backends)
+
+    def matmul(self, a: Any, b: Any, *, out: Any = None, accumulate: bool = False) -> Any:
+        """``a @ b`` on cuBLAS, into ``out`` when given; ``accumulate=True`` adds it to
+        ``out`` in place (one GEMM with beta=1). Transposed operands are passed as views:
+        cuBLAS takes the layout."""
+        import torch  # noqa: PLC0415
+
+        if accumulate:
+            if out is None:
+                raise ValueError("accumulate=True needs out= (the tensor to add into)")
+            return out.addmm_(a, b)
+        return torch.matmul(a, b, out=out) if out is not None else torch.matmul(a, b)
+
+    def kernel_names(self) -> dict[str, str]:
+        """Which kernel each op gets, for reports (attention: see :meth:`attention_backend`)."""
+        return {"attention": "sdpa(" + " > ".join(b.lower() for b in self.sdpa_backends) + ")",
+                "matmul": "cublas (torch.matmul; addmm_ to accumulate)"}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+def _sdpa(q: Any, k: Any, v: Any) -> Any:
+    import torch  # noqa: PLC0415
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        try:
+            return sdpa(q, k, v, is_causal=True, enable_gqa=True)
+        except TypeError:  # PyTorch < 2.5: no enable_gqa
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+    return sdpa(q, k, v, is_causal=True)
+
+
+def _split_qkv(qkv: Any, seq: int, heads: int, kv_heads: int, hd: int) -> tuple[Any, Any, Any]:
+    t = qkv.shape[0]
+    if t % seq or qkv.shape[1] != (heads + 2 * kv_heads) * hd:
+        raise ValueError(f"qkv of shape {tuple(qkv.shape)} is not [batch * {seq}, "
+                         f"({heads} + 2 * {kv_heads}) * {hd}]")
+    x = qkv.view(t // seq, seq, heads + 2 * kv_heads, hd)
+    return x.split((heads, kv_heads, kv_heads), dim=2)
+
+
+class ReferenceKernels(KernelSet):
+    """The eager formulas the runnable partitions ran before the fused kernels.
+
+    Several kernels per op (RMSNorm backward in float32: about ten; RoPE: a
+    ``rotate_half`` with ``torch.cat`` per tensor; SwiGLU backward: six), no weight
+    gradient in the RMSNorm backward; ``up_dgrad`` accumulates into ``gate_dgrad``'s
+    result as in every set. Kept to measure what fused kernels change (on one H200:
+    RMSNorm backward 20x, RoPE 15-21x, SwiGLU backward 5x their roofline; docs/kernels.md);
+    do not profile with it.
+    """
+
+    name = "reference"
+    # Attention on the same SDPA backends as the other sets, so that this set differs in
+    # the elementwise formulas only. (PyTorch's default dispatch depends on the process's
+    # earlier backend choices: on one H200 it ran flash, or for qwen3-1.7b CP=2's 2048
+    # queries over 4096 keys the math backend at 3.5 ms; bench/results/op_roofline_h200.json,
+    # candidate "reference".)
+
+    def rms_norm(self, x: Any, w: Any, eps: float = 1e-5) -> Any:
+        import torch  # noqa: PLC0415
+
+        fn = getattr(torch.nn.functional, "rms_norm", None)
+        if fn is not None:
+            return fn(x, (x.shape[-1],), w, eps)
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+    def rms_norm_bwd(self, dy: Any, x: Any, w: Any, eps: float = 1e-5) -> tuple[Any, Any]:
+        import torch  # noqa: PLC0415
+
+        xf, g = x.float(), (dy * w).float()
+        r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        dot = (g * xf).mean(-1, keepdim=True)
+        return (r * g - xf * r.pow(3) * dot).to(x.dtype), None
+
+    @staticmethod
+    def _rotate(x: Any, cos: Any, sin: Any) -> Any:
+        import torch  # noqa: PLC0415
+
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+    def rope(self, qkv: Any, cos: Any, sin: Any, *, heads: int,
+             kv_heads: int) -> tuple[Any, Any]:
+        q, k, _ = _split_qkv(qkv, cos.shape[0], heads, kv_heads, cos.shape[1])
+        c, s = cos[:, None, :], sin[:, None, :]
+        return self._rotate(q, c, s), self._rotate(k, c, s)
+
+    def rope_bwd(self, dq: Any, dk: Any, dv: Any, cos: Any, sin: Any) -> Any:
+        import torch  # noqa: PLC0415
+
+        # RoPE is a rotation: its backward rotates back (sin -> -sin).
+        c, s = cos[:, None, :], sin[:, None, :]
+        dq, dk = self._rotate(dq, c, -s), self._rotate(dk, c, -s)
+        return torch.cat((dq, dk, dv), dim=2).reshape(dq.shape[0] * dq.shape[1], -1)
+
+    def swiglu(self, g: Any, u: Any) -> Any:
+        import torch  # noqa: PLC0415
+
+        return torch.nn.functional.silu(g) * u
+
+    def swiglu_bwd(self, da: Any, g: Any, u: Any) -> tuple[Any, Any]:
+        import torch  # noqa: PLC0415
+
+        s = torch.sigmoid(g)
+        silu = g * s
+        return da * u * s * (1 + g * (1 - s)), da * silu
+
+    def kernel_names(self) -> dict[str, str]:
+        names = super().kernel_names()
+        names.update({op: "eager torch formula" for op in OPS[:6]})
+        return names
+
+
+class TorchKernels(KernelSet):
+    """The best plain-torch path: runs wherever torch does (the CPU too).
+
+    RMSNorm forward and backward are PyTorch's fused kernels
+    (``torch.nn.functional.rms_norm``; ``aten._fused_rms_norm_backward`` where it
+    exists, which also gives ``dw``). RoPE and SwiGLU are written as one formula each,
+    computed in float32 and rounded once; eager torch still launches a kernel per
+    elementwise step, so on a GPU prefer ``"triton"``.
+    """
+
+    name = "torch"
+
+    def rms_norm(self, x: Any, w: Any, eps: float = 1e-5) -> Any:
+        import torch  # noqa: PLC0415
+
+        fused = getattr(torch.ops.aten, "_fused_rms_norm", None)
+        if fused is not None:
+            return fused(x, [x.shape[-1]], w, eps)[0]
+        return ReferenceKernels().rms_norm(x, w, eps)
+
+    def rms_norm_bwd(self, dy: Any, x: Any, w: Any, eps: float = 1e-5) -> tuple[Any, Any]:
+        import torch  # noqa: PLC0415
+
+        fwd = getattr(torch.ops.aten, "_fused_rms_norm", None)
+        bwd = getattr(torch.ops.aten, "_fused_rms_norm_backward", None)
+        if fwd is not None and bwd is not None and x.device.type == "cuda":
+            # The forward's per-row 1/rms (what autograd saves); recomputed here so the
+            # op needs only x, as every kernel set's does.
+            xf = x.float()
+            rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+            dx, dw = bwd(dy, x, [x.shape[-1]], rstd, w, [True, True])
+            return dx, dw
+        xf, dyf, wf = x.float(), dy.float(), w.float()
+        r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        xhat = xf * r
+        g = dyf * wf
+        dx = r * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+        return dx.to(x.dtype), (dyf * xhat).sum(0).to(w.dtype)
+
+    @staticmethod
+    def _rotate(x: Any, cos: Any, sin: Any, sign: float) -> Any:
+        import torch  # noqa: PLC0415
+
+        x1, x2 = x.float().chunk(2, dim=-1)
+        c, s = cos.float().chunk(2, dim=-1)[0], sign * sin.float().chunk(2, dim=-1)[0]
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+    def rope(self, qkv: Any, cos: Any, sin: Any, *, heads: int,
+             kv_heads: int) -> tuple[Any, Any]:
+        q, k, _ = _split_qkv(qkv, cos.shape[0], heads, kv_heads, cos.shape[1])
+        c, s = cos[:, None, :], sin[:, None, :]
+        return self._rotate(q, c, s, 1.0), self._rotate(k, c, s, 1.0)
+
+    def rope_bwd(self, dq: Any, dk: Any, dv: Any, cos: Any, sin: Any) -> Any:
+        import torch  # noqa: PLC0415
+
+        c, s = cos[:, None, :], sin[:, None, :]
+        b, sq = dq.shape[0], dq.shape[1]
+        out = torch.empty(b, sq, dq.shape[2] + dk.shape[2] + dv.shape[2], dq.shape[3],
+                          dtype=dq.dtype, device=dq.device)
+        nq, nk = dq.shape[2], dk.shape[2]
+        out[:, :, :nq] = self._rotate(dq, c, s, -1.0)
+        out[:, :, nq:nq + nk] = self._rotate(dk, c, s, -1.0)
+        out[:, :, nq + nk:] = dv
+        return out.view(b * sq, -1)
+
+    def swiglu(self, g: Any, u: Any) -> Any:
+        import torch  # noqa: PLC0415
+
+        gf = g.float()
+        return (torch.nn.functional.silu(gf) * u.float()).to(g.dtype)
+
+    def swiglu_bwd(self, da: Any, g: Any, u: Any) -> tuple[Any, Any]:
+        import torch  # noqa: PLC0415
+
+        gf, uf, daf = g.float(), u.float(), da.float()
+        s = torch.sigmoid(gf)
+        dg = daf * uf * s * (1 + gf * (1 - s))
+        return dg.to(g.dtype), (daf * gf * s).to(u.dtype)
+
+    def kernel_names(self) -> dict[str, str]:
+        names = super().kernel_names()
+        names.update({
+            "rms_norm": "torch fused rms_norm (aten._fused_rms_norm)",
+            "rms_norm_bwd": "torch fused rms_norm backward (aten._fused_rms_norm_backward)",
+            "rope": "torch formula (float32)", "rope_bwd": "torch formula (float32)",
+            "swiglu": "torch formula (float32)", "swiglu_bwd": "torch formula (float32)",
+        })
+        return names
+
+
+# ---------------------------------------------------------------------------- registry
+
+_REGISTRY: dict[str, Callable[[], KernelSet]] = {}
+
+
+def register_kernels(name: str, factory: Callable[[], KernelSet]) -> None:
+    """Make a kernel set selectable by ``name`` (in :func:`get_kernels` and
+    ``KAREUS_KERNELS``). ``factory`` is called with no arguments."""
+    if not name or not isinstance(name, str):
+        raise ValueError("a kernel set needs a non-empty name")
+    if not callable(factory):
+        raise TypeError("factory must be callable")
+    _REGISTRY[name] = factory
+
+
+def _triton_factory() -> KernelSet:
+    from kareus.exec.kernels.triton_ops import TritonKernels  # noqa: PLC0415
+
+    return TritonKernels()
+
+
+register_kernels("reference", ReferenceKernels)
+register_kernels("torch", TorchKernels)
+register_kernels("triton", _triton_factory)
+
+
+def available_kernels() -> list[str]:
+    """Names :func:`get_kernels` accepts."""
+    return sorted(_REGISTRY)
+
+
+def _triton_usable() -> bool:
+    try:
+        import torch  # noqa: PLC0415
+        import triton  # noqa: F401, PLC0415
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def get_kernels(kernels: KernelSet | str | None = None) -> KernelSet:
+    """The kernel set to run ops with.
+
+    Args:
+        kernels: A :class:`KernelSet` (returned as is), a registered name
+            (:func:`available_kernels`), or ``None``/``"auto"``: ``$KAREUS_KERNELS`` if
+            set, else ``"triton"`` where CUDA and Triton are available, else ``"torch"``.
+
+    Raises:
+        ValueError: For an unknown name.
+        TypeError: For anything else.
+    """
+    if isinstance(kernels, KernelSet):
+        return kernels
+    if kernels is None or kernels == "auto":
+        kernels = os.environ.get("KAREUS_KERNELS") or None
+        if kernels is None or kernels == "auto":
+            kernels = "triton" if _triton_usable() else "torch"
+    if not isinstance(kernels, str):
+        raise TypeError(f"kernels must be a KernelSet, a name or None, got "
+                        f"{type(kernels).__name__}")
+    if kernels not in _REGISTRY:
+        raise ValueError(f"unknown kernel set {kernels!r}; choose one of "
+                         f"{available_kernels()} or pass a KernelSet")
+    ks = _REGISTRY[kernels]()
+    if not isinstance(ks, KernelSet):
+        raise TypeError(f"kernel set factory {kernels!r} returned {type(ks).__name__}, "
+                        f"not a KernelSet")
+    return ks

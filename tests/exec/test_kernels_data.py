@@ -1,0 +1,81 @@
+"""The measured op table (data/h200_op_roofline.json, 1x H200) read on the CPU.
+
+It must name its machine and software, cover every op of every partition type of the
+three presets at their default shapes, and agree with the partition model it was
+measured against: each op's FLOPs and bytes are the model's, its roofline is
+``max(FLOPs / peak, bytes / bandwidth)`` with the table's own measured ceilings, and each
+partition's roofline sum adds its ops'.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from kareus.model.partition import build_partitions
+from kareus.model.workload import Workload
+
+DATA = Path(__file__).resolve().parents[2] / "data" / "h200_op_roofline.json"
+
+
+@pytest.fixture(scope="module")
+def table():
+    return json.loads(DATA.read_text())
+
+
+def test_the_table_names_its_machine_and_software(table):
+    assert "H200" in table["gpu"]
+    for key in ("driver", "torch", "cuda", "triton", "measured_utc", "command"):
+        assert table[key], key
+    assert table["gemm_peak_tflops"] > 0 and table["hbm_tb_s"] > 0
+
+
+def test_every_op_of_every_partition_type_is_measured_against_the_model(table):
+    peak, bw = table["gemm_peak_tflops"] * 1e12, table["hbm_tb_s"] * 1e12
+    rows = {(r["workload"], r["op"]): r for r in table["rows"]}
+    parts = {(p["workload"], p["partition"]): p for p in table["partitions"]}
+    assert set(table["workloads"]) == {"llama3.2-3b", "qwen3-1.7b", "llama3.3-70b"}
+    for name, par in table["workloads"].items():
+        wl = Workload.preset(name, **par, **table["batch"])
+        ps = build_partitions(wl)
+        for pname in ps.names:
+            part = ps[pname]
+            assert (name, pname) in parts, (name, pname)
+            roof_sum = 0.0
+            for op in part.compute_ops:
+                r = rows[(name, op.name)]
+                assert pname in r["partitions"]
+                assert r["flops"] == pytest.approx(op.flops)
+                assert r["bytes"] == pytest.approx(op.bytes_moved)
+                roof = max(op.flops / peak, op.bytes_moved / bw) * 1e3
+                assert r["roofline_ms"] == pytest.approx(roof, rel=1e-9)
+                assert r["measured_ms"] > 0
+                assert r["ratio"] == pytest.approx(r["measured_ms"] / r["roofline_ms"])
+                assert r["kind"] in ("gemm", "attention", "elementwise")
+                assert r["kernel"]
+                roof_sum += roof
+            p = parts[(name, pname)]
+            assert p["roofline_sum_ms"] == pytest.approx(roof_sum, rel=1e-9)
+            assert p["ratio"] == pytest.approx(p["compute_ms"] / p["roofline_sum_ms"])
+
+
+def test_powers_are_measured_and_bounded_by_the_power_limit(table):
+    limit = table["power_limit_w"]
+    assert 0 < table["idle_power_w"] < limit
+    for r in table["rows"]:
+        assert r["power_w"] is not None and math.isfinite(r["power_w"]), r["op"]
+        # NVML's energy counter over >= 1 s: the average can exceed the enforced limit
+        # only by the controller's short overshoot.
+        assert table["idle_power_w"] < r["power_w"] < 1.1 * limit, r["op"]
+
+
+def test_gemm_rows_carry_their_shape_and_the_best_matmul(table):
+    for r in table["rows"]:
+        if r["kind"] != "gemm":
+            continue
+        m, k, n = r["mkn"]
+        assert 2 * m * k * n == pytest.approx(r["flops"])
+        assert r["best_matmul_ms"] > 0 and 0 < r["peak_frac"] <= 1.2

@@ -1,0 +1,115 @@
+"""The fused Triton kernel set on a GPU: each op (and liger-kernel's, when installed)
+against an eager float64 evaluation of its formula, outputs and gradients, at shapes
+with odd widths and strided inputs. Skipped without torch, Triton or CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from kareus.exec.kernels import ReferenceKernels, get_kernels  # noqa: E402
+from kareus.exec.kernels import autograd as kag  # noqa: E402
+from kareus.exec.kernels.triton_ops import TritonKernels, liger_version  # noqa: E402
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+BF16_TOL = 1e-2
+SETS = [False] + ([True] if liger_version() else [])
+
+
+def rel(a, ref):
+    return float((a.double() - ref.double()).norm() / ref.double().norm())
+
+
+def rnd(*shape, scale=1.0):
+    return (torch.randn(*shape, device="cuda") * scale).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("use_liger", SETS)
+@pytest.mark.parametrize("rows,width", [(4099, 3072), (1000, 2048), (257, 8192), (33, 96)])
+def test_rms_norm_forward_and_backward(use_liger, rows, width):
+    ks = TritonKernels(use_liger=use_liger)
+    torch.manual_seed(rows)
+    x, dy, w = rnd(rows, width), rnd(rows, width), 1 + rnd(width, scale=0.1)
+    xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+    y = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * wd
+    y.backward(dy.double())
+    assert rel(ks.rms_norm(x, w), y.detach()) < BF16_TOL
+    dx, dw = ks.rms_norm_bwd(dy, x, w)
+    assert rel(dx, xd.grad) < BF16_TOL
+    assert rel(dw, wd.grad) < BF16_TOL
+    assert torch.equal(dx, ks.rms_norm_bwd(dy, x, w)[0])  # deterministic
+
+
+@pytest.mark.parametrize("b,s,h,kvh,hd", [(2, 128, 6, 2, 128), (1, 64, 8, 1, 128),
+                                          (3, 17, 3, 3, 64)])
+def test_rope_forward_and_backward_on_strided_inputs(b, s, h, kvh, hd):
+    ks, ref = TritonKernels(), ReferenceKernels()
+    qkv = rnd(b * s, (h + 2 * kvh) * hd)
+    ang = torch.randn(s, hd // 2, device="cuda", dtype=torch.float64)
+    ang = torch.cat((ang, ang), -1)
+    cos, sin = ang.cos().to(torch.bfloat16), ang.sin().to(torch.bfloat16)
+    q, k = ks.rope(qkv, cos, sin, heads=h, kv_heads=kvh)
+    qr, kr = ref.rope(qkv.double(), cos.double(), sin.double(), heads=h, kv_heads=kvh)
+    assert rel(q, qr) < BF16_TOL and rel(k, kr) < BF16_TOL
+    dq = rnd(b, h, s, hd).transpose(1, 2)  # attention's gradient layout
+    dk = rnd(b, kvh, s, hd).transpose(1, 2)
+    dv = rnd(b, kvh, s, hd).transpose(1, 2)
+    got = ks.rope_bwd(dq, dk, dv, cos, sin)
+    want = ref.rope_bwd(dq.double(), dk.double(), dv.double(), cos.double(), sin.double())
+    assert rel(got, want) < BF16_TOL
+    nv = kvh * hd
+    assert torch.equal(got[:, -nv:], dv.reshape(b * s, nv))  # dv copied exactly
+
+
+@pytest.mark.parametrize("use_liger", SETS)
+@pytest.mark.parametrize("shape", [(4096, 2048), (1000, 3584), (7, 33)])
+def test_swiglu_forward_and_backward(use_liger, shape):
+    ks = TritonKernels(use_liger=use_liger)
+    g, u, da = rnd(*shape), rnd(*shape), rnd(*shape)
+    gd, ud = g.double().requires_grad_(), u.double().requires_grad_()
+    a = torch.nn.functional.silu(gd) * ud
+    a.backward(da.double())
+    assert rel(ks.swiglu(g, u), a.detach()) < BF16_TOL
+    dg, du = ks.swiglu_bwd(da, g, u)
+    assert rel(dg, gd.grad) < BF16_TOL and rel(du, ud.grad) < BF16_TOL
+    assert torch.equal(g, g.clone()) and ks.swiglu_bwd(da, g, u)[0].equal(dg)  # no in-place
+
+
+def test_autograd_wrappers_with_triton_match_the_eager_formulas():
+    x = rnd(512, 3072).requires_grad_()
+    w = (1 + rnd(3072, scale=0.1)).requires_grad_()
+    dy = rnd(512, 3072)
+    kag.rms_norm(x, w, kernels="triton").backward(dy)
+    x2, w2 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    (x2 * torch.rsqrt(x2.pow(2).mean(-1, keepdim=True) + 1e-5) * w2).backward(dy.double())
+    assert rel(x.grad, x2.grad) < BF16_TOL and rel(w.grad, w2.grad) < BF16_TOL
+
+
+def test_default_on_a_gpu_is_the_triton_set():
+    assert get_kernels().name == "triton"
+
+
+def test_partitions_with_fused_kernels_match_the_reference_formulas():
+    from kareus.exec.torch_partition import runnable_partitions
+    from kareus.model.workload import ModelArch, Parallelism, Workload
+
+    m = ModelArch(name="small", layers=2, hidden=512, heads=8, kv_heads=4, head_dim=64,
+                  ffn=1024, vocab=1000)
+    wl = Workload(model=m, parallelism=Parallelism(tp=2), microbatch_size=4, seq_len=256,
+                  nanobatches=2)
+    names = ["fwd_attn", "fwd_mlp", "bwd_mlp", "bwd_attn"]
+    outs = {}
+    for kern in ("reference", "triton"):
+        parts = runnable_partitions(wl, names, kernels=kern)
+        outs[kern] = {}
+        for n, p in parts.items():
+            prog = p.build(seed=5)
+            prog.run_plain()
+            outs[kern][n] = prog.output.clone()
+    for n in names:
+        assert rel(outs["triton"][n], outs["reference"][n]) < 2e-2, n
