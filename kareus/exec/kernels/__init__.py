@@ -15,7 +15,7 @@ op                 what it computes
 ``swiglu``         ``silu(g) * u``
 ``swiglu_bwd``     ``dg`` and ``du`` of that
 ``attention``      causal scaled-dot-product attention, grouped K/V read in place
-``matmul``         GEMMs (cuBLAS through ``torch.matmul`` / ``torch.addmm``)
+``matmul``         GEMMs on cuBLAS (``torch.matmul``; ``addmm_`` to accumulate)
 =================  ======================================================================
 
 Implementations (:func:`get_kernels` picks one by name):
