@@ -37,8 +37,8 @@ null) is taken as the preset's ``default_comm_sms`` (32). The ``megatron`` row i
 whole microbatch without nanobatching (a partition built with ``nanobatches=1``).
 ``--gpu-profile PATH`` asks for the emulator calibrated from a measured
 :class:`kareus.model.gpu_profile.GPUProfile` instead (``EmulatedGPU.from_profile(path,
-comm_backend="nccl")``); until the emulator has that constructor it stops with a message
-saying so.
+comm_backend="nccl")``; ``--gpu-profile h200-sxm`` names the profile shipped with kareus);
+until the emulator has that constructor it stops with a message saying so.
 
 The grids ran the runnable partitions' eager kernels of the time (hand-written RMSNorm and
 RoPE, copied K/V before SDPA): the emulated ops are fused. A calibrated emulator must take
@@ -52,6 +52,7 @@ Usage (CPU, a few seconds)::
 from __future__ import annotations
 
 import argparse
+import importlib.resources
 import statistics
 import sys
 from pathlib import Path
@@ -62,7 +63,7 @@ from scipy.stats import spearmanr
 from kareus._io import read_json, write_json_atomic
 from kareus.exec import EmulatedGPU, EmulatedProfiler
 from kareus.model import ScheduleConfig, Workload, build_partitions
-from kareus.model.gpu_profile import GPUProfile
+from kareus.model.gpu_profile import GPUProfile, GPUProfileError, shipped_profiles
 
 REPO = Path(__file__).resolve().parents[1]
 TARGETS = {"median_rel_err_max": 0.08, "spearman_min": 0.9, "pick_regret_max": 0.02}
@@ -89,6 +90,9 @@ def make_emulator(gpu: str, profile: Path | None) -> tuple[EmulatedGPU, str]:
     if profile is None:
         return (EmulatedGPU.from_spec(gpu, comm_backend="nccl"),
                 f"preset {gpu} (uncalibrated), NCCL's measured collective curves")
+    if not profile.exists() and str(profile) in shipped_profiles():
+        profile = Path(str(importlib.resources.files("kareus.model").joinpath(
+            "profiles", f"{str(profile).replace('-', '_')}.json")))
     prof = GPUProfile.load(profile)  # validates the file (typed GPUProfileError)
     from_profile = getattr(EmulatedGPU, "from_profile", None)
     if from_profile is None:
@@ -364,12 +368,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--grid", type=Path, action="append",
                     help="a measured grid file (repeatable; default: every data/*_grid*.json)")
     ap.add_argument("--gpu-profile", type=Path,
-                    help="a measured GPUProfile JSON to calibrate the emulator with")
+                    help="a measured GPUProfile JSON to calibrate the emulator with, or the "
+                         "name of a shipped one (h200-sxm)")
     args = ap.parse_args(argv)
     grids = args.grid or default_grids()
     if not grids:
         raise SystemExit("no measured grid found: pass --grid PATH")
-    res = run(grids, args.gpu_profile)
+    try:
+        res = run(grids, args.gpu_profile)
+    except (GPUProfileError, GridError) as exc:
+        raise SystemExit(str(exc)) from None
     print_table(res)
     if args.json:
         res["command"] = "python bench/emulator_fidelity.py " + " ".join(
