@@ -66,6 +66,7 @@ __all__ = [
     "register_model",
     "registered_gpus",
     "registered_models",
+    "spec_to_dict",
     "unregister",
 ]
 
