@@ -1,8 +1,8 @@
-"""The A100 case study of FACTS.md on the emulator, and where the A100 preset's collective
+"""The A100 case study of the Kareus paper on the emulator, and where the A100 preset's collective
 throughput comes from (emulated).
 
-Nothing was measured on an A100 for kareus. The one A100 observation is FACTS.md's case
-study: Llama 3.2 3B forward attention, TP=4, 1410 MHz, the all-reduce launched with
+Nothing was measured on an A100 for kareus. The one A100 observation is the Kareus paper's
+case study: Llama 3.2 3B forward attention, TP=4, 1410 MHz, the all-reduce launched with
 Linear 1 (qkv): 2 communication SMs left it exposed, 4 SMs hid it inside the computation
 and were energy-optimal (so 3 did not hide it: 3 would have taken fewer SMs from the
 computation). This bench finds, by bisection on the emulator, the per-SM all-reduce rate

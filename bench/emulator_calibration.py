@@ -1,6 +1,6 @@
 """Calibrate and check the emulated H200 against the measured 4x H200 overlap probe.
 
-Rebuilds the workload of ``/work/shared/data/h200_tp4_overlap_probe.json`` (FACTS.md) as a
+Rebuilds the workload of ``data/h200_tp4_overlap_probe.json`` (measured on 4x H200) as a
 user-described :class:`~kareus.model.partition.OpPartition` on the ``h200-sxm`` preset:
 two memory-bound elementwise passes over a 96M-element bf16 tensor, three chained bf16
 GEMMs 8192x4096 @ 4096x4096, and one all-reduce of 64 MiB over 4 GPUs.
@@ -37,7 +37,7 @@ from kareus.model.config import ScheduleConfig
 from kareus.model.ops import CommKind, CommOp, ComputeOp, OpKind
 from kareus.model.partition import OpPartition, OutsideWork
 
-DATA = Path("/work/shared/data/h200_tp4_overlap_probe.json")
+DATA = Path(__file__).resolve().parents[1] / "data" / "h200_tp4_overlap_probe.json"
 ELEMS = 96 * 2**20  # 96M elements: "a 96M-element bf16 tensor"
 M, K, N = 8192, 4096, 4096
 AR_BYTES = M * K * 2  # 64 MiB

@@ -8,10 +8,10 @@ systems) on the embedded emulator and reports:
   and the time saved at Perseus's lowest iteration energy (iso-energy);
 - every system vs Megatron-LM: the same two savings against Megatron-LM's single point.
 
-The ten configurations follow the reference evaluation described in FACTS.md
+The ten configurations follow the evaluation of the Kareus paper and its public artifact
 (16 GPUs as PP=2 x TP=8 or PP=2 x CP=2 x TP=4, 8 microbatches, Llama 3.2 3B and
 Qwen 3 1.7B, microbatch size 8 or 16, sequence 4096 or 8192, full recomputation).
-FACTS.md does not list which ten combinations the reference ran; the ten below are
+The paper does not list which ten combinations it ran; the ten below are
 our choice: five per model.
 
 Every figure is emulated (EmulatedProfiler with 1% measurement noise), not measured.

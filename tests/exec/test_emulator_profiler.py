@@ -240,7 +240,7 @@ def test_a100_a_few_sms_are_energy_optimal(fwd_attn, a100):
 
 
 def test_a100_four_sms_are_energy_optimal(fwd_attn, a100):
-    # FACTS.md: 4 SMs hid the all-reduce and used less energy than 2 and than 20. The
+    # The Kareus paper's A100 case study: 4 SMs hid the all-reduce and used less energy than 2 and than 20. The
     # preset's collective rate is calibrated to the first half (4 hide, 3 do not:
     # bench/emulator_a100_case_study.py); that 20 SMs cost more is a consequence, not an input.
     e = {s: a100.measure(fwd_attn, ScheduleConfig(1410, s, "qkv")).energy_j
@@ -276,7 +276,7 @@ def test_a100_norm_slot_costs_more_than_first_gemm(fwd_attn, a100):
 
 
 def test_a100_optimal_slot_moves_or_gap_shrinks_at_lower_clock(fwd_attn, a100):
-    # FACTS.md: at 1410 MHz the energy-optimal slot was Linear 1 (qkv); at 1100 MHz RoPE.
+    # The Kareus paper's A100 case study: at 1410 MHz the energy-optimal slot was Linear 1 (qkv); at 1100 MHz RoPE.
     # Either the optimum moves, or the gap between those two slots shrinks at the lower clock.
     f_low = a100.gpu.nearest_clock(1100)
     slots = [s.name for s in fwd_attn.slots]
