@@ -1,0 +1,86 @@
+"""Training with a plan: a Llama-shaped decoder trained under kareus or its baselines.
+
+The library's training loop, for measuring what a plan does to a real job and as the
+pattern for applying one in your own loop. Each rank builds its shard of a decoder from a
+preset's dimensions (:class:`DecoderShard`: N layers, random initialisation, fp32 master
+weights, AdamW, cross-entropy of next-token prediction on random tokens), tensor and
+context parallel, every op on the production kernels (:mod:`kareus.exec.kernels`), and
+runs iterations through :class:`~kareus.exec.executor.TorchExecutor` under one of three
+schedules (:data:`SCHEDULES`):
+
+* ``"sequential"``: Megatron-LM without overlap (whole microbatches, each collective
+  right after the ops that produce its tensor, the collective's own CTA count);
+* ``"nanobatching"``: the default overlap (each collective launched with the next
+  nanobatch's or segment's first op, its own CTA count);
+* ``"kareus"``: every partition at the plan's launch slot with the plan's SM count, and
+  the plan's clock requested per microbatch computation in stream order.
+
+The three run the same ops on the same data from the same weights, so their losses agree
+step by step (up to the rounding of different GEMM shapes and of the attention backward's
+accumulation order).
+
+Modules: ``_chain`` (which op runs in which partition: pure Python), ``_model`` (the
+decoder's ops), ``_groups`` (TP and CP groups, and the one-GPU loopback stand-ins),
+``_loop`` (the loop, timing and energy of runs, overlap efficiency). A training script
+is ``examples/train_torchrun.py``; ``bench/train_e2e.py`` measures the three schedules.
+"""
+
+from __future__ import annotations
+
+from kareus.exec.train._chain import (
+    SCHEDULES,
+    Comm,
+    DefaultConfig,
+    Op,
+    Piece,
+    TypeShape,
+    clip_slot,
+    match_type,
+    pieces,
+    run_computation,
+    stack_stream,
+    type_shapes,
+)
+from kareus.exec.train._groups import (
+    GroupedCollective,
+    LoopbackCollective,
+    LoopbackGroups,
+    ParallelGroups,
+    TorchParallelGroups,
+)
+from kareus.exec.train._loop import (
+    RunRecord,
+    TrainingLoop,
+    check_plan_workload,
+    measure_runs,
+    overlap_efficiency,
+    shuffled_order,
+)
+from kareus.exec.train._model import DecoderShard
+
+__all__ = [
+    "SCHEDULES",
+    "Comm",
+    "DecoderShard",
+    "DefaultConfig",
+    "GroupedCollective",
+    "LoopbackCollective",
+    "LoopbackGroups",
+    "Op",
+    "ParallelGroups",
+    "Piece",
+    "RunRecord",
+    "TorchParallelGroups",
+    "TrainingLoop",
+    "TypeShape",
+    "check_plan_workload",
+    "clip_slot",
+    "match_type",
+    "measure_runs",
+    "overlap_efficiency",
+    "pieces",
+    "run_computation",
+    "shuffled_order",
+    "stack_stream",
+    "type_shapes",
+]

@@ -1,0 +1,385 @@
+"""The schedule logic of the training loop: which ops run in which partition, how configured.
+
+A microbatch computation of a decoder stack is one stream of ops with collectives between
+them (:func:`stack_stream`): per layer, forward ``attn_norm qkv rope [CP all-gather of K/V]
+attn_core out_proj [TP all-reduce] mlp_norm gate up swiglu down [TP all-reduce]``;
+backward, from the top layer down, ``down_dgrad ... up_wgrad [TP all-reduce] mlp_norm_bwd
+out_dgrad out_wgrad attn_core_bwd [CP reduce-scatter of dK/dV] rope_bwd qkv_dgrad qkv_wgrad
+[TP all-reduce]``, each layer's ``attn_norm_bwd`` opening the next layer's backward (it
+needs the all-reduced gradient), as in :func:`kareus.model.partition.build_partitions`.
+With full recomputation the backward of each layer first re-runs its forward, collectives
+included.
+
+:func:`pieces` cuts that stream at its collectives: a :class:`Piece` is a run of ops and the
+collective after them. The three schedules run the pieces of one computation through an
+:class:`~kareus.exec.executor.Executor` (:func:`run_computation`):
+
+* ``"sequential"`` (Megatron-LM without overlap): the whole microbatch; each piece's
+  collective right after its ops, exposed, with the collective's own CTA count;
+* ``"nanobatching"`` (the default overlap): the microbatch cut into ``n`` nanobatches; the
+  unit (piece ``j``, nanobatch ``i``) runs while the collective of the unit before it in
+  stream order runs on the side stream (``(j, i-1)``, or ``(j-1, n-1)`` for ``i = 0``),
+  launched with the unit's first op, with the collective's own CTA count;
+* ``"kareus"``: the same chain, each unit under the plan's configuration of its partition
+  type (launch slot and SM count; the clock is set per computation by the caller).
+
+The partition type of a unit is the type whose ops hold the unit's ops (equal, or a prefix
+or suffix at the ends of the stack) and whose collective is the one the unit overlaps
+(:func:`match_type`); the first piece of the stack is a suffix of its type (the layer
+below it starts the chain) and the last a prefix. A slot that falls before the unit's
+first op launches with that op; one after its last op runs sequentially (:func:`clip_slot`).
+The last collective of a computation overlaps nothing: it runs exposed with the SM count
+of its cyclic partner type (the first piece's type with that collective), as the
+partition model pairs it.
+
+Every rank runs the same pieces in the same order, so every rank issues the same
+collectives in the same order; nothing here depends on timing. Pure Python (no torch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+__all__ = [
+    "SCHEDULES",
+    "Comm",
+    "DefaultConfig",
+    "Op",
+    "Piece",
+    "TypeShape",
+    "clip_slot",
+    "match_type",
+    "pieces",
+    "run_computation",
+    "stack_stream",
+    "type_shapes",
+]
+
+#: The schedules a training loop runs, in report order.
+SCHEDULES = ("sequential", "nanobatching", "kareus")
+
+_FWD_ATTN_IN = ("attn_norm", "qkv", "rope")
+_FWD_ATTN_OUT = ("attn_core", "out_proj")
+_FWD_MLP = ("mlp_norm", "gate", "up", "swiglu", "down")
+_BWD_MLP = ("down_dgrad", "down_wgrad", "swiglu_bwd", "gate_dgrad", "up_dgrad", "gate_wgrad",
+            "up_wgrad")
+_BWD_ATTN_OUT = ("mlp_norm_bwd", "out_dgrad", "out_wgrad", "attn_core_bwd")
+_BWD_ATTN_IN = ("rope_bwd", "qkv_dgrad", "qkv_wgrad")
+
+
+@attrs.frozen
+class Op:
+    """One computation op of the stack: its name (a partition op name) and its layer."""
+
+    name: str
+    layer: int
+
+
+@attrs.frozen
+class Comm:
+    """One collective of the stack.
+
+    Attributes:
+        kind: ``"all_reduce"``, ``"all_gather"`` or ``"reduce_scatter"``.
+        name: The tensor it acts on: ``"attn_out"``, ``"mlp_out"`` (forward all-reduces),
+            ``"kv"`` (K/V all-gather), ``"mlp_in_grad"``, ``"attn_in_grad"`` (backward
+            all-reduces), ``"kv_grad"`` (dK/dV reduce-scatter).
+        layer: Its layer.
+    """
+
+    kind: str
+    name: str
+    layer: int
+
+
+@attrs.frozen
+class Piece:
+    """A run of ops and the collective after them (``None`` at the end of the stack)."""
+
+    ops: tuple[Op, ...]
+    comm: Comm | None
+
+    @property
+    def op_names(self) -> tuple[str, ...]:
+        """The ops' names, in stream order."""
+        return tuple(op.name for op in self.ops)
+
+
+@attrs.frozen
+class TypeShape:
+    """What :func:`match_type` needs of a partition type: its ops' names and collective kind."""
+
+    op_names: tuple[str, ...]
+    comm_kind: str
+
+
+@attrs.frozen
+class DefaultConfig:
+    """A baseline configuration: the collective with its own CTA count.
+
+    ``comm_sms=None`` makes :class:`~kareus.exec.executor.TorchExecutor` use its
+    ``default_collective``; ``launch_slot=None`` is sequential.
+    """
+
+    launch_slot: str | None = None
+    comm_sms: None = None
+    backend: None = None
+
+    @property
+    def sequential(self) -> bool:
+        """Whether the collective runs after all the ops."""
+        return self.launch_slot is None
+
+
+def _layer_fwd(layer: int, tp: int, cp: int) -> list[Op | Comm]:
+    out: list[Op | Comm] = [Op(n, layer) for n in _FWD_ATTN_IN]
+    if cp > 1:
+        out.append(Comm("all_gather", "kv", layer))
+    out += [Op(n, layer) for n in _FWD_ATTN_OUT]
+    if tp > 1:
+        out.append(Comm("all_reduce", "attn_out", layer))
+    out += [Op(n, layer) for n in _FWD_MLP]
+    if tp > 1:
+        out.append(Comm("all_reduce", "mlp_out", layer))
+    return out
+
+
+def _layer_bwd(layer: int, tp: int, cp: int) -> list[Op | Comm]:
+    out: list[Op | Comm] = [Op(n, layer) for n in _BWD_MLP]
+    if tp > 1:
+        out.append(Comm("all_reduce", "mlp_in_grad", layer))
+    out += [Op(n, layer) for n in _BWD_ATTN_OUT]
+    if cp > 1:
+        out.append(Comm("reduce_scatter", "kv_grad", layer))
+    out += [Op(n, layer) for n in _BWD_ATTN_IN]
+    if tp > 1:
+        out.append(Comm("all_reduce", "attn_in_grad", layer))
+    return out
+
+
+def stack_stream(phase: str, layers: int, *, tp: int, cp: int,
+                 recompute: bool) -> list[Op | Comm]:
+    """The ops and collectives of one microbatch computation of ``layers`` layers, in order.
+
+    Args:
+        phase: ``"fwd"`` or ``"bwd"``.
+        layers: Transformer layers of the stage.
+        tp: Tensor-parallel degree (``> 1``: all-reduces).
+        cp: Context-parallel degree (``> 1``: K/V all-gather, dK/dV reduce-scatter).
+        recompute: Whether the backward re-runs each layer's forward first.
+
+    Returns:
+        :class:`Op` and :class:`Comm` items. Backward: layer ``l``'s ``attn_norm_bwd``
+        comes right before layer ``l-1``'s ``down_dgrad`` (after ``l-1``'s recomputed
+        forward); layer 0's is last. The embedding, final norm, LM head and loss are
+        outside the stack.
+    """
+    if phase not in ("fwd", "bwd"):
+        raise ValueError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
+    if layers < 1 or tp < 1 or cp < 1:
+        raise ValueError(f"layers, tp and cp must be >= 1, got {layers}, {tp}, {cp}")
+    out: list[Op | Comm] = []
+    if phase == "fwd":
+        for layer in range(layers):
+            out += _layer_fwd(layer, tp, cp)
+        return out
+    for layer in reversed(range(layers)):
+        if recompute:
+            out += _layer_fwd(layer, tp, cp)
+        if layer < layers - 1:
+            out.append(Op("attn_norm_bwd", layer + 1))
+        out += _layer_bwd(layer, tp, cp)
+    out.append(Op("attn_norm_bwd", 0))
+    return out
+
+
+def pieces(stream: Sequence[Op | Comm]) -> list[Piece]:
+    """Cut a stream at its collectives: each :class:`Piece` ends with one (the last may not)."""
+    out: list[Piece] = []
+    ops: list[Op] = []
+    for item in stream:
+        if isinstance(item, Comm):
+            out.append(Piece(tuple(ops), item))
+            ops = []
+        else:
+            ops.append(item)
+    if ops:
+        out.append(Piece(tuple(ops), None))
+    return out
+
+
+def type_shapes(partition_set: Any) -> dict[str, TypeShape]:
+    """:class:`TypeShape` of every type of a :class:`~kareus.model.partition.PartitionSet`."""
+    return {name: TypeShape(tuple(op.name for op in p.compute_ops), p.comm_op.kind.value)
+            for name, p in partition_set.types.items()}
+
+
+def _find(sub: tuple[str, ...], seq: tuple[str, ...]) -> int:
+    for k in range(len(seq) - len(sub) + 1):
+        if seq[k:k + len(sub)] == sub:
+            return k
+    return -1
+
+
+def match_type(types: Mapping[str, TypeShape], op_names: Sequence[str],
+               comm_kind: str) -> tuple[str, int] | None:
+    """The partition type a unit runs as: ``(type name, offset of the unit's ops in it)``.
+
+    The type's collective must be ``comm_kind`` and its ops must hold ``op_names`` as a
+    contiguous run; a type with exactly those ops wins, then the one with the fewest
+    ops. ``None`` when no type fits.
+    """
+    names = tuple(op_names)
+    best: tuple[int, str, int] | None = None
+    for name, shape in types.items():
+        if shape.comm_kind != comm_kind or not names:
+            continue
+        k = _find(names, shape.op_names)
+        if k < 0:
+            continue
+        rank = 0 if shape.op_names == names else len(shape.op_names)
+        if best is None or rank < best[0]:
+            best = (rank, name, k)
+    return None if best is None else (best[1], best[2])
+
+
+def clip_slot(slot: str | None, type_ops: Sequence[str], offset: int,
+              op_names: Sequence[str]) -> str | None:
+    """A type's launch slot applied to a unit holding ``op_names`` at ``offset`` of its ops.
+
+    The slot itself when the unit holds it; the unit's first op when the slot comes before
+    it; ``None`` (sequential) when the slot comes after the unit's last op.
+    """
+    if slot is None:
+        return None
+    if slot not in type_ops:
+        raise ValueError(f"launch slot {slot!r} is not an op of the type ({list(type_ops)})")
+    k = list(type_ops).index(slot)
+    if offset <= k < offset + len(op_names):
+        return slot
+    return op_names[0] if k < offset else None
+
+
+# ------------------------------------------------------------------ running a computation
+
+
+def _plan_config(plan_config_of: Callable[[str], Any], types: Mapping[str, TypeShape],
+                 op_names: tuple[str, ...], comm_kind: str,
+                 partner: str | None) -> tuple[str, Any]:
+    hit = match_type(types, op_names, comm_kind)
+    if hit is None:  # no type holds these ops: sequential, with the partner's SM count
+        key = partner if partner is not None else next(
+            (n for n, s in types.items() if s.comm_kind == comm_kind), None)
+        if key is None:
+            raise ValueError(f"no partition type has a {comm_kind} collective")
+        return key, attrs.evolve(plan_config_of(key), launch_slot=None)
+    key, offset = hit
+    cfg = plan_config_of(key)
+    slot = clip_slot(cfg.launch_slot, types[key].op_names, offset, op_names)
+    return key, (cfg if slot == cfg.launch_slot else attrs.evolve(cfg, launch_slot=slot))
+
+
+def run_computation(executor: Any, stack: Sequence[Piece], *, schedule: str, nanobatches: int,
+                    run_op: Callable[[Op, int], Any],
+                    comm_args: Callable[[Comm, int], tuple[Any, Any]],
+                    types: Mapping[str, TypeShape] | None = None,
+                    plan_config_of: Callable[[str], Any] | None = None) -> list[tuple[str, Any]]:
+    """Enqueue one microbatch computation's stack under ``schedule`` through ``executor``.
+
+    Args:
+        executor: An :class:`~kareus.exec.executor.Executor`; under ``"kareus"``, call this
+            inside its ``microbatch(...)`` scope.
+        stack: The computation's pieces (:func:`pieces` of :func:`stack_stream`).
+        schedule: One of :data:`SCHEDULES`.
+        nanobatches: Parts the microbatch is cut into (1 for ``"sequential"``).
+        run_op: ``(op, nanobatch) -> None``: enqueue one op of one nanobatch.
+        comm_args: ``(comm, nanobatch) -> (tensor, output)``: the collective's tensor (and
+            output tensor for all-gather / reduce-scatter, else ``None``).
+        types: Partition types by name (:func:`type_shapes`); needed by ``"kareus"`` and
+            used to name the partitions of the baselines.
+        plan_config_of: ``type name -> ScheduleConfig`` of the current computation
+            (``"kareus"`` only; e.g. ``plan_config(plan, name, executor.current)``).
+
+    Returns:
+        ``(partition key, configuration)`` of every partition run, in order.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if schedule == "sequential" and nanobatches != 1:
+        raise ValueError("the sequential schedule runs whole microbatches: nanobatches=1")
+    if nanobatches < 1:
+        raise ValueError(f"nanobatches must be >= 1, got {nanobatches}")
+    if schedule == "kareus" and (types is None or plan_config_of is None):
+        raise ValueError("the kareus schedule needs types and plan_config_of")
+    shapes = dict(types or {})
+    ran: list[tuple[str, Any]] = []
+
+    def ops_of(piece: Piece, nb: int, part: Any = None) -> None:
+        for op in piece.ops:
+            if part is None:
+                run_op(op, nb)
+            else:
+                part.op(op.name, run_op, op, nb)
+
+    def launch(key: str, cfg: Any, comm: Comm, nb: int, piece: Piece | None,
+               ops_nb: int) -> None:
+        tensor, output = comm_args(comm, nb)
+        names = piece.op_names if piece is not None else ()
+        with executor.partition(key, config=cfg, op_names=names) as part:
+            part.communicate(tensor, kind=comm.kind, output=output)
+            if piece is not None:
+                ops_of(piece, ops_nb, part)
+        ran.append((key, cfg))
+
+    def key_for(op_names: tuple[str, ...], kind: str) -> str:
+        hit = match_type(shapes, op_names, kind) if shapes else None
+        return hit[0] if hit is not None else f"{kind}:{'+'.join(op_names) or 'tail'}"
+
+    if schedule == "sequential":
+        for piece in stack:
+            if piece.comm is None:
+                ops_of(piece, 0)
+            else:
+                launch(key_for(piece.op_names, piece.comm.kind), DefaultConfig(None),
+                       piece.comm, 0, piece, 0)
+        return ran
+
+    partner: dict[str, str] = {}
+    if stack and schedule == "kareus":
+        for kind in ("all_reduce", "all_gather", "reduce_scatter"):
+            hit = match_type(shapes, stack[0].op_names, kind)
+            if hit is not None:
+                partner[kind] = hit[0]
+    pending: tuple[Comm, int] | None = None
+    for piece in stack:
+        for nb in range(nanobatches):
+            if pending is None:
+                ops_of(piece, nb)
+            else:
+                comm, cnb = pending
+                if schedule == "kareus":
+                    assert plan_config_of is not None
+                    key, cfg = _plan_config(plan_config_of, shapes, piece.op_names, comm.kind,
+                                            partner.get(comm.kind))
+                else:
+                    key, cfg = key_for(piece.op_names, comm.kind), DefaultConfig(
+                        piece.op_names[0] if piece.ops else None)
+                tensor, output = comm_args(comm, cnb)
+                with executor.partition(key, config=cfg, op_names=piece.op_names) as part:
+                    part.communicate(tensor, kind=comm.kind, output=output)
+                    ops_of(piece, nb, part)
+                ran.append((key, cfg))
+            pending = (piece.comm, nb) if piece.comm is not None else None
+    if pending is not None:  # the last collective: nothing left to overlap
+        comm, cnb = pending
+        if schedule == "kareus":
+            assert plan_config_of is not None
+            key, cfg = _plan_config(plan_config_of, shapes, (), comm.kind,
+                                    partner.get(comm.kind))
+        else:
+            key, cfg = key_for((), comm.kind), DefaultConfig(None)
+        launch(key, cfg, comm, cnb, None, 0)
+    return ran

@@ -1,0 +1,278 @@
+"""Tensor- and context-parallel groups of a training job, and their one-GPU stand-in.
+
+A job of ``world = TP x CP`` ranks lays ranks out TP-fastest (``rank = cp_rank * TP +
+tp_rank``, as Megatron-LM does): the TP group of a rank is the ``TP`` consecutive ranks
+around it, its CP group the ranks ``TP`` apart. Two kinds of collective use them:
+
+* the partitions' collectives (TP all-reduce; CP all-gather of K/V and reduce-scatter of
+  their gradients) go through a :class:`~kareus.exec.collectives.CollectiveBackend` on
+  the executor's side stream, with the configured SM count: :class:`GroupedCollective`
+  sends each kind to the backend of its group;
+* the work outside partitions (the vocabulary-parallel embedding and loss, the LM head's
+  input gradient, the gradient sum over CP ranks) uses :meth:`ParallelGroups.all_reduce`
+  on the current stream.
+
+:class:`LoopbackCollective` and :class:`LoopbackGroups` stand in for a group on one GPU:
+every collective is a real kernel of the collective's size on the stream it is given,
+computing what the group would if every other rank held this rank's data (an all-reduce
+multiplies by the group size, an all-gather repeats the input, a reduce-scatter scales
+this rank's block). They let the whole loop run end to end on one GPU; their times are
+not those of a group (no link traffic, no SM cap).
+
+torch is imported inside the functions that need it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, ClassVar
+
+from kareus.exec.collectives import CollectiveBackend
+
+__all__ = ["GroupedCollective", "LoopbackCollective", "LoopbackGroups", "ParallelGroups",
+           "TorchParallelGroups"]
+
+
+def _on(stream: Any) -> Any:
+    """``torch.cuda.stream(stream)`` for a CUDA stream, else a no-op context."""
+    import torch  # noqa: PLC0415
+
+    if isinstance(stream, torch.cuda.Stream):
+        return torch.cuda.stream(stream)
+    return contextlib.nullcontext()
+
+
+class ParallelGroups:
+    """The TP and CP coordinates of this rank and the outside work's all-reduce.
+
+    Attributes:
+        tp_size: Tensor-parallel degree.
+        tp_rank: This rank's place in its TP group.
+        cp_size: Context-parallel degree.
+        cp_rank: This rank's place in its CP group.
+    """
+
+    tp_size: int
+    tp_rank: int
+    cp_size: int
+    cp_rank: int
+
+    def all_reduce(self, tensor: Any, *, group: str, op: str = "sum") -> Any:
+        """Reduce ``tensor`` in place over the ``"tp"`` or ``"cp"`` group (``op``:
+        ``"sum"`` or ``"max"``) on the current stream; returns ``tensor``."""
+        raise NotImplementedError
+
+    def size(self, group: str) -> int:
+        """Ranks in the ``"tp"`` or ``"cp"`` group."""
+        if group not in ("tp", "cp"):
+            raise ValueError(f"group must be 'tp' or 'cp', got {group!r}")
+        return self.tp_size if group == "tp" else self.cp_size
+
+
+class TorchParallelGroups(ParallelGroups):
+    """TP and CP process groups of an initialised ``torch.distributed`` world.
+
+    Args:
+        tp: Tensor-parallel degree; ``world_size / tp`` is the CP degree.
+
+    Raises:
+        ValueError: ``tp`` does not divide the world size.
+    """
+
+    def __init__(self, *, tp: int) -> None:
+        import torch.distributed as dist  # noqa: PLC0415
+
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if tp < 1 or world % tp:
+            raise ValueError(f"tp={tp} does not divide the world size {world}")
+        self.tp_size, self.cp_size = int(tp), world // tp
+        self.tp_rank, self.cp_rank = rank % tp, rank // tp
+        self._dist = dist
+        self.tp_group: Any = None
+        self.cp_group: Any = None
+        for c in range(self.cp_size):  # every rank creates every group, in one order
+            g = dist.new_group([c * tp + t for t in range(tp)])
+            if c == self.cp_rank:
+                self.tp_group = g
+        for t in range(tp):
+            g = dist.new_group([c * tp + t for c in range(self.cp_size)])
+            if t == self.tp_rank:
+                self.cp_group = g
+
+    def group(self, name: str) -> Any:
+        """The ``torch.distributed`` group ``"tp"`` or ``"cp"``."""
+        self.size(name)
+        return self.tp_group if name == "tp" else self.cp_group
+
+    def all_reduce(self, tensor: Any, *, group: str, op: str = "sum") -> Any:
+        """Reduce ``tensor`` in place over the group on the current stream."""
+        if self.size(group) == 1:
+            return tensor
+        red = {"sum": self._dist.ReduceOp.SUM, "max": self._dist.ReduceOp.MAX}[op]
+        self._dist.all_reduce(tensor, op=red, group=self.group(group))
+        return tensor
+
+
+class LoopbackGroups(ParallelGroups):
+    """TP and CP groups on one GPU: this process plays rank 0 of each, and every other
+    rank holds the same data (a sum multiplies by the group size; a max is the tensor).
+
+    Args:
+        tp: The tensor-parallel degree to stand in for.
+        cp: The context-parallel degree to stand in for.
+    """
+
+    def __init__(self, *, tp: int, cp: int = 1) -> None:
+        if tp < 1 or cp < 1:
+            raise ValueError(f"tp and cp must be >= 1, got {tp}, {cp}")
+        self.tp_size, self.cp_size = int(tp), int(cp)
+        self.tp_rank = self.cp_rank = 0
+
+    def all_reduce(self, tensor: Any, *, group: str, op: str = "sum") -> Any:
+        """What the group's all-reduce gives when every rank holds ``tensor``."""
+        n = self.size(group)
+        if op not in ("sum", "max"):
+            raise ValueError(f"op must be 'sum' or 'max', got {op!r}")
+        if op == "sum" and n > 1:
+            tensor.mul_(n)
+        return tensor
+
+
+class LoopbackCollective(CollectiveBackend):
+    """A one-GPU stand-in for a group's collectives: a real kernel of the collective's
+    bytes on the given stream, computing what the group would if every rank held this
+    rank's data. ``sms`` is accepted and recorded but not applied.
+
+    Args:
+        group_size: The group size to stand in for.
+
+    Attributes:
+        calls: ``(kind, elements, sms)`` of every call, in order.
+    """
+
+    name: ClassVar[str] = "loopback"
+
+    def __init__(self, *, group_size: int) -> None:
+        if group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {group_size}")
+        self._size = int(group_size)
+        self.calls: list[tuple[str, int, int | None]] = []
+
+    @property
+    def world_size(self) -> int:
+        """The group size stood in for."""
+        return self._size
+
+    @property
+    def rank(self) -> int:
+        """Always 0."""
+        return 0
+
+    @property
+    def sm_count(self) -> int:
+        """SMs of the current CUDA device (132 without one)."""
+        import torch  # noqa: PLC0415
+
+        if not torch.cuda.is_available():
+            return 132
+        return int(torch.cuda.get_device_properties(torch.cuda.current_device())
+                   .multi_processor_count)
+
+    def all_reduce(self, tensor: Any, stream: Any, sms: int | None) -> Any:
+        """``tensor *= group_size`` in place on ``stream`` (reads and writes its bytes)."""
+        self.calls.append(("all_reduce", int(tensor.numel()), sms))
+        with _on(stream):
+            tensor.mul_(self._size)
+        return tensor
+
+    def all_gather(self, output: Any, input: Any, stream: Any, sms: int | None) -> Any:
+        """``output`` = ``input`` repeated ``group_size`` times, on ``stream``."""
+        self.calls.append(("all_gather", int(output.numel()), sms))
+        with _on(stream):
+            output.view(self._size, -1).copy_(input.reshape(1, -1).expand(self._size, -1))
+        return output
+
+    def reduce_scatter(self, output: Any, input: Any, stream: Any, sms: int | None) -> Any:
+        """``output`` = ``group_size`` x this rank's block of ``input``, on ``stream``."""
+        import torch  # noqa: PLC0415
+
+        self.calls.append(("reduce_scatter", int(input.numel()), sms))
+        m = output.numel()
+        with _on(stream):
+            torch.mul(input.reshape(-1)[:m].view(output.shape), self._size, out=output)
+        return output
+
+
+class GroupedCollective(CollectiveBackend):
+    """One backend for the executor that sends all-reduces to the TP group's backend and
+    all-gathers / reduce-scatters to the CP group's.
+
+    Args:
+        tp: Backend of the TP group (``None`` when TP = 1).
+        cp: Backend of the CP group (``None`` when CP = 1).
+    """
+
+    name: ClassVar[str] = "grouped"
+
+    def __init__(self, *, tp: CollectiveBackend | None, cp: CollectiveBackend | None) -> None:
+        for label, b in (("tp", tp), ("cp", cp)):
+            if b is not None and not isinstance(b, CollectiveBackend):
+                raise TypeError(f"{label} must be a CollectiveBackend or None, got "
+                                f"{type(b).__name__}")
+        if tp is None and cp is None:
+            raise ValueError("GroupedCollective needs a TP or a CP backend")
+        self.tp, self.cp = tp, cp
+
+    def backend_for(self, kind: str) -> CollectiveBackend:
+        """The backend that runs collectives of ``kind``.
+
+        Raises:
+            ValueError: that group has no backend (its degree is 1).
+        """
+        b = self.tp if kind == "all_reduce" else self.cp
+        if kind not in ("all_reduce", "all_gather", "reduce_scatter") or b is None:
+            raise ValueError(f"no backend runs {kind!r} here (TP or CP degree 1?)")
+        return b
+
+    def _first(self) -> CollectiveBackend:
+        b = self.tp if self.tp is not None else self.cp
+        assert b is not None
+        return b
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the TP group (of the CP group when TP = 1)."""
+        return self._first().world_size
+
+    @property
+    def rank(self) -> int:
+        """This rank in the TP group (in the CP group when TP = 1)."""
+        return self._first().rank
+
+    @property
+    def sm_count(self) -> int:
+        """SMs of this rank's GPU."""
+        return self._first().sm_count
+
+    @property
+    def max_sms(self) -> int:
+        """The smaller of the two backends' limits."""
+        return min(b.max_sms for b in (self.tp, self.cp) if b is not None)
+
+    def all_reduce(self, tensor: Any, stream: Any, sms: int | None) -> Any:
+        """The TP group's all-reduce."""
+        return self.backend_for("all_reduce").all_reduce(tensor, stream, sms)
+
+    def all_gather(self, output: Any, input: Any, stream: Any, sms: int | None) -> Any:
+        """The CP group's all-gather."""
+        return self.backend_for("all_gather").all_gather(output, input, stream, sms)
+
+    def reduce_scatter(self, output: Any, input: Any, stream: Any, sms: int | None) -> Any:
+        """The CP group's reduce-scatter."""
+        return self.backend_for("reduce_scatter").reduce_scatter(output, input, stream, sms)
+
+    def close(self) -> None:
+        """Close both backends."""
+        for b in (self.tp, self.cp):
+            if b is not None:
+                b.close()

@@ -1,0 +1,413 @@
+"""The training loop: a decoder trained under a plan, or under the schedules it replaces.
+
+:class:`TrainingLoop` owns one rank's :class:`~kareus.exec.train.DecoderShard`, two
+:class:`~kareus.exec.executor.TorchExecutor` (one applying the plan, one for the
+baselines) and a fixed set of random-token microbatches (the same on every rank and in
+every run, so that every schedule sees the same data and its loss can be compared step
+by step). :meth:`TrainingLoop.step` enqueues one iteration: every microbatch computation
+of the pipeline schedule (1F1B with one stage: forward and backward of each microbatch in
+turn) under ``"sequential"``, ``"nanobatching"`` or ``"kareus"``
+(:mod:`kareus.exec.train._chain`), the gradient sum over CP ranks and the AdamW step.
+
+:func:`measure_runs` times runs of several steps back to back with device events, the
+energy of each run from an :class:`~kareus.exec.nvml.EnergyMeter` (step-edge reads);
+:func:`shuffled_order` gives the order of schedules and repeats from a seed (so every
+rank runs the same order); :func:`overlap_efficiency` times each partition type's
+computation alone, its collective alone and both under a configuration.
+
+torch is imported inside the functions that need it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+
+from kareus.compose import Plan
+from kareus.errors import PlanError
+from kareus.exec.executor import TorchExecutor, plan_config
+from kareus.exec.train._chain import (
+    SCHEDULES,
+    DefaultConfig,
+    Piece,
+    TypeShape,
+    pieces,
+    run_computation,
+    stack_stream,
+    type_shapes,
+)
+from kareus.exec.train._model import DecoderShard
+from kareus.model.workload import Workload
+
+__all__ = [
+    "RunRecord",
+    "TrainingLoop",
+    "check_plan_workload",
+    "measure_runs",
+    "overlap_efficiency",
+    "shuffled_order",
+]
+
+
+def check_plan_workload(plan: Plan, workload: Workload) -> None:
+    """Refuse a plan made for another job than ``workload``.
+
+    Raises:
+        PlanError: the plan has more than one pipeline stage, or its recorded workload
+            differs from ``workload`` in TP, CP, microbatch size, sequence length,
+            nanobatches, microbatches, recomputation or model.
+    """
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a kareus.compose.Plan, got {type(plan).__name__}")
+    if plan.num_stages != 1:
+        raise PlanError(f"the training loop runs one pipeline stage; the plan has "
+                        f"{plan.num_stages}: make a plan with pp=1")
+    w = plan.workload or {}
+    if not w:
+        raise PlanError("the plan does not record its workload: make it with kareus optimize")
+    mine = workload.to_dict()
+    keys = ("tp", "cp", "microbatch_size", "seq_len", "nanobatches", "num_microbatches",
+            "recompute", "model")
+    diff = [f"{k}: plan {w.get(k)!r}, job {mine[k]!r}" for k in keys
+            if k in w and w[k] != mine[k]]
+    if diff:
+        raise PlanError("the plan was made for another job (" + "; ".join(diff) +
+                        "): make a plan for this workload")
+
+
+@attrs.frozen
+class RunRecord:
+    """One run: ``steps`` iterations of one schedule from the initial weights.
+
+    Attributes:
+        schedule: The schedule.
+        repeat: Which repeat of that schedule.
+        step_time_s: Device-event time of each timed iteration on this rank.
+        losses: Loss after each iteration's forward passes (every iteration, warm-up
+            included: step ``k`` of every run starts from the same weights history).
+        window_s: Host time of the timed iterations (synchronised at both ends).
+        energy_j: Energy of this rank's GPU per timed iteration (average power between
+            the first and last NVML counter steps of the window x the window / steps), or
+            ``None`` without a meter or with fewer than two counter steps.
+        counter_steps: NVML counter steps inside the window.
+    """
+
+    schedule: str
+    repeat: int
+    step_time_s: tuple[float, ...]
+    losses: tuple[float, ...]
+    window_s: float
+    energy_j: float | None
+    counter_steps: int
+
+    @property
+    def time_s(self) -> float:
+        """Mean iteration time of the run."""
+        return statistics.fmean(self.step_time_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields."""
+        return {"schedule": self.schedule, "repeat": self.repeat,
+                "step_time_s": list(self.step_time_s), "losses": list(self.losses),
+                "window_s": self.window_s, "energy_j": self.energy_j,
+                "counter_steps": self.counter_steps, "time_s": self.time_s}
+
+
+def shuffled_order(schedules: Sequence[str], repeats: int, seed: int) -> list[tuple[str, int]]:
+    """``(schedule, repeat)`` pairs in an order shuffled by ``seed`` alone, so that every
+    rank that passes the same seed runs the same order."""
+    order = [(s, r) for r in range(repeats) for s in schedules]
+    random.Random(seed).shuffle(order)
+    return order
+
+
+class TrainingLoop:
+    """One rank of a decoder trained with tensor and context parallelism under a plan.
+
+    Args:
+        workload: The job: model dimensions, TP, CP, microbatch size, sequence length,
+            microbatches per iteration, nanobatches, recomputation. PP and DP must be 1.
+        groups: This rank's :class:`~kareus.exec.train.ParallelGroups` (TP x CP of the
+            workload).
+        collective: The partitions' collectives with exact SM caps (a
+            :class:`~kareus.exec.train.GroupedCollective`); also the source of the
+            communication buffers.
+        default_collective: The baselines' collectives with their own CTA count
+            (``None``: ``collective``).
+        plan: The plan the ``"kareus"`` schedule applies (``None``: only the baselines).
+        frequency: The :class:`~kareus.exec.frequency.FrequencyTrigger` the plan's clocks
+            go through (``None``: no clock requests).
+        layers: Transformer layers to build (default: the model's). The plan's
+            configurations are per partition type, so they apply to any number.
+        streams: The stream backend (``None``: CUDA streams).
+        kernels: The ops' :class:`~kareus.exec.kernels.KernelSet` (or name).
+        device: Torch device (default: the current CUDA device).
+        dtype: Torch dtype name (default ``"bfloat16"``).
+        seed: Seed of the weights and of the data.
+        lr: AdamW learning rate.
+        schedule: Pipeline schedule name when there is no plan (default ``"1f1b"``).
+    """
+
+    def __init__(self, *, workload: Workload, groups: Any, collective: Any = None,
+                 default_collective: Any = None, plan: Plan | None = None,
+                 frequency: Any = None, layers: int | None = None, streams: Any = None,
+                 kernels: Any = None, device: Any = None, dtype: str = "bfloat16",
+                 seed: int = 0, lr: float = 3e-4, schedule: str = "1f1b") -> None:
+        import torch  # noqa: PLC0415
+
+        from kareus.model.partition import build_partitions  # noqa: PLC0415
+        from kareus.model.pipeline import get_schedule  # noqa: PLC0415
+
+        if not isinstance(workload, Workload):
+            raise TypeError(f"workload must be a Workload, got {type(workload).__name__}")
+        p = workload.parallelism
+        if p.pp != 1 or p.dp != 1:
+            raise ValueError(f"the training loop runs PP=1, DP=1; the workload has "
+                             f"PP={p.pp}, DP={p.dp}")
+        if (groups.tp_size, groups.cp_size) != (p.tp, p.cp):
+            raise ValueError(f"the groups are TP={groups.tp_size} x CP={groups.cp_size}; the "
+                             f"workload asks for TP={p.tp} x CP={p.cp}")
+        has_comm = p.tp * p.cp > 1
+        if has_comm and collective is None:
+            raise ValueError("a workload with TP or CP > 1 needs a collective backend")
+        if plan is not None:
+            check_plan_workload(plan, workload)
+        self.workload, self.groups, self.plan = workload, groups, plan
+        self.types: dict[str, TypeShape] = (type_shapes(build_partitions(workload))
+                                            if has_comm else {})
+        self.model = DecoderShard(
+            arch=workload.model, layers=layers, microbatch_size=workload.microbatch_size,
+            seq_len=workload.seq_len, num_microbatches=workload.num_microbatches,
+            groups=groups, backend=collective if has_comm else None,
+            nanobatch_counts=tuple(sorted({1, workload.nanobatches})),
+            recompute=workload.recompute, kernels=kernels, device=device, dtype=dtype,
+            seed=seed, lr=lr)
+        self.layers = self.model.layers
+        self.stacks: dict[str, list[Piece]] = {
+            ph: pieces(stack_stream(ph, self.layers, tp=p.tp, cp=p.cp,
+                                    recompute=workload.recompute))
+            for ph in ("fwd", "bwd")}
+        if plan is not None:
+            missing = sorted({k for k in self.types} - set(plan.partition_configs()))
+            if missing:
+                raise PlanError(f"the plan has no configuration for partition types "
+                                f"{missing}: make it for this workload")
+        name = plan.schedule if plan is not None else schedule
+        self.computations = list(get_schedule(name, 1, workload.num_microbatches)
+                                 .stage_orders[0])
+        coll = collective if has_comm else _no_collective_backend()
+        self.baseline = TorchExecutor(collective=coll,
+                                      default_collective=default_collective or coll,
+                                      streams=streams)
+        self.executor: TorchExecutor | None = None
+        if plan is not None:
+            self.executor = TorchExecutor(plan=plan, collective=coll, frequency=frequency,
+                                          default_collective=default_collective or coll,
+                                          streams=streams)
+            self.executor.start()  # every rank compares the plan's digest
+        self._data(torch, seed)
+        self.partitions_run: list[tuple[str, Any]] = []
+
+    def _data(self, torch: Any, seed: int) -> None:
+        m, wl = self.model, self.workload
+        self.batches = []
+        for mb in range(wl.num_microbatches):
+            g = torch.Generator(device="cpu").manual_seed(seed * 7919 + 104729 + mb)
+            tok = torch.randint(0, wl.model.vocab, (wl.microbatch_size, wl.seq_len + 1),
+                                generator=g)
+            lo, hi = m.r * m.sq, (m.r + 1) * m.sq
+            self.batches.append((tok[:, lo:hi].contiguous().to(m.device),
+                                 tok[:, lo + 1:hi + 1].contiguous().to(m.device)))
+
+    @property
+    def schedules(self) -> tuple[str, ...]:
+        """The schedules this loop can run (``"kareus"`` needs a plan)."""
+        return SCHEDULES if self.plan is not None else SCHEDULES[:2]
+
+    def reset(self) -> None:
+        """Initial weights and a fresh optimizer (every run starts from the same state)."""
+        self.model.reset()
+
+    def step(self, schedule: str) -> Any:
+        """Enqueue one iteration under ``schedule``; returns the loss (a device scalar, read
+        it after the device finishes)."""
+        if schedule not in self.schedules:
+            raise ValueError(f"schedule must be one of {self.schedules}, got {schedule!r}")
+        m = self.model
+        m.zero_grad()
+        n = 1 if schedule == "sequential" else self.workload.nanobatches
+        ex = self.executor if schedule == "kareus" else self.baseline
+        assert ex is not None
+        for comp in self.computations:
+            scope = (ex.microbatch(comp.stage, comp.microbatch, comp.phase)
+                     if schedule == "kareus" else contextlib.nullcontext())
+            with scope:
+                tokens, labels = self.batches[comp.microbatch]
+                m.begin(comp.phase, n, tokens, labels)
+                self.partitions_run = run_computation(
+                    ex, self.stacks[comp.phase], schedule=schedule, nanobatches=n,
+                    run_op=m.run_op, comm_args=m.comm_args, types=self.types,
+                    plan_config_of=self._plan_config_of(ex))
+                m.finish()
+        m.optimizer_step()
+        return m.loss_sum.clone()
+
+    def _plan_config_of(self, ex: Any) -> Callable[[str], Any] | None:
+        if self.plan is None:
+            return None
+        plan = self.plan
+        return lambda key: plan_config(plan, key, ex.current)
+
+
+def _no_collective_backend() -> Any:
+    """The executors' backend of a job without collectives (TP = CP = 1; never called)."""
+    from kareus.exec.train._groups import LoopbackCollective  # noqa: PLC0415
+
+    return LoopbackCollective(group_size=1)
+
+
+def measure_runs(loop: TrainingLoop, order: Sequence[tuple[str, int]], *, steps: int,
+                 warmup: int, meter: Any = None, barrier: Callable[[], None] | None = None,
+                 log: Callable[[str], None] | None = None) -> list[RunRecord]:
+    """Run ``warmup + steps`` iterations per ``(schedule, repeat)`` of ``order``, each
+    run from the initial weights, timing the last ``steps`` back to back.
+
+    Args:
+        loop: The training loop.
+        order: ``(schedule, repeat)`` pairs (:func:`shuffled_order`); the same on every rank.
+        steps: Timed iterations per run.
+        warmup: Untimed iterations first (their losses are recorded too).
+        meter: An :class:`~kareus.exec.nvml.EnergyMeter` already started, or ``None``.
+        barrier: Called before each run (e.g. ``torch.distributed.barrier``).
+        log: Progress lines.
+
+    Returns:
+        One :class:`RunRecord` per run, in ``order``.
+    """
+    import torch  # noqa: PLC0415
+
+    if steps < 1 or warmup < 0:
+        raise ValueError("steps must be >= 1 and warmup >= 0")
+    cuda = loop.model.device.type == "cuda"
+    out = []
+    for schedule, repeat in order:
+        loop.reset()
+        if barrier is not None:
+            barrier()
+        losses = [loop.step(schedule) for _ in range(warmup)]
+        _sync(torch, cuda)
+        if meter is not None and warmup:  # let the counter step once inside the gap
+            meter.wait_edges(1, timeout_s=0.5)
+        events = []
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            if cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                losses.append(loop.step(schedule))
+                b.record()
+                events.append((a, b))
+            else:
+                s = time.perf_counter()
+                losses.append(loop.step(schedule))
+                events.append((s, time.perf_counter()))
+        _sync(torch, cuda)
+        t1 = time.perf_counter()
+        times = tuple((a.elapsed_time(b) / 1e3) if cuda else (b - a) for a, b in events)
+        energy, counted = None, 0
+        if meter is not None:
+            e, d, counted = meter.energy_between(t0, t1)
+            if counted >= 1 and d > 0:
+                energy = e / d * (t1 - t0) / steps
+        rec = RunRecord(schedule=schedule, repeat=repeat, step_time_s=times,
+                        losses=tuple(float(x) for x in losses), window_s=t1 - t0,
+                        energy_j=energy, counter_steps=counted)
+        out.append(rec)
+        if log is not None:
+            log(f"{schedule} repeat {repeat}: {1e3 * rec.time_s:.2f} ms/iteration, "
+                f"loss {rec.losses[0]:.4f} -> {rec.losses[-1]:.4f}" +
+                (f", {energy:.1f} J/iteration on this GPU ({counted} counter steps)"
+                 if energy is not None else ""))
+    return out
+
+
+def _sync(torch: Any, cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def overlap_efficiency(workload: Workload, *, executor: TorchExecutor,
+                       configs: dict[str, Any], kernels: Any = None, reps: int = 20,
+                       warmup: int = 3) -> dict[str, dict[str, float]]:
+    """Each partition type's time over max(computation alone, collective alone).
+
+    Builds every type's runnable partition at the workload's nanobatch shapes
+    (:mod:`kareus.exec.torch_partition`, its buffers from the executor's backend) and
+    times, with device events over ``reps`` back-to-back runs: its ops alone; its
+    collective alone with the configuration's SM count; and both under the
+    configuration (:meth:`TorchExecutor.run_partition`). 1.0 is the limit of overlap.
+    Every rank must call this with the same arguments (the collectives).
+
+    Args:
+        workload: The job (its partition types).
+        executor: Runs the partitions (its backend, with SM caps or the default).
+        configs: Partition type -> configuration (a plan's, or :class:`DefaultConfig`).
+        kernels: The ops' kernel set.
+        reps: Timed runs of each.
+        warmup: Untimed runs first.
+
+    Returns:
+        Type -> ``{"time_s", "compute_s", "comm_s", "efficiency"}``.
+    """
+    import torch  # noqa: PLC0415
+
+    from kareus.exec.torch_partition import runnable_partitions  # noqa: PLC0415
+
+    parts = runnable_partitions(workload, sorted(configs), kernels=kernels)
+    coll = executor.collective
+    out: dict[str, dict[str, float]] = {}
+    for name in sorted(configs):
+        part, cfg = parts[name], configs[name]
+        kind = part.comm_op.kind.value
+        backend = coll.backend_for(kind) if hasattr(coll, "backend_for") else coll
+        prog = part.build(collective=backend)
+        alone = (DefaultConfig(None) if isinstance(cfg, DefaultConfig)
+                 else attrs.evolve(cfg, launch_slot=None))
+
+        def compute() -> None:
+            prog.run_plain()  # noqa: B023 - called in this iteration
+            prog.advance()  # noqa: B023
+
+        def comm() -> None:
+            executor.run_partition([], [], prog.comm_tensor, alone,  # noqa: B023
+                                   comm_kind=prog.comm_kind,  # noqa: B023
+                                   comm_output=prog.comm_output)  # noqa: B023
+            prog.advance()  # noqa: B023
+
+        def both() -> None:
+            executor.run_partition(prog.ops, prog.op_names, prog.comm_tensor,  # noqa: B023
+                                   cfg, comm_kind=prog.comm_kind,  # noqa: B023
+                                   comm_output=prog.comm_output)  # noqa: B023
+            prog.advance()  # noqa: B023
+
+        row = {}
+        for label, fn in (("compute_s", compute), ("comm_s", comm), ("time_s", both)):
+            for _ in range(warmup):
+                fn()
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(reps):
+                fn()
+            b.record()
+            b.synchronize()
+            row[label] = a.elapsed_time(b) / 1e3 / reps
+        row["efficiency"] = row["time_s"] / max(row["compute_s"], row["comm_s"])
+        out[name] = row
+    return out

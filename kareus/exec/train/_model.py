@@ -1,0 +1,582 @@
+"""A Llama-shaped decoder, one rank's shard, whose every op is a partition op.
+
+:class:`DecoderShard` holds this rank's part of a decoder built from a model's
+dimensions (:class:`~kareus.model.workload.ModelArch`): ``layers`` transformer layers
+(RMSNorm, grouped-query attention with RoPE, SwiGLU MLP, residuals), a vocabulary-parallel
+embedding and LM head, and a final RMSNorm; random initialisation from a seed (std 0.02,
+output projections scaled by ``1/sqrt(2 layers)``), weights in bf16 with fp32 master
+copies and AdamW on them.
+
+Tensor parallelism splits heads and the MLP's hidden units over the TP group as
+Megatron-LM does (QKV and gate/up column-parallel, output and down projections
+row-parallel, an all-reduce after each); context parallelism splits every sequence into
+CP contiguous chunks, all-gathers K and V before attention (rank ``r`` attends over the
+chunks ``0..r``, causally) and reduce-scatters their gradients after it; the weight
+gradients are summed over the CP group before the optimizer step.
+
+The forward and backward are written op by op, in the names of the partition model
+(``attn_norm``, ``qkv``, ..., ``qkv_wgrad``; :mod:`kareus.model.partition`), each op on
+the kernels of a :class:`~kareus.exec.kernels.KernelSet` (fused Triton kernels on a GPU
+by default, cuBLAS GEMMs with weight gradients accumulated in place, SDPA attention), so
+that a schedule (:mod:`kareus.exec.train._chain`) can put every collective where a
+plan says. :meth:`DecoderShard.run_op` runs one op of one nanobatch; the residual
+additions run inside the norm ops that consume the all-reduced tensors. The
+collectives' tensors come from a fixed pool allocated up front through the backend's
+``empty`` when it has one (registered buffers for the own kernels).
+
+The loss is the mean cross-entropy of next-token prediction over every token of the
+iteration, computed vocabulary-parallel (max, sum of exponentials and target logit
+all-reduced over TP).
+
+torch is imported inside the functions that need it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from kareus.exec.train._chain import Comm, Op
+from kareus.model.workload import ModelArch
+
+__all__ = ["DecoderShard"]
+
+_LAYER_PARAMS = ("w_attn_norm", "Wqkv", "Wo", "w_mlp_norm", "Wg", "Wu", "Wd")
+
+
+class DecoderShard:
+    """One rank's shard of a Llama-shaped decoder, run op by op.
+
+    Args:
+        arch: Model dimensions (hidden size, heads, KV heads, head dim, FFN, vocabulary).
+        layers: Transformer layers to build (default: ``arch.layers``).
+        microbatch_size: Sequences per microbatch.
+        seq_len: Tokens per sequence (whole sequence; CP ranks hold ``seq_len / cp``).
+        num_microbatches: Microbatches per iteration (the loss is their mean).
+        groups: :class:`~kareus.exec.train.ParallelGroups` of this rank.
+        backend: Where the partitions' collective buffers come from: an object with
+            ``backend_for(kind)`` (:class:`~kareus.exec.train.GroupedCollective`) whose
+            backends may offer ``empty(shape, dtype)``; ``None`` = plain tensors.
+        nanobatch_counts: The nanobatch counts the loop will run (buffers for each).
+        recompute: Full recomputation (the forward keeps only each layer's input).
+        kernels: A :class:`~kareus.exec.kernels.KernelSet` or name; ``None`` = default.
+        device: Torch device (default: the current CUDA device).
+        dtype: Torch dtype name of weights and activations (default ``"bfloat16"``).
+        seed: Seed of the weights.
+        lr: AdamW learning rate.
+        weight_decay: AdamW weight decay.
+    """
+
+    def __init__(self, *, arch: ModelArch, layers: int | None = None, microbatch_size: int,
+                 seq_len: int, num_microbatches: int, groups: Any, backend: Any = None,
+                 nanobatch_counts: tuple[int, ...] = (1, 2), recompute: bool = True,
+                 kernels: Any = None, device: Any = None, dtype: str = "bfloat16",
+                 seed: int = 0, lr: float = 3e-4, weight_decay: float = 0.01) -> None:
+        import torch  # noqa: PLC0415
+
+        from kareus.exec.kernels import get_kernels  # noqa: PLC0415
+
+        tp, cp = groups.tp_size, groups.cp_size
+        self.layers = arch.layers if layers is None else int(layers)
+        if self.layers < 1:
+            raise ValueError(f"layers must be >= 1, got {self.layers}")
+        for what, num, den in (("heads", arch.heads, tp), ("kv_heads", arch.kv_heads, tp),
+                               ("ffn", arch.ffn, tp), ("seq_len", seq_len, cp)):
+            if num % den:
+                raise ValueError(f"{what}={num} is not divisible by {den} (TP={tp}, CP={cp})")
+        for n in nanobatch_counts:
+            if n < 1 or microbatch_size % n:
+                raise ValueError(f"microbatch_size={microbatch_size} does not split into "
+                                 f"{n} nanobatches")
+        self.arch, self.groups, self.backend = arch, groups, backend
+        self.tp, self.cp, self.r = tp, cp, groups.cp_rank
+        self.mbs, self.seq, self.sq = int(microbatch_size), int(seq_len), seq_len // cp
+        self.num_microbatches = int(num_microbatches)
+        self.recompute = bool(recompute)
+        self.h, self.hd = arch.hidden, arch.head_dim
+        self.heads, self.kvh, self.f = arch.heads // tp, arch.kv_heads // tp, arch.ffn // tp
+        self.q, self.kv = self.heads * self.hd, self.kvh * self.hd
+        self.v_local = -(-arch.vocab // tp)
+        self.v0 = groups.tp_rank * self.v_local
+        self.ks = get_kernels(kernels)
+        self.torch = torch
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if device is None
+                       else torch.device(device))
+        self.dtype = getattr(torch, dtype)
+        self.seed = int(seed)
+        self._build_params(torch)
+        self._init_optimizer(lr, weight_decay)
+        self._build_rope(torch)
+        self._pool: dict[tuple[str, int, int], tuple[Any, Any]] = {}
+        for n in sorted(set(nanobatch_counts), reverse=True):
+            self._alloc_pool(torch, n)
+        self.loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+        self.act: dict[tuple[int, int], dict[str, Any]] = {}
+        self.head: dict[str, Any] = {}
+        self.n = 1
+        self.phase = "fwd"
+
+    # ------------------------------------------------------------------ parameters
+    def _shapes(self) -> dict[str, tuple[tuple[int, ...], float, bool]]:
+        """name -> (shape, init std (0: ones), sharded over TP)."""
+        h, std = self.h, 0.02
+        out_std = std / math.sqrt(2 * self.layers)
+        per_layer = {"w_attn_norm": ((h,), 0.0, False),
+                     "Wqkv": ((h, self.q + 2 * self.kv), std, True),
+                     "Wo": ((self.q, h), out_std, True),
+                     "w_mlp_norm": ((h,), 0.0, False),
+                     "Wg": ((h, self.f), std, True), "Wu": ((h, self.f), std, True),
+                     "Wd": ((self.f, h), out_std, True)}
+        shapes = {"emb": ((self.v_local, h), std, True)}
+        for layer in range(self.layers):
+            for k, v in per_layer.items():
+                shapes[f"l{layer}.{k}"] = v
+        shapes["w_final"] = ((h,), 0.0, False)
+        shapes["Wlm"] = ((h, self.v_local), std, True)
+        return shapes
+
+    def _build_params(self, torch: Any) -> None:
+        shapes = self._shapes()
+        total = sum(math.prod(s) for s, _, _ in shapes.values())
+        self.master = torch.empty(total, device=self.device, dtype=torch.float32)
+        self.flat = torch.empty(total, device=self.device, dtype=self.dtype)
+        self.flat_grad = torch.zeros(total, device=self.device, dtype=self.dtype)
+        self.params: dict[str, Any] = {}
+        self.grads: dict[str, Any] = {}
+        off = 0
+        for name, (shape, std, sharded) in shapes.items():
+            n = math.prod(shape)
+            m = self.master[off:off + n].view(shape)
+            if std == 0.0:
+                m.fill_(1.0)
+            else:
+                g = torch.Generator(device=self.device)
+                key = sum(ord(c) * 131 ** i for i, c in enumerate(name)) % (2 ** 31)
+                g.manual_seed(self.seed * 1_000_003 + key * 17 + (self.groups.tp_rank
+                                                                  if sharded else 0))
+                m.copy_(torch.randn(shape, generator=g, device=self.device) * std)
+            self.params[name] = self.flat[off:off + n].view(shape)
+            self.grads[name] = self.flat_grad[off:off + n].view(shape)
+            off += n
+        self.flat.copy_(self.master)
+        self.initial_master = self.master.clone()
+
+    def _init_optimizer(self, lr: float, weight_decay: float) -> None:
+        torch = self.torch
+        self.master_param = torch.nn.Parameter(self.master, requires_grad=False)
+        self.master_param.grad = torch.zeros_like(self.master)
+        self._opt_args = {"lr": float(lr), "weight_decay": float(weight_decay),
+                          "betas": (0.9, 0.95), "eps": 1e-8}
+        self.optimizer = self._new_optimizer()
+
+    def _new_optimizer(self) -> Any:
+        torch = self.torch
+        kw: dict[str, Any] = dict(self._opt_args)
+        if self.device.type == "cuda":
+            kw["fused"] = True
+        return torch.optim.AdamW([self.master_param], **kw)
+
+    @property
+    def num_params(self) -> int:
+        """Parameters of this rank's shard."""
+        return int(self.master.numel())
+
+    def reset(self) -> None:
+        """Weights back to their initial values and a fresh optimizer (same seed)."""
+        with self.torch.no_grad():
+            self.master.copy_(self.initial_master)
+            self.flat.copy_(self.master)
+            self.flat_grad.zero_()
+        self.optimizer = self._new_optimizer()
+
+    def W(self, layer: int, name: str) -> Any:
+        """Weight ``name`` of layer ``layer``."""
+        return self.params[f"l{layer}.{name}"]
+
+    def G(self, layer: int, name: str) -> Any:
+        """Gradient buffer of weight ``name`` of layer ``layer``."""
+        return self.grads[f"l{layer}.{name}"]
+
+    # ------------------------------------------------------------------ buffers
+    def _build_rope(self, torch: Any) -> None:
+        inv = 1.0 / (500000.0 ** (torch.arange(0, self.hd, 2, device=self.device,
+                                               dtype=torch.float32) / self.hd))
+        pos = torch.arange(self.r * self.sq, (self.r + 1) * self.sq, device=self.device,
+                           dtype=torch.float32)
+        ang = torch.outer(pos, inv)
+        ang = torch.cat((ang, ang), dim=-1)
+        self.cos, self.sin = ang.cos().to(self.dtype), ang.sin().to(self.dtype)
+
+    def comms(self) -> list[tuple[str, str]]:
+        """``(name, kind)`` of the collectives of one layer."""
+        out = []
+        if self.tp > 1:
+            out += [("attn_out", "all_reduce"), ("mlp_out", "all_reduce"),
+                    ("mlp_in_grad", "all_reduce"), ("attn_in_grad", "all_reduce")]
+        if self.cp > 1:
+            out += [("kv", "all_gather"), ("kv_grad", "reduce_scatter")]
+        return out
+
+    def _alloc_pool(self, torch: Any, n: int) -> None:
+        b = self.mbs // n
+        t = b * self.sq
+        for name, kind in self.comms():
+            backend = self.backend.backend_for(kind) if self.backend is not None else None
+            if kind == "all_reduce":
+                shapes: tuple[tuple[int, ...], tuple[int, ...] | None] = ((t, self.h), None)
+            elif kind == "all_gather":  # local K and V -> every chunk's K and V
+                shapes = ((2, t * self.kv), (self.cp, 2, t * self.kv))
+            else:  # every chunk's dK, dV -> this chunk's
+                shapes = ((self.cp, 2, t * self.kv), (2, t * self.kv))
+            for i in range(n):
+                bufs = tuple(None if s is None else self._zeros(torch, backend, s)
+                             for s in shapes)
+                self._pool[(name, n, i)] = bufs  # type: ignore[assignment]
+
+    def _zeros(self, torch: Any, backend: Any, shape: tuple[int, ...]) -> Any:
+        empty = getattr(backend, "empty", None)
+        if callable(empty):
+            return empty(shape, self.dtype).zero_()
+        return torch.zeros(shape, device=self.device, dtype=self.dtype)
+
+    def pool_buffers(self) -> list[Any]:
+        """Every communication buffer (for checks that they are registered)."""
+        return [t for pair in self._pool.values() for t in pair if t is not None]
+
+    def comm_args(self, comm: Comm, nb: int) -> tuple[Any, Any]:
+        """``(tensor, output)`` of collective ``comm`` of nanobatch ``nb``."""
+        return self._pool[(comm.name, self.n, nb)]
+
+    def _buf(self, name: str, nb: int) -> Any:
+        """The tensor an op writes for collective ``name`` (its input)."""
+        return self._pool[(name, self.n, nb)][0]
+
+    def _reduced(self, name: str, layer: int, nb: int) -> Any:
+        """The result of collective ``name`` (or the op's plain result without one)."""
+        key = (name, self.n, nb)
+        if key in self._pool:
+            inp, out = self._pool[key]
+            return inp if out is None else out
+        return self.act[(layer, nb)][name]
+
+    def _out(self, name: str, layer: int, nb: int) -> tuple[Any, bool]:
+        """Where an op writes the input of collective ``name``: a pool buffer, or None."""
+        key = (name, self.n, nb)
+        return (self._pool[key][0], True) if key in self._pool else (None, False)
+
+    # ------------------------------------------------------------------ computations
+    def begin(self, phase: str, nanobatches: int, tokens: Any = None,
+              labels: Any = None) -> None:
+        """Start a computation: ``"fwd"`` takes this rank's ``tokens`` and ``labels``
+        ([microbatch_size, seq_len / cp] int64) and runs the embedding; ``"bwd"`` runs the
+        loss's backward, the LM head's and the final norm's."""
+        if phase not in ("fwd", "bwd"):
+            raise ValueError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
+        if nanobatches < 1 or self.mbs % nanobatches:
+            raise ValueError(f"{self.mbs} sequences do not split into {nanobatches} "
+                             "nanobatches")
+        if self.pool_buffers() and not any(k[1] == nanobatches for k in self._pool):
+            raise ValueError(f"no buffers for {nanobatches} nanobatches: pass it in "
+                             "nanobatch_counts")
+        self.phase, self.n = phase, nanobatches
+        with self.torch.no_grad():
+            if phase == "fwd":
+                if tokens is None or labels is None:
+                    raise ValueError("the forward computation needs tokens and labels")
+                self.act = {}
+                self.head = {"tokens": tokens.reshape(-1), "labels": labels.reshape(-1)}
+                self._embed()
+            else:
+                self._head_bwd()
+
+    def finish(self) -> None:
+        """End a computation: ``"fwd"`` runs the final norm, the LM head and the loss
+        (added to :attr:`loss_sum`); ``"bwd"`` runs the embedding's backward."""
+        with self.torch.no_grad():
+            if self.phase == "fwd":
+                self._head_fwd()
+            else:
+                self._embed_bwd()
+                self.act = {}
+                self.head = {}
+
+    def rows(self, nb: int) -> slice:
+        """Token rows of nanobatch ``nb`` in a whole-microbatch [tokens, hidden] tensor."""
+        t = self.mbs // self.n * self.sq
+        return slice(nb * t, (nb + 1) * t)
+
+    def _embed(self) -> None:
+        ids = self.head["tokens"] - self.v0
+        valid = (ids >= 0) & (ids < self.v_local)
+        x0 = self.params["emb"][ids.clamp(0, self.v_local - 1)]
+        x0.mul_(valid.unsqueeze(1).to(x0.dtype))
+        self.groups.all_reduce(x0, group="tp")
+        self.head["x0"], self.head["ids"], self.head["valid"] = x0, ids, valid
+
+    def _head_fwd(self) -> None:
+        torch, ks = self.torch, self.ks
+        top = self.layers - 1
+        xf = torch.empty(self.mbs * self.sq, self.h, device=self.device, dtype=self.dtype)
+        for i in range(self.n):
+            a = self.act[(top, i)]
+            torch.add(a["x_mid"], self._reduced("mlp_out", top, i), out=xf[self.rows(i)])
+        xn = ks.rms_norm(xf, self.params["w_final"])
+        logits = ks.matmul(xn, self.params["Wlm"]).float()
+        if self.v_local * self.tp > self.arch.vocab:  # padding columns of the last shard
+            pad = (torch.arange(self.v_local, device=self.device) + self.v0) >= self.arch.vocab
+            logits.masked_fill_(pad, float("-inf"))
+        m = logits.max(dim=1).values
+        self.groups.all_reduce(m, group="tp", op="max")
+        lid = self.head["labels"] - self.v0
+        lvalid = (lid >= 0) & (lid < self.v_local)
+        lidc = lid.clamp(0, self.v_local - 1)
+        tgt = logits.gather(1, lidc.unsqueeze(1)).squeeze(1) * lvalid
+        logits.sub_(m.unsqueeze(1)).exp_()
+        pack = torch.stack((logits.sum(dim=1), tgt))
+        self.groups.all_reduce(pack, group="tp")
+        s, tgt = pack[0], pack[1]
+        n_tokens = self.num_microbatches * self.mbs * self.seq
+        loss_local = (s.log() + m - tgt).sum() / n_tokens
+        cp_loss = loss_local.clone()
+        self.groups.all_reduce(cp_loss, group="cp")  # every CP rank reports the whole loss
+        self.loss_sum.add_(cp_loss)
+        logits.div_(s.unsqueeze(1))
+        rows = torch.arange(logits.shape[0], device=self.device)
+        logits[rows, lidc] -= lvalid.to(logits.dtype)
+        self.head.update(xf=xf, xn=xn, dlogits=logits.mul_(1.0 / n_tokens).to(self.dtype))
+        if self.recompute:  # keep each layer's input only
+            for (layer, i), a in list(self.act.items()):
+                self.act[(layer, i)] = {"x_in": a["x_in"]}
+
+    def _head_bwd(self) -> None:
+        ks, hd = self.ks, self.head
+        dxn = ks.matmul(hd["dlogits"], self.params["Wlm"].t())
+        ks.matmul(hd["xn"].t(), hd["dlogits"], out=self.grads["Wlm"], accumulate=True)
+        self.groups.all_reduce(dxn, group="tp")
+        dxf, dw = self._norm_bwd(dxn, hd["xf"], self.params["w_final"])
+        self._add_dw("w_final", dw)
+        top = self.layers - 1
+        for i in range(self.n):
+            self.act.setdefault((top, i), {})["dy"] = dxf[self.rows(i)]
+        hd["dlogits"] = hd["xn"] = hd["xf"] = None
+
+    def _embed_bwd(self) -> None:
+        torch = self.torch
+        dx0 = torch.empty(self.mbs * self.sq, self.h, device=self.device, dtype=self.dtype)
+        for i in range(self.n):
+            dx0[self.rows(i)] = self.act[(0, i)]["dx_in"]
+        valid = self.head["valid"]
+        self.grads["emb"].index_add_(0, self.head["ids"][valid], dx0[valid])
+
+    def _norm_bwd(self, dy: Any, x: Any, w: Any) -> tuple[Any, Any]:
+        dx, dw = self.ks.rms_norm_bwd(dy, x, w)
+        if dw is None:  # a kernel set without the weight gradient: compute it here
+            xf = x.float()
+            xhat = xf * self.torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)
+            dw = (dy.float() * xhat.to(x.dtype).float()).sum(0)
+        return dx, dw
+
+    def _add_dw(self, name: str, dw: Any) -> None:
+        self.grads[name].add_(dw.to(self.dtype))
+
+    # ------------------------------------------------------------------ the ops
+    def run_op(self, op: Op, nb: int) -> None:
+        """Enqueue op ``op`` of nanobatch ``nb`` of the current computation."""
+        fn: Callable[[int, dict[str, Any], int], None] = getattr(self, "_op_" + op.name)
+        a = self.act.setdefault((op.layer, nb), {})
+        if op.name == "attn_core" and (self.phase == "bwd" or not self.recompute):
+            fn(op.layer, a, nb)  # keeps the attention's graph for attn_core_bwd
+            return
+        with self.torch.no_grad():
+            fn(op.layer, a, nb)
+
+    def _recomputing(self) -> bool:
+        return self.phase == "bwd"
+
+    def _op_attn_norm(self, layer: int, a: dict[str, Any], nb: int) -> None:
+        if not self._recomputing():
+            if layer == 0:
+                a["x_in"] = self.head["x0"][self.rows(nb)]
+            else:
+                prev = self.act[(layer - 1, nb)]
+                a["x_in"] = prev["x_mid"] + self._reduced("mlp_out", layer - 1, nb)
+                if self.recompute:  # the layer below keeps its input only
+                    self.act[(layer - 1, nb)] = {"x_in": prev["x_in"]}
+        a["xn"] = self.ks.rms_norm(a["x_in"], self.W(layer, "w_attn_norm"))
+
+    def _op_qkv(self, layer: int, a: dict[str, Any], nb: int) -> None:
+        a["qkv"] = self.ks.matmul(a["xn"], self.W(layer, "Wqkv"))
+
+    def _op_rope(self, layer: int, a: dict[str, Any], nb: int) -> None:
+        b = self.mbs // self.n
+        q, k = self.ks.rope(a["qkv"], self.cos, self.sin, heads=self.heads, kv_heads=self.kvh)
+        v = a["qkv"].view(b, self.sq, self.heads + 2 * self.kvh, self.hd)[
+            :, :, self.heads + self.kvh:]
+        a["q"], a["k"], a["v"] = q, k, v
+        if self.cp > 1:  # this chunk's K and V, packed for the all-gather
+            loc = self._buf("kv", nb).view(2, b, self.sq, self.kvh, self.hd)
+            loc[0].copy_(k)
+            loc[1].copy_(v)
+
+    def _attend(self, q: Any, k: Any, v: Any) -> Any:
+        """Causal attention of this CP chunk's queries over keys ``0 .. (r+1) sq``."""
+        if self.cp == 1 or self.r == 0:
+            return self.ks.attention(q, k, v)
+        torch = self.torch
+        from torch.nn.attention.bias import causal_lower_right  # noqa: PLC0415
+
+        rep = q.shape[1] // k.shape[1]
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        mask = causal_lower_right(q.shape[2], k.shape[2])
+        with self.ks._sdpa_context():
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def _op_attn_core(self, layer: int, a: dict[str, Any], nb: int) -> None:
+        torch = self.torch
+        b = self.mbs // self.n
+        q = a["q"].transpose(1, 2)
+        if self.cp > 1:
+            full = self._reduced("kv", layer, nb).view(self.cp, 2, b, self.sq, self.kvh,
+                                                       self.hd)[: self.r + 1]
+            # A copy (the buffer is the next layer's all-gather output): [b, keys, kvh, hd]
+            fmt = torch.contiguous_format
+            kf = full[:, 0].permute(1, 0, 2, 3, 4).clone(memory_format=fmt).view(
+                b, -1, self.kvh, self.hd)
+            vf = full[:, 1].permute(1, 0, 2, 3, 4).clone(memory_format=fmt).view(
+                b, -1, self.kvh, self.hd)
+            k, v = kf.transpose(1, 2), vf.transpose(1, 2)
+        else:
+            k, v = a["k"].transpose(1, 2), a["v"].transpose(1, 2)
+        if torch.is_grad_enabled():
+            q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+            o = self._attend(q, k, v)
+            a["graph"] = (o, q, k, v)
+        else:
+            o = self._attend(q, k, v)
+        a["attn"] = o.detach().transpose(1, 2).reshape(b * self.sq, self.q)
+
+    def _op_out_proj(self, layer: int, a: dict[str, Any], nb: int) -> None:
+        out, pooled = self._out("attn_out", layer, nb)
+        y = self.ks.matmul(a["attn"], self.W(layer, "Wo"), out=out)
+        if not pooled:
+            a["attn_out"] = y
+
+    def _op_mlp_norm(self, layer: int, a: dict[str, Any], nb: int) -> None:
+        a["x_mid"] = a["x_in"] + self._reduced("attn_out", layer, nb)
+        a["xn2"] = self.ks.rms_norm(a["x_mid"], self.W(layer, "w_mlp_norm"))
+
+    def _op_gate(self, layer: int, a: dict[str, Any], nb: int) -> None:
+        a["g"] = self.ks.matmul(a["xn2"], self.W(layer, "Wg"))
+
+    def _op_up(self, layer: int, a: dict[str, Any], nb: int) -> None:
+        a["u"] = self.ks.matmul(a["xn2"], self.W(layer, "Wu"))
+
+    def _op_swiglu(self, layer: int, a: dict[str, Any], nb: int) -> None:
+        a["a"] = self.ks.swiglu(a["g"], a["u"])
+
+    def _op_down(self, layer: int, a: dict[str, Any], nb: int) -> None:
+        out, pooled = self._out("mlp_out", layer, nb)
+        y = self.ks.matmul(a["a"], self.W(layer, "Wd"), out=out)
+        if not pooled:
+            a["mlp_out"] = y
+
+    # backward
+    def _op_down_dgrad(self, layer: int, a: dict[str, Any], nb: int) -> None:
+        a["da"] = self.ks.matmul(a["dy"], self.W(layer, "Wd").t())
+
+    def _op_down_wgrad(self, layer: int, a: dict[str, Any], nb: int) -> None:
+        self.ks.matmul(a["a"].t(), a["dy"], out=self.G(layer, "Wd"), accumulate=True)
+
+    def _op_swiglu_bwd(self, layer: int, a: dict[str, Any], nb: int) -> None:
+        a["dg"], a["du"] = self.ks.swiglu_bwd(a["da"], a["g"], a["u"])
+
+    def _op_gate_dgrad(self, layer: int, a: dict[str, Any], nb: int) -> None:
+        out, pooled = self._out("mlp_in_grad", layer, nb)
+        d = self.ks.matmul(a["dg"], self.W(layer, "Wg").t(), out=out)
+        if not pooled:
+            a["mlp_in_grad"] = d
+
+    def _op_up_dgrad(self, layer: int, a: dict[str, Any], nb: int) -> None:
+        out = self._reduced("mlp_in_grad", layer, nb)
+        self.ks.matmul(a["du"], self.W(layer, "Wu").t(), out=out, accumulate=True)
+
+    def _op_gate_wgrad(self, layer: int, a: dict[str, Any], nb: int) -> None:
+        self.ks.matmul(a["xn2"].t(), a["dg"], out=self.G(layer, "Wg"), accumulate=True)
+
+    def _op_up_wgrad(self, layer: int, a: dict[str, Any], nb: int) -> None:
+        self.ks.matmul(a["xn2"].t(), a["du"], out=self.G(layer, "Wu"), accumulate=True)
+
+    def _op_mlp_norm_bwd(self, layer: int, a: dict[str, Any], nb: int) -> None:
+        dx, dw = self._norm_bwd(self._reduced("mlp_in_grad", layer, nb), a["x_mid"],
+                                self.W(layer, "w_mlp_norm"))
+        self._add_dw(f"l{layer}.w_mlp_norm", dw)
+        a["dx_mid"] = a["dy"] + dx
+
+    def _op_out_dgrad(self, layer: int, a: dict[str, Any], nb: int) -> None:
+        a["dattn"] = self.ks.matmul(a["dx_mid"], self.W(layer, "Wo").t())
+
+    def _op_out_wgrad(self, layer: int, a: dict[str, Any], nb: int) -> None:
+        self.ks.matmul(a["attn"].t(), a["dx_mid"], out=self.G(layer, "Wo"), accumulate=True)
+
+    def _op_attn_core_bwd(self, layer: int, a: dict[str, Any], nb: int) -> None:
+        torch = self.torch
+        b = self.mbs // self.n
+        o, q, k, v = a.pop("graph")
+        do = a["dattn"].view(b, self.sq, self.heads, self.hd).transpose(1, 2)
+        dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
+        a["dq"] = dq
+        if self.cp > 1:  # every chunk's dK, dV, packed for the reduce-scatter
+            full = self._buf("kv_grad", nb).view(self.cp, 2, b, self.sq, self.kvh, self.hd)
+            full[self.r + 1:].zero_()
+            n_ch = self.r + 1
+            full[:n_ch, 0].copy_(dk.transpose(1, 2).reshape(b, n_ch, self.sq, self.kvh,
+                                                              self.hd).transpose(0, 1))
+            full[:n_ch, 1].copy_(dv.transpose(1, 2).reshape(b, n_ch, self.sq, self.kvh,
+                                                              self.hd).transpose(0, 1))
+        else:
+            a["dk"], a["dv"] = dk, dv
+
+    def _op_rope_bwd(self, layer: int, a: dict[str, Any], nb: int) -> None:
+        b = self.mbs // self.n
+        if self.cp > 1:
+            loc = self._reduced("kv_grad", layer, nb).view(2, b, self.sq, self.kvh, self.hd)
+            dk, dv = loc[0], loc[1]
+        else:
+            dk, dv = a["dk"].transpose(1, 2), a["dv"].transpose(1, 2)
+        a["dqkv"] = self.ks.rope_bwd(a["dq"].transpose(1, 2), dk, dv, self.cos, self.sin)
+
+    def _op_qkv_dgrad(self, layer: int, a: dict[str, Any], nb: int) -> None:
+        out, pooled = self._out("attn_in_grad", layer, nb)
+        d = self.ks.matmul(a["dqkv"], self.W(layer, "Wqkv").t(), out=out)
+        if not pooled:
+            a["attn_in_grad"] = d
+
+    def _op_qkv_wgrad(self, layer: int, a: dict[str, Any], nb: int) -> None:
+        self.ks.matmul(a["xn"].t(), a["dqkv"], out=self.G(layer, "Wqkv"), accumulate=True)
+
+    def _op_attn_norm_bwd(self, layer: int, a: dict[str, Any], nb: int) -> None:
+        dx, dw = self._norm_bwd(self._reduced("attn_in_grad", layer, nb), a["x_in"],
+                                self.W(layer, "w_attn_norm"))
+        self._add_dw(f"l{layer}.w_attn_norm", dw)
+        dx_in = a["dx_mid"] + dx
+        if layer > 0:
+            self.act[(layer - 1, nb)]["dy"] = dx_in
+            self.act[(layer, nb)] = {}
+        else:
+            self.act[(0, nb)] = {"dx_in": dx_in}
+
+    # ------------------------------------------------------------------ the step
+    def zero_grad(self) -> None:
+        """Zero the gradient buffers and the loss of the iteration."""
+        self.flat_grad.zero_()
+        self.loss_sum.zero_()
+
+    def optimizer_step(self) -> None:
+        """Sum gradients over CP ranks, then AdamW on the fp32 masters; bf16 weights follow."""
+        with self.torch.no_grad():
+            self.groups.all_reduce(self.flat_grad, group="cp")
+            self.master_param.grad.copy_(self.flat_grad)
+            self.optimizer.step()
+            self.flat.copy_(self.master)
