@@ -52,18 +52,20 @@ Usage (CPU, a few seconds)::
 from __future__ import annotations
 
 import argparse
-import importlib.resources
 import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
+import attrs
 from scipy.stats import spearmanr
 
 from kareus._io import read_json, write_json_atomic
 from kareus.exec import EmulatedGPU, EmulatedProfiler
+from kareus.exec.emulator import profile_workload_key
 from kareus.model import ScheduleConfig, Workload, build_partitions
-from kareus.model.gpu_profile import GPUProfile, GPUProfileError, shipped_profiles
+from kareus.model.gpu import get_gpu
+from kareus.model.gpu_profile import GPUProfile, GPUProfileError, OpProfile, shipped_profiles
 
 REPO = Path(__file__).resolve().parents[1]
 TARGETS = {"median_rel_err_max": 0.08, "spearman_min": 0.9, "pick_regret_max": 0.02}
@@ -85,24 +87,71 @@ def _rel(p: Path) -> str:
         return str(p)
 
 
-def make_emulator(gpu: str, profile: Path | None) -> tuple[EmulatedGPU, str]:
-    """The emulated GPU compared with the grids, and how it was made (for the JSON)."""
+# What each measured grid's attention ran (docs/fidelity.md): the first grid copied K and V
+# to every head before SDPA, the second handed grouped K/V to SDPA (``enable_gqa``), both
+# on PyTorch 2.11's default SDPA dispatch. bench/sdpa_gqa_probe.py timed both at the grids'
+# TP=2 shapes on one H200 (bench/results/sdpa_gqa_probe_h200.json).
+SDPA_PROBE = REPO / "bench" / "results" / "sdpa_gqa_probe_h200.json"
+AS_RUN_ATTENTION = {
+    "h200_llama3b_tp2_grid.json": ("sdpa_repeat_interleave_ms",
+                                   "SDPA default dispatch, K/V copied to every head"),
+    "h200_llama3b_tp2_grid13.json": ("sdpa_enable_gqa_ms",
+                                     "SDPA default dispatch, grouped K/V (enable_gqa)"),
+}
+AS_RUN = "as-run"
+
+
+def load_profile(profile: Path) -> tuple[GPUProfile, str]:
+    """The measured profile (a file, or the name of one shipped with kareus) and its label."""
+    if not profile.exists() and str(profile) in shipped_profiles():
+        return GPUProfile.preset(str(profile)), f"the shipped profile {profile}"
+    return GPUProfile.load(profile), _rel(profile)  # validates (typed GPUProfileError)
+
+
+def as_run_profile(prof: GPUProfile, grid: Path, workload: Workload
+                   ) -> tuple[GPUProfile, tuple[str, ...], str]:
+    """The profile plus the per-op measurement of the kernels this grid ran that the
+    profile lacks (its attention, from the SDPA probe at the grid's shapes), and the
+    kernel sets to calibrate with in order: that record, then the eager ``reference``
+    set (RMSNorm, RoPE and SwiGLU as the grids ran them), then the profile's main set."""
+    sets: tuple[str, ...] = ("reference",) if "reference" in prof.kernel_sets else ()
+    entry = AS_RUN_ATTENTION.get(grid.name)
+    if entry is None or not SDPA_PROBE.exists():
+        return prof, sets, "reference set (no attention measurement of this grid's kernel)"
+    probe = read_json(SDPA_PROBE, error=GridError, what="SDPA probe")
+    key, what = entry
+    w = workload
+    rec = OpProfile(
+        workload=profile_workload_key(w.model.name, tp=w.parallelism.tp, cp=w.parallelism.cp,
+                                      microbatch_size=w.microbatch_size, seq_len=w.seq_len,
+                                      nanobatches=w.nanobatches),
+        partition="fwd_attn", op="attn_core", kind="attention", time_s=probe[key] * 1e-3,
+        kernel=f"{what}, torch {probe.get('torch', '?')}", kernels=AS_RUN)
+    return (attrs.evolve(prof, ops=(*prof.ops, rec)), (AS_RUN, *sets),
+            f"attention: {what} ({_rel(SDPA_PROBE)}: {probe[key]:.3f} ms at the grid's shapes); "
+            "norm, RoPE, SwiGLU: reference set")
+
+
+def make_emulator(gpu: str, profile: Path | None, kernels: str | None = None,
+                  grid: Path | None = None, workload: Workload | None = None
+                  ) -> tuple[EmulatedGPU, str]:
+    """The emulated GPU compared with a grid, and how it was made (for the JSON).
+
+    ``kernels``: the profile's kernel set to calibrate ops with; ``"as-run"`` (the default
+    with a profile): per grid, the measurements of the kernels that grid ran
+    (:func:`as_run_profile`)."""
     if profile is None:
         return (EmulatedGPU.from_spec(gpu, comm_backend="nccl"),
                 f"preset {gpu} (uncalibrated), NCCL's measured collective curves")
-    if not profile.exists() and str(profile) in shipped_profiles():
-        profile = Path(str(importlib.resources.files("kareus.model").joinpath(
-            "profiles", f"{str(profile).replace('-', '_')}.json")))
-    prof = GPUProfile.load(profile)  # validates the file (typed GPUProfileError)
-    from_profile = getattr(EmulatedGPU, "from_profile", None)
-    if from_profile is None:
-        raise SystemExit(
-            f"--gpu-profile {profile}: the profile is valid (gpu {prof.gpu}, digest "
-            f"{prof.digest[:12]}), but the emulator cannot take a measured profile yet "
-            "(EmulatedGPU.from_profile does not exist): run without --gpu-profile for the "
-            "preset's figures")
-    return (from_profile(profile, comm_backend="nccl"),
-            f"calibrated from {_rel(profile)} (digest {prof.digest[:12]}), NCCL curves")
+    prof, where = load_profile(profile)
+    digest = prof.digest[:12]
+    if (kernels or AS_RUN) == AS_RUN and grid is not None and workload is not None:
+        prof, sets, how = as_run_profile(prof, grid, workload)
+    else:
+        sets, how = ((kernels,) if kernels else ()), f"kernel set {kernels or prof.kernel_set!r}"
+    emu = EmulatedGPU.from_profile(prof, comm_backend="nccl", kernels=sets or None)
+    return emu, (f"calibrated from {where} (digest {digest}): per-op measurements ({how}); "
+                 "NCCL-capped collective curves fitted to its points")
 
 
 def _workload(w: dict[str, Any]) -> Workload:
@@ -127,17 +176,19 @@ def _cfg(r: dict[str, Any]) -> str:
     return f"{r['comm_sms'] if r['comm_sms'] is not None else 'nccl-default'} CTAs, {slot}"
 
 
-def evaluate_grid(path: Path, gpu: EmulatedGPU) -> dict[str, Any]:
+def evaluate_grid(path: Path, gpu_name: str, profile: Path | None = None,
+                  kernels: str | None = None) -> dict[str, Any]:
     """Emulate every measured row of the grid file ``path``; errors, ranks and picks."""
     data = read_json(path, error=GridError, what="measured grid")
     for key in ("workload", "measurements", "gpu"):
         if key not in data:
             raise GridError(f"measured grid {path} has no {key!r}: it is not a file written "
                             "by bench/h200_study.py")
-    if data["gpu"] != gpu.name:
+    if data["gpu"] != gpu_name:
         raise GridError(f"measured grid {path} ran on {data['gpu']}, the emulator models "
-                        f"{gpu.name}")
+                        f"{gpu_name}")
     workload = _workload(data["workload"])
+    gpu, how = make_emulator(gpu_name, profile, kernels, path, workload)
     parts = build_partitions(workload)
     whole = build_partitions(workload.with_(nanobatches=1))
     prof = EmulatedProfiler(gpu, noise=0.0)
@@ -216,7 +267,7 @@ def evaluate_grid(path: Path, gpu: EmulatedGPU) -> dict[str, Any]:
             [r["emulated_ms"] / tscale / r["measured_ms"] - 1.0 for r in rows]),
     }
     overall["targets"] = _targets(overall, partitions)
-    return {"grid": _rel(path), "machine": data.get("machine"),
+    return {"grid": _rel(path), "emulator": how, "machine": data.get("machine"),
             "measured_with": data.get("command"), "software": data.get("software"),
             "workload": workload.describe(),
             "energy_scope": f"total energy of one partition run over its {rows[0]['gpus']} "
@@ -302,10 +353,10 @@ def measurement_floor(a: Path, b: Path) -> dict[str, Any] | None:
     return out if out["partitions"] else None
 
 
-def run(grids: list[Path], gpu_profile: Path | None, gpu_name: str = "h200-sxm"
-        ) -> dict[str, Any]:
+def run(grids: list[Path], gpu_profile: Path | None, gpu_name: str = "h200-sxm",
+        kernels: str | None = None) -> dict[str, Any]:
     """Evaluate the emulator on ``grids``; the result written by ``--json``."""
-    gpu, how = make_emulator(gpu_name, gpu_profile)
+    _, how = make_emulator(gpu_name, gpu_profile, kernels)
     floors = [f for i, a in enumerate(grids) for b in grids[i + 1:]
               if (f := measurement_floor(a, b)) is not None]
     return {
@@ -314,8 +365,8 @@ def run(grids: list[Path], gpu_profile: Path | None, gpu_name: str = "h200-sxm"
                 "Spearman among overlapped grid configurations, and the measured value of "
                 "the emulator's best grid configuration vs the measured best",
         "emulator": how, "machine": "emulated, CPU",
-        "nccl_default_ctas": gpu.spec.default_comm_sms, "targets": TARGETS,
-        "grids": [evaluate_grid(p, gpu) for p in grids],
+        "nccl_default_ctas": get_gpu(gpu_name).default_comm_sms, "targets": TARGETS,
+        "grids": [evaluate_grid(p, gpu_name, gpu_profile, kernels) for p in grids],
         "measurement_floor": floors}
 
 
@@ -326,6 +377,8 @@ def _pct(x: float | None) -> str:
 def print_table(res: dict[str, Any]) -> None:
     """Print one line per grid and partition."""
     print(f"emulator: {res['emulator']} (EMULATED) vs MEASURED grids")
+    for g in res["grids"]:
+        print(f"  {Path(g['grid']).name}: {g['emulator']}")
     print(f"{'grid':34s} {'part':8s} {'n':>4s} | {'t err':>6s} {'E err':>6s} | "
           f"{'rho t':>5s} {'rho E':>5s} | {'pick E':>6s} {'pick t':>6s}")
     for g in res["grids"]:
@@ -370,12 +423,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-profile", type=Path,
                     help="a measured GPUProfile JSON to calibrate the emulator with, or the "
                          "name of a shipped one (h200-sxm)")
+    ap.add_argument("--kernels", default=None,
+                    help="with --gpu-profile: the kernel set whose per-op measurements "
+                         "calibrate the ops; default 'as-run': per grid, the kernels that "
+                         "grid ran (its attention from the SDPA probe, the eager 'reference' "
+                         "set for norm, RoPE and SwiGLU)")
     args = ap.parse_args(argv)
     grids = args.grid or default_grids()
     if not grids:
         raise SystemExit("no measured grid found: pass --grid PATH")
     try:
-        res = run(grids, args.gpu_profile)
+        res = run(grids, args.gpu_profile, kernels=args.kernels)
     except (GPUProfileError, GridError) as exc:
         raise SystemExit(str(exc)) from None
     print_table(res)

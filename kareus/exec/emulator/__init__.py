@@ -48,16 +48,27 @@ collective's group by default), else ``partition.comm_op.group_size``.
 The constants of the presets, where each comes from, and the calibration against the
 measured H200 probe are in ``docs/emulator.md``.
 
+Calibration: :meth:`EmulatedGPU.from_profile` takes per-op time and power factors, HBM
+bandwidth, idle, static and uncore power and the collective curves from a measured
+:class:`~kareus.model.gpu_profile.GPUProfile` (``_calibration``; docs/emulator.md).
+
 Modules (import the names from this package, not from them): ``_gpu`` (the GPU and
-power model, :class:`EmulatedGPU`), ``_comm`` (the collective curves), ``_sim`` (the
-event-driven simulation) and ``_profiler`` (:class:`EmulatedProfiler`).
+power model, :class:`EmulatedGPU`), ``_comm`` (the collective curves), ``_calibration``
+(factors from a measured profile), ``_sim`` (the event-driven simulation) and
+``_profiler`` (:class:`EmulatedProfiler`).
 """
 
 from __future__ import annotations
 
+from kareus.exec.emulator._calibration import (
+    OpCalibration,
+    profile_workload,
+    profile_workload_key,
+)
 from kareus.exec.emulator._comm import CommCurve
 from kareus.exec.emulator._gpu import EmulatedGPU
 from kareus.exec.emulator._profiler import EmulatedProfiler
 from kareus.exec.emulator._sim import EmulationTrace
 
-__all__ = ["CommCurve", "EmulatedGPU", "EmulatedProfiler", "EmulationTrace"]
+__all__ = ["CommCurve", "EmulatedGPU", "EmulatedProfiler", "EmulationTrace", "OpCalibration",
+           "profile_workload", "profile_workload_key"]

@@ -14,6 +14,7 @@ from typing import Any
 
 import attrs
 
+from kareus.exec.emulator._calibration import OpCalibration, lookup
 from kareus.exec.emulator._comm import CommCurve, _comm_curves
 from kareus.model.gpu import GPUSpec, get_gpu
 from kareus.model.ops import CommKind, CommOp, ComputeOp
@@ -44,6 +45,18 @@ def _fraction(instance: object, attribute: attrs.Attribute, value: float) -> Non
 def _comm_curves_tuple(value: Iterable[Sequence[Any]]) -> tuple[CommCurve, ...]:
     """The converter of :attr:`EmulatedGPU.comm_curves`: records from 4-tuples."""
     return tuple(CommCurve(str(k), int(g), float(r), float(lk)) for k, g, r, lk in value)
+
+
+def _op_calibration_tuple(value: Iterable[Sequence[Any]]) -> tuple[OpCalibration, ...]:
+    """The converter of :attr:`EmulatedGPU.op_calibration`: records from 6-tuples."""
+    out = []
+    for part, op, k_t, k_p, model_s, src in value:
+        if not (k_t > 0 and k_p >= 0 and math.isfinite(k_t) and math.isfinite(k_p)):
+            raise ValueError(f"EmulatedGPU.op_calibration: factors of {part}/{op} must be "
+                             f"finite, time > 0 and power >= 0, got {k_t!r}, {k_p!r}")
+        out.append(OpCalibration(str(part), str(op), float(k_t), float(k_p), float(model_s),
+                                 str(src)))
+    return tuple(out)
 
 
 @attrs.frozen(kw_only=True)
@@ -104,6 +117,11 @@ class EmulatedGPU:
             (plain 4-tuples are converted). A collective uses the entry of
             its kind and group size, else the entry of its kind with the nearest group size,
             else the two scalar fields.
+        op_calibration: Per-op factors from a measured GPU profile (:meth:`from_profile`):
+            :class:`OpCalibration` records ``(partition, op, time_factor, power_factor,
+            model_s, source)``; an op of a partition type with a record uses it, any other
+            op its kind's default (``partition == "*"``). Empty: the op model as is.
+        calibration: How this model was calibrated (``""``: the preset's constants).
     """
 
     spec: GPUSpec = attrs.field(converter=get_gpu)
@@ -134,6 +152,9 @@ class EmulatedGPU:
     voltage_floor: float = attrs.field(validator=_fraction)
     voltage_floor_clock_fraction: float = attrs.field(validator=_fraction)
     comm_curves: tuple[CommCurve, ...] = attrs.field(default=(), converter=_comm_curves_tuple)
+    op_calibration: tuple[OpCalibration, ...] = attrs.field(default=(),
+                                                            converter=_op_calibration_tuple)
+    calibration: str = attrs.field(default="")
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -170,6 +191,64 @@ class EmulatedGPU:
                **overrides: Any) -> EmulatedGPU:
         """Alias of :meth:`from_spec` for a preset name."""
         return cls.from_spec(name, comm_backend=comm_backend, **overrides)
+
+    @classmethod
+    def from_profile(cls, profile: Any, *, comm_backend: str = "own",
+                     kernels: str | Sequence[str] | None = None,
+                     **overrides: Any) -> EmulatedGPU:
+        """The model of a GPU calibrated from a measured profile.
+
+        Starts from the preset of ``profile.gpu`` and takes from the profile: per-op time
+        and power factors (:mod:`kareus.exec.emulator._calibration`), the HBM bandwidth,
+        the idle power, the static power (a GPU waiting on communication), the uncore
+        power (one spinning block at the maximum clock, else static minus idle), and the
+        collective curves of ``comm_backend`` fitted to its measured points.
+
+        Args:
+            profile: A :class:`~kareus.model.gpu_profile.GPUProfile`, a path to a profile
+                file, or the GPU name of a profile shipped with kareus (``"h200-sxm"``).
+            comm_backend: ``"own"`` (kareus's SM-capped kernels) or ``"nccl"`` (NCCL capped
+                with min/max CTAs): whose measured collective curves to use.
+            kernels: The kernel set whose per-op measurements to use, or several in order
+                of priority (default: the profile's main set, e.g. ``"triton"``;
+                ``"reference"`` for the eager formulas the first measured grids ran); ops
+                no listed set holds use the main set's records.
+            **overrides: Constants to override after calibration.
+
+        Raises:
+            GPUProfileError: the profile cannot be read, has no such kernel set or backend.
+        """
+        from kareus.exec.emulator._calibration import comm_curves, op_calibrations
+        from kareus.model.gpu_profile import GPUProfile, GPUProfileError, shipped_profiles
+
+        if not isinstance(profile, GPUProfile):
+            text = str(profile)
+            profile = (GPUProfile.preset(text) if text in shipped_profiles()
+                       else GPUProfile.load(text))
+        base = cls.from_spec(profile.gpu, comm_backend="custom")
+        if base.sm_count != profile.sm_count:
+            raise GPUProfileError(f"GPU profile of {profile.gpu} was measured with "
+                                  f"{profile.sm_count} SMs; the preset has {base.sm_count}")
+        spinning = [lp for lp in profile.load_powers if lp.load == "one spinning block"
+                    and lp.freq_mhz == base.spec.max_clock_mhz]
+        uncore = (spinning[0].power_w - profile.idle_power_w if spinning
+                  else profile.static_power_w - profile.idle_power_w)
+        spec = attrs.evolve(base.spec, idle_power_w=round(profile.idle_power_w, 3),
+                            static_power_w=round(profile.static_power_w, 3))
+        hbm_eff = min(1.0, profile.hbm_bandwidth_gbps / base.spec.hbm_bandwidth_gbps)
+        curves = comm_curves(profile, comm_backend)
+        if not curves:
+            raise GPUProfileError(f"GPU profile of {profile.gpu} has no SM-capped collective "
+                                  f"points of backend {comm_backend!r} (64 MiB or more)")
+        gpu = attrs.evolve(base, spec=spec, hbm_efficiency=round(hbm_eff, 4),
+                           uncore_power_w=round(max(uncore, 0.0), 3), comm_curves=curves)
+        ks = (profile.kernel_set if kernels is None
+              else kernels if isinstance(kernels, str) else "+".join(kernels))
+        cal = op_calibrations(gpu, profile, kernels)
+        gpu = attrs.evolve(gpu, op_calibration=cal,
+                           calibration=f"profile {profile.gpu} digest {profile.digest[:12]}, "
+                                       f"kernels {ks}, collectives {comm_backend}")
+        return gpu.with_(**overrides) if overrides else gpu
 
     def with_(self, **changes: Any) -> EmulatedGPU:
         """A copy with some constants changed (validated again)."""
@@ -235,9 +314,11 @@ class EmulatedGPU:
         rate = self.comm_bus_rate(sms, freq_mhz, kind=comm.kind, group_size=comm.group_size)
         return self.launch_overhead_s + self.comm_latency_s + comm.bus_bytes / rate
 
-    def op_time_s(self, op: ComputeOp, freq_mhz: float, sms: int | None = None) -> float:
-        """Time of ``op`` alone on ``sms`` SMs (default all) at ``freq_mhz``, launch included."""
-        prep = _prep_op(self, op)
+    def op_time_s(self, op: ComputeOp, freq_mhz: float, sms: int | None = None, *,
+                  partition: str | None = None) -> float:
+        """Time of ``op`` alone on ``sms`` SMs (default all) at ``freq_mhz``, launch included;
+        ``partition``: the partition type it belongs to (selects its calibration)."""
+        prep = _prep_op(self, op, partition)
         s = self.sm_count if sms is None else sms
         return self.launch_overhead_s + _op_work_time(prep, s, freq_mhz * 1e6,
                                                       self.hbm_bytes_per_s, self._issue_per_sm_cycle)
@@ -325,9 +406,13 @@ class _Op:
     fpc: float  # peak flops per SM per clock of the unit it runs on
     activity: float  # busy-SM activity
     feed_sm_s: float  # SM-seconds at the clock-independent feed ceiling (0: none)
+    power_scale: float = 1.0  # multiplier of the op's own dynamic power (calibration)
 
 
-def _prep_op(gpu: EmulatedGPU, op: ComputeOp) -> _Op:
+def _prep_op(gpu: EmulatedGPU, op: ComputeOp, partition: str | None = None) -> _Op:
+    """The op as the simulation takes it; with :attr:`EmulatedGPU.op_calibration`, every
+    term of its roofline is multiplied by the time factor and its own dynamic power by
+    the power factor of its record (``partition``, op name) or its kind."""
     kind = op.kind.value
     if kind == "gemm":
         eff, fpc, tensor = gpu.gemm_efficiency, gpu.tensor_flops_per_clock_per_sm, True
@@ -337,9 +422,19 @@ def _prep_op(gpu: EmulatedGPU, op: ComputeOp) -> _Op:
         eff, fpc, tensor = gpu.vector_efficiency, gpu.vector_flops_per_clock_per_sm, False
     activity = 1.0 if tensor else gpu.mem_op_sm_activity
     feed = (op.flops * gpu.sm_count / (gpu.tensor_feed_tflops * 1e12)) if tensor else 0.0
-    return _Op(cycles=op.flops / (eff * fpc), bytes=float(op.bytes_moved), tensor=tensor,
-               tensor_flops=float(op.flops) if tensor else 0.0, fpc=fpc, activity=activity,
-               feed_sm_s=feed)
+    out = _Op(cycles=op.flops / (eff * fpc), bytes=float(op.bytes_moved), tensor=tensor,
+              tensor_flops=float(op.flops) if tensor else 0.0, fpc=fpc, activity=activity,
+              feed_sm_s=feed)
+    if not gpu.op_calibration:
+        return out
+    model_s = _op_work_time(out, gpu.sm_count, gpu.spec.max_clock_mhz * 1e6,
+                            gpu.hbm_bytes_per_s, gpu._issue_per_sm_cycle) + gpu.launch_overhead_s
+    cal = lookup(gpu.op_calibration, partition, op, model_s)
+    if cal is None:
+        return out
+    k = cal.time_factor
+    return attrs.evolve(out, cycles=out.cycles * k, bytes=out.bytes * k,
+                        feed_sm_s=out.feed_sm_s * k, power_scale=cal.power_factor)
 
 
 def _op_work_time(op: _Op, sms: float, f_hz: float, bw_share: float, issue_per_sm_cycle: float

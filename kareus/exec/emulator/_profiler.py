@@ -89,7 +89,7 @@ class EmulatedProfiler(Profiler):
         self.power_limit = bool(power_limit)
         self.calls = 0
         self._prepared: dict[int, _Prepared] = {}
-        self._op_cache: dict[ComputeOp, _Op] = {}
+        self._op_cache: dict[tuple[str | None, ComputeOp], _Op] = {}
         self._clocks = self.gpu.clocks_mhz
 
     # ------------------------------------------------------------------ public API
@@ -176,11 +176,11 @@ class EmulatedProfiler(Profiler):
             self.seed = int(seed)
 
     # ------------------------------------------------------------------ internals
-    def _op(self, op: ComputeOp) -> _Op:
-        p = self._op_cache.get(op)
+    def _op(self, op: ComputeOp, partition: str | None = None) -> _Op:
+        p = self._op_cache.get((partition, op))
         if p is None:
-            p = _prep_op(self.emulated_gpu, op)
-            self._op_cache[op] = p
+            p = _prep_op(self.emulated_gpu, op, partition)
+            self._op_cache[(partition, op)] = p
         return p
 
     def _prepare(self, partition: Partition) -> _Prepared:
@@ -190,7 +190,7 @@ class EmulatedProfiler(Profiler):
         if not isinstance(partition, Partition):
             raise TypeError(f"partition must be a kareus Partition, got "
                             f"{type(partition).__name__}")
-        ops = [self._op(o) for o in partition.compute_ops]
+        ops = [self._op(o, partition.name) for o in partition.compute_ops]
         slot_index = {s.name: s.index for s in partition.slots}
         gg = self._group_gpus(partition)
         prep = _Prepared(partition=partition, sim=_Sim(self.emulated_gpu, ops),

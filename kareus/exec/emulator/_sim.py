@@ -207,13 +207,14 @@ class _Sim:
                     t_op *= tensor_slow
                 op_rate = 1.0 / t_op
                 dt_compute = work_left * t_op
-                # Power of the op.
+                # Power of the op (its own dynamic part, times its calibrated factor).
                 sm_frac = sms_c / S
-                power += p_busy * sms_c * op.activity
+                p_op = p_busy * sms_c * op.activity
                 if op.tensor:
                     util = (op.tensor_flops * op_rate) / (sms_c * op.fpc * f_hz)
-                    power += p_tensor * sm_frac * util
-                power += e_hbm * op.bytes * op_rate
+                    p_op += p_tensor * sm_frac * util
+                p_op += e_hbm * op.bytes * op_rate
+                power += p_op * op.power_scale
             elif op is not None:
                 dt_compute = gap_left
             if active is not None:
