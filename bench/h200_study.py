@@ -270,9 +270,9 @@ def main() -> int:  # noqa: C901, PLR0915 - a linear script
     search_info: dict[str, Any] = {}
     have_search = 1.0
     if rank == 0 and not args.no_search:
+        # The default surrogate (a Gaussian process) needs numpy and scipy only; xgboost
+        # is needed by the tree ensemble alone, which this live search does not use.
         try:
-            import xgboost  # noqa: F401
-
             from kareus.search import MultiPassSearch  # noqa: F401
         except Exception as exc:  # noqa: BLE001
             log(f"search not available here: {exc}")
@@ -476,8 +476,9 @@ def analyze(path: Path, *, budgets: list[int], seeds: int,
                 ratios: dict[str, list[float]] = {k: [] for k in refs}
                 for seed in range(seeds):
                     replay = ReplayProfiler(data, kinds=("grid",), samples="mean")
-                    search = MultiPassSearch(space, budget=budget, batch_size=min(8, budget),
-                                             seed=seed, stop_patience=None, progress=False,
+                    # The default search (design size, batches) at this budget.
+                    search = MultiPassSearch(space, budget=budget, seed=seed,
+                                             stop_patience=None, progress=False,
                                              surrogate=SURROGATES[sname](seed))
                     fr = search.run(replay, part)
                     got = np.array([(o.time_s, o.energy_j) for o in fr.points])

@@ -11,7 +11,7 @@
   resumes from; its result is a :class:`PartitionFrontier`
   (:mod:`~kareus.search.partition_frontier`). Its parts: the features
   (:func:`search_features`), the initial design (:func:`maximin_design`, opened by
-  :func:`system_config_indices`), the defaults (:func:`default_passes`,
+  :func:`system_config_indices`, sized by :func:`default_initial_size`), the defaults (:func:`default_passes`,
   :func:`reference_passes`, :func:`default_surrogate`, :func:`tree_surrogate`).
 
 Import from here: the modules with a leading underscore are implementation modules, one
@@ -31,7 +31,11 @@ from kareus.search._defaults import (
 )
 from kareus.search._features import search_features
 from kareus.search._gaussian_process import GaussianProcessSurrogate
-from kareus.search._initial_design import maximin_design, system_config_indices
+from kareus.search._initial_design import (
+    default_initial_size,
+    maximin_design,
+    system_config_indices,
+)
 from kareus.search._log import LOG_FORMAT, LOG_VERSION
 from kareus.search._multi_pass_search import MultiPassSearch
 from kareus.search._objective_model import ObjectiveModel, ObjectivePrediction
@@ -79,6 +83,7 @@ __all__ = [
     "UncertaintyPass",
     "XGBoostSurrogate",
     "allocate",
+    "default_initial_size",
     "default_passes",
     "default_surrogate",
     "hypervolume",

@@ -4,7 +4,10 @@ A search opens with the configurations a training job runs without kareus (the
 systems' own configurations: :func:`system_config_indices`), then fills the rest of its
 initial points with a space-filling design (:func:`maximin_design`) or uniform random
 picks (as the public reference artifact of the Kareus paper does):
-:func:`initial_design`.
+:func:`initial_design`. How many points it has depends on the budget
+(:func:`default_initial_size`): 16 for budgets of 32 profiles and more, half the budget
+(at least 8) below, so that at the budgets real GPUs afford (a profile costs seconds)
+the acquisition passes still get profiles to spend.
 """
 
 from __future__ import annotations
@@ -13,22 +16,63 @@ import numpy as np
 
 from kareus.model.config import ConfigSpace, ScheduleConfig
 
-__all__ = ["initial_design", "maximin_design", "system_config_indices"]
+__all__ = ["default_initial_size", "initial_design", "maximin_design", "system_config_indices"]
+
+#: Points of the initial design for budgets of ``2 * DEFAULT_INITIAL_SIZE`` and more.
+DEFAULT_INITIAL_SIZE = 16
+#: The fewest points of a default initial design (all of a smaller budget).
+MIN_INITIAL_SIZE = 8
+
+
+def default_initial_size(budget: int) -> int:
+    """The initial design's size a search uses by default for ``budget`` profiles.
+
+    Half the budget, between 8 and 16 points, and never more than the budget: 16 from 32
+    profiles up (the size the emulated benchmark was measured with), 8 at 16 profiles
+    (eight left for the acquisition passes), the whole budget at 8 profiles and below.
+    At the budgets real GPUs afford (a profile costs about 1.5 s), a design of 16 would
+    leave the surrogate nothing to choose; with half the budget the passes get the other
+    half, and an initial design of 8 still sees every knob's range
+    (``bench/small_budget.py``, docs/search.md).
+
+    Args:
+        budget: Profiles in all (>= 1).
+
+    Returns:
+        ``min(budget, max(8, min(16, budget // 2)))``.
+    """
+    half = int(budget) // 2
+    return min(int(budget), max(MIN_INITIAL_SIZE, min(DEFAULT_INITIAL_SIZE, half)))
+
+
+def _categories(space: ConfigSpace) -> tuple[np.ndarray, int]:
+    """Each configuration's category, the launch slot (sequential included) and, in a space
+    of several collective backends, the backend: its index, and the number of categories."""
+    backends = getattr(space, "backends", (None,))
+    n_b = len(backends)
+    slot_of = {name: i for i, name in enumerate(space.slots)}
+    back_of = {b: i for i, b in enumerate(backends)}
+    cat = [slot_of[c.launch_slot] * n_b + back_of[getattr(c, "backend", None)]
+           for c in space.configs]
+    return np.array(cat, dtype=float), len(space.slots) * n_b
 
 
 def _unit_coordinates(space: ConfigSpace) -> np.ndarray:
-    """Each configuration as (freq, SMs, slot) in [0, 1] x [0, 1] x slot index.
+    """Each configuration as (freq, SMs, category) in [0, 1] x [0, 1] x category index (the
+    slot, and the backend in a space of several).
 
     Both frequency and SM count are linear. (A logarithmic SM scale, which samples the
     small SM counts where a collective's speed changes fastest more densely, gave worse
     16-point designs on the emulator: most of those configurations leave the collective
-    exposed and are far from the front; docs/search.md.)
+    exposed and are far from the front. At small budgets, a log scale or one spaced by
+    the rank of each SM count was within the scatter of the linear one on the emulated
+    development set and worse on the measured 2x H200 grids, whose optima sit at 16-24
+    SMs; docs/search.md.)
     """
     cfgs = space.configs
     f = np.array([c.freq_mhz for c in cfgs], dtype=float)
     s = np.array([c.comm_sms for c in cfgs], dtype=float)
-    slot_of = {name: i for i, name in enumerate(space.slots)}
-    sl = np.array([slot_of[c.launch_slot] for c in cfgs], dtype=float)
+    sl, _ = _categories(space)
 
     def unit(v: np.ndarray) -> np.ndarray:
         span = v.max() - v.min()
@@ -41,7 +85,8 @@ def maximin_design(space: ConfigSpace, n: int, *, seed: int = 0, tries: int = 64
     """A space-filling design of ``n`` distinct configurations (indices into ``space.configs``).
 
     Latin-hypercube samples in (frequency, SM count), with launch slots (sequential
-    included) balanced so each appears ``n // slots`` or ``n // slots + 1`` times; of
+    included; in a space of several collective backends, each slot-backend pair)
+    balanced so each appears ``n // slots`` or ``n // slots + 1`` times; of
     ``tries`` such designs, the one whose closest pair of points is farthest apart
     (maximin; a differing slot counts as distance 1) is kept.
 
@@ -58,7 +103,7 @@ def maximin_design(space: ConfigSpace, n: int, *, seed: int = 0, tries: int = 64
     coords = _unit_coordinates(space)
     freqs = np.array(sorted(set(coords[:, 0])))
     sms = np.array(sorted(set(coords[:, 1])))
-    n_slots = len(space.slots)
+    _, n_slots = _categories(space)
     # Lookup from (freq level, sm level, slot) to config index.
     fi = np.searchsorted(freqs, coords[:, 0])
     si = np.searchsorted(sms, coords[:, 1])
@@ -124,8 +169,10 @@ def system_config_indices(space: ConfigSpace) -> list[int]:
     f = g.max_clock_mhz if g.max_clock_mhz in space.freqs_mhz else max(space.freqs_mhz)
     sms = g.default_comm_sms if g.default_comm_sms in space.comm_sms else max(space.comm_sms)
     slots = [sl for sl in space.slots if sl is not None]
-    cands = [ScheduleConfig(f, sms, None)] + ([ScheduleConfig(f, sms, slots[0])] if slots
-                                               else [])
+    # Systems communicate through NCCL: its capped form where the space has several backends.
+    b = "nccl_capped" if "nccl_capped" in space.backends else space.backends[0]
+    cands = [ScheduleConfig(f, sms, None, backend=b)] + (
+        [ScheduleConfig(f, sms, slots[0], backend=b)] if slots else [])
     return [space.index(c) for c in cands if c in space]
 
 

@@ -36,10 +36,16 @@ def space_description(space: ConfigSpace) -> dict[str, Any]:
         space: The searched configuration space.
 
     Returns:
-        ``{"freqs_mhz": [...], "comm_sms": [...], "slots": [...]}``.
+        ``{"freqs_mhz": [...], "comm_sms": [...], "slots": [...]}``, plus ``"backends"``
+        in a space of several collective backends (a space of one backend describes
+        itself as before, so older logs still resume).
     """
-    return {"freqs_mhz": list(space.freqs_mhz), "comm_sms": list(space.comm_sms),
-            "slots": list(space.slots)}
+    out: dict[str, Any] = {"freqs_mhz": list(space.freqs_mhz),
+                           "comm_sms": list(space.comm_sms), "slots": list(space.slots)}
+    backends = getattr(space, "backends", (None,))
+    if len(backends) > 1:
+        out["backends"] = list(backends)
+    return out
 
 
 def log_header(space: ConfigSpace, *, seed: int, batch_size: int, budget: int,

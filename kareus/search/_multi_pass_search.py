@@ -46,6 +46,7 @@ from kareus.model.partition import Partition
 from kareus.model.profiler import Profiler
 from kareus.search._defaults import default_passes, default_surrogate
 from kareus.search._features import search_features
+from kareus.search._initial_design import default_initial_size
 from kareus.search._initial_design import initial_design as initial_design_indices
 from kareus.search._log import append_record, check_header, log_header, read_log
 from kareus.search._objective_model import ObjectiveModel
@@ -80,7 +81,9 @@ class MultiPassSearch:
         batch_size: Configurations per batch; ``None`` = 8.
         budget: Profiles in all; ``None`` = 224 (the reference artifact's budget). Capped at
             the space's size.
-        initial_size: Profiles of the space-filling initial design; ``None`` = 16.
+        initial_size: Profiles of the space-filling initial design; ``None`` =
+            :func:`~kareus.search.default_initial_size` of the budget (16 from 32 profiles
+            up, half the budget but at least 8 below). A resumed search keeps its log's.
         initial_design: ``"maximin"`` (:func:`~kareus.search.maximin_design`,
             space-filling) or
             ``"random"`` (uniform, as the reference artifact does).
@@ -108,7 +111,8 @@ class MultiPassSearch:
 
     Raises:
         TypeError: for a space, surrogate or pass of the wrong type.
-        ValueError: for bad sizes, or a resume log of another search.
+        ValueError: for bad sizes, a resume log of another search, or an ``initial_size``
+            other than the resume log's.
     """
 
     def __init__(
@@ -146,10 +150,25 @@ class MultiPassSearch:
         self.budget = min(224 if budget is None else int(budget), len(space))
         if self.budget < 1:
             raise ValueError(f"budget must be >= 1, got {budget}")
-        self.initial_size = min(16 if initial_size is None else int(initial_size),
-                                self.budget)
-        if self.initial_size < 1:
+        if initial_size is not None and int(initial_size) < 1:
             raise ValueError(f"initial_size must be >= 1, got {initial_size}")
+        resume_records = None
+        if resume is not None and Path(resume).exists() and Path(resume).stat().st_size > 0:
+            resume_records = read_log(Path(resume))
+            check_header(resume_records[0], space, self.seed, Path(resume))
+        if resume_records is not None:
+            # A resumed search keeps the design its log was started with, whatever the
+            # budget now (the default size depends on the budget, which may change).
+            logged = int(resume_records[0]["initial_size"])
+            if initial_size is not None and int(initial_size) != logged:
+                raise ValueError(f"search log {resume} was started with an initial design of "
+                                 f"{logged} profiles, not {initial_size}: resume it with "
+                                 "initial_size=None (or the same size)")
+            self.initial_size = logged
+        elif initial_size is None:
+            self.initial_size = default_initial_size(self.budget)
+        else:
+            self.initial_size = min(int(initial_size), self.budget)
         if stop_patience is not None and stop_patience < 1:
             raise ValueError(f"stop_patience must be >= 1 or None, got {stop_patience}")
         if stop_tol < 0:
@@ -191,8 +210,9 @@ class MultiPassSearch:
         if log is not None and resume is not None and Path(log) != Path(resume):
             raise ValueError("give either log= (a new search) or resume= (continue one), "
                              "or the same path to both")
-        if resume is not None and Path(resume).exists() and Path(resume).stat().st_size > 0:
-            self._replay(Path(resume))
+        if resume_records is not None:
+            assert resume is not None
+            self._replay(Path(resume), resume_records)
             self._log_path = Path(resume)
             _log.info("resuming the search of %s on %s from %s: %d measurements replayed",
                       space.partition.name, space.gpu.name, resume, self.n_measured)
@@ -465,9 +485,7 @@ class MultiPassSearch:
         if self._log_path is not None:
             append_record(self._log_path, record)
 
-    def _replay(self, path: Path) -> None:
-        records = read_log(path)
-        check_header(records[0], self.space, self.seed, path)
+    def _replay(self, path: Path, records: list[dict[str, Any]]) -> None:
         for rec in records[1:]:
             kind = rec.get("kind")
             if kind == "ask":

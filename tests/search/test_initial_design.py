@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kareus.model import ScheduleConfig
-from kareus.search import maximin_design, system_config_indices
+from kareus.model import ConfigSpace, ScheduleConfig
+from kareus.search import default_initial_size, maximin_design, system_config_indices
 from kareus.search._initial_design import initial_design
 
 
@@ -62,3 +62,20 @@ def test_initial_design_opens_with_the_system_configs_then_fills(medium_space):
     assert rnd[:2] == opening and len(set(rnd)) == 16
     with pytest.raises(ValueError, match="initial_design"):
         initial_design(medium_space, 16, kind="sobol")
+
+
+def test_default_initial_size_is_half_the_budget_between_8_and_16():
+    sizes = {b: default_initial_size(b) for b in (1, 6, 8, 10, 12, 16, 24, 31, 32, 96, 224)}
+    assert sizes == {1: 1, 6: 6, 8: 8, 10: 8, 12: 8, 16: 8, 24: 12, 31: 15, 32: 16, 96: 16,
+                     224: 16}
+
+
+def test_design_balances_slot_backend_pairs(small_space):
+    two = ConfigSpace(small_space.partition, "a100-40gb", freqs_mhz=[1410],
+                      comm_sms=[2, 4, 8, 16], backends=["own", "nccl_capped"])
+    idx = maximin_design(two, 12, seed=1)
+    cfgs = [two.configs[i] for i in idx]
+    assert len(set(idx)) == 12
+    pairs = [(c.launch_slot, c.backend) for c in cfgs]
+    assert len(set(pairs)) == 12  # 12 of the 12 slot-backend pairs, each once
+    assert {c.backend for c in cfgs} == {"own", "nccl_capped"}

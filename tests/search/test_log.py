@@ -65,3 +65,18 @@ def test_header_of_another_search_is_rejected(small_space, tmp_path):
         check_header({**head, "version": LOG_VERSION + 1}, small_space, 1, path)
     with pytest.raises(ValueError, match="not a kareus search log"):
         check_header({**head, "format": "other"}, small_space, 1, path)
+
+
+def test_space_description_names_backends_only_when_there_are_several(small_space):
+    from kareus.model import ConfigSpace
+
+    # A space of one backend is described as before (older logs still resume) ...
+    assert set(space_description(small_space)) == {"freqs_mhz", "comm_sms", "slots"}
+    # ... a space of several names them, so a log of another backend set is refused.
+    two = ConfigSpace(small_space.partition, "a100-40gb", freqs_mhz=[1410],
+                      comm_sms=[4, 8], backends=["own", "nccl_capped"])
+    assert space_description(two)["backends"] == ["own", "nccl_capped"]
+    head = log_header(two, seed=0, batch_size=8, budget=8, initial_size=8)
+    with pytest.raises(ValueError, match="space"):
+        check_header(head, ConfigSpace(small_space.partition, "a100-40gb", freqs_mhz=[1410],
+                                       comm_sms=[4, 8], backends=["own"]), 0, "log.jsonl")

@@ -17,6 +17,7 @@ from kareus.search import (
     PartitionFrontier,
     RandomPass,
     XGBoostSurrogate,
+    default_initial_size,
     maximin_design,
     system_config_indices,
 )
@@ -72,7 +73,7 @@ def test_never_remeasures_even_when_exhausting_the_space(small_space):
 
 def test_ask_repeats_pending_and_tell_rejects_repeats(small_space):
     prof = FakeProfiler("a100-40gb")
-    s = search(small_space, budget=30)
+    s = search(small_space, budget=32)
     first = s.ask()
     assert len(first) == 16 and s.ask() == first == s.pending
     c = first[0]
@@ -95,7 +96,7 @@ def test_ask_repeats_pending_and_tell_rejects_repeats(small_space):
 def test_batches_follow_the_pass_mix(medium_space):
     prof = FakeProfiler("a100-40gb", noise=0.01)
     passes = [(HypervolumePass("total"), 3), (FastestPass(), 1)]
-    s = search(medium_space, budget=24, batch_size=8, passes=passes)
+    s = search(medium_space, budget=24, batch_size=8, passes=passes, initial_size=16)
     s.run(prof)
     second = [s.chosen_by[o.config] for o in s.observations[16:]]
     assert second.count("hv-total") == 6 and second.count("fastest") == 2
@@ -207,7 +208,9 @@ def test_log_is_versioned_jsonl(small_space, tmp_path):
     assert head["space"]["slots"][-1] is None and head["space"]["comm_sms"] == [1, 2, 4, 8, 16, 32]
     tells = [x for x in lines if x["kind"] == "tell"]
     asks = [x for x in lines if x["kind"] == "ask"]
-    assert len(tells) == 24 and len(asks) == 2
+    # Budget 24: an initial design of 12 (half the budget), then batches of 8 and 4.
+    assert head["initial_size"] == 12
+    assert len(tells) == 24 and [len(a["configs"]) for a in asks] == [12, 8, 4]
     assert [t["n"] for t in tells] == list(range(1, 25))
     assert Measurement.from_dict(tells[0]["measurement"]) == s.observations[0].measurement
     with pytest.raises(FileExistsError, match="resume"):
@@ -243,6 +246,43 @@ def test_resume_after_a_kill_loses_and_repeats_nothing(medium_space, tmp_path, d
     assert [o.config for o in second.observations] == [o.config
                                                        for o in reference.observations]
     assert second.observations == reference.observations
+
+
+def test_small_budgets_leave_profiles_to_the_passes(medium_space):
+    # At 16 profiles the design takes half; the passes choose the other half.
+    s = search(medium_space, budget=16, seed=3, stop_patience=None)
+    assert s.initial_size == default_initial_size(16) == 8
+    s.run(FakeProfiler(noise=0.01))
+    names = [s.chosen_by[o.config] for o in s.observations]
+    assert names[:8] == ["initial"] * 8 and "initial" not in names[8:]
+    assert len(set(names[8:]) - {"random"}) >= 3  # several passes had a share
+    # At 8 profiles and below the design is the whole budget.
+    assert search(medium_space, budget=6).initial_size == 6
+
+
+def test_resume_keeps_the_logged_design_when_the_budget_changes(medium_space, tmp_path):
+    # The default design's size depends on the budget; a log started at 16 profiles (a
+    # design of 8) and extended to 40 keeps its design of 8, so the first 16 profiles are
+    # those of the uninterrupted 16-profile search.
+    kw = dict(batch_size=8, seed=2, stop_patience=None)
+    reference = search(medium_space, budget=16, **kw)
+    reference.run(FakeProfiler(noise=0.01, seed=9))
+    path = tmp_path / "grow.jsonl"
+    dying = DyingProfiler(noise=0.01, seed=9, die_after=5)
+    with pytest.raises(Interrupt):
+        search(medium_space, budget=16, log=path, **kw).run(dying)
+    rest = FakeProfiler(noise=0.01, seed=9)
+    for _ in range(5):
+        rest.measure(medium_space.partition, medium_space.configs[0])
+    grown = search(medium_space, budget=40, resume=path, **kw)
+    assert grown.initial_size == 8 != default_initial_size(40)
+    grown.run(rest)
+    assert grown.n_measured == 40
+    assert grown.observations[:16] == reference.observations
+    with pytest.raises(ValueError, match="initial design of 8"):
+        search(medium_space, budget=40, resume=path, initial_size=16, **kw)
+    # The same size, given explicitly, is accepted.
+    assert search(medium_space, budget=40, resume=path, initial_size=8, **kw).n_measured == 40
 
 
 def test_resume_drops_a_torn_last_line(small_space, tmp_path):
