@@ -178,7 +178,38 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 86400:,.0f} days"
 
 
+def _cmd_tune(args: argparse.Namespace) -> int:
+    """``kareus optimize --profiler nvml``: :func:`kareus.tune.tune` on every rank."""
+    from kareus.tune import tune  # noqa: PLC0415
+
+    if args.record is not None:
+        raise ValueError("--record is for emulated runs; a tuning run keeps every measurement "
+                         "in --out/logs")
+    workload = _workload_from_args(args)
+    args.resume_hint = f"the logs in {args.out}/logs keep every measurement"
+    report = tune(workload, out_dir=args.out, gpu=args.gpu, budget=args.budget, seed=args.seed,
+                  schedule=args.schedule, surrogate=args.surrogate, fresh=args.fresh,
+                  progress=not args.quiet, allow_clock_changes=args.allow_clock_changes,
+                  types=None if args.types is None else args.types.split(","),
+                  backends=None if args.backends is None else args.backends.split(","),
+                  deadline_s=args.deadline_s, energy_budget_j=args.energy_budget_j)
+    if report is None:  # not rank 0
+        return 0
+    if report.result is not None:
+        print(report.result.table())
+        print()
+    for name, fr in report.frontiers.items():
+        print(f"{name}: {len(fr.measured())} profiles, {len(fr.points)} on its front")
+    print(f"GPU time: {report.gpu_time_s:.1f} GPU-s ({report.wall_s:.1f} s on "
+          f"{report.world_size} GPU(s)); {report.info.get('clock_note', '')}")
+    print("wrote " + ", ".join(str(p) for p in report.paths.values())
+          + f", and {args.out}/logs/")
+    return 0
+
+
 def cmd_optimize(args: argparse.Namespace) -> int:
+    if args.profiler == "nvml":
+        return _cmd_tune(args)
     from kareus._outdir import check_output_file, check_output_folder, guarded_folder  # noqa: PLC0415
     from kareus.errors import WorkloadError  # noqa: PLC0415
     from kareus.model.gpu import get_gpu  # noqa: PLC0415
@@ -302,7 +333,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no activation recomputation (default: full recomputation)")
     p.add_argument("--schedule", default="1f1b", help="pipeline schedule: 1f1b or gpipe")
     p.add_argument("--profiler", default="emulated",
-                   help="emulated (default) or replay:FILE (recorded measurements)")
+                   help="emulated (default), replay:FILE (recorded measurements), or nvml "
+                        "(measure on this job's GPUs: run under torchrun, one process per GPU "
+                        "of one stage's TP x CP group, or one process for a smoke run)")
+    p.add_argument("--allow-clock-changes", action="store_true",
+                   help="--profiler nvml: search the clocks by locking them (needs root; "
+                        "never on shared machines); default: only the default clock")
+    p.add_argument("--types", default=None, metavar="LIST",
+                   help="--profiler nvml: search only these partition types (comma list) and "
+                        "write their frontiers, without composing (a smoke run)")
+    p.add_argument("--backends", default=None, metavar="LIST",
+                   help="--profiler nvml: collective backends to search (own, nccl_capped); "
+                        "default: every one that runs on the group")
     p.add_argument("--record", default=None, metavar="FILE",
                    help="also save every measurement to FILE (replay it with "
                         "--profiler replay:FILE)")

@@ -457,8 +457,10 @@ def optimize(
         bar = ProgressBar(None, desc=f"composing {len(names)} systems", enabled=progress)
         bar.refresh()
         with bar, bar.heartbeat():
+            clocks = profiler.clocks_mhz()
             result = compose_systems(workload, profiler, systems=names,
                                      kareus_frontiers=frontiers,
+                                     freqs_mhz=None if clocks is None else list(clocks),
                                      schedule=partial(get_schedule, schedule),
                                      microbatch_composer=microbatch_composer,
                                      iteration_composer=iteration_composer)

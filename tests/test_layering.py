@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "kareus"
-RANK = {"model": 1, "search": 2, "compose": 3, "exec": 4, "workflow": 5, "cli": 5, "interop": 5}
+RANK = {"model": 1, "search": 2, "compose": 3, "exec": 4, "workflow": 5, "cli": 5, "interop": 5,
+        "tune": 5}
 HARDWARE = ("torch", "pynvml", "triton", "liger_kernel", "zeus", "ray")
 POLICY = ("model", "search", "compose")
 

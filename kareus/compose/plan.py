@@ -118,7 +118,8 @@ class MicrobatchChoice:
 
     def to_dict(self) -> dict[str, Any]:
         return {"freq_mhz": self.freq_mhz, "predicted": self.predicted,
-                "configs": {name: {"comm_sms": c.comm_sms, "launch_slot": c.launch_slot}
+                "configs": {name: {"comm_sms": c.comm_sms, "launch_slot": c.launch_slot,
+                                   **({} if c.backend is None else {"backend": c.backend})}
                             for name, c in self.configs}}
 
     @classmethod
@@ -139,6 +140,7 @@ class MicrobatchChoice:
 
     def __str__(self) -> str:
         parts = ", ".join(f"{n}: {c.comm_sms} SMs @ {c.launch_slot or 'sequential'}"
+                          + (f" on {c.backend}" if c.backend is not None else "")
                           for n, c in self.configs)
         return f"{self.freq_mhz} MHz [{parts}]{' (predicted)' if self.predicted else ''}"
 
@@ -442,14 +444,18 @@ def _parse_choice(d: Any, field: str, gpu: Any, source: str) -> MicrobatchChoice
         where = f"{field}.configs.{_show(name)[1:-1]}"
         _str(name, source, where, _MAX_NAME)
         c = _obj(c, source, where)
-        _keys(c, ("comm_sms", "launch_slot"), frozenset(("comm_sms", "launch_slot")),
+        _keys(c, ("comm_sms", "launch_slot"), frozenset(("comm_sms", "launch_slot", "backend")),
               source, where)
         sms = _int(c["comm_sms"], source, f"{where}.comm_sms", 1, max_sms)
         slot = c["launch_slot"]
         if slot is not None:
             _str(slot, source, f"{where}.launch_slot", _MAX_NAME)
+        backend = c.get("backend")
+        if backend is not None:
+            _str(backend, source, f"{where}.backend", _MAX_NAME)
         try:
-            out[name] = ScheduleConfig(freq_mhz=freq, comm_sms=sms, launch_slot=slot)
+            out[name] = ScheduleConfig(freq_mhz=freq, comm_sms=sms, launch_slot=slot,
+                                       backend=backend)
         except (KareusError, ValueError, TypeError) as exc:
             raise _err(source, where, str(exc)) from None
     return MicrobatchChoice(freq_mhz=freq, configs=out, predicted=predicted)

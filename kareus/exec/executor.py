@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from kareus._logging import get_logger
@@ -349,7 +349,8 @@ class PartitionScope(PartitionHook):
             raise RuntimeError(
                 f"partition {self.key!r} reached its launch slot {self.config.launch_slot!r} "
                 "before communicate() named the collective")
-        self._done_event = self._ex._launch_comm(self._comm, self.config.comm_sms)
+        self._done_event = self._ex._launch_comm(self._comm, self.config.comm_sms,
+                                                 getattr(self.config, "backend", None))
         self._launched = True
 
     def close(self) -> None:
@@ -378,6 +379,11 @@ class TorchExecutor(Executor):
         default_collective: Used when a configuration's SM count is ``None`` (the
             library's own choice, e.g. :class:`ProcessGroupCollective`; the systems that
             do not cap SMs use it).
+        backends: Backends by name, for configurations that name one
+            (:attr:`ScheduleConfig.backend <kareus.model.config.ScheduleConfig.backend>`,
+            e.g. ``{"own": OwnKernelCollective(), "nccl_capped": NCCLCappedCollective()}``
+            when the search measured both); ``collective`` runs the configurations that
+            name none. Communication buffers come from :meth:`empty`.
         digest_exchange: ``digest -> list of every rank's digest``; ``None`` = an
             ``all_gather_object`` over the default process group (a single process
             without one compares with itself).
@@ -386,9 +392,12 @@ class TorchExecutor(Executor):
     def __init__(self, *, collective: CollectiveBackend, plan: Plan | None = None,
                  streams: StreamBackend | None = None, frequency: FrequencyTrigger | None = None,
                  default_collective: CollectiveBackend | None = None,
+                 backends: Mapping[str, CollectiveBackend] | None = None,
                  digest_exchange: Callable[[str], Sequence[str]] | None = None) -> None:
+        named = dict(backends or {})
         for label, backend in (("collective", collective),
-                               ("default_collective", default_collective)):
+                               ("default_collective", default_collective),
+                               *((f"backends[{k!r}]", b) for k, b in named.items())):
             if backend is not None and not isinstance(backend, CollectiveBackend):
                 raise TypeError(f"{label} must be a CollectiveBackend (kareus.exec.collectives), "
                                 f"got {type(backend).__name__}")
@@ -404,6 +413,7 @@ class TorchExecutor(Executor):
             _require_plan(plan)
         self.collective: CollectiveBackend = collective
         self.default_collective: CollectiveBackend | None = default_collective
+        self.backends: dict[str, CollectiveBackend] = named
         self.plan = plan
         self.streams: StreamBackend = streams if streams is not None else TorchStreamBackend()
         self.frequency: FrequencyTrigger | None = frequency
@@ -441,15 +451,57 @@ class TorchExecutor(Executor):
             raise PlanError("call executor.start() first: ranks must compare the plan's digest "
                             "before any collective runs under it")
 
+    def empty(self, shape: int | Sequence[int], dtype: Any) -> Any:
+        """A zeroed communication buffer from the backends: registered memory from the
+        first of ``collective``, then ``backends``, that allocates
+        (:meth:`OwnKernelCollective.empty <kareus.exec.collectives.OwnKernelCollective.empty>`),
+        which every backend can also run on, else ``torch.zeros`` on the current device.
+
+        A registered allocation is collective: every rank must ask for the same buffers
+        in the same order (runnable partitions built with ``build(collective=executor)``
+        do). The memory lives until that backend is closed.
+
+        Args:
+            shape: Tensor shape (an int for 1-D).
+            dtype: A torch dtype.
+        """
+        for backend in (self.collective, *self.backends.values()):
+            alloc = getattr(backend, "empty", None)
+            if callable(alloc):
+                return alloc(shape, dtype).zero_()
+        import torch  # noqa: PLC0415
+
+        return torch.zeros(shape, dtype=dtype,
+                           device=torch.device("cuda", torch.cuda.current_device()))
+
+    def backend_for(self, sms: int | None, backend: str | None = None) -> CollectiveBackend:
+        """The backend that runs a collective of ``sms`` SMs on ``backend`` (a name of
+        :attr:`backends`; ``None`` = :attr:`collective`, or the default collective when
+        ``sms`` is ``None`` too).
+
+        Raises:
+            ConfigError: ``backend`` names no backend of this executor.
+        """
+        if backend is not None:
+            try:
+                return self.backends[backend]
+            except KeyError:
+                raise ConfigError(f"the configuration asks for collective backend {backend!r}, "
+                                  f"but this executor has {sorted(self.backends) or 'none'}: "
+                                  "pass it in TorchExecutor(backends=...)") from None
+        if sms is None and self.default_collective is not None:
+            return self.default_collective
+        return self.collective
+
     # -- the mechanism ---------------------------------------------------------------
-    def _launch_comm(self, comm: tuple[str, Any, Any], sms: int | None) -> Any:
+    def _launch_comm(self, comm: tuple[str, Any, Any], sms: int | None,
+                     backend_name: str | None = None) -> Any:
         kind, tensor, output = comm
+        backend = self.backend_for(sms, backend_name)
         compute = self.streams.current_stream()
         side = self.comm_stream
         ready = self.streams.record_event(compute)
         self.streams.wait_event(side, ready)
-        backend = (self.default_collective if sms is None and self.default_collective is not None
-                   else self.collective)
         with self.streams.use_stream(side):
             if kind == "all_reduce":
                 backend.all_reduce(tensor, side, sms)
@@ -514,12 +566,14 @@ class TorchExecutor(Executor):
             raise ValueError(f"nanobatching needs n >= 2 nanobatches, got {n}")
         outs = list(comm_outputs) if comm_outputs is not None else [None] * n
         seq = config.sequential
+        backend = getattr(config, "backend", None)
         # Nanobatch 0 has no previous collective to overlap.
         for fn in ops:
             fn(0)
         for i in range(1, n):
             if seq:
-                self._run_exposed(comm_tensors[i - 1], comm_kind, outs[i - 1], config.comm_sms)
+                self._run_exposed(comm_tensors[i - 1], comm_kind, outs[i - 1], config.comm_sms,
+                                  backend)
                 for fn in ops:
                     fn(i)
                 continue
@@ -528,10 +582,12 @@ class TorchExecutor(Executor):
             for name, fn in zip(op_names, ops):
                 scope.op(name, fn, i)
             scope.close()
-        self._run_exposed(comm_tensors[n - 1], comm_kind, outs[n - 1], config.comm_sms)
+        self._run_exposed(comm_tensors[n - 1], comm_kind, outs[n - 1], config.comm_sms,
+                          backend)
 
-    def _run_exposed(self, tensor: Any, kind: str, output: Any, sms: int | None) -> None:
-        done = self._launch_comm((kind, tensor, output), sms)
+    def _run_exposed(self, tensor: Any, kind: str, output: Any, sms: int | None,
+                     backend: str | None = None) -> None:
+        done = self._launch_comm((kind, tensor, output), sms, backend)
         self._join(done)
 
     # -- training-loop hooks ---------------------------------------------------------

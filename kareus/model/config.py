@@ -3,12 +3,17 @@
 A :class:`ScheduleConfig` is the three knobs kareus turns for a partition: the SM
 clock, the number of SMs the communication kernel gets, and the launch slot (the
 computation op the communication starts with; ``None`` = sequential, after all
-computation, as Megatron-LM does). A :class:`ConfigSpace` enumerates the valid
+computation, as Megatron-LM does). Where the profiler can run the collective through
+several backends (kareus's own SM-capped kernels, NCCL with capped CTAs), the backend is
+a fourth knob, so that each partition type's choice is measured rather than assumed; a
+profiler with one way to communicate (the emulator, a replay) leaves it ``None`` and its
+spaces, features and plans are exactly the three-knob ones. A :class:`ConfigSpace` enumerates the valid
 configurations, checks membership with clear errors, and encodes configurations
 as *physical* numeric features for the surrogate models: MHz, SM count, where the
 slot sits in the partition's work (estimated fraction of the computation done
 before the launch), how compute-bound the slot's first op is (log10 of FLOPs per
-byte), and a sequential flag.
+byte), a sequential flag, and (only in a space of several backends) the backend's
+position in the space's list.
 """
 
 from __future__ import annotations
@@ -42,20 +47,29 @@ class ScheduleConfig:
         comm_sms: SMs (thread blocks) the communication kernel runs on.
         launch_slot: Name of the computation op the communication is launched with, or
             ``None`` for sequential execution (communication after all computation).
+        backend: The collective backend that runs the communication (a name of
+            :data:`kareus.exec.collectives.BACKEND_NAMES`, e.g. ``"own"`` or
+            ``"nccl_capped"``), or ``None``: the one backend of the job (every emulated
+            and replayed configuration).
     """
 
     freq_mhz: int = attrs.field(converter=int)
     comm_sms: int = attrs.field(converter=int)
     launch_slot: str | None = None
+    backend: str | None = attrs.field(default=None, kw_only=True)
+
+    def __attrs_post_init__(self) -> None:
+        if self.backend is not None and (not isinstance(self.backend, str) or not self.backend):
+            raise ValueError(f"backend must be a non-empty name or None, got {self.backend!r}")
 
     @property
     def sequential(self) -> bool:
         """Whether the communication runs after all the computation (no overlap)."""
         return self.launch_slot is None
 
-    def _sort_key(self) -> tuple[int, int, bool, str]:
+    def _sort_key(self) -> tuple[int, int, bool, str, str]:
         return (self.freq_mhz, self.comm_sms, self.launch_slot is not None,
-                self.launch_slot or "")
+                self.launch_slot or "", self.backend or "")
 
     def __lt__(self, other: object) -> bool:
         if not isinstance(other, ScheduleConfig):
@@ -63,21 +77,27 @@ class ScheduleConfig:
         return self._sort_key() < other._sort_key()
 
     def to_dict(self) -> dict[str, object]:
-        """``{"freq_mhz", "comm_sms", "launch_slot"}``, JSON-ready."""
-        return {"freq_mhz": self.freq_mhz, "comm_sms": self.comm_sms,
-                "launch_slot": self.launch_slot}
+        """``{"freq_mhz", "comm_sms", "launch_slot"}`` and ``"backend"`` when it is set,
+        JSON-ready."""
+        d: dict[str, object] = {"freq_mhz": self.freq_mhz, "comm_sms": self.comm_sms,
+                                "launch_slot": self.launch_slot}
+        if self.backend is not None:
+            d["backend"] = self.backend
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, object]) -> ScheduleConfig:
         """Rebuild from :meth:`to_dict` output."""
         return cls(freq_mhz=int(d["freq_mhz"]),  # type: ignore[call-overload]
                    comm_sms=int(d["comm_sms"]),  # type: ignore[call-overload]
-                   launch_slot=d.get("launch_slot"))  # type: ignore[arg-type]
+                   launch_slot=d.get("launch_slot"),  # type: ignore[arg-type]
+                   backend=d.get("backend"))  # type: ignore[arg-type]
 
     def __str__(self) -> str:
         slot = self.launch_slot if self.launch_slot is not None else "sequential"
         sms = "1 SM" if self.comm_sms == 1 else f"{self.comm_sms} SMs"
-        return f"{self.freq_mhz} MHz, {sms}, {slot}"
+        on = "" if self.backend is None else f", {self.backend}"
+        return f"{self.freq_mhz} MHz, {sms}, {slot}{on}"
 
 
 def _op_time_estimate_s(flops: float, bytes_moved: float, gpu: GPUSpec) -> float:
@@ -95,6 +115,9 @@ class ConfigSpace:
         slots: Launch slot names to search; ``None`` = every slot of the partition.
         include_sequential: Whether sequential execution is part of the space (it should be:
             sometimes overlap does not pay).
+        backends: Collective backends to search (names, see :class:`ScheduleConfig`);
+            ``None`` = the job's one backend (configurations carry ``backend=None``). With
+            two or more, the features gain a ``backend`` column.
 
     Raises:
         UnsupportedFrequencyError, InvalidSMCountError, UnknownSlotError: for values the
@@ -110,6 +133,7 @@ class ConfigSpace:
         comm_sms: Sequence[int] | None = None,
         slots: Sequence[str] | None = None,
         include_sequential: bool = True,
+        backends: Sequence[str] | None = None,
     ) -> None:
         if not isinstance(partition, Partition):
             raise TypeError(f"partition must be a kareus Partition, got {type(partition).__name__}")
@@ -123,8 +147,14 @@ class ConfigSpace:
         all_slots = tuple(s.name for s in partition.slots)
         chosen = all_slots if slots is None else tuple(slots)
         self.slots: tuple[str | None, ...] = chosen + ((None,) if include_sequential else ())
-        if not self.freqs_mhz or not self.comm_sms or not self.slots:
-            raise ValueError("a ConfigSpace needs at least one frequency, SM count and slot")
+        self.backends: tuple[str | None, ...] = (
+            (None,) if backends is None else tuple(str(b) for b in backends))
+        if not self.freqs_mhz or not self.comm_sms or not self.slots or not self.backends:
+            raise ValueError("a ConfigSpace needs at least one frequency, SM count, slot and "
+                             "backend")
+        if len(set(self.backends)) != len(self.backends) or any(
+                b is not None and not b for b in self.backends):
+            raise ValueError(f"backends must be distinct non-empty names, got {backends!r}")
         for f in self.freqs_mhz:
             self._check_freq(f)
         for s in self.comm_sms:
@@ -160,11 +190,20 @@ class ConfigSpace:
                 f"partition {self.partition.name!r} has no launch slot {name!r}; its slots: {hint} "
                 "(or launch_slot=None for sequential)")
 
+    @property
+    def feature_names(self) -> tuple[str, ...]:
+        """Names of the columns of :meth:`encode`: :data:`FEATURE_NAMES`, plus
+        ``"backend"`` in a space of several backends."""
+        return FEATURE_NAMES + (("backend",) if len(self.backends) > 1 else ())
+
     def validate(self, config: ScheduleConfig) -> ScheduleConfig:
         """Check that ``config`` is valid for this partition and GPU (not that it is in the
         grid); return it. Raises the typed errors of :mod:`kareus.errors`."""
         if not isinstance(config, ScheduleConfig):
             raise TypeError(f"expected a ScheduleConfig, got {type(config).__name__}")
+        if config.backend not in self.backends:
+            raise ValueError(f"backend {config.backend!r} is not one of this space's "
+                             f"{list(self.backends)}")
         self._check_freq(config.freq_mhz)
         self._check_sms(config.comm_sms)
         if config.launch_slot is not None:
@@ -174,18 +213,19 @@ class ConfigSpace:
     # -- enumeration -----------------------------------------------------------------
     @property
     def configs(self) -> list[ScheduleConfig]:
-        """Every configuration, frequency-major (cached)."""
+        """Every configuration, frequency-major, backend-minor (cached)."""
         if self._configs is None:
-            self._configs = [ScheduleConfig(f, s, slot) for f in self.freqs_mhz
-                             for s in self.comm_sms for slot in self.slots]
+            self._configs = [ScheduleConfig(f, s, slot, backend=b) for f in self.freqs_mhz
+                             for s in self.comm_sms for slot in self.slots
+                             for b in self.backends]
         return self._configs
 
     def __len__(self) -> int:
-        return len(self.freqs_mhz) * len(self.comm_sms) * len(self.slots)
+        return len(self.freqs_mhz) * len(self.comm_sms) * len(self.slots) * len(self.backends)
 
     @property
     def size(self) -> int:
-        """Number of configurations (frequencies x SM counts x slots)."""
+        """Number of configurations (frequencies x SM counts x slots x backends)."""
         return len(self)
 
     def __iter__(self) -> Iterator[ScheduleConfig]:
@@ -193,7 +233,8 @@ class ConfigSpace:
 
     def __contains__(self, config: object) -> bool:
         return (isinstance(config, ScheduleConfig) and config.freq_mhz in self.freqs_mhz
-                and config.comm_sms in self.comm_sms and config.launch_slot in self.slots)
+                and config.comm_sms in self.comm_sms and config.launch_slot in self.slots
+                and config.backend in self.backends)
 
     def index(self, config: ScheduleConfig) -> int:
         """Position of ``config`` in :attr:`configs`; ``ValueError`` if not in the space."""
@@ -207,23 +248,32 @@ class ConfigSpace:
 
     def restrict(self, *, freqs_mhz: Sequence[int] | None = None,
                  comm_sms: Sequence[int] | None = None,
-                 slots: Sequence[str | None] | None = None) -> ConfigSpace:
+                 slots: Sequence[str | None] | None = None,
+                 backends: Sequence[str] | None = None) -> ConfigSpace:
         """A sub-space (e.g. a baseline's): ``None`` keeps this space's values."""
         slot_vals = self.slots if slots is None else tuple(slots)
         named = [s for s in slot_vals if s is not None]
+        kept = self.backends if backends is None else tuple(backends)
         return ConfigSpace(self.partition, self.gpu,
                            freqs_mhz=self.freqs_mhz if freqs_mhz is None else freqs_mhz,
                            comm_sms=self.comm_sms if comm_sms is None else comm_sms,
-                           slots=named, include_sequential=None in slot_vals)
+                           slots=named, include_sequential=None in slot_vals,
+                           backends=None if kept == (None,) else kept)  # type: ignore[arg-type]
 
     # -- features --------------------------------------------------------------------
     def encode(self, configs: Iterable[ScheduleConfig]) -> np.ndarray:
-        """Numeric features, one row per configuration, columns :data:`FEATURE_NAMES`."""
+        """Numeric features, one row per configuration, columns :attr:`feature_names`
+        (the backend column, in a space of several, is the backend's position in
+        :attr:`backends`)."""
+        several = len(self.backends) > 1
         rows = []
         for c in configs:
             pos, lai, seq = self._slot_features[c.launch_slot]
-            rows.append((float(c.freq_mhz), float(c.comm_sms), pos, lai, seq))
-        return np.asarray(rows, dtype=np.float64).reshape(-1, len(FEATURE_NAMES))
+            row: tuple[float, ...] = (float(c.freq_mhz), float(c.comm_sms), pos, lai, seq)
+            if several:
+                row += (float(self.backends.index(c.backend)),)
+            rows.append(row)
+        return np.asarray(rows, dtype=np.float64).reshape(-1, len(self.feature_names))
 
     def features(self) -> np.ndarray:
         """Features of every configuration of the space, in :attr:`configs` order (cached)."""
@@ -234,4 +284,6 @@ class ConfigSpace:
     def __repr__(self) -> str:
         return (f"ConfigSpace({self.partition.name!r} on {self.gpu.name}: "
                 f"{len(self.freqs_mhz)} freqs x {len(self.comm_sms)} SM counts x "
-                f"{len(self.slots)} slots = {len(self)} configs)")
+                f"{len(self.slots)} slots"
+                + ("" if len(self.backends) == 1 else f" x {len(self.backends)} backends")
+                + f" = {len(self)} configs)")

@@ -45,6 +45,13 @@ class Profiler(abc.ABC):
         """Static power of ``group_size`` GPUs."""
         return self.gpu.static_power_w * group_size
 
+    def clocks_mhz(self) -> tuple[int, ...] | None:
+        """The only clocks this profiler can measure at, where it cannot measure every clock
+        of the GPU's search grid (a GPU whose clocks must not change measures at its
+        default clock alone); ``None`` = any clock. The frequency-planning baselines are
+        composed over these clocks."""
+        return None
+
     def space(self, partition: Partition) -> ConfigSpace:
         """The configurations of ``partition`` this profiler can measure: by default the
         GPU's full space (a replay of recorded data narrows it to what was recorded)."""

@@ -22,6 +22,14 @@ on ``stream`` using ``sms`` SMs:
   works; it is never required.
 * :class:`ProcessGroupCollective` runs plain ``torch.distributed`` collectives with
   NCCL's own CTA count (``sms`` ignored): the systems that do not cap SMs use it.
+* :class:`LoopbackCollective` is a one-GPU stand-in (a world of one rank), so that the
+  tuning path and the executor run end to end on one GPU; it measures no communication.
+
+Communication buffers: a backend may offer ``empty(shape, dtype)`` (registered memory
+that every rank has mapped, for the own kernels; the other backends run on it too);
+:meth:`TorchExecutor.empty <kareus.exec.executor.TorchExecutor.empty>` asks its backends
+for it, and runnable partitions built with ``build(collective=executor)`` take their
+buffers from there.
 
 :func:`select_collective_backend` probes the process group and picks the first
 backend in a preference order that can run there, or raises
@@ -39,8 +47,8 @@ inside the functions that need it, and nothing is compiled until the first
 Modules (import the names from this package, not from them): ``_base`` (the
 :class:`CollectiveBackend` role), ``_errors``, ``_validation`` (SM counts, dtypes,
 algorithm choice, message pieces), ``_environment`` (probing a process group and the
-pure backend choice), ``_own``, ``_nccl``, ``_mscclpp``, ``_process_group`` (the
-backends) and ``_selection`` (:func:`select_collective_backend`).
+pure backend choice), ``_own``, ``_nccl``, ``_mscclpp``, ``_process_group``,
+``_loopback`` (the backends) and ``_selection`` (:func:`select_collective_backend`).
 """
 
 from __future__ import annotations
@@ -64,6 +72,7 @@ from kareus.exec.collectives._errors import (
     CommSMCountError,
     NoCollectiveBackendError,
 )
+from kareus.exec.collectives._loopback import LoopbackCollective
 from kareus.exec.collectives._mscclpp import MscclppCollective, MscclppRunner
 from kareus.exec.collectives._nccl import NCCL_MAX_CTAS, NCCLCappedCollective
 from kareus.exec.collectives._own import (
@@ -110,6 +119,7 @@ __all__ = [
     "CollectiveUnavailableError",
     "CommSMCountError",
     "ExtensionBuildError",
+    "LoopbackCollective",
     "MscclppCollective",
     "MscclppRunner",
     "NCCLCappedCollective",

@@ -13,13 +13,14 @@ from typing import Any
 import attrs
 
 from kareus.errors import HardwareError
+from kareus.exec.frequency import DryRunFrequencyController, FrequencyController
 from kareus.exec.nvml._coordinator import Coordinator, LocalCoordinator
 from kareus.exec.nvml._meter import EnergyMeter
 from kareus.exec.nvml._runner import PartitionRunner
-from kareus.model.config import ScheduleConfig
+from kareus.model.config import ConfigSpace, ScheduleConfig
 from kareus.model.gpu import GPUSpec, get_gpu
 from kareus.model.measurement import Measurement
-from kareus.model.partition import Partition
+from kareus.model.partition import OutsideWork, Partition
 from kareus.model.profiler import Profiler
 
 __all__ = ["MeasurementRecord", "NVMLProfiler"]
@@ -97,6 +98,21 @@ class NVMLProfiler(Profiler):
             :meth:`start` (blocked-in-communication power, or idle power on one GPU).
         group_size: GPUs of the group (``None`` = the coordinator's world size).
         counter_timeout_s: How long :meth:`start` waits for the counter to step.
+        frequency: Sets the SM clock of each candidate. Only a controller that changes
+            clocks (:class:`~kareus.exec.frequency.NVMLFrequencyController`) opens the
+            frequency dimension; without one, or with a
+            :class:`~kareus.exec.frequency.DryRunFrequencyController` (machines whose
+            clocks must not change), the space holds one clock, the GPU's default
+            (:attr:`clock_note` says so), and no clock is ever set.
+        freqs_mhz: The clocks to search when clocks are controlled; ``None`` = the GPU's
+            search grid.
+        comm_sms: SM counts to search; ``None`` = :class:`~kareus.model.config.ConfigSpace`'s.
+        backends: Names of the collective backends the runner's executor holds
+            (``TorchExecutor(backends=...)``); with two or more, the backend is a dimension
+            of every space. ``None`` = the executor's one collective.
+        outside: ``(work, comm_sms) -> runnable partition`` for :meth:`measure_outside`
+            (e.g. :class:`~kareus.exec.outside_work.RunnableOutsideWork`); ``None``: this
+            profiler cannot measure the work outside partitions.
         clock: Time source (tests).
         sleep: Sleep function (tests).
     """
@@ -108,6 +124,11 @@ class NVMLProfiler(Profiler):
                  cooldown_tolerance_c: float | None = None, max_cooldown_s: float | None = None,
                  static_power_w: float | None = None, group_size: int | None = None,
                  counter_timeout_s: float = 5.0,
+                 frequency: FrequencyController | None = None,
+                 freqs_mhz: Sequence[int] | None = None,
+                 comm_sms: Sequence[int] | None = None,
+                 backends: Sequence[str] | None = None,
+                 outside: Callable[[OutsideWork, int | None], Partition] | None = None,
                  clock: Callable[[], float] | None = None,
                  sleep: Callable[[float], None] | None = None) -> None:
         if not isinstance(runner, PartitionRunner):
@@ -144,6 +165,34 @@ class NVMLProfiler(Profiler):
         self.step_period_s: float | None = None
         self.records: list[MeasurementRecord] = []
         self._started = False
+        if frequency is not None and not isinstance(frequency, FrequencyController):
+            raise TypeError(f"frequency must be a FrequencyController, got "
+                            f"{type(frequency).__name__}")
+        self.frequency = frequency
+        #: Whether this profiler sets the clock of each candidate (the frequency dimension).
+        self.clocks_controlled = frequency is not None and not isinstance(
+            frequency, DryRunFrequencyController)
+        if self.clocks_controlled:
+            grid = self.gpu.search_clocks_mhz if freqs_mhz is None else freqs_mhz
+            self.freqs_mhz: tuple[int, ...] = tuple(sorted({int(f) for f in grid},
+                                                           reverse=True))
+            for f in self.freqs_mhz:
+                self.gpu.check_clock(f)
+            self.clock_note = (f"clocks set per candidate by {type(frequency).__name__}: "
+                               f"{len(self.freqs_mhz)} clocks, {min(self.freqs_mhz)}-"
+                               f"{max(self.freqs_mhz)} MHz")
+        else:
+            self.freqs_mhz = (self.gpu.max_clock_mhz,)
+            why = ("no frequency controller" if frequency is None else
+                   f"{type(frequency).__name__} (clocks must not change here)")
+            self.clock_note = (f"clocks not controlled ({why}): the frequency dimension is "
+                               f"the GPU's default clock only, {self.gpu.max_clock_mhz} MHz "
+                               "(not locked: the GPU may run lower under its power limit)")
+        self.comm_sms = None if comm_sms is None else tuple(int(c) for c in comm_sms)
+        self.backends = None if backends is None else tuple(str(b) for b in backends)
+        self._outside = outside
+        self._outside_parts: dict[tuple[OutsideWork, int | None], Partition] = {}
+        self._current_mhz: int | None = None
 
     # -- setup -----------------------------------------------------------------------
     def start(self) -> None:
@@ -233,6 +282,49 @@ class NVMLProfiler(Profiler):
         e, dt, _ = self.meter.energy_between(t0, t1)
         return e / dt if dt > 0 else 0.0
 
+    def space(self, partition: Partition) -> ConfigSpace:
+        """The configurations this profiler can measure: its clocks (:attr:`freqs_mhz`),
+        SM counts and, with several, its backends."""
+        several = self.backends is not None and len(self.backends) > 1
+        return ConfigSpace(partition, self.gpu, freqs_mhz=self.freqs_mhz,
+                           comm_sms=self.comm_sms, backends=self.backends if several else None)
+
+    def clocks_mhz(self) -> tuple[int, ...] | None:
+        """:attr:`freqs_mhz`: the clocks this profiler measures at."""
+        return self.freqs_mhz
+
+    def _set_clock(self, freq_mhz: int) -> None:
+        """Lock the clock at ``freq_mhz`` (controlled clocks), or check that it is the one
+        clock this profiler measures at."""
+        f = int(freq_mhz)
+        if not self.clocks_controlled:
+            if f not in self.freqs_mhz:
+                raise HardwareError(f"cannot measure at {f} MHz: {self.clock_note}")
+            return
+        if f != self._current_mhz:
+            assert self.frequency is not None
+            self.frequency.set_frequency(f)
+            self._current_mhz = f
+
+    def measure_outside(self, work: OutsideWork, freq_mhz: int, *, group_size: int,
+                        comm_sms: int | None = None) -> Measurement:
+        """Measure the work outside partitions (embedding, LM head, loss and their
+        collectives, sequentially) at ``freq_mhz``; collective over the group like
+        :meth:`measure`. Its scope is the group this profiler measures.
+
+        Raises:
+            NotImplementedError: the profiler was built without ``outside``.
+        """
+        if self._outside is None:
+            return super().measure_outside(work, freq_mhz, group_size=group_size,
+                                           comm_sms=comm_sms)
+        key = (work, comm_sms)
+        if key not in self._outside_parts:
+            self._outside_parts[key] = self._outside(work, comm_sms)
+        part = self._outside_parts[key]
+        sms = self.gpu.default_comm_sms if comm_sms is None else int(comm_sms)
+        return self.measure(part, ScheduleConfig(freq_mhz, sms, None))
+
     # -- measuring ---------------------------------------------------------------------
     def _cooldown(self) -> tuple[float, float]:
         assert self.baseline_temp_c is not None
@@ -258,6 +350,7 @@ class NVMLProfiler(Profiler):
         self.start()
         assert self.step_period_s is not None
         wall0 = self._clock()
+        self._set_clock(config.freq_mhz)
         cooldown_s, start_temp = self._cooldown()
         step = self.runner.prepare(partition, config)
         # Calibrate the step time (the same number of steps on every rank).
@@ -352,8 +445,11 @@ class NVMLProfiler(Profiler):
         return rec
 
     def close(self) -> None:
-        """Stop the meter's thread."""
+        """Stop the meter's thread and give the clocks back (controlled clocks)."""
         self.meter.stop()
+        if self.clocks_controlled and self.frequency is not None:
+            self.frequency.reset()
+            self._current_mhz = None
 
 
 def _steps_done_at(t: float, done: Sequence[float]) -> float:

@@ -35,16 +35,23 @@ class PartitionRunner(abc.ABC):
 
 class TorchPartitionRunner(PartitionRunner):
     """Runs :class:`~kareus.exec.torch_partition.RunnablePartition` programs through a
-    :class:`~kareus.exec.executor.TorchExecutor` (programs are built once and cached,
-    with the executor's collective backend, so that
-    :class:`~kareus.exec.collectives.OwnKernelCollective` gets registered buffers).
+    :class:`~kareus.exec.executor.TorchExecutor` (programs are built once and cached; their
+    communication buffers come from the executor's backends, :meth:`TorchExecutor.empty
+    <kareus.exec.executor.TorchExecutor.empty>`, so that
+    :class:`~kareus.exec.collectives.OwnKernelCollective` gets registered buffers, which
+    the other backends of the executor run on too).
+
+    Partitions the runner is given may also be model partitions it can make runnable:
+    ``resolve`` maps them (the tuning driver maps each workload partition type to its
+    :class:`~kareus.exec.torch_partition.RunnableTransformerPartition`).
 
     Args:
         executor: The executor (carries the collective backend and the streams).
         seed: Seed of the programs' random inputs and weights.
     """
 
-    def __init__(self, executor: Executor, *, seed: int = 0) -> None:
+    def __init__(self, executor: Executor, *, seed: int = 0,
+                 resolve: Callable[[Partition], Partition] | None = None) -> None:
         if not isinstance(executor, Executor):
             raise TypeError(f"executor must be an Executor (e.g. TorchExecutor), got "
                             f"{type(executor).__name__}")
@@ -53,6 +60,7 @@ class TorchPartitionRunner(PartitionRunner):
         self._torch = torch
         self.executor = executor
         self.seed = int(seed)
+        self.resolve = resolve
         self._programs: dict[int, tuple[Partition, Any]] = {}
 
     def program(self, partition: Partition) -> Any:
@@ -63,15 +71,18 @@ class TorchPartitionRunner(PartitionRunner):
         """
         from kareus.exec.torch_partition import RunnablePartition  # noqa: PLC0415
 
+        if self.resolve is not None and not isinstance(partition, RunnablePartition):
+            partition = self.resolve(partition)
         if not isinstance(partition, RunnablePartition):
             raise TypeError(f"partition {partition.name!r} is not runnable: wrap it in "
                             "RunnableTransformerPartition or CallablePartition")
         key = id(partition)
         if key not in self._programs:
-            # Buffers from the executor's backend: registered memory for the own kernels
+            # Buffers from the executor's backends: registered memory for the own kernels
             # (a collective allocation: every rank measures the same partitions in order).
-            prog = partition.build(seed=self.seed,
-                                   collective=getattr(self.executor, "collective", None))
+            alloc = self.executor if callable(getattr(self.executor, "empty", None)) \
+                else getattr(self.executor, "collective", None)
+            prog = partition.build(seed=self.seed, collective=alloc)
             # Keep the partition alive with its program so the id is never reused.
             self._programs[key] = (partition, prog)
         return self._programs[key][1]
@@ -80,6 +91,11 @@ class TorchPartitionRunner(PartitionRunner):
         """A callable that runs one step of ``partition`` under ``config`` through the executor."""
         prog = self.program(partition)
         ex = self.executor
+        if prog.comm_kind is None:  # work without a collective (outside partitions)
+            def plain() -> None:
+                prog.run_plain()
+                prog.advance()
+            return plain
 
         def step() -> None:
             ex.run_partition(prog.ops, prog.op_names, prog.comm_tensor, config,

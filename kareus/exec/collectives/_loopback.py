@@ -1,0 +1,92 @@
+"""A one-GPU stand-in for a collective backend: a world of one rank.
+
+On one GPU there is nobody to communicate with, yet the tuning path, the executor's
+stream ordering and the registered-buffer allocation should still run end to end
+before a multi-GPU run spends its time only measuring. :class:`LoopbackCollective` is
+that stand-in: a group of one rank, whose all-reduce leaves the tensor as it is (the sum
+over one rank) but reads and writes it once in a kernel on the given stream, and whose
+all-gather and reduce-scatter copy the one shard. Its ``sms`` is checked like a capped
+backend's and otherwise not applied (the copy kernels take what they take), so its
+measurements are of the computation beside a memory-bound kernel, never of communication:
+a smoke run's figures, not kareus's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from kareus.exec.collectives._base import CollectiveBackend, _check_pair, _check_tensor
+
+__all__ = ["LoopbackCollective"]
+
+
+class LoopbackCollective(CollectiveBackend):
+    """A collective backend over a group of one rank (this process's GPU), for one-GPU runs.
+
+    Raises:
+        CollectiveUnavailableError: no CUDA GPU is visible.
+    """
+
+    name: ClassVar[str] = "loopback"
+
+    def __init__(self) -> None:
+        import torch  # noqa: PLC0415
+
+        if not torch.cuda.is_available():
+            from kareus.exec.collectives._errors import (  # noqa: PLC0415
+                CollectiveUnavailableError,
+            )
+
+            raise CollectiveUnavailableError("no CUDA GPU visible: LoopbackCollective needs one")
+        self._torch = torch
+        self._device = torch.cuda.current_device()
+        self._sm_count = int(torch.cuda.get_device_properties(self._device)
+                             .multi_processor_count)
+        #: Tensors handed out by :meth:`empty` (as a registering backend would).
+        self.allocated = 0
+
+    @property
+    def world_size(self) -> int:
+        """Always 1."""
+        return 1
+
+    @property
+    def rank(self) -> int:
+        """Always 0."""
+        return 0
+
+    @property
+    def sm_count(self) -> int:
+        """SMs of this GPU."""
+        return self._sm_count
+
+    def empty(self, shape: int | Sequence[int], dtype: Any) -> Any:
+        """A zeroed tensor, as a registering backend's :meth:`empty` gives (plain memory here)."""
+        self.allocated += 1
+        return self._torch.zeros(shape, dtype=dtype, device=f"cuda:{self._device}")
+
+    def all_reduce(self, tensor: Any, stream: Any, sms: int | None) -> Any:
+        """The sum over one rank: ``tensor`` itself, read and written once on ``stream``."""
+        if sms is not None:
+            self._check_sms(sms)
+        _check_tensor(tensor, "tensor", self._device)
+        with self._torch.cuda.stream(stream):
+            tensor.mul_(1)
+        return tensor
+
+    def all_gather(self, output: Any, input: Any, stream: Any, sms: int | None) -> Any:
+        """Copies ``input`` into ``output`` (one shard) on ``stream``."""
+        return self._copy("all_gather", output, input, stream, sms)
+
+    def reduce_scatter(self, output: Any, input: Any, stream: Any, sms: int | None) -> Any:
+        """Copies ``input`` into ``output`` (one shard) on ``stream``."""
+        return self._copy("reduce_scatter", output, input, stream, sms)
+
+    def _copy(self, op: str, output: Any, input: Any, stream: Any, sms: int | None) -> Any:
+        if sms is not None:
+            self._check_sms(sms)
+        _check_pair(op, output, input, 1, self._device)
+        with self._torch.cuda.stream(stream):
+            output.view(-1).copy_(input.view(-1))
+        return output

@@ -1,0 +1,228 @@
+"""The work outside partitions as real kernels, so that a tuning run on GPUs measures it.
+
+Each microbatch computation also runs work that belongs to no partition
+(:class:`~kareus.model.partition.OutsideWork`): the embedding on the first pipeline stage,
+the final norm, LM head and loss on the last, their backward passes, and the vocabulary-
+parallel all-reduce, all sequential (nothing overlaps them). The iteration composer needs
+its time and energy at every clock a plan may use, so the NVML profiler runs it as a
+program: :class:`RunnableOutsideWork` builds, at the workload's per-rank microbatch
+shapes, one kernel per op of the work (cuBLAS GEMMs, the kernel set's RMSNorm, PyTorch's
+embedding, softmax cross-entropy and index_add) followed by its collectives on the
+executor's backends, and :class:`~kareus.exec.nvml.TorchPartitionRunner` runs it as a
+plain step (no launch slot: the configuration only sets the clock).
+
+torch is imported inside the functions that need it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kareus.exec.torch_partition import PartitionProgram, RunnablePartition
+from kareus.model.ops import CommOp, ComputeOp
+from kareus.model.partition import OutsideWork
+from kareus.model.workload import Workload
+
+__all__ = ["OUTSIDE_OPS", "RunnableOutsideWork"]
+
+#: The ops of outside work this module has kernels for (the names the partition builder uses).
+OUTSIDE_OPS = ("embedding", "final_norm", "lm_head", "loss", "loss_bwd", "lm_head_dgrad",
+               "lm_head_wgrad", "final_norm_bwd", "embedding_bwd")
+
+
+class RunnableOutsideWork(RunnablePartition):
+    """One stage's outside work of one phase, runnable on a GPU.
+
+    Args:
+        work: The work (from :func:`~kareus.model.partition.build_partitions`'s ``outside``).
+        workload: The workload it was built from (its per-rank microbatch shapes).
+        comm_sms: SMs of its collectives (``None``: the executor's default collective,
+            NCCL's own CTA count).
+        dtype: torch dtype name of activations and weights (default ``"bfloat16"``).
+        kernels: The kernel set of the norms (as for
+            :class:`~kareus.exec.torch_partition.RunnableTransformerPartition`).
+        name: Its name in logs (default ``"outside"``).
+
+    Raises:
+        ValueError: the work holds an op this module has no kernel for.
+    """
+
+    def __init__(self, work: OutsideWork, workload: Workload, *, comm_sms: int | None = None,
+                 dtype: str | None = None, kernels: Any = None,
+                 name: str = "outside") -> None:
+        if not isinstance(work, OutsideWork):
+            raise TypeError(f"work must be an OutsideWork, got {type(work).__name__}")
+        if not isinstance(workload, Workload):
+            raise TypeError(f"workload must be a Workload, got {type(workload).__name__}")
+        unknown = [op.name for op in work.ops if op.name not in OUTSIDE_OPS]
+        if unknown:
+            raise ValueError(f"no kernel for the outside ops {unknown}; known: {OUTSIDE_OPS}")
+        self.work = work
+        self.workload = workload
+        self.comm_sms = None if comm_sms is None else int(comm_sms)
+        self.dtype = "bfloat16" if dtype is None else str(dtype)
+        self.kernels = kernels
+        self._name = str(name)
+
+    @property
+    def name(self) -> str:
+        """Its name in logs."""
+        return self._name
+
+    @property
+    def compute_ops(self) -> tuple[ComputeOp, ...]:
+        """The work's computation ops."""
+        return self.work.ops
+
+    @property
+    def comm_op(self) -> CommOp:
+        """The work's first collective.
+
+        Raises:
+            ValueError: the work has none.
+        """
+        if not self.work.comms:
+            raise ValueError("this outside work has no collective")
+        return self.work.comms[0]
+
+    @property
+    def overlappable(self) -> bool:
+        """Never: outside work runs sequentially."""
+        return False
+
+    @property
+    def group_gpus(self) -> int:
+        """GPUs of one stage (TP x CP)."""
+        p = self.workload.parallelism
+        return p.tp * p.cp
+
+    def build(self, *, device: Any = None, seed: int = 0,
+              collective: Any = None) -> PartitionProgram:
+        """Allocate inputs and weights on ``device`` and return the program: one callable
+        per op, then one per collective (each on the current stream, in order).
+
+        Args:
+            device: A CUDA device (default: the current one).
+            seed: Seed of the random inputs and weights.
+            collective: The executor (its ``backend_for(sms)`` runs the collectives and its
+                ``empty`` allocates their buffers), or a collective backend.
+        """
+        import torch  # noqa: PLC0415
+
+        from kareus.exec.kernels import get_kernels  # noqa: PLC0415
+
+        dev = torch.device("cuda", torch.cuda.current_device()) if device is None \
+            else torch.device(device)
+        dtype = getattr(torch, self.dtype)
+        wl = self.workload
+        m, p = wl.model, wl.parallelism
+        t = wl.microbatch_size * wl.seq_len // p.cp
+        h = m.hidden
+        v = -(-m.vocab // p.tp)
+        gen = torch.Generator(device=dev)
+        gen.manual_seed(seed)
+        ks = get_kernels(self.kernels)
+
+        def rnd(*shape: int, scale: float = 1.0) -> Any:
+            return (torch.randn(*shape, generator=gen, device=dev, dtype=torch.float32)
+                    * scale).to(dtype)
+
+        ctx: dict[str, Any] = {
+            "ids": torch.randint(0, v, (t,), generator=gen, device=dev),
+            "labels": torch.randint(0, v, (t,), generator=gen, device=dev),
+            "table": rnd(v, h), "w_norm": rnd(h, scale=0.1).add_(1.0),
+            "W": rnd(h, v, scale=h ** -0.5), "x": rnd(t, h), "dy": rnd(t, h),
+        }
+        rows = torch.arange(t, device=dev)
+
+        def op(name: str) -> Callable[[], Any]:
+            if name == "embedding":
+                return lambda: ctx.__setitem__("x", torch.nn.functional.embedding(
+                    ctx["ids"], ctx["table"]))
+            if name == "final_norm":
+                return lambda: ctx.__setitem__("xn", ks.rms_norm(ctx["x"], ctx["w_norm"]))
+            if name == "lm_head":
+                return lambda: ctx.__setitem__("logits", ks.matmul(ctx["xn"], ctx["W"]))
+            if name == "loss":
+                return lambda: ctx.__setitem__("loss", torch.nn.functional.cross_entropy(
+                    ctx["logits"].float(), ctx["labels"]))
+
+            if name == "loss_bwd":
+                def loss_bwd() -> None:
+                    d = torch.softmax(ctx["logits"], -1, dtype=torch.float32)
+                    d[rows, ctx["labels"]] -= 1.0
+                    ctx["dlogits"] = d.div_(t).to(dtype)
+                return loss_bwd
+            if name == "lm_head_dgrad":
+                return lambda: ctx.__setitem__("dy", ks.matmul(ctx["dlogits"], ctx["W"].t()))
+            if name == "lm_head_wgrad":
+                return lambda: ctx.__setitem__("dW", ks.matmul(ctx["xn"].t(), ctx["dlogits"]))
+            if name == "final_norm_bwd":
+                def norm_bwd() -> None:
+                    ctx["dx"], ctx["dw_norm"] = ks.rms_norm_bwd(ctx["dy"], ctx["x"],
+                                                                ctx["w_norm"])
+                return norm_bwd
+            assert name == "embedding_bwd"
+
+            def embedding_bwd() -> None:
+                g = ctx.setdefault("dtable", torch.zeros_like(ctx["table"]))
+                g.zero_()
+                g.index_add_(0, ctx["ids"], ctx.get("dx", ctx["dy"]))
+            return embedding_bwd
+
+        # Inputs the first op of a phase reads when the ops before it are elsewhere.
+        names = [o.name for o in self.work.ops]
+        if "lm_head_dgrad" in names or "lm_head_wgrad" in names or "loss_bwd" in names:
+            ctx["xn"] = ks.rms_norm(ctx["x"], ctx["w_norm"])
+            ctx["logits"] = ks.matmul(ctx["xn"], ctx["W"])
+        ops = [op(n) for n in names]
+        for k, comm in enumerate(self.work.comms):
+            ops.append(_comm_op(torch, comm, collective, self.comm_sms, wl.dtype_bytes, dev,
+                                dtype))
+            names.append(f"{comm.name}#{k}" if comm.name in names else comm.name)
+        prog = PartitionProgram(op_names=names, ops=ops, comm_kind=None,
+                                buffers=[None, None], state=ctx)
+        with torch.no_grad():
+            prog.run_plain()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return prog
+
+    def __repr__(self) -> str:
+        return f"RunnableOutsideWork({[o.name for o in self.work.ops]}, {len(self.work.comms)} comms)"
+
+
+def _comm_op(torch: Any, comm: CommOp, collective: Any, sms: int | None, model_bytes: int,
+             device: Any, dtype: Any) -> Callable[[], Any]:
+    """One collective of the work, run on the current stream through the executor's backend
+    for ``sms`` (or through ``collective`` itself when it is a backend)."""
+    n = int(comm.bytes) // int(model_bytes)
+    g = comm.group_size
+    kind = comm.kind.value
+    alloc = getattr(collective, "empty", None)
+
+    def buf(numel: int) -> Any:
+        if callable(alloc):
+            return alloc((numel,), dtype).zero_()
+        return torch.zeros(numel, device=device, dtype=dtype)
+
+    if kind == "all_reduce":
+        tensors: tuple[Any, ...] = (buf(n),)
+    elif kind == "all_gather":  # bytes = the gathered output
+        tensors = (buf(n // g * g), buf(n // g))
+    else:
+        tensors = (buf(n // g), buf(n // g * g))
+    pick = getattr(collective, "backend_for", None)
+    backend = pick(sms) if callable(pick) else collective
+    if backend is None:
+        raise ValueError("outside work with a collective needs an executor or a backend "
+                         "(build(collective=...))")
+
+    def run() -> None:
+        stream = torch.cuda.current_stream()
+        if kind == "all_reduce":
+            backend.all_reduce(tensors[0], stream, sms)
+        else:
+            getattr(backend, kind)(tensors[0], tensors[1], stream, sms)
+    return run

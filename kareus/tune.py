@@ -1,0 +1,649 @@
+"""Tuning on the target machine: the whole kareus job, measured on the job's own GPUs.
+
+:func:`tune` is what ``kareus optimize --profiler nvml`` runs on every rank under
+``torchrun`` (one process per GPU of one pipeline stage's TP x CP group; the stages of a
+pipeline run the same partition types, so one group measures them all). It profiles every
+partition type of the workload with the multi-pass search through the
+:class:`~kareus.exec.nvml.NVMLProfiler`, measures the baselines' configurations and the
+work outside partitions, composes the five systems, and writes the same ``results.json``,
+``plan.json`` and search logs as the emulated job, plus ``tune.json`` (the machine, the
+clocks, the backends, the GPU time).
+
+Every rank must issue the same collectives in the same order. So only rank 0 runs the
+search and the composition: :class:`LockstepProfiler` announces each measurement (the
+partition, by its index in a :class:`Catalog` every rank builds from the workload, and the
+configuration, by value) with one broadcast, then measures it together with the other
+ranks, which :func:`follow` the announcements until rank 0 says it is done. Nothing a rank
+decides alone changes how many collectives run.
+
+The frequency dimension is the set of clocks the profiler may set: every clock of the
+GPU's search grid with ``allow_clock_changes`` (an
+:class:`~kareus.exec.frequency.NVMLFrequencyController`, restored on exit), else the GPU's
+default clock alone (a :class:`~kareus.exec.frequency.DryRunFrequencyController`, as on
+shared machines whose clocks must not change); the output says which. The collective
+backend is a dimension where more than one runs on the group (kareus's own SM-capped
+kernels and NCCL with capped CTAs), so each partition type's choice is measured.
+
+Resuming: the search logs resume as in the emulated job, and every other measurement
+(baselines, outside work) is appended to ``logs/measurements.jsonl`` and served from
+there by a later run of the same command; the followers measure whatever rank 0 still
+asks for.
+
+A world of one process runs the same path on one GPU with
+:class:`~kareus.exec.collectives.LoopbackCollective` (a stand-in that communicates with
+nobody): a smoke run of the tuning path, whose figures are not kareus's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from kareus._io import write_json_atomic
+from kareus._logging import get_logger
+from kareus.errors import HardwareError, KareusError
+from kareus.exec.nvml import Coordinator
+from kareus.model.config import ConfigSpace, ScheduleConfig
+from kareus.model.measurement import Measurement
+from kareus.model.partition import OutsideWork, Partition, build_partitions
+from kareus.model.profiler import Profiler
+from kareus.model.workload import Workload
+from kareus.search.partition_frontier import PartitionFrontier
+from kareus.workflow import OptimizationResult, manifest_inputs, optimize
+
+__all__ = ["Catalog", "LockstepProfiler", "TuneReport", "follow", "run_lockstep", "tune"]
+
+_log = get_logger(__name__)
+
+#: Announcement words: stop (``[0, ok]``), measure a partition, measure outside work.
+_STOP, _MEASURE, _OUTSIDE = 0.0, 1.0, 2.0
+_WIDTH = 7
+#: The file of every measurement rank 0 made, for resuming (in the log folder).
+MEASUREMENTS_NAME = "measurements.jsonl"
+
+
+def _variants(workload: Workload) -> list[Workload]:
+    """The workloads whose partitions the five systems measure (kareus's, without
+    nanobatching for the sequential systems, with two nanobatches for nanobatching)."""
+    out = [workload, workload.with_(nanobatches=1)]
+    if workload.nanobatches < 2:
+        out.append(workload.with_(nanobatches=2))
+    return out
+
+
+class Catalog:
+    """Every partition type and every outside work a tuning run may measure, in an order
+    that every rank derives alike from the workload (so an index names the same thing on
+    every rank).
+
+    Args:
+        workload: The workload tuned.
+
+    Attributes:
+        partitions: ``(partition type, the workload variant it belongs to)``, in order.
+        outside: ``(outside work, the workload variant)``, in order (empty work left out).
+    """
+
+    def __init__(self, workload: Workload) -> None:
+        self.workload = workload
+        self.partitions: list[tuple[Partition, Workload]] = []
+        self.outside: list[tuple[OutsideWork, Workload]] = []
+        for wl in _variants(workload):
+            pset = build_partitions(wl)
+            for part in pset.types.values():
+                if all(part != p for p, _ in self.partitions):
+                    self.partitions.append((part, wl))
+            for work in pset.outside.values():
+                if (work.ops or work.comms) and all(work != w for w, _ in self.outside):
+                    self.outside.append((work, wl))
+
+    def partition_index(self, partition: Partition) -> int:
+        """The index of ``partition`` (a type of one of the variants).
+
+        Raises:
+            KeyError: it is none of the workload's partition types.
+        """
+        for i, (p, _) in enumerate(self.partitions):
+            if p is partition or p == partition:
+                return i
+        raise KeyError(f"partition {partition.name!r} is not a type of {self.workload.describe()}")
+
+    def outside_index(self, work: OutsideWork) -> int:
+        """The index of ``work``.
+
+        Raises:
+            KeyError: it is none of the workload's outside works.
+        """
+        for i, (w, _) in enumerate(self.outside):
+            if w == work:
+                return i
+        raise KeyError("outside work not of this workload")
+
+
+def _encode_config(part: Partition, cfg: ScheduleConfig, backends: Sequence[str]) -> list[float]:
+    slots = [s.name for s in part.slots]
+    slot = -1 if cfg.launch_slot is None else slots.index(cfg.launch_slot)
+    backend = -1 if cfg.backend is None else list(backends).index(cfg.backend)
+    return [float(cfg.freq_mhz), float(cfg.comm_sms), float(slot), float(backend)]
+
+
+def _decode_config(part: Partition, words: Sequence[float], backends: Sequence[str]
+                   ) -> ScheduleConfig:
+    freq, sms, slot, backend = (int(round(w)) for w in words[:4])
+    return ScheduleConfig(freq, sms, None if slot < 0 else part.slots[slot].name,
+                          backend=None if backend < 0 else list(backends)[backend])
+
+
+class LockstepProfiler(Profiler):
+    """Rank 0's profiler in a tuning run: announces each measurement, then measures it with
+    the other ranks (which run :func:`follow`).
+
+    Measurements made before (``cache``) are answered without measuring again.
+
+    Args:
+        inner: This rank's profiler (collective over the group, e.g. an
+            :class:`~kareus.exec.nvml.NVMLProfiler`).
+        coordinator: Agreement among the ranks (rank 0 is this one).
+        catalog: The catalog every rank built from the workload.
+        backends: The backend names configurations may carry, in the same order on
+            every rank.
+        cache: A JSONL file of earlier measurements, read now and appended to.
+    """
+
+    def __init__(self, inner: Profiler, *, coordinator: Coordinator, catalog: Catalog,
+                 backends: Sequence[str] = (), cache: str | os.PathLike[str] | None = None
+                 ) -> None:
+        if not isinstance(inner, Profiler):
+            raise TypeError(f"inner must be a Profiler, got {type(inner).__name__}")
+        if coordinator.rank != 0:
+            raise ValueError("the LockstepProfiler runs on rank 0; other ranks call follow()")
+        self.inner = inner
+        self.gpu = inner.gpu
+        self.coord = coordinator
+        self.catalog = catalog
+        self.backends = tuple(backends)
+        self.cache = None if cache is None else Path(cache)
+        self._known: dict[str, Measurement] = {}
+        self._broken = False
+        self._finished = False
+        #: Measurements made in this run (not served from the cache).
+        self.measured = 0
+        if self.cache is not None and self.cache.is_file():
+            with open(self.cache, encoding="utf-8") as fh:
+                for line in fh:
+                    try:
+                        rec = json.loads(line)
+                        self._known[rec["key"]] = Measurement.from_dict(rec["measurement"])
+                    except (ValueError, KeyError, TypeError):
+                        continue  # a line cut short by a kill: measured again
+            _log.info("resuming: %d measurements in %s", len(self._known), self.cache)
+
+    def _remember(self, key: str, m: Measurement) -> None:
+        self._known[key] = m
+        if self.cache is not None:
+            self.cache.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.cache, "a", encoding="utf-8") as fh:
+                fh.write(json.dumps({"key": key, "measurement": m.to_dict()}) + "\n")
+
+    def _announce(self, words: Sequence[float]) -> None:
+        self.coord.broadcast(list(words) + [0.0] * (_WIDTH - len(words)))
+
+    def _collective(self, words: list[float], run: Callable[[], Measurement]) -> Measurement:
+        if self._broken or self._finished:
+            raise HardwareError("the tuning run's ranks are no longer in step (an earlier "
+                                "measurement failed); run the same command again to resume")
+        self._announce(words)
+        try:
+            m = run()
+        except BaseException:
+            # The group failed together (a measurement's failure is decided collectively):
+            # the followers left their loop too, so nothing more is announced.
+            self._broken = True
+            raise
+        self.measured += 1
+        return m
+
+    def measure(self, partition: Partition, config: ScheduleConfig) -> Measurement:
+        """Announce, then measure ``partition`` under ``config`` with every rank."""
+        idx = self.catalog.partition_index(partition)
+        key = json.dumps(["p", idx, partition.name, config.to_dict()], sort_keys=True)
+        if key not in self._known:
+            words = [_MEASURE, float(idx), *_encode_config(partition, config, self.backends)]
+            self._remember(key, self._collective(
+                words, lambda: self.inner.measure(partition, config)))
+        return self._known[key]
+
+    def measure_outside(self, work: OutsideWork, freq_mhz: int, *, group_size: int,
+                        comm_sms: int | None = None) -> Measurement:
+        """Announce, then measure the outside work with every rank."""
+        idx = self.catalog.outside_index(work)
+        key = json.dumps(["o", idx, int(freq_mhz), int(group_size), comm_sms])
+        if key not in self._known:
+            words = [_OUTSIDE, float(idx), float(freq_mhz), float(group_size),
+                     -1.0 if comm_sms is None else float(comm_sms)]
+            self._remember(key, self._collective(words, lambda: self.inner.measure_outside(
+                work, int(freq_mhz), group_size=group_size, comm_sms=comm_sms)))
+        return self._known[key]
+
+    def static_power_w(self, group_size: int) -> float:
+        """The inner profiler's (measured when it started, on every rank)."""
+        return self.inner.static_power_w(group_size)
+
+    def space(self, partition: Partition) -> ConfigSpace:
+        """The inner profiler's space."""
+        return self.inner.space(partition)
+
+    def clocks_mhz(self) -> tuple[int, ...] | None:
+        """The inner profiler's clocks."""
+        return self.inner.clocks_mhz()
+
+    def finish(self, ok: bool = True) -> None:
+        """Tell the followers that the run is over (``ok``: it succeeded). Once."""
+        if self._finished or self._broken:
+            return
+        self._finished = True
+        self._announce([_STOP, 1.0 if ok else 0.0])
+
+
+def follow(inner: Profiler, *, coordinator: Coordinator, catalog: Catalog,
+           backends: Sequence[str] = ()) -> int:
+    """The other ranks' side of a tuning run: measure what rank 0 announces, until it stops.
+
+    Args:
+        inner: This rank's profiler.
+        coordinator: Agreement among the ranks.
+        catalog: The catalog every rank built from the workload.
+        backends: The backend names, in rank 0's order.
+
+    Returns:
+        Measurements made.
+
+    Raises:
+        HardwareError: rank 0 stopped because its run failed.
+    """
+    count = 0
+    while True:
+        words = coordinator.broadcast([0.0] * _WIDTH)
+        cmd = words[0]
+        if cmd == _STOP:
+            if words[1] <= 0:
+                raise HardwareError("rank 0's tuning run failed (its output says why); this "
+                                    "rank stopped with it")
+            return count
+        if cmd == _MEASURE:
+            part, _ = catalog.partitions[int(round(words[1]))]
+            inner.measure(part, _decode_config(part, words[2:], backends))
+        elif cmd == _OUTSIDE:
+            work, _ = catalog.outside[int(round(words[1]))]
+            sms = int(round(words[4]))
+            inner.measure_outside(work, int(round(words[2])), group_size=int(round(words[3])),
+                                  comm_sms=None if sms < 0 else sms)
+        else:
+            raise HardwareError(f"unknown announcement {words!r} from rank 0")
+        count += 1
+
+
+@attrs.frozen(kw_only=True)
+class TuneReport:
+    """What a tuning run did (rank 0's view).
+
+    Attributes:
+        result: The composed result (``None`` when only some partition types were searched).
+        frontiers: Each searched partition type's frontier.
+        paths: Files written.
+        wall_s: Wall time of the run on rank 0.
+        world_size: GPUs (ranks) that measured.
+        gpu_time_s: ``wall_s x world_size``: the GPU time the run held.
+        measured: Measurements made in this run (not served from a resumed log).
+        info: What ``tune.json`` records (clocks, backends, machine).
+    """
+
+    result: OptimizationResult | None
+    frontiers: dict[str, PartitionFrontier]
+    paths: dict[str, Path]
+    wall_s: float
+    world_size: int
+    gpu_time_s: float
+    measured: int
+    info: dict[str, Any]
+
+
+def run_lockstep(workload: Workload, *, profiler: Profiler, coordinator: Coordinator,
+                 out_dir: str | os.PathLike[str], backends: Sequence[str] = (),
+                 types: Sequence[str] | None = None, budget: int = 16,
+                 batch_size: int | None = None, seed: int = 0, schedule: str = "1f1b",
+                 surrogate: Any = None, systems: Sequence[str] | None = None,
+                 fresh: bool = False, progress: bool | None = None,
+                 deadline_s: float | None = None, energy_budget_j: float | None = None,
+                 info: dict[str, Any] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> TuneReport | None:
+    """The tuning run over an already built profiler, on every rank (rank 0 leads).
+
+    Rank 0 runs :func:`~kareus.workflow.optimize` (or, with ``types``, only those types'
+    searches) through a :class:`LockstepProfiler` and writes the outputs into ``out_dir``;
+    the other ranks :func:`follow`. Hardware-free: :func:`tune` builds the NVML profiler,
+    tests pass fakes.
+
+    Args:
+        workload: The workload.
+        profiler: This rank's profiler (collective over the group).
+        coordinator: Agreement among the ranks.
+        out_dir: Output folder (rank 0 writes it).
+        backends: Backend names configurations may carry.
+        types: Search only these partition types and write their frontiers
+            (``frontiers.json``) instead of composing; ``None`` = the whole job.
+        budget, batch_size, seed, schedule, surrogate, systems, fresh, progress: As for
+            :func:`~kareus.workflow.optimize`.
+        deadline_s, energy_budget_j: The plan chosen (at most one; default the fastest).
+        info: Extra facts for ``tune.json`` (machine, clocks, backends).
+        clock: Time source.
+
+    Returns:
+        The report on rank 0, ``None`` on the other ranks.
+    """
+    from kareus._outdir import guarded_folder  # noqa: PLC0415
+
+    t0 = clock()
+    catalog = Catalog(workload)
+    world = coordinator.world_size
+    if coordinator.rank != 0:
+        follow(profiler, coordinator=coordinator, catalog=catalog, backends=backends)
+        return None
+    out = Path(out_dir)
+    cache = out / "logs" / MEASUREMENTS_NAME
+    leader = LockstepProfiler(profiler, coordinator=coordinator, catalog=catalog,
+                              backends=backends, cache=None)
+    ok = False
+    try:
+        inputs = manifest_inputs(workload, leader, budget=budget, batch_size=batch_size,
+                                 seed=seed, schedule=schedule, surrogate=surrogate,
+                                 systems=systems)
+        inputs["tuning"] = {"types": None if types is None else list(types),
+                            "backends": list(backends),
+                            "clocks_mhz": list(leader.clocks_mhz() or ()),
+                            "world_size": world}
+        with guarded_folder(out, inputs, fresh=fresh, what="--out"):
+            if fresh and cache.exists():
+                cache.unlink()
+            leader = LockstepProfiler(profiler, coordinator=coordinator, catalog=catalog,
+                                      backends=backends, cache=cache)
+            paths: dict[str, Path] = {}
+            result: OptimizationResult | None = None
+            if types is None:
+                result = optimize(workload, profiler=leader, budget=budget,
+                                  batch_size=batch_size, seed=seed, log_dir=out / "logs",
+                                  schedule=schedule, surrogate=surrogate, systems=systems,
+                                  progress=progress)
+                frontiers = result.partition_frontiers()
+                plan = result.select(deadline_s=deadline_s, energy_budget_j=energy_budget_j)
+                paths = result.save(out, plan=plan)
+            else:
+                frontiers = _search_types(leader, catalog, types, budget=budget,
+                                          batch_size=batch_size, seed=seed,
+                                          log_dir=out / "logs", progress=progress,
+                                          surrogate=surrogate)
+                paths["frontiers"] = out / "frontiers.json"
+                write_json_atomic(paths["frontiers"], {
+                    "note": "partition frontiers of the types searched; not composed (the "
+                            "other types were not measured)",
+                    "frontiers": {n: f.to_dict() for n, f in frontiers.items()}})
+            wall = clock() - t0
+            report_info = dict(info or {})
+            report_info.update({
+                "workload": workload.to_dict(), "world_size": world,
+                "backends": list(backends), "types": None if types is None else list(types),
+                "measured_this_run": leader.measured, "wall_s": wall,
+                "gpu_time_s": wall * world,
+                "profiles_per_partition_type": {n: len(f.measured())
+                                                for n, f in frontiers.items()}})
+            paths["tune"] = out / "tune.json"
+            write_json_atomic(paths["tune"], report_info)
+            ok = True
+    finally:
+        leader.finish(ok)
+    return TuneReport(result=result, frontiers=frontiers, paths=paths, wall_s=wall,
+                      world_size=world, gpu_time_s=wall * world, measured=leader.measured,
+                      info=report_info)
+
+
+def _search_types(profiler: Profiler, catalog: Catalog, types: Sequence[str], *, budget: int,
+                  batch_size: int | None, seed: int, log_dir: Path, progress: bool | None,
+                  surrogate: Any) -> dict[str, PartitionFrontier]:
+    from kareus.search import MultiPassSearch  # noqa: PLC0415
+    from kareus.workflow import resolve_surrogate  # noqa: PLC0415
+
+    pset = build_partitions(catalog.workload)
+    unknown = [t for t in types if t not in pset.types]
+    if unknown:
+        raise ValueError(f"unknown partition type(s) {unknown}; {catalog.workload.describe()} "
+                         f"has {list(pset.types)}")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    template = resolve_surrogate(surrogate, seed)
+    out = {}
+    for name in types:
+        part = pset.types[name]
+        space = profiler.space(part)
+        search = MultiPassSearch(space, budget=min(budget, len(space)), batch_size=batch_size,
+                                 seed=seed, resume=log_dir / f"search-{name}.jsonl",
+                                 progress=progress, surrogate=template)
+        out[name] = search.run(profiler, part)
+    return out
+
+
+# --------------------------------------------------------------------------- hardware
+
+
+def detect_gpu_preset(device_name: str) -> str:
+    """The GPU preset of a CUDA device name (``"NVIDIA H200"`` -> ``"h200-sxm"``).
+
+    Raises:
+        HardwareError: no preset matches; pass ``--gpu``.
+    """
+    name = device_name.lower()
+    for key, preset in (("h200", "h200-sxm"), ("h100", "h100-sxm"), ("a100", "a100-40gb")):
+        if key in name:
+            return preset
+    raise HardwareError(f"no GPU preset for {device_name!r}: pass --gpu (see `kareus gpus`) "
+                        "or --gpu-file")
+
+
+def tune(workload: Workload, *, out_dir: str | os.PathLike[str], gpu: str | None = None,
+         budget: int = 16, batch_size: int | None = None, seed: int = 0,
+         schedule: str = "1f1b", surrogate: Any = None, systems: Sequence[str] | None = None,
+         types: Sequence[str] | None = None, fresh: bool = False,
+         progress: bool | None = None, allow_clock_changes: bool = False,
+         backends: Sequence[str] | None = None, comm_sms: Sequence[int] | None = None,
+         kernels: Any = None, deadline_s: float | None = None,
+         energy_budget_j: float | None = None,
+         profiler_options: dict[str, Any] | None = None) -> TuneReport | None:
+    """Tune ``workload`` on this job's GPUs; call it on every rank (under ``torchrun``).
+
+    The world is one pipeline stage's TP x CP group (``world_size == tp x cp``), or one
+    process (a smoke run of the path with :class:`~kareus.exec.collectives.LoopbackCollective`).
+
+    Args:
+        workload: The workload.
+        out_dir: Output folder (rank 0 writes ``results.json``, ``plan.json``, ``tune.json``
+            and ``logs/``).
+        gpu: GPU preset; ``None`` = detected from the device name.
+        budget: Profiles per partition type.
+        batch_size, seed, schedule, surrogate, systems, fresh, progress: As for
+            :func:`~kareus.workflow.optimize`.
+        types: Only these partition types (no composition), e.g. a smoke run.
+        allow_clock_changes: Search the clocks with an
+            :class:`~kareus.exec.frequency.NVMLFrequencyController` (needs root; never on
+            shared machines). Otherwise the clocks stay as they are and only the default
+            clock is measured.
+        backends: Backends to search among ``"own"`` and ``"nccl_capped"``; ``None`` =
+            every one that runs on this group (``"loopback"`` alone in a world of one).
+        comm_sms: SM counts to search; ``None`` = 2, 4, 8, 16, 24, 32 and the GPU's default
+            (each NCCL cap is a communicator of its own).
+        kernels: The runnable partitions' kernel set (``None``: the library's choice).
+        deadline_s, energy_budget_j: The plan chosen (at most one).
+        profiler_options: Keyword arguments of :class:`~kareus.exec.nvml.NVMLProfiler`
+            (``warmup_s``, ``window_steps``, ...).
+
+    Returns:
+        The report on rank 0, ``None`` elsewhere.
+
+    Raises:
+        HardwareError: no GPU, no NVML, a world that is not the workload's group.
+    """
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from kareus.exec.collectives import (  # noqa: PLC0415
+        LoopbackCollective,
+        NCCLCappedCollective,
+        OwnKernelCollective,
+        ProcessGroupCollective,
+        backend_unavailable_reason,
+        probe_collective_environment,
+    )
+    from kareus.exec.executor import TorchExecutor  # noqa: PLC0415
+    from kareus.exec.frequency import (  # noqa: PLC0415
+        DryRunFrequencyController,
+        NVMLFrequencyController,
+    )
+    from kareus.exec.nvml import (  # noqa: PLC0415
+        EnergyMeter,
+        LocalCoordinator,
+        NVMLProfiler,
+        TorchDistributedCoordinator,
+        TorchPartitionRunner,
+    )
+    from kareus.exec.outside_work import RunnableOutsideWork  # noqa: PLC0415
+    from kareus.exec.torch_partition import RunnableTransformerPartition  # noqa: PLC0415
+
+    t_begin = time.monotonic()
+    for key in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        os.environ.setdefault(key, "0" if key == "NCCL_NVLS_ENABLE" else "1")  # no multicast
+    if not torch.cuda.is_available():
+        raise HardwareError("no CUDA GPU visible: tuning on the machine needs its GPUs (use "
+                            "the emulated profiler without them)")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    if not dist.is_initialized() and "WORLD_SIZE" in os.environ:
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    group = workload.parallelism.tp * workload.parallelism.cp
+    if world not in (1, group):
+        raise HardwareError(f"{world} processes for a TP x CP group of {group}: run one process "
+                            f"per GPU of one stage (torchrun --nproc_per_node {group}), or one "
+                            "for a smoke run")
+    coord: Coordinator = TorchDistributedCoordinator() if world > 1 else LocalCoordinator()
+    device_name = torch.cuda.get_device_name()
+    gpu_name = gpu or detect_gpu_preset(device_name)
+    from kareus.model.gpu import get_gpu  # noqa: PLC0415
+
+    spec = get_gpu(gpu_name)
+
+    # Collective backends: every one that runs on this group, the same on every rank.
+    named: dict[str, Any] = {}
+    notes: dict[str, str] = {}
+    if world == 1:
+        named["loopback"] = LoopbackCollective()
+        default: Any = named["loopback"]
+    else:
+        env = probe_collective_environment()
+        for name, cls in (("own", OwnKernelCollective), ("nccl_capped", NCCLCappedCollective)):
+            if backends is not None and name not in backends:
+                continue
+            why = backend_unavailable_reason(env, name)
+            if why is None:
+                try:
+                    named[name] = cls()
+                except KareusError as exc:  # the same on every rank (an agreed probe)
+                    why = str(exc)
+            if why is not None:
+                notes[name] = why
+        default = ProcessGroupCollective()
+        if not named:
+            raise HardwareError(f"no capped collective backend runs here: {notes}")
+    names = list(named)
+    primary = named.get("nccl_capped", named[names[0]])  # the baselines' NCCL where it runs
+    executor = TorchExecutor(collective=primary, backends=named, default_collective=default)
+
+    runnables: dict[int, Any] = {}
+    catalog = Catalog(workload)
+
+    def resolve(part: Partition) -> Any:
+        idx = catalog.partition_index(part)
+        if idx not in runnables:
+            p, wl = catalog.partitions[idx]
+            runnables[idx] = RunnableTransformerPartition(p, wl, kernels=kernels)
+        return runnables[idx]
+
+    def outside(work: OutsideWork, sms: int | None) -> Any:
+        wl = catalog.outside[catalog.outside_index(work)][1]
+        return RunnableOutsideWork(work, wl, comm_sms=sms, kernels=kernels)
+
+    runner = TorchPartitionRunner(executor, seed=1234, resolve=resolve)
+    if allow_clock_changes:
+        controller: Any = NVMLFrequencyController(gpu=spec)
+    else:
+        controller = DryRunFrequencyController(gpu=spec)
+    sms = sorted({*(comm_sms or (2, 4, 8, 16, 24, 32)), spec.default_comm_sms})
+    meter = EnergyMeter()
+    prof = NVMLProfiler(gpu=spec, runner=runner, meter=meter, coordinator=coord,
+                        frequency=controller, comm_sms=sms, backends=names, outside=outside,
+                        **(profiler_options or {}))
+    say = (lambda msg: print(f"kareus: {msg}", file=sys.stderr, flush=True)) \
+        if coord.rank == 0 else (lambda msg: None)
+    say(f"tuning {workload.describe()} on {world}x {device_name} ({spec.name}); backends "
+        f"{names}" + (f" (not available: {notes})" if notes else "")
+        + ("; a world of one: LoopbackCollective stands in for communication (smoke run)"
+           if world == 1 else ""))
+    say(prof.clock_note)
+    try:
+        with contextlib.ExitStack() as stack:
+            if allow_clock_changes:
+                stack.callback(controller.close)
+            prof.start()
+            say(f"energy counter steps every {1e3 * (prof.step_period_s or 0):.0f} ms; static "
+                f"power {prof.static_power_w():.0f} W over {world} GPU(s)")
+            import pynvml  # noqa: PLC0415
+
+            info = {
+                "machine": f"{world}x {device_name}",
+                "software": {"torch": torch.__version__,
+                             "driver": _text(pynvml.nvmlSystemGetDriverVersion()),
+                             "cuda": torch.version.cuda},
+                "gpu": spec.name, "clocks_controlled": prof.clocks_controlled,
+                "clocks_mhz": list(prof.freqs_mhz), "clock_note": prof.clock_note,
+                "comm_sms": sms, "backends_unavailable": notes,
+                "static_power_w": prof.static_power_w(),
+                "counter_step_s": prof.step_period_s,
+                "smoke_run": world == 1,
+                "command": " ".join(sys.argv),
+                "date": time.strftime("%Y-%m-%d", time.gmtime()),
+            }
+            report = run_lockstep(workload, profiler=prof, coordinator=coord, out_dir=out_dir,
+                                  backends=names if len(names) > 1 else (), types=types,
+                                  budget=budget, batch_size=batch_size, seed=seed,
+                                  schedule=schedule, surrogate=surrogate, systems=systems,
+                                  fresh=fresh, progress=progress, deadline_s=deadline_s,
+                                  energy_budget_j=energy_budget_j, info=info)
+    finally:
+        prof.close()
+        for backend in named.values():
+            with contextlib.suppress(Exception):
+                backend.close()
+    wall = time.monotonic() - t_begin
+    if report is not None:
+        say(f"GPU time: {wall:.1f} s x {world} GPU(s) = {wall * world:.1f} GPU-s "
+            f"({report.measured} measurements, {len(prof.records)} on this rank)")
+        report = attrs.evolve(report, wall_s=wall, gpu_time_s=wall * world)
+    return report
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
