@@ -64,20 +64,6 @@ class DefaultCTAConfig:
         return {"freq_mhz": self.freq_mhz, "comm_sms": None, "launch_slot": self.launch_slot}
 
 
-def nvml_index_of_current_device(nvml: Any) -> int:
-    import torch
-
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    uuid = str(getattr(props, "uuid", "")).lower().replace("gpu-", "")
-    if uuid:
-        for i in range(nvml.nvmlDeviceGetCount()):
-            u = nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i))
-            u = (u.decode() if isinstance(u, bytes) else str(u)).lower().replace("gpu-", "")
-            if u == uuid:
-                return i
-    return torch.cuda.current_device()
-
-
 def main() -> int:  # noqa: C901, PLR0915 - a linear script
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, default=None, help="write every measurement here")
@@ -153,7 +139,7 @@ def main() -> int:  # noqa: C901, PLR0915 - a linear script
     executor = TorchExecutor(collective=capped, default_collective=ProcessGroupCollective())
     runner = TorchPartitionRunner(executor, seed=1234)
     pynvml.nvmlInit()
-    meter = EnergyMeter(device_indices=[nvml_index_of_current_device(pynvml)])
+    meter = EnergyMeter()  # this process's GPU, found in NVML by its UUID
     coord = TorchDistributedCoordinator()
     prof = NVMLProfiler(gpu="h200-sxm", runner=runner, meter=meter, coordinator=coord,
                         warmup_s=args.warmup_s, window_steps=args.window_steps,
