@@ -6,12 +6,35 @@ frontier with multi-objective Bayesian optimisation, composes those frontiers in
 microbatch and iteration frontiers over the pipeline schedule, and applies the
 chosen point in a PyTorch training loop.
 
+The top level is the curated public API:
+
+- the entry points: :func:`optimize` and its :class:`OptimizationResult`,
+  :func:`compose_systems` (the five systems of one workload side by side), the
+  :class:`MultiPassSearch` ask/tell loop;
+- the inputs and what flows between the layers: :class:`Workload`, :class:`ModelArch`,
+  :class:`Parallelism`, :class:`GPUSpec`, :class:`ScheduleConfig`, :class:`ConfigSpace`,
+  :class:`Measurement`, the three frontiers and the :class:`Plan`;
+- the six pluggable roles, each an abstract base class, with their defaults:
+  :class:`Partition` (:class:`TransformerPartition`, :class:`CallablePartition`),
+  :class:`Profiler` (:class:`EmulatedProfiler`, :class:`NVMLProfiler`,
+  :class:`ReplayProfiler`), :class:`Surrogate` (:class:`GaussianProcessSurrogate`),
+  :class:`AcquisitionPass` (:class:`HypervolumePass`, :class:`UncertaintyPass`),
+  :class:`FrontierComposer` (:class:`MicrobatchComposer`, :class:`IterationComposer`)
+  and :class:`Executor` (:class:`TorchExecutor`);
+- the errors (all subclasses of :class:`KareusError`).
+
+Everything else lives in the layer packages, imported downward only:
+:mod:`kareus.model` <- :mod:`kareus.search` <- :mod:`kareus.compose` <-
+:mod:`kareus.exec` <- :mod:`kareus.workflow` and the command line. Execution plumbing
+(collective backends, frequency controllers and the stream-ordered trigger) is in
+:mod:`kareus.exec`; fakes and conformance suites for plug-ins are in :mod:`kareus.testing`.
+
 Importing kareus is light: it imports neither torch, xgboost nor pynvml.
 """
 
 from __future__ import annotations
 
-from kareus import errors
+from kareus._version import __version__
 from kareus.compose import (
     SYSTEMS,
     FrontierComposer,
@@ -24,10 +47,12 @@ from kareus.compose import (
 )
 from kareus.errors import (
     ConfigError,
+    FolderInUseError,
     HardwareError,
     InfeasibleError,
     InvalidSMCountError,
     KareusError,
+    OutputError,
     PlanError,
     UnknownPresetError,
     UnknownSlotError,
@@ -36,78 +61,48 @@ from kareus.errors import (
 )
 from kareus.exec import (
     CallablePartition,
-    CollectiveBackend,
-    DryRunFrequencyController,
     EmulatedProfiler,
     Executor,
-    FrequencyController,
-    NVMLFrequencyController,
     NVMLProfiler,
-    Profiler,
     ReplayProfiler,
-    StreamOrderedTrigger,
     TorchExecutor,
 )
 from kareus.model import (
-    CommKind,
-    CommOp,
-    Computation,
-    ComputeOp,
     ConfigSpace,
     GPUSpec,
     Measurement,
     ModelArch,
-    OpKind,
-    OpPartition,
     Parallelism,
     Partition,
-    PartitionSet,
-    PipelineSchedule,
+    Profiler,
     ScheduleConfig,
     TransformerPartition,
     Workload,
-    build_partitions,
     get_gpu,
-    get_schedule,
-    one_f_one_b,
 )
 from kareus.model.files import SpecFileError, register_gpu, register_model
 from kareus.search import (
     AcquisitionPass,
-    BootstrapEnsemble,
+    GaussianProcessSurrogate,
     HypervolumePass,
     MultiPassSearch,
-    Observation,
     PartitionFrontier,
     Surrogate,
     UncertaintyPass,
-    XGBoostSurrogate,
-    hypervolume,
-    hypervolume_improvement,
-    pareto_front,
-    pareto_mask,
 )
 from kareus.workflow import OptimizationResult, optimize
 
-from kareus._version import __version__
-
 __all__ = [
     "AcquisitionPass",
-    "BootstrapEnsemble",
     "CallablePartition",
-    "CollectiveBackend",
-    "CommKind",
-    "CommOp",
-    "Computation",
-    "ComputeOp",
     "ConfigError",
     "ConfigSpace",
-    "DryRunFrequencyController",
     "EmulatedProfiler",
     "Executor",
-    "FrequencyController",
+    "FolderInUseError",
     "FrontierComposer",
     "GPUSpec",
+    "GaussianProcessSurrogate",
     "HardwareError",
     "HypervolumePass",
     "InfeasibleError",
@@ -120,25 +115,19 @@ __all__ = [
     "MicrobatchFrontier",
     "ModelArch",
     "MultiPassSearch",
-    "NVMLFrequencyController",
     "NVMLProfiler",
-    "Observation",
-    "OpKind",
-    "OpPartition",
     "OptimizationResult",
+    "OutputError",
     "Parallelism",
     "Partition",
     "PartitionFrontier",
-    "PartitionSet",
-    "PipelineSchedule",
     "Plan",
     "PlanError",
     "Profiler",
     "ReplayProfiler",
-    "SpecFileError",
     "SYSTEMS",
     "ScheduleConfig",
-    "StreamOrderedTrigger",
+    "SpecFileError",
     "Surrogate",
     "TorchExecutor",
     "TransformerPartition",
@@ -148,19 +137,10 @@ __all__ = [
     "UnsupportedFrequencyError",
     "Workload",
     "WorkloadError",
-    "XGBoostSurrogate",
     "__version__",
-    "build_partitions",
     "compose_systems",
-    "errors",
     "get_gpu",
-    "get_schedule",
-    "hypervolume",
-    "hypervolume_improvement",
-    "one_f_one_b",
     "optimize",
-    "pareto_front",
-    "pareto_mask",
     "register_gpu",
     "register_model",
 ]

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from kareus.compose._evaluate import evaluate_plan
 from kareus.compose._time_cost import TimeCostResult, solve_time_cost
-from kareus.compose.base import FrontierComposer
+from kareus.compose.composer import FrontierComposer
 from kareus.compose.iteration import IterationComposer
 from kareus.compose.iteration_frontier import IterationFrontier, IterationPoint
 from kareus.compose.microbatch import MicrobatchComposer, measure_outside_work

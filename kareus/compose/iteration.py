@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from kareus.compose._time_cost import solve_time_cost
-from kareus.compose.base import FrontierComposer
+from kareus.compose.composer import FrontierComposer
 from kareus.compose.iteration_frontier import IterationFrontier, IterationPoint
 from kareus.compose.microbatch_frontier import MicrobatchFrontier
 from kareus.compose.plan import MicrobatchChoice, Plan

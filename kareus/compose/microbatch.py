@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 import attrs
 import numpy as np
 
-from kareus.compose.base import FrontierComposer
+from kareus.compose.composer import FrontierComposer
 from kareus.compose.microbatch_frontier import MicrobatchFrontier, MicrobatchPoint
 from kareus.compose.plan import MicrobatchChoice
 from kareus.model.measurement import Measurement

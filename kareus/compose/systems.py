@@ -32,7 +32,7 @@ from typing import Any
 
 import attrs
 
-from kareus.compose.base import FrontierComposer
+from kareus.compose.composer import FrontierComposer
 from kareus.compose.iteration import IterationComposer
 from kareus.compose.iteration_frontier import IterationFrontier
 from kareus.compose.microbatch import MicrobatchComposer, measure_outside_work
