@@ -45,12 +45,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
-import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from kareus.exec.calibrate import TorchCalibrationDevice
 
 WORKLOADS: dict[str, dict[str, int]] = {
     "llama3.2-3b": {"tp": 4},
@@ -83,107 +83,30 @@ def gemm_mkn(name: str, d: Any) -> tuple[int, int, int]:
     }[name]
 
 
-class Bench:
-    def __init__(self, torch: Any, reps: int, power_s: float) -> None:
-        self.torch = torch
-        self.reps = reps
-        self.power_s = power_s
-        # Flushing by reading (not writing) leaves the L2 cache full of clean lines: a
-        # written flush buffer would be written back to HBM during the timed op.
-        self.flush = torch.randn(128 * 2**20, device="cuda", dtype=torch.bfloat16)
-        self.nvml = None
-        try:
-            import pynvml
+class Bench(TorchCalibrationDevice):
+    """The library's one-GPU measuring device (kareus.exec.calibrate, which ``kareus
+    calibrate`` uses) with this bench's units: milliseconds and row dicts."""
 
-            pynvml.nvmlInit()
-            self.nvml = pynvml
-            self.handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-        except Exception as exc:  # noqa: BLE001 - power is optional
-            print(f"NVML unavailable ({exc}): no power", file=sys.stderr)
+    def __init__(self, torch: Any, reps: int, power_s: float) -> None:
+        super().__init__(reps=reps, power_s=power_s)
 
     def time_ms(self, fn: Any, *, flush: bool = True, reps: int | None = None) -> float:
         """Median GPU time of ``fn`` (ms), each run after an L2 flush."""
-        torch = self.torch
-        n = reps or self.reps
-        for _ in range(2):
-            fn()
-        torch.cuda.synchronize()
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-        torch.cuda._sleep(40_000_000)  # lets the host queue the runs ahead of the GPU
-        for i in range(n):
-            if flush:
-                self.flush.amax()
-            starts[i].record()
-            fn()
-            ends[i].record()
-        torch.cuda.synchronize()
-        return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+        return self.time_s(fn, flush=flush, reps=reps) * 1e3
 
     def energy_j(self) -> float:
-        return self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle) / 1e3
+        return self._energy_j()
 
-    def power(self, fn: Any, est_ms: float, *, graph: bool = True) -> dict[str, Any]:
+    def power(self, fn: Any, est_ms: float, *, graph: bool = True) -> dict[str, Any]:  # type: ignore[override]
         """Average power of ``fn`` run alone for >= power_s seconds."""
-        if self.nvml is None or self.power_s <= 0:
-            return {"power_w": None}
-        torch = self.torch
-        per = 20
-        runner, method = None, "loop"
-        try:
-            if not graph:
-                raise RuntimeError("not captured")
-            g = torch.cuda.CUDAGraph()
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                fn()
-            torch.cuda.current_stream().wait_stream(s)
-            torch.cuda.synchronize()
-            with torch.cuda.graph(g):
-                for _ in range(per):
-                    fn()
-            g.replay()
-            torch.cuda.synchronize()
-            runner, method = g.replay, "cuda graph"
-        except Exception:  # noqa: BLE001 - some ops (autograd.grad) do not capture
-            torch.cuda.synchronize()
-
-            def runner() -> None:
-                for _ in range(per):
-                    fn()
-        n = max(1, math.ceil(self.power_s * 1e3 / max(est_ms * per, 1e-3)))
-        runner()
-        torch.cuda.synchronize()
-        e0, t0 = self.energy_j(), time.perf_counter()
-        ev0 = torch.cuda.Event(enable_timing=True)
-        ev1 = torch.cuda.Event(enable_timing=True)
-        ev0.record()
-        for _ in range(n):
-            runner()
-        ev1.record()
-        torch.cuda.synchronize()
-        e1, t1 = self.energy_j(), time.perf_counter()
-        wall = t1 - t0
-        return {"power_w": (e1 - e0) / wall, "power_window_s": wall,
-                "power_busy_frac": min(1.0, n * per * est_ms / 1e3 / wall),
-                "power_method": method}
+        m = TorchCalibrationDevice.power(self, fn, est_ms * 1e-3, graph=graph)
+        return {"power_w": m.power_w, "power_busy_frac": m.busy_fraction,
+                "sm_clock_mhz": m.freq_mhz}
 
 
 def ceilings(b: Bench) -> dict[str, float]:
-    torch = b.torch
-    best = 0.0
-    for n in (8192, 16384):
-        x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-        y = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-        ms = b.time_ms(lambda: torch.matmul(x, y), flush=False, reps=10)  # noqa: B023 - called at once
-        best = max(best, 2 * n**3 / (ms * 1e-3) / 1e12)
-    src = torch.randn(2**29, device="cuda", dtype=torch.bfloat16)  # 1 GiB
-    dst = torch.empty_like(src)
-    ms = b.time_ms(lambda: dst.copy_(src), flush=False, reps=20)  # noqa: B023 - called at once
-    bw = 2 * src.numel() * 2 / (ms * 1e-3) / 1e12
-    torch.cuda.empty_cache()
-    return {"gemm_peak_tflops": best, "hbm_tb_s": bw}
+    peak, bw_gbps = b.ceilings()
+    return {"gemm_peak_tflops": peak, "hbm_tb_s": bw_gbps / 1e3}
 
 
 def best_matmul_ms(b: Bench, m: int, k: int, n: int, cache: dict) -> tuple[float, str]:
@@ -322,7 +245,7 @@ def tune(b: Bench, wl_name: str) -> list[dict]:
                 for nw in (4, 8, 16):
                     if rows * d.h > 16384 or (not pf and nw != 8):
                         continue
-                    ms = b.time_ms(lambda: kt.rms_norm_bwd(  # noqa: B023 - called at once
+                    ms = b.time_ms(lambda: kt.rms_norm_bwd(  # called at once
                         dy, x, w, 1e-5, rows=rows, programs_per_sm=pps,  # noqa: B023
                         num_warps=nw, prefetch=pf))  # noqa: B023
                     res.append({"workload": wl_name, "op": "rms_norm_bwd", "ms": ms,
@@ -366,7 +289,7 @@ def tune(b: Bench, wl_name: str) -> list[dict]:
     for be in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION"):
         try:
             with sdpa_kernel([getattr(SDPBackend, be)]):
-                fwd = b.time_ms(lambda: _sdpa(q, k, v))  # noqa: B023 - called at once
+                fwd = b.time_ms(lambda: _sdpa(q, k, v))  # called at once
                 qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
                 with torch.enable_grad():
                     o = _sdpa(qq, kk, vv)
@@ -375,7 +298,7 @@ def tune(b: Bench, wl_name: str) -> list[dict]:
                                                             retain_graph=True))
             res.append({"workload": wl_name, "op": "attn_core", "setting": be, "ms": fwd})
             res.append({"workload": wl_name, "op": "attn_core_bwd", "setting": be, "ms": bwd})
-        except Exception as exc:  # noqa: BLE001 - a backend may refuse the shape
+        except Exception as exc:  # a backend may refuse the shape
             res.append({"workload": wl_name, "op": "attention", "setting": be,
                         "error": str(exc).splitlines()[0][:200]})
     torch.cuda.empty_cache()
@@ -405,7 +328,7 @@ def machine(torch: Any) -> dict[str, Any]:
         info["power_limit_w"] = pynvml.nvmlDeviceGetEnforcedPowerLimit(h) / 1e3
         info["sm_clock_mhz_at_start"] = pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)
         info["max_sm_clock_mhz"] = pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         info["driver"] = f"unavailable ({exc})"
     return info
 
@@ -547,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         h = b.handle
         out["machine"]["sm_clock_mhz_at_end"] = b.nvml.nvmlDeviceGetClockInfo(
             h, b.nvml.NVML_CLOCK_SM)
-    except Exception:  # noqa: BLE001
+    except Exception:
         pass
     save()
 

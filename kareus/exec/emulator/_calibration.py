@@ -34,7 +34,7 @@ The profile also gives the HBM bandwidth (the model's ``hbm_efficiency``), the i
 the power of a GPU waiting on communication (the static power, kareus's accounting
 constant) and of one spinning block at the maximum clock (the model's uncore power), and
 the collective curves: per backend, collective and group size, the per-SM rate and link
-limit fitted to the measured SM-capped points (messages of 64 MiB and more).
+limit fitted to the measured SM-capped points (the smallest message of at least 64 MiB).
 """
 
 from __future__ import annotations
@@ -343,15 +343,18 @@ def fit_comm_curve(points: Mapping[int, float], *, p: float = 2.0
 
 def comm_curves(profile: GPUProfile, backend: str) -> tuple[tuple[str, int, float, float], ...]:
     """Collective curves ``(kind, group size, GB/s per SM, link GB/s)`` of one backend of
-    the profile (``"own"`` or ``"nccl"``), fitted to its SM-capped points of messages of
-    64 MiB and more (median bus rate per SM count over those sizes)."""
+    the profile (``"own"`` or ``"nccl"``), fitted to its SM-capped points of the smallest
+    measured message of at least 64 MiB (the partitions' collectives are 24-200 MiB; the
+    benches measured 1, 8, 64 and 256 MiB)."""
     name = COMM_BACKENDS.get(backend)
     if name is None:
         raise GPUProfileError(f"comm_backend must be one of {', '.join(COMM_BACKENDS)} to take "
                               f"curves from a profile, got {backend!r}")
     groups: dict[tuple[str, int], dict[int, list[float]]] = {}
-    for c in profile.collectives:
-        if c.backend != name or c.comm_sms is None or c.size_bytes < _COMM_FIT_MIN_BYTES:
+    mine = [c for c in profile.collectives if c.backend == name and c.comm_sms is not None]
+    sizes = sorted({c.size_bytes for c in mine if c.size_bytes >= _COMM_FIT_MIN_BYTES})
+    for c in mine:
+        if not sizes or c.size_bytes != sizes[0]:
             continue
         groups.setdefault((c.collective, c.group_size), {}).setdefault(
             c.comm_sms, []).append(c.bus_gbps)

@@ -140,6 +140,12 @@ class EmulatedProfiler(Profiler):
         time_s, energy, _ = self._run_limited(sim, int(freq_mhz), comms)[:3]
         return self._noisy(time_s, energy * group_size, self.gpu.static_power_w * group_size)
 
+    @property
+    def calibration(self) -> str:
+        """How the emulated GPU was calibrated (``""``: the preset's constants); part of a
+        run's manifest, so a run with another profile is not mixed with this one."""
+        return self.emulated_gpu.calibration
+
     def static_power_w(self, group_size: int) -> float:
         """Static power of ``group_size`` GPUs."""
         return self.gpu.static_power_w * group_size
