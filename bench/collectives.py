@@ -110,7 +110,7 @@ def _backend_call(backend, op: str, out, inp, sms: int):
     return lambda: backend.reduce_scatter(out, inp, None, sms)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:  # noqa: C901 - a linear bench script, one branch per option and output
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="write all results here")
     parser.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 8, 64, 256])

@@ -53,7 +53,7 @@ PUBLISHED = {"iso_time_energy_saving_vs_perseus_up_to": 0.283,
 
 
 def _commit() -> str:
-    import subprocess  # noqa: PLC0415
+    import subprocess
 
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,

@@ -91,10 +91,10 @@ MAX_BUDGET = max(BUDGETS)
 
 def make_profiler(kind: str, gpu: str, noise: float, seed: int) -> Any:
     if kind == "emulated":
-        from kareus.exec.emulator import EmulatedProfiler  # noqa: PLC0415
+        from kareus.exec.emulator import EmulatedProfiler
 
         return EmulatedProfiler(gpu, noise=noise, seed=seed)
-    from kareus.testing import FakeProfiler  # noqa: PLC0415 - development stand-in only
+    from kareus.testing import FakeProfiler  # development stand-in only
 
     return FakeProfiler(gpu, noise=noise, seed=seed)
 
@@ -162,7 +162,7 @@ def run_random(space: ConfigSpace, seed: int) -> list[int]:
 
 
 def _git(*args: str) -> str:
-    import subprocess  # noqa: PLC0415
+    import subprocess
 
     try:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
@@ -214,7 +214,7 @@ def run_unit(unit: tuple[str, str, str, int, tuple[str, ...], str]) -> dict[str,
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:  # noqa: C901 - a linear bench script, one branch per option and output
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="documented subset (CI)")
     ap.add_argument("--json", type=Path, help="write results here")
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     units = [(model, gpu, part.name, seed, methods, args.profiler)
              for model, gpu, part in parts for seed in seeds]
     if args.jobs > 1:
-        from concurrent.futures import ProcessPoolExecutor  # noqa: PLC0415
+        from concurrent.futures import ProcessPoolExecutor
 
         pool: Any = ProcessPoolExecutor(args.jobs)
         results = pool.map(run_unit, units)

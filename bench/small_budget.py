@@ -102,11 +102,11 @@ def repeat_noise(data: dict[str, Any], partition: str) -> dict[str, float]:
 def _emulated_case(key: str) -> tuple[Any, Any, Any]:
     """The emulated development case ``model/gpu/type``: (space, partition, noise-free
     profiler)."""
-    from search_efficiency import model_partitions  # noqa: PLC0415
+    from search_efficiency import model_partitions
 
-    from kareus.exec.emulator import EmulatedProfiler  # noqa: PLC0415
-    from kareus.model import ConfigSpace  # noqa: PLC0415
-    from kareus.model.gpu import get_gpu  # noqa: PLC0415
+    from kareus.exec.emulator import EmulatedProfiler
+    from kareus.model import ConfigSpace
+    from kareus.model.gpu import get_gpu
 
     model, gpu, name = key.split("/")
     part = model_partitions(model)[name]
@@ -117,7 +117,7 @@ def _emulated_case(key: str) -> tuple[Any, Any, Any]:
 
 def emulated_keys() -> list[str]:
     """The 28 emulated development cases (``model/gpu/type``)."""
-    from search_efficiency import partitions  # noqa: PLC0415
+    from search_efficiency import partitions
 
     return [f"{m}/{g}/{p.name}" for m, g, p in partitions(quick=False)]
 
@@ -129,7 +129,7 @@ def one_search(task: tuple[str, str, int, int]) -> dict[str, Any]:
     search measured (it measured them with noise)."""
     path, name, budget, seed = task
     if path == "emulated":
-        from kareus.exec.emulator import EmulatedProfiler  # noqa: PLC0415
+        from kareus.exec.emulator import EmulatedProfiler
 
         space, part, truth = _emulated_case(name)
         profiler: Any = EmulatedProfiler(space.gpu, noise=EMULATED_NOISE["energy"],
@@ -153,7 +153,7 @@ def one_search(task: tuple[str, str, int, int]) -> dict[str, Any]:
             "wall_s": wall}
 
 
-def main() -> int:
+def main() -> int:  # noqa: C901 - a linear bench script, one branch per option and output
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--grids", default=",".join(GRIDS))
     ap.add_argument("--budgets", default=",".join(map(str, BUDGETS)))
@@ -198,7 +198,7 @@ def main() -> int:
             tasks += [(path, name, b, s) for b in budgets for s in seeds]
 
     if args.jobs > 1:
-        from concurrent.futures import ProcessPoolExecutor  # noqa: PLC0415
+        from concurrent.futures import ProcessPoolExecutor
 
         with ProcessPoolExecutor(args.jobs) as pool:
             results = list(pool.map(one_search, tasks, chunksize=4))

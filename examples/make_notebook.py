@@ -30,7 +30,7 @@ def script_cells(path: Path) -> list[tuple[str, str]]:
 
 
 def build(script: Path):  # type: ignore[no-untyped-def]
-    import nbformat  # noqa: PLC0415 - a dev dependency
+    import nbformat  # a dev dependency
 
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
@@ -50,7 +50,7 @@ def markdown(script: Path) -> str:
 
 
 def main() -> int:
-    import nbformat  # noqa: PLC0415
+    import nbformat
 
     nb = build(HERE / "tutorial.py")
     for i, cell in enumerate(nb.cells):

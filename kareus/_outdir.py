@@ -187,7 +187,7 @@ def guarded_folder(folder: str | os.PathLike[str], inputs: Mapping[str, Any], *,
         OutputError: the path is unusable, or the folder belongs to another job.
         FolderInUseError: another process holds the folder's lock.
     """
-    import fcntl  # noqa: PLC0415 - POSIX only; imported where it is used
+    import fcntl  # POSIX only; imported where it is used
 
     p = check_output_folder(folder, what=what)
     try:

@@ -83,13 +83,13 @@ def _positive_float(text: str) -> float:
 
 
 def _workload_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from kareus.errors import WorkloadError  # noqa: PLC0415
-    from kareus.model.workload import Parallelism, Workload, get_model  # noqa: PLC0415
+    from kareus.errors import WorkloadError
+    from kareus.model.workload import Parallelism, Workload, get_model
 
     if (args.workload is None) == (args.model_file is None):
         raise WorkloadError("give either --workload PRESET or --model-file FILE (one of them)")
     if args.model_file is not None:
-        from kareus.model.files import register_model  # noqa: PLC0415
+        from kareus.model.files import register_model
 
         model = register_model(args.model_file, replace=True)
     else:
@@ -115,13 +115,13 @@ def _workload_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-de
 def _profiler_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     spec = args.profiler
     if spec == "emulated":
-        from kareus.exec.emulator import EmulatedProfiler  # noqa: PLC0415
+        from kareus.exec.emulator import EmulatedProfiler
 
         return EmulatedProfiler(args.gpu or "a100-40gb", noise=args.noise, seed=args.seed)
     if spec.startswith("replay:"):
-        from pathlib import Path  # noqa: PLC0415
+        from pathlib import Path
 
-        from kareus.exec.replay import ReplayProfiler  # noqa: PLC0415
+        from kareus.exec.replay import ReplayProfiler
 
         path = Path(spec.split(":", 1)[1])
         if not path.is_file():
@@ -147,8 +147,8 @@ _EST_REFUSE_ABOVE_S = 2 * 86400.0
 def _say_estimate(workload, profiler, args) -> None:  # type: ignore[no-untyped-def]
     """Say up front, on stderr, how long a long run will take (profiles and composition);
     refuse one estimated at more than two days."""
-    from kareus.errors import InfeasibleError  # noqa: PLC0415
-    from kareus.model.partition import build_partitions  # noqa: PLC0415
+    from kareus.errors import InfeasibleError
+    from kareus.model.partition import build_partitions
 
     pset = build_partitions(workload)
     counts = [min(args.budget, len(profiler.space(p))) for p in pset.types.values()]
@@ -180,7 +180,7 @@ def _duration(seconds: float) -> str:
 
 def _cmd_tune(args: argparse.Namespace) -> int:
     """``kareus optimize --profiler nvml``: :func:`kareus.tune.tune` on every rank."""
-    from kareus.tune import tune  # noqa: PLC0415
+    from kareus.tune import tune
 
     if args.record is not None:
         raise ValueError("--record is for emulated runs; a tuning run keeps every measurement "
@@ -210,14 +210,14 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 def cmd_optimize(args: argparse.Namespace) -> int:
     if args.profiler == "nvml":
         return _cmd_tune(args)
-    from kareus._outdir import check_output_file, check_output_folder, guarded_folder  # noqa: PLC0415
-    from kareus.errors import WorkloadError  # noqa: PLC0415
-    from kareus.model.gpu import get_gpu  # noqa: PLC0415
-    from kareus.model.memory import check_memory  # noqa: PLC0415
-    from kareus.workflow import manifest_inputs, optimize  # noqa: PLC0415
+    from kareus._outdir import check_output_file, check_output_folder, guarded_folder
+    from kareus.errors import WorkloadError
+    from kareus.model.gpu import get_gpu
+    from kareus.model.memory import check_memory
+    from kareus.workflow import manifest_inputs, optimize
 
     if args.gpu_file is not None:
-        from kareus.model.files import register_gpu  # noqa: PLC0415
+        from kareus.model.files import register_gpu
 
         args.gpu = register_gpu(args.gpu_file, replace=True).name
     if args.gpu is not None:
@@ -235,7 +235,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
                             f"dominate every kernel); use --seq-len >= {_MIN_SEQ_LEN}")
     profiler = _profiler_from_args(args)
     if args.record is not None:
-        from kareus.exec.replay import RecordingProfiler  # noqa: PLC0415
+        from kareus.exec.replay import RecordingProfiler
 
         profiler = RecordingProfiler(profiler)
     check_memory(workload, profiler.gpu, schedule=args.schedule)
@@ -268,13 +268,13 @@ def cmd_optimize(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from kareus.compose.plan import Plan  # noqa: PLC0415
+    from kareus.compose.plan import Plan
 
     if args.gpu_file is not None:
-        from kareus.model.files import register_gpu  # noqa: PLC0415
+        from kareus.model.files import register_gpu
 
         register_gpu(args.gpu_file, replace=True)
-    from pathlib import Path  # noqa: PLC0415
+    from pathlib import Path
 
     path = Path(args.plan)
     if path.is_dir() and (path / "plan.json").is_file():  # `kareus show OUT`
@@ -406,7 +406,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:
         print(f"kareus: error: {_one_line(exc)}", file=sys.stderr)
         return 1
-    except Exception as exc:  # noqa: BLE001 - a bug: still one line, and how to see more
+    except Exception as exc:  # a bug: still one line, and how to see more
         print(f"kareus: internal error: {type(exc).__name__}: {_one_line(exc)} (please "
               f"report it; python -X dev -m kareus ... shows the traceback)", file=sys.stderr)
         if sys.flags.dev_mode:

@@ -349,7 +349,7 @@ def run_lockstep(workload: Workload, *, profiler: Profiler, coordinator: Coordin
     Returns:
         The report on rank 0, ``None`` on the other ranks.
     """
-    from kareus._outdir import guarded_folder  # noqa: PLC0415
+    from kareus._outdir import guarded_folder
 
     t0 = clock()
     catalog = Catalog(workload)
@@ -417,8 +417,8 @@ def run_lockstep(workload: Workload, *, profiler: Profiler, coordinator: Coordin
 def _search_types(profiler: Profiler, catalog: Catalog, types: Sequence[str], *, budget: int,
                   batch_size: int | None, seed: int, log_dir: Path, progress: bool | None,
                   surrogate: Any) -> dict[str, PartitionFrontier]:
-    from kareus.search import MultiPassSearch  # noqa: PLC0415
-    from kareus.workflow import resolve_surrogate  # noqa: PLC0415
+    from kareus.search import MultiPassSearch
+    from kareus.workflow import resolve_surrogate
 
     pset = build_partitions(catalog.workload)
     unknown = [t for t in types if t not in pset.types]
@@ -455,7 +455,7 @@ def detect_gpu_preset(device_name: str) -> str:
                         "or --gpu-file")
 
 
-def tune(workload: Workload, *, out_dir: str | os.PathLike[str], gpu: str | None = None,
+def tune(workload: Workload, *, out_dir: str | os.PathLike[str], gpu: str | None = None,  # noqa: C901 - the tuning run's steps in order, each with its check
          budget: int = 16, batch_size: int | None = None, seed: int = 0,
          schedule: str = "1f1b", surrogate: Any = None, systems: Sequence[str] | None = None,
          types: Sequence[str] | None = None, fresh: bool = False,
@@ -497,10 +497,10 @@ def tune(workload: Workload, *, out_dir: str | os.PathLike[str], gpu: str | None
     Raises:
         HardwareError: no GPU, no NVML, a world that is not the workload's group.
     """
-    import torch  # noqa: PLC0415
-    import torch.distributed as dist  # noqa: PLC0415
+    import torch
+    import torch.distributed as dist
 
-    from kareus.exec.collectives import (  # noqa: PLC0415
+    from kareus.exec.collectives import (
         LoopbackCollective,
         NCCLCappedCollective,
         OwnKernelCollective,
@@ -508,20 +508,20 @@ def tune(workload: Workload, *, out_dir: str | os.PathLike[str], gpu: str | None
         backend_unavailable_reason,
         probe_collective_environment,
     )
-    from kareus.exec.executor import TorchExecutor  # noqa: PLC0415
-    from kareus.exec.frequency import (  # noqa: PLC0415
+    from kareus.exec.executor import TorchExecutor
+    from kareus.exec.frequency import (
         DryRunFrequencyController,
         NVMLFrequencyController,
     )
-    from kareus.exec.nvml import (  # noqa: PLC0415
+    from kareus.exec.nvml import (
         EnergyMeter,
         LocalCoordinator,
         NVMLProfiler,
         TorchDistributedCoordinator,
         TorchPartitionRunner,
     )
-    from kareus.exec.outside_work import RunnableOutsideWork  # noqa: PLC0415
-    from kareus.exec.torch_partition import RunnableTransformerPartition  # noqa: PLC0415
+    from kareus.exec.outside_work import RunnableOutsideWork
+    from kareus.exec.torch_partition import RunnableTransformerPartition
 
     t_begin = time.monotonic()
     for key in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
@@ -542,7 +542,7 @@ def tune(workload: Workload, *, out_dir: str | os.PathLike[str], gpu: str | None
     coord: Coordinator = TorchDistributedCoordinator() if world > 1 else LocalCoordinator()
     device_name = torch.cuda.get_device_name()
     gpu_name = gpu or detect_gpu_preset(device_name)
-    from kareus.model.gpu import get_gpu  # noqa: PLC0415
+    from kareus.model.gpu import get_gpu
 
     spec = get_gpu(gpu_name)
 
@@ -610,7 +610,7 @@ def tune(workload: Workload, *, out_dir: str | os.PathLike[str], gpu: str | None
             prof.start()
             say(f"energy counter steps every {1e3 * (prof.step_period_s or 0):.0f} ms; static "
                 f"power {prof.static_power_w():.0f} W over {world} GPU(s)")
-            import pynvml  # noqa: PLC0415
+            import pynvml
 
             info = {
                 "machine": f"{world}x {device_name}",

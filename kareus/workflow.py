@@ -232,7 +232,7 @@ class OptimizationResult:
             ever show it, it is saved to ``kareus-frontier.png`` in the working directory
             and stderr says so.
         """
-        import matplotlib.pyplot as plt  # noqa: PLC0415 - optional dependency
+        import matplotlib.pyplot as plt  # optional dependency
 
         fresh = ax is None
         if fresh:
@@ -275,8 +275,8 @@ class OptimizationResult:
         Raises:
             OutputError: ``out_dir`` is empty, an existing file, or not writable.
         """
-        from kareus._io import write_json_atomic  # noqa: PLC0415
-        from kareus._outdir import check_output_folder  # noqa: PLC0415
+        from kareus._io import write_json_atomic
+        from kareus._outdir import check_output_folder
 
         out = check_output_folder(out_dir, what="out_dir")
         try:
@@ -289,10 +289,10 @@ class OptimizationResult:
         (plan if plan is not None else self.select()).save(paths["plan"])
         if figure:
             try:
-                import matplotlib  # noqa: PLC0415
+                import matplotlib
 
                 matplotlib.use("Agg")
-                import matplotlib.pyplot as plt  # noqa: PLC0415
+                import matplotlib.pyplot as plt
             except ImportError:
                 print("kareus: matplotlib is not installed; skipping frontier.png "
                       "(pip install 'kareus[plot]')", file=sys.stderr)
@@ -318,7 +318,7 @@ class OptimizationResult:
 def _shows_figures() -> bool:
     """Whether a new matplotlib figure is shown without a call to ``savefig``: in a
     notebook, or in an interactive session (IPython's ``%matplotlib``, ``plt.ion()``)."""
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     return in_notebook() or plt.isinteractive()
 
@@ -393,10 +393,10 @@ def optimize(
         FolderInUseError: another run holds ``log_dir``.
         TypeError: an argument of the wrong type.
     """
-    from functools import partial  # noqa: PLC0415
+    from functools import partial
 
-    from kareus.model.pipeline import get_schedule  # noqa: PLC0415
-    from kareus.search import MultiPassSearch  # noqa: PLC0415
+    from kareus.model.pipeline import get_schedule
+    from kareus.search import MultiPassSearch
 
     template = resolve_surrogate(surrogate, seed)
     if not isinstance(workload, Workload):
@@ -410,7 +410,7 @@ def optimize(
         raise InfeasibleError(f"budget must be at least 1 profile per partition type, got "
                               f"{budget}")
     if profiler is None:
-        from kareus.exec.emulator import EmulatedProfiler  # noqa: PLC0415
+        from kareus.exec.emulator import EmulatedProfiler
 
         profiler = EmulatedProfiler(gpu or "a100-40gb", seed=seed)
     elif not isinstance(profiler, Profiler):
@@ -440,7 +440,7 @@ def optimize(
         profiles: dict[str, int] = {}
         frontiers: dict[str, PartitionFrontier] = {}
         if executor is not None:
-            from kareus.interop.tasks import run_searches  # noqa: PLC0415
+            from kareus.interop.tasks import run_searches
 
             frontiers, profiles = run_searches(executor, profiler, pset, budget=budget,
                                                batch_size=batch_size, seed=seed, log_dir=log_path,
@@ -564,7 +564,7 @@ def resolve_surrogate(surrogate: Surrogate | str | None, seed: int = 0) -> Surro
         ValueError: an unknown name.
         TypeError: neither a name nor a :class:`~kareus.search.Surrogate`.
     """
-    from kareus.search import SURROGATES  # noqa: PLC0415
+    from kareus.search import SURROGATES
 
     if surrogate is None or isinstance(surrogate, Surrogate):
         return surrogate

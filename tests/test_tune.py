@@ -124,7 +124,7 @@ def run_world(n, out, *, fail_at=None, **kw):
         try:
             reports[r] = run_lockstep(workload(), profiler=profs[r], coordinator=profs[r].coord,
                                       out_dir=out, budget=6, progress=False, **kw)
-        except BaseException as exc:  # noqa: BLE001 - reported to the test
+        except BaseException as exc:  # reported to the test
             errors[r] = exc
 
     threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(n)]

@@ -273,7 +273,7 @@ class WarmCut:
         for a, sgn in path:
             self.x[a] += f * sgn
 
-    def cut(self, crit: list[bool], es: list[int], dl: list[int],
+    def cut(self, crit: list[bool], es: list[int], dl: list[int],  # noqa: C901 - one min-cut's inner loop over local aliases; split, it loses the speed it exists for
             lb_node: list[float], ub_node: list[float]) -> list[bool] | None:
         """Source side (per AOA node) of a minimum cut, or None (no feasible flow / unbounded)."""
         n, eps, big = self.n, self.eps, self.big

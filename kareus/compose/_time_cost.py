@@ -139,7 +139,7 @@ class TimeCostResult:
     steps: int
 
 
-def solve_time_cost(num_nodes: int, edges: Sequence[tuple[int, int]],
+def solve_time_cost(num_nodes: int, edges: Sequence[tuple[int, int]],  # noqa: C901 - the Phillips-Dessouky loop; its steps share the flattened tables built here
                     node_type: Sequence[int],
                     options: Sequence[tuple[Sequence[float], Sequence[float]]],
                     unit_s: float, *, max_steps: int = 1_000_000,

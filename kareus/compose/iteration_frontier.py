@@ -205,7 +205,7 @@ class IterationFrontier:
 
     def plot(self, ax: Any = None, **kwargs: Any) -> Any:
         """Draw the frontier as a staircase of points (needs matplotlib)."""
-        import matplotlib.pyplot as plt  # noqa: PLC0415 - optional dependency
+        import matplotlib.pyplot as plt  # optional dependency
 
         if ax is None:
             _, ax = plt.subplots(figsize=(5, 4))

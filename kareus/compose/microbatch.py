@@ -156,7 +156,7 @@ class MicrobatchComposer(
                 if o.predicted]
         return pred, True
 
-    def compose(self, frontiers: Mapping[str, PartitionFrontier], /, *,
+    def compose(self, frontiers: Mapping[str, PartitionFrontier], /, *,  # noqa: C901 - per phase: the stage-independent sums per frequency, then each stage with its outside work
                 partitions: PartitionSet, outside: OutsideTable | None = None,
                 energy_scale: float | None = None) -> dict[tuple[int, str], MicrobatchFrontier]:
         """The frontier of every microbatch computation ``(stage, phase)``.

@@ -153,7 +153,7 @@ class MicrobatchFrontier:
 
     def plot(self, ax: Any = None, **kwargs: Any) -> Any:
         """Per-frequency fronts in grey and the joint front in colour (needs matplotlib)."""
-        import matplotlib.pyplot as plt  # noqa: PLC0415 - optional dependency
+        import matplotlib.pyplot as plt  # optional dependency
 
         if ax is None:
             _, ax = plt.subplots(figsize=(5, 4))

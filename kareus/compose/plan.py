@@ -462,12 +462,12 @@ def _parse_choice(d: Any, field: str, gpu: Any, source: str) -> MicrobatchChoice
 
 
 def _parse_workload(w: Any, source: str) -> Any:
-    from kareus.model.workload import Workload  # noqa: PLC0415 - keeps the module light
+    from kareus.model.workload import Workload  # keeps the module light
 
     w = _obj(w, source, "workload")
     _keys(w, sorted(_WORKLOAD_KEYS), _WORKLOAD_KEYS, source, "workload")
     if isinstance(w["model"], dict):  # the architecture of a model that is not a preset
-        from kareus.model.workload import ModelArch  # noqa: PLC0415
+        from kareus.model.workload import ModelArch
 
         try:
             model: Any = ModelArch.from_dict(w["model"])
@@ -492,7 +492,7 @@ def _parse_workload(w: Any, source: str) -> Any:
 def _expected_types(workload: Any) -> tuple[dict[str, frozenset[str]], dict[str, Any]]:
     """Per phase, the partition types one microbatch computation runs; per type, its slots
     (``None`` when the type runs sequentially only)."""
-    from kareus.model.partition import build_partitions  # noqa: PLC0415
+    from kareus.model.partition import build_partitions
 
     pset = build_partitions(workload)
     per_phase = {phase: frozenset(c) for phase, c in pset.counts.items()}
@@ -501,7 +501,7 @@ def _expected_types(workload: Any) -> tuple[dict[str, frozenset[str]], dict[str,
     return per_phase, slots
 
 
-def _parse_plan(cls: type[Plan], d: Any, source: str) -> Plan:
+def _parse_plan(cls: type[Plan], d: Any, source: str) -> Plan:  # noqa: C901 - validates the plan file key by key, one check per key
     if not isinstance(source, str):
         source = str(source)
     if not isinstance(d, Mapping):

@@ -90,7 +90,7 @@ def extension_source_dir(name: str) -> Path:
 
 def _packaged_sources() -> Path:
     """The directory of the packaged CUDA sources (``kareus/exec/_ext``) on disk."""
-    from importlib.resources import files  # noqa: PLC0415
+    from importlib.resources import files
 
     tree = files("kareus.exec") / "_ext"
     if isinstance(tree, Path):

@@ -47,7 +47,7 @@ class TorchStreamBackend(StreamBackend):
     """CUDA streams and events through ``torch.cuda`` (imported lazily)."""
 
     def __init__(self, *, device: Any = None) -> None:
-        import torch  # noqa: PLC0415 - heavy, optional
+        import torch  # heavy, optional
 
         self._torch = torch
         self.device = torch.device("cuda", torch.cuda.current_device()) if device is None \

@@ -148,7 +148,7 @@ def plan_frequency(plan: Plan, stage: int, microbatch: int, phase: str) -> int:
 
 def _default_digest_exchange(digest: str) -> list[str]:
     try:
-        import torch.distributed as dist  # noqa: PLC0415
+        import torch.distributed as dist
     except ImportError:
         return [digest]
     if not (dist.is_available() and dist.is_initialized()):
@@ -469,7 +469,7 @@ class TorchExecutor(Executor):
             alloc = getattr(backend, "empty", None)
             if callable(alloc):
                 return alloc(shape, dtype).zero_()
-        import torch  # noqa: PLC0415
+        import torch
 
         return torch.zeros(shape, dtype=dtype,
                            device=torch.device("cuda", torch.cuda.current_device()))

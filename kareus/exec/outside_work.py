@@ -97,7 +97,7 @@ class RunnableOutsideWork(RunnablePartition):
         p = self.workload.parallelism
         return p.tp * p.cp
 
-    def build(self, *, device: Any = None, seed: int = 0,
+    def build(self, *, device: Any = None, seed: int = 0,  # noqa: C901 - builds each kind of outside work in turn
               collective: Any = None) -> PartitionProgram:
         """Allocate inputs and weights on ``device`` and return the program: one callable
         per op, then one per collective (each on the current stream, in order).
@@ -108,9 +108,9 @@ class RunnableOutsideWork(RunnablePartition):
             collective: The executor (its ``backend_for(sms)`` runs the collectives and its
                 ``empty`` allocates their buffers), or a collective backend.
         """
-        import torch  # noqa: PLC0415
+        import torch
 
-        from kareus.exec.kernels import get_kernels  # noqa: PLC0415
+        from kareus.exec.kernels import get_kernels
 
         dev = torch.device("cuda", torch.cuda.current_device()) if device is None \
             else torch.device(device)

@@ -182,12 +182,12 @@ def _dims(wl: Workload) -> _Dims:
 def _sdpa(torch: Any, q: Any, k: Any, v: Any) -> Any:
     """Causal attention over grouped K/V (PyTorch's default SDPA dispatch); the one
     definition is :meth:`kareus.exec.kernels.KernelSet.attention`."""
-    from kareus.exec.kernels.base import _sdpa as sdpa  # noqa: PLC0415
+    from kareus.exec.kernels.base import _sdpa as sdpa
 
     return sdpa(q, k, v)
 
 
-def _op_builders() -> dict[str, Callable[[Any, dict[str, Any], _Dims, Any], Callable[[], Any]]]:
+def _op_builders() -> dict[str, Callable[[Any, dict[str, Any], _Dims, Any], Callable[[], Any]]]:  # noqa: C901 - a table of one small builder per op; the nested builders count toward it
     """Op name -> builder(torch, ctx, dims, out_buffer_getter) -> op callable.
 
     Each builder creates the inputs it needs in ``ctx`` if earlier ops did not, and its
@@ -520,7 +520,7 @@ class RunnableTransformerPartition(RunnablePartition):
                 order, and the buffers live until the backend is closed (do not use the
                 program after that). Backends without ``empty`` get ``torch.zeros``.
         """
-        import torch  # noqa: PLC0415
+        import torch
 
         dev = torch.device("cuda", torch.cuda.current_device()) if device is None \
             else torch.device(device)
@@ -528,7 +528,7 @@ class RunnableTransformerPartition(RunnablePartition):
         d = self.dims
         gen = torch.Generator(device=dev)
         gen.manual_seed(seed)
-        from kareus.exec.kernels import get_kernels  # noqa: PLC0415
+        from kareus.exec.kernels import get_kernels
 
         ctx: dict[str, Any] = {"_gen": gen, "_device": dev, "_dtype": dtype,
                                "_kernels": get_kernels(self.kernels)}
@@ -567,7 +567,7 @@ def runnable_partitions(workload: Workload, names: Sequence[str] | None = None, 
                         kernels: Any = None) -> dict[str, RunnableTransformerPartition]:
     """Runnable versions of a workload's partition types (all, or those in ``names``),
     their ops run by ``kernels`` (see :class:`RunnableTransformerPartition`)."""
-    from kareus.model.partition import build_partitions  # noqa: PLC0415
+    from kareus.model.partition import build_partitions
 
     ps = build_partitions(workload)
     chosen = ps.names if names is None else list(names)

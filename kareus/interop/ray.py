@@ -58,7 +58,7 @@ class RayExecutor(Executor):
                  init: Mapping[str, Any] | None = None, ray: Any = None) -> None:
         if ray is None:
             try:
-                import ray  # noqa: PLC0415 - optional dependency
+                import ray  # optional dependency
             except ImportError as exc:
                 raise ImportError("RayExecutor needs Ray: pip install 'kareus[ray]'") from exc
         if num_gpus is not None and num_gpus < 0:

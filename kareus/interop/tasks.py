@@ -60,8 +60,8 @@ def _noise_position(profiler: Profiler) -> int | None:
 def task_gpus(profiler: Profiler, partition: Partition, gpus_per_stage: int) -> int:
     """GPUs a search task needs: none for the emulated GPU or recorded measurements, else
     the partition's profiling group (its TP x CP GPUs)."""
-    from kareus.exec.emulator import EmulatedProfiler  # noqa: PLC0415
-    from kareus.exec.replay import ReplayProfiler  # noqa: PLC0415
+    from kareus.exec.emulator import EmulatedProfiler
+    from kareus.exec.replay import ReplayProfiler
 
     if isinstance(profiler, (EmulatedProfiler, ReplayProfiler)):
         return 0
@@ -128,8 +128,8 @@ class SearchTask:
     num_gpus: int = 0
 
     def __call__(self) -> SearchTaskResult:
-        from kareus.search import MultiPassSearch  # noqa: PLC0415
-        from kareus.workflow import _search_type  # noqa: PLC0415 - the serial path's search
+        from kareus.search import MultiPassSearch
+        from kareus.workflow import _search_type  # the serial path's search
 
         start = time.monotonic()
         before = _noise_position(self.profiler)
@@ -173,7 +173,7 @@ def _predicted_use(profiler: Profiler, partition: Partition, budget: int,
     return max(0, min(budget, len(profiler.space(partition))) - _logged_measurements(resume_text))
 
 
-def run_searches(executor: Executor, profiler: Profiler, pset: PartitionSet, *, budget: int,
+def run_searches(executor: Executor, profiler: Profiler, pset: PartitionSet, *, budget: int,  # noqa: C901 - submit, collect and replay the noise stream in the serial order, with the argument checks
                  batch_size: int | None, seed: int, log_dir: Path | None,
                  surrogate: Surrogate | None) -> tuple[dict[str, PartitionFrontier],
                                                        dict[str, int]]:

@@ -50,12 +50,12 @@ def zeus_gpus() -> Any:
         HardwareError: Zeus is not installed, or it cannot reach the GPUs or the daemon.
     """
     try:
-        from zeus.device import get_gpus  # noqa: PLC0415 - optional dependency
+        from zeus.device import get_gpus  # optional dependency
     except ImportError as exc:
         raise HardwareError(f"Zeus is not installed: {_INSTALL}") from exc
     try:
         return get_gpus()
-    except Exception as exc:  # noqa: BLE001 - Zeus raises its own error classes
+    except Exception as exc:  # Zeus raises its own error classes
         raise HardwareError(f"Zeus could not open the GPUs ({type(exc).__name__}: {exc})") \
             from exc
 
@@ -117,7 +117,7 @@ class ZeusdFrequencyController(FrequencyController):
             for i in self.device_indices:
                 try:
                     self.gpus.set_gpu_locked_clocks(i, f, f, block=True)
-                except Exception as exc:  # noqa: BLE001 - ZeusdError, ZeusGPU*Error
+                except Exception as exc:  # ZeusdError, ZeusGPU*Error
                     self._raise(exc, f"lock GPU {i} at {f} MHz")
                 self._locked.add(i)
             self.current_mhz = f
@@ -141,7 +141,7 @@ class ZeusdFrequencyController(FrequencyController):
             for i in sorted(self._locked):
                 try:
                     self.gpus.reset_gpu_locked_clocks(i, block=True)
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     errors.append(f"GPU {i}: {exc}")
                     continue
                 self._locked.discard(i)
@@ -179,10 +179,10 @@ class _ZeusHandles:
     """The two NVML entry points EnergyMeter's constructor uses, answered for Zeus indices
     (every counter, temperature and clock read goes through :class:`ZeusEnergyMeter`)."""
 
-    def nvmlInit(self) -> None:  # noqa: N802 - NVML's name
+    def nvmlInit(self) -> None:  # NVML's name
         return None
 
-    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:  # noqa: N802
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
         return int(index)
 
 
@@ -207,13 +207,13 @@ class ZeusEnergyMeter(EnergyMeter):
                  poll_interval_s: float | None = None, history: int = 20000) -> None:
         if monitor is None:
             try:
-                from zeus.monitor import ZeusMonitor  # noqa: PLC0415 - optional dependency
+                from zeus.monitor import ZeusMonitor  # optional dependency
             except ImportError as exc:
                 raise HardwareError(f"Zeus is not installed: {_INSTALL}") from exc
             try:
                 monitor = ZeusMonitor(gpu_indices=None if device_indices is None
                                       else list(device_indices))
-            except Exception as exc:  # noqa: BLE001 - Zeus raises its own error classes
+            except Exception as exc:  # Zeus raises its own error classes
                 raise HardwareError(f"ZeusMonitor could not start ({type(exc).__name__}: "
                                     f"{exc})") from exc
         indices = list(monitor.gpu_indices if device_indices is None else device_indices)

@@ -91,13 +91,13 @@ _GPU_FIELDS = ("name", "sm_count", "clocks_mhz", "search_clocks_mhz", *_GPU_FLOA
 
 def _toml_loads() -> Any:
     try:
-        import tomllib  # noqa: PLC0415 - Python 3.11+
+        import tomllib  # Python 3.11+
 
         return tomllib.loads
     except ImportError:
         pass
     try:
-        import tomli  # noqa: PLC0415 - the same parser on Python 3.10
+        import tomli  # the same parser on Python 3.10
 
         return tomli.loads
     except ImportError:
@@ -321,7 +321,7 @@ def register_model(model: ModelArch | str | os.PathLike[str], *,
         SpecFileError: a bad file; the name is a preset's; or another model is registered
             under that name (and ``replace`` is false).
     """
-    from kareus.model import workload  # noqa: PLC0415
+    from kareus.model import workload
 
     arch = model if isinstance(model, ModelArch) else load_model_file(model)
     if arch.name in MODEL_PRESETS:
@@ -352,7 +352,7 @@ def register_gpu(gpu: GPUSpec | str | os.PathLike[str], *, replace: bool = False
         SpecFileError: a bad file; the name is a preset's; or another GPU is registered
             under that name (and ``replace`` is false).
     """
-    from kareus.model import gpu as gpu_module  # noqa: PLC0415
+    from kareus.model import gpu as gpu_module
 
     spec = gpu if isinstance(gpu, GPUSpec) else load_gpu_file(gpu)
     key = spec.name.lower()
@@ -371,22 +371,22 @@ def register_gpu(gpu: GPUSpec | str | os.PathLike[str], *, replace: bool = False
 
 def registered_models() -> dict[str, ModelArch]:
     """Models registered at run time (not the presets), by name."""
-    from kareus.model import workload  # noqa: PLC0415
+    from kareus.model import workload
 
     return dict(workload._REGISTERED_MODELS)
 
 
 def registered_gpus() -> dict[str, GPUSpec]:
     """GPUs registered at run time (not the presets), by name."""
-    from kareus.model import gpu as gpu_module  # noqa: PLC0415
+    from kareus.model import gpu as gpu_module
 
     return dict(gpu_module._REGISTERED_GPUS)
 
 
 def unregister(name: str) -> None:
     """Forget a registered model or GPU of that name (presets stay)."""
-    from kareus.model import gpu as gpu_module  # noqa: PLC0415
-    from kareus.model import workload  # noqa: PLC0415
+    from kareus.model import gpu as gpu_module
+    from kareus.model import workload
 
     workload._REGISTERED_MODELS.pop(name, None)
     gpu_module._REGISTERED_GPUS.pop(name.lower(), None)

@@ -128,14 +128,14 @@ class GPUSpec:
     @classmethod
     def from_dict(cls, d: dict[str, object]) -> GPUSpec:
         """Build and check from a dict of every field (raises ``SpecFileError``)."""
-        from kareus.model.files import gpu_from_dict  # noqa: PLC0415
+        from kareus.model.files import gpu_from_dict
 
         return gpu_from_dict(d)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> GPUSpec:
         """Read a ``.toml`` or ``.json`` GPU file (see :mod:`kareus.model.files`)."""
-        from kareus.model.files import load_gpu_file  # noqa: PLC0415
+        from kareus.model.files import load_gpu_file
 
         return load_gpu_file(path)
 

@@ -79,7 +79,7 @@ class GPUProfileError(KareusError, ValueError):
 # ----------------------------------------------------------------------------- validators
 
 
-def _name(cls: str):  # noqa: ANN202 - attrs validator factory
+def _name(cls: str):  # attrs validator factory
     def check(instance: object, attribute: attrs.Attribute, value: object) -> None:
         if not isinstance(value, str) or not value.strip():
             raise GPUProfileError(f"{cls}.{attribute.name} must be a non-empty string, "
@@ -87,14 +87,14 @@ def _name(cls: str):  # noqa: ANN202 - attrs validator factory
     return check
 
 
-def _text(cls: str):  # noqa: ANN202
+def _text(cls: str):
     def check(instance: object, attribute: attrs.Attribute, value: object) -> None:
         if not isinstance(value, str):
             raise GPUProfileError(f"{cls}.{attribute.name} must be a string, got {value!r}")
     return check
 
 
-def _positive(cls: str, *, optional: bool = False):  # noqa: ANN202
+def _positive(cls: str, *, optional: bool = False):
     def check(instance: object, attribute: attrs.Attribute, value: object) -> None:
         if value is None and optional:
             return
@@ -105,7 +105,7 @@ def _positive(cls: str, *, optional: bool = False):  # noqa: ANN202
     return check
 
 
-def _count(cls: str, *, minimum: int, optional: bool = False):  # noqa: ANN202
+def _count(cls: str, *, minimum: int, optional: bool = False):
     def check(instance: object, attribute: attrs.Attribute, value: object) -> None:
         if value is None and optional:
             return
@@ -115,7 +115,7 @@ def _count(cls: str, *, minimum: int, optional: bool = False):  # noqa: ANN202
     return check
 
 
-def _clock(cls: str):  # noqa: ANN202
+def _clock(cls: str):
     def check(instance: object, attribute: attrs.Attribute, value: object) -> None:
         if value is None:
             return
@@ -139,7 +139,7 @@ def _float_or_same(value: object) -> object:
     return value
 
 
-def _tuple_of(cls: type, label: str):  # noqa: ANN202
+def _tuple_of(cls: type, label: str):
     def convert(value: object) -> tuple[Any, ...]:
         if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
             raise GPUProfileError(f"GPUProfile.{label} must be a list, got "
@@ -153,7 +153,7 @@ def _tuple_of(cls: type, label: str):  # noqa: ANN202
     return convert
 
 
-def _str_tuple(label: str):  # noqa: ANN202
+def _str_tuple(label: str):
     def convert(value: object) -> tuple[str, ...]:
         if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
             raise GPUProfileError(f"GPUProfile.{label} must be a list of strings, got "

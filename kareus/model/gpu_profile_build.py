@@ -186,7 +186,7 @@ def _machine_fields(data: Mapping[str, Any]) -> dict[str, str]:
 # ----------------------------------------------------------------------------- readers
 
 
-def read_op_table(path: PathLike, *, root: PathLike | None = None) -> OpTable:
+def read_op_table(path: PathLike, *, root: PathLike | None = None) -> OpTable:  # noqa: C901 - one check per optional field of the measured file
     """Read a per-op measurement file (``bench/op_roofline.py --json`` layout).
 
     Each row of ``rows`` needs ``workload``, ``partition`` (or ``partitions``, a list: one
@@ -424,7 +424,7 @@ def read_grid_static_power(path: PathLike, *, root: PathLike | None = None
 # ----------------------------------------------------------------------------- builder
 
 
-def build_gpu_profile(
+def build_gpu_profile(  # noqa: C901 - assembles each optional measured source in turn
     *,
     gpu: str,
     power_probe: PathLike,

@@ -71,14 +71,14 @@ class ModelArch:
     @classmethod
     def from_dict(cls, d: dict[str, object]) -> ModelArch:
         """Build and check from a dict of every field (raises ``SpecFileError``)."""
-        from kareus.model.files import model_from_dict  # noqa: PLC0415
+        from kareus.model.files import model_from_dict
 
         return model_from_dict(d)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> ModelArch:
         """Read a ``.toml`` or ``.json`` model file (see :mod:`kareus.model.files`)."""
-        from kareus.model.files import load_model_file  # noqa: PLC0415
+        from kareus.model.files import load_model_file
 
         return load_model_file(path)
 

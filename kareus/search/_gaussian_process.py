@@ -131,8 +131,8 @@ class GaussianProcessSurrogate(Surrogate):
         n = len(u)
         k = s2 * corr
         k[np.diag_indices(n)] += n2 + 1e-9
-        from scipy.linalg import LinAlgError, cho_factor, cho_solve  # noqa: PLC0415
-        from scipy.linalg.lapack import dpotri  # noqa: PLC0415
+        from scipy.linalg import LinAlgError, cho_factor, cho_solve
+        from scipy.linalg.lapack import dpotri
 
         try:
             chol, lower = cho_factor(k, lower=True, check_finite=False)
@@ -178,8 +178,8 @@ class GaussianProcessSurrogate(Surrogate):
         d = z.shape[1]
         lo, hi = np.log(self.noise_bounds)
 
-        from scipy.linalg import cho_solve  # noqa: PLC0415 - only when fitting
-        from scipy.optimize import minimize  # noqa: PLC0415
+        from scipy.linalg import cho_solve  # only when fitting
+        from scipy.optimize import minimize
 
         p0 = np.concatenate([np.zeros(d), [0.0], [float(np.clip(np.log(1e-2), lo, hi))]])
         bounds = [(-3.0, 3.0)] * d + [(-3.0, 3.0), (float(lo), float(hi))]
@@ -241,7 +241,7 @@ class GaussianProcessSurrogate(Surrogate):
             return np.full(len(x), s["constant"]), np.zeros(len(x))
         if len(x) == 0:
             return np.zeros(0), np.zeros(0)
-        from scipy.linalg import solve_triangular  # noqa: PLC0415
+        from scipy.linalg import solve_triangular
 
         q = (self._transform(x)[:, s["keep"]] - s["mu"]) / s["sd"] / s["ls"]
         z = s["z"] / s["ls"]
@@ -285,7 +285,7 @@ def _one_blas_thread() -> contextlib.AbstractContextManager[Any]:
     the process's own setting (``OPENBLAS_NUM_THREADS``) applies.
     """
     try:
-        from threadpoolctl import threadpool_limits  # noqa: PLC0415
+        from threadpoolctl import threadpool_limits
     except ImportError:
         return contextlib.nullcontext()
     return threadpool_limits(1, user_api="blas")

@@ -115,7 +115,7 @@ class MultiPassSearch:
             other than the resume log's.
     """
 
-    def __init__(
+    def __init__(  # noqa: C901 - checks each keyword argument and resolves its default
         self,
         space: ConfigSpace,
         *,

@@ -37,7 +37,7 @@ def in_notebook() -> bool:
         return False
     try:
         shell = ipython.get_ipython()  # type: ignore[attr-defined]
-    except Exception:  # noqa: BLE001 - a broken IPython is not a notebook
+    except Exception:  # a broken IPython is not a notebook
         return False
     return shell is not None and type(shell).__name__ in ("ZMQInteractiveShell", "Shell")
 
@@ -51,7 +51,7 @@ def _isatty(file: Any) -> bool:
 
 def _tqdm_class() -> Any:
     try:
-        from tqdm.auto import tqdm  # noqa: PLC0415 - optional
+        from tqdm.auto import tqdm  # optional
     except ImportError:
         return None
     return tqdm

@@ -134,7 +134,7 @@ class XGBoostSurrogate(Surrogate):
             # Nothing to learn: a constant (XGBoost would also give one, more slowly).
             self._booster, self._constant = None, float(t.mean())
             return self
-        import xgboost as xgb  # noqa: PLC0415 - heavy import, only when fitting
+        import xgboost as xgb  # heavy import, only when fitting
 
         self._constant = None
         # base_score at the mean: trees then model deviations, which small ensembles
@@ -160,7 +160,7 @@ class XGBoostSurrogate(Surrogate):
         trend = self._trend_at(x)
         if self._constant is not None:
             return np.full(len(x), self._constant) + trend
-        import xgboost as xgb  # noqa: PLC0415
+        import xgboost as xgb
 
         return np.asarray(self._booster.predict(xgb.DMatrix(x, nthread=self.nthread)),
                           dtype=np.float64) + trend

@@ -149,7 +149,7 @@ class PartitionFrontier:
 
     def plot(self, ax: Any = None, **kwargs: Any) -> Any:
         """Scatter every measured observation and draw the front (needs matplotlib)."""
-        import matplotlib.pyplot as plt  # noqa: PLC0415 - optional dependency
+        import matplotlib.pyplot as plt  # optional dependency
 
         if ax is None:
             _, ax = plt.subplots(figsize=(5, 4))

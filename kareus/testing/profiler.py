@@ -148,8 +148,8 @@ class FakeProfiler(Profiler):
 
 
 def _default_partition() -> Partition:
-    from kareus.model.partition import build_partitions  # noqa: PLC0415
-    from kareus.model.workload import Workload  # noqa: PLC0415
+    from kareus.model.partition import build_partitions
+    from kareus.model.workload import Workload
 
     wl = Workload.preset("llama3.2-3b", tp=4, microbatch_size=2, seq_len=1024)
     return build_partitions(wl)["fwd_attn"]
@@ -167,7 +167,7 @@ def _sample_configs(profiler: Profiler, partition: Partition, k: int = 6) -> lis
 
 
 def _check_profiler_type(make: Callable[[], Profiler], partition: Partition) -> None:
-    from kareus.model.config import ConfigSpace  # noqa: PLC0415
+    from kareus.model.config import ConfigSpace
 
     p = make()
     assert isinstance(p, Profiler), f"factory returned {type(p).__name__}, not a Profiler"
@@ -197,7 +197,7 @@ def _check_profiler_static_power(make: Callable[[], Profiler], partition: Partit
 
 def _check_profiler_rejects_bad_configs(make: Callable[[], Profiler],
                                         partition: Partition) -> None:
-    from kareus.errors import ConfigError  # noqa: PLC0415
+    from kareus.errors import ConfigError
 
     p = make()
     good = _sample_configs(p, partition, 1)[0]

@@ -13,7 +13,7 @@ class NVMLError(Exception):
         self.value = value
 
 
-class NVMLError_NoPermission(NVMLError):  # noqa: N801 - pynvml's naming
+class NVMLError_NoPermission(NVMLError):  # pynvml's naming
     def __init__(self) -> None:
         super().__init__(4)
 
@@ -61,19 +61,19 @@ class FakeNVML:
         self.lock = threading.Lock()
         self.inits = 0
 
-    def nvmlInit(self) -> None:  # noqa: N802
+    def nvmlInit(self) -> None:
         self.inits += 1
 
-    def nvmlDeviceGetCount(self) -> int:  # noqa: N802
+    def nvmlDeviceGetCount(self) -> int:
         return len(self.devices)
 
-    def nvmlDeviceGetHandleByIndex(self, i: int) -> FakeDevice:  # noqa: N802
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> FakeDevice:
         return self.devices[i]
 
-    def nvmlDeviceGetUUID(self, h: FakeDevice) -> bytes:  # noqa: N802
+    def nvmlDeviceGetUUID(self, h: FakeDevice) -> bytes:
         return h.uuid.encode()  # older pynvml releases return bytes
 
-    def nvmlDeviceGetTotalEnergyConsumption(self, h: FakeDevice) -> int:  # noqa: N802
+    def nvmlDeviceGetTotalEnergyConsumption(self, h: FakeDevice) -> int:
         if not self.counter_moves:
             return 123456
         now = time.perf_counter()
@@ -82,19 +82,19 @@ class FakeNVML:
         with self.lock:
             return int(h.energy_j(t_step, self.t0) * 1000)
 
-    def nvmlDeviceGetTemperature(self, h: FakeDevice, sensor: int) -> float:  # noqa: N802
+    def nvmlDeviceGetTemperature(self, h: FakeDevice, sensor: int) -> float:
         return h.temp_c
 
-    def nvmlDeviceGetClockInfo(self, h: FakeDevice, kind: int) -> int:  # noqa: N802
+    def nvmlDeviceGetClockInfo(self, h: FakeDevice, kind: int) -> int:
         return h.locked[0] if h.locked else h.sm_clock_mhz
 
-    def nvmlDeviceSetGpuLockedClocks(self, h, lo, hi):  # noqa: N802
+    def nvmlDeviceSetGpuLockedClocks(self, h, lo, hi):
         self.calls.append(("lock", self.devices.index(h), lo, hi))
         if not self.allow:
             raise NVMLError_NoPermission()
         h.locked = (lo, hi)
 
-    def nvmlDeviceResetGpuLockedClocks(self, h):  # noqa: N802
+    def nvmlDeviceResetGpuLockedClocks(self, h):
         self.calls.append(("reset", self.devices.index(h)))
         h.locked = None
 

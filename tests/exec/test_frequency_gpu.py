@@ -25,7 +25,7 @@ def _marker(kind):
         return EventPollingMarker()
     try:
         return HostFunctionMarker()
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         pytest.skip(f"ext/hostfn not built here: {exc}")
 
 

@@ -31,10 +31,10 @@ class LoopbackCollective(CollectiveBackend):
     name: ClassVar[str] = "loopback"
 
     def __init__(self) -> None:
-        import torch  # noqa: PLC0415
+        import torch
 
         if not torch.cuda.is_available():
-            from kareus.exec.collectives._errors import (  # noqa: PLC0415
+            from kareus.exec.collectives._errors import (
                 CollectiveUnavailableError,
             )
 

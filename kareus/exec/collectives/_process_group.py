@@ -26,7 +26,7 @@ class ProcessGroupCollective(CollectiveBackend):
     name: ClassVar[str] = "process_group"
 
     def __init__(self, *, group: Any = None) -> None:
-        import torch.distributed as dist  # noqa: PLC0415
+        import torch.distributed as dist
 
         self._dist = dist
         self.group = group
@@ -44,14 +44,14 @@ class ProcessGroupCollective(CollectiveBackend):
     @property
     def sm_count(self) -> int:
         """SMs of this rank's GPU."""
-        import torch  # noqa: PLC0415
+        import torch
 
         return int(torch.cuda.get_device_properties(torch.cuda.current_device())
                    .multi_processor_count)
 
     def all_reduce(self, tensor: Any, stream: Any, sms: int | None) -> Any:
         """Sums ``tensor`` over the group in place on ``stream``; returns ``tensor``."""
-        import torch  # noqa: PLC0415
+        import torch
 
         with torch.cuda.stream(stream):
             self._dist.all_reduce(tensor, group=self.group)
@@ -67,7 +67,7 @@ class ProcessGroupCollective(CollectiveBackend):
 
     def _shard_collective(self, op: str, output: Any, input: Any, stream: Any) -> Any:
         """All-gather or reduce-scatter through ``torch.distributed``'s flat-tensor call."""
-        import torch  # noqa: PLC0415
+        import torch
 
         run = getattr(self._dist, _DIST_TENSOR_COLLECTIVE[op])
         with torch.cuda.stream(stream):

@@ -214,7 +214,7 @@ def _fit_op(gpu: Any, op: ComputeOp, rec: OpProfile) -> tuple[float, float | Non
     return k_t, max(0.05, (rec.power_w - p0) / own)
 
 
-def op_calibrations(gpu: Any, profile: GPUProfile,
+def op_calibrations(gpu: Any, profile: GPUProfile,  # noqa: C901 - one pass over the measured records with the fallbacks the docstring lists
                     kernels: str | Sequence[str] | None = None) -> tuple[OpCalibration, ...]:
     """Per-op and per-kind factors of ``profile`` on the uncalibrated ``gpu``.
 

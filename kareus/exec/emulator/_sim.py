@@ -98,7 +98,7 @@ class _Sim:
         self.gap = gpu.launch_overhead_s
         self.p_static = gpu.spec.idle_power_w
 
-    def run(self, f_mhz: float, comms: Sequence[_Collective],
+    def run(self, f_mhz: float, comms: Sequence[_Collective],  # noqa: C901 - the event loop of the overlap simulation: rates change at each event over one shared state
             detail: bool = False) -> tuple[float, float, dict[str, Any] | None]:
         """Simulate.
 

@@ -132,7 +132,7 @@ class NVMLFrequencyController(FrequencyController):
     def __init__(self, *, device_indices: Sequence[int] | None = None,
                  gpu: str | GPUSpec | None = None, nvml: Any = None,
                  handle_signals: bool = True) -> None:
-        from kareus.exec.nvml import load_nvml, nvml_device_index  # noqa: PLC0415
+        from kareus.exec.nvml import load_nvml, nvml_device_index
 
         self.nvml = load_nvml(nvml)
         if device_indices is None:
@@ -172,7 +172,7 @@ class NVMLFrequencyController(FrequencyController):
             for i, h in self._handles.items():
                 try:
                     self.nvml.nvmlDeviceSetGpuLockedClocks(h, f, f)
-                except Exception as exc:  # noqa: BLE001 - NVMLError subclasses
+                except Exception as exc:  # NVMLError subclasses
                     self._raise(exc, f"lock GPU {i} at {f} MHz")
                 self._locked.add(i)
             self.current_mhz = f
@@ -203,7 +203,7 @@ class NVMLFrequencyController(FrequencyController):
             for i in sorted(self._locked):
                 try:
                     self.nvml.nvmlDeviceResetGpuLockedClocks(self._handles[i])
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     errors.append(f"GPU {i}: {exc}")
                     continue
                 self._locked.discard(i)

@@ -49,10 +49,10 @@ def load_hostfn_library(*, arch: str | None = None) -> Any:
     """
     global _HOSTFN_LIB
     if _HOSTFN_LIB is None:
-        from kareus.exec._ext_build import load_shared_library  # noqa: PLC0415
+        from kareus.exec._ext_build import load_shared_library
 
         if arch is None:
-            import torch  # noqa: PLC0415
+            import torch
 
             major, minor = torch.cuda.get_device_capability()
             arch = f"sm_{major}{minor}"
@@ -152,7 +152,7 @@ class EventPollingMarker(StreamMarker):
 
     @staticmethod
     def _torch_event(stream: Any) -> Any:
-        import torch  # noqa: PLC0415
+        import torch
 
         ev = torch.cuda.Event()
         ev.record(stream)

@@ -62,7 +62,7 @@ class StreamOrderedTrigger(FrequencyTrigger):
         if marker is None:
             try:
                 marker = HostFunctionMarker()
-            except Exception as exc:  # noqa: BLE001 - any build/load failure
+            except Exception as exc:  # any build/load failure
                 self.fallback_reason = f"{type(exc).__name__}: {exc}"[:500]
                 marker = EventPollingMarker()
                 _log.warning("clock changes fall back to event polling (delivered up to "
@@ -91,7 +91,7 @@ class StreamOrderedTrigger(FrequencyTrigger):
         if self._closed:
             raise RuntimeError("the trigger is closed")
         if stream is None:
-            import torch  # noqa: PLC0415
+            import torch
 
             stream = torch.cuda.current_stream()
         with self._lock:
@@ -112,7 +112,7 @@ class StreamOrderedTrigger(FrequencyTrigger):
                 continue
             try:
                 self.controller.set_frequency(freq, token=token)
-            except BaseException as exc:  # noqa: BLE001 - reported through errors
+            except BaseException as exc:  # reported through errors
                 self.errors.append(exc)
             self.fired.append((token, freq, time.perf_counter()))
 

@@ -124,7 +124,7 @@ def _bwd_config(n: int, rows: int | None, num_warps: int | None,
 def rms_norm_fwd(x: Any, w: Any, eps: float, *, rows: int | None = None,
                  num_warps: int | None = None) -> Any:
     """RMSNorm forward over the last dimension (rows of ``x`` may be strided)."""
-    import torch  # noqa: PLC0415
+    import torch
 
     n = x.shape[-1]
     x2 = x.reshape(-1, n)
@@ -144,7 +144,7 @@ def rms_norm_bwd(dy: Any, x: Any, w: Any, eps: float, *, rows: int | None = None
                  prefetch: bool = True) -> tuple[Any, Any]:
     """RMSNorm backward: ``(dx, dw)`` in one pass over ``x`` and ``dy`` (plus a sum of
     the per-program ``dw`` partials, ``programs x N`` floats)."""
-    import torch  # noqa: PLC0415
+    import torch
 
     n = x.shape[-1]
     x2, dy2 = x.reshape(-1, n), dy.reshape(-1, n)
@@ -257,7 +257,7 @@ def rope_fwd(q: Any, k: Any, cos: Any, sin: Any, *, block_r: int = 16,
              num_warps: int = 4) -> tuple[Any, Any]:
     """Rotate ``q`` and ``k`` ([b, s, heads, hd], any strides with the last 1, e.g.
     views of the packed QKV) into new contiguous tensors, in one launch."""
-    import torch  # noqa: PLC0415
+    import torch
 
     qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     ko = torch.empty(k.shape, dtype=k.dtype, device=k.device)
@@ -269,7 +269,7 @@ def rope_bwd(dq: Any, dk: Any, dv: Any, cos: Any, sin: Any, *, block_r: int = 16
              num_warps: int = 4) -> Any:
     """Rotate ``dq`` and ``dk`` back and write them with ``dv`` into one packed
     ``[b * s, (heads + 2 kv_heads) * hd]`` tensor, in one launch."""
-    import torch  # noqa: PLC0415
+    import torch
 
     b, s, nq, hd = dq.shape
     nk, nv = dk.shape[2], dv.shape[2]
@@ -309,7 +309,7 @@ def _flat(*ts: Any) -> list[Any]:
 
 def swiglu_fwd(g: Any, u: Any, *, block: int = 2048, num_warps: int = 8) -> Any:
     """``silu(g) * u`` in one pass."""
-    import torch  # noqa: PLC0415
+    import torch
 
     g, u = _flat(g, u)
     a = torch.empty_like(g)
@@ -321,7 +321,7 @@ def swiglu_fwd(g: Any, u: Any, *, block: int = 2048, num_warps: int = 8) -> Any:
 def swiglu_bwd(da: Any, g: Any, u: Any, *, block: int = 2048,
                num_warps: int = 8) -> tuple[Any, Any]:
     """``(dg, du)`` of ``silu(g) * u`` in one pass (reads da, g, u; writes dg, du)."""
-    import torch  # noqa: PLC0415
+    import torch
 
     da, g, u = _flat(da, g, u)
     dg, du = torch.empty_like(g), torch.empty_like(u)

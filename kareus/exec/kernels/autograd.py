@@ -16,7 +16,7 @@ __all__ = ["rms_norm", "rope", "swiglu"]
 
 
 def _functions() -> dict[str, Any]:
-    import torch  # noqa: PLC0415
+    import torch
 
     class RMSNorm(torch.autograd.Function):
         @staticmethod

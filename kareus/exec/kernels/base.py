@@ -93,7 +93,7 @@ class KernelSet(abc.ABC):
 
     def attention_backend(self, q: Any, k: Any, v: Any) -> str:
         """Name of the SDPA backend :meth:`attention` runs for these inputs."""
-        import torch  # noqa: PLC0415
+        import torch
 
         with self._sdpa_context():
             try:
@@ -101,7 +101,7 @@ class KernelSet(abc.ABC):
                                               enable_gqa=q.shape[1] != k.shape[1])
             except (AttributeError, RuntimeError, TypeError):
                 return "unknown"
-        from torch.nn.attention import SDPBackend  # noqa: PLC0415
+        from torch.nn.attention import SDPBackend
 
         for name in ("ERROR", "MATH", "FLASH_ATTENTION", "EFFICIENT_ATTENTION",
                      "CUDNN_ATTENTION", "OVERRIDEABLE"):
@@ -111,10 +111,10 @@ class KernelSet(abc.ABC):
         return f"backend {idx}"
 
     def _sdpa_context(self) -> Any:
-        import contextlib  # noqa: PLC0415
+        import contextlib
 
         try:
-            from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
+            from torch.nn.attention import SDPBackend, sdpa_kernel
         except ImportError:  # PyTorch < 2.3
             return contextlib.nullcontext()
         names = [n for n in self.sdpa_backends if hasattr(SDPBackend, n)] + ["MATH"]
@@ -128,7 +128,7 @@ class KernelSet(abc.ABC):
         """``a @ b`` on cuBLAS, into ``out`` when given; ``accumulate=True`` adds it to
         ``out`` in place (one GEMM with beta=1). Transposed operands are passed as views:
         cuBLAS takes the layout."""
-        import torch  # noqa: PLC0415
+        import torch
 
         if accumulate:
             if out is None:
@@ -146,7 +146,7 @@ class KernelSet(abc.ABC):
 
 
 def _sdpa(q: Any, k: Any, v: Any) -> Any:
-    import torch  # noqa: PLC0415
+    import torch
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
     rep = q.shape[1] // k.shape[1]
@@ -187,7 +187,7 @@ class ReferenceKernels(KernelSet):
     # candidate "reference".)
 
     def rms_norm(self, x: Any, w: Any, eps: float = 1e-5) -> Any:
-        import torch  # noqa: PLC0415
+        import torch
 
         fn = getattr(torch.nn.functional, "rms_norm", None)
         if fn is not None:
@@ -196,7 +196,7 @@ class ReferenceKernels(KernelSet):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
 
     def rms_norm_bwd(self, dy: Any, x: Any, w: Any, eps: float = 1e-5) -> tuple[Any, Any]:
-        import torch  # noqa: PLC0415
+        import torch
 
         xf, g = x.float(), (dy * w).float()
         r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -205,7 +205,7 @@ class ReferenceKernels(KernelSet):
 
     @staticmethod
     def _rotate(x: Any, cos: Any, sin: Any) -> Any:
-        import torch  # noqa: PLC0415
+        import torch
 
         x1, x2 = x.chunk(2, dim=-1)
         return x * cos + torch.cat((-x2, x1), dim=-1) * sin
@@ -217,7 +217,7 @@ class ReferenceKernels(KernelSet):
         return self._rotate(q, c, s), self._rotate(k, c, s)
 
     def rope_bwd(self, dq: Any, dk: Any, dv: Any, cos: Any, sin: Any) -> Any:
-        import torch  # noqa: PLC0415
+        import torch
 
         # RoPE is a rotation: its backward rotates back (sin -> -sin).
         c, s = cos[:, None, :], sin[:, None, :]
@@ -225,12 +225,12 @@ class ReferenceKernels(KernelSet):
         return torch.cat((dq, dk, dv), dim=2).reshape(dq.shape[0] * dq.shape[1], -1)
 
     def swiglu(self, g: Any, u: Any) -> Any:
-        import torch  # noqa: PLC0415
+        import torch
 
         return torch.nn.functional.silu(g) * u
 
     def swiglu_bwd(self, da: Any, g: Any, u: Any) -> tuple[Any, Any]:
-        import torch  # noqa: PLC0415
+        import torch
 
         s = torch.sigmoid(g)
         silu = g * s
@@ -255,7 +255,7 @@ class TorchKernels(KernelSet):
     name = "torch"
 
     def rms_norm(self, x: Any, w: Any, eps: float = 1e-5) -> Any:
-        import torch  # noqa: PLC0415
+        import torch
 
         fused = getattr(torch.ops.aten, "_fused_rms_norm", None)
         if fused is not None:
@@ -263,7 +263,7 @@ class TorchKernels(KernelSet):
         return ReferenceKernels().rms_norm(x, w, eps)
 
     def rms_norm_bwd(self, dy: Any, x: Any, w: Any, eps: float = 1e-5) -> tuple[Any, Any]:
-        import torch  # noqa: PLC0415
+        import torch
 
         fwd = getattr(torch.ops.aten, "_fused_rms_norm", None)
         bwd = getattr(torch.ops.aten, "_fused_rms_norm_backward", None)
@@ -283,7 +283,7 @@ class TorchKernels(KernelSet):
 
     @staticmethod
     def _rotate(x: Any, cos: Any, sin: Any, sign: float) -> Any:
-        import torch  # noqa: PLC0415
+        import torch
 
         x1, x2 = x.float().chunk(2, dim=-1)
         c, s = cos.float().chunk(2, dim=-1)[0], sign * sin.float().chunk(2, dim=-1)[0]
@@ -296,7 +296,7 @@ class TorchKernels(KernelSet):
         return self._rotate(q, c, s, 1.0), self._rotate(k, c, s, 1.0)
 
     def rope_bwd(self, dq: Any, dk: Any, dv: Any, cos: Any, sin: Any) -> Any:
-        import torch  # noqa: PLC0415
+        import torch
 
         c, s = cos[:, None, :], sin[:, None, :]
         b, sq = dq.shape[0], dq.shape[1]
@@ -309,13 +309,13 @@ class TorchKernels(KernelSet):
         return out.view(b * sq, -1)
 
     def swiglu(self, g: Any, u: Any) -> Any:
-        import torch  # noqa: PLC0415
+        import torch
 
         gf = g.float()
         return (torch.nn.functional.silu(gf) * u.float()).to(g.dtype)
 
     def swiglu_bwd(self, da: Any, g: Any, u: Any) -> tuple[Any, Any]:
-        import torch  # noqa: PLC0415
+        import torch
 
         gf, uf, daf = g.float(), u.float(), da.float()
         s = torch.sigmoid(gf)
@@ -349,7 +349,7 @@ def register_kernels(name: str, factory: Callable[[], KernelSet]) -> None:
 
 
 def _triton_factory() -> KernelSet:
-    from kareus.exec.kernels.triton_ops import TritonKernels  # noqa: PLC0415
+    from kareus.exec.kernels.triton_ops import TritonKernels
 
     return TritonKernels()
 
@@ -366,8 +366,8 @@ def available_kernels() -> list[str]:
 
 def _triton_usable() -> bool:
     try:
-        import torch  # noqa: PLC0415
-        import triton  # noqa: F401, PLC0415
+        import torch
+        import triton  # noqa: F401
     except ImportError:
         return False
     return bool(torch.cuda.is_available())

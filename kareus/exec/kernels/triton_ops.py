@@ -34,7 +34,7 @@ def liger_version() -> str | None:
     """The installed liger-kernel's version, or ``None``."""
     if importlib.util.find_spec("liger_kernel") is None:
         return None
-    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
+    from importlib.metadata import PackageNotFoundError, version
 
     try:
         return version("liger-kernel")
@@ -58,14 +58,14 @@ class TritonKernels(KernelSet):
             raise ImportError("use_liger=True but liger-kernel is not installed; "
                               "pip install 'kareus[kernels]'")
         self.use_liger = have if use_liger is None else bool(use_liger)
-        from kareus.exec.kernels import _triton  # noqa: PLC0415 - imports triton
+        from kareus.exec.kernels import _triton  # imports triton
 
         self._k = _triton
 
     def rms_norm(self, x: Any, w: Any, eps: float = 1e-5) -> Any:
         if self.use_liger:
-            import torch  # noqa: PLC0415
-            from liger_kernel.ops.rms_norm import LigerRMSNormFunction  # noqa: PLC0415
+            import torch
+            from liger_kernel.ops.rms_norm import LigerRMSNormFunction
 
             with torch.no_grad():  # the op's value; autograd.py wraps the backward
                 return LigerRMSNormFunction.apply(x, w, eps, 0.0, "llama", False)
@@ -84,8 +84,8 @@ class TritonKernels(KernelSet):
 
     def swiglu(self, g: Any, u: Any) -> Any:
         if self.use_liger:
-            import torch  # noqa: PLC0415
-            from liger_kernel.ops.swiglu import LigerSiLUMulFunction  # noqa: PLC0415
+            import torch
+            from liger_kernel.ops.swiglu import LigerSiLUMulFunction
 
             with torch.no_grad():
                 return LigerSiLUMulFunction.apply(g, u)

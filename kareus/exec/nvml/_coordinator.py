@@ -70,8 +70,8 @@ class TorchDistributedCoordinator(Coordinator):
     group's backend; the same calls on every rank)."""
 
     def __init__(self, *, group: Any = None) -> None:
-        import torch  # noqa: PLC0415
-        import torch.distributed as dist  # noqa: PLC0415
+        import torch
+        import torch.distributed as dist
 
         if not dist.is_initialized():
             raise HardwareError("torch.distributed is not initialised; call "

@@ -26,13 +26,13 @@ def load_nvml(nvml: Any = None) -> Any:
     """
     if nvml is None:
         try:
-            import pynvml  # noqa: PLC0415
+            import pynvml
         except ImportError as exc:
             raise HardwareError("NVML is not available: install nvidia-ml-py") from exc
         nvml = pynvml
     try:
         nvml.nvmlInit()
-    except Exception as exc:  # noqa: BLE001 - pynvml raises NVMLError subclasses
+    except Exception as exc:  # pynvml raises NVMLError subclasses
         raise HardwareError(
             f"NVML failed to initialise ({exc}): this needs a machine with NVIDIA GPUs and their "
             "driver. Without GPUs, measure with EmulatedProfiler (or replay recorded data with "
@@ -55,7 +55,7 @@ def cuda_device_uuid(device: int | None = None) -> str | None:
         device: CUDA device index as this process sees it.
     """
     try:
-        import torch  # noqa: PLC0415 - heavy, optional
+        import torch  # heavy, optional
     except ImportError:
         return None
     if not torch.cuda.is_available():

@@ -120,7 +120,7 @@ class EnergyMeter:
         while not self._stop.is_set():
             try:
                 vals = self.read_energy_mj()
-            except Exception as exc:  # noqa: BLE001 - keep polling through NVML hiccups
+            except Exception as exc:  # keep polling through NVML hiccups
                 self.read_errors += 1
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 self._stop.wait(self.poll_interval_s)
@@ -138,7 +138,7 @@ class EnergyMeter:
             if now >= next_sample:
                 try:
                     s = (now, self.temperatures_c(), self.sm_clocks_mhz())
-                except Exception:  # noqa: BLE001 - sampling is best effort
+                except Exception:  # sampling is best effort
                     s = None
                 if s is not None:
                     with self._lock:

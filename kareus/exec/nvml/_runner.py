@@ -55,7 +55,7 @@ class TorchPartitionRunner(PartitionRunner):
         if not isinstance(executor, Executor):
             raise TypeError(f"executor must be an Executor (e.g. TorchExecutor), got "
                             f"{type(executor).__name__}")
-        import torch  # noqa: PLC0415
+        import torch
 
         self._torch = torch
         self.executor = executor
@@ -69,7 +69,7 @@ class TorchPartitionRunner(PartitionRunner):
         Raises:
             TypeError: ``partition`` is not a runnable partition.
         """
-        from kareus.exec.torch_partition import RunnablePartition  # noqa: PLC0415
+        from kareus.exec.torch_partition import RunnablePartition
 
         if self.resolve is not None and not isinstance(partition, RunnablePartition):
             partition = self.resolve(partition)

@@ -282,7 +282,7 @@ def _plan_config(plan_config_of: Callable[[str], Any], types: Mapping[str, TypeS
     return key, (cfg if slot == cfg.launch_slot else attrs.evolve(cfg, launch_slot=slot))
 
 
-def run_computation(executor: Any, stack: Sequence[Piece], *, schedule: str, nanobatches: int,
+def run_computation(executor: Any, stack: Sequence[Piece], *, schedule: str, nanobatches: int,  # noqa: C901 - one branch per schedule, checked up front; they share the enqueue helpers
                     run_op: Callable[[Op, int], Any],
                     comm_args: Callable[[Comm, int], tuple[Any, Any]],
                     types: Mapping[str, TypeShape] | None = None,

@@ -35,7 +35,7 @@ __all__ = ["GroupedCollective", "LoopbackCollective", "LoopbackGroups", "Paralle
 
 def _on(stream: Any) -> Any:
     """``torch.cuda.stream(stream)`` for a CUDA stream, else a no-op context."""
-    import torch  # noqa: PLC0415
+    import torch
 
     if isinstance(stream, torch.cuda.Stream):
         return torch.cuda.stream(stream)
@@ -80,7 +80,7 @@ class TorchParallelGroups(ParallelGroups):
     """
 
     def __init__(self, *, tp: int) -> None:
-        import torch.distributed as dist  # noqa: PLC0415
+        import torch.distributed as dist
 
         world, rank = dist.get_world_size(), dist.get_rank()
         if tp < 1 or world % tp:
@@ -171,7 +171,7 @@ class LoopbackCollective(CollectiveBackend):
     @property
     def sm_count(self) -> int:
         """SMs of the current CUDA device (132 without one)."""
-        import torch  # noqa: PLC0415
+        import torch
 
         if not torch.cuda.is_available():
             return 132
@@ -194,7 +194,7 @@ class LoopbackCollective(CollectiveBackend):
 
     def reduce_scatter(self, output: Any, input: Any, stream: Any, sms: int | None) -> Any:
         """``output`` = ``group_size`` x this rank's block of ``input``, on ``stream``."""
-        import torch  # noqa: PLC0415
+        import torch
 
         self.calls.append(("reduce_scatter", int(input.numel()), sms))
         m = output.numel()

@@ -159,10 +159,10 @@ class TrainingLoop:
                  frequency: Any = None, layers: int | None = None, streams: Any = None,
                  kernels: Any = None, device: Any = None, dtype: str = "bfloat16",
                  seed: int = 0, lr: float = 3e-4, schedule: str = "1f1b") -> None:
-        import torch  # noqa: PLC0415
+        import torch
 
-        from kareus.model.partition import build_partitions  # noqa: PLC0415
-        from kareus.model.pipeline import get_schedule  # noqa: PLC0415
+        from kareus.model.partition import build_partitions
+        from kareus.model.pipeline import get_schedule
 
         if not isinstance(workload, Workload):
             raise TypeError(f"workload must be a Workload, got {type(workload).__name__}")
@@ -267,7 +267,7 @@ class TrainingLoop:
 
 def _no_collective_backend() -> Any:
     """The executors' backend of a job without collectives (TP = CP = 1; never called)."""
-    from kareus.exec.train._groups import LoopbackCollective  # noqa: PLC0415
+    from kareus.exec.train._groups import LoopbackCollective
 
     return LoopbackCollective(group_size=1)
 
@@ -290,7 +290,7 @@ def measure_runs(loop: TrainingLoop, order: Sequence[tuple[str, int]], *, steps:
     Returns:
         One :class:`RunRecord` per run, in ``order``.
     """
-    import torch  # noqa: PLC0415
+    import torch
 
     if steps < 1 or warmup < 0:
         raise ValueError("steps must be >= 1 and warmup >= 0")
@@ -365,9 +365,9 @@ def overlap_efficiency(workload: Workload, *, executor: TorchExecutor,
     Returns:
         Type -> ``{"time_s", "compute_s", "comm_s", "efficiency"}``.
     """
-    import torch  # noqa: PLC0415
+    import torch
 
-    from kareus.exec.torch_partition import runnable_partitions  # noqa: PLC0415
+    from kareus.exec.torch_partition import runnable_partitions
 
     parts = runnable_partitions(workload, sorted(configs), kernels=kernels)
     coll = executor.collective

@@ -73,9 +73,9 @@ class DecoderShard:
                  nanobatch_counts: tuple[int, ...] = (1, 2), recompute: bool = True,
                  kernels: Any = None, device: Any = None, dtype: str = "bfloat16",
                  seed: int = 0, lr: float = 3e-4, weight_decay: float = 0.01) -> None:
-        import torch  # noqa: PLC0415
+        import torch
 
-        from kareus.exec.kernels import get_kernels  # noqa: PLC0415
+        from kareus.exec.kernels import get_kernels
 
         tp, cp = groups.tp_size, groups.cp_size
         self.layers = arch.layers if layers is None else int(layers)
@@ -424,7 +424,7 @@ class DecoderShard:
         if self.cp == 1 or self.r == 0:
             return self.ks.attention(q, k, v)
         torch = self.torch
-        from torch.nn.attention.bias import causal_lower_right  # noqa: PLC0415
+        from torch.nn.attention.bias import causal_lower_right
 
         rep = q.shape[1] // k.shape[1]
         if rep > 1:
