@@ -42,11 +42,13 @@ from kareus.exec.train._chain import (
     type_shapes,
 )
 from kareus.exec.train._groups import (
+    BACKENDS,
     GroupedCollective,
     LoopbackCollective,
     LoopbackGroups,
     ParallelGroups,
     TorchParallelGroups,
+    make_collectives,
 )
 from kareus.exec.train._loop import (
     RunRecord,
@@ -59,6 +61,7 @@ from kareus.exec.train._loop import (
 from kareus.exec.train._model import DecoderShard
 
 __all__ = [
+    "BACKENDS",
     "SCHEDULES",
     "Comm",
     "DecoderShard",
@@ -75,6 +78,7 @@ __all__ = [
     "TypeShape",
     "check_plan_workload",
     "clip_slot",
+    "make_collectives",
     "match_type",
     "measure_runs",
     "overlap_efficiency",

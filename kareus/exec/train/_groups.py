@@ -29,8 +29,8 @@ from typing import Any, ClassVar
 
 from kareus.exec.collectives import CollectiveBackend
 
-__all__ = ["GroupedCollective", "LoopbackCollective", "LoopbackGroups", "ParallelGroups",
-           "TorchParallelGroups"]
+__all__ = ["BACKENDS", "GroupedCollective", "LoopbackCollective", "LoopbackGroups",
+           "ParallelGroups", "TorchParallelGroups", "make_collectives"]
 
 
 def _on(stream: Any) -> Any:
@@ -276,3 +276,65 @@ class GroupedCollective(CollectiveBackend):
         for b in (self.tp, self.cp):
             if b is not None:
                 b.close()
+
+
+#: Backends :func:`make_collectives` builds for the plan's collectives.
+BACKENDS = ("nccl_capped", "own", "loopback")
+
+
+def make_collectives(groups: ParallelGroups, *, backend: str = "nccl_capped",
+                     caps: tuple[int, ...] = ()) -> tuple[GroupedCollective | None,
+                                                          GroupedCollective | None, str]:
+    """The collectives of a job: ``(capped, default, note)``.
+
+    Args:
+        groups: The job's groups (:class:`TorchParallelGroups`, or :class:`LoopbackGroups`
+            with ``backend="loopback"``).
+        backend: ``"nccl_capped"`` (NCCL communicators capped at each SM count),
+            ``"own"`` (kareus's SM-capped kernels on registered buffers) or
+            ``"loopback"`` (one GPU: :class:`LoopbackCollective`).
+        caps: SM counts to create NCCL communicators for up front (every rank, same order).
+
+    Returns:
+        The backend with exact SM caps, the one with the collectives' own CTA count
+        (:class:`~kareus.exec.collectives.ProcessGroupCollective`; the loopback again on
+        one GPU), both ``None`` when TP = CP = 1, and a line saying what runs.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    sizes = {"tp": groups.tp_size, "cp": groups.cp_size}
+    if sizes["tp"] * sizes["cp"] == 1:
+        return None, None, "no collectives (TP = CP = 1)"
+    if backend == "loopback":
+        if not isinstance(groups, LoopbackGroups):
+            raise ValueError("the loopback backend goes with LoopbackGroups (one GPU)")
+        mk = {g: (LoopbackCollective(group_size=n) if n > 1 else None) for g, n in sizes.items()}
+        return (GroupedCollective(**mk), GroupedCollective(**mk),
+                "loopback: one GPU stands in for the group (a real kernel of each "
+                "collective's bytes on the side stream; no link traffic, SM caps not applied)")
+    if not isinstance(groups, TorchParallelGroups):
+        raise ValueError(f"backend {backend!r} needs TorchParallelGroups")
+    from kareus.exec.collectives import (
+        NCCLCappedCollective,
+        OwnKernelCollective,
+        ProcessGroupCollective,
+    )
+
+    capped: dict[str, Any] = {}
+    default: dict[str, Any] = {}
+    for g, n in sizes.items():
+        if n == 1:
+            capped[g] = default[g] = None
+            continue
+        pg = groups.group(g)
+        default[g] = ProcessGroupCollective(group=pg)
+        if backend == "own":
+            capped[g] = OwnKernelCollective(group=pg)
+        else:
+            capped[g] = NCCLCappedCollective(group=pg)
+            for sms in caps:
+                capped[g].group_for(sms)
+    note = ("OwnKernelCollective (kareus's SM-capped kernels, registered buffers)"
+            if backend == "own" else
+            "NCCLCappedCollective (min_ctas = max_ctas = the plan's SM count)")
+    return GroupedCollective(**capped), GroupedCollective(**default), note

@@ -1,0 +1,308 @@
+"""The training loop's schedule logic (kareus.exec.train._chain) on fakes, no torch.
+
+A RecordingExecutor records where each collective launches, with which SM count and
+under which partition type; the ops are recorded by a fake model.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from kareus.compose import MicrobatchChoice, Plan
+from kareus.exec.executor import plan_config
+from kareus.exec.train import (
+    SCHEDULES,
+    Comm,
+    DefaultConfig,
+    Op,
+    clip_slot,
+    match_type,
+    pieces,
+    run_computation,
+    shuffled_order,
+    stack_stream,
+    type_shapes,
+)
+from kareus.model.config import ScheduleConfig
+from kareus.model.partition import build_partitions
+from kareus.model.pipeline import get_schedule
+from kareus.model.workload import ModelArch, Parallelism, Workload
+from kareus.testing import RecordingExecutor
+
+ARCH = ModelArch(name="tiny", layers=3, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=128,
+                 vocab=101)
+COMBOS = [(2, 1, True), (2, 1, False), (1, 2, False), (2, 2, True), (2, 2, False),
+          (4, 2, True)]
+
+
+def workload(tp: int, cp: int, recompute: bool = True, n: int = 2, layers: int = 3) -> Workload:
+    m = ModelArch(name="tiny", layers=layers, hidden=64, heads=8, kv_heads=4, head_dim=8,
+                  ffn=128, vocab=101)
+    return Workload(model=m, parallelism=Parallelism(tp=tp, cp=cp), microbatch_size=4,
+                    seq_len=16, num_microbatches=2, nanobatches=n, recompute=recompute)
+
+
+def plan_for(wl: Workload, *, pick: int = 1, sms: int = 8) -> Plan:
+    """Every type at its slot ``pick`` (clipped) with ``sms + type index`` SMs."""
+    ps = build_partitions(wl)
+    cfgs = {}
+    for k, (name, p) in enumerate(sorted(ps.types.items())):
+        slots = [s.name for s in p.slots]
+        cfgs[name] = ScheduleConfig(1980, sms + k, slots[min(pick, len(slots) - 1)])
+    comps = get_schedule("1f1b", 1, wl.num_microbatches).stage_orders[0]
+    return Plan(gpu="h200-sxm", num_stages=1, num_microbatches=wl.num_microbatches,
+                choices=[MicrobatchChoice(freq_mhz=1980, configs=cfgs)],
+                assignment={c.key(): 0 for c in comps}, time_s=1.0, energy_j=1.0,
+                dynamic_energy_j=0.5, static_power_w=100.0, workload=wl.to_dict())
+
+
+class FakeModel:
+    """Records ops; a collective's tensor is named by (comm, nanobatch)."""
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def run_op(self, op: Op, nb: int) -> None:
+        self.log.append(("ran", op.name, op.layer, nb))
+
+    def comm_args(self, comm: Comm, nb: int) -> tuple[str, str | None]:
+        t = f"{comm.name}@{comm.layer}#{nb}"
+        return t, (None if comm.kind == "all_reduce" else t + ">out")
+
+
+def run(wl: Workload, phase: str, schedule: str, plan: Plan | None = None):
+    p = wl.parallelism
+    ex = RecordingExecutor(plan=plan)
+    ex.start()
+    model = FakeModel(ex.log)
+    stack = pieces(stack_stream(phase, wl.model.layers, tp=p.tp, cp=p.cp,
+                                recompute=wl.recompute))
+    types = type_shapes(build_partitions(wl))
+    n = 1 if schedule == "sequential" else wl.nanobatches
+    if schedule == "kareus":
+        with ex.microbatch(0, 0, phase):
+            ran = run_computation(ex, stack, schedule=schedule, nanobatches=n,
+                                  run_op=model.run_op, comm_args=model.comm_args, types=types,
+                                  plan_config_of=lambda k: plan_config(plan, k, ex.current))
+    else:
+        ran = run_computation(ex, stack, schedule=schedule, nanobatches=n, run_op=model.run_op,
+                              comm_args=model.comm_args, types=types)
+    return ex, stack, ran
+
+
+# ------------------------------------------------------------------ the stream
+
+
+def test_forward_stream_of_a_tp_cp_layer():
+    s = stack_stream("fwd", 1, tp=2, cp=2, recompute=True)
+    names = [x.name if isinstance(x, Op) else f"<{x.kind}:{x.name}>" for x in s]
+    assert names == ["attn_norm", "qkv", "rope", "<all_gather:kv>", "attn_core", "out_proj",
+                     "<all_reduce:attn_out>", "mlp_norm", "gate", "up", "swiglu", "down",
+                     "<all_reduce:mlp_out>"]
+
+
+def test_backward_stream_recomputes_each_layer_before_its_backward():
+    s = stack_stream("bwd", 2, tp=2, cp=1, recompute=True)
+    ops = [(x.name, x.layer) for x in s if isinstance(x, Op)]
+    # layer 1 (top): recompute, backward; then layer 0's recompute; layer 1's norm
+    # backward opens layer 0's backward; layer 0's norm backward is last.
+    assert ops[:5] == [("attn_norm", 1), ("qkv", 1), ("rope", 1), ("attn_core", 1),
+                       ("out_proj", 1)]
+    k = ops.index(("attn_norm_bwd", 1))
+    assert ops[k - 1] == ("down", 0) and ops[k + 1] == ("down_dgrad", 0)
+    assert ops[-1] == ("attn_norm_bwd", 0)
+    no_rc = [(x.name, x.layer) for x in stack_stream("bwd", 2, tp=2, cp=1, recompute=False)
+             if isinstance(x, Op)]
+    assert not any(n in ("qkv", "down") for n, _ in no_rc)
+
+
+@pytest.mark.parametrize("tp,cp,recompute", COMBOS)
+def test_every_piece_is_a_partition_type_with_its_collective(tp, cp, recompute):
+    """Each unit's ops and the collective it overlaps form a type of the partition model."""
+    wl = workload(tp, cp, recompute)
+    types = type_shapes(build_partitions(wl))
+    for phase in ("fwd", "bwd"):
+        stack = pieces(stack_stream(phase, 3, tp=tp, cp=cp, recompute=recompute))
+        assert all(p.comm is not None for p in stack[:-1])
+        prev = None
+        partial = 0
+        for piece in stack:
+            if prev is not None:
+                hit = match_type(types, piece.op_names, prev.kind)
+                assert hit is not None, (phase, piece.op_names, prev.kind)
+                partial += types[hit[0]].op_names != piece.op_names
+            if piece.comm is not None:  # the next nanobatch of the same piece
+                hit = match_type(types, piece.op_names, piece.comm.kind)
+                assert hit is not None, (phase, piece.op_names, piece.comm.kind)
+            prev = piece.comm
+        # only the ends of the stack are cut: the top layer's first backward piece and
+        # the bottom layer's last one
+        assert partial <= 2, (phase, partial)
+
+
+@pytest.mark.parametrize("tp,cp,recompute", COMBOS)
+def test_partitions_per_computation_match_the_partition_model(tp, cp, recompute):
+    """The loop runs each type about as often per microbatch computation as the partition
+    model counts it (the model pairs the last collective with the first piece: the tail)."""
+    wl = workload(tp, cp, recompute)
+    ps = build_partitions(wl)
+    plan = plan_for(wl)
+    for phase in ("fwd", "bwd"):
+        _, _, ran = run(wl, phase, "kareus", plan)
+        got, want = Counter(k for k, _ in ran), Counter(ps.counts[phase])
+        assert sum(got.values()) == sum(want.values()), phase
+        # at most the ends of the stack differ: with recomputation the first unit (the top
+        # layer's recomputed attention) overlaps nothing, and the bottom layer's norm
+        # backward overlaps the last collective instead of the top layer's
+        assert set(got) == set(want) and all(abs(got[k] - want[k]) <= 1 for k in want), phase
+        if not recompute or phase == "fwd":
+            assert got == want, phase
+
+
+def test_recomputation_without_tp_mixes_forward_and_backward_ops_in_one_piece():
+    """TP=1, CP=2 with recomputation: the recomputed forward of a layer and its backward
+    share the pieces between two collectives, which no partition type holds; such units
+    run sequentially with the SM count of a type with that collective."""
+    wl = workload(1, 2, True)
+    plan = plan_for(wl)
+    ps = build_partitions(wl)
+    _, _, ran = run(wl, "fwd", "kareus", plan)
+    assert Counter(k for k, _ in ran) == Counter(ps.counts["fwd"])
+    _, stack, ran = run(wl, "bwd", "kareus", plan)
+    types = type_shapes(ps)
+    unmatched = [p for p in stack if p.comm is not None
+                 and match_type(types, p.op_names, p.comm.kind) is None]
+    assert unmatched
+    for p in unmatched:  # each holds recomputed forward ops and backward ops
+        assert {"attn_norm", "attn_core"} & set(p.op_names)
+        assert any(n.endswith(("_bwd", "grad")) for n in p.op_names)
+    sms = {c.comm_sms for cs in plan.partition_configs().values() for c in cs}
+    assert all(cfg.comm_sms in sms for _, cfg in ran)
+    assert any(cfg.launch_slot is None for _, cfg in ran)
+
+
+def test_match_type_and_clip_slot():
+    types = type_shapes(build_partitions(workload(2, 1)))
+    assert match_type(types, ("mlp_norm", "gate", "up", "swiglu", "down"), "all_reduce") == (
+        "fwd_mlp", 0)
+    assert match_type(types, ("down_dgrad", "down_wgrad"), "all_reduce") == ("bwd_mlp", 1)
+    assert match_type(types, ("qkv",), "all_gather") is None
+    ops = types["bwd_mlp"].op_names
+    assert clip_slot("attn_norm_bwd", ops, 1, ops[1:]) == "down_dgrad"  # before: first op
+    assert clip_slot("gate_dgrad", ops, 1, ops[1:]) == "gate_dgrad"
+    assert clip_slot("down_dgrad", ops, 0, ops[:1]) is None  # after the unit: sequential
+    assert clip_slot(None, ops, 0, ops) is None
+    with pytest.raises(ValueError):
+        clip_slot("nope", ops, 0, ops)
+
+
+# ------------------------------------------------------------------ the schedules
+
+
+def _collectives(ex):
+    return ex.entries("collective")
+
+
+@pytest.mark.parametrize("tp,cp,recompute", [(2, 1, True), (2, 2, False), (1, 2, True)])
+def test_kareus_launches_each_collective_at_the_plans_slot_with_its_sms(tp, cp, recompute):
+    wl = workload(tp, cp, recompute)
+    plan = plan_for(wl)
+    cfgs = {k: v[0] for k, v in plan.partition_configs().items()}
+    for phase in ("fwd", "bwd"):
+        ex, stack, ran = run(wl, phase, "kareus", plan)
+        log = ex.log
+        for i, e in enumerate(log):
+            if e[0] != "collective":
+                continue
+            _, key, kind, sms, slot = e
+            assert sms == cfgs[key].comm_sms  # the type's SM count, always
+            if slot is not None:  # launched right before that op, which comes next
+                nxt = next(x for x in log[i + 1:] if x[0] == "op")
+                assert nxt[2] == slot
+        # every collective of every nanobatch runs once, in stream order
+        n = wl.nanobatches
+        want = [(p.comm.kind, f"{p.comm.name}@{p.comm.layer}#{nb}") for p in stack
+                if p.comm is not None for nb in range(n)]
+        got = [(e[2], e[1]) for e in log if e[0] == "communicate"]
+        assert [k for k, _ in got] == [k for k, _ in want]
+        assert len(_collectives(ex)) == len(want)
+        # the ops: every op of every nanobatch once, piece by piece
+        ops = [(e[1], e[2], e[3]) for e in log if e[0] == "ran"]
+        assert ops == [(o.name, o.layer, nb) for p in stack for nb in range(n) for o in p.ops]
+        # the clipped slots: a slot outside the unit runs at its first op or sequential
+        for key, cfg in ran:
+            assert cfg.comm_sms == cfgs[key].comm_sms
+            assert cfg.launch_slot in (cfgs[key].launch_slot, None) or cfg.launch_slot in \
+                types_ops(wl, key)
+
+
+def types_ops(wl, key):
+    return type_shapes(build_partitions(wl))[key].op_names
+
+
+def test_sequential_runs_each_collective_after_its_own_ops_with_default_ctas():
+    wl = workload(2, 2, True)
+    for phase in ("fwd", "bwd"):
+        ex, stack, _ = run(wl, phase, "sequential")
+        log = ex.log
+        comms = [i for i, e in enumerate(log) if e[0] == "collective"]
+        assert len(comms) == sum(p.comm is not None for p in stack)
+        for i in comms:
+            _, key, kind, sms, slot = log[i]
+            assert sms is None and slot is None
+            prev_ops = [e for e in log[:i] if e[0] == "ran"]
+            # the collective follows the last op of its piece, whole microbatch (nb 0)
+            assert prev_ops[-1][3] == 0
+        assert all(e[3] == 0 for e in log if e[0] == "ran")
+
+
+def test_nanobatching_launches_with_the_next_units_first_op_with_default_ctas():
+    wl = workload(2, 1, True)
+    ex, stack, ran = run(wl, "fwd", "nanobatching")
+    log = ex.log
+    tail = 0
+    for i, e in enumerate(log):
+        if e[0] != "collective":
+            continue
+        assert e[3] is None  # the collective's own CTA count
+        if e[4] is None:
+            tail += 1
+        else:
+            nxt = next(x for x in log[i + 1:] if x[0] == "op")
+            assert nxt[2] == e[4]
+    assert tail == 1  # only the last collective is exposed
+    assert all(isinstance(cfg, DefaultConfig) for _, cfg in ran)
+
+
+def test_kareus_requests_the_plans_clock_and_baselines_do_not():
+    wl = workload(2, 1)
+    plan = plan_for(wl)
+    ex, _, _ = run(wl, "fwd", "kareus", plan)
+    assert ex.entries("microbatch") == [(0, 0, "fwd", 1980)]
+    ex, _, _ = run(wl, "fwd", "nanobatching")
+    assert ex.entries("microbatch") == []
+
+
+def test_bad_arguments():
+    wl = workload(2, 1)
+    ex = RecordingExecutor()
+    stack = pieces(stack_stream("fwd", 1, tp=2, cp=1, recompute=True))
+    kw = dict(run_op=lambda op, nb: None, comm_args=lambda c, nb: ("t", None))
+    with pytest.raises(ValueError, match="schedule"):
+        run_computation(ex, stack, schedule="other", nanobatches=2, **kw)
+    with pytest.raises(ValueError, match="nanobatches=1"):
+        run_computation(ex, stack, schedule="sequential", nanobatches=2, **kw)
+    with pytest.raises(ValueError, match="plan_config_of"):
+        run_computation(ex, stack, schedule="kareus", nanobatches=2, **kw)
+    with pytest.raises(ValueError):
+        stack_stream("mid", 1, tp=2, cp=1, recompute=True)
+    assert wl.nanobatches == 2 and SCHEDULES == ("sequential", "nanobatching", "kareus")
+
+
+def test_shuffled_order_is_a_function_of_the_seed_alone():
+    a = shuffled_order(SCHEDULES, 3, 0)
+    assert a == shuffled_order(SCHEDULES, 3, 0)
+    assert sorted(a) == sorted((s, r) for s in SCHEDULES for r in range(3))
+    assert any(shuffled_order(SCHEDULES, 3, k) != a for k in range(1, 5))

@@ -1,0 +1,351 @@
+"""The library's training loop (kareus.exec.train) on the CPU with torch.
+
+* one process, no collective: loss and every gradient equal an autograd reference of the
+  same decoder (the op-by-op backward is right);
+* one process standing in for TP and CP groups (loopback): the three schedules give the
+  same losses, the loss falls, a reset starts over;
+* four processes over gloo (TP=2 x CP=2, real collectives through the executor): the
+  loss and every rank's gradients equal the autograd reference of the whole model
+  assembled from the four shards (tensor and context parallelism are right).
+
+Skipped without torch.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kareus.compose import MicrobatchChoice, Plan  # noqa: E402
+from kareus.errors import PlanError  # noqa: E402
+from kareus.exec.collectives import CollectiveBackend  # noqa: E402
+from kareus.exec.executor import RecordingStreamBackend  # noqa: E402
+from kareus.exec.train import (  # noqa: E402
+    GroupedCollective,
+    LoopbackCollective,
+    LoopbackGroups,
+    TrainingLoop,
+    check_plan_workload,
+    make_collectives,
+    measure_runs,
+    shuffled_order,
+)
+from kareus.model.config import ScheduleConfig  # noqa: E402
+from kareus.model.partition import build_partitions  # noqa: E402
+from kareus.model.pipeline import get_schedule  # noqa: E402
+from kareus.model.workload import ModelArch, Parallelism, Workload  # noqa: E402
+
+F = torch.nn.functional
+REPO = Path(__file__).resolve().parents[2]
+
+
+def workload(tp: int, cp: int, recompute: bool = True, n: int = 2) -> Workload:
+    m = ModelArch(name="tiny", layers=2, hidden=32, heads=4, kv_heads=2, head_dim=8, ffn=64,
+                  vocab=50)
+    return Workload(model=m, parallelism=Parallelism(tp=tp, cp=cp), microbatch_size=4,
+                    seq_len=8, num_microbatches=2, nanobatches=n, recompute=recompute)
+
+
+def plan_for(wl: Workload, *, pick: int = 1, sms: int = 8) -> Plan:
+    cfgs = {}
+    for name, p in build_partitions(wl).types.items():
+        slots = [s.name for s in p.slots]
+        cfgs[name] = ScheduleConfig(1980, sms, slots[min(pick, len(slots) - 1)])
+    comps = get_schedule("1f1b", 1, wl.num_microbatches).stage_orders[0]
+    return Plan(gpu="h200-sxm", num_stages=1, num_microbatches=wl.num_microbatches,
+                choices=[MicrobatchChoice(freq_mhz=1980, configs=cfgs)],
+                assignment={c.key(): 0 for c in comps}, time_s=1.0, energy_j=1.0,
+                dynamic_energy_j=0.5, static_power_w=100.0, workload=wl.to_dict())
+
+
+def loopback_loop(tp: int, cp: int, recompute: bool = True, *, lr: float = 1e-2,
+                  plan: bool = True) -> TrainingLoop:
+    wl = workload(tp, cp, recompute)
+    groups = LoopbackGroups(tp=tp, cp=cp)
+    capped, default, _ = make_collectives(groups, backend="loopback")
+    return TrainingLoop(workload=wl, groups=groups, collective=capped,
+                        default_collective=default, plan=plan_for(wl) if plan else None,
+                        streams=RecordingStreamBackend(), kernels="torch", device="cpu",
+                        dtype="float32", lr=lr)
+
+
+# ------------------------------------------------------------------ the reference
+
+
+def _rms(x, w):
+    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)) * w
+
+
+def _rope(x, cos, sin):  # x [b, s, heads, hd]; HF layout, halves equal
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[None, :, None, :] + rot * sin[None, :, None, :]
+
+
+def reference(shards: list[dict[str, Any]], arch: ModelArch, layers: int,
+              batches: list[tuple[Any, Any]], n_tokens: int) -> tuple[float, list[dict]]:
+    """Loss and gradients of the whole model from its TP shards (``shards[r]``: rank r's
+    parameters by name), on whole sequences; autograd, float64."""
+    tp = len(shards)
+    P = [{k: v.detach().double().clone().requires_grad_() for k, v in s.items()}
+         for s in shards]
+    heads, kvh, hd = arch.heads // tp, arch.kv_heads // tp, arch.head_dim
+    emb = torch.cat([p["emb"] for p in P])[:arch.vocab]
+    wlm = torch.cat([p["Wlm"] for p in P], dim=1)[:, :arch.vocab]
+    total = 0.0
+    for tokens, labels in batches:
+        b, s = tokens.shape
+        pos = torch.arange(s, dtype=torch.float64)
+        inv = 1.0 / (500000.0 ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+        ang = torch.outer(pos, inv)
+        ang = torch.cat((ang, ang), dim=-1)
+        cos, sin = ang.cos(), ang.sin()
+        x = emb[tokens.reshape(-1)]
+        for layer in range(layers):
+            y = 0
+            xn = _rms(x, P[0][f"l{layer}.w_attn_norm"])
+            for p in P:
+                qkv = (xn @ p[f"l{layer}.Wqkv"]).view(b, s, heads + 2 * kvh, hd)
+                q = _rope(qkv[:, :, :heads], cos, sin).transpose(1, 2)
+                k = _rope(qkv[:, :, heads:heads + kvh], cos, sin).transpose(1, 2)
+                v = qkv[:, :, heads + kvh:].transpose(1, 2)
+                rep = heads // kvh
+                o = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1),
+                                                   v.repeat_interleave(rep, 1), is_causal=True)
+                y = y + o.transpose(1, 2).reshape(b * s, heads * hd) @ p[f"l{layer}.Wo"]
+            x = x + y
+            xn2 = _rms(x, P[0][f"l{layer}.w_mlp_norm"])
+            x = x + sum((F.silu(xn2 @ p[f"l{layer}.Wg"]) * (xn2 @ p[f"l{layer}.Wu"]))
+                        @ p[f"l{layer}.Wd"] for p in P)
+        logits = _rms(x, P[0]["w_final"]) @ wlm
+        total = total + F.cross_entropy(logits, labels.reshape(-1), reduction="sum")
+    loss = total / n_tokens
+    loss.backward()
+    grads = []
+    for p in P:
+        grads.append({k: (v.grad if v.grad is not None else torch.zeros_like(v)).float()
+                      for k, v in p.items()})
+    # Replicated weights (norms) get their gradient once per TP rank in the reference;
+    # each rank holds the whole of it.
+    for k in grads[0]:
+        if k.endswith(("norm", "w_final")):
+            tot = sum(g[k] for g in grads)
+            for g in grads:
+                g[k] = tot
+    return float(loss.detach()), grads
+
+
+def _close(a, b, tol=1e-4):
+    return float((a.double() - b.double()).norm() / max(b.double().norm(), 1e-12)) < tol
+
+
+@pytest.mark.parametrize("schedule", ["sequential", "nanobatching"])
+@pytest.mark.parametrize("recompute", [True, False])
+def test_one_process_matches_autograd(schedule, recompute):
+    wl = workload(1, 1, recompute)
+    loop = TrainingLoop(workload=wl, groups=LoopbackGroups(tp=1), streams=RecordingStreamBackend(),
+                        kernels="torch", device="cpu", dtype="float32", lr=1e-3)
+    m = loop.model
+    params = {k: v.clone() for k, v in m.params.items()}
+    loss = float(loop.step(schedule))
+    ref_loss, (ref,) = reference([params], wl.model, loop.layers, loop.batches,
+                                 wl.num_microbatches * wl.microbatch_size * wl.seq_len)
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    for k, g in m.grads.items():
+        assert _close(g, ref[k]), k
+    # the optimizer moved the weights
+    assert not torch.equal(m.params["l0.Wqkv"], params["l0.Wqkv"])
+
+
+@pytest.mark.parametrize("tp,cp,recompute", [(2, 1, True), (1, 2, True), (2, 2, False)])
+def test_loopback_schedules_agree_and_the_loss_falls(tp, cp, recompute):
+    loop = loopback_loop(tp, cp, recompute)
+    losses = {}
+    for s in loop.schedules:
+        loop.reset()
+        losses[s] = [float(loop.step(s)) for _ in range(4)]
+    ref = losses["sequential"]
+    for s, got in losses.items():
+        assert got == pytest.approx(ref, rel=1e-5), s
+    assert ref[-1] < ref[0]
+    loop.reset()
+    assert float(loop.step("kareus")) == losses["kareus"][0]
+
+
+def test_measure_runs_on_the_cpu():
+    loop = loopback_loop(2, 1)
+    order = shuffled_order(loop.schedules, 2, 3)
+    recs = measure_runs(loop, order, steps=2, warmup=1)
+    assert [(r.schedule, r.repeat) for r in recs] == order
+    for r in recs:
+        assert len(r.step_time_s) == 2 and len(r.losses) == 3 and r.energy_j is None
+        assert r.losses == recs[0].losses or r.losses == pytest.approx(recs[0].losses,
+                                                                        rel=1e-5)
+        assert r.to_dict()["time_s"] == pytest.approx(r.time_s)
+
+
+def test_plan_for_another_job_is_refused():
+    wl = workload(2, 1)
+    plan = plan_for(wl)
+    check_plan_workload(plan, wl)
+    with pytest.raises(PlanError, match="nanobatches"):
+        check_plan_workload(plan, wl.with_(nanobatches=1))
+    with pytest.raises(PlanError, match="cp: plan 1, job 2"):
+        TrainingLoop(workload=workload(2, 2), groups=LoopbackGroups(tp=2, cp=2),
+                     collective=make_collectives(LoopbackGroups(tp=2, cp=2),
+                                                 backend="loopback")[0],
+                     plan=plan, streams=RecordingStreamBackend(), kernels="torch",
+                     device="cpu", dtype="float32")
+    with pytest.raises(ValueError, match="groups"):
+        TrainingLoop(workload=wl, groups=LoopbackGroups(tp=1), streams=RecordingStreamBackend(),
+                     device="cpu")
+
+
+def test_kareus_needs_a_plan():
+    loop = loopback_loop(2, 1, plan=False)
+    assert loop.schedules == ("sequential", "nanobatching")
+    with pytest.raises(ValueError, match="schedule"):
+        loop.step("kareus")
+
+
+def test_loopback_collective_and_grouping():
+    lb = LoopbackCollective(group_size=4)
+    t = torch.ones(6)
+    lb.all_reduce(t, None, 8)
+    assert torch.equal(t, torch.full((6,), 4.0))
+    out = torch.zeros(4, 3)
+    lb.all_gather(out, torch.arange(3.0), None, 8)
+    assert torch.equal(out, torch.arange(3.0).expand(4, 3))
+    rs = torch.zeros(2)
+    lb.reduce_scatter(rs, torch.arange(8.0), None, 8)
+    assert torch.equal(rs, torch.tensor([0.0, 4.0]))
+    assert lb.calls == [("all_reduce", 6, 8), ("all_gather", 12, 8), ("reduce_scatter", 8, 8)]
+    tp, cp = LoopbackCollective(group_size=2), LoopbackCollective(group_size=3)
+    g = GroupedCollective(tp=tp, cp=cp)
+    g.all_reduce(torch.ones(2), None, 4)
+    g.reduce_scatter(torch.zeros(1), torch.ones(3), None, 4)
+    assert [c[0] for c in tp.calls] == ["all_reduce"]
+    assert [c[0] for c in cp.calls] == ["reduce_scatter"]
+    assert g.world_size == 2 and g.backend_for("all_gather") is cp
+    with pytest.raises(ValueError):
+        GroupedCollective(tp=tp, cp=None).backend_for("all_gather")
+    with pytest.raises(TypeError):
+        GroupedCollective(tp="nccl", cp=None)
+    groups = LoopbackGroups(tp=2, cp=3)
+    x = torch.ones(2)
+    groups.all_reduce(x, group="cp")
+    groups.all_reduce(x, group="tp", op="max")
+    assert torch.equal(x, torch.full((2,), 3.0))
+    with pytest.raises(ValueError):
+        make_collectives(groups, backend="own")
+
+
+# ------------------------------------------------------------------ four ranks over gloo
+
+
+class GlooCollective(CollectiveBackend):
+    """torch.distributed collectives on CPU tensors (test only; ``sms`` ignored)."""
+
+    name: ClassVar[str] = "gloo"
+
+    def __init__(self, group: Any) -> None:
+        import torch.distributed as dist
+
+        self.dist, self.group = dist, group
+
+    @property
+    def world_size(self) -> int:
+        return self.dist.get_world_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return self.dist.get_rank(self.group)
+
+    @property
+    def sm_count(self) -> int:
+        return 132
+
+    def all_reduce(self, tensor, stream, sms):
+        self.dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+    def all_gather(self, output, input, stream, sms):
+        parts = list(output.view(self.world_size, -1).unbind(0))
+        self.dist.all_gather(parts, input.reshape(-1).contiguous(), group=self.group)
+        return output
+
+    def reduce_scatter(self, output, input, stream, sms):
+        tmp = input.clone()
+        self.dist.all_reduce(tmp, group=self.group)
+        m = output.numel()
+        output.view(-1).copy_(tmp.view(-1)[self.rank * m:(self.rank + 1) * m])
+        return output
+
+
+def _worker(out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from kareus.exec.train import TorchParallelGroups
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    wl = workload(2, 2, recompute=True)
+    groups = TorchParallelGroups(tp=2)
+    coll = GroupedCollective(tp=GlooCollective(groups.tp_group),
+                             cp=GlooCollective(groups.cp_group))
+    loop = TrainingLoop(workload=wl, groups=groups, collective=coll, plan=plan_for(wl),
+                        streams=RecordingStreamBackend(), kernels="torch", device="cpu",
+                        dtype="float32", lr=1e-3)
+    params = {k: v.clone() for k, v in loop.model.params.items()}
+    result = {"tp_rank": groups.tp_rank, "cp_rank": groups.cp_rank, "params": params}
+    for s in loop.schedules:
+        loop.reset()
+        loss = float(loop.step(s))
+        result[s] = {"loss": loss, "grads": {k: v.clone() for k, v in loop.model.grads.items()}}
+    if rank == 0:  # the whole sequences, for the reference
+        tokens = []
+        for mb in range(wl.num_microbatches):
+            g = torch.Generator(device="cpu").manual_seed(0 * 7919 + 104729 + mb)
+            tok = torch.randint(0, wl.model.vocab, (wl.microbatch_size, wl.seq_len + 1),
+                                generator=g)
+            tokens.append((tok[:, :-1], tok[:, 1:]))
+        result["batches"] = tokens
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_four_gloo_ranks_match_the_whole_model(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4",
+           "--master_port=29731", str(Path(__file__).resolve()), str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    wl = workload(2, 2)
+    by = {(r["tp_rank"], r["cp_rank"]): r for r in res}
+    shards = [by[(t, 0)]["params"] for t in range(2)]
+    for c in range(2):  # CP ranks hold the same weights
+        for t in range(2):
+            for k, v in by[(t, c)]["params"].items():
+                assert torch.equal(v, shards[t][k]), k
+    ref_loss, ref = reference(shards, wl.model, wl.model.layers, res[0]["batches"],
+                              wl.num_microbatches * wl.microbatch_size * wl.seq_len)
+    for s in ("sequential", "nanobatching", "kareus"):
+        for r in res:
+            assert r[s]["loss"] == pytest.approx(ref_loss, rel=1e-5), s
+            for k, g in r[s]["grads"].items():
+                assert _close(g, ref[r["tp_rank"]][k]), (s, r["tp_rank"], r["cp_rank"], k)
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])
