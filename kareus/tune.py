@@ -324,7 +324,8 @@ def run_lockstep(workload: Workload, *, profiler: Profiler, coordinator: Coordin
                  fresh: bool = False, progress: bool | None = None,
                  deadline_s: float | None = None, energy_budget_j: float | None = None,
                  info: dict[str, Any] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> TuneReport | None:
+                 clock: Callable[[], float] = time.monotonic,
+                 started: float | None = None) -> TuneReport | None:
     """The tuning run over an already built profiler, on every rank (rank 0 leads).
 
     Rank 0 runs :func:`~kareus.workflow.optimize` (or, with ``types``, only those types'
@@ -345,13 +346,18 @@ def run_lockstep(workload: Workload, *, profiler: Profiler, coordinator: Coordin
         deadline_s, energy_budget_j: The plan chosen (at most one; default the fastest).
         info: Extra facts for ``tune.json`` (machine, clocks, backends).
         clock: Time source.
+        started: When the run began by ``clock`` (setting up the GPUs included); ``None``
+            = now.
+
+    ``tune.json`` keeps one entry per run of the command in ``runs`` (a resumed run adds
+    one), and the GPU time of them all in ``gpu_time_s``.
 
     Returns:
         The report on rank 0, ``None`` on the other ranks.
     """
     from kareus._outdir import guarded_folder
 
-    t0 = clock()
+    t0 = clock() if started is None else started
     catalog = Catalog(workload)
     world = coordinator.world_size
     if coordinator.rank != 0:
@@ -396,15 +402,20 @@ def run_lockstep(workload: Workload, *, profiler: Profiler, coordinator: Coordin
                             "other types were not measured)",
                     "frontiers": {n: f.to_dict() for n, f in frontiers.items()}})
             wall = clock() - t0
+            paths["tune"] = out / "tune.json"
+            runs = _earlier_runs(paths["tune"])
+            runs.append({**{k: v for k, v in (info or {}).items()
+                            if k in ("date", "command", "machine")},
+                         "measured": leader.measured, "wall_s": wall,
+                         "gpu_time_s": wall * world})
             report_info = dict(info or {})
             report_info.update({
                 "workload": workload.to_dict(), "world_size": world,
                 "backends": list(backends), "types": None if types is None else list(types),
-                "measured_this_run": leader.measured, "wall_s": wall,
-                "gpu_time_s": wall * world,
+                "measurements": len(leader._known),
+                "gpu_time_s": sum(r["gpu_time_s"] for r in runs), "runs": runs,
                 "profiles_per_partition_type": {n: len(f.measured())
                                                 for n, f in frontiers.items()}})
-            paths["tune"] = out / "tune.json"
             write_json_atomic(paths["tune"], report_info)
             ok = True
     finally:
@@ -412,6 +423,15 @@ def run_lockstep(workload: Workload, *, profiler: Profiler, coordinator: Coordin
     return TuneReport(result=result, frontiers=frontiers, paths=paths, wall_s=wall,
                       world_size=world, gpu_time_s=wall * world, measured=leader.measured,
                       info=report_info)
+
+
+def _earlier_runs(path: Path) -> list[dict[str, Any]]:
+    """The ``runs`` of an existing ``tune.json`` (a resumed run adds to them)."""
+    try:
+        runs = json.loads(path.read_text(encoding="utf-8")).get("runs", [])
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [r for r in runs if isinstance(r, dict) and "gpu_time_s" in r]
 
 
 def _search_types(profiler: Profiler, catalog: Catalog, types: Sequence[str], *, budget: int,
@@ -497,8 +517,12 @@ def tune(workload: Workload, *, out_dir: str | os.PathLike[str], gpu: str | None
     Raises:
         HardwareError: no GPU, no NVML, a world that is not the workload's group.
     """
-    import torch
-    import torch.distributed as dist
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError as exc:
+        raise HardwareError("--profiler nvml measures on GPUs through PyTorch: install it "
+                            "(pip install 'kareus[torch]') on a machine with NVIDIA GPUs") from exc
 
     from kareus.exec.collectives import (
         LoopbackCollective,
@@ -531,7 +555,8 @@ def tune(workload: Workload, *, out_dir: str | os.PathLike[str], gpu: str | None
                             "the emulated profiler without them)")
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
-    if not dist.is_initialized() and "WORLD_SIZE" in os.environ:
+    owns_group = not dist.is_initialized() and "WORLD_SIZE" in os.environ
+    if owns_group:
         dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     world = dist.get_world_size() if dist.is_initialized() else 1
     group = workload.parallelism.tp * workload.parallelism.cp
@@ -623,7 +648,7 @@ def tune(workload: Workload, *, out_dir: str | os.PathLike[str], gpu: str | None
                 "static_power_w": prof.static_power_w(),
                 "counter_step_s": prof.step_period_s,
                 "smoke_run": world == 1,
-                "command": " ".join(sys.argv),
+                "command": _command(),
                 "date": time.strftime("%Y-%m-%d", time.gmtime()),
             }
             report = run_lockstep(workload, profiler=prof, coordinator=coord, out_dir=out_dir,
@@ -631,18 +656,30 @@ def tune(workload: Workload, *, out_dir: str | os.PathLike[str], gpu: str | None
                                   budget=budget, batch_size=batch_size, seed=seed,
                                   schedule=schedule, surrogate=surrogate, systems=systems,
                                   fresh=fresh, progress=progress, deadline_s=deadline_s,
-                                  energy_budget_j=energy_budget_j, info=info)
+                                  energy_budget_j=energy_budget_j, info=info,
+                                  started=t_begin)
     finally:
         prof.close()
         for backend in named.values():
             with contextlib.suppress(Exception):
                 backend.close()
+        if owns_group:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
     wall = time.monotonic() - t_begin
     if report is not None:
         say(f"GPU time: {wall:.1f} s x {world} GPU(s) = {wall * world:.1f} GPU-s "
             f"({report.measured} measurements, {len(prof.records)} on this rank)")
         report = attrs.evolve(report, wall_s=wall, gpu_time_s=wall * world)
     return report
+
+
+def _command() -> str:
+    """This process's command line, as the user typed it (``kareus ...`` under torchrun)."""
+    argv = list(sys.argv)
+    if argv and argv[0].endswith(("kareus/__main__.py", "kareus/cli.py")):
+        argv[0] = "kareus"
+    return " ".join(argv)
 
 
 def _text(value: Any) -> str:

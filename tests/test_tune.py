@@ -158,9 +158,9 @@ def test_every_rank_issues_the_same_collectives_and_rank_0_writes_the_job(tmp_pa
     assert set(results["systems"]) == {"megatron", "nanobatching", "perseus",
                                        "nanobatching+perseus", "kareus"}
     tune = json.loads((out / "tune.json").read_text())
-    assert tune["world_size"] == n and tune["gpu_time_s"] == pytest.approx(
-        tune["wall_s"] * n)
-    assert tune["measured_this_run"] == len(profs[0].calls)
+    (run,) = tune["runs"]
+    assert tune["world_size"] == n and tune["gpu_time_s"] == pytest.approx(run["wall_s"] * n)
+    assert run["measured"] == tune["measurements"] == len(profs[0].calls)
 
 
 def test_a_killed_run_resumes_without_measuring_again(tmp_path):
@@ -184,6 +184,12 @@ def test_a_killed_run_resumes_without_measuring_again(tmp_path):
     assert Counter(first[0].calls[:11]) + Counter(second[0].calls) == Counter(
         ref_profs[0].calls)
     assert reports[0].result.select().digest == ref_reports[0].result.select().digest
+    # Run again: nothing left to measure; tune.json counts both runs' GPU time.
+    _, errors, third, _ = run_world(3, out)
+    assert errors == [None] * 3 and all(not p.calls for p in third)
+    tune = json.loads((out / "tune.json").read_text())
+    assert [r["measured"] for r in tune["runs"]] == [total - 11, 0]
+    assert tune["gpu_time_s"] == pytest.approx(sum(r["gpu_time_s"] for r in tune["runs"]))
 
 
 def test_a_failure_on_rank_0_stops_the_other_ranks(tmp_path):

@@ -62,6 +62,7 @@ class TorchPartitionRunner(PartitionRunner):
         self.seed = int(seed)
         self.resolve = resolve
         self._programs: dict[int, tuple[Partition, Any]] = {}
+        self._built: dict[int, tuple[Partition, Any]] = {}
 
     def program(self, partition: Partition) -> Any:
         """The built program of ``partition`` (built once with the executor's backend, then cached).
@@ -71,20 +72,25 @@ class TorchPartitionRunner(PartitionRunner):
         """
         from kareus.exec.torch_partition import RunnablePartition
 
-        if self.resolve is not None and not isinstance(partition, RunnablePartition):
-            partition = self.resolve(partition)
-        if not isinstance(partition, RunnablePartition):
-            raise TypeError(f"partition {partition.name!r} is not runnable: wrap it in "
-                            "RunnableTransformerPartition or CallablePartition")
         key = id(partition)
         if key not in self._programs:
-            # Buffers from the executor's backends: registered memory for the own kernels
-            # (a collective allocation: every rank measures the same partitions in order).
-            alloc = self.executor if callable(getattr(self.executor, "empty", None)) \
-                else getattr(self.executor, "collective", None)
-            prog = partition.build(seed=self.seed, collective=alloc)
-            # Keep the partition alive with its program so the id is never reused.
-            self._programs[key] = (partition, prog)
+            given = partition
+            if self.resolve is not None and not isinstance(partition, RunnablePartition):
+                partition = self.resolve(partition)
+            if not isinstance(partition, RunnablePartition):
+                raise TypeError(f"partition {partition.name!r} is not runnable: wrap it in "
+                                "RunnableTransformerPartition or CallablePartition")
+            built = self._built.get(id(partition))
+            if built is None:
+                # Buffers from the executor's backends: registered memory for the own
+                # kernels (a collective allocation: every rank measures the same
+                # partitions in the same order).
+                alloc = self.executor if callable(getattr(self.executor, "empty", None)) \
+                    else getattr(self.executor, "collective", None)
+                built = (partition, partition.build(seed=self.seed, collective=alloc))
+                self._built[id(partition)] = built
+            # Keep the partitions alive with their program so no id is ever reused.
+            self._programs[key] = (given, built[1])
         return self._programs[key][1]
 
     def prepare(self, partition: Partition, config: ScheduleConfig) -> Callable[[], None]:
