@@ -241,8 +241,9 @@ def run_searches(executor: Executor, profiler: Profiler, pset: PartitionSet, *, 
         profiler.calls = base + sum(r.noise_used for r in final.values())  # type: ignore[attr-defined]
     if log_dir is not None:
         for n in names:
-            if final[n].log_text is not None:
-                write_text_atomic(log_dir / f"search-{n}.jsonl", final[n].log_text)
+            log_text = final[n].log_text
+            if log_text is not None:
+                write_text_atomic(log_dir / f"search-{n}.jsonl", log_text)
         with open(log_dir / "tasks.jsonl", "a", encoding="utf-8") as fh:
             for rec in records:
                 fh.write(json.dumps(rec) + "\n")
