@@ -41,6 +41,7 @@ def _numeric(s: str) -> bool:
 
 
 def cmd_gpus(args: argparse.Namespace) -> int:
+    """``kareus gpus``: print the GPU presets (SMs, clocks, peaks, power); returns 0."""
     rows = []
     for g in GPU_PRESETS.values():
         rows.append([g.name, g.sm_count, f"{g.min_clock_mhz}-{g.max_clock_mhz}",
@@ -53,6 +54,7 @@ def cmd_gpus(args: argparse.Namespace) -> int:
 
 
 def cmd_workloads(args: argparse.Namespace) -> int:
+    """``kareus workloads``: print the model presets (shape and parameter count); returns 0."""
     rows = []
     for m in MODEL_PRESETS.values():
         rows.append([m.name, m.layers, m.hidden, m.heads, m.kv_heads, m.head_dim, m.ffn, m.vocab,
@@ -208,6 +210,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_optimize(args: argparse.Namespace) -> int:
+    """``kareus optimize``: search, compose and write the plans and tables of one workload
+    (``--profiler nvml`` tunes on the real GPUs); returns the exit status."""
     if args.profiler == "nvml":
         return _cmd_tune(args)
     from kareus._outdir import check_output_file, check_output_folder, guarded_folder
@@ -268,6 +272,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    """``kareus show``: print the summary of a saved plan (a plan file, or an output
+    folder's plan.json); returns 0."""
     from kareus.compose.plan import Plan
 
     if args.gpu_file is not None:
@@ -288,6 +294,7 @@ _VERBOSE_HELP = ("log what kareus decides (resumes, refusals, fallbacks, device 
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``kareus`` command's argument parser, one sub-command per ``cmd_*`` function."""
     parser = argparse.ArgumentParser(
         prog="kareus",
         description="Joint communication-SM, launch-slot and GPU-frequency scheduling for "
@@ -382,6 +389,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``kareus`` command on ``argv`` (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit status: 0 on success; on a failure, one line on stderr saying what to
+        change and the error's exit code (2 for refused arguments), 130 when interrupted,
+        1 for an I/O error or a bug.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     configure_logging(getattr(args, "verbose", 0))

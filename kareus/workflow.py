@@ -75,6 +75,7 @@ class SystemSummary:
     tflops_per_gpu: float
 
     def to_dict(self) -> dict[str, float]:
+        """The summary as a JSON-ready dict (the keys are the field names)."""
         return {"time_s": self.time_s, "static_j": self.static_j, "dynamic_j": self.dynamic_j,
                 "total_j": self.total_j, "tflops_per_gpu": self.tflops_per_gpu}
 
@@ -136,6 +137,7 @@ class OptimizationResult:
 
     @property
     def kareus(self) -> IterationFrontier:
+        """The iteration frontier of kareus itself (the ``"kareus"`` system)."""
         return self.baselines.frontiers["kareus"]
 
     def partition_frontiers(self) -> dict[str, PartitionFrontier]:
@@ -526,6 +528,7 @@ def manifest_inputs(workload: Workload, profiler: Profiler, *, budget: int,
     """Every input of :func:`optimize` that changes a number, as the manifest of its output
     folder records it (:mod:`kareus._outdir`): a folder whose manifest differs is refused."""
     gpu = profiler.gpu
+    spec: dict[str, Any] | str
     try:
         spec = attrs.asdict(gpu)
     except attrs.exceptions.NotAnAttrsClassError:

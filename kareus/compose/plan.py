@@ -104,6 +104,7 @@ class MicrobatchChoice:
 
     @property
     def types(self) -> list[str]:
+        """The partition types this choice configures, in order."""
         return [name for name, _ in self.configs]
 
     def config(self, partition_type: str) -> ScheduleConfig:
@@ -114,9 +115,11 @@ class MicrobatchChoice:
         raise KeyError(partition_type)
 
     def as_dict(self) -> dict[str, ScheduleConfig]:
+        """Partition type -> its configuration."""
         return dict(self.configs)
 
     def to_dict(self) -> dict[str, Any]:
+        """The JSON form: ``{"freq_mhz", "predicted", "configs"}`` (:meth:`from_dict` reads it)."""
         return {"freq_mhz": self.freq_mhz, "predicted": self.predicted,
                 "configs": {name: {"comm_sms": c.comm_sms, "launch_slot": c.launch_slot,
                                    **({} if c.backend is None else {"backend": c.backend})}
@@ -221,6 +224,7 @@ class Plan:
 
     @property
     def static_energy_j(self) -> float:
+        """Static energy of the iteration in joules: static power x time, every GPU of the job."""
         return self.static_power_w * self.time_s
 
     # -- serialisation ---------------------------------------------------------------
@@ -248,11 +252,13 @@ class Plan:
         return _digest(self._content())
 
     def to_dict(self) -> dict[str, Any]:
+        """The versioned JSON form, with its digest (:meth:`from_dict` reads it)."""
         d = self._content()
         d["digest"] = _digest(d)
         return d
 
     def to_json(self, *, indent: int | None = 1) -> str:
+        """:meth:`to_dict` as a JSON string."""
         return json.dumps(self.to_dict(), indent=indent, sort_keys=False)
 
     def save(self, path: str | os.PathLike[str]) -> None:

@@ -494,14 +494,17 @@ class RunnableTransformerPartition(RunnablePartition):
 
     @property
     def phase(self) -> str:
+        """``"fwd"`` or ``"bwd"``: the wrapped partition's phase."""
         return self.partition.phase
 
     @property
     def segment(self) -> str:
+        """The wrapped partition's layer segment (``"attn"``, ``"mlp"``, ...)."""
         return self.partition.segment
 
     @property
     def dims(self) -> _Dims:
+        """The tensor dimensions of one nanobatch on one rank (its TP and CP shares)."""
         return _dims(self.workload)
 
     def build(self, *, device: Any = None, seed: int = 0,

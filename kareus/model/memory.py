@@ -57,6 +57,7 @@ class MemoryEstimate:
 
     @property
     def total_bytes(self) -> float:
+        """Weights, gradients, optimizer state and activations together, in bytes."""
         return self.weights_bytes + self.grads_bytes + self.optimizer_bytes + \
             self.activations_bytes
 
