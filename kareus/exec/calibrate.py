@@ -165,9 +165,9 @@ def measure_profile(device: CalibrationDevice, *, gpu: str,
         raise GPUProfileError(f"collectives from a profile of {collectives_from.gpu} cannot "
                               f"serve a profile of {gpu}: measure them on this GPU model")
     t0 = time.perf_counter()
+    idle_w, idle_f = device.idle_power()  # first: before any load raises the clock
     peak_tflops, hbm_gbps = device.ceilings()
     say(f"ceilings: {peak_tflops:.0f} TFLOP/s bf16 GEMM, {hbm_gbps / 1e3:.2f} TB/s HBM")
-    idle_w, idle_f = device.idle_power()
     wait_w, wait_f = device.waiting_power()
     say(f"idle {idle_w:.1f} W at {idle_f} MHz; one spinning block {wait_w:.1f} W at {wait_f} MHz")
     ops: list[OpProfile] = []
@@ -354,7 +354,15 @@ class TorchCalibrationDevice(CalibrationDevice):
         return (e1 - e0) / (t1 - t0), (int(statistics.median(clocks)) if clocks else None)
 
     def idle_power(self) -> tuple[float, int | None]:
-        time.sleep(1.0)  # let the clock settle after the ceilings
+        # The clock drops to the idle clock only seconds after the last kernel: wait (up
+        # to 10 s) until it stops falling, then read.
+        last, t0 = self._clock(), time.perf_counter()
+        while time.perf_counter() - t0 < 10.0:
+            time.sleep(0.5)
+            now = self._clock()
+            if now is None or last is None or now >= last:
+                break
+            last = now
         return self._window(2.0, None)
 
     def waiting_power(self) -> tuple[float, int | None]:

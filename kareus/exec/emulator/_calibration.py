@@ -13,11 +13,12 @@ it alone. :func:`calibrate` turns each record into two factors on the op model:
   count, and an eager kernel that moves more bytes than the fused one also demands the
   HBM bandwidth and the energy of those bytes;
 * **power factor** ``k_p``: multiplies the op's own dynamic power (busy SMs, tensor
-  cores, HBM) so that the model reproduces the measured loop power. When the loop ran
-  at the timed speed (``power_busy_fraction`` >= 0.97) the clock was the maximum one;
-  when it ran slower (the GEMMs: 0.82-0.89 on H200, the 700 W limit lowering the clock),
-  the clock is the one at which the calibrated model's time equals the loop's time per
-  run, and the power is matched there. This is how the power-capped measurements, which
+  cores, HBM) so that the model reproduces the measured loop power at the clock the loop
+  ran at: the SM clock sampled during the loop where the record has it (``kareus
+  calibrate`` samples it); otherwise, when the loop ran at the timed speed
+  (``power_busy_fraction`` >= 0.97), the maximum clock, and when it ran slower (the
+  GEMMs: 0.82-0.89 on H200, the 700 W limit lowering the clock), the clock at which the
+  calibrated model's time equals the loop's time per run. This is how the power-capped measurements, which
   sit at several clocks, enter: each gives one point of the op's power at a clock set by
   the hardware, read back through the model's V/f curve (itself fitted to the GEMM
   chains measured at 1500, 1725 and 1980 MHz on H200, docs/emulator.md).
@@ -196,7 +197,10 @@ def _fit_op(gpu: Any, op: ComputeOp, rec: OpProfile) -> tuple[float, float | Non
                           feed_sm_s=base.feed_sm_s * k_t)
     f = float(fmax)
     busy = rec.power_busy_fraction
-    if busy is not None and busy < _UNTHROTTLED:
+    if rec.freq_mhz is not None:
+        # The SM clock sampled during the loop: the power was drawn there.
+        f = float(min(gpu.spec.clocks_mhz, key=lambda c: abs(c - rec.freq_mhz)))
+    elif busy is not None and busy < _UNTHROTTLED:
         # The loop ran slower than the timed runs: find the clock where it took that long.
         target = (rec.time_s - gpu.launch_overhead_s) / busy
         clocks = gpu.spec.clocks_mhz

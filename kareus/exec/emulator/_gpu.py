@@ -231,10 +231,18 @@ class EmulatedGPU:
                                   f"{profile.sm_count} SMs; the preset has {base.sm_count}")
         spinning = [lp for lp in profile.load_powers if lp.load == "one spinning block"
                     and lp.freq_mhz == base.spec.max_clock_mhz]
-        uncore = (spinning[0].power_w - profile.idle_power_w if spinning
-                  else profile.static_power_w - profile.idle_power_w)
-        spec = attrs.evolve(base.spec, idle_power_w=round(profile.idle_power_w, 3),
-                            static_power_w=round(profile.static_power_w, 3))
+        # The idle floor is power at the idle clock; a reading taken before the clock came
+        # down (at the maximum clock, or above a spinning block's power) is not one: the
+        # preset's floor stays then.
+        idle = profile.idle_power_w
+        settled = (profile.idle_freq_mhz is None
+                   or profile.idle_freq_mhz < base.spec.max_clock_mhz) and not (
+            spinning and idle >= spinning[0].power_w)
+        if not settled:
+            idle = base.spec.idle_power_w
+        uncore = (spinning[0].power_w - idle if spinning else profile.static_power_w - idle)
+        spec = attrs.evolve(base.spec, idle_power_w=round(idle, 3),
+                            static_power_w=round(max(profile.static_power_w, idle), 3))
         hbm_eff = min(1.0, profile.hbm_bandwidth_gbps / base.spec.hbm_bandwidth_gbps)
         curves = comm_curves(profile, comm_backend)
         if not curves:
@@ -247,7 +255,9 @@ class EmulatedGPU:
         cal = op_calibrations(gpu, profile, kernels)
         gpu = attrs.evolve(gpu, op_calibration=cal,
                            calibration=f"profile {profile.gpu} digest {profile.digest[:12]}, "
-                                       f"kernels {ks}, collectives {comm_backend}")
+                                       f"kernels {ks}, collectives {comm_backend}"
+                                       + ("" if settled else ", idle: the preset's (the "
+                                          "profile's reading was not at the idle clock)"))
         return gpu.with_(**overrides) if overrides else gpu
 
     def with_(self, **changes: Any) -> EmulatedGPU:
