@@ -117,8 +117,14 @@ def _workload_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-de
 def _profiler_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     spec = args.profiler
     if spec == "emulated":
-        from kareus.exec.emulator import EmulatedProfiler
+        from kareus.exec.emulator import EmulatedGPU, EmulatedProfiler
 
+        if getattr(args, "gpu_profile", None) is not None:
+            gpu = EmulatedGPU.from_profile(args.gpu_profile)
+            if args.gpu is not None and args.gpu != gpu.name:
+                raise ValueError(f"--gpu {args.gpu} and --gpu-profile (a profile of {gpu.name}) "
+                                 "disagree: give one of them")
+            return EmulatedProfiler(gpu, noise=args.noise, seed=args.seed)
         return EmulatedProfiler(args.gpu or "a100-40gb", noise=args.noise, seed=args.seed)
     if spec.startswith("replay:"):
         from pathlib import Path
@@ -206,6 +212,19 @@ def _cmd_tune(args: argparse.Namespace) -> int:
           f"{report.world_size} GPU(s)); {report.info.get('clock_note', '')}")
     print("wrote " + ", ".join(str(p) for p in report.paths.values())
           + f", and {args.out}/logs/")
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """``kareus calibrate``: measure a GPU profile on this machine's GPU and write it;
+    returns 0."""
+    from kareus.exec.calibrate import calibrate_to_file
+
+    path = calibrate_to_file(args.out, workloads=args.workload or ["llama3.2-3b"],
+                             kernels=[k for k in args.kernels.split(",") if k], gpu=args.gpu,
+                             collectives_from=args.collectives_from, reps=args.reps,
+                             power_s=args.power_s, log=print)
+    print(f"wrote {path}")
     return 0
 
 
@@ -343,6 +362,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="emulated (default), replay:FILE (recorded measurements), or nvml "
                         "(measure on this job's GPUs: run under torchrun, one process per GPU "
                         "of one stage's TP x CP group, or one process for a smoke run)")
+    p.add_argument("--gpu-profile", default=None, metavar="PATH",
+                   help="--profiler emulated: calibrate the emulated GPU from a measured GPU "
+                        "profile (a file written by `kareus calibrate`, or the name of one "
+                        "shipped with kareus: h200-sxm)")
     p.add_argument("--allow-clock-changes", action="store_true",
                    help="--profiler nvml: search the clocks by locking them (needs root; "
                         "never on shared machines); default: only the default clock")
@@ -376,6 +399,30 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no progress (default: a bar on a terminal, a line every few seconds "
                         "in a pipe or log)")
     p.set_defaults(func=cmd_optimize)
+
+    p = sub.add_parser(
+        "calibrate", help="measure a GPU profile for the emulator on this machine's GPU",
+        description="On one GPU, at the clocks it runs at (nothing is locked or changed): per-op "
+                    "time and power of the runnable partitions, the GEMM peak, HBM "
+                    "bandwidth, idle power and the power of a GPU waiting on a collective; "
+                    "writes a GPU profile (see docs/emulator.md).")
+    p.add_argument("--out", required=True, metavar="PATH", help="the profile file to write")
+    p.add_argument("--workload", action="append", default=None, metavar="NAME",
+                   help="a workload whose partitions to measure: a preset name (its default "
+                        "shapes) or 'MODEL tp=.. cp=.. mbs=.. seq=.. nb=..' (repeatable; "
+                        "default: llama3.2-3b)")
+    p.add_argument("--kernels", default="triton,reference", metavar="LIST",
+                   help="kernel sets, the first with power (default triton,reference)")
+    p.add_argument("--gpu", default=None,
+                   help="the GPU preset the profile refines (default: from the device name)")
+    p.add_argument("--collectives-from", default="shipped", metavar="PATH",
+                   help="a profile of the same GPU model to copy the collective curves from "
+                        "(measured on several GPUs); 'shipped' (default): kareus's own if "
+                        "it ships one; 'none': no collectives")
+    p.add_argument("--reps", type=_positive_int, default=30, help="timed runs per op (30)")
+    p.add_argument("--power-s", type=_positive_float, default=1.0,
+                   help="seconds of each op's power loop (default 1.0)")
+    p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("show", help="print a plan file in human-readable form")
     p.add_argument("plan", help="path of a plan.json, or the --out folder holding one")

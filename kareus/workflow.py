@@ -508,6 +508,9 @@ def _profiler_identity(profiler: Profiler) -> dict[str, Any]:
         value = getattr(inner, attr, None)
         if isinstance(value, (bool, int, float, str)):
             ident[attr] = value
+    calibration = getattr(inner, "calibration", None)
+    if isinstance(calibration, str) and calibration:  # an emulator from a measured profile
+        ident["calibration"] = calibration
     data = getattr(inner, "data", None)
     if isinstance(data, dict):
         ident["data_digest"] = _digest_json(data)
