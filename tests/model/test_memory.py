@@ -1,0 +1,69 @@
+"""kareus.model.memory: the per-GPU memory estimate and the check that refuses what cannot fit."""
+
+from __future__ import annotations
+
+import pytest
+
+from kareus.errors import WorkloadError
+from kareus.model.gpu import get_gpu
+from kareus.model.memory import check_memory, estimate_memory
+from kareus.model.workload import Workload
+
+
+def _wl(**kw: object) -> Workload:
+    args: dict[str, object] = {"microbatch_size": 2, "num_microbatches": 4}
+    args.update(kw)
+    return Workload.preset("llama3.2-3b", **args)  # type: ignore[arg-type]
+
+
+def test_weights_of_one_stage_one_shard_are_the_model():
+    wl = _wl()
+    est = estimate_memory(wl)
+    assert est.stage == 0
+    assert est.weights_bytes == pytest.approx(2 * wl.model.params)  # bf16
+    assert est.grads_bytes == est.weights_bytes
+    assert est.optimizer_bytes == pytest.approx(6 * est.weights_bytes)  # 12 B vs 2 B
+
+
+def test_data_parallelism_shards_only_the_optimizer_state():
+    one, four = estimate_memory(_wl(dp=1)), estimate_memory(_wl(dp=4))
+    assert four.optimizer_bytes == pytest.approx(one.optimizer_bytes / 4)
+    assert (four.weights_bytes, four.activations_bytes) == (one.weights_bytes,
+                                                             one.activations_bytes)
+
+
+def test_tensor_and_pipeline_parallelism_shrink_the_weights():
+    base = estimate_memory(_wl()).weights_bytes
+    assert estimate_memory(_wl(tp=2)).weights_bytes < 0.51 * base
+    assert estimate_memory(_wl(pp=2)).weights_bytes < 0.6 * base
+    assert estimate_memory(_wl(pp=2)).stage in (0, 1)
+
+
+def test_activations_follow_the_schedule_and_recomputation():
+    wl = _wl(pp=4, num_microbatches=8, seq_len=4096, recompute=False)
+    one_f = estimate_memory(wl, schedule="1f1b").activations_bytes
+    gpipe = estimate_memory(wl, schedule="gpipe").activations_bytes
+    assert gpipe > one_f  # GPipe keeps every microbatch in flight
+    assert estimate_memory(wl.with_(recompute=True)).activations_bytes < one_f
+    longer = estimate_memory(wl.with_(seq_len=8192)).activations_bytes
+    assert longer > 1.9 * one_f
+
+
+def test_total_and_describe():
+    est = estimate_memory(_wl())
+    assert est.total_bytes == pytest.approx(est.weights_bytes + est.grads_bytes
+                                            + est.optimizer_bytes + est.activations_bytes)
+    assert est.describe().startswith(f"{est.total_bytes / 1024**3:,.1f} GiB per GPU on stage 0")
+
+
+def test_check_memory_passes_what_fits_and_refuses_what_does_not():
+    gpu = get_gpu("h200-sxm")
+    fits = _wl(tp=2)
+    assert check_memory(fits, gpu) == estimate_memory(fits)
+    huge = Workload.preset("llama3.2-3b", microbatch_size=64, seq_len=32768, num_microbatches=4,
+                           recompute=False)
+    with pytest.raises(WorkloadError, match="does not fit on h200-sxm.*or recomputation"):
+        check_memory(huge, gpu)
+    with pytest.raises(WorkloadError) as info:
+        check_memory(huge.with_(recompute=True, microbatch_size=512), gpu)
+    assert "recomputation" not in str(info.value)
