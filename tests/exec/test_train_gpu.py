@@ -48,7 +48,7 @@ def test_bf16_loop_on_fused_kernels_matches_autograd(schedule):
     batches = [(t.cpu(), lab.cpu()) for t, lab in loop.batches]
     ref_loss, (ref,) = reference([params], wl.model, loop.layers, batches,
                                  wl.num_microbatches * wl.microbatch_size * wl.seq_len)
-    assert loss == pytest.approx(ref_loss, rel=2e-3)
+    assert loss == pytest.approx(ref_loss, rel=5e-3)
     for k, g in m.grads.items():
         r = ref[k].double()
         err = float((g.double().cpu() - r).norm() / max(float(r.norm()), 1e-12))
