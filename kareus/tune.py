@@ -53,7 +53,7 @@ from kareus.errors import HardwareError, KareusError
 from kareus.exec.nvml import Coordinator
 from kareus.model.config import ConfigSpace, ScheduleConfig
 from kareus.model.measurement import Measurement
-from kareus.model.partition import OutsideWork, Partition, build_partitions
+from kareus.model.partition import OutsideWork, Partition, TransformerPartition, build_partitions
 from kareus.model.profiler import Profiler
 from kareus.model.workload import Workload
 from kareus.search.partition_frontier import PartitionFrontier
@@ -461,6 +461,46 @@ def _search_types(profiler: Profiler, catalog: Catalog, types: Sequence[str], *,
 # --------------------------------------------------------------------------- hardware
 
 
+def tuning_backends(env: Any, wanted: Sequence[str] | None,
+                    build: dict[str, Callable[[], Any]]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The collective backends a tuning run searches: each of ``build`` (name -> its
+    constructor, in order) that ``wanted`` names (``None``: all) and that can run in the
+    group's agreed environment ``env``, built.
+
+    Construction is collective (every rank builds the same backends in the same order); a
+    failure on one rank only (an IPC mapping) stops the job, as NCCL's would.
+
+    Returns:
+        ``(backends by name, why each other one cannot run)``.
+
+    Raises:
+        HardwareError: none can run; the message says why for each.
+        ValueError: ``wanted`` names a backend that is not in ``build``.
+    """
+    from kareus.exec.collectives import backend_unavailable_reason
+
+    unknown = sorted(set(wanted or ()) - set(build))
+    if unknown:
+        raise ValueError(f"unknown backend(s) {unknown} for tuning: use {sorted(build)}")
+    named: dict[str, Any] = {}
+    notes: dict[str, str] = {}
+    for name, make in build.items():
+        if wanted is not None and name not in wanted:
+            continue
+        why = backend_unavailable_reason(name, env)
+        if why is None:
+            try:
+                named[name] = make()
+            except KareusError as exc:
+                why = str(exc)
+        if why is not None:
+            notes[name] = why
+    if not named:
+        raise HardwareError("no capped collective backend runs on this group: "
+                            + "; ".join(f"{n}: {w}" for n, w in notes.items()))
+    return named, notes
+
+
 def detect_gpu_preset(device_name: str) -> str:
     """The GPU preset of a CUDA device name (``"NVIDIA H200"`` -> ``"h200-sxm"``).
 
@@ -475,7 +515,7 @@ def detect_gpu_preset(device_name: str) -> str:
                         "or --gpu-file")
 
 
-def tune(workload: Workload, *, out_dir: str | os.PathLike[str], gpu: str | None = None,  # noqa: C901 - the tuning run's steps in order, each with its check
+def tune(workload: Workload, *, out_dir: str | os.PathLike[str], gpu: str | None = None,
          budget: int = 16, batch_size: int | None = None, seed: int = 0,
          schedule: str = "1f1b", surrogate: Any = None, systems: Sequence[str] | None = None,
          types: Sequence[str] | None = None, fresh: bool = False,
@@ -529,7 +569,6 @@ def tune(workload: Workload, *, out_dir: str | os.PathLike[str], gpu: str | None
         NCCLCappedCollective,
         OwnKernelCollective,
         ProcessGroupCollective,
-        backend_unavailable_reason,
         probe_collective_environment,
     )
     from kareus.exec.executor import TorchExecutor
@@ -544,9 +583,6 @@ def tune(workload: Workload, *, out_dir: str | os.PathLike[str], gpu: str | None
         TorchDistributedCoordinator,
         TorchPartitionRunner,
     )
-    from kareus.exec.outside_work import RunnableOutsideWork
-    from kareus.exec.torch_partition import RunnableTransformerPartition
-
     t_begin = time.monotonic()
     for key in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
         os.environ.setdefault(key, "0" if key == "NCCL_NVLS_ENABLE" else "1")  # no multicast
@@ -572,45 +608,20 @@ def tune(workload: Workload, *, out_dir: str | os.PathLike[str], gpu: str | None
     spec = get_gpu(gpu_name)
 
     # Collective backends: every one that runs on this group, the same on every rank.
-    named: dict[str, Any] = {}
-    notes: dict[str, str] = {}
     if world == 1:
-        named["loopback"] = LoopbackCollective()
+        named: dict[str, Any] = {"loopback": LoopbackCollective()}
+        notes: dict[str, str] = {}
         default: Any = named["loopback"]
     else:
-        env = probe_collective_environment()
-        for name, cls in (("own", OwnKernelCollective), ("nccl_capped", NCCLCappedCollective)):
-            if backends is not None and name not in backends:
-                continue
-            why = backend_unavailable_reason(env, name)
-            if why is None:
-                try:
-                    named[name] = cls()
-                except KareusError as exc:  # the same on every rank (an agreed probe)
-                    why = str(exc)
-            if why is not None:
-                notes[name] = why
+        named, notes = tuning_backends(probe_collective_environment(), backends,
+                                       {"own": OwnKernelCollective,
+                                        "nccl_capped": NCCLCappedCollective})
         default = ProcessGroupCollective()
-        if not named:
-            raise HardwareError(f"no capped collective backend runs here: {notes}")
     names = list(named)
     primary = named.get("nccl_capped", named[names[0]])  # the baselines' NCCL where it runs
     executor = TorchExecutor(collective=primary, backends=named, default_collective=default)
 
-    runnables: dict[int, Any] = {}
-    catalog = Catalog(workload)
-
-    def resolve(part: Partition) -> Any:
-        idx = catalog.partition_index(part)
-        if idx not in runnables:
-            p, wl = catalog.partitions[idx]
-            runnables[idx] = RunnableTransformerPartition(p, wl, kernels=kernels)
-        return runnables[idx]
-
-    def outside(work: OutsideWork, sms: int | None) -> Any:
-        wl = catalog.outside[catalog.outside_index(work)][1]
-        return RunnableOutsideWork(work, wl, comm_sms=sms, kernels=kernels)
-
+    resolve, outside = _runnables(Catalog(workload), kernels)
     runner = TorchPartitionRunner(executor, seed=1234, resolve=resolve)
     if allow_clock_changes:
         controller: Any = NVMLFrequencyController(gpu=spec)
@@ -672,6 +683,32 @@ def tune(workload: Workload, *, out_dir: str | os.PathLike[str], gpu: str | None
             f"({report.measured} measurements, {len(prof.records)} on this rank)")
         report = attrs.evolve(report, wall_s=wall, gpu_time_s=wall * world)
     return report
+
+
+def _runnables(catalog: Catalog, kernels: Any) -> tuple[Callable[[Partition], Any],
+                                                        Callable[[OutsideWork, int | None], Any]]:
+    """How the NVML profiler gets kernels: each catalogued partition type as one
+    :class:`~kareus.exec.torch_partition.RunnableTransformerPartition` (made once), and
+    outside work as :class:`~kareus.exec.outside_work.RunnableOutsideWork`."""
+    from kareus.exec.outside_work import RunnableOutsideWork
+    from kareus.exec.torch_partition import RunnableTransformerPartition
+
+    made: dict[int, Any] = {}
+
+    def resolve(part: Partition) -> Any:
+        idx = catalog.partition_index(part)
+        if idx not in made:
+            p, wl = catalog.partitions[idx]
+            if not isinstance(p, TransformerPartition):  # the partition builder's type
+                raise TypeError(f"partition {p.name!r} is not a TransformerPartition")
+            made[idx] = RunnableTransformerPartition(p, wl, kernels=kernels)
+        return made[idx]
+
+    def outside(work: OutsideWork, sms: int | None) -> Any:
+        wl = catalog.outside[catalog.outside_index(work)][1]
+        return RunnableOutsideWork(work, wl, comm_sms=sms, kernels=kernels)
+
+    return resolve, outside
 
 
 def _command() -> str:

@@ -239,3 +239,35 @@ def test_the_catalog_and_the_announcements_name_the_same_thing_on_every_rank():
     t.join(timeout=30)
     assert done == [3]
     assert [c[2] for c in other.calls] == cfgs
+
+
+def test_backends_that_cannot_run_are_left_out_with_the_reason():
+    from kareus.exec.collectives import CollectiveEnvironment
+    from kareus.tune import tuning_backends
+
+    built = []
+
+    def maker(name):
+        return lambda: built.append(name) or name
+
+    both = {"own": maker("own"), "nccl_capped": maker("nccl_capped")}
+    named, notes = tuning_backends(CollectiveEnvironment(world_size=4, sm_count=132), None, both)
+    assert list(named) == ["own", "nccl_capped"] and notes == {} and built == list(named)
+    named, notes = tuning_backends(CollectiveEnvironment(world_size=3, sm_count=132), None, both)
+    assert list(named) == ["nccl_capped"] and "2, 4 or 8" in notes["own"]
+    named, _ = tuning_backends(CollectiveEnvironment(world_size=2, sm_count=132), ["own"], both)
+    assert list(named) == ["own"]
+    with pytest.raises(HardwareError, match="max_ctas"):
+        tuning_backends(CollectiveEnvironment(world_size=3, sm_count=132, nccl_cta_caps=False),
+                        None, both)
+    with pytest.raises(ValueError, match="mscclpp"):
+        tuning_backends(CollectiveEnvironment(world_size=2, sm_count=132), ["mscclpp"], both)
+
+
+def test_gpu_presets_are_found_from_the_device_name():
+    from kareus.tune import detect_gpu_preset
+
+    assert detect_gpu_preset("NVIDIA H200") == "h200-sxm"
+    assert detect_gpu_preset("NVIDIA A100-SXM4-40GB") == "a100-40gb"
+    with pytest.raises(HardwareError, match="--gpu"):
+        detect_gpu_preset("NVIDIA GeForce RTX 4090")

@@ -77,14 +77,15 @@ class PartitionProgram:
 
     Attributes:
         op_names: The ops' names, in stream order.
-        comm_kind: ``"all_reduce"``, ``"all_gather"`` or ``"reduce_scatter"``.
+        comm_kind: ``"all_reduce"``, ``"all_gather"`` or ``"reduce_scatter"``; ``None`` for
+            work that runs its collectives among its ops (outside work), run plainly.
         writer: The op that writes :attr:`output` (the collective's next input), or
             ``None`` when no op of the program does (the input is produced elsewhere).
         step: Steps taken so far (see :meth:`advance`).
     """
 
     def __init__(self, *, op_names: Sequence[str], ops: Sequence[Callable[[], Any]],
-                 comm_kind: str, buffers: Sequence[Any], comm_outputs: Sequence[Any] = (),
+                 comm_kind: str | None, buffers: Sequence[Any], comm_outputs: Sequence[Any] = (),
                  state: dict[str, Any] | None = None, writer: str | None = None) -> None:
         if len(op_names) != len(ops):
             raise ValueError(f"{len(ops)} ops but {len(op_names)} names")
