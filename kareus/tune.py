@@ -646,6 +646,7 @@ def tune(workload: Workload, *, out_dir: str | os.PathLike[str], gpu: str | None
             prof.start()
             say(f"energy counter steps every {1e3 * (prof.step_period_s or 0):.0f} ms; static "
                 f"power {prof.static_power_w():.0f} W over {world} GPU(s)")
+            _preheat(prof, resolve, Catalog(workload), names, say)
             import pynvml
 
             info = {
@@ -683,6 +684,24 @@ def tune(workload: Workload, *, out_dir: str | os.PathLike[str], gpu: str | None
             f"({report.measured} measurements, {len(prof.records)} on this rank)")
         report = attrs.evolve(report, wall_s=wall, gpu_time_s=wall * world)
     return report
+
+
+def _preheat(prof: Any, resolve: Callable[[Partition], Any], catalog: Catalog,
+             names: Sequence[str], say: Callable[[str], None]) -> None:
+    """Run the first partition type a few times on every rank and take the GPUs' working
+    temperature as the cool-down baseline (else each candidate would wait for the idle
+    temperature, which a loaded GPU does not reach in its cool-down time)."""
+    part = catalog.partitions[0][0]
+    gpu = prof.gpu
+    slot = part.slots[0].name if part.slots else None
+    cfg = ScheduleConfig(gpu.max_clock_mhz, gpu.default_comm_sms, slot,
+                         backend=names[-1] if len(names) > 1 else None)
+    try:
+        temp = prof.preheat(resolve(part), cfg)
+    except HardwareError as exc:  # decided on every rank together
+        say(f"pre-heating failed ({exc}); the cool-down baseline stays the idle temperature")
+        return
+    say(f"pre-heated on {part.name}: cool-down baseline {temp:.0f} C")
 
 
 def _runnables(catalog: Catalog, kernels: Any) -> tuple[Callable[[Partition], Any],
