@@ -89,7 +89,9 @@ class Catalog:
 
     Attributes:
         partitions: ``(partition type, the workload variant it belongs to)``, in order.
-        outside: ``(outside work, the workload variant)``, in order (empty work left out).
+        outside: ``(outside work, the workload variant)``, in order (the work outside
+            partitions of every stage and phase, and the once-per-iteration work where the
+            partition builder models it).
     """
 
     def __init__(self, workload: Workload) -> None:
@@ -101,8 +103,12 @@ class Catalog:
             for part in pset.types.values():
                 if all(part != p for p, _ in self.partitions):
                     self.partitions.append((part, wl))
-            for work in pset.outside.values():
-                if (work.ops or work.comms) and all(work != w for w, _ in self.outside):
+            works = list(pset.outside.values())
+            tail = getattr(pset, "iteration", None)  # once per iteration, where modelled
+            if isinstance(tail, OutsideWork):
+                works.append(tail)
+            for work in works:
+                if all(work != w for w, _ in self.outside):
                     self.outside.append((work, wl))
 
     def partition_index(self, partition: Partition) -> int:

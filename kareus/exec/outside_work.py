@@ -9,7 +9,11 @@ program: :class:`RunnableOutsideWork` builds, at the workload's per-rank microba
 shapes, one kernel per op of the work (cuBLAS GEMMs, the kernel set's RMSNorm, PyTorch's
 embedding, softmax cross-entropy and index_add) followed by its collectives on the
 executor's backends, and :class:`~kareus.exec.nvml.TorchPartitionRunner` runs it as a
-plain step (no launch slot: the configuration only sets the clock).
+plain step (no launch slot: the configuration only sets the clock). A memory-bound op
+without a kernel of its own here (an optimizer step, say) runs as a device copy that
+moves the op's bytes (read and written once). Collectives over another group than the
+executor's (data-parallel reductions, pipeline sends) cannot run in one stage's group:
+they are left out and listed in :attr:`RunnableOutsideWork.left_out`.
 
 torch is imported inside the functions that need it.
 """
@@ -19,12 +23,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from kareus._logging import get_logger
 from kareus.exec.torch_partition import PartitionProgram, RunnablePartition
 from kareus.model.ops import CommOp, ComputeOp
 from kareus.model.partition import OutsideWork
 from kareus.model.workload import Workload
 
 __all__ = ["OUTSIDE_OPS", "RunnableOutsideWork"]
+
+_log = get_logger(__name__)
 
 #: The ops of outside work this module has kernels for (the names the partition builder uses).
 OUTSIDE_OPS = ("embedding", "final_norm", "lm_head", "loss", "loss_bwd", "lm_head_dgrad",
@@ -55,15 +62,19 @@ class RunnableOutsideWork(RunnablePartition):
             raise TypeError(f"work must be an OutsideWork, got {type(work).__name__}")
         if not isinstance(workload, Workload):
             raise TypeError(f"workload must be a Workload, got {type(workload).__name__}")
-        unknown = [op.name for op in work.ops if op.name not in OUTSIDE_OPS]
+        unknown = [op.name for op in work.ops
+                   if op.name not in OUTSIDE_OPS and op.kind.compute_bound]
         if unknown:
-            raise ValueError(f"no kernel for the outside ops {unknown}; known: {OUTSIDE_OPS}")
+            raise ValueError(f"no kernel for the compute-bound outside ops {unknown}; known: "
+                             f"{OUTSIDE_OPS} (memory-bound ones run as copies of their bytes)")
         self.work = work
         self.workload = workload
         self.comm_sms = None if comm_sms is None else int(comm_sms)
         self.dtype = "bfloat16" if dtype is None else str(dtype)
         self.kernels = kernels
         self._name = str(name)
+        #: Collectives and sends of the work this program does not run (another group).
+        self.left_out: list[str] = []
 
     @property
     def name(self) -> str:
@@ -163,7 +174,12 @@ class RunnableOutsideWork(RunnablePartition):
                     ctx["dx"], ctx["dw_norm"] = ks.rms_norm_bwd(ctx["dy"], ctx["x"],
                                                                 ctx["w_norm"])
                 return norm_bwd
-            assert name == "embedding_bwd"
+            if name != "embedding_bwd":  # a memory-bound op of no kernel here: its bytes
+                nbytes = max(int(by_name[name].bytes_moved) // 2, 16)
+                src = torch.empty(nbytes, dtype=torch.uint8, device=dev).random_(
+                    0, 255, generator=gen)
+                dst = torch.empty_like(src)
+                return lambda: dst.copy_(src)
 
             def embedding_bwd() -> None:
                 g = ctx.setdefault("dtable", torch.zeros_like(ctx["table"]))
@@ -173,14 +189,24 @@ class RunnableOutsideWork(RunnablePartition):
 
         # Inputs the first op of a phase reads when the ops before it are elsewhere.
         names = [o.name for o in self.work.ops]
+        by_name = {o.name: o for o in self.work.ops}
         if "lm_head_dgrad" in names or "lm_head_wgrad" in names or "loss_bwd" in names:
             ctx["xn"] = ks.rms_norm(ctx["x"], ctx["w_norm"])
             ctx["logits"] = ks.matmul(ctx["xn"], ctx["W"])
         ops = [op(n) for n in names]
+        world = _world_size(collective)
         for k, comm in enumerate(self.work.comms):
+            if world not in (1, comm.group_size):  # world 1: the loopback stand-in
+                self.left_out.append(f"{comm.name} (a group of {comm.group_size}, not this "
+                                     f"group of {world})")
+                continue
             ops.append(_comm_op(torch, comm, collective, self.comm_sms, wl.dtype_bytes, dev,
                                 dtype))
             names.append(f"{comm.name}#{k}" if comm.name in names else comm.name)
+        if getattr(self.work, "p2p_bytes", 0):
+            self.left_out.append("the pipeline send (another stage)")
+        if self.left_out:
+            _log.warning("outside work measured without %s", "; ".join(self.left_out))
         prog = PartitionProgram(op_names=names, ops=ops, comm_kind=None,
                                 buffers=[None, None], state=ctx)
         with torch.no_grad():
@@ -191,6 +217,15 @@ class RunnableOutsideWork(RunnablePartition):
 
     def __repr__(self) -> str:
         return f"RunnableOutsideWork({[o.name for o in self.work.ops]}, {len(self.work.comms)} comms)"
+
+
+def _world_size(collective: Any) -> int:
+    """Ranks of the group the executor's (or backend's) collectives run over (1 if unknown)."""
+    backend = getattr(collective, "collective", collective)
+    try:
+        return int(backend.world_size)
+    except (AttributeError, TypeError, ValueError):
+        return 1
 
 
 def _comm_op(torch: Any, comm: CommOp, collective: Any, sms: int | None, model_bytes: int,
