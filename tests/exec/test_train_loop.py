@@ -46,6 +46,16 @@ F = torch.nn.functional
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """The models here are tiny: torch's intra-op threads only contend (40x slower on a
+    busy 2-core machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def workload(tp: int, cp: int, recompute: bool = True, n: int = 2) -> Workload:
     m = ModelArch(name="tiny", layers=2, hidden=32, heads=4, kv_heads=2, head_dim=8, ffn=64,
                   vocab=50)
@@ -146,8 +156,7 @@ def _close(a, b, tol=1e-4):
     return float((a.double() - b.double()).norm() / max(b.double().norm(), 1e-12)) < tol
 
 
-@pytest.mark.parametrize("schedule", ["sequential", "nanobatching"])
-@pytest.mark.parametrize("recompute", [True, False])
+@pytest.mark.parametrize("schedule,recompute", [("sequential", True), ("nanobatching", False)])
 def test_one_process_matches_autograd(schedule, recompute):
     wl = workload(1, 1, recompute)
     loop = TrainingLoop(workload=wl, groups=LoopbackGroups(tp=1), streams=RecordingStreamBackend(),
@@ -181,7 +190,7 @@ def test_loopback_schedules_agree_and_the_loss_falls(tp, cp, recompute):
 
 def test_measure_runs_on_the_cpu():
     loop = loopback_loop(2, 1)
-    order = shuffled_order(loop.schedules, 2, 3)
+    order = shuffled_order(loop.schedules, 1, 3)
     recs = measure_runs(loop, order, steps=2, warmup=1)
     assert [(r.schedule, r.repeat) for r in recs] == order
     for r in recs:
