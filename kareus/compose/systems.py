@@ -59,12 +59,23 @@ AnyMicrobatchComposer = FrontierComposer[Mapping[str, PartitionFrontier],
                                          dict[tuple[int, str], MicrobatchFrontier]]
 
 #: Any composer of microbatch frontiers into an iteration frontier; called as
-#: ``compose(frontiers, static_power_w=..., gpu=..., schedule=..., label=..., workload=...)``.
+#: ``compose(frontiers, static_power_w=..., gpu=..., schedule=..., label=..., workload=...)``
+#: and, when its ``compose`` takes it, ``tail=`` (the per-iteration work after the flush).
 AnyIterationComposer = FrontierComposer[Mapping[tuple[int, str], MicrobatchFrontier],
                                         IterationFrontier]
 
 #: ``search(profiler, partition) -> PartitionFrontier``: how kareus's full space is searched.
 SearchFn = Callable[[Profiler, Partition], PartitionFrontier]
+
+def _takes_tail(composer: object) -> bool:
+    """Whether an iteration composer's ``compose`` takes ``tail=``."""
+    import inspect
+
+    try:
+        return "tail" in inspect.signature(composer.compose).parameters  # type: ignore[attr-defined]
+    except (TypeError, ValueError):
+        return False
+
 
 _SEQUENTIAL = ("megatron", "perseus")
 _FIXED_CLOCK = ("megatron", "nanobatching")
@@ -350,8 +361,15 @@ def compose_systems(workload: Workload, profiler: Profiler, *,
                       reverse=True)
         outside = measure_outside_work(profiler, pset, used)
         mf = mbc.compose(pfs, partitions=pset, outside=outside)
+        extra = {}
+        if not pset.iteration.empty and _takes_tail(itc):
+            # Optimizer step and DP gradient reduction, at the default (maximum) clock,
+            # over every GPU of the job; the same for every system.
+            extra["tail"] = profiler.measure_outside(pset.iteration, gpu.max_clock_mhz,
+                                                     group_size=p.world_size)
         frontiers[name] = itc.compose(mf, static_power_w=static_w, gpu=gpu.name,
-                                      schedule=sched, label=name, workload=wl.to_dict())
+                                      schedule=sched, label=name, workload=wl.to_dict(),
+                                      **extra)
         micro[name] = mf
         parts_out[name] = pfs
     order = list(names)

@@ -37,6 +37,9 @@ from kareus.model.ops import CommKind, CommOp, ComputeOp, OpKind
 from kareus.model.workload import Workload
 
 __all__ = [
+    "ADAM_BYTES_PER_PARAM",
+    "ADAM_FLOPS_PER_PARAM",
+    "GPUS_PER_NODE",
     "LaunchSlot",
     "OpPartition",
     "OutsideWork",
@@ -44,7 +47,9 @@ __all__ = [
     "PartitionSet",
     "TransformerPartition",
     "build_partitions",
+    "iteration_work",
     "launch_slots",
+    "stage_params_per_rank",
 ]
 
 PHASES = ("fwd", "bwd")
@@ -197,17 +202,47 @@ class TransformerPartition(OpPartition):
         return self.comm_op.group_size if self.stage_gpus is None else int(self.stage_gpus)
 
 
+#: GPUs per node the builder assumes when it decides which traffic crosses nodes (the
+#: 8-GPU NVLink nodes of the reference evaluation: DGX A100 / H100 / H200 class machines).
+GPUS_PER_NODE = 8
+
+
+def _nonneg_float(instance: object, attribute: attrs.Attribute, value: float) -> None:
+    if not (isinstance(value, (int, float)) and value >= 0):
+        raise ValueError(f"OutsideWork.{attribute.name} must be a number >= 0, got {value!r}")
+
+
 @attrs.frozen(kw_only=True)
 class OutsideWork:
-    """Work of a microbatch computation that is not part of any partition, run sequentially.
+    """Work that is not part of any partition, run sequentially.
+
+    Per microbatch computation (:attr:`PartitionSet.outside`): the embedding, final norm,
+    LM head and loss, their vocabulary-parallel all-reduces, and the pipeline send of the
+    computation's output to the next stage (forward) or of its input gradient to the
+    previous one (backward). Per iteration (:attr:`PartitionSet.iteration`): the optimizer
+    step and the data-parallel gradient reduction.
 
     Attributes:
-        ops: Computation ops (embedding, final norm, LM head, loss), per rank.
-        comms: Collectives run after them without overlap (e.g. vocab-parallel all-reduces).
+        ops: Computation ops, per rank.
+        comms: Collectives run after them without overlap (e.g. vocab-parallel all-reduces,
+            the data-parallel gradient reduction).
+        comms_cross_node: Whether ``comms`` cross nodes (then the inter-node network, not
+            NVLink, limits them).
+        p2p_bytes: Bytes this rank sends to a neighbouring pipeline stage after ``ops`` and
+            ``comms`` (0: none); the matching receive runs at the same time.
+        p2p_cross_node: Whether the pipeline send crosses nodes.
     """
 
     ops: tuple[ComputeOp, ...] = attrs.field(converter=_compute_ops, factory=tuple)
     comms: tuple[CommOp, ...] = attrs.field(converter=_comm_ops, factory=tuple)
+    comms_cross_node: bool = False
+    p2p_bytes: float = attrs.field(default=0.0, validator=_nonneg_float)
+    p2p_cross_node: bool = False
+
+    @property
+    def empty(self) -> bool:
+        """Whether there is nothing to run."""
+        return not self.ops and not self.comms and not self.p2p_bytes
 
     @property
     def flops(self) -> float:
@@ -225,12 +260,16 @@ class PartitionSet:
         counts: ``counts[phase][type]`` = instances one stage runs per microbatch (the same on
             every stage, since layers are spread evenly).
         outside: ``outside[(stage, phase)]`` = the work outside partitions.
+        iteration: Work once per iteration after the pipeline flush, per GPU of the stage
+            with the most parameters (every stage runs it at the same time): the optimizer
+            step and the data-parallel gradient reduction (:func:`iteration_work`).
     """
 
     workload: Workload
     types: dict[str, Partition]
     counts: dict[str, dict[str, int]]
     outside: dict[tuple[int, str], OutsideWork]
+    iteration: OutsideWork = attrs.field(factory=OutsideWork)
 
     def __getitem__(self, name: str) -> Partition:
         return self.types[name]
@@ -430,7 +469,66 @@ def build_partitions(workload: Workload) -> PartitionSet:
             counts["bwd"][name] = counts["bwd"].get(name, 0) + c
 
     return PartitionSet(workload=wl, types=dict(types), counts=counts,
-                        outside=_outside_work(wl))
+                        outside=_outside_work(wl), iteration=iteration_work(wl))
+
+
+def stage_params_per_rank(wl: Workload) -> float:
+    """Parameters one rank of the pipeline stage with the most parameters holds: its
+    layers' weights split over TP (norm weights replicated), plus the embedding on the
+    first stage and the LM head and final norm on the last (each split over TP; untied)."""
+    m, p = wl.model, wl.parallelism
+    attn = m.hidden * (m.heads + 2 * m.kv_heads) * m.head_dim + m.heads * m.head_dim * m.hidden
+    layer = (attn + 3 * m.hidden * m.ffn) / p.tp + 2 * m.hidden
+    layers = wl.layers_per_stage * layer
+    embed = m.vocab * m.hidden / p.tp
+    if p.pp == 1:
+        return layers + 2 * embed + m.hidden
+    return layers + embed + m.hidden  # the first (embedding) or last (LM head) stage
+
+
+#: Optimizer step bytes per parameter (mixed-precision Adam as Megatron-LM runs it): read
+#: the fp32 gradient, fp32 master weight and the two fp32 moments (16 B), write the master
+#: weight, the moments and the bf16 weight (14 B).
+ADAM_BYTES_PER_PARAM = 30.0
+#: FLOPs per parameter of the Adam update (moments, bias corrections, square root, divide,
+#: weight decay; about a dozen elementwise operations).
+ADAM_FLOPS_PER_PARAM = 12.0
+
+
+def iteration_work(wl: Workload, *, distributed_optimizer: bool = True) -> OutsideWork:
+    """The work once per iteration after the pipeline flush, per GPU of the largest stage.
+
+    * Data-parallel gradient reduction when DP > 1: with Megatron-LM's distributed
+      optimizer (default), a reduce-scatter of the fp32 gradients and, after the step, an
+      all-gather of the bf16 weights over the DP group; without it, an all-reduce of the
+      fp32 gradients. Across nodes when the job spans more than one node's GPUs.
+    * The Adam step over the parameters this rank updates (all of its stage's, or 1/DP of
+      them with the distributed optimizer): :data:`ADAM_BYTES_PER_PARAM` of HBM traffic and
+      :data:`ADAM_FLOPS_PER_PARAM` per parameter, one memory-bound op.
+
+    Assumptions (engineering estimates, stated in docs/emulator.md): gradients kept and
+    reduced in fp32, no gradient-reduction overlap with the backward pass (Megatron-LM's
+    ``--overlap-grad-reduce`` is off by default).
+    """
+    p = wl.parallelism
+    n = stage_params_per_rank(wl)
+    comms: list[CommOp] = []
+    share = n
+    if p.dp > 1:
+        if distributed_optimizer:
+            comms = [CommOp(name="dp_grad_reduce_scatter", kind=CommKind.REDUCE_SCATTER,
+                            bytes=int(4 * n), group_size=p.dp),
+                     CommOp(name="dp_param_all_gather", kind=CommKind.ALL_GATHER,
+                            bytes=int(2 * n), group_size=p.dp)]
+            share = n / p.dp
+        else:
+            comms = [CommOp(name="dp_grad_all_reduce", kind=CommKind.ALL_REDUCE,
+                            bytes=int(4 * n), group_size=p.dp)]
+    step = ComputeOp(name="optimizer_step", kind=OpKind.ELEMENTWISE,
+                     flops=ADAM_FLOPS_PER_PARAM * share,
+                     bytes_moved=ADAM_BYTES_PER_PARAM * share)
+    return OutsideWork(ops=(step,), comms=tuple(comms),
+                       comms_cross_node=p.world_size > GPUS_PER_NODE)
 
 
 def _outside_work(wl: Workload) -> dict[tuple[int, str], OutsideWork]:
@@ -440,6 +538,13 @@ def _outside_work(wl: Workload) -> dict[tuple[int, str], OutsideWork]:
     ar = (CommOp(name="tp_all_reduce_vocab", kind=CommKind.ALL_REDUCE, bytes=t * h * s.d,
                  group_size=p.tp) if p.tp > 1 else None)
     out: dict[tuple[int, str], OutsideWork] = {}
+    # Pipeline sends: the stage's output activations (forward) or input gradients
+    # (backward) of one microbatch, bf16, split over the TP ranks (each sends its 1/TP
+    # share, gathered on the other side: Megatron-LM's scatter-gather of pipeline tensors).
+    # Stages sit on different nodes when a stage group of TP x CP GPUs times PP does not
+    # fit in one node.
+    p2p = t * h * s.d / p.tp
+    cross = p.tp * p.cp * p.pp > GPUS_PER_NODE
     for stage in range(p.pp):
         fwd_ops: list[ComputeOp] = []
         bwd_ops: list[ComputeOp] = []
@@ -459,6 +564,10 @@ def _outside_work(wl: Workload) -> dict[tuple[int, str], OutsideWork]:
                         s.mem("final_norm_bwd", OpKind.NORM, 3 * t * h, 3.0)]
             if ar is not None:
                 bwd_comms.append(ar)
-        out[(stage, "fwd")] = OutsideWork(ops=fwd_ops, comms=fwd_comms)
-        out[(stage, "bwd")] = OutsideWork(ops=bwd_ops, comms=bwd_comms)
+        out[(stage, "fwd")] = OutsideWork(ops=fwd_ops, comms=fwd_comms,
+                                          p2p_bytes=p2p if stage < p.pp - 1 else 0.0,
+                                          p2p_cross_node=cross)
+        out[(stage, "bwd")] = OutsideWork(ops=bwd_ops, comms=bwd_comms,
+                                          p2p_bytes=p2p if stage > 0 else 0.0,
+                                          p2p_cross_node=cross)
     return out

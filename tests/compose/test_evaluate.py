@@ -21,9 +21,13 @@ def test_frontier_is_monotone_and_plans_reevaluate(composed, tiny_workload, fake
         freqs = sorted({o.config.freq_mhz for pf in composed.partitions[name].values()
                         for o in pf.observations})
         outside = measure_outside_work(fake_profiler, pset, freqs)
+        tail = fake_profiler.measure_outside(pset.iteration, fake_profiler.gpu.max_clock_mhz,
+                                             group_size=p.world_size)
+        assert tail.time_s > 0  # the optimizer step
         for pt in fr.points:
             t, e, dyn = evaluate_plan(pt.plan, frontiers=composed.partitions[name],
-                                      partitions=pset, outside=outside, static_power_w=static)
+                                      partitions=pset, outside=outside, static_power_w=static,
+                                      tail=tail)
             assert t == pytest.approx(pt.time_s, rel=1e-9)
             assert e == pytest.approx(pt.energy_j, rel=1e-9)
             assert dyn == pytest.approx(pt.plan.dynamic_energy_j, rel=1e-9)

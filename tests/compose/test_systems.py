@@ -78,11 +78,14 @@ def test_systems_share_measurements_of_the_same_run(tiny_workload):
     noisy = EmulatedProfiler("a100-40gb", noise=0.05, seed=7)
     search, _ = _search_calls()
     res = compose_systems(tiny_workload, noisy, search=search)
-    # Megatron-LM's plan is Perseus's all-maximum-clock plan: with one measurement per
-    # configuration, Perseus is never slower than Megatron-LM at its fastest, whatever the noise.
+    # Megatron-LM's plan is among Perseus's plans (all computations at the maximum clock):
+    # with one measurement per configuration, Perseus is never slower than Megatron-LM at its
+    # fastest, whatever the noise (a noisy measurement of the pipeline sends at a lower
+    # clock can make Perseus's fastest plan a little faster still).
     meg, per = res["megatron"].points[0], res["perseus"].points[0]
-    assert per.time_s == pytest.approx(meg.time_s, rel=1e-9)
-    assert per.energy_j <= meg.energy_j * (1 + 1e-9)
+    assert per.time_s <= meg.time_s * (1 + 1e-9)
+    assert min(p.energy_j for p in res["perseus"].points
+               if p.time_s <= meg.time_s * (1 + 1e-9)) <= meg.energy_j * (1 + 1e-9)
     # Each (partition, configuration) was measured once: the nanobatching systems' max-clock
     # first-slot configuration appears with one measurement in both.
     nb = res.partitions["nanobatching"]

@@ -117,6 +117,10 @@ class EmulatedGPU:
             (plain 4-tuples are converted). A collective uses the entry of
             its kind and group size, else the entry of its kind with the nearest group size,
             else the two scalar fields.
+        network_gb_per_s: Inter-node bandwidth per GPU, one direction, GB/s: what limits
+            pipeline sends and collectives that cross nodes (0.9 of the line rate of one
+            NIC per GPU; see docs/emulator.md).
+        network_latency_s: Start-up latency of an inter-node transfer, seconds.
         op_calibration: Per-op factors from a measured GPU profile (:meth:`from_profile`):
             :class:`OpCalibration` records ``(partition, op, time_factor, power_factor,
             model_s, source)``; an op of a partition type with a record uses it, any other
@@ -152,6 +156,8 @@ class EmulatedGPU:
     voltage_floor: float = attrs.field(validator=_fraction)
     voltage_floor_clock_fraction: float = attrs.field(validator=_fraction)
     comm_curves: tuple[CommCurve, ...] = attrs.field(default=(), converter=_comm_curves_tuple)
+    network_gb_per_s: float = attrs.field(default=22.5, validator=_pos)
+    network_latency_s: float = attrs.field(default=10e-6, validator=_nonneg)
     op_calibration: tuple[OpCalibration, ...] = attrs.field(default=(),
                                                             converter=_op_calibration_tuple)
     calibration: str = attrs.field(default="")
@@ -384,6 +390,7 @@ def _default_constants(spec: GPUSpec) -> dict[str, Any]:
             sm_busy_power_w=103.0,
             tensor_power_w=193.0,
             uncore_power_w=30.0,  # static 85 W (blocked in a receive at 1410) - idle 55 W
+            network_gb_per_s=22.5,  # DGX A100: one 200 Gb/s HDR NIC per GPU, x 0.9
         )
     elif name in ("h100-sxm", "h200-sxm"):
         generic.update(
@@ -398,6 +405,7 @@ def _default_constants(spec: GPUSpec) -> dict[str, Any]:
             sm_busy_power_w=340.0,
             tensor_power_w=686.0,
             uncore_power_w=42.6,  # measured H200: one spinning block at 1980 MHz = 120.6 W
+            network_gb_per_s=45.0,  # DGX H100 / H200: one 400 Gb/s NIC per GPU, x 0.9
         )
     return generic
 

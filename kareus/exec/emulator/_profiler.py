@@ -133,12 +133,38 @@ class EmulatedProfiler(Profiler):
         self._check_freq(int(freq_mhz))
         sms = self.gpu.default_comm_sms if comm_sms is None else int(comm_sms)
         self._check_sms(sms)
-        if not work.ops and not work.comms:
+        if work.empty:
             return self._noisy(0.0, 0.0, self.gpu.static_power_w * group_size)
-        sim = _Sim(self.emulated_gpu, [self._op(o) for o in work.ops])
-        comms = [_collective(self.emulated_gpu, c, sms, None) for c in work.comms]
-        time_s, energy, _ = self._run_limited(sim, int(freq_mhz), comms)[:3]
+        time_s, energy = self._outside_gpu(work, int(freq_mhz), sms)
         return self._noisy(time_s, energy * group_size, self.gpu.static_power_w * group_size)
+
+    def _outside_gpu(self, work: OutsideWork, freq_mhz: int, sms: int) -> tuple[float, float]:
+        """(time, energy of one GPU) of outside work: ops and NVLink collectives in the
+        simulation; collectives that cross nodes and the pipeline send at the network's
+        (or NVLink's) rate while the GPU waits (idle + uncore power, link energy)."""
+        gpu = self.emulated_gpu
+        sim_comms = [] if work.comms_cross_node else work.comms
+        time_s = energy = 0.0
+        f = freq_mhz
+        if work.ops or sim_comms:
+            sim = _Sim(gpu, [self._op(o) for o in work.ops])
+            comms = [_collective(gpu, c, sms, None) for c in sim_comms]
+            time_s, energy, f, _ = self._run_limited(sim, freq_mhz, comms)
+        wait_w = gpu.spec.idle_power_w + gpu.uncore_power_w * gpu.dynamic_scale(f)
+        e_link = gpu.link_energy_pj_per_byte * 1e-12
+        transfers: list[tuple[float, float]] = []  # (bytes on the wire, bytes/s)
+        if work.comms_cross_node:
+            net = gpu.network_gb_per_s * 1e9
+            transfers += [(c.bus_bytes, net) for c in work.comms]
+        if work.p2p_bytes:
+            rate = (gpu.network_gb_per_s * 1e9 if work.p2p_cross_node
+                    else gpu.comm_curve("all_gather", 2)[1] * 1e9)
+            transfers.append((work.p2p_bytes, rate))
+        for nbytes, rate in transfers:
+            dt = gpu.network_latency_s + nbytes / rate
+            time_s += dt
+            energy += wait_w * dt + e_link * nbytes
+        return time_s, energy
 
     @property
     def calibration(self) -> str:
