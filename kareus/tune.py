@@ -37,6 +37,7 @@ nobody): a smoke run of the tuning path, whose figures are not kareus's.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -468,10 +469,13 @@ def _search_types(profiler: Profiler, catalog: Catalog, types: Sequence[str], *,
 
 
 def tuning_backends(env: Any, wanted: Sequence[str] | None,
-                    build: dict[str, Callable[[], Any]]) -> tuple[dict[str, Any], dict[str, str]]:
+                    build: dict[str, Callable[[], Any]], *,
+                    group_sizes: Sequence[int] | None = None
+                    ) -> tuple[dict[str, Any], dict[str, str]]:
     """The collective backends a tuning run searches: each of ``build`` (name -> its
     constructor, in order) that ``wanted`` names (``None``: all) and that can run in the
-    group's agreed environment ``env``, built.
+    agreed environment ``env`` on every group its collectives use (``group_sizes``: the TP
+    and CP degrees above 1; ``None`` = the environment's whole world), built.
 
     Construction is collective (every rank builds the same backends in the same order); a
     failure on one rank only (an IPC mapping) stops the job, as NCCL's would.
@@ -493,7 +497,9 @@ def tuning_backends(env: Any, wanted: Sequence[str] | None,
     for name, make in build.items():
         if wanted is not None and name not in wanted:
             continue
-        why = backend_unavailable_reason(name, env)
+        sizes = [env.world_size] if group_sizes is None else list(group_sizes)
+        why = next((w for n in sizes if (w := backend_unavailable_reason(
+            name, dataclasses.replace(env, world_size=n))) is not None), None)
         if why is None:
             try:
                 named[name] = make()
@@ -550,6 +556,7 @@ def tune(workload: Workload, *, out_dir: str | os.PathLike[str], gpu: str | None
             clock is measured.
         backends: Backends to search among ``"own"`` and ``"nccl_capped"``; ``None`` =
             every one that runs on this group (``"loopback"`` alone in a world of one).
+            Each is built per TP and CP group (:func:`kareus.exec.train.make_collectives`).
         comm_sms: SM counts to search; ``None`` = 2, 4, 8, 16, 24, 32 and the GPU's default
             (each NCCL cap is a communicator of its own).
         kernels: The runnable partitions' kernel set (``None``: the library's choice).
@@ -570,13 +577,7 @@ def tune(workload: Workload, *, out_dir: str | os.PathLike[str], gpu: str | None
         raise HardwareError("--profiler nvml measures on GPUs through PyTorch: install it "
                             "(pip install 'kareus[torch]') on a machine with NVIDIA GPUs") from exc
 
-    from kareus.exec.collectives import (
-        LoopbackCollective,
-        NCCLCappedCollective,
-        OwnKernelCollective,
-        ProcessGroupCollective,
-        probe_collective_environment,
-    )
+    from kareus.exec.collectives import LoopbackCollective, probe_collective_environment
     from kareus.exec.executor import TorchExecutor
     from kareus.exec.frequency import (
         DryRunFrequencyController,
@@ -619,10 +620,24 @@ def tune(workload: Workload, *, out_dir: str | os.PathLike[str], gpu: str | None
         notes: dict[str, str] = {}
         default: Any = named["loopback"]
     else:
+        # One backend per TP and CP group (all-reduces over TP, all-gathers and
+        # reduce-scatters over CP), as the training loop runs them.
+        from kareus.exec.train import TorchParallelGroups, make_collectives
+
+        p = workload.parallelism
+        groups = TorchParallelGroups(tp=p.tp)
+        made: dict[str, Any] = {}
+
+        def maker(name: str) -> Callable[[], Any]:
+            def make() -> Any:
+                made[name] = make_collectives(groups, backend=name)
+                return made[name][0]
+            return make
+
         named, notes = tuning_backends(probe_collective_environment(), backends,
-                                       {"own": OwnKernelCollective,
-                                        "nccl_capped": NCCLCappedCollective})
-        default = ProcessGroupCollective()
+                                       {n: maker(n) for n in ("own", "nccl_capped")},
+                                       group_sizes=[n for n in (p.tp, p.cp) if n > 1])
+        default = made[next(iter(named))][1]  # each group's collectives, NCCL's own CTAs
     names = list(named)
     primary = named.get("nccl_capped", named[names[0]])  # the baselines' NCCL where it runs
     executor = TorchExecutor(collective=primary, backends=named, default_collective=default)

@@ -260,6 +260,10 @@ def test_backends_that_cannot_run_are_left_out_with_the_reason():
     with pytest.raises(HardwareError, match="max_ctas"):
         tuning_backends(CollectiveEnvironment(world_size=3, sm_count=132, nccl_cta_caps=False),
                         None, both)
+    # TP=2 x CP=3: the own kernels cannot serve the CP group of 3.
+    named, notes = tuning_backends(CollectiveEnvironment(world_size=6, sm_count=132), None, both,
+                                   group_sizes=[2, 3])
+    assert list(named) == ["nccl_capped"] and "has 3" in notes["own"]
     with pytest.raises(ValueError, match="mscclpp"):
         tuning_backends(CollectiveEnvironment(world_size=2, sm_count=132), ["mscclpp"], both)
 
