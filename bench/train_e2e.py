@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:  # a linear script
         TrainingLoop,
         make_collectives,
         measure_runs,
+        named_collectives,
         overlap_efficiency,
         shuffled_order,
     )
@@ -168,9 +169,12 @@ def main(argv: list[str] | None = None) -> int:  # a linear script
         groups = TorchParallelGroups(tp=p.tp)
     caps = tuple(sorted({c.comm_sms for cs in plan.partition_configs().values() for c in cs}))
     capped, default, note = make_collectives(groups, backend=args.backend, caps=caps)
+    named = named_collectives(groups, {c.backend for cs in plan.partition_configs().values()
+                                       for c in cs if c.backend}, caps=caps)
     trigger = StreamOrderedTrigger(DryRunFrequencyController(gpu=plan.gpu))
     loop = TrainingLoop(workload=wl, groups=groups, collective=capped,
-                        default_collective=default, plan=plan, frequency=trigger,
+                        default_collective=default, plan=plan, backends=named,
+                        frequency=trigger,
                         layers=args.layers, kernels=args.kernels, seed=args.seed, lr=args.lr)
     log(f"{world} rank(s), {wl.describe()}, {loop.layers} layers, "
         f"{loop.model.num_params / 1e6:.0f}M parameters per rank; collectives: {note}")

@@ -168,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         TrainingLoop,
         make_collectives,
         measure_runs,
+        named_collectives,
     )
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -187,11 +188,14 @@ def main(argv: list[str] | None = None) -> int:
         groups = TorchParallelGroups(tp=p.tp)
     caps = tuple(sorted({c.comm_sms for cs in plan.partition_configs().values() for c in cs}))
     capped, default, note = make_collectives(groups, backend=args.backend, caps=caps)
+    named = named_collectives(groups, {c.backend for cs in plan.partition_configs().values()
+                                       for c in cs if c.backend}, caps=caps)
     controller: Any = (NVMLFrequencyController(gpu=plan.gpu) if args.clocks == "nvml"
                        else DryRunFrequencyController(gpu=plan.gpu))
     trigger = StreamOrderedTrigger(controller)
     loop = TrainingLoop(workload=wl, groups=groups, collective=capped,
-                        default_collective=default, plan=plan, frequency=trigger,
+                        default_collective=default, plan=plan, backends=named,
+                        frequency=trigger,
                         layers=args.layers,
                         kernels=None if args.kernels == "auto" else args.kernels)
     say = print if rank == 0 else (lambda *a, **k: None)

@@ -29,12 +29,13 @@ from kareus.exec.collectives import CollectiveBackend  # noqa: E402
 from kareus.exec.executor import RecordingStreamBackend  # noqa: E402
 from kareus.exec.train import (  # noqa: E402
     GroupedCollective,
-    LoopbackCollective,
+    LoopbackGroupCollective,
     LoopbackGroups,
     TrainingLoop,
     check_plan_workload,
     make_collectives,
     measure_runs,
+    named_collectives,
     shuffled_order,
 )
 from kareus.model.config import ScheduleConfig  # noqa: E402
@@ -63,11 +64,12 @@ def workload(tp: int, cp: int, recompute: bool = True, n: int = 2) -> Workload:
                     seq_len=8, num_microbatches=2, nanobatches=n, recompute=recompute)
 
 
-def plan_for(wl: Workload, *, pick: int = 1, sms: int = 8) -> Plan:
+def plan_for(wl: Workload, *, pick: int = 1, sms: int = 8, backend: str | None = None) -> Plan:
     cfgs = {}
     for name, p in build_partitions(wl).types.items():
         slots = [s.name for s in p.slots]
-        cfgs[name] = ScheduleConfig(1980, sms, slots[min(pick, len(slots) - 1)])
+        cfgs[name] = ScheduleConfig(1980, sms, slots[min(pick, len(slots) - 1)],
+                                    backend=backend)
     comps = get_schedule("1f1b", 1, wl.num_microbatches).stage_orders[0]
     return Plan(gpu="h200-sxm", num_stages=1, num_microbatches=wl.num_microbatches,
                 choices=[MicrobatchChoice(freq_mhz=1980, configs=cfgs)],
@@ -217,6 +219,26 @@ def test_plan_for_another_job_is_refused():
                      device="cpu")
 
 
+def test_a_plan_that_names_its_backend_runs_on_that_backend():
+    wl = workload(2, 2)
+    plan = plan_for(wl, backend="nccl_capped")
+    groups = LoopbackGroups(tp=2, cp=2)
+    capped, default, _ = make_collectives(groups, backend="loopback")
+    kw = dict(workload=wl, groups=groups, collective=capped, default_collective=default,
+              plan=plan, streams=RecordingStreamBackend(), kernels="torch", device="cpu",
+              dtype="float32")
+    with pytest.raises(PlanError, match="nccl_capped"):
+        TrainingLoop(**kw)
+    named = named_collectives(groups, {"nccl_capped"})
+    loop = TrainingLoop(backends=named, **kw)
+    loop.step("kareus")
+    mine = named["nccl_capped"]
+    assert mine.tp.calls and mine.cp.calls  # every collective of the chain ran there
+    assert capped.tp.calls == [] and capped.cp.calls == []  # the outside work is not here
+    with pytest.raises(ValueError, match="mscclpp"):
+        named_collectives(groups, {"mscclpp"})
+
+
 def test_kareus_needs_a_plan():
     loop = loopback_loop(2, 1, plan=False)
     assert loop.schedules == ("sequential", "nanobatching")
@@ -225,7 +247,7 @@ def test_kareus_needs_a_plan():
 
 
 def test_loopback_collective_and_grouping():
-    lb = LoopbackCollective(group_size=4)
+    lb = LoopbackGroupCollective(group_size=4)
     t = torch.ones(6)
     lb.all_reduce(t, None, 8)
     assert torch.equal(t, torch.full((6,), 4.0))
@@ -236,7 +258,7 @@ def test_loopback_collective_and_grouping():
     lb.reduce_scatter(rs, torch.arange(8.0), None, 8)
     assert torch.equal(rs, torch.tensor([0.0, 4.0]))
     assert lb.calls == [("all_reduce", 6, 8), ("all_gather", 12, 8), ("reduce_scatter", 8, 8)]
-    tp, cp = LoopbackCollective(group_size=2), LoopbackCollective(group_size=3)
+    tp, cp = LoopbackGroupCollective(group_size=2), LoopbackGroupCollective(group_size=3)
     g = GroupedCollective(tp=tp, cp=cp)
     g.all_reduce(torch.ones(2), None, 4)
     g.reduce_scatter(torch.zeros(1), torch.ones(3), None, 4)

@@ -44,11 +44,12 @@ from kareus.exec.train._chain import (
 from kareus.exec.train._groups import (
     BACKENDS,
     GroupedCollective,
-    LoopbackCollective,
+    LoopbackGroupCollective,
     LoopbackGroups,
     ParallelGroups,
     TorchParallelGroups,
     make_collectives,
+    named_collectives,
 )
 from kareus.exec.train._loop import (
     RunRecord,
@@ -67,7 +68,7 @@ __all__ = [
     "DecoderShard",
     "DefaultConfig",
     "GroupedCollective",
-    "LoopbackCollective",
+    "LoopbackGroupCollective",
     "LoopbackGroups",
     "Op",
     "ParallelGroups",
@@ -81,6 +82,7 @@ __all__ = [
     "make_collectives",
     "match_type",
     "measure_runs",
+    "named_collectives",
     "overlap_efficiency",
     "pieces",
     "run_computation",

@@ -12,7 +12,7 @@ around it, its CP group the ranks ``TP`` apart. Two kinds of collective use them
   input gradient, the gradient sum over CP ranks) uses :meth:`ParallelGroups.all_reduce`
   on the current stream.
 
-:class:`LoopbackCollective` and :class:`LoopbackGroups` stand in for a group on one GPU:
+:class:`LoopbackGroupCollective` and :class:`LoopbackGroups` stand in for a group on one GPU:
 every collective is a real kernel of the collective's size on the stream it is given,
 computing what the group would if every other rank held this rank's data (an all-reduce
 multiplies by the group size, an all-gather repeats the input, a reduce-scatter scales
@@ -29,8 +29,8 @@ from typing import Any, ClassVar
 
 from kareus.exec.collectives import CollectiveBackend
 
-__all__ = ["BACKENDS", "GroupedCollective", "LoopbackCollective", "LoopbackGroups",
-           "ParallelGroups", "TorchParallelGroups", "make_collectives"]
+__all__ = ["BACKENDS", "GroupedCollective", "LoopbackGroupCollective", "LoopbackGroups",
+           "ParallelGroups", "TorchParallelGroups", "make_collectives", "named_collectives"]
 
 
 def _on(stream: Any) -> Any:
@@ -138,7 +138,7 @@ class LoopbackGroups(ParallelGroups):
         return tensor
 
 
-class LoopbackCollective(CollectiveBackend):
+class LoopbackGroupCollective(CollectiveBackend):
     """A one-GPU stand-in for a group's collectives: a real kernel of the collective's
     bytes on the given stream, computing what the group would if every rank held this
     rank's data. ``sms`` is accepted and recorded but not applied.
@@ -292,7 +292,7 @@ def make_collectives(groups: ParallelGroups, *, backend: str = "nccl_capped",
             with ``backend="loopback"``).
         backend: ``"nccl_capped"`` (NCCL communicators capped at each SM count),
             ``"own"`` (kareus's SM-capped kernels on registered buffers) or
-            ``"loopback"`` (one GPU: :class:`LoopbackCollective`).
+            ``"loopback"`` (one GPU: :class:`LoopbackGroupCollective`).
         caps: SM counts to create NCCL communicators for up front (every rank, same order).
 
     Returns:
@@ -308,7 +308,7 @@ def make_collectives(groups: ParallelGroups, *, backend: str = "nccl_capped",
     if backend == "loopback":
         if not isinstance(groups, LoopbackGroups):
             raise ValueError("the loopback backend goes with LoopbackGroups (one GPU)")
-        mk = {g: (LoopbackCollective(group_size=n) if n > 1 else None) for g, n in sizes.items()}
+        mk = {g: (LoopbackGroupCollective(group_size=n) if n > 1 else None) for g, n in sizes.items()}
         return (GroupedCollective(**mk), GroupedCollective(**mk),
                 "loopback: one GPU stands in for the group (a real kernel of each "
                 "collective's bytes on the side stream; no link traffic, SM caps not applied)")
@@ -338,3 +338,31 @@ def make_collectives(groups: ParallelGroups, *, backend: str = "nccl_capped",
             if backend == "own" else
             "NCCLCappedCollective (min_ctas = max_ctas = the plan's SM count)")
     return GroupedCollective(**capped), GroupedCollective(**default), note
+
+
+def named_collectives(groups: ParallelGroups, names: Any, *,
+                      caps: tuple[int, ...] = ()) -> dict[str, GroupedCollective]:
+    """Collectives for a plan whose configurations name their backend
+    (:attr:`ScheduleConfig.backend <kareus.model.config.ScheduleConfig.backend>`), for
+    :class:`~kareus.exec.executor.TorchExecutor`'s ``backends=``.
+
+    Args:
+        groups: The job's groups; with :class:`LoopbackGroups` every name gets the
+            loopback (one GPU stands in for the group, whatever backend the plan chose).
+        names: Backend names (of :data:`BACKENDS` other than ``"loopback"``).
+        caps: SM counts to create NCCL communicators for up front.
+
+    Raises:
+        ValueError: a name this loop cannot build.
+    """
+    out: dict[str, GroupedCollective] = {}
+    for name in sorted(set(names)):
+        if name not in BACKENDS or name == "loopback":
+            raise ValueError(f"the plan names collective backend {name!r}; the training loop "
+                             f"builds {[b for b in BACKENDS if b != 'loopback']}: make the "
+                             "plan with those")
+        kind = "loopback" if isinstance(groups, LoopbackGroups) else name
+        capped, _, _ = make_collectives(groups, backend=kind, caps=caps)
+        if capped is not None:
+            out[name] = capped
+    return out

@@ -140,6 +140,10 @@ class TrainingLoop:
             communication buffers.
         default_collective: The baselines' collectives with their own CTA count
             (``None``: ``collective``).
+        backends: Collectives by name, for a plan whose configurations name their
+            backend (:func:`~kareus.exec.train.named_collectives`); the communication
+            buffers come from the first of ``collective`` and these that allocates
+            registered memory.
         plan: The plan the ``"kareus"`` schedule applies (``None``: only the baselines).
         frequency: The :class:`~kareus.exec.frequency.FrequencyTrigger` the plan's clocks
             go through (``None``: no clock requests).
@@ -156,6 +160,7 @@ class TrainingLoop:
 
     def __init__(self, *, workload: Workload, groups: Any, collective: Any = None,
                  default_collective: Any = None, plan: Plan | None = None,
+                 backends: Any = None,
                  frequency: Any = None, layers: int | None = None, streams: Any = None,
                  kernels: Any = None, device: Any = None, dtype: str = "bfloat16",
                  seed: int = 0, lr: float = 3e-4, schedule: str = "1f1b") -> None:
@@ -184,7 +189,8 @@ class TrainingLoop:
         self.model = DecoderShard(
             arch=workload.model, layers=layers, microbatch_size=workload.microbatch_size,
             seq_len=workload.seq_len, num_microbatches=workload.num_microbatches,
-            groups=groups, backend=collective if has_comm else None,
+            groups=groups,
+            backend=[collective, *dict(backends or {}).values()] if has_comm else None,
             nanobatch_counts=tuple(sorted({1, workload.nanobatches})),
             recompute=workload.recompute, kernels=kernels, device=device, dtype=dtype,
             seed=seed, lr=lr)
@@ -202,14 +208,21 @@ class TrainingLoop:
         self.computations = list(get_schedule(name, 1, workload.num_microbatches)
                                  .stage_orders[0])
         coll = collective if has_comm else _no_collective_backend()
+        named = dict(backends or {})
         self.baseline = TorchExecutor(collective=coll,
                                       default_collective=default_collective or coll,
                                       streams=streams)
         self.executor: TorchExecutor | None = None
         if plan is not None:
+            wanted = {c.backend for cs in plan.partition_configs().values() for c in cs
+                      if getattr(c, "backend", None)}
+            if wanted - set(named):
+                raise PlanError(f"the plan's configurations name collective backends "
+                                f"{sorted(wanted - set(named))}: pass them in backends= "
+                                "(kareus.exec.train.named_collectives)")
             self.executor = TorchExecutor(plan=plan, collective=coll, frequency=frequency,
                                           default_collective=default_collective or coll,
-                                          streams=streams)
+                                          backends=named, streams=streams)
             self.executor.start()  # every rank compares the plan's digest
         self._data(torch, seed)
         self.partitions_run: list[tuple[str, Any]] = []
@@ -267,9 +280,9 @@ class TrainingLoop:
 
 def _no_collective_backend() -> Any:
     """The executors' backend of a job without collectives (TP = CP = 1; never called)."""
-    from kareus.exec.train._groups import LoopbackCollective
+    from kareus.exec.train._groups import LoopbackGroupCollective
 
-    return LoopbackCollective(group_size=1)
+    return LoopbackGroupCollective(group_size=1)
 
 
 def measure_runs(loop: TrainingLoop, order: Sequence[tuple[str, int]], *, steps: int,

@@ -56,8 +56,10 @@ class DecoderShard:
         num_microbatches: Microbatches per iteration (the loss is their mean).
         groups: :class:`~kareus.exec.train.ParallelGroups` of this rank.
         backend: Where the partitions' collective buffers come from: an object with
-            ``backend_for(kind)`` (:class:`~kareus.exec.train.GroupedCollective`) whose
-            backends may offer ``empty(shape, dtype)``; ``None`` = plain tensors.
+            ``backend_for(kind)`` (:class:`~kareus.exec.train.GroupedCollective`), or a
+            list of them, the first whose backend offers ``empty(shape, dtype)``
+            allocating (registered memory, which every backend can run on); ``None`` =
+            plain tensors.
         nanobatch_counts: The nanobatch counts the loop will run (buffers for each).
         recompute: Full recomputation (the forward keeps only each layer's input).
         kernels: A :class:`~kareus.exec.kernels.KernelSet` or name; ``None`` = default.
@@ -221,8 +223,11 @@ class DecoderShard:
     def _alloc_pool(self, torch: Any, n: int) -> None:
         b = self.mbs // n
         t = b * self.sq
+        cands = ([] if self.backend is None else list(self.backend)
+                 if isinstance(self.backend, (list, tuple)) else [self.backend])
         for name, kind in self.comms():
-            backend = self.backend.backend_for(kind) if self.backend is not None else None
+            owners = [c.backend_for(kind) for c in cands if c is not None]
+            backend = next((b for b in owners if callable(getattr(b, "empty", None))), None)
             if kind == "all_reduce":
                 shapes: tuple[tuple[int, ...], tuple[int, ...] | None] = ((t, self.h), None)
             elif kind == "all_gather":  # local K and V -> every chunk's K and V
