@@ -451,11 +451,13 @@ class TorchExecutor(Executor):
             raise PlanError("call executor.start() first: ranks must compare the plan's digest "
                             "before any collective runs under it")
 
-    def empty(self, shape: int | Sequence[int], dtype: Any) -> Any:
+    def empty(self, shape: int | Sequence[int], dtype: Any, *, kind: str = "all_reduce") -> Any:
         """A zeroed communication buffer from the backends: registered memory from the
         first of ``collective``, then ``backends``, that allocates
-        (:meth:`OwnKernelCollective.empty <kareus.exec.collectives.OwnKernelCollective.empty>`),
-        which every backend can also run on, else ``torch.zeros`` on the current device.
+        (:meth:`OwnKernelCollective.empty <kareus.exec.collectives.OwnKernelCollective.empty>`;
+        a backend per group, such as the training loop's ``GroupedCollective``, asks the
+        backend of the group that runs collectives of ``kind``), which every backend can
+        also run on, else ``torch.zeros`` on the current device.
 
         A registered allocation is collective: every rank must ask for the same buffers
         in the same order (runnable partitions built with ``build(collective=executor)``
@@ -464,9 +466,17 @@ class TorchExecutor(Executor):
         Args:
             shape: Tensor shape (an int for 1-D).
             dtype: A torch dtype.
+            kind: The collective the buffer is for (``"all_reduce"``, ``"all_gather"``,
+                ``"reduce_scatter"``).
         """
         for backend in (self.collective, *self.backends.values()):
             alloc = getattr(backend, "empty", None)
+            route = getattr(backend, "backend_for", None)
+            if not callable(alloc) and callable(route):  # one backend per group
+                try:
+                    alloc = getattr(route(kind), "empty", None)
+                except ValueError:  # no group runs that kind here
+                    alloc = None
             if callable(alloc):
                 return alloc(shape, dtype).zero_()
         import torch

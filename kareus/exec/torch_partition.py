@@ -392,13 +392,21 @@ def _op_builders() -> dict[str, Callable[[Any, dict[str, Any], _Dims, Any], Call
 
 
 def _comm_zeros(torch: Any, collective: Any, shape: tuple[int, ...], device: Any,
-                dtype: Any) -> Any:
+                dtype: Any, kind: str = "all_reduce") -> Any:
     """A zeroed buffer for the collective: from ``collective.empty`` when the backend has
-    it (registered memory for the own kernels), else from ``torch.zeros``."""
+    it (registered memory for the own kernels; an executor's ``empty`` is told the
+    collective's ``kind``, so that a backend per group registers it with the right group),
+    else from ``torch.zeros``."""
+    import inspect
+
     empty = getattr(collective, "empty", None)
     if not callable(empty):
         return torch.zeros(shape, device=device, dtype=dtype)
-    t = empty(shape, dtype)
+    try:
+        takes_kind = "kind" in inspect.signature(empty).parameters
+    except (TypeError, ValueError):
+        takes_kind = False
+    t = empty(shape, dtype, kind=kind) if takes_kind else empty(shape, dtype)
     if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device:
         raise ValueError(f"{type(collective).__name__}.empty({shape}, {dtype}) gave a tensor "
                          f"of shape {tuple(t.shape)}, {t.dtype} on {t.device}; the program is "
@@ -431,9 +439,11 @@ def _comm_buffers(torch: Any, comm: CommOp, model_bytes: int, device: Any, dtype
         in_shape, out_shape = (n // g,), (n // g * g,)
     else:
         in_shape, out_shape = (n // g * g,), (n // g,)
-    ins = [_comm_zeros(torch, collective, in_shape, device, dtype) for _ in range(2)]
+    kind = comm.kind.value
+    ins = [_comm_zeros(torch, collective, in_shape, device, dtype, kind) for _ in range(2)]
     outs = ([] if out_shape is None
-            else [_comm_zeros(torch, collective, out_shape, device, dtype) for _ in range(2)])
+            else [_comm_zeros(torch, collective, out_shape, device, dtype, kind)
+                  for _ in range(2)])
     return ins, outs
 
 

@@ -70,3 +70,30 @@ def test_buffers_come_from_the_backend_that_registers_memory():
 def test_backends_are_type_checked():
     with pytest.raises(TypeError, match="backends"):
         TorchExecutor(collective=RecordingCollective(), backends={"own": object()})
+
+
+class PerGroup(RecordingCollective):
+    """A backend per group (as the training loop's GroupedCollective): all-reduces over
+    one group, all-gathers and reduce-scatters over the other."""
+
+    def __init__(self, tp, cp):
+        super().__init__()
+        self.tp, self.cp = tp, cp
+
+    def backend_for(self, kind):
+        b = self.tp if kind == "all_reduce" else self.cp
+        if b is None:
+            raise ValueError(kind)
+        return b
+
+
+def test_buffers_of_a_backend_per_group_are_registered_with_the_collectives_group():
+    tp, cp = Registering(), Registering()
+    ex = TorchExecutor(collective=PerGroup(tp, cp), streams=RecordingStreamBackend())
+    a = ex.empty(8, "bf16")
+    g = ex.empty(8, "bf16", kind="all_gather")
+    assert tp.allocated == [a] and cp.allocated == [g]
+    only_tp = TorchExecutor(collective=PerGroup(tp, None), backends={"own": Registering()},
+                            streams=RecordingStreamBackend())
+    r = only_tp.empty(4, "bf16", kind="reduce_scatter")  # no CP group: the next backend
+    assert r in only_tp.backends["own"].allocated
