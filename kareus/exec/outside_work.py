@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kareus._logging import get_logger
-from kareus.exec.torch_partition import PartitionProgram, RunnablePartition
+from kareus.exec.torch_partition import PartitionProgram, RunnablePartition, _comm_zeros
 from kareus.model.ops import CommOp, ComputeOp
 from kareus.model.partition import OutsideWork
 from kareus.model.workload import Workload
@@ -235,12 +235,9 @@ def _comm_op(torch: Any, comm: CommOp, collective: Any, sms: int | None, model_b
     n = int(comm.bytes) // int(model_bytes)
     g = comm.group_size
     kind = comm.kind.value
-    alloc = getattr(collective, "empty", None)
 
-    def buf(numel: int) -> Any:
-        if callable(alloc):
-            return alloc((numel,), dtype).zero_()
-        return torch.zeros(numel, device=device, dtype=dtype)
+    def buf(numel: int) -> Any:  # registered with the group that runs ``kind``, where it can
+        return _comm_zeros(torch, collective, (numel,), device, dtype, kind)
 
     if kind == "all_reduce":
         tensors: tuple[Any, ...] = (buf(n),)
