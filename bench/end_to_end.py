@@ -15,6 +15,16 @@ The paper does not list which ten combinations it ran; the ten below are
 our choice: five per model.
 
 Every figure is emulated (EmulatedProfiler with 1% measurement noise), not measured.
+The H200 is the emulator calibrated from the measured profile shipped with kareus
+(``EmulatedGPU.from_profile("h200-sxm")``: per-op time and power of the production kernels
+on 1x H200, collective curves measured on 2x and 4x H200); ``--uncalibrated`` uses the
+preset's constants instead. The A100 has no measurements here: the preset's constants,
+each with its source in docs/emulator.md. Iterations are whole: pipeline sends, the
+optimizer step and (DP > 1) the gradient reduction are modelled (docs/emulator.md).
+
+TFLOP/s per GPU counts model FLOPs: 3 x the forward pass (every GEMM, causal attention
+as half the score matrix, elementwise ops, embedding, LM head and loss), recomputation
+and the optimizer step not counted.
 
 Usage:
     python bench/end_to_end.py [--quick] [--budget N] --json PATH
@@ -30,8 +40,13 @@ import sys
 import time
 from pathlib import Path
 
+from kareus.exec.emulator import EmulatedGPU, EmulatedProfiler
 from kareus.model import Workload
 from kareus.workflow import iso_energy_time_saving, iso_time_energy_saving, optimize
+
+FLOP_ACCOUNTING = ("model FLOPs per GPU: 3 x forward (GEMMs, causal attention as half the "
+                   "score matrix, elementwise ops, embedding, LM head, loss); recomputation "
+                   "and the optimizer step not counted")
 
 CONFIGS = [
     # (model, tp, cp, microbatch size, sequence length)
@@ -60,7 +75,15 @@ def _commit() -> str:
                              text=True, cwd=Path(__file__).resolve().parent, check=True)
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
-    return out.stdout.strip()
+    head = out.stdout.strip()
+    try:
+        st = subprocess.run(["git", "status", "--porcelain", "--", "kareus"],
+                            capture_output=True, text=True, check=True,
+                            cwd=Path(__file__).resolve().parents[1])
+    except (OSError, subprocess.CalledProcessError):
+        return head
+    dirty = sorted(line[3:] for line in st.stdout.splitlines() if line.strip())
+    return head + (f" + uncommitted changes to {', '.join(dirty)}" if dirty else "")
 
 
 def _pct(x: float | None) -> str:
@@ -73,16 +96,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=int, default=96, help="profiles per partition type")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None, help="write results here")
+    ap.add_argument("--uncalibrated", action="store_true",
+                    help="the H200 preset's constants instead of the measured profile")
     args = ap.parse_args(argv)
+
+    def emulator(gpu: str) -> tuple[EmulatedGPU, str]:
+        if gpu == "h200-sxm" and not args.uncalibrated:
+            emu = EmulatedGPU.from_profile("h200-sxm")
+            return emu, f"calibrated: {emu.calibration}"
+        return EmulatedGPU.from_spec(gpu), "preset constants (docs/emulator.md)"
 
     configs = QUICK if args.quick else CONFIGS
     rows = []
     t0 = time.time()
+    emulators = {}
     for gpu in GPUS:
+        emu, how = emulator(gpu)
+        emulators[gpu] = how
         for model, tp, cp, mbs, seq in configs:
             wl = Workload.preset(model, tp=tp, cp=cp, pp=2, microbatch_size=mbs, seq_len=seq,
                                  num_microbatches=8)
-            res = optimize(wl, gpu, budget=args.budget, seed=args.seed, progress=False)
+            res = optimize(wl, gpu, budget=args.budget, seed=args.seed, progress=False,
+                           profiler=EmulatedProfiler(emu, seed=args.seed))
             fr = res.frontiers
             row = {
                 "gpu": gpu, "workload": wl.to_dict(), "wall_s": res.wall_s,
@@ -130,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
                                                              else sys.argv[1:]),
         "machine": f"{platform.machine()} CPU, {platform.python_version()}",
         "commit": _commit(),
+        "emulators": emulators,
+        "flop_accounting": FLOP_ACCOUNTING,
         "budget_per_partition_type": args.budget,
         "rows": rows,
         "summary": summary,
