@@ -84,6 +84,12 @@ def test_outside_work_is_measured_through_its_runnable_once_built():
         b = prof.measure_outside(work, 1980, group_size=2)
         assert a.time_s > 0 and b.energy_j > 0
         assert built == [(work, None)]
+        a1 = prof.measure_outside(work, 1980, group_size=1)  # this profiler's group: as measured
+        assert a1.energy_j == prof.records[-1].measurement.energy_j
+        # Asked for over 4 GPUs (one measured here): scaled to their scope.
+        c = prof.measure_outside(work, 1980, group_size=4)
+        assert c.energy_j == pytest.approx(4 * prof.records[-1].measurement.energy_j)
+        assert c.static_power_w == pytest.approx(4 * prof.static_power_w(1))
         assert prof.records[-1].config == ScheduleConfig(1980, H200.default_comm_sms, None)
     finally:
         prof.close()

@@ -310,7 +310,8 @@ class NVMLProfiler(Profiler):
                         comm_sms: int | None = None) -> Measurement:
         """Measure the work outside partitions (embedding, LM head, loss and their
         collectives, sequentially) at ``freq_mhz``; collective over the group like
-        :meth:`measure`. Its scope is the group this profiler measures.
+        :meth:`measure`. Its scope is ``group_size`` GPUs: a measurement of this profiler's
+        group scaled, where the two differ, as if every GPU drew what the measured ones did.
 
         Raises:
             NotImplementedError: the profiler was built without ``outside``.
@@ -323,7 +324,14 @@ class NVMLProfiler(Profiler):
             self._outside_parts[key] = self._outside(work, comm_sms)
         part = self._outside_parts[key]
         sms = self.gpu.default_comm_sms if comm_sms is None else int(comm_sms)
-        return self.measure(part, ScheduleConfig(freq_mhz, sms, None))
+        m = self.measure(part, ScheduleConfig(freq_mhz, sms, None))
+        if int(group_size) == self.group_size:
+            return m
+        # Work asked for over another number of GPUs than this group (the once-per-
+        # iteration work is asked for over every GPU of the job): each GPU runs the same
+        # work, so each is taken to draw what the measured ones did.
+        return Measurement(time_s=m.time_s, energy_j=m.energy_j * group_size / self.group_size,
+                           static_power_w=self.static_power_w(group_size))
 
     # -- measuring ---------------------------------------------------------------------
     def _cooldown(self) -> tuple[float, float]:
