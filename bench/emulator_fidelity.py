@@ -108,15 +108,21 @@ def load_profile(profile: Path) -> tuple[GPUProfile, str]:
     return GPUProfile.load(profile), _rel(profile)  # validates (typed GPUProfileError)
 
 
-def as_run_profile(prof: GPUProfile, grid: Path, workload: Workload
-                   ) -> tuple[GPUProfile, tuple[str, ...], str]:
-    """The profile plus the per-op measurement of the kernels this grid ran that the
-    profile lacks (its attention, from the SDPA probe at the grid's shapes), and the
-    kernel sets to calibrate with in order: that record, then the eager ``reference``
-    set (RMSNorm, RoPE and SwiGLU as the grids ran them), then the profile's main set."""
-    sets: tuple[str, ...] = ("reference",) if "reference" in prof.kernel_sets else ()
+def as_run_profile(prof: GPUProfile, grid: Path, workload: Workload,
+                   recorded: str | None = None) -> tuple[GPUProfile, tuple[str, ...], str]:
+    """The profile and the kernel sets to calibrate with, in order, for the kernels this
+    grid ran. A grid that records its kernel set (``recorded``) gets that set. The two
+    TP=2 grids ran the eager formulas before the fused kernels existed: for them the
+    profile gains the measurement of their attention (the SDPA probe at the grids' shapes),
+    then the eager ``reference`` set (RMSNorm, RoPE, SwiGLU), then the main set. Any other
+    grid ran the runnable partitions' default kernels: the profile's main set."""
+    if recorded:
+        return prof, (recorded,), f"kernel set {recorded!r} (recorded in the grid)"
     entry = AS_RUN_ATTENTION.get(grid.name)
-    if entry is None or not SDPA_PROBE.exists():
+    if entry is None:
+        return prof, (), f"kernel set {prof.kernel_set!r} (the default kernels)"
+    sets: tuple[str, ...] = ("reference",) if "reference" in prof.kernel_sets else ()
+    if not SDPA_PROBE.exists():
         return prof, sets, "reference set (no attention measurement of this grid's kernel)"
     probe = read_json(SDPA_PROBE, error=GridError, what="SDPA probe")
     key, what = entry
@@ -133,8 +139,8 @@ def as_run_profile(prof: GPUProfile, grid: Path, workload: Workload
 
 
 def make_emulator(gpu: str, profile: Path | None, kernels: str | None = None,
-                  grid: Path | None = None, workload: Workload | None = None
-                  ) -> tuple[EmulatedGPU, str]:
+                  grid: Path | None = None, workload: Workload | None = None,
+                  recorded: str | None = None) -> tuple[EmulatedGPU, str]:
     """The emulated GPU compared with a grid, and how it was made (for the JSON).
 
     ``kernels``: the profile's kernel set to calibrate ops with; ``"as-run"`` (the default
@@ -146,7 +152,7 @@ def make_emulator(gpu: str, profile: Path | None, kernels: str | None = None,
     prof, where = load_profile(profile)
     digest = prof.digest[:12]
     if (kernels or AS_RUN) == AS_RUN and grid is not None and workload is not None:
-        prof, sets, how = as_run_profile(prof, grid, workload)
+        prof, sets, how = as_run_profile(prof, grid, workload, recorded)
     else:
         sets, how = ((kernels,) if kernels else ()), f"kernel set {kernels or prof.kernel_set!r}"
     emu = EmulatedGPU.from_profile(prof, comm_backend="nccl", kernels=sets or None)
@@ -188,7 +194,9 @@ def evaluate_grid(path: Path, gpu_name: str, profile: Path | None = None,
         raise GridError(f"measured grid {path} ran on {data['gpu']}, the emulator models "
                         f"{gpu_name}")
     workload = _workload(data["workload"])
-    gpu, how = make_emulator(gpu_name, profile, kernels, path, workload)
+    recorded = data.get("kernels") or (data.get("software") or {}).get("kernels")
+    gpu, how = make_emulator(gpu_name, profile, kernels, path, workload,
+                             recorded if isinstance(recorded, str) else None)
     parts = build_partitions(workload)
     whole = build_partitions(workload.with_(nanobatches=1))
     prof = EmulatedProfiler(gpu, noise=0.0)
