@@ -193,6 +193,11 @@ class LockstepProfiler(Profiler):
                         continue  # a line cut short by a kill: measured again
             _log.info("resuming: %d measurements in %s", len(self._known), self.cache)
 
+    @property
+    def known(self) -> int:
+        """Measurements made so far, in this run and the runs it resumes."""
+        return len(self._known)
+
     def _remember(self, key: str, m: Measurement) -> None:
         self._known[key] = m
         if self.cache is not None:
@@ -388,48 +393,62 @@ def run_lockstep(workload: Workload, *, profiler: Profiler, coordinator: Coordin
                 cache.unlink()
             leader = LockstepProfiler(profiler, coordinator=coordinator, catalog=catalog,
                                       backends=backends, cache=cache)
-            paths: dict[str, Path] = {}
+            paths: dict[str, Path] = {"tune": out / "tune.json"}
             result: OptimizationResult | None = None
-            if types is None:
-                result = optimize(workload, profiler=leader, budget=budget,
-                                  batch_size=batch_size, seed=seed, log_dir=out / "logs",
-                                  schedule=schedule, surrogate=surrogate, systems=systems,
-                                  progress=progress)
-                frontiers = result.partition_frontiers()
-                plan = result.select(deadline_s=deadline_s, energy_budget_j=energy_budget_j)
-                paths = result.save(out, plan=plan)
-            else:
-                frontiers = _search_types(leader, catalog, types, budget=budget,
-                                          batch_size=batch_size, seed=seed,
-                                          log_dir=out / "logs", progress=progress,
-                                          surrogate=surrogate)
-                paths["frontiers"] = out / "frontiers.json"
-                write_json_atomic(paths["frontiers"], {
-                    "note": "partition frontiers of the types searched; not composed (the "
-                            "other types were not measured)",
-                    "frontiers": {n: f.to_dict() for n, f in frontiers.items()}})
-            wall = clock() - t0
-            paths["tune"] = out / "tune.json"
-            runs = _earlier_runs(paths["tune"])
-            runs.append({**{k: v for k, v in (info or {}).items()
-                            if k in ("date", "command", "machine")},
-                         "measured": leader.measured, "wall_s": wall,
-                         "gpu_time_s": wall * world})
-            report_info = dict(info or {})
-            report_info.update({
-                "workload": workload.to_dict(), "world_size": world,
-                "backends": list(backends), "types": None if types is None else list(types),
-                "measurements": len(leader._known),
-                "gpu_time_s": sum(r["gpu_time_s"] for r in runs), "runs": runs,
-                "profiles_per_partition_type": {n: len(f.measured())
-                                                for n, f in frontiers.items()}})
-            write_json_atomic(paths["tune"], report_info)
-            ok = True
+            frontiers: dict[str, PartitionFrontier] = {}
+            try:
+                if types is None:
+                    result = optimize(workload, profiler=leader, budget=budget,
+                                      batch_size=batch_size, seed=seed, log_dir=out / "logs",
+                                      schedule=schedule, surrogate=surrogate, systems=systems,
+                                      progress=progress)
+                    frontiers = result.partition_frontiers()
+                    plan = result.select(deadline_s=deadline_s,
+                                         energy_budget_j=energy_budget_j)
+                    paths.update(result.save(out, plan=plan))
+                else:
+                    frontiers = _search_types(leader, catalog, types, budget=budget,
+                                              batch_size=batch_size, seed=seed,
+                                              log_dir=out / "logs", progress=progress,
+                                              surrogate=surrogate)
+                    paths["frontiers"] = out / "frontiers.json"
+                    write_json_atomic(paths["frontiers"], {
+                        "note": "partition frontiers of the types searched; not composed "
+                                "(the other types were not measured)",
+                        "frontiers": {n: f.to_dict() for n, f in frontiers.items()}})
+                ok = True
+            finally:  # a run that stopped early still counts its GPU time
+                wall = clock() - t0
+                report_info = _write_tune_json(
+                    paths["tune"], info, workload=workload, world=world, backends=backends,
+                    types=types, leader=leader, frontiers=frontiers, wall_s=wall,
+                    completed=ok)
     finally:
         leader.finish(ok)
     return TuneReport(result=result, frontiers=frontiers, paths=paths, wall_s=wall,
                       world_size=world, gpu_time_s=wall * world, measured=leader.measured,
                       info=report_info)
+
+
+def _write_tune_json(path: Path, info: dict[str, Any] | None, *, workload: Workload,
+                     world: int, backends: Sequence[str], types: Sequence[str] | None,
+                     leader: LockstepProfiler, frontiers: dict[str, PartitionFrontier],
+                     wall_s: float, completed: bool) -> dict[str, Any]:
+    """Write ``tune.json``: the facts of the run, and this run added to the earlier ones."""
+    runs = _earlier_runs(path)
+    runs.append({**{k: v for k, v in (info or {}).items()
+                    if k in ("date", "command", "machine")},
+                 "measured": leader.measured, "wall_s": wall_s, "gpu_time_s": wall_s * world,
+                 "completed": completed})
+    data = dict(info or {})
+    data.update({
+        "workload": workload.to_dict(), "world_size": world, "backends": list(backends),
+        "types": None if types is None else list(types),
+        "measurements": leader.known, "gpu_time_s": sum(r["gpu_time_s"] for r in runs),
+        "runs": runs,
+        "profiles_per_partition_type": {n: len(f.measured()) for n, f in frontiers.items()}})
+    write_json_atomic(path, data)
+    return data
 
 
 def _earlier_runs(path: Path) -> list[dict[str, Any]]:

@@ -188,7 +188,8 @@ def test_a_killed_run_resumes_without_measuring_again(tmp_path):
     _, errors, third, _ = run_world(3, out)
     assert errors == [None] * 3 and all(not p.calls for p in third)
     tune = json.loads((out / "tune.json").read_text())
-    assert [r["measured"] for r in tune["runs"]] == [total - 11, 0]
+    assert [r["measured"] for r in tune["runs"]] == [11, total - 11, 0]
+    assert [r["completed"] for r in tune["runs"]] == [False, True, True]
     assert tune["gpu_time_s"] == pytest.approx(sum(r["gpu_time_s"] for r in tune["runs"]))
 
 
