@@ -38,6 +38,7 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
+from kareus.compose._fastest import FastestSolution, cheapest_at_min_makespan
 from kareus.compose._flow import WarmCut, min_cut_lower_bounds
 from kareus.model.dag import Dag
 
@@ -129,6 +130,8 @@ class TimeCostResult:
         unit_s: The time unit used.
         cuts: Minimum cuts computed.
         steps: Unit steps taken.
+        fastest: The cheapest solution at the minimum makespan (the last realised one),
+            and how it was found.
     """
 
     choices: np.ndarray
@@ -137,6 +140,7 @@ class TimeCostResult:
     unit_s: float
     cuts: int
     steps: int
+    fastest: FastestSolution | None = None
 
 
 def solve_time_cost(num_nodes: int, edges: Sequence[tuple[int, int]],  # noqa: C901 - the Phillips-Dessouky loop; its steps share the flattened tables built here
@@ -284,18 +288,24 @@ def solve_time_cost(num_nodes: int, edges: Sequence[tuple[int, int]],  # noqa: C
         T = makespan_int(d)
         steps += j
 
-    # The all-fastest assignment bounds the frontier's short end exactly; the discretised
-    # walk can stop a few time units short of it (a unit is a fraction of the shortest
-    # computation), so it is always offered to the Pareto filter too.
-    fastest_opt = [int(np.lexsort((c, t))[0]) for t, c in zip(opt_t, opt_c)]
-    record(np.array([fastest_opt[k] for k in types_pos], dtype=np.int64)[None, :])
+    # The frontier's short end: the minimum makespan (every node at its fastest option),
+    # reached at the lowest cost (nodes off the critical path relaxed into their slack,
+    # exactly: kareus.compose._fastest). The discretised walk can stop a few time units
+    # short of it (a unit is a fraction of the shortest node), so it is always offered to
+    # the Pareto filter too.
+    fastest = cheapest_at_min_makespan(dag, [opt_t[k] for k in types_pos.tolist()],
+                                       [opt_c[k] for k in types_pos.tolist()])
+    flat = fastest.choices + obase
+    records_choice.append(fastest.choices)
+    records_t.append(float(dag.makespans(all_t[flat][None, :])[0]))
+    records_c.append(float(all_c[flat].sum()))
 
     # Back to original node ids.
     choices = np.array(records_choice, dtype=np.int64).reshape(-1, n)
     out = np.empty_like(choices)
     out[:, np.asarray(dag.order)] = choices
     return TimeCostResult(choices=out, times_s=np.array(records_t), costs=np.array(records_c),
-                          unit_s=float(unit_s), cuts=cuts, steps=steps)
+                          unit_s=float(unit_s), cuts=cuts, steps=steps, fastest=fastest)
 
 
 def _advance(dag: Dag, d: np.ndarray, F: np.ndarray, B: np.ndarray, T: int,
