@@ -217,8 +217,7 @@ class OptimizationResult:
             "frontiers": {n: [[p.time_s, p.energy_j] for p in fr.points]
                           for n, fr in self.frontiers.items()},
             "profiles_per_partition_type": self.profiles,
-            "wall_s": self.wall_s,
-        }
+        }  # no wall time: the same inputs give the same bytes (it is in OptimizationResult)
 
     def plot(self, path: str | os.PathLike[str] | None = None, *, ax: Any = None) -> Any:
         """The systems' iteration frontiers, time vs energy (needs matplotlib).

@@ -13,17 +13,14 @@ process, wall time, profiles) to ``tasks.jsonl`` there. A killed run resumes as 
 does.
 
 **Same result as a serial run.** A search's choices depend only on its seed and on what it
-measures. Real GPUs and recorded measurements give each configuration's measurement
-independently of the other searches, so tasks may run in any order. The emulated GPU
-(:class:`~kareus.exec.EmulatedProfiler`) draws the noise of its n-th measurement from
-``(seed, n)``, counted over *all* searches of the run (its ``calls``): in a serial run, a
-type's noise starts where the previous types' searches left the count. Each task therefore
-gets a copy of the profiler whose count starts at the offset the serial run would have; the
-offsets are predicted (every earlier search runs its whole budget) and checked when the tasks
-return, in order: a task whose offset turns out wrong (an earlier search stopped early) is
-run again with the now-known offset. The frontiers, logs and the profiler's final count are
-then exactly those of the serial run (``tests/test_workflow_executor.py`` checks it with
-thread and process pools and with Ray).
+measures, and every profiler measures a configuration independently of the other searches:
+real GPUs and recorded measurements by nature, the emulated GPU
+(:class:`~kareus.exec.EmulatedProfiler`) because its noise is drawn from ``(seed, what is
+measured, its repeat index)`` by hashing, never from a stream shared by the run. Each task
+gets its own copy of the profiler and tasks may run in any order, anywhere: the frontiers
+and logs are exactly those of the serial run (``tests/test_workflow_executor.py`` checks it
+with thread and process pools and with Ray), and the profiler's call count is advanced by
+the measurements the tasks made.
 """
 
 from __future__ import annotations
@@ -50,9 +47,9 @@ from kareus.search.surrogate import Surrogate
 __all__ = ["SearchTask", "SearchTaskResult", "run_searches", "task_gpus"]
 
 
-def _noise_position(profiler: Profiler) -> int | None:
-    """The profiler's position in a shared noise stream (the emulator's ``calls``), or
-    ``None`` when its measurements do not depend on how many it made before."""
+def _call_count(profiler: Profiler) -> int | None:
+    """The profiler's count of measurements made (the emulator's ``calls``), or ``None``
+    when it keeps none."""
     calls = getattr(profiler, "calls", None)
     return calls if isinstance(calls, int) and not isinstance(calls, bool) else None
 
@@ -77,9 +74,9 @@ class SearchTaskResult:
         name: The partition type.
         frontier: Its searched frontier.
         log_text: The whole search log (JSONL) after the task, or ``None`` without logs.
-        noise_offset: The profiler's noise-stream position the task started at (``None``:
-            the profiler has none).
-        noise_used: Measurements that advanced the noise stream.
+        noise_offset: The profiler's call count when the task started (``None``: the
+            profiler keeps none); for the record only, nothing depends on it.
+        noise_used: Measurements the task's profiler made.
         host: Where the task ran (host name).
         pid: The process that ran it.
         wall_s: The task's wall time.
@@ -108,7 +105,7 @@ class SearchTask:
     Attributes:
         name: The partition type.
         partition: The partition.
-        profiler: A private copy of the profiler (its noise stream at ``noise_offset``).
+        profiler: A private copy of the profiler.
         budget, batch_size, seed, surrogate: As :func:`kareus.workflow.optimize` takes them.
         resume_text: The type's existing search log, or ``None`` (no logs).
         log: Whether to keep a log at all.
@@ -132,7 +129,7 @@ class SearchTask:
         from kareus.workflow import _search_type  # the serial path's search
 
         start = time.monotonic()
-        before = _noise_position(self.profiler)
+        before = _call_count(self.profiler)
         with tempfile.TemporaryDirectory(prefix="kareus-task-") as tmp:
             log = None
             if self.log:
@@ -144,44 +141,22 @@ class SearchTask:
                                     seed=self.seed, log=log, progress=False,
                                     surrogate=self.surrogate)
             text = log.read_text(encoding="utf-8") if log is not None and log.exists() else None
-        after = _noise_position(self.profiler)
+        after = _call_count(self.profiler)
         used = 0 if before is None or after is None else after - before
         return SearchTaskResult(name=self.name, frontier=frontier, log_text=text,
                                 noise_offset=before, noise_used=used, host=socket.gethostname(),
                                 pid=os.getpid(), wall_s=time.monotonic() - start)
 
 
-def _logged_measurements(text: str | None) -> int:
-    """Measurements already in a search log (a resumed search does not redo them)."""
-    if not text:
-        return 0
-    n = 0
-    for line in text.splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and "measurement" in rec:
-            n += 1
-    return n
-
-
-def _predicted_use(profiler: Profiler, partition: Partition, budget: int,
-                   resume_text: str | None) -> int:
-    """Measurements a search is predicted to make: its whole budget (capped by its space),
-    less what its log already holds."""
-    return max(0, min(budget, len(profiler.space(partition))) - _logged_measurements(resume_text))
-
-
-def run_searches(executor: Executor, profiler: Profiler, pset: PartitionSet, *, budget: int,  # noqa: C901 - submit, collect and replay the noise stream in the serial order, with the argument checks
+def run_searches(executor: Executor, profiler: Profiler, pset: PartitionSet, *, budget: int,
                  batch_size: int | None, seed: int, log_dir: Path | None,
                  surrogate: Surrogate | None) -> tuple[dict[str, PartitionFrontier],
                                                        dict[str, int]]:
     """Run every partition type's search as a task of ``executor``; see the module doc.
 
     Returns:
-        ``(frontiers, profiles)`` per type, as a serial run gives them; ``profiler``'s noise
-        stream is left where the serial run would leave it.
+        ``(frontiers, profiles)`` per type, as a serial run gives them; ``profiler``'s call
+        count is advanced by the measurements the tasks made.
 
     Raises:
         TypeError: ``executor`` is not a ``concurrent.futures.Executor``.
@@ -193,50 +168,20 @@ def run_searches(executor: Executor, profiler: Profiler, pset: PartitionSet, *, 
                         f"{type(executor).__name__}")
     names = list(pset.types)
     parts: Mapping[str, Partition] = pset.types
-    base = _noise_position(profiler)
-    resume: dict[str, str | None] = {}
+    base = _call_count(profiler)
+    gpus = pset.workload.parallelism.gpus_per_stage
+    futures = {}
     for name in names:
         path = None if log_dir is None else log_dir / f"search-{name}.jsonl"
-        resume[name] = path.read_text(encoding="utf-8") if path is not None and path.exists() \
+        resume = path.read_text(encoding="utf-8") if path is not None and path.exists() \
             else None
-    predicted = {n: _predicted_use(profiler, parts[n], budget, resume[n]) for n in names}
-    gpus = pset.workload.parallelism.gpus_per_stage
-    final: dict[str, SearchTaskResult] = {}
-    attempts: dict[str, int] = dict.fromkeys(names, 0)
-    records: list[dict[str, Any]] = []
-    while len(final) < len(names):
-        pending = [n for n in names if n not in final]
-        offsets: dict[str, int | None] = {}
-        pos = None if base is None else base + sum(final[n].noise_used for n in final)
-        for n in pending:
-            offsets[n] = pos
-            if pos is not None:
-                pos += predicted[n]
-        futures = {}
-        for n in pending:
-            copy_ = copy.deepcopy(profiler)
-            if offsets[n] is not None:
-                copy_.calls = offsets[n]  # type: ignore[attr-defined]
-            task = SearchTask(name=n, partition=parts[n], profiler=copy_, budget=budget,
-                              batch_size=batch_size, seed=seed, surrogate=surrogate,
-                              resume_text=resume[n], log=log_dir is not None,
-                              num_gpus=task_gpus(profiler, parts[n], gpus))
-            attempts[n] += 1
-            futures[n] = executor.submit(task)
-        results = {n: f.result() for n, f in futures.items()}
-        # Accept, in order, every task whose offset is what the serial run would have had.
-        pos = None if base is None else base + sum(final[n].noise_used for n in final)
-        for n in pending:
-            res = results[n]
-            records.append(res.log_record(attempts[n]))
-            if pos is not None and res.noise_offset != pos:
-                break
-            final[n] = res
-            if pos is not None:
-                pos += res.noise_used
-        for n in pending:  # better predictions for the next round
-            if n not in final:
-                predicted[n] = results[n].noise_used
+        task = SearchTask(name=name, partition=parts[name], profiler=copy.deepcopy(profiler),
+                          budget=budget, batch_size=batch_size, seed=seed, surrogate=surrogate,
+                          resume_text=resume, log=log_dir is not None,
+                          num_gpus=task_gpus(profiler, parts[name], gpus))
+        futures[name] = executor.submit(task)
+    final = {n: f.result() for n, f in futures.items()}
+    records = [final[n].log_record(1) for n in names]
     if base is not None:
         profiler.calls = base + sum(r.noise_used for r in final.values())  # type: ignore[attr-defined]
     if log_dir is not None:

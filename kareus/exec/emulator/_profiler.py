@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 
 import attrs
@@ -27,6 +28,7 @@ class _Prepared:
     slot_index: dict[str, int]
     bus_bytes: float
     group_gpus: int
+    key: str  # a digest of the partition's name, ops and collective (keys the noise)
     results: dict[tuple[int, int, str | None], tuple[float, float, int]] = attrs.field(
         factory=dict)
 
@@ -43,8 +45,13 @@ class EmulatedProfiler(Profiler):
             of ``noise`` (on real GPUs time scatters far less than NVML energy: repeats on
             2x H200 scattered by 0.70% / 0.26% in time and 1.65% / 0.48% in energy,
             ``data/h200_llama3b_tp2_grid13.json``, docs/results.md).
-        seed: Seed of the noise. The noise of the n-th measurement depends only on
-            ``(seed, n)``, so a run is reproducible.
+        seed: Seed of the noise. The noise of a measurement depends only on ``(seed,
+            what is measured, its repeat index)``: what is measured is the partition (its
+            name, ops and collective) or the outside work, and the configuration; the
+            repeat index counts earlier measurements of that same thing by this profiler.
+            Nothing depends on how many other measurements came before, so a run that is
+            killed and resumed, or whose searches run in another order or as parallel
+            tasks, measures exactly what an uninterrupted serial run measures.
         group_gpus: GPUs a partition's measurement covers: an int, a callable
             ``partition -> int``, or ``None``: ``partition.group_gpus`` (for partitions
             built by ``build_partitions``, the stage's TP x CP GPUs), else the collective's
@@ -88,6 +95,7 @@ class EmulatedProfiler(Profiler):
         self.group_gpus = group_gpus
         self.power_limit = bool(power_limit)
         self.calls = 0
+        self._repeats: dict[str, int] = {}
         self._prepared: dict[int, _Prepared] = {}
         self._op_cache: dict[tuple[str | None, ComputeOp], _Op] = {}
         self._clocks = self.gpu.clocks_mhz
@@ -114,7 +122,8 @@ class EmulatedProfiler(Profiler):
             prep.results[key] = res
         time_s, energy_gpu, _ = res
         g = prep.group_gpus
-        return self._noisy(time_s, energy_gpu * g, self.gpu.static_power_w * g)
+        return self._noisy(time_s, energy_gpu * g, self.gpu.static_power_w * g,
+                           key=f"{prep.key}|{key}|{g}")
 
     def measure_outside(self, work: OutsideWork, freq_mhz: int, *, group_size: int,
                         comm_sms: int | None = None) -> Measurement:
@@ -133,10 +142,12 @@ class EmulatedProfiler(Profiler):
         self._check_freq(int(freq_mhz))
         sms = self.gpu.default_comm_sms if comm_sms is None else int(comm_sms)
         self._check_sms(sms)
+        key = f"outside|{work!r}|{int(freq_mhz)}|{sms}|{group_size}"
         if work.empty:
-            return self._noisy(0.0, 0.0, self.gpu.static_power_w * group_size)
+            return self._noisy(0.0, 0.0, self.gpu.static_power_w * group_size, key=key)
         time_s, energy = self._outside_gpu(work, int(freq_mhz), sms)
-        return self._noisy(time_s, energy * group_size, self.gpu.static_power_w * group_size)
+        return self._noisy(time_s, energy * group_size, self.gpu.static_power_w * group_size,
+                           key=key)
 
     def _outside_gpu(self, work: OutsideWork, freq_mhz: int, sms: int) -> tuple[float, float]:
         """(time, energy of one GPU) of outside work: ops and NVLink collectives in the
@@ -193,7 +204,7 @@ class EmulatedProfiler(Profiler):
             op_times_s=d["op_times_s"])
 
     def ground_truth(self, partition: Partition, config: ScheduleConfig) -> Measurement:
-        """The noise-free measurement (does not advance the noise stream)."""
+        """The noise-free measurement (does not count as a measurement)."""
         prep = self._prepare(partition)
         self._check(prep, config)
         time_s, energy, _ = self._emulate(prep, config)
@@ -202,8 +213,10 @@ class EmulatedProfiler(Profiler):
                            static_power_w=self.gpu.static_power_w * g)
 
     def reset_noise(self, seed: int | None = None) -> None:
-        """Restart the noise stream (call count 0), optionally with a new seed."""
+        """Forget earlier measurements (call count and repeat indices 0), optionally with a
+        new seed: the next measurement of anything draws its first noise again."""
         self.calls = 0
+        self._repeats.clear()
         if seed is not None:
             self.seed = int(seed)
 
@@ -225,9 +238,11 @@ class EmulatedProfiler(Profiler):
         ops = [self._op(o, partition.name) for o in partition.compute_ops]
         slot_index = {s.name: s.index for s in partition.slots}
         gg = self._group_gpus(partition)
+        what = repr((partition.name, tuple(partition.compute_ops), partition.comm_op))
         prep = _Prepared(partition=partition, sim=_Sim(self.emulated_gpu, ops),
                          slot_index=slot_index, bus_bytes=partition.comm_op.bus_bytes,
-                         group_gpus=gg)
+                         group_gpus=gg, key=hashlib.blake2b(what.encode(),
+                                                            digest_size=16).hexdigest())
         if len(self._prepared) > 4096:
             self._prepared.clear()
         self._prepared[id(partition)] = prep
@@ -297,11 +312,17 @@ class EmulatedProfiler(Profiler):
             best = (tm, em, clocks[0])
         return best[0], best[1], best[2], True
 
-    def _noisy(self, time_s: float, energy_j: float, static_w: float) -> Measurement:
-        n = self.calls
+    def _noisy(self, time_s: float, energy_j: float, static_w: float, *, key: str
+               ) -> Measurement:
+        """The measurement with its noise, drawn from ``(seed, key, repeat index)`` by
+        hashing: never from a stream shared by everything measured."""
         self.calls += 1
+        repeat = self._repeats.get(key, 0)
+        self._repeats[key] = repeat + 1
         if self.noise > 0 or self.time_noise > 0:
-            z = np.random.default_rng((self.seed, n)).standard_normal(2)
+            h = hashlib.blake2b(f"{key}|{repeat}".encode(), digest_size=16).digest()
+            words = [int.from_bytes(h[i:i + 4], "little") for i in range(0, 16, 4)]
+            z = np.random.default_rng([self.seed % 2**64, *words]).standard_normal(2)
             time_s *= max(0.5, 1.0 + self.time_noise * float(z[0]))
             energy_j *= max(0.5, 1.0 + self.noise * float(z[1]))
         return Measurement(time_s=time_s, energy_j=energy_j, static_power_w=static_w)
