@@ -106,7 +106,7 @@ def test_killed_and_resumed_is_identical(reference, tmp_path: Path, k: int) -> N
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("KAREUS_SLOW_TESTS"),
-                    reason="set KAREUS_SLOW_TESTS=1 (about 2 minutes on 2 cores)")
+                    reason="set KAREUS_SLOW_TESTS=1 (about 3 minutes on 2 cores)")
 def test_killed_at_many_points_is_identical(reference, tmp_path: Path) -> None:
     """Every signal at 24 kill points over the whole run, measured in time."""
     _, ref, _, wall = reference
