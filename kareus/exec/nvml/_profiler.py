@@ -12,7 +12,7 @@ from typing import Any
 
 import attrs
 
-from kareus.errors import HardwareError
+from kareus.errors import ConfigError, HardwareError, UnknownSlotError
 from kareus.exec.frequency import DryRunFrequencyController, FrequencyController
 from kareus.exec.nvml._coordinator import Coordinator, LocalCoordinator
 from kareus.exec.nvml._meter import EnergyMeter
@@ -293,6 +293,23 @@ class NVMLProfiler(Profiler):
         """:attr:`freqs_mhz`: the clocks this profiler measures at."""
         return self.freqs_mhz
 
+    def _validate(self, partition: Partition, config: ScheduleConfig) -> None:
+        """Refuse a configuration the GPU or the partition cannot take, before the clock is
+        set or anything runs (a configuration with ``comm_sms=None``, the collective's own
+        CTA count, passes the SM check)."""
+        self.gpu.check_clock(config.freq_mhz)
+        if config.comm_sms is not None:
+            self.gpu.check_comm_sms(config.comm_sms)
+        slots = [] if config.launch_slot is None else [s.name for s in partition.slots]
+        if config.launch_slot is not None and config.launch_slot not in slots:
+            raise UnknownSlotError(f"partition {partition.name!r} has no launch slot "
+                                   f"{config.launch_slot!r}; its slots: {slots or 'none'} "
+                                   "(or launch_slot=None for sequential)")
+        backend = getattr(config, "backend", None)
+        if backend is not None and backend not in (self.backends or ()):
+            raise ConfigError(f"collective backend {backend!r} is not one this profiler runs "
+                              f"({list(self.backends or ())})")
+
     def _set_clock(self, freq_mhz: int) -> None:
         """Lock the clock at ``freq_mhz`` (controlled clocks), or check that it is the one
         clock this profiler measures at."""
@@ -358,6 +375,7 @@ class NVMLProfiler(Profiler):
         self.start()
         assert self.step_period_s is not None
         wall0 = self._clock()
+        self._validate(partition, config)
         self._set_clock(config.freq_mhz)
         cooldown_s, start_temp = self._cooldown()
         step = self.runner.prepare(partition, config)
