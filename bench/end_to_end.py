@@ -98,13 +98,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="write results here")
     ap.add_argument("--uncalibrated", action="store_true",
                     help="the H200 preset's constants instead of the measured profile")
+    ap.add_argument("--comm-backend", choices=("own", "nccl"), default="own",
+                    help="whose measured collective curves every system runs on (a "
+                         "sensitivity; default: kareus's own kernels)")
+    ap.add_argument("--tensor-interference", type=float, default=None,
+                    help="override the emulator's tensor-interference constant (a "
+                         "sensitivity: 0.58 is the fit to NCCL on 4x H200, docs/emulator.md)")
     args = ap.parse_args(argv)
 
     def emulator(gpu: str) -> tuple[EmulatedGPU, str]:
+        extra = ({} if args.tensor_interference is None
+                 else {"tensor_interference": args.tensor_interference})
         if gpu == "h200-sxm" and not args.uncalibrated:
-            emu = EmulatedGPU.from_profile("h200-sxm")
-            return emu, f"calibrated: {emu.calibration}"
-        return EmulatedGPU.from_spec(gpu), "preset constants (docs/emulator.md)"
+            emu = EmulatedGPU.from_profile("h200-sxm", comm_backend=args.comm_backend, **extra)
+            return emu, f"calibrated: {emu.calibration}" + (f", {extra}" if extra else "")
+        emu = EmulatedGPU.from_spec(gpu, comm_backend=args.comm_backend, **extra)
+        return emu, (f"preset constants (docs/emulator.md), collectives {args.comm_backend}"
+                     + (f", {extra}" if extra else ""))
 
     configs = QUICK if args.quick else CONFIGS
     rows = []
