@@ -231,6 +231,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 def cmd_optimize(args: argparse.Namespace) -> int:
     """``kareus optimize``: search, compose and write the plans and tables of one workload
     (``--profiler nvml`` tunes on the real GPUs); returns the exit status."""
+    if getattr(args, "gpu_profile", None) is not None and args.profiler != "emulated":
+        raise ValueError(f"--gpu-profile calibrates the emulated profiler; --profiler "
+                         f"{args.profiler} measures instead: drop one of them")
     if args.profiler == "nvml":
         return _cmd_tune(args)
     from kareus._outdir import check_output_file, check_output_folder, guarded_folder
@@ -269,7 +272,9 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     with guarded_folder(out, inputs, fresh=args.fresh, what="--out"):
         args.resume_hint = f"the search logs in {out / 'logs'} keep every measurement"
         print(f"kareus: optimising {workload.describe()} on {profiler.gpu.name} "
-              f"({workload.parallelism.world_size} GPUs) with the {args.profiler} profiler",
+              f"({workload.parallelism.world_size} GPUs) with the {args.profiler} profiler"
+              + (f" (calibrated from the measured profile {args.gpu_profile})"
+                 if getattr(args, "gpu_profile", None) and args.profiler == "emulated" else ""),
               file=sys.stderr)
         result = optimize(workload, profiler=profiler, budget=args.budget, seed=args.seed,
                           log_dir=out / "logs", schedule=args.schedule,

@@ -143,6 +143,9 @@ def test_cli_optimize_gpu_profile_flag(tmp_path: Path, capsys: pytest.CaptureFix
     rc = main(["optimize", "--workload", "llama3.2-3b", "--gpu", "a100-40gb",
                "--gpu-profile", "h200-sxm", "--out", str(tmp_path / "o")])
     assert rc == 2 and "disagree" in capsys.readouterr().err
+    rc = main(["optimize", "--workload", "llama3.2-3b", "--profiler", "nvml",
+               "--gpu-profile", "h200-sxm", "--out", str(tmp_path / "o")])
+    assert rc == 2 and "--gpu-profile calibrates the emulated" in capsys.readouterr().err
 
 
 def test_cli_profiler_from_gpu_profile() -> None:
