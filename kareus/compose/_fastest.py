@@ -165,11 +165,11 @@ def _solve_group(dag: Dag, group: list[int], cand: list[list[tuple[float, float,
     # Finish time of pinned predecessors (fixed) -> release time of each member.
     release = []
     for v in group:
-        r = 0.0
+        ready = 0.0
         for u in dag.preds[v]:
             if u not in inside:
-                r = max(r, es[u] + d0[u])
-        release.append(r)
+                ready = max(ready, es[u] + d0[u])
+        release.append(ready)
     # After which member each member stops being "open" (its last successor in the group),
     # and the finish below which it makes no difference (its successors' releases).
     last_use = [-1] * len(group)

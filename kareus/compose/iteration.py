@@ -142,7 +142,7 @@ class IterationComposer(FrontierComposer[Mapping[tuple[int, str], MicrobatchFron
                         energy_j=float(total[r]), dynamic_energy_j=float(costs[r]),
                         static_power_w=float(static_power_w), label=label, workload=workload)
             points.append(IterationPoint(time_s=plan.time_s, energy_j=plan.energy_j, plan=plan))
-        stats = {"unit_s": res.unit_s, "cuts": res.cuts, "unit_steps": res.steps,
+        stats: dict[str, Any] = {"unit_s": res.unit_s, "cuts": res.cuts, "unit_steps": res.steps,
                  "tail_s": tail.time_s if tail is not None else 0.0,
                  "realised_plans": len(res.times_s), "computations": len(nodes),
                  "wall_s": time.perf_counter() - t_start}

@@ -324,7 +324,10 @@ class TorchCalibrationDevice(CalibrationDevice):
         for n in (8192, 16384):
             x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
             y = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-            t = self.time_s(lambda a=x, b=y: torch.matmul(a, b), flush=False, reps=10)
+            def gemm(a: Any = x, b: Any = y) -> Any:
+                return torch.matmul(a, b)
+
+            t = self.time_s(gemm, flush=False, reps=10)
             best = max(best, 2 * n**3 / t / 1e12)
         src = torch.randn(2**29, device="cuda", dtype=torch.bfloat16)  # 1 GiB
         dst = torch.empty_like(src)
@@ -393,7 +396,7 @@ class TorchCalibrationDevice(CalibrationDevice):
                     kernel = f"sdpa {ks.attention_backend(st['q'], st['k'], st['v'])}"
                 out.append(OpProgram(partition=pname, op=op, run=fn, kernel=str(kernel)))
             yield out
-            prog = out = None
+            del prog, out  # free this partition's tensors before the next is built
             self.torch.cuda.empty_cache()
 
     def power(self, run: Callable[[], Any], time_s: float, *, graph: bool) -> MeasuredOp:

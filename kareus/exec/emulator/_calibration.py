@@ -358,7 +358,7 @@ def comm_curves(profile: GPUProfile, backend: str) -> tuple[tuple[str, int, floa
     mine = [c for c in profile.collectives if c.backend == name and c.comm_sms is not None]
     sizes = sorted({c.size_bytes for c in mine if c.size_bytes >= _COMM_FIT_MIN_BYTES})
     for c in mine:
-        if not sizes or c.size_bytes != sizes[0]:
+        if not sizes or c.size_bytes != sizes[0] or c.comm_sms is None:
             continue
         groups.setdefault((c.collective, c.group_size), {}).setdefault(
             c.comm_sms, []).append(c.bus_gbps)

@@ -124,13 +124,15 @@ class DecoderShard:
         """name -> (shape, init std (0: ones), sharded over TP)."""
         h, std = self.h, 0.02
         out_std = std / math.sqrt(2 * self.layers)
-        per_layer = {"w_attn_norm": ((h,), 0.0, False),
-                     "Wqkv": ((h, self.q + 2 * self.kv), std, True),
-                     "Wo": ((self.q, h), out_std, True),
-                     "w_mlp_norm": ((h,), 0.0, False),
-                     "Wg": ((h, self.f), std, True), "Wu": ((h, self.f), std, True),
-                     "Wd": ((self.f, h), out_std, True)}
-        shapes = {"emb": ((self.v_local, h), std, True)}
+        per_layer: dict[str, tuple[tuple[int, ...], float, bool]] = {
+            "w_attn_norm": ((h,), 0.0, False),
+            "Wqkv": ((h, self.q + 2 * self.kv), std, True),
+            "Wo": ((self.q, h), out_std, True),
+            "w_mlp_norm": ((h,), 0.0, False),
+            "Wg": ((h, self.f), std, True), "Wu": ((h, self.f), std, True),
+            "Wd": ((self.f, h), out_std, True)}
+        shapes: dict[str, tuple[tuple[int, ...], float, bool]] = {
+            "emb": ((self.v_local, h), std, True)}
         for layer in range(self.layers):
             for k, v in per_layer.items():
                 shapes[f"l{layer}.{k}"] = v
