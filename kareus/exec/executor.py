@@ -45,7 +45,7 @@ from __future__ import annotations
 import abc
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from kareus._logging import get_logger
 from kareus.compose import Plan
@@ -58,6 +58,7 @@ from kareus.model.config import ScheduleConfig
 __all__ = [
     "COMM_KINDS",
     "Executor",
+    "LaunchConfig",
     "PartitionHook",
     "PartitionScope",
     "ProcessGroupCollective",
@@ -80,6 +81,29 @@ ComputationId = tuple[int, int, str]
 
 
 # ------------------------------------------------------------------------ plans
+
+
+class LaunchConfig(Protocol):
+    """What an executor reads of a partition's configuration: where the collective starts
+    and how many SMs it gets.
+
+    A :class:`~kareus.model.config.ScheduleConfig` is one (its clock is applied per
+    microbatch, not here); so is a baseline's configuration whose ``comm_sms`` is ``None``
+    (the collective with its own CTA count, on the executor's ``default_collective``), as
+    :class:`kareus.exec.train.DefaultConfig` is.
+    """
+
+    @property
+    def launch_slot(self) -> str | None:
+        """The op the collective launches with; ``None`` = after every op (sequential)."""
+
+    @property
+    def comm_sms(self) -> int | None:
+        """SMs the collective gets; ``None`` = the backend's own choice."""
+
+    @property
+    def sequential(self) -> bool:
+        """Whether the collective runs after every op (``launch_slot is None``)."""
 
 
 def computation_key(stage: int, microbatch: int, phase: str) -> str:
@@ -173,7 +197,7 @@ class PartitionHook(abc.ABC):
     """
 
     key: str
-    config: ScheduleConfig
+    config: LaunchConfig
 
     @abc.abstractmethod
     def communicate(self, tensor: Any, *, kind: str = "all_reduce", output: Any = None) -> None:
@@ -234,7 +258,7 @@ class Executor(abc.ABC):
 
     @abc.abstractmethod
     def run_partition(self, ops: Sequence[Callable[[], Any]], op_names: Sequence[str],
-                      comm_tensor: Any, config: ScheduleConfig, *,
+                      comm_tensor: Any, config: LaunchConfig, *,
                       comm_kind: str = "all_reduce", comm_output: Any = None) -> None:
         """Enqueue one partition: ``ops`` in order, the collective at ``config``'s slot.
 
@@ -249,7 +273,7 @@ class Executor(abc.ABC):
 
     @abc.abstractmethod
     def run_nanobatched(self, ops: Sequence[Callable[[int], Any]], op_names: Sequence[str],
-                        comm_tensors: Sequence[Any], config: ScheduleConfig, *,
+                        comm_tensors: Sequence[Any], config: LaunchConfig, *,
                         comm_kind: str = "all_reduce", comm_outputs: Sequence[Any] | None = None,
                         ) -> None:
         """Run one layer segment over ``n >= 2`` nanobatches, each nanobatch's collective
@@ -265,7 +289,7 @@ class Executor(abc.ABC):
         """
 
     @abc.abstractmethod
-    def partition(self, key: str, *, config: ScheduleConfig | None = None,
+    def partition(self, key: str, *, config: LaunchConfig | None = None,
                   op_names: Sequence[str] | None = None
                   ) -> contextlib.AbstractContextManager[PartitionHook]:
         """Hook for a user's loop: the scope of one partition of type ``key``.
@@ -301,7 +325,7 @@ class PartitionScope(PartitionHook):
     and the compute stream waits for it.
     """
 
-    def __init__(self, executor: TorchExecutor, key: str, config: ScheduleConfig,
+    def __init__(self, executor: TorchExecutor, key: str, config: LaunchConfig,
                  op_names: Sequence[str] | None = None) -> None:
         self._ex = executor
         self.key = key
@@ -523,7 +547,7 @@ class TorchExecutor(Executor):
         self.streams.wait_event(self.streams.current_stream(), done_event)
 
     def run_partition(self, ops: Sequence[Callable[[], Any]], op_names: Sequence[str],
-                      comm_tensor: Any, config: ScheduleConfig, *,
+                      comm_tensor: Any, config: LaunchConfig, *,
                       comm_kind: str = "all_reduce", comm_output: Any = None) -> None:
         """Enqueue one partition: ``ops`` in order, the collective at ``config``'s slot.
 
@@ -551,7 +575,7 @@ class TorchExecutor(Executor):
         scope.close()
 
     def run_nanobatched(self, ops: Sequence[Callable[[int], Any]], op_names: Sequence[str],
-                        comm_tensors: Sequence[Any], config: ScheduleConfig, *,
+                        comm_tensors: Sequence[Any], config: LaunchConfig, *,
                         comm_kind: str = "all_reduce", comm_outputs: Sequence[Any] | None = None,
                         ) -> None:
         """Run one layer segment over ``n >= 2`` nanobatches with overlap.
@@ -602,7 +626,7 @@ class TorchExecutor(Executor):
 
     # -- training-loop hooks ---------------------------------------------------------
     @contextlib.contextmanager
-    def partition(self, key: str, *, config: ScheduleConfig | None = None,
+    def partition(self, key: str, *, config: LaunchConfig | None = None,
                   op_names: Sequence[str] | None = None) -> Iterator[PartitionScope]:
         """Scope of one partition of type ``key`` under the plan's configuration.
 

@@ -30,6 +30,7 @@ from kareus.exec.collectives import CollectiveBackend
 from kareus.exec.executor import (
     COMM_KINDS,
     Executor,
+    LaunchConfig,
     PartitionHook,
     RecordingStreamBackend,
     plan_config,
@@ -141,7 +142,7 @@ class RecordingTrigger(FrequencyTrigger):
 class _RecordingScope(PartitionHook):
     """The scope :meth:`RecordingExecutor.partition` yields."""
 
-    def __init__(self, executor: RecordingExecutor, key: str, config: ScheduleConfig,
+    def __init__(self, executor: RecordingExecutor, key: str, config: LaunchConfig,
                  op_names: Sequence[str] | None) -> None:
         self._ex = executor
         self.key = key
@@ -242,7 +243,7 @@ class RecordingExecutor(Executor):
                             "before any collective runs under it")
 
     def run_partition(self, ops: Sequence[Callable[[], Any]], op_names: Sequence[str],
-                      comm_tensor: Any, config: ScheduleConfig, *,
+                      comm_tensor: Any, config: LaunchConfig, *,
                       comm_kind: str = "all_reduce", comm_output: Any = None) -> None:
         """Runs ``ops`` in order, recording the collective at ``config``'s slot."""
         if len(ops) != len(op_names):
@@ -256,7 +257,7 @@ class RecordingExecutor(Executor):
                 part.op(name, fn)
 
     def run_nanobatched(self, ops: Sequence[Callable[[int], Any]], op_names: Sequence[str],
-                        comm_tensors: Sequence[Any], config: ScheduleConfig, *,
+                        comm_tensors: Sequence[Any], config: LaunchConfig, *,
                         comm_kind: str = "all_reduce", comm_outputs: Sequence[Any] | None = None,
                         ) -> None:
         """Runs every op of every nanobatch in order, recording each nanobatch's collective
@@ -281,7 +282,7 @@ class RecordingExecutor(Executor):
         self.log.append(("collective", f"nanobatch{n - 1}", comm_kind, config.comm_sms, None))
 
     @contextlib.contextmanager
-    def partition(self, key: str, *, config: ScheduleConfig | None = None,
+    def partition(self, key: str, *, config: LaunchConfig | None = None,
                   op_names: Sequence[str] | None = None) -> Iterator[PartitionHook]:
         """The scope of one partition of type ``key`` (the plan's configuration unless
         ``config`` is given)."""

@@ -214,8 +214,8 @@ class TrainingLoop:
                                       streams=streams)
         self.executor: TorchExecutor | None = None
         if plan is not None:
-            wanted = {c.backend for cs in plan.partition_configs().values() for c in cs
-                      if getattr(c, "backend", None)}
+            wanted = {b for cs in plan.partition_configs().values() for c in cs
+                      if (b := getattr(c, "backend", None))}
             if wanted - set(named):
                 raise PlanError(f"the plan's configurations name collective backends "
                                 f"{sorted(wanted - set(named))}: pass them in backends= "
@@ -317,7 +317,7 @@ def measure_runs(loop: TrainingLoop, order: Sequence[tuple[str, int]], *, steps:
         _sync(torch, cuda)
         if meter is not None and warmup:  # let the counter step once inside the gap
             meter.wait_edges(1, timeout_s=0.5)
-        events = []
+        events: list[tuple[Any, Any]] = []  # CUDA events, or host times without CUDA
         t0 = time.perf_counter()
         for _ in range(steps):
             if cuda:
@@ -399,13 +399,13 @@ def overlap_efficiency(workload: Workload, *, executor: TorchExecutor,
 
         def comm() -> None:
             executor.run_partition([], [], prog.comm_tensor, alone,  # noqa: B023
-                                   comm_kind=prog.comm_kind,  # noqa: B023
+                                   comm_kind=kind,  # noqa: B023
                                    comm_output=prog.comm_output)  # noqa: B023
             prog.advance()  # noqa: B023
 
         def both() -> None:
             executor.run_partition(prog.ops, prog.op_names, prog.comm_tensor,  # noqa: B023
-                                   cfg, comm_kind=prog.comm_kind,  # noqa: B023
+                                   cfg, comm_kind=kind,  # noqa: B023
                                    comm_output=prog.comm_output)  # noqa: B023
             prog.advance()  # noqa: B023
 
