@@ -5,9 +5,11 @@ Runs four corpora against the ``kareus`` command and the plan loader and prints 
 1. **Kill and resume**: a small job (emulated) run once uninterrupted; then, at each kill
    point (a number of logged measurements; SIGKILL, SIGINT and SIGTERM in turn), the same
    job started in a fresh folder, killed there, and run again with the same command to the
-   end. A point counts as identical when ``plan.json`` is byte-identical and
-   ``results.json`` is identical but for ``wall_s``. A re-run in the finished folder of the
-   uninterrupted run is counted the same way.
+   end. Kill points are spread over the searches' measurements (a count logged) and, for a
+   quarter of them, over the end of the run (after the last measurement, within the time
+   the reference run went on after its own: composition and writing). A point counts as identical when ``results.json`` and
+   ``plan.json`` are both byte-identical to the uninterrupted run's. A re-run in the
+   finished folder of the uninterrupted run is counted the same way.
 2. **Corrupt plans**: every kind of corruption of the plan corpus in
    ``tests/compose/test_plan.py`` (dict-level with the digest recomputed, and byte-level),
    loaded with ``Plan.load``: refused with a one-line ``PlanError``, accepted, or another
@@ -50,10 +52,15 @@ def _kareus(argv: list[str], **kw) -> subprocess.CompletedProcess:  # type: igno
                           text=True, timeout=600, **kw)
 
 
-def _outputs(out: Path) -> tuple[dict, bytes]:
-    res = json.loads((out / "results.json").read_text())
-    res.pop("wall_s", None)
-    return res, (out / "plan.json").read_bytes()
+def _outputs(out: Path) -> tuple[bytes, bytes]:
+    return (out / "results.json").read_bytes(), (out / "plan.json").read_bytes()
+
+
+def _default_signals() -> None:
+    """In the child: SIGINT and SIGTERM as a terminal sends them (a bench started in the
+    background, e.g. under nohup, would otherwise pass SIGINT on ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _measurements(out: Path) -> int:
@@ -66,23 +73,39 @@ def _measurements(out: Path) -> int:
 
 def kill_and_resume(tmp: Path, points: int) -> dict:
     ref_out = tmp / "ref"
-    first = _kareus([*SMALL, "--out", str(ref_out)])
-    if first.returncode != 0:
-        raise SystemExit(f"the reference run failed: {first.stderr[-400:]}")
+    # The reference run, watched: how long it goes on after its last measurement is logged
+    # (composition and writing), where the late kill points fall.
+    first = subprocess.Popen([sys.executable, "-m", "kareus", *SMALL, "--out", str(ref_out)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    last_n, t_last = 0, time.monotonic()
+    while first.poll() is None:
+        n = _measurements(ref_out)
+        if n != last_n:
+            last_n, t_last = n, time.monotonic()
+        time.sleep(0.002)
+    tail_s = time.monotonic() - t_last
+    if first.wait() != 0:
+        raise SystemExit(f"the reference run failed: {first.communicate()[1][-400:]}")
     reference = _outputs(ref_out)
     total = _measurements(ref_out)
     rerun = _kareus([*SMALL, "--out", str(ref_out)])
     rerun_same = rerun.returncode == 0 and _outputs(ref_out) == reference
     sigs = [signal.SIGKILL, signal.SIGINT, signal.SIGTERM]
     rows = []
+    late = points // 4  # kill points in the composition and the writing
+    early = points - late
     for k in range(points):
-        target = max(1, round((k + 0.5) * total / points))
+        target = max(1, round((k + 0.5) * total / early)) if k < early else total
+        # late points: after the last measurement, spread over the reference's tail
+        at_s = 0.0 if k < early else tail_s * (k - early + 0.25) / late
         sig = sigs[k % len(sigs)]
         out = tmp / f"kill-{k}"
         proc = subprocess.Popen([sys.executable, "-m", "kareus", *SMALL, "--out", str(out)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=_default_signals)
         while proc.poll() is None and _measurements(out) < target:
-            time.sleep(0.005)
+            time.sleep(0.002)
+        time.sleep(at_s)
         killed_at = _measurements(out)
         finished_first = proc.poll() is not None
         if not finished_first:
@@ -95,12 +118,16 @@ def kill_and_resume(tmp: Path, points: int) -> dict:
             res, plan = _outputs(out)
             res_same, plan_same = res == reference[0], plan == reference[1]
         rows.append({"signal": sig.name, "target_measurements": target,
+                     "after_target_s": round(at_s, 3),
                      "killed_at_measurements": killed_at, "finished_before_kill": finished_first,
                      "kill_exit": proc.returncode, "traceback_on_kill": "Traceback" in err,
                      "resume_ok": ok, "results_identical": res_same,
                      "plan_identical": plan_same,
                      "resume_error": None if ok else resumed.stderr.strip()[-300:]})
-    return {"measurements_per_run": total, "kill_points": len(rows),
+    return {"measurements_per_run": total, "reference_tail_s": round(tail_s, 3),
+            "kill_points": len(rows),
+            "stopped_by_the_signal": sum(not r["finished_before_kill"] and r["kill_exit"] != 0
+                                         for r in rows),
             "resumed_ok": sum(r["resume_ok"] for r in rows),
             "identical_results_and_plan": sum(r["results_identical"] and r["plan_identical"]
                                               for r in rows),
@@ -246,7 +273,7 @@ def two_runs(tmp: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--kill-points", type=int, default=9)
+    ap.add_argument("--kill-points", type=int, default=12)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     t0 = time.monotonic()
@@ -256,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
         plans = corrupt_plans(tmp)
         calls = bad_invocations(tmp)
         pair = two_runs(tmp)
-    print(f"kill and resume: {kills['kill_points']} kill points, {kills['resumed_ok']} resumed, "
+    print(f"kill and resume: {kills['kill_points']} kill points ({kills['stopped_by_the_signal']} "
+          f"stopped by the signal), {kills['resumed_ok']} resumed, "
           f"{kills['identical_results_and_plan']} identical results.json and plan.json "
           f"({kills['identical_plan']} identical plan.json); re-run in the finished folder "
           f"identical: {kills['rerun_in_finished_folder_identical']}")

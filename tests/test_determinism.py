@@ -36,6 +36,13 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _default_signals() -> None:
+    """In the child: SIGINT and SIGTERM as a user's terminal sends them (a parent started in
+    the background may have left SIGINT ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _measurements(out: Path) -> int:
     n = 0
     for log in (out / "logs").glob("search-*.jsonl"):
@@ -63,7 +70,8 @@ def _kill_and_resume(tmp: Path, *, at_measurements: int | None, at_fraction: flo
                      sig: signal.Signals, wall: float) -> tuple[int, tuple[bytes, bytes]]:
     out = tmp / f"kill-{sig.name}-{at_measurements}-{at_fraction}"
     proc = subprocess.Popen([sys.executable, "-m", "kareus", *JOB, "--out", str(out)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env())
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(),
+                            preexec_fn=_default_signals)
     start = time.monotonic()
     while proc.poll() is None:
         if at_measurements is not None and _measurements(out) >= at_measurements:
@@ -74,6 +82,7 @@ def _kill_and_resume(tmp: Path, *, at_measurements: int | None, at_fraction: flo
     killed_at = _measurements(out)
     if proc.poll() is None:
         proc.send_signal(sig)
+        assert proc.wait(timeout=120) != 0  # it was stopped, not left to finish
     proc.wait(timeout=120)
     done = _run(out)
     assert done.returncode == 0, done.stderr.decode()[-500:]
