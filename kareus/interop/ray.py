@@ -32,6 +32,15 @@ from typing import Any
 __all__ = ["RayExecutor"]
 
 
+def _import_ray() -> Any:
+    """The ``ray`` module, or a one-line ImportError that says how to install it."""
+    try:
+        import ray  # optional dependency: the [ray] extra
+    except ImportError as exc:
+        raise ImportError("RayExecutor needs Ray: pip install 'kareus[ray]'") from exc
+    return ray
+
+
 def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Run ``fn`` inside a Ray worker (the one function kareus registers with Ray)."""
     return fn(*args, **kwargs)
@@ -57,10 +66,7 @@ class RayExecutor(Executor):
     def __init__(self, *, num_gpus: float | None = None, num_cpus: float = 1,
                  init: Mapping[str, Any] | None = None, ray: Any = None) -> None:
         if ray is None:
-            try:
-                import ray  # optional dependency
-            except ImportError as exc:
-                raise ImportError("RayExecutor needs Ray: pip install 'kareus[ray]'") from exc
+            ray = _import_ray()
         if num_gpus is not None and num_gpus < 0:
             raise ValueError(f"num_gpus must be >= 0, got {num_gpus}")
         if num_cpus < 0:
