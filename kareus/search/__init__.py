@@ -29,7 +29,7 @@ from kareus.search._defaults import (
     reference_passes,
     tree_surrogate,
 )
-from kareus.search._features import search_features
+from kareus.search._features import EXTRA_COLUMNS_FROM, search_features
 from kareus.search._gaussian_process import GaussianProcessSurrogate
 from kareus.search._initial_design import (
     default_initial_size,
@@ -62,6 +62,7 @@ from kareus.search.partition_frontier import Observation, PartitionFrontier
 from kareus.search.surrogate import Surrogate
 
 __all__ = [
+    "EXTRA_COLUMNS_FROM",
     "LOG_FORMAT",
     "LOG_VERSION",
     "SURROGATES",

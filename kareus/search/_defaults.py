@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kareus.search._bootstrap_ensemble import BootstrapEnsemble
+from kareus.search._features import EXTRA_COLUMNS_FROM
 from kareus.search._gaussian_process import GaussianProcessSurrogate
 from kareus.search._xgboost_surrogate import XGBoostSurrogate
 from kareus.search.acquisition import (
@@ -81,7 +82,8 @@ def default_surrogate(seed: int = 0) -> Surrogate:
     """The default surrogate template: a :class:`GaussianProcessSurrogate` (Matern 5/2,
     one length scale per feature) on ConfigSpace's physical features, columns 0-4 of
     :func:`search_features` (MHz, SMs, slot position, slot log intensity, sequential), with
-    the SM count on a log scale.
+    the SM count on a log scale, and, in a space of several collective backends, the
+    backend column (from :data:`~kareus.search.EXTRA_COLUMNS_FROM` on).
 
     On the emulator with 1% noise it finds better fronts with the same profiles than the
     tree ensemble (:func:`tree_surrogate`, the default before): over the benchmark's 28
@@ -90,7 +92,9 @@ def default_surrogate(seed: int = 0) -> Surrogate:
     neighbouring clocks; trees predict a plateau there and cannot tell where the time
     stops falling. ``seed`` is accepted for symmetry (the GP's fit is deterministic).
     """
-    return GaussianProcessSurrogate(features=(0, 1, 2, 3, 4), log_features=(1,), seed=seed)
+    return GaussianProcessSurrogate(features=(0, 1, 2, 3, 4),
+                                    extra_features_from=EXTRA_COLUMNS_FROM,
+                                    log_features=(1,), seed=seed)
 
 
 def tree_surrogate(seed: int = 0) -> Surrogate:

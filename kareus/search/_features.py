@@ -15,7 +15,12 @@ import numpy as np
 
 from kareus.model.config import ConfigSpace
 
-__all__ = ["search_features"]
+__all__ = ["EXTRA_COLUMNS_FROM", "search_features"]
+
+#: The first column of :func:`search_features` past the fixed ones: ConfigSpace's columns
+#: after its five physical features (today the collective backend, in a space of several)
+#: start here, so the derived columns 5-7 keep their positions in every space.
+EXTRA_COLUMNS_FROM = 8
 
 
 def search_features(space: ConfigSpace) -> np.ndarray:
@@ -24,7 +29,9 @@ def search_features(space: ConfigSpace) -> np.ndarray:
     Columns: 0-4 ConfigSpace's physical features (MHz, SMs, slot position, slot log
     intensity, sequential); 5 the SM count per relative clock, ``comm_sms x max MHz /
     MHz``; 6 the hide balance (:func:`_hide_balance`); 7 the SM count per relative clock
-    squared, ``comm_sms x (max MHz / MHz)^2``.
+    squared, ``comm_sms x (max MHz / MHz)^2``; from :data:`EXTRA_COLUMNS_FROM` (8) on,
+    ConfigSpace's further columns: in a space of several collective backends, the
+    backend's position in ``space.backends`` (absent in a space of one).
 
     Whether a collective hides behind the computation is a balance between its speed
     (about proportional to its SMs until the link saturates) and the computation's
@@ -39,8 +46,8 @@ def search_features(space: ConfigSpace) -> np.ndarray:
     """
     base = space.features()
     rel = max(space.freqs_mhz) / base[:, 0]
-    return np.column_stack([base, base[:, 1] * rel, _hide_balance(space),
-                            base[:, 1] * rel ** 2])
+    return np.column_stack([base[:, :5], base[:, 1] * rel, _hide_balance(space),
+                            base[:, 1] * rel ** 2, base[:, 5:]])
 
 
 def _hide_balance(space: ConfigSpace) -> np.ndarray:

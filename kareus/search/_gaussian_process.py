@@ -53,6 +53,10 @@ class GaussianProcessSurrogate(Surrogate):
 
     Args:
         features: Columns of ``X`` to use (``None`` = all).
+        extra_features_from: Also use every column of ``X`` from this one on, however
+            many there are (``None``: none). The default surrogate passes 8
+            (:data:`~kareus.search.EXTRA_COLUMNS_FROM`) so that, in a space of several
+            collective backends, the backend column is a feature.
         log_features: Columns of ``X`` (indices into ``X``, not into ``features``) to
             log-transform first; their values must be positive.
         kernel: ``"matern52"`` or ``"matern32"``.
@@ -68,6 +72,7 @@ class GaussianProcessSurrogate(Surrogate):
     _CHUNK = 4096
 
     def __init__(self, *, features: tuple[int, ...] | list[int] | None = None,
+                 extra_features_from: int | None = None,
                  log_features: tuple[int, ...] | list[int] = (), kernel: str = "matern52",
                  noise_bounds: tuple[float, float] = (1e-6, 1.0), max_iter: int = 100,
                  seed: int = 0) -> None:
@@ -79,6 +84,10 @@ class GaussianProcessSurrogate(Surrogate):
         if max_iter < 1:
             raise ValueError(f"max_iter must be >= 1, got {max_iter}")
         self.features = None if features is None else tuple(int(c) for c in features)
+        if extra_features_from is not None and extra_features_from < 0:
+            raise ValueError(f"extra_features_from must be >= 0, got {extra_features_from}")
+        self.extra_features_from = (None if extra_features_from is None
+                                    else int(extra_features_from))
         self.log_features = tuple(int(c) for c in log_features)
         self.kernel = kernel
         self.noise_bounds = (lo, hi)
@@ -97,7 +106,11 @@ class GaussianProcessSurrogate(Surrogate):
                     raise ValueError(f"log_features column {c} must be positive")
                 x[:, c] = np.log(x[:, c])
         if self.features is not None:
-            x = x[:, list(self.features)]
+            cols = list(self.features)
+            if self.extra_features_from is not None:
+                cols += [c for c in range(self.extra_features_from, x.shape[1])
+                         if c not in cols]
+            x = x[:, cols]
         return x
 
     def _corr(self, r: np.ndarray) -> np.ndarray:
@@ -265,12 +278,14 @@ class GaussianProcessSurrogate(Surrogate):
     def clone(self, *, seed: int | None = None) -> GaussianProcessSurrogate:
         """An unfitted GP with the same settings (``seed`` reseeds it)."""
         return GaussianProcessSurrogate(
-            features=self.features, log_features=self.log_features, kernel=self.kernel,
-            noise_bounds=self.noise_bounds, max_iter=self.max_iter,
+            features=self.features, extra_features_from=self.extra_features_from,
+            log_features=self.log_features, kernel=self.kernel, noise_bounds=self.noise_bounds, max_iter=self.max_iter,
             seed=self.seed if seed is None else int(seed))
 
     def __repr__(self) -> str:
-        return (f"GaussianProcessSurrogate(features={self.features}, log_features="
+        extra = ("" if self.extra_features_from is None
+                 else f", extra_features_from={self.extra_features_from}")
+        return (f"GaussianProcessSurrogate(features={self.features}{extra}, log_features="
                 f"{self.log_features}, kernel={self.kernel!r})")
 
 

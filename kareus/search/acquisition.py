@@ -37,6 +37,7 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
+from kareus.search._features import EXTRA_COLUMNS_FROM
 from kareus.search._objective_model import ObjectivePrediction
 from kareus.search.pareto import (
     hypervolume_improvement,
@@ -325,7 +326,9 @@ class NeighbourhoodPass(AcquisitionPass):
     Args:
         energy: ``"total"``, ``"dynamic"`` or ``"static"``: the objective of the ranking.
         knobs: Feature column groups, one per knob; ``None`` = ConfigSpace's features:
-            frequency (0), SM count (1), launch slot (2, 3, 4).
+            frequency (0), SM count (1), launch slot (2, 3, 4), and, in a space of several
+            collective backends, the backend (the columns from
+            :data:`~kareus.search.EXTRA_COLUMNS_FROM` on, any value).
         steps: Radius per knob in distinct values, ``None`` = any value; ``None`` =
             ``(None, 4, None)``: any frequency (a sweep), SM count +-4 steps, any slot.
         front: ``"denoised"`` or ``"measured"`` (see :class:`HypervolumePass`).
@@ -334,6 +337,7 @@ class NeighbourhoodPass(AcquisitionPass):
     def __init__(self, energy: str = "total", *,
                  knobs: Sequence[Sequence[int]] | None = None,
                  steps: Sequence[int | None] | None = None, front: str = "denoised") -> None:
+        self._default_knobs = knobs is None
         self.knobs = tuple(tuple(int(c) for c in k) for k in (knobs or ((0,), (1,), (2, 3, 4))))
         self.steps = tuple(steps) if steps is not None else (
             (None, 4, None) if knobs is None else (None,) * len(self.knobs))
@@ -354,16 +358,20 @@ class NeighbourhoodPass(AcquisitionPass):
         """Per knob, the mask (n,) of available neighbours of the front's configurations
         along that knob."""
         n = context.n_candidates
-        masks = [np.zeros(n, dtype=bool) for _ in self.knobs]
         feats, where = context.features, context.observed_index
+        knobs, steps = self.knobs, self.steps
+        if self._default_knobs and feats is not None and feats.shape[1] > EXTRA_COLUMNS_FROM:
+            knobs = (*knobs, tuple(range(EXTRA_COLUMNS_FROM, feats.shape[1])))
+            steps = (*steps, None)
+        masks = [np.zeros(n, dtype=bool) for _ in knobs]
         if feats is None or where is None or len(where) == 0 or (where < 0).any():
             return masks
         ranks = np.column_stack([np.unique(feats[:, c], return_inverse=True)[1]
                                  for c in range(feats.shape[1])])
-        cols = sorted({j for knob in self.knobs for j in knob if j < feats.shape[1]})
+        cols = sorted({j for knob in knobs for j in knob if j < feats.shape[1]})
         for c in _front_centres(context, self.front):
             same = feats == feats[c]
-            for m, knob, radius in zip(masks, self.knobs, self.steps):
+            for m, knob, radius in zip(masks, knobs, steps):
                 others = [j for j in cols if j not in knob]
                 near = same[:, others].all(axis=1) if others else np.ones(n, dtype=bool)
                 if radius is not None:
@@ -429,14 +437,21 @@ class HingePass(AcquisitionPass):
         sm_column: Feature column of the SM count.
         group_columns: Feature columns that must match the front configuration's (clock
             and launch slot): ConfigSpace's frequency (0) and slot features (2, 3, 4).
+        extra_group_from: Every column from this one on must match too (``None``: none):
+            by default :data:`~kareus.search.EXTRA_COLUMNS_FROM`, so that in a space of
+            several collective backends the bisection stays within one backend, whose
+            hinge is its own.
         front: ``"denoised"`` or ``"measured"`` (see :class:`HypervolumePass`).
     """
 
     def __init__(self, *, sm_column: int = 1, group_columns: Sequence[int] = (0, 2, 3, 4),
+                 extra_group_from: int | None = EXTRA_COLUMNS_FROM,
                  front: str = "denoised") -> None:
         self.sm_column = int(sm_column)
         self.group_columns = tuple(int(c) for c in group_columns)
-        if self.sm_column in self.group_columns:
+        self.extra_group_from = None if extra_group_from is None else int(extra_group_from)
+        if self.sm_column in self.group_columns or (
+                self.extra_group_from is not None and self.sm_column >= self.extra_group_from):
             raise ValueError("sm_column cannot also be a group column")
         self._hv = HypervolumePass("total", front=front)
         self.front = front
@@ -457,6 +472,8 @@ class HingePass(AcquisitionPass):
         measured = np.zeros(context.n_candidates, dtype=bool)
         measured[where] = True
         cols = list(self.group_columns)
+        if self.extra_group_from is not None:
+            cols += [j for j in range(self.extra_group_from, feats.shape[1]) if j not in cols]
         found: dict[int, float] = {}
         for c in _front_centres(context, self.front):
             group = (feats[:, cols] == feats[c, cols]).all(axis=1)
@@ -489,7 +506,7 @@ class HingePass(AcquisitionPass):
 
     def __repr__(self) -> str:
         return (f"HingePass(sm_column={self.sm_column}, group_columns={self.group_columns}, "
-                f"front={self.front!r})")
+                f"extra_group_from={self.extra_group_from}, front={self.front!r})")
 
 
 class UncertaintyPass(AcquisitionPass):

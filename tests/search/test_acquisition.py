@@ -232,6 +232,51 @@ def test_hinge_fills_its_share_from_the_hypervolume_pass():
     assert HingePass(group_columns=()).proposals(_hinge_context([15, 23])).tolist() == [11]
 
 
+def _backend_features() -> np.ndarray:
+    # (freq, SMs, slot-a, slot-b, seq, 3 derived, backend): 1400 MHz, SMs 1..16, two
+    # backends; index i < 16 is backend 0 with i + 1 SMs, i >= 16 backend 1.
+    return np.array([(1400.0, s, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, b) for b in (0.0, 1.0)
+                     for s in range(1, 17)])
+
+
+def test_hinge_bisects_within_one_backend():
+    # Front: 16 SMs on backend 0 (index 15). 8 SMs measured on backend 1 (index 23) is
+    # another collective's hinge and must not narrow the gap: the bisection proposes
+    # half of 16 on backend 0 (index 7), as if nothing were measured below.
+    feats = _backend_features()
+    n = len(feats)
+    t, d = np.full(n, 3.0), np.full(n, 3.0)
+    t[15], d[15] = 1.0, 1.0
+    measured = [15, 23]
+    available = np.ones(n, dtype=bool)
+    available[measured] = False
+    ctx = context(t, d, observed=[(t[i], d[i]) for i in measured], available=available,
+                  features=feats, observed_index=np.array(measured))
+    assert HingePass().proposals(ctx).tolist() == [7]
+    # Ignoring the backend (the behaviour before it was a column), 8 SMs would count.
+    assert HingePass(extra_group_from=None).proposals(ctx).tolist() == [11]
+    with pytest.raises(ValueError, match="group column"):
+        HingePass(sm_column=9)
+
+
+def test_neighbourhood_treats_the_backend_as_a_knob():
+    # The front configuration (index 3: 4 SMs on backend 0): its SM neighbours stay on
+    # backend 0, and its backend neighbour is 4 SMs on backend 1 (index 19).
+    feats = _backend_features()
+    n = len(feats)
+    t, d = np.full(n, 2.0), np.full(n, 10.0)
+    available = np.ones(n, dtype=bool)
+    available[3] = False
+    ctx = context(t, d, observed=[(2.0, 10.0)], available=available, features=feats,
+                  observed_index=np.array([3]))
+    freq, sms, slot, backend = NeighbourhoodPass(steps=(None, 2, None)).neighbours(ctx)
+    assert np.flatnonzero(sms).tolist() == [1, 2, 4, 5]
+    assert np.flatnonzero(backend).tolist() == [19]
+    assert not freq.any() and not slot.any()
+    # Knobs given explicitly are used as given.
+    assert len(NeighbourhoodPass(knobs=((0,), (1,)), steps=(None, 2)).neighbours(ctx)) == 2
+
+
 def test_pass_arguments_are_checked():
     with pytest.raises(ValueError):
         HypervolumePass("kinetic")

@@ -83,3 +83,28 @@ def test_hide_balance_lines_up_the_hinge_across_clocks_and_slots():
             hinge_ratio.append(np.log(feats[i, 5]))
     assert len(hinge_bal) >= 6
     assert np.std(hinge_bal) < 0.5 * np.std(hinge_ratio)
+
+
+def test_backend_column_comes_after_the_derived_ones():
+    # In a space of several collective backends ConfigSpace adds a backend column; the
+    # derived columns 5-7 keep their positions and the backend moves to column 8 on, where
+    # the default surrogate and the hinge pass look for it.
+    from kareus.model import Workload, build_partitions
+    from kareus.search import EXTRA_COLUMNS_FROM, search_features
+
+    part = build_partitions(Workload.preset("llama3.2-3b", tp=2, microbatch_size=2,
+                                            seq_len=1024))["fwd_attn"]
+    one = ConfigSpace(part, "h200-sxm", freqs_mhz=[1980, 1500], comm_sms=[4, 8])
+    two = ConfigSpace(part, "h200-sxm", freqs_mhz=[1980, 1500], comm_sms=[4, 8],
+                      backends=["own", "nccl_capped"])
+    f1, f2 = search_features(one), search_features(two)
+    assert f1.shape[1] == EXTRA_COLUMNS_FROM
+    assert f2.shape[1] == EXTRA_COLUMNS_FROM + 1
+    assert f2[:, EXTRA_COLUMNS_FROM].tolist() == [
+        float(two.backends.index(c.backend)) for c in two.configs]
+    # Row by row, the fixed columns of a configuration are those of its twin without a
+    # backend (the hide balance knows nothing of the backend).
+    index = {(c.freq_mhz, c.comm_sms, c.launch_slot): i for i, c in enumerate(one.configs)}
+    for row, c in zip(f2, two.configs):
+        np.testing.assert_array_equal(
+            row[:EXTRA_COLUMNS_FROM], f1[index[(c.freq_mhz, c.comm_sms, c.launch_slot)]])

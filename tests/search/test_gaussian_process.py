@@ -83,3 +83,33 @@ def test_gp_arguments_and_state():
     hp = GaussianProcessSurrogate(features=(0,)).fit(
         np.column_stack([x, np.ones(12)]), np.sin(4 * x[:, 0])).hyperparameters
     assert hp["length_scales"].shape == (1,) and 0 < hp["noise_variance"] <= 1.0
+
+
+def test_gp_extra_features_from_takes_every_later_column():
+    # Column 8 (a backend position) alone decides the target; a GP on columns 0-4 cannot
+    # see it and predicts the mean for both, one with extra_features_from=8 tells them
+    # apart, as default_surrogate does in a space of several backends.
+    from kareus.search import EXTRA_COLUMNS_FROM, default_surrogate
+
+    rng = np.random.default_rng(0)
+    x = np.column_stack([rng.choice([1500.0, 1980.0], 40), rng.integers(1, 33, 40),
+                         np.zeros((40, 3)), rng.random((40, 3)),
+                         rng.integers(0, 2, 40)]).astype(float)
+    y = np.where(x[:, 8] == 1, 2.0, 1.0) + 0.001 * rng.normal(size=40)
+    blind = GaussianProcessSurrogate(features=(0, 1, 2, 3, 4), log_features=(1,)).fit(x, y)
+    sees = default_surrogate().fit(x, y)
+    q = np.repeat(x[:1], 2, axis=0)
+    q[:, 8] = [0.0, 1.0]
+    mb, ms = blind.predict(q), sees.predict(q)
+    assert abs(mb[1] - mb[0]) < 0.3
+    assert ms[0] == pytest.approx(1.0, abs=0.05) and ms[1] == pytest.approx(2.0, abs=0.05)
+    # Without the extra column it is the plain GP on 0-4; the setting survives a clone.
+    plain = x[:, :EXTRA_COLUMNS_FROM]
+    np.testing.assert_allclose(
+        default_surrogate().fit(plain, y).predict(plain[:5]),
+        GaussianProcessSurrogate(features=(0, 1, 2, 3, 4), log_features=(1,))
+        .fit(plain, y).predict(plain[:5]))
+    assert sees.clone().extra_features_from == EXTRA_COLUMNS_FROM
+    assert "extra_features_from=8" in repr(sees)
+    with pytest.raises(ValueError, match="extra_features_from"):
+        GaussianProcessSurrogate(extra_features_from=-1)
