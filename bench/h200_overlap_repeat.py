@@ -1,6 +1,6 @@
 """How repeatable is the ranking of the 12 overlap-probe schedules on real GPUs?
 
-``data/``'s 4x H200 overlap probe (shared/data/h200_tp4_overlap_probe.json) measured one
+The 4x H200 overlap probe (data/h200_tp4_overlap_probe.json) measured one
 TP-like partition under 12 schedules (NCCL CTA cap x launch mode) once each, at default
 clocks under the 700 W power limit. The emulator matches its worst row but not its best:
 the measured best (NCCL default CTAs, all-reduce launched with the first GEMM) drew

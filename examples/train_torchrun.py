@@ -43,7 +43,7 @@ if str(_REPO) not in sys.path:  # run from a checkout without installing kareus
 
 for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                ("NVSHMEM_DISABLE_NVLS", "1")):
-    os.environ.setdefault(_k, _v)  # never NVLink multicast on the lent machines
+    os.environ.setdefault(_k, _v)  # never NVLink multicast (NVLS)
 
 DEFAULT_PLAN = _REPO / "examples" / "plans" / "llama3b_tp2_h200.json"
 SCHEDULES = ("kareus", "sequential", "nanobatching")
