@@ -55,11 +55,23 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
+        _sync_folder(folder)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
     return target
+
+
+def _sync_folder(folder: Path) -> None:
+    """fsync the folder, so that the rename itself survives a power failure (best effort:
+    some file systems cannot sync a directory)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _umask() -> int:

@@ -139,13 +139,16 @@ def _clear(folder: Path) -> None:
                 log.unlink()
 
 
-def _has_outputs(folder: Path) -> bool:
-    return any((folder / n).exists() for n in _OUTPUTS) or any(
+def _has_outputs(folder: Path, *, manifest: bool = True) -> bool:
+    """Whether ``folder`` holds kareus outputs (the manifest among them unless told not)."""
+    names = _OUTPUTS if manifest else tuple(n for n in _OUTPUTS if n != MANIFEST_NAME)
+    return any((folder / n).exists() for n in names) or any(
         next(sub.glob(_LOG_GLOB), None) is not None
         for sub in (folder, folder / "logs") if sub.is_dir())
 
 
-def _check_manifest(folder: Path, inputs: Mapping[str, Any], *, fresh: bool, what: str) -> None:
+def _check_manifest(folder: Path, inputs: Mapping[str, Any], *, fresh: bool, what: str) -> bool:
+    """Check the folder's manifest against ``inputs`` or write it; True when written."""
     path = folder / MANIFEST_NAME
     if fresh:
         _clear(folder)
@@ -161,13 +164,14 @@ def _check_manifest(folder: Path, inputs: Mapping[str, Any], *, fresh: bool, wha
             raise OutputError(f"{what} {folder} holds the results of another job: its {field} "
                               f"is {old!r:.60}, this run's is {new!r:.60}; use another {what}, "
                               f"or --fresh to discard them")
-        return
+        return False
     elif _has_outputs(folder):
         raise OutputError(f"{what} {folder} holds kareus results without a manifest (another "
                           f"job, or an older kareus): use another {what}, or --fresh to "
                           "discard them")
     write_json_atomic(path, {"kind": MANIFEST_KIND, "version": MANIFEST_VERSION,
                              "kareus_version": __version__, "inputs": dict(inputs)})
+    return True
 
 
 @contextlib.contextmanager
@@ -214,8 +218,17 @@ def guarded_folder(folder: str | os.PathLike[str], inputs: Mapping[str, Any], *,
         key = p.absolute()
         _held.add(key)
         try:
-            _check_manifest(p, inputs, fresh=fresh, what=what)
-            yield p
+            wrote = _check_manifest(p, inputs, fresh=fresh, what=what)
+            try:
+                yield p
+            except BaseException:
+                # A run that fails before it writes anything (an input refused late, a
+                # Ctrl-C before the first measurement) leaves no manifest behind: nothing
+                # there needs protecting, and the corrected command must not be refused as
+                # another job.
+                if wrote and not _has_outputs(p, manifest=False):
+                    (p / MANIFEST_NAME).unlink(missing_ok=True)
+                raise
         finally:
             _held.discard(key)
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)

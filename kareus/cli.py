@@ -282,6 +282,11 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         plan = result.select(deadline_s=args.deadline_s, energy_budget_j=args.energy_budget_j)
         paths = result.save(out, plan=plan)
         if args.record is not None:
+            # A resumed search reads its earlier measurements back from its log instead of
+            # measuring them: record those too, so the file replays the whole run.
+            for name, fr in result.partition_frontiers().items():
+                for obs in fr.measured():
+                    profiler.add_earlier(name, obs.config, obs.measurement)
             paths["record"] = profiler.save(
                 args.record, workload=workload.to_dict(),
                 what=f"every measurement of `kareus optimize` on {workload.describe()} with "
@@ -362,7 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="nanobatches per microbatch for overlap (default 2)")
     p.add_argument("--no-recompute", action="store_true",
                    help="no activation recomputation (default: full recomputation)")
-    p.add_argument("--schedule", default="1f1b", help="pipeline schedule: 1f1b or gpipe")
+    p.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"),
+                   help="pipeline schedule: 1f1b (default) or gpipe")
     p.add_argument("--profiler", default="emulated",
                    help="emulated (default), replay:FILE (recorded measurements), or nvml "
                         "(measure on this job's GPUs: run under torchrun, one process per GPU "

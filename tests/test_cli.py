@@ -124,6 +124,33 @@ def test_record_then_replay_reproduces_results(tmp_path, capsys):
     assert second["frontiers"] == first["frontiers"]
 
 
+def test_record_after_a_resume_holds_the_measurements_read_back_from_the_logs(tmp_path):
+    import json
+
+    # The first run searches, writes its logs and records; the second, in the same folder,
+    # reads every search measurement back from the logs. Its recording must hold the same
+    # samples of every configuration, in the same order, and replay the whole run.
+    fresh = tmp_path / "fresh.json"
+    assert main(_small(tmp_path, "--record", str(fresh))) == 0
+    first = json.loads((tmp_path / "out" / "results.json").read_text())
+    resumed = tmp_path / "resumed.json"
+    assert main(_small(tmp_path, "--record", str(resumed))) == 0
+
+    def samples(path):
+        by: dict[str, list] = {}
+        for r in json.loads(path.read_text())["measurements"]:
+            key = json.dumps({k: v for k, v in r.items() if k != "measurement"}, sort_keys=True)
+            by.setdefault(key, []).append(r["measurement"])
+        return by
+
+    assert samples(resumed) == samples(fresh)
+    replay = _small(tmp_path, "--profiler", f"replay:{resumed}")
+    replay[replay.index("--out") + 1] = str(tmp_path / "replayed")
+    assert main(replay) == 0
+    second = json.loads((tmp_path / "replayed" / "results.json").read_text())
+    assert second["systems"] == first["systems"]
+
+
 # -- one-line errors, checked before long work ----------------------------------------------
 def _one_line_failure(capsys, argv, code, pattern):
     rc = main(argv)

@@ -90,6 +90,27 @@ def test_other_inputs_are_refused_naming_the_first_difference(tmp_path):
     assert json.loads((out / MANIFEST_NAME).read_text())["inputs"] == other
 
 
+def test_a_run_that_fails_before_writing_leaves_no_manifest(tmp_path):
+    # An input refused inside the run (before any result or log) must not make the
+    # corrected command "another job"; once something is written, the manifest stays.
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match="late"), guarded_folder(out, INPUTS):
+        raise ValueError("an input refused late")
+    assert not (out / MANIFEST_NAME).exists()
+    other = {**INPUTS, "schedule": "gpipe"}
+    with guarded_folder(out, other):
+        (out / "logs").mkdir()
+        (out / "logs" / "search-fwd_attn.jsonl").write_text("{}\n")
+    with pytest.raises(KeyboardInterrupt), guarded_folder(out, other):
+        raise KeyboardInterrupt
+    assert json.loads((out / MANIFEST_NAME).read_text())["inputs"] == other
+    # A manifest this run did not write (a resume) is never removed.
+    (out / "logs" / "search-fwd_attn.jsonl").unlink()
+    with pytest.raises(ValueError), guarded_folder(out, other):
+        raise ValueError("x")
+    assert (out / MANIFEST_NAME).exists()
+
+
 def test_results_without_a_manifest_are_refused(tmp_path):
     out = tmp_path / "old"
     (out / "logs").mkdir(parents=True)

@@ -19,6 +19,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from kareus._io import write_text_atomic
 from kareus.compose._frontier_common import FRONTIER_VERSION, check_kind, loads, pareto_points
 from kareus.compose.plan import Plan
 from kareus.errors import PlanError
@@ -123,7 +124,7 @@ class IterationFrontier:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the frontier (every plan) as JSON."""
-        Path(path).write_text(self.to_json() + "\n", encoding="utf-8")
+        write_text_atomic(path, self.to_json() + "\n")
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> IterationFrontier:

@@ -21,6 +21,7 @@ from typing import Any
 
 import attrs
 
+from kareus._io import write_text_atomic
 from kareus.compose._frontier_common import FRONTIER_VERSION, check_kind, loads, pareto_points
 from kareus.compose.plan import MicrobatchChoice
 from kareus.errors import PlanError
@@ -132,7 +133,7 @@ class MicrobatchFrontier:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the frontier as JSON."""
-        Path(path).write_text(self.to_json() + "\n", encoding="utf-8")
+        write_text_atomic(path, self.to_json() + "\n")
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> MicrobatchFrontier:

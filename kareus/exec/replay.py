@@ -32,7 +32,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kareus._io import read_json
+from kareus._io import read_json, write_text_atomic
 from kareus.errors import ConfigError
 from kareus.model.config import ConfigSpace, ScheduleConfig
 from kareus.model.gpu import GPUSpec, get_gpu
@@ -287,6 +287,25 @@ class RecordingProfiler(Profiler):
                           "config": config.to_dict(), "measurement": m.to_dict()})
         return m
 
+    def add_earlier(self, partition_name: str, config: ScheduleConfig,
+                    measurement: Measurement) -> bool:
+        """Record a measurement of ``partition_name`` made before this profiler was used:
+        one a resumed search read back from its log instead of measuring it again.
+
+        It goes ahead of this profiler's own rows of the same configuration, as it was
+        measured first (a replay answers a configuration's samples in turn), so the file
+        replays the run as one uninterrupted run would have recorded it. Returns False,
+        recording nothing, when the same row is recorded already (it was measured here).
+        """
+        row = {"kind": "grid", "partition": partition_name, "config": config.to_dict(),
+               "measurement": measurement.to_dict()}
+        if row in self.rows:
+            return False
+        same = [i for i, r in enumerate(self.rows) if r.get("kind") == "grid"
+                and r.get("partition") == partition_name and r.get("config") == row["config"]]
+        self.rows.insert(same[0] if same else len(self.rows), row)
+        return True
+
     def measure_outside(self, work: OutsideWork, freq_mhz: int, *, group_size: int,
                         comm_sms: int | None = None) -> Measurement:
         """Measure outside work with the wrapped profiler and record the row."""
@@ -319,8 +338,8 @@ class RecordingProfiler(Profiler):
         """Write the replay file (JSON) and return its path."""
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(self.to_dict(what=what, workload=workload), indent=0) + "\n")
-        return p
+        return write_text_atomic(
+            p, json.dumps(self.to_dict(what=what, workload=workload), indent=0) + "\n")
 
     def __repr__(self) -> str:
         return f"RecordingProfiler({self.inner!r}: {len(self.rows)} measurements)"
