@@ -1,0 +1,341 @@
+"""Tuning on this job's GPUs: :func:`tune` sets up the hardware and runs the job.
+
+:func:`tune` is what ``kareus optimize --profiler nvml`` runs on every rank under
+``torchrun``. It checks the world (one pipeline stage's TP x CP group, or one process),
+picks the GPU preset from the device name (:func:`detect_gpu_preset`), builds the collective
+backends that run on the group (:func:`tuning_backends`), the executor, the frequency
+controller and the :class:`~kareus.exec.nvml.NVMLProfiler`, pre-heats the GPUs, and hands
+the profiler to :func:`~kareus.tune.run_lockstep`.
+
+The frequency dimension is the set of clocks the profiler may set: every clock of the
+GPU's search grid with ``allow_clock_changes`` (an
+:class:`~kareus.exec.frequency.NVMLFrequencyController`, restored on exit), else the GPU's
+default clock alone (a :class:`~kareus.exec.frequency.DryRunFrequencyController`, as on
+shared machines whose clocks must not change); the output says which. The collective
+backend is a dimension where more than one runs on the group (kareus's own SM-capped
+kernels and NCCL with capped CTAs), so each partition type's choice is measured.
+
+A world of one process runs the same path on one GPU with
+:class:`~kareus.exec.collectives.LoopbackCollective` (a stand-in that communicates with
+nobody): a smoke run of the tuning path, whose figures are not kareus's.
+
+PyTorch, pynvml and the execution layer's GPU modules are imported when :func:`tune` runs,
+never at import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+
+from kareus.errors import HardwareError, KareusError
+from kareus.exec.nvml import Coordinator
+from kareus.model.config import ScheduleConfig
+from kareus.model.partition import OutsideWork, Partition, TransformerPartition
+from kareus.model.workload import Workload
+from kareus.tune._job import TuneReport, run_lockstep
+from kareus.tune._lockstep import Catalog
+
+__all__ = ["detect_gpu_preset", "tune", "tuning_backends"]
+
+
+def tuning_backends(env: Any, wanted: Sequence[str] | None,
+                    build: dict[str, Callable[[], Any]], *,
+                    group_sizes: Sequence[int] | None = None
+                    ) -> tuple[dict[str, Any], dict[str, str]]:
+    """The collective backends a tuning run searches: each of ``build`` (name -> its
+    constructor, in order) that ``wanted`` names (``None``: all) and that can run in the
+    agreed environment ``env`` on every group its collectives use (``group_sizes``: the TP
+    and CP degrees above 1; ``None`` = the environment's whole world), built.
+
+    Construction is collective (every rank builds the same backends in the same order); a
+    failure on one rank only (an IPC mapping) stops the job, as NCCL's would.
+
+    Returns:
+        ``(backends by name, why each other one cannot run)``.
+
+    Raises:
+        HardwareError: none can run; the message says why for each.
+        ValueError: ``wanted`` names a backend that is not in ``build``.
+    """
+    from kareus.exec.collectives import backend_unavailable_reason
+
+    unknown = sorted(set(wanted or ()) - set(build))
+    if unknown:
+        raise ValueError(f"unknown backend(s) {unknown} for tuning: use {sorted(build)}")
+    named: dict[str, Any] = {}
+    notes: dict[str, str] = {}
+    for name, make in build.items():
+        if wanted is not None and name not in wanted:
+            continue
+        sizes = [env.world_size] if group_sizes is None else list(group_sizes)
+        why = next((w for n in sizes if (w := backend_unavailable_reason(
+            name, dataclasses.replace(env, world_size=n))) is not None), None)
+        if why is None:
+            try:
+                named[name] = make()
+            except KareusError as exc:
+                why = str(exc)
+        if why is not None:
+            notes[name] = why
+    if not named:
+        raise HardwareError("no capped collective backend runs on this group: "
+                            + "; ".join(f"{n}: {w}" for n, w in notes.items()))
+    return named, notes
+
+
+def detect_gpu_preset(device_name: str) -> str:
+    """The GPU preset of a CUDA device name (``"NVIDIA H200"`` -> ``"h200-sxm"``).
+
+    Raises:
+        HardwareError: no preset matches; pass ``--gpu``.
+    """
+    name = device_name.lower()
+    for key, preset in (("h200", "h200-sxm"), ("h100", "h100-sxm"), ("a100", "a100-40gb")):
+        if key in name:
+            return preset
+    raise HardwareError(f"no GPU preset for {device_name!r}: pass --gpu (see `kareus gpus`) "
+                        "or --gpu-file")
+
+
+def tune(workload: Workload, *, out_dir: str | os.PathLike[str], gpu: str | None = None,
+         budget: int = 16, batch_size: int | None = None, seed: int = 0,
+         schedule: str = "1f1b", surrogate: Any = None, systems: Sequence[str] | None = None,
+         types: Sequence[str] | None = None, fresh: bool = False,
+         progress: bool | None = None, allow_clock_changes: bool = False,
+         backends: Sequence[str] | None = None, comm_sms: Sequence[int] | None = None,
+         kernels: Any = None, deadline_s: float | None = None,
+         energy_budget_j: float | None = None,
+         profiler_options: dict[str, Any] | None = None) -> TuneReport | None:
+    """Tune ``workload`` on this job's GPUs; call it on every rank (under ``torchrun``).
+
+    The world is one pipeline stage's TP x CP group (``world_size == tp x cp``), or one
+    process (a smoke run of the path with :class:`~kareus.exec.collectives.LoopbackCollective`).
+
+    Args:
+        workload: The workload.
+        out_dir: Output folder (rank 0 writes ``results.json``, ``plan.json``, ``tune.json``
+            and ``logs/``).
+        gpu: GPU preset; ``None`` = detected from the device name.
+        budget: Profiles per partition type.
+        batch_size, seed, schedule, surrogate, systems, fresh, progress: As for
+            :func:`~kareus.workflow.optimize`.
+        types: Only these partition types (no composition), e.g. a smoke run.
+        allow_clock_changes: Search the clocks with an
+            :class:`~kareus.exec.frequency.NVMLFrequencyController` (needs root; never on
+            shared machines). Otherwise the clocks stay as they are and only the default
+            clock is measured.
+        backends: Backends to search among ``"own"`` and ``"nccl_capped"``; ``None`` =
+            every one that runs on this group (``"loopback"`` alone in a world of one).
+            Each is built per TP and CP group (:func:`kareus.exec.train.make_collectives`).
+        comm_sms: SM counts to search; ``None`` = 2, 4, 8, 16, 24, 32 and the GPU's default
+            (each NCCL cap is a communicator of its own).
+        kernels: The runnable partitions' kernel set (``None``: the library's choice).
+        deadline_s, energy_budget_j: The plan chosen (at most one).
+        profiler_options: Keyword arguments of :class:`~kareus.exec.nvml.NVMLProfiler`
+            (``warmup_s``, ``window_steps``, ...).
+
+    Returns:
+        The report on rank 0, ``None`` elsewhere.
+
+    Raises:
+        HardwareError: no GPU, no NVML, a world that is not the workload's group.
+    """
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError as exc:
+        raise HardwareError("--profiler nvml measures on GPUs through PyTorch: install it "
+                            "(pip install 'kareus[torch]') on a machine with NVIDIA GPUs") from exc
+
+    from kareus.exec.collectives import LoopbackCollective, probe_collective_environment
+    from kareus.exec.executor import TorchExecutor
+    from kareus.exec.frequency import (
+        DryRunFrequencyController,
+        NVMLFrequencyController,
+    )
+    from kareus.exec.nvml import (
+        EnergyMeter,
+        LocalCoordinator,
+        NVMLProfiler,
+        TorchDistributedCoordinator,
+        TorchPartitionRunner,
+    )
+    t_begin = time.monotonic()
+    for key in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        os.environ.setdefault(key, "0" if key == "NCCL_NVLS_ENABLE" else "1")  # no multicast
+    if not torch.cuda.is_available():
+        raise HardwareError("no CUDA GPU visible: tuning on the machine needs its GPUs (use "
+                            "the emulated profiler without them)")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    owns_group = not dist.is_initialized() and "WORLD_SIZE" in os.environ
+    if owns_group:
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    group = workload.parallelism.tp * workload.parallelism.cp
+    if world not in (1, group):
+        raise HardwareError(f"{world} processes for a TP x CP group of {group}: run one process "
+                            f"per GPU of one stage (torchrun --nproc_per_node {group}), or one "
+                            "for a smoke run")
+    coord: Coordinator = TorchDistributedCoordinator() if world > 1 else LocalCoordinator()
+    device_name = torch.cuda.get_device_name()
+    gpu_name = gpu or detect_gpu_preset(device_name)
+    from kareus.model.gpu import get_gpu
+
+    spec = get_gpu(gpu_name)
+
+    # Collective backends: every one that runs on this group, the same on every rank.
+    if world == 1:
+        named: dict[str, Any] = {"loopback": LoopbackCollective()}
+        notes: dict[str, str] = {}
+        default: Any = named["loopback"]
+    else:
+        # One backend per TP and CP group (all-reduces over TP, all-gathers and
+        # reduce-scatters over CP), as the training loop runs them.
+        from kareus.exec.train import TorchParallelGroups, make_collectives
+
+        p = workload.parallelism
+        groups = TorchParallelGroups(tp=p.tp)
+        made: dict[str, Any] = {}
+
+        def maker(name: str) -> Callable[[], Any]:
+            def make() -> Any:
+                made[name] = make_collectives(groups, backend=name)
+                return made[name][0]
+            return make
+
+        named, notes = tuning_backends(probe_collective_environment(), backends,
+                                       {n: maker(n) for n in ("own", "nccl_capped")},
+                                       group_sizes=[n for n in (p.tp, p.cp) if n > 1])
+        default = made[next(iter(named))][1]  # each group's collectives, NCCL's own CTAs
+    names = list(named)
+    primary = named.get("nccl_capped", named[names[0]])  # the baselines' NCCL where it runs
+    executor = TorchExecutor(collective=primary, backends=named, default_collective=default)
+
+    resolve, outside = _runnables(Catalog(workload), kernels)
+    runner = TorchPartitionRunner(executor, seed=1234, resolve=resolve)
+    if allow_clock_changes:
+        controller: Any = NVMLFrequencyController(gpu=spec)
+    else:
+        controller = DryRunFrequencyController(gpu=spec)
+    sms = sorted({*(comm_sms or (2, 4, 8, 16, 24, 32)), spec.default_comm_sms})
+    meter = EnergyMeter()
+    prof = NVMLProfiler(gpu=spec, runner=runner, meter=meter, coordinator=coord,
+                        frequency=controller, comm_sms=sms, backends=names, outside=outside,
+                        **(profiler_options or {}))
+    say = (lambda msg: print(f"kareus: {msg}", file=sys.stderr, flush=True)) \
+        if coord.rank == 0 else (lambda msg: None)
+    say(f"tuning {workload.describe()} on {world}x {device_name} ({spec.name}); backends "
+        f"{names}" + (f" (not available: {notes})" if notes else "")
+        + ("; a world of one: LoopbackCollective stands in for communication (smoke run)"
+           if world == 1 else ""))
+    say(prof.clock_note)
+    try:
+        with contextlib.ExitStack() as stack:
+            if allow_clock_changes:
+                stack.callback(controller.close)
+            prof.start()
+            say(f"energy counter steps every {1e3 * (prof.step_period_s or 0):.0f} ms; static "
+                f"power {prof.static_power_w():.0f} W over {world} GPU(s)")
+            _preheat(prof, resolve, Catalog(workload), names, say)
+            import pynvml
+
+            info = {
+                "machine": f"{world}x {device_name}",
+                "software": {"torch": torch.__version__,
+                             "driver": _text(pynvml.nvmlSystemGetDriverVersion()),
+                             "cuda": torch.version.cuda},
+                "gpu": spec.name, "clocks_controlled": prof.clocks_controlled,
+                "clocks_mhz": list(prof.freqs_mhz), "clock_note": prof.clock_note,
+                "comm_sms": sms, "backends_unavailable": notes,
+                "static_power_w": prof.static_power_w(),
+                "counter_step_s": prof.step_period_s,
+                "smoke_run": world == 1,
+                "command": _command(),
+                "date": time.strftime("%Y-%m-%d", time.gmtime()),
+            }
+            report = run_lockstep(workload, profiler=prof, coordinator=coord, out_dir=out_dir,
+                                  backends=names if len(names) > 1 else (), types=types,
+                                  budget=budget, batch_size=batch_size, seed=seed,
+                                  schedule=schedule, surrogate=surrogate, systems=systems,
+                                  fresh=fresh, progress=progress, deadline_s=deadline_s,
+                                  energy_budget_j=energy_budget_j, info=info,
+                                  started=t_begin)
+    finally:
+        prof.close()
+        for backend in named.values():
+            with contextlib.suppress(Exception):
+                backend.close()
+        if owns_group:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+    wall = time.monotonic() - t_begin
+    if report is not None:
+        say(f"GPU time: {wall:.1f} s x {world} GPU(s) = {wall * world:.1f} GPU-s "
+            f"({report.measured} measurements, {len(prof.records)} on this rank)")
+        report = attrs.evolve(report, wall_s=wall, gpu_time_s=wall * world)
+    return report
+
+
+def _preheat(prof: Any, resolve: Callable[[Partition], Any], catalog: Catalog,
+             names: Sequence[str], say: Callable[[str], None]) -> None:
+    """Run the first partition type a few times on every rank and take the GPUs' working
+    temperature as the cool-down baseline (else each candidate would wait for the idle
+    temperature, which a loaded GPU does not reach in its cool-down time)."""
+    part = catalog.partitions[0][0]
+    gpu = prof.gpu
+    slot = part.slots[0].name if part.slots else None
+    cfg = ScheduleConfig(gpu.max_clock_mhz, gpu.default_comm_sms, slot,
+                         backend=names[-1] if len(names) > 1 else None)
+    try:
+        temp = prof.preheat(resolve(part), cfg)
+    except HardwareError as exc:  # decided on every rank together
+        say(f"pre-heating failed ({exc}); the cool-down baseline stays the idle temperature")
+        return
+    say(f"pre-heated on {part.name}: cool-down baseline {temp:.0f} C")
+
+
+def _runnables(catalog: Catalog, kernels: Any) -> tuple[Callable[[Partition], Any],
+                                                        Callable[[OutsideWork, int | None], Any]]:
+    """How the NVML profiler gets kernels: each catalogued partition type as one
+    :class:`~kareus.exec.torch_partition.RunnableTransformerPartition` (made once), and
+    outside work as :class:`~kareus.exec.outside_work.RunnableOutsideWork`."""
+    from kareus.exec.outside_work import RunnableOutsideWork
+    from kareus.exec.torch_partition import RunnableTransformerPartition
+
+    made: dict[int, Any] = {}
+
+    def resolve(part: Partition) -> Any:
+        idx = catalog.partition_index(part)
+        if idx not in made:
+            p, wl = catalog.partitions[idx]
+            if not isinstance(p, TransformerPartition):  # the partition builder's type
+                raise TypeError(f"partition {p.name!r} is not a TransformerPartition")
+            made[idx] = RunnableTransformerPartition(p, wl, kernels=kernels)
+        return made[idx]
+
+    def outside(work: OutsideWork, sms: int | None) -> Any:
+        wl = catalog.outside[catalog.outside_index(work)][1]
+        return RunnableOutsideWork(work, wl, comm_sms=sms, kernels=kernels)
+
+    return resolve, outside
+
+
+def _command() -> str:
+    """This process's command line, as the user typed it (``kareus ...`` under torchrun)."""
+    argv = list(sys.argv)
+    if argv and argv[0].endswith(("kareus/__main__.py", "kareus/cli.py")):
+        argv[0] = "kareus"
+    return " ".join(argv)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
