@@ -38,22 +38,34 @@ The plan is a :class:`kareus.compose.Plan`: a frequency per microbatch computati
 configuration per partition type inside it, keyed ``"s{stage}.m{microbatch}.{phase}"``;
 the frequency reaches the GPU through a
 :class:`~kareus.exec.frequency.FrequencyTrigger` (:class:`StreamOrderedTrigger`).
+
+Modules: the role (:class:`Executor`, :class:`PartitionHook`, :class:`LaunchConfig`) is in
+``_executor_role``, the plan lookups (:func:`computation_key`, :func:`plan_config`,
+:func:`plan_frequency`) in ``_plan_lookup`` and the stream backends in ``_streams``; this
+module holds the implementation on CUDA streams (:class:`TorchExecutor`,
+:class:`PartitionScope`) and re-exports the rest (import the names from here or from
+:mod:`kareus.exec`).
 """
 
 from __future__ import annotations
 
-import abc
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from kareus._logging import get_logger
 from kareus.compose import Plan
 from kareus.errors import ConfigError, PlanError, UnknownSlotError
+from kareus.exec._executor_role import COMM_KINDS, Executor, LaunchConfig, PartitionHook
+from kareus.exec._plan_lookup import (
+    _require_plan,
+    computation_key,
+    plan_config,
+    plan_frequency,
+)
 from kareus.exec._streams import RecordingStreamBackend, StreamBackend, TorchStreamBackend
 from kareus.exec.collectives import CollectiveBackend, ProcessGroupCollective
 from kareus.exec.frequency import FrequencyTrigger
-from kareus.model.config import ScheduleConfig
 
 __all__ = [
     "COMM_KINDS",
@@ -73,102 +85,6 @@ __all__ = [
 
 _log = get_logger(__name__)
 
-#: Collective kinds the executor can launch (the names of ``CollectiveBackend`` methods).
-COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
-
-#: A microbatch computation: ``(stage, microbatch, phase)`` with phase ``"fwd"``/``"bwd"``.
-ComputationId = tuple[int, int, str]
-
-
-# ------------------------------------------------------------------------ plans
-
-
-class LaunchConfig(Protocol):
-    """What an executor reads of a partition's configuration: where the collective starts
-    and how many SMs it gets.
-
-    A :class:`~kareus.model.config.ScheduleConfig` is one (its clock is applied per
-    microbatch, not here); so is a baseline's configuration whose ``comm_sms`` is ``None``
-    (the collective with its own CTA count, on the executor's ``default_collective``), as
-    :class:`kareus.exec.train.DefaultConfig` is.
-    """
-
-    @property
-    def launch_slot(self) -> str | None:
-        """The op the collective launches with; ``None`` = after every op (sequential)."""
-
-    @property
-    def comm_sms(self) -> int | None:
-        """SMs the collective gets; ``None`` = the backend's own choice."""
-
-    @property
-    def sequential(self) -> bool:
-        """Whether the collective runs after every op (``launch_slot is None``)."""
-
-
-def computation_key(stage: int, microbatch: int, phase: str) -> str:
-    """The key a :class:`~kareus.compose.Plan` gives a microbatch computation.
-
-    Args:
-        stage: Pipeline stage.
-        microbatch: Microbatch index.
-        phase: ``"fwd"`` or ``"bwd"``.
-
-    Returns:
-        ``"s{stage}.m{microbatch}.{phase}"``.
-    """
-    return f"s{stage}.m{microbatch}.{phase}"
-
-
-def _require_plan(plan: object) -> Plan:
-    if not isinstance(plan, Plan):
-        raise TypeError(f"plan must be a kareus.compose.Plan (load one with Plan.load(path)), "
-                        f"got {type(plan).__name__}")
-    return plan
-
-
-def plan_config(plan: Plan, partition_type: str,
-                computation: ComputationId | None) -> ScheduleConfig:
-    """The configuration ``plan`` gives partition type ``partition_type`` in a computation.
-
-    Args:
-        plan: The plan.
-        partition_type: The partition type (e.g. ``"fwd_attn"``).
-        computation: ``(stage, microbatch, phase)`` of the microbatch computation the
-            partition runs in (a plan sets configurations per computation).
-
-    Raises:
-        TypeError: ``plan`` is not a :class:`~kareus.compose.Plan`.
-        PlanError: no computation is given, or the plan has no configuration for the
-            partition type there.
-    """
-    _require_plan(plan)
-    if computation is None:
-        raise PlanError("this plan sets configurations per microbatch computation: run "
-                        "partitions inside executor.microbatch(stage, microbatch, phase)")
-    key = computation_key(*computation)
-    try:
-        return plan.config(key, partition_type)
-    except KeyError:
-        raise PlanError(f"the plan has no configuration for partition type "
-                        f"{partition_type!r} in computation {key}") from None
-
-
-def plan_frequency(plan: Plan, stage: int, microbatch: int, phase: str) -> int:
-    """The SM clock ``plan`` gives one microbatch computation.
-
-    Args:
-        plan: The plan.
-        stage: Pipeline stage.
-        microbatch: Microbatch index.
-        phase: ``"fwd"`` or ``"bwd"``.
-
-    Raises:
-        TypeError: ``plan`` is not a :class:`~kareus.compose.Plan`.
-        PlanError: the plan has no such computation.
-    """
-    return int(_require_plan(plan).freq_mhz(computation_key(stage, microbatch, phase)))
-
 
 def _default_digest_exchange(digest: str) -> list[str]:
     try:
@@ -180,140 +96,6 @@ def _default_digest_exchange(digest: str) -> list[str]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, digest)
     return [str(d) for d in out]
-
-
-# ------------------------------------------------------------------------ the role
-
-
-class PartitionHook(abc.ABC):
-    """The scope of one partition in a user's loop (what :meth:`Executor.partition` yields).
-
-    Call :meth:`communicate` to name the partition's collective, then :meth:`op` for each
-    computation op in order; the executor launches the collective at the configured slot.
-
-    Attributes:
-        key: The partition type.
-        config: The configuration it runs under.
-    """
-
-    key: str
-    config: LaunchConfig
-
-    @abc.abstractmethod
-    def communicate(self, tensor: Any, *, kind: str = "all_reduce", output: Any = None) -> None:
-        """Register the collective of this partition (launched at the configured slot).
-
-        Args:
-            tensor: The tensor to all-reduce in place, or the input of an all-gather /
-                reduce-scatter.
-            kind: ``"all_reduce"``, ``"all_gather"`` or ``"reduce_scatter"``.
-            output: Output tensor of all-gather / reduce-scatter.
-        """
-
-    @abc.abstractmethod
-    def op(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run (enqueue) computation op ``name`` as ``fn(*args, **kwargs)``; returns its result.
-
-        Args:
-            name: The op's name (launch slots refer to it).
-            fn: The callable that enqueues the op.
-            *args: Positional arguments of ``fn``.
-            **kwargs: Keyword arguments of ``fn``.
-        """
-
-
-class Executor(abc.ABC):
-    """Runs partitions (and microbatches of them) under configurations or a plan.
-
-    The role a training loop and the NVML profiler's runner rely on. Under a plan, call
-    :meth:`start` first (every rank compares the plan's digest), then wrap each
-    microbatch computation in :meth:`microbatch` and each partition in :meth:`partition`;
-    outside a plan, :meth:`run_partition` and :meth:`run_nanobatched` take a
-    configuration directly. Usable as a context manager (``with executor:`` calls
-    :meth:`start`).
-
-    Attributes:
-        plan: The plan the executor applies, or ``None``.
-        current: ``(stage, microbatch, phase)`` of the microbatch computation being run,
-            or ``None`` outside :meth:`microbatch`.
-    """
-
-    plan: Plan | None
-    current: ComputationId | None
-
-    @abc.abstractmethod
-    def start(self) -> None:
-        """Agree with every rank on the plan (compare digests) before any collective runs.
-
-        Raises:
-            PlanError: some rank holds another plan.
-        """
-
-    def __enter__(self) -> Executor:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    @abc.abstractmethod
-    def run_partition(self, ops: Sequence[Callable[[], Any]], op_names: Sequence[str],
-                      comm_tensor: Any, config: LaunchConfig, *,
-                      comm_kind: str = "all_reduce", comm_output: Any = None) -> None:
-        """Enqueue one partition: ``ops`` in order, the collective at ``config``'s slot.
-
-        Args:
-            ops: Zero-argument callables that enqueue each computation op.
-            op_names: Their names (the slot names refer to them).
-            comm_tensor: The tensor the collective acts on.
-            config: The schedule configuration.
-            comm_kind: The collective (one of :data:`COMM_KINDS`).
-            comm_output: Output tensor of all-gather / reduce-scatter.
-        """
-
-    @abc.abstractmethod
-    def run_nanobatched(self, ops: Sequence[Callable[[int], Any]], op_names: Sequence[str],
-                        comm_tensors: Sequence[Any], config: LaunchConfig, *,
-                        comm_kind: str = "all_reduce", comm_outputs: Sequence[Any] | None = None,
-                        ) -> None:
-        """Run one layer segment over ``n >= 2`` nanobatches, each nanobatch's collective
-        overlapping the next nanobatch's computation from ``config``'s slot on.
-
-        Args:
-            ops: Callables ``op(i)`` that enqueue an op for nanobatch ``i``.
-            op_names: Their names.
-            comm_tensors: Per nanobatch, the tensor its collective acts on.
-            config: The schedule configuration.
-            comm_kind: The collective.
-            comm_outputs: Per nanobatch, the output tensor (all-gather / reduce-scatter).
-        """
-
-    @abc.abstractmethod
-    def partition(self, key: str, *, config: LaunchConfig | None = None,
-                  op_names: Sequence[str] | None = None
-                  ) -> contextlib.AbstractContextManager[PartitionHook]:
-        """Hook for a user's loop: the scope of one partition of type ``key``.
-
-        Args:
-            key: The partition type (e.g. ``"fwd_attn"``).
-            config: Override the plan's configuration.
-            op_names: Expected op order, checked as ops are issued (optional).
-        """
-
-    @abc.abstractmethod
-    def microbatch(self, stage: int, microbatch: int, phase: str
-                   ) -> contextlib.AbstractContextManager[None]:
-        """Hook for a user's loop around one microbatch computation (under a plan: its clock
-        is requested here, in stream order).
-
-        Args:
-            stage: Pipeline stage.
-            microbatch: Microbatch index.
-            phase: ``"fwd"`` or ``"bwd"``.
-        """
-
-
-# ------------------------------------------------------------------------ on CUDA streams
 
 
 class PartitionScope(PartitionHook):
