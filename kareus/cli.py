@@ -7,8 +7,11 @@ the whole pipeline on a workload; ``kareus show PLAN`` prints a plan file.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 
 from kareus._logging import configure as configure_logging
 from kareus._version import __version__
@@ -451,8 +454,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         The exit status: 0 on success; on a failure, one line on stderr saying what to
-        change and the error's exit code (2 for refused arguments), 130 when interrupted,
-        1 for an I/O error or a bug.
+        change and the error's exit code (2 for refused arguments), 130 when interrupted
+        (Ctrl-C), 143 when stopped by SIGTERM, 1 for an I/O error or a bug.
     """
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -460,13 +463,59 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
+    with _signals_as_stops():
+        return _run(args)
+
+
+class _Stopped(BaseException):
+    """Ctrl-C (SIGINT) or a scheduler's stop (SIGTERM) while a command runs.
+
+    Raised from the signal handler so that the same clean-up runs as for any exception
+    (logs synced, GPU clocks restored, the folder unlocked). It is not a KeyboardInterrupt
+    on purpose: CPython remembers a KeyboardInterrupt that passed through code an extension
+    ran with ``PyRun_*`` and then ends the process by SIGINT after ``main`` returned,
+    whatever status it returned.
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stopped(signum: int, frame: object) -> None:
+    raise _Stopped(signum)
+
+
+@contextlib.contextmanager
+def _signals_as_stops() -> Iterator[None]:
+    """Turn SIGTERM, and SIGINT where Python's default handler has it, into
+    :class:`_Stopped` while the command runs (main thread only; the previous handlers are
+    put back after). A SIGINT that was ignored (a job started in the background) stays so."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    taken = [signal.SIGTERM]
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        taken.append(signal.SIGINT)
+    previous = {sig: signal.signal(sig, _raise_stopped) for sig in taken}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Run the parsed command; every failure becomes one line on stderr and an exit status."""
     try:
         return int(args.func(args) or 0)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, _Stopped) as exc:
+        term = isinstance(exc, _Stopped) and exc.signum == signal.SIGTERM
         hint = getattr(args, "resume_hint", None)
-        print("kareus: interrupted" + (f"; run the same command again to resume ({hint})"
-                                       if hint else ""), file=sys.stderr)
-        return 130
+        print("kareus: " + ("stopped by SIGTERM" if term else "interrupted")
+              + (f"; run the same command again to resume ({hint})" if hint else ""),
+              file=sys.stderr)
+        return 143 if term else 130
     except KareusError as exc:
         print(f"kareus: error: {_one_line(exc)}", file=sys.stderr)
         return exc.exit_code

@@ -287,6 +287,42 @@ def test_ctrl_c_says_the_same_command_resumes_and_exits_130(tmp_path):
     assert subprocess.run(argv, capture_output=True, timeout=300).returncode == 0
 
 
+def test_sigterm_says_the_same_command_resumes_and_exits_143(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    # A scheduler's stop (SIGTERM) runs the same clean-up as Ctrl-C: one line, the logs
+    # kept, the folder unlocked, and the same command finishes the job.
+    argv = [sys.executable, "-m", "kareus", *_small(tmp_path)]
+    argv[argv.index("--budget") + 1] = "40"
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
+    logs = tmp_path / "out" / "logs"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not any(
+            p.stat().st_size > 2000 for p in logs.glob("search-*.jsonl")):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    if proc.returncode == 0:
+        pytest.skip("the run finished before the signal arrived")
+    assert proc.returncode == 143, err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert "stopped by SIGTERM" in last and "same command" in last
+    assert subprocess.run(argv, capture_output=True, timeout=300).returncode == 0
+
+
+def test_sigterm_handler_is_put_back_after_the_command(tmp_path):
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["gpus"]) == 0
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_a_torn_log_header_is_recovered_not_truncated(tmp_path, capsys):
     logs = tmp_path / "out" / "logs"
     assert main(_small(tmp_path)) == 0
