@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kareus._logging import get_logger
-from kareus.exec.torch_partition import PartitionProgram, RunnablePartition, _comm_zeros
+from kareus.exec._partition_program import PartitionProgram, RunnablePartition, _comm_zeros
 from kareus.model.ops import CommOp, ComputeOp
 from kareus.model.partition import OutsideWork
 from kareus.model.workload import Workload

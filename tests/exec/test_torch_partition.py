@@ -303,7 +303,7 @@ def test_in_a_chain_the_cross_segment_all_reduce_reduces_real_data(name):
 def test_grouped_attention_reads_kv_groups_in_place_and_matches_the_copy():
     # _sdpa hands grouped K/V to the kernel (enable_gqa) instead of copying each group
     # per query head; the result and the gradients must equal the copied version's.
-    from kareus.exec.torch_partition import _sdpa
+    from kareus.exec._transformer_ops import _sdpa
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 6, 32, 8, generator=g, requires_grad=True)

@@ -1,0 +1,165 @@
+"""The program of a runnable partition, and the buffers its collective acts on.
+
+:class:`RunnablePartition` is a partition whose ops can be built as kernels on a GPU;
+``build()`` returns a :class:`PartitionProgram`: zero-argument callables that enqueue each
+op on the current stream, plus the tensors the partition's collective acts on. The program
+double-buffers the collective's tensor, as nanobatching does: step ``j`` computes into one
+buffer while the collective of step ``j-1`` reduces the other
+(:meth:`PartitionProgram.advance` flips them), so a loop of steps is the steady state of a
+nanobatched layer.
+
+The collective's buffers come from ``backend.empty(shape, dtype)`` when the backend has
+such a method (``_comm_zeros``): with
+:class:`~kareus.exec.collectives.OwnKernelCollective` they are registered tensors, so the
+executor's collectives take the zero-copy path; backends without ``empty`` (NCCL) get plain
+``torch.zeros`` buffers. ``_comm_buffers`` sizes them from the partition's
+:class:`~kareus.model.ops.CommOp`. The functions take the torch module from their caller.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kareus.model.ops import CommKind, CommOp
+from kareus.model.partition import Partition
+
+__all__ = ["PartitionProgram", "RunnablePartition"]
+
+
+class PartitionProgram:
+    """One partition instance on one device: op callables and the collective's buffers.
+
+    Attributes:
+        op_names: The ops' names, in stream order.
+        comm_kind: ``"all_reduce"``, ``"all_gather"`` or ``"reduce_scatter"``; ``None`` for
+            work that runs its collectives among its ops (outside work), run plainly.
+        writer: The op that writes :attr:`output` (the collective's next input), or
+            ``None`` when no op of the program does (the input is produced elsewhere).
+        step: Steps taken so far (see :meth:`advance`).
+    """
+
+    def __init__(self, *, op_names: Sequence[str], ops: Sequence[Callable[[], Any]],
+                 comm_kind: str | None, buffers: Sequence[Any], comm_outputs: Sequence[Any] = (),
+                 state: dict[str, Any] | None = None, writer: str | None = None) -> None:
+        if len(op_names) != len(ops):
+            raise ValueError(f"{len(ops)} ops but {len(op_names)} names")
+        if writer is not None and writer not in op_names:
+            raise ValueError(f"writer {writer!r} is not one of the ops {list(op_names)}")
+        if len(buffers) != 2:
+            raise ValueError("a program double-buffers its collective's tensor: 2 buffers")
+        self.op_names = tuple(op_names)
+        self._ops = tuple(ops)
+        self.comm_kind = comm_kind
+        self._buffers = list(buffers)
+        self._comm_outputs = list(comm_outputs)
+        self.state = state if state is not None else {}
+        self.writer = writer
+        self.step = 0
+
+    @property
+    def ops(self) -> tuple[Callable[[], Any], ...]:
+        """Zero-argument callables that enqueue each op on the current stream."""
+        return self._ops
+
+    @property
+    def output(self) -> Any:
+        """The buffer this step's computation writes (the collective's input next step)."""
+        return self._buffers[self.step % 2]
+
+    @property
+    def comm_tensor(self) -> Any:
+        """The tensor this step's collective acts on: the previous step's output."""
+        return self._buffers[(self.step + 1) % 2]
+
+    @property
+    def comm_output(self) -> Any:
+        """Output tensor of an all-gather / reduce-scatter (``None`` for all-reduce)."""
+        return self._comm_outputs[self.step % 2] if self._comm_outputs else None
+
+    def advance(self) -> None:
+        """Move to the next step (flip the double buffers)."""
+        self.step += 1
+
+    def run_plain(self) -> None:
+        """Enqueue every op on the current stream, in order (no collective)."""
+        for fn in self._ops:
+            fn()
+
+
+class RunnablePartition(Partition):
+    """A partition whose ops can be built as kernels on a GPU."""
+
+    @abc.abstractmethod
+    def build(self, *, device: Any = None, seed: int = 0,
+              collective: Any = None) -> PartitionProgram:
+        """Allocate inputs and weights on ``device`` and return the program.
+
+        ``collective`` is the backend that will run the program's collective; a
+        partition that allocates its communication buffers should take them from
+        ``collective.empty(shape, dtype)`` when the backend offers that method.
+        """
+
+
+def _comm_zeros(torch: Any, collective: Any, shape: tuple[int, ...], device: Any,
+                dtype: Any, kind: str = "all_reduce") -> Any:
+    """A zeroed buffer for the collective: from ``collective.empty`` when the backend has
+    it (registered memory for the own kernels; an executor's ``empty`` is told the
+    collective's ``kind``, so that a backend per group registers it with the right group),
+    else from ``torch.zeros``."""
+    import inspect
+
+    empty = getattr(collective, "empty", None)
+    if not callable(empty):
+        return torch.zeros(shape, device=device, dtype=dtype)
+    try:
+        takes_kind = "kind" in inspect.signature(empty).parameters
+    except (TypeError, ValueError):
+        takes_kind = False
+    t = empty(shape, dtype, kind=kind) if takes_kind else empty(shape, dtype)
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device:
+        raise ValueError(f"{type(collective).__name__}.empty({shape}, {dtype}) gave a tensor "
+                         f"of shape {tuple(t.shape)}, {t.dtype} on {t.device}; the program is "
+                         f"built on {device}: build it on the backend's device")
+    return t.zero_()
+
+
+def _comm_buffers(torch: Any, comm: CommOp, model_bytes: int, device: Any, dtype: Any,
+                  shape: tuple[int, ...],
+                  collective: Any = None) -> tuple[list[Any], list[Any]]:
+    """Two input buffers (and two outputs for all-gather / reduce-scatter), zeroed.
+
+    ``comm.bytes`` counts the model's elements at ``model_bytes`` bytes each (the
+    workload's ``dtype_bytes``, 2 for bf16), whatever ``dtype`` the kernels run in: the
+    element count is what the buffers keep, so that e.g. a float32 program's all-reduce
+    buffer is still the ``shape`` its output op writes.
+
+    Every tensor the collective reads or writes comes from :func:`_comm_zeros`, in a
+    fixed order (inputs, then outputs), so that a backend whose ``empty`` is collective
+    sees the same calls on every rank.
+    """
+    n, rest = divmod(int(comm.bytes), int(model_bytes))
+    if rest or n <= 0:
+        raise ValueError(f"{comm.name}: {comm.bytes} bytes is not a whole number of "
+                         f"{model_bytes}-byte elements")
+    g = comm.group_size
+    if comm.kind is CommKind.ALL_REDUCE:
+        in_shape, out_shape = (shape if _numel(shape) == n else (n,)), None
+    elif comm.kind is CommKind.ALL_GATHER:  # bytes = gathered output
+        in_shape, out_shape = (n // g,), (n // g * g,)
+    else:
+        in_shape, out_shape = (n // g * g,), (n // g,)
+    kind = comm.kind.value
+    ins = [_comm_zeros(torch, collective, in_shape, device, dtype, kind) for _ in range(2)]
+    outs = ([] if out_shape is None
+            else [_comm_zeros(torch, collective, out_shape, device, dtype, kind)
+                  for _ in range(2)])
+    return ins, outs
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

@@ -1,0 +1,290 @@
+"""The transformer partitions' ops at a workload's shapes: inputs, weights, kernel calls.
+
+``_op_builders`` is a table, op name -> builder: each builder creates the random inputs
+and weights its op needs (at the per-rank nanobatch dimensions ``_dims`` gives: the
+workload's TP and CP shares) and returns a zero-argument callable that runs the op through
+the partition's :class:`~kareus.exec.kernels.KernelSet` (the one definition of each op is
+:mod:`kareus.exec.kernels`; this module only wires shapes and data flow). The ops are the
+attention and MLP forward and backward ops of a Llama-shaped layer: GEMMs, RMSNorm, rotary
+position embedding, causal grouped-query attention, SwiGLU, and their backward passes.
+
+``_OUTPUT_OPS`` and ``_ACCUMULATED_BY`` say which op writes the tensor the partition's
+collective acts on. The builders take the torch module from their caller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from kareus.model.workload import Workload
+
+__all__: list[str] = []
+
+# Ops whose result is the tensor the partition's all-reduce sums (the layer segment's
+# output, or its input gradient in the backward pass).
+#
+# A partition type pairs a segment's computation with either the segment's own
+# collective (of the previous nanobatch), whose input one of these ops produces, or, for
+# nanobatch 1, the last collective of the segment before it (kareus.model.partition).
+# When a segment meets two kinds of collective (TP x CP), that second pairing is a type
+# of its own: ``fwd_attn_in_ar`` (attn_norm, qkv, rope beside the MLP's all-reduce) and
+# ``bwd_attn_out_ar`` (mlp_norm_bwd ... attn_core_bwd beside the MLP's backward
+# all-reduce). Their collective's input comes from ``down`` / ``up_dgrad``, ops of the
+# previous segment's type, so no op of theirs writes the buffer, by design: running the
+# producer too would measure a GEMM the type does not hold, and storing some other op's
+# result there would fake a dependence. In a chain of segments (a training loop) the
+# collective is handed the previous program's output; alone (profiling) the buffer
+# stays zero, a fixed point of the in-place sum (seeded data, with nothing rewriting
+# it, would grow by the group size every other step until it overflows).
+_OUTPUT_OPS = frozenset({"out_proj", "down", "up_dgrad", "qkv_dgrad"})
+
+# Ops whose result the next op accumulates into in place: gate_dgrad writes dX, then
+# up_dgrad adds its product to it (one GEMM with beta=1, as Megatron-LM's fused gate/up
+# weight does). ``torch.addmm(C, A, B)`` into a third tensor first copies C: 1.28x the
+# plain GEMM's time at llama3.2-3b TP=4 on one H200 (bench/results/op_roofline_h200.json).
+_ACCUMULATED_BY = {"gate_dgrad": "up_dgrad"}
+
+
+@attrs.frozen
+class _Dims:
+    b: int  # sequences per nanobatch
+    sq: int  # query tokens per sequence on this rank
+    sk: int  # key tokens per sequence
+    h: int
+    heads: int  # query heads on this rank
+    kvh: int  # KV heads on this rank
+    hd: int
+    f: int
+
+    @property
+    def t(self) -> int:
+        return self.b * self.sq
+
+    @property
+    def q(self) -> int:
+        return self.heads * self.hd
+
+    @property
+    def kv(self) -> int:
+        return self.kvh * self.hd
+
+
+def _dims(wl: Workload) -> _Dims:
+    m, p = wl.model, wl.parallelism
+    return _Dims(b=wl.microbatch_size // wl.nanobatches, sq=wl.seq_len // p.cp, sk=wl.seq_len,
+                 h=m.hidden, heads=m.heads // p.tp, kvh=m.kv_heads // p.tp, hd=m.head_dim,
+                 f=m.ffn // p.tp)
+
+
+def _sdpa(torch: Any, q: Any, k: Any, v: Any) -> Any:
+    """Causal attention over grouped K/V (PyTorch's default SDPA dispatch); the one
+    definition is :meth:`kareus.exec.kernels.KernelSet.attention`."""
+    from kareus.exec.kernels.base import _sdpa as sdpa
+
+    return sdpa(q, k, v)
+
+
+def _op_builders() -> dict[str, Callable[[Any, dict[str, Any], _Dims, Any], Callable[[], Any]]]:  # noqa: C901 - a table of one small builder per op; the nested builders count toward it
+    """Op name -> builder(torch, ctx, dims, out_buffer_getter) -> op callable.
+
+    Each builder creates the inputs it needs in ``ctx`` if earlier ops did not, and its
+    op stores results in ``ctx``; ops named in ``_OUTPUT_OPS`` write the collective's
+    buffer (``out()``) instead. Every op runs through the kernel set in
+    ``ctx["_kernels"]`` (:mod:`kareus.exec.kernels`, the one definition of each op).
+    """
+
+    def rnd(torch: Any, ctx: dict[str, Any], key: str, *shape: int, scale: float = 1.0) -> Any:
+        if key not in ctx:
+            g = ctx["_gen"]
+            ctx[key] = (torch.randn(*shape, generator=g, device=ctx["_device"],
+                                    dtype=torch.float32) * scale).to(ctx["_dtype"])
+        return ctx[key]
+
+    def weight(torch: Any, ctx: dict[str, Any], key: str, *shape: int) -> Any:
+        return rnd(torch, ctx, key, *shape, scale=shape[0] ** -0.5)
+
+    def cos_sin(torch: Any, ctx: dict[str, Any], d: _Dims) -> tuple[Any, Any]:
+        if "cos" not in ctx:
+            inv = 1.0 / (500000.0 ** (torch.arange(0, d.hd, 2, device=ctx["_device"],
+                                                   dtype=torch.float32) / d.hd))
+            pos = torch.arange(d.sq, device=ctx["_device"], dtype=torch.float32)
+            ang = torch.outer(pos, inv)
+            ang = torch.cat((ang, ang), dim=-1)  # [s, hd], the two halves equal
+            ctx["cos"] = ang.cos().to(ctx["_dtype"])
+            ctx["sin"] = ang.sin().to(ctx["_dtype"])
+        return ctx["cos"], ctx["sin"]
+
+    def norm(key_w: str) -> Callable[..., Callable[[], Any]]:
+        def build(torch: Any, ctx: dict[str, Any], d: _Dims, out: Any) -> Callable[[], Any]:
+            x = rnd(torch, ctx, "x", d.t, d.h)
+            w = rnd(torch, ctx, key_w, d.h, scale=0.1)
+            w.add_(1.0)
+
+            ks = ctx["_kernels"]
+
+            def op() -> None:
+                ctx["xn"] = ks.rms_norm(x, w)
+            return op
+        return build
+
+    def norm_bwd(key_w: str) -> Callable[..., Callable[[], Any]]:
+        def build(torch: Any, ctx: dict[str, Any], d: _Dims, out: Any) -> Callable[[], Any]:
+            x = rnd(torch, ctx, "x", d.t, d.h)
+            w = rnd(torch, ctx, key_w, d.h, scale=0.1)
+            dy = rnd(torch, ctx, "dy", d.t, d.h)
+
+            ks = ctx["_kernels"]
+
+            def op() -> None:
+                ctx["dyn"], ctx["d" + key_w] = ks.rms_norm_bwd(dy, x, w)
+            return op
+        return build
+
+    def gemm(a_key: str, a_shape: Callable[[_Dims], tuple[int, int]], w_key: str,
+             w_shape: Callable[[_Dims], tuple[int, int]], dst: str, *,
+             trans_a: bool = False, trans_w: bool = False,
+             accumulate: bool = False) -> Callable[..., Callable[[], Any]]:
+        def build(torch: Any, ctx: dict[str, Any], d: _Dims, out: Any) -> Callable[[], Any]:
+            def operand(key: str, shape: tuple[int, int], is_weight: bool) -> Callable[[], Any]:
+                if is_weight and key.startswith("W"):
+                    weight(torch, ctx, key, *shape)
+                else:
+                    rnd(torch, ctx, key, *shape)
+                return lambda: ctx[key]
+
+            get_a = operand(a_key, a_shape(d), False)
+            get_w = operand(w_key, w_shape(d), True)
+            ks = ctx["_kernels"]
+
+            if accumulate and out is None:
+                rnd(torch, ctx, dst, a_shape(d)[0], w_shape(d)[0 if trans_w else 1])
+
+            def op() -> None:
+                a = get_a().t() if trans_a else get_a()
+                w = get_w().t() if trans_w else get_w()
+                if accumulate:  # into the result of the op before (_ACCUMULATED_BY)
+                    ks.matmul(a, w, out=out() if out is not None else ctx[dst],
+                              accumulate=True)
+                elif out is not None:
+                    ks.matmul(a, w, out=out())
+                else:
+                    ctx[dst] = ks.matmul(a, w)
+            return op
+        return build
+
+    def rope(torch: Any, ctx: dict[str, Any], d: _Dims, out: Any) -> Callable[[], Any]:
+        rnd(torch, ctx, "qkv", d.t, d.q + 2 * d.kv)
+        cos, sin = cos_sin(torch, ctx, d)
+        ks = ctx["_kernels"]
+
+        def op() -> None:
+            qkv = ctx["qkv"]
+            q, k = ks.rope(qkv, cos, sin, heads=d.heads, kv_heads=d.kvh)
+            ctx["q"], ctx["k"] = q.transpose(1, 2), k.transpose(1, 2)
+            v = qkv.view(d.b, d.sq, d.heads + 2 * d.kvh, d.hd)[:, :, d.heads + d.kvh:]
+            ctx["v"] = v.transpose(1, 2)
+        return op
+
+    def ensure_qkv(torch: Any, ctx: dict[str, Any], d: _Dims) -> None:
+        if "q" not in ctx:
+            ctx["q"] = rnd(torch, ctx, "_q", d.b, d.sq, d.heads, d.hd).transpose(1, 2)
+        if "k" not in ctx:
+            ctx["k"] = rnd(torch, ctx, "_k", d.b, d.sk, d.kvh, d.hd).transpose(1, 2)
+            ctx["v"] = rnd(torch, ctx, "_v", d.b, d.sk, d.kvh, d.hd).transpose(1, 2)
+
+    def attn_core(torch: Any, ctx: dict[str, Any], d: _Dims, out: Any) -> Callable[[], Any]:
+        ensure_qkv(torch, ctx, d)
+        ks = ctx["_kernels"]
+
+        def op() -> None:
+            o = ks.attention(ctx["q"], ctx["k"], ctx["v"])
+            ctx["attn"] = o.transpose(1, 2).reshape(d.t, d.q)
+        return op
+
+    def attn_core_bwd(torch: Any, ctx: dict[str, Any], d: _Dims, out: Any) -> Callable[[], Any]:
+        ensure_qkv(torch, ctx, d)
+        q = ctx["q"].detach().requires_grad_()
+        k = ctx["k"].detach().requires_grad_()
+        v = ctx["v"].detach().requires_grad_()
+        with torch.enable_grad():
+            o = ctx["_kernels"].attention(q, k, v)
+        rnd(torch, ctx, "dattn", d.t, d.q)
+
+        def op() -> None:
+            do = ctx["dattn"].view(d.b, d.sq, d.heads, d.hd).transpose(1, 2)
+            dq, dk, dv = torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+            ctx["dq"], ctx["dk"], ctx["dv"] = dq, dk, dv
+        return op
+
+    def rope_bwd(torch: Any, ctx: dict[str, Any], d: _Dims, out: Any) -> Callable[[], Any]:
+        cos, sin = cos_sin(torch, ctx, d)
+        if "dq" not in ctx:
+            ctx["dq"] = rnd(torch, ctx, "_dq", d.b, d.sq, d.heads, d.hd).transpose(1, 2)
+            ctx["dk"] = rnd(torch, ctx, "_dk", d.b, d.sq, d.kvh, d.hd).transpose(1, 2)
+            ctx["dv"] = rnd(torch, ctx, "_dv", d.b, d.sq, d.kvh, d.hd).transpose(1, 2)
+
+        ks = ctx["_kernels"]
+
+        def op() -> None:
+            # RoPE is a rotation: its backward rotates back; dv is packed beside.
+            ctx["dqkv"] = ks.rope_bwd(ctx["dq"].transpose(1, 2), ctx["dk"].transpose(1, 2),
+                                      ctx["dv"].transpose(1, 2), cos, sin)
+        return op
+
+    def swiglu(torch: Any, ctx: dict[str, Any], d: _Dims, out: Any) -> Callable[[], Any]:
+        rnd(torch, ctx, "g", d.t, d.f)
+        rnd(torch, ctx, "u", d.t, d.f)
+        ks = ctx["_kernels"]
+
+        def op() -> None:
+            ctx["a"] = ks.swiglu(ctx["g"], ctx["u"])
+        return op
+
+    def swiglu_bwd(torch: Any, ctx: dict[str, Any], d: _Dims, out: Any) -> Callable[[], Any]:
+        g = rnd(torch, ctx, "g", d.t, d.f)
+        u = rnd(torch, ctx, "u", d.t, d.f)
+        rnd(torch, ctx, "da", d.t, d.f)
+
+        ks = ctx["_kernels"]
+
+        def op() -> None:
+            ctx["dg"], ctx["du"] = ks.swiglu_bwd(ctx["da"], g, u)
+        return op
+
+    tq = lambda d: (d.t, d.q)  # noqa: E731
+    th = lambda d: (d.t, d.h)  # noqa: E731
+    tf = lambda d: (d.t, d.f)  # noqa: E731
+    tqkv = lambda d: (d.t, d.q + 2 * d.kv)  # noqa: E731
+    return {
+        "attn_norm": norm("w_attn_norm"),
+        "mlp_norm": norm("w_mlp_norm"),
+        "qkv": gemm("xn", th, "Wqkv", lambda d: (d.h, d.q + 2 * d.kv), "qkv"),
+        "rope": rope,
+        "attn_core": attn_core,
+        "out_proj": gemm("attn", tq, "Wo", lambda d: (d.q, d.h), "y"),
+        "gate": gemm("xn", th, "Wg", lambda d: (d.h, d.f), "g"),
+        "up": gemm("xn", th, "Wu", lambda d: (d.h, d.f), "u"),
+        "swiglu": swiglu,
+        "down": gemm("a", tf, "Wd", lambda d: (d.f, d.h), "y"),
+        # backward (weights stored [in, out]; dgrad multiplies by W^T, wgrad is in^T @ dout)
+        "attn_norm_bwd": norm_bwd("w_attn_norm"),
+        "mlp_norm_bwd": norm_bwd("w_mlp_norm"),
+        "down_dgrad": gemm("dyn", th, "Wd", lambda d: (d.f, d.h), "da", trans_w=True),
+        "down_wgrad": gemm("a", tf, "dyn", th, "dWd", trans_a=True),
+        "swiglu_bwd": swiglu_bwd,
+        "gate_dgrad": gemm("dg", tf, "Wg", lambda d: (d.h, d.f), "dx", trans_w=True),
+        "up_dgrad": gemm("du", tf, "Wu", lambda d: (d.h, d.f), "dx", trans_w=True,
+                         accumulate=True),
+        "gate_wgrad": gemm("xn", th, "dg", tf, "dWg", trans_a=True),
+        "up_wgrad": gemm("xn", th, "du", tf, "dWu", trans_a=True),
+        "out_dgrad": gemm("dyn", th, "Wo", lambda d: (d.q, d.h), "dattn", trans_w=True),
+        "out_wgrad": gemm("attn", tq, "dyn", th, "dWo", trans_a=True),
+        "attn_core_bwd": attn_core_bwd,
+        "rope_bwd": rope_bwd,
+        "qkv_dgrad": gemm("dqkv", tqkv, "Wqkv", lambda d: (d.h, d.q + 2 * d.kv), "dx",
+                          trans_w=True),
+        "qkv_wgrad": gemm("xn", th, "dqkv", tqkv, "dWqkv", trans_a=True),
+    }
