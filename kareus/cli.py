@@ -238,6 +238,9 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         raise ValueError(f"--gpu-profile calibrates the emulated profiler; --profiler "
                          f"{args.profiler} measures instead: drop one of them")
     if args.profiler == "nvml":
+        if args.jobs > 1:
+            raise ValueError("--jobs is for emulated and replayed runs; a tuning run measures "
+                             "on the job's GPUs, one partition type after another")
         return _cmd_tune(args)
     from kareus._outdir import check_output_file, check_output_folder, guarded_folder
     from kareus.errors import WorkloadError
@@ -279,9 +282,16 @@ def cmd_optimize(args: argparse.Namespace) -> int:
               + (f" (calibrated from the measured profile {args.gpu_profile})"
                  if getattr(args, "gpu_profile", None) and args.profiler == "emulated" else ""),
               file=sys.stderr)
-        result = optimize(workload, profiler=profiler, budget=args.budget, seed=args.seed,
-                          log_dir=out / "logs", schedule=args.schedule,
-                          surrogate=args.surrogate, progress=not args.quiet)
+        with contextlib.ExitStack() as stack:
+            executor = None
+            if args.jobs > 1:
+                from concurrent.futures import ProcessPoolExecutor
+
+                executor = stack.enter_context(ProcessPoolExecutor(max_workers=args.jobs))
+            result = optimize(workload, profiler=profiler, budget=args.budget, seed=args.seed,
+                              log_dir=out / "logs", schedule=args.schedule,
+                              surrogate=args.surrogate, progress=not args.quiet,
+                              executor=executor)
         plan = result.select(deadline_s=args.deadline_s, energy_budget_j=args.energy_budget_j)
         paths = result.save(out, plan=plan)
         if args.record is not None:
@@ -397,6 +407,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=_positive_int, default=96,
                    help="profiles per partition type for kareus's search (default 96)")
     p.add_argument("--seed", type=int, default=0, help="seed of search and emulator noise")
+    p.add_argument("--jobs", type=_positive_int, default=1, metavar="N",
+                   help="search up to N partition types at once, in N processes (emulated "
+                        "and replayed profilers; the result is the same as with 1, the "
+                        "default)")
     p.add_argument("--surrogate", choices=tuple(SURROGATES), default="gp",
                    help="the search's model of time and energy: gp (Gaussian process, the "
                         "default) or trees (the reference artifact's XGBoost ensemble)")

@@ -151,6 +151,21 @@ def test_record_after_a_resume_holds_the_measurements_read_back_from_the_logs(tm
     assert second["systems"] == first["systems"]
 
 
+def test_jobs_search_partition_types_in_processes_with_the_serial_result(tmp_path):
+    serial = _small(tmp_path)
+    pooled = _small(tmp_path, "--jobs", "2")
+    pooled[pooled.index("--out") + 1] = str(tmp_path / "pooled")
+    assert main(serial) == 0 and main(pooled) == 0
+    for name in ("results.json", "plan.json"):
+        assert (tmp_path / "pooled" / name).read_bytes() == \
+            (tmp_path / "out" / name).read_bytes()
+
+
+def test_jobs_with_the_nvml_profiler_is_refused_in_one_line(tmp_path, capsys):
+    _one_line_failure(capsys, ["optimize", "--profiler", "nvml", "--jobs", "2", "--out",
+                               str(tmp_path / "o")], 2, "--jobs is for emulated")
+
+
 # -- one-line errors, checked before long work ----------------------------------------------
 def _one_line_failure(capsys, argv, code, pattern):
     rc = main(argv)
