@@ -15,6 +15,15 @@ communication constants of the emulated GPU are fitted here to the probe's isola
 all-reduce times (caps 2, 8 and default) before the 12 rows are emulated; nothing else is
 fitted. Energies are per rank (rank 0's NVML counter in the probe; one emulated GPU here).
 
+The same 12 rows, and the 2x H200 repeat below, are also emulated with the GPU calibrated
+from a measured profile (``--gpu-profile``, default the shipped ``h200-sxm`` profile;
+``none`` skips it), side by side with the preset, in two ways: ``with_probe_fits`` (the
+profile's GPU, the two probe fits above made again on it: only the base GPU differs from
+the preset's run) and ``as_shipped`` (the profile's GPU as ``kareus optimize
+--gpu-profile`` builds it, NCCL's measured curves, the presets' interference constants;
+nothing fitted to the probe). The probe's ops are not in the profile: they take the
+profile's per-kind median time and power factors.
+
 Usage::
 
     python bench/emulator_calibration.py --json bench/results/emulator_calibration.json
@@ -216,15 +225,22 @@ def overlap_probe_check() -> dict[str, object]:
 REPEAT = Path(__file__).resolve().parent / "results" / "h200_overlap_repeat_2xh200.json"
 
 
-def repeat_check(rows4: list[dict[str, object]], default_ctas: int) -> dict[str, object]:
+def _rank(values: dict[str, float], key: str) -> int:
+    """1 + the number of entries of ``values`` strictly below ``values[key]``."""
+    return 1 + sum(v < values[key] for v in values.values())
+
+
+def repeat_check(rows4: list[dict[str, object]], default_ctas: int,
+                 gpu2: EmulatedGPU | None = None) -> dict[str, object]:
     """How well a single measurement ranks the 12 schedules, and the emulator on 2x H200.
 
     ``bench/h200_overlap_repeat.py`` ran the same 12 schedules three times each on 2x
     H200 (TP=2). Reported: each schedule's run-to-run energy spread, the lowest-energy
     schedule of every round, whether the 4x probe's best row leads its runner-up by more
     than the median spread (if not, ``best_row_match`` compares noise), where the
-    emulator's best row ranks in the 4x measurement, and the h200-sxm preset (NCCL's
-    measured group-2 curve, default CTAs ``default_ctas``) against the 2x medians.
+    emulator's best row ranks in the 4x measurement, and ``gpu2`` (default: the h200-sxm
+    preset with NCCL's measured group-2 curve; default CTAs ``default_ctas``) against the
+    2x medians: where its best schedule ranks by the medians and in each round.
     """
     if not REPEAT.exists():
         return {"missing": str(REPEAT)}
@@ -241,12 +257,16 @@ def repeat_check(rows4: list[dict[str, object]], default_ctas: int) -> dict[str,
     margin = meas[1] / meas[0] - 1.0
     emu_best = min(rows4, key=lambda r: r["emulated_mj"])  # type: ignore[arg-type, return-value]
     rank = 1 + sum(r["measured_mj"] < emu_best["measured_mj"] for r in rows4)  # type: ignore[operator]
+    gap4 = float(emu_best["measured_mj"]) / meas[0] - 1.0  # type: ignore[arg-type]
+    meas_best = min(rows4, key=lambda r: r["measured_mj"])  # type: ignore[arg-type, return-value]
+    rank_emu = 1 + sum(r["emulated_mj"] < meas_best["emulated_mj"] for r in rows4)  # type: ignore[operator]
 
     part = probe_partition()
     comm2 = attrs.evolve(part.comm_op, group_size=2)
     part2 = OpPartition(name="h200_probe_tp2", compute_ops=part.compute_ops, comm_op=comm2)
-    prof = EmulatedProfiler(EmulatedGPU.from_spec("h200-sxm", comm_backend="nccl"),
-                            noise=0.0, group_gpus=1)
+    if gpu2 is None:
+        gpu2 = EmulatedGPU.from_spec("h200-sxm", comm_backend="nccl")
+    prof = EmulatedProfiler(gpu2, noise=0.0, group_gpus=1)
     slots = {"with_mem": "mem1", "with_gemm": "gemm1", "seq": None}
     emu = {}
     for key in rep["rows"]:
@@ -260,19 +280,32 @@ def repeat_check(rows4: list[dict[str, object]], default_ctas: int) -> dict[str,
     emu_best2 = min(emu, key=lambda k: emu[k][1])
     worst2 = max(med_mj, key=med_mj.get)  # type: ignore[arg-type]
     emu_worst2 = max(emu, key=lambda k: emu[k][1])
+    n_rounds = min(len(r) for r in rep["rows"].values())
+    round_ranks = [_rank({k: rounds[i]["mj_per_step_per_gpu"] for k, rounds in rep["rows"].items()},
+                         emu_best2) for i in range(n_rounds)]
     return {
         "source": "bench/results/h200_overlap_repeat_2xh200.json (2x H200, NVLink; 3 rounds)",
         "energy_spread_per_schedule": {k: round(v, 4) for k, v in spread.items()},
         "median_energy_spread": round(median_spread, 4),
+        "max_energy_spread": round(max(spread.values()), 4),
         "best_schedule_per_round": rep["best_per_round"],
         "worst_schedule_per_round": rep["worst_per_round"],
         "tp4_best_margin_over_runner_up": round(margin, 4),
         "tp4_best_row_resolvable": bool(margin > median_spread),
         "tp4_measured_rank_of_emulated_best": rank,
+        "tp4_emulated_best": f"{emu_best['cap'] or 'default'}/{emu_best['mode']}",
+        "tp4_emulated_best_measured_gap_to_best": round(gap4, 4),
+        "tp4_emulated_best_within_spread_of_best": bool(gap4 <= median_spread),
+        "tp4_emulated_rank_of_measured_best": rank_emu,
+        "tp4_emulated_gap_of_measured_best": round(float(meas_best["emulated_mj"])  # type: ignore[arg-type]
+                                                   / float(emu_best["emulated_mj"]) - 1.0, 4),  # type: ignore[arg-type]
         "tp2_vs_median": {
             "time_median_abs_rel_err": round(t_err, 4),
             "energy_median_abs_rel_err": round(e_err, 4),
             "best_by_median": best2, "emulated_best": emu_best2,
+            "emulated_best_rank_by_median": _rank(med_mj, emu_best2),
+            "emulated_best_rank_per_round": round_ranks,
+            "emulated_best_median_gap_to_best": round(med_mj[emu_best2] / med_mj[best2] - 1, 4),
             "emulated_best_within_spread_of_best": bool(
                 med_mj[emu_best2] / med_mj[best2] - 1 <= median_spread),
             "worst_by_median": worst2, "emulated_worst": emu_worst2,
@@ -284,14 +317,16 @@ def repeat_check(rows4: list[dict[str, object]], default_ctas: int) -> dict[str,
     }
 
 
-def run(args: argparse.Namespace) -> dict[str, object]:
-    data = json.loads(DATA.read_text())
-    part = probe_partition()
-    # The probe used NCCL: fit the scalar curve (comm_backend="custom") to its own data.
-    base = EmulatedGPU.from_spec("h200-sxm", comm_backend="custom")
-    gpu, comm_fit = fit_comm(base, data["isolated_ms"]["allreduce_only"],
+SLOTS = {"with_mem": "mem1", "with_gemm": "gemm1", "seq": None}
+
+
+def fitted_gpu(base: EmulatedGPU, data: dict[str, object], args: argparse.Namespace
+               ) -> tuple[EmulatedGPU, dict[str, object], dict[str, object]]:
+    """``base`` with the probe's two fits (communication, interference) and the overrides."""
+    iso: dict[str, object] = data["isolated_ms"]  # type: ignore[assignment]
+    gpu, comm_fit = fit_comm(base, iso["allreduce_only"],  # type: ignore[arg-type]
                              args.nccl_default_ctas, args.comm_latency_us * 1e-6)
-    gpu, interference_fit = fit_interference(gpu, data["isolated_ms"], args.nccl_default_ctas)
+    gpu, interference_fit = fit_interference(gpu, iso, args.nccl_default_ctas)
     if args.interference is not None:  # sensitivity runs only; the default is the fit
         gpu = gpu.with_(comm_interference=args.interference)
         interference_fit["comm_interference_overridden_by_command_line"] = args.interference
@@ -299,14 +334,20 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         gpu = gpu.with_(tensor_interference=args.tensor_interference)
         interference_fit["tensor_interference_overridden_by_command_line"] = (
             args.tensor_interference)
+    return gpu, comm_fit, interference_fit
+
+
+def probe_rows(gpu: EmulatedGPU, data: dict[str, object], default_ctas: int
+               ) -> tuple[list[dict[str, object]], dict[str, object]]:
+    """The probe's 12 rows emulated on ``gpu`` (noise off, one GPU) and how they compare."""
+    part = probe_partition()
     prof = EmulatedProfiler(gpu, noise=0.0, group_gpus=1)
     fmax = gpu.spec.max_clock_mhz
-    slots = {"with_mem": "mem1", "with_gemm": "gemm1", "seq": None}
-    rows = []
-    for row in data["rows"]:
+    rows: list[dict[str, object]] = []
+    for row in data["rows"]:  # type: ignore[attr-defined]
         cap = row["cap"]
-        sms = args.nccl_default_ctas if cap is None else int(cap)
-        cfg = ScheduleConfig(fmax, sms, slots[row["mode"]])
+        sms = default_ctas if cap is None else int(cap)
+        cfg = ScheduleConfig(fmax, sms, SLOTS[row["mode"]])
         tr = prof.trace(part, cfg)
         rows.append({
             "cap": cap, "mode": row["mode"], "comm_sms": sms,
@@ -318,26 +359,66 @@ def run(args: argparse.Namespace) -> dict[str, object]:
             "time_rel_err": round(tr.time_s * 1e3 / row["ms_per_step"] - 1.0, 4),
             "energy_rel_err": round(tr.energy_j * 1e3 / row["mj_per_step"] - 1.0, 4),
         })
-    t_err = statistics.median(abs(r["time_rel_err"]) for r in rows)
-    e_err = statistics.median(abs(r["energy_rel_err"]) for r in rows)
 
     def argbest(key: str, worst: bool) -> int:
         vals = [r[key] for r in rows]
-        return int(np.argmax(vals) if worst else np.argmin(vals))
+        return int(np.argmax(vals) if worst else np.argmin(vals))  # type: ignore[arg-type]
 
-    best_match = argbest("measured_mj", False) == argbest("emulated_mj", False)
-    worst_match = argbest("measured_mj", True) == argbest("emulated_mj", True)
     # Spearman rank correlation of energies and of times (extra information).
-    def spearman(a: list[float], b: list[float]) -> float:
-        ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
-        return float(np.corrcoef(ra, rb)[0, 1])
+    def spearman(a: str, b: str) -> float:
+        ra = np.argsort(np.argsort([r[a] for r in rows]))  # type: ignore[arg-type]
+        rb = np.argsort(np.argsort([r[b] for r in rows]))  # type: ignore[arg-type]
+        return round(float(np.corrcoef(ra, rb)[0, 1]), 3)
 
+    summary: dict[str, object] = {
+        "time_median_abs_rel_err": round(statistics.median(
+            abs(r["time_rel_err"]) for r in rows), 4),  # type: ignore[arg-type]
+        "energy_median_abs_rel_err": round(statistics.median(
+            abs(r["energy_rel_err"]) for r in rows), 4),  # type: ignore[arg-type]
+        "best_row_match": argbest("measured_mj", False) == argbest("emulated_mj", False),
+        "worst_row_match": argbest("measured_mj", True) == argbest("emulated_mj", True),
+        "time_spearman": spearman("measured_ms", "emulated_ms"),
+        "energy_spearman": spearman("measured_mj", "emulated_mj"),
+    }
+    return rows, summary
+
+
+def profile_variants(profile: str, data: dict[str, object], args: argparse.Namespace
+                     ) -> dict[str, object]:
+    """The 12 rows and the 2x repeat on the GPU calibrated from ``profile`` (module docstring)."""
+    shipped = EmulatedGPU.from_profile(profile, comm_backend="nccl")
+    out: dict[str, object] = {"profile": profile, "calibration": shipped.calibration,
+                              "kind_factors_used_by_the_probe_ops": {
+                                  c.op: {"time_factor": c.time_factor,
+                                         "power_factor": c.power_factor}
+                                  for c in shipped.op_calibration if c.partition == "*"}}
+    fitted, comm_fit, interference_fit = fitted_gpu(shipped.with_(comm_curves=()), data, args)
+    for name, gpu, extra in (
+            ("with_probe_fits", fitted, {"comm_fit": comm_fit,
+                                         "interference_fit": interference_fit}),
+            ("as_shipped", shipped, {"comm_interference": shipped.comm_interference,
+                                     "tensor_interference": shipped.tensor_interference})):
+        rows, summary = probe_rows(gpu, data, args.nccl_default_ctas)
+        # The 2x repeat: the profile's GPU as shipped (NCCL's measured 2-GPU curve) for both.
+        out[name] = {**extra, **summary, "rows": rows,
+                     "repeatability_2xh200": repeat_check(rows, args.nccl_default_ctas, shipped)}
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, object]:
+    data = json.loads(DATA.read_text())
+    # The probe used NCCL: fit the scalar curve (comm_backend="custom") to its own data.
+    base = EmulatedGPU.from_spec("h200-sxm", comm_backend="custom")
+    gpu, comm_fit, interference_fit = fitted_gpu(base, data, args)
+    rows, summary = probe_rows(gpu, data, args.nccl_default_ctas)
+    prof = EmulatedProfiler(gpu, noise=0.0, group_gpus=1)
+    fmax = gpu.spec.max_clock_mhz
     # Steady-state anchor (separate file): back-to-back 8192^3 GEMMs at the power limit.
     big = ComputeOp(name="g", kind=OpKind.GEMM, flops=2.0 * 8192**3, bytes_moved=3.0 * 8192**2 * 2)
     steady = prof.measure_outside(OutsideWork(ops=[big] * 4), fmax, group_size=1)
     power_check = power_probe_check(EmulatedGPU.from_spec("h200-sxm"))
     overlap_check = overlap_probe_check()
-    result = {
+    result: dict[str, object] = {
         "what": "emulated (kareus EmulatedProfiler, h200-sxm, noise off) vs measured "
                 "(data/h200_tp4_overlap_probe.json, 4x H200) per-rank time and energy",
         "machine": "2-core CPU, emulated",
@@ -351,19 +432,43 @@ def run(args: argparse.Namespace) -> dict[str, object]:
             "source": "data/h200_nvml_energy_counter.json (1-2 s windows; NVML power reading)",
             "emulated_ms": round(steady.time_s / 4 * 1e3, 4),
             "emulated_w": round(steady.average_power_w, 1)},
-        "time_median_abs_rel_err": round(t_err, 4),
-        "energy_median_abs_rel_err": round(e_err, 4),
-        "best_row_match": bool(best_match),
-        "worst_row_match": bool(worst_match),
-        "time_spearman": round(spearman([r["measured_ms"] for r in rows],
-                                        [r["emulated_ms"] for r in rows]), 3),
-        "energy_spearman": round(spearman([r["measured_mj"] for r in rows],
-                                          [r["emulated_mj"] for r in rows]), 3),
+        **summary,
         "rows": rows,
         "repeatability_2xh200": repeat_check(rows, args.nccl_default_ctas),
     }
-    result["gpu_constants"] = {k: v for k, v in attrs.asdict(gpu).items() if k != "spec"}
+    result["gpu_constants"] = {f.name: getattr(gpu, f.name) for f in attrs.fields(type(gpu))
+                               if f.name not in ("spec", "op_calibration", "comm_curves")}
+    if args.gpu_profile.lower() != "none":
+        result["gpu_profile"] = profile_variants(args.gpu_profile, data, args)
     return result
+
+
+def print_repeat(rep: dict[str, object], label: str, rows: bool = True) -> None:
+    """Print :func:`repeat_check`'s result (``rows``: with the 2x rows)."""
+    if "missing" in rep:
+        return
+    print(f"repeatability (2x H200, 3 rounds), {label}: median energy spread per schedule "
+          f"{rep['median_energy_spread']:.1%}; best per round {rep['best_schedule_per_round']}; "
+          f"4x best leads runner-up by {rep['tp4_best_margin_over_runner_up']:.1%} "
+          f"(resolvable: {rep['tp4_best_row_resolvable']}); emulated best "
+          f"{rep['tp4_emulated_best']} ranks {rep['tp4_measured_rank_of_emulated_best']} of 12 "
+          f"in the 4x measurement, {rep['tp4_emulated_best_measured_gap_to_best']:+.1%} "
+          f"above the measured best (within spread: "
+          f"{rep['tp4_emulated_best_within_spread_of_best']}; largest spread "
+          f"{rep['max_energy_spread']:.1%}); the measured best ranks "
+          f"{rep['tp4_emulated_rank_of_measured_best']} emulated, "
+          f"{rep['tp4_emulated_gap_of_measured_best']:+.1%}")
+    tp2: dict[str, object] = rep["tp2_vs_median"]  # type: ignore[assignment]
+    print(f"2x H200 medians vs emulated (nccl curves, TP=2), {label}: time err "
+          f"{tp2['time_median_abs_rel_err']:.3f}, energy err {tp2['energy_median_abs_rel_err']:.3f}; "
+          f"best {tp2['best_by_median']} vs emulated {tp2['emulated_best']} (rank "
+          f"{tp2['emulated_best_rank_by_median']} by median, {tp2['emulated_best_rank_per_round']} "
+          f"per round, {tp2['emulated_best_median_gap_to_best']:+.1%}; within spread: "
+          f"{tp2['emulated_best_within_spread_of_best']}); worst {tp2['worst_by_median']} vs "
+          f"emulated {tp2['emulated_worst']}")
+    for k, v in (tp2["rows"] if rows else {}).items():  # type: ignore[attr-defined]
+        print(f"  {k:>18}: ms {v['measured_ms_median']:.3f} / {v['emulated_ms']:.3f}, "
+              f"mJ {v['measured_mj_median']:.1f} / {v['emulated_mj']:.1f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -377,6 +482,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="override the fitted comm_interference (sensitivity study)")
     ap.add_argument("--tensor-interference", type=float, default=None,
                     help="override the fitted tensor_interference (sensitivity study)")
+    ap.add_argument("--gpu-profile", default="h200-sxm", metavar="PATH",
+                    help="also emulate with the GPU calibrated from this measured profile (a "
+                         "file or a shipped profile's name; default h200-sxm; none: skip)")
     ap.add_argument("--markdown", action="store_true",
                     help="also print the per-row table as Markdown (for docs/emulator.md)")
     args = ap.parse_args(argv)
@@ -402,22 +510,24 @@ def main(argv: list[str] | None = None) -> int:
           f"energy median |rel err| = {res['energy_median_abs_rel_err']:.3f}, "
           f"best row match = {res['best_row_match']}, worst row match = {res['worst_row_match']}, "
           f"Spearman time {res['time_spearman']}, energy {res['energy_spearman']}")
-    rep = res["repeatability_2xh200"]
-    if "missing" not in rep:  # type: ignore[operator]
-        print(f"repeatability (2x H200, 3 rounds): median energy spread per schedule "
-              f"{rep['median_energy_spread']:.1%}; best per round {rep['best_schedule_per_round']}; "  # type: ignore[index]
-              f"4x best leads runner-up by {rep['tp4_best_margin_over_runner_up']:.1%} "  # type: ignore[index]
-              f"(resolvable: {rep['tp4_best_row_resolvable']}); emulated best ranks "  # type: ignore[index]
-              f"{rep['tp4_measured_rank_of_emulated_best']} of 12 in the 4x measurement")  # type: ignore[index]
-        tp2 = rep["tp2_vs_median"]  # type: ignore[index]
-        print(f"2x H200 medians vs emulated (nccl curves, TP=2): time err "
-              f"{tp2['time_median_abs_rel_err']:.3f}, energy err {tp2['energy_median_abs_rel_err']:.3f}; "
-              f"best {tp2['best_by_median']} vs emulated {tp2['emulated_best']} (within spread: "
-              f"{tp2['emulated_best_within_spread_of_best']}); worst {tp2['worst_by_median']} vs "
-              f"emulated {tp2['emulated_worst']}")
-        for k, v in tp2["rows"].items():
-            print(f"  {k:>18}: ms {v['measured_ms_median']:.3f} / {v['emulated_ms']:.3f}, "
-                  f"mJ {v['measured_mj_median']:.1f} / {v['emulated_mj']:.1f}")
+    print_repeat(res["repeatability_2xh200"], "h200-sxm preset")  # type: ignore[arg-type]
+    prof = res.get("gpu_profile")
+    if isinstance(prof, dict):
+        print(f"\nwith the GPU calibrated from profile {prof['profile']} ({prof['calibration']}); "
+              f"the probe's ops take the kind factors {prof['kind_factors_used_by_the_probe_ops']}")
+        print(f"{'cap':>5} {'mode':>9} | {'mJ meas':>8} {'preset':>8} {'prof+fit':>8} "
+              f"{'shipped':>8}")
+        for r, a, b in zip(res["rows"], prof["with_probe_fits"]["rows"],  # type: ignore[call-overload]
+                           prof["as_shipped"]["rows"]):
+            print(f"{str(r['cap']):>5} {r['mode']:>9} | {r['measured_mj']:8.1f} "
+                  f"{r['emulated_mj']:8.1f} {a['emulated_mj']:8.1f} {b['emulated_mj']:8.1f}")
+        for name in ("with_probe_fits", "as_shipped"):
+            v = prof[name]
+            print(f"profile, {name}: time err {v['time_median_abs_rel_err']:.3f}, energy err "
+                  f"{v['energy_median_abs_rel_err']:.3f}, best row match {v['best_row_match']}, "
+                  f"worst row match {v['worst_row_match']}, Spearman time {v['time_spearman']}, "
+                  f"energy {v['energy_spearman']}")
+            print_repeat(v["repeatability_2xh200"], f"profile, {name}", name == "as_shipped")
     if args.markdown:
         print()
         print("| cap (CTAs) | mode | time measured (ms) | time emulated (ms) | error | "
