@@ -23,14 +23,17 @@ and the field.
 Energy scope: ``energy_j`` covers every GPU of the job for one iteration (dynamic energy
 of every computation plus static power x iteration time x number of GPUs); ``time_s`` is
 the iteration time seen by each rank.
+
+Checking a plan read from a file is the concern of ``_plan_validation`` (every key, type,
+range and cross-check, with the messages); :meth:`Plan.from_dict` and
+:meth:`MicrobatchChoice.from_dict` call it. This module holds the two value types and
+their JSON form.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
-import math
 import os
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -39,18 +42,18 @@ from typing import Any
 import attrs
 
 from kareus._io import read_json, write_text_atomic
-from kareus.errors import KareusError, PlanError
+from kareus.errors import PlanError
 from kareus.model.config import ScheduleConfig
-from kareus.model.gpu import get_gpu
-from kareus.model.pipeline import Computation, get_schedule
+from kareus.model.pipeline import Computation
 
 __all__ = ["PLAN_MAX_BYTES", "PLAN_VERSION", "MicrobatchChoice", "Plan"]
 
 #: The plan file format this version of kareus reads and writes.
 PLAN_VERSION = 1
 
-_REQUIRED_KEYS = ("version", "gpu", "schedule", "num_stages", "num_microbatches", "choices",
-                  "assignment", "time_s", "energy_j", "dynamic_energy_j", "static_power_w")
+#: Plan files larger than this are refused before parsing (a plan of 64 stages x 4,096
+#: microbatches is about 10 MB).
+PLAN_MAX_BYTES = 16 * 1024 * 1024
 
 
 def _configs_converter(value: Mapping[str, ScheduleConfig] | Iterable[tuple[str, ScheduleConfig]]
@@ -139,6 +142,8 @@ class MicrobatchChoice:
             PlanError: naming the field, for a missing or unknown key, a wrong type, or a
                 value out of range.
         """
+        from kareus.compose._plan_validation import _parse_choice
+
         return _parse_choice(d, field, gpu, "plan")
 
     def __str__(self) -> str:
@@ -285,6 +290,8 @@ class Plan:
         Raises:
             PlanError: one line naming ``source`` and the field, for any problem.
         """
+        from kareus.compose._plan_validation import _parse_plan
+
         return _parse_plan(cls, d, source)
 
     @classmethod
@@ -359,255 +366,5 @@ def _digest(content: Mapping[str, Any]) -> str:
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
-# -- validation of plans read from files ------------------------------------------------------
-#: Plan files larger than this are refused before parsing (a plan of 64 stages x 4,096
-#: microbatches is about 10 MB).
-PLAN_MAX_BYTES = 16 * 1024 * 1024
-_MAX_LABEL = 200
-_MAX_NAME = 100
-_MAX_COMPUTATIONS = 1_000_000
-_MAX_TIME_S = 1e6
-_TOP_KEYS = frozenset(_REQUIRED_KEYS) | {"label", "workload", "digest"}
-_WORKLOAD_INTS = ("tp", "cp", "pp", "dp", "microbatch_size", "seq_len", "num_microbatches",
-                  "nanobatches")
-_WORKLOAD_KEYS = frozenset(("model", "recompute", *_WORKLOAD_INTS))
-
-
 def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a number a plan holds")
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _err(source: str, field: str, msg: str) -> PlanError:
-    return PlanError(f"{source}: {field}: {msg}")
-
-
-def _obj(value: Any, source: str, field: str) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise _err(source, field, f"must be a JSON object, got {type(value).__name__} "
-                                  f"{_show(value)}")
-    return value
-
-
-def _keys(d: Mapping[str, Any], required: Iterable[str], allowed: frozenset[str], source: str,
-          field: str) -> None:
-    missing = [k for k in required if k not in d]
-    if missing:
-        raise _err(source, field, f"lacks the key(s) {', '.join(missing)}")
-    extra = sorted(str(k) for k in d if k not in allowed)
-    if extra:
-        raise _err(source, field, f"has unknown key(s) {_show(', '.join(extra))}")
-
-
-def _int(value: Any, source: str, field: str, lo: int, hi: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _err(source, field, f"{_show(value)} is not a whole number")
-    if not lo <= value <= hi:
-        raise _err(source, field, f"{value} is out of range ({lo}..{hi})")
-    return value
-
-
-def _num(value: Any, source: str, field: str, *, positive: bool) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _err(source, field, f"{_show(value)} is not a number")
-    x = float(value)
-    if not math.isfinite(x):
-        raise _err(source, field, f"{value} is not finite")
-    if (positive and not x > 0) or x < 0:
-        raise _err(source, field, f"{value} must be {'> 0' if positive else '>= 0'}")
-    return x
-
-
-def _str(value: Any, source: str, field: str, max_len: int) -> str:
-    if not isinstance(value, str):
-        raise _err(source, field, f"{_show(value)} is not a string")
-    if len(value) > max_len:
-        raise _err(source, field, f"is {len(value):,} characters long (at most {max_len})")
-    return value
-
-
-def _parse_choice(d: Any, field: str, gpu: Any, source: str) -> MicrobatchChoice:
-    d = _obj(d, source, field)
-    _keys(d, ("freq_mhz", "predicted", "configs"),
-          frozenset(("freq_mhz", "predicted", "configs")), source, field)
-    freq = _int(d["freq_mhz"], source, f"{field}.freq_mhz", 1, 100_000)
-    if gpu is not None and not gpu.supports_clock(freq):
-        raise _err(source, f"{field}.freq_mhz", f"{freq} MHz is not a supported SM clock of "
-                   f"{gpu.name} ({gpu.min_clock_mhz}..{gpu.max_clock_mhz} MHz)")
-    predicted = d["predicted"]
-    if not isinstance(predicted, bool):
-        raise _err(source, f"{field}.predicted", f"{_show(predicted)} is not true or false")
-    configs = _obj(d["configs"], source, f"{field}.configs")
-    if not configs:
-        raise _err(source, f"{field}.configs", "is empty")
-    max_sms = gpu.sm_count - 1 if gpu is not None else 100_000
-    out: dict[str, ScheduleConfig] = {}
-    for name, c in configs.items():
-        where = f"{field}.configs.{_show(name)[1:-1]}"
-        _str(name, source, where, _MAX_NAME)
-        c = _obj(c, source, where)
-        _keys(c, ("comm_sms", "launch_slot"), frozenset(("comm_sms", "launch_slot", "backend")),
-              source, where)
-        sms = _int(c["comm_sms"], source, f"{where}.comm_sms", 1, max_sms)
-        slot = c["launch_slot"]
-        if slot is not None:
-            _str(slot, source, f"{where}.launch_slot", _MAX_NAME)
-        backend = c.get("backend")
-        if backend is not None:
-            _str(backend, source, f"{where}.backend", _MAX_NAME)
-        try:
-            out[name] = ScheduleConfig(freq_mhz=freq, comm_sms=sms, launch_slot=slot,
-                                       backend=backend)
-        except (KareusError, ValueError, TypeError) as exc:
-            raise _err(source, where, str(exc)) from None
-    return MicrobatchChoice(freq_mhz=freq, configs=out, predicted=predicted)
-
-
-def _parse_workload(w: Any, source: str) -> Any:
-    from kareus.model.workload import Workload  # keeps the module light
-
-    w = _obj(w, source, "workload")
-    _keys(w, sorted(_WORKLOAD_KEYS), _WORKLOAD_KEYS, source, "workload")
-    if isinstance(w["model"], dict):  # the architecture of a model that is not a preset
-        from kareus.model.workload import ModelArch
-
-        try:
-            model: Any = ModelArch.from_dict(w["model"])
-        except (KareusError, ValueError) as exc:
-            raise _err(source, "workload.model", str(exc)) from None
-    else:
-        model = _str(w["model"], source, "workload.model", _MAX_NAME)
-    ints = {k: _int(w[k], source, f"workload.{k}", 1, 100_000_000) for k in _WORKLOAD_INTS}
-    if not isinstance(w["recompute"], bool):
-        raise _err(source, "workload.recompute", f"{_show(w['recompute'])} is not true or false")
-    try:
-        return Workload.preset(model, tp=ints["tp"], cp=ints["cp"], pp=ints["pp"],
-                               dp=ints["dp"], microbatch_size=ints["microbatch_size"],
-                               seq_len=ints["seq_len"],
-                               num_microbatches=ints["num_microbatches"],
-                               recompute=w["recompute"], nanobatches=ints["nanobatches"])
-    except (KareusError, ValueError, TypeError) as exc:
-        raise _err(source, "workload", str(exc)) from None
-
-
-@functools.lru_cache(maxsize=8)
-def _expected_types(workload: Any) -> tuple[dict[str, frozenset[str]], dict[str, Any]]:
-    """Per phase, the partition types one microbatch computation runs; per type, its slots
-    (``None`` when the type runs sequentially only)."""
-    from kareus.model.partition import build_partitions
-
-    pset = build_partitions(workload)
-    per_phase = {phase: frozenset(c) for phase, c in pset.counts.items()}
-    slots = {name: (frozenset(s.name for s in p.slots) if p.overlappable else None)
-             for name, p in pset.types.items()}
-    return per_phase, slots
-
-
-def _parse_plan(cls: type[Plan], d: Any, source: str) -> Plan:  # noqa: C901 - validates the plan file key by key, one check per key
-    if not isinstance(source, str):
-        source = str(source)
-    if not isinstance(d, Mapping):
-        raise PlanError(f"{source}: a plan must be a JSON object, got {type(d).__name__}")
-    if "version" not in d:
-        raise PlanError(f"{source}: not a kareus plan: the key 'version' is missing")
-    if type(d["version"]) is not int or d["version"] != PLAN_VERSION:
-        raise _err(source, "version", f"plan format version {_show(d['version'])} is not "
-                   f"supported; this kareus reads version {PLAN_VERSION} (make the plan again)")
-    _keys(d, (*_REQUIRED_KEYS, "workload", "digest"), _TOP_KEYS, source, "plan")
-    digest = _str(d["digest"], source, "digest", 64)
-    if len(digest) != 64 or any(ch not in "0123456789abcdef" for ch in digest):
-        raise _err(source, "digest", f"{_show(digest)} is not a SHA-256 hex digest")
-    gpu_name = _str(d["gpu"], source, "gpu", _MAX_NAME)
-    try:
-        gpu = get_gpu(gpu_name)
-    except KareusError as exc:
-        raise _err(source, "gpu", str(exc)) from None
-    schedule = _str(d["schedule"], source, "schedule", _MAX_NAME)
-    stages = _int(d["num_stages"], source, "num_stages", 1, 4096)
-    micro = _int(d["num_microbatches"], source, "num_microbatches", 1, _MAX_COMPUTATIONS)
-    if 2 * stages * micro > _MAX_COMPUTATIONS:
-        raise _err(source, "num_microbatches", f"{stages} stages x {micro} microbatches is over "
-                   f"the limit of {_MAX_COMPUTATIONS:,} computations")
-    label = _str(d.get("label", ""), source, "label", _MAX_LABEL)
-    workload = _parse_workload(d["workload"], source)
-    par = workload.parallelism
-    if par.pp != stages:
-        raise _err(source, "num_stages", f"{stages} stages, but the workload has PP={par.pp}")
-    if workload.num_microbatches != micro:
-        raise _err(source, "num_microbatches", f"{micro}, but the workload has "
-                   f"{workload.num_microbatches} microbatches")
-    time_s = _num(d["time_s"], source, "time_s", positive=True)
-    energy_j = _num(d["energy_j"], source, "energy_j", positive=True)
-    dynamic_j = _num(d["dynamic_energy_j"], source, "dynamic_energy_j", positive=False)
-    static_w = _num(d["static_power_w"], source, "static_power_w", positive=True)
-    if time_s > _MAX_TIME_S:
-        raise _err(source, "time_s", f"{time_s} s is over {_MAX_TIME_S:.0e} s: not an iteration")
-    if static_w > par.world_size * gpu.power_limit_w:
-        raise _err(source, "static_power_w", f"{static_w} W is above the power limit of the "
-                   f"job's {par.world_size} {gpu.name} GPUs together "
-                   f"({par.world_size * gpu.power_limit_w:.0f} W)")
-    expected_j = dynamic_j + static_w * time_s
-    if not math.isfinite(expected_j) or abs(energy_j - expected_j) > 1e-6 * energy_j:
-        raise _err(source, "energy_j", f"{energy_j} is not dynamic_energy_j + static_power_w x "
-                   f"time_s = {expected_j}")
-    try:
-        sched = get_schedule(schedule, stages, micro)
-    except KareusError as exc:
-        raise _err(source, "schedule", str(exc)) from None
-    keys = {c.key() for c in sched.nodes}
-    raw_choices = d["choices"]
-    if not isinstance(raw_choices, list) or not raw_choices:
-        raise _err(source, "choices", f"must be a non-empty list, got {_show(raw_choices)}")
-    if len(raw_choices) > len(keys):
-        raise _err(source, "choices", f"{len(raw_choices)} choices for {len(keys)} computations")
-    choices = [_parse_choice(c, f"choices[{i}]", gpu, source) for i, c in enumerate(raw_choices)]
-    raw_assign = _obj(d["assignment"], source, "assignment")
-    assignment: dict[str, int] = {}
-    for k, v in raw_assign.items():
-        if k not in keys:
-            raise _err(source, f"assignment.{_show(k)[1:-1]}", f"is not a computation of a "
-                       f"{schedule} schedule of {stages} stages x {micro} microbatches")
-        assignment[k] = _int(v, source, f"assignment.{k}", 0, len(choices) - 1)
-    if len(assignment) != len(keys):
-        lack = sorted(keys - set(assignment), key=Computation.from_key)[:3]
-        raise _err(source, "assignment", f"lacks computation(s) {', '.join(lack)} "
-                   f"({len(keys) - len(assignment)} in all)")
-    unused = sorted(set(range(len(choices))) - set(assignment.values()))
-    if unused:
-        raise _err(source, f"choices[{unused[0]}]", "is used by no computation")
-    per_phase, slots = _expected_types(workload)
-    for k in sorted(assignment, key=Computation.from_key):
-        i = assignment[k]
-        phase = k.rsplit(".", 1)[1]
-        have = set(choices[i].types)
-        want = per_phase.get(phase, frozenset())
-        if have != want:
-            lack, extra = sorted(want - have), sorted(have - want)
-            raise _err(source, f"choices[{i}].configs", f"computation {k} needs exactly the "
-                       f"partition types {sorted(want)} of the workload"
-                       + (f"; missing {lack}" if lack else "")
-                       + (f"; unknown here {extra}" if extra else ""))
-    for i, ch in enumerate(choices):
-        for name, cfg in ch.configs:
-            allowed = slots[name]
-            if cfg.launch_slot is None:
-                continue
-            if allowed is None or cfg.launch_slot not in allowed:
-                raise _err(source, f"choices[{i}].configs.{name}.launch_slot",
-                           f"{cfg.launch_slot!r} is not a launch slot of {name} (slots: "
-                           f"{sorted(allowed or ())} or null for sequential)")
-    try:
-        plan = cls(gpu=gpu.name, schedule=schedule, num_stages=stages, num_microbatches=micro,
-                   choices=choices, assignment=assignment, time_s=time_s, energy_j=energy_j,
-                   dynamic_energy_j=dynamic_j, static_power_w=static_w, label=label,
-                   workload=dict(d["workload"]))
-    except (KareusError, ValueError, TypeError) as exc:
-        raise _err(source, "plan", str(exc)) from None
-    if digest != plan.digest:
-        raise _err(source, "digest", "does not match the content: the file was changed or "
-                   "corrupted after it was written (make the plan again)")
-    return plan
