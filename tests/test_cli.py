@@ -277,56 +277,36 @@ def test_two_concurrent_runs_one_refused_no_duplicated_measurements(tmp_path):
     assert subprocess.run(argv, capture_output=True, timeout=300).returncode == 0
 
 
-def test_ctrl_c_says_the_same_command_resumes_and_exits_130(tmp_path):
+@pytest.mark.parametrize(("signame", "code", "says"), [
+    ("SIGINT", 130, "interrupted"),          # Ctrl-C
+    ("SIGTERM", 143, "stopped by SIGTERM"),  # kill, or a batch scheduler's stop
+])
+def test_a_stop_says_the_same_command_resumes(tmp_path, signame, code, says):
     import signal
     import subprocess
     import sys
     import time
 
-    argv = [sys.executable, "-m", "kareus", *_small(tmp_path)]
-    argv[argv.index("--budget") + 1] = "40"
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    logs = tmp_path / "out" / "logs"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not any(
-            p.stat().st_size > 2000 for p in logs.glob("search-*.jsonl")):
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
-    if proc.returncode == 0:
-        pytest.skip("the run finished before the interrupt arrived")
-    assert proc.returncode == 130, err
-    assert "Traceback" not in err
-    last = err.strip().splitlines()[-1]
-    assert "interrupted" in last and "same command" in last
-    assert subprocess.run(argv, capture_output=True, timeout=300).returncode == 0
-
-
-def test_sigterm_says_the_same_command_resumes_and_exits_143(tmp_path):
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    # A scheduler's stop (SIGTERM) runs the same clean-up as Ctrl-C: one line, the logs
-    # kept, the folder unlocked, and the same command finishes the job.
+    # Either signal runs the same clean-up: one line, the logs kept, the folder unlocked,
+    # and the same command finishes the job.
+    sig = getattr(signal, signame)
     argv = [sys.executable, "-m", "kareus", *_small(tmp_path)]
     argv[argv.index("--budget") + 1] = "40"
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
+                            preexec_fn=lambda: signal.signal(sig, signal.SIG_DFL))
     logs = tmp_path / "out" / "logs"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not any(
             p.stat().st_size > 2000 for p in logs.glob("search-*.jsonl")):
         time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     out, err = proc.communicate(timeout=120)
     if proc.returncode == 0:
         pytest.skip("the run finished before the signal arrived")
-    assert proc.returncode == 143, err
+    assert proc.returncode == code, err
     assert "Traceback" not in err
     last = err.strip().splitlines()[-1]
-    assert "stopped by SIGTERM" in last and "same command" in last
+    assert says in last and "same command" in last
     assert subprocess.run(argv, capture_output=True, timeout=300).returncode == 0
 
 
