@@ -37,8 +37,10 @@ def main() -> int:
     import pynvml
     import torch
 
+    from kareus.exec.nvml import nvml_device_index
+
     pynvml.nvmlInit()
-    h = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+    h = pynvml.nvmlDeviceGetHandleByIndex(nvml_device_index())  # by UUID
     dev = torch.device("cuda")
     samples: list[tuple[float, float, int, int]] = []
     stop = threading.Event()

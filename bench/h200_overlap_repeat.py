@@ -56,16 +56,14 @@ def main() -> int:  # noqa: C901 - a linear bench script, one branch per option 
     import torch.distributed as dist
 
     from kareus.exec.collectives import NCCLCappedCollective
+    from kareus.exec.nvml import nvml_device_index
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     rank, world = dist.get_rank(), dist.get_world_size()
     pynvml.nvmlInit()
-    uuid = torch.cuda.get_device_properties(local).uuid
-    handle = next(h for h in (pynvml.nvmlDeviceGetHandleByIndex(i)
-                              for i in range(pynvml.nvmlDeviceGetCount()))
-                  if str(uuid).replace("GPU-", "") in str(pynvml.nvmlDeviceGetUUID(h)))
+    handle = pynvml.nvmlDeviceGetHandleByIndex(nvml_device_index(local))  # by UUID
     capped = NCCLCappedCollective()
 
     dev = torch.device("cuda", local)

@@ -321,8 +321,10 @@ def machine(torch: Any) -> dict[str, Any]:
     try:
         import pynvml
 
+        from kareus.exec.nvml import nvml_device_index
+
         pynvml.nvmlInit()
-        h = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        h = pynvml.nvmlDeviceGetHandleByIndex(nvml_device_index())  # by UUID
         drv = pynvml.nvmlSystemGetDriverVersion()
         info["driver"] = drv.decode() if isinstance(drv, bytes) else drv
         info["power_limit_w"] = pynvml.nvmlDeviceGetEnforcedPowerLimit(h) / 1e3
