@@ -118,7 +118,8 @@ class OptimizationResult:
         workload: The workload optimised.
         gpu: GPU preset name.
         partitions: The workload's partition types (kareus's view, with nanobatching).
-        baselines: The five systems' iteration frontiers and what they were built from.
+        composition: The five systems' composition (kareus and the four it is compared
+            with): their iteration frontiers and what they were built from.
         wall_s: Wall time of the whole run.
         profiles: Profiles (measurements) made by kareus's searches, per partition type.
     """
@@ -126,23 +127,23 @@ class OptimizationResult:
     workload: Workload
     gpu: str
     partitions: PartitionSet
-    baselines: SystemsResult
+    composition: SystemsResult
     wall_s: float
     profiles: dict[str, int]
 
     @property
     def frontiers(self) -> dict[str, IterationFrontier]:
         """System name -> iteration frontier."""
-        return self.baselines.frontiers
+        return self.composition.frontiers
 
     @property
     def kareus(self) -> IterationFrontier:
         """The iteration frontier of kareus itself (the ``"kareus"`` system)."""
-        return self.baselines.frontiers["kareus"]
+        return self.composition.frontiers["kareus"]
 
     def partition_frontiers(self) -> dict[str, PartitionFrontier]:
         """kareus's partition frontiers, per type."""
-        return self.baselines.partitions["kareus"]
+        return self.composition.partitions["kareus"]
 
     def _summary(self, name: str, point: IterationPoint) -> SystemSummary:
         flops = self.partitions.model_flops_per_gpu_iteration()
@@ -467,7 +468,7 @@ def optimize(
                                      iteration_composer=iteration_composer)
             bar.set_status("done")
         return OptimizationResult(workload=workload, gpu=profiler.gpu.name, partitions=pset,
-                                  baselines=result, wall_s=time.monotonic() - start,
+                                  composition=result, wall_s=time.monotonic() - start,
                                   profiles=profiles)
 
 

@@ -110,7 +110,7 @@ def test_optimize_with_the_tree_surrogate_searches_past_the_design():
                          num_microbatches=4)
     res = optimize(wl, "h200-sxm", budget=24, seed=2, progress=False, surrogate="trees")
     assert res.profiles and all(n == 24 for n in res.profiles.values())
-    assert "kareus" in res.baselines.frontiers
+    assert "kareus" in res.composition.frontiers
 
 
 def _small_workload(**kw):
