@@ -48,7 +48,7 @@ from kareus.search._defaults import default_passes, default_surrogate
 from kareus.search._features import search_features
 from kareus.search._initial_design import default_initial_size
 from kareus.search._initial_design import initial_design as initial_design_indices
-from kareus.search._log import append_record, check_header, log_header, read_log
+from kareus.search._log import append_record, check_header, log_header, read_log, sync_log
 from kareus.search._objective_model import ObjectiveModel
 from kareus.search._progress import ProgressBar
 from kareus.search.acquisition import (
@@ -474,6 +474,8 @@ class MultiPassSearch:
                     bar.update(1, status=self._status())
             if self.stopped_reason == "converged":
                 bar.set_status(self._status() + " (converged)")
+        if self._log_path is not None and self._log_path.exists():
+            sync_log(self._log_path)
         return self.frontier()
 
     def _status(self) -> str:

@@ -80,3 +80,27 @@ def test_space_description_names_backends_only_when_there_are_several(small_spac
     with pytest.raises(ValueError, match="space"):
         check_header(head, ConfigSpace(small_space.partition, "a100-40gb", freqs_mhz=[1410],
                                        comm_sms=[4, 8], backends=["own"]), 0, "log.jsonl")
+
+
+def test_records_reach_the_os_at_once_and_the_disk_once_a_second(tmp_path, monkeypatch):
+    import json
+
+    import kareus.search._log as log_mod
+
+    synced: list[int] = []
+    clock = [100.0]
+    monkeypatch.setattr(log_mod.os, "fsync", lambda fd: synced.append(fd))
+    monkeypatch.setattr(log_mod.time, "monotonic", lambda: clock[0])
+    path = tmp_path / "search-x.jsonl"
+    for i in range(10):  # within one second: the first record syncs, the rest wait
+        log_mod.append_record(path, {"kind": "tell", "i": i})
+    assert len(synced) == 1
+    # every line is in the file already (a killed process loses nothing)
+    assert [json.loads(ln)["i"] for ln in path.read_text().splitlines()] == list(range(10))
+    clock[0] += log_mod.SYNC_INTERVAL_S
+    log_mod.append_record(path, {"kind": "tell", "i": 10})
+    assert len(synced) == 2
+    log_mod.append_record(path, {"kind": "tell", "i": 11}, sync=True)
+    log_mod.append_record(path, {"kind": "tell", "i": 12}, sync=False)
+    log_mod.sync_log(path)
+    assert len(synced) == 4
