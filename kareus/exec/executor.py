@@ -120,14 +120,8 @@ class PartitionScope(PartitionHook):
         self.ops_run: list[str] = []
 
     def communicate(self, tensor: Any, *, kind: str = "all_reduce", output: Any = None) -> None:
-        """Register the collective of this partition (launched at the configured slot).
-
-        Args:
-            tensor: The tensor to all-reduce in place, or the input of an all-gather /
-                reduce-scatter.
-            kind: ``"all_reduce"``, ``"all_gather"`` or ``"reduce_scatter"``.
-            output: Output tensor of all-gather / reduce-scatter.
-        """
+        """Register the collective (:meth:`PartitionHook.communicate`); a kind outside
+        :data:`COMM_KINDS` is a ValueError."""
         if kind not in COMM_KINDS:
             raise ValueError(f"kind must be one of {COMM_KINDS}, got {kind!r}")
         if self._comm is not None:
@@ -331,16 +325,10 @@ class TorchExecutor(Executor):
     def run_partition(self, ops: Sequence[Callable[[], Any]], op_names: Sequence[str],
                       comm_tensor: Any, config: LaunchConfig, *,
                       comm_kind: str = "all_reduce", comm_output: Any = None) -> None:
-        """Enqueue one partition: ``ops`` in order, the collective at ``config``'s slot.
-
-        Args:
-            ops: Zero-argument callables that enqueue each computation op.
-            op_names: Their names (the slot names refer to them).
-            comm_tensor: The tensor the collective acts on.
-            config: The schedule configuration (its ``freq_mhz`` is ignored here: the
-                clock is set per microbatch, see :meth:`microbatch`).
-            comm_kind: The collective.
-            comm_output: Output tensor of all-gather / reduce-scatter.
+        """Enqueue one partition (:meth:`Executor.run_partition`): ``ops`` in order on the
+        current stream, the collective on the side stream from ``config``'s slot. The
+        configuration's ``freq_mhz`` is ignored here: the clock is set per microbatch
+        (:meth:`microbatch`).
 
         Raises:
             UnknownSlotError: ``config.launch_slot`` is not one of ``op_names``.

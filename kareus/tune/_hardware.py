@@ -7,13 +7,7 @@ backends that run on the group (:func:`tuning_backends`), the executor, the freq
 controller and the :class:`~kareus.exec.nvml.NVMLProfiler`, pre-heats the GPUs, and hands
 the profiler to :func:`~kareus.tune.run_lockstep`.
 
-The frequency dimension is the set of clocks the profiler may set: every clock of the
-GPU's search grid with ``allow_clock_changes`` (an
-:class:`~kareus.exec.frequency.NVMLFrequencyController`, restored on exit), else the GPU's
-default clock alone (a :class:`~kareus.exec.frequency.DryRunFrequencyController`, as on
-shared machines whose clocks must not change); the output says which. The collective
-backend is a dimension where more than one runs on the group (kareus's own SM-capped
-kernels and NCCL with capped CTAs), so each partition type's choice is measured.
+The frequency and backend dimensions it sets up are described in :mod:`kareus.tune`.
 
 A world of one process runs the same path on one GPU with
 :class:`~kareus.exec.collectives.LoopbackCollective` (a stand-in that communicates with
