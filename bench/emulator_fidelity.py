@@ -44,9 +44,18 @@ The grids ran the runnable partitions' eager kernels of the time (hand-written R
 RoPE, copied K/V before SDPA): the emulated ops are fused. A calibrated emulator must take
 its per-op inputs from measurements of the kernels that ran.
 
+``--residuals PATH`` also writes, per measured row, measured and emulated time, energy, SM
+clock and power per GPU, the emulated timeline, the emulated time at the measured clock
+(power limit off), and the residuals (emulated / measured - 1) by launch slot and CTA
+count, with the launch-slot shift check (:func:`shifted_slot`) and the agreement of the
+residual pattern between grids of the same workload (docs/fidelity.md, "Where fwd_mlp's
+ranking departs").
+
 Usage (CPU, a few seconds)::
 
     python bench/emulator_fidelity.py --json bench/results/emulator_fidelity.json
+    python bench/emulator_fidelity.py --gpu-profile h200-sxm \
+        --residuals bench/results/emulator_fidelity_residuals.json
 """
 
 from __future__ import annotations
@@ -58,14 +67,15 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-from scipy.stats import spearmanr
+from scipy.stats import pearsonr, spearmanr
 
 from kareus._io import read_json, write_json_atomic
 from kareus.exec import EmulatedGPU, EmulatedProfiler
 from kareus.exec.emulator import profile_workload_key
-from kareus.model import ScheduleConfig, Workload, build_partitions
+from kareus.model import Partition, ScheduleConfig, Workload, build_partitions
 from kareus.model.gpu import get_gpu
 from kareus.model.gpu_profile import GPUProfile, GPUProfileError, OpProfile, shipped_profiles
+from kareus.model.ops import OpKind
 
 REPO = Path(__file__).resolve().parents[1]
 TARGETS = {"median_rel_err_max": 0.08, "spearman_min": 0.9, "pick_regret_max": 0.02}
@@ -183,8 +193,12 @@ def _cfg(r: dict[str, Any]) -> str:
 
 
 def evaluate_grid(path: Path, gpu_name: str, profile: Path | None = None,
-                  kernels: str | None = None) -> dict[str, Any]:
-    """Emulate every measured row of the grid file ``path``; errors, ranks and picks."""
+                  kernels: str | None = None, detail: bool = False) -> dict[str, Any]:
+    """Emulate every measured row of the grid file ``path``; errors, ranks and picks.
+    ``detail``: each row also gets the average power per GPU on both sides, the emulated
+    timeline (collective start and end, end of the computation), the emulated time and
+    power at the measured clock and the launch-slot shift check (:func:`shifted_slot`),
+    for ``--residuals``."""
     data = read_json(path, error=GridError, what="measured grid")
     for key in ("workload", "measurements", "gpu"):
         if key not in data:
@@ -200,6 +214,7 @@ def evaluate_grid(path: Path, gpu_name: str, profile: Path | None = None,
     parts = build_partitions(workload)
     whole = build_partitions(workload.with_(nanobatches=1))
     prof = EmulatedProfiler(gpu, noise=0.0)
+    free = EmulatedProfiler(gpu, noise=0.0, power_limit=False) if detail else None
     rows: list[dict[str, Any]] = []
     for m in data["measurements"]:
         if "measurement" not in m:
@@ -209,8 +224,11 @@ def evaluate_grid(path: Path, gpu_name: str, profile: Path | None = None,
         part = (whole if m["kind"] == "megatron" else parts)[m["partition"]]
         cfg = ScheduleConfig(int(c["freq_mhz"]), sms, c["launch_slot"])
         emu = prof.ground_truth(part, cfg)  # energy over partition.group_gpus GPUs
-        clock = prof.trace(part, cfg).freq_mhz
+        trace = prof.trace(part, cfg)
+        clock = trace.freq_mhz
         meas = m["measurement"]
+        if detail:
+            extra = _row_detail(prof, free, part, cfg, trace, emu, meas, m.get("sm_clock_mhz"))
         rows.append({
             "kind": m["kind"], "partition": m["partition"], "comm_sms": c["comm_sms"],
             "launch_slot": c["launch_slot"], "gpus": part.group_gpus,
@@ -218,7 +236,8 @@ def evaluate_grid(path: Path, gpu_name: str, profile: Path | None = None,
             "measured_j": meas["energy_j"], "emulated_j": emu.energy_j,
             "measured_clock_mhz": m.get("sm_clock_mhz"), "emulated_clock_mhz": clock,
             "time_rel_err": emu.time_s / meas["time_s"] - 1.0,
-            "energy_rel_err": emu.energy_j / meas["energy_j"] - 1.0})
+            "energy_rel_err": emu.energy_j / meas["energy_j"] - 1.0,
+            **(extra if detail else {})})
     partitions: dict[str, Any] = {}
     for name in sorted({r["partition"] for r in rows}):
         mine = [r for r in rows if r["partition"] == name]
@@ -281,6 +300,190 @@ def evaluate_grid(path: Path, gpu_name: str, profile: Path | None = None,
             "energy_scope": f"total energy of one partition run over its {rows[0]['gpus']} "
                             "GPUs (TP x CP group), static included",
             "overall": overall, "partitions": partitions, "rows": rows}
+
+
+# Ops whose kernels fill every SM with more than one wave of blocks: a collective launched
+# with one may not get SMs before the op's last wave (the launch-slot shift check).
+_GPU_FILLING = (OpKind.GEMM, OpKind.ATTENTION)
+FEW_CTAS = 6  # --residuals: "few" CTAs are at most this many, "many" more
+
+
+def shifted_slot(part: Partition, slot: str | None) -> str | None:
+    """The launch-slot shift check: the slot at which the collective would start if,
+    launched with a GEMM or attention kernel, it got SMs only once that kernel's blocks
+    were all dispatched, i.e. with the next op (after the last op: sequential). Other slots
+    are kept. Evaluating the emulator at this slot changes no constant. The rule reads the
+    emulated op's kind, not the first kernel that ran at the slot (in the first TP=2 grid
+    ``attn_core`` began with a copy of K and V, so the shift does not apply there)."""
+    if slot is None:
+        return None
+    names = [s.name for s in sorted(part.slots, key=lambda s: s.index)]
+    i = names.index(slot)
+    if part.compute_ops[i].kind not in _GPU_FILLING:
+        return slot
+    return names[i + 1] if i + 1 < len(names) else None
+
+
+def _row_detail(prof: EmulatedProfiler, free: Any, part: Partition, cfg: ScheduleConfig,
+                trace: Any, emu: Any, meas: dict[str, float],
+                clock: float | None) -> dict[str, Any]:
+    """Per-row detail for ``--residuals`` (see :func:`evaluate_grid`); ``free``: the
+    emulator without its power limit, run at the supported clock nearest the measured
+    one (``clock``): the row's time and power were the power model right at that clock."""
+    g = part.group_gpus
+    at: Any = None
+    if clock:
+        f = min(prof.gpu.clocks_mhz, key=lambda c: abs(c - clock))
+        at = free.ground_truth(part, ScheduleConfig(f, cfg.comm_sms, cfg.launch_slot))
+    sh = shifted_slot(part, cfg.launch_slot)
+    alt = emu if sh == cfg.launch_slot else prof.ground_truth(
+        part, ScheduleConfig(cfg.freq_mhz, cfg.comm_sms, sh))
+    order = [s.name for s in sorted(part.slots, key=lambda s: s.index)]
+    ms = 1e3
+    return {
+        "slot_index": len(order) if cfg.launch_slot is None else order.index(cfg.launch_slot),
+        "measured_power_w_per_gpu": meas["energy_j"] / meas["time_s"] / g,
+        "emulated_power_w_per_gpu": emu.energy_j / emu.time_s / g,
+        "emulated_comm_start_ms": None if trace.comm_start_s is None else trace.comm_start_s * ms,
+        "emulated_comm_end_ms": None if trace.comm_end_s is None else trace.comm_end_s * ms,
+        "emulated_compute_end_ms": trace.compute_end_s * ms,
+        "emulated_exposed_comm_ms": trace.exposed_comm_s * ms,
+        "shifted_slot": sh, "shifted_emulated_ms": alt.time_s * ms,
+        "shifted_emulated_j": alt.energy_j,
+        "shifted_time_rel_err": alt.time_s / meas["time_s"] - 1.0,
+        "shifted_energy_rel_err": alt.energy_j / meas["energy_j"] - 1.0,
+        "clock_matched_time_rel_err": None if at is None else at.time_s / meas["time_s"] - 1.0,
+        "emulated_power_w_per_gpu_at_measured_clock": (None if at is None
+                                                       else at.energy_j / at.time_s / g)}
+
+
+def _med(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def residual_summary(g: dict[str, Any], few: int = FEW_CTAS) -> dict[str, Any]:
+    """Residuals (emulated / measured - 1) of one evaluated grid (``detail=True``) by
+    launch slot and SM count, per partition: the slot x CTA matrices, the medians per slot
+    for few (<= ``few``) and many CTAs with the clocks and powers of both sides, and
+    Spearman among overlapped configurations as emulated and with the slot shift."""
+    out: dict[str, Any] = {}
+    for name in sorted({r["partition"] for r in g["rows"]}):
+        grid = [r for r in g["rows"] if r["partition"] == name and r["kind"] == "grid"
+                and r["comm_sms"] is not None]
+        over = [r for r in grid if r["launch_slot"] is not None]
+        slots = sorted({(r["slot_index"], r["launch_slot"] or "sequential") for r in grid})
+        ctas = sorted({r["comm_sms"] for r in grid})
+        res: dict[str, Any] = {"ctas": ctas, "slots": [s for _, s in slots]}
+        for obj in ("time", "energy"):
+            res[f"{obj}_rel_err"] = {s: {str(r["comm_sms"]): r[f"{obj}_rel_err"] for r in grid
+                                         if (r["launch_slot"] or "sequential") == s}
+                                     for _, s in slots}
+        bands: dict[str, Any] = {}
+        for _, s in slots:
+            mine = [r for r in grid if (r["launch_slot"] or "sequential") == s]
+            bands[s] = {}
+            for band, rs in (("few", [r for r in mine if r["comm_sms"] <= few]),
+                             ("many", [r for r in mine if r["comm_sms"] > few])):
+                bands[s][band] = {"n": len(rs), **{
+                    k: _med([r[k] for r in rs if r[k] is not None]) for k in (
+                        "time_rel_err", "energy_rel_err", "shifted_time_rel_err",
+                        "shifted_energy_rel_err", "clock_matched_time_rel_err",
+                        "measured_clock_mhz", "emulated_clock_mhz", "measured_power_w_per_gpu",
+                        "emulated_power_w_per_gpu")}}
+        res["by_slot"] = bands
+        # Rows the power limit slowed (measured clock below the maximum): the level.
+        fmax = max(r["emulated_clock_mhz"] for r in g["rows"])
+        lim = [r for r in grid if r["measured_clock_mhz"] and r["measured_clock_mhz"] < fmax - 30]
+        res["power_limited"] = {"n": len(lim), **{k: _med([r[k] for r in lim]) for k in (
+            "measured_clock_mhz", "emulated_clock_mhz", "measured_power_w_per_gpu",
+            "emulated_power_w_per_gpu", "emulated_power_w_per_gpu_at_measured_clock",
+            "time_rel_err", "clock_matched_time_rel_err")}}
+        for obj, key in (("time", "ms"), ("energy", "j")):
+            m = [r[f"measured_{key}"] for r in over]
+            res[f"spearman_{obj}"] = _spearman(m, [r[f"emulated_{key}"] for r in over])
+            res[f"spearman_{obj}_slot_shift"] = _spearman(
+                m, [r[f"shifted_emulated_{key}"] for r in over])
+        out[name] = res
+    return out
+
+
+def cross_grid_residuals(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Whether two evaluated grids of the same workload show the same residual pattern:
+    Pearson and Spearman of the per-configuration residuals over their common overlapped
+    configurations (close to 1: a real effect of the configuration; near 0: noise)."""
+    def keyed(g: dict[str, Any]) -> dict[tuple[Any, ...], dict[str, Any]]:
+        return {(r["partition"], r["comm_sms"], r["launch_slot"]): r for r in g["rows"]
+                if r["kind"] == "grid" and r["launch_slot"] is not None}
+
+    ka, kb = keyed(a), keyed(b)
+    out: dict[str, Any] = {"grids": [a["grid"], b["grid"]], "partitions": {}}
+    for name in sorted({k[0] for k in set(ka) & set(kb)}):
+        keys = sorted((k for k in set(ka) & set(kb) if k[0] == name), key=str)
+        res: dict[str, Any] = {"n_common_overlapped": len(keys)}
+        for obj in ("time", "energy"):
+            x = [ka[k][f"{obj}_rel_err"] for k in keys]
+            y = [kb[k][f"{obj}_rel_err"] for k in keys]
+            res[f"{obj}_residual_pearson"] = (float(pearsonr(x, y).statistic)
+                                              if len(keys) >= 3 else None)
+            res[f"{obj}_residual_spearman"] = _spearman(x, y)
+        out["partitions"][name] = res
+    return out
+
+
+def residuals(res: dict[str, Any], few: int = FEW_CTAS) -> dict[str, Any]:
+    """The ``--residuals`` result of a :func:`run` with ``detail=True``."""
+    grids = res["grids"]
+    pairs = [cross_grid_residuals(a, b) for i, a in enumerate(grids) for b in grids[i + 1:]
+             if (a["workload"], a["machine"]) == (b["workload"], b["machine"])]
+    return {
+        "what": "residuals emulated / measured - 1 per measured row (EMULATED on a CPU vs "
+                "MEASURED grids), by launch slot and CTA count; the slot-shift check "
+                "evaluates the emulator at the next op's slot where the configured slot's "
+                "op is a GEMM or attention kernel (the last op: sequential); no constant "
+                "changed",
+        "emulator": res["emulator"], "few_ctas_max": few,
+        "grids": [{"grid": g["grid"], "partitions": residual_summary(g, few),
+                   "rows": g["rows"]} for g in grids],
+        "cross_grid": pairs}
+
+
+def print_residuals(r: dict[str, Any]) -> None:
+    """Print the medians per slot, few and many CTAs, and the rank checks."""
+    few = r["few_ctas_max"]
+    for g in r["grids"]:
+        for name, p in g["partitions"].items():
+            print(f"{Path(g['grid']).name} {name}: median residual, emulated/measured - 1 "
+                  f"(time, energy; shifted time), clock MHz measured/emulated; "
+                  f"few <= {few} CTAs | many")
+            for s in p["slots"]:
+                cells = []
+                for band in ("few", "many"):
+                    b = p["by_slot"][s][band]
+                    if not b["n"]:
+                        cells.append(f"{'':41s}")
+                        continue
+                    cells.append(f"{_pct(b['time_rel_err'])} {_pct(b['energy_rel_err'])}; "
+                                 f"{_pct(b['shifted_time_rel_err'])}  "
+                                 f"{b['measured_clock_mhz']:4.0f}/{b['emulated_clock_mhz']:4.0f}")
+                print(f"  {s:10s} {cells[0]} | {cells[1]}")
+            lim = p["power_limited"]
+            if lim["n"]:
+                print(f"  {lim['n']} power-limited rows: clock {lim['measured_clock_mhz']:.0f} "
+                      f"measured, {lim['emulated_clock_mhz']:.0f} emulated; W per GPU "
+                      f"{lim['measured_power_w_per_gpu']:.0f} measured, "
+                      f"{lim['emulated_power_w_per_gpu']:.0f} emulated, "
+                      f"{lim['emulated_power_w_per_gpu_at_measured_clock']:.0f} emulated at the "
+                      f"measured clock; time residual {_pct(lim['time_rel_err'])}, at the "
+                      f"measured clock {_pct(lim['clock_matched_time_rel_err'])}")
+            print(f"  Spearman time / energy: {p['spearman_time']:.3f} / "
+                  f"{p['spearman_energy']:.3f}; with the slot shift "
+                  f"{p['spearman_time_slot_shift']:.3f} / {p['spearman_energy_slot_shift']:.3f}")
+    for c in r["cross_grid"]:
+        a, b = (Path(x).name for x in c["grids"])
+        for name, v in c["partitions"].items():
+            print(f"residuals of {a} vs {b}, {name}, {v['n_common_overlapped']} common "
+                  f"overlapped configurations: Pearson time {v['time_residual_pearson']:.2f}, "
+                  f"energy {v['energy_residual_pearson']:.2f}")
 
 
 def _savings(mine: list[dict[str, Any]], grid: list[dict[str, Any]]) -> dict[str, Any]:
@@ -362,8 +565,9 @@ def measurement_floor(a: Path, b: Path) -> dict[str, Any] | None:
 
 
 def run(grids: list[Path], gpu_profile: Path | None, gpu_name: str = "h200-sxm",
-        kernels: str | None = None) -> dict[str, Any]:
-    """Evaluate the emulator on ``grids``; the result written by ``--json``."""
+        kernels: str | None = None, detail: bool = False) -> dict[str, Any]:
+    """Evaluate the emulator on ``grids``; the result written by ``--json`` (``detail``:
+    rows with the fields :func:`residuals` needs)."""
     _, how = make_emulator(gpu_name, gpu_profile, kernels)
     floors = [f for i, a in enumerate(grids) for b in grids[i + 1:]
               if (f := measurement_floor(a, b)) is not None]
@@ -374,7 +578,7 @@ def run(grids: list[Path], gpu_profile: Path | None, gpu_name: str = "h200-sxm",
                 "the emulator's best grid configuration vs the measured best",
         "emulator": how, "machine": "emulated, CPU",
         "nccl_default_ctas": get_gpu(gpu_name).default_comm_sms, "targets": TARGETS,
-        "grids": [evaluate_grid(p, gpu_name, gpu_profile, kernels) for p in grids],
+        "grids": [evaluate_grid(p, gpu_name, gpu_profile, kernels, detail) for p in grids],
         "measurement_floor": floors}
 
 
@@ -436,18 +640,31 @@ def main(argv: list[str] | None = None) -> int:
                          "calibrate the ops; default 'as-run': per grid, the kernels that "
                          "grid ran (its attention from the SDPA probe, the eager 'reference' "
                          "set for norm, RoPE and SwiGLU)")
+    ap.add_argument("--residuals", type=Path,
+                    help="also write per-row measured and emulated time, energy, clock and "
+                         "power, the emulated timeline, and the residuals by launch slot and "
+                         "CTA count with the slot-shift check and their agreement between "
+                         "grids, here")
     args = ap.parse_args(argv)
     grids = args.grid or default_grids()
     if not grids:
         raise SystemExit("no measured grid found: pass --grid PATH")
     try:
-        res = run(grids, args.gpu_profile, kernels=args.kernels)
+        res = run(grids, args.gpu_profile, kernels=args.kernels,
+                  detail=args.residuals is not None)
     except (GPUProfileError, GridError) as exc:
         raise SystemExit(str(exc)) from None
     print_table(res)
+    command = "python bench/emulator_fidelity.py " + " ".join(
+        sys.argv[1:] if argv is None else argv)
+    if args.residuals:
+        resid = residuals(res)
+        print_residuals(resid)
+        resid["command"] = command
+        args.residuals.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(args.residuals, resid)
     if args.json:
-        res["command"] = "python bench/emulator_fidelity.py " + " ".join(
-            sys.argv[1:] if argv is None else argv)
+        res["command"] = command
         args.json.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(args.json, res)
     return 0
