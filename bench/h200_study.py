@@ -68,6 +68,9 @@ def main() -> int:  # noqa: C901 - a linear script
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, default=None, help="write every measurement here")
     ap.add_argument("--sms", default="2,4,8,16,24,32", help="SM counts of the grid")
+    ap.add_argument("--comm-priority", choices=("high", "normal"), default="high",
+                    help="stream priority of the capped collectives (the grids in data/ of "
+                         "2026-11/12 predate this option: normal)")
     ap.add_argument("--partitions", default="fwd_attn,fwd_mlp")
     ap.add_argument("--slots", default=None, help="restrict slots (comma list), default all")
     ap.add_argument("--search-budget", type=int, default=10)
@@ -133,10 +136,11 @@ def main() -> int:  # noqa: C901 - a linear script
     full = runnable_partitions(wl.with_(nanobatches=1), names)  # Megatron: no split
     sms_grid = [int(s) for s in args.sms.split(",")]
 
-    capped = NCCLCappedCollective()
+    capped = NCCLCappedCollective(high_priority=args.comm_priority == "high")
     for s in sms_grid:  # create every capped communicator up front (collective)
         capped.group_for(s)
-    executor = TorchExecutor(collective=capped, default_collective=ProcessGroupCollective())
+    executor = TorchExecutor(collective=capped, default_collective=ProcessGroupCollective(),
+                             comm_high_priority=args.comm_priority == "high")
     runner = TorchPartitionRunner(executor, seed=1234)
     pynvml.nvmlInit()
     meter = EnergyMeter()  # this process's GPU, found in NVML by its UUID
@@ -190,6 +194,7 @@ def main() -> int:  # noqa: C901 - a linear script
                      "previous nanobatch's all-reduce). comm_sms = NCCL min_ctas = max_ctas; "
                      "null = NCCL's own choice. launch_slot null = sequential."),
             "machine": f"{args.tp}x NVIDIA H200 SXM 141GB, NVLink",
+            "comm_priority": args.comm_priority,
             "software": {"torch": torch.__version__,
                          "nccl": ".".join(map(str, torch.cuda.nccl.version())),
                          "driver": pynvml.nvmlSystemGetDriverVersion()},

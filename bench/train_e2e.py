@@ -68,6 +68,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--backend", choices=BACKENDS, default="nccl_capped",
                     help="the plan's collectives (loopback: one GPU stands in for the group)")
     ap.add_argument("--kernels", default=None, help="kernel set (default: fused on a GPU)")
+    ap.add_argument("--comm-priority", choices=("high", "normal"), default="high",
+                    help="stream priority of the collectives (high: they take their SMs "
+                         "ahead of the overlapped op's pending blocks; normal: measure "
+                         "what that changes)")
     ap.add_argument("--overlap-reps", type=int, default=20,
                     help="runs per partition type for the overlap efficiency (0: skip)")
     ap.add_argument("--machine", default=None,
@@ -168,14 +172,18 @@ def main(argv: list[str] | None = None) -> int:  # a linear script
                              f"(not {world}), or on one GPU with --backend loopback")
         groups = TorchParallelGroups(tp=p.tp)
     caps = tuple(sorted({c.comm_sms for cs in plan.partition_configs().values() for c in cs}))
-    capped, default, note = make_collectives(groups, backend=args.backend, caps=caps)
+    high = args.comm_priority == "high"
+    capped, default, note = make_collectives(groups, backend=args.backend, caps=caps,
+                                             high_priority=high)
     named = named_collectives(groups, {c.backend for cs in plan.partition_configs().values()
-                                       for c in cs if c.backend}, caps=caps)
+                                       for c in cs if c.backend}, caps=caps,
+                              high_priority=high)
     trigger = StreamOrderedTrigger(DryRunFrequencyController(gpu=plan.gpu))
     loop = TrainingLoop(workload=wl, groups=groups, collective=capped,
                         default_collective=default, plan=plan, backends=named,
                         frequency=trigger,
-                        layers=args.layers, kernels=args.kernels, seed=args.seed, lr=args.lr)
+                        layers=args.layers, kernels=args.kernels, seed=args.seed, lr=args.lr,
+                        comm_high_priority=high)
     log(f"{world} rank(s), {wl.describe()}, {loop.layers} layers, "
         f"{loop.model.num_params / 1e6:.0f}M parameters per rank; collectives: {note}")
 
@@ -276,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:  # a linear script
                      "sample standard deviation over the repeats."),
             "machine": machine,
             "hardware": f"{world}x {gpu}",
+            "comm_priority": args.comm_priority,
             "loopback": loopback,
             "note": ("ONE-GPU LOOPBACK SMOKE RUN: one GPU runs one rank's shard of a "
                      f"TP={p.tp} x CP={p.cp} job and stands in for the rest of the group "

@@ -27,8 +27,10 @@ class StreamBackend(abc.ABC):
         """The stream work is enqueued on now."""
 
     @abc.abstractmethod
-    def new_stream(self, *, name: str) -> Any:
-        """A new stream (``name`` is for logs and fakes)."""
+    def new_stream(self, *, name: str, high_priority: bool = False) -> Any:
+        """A new stream (``name`` is for logs and fakes). ``high_priority``: the device
+        dispatches this stream's thread blocks ahead of those of normal-priority streams
+        as SMs free up (it never preempts running blocks)."""
 
     @abc.abstractmethod
     def record_event(self, stream: Any) -> Any:
@@ -57,9 +59,10 @@ class TorchStreamBackend(StreamBackend):
         """The current CUDA stream of the device."""
         return self._torch.cuda.current_stream(self.device)
 
-    def new_stream(self, *, name: str) -> Any:
-        """A new CUDA stream on the device (``name`` is unused)."""
-        return self._torch.cuda.Stream(device=self.device)
+    def new_stream(self, *, name: str, high_priority: bool = False) -> Any:
+        """A new CUDA stream on the device (``name`` is unused); priority -1 (high, as
+        PyTorch's FSDP gives its communication streams) when ``high_priority``."""
+        return self._torch.cuda.Stream(device=self.device, priority=-1 if high_priority else 0)
 
     def record_event(self, stream: Any) -> Any:
         """Record and return a CUDA event at the current end of ``stream``."""
@@ -79,6 +82,7 @@ class TorchStreamBackend(StreamBackend):
 @attrs.frozen
 class _FakeStream:
     name: str
+    high_priority: bool = False
 
 
 @attrs.frozen
@@ -107,9 +111,9 @@ class RecordingStreamBackend(StreamBackend):
         """The fake stream work is logged on now (``compute`` outside :meth:`use_stream`)."""
         return self._stack[-1]
 
-    def new_stream(self, *, name: str) -> _FakeStream:
-        """A new fake stream called ``name``."""
-        return _FakeStream(name)
+    def new_stream(self, *, name: str, high_priority: bool = False) -> _FakeStream:
+        """A new fake stream called ``name`` (its priority is kept, for tests)."""
+        return _FakeStream(name, high_priority)
 
     def record_event(self, stream: Any) -> _FakeEvent:
         """Log a record on ``stream``; return the event (it counts the launches before it)."""

@@ -187,13 +187,22 @@ class TorchExecutor(Executor):
         digest_exchange: ``digest -> list of every rank's digest``; ``None`` = an
             ``all_gather_object`` over the default process group (a single process
             without one compares with itself).
+        comm_high_priority: Run collectives on a high-priority stream (default), so that
+            a collective launched beside an op gets its SMs as soon as the previous op
+            frees them, ahead of that op's pending thread blocks, and overlaps it as the
+            plan assumes. At normal priority a GEMM that fills the GPU may be dispatched
+            first, and the collective then starts only in its last wave (the measured 2x
+            H200 grids point to this: docs/fidelity.md). Backends whose library runs
+            collectives on streams of its own take the priority in their own options
+            (:class:`~kareus.exec.collectives.NCCLCappedCollective`).
     """
 
     def __init__(self, *, collective: CollectiveBackend, plan: Plan | None = None,
                  streams: StreamBackend | None = None, frequency: FrequencyTrigger | None = None,
                  default_collective: CollectiveBackend | None = None,
                  backends: Mapping[str, CollectiveBackend] | None = None,
-                 digest_exchange: Callable[[str], Sequence[str]] | None = None) -> None:
+                 digest_exchange: Callable[[str], Sequence[str]] | None = None,
+                 comm_high_priority: bool = True) -> None:
         named = dict(backends or {})
         for label, backend in (("collective", collective),
                                ("default_collective", default_collective),
@@ -219,6 +228,7 @@ class TorchExecutor(Executor):
         self.frequency: FrequencyTrigger | None = frequency
         self._exchange = digest_exchange or _default_digest_exchange
         self._comm_stream: Any = None
+        self.comm_high_priority = bool(comm_high_priority)
         self._started = False
         self.current = None
 
@@ -227,7 +237,8 @@ class TorchExecutor(Executor):
     def comm_stream(self) -> Any:
         """The side stream collectives run on (created on first use)."""
         if self._comm_stream is None:
-            self._comm_stream = self.streams.new_stream(name="comm")
+            self._comm_stream = self.streams.new_stream(
+                name="comm", high_priority=self.comm_high_priority)
         return self._comm_stream
 
     def start(self) -> None:

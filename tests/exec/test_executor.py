@@ -291,3 +291,12 @@ def test_recording_executor_records_what_the_torch_executor_launches():
     assert launches.index("all_reduce(x0)") == launches.index("rope0") - 1
     assert launches.index("all_reduce(x1)") > launches.index("out_proj1")
     assert [op for _, op in fake.entries("op")[:5]] == list(OPS)
+
+
+def test_collectives_run_on_a_high_priority_stream_unless_told_not():
+    # High priority: the collective's thread blocks are dispatched ahead of the slot op's
+    # pending ones, so it overlaps that op as the plan assumes.
+    ex, _, _ = make()
+    assert ex.comm_stream.high_priority and ex.comm_stream.name == "comm"
+    ex, _, _ = make(comm_high_priority=False)
+    assert not ex.comm_stream.high_priority

@@ -34,11 +34,18 @@ class NCCLCappedCollective(CollectiveBackend):
     Args:
         group: Process group whose ranks take part (default: the world).
         max_sms: Largest cap accepted (default: NCCL's 64-channel limit).
+        high_priority: Create the capped groups with high-priority NCCL streams
+            (``ProcessGroupNCCL.Options().is_high_priority_stream``; default), so that a
+            capped collective launched beside an op takes its CTAs ahead of that op's
+            pending thread blocks (see :class:`~kareus.exec.executor.TorchExecutor`'s
+            ``comm_high_priority``). ProcessGroupNCCL runs collectives on streams of its
+            own, so the caller's stream priority does not reach them.
     """
 
     name: ClassVar[str] = "nccl_capped"
 
-    def __init__(self, *, group: Any = None, max_sms: int | None = None) -> None:
+    def __init__(self, *, group: Any = None, max_sms: int | None = None,
+                 high_priority: bool = True) -> None:
         torch, dist = _require_dist(group)
         try:
             has_caps = hasattr(dist.ProcessGroupNCCL.Options().config, "max_ctas")
@@ -59,6 +66,7 @@ class NCCLCappedCollective(CollectiveBackend):
         if not 1 <= self._max_sms <= NCCL_MAX_CTAS:
             raise CollectiveArgumentError(f"max_sms must be in 1..{NCCL_MAX_CTAS}, got {max_sms}")
         self._groups: dict[int, Any] = {}
+        self.high_priority = bool(high_priority)
 
     @property
     def world_size(self) -> int:
@@ -89,6 +97,8 @@ class NCCLCappedCollective(CollectiveBackend):
             opts = dist.ProcessGroupNCCL.Options()
             opts.config.max_ctas = sms
             opts.config.min_ctas = sms
+            if self.high_priority and hasattr(opts, "is_high_priority_stream"):
+                opts.is_high_priority_stream = True
             self._groups[sms] = dist.new_group(ranks=self._ranks, backend="nccl", pg_options=opts,
                                                use_local_synchronization=True)
         return self._groups[sms]

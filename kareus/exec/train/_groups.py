@@ -283,8 +283,8 @@ BACKENDS = ("nccl_capped", "own", "loopback")
 
 
 def make_collectives(groups: ParallelGroups, *, backend: str = "nccl_capped",
-                     caps: tuple[int, ...] = ()) -> tuple[GroupedCollective | None,
-                                                          GroupedCollective | None, str]:
+                     caps: tuple[int, ...] = (), high_priority: bool = True
+                     ) -> tuple[GroupedCollective | None, GroupedCollective | None, str]:
     """The collectives of a job: ``(capped, default, note)``.
 
     Args:
@@ -294,6 +294,9 @@ def make_collectives(groups: ParallelGroups, *, backend: str = "nccl_capped",
             ``"own"`` (kareus's SM-capped kernels on registered buffers) or
             ``"loopback"`` (one GPU: :class:`LoopbackGroupCollective`).
         caps: SM counts to create NCCL communicators for up front (every rank, same order).
+        high_priority: Capped NCCL communicators on high-priority streams
+            (:class:`~kareus.exec.collectives.NCCLCappedCollective`); pair it with the
+            executor's ``comm_high_priority``.
 
     Returns:
         The backend with exact SM caps, the one with the collectives' own CTA count
@@ -331,7 +334,7 @@ def make_collectives(groups: ParallelGroups, *, backend: str = "nccl_capped",
         if backend == "own":
             capped[g] = OwnKernelCollective(group=pg)
         else:
-            capped[g] = NCCLCappedCollective(group=pg)
+            capped[g] = NCCLCappedCollective(group=pg, high_priority=high_priority)
             for sms in caps:
                 capped[g].group_for(sms)
     note = ("OwnKernelCollective (kareus's SM-capped kernels, registered buffers)"
@@ -340,8 +343,8 @@ def make_collectives(groups: ParallelGroups, *, backend: str = "nccl_capped",
     return GroupedCollective(**capped), GroupedCollective(**default), note
 
 
-def named_collectives(groups: ParallelGroups, names: Any, *,
-                      caps: tuple[int, ...] = ()) -> dict[str, GroupedCollective]:
+def named_collectives(groups: ParallelGroups, names: Any, *, caps: tuple[int, ...] = (),
+                      high_priority: bool = True) -> dict[str, GroupedCollective]:
     """Collectives for a plan whose configurations name their backend
     (:attr:`ScheduleConfig.backend <kareus.model.config.ScheduleConfig.backend>`), for
     :class:`~kareus.exec.executor.TorchExecutor`'s ``backends=``.
@@ -351,6 +354,7 @@ def named_collectives(groups: ParallelGroups, names: Any, *,
             loopback (one GPU stands in for the group, whatever backend the plan chose).
         names: Backend names (of :data:`BACKENDS` other than ``"loopback"``).
         caps: SM counts to create NCCL communicators for up front.
+        high_priority: As :func:`make_collectives`'s.
 
     Raises:
         ValueError: a name this loop cannot build.
@@ -362,7 +366,8 @@ def named_collectives(groups: ParallelGroups, names: Any, *,
                              f"builds {[b for b in BACKENDS if b != 'loopback']}: make the "
                              "plan with those")
         kind = "loopback" if isinstance(groups, LoopbackGroups) else name
-        capped, _, _ = make_collectives(groups, backend=kind, caps=caps)
+        capped, _, _ = make_collectives(groups, backend=kind, caps=caps,
+                                        high_priority=high_priority)
         if capped is not None:
             out[name] = capped
     return out

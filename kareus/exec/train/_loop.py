@@ -156,6 +156,8 @@ class TrainingLoop:
         seed: Seed of the weights and of the data.
         lr: AdamW learning rate.
         schedule: Pipeline schedule name when there is no plan (default ``"1f1b"``).
+        comm_high_priority: Collectives on a high-priority stream, for every schedule
+            (:class:`~kareus.exec.executor.TorchExecutor`'s ``comm_high_priority``).
     """
 
     def __init__(self, *, workload: Workload, groups: Any, collective: Any = None,
@@ -163,7 +165,8 @@ class TrainingLoop:
                  backends: Any = None,
                  frequency: Any = None, layers: int | None = None, streams: Any = None,
                  kernels: Any = None, device: Any = None, dtype: str = "bfloat16",
-                 seed: int = 0, lr: float = 3e-4, schedule: str = "1f1b") -> None:
+                 seed: int = 0, lr: float = 3e-4, schedule: str = "1f1b",
+                 comm_high_priority: bool = True) -> None:
         import torch
 
         from kareus.model.partition import build_partitions
@@ -211,7 +214,7 @@ class TrainingLoop:
         named = dict(backends or {})
         self.baseline = TorchExecutor(collective=coll,
                                       default_collective=default_collective or coll,
-                                      streams=streams)
+                                      streams=streams, comm_high_priority=comm_high_priority)
         self.executor: TorchExecutor | None = None
         if plan is not None:
             wanted = {b for cs in plan.partition_configs().values() for c in cs
@@ -222,7 +225,8 @@ class TrainingLoop:
                                 "(kareus.exec.train.named_collectives)")
             self.executor = TorchExecutor(plan=plan, collective=coll, frequency=frequency,
                                           default_collective=default_collective or coll,
-                                          backends=named, streams=streams)
+                                          backends=named, streams=streams,
+                                          comm_high_priority=comm_high_priority)
             self.executor.start()  # every rank compares the plan's digest
         self._data(torch, seed)
         self.partitions_run: list[tuple[str, Any]] = []
