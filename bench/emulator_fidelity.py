@@ -40,6 +40,13 @@ whole microbatch without nanobatching (a partition built with ``nanobatches=1``)
 comm_backend="nccl")``; ``--gpu-profile h200-sxm`` names the profile shipped with kareus);
 until the emulator has that constructor it stops with a message saying so.
 
+**Stream priority.** Each grid is emulated at the stream priority its collectives ran at
+(:attr:`kareus.exec.EmulatedGPU.comm_priority`): the grid's ``"comm_priority"`` field
+(``bench/h200_study.py --comm-priority`` records it), else ``"normal"``: every grid
+measured before that option ran its collectives at normal priority, where a collective
+launched with an op gets SMs only once that op's blocks are all dispatched.
+``--comm-priority high|normal`` emulates every grid at that priority instead.
+
 The grids ran the runnable partitions' eager kernels of the time (hand-written RMSNorm and
 RoPE, copied K/V before SDPA): the emulated ops are fused. A calibrated emulator must take
 its per-op inputs from measurements of the kernels that ran.
@@ -47,15 +54,17 @@ its per-op inputs from measurements of the kernels that ran.
 ``--residuals PATH`` also writes, per measured row, measured and emulated time, energy, SM
 clock and power per GPU, the emulated timeline, the emulated time at the measured clock
 (power limit off), and the residuals (emulated / measured - 1) by launch slot and CTA
-count, with the launch-slot shift check (:func:`shifted_slot`) and the agreement of the
-residual pattern between grids of the same workload (docs/fidelity.md, "Where fwd_mlp's
-ranking departs").
+count, with the launch-slot shift check (:func:`shifted_slot`, evaluated at high priority)
+and the agreement of the residual pattern between grids of the same workload
+(docs/fidelity.md, "Where fwd_mlp's ranking departs").
 
 Usage (CPU, a few seconds)::
 
     python bench/emulator_fidelity.py --json bench/results/emulator_fidelity.json
     python bench/emulator_fidelity.py --gpu-profile h200-sxm \
         --residuals bench/results/emulator_fidelity_residuals.json
+    python bench/emulator_fidelity.py --gpu-profile h200-sxm --comm-priority high \
+        --residuals bench/results/emulator_fidelity_residuals_high.json
 """
 
 from __future__ import annotations
@@ -109,6 +118,23 @@ AS_RUN_ATTENTION = {
                                      "SDPA default dispatch, grouped K/V (enable_gqa)"),
 }
 AS_RUN = "as-run"
+# The stream priority of a grid that does not record one: every grid measured before
+# bench/h200_study.py took --comm-priority ran its collectives at normal priority.
+UNRECORDED_PRIORITY = "normal"
+
+
+def grid_priority(data: dict[str, Any], override: str | None = None) -> tuple[str, str]:
+    """The stream priority to emulate a measured grid at, and where it comes from:
+    ``override`` if given, else the grid's ``"comm_priority"``, else ``"normal"``."""
+    if override is not None:
+        return override, "--comm-priority"
+    recorded = data.get("comm_priority")
+    if recorded is not None:
+        if recorded not in ("high", "normal"):
+            raise GridError(f"measured grid has comm_priority {recorded!r}; expected 'high' "
+                            "or 'normal'")
+        return str(recorded), "recorded in the grid"
+    return UNRECORDED_PRIORITY, "not recorded: the grid predates the option (normal)"
 
 
 def load_profile(profile: Path) -> tuple[GPUProfile, str]:
@@ -150,14 +176,16 @@ def as_run_profile(prof: GPUProfile, grid: Path, workload: Workload,
 
 def make_emulator(gpu: str, profile: Path | None, kernels: str | None = None,
                   grid: Path | None = None, workload: Workload | None = None,
-                  recorded: str | None = None) -> tuple[EmulatedGPU, str]:
+                  recorded: str | None = None, comm_priority: str = "high"
+                  ) -> tuple[EmulatedGPU, str]:
     """The emulated GPU compared with a grid, and how it was made (for the JSON).
 
     ``kernels``: the profile's kernel set to calibrate ops with; ``"as-run"`` (the default
     with a profile): per grid, the measurements of the kernels that grid ran
-    (:func:`as_run_profile`)."""
+    (:func:`as_run_profile`). ``comm_priority``: the collective's stream priority
+    (:attr:`EmulatedGPU.comm_priority`), not named in the description."""
     if profile is None:
-        return (EmulatedGPU.from_spec(gpu, comm_backend="nccl"),
+        return (EmulatedGPU.from_spec(gpu, comm_backend="nccl", comm_priority=comm_priority),
                 f"preset {gpu} (uncalibrated), NCCL's measured collective curves")
     prof, where = load_profile(profile)
     digest = prof.digest[:12]
@@ -165,7 +193,8 @@ def make_emulator(gpu: str, profile: Path | None, kernels: str | None = None,
         prof, sets, how = as_run_profile(prof, grid, workload, recorded)
     else:
         sets, how = ((kernels,) if kernels else ()), f"kernel set {kernels or prof.kernel_set!r}"
-    emu = EmulatedGPU.from_profile(prof, comm_backend="nccl", kernels=sets or None)
+    emu = EmulatedGPU.from_profile(prof, comm_backend="nccl", kernels=sets or None,
+                                   comm_priority=comm_priority)
     return emu, (f"calibrated from {where} (digest {digest}): per-op measurements ({how}); "
                  "NCCL-capped collective curves fitted to its points")
 
@@ -193,8 +222,11 @@ def _cfg(r: dict[str, Any]) -> str:
 
 
 def evaluate_grid(path: Path, gpu_name: str, profile: Path | None = None,
-                  kernels: str | None = None, detail: bool = False) -> dict[str, Any]:
+                  kernels: str | None = None, detail: bool = False,
+                  comm_priority: str | None = None) -> dict[str, Any]:
     """Emulate every measured row of the grid file ``path``; errors, ranks and picks.
+    ``comm_priority``: emulate at this stream priority instead of the grid's
+    (:func:`grid_priority`).
     ``detail``: each row also gets the average power per GPU on both sides, the emulated
     timeline (collective start and end, end of the computation), the emulated time and
     power at the measured clock and the launch-slot shift check (:func:`shifted_slot`),
@@ -209,12 +241,17 @@ def evaluate_grid(path: Path, gpu_name: str, profile: Path | None = None,
                         f"{gpu_name}")
     workload = _workload(data["workload"])
     recorded = data.get("kernels") or (data.get("software") or {}).get("kernels")
+    priority, priority_from = grid_priority(data, comm_priority)
     gpu, how = make_emulator(gpu_name, profile, kernels, path, workload,
-                             recorded if isinstance(recorded, str) else None)
+                             recorded if isinstance(recorded, str) else None, priority)
     parts = build_partitions(workload)
     whole = build_partitions(workload.with_(nanobatches=1))
     prof = EmulatedProfiler(gpu, noise=0.0)
     free = EmulatedProfiler(gpu, noise=0.0, power_limit=False) if detail else None
+    # The slot-shift check evaluates the emulator at high priority (its meaning before the
+    # priority rule: the collective taking its SMs at the shifted slot).
+    high = (prof if gpu.comm_priority == "high"
+            else EmulatedProfiler(gpu.with_(comm_priority="high"), noise=0.0))
     rows: list[dict[str, Any]] = []
     for m in data["measurements"]:
         if "measurement" not in m:
@@ -228,7 +265,8 @@ def evaluate_grid(path: Path, gpu_name: str, profile: Path | None = None,
         clock = trace.freq_mhz
         meas = m["measurement"]
         if detail:
-            extra = _row_detail(prof, free, part, cfg, trace, emu, meas, m.get("sm_clock_mhz"))
+            extra = _row_detail(prof, free, part, cfg, trace, emu, meas, m.get("sm_clock_mhz"),
+                                high)
         rows.append({
             "kind": m["kind"], "partition": m["partition"], "comm_sms": c["comm_sms"],
             "launch_slot": c["launch_slot"], "gpus": part.group_gpus,
@@ -294,7 +332,8 @@ def evaluate_grid(path: Path, gpu_name: str, profile: Path | None = None,
             [r["emulated_ms"] / tscale / r["measured_ms"] - 1.0 for r in rows]),
     }
     overall["targets"] = _targets(overall, partitions)
-    return {"grid": _rel(path), "emulator": how, "machine": data.get("machine"),
+    return {"grid": _rel(path), "emulator": how, "comm_priority": priority,
+            "comm_priority_from": priority_from, "machine": data.get("machine"),
             "measured_with": data.get("command"), "software": data.get("software"),
             "workload": workload.describe(),
             "energy_scope": f"total energy of one partition run over its {rows[0]['gpus']} "
@@ -312,9 +351,11 @@ def shifted_slot(part: Partition, slot: str | None) -> str | None:
     """The launch-slot shift check: the slot at which the collective would start if,
     launched with a GEMM or attention kernel, it got SMs only once that kernel's blocks
     were all dispatched, i.e. with the next op (after the last op: sequential). Other slots
-    are kept. Evaluating the emulator at this slot changes no constant. The rule reads the
-    emulated op's kind, not the first kernel that ran at the slot (in the first TP=2 grid
-    ``attn_core`` began with a copy of K and V, so the shift does not apply there)."""
+    are kept. Evaluating the emulator at high priority at this slot changes no constant. The
+    check reads the emulated op's kind, not the first kernel that ran at the slot (in the
+    first TP=2 grid ``attn_core`` began with a copy of K and V, so the shift does not apply
+    there). The emulator's rule for normal priority (``EmulatedGPU.comm_priority``) goes
+    further: every op, memory-bound ones too, delays the collective to its end."""
     if slot is None:
         return None
     names = [s.name for s in sorted(part.slots, key=lambda s: s.index)]
@@ -326,18 +367,19 @@ def shifted_slot(part: Partition, slot: str | None) -> str | None:
 
 def _row_detail(prof: EmulatedProfiler, free: Any, part: Partition, cfg: ScheduleConfig,
                 trace: Any, emu: Any, meas: dict[str, float],
-                clock: float | None) -> dict[str, Any]:
+                clock: float | None, high: EmulatedProfiler) -> dict[str, Any]:
     """Per-row detail for ``--residuals`` (see :func:`evaluate_grid`); ``free``: the
     emulator without its power limit, run at the supported clock nearest the measured
-    one (``clock``): the row's time and power were the power model right at that clock."""
+    one (``clock``): the row's time and power were the power model right at that clock;
+    ``high``: the emulator at high stream priority, for the slot-shift check."""
     g = part.group_gpus
     at: Any = None
     if clock:
         f = min(prof.gpu.clocks_mhz, key=lambda c: abs(c - clock))
         at = free.ground_truth(part, ScheduleConfig(f, cfg.comm_sms, cfg.launch_slot))
     sh = shifted_slot(part, cfg.launch_slot)
-    alt = emu if sh == cfg.launch_slot else prof.ground_truth(
-        part, ScheduleConfig(cfg.freq_mhz, cfg.comm_sms, sh))
+    alt = (emu if sh == cfg.launch_slot and high is prof else high.ground_truth(
+        part, ScheduleConfig(cfg.freq_mhz, cfg.comm_sms, sh)))
     order = [s.name for s in sorted(part.slots, key=lambda s: s.index)]
     ms = 1e3
     return {
@@ -438,11 +480,13 @@ def residuals(res: dict[str, Any], few: int = FEW_CTAS) -> dict[str, Any]:
     return {
         "what": "residuals emulated / measured - 1 per measured row (EMULATED on a CPU vs "
                 "MEASURED grids), by launch slot and CTA count; the slot-shift check "
-                "evaluates the emulator at the next op's slot where the configured slot's "
-                "op is a GEMM or attention kernel (the last op: sequential); no constant "
-                "changed",
-        "emulator": res["emulator"], "few_ctas_max": few,
-        "grids": [{"grid": g["grid"], "partitions": residual_summary(g, few),
+                "evaluates the emulator at high stream priority at the next op's slot where "
+                "the configured slot's op is a GEMM or attention kernel (the last op: "
+                "sequential); no constant changed",
+        "emulator": res["emulator"], "comm_priority": res["comm_priority"],
+        "few_ctas_max": few,
+        "grids": [{"grid": g["grid"], "comm_priority": g["comm_priority"],
+                   "partitions": residual_summary(g, few),
                    "rows": g["rows"]} for g in grids],
         "cross_grid": pairs}
 
@@ -565,9 +609,11 @@ def measurement_floor(a: Path, b: Path) -> dict[str, Any] | None:
 
 
 def run(grids: list[Path], gpu_profile: Path | None, gpu_name: str = "h200-sxm",
-        kernels: str | None = None, detail: bool = False) -> dict[str, Any]:
+        kernels: str | None = None, detail: bool = False,
+        comm_priority: str | None = None) -> dict[str, Any]:
     """Evaluate the emulator on ``grids``; the result written by ``--json`` (``detail``:
-    rows with the fields :func:`residuals` needs)."""
+    rows with the fields :func:`residuals` needs; ``comm_priority``: every grid at this
+    stream priority instead of its own, :func:`grid_priority`)."""
     _, how = make_emulator(gpu_name, gpu_profile, kernels)
     floors = [f for i, a in enumerate(grids) for b in grids[i + 1:]
               if (f := measurement_floor(a, b)) is not None]
@@ -577,8 +623,10 @@ def run(grids: list[Path], gpu_profile: Path | None, gpu_name: str = "h200-sxm",
                 "Spearman among overlapped grid configurations, and the measured value of "
                 "the emulator's best grid configuration vs the measured best",
         "emulator": how, "machine": "emulated, CPU",
+        "comm_priority": comm_priority or "per grid: recorded, else normal",
         "nccl_default_ctas": get_gpu(gpu_name).default_comm_sms, "targets": TARGETS,
-        "grids": [evaluate_grid(p, gpu_name, gpu_profile, kernels, detail) for p in grids],
+        "grids": [evaluate_grid(p, gpu_name, gpu_profile, kernels, detail, comm_priority)
+                  for p in grids],
         "measurement_floor": floors}
 
 
@@ -590,7 +638,8 @@ def print_table(res: dict[str, Any]) -> None:
     """Print one line per grid and partition."""
     print(f"emulator: {res['emulator']} (EMULATED) vs MEASURED grids")
     for g in res["grids"]:
-        print(f"  {Path(g['grid']).name}: {g['emulator']}")
+        print(f"  {Path(g['grid']).name}: {g['emulator']}; collective at "
+              f"{g['comm_priority']} stream priority ({g['comm_priority_from']})")
     print(f"{'grid':34s} {'part':8s} {'n':>4s} | {'t err':>6s} {'E err':>6s} | "
           f"{'rho t':>5s} {'rho E':>5s} | {'pick E':>6s} {'pick t':>6s}")
     for g in res["grids"]:
@@ -645,13 +694,17 @@ def main(argv: list[str] | None = None) -> int:
                          "power, the emulated timeline, and the residuals by launch slot and "
                          "CTA count with the slot-shift check and their agreement between "
                          "grids, here")
+    ap.add_argument("--comm-priority", choices=("high", "normal"), default=None,
+                    help="emulate every grid with its collectives at this stream priority "
+                         "(default: per grid, its recorded 'comm_priority', else normal: the "
+                         "grids measured before bench/h200_study.py recorded it)")
     args = ap.parse_args(argv)
     grids = args.grid or default_grids()
     if not grids:
         raise SystemExit("no measured grid found: pass --grid PATH")
     try:
         res = run(grids, args.gpu_profile, kernels=args.kernels,
-                  detail=args.residuals is not None)
+                  detail=args.residuals is not None, comm_priority=args.comm_priority)
     except (GPUProfileError, GridError) as exc:
         raise SystemExit(str(exc)) from None
     print_table(res)

@@ -511,6 +511,9 @@ def _profiler_identity(profiler: Profiler) -> dict[str, Any]:
     calibration = getattr(inner, "calibration", None)
     if isinstance(calibration, str) and calibration:  # an emulator from a measured profile
         ident["calibration"] = calibration
+    priority = getattr(inner, "comm_priority", None)
+    if isinstance(priority, str) and priority != "high":  # an emulator at normal priority
+        ident["comm_priority"] = priority
     data = getattr(inner, "data", None)
     if isinstance(data, dict):
         ident["data_digest"] = _digest_json(data)

@@ -26,7 +26,11 @@ runs on this model, so it is built as a performance model, not a lookup table:
   explains (both measured on H200). Rates are recomputed at every event (a kernel
   or a kernel's phase starts or ends), so a partition needs a few dozen events at most.
   The collective starts together with the op of its launch slot (or after all
-  computation, when sequential).
+  computation, when sequential) when its stream has high priority (the default,
+  ``EmulatedGPU.comm_priority``; what kareus's executor does). At normal priority the
+  block scheduler dispatches the slot op's blocks first and the collective starts at the
+  op's last wave, which the emulator takes as the op's end (ops carry no shape from which
+  to count waves): launched with the last op, it is sequential.
 * **Power** = idle power + dynamic. Dynamic SM power is activity x f x V(f)^2 with V(f)
   flat below a floor clock and linear above it (a tensor-core term for GEMM/attention, a
   busy-SM term for every kernel, an uncore term while anything runs), plus HBM energy

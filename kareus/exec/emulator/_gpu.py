@@ -42,6 +42,15 @@ def _fraction(instance: object, attribute: attrs.Attribute, value: float) -> Non
         raise ValueError(f"EmulatedGPU.{attribute.name} must be in (0, 1], got {value!r}")
 
 
+COMM_PRIORITIES = ("high", "normal")
+
+
+def _priority(instance: object, attribute: attrs.Attribute, value: str) -> None:
+    if value not in COMM_PRIORITIES:
+        raise ValueError(f"EmulatedGPU.{attribute.name} must be 'high' or 'normal', got "
+                         f"{value!r}")
+
+
 def _comm_curves_tuple(value: Iterable[Sequence[Any]]) -> tuple[CommCurve, ...]:
     """The converter of :attr:`EmulatedGPU.comm_curves`: records from 4-tuples."""
     return tuple(CommCurve(str(k), int(g), float(r), float(lk)) for k, g, r, lk in value)
@@ -126,6 +135,22 @@ class EmulatedGPU:
             model_s, source)``; an op of a partition type with a record uses it, any other
             op its kind's default (``partition == "*"``). Empty: the op model as is.
         calibration: How this model was calibrated (``""``: the preset's constants).
+        comm_priority: The stream priority the collective runs at, relative to the
+            computation: ``"high"`` (default; what kareus's executor does) or ``"normal"``.
+            Not a fitted constant but a rule of the block scheduler: it dispatches the
+            waiting thread blocks of a higher-priority stream first, and at equal priority
+            those of the kernel that came first. At ``"high"`` a collective launched with
+            op k takes its SMs when op k starts. At ``"normal"`` it gets SMs only once op
+            k's blocks have all been dispatched, i.e. at the start of op k's last wave.
+            :class:`~kareus.model.ops.ComputeOp` carries FLOPs and bytes but no shape, so
+            an op's block count (a GEMM's output tiles, an elementwise op's bytes per block)
+            cannot be derived without inventing a tile or block size; the emulator takes
+            the limit of many waves, where the last wave begins at the op's end: the
+            collective starts when op k ends, as if launched with op k+1 at high priority,
+            and launched with the last op it runs after the computation (sequential). (The
+            MLP GEMMs of the measured 2x H200 grids have 1536-2048 output tiles of 128x256,
+            11.6-15.5 waves on 132 SMs: their last wave begins 6-8% of the GEMM before its
+            end.)
     """
 
     spec: GPUSpec = attrs.field(converter=get_gpu)
@@ -161,11 +186,12 @@ class EmulatedGPU:
     op_calibration: tuple[OpCalibration, ...] = attrs.field(default=(),
                                                             converter=_op_calibration_tuple)
     calibration: str = attrs.field(default="")
+    comm_priority: str = attrs.field(default="high", validator=_priority)
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_spec(cls, gpu: str | GPUSpec, *, comm_backend: str | None = None,
-                  **overrides: Any) -> EmulatedGPU:
+                  comm_priority: str = "high", **overrides: Any) -> EmulatedGPU:
         """The model of ``gpu`` with the documented default constants.
 
         Known presets (``a100-40gb``, ``h100-sxm``, ``h200-sxm``) get their own constants;
@@ -179,6 +205,8 @@ class EmulatedGPU:
                 measured on H200), or ``"custom"`` (only the scalar ``comm_gb_per_s_per_sm``
                 and ``comm_link_gb_per_s``). ``None``: ``"custom"`` if either scalar is
                 overridden, else ``"own"``.
+            comm_priority: The collective's stream priority, ``"high"`` or ``"normal"``
+                (:attr:`comm_priority`).
         """
         spec = get_gpu(gpu)
         if comm_backend is None:
@@ -189,6 +217,7 @@ class EmulatedGPU:
                              f"{comm_backend!r}")
         base = _default_constants(spec)
         base["comm_curves"] = () if comm_backend == "custom" else _comm_curves(spec, comm_backend)
+        base["comm_priority"] = comm_priority
         base.update(overrides)
         return cls(spec=spec, **base)
 
@@ -200,7 +229,7 @@ class EmulatedGPU:
 
     @classmethod
     def from_profile(cls, profile: Any, *, comm_backend: str = "own",
-                     kernels: str | Sequence[str] | None = None,
+                     kernels: str | Sequence[str] | None = None, comm_priority: str = "high",
                      **overrides: Any) -> EmulatedGPU:
         """The model of a GPU calibrated from a measured profile.
 
@@ -219,6 +248,8 @@ class EmulatedGPU:
                 of priority (default: the profile's main set, e.g. ``"triton"``;
                 ``"reference"`` for the eager formulas the first measured grids ran); ops
                 no listed set holds use the main set's records.
+            comm_priority: The collective's stream priority, ``"high"`` or ``"normal"``
+                (:attr:`comm_priority`; not part of the calibration).
             **overrides: Constants to override after calibration.
 
         Raises:
@@ -231,7 +262,7 @@ class EmulatedGPU:
             text = str(profile)
             profile = (GPUProfile.preset(text) if text in shipped_profiles()
                        else GPUProfile.load(text))
-        base = cls.from_spec(profile.gpu, comm_backend="custom")
+        base = cls.from_spec(profile.gpu, comm_backend="custom", comm_priority=comm_priority)
         if base.sm_count != profile.sm_count:
             raise GPUProfileError(f"GPU profile of {profile.gpu} was measured with "
                                   f"{profile.sm_count} SMs; the preset has {base.sm_count}")

@@ -58,6 +58,9 @@ class EmulatedProfiler(Profiler):
             group size.
         power_limit: Whether the emulated GPU lowers its clock above its power limit
             (default True, as real GPUs do).
+        comm_priority: The collective's stream priority, ``"high"`` or ``"normal"``
+            (:attr:`EmulatedGPU.comm_priority`); ``None``: the emulated GPU's (``"high"``
+            unless it was made otherwise). Part of the run's manifest when not ``"high"``.
 
     Scope: a partition's Measurement covers every GPU of its group: per-GPU energy x GPUs,
     and static power x GPUs (the ranks of a collective are symmetric).
@@ -72,6 +75,7 @@ class EmulatedProfiler(Profiler):
         seed: int = 0,
         group_gpus: int | Callable[[Partition], int] | None = None,
         power_limit: bool = True,
+        comm_priority: str | None = None,
     ) -> None:
         if gpu is None:
             gpu = "a100-40gb"
@@ -80,6 +84,8 @@ class EmulatedProfiler(Profiler):
         if not isinstance(gpu, EmulatedGPU):
             raise TypeError(f"gpu must be an EmulatedGPU, GPUSpec or preset name, got "
                             f"{type(gpu).__name__}")
+        if comm_priority is not None and comm_priority != gpu.comm_priority:
+            gpu = gpu.with_(comm_priority=comm_priority)
         for label, value in (("noise", noise), ("time_noise", time_noise)):
             if value is not None and not (isinstance(value, (int, float)) and 0 <= value < 0.5):
                 raise ValueError(f"{label} must be in [0, 0.5), got {value!r}")
@@ -176,6 +182,12 @@ class EmulatedProfiler(Profiler):
             time_s += dt
             energy += wait_w * dt + e_link * nbytes
         return time_s, energy
+
+    @property
+    def comm_priority(self) -> str:
+        """The collective's stream priority, ``"high"`` or ``"normal"``
+        (:attr:`EmulatedGPU.comm_priority`); part of a run's manifest when ``"normal"``."""
+        return self.emulated_gpu.comm_priority
 
     @property
     def calibration(self) -> str:

@@ -4,6 +4,11 @@ While the collective runs, its SMs are taken from the computation; HBM bandwidth
 shared in proportion to the kernels' demands when they ask for more than the memory
 delivers. Rates are recomputed at every event (a kernel or a kernel's phase starts or
 ends), so a partition needs a few dozen events at most.
+
+The collective launched with op k gets its SMs when op k starts if its stream has high
+priority (:attr:`EmulatedGPU.comm_priority` ``"high"``), and once op k's thread blocks have
+all been dispatched if not (``"normal"``): in the limit of many waves that an op without a
+shape implies, at op k's end.
 """
 
 from __future__ import annotations
@@ -105,7 +110,10 @@ class _Sim:
         Args:
             f_mhz: SM clock.
             comms: The collectives; at most one may overlap (``start_op`` set); those
-                with ``start_op=None`` run one after another at the end.
+                with ``start_op=None`` run one after another at the end. The overlapped
+                one starts with op ``start_op`` at high stream priority, at that op's end
+                at normal priority (:attr:`EmulatedGPU.comm_priority`; launched with the
+                last op, it then runs after the computation).
             detail: Whether to return per-op timings.
 
         Returns:
@@ -147,6 +155,13 @@ class _Sim:
 
         # Comm stream state: the pending overlapped collective, the active one with phase.
         pending_overlap = overlapped[0] if overlapped else None
+        # The op whose start the overlapped collective starts with: its slot's op at high
+        # priority; at normal priority the slot op's blocks are dispatched first, and the
+        # collective gets SMs at the start of that op's last wave, taken as its end (the
+        # many-wave limit, EmulatedGPU.comm_priority): the start of the next op's launch.
+        launch_op = -1
+        if pending_overlap is not None and pending_overlap.start_op is not None:
+            launch_op = pending_overlap.start_op + (1 if gpu.comm_priority == "normal" else 0)
         active: _RunningCollective | None = None
         comm_rate0_cache: dict[tuple[int, bool, str, int], float] = {}
 
@@ -166,13 +181,13 @@ class _Sim:
         while True:
             # Launch the overlapped collective when op at its slot starts.
             if (pending_overlap is not None and i < n and in_gap and gap_left == gap
-                    and i == pending_overlap.start_op):
+                    and i == launch_op):
                 active = start_comm(pending_overlap)
                 pending_overlap = None
                 comm_start = t
             compute_active = i < n
             if not compute_active and active is None:
-                if pending_overlap is not None:  # slot index past the end: run after
+                if pending_overlap is not None:  # launch op past the end: run after
                     tail.insert(0, pending_overlap)
                     pending_overlap = None
                 if tail:
