@@ -7,7 +7,9 @@ emulated, in a fresh output folder each time) alternately alone and beside ``--b
 processes that keep one core busy each (numpy matrix products on one BLAS thread, as a
 neighbouring analysis job would), interleaved in one run so that drift of
 the machine touches both arms alike, and reports the median wall times and their ratio
-(target: at most 1.5).
+(target: at most 1.5). A control, a single-threaded loop that needs a fixed amount of CPU
+time and does no I/O, runs right after the job in each arm: its ratio is what the machine
+does to any single-threaded process beside the same busy ones.
 
 Usage::
 
@@ -44,6 +46,21 @@ while time.monotonic() < end:
 """
 
 
+# The control: a single-threaded pure-Python loop with no I/O that needs a fixed amount of
+# one core's time. Beside the same busy processes it shows what the machine itself does to
+# any single-threaded job: with three tasks on two cores, fair sharing gives it 2/3 of a
+# core (1.5x); more where the virtual CPUs share physical cores, caches or memory bandwidth.
+def _run_control(cpu_s: float) -> float:
+    """Wall time of a loop that needs ``cpu_s`` seconds of one core (measured alone it is
+    ``cpu_s``; the loop stops by the process's CPU clock, so beside busy processes it runs
+    longer in wall time)."""
+    code = (f"import time\nend = time.process_time() + {cpu_s!r}\nn = 0\n"
+            "while time.process_time() < end:\n    n += sum(i * i for i in range(10000))\n")
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "-c", code], check=True)
+    return time.monotonic() - t0
+
+
 def _run_job(folder: Path) -> tuple[float, dict]:
     out = folder / "out"
     t0 = time.monotonic()
@@ -60,11 +77,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=3, help="runs per arm (default 3)")
     ap.add_argument("--busy", type=int, default=2, help="busy processes (default 2)")
+    ap.add_argument("--control-cpu-s", type=float, default=5.0,
+                    help="CPU seconds of the control loop (default 5)")
     ap.add_argument("--json", type=Path, default=None, help="write the result here")
     args = ap.parse_args(argv)
 
     alone: list[float] = []
     beside: list[float] = []
+    control_alone: list[float] = []
+    control_beside: list[float] = []
     figures = []
     loads: list[float] = []  # other users of the machine show here; interleaving shares them
     with tempfile.TemporaryDirectory(prefix="kareus-busy-") as tmp:
@@ -78,22 +99,29 @@ def main(argv: list[str] | None = None) -> int:
                     time.sleep(1.0)  # let them load the CPU first
                 try:
                     wall, systems = _run_job(Path(tmp) / f"{arm}-{r}")
+                    control = _run_control(args.control_cpu_s)
                 finally:
                     for h in hogs:
                         h.terminate()
                     for h in hogs:
                         h.wait()
                 (alone if arm == "alone" else beside).append(wall)
+                (control_alone if arm == "alone" else control_beside).append(control)
                 figures.append(systems)
                 loads.append(os.getloadavg()[0])
-                print(f"run {r + 1}/{args.repeats} {arm:5s}: {wall:6.1f} s (load average "
-                      f"{loads[-1]:.1f})", flush=True)
+                print(f"run {r + 1}/{args.repeats} {arm:5s}: {wall:6.1f} s, control "
+                      f"{control:5.1f} s (load average {loads[-1]:.1f})", flush=True)
     ratio = statistics.median(beside) / statistics.median(alone)
+    control_ratio = statistics.median(control_beside) / statistics.median(control_alone)
     same = all(f == figures[0] for f in figures)
     print()
     print(f"README job, median of {args.repeats}: alone {statistics.median(alone):.1f} s, "
           f"beside {args.busy} busy processes {statistics.median(beside):.1f} s: "
           f"ratio {ratio:.2f} (target <= 1.5); figures identical across runs: {same}")
+    print(f"control (a single-threaded loop of {args.control_cpu_s:.0f} CPU-s, no I/O), same "
+          f"conditions: alone {statistics.median(control_alone):.1f} s, beside "
+          f"{statistics.median(control_beside):.1f} s: ratio {control_ratio:.2f}; kareus / "
+          f"control {ratio / control_ratio:.2f}")
     result = {
         "what": "README job (kareus optimize, emulated) alone and beside busy processes, "
                 "interleaved",
@@ -102,6 +130,11 @@ def main(argv: list[str] | None = None) -> int:
         "median_alone_s": statistics.median(alone),
         "median_beside_busy_s": statistics.median(beside),
         "ratio": ratio, "target_ratio": 1.5, "figures_identical": same,
+        "control": {"what": "single-threaded pure-Python loop needing a fixed CPU time, no "
+                            "I/O, run right after the job in the same arm",
+                    "cpu_s": args.control_cpu_s, "alone_s": control_alone,
+                    "beside_busy_s": control_beside, "ratio": control_ratio},
+        "ratio_over_control": ratio / control_ratio,
         "load_average_1min_after_each_run": loads,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "python": platform.python_version()},
