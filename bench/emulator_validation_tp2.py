@@ -13,6 +13,13 @@ NCCL's own CTA choice (``comm_sms`` null) is taken as 32, as in the calibration.
 ``megatron`` baseline is the whole microbatch without nanobatching (a partition built with
 ``nanobatches=1``), emulated as such.
 
+Stream priority (:attr:`~kareus.exec.emulator.EmulatedGPU.comm_priority`): the grid is
+emulated at the priority its collectives ran at, its ``"comm_priority"`` field
+(``bench/h200_study.py --comm-priority`` records it), else ``"normal"`` (this grid predates
+the option and ran NCCL at normal priority: a collective launched with op k starts when op
+k ends); ``--comm-priority high|normal`` emulates it at that priority instead
+(``measured``, the default: as measured).
+
 Usage::
 
     python bench/emulator_validation_tp2.py --json bench/results/emulator_validation_tp2.json
@@ -36,6 +43,26 @@ from kareus.model.workload import Workload
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data" / "h200_llama3b_tp2_grid.json"
 CALIBRATION = REPO / "bench" / "results" / "emulator_calibration.json"
+# The stream priority of a grid that does not record one: every grid measured before
+# bench/h200_study.py took --comm-priority ran its collectives at normal priority.
+UNRECORDED_PRIORITY = "normal"
+
+
+def grid_priority(data: dict[str, object], override: str | None = None) -> tuple[str, str]:
+    """The stream priority to emulate the measured grid at, and where it comes from:
+    ``override`` (``"high"``/``"normal"``; ``None`` or ``"measured"``: none) if given, else
+    the grid's ``"comm_priority"``, else ``"normal"``."""
+    if override not in (None, "measured"):
+        if override not in ("high", "normal"):
+            raise ValueError(f"comm_priority {override!r}; expected high, normal or measured")
+        return str(override), "--comm-priority"
+    recorded = data.get("comm_priority")
+    if recorded is not None:
+        if recorded not in ("high", "normal"):
+            raise ValueError(f"measured grid has comm_priority {recorded!r}; expected 'high' "
+                             "or 'normal'")
+        return str(recorded), "recorded in the grid"
+    return UNRECORDED_PRIORITY, "not recorded: the grid predates the option (normal)"
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -58,7 +85,9 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     backend = "nccl"
     if args.preset_comm:
         overrides, backend = {}, "own"
-    gpu = EmulatedGPU.from_spec("h200-sxm", comm_backend=backend, **overrides)
+    priority, priority_from = grid_priority(data, args.comm_priority)
+    gpu = EmulatedGPU.from_spec("h200-sxm", comm_backend=backend, comm_priority=priority,
+                                **overrides)
     prof = EmulatedProfiler(gpu, noise=0.0)  # scope: the stage's TP GPUs, as measured
     rows = []
     for m in data["measurements"]:
@@ -80,7 +109,8 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         "what": "emulated (h200-sxm preset + NCCL constants fitted on the 4-GPU probe, noise off) "
                 "vs measured (data/h200_llama3b_tp2_grid.json, 2x H200); energy over the 2 GPUs",
         "machine": "2-core CPU, emulated", "nccl_default_ctas": args.nccl_default_ctas,
-        "comm_backend": backend, "overrides": overrides}
+        "comm_backend": backend, "overrides": overrides,
+        "comm_priority": priority, "comm_priority_from": priority_from}
     summary = {}
     for name in ("fwd_attn", "fwd_mlp", "all"):
         sel = [r for r in rows if name == "all" or r["partition"] == name]
@@ -112,8 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nccl-default-ctas", type=int, default=32)
     ap.add_argument("--preset-comm", action="store_true",
                     help="model kareus's own kernels (the preset) instead of NCCL")
+    ap.add_argument("--comm-priority", choices=("high", "normal", "measured"),
+                    default="measured",
+                    help="stream priority to emulate the grid at (default measured: the "
+                         "grid's 'comm_priority', else normal, as it ran)")
     args = ap.parse_args(argv)
     res = run(args)
+    print(f"at {res['comm_priority']} stream priority ({res['comm_priority_from']})")
     print(f"{'kind':>11} {'part':>8} {'sms':>4} {'slot':>9} | {'ms meas':>7} {'ms emu':>7} "
           f"{'err':>6} | {'J meas':>6} {'J emu':>6} {'err':>6} | {'MHz m':>6} {'MHz e':>5}")
     for r in res["rows"]:  # type: ignore[union-attr]
