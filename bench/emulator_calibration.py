@@ -52,7 +52,7 @@ from pathlib import Path
 import attrs
 import numpy as np
 
-from kareus.exec.emulator import EmulatedGPU, EmulatedProfiler
+from kareus.exec.emulator import EmulatedGPU, EmulatedProfiler, measured_priority
 from kareus.model.config import ScheduleConfig
 from kareus.model.ops import CommKind, CommOp, ComputeOp, OpKind
 from kareus.model.partition import OpPartition, OutsideWork
@@ -62,28 +62,8 @@ ELEMS = 96 * 2**20  # 96M elements: "a 96M-element bf16 tensor"
 M, K, N = 8192, 4096, 4096
 AR_BYTES = M * K * 2  # 64 MiB
 GROUP = 4
-# The stream priority of measured data that does not record one: the 4x H200 probe and the
-# 2x H200 repeat ran NCCL's collectives at its default, normal priority.
-UNRECORDED_PRIORITY = "normal"
 # The priority the two fits are made at (module docstring).
 FIT_PRIORITY = "high"
-
-
-def data_priority(data: dict[str, object], override: str | None = None) -> tuple[str, str]:
-    """The stream priority to emulate measured ``data`` at, and where it comes from:
-    ``override`` (``"high"``/``"normal"``; ``None`` or ``"measured"``: none) if given, else
-    the data's ``"comm_priority"``, else ``"normal"``."""
-    if override not in (None, "measured"):
-        if override not in ("high", "normal"):
-            raise ValueError(f"comm_priority {override!r}; expected high, normal or measured")
-        return str(override), "--comm-priority"
-    recorded = data.get("comm_priority")
-    if recorded is not None:
-        if recorded not in ("high", "normal"):
-            raise ValueError(f"measured data have comm_priority {recorded!r}; expected 'high' "
-                             "or 'normal'")
-        return str(recorded), "recorded in the data"
-    return UNRECORDED_PRIORITY, "not recorded: the data predate the option (normal)"
 
 
 def probe_partition() -> OpPartition:
@@ -229,13 +209,13 @@ def overlap_probe_check(comm_priority: str | None = None) -> dict[str, object]:
 
     The probe's runs are short (not at the power-limited steady state), so times are
     also compared relative to the GEMM chain alone of the same source. At the probe's
-    stream priority (:func:`data_priority`; ``comm_priority`` overrides it).
+    stream priority (:func:`kareus.exec.emulator.measured_priority`; ``comm_priority`` overrides it).
     """
     if not OVERLAP_PROBE.exists():
         return {}
     probe = json.loads(OVERLAP_PROBE.read_text())
     meas = probe["ms"]
-    priority, priority_from = data_priority(probe, comm_priority)
+    priority, priority_from = measured_priority(probe, comm_priority)
     out: dict[str, object] = {"comm_priority": f"{priority} ({priority_from})"}
     comm = CommOp(name="ar", kind=CommKind.ALL_REDUCE, bytes=float(AR_BYTES), group_size=2)
     part = gemm_chain(4, comm)
@@ -279,7 +259,7 @@ def repeat_check(rows4: list[dict[str, object]], default_ctas: int,
     emulator's best row ranks in the 4x measurement, and ``gpu2`` (default: the h200-sxm
     preset with NCCL's measured group-2 curve; default CTAs ``default_ctas``) against the
     2x medians: where its best schedule ranks by the medians and in each round, at the
-    repeat's stream priority (:func:`data_priority`; ``comm_priority`` overrides it).
+    repeat's stream priority (:func:`kareus.exec.emulator.measured_priority`; ``comm_priority`` overrides it).
     """
     if not REPEAT.exists():
         return {"missing": str(REPEAT)}
@@ -305,7 +285,7 @@ def repeat_check(rows4: list[dict[str, object]], default_ctas: int,
     part2 = OpPartition(name="h200_probe_tp2", compute_ops=part.compute_ops, comm_op=comm2)
     if gpu2 is None:
         gpu2 = EmulatedGPU.from_spec("h200-sxm", comm_backend="nccl")
-    priority, priority_from = data_priority(rep, comm_priority)
+    priority, priority_from = measured_priority(rep, comm_priority)
     prof = EmulatedProfiler(gpu2, noise=0.0, group_gpus=1, comm_priority=priority)
     slots = {"with_mem": "mem1", "with_gemm": "gemm1", "seq": None}
     emu = {}
@@ -435,7 +415,7 @@ def profile_variants(profile: str, data: dict[str, object], args: argparse.Names
                                          "power_factor": c.power_factor}
                                   for c in shipped.op_calibration if c.partition == "*"}}
     fitted, comm_fit, interference_fit = fitted_gpu(shipped.with_(comm_curves=()), data, args)
-    priority = data_priority(data, args.comm_priority)[0]
+    priority = measured_priority(data, args.comm_priority)[0]
     for name, gpu, extra in (
             ("with_probe_fits", fitted, {"comm_fit": comm_fit,
                                          "interference_fit": interference_fit}),
@@ -455,7 +435,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     # The probe used NCCL: fit the scalar curve (comm_backend="custom") to its own data.
     base = EmulatedGPU.from_spec("h200-sxm", comm_backend="custom")
     gpu, comm_fit, interference_fit = fitted_gpu(base, data, args)
-    priority, priority_from = data_priority(data, args.comm_priority)
+    priority, priority_from = measured_priority(data, args.comm_priority)
     rows, summary = probe_rows(gpu.with_(comm_priority=priority), data, args.nccl_default_ctas)
     prof = EmulatedProfiler(gpu, noise=0.0, group_gpus=1)
     fmax = gpu.spec.max_clock_mhz

@@ -80,7 +80,7 @@ from scipy.stats import pearsonr, spearmanr
 
 from kareus._io import read_json, write_json_atomic
 from kareus.exec import EmulatedGPU, EmulatedProfiler
-from kareus.exec.emulator import profile_workload_key
+from kareus.exec.emulator import measured_priority, profile_workload_key
 from kareus.model import Partition, ScheduleConfig, Workload, build_partitions
 from kareus.model.gpu import get_gpu
 from kareus.model.gpu_profile import GPUProfile, GPUProfileError, OpProfile, shipped_profiles
@@ -118,23 +118,6 @@ AS_RUN_ATTENTION = {
                                      "SDPA default dispatch, grouped K/V (enable_gqa)"),
 }
 AS_RUN = "as-run"
-# The stream priority of a grid that does not record one: every grid measured before
-# bench/h200_study.py took --comm-priority ran its collectives at normal priority.
-UNRECORDED_PRIORITY = "normal"
-
-
-def grid_priority(data: dict[str, Any], override: str | None = None) -> tuple[str, str]:
-    """The stream priority to emulate a measured grid at, and where it comes from:
-    ``override`` if given, else the grid's ``"comm_priority"``, else ``"normal"``."""
-    if override is not None:
-        return override, "--comm-priority"
-    recorded = data.get("comm_priority")
-    if recorded is not None:
-        if recorded not in ("high", "normal"):
-            raise GridError(f"measured grid has comm_priority {recorded!r}; expected 'high' "
-                            "or 'normal'")
-        return str(recorded), "recorded in the grid"
-    return UNRECORDED_PRIORITY, "not recorded: the grid predates the option (normal)"
 
 
 def load_profile(profile: Path) -> tuple[GPUProfile, str]:
@@ -226,7 +209,7 @@ def evaluate_grid(path: Path, gpu_name: str, profile: Path | None = None,
                   comm_priority: str | None = None) -> dict[str, Any]:
     """Emulate every measured row of the grid file ``path``; errors, ranks and picks.
     ``comm_priority``: emulate at this stream priority instead of the grid's
-    (:func:`grid_priority`).
+    (:func:`kareus.exec.emulator.measured_priority`).
     ``detail``: each row also gets the average power per GPU on both sides, the emulated
     timeline (collective start and end, end of the computation), the emulated time and
     power at the measured clock and the launch-slot shift check (:func:`shifted_slot`),
@@ -241,7 +224,7 @@ def evaluate_grid(path: Path, gpu_name: str, profile: Path | None = None,
                         f"{gpu_name}")
     workload = _workload(data["workload"])
     recorded = data.get("kernels") or (data.get("software") or {}).get("kernels")
-    priority, priority_from = grid_priority(data, comm_priority)
+    priority, priority_from = measured_priority(data, comm_priority)
     gpu, how = make_emulator(gpu_name, profile, kernels, path, workload,
                              recorded if isinstance(recorded, str) else None, priority)
     parts = build_partitions(workload)
@@ -613,7 +596,7 @@ def run(grids: list[Path], gpu_profile: Path | None, gpu_name: str = "h200-sxm",
         comm_priority: str | None = None) -> dict[str, Any]:
     """Evaluate the emulator on ``grids``; the result written by ``--json`` (``detail``:
     rows with the fields :func:`residuals` needs; ``comm_priority``: every grid at this
-    stream priority instead of its own, :func:`grid_priority`)."""
+    stream priority instead of its own, :func:`kareus.exec.emulator.measured_priority`)."""
     _, how = make_emulator(gpu_name, gpu_profile, kernels)
     floors = [f for i, a in enumerate(grids) for b in grids[i + 1:]
               if (f := measurement_floor(a, b)) is not None]

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kareus.exec.emulator import EmulatedGPU, EmulatedProfiler
+from kareus.exec.emulator import EmulatedGPU, EmulatedProfiler, measured_priority
 from kareus.model.config import ScheduleConfig
 from kareus.model.partition import build_partitions
 from kareus.model.workload import Workload
@@ -43,26 +43,6 @@ from kareus.model.workload import Workload
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data" / "h200_llama3b_tp2_grid.json"
 CALIBRATION = REPO / "bench" / "results" / "emulator_calibration.json"
-# The stream priority of a grid that does not record one: every grid measured before
-# bench/h200_study.py took --comm-priority ran its collectives at normal priority.
-UNRECORDED_PRIORITY = "normal"
-
-
-def grid_priority(data: dict[str, object], override: str | None = None) -> tuple[str, str]:
-    """The stream priority to emulate the measured grid at, and where it comes from:
-    ``override`` (``"high"``/``"normal"``; ``None`` or ``"measured"``: none) if given, else
-    the grid's ``"comm_priority"``, else ``"normal"``."""
-    if override not in (None, "measured"):
-        if override not in ("high", "normal"):
-            raise ValueError(f"comm_priority {override!r}; expected high, normal or measured")
-        return str(override), "--comm-priority"
-    recorded = data.get("comm_priority")
-    if recorded is not None:
-        if recorded not in ("high", "normal"):
-            raise ValueError(f"measured grid has comm_priority {recorded!r}; expected 'high' "
-                             "or 'normal'")
-        return str(recorded), "recorded in the grid"
-    return UNRECORDED_PRIORITY, "not recorded: the grid predates the option (normal)"
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -85,7 +65,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     backend = "nccl"
     if args.preset_comm:
         overrides, backend = {}, "own"
-    priority, priority_from = grid_priority(data, args.comm_priority)
+    priority, priority_from = measured_priority(data, args.comm_priority)
     gpu = EmulatedGPU.from_spec("h200-sxm", comm_backend=backend, comm_priority=priority,
                                 **overrides)
     prof = EmulatedProfiler(gpu, noise=0.0)  # scope: the stage's TP GPUs, as measured

@@ -23,18 +23,6 @@ def _bench(name: str) -> ModuleType:
     return mod
 
 
-@pytest.mark.parametrize(("name", "func"), [("emulator_calibration", "data_priority"),
-                                            ("emulator_validation_tp2", "grid_priority")])
-def test_measured_data_are_emulated_at_their_priority(name: str, func: str) -> None:
-    pick = getattr(_bench(name), func)
-    assert pick({})[0] == "normal"  # every measurement that predates the option
-    assert pick({}, "measured")[0] == "normal"
-    assert pick({"comm_priority": "high"})[0] == "high"
-    assert pick({"comm_priority": "high"}, "normal") == ("normal", "--comm-priority")
-    with pytest.raises(ValueError, match="comm_priority"):
-        pick({"comm_priority": "low"})
-
-
 def test_calibration_emulates_the_probe_at_normal_priority() -> None:
     ec = _bench("emulator_calibration")
     if not ec.DATA.exists():

@@ -124,13 +124,24 @@ def _fidelity_module():
     return mod
 
 
+def test_measured_data_are_emulated_at_the_priority_they_ran_with() -> None:
+    from kareus.exec.emulator import measured_priority
+
+    assert measured_priority({}) == ("normal", "not recorded: the data predate the option "
+                                               "(normal)")
+    assert measured_priority({}, "measured")[0] == "normal"
+    assert measured_priority({"comm_priority": "high"}) == ("high", "recorded in the data")
+    assert measured_priority({"comm_priority": "high"}, "normal") == ("normal",
+                                                                       "--comm-priority")
+    for bad in ({"comm_priority": "low"}, ):
+        with pytest.raises(ValueError, match="comm_priority"):
+            measured_priority(bad)
+    with pytest.raises(ValueError, match="comm_priority"):
+        measured_priority({}, "urgent")
+
+
 def test_fidelity_bench_emulates_a_grid_at_its_priority() -> None:
     fid = _fidelity_module()
-    assert fid.grid_priority({})[0] == "normal"  # every grid that predates the option
-    assert fid.grid_priority({"comm_priority": "high"}) == ("high", "recorded in the grid")
-    assert fid.grid_priority({"comm_priority": "high"}, "normal")[0] == "normal"
-    with pytest.raises(fid.GridError, match="comm_priority"):
-        fid.grid_priority({"comm_priority": "low"})
     grid = fid.REPO / "data" / "h200_llama3b_tp2_grid13.json"
     if not grid.exists():
         pytest.skip("needs the measured grid in data/")

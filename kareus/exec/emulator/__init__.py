@@ -70,9 +70,9 @@ from kareus.exec.emulator._calibration import (
     profile_workload_key,
 )
 from kareus.exec.emulator._comm import CommCurve
-from kareus.exec.emulator._gpu import EmulatedGPU
+from kareus.exec.emulator._gpu import COMM_PRIORITIES, EmulatedGPU, measured_priority
 from kareus.exec.emulator._profiler import EmulatedProfiler
 from kareus.exec.emulator._sim import EmulationTrace
 
-__all__ = ["CommCurve", "EmulatedGPU", "EmulatedProfiler", "EmulationTrace", "OpCalibration",
-           "profile_workload", "profile_workload_key"]
+__all__ = ["COMM_PRIORITIES", "CommCurve", "EmulatedGPU", "EmulatedProfiler", "EmulationTrace",
+           "OpCalibration", "measured_priority", "profile_workload", "profile_workload_key"]

@@ -9,7 +9,7 @@ measured H200 probe are in ``docs/emulator.md``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -43,6 +43,34 @@ def _fraction(instance: object, attribute: attrs.Attribute, value: float) -> Non
 
 
 COMM_PRIORITIES = ("high", "normal")
+
+
+#: The stream priority of measurements that record none: every measurement made before the
+#: tools recorded it ran the collectives at the CUDA default, normal priority.
+UNRECORDED_PRIORITY = "normal"
+
+
+def measured_priority(data: Mapping[str, Any], override: str | None = None
+                      ) -> tuple[str, str]:
+    """The stream priority to emulate measured ``data`` at, and where it comes from.
+
+    ``override`` (``"high"`` or ``"normal"``; ``None`` or ``"measured"``: none) if given,
+    else the data's ``"comm_priority"`` field, else :data:`UNRECORDED_PRIORITY`.
+
+    Raises:
+        ValueError: ``override`` or the recorded value is not a priority.
+    """
+    if override not in (None, "measured"):
+        if override not in COMM_PRIORITIES:
+            raise ValueError(f"comm_priority {override!r}; expected high, normal or measured")
+        return str(override), "--comm-priority"
+    recorded = data.get("comm_priority")
+    if recorded is not None:
+        if recorded not in COMM_PRIORITIES:
+            raise ValueError(f"the measured data have comm_priority {recorded!r}; expected "
+                             "'high' or 'normal'")
+        return str(recorded), "recorded in the data"
+    return UNRECORDED_PRIORITY, "not recorded: the data predate the option (normal)"
 
 
 def _priority(instance: object, attribute: attrs.Attribute, value: str) -> None:
