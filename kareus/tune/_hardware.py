@@ -250,6 +250,7 @@ def tune(workload: Workload, *, out_dir: str | os.PathLike[str], gpu: str | None
                 "gpu": spec.name, "clocks_controlled": prof.clocks_controlled,
                 "clocks_mhz": list(prof.freqs_mhz), "clock_note": prof.clock_note,
                 "comm_sms": sms, "backends_unavailable": notes,
+                "comm_priority": "high" if executor.comm_high_priority else "normal",
                 "static_power_w": prof.static_power_w(),
                 "counter_step_s": prof.step_period_s,
                 "smoke_run": world == 1,
