@@ -110,16 +110,17 @@ def test_the_run_manifest_names_normal_priority_only() -> None:
     assert ident["comm_priority"] == "normal"
 
 
-def _fidelity_module():
+def _bench(name: str):
+    """A bench script of bench/ loaded as a module."""
     import importlib.util
     import sys
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "bench" / "emulator_fidelity.py"
-    spec = importlib.util.spec_from_file_location("emulator_fidelity", path)
+    path = Path(__file__).resolve().parents[2] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
-    sys.modules["emulator_fidelity"] = mod
+    sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
 
@@ -141,7 +142,7 @@ def test_measured_data_are_emulated_at_the_priority_they_ran_with() -> None:
 
 
 def test_fidelity_bench_emulates_a_grid_at_its_priority() -> None:
-    fid = _fidelity_module()
+    fid = _bench("emulator_fidelity")
     grid = fid.REPO / "data" / "h200_llama3b_tp2_grid13.json"
     if not grid.exists():
         pytest.skip("needs the measured grid in data/")
@@ -153,3 +154,20 @@ def test_fidelity_bench_emulates_a_grid_at_its_priority() -> None:
     rho = {k: r["partitions"]["fwd_mlp"]["spearman_time_overlapped"]
            for k, r in (("normal", normal), ("high", high))}
     assert rho["normal"] > rho["high"] + 0.05
+
+
+def test_calibration_emulates_the_probe_at_normal_priority() -> None:
+    import json
+
+    ec = _bench("emulator_calibration")
+    if not ec.DATA.exists():
+        pytest.skip("needs the measured probe in data/")
+    data = json.loads(ec.DATA.read_text())
+    err = {}
+    for p in ("high", "normal"):
+        rows, _ = ec.probe_rows(GPU.with_(comm_priority=p), data, 32)
+        err[p] = {(r["cap"], r["mode"]): r["time_rel_err"] for r in rows}
+    # seq is unaffected; the all-reduce launched with the first GEMM at 2 CTAs (on the
+    # critical path) starts later at normal priority, closer to the measured time.
+    assert err["normal"][(4, "seq")] == err["high"][(4, "seq")]
+    assert abs(err["normal"][(2, "with_gemm")]) < abs(err["high"][(2, "with_gemm")])
