@@ -2,7 +2,8 @@
 formula (outputs and gradients), the registry, and the autograd wrappers.
 
 The plain-torch set runs here; the Triton set is checked on a GPU
-(tests/exec/test_kernels_gpu.py). Skipped without torch.
+(tests/exec/test_kernels_gpu.py) and, kareus's own Triton kernels, in Triton's
+interpreter on the CPU (tests/exec/test_kernels_interpreted.py). Skipped without torch.
 """
 
 from __future__ import annotations
