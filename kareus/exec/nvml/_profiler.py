@@ -25,6 +25,9 @@ from kareus.model.profiler import Profiler
 
 __all__ = ["MeasurementRecord", "NVMLProfiler"]
 
+#: Shortest window the idle power is averaged over (s).
+IDLE_WINDOW_S = 0.1
+
 
 @attrs.frozen(kw_only=True)
 class MeasurementRecord:
@@ -245,7 +248,9 @@ class NVMLProfiler(Profiler):
         """Measure idle power and blocked-in-communication power; return the group's
         static power (blocked power where the group has >= 2 GPUs, else idle power)."""
         assert self.step_period_s is not None
-        span = (self.window_steps + 1.5) * self.step_period_s
+        # At least IDLE_WINDOW_S after the 20 ms settle margin: a window of a few steps of
+        # a millisecond partition would hold one or two updates of the energy counter.
+        span = max((self.window_steps + 1.5) * self.step_period_s, 0.02 + IDLE_WINDOW_S)
         self.runner.synchronize()
         self.coord.barrier()
         t0 = self._clock()
