@@ -250,6 +250,13 @@ def tune(b: Bench, wl_name: str) -> list[dict]:
                         num_warps=nw, prefetch=pf))  # noqa: B023
                     res.append({"workload": wl_name, "op": "rms_norm_bwd", "ms": ms,
                                 "setting": f"prefetch={pf} pps={pps} rows={rows} warps={nw}"})
+    # The dw partials' sum (a second launch, N / sum_block_n programs): the whole op at
+    # the default settings with other shapes of the sum.
+    for sbn, sbp in ((64, 32), (32, 32), (16, 64), (128, 16)):
+        ms = b.time_ms(lambda: kt.rms_norm_bwd(dy, x, w, 1e-5, sum_block_n=sbn,  # noqa: B023
+                                               sum_block_p=sbp))  # noqa: B023 - called at once
+        res.append({"workload": wl_name, "op": "rms_norm_bwd", "ms": ms,
+                    "setting": f"default sum_block_n={sbn} sum_block_p={sbp}"})
     for rows in (None, 1, 2):
         ms = b.time_ms(lambda: kt.rms_norm_fwd(x, w, 1e-5, rows=rows))  # noqa: B023 - called at once
         res.append({"workload": wl_name, "op": "rms_norm", "setting": f"rows={rows}",

@@ -57,6 +57,10 @@ def _checks() -> list[dict]:
         dx, dw = ks.rms_norm_bwd(dy, x, w)
         add(f"rms_norm_bwd.dx {tag}", rel(dx, xd.grad))
         add(f"rms_norm_bwd.dw {tag}", rel(dw, wd.grad))
+        for sbn, sbp in ((16, 64), (128, 16)):  # other shapes of the dw partials' sum
+            add(f"rms_norm_bwd.dw sum {sbn}x{sbp} {tag}",
+                rel(ks._k.rms_norm_bwd(dy, x, w, 1e-5, sum_block_n=sbn, sum_block_p=sbp)[1],
+                    wd.grad))
         again = ks.rms_norm_bwd(dy, x, w)
         add(f"rms_norm_bwd deterministic {tag}",
             0.0 if torch.equal(dx, again[0]) and torch.equal(dw, again[1]) else 1.0)

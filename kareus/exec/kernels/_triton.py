@@ -141,9 +141,11 @@ def rms_norm_fwd(x: Any, w: Any, eps: float, *, rows: int | None = None,
 
 def rms_norm_bwd(dy: Any, x: Any, w: Any, eps: float, *, rows: int | None = None,
                  num_warps: int | None = None, programs_per_sm: int | None = None,
-                 prefetch: bool = True) -> tuple[Any, Any]:
+                 prefetch: bool = True, sum_block_n: int = 64,
+                 sum_block_p: int = 32) -> tuple[Any, Any]:
     """RMSNorm backward: ``(dx, dw)`` in one pass over ``x`` and ``dy`` (plus a sum of
-    the per-program ``dw`` partials, ``programs x N`` floats)."""
+    the per-program ``dw`` partials, ``programs x N`` floats, by ``N / sum_block_n``
+    programs reading ``sum_block_p`` partials a step)."""
     import torch
 
     n = x.shape[-1]
@@ -164,8 +166,9 @@ def rms_norm_bwd(dy: Any, x: Any, w: Any, eps: float, *, rows: int | None = None
         triton.cdiv(triton.cdiv(m, rows), progs),
         BLOCK=block, ROWS=rows, PREFETCH=prefetch, num_warps=warps)
     dw = torch.empty(n, dtype=w.dtype, device=w.device)
-    _sum_rows_kernel[(triton.cdiv(n, 64),)](dwp, dw, n, P=progs, BLOCK_P=32, BLOCK_N=64,
-                                            num_warps=4)
+    _sum_rows_kernel[(triton.cdiv(n, sum_block_n),)](dwp, dw, n, P=progs,
+                                                     BLOCK_P=sum_block_p,
+                                                     BLOCK_N=sum_block_n, num_warps=4)
     return dx.view(x.shape), dw
 
 
