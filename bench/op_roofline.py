@@ -284,10 +284,21 @@ def tune(b: Bench, wl_name: str) -> list[dict]:
     v4 = qkv.view(d.b, d.sq, d.heads + 2 * d.kvh, d.hd)
     qv, kv_ = v4[:, :, :d.heads], v4[:, :, d.heads:d.heads + d.kvh]
     cos = torch.randn(d.sq, d.hd, device="cuda", dtype=bf)
-    for br, nw in ((8, 4), (16, 4), (32, 4), (64, 8)):
-        ms = b.time_ms(lambda: kt.rope_fwd(qv, kv_, cos, cos, block_r=br, num_warps=nw))  # noqa: B023 - called at once
-        res.append({"workload": wl_name, "op": "rope", "setting": f"block_r={br} warps={nw}",
-                    "ms": ms})
+    dq = torch.randn(d.b, d.heads, d.sq, d.hd, device="cuda", dtype=bf).transpose(1, 2)
+    dk, dv = (torch.randn(d.b, d.kvh, d.sq, d.hd, device="cuda", dtype=bf).transpose(1, 2)
+              for _ in range(2))
+    # The row grid (the default) and the 3-D grid candidate, forward and backward.
+    for grid in kt.ROPE_GRIDS:
+        for br, nw in ((8, 4), (16, 4), (32, 4), (64, 8)):
+            ms = b.time_ms(lambda: kt.rope_fwd(qv, kv_, cos, cos, block_r=br,  # noqa: B023
+                                               num_warps=nw, grid=grid))  # noqa: B023
+            res.append({"workload": wl_name, "op": "rope", "ms": ms,
+                        "setting": f"grid={grid} block_r={br} warps={nw}"})
+            ms = b.time_ms(lambda: kt.rope_bwd(dq, dk, dv, cos, cos,
+                                               block_r=br, num_warps=nw,  # noqa: B023
+                                               grid=grid))  # noqa: B023 - called at once
+            res.append({"workload": wl_name, "op": "rope_bwd", "ms": ms,
+                        "setting": f"grid={grid} block_r={br} warps={nw}"})
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     q = torch.randn(d.b, d.sq, d.heads, d.hd, device="cuda", dtype=bf).transpose(1, 2)

@@ -176,17 +176,13 @@ def rms_norm_bwd(dy: Any, x: Any, w: Any, eps: float, *, rows: int | None = None
 
 
 @triton.jit
-def _rope_rows(src, s_b, s_s, s_h, dst, d_b, d_s, d_h, cos, sin, c_s, n_rows, heads, seq,
-               blk, SIGN: tl.constexpr, ROTATE: tl.constexpr, HALF: tl.constexpr,
-               PAD: tl.constexpr, BLOCK_R: tl.constexpr):
-    # Rows are (token, head) pairs of one tensor; each row is one head's vector.
-    rows = (blk * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    tok = rows // heads
-    head = rows % heads
-    bi = tok // seq
-    si = tok % seq
+def _rope_tile(src, s_b, s_s, s_h, dst, d_b, d_s, d_h, cos, sin, c_s, bi, si, head, valid,
+               SIGN: tl.constexpr, ROTATE: tl.constexpr, HALF: tl.constexpr,
+               PAD: tl.constexpr):
+    # One head vector a row: row r is position si[r] of head head[r] of sequence bi[r]
+    # (each a vector over the rows or one value for all), where valid[r].
     cols = tl.arange(0, PAD)
-    m = (rows < n_rows)[:, None] & (cols < HALF)[None, :]
+    m = valid[:, None] & (cols < HALF)[None, :]
     so = (bi * s_b + si * s_s + head * s_h)[:, None] + cols[None, :]
     do = (bi * d_b + si * d_s + head * d_h)[:, None] + cols[None, :]
     x1 = tl.load(src + so, mask=m, other=0.0)
@@ -202,6 +198,20 @@ def _rope_rows(src, s_b, s_s, s_h, dst, d_b, d_s, d_h, cos, sin, c_s, n_rows, he
     else:
         tl.store(dst + do, x1.to(dst.dtype.element_ty), mask=m)
         tl.store(dst + do + HALF, x2.to(dst.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _rope_rows(src, s_b, s_s, s_h, dst, d_b, d_s, d_h, cos, sin, c_s, n_rows, heads, seq,
+               blk, SIGN: tl.constexpr, ROTATE: tl.constexpr, HALF: tl.constexpr,
+               PAD: tl.constexpr, BLOCK_R: tl.constexpr):
+    # Rows are (token, head) pairs of one tensor; each row is one head's vector.
+    rows = (blk * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    tok = rows // heads
+    head = rows % heads
+    bi = tok // seq
+    si = tok % seq
+    _rope_tile(src, s_b, s_s, s_h, dst, d_b, d_s, d_h, cos, sin, c_s, bi, si, head,
+               rows < n_rows, SIGN, ROTATE, HALF, PAD)
 
 
 @triton.jit
@@ -227,22 +237,64 @@ def _rope_kernel(a_src, a_sb, a_ss, a_sh, a_dst, a_db, a_ds, a_dh, a_heads, a_bl
                    HALF, PAD, BLOCK_R)
 
 
+@triton.jit
+def _rope_heads_kernel(a_src, a_sb, a_ss, a_sh, a_dst, a_db, a_ds, a_dh, a_heads,
+                       b_src, b_sb, b_ss, b_sh, b_dst, b_db, b_ds, b_dh, b_heads,
+                       c_src, c_sb, c_ss, c_sh, c_dst, c_db, c_ds, c_dh,
+                       cos, sin, c_s, seq,
+                       SIGN: tl.constexpr, HALF: tl.constexpr, PAD: tl.constexpr,
+                       BLOCK_S: tl.constexpr, COPY_C: tl.constexpr):
+    # The same work as _rope_kernel on a 3-D grid (position blocks, heads of a then b then
+    # c, sequences): the grid gives each program its head and sequence, where
+    # _rope_kernel divides a flat row index by the head and sequence counts (64-bit
+    # divisions before the first load can issue).
+    si = (tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)
+    h = tl.program_id(1)
+    bi = tl.program_id(2).to(tl.int64)
+    valid = si < seq
+    if h < a_heads:
+        _rope_tile(a_src, a_sb, a_ss, a_sh, a_dst, a_db, a_ds, a_dh, cos, sin, c_s, bi, si,
+                   h, valid, SIGN, True, HALF, PAD)
+    elif h < a_heads + b_heads:
+        _rope_tile(b_src, b_sb, b_ss, b_sh, b_dst, b_db, b_ds, b_dh, cos, sin, c_s, bi, si,
+                   h - a_heads, valid, SIGN, True, HALF, PAD)
+    elif COPY_C:
+        _rope_tile(c_src, c_sb, c_ss, c_sh, c_dst, c_db, c_ds, c_dh, cos, sin, c_s, bi, si,
+                   h - a_heads - b_heads, valid, SIGN, False, HALF, PAD)
+
+
 def _strides(t: Any) -> tuple[int, int, int]:
     if t.stride(-1) != 1:
         raise ValueError("RoPE kernels need the head dimension contiguous (stride 1)")
     return t.stride(0), t.stride(1), t.stride(2)
 
 
+ROPE_GRIDS = ("rows", "heads")
+
+
 def _launch_rope(a: Any, a_out: Any, b: Any, b_out: Any, c: Any, c_out: Any, cos: Any,
-                 sin: Any, sign: float, block_r: int, num_warps: int) -> None:
+                 sin: Any, sign: float, block_r: int, num_warps: int, grid: str) -> None:
     bsz, seq, _, hd = a.shape
     if hd % 2 or cos.shape[-1] != hd or sin.shape != cos.shape or cos.shape[0] < seq:
         raise ValueError(f"cos/sin of shape {tuple(cos.shape)} do not fit head dim {hd} and "
                          f"{seq} positions")
     if cos.stride(-1) != 1 or sin.stride(-1) != 1 or sin.stride(0) != cos.stride(0):
         cos, sin = cos.contiguous(), sin.contiguous()
+    if grid not in ROPE_GRIDS:
+        raise ValueError(f"unknown RoPE grid {grid!r}; choose one of {ROPE_GRIDS}")
     tokens = bsz * seq
     half = hd // 2
+    if grid == "heads":
+        hc = c.shape[2] if c is not None else 0
+        c_args3 = ((c, *_strides(c), c_out, *_strides(c_out)) if c is not None
+                   else (a, 0, 0, 0, a_out, 0, 0, 0))
+        _rope_heads_kernel[(triton.cdiv(seq, block_r), a.shape[2] + b.shape[2] + hc, bsz)](
+            a, *_strides(a), a_out, *_strides(a_out), a.shape[2],
+            b, *_strides(b), b_out, *_strides(b_out), b.shape[2],
+            *c_args3, cos, sin, cos.stride(0), seq,
+            SIGN=sign, HALF=half, PAD=triton.next_power_of_2(half), BLOCK_S=block_r,
+            COPY_C=c is not None, num_warps=num_warps)
+        return
     ab = triton.cdiv(tokens * a.shape[2], block_r)
     bb = triton.cdiv(tokens * b.shape[2], block_r)
     cb = triton.cdiv(tokens * c.shape[2], block_r) if c is not None else 0
@@ -257,28 +309,33 @@ def _launch_rope(a: Any, a_out: Any, b: Any, b_out: Any, c: Any, c_out: Any, cos
 
 
 def rope_fwd(q: Any, k: Any, cos: Any, sin: Any, *, block_r: int = 16,
-             num_warps: int = 4) -> tuple[Any, Any]:
+             num_warps: int = 4, grid: str = "rows") -> tuple[Any, Any]:
     """Rotate ``q`` and ``k`` ([b, s, heads, hd], any strides with the last 1, e.g.
-    views of the packed QKV) into new contiguous tensors, in one launch."""
+    views of the packed QKV) into new contiguous tensors, in one launch.
+
+    ``grid``: ``"rows"`` (measured, the default): ``block_r`` (token, head) rows a
+    program; ``"heads"``: ``block_r`` positions of one head a program, on a 3-D grid
+    (a candidate for small shapes, see :func:`_rope_heads_kernel`)."""
     import torch
 
     qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     ko = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    _launch_rope(q, qo, k, ko, None, None, cos, sin, 1.0, block_r, num_warps)
+    _launch_rope(q, qo, k, ko, None, None, cos, sin, 1.0, block_r, num_warps, grid)
     return qo, ko
 
 
 def rope_bwd(dq: Any, dk: Any, dv: Any, cos: Any, sin: Any, *, block_r: int = 16,
-             num_warps: int = 4) -> Any:
+             num_warps: int = 4, grid: str = "rows") -> Any:
     """Rotate ``dq`` and ``dk`` back and write them with ``dv`` into one packed
-    ``[b * s, (heads + 2 kv_heads) * hd]`` tensor, in one launch."""
+    ``[b * s, (heads + 2 kv_heads) * hd]`` tensor, in one launch (``grid`` as in
+    :func:`rope_fwd`)."""
     import torch
 
     b, s, nq, hd = dq.shape
     nk, nv = dk.shape[2], dv.shape[2]
     out = torch.empty(b, s, nq + nk + nv, hd, dtype=dq.dtype, device=dq.device)
     _launch_rope(dq, out[:, :, :nq], dk, out[:, :, nq:nq + nk], dv, out[:, :, nq + nk:],
-                 cos, sin, -1.0, block_r, num_warps)
+                 cos, sin, -1.0, block_r, num_warps, grid)
     return out.view(b * s, -1)
 
 
