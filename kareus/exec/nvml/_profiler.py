@@ -26,7 +26,7 @@ from kareus.model.profiler import Profiler
 __all__ = ["MeasurementRecord", "NVMLProfiler"]
 
 #: Shortest window the idle power is averaged over (s).
-IDLE_WINDOW_S = 0.1
+IDLE_WINDOW_S = 0.5
 
 
 @attrs.frozen(kw_only=True)
