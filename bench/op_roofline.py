@@ -323,6 +323,32 @@ def tune(b: Bench, wl_name: str) -> list[dict]:
     return res
 
 
+#: The launch settings the library uses today, as ``tune`` labels them.
+TUNE_DEFAULTS = {"rms_norm": "rows=None",
+                 "rms_norm_bwd": "default sum_block_n=64 sum_block_p=32",
+                 "rope": "grid=rows block_r=16 warps=4",
+                 "rope_bwd": "grid=rows block_r=16 warps=4",
+                 "swiglu": "block=2048 warps=8", "swiglu_bwd": "block=2048 warps=8",
+                 "attn_core": "CUDNN_ATTENTION", "attn_core_bwd": "CUDNN_ATTENTION"}
+
+
+def tune_summary(rows: list[dict]) -> list[dict]:
+    """Per workload and op of ``tune``'s rows: the library's setting, the fastest one,
+    and the default's time over the fastest's (one run decides a default)."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        if r["op"] in TUNE_DEFAULTS and "ms" in r:
+            groups.setdefault((r["workload"], r["op"]), []).append(r)
+    out = []
+    for (wl, op), rs in groups.items():
+        best = min(rs, key=lambda r: r["ms"])
+        default = next((r for r in rs if r["setting"] == TUNE_DEFAULTS[op]), None)
+        out.append({"workload": wl, "op": op, "best": best["setting"],
+                    "best_ms": best["ms"], "default_ms": default["ms"] if default else None,
+                    "default_over_best": default["ms"] / best["ms"] if default else None})
+    return out
+
+
 def machine(torch: Any) -> dict[str, Any]:
     info: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                             "cuda": torch.version.cuda,
@@ -459,7 +485,15 @@ def main(argv: list[str] | None = None) -> int:
         out["idle_power_w"] = (b.energy_j() - e0) / (time.perf_counter() - t1)
     if args.tune:
         out["tune"] = [r for w in wls for r in tune(b, w)]
+        out["tune_summary"] = tune_summary(out["tune"])
         print(f"tune done ({time.time() - t0:.0f} s)", flush=True)
+        print(f"{'workload':14s} {'op':14s} {'default ms':>10s} {'best ms':>8s} "
+              f"{'ratio':>6s}  best setting")
+        for r in out["tune_summary"]:
+            dm = f"{r['default_ms']:.4f}" if r["default_ms"] else "-"
+            ratio = f"{r['default_over_best']:.3f}" if r["default_over_best"] else "-"
+            print(f"{r['workload']:14s} {r['op']:14s} {dm:>10s} {r['best_ms']:8.4f} "
+                  f"{ratio:>6s}  {r['best']}", flush=True)
         save()
     rows, prows, cache = [], [], {}
     for w in wls:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import attrs
 import pytest
+from bench_scripts import load_bench
 
 from kareus.exec.emulator import (
     EmulatedGPU,
@@ -185,21 +184,12 @@ def test_uncalibrated_emulator_unchanged() -> None:
     assert math.isfinite(gpu.op_time_s(op, 1980))
 
 
-def _fidelity_module():
-    spec = importlib.util.spec_from_file_location("emulator_fidelity",
-                                                  REPO / "bench" / "emulator_fidelity.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["emulator_fidelity"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.mark.skipif(not (REPO / "data" / "h200_llama3b_tp2_grid13.json").exists(),
                     reason="needs the measured grid in data/")
 def test_fidelity_bench_calibrated_is_closer_than_preset() -> None:
     """On a measured grid, the emulator calibrated with the kernels that ran errs less than
     the preset (the uncalibrated preset errs by about 28% on fwd_attn)."""
-    fid = _fidelity_module()
+    fid = load_bench("emulator_fidelity")
     grid = REPO / "data" / "h200_llama3b_tp2_grid13.json"
     pre = fid.evaluate_grid(grid, "h200-sxm")
     cal = fid.evaluate_grid(grid, "h200-sxm", Path("h200-sxm"))

@@ -5,6 +5,7 @@ are all dispatched, taken as op k's end."""
 from __future__ import annotations
 
 import pytest
+from bench_scripts import load_bench
 
 from kareus.exec.emulator import EmulatedGPU, EmulatedProfiler
 from kareus.exec.emulator._gpu import _prep_op
@@ -110,21 +111,6 @@ def test_the_run_manifest_names_normal_priority_only() -> None:
     assert ident["comm_priority"] == "normal"
 
 
-def _bench(name: str):
-    """A bench script of bench/ loaded as a module."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "bench" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_measured_data_are_emulated_at_the_priority_they_ran_with() -> None:
     from kareus.exec.emulator import measured_priority
 
@@ -142,7 +128,7 @@ def test_measured_data_are_emulated_at_the_priority_they_ran_with() -> None:
 
 
 def test_fidelity_bench_emulates_a_grid_at_its_priority() -> None:
-    fid = _bench("emulator_fidelity")
+    fid = load_bench("emulator_fidelity")
     grid = fid.REPO / "data" / "h200_llama3b_tp2_grid13.json"
     if not grid.exists():
         pytest.skip("needs the measured grid in data/")
@@ -159,7 +145,7 @@ def test_fidelity_bench_emulates_a_grid_at_its_priority() -> None:
 def test_calibration_emulates_the_probe_at_normal_priority() -> None:
     import json
 
-    ec = _bench("emulator_calibration")
+    ec = load_bench("emulator_calibration")
     if not ec.DATA.exists():
         pytest.skip("needs the measured probe in data/")
     data = json.loads(ec.DATA.read_text())

@@ -79,3 +79,20 @@ def test_gemm_rows_carry_their_shape_and_the_best_matmul(table):
         m, k, n = r["mkn"]
         assert 2 * m * k * n == pytest.approx(r["flops"])
         assert r["best_matmul_ms"] > 0 and 0 < r["peak_frac"] <= 1.2
+
+
+def test_tune_summary_names_the_fastest_setting_against_the_default():
+    from bench_scripts import load_bench
+
+    roof = load_bench("op_roofline")
+    rows = [{"workload": "w", "op": "rope", "setting": roof.TUNE_DEFAULTS["rope"], "ms": 0.010},
+            {"workload": "w", "op": "rope", "setting": "grid=heads block_r=16 warps=4",
+             "ms": 0.008},
+            {"workload": "w", "op": "wgrad", "setting": "1x2x3 in^T@dout", "ms": 1.0},
+            {"workload": "w", "op": "attention", "setting": "FLASH_ATTENTION", "error": "x"},
+            {"workload": "w", "op": "swiglu", "setting": "block=1024 warps=4", "ms": 0.02}]
+    got = {r["op"]: r for r in roof.tune_summary(rows)}
+    assert set(got) == {"rope", "swiglu"}  # ops with a library default, timed
+    assert got["rope"]["best"] == "grid=heads block_r=16 warps=4"
+    assert got["rope"]["default_over_best"] == pytest.approx(1.25)
+    assert got["swiglu"]["default_ms"] is None  # the default was not among the settings
