@@ -239,11 +239,13 @@ def tune(b: Bench, wl_name: str) -> list[dict]:
     x, dy = (torch.randn(d.t, d.h, device="cuda", dtype=bf) for _ in range(2))
     w = torch.ones(d.h, device="cuda", dtype=bf)
     res = []
+    # Programs per SM up to 32 (one program per row block at the smaller widths: no
+    # persistence): more blocks in flight per SM for the small shapes.
     for pf in (True, False):
-        for pps in (1, 2):
+        for pps in (1, 2, 4, 8, 32):
             for rows in (1, 2, 4):
                 for nw in (4, 8, 16):
-                    if rows * d.h > 16384 or (not pf and nw != 8):
+                    if rows * d.h > 16384 or (not pf and (nw != 8 or pps > 2)):
                         continue
                     ms = b.time_ms(lambda: kt.rms_norm_bwd(  # called at once
                         dy, x, w, 1e-5, rows=rows, programs_per_sm=pps,  # noqa: B023
