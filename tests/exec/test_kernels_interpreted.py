@@ -57,6 +57,9 @@ def _checks() -> list[dict]:
         dx, dw = ks.rms_norm_bwd(dy, x, w)
         add(f"rms_norm_bwd.dx {tag}", rel(dx, xd.grad))
         add(f"rms_norm_bwd.dw {tag}", rel(dw, wd.grad))
+        one = ks._k.rms_norm_bwd(dy, x, w, 1e-5, programs_per_sm=rows)  # a program a block
+        add(f"rms_norm_bwd.dx one block a program {tag}", rel(one[0], xd.grad))
+        add(f"rms_norm_bwd.dw one block a program {tag}", rel(one[1], wd.grad))
         for sbn, sbp in ((16, 64), (128, 16)):  # other shapes of the dw partials' sum
             add(f"rms_norm_bwd.dw sum {sbn}x{sbp} {tag}",
                 rel(ks._k.rms_norm_bwd(dy, x, w, 1e-5, sum_block_n=sbn, sum_block_p=sbp)[1],
