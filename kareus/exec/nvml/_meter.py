@@ -2,7 +2,9 @@
 
 The counter steps about every 100 ms on an H200; the energy between two of its steps is
 exact, and their host times are known to about the polling period, so average power
-over an edge-to-edge span of a few steps is accurate to a fraction of a percent.
+over an edge-to-edge span of a few steps is accurate to a fraction of a percent. Each
+step also records how long before it was seen the old value was last read; a step seen
+much later than usual (the polling thread kept off a busy CPU) does not bound a span.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ _log = get_logger(__name__)
 class _Edge:
     t_s: float  # host time (perf_counter) at which the new value was first seen
     energy_mj: int
+    # How long before t_s the old value was last read (the step happened in between): the
+    # polling period, or much more when the thread was kept off the CPU.
+    blur_s: float = 0.0
 
 
 class EnergyMeter:
@@ -111,18 +116,22 @@ class EnergyMeter:
         self.stop()
 
     def _poll(self) -> None:
+        read_at = time.perf_counter()
         last = self.read_energy_mj()
         now = time.perf_counter()
         with self._lock:
             for k, v in enumerate(last):
-                self._edges[k].append(_Edge(now, v))
+                self._edges[k].append(_Edge(now, v, now - read_at))
         next_sample = now
         while not self._stop.is_set():
+            before = read_at  # the old values were read no earlier than this
+            read_at = time.perf_counter()
             try:
                 vals = self.read_energy_mj()
             except Exception as exc:  # keep polling through NVML hiccups
                 self.read_errors += 1
                 self.last_error = f"{type(exc).__name__}: {exc}"
+                read_at = before
                 self._stop.wait(self.poll_interval_s)
                 continue
             now = time.perf_counter()
@@ -131,7 +140,7 @@ class EnergyMeter:
                 with self._lock:
                     for k in changed:
                         edges = self._edges[k]
-                        edges.append(_Edge(now, vals[k]))
+                        edges.append(_Edge(now, vals[k], now - before))
                         if len(edges) > self._history:
                             del edges[: len(edges) - self._history]
                 last = vals
@@ -169,34 +178,57 @@ class EnergyMeter:
                 return
             time.sleep(self.poll_interval_s)
 
+    def sharp_edge_s(self) -> float:
+        """Steps seen within this long of the previous read always count as timed
+        sharply: four polling periods, at least 2 ms."""
+        return max(4 * self.poll_interval_s, 0.002)
+
+    def _window_ends(self, inside: list[_Edge]) -> list[_Edge]:
+        """The steps that may bound a span: those seen within twice the typical delay
+        after the previous read (the median over ``inside``, or :meth:`sharp_edge_s`),
+        or all of them where fewer than two are."""
+        limit = max(2 * statistics.median(e.blur_s for e in inside), self.sharp_edge_s())
+        sharp = [e for e in inside if e.blur_s <= limit]
+        return sharp if len(sharp) >= 2 else inside
+
     def energy_between(self, t0_s: float, t1_s: float, *, device: int = 0,
                        ) -> tuple[float, float, int]:
         """Energy (J), duration (s) and step count between the first and last counter
         steps of GPU ``device`` inside [t0_s, t1_s] (host ``perf_counter`` times).
 
+        A step seen late, because the polling thread was kept off a busy CPU (or waited
+        for the GIL far longer than usual), has a late host time: as an end it would
+        shorten or stretch the span by that lateness while the energy between the steps
+        stays exact. Such steps do not bound the span (:meth:`_window_ends`).
+
         Returns ``(0, 0, 0)`` when fewer than two steps fall inside.
         """
-        inside = [(t, e) for t, e in self.edges(device) if t0_s <= t <= t1_s]
+        with self._lock:
+            inside = [e for e in self._edges[device] if t0_s <= e.t_s <= t1_s]
         if len(inside) < 2:
             return 0.0, 0.0, 0
-        (ta, ea), (tb, eb) = inside[0], inside[-1]
-        return (eb - ea) / 1000.0, tb - ta, len(inside) - 1
+        ends = self._window_ends(inside)
+        a, b = ends[0], ends[-1]
+        steps = sum(1 for e in inside if a.t_s < e.t_s <= b.t_s)
+        return (b.energy_mj - a.energy_mj) / 1000.0, b.t_s - a.t_s, steps
 
     def split_powers_w(self, t0_s: float, t1_s: float, parts: int, *, device: int = 0
                        ) -> list[float]:
         """Average power (W) over ``parts`` consecutive edge-to-edge sub-windows that
         together span the steps inside [t0_s, t1_s] (fewer if there are too few steps)."""
-        inside = [(t, e) for t, e in self.edges(device) if t0_s <= t <= t1_s]
-        n = len(inside) - 1
-        if n < 1:
+        with self._lock:
+            inside = [e for e in self._edges[device] if t0_s <= e.t_s <= t1_s]
+        if len(inside) < 2:
             return []
+        ends = self._window_ends(inside)  # sub-windows bounded by sharply timed steps
+        n = len(ends) - 1
         parts = max(1, min(parts, n))
         bounds = [round(i * n / parts) for i in range(parts + 1)]
         out = []
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            (ta, ea), (tb, eb) = inside[a], inside[b]
-            if tb > ta:
-                out.append((eb - ea) / 1000.0 / (tb - ta))
+        for i, j in zip(bounds[:-1], bounds[1:]):
+            a, b = ends[i], ends[j]
+            if b.t_s > a.t_s:
+                out.append((b.energy_mj - a.energy_mj) / 1000.0 / (b.t_s - a.t_s))
         return out
 
     def mean_sm_clock_mhz(self, t0_s: float, t1_s: float) -> float | None:
