@@ -55,3 +55,12 @@ def test_evenly_timed_steps_keep_the_widest_span():
     edges = [(0.1 * k + 0.005, 10_000 * k, 0.005 + 0.0001 * (k % 3)) for k in range(6)]
     e, dt, n = _meter_with_edges(edges).energy_between(0.0, 1.0)
     assert n == 5 and dt == pytest.approx(0.5, abs=1e-3)
+
+
+def test_the_profiler_sees_only_sharply_timed_steps():
+    edges = [(0.1 * k, 10_000 * k, 0.0006) for k in range(5)]
+    edges[2] = (0.2 + 0.03, 20_000, 0.03)  # seen 30 ms late
+    m = _meter_with_edges(edges)
+    assert m.timed_edges(0.0, 1.0) == [(0.0, 0), (0.1, 10_000), (0.3, 30_000),
+                                       (pytest.approx(0.4), 40_000)]
+    assert m.timed_edges(0.35, 1.0) == [(pytest.approx(0.4), 40_000)]  # one step: kept

@@ -163,6 +163,16 @@ class EnergyMeter:
         with self._lock:
             return [(e.t_s, e.energy_mj) for e in self._edges[device]]
 
+    def timed_edges(self, t0_s: float, t1_s: float, device: int = 0
+                    ) -> list[tuple[float, int]]:
+        """(host time, mJ) of the counter steps inside [t0_s, t1_s] whose host times are
+        sharp enough to bound a span (:meth:`_window_ends`)."""
+        with self._lock:
+            inside = [e for e in self._edges[device] if t0_s <= e.t_s <= t1_s]
+        if len(inside) < 2:
+            return [(e.t_s, e.energy_mj) for e in inside]
+        return [(e.t_s, e.energy_mj) for e in self._window_ends(inside)]
+
     def step_period_s(self, device: int = 0) -> float | None:
         """Median time between counter steps seen so far (``None`` before two steps)."""
         ts = [t for t, _ in self.edges(device)]
@@ -180,8 +190,9 @@ class EnergyMeter:
 
     def sharp_edge_s(self) -> float:
         """Steps seen within this long of the previous read always count as timed
-        sharply: four polling periods, at least 2 ms."""
-        return max(4 * self.poll_interval_s, 0.002)
+        sharply: four polling periods, at least 5 ms (the GIL's default switch interval;
+        a late host time of 5 ms moves a span of ten 100-ms counter steps by 0.5%)."""
+        return max(4 * self.poll_interval_s, 0.005)
 
     def _window_ends(self, inside: list[_Edge]) -> list[_Edge]:
         """The steps that may bound a span: those seen within twice the typical delay

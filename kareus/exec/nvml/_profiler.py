@@ -432,7 +432,7 @@ class NVMLProfiler(Profiler):
             done = [t_end - self.runner.elapsed_s(m, marks[-1]) for m in marks]
             lo, hi = t_start + self.warmup_s, t_end - 0.01
             all_edges = self.meter.edges()
-            edges = [(t, e) for t, e in all_edges if lo <= t <= hi]
+            edges = self.meter.timed_edges(lo, hi)  # steps seen late do not bound the span
             mine = _per_step(edges, done, self.sub_windows)
             summed = self.coord.sum([float(mine is None),
                                      *(mine or [0.0] * (3 + self.sub_windows))])
