@@ -62,7 +62,9 @@ class ReplayProfiler(Profiler):
             answers their mean.
 
     Raises:
-        ValueError: The file has no usable rows or an unknown ``samples`` mode.
+        ConfigError: The file is not a recording, a row is corrupt or of another GPU, or
+            no row can be replayed (one line naming the row and what is wrong).
+        ValueError: An unknown ``samples`` mode.
     """
 
     DEFAULT_KINDS = ("grid", "repeat", "search", "nanobatch", "seq_default")
@@ -79,47 +81,80 @@ class ReplayProfiler(Profiler):
         if samples not in ("cycle", "mean"):
             raise ValueError(f"samples must be 'cycle' or 'mean', got {samples!r}")
         self.samples = samples
+        where = f"recording {self.path or '(dict)'}"
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{where}: expected a JSON object with 'measurements', got "
+                              f"{type(data).__name__}: the file is not a kareus recording")
         self.data = data
         recorded = data.get("gpu")
+        if recorded is not None and not isinstance(recorded, str):
+            raise ConfigError(f"{where}: gpu must be a preset name, got {recorded!r:.40}")
         self.gpu = get_gpu(gpu if gpu is not None else recorded or "h200-sxm")
         if recorded is not None and gpu is not None and self.gpu.name != recorded:
             raise ConfigError(f"recording {self.path or '(dict)'} was measured on {recorded}, "
                               f"not {self.gpu.name}: replay it as {recorded} (--gpu {recorded}) "
                               "or record on the GPU you want")
-        self._static_w = float(data["static_power_w"])
-        if "static_power_scope_gpus" in data:
-            self.group_size = int(data["static_power_scope_gpus"])
-        else:
-            self.group_size = int(data.get("workload", {}).get("tp", 1)) * \
-                int(data.get("workload", {}).get("cp", 1))
         self._outside: dict[tuple[str, int, int | None, int], list[Measurement]] = {}
         wanted = set(self.DEFAULT_KINDS if kinds is None else kinds)
         self._table: dict[tuple[str, ScheduleConfig], list[Measurement]] = {}
         self.baselines: dict[tuple[str, str], list[Measurement]] = {}
-        for row in data.get("measurements", []):
-            if "measurement" not in row:
-                continue
-            m = Measurement.from_dict(row["measurement"])
-            if row.get("kind") == "outside":
-                sms = row.get("comm_sms")
-                okey = (str(row["work"]), int(row["freq_mhz"]), None if sms is None else int(sms),
-                        int(row["group_size"]))
-                self._outside.setdefault(okey, []).append(m)
-                continue
-            cfg = row["config"]
-            _check_row(cfg, self.gpu, self.path)
-            if cfg.get("comm_sms") is None:
-                self.baselines.setdefault((row["partition"], row["kind"]), []).append(m)
-                continue
-            if row.get("kind") not in wanted:
-                continue
-            key = (row["partition"], ScheduleConfig.from_dict(cfg))
-            self._table.setdefault(key, []).append(m)
+        row = None
+        try:
+            self._static_w = float(data["static_power_w"])
+            if not 0 < self._static_w < float("inf"):
+                raise ValueError(f"static_power_w must be a positive number, got "
+                                 f"{data['static_power_w']!r:.40}")
+            if "static_power_scope_gpus" in data:
+                self.group_size = int(data["static_power_scope_gpus"])
+            else:
+                self.group_size = int(data.get("workload", {}).get("tp", 1)) * \
+                    int(data.get("workload", {}).get("cp", 1))
+            if self.group_size < 1:
+                raise ValueError(f"the static power's group of {self.group_size} GPUs")
+            rows = data.get("measurements", [])
+            if not isinstance(rows, list):
+                raise TypeError(f"measurements must be a list of rows, got "
+                                f"{type(rows).__name__}")
+            for i, entry in enumerate(rows):
+                row = i
+                self._add_row(entry, wanted)
+        except ConfigError:
+            raise
+        except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as exc:
+            problem = (f"missing field {exc.args[0]!r}" if isinstance(exc, KeyError)
+                       else " ".join(str(exc).split())[:300])
+            at = "" if row is None else f" measurement row {row}:"
+            raise ConfigError(f"{where}:{at} {problem}: the recording is corrupt; record it "
+                              "again (--record FILE) or fix that row") from None
         if not self._table:
-            raise ValueError("no replayable measurements (rows with a comm_sms and a kind in "
-                             f"{sorted(wanted)})")
+            raise ConfigError(f"{where}: no replayable measurements (rows with a comm_sms and "
+                              f"a kind in {sorted(wanted)})")
         self._served: dict[Any, int] = {}
         self.calls = 0
+
+    def _add_row(self, row: Any, wanted: set[str]) -> None:
+        """File one measurement row (KeyError, TypeError, ValueError on a bad one)."""
+        if not isinstance(row, Mapping):
+            raise TypeError(f"a row must be an object, got {type(row).__name__}")
+        if "measurement" not in row:
+            return
+        m = Measurement.from_dict(row["measurement"])
+        if row.get("kind") == "outside":
+            sms = row.get("comm_sms")
+            okey = (str(row["work"]), int(row["freq_mhz"]), None if sms is None else int(sms),
+                    int(row["group_size"]))
+            self._outside.setdefault(okey, []).append(m)
+            return
+        cfg = row["config"]
+        _check_row(cfg, self.gpu, self.path)
+        if cfg.get("comm_sms") is None:
+            self.baselines.setdefault((str(row["partition"]), str(row["kind"])),
+                                      []).append(m)
+            return
+        if row.get("kind") not in wanted:
+            return
+        key = (str(row["partition"]), ScheduleConfig.from_dict(cfg))
+        self._table.setdefault(key, []).append(m)
 
     # -- lookups -----------------------------------------------------------------------
     @property

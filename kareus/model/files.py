@@ -165,22 +165,25 @@ def _int(value: Any, field: str, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         if isinstance(value, float) and value.is_integer():
             return int(value)
-        raise SpecFileError(f"{where}: {field} must be a whole number, got {value!r}")
+        raise SpecFileError(f"{where}: {field} must be a whole number, got {value!r:.60}")
     return value
 
 
 def _float(value: Any, field: str, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise SpecFileError(f"{where}: {field} must be a number, got {value!r}")
-    x = float(value)
+        raise SpecFileError(f"{where}: {field} must be a number, got {value!r:.60}")
+    try:
+        x = float(value)
+    except OverflowError:  # an integer beyond float range
+        x = float("inf")
     if x != x or x in (float("inf"), float("-inf")):
-        raise SpecFileError(f"{where}: {field} must be a finite number, got {value!r}")
+        raise SpecFileError(f"{where}: {field} must be a finite number, got {value!r:.60}")
     return x
 
 
 def _name(value: Any, where: str) -> str:
     if not isinstance(value, str) or not value.strip():
-        raise SpecFileError(f"{where}: name must be a non-empty string, got {value!r}")
+        raise SpecFileError(f"{where}: name must be a non-empty string, got {value!r:.60}")
     return value.strip()
 
 
@@ -257,7 +260,7 @@ def _clocks(value: Any, field: str, where: str, *, descending: bool) -> list[int
         clocks = [_int(v, field, where) for v in value]
     else:
         raise SpecFileError(f"{where}: {field} must be a list of MHz or a range "
-                            f"{{min, max, step}}, got {value!r}")
+                            f"{{min, max, step}}, got {value!r:.60}")
     if not clocks:
         raise SpecFileError(f"{where}: {field} is empty")
     if any(c < 1 for c in clocks):

@@ -28,6 +28,18 @@ def _int_tuple(values: Iterable[int]) -> tuple[int, ...]:
     return tuple(values)
 
 
+#: Upper bounds of a GPU's figures: far above any GPU made, low enough that the
+#: emulator's arithmetic stays finite. A value beyond one is a typo, not a GPU.
+_MAX = {"sm_count": 65_536, "clock_mhz": 100_000, "bf16_peak_tflops": 1e6,
+        "hbm_bandwidth_gbps": 1e7, "nvlink_bandwidth_gbps": 1e7, "power_limit_w": 1e6,
+        "static_power_w": 1e6, "idle_power_w": 1e6, "memory_gib": 1e7}
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 @attrs.frozen(kw_only=True)
 class GPUSpec:
     """One GPU model.
@@ -64,10 +76,13 @@ class GPUSpec:
     memory_gib: float
 
     def __attrs_post_init__(self) -> None:
-        if self.sm_count < 2:
-            raise ValueError(f"sm_count must be >= 2, got {self.sm_count}")
+        if not 2 <= self.sm_count <= _MAX["sm_count"]:
+            raise ValueError(f"sm_count must be in 2..{_MAX['sm_count']:,}, got "
+                             f"{_short(self.sm_count)}")
         if not self.clocks_mhz:
             raise ValueError("clocks_mhz must not be empty")
+        if not 1 <= self.clocks_mhz[0] <= self.clocks_mhz[-1] <= _MAX["clock_mhz"]:
+            raise ValueError(f"clocks_mhz must lie in 1..{_MAX['clock_mhz']:,} MHz")
         missing = [f for f in self.search_clocks_mhz if f not in self.clocks_mhz]
         if missing:
             raise ValueError(f"search_clocks_mhz {missing} are not in clocks_mhz")
@@ -75,8 +90,14 @@ class GPUSpec:
             raise ValueError(f"default_comm_sms must be in 1..{self.sm_count - 1}")
         for field in ("bf16_peak_tflops", "hbm_bandwidth_gbps", "nvlink_bandwidth_gbps",
                       "power_limit_w", "static_power_w", "idle_power_w", "memory_gib"):
-            if not getattr(self, field) > 0:
-                raise ValueError(f"{field} must be positive")
+            value = getattr(self, field)
+            if not 1e-3 <= value <= _MAX[field]:  # NaN fails too
+                raise ValueError(f"{field} must be positive, in 0.001..{_MAX[field]:,g}, "
+                                 f"got {_short(value)}")
+        if not self.idle_power_w <= self.static_power_w <= self.power_limit_w:
+            raise ValueError(f"powers must satisfy idle_power_w <= static_power_w <= "
+                             f"power_limit_w, got {self.idle_power_w:g} W, "
+                             f"{self.static_power_w:g} W, {self.power_limit_w:g} W")
 
     @property
     def max_clock_mhz(self) -> int:

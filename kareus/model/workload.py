@@ -29,6 +29,27 @@ __all__ = [
 ]
 
 
+#: The largest size or count a workload may hold: a 32-bit index (the kernels index
+#: tensors with it), and low enough that FLOP and byte counts stay finite floats.
+MAX_COUNT = 2**31 - 1
+
+
+def _check_whole(field: str, value: object) -> None:
+    """A typed error, not a TypeError from a comparison, for a count of the wrong type."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise WorkloadError(f"{field} must be a whole number (int), got {value!r:.40} "
+                            f"({type(value).__name__})")
+
+
+def _check_count(field: str, value: object) -> None:
+    """A whole number in 1..:data:`MAX_COUNT`, else a typed one-line error."""
+    _check_whole(field, value)
+    assert isinstance(value, int)
+    if not 1 <= value <= MAX_COUNT:
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise WorkloadError(f"{field} must be in 1..{MAX_COUNT:,}, got {shown}")
+
+
 @attrs.frozen(kw_only=True)
 class ModelArch:
     """A decoder-only transformer with grouped-query attention and a SwiGLU MLP."""
@@ -44,8 +65,7 @@ class ModelArch:
 
     def __attrs_post_init__(self) -> None:
         for field in ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab"):
-            if getattr(self, field) < 1:
-                raise WorkloadError(f"{self.name}: {field} must be >= 1")
+            _check_count(f"{self.name}: {field}", getattr(self, field))
         if self.heads % self.kv_heads:
             raise WorkloadError(f"{self.name}: heads ({self.heads}) must be a multiple of "
                                 f"kv_heads ({self.kv_heads})")
@@ -113,13 +133,6 @@ def get_model(name: str | ModelArch) -> ModelArch:
     return found
 
 
-def _check_whole(field: str, value: object) -> None:
-    """A typed error, not a TypeError from a comparison, for a count of the wrong type."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise WorkloadError(f"{field} must be a whole number (int), got {value!r:.40} "
-                            f"({type(value).__name__})")
-
-
 @attrs.frozen(kw_only=True)
 class Parallelism:
     """Tensor, context, pipeline and data parallel degrees."""
@@ -131,9 +144,7 @@ class Parallelism:
 
     def __attrs_post_init__(self) -> None:
         for field in ("tp", "cp", "pp", "dp"):
-            _check_whole(f"parallelism {field}", getattr(self, field))
-            if getattr(self, field) < 1:
-                raise WorkloadError(f"parallelism {field} must be >= 1, got {getattr(self, field)}")
+            _check_count(f"parallelism {field}", getattr(self, field))
 
     @property
     def world_size(self) -> int:
@@ -174,9 +185,7 @@ class Workload:
         m, p = self.model, self.parallelism
         for field in ("microbatch_size", "seq_len", "num_microbatches", "nanobatches",
                       "dtype_bytes"):
-            _check_whole(field, getattr(self, field))
-            if getattr(self, field) < 1:
-                raise WorkloadError(f"{field} must be >= 1, got {getattr(self, field)}")
+            _check_count(field, getattr(self, field))
         checks = [
             (m.heads % p.tp == 0, f"TP={p.tp} does not divide the {m.heads} attention heads"),
             (m.kv_heads % p.tp == 0,

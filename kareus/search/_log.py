@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kareus._version import __version__
+from kareus.errors import OutputError
 from kareus.model.config import ConfigSpace
 
 __all__ = ["LOG_FORMAT", "LOG_VERSION", "SYNC_INTERVAL_S", "append_record", "check_header",
@@ -29,6 +30,10 @@ __all__ = ["LOG_FORMAT", "LOG_VERSION", "SYNC_INTERVAL_S", "append_record", "che
 LOG_FORMAT = "kareus-search-log"
 #: The version of the search log format this kareus writes and reads.
 LOG_VERSION = 1
+
+#: What to do with a log that cannot be resumed, said in every such error.
+REMEDY = ("delete that log to measure its partition type again, or start over with "
+          "--fresh (optimize(..., fresh=True))")
 
 
 def space_description(space: ConfigSpace) -> dict[str, Any]:
@@ -126,7 +131,8 @@ def read_log(path: Path) -> list[dict[str, Any]]:
         The records, in order; the first is the header.
 
     Raises:
-        ValueError: if a line other than the last is not JSON, or there is no header.
+        OutputError: if a line other than the last is not a JSON record, or there is no
+            header (an OutputError is a ValueError).
     """
     raw = path.read_bytes()
     lines = raw.split(b"\n")
@@ -141,13 +147,16 @@ def read_log(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             if k == len(lines) - 1:  # a record cut short by the kill: drop it
                 break
-            raise ValueError(f"search log {path} is corrupt at line {k + 1}") from None
+            raise OutputError(f"search log {path} is corrupt at line {k + 1}: "
+                              f"{REMEDY}") from None
         good_bytes += len(line) + (1 if k < len(lines) - 1 else 0)
     if good_bytes < len(raw):
         with open(path, "r+b") as f:
             f.truncate(good_bytes)
-    if not records or records[0].get("kind") != "header":
-        raise ValueError(f"{path} is not a kareus search log (no header line)")
+    if not records or not all(isinstance(r, dict) for r in records) \
+            or records[0].get("kind") != "header":
+        raise OutputError(f"{path} is not a kareus search log (no header line, or a line "
+                          f"that is not a record): {REMEDY}")
     return records
 
 
@@ -161,17 +170,17 @@ def check_header(head: dict[str, Any], space: ConfigSpace, seed: int, path: Path
         path: The log file (for the messages).
 
     Raises:
-        ValueError: for another format or version, or another partition, GPU, space or
-            seed.
+        OutputError: for another format or version, or another partition, GPU, space or
+            seed (an OutputError is a ValueError).
     """
     if head.get("format") != LOG_FORMAT:
-        raise ValueError(f"{path} is not a kareus search log")
+        raise OutputError(f"{path} is not a kareus search log: {REMEDY}")
     if head.get("version") != LOG_VERSION:
-        raise ValueError(f"search log {path} has version {head.get('version')}; this "
-                         f"kareus reads version {LOG_VERSION}")
+        raise OutputError(f"search log {path} has version {head.get('version')!r:.20}; this "
+                          f"kareus reads version {LOG_VERSION}: {REMEDY}")
     mine = {"partition": space.partition.name, "gpu": space.gpu.name,
             "space": space_description(space), "seed": seed}
     for key, value in mine.items():
         if head.get(key) != value:
-            raise ValueError(f"search log {path} belongs to another search: its {key} is "
-                             f"{head.get(key)!r}, this search's is {value!r}")
+            raise OutputError(f"search log {path} belongs to another search: its {key} is "
+                              f"{head.get(key)!r:.80}, this search's is {value!r:.80}")

@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from kareus._logging import get_logger
+from kareus.errors import OutputError
 from kareus.model.config import ConfigSpace, ScheduleConfig
 from kareus.model.measurement import Measurement
 from kareus.model.partition import Partition
@@ -48,7 +49,14 @@ from kareus.search._defaults import default_passes, default_surrogate
 from kareus.search._features import search_features
 from kareus.search._initial_design import default_initial_size
 from kareus.search._initial_design import initial_design as initial_design_indices
-from kareus.search._log import append_record, check_header, log_header, read_log, sync_log
+from kareus.search._log import (
+    REMEDY,
+    append_record,
+    check_header,
+    log_header,
+    read_log,
+    sync_log,
+)
 from kareus.search._objective_model import ObjectiveModel
 from kareus.search._progress import ProgressBar
 from kareus.search.acquisition import (
@@ -159,7 +167,11 @@ class MultiPassSearch:
         if resume_records is not None:
             # A resumed search keeps the design its log was started with, whatever the
             # budget now (the default size depends on the budget, which may change).
-            logged = int(resume_records[0]["initial_size"])
+            try:
+                logged = int(resume_records[0]["initial_size"])
+            except (KeyError, TypeError, ValueError, OverflowError):
+                raise OutputError(f"search log {resume}: its header has no valid "
+                                  f"initial_size: {REMEDY}") from None
             if initial_size is not None and int(initial_size) != logged:
                 raise ValueError(f"search log {resume} was started with an initial design of "
                                  f"{logged} profiles, not {initial_size}: resume it with "
@@ -488,23 +500,36 @@ class MultiPassSearch:
             append_record(self._log_path, record)
 
     def _replay(self, path: Path, records: list[dict[str, Any]]) -> None:
-        for rec in records[1:]:
-            kind = rec.get("kind")
-            if kind == "ask":
-                self._batches = int(rec["batch"])
-                cfgs = [ScheduleConfig.from_dict(c) for c in rec["configs"]]
-                self._pending = [self.space.index(c) for c in cfgs
-                                 if not self._measured[self.space.index(c)]]
-                for c, name in zip(cfgs, rec.get("passes", [])):
-                    self.chosen_by[c] = name
-            elif kind == "tell":
-                config = ScheduleConfig.from_dict(rec["config"])
-                i = self.space.index(config)
-                if self._measured[i]:
-                    raise ValueError(f"search log {path} measures {config} twice")
-                self._record(i, Measurement.from_dict(rec["measurement"]))
-            else:
-                raise ValueError(f"search log {path}: unknown record kind {kind!r}")
+        for n, rec in enumerate(records[1:], start=2):
+            try:
+                self._replay_record(path, rec)
+            except OutputError:
+                raise
+            except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as exc:
+                problem = (f"missing field {exc.args[0]!r}" if isinstance(exc, KeyError)
+                           else " ".join(str(exc).split())[:200])
+                raise OutputError(f"search log {path}: record {n} ({rec.get('kind')!r:.20}) "
+                                  f"is corrupt: {problem}; {REMEDY}") from None
+
+    def _replay_record(self, path: Path, rec: dict[str, Any]) -> None:
+        """Replay one ask or tell record (any error: a corrupt record)."""
+        kind = rec.get("kind")
+        if kind == "ask":
+            self._batches = int(rec["batch"])
+            cfgs = [ScheduleConfig.from_dict(c) for c in rec["configs"]]
+            self._pending = [self.space.index(c) for c in cfgs
+                             if not self._measured[self.space.index(c)]]
+            for c, name in zip(cfgs, rec.get("passes", [])):
+                self.chosen_by[c] = name
+        elif kind == "tell":
+            config = ScheduleConfig.from_dict(rec["config"])
+            i = self.space.index(config)
+            if self._measured[i]:
+                raise OutputError(f"search log {path} measures {config} twice: {REMEDY}")
+            self._record(i, Measurement.from_dict(rec["measurement"]))
+        else:
+            raise OutputError(f"search log {path}: unknown record kind {kind!r:.40}: "
+                              f"{REMEDY}")
 
     def __repr__(self) -> str:
         return (f"MultiPassSearch({self.space!r}, {self.n_measured}/{self.budget} measured, "

@@ -82,6 +82,36 @@ def test_file_without_rows_is_rejected(tmp_path):
         ReplayProfiler(path)
 
 
+@pytest.mark.parametrize(("corrupt", "needle"), [
+    (lambda d: d["measurements"][0].pop("config"), "row 0: missing field 'config'"),
+    (lambda d: d["measurements"][1]["measurement"].pop("energy_j"),
+     "row 1: missing field 'energy_j'"),
+    (lambda d: d["measurements"][2]["measurement"].__setitem__("time_s", [1]), "row 2:"),
+    (lambda d: d["measurements"][0]["measurement"].__setitem__("energy_j", -1.0), "row 0:"),
+    (lambda d: d.__setitem__("measurements", True), "measurements must be a list"),
+    (lambda d: d.__setitem__("static_power_w", "hot"), "could not convert"),
+    (lambda d: d.__setitem__("static_power_w", -5.0), "static_power_w must be a positive"),
+    (lambda d: d["measurements"].__setitem__(3, [1, 2]), "row 3: a row must be an object"),
+])
+def test_a_corrupt_recording_is_refused_in_one_line(tmp_path, corrupt, needle):
+    data = synthetic()
+    corrupt(data)
+    path = tmp_path / "rec.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError) as err:
+        ReplayProfiler(path)
+    msg = str(err.value)
+    assert needle in msg and str(path) in msg and "\n" not in msg
+    assert "record it again" in msg or "static_power_w" in msg
+
+
+def test_a_recording_that_is_not_an_object_is_refused(tmp_path):
+    path = tmp_path / "rec.json"
+    path.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="not a kareus recording"):
+        ReplayProfiler(path)
+
+
 # ----------------------------------------------------------------- measured H200 data
 
 

@@ -91,7 +91,8 @@ def test_gpu_ranges_expand_and_match_a_list(tmp_path: Path) -> None:
     (MODEL_TOML.replace("vocab = 32000\n", ""), "missing field(s) vocab"),
     (MODEL_TOML + "hiden = 3\n", "unknown key(s) 'hiden' (did you mean 'hidden'?)"),
     (MODEL_TOML.replace("kv_heads = 4", "kv_heads = 5"), "multiple of kv_heads"),
-    (MODEL_TOML.replace("layers = 4", "layers = 0"), "layers must be >= 1"),
+    (MODEL_TOML.replace("layers = 4", "layers = 0"), "layers must be in 1.."),
+    (MODEL_TOML.replace("layers = 4", "layers = " + "9" * 40), "layers must be in 1..2,147,48"),
     (MODEL_TOML.replace("layers = 4", 'layers = "four"'), "layers must be a whole number"),
     (MODEL_TOML.replace("layers = 4", "layers = true"), "layers must be a whole number"),
     (MODEL_TOML.replace('name = "tiny-gqa"', 'name = ""'), "name must be a non-empty"),
@@ -107,9 +108,15 @@ def test_bad_model_files_raise_one_line(tmp_path: Path, text: str, needle: str) 
 
 
 @pytest.mark.parametrize(("change", "needle"), [
-    ({"sm_count": 1}, "sm_count must be >= 2"),
+    ({"sm_count": 1}, "sm_count must be in 2..65,536"),
+    ({"sm_count": 10**30}, "sm_count must be in 2..65,536, got 1000000000000000000000000000000"),
     ({"default_comm_sms": 100}, "default_comm_sms must be in 1..99"),
     ({"power_limit_w": -1}, "power_limit_w must be positive"),
+    ({"bf16_peak_tflops": 10**400}, "bf16_peak_tflops must be a finite number"),
+    ({"hbm_bandwidth_gbps": 1e300}, "hbm_bandwidth_gbps must be positive, in 0.001.."),
+    ({"static_power_w": 900.0}, "idle_power_w <= static_power_w <= power_limit_w"),
+    ({"nvlink_bandwidth_gbps": 1e-300}, "nvlink_bandwidth_gbps must be positive, in 0.001"),
+    ({"sm_count": "9" * 5000}, "sm_count must be a whole number, got '9999"),
     ({"search_clocks_mhz": [1510]}, "are not in clocks_mhz"),
     ({"clocks_mhz": {"min": 300, "max": 1501, "step": 15}}, "not min 300 plus a multiple"),
     ({"clocks_mhz": {"min": 900, "max": 300, "step": 15}}, "is impossible"),
@@ -124,6 +131,7 @@ def test_bad_gpu_values_raise_typed_errors(tmp_path: Path, change: dict, needle:
     with pytest.raises(SpecFileError, match="GPU") as err:
         gpu_from_dict({**good, **change})
     assert needle in str(err.value) and "\n" not in str(err.value)
+    assert len(str(err.value)) < 300  # a long bad value is shown cut short
 
 
 def test_file_level_errors(tmp_path: Path) -> None:

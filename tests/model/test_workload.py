@@ -28,8 +28,10 @@ def test_unknown_workload():
         ({"pp": 3}, "PP=3 does not divide the 28 layers"),
         ({"cp": 3, "seq_len": 4096}, "CP=3 needs seq_len"),
         ({"microbatch_size": 3, "nanobatches": 2}, "does not split into 2 nanobatches"),
-        ({"nanobatches": 0}, "nanobatches must be >= 1"),
-        ({"tp": 0}, "tp must be >= 1"),
+        ({"nanobatches": 0}, "nanobatches must be in 1.."),
+        ({"tp": 0}, "tp must be in 1.."),
+        ({"seq_len": 2**40}, "seq_len must be in 1..2,147,483,647, got 1099511627776"),
+        ({"microbatch_size": 10**400}, r"microbatch_size must be in 1\.\.2,147,483,647, got 1000"),
     ],
 )
 def test_invalid_workloads_raise(kwargs, pattern):

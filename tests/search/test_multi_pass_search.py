@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from kareus.errors import OutputError
 from kareus.model import ConfigSpace, Measurement, ScheduleConfig
 from kareus.search import (
     LOG_FORMAT,
@@ -246,6 +247,30 @@ def test_resume_after_a_kill_loses_and_repeats_nothing(medium_space, tmp_path, d
     assert [o.config for o in second.observations] == [o.config
                                                        for o in reference.observations]
     assert second.observations == reference.observations
+
+
+@pytest.mark.parametrize(("corrupt", "needle"), [
+    (lambda r: r.pop("measurement"), "missing field 'measurement'"),
+    (lambda r: r["measurement"].pop("energy_j"), "missing field 'energy_j'"),
+    (lambda r: r.__setitem__("config", 7), "is corrupt"),
+    (lambda r: r["config"].__setitem__("launch_slot", 1e308), "no launch slot"),
+    (lambda r: r["measurement"].__setitem__("time_s", [1]), "is corrupt"),
+])
+def test_a_corrupt_record_is_refused_in_one_line_naming_it(small_space, tmp_path, corrupt,
+                                                           needle):
+    path = tmp_path / "s.jsonl"
+    search(small_space, budget=16, batch_size=8, seed=5, log=path).run(FakeProfiler())
+    lines = path.read_text().splitlines()
+    k = next(i for i, x in enumerate(lines) if json.loads(x)["kind"] == "tell")
+    rec = json.loads(lines[k])
+    corrupt(rec)
+    lines[k] = json.dumps(rec)
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(OutputError) as err:
+        search(small_space, budget=16, batch_size=8, seed=5, resume=path)
+    msg = str(err.value)
+    assert needle in msg and f"record {k + 1} ('tell')" in msg and "--fresh" in msg
+    assert "\n" not in msg and isinstance(err.value, ValueError)
 
 
 def test_small_budgets_leave_profiles_to_the_passes(medium_space):
