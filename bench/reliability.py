@@ -19,6 +19,13 @@ Runs four corpora against the ``kareus`` command and the plan loader and prints 
    against.
 4. **Two runs on one folder**: started together; one must be refused at once, and no
    measurement may be logged twice.
+5. **Mutated input files**: a model file, a GPU file, the shipped GPU profile, a plan, a
+   recording and a finished run's search logs, each with one to three fields replaced
+   by a bad value (wrong type, empty, negative, not finite, beyond float range, huge),
+   deleted or joined by an unknown key, one in ten also cut short or with bytes that
+   are not UTF-8 (``--mutations`` of each kind, ``--seed``); each read as kareus reads
+   it (a search log by running the same command again in its folder): refused in one
+   typed line, accepted (a mutation may leave a valid file), or another exception.
 
 Usage::
 
@@ -271,10 +278,176 @@ def two_runs(tmp: Path) -> dict:
             "next_run_ok": _kareus([*SMALL, "--out", str(out)]).returncode == 0}
 
 
+# ----------------------------------------------------------------- mutated input files
+
+#: Values a mutation puts in place of a field: wrong types, empty, negative, zero, beyond
+#: float range, not finite, huge strings.
+_BAD_VALUES = [None, "x", "", -1, 0, 1, -1e9, 1e308, 10**30, 2**63, 10**400, True, [], {},
+               [1, 2], {"a": 1}, 0.5, -0.0, 1e-300, "NaN", "Infinity", [None], "9" * 5000]
+
+
+def _paths(obj, prefix=()):  # type: ignore[no-untyped-def]
+    """Every path to a value inside nested dicts and lists (the first 6 items of a list)."""
+    yield prefix
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _paths(v, (*prefix, k))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj[:6]):
+            yield from _paths(v, (*prefix, i))
+
+
+def _mutate(rng, doc):  # type: ignore[no-untyped-def]
+    """``doc`` with one to three fields replaced by a bad value, deleted, or joined by an
+    unknown key or list item."""
+    import copy
+
+    doc = copy.deepcopy(doc)
+    for _ in range(rng.choice((1, 1, 1, 2, 3))):
+        paths = [p for p in _paths(doc) if p]
+        if not paths:
+            break
+        path = rng.choice(paths)
+        parent = doc
+        for key in path[:-1]:
+            parent = parent[key]
+        r = rng.random()
+        if r < 0.6:
+            parent[path[-1]] = copy.deepcopy(rng.choice(_BAD_VALUES))
+        elif r < 0.8:
+            del parent[path[-1]]
+        elif isinstance(parent, dict):
+            parent[f"unknown_{rng.randrange(10)}"] = 1
+        else:
+            parent.append(copy.deepcopy(parent[0]))
+    return doc
+
+
+def _mutated_bytes(rng, doc) -> bytes:  # type: ignore[no-untyped-def]
+    """``doc`` mutated and written as JSON (NaN and Infinity as JSON extensions), one in
+    ten then cut short, with a byte changed, or with bytes that are not UTF-8."""
+    text = json.dumps(_mutate(rng, doc)).replace('"NaN"', "NaN").replace('"Infinity"',
+                                                                         "Infinity")
+    data = bytearray(text.encode())
+    if rng.random() < 0.1:
+        k = rng.random()
+        if k < 0.3:
+            data = data[:rng.randrange(len(data))]
+        elif k < 0.6:
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        else:
+            data += b"\xff\xfe"
+    return bytes(data)
+
+
+def mutated_files(tmp: Path, per_kind: int, seed: int) -> dict:
+    """Model and GPU files, a GPU profile, a plan, a recording and search logs, each
+    mutated ``per_kind`` times and read as kareus reads them (accepted model and GPU
+    files are also used: partitions built, the emulator measuring one configuration). A
+    refusal counts when it is a KareusError of one line; any other exception counts
+    against, as does a search log that the command line reports as an internal error."""
+    import contextlib
+    import io
+    import random
+    import shutil
+
+    import attrs
+
+    from kareus.cli import main as kareus_main
+    from kareus.compose.plan import Plan
+    from kareus.errors import KareusError
+    from kareus.exec.emulator import EmulatedProfiler
+    from kareus.exec.replay import ReplayProfiler
+    from kareus.model import ScheduleConfig
+    from kareus.model.files import load_gpu_file, load_model_file
+    from kareus.model.gpu import GPU_PRESETS
+    from kareus.model.gpu_profile import GPUProfile
+    from kareus.model.partition import build_partitions
+    from kareus.model.workload import Parallelism, Workload
+    from tests.compose import test_plan as plan_corpus
+
+    rng = random.Random(seed)
+    run = tmp / "mut-run"
+    rec = tmp / "mut-rec.json"
+    job = [*SMALL[:SMALL.index("--budget")], "--budget", "8", "--quiet"]
+    done = _kareus([*job, "--out", str(run), "--record", str(rec)])
+    assert done.returncode == 0, done.stderr[-500:]
+
+    def use_model(arch):  # type: ignore[no-untyped-def]
+        wl = Workload(model=arch, parallelism=Parallelism(tp=1), microbatch_size=2,
+                      seq_len=256, nanobatches=2)
+        build_partitions(wl)
+
+    def use_gpu(spec):  # type: ignore[no-untyped-def]
+        wl = Workload.preset("qwen3-1.7b", tp=2, microbatch_size=2, seq_len=512)
+        part = build_partitions(wl)["fwd_mlp"]
+        EmulatedProfiler(spec).measure(part, ScheduleConfig(spec.max_clock_mhz, 1, None))
+
+    gpu = {k: list(v) if isinstance(v, tuple) else v
+           for k, v in attrs.asdict(GPU_PRESETS["h200-sxm"]).items()}
+    loaders = {
+        "model file": (lambda p: use_model(load_model_file(p)),
+                       {"name": "mine", "layers": 4, "hidden": 1024, "heads": 8,
+                        "kv_heads": 4, "head_dim": 128, "ffn": 4096, "vocab": 32000}),
+        "GPU file": (lambda p: use_gpu(load_gpu_file(p)), {**gpu, "name": "mine"}),
+        "GPU profile": (GPUProfile.load, json.loads(
+            (ROOT / "kareus" / "model" / "profiles" / "h200_sxm.json").read_text())),
+        "plan": (Plan.load, plan_corpus._plan().to_dict()),
+        "recording": (ReplayProfiler, json.loads(rec.read_text())),
+    }
+    out: dict[str, dict] = {}
+    for kind, (load, doc) in loaders.items():
+        c: dict = {"mutations": per_kind, "refused_one_line": 0, "accepted": 0,
+                   "other_exception": []}
+        path = tmp / "mutated.json"
+        for _ in range(per_kind):
+            path.write_bytes(_mutated_bytes(rng, doc))
+            try:
+                load(path)
+            except KareusError as exc:
+                if "\n" in str(exc) or len(str(exc)) > 1000:
+                    c["other_exception"].append(f"long or multi-line: {str(exc)[:150]}")
+                else:
+                    c["refused_one_line"] += 1
+            except Exception as exc:  # what the corpus looks for
+                c["other_exception"].append(f"{type(exc).__name__}: {exc}"[:200])
+            else:
+                c["accepted"] += 1
+        out[kind] = c
+    # Search logs: one record of one log (or the folder's manifest) mutated, the same
+    # command run again in the folder.
+    c = {"mutations": per_kind, "refused_one_line": 0, "accepted": 0, "other_exception": []}
+    for _ in range(per_kind):
+        work = tmp / "mut-logs"
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.copytree(run, work)
+        logs = sorted((work / "logs").glob("search-*.jsonl"))
+        target = rng.choice(logs)
+        lines = target.read_text().splitlines()
+        k = rng.randrange(len(lines))
+        lines[k] = _mutated_bytes(rng, json.loads(lines[k])).decode("utf-8", "replace")
+        target.write_text("\n".join(lines) + "\n")
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = kareus_main([*job, "--out", str(work)])
+        last = (err.getvalue().strip().splitlines() or [""])[-1]
+        if code == 0:
+            c["accepted"] += 1
+        elif last.startswith("kareus: error:") and "Traceback" not in err.getvalue():
+            c["refused_one_line"] += 1
+        else:
+            c["other_exception"].append(f"line {k + 1} of {target.name}: {last[:200]}")
+    out["search log"] = c
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kill-points", type=int, default=12)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--mutations", type=int, default=200,
+                    help="mutations of each kind of input file (default 200)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the mutations")
     args = ap.parse_args(argv)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="kareus-reliability-") as tmp_s:
@@ -283,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         plans = corrupt_plans(tmp)
         calls = bad_invocations(tmp)
         pair = two_runs(tmp)
+        mutated = mutated_files(tmp, args.mutations, args.seed)
     print(f"kill and resume: {kills['kill_points']} kill points ({kills['stopped_by_the_signal']} "
           f"stopped by the signal), {kills['resumed_ok']} resumed, "
           f"{kills['identical_results_and_plan']} identical results.json and plan.json "
@@ -296,8 +470,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"two runs on one folder: exits {pair['exit_codes']}, refused {pair['refused']} "
           f"(after {pair['refused_after_s']} s), duplicated measurements "
           f"{pair['duplicated_measurements']}, next run ok: {pair['next_run_ok']}")
+    for kind, c in mutated.items():
+        print(f"mutated {kind}: {c['mutations']}, {c['refused_one_line']} refused in one line, "
+              f"{c['accepted']} accepted, {len(c['other_exception'])} other exceptions")
     result = {"kill_and_resume": kills, "corrupt_plans": plans, "bad_invocations": calls,
-              "two_runs_one_folder": pair, "wall_s": time.monotonic() - t0,
+              "two_runs_one_folder": pair, "mutated_files": mutated,
+              "seed": args.seed, "wall_s": time.monotonic() - t0,
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                           "python": platform.python_version()}}
     if args.json is not None:

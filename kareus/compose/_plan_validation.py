@@ -73,18 +73,21 @@ def _int(value: Any, source: str, field: str, lo: int, hi: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise _err(source, field, f"{_show(value)} is not a whole number")
     if not lo <= value <= hi:
-        raise _err(source, field, f"{value} is out of range ({lo}..{hi})")
+        raise _err(source, field, f"{_show(value)} is out of range ({lo}..{hi})")
     return value
 
 
 def _num(value: Any, source: str, field: str, *, positive: bool) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _err(source, field, f"{_show(value)} is not a number")
-    x = float(value)
+    try:
+        x = float(value)
+    except OverflowError:  # an integer beyond float range
+        x = math.inf
     if not math.isfinite(x):
-        raise _err(source, field, f"{value} is not finite")
+        raise _err(source, field, f"{_show(value)} is not finite")
     if (positive and not x > 0) or x < 0:
-        raise _err(source, field, f"{value} must be {'> 0' if positive else '>= 0'}")
+        raise _err(source, field, f"{_show(value)} must be {'> 0' if positive else '>= 0'}")
     return x
 
 

@@ -181,9 +181,16 @@ def _float(value: Any, field: str, where: str) -> float:
     return x
 
 
+#: The longest model or GPU name a file may give (it appears in every message).
+MAX_NAME = 200
+
+
 def _name(value: Any, where: str) -> str:
     if not isinstance(value, str) or not value.strip():
         raise SpecFileError(f"{where}: name must be a non-empty string, got {value!r:.60}")
+    if len(value.strip()) > MAX_NAME:
+        raise SpecFileError(f"{where}: name is {len(value.strip()):,} characters long (at "
+                            f"most {MAX_NAME})")
     return value.strip()
 
 

@@ -96,6 +96,8 @@ def test_gpu_ranges_expand_and_match_a_list(tmp_path: Path) -> None:
     (MODEL_TOML.replace("layers = 4", 'layers = "four"'), "layers must be a whole number"),
     (MODEL_TOML.replace("layers = 4", "layers = true"), "layers must be a whole number"),
     (MODEL_TOML.replace('name = "tiny-gqa"', 'name = ""'), "name must be a non-empty"),
+    (MODEL_TOML.replace('name = "tiny-gqa"', f'name = "{"x" * 300}"'),
+     "name is 300 characters long (at most 200)"),
     ("name = \n", "not valid TOML"),
 ])
 def test_bad_model_files_raise_one_line(tmp_path: Path, text: str, needle: str) -> None:
