@@ -248,8 +248,10 @@ class NVMLProfiler(Profiler):
         """Measure idle power and blocked-in-communication power; return the group's
         static power (blocked power where the group has >= 2 GPUs, else idle power)."""
         assert self.step_period_s is not None
-        # At least IDLE_WINDOW_S after the 20 ms settle margin: a window of a few steps of
-        # a millisecond partition would hold one or two updates of the energy counter.
+        # window_steps + 1.5 steps of the energy counter, and at least IDLE_WINDOW_S after
+        # the 20 ms settle margin: where the counter steps every few ms (a fake meter,
+        # some GPUs), a few steps are too short a window for the host times' jitter. (At
+        # an H200's ~100 ms steps the counter window is the longer one.)
         span = max((self.window_steps + 1.5) * self.step_period_s, 0.02 + IDLE_WINDOW_S)
         self.runner.synchronize()
         self.coord.barrier()
