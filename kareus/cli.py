@@ -138,7 +138,8 @@ def _profiler_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-de
         if not path.is_file():
             raise FileNotFoundError(f"--profiler {spec}: no such file {str(path)!r}")
         return ReplayProfiler(path, gpu=args.gpu)  # None: the recording's GPU
-    raise ValueError(f"--profiler must be 'emulated' or 'replay:FILE', got {spec!r}")
+    raise ValueError(f"--profiler must be 'emulated', 'replay:FILE' or 'nvml' (real GPUs, "
+                     f"under torchrun), got {spec!r:.60}")
 
 
 _MIN_SEQ_LEN = 128

@@ -83,7 +83,7 @@ def test_helpful_errors(tmp_path, capsys):
         (["optimize", "--workload", "qwen3-1.7b", "--gpus", "12"], "not a multiple"),
         (["optimize", "--workload", "qwen3-1.7b", "--profiler", "replay:/nonexistent.json"],
          "no such file"),
-        (["optimize", "--workload", "qwen3-1.7b", "--profiler", "magic"], "emulated"),
+        (["optimize", "--workload", "qwen3-1.7b", "--profiler", "magic"], "'nvml' (real GPUs"),
         (["show", str(tmp_path / "missing.json")], "error"),
     ]
     for argv, pattern in cases:
