@@ -26,7 +26,7 @@ import os
 import sys
 import textwrap
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
@@ -329,6 +329,48 @@ def _pct(x: float | None, what: str) -> str:
     return f"{100 * x:.1f}% {what}" if x is not None else f"n/a ({what}: not reachable)"
 
 
+def _check_arguments(workload: Any, gpu: Any, *, budget: Any, seed: Any, batch_size: Any,
+                     log_dir: Any) -> None:
+    """:func:`optimize`'s plain arguments, checked before anything runs."""
+    if not isinstance(workload, Workload):
+        raise TypeError(f"workload must be a kareus Workload, got {type(workload).__name__}")
+    for label, value in (("budget", budget), ("seed", seed), ("batch_size", batch_size)):
+        if (value is not None or label != "batch_size") and (
+                isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{label} must be a whole number, got {value!r:.40} "
+                            f"({type(value).__name__})")
+    if budget < 1:
+        raise InfeasibleError(f"budget must be at least 1 profile per partition type, got "
+                              f"{budget}")
+    if gpu is not None and (not isinstance(gpu, str) or not gpu):
+        raise TypeError(f"gpu must be a GPU preset name such as 'h200-sxm' (or None: the "
+                        f"profiler's), got {gpu!r:.40}")
+    if log_dir is not None:
+        if not isinstance(log_dir, (str, os.PathLike)):
+            raise TypeError(f"log_dir must be a folder path or None, got "
+                            f"{type(log_dir).__name__}")
+        if not os.fspath(log_dir):
+            raise OutputError("log_dir is empty: name a folder for the logs (or pass None "
+                              "for none); an empty path would write into the working folder")
+
+
+def _system_names(systems: Sequence[str] | None) -> list[str]:
+    """``systems`` checked before any search: ``None`` is all five."""
+    if systems is None:
+        return list(SYSTEMS)
+    if isinstance(systems, (str, bytes)) or not isinstance(systems, Iterable):
+        raise TypeError(f"systems must be a list of system names (of {', '.join(SYSTEMS)}) "
+                        f"or None for all five, got {systems!r:.40}")
+    names = list(systems)
+    unknown = [n for n in names if n not in SYSTEMS]
+    if unknown:
+        raise ValueError(f"unknown system(s) {unknown!r:.80}; known: {', '.join(SYSTEMS)}")
+    if not names:
+        raise ValueError(f"systems is empty: name at least one of {', '.join(SYSTEMS)}, or "
+                         "pass None for all five")
+    return names
+
+
 def optimize(
     workload: Workload,
     gpu: str | None = None,
@@ -401,16 +443,9 @@ def optimize(
     from kareus.search import MultiPassSearch
 
     template = resolve_surrogate(surrogate, seed)
-    if not isinstance(workload, Workload):
-        raise TypeError(f"workload must be a kareus Workload, got {type(workload).__name__}")
-    for label, value in (("budget", budget), ("seed", seed), ("batch_size", batch_size)):
-        if (value is not None or label != "batch_size") and (
-                isinstance(value, bool) or not isinstance(value, int)):
-            raise TypeError(f"{label} must be a whole number, got {value!r} "
-                            f"({type(value).__name__})")
-    if budget < 1:
-        raise InfeasibleError(f"budget must be at least 1 profile per partition type, got "
-                              f"{budget}")
+    _check_arguments(workload, gpu, budget=budget, seed=seed, batch_size=batch_size,
+                     log_dir=log_dir)
+    names = _system_names(systems)
     if profiler is None:
         from kareus.exec.emulator import EmulatedProfiler
 
@@ -454,7 +489,6 @@ def optimize(
                     seed=seed, log=None if log_path is None else log_path / f"search-{name}.jsonl",
                     progress=progress, surrogate=template)
                 profiles[name] = len(frontiers[name].measured())
-        names = list(systems or SYSTEMS)
         _log.info("composing %s over a %s schedule", ", ".join(names), schedule)
         bar = ProgressBar(None, desc=f"composing {len(names)} systems", enabled=progress)
         bar.refresh()

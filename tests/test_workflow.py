@@ -1,5 +1,7 @@
 """The whole pipeline in one call (kareus.workflow), on the noisy emulator."""
 
+import re
+
 import pytest
 
 from kareus.compose import system_configs
@@ -154,6 +156,28 @@ def test_arguments_of_the_wrong_type_raise_type_error():
         optimize(_small_workload(), "h200-sxm", budget="8", progress=False)
     with pytest.raises(TypeError, match="seed must be a whole number"):
         optimize(_small_workload(), "h200-sxm", seed=1.5, progress=False)
+    with pytest.raises(TypeError, match="gpu must be a GPU preset name"):
+        optimize(_small_workload(), 0, progress=False)  # not the default GPU
+    with pytest.raises(TypeError, match="systems must be a list"):
+        optimize(_small_workload(), "h200-sxm", systems="kareus", progress=False)
+    with pytest.raises(TypeError, match="log_dir must be a folder path"):
+        optimize(_small_workload(), "h200-sxm", log_dir=3, progress=False)
+
+
+@pytest.mark.parametrize(("systems", "needle"), [
+    ([], "systems is empty"), (["kareus", "zeus"], "unknown system(s) ['zeus']")])
+def test_systems_are_checked_before_any_search(systems, needle):
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        optimize(_small_workload(), "h200-sxm", systems=systems, progress=False)
+
+
+def test_an_empty_log_dir_is_refused_not_the_working_folder(tmp_path, monkeypatch):
+    from kareus.errors import OutputError
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(OutputError, match="log_dir is empty"):
+        optimize(_small_workload(), "h200-sxm", log_dir="", progress=False)
+    assert list(tmp_path.iterdir()) == []  # nothing written into the working folder
 
 
 def test_memory_accounting_by_hand():
