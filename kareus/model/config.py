@@ -20,18 +20,29 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from collections.abc import Iterable, Iterator, Sequence
 
 import attrs
 import numpy as np
 
-from kareus.errors import UnknownSlotError
+from kareus.errors import ConfigError, UnknownSlotError
 from kareus.model.gpu import GPUSpec, get_gpu
 from kareus.model.partition import Partition
 
 __all__ = ["ConfigSpace", "ScheduleConfig", "FEATURE_NAMES"]
 
 FEATURE_NAMES = ("freq_mhz", "comm_sms", "slot_position", "slot_log_intensity", "sequential")
+
+
+def _whole(value: object) -> int:
+    """A whole number (an int, or a float with no fraction), else a ConfigError."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    raise ConfigError(f"a configuration's clock and SM count are whole numbers, got "
+                      f"{value!r:.40}")
 
 
 @functools.total_ordering
@@ -53,12 +64,15 @@ class ScheduleConfig:
             and replayed configuration).
     """
 
-    freq_mhz: int = attrs.field(converter=int)
-    comm_sms: int = attrs.field(converter=int)
+    freq_mhz: int = attrs.field(converter=_whole)
+    comm_sms: int = attrs.field(converter=_whole)
     launch_slot: str | None = None
     backend: str | None = attrs.field(default=None, kw_only=True)
 
     def __attrs_post_init__(self) -> None:
+        if self.launch_slot is not None and not isinstance(self.launch_slot, str):
+            raise ConfigError(f"launch_slot must be an op name or None (sequential), got "
+                              f"{self.launch_slot!r:.40}")
         if self.backend is not None and (not isinstance(self.backend, str) or not self.backend):
             raise ValueError(f"backend must be a non-empty name or None, got {self.backend!r}")
 
@@ -88,8 +102,8 @@ class ScheduleConfig:
     @classmethod
     def from_dict(cls, d: dict[str, object]) -> ScheduleConfig:
         """Rebuild from :meth:`to_dict` output."""
-        return cls(freq_mhz=int(d["freq_mhz"]),  # type: ignore[call-overload]
-                   comm_sms=int(d["comm_sms"]),  # type: ignore[call-overload]
+        return cls(freq_mhz=d["freq_mhz"],  # type: ignore[arg-type]
+                   comm_sms=d["comm_sms"],  # type: ignore[arg-type]
                    launch_slot=d.get("launch_slot"),  # type: ignore[arg-type]
                    backend=d.get("backend"))  # type: ignore[arg-type]
 

@@ -186,6 +186,8 @@ class Workload:
         for field in ("microbatch_size", "seq_len", "num_microbatches", "nanobatches",
                       "dtype_bytes"):
             _check_count(field, getattr(self, field))
+        if not isinstance(self.recompute, bool):
+            raise WorkloadError(f"recompute must be True or False, got {self.recompute!r:.40}")
         checks = [
             (m.heads % p.tp == 0, f"TP={p.tp} does not divide the {m.heads} attention heads"),
             (m.kv_heads % p.tp == 0,

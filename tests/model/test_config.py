@@ -88,3 +88,23 @@ def test_configs_sort_with_sequential_and_slots_mixed():
     assert b < c < a and not a < b
     assert max([a, b, c, d]) == a
     assert a == ScheduleConfig(1410, 8, "qkv") and len({a, b, c, d, a}) == 4
+
+
+@pytest.mark.parametrize(("kwargs", "needle"), [
+    ({"freq_mhz": float("inf")}, "whole numbers"),
+    ({"comm_sms": 4.7}, "whole numbers"),  # not truncated to 4
+    ({"comm_sms": "4"}, "whole numbers"),
+    ({"freq_mhz": True}, "whole numbers"),
+    ({"launch_slot": 3}, "launch_slot must be an op name"),
+])
+def test_a_configuration_of_the_wrong_kind_is_a_config_error(kwargs, needle):
+    with pytest.raises(ConfigError, match=needle):
+        ScheduleConfig(**{"freq_mhz": 1410, "comm_sms": 4, "launch_slot": None, **kwargs})
+    assert ScheduleConfig(np.int64(1410), 4.0).comm_sms == 4  # numpy ints, whole floats
+
+
+def test_recompute_must_be_a_bool():
+    from kareus.errors import WorkloadError
+
+    with pytest.raises(WorkloadError, match="recompute must be True or False"):
+        Workload.preset("qwen3-1.7b", recompute="no")

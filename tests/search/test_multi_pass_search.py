@@ -253,7 +253,7 @@ def test_resume_after_a_kill_loses_and_repeats_nothing(medium_space, tmp_path, d
     (lambda r: r.pop("measurement"), "missing field 'measurement'"),
     (lambda r: r["measurement"].pop("energy_j"), "missing field 'energy_j'"),
     (lambda r: r.__setitem__("config", 7), "is corrupt"),
-    (lambda r: r["config"].__setitem__("launch_slot", 1e308), "no launch slot"),
+    (lambda r: r["config"].__setitem__("launch_slot", 1e308), "launch_slot must be an op name"),
     (lambda r: r["measurement"].__setitem__("time_s", [1]), "is corrupt"),
 ])
 def test_a_corrupt_record_is_refused_in_one_line_naming_it(small_space, tmp_path, corrupt,
