@@ -99,3 +99,17 @@ class FolderInUseError(KareusError, RuntimeError):
     """An output folder locked by another running job."""
 
     exit_code = 1
+
+
+#: What reading a corrupt JSON document field by field raises (a missing key, a value of
+#: the wrong type, a number beyond float range...): the loaders of recordings and search
+#: logs turn these into one typed line with :func:`data_problem`.
+DATA_ERRORS = (KeyError, TypeError, ValueError, OverflowError, AttributeError)
+
+
+def data_problem(exc: BaseException, limit: int = 200) -> str:
+    """One line saying what was wrong with a document's field (for one of
+    :data:`DATA_ERRORS`)."""
+    if isinstance(exc, KeyError):
+        return f"missing field {exc.args[0]!r:.60}"
+    return " ".join(str(exc).split())[:limit]

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from kareus._io import read_json, write_text_atomic
-from kareus.errors import ConfigError
+from kareus.errors import DATA_ERRORS, ConfigError, data_problem
 from kareus.model.config import ConfigSpace, ScheduleConfig
 from kareus.model.gpu import GPUSpec, get_gpu
 from kareus.model.measurement import Measurement
@@ -120,12 +120,10 @@ class ReplayProfiler(Profiler):
                 self._add_row(entry, wanted)
         except ConfigError:
             raise
-        except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as exc:
-            problem = (f"missing field {exc.args[0]!r}" if isinstance(exc, KeyError)
-                       else " ".join(str(exc).split())[:300])
+        except DATA_ERRORS as exc:
             at = "" if row is None else f" measurement row {row}:"
-            raise ConfigError(f"{where}:{at} {problem}: the recording is corrupt; record it "
-                              "again (--record FILE) or fix that row") from None
+            raise ConfigError(f"{where}:{at} {data_problem(exc)}: the recording is corrupt; "
+                              "record it again (--record FILE) or fix that row") from None
         if not self._table:
             raise ConfigError(f"{where}: no replayable measurements (rows with a comm_sms and "
                               f"a kind in {sorted(wanted)})")

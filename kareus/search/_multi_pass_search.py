@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from kareus._logging import get_logger
-from kareus.errors import OutputError
+from kareus.errors import DATA_ERRORS, OutputError, data_problem
 from kareus.model.config import ConfigSpace, ScheduleConfig
 from kareus.model.measurement import Measurement
 from kareus.model.partition import Partition
@@ -505,11 +505,9 @@ class MultiPassSearch:
                 self._replay_record(path, rec)
             except OutputError:
                 raise
-            except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as exc:
-                problem = (f"missing field {exc.args[0]!r}" if isinstance(exc, KeyError)
-                           else " ".join(str(exc).split())[:200])
+            except DATA_ERRORS as exc:
                 raise OutputError(f"search log {path}: record {n} ({rec.get('kind')!r:.20}) "
-                                  f"is corrupt: {problem}; {REMEDY}") from None
+                                  f"is corrupt: {data_problem(exc)}; {REMEDY}") from None
 
     def _replay_record(self, path: Path, rec: dict[str, Any]) -> None:
         """Replay one ask or tell record (any error: a corrupt record)."""
