@@ -18,9 +18,26 @@ import attrs
 __all__ = ["Measurement"]
 
 
+#: Upper bounds of a measurement's fields: far beyond any run of training work (31 years,
+#: 280 GWh, 10 MW), low enough that sums over an iteration stay finite. A larger value is
+#: a corrupt record, not a measurement.
+MAX_VALUE = {"time_s": 1e9, "energy_j": 1e15, "static_power_w": 1e7}
+
+
+def _number(value: object) -> float:
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except OverflowError:  # an integer beyond float range
+        return math.inf
+
+
 def _finite_nonneg(instance: object, attribute: attrs.Attribute, value: float) -> None:
     if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"Measurement.{attribute.name} must be finite and >= 0, got {value!r}")
+        raise ValueError(f"Measurement.{attribute.name} must be finite and >= 0, got "
+                         f"{value!r:.40}")
+    if value > MAX_VALUE[attribute.name]:
+        raise ValueError(f"Measurement.{attribute.name} must be at most "
+                         f"{MAX_VALUE[attribute.name]:g}, got {value:g}: not a measurement")
 
 
 @attrs.frozen(kw_only=True)
@@ -33,9 +50,9 @@ class Measurement:
         static_power_w: Static power of the scope in watts.
     """
 
-    time_s: float = attrs.field(converter=float, validator=_finite_nonneg)
-    energy_j: float = attrs.field(converter=float, validator=_finite_nonneg)
-    static_power_w: float = attrs.field(converter=float, validator=_finite_nonneg)
+    time_s: float = attrs.field(converter=_number, validator=_finite_nonneg)
+    energy_j: float = attrs.field(converter=_number, validator=_finite_nonneg)
+    static_power_w: float = attrs.field(converter=_number, validator=_finite_nonneg)
 
     @property
     def static_energy_j(self) -> float:

@@ -1,4 +1,5 @@
 import math
+import re
 
 import pytest
 
@@ -19,3 +20,14 @@ def test_invalid_values_rejected(bad):
         Measurement(time_s=bad, energy_j=1.0, static_power_w=1.0)
     with pytest.raises(ValueError):
         Measurement(time_s=1.0, energy_j=bad, static_power_w=1.0)
+
+
+@pytest.mark.parametrize(("field", "value", "needle"), [
+    ("time_s", 1e308, "time_s must be at most 1e+09"),  # finite, but sums overflow
+    ("energy_j", 10**400, "finite and >= 0"),  # an integer beyond float range
+    ("static_power_w", 2e7, "static_power_w must be at most 1e+07"),
+])
+def test_values_beyond_any_run_are_rejected(field, value, needle):
+    good = {"time_s": 1.0, "energy_j": 1.0, "static_power_w": 1.0}
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        Measurement(**{**good, field: value})
