@@ -113,3 +113,9 @@ def data_problem(exc: BaseException, limit: int = 200) -> str:
     if isinstance(exc, KeyError):
         return f"missing field {exc.args[0]!r:.60}"
     return " ".join(str(exc).split())[:limit]
+
+
+def short_repr(value: object, limit: int = 40) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for a bad value shown in a message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from kareus.compose.plan import PLAN_VERSION, MicrobatchChoice, Plan
-from kareus.errors import KareusError, PlanError
+from kareus.errors import KareusError, PlanError, short_repr
 from kareus.model.config import ScheduleConfig
 from kareus.model.gpu import get_gpu
 from kareus.model.pipeline import Computation, get_schedule
@@ -43,11 +43,6 @@ _WORKLOAD_INTS = ("tp", "cp", "pp", "dp", "microbatch_size", "seq_len", "num_mic
 _WORKLOAD_KEYS = frozenset(("model", "recompute", *_WORKLOAD_INTS))
 
 
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
 def _err(source: str, field: str, msg: str) -> PlanError:
     return PlanError(f"{source}: {field}: {msg}")
 
@@ -55,7 +50,7 @@ def _err(source: str, field: str, msg: str) -> PlanError:
 def _obj(value: Any, source: str, field: str) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
         raise _err(source, field, f"must be a JSON object, got {type(value).__name__} "
-                                  f"{_show(value)}")
+                                  f"{short_repr(value)}")
     return value
 
 
@@ -66,34 +61,34 @@ def _keys(d: Mapping[str, Any], required: Iterable[str], allowed: frozenset[str]
         raise _err(source, field, f"lacks the key(s) {', '.join(missing)}")
     extra = sorted(str(k) for k in d if k not in allowed)
     if extra:
-        raise _err(source, field, f"has unknown key(s) {_show(', '.join(extra))}")
+        raise _err(source, field, f"has unknown key(s) {short_repr(', '.join(extra))}")
 
 
 def _int(value: Any, source: str, field: str, lo: int, hi: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _err(source, field, f"{_show(value)} is not a whole number")
+        raise _err(source, field, f"{short_repr(value)} is not a whole number")
     if not lo <= value <= hi:
-        raise _err(source, field, f"{_show(value)} is out of range ({lo}..{hi})")
+        raise _err(source, field, f"{short_repr(value)} is out of range ({lo}..{hi})")
     return value
 
 
 def _num(value: Any, source: str, field: str, *, positive: bool) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _err(source, field, f"{_show(value)} is not a number")
+        raise _err(source, field, f"{short_repr(value)} is not a number")
     try:
         x = float(value)
     except OverflowError:  # an integer beyond float range
         x = math.inf
     if not math.isfinite(x):
-        raise _err(source, field, f"{_show(value)} is not finite")
+        raise _err(source, field, f"{short_repr(value)} is not finite")
     if (positive and not x > 0) or x < 0:
-        raise _err(source, field, f"{_show(value)} must be {'> 0' if positive else '>= 0'}")
+        raise _err(source, field, f"{short_repr(value)} must be {'> 0' if positive else '>= 0'}")
     return x
 
 
 def _str(value: Any, source: str, field: str, max_len: int) -> str:
     if not isinstance(value, str):
-        raise _err(source, field, f"{_show(value)} is not a string")
+        raise _err(source, field, f"{short_repr(value)} is not a string")
     if len(value) > max_len:
         raise _err(source, field, f"is {len(value):,} characters long (at most {max_len})")
     return value
@@ -109,14 +104,14 @@ def _parse_choice(d: Any, field: str, gpu: Any, source: str) -> MicrobatchChoice
                    f"{gpu.name} ({gpu.min_clock_mhz}..{gpu.max_clock_mhz} MHz)")
     predicted = d["predicted"]
     if not isinstance(predicted, bool):
-        raise _err(source, f"{field}.predicted", f"{_show(predicted)} is not true or false")
+        raise _err(source, f"{field}.predicted", f"{short_repr(predicted)} is not true or false")
     configs = _obj(d["configs"], source, f"{field}.configs")
     if not configs:
         raise _err(source, f"{field}.configs", "is empty")
     max_sms = gpu.sm_count - 1 if gpu is not None else 100_000
     out: dict[str, ScheduleConfig] = {}
     for name, c in configs.items():
-        where = f"{field}.configs.{_show(name)[1:-1]}"
+        where = f"{field}.configs.{short_repr(name)[1:-1]}"
         _str(name, source, where, _MAX_NAME)
         c = _obj(c, source, where)
         _keys(c, ("comm_sms", "launch_slot"), frozenset(("comm_sms", "launch_slot", "backend")),
@@ -152,7 +147,7 @@ def _parse_workload(w: Any, source: str) -> Any:
         model = _str(w["model"], source, "workload.model", _MAX_NAME)
     ints = {k: _int(w[k], source, f"workload.{k}", 1, 100_000_000) for k in _WORKLOAD_INTS}
     if not isinstance(w["recompute"], bool):
-        raise _err(source, "workload.recompute", f"{_show(w['recompute'])} is not true or false")
+        raise _err(source, "workload.recompute", f"{short_repr(w['recompute'])} is not true or false")
     try:
         return Workload.preset(model, tp=ints["tp"], cp=ints["cp"], pp=ints["pp"],
                                dp=ints["dp"], microbatch_size=ints["microbatch_size"],
@@ -184,12 +179,12 @@ def _parse_plan(cls: type[Plan], d: Any, source: str) -> Plan:  # noqa: C901 - v
     if "version" not in d:
         raise PlanError(f"{source}: not a kareus plan: the key 'version' is missing")
     if type(d["version"]) is not int or d["version"] != PLAN_VERSION:
-        raise _err(source, "version", f"plan format version {_show(d['version'])} is not "
+        raise _err(source, "version", f"plan format version {short_repr(d['version'])} is not "
                    f"supported; this kareus reads version {PLAN_VERSION} (make the plan again)")
     _keys(d, (*_REQUIRED_KEYS, "workload", "digest"), _TOP_KEYS, source, "plan")
     digest = _str(d["digest"], source, "digest", 64)
     if len(digest) != 64 or any(ch not in "0123456789abcdef" for ch in digest):
-        raise _err(source, "digest", f"{_show(digest)} is not a SHA-256 hex digest")
+        raise _err(source, "digest", f"{short_repr(digest)} is not a SHA-256 hex digest")
     gpu_name = _str(d["gpu"], source, "gpu", _MAX_NAME)
     try:
         gpu = get_gpu(gpu_name)
@@ -230,7 +225,7 @@ def _parse_plan(cls: type[Plan], d: Any, source: str) -> Plan:  # noqa: C901 - v
     keys = {c.key() for c in sched.nodes}
     raw_choices = d["choices"]
     if not isinstance(raw_choices, list) or not raw_choices:
-        raise _err(source, "choices", f"must be a non-empty list, got {_show(raw_choices)}")
+        raise _err(source, "choices", f"must be a non-empty list, got {short_repr(raw_choices)}")
     if len(raw_choices) > len(keys):
         raise _err(source, "choices", f"{len(raw_choices)} choices for {len(keys)} computations")
     choices = [_parse_choice(c, f"choices[{i}]", gpu, source) for i, c in enumerate(raw_choices)]
@@ -238,7 +233,7 @@ def _parse_plan(cls: type[Plan], d: Any, source: str) -> Plan:  # noqa: C901 - v
     assignment: dict[str, int] = {}
     for k, v in raw_assign.items():
         if k not in keys:
-            raise _err(source, f"assignment.{_show(k)[1:-1]}", f"is not a computation of a "
+            raise _err(source, f"assignment.{short_repr(k)[1:-1]}", f"is not a computation of a "
                        f"{schedule} schedule of {stages} stages x {micro} microbatches")
         assignment[k] = _int(v, source, f"assignment.{k}", 0, len(choices) - 1)
     if len(assignment) != len(keys):

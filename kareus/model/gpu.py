@@ -15,7 +15,12 @@ from collections.abc import Iterable
 
 import attrs
 
-from kareus.errors import InvalidSMCountError, UnknownPresetError, UnsupportedFrequencyError
+from kareus.errors import (
+    InvalidSMCountError,
+    UnknownPresetError,
+    UnsupportedFrequencyError,
+    short_repr,
+)
 
 __all__ = ["GPUSpec", "get_gpu", "gpu_names", "GPU_PRESETS"]
 
@@ -33,11 +38,6 @@ def _int_tuple(values: Iterable[int]) -> tuple[int, ...]:
 _MAX = {"sm_count": 65_536, "clock_mhz": 100_000, "bf16_peak_tflops": 1e6,
         "hbm_bandwidth_gbps": 1e7, "nvlink_bandwidth_gbps": 1e7, "power_limit_w": 1e6,
         "static_power_w": 1e6, "idle_power_w": 1e6, "memory_gib": 1e7}
-
-
-def _short(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 @attrs.frozen(kw_only=True)
@@ -78,7 +78,7 @@ class GPUSpec:
     def __attrs_post_init__(self) -> None:
         if not 2 <= self.sm_count <= _MAX["sm_count"]:
             raise ValueError(f"sm_count must be in 2..{_MAX['sm_count']:,}, got "
-                             f"{_short(self.sm_count)}")
+                             f"{short_repr(self.sm_count)}")
         if not self.clocks_mhz:
             raise ValueError("clocks_mhz must not be empty")
         if not 1 <= self.clocks_mhz[0] <= self.clocks_mhz[-1] <= _MAX["clock_mhz"]:
@@ -93,7 +93,7 @@ class GPUSpec:
             value = getattr(self, field)
             if not 1e-3 <= value <= _MAX[field]:  # NaN fails too
                 raise ValueError(f"{field} must be positive, in 0.001..{_MAX[field]:,g}, "
-                                 f"got {_short(value)}")
+                                 f"got {short_repr(value)}")
         if not self.idle_power_w <= self.static_power_w <= self.power_limit_w:
             raise ValueError(f"powers must satisfy idle_power_w <= static_power_w <= "
                              f"power_limit_w, got {self.idle_power_w:g} W, "

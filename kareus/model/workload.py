@@ -17,7 +17,7 @@ import os
 
 import attrs
 
-from kareus.errors import UnknownPresetError, WorkloadError
+from kareus.errors import UnknownPresetError, WorkloadError, short_repr
 
 __all__ = [
     "MODEL_PRESETS",
@@ -46,8 +46,7 @@ def _check_count(field: str, value: object) -> None:
     _check_whole(field, value)
     assert isinstance(value, int)
     if not 1 <= value <= MAX_COUNT:
-        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
-        raise WorkloadError(f"{field} must be in 1..{MAX_COUNT:,}, got {shown}")
+        raise WorkloadError(f"{field} must be in 1..{MAX_COUNT:,}, got {short_repr(value)}")
 
 
 @attrs.frozen(kw_only=True)

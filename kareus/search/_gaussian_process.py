@@ -279,7 +279,8 @@ class GaussianProcessSurrogate(Surrogate):
         """An unfitted GP with the same settings (``seed`` reseeds it)."""
         return GaussianProcessSurrogate(
             features=self.features, extra_features_from=self.extra_features_from,
-            log_features=self.log_features, kernel=self.kernel, noise_bounds=self.noise_bounds, max_iter=self.max_iter,
+            log_features=self.log_features, kernel=self.kernel,
+            noise_bounds=self.noise_bounds, max_iter=self.max_iter,
             seed=self.seed if seed is None else int(seed))
 
     def __repr__(self) -> str:
