@@ -390,7 +390,12 @@ def _layer_segments(wl: Workload, phase: str, s: _Shapes) -> list[_Segment]:
     attn_out = (s.mem("mlp_norm_bwd", OpKind.NORM, 3 * t * h, 3.0),
                 s.gemm("out_dgrad", t, h, q), s.gemm("out_wgrad", q, t, h),
                 s.attention("attn_core_bwd", backward=True))
-    attn_in = (s.mem("rope_bwd", OpKind.ROPE, 2 * t * (q + kv), 1.5),
+    # RoPE's backward rotates dQ and dK back and also carries dV into the packed dQKV the
+    # QKV GEMM's backward reads (autograd's concatenation of the three, fused into the
+    # one kernel): its bytes count dV's read and write; its FLOPs are the rotation's.
+    rope_bwd = ComputeOp(name="rope_bwd", kind=OpKind.ROPE, flops=1.5 * 2 * t * (q + kv),
+                         bytes_moved=2 * t * (q + 2 * kv) * s.d)
+    attn_in = (rope_bwd,
                s.gemm("qkv_dgrad", t, q + 2 * kv, h), s.gemm("qkv_wgrad", h, t, q + 2 * kv))
     if p.cp > 1:
         rs = CommOp(name="cp_reduce_scatter_dkv", kind=CommKind.REDUCE_SCATTER, bytes=kv_bytes,
