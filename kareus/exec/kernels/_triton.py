@@ -108,9 +108,10 @@ def _norm_config(n: int, rows: int | None, num_warps: int | None) -> tuple[int, 
 
 def _bwd_config(n: int, rows: int | None, num_warps: int | None,
                 programs_per_sm: int | None) -> tuple[int, int, int, int]:
-    # Measured on one H200 (bench/results/op_roofline_h200_tune.json): widths of 2048,
-    # 3072 and 8192 ran fastest with 2 x 2048, 1 x 4096 and 1 x 8192 elements a program
-    # step, 8, 8 and 16 warps, and 2, 2 and 1 programs per SM.
+    # Measured on one H200 (bench/results/op_roofline_h200_tune.json, then
+    # op_roofline_h200_retune.json): widths of 2048, 3072 and 8192 ran fastest, or within
+    # 3% of the fastest of 60-90 settings, with 2 x 2048, 1 x 4096 and 1 x 8192 elements a
+    # program step, 8, 8 and 16 warps, and 2, 2 and 1 programs per SM.
     block = triton.next_power_of_2(n)
     if rows is None:
         rows = max(1, min(16, 4096 // block))
@@ -141,11 +142,16 @@ def rms_norm_fwd(x: Any, w: Any, eps: float, *, rows: int | None = None,
 
 def rms_norm_bwd(dy: Any, x: Any, w: Any, eps: float, *, rows: int | None = None,
                  num_warps: int | None = None, programs_per_sm: int | None = None,
-                 prefetch: bool = True, sum_block_n: int = 64,
-                 sum_block_p: int = 32) -> tuple[Any, Any]:
+                 prefetch: bool = True, sum_block_n: int = 16,
+                 sum_block_p: int = 64) -> tuple[Any, Any]:
     """RMSNorm backward: ``(dx, dw)`` in one pass over ``x`` and ``dy`` (plus a sum of
     the per-program ``dw`` partials, ``programs x N`` floats, by ``N / sum_block_n``
-    programs reading ``sum_block_p`` partials a step)."""
+    programs reading ``sum_block_p`` partials a step).
+
+    The sum's shape was measured on one H200 (bench/results/op_roofline_h200_tune.json):
+    16 columns x 64 partials a step was the fastest of five shapes at all three presets'
+    widths (2048: 32.4 us for the whole op against 37.1 us with the 64 x 32 used before;
+    3072: 88.3 against 92.7; 8192: 204.1 against 205.3)."""
     import torch
 
     n = x.shape[-1]
@@ -270,18 +276,28 @@ def _strides(t: Any) -> tuple[int, int, int]:
 
 
 ROPE_GRIDS = ("rows", "heads")
+_MAX_GRID_YZ = 65535  # CUDA's limit on a grid's second and third dimensions
+
+
+def _rope_grid(grid: str | None, bsz: int, heads: int) -> str:
+    # The 3-D grid unless its dimensions exceed CUDA's limits.
+    if grid is None:
+        return "heads" if bsz <= _MAX_GRID_YZ and heads <= _MAX_GRID_YZ else "rows"
+    if grid not in ROPE_GRIDS:
+        raise ValueError(f"unknown RoPE grid {grid!r}; choose one of {ROPE_GRIDS}")
+    return grid
 
 
 def _launch_rope(a: Any, a_out: Any, b: Any, b_out: Any, c: Any, c_out: Any, cos: Any,
-                 sin: Any, sign: float, block_r: int, num_warps: int, grid: str) -> None:
+                 sin: Any, sign: float, block_r: int, num_warps: int,
+                 grid: str | None) -> None:
     bsz, seq, _, hd = a.shape
     if hd % 2 or cos.shape[-1] != hd or sin.shape != cos.shape or cos.shape[0] < seq:
         raise ValueError(f"cos/sin of shape {tuple(cos.shape)} do not fit head dim {hd} and "
                          f"{seq} positions")
     if cos.stride(-1) != 1 or sin.stride(-1) != 1 or sin.stride(0) != cos.stride(0):
         cos, sin = cos.contiguous(), sin.contiguous()
-    if grid not in ROPE_GRIDS:
-        raise ValueError(f"unknown RoPE grid {grid!r}; choose one of {ROPE_GRIDS}")
+    grid = _rope_grid(grid, bsz, a.shape[2] + b.shape[2] + (c.shape[2] if c is not None else 0))
     tokens = bsz * seq
     half = hd // 2
     if grid == "heads":
@@ -309,13 +325,18 @@ def _launch_rope(a: Any, a_out: Any, b: Any, b_out: Any, c: Any, c_out: Any, cos
 
 
 def rope_fwd(q: Any, k: Any, cos: Any, sin: Any, *, block_r: int = 16,
-             num_warps: int = 4, grid: str = "rows") -> tuple[Any, Any]:
+             num_warps: int = 4, grid: str | None = None) -> tuple[Any, Any]:
     """Rotate ``q`` and ``k`` ([b, s, heads, hd], any strides with the last 1, e.g.
     views of the packed QKV) into new contiguous tensors, in one launch.
 
-    ``grid``: ``"rows"`` (measured, the default): ``block_r`` (token, head) rows a
-    program; ``"heads"``: ``block_r`` positions of one head a program, on a 3-D grid
-    (a candidate for small shapes, see :func:`_rope_heads_kernel`)."""
+    ``grid``: ``"heads"`` (the default, see :func:`_rope_heads_kernel`): ``block_r``
+    positions of one head a program, on a 3-D grid (sequence blocks x heads x
+    sequences) that needs no index arithmetic; ``"rows"``: ``block_r`` (token, head)
+    rows a program on a 1-D grid (used when a batch or head count exceeds a grid
+    dimension's 65,535). Measured on one H200 (bench/results/op_roofline_h200_tune.json),
+    the 3-D grid at 16 positions and 4 warps ran 2-5% faster than the row grid at all
+    three presets' shapes, forward and backward (qwen3-1.7b forward 9.7 against
+    10.2 us)."""
     import torch
 
     qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -325,7 +346,7 @@ def rope_fwd(q: Any, k: Any, cos: Any, sin: Any, *, block_r: int = 16,
 
 
 def rope_bwd(dq: Any, dk: Any, dv: Any, cos: Any, sin: Any, *, block_r: int = 16,
-             num_warps: int = 4, grid: str = "rows") -> Any:
+             num_warps: int = 4, grid: str | None = None) -> Any:
     """Rotate ``dq`` and ``dk`` back and write them with ``dv`` into one packed
     ``[b * s, (heads + 2 kv_heads) * hd]`` tensor, in one launch (``grid`` as in
     :func:`rope_fwd`)."""

@@ -6,8 +6,8 @@ op                 kernel
 ``rms_norm``       liger-kernel ``LigerRMSNormFunction`` (Llama casting) when installed,
                    else kareus's ``_rms_norm_fwd_kernel``
 ``rms_norm_bwd``   kareus's ``_rms_norm_bwd_kernel`` (dx and dw in one pass)
-``rope``           kareus's ``_rope_kernel``: q and k in one launch, read in place from
-                   the packed QKV
+``rope``           kareus's ``_rope_heads_kernel``: q and k in one launch on a 3-D grid,
+                   read in place from the packed QKV
 ``rope_bwd``       the same kernel: dq and dk rotated back and dv copied, into dQKV
 ``swiglu``         liger-kernel ``LigerSiLUMulFunction`` when installed, else kareus's
                    ``_swiglu_fwd_kernel``
@@ -101,8 +101,8 @@ class TritonKernels(KernelSet):
             "rms_norm": f"{lig} LigerRMSNormFunction" if lig
             else "kareus triton _rms_norm_fwd_kernel",
             "rms_norm_bwd": "kareus triton _rms_norm_bwd_kernel",
-            "rope": "kareus triton _rope_kernel (q and k, one launch)",
-            "rope_bwd": "kareus triton _rope_kernel (dq, dk, dv into dqkv, one launch)",
+            "rope": "kareus triton _rope_heads_kernel (q and k, one launch)",
+            "rope_bwd": "kareus triton _rope_heads_kernel (dq, dk, dv into dqkv, one launch)",
             "swiglu": f"{lig} LigerSiLUMulFunction" if lig
             else "kareus triton _swiglu_fwd_kernel",
             "swiglu_bwd": "kareus triton _swiglu_bwd_kernel",
