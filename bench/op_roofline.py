@@ -7,7 +7,12 @@ partition type is built as a runnable partition with a kernel set
 
 * Ceilings, measured in the same run: the GEMM peak (best median bf16 ``torch.matmul``
   at 8192^3 and 16384^3, random data) and the HBM bandwidth (a 1 GiB device copy,
-  bytes read plus written).
+  bytes read plus written). Beside them, two figures that bound what the targets can
+  ask: the launch floor (a one-element copy timed as the ops are: an op's fixed cost
+  cannot go below it) and the attention ceiling (SDPA's cuDNN and flash backends at
+  2 x 8192 tokens, 16 heads of 128, causal and not; each partition is also reported
+  against the sum of its ops' rooflines with attention at the best causal throughput
+  found there, ``ratio_attention_ceiling``).
 * Per op: the median time (CUDA events, 30 runs after warm-up, the L2 cache flushed
   before each run so every op reads HBM, as its roofline assumes); the roofline
   ``max(FLOPs / peak, bytes / bandwidth)`` with the op's FLOPs and bytes from the
@@ -15,7 +20,8 @@ partition type is built as a runnable partition with a kernel set
   (NVML's energy counter over at least ``--power-s`` seconds of that op alone, replayed
   from a CUDA graph where it captures, else launched in a loop; no setting is changed).
   GEMMs also get the best ``torch.matmul`` time at their (m, k, n) over the four operand
-  layouts.
+  layouts, and their time over it as the median of 7 rounds timing the two one after
+  the other (``vs_best_matmul``; ``vs_best_matmul_separate`` divides the two medians).
 * Per partition: its ops run back to back (``PartitionProgram.run_plain``, no
   collective), against the sum of its ops' rooflines.
 * ``--candidates reference,torch``: the elementwise and attention ops and the partitions
@@ -109,7 +115,9 @@ def ceilings(b: Bench) -> dict[str, float]:
     return {"gemm_peak_tflops": peak, "hbm_tb_s": bw_gbps / 1e3}
 
 
-def best_matmul_ms(b: Bench, m: int, k: int, n: int, cache: dict) -> tuple[float, str]:
+def best_matmul(b: Bench, m: int, k: int, n: int, cache: dict) -> tuple[float, str, Any]:
+    """(time ms, layout, a callable running it) of the fastest ``torch.matmul`` at
+    (m, k, n) over the four operand layouts."""
     if (m, k, n) in cache:
         return cache[(m, k, n)]
     torch = b.torch
@@ -120,9 +128,24 @@ def best_matmul_ms(b: Bench, m: int, k: int, n: int, cache: dict) -> tuple[float
                  else torch.randn(k, m, device="cuda", dtype=torch.bfloat16).t())
             w = (torch.randn(k, n, device="cuda", dtype=torch.bfloat16) if lb == "n"
                  else torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t())
-            res.append((b.time_ms(lambda: torch.matmul(a, w)), la + lb))  # noqa: B023 - called at once
-    cache[(m, k, n)] = min(res)
-    return cache[(m, k, n)]
+
+            def run(a: Any = a, w: Any = w) -> Any:
+                return torch.matmul(a, w)
+            res.append((b.time_ms(run), la + lb, run))
+    best = min(res, key=lambda x: x[0])
+    cache[(m, k, n)] = best
+    return best
+
+
+def interleaved_ratio(b: Bench, fn: Any, ref: Any, rounds: int = 7) -> float:
+    """Median over ``rounds`` of (time of ``fn``) / (time of ``ref``), the two timed one
+    after the other in each round, so that a clock or temperature drift during the run
+    moves both."""
+    import statistics
+
+    reps = max(5, b.reps // 3)
+    return statistics.median(b.time_ms(fn, reps=reps) / b.time_ms(ref, reps=reps)
+                             for _ in range(rounds))
 
 
 def kind_of(op: Any) -> str:
@@ -144,11 +167,15 @@ def measure_workload(b: Bench, wl_name: str, ks: Any, ceil: dict[str, float], *,
     rows, prows = [], []
     for pname, part in parts.items():
         prog = part.build(seed=0)
-        roof_sum = 0.0
+        roof_sum = roof_att_sum = 0.0
         for op, fn in zip(part.compute_ops, prog.ops):
             kind = kind_of(op)
             roof = max(op.flops / peak, op.bytes_moved / bw) * 1e3
             roof_sum += roof
+            att = ceil.get("attention_bwd_tflops" if op.name.endswith("_bwd")
+                           else "attention_fwd_tflops") if kind == "attention" else None
+            roof_att_sum += (max(op.flops / (att * 1e12), op.bytes_moved / bw) * 1e3 if att
+                             else roof)
             if not full and kind == "gemm":
                 continue
             if op.name not in seen:
@@ -164,9 +191,11 @@ def measure_workload(b: Bench, wl_name: str, ks: Any, ceil: dict[str, float], *,
                 if kind == "gemm":
                     m, k, n = gemm_mkn(op.name, part.dims)
                     assert abs(2 * m * k * n - op.flops) < 1e-6 * op.flops, op.name
-                    best, layout = best_matmul_ms(b, m, k, n, gemm_cache)
+                    best, layout, best_fn = best_matmul(b, m, k, n, gemm_cache)
                     r.update({"mkn": [m, k, n], "best_matmul_ms": best,
-                              "best_matmul_layout": layout, "vs_best_matmul": ms / best,
+                              "best_matmul_layout": layout,
+                              "vs_best_matmul": interleaved_ratio(b, fn, best_fn),
+                              "vs_best_matmul_separate": ms / best,
                               "peak_frac": op.flops / peak / (ms * 1e-3)})
                 if full:
                     r.update(b.power(fn, ms, graph=kind != "attention"))
@@ -175,6 +204,9 @@ def measure_workload(b: Bench, wl_name: str, ks: Any, ceil: dict[str, float], *,
         comp = b.time_ms(prog.run_plain)
         prows.append({"workload": wl_name, "partition": pname, "compute_ms": comp,
                       "roofline_sum_ms": roof_sum, "ratio": comp / roof_sum,
+                      # the attention ops at the attention ceiling instead of the GEMM peak
+                      "roofline_sum_attention_ceiling_ms": roof_att_sum,
+                      "ratio_attention_ceiling": comp / roof_att_sum,
                       "ops": list(prog.op_names)})
         del prog
         torch.cuda.empty_cache()
@@ -243,7 +275,7 @@ def tune(b: Bench, wl_name: str) -> list[dict]:
     # persistence): more blocks in flight per SM for the small shapes.
     for pf in (True, False):
         for pps in (1, 2, 4, 8, 32):
-            for rows in (1, 2, 4):
+            for rows in (1, 2, 4, 8):
                 for nw in (4, 8, 16):
                     if rows * d.h > 16384 or (not pf and (nw != 8 or pps > 2)):
                         continue
@@ -254,7 +286,7 @@ def tune(b: Bench, wl_name: str) -> list[dict]:
                                 "setting": f"prefetch={pf} pps={pps} rows={rows} warps={nw}"})
     # The dw partials' sum (a second launch, N / sum_block_n programs): the whole op at
     # the default settings with other shapes of the sum.
-    for sbn, sbp in ((64, 32), (32, 32), (16, 64), (128, 16)):
+    for sbn, sbp in ((64, 32), (32, 32), (16, 64), (128, 16), (8, 64), (16, 128), (8, 128)):
         ms = b.time_ms(lambda: kt.rms_norm_bwd(dy, x, w, 1e-5, sum_block_n=sbn,  # noqa: B023
                                                sum_block_p=sbp))  # noqa: B023 - called at once
         res.append({"workload": wl_name, "op": "rms_norm_bwd", "ms": ms,
@@ -325,11 +357,67 @@ def tune(b: Bench, wl_name: str) -> list[dict]:
     return res
 
 
+def launch_floor(b: Bench) -> dict[str, float]:
+    """The shortest op this method can time: one and two one-element copies (one and two
+    kernels, nothing to move), timed as the ops are (after an L2 flush). An op's fixed
+    cost over its roofline cannot drop below this."""
+    torch = b.torch
+    src, dst = torch.ones(1, device="cuda"), torch.empty(1, device="cuda")
+
+    def two() -> None:
+        dst.copy_(src)
+        dst.copy_(src)
+    return {"one_kernel_ms": b.time_ms(lambda: dst.copy_(src)), "two_kernels_ms": b.time_ms(two)}
+
+
+def attention_ceiling(b: Bench) -> list[dict]:
+    """What SDPA's backends reach at one large shape (2 x 8192 tokens, 16 heads of 128,
+    causal and not): the attention throughput this GPU and torch can give, beside the
+    GEMM peak the rooflines use. Also lists any registered flash-attention implementation
+    (``torch.nn.attention.list_flash_attention_impls``, PyTorch >= 2.9)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch = b.torch
+    res: list[dict] = []
+    try:
+        from torch.nn.attention import list_flash_attention_impls
+        res.append({"op": "flash_attention_impls",
+                    "impls": [str(i) for i in list_flash_attention_impls()]})
+    except Exception as exc:  # older PyTorch
+        res.append({"op": "flash_attention_impls", "error": str(exc)[:200]})
+    bsz, s, h, hd = 2, 8192, 16, 128
+    q, k, v = (torch.randn(bsz, h, s, hd, device="cuda", dtype=torch.bfloat16)
+               for _ in range(3))
+    for causal in (True, False):
+        flops = 4.0 * bsz * h * s * s * hd * (0.5 if causal else 1.0)
+        for be in ("CUDNN_ATTENTION", "FLASH_ATTENTION"):
+            try:
+                with sdpa_kernel([getattr(SDPBackend, be)]):
+                    sdpa = torch.nn.functional.scaled_dot_product_attention
+                    fwd = b.time_ms(lambda: sdpa(q, k, v, is_causal=causal),  # noqa: B023
+                                    flush=False)
+                    qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+                    with torch.enable_grad():
+                        o = sdpa(qq, kk, vv, is_causal=causal)
+                    do = torch.randn_like(o)
+                    bwd = b.time_ms(lambda: torch.autograd.grad(
+                        o, (qq, kk, vv), do, retain_graph=True), flush=False)  # noqa: B023
+                res.append({"op": "attention_ceiling", "backend": be, "causal": causal,
+                            "shape": [bsz, h, s, hd], "fwd_ms": fwd, "bwd_ms": bwd,
+                            "fwd_tflops": flops / fwd / 1e9,
+                            "bwd_tflops": 2.5 * flops / bwd / 1e9})
+            except Exception as exc:  # a backend may refuse the shape
+                res.append({"op": "attention_ceiling", "backend": be, "causal": causal,
+                            "error": str(exc).splitlines()[0][:200]})
+    torch.cuda.empty_cache()
+    return res
+
+
 #: The launch settings the library uses today, as ``tune`` labels them.
 TUNE_DEFAULTS = {"rms_norm": "rows=None",
-                 "rms_norm_bwd": "default sum_block_n=64 sum_block_p=32",
-                 "rope": "grid=rows block_r=16 warps=4",
-                 "rope_bwd": "grid=rows block_r=16 warps=4",
+                 "rms_norm_bwd": "default sum_block_n=16 sum_block_p=64",
+                 "rope": "grid=heads block_r=16 warps=4",
+                 "rope_bwd": "grid=heads block_r=16 warps=4",
                  "swiglu": "block=2048 warps=8", "swiglu_bwd": "block=2048 warps=8",
                  "attn_core": "CUDNN_ATTENTION", "attn_core_bwd": "CUDNN_ATTENTION"}
 
@@ -412,7 +500,8 @@ def data_table(res: dict[str, Any], source: str) -> dict[str, Any]:
             rows[key] = {"workload": r["workload"], "op": r["op"], "partitions": [],
                          **{k: r.get(k) for k in DATA_ROW_KEYS}}
             if r["kind"] == "gemm":
-                rows[key].update({k: r[k] for k in ("mkn", "best_matmul_ms", "peak_frac")})
+                rows[key].update({k: r[k] for k in ("mkn", "best_matmul_ms", "peak_frac",
+                                                    "vs_best_matmul") if k in r})
         rows[key]["partitions"].append(r["partition"])
     m = res["machine"]
     return {
@@ -425,11 +514,53 @@ def data_table(res: dict[str, Any], source: str) -> dict[str, Any]:
         "kernels": res["kernels"], "batch": res["batch"], "workloads": res["workloads"],
         "gemm_peak_tflops": res["ceilings"]["gemm_peak_tflops"],
         "hbm_tb_s": res["ceilings"]["hbm_tb_s"], "idle_power_w": res.get("idle_power_w"),
+        **{k: res["ceilings"][k] for k in ("attention_fwd_tflops", "attention_bwd_tflops")
+           if k in res["ceilings"]},
+        **({"launch_floor_ms": res["launch_floor"]["one_kernel_ms"]}
+           if "launch_floor" in res else {}),
         "rows": list(rows.values()),
         "partitions": [{k: p[k] for k in ("workload", "partition", "compute_ms",
-                                          "roofline_sum_ms", "ratio")}
+                                          "roofline_sum_ms", "ratio", "ratio_attention_ceiling")
+                        if k in p}
                        for p in res["partitions"]],
     }
+
+
+def measure_floors(b: Bench, ceil: dict[str, float], out: dict[str, Any]) -> None:
+    """The launch floor and the attention ceiling (into ``out``); the best causal
+    attention throughput, forward and backward, into ``ceil``."""
+    out["launch_floor"] = launch_floor(b)
+    print(f"launch floor: one kernel {out['launch_floor']['one_kernel_ms'] * 1e3:.1f} us, "
+          f"two kernels {out['launch_floor']['two_kernels_ms'] * 1e3:.1f} us", flush=True)
+    out["attention_ceiling"] = attention_ceiling(b)
+    for r in out["attention_ceiling"]:
+        if "fwd_tflops" in r:
+            print(f"attention {r['backend']:16s} causal={r['causal']!s:5s} "
+                  f"fwd {r['fwd_tflops']:4.0f} TFLOP/s bwd {r['bwd_tflops']:4.0f} TFLOP/s "
+                  f"({r['fwd_tflops'] / ceil['gemm_peak_tflops']:.2f} / "
+                  f"{r['bwd_tflops'] / ceil['gemm_peak_tflops']:.2f} of the GEMM peak)",
+                  flush=True)
+        elif r["op"] == "attention_ceiling":
+            print(f"attention {r['backend']} causal={r['causal']}: {r['error']}")
+    causal = [r for r in out["attention_ceiling"] if r.get("causal") and "fwd_tflops" in r]
+    if causal:
+        ceil["attention_fwd_tflops"] = max(r["fwd_tflops"] for r in causal)
+        ceil["attention_bwd_tflops"] = max(r["bwd_tflops"] for r in causal)
+
+
+def run_tune(b: Bench, wls: list[str], ceil: dict[str, float], out: dict[str, Any]) -> None:
+    """The ``--tune`` stage: launch settings and their summary."""
+    t0 = time.time()
+    out["tune"] = [r for w in wls for r in tune(b, w)]
+    out["tune_summary"] = tune_summary(out["tune"])
+    print(f"tune done ({time.time() - t0:.0f} s)", flush=True)
+    print(f"{'workload':14s} {'op':14s} {'default ms':>10s} {'best ms':>8s} "
+          f"{'ratio':>6s}  best setting")
+    for r in out["tune_summary"]:
+        dm = f"{r['default_ms']:.4f}" if r["default_ms"] else "-"
+        ratio = f"{r['default_over_best']:.3f}" if r["default_over_best"] else "-"
+        print(f"{r['workload']:14s} {r['op']:14s} {dm:>10s} {r['best_ms']:8.4f} "
+              f"{ratio:>6s}  {r['best']}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -444,6 +575,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--power-s", type=float, default=1.0)
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--tune-only", action="store_true",
+                    help="with --tune: stop after the tune (no main table)")
     args = ap.parse_args(argv)
     if args.data_from:
         res = json.loads(Path(args.data_from).read_text())
@@ -485,18 +618,13 @@ def main(argv: list[str] | None = None) -> int:
         e0, t1 = b.energy_j(), time.perf_counter()
         time.sleep(1.0)
         out["idle_power_w"] = (b.energy_j() - e0) / (time.perf_counter() - t1)
+    measure_floors(b, ceil, out)
+    save()
     if args.tune:
-        out["tune"] = [r for w in wls for r in tune(b, w)]
-        out["tune_summary"] = tune_summary(out["tune"])
-        print(f"tune done ({time.time() - t0:.0f} s)", flush=True)
-        print(f"{'workload':14s} {'op':14s} {'default ms':>10s} {'best ms':>8s} "
-              f"{'ratio':>6s}  best setting")
-        for r in out["tune_summary"]:
-            dm = f"{r['default_ms']:.4f}" if r["default_ms"] else "-"
-            ratio = f"{r['default_over_best']:.3f}" if r["default_over_best"] else "-"
-            print(f"{r['workload']:14s} {r['op']:14s} {dm:>10s} {r['best_ms']:8.4f} "
-                  f"{ratio:>6s}  {r['best']}", flush=True)
+        run_tune(b, wls, ceil, out)
         save()
+        if args.tune_only:
+            return 0
     rows, prows, cache = [], [], {}
     for w in wls:
         r, p = measure_workload(b, w, ks, ceil, full=True, gemm_cache=cache)
@@ -535,10 +663,11 @@ def main(argv: list[str] | None = None) -> int:
         pw = f"{r['power_w']:.0f}" if r.get("power_w") else "-"
         print(f"{r['workload']:13} {r['op']:14} {r['measured_ms']:7.3f} {r['roofline_ms']:7.3f} "
               f"{r['ratio']:6.2f} {pw:>5}  {r['kernel'][:40]}")
-    print(f"\n{'workload':13} {'partition':18} {'ms':>7} {'roofsum':>7} {'ratio':>6}")
+    print(f"\n{'workload':13} {'partition':18} {'ms':>7} {'roofsum':>7} {'ratio':>6} "
+          f"{'ratio at the attention ceiling':>30}")
     for p in prows:
         print(f"{p['workload']:13} {p['partition']:18} {p['compute_ms']:7.3f} "
-              f"{p['roofline_sum_ms']:7.3f} {p['ratio']:6.2f}")
+              f"{p['roofline_sum_ms']:7.3f} {p['ratio']:6.2f} {p['ratio_attention_ceiling']:30.2f}")
     for name, t in out["targets"].items():
         print(f"target {name}: {'MET' if t['met'] else 'MISSED'} ({t['checked']} checked) "
               + "; ".join(t["missed"][:12]))
