@@ -5,8 +5,8 @@ compute; they do not compile them, and a kernel the interpreter runs may still f
 compile (a layout Triton cannot lower, a constexpr misuse). Here Triton's own compiler
 lowers each kernel to a cubin for sm_90 with the launch settings the wrappers choose at
 the presets' widths (2,048, 3,072 and 8,192), on the CPU: Triton's wheel carries ptxas.
-It also checks a property of the RoPE kernels' code: the 3-D grid candidate divides
-nothing, where the row kernel divides flat row indices. Skipped without Triton's CUDA
+It also checks a property of the RoPE kernels' code: the 3-D grid kernel (the default)
+divides nothing, where the row kernel (the fallback) divides flat row indices. Skipped without Triton's CUDA
 backend.
 """
 
@@ -77,7 +77,7 @@ def test_rms_norm_kernels_compile_at_the_presets_widths(width):
                      {"BLOCK": block, "ROWS": rows, "PREFETCH": prefetch}, warps,
                      pointer_names={"DY", "X", "W", "DX", "DWP"})
         assert k.asm["cubin"]
-    k = _compile(kt._sum_rows_kernel, {"P": 264, "BLOCK_P": 32, "BLOCK_N": 64}, 4,
+    k = _compile(kt._sum_rows_kernel, {"P": 264, "BLOCK_P": 64, "BLOCK_N": 16}, 4,
                  pointer_names={"P_ptr", "OUT"})
     assert k.asm["cubin"]
 
