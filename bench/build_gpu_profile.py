@@ -3,10 +3,10 @@
 Reads (paths relative to the repository; every one measured on H200 SXM):
 
 * ``data/h200_op_roofline.json`` (per-op time, power and kernel of the main kernel set;
-  the GEMM peak and HBM bandwidth of the same run) and the raw bench file it was trimmed
-  from, ``bench/results/op_roofline_h200.json`` (adds the candidate kernel sets: the
-  eager ``reference`` formulas the measured grids ran, and plain ``torch``), those that
-  exist;
+  the GEMM peak and HBM bandwidth of the same run), the raw bench file it was trimmed
+  from (its ``source``), and ``bench/results/op_roofline_h200.json`` (adds the
+  candidate kernel sets: the eager ``reference`` formulas the measured grids ran, and
+  plain ``torch``), those that exist;
 * ``bench/results/emulator_power_probe_h200.json`` (idle power and clock, power under
   GEMM chains, copies and elementwise kernels at the clocks observed);
 * ``data/*_grid*.json`` (the power of GPUs blocked in a receive: static power);
@@ -33,18 +33,33 @@ COLLECTIVES = ("collectives_4xh200_nvlink.json", "collectives_2xh200_nvlink.json
                "collectives_2xh200_nvlink_registered.json")
 
 
+def default_op_tables() -> list[Path]:
+    """The data table, the raw run it was made from, and the run with the candidate
+    kernel sets (no path twice)."""
+    import json
+
+    data = REPO / "data" / "h200_op_roofline.json"
+    out = [data]
+    if data.exists():
+        source = json.loads(data.read_text()).get("source")
+        if isinstance(source, str) and source:
+            out.append(REPO / source)
+    out.append(RESULTS / "op_roofline_h200.json")
+    return list(dict.fromkeys(out))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="profile file to write")
     ap.add_argument("--op-table", type=Path, action="append",
                     help="per-op measurement file, repeatable (default: "
-                         "data/h200_op_roofline.json and bench/results/op_roofline_h200.json, "
-                         "those that exist; the first gives the main kernel set)")
+                         "data/h200_op_roofline.json, the raw file it names as its source, and "
+                         "bench/results/op_roofline_h200.json, those that exist; the first "
+                         "gives the main kernel set)")
     ap.add_argument("--require-ops", action="store_true",
                     help="fail if the per-op measurement file does not exist")
     args = ap.parse_args(argv)
-    wanted = args.op_table or [REPO / "data" / "h200_op_roofline.json",
-                               RESULTS / "op_roofline_h200.json"]
+    wanted = args.op_table or default_op_tables()
     missing = [p for p in wanted if not p.exists()]
     if args.op_table and missing:
         raise SystemExit(f"{', '.join(map(str, missing))}: not found")
