@@ -24,6 +24,10 @@ partition type is built as a runnable partition with a kernel set
   the other (``vs_best_matmul``; ``vs_best_matmul_separate`` divides the two medians).
 * Per partition: its ops run back to back (``PartitionProgram.run_plain``, no
   collective), against the sum of its ops' rooflines.
+* Order: per preset, every op and partition is timed (after 5 s idle) before any power
+  loop runs: a loop holds the GPU at its power limit, and what is timed right after one
+  runs at a lower clock. The SM clock read after each timing is kept
+  (``sm_clock_mhz_after_timing``).
 * ``--candidates reference,torch``: the elementwise and attention ops and the partitions
   again with those kernel sets (``reference`` = the eager formulas the partitions ran
   before the fused kernels). ``--tune``: launch settings of kareus's Triton kernels and
@@ -74,6 +78,7 @@ TARGET_ELEMENTWISE = 1.5
 TARGET_GEMM_PEAK = 0.75
 TARGET_GEMM_BEST = 1.05
 TARGET_PARTITION = 1.2
+COOL_S = 5.0  # idle seconds before each preset's timings (after the power loops before)
 
 
 def gemm_mkn(name: str, d: Any) -> tuple[int, int, int]:
@@ -155,6 +160,10 @@ def kind_of(op: Any) -> str:
 
 def measure_workload(b: Bench, wl_name: str, ks: Any, ceil: dict[str, float], *,
                      full: bool, gemm_cache: dict) -> tuple[list[dict], list[dict]]:
+    """Every op and partition of one preset: all timings first, then (``full``) the power
+    loops. A power loop holds the GPU at its power limit for a second or more, and an op
+    timed right after one ran at a lower clock; the rooflines (and the emulator that
+    reads these times) take the ops at the GPU's clock of short bursts."""
     from kareus.exec.torch_partition import runnable_partitions
     from kareus.model.workload import Workload
 
@@ -165,6 +174,7 @@ def measure_workload(b: Bench, wl_name: str, ks: Any, ceil: dict[str, float], *,
     names = ks.kernel_names()
     seen: dict[str, dict] = {}
     rows, prows = [], []
+    time.sleep(COOL_S)  # after the previous stage's power loops
     for pname, part in parts.items():
         prog = part.build(seed=0)
         roof_sum = roof_att_sum = 0.0
@@ -180,6 +190,7 @@ def measure_workload(b: Bench, wl_name: str, ks: Any, ceil: dict[str, float], *,
                 continue
             if op.name not in seen:
                 ms = b.time_ms(fn)
+                clock = b._clock()
                 fam = FAMILY.get(op.name, "matmul")
                 kernel = names.get(fam, fam)
                 if fam == "attention":
@@ -187,7 +198,8 @@ def measure_workload(b: Bench, wl_name: str, ks: Any, ceil: dict[str, float], *,
                     kernel = f"sdpa {ks.attention_backend(st['q'], st['k'], st['v'])}"
                 r = {"workload": wl_name, "op": op.name, "kind": kind, "measured_ms": ms,
                      "roofline_ms": roof, "ratio": ms / roof, "kernel": kernel,
-                     "flops": op.flops, "bytes": op.bytes_moved, "measured_in": pname}
+                     "flops": op.flops, "bytes": op.bytes_moved, "measured_in": pname,
+                     "sm_clock_mhz_after_timing": clock}
                 if kind == "gemm":
                     m, k, n = gemm_mkn(op.name, part.dims)
                     assert abs(2 * m * k * n - op.flops) < 1e-6 * op.flops, op.name
@@ -197,8 +209,6 @@ def measure_workload(b: Bench, wl_name: str, ks: Any, ceil: dict[str, float], *,
                               "vs_best_matmul": interleaved_ratio(b, fn, best_fn),
                               "vs_best_matmul_separate": ms / best,
                               "peak_frac": op.flops / peak / (ms * 1e-3)})
-                if full:
-                    r.update(b.power(fn, ms, graph=kind != "attention"))
                 seen[op.name] = r
             rows.append({**seen[op.name], "partition": pname})
         comp = b.time_ms(prog.run_plain)
@@ -207,9 +217,21 @@ def measure_workload(b: Bench, wl_name: str, ks: Any, ceil: dict[str, float], *,
                       # the attention ops at the attention ceiling instead of the GEMM peak
                       "roofline_sum_attention_ceiling_ms": roof_att_sum,
                       "ratio_attention_ceiling": comp / roof_att_sum,
-                      "ops": list(prog.op_names)})
+                      "ops": list(prog.op_names), "sm_clock_mhz_after_timing": b._clock()})
         del prog
         torch.cuda.empty_cache()
+    if full:  # the power loops, each op once, after every timing of this preset
+        powered: set[str] = set()
+        for part in parts.values():
+            prog = part.build(seed=0)
+            for op, fn in zip(part.compute_ops, prog.ops):
+                if op.name in seen and op.name not in powered:
+                    r = seen[op.name]
+                    r.update(b.power(fn, r["measured_ms"], graph=r["kind"] != "attention"))
+                    powered.add(op.name)
+            del prog
+            torch.cuda.empty_cache()
+        rows = [{**seen[r["op"]], "partition": r["partition"]} for r in rows]
     return rows, prows
 
 
@@ -338,20 +360,33 @@ def tune(b: Bench, wl_name: str) -> list[dict]:
     q = torch.randn(d.b, d.sq, d.heads, d.hd, device="cuda", dtype=bf).transpose(1, 2)
     k = v4[:, :, d.heads:d.heads + d.kvh].transpose(1, 2)
     v = v4[:, :, d.heads + d.kvh:].transpose(1, 2)
-    for be in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION"):
+    rep = d.heads // d.kvh
+
+    def expanded(q: Any, k: Any, v: Any) -> Any:  # K/V copied to every query head (MHA)
+        return _sdpa(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1))
+    # Each backend on the partitions' layout (q, k, v strided views of [b, s, heads, hd]);
+    # cuDNN also on contiguous [b, heads, s, hd] copies and with K/V expanded to every
+    # query head inside the timed op (the copy and, backward, the sum over the group).
+    variants = [(be, "", _sdpa, (q, k, v)) for be in
+                ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION")]
+    variants += [("CUDNN_ATTENTION", " bhsd", _sdpa,
+                  tuple(t.contiguous() for t in (q, k, v))),
+                 ("CUDNN_ATTENTION", " kv-expanded", expanded, (q, k, v))]
+    for be, tag, fn, (q_, k_, v_) in variants:
         try:
             with sdpa_kernel([getattr(SDPBackend, be)]):
-                fwd = b.time_ms(lambda: _sdpa(q, k, v))  # called at once
-                qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+                fwd = b.time_ms(lambda: fn(q_, k_, v_))  # noqa: B023 - called at once
+                qq, kk, vv = (t.detach().requires_grad_() for t in (q_, k_, v_))
                 with torch.enable_grad():
-                    o = _sdpa(qq, kk, vv)
+                    o = fn(qq, kk, vv)
                 do = torch.randn_like(o)
                 bwd = b.time_ms(lambda: torch.autograd.grad(o, (qq, kk, vv), do,  # noqa: B023 - called at once
                                                             retain_graph=True))
-            res.append({"workload": wl_name, "op": "attn_core", "setting": be, "ms": fwd})
-            res.append({"workload": wl_name, "op": "attn_core_bwd", "setting": be, "ms": bwd})
+            res.append({"workload": wl_name, "op": "attn_core", "setting": be + tag, "ms": fwd})
+            res.append({"workload": wl_name, "op": "attn_core_bwd", "setting": be + tag,
+                        "ms": bwd})
         except Exception as exc:  # a backend may refuse the shape
-            res.append({"workload": wl_name, "op": "attention", "setting": be,
+            res.append({"workload": wl_name, "op": "attention", "setting": be + tag,
                         "error": str(exc).splitlines()[0][:200]})
     torch.cuda.empty_cache()
     return res

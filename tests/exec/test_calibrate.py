@@ -33,6 +33,7 @@ class EmulatedDevice(CalibrationDevice):
         self.factors = factors
         self.timed: list[str] = []
         self.powered: list[str] = []
+        self.calls: list[str] = []  # "time" / "power", in order
 
     def machine(self) -> MachineInfo:
         return MachineInfo(gpu_name="NVIDIA H200 (fake)")
@@ -54,11 +55,13 @@ class EmulatedDevice(CalibrationDevice):
     def time_s(self, run: Callable[[], Any]) -> float:
         op = run()
         self.timed.append(op.name)
+        self.calls.append("time")
         return self.gpu.op_time_s(op, 1980) * self.factors.get(op.name, 1.0)
 
     def power(self, run: Callable[[], Any], time_s: float, *, graph: bool) -> MeasuredOp:
         op = run()
         self.powered.append(op.name)
+        self.calls.append("power")
         _, base, own = _op_power_terms(self.gpu, _prep_op(self.gpu, op), 1980)
         return MeasuredOp(power_w=base + own, busy_fraction=1.0, freq_mhz=1980)
 
@@ -96,6 +99,20 @@ def test_measure_profile_and_recalibrate() -> None:
     for c in gpu.op_calibration:
         if c.partition == "fwd_mlp" and c.op in ("gate", "up", "down"):
             assert c.power_factor == pytest.approx(1.0, abs=0.1)
+
+
+def test_every_op_is_timed_before_any_power_loop_of_its_workload() -> None:
+    # A power loop holds a real GPU at its power limit; an op timed after one would run at
+    # a lower clock. Per workload and kernel set: all timings, then all power loops.
+    dev = EmulatedDevice({})
+    wls = [profile_workload("llama3.2-3b tp=2 cp=1 mbs=8 seq=4096 nb=2"),
+           profile_workload("qwen3-1.7b tp=4 cp=2 mbs=8 seq=4096 nb=2")]
+    prof = measure_profile(dev, gpu="h200-sxm", workloads=wls, kernel_sets=["triton"])
+    runs = "".join("t" if c == "time" else "p" for c in dev.calls)
+    # two workloads: t...tp...pt...tp...p, each op timed once and powered once
+    blocks = runs.replace("pt", "p|t").split("|")
+    assert len(blocks) == 2 and all(b == "t" * b.count("t") + "p" * b.count("p") for b in blocks)
+    assert sorted(dev.timed) == sorted(dev.powered) and len(prof.ops) == len(dev.timed)
 
 
 def test_measure_profile_refuses_other_gpus_collectives() -> None:
