@@ -149,9 +149,10 @@ def rms_norm_bwd(dy: Any, x: Any, w: Any, eps: float, *, rows: int | None = None
     programs reading ``sum_block_p`` partials a step).
 
     The sum's shape was measured on one H200 (bench/results/op_roofline_h200_tune.json):
-    16 columns x 64 partials a step was the fastest of five shapes at all three presets'
+    16 columns x 64 partials a step was the fastest of four shapes at all three presets'
     widths (2048: 32.4 us for the whole op against 37.1 us with the 64 x 32 used before;
-    3072: 88.3 against 92.7; 8192: 204.1 against 205.3)."""
+    3072: 88.3 against 92.7; 8192: 204.1 against 205.3); a later sweep of seven shapes
+    (op_roofline_h200_retune.json) put it within 3% of the fastest at each width."""
     import torch
 
     n = x.shape[-1]
@@ -334,7 +335,7 @@ def rope_fwd(q: Any, k: Any, cos: Any, sin: Any, *, block_r: int = 16,
     sequences) that needs no index arithmetic; ``"rows"``: ``block_r`` (token, head)
     rows a program on a 1-D grid (used when a batch or head count exceeds a grid
     dimension's 65,535). Measured on one H200 (bench/results/op_roofline_h200_tune.json),
-    the 3-D grid at 16 positions and 4 warps ran 2-5% faster than the row grid at all
+    the 3-D grid at 16 positions and 4 warps ran 1-5% faster than the row grid at all
     three presets' shapes, forward and backward (qwen3-1.7b forward 9.7 against
     10.2 us)."""
     import torch
