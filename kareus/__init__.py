@@ -48,6 +48,7 @@ from kareus.compose import (
 from kareus.errors import (
     ConfigError,
     FolderInUseError,
+    GraphCaptureError,
     HardwareError,
     InfeasibleError,
     InvalidSMCountError,
@@ -103,6 +104,7 @@ __all__ = [
     "FrontierComposer",
     "GPUSpec",
     "GaussianProcessSurrogate",
+    "GraphCaptureError",
     "HardwareError",
     "HypervolumePass",
     "InfeasibleError",

@@ -14,6 +14,7 @@ __all__ = [
     "InfeasibleError",
     "InvalidSMCountError",
     "FolderInUseError",
+    "GraphCaptureError",
     "KareusError",
     "OutputError",
     "PlanError",
@@ -81,6 +82,13 @@ class HardwareError(KareusError, RuntimeError):
     """A GPU, driver or permission problem found while touching real hardware."""
 
     exit_code = 1
+
+
+class GraphCaptureError(HardwareError):
+    """Work that cannot be captured in (or replayed from) a CUDA graph: an op that
+    synchronises with the host, a stream backend without graphs, a graph replayed out of
+    the order its memory pool needs. Run eagerly instead (``graphs=False``,
+    ``--no-graphs``)."""
 
 
 class InfeasibleError(KareusError, ValueError):

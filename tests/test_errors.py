@@ -9,7 +9,7 @@ import kareus.errors as errors
 from kareus.errors import KareusError, UnknownPresetError
 
 #: Errors of a failing machine (exit 1); every other is a bad request (exit 2).
-MACHINE_FAILURES = {"HardwareError", "FolderInUseError"}
+MACHINE_FAILURES = {"HardwareError", "FolderInUseError", "GraphCaptureError"}
 
 
 @pytest.mark.parametrize("name", errors.__all__)

@@ -16,6 +16,8 @@ from typing import Any
 
 import attrs
 
+from kareus.errors import GraphCaptureError
+
 __all__ = ["RecordingStreamBackend", "StreamBackend", "TorchStreamBackend"]
 
 
@@ -43,6 +45,31 @@ class StreamBackend(abc.ABC):
     @abc.abstractmethod
     def use_stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
         """Context in which ``stream`` is the current stream."""
+
+    # -- graphs (optional: a backend without them runs everything eagerly) -----------
+    @property
+    def supports_graphs(self) -> bool:
+        """Whether :meth:`capture` and :meth:`replay` work here."""
+        return False
+
+    def graph_pool(self) -> Any:
+        """A new memory pool that graphs captured into it share (allocations made during
+        one capture may be reused by a later capture into the same pool, so the graphs
+        of a pool must be replayed in the order they were captured)."""
+        raise GraphCaptureError(f"{type(self).__name__} cannot capture graphs")
+
+    def capture(self, pool: Any, *, name: str) -> contextlib.AbstractContextManager[Any]:
+        """Context that captures what is enqueued inside into a graph (yielded), with
+        its allocations in ``pool``; nothing runs on the device until :meth:`replay`."""
+        raise GraphCaptureError(f"{type(self).__name__} cannot capture graphs")
+
+    def replay(self, graph: Any) -> None:
+        """Launch a captured graph on the current stream."""
+        raise GraphCaptureError(f"{type(self).__name__} cannot replay graphs")
+
+    def is_capturing(self) -> bool:
+        """Whether work enqueued now goes into a graph rather than to the device."""
+        return False
 
 
 class TorchStreamBackend(StreamBackend):
@@ -78,6 +105,35 @@ class TorchStreamBackend(StreamBackend):
         """``torch.cuda.stream(stream)``: ``stream`` is current inside."""
         return self._torch.cuda.stream(stream)
 
+    @property
+    def supports_graphs(self) -> bool:
+        """CUDA graphs are available on any CUDA device."""
+        return bool(self._torch.cuda.is_available()) and self.device.type == "cuda"
+
+    def graph_pool(self) -> Any:
+        """``torch.cuda.graph_pool_handle()``: a private pool of the caching allocator."""
+        return self._torch.cuda.graph_pool_handle()
+
+    @contextlib.contextmanager
+    def capture(self, pool: Any, *, name: str) -> Iterator[Any]:
+        """``torch.cuda.graph`` into a new ``CUDAGraph`` sharing ``pool``.
+
+        Capture errors are thread-local: other threads of the process (the energy
+        meter's NVML polling, the frequency controller) keep running, as long as they
+        make no CUDA call on the capturing stream.
+        """
+        graph = self._torch.cuda.CUDAGraph()
+        with self._torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            yield graph
+
+    def replay(self, graph: Any) -> None:
+        """``graph.replay()`` on the current stream."""
+        graph.replay()
+
+    def is_capturing(self) -> bool:
+        """``torch.cuda.is_current_stream_capturing()``."""
+        return bool(self._torch.cuda.is_current_stream_capturing())
+
 
 @attrs.frozen
 class _FakeStream:
@@ -106,6 +162,10 @@ class RecordingStreamBackend(StreamBackend):
         self._stack: list[_FakeStream] = [_FakeStream("compute")]
         self._ids = itertools.count()
         self.events: dict[int, _FakeEvent] = {}
+        self._pools = itertools.count()
+        self._capturing: str | None = None
+        #: Graph name -> the log entries captured into it (launches, records, waits).
+        self.graphs: dict[str, list[tuple[str, str, Any]]] = {}
 
     def current_stream(self) -> _FakeStream:
         """The fake stream work is logged on now (``compute`` outside :meth:`use_stream`)."""
@@ -135,6 +195,43 @@ class RecordingStreamBackend(StreamBackend):
             yield stream
         finally:
             self._stack.pop()
+
+    @property
+    def supports_graphs(self) -> bool:
+        """The fake captures: the log shows ``("capture", "", name)`` ...
+        ``("end_capture", "", name)`` around what went into a graph, and
+        ``("replay", stream, name)`` for each replay."""
+        return True
+
+    def graph_pool(self) -> int:
+        """A new pool id."""
+        return next(self._pools)
+
+    @contextlib.contextmanager
+    def capture(self, pool: Any, *, name: str) -> Iterator[Any]:
+        """Log a capture of graph ``name``; entries logged inside belong to it."""
+        if self._capturing is not None:
+            raise GraphCaptureError(f"capture of {name!r} inside the capture of "
+                                    f"{self._capturing!r}")
+        self.log.append(("capture", "", name))
+        start = len(self.log)
+        self._capturing = name
+        try:
+            yield name
+        finally:
+            self._capturing = None
+            self.graphs[name] = list(self.log[start:])
+            self.log.append(("end_capture", "", name))
+
+    def replay(self, graph: Any) -> None:
+        """Log a replay of ``graph`` on the current stream."""
+        if graph not in self.graphs:
+            raise GraphCaptureError(f"graph {graph!r} was never captured")
+        self.log.append(("replay", self.current_stream().name, graph))
+
+    def is_capturing(self) -> bool:
+        """Whether a capture is open."""
+        return self._capturing is not None
 
     def launch(self, what: str, stream: Any = None) -> None:
         """Log that ``what`` was enqueued on ``stream`` (default: the current stream)."""

@@ -206,17 +206,15 @@ def _op_builders() -> dict[str, Callable[[Any, dict[str, Any], _Dims, Any], Call
 
     def attn_core_bwd(torch: Any, ctx: dict[str, Any], d: _Dims, out: Any) -> Callable[[], Any]:
         ensure_qkv(torch, ctx, d)
-        q = ctx["q"].detach().requires_grad_()
-        k = ctx["k"].detach().requires_grad_()
-        v = ctx["v"].detach().requires_grad_()
-        with torch.enable_grad():
-            o = ctx["_kernels"].attention(q, k, v)
+        ks = ctx["_kernels"]
+        # The forward runs once here; each run of the op is the backward alone, called
+        # directly (no autograd engine), so it captures in a CUDA graph.
+        saved = ks.attention_fwd(ctx["q"], ctx["k"], ctx["v"])
         rnd(torch, ctx, "dattn", d.t, d.q)
 
         def op() -> None:
             do = ctx["dattn"].view(d.b, d.sq, d.heads, d.hd).transpose(1, 2)
-            dq, dk, dv = torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
-            ctx["dq"], ctx["dk"], ctx["dv"] = dq, dk, dv
+            ctx["dq"], ctx["dk"], ctx["dv"] = ks.attention_bwd(do, saved)
         return op
 
     def rope_bwd(torch: Any, ctx: dict[str, Any], d: _Dims, out: Any) -> Callable[[], Any]:

@@ -55,8 +55,9 @@ from typing import Any
 
 from kareus._logging import get_logger
 from kareus.compose import Plan
-from kareus.errors import ConfigError, PlanError, UnknownSlotError
+from kareus.errors import ConfigError, GraphCaptureError, PlanError, UnknownSlotError
 from kareus.exec._executor_role import COMM_KINDS, Executor, LaunchConfig, PartitionHook
+from kareus.exec._graphs import GraphSequence
 from kareus.exec._plan_lookup import (
     _require_plan,
     computation_key,
@@ -70,6 +71,7 @@ from kareus.exec.frequency import FrequencyTrigger
 __all__ = [
     "COMM_KINDS",
     "Executor",
+    "GraphSequence",
     "LaunchConfig",
     "PartitionHook",
     "PartitionScope",
@@ -187,6 +189,10 @@ class TorchExecutor(Executor):
         digest_exchange: ``digest -> list of every rank's digest``; ``None`` = an
             ``all_gather_object`` over the default process group (a single process
             without one compares with itself).
+        graphs: Capture work into CUDA graphs and replay it (:meth:`capture`); ``None``
+            (default) = on wherever the stream backend can capture (a CUDA device),
+            ``False`` = everything eager. Graph capture is what keeps a GPU fed when the
+            host is slower than the ops (docs/performance.md).
         comm_high_priority: Run collectives on a high-priority stream (default), so that
             a collective launched beside an op gets its SMs as soon as the previous op
             frees them, ahead of that op's pending thread blocks, and overlaps it as the
@@ -202,7 +208,7 @@ class TorchExecutor(Executor):
                  default_collective: CollectiveBackend | None = None,
                  backends: Mapping[str, CollectiveBackend] | None = None,
                  digest_exchange: Callable[[str], Sequence[str]] | None = None,
-                 comm_high_priority: bool = True) -> None:
+                 comm_high_priority: bool = True, graphs: bool | None = None) -> None:
         named = dict(backends or {})
         for label, backend in (("collective", collective),
                                ("default_collective", default_collective),
@@ -223,8 +229,15 @@ class TorchExecutor(Executor):
         self.collective: CollectiveBackend = collective
         self.default_collective: CollectiveBackend | None = default_collective
         self.backends: dict[str, CollectiveBackend] = named
-        self.plan = plan
+        self._plan = plan
         self.streams: StreamBackend = streams if streams is not None else TorchStreamBackend()
+        if graphs and not self.streams.supports_graphs:
+            raise GraphCaptureError(f"graphs=True, but {type(self.streams).__name__} cannot "
+                                    "capture graphs (no CUDA device?): pass graphs=False")
+        self.graphs: bool = (self.streams.supports_graphs if graphs is None
+                             else bool(graphs))
+        self._sequences: dict[str, GraphSequence] = {}
+        self._deferred: list[int] | None = None
         self.frequency: FrequencyTrigger | None = frequency
         self._exchange = digest_exchange or _default_digest_exchange
         self._comm_stream: Any = None
@@ -233,6 +246,22 @@ class TorchExecutor(Executor):
         self.current = None
 
     # -- setup -----------------------------------------------------------------------
+    @property
+    def plan(self) -> Plan | None:  # type: ignore[override]
+        """The plan applied; setting another one drops every captured graph (they hold
+        the old plan's slots, SM counts and clocks) and asks for :meth:`start` again."""
+        return self._plan
+
+    @plan.setter
+    def plan(self, plan: Plan | None) -> None:
+        """Apply another plan (drops the graphs; call :meth:`start` again)."""
+        if plan is not None:
+            _require_plan(plan)
+        if plan is not self._plan:
+            self.release_graphs()
+            self._started = False
+        self._plan = plan
+
     @property
     def comm_stream(self) -> Any:
         """The side stream collectives run on (created on first use)."""
@@ -405,6 +434,93 @@ class TorchExecutor(Executor):
         done = self._launch_comm((kind, tensor, output), sms, backend)
         self._join(done)
 
+    # -- graphs ----------------------------------------------------------------------
+    def capture(self, name: str, bodies: Sequence[Callable[[], Any]], *,
+                signature: Any = None, warmup: int = 1) -> GraphSequence:
+        """Capture ``bodies`` in order into graphs sharing one memory pool
+        (:class:`~kareus.exec._graphs.GraphSequence`), or return the sequence captured
+        under ``name`` before if its signature and the plan are unchanged.
+
+        Each body enqueues its work as it would eagerly (partitions through
+        :meth:`partition` or :meth:`run_partition`, clock requests through
+        :meth:`microbatch`); collectives, events and clock requests are captured with
+        it. Every rank must capture the same bodies in the same order (the collectives).
+
+        Args:
+            name: The sequence's key; capturing another signature under it replaces it.
+            bodies: Zero-argument callables, one graph each.
+            signature: Anything comparable that describes what the bodies depend on
+                (shapes, schedule); a change re-captures.
+            warmup: Eager runs of every body before the capture (library set-up), on a
+                side stream; 0 when the caller has just run them.
+
+        Returns:
+            The sequence; replay it with :meth:`GraphSequence.replay`.
+
+        Raises:
+            GraphCaptureError: graphs are off, or a body cannot be captured (an op that
+                synchronises with the host).
+        """
+        if not self.graphs:
+            raise GraphCaptureError("this executor runs eagerly (graphs=False): call the "
+                                    "bodies directly")
+        if not bodies:
+            raise ValueError("nothing to capture: bodies is empty")
+        self._require_started()
+        key = (signature, None if self.plan is None else str(self.plan.digest))
+        old = self._sequences.get(name)
+        if old is not None and old.key == key and len(old) == len(bodies):
+            return old
+        self._sequences.pop(name, None)
+        if warmup:
+            side = self.streams.new_stream(name="warmup")
+            self.streams.wait_event(side, self.streams.record_event(
+                self.streams.current_stream()))
+            with self.streams.use_stream(side):
+                for _ in range(int(warmup)):
+                    for body in bodies:
+                        body()
+            self.streams.wait_event(self.streams.current_stream(),
+                                    self.streams.record_event(side))
+        pool = self.streams.graph_pool()
+        graphs, deferred = [], []
+        for i, body in enumerate(bodies):
+            self._deferred = [] if not getattr(self.frequency, "capturable", False) else None
+            try:
+                with self.streams.capture(pool, name=f"{name}[{i}]") as graph:
+                    body()
+            except GraphCaptureError:
+                raise
+            except RuntimeError as exc:
+                raise GraphCaptureError(
+                    f"graph {i} of {name!r} could not be captured ({str(exc)[:300]}): an op "
+                    "synchronises with the host or runs on a stream outside the capture; "
+                    "run eagerly (graphs=False / --no-graphs)") from exc
+            finally:
+                held, self._deferred = self._deferred, None
+            graphs.append(graph)
+            deferred.append(held or [])
+        trigger = self.frequency
+        request = None if trigger is None else (
+            lambda f: trigger.request(f, stream=self.streams.current_stream()))
+        seq = GraphSequence(name=name, key=key, streams=self.streams, graphs=graphs,
+                            deferred=deferred, request=request)
+        self._sequences[name] = seq
+        _log.info("captured %d graph(s) of %r", len(graphs), name)
+        return seq
+
+    def sequence(self, name: str) -> GraphSequence | None:
+        """The graph sequence captured under ``name``, if any."""
+        return self._sequences.get(name)
+
+    def release_graphs(self, name: str | None = None) -> None:
+        """Drop the graphs of ``name`` (``None``: all); their pools return to the
+        allocator once nothing else holds them."""
+        if name is None:
+            self._sequences.clear()
+        else:
+            self._sequences.pop(name, None)
+
     # -- training-loop hooks ---------------------------------------------------------
     @contextlib.contextmanager
     def partition(self, key: str, *, config: LaunchConfig | None = None,
@@ -439,7 +555,11 @@ class TorchExecutor(Executor):
         self._require_started()
         if self.plan is not None and self.frequency is not None:
             f = plan_frequency(self.plan, stage, microbatch, phase)
-            self.frequency.request(f, stream=self.streams.current_stream())
+            if self._deferred is not None and self.streams.is_capturing():
+                # A trigger without host nodes: issued right before this graph's replay.
+                self._deferred.append(f)
+            else:
+                self.frequency.request(f, stream=self.streams.current_stream())
         prev = self.current
         self.current = (stage, microbatch, phase)
         try:

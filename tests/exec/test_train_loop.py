@@ -380,3 +380,48 @@ def test_four_gloo_ranks_match_the_whole_model(tmp_path):
 
 if __name__ == "__main__":
     _worker(sys.argv[1])
+
+
+def test_graphed_loop_captures_one_graph_per_computation_with_its_clock():
+    """The capture plan of the training loop, on the recording fake (which captures but
+    does not compute on replay): one graph per microbatch computation, in the pipeline
+    schedule's order, each schedule its own sequence; a plan's clock requests (a trigger
+    without host nodes here) go right before their computation's graph; a second call
+    reuses the graphs; eager steps leave no graphs."""
+    from kareus.exec.executor import plan_frequency
+    from kareus.testing import RecordingTrigger
+
+    wl = workload(2, 2)
+    groups = LoopbackGroups(tp=2, cp=2)
+    capped, default, _ = make_collectives(groups, backend="loopback")
+    trig = RecordingTrigger()
+    plan = plan_for(wl)
+    loop = TrainingLoop(workload=wl, groups=groups, collective=capped,
+                        default_collective=default, plan=plan, frequency=trig,
+                        streams=RecordingStreamBackend(), kernels="torch", device="cpu",
+                        dtype="float32", graphs=True)
+    assert loop.graphs
+    for schedule in loop.schedules:
+        seq = loop.graph_sequence(schedule)
+        assert len(seq) == len(loop.computations) == 2 * wl.num_microbatches
+        assert loop.graph_sequence(schedule) is seq
+    dev = loop.baseline.streams
+    names = [e[2] for e in dev.log if e[0] == "capture"]
+    assert names == [f"train:{s}[{i}]" for s in loop.schedules
+                     for i in range(len(loop.computations))]
+    seq = loop.graph_sequence("kareus")
+    assert [d for d in seq.deferred] == [(plan_frequency(plan, c.stage, c.microbatch, c.phase),)
+                                         for c in loop.computations]
+    # Every graph of the nanobatched schedules forks to the side stream and joins it.
+    for s in ("nanobatching", "kareus"):
+        for i in range(len(loop.computations)):
+            g = dev.graphs[f"train:{s}[{i}]"]
+            assert ("wait", "comm") in [e[:2] for e in g]
+            assert [e[:2] for e in g if e[0] == "wait"][-1] == ("wait", "compute")
+    requests = len(trig.requests)
+    loop.step("kareus")
+    assert len(trig.requests) == requests + len(loop.computations)
+    eager = TrainingLoop(workload=wl, groups=groups, collective=capped,
+                         default_collective=default, streams=RecordingStreamBackend(),
+                         kernels="torch", device="cpu", dtype="float32")
+    assert not eager.graphs and eager.baseline.sequence("train:sequential") is None

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from kareus.errors import HardwareError
+from kareus.errors import GraphCaptureError, HardwareError
 
 __all__ = ["EventPollingMarker", "HostFunctionMarker", "StreamMarker", "load_hostfn_library"]
 
@@ -23,14 +23,19 @@ class StreamMarker(abc.ABC):
     device reaches it."""
 
     name: str = ""
+    #: Whether a marker put on a stream that is being captured becomes part of the graph
+    #: (``enqueue(..., standing=True)``: delivered at every replay).
+    capturable: bool = False
 
     @abc.abstractmethod
     def start(self, fire: Callable[[int], None]) -> None:
         """Begin delivering tokens to ``fire``."""
 
     @abc.abstractmethod
-    def enqueue(self, stream: Any, token: int) -> None:
-        """Put the marker for ``token`` at the current end of ``stream``."""
+    def enqueue(self, stream: Any, token: int, *, standing: bool = False) -> None:
+        """Put the marker for ``token`` at the current end of ``stream``; ``standing``:
+        the stream is being captured, deliver the token at every replay of the graph
+        (only markers that are :attr:`capturable`)."""
 
     @abc.abstractmethod
     def close(self, *, drained: bool = True) -> None:
@@ -60,8 +65,11 @@ def load_hostfn_library(*, arch: str | None = None) -> Any:
         lib.kareus_hostfn_enqueue.argtypes = [ctypes.c_void_p, ctypes.c_int,
                                               ctypes.c_ulonglong]
         lib.kareus_hostfn_enqueue.restype = ctypes.c_int
+        lib.kareus_hostfn_enqueue_standing.argtypes = [ctypes.c_void_p, ctypes.c_int,
+                                                       ctypes.c_ulonglong]
+        lib.kareus_hostfn_enqueue_standing.restype = ctypes.c_int
         lib.kareus_hostfn_version.restype = ctypes.c_int
-        if lib.kareus_hostfn_version() != 1:
+        if lib.kareus_hostfn_version() != 2:
             raise HardwareError("ext/hostfn library has an unexpected ABI version")
         _HOSTFN_LIB = lib
     return _HOSTFN_LIB
@@ -80,10 +88,16 @@ class HostFunctionMarker(StreamMarker):
     """
 
     name = "hostfn"
+    capturable = True
 
     def __init__(self, *, lib: Any = None) -> None:
         self._lib = lib if lib is not None else load_hostfn_library()
+        self._standing = 0
         self._r, self._w = os.pipe()
+        # Never block the CUDA callback thread (it would stall every stream of the
+        # process): with the reader gone (after close) and a graph still replayed, a full
+        # pipe drops the token instead.
+        os.set_blocking(self._w, False)
         self._thread: threading.Thread | None = None
         self._fire: Callable[[int], None] | None = None
 
@@ -109,12 +123,16 @@ class HostFunctionMarker(StreamMarker):
                 assert self._fire is not None
                 self._fire(token)
 
-    def enqueue(self, stream: Any, token: int) -> None:
-        """Enqueue a host function on ``stream`` that writes ``token`` into the pipe."""
-        rc = self._lib.kareus_hostfn_enqueue(ctypes.c_void_p(_stream_handle(stream)),
-                                             self._w, ctypes.c_ulonglong(token))
+    def enqueue(self, stream: Any, token: int, *, standing: bool = False) -> None:
+        """Enqueue a host function on ``stream`` that writes ``token`` into the pipe;
+        ``standing`` (a stream being captured into a graph): a host node that writes it
+        at every replay."""
+        fn = (self._lib.kareus_hostfn_enqueue_standing if standing
+              else self._lib.kareus_hostfn_enqueue)
+        rc = fn(ctypes.c_void_p(_stream_handle(stream)), self._w, ctypes.c_ulonglong(token))
         if rc != 0:
             raise HardwareError(f"cudaLaunchHostFunc failed (error {rc})")
+        self._standing += bool(standing)
 
     def close(self, *, drained: bool = True) -> None:
         # The stop token goes through the pipe after every token already written.
@@ -122,9 +140,11 @@ class HostFunctionMarker(StreamMarker):
         os.write(self._w, (0xFFFFFFFFFFFFFFFF).to_bytes(8, "little"))
         if self._thread is not None:
             self._thread.join(timeout=5.0)
-        if drained:
+        if drained and not self._standing:
             os.close(self._w)
             os.close(self._r)
+        # A captured graph's host nodes may still write to self._w at a later replay:
+        # with standing markers both ends stay open, so the descriptor is never reused.
         # Otherwise host functions still queued on a stream will write to self._w later:
         # keep both ends open so that descriptor number is never reused for another file.
 
@@ -165,8 +185,16 @@ class EventPollingMarker(StreamMarker):
                                         daemon=True)
         self._thread.start()
 
-    def enqueue(self, stream: Any, token: int) -> None:
-        """Record an event for ``token`` at the current end of ``stream``."""
+    def enqueue(self, stream: Any, token: int, *, standing: bool = False) -> None:
+        """Record an event for ``token`` at the current end of ``stream``.
+
+        Raises:
+            GraphCaptureError: ``standing``: a polled event cannot be part of a graph.
+        """
+        if standing:
+            raise GraphCaptureError("event polling cannot mark a stream being captured; "
+                                    "the executor issues such clock requests before each "
+                                    "graph's replay instead")
         ev = self._factory(stream)
         with self._lock:
             self._pending.append((token, ev))

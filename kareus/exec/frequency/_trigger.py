@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from kareus._logging import get_logger
+from kareus.errors import GraphCaptureError
 from kareus.exec.frequency._controllers import FrequencyController
 from kareus.exec.frequency._markers import EventPollingMarker, HostFunctionMarker, StreamMarker
 
@@ -25,6 +26,11 @@ class FrequencyTrigger(abc.ABC):
     :class:`StreamOrderedTrigger` is the implementation for GPUs; ``kareus.testing``
     has a recording fake.
     """
+
+    #: Whether a request made on a stream being captured into a CUDA graph becomes part
+    #: of the graph (a host node); when not, an executor that captures issues the request
+    #: on the stream right before the graph's replay.
+    capturable: bool = False
 
     @abc.abstractmethod
     def request(self, freq_mhz: int, *, stream: Any = None) -> int:
@@ -69,7 +75,13 @@ class StreamOrderedTrigger(FrequencyTrigger):
                              "%.1f ms late): the host-function extension is unavailable: %s",
                              1e3 * marker._poll_s, self.fallback_reason)
         self.marker = marker
+        # Requests on a stream being captured become host nodes with the host-function
+        # marker; with event polling the executor issues them before each replay.
+        self.capturable = bool(marker.capturable)
         self._requests: dict[int, int] = {}
+        self._standing: dict[int, int] = {}
+        self._made_once = 0
+        self._fired_once = 0
         self._next = 1
         self._lock = threading.Lock()
         self._queue: queue.Queue[int | None] = queue.Queue()
@@ -86,19 +98,39 @@ class StreamOrderedTrigger(FrequencyTrigger):
         """``"hostfn"`` or ``"event"`` (or a custom marker's name)."""
         return self.marker.name
 
+
     def request(self, freq_mhz: int, *, stream: Any = None) -> int:
-        """Ask for ``freq_mhz`` from the current end of ``stream`` on; returns a token."""
+        """Ask for ``freq_mhz`` from the current end of ``stream`` on; returns a token.
+
+        On a stream being captured into a CUDA graph the request is a standing one: a
+        host node that asks for the clock at every replay of the graph.
+
+        Raises:
+            GraphCaptureError: the stream is being captured and the marker cannot be
+                part of a graph (event polling).
+        """
         if self._closed:
             raise RuntimeError("the trigger is closed")
-        if stream is None:
-            import torch
+        import torch
 
+        if stream is None:
             stream = torch.cuda.current_stream()
+        standing = bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+        if standing and not self.capturable:
+            raise GraphCaptureError(f"the {self.mechanism} marker cannot be captured in a "
+                                    "CUDA graph: request the clock outside the capture")
         with self._lock:
             token = self._next
             self._next += 1
-            self._requests[token] = int(freq_mhz)
-        self.marker.enqueue(stream, token)
+            if standing:
+                self._standing[token] = int(freq_mhz)
+            else:
+                self._requests[token] = int(freq_mhz)
+                self._made_once += 1
+        if standing:
+            self.marker.enqueue(stream, token, standing=True)
+        else:
+            self.marker.enqueue(stream, token)
         return token
 
     def _work(self) -> None:
@@ -108,6 +140,9 @@ class StreamOrderedTrigger(FrequencyTrigger):
                 return
             with self._lock:
                 freq = self._requests.pop(token, None)
+                once = freq is not None
+                if freq is None:
+                    freq = self._standing.get(token)
             if freq is None:
                 continue
             try:
@@ -115,6 +150,9 @@ class StreamOrderedTrigger(FrequencyTrigger):
             except BaseException as exc:  # reported through errors
                 self.errors.append(exc)
             self.fired.append((token, freq, time.perf_counter()))
+            if once:
+                with self._lock:
+                    self._fired_once += 1
 
     def pending(self) -> int:
         """Requests not yet delivered to the controller."""
@@ -122,13 +160,14 @@ class StreamOrderedTrigger(FrequencyTrigger):
             return len(self._requests)
 
     def wait(self, timeout_s: float = 10.0) -> bool:
-        """Wait until every request made so far has been handled by the controller."""
+        """Wait until every one-shot request made so far has been handled by the
+        controller (standing requests of captured graphs fire at each replay: synchronise
+        the device to have them delivered)."""
         deadline = time.perf_counter() + timeout_s
         while time.perf_counter() < deadline:
             with self._lock:
-                made = self._next - 1
-            if len(self.fired) >= made:
-                return True
+                if self._fired_once >= self._made_once:
+                    return True
             time.sleep(0.0005)
         return False
 

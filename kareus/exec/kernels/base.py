@@ -91,6 +91,35 @@ class KernelSet(abc.ABC):
         with self._sdpa_context():
             return _sdpa(q, k, v)
 
+    def attention_fwd(self, q: Any, k: Any, v: Any) -> Any:
+        """:meth:`attention` as an explicit op pair: returns a
+        :class:`~kareus.exec.kernels._attention.SavedAttention` (its ``output`` is the
+        attention's output) for :meth:`attention_bwd`.
+
+        The fused op SDPA picks for these inputs (cuDNN or flash) is called directly, so
+        the backward needs neither the autograd engine nor its thread: it captures in a
+        CUDA graph and costs one dispatch (see :mod:`kareus.exec.kernels._attention`).
+        The backend is pinned per input signature (shapes, strides, dtype, device) at
+        its first call.
+        """
+        from kareus.exec.kernels._attention import attention_forward
+
+        sig = (tuple(q.shape), tuple(k.shape), tuple(q.stride()), tuple(k.stride()),
+               tuple(v.stride()), str(q.dtype), str(q.device))
+        cache = self.__dict__.setdefault("_attention_backends", {})
+        backend = cache.get(sig)
+        if backend is None:
+            backend = cache[sig] = (self.attention_backend(q, k, v)
+                                    if q.device.type == "cuda" else "math")
+        return attention_forward(q, k, v, backend=backend, fallback=self.attention)
+
+    def attention_bwd(self, do: Any, saved: Any) -> tuple[Any, Any, Any]:
+        """``(dq, dk, dv)`` of an :meth:`attention_fwd` for the output gradient ``do``
+        (repeatable: the saved state is kept)."""
+        from kareus.exec.kernels._attention import attention_backward
+
+        return attention_backward(do, saved)
+
     def attention_backend(self, q: Any, k: Any, v: Any) -> str:
         """Name of the SDPA backend :meth:`attention` runs for these inputs."""
         import torch

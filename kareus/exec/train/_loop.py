@@ -21,6 +21,7 @@ torch is imported inside the functions that need it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 import statistics
 import time
@@ -158,6 +159,9 @@ class TrainingLoop:
         schedule: Pipeline schedule name when there is no plan (default ``"1f1b"``).
         comm_high_priority: Collectives on a high-priority stream, for every schedule
             (:class:`~kareus.exec.executor.TorchExecutor`'s ``comm_high_priority``).
+        graphs: Run each schedule's iteration from CUDA graphs (``None``, the default: on
+            a CUDA device; ``False``: eager launches). Every schedule is run the same
+            way, so comparisons stay fair. See :meth:`step`.
     """
 
     def __init__(self, *, workload: Workload, groups: Any, collective: Any = None,
@@ -166,7 +170,7 @@ class TrainingLoop:
                  frequency: Any = None, layers: int | None = None, streams: Any = None,
                  kernels: Any = None, device: Any = None, dtype: str = "bfloat16",
                  seed: int = 0, lr: float = 3e-4, schedule: str = "1f1b",
-                 comm_high_priority: bool = True) -> None:
+                 comm_high_priority: bool = True, graphs: bool | None = None) -> None:
         import torch
 
         from kareus.model.partition import build_partitions
@@ -212,9 +216,13 @@ class TrainingLoop:
                                  .stage_orders[0])
         coll = collective if has_comm else _no_collective_backend()
         named = dict(backends or {})
+        if graphs is None:
+            graphs = self.model.device.type == "cuda"
         self.baseline = TorchExecutor(collective=coll,
                                       default_collective=default_collective or coll,
-                                      streams=streams, comm_high_priority=comm_high_priority)
+                                      streams=streams, comm_high_priority=comm_high_priority,
+                                      graphs=bool(graphs))
+        self.graphs = bool(graphs)
         self.executor: TorchExecutor | None = None
         if plan is not None:
             wanted = {b for cs in plan.partition_configs().values() for c in cs
@@ -226,7 +234,8 @@ class TrainingLoop:
             self.executor = TorchExecutor(plan=plan, collective=coll, frequency=frequency,
                                           default_collective=default_collective or coll,
                                           backends=named, streams=streams,
-                                          comm_high_priority=comm_high_priority)
+                                          comm_high_priority=comm_high_priority,
+                                          graphs=bool(graphs))
             self.executor.start()  # every rank compares the plan's digest
         self._data(torch, seed)
         self.partitions_run: list[tuple[str, Any]] = []
@@ -253,27 +262,77 @@ class TrainingLoop:
 
     def step(self, schedule: str) -> Any:
         """Enqueue one iteration under ``schedule``; returns the loss (a device scalar, read
-        it after the device finishes)."""
+        it after the device finishes).
+
+        With graphs (the default on a GPU) each microbatch computation of the schedule
+        (forward or backward of one microbatch: its ops, its collectives at their slots
+        and SM counts, its clock request) is a CUDA graph, captured the first time the
+        schedule runs and replayed from then on; the gradients' zeroing and the
+        optimizer step run eagerly between iterations (a handful of launches). One
+        graph per computation rather than one per iteration, so that each computation's
+        clock request sits at its start whatever the trigger, and a plan's per-microbatch
+        choices map one to one onto graphs. The graphs of a schedule share one memory
+        pool and replay in capture order (the pipeline schedule's order, the same at
+        every iteration).
+        """
         if schedule not in self.schedules:
             raise ValueError(f"schedule must be one of {self.schedules}, got {schedule!r}")
         m = self.model
         m.zero_grad()
-        n = 1 if schedule == "sequential" else self.workload.nanobatches
-        ex = self.executor if schedule == "kareus" else self.baseline
-        assert ex is not None
-        for comp in self.computations:
-            scope = (ex.microbatch(comp.stage, comp.microbatch, comp.phase)
-                     if schedule == "kareus" else contextlib.nullcontext())
-            with scope:
-                tokens, labels = self.batches[comp.microbatch]
-                m.begin(comp.phase, n, tokens, labels)
-                self.partitions_run = run_computation(
-                    ex, self.stacks[comp.phase], schedule=schedule, nanobatches=n,
-                    run_op=m.run_op, comm_args=m.comm_args, types=self.types,
-                    plan_config_of=self._plan_config_of(ex))
-                m.finish()
+        if self.graphs:
+            self.graph_sequence(schedule).replay()
+        else:
+            for comp in self.computations:
+                self._run_computation(schedule, comp)
         m.optimizer_step()
         return m.loss_sum.clone()
+
+    def _nanobatches(self, schedule: str) -> int:
+        return 1 if schedule == "sequential" else self.workload.nanobatches
+
+    def _executor(self, schedule: str) -> TorchExecutor:
+        ex = self.executor if schedule == "kareus" else self.baseline
+        assert ex is not None
+        return ex
+
+    def _run_computation(self, schedule: str, comp: Any) -> None:
+        """Enqueue one microbatch computation (eagerly, or into the graph being captured)."""
+        m, ex, n = self.model, self._executor(schedule), self._nanobatches(schedule)
+        scope = (ex.microbatch(comp.stage, comp.microbatch, comp.phase)
+                 if schedule == "kareus" else contextlib.nullcontext())
+        with scope:
+            tokens, labels = self.batches[comp.microbatch]
+            m.begin(comp.phase, n, tokens, labels)
+            self.partitions_run = run_computation(
+                ex, self.stacks[comp.phase], schedule=schedule, nanobatches=n,
+                run_op=m.run_op, comm_args=m.comm_args, types=self.types,
+                plan_config_of=self._plan_config_of(ex))
+            m.finish()
+
+    def graph_sequence(self, schedule: str) -> Any:
+        """The schedule's :class:`~kareus.exec.executor.GraphSequence` (one graph per
+        microbatch computation), captured on first use.
+
+        Capture runs every computation once eagerly first (library set-up), then captures
+        them in order; gradients and the loss are zeroed afterwards and the weights are
+        not touched, so capturing does not change what the next :meth:`step` computes.
+
+        Raises:
+            GraphCaptureError: graphs are off for this loop, or an op cannot be captured.
+        """
+        ex = self._executor(schedule)
+        signature = (schedule, self._nanobatches(schedule), self.layers,
+                     tuple((c.stage, c.microbatch, c.phase) for c in self.computations))
+        seq = ex.sequence(f"train:{schedule}")
+        if seq is not None and seq.key[0] == signature:
+            return seq
+        m = self.model
+        m.zero_grad()
+        seq = ex.capture(f"train:{schedule}",
+                         [functools.partial(self._run_computation, schedule, comp)
+                          for comp in self.computations], signature=signature, warmup=1)
+        m.zero_grad()
+        return seq
 
     def _plan_config_of(self, ex: Any) -> Callable[[str], Any] | None:
         if self.plan is None:

@@ -373,8 +373,12 @@ class DecoderShard:
         dx0 = torch.empty(self.mbs * self.sq, self.h, device=self.device, dtype=self.dtype)
         for i in range(self.n):
             dx0[self.rows(i)] = self.act[(0, i)]["dx_in"]
+        # Rows of tokens outside this shard's vocabulary add zeros (to a clamped row):
+        # no boolean indexing, whose result size the host must read (a synchronisation,
+        # which a CUDA graph cannot capture).
         valid = self.head["valid"]
-        self.grads["emb"].index_add_(0, self.head["ids"][valid], dx0[valid])
+        ids = self.head["ids"].clamp(0, self.v_local - 1)
+        self.grads["emb"].index_add_(0, ids, dx0.mul_(valid.unsqueeze(1).to(dx0.dtype)))
 
     def _norm_bwd(self, dy: Any, x: Any, w: Any) -> tuple[Any, Any]:
         dx, dw = self.ks.rms_norm_bwd(dy, x, w)
@@ -456,10 +460,15 @@ class DecoderShard:
             k, v = kf.transpose(1, 2), vf.transpose(1, 2)
         else:
             k, v = a["k"].transpose(1, 2), a["v"].transpose(1, 2)
-        if torch.is_grad_enabled():
-            q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-            o = self._attend(q, k, v)
-            a["graph"] = (o, q, k, v)
+        if torch.is_grad_enabled():  # keep what attn_core_bwd needs
+            if self.cp == 1 or self.r == 0:
+                saved = self.ks.attention_fwd(q, k, v)
+            else:  # a lower-right causal mask: SDPA under autograd
+                from kareus.exec.kernels._attention import attention_forward
+
+                saved = attention_forward(q, k, v, backend="masked", fallback=self._attend)
+            a["graph"] = saved
+            o = saved.output
         else:
             o = self._attend(q, k, v)
         a["attn"] = o.detach().transpose(1, 2).reshape(b * self.sq, self.q)
@@ -528,11 +537,10 @@ class DecoderShard:
         self.ks.matmul(a["attn"].t(), a["dx_mid"], out=self.G(layer, "Wo"), accumulate=True)
 
     def _op_attn_core_bwd(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        torch = self.torch
         b = self.mbs // self.n
-        o, q, k, v = a.pop("graph")
+        saved = a.pop("graph")
         do = a["dattn"].view(b, self.sq, self.heads, self.hd).transpose(1, 2)
-        dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
+        dq, dk, dv = self.ks.attention_bwd(do, saved)
         a["dq"] = dq
         if self.cp > 1:  # every chunk's dK, dV, packed for the reduce-scatter
             full = self._buf("kv_grad", nb).view(self.cp, 2, b, self.sq, self.kvh, self.hd)

@@ -25,6 +25,14 @@ void CUDART_CB kareus_hostfn_fire(void* arg) {
   free(req);
 }
 
+// The same write, for a request that fires again at each replay of a graph: the
+// argument stays (kareus_hostfn_enqueue_standing).
+void CUDART_CB kareus_hostfn_fire_standing(void* arg) {
+  KareusHostRequest* req = static_cast<KareusHostRequest*>(arg);
+  ssize_t written = write(req->fd, &req->token, sizeof(req->token));
+  (void)written;
+}
+
 }  // namespace
 
 extern "C" {
@@ -45,7 +53,26 @@ int kareus_hostfn_enqueue(void* stream, int fd, unsigned long long token) {
   return 0;
 }
 
+// A standing marker, for CUDA-graph capture: under capture the host function becomes a
+// host node that fires at every replay of the graph, so its argument must outlive every
+// replay and is never freed (16 bytes per captured clock request, for the life of the
+// process: a graph may be replayed until the process ends).
+int kareus_hostfn_enqueue_standing(void* stream, int fd, unsigned long long token) {
+  KareusHostRequest* req =
+      static_cast<KareusHostRequest*>(malloc(sizeof(KareusHostRequest)));
+  if (req == nullptr) return -1;
+  req->fd = fd;
+  req->token = static_cast<uint64_t>(token);
+  cudaError_t err = cudaLaunchHostFunc(static_cast<cudaStream_t>(stream),
+                                       kareus_hostfn_fire_standing, req);
+  if (err != cudaSuccess) {
+    free(req);
+    return static_cast<int>(err);
+  }
+  return 0;
+}
+
 // ABI version of this library, checked by the Python side.
-int kareus_hostfn_version(void) { return 1; }
+int kareus_hostfn_version(void) { return 2; }
 
 }  // extern "C"

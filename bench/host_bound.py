@@ -1,0 +1,360 @@
+"""Host-bound or GPU-bound: eager launches against CUDA-graph replay, partitions and loop.
+
+A GPU is *fed* when the host enqueues work faster than the GPU runs it; then the GPU is
+busy for its whole window and a schedule's time is its GPU time. Eager PyTorch costs
+10-150 us of host time per op, so small partitions (Qwen3-1.7B at TP=4, CP=2) are
+host-bound when launched one op at a time; replayed from CUDA graphs they are not. This
+bench measures both, on one GPU:
+
+* **partitions**: every partition type of llama3.2-3b TP=4, qwen3-1.7b TP=4 CP=2
+  (microbatch 8 and 16) and llama3.3-70b TP=8 (sequence 4096, two nanobatches), run as
+  the profiler runs them (ops on the compute stream, the collective on the side stream at
+  the first launch slot; the group stood in for by the loopback collective): per step,
+  *GPU-only* time (the steps enqueued behind a sleeping kernel, so the host never holds
+  the GPU back), *eager* time (back to back, launched as they go) and *graphed* time
+  (replays of a CUDA graph of two steps). Busy fraction = GPU-only / measured.
+  Medians of interleaved rounds.
+* **loop** (``--loop``): the library's training loop (kareus.exec.train, loopback on
+  one GPU) for qwen3-1.7b TP=4 CP=2 (28 layers, 4 microbatches of 8 x 4096) and
+  llama3.2-3b TP=2 (8 layers), per schedule (sequential, nanobatching, the kareus plan
+  in bench/plans/) eager and graphed: iteration time (device events, median over
+  repeats interleaved in a shuffled order), kernels per iteration and GPU-busy fraction
+  of the iteration's span (torch.profiler: union of kernel intervals over first kernel
+  start to last kernel end), and the loss of every step (eager and graphed runs start
+  from the same weights and data, so losses compare step by step).
+
+Usage (one CUDA GPU)::
+
+    python bench/host_bound.py --json bench/results/host_bound_h200.json
+    python bench/host_bound.py --quick       # fewer steps, for a smoke run
+
+Prints a table and writes JSON (``--json``): the machine, driver, torch and triton
+versions, every row. Clocks are never changed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+_REPO = Path(__file__).resolve().parents[1]
+if str(_REPO) not in sys.path:
+    sys.path.insert(0, str(_REPO))
+
+for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+               ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ.setdefault(_k, _v)  # never NVLink multicast
+
+#: (label, preset, tp, cp, microbatch size) of the partition rows.
+PARTITION_WORKLOADS = (
+    ("llama3.2-3b tp4", "llama3.2-3b", 4, 1, 8),
+    ("qwen3-1.7b tp4cp2 mb8", "qwen3-1.7b", 4, 2, 8),
+    ("qwen3-1.7b tp4cp2 mb16", "qwen3-1.7b", 4, 2, 16),
+    ("llama3.3-70b tp8", "llama3.3-70b", 8, 1, 8),
+)
+
+#: (label, plan file, layers) of the loop rows.
+LOOP_JOBS = (
+    ("qwen3-1.7b tp4cp2", _REPO / "bench" / "plans" / "qwen3_1.7b_tp4cp2_mb8_h200.json", 28),
+    ("llama3.2-3b tp2", _REPO / "examples" / "plans" / "llama3b_tp2_h200.json", 8),
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (no torch needed)."""
+    ap = argparse.ArgumentParser(prog="host_bound.py", description=__doc__.split("\n")[0])
+    ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    ap.add_argument("--no-partitions", action="store_true", help="skip the partition rows")
+    ap.add_argument("--loop", action="store_true", help="also measure the training loop")
+    ap.add_argument("--steps", type=int, default=20, help="steps per partition timing")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per partition")
+    ap.add_argument("--loop-steps", type=int, default=3, help="timed iterations per loop run")
+    ap.add_argument("--loop-repeats", type=int, default=2, help="runs per loop schedule+mode")
+    ap.add_argument("--quick", action="store_true", help="fewer steps and rounds (smoke run)")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated labels (substrings) of the workloads to run")
+    return ap.parse_args(argv)
+
+
+def _versions() -> dict[str, Any]:
+    import torch
+
+    out: dict[str, Any] = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except ImportError:
+        out["triton"] = None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        drv = pynvml.nvmlSystemGetDriverVersion()
+        out["driver"] = drv.decode() if isinstance(drv, bytes) else str(drv)
+    except Exception:  # recorded as unknown
+        out["driver"] = None
+    return out
+
+
+# ------------------------------------------------------------------ partitions
+
+
+def _queued_time_s(torch: Any, step: Any, steps: int) -> tuple[float, bool]:
+    """Device time per step with the steps enqueued behind a sleeping kernel (the host
+    never holds the GPU back), and whether the sleep outlasted the enqueueing (it is
+    sized from one step's host time; ``False`` means the figure may include host
+    gaps)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    step()
+    torch.cuda.synchronize()
+    per_host = time.perf_counter() - t0  # an upper bound of one step's host time
+    cycles = int(min(2e10, max(1e7, 2.5e9 * per_host * steps * 1.5)))
+    torch.cuda._sleep(cycles)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(steps):
+        step()
+    b.record()
+    fed = not a.query()
+    b.synchronize()
+    return a.elapsed_time(b) / 1e3 / steps, fed
+
+
+def _timed_s(torch: Any, fn: Any, calls: int, per_call: int) -> float:
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(calls):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / 1e3 / (calls * per_call)
+
+
+def measure_partitions(args: argparse.Namespace, log: Any) -> list[dict[str, Any]]:
+    """The partition rows."""
+    import torch
+
+    from kareus.exec.executor import TorchExecutor
+    from kareus.exec.torch_partition import runnable_partitions
+    from kareus.exec.train import LoopbackGroupCollective
+    from kareus.model.config import ScheduleConfig
+    from kareus.model.gpu import get_gpu
+    from kareus.model.workload import Workload
+
+    gpu = get_gpu("h200-sxm")
+    rows = []
+    for label, preset, tp, cp, mbs in PARTITION_WORKLOADS:
+        if args.only and not any(s in label for s in args.only.split(",")):
+            continue
+        wl = Workload.preset(preset, tp=tp, cp=cp, microbatch_size=mbs, seq_len=4096,
+                             nanobatches=2)
+        parts = runnable_partitions(wl)
+        for name, part in parts.items():
+            kind = part.comm_op.kind.value
+            size = cp if kind in ("all_gather", "reduce_scatter") else tp
+            coll = LoopbackGroupCollective(group_size=size)
+            ex = TorchExecutor(collective=coll, graphs=True)
+            prog = part.build(collective=coll)
+            slot = part.slots[0].name if part.slots else None
+            cfg = ScheduleConfig(gpu.max_clock_mhz, gpu.default_comm_sms, slot)
+
+            def step(prog: Any = prog, cfg: Any = cfg, kind: str = kind, ex: Any = ex) -> None:
+                ex.run_partition(prog.ops, prog.op_names, prog.comm_tensor, cfg,
+                                 comm_kind=kind, comm_output=prog.comm_output)
+                prog.advance()
+
+            def two(step: Any = step) -> None:
+                step()
+                step()
+
+            seq = ex.capture(f"{label}:{name}", [two], warmup=2)
+            for _ in range(3):
+                step()
+            res: dict[str, list[float]] = {"gpu_only_s": [], "eager_s": [], "graphed_s": []}
+            fed = True
+            for _ in range(args.rounds):
+                q, ok = _queued_time_s(torch, step, args.steps)
+                res["gpu_only_s"].append(q)
+                fed = fed and ok
+                res["eager_s"].append(_timed_s(torch, step, args.steps, 1))
+                res["graphed_s"].append(_timed_s(torch, seq.replay, args.steps // 2, 2))
+            med = {k: statistics.median(v) for k, v in res.items()}
+            row = {"workload": label, "partition": name, "ops": len(prog.op_names),
+                   "collective": kind, "slot": slot, **med,
+                   "eager_ratio": med["eager_s"] / med["gpu_only_s"],
+                   "graphed_ratio": med["graphed_s"] / med["gpu_only_s"],
+                   "eager_busy": min(1.0, med["gpu_only_s"] / med["eager_s"]),
+                   "graphed_busy": min(1.0, med["gpu_only_s"] / med["graphed_s"]),
+                   "gpu_only_fed": fed, "rounds": res}
+            rows.append(row)
+            log(f"{label:24s} {name:18s} gpu-only {1e6 * med['gpu_only_s']:8.1f} us  "
+                f"eager {row['eager_ratio']:5.2f}x  graphed {row['graphed_ratio']:5.2f}x")
+            del seq, prog, ex
+        torch.cuda.empty_cache()
+    return rows
+
+
+# ------------------------------------------------------------------ the loop
+
+
+def _profile_iteration(torch: Any, loop: Any, schedule: str) -> dict[str, Any]:
+    """Kernels of one iteration and the GPU-busy fraction of their span."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        loop.step(schedule)
+        torch.cuda.synchronize()
+    spans = []
+    for ev in prof.events():
+        if getattr(ev, "device_type", None) is None:
+            continue
+        if str(ev.device_type).endswith("CUDA"):
+            spans.append((ev.time_range.start, ev.time_range.end))
+    if not spans:
+        return {"kernels": 0, "busy": None, "span_s": None}
+    spans.sort()
+    busy, cur_s, cur_e = 0.0, spans[0][0], spans[0][1]
+    for s, e in spans[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    span = max(e for _, e in spans) - spans[0][0]
+    return {"kernels": len(spans), "busy": busy / span if span > 0 else None,
+            "span_s": span / 1e6}
+
+
+def measure_loop(args: argparse.Namespace, log: Any) -> list[dict[str, Any]]:
+    """The loop rows: per job, schedule and mode."""
+    import torch
+
+    from kareus.compose.plan import Plan
+    from kareus.exec.frequency import DryRunFrequencyController, StreamOrderedTrigger
+    from kareus.exec.train import LoopbackGroups, TrainingLoop, make_collectives
+    from kareus.model.workload import Workload
+
+    rows = []
+    for label, plan_path, layers in LOOP_JOBS:
+        if args.only and not any(s in label for s in args.only.split(",")):
+            continue
+        plan = Plan.load(plan_path)
+        wl = Workload.from_dict(dict(plan.workload or {}))
+        p = wl.parallelism
+        groups = LoopbackGroups(tp=p.tp, cp=p.cp)
+        capped, default, _ = make_collectives(groups, backend="loopback")
+        trigger = StreamOrderedTrigger(DryRunFrequencyController(gpu=plan.gpu))
+        loop = TrainingLoop(workload=wl, groups=groups, collective=capped,
+                            default_collective=default, plan=plan, frequency=trigger,
+                            layers=layers, graphs=True)
+        runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        order = [(s, m) for s in loop.schedules for m in ("eager", "graphed")]
+        order = [o for _ in range(args.loop_repeats) for o in order]
+        random.Random(0).shuffle(order)
+        t0 = time.perf_counter()
+        for schedule, mode in order:
+            loop.graphs = mode == "graphed"
+            loop.reset()
+            losses = [loop.step(schedule)]  # warm-up (captures the graphs the first time)
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(args.loop_steps):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                losses.append(loop.step(schedule))
+                b.record()
+                times.append((a, b))
+            torch.cuda.synchronize()
+            runs.setdefault((schedule, mode), []).append({
+                "time_s": [a.elapsed_time(b) / 1e3 for a, b in times],
+                "losses": [float(x) for x in losses]})
+        log(f"{label}: {len(order)} runs in {time.perf_counter() - t0:.1f} s")
+        prof: dict[tuple[str, str], dict[str, Any]] = {}
+        for schedule in loop.schedules:
+            for mode in ("eager", "graphed"):
+                loop.graphs = mode == "graphed"
+                loop.reset()
+                loop.step(schedule)
+                try:
+                    prof[(schedule, mode)] = _profile_iteration(torch, loop, schedule)
+                except Exception as exc:  # the profiler is optional here
+                    prof[(schedule, mode)] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        trigger.close()
+        seq_eager = statistics.median(t for r in runs[("sequential", "eager")]
+                                      for t in r["time_s"])
+        seq_graphed = statistics.median(t for r in runs[("sequential", "graphed")]
+                                        for t in r["time_s"])
+        for (schedule, mode), rs in sorted(runs.items()):
+            t = statistics.median(x for r in rs for x in r["time_s"])
+            ref = seq_graphed if mode == "graphed" else seq_eager
+            eager_losses = runs[(schedule, "eager")][0]["losses"]
+            graphed_losses = runs[(schedule, "graphed")][0]["losses"]
+            diff = max(abs(a - b) / max(abs(a), 1e-9)
+                       for a, b in zip(eager_losses, graphed_losses))
+            row = {"job": label, "layers": loop.layers, "workload": wl.to_dict(),
+                   "schedule": schedule, "mode": mode, "time_s": t,
+                   "vs_sequential": t / ref, **prof.get((schedule, mode), {}),
+                   "loss_rel_diff_eager_vs_graphed": diff, "runs": rs}
+            rows.append(row)
+            busy = row.get("busy")
+            log(f"{label:20s} {schedule:13s} {mode:8s} {1e3 * t:9.2f} ms  "
+                f"x{row['vs_sequential']:.3f} seq  kernels {row.get('kernels')}  busy "
+                f"{'-' if busy is None else f'{100 * busy:.1f}%'}  loss diff {diff:.2e}")
+        del loop
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the bench; exit 2 without a CUDA GPU."""
+    args = parse_args(argv)
+    if args.quick:
+        args.steps, args.rounds, args.loop_steps, args.loop_repeats = 8, 1, 2, 1
+    try:
+        import torch
+    except ImportError:
+        print("host_bound.py: torch is not installed (pip install torch)", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("host_bound.py: no CUDA GPU visible: this bench measures a GPU",
+              file=sys.stderr)
+        return 2
+    t_begin = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - t_begin:6.1f}s] {msg}", flush=True)
+
+    out: dict[str, Any] = {
+        "bench": "host_bound", "command": " ".join(["python", "bench/host_bound.py",
+                                                   *(argv or sys.argv[1:])]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": "1x H200" if "H200" in torch.cuda.get_device_name() else
+        torch.cuda.get_device_name(), **_versions(),
+        "method": __doc__.split("Usage")[0].strip(),
+    }
+    if not args.no_partitions:
+        out["partitions"] = measure_partitions(args, log)
+    if args.loop:
+        out["loop"] = measure_loop(args, log)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
+        log(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
