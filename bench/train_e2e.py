@@ -68,6 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--backend", choices=BACKENDS, default="nccl_capped",
                     help="the plan's collectives (loopback: one GPU stands in for the group)")
     ap.add_argument("--kernels", default=None, help="kernel set (default: fused on a GPU)")
+    ap.add_argument("--no-graphs", action="store_true",
+                    help="launch every op eagerly instead of replaying CUDA graphs of each "
+                         "microbatch computation (the default on a GPU)")
     ap.add_argument("--comm-priority", choices=("high", "normal"), default="high",
                     help="stream priority of the collectives (high: they take their SMs "
                          "ahead of the overlapped op's pending blocks; normal: measure "
@@ -183,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:  # a linear script
                         default_collective=default, plan=plan, backends=named,
                         frequency=trigger,
                         layers=args.layers, kernels=args.kernels, seed=args.seed, lr=args.lr,
-                        comm_high_priority=high)
+                        comm_high_priority=high, graphs=not args.no_graphs)
     log(f"{world} rank(s), {wl.describe()}, {loop.layers} layers, "
         f"{loop.model.num_params / 1e6:.0f}M parameters per rank; collectives: {note}")
 

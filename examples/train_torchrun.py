@@ -66,6 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--backend", choices=("nccl_capped", "own", "loopback"),
                     default="nccl_capped",
                     help="the plan's collectives (loopback: one GPU stands in for the group)")
+    ap.add_argument("--no-graphs", action="store_true",
+                    help="launch every op eagerly instead of replaying CUDA graphs of each "
+                         "microbatch computation (the default on a GPU)")
     ap.add_argument("--json", type=Path, default=None, help="write the results here (rank 0)")
     ap.add_argument("--kernels", default="auto",
                     help="the ops' kernel set (kareus.exec.kernels): triton (fused, the "
@@ -196,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     loop = TrainingLoop(workload=wl, groups=groups, collective=capped,
                         default_collective=default, plan=plan, backends=named,
                         frequency=trigger,
-                        layers=args.layers,
+                        layers=args.layers, graphs=not args.no_graphs,
                         kernels=None if args.kernels == "auto" else args.kernels)
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"{world} rank(s): {wl.describe()}, {loop.layers} layers; collectives: {note}; "
