@@ -14,6 +14,9 @@ bench measures both, on one GPU:
   the GPU back), *eager* time (back to back, launched as they go) and *graphed* time
   (replays of a CUDA graph of two steps). Busy fraction = GPU-only / measured.
   Medians of interleaved rounds.
+  The partition's computation alone is timed the same way (*compute only*) and compared
+  with the calibrated emulator's time for it (the shipped h200-sxm profile), backward
+  partitions included.
 * **loop** (``--loop``): the library's training loop (kareus.exec.train, loopback on
   one GPU) for qwen3-1.7b TP=4 CP=2 (28 layers, 4 microbatches of 8 x 4096) and
   llama3.2-3b TP=2 (8 layers), per schedule (sequential, nanobatching, the kareus plan
@@ -178,31 +181,64 @@ def measure_partitions(args: argparse.Namespace, log: Any) -> list[dict[str, Any
                 step()
                 step()
 
+            def plain(prog: Any = prog) -> None:
+                prog.run_plain()
+                prog.advance()
+
             seq = ex.capture(f"{label}:{name}", [two], warmup=2)
             for _ in range(3):
                 step()
-            res: dict[str, list[float]] = {"gpu_only_s": [], "eager_s": [], "graphed_s": []}
+            res: dict[str, list[float]] = {"gpu_only_s": [], "eager_s": [], "graphed_s": [],
+                                           "compute_only_s": []}
             fed = True
             for _ in range(args.rounds):
                 q, ok = _queued_time_s(torch, step, args.steps)
                 res["gpu_only_s"].append(q)
-                fed = fed and ok
+                q, ok2 = _queued_time_s(torch, plain, args.steps)
+                res["compute_only_s"].append(q)
+                fed = fed and ok and ok2
                 res["eager_s"].append(_timed_s(torch, step, args.steps, 1))
                 res["graphed_s"].append(_timed_s(torch, seq.replay, args.steps // 2, 2))
             med = {k: statistics.median(v) for k, v in res.items()}
+            emulated = _emulated_compute_s(part, name, gpu.max_clock_mhz)
             row = {"workload": label, "partition": name, "ops": len(prog.op_names),
                    "collective": kind, "slot": slot, **med,
+                   "emulated_compute_s": emulated,
+                   "emulated_compute_error": (None if emulated is None else
+                                              emulated / med["compute_only_s"] - 1.0),
                    "eager_ratio": med["eager_s"] / med["gpu_only_s"],
                    "graphed_ratio": med["graphed_s"] / med["gpu_only_s"],
                    "eager_busy": min(1.0, med["gpu_only_s"] / med["eager_s"]),
                    "graphed_busy": min(1.0, med["gpu_only_s"] / med["graphed_s"]),
                    "gpu_only_fed": fed, "rounds": res}
             rows.append(row)
+            err = row["emulated_compute_error"]
             log(f"{label:24s} {name:18s} gpu-only {1e6 * med['gpu_only_s']:8.1f} us  "
-                f"eager {row['eager_ratio']:5.2f}x  graphed {row['graphed_ratio']:5.2f}x")
+                f"eager {row['eager_ratio']:5.2f}x  graphed {row['graphed_ratio']:5.2f}x  "
+                f"compute {1e6 * med['compute_only_s']:8.1f} us, emulated "
+                f"{'-' if err is None else f'{100 * err:+.1f}%'}")
             del seq, prog, ex
         torch.cuda.empty_cache()
     return rows
+
+
+def _emulated_compute_s(part: Any, name: str, freq_mhz: int) -> float | None:
+    """The calibrated emulator's time of the partition's computation alone (the shipped
+    h200-sxm profile; graph-replay launches), to check its ops against the measurement."""
+    try:
+        from kareus.exec.emulator import EmulatedGPU
+        from kareus.model.gpu_profile import GPUProfile
+
+        gpu = _EMU.get("gpu")
+        if gpu is None:
+            gpu = _EMU["gpu"] = EmulatedGPU.from_profile(GPUProfile.preset("h200-sxm"))
+        return float(sum(gpu.op_time_s(op, freq_mhz, partition=name)
+                         for op in part.compute_ops))
+    except Exception:  # the comparison is optional
+        return None
+
+
+_EMU: dict[str, Any] = {}
 
 
 # ------------------------------------------------------------------ the loop
