@@ -1,0 +1,50 @@
+"""bench/host_bound.py on a CPU: its command line, its refusal without a GPU, and the
+GPU-busy fraction it computes from a profile's kernel intervals."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+from bench_scripts import load_bench
+
+hb = load_bench("host_bound")
+
+
+def test_command_line_and_refusal_without_a_gpu(capsys):
+    args = hb.parse_args(["--loop", "--quick", "--only", "qwen"])
+    assert args.loop and args.quick and args.only == "qwen"
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the refusal is not reachable")
+    assert hb.main(["--quick"]) == 2
+    assert "no CUDA GPU" in capsys.readouterr().err
+
+
+def test_busy_fraction_is_the_union_of_kernel_intervals_over_their_span(monkeypatch):
+    class Ev:
+        def __init__(self, start, end):
+            self.device_type = "DeviceType.CUDA"
+            self.time_range = types.SimpleNamespace(start=start, end=end)
+
+    events = [Ev(0, 10), Ev(5, 20), Ev(30, 40), Ev(40, 50)]  # busy 20 + 20 of 50
+
+    class Prof:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+        def events(self):
+            return events
+
+    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(synchronize=lambda: None))
+    import torch.profiler as tp
+
+    monkeypatch.setattr(tp, "profile", lambda **kw: Prof())
+    loop = types.SimpleNamespace(step=lambda s: None)
+    out = hb._profile_iteration(fake_torch, loop, "sequential")
+    assert out["kernels"] == 4
+    assert out["busy"] == pytest.approx(40 / 50)
+    assert out["span_s"] == pytest.approx(50e-6)
