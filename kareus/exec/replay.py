@@ -20,7 +20,11 @@ Rows of kind ``"outside"`` hold work outside partitions: ``work`` (:func:`work_k
 ``freq_mhz``, ``comm_sms`` (or ``null``) and ``group_size``.
 
 :class:`RecordingProfiler` wraps any profiler and writes what it measured in this format,
-so a run on real GPUs (or on the emulator) can be replayed exactly on any CPU.
+so a run on real GPUs (or on the emulator) can be replayed exactly on any CPU. A row of a
+profiler that says how it fed the GPU (the NVML profiler's
+:meth:`MeasurementRecord.execution_facts <kareus.exec.nvml.MeasurementRecord.execution_facts>`)
+also holds ``execution`` (``"graphed"`` or ``"eager"``) and ``gpu_busy`` (the fraction of
+the window the GPU was busy); replaying ignores them, and rows without them load as before.
 """
 
 from __future__ import annotations
@@ -313,11 +317,22 @@ class RecordingProfiler(Profiler):
         self.gpu = inner.gpu
         self.rows: list[dict[str, Any]] = []
 
+    def _facts(self, before: Any) -> dict[str, Any]:
+        """How the wrapped profiler fed the GPU in the measurement it just made (its
+        ``last_record``, if it keeps one and it is new)."""
+        rec = getattr(self.inner, "last_record", None)
+        facts = getattr(rec, "execution_facts", None)
+        if rec is None or rec is before or not callable(facts):
+            return {}
+        return dict(facts())
+
     def measure(self, partition: Partition, config: ScheduleConfig) -> Measurement:
         """Measure with the wrapped profiler and record the row."""
+        before = getattr(self.inner, "last_record", None)
         m = self.inner.measure(partition, config)
         self.rows.append({"kind": "grid", "partition": partition.name,
-                          "config": config.to_dict(), "measurement": m.to_dict()})
+                          "config": config.to_dict(), "measurement": m.to_dict(),
+                          **self._facts(before)})
         return m
 
     def add_earlier(self, partition_name: str, config: ScheduleConfig,
@@ -332,7 +347,7 @@ class RecordingProfiler(Profiler):
         """
         row = {"kind": "grid", "partition": partition_name, "config": config.to_dict(),
                "measurement": measurement.to_dict()}
-        if row in self.rows:
+        if any({k: r.get(k) for k in row} == row for r in self.rows):  # facts aside
             return False
         same = [i for i, r in enumerate(self.rows) if r.get("kind") == "grid"
                 and r.get("partition") == partition_name and r.get("config") == row["config"]]
@@ -342,11 +357,12 @@ class RecordingProfiler(Profiler):
     def measure_outside(self, work: OutsideWork, freq_mhz: int, *, group_size: int,
                         comm_sms: int | None = None) -> Measurement:
         """Measure outside work with the wrapped profiler and record the row."""
+        before = getattr(self.inner, "last_record", None)
         m = self.inner.measure_outside(work, freq_mhz, group_size=group_size,
                                        comm_sms=comm_sms)
         self.rows.append({"kind": "outside", "work": work_key(work), "freq_mhz": int(freq_mhz),
                           "comm_sms": comm_sms, "group_size": int(group_size),
-                          "measurement": m.to_dict()})
+                          "measurement": m.to_dict(), **self._facts(before)})
         return m
 
     def static_power_w(self, group_size: int) -> float:

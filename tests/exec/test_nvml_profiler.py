@@ -153,3 +153,129 @@ def test_preheat_sets_a_working_baseline_temperature():
         assert prof.records == []  # pre-heat runs are not measurements
     finally:
         prof.close()
+
+
+# -- how the GPU was fed: the execution mode and the GPU-busy fraction -----------------------
+
+
+class QueuedRunner(FakeRunner):
+    """A fake runner that also says what a step costs the GPU alone: ``fraction`` of the
+    time it is busy per step (below 1: the host held it back)."""
+
+    def __init__(self, nvml: FakeNVML, *, fraction: float, graphs: bool = False) -> None:
+        super().__init__(nvml)
+        self.fraction = fraction
+        self._graphs = graphs
+        self.queued: list[tuple[int, float]] = []
+        self.step_now = self.step_s
+
+    @property
+    def graphs(self) -> bool:
+        return self._graphs
+
+    def prepare(self, partition, config):
+        self.step_now = self.step_s * (1 + 0.05 * config.comm_sms)
+        return super().prepare(partition, config)
+
+    def queued_step_s(self, step, *, steps, host_step_s):
+        self.queued.append((steps, host_step_s))
+        for _ in range(steps + 1):  # as the torch runner does: one untimed step first
+            step()
+        self.synchronize()
+        return self.fraction * self.step_now
+
+
+def make_queued(fraction: float, **kw):
+    nvml = FakeNVML(period_s=0.02)
+    runner = QueuedRunner(nvml, fraction=fraction, graphs=kw.pop("graphs", False))
+    meter = EnergyMeter(device_indices=[0], nvml=nvml, poll_interval_s=0.0002)
+    prof = NVMLProfiler(gpu="h200-sxm", runner=runner, meter=meter, warmup_s=0.03,
+                        window_steps=5, max_cooldown_s=0.2, **kw)
+    return prof, runner
+
+
+def test_a_gpu_busy_half_its_window_is_flagged_host_bound(caplog):
+    import logging
+
+    prof, runner = make_queued(0.5, busy_steps=12)
+    cfg = ScheduleConfig(1980, 4, "mm")
+    try:
+        with caplog.at_level(logging.WARNING, logger="kareus"):
+            rec = prof.measure_record(PART, cfg)
+    finally:
+        prof.close()
+    assert runner.queued == [(12, pytest.approx(runner.queued[0][1]))]  # once, 12 steps
+    assert 0 < runner.queued[0][1] < 0.05  # sized from the host time per step
+    assert rec.gpu_step_s == pytest.approx(0.5 * runner.step_now)
+    assert rec.gpu_busy == pytest.approx(0.5, rel=0.05)
+    assert rec.host_bound and rec.execution == "eager" and prof.execution == "eager"
+    assert rec.execution_facts() == {"execution": "eager",
+                                     "gpu_busy": pytest.approx(rec.gpu_busy, abs=1e-4)}
+    (warning,) = [r for r in caplog.records if "host-bound" in r.getMessage()]
+    text = warning.getMessage()
+    assert warning.levelname == "WARNING" and warning.name.startswith("kareus.")
+    assert "p under" in text and str(cfg) in text and "50%" in text
+    assert "capture graphs" in text  # what to do about it, eagerly
+    assert prof.last_record is rec and prof.records == [rec]
+
+
+def test_a_fed_gpu_is_not_flagged_and_graph_replays_say_so(caplog):
+    import logging
+
+    prof, _ = make_queued(1.0, graphs=True)
+    try:
+        with caplog.at_level(logging.WARNING, logger="kareus"):
+            rec = prof.measure_record(PART, ScheduleConfig(1980, 4, "mm"))
+            prof.preheat(PART, ScheduleConfig(1980, 4, "mm"), runs=1, settle_s=0.0)
+    finally:
+        prof.close()
+    assert prof.execution == "graphed" and rec.execution == "graphed"
+    assert rec.gpu_busy == pytest.approx(1.0, rel=0.05) and rec.gpu_busy <= 1.0
+    assert not rec.host_bound
+    assert not [r for r in caplog.records if "host-bound" in r.getMessage()]
+    assert rec.to_dict()["gpu_busy"] == rec.gpu_busy and rec.to_dict()["execution"] == "graphed"
+
+
+def test_pre_heating_runs_are_never_flagged(caplog):
+    import logging
+
+    prof, _ = make_queued(0.5)
+    try:
+        with caplog.at_level(logging.WARNING, logger="kareus"):
+            prof.preheat(PART, ScheduleConfig(1980, 4, "mm"), runs=1, settle_s=0.0)
+    finally:
+        prof.close()
+    assert prof.records == [] and prof.last_record is not None
+    assert prof.last_record.host_bound
+    assert not [r for r in caplog.records if "host-bound" in r.getMessage()]
+
+
+def test_a_runner_that_cannot_tell_leaves_the_busy_fraction_unknown():
+    prof, *_ = make()
+    try:
+        rec = prof.measure_record(PART, ScheduleConfig(1980, 4, "mm"))
+    finally:
+        prof.close()
+    assert rec.gpu_busy is None and rec.gpu_step_s is None and not rec.host_bound
+    assert rec.execution_facts() == {"execution": "eager"}
+
+
+def test_recordings_keep_how_the_gpu_was_fed_and_old_rows_still_load():
+    from kareus.exec.replay import RecordingProfiler, ReplayProfiler
+
+    prof, _ = make_queued(0.5, comm_sms=[4])
+    rec = RecordingProfiler(prof)
+    cfg = ScheduleConfig(1980, 4, "mm")
+    try:
+        m = rec.measure(PART, cfg)
+    finally:
+        prof.close()
+    (row,) = rec.rows
+    assert row["execution"] == "eager" and row["gpu_busy"] == pytest.approx(0.5, rel=0.05)
+    # The same measurement read back from a resumed search's log is not recorded twice.
+    assert rec.add_earlier(PART.name, cfg, m) is False
+    data = rec.to_dict()
+    old = {**data, "measurements": [{k: v for k, v in row.items()
+                                     if k not in ("execution", "gpu_busy")}]}
+    for recording in (data, old):
+        assert ReplayProfiler(recording).measure(PART, cfg) == m

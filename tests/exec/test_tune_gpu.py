@@ -1,6 +1,8 @@
-"""The tuning path's GPU pieces on one GPU: the outside work's kernels, and runnable
+"""The tuning path's GPU pieces on one GPU: the outside work's kernels, runnable
 partitions whose buffers come from the executor's backends (LoopbackCollective standing in
-for communication). Skipped without torch or without CUDA."""
+for communication), their steps captured into graphs and replayed, the GPU's own time per
+step, and a TP=4, CP=2 workload on one GPU (each group stood in for at its size). Skipped
+without torch or without CUDA."""
 
 from __future__ import annotations
 
@@ -47,7 +49,8 @@ def test_runner_builds_buffers_through_the_executor_and_runs_named_backends():
     from kareus.exec.nvml import TorchPartitionRunner
 
     loop = LoopbackCollective()
-    ex = TorchExecutor(collective=loop, backends={"loopback": loop}, default_collective=loop)
+    ex = TorchExecutor(collective=loop, backends={"loopback": loop}, default_collective=loop,
+                       graphs=False)
     wl = workload()
     model_part = build_partitions(wl).types["fwd_attn"]
     made = []
@@ -64,3 +67,81 @@ def test_runner_builds_buffers_through_the_executor_and_runs_named_backends():
     runner.synchronize()
     prog = runner.program(made[0])
     assert prog.step == 3 and torch.isfinite(prog.output.float()).all()
+
+
+@gpu
+def test_graphed_steps_replay_what_the_eager_steps_compute():
+    from kareus.exec.nvml import TorchPartitionRunner
+
+    wl = workload()
+    part = build_partitions(wl).types["fwd_attn"]
+    outs = []
+    for graphs in (False, True):
+        loop = LoopbackCollective()
+        ex = TorchExecutor(collective=loop, default_collective=loop, graphs=graphs)
+        runner = TorchPartitionRunner(ex, seed=7)
+        run = RunnableTransformerPartition(part, wl)
+        step = runner.prepare(run, ScheduleConfig(1980, 8, "rope"))
+        for _ in range(4):
+            step()
+        runner.synchronize()
+        prog = runner.program(run)
+        assert prog.step % 2 == 0
+        outs.append(prog.output.float().clone())
+        if graphs:
+            seq = ex.sequence(TorchPartitionRunner.SEQUENCE)
+            assert len(seq) == 2 and seq.replays == 2 and runner.captures == 1
+            runner.prepare(run, ScheduleConfig(1980, 16, None))  # another configuration
+            assert ex.sequence(TorchPartitionRunner.SEQUENCE) is not seq
+            assert runner.captures == 2
+    assert torch.isfinite(outs[1]).all()
+    torch.testing.assert_close(outs[1], outs[0], rtol=2e-2, atol=2e-2)  # bf16 kernels
+
+
+@gpu
+@pytest.mark.parametrize("graphs", [False, True])
+def test_the_gpu_time_per_step_alone_is_at_most_the_step_time(graphs):
+    from kareus.exec.nvml import TorchPartitionRunner
+
+    wl = workload()
+    loop = LoopbackCollective()
+    ex = TorchExecutor(collective=loop, default_collective=loop, graphs=graphs)
+    runner = TorchPartitionRunner(ex)
+    step = runner.prepare(RunnableTransformerPartition(build_partitions(wl).types["fwd_mlp"],
+                                                       wl), ScheduleConfig(1980, 8, None))
+    import time
+
+    for _ in range(3):
+        step()
+    runner.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        step()
+    host = (time.perf_counter() - t0) / 20
+    runner.synchronize()
+    wall = (time.perf_counter() - t0) / 20
+    queued = runner.queued_step_s(step, steps=10, host_step_s=host)
+    assert queued is not None and 0 < queued <= wall * 1.05
+
+
+@gpu
+def test_a_tp4_cp2_workload_runs_on_one_gpu_with_each_group_at_its_size():
+    # `kareus optimize --profiler nvml` on one GPU at TP=4 CP=2 stopped at once with
+    # "all_gather: output must hold world_size x input.numel() = 1 x ...".
+    from kareus.exec.nvml import TorchPartitionRunner
+    from kareus.tune import one_gpu_backends
+
+    wl = Workload.preset("qwen3-1.7b", tp=4, cp=2, microbatch_size=2, seq_len=1024)
+    named, default, _ = one_gpu_backends(wl)
+    ex = TorchExecutor(collective=named["loopback"], backends=named, default_collective=default)
+    runner = TorchPartitionRunner(ex)
+    types = build_partitions(wl).types
+    ran = set()
+    for part in types.values():
+        step = runner.prepare(RunnableTransformerPartition(part, wl),
+                              ScheduleConfig(1980, 8, None))
+        step()
+        step()
+        ran.add(part.comm_op.kind.value)
+    runner.synchronize()
+    assert ran == {"all_reduce", "all_gather", "reduce_scatter"}

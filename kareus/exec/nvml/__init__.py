@@ -28,6 +28,13 @@ that here:
   temperature is back near the baseline taken when the profiler started (not a fixed
   sleep), so the heat of one configuration does not leak into the next.
 
+Where the runner's executor captures CUDA graphs (the default on a GPU), each step is a
+graph replay, as in training; every measurement records that (``execution``) and the
+fraction of its window the GPU was busy (``gpu_busy``: the GPU's own time per step, from
+steps queued behind a sleeping kernel, over the measured time per step). Below 90%
+(:data:`HOST_BOUND_BUSY`) the host set the pace, and the measurement is flagged as
+host-bound.
+
 Static power is measured, not assumed: :meth:`NVMLProfiler.measure_static_power`
 reads the power of GPUs blocked in a receive whose sender is late (the power a GPU
 draws while it waits on communication), and of idle GPUs.
@@ -55,10 +62,11 @@ from kareus.exec.nvml._coordinator import (
 )
 from kareus.exec.nvml._device import cuda_device_uuid, load_nvml, nvml_device_index
 from kareus.exec.nvml._meter import EnergyMeter
-from kareus.exec.nvml._profiler import MeasurementRecord, NVMLProfiler
+from kareus.exec.nvml._profiler import HOST_BOUND_BUSY, MeasurementRecord, NVMLProfiler
 from kareus.exec.nvml._runner import PartitionRunner, TorchPartitionRunner
 
 __all__ = [
+    "HOST_BOUND_BUSY",
     "Coordinator",
     "EnergyMeter",
     "LocalCoordinator",

@@ -1,4 +1,13 @@
-"""The NVML profiler: thermally stable energy and time of partitions on real GPUs."""
+"""The NVML profiler: thermally stable energy and time of partitions on real GPUs.
+
+Each measurement also says how the GPU was fed: ``execution`` (``"graphed"``: every step a
+CUDA-graph replay, as the training loop runs on a GPU; ``"eager"``: every op launched from
+the host) and ``gpu_busy``, the fraction of the measured time per step that the GPU needs
+alone (steps queued behind a sleeping kernel, :meth:`PartitionRunner.queued_step_s
+<kareus.exec.nvml.PartitionRunner.queued_step_s>`). Below :data:`HOST_BOUND_BUSY` the host,
+not the GPU, set the pace: the measurement is of the launches as much as of the partition,
+and it is flagged (a warning on the ``kareus`` logger and :attr:`MeasurementRecord.host_bound`).
+"""
 
 from __future__ import annotations
 
@@ -12,6 +21,7 @@ from typing import Any
 
 import attrs
 
+from kareus._logging import get_logger
 from kareus.errors import ConfigError, HardwareError, UnknownSlotError
 from kareus.exec.frequency import DryRunFrequencyController, FrequencyController
 from kareus.exec.nvml._coordinator import Coordinator, LocalCoordinator
@@ -23,10 +33,15 @@ from kareus.model.measurement import Measurement
 from kareus.model.partition import OutsideWork, Partition
 from kareus.model.profiler import Profiler
 
-__all__ = ["MeasurementRecord", "NVMLProfiler"]
+__all__ = ["HOST_BOUND_BUSY", "MeasurementRecord", "NVMLProfiler"]
+
+_log = get_logger(__name__)
 
 #: Shortest window the idle power is averaged over (s).
 IDLE_WINDOW_S = 0.5
+
+#: A measurement whose GPU was busy less than this fraction of its window is host-bound.
+HOST_BOUND_BUSY = 0.90
 
 
 @attrs.frozen(kw_only=True)
@@ -47,6 +62,11 @@ class MeasurementRecord:
         wall_s: Wall time the candidate took, cool-down included.
         host_step_s: Host time to enqueue one step; close to the step's device time means
             the host, not the GPU, set the pace.
+        gpu_step_s: The GPU's time per step alone (steps queued behind a sleeping kernel;
+            the mean over the group's ranks); ``None``: the runner cannot tell.
+        gpu_busy: ``min(1, gpu_step_s / measured time per step)``: the fraction of the
+            window the GPU was busy (``None`` without ``gpu_step_s``).
+        execution: ``"graphed"`` (steps were CUDA-graph replays) or ``"eager"``.
     """
 
     config: ScheduleConfig
@@ -62,6 +82,24 @@ class MeasurementRecord:
     sm_clock_mhz: float | None
     wall_s: float
     host_step_s: float = 0.0
+    gpu_step_s: float | None = None
+    gpu_busy: float | None = None
+    execution: str | None = None
+
+    @property
+    def host_bound(self) -> bool:
+        """Whether the GPU was busy less than :data:`HOST_BOUND_BUSY` of the window."""
+        return self.gpu_busy is not None and self.gpu_busy < HOST_BOUND_BUSY
+
+    def execution_facts(self) -> dict[str, Any]:
+        """How the GPU was fed, for logs and recordings: ``execution`` and ``gpu_busy``
+        where known (a JSON-ready dict)."""
+        facts: dict[str, Any] = {}
+        if self.execution is not None:
+            facts["execution"] = self.execution
+        if self.gpu_busy is not None:
+            facts["gpu_busy"] = round(self.gpu_busy, 4)
+        return facts
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (configuration and measurement as their dicts)."""
@@ -116,6 +154,9 @@ class NVMLProfiler(Profiler):
         outside: ``(work, comm_sms) -> runnable partition`` for :meth:`measure_outside`
             (e.g. :class:`~kareus.exec.outside_work.RunnableOutsideWork`); ``None``: this
             profiler cannot measure the work outside partitions.
+        busy_steps: Steps the runner queues behind a sleeping kernel, once per
+            measurement, for the GPU's time per step alone (the GPU-busy fraction);
+            ``None`` = 10.
         clock: Time source (tests).
         sleep: Sleep function (tests).
     """
@@ -132,6 +173,7 @@ class NVMLProfiler(Profiler):
                  comm_sms: Sequence[int] | None = None,
                  backends: Sequence[str] | None = None,
                  outside: Callable[[OutsideWork, int | None], Partition] | None = None,
+                 busy_steps: int | None = None,
                  clock: Callable[[], float] | None = None,
                  sleep: Callable[[float], None] | None = None) -> None:
         if not isinstance(runner, PartitionRunner):
@@ -154,8 +196,10 @@ class NVMLProfiler(Profiler):
             else float(cooldown_tolerance_c)
         self.max_cooldown_s = 1.0 if max_cooldown_s is None else float(max_cooldown_s)
         self.group_size = self.coord.world_size if group_size is None else int(group_size)
-        if self.window_steps < 1 or self.sub_windows < 1 or self.max_runs < 1:
-            raise ValueError("window_steps, sub_windows and max_runs must be >= 1")
+        self.busy_steps = 10 if busy_steps is None else int(busy_steps)
+        if self.window_steps < 1 or self.sub_windows < 1 or self.max_runs < 1 \
+                or self.busy_steps < 1:
+            raise ValueError("window_steps, sub_windows, max_runs and busy_steps must be >= 1")
         if not 0 < self.target_cv < 1:
             raise ValueError(f"target_cv must be in (0, 1), got {self.target_cv}")
         self._clock = clock or time.perf_counter
@@ -167,6 +211,9 @@ class NVMLProfiler(Profiler):
         self.baseline_temp_c: float | None = None
         self.step_period_s: float | None = None
         self.records: list[MeasurementRecord] = []
+        #: The record of the latest measurement (pre-heating runs included).
+        self.last_record: MeasurementRecord | None = None
+        self._preheating = False
         self._started = False
         if frequency is not None and not isinstance(frequency, FrequencyController):
             raise TypeError(f"frequency must be a FrequencyController, got "
@@ -227,8 +274,12 @@ class NVMLProfiler(Profiler):
             The new baseline temperature (hottest GPU of this rank).
         """
         self.start()
-        for _ in range(runs):
-            self.measure_record(partition, config)
+        self._preheating = True
+        try:
+            for _ in range(runs):
+                self.measure_record(partition, config)
+        finally:
+            self._preheating = False
         self.records = self.records[:-runs] if runs else self.records
         self._sleep(settle_s)
         self.baseline_temp_c = max(self.meter.temperatures_c())
@@ -299,6 +350,12 @@ class NVMLProfiler(Profiler):
     def clocks_mhz(self) -> tuple[int, ...] | None:
         """:attr:`freqs_mhz`: the clocks this profiler measures at."""
         return self.freqs_mhz
+
+    @property
+    def execution(self) -> str:
+        """How the measured steps feed the GPU: ``"graphed"`` (CUDA-graph replays, the
+        runner's executor captures) or ``"eager"`` (every op launched from the host)."""
+        return "graphed" if self.runner.graphs else "eager"
 
     def _validate(self, partition: Partition, config: ScheduleConfig) -> None:
         """Refuse a configuration the GPU or the partition cannot take, before the clock is
@@ -393,8 +450,14 @@ class NVMLProfiler(Profiler):
         c0 = self._clock()
         for _ in range(5):
             step()
+        enqueue_s = (self._clock() - c0) / 5
         self.runner.synchronize()
         est = max((self._clock() - c0) / 5, 1e-6)
+        # The GPU's time per step alone (steps queued behind a held GPU), the mean over
+        # the group; every rank runs the same steps and takes part in the sum.
+        queued = self.runner.queued_step_s(step, steps=self.busy_steps, host_step_s=enqueue_s)
+        known, total = self.coord.sum([0.0 if queued is None else 1.0, queued or 0.0])
+        gpu_step_s = total / known if known == self.coord.world_size else None
         span_s = self.window_steps * self.step_period_s
         total_s = self.warmup_s + span_s + 0.6 * self.step_period_s + 0.05
         n_steps = int(self.coord.broadcast([math.ceil(total_s / est)])[0])
@@ -469,12 +532,24 @@ class NVMLProfiler(Profiler):
         e_group, step_mean, cv, dt_s, _ = result
         p_group = e_group / step_mean if step_mean > 0 else 0.0
         m = Measurement(time_s=step_mean, energy_j=e_group, static_power_w=self.static_power_w())
+        busy = None if gpu_step_s is None or step_mean <= 0 else min(1.0, gpu_step_s / step_mean)
         rec = MeasurementRecord(
             config=config, partition=partition.name, measurement=m, steps=n_steps, runs=runs,
             power_w=p_group, subwindow_cv=cv, window_s=dt_s, cooldown_s=cooldown_s,
             start_temp_c=start_temp, sm_clock_mhz=self.meter.mean_sm_clock_mhz(lo, hi),
-            wall_s=self._clock() - wall0, host_step_s=host_step_s)
+            wall_s=self._clock() - wall0, host_step_s=host_step_s, gpu_step_s=gpu_step_s,
+            gpu_busy=busy, execution=self.execution)
         self.records.append(rec)
+        self.last_record = rec
+        if rec.host_bound and not self._preheating and self.coord.rank == 0:
+            assert busy is not None and gpu_step_s is not None
+            _log.warning(
+                "host-bound measurement: %s under %s kept the GPU busy %.0f%% of its window "
+                "(%.1f us per step measured, %.1f us of GPU work; %s execution): the figures "
+                "are of the launches as much as of the partition; %s", partition.name,
+                config, 100 * busy, 1e6 * step_mean, 1e6 * gpu_step_s, self.execution,
+                "use the lean eager kernels, or a larger partition" if self.runner.graphs
+                else "capture graphs (TorchExecutor(graphs=None), the default on a GPU)")
         return rec
 
     def close(self) -> None:
