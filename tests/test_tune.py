@@ -113,12 +113,13 @@ def workload() -> Workload:
                            num_microbatches=4, nanobatches=2)
 
 
-def run_world(n, out, *, fail_at=None, **kw):
+def run_world(n, out, *, fail_at=None, profiler=None, **kw):
     """Run the driver on ``n`` thread ranks; returns (reports, errors, profilers, world)."""
     world = ThreadWorld(n)
     reports: list = [None] * n
     errors: list = [None] * n
-    profs = [GroupProfiler(ThreadCoordinator(world, r), fail_at=fail_at) for r in range(n)]
+    cls = profiler or GroupProfiler
+    profs = [cls(ThreadCoordinator(world, r), fail_at=fail_at) for r in range(n)]
 
     def rank_main(r: int) -> None:
         try:
@@ -276,3 +277,104 @@ def test_gpu_presets_are_found_from_the_device_name():
     assert detect_gpu_preset("NVIDIA A100-SXM4-40GB") == "a100-40gb"
     with pytest.raises(HardwareError, match="--gpu"):
         detect_gpu_preset("NVIDIA GeForce RTX 4090")
+
+
+class _Fed:
+    """What the NVML profiler's record says of how the GPU was fed."""
+
+    def __init__(self, busy: float) -> None:
+        self.busy = busy
+
+    def execution_facts(self) -> dict:
+        return {"execution": "graphed", "gpu_busy": self.busy}
+
+
+class FedProfiler(GroupProfiler):
+    """A group profiler that also says how it fed the GPU: every fifth measurement's GPU
+    was busy half its window (host-bound), the others 97%."""
+
+    execution = "graphed"
+
+    def _group(self, m: Measurement) -> Measurement:
+        out = super()._group(m)
+        self.last_record = _Fed(0.5 if len(self.calls) % 5 == 0 else 0.97)
+        return out
+
+
+def test_tune_json_says_how_the_gpus_were_fed_and_lists_the_host_bound(tmp_path):
+    out = tmp_path / "out"
+    reports, errors, profs, world = run_world(2, out, profiler=FedProfiler)
+    assert errors == [None, None]
+    assert all(log == world.logs[0] for log in world.logs[1:])
+    total = len(profs[0].calls)
+    flagged = total // 5
+    assert flagged >= 2
+    tune = json.loads((out / "tune.json").read_text())
+    assert tune["execution"] == "graphed" and tune["host_bound_threshold"] == 0.9
+    assert len(tune["host_bound"]) == flagged
+    assert all(e["gpu_busy"] == 0.5 and e["execution"] == "graphed" for e in tune["host_bound"])
+    kinds = {("partition" in e, "outside_work" in e) for e in tune["host_bound"]}
+    assert kinds <= {(True, False), (False, True)}
+    part = next(e for e in tune["host_bound"] if "partition" in e)
+    assert set(part) == {"partition", "config", "gpu_busy", "execution"}
+    assert "freq_mhz" in part["config"]
+    report = reports[0]
+    assert report.execution == "graphed" and list(report.host_bound) == tune["host_bound"]
+    # Every measurement's line keeps how its GPU was fed.
+    lines = [json.loads(x) for x in (out / "logs" / "measurements.jsonl").read_text().splitlines()]
+    assert len(lines) == total and {x["execution"] for x in lines} == {"graphed"}
+    assert sorted(x["gpu_busy"] for x in lines).count(0.5) == flagged
+
+    # A resumed run serves them from the file and still lists them; a file of an older
+    # kareus (no such fields) loads too, and lists none.
+    reports, errors, profs, _ = run_world(2, out, profiler=FedProfiler)
+    assert errors == [None, None] and not profs[0].calls
+    assert len(reports[0].host_bound) == flagged
+    stripped = [{"key": x["key"], "measurement": x["measurement"]} for x in lines]
+    (out / "logs" / "measurements.jsonl").write_text(
+        "".join(json.dumps(x) + "\n" for x in stripped))
+    reports, errors, profs, _ = run_world(2, out, profiler=FedProfiler)
+    assert errors == [None, None] and not profs[0].calls
+    assert reports[0].host_bound == () and reports[0].execution is None
+    assert reports[0].info["measurements"] == total
+
+
+def test_one_gpu_stands_in_for_each_group_at_its_size():
+    # `kareus optimize --profiler nvml` on one GPU at TP=4, CP=2 stopped at once: the CP
+    # all-gather's buffers are sized for a group of 2, and a world of one refused them
+    # ("output must hold world_size x input.numel() = 1 x ..."). Each group's stand-in
+    # now has its group's size; the partitions' own buffers run through it on a CPU.
+    torch = pytest.importorskip("torch")
+    from kareus.exec._partition_program import _comm_buffers
+    from kareus.exec.executor import RecordingStreamBackend, TorchExecutor
+    from kareus.model.config import ScheduleConfig
+    from kareus.model.partition import build_partitions
+    from kareus.tune import one_gpu_backends
+
+    wl = Workload.preset("qwen3-1.7b", tp=4, cp=2, microbatch_size=2, seq_len=256)
+    named, default, note = one_gpu_backends(wl)
+    assert list(named) == ["loopback"] and "loopback" in note
+    grouped = named["loopback"]
+    assert grouped.backend_for("all_reduce").world_size == 4
+    assert grouped.backend_for("all_gather").world_size == 2
+    assert grouped.backend_for("reduce_scatter").world_size == 2
+    ex = TorchExecutor(collective=grouped, backends=named, default_collective=default,
+                       streams=RecordingStreamBackend(), graphs=False)
+    kinds = set()
+    for part in build_partitions(wl).types.values():
+        comm = part.comm_op
+        ins, outs = _comm_buffers(torch, comm, wl.dtype_bytes, torch.device("cpu"),
+                                  torch.float32, (1,))
+        src = ins[0].copy_(torch.arange(ins[0].numel(), dtype=torch.float32))
+        kind = comm.kind.value
+        kinds.add(kind)
+        backend = grouped.backend_for(kind)
+        if kind == "all_gather":  # the size check every capped backend makes
+            assert outs[0].numel() == backend.world_size * src.numel()
+        elif kind == "reduce_scatter":
+            assert src.numel() == backend.world_size * outs[0].numel()
+        ex.run_partition([], [], src, ScheduleConfig(1980, 8, None), comm_kind=kind,
+                         comm_output=outs[0] if outs else None)
+        if kind == "all_gather":  # every rank of the group holds this rank's shard
+            assert torch.equal(outs[0].view(2, -1), src.view(1, -1).expand(2, -1))
+    assert kinds == {"all_reduce", "all_gather", "reduce_scatter"}

@@ -29,9 +29,14 @@ Resuming: the search logs resume as in the emulated job, and every other measure
 there by a later run of the same command; the followers measure whatever rank 0 still
 asks for.
 
-A world of one process runs the same path on one GPU with
-:class:`~kareus.exec.collectives.LoopbackCollective` (a stand-in that communicates with
-nobody): a smoke run of the tuning path, whose figures are not kareus's.
+A world of one process runs the same path on one GPU, each TP and CP group stood in for
+by a loopback of its size (:func:`~kareus.tune._hardware.one_gpu_backends`: a real kernel
+of each collective's bytes that communicates with nobody): a smoke run of the tuning path,
+whose figures are not kareus's.
+
+Each measured step is a CUDA-graph replay where the executor captures graphs (the default
+on a GPU, as in training); ``tune.json`` records the execution mode and the measurements
+whose GPU was busy less than 90% of their window (``host_bound``).
 
 Modules (import the names from this package, not from them): ``_lockstep`` (the
 :class:`Catalog`, :class:`LockstepProfiler` and :func:`follow`: how the ranks stay in
@@ -44,6 +49,7 @@ from __future__ import annotations
 
 # The `x as x` names are public but outside __all__ (the CLI and the tests use them).
 from kareus.tune._hardware import detect_gpu_preset as detect_gpu_preset
+from kareus.tune._hardware import one_gpu_backends as one_gpu_backends
 from kareus.tune._hardware import tune
 from kareus.tune._hardware import tuning_backends as tuning_backends
 from kareus.tune._job import MEASUREMENTS_NAME as MEASUREMENTS_NAME

@@ -9,9 +9,17 @@ the profiler to :func:`~kareus.tune.run_lockstep`.
 
 The frequency and backend dimensions it sets up are described in :mod:`kareus.tune`.
 
-A world of one process runs the same path on one GPU with
-:class:`~kareus.exec.collectives.LoopbackCollective` (a stand-in that communicates with
-nobody): a smoke run of the tuning path, whose figures are not kareus's.
+A world of one process runs the same path on one GPU (:func:`one_gpu_backends`): each of
+the workload's TP and CP groups is stood in for by a
+:class:`~kareus.exec.train.LoopbackGroupCollective` of that group's size (a real kernel of
+each collective's bytes on the side stream, communicating with nobody), so that the
+partitions' buffers, sized for their groups, fit the collectives that run on them: a smoke
+run of the tuning path, whose figures are not kareus's.
+
+On a GPU the executor captures each measured step into CUDA graphs and the profiler
+measures their replays, as training runs (``graphs=False``: every op launched eagerly);
+``tune.json`` says which (``execution``) and lists the measurements whose GPU was busy
+less than 90% of their window (``host_bound``), which the end of the run also reports.
 
 PyTorch, pynvml and the execution layer's GPU modules are imported when :func:`tune` runs,
 never at import.
@@ -37,7 +45,7 @@ from kareus.model.workload import Workload
 from kareus.tune._job import TuneReport, run_lockstep
 from kareus.tune._lockstep import Catalog
 
-__all__ = ["detect_gpu_preset", "tune", "tuning_backends"]
+__all__ = ["detect_gpu_preset", "one_gpu_backends", "tune", "tuning_backends"]
 
 
 def tuning_backends(env: Any, wanted: Sequence[str] | None,
@@ -85,6 +93,33 @@ def tuning_backends(env: Any, wanted: Sequence[str] | None,
     return named, notes
 
 
+def one_gpu_backends(workload: Workload) -> tuple[dict[str, Any], Any, str]:
+    """The collective backends of a tuning run on one GPU (a world of one process).
+
+    The partitions' communication buffers are sized for their groups (a CP all-gather's
+    output holds CP times its input), so each group is stood in for at its size: a
+    :class:`~kareus.exec.train.LoopbackGroupCollective` per TP and CP group of more than
+    one rank, routed by kind as in training (all-reduces to TP, all-gathers and
+    reduce-scatters to CP; :func:`~kareus.exec.train.make_collectives` with
+    :class:`~kareus.exec.train.LoopbackGroups`). A workload with TP = CP = 1 gets a
+    :class:`~kareus.exec.collectives.LoopbackCollective` (a world of one; needs a GPU).
+
+    Returns:
+        ``({"loopback": capped backend}, the default backend, a line saying what runs)``.
+    """
+    from kareus.exec.train import LoopbackGroups, make_collectives
+
+    p = workload.parallelism
+    capped, default, note = make_collectives(LoopbackGroups(tp=p.tp, cp=p.cp),
+                                             backend="loopback")
+    if capped is None:  # TP = CP = 1: nothing to stand in for
+        from kareus.exec.collectives import LoopbackCollective
+
+        loop = LoopbackCollective()
+        return {"loopback": loop}, loop, "LoopbackCollective (a world of one)"
+    return {"loopback": capped}, default, note
+
+
 def detect_gpu_preset(device_name: str) -> str:
     """The GPU preset of a CUDA device name (``"NVIDIA H200"`` -> ``"h200-sxm"``).
 
@@ -107,11 +142,13 @@ def tune(workload: Workload, *, out_dir: str | os.PathLike[str], gpu: str | None
          backends: Sequence[str] | None = None, comm_sms: Sequence[int] | None = None,
          kernels: Any = None, deadline_s: float | None = None,
          energy_budget_j: float | None = None,
-         profiler_options: dict[str, Any] | None = None) -> TuneReport | None:
+         profiler_options: dict[str, Any] | None = None,
+         graphs: bool | None = None) -> TuneReport | None:
     """Tune ``workload`` on this job's GPUs; call it on every rank (under ``torchrun``).
 
     The world is one pipeline stage's TP x CP group (``world_size == tp x cp``), or one
-    process (a smoke run of the path with :class:`~kareus.exec.collectives.LoopbackCollective`).
+    process (a smoke run of the path, each group stood in for on one GPU:
+    :func:`one_gpu_backends`).
 
     Args:
         workload: The workload.
@@ -135,6 +172,9 @@ def tune(workload: Workload, *, out_dir: str | os.PathLike[str], gpu: str | None
         deadline_s, energy_budget_j: The plan chosen (at most one).
         profiler_options: Keyword arguments of :class:`~kareus.exec.nvml.NVMLProfiler`
             (``warmup_s``, ``window_steps``, ...).
+        graphs: Measure CUDA-graph replays of each step (``None``, the default: as the
+            training loop runs on a GPU) or eager launches (``False``);
+            ``TorchExecutor(graphs=...)``.
 
     Returns:
         The report on rank 0, ``None`` elsewhere.
@@ -149,7 +189,7 @@ def tune(workload: Workload, *, out_dir: str | os.PathLike[str], gpu: str | None
         raise HardwareError("--profiler nvml measures on GPUs through PyTorch: install it "
                             "(pip install 'kareus[torch]') on a machine with NVIDIA GPUs") from exc
 
-    from kareus.exec.collectives import LoopbackCollective, probe_collective_environment
+    from kareus.exec.collectives import probe_collective_environment
     from kareus.exec.executor import TorchExecutor
     from kareus.exec.frequency import (
         DryRunFrequencyController,
@@ -188,9 +228,8 @@ def tune(workload: Workload, *, out_dir: str | os.PathLike[str], gpu: str | None
 
     # Collective backends: every one that runs on this group, the same on every rank.
     if world == 1:
-        named: dict[str, Any] = {"loopback": LoopbackCollective()}
+        named, default, loop_note = one_gpu_backends(workload)
         notes: dict[str, str] = {}
-        default: Any = named["loopback"]
     else:
         # One backend per TP and CP group (all-reduces over TP, all-gathers and
         # reduce-scatters over CP), as the training loop runs them.
@@ -212,7 +251,8 @@ def tune(workload: Workload, *, out_dir: str | os.PathLike[str], gpu: str | None
         default = made[next(iter(named))][1]  # each group's collectives, NCCL's own CTAs
     names = list(named)
     primary = named.get("nccl_capped", named[names[0]])  # the baselines' NCCL where it runs
-    executor = TorchExecutor(collective=primary, backends=named, default_collective=default)
+    executor = TorchExecutor(collective=primary, backends=named, default_collective=default,
+                             graphs=graphs)
 
     resolve, outside = _runnables(Catalog(workload), kernels)
     runner = TorchPartitionRunner(executor, seed=1234, resolve=resolve)
@@ -229,8 +269,9 @@ def tune(workload: Workload, *, out_dir: str | os.PathLike[str], gpu: str | None
         if coord.rank == 0 else (lambda msg: None)
     say(f"tuning {workload.describe()} on {world}x {device_name} ({spec.name}); backends "
         f"{names}" + (f" (not available: {notes})" if notes else "")
-        + ("; a world of one: LoopbackCollective stands in for communication (smoke run)"
-           if world == 1 else ""))
+        + (f"; a world of one (smoke run), {loop_note}" if world == 1 else "")
+        + ("; steps measured as CUDA-graph replays" if executor.graphs
+           else "; steps measured as eager launches"))
     say(prof.clock_note)
     try:
         with contextlib.ExitStack() as stack:
@@ -251,6 +292,7 @@ def tune(workload: Workload, *, out_dir: str | os.PathLike[str], gpu: str | None
                 "clocks_mhz": list(prof.freqs_mhz), "clock_note": prof.clock_note,
                 "comm_sms": sms, "backends_unavailable": notes,
                 "comm_priority": "high" if executor.comm_high_priority else "normal",
+                "execution": prof.execution,
                 "static_power_w": prof.static_power_w(),
                 "counter_step_s": prof.step_period_s,
                 "smoke_run": world == 1,
@@ -276,8 +318,28 @@ def tune(workload: Workload, *, out_dir: str | os.PathLike[str], gpu: str | None
     if report is not None:
         say(f"GPU time: {wall:.1f} s x {world} GPU(s) = {wall * world:.1f} GPU-s "
             f"({report.measured} measurements, {len(prof.records)} on this rank)")
+        say(_host_bound_summary(report))
         report = attrs.evolve(report, wall_s=wall, gpu_time_s=wall * world)
     return report
+
+
+def _host_bound_summary(report: TuneReport) -> str:
+    """One line on the run's host-bound measurements (``tune.json``'s ``host_bound``)."""
+    from kareus.exec.nvml import HOST_BOUND_BUSY
+
+    mode = report.execution or "unknown"
+    flagged = report.host_bound
+    if not flagged:
+        return (f"{mode} execution; no measurement was host-bound (every GPU busy at least "
+                f"{HOST_BOUND_BUSY:.0%} of its window, where measured)")
+    worst = flagged[0]
+    what = worst.get("partition", f"outside work {worst.get('outside_work')}")
+    hint = ("the lean eager kernels or larger partitions" if mode == "graphed"
+            else "CUDA graphs (the default on a GPU)")
+    return (f"{mode} execution; {len(flagged)} measurement(s) host-bound (GPU busy below "
+            f"{HOST_BOUND_BUSY:.0%} of the window; lowest {worst['gpu_busy']:.0%}, {what}): "
+            f"their figures are of the host's launches as much as of the GPU; try {hint} "
+            "(tune.json lists them under host_bound)")
 
 
 def _preheat(prof: Any, resolve: Callable[[Partition], Any], catalog: Catalog,

@@ -12,6 +12,12 @@ Resuming: the search logs resume as in the emulated job, and every other measure
 (:data:`MEASUREMENTS_NAME`) and served from there by a later run of the same command; the
 followers measure whatever rank 0 still asks for. A run that stops early still records its
 GPU time in ``tune.json``.
+
+``tune.json`` also says how the GPUs were fed: ``execution`` (``"graphed"`` where the
+executor captured each step into CUDA graphs, as training runs, ``"eager"`` otherwise) and
+``host_bound``, the measurements whose GPU was busy less than 90% of their window
+(:data:`~kareus.exec.nvml.HOST_BOUND_BUSY`), lowest first: their figures are of the host's
+launches as much as of the partition.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from typing import Any
 import attrs
 
 from kareus._io import write_json_atomic
-from kareus.exec.nvml import Coordinator
+from kareus.exec.nvml import HOST_BOUND_BUSY, Coordinator
 from kareus.model.partition import build_partitions
 from kareus.model.profiler import Profiler
 from kareus.model.workload import Workload
@@ -54,6 +60,11 @@ class TuneReport:
         gpu_time_s: ``wall_s x world_size``: the GPU time the run held.
         measured: Measurements made in this run (not served from a resumed log).
         info: What ``tune.json`` records (clocks, backends, machine).
+        execution: How the steps fed the GPUs: ``"graphed"`` (CUDA-graph replays) or
+            ``"eager"``; ``None``: the profiler does not say.
+        host_bound: The measurements whose GPU was busy less than
+            :data:`~kareus.exec.nvml.HOST_BOUND_BUSY` of their window (``tune.json``'s
+            ``host_bound``).
     """
 
     result: OptimizationResult | None
@@ -64,6 +75,8 @@ class TuneReport:
     gpu_time_s: float
     measured: int
     info: dict[str, Any]
+    execution: str | None = None
+    host_bound: tuple[dict[str, Any], ...] = ()
 
 
 def run_lockstep(workload: Workload, *, profiler: Profiler, coordinator: Coordinator,
@@ -165,7 +178,8 @@ def run_lockstep(workload: Workload, *, profiler: Profiler, coordinator: Coordin
         leader.finish(ok)
     return TuneReport(result=result, frontiers=frontiers, paths=paths, wall_s=wall,
                       world_size=world, gpu_time_s=wall * world, measured=leader.measured,
-                      info=report_info)
+                      info=report_info, execution=report_info.get("execution"),
+                      host_bound=tuple(report_info.get("host_bound", ())))
 
 
 def _write_tune_json(path: Path, info: dict[str, Any] | None, *, workload: Workload,
@@ -179,11 +193,16 @@ def _write_tune_json(path: Path, info: dict[str, Any] | None, *, workload: Workl
                  "measured": leader.measured, "wall_s": wall_s, "gpu_time_s": wall_s * world,
                  "completed": completed})
     data = dict(info or {})
+    modes = leader.executions
+    if data.get("execution") is None and modes:
+        data["execution"] = modes[0] if len(modes) == 1 else "mixed"
     data.update({
         "workload": workload.to_dict(), "world_size": world, "backends": list(backends),
         "types": None if types is None else list(types),
         "measurements": leader.known, "gpu_time_s": sum(r["gpu_time_s"] for r in runs),
         "runs": runs,
+        "host_bound_threshold": HOST_BOUND_BUSY,
+        "host_bound": leader.host_bound(),
         "profiles_per_partition_type": {n: len(f.measured()) for n, f in frontiers.items()}})
     write_json_atomic(path, data)
     return data

@@ -8,8 +8,12 @@ together with the other ranks, which :func:`follow` the announcements until rank
 is done. Nothing a rank decides alone changes how many collectives run.
 
 Rank 0's measurements can be kept in a JSONL file (``cache``) and served from there by a
-later run of the same command, without announcing them again. Hardware-free: the inner
-profiler and the coordinator are whatever the caller passes.
+later run of the same command, without announcing them again. Each line also keeps how the
+GPU was fed (``execution``, ``gpu_busy``) where the inner profiler says
+(:meth:`MeasurementRecord.execution_facts <kareus.exec.nvml.MeasurementRecord.execution_facts>`),
+so that the run's host-bound measurements (:meth:`LockstepProfiler.host_bound`) include
+those a resumed run serves from the file. Hardware-free: the inner profiler and the
+coordinator are whatever the caller passes.
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ import json
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from kareus._logging import get_logger
 from kareus.errors import HardwareError
-from kareus.exec.nvml import Coordinator
+from kareus.exec.nvml import HOST_BOUND_BUSY, Coordinator
 from kareus.model.config import ConfigSpace, ScheduleConfig
 from kareus.model.measurement import Measurement
 from kareus.model.partition import OutsideWork, Partition, build_partitions
@@ -146,6 +151,7 @@ class LockstepProfiler(Profiler):
         self.backends = tuple(backends)
         self.cache = None if cache is None else Path(cache)
         self._known: dict[str, Measurement] = {}
+        self._facts: dict[str, dict[str, Any]] = {}
         self._broken = False
         self._finished = False
         #: Measurements made in this run (not served from the cache).
@@ -156,6 +162,9 @@ class LockstepProfiler(Profiler):
                     try:
                         rec = json.loads(line)
                         self._known[rec["key"]] = Measurement.from_dict(rec["measurement"])
+                        facts = {k: rec[k] for k in ("execution", "gpu_busy") if k in rec}
+                        if facts:  # lines of older runs have none
+                            self._facts[rec["key"]] = facts
                     except (ValueError, KeyError, TypeError):
                         continue  # a line cut short by a kill: measured again
             _log.info("resuming: %d measurements in %s", len(self._known), self.cache)
@@ -165,21 +174,60 @@ class LockstepProfiler(Profiler):
         """Measurements made so far, in this run and the runs it resumes."""
         return len(self._known)
 
-    def _remember(self, key: str, m: Measurement) -> None:
+    def _remember(self, key: str, m: Measurement, facts: dict[str, Any]) -> None:
         self._known[key] = m
+        if facts:
+            self._facts[key] = dict(facts)
         if self.cache is not None:
             self.cache.parent.mkdir(parents=True, exist_ok=True)
             with open(self.cache, "a", encoding="utf-8") as fh:
-                fh.write(json.dumps({"key": key, "measurement": m.to_dict()}) + "\n")
+                fh.write(json.dumps({"key": key, "measurement": m.to_dict(), **facts}) + "\n")
+
+    def _inner_facts(self, before: Any) -> dict[str, Any]:
+        """How the inner profiler fed the GPU in the measurement it just made."""
+        rec = getattr(self.inner, "last_record", None)
+        facts = getattr(rec, "execution_facts", None)
+        if rec is None or rec is before or not callable(facts):
+            return {}
+        return dict(facts())
+
+    @property
+    def executions(self) -> list[str]:
+        """The execution modes of the measurements known (``"graphed"``, ``"eager"``),
+        each once, in order of first use."""
+        return list(dict.fromkeys(f["execution"] for f in self._facts.values()
+                                  if isinstance(f.get("execution"), str)))
+
+    def host_bound(self) -> list[dict[str, Any]]:
+        """The measurements known whose GPU was busy less than
+        :data:`~kareus.exec.nvml.HOST_BOUND_BUSY` of their window: each as
+        ``{"partition", "config", "gpu_busy"}`` (or ``{"outside_work", "freq_mhz",
+        "comm_sms", "group_size", "gpu_busy"}``), lowest fraction first."""
+        out = []
+        for key, facts in self._facts.items():
+            busy = facts.get("gpu_busy")
+            if not isinstance(busy, (int, float)) or busy >= HOST_BOUND_BUSY:
+                continue
+            what = json.loads(key)
+            if what[0] == "p":
+                entry: dict[str, Any] = {"partition": what[2], "config": what[3]}
+            else:
+                entry = {"outside_work": what[1], "freq_mhz": what[2], "group_size": what[3],
+                         "comm_sms": what[4]}
+            out.append({**entry, "gpu_busy": float(busy),
+                        **({"execution": facts["execution"]} if "execution" in facts else {})})
+        return sorted(out, key=lambda e: e["gpu_busy"])
 
     def _announce(self, words: Sequence[float]) -> None:
         self.coord.broadcast(list(words) + [0.0] * (_WIDTH - len(words)))
 
-    def _collective(self, words: list[float], run: Callable[[], Measurement]) -> Measurement:
+    def _collective(self, words: list[float], run: Callable[[], Measurement]
+                    ) -> tuple[Measurement, dict[str, Any]]:
         if self._broken or self._finished:
             raise HardwareError("the tuning run's ranks are no longer in step (an earlier "
                                 "measurement failed); run the same command again to resume")
         self._announce(words)
+        before = getattr(self.inner, "last_record", None)
         try:
             m = run()
         except BaseException:
@@ -188,7 +236,7 @@ class LockstepProfiler(Profiler):
             self._broken = True
             raise
         self.measured += 1
-        return m
+        return m, self._inner_facts(before)
 
     def measure(self, partition: Partition, config: ScheduleConfig) -> Measurement:
         """Announce, then measure ``partition`` under ``config`` with every rank."""
@@ -196,7 +244,7 @@ class LockstepProfiler(Profiler):
         key = json.dumps(["p", idx, partition.name, config.to_dict()], sort_keys=True)
         if key not in self._known:
             words = [_MEASURE, float(idx), *_encode_config(partition, config, self.backends)]
-            self._remember(key, self._collective(
+            self._remember(key, *self._collective(
                 words, lambda: self.inner.measure(partition, config)))
         return self._known[key]
 
@@ -208,7 +256,7 @@ class LockstepProfiler(Profiler):
         if key not in self._known:
             words = [_OUTSIDE, float(idx), float(freq_mhz), float(group_size),
                      -1.0 if comm_sms is None else float(comm_sms)]
-            self._remember(key, self._collective(words, lambda: self.inner.measure_outside(
+            self._remember(key, *self._collective(words, lambda: self.inner.measure_outside(
                 work, int(freq_mhz), group_size=group_size, comm_sms=comm_sms)))
         return self._known[key]
 
