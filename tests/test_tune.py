@@ -378,3 +378,24 @@ def test_one_gpu_stands_in_for_each_group_at_its_size():
         if kind == "all_gather":  # every rank of the group holds this rank's shard
             assert torch.equal(outs[0].view(2, -1), src.view(1, -1).expand(2, -1))
     assert kinds == {"all_reduce", "all_gather", "reduce_scatter"}
+
+
+def test_the_last_line_counts_the_host_bound_measurements_and_says_what_to_do():
+    from pathlib import Path
+
+    from kareus.tune import TuneReport
+    from kareus.tune._hardware import _host_bound_summary
+
+    def report(execution, host_bound):
+        return TuneReport(result=None, frontiers={}, paths={"tune": Path("tune.json")},
+                          wall_s=1.0, world_size=1, gpu_time_s=1.0, measured=3, info={},
+                          execution=execution, host_bound=tuple(host_bound))
+
+    line = _host_bound_summary(report("eager", [
+        {"partition": "fwd_attn", "config": {}, "gpu_busy": 0.42},
+        {"outside_work": 0, "freq_mhz": 1980, "gpu_busy": 0.8}]))
+    assert "eager execution; 2 measurement(s) host-bound" in line
+    assert "42%, fwd_attn" in line and "CUDA graphs" in line and "host_bound" in line
+    line = _host_bound_summary(report("graphed", [{"outside_work": 1, "gpu_busy": 0.5}]))
+    assert "outside work 1" in line and "larger partitions" in line
+    assert "no measurement was host-bound" in _host_bound_summary(report("graphed", []))

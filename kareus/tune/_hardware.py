@@ -334,8 +334,8 @@ def _host_bound_summary(report: TuneReport) -> str:
                 f"{HOST_BOUND_BUSY:.0%} of its window, where measured)")
     worst = flagged[0]
     what = worst.get("partition", f"outside work {worst.get('outside_work')}")
-    hint = ("the lean eager kernels or larger partitions" if mode == "graphed"
-            else "CUDA graphs (the default on a GPU)")
+    hint = ("larger partitions (a graph replay outlasted them)" if mode == "graphed"
+            else "CUDA graphs (the default on a GPU) or the lean kernels")
     return (f"{mode} execution; {len(flagged)} measurement(s) host-bound (GPU busy below "
             f"{HOST_BOUND_BUSY:.0%} of the window; lowest {worst['gpu_busy']:.0%}, {what}): "
             f"their figures are of the host's launches as much as of the GPU; try {hint} "

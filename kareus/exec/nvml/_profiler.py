@@ -548,8 +548,9 @@ class NVMLProfiler(Profiler):
                 "(%.1f us per step measured, %.1f us of GPU work; %s execution): the figures "
                 "are of the launches as much as of the partition; %s", partition.name,
                 config, 100 * busy, 1e6 * step_mean, 1e6 * gpu_step_s, self.execution,
-                "use the lean eager kernels, or a larger partition" if self.runner.graphs
-                else "capture graphs (TorchExecutor(graphs=None), the default on a GPU)")
+                "a graph replay longer than the partition: measure a larger partition"
+                if self.runner.graphs else "capture graphs (TorchExecutor(graphs=None), the "
+                "default on a GPU) or use the lean kernels, whose launches cost less host time")
         return rec
 
     def close(self) -> None:
