@@ -316,6 +316,7 @@ class RecordingProfiler(Profiler):
         self.inner = inner
         self.gpu = inner.gpu
         self.rows: list[dict[str, Any]] = []
+        self._earlier: set[int] = set()  # ids of the rows add_earlier put in (kept alive)
 
     def _facts(self, before: Any) -> dict[str, Any]:
         """How the wrapped profiler fed the GPU in the measurement it just made (its
@@ -341,7 +342,9 @@ class RecordingProfiler(Profiler):
         one a resumed search read back from its log instead of measuring it again.
 
         It goes ahead of this profiler's own rows of the same configuration, as it was
-        measured first (a replay answers a configuration's samples in turn), so the file
+        measured first (a replay answers a configuration's samples in turn), and after the
+        earlier rows of it added before (two partitions of one name, such as the nanobatched
+        and the unsplit ``fwd_mlp``, were measured in the order they are added), so the file
         replays the run as one uninterrupted run would have recorded it. Returns False,
         recording nothing, when the same row is recorded already (it was measured here).
         """
@@ -349,9 +352,11 @@ class RecordingProfiler(Profiler):
                "measurement": measurement.to_dict()}
         if any({k: r.get(k) for k in row} == row for r in self.rows):  # facts aside
             return False
-        same = [i for i, r in enumerate(self.rows) if r.get("kind") == "grid"
-                and r.get("partition") == partition_name and r.get("config") == row["config"]]
-        self.rows.insert(same[0] if same else len(self.rows), row)
+        own = [i for i, r in enumerate(self.rows) if r.get("kind") == "grid"
+               and r.get("partition") == partition_name and r.get("config") == row["config"]
+               and id(r) not in self._earlier]
+        self.rows.insert(own[0] if own else len(self.rows), row)
+        self._earlier.add(id(row))
         return True
 
     def measure_outside(self, work: OutsideWork, freq_mhz: int, *, group_size: int,

@@ -157,3 +157,22 @@ def test_search_replayed_on_measured_grid_finds_most_of_the_front():
         got = np.array([(o.time_s, o.energy_j) for o in front.points])
         assert len(front.measured()) == budget
         assert hypervolume(got, ref) / exhaustive > 0.9, name
+
+
+def test_rows_read_back_from_logs_keep_their_order_ahead_of_the_rows_measured_here():
+    """Two partitions of one name (the nanobatched and the unsplit ``fwd_mlp``) measured
+    in turn: rows added back from their logs keep that order, ahead of a later row."""
+    from kareus.exec.emulator import EmulatedProfiler
+    from kareus.exec.replay import RecordingProfiler
+    from kareus.model.measurement import Measurement
+
+    wl = Workload.preset("qwen3-1.7b", tp=2, microbatch_size=2, seq_len=512)
+    part = build_partitions(wl.with_(nanobatches=1)).types["fwd_mlp"]
+    rec = RecordingProfiler(EmulatedProfiler("h200-sxm", seed=0))
+    cfg = ScheduleConfig(1980, 8, None)
+    own = rec.measure(part, cfg)  # measured in this run, after the two read back below
+    first, second = (Measurement(time_s=t, energy_j=1.0, static_power_w=0.0)
+                     for t in (1e-3, 2e-3))
+    assert rec.add_earlier("fwd_mlp", cfg, first) and rec.add_earlier("fwd_mlp", cfg, second)
+    replay = ReplayProfiler(rec.to_dict())
+    assert [replay.measure(part, cfg) for _ in range(3)] == [first, second, own]
