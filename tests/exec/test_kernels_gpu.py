@@ -113,3 +113,62 @@ def test_partitions_with_fused_kernels_match_the_reference_formulas():
             outs[kern][n] = prog.output.clone()
     for n in names:
         assert rel(outs["triton"][n], outs["reference"][n]) < 2e-2, n
+
+
+def _lean_cases():
+    torch.manual_seed(0)
+    x, dy, w = rnd(4099, 3072), rnd(4099, 3072), torch.nn.Parameter(1 + rnd(3072, scale=0.1))
+    b, s, h, kvh, hd = 2, 128, 6, 2, 128
+    qkv = rnd(b * s, (h + 2 * kvh) * hd)
+    ang = torch.randn(s, hd // 2, device="cuda")
+    ang = torch.cat((ang, ang), -1)
+    cos, sin = ang.cos().to(torch.bfloat16), ang.sin().to(torch.bfloat16)
+    dq = rnd(b, h, s, hd).transpose(1, 2)
+    dk, dv = rnd(b, kvh, s, hd).transpose(1, 2), rnd(b, kvh, s, hd).transpose(1, 2)
+    g, u, da = rnd(1000, 3584), rnd(1000, 3584), rnd(1000, 3584)
+    return {
+        "rms_norm": lambda ks: (ks.rms_norm(x, w),),
+        "rms_norm_bwd": lambda ks: ks.rms_norm_bwd(dy, x, w),
+        "rope": lambda ks: ks.rope(qkv, cos, sin, heads=h, kv_heads=kvh),
+        "rope_bwd": lambda ks: (ks.rope_bwd(dq, dk, dv, cos, sin),),
+        "swiglu": lambda ks: (ks.swiglu(g, u),),
+        "swiglu_bwd": lambda ks: ks.swiglu_bwd(da, g, u),
+    }
+
+
+def test_lean_launches_equal_plain_launches_bit_for_bit():
+    from kareus.exec.kernels import _launch
+    from kareus.exec.kernels import _triton as kt
+
+    assert _launch.runtime() is not None, "lean launches unavailable on this GPU"
+    kt.clear_plans()
+    lean, plain = TritonKernels(), TritonKernels(lean=False)
+    for op, call in _lean_cases().items():
+        want = call(plain)
+        for _ in range(3):  # the first call learns, the others launch lean
+            got = call(lean)
+            assert all(torch.equal(a, b) and a.stride() == b.stride()
+                       for a, b in zip(got, want)), op
+    status = kt.lean_status()
+    assert status and all(s["fast"] == s["signatures"] for s in status.values()), status
+
+
+def test_lean_launches_in_a_cuda_graph_and_on_two_streams():
+    ks = TritonKernels()
+    cases = _lean_cases()
+    eager = {op: [t.clone() for t in call(ks)] for op, call in cases.items()}
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # another stream: its own partials buffer
+        for op, call in cases.items():
+            assert all(torch.equal(a, b) for a, b in zip(call(ks), eager[op])), op
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = {op: call(ks) for op, call in cases.items()}
+    for _ in range(2):
+        cases["rms_norm_bwd"](ks)  # eager calls between replays share nothing with it
+        graph.replay()
+    torch.cuda.synchronize()
+    for op in cases:
+        assert all(torch.equal(a, b) for a, b in zip(captured[op], eager[op])), op

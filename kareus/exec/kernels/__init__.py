@@ -20,10 +20,12 @@ op                 what it computes
 
 Implementations (:func:`get_kernels` picks one by name):
 
-* ``"triton"`` (the default on a CUDA GPU): fused Triton kernels, one launch per op
-  forward and backward. RMSNorm forward and SwiGLU forward come from liger-kernel
-  when it is installed (``pip install kareus[kernels]``); the other ops use kareus's
-  own Triton kernels in :mod:`kareus.exec.kernels._triton` (see there why).
+* ``"triton"`` (the default on a CUDA GPU): kareus's own fused Triton kernels
+  (:mod:`kareus.exec.kernels._triton`, see there why), one launch per op forward and
+  backward (two for RMSNorm backward), launched lean: per input signature the launch
+  is worked out once and later calls go straight to the compiled kernel's launcher.
+  liger-kernel's RMSNorm and SwiGLU forward are an opt-in
+  (``TritonKernels(use_liger=True)``, ``pip install kareus[kernels]``).
 * ``"torch"`` (the default without CUDA or Triton): the best plain-torch path:
   ``torch.nn.functional.rms_norm`` and PyTorch's fused RMSNorm backward, single-formula
   RoPE and SwiGLU. Runs on the CPU.

@@ -8,19 +8,41 @@ and again on the same inputs, and its q and k are strided views of the packed QK
 projection: in-place kernels would feed each run the previous run's output (values
 drift to inf over a profiling loop, which changes the power drawn), and making q and k
 contiguous first is an extra copy of both. These kernels take strided inputs and write
-fresh outputs. RMSNorm forward and SwiGLU forward, which liger computes out of place,
-come from liger when it is installed (:mod:`kareus.exec.kernels.triton_ops`).
+fresh outputs. liger's RMSNorm forward and SwiGLU forward, which compute out of place,
+are an opt-in of :class:`~kareus.exec.kernels.triton_ops.TritonKernels`
+(``use_liger=True``): the kernels here are launched with less host time.
 
-All arithmetic is float32; results are rounded once to the output dtype. Importing
-this module imports triton.
+All arithmetic is float32; results are rounded once to the output dtype.
+
+Launches. Each op's wrapper has two paths. The plain one (``lean=False``) is what it
+always was: checks, launch settings and strides worked out on every call, then
+``kernel[grid](...)``, Triton's own dispatch. The lean one (the default) keeps, per
+signature of the op's inputs (their types, shapes, strides, dtypes, devices, the current
+device and the launch settings; a tuple built from attributes torch keeps at hand), what
+the plain path worked out and the compiled kernel it launched, and on later calls at that
+signature allocates the outputs and calls the compiled kernel's launcher directly
+(:mod:`kareus.exec.kernels._launch` says how, and when it falls back to the plain path).
+On one H200 host the plain path cost 50-130 us of host time per op, for 8-21 us of
+GPU time at the presets' shapes; the lean path aims at 15 us or less
+(``bench/launch_cost.py`` measures both).
+
+Importing this module imports triton and torch.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 import triton
 import triton.language as tl
+
+from kareus.exec.kernels import _launch
+from kareus.exec.kernels._launch import LaunchRecord, plain_launch
+
+_empty_like = torch.empty_like
+# Tensors whose data_ptr() is their memory (not wrapper subclasses such as DTensor).
+_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 # ------------------------------------------------------------------------- RMSNorm
 
@@ -122,11 +144,8 @@ def _bwd_config(n: int, rows: int | None, num_warps: int | None,
     return block, rows, num_warps, programs_per_sm
 
 
-def rms_norm_fwd(x: Any, w: Any, eps: float, *, rows: int | None = None,
-                 num_warps: int | None = None) -> Any:
-    """RMSNorm forward over the last dimension (rows of ``x`` may be strided)."""
-    import torch
-
+def _rms_norm_fwd_plain(x: Any, w: Any, eps: float, rows: int | None,
+                        num_warps: int | None, rec: list[LaunchRecord] | None = None) -> Any:
     n = x.shape[-1]
     x2 = x.reshape(-1, n)
     if x2.stride(-1) != 1:
@@ -134,27 +153,43 @@ def rms_norm_fwd(x: Any, w: Any, eps: float, *, rows: int | None = None,
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     block, rows, warps = _norm_config(n, rows, num_warps)
     m = x2.shape[0]
-    _rms_norm_fwd_kernel[(triton.cdiv(m, rows),)](
-        x2, y, w, x2.stride(0), y.stride(0), m, n, eps, BLOCK=block, ROWS=rows,
-        num_warps=warps)
+    plain_launch(_rms_norm_fwd_kernel, (triton.cdiv(m, rows),),
+                 (x2, y, w, x2.stride(0), y.stride(0), m, n, eps, block, rows),
+                 {"num_warps": warps}, rec)
     return y.view(x.shape)
 
 
-def rms_norm_bwd(dy: Any, x: Any, w: Any, eps: float, *, rows: int | None = None,
-                 num_warps: int | None = None, programs_per_sm: int | None = None,
-                 prefetch: bool = True, sum_block_n: int = 16,
-                 sum_block_p: int = 64) -> tuple[Any, Any]:
-    """RMSNorm backward: ``(dx, dw)`` in one pass over ``x`` and ``dy`` (plus a sum of
-    the per-program ``dw`` partials, ``programs x N`` floats, by ``N / sum_block_n``
-    programs reading ``sum_block_p`` partials a step).
+def rms_norm_fwd(x: Any, w: Any, eps: float, *, rows: int | None = None,
+                 num_warps: int | None = None, lean: bool = True) -> Any:
+    """RMSNorm forward over the last dimension (rows of ``x`` may be strided).
 
-    The sum's shape was measured on one H200 (bench/results/op_roofline_h200_tune.json):
-    16 columns x 64 partials a step was the fastest of four shapes at all three presets'
-    widths (2048: 32.4 us for the whole op against 37.1 us with the 64 x 32 used before;
-    3072: 88.3 against 92.7; 8192: 204.1 against 205.3); a later sweep of seven shapes
-    (op_roofline_h200_retune.json) put it within 3% of the fastest at each width."""
-    import torch
+    ``lean=False``: Triton's own dispatch on every call (the plain path); by default
+    the launch is cached per signature (module docstring)."""
+    rt = _launch.runtime() if lean else None
+    if rt is None:
+        return _rms_norm_fwd_plain(x, w, eps, rows, num_warps)
+    eps = float(eps)  # an int eps would compile another kernel (1 even as a constant)
+    dev = rt.current_device()
+    key = ("rms_norm_fwd", type(x), x.shape, x.stride(), x.dtype, x.get_device(), type(w),
+           w.shape, w.stride(), w.dtype, w.get_device(), dev, rows, num_warps)
+    p = _PLANS.get(key)
+    if p is not None and p.sites is not None and rt.hooks_idle():
+        y = _empty_like(p.y)
+        px, py, pw = x.data_ptr(), y.data_ptr(), w.data_ptr()
+        if not (px | py | pw) & 15:
+            p.sites[0](rt.current_stream(dev), px, py, pw, eps)
+            return y
+    rec: list[LaunchRecord] | None = [] if p is None else None
+    y = _rms_norm_fwd_plain(x, w, eps, rows, num_warps, rec)
+    if rec:
+        _learn(rt, dev, key, rec, (x, y, w), _RMS_FWD_ROOTS, {"eps": eps}, y=_template(y))
+    return y
 
+
+def _rms_norm_bwd_plain(dy: Any, x: Any, w: Any, eps: float, rows: int | None,
+                        num_warps: int | None, programs_per_sm: int | None, prefetch: bool,
+                        sum_block_n: int, sum_block_p: int,
+                        rec: list[LaunchRecord] | None = None) -> tuple[Any, Any]:
     n = x.shape[-1]
     x2, dy2 = x.reshape(-1, n), dy.reshape(-1, n)
     if x2.stride(-1) != 1:
@@ -168,15 +203,77 @@ def rms_norm_bwd(dy: Any, x: Any, w: Any, eps: float, *, rows: int | None = None
            if x.device.type == "cuda" else 4)
     progs = max(1, min(triton.cdiv(m, rows), sms * programs_per_sm))
     dwp = torch.empty(progs, n, dtype=torch.float32, device=x.device)
-    _rms_norm_bwd_kernel[(progs,)](
-        dy2, x2, w, dx, dwp, dy2.stride(0), x2.stride(0), dx.stride(0), m, n, eps,
-        triton.cdiv(triton.cdiv(m, rows), progs),
-        BLOCK=block, ROWS=rows, PREFETCH=prefetch, num_warps=warps)
+    plain_launch(_rms_norm_bwd_kernel, (progs,),
+                 (dy2, x2, w, dx, dwp, dy2.stride(0), x2.stride(0), dx.stride(0), m, n, eps,
+                  triton.cdiv(triton.cdiv(m, rows), progs), block, rows, prefetch),
+                 {"num_warps": warps}, rec)
     dw = torch.empty(n, dtype=w.dtype, device=w.device)
-    _sum_rows_kernel[(triton.cdiv(n, sum_block_n),)](dwp, dw, n, P=progs,
-                                                     BLOCK_P=sum_block_p,
-                                                     BLOCK_N=sum_block_n, num_warps=4)
+    plain_launch(_sum_rows_kernel, (triton.cdiv(n, sum_block_n),),
+                 (dwp, dw, n, progs, sum_block_p, sum_block_n), {"num_warps": 4}, rec)
     return dx.view(x.shape), dw
+
+
+def rms_norm_bwd(dy: Any, x: Any, w: Any, eps: float, *, rows: int | None = None,
+                 num_warps: int | None = None, programs_per_sm: int | None = None,
+                 prefetch: bool = True, sum_block_n: int = 16, sum_block_p: int = 64,
+                 lean: bool = True) -> tuple[Any, Any]:
+    """RMSNorm backward: ``(dx, dw)`` in one pass over ``x`` and ``dy`` (plus a sum of
+    the per-program ``dw`` partials, ``programs x N`` floats, by ``N / sum_block_n``
+    programs reading ``sum_block_p`` partials a step).
+
+    The sum's shape was measured on one H200 (bench/results/op_roofline_h200_tune.json):
+    16 columns x 64 partials a step was the fastest of four shapes at all three presets'
+    widths (2048: 32.4 us for the whole op against 37.1 us with the 64 x 32 used before;
+    3072: 88.3 against 92.7; 8192: 204.1 against 205.3); a later sweep of seven shapes
+    (op_roofline_h200_retune.json) put it within 3% of the fastest at each width.
+
+    On the lean path (``lean=True``, module docstring) the partials' buffer is kept per
+    signature and stream instead of allocated per call: both kernels run on that stream,
+    so a call's first kernel cannot start before the previous call's sum has read the
+    buffer (the caching allocator's own rule for memory it hands out again on the same
+    stream). While the stream captures a CUDA graph the buffer is allocated per call, so
+    no graph holds a buffer that eager calls (or another graph replayed on another stream)
+    also write."""
+    rt = _launch.runtime() if lean else None
+    if rt is None:
+        return _rms_norm_bwd_plain(dy, x, w, eps, rows, num_warps, programs_per_sm, prefetch,
+                                   sum_block_n, sum_block_p)
+    eps = float(eps)
+    dev = rt.current_device()
+    key = ("rms_norm_bwd", type(dy), dy.shape, dy.stride(), dy.dtype, dy.get_device(),
+           type(x), x.shape, x.stride(), x.dtype, x.get_device(), type(w), w.shape,
+           w.stride(), w.dtype, w.get_device(), dev, rows, num_warps, programs_per_sm,
+           prefetch, sum_block_n, sum_block_p)
+    p = _PLANS.get(key)
+    if p is not None and p.sites is not None and rt.hooks_idle():
+        dx, dw = _empty_like(p.dx), _empty_like(p.dw)
+        s = rt.current_stream(dev)
+        if rt.is_capturing():
+            dwp = _empty_like(p.dwp)
+        else:
+            dwp = p.scratch.get(s)
+            if dwp is None:
+                dwp = p.scratch[s] = _empty_like(p.dwp)
+        pdy, px, pw = dy.data_ptr(), x.data_ptr(), w.data_ptr()
+        pdx, pdwp, pdw = dx.data_ptr(), dwp.data_ptr(), dw.data_ptr()
+        if not (pdy | px | pw | pdx | pdwp | pdw) & 15:
+            partials, total = p.sites
+            partials(s, pdy, px, pw, pdx, pdwp, pdw, eps)
+            total(s, pdy, px, pw, pdx, pdwp, pdw, eps)
+            return dx, dw
+    rec: list[LaunchRecord] | None = [] if p is None else None
+    dx, dw = _rms_norm_bwd_plain(dy, x, w, eps, rows, num_warps, programs_per_sm, prefetch,
+                                 sum_block_n, sum_block_p, rec)
+    if rec:
+        dwp = rec[0].args[4]
+        _learn(rt, dev, key, rec, (dy, x, w, dx, dwp, dw), _RMS_BWD_ROOTS, {"eps": eps},
+               dx=_template(dx), dw=_template(dw), dwp=_template(dwp), scratch={})
+    return dx, dw
+
+
+# Which root tensor (by its index in the op's roots) each pointer parameter lies in.
+_RMS_FWD_ROOTS = {"X": 0, "Y": 1, "W": 2}
+_RMS_BWD_ROOTS = {"DY": 0, "X": 1, "W": 2, "DX": 3, "DWP": 4, "P_ptr": 4, "OUT": 5}
 
 
 # ---------------------------------------------------------------------------- RoPE
@@ -290,8 +387,8 @@ def _rope_grid(grid: str | None, bsz: int, heads: int) -> str:
 
 
 def _launch_rope(a: Any, a_out: Any, b: Any, b_out: Any, c: Any, c_out: Any, cos: Any,
-                 sin: Any, sign: float, block_r: int, num_warps: int,
-                 grid: str | None) -> None:
+                 sin: Any, sign: float, block_r: int, num_warps: int, grid: str | None,
+                 rec: list[LaunchRecord] | None = None) -> None:
     bsz, seq, _, hd = a.shape
     if hd % 2 or cos.shape[-1] != hd or sin.shape != cos.shape or cos.shape[0] < seq:
         raise ValueError(f"cos/sin of shape {tuple(cos.shape)} do not fit head dim {hd} and "
@@ -301,32 +398,42 @@ def _launch_rope(a: Any, a_out: Any, b: Any, b_out: Any, c: Any, c_out: Any, cos
     grid = _rope_grid(grid, bsz, a.shape[2] + b.shape[2] + (c.shape[2] if c is not None else 0))
     tokens = bsz * seq
     half = hd // 2
+    consts = (sign, half, triton.next_power_of_2(half), block_r, c is not None)
     if grid == "heads":
         hc = c.shape[2] if c is not None else 0
         c_args3 = ((c, *_strides(c), c_out, *_strides(c_out)) if c is not None
                    else (a, 0, 0, 0, a_out, 0, 0, 0))
-        _rope_heads_kernel[(triton.cdiv(seq, block_r), a.shape[2] + b.shape[2] + hc, bsz)](
-            a, *_strides(a), a_out, *_strides(a_out), a.shape[2],
-            b, *_strides(b), b_out, *_strides(b_out), b.shape[2],
-            *c_args3, cos, sin, cos.stride(0), seq,
-            SIGN=sign, HALF=half, PAD=triton.next_power_of_2(half), BLOCK_S=block_r,
-            COPY_C=c is not None, num_warps=num_warps)
+        plain_launch(_rope_heads_kernel, (triton.cdiv(seq, block_r), a.shape[2] + b.shape[2] + hc,
+                                          bsz),
+                     (a, *_strides(a), a_out, *_strides(a_out), a.shape[2],
+                      b, *_strides(b), b_out, *_strides(b_out), b.shape[2],
+                      *c_args3, cos, sin, cos.stride(0), seq, *consts),
+                     {"num_warps": num_warps}, rec)
         return
     ab = triton.cdiv(tokens * a.shape[2], block_r)
     bb = triton.cdiv(tokens * b.shape[2], block_r)
     cb = triton.cdiv(tokens * c.shape[2], block_r) if c is not None else 0
     c_args = ((c, *_strides(c), c_out, *_strides(c_out), c.shape[2]) if c is not None
               else (a, 0, 0, 0, a_out, 0, 0, 0, 1))
-    _rope_kernel[(ab + bb + cb,)](
-        a, *_strides(a), a_out, *_strides(a_out), a.shape[2], ab,
-        b, *_strides(b), b_out, *_strides(b_out), b.shape[2], bb,
-        *c_args, cos, sin, cos.stride(0), tokens, seq,
-        SIGN=sign, HALF=half, PAD=triton.next_power_of_2(half), BLOCK_R=block_r,
-        COPY_C=c is not None, num_warps=num_warps)
+    plain_launch(_rope_kernel, (ab + bb + cb,),
+                 (a, *_strides(a), a_out, *_strides(a_out), a.shape[2], ab,
+                  b, *_strides(b), b_out, *_strides(b_out), b.shape[2], bb,
+                  *c_args, cos, sin, cos.stride(0), tokens, seq, *consts),
+                 {"num_warps": num_warps}, rec)
+
+
+def _rope_fwd_plain(q: Any, k: Any, cos: Any, sin: Any, block_r: int, num_warps: int,
+                    grid: str | None, rec: list[LaunchRecord] | None = None
+                    ) -> tuple[Any, Any]:
+    qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    ko = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    _launch_rope(q, qo, k, ko, None, None, cos, sin, 1.0, block_r, num_warps, grid, rec)
+    return qo, ko
 
 
 def rope_fwd(q: Any, k: Any, cos: Any, sin: Any, *, block_r: int = 16,
-             num_warps: int = 4, grid: str | None = None) -> tuple[Any, Any]:
+             num_warps: int = 4, grid: str | None = None,
+             lean: bool = True) -> tuple[Any, Any]:
     """Rotate ``q`` and ``k`` ([b, s, heads, hd], any strides with the last 1, e.g.
     views of the packed QKV) into new contiguous tensors, in one launch.
 
@@ -337,28 +444,117 @@ def rope_fwd(q: Any, k: Any, cos: Any, sin: Any, *, block_r: int = 16,
     dimension's 65,535). Measured on one H200 (bench/results/op_roofline_h200_tune.json),
     the 3-D grid at 16 positions and 4 warps ran 1-5% faster than the row grid at all
     three presets' shapes, forward and backward (qwen3-1.7b forward 9.7 against
-    10.2 us)."""
-    import torch
-
-    qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    ko = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    _launch_rope(q, qo, k, ko, None, None, cos, sin, 1.0, block_r, num_warps, grid)
+    10.2 us). ``lean``: as in :func:`rms_norm_fwd`."""
+    rt = _launch.runtime() if lean else None
+    if rt is None:
+        return _rope_fwd_plain(q, k, cos, sin, block_r, num_warps, grid)
+    dev = rt.current_device()
+    key = ("rope_fwd", type(q), q.shape, q.stride(), q.dtype, q.get_device(), type(k),
+           k.shape, k.stride(), k.dtype, k.get_device(), type(cos), cos.shape, cos.stride(),
+           cos.dtype, cos.get_device(), type(sin), sin.shape, sin.stride(), sin.dtype,
+           sin.get_device(), dev, block_r, num_warps, grid)
+    p = _PLANS.get(key)
+    if p is not None and p.sites is not None and rt.hooks_idle():
+        qo, ko = _empty_like(p.qo), _empty_like(p.ko)
+        pq, pk, pqo, pko = q.data_ptr(), k.data_ptr(), qo.data_ptr(), ko.data_ptr()
+        pc, ps = cos.data_ptr(), sin.data_ptr()
+        if not (pq | pk | pqo | pko | pc | ps) & 15:
+            p.sites[0](rt.current_stream(dev), pq, pk, pqo, pko, pc, ps)
+            return qo, ko
+    rec: list[LaunchRecord] | None = [] if p is None else None
+    qo, ko = _rope_fwd_plain(q, k, cos, sin, block_r, num_warps, grid, rec)
+    if rec:
+        _learn(rt, dev, key, rec, (q, k, qo, ko, cos, sin), _ROPE_FWD_ROOTS, {},
+               qo=_template(qo), ko=_template(ko))
     return qo, ko
 
 
-def rope_bwd(dq: Any, dk: Any, dv: Any, cos: Any, sin: Any, *, block_r: int = 16,
-             num_warps: int = 4, grid: str | None = None) -> Any:
-    """Rotate ``dq`` and ``dk`` back and write them with ``dv`` into one packed
-    ``[b * s, (heads + 2 kv_heads) * hd]`` tensor, in one launch (``grid`` as in
-    :func:`rope_fwd`)."""
-    import torch
+def _rope_qkv_plain(qkv: Any, cos: Any, sin: Any, heads: int, kv_heads: int, block_r: int,
+                    num_warps: int, grid: str | None,
+                    rec: list[LaunchRecord] | None = None) -> tuple[Any, Any]:
+    from kareus.exec.kernels.base import _split_qkv
 
+    q, k, _ = _split_qkv(qkv, cos.shape[0], heads, kv_heads, cos.shape[1])
+    return _rope_fwd_plain(q, k, cos, sin, block_r, num_warps, grid, rec)
+
+
+def rope_qkv(qkv: Any, cos: Any, sin: Any, *, heads: int, kv_heads: int, block_r: int = 16,
+             num_warps: int = 4, grid: str | None = None,
+             lean: bool = True) -> tuple[Any, Any]:
+    """:func:`rope_fwd` of q and k read from the packed QKV projection
+    ``[batch * seq, (heads + 2 kv_heads) * hd]`` (``seq = cos.shape[0]``): the lean path
+    takes their addresses and strides from ``qkv`` without making the two views."""
+    rt = _launch.runtime() if lean else None
+    if rt is None:
+        return _rope_qkv_plain(qkv, cos, sin, heads, kv_heads, block_r, num_warps, grid)
+    dev = rt.current_device()
+    key = ("rope_qkv", type(qkv), qkv.shape, qkv.stride(), qkv.dtype, qkv.get_device(),
+           type(cos), cos.shape, cos.stride(), cos.dtype, cos.get_device(), type(sin),
+           sin.shape, sin.stride(), sin.dtype, sin.get_device(), heads, kv_heads, dev,
+           block_r, num_warps, grid)
+    p = _PLANS.get(key)
+    if p is not None and p.sites is not None and rt.hooks_idle():
+        qo, ko = _empty_like(p.qo), _empty_like(p.ko)
+        pqkv, pqo, pko = qkv.data_ptr(), qo.data_ptr(), ko.data_ptr()
+        pc, ps = cos.data_ptr(), sin.data_ptr()
+        if not (pqkv | pqo | pko | pc | ps) & 15:
+            p.sites[0](rt.current_stream(dev), pqkv, pqo, pko, pc, ps)
+            return qo, ko
+    rec: list[LaunchRecord] | None = [] if p is None else None
+    qo, ko = _rope_qkv_plain(qkv, cos, sin, heads, kv_heads, block_r, num_warps, grid, rec)
+    if rec:
+        _learn(rt, dev, key, rec, (qkv, qo, ko, cos, sin), _ROPE_QKV_ROOTS, {},
+               qo=_template(qo), ko=_template(ko))
+    return qo, ko
+
+
+def _rope_bwd_plain(dq: Any, dk: Any, dv: Any, cos: Any, sin: Any, block_r: int,
+                    num_warps: int, grid: str | None,
+                    rec: list[LaunchRecord] | None = None) -> Any:
     b, s, nq, hd = dq.shape
     nk, nv = dk.shape[2], dv.shape[2]
     out = torch.empty(b, s, nq + nk + nv, hd, dtype=dq.dtype, device=dq.device)
     _launch_rope(dq, out[:, :, :nq], dk, out[:, :, nq:nq + nk], dv, out[:, :, nq + nk:],
-                 cos, sin, -1.0, block_r, num_warps, grid)
+                 cos, sin, -1.0, block_r, num_warps, grid, rec)
     return out.view(b * s, -1)
+
+
+def rope_bwd(dq: Any, dk: Any, dv: Any, cos: Any, sin: Any, *, block_r: int = 16,
+             num_warps: int = 4, grid: str | None = None, lean: bool = True) -> Any:
+    """Rotate ``dq`` and ``dk`` back and write them with ``dv`` into one packed
+    ``[b * s, (heads + 2 kv_heads) * hd]`` tensor, in one launch (``grid`` as in
+    :func:`rope_fwd`; ``lean`` as in :func:`rms_norm_fwd`)."""
+    rt = _launch.runtime() if lean else None
+    if rt is None:
+        return _rope_bwd_plain(dq, dk, dv, cos, sin, block_r, num_warps, grid)
+    dev = rt.current_device()
+    key = ("rope_bwd", type(dq), dq.shape, dq.stride(), dq.dtype, dq.get_device(), type(dk),
+           dk.shape, dk.stride(), dk.dtype, dk.get_device(), type(dv), dv.shape, dv.stride(),
+           dv.dtype, dv.get_device(), type(cos), cos.shape, cos.stride(), cos.dtype,
+           cos.get_device(), type(sin), sin.shape, sin.stride(), sin.dtype, sin.get_device(),
+           dev, block_r, num_warps, grid)
+    p = _PLANS.get(key)
+    if p is not None and p.sites is not None and rt.hooks_idle():
+        out = _empty_like(p.out)
+        pq, pk, pv, po = dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), out.data_ptr()
+        pc, ps = cos.data_ptr(), sin.data_ptr()
+        if not (pq | pk | pv | po | pc | ps) & 15:
+            p.sites[0](rt.current_stream(dev), pq, pk, pv, po, pc, ps)
+            return out
+    rec: list[LaunchRecord] | None = [] if p is None else None
+    out = _rope_bwd_plain(dq, dk, dv, cos, sin, block_r, num_warps, grid, rec)
+    if rec:
+        _learn(rt, dev, key, rec, (dq, dk, dv, out, cos, sin), _ROPE_BWD_ROOTS, {},
+               out=_template(out))
+    return out
+
+
+_ROPE_FWD_ROOTS = {"a_src": 0, "c_src": 0, "b_src": 1, "a_dst": 2, "c_dst": 2, "b_dst": 3,
+                   "cos": 4, "sin": 5}
+_ROPE_QKV_ROOTS = {"a_src": 0, "b_src": 0, "c_src": 0, "a_dst": 1, "c_dst": 1, "b_dst": 2,
+                   "cos": 3, "sin": 4}
+_ROPE_BWD_ROOTS = {"a_src": 0, "b_src": 1, "c_src": 2, "a_dst": 3, "b_dst": 3, "c_dst": 3,
+                   "cos": 4, "sin": 5}
 
 
 # -------------------------------------------------------------------------- SwiGLU
@@ -389,25 +585,141 @@ def _flat(*ts: Any) -> list[Any]:
     return [t if t.is_contiguous() else t.contiguous() for t in ts]
 
 
-def swiglu_fwd(g: Any, u: Any, *, block: int = 2048, num_warps: int = 8) -> Any:
-    """``silu(g) * u`` in one pass."""
-    import torch
-
+def _swiglu_fwd_plain(g: Any, u: Any, block: int, num_warps: int,
+                      rec: list[LaunchRecord] | None = None) -> Any:
     g, u = _flat(g, u)
     a = torch.empty_like(g)
     n = g.numel()
-    _swiglu_fwd_kernel[(triton.cdiv(n, block),)](g, u, a, n, BLOCK=block, num_warps=num_warps)
+    plain_launch(_swiglu_fwd_kernel, (triton.cdiv(n, block),), (g, u, a, n, block),
+                 {"num_warps": num_warps}, rec)
     return a
 
 
-def swiglu_bwd(da: Any, g: Any, u: Any, *, block: int = 2048,
-               num_warps: int = 8) -> tuple[Any, Any]:
-    """``(dg, du)`` of ``silu(g) * u`` in one pass (reads da, g, u; writes dg, du)."""
-    import torch
+def swiglu_fwd(g: Any, u: Any, *, block: int = 2048, num_warps: int = 8,
+               lean: bool = True) -> Any:
+    """``silu(g) * u`` in one pass (``lean`` as in :func:`rms_norm_fwd`)."""
+    rt = _launch.runtime() if lean else None
+    if rt is None:
+        return _swiglu_fwd_plain(g, u, block, num_warps)
+    dev = rt.current_device()
+    key = ("swiglu_fwd", type(g), g.shape, g.stride(), g.dtype, g.get_device(), type(u),
+           u.shape, u.stride(), u.dtype, u.get_device(), dev, block, num_warps)
+    p = _PLANS.get(key)
+    if p is not None and p.sites is not None and rt.hooks_idle():
+        a = _empty_like(p.a)
+        pg, pu, pa = g.data_ptr(), u.data_ptr(), a.data_ptr()
+        if not (pg | pu | pa) & 15:
+            p.sites[0](rt.current_stream(dev), pg, pu, pa)
+            return a
+    rec: list[LaunchRecord] | None = [] if p is None else None
+    a = _swiglu_fwd_plain(g, u, block, num_warps, rec)
+    if rec:
+        _learn(rt, dev, key, rec, (g, u, a), _SWIGLU_FWD_ROOTS, {}, a=_template(a))
+    return a
 
+
+def _swiglu_bwd_plain(da: Any, g: Any, u: Any, block: int, num_warps: int,
+                      rec: list[LaunchRecord] | None = None) -> tuple[Any, Any]:
     da, g, u = _flat(da, g, u)
     dg, du = torch.empty_like(g), torch.empty_like(u)
     n = g.numel()
-    _swiglu_bwd_kernel[(triton.cdiv(n, block),)](da, g, u, dg, du, n, BLOCK=block,
-                                                 num_warps=num_warps)
+    plain_launch(_swiglu_bwd_kernel, (triton.cdiv(n, block),), (da, g, u, dg, du, n, block),
+                 {"num_warps": num_warps}, rec)
     return dg, du
+
+
+def swiglu_bwd(da: Any, g: Any, u: Any, *, block: int = 2048, num_warps: int = 8,
+               lean: bool = True) -> tuple[Any, Any]:
+    """``(dg, du)`` of ``silu(g) * u`` in one pass (reads da, g, u; writes dg, du;
+    ``lean`` as in :func:`rms_norm_fwd`)."""
+    rt = _launch.runtime() if lean else None
+    if rt is None:
+        return _swiglu_bwd_plain(da, g, u, block, num_warps)
+    dev = rt.current_device()
+    key = ("swiglu_bwd", type(da), da.shape, da.stride(), da.dtype, da.get_device(), type(g),
+           g.shape, g.stride(), g.dtype, g.get_device(), type(u), u.shape, u.stride(),
+           u.dtype, u.get_device(), dev, block, num_warps)
+    p = _PLANS.get(key)
+    if p is not None and p.sites is not None and rt.hooks_idle():
+        dg, du = _empty_like(p.dg), _empty_like(p.du)
+        pda, pg, pu, pdg, pdu = da.data_ptr(), g.data_ptr(), u.data_ptr(), dg.data_ptr(), \
+            du.data_ptr()
+        if not (pda | pg | pu | pdg | pdu) & 15:
+            p.sites[0](rt.current_stream(dev), pda, pg, pu, pdg, pdu)
+            return dg, du
+    rec: list[LaunchRecord] | None = [] if p is None else None
+    dg, du = _swiglu_bwd_plain(da, g, u, block, num_warps, rec)
+    if rec:
+        _learn(rt, dev, key, rec, (da, g, u, dg, du), _SWIGLU_BWD_ROOTS, {},
+               dg=_template(dg), du=_template(du))
+    return dg, du
+
+
+_SWIGLU_FWD_ROOTS = {"G": 0, "U": 1, "A": 2}
+_SWIGLU_BWD_ROOTS = {"DA": 0, "G": 1, "U": 2, "DG": 3, "DU": 4}
+
+
+# ------------------------------------------------------------------ lean-path plans
+
+
+class _Plan:
+    """What an op needs at one signature: ``sites``, the fast launch of each kernel it
+    runs (:func:`kareus.exec.kernels._launch.lean_sites`), or ``None`` when it takes the
+    plain path at that signature; plus the op's own facts (output shapes, whether its
+    outputs can be made with ``empty_like``, its scratch)."""
+
+    def __init__(self, sites: list[Any] | None, **facts: Any) -> None:
+        self.sites = sites
+        self.__dict__.update(facts)
+
+    def __getattr__(self, name: str) -> Any:  # only for mypy: facts are set in __init__
+        raise AttributeError(name)
+
+
+def _template(t: Any) -> Any:
+    """A stand-in for ``t`` that ``torch.empty_like`` turns into a new contiguous tensor
+    of ``t``'s shape, dtype and device: one element broadcast to the shape (an
+    overlapping layout, which ``empty_like`` answers with a contiguous one). The lean
+    path's outputs are made from these: ``empty_like`` of a tensor parses no shape, the
+    cheapest allocation torch offers from Python."""
+    return t.new_empty(1).expand(tuple(t.shape))
+
+
+_PLANS: dict[tuple[Any, ...], _Plan] = {}
+_MAX_PLANS = 1024  # signatures kept; a job with more (varying shapes) starts over
+
+
+def _learn(rt: _launch.LaunchRuntime, dev: int, key: tuple[Any, ...],
+           rec: list[LaunchRecord], roots: tuple[Any, ...], root_of: dict[str, int],
+           values: dict[str, Any], **facts: Any) -> None:
+    """Keep the plan of ``key`` after a plain call that recorded ``rec``: its fast
+    launches, or none where the fast path cannot take this signature (then later calls
+    at it go straight to the plain path). A call with an unaligned tensor keeps nothing,
+    so the next call at the signature tries again."""
+    if any(t.data_ptr() % 16 for t in roots) or not rt.hooks_idle():
+        return
+    sites = None
+    if all(type(t) in _TENSOR_TYPES and t.get_device() == dev for t in roots):
+        try:
+            sites = _launch.lean_sites(rt, rec, roots, root_of, values)
+        except Exception:  # never let the fast path's set-up fail an op
+            sites = None
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[key] = _Plan(sites, **facts)
+
+
+def lean_status() -> dict[str, dict[str, int]]:
+    """Per op (its plans' tag: ``"rms_norm_fwd"``, ``"rope_qkv"``, ...), how many
+    signatures have a plan and how many of those launch lean (for reports and benches)."""
+    out: dict[str, dict[str, int]] = {}
+    for key, p in list(_PLANS.items()):
+        s = out.setdefault(key[0], {"signatures": 0, "fast": 0})
+        s["signatures"] += 1
+        s["fast"] += p.sites is not None
+    return out
+
+
+def clear_plans() -> None:
+    """Forget every signature's plan (and the scratch buffers they keep)."""
+    _PLANS.clear()
