@@ -189,6 +189,11 @@ def _detect() -> LaunchRuntime | None:
         current_stream = active.get_current_stream
     except Exception:  # no GPU driver
         return None
+    if current_device is getattr(torch.cuda, "current_device", None) and \
+            hasattr(torch._C, "_cuda_getDevice"):
+        # Triton asks torch; torch's C call gives the same answer without the Python
+        # wrapper's lazy-initialisation check (CUDA is up once an op has tensors on it).
+        current_device = torch._C._cuda_getDevice
     capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
     if capturing is None:
         capturing = torch.cuda.is_current_stream_capturing
