@@ -298,9 +298,9 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         if args.record is not None:
             # A resumed search reads its earlier measurements back from its log instead of
             # measuring them: record those too, so the file replays the whole run.
-            for name, fr in result.partition_frontiers().items():
-                for obs in fr.measured():
-                    profiler.add_earlier(name, obs.config, obs.measurement)
+            for fr in result.partition_frontiers().values():
+                for obs in fr.measured():  # under the partition's name (the key may be x@n1)
+                    profiler.add_earlier(fr.partition, obs.config, obs.measurement)
             paths["record"] = profiler.save(
                 args.record, workload=workload.to_dict(),
                 what=f"every measurement of `kareus optimize` on {workload.describe()} with "

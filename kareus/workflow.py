@@ -2,10 +2,14 @@
 
 :func:`optimize` is what ``kareus optimize`` runs and what notebooks call:
 
-1. build the workload's partition types (:func:`kareus.model.build_partitions`);
+1. build the partition types kareus searches (:func:`kareus.compose.kareus_types`): the
+   workload's (nanobatched) types and, when the workload splits microbatches, the unsplit
+   ones too (keyed ``<type>@n1``), so that kareus can run a computation unsplit where
+   nanobatching does not pay;
 2. search each type's full configuration space with :class:`MultiPassSearch` (its initial
    design starts with the baselines' own configurations; every measurement is appended to
-   a JSONL log per type, so a killed run resumes where it stopped);
+   a JSONL log per type, ``search-<key>.jsonl``, so a killed run resumes where it
+   stopped);
 3. compose the five systems (Megatron-LM, nanobatching, Perseus, nanobatching + Perseus,
    kareus) through the same microbatch and iteration composers
    (:func:`kareus.compose.compose_systems`);
@@ -44,6 +48,7 @@ from kareus.compose.systems import (
     AnyMicrobatchComposer,
     SystemsResult,
     compose_systems,
+    kareus_types,
 )
 from kareus.errors import InfeasibleError, OutputError
 from kareus.model.gpu import get_gpu
@@ -117,11 +122,14 @@ class OptimizationResult:
     Attributes:
         workload: The workload optimised.
         gpu: GPU preset name.
-        partitions: The workload's partition types (kareus's view, with nanobatching).
+        partitions: The workload's partition types (with its nanobatching; kareus also
+            searches the unsplit ones, :func:`~kareus.compose.kareus_types`).
         composition: The five systems' composition (kareus and the four it is compared
             with): their iteration frontiers and what they were built from.
         wall_s: Wall time of the whole run.
-        profiles: Profiles (measurements) made by kareus's searches, per partition type.
+        profiles: Profiles (measurements) made by kareus's searches, per partition type
+            key (:func:`~kareus.compose.kareus_type_key`: the unsplit types as
+            ``<type>@n1``).
     """
 
     workload: Workload
@@ -142,7 +150,8 @@ class OptimizationResult:
         return self.composition.frontiers["kareus"]
 
     def partition_frontiers(self) -> dict[str, PartitionFrontier]:
-        """kareus's partition frontiers, per type."""
+        """kareus's partition frontiers, per type key (the unsplit types as ``<type>@n1``;
+        a frontier's ``partition`` is the type's own name)."""
         return self.composition.partitions["kareus"]
 
     def _summary(self, name: str, point: IterationPoint) -> SystemSummary:
@@ -397,7 +406,7 @@ def optimize(
         profiler: Where measurements come from; ``None`` = the embedded
             :class:`~kareus.exec.emulator.EmulatedProfiler` (1% noise, ``seed``).
         budget: Profiles per partition type for kareus's search (it may stop earlier once
-            the measured front stops improving).
+            the measured front stops improving), the unsplit types included.
         batch_size: Profiles per search batch; ``None`` = the search's default.
         seed: Seed of the searches (and of the emulator's noise).
         log_dir: Where each type's search log (``search-<type>.jsonl``) goes; an existing log
@@ -458,9 +467,10 @@ def optimize(
     check_memory(workload, profiler.gpu, schedule=schedule)  # before any long work
     start = time.monotonic()
     pset = build_partitions(workload)
-    _log.info("optimising %s on %s with %s: %d partition types, budget %d each",
+    types = kareus_types(workload)
+    _log.info("optimising %s on %s with %s: %d partition types (%d unsplit), budget %d each",
               workload.describe(), profiler.gpu.name, type(profiler).__name__,
-              len(pset.types), budget)
+              len(types), len(types) - len(pset.types), budget)
     log_path = Path(log_dir) if log_dir is not None else None
     guard = contextlib.ExitStack()
     if log_path is not None and not is_held(log_path):
@@ -481,9 +491,9 @@ def optimize(
 
             frontiers, profiles = run_searches(executor, profiler, pset, budget=budget,
                                                batch_size=batch_size, seed=seed, log_dir=log_path,
-                                               surrogate=template)
+                                               surrogate=template, types=types)
         else:
-            for name, part in pset.types.items():
+            for name, part in types.items():
                 frontiers[name] = _search_type(
                     MultiPassSearch, profiler, part, budget=budget, batch_size=batch_size,
                     seed=seed, log=None if log_path is None else log_path / f"search-{name}.jsonl",

@@ -51,11 +51,14 @@ def test_optimize_small_workload_writes_results(tmp_path, capsys):
     plan = Plan.load(tmp_path / "out" / "plan.json")
     assert plan.time_s == k["time_s"]
     logs = sorted((tmp_path / "out" / "logs").glob("search-*.jsonl"))
-    assert len(logs) == 4
+    # the workload's 4 nanobatched types and its 4 unsplit ones (<type>@n1)
+    assert len(logs) == 8 and sum(p.name.endswith("@n1.jsonl") for p in logs) == 4
+    assert set(res["profiles_per_partition_type"]) == {p.name[7:-6] for p in logs}
     assert (tmp_path / "out" / "frontier.png").stat().st_size > 1000
-    # show prints the plan in words.
+    # show prints the plan in words, with each computation's nanobatches.
     assert main(["show", str(tmp_path / "out" / "plan.json")]) == 0
-    assert "partition configurations" in capsys.readouterr().out
+    shown = capsys.readouterr().out
+    assert "partition configurations" in shown and "nanobatches per stage" in shown
     # Running again resumes from the logs: kareus's searches re-measure nothing.
     sizes = [len(p.read_text().splitlines()) for p in logs]
     assert main(_small(tmp_path)) == 0

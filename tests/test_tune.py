@@ -150,9 +150,11 @@ def test_every_rank_issues_the_same_collectives_and_rank_0_writes_the_job(tmp_pa
     out = tmp_path / "out"
     for name in ("results.json", "plan.json", "tune.json", "kareus-manifest.json"):
         assert (out / name).is_file(), name
-    pset_types = set(reports[0].result.partitions.types)
+    # kareus's types: the nanobatched ones and the unsplit ones (keyed <type>@n1)
+    kareus_keys = set(reports[0].result.partition_frontiers())
+    assert kareus_keys > set(reports[0].result.partitions.types)
     assert {p.name[len("search-"):-len(".jsonl")] for p in (out / "logs").glob("search-*.jsonl")
-            } == pset_types
+            } == kareus_keys
     plan = Plan.load(out / "plan.json")
     assert set(plan.frequencies_mhz.values()) == {1980}
     results = json.loads((out / "results.json").read_text())

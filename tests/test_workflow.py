@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from kareus.compose import system_configs
+from kareus.compose import kareus_types, system_configs
 from kareus.errors import InfeasibleError
 from kareus.model import ConfigSpace, Workload
 from kareus.workflow import iso_energy_time_saving, iso_time_energy_saving, optimize
@@ -18,11 +18,18 @@ def result():
 
 
 def test_searches_start_from_the_baselines_configurations(result):
+    types = kareus_types(result.workload)
+    # kareus searches the nanobatched types and the unsplit ones (keyed <type>@n1)
+    assert set(result.partition_frontiers()) == set(types)
+    assert set(result.partitions.types) < set(types)
     for name, pf in result.partition_frontiers().items():
-        part = result.partitions[name]
+        part = types[name]
+        assert pf.partition == part.name == name.split("@")[0]
         measured = {o.config for o in pf.measured()}
         anchors = system_configs(ConfigSpace(part, "h200-sxm"))
-        assert len(anchors) == 2 and set(anchors) <= measured
+        # Megatron-LM's (sequential) and nanobatching's (first slot); unsplit: sequential only
+        assert len(anchors) == (1 if name.endswith("@n1") else 2)
+        assert set(anchors) <= measured
         assert len(measured) <= 10
 
 

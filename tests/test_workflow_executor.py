@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from kareus.compose import kareus_types
 from kareus.exec.emulator import EmulatedProfiler
 from kareus.interop.ray import RayExecutor
 from kareus.interop.tasks import SearchTask, task_gpus
@@ -70,7 +71,7 @@ class _Reversed(Executor):
     def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Future[Any]:
         fut: Future[Any] = Future()
         self.tasks.append((fut, lambda: fn(*args, **kwargs)))
-        if len(self.tasks) == len(build_partitions(WL).types):
+        if len(self.tasks) == len(kareus_types(WL)):  # the nanobatched and unsplit types
             for f, call in reversed(self.tasks):
                 f.set_result(call())
         return fut

@@ -11,7 +11,9 @@
   type; versioned JSON with a digest. :func:`evaluate_plan` recomputes a plan's figures
   from its parts.
 - :func:`compose_systems`: the five :data:`SYSTEMS` (megatron, nanobatching, perseus,
-  nanobatching+perseus and kareus) through the same machinery.
+  nanobatching+perseus and kareus) through the same machinery; kareus composes the
+  workload's nanobatched and unsplit partition sets (:func:`kareus_partition_sets`) and
+  takes, per computation, the Pareto union of the two.
 
 Modules whose names start with an underscore are implementation; import their public
 names from here.
@@ -39,6 +41,9 @@ from kareus.compose.systems import (
     compose_systems,
     default_search,
     exhaustive_search,
+    kareus_partition_sets,
+    kareus_type_key,
+    kareus_types,
     system_configs,
 )
 
@@ -63,6 +68,9 @@ __all__ = [
     "default_search",
     "evaluate_plan",
     "exhaustive_search",
+    "kareus_partition_sets",
+    "kareus_type_key",
+    "kareus_types",
     "measure_outside_work",
     "solve_time_cost",
     "system_configs",

@@ -13,8 +13,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from kareus.compose.plan import Plan
+from kareus.compose.systems import kareus_type_key
 from kareus.model.measurement import Measurement
-from kareus.model.partition import PartitionSet
+from kareus.model.partition import PartitionSet, build_partitions
 from kareus.model.pipeline import Computation, PipelineSchedule, one_f_one_b
 from kareus.search import Observation, PartitionFrontier
 
@@ -35,9 +36,15 @@ def evaluate_plan(plan: Plan, *, frontiers: Mapping[str, PartitionFrontier],
     the energy is every computation's dynamic energy (scaled by ``energy_scale``, default
     the DP degree) plus ``static_power_w`` x time.
 
+    A computation whose choice splits the microbatch in another number of nanobatches than
+    ``partitions``'s workload (kareus's unsplit computations) counts the partition types of
+    that split, whose frontiers ``frontiers`` holds under
+    :func:`~kareus.compose.systems.kareus_type_key` (``<type>@n1``), as kareus's partition
+    frontiers are keyed.
+
     Args:
         plan: The plan.
-        frontiers: Partition type name -> its frontier (the observations the plan chose).
+        frontiers: Partition type key -> its frontier (the observations the plan chose).
         partitions: The partition set of the plan's workload (counts per phase).
         outside: Measurements of the work outside partitions per ``(stage, phase)`` and
             frequency; ``None`` = no outside work.
@@ -67,15 +74,22 @@ def evaluate_plan(plan: Plan, *, frontiers: Mapping[str, PartitionFrontier],
                 lookup[(tname, o.config)] = o
             for o in pf.front_at(f):
                 lookup[(tname, o.config)] = o
+    base = partitions.workload
+    counts_of: dict[int | None, dict[str, dict[str, int]]] = {None: partitions.counts,
+                                                             base.nanobatches: partitions.counts}
     durations: dict[Computation, float] = {}
     dyn = 0.0
     for c in schedule.nodes:
         ch = plan.choice(c)
+        n = ch.nanobatches
+        if n not in counts_of:
+            counts_of[n] = build_partitions(base.with_(nanobatches=n)).counts
         t = e = 0.0
-        for tname, count in partitions.counts[c.phase].items():
+        for tname, count in counts_of[n][c.phase].items():
             if count <= 0:
                 continue
-            o = lookup[(tname, ch.config(tname))]
+            key = tname if n is None else kareus_type_key(tname, n, base)
+            o = lookup[(key, ch.config(tname))]
             t += count * o.time_s
             e += count * o.dynamic_energy_j
         if outside is not None:

@@ -8,8 +8,9 @@ limits on labels, names and the number of computations); the GPU known, every cl
 it supports and every SM count one it has; the workload a valid preset workload (or a
 model architecture) whose pipeline matches the plan's stages and microbatches; the energy
 the sum of its parts; the computations exactly those of the schedule; every choice used;
-every partition type of the workload chosen exactly once per microbatch computation, at
-one of its launch slots; and last the digest against the content. Any problem raises a
+every partition type of the workload (split in the choice's nanobatches, where it records
+them) chosen exactly once per microbatch computation, at one of its launch slots; and last
+the digest against the content. Any problem raises a
 :class:`~kareus.errors.PlanError` in one line naming the source and the field
 (``_err``).
 """
@@ -97,8 +98,11 @@ def _str(value: Any, source: str, field: str, max_len: int) -> str:
 def _parse_choice(d: Any, field: str, gpu: Any, source: str) -> MicrobatchChoice:
     d = _obj(d, source, field)
     _keys(d, ("freq_mhz", "predicted", "configs"),
-          frozenset(("freq_mhz", "predicted", "configs")), source, field)
+          frozenset(("freq_mhz", "nanobatches", "predicted", "configs")), source, field)
     freq = _int(d["freq_mhz"], source, f"{field}.freq_mhz", 1, 100_000)
+    # Absent in plan files written before choices recorded it: the workload's count.
+    nanobatches = (None if "nanobatches" not in d else
+                   _int(d["nanobatches"], source, f"{field}.nanobatches", 1, 100_000_000))
     if gpu is not None and not gpu.supports_clock(freq):
         raise _err(source, f"{field}.freq_mhz", f"{freq} MHz is not a supported SM clock of "
                    f"{gpu.name} ({gpu.min_clock_mhz}..{gpu.max_clock_mhz} MHz)")
@@ -128,7 +132,8 @@ def _parse_choice(d: Any, field: str, gpu: Any, source: str) -> MicrobatchChoice
                                        backend=backend)
         except (KareusError, ValueError, TypeError) as exc:
             raise _err(source, where, str(exc)) from None
-    return MicrobatchChoice(freq_mhz=freq, configs=out, predicted=predicted)
+    return MicrobatchChoice(freq_mhz=freq, configs=out, predicted=predicted,
+                            nanobatches=nanobatches)
 
 
 def _parse_workload(w: Any, source: str) -> Any:
@@ -243,19 +248,31 @@ def _parse_plan(cls: type[Plan], d: Any, source: str) -> Plan:  # noqa: C901 - v
     unused = sorted(set(range(len(choices))) - set(assignment.values()))
     if unused:
         raise _err(source, f"choices[{unused[0]}]", "is used by no computation")
-    per_phase, slots = _expected_types(workload)
+    # Each choice names the partition types of the workload split in its nanobatches.
+    expected = []
+    for i, ch in enumerate(choices):
+        split = workload
+        if ch.nanobatches is not None and ch.nanobatches != workload.nanobatches:
+            try:
+                split = workload.with_(nanobatches=ch.nanobatches)
+            except (KareusError, ValueError) as exc:
+                raise _err(source, f"choices[{i}].nanobatches", str(exc)) from None
+        expected.append(_expected_types(split))
     for k in sorted(assignment, key=Computation.from_key):
         i = assignment[k]
         phase = k.rsplit(".", 1)[1]
         have = set(choices[i].types)
-        want = per_phase.get(phase, frozenset())
+        want = expected[i][0].get(phase, frozenset())
         if have != want:
             lack, extra = sorted(want - have), sorted(have - want)
+            split_words = ("" if choices[i].nanobatches is None else
+                           f" split in {choices[i].nanobatches} nanobatch(es)")
             raise _err(source, f"choices[{i}].configs", f"computation {k} needs exactly the "
-                       f"partition types {sorted(want)} of the workload"
+                       f"partition types {sorted(want)} of the workload{split_words}"
                        + (f"; missing {lack}" if lack else "")
                        + (f"; unknown here {extra}" if extra else ""))
     for i, ch in enumerate(choices):
+        slots = expected[i][1]
         for name, cfg in ch.configs:
             allowed = slots[name]
             if cfg.launch_slot is None:

@@ -15,6 +15,12 @@ Pareto points after each addition, which is exact: a combination that uses a dom
 partial sum is itself dominated. Work is O(sum of |front_k| x |partial front|) per
 frequency instead of the product of the front sizes.
 
+Every choice records the nanobatch count of the partition set it was composed from
+(``partitions.workload.nanobatches``). Kareus composes two sets, the workload's nanobatched
+types and its unsplit (one nanobatch) types, and takes the Pareto union of the two
+frontiers of each computation (:func:`kareus.compose.systems.compose_systems`,
+:meth:`MicrobatchFrontier.union`).
+
 By default only measured points are used; a frequency at which a type has no
 measurement is skipped. With ``include_predicted=True`` the surrogate's predicted
 points stand in for such types, and the resulting microbatch points are marked
@@ -185,6 +191,7 @@ class MicrobatchComposer(
         scale = (float(partitions.workload.parallelism.dp) if energy_scale is None
                  else float(energy_scale))
         pp = partitions.workload.parallelism.pp
+        nanobatches = partitions.workload.nanobatches  # recorded in every choice
         out: dict[tuple[int, str], MicrobatchFrontier] = {}
         for phase in ("fwd", "bwd"):
             counts = {t: c for t, c in sorted(partitions.counts[phase].items()) if c > 0}
@@ -223,7 +230,7 @@ class MicrobatchComposer(
                     for row in picks.tolist():
                         choices.append(MicrobatchChoice._trusted(
                             f, tuple(c[i] for c, i in zip(cfgs, row)),
-                            any(p[i] for p, i in zip(preds, row))))
+                            any(p[i] for p, i in zip(preds, row)), nanobatches))
                     per_freq[f] = (T, E, choices)
             built: dict[tuple[tuple[int, float, float], ...], MicrobatchFrontier] = {}
             for stage in range(pp):

@@ -1,8 +1,9 @@
 """The frontier of one microbatch computation (the forward or the backward of one stage).
 
 A :class:`MicrobatchFrontier` holds the time-energy trade-offs of one microbatch
-computation: each point is a :class:`~kareus.compose.plan.MicrobatchChoice` (a frequency
-and one configuration per partition type) with its time and *dynamic* energy. Static
+computation: each point is a :class:`~kareus.compose.plan.MicrobatchChoice` (a frequency,
+a nanobatch count and one configuration per partition type) with its time and *dynamic*
+energy. Static
 energy is charged once, at iteration level, for the whole iteration (bubbles included),
 so microbatch points compare on dynamic energy.
 
@@ -56,6 +57,12 @@ class MicrobatchPoint:
         """Whether the point is built on surrogate predictions (not only measurements)."""
         return self.choice.predicted
 
+    @property
+    def nanobatches(self) -> int | None:
+        """The nanobatches the choice splits the microbatch into (1: unsplit); ``None``
+        when the choice does not record it (the workload's count)."""
+        return self.choice.nanobatches
+
 
 @attrs.frozen(kw_only=True)
 class MicrobatchFrontier:
@@ -83,6 +90,41 @@ class MicrobatchFrontier:
         pts = pareto_points(allp, attrgetter("time_s", "dynamic_energy_j"))
         return cls(stage=stage, phase=phase, by_freq=dict(sorted(fronts.items(), reverse=True)),
                    points=pts)
+
+    @classmethod
+    def union(cls, frontiers: Sequence[MicrobatchFrontier]) -> MicrobatchFrontier:
+        """The Pareto union of frontiers of one computation: at every frequency the Pareto
+        points of all their points there, and the joint front over those.
+
+        Kareus composes each computation twice, from the nanobatched partition types and
+        from the unsplit ones; the union lets each point be either, its choice recording
+        its nanobatch count. Of points with exactly equal time and energy, the one of the
+        earlier frontier is kept.
+
+        Args:
+            frontiers: At least one frontier, all of the same stage and phase.
+
+        Returns:
+            The union frontier.
+
+        Raises:
+            ValueError: no frontier, or frontiers of different computations.
+        """
+        frs = list(frontiers)
+        if not frs:
+            raise ValueError("union needs at least one microbatch frontier")
+        stage, phase = frs[0].stage, frs[0].phase
+        other = [(f.stage, f.phase) for f in frs if (f.stage, f.phase) != (stage, phase)]
+        if other:
+            raise ValueError(f"union of frontiers of different computations: stage {stage} "
+                             f"{phase} and {other}")
+        merged: dict[int, list[MicrobatchPoint]] = {}
+        for fr in frs:
+            for f, pts in fr.by_freq.items():
+                merged.setdefault(f, []).extend(pts)
+        key = attrgetter("time_s", "dynamic_energy_j")
+        return cls.from_fronts(stage, phase, {f: pareto_points(pts, key)
+                                              for f, pts in merged.items()})
 
     @property
     def freqs_mhz(self) -> list[int]:

@@ -7,8 +7,12 @@ configuration (communication SMs, launch slot) of every partition type inside it
 A microbatch computation runs at one frequency, and every instance of a partition
 type inside it shares one configuration. Different computations may run at different
 frequencies, so the plan stores the distinct *microbatch choices* once
-(:class:`MicrobatchChoice`: a frequency and one configuration per partition type) and
-maps each computation to one of them.
+(:class:`MicrobatchChoice`: a frequency, the number of nanobatches the microbatch is split
+into, and one configuration per partition type of that split) and maps each computation
+to one of them. A computation may run its microbatch unsplit (one nanobatch: the
+partition types of ``workload.with_(nanobatches=1)``, sequential) while others split it
+in the workload's nanobatches; a choice without a recorded count (a plan file written
+before choices recorded one) runs the workload's count.
 
 Files are JSON, never executable code. Every file carries ``version`` and a SHA-256
 ``digest`` of its canonical content; ranks compare digests before use, so that every
@@ -72,20 +76,31 @@ def _assignment_dict(value: Mapping[str, int]) -> dict[str, int]:
 
 @attrs.frozen(kw_only=True)
 class MicrobatchChoice:
-    """One way to run a microbatch computation: a frequency and a configuration per type.
+    """One way to run a microbatch computation: a frequency, a nanobatch count and a
+    configuration per partition type.
 
     Attributes:
         freq_mhz: The SM clock of the whole computation.
         configs: ``(partition type, ScheduleConfig)`` pairs, sorted by type name; every
-            config runs at ``freq_mhz``. Build from a dict; read with :meth:`config`.
+            config runs at ``freq_mhz``. Build from a dict; read with :meth:`config`. The
+            types are those of the workload split in ``nanobatches`` (the same type name
+            may mean another partition under another count: ``fwd_mlp`` unsplit is the
+            MLP with its own collective after it, nanobatched it overlaps the collective
+            of the nanobatch before).
         predicted: Whether any part of it rests on a surrogate prediction, not a measurement.
+        nanobatches: Parts the microbatch is split into (1: unsplit); ``None`` = the
+            workload's count (what a plan file written before choices recorded it means).
     """
 
     freq_mhz: int = attrs.field(converter=int)
     configs: tuple[tuple[str, ScheduleConfig], ...] = attrs.field(converter=_configs_converter)
     predicted: bool = False
+    nanobatches: int | None = None
 
     def __attrs_post_init__(self) -> None:
+        n = self.nanobatches
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"nanobatches must be a whole number >= 1 or None, got {n!r:.40}")
         for name, cfg in self.configs:
             if not isinstance(cfg, ScheduleConfig):
                 raise TypeError(f"config of {name!r} must be a ScheduleConfig, "
@@ -96,13 +111,14 @@ class MicrobatchChoice:
 
     @classmethod
     def _trusted(cls, freq_mhz: int, configs: tuple[tuple[str, ScheduleConfig], ...],
-                 predicted: bool) -> MicrobatchChoice:
+                 predicted: bool, nanobatches: int | None = None) -> MicrobatchChoice:
         """Build without conversion or checks (``configs`` already sorted by type name, every
         config at ``freq_mhz``): the composer makes thousands of these."""
         obj = object.__new__(cls)
         object.__setattr__(obj, "freq_mhz", freq_mhz)
         object.__setattr__(obj, "configs", configs)
         object.__setattr__(obj, "predicted", predicted)
+        object.__setattr__(obj, "nanobatches", nanobatches)
         return obj
 
     @property
@@ -122,8 +138,12 @@ class MicrobatchChoice:
         return dict(self.configs)
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON form: ``{"freq_mhz", "predicted", "configs"}`` (:meth:`from_dict` reads it)."""
-        return {"freq_mhz": self.freq_mhz, "predicted": self.predicted,
+        """The JSON form: ``{"freq_mhz", "nanobatches", "predicted", "configs"}``
+        (:meth:`from_dict` reads it); ``nanobatches`` only when it is recorded, so a plan
+        file written before choices recorded it keeps its digest."""
+        return {"freq_mhz": self.freq_mhz,
+                **({} if self.nanobatches is None else {"nanobatches": self.nanobatches}),
+                "predicted": self.predicted,
                 "configs": {name: {"comm_sms": c.comm_sms, "launch_slot": c.launch_slot,
                                    **({} if c.backend is None else {"backend": c.backend})}
                             for name, c in self.configs}}
@@ -133,7 +153,8 @@ class MicrobatchChoice:
         """Build and validate a choice from its dict form.
 
         Args:
-            d: The dict (``{"freq_mhz", "predicted", "configs"}``).
+            d: The dict (``{"freq_mhz", "predicted", "configs"}`` and, optionally,
+                ``"nanobatches"``).
             field: Where it sits in the plan, for messages (``"choices[2]"``).
             gpu: A :class:`~kareus.model.gpu.GPUSpec` to check the clock and SM counts
                 against; ``None`` checks types and signs only.
@@ -150,7 +171,9 @@ class MicrobatchChoice:
         parts = ", ".join(f"{n}: {c.comm_sms} SMs @ {c.launch_slot or 'sequential'}"
                           + (f" on {c.backend}" if c.backend is not None else "")
                           for n, c in self.configs)
-        return f"{self.freq_mhz} MHz [{parts}]{' (predicted)' if self.predicted else ''}"
+        split = "" if self.nanobatches is None else f", {_nanobatch_words(self.nanobatches)}"
+        return (f"{self.freq_mhz} MHz{split} [{parts}]"
+                f"{' (predicted)' if self.predicted else ''}")
 
 
 @attrs.frozen(kw_only=True)
@@ -208,11 +231,53 @@ class Plan:
         """The configuration of ``partition_type`` inside ``computation``."""
         return self.choice(computation).config(partition_type)
 
-    def partition_configs(self) -> dict[str, tuple[ScheduleConfig, ...]]:
-        """Every partition type's distinct configurations (one per frequency it runs at)."""
+    def nanobatches(self, computation: Computation | str) -> int:
+        """The nanobatches a computation splits its microbatch into (1: unsplit).
+
+        A choice that records no count (a plan file written before choices recorded it)
+        runs the workload's count.
+
+        Raises:
+            PlanError: the plan has no such computation, or neither the choice nor the
+                plan's workload gives a count.
+        """
+        choice = self.choice(computation)
+        n = self._count_of(choice)
+        if n is None:
+            key = computation.key() if isinstance(computation, Computation) else computation
+            raise PlanError(f"the plan records no nanobatch count for computation {key} and "
+                            "no workload to take it from: make the plan with kareus optimize")
+        return n
+
+    def _count_of(self, choice: MicrobatchChoice) -> int | None:
+        """A choice's nanobatch count: its own, else the workload's, else ``None``."""
+        if choice.nanobatches is not None:
+            return choice.nanobatches
+        n = (self.workload or {}).get("nanobatches")
+        return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else None
+
+    @property
+    def nanobatch_counts(self) -> tuple[int, ...]:
+        """The distinct nanobatch counts the computations run, largest first (a count
+        the plan does not give is left out)."""
+        counts = {self._count_of(self.choices[i]) for i in set(self.assignment.values())}
+        return tuple(sorted((n for n in counts if n is not None), reverse=True))
+
+    def partition_configs(self, *, nanobatches: int | None = None
+                          ) -> dict[str, tuple[ScheduleConfig, ...]]:
+        """Every partition type's distinct configurations (one per frequency it runs at).
+
+        Args:
+            nanobatches: Only the computations that split their microbatch in this many
+                nanobatches (their partition types are those of that split); ``None`` =
+                every computation (a type name that two splits share then gathers the
+                configurations of both).
+        """
         used = sorted(set(self.assignment.values()))
         out: dict[str, set[ScheduleConfig]] = {}
         for i in used:
+            if nanobatches is not None and self._count_of(self.choices[i]) != nanobatches:
+                continue
             for name, cfg in self.choices[i].configs:
                 out.setdefault(name, set()).add(cfg)
         return {name: tuple(sorted(cfgs, reverse=True)) for name, cfgs in sorted(out.items())}
@@ -348,9 +413,23 @@ class Plan:
                               if k.startswith(f"s{s}.") and k.endswith(phase))
                 txt = ", ".join(f"{f}: {n}" for f, n in sorted(cnt.items(), reverse=True))
                 lines.append(f"    stage {s} {phase}  {txt}")
-        lines.append("  partition configurations (MHz, comm SMs, launch slot)")
-        for name, cfgs in self.partition_configs().items():
-            lines.append(f"    {name}: " + "; ".join(str(c) for c in cfgs))
+        counts = self.nanobatch_counts
+        if counts:
+            lines.append("  nanobatches per stage (nanobatches: computations; 1 = unsplit)")
+            for s in range(self.num_stages):
+                for phase in ("fwd", "bwd"):
+                    splits = Counter(self._count_of(self.choices[i])
+                                     for k, i in self.assignment.items()
+                                     if k.startswith(f"s{s}.") and k.endswith(phase))
+                    txt = ", ".join(f"{'?' if n is None else n}: {c}" for n, c in
+                                    sorted(splits.items(), key=lambda nc: -(nc[0] or 0)))
+                    lines.append(f"    stage {s} {phase}  {txt}")
+        groups: tuple[int | None, ...] = counts if len(counts) > 1 else (None,)
+        for n in groups:
+            split = "" if n is None else f", {_nanobatch_words(n)}"
+            lines.append(f"  partition configurations{split} (MHz, comm SMs, launch slot)")
+            for name, cfgs in self.partition_configs(nanobatches=n).items():
+                lines.append(f"    {name}: " + "; ".join(str(c) for c in cfgs))
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -359,6 +438,11 @@ class Plan:
         return (f"Plan({self.label + ': ' if self.label else ''}{self.gpu}, {self.schedule} "
                 f"{self.num_stages}x{self.num_microbatches}, {self.time_s:.4f} s, "
                 f"{self.energy_j:.1f} J, {rng}, digest {self.digest[:12]})")
+
+
+def _nanobatch_words(n: int) -> str:
+    """``"unsplit"`` for one nanobatch, else ``"n nanobatches"``."""
+    return "unsplit" if n == 1 else f"{n} nanobatches"
 
 
 def _digest(content: Mapping[str, Any]) -> str:

@@ -4,23 +4,48 @@ Every system below is a restriction of kareus's configuration space, measured wi
 same profiler and composed with the same :class:`MicrobatchComposer` and
 :class:`IterationComposer`, so differences come only from what each may choose:
 
-==========================  ==================  ==========================  ===================
-system                      launch              communication SMs           frequency
-==========================  ==================  ==========================  ===================
-``megatron``                sequential          ``gpu.default_comm_sms``    maximum clock
-``nanobatching``            first slot          ``gpu.default_comm_sms``    maximum clock
-``perseus``                 sequential          ``gpu.default_comm_sms``    per computation
-``nanobatching+perseus``    first slot          ``gpu.default_comm_sms``    per computation
-``kareus``                  searched            searched                    jointly searched
-==========================  ==================  ==========================  ===================
+========================  ===========  ==================  ====================  ===============
+system                    nanobatches  launch              communication SMs     frequency
+========================  ===========  ==================  ====================  ===============
+``megatron``              1            sequential          ``default_comm_sms``  maximum clock
+``nanobatching``          n            first slot          ``default_comm_sms``  maximum clock
+``perseus``               1            sequential          ``default_comm_sms``  per computation
+``nanobatching+perseus``  n            first slot          ``default_comm_sms``  per computation
+``kareus``                n or 1, per  searched (n),       searched              jointly
+                          computation  sequential (1)                            searched
+========================  ===========  ==================  ====================  ===============
 
 The sequential systems run the workload without nanobatching (``nanobatches=1``): each
 microbatch's collectives follow the computation that produces their input, as in
 Megatron-LM. The nanobatching systems split each microbatch in the workload's number of
-nanobatches (2 if the workload has 1) and launch every collective with the first
+nanobatches n (2 if the workload has 1) and launch every collective with the first
 computation op it may overlap. The restricted spaces are small, so they are measured
 exhaustively; kareus's full space is searched by an injectable search function (by
 default :class:`kareus.search.MultiPassSearch`).
+
+Kareus's space holds unsplit execution too, so that where nanobatching does not pay
+(small partitions whose split costs more than the overlap hides) kareus is never worse
+than Megatron-LM: with a workload of n >= 2 nanobatches it searches two partition sets
+(:func:`kareus_partition_sets`), the workload's nanobatched types (frequency x
+communication SMs x launch slot, plus sequential) and the unsplit types of
+``workload.with_(nanobatches=1)`` (frequency x communication SMs, sequential: Megatron-LM's
+and Perseus's space with the SM count searched too). Both sets are composed with the same
+microbatch composer, each on its own, and each computation's microbatch frontier is the
+Pareto union of the two (:meth:`MicrobatchFrontier.union`); every point's choice records its
+nanobatch count, so a plan may run some computations split and others unsplit. The union
+is taken here rather than inside the composer because a computation runs one split
+throughout (its partition types are those of the split), so the space is exactly the union
+of two single-split compositions, and any :class:`FrontierComposer` of one partition set
+keeps working unchanged. The unsplit types share their names with Megatron-LM's (and some
+with the nanobatched types: ``fwd_mlp``), so kareus keys them ``<type>@n1``
+(:func:`kareus_type_key`) in its partition frontiers, its search logs
+(``search-<type>@n1.jsonl``) and results; the partitions themselves keep their names, so
+profilers and recordings see the same partitions Megatron-LM's baseline measures, and one
+measurement serves both. A workload of one nanobatch has one set, as before. Kareus's
+iteration frontier is the Pareto union of the iteration compositions of the union, of each
+set alone and of the systems' own configurations alone (:func:`_compose_iteration` says why):
+the iteration composer is a heuristic, and this keeps kareus's frontier never worse than
+either set alone, nor than Megatron-LM's and nanobatching's plans.
 
 Energy scope: iteration energies cover every GPU of the job (see :mod:`kareus.compose`).
 """
@@ -48,7 +73,8 @@ from kareus.search import MultiPassSearch, Observation, PartitionFrontier, syste
 
 __all__ = ["SYSTEMS", "AnyIterationComposer", "AnyMicrobatchComposer", "SearchFn",
            "SystemsResult", "baseline_space", "compose_systems", "default_search",
-           "exhaustive_search", "system_configs"]
+           "exhaustive_search", "kareus_partition_sets", "kareus_type_key", "kareus_types",
+           "system_configs"]
 
 #: Names of the five systems, in the order they are reported (the four baselines, then kareus).
 SYSTEMS = ("megatron", "nanobatching", "perseus", "nanobatching+perseus", "kareus")
@@ -210,6 +236,170 @@ def baseline_space(name: str, partition: Partition, gpu: str | GPUSpec,
                        include_sequential=None in slots)
 
 
+def kareus_partition_sets(workload: Workload) -> tuple[PartitionSet, ...]:
+    """The partition sets kareus searches and composes for a workload.
+
+    Args:
+        workload: The training workload.
+
+    Returns:
+        The workload's own set and, when it splits microbatches (``nanobatches >= 2``), the
+        unsplit set of ``workload.with_(nanobatches=1)`` after it.
+
+    Raises:
+        WorkloadError: the workload has no collective to schedule (TP = CP = 1).
+    """
+    sets = [build_partitions(workload)]
+    if workload.nanobatches > 1:
+        sets.append(build_partitions(workload.with_(nanobatches=1)))
+    return tuple(sets)
+
+
+def kareus_type_key(partition_type: str, nanobatches: int, workload: Workload) -> str:
+    """The key of a partition type among kareus's partition frontiers and search logs.
+
+    The workload's own (nanobatched) types keep their names, so logs of earlier runs
+    resume as they are; a type of another split is ``<type>@n<nanobatches>`` (the unsplit
+    ``fwd_mlp`` is ``fwd_mlp@n1``), as the same name may mean another partition there.
+
+    Args:
+        partition_type: The type's name in its partition set.
+        nanobatches: The nanobatch count of its set.
+        workload: The workload optimised.
+
+    Returns:
+        The key.
+    """
+    if nanobatches == workload.nanobatches:
+        return partition_type
+    return f"{partition_type}@n{nanobatches}"
+
+
+def kareus_types(workload: Workload) -> dict[str, Partition]:
+    """Every partition type kareus searches, by its key (:func:`kareus_type_key`): the
+    workload's own types first, then the unsplit ones.
+
+    Args:
+        workload: The training workload.
+
+    Returns:
+        Key -> partition.
+    """
+    return {kareus_type_key(name, pset.workload.nanobatches, workload): part
+            for pset in kareus_partition_sets(workload) for name, part in pset.types.items()}
+
+
+def _with_nanobatches(frontiers: Mapping[tuple[int, str], MicrobatchFrontier], n: int
+                      ) -> dict[tuple[int, str], MicrobatchFrontier]:
+    """``frontiers`` with every choice recording ``n`` nanobatches (a composer of one
+    partition set may leave it out: it is then the set's count).
+
+    Raises:
+        ValueError: a choice records another count than its set's.
+    """
+    out: dict[tuple[int, str], MicrobatchFrontier] = {}
+    for key, fr in frontiers.items():
+        counts = {p.choice.nanobatches for ps in fr.by_freq.values() for p in ps}
+        if counts - {None, n}:
+            raise ValueError(f"the microbatch composer gave stage {key[0]} {key[1]} choices "
+                             f"of {sorted(c for c in counts if c is not None)} nanobatches "
+                             f"from the partition set of {n}")
+        if counts <= {n}:
+            out[key] = fr
+            continue
+        by_freq = {f: [p if p.choice.nanobatches == n else
+                       attrs.evolve(p, choice=attrs.evolve(p.choice, nanobatches=n))
+                       for p in ps] for f, ps in fr.by_freq.items()}
+        out[key] = MicrobatchFrontier.from_fronts(fr.stage, fr.phase, by_freq)
+    return out
+
+
+def _kareus_frontier(key: str, part: Partition, shared: _SharedMeasurements,
+                     search_fn: SearchFn,
+                     given: Mapping[str, PartitionFrontier] | None) -> PartitionFrontier:
+    """Kareus's frontier of one partition type: the one given under ``key`` (its
+    measurements then serve the baselines too), else a search."""
+    if given is not None and key in given:
+        shared.remember(part, given[key])
+        return given[key]
+    pf = search_fn(shared, part)
+    if not isinstance(pf, PartitionFrontier):
+        raise TypeError(f"search returned {type(pf).__name__}, expected a PartitionFrontier")
+    return pf
+
+
+def _union(frontiers: Sequence[Mapping[tuple[int, str], MicrobatchFrontier]]
+           ) -> dict[tuple[int, str], MicrobatchFrontier]:
+    """Per computation, the Pareto union of several sets' microbatch frontiers."""
+    if len(frontiers) == 1:
+        return dict(frontiers[0])
+    return {key: MicrobatchFrontier.union([f[key] for f in frontiers if key in f])
+            for key in frontiers[0]}
+
+
+def _anchored(mbc: AnyMicrobatchComposer, profiler: Profiler, pset: PartitionSet,
+              frontiers: Mapping[str, PartitionFrontier],
+              outside: Mapping[tuple[int, str], Mapping[int, Measurement]]
+              ) -> list[dict[tuple[int, str], MicrobatchFrontier]]:
+    """The microbatch frontiers of one partition set composed from kareus's own
+    measurements of the systems' configurations alone (:func:`system_configs`: Megatron-LM's
+    sequential and nanobatching's first-slot launch, at the maximum clock with NCCL's SM
+    count), which its searches measure first; ``[]`` when a type lacks them (a search of
+    its own that skips them)."""
+    restricted: dict[str, PartitionFrontier] = {}
+    for tname, pf in frontiers.items():
+        anchors = set(system_configs(profiler.space(pset.types[tname])))
+        obs = [o for o in pf.measured() if o.config in anchors]
+        if not obs:
+            return []
+        restricted[tname] = PartitionFrontier.from_observations(pf.partition, pf.gpu, obs)
+    made = mbc.compose(restricted, partitions=pset, outside=outside)
+    return [_with_nanobatches(made, pset.workload.nanobatches)]
+
+
+def _compose_iteration(itc: AnyIterationComposer,
+                       candidates: Sequence[Mapping[tuple[int, str], MicrobatchFrontier]],
+                       **kwargs: Any) -> IterationFrontier:
+    """The iteration frontier of a system: of its microbatch frontiers, or, for kareus, the
+    Pareto union of the iteration frontiers composed from several candidates.
+
+    Kareus's candidates: the union of its partition sets' microbatch frontiers (each
+    computation split or unsplit), each set's alone, and the systems' own configurations
+    alone (:func:`_anchored`). The union's microbatch frontiers hold every other
+    candidate's points, but the iteration composer is a heuristic on a time grid
+    (:class:`IterationComposer`): composing a superset may find a plan a little worse at
+    some iteration times than composing a subset (0.05% of the energy at a few times of the
+    README's job), and a plan whose computations differ from the fastest by less than one
+    time unit may be missed (Megatron-LM's own plan, 0.5% below kareus's energy at its time
+    on an eager emulated H200 at qwen3-1.7b TP=4). With every candidate composed, kareus's
+    frontier is never worse than with either set alone, nor than Megatron-LM's and
+    nanobatching's own plans, which its space holds and its searches measure. The union is
+    composed first, so it wins exact ties; ``stats`` are its composition's, with the number
+    of compositions and their total wall time.
+    """
+    frs = [itc.compose(c, **kwargs) for c in candidates]
+    if len(frs) == 1:
+        return frs[0]
+    stats = {**frs[0].stats, "compositions": len(frs)}
+    if all(isinstance(f.stats.get("wall_s"), float) for f in frs):
+        stats["wall_s"] = sum(f.stats["wall_s"] for f in frs)
+    return IterationFrontier.from_points([pt for f in frs for pt in f.points],
+                                         label=frs[0].label, stats=stats)
+
+
+def _system_partition_sets(name: str, workload: Workload,
+                           cache: dict[Workload, PartitionSet]) -> tuple[PartitionSet, ...]:
+    """The partition sets a system composes (kareus: :func:`kareus_partition_sets`), built
+    once per workload variant so that the systems share them."""
+    if name == "kareus":
+        sets = kareus_partition_sets(workload)
+        return tuple(cache.setdefault(ps.workload, ps) for ps in sets)
+    wl = _system_workload(name, workload)
+    if wl not in cache:
+        cache[wl] = build_partitions(wl)
+    return (cache[wl],)
+
+
 def _system_workload(name: str, workload: Workload) -> Workload:
     if name in _SEQUENTIAL:
         return workload.with_(nanobatches=1)
@@ -226,8 +416,10 @@ class SystemsResult:
         workload: The workload.
         gpu: GPU preset name.
         frontiers: System name -> its iteration frontier.
-        microbatch: System name -> its microbatch frontiers per ``(stage, phase)``.
-        partitions: System name -> its partition frontiers per type.
+        microbatch: System name -> its microbatch frontiers per ``(stage, phase)`` (for
+            kareus, the Pareto union over its partition sets).
+        partitions: System name -> its partition frontiers per type (for kareus, keyed by
+            :func:`kareus_type_key`: the unsplit types as ``<type>@n1``).
     """
 
     workload: Workload
@@ -294,7 +486,8 @@ def compose_systems(workload: Workload, profiler: Profiler, *,
         iteration_composer: Any :class:`FrontierComposer` of microbatch frontiers into an
             iteration frontier, called as ``compose(frontiers, static_power_w=..., gpu=...,
             schedule=..., label=..., workload=...)``; ``None`` = :class:`IterationComposer`.
-        kareus_frontiers: Partition frontiers already searched for kareus (skips the search).
+        kareus_frontiers: Partition frontiers already searched for kareus, by
+            :func:`kareus_type_key` (skips their search).
 
     Returns:
         Every system's iteration frontier, microbatch frontiers and partition frontiers.
@@ -340,36 +533,43 @@ def compose_systems(workload: Workload, profiler: Profiler, *,
     # kareus first, so its search's measurements serve the restricted spaces too.
     for name in sorted(names, key=lambda n: n != "kareus"):
         wl = _system_workload(name, workload)
-        if wl not in pset_cache:
-            pset_cache[wl] = build_partitions(wl)
-        pset = pset_cache[wl]
+        psets = _system_partition_sets(name, workload, pset_cache)
         pfs: dict[str, PartitionFrontier] = {}
-        for tname, part in pset.types.items():
-            if name == "kareus":
-                if kareus_frontiers is not None and tname in kareus_frontiers:
-                    pfs[tname] = kareus_frontiers[tname]
-                    shared.remember(part, pfs[tname])
+        composed: list[dict[tuple[int, str], MicrobatchFrontier]] = []
+        anchored: list[dict[tuple[int, str], MicrobatchFrontier]] = []
+        for pset in psets:
+            n = pset.workload.nanobatches
+            set_pfs: dict[str, PartitionFrontier] = {}
+            for tname, part in pset.types.items():
+                if name == "kareus":
+                    key = kareus_type_key(tname, n, workload)
+                    set_pfs[tname] = pfs[key] = _kareus_frontier(
+                        key, part, shared, search_fn, kareus_frontiers)
                 else:
-                    pf = search_fn(profiler, part)
-                    if not isinstance(pf, PartitionFrontier):
-                        raise TypeError(f"search returned {type(pf).__name__}, "
-                                        "expected a PartitionFrontier")
-                    pfs[tname] = pf
-            else:
-                pfs[tname] = exhaustive_search(profiler, baseline_space(name, part, gpu, grid))
-        used = sorted({o.config.freq_mhz for pf in pfs.values() for o in pf.observations},
-                      reverse=True)
-        outside = measure_outside_work(profiler, pset, used)
-        mf = mbc.compose(pfs, partitions=pset, outside=outside)
-        extra = {}
+                    set_pfs[tname] = pfs[tname] = exhaustive_search(
+                        profiler, baseline_space(name, part, gpu, grid))
+            used = sorted({o.config.freq_mhz for pf in set_pfs.values()
+                           for o in pf.observations}, reverse=True)
+            outside = measure_outside_work(profiler, pset, used)
+            made = mbc.compose(set_pfs, partitions=pset, outside=outside)
+            composed.append(_with_nanobatches(made, n) if name == "kareus" else made)
+            if name == "kareus":
+                anchored += _anchored(mbc, shared, pset, set_pfs, outside)
+        # kareus: each computation split or unsplit, whichever is on the front
+        mf = _union(composed)
+        pset = psets[0]
+        extra: dict[str, Any] = {}
         if not pset.iteration.empty and _takes_tail(itc):
             # Optimizer step and DP gradient reduction, at the default (maximum) clock,
             # over every GPU of the job; the same for every system.
             extra["tail"] = profiler.measure_outside(pset.iteration, gpu.max_clock_mhz,
                                                      group_size=p.world_size)
-        frontiers[name] = itc.compose(mf, static_power_w=static_w, gpu=gpu.name,
-                                      schedule=sched, label=name, workload=wl.to_dict(),
-                                      **extra)
+        candidates = [mf, *composed] if len(composed) > 1 else [mf]
+        if anchored:
+            candidates.append(_union(anchored))
+        frontiers[name] = _compose_iteration(
+            itc, candidates, static_power_w=static_w, gpu=gpu.name, schedule=sched,
+            label=name, workload=wl.to_dict(), **extra)
         micro[name] = mf
         parts_out[name] = pfs
     order = list(names)

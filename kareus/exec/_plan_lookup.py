@@ -3,7 +3,9 @@ gives it.
 
 A :class:`kareus.compose.Plan` sets a frequency per microbatch computation and a
 configuration per partition type inside it, keyed ``"s{stage}.m{microbatch}.{phase}"``
-(:func:`computation_key`). :func:`plan_config` and :func:`plan_frequency` look them up and
+(:func:`computation_key`), and the nanobatches each computation splits its microbatch into
+(1: unsplit, running the partition types of ``workload.with_(nanobatches=1)``).
+:func:`plan_config`, :func:`plan_frequency` and :func:`plan_nanobatches` look them up and
 turn a missing entry into a :class:`~kareus.errors.PlanError` that says what to do; every
 executor (:class:`~kareus.exec.executor.TorchExecutor`, the recording fake of
 ``kareus.testing``) and the training loop read plans through them.
@@ -15,7 +17,8 @@ from kareus.compose import Plan
 from kareus.errors import PlanError
 from kareus.model.config import ScheduleConfig
 
-__all__ = ["ComputationId", "computation_key", "plan_config", "plan_frequency"]
+__all__ = ["ComputationId", "computation_key", "plan_config", "plan_frequency",
+           "plan_nanobatches"]
 
 #: A microbatch computation: ``(stage, microbatch, phase)`` with phase ``"fwd"``/``"bwd"``.
 ComputationId = tuple[int, int, str]
@@ -83,3 +86,24 @@ def plan_frequency(plan: Plan, stage: int, microbatch: int, phase: str) -> int:
         PlanError: the plan has no such computation.
     """
     return int(_require_plan(plan).freq_mhz(computation_key(stage, microbatch, phase)))
+
+
+def plan_nanobatches(plan: Plan, stage: int, microbatch: int, phase: str) -> int:
+    """The nanobatches ``plan`` splits one microbatch computation into (1: unsplit).
+
+    A computation's partition types (what :func:`plan_config` is asked for) are those of
+    the workload split in this many nanobatches. A plan file written before choices
+    recorded the count runs the workload's count.
+
+    Args:
+        plan: The plan.
+        stage: Pipeline stage.
+        microbatch: Microbatch index.
+        phase: ``"fwd"`` or ``"bwd"``.
+
+    Raises:
+        TypeError: ``plan`` is not a :class:`~kareus.compose.Plan`.
+        PlanError: the plan has no such computation, or gives no count for it (a choice
+            without one in a plan without a workload).
+    """
+    return int(_require_plan(plan).nanobatches(computation_key(stage, microbatch, phase)))

@@ -150,9 +150,18 @@ class SearchTask:
 
 def run_searches(executor: Executor, profiler: Profiler, pset: PartitionSet, *, budget: int,
                  batch_size: int | None, seed: int, log_dir: Path | None,
-                 surrogate: Surrogate | None) -> tuple[dict[str, PartitionFrontier],
-                                                       dict[str, int]]:
+                 surrogate: Surrogate | None, types: Mapping[str, Partition] | None = None
+                 ) -> tuple[dict[str, PartitionFrontier], dict[str, int]]:
     """Run every partition type's search as a task of ``executor``; see the module doc.
+
+    Args:
+        executor, profiler, budget, batch_size, seed, surrogate: As
+            :func:`kareus.workflow.optimize` takes them.
+        pset: The workload's partition set (its workload sets the GPUs a task needs).
+        log_dir: The run's log folder (``search-<key>.jsonl`` per type), or ``None``.
+        types: The partition types to search, by key (the key names the task and its
+            log); ``None`` = ``pset.types`` (:func:`kareus.compose.kareus_types` gives
+            kareus's, the unsplit types included).
 
     Returns:
         ``(frontiers, profiles)`` per type, as a serial run gives them; ``profiler``'s call
@@ -166,8 +175,8 @@ def run_searches(executor: Executor, profiler: Profiler, pset: PartitionSet, *, 
         raise TypeError(f"executor must be a concurrent.futures.Executor (a thread or process "
                         f"pool, kareus.interop.ray.RayExecutor, submitit's AutoExecutor), got "
                         f"{type(executor).__name__}")
-    names = list(pset.types)
-    parts: Mapping[str, Partition] = pset.types
+    parts: Mapping[str, Partition] = pset.types if types is None else types
+    names = list(parts)
     base = _call_count(profiler)
     gpus = pset.workload.parallelism.gpus_per_stage
     futures = {}

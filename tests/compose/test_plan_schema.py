@@ -55,7 +55,9 @@ def test_schema_is_shipped_and_names_every_key_of_a_plan(plans):
     for d in plans:
         assert set(d) == set(SCHEMA["properties"]) == set(SCHEMA["required"])
         for ch in d["choices"]:
-            assert set(ch) == set(SCHEMA["$defs"]["choice"]["required"])
+            # kareus writes every choice's nanobatch count; older plans lack it (optional)
+            assert set(ch) == set(SCHEMA["$defs"]["choice"]["properties"])
+            assert set(SCHEMA["$defs"]["choice"]["required"]) == set(ch) - {"nanobatches"}
         if d["workload"] is not None:
             assert set(d["workload"]) == set(SCHEMA["$defs"]["workload"]["required"])
     assert {d["schedule"] for d in plans} == {"1f1b", "gpipe"}
@@ -110,6 +112,9 @@ CORRUPTIONS = {
     "frequency a float": _set("choices/0/freq_mhz", 1410.5),
     "frequency a string": _set("choices/0/freq_mhz", "1410"),
     "predicted a string": _set("choices/0/predicted", "no"),
+    "nanobatches 0": _set("choices/0/nanobatches", 0),
+    "nanobatches a string": _set("choices/0/nanobatches", "2"),
+    "nanobatches a float": _set("choices/0/nanobatches", 1.5),
     "choice extra key": _set("choices/0/note", 1),
     "configs empty": _set("choices/0/configs", {}),
     "assignment empty": _set("assignment", {}),
