@@ -6,7 +6,10 @@ that the emulator can take its inputs from measurements instead:
 
 * per-op time and average power of the runnable partitions' ops, at the clock they ran
   at where it was recorded (:class:`OpProfile`, keyed by workload, partition, op name and
-  kernel set: the production kernels and, e.g., the eager reference formulas);
+  kernel set: the production kernels and, e.g., the eager reference formulas), and the
+  host time of one eager launch of each (``host_s``; how it was measured:
+  :attr:`GPUProfile.host_method`), which decides whether eager execution keeps the GPU
+  fed;
 * the GEMM peak (TFLOP/s) and the HBM bandwidth (GB/s) measured on the same GPU;
 * idle power and static power (a GPU blocked waiting on communication), and power under
   other named loads at the clock observed (:class:`LoadPower`): the power-capped loads sit
@@ -58,6 +61,7 @@ __all__ = [
     "GPUProfile",
     "GPUProfileError",
     "LoadPower",
+    "MAX_HOST_S",
     "MachineInfo",
     "OpProfile",
     "profile_digest",
@@ -68,6 +72,20 @@ PROFILE_FORMAT = "kareus.gpu_profile"
 PROFILE_VERSION = 1
 OP_KINDS = ("gemm", "attention", "elementwise")
 """Op kinds of :class:`OpProfile` (those of the per-op measurement)."""
+MAX_HOST_S = 1.0
+"""Upper bound (exclusive) of :attr:`OpProfile.host_s`, seconds."""
+#: Fields added after version 1 was first written (``OpProfile.host_s``,
+#: ``OpProfile.power_execution``, ``GPUProfile.host_method``), left out of the stored profile
+#: (and of its digest) while at their defaults, so that the files written before them load
+#: and keep their digests.
+_OMIT_AT_DEFAULT = frozenset({"host_s", "power_execution", "host_method"})
+#: Values of :attr:`OpProfile.power_execution`.
+POWER_EXECUTIONS = ("graphed", "eager")
+
+
+def _keep_field(attribute: attrs.Attribute, value: object) -> bool:
+    """The :func:`attrs.asdict` filter of :meth:`GPUProfile.profile_dict`."""
+    return not (attribute.name in _OMIT_AT_DEFAULT and value == attribute.default)
 
 
 class GPUProfileError(KareusError, ValueError):
@@ -191,6 +209,12 @@ class OpProfile:
         power_busy_fraction: Fraction of the power window in which the op was running
             (``None``: not recorded); below 1 the window held launch gaps and ``power_w``
             understates the power while the op runs.
+        host_s: Host seconds of one eager call of the op (``None``: not measured; older
+            profiles have none): how long the host takes to launch it, measured as
+            :attr:`GPUProfile.host_method` says. Below :data:`MAX_HOST_S`.
+        power_execution: How the power loop launched the op: ``"graphed"`` (replays of a
+            CUDA graph of repeated runs) or ``"eager"`` (one launch per run, for ops that
+            do not capture); ``None``: not recorded (older profiles, or no power loop).
     """
 
     workload: str = attrs.field(validator=_name("OpProfile"))
@@ -207,6 +231,24 @@ class OpProfile:
     kernel: str = attrs.field(default="", validator=_text("OpProfile"))
     kernels: str = attrs.field(default="", validator=_text("OpProfile"))
     power_busy_fraction: float | None = attrs.field(default=None, converter=_float_or_same)
+    host_s: float | None = attrs.field(default=None, converter=_float_or_same)
+    power_execution: str | None = attrs.field(default=None)
+
+    @power_execution.validator
+    def _check_execution(self, attribute: attrs.Attribute, value: object) -> None:
+        if value is not None and value not in POWER_EXECUTIONS:
+            raise GPUProfileError(f"OpProfile.power_execution must be one of "
+                                  f"{POWER_EXECUTIONS} or null, got {value!r} (op {self.op!r})")
+
+    @host_s.validator
+    def _check_host(self, attribute: attrs.Attribute, value: object) -> None:
+        if value is None:
+            return
+        if (isinstance(value, bool) or not isinstance(value, float) or not math.isfinite(value)
+                or not 0 < value < MAX_HOST_S):
+            raise GPUProfileError(f"OpProfile.host_s must be in (0, {MAX_HOST_S}) seconds or "
+                                  f"null, got {value!r} (op {self.op!r}): a launch of a "
+                                  "second or more was blocked, not launching")
 
     @power_busy_fraction.validator
     def _check_busy(self, attribute: attrs.Attribute, value: object) -> None:
@@ -366,6 +408,8 @@ class GPUProfile:
         collectives: Collective measurements.
         sources: Files the profile was assembled from, relative to the repository.
         notes: Anything a reader must know (missing pieces, what stands in for what).
+        host_method: How the ops' ``host_s`` were measured (``""``: no op has one); a
+            profile with host costs must say.
     """
 
     gpu: str = attrs.field(validator=_name("GPUProfile"))
@@ -388,6 +432,7 @@ class GPUProfile:
     collectives: tuple[CollectivePoint, ...] = attrs.field(default=(), converter=_collectives)
     sources: tuple[str, ...] = attrs.field(default=(), converter=_sources)
     notes: tuple[str, ...] = attrs.field(default=(), converter=_notes)
+    host_method: str = attrs.field(default="", validator=_text("GPUProfile"))
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.machine, MachineInfo):
@@ -398,6 +443,9 @@ class GPUProfile:
                 f"GPUProfile.static_power_w ({self.static_power_w} W) is below idle_power_w "
                 f"({self.idle_power_w} W): a GPU waiting on communication draws at least its "
                 "idle power; check the measurements")
+        if not self.host_method.strip() and any(o.host_s is not None for o in self.ops):
+            raise GPUProfileError("GPUProfile: ops have host_s but host_method does not say "
+                                  "how they were measured")
         for label, items in (("ops", self.ops), ("collectives", self.collectives)):
             seen: set[object] = set()
             for item in items:
@@ -477,8 +525,10 @@ class GPUProfile:
     # ------------------------------------------------------------------ JSON
     def profile_dict(self) -> dict[str, Any]:
         """The profile's fields as JSON-ready data (what the digest covers)."""
-        # Through JSON once: tuples become lists, exactly as a loaded file has them.
-        return json.loads(json.dumps(attrs.asdict(self), allow_nan=False))
+        # Through JSON once: tuples become lists, exactly as a loaded file has them. Fields
+        # added since version 1 are left out at their defaults (older files match).
+        body = attrs.asdict(self, filter=_keep_field)
+        return json.loads(json.dumps(body, allow_nan=False))
 
     @property
     def digest(self) -> str:

@@ -111,6 +111,10 @@ def test_queries():
     (OpProfile, "kernel", 3, "kernel must be a string"),
     (OpProfile, "kernels", None, "kernels must be a string"),
     (OpProfile, "power_busy_fraction", 1.5, r"power_busy_fraction must be in \(0, 1\]"),
+    (OpProfile, "host_s", 0.0, r"host_s must be in \(0, 1.0\) seconds or null"),
+    (OpProfile, "host_s", 2.5, "a launch of a second or more was blocked"),
+    (OpProfile, "host_s", float("nan"), "host_s must be in"),
+    (OpProfile, "host_s", "20us", "host_s must be in"),
     (CollectivePoint, "collective", "broadcast", "collective must be one of"),
     (CollectivePoint, "group_size", 1, "group_size must be an integer >= 2"),
     (CollectivePoint, "comm_sms", 0, "comm_sms must be an integer >= 1 or null"),
@@ -143,6 +147,33 @@ def test_every_record_field_is_validated(cls, field, value, match):
 def test_profile_fields_are_validated(changes, match):
     with pytest.raises(GPUProfileError, match=match):
         _profile(**changes)
+
+
+def test_host_costs_round_trip_and_need_their_method(tmp_path):
+    p = _profile()
+    hosted = _profile(ops=(attrs.evolve(p.ops[0], host_s=1.8e-5), *p.ops[1:]),
+                      host_method="median of 30 calls, the GPU kept busy")
+    q = GPUProfile.load(hosted.save(tmp_path / "h.json"))
+    assert q == hosted and q.ops[0].host_s == 1.8e-5 and q.ops[1].host_s is None
+    assert q.digest != p.digest
+    with pytest.raises(GPUProfileError, match="host_method does not say"):
+        _profile(ops=(attrs.evolve(p.ops[0], host_s=1.8e-5),))
+
+
+def test_profiles_written_before_host_costs_load_with_their_digest(tmp_path):
+    """A version-1 file without ``host_s`` / ``host_method`` (every profile written before
+    they existed): it loads, has no host costs, and keeps its digest."""
+    p = _profile()
+    d = p.to_dict()
+    assert "host_method" not in d["profile"]
+    assert all("host_s" not in o for o in d["profile"]["ops"])
+    q = GPUProfile.load(_write(tmp_path / "old.json", d))
+    assert q.host_method == "" and all(o.host_s is None for o in q.ops)
+    assert q.digest == d["digest"]
+    shipped = GPUProfile.preset("h200-sxm")
+    assert all(o.host_s is None for o in shipped.ops)
+    raw = json.loads((REPO / "kareus/model/profiles/h200_sxm.json").read_text())
+    assert shipped.digest == raw["digest"]
 
 
 def test_duplicate_keys_are_refused():
