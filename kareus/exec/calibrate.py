@@ -8,9 +8,13 @@ measures:
   cache flushed by *reading* a buffer before each run, so that every op reads HBM as its
   roofline assumes), its roofline, and the average power over a loop of the op alone
   (NVML's total-energy counter over at least ``power_s`` seconds, replayed from a CUDA
-  graph where the op captures) with the fraction of the window its timed speed explains
+  graph where the op captures, launched eagerly where it does not: the op's
+  ``power_execution``) with the fraction of the window its timed speed explains
   (below 1 when the loop ran slower: the power limit lowered the clock) and the median
-  SM clock sampled during the loop;
+  SM clock sampled during the loop; and the host time of one eager call of the op (wall
+  time around the call while the GPU is kept busy by ``torch.cuda._sleep``, so that the
+  launch never waits on the GPU; median of at least 30 calls), which decides whether eager
+  execution keeps the GPU fed (the emulator's ``execution="eager"``);
 * the GEMM peak (best median bf16 ``torch.matmul`` at 8192^3 and 16384^3) and the HBM
   bandwidth (a 1 GiB device copy, bytes read plus written);
 * idle power at the idle clock, and the power of one spinning block (what a GPU waiting
@@ -96,11 +100,14 @@ class MeasuredOp:
         power_w: Average power of one GPU over the loop (``None``: no power meter).
         busy_fraction: The loop's time explained by the op's timed median (<= 1).
         freq_mhz: Median SM clock sampled during the loop (``None``: not read).
+        graphed: Whether the loop replayed a CUDA graph of the op (``False``: it launched
+            each run eagerly; ``None``: no loop ran).
     """
 
     power_w: float | None
     busy_fraction: float | None
     freq_mhz: int | None
+    graphed: bool | None = None
 
 
 class CalibrationDevice(abc.ABC):
@@ -135,6 +142,14 @@ class CalibrationDevice(abc.ABC):
     @abc.abstractmethod
     def power(self, run: Callable[[], Any], time_s: float, *, graph: bool) -> MeasuredOp:
         """Average power over a loop of ``run`` alone (``time_s``: its timed median)."""
+
+    #: How :meth:`host_s` measures (recorded as the profile's ``host_method``).
+    host_method: str = ""
+
+    def host_s(self, run: Callable[[], Any]) -> float | None:
+        """Host seconds of one eager call of ``run`` with the GPU kept busy (a median), or
+        ``None``: this device does not measure host cost (the default)."""
+        return None
 
 
 def measure_profile(device: CalibrationDevice, *, gpu: str,
@@ -183,12 +198,16 @@ def measure_profile(device: CalibrationDevice, *, gpu: str,
             # one runs at a lower clock, where the times are taken as the GPU's clock of
             # short bursts (the emulator scales them from its maximum clock).
             times: dict[tuple[str, str], float] = {}
+            hosts: dict[tuple[str, str], float | None] = {}
             for progs in device.programs(wl, ks):
                 for p in progs:
                     kind = _kind(p.op)
                     if (ks != main and kind == "gemm") or (p.partition, p.op.name) in times:
                         continue  # kernel sets differ in elementwise ops and attention only
                     times[(p.partition, p.op.name)] = device.time_s(p.run)
+                    # The host's time per launch: CPU-side, the GPU only kept busy (no
+                    # power load), so it sits with the timings.
+                    hosts[(p.partition, p.op.name)] = device.host_s(p.run)
             done: set[tuple[str, str]] = set()
             for progs in device.programs(wl, ks):
                 for p in progs:
@@ -206,7 +225,10 @@ def measure_profile(device: CalibrationDevice, *, gpu: str,
                         time_s=t, power_w=m.power_w, freq_mhz=m.freq_mhz,
                         roofline_s=roof if roof > 0 else None, kernel=p.kernel, kernels=ks,
                         power_busy_fraction=(None if m.busy_fraction is None
-                                             else min(1.0, float(m.busy_fraction)))))
+                                             else min(1.0, float(m.busy_fraction))),
+                        power_execution=(None if m.graphed is None or m.power_w is None
+                                         else "graphed" if m.graphed else "eager"),
+                        host_s=hosts.get((p.partition, p.op.name))))
             say(f"{key} / {ks}: {sum(1 for o in ops if o.workload == key and o.kernels == ks)} "
                 f"ops ({time.perf_counter() - t0:.0f} s)")
     loads = [LoadPower(load="idle", power_w=idle_w, freq_mhz=idle_f, source="kareus calibrate"),
@@ -215,10 +237,15 @@ def measure_profile(device: CalibrationDevice, *, gpu: str,
     collectives: tuple[CollectivePoint, ...] = ()
     notes = ["static_power_w: one spinning block on this GPU (a GPU waiting on a collective "
              "spins its kernel; on one GPU no receive can block)",
-             "ops: time = median of timed runs after an L2 flush; power = NVML energy over "
-             "a loop of the op alone; freq_mhz = median SM clock sampled in that loop",
+             "ops: time = median of timed runs after an L2 flush (each run launched eagerly "
+             "and timed on the device); power = NVML energy over a loop of the op alone "
+             "(power_execution: replayed from a CUDA graph, or eager where the op does not "
+             "capture); freq_mhz = median SM clock sampled in that loop",
              f"ops: kernel set {main} measured with power; "
              f"{', '.join(kernel_sets[1:]) or 'no other set'} time only"]
+    measured_host = any(o.host_s is not None for o in ops)
+    if measured_host:
+        notes.append(f"ops: host_s = {device.host_method}")
     sources = ["kareus calibrate"]
     if collectives_from is not None:
         collectives = collectives_from.collectives
@@ -233,7 +260,8 @@ def measure_profile(device: CalibrationDevice, *, gpu: str,
         gemm_peak_tflops=peak_tflops, gemm_peak_freq_mhz=None, hbm_bandwidth_gbps=hbm_gbps,
         idle_power_w=idle_w, idle_freq_mhz=idle_f, static_power_w=max(wait_w, idle_w),
         load_powers=tuple(loads), ops=tuple(ops), collectives=collectives,
-        sources=tuple(sources), notes=tuple(notes))
+        sources=tuple(sources), notes=tuple(notes),
+        host_method=device.host_method if measured_host else "")
 
 
 def _kind(op: Any) -> str:
@@ -330,6 +358,42 @@ class TorchCalibrationDevice(CalibrationDevice):
             ends[i].record()
         torch.cuda.synchronize()
         return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e-3
+
+    host_method = ("host time per eager call (time.perf_counter around the call) with the "
+                   "GPU kept busy by torch.cuda._sleep so that the launch never waits on "
+                   "it; median of at least 30 calls after one warm-up call")
+
+    #: GPU cycles of the spin that keeps the GPU busy while :meth:`host_s` times the calls
+    #: (about 50 ms at 2 GHz; longer at a lower clock), and how often it is lengthened
+    #: (4x each time) when the calls outlast it.
+    _HOST_SPIN_CYCLES = 100_000_000
+    _HOST_SPIN_RETRIES = 2
+
+    def host_s(self, run: Callable[[], Any]) -> float | None:
+        """Host seconds of one eager call of ``run``: the median of at least 30 calls
+        timed on the host while a spinning kernel keeps the GPU busy; ``None`` when the
+        calls outlast even the longest spin (a call that waits on the GPU, e.g. a
+        synchronisation, has no launch cost to measure)."""
+        torch = self.torch
+        n = max(30, self.reps)
+        run()  # warm-up: allocator, autotuning, compilation
+        torch.cuda.synchronize()
+        cycles = self._HOST_SPIN_CYCLES
+        for _ in range(self._HOST_SPIN_RETRIES + 1):
+            torch.cuda._sleep(cycles)
+            spun = torch.cuda.Event()
+            spun.record()
+            times = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                run()
+                times.append(time.perf_counter() - t0)
+            busy = not spun.query()  # still spinning: no call could wait on the GPU
+            torch.cuda.synchronize()
+            if busy:
+                return statistics.median(times)
+            cycles *= 4
+        return None
 
     def ceilings(self) -> tuple[float, float]:
         torch = self.torch
@@ -436,6 +500,7 @@ class TorchCalibrationDevice(CalibrationDevice):
             except Exception:  # some ops (autograd.grad) do not capture
                 torch.cuda.synchronize()
                 runner = None
+        graphed = runner is not None
         if runner is None:
             def runner() -> None:
                 for _ in range(per):
@@ -459,7 +524,8 @@ class TorchCalibrationDevice(CalibrationDevice):
         wall = t1 - t0
         return MeasuredOp(power_w=(e1 - e0) / wall,
                           busy_fraction=min(1.0, n * per * time_s / wall),
-                          freq_mhz=int(statistics.median(clocks)) if clocks else None)
+                          freq_mhz=int(statistics.median(clocks)) if clocks else None,
+                          graphed=graphed)
 
 
 def utc_now() -> str:

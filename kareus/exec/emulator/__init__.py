@@ -13,7 +13,7 @@ runs on this model, so it is built as a performance model, not a lookup table:
   clock-independent feed time (the L2 and crossbar feed the tensor cores at a rate that
   does not follow the SM clock; measured on H200, GEMMs reach 0.82 of the clock's peak at
   1500 MHz and 0.74 at 1980 MHz). The terms combine as a p-norm close to the roofline's
-  max, plus a fixed launch overhead per kernel.
+  max, plus a fixed GPU-side gap per kernel (2 us, measured on H200).
 * **Communication kernels** move ``CommOp.bus_bytes`` at a rate that grows with their SM
   count and saturates at the effective link bandwidth: ``1/R = ((s r(f))^-p + L^-p)^(1/p)``
   with a per-SM throughput ``r(f) = r0 (f/f_max)^alpha`` (mildly frequency dependent),
@@ -31,6 +31,13 @@ runs on this model, so it is built as a performance model, not a lookup table:
   block scheduler dispatches the slot op's blocks first and the collective starts at the
   op's last wave, which the emulator takes as the op's end (ops carry no shape from which
   to count waves): launched with the last op, it is sequential.
+* **The host** (``_host``): graph-captured execution (the default, what the executor runs
+  on a GPU) issues a partition's kernels with one graph launch and they run back to back;
+  eager execution issues every op and the collective in program order at its own host
+  cost (measured per op by ``kareus calibrate``, else defaults by kind from measurements
+  on one H200, ``data/host_launch_h200.json``), and an op starts when both its stream and
+  the host are there. A partition's time is that of back-to-back runs in the steady
+  state: the GPU's own when it is the slower, the host's when that is.
 * **Power** = idle power + dynamic. Dynamic SM power is activity x f x V(f)^2 with V(f)
   flat below a floor clock and linear above it (a tensor-core term for GEMM/attention, a
   busy-SM term for every kernel, an uncore term while anything runs), plus HBM energy
@@ -58,8 +65,8 @@ bandwidth, idle, static and uncore power and the collective curves from a measur
 
 Modules (import the names from this package, not from them): ``_gpu`` (the GPU and
 power model, :class:`EmulatedGPU`), ``_comm`` (the collective curves), ``_calibration``
-(factors from a measured profile), ``_sim`` (the event-driven simulation) and
-``_profiler`` (:class:`EmulatedProfiler`).
+(factors from a measured profile), ``_host`` (host costs, eager or graphed), ``_sim``
+(the event-driven simulation) and ``_profiler`` (:class:`EmulatedProfiler`).
 """
 
 from __future__ import annotations
@@ -71,8 +78,10 @@ from kareus.exec.emulator._calibration import (
 )
 from kareus.exec.emulator._comm import CommCurve
 from kareus.exec.emulator._gpu import COMM_PRIORITIES, EmulatedGPU, measured_priority
+from kareus.exec.emulator._host import DEFAULT_HOST_COSTS, EXECUTIONS, HostCost
 from kareus.exec.emulator._profiler import EmulatedProfiler
 from kareus.exec.emulator._sim import EmulationTrace
 
-__all__ = ["COMM_PRIORITIES", "CommCurve", "EmulatedGPU", "EmulatedProfiler", "EmulationTrace",
-           "OpCalibration", "measured_priority", "profile_workload", "profile_workload_key"]
+__all__ = ["COMM_PRIORITIES", "DEFAULT_HOST_COSTS", "EXECUTIONS", "CommCurve", "EmulatedGPU",
+           "EmulatedProfiler", "EmulationTrace", "HostCost", "OpCalibration",
+           "measured_priority", "profile_workload", "profile_workload_key"]

@@ -5,9 +5,10 @@ it describes (the fused ones), wrong for others. A measured profile holds, per o
 runnable partitions, the time of the kernel that ran and its average power over a loop of
 it alone. :func:`calibrate` turns each record into two factors on the op model:
 
-* **time factor** ``k_t``: the measured time over the model's time of the same op alone on
-  all SMs at the maximum clock (the op is timed in short bursts, each after an L2 flush:
-  at the boost clock, the power limit does not act within a few hundred microseconds).
+* **time factor** ``k_t``: the measured time, less the fixed cost of timing one op alone
+  (:data:`TIMED_FLOOR_S`), over the model's work time of the same op alone on all SMs at
+  the maximum clock (the op is timed in short bursts, each after an L2 flush: at the boost
+  clock, the power limit does not act within a few hundred microseconds).
   The calibrated op multiplies every term of its roofline (compute cycles, tensor feed,
   HBM bytes) by ``k_t``, so its time is ``k_t`` times the model's at every clock and SM
   count, and an eager kernel that moves more bytes than the fused one also demands the
@@ -31,6 +32,11 @@ transfer to the same op at other shapes (another TP degree, batch): the op model
 the shape, the factor what the model misses about the kernel; among several records of
 one op (several workloads) the one nearest in size is used.
 
+Where the profile has the host time of an op's eager launch (``OpProfile.host_s``,
+measured by ``kareus calibrate``), :func:`host_costs` turns it into the emulator's host
+cost of that op (:attr:`EmulatedGPU.host_costs`): per (partition, op), the median over
+the workloads measured, and per op name, the median over partitions.
+
 The profile also gives the HBM bandwidth (the model's ``hbm_efficiency``), the idle power,
 the power of a GPU waiting on communication (the static power, kareus's accounting
 constant) and of one spinning block at the maximum clock (the model's uncore power), and
@@ -51,8 +57,9 @@ import numpy as np
 from kareus.model.gpu_profile import GPUProfile, GPUProfileError, OpProfile
 from kareus.model.ops import ComputeOp, OpKind
 
-__all__ = ["OpCalibration", "PROFILE_BATCH", "PROFILE_WORKLOADS", "comm_curves", "fit_comm_curve",
-           "op_calibrations", "profile_workload", "profile_workload_key"]
+__all__ = ["OpCalibration", "PROFILE_BATCH", "PROFILE_WORKLOADS", "TIMED_FLOOR_S", "comm_curves",
+           "fit_comm_curve", "host_costs", "op_calibrations", "profile_workload",
+           "profile_workload_key"]
 
 #: Workload shapes of profile records named by a bare preset name: the shapes at which
 #: ``bench/op_roofline.py`` (and ``kareus calibrate`` by default) measure each preset.
@@ -63,6 +70,14 @@ PROFILE_WORKLOADS: dict[str, dict[str, int]] = {
 }
 #: Batch of those records: microbatch 8 x 4096 tokens in 2 nanobatches.
 PROFILE_BATCH: dict[str, int] = {"microbatch_size": 8, "seq_len": 4096, "nanobatches": 2}
+
+#: The fixed cost in an op timed alone as ``kareus calibrate`` and ``bench/op_roofline.py``
+#: time it (CUDA events around one run after an L2 flush), seconds: a one-element copy
+#: timed that way took 3.5-4.0 us on 1x H200 (median 3.8 us of four runs, ``launch_floor``
+#: in ``bench/results/op_roofline_h200_*.json``, ``launch_floor_ms`` in
+#: ``data/h200_op_roofline.json``). Inside a stream, or replayed from a graph, an op pays
+#: the smaller gap between kernels instead (:attr:`EmulatedGPU.launch_overhead_s`).
+TIMED_FLOOR_S = 3.8e-6
 
 # Loop runs at or above this fraction of the timed speed ran at the maximum clock.
 _UNTHROTTLED = 0.97
@@ -189,8 +204,8 @@ def _fit_op(gpu: Any, op: ComputeOp, rec: OpProfile) -> tuple[float, float | Non
     fmax = gpu.spec.max_clock_mhz
     base = _prep_op(gpu, op)
     work, _, _ = _op_power_terms(gpu, base, fmax)
-    # Timed in bursts at the maximum clock: the launch gap is not scaled.
-    k_t = max(rec.time_s - gpu.launch_overhead_s, 0.05 * work) / work
+    # Timed in bursts at the maximum clock: the fixed cost of timing one op is not scaled.
+    k_t = max(rec.time_s - TIMED_FLOOR_S, 0.05 * work) / work
     if rec.power_w is None:
         return k_t, None
     scaled = attrs.evolve(base, cycles=base.cycles * k_t, bytes=base.bytes * k_t,
@@ -202,7 +217,7 @@ def _fit_op(gpu: Any, op: ComputeOp, rec: OpProfile) -> tuple[float, float | Non
         f = float(min(gpu.spec.clocks_mhz, key=lambda c: abs(c - rec.freq_mhz)))
     elif busy is not None and busy < _UNTHROTTLED:
         # The loop ran slower than the timed runs: find the clock where it took that long.
-        target = (rec.time_s - gpu.launch_overhead_s) / busy
+        target = (rec.time_s - TIMED_FLOOR_S) / busy
         clocks = gpu.spec.clocks_mhz
         lo, hi = 0, len(clocks) - 1
         while lo < hi:  # the highest clock whose time is at least the target
@@ -287,6 +302,38 @@ def op_calibrations(gpu: Any, profile: GPUProfile,  # noqa: C901 - one pass over
         out.append(OpCalibration("*", kind, round(k_t, 6), round(k_p, 6), 0.0,
                                  f"median of the {kind} ops measured "
                                  f"({profile.kernel_set})"))
+    return tuple(out)
+
+
+def host_costs(profile: GPUProfile, kernels: str | Sequence[str] | None = None
+               ) -> tuple[tuple[str, str, float, str], ...]:
+    """The host costs of eager launches measured in ``profile``, as
+    :attr:`EmulatedGPU.host_costs` records ``(partition, op, host_s, source)``.
+
+    For each (partition, op), the median over workloads of the first kernel set (in the
+    order of ``kernels``, then the main set) that measured its host cost; and for each op
+    name, ``("*", op, ...)``, the median of those over partitions (the same call launched
+    from another partition type). Empty for a profile without host costs.
+    """
+    sets = ((profile.kernel_set,) if kernels is None
+            else (kernels,) if isinstance(kernels, str) else tuple(kernels))
+    by_set: dict[tuple[str, str, str], list[float]] = {}
+    for rec in profile.ops:
+        if rec.host_s is not None:
+            by_set.setdefault((rec.kernels, rec.partition, rec.op), []).append(rec.host_s)
+    chosen: dict[tuple[str, str], tuple[float, str]] = {}
+    for ks in (*sets, profile.kernel_set):
+        for (k, part, name), vals in sorted(by_set.items()):
+            if k == ks and (part, name) not in chosen:
+                chosen[(part, name)] = (statistics.median(vals), ks)
+    out = [(part, name, round(v, 9), f"measured ({ks}): {profile.host_method}")
+           for (part, name), (v, ks) in sorted(chosen.items())]
+    names: dict[str, list[float]] = {}
+    for (_, name), (v, _) in chosen.items():
+        names.setdefault(name, []).append(v)
+    out += [("*", name, round(statistics.median(vals), 9),
+             f"measured, median over partitions: {profile.host_method}")
+            for name, vals in sorted(names.items())]
     return tuple(out)
 
 

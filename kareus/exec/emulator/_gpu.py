@@ -16,6 +16,14 @@ import attrs
 
 from kareus.exec.emulator._calibration import OpCalibration, lookup
 from kareus.exec.emulator._comm import CommCurve, _comm_curves
+from kareus.exec.emulator._host import (
+    EXECUTIONS,
+    MAX_HOST_S,
+    HostCost,
+    collective_host_s,
+    host_cost_s,
+    host_costs_tuple,
+)
 from kareus.model.gpu import GPUSpec, get_gpu
 from kareus.model.ops import CommKind, CommOp, ComputeOp
 
@@ -79,6 +87,19 @@ def _priority(instance: object, attribute: attrs.Attribute, value: str) -> None:
                          f"{value!r}")
 
 
+def _execution(instance: object, attribute: attrs.Attribute, value: str) -> None:
+    if value not in EXECUTIONS:
+        raise ValueError(f"EmulatedGPU.{attribute.name} must be 'graphed' or 'eager', got "
+                         f"{value!r}")
+
+
+def _host_seconds(instance: object, attribute: attrs.Attribute, value: float) -> None:
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or not 0 <= value < MAX_HOST_S):
+        raise ValueError(f"EmulatedGPU.{attribute.name} must be a finite number of seconds "
+                         f"in [0, {MAX_HOST_S}), got {value!r}")
+
+
 def _comm_curves_tuple(value: Iterable[Sequence[Any]]) -> tuple[CommCurve, ...]:
     """The converter of :attr:`EmulatedGPU.comm_curves`: records from 4-tuples."""
     return tuple(CommCurve(str(k), int(g), float(r), float(lk)) for k, g, r, lk in value)
@@ -121,7 +142,10 @@ class EmulatedGPU:
         hbm_efficiency: Achievable fraction of the datasheet HBM bandwidth.
         mem_knee_fraction: Clock (as a fraction of the maximum) at which all SMs can just
             issue enough memory traffic to saturate HBM; memory-bound ops slow down below it.
-        launch_overhead_s: Gap per kernel on a stream (launch and tail), seconds.
+        launch_overhead_s: GPU-side gap before each kernel on a stream whose launches are
+            enqueued ahead of it (graph replay, or an eager host running ahead), seconds:
+            2 us, measured on H200 (a one-element copy queued right behind another adds
+            1.7-2.2 us). The host's own cost per launch is separate (:attr:`execution`).
         comm_gb_per_s_per_sm: Bus bandwidth (GB/s, nccl-tests convention) one SM of a collective
             moves at the maximum clock.
         comm_link_gb_per_s: Bus bandwidth at which collectives saturate (the NVLink limit), GB/s.
@@ -179,6 +203,19 @@ class EmulatedGPU:
             MLP GEMMs of the measured 2x H200 grids have 1536-2048 output tiles of 128x256,
             11.6-15.5 waves on 132 SMs: their last wave begins 6-8% of the GEMM before its
             end.)
+        execution: How the host feeds the GPU (:mod:`kareus.exec.emulator._host`):
+            ``"graphed"`` (default; what the executor runs on a GPU): a run of a partition is
+            one CUDA-graph launch of :attr:`graph_launch_s` and its kernels run back to back;
+            ``"eager"``: the host issues every op and the collective in program order at its
+            own cost (:attr:`host_costs`, else the defaults by kind), and an op starts when
+            both its stream and the host are there.
+        graph_launch_s: Host seconds per graph launch (one per run of a partition or of
+            outside work): 5 us, an estimate ("a few us"); hidden behind the GPU whenever the
+            run takes longer.
+        host_costs: Host seconds per eager launch, measured (:meth:`from_profile` takes them
+            from a profile's ``host_s``) or set by hand: :class:`HostCost` records
+            ``(partition, op, host_s, source)`` (plain 4-tuples are converted); ops without
+            one use :data:`~kareus.exec.emulator._host.DEFAULT_HOST_COSTS` by kind.
     """
 
     spec: GPUSpec = attrs.field(converter=get_gpu)
@@ -215,6 +252,9 @@ class EmulatedGPU:
                                                             converter=_op_calibration_tuple)
     calibration: str = attrs.field(default="")
     comm_priority: str = attrs.field(default="high", validator=_priority)
+    execution: str = attrs.field(default="graphed", validator=_execution)
+    graph_launch_s: float = attrs.field(default=5e-6, validator=_host_seconds)
+    host_costs: tuple[HostCost, ...] = attrs.field(default=(), converter=host_costs_tuple)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -264,8 +304,9 @@ class EmulatedGPU:
         Starts from the preset of ``profile.gpu`` and takes from the profile: per-op time
         and power factors (:mod:`kareus.exec.emulator._calibration`), the HBM bandwidth,
         the idle power, the static power (a GPU waiting on communication), the uncore
-        power (one spinning block at the maximum clock, else static minus idle), and the
-        collective curves of ``comm_backend`` fitted to its measured points.
+        power (one spinning block at the maximum clock, else static minus idle), the
+        collective curves of ``comm_backend`` fitted to its measured points, and the host
+        cost of each op's eager launch where it was measured (:attr:`host_costs`).
 
         Args:
             profile: A :class:`~kareus.model.gpu_profile.GPUProfile`, a path to a profile
@@ -283,7 +324,7 @@ class EmulatedGPU:
         Raises:
             GPUProfileError: the profile cannot be read, has no such kernel set or backend.
         """
-        from kareus.exec.emulator._calibration import comm_curves, op_calibrations
+        from kareus.exec.emulator._calibration import comm_curves, host_costs, op_calibrations
         from kareus.model.gpu_profile import GPUProfile, GPUProfileError, shipped_profiles
 
         if not isinstance(profile, GPUProfile):
@@ -318,7 +359,7 @@ class EmulatedGPU:
         ks = (profile.kernel_set if kernels is None
               else kernels if isinstance(kernels, str) else "+".join(kernels))
         cal = op_calibrations(gpu, profile, kernels)
-        gpu = attrs.evolve(gpu, op_calibration=cal,
+        gpu = attrs.evolve(gpu, op_calibration=cal, host_costs=host_costs(profile, kernels),
                            calibration=f"profile {profile.gpu} digest {profile.digest[:12]}, "
                                        f"kernels {ks}, collectives {comm_backend}"
                                        + ("" if settled else ", idle: the preset's (the "
@@ -398,6 +439,17 @@ class EmulatedGPU:
         return self.launch_overhead_s + _op_work_time(prep, s, freq_mhz * 1e6,
                                                       self.hbm_bytes_per_s, self._issue_per_sm_cycle)
 
+    def host_s(self, op: ComputeOp, partition: str | None = None) -> float:
+        """Host seconds of one eager launch of ``op`` (of partition type ``partition``):
+        :attr:`host_costs`, else the default of its kind
+        (:func:`~kareus.exec.emulator._host.host_cost_s`)."""
+        return host_cost_s(self.host_costs, partition, op)
+
+    @property
+    def collective_host_s(self) -> float:
+        """Host seconds of one eager launch of a collective at its slot."""
+        return collective_host_s(self.host_costs)
+
     @property
     def _issue_per_sm_cycle(self) -> float:
         # Bytes per SM per clock that saturate HBM exactly at the knee clock on all SMs.
@@ -417,7 +469,7 @@ def _default_constants(spec: GPUSpec) -> dict[str, Any]:
         vector_efficiency=0.5,
         hbm_efficiency=0.88,
         mem_knee_fraction=0.45,
-        launch_overhead_s=3e-6,
+        launch_overhead_s=2e-6,  # measured H200: a queued second kernel adds 1.7-2.2 us
         # Fallbacks for collectives without a curve: kareus's all-reduce on 4x H200, scaled.
         comm_gb_per_s_per_sm=round(25.1 * (fmax / 1980.0) ** 0.25, 2),
         comm_link_gb_per_s=round(301.0 * spec.nvlink_bandwidth_gbps / 900.0, 1),
@@ -484,6 +536,7 @@ class _Op:
     activity: float  # busy-SM activity
     feed_sm_s: float  # SM-seconds at the clock-independent feed ceiling (0: none)
     power_scale: float = 1.0  # multiplier of the op's own dynamic power (calibration)
+    host_s: float = 0.0  # host seconds of one eager launch
 
 
 def _prep_op(gpu: EmulatedGPU, op: ComputeOp, partition: str | None = None) -> _Op:
@@ -501,7 +554,7 @@ def _prep_op(gpu: EmulatedGPU, op: ComputeOp, partition: str | None = None) -> _
     feed = (op.flops * gpu.sm_count / (gpu.tensor_feed_tflops * 1e12)) if tensor else 0.0
     out = _Op(cycles=op.flops / (eff * fpc), bytes=float(op.bytes_moved), tensor=tensor,
               tensor_flops=float(op.flops) if tensor else 0.0, fpc=fpc, activity=activity,
-              feed_sm_s=feed)
+              feed_sm_s=feed, host_s=gpu.host_s(op, partition))
     if not gpu.op_calibration:
         return out
     model_s = _op_work_time(out, gpu.sm_count, gpu.spec.max_clock_mhz * 1e6,

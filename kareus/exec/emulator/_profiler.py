@@ -61,6 +61,11 @@ class EmulatedProfiler(Profiler):
         comm_priority: The collective's stream priority, ``"high"`` or ``"normal"``
             (:attr:`EmulatedGPU.comm_priority`); ``None``: the emulated GPU's (``"high"``
             unless it was made otherwise). Part of the run's manifest when not ``"high"``.
+        execution: How the host feeds the GPU, ``"graphed"`` (CUDA-graph replay, what the
+            executor runs on a GPU) or ``"eager"`` (every op launched from the host at its
+            host cost; ``TorchExecutor(graphs=False)``, ``--no-graphs``):
+            :attr:`EmulatedGPU.execution`; ``None``: the emulated GPU's (``"graphed"``
+            unless it was made otherwise). Part of the run's manifest and search logs.
 
     Scope: a partition's Measurement covers every GPU of its group: per-GPU energy x GPUs,
     and static power x GPUs (the ranks of a collective are symmetric).
@@ -76,6 +81,7 @@ class EmulatedProfiler(Profiler):
         group_gpus: int | Callable[[Partition], int] | None = None,
         power_limit: bool = True,
         comm_priority: str | None = None,
+        execution: str | None = None,
     ) -> None:
         if gpu is None:
             gpu = "a100-40gb"
@@ -86,6 +92,8 @@ class EmulatedProfiler(Profiler):
                             f"{type(gpu).__name__}")
         if comm_priority is not None and comm_priority != gpu.comm_priority:
             gpu = gpu.with_(comm_priority=comm_priority)
+        if execution is not None and execution != gpu.execution:
+            gpu = gpu.with_(execution=execution)
         for label, value in (("noise", noise), ("time_noise", time_noise)):
             if value is not None and not (isinstance(value, (int, float)) and 0 <= value < 0.5):
                 raise ValueError(f"{label} must be in [0, 0.5), got {value!r}")
@@ -190,6 +198,12 @@ class EmulatedProfiler(Profiler):
         return self.emulated_gpu.comm_priority
 
     @property
+    def execution(self) -> str:
+        """How the host feeds the emulated GPU, ``"graphed"`` or ``"eager"``
+        (:attr:`EmulatedGPU.execution`); part of a run's manifest and search logs."""
+        return self.emulated_gpu.execution
+
+    @property
     def calibration(self) -> str:
         """How the emulated GPU was calibrated (``""``: the preset's constants); part of a
         run's manifest, so a run with another profile is not mixed with this one."""
@@ -213,7 +227,8 @@ class EmulatedProfiler(Profiler):
             power_limited=limited, average_power_w=energy / time_s if time_s else 0.0,
             compute_end_s=d["compute_end_s"], comm_start_s=d["comm_start_s"],
             comm_end_s=d["comm_end_s"], exposed_comm_s=d["exposed_comm_s"],
-            op_times_s=d["op_times_s"])
+            op_times_s=d["op_times_s"], execution=self.execution, host_s=d["host_s"],
+            host_bound=d["host_bound"])
 
     def ground_truth(self, partition: Partition, config: ScheduleConfig) -> Measurement:
         """The noise-free measurement (does not count as a measurement)."""
@@ -341,4 +356,4 @@ class EmulatedProfiler(Profiler):
 
     def __repr__(self) -> str:
         return (f"EmulatedProfiler({self.gpu.name}, noise={self.noise}, seed={self.seed}, "
-                f"calls={self.calls})")
+                f"execution={self.execution}, calls={self.calls})")
