@@ -117,6 +117,12 @@ def _workload_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-de
                     nanobatches=args.nanobatches)
 
 
+def _execution_from_args(args: argparse.Namespace) -> str:
+    """The emulated execution mode of ``--no-graphs``: ``"eager"`` with it, else
+    ``"graphed"`` (what the executor runs on a GPU)."""
+    return "eager" if getattr(args, "no_graphs", False) else "graphed"
+
+
 def _profiler_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     spec = args.profiler
     if spec == "emulated":
@@ -127,8 +133,10 @@ def _profiler_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-de
             if args.gpu is not None and args.gpu != gpu.name:
                 raise ValueError(f"--gpu {args.gpu} and --gpu-profile (a profile of {gpu.name}) "
                                  "disagree: give one of them")
-            return EmulatedProfiler(gpu, noise=args.noise, seed=args.seed)
-        return EmulatedProfiler(args.gpu or "a100-40gb", noise=args.noise, seed=args.seed)
+            return EmulatedProfiler(gpu, noise=args.noise, seed=args.seed,
+                                    execution=_execution_from_args(args))
+        return EmulatedProfiler(args.gpu or "a100-40gb", noise=args.noise, seed=args.seed,
+                                execution=_execution_from_args(args))
     if spec.startswith("replay:"):
         from pathlib import Path
 
@@ -238,6 +246,9 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     if getattr(args, "gpu_profile", None) is not None and args.profiler != "emulated":
         raise ValueError(f"--gpu-profile calibrates the emulated profiler; --profiler "
                          f"{args.profiler} measures instead: drop one of them")
+    if getattr(args, "no_graphs", False) and args.profiler != "emulated":
+        raise ValueError(f"--no-graphs emulates eager execution; --profiler {args.profiler} "
+                         "measures (or replays) as it ran: drop --no-graphs")
     if args.profiler == "nvml":
         if args.jobs > 1:
             raise ValueError("--jobs is for emulated and replayed runs; a tuning run measures "
@@ -280,6 +291,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         args.resume_hint = f"the search logs in {out / 'logs'} keep every measurement"
         print(f"kareus: optimising {workload.describe()} on {profiler.gpu.name} "
               f"({workload.parallelism.world_size} GPUs) with the {args.profiler} profiler"
+              + (f", {_execution_from_args(args)} execution" if args.profiler == "emulated"
+                 else "")
               + (f" (calibrated from the measured profile {args.gpu_profile})"
                  if getattr(args, "gpu_profile", None) and args.profiler == "emulated" else ""),
               file=sys.stderr)
@@ -391,6 +404,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--profiler emulated: calibrate the emulated GPU from a measured GPU "
                         "profile (a file written by `kareus calibrate`, or the name of one "
                         "shipped with kareus: h200-sxm)")
+    p.add_argument("--no-graphs", action="store_true",
+                   help="--profiler emulated: emulate eager execution (every op launched from "
+                        "the host at its host cost, as the executor runs with --no-graphs) "
+                        "instead of CUDA-graph replay, the default (see docs/emulator.md)")
     p.add_argument("--allow-clock-changes", action="store_true",
                    help="--profiler nvml: search the clocks by locking them (needs root; "
                         "never on shared machines); default: only the default clock")

@@ -127,6 +127,10 @@ class OptimizationResult:
         composition: The five systems' composition (kareus and the four it is compared
             with): their iteration frontiers and what they were built from.
         wall_s: Wall time of the whole run.
+        execution: How the measured GPUs were fed: ``"graphed"`` (CUDA-graph replay) or
+            ``"eager"`` (every op launched from the host), as the profiler says
+            (:attr:`kareus.exec.emulator.EmulatedProfiler.execution`); ``None``: the
+            profiler does not say.
         profiles: Profiles (measurements) made by kareus's searches, per partition type
             key (:func:`~kareus.compose.kareus_type_key`: the unsplit types as
             ``<type>@n1``).
@@ -138,6 +142,7 @@ class OptimizationResult:
     composition: SystemsResult
     wall_s: float
     profiles: dict[str, int]
+    execution: str | None = None
 
     @property
     def frontiers(self) -> dict[str, IterationFrontier]:
@@ -203,7 +208,12 @@ class OptimizationResult:
                                    for i, (c, w) in enumerate(zip(r, widths))))
         lines.append("")
         lines.append(f"Maximum-throughput point of each system; energies are totals over all "
-                     f"{self.workload.parallelism.world_size} GPUs per iteration.")
+                     f"{self.workload.parallelism.world_size} GPUs per iteration"
+                     + {"graphed": "; graph-captured execution (CUDA-graph replay; "
+                                   "--no-graphs: eager launches).",
+                        "eager": "; eager execution (every op launched from the host, "
+                                 "--no-graphs).",
+                        None: "."}.get(self.execution, f"; execution {self.execution}."))
         if "perseus" in self.frontiers:
             sv = self.savings("perseus")
             lines.append("kareus vs perseus: " + _pct(sv["iso_time_energy_saving"], "less energy")
@@ -221,6 +231,7 @@ class OptimizationResult:
             "gpu": self.gpu,
             **({} if get_gpu(self.gpu).is_preset else {"gpu_spec": get_gpu(self.gpu).to_dict()}),
             "energy_scope": "total over all GPUs of the job, per iteration",
+            "execution": self.execution,
             "systems": {n: s.to_dict() for n, s in self.systems().items()},
             "iso_time_energy_saving_vs_perseus": sv.get("iso_time_energy_saving"),
             "iso_energy_time_saving_vs_perseus": sv.get("iso_energy_time_saving"),
@@ -397,6 +408,7 @@ def optimize(
     iteration_composer: AnyIterationComposer | None = None,
     executor: Executor | None = None,
     fresh: bool = False,
+    execution: str | None = None,
 ) -> OptimizationResult:
     """Search, compose and compare: the whole kareus pipeline for one workload.
 
@@ -433,6 +445,12 @@ def optimize(
             result is the serial run's (:mod:`kareus.interop.tasks`).
         fresh: Discard the search logs (and results) already in ``log_dir`` instead of
             resuming them.
+        execution: How the emulated GPUs are fed: ``"graphed"`` (CUDA-graph replay, what
+            the executor runs on a GPU) or ``"eager"`` (every op launched from the host at
+            its host cost, ``TorchExecutor(graphs=False)``); ``None`` = the profiler's
+            (``"graphed"`` for the embedded emulator). With a ``profiler`` of its own it
+            must agree with it. Stated in the table, ``results.json``, the manifest and
+            each search log's header.
 
     ``log_dir`` is guarded (:mod:`kareus._outdir`): a manifest of every input that changes
     a number is kept there and a folder of another job is refused; an exclusive lock
@@ -458,9 +476,13 @@ def optimize(
     if profiler is None:
         from kareus.exec.emulator import EmulatedProfiler
 
-        profiler = EmulatedProfiler(gpu or "a100-40gb", seed=seed)
+        profiler = EmulatedProfiler(gpu or "a100-40gb", seed=seed, execution=execution)
     elif not isinstance(profiler, Profiler):
         raise TypeError(f"profiler must be a kareus Profiler, got {type(profiler).__name__}")
+    elif execution is not None and _execution_of(profiler) != execution:
+        raise ValueError(f"execution={execution!r} but the profiler measures "
+                         f"{_execution_of(profiler) or 'without saying how the GPU is fed'}: "
+                         "give the emulated profiler its execution, or leave it out")
     if gpu is not None and profiler.gpu.name != gpu:
         raise ValueError(f"the profiler measures {profiler.gpu.name}, not {gpu}")
     get_schedule(schedule, 1, 1)  # raises UnknownPresetError early
@@ -513,7 +535,7 @@ def optimize(
             bar.set_status("done")
         return OptimizationResult(workload=workload, gpu=profiler.gpu.name, partitions=pset,
                                   composition=result, wall_s=time.monotonic() - start,
-                                  profiles=profiles)
+                                  profiles=profiles, execution=_execution_of(profiler))
 
 
 def _recover_torn_logs(log_dir: Path) -> None:
@@ -558,6 +580,9 @@ def _profiler_identity(profiler: Profiler) -> dict[str, Any]:
     priority = getattr(inner, "comm_priority", None)
     if isinstance(priority, str) and priority != "high":  # an emulator at normal priority
         ident["comm_priority"] = priority
+    execution = _execution_of(inner)
+    if execution is not None:  # how the emulated GPU is fed: graphed or eager
+        ident["execution"] = execution
     data = getattr(inner, "data", None)
     if isinstance(data, dict):
         ident["data_digest"] = _digest_json(data)
@@ -599,13 +624,25 @@ def manifest_inputs(workload: Workload, profiler: Profiler, *, budget: int,
     }
 
 
+def _execution_of(profiler: Profiler) -> str | None:
+    """How ``profiler`` feeds its GPU (``"graphed"`` or ``"eager"``, an emulator's
+    ``execution``), looking through recorders; ``None`` if it does not say."""
+    inner: Any = profiler
+    while isinstance(getattr(inner, "inner", None), Profiler):  # recorders are transparent
+        inner = inner.inner
+    value = getattr(inner, "execution", None)
+    return value if isinstance(value, str) else None
+
+
 def _search_type(search_cls: Any, profiler: Profiler, part: Partition, *, budget: int,
                  batch_size: int | None, seed: int, log: Path | None,
                  progress: bool | None, surrogate: Surrogate | None = None
                  ) -> PartitionFrontier:
     space = profiler.space(part)
+    execution = _execution_of(profiler)  # in the log's header: a log of the other mode is refused
+    extra = {} if execution is None else {"measured_with": {"execution": execution}}
     search = search_cls(space, budget=min(budget, len(space)), batch_size=batch_size, seed=seed,
-                        resume=log, progress=progress, surrogate=surrogate)
+                        resume=log, progress=progress, surrogate=surrogate, **extra)
     return search.run(profiler, part)
 
 

@@ -1,7 +1,8 @@
 """The search log: a versioned JSONL record of every batch asked and measurement told.
 
 A :class:`~kareus.search.MultiPassSearch` given ``log=PATH`` writes a header line (format,
-version, partition, GPU, space, seed, sizes), then one ``ask`` record per batch (the
+version, partition, GPU, space, seed, sizes, and how the measurements are made where the
+search was told: ``measured_with``, e.g. ``{"execution": "graphed"}``), then one ``ask`` record per batch (the
 configurations and the pass that chose each) and one ``tell`` record per measurement, each
 line handed to the operating system before the search goes on (a killed run loses nothing)
 and synced to disk at least once a second and at the end of the search. ``resume=PATH`` reads it back
@@ -16,6 +17,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +58,8 @@ def space_description(space: ConfigSpace) -> dict[str, Any]:
 
 
 def log_header(space: ConfigSpace, *, seed: int, batch_size: int, budget: int,
-               initial_size: int) -> dict[str, Any]:
+               initial_size: int, measured_with: Mapping[str, str] | None = None
+               ) -> dict[str, Any]:
     """The header record of a new search log.
 
     Args:
@@ -65,18 +68,24 @@ def log_header(space: ConfigSpace, *, seed: int, batch_size: int, budget: int,
         batch_size: Configurations per batch.
         budget: Profiles in all.
         initial_size: Profiles of the initial design.
+        measured_with: How the measurements are made, beyond the space (e.g.
+            ``{"execution": "graphed"}``); recorded when given and not empty, and checked
+            on resume (:func:`check_header`).
 
     Returns:
         The header record (``kind == "header"``), with the kareus version and the time of
         creation (UTC).
     """
-    return {"kind": "header", "format": LOG_FORMAT, "version": LOG_VERSION,
+    head = {"kind": "header", "format": LOG_FORMAT, "version": LOG_VERSION,
             "kareus_version": __version__,
             "partition": space.partition.name, "gpu": space.gpu.name,
             "space": space_description(space), "seed": seed,
             "batch_size": batch_size, "budget": budget,
             "initial_size": initial_size,
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if measured_with:
+        head["measured_with"] = dict(measured_with)
+    return head
 
 
 #: Longest time between two syncs of a log to disk, seconds (see :func:`append_record`).
@@ -160,7 +169,8 @@ def read_log(path: Path) -> list[dict[str, Any]]:
     return records
 
 
-def check_header(head: dict[str, Any], space: ConfigSpace, seed: int, path: Path) -> None:
+def check_header(head: dict[str, Any], space: ConfigSpace, seed: int, path: Path,
+                 measured_with: Mapping[str, str] | None = None) -> None:
     """Check that the header ``head`` of the log at ``path`` belongs to this search.
 
     Args:
@@ -168,10 +178,13 @@ def check_header(head: dict[str, Any], space: ConfigSpace, seed: int, path: Path
         space: This search's configuration space.
         seed: This search's seed.
         path: The log file (for the messages).
+        measured_with: How this search's measurements are made (:func:`log_header`); a
+            log that recorded other values, or none where this search has some, is
+            another search's (a log of eager runs does not resume a graph-captured one).
 
     Raises:
-        OutputError: for another format or version, or another partition, GPU, space or
-            seed (an OutputError is a ValueError).
+        OutputError: for another format or version, or another partition, GPU, space,
+            seed or ``measured_with`` (an OutputError is a ValueError).
     """
     if head.get("format") != LOG_FORMAT:
         raise OutputError(f"{path} is not a kareus search log: {REMEDY}")
@@ -184,3 +197,9 @@ def check_header(head: dict[str, Any], space: ConfigSpace, seed: int, path: Path
         if head.get(key) != value:
             raise OutputError(f"search log {path} belongs to another search: its {key} is "
                               f"{head.get(key)!r:.80}, this search's is {value!r:.80}")
+    theirs = head.get("measured_with") or {}
+    ours = dict(measured_with or {})
+    if theirs != ours:
+        said = f"its measured_with is {theirs!r:.80}" if theirs else "it records no measured_with"
+        raise OutputError(f"search log {path} was measured another way: {said}, this "
+                          f"search's is {ours!r:.80}: {REMEDY}")

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +116,10 @@ class MultiPassSearch:
             file does not exist yet, a new search starts logging there.
         progress: Show a progress bar on stderr in :meth:`run`; ``None`` = when stderr is a
             terminal.
+        measured_with: How the measurements are made beyond the space, e.g.
+            ``{"execution": "graphed"}`` for an emulator of graph-captured execution:
+            recorded in a new log's header; a log that records other values (or none,
+            where this is given) is refused on resume.
 
     Raises:
         TypeError: for a space, surrogate or pass of the wrong type.
@@ -142,6 +146,7 @@ class MultiPassSearch:
         log: str | os.PathLike[str] | None = None,
         resume: str | os.PathLike[str] | None = None,
         progress: bool | None = None,
+        measured_with: Mapping[str, str] | None = None,
     ) -> None:
         if not isinstance(space, ConfigSpace):
             raise TypeError(f"space must be a kareus ConfigSpace, got {type(space).__name__}")
@@ -163,7 +168,8 @@ class MultiPassSearch:
         resume_records = None
         if resume is not None and Path(resume).exists() and Path(resume).stat().st_size > 0:
             resume_records = read_log(Path(resume))
-            check_header(resume_records[0], space, self.seed, Path(resume))
+            check_header(resume_records[0], space, self.seed, Path(resume),
+                         measured_with=measured_with)
         if resume_records is not None:
             # A resumed search keeps the design its log was started with, whatever the
             # budget now (the default size depends on the budget, which may change).
@@ -238,7 +244,8 @@ class MultiPassSearch:
                 p.parent.mkdir(parents=True, exist_ok=True)
                 self._log_path = p
                 self._write(log_header(space, seed=self.seed, batch_size=self.batch_size,
-                                       budget=self.budget, initial_size=self.initial_size))
+                                       budget=self.budget, initial_size=self.initial_size,
+                                       measured_with=measured_with))
 
     # ---------------------------------------------------------------------- checking
     @staticmethod
