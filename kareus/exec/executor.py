@@ -63,6 +63,7 @@ from kareus.exec._plan_lookup import (
     computation_key,
     plan_config,
     plan_frequency,
+    plan_nanobatches,
 )
 from kareus.exec._streams import RecordingStreamBackend, StreamBackend, TorchStreamBackend
 from kareus.exec.collectives import CollectiveBackend, ProcessGroupCollective
@@ -83,6 +84,7 @@ __all__ = [
     "computation_key",
     "plan_config",
     "plan_frequency",
+    "plan_nanobatches",
 ]
 
 _log = get_logger(__name__)

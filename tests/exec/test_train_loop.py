@@ -425,3 +425,49 @@ def test_graphed_loop_captures_one_graph_per_computation_with_its_clock():
                          default_collective=default, streams=RecordingStreamBackend(),
                          kernels="torch", device="cpu", dtype="float32")
     assert not eager.graphs and eager.baseline.sequence("train:sequential") is None
+
+
+def test_a_plan_that_runs_computations_unsplit():
+    """A kareus plan whose choice for some computations is one nanobatch (kareus's space
+    holds unsplit execution): those run each collective after its piece's ops with the SM
+    count of the unsplit type (``<type>@n1``), the others nanobatched; the loss equals the
+    sequential schedule's, and every collective of an unsplit computation is capped."""
+    from kareus.compose import kareus_type_key
+
+    wl = workload(2, 2)
+    split = plan_for(wl, sms=8)
+    unsplit_types = build_partitions(wl.with_(nanobatches=1)).types
+    n1 = {kareus_type_key(name, 1, wl): ScheduleConfig(1980, 12, None)
+          for name in unsplit_types}
+    choices = [MicrobatchChoice(freq_mhz=1980, configs=split.choices[0].configs),
+               MicrobatchChoice(freq_mhz=1980, configs=n1, nanobatches=1)]
+    comps = get_schedule("1f1b", 1, wl.num_microbatches).stage_orders[0]
+    plan = Plan(gpu="h200-sxm", num_stages=1, num_microbatches=wl.num_microbatches,
+                choices=choices,
+                assignment={c.key(): (1 if c.microbatch == 0 else 0) for c in comps},
+                time_s=1.0, energy_j=1.0, dynamic_energy_j=0.5, static_power_w=100.0,
+                workload=wl.to_dict())
+    groups = LoopbackGroups(tp=2, cp=2)
+    capped, default, _ = make_collectives(groups, backend="loopback")
+    loop = TrainingLoop(workload=wl, groups=groups, collective=capped,
+                        default_collective=default, plan=plan,
+                        streams=RecordingStreamBackend(), kernels="torch", device="cpu",
+                        dtype="float32", lr=1e-2)
+    loop.reset()
+    ref = [float(loop.step("sequential")) for _ in range(2)]
+    loop.reset()
+    seen: list[tuple[str, Any]] = []
+    runs = []
+    for _ in range(2):
+        loss = loop.step("kareus")
+        runs.append(float(loss))
+    assert runs == pytest.approx(ref, rel=1e-5)
+    # microbatch 0 ran unsplit: the last computation's partitions (microbatch 1) are split;
+    # run microbatch 0's forward alone to see its partitions
+    loop.model.zero_grad()
+    comp = loop.computations[0]
+    assert (comp.microbatch, comp.phase) == (0, "fwd")
+    loop._run_computation("kareus", comp)
+    seen = loop.partitions_run
+    assert seen and all(cfg.launch_slot is None and cfg.comm_sms == 12 for _, cfg in seen)
+    assert {k for k, _ in seen} <= set(unsplit_types)

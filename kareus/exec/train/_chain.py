@@ -286,7 +286,9 @@ def run_computation(executor: Any, stack: Sequence[Piece], *, schedule: str, nan
                     run_op: Callable[[Op, int], Any],
                     comm_args: Callable[[Comm, int], tuple[Any, Any]],
                     types: Mapping[str, TypeShape] | None = None,
-                    plan_config_of: Callable[[str], Any] | None = None) -> list[tuple[str, Any]]:
+                    plan_config_of: Callable[[str], Any] | None = None,
+                    sequential_config_of: Callable[[str], Any] | None = None,
+                    ) -> list[tuple[str, Any]]:
     """Enqueue one microbatch computation's stack under ``schedule`` through ``executor``.
 
     Args:
@@ -302,6 +304,9 @@ def run_computation(executor: Any, stack: Sequence[Piece], *, schedule: str, nan
             used to name the partitions of the baselines.
         plan_config_of: ``type name -> ScheduleConfig`` of the current computation
             (``"kareus"`` only; e.g. ``plan_config(plan, name, executor.current)``).
+        sequential_config_of: ``"sequential"`` only: ``type name -> configuration`` of
+            each piece's collective (a plan's computation run unsplit: its SM count,
+            launched after the piece's ops); ``None`` = the collective's own CTA count.
 
     Returns:
         ``(partition key, configuration)`` of every partition run, in order.
@@ -342,9 +347,15 @@ def run_computation(executor: Any, stack: Sequence[Piece], *, schedule: str, nan
         for piece in stack:
             if piece.comm is None:
                 ops_of(piece, 0)
-            else:
-                launch(key_for(piece.op_names, piece.comm.kind), DefaultConfig(None),
-                       piece.comm, 0, piece, 0)
+                continue
+            key = key_for(piece.op_names, piece.comm.kind)
+            cfg: Any = DefaultConfig(None)
+            if sequential_config_of is not None:
+                if key not in shapes:  # no type holds these ops: the first of its kind
+                    key = next((n for n, sh in shapes.items()
+                                if sh.comm_kind == piece.comm.kind), key)
+                cfg = attrs.evolve(sequential_config_of(key), launch_slot=None)
+            launch(key, cfg, piece.comm, 0, piece, 0)
         return ran
 
     partner: dict[str, str] = {}

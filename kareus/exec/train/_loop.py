@@ -30,9 +30,9 @@ from typing import Any
 
 import attrs
 
-from kareus.compose import Plan
+from kareus.compose import Plan, kareus_type_key
 from kareus.errors import PlanError
-from kareus.exec.executor import TorchExecutor, plan_config
+from kareus.exec.executor import TorchExecutor, plan_config, plan_nanobatches
 from kareus.exec.train._chain import (
     SCHEDULES,
     DefaultConfig,
@@ -193,6 +193,11 @@ class TrainingLoop:
         self.workload, self.groups, self.plan = workload, groups, plan
         self.types: dict[str, TypeShape] = (type_shapes(build_partitions(workload))
                                             if has_comm else {})
+        # The partition types of a computation a plan runs unsplit (kareus's space holds
+        # unsplit execution: kareus.compose.systems)
+        self.unsplit_types: dict[str, TypeShape] = (
+            type_shapes(build_partitions(workload.with_(nanobatches=1)))
+            if has_comm and workload.nanobatches > 1 else self.types)
         self.model = DecoderShard(
             arch=workload.model, layers=layers, microbatch_size=workload.microbatch_size,
             seq_len=workload.seq_len, num_microbatches=workload.num_microbatches,
@@ -206,14 +211,19 @@ class TrainingLoop:
             ph: pieces(stack_stream(ph, self.layers, tp=p.tp, cp=p.cp,
                                     recompute=workload.recompute))
             for ph in ("fwd", "bwd")}
-        if plan is not None:
-            missing = sorted({k for k in self.types} - set(plan.partition_configs()))
-            if missing:
-                raise PlanError(f"the plan has no configuration for partition types "
-                                f"{missing}: make it for this workload")
         name = plan.schedule if plan is not None else schedule
         self.computations = list(get_schedule(name, 1, workload.num_microbatches)
                                  .stage_orders[0])
+        if plan is not None:
+            wanted: set[str] = set()
+            for c in self.computations:
+                n = plan_nanobatches(plan, c.stage, c.microbatch, c.phase)
+                wanted |= (set(self.types) if n > 1 or workload.nanobatches == 1 else
+                           {kareus_type_key(t, 1, workload) for t in self.unsplit_types})
+            missing = sorted(wanted - set(plan.partition_configs()))
+            if missing:
+                raise PlanError(f"the plan has no configuration for partition types "
+                                f"{missing}: make it for this workload")
         coll = collective if has_comm else _no_collective_backend()
         named = dict(backends or {})
         if graphs is None:
@@ -287,8 +297,12 @@ class TrainingLoop:
         m.optimizer_step()
         return m.loss_sum.clone()
 
-    def _nanobatches(self, schedule: str) -> int:
-        return 1 if schedule == "sequential" else self.workload.nanobatches
+    def _nanobatches(self, schedule: str, comp: Any = None) -> int:
+        if schedule == "sequential":
+            return 1
+        if schedule == "kareus" and comp is not None and self.plan is not None:
+            return plan_nanobatches(self.plan, comp.stage, comp.microbatch, comp.phase)
+        return self.workload.nanobatches
 
     def _executor(self, schedule: str) -> TorchExecutor:
         ex = self.executor if schedule == "kareus" else self.baseline
@@ -297,16 +311,28 @@ class TrainingLoop:
 
     def _run_computation(self, schedule: str, comp: Any) -> None:
         """Enqueue one microbatch computation (eagerly, or into the graph being captured)."""
-        m, ex, n = self.model, self._executor(schedule), self._nanobatches(schedule)
+        m, ex, n = self.model, self._executor(schedule), self._nanobatches(schedule, comp)
         scope = (ex.microbatch(comp.stage, comp.microbatch, comp.phase)
                  if schedule == "kareus" else contextlib.nullcontext())
         with scope:
             tokens, labels = self.batches[comp.microbatch]
             m.begin(comp.phase, n, tokens, labels)
-            self.partitions_run = run_computation(
-                ex, self.stacks[comp.phase], schedule=schedule, nanobatches=n,
-                run_op=m.run_op, comm_args=m.comm_args, types=self.types,
-                plan_config_of=self._plan_config_of(ex))
+            if schedule == "kareus" and n == 1 and self.workload.nanobatches > 1:
+                # The plan runs this computation unsplit: each collective after its
+                # piece's ops, with the SM count of its unsplit partition type.
+                plan = self.plan
+                assert plan is not None
+                wl = self.workload
+                self.partitions_run = run_computation(
+                    ex, self.stacks[comp.phase], schedule="sequential", nanobatches=1,
+                    run_op=m.run_op, comm_args=m.comm_args, types=self.unsplit_types,
+                    sequential_config_of=lambda key: plan_config(
+                        plan, kareus_type_key(key, 1, wl), ex.current))
+            else:
+                self.partitions_run = run_computation(
+                    ex, self.stacks[comp.phase], schedule=schedule, nanobatches=n,
+                    run_op=m.run_op, comm_args=m.comm_args, types=self.types,
+                    plan_config_of=self._plan_config_of(ex))
             m.finish()
 
     def graph_sequence(self, schedule: str) -> Any:
@@ -321,8 +347,9 @@ class TrainingLoop:
             GraphCaptureError: graphs are off for this loop, or an op cannot be captured.
         """
         ex = self._executor(schedule)
-        signature = (schedule, self._nanobatches(schedule), self.layers,
-                     tuple((c.stage, c.microbatch, c.phase) for c in self.computations))
+        signature = (schedule, self.layers,
+                     tuple((c.stage, c.microbatch, c.phase, self._nanobatches(schedule, c))
+                           for c in self.computations))
         seq = ex.sequence(f"train:{schedule}")
         if seq is not None and seq.key[0] == signature:
             return seq
