@@ -212,7 +212,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
                   progress=not args.quiet, allow_clock_changes=args.allow_clock_changes,
                   types=None if args.types is None else args.types.split(","),
                   backends=None if args.backends is None else args.backends.split(","),
-                  deadline_s=args.deadline_s, energy_budget_j=args.energy_budget_j)
+                  deadline_s=args.deadline_s, energy_budget_j=args.energy_budget_j,
+                  graphs=False if getattr(args, "no_graphs", False) else None)
     if report is None:  # not rank 0
         return 0
     if report.result is not None:
@@ -246,9 +247,10 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     if getattr(args, "gpu_profile", None) is not None and args.profiler != "emulated":
         raise ValueError(f"--gpu-profile calibrates the emulated profiler; --profiler "
                          f"{args.profiler} measures instead: drop one of them")
-    if getattr(args, "no_graphs", False) and args.profiler != "emulated":
-        raise ValueError(f"--no-graphs emulates eager execution; --profiler {args.profiler} "
-                         "measures (or replays) as it ran: drop --no-graphs")
+    if getattr(args, "no_graphs", False) and args.profiler not in ("emulated", "nvml"):
+        raise ValueError(f"--no-graphs emulates (or, with --profiler nvml, measures) eager "
+                         f"execution; --profiler {args.profiler} replays as it ran: drop "
+                         "--no-graphs")
     if args.profiler == "nvml":
         if args.jobs > 1:
             raise ValueError("--jobs is for emulated and replayed runs; a tuning run measures "
@@ -405,9 +407,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "profile (a file written by `kareus calibrate`, or the name of one "
                         "shipped with kareus: h200-sxm)")
     p.add_argument("--no-graphs", action="store_true",
-                   help="--profiler emulated: emulate eager execution (every op launched from "
-                        "the host at its host cost, as the executor runs with --no-graphs) "
-                        "instead of CUDA-graph replay, the default (see docs/emulator.md)")
+                   help="eager execution instead of CUDA-graph replay, the default: "
+                        "--profiler emulated emulates it (every op launched from the host at "
+                        "its host cost; docs/emulator.md), --profiler nvml measures it "
+                        "(docs/tuning.md)")
     p.add_argument("--allow-clock-changes", action="store_true",
                    help="--profiler nvml: search the clocks by locking them (needs root; "
                         "never on shared machines); default: only the default clock")

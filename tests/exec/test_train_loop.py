@@ -430,15 +430,12 @@ def test_graphed_loop_captures_one_graph_per_computation_with_its_clock():
 def test_a_plan_that_runs_computations_unsplit():
     """A kareus plan whose choice for some computations is one nanobatch (kareus's space
     holds unsplit execution): those run each collective after its piece's ops with the SM
-    count of the unsplit type (``<type>@n1``), the others nanobatched; the loss equals the
+    count of their unsplit type, the others nanobatched; the loss equals the
     sequential schedule's, and every collective of an unsplit computation is capped."""
-    from kareus.compose import kareus_type_key
-
     wl = workload(2, 2)
     split = plan_for(wl, sms=8)
     unsplit_types = build_partitions(wl.with_(nanobatches=1)).types
-    n1 = {kareus_type_key(name, 1, wl): ScheduleConfig(1980, 12, None)
-          for name in unsplit_types}
+    n1 = {name: ScheduleConfig(1980, 12, None) for name in unsplit_types}
     choices = [MicrobatchChoice(freq_mhz=1980, configs=split.choices[0].configs),
                MicrobatchChoice(freq_mhz=1980, configs=n1, nanobatches=1)]
     comps = get_schedule("1f1b", 1, wl.num_microbatches).stage_orders[0]
@@ -471,3 +468,11 @@ def test_a_plan_that_runs_computations_unsplit():
     seen = loop.partitions_run
     assert seen and all(cfg.launch_slot is None and cfg.comm_sms == 12 for _, cfg in seen)
     assert {k for k, _ in seen} <= set(unsplit_types)
+    # A plan that runs every computation unsplit names no nanobatched type: accepted.
+    every = Plan(gpu="h200-sxm", num_stages=1, num_microbatches=wl.num_microbatches,
+                 choices=choices, assignment={c.key(): 1 for c in comps}, time_s=1.0,
+                 energy_j=1.0, dynamic_energy_j=0.5, static_power_w=100.0,
+                 workload=wl.to_dict())
+    TrainingLoop(workload=wl, groups=groups, collective=capped, default_collective=default,
+                 plan=every, streams=RecordingStreamBackend(), kernels="torch", device="cpu",
+                 dtype="float32")

@@ -30,7 +30,7 @@ from typing import Any
 
 import attrs
 
-from kareus.compose import Plan, kareus_type_key
+from kareus.compose import Plan
 from kareus.errors import PlanError
 from kareus.exec.executor import TorchExecutor, plan_config, plan_nanobatches
 from kareus.exec.train._chain import (
@@ -194,7 +194,8 @@ class TrainingLoop:
         self.types: dict[str, TypeShape] = (type_shapes(build_partitions(workload))
                                             if has_comm else {})
         # The partition types of a computation a plan runs unsplit (kareus's space holds
-        # unsplit execution: kareus.compose.systems)
+        # unsplit execution: kareus.compose.systems); a plan names them by their own names
+        # in its unsplit choices
         self.unsplit_types: dict[str, TypeShape] = (
             type_shapes(build_partitions(workload.with_(nanobatches=1)))
             if has_comm and workload.nanobatches > 1 else self.types)
@@ -214,16 +215,15 @@ class TrainingLoop:
         name = plan.schedule if plan is not None else schedule
         self.computations = list(get_schedule(name, 1, workload.num_microbatches)
                                  .stage_orders[0])
-        if plan is not None:
-            wanted: set[str] = set()
-            for c in self.computations:
-                n = plan_nanobatches(plan, c.stage, c.microbatch, c.phase)
-                wanted |= (set(self.types) if n > 1 or workload.nanobatches == 1 else
-                           {kareus_type_key(t, 1, workload) for t in self.unsplit_types})
-            missing = sorted(wanted - set(plan.partition_configs()))
-            if missing:
-                raise PlanError(f"the plan has no configuration for partition types "
-                                f"{missing}: make it for this workload")
+        if plan is not None:  # the types of each split the plan runs
+            for n in sorted({plan_nanobatches(plan, c.stage, c.microbatch, c.phase)
+                             for c in self.computations}):
+                need = self.types if n > 1 or workload.nanobatches == 1 else self.unsplit_types
+                missing = sorted(set(need) - set(plan.partition_configs(nanobatches=n)))
+                if missing:
+                    raise PlanError(f"the plan has no configuration for partition types "
+                                    f"{missing} of its computations split in {n}: make it "
+                                    "for this workload")
         coll = collective if has_comm else _no_collective_backend()
         named = dict(backends or {})
         if graphs is None:
@@ -322,12 +322,10 @@ class TrainingLoop:
                 # piece's ops, with the SM count of its unsplit partition type.
                 plan = self.plan
                 assert plan is not None
-                wl = self.workload
                 self.partitions_run = run_computation(
                     ex, self.stacks[comp.phase], schedule="sequential", nanobatches=1,
                     run_op=m.run_op, comm_args=m.comm_args, types=self.unsplit_types,
-                    sequential_config_of=lambda key: plan_config(
-                        plan, kareus_type_key(key, 1, wl), ex.current))
+                    sequential_config_of=lambda key: plan_config(plan, key, ex.current))
             else:
                 self.partitions_run = run_computation(
                     ex, self.stacks[comp.phase], schedule=schedule, nanobatches=n,
