@@ -23,6 +23,9 @@ backward, RoPE forward and backward, SwiGLU forward and backward.
   garbage collector is off while timing.
 * GPU time: CUDA events around each call, median of ``--calls``, each after reading a
   256 MiB buffer (the L2 cache holds none of the op's data), lean path and liger.
+* Python share: the lean path's host time again with its launches' C calls swapped for
+  a no-op C call (``host_us_no_launch``: what the Python around the launches costs: key,
+  lookup, outputs, addresses, stream; the rest of ``host_us`` is the CUDA launches).
 * Also: whether the lean path took its fast launches at every op (``fast_path``), whether
   its outputs equal the plain path's bit for bit (``equal_to_plain``), and the bare cost
   of launching an empty kernel of 4 and of 30 arguments, plain and lean.
@@ -215,6 +218,29 @@ def gpu_us(torch: Any, fn: Any, reps: int, flush: Any) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3
 
 
+_NO_LAUNCH = "".format  # a C call that takes any arguments and does nothing
+
+
+def no_launches(kt: Any) -> dict[tuple[int, str], Any]:
+    """Swap every lean plan's launch calls (the generated functions' ``run<k>`` and
+    ``launch<k>``) for a no-op C call; returns what to put back (:func:`put_back`)."""
+    saved = {}
+    for plan in list(kt._PLANS.values()):
+        if plan.fast is None:
+            continue
+        g = plan.fast.__globals__
+        for name in list(g):
+            if name.startswith(("run", "launch")) and name[-1].isdigit():
+                saved[(id(g), name)] = (g, g[name])
+                g[name] = _NO_LAUNCH
+    return saved
+
+
+def put_back(saved: dict) -> None:
+    for (_, name), (g, value) in saved.items():
+        g[name] = value
+
+
 def outputs_equal(torch: Any, a: Any, b: Any) -> bool:
     a = a if isinstance(a, tuple) else (a,)
     b = b if isinstance(b, tuple) else (b,)
@@ -243,6 +269,11 @@ def measure_op(torch: Any, label: str, op: str, paths: list[str], calls: dict[st
         for p in paths:
             rounds[p].append(host_round_us(torch, calls[p][op], args.calls))
     status = kt.lean_status().get(LEAN_TAG[op], {})
+    saved = no_launches(kt)
+    try:
+        bare = [host_round_us(torch, calls["lean"][op], args.calls) for _ in range(args.rounds)]
+    finally:
+        put_back(saved)
     lean_out, plain_out = calls["lean"][op](), calls["plain"][op]()
     equal = outputs_equal(torch, lean_out, plain_out)
     del lean_out, plain_out
@@ -251,6 +282,7 @@ def measure_op(torch: Any, label: str, op: str, paths: list[str], calls: dict[st
         r = {"workload": label, "op": op, "path": p, "kernel": sets[p].kernel_names()[op],
              **summarize([t for rnd in rounds[p] for t in rnd], rounds[p])}
         if p == "lean":
+            r["host_us_no_launch"] = statistics.median(t for rnd in bare for t in rnd)
             r["fast_path"] = bool(status) and status.get("fast") == status.get("signatures")
             r["equal_to_plain"] = equal
         if p in ("lean", "liger"):
@@ -339,8 +371,8 @@ def check(rows: list[dict], lean_available: bool) -> list[str]:
 def print_table(rows: list[dict]) -> None:
     by = {(r["workload"], r["op"], r["path"]): r for r in rows}
     keys = list(dict.fromkeys((r["workload"], r["op"]) for r in rows))
-    print(f"\n{'workload':24} {'op':27} {'lean us':>8} {'plain us':>9} {'liger us':>9} "
-          f"{'GPU us':>7}  fast  equal")
+    print(f"\n{'workload':24} {'op':27} {'lean us':>8} {'python':>7} {'plain us':>9} "
+          f"{'liger us':>9} {'GPU us':>7}  fast  equal")
     for w, op in keys:
         lean, plain, liger = (by.get((w, op, p)) for p in ("lean", "plain", "liger"))
 
@@ -352,8 +384,9 @@ def print_table(rows: list[dict]) -> None:
             fast = "ERR"
         eq = "-" if not lean or "equal_to_plain" not in lean else (
             "yes" if lean["equal_to_plain"] else "NO")
-        print(f"{w:24} {op:27} {fmt(lean)} {fmt(plain, width=9)} {fmt(liger, width=9)} "
-              f"{fmt(lean, 'gpu_us', 7)}  {fast:4}  {eq}")
+        print(f"{w:24} {op:27} {fmt(lean)} {fmt(lean, 'host_us_no_launch', 7)} "
+              f"{fmt(plain, width=9)} {fmt(liger, width=9)} {fmt(lean, 'gpu_us', 7)}  "
+              f"{fast:4}  {eq}")
 
 
 def main(argv: list[str] | None = None) -> int:

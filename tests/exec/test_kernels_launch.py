@@ -196,7 +196,7 @@ def test_fast_launch_passes_what_the_plain_path_passed(fake, case):
 
     want = launches(fake.log[:n_plain], named(plain, 0))
     assert launches(fake.log[n_plain:n_first], named(first, n_plain)) == want
-    dwp = kt._PLANS and next(iter(kt._PLANS.values())).__dict__.get("scratch")
+    dwp = kt._PLANS and next(iter(kt._PLANS.values())).scratch
     fast_named = {**inputs, **dict(zip(out_names, again))}
     if dwp:
         fast_named["scratch"] = next(iter(dwp.values()))
@@ -273,7 +273,7 @@ def test_inputs_the_plain_path_copies_keep_the_plain_path(fake):
     for _ in range(3):
         kt.swiglu_fwd(g, u)
     assert [e[0] for e in fake.log] == ["plain"] * 3
-    assert [p.sites for p in kt._PLANS.values()] == [None]
+    assert [p.fast for p in kt._PLANS.values()] == [None]
 
 
 def test_a_compiled_kernel_that_does_not_check_out_keeps_the_plain_path(fake, monkeypatch):
@@ -464,7 +464,7 @@ def test_fast_launch_passes_what_tritons_dispatch_passes(triton_dispatch, case):
         raise
     n = len(log)
     assert n and len(kt._PLANS) == 1
-    assert all(p.sites is not None for p in kt._PLANS.values())
+    assert all(p.fast is not None for p in kt._PLANS.values())
     again = call(True)  # the fast path
     assert len(log) == 2 * n
 
@@ -475,8 +475,98 @@ def test_fast_launch_passes_what_tritons_dispatch_passes(triton_dispatch, case):
         return [(e[0], e[1], e[2], e[3], e[4], tuple(place(a, named) for a in e[5]))
                 for e in entries]
 
-    dwp = next(iter(kt._PLANS.values())).__dict__.get("scratch")
+    dwp = next(iter(kt._PLANS.values())).scratch
     fast_scratch = next(iter(dwp.values())) if dwp else None
     plain_scratch = log[0][5][4] if fast_scratch is not None else None  # a tensor there
     assert placed(log[n:], again, fast_scratch) == placed(log[:n], first, plain_scratch)
     assert all(type(a) is not torch.Tensor for e in log[n:] for a in e[5])
+
+
+# ------------------------------- Triton's own launcher, its C launch called directly (no GPU)
+
+
+class RecordingCLaunch:
+    """Stands in for the C launch inside Triton's ``CudaLauncher``: records the launch
+    arguments and the kernel arguments apart (Triton 3.6 passes the kernel arguments
+    last, Triton 3.9 as one tuple); a hook chain or launch metadata becomes ``None``
+    (the lean path passes ``None`` there while no hook is set)."""
+
+    def __init__(self, fn, log):
+        self.name, self.n, self.log = fn.__name__, len(fn.arg_names), log
+
+    def __call__(self, *args):
+        if isinstance(args[-1], tuple) and len(args[-1]) == self.n:
+            head, kargs = args[:-1], args[-1]
+        else:
+            head, kargs = args[:-self.n], args[-self.n:]
+        head = tuple(None if type(a).__name__ in ("HookChain", "LazyDict") else a
+                     for a in head)
+        self.log.append((self.name, head, kargs))
+
+
+def _cuda_launcher_cls():
+    try:
+        from triton.backends.nvidia.driver import CudaLauncher
+    except Exception:  # pragma: no cover - a Triton without its CUDA backend
+        pytest.skip("no Triton CUDA backend")
+
+    class Launcher(CudaLauncher):
+        """Triton's own ``CudaLauncher.__call__`` over a recording C launch (its
+        ``__init__`` builds the C module, which needs CUDA)."""
+
+        log: list = []
+
+        def __init__(self, src, metadata):
+            self.launch = RecordingCLaunch(src.fn, Launcher.log)
+            self.num_ctas = 1
+            self.global_scratch_size = self.profile_scratch_size = 0
+            self.global_scratch_align = self.profile_scratch_align = 1
+            self.launch_cooperative_grid = self.launch_pdl = False
+            self.arg_annotations, self.kernel_signature = ("annotations",), b"signature"
+            self.gsan_enabled = False
+
+    return Launcher
+
+
+@pytest.mark.parametrize("case", ops(), ids=lambda c: c[0])
+def test_direct_c_launch_passes_what_tritons_launcher_passes(triton_dispatch, monkeypatch,
+                                                             case):
+    """Where the installed Triton's ``CudaLauncher.__call__`` is one the fast path has
+    read, the fast path calls its C launch directly: with the same arguments, in the
+    same layout, as that ``__call__`` on the plain path."""
+    from triton.runtime.driver import driver
+
+    cls = _cuda_launcher_cls()
+    monkeypatch.setattr(type(driver.active), "launcher_cls", cls)
+    cls.log = []
+    _, call, inputs, out_names = case
+    try:
+        first = call(True)
+    except RuntimeError as exc:  # no ptxas / CUDA backend in this Triton install
+        if "ptxas" in str(exc).lower() or "backend" in str(exc).lower():
+            pytest.skip(f"Triton cannot compile for CUDA here: {exc}")
+        raise
+    n = len(cls.log)
+    assert n and all(p.fast is not None for p in kt._PLANS.values())
+    again = call(True)
+    assert len(cls.log) == 2 * n
+    fn = next(iter(kt._PLANS.values())).fast
+    layout = next(_launch.direct_layout(v) for k, v in fn.__globals__.items()
+                  if k.startswith("run"))
+    import triton
+
+    if triton.__version__.startswith(("3.6.", "3.9.")):
+        assert layout in ("3.6", "3.9")  # the two launchers this module has read
+    if layout is not None:
+        assert any(k.startswith("launch0") for k in fn.__globals__)
+
+    def placed(entries, outs, scratch):
+        named = {**inputs, **dict(zip(out_names, outs))}
+        if scratch is not None:
+            named["scratch"] = scratch
+        return [(e[0], e[1], tuple(place(a, named) for a in e[2])) for e in entries]
+
+    dwp = next(iter(kt._PLANS.values())).scratch
+    fast_scratch = next(iter(dwp.values())) if dwp else None
+    plain_scratch = cls.log[0][2][4] if fast_scratch is not None else None
+    assert placed(cls.log[n:], again, fast_scratch) == placed(cls.log[:n], first, plain_scratch)

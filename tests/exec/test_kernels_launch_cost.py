@@ -122,6 +122,7 @@ def test_a_whole_run_with_a_fake_gpu(lc, fake_gpu, tmp_path, capsys):
     assert len(rows) == len(lc.WORKLOADS) * len(lc.OPS) * 2 + 4
     lean = [r for r in rows if r["path"] == "lean" and r["workload"] != "-"]
     assert all(r["fast_path"] and r["calls"] == 30 and r["gpu_us"] == 5.0 for r in lean)
+    assert all(r["host_us_no_launch"] > 0 for r in lean)
     assert res["lean_runtime"] == {"available": True, "triton": "fake"}
     assert {r["op"] for r in rows if r["workload"] == "-"} == {
         "empty kernel, 4 arguments", "empty kernel, 30 arguments"}
@@ -149,3 +150,18 @@ def test_a_failing_op_is_reported_and_the_run_goes_on(lc, fake_gpu, tmp_path, mo
     assert {(r["op"], r["path"]) for r in failed} == {("rope", "lean"), ("rope", "plain")}
     assert any("RuntimeError: boom" in m for m in res["check"]["missed"])
     assert len(res["rows"]) == (len(lc.OPS)) * 2 + 4
+
+
+def test_the_python_share_swaps_the_launches_and_puts_them_back(lc, fake_gpu):
+    from kareus.exec.kernels import _triton as kt
+
+    g, u = torch.randn(8, 64), torch.randn(8, 64)
+    kt.swiglu_fwd(g, u)
+    kt.swiglu_fwd(g, u)
+    assert [e[0] for e in fake_gpu] == ["plain", "fast"]
+    saved = lc.no_launches(kt)
+    assert saved
+    kt.swiglu_fwd(g, u)  # launches nothing
+    lc.put_back(saved)
+    kt.swiglu_fwd(g, u)
+    assert [e[0] for e in fake_gpu] == ["plain", "fast", "fast"]

@@ -20,10 +20,12 @@ always was: checks, launch settings and strides worked out on every call, then
 signature of the op's inputs (their types, shapes, strides, dtypes, devices, the current
 device and the launch settings; a tuple built from attributes torch keeps at hand), what
 the plain path worked out and the compiled kernel it launched, and on later calls at that
-signature allocates the outputs and calls the compiled kernel's launcher directly
-(:mod:`kareus.exec.kernels._launch` says how, and when it falls back to the plain path).
-On one H200 host the plain path cost 50-130 us of host time per op, for 8-21 us of
-GPU time at the presets' shapes; the lean path aims at 15 us or less
+signature runs one generated function that allocates the outputs and calls the compiled
+kernel's launcher directly (:mod:`kareus.exec.kernels._launch` says how, and when it
+falls back to the plain path). On one H200 host (bench/results/launch_cost_h200.json)
+the plain path cost 22-121 us of host time per op at the presets' shapes, for 9-205 us
+of GPU time, and the lean path 10-28 us before its calls became one generated frame
+each with Triton's C launch called directly; it aims at 15 us or less
 (``bench/launch_cost.py`` measures both).
 
 Importing this module imports triton and torch.
@@ -173,16 +175,15 @@ def rms_norm_fwd(x: Any, w: Any, eps: float, *, rows: int | None = None,
     key = ("rms_norm_fwd", type(x), x.shape, x.stride(), x.dtype, x.get_device(), type(w),
            w.shape, w.stride(), w.dtype, w.get_device(), dev, rows, num_warps)
     p = _PLANS.get(key)
-    if p is not None and p.sites is not None and rt.hooks_idle():
-        y = _empty_like(p.y)
-        px, py, pw = x.data_ptr(), y.data_ptr(), w.data_ptr()
-        if not (px | py | pw) & 15:
-            p.sites[0](rt.current_stream(dev), px, py, pw, eps)
+    if p is not None and p.fast is not None:
+        y = p.fast(x, w, eps)
+        if y is not None:
             return y
     rec: list[LaunchRecord] | None = [] if p is None else None
     y = _rms_norm_fwd_plain(x, w, eps, rows, num_warps, rec)
     if rec:
-        _learn(rt, dev, key, rec, (x, y, w), _RMS_FWD_ROOTS, {"eps": eps}, y=_template(y))
+        _learn(rt, dev, key, rec, (x, y, w), _RMS_FWD_ROOTS, {"eps": eps},
+               (None, _template(y), None), 1)
     return y
 
 
@@ -245,29 +246,18 @@ def rms_norm_bwd(dy: Any, x: Any, w: Any, eps: float, *, rows: int | None = None
            w.stride(), w.dtype, w.get_device(), dev, rows, num_warps, programs_per_sm,
            prefetch, sum_block_n, sum_block_p)
     p = _PLANS.get(key)
-    if p is not None and p.sites is not None and rt.hooks_idle():
-        dx, dw = _empty_like(p.dx), _empty_like(p.dw)
-        s = rt.current_stream(dev)
-        if rt.is_capturing():
-            dwp = _empty_like(p.dwp)
-        else:
-            dwp = p.scratch.get(s)
-            if dwp is None:
-                dwp = p.scratch[s] = _empty_like(p.dwp)
-        pdy, px, pw = dy.data_ptr(), x.data_ptr(), w.data_ptr()
-        pdx, pdwp, pdw = dx.data_ptr(), dwp.data_ptr(), dw.data_ptr()
-        if not (pdy | px | pw | pdx | pdwp | pdw) & 15:
-            partials, total = p.sites
-            partials(s, pdy, px, pw, pdx, pdwp, pdw, eps)
-            total(s, pdy, px, pw, pdx, pdwp, pdw, eps)
-            return dx, dw
+    if p is not None and p.fast is not None:
+        out = p.fast(dy, x, w, eps)
+        if out is not None:
+            return out  # type: ignore[no-any-return]
     rec: list[LaunchRecord] | None = [] if p is None else None
     dx, dw = _rms_norm_bwd_plain(dy, x, w, eps, rows, num_warps, programs_per_sm, prefetch,
                                  sum_block_n, sum_block_p, rec)
     if rec:
         dwp = rec[0].args[4]
         _learn(rt, dev, key, rec, (dy, x, w, dx, dwp, dw), _RMS_BWD_ROOTS, {"eps": eps},
-               dx=_template(dx), dw=_template(dw), dwp=_template(dwp), scratch={})
+               (None, None, None, _template(dx), _launch.Scratch(_template(dwp)),
+                _template(dw)), (3, 5))
     return dx, dw
 
 
@@ -454,18 +444,15 @@ def rope_fwd(q: Any, k: Any, cos: Any, sin: Any, *, block_r: int = 16,
            cos.dtype, cos.get_device(), type(sin), sin.shape, sin.stride(), sin.dtype,
            sin.get_device(), dev, block_r, num_warps, grid)
     p = _PLANS.get(key)
-    if p is not None and p.sites is not None and rt.hooks_idle():
-        qo, ko = _empty_like(p.qo), _empty_like(p.ko)
-        pq, pk, pqo, pko = q.data_ptr(), k.data_ptr(), qo.data_ptr(), ko.data_ptr()
-        pc, ps = cos.data_ptr(), sin.data_ptr()
-        if not (pq | pk | pqo | pko | pc | ps) & 15:
-            p.sites[0](rt.current_stream(dev), pq, pk, pqo, pko, pc, ps)
-            return qo, ko
+    if p is not None and p.fast is not None:
+        out = p.fast(q, k, cos, sin)
+        if out is not None:
+            return out  # type: ignore[no-any-return]
     rec: list[LaunchRecord] | None = [] if p is None else None
     qo, ko = _rope_fwd_plain(q, k, cos, sin, block_r, num_warps, grid, rec)
     if rec:
         _learn(rt, dev, key, rec, (q, k, qo, ko, cos, sin), _ROPE_FWD_ROOTS, {},
-               qo=_template(qo), ko=_template(ko))
+               (None, None, _template(qo), _template(ko), None, None), (2, 3))
     return qo, ko
 
 
@@ -493,18 +480,15 @@ def rope_qkv(qkv: Any, cos: Any, sin: Any, *, heads: int, kv_heads: int, block_r
            sin.shape, sin.stride(), sin.dtype, sin.get_device(), heads, kv_heads, dev,
            block_r, num_warps, grid)
     p = _PLANS.get(key)
-    if p is not None and p.sites is not None and rt.hooks_idle():
-        qo, ko = _empty_like(p.qo), _empty_like(p.ko)
-        pqkv, pqo, pko = qkv.data_ptr(), qo.data_ptr(), ko.data_ptr()
-        pc, ps = cos.data_ptr(), sin.data_ptr()
-        if not (pqkv | pqo | pko | pc | ps) & 15:
-            p.sites[0](rt.current_stream(dev), pqkv, pqo, pko, pc, ps)
-            return qo, ko
+    if p is not None and p.fast is not None:
+        out = p.fast(qkv, cos, sin)
+        if out is not None:
+            return out  # type: ignore[no-any-return]
     rec: list[LaunchRecord] | None = [] if p is None else None
     qo, ko = _rope_qkv_plain(qkv, cos, sin, heads, kv_heads, block_r, num_warps, grid, rec)
     if rec:
         _learn(rt, dev, key, rec, (qkv, qo, ko, cos, sin), _ROPE_QKV_ROOTS, {},
-               qo=_template(qo), ko=_template(ko))
+               (None, _template(qo), _template(ko), None, None), (1, 2))
     return qo, ko
 
 
@@ -534,18 +518,15 @@ def rope_bwd(dq: Any, dk: Any, dv: Any, cos: Any, sin: Any, *, block_r: int = 16
            cos.get_device(), type(sin), sin.shape, sin.stride(), sin.dtype, sin.get_device(),
            dev, block_r, num_warps, grid)
     p = _PLANS.get(key)
-    if p is not None and p.sites is not None and rt.hooks_idle():
-        out = _empty_like(p.out)
-        pq, pk, pv, po = dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), out.data_ptr()
-        pc, ps = cos.data_ptr(), sin.data_ptr()
-        if not (pq | pk | pv | po | pc | ps) & 15:
-            p.sites[0](rt.current_stream(dev), pq, pk, pv, po, pc, ps)
+    if p is not None and p.fast is not None:
+        out = p.fast(dq, dk, dv, cos, sin)
+        if out is not None:
             return out
     rec: list[LaunchRecord] | None = [] if p is None else None
     out = _rope_bwd_plain(dq, dk, dv, cos, sin, block_r, num_warps, grid, rec)
     if rec:
         _learn(rt, dev, key, rec, (dq, dk, dv, out, cos, sin), _ROPE_BWD_ROOTS, {},
-               out=_template(out))
+               (None, None, None, _template(out), None, None), 3)
     return out
 
 
@@ -605,16 +586,15 @@ def swiglu_fwd(g: Any, u: Any, *, block: int = 2048, num_warps: int = 8,
     key = ("swiglu_fwd", type(g), g.shape, g.stride(), g.dtype, g.get_device(), type(u),
            u.shape, u.stride(), u.dtype, u.get_device(), dev, block, num_warps)
     p = _PLANS.get(key)
-    if p is not None and p.sites is not None and rt.hooks_idle():
-        a = _empty_like(p.a)
-        pg, pu, pa = g.data_ptr(), u.data_ptr(), a.data_ptr()
-        if not (pg | pu | pa) & 15:
-            p.sites[0](rt.current_stream(dev), pg, pu, pa)
+    if p is not None and p.fast is not None:
+        a = p.fast(g, u)
+        if a is not None:
             return a
     rec: list[LaunchRecord] | None = [] if p is None else None
     a = _swiglu_fwd_plain(g, u, block, num_warps, rec)
     if rec:
-        _learn(rt, dev, key, rec, (g, u, a), _SWIGLU_FWD_ROOTS, {}, a=_template(a))
+        _learn(rt, dev, key, rec, (g, u, a), _SWIGLU_FWD_ROOTS, {}, (None, None, _template(a)),
+               2)
     return a
 
 
@@ -640,18 +620,15 @@ def swiglu_bwd(da: Any, g: Any, u: Any, *, block: int = 2048, num_warps: int = 8
            g.shape, g.stride(), g.dtype, g.get_device(), type(u), u.shape, u.stride(),
            u.dtype, u.get_device(), dev, block, num_warps)
     p = _PLANS.get(key)
-    if p is not None and p.sites is not None and rt.hooks_idle():
-        dg, du = _empty_like(p.dg), _empty_like(p.du)
-        pda, pg, pu, pdg, pdu = da.data_ptr(), g.data_ptr(), u.data_ptr(), dg.data_ptr(), \
-            du.data_ptr()
-        if not (pda | pg | pu | pdg | pdu) & 15:
-            p.sites[0](rt.current_stream(dev), pda, pg, pu, pdg, pdu)
-            return dg, du
+    if p is not None and p.fast is not None:
+        out = p.fast(da, g, u)
+        if out is not None:
+            return out  # type: ignore[no-any-return]
     rec: list[LaunchRecord] | None = [] if p is None else None
     dg, du = _swiglu_bwd_plain(da, g, u, block, num_warps, rec)
     if rec:
         _learn(rt, dev, key, rec, (da, g, u, dg, du), _SWIGLU_BWD_ROOTS, {},
-               dg=_template(dg), du=_template(du))
+               (None, None, None, _template(dg), _template(du)), (3, 4))
     return dg, du
 
 
@@ -663,17 +640,16 @@ _SWIGLU_BWD_ROOTS = {"DA": 0, "G": 1, "U": 2, "DG": 3, "DU": 4}
 
 
 class _Plan:
-    """What an op needs at one signature: ``sites``, the fast launch of each kernel it
-    runs (:func:`kareus.exec.kernels._launch.lean_sites`), or ``None`` when it takes the
-    plain path at that signature; plus the op's own facts (output shapes, whether its
-    outputs can be made with ``empty_like``, its scratch)."""
+    """What an op keeps at one signature: ``fast``, its whole lean call
+    (:func:`kareus.exec.kernels._launch.lean_op`), or ``None`` when it takes the plain
+    path at that signature; and ``scratch``, the buffers it keeps per stream (RMSNorm
+    backward's partial sums), if any."""
 
-    def __init__(self, sites: list[Any] | None, **facts: Any) -> None:
-        self.sites = sites
-        self.__dict__.update(facts)
+    __slots__ = ("fast", "scratch")
 
-    def __getattr__(self, name: str) -> Any:  # only for mypy: facts are set in __init__
-        raise AttributeError(name)
+    def __init__(self, fast: Any, scratch: dict[int, Any] | None = None) -> None:
+        self.fast = fast
+        self.scratch = scratch
 
 
 def _template(t: Any) -> Any:
@@ -691,22 +667,26 @@ _MAX_PLANS = 1024  # signatures kept; a job with more (varying shapes) starts ov
 
 def _learn(rt: _launch.LaunchRuntime, dev: int, key: tuple[Any, ...],
            rec: list[LaunchRecord], roots: tuple[Any, ...], root_of: dict[str, int],
-           values: dict[str, Any], **facts: Any) -> None:
-    """Keep the plan of ``key`` after a plain call that recorded ``rec``: its fast
-    launches, or none where the fast path cannot take this signature (then later calls
-    at it go straight to the plain path). A call with an unaligned tensor keeps nothing,
-    so the next call at the signature tries again."""
+           values: dict[str, Any], make: tuple[Any, ...],
+           returns: int | tuple[int, ...]) -> None:
+    """Keep the plan of ``key`` after a plain call that recorded ``rec``: its lean call
+    (``make`` and ``returns`` as in :func:`kareus.exec.kernels._launch.lean_op`), or
+    none where the fast path cannot take this signature (then later calls at it go
+    straight to the plain path). A call with an unaligned tensor keeps nothing, so the
+    next call at the signature tries again."""
     if any(t.data_ptr() % 16 for t in roots) or not rt.hooks_idle():
         return
-    sites = None
+    fast = None
     if all(type(t) in _TENSOR_TYPES and t.get_device() == dev for t in roots):
         try:
-            sites = _launch.lean_sites(rt, rec, roots, root_of, values)
+            fast = _launch.lean_op(rt, rec, roots, root_of, values, make, returns, dev,
+                                   _empty_like)
         except Exception:  # never let the fast path's set-up fail an op
-            sites = None
+            fast = None
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
-    _PLANS[key] = _Plan(sites, **facts)
+    scratch = next((m.buffers for m in make if isinstance(m, _launch.Scratch)), None)
+    _PLANS[key] = _Plan(fast, scratch)
 
 
 def lean_status() -> dict[str, dict[str, int]]:
@@ -716,7 +696,7 @@ def lean_status() -> dict[str, dict[str, int]]:
     for key, p in list(_PLANS.items()):
         s = out.setdefault(key[0], {"signatures": 0, "fast": 0})
         s["signatures"] += 1
-        s["fast"] += p.sites is not None
+        s["fast"] += p.fast is not None
     return out
 
 
