@@ -121,7 +121,11 @@ def test_the_gpu_time_per_step_alone_is_at_most_the_step_time(graphs):
     runner.synchronize()
     wall = (time.perf_counter() - t0) / 20
     queued = runner.queued_step_s(step, steps=10, host_step_s=host)
-    assert queued is not None and 0 < queued <= wall * 1.05
+    # The two timings run at different moments, and an H200's SM clock moves between
+    # 1485 and 1980 MHz with its power draw (on 1x H200 an eager GPU-bound fwd_mlp step
+    # queued after the sleeping kernel took 197 us against 179 us back to back): a
+    # GPU-bound step's two times agree within that clock range, no closer.
+    assert queued is not None and 0 < queued <= wall * 1.35
 
 
 @gpu
