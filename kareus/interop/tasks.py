@@ -155,8 +155,12 @@ def run_searches(executor: Executor, profiler: Profiler, pset: PartitionSet, *, 
     """Run every partition type's search as a task of ``executor``; see the module doc.
 
     Args:
-        executor, profiler, budget, batch_size, seed, surrogate: As
-            :func:`kareus.workflow.optimize` takes them.
+        executor: Runs the tasks (as :func:`kareus.workflow.optimize` takes it).
+        profiler: Measures (as :func:`kareus.workflow.optimize` takes it).
+        budget: Profiles per type (as :func:`kareus.workflow.optimize` takes it).
+        batch_size: Candidates per batch (as :func:`kareus.workflow.optimize` takes it).
+        seed: The searches' seed (as :func:`kareus.workflow.optimize` takes it).
+        surrogate: The searches' model (as :func:`kareus.workflow.optimize` takes it).
         pset: The workload's partition set (its workload sets the GPUs a task needs).
         log_dir: The run's log folder (``search-<key>.jsonl`` per type), or ``None``.
         types: The partition types to search, by key (the key names the task and its
