@@ -452,9 +452,22 @@ def optimize(
             must agree with it. Stated in the table, ``results.json``, the manifest and
             each search log's header.
 
+    What it writes: nothing, unless ``log_dir`` is given; then only the search logs and
+    the folder's manifest and lock there. ``results.json`` and ``plan.json`` are written
+    by the result, ``result.save(out)``
+    ([kareus.workflow.OptimizationResult.save][]), and a plan alone by
+    ``result.select(...).save(path)``.
+
     ``log_dir`` is guarded (:mod:`kareus._outdir`): a manifest of every input that changes
     a number is kept there and a folder of another job is refused; an exclusive lock
     refuses a second run on the same folder at once.
+
+    Returns:
+        What the run found ([kareus.OptimizationResult][]): every system's iteration
+        frontier (``result.frontiers``; kareus's own is ``result.kareus``), kareus's
+        partition frontiers, the profiles made, the wall time; ``result.select(...)``
+        picks a [kareus.Plan][], ``result.table()`` compares the systems, and
+        ``result.save(out)`` writes the files.
 
     Raises:
         InfeasibleError: the budget is below 1.
@@ -463,6 +476,25 @@ def optimize(
         OutputError: ``log_dir`` is unusable or holds another job's logs.
         FolderInUseError: another run holds ``log_dir``.
         TypeError: an argument of the wrong type.
+
+    Examples:
+        A small run on the embedded emulator (under a second on a laptop), its fastest
+        plan, and the files saved:
+
+        >>> import tempfile
+        >>> import kareus
+        >>> workload = kareus.Workload.preset("qwen3-1.7b", tp=2, pp=2, microbatch_size=2,
+        ...                                   seq_len=1024, num_microbatches=4)
+        >>> result = kareus.optimize(workload, "h200-sxm", budget=4, progress=False)
+        >>> sorted(result.frontiers)
+        ['kareus', 'megatron', 'nanobatching', 'nanobatching+perseus', 'perseus']
+        >>> plan = result.select()  # the fastest kareus plan
+        >>> plan.time_s <= result.frontiers["megatron"].points[0].time_s
+        True
+        >>> out = tempfile.mkdtemp()
+        >>> paths = result.save(out, figure=False)  # results.json and plan.json
+        >>> sorted(path.name for path in paths.values())
+        ['plan.json', 'results.json']
     """
     from functools import partial
 

@@ -489,6 +489,9 @@ def compose_systems(workload: Workload, profiler: Profiler, *,
         kareus_frontiers: Partition frontiers already searched for kareus, by
             :func:`kareus_type_key` (skips their search).
 
+    Writes nothing: [kareus.optimize][] wraps it with search logs, and its result's
+    ``save(out)`` writes ``results.json`` and ``plan.json``.
+
     Returns:
         Every system's iteration frontier, microbatch frontiers and partition frontiers.
 
@@ -497,6 +500,20 @@ def compose_systems(workload: Workload, profiler: Profiler, *,
             composer that is not a FrontierComposer, a search that returns something else
             than a PartitionFrontier).
         ValueError: an unknown system name.
+
+    Examples:
+        Megatron-LM and Perseus on the emulator (neither searches kareus's space):
+
+        >>> import kareus
+        >>> workload = kareus.Workload.preset("qwen3-1.7b", tp=2, pp=2, microbatch_size=2,
+        ...                                   seq_len=1024, num_microbatches=4)
+        >>> result = kareus.compose_systems(workload, kareus.EmulatedProfiler("h200-sxm"),
+        ...                                 systems=["megatron", "perseus"])
+        >>> sorted(result.frontiers)
+        ['megatron', 'perseus']
+        >>> megatron, perseus = result.frontiers["megatron"], result.frontiers["perseus"]
+        >>> perseus.points[-1].energy_j < megatron.points[0].energy_j
+        True
     """
     if not isinstance(workload, Workload):
         raise TypeError(f"workload must be a Workload, got {type(workload).__name__}")

@@ -324,12 +324,27 @@ def register_model(model: ModelArch | str | os.PathLike[str], *,
         model: A :class:`ModelArch`, or the path of a model file.
         replace: Allow replacing a registered model of the same name with a different one.
 
+    The registry lives in this process only: nothing is written (a process of its own,
+    such as a worker of a process pool, registers the model again).
+
     Returns:
         The registered architecture.
 
     Raises:
         SpecFileError: a bad file; the name is a preset's; or another model is registered
             under that name (and ``replace`` is false).
+
+    Examples:
+        A preset with fewer layers, under a name of its own:
+
+        >>> import attrs
+        >>> import kareus
+        >>> from kareus.model import get_model
+        >>> mine = attrs.evolve(get_model("qwen3-1.7b"), name="my-1.7b", layers=20)
+        >>> kareus.register_model(mine) is mine
+        True
+        >>> kareus.Workload.preset("my-1.7b", tp=2).model.layers
+        20
     """
     from kareus.model import workload
 
@@ -355,12 +370,27 @@ def register_gpu(gpu: GPUSpec | str | os.PathLike[str], *, replace: bool = False
         gpu: A :class:`GPUSpec`, or the path of a GPU file.
         replace: Allow replacing a registered GPU of the same name with a different one.
 
+    The registry lives in this process only: nothing is written (a process of its own,
+    such as a worker of a process pool, registers the GPU again).
+
     Returns:
         The registered spec.
 
     Raises:
         SpecFileError: a bad file; the name is a preset's; or another GPU is registered
             under that name (and ``replace`` is false).
+
+    Examples:
+        An H200 capped at 600 W, under a name of its own:
+
+        >>> import attrs
+        >>> import kareus
+        >>> capped = attrs.evolve(kareus.get_gpu("h200-sxm"), name="h200-600w",
+        ...                       power_limit_w=600.0)
+        >>> kareus.register_gpu(capped) is capped
+        True
+        >>> kareus.get_gpu("h200-600w").power_limit_w
+        600.0
     """
     from kareus.model import gpu as gpu_module
 

@@ -239,8 +239,25 @@ def gpu_names() -> list[str]:
 def get_gpu(name: str | GPUSpec) -> GPUSpec:
     """Look up a GPU preset by name (a :class:`GPUSpec` passes through).
 
+    Reads the presets and the GPUs registered in this process
+    ([kareus.model.files.register_gpu][]); writes nothing.
+
+    Args:
+        name: A preset's or a registered GPU's name (any case), or a spec.
+
+    Returns:
+        The GPU's spec: SM count, clocks, peaks, power and memory.
+
     Raises:
         UnknownPresetError: ``name`` is not a preset; the message lists the known ones.
+
+    Examples:
+        >>> import kareus
+        >>> gpu = kareus.get_gpu("h200-sxm")
+        >>> gpu.sm_count, gpu.power_limit_w
+        (132, 700.0)
+        >>> kareus.get_gpu("H200-SXM") is gpu
+        True
     """
     if isinstance(name, GPUSpec):
         return name
