@@ -29,6 +29,14 @@ plan's frequency for it; stage ``s``'s list follows the plan's pipeline schedule
 one backward, then the remaining backwards), which must be the order the training framework
 runs. Perseus sets only frequencies: the plan's communication SM caps and launch slots need
 kareus's executor.
+
+Context parallelism: Zeus knows pipeline, data and tensor parallelism only (its ``JobInfo``
+checks ``world_size == pp_degree * dp_degree * tp_degree``). A job with CP > 1 registers
+with CP folded into the data-parallel degree: ``dp_degree = cp * dp`` and, for each rank,
+``dp_rank = dp_rank * cp + cp_rank``, the rank's position among the copies of its stage's
+TP group. The TP degree Zeus sees stays the job's own, and every rank of a stage runs the
+stage's schedule whatever its CP or DP rank, so the schedules do not change.
+:func:`optimizer_arguments` gives each rank the arguments of Zeus's client so folded.
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ from kareus.model.pipeline import get_schedule
 __all__ = [
     "INSTRUCTIONS",
     "frequency_schedules",
+    "optimizer_arguments",
     "rank_schedules",
     "read_point_solution",
     "stage_of_rank",
@@ -84,6 +93,49 @@ def stage_of_rank(rank: int, *, tp: int, cp: int = 1, dp: int = 1) -> int:
     """The pipeline stage of a global rank in Megatron-LM's default rank order
     (``tp-cp-dp-pp``: TP varies fastest, PP slowest)."""
     return rank // (tp * cp * dp)
+
+
+def optimizer_arguments(plan: Plan, rank: int, *, tp: int | None = None,
+                        cp: int | None = None, dp: int | None = None) -> dict[str, int]:
+    """The arguments of Zeus's ``PipelineFrequencyOptimizer`` for one global rank, CP
+    folded into DP.
+
+    Zeus has no context-parallel degree: the job registers with ``dp_degree = cp * dp``,
+    and the rank's ``dp_rank`` counts the CP ranks inside each DP rank
+    (``dp_rank * cp + cp_rank``), in Megatron-LM's default rank order (``tp-cp-dp-pp``).
+    Pass the result with the rank's ``device_id`` and the server's URL::
+
+        from zeus.optimizer.pipeline_frequency import PipelineFrequencyOptimizer
+
+        pfo = PipelineFrequencyOptimizer(
+            **optimizer_arguments(plan, torch.distributed.get_rank()),
+            device_id=local_rank, server_url="http://perseus-host:7787")
+
+    Args:
+        plan: The plan the server's schedules come from.
+        rank: The global rank.
+        tp: Tensor-parallel degree; ``None`` = the plan's workload's.
+        cp: Context-parallel degree; ``None`` = the plan's workload's.
+        dp: Data-parallel degree; ``None`` = the plan's workload's.
+
+    Returns:
+        ``rank``, ``dp_rank``, ``pp_rank``, ``tp_rank`` of the rank and the job's
+        ``dp_degree``, ``pp_degree``, ``tp_degree`` and ``world_size``, as Zeus names them.
+
+    Raises:
+        PlanError: a degree is not given and the plan has no workload.
+        ValueError: ``rank`` is outside the job (``0 <= rank < world_size``), or a degree
+            is below 1.
+    """
+    tp_, cp_, dp_ = _degrees(plan, tp, cp, dp)
+    world = tp_ * cp_ * dp_ * plan.num_stages
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
+        raise ValueError(f"rank must be an integer in [0, {world}) (TP {tp_} x CP {cp_} x "
+                         f"DP {dp_} x PP {plan.num_stages}), got {rank!r}")
+    return {"rank": rank, "dp_rank": (rank // tp_) % (cp_ * dp_),
+            "pp_rank": stage_of_rank(rank, tp=tp_, cp=cp_, dp=dp_), "tp_rank": rank % tp_,
+            "dp_degree": cp_ * dp_, "pp_degree": plan.num_stages, "tp_degree": tp_,
+            "world_size": world}
 
 
 def rank_schedules(plan: Plan, *, tp: int | None = None, cp: int | None = None,

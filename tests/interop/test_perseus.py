@@ -12,6 +12,7 @@ from kareus.compose.plan import Plan
 from kareus.errors import PlanError
 from kareus.interop.perseus import (
     frequency_schedules,
+    optimizer_arguments,
     rank_schedules,
     read_point_solution,
     stage_of_rank,
@@ -86,17 +87,45 @@ def test_bad_requests(plan: Plan, tmp_path: Path) -> None:
         read_point_solution(tmp_path / "x.py")
 
 
+def test_cp_is_folded_into_dp_for_zeus(plan: Plan) -> None:
+    # TP=2, CP=2, DP=2, PP=2: Zeus registers TP 2, DP 4 (CP x DP), PP 2, 16 ranks
+    args = [optimizer_arguments(plan, r) for r in range(16)]
+    job = {k: args[0][k] for k in ("dp_degree", "pp_degree", "tp_degree", "world_size")}
+    assert job == {"dp_degree": 4, "pp_degree": 2, "tp_degree": 2, "world_size": 16}
+    assert all(a["world_size"] == a["dp_degree"] * a["pp_degree"] * a["tp_degree"]
+               for a in args)
+    # Megatron order tp-cp-dp-pp: rank = tp_rank + 2 * (cp_rank + 2 * (dp_rank + 2 * pp_rank))
+    for r, a in enumerate(args):
+        tp_rank, cp_rank, dp_rank, pp_rank = r % 2, (r // 2) % 2, (r // 4) % 2, r // 8
+        assert (a["rank"], a["tp_rank"], a["pp_rank"]) == (r, tp_rank, pp_rank)
+        assert a["dp_rank"] == dp_rank * 2 + cp_rank
+    # every (tp_rank, pp_rank) pair has one rank per folded DP rank
+    seen = {(a["tp_rank"], a["dp_rank"], a["pp_rank"]) for a in args}
+    assert len(seen) == 16
+    # without CP nothing is folded; degrees given explicitly
+    a = optimizer_arguments(plan, 5, tp=2, cp=1, dp=2)
+    assert a == {"rank": 5, "dp_rank": 0, "pp_rank": 1, "tp_rank": 1, "dp_degree": 2,
+                 "pp_degree": 2, "tp_degree": 2, "world_size": 8}
+    with pytest.raises(ValueError, match=r"rank must be an integer in \[0, 16\)"):
+        optimizer_arguments(plan, 16)
+    with pytest.raises(ValueError, match="rank must be"):
+        optimizer_arguments(plan, -1)
+    with pytest.raises(PlanError, match="pass cp="):
+        optimizer_arguments(attrs.evolve(plan, workload=None), 0, tp=2)
+
+
 def test_perseus_server_reads_the_file(plan: Plan, tmp_path: Path) -> None:
-    # Runs where Zeus's frequency server is installed (zeus[pfo-server] and torch); checked
-    # by hand once with zeus 0.16.0 (the torch import stubbed): both schedulers loaded
-    # kareus's files and handed out these lists.
+    # Runs where Zeus's frequency server is installed (zeus[pfo-server]: fastapi, lowtime,
+    # torch, pydantic 1.x); checked with zeus 0.16.0: both schedulers loaded kareus's files
+    # and handed out these lists to a job registered with CP folded into DP.
     sched_mod = pytest.importorskip("zeus.optimizer.pipeline_frequency.server.scheduler")
     common = pytest.importorskip("zeus.optimizer.pipeline_frequency.common")
     path = write_point_solution(plan, tmp_path / "kareus_freqs.py")
-    tp = 2 * 2  # Perseus has no CP degree: CP ranks count as TP ranks of the stage
-    job = common.JobInfo(pp_degree=2, dp_degree=2, tp_degree=tp, world_size=16)
-    ranks = [common.RankInfo(rank=r, dp_rank=(r // tp) % 2, pp_rank=r // 8, tp_rank=r % tp,
-                             available_frequencies=[1410]) for r in range(16)]
+    args = [optimizer_arguments(plan, r) for r in range(16)]
+    job = common.JobInfo(**{k: args[0][k] for k in
+                            ("pp_degree", "dp_degree", "tp_degree", "world_size")})
+    ranks = [common.RankInfo(**{k: a[k] for k in ("rank", "dp_rank", "pp_rank", "tp_rank")},
+                             available_frequencies=[1410]) for a in args]
     settings = common.PFOServerSettings(scheduler="PointSolution3D", dump_data=False)
     got = sched_mod.PointSolution3D(job, ranks, settings, solution_path=str(path))
     by_rank = {s.rank: list(s.frequencies) for s in got.next_schedule()}
