@@ -1,9 +1,10 @@
 """Streams and events: the only device primitives the executor's ordering needs.
 
-:class:`TorchStreamBackend` reaches CUDA streams through torch (imported lazily);
-:class:`RecordingStreamBackend` records which stream launched what and which stream
-waited on which event, so the executor's ordering logic is tested on any CPU without
-torch, and answers ordering questions on the device's terms (:meth:`happens_before`).
+[`TorchStreamBackend`][kareus.exec.TorchStreamBackend] reaches CUDA streams through torch (imported
+lazily); [`RecordingStreamBackend`][kareus.exec.RecordingStreamBackend] records which stream
+launched what and which stream waited on which event, so the executor's ordering logic is tested on
+any CPU without torch, and answers ordering questions on the device's terms
+([`happens_before`][kareus.exec.RecordingStreamBackend.happens_before]).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class StreamBackend(abc.ABC):
     # -- graphs (optional: a backend without them runs everything eagerly) -----------
     @property
     def supports_graphs(self) -> bool:
-        """Whether :meth:`capture` and :meth:`replay` work here."""
+        """Whether [`capture`][kareus.exec.StreamBackend.capture] and [`replay`][kareus.exec.StreamBackend.replay] work here."""
         return False
 
     def graph_pool(self) -> Any:
@@ -60,7 +61,8 @@ class StreamBackend(abc.ABC):
 
     def capture(self, pool: Any, *, name: str) -> contextlib.AbstractContextManager[Any]:
         """Context that captures what is enqueued inside into a graph (yielded), with
-        its allocations in ``pool``; nothing runs on the device until :meth:`replay`."""
+        its allocations in ``pool``; nothing runs on the device until
+        [`replay`][kareus.exec.StreamBackend.replay]."""
         raise GraphCaptureError(f"{type(self).__name__} cannot capture graphs")
 
     def replay(self, graph: Any) -> None:
@@ -70,6 +72,13 @@ class StreamBackend(abc.ABC):
     def is_capturing(self) -> bool:
         """Whether work enqueued now goes into a graph rather than to the device."""
         return False
+
+    def synchronize(self) -> None:
+        """Wait until the device has finished everything enqueued (before graphs are
+        dropped: their pool's memory goes back to the allocator, and a replay still
+        running must not see it handed out again). A backend without graphs has nothing
+        to wait for."""
+        return None
 
 
 class TorchStreamBackend(StreamBackend):
@@ -134,6 +143,10 @@ class TorchStreamBackend(StreamBackend):
         """``torch.cuda.is_current_stream_capturing()``."""
         return bool(self._torch.cuda.is_current_stream_capturing())
 
+    def synchronize(self) -> None:
+        """``torch.cuda.synchronize()`` of the device."""
+        self._torch.cuda.synchronize(self.device)
+
 
 @attrs.frozen
 class _FakeStream:
@@ -153,8 +166,10 @@ class RecordingStreamBackend(StreamBackend):
 
     ``log`` holds tuples: ``("launch", stream, what)``, ``("record", stream, event_id)``
     and ``("wait", stream, event_id)``. Ops and collectives passed to an executor that
-    uses this backend call :meth:`launch` to log themselves (:meth:`op` makes such an
-    op); :meth:`happens_before` answers ordering questions on the device's terms.
+    uses this backend call [`launch`][kareus.exec.RecordingStreamBackend.launch] to log themselves
+    ([`op`][kareus.exec.RecordingStreamBackend.op] makes such an op);
+    [`happens_before`][kareus.exec.RecordingStreamBackend.happens_before] answers ordering questions
+    on the device's terms.
     """
 
     def __init__(self) -> None:
@@ -168,7 +183,7 @@ class RecordingStreamBackend(StreamBackend):
         self.graphs: dict[str, list[tuple[str, str, Any]]] = {}
 
     def current_stream(self) -> _FakeStream:
-        """The fake stream work is logged on now (``compute`` outside :meth:`use_stream`)."""
+        """The fake stream work is logged on now (``compute`` outside [`use_stream`][kareus.exec.RecordingStreamBackend.use_stream])."""
         return self._stack[-1]
 
     def new_stream(self, *, name: str, high_priority: bool = False) -> _FakeStream:
@@ -232,6 +247,10 @@ class RecordingStreamBackend(StreamBackend):
     def is_capturing(self) -> bool:
         """Whether a capture is open."""
         return self._capturing is not None
+
+    def synchronize(self) -> None:
+        """Log a device synchronisation."""
+        self.log.append(("synchronize", "", None))
 
     def launch(self, what: str, stream: Any = None) -> None:
         """Log that ``what`` was enqueued on ``stream`` (default: the current stream)."""

@@ -2,7 +2,7 @@
 
 A partition is a run of computation ops plus one collective that does not depend on
 them (with nanobatching: the collective of the previous nanobatch). Its
-:class:`~kareus.model.config.ScheduleConfig` says *when* the collective starts and
+[`ScheduleConfig`][kareus.model.ScheduleConfig] says *when* the collective starts and
 *how many SMs* it gets:
 
 * launch slot ``k`` (the op the communication starts with): record an event on the
@@ -13,16 +13,16 @@ them (with nanobatching: the collective of the previous nanobatch). Its
 * in both cases the compute stream waits for the collective at the end of the
   partition, so what comes next sees the reduced tensor.
 
-The streams are reached through a :class:`StreamBackend` (CUDA streams through
-torch in :class:`TorchStreamBackend`; :class:`RecordingStreamBackend` records which
-stream launched what and which stream waited on which event, so the ordering logic
-is tested on any CPU without torch). The collective runs through a
-:class:`~kareus.exec.collectives.CollectiveBackend` (``all_reduce(tensor, stream, sms)``
-and friends), with the configuration's SM count.
+The streams are reached through a [`StreamBackend`][kareus.exec.StreamBackend] (CUDA streams through
+torch in [`TorchStreamBackend`][kareus.exec.TorchStreamBackend];
+[`RecordingStreamBackend`][kareus.exec.RecordingStreamBackend] records which stream launched what
+and which stream waited on which event, so the ordering logic is tested on any CPU without torch).
+The collective runs through a [`CollectiveBackend`][kareus.exec.CollectiveBackend]
+(``all_reduce(tensor, stream, sms)`` and friends), with the configuration's SM count.
 
-:class:`Executor` is the role (what a training loop and the NVML profiler's runner
-rely on); :class:`TorchExecutor` is the implementation, and ``kareus.testing`` has a
-recording fake and a conformance suite. Training-loop hooks let a user's own loop apply
+[`Executor`][kareus.exec.Executor] is the role (what a training loop and the NVML profiler's runner
+rely on); [`TorchExecutor`][kareus.exec.TorchExecutor] is the implementation, and ``kareus.testing``
+has a recording fake and a conformance suite. Training-loop hooks let a user's own loop apply
 a plan::
 
     executor = TorchExecutor(plan=plan, collective=backend, frequency=trigger)
@@ -34,17 +34,18 @@ a plan::
             qkv = part.op("qkv", proj, h)         # launches at the configured slot
             ...
 
-The plan is a :class:`kareus.compose.Plan`: a frequency per microbatch computation and a
-configuration per partition type inside it, keyed ``"s{stage}.m{microbatch}.{phase}"``;
+The plan is a [`kareus.compose.Plan`][kareus.compose.Plan]: a frequency per microbatch computation
+and a configuration per partition type inside it, keyed ``"s{stage}.m{microbatch}.{phase}"``;
 the frequency reaches the GPU through a
-:class:`~kareus.exec.frequency.FrequencyTrigger` (:class:`StreamOrderedTrigger`).
+[`FrequencyTrigger`][kareus.exec.FrequencyTrigger]
+([`StreamOrderedTrigger`][kareus.exec.StreamOrderedTrigger]).
 
-Modules: the role (:class:`Executor`, :class:`PartitionHook`, :class:`LaunchConfig`) is in
-``_executor_role``, the plan lookups (:func:`computation_key`, :func:`plan_config`,
-:func:`plan_frequency`) in ``_plan_lookup`` and the stream backends in ``_streams``; this
-module holds the implementation on CUDA streams (:class:`TorchExecutor`,
-:class:`PartitionScope`) and re-exports the rest (import the names from here or from
-:mod:`kareus.exec`).
+Modules: the role ([`Executor`][kareus.exec.Executor], [`PartitionHook`][kareus.exec.PartitionHook],
+``LaunchConfig``) is in ``_executor_role``, the plan lookups (``computation_key``, ``plan_config``,
+``plan_frequency``) in ``_plan_lookup`` and the stream backends in ``_streams``; this
+module holds the implementation on CUDA streams ([`TorchExecutor`][kareus.exec.TorchExecutor],
+[`PartitionScope`][kareus.exec.PartitionScope]) and re-exports the rest (import the names from here
+or from [`kareus.exec`][kareus.exec]).
 """
 
 from __future__ import annotations
@@ -105,10 +106,11 @@ def _default_digest_exchange(digest: str) -> list[str]:
 class PartitionScope(PartitionHook):
     """Ops of one partition, launched in stream order with the collective at its slot.
 
-    Created by :meth:`TorchExecutor.partition`; call :meth:`communicate` before the
-    slot's op, then :meth:`op` for each computation op in order. On exit, a collective
-    not yet launched (sequential, or a slot never reached) is launched after the ops,
-    and the compute stream waits for it.
+    Created by [`TorchExecutor.partition`][kareus.exec.TorchExecutor.partition]; call
+    [`communicate`][kareus.exec.PartitionScope.communicate] before the slot's op, then
+    [`op`][kareus.exec.PartitionScope.op] for each computation op in order. On exit, a collective
+    not yet launched (sequential, or a slot never reached) is launched after the ops, and the
+    compute stream waits for it.
     """
 
     def __init__(self, executor: TorchExecutor, key: str, config: LaunchConfig,
@@ -124,8 +126,8 @@ class PartitionScope(PartitionHook):
         self.ops_run: list[str] = []
 
     def communicate(self, tensor: Any, *, kind: str = "all_reduce", output: Any = None) -> None:
-        """Register the collective (:meth:`PartitionHook.communicate`); a kind outside
-        :data:`COMM_KINDS` is a ValueError."""
+        """Register the collective ([`PartitionHook.communicate`][kareus.exec.PartitionHook.communicate]); a kind outside
+        ``COMM_KINDS`` is a ValueError."""
         if kind not in COMM_KINDS:
             raise ValueError(f"kind must be one of {COMM_KINDS}, got {kind!r}")
         if self._comm is not None:
@@ -173,28 +175,32 @@ class TorchExecutor(Executor):
     """Runs partitions on CUDA streams with an SM-capped collective backend.
 
     Args:
-        collective: The collective backend (e.g. :class:`~kareus.exec.collectives.
-            NCCLCappedCollective` or :class:`~kareus.exec.collectives.OwnKernelCollective`).
-        plan: The plan a training loop applies (optional for :meth:`run_partition`).
-        streams: The stream backend; ``None`` = :class:`TorchStreamBackend`.
-        frequency: The trigger (:class:`~kareus.exec.frequency.StreamOrderedTrigger`) that
+        collective: The collective backend (e.g.
+            [`NCCLCappedCollective`][kareus.exec.NCCLCappedCollective] or
+            [`OwnKernelCollective`][kareus.exec.OwnKernelCollective]).
+        plan: The plan a training loop applies (optional for
+            [`run_partition`][kareus.exec.TorchExecutor.run_partition]).
+        streams: The stream backend; ``None`` =
+            [`TorchStreamBackend`][kareus.exec.TorchStreamBackend].
+        frequency: The trigger ([`StreamOrderedTrigger`][kareus.exec.StreamOrderedTrigger]) that
             changes the clock at microbatch boundaries in stream order; ``None`` = no
             frequency control.
         default_collective: Used when a configuration's SM count is ``None`` (the
-            library's own choice, e.g. :class:`ProcessGroupCollective`; the systems that
-            do not cap SMs use it).
+            library's own choice, e.g.
+            [`ProcessGroupCollective`][kareus.exec.ProcessGroupCollective]; the systems that do not
+            cap SMs use it).
         backends: Backends by name, for configurations that name one
-            (:attr:`ScheduleConfig.backend <kareus.model.config.ScheduleConfig.backend>`,
+            (ScheduleConfig.backend (``kareus.model.config.ScheduleConfig.backend``),
             e.g. ``{"own": OwnKernelCollective(), "nccl_capped": NCCLCappedCollective()}``
             when the search measured both); ``collective`` runs the configurations that
-            name none. Communication buffers come from :meth:`empty`.
+            name none. Communication buffers come from [`empty`][kareus.exec.TorchExecutor.empty].
         digest_exchange: ``digest -> list of every rank's digest``; ``None`` = an
             ``all_gather_object`` over the default process group (a single process
             without one compares with itself).
-        graphs: Capture work into CUDA graphs and replay it (:meth:`capture`); ``None``
-            (default) = on wherever the stream backend can capture (a CUDA device),
-            ``False`` = everything eager. Graph capture is what keeps a GPU fed when the
-            host is slower than the ops (docs/performance.md).
+        graphs: Capture work into CUDA graphs and replay it
+            ([`capture`][kareus.exec.TorchExecutor.capture]); ``None`` (default) = on wherever the
+            stream backend can capture (a CUDA device), ``False`` = everything eager. Graph capture
+            is what keeps a GPU fed when the host is slower than the ops (docs/performance.md).
         comm_high_priority: Run collectives on a high-priority stream (default), so that
             a collective launched beside an op gets its SMs as soon as the previous op
             frees them, ahead of that op's pending thread blocks, and overlaps it as the
@@ -202,7 +208,7 @@ class TorchExecutor(Executor):
             first, and the collective then starts only in its last wave (the measured 2x
             H200 grids point to this: docs/fidelity.md). Backends whose library runs
             collectives on streams of its own take the priority in their own options
-            (:class:`~kareus.exec.collectives.NCCLCappedCollective`).
+            ([`NCCLCappedCollective`][kareus.exec.NCCLCappedCollective]).
     """
 
     def __init__(self, *, collective: CollectiveBackend, plan: Plan | None = None,
@@ -251,12 +257,13 @@ class TorchExecutor(Executor):
     @property
     def plan(self) -> Plan | None:  # type: ignore[override]
         """The plan applied; setting another one drops every captured graph (they hold
-        the old plan's slots, SM counts and clocks) and asks for :meth:`start` again."""
+        the old plan's slots, SM counts and clocks) and asks for
+        [`start`][kareus.exec.TorchExecutor.start] again."""
         return self._plan
 
     @plan.setter
     def plan(self, plan: Plan | None) -> None:
-        """Apply another plan (drops the graphs; call :meth:`start` again)."""
+        """Apply another plan (drops the graphs; call [`start`][kareus.exec.TorchExecutor.start] again)."""
         if plan is not None:
             _require_plan(plan)
         if plan is not self._plan:
@@ -296,7 +303,7 @@ class TorchExecutor(Executor):
     def empty(self, shape: int | Sequence[int], dtype: Any, *, kind: str = "all_reduce") -> Any:
         """A zeroed communication buffer from the backends: registered memory from the
         first of ``collective``, then ``backends``, that allocates
-        (:meth:`OwnKernelCollective.empty <kareus.exec.collectives.OwnKernelCollective.empty>`;
+        ([OwnKernelCollective.empty][kareus.exec.OwnKernelCollective.empty];
         a backend per group, such as the training loop's ``GroupedCollective``, asks the
         backend of the group that runs collectives of ``kind``), which every backend can
         also run on, else ``torch.zeros`` on the current device.
@@ -328,7 +335,7 @@ class TorchExecutor(Executor):
 
     def backend_for(self, sms: int | None, backend: str | None = None) -> CollectiveBackend:
         """The backend that runs a collective of ``sms`` SMs on ``backend`` (a name of
-        :attr:`backends`; ``None`` = :attr:`collective`, or the default collective when
+        ``backends``; ``None`` = ``collective``, or the default collective when
         ``sms`` is ``None`` too).
 
         Raises:
@@ -367,10 +374,10 @@ class TorchExecutor(Executor):
     def run_partition(self, ops: Sequence[Callable[[], Any]], op_names: Sequence[str],
                       comm_tensor: Any, config: LaunchConfig, *,
                       comm_kind: str = "all_reduce", comm_output: Any = None) -> None:
-        """Enqueue one partition (:meth:`Executor.run_partition`): ``ops`` in order on the
+        """Enqueue one partition ([`Executor.run_partition`][kareus.exec.Executor.run_partition]): ``ops`` in order on the
         current stream, the collective on the side stream from ``config``'s slot. The
         configuration's ``freq_mhz`` is ignored here: the clock is set per microbatch
-        (:meth:`microbatch`).
+        ([`microbatch`][kareus.exec.TorchExecutor.microbatch]).
 
         Raises:
             UnknownSlotError: ``config.launch_slot`` is not one of ``op_names``.
@@ -395,8 +402,8 @@ class TorchExecutor(Executor):
         Nanobatch ``i``'s computation (``op(i)`` for each op) overlaps the collective of
         nanobatch ``i-1``, launched at ``config``'s slot; the last nanobatch's collective
         runs after the computation (exposed), or overlaps the next segment when the
-        caller chains segments through :meth:`partition`. Sequential configurations
-        run each nanobatch's collective right after its computation.
+        caller chains segments through [`partition`][kareus.exec.TorchExecutor.partition].
+        Sequential configurations run each nanobatch's collective right after its computation.
 
         Args:
             ops: Callables ``op(i)`` that enqueue an op for nanobatch ``i``.
@@ -440,13 +447,15 @@ class TorchExecutor(Executor):
     def capture(self, name: str, bodies: Sequence[Callable[[], Any]], *,
                 signature: Any = None, warmup: int = 1) -> GraphSequence:
         """Capture ``bodies`` in order into graphs sharing one memory pool
-        (:class:`~kareus.exec._graphs.GraphSequence`), or return the sequence captured
+        (``GraphSequence``), or return the sequence captured
         under ``name`` before if its signature and the plan are unchanged.
 
         Each body enqueues its work as it would eagerly (partitions through
-        :meth:`partition` or :meth:`run_partition`, clock requests through
-        :meth:`microbatch`); collectives, events and clock requests are captured with
-        it. Every rank must capture the same bodies in the same order (the collectives).
+        [`partition`][kareus.exec.TorchExecutor.partition] or
+        [`run_partition`][kareus.exec.TorchExecutor.run_partition], clock requests through
+        [`microbatch`][kareus.exec.TorchExecutor.microbatch]); collectives, events and clock
+        requests are captured with it. Every rank must capture the same bodies in the same order
+        (the collectives).
 
         Args:
             name: The sequence's key; capturing another signature under it replaces it.
@@ -457,7 +466,7 @@ class TorchExecutor(Executor):
                 side stream; 0 when the caller has just run them.
 
         Returns:
-            The sequence; replay it with :meth:`GraphSequence.replay`.
+            The sequence; replay it with ``GraphSequence.replay``.
 
         Raises:
             GraphCaptureError: graphs are off, or a body cannot be captured (an op that
@@ -473,7 +482,7 @@ class TorchExecutor(Executor):
         old = self._sequences.get(name)
         if old is not None and old.key == key and len(old) == len(bodies):
             return old
-        self._sequences.pop(name, None)
+        self.release_graphs(name)
         if warmup:
             side = self.streams.new_stream(name="warmup")
             self.streams.wait_event(side, self.streams.record_event(
@@ -517,11 +526,18 @@ class TorchExecutor(Executor):
 
     def release_graphs(self, name: str | None = None) -> None:
         """Drop the graphs of ``name`` (``None``: all); their pools return to the
-        allocator once nothing else holds them."""
-        if name is None:
-            self._sequences.clear()
-        else:
-            self._sequences.pop(name, None)
+        allocator once nothing else holds them.
+
+        The device is synchronised first: a replay still running reads and writes its
+        pool, which must not be handed to new allocations (other streams') before it ends.
+        """
+        dropped = (list(self._sequences) if name is None
+                   else [name] if name in self._sequences else [])
+        if not dropped:
+            return
+        self.streams.synchronize()
+        for n in dropped:
+            del self._sequences[n]
 
     # -- training-loop hooks ---------------------------------------------------------
     @contextlib.contextmanager

@@ -195,3 +195,18 @@ def test_a_backend_without_graphs_refuses_graphs_true():
     assert ex.graphs is False
     with pytest.raises(GraphCaptureError, match="graphs=False"):
         TorchExecutor(collective=RecordingCollective(streams=dev), streams=dev, graphs=True)
+
+
+def test_dropping_graphs_synchronises_the_device_first():
+    ex, dev, _ = make()
+    ex.capture("s", [partition_body(ex, dev, "a")], signature=1, warmup=0)
+    ex.capture("s", [partition_body(ex, dev, "a")], signature=1, warmup=0)  # reused
+    assert ("synchronize", "", None) not in dev.log
+    ex.capture("s", [partition_body(ex, dev, "a")], signature=2, warmup=0)
+    sync = dev.log.index(("synchronize", "", None))
+    assert dev.log[sync + 1:].count(("capture", "", "s[0]")) == 1
+    n = dev.log.count(("synchronize", "", None))
+    ex.release_graphs("nothing")
+    assert dev.log.count(("synchronize", "", None)) == n
+    ex.release_graphs()
+    assert dev.log.count(("synchronize", "", None)) == n + 1 and ex.sequence("s") is None
