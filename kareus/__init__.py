@@ -8,26 +8,37 @@ chosen point in a PyTorch training loop.
 
 The top level is the curated public API:
 
-- the entry points: :func:`optimize` and its :class:`OptimizationResult`,
-  :func:`compose_systems` (the five systems of one workload side by side), the
-  :class:`MultiPassSearch` ask/tell loop;
-- the inputs and what flows between the layers: :class:`Workload`, :class:`ModelArch`,
-  :class:`Parallelism`, :class:`GPUSpec`, :class:`ScheduleConfig`, :class:`ConfigSpace`,
-  :class:`Measurement`, the three frontiers and the :class:`Plan`;
+- the entry points: [`optimize`][kareus.workflow.optimize] and its
+  [`OptimizationResult`][kareus.workflow.OptimizationResult],
+  [`compose_systems`][kareus.compose.compose_systems] (the five systems of one workload side by
+  side), the [`MultiPassSearch`][kareus.search.MultiPassSearch] ask/tell loop;
+- the inputs and what flows between the layers: [`Workload`][kareus.model.Workload],
+  [`ModelArch`][kareus.model.ModelArch], [`Parallelism`][kareus.model.Parallelism],
+  [`GPUSpec`][kareus.model.GPUSpec], [`ScheduleConfig`][kareus.model.ScheduleConfig],
+  [`ConfigSpace`][kareus.model.ConfigSpace], [`Measurement`][kareus.model.Measurement], the three
+  frontiers and the [`Plan`][kareus.compose.Plan];
 - the six pluggable roles, each an abstract base class, with their defaults:
-  :class:`Partition` (:class:`TransformerPartition`, :class:`CallablePartition`),
-  :class:`Profiler` (:class:`EmulatedProfiler`, :class:`NVMLProfiler`,
-  :class:`ReplayProfiler`), :class:`Surrogate` (:class:`GaussianProcessSurrogate`),
-  :class:`AcquisitionPass` (:class:`HypervolumePass`, :class:`UncertaintyPass`),
-  :class:`FrontierComposer` (:class:`MicrobatchComposer`, :class:`IterationComposer`)
-  and :class:`Executor` (:class:`TorchExecutor`);
-- the errors (all subclasses of :class:`KareusError`).
+  [`Partition`][kareus.model.Partition]
+  ([`TransformerPartition`][kareus.model.TransformerPartition],
+  [`CallablePartition`][kareus.exec.CallablePartition]), [`Profiler`][kareus.model.Profiler]
+  ([`EmulatedProfiler`][kareus.exec.EmulatedProfiler], [`NVMLProfiler`][kareus.exec.NVMLProfiler],
+  [`ReplayProfiler`][kareus.exec.ReplayProfiler]), [`Surrogate`][kareus.search.Surrogate]
+  ([`GaussianProcessSurrogate`][kareus.search.GaussianProcessSurrogate]),
+  [`AcquisitionPass`][kareus.search.AcquisitionPass]
+  ([`HypervolumePass`][kareus.search.HypervolumePass],
+  [`UncertaintyPass`][kareus.search.UncertaintyPass]),
+  [`FrontierComposer`][kareus.compose.FrontierComposer]
+  ([`MicrobatchComposer`][kareus.compose.MicrobatchComposer],
+  [`IterationComposer`][kareus.compose.IterationComposer]) and [`Executor`][kareus.exec.Executor]
+  ([`TorchExecutor`][kareus.exec.TorchExecutor]);
+- the errors (all subclasses of [`KareusError`][kareus.errors.KareusError]).
 
 Everything else lives in the layer packages, imported downward only:
-:mod:`kareus.model` <- :mod:`kareus.search` <- :mod:`kareus.compose` <-
-:mod:`kareus.exec` <- :mod:`kareus.workflow` and the command line. Execution plumbing
-(collective backends, frequency controllers and the stream-ordered trigger) is in
-:mod:`kareus.exec`; fakes and conformance suites for plug-ins are in :mod:`kareus.testing`.
+[`kareus.model`][kareus.model] <- [`kareus.search`][kareus.search] <-
+[`kareus.compose`][kareus.compose] <- [`kareus.exec`][kareus.exec] <-
+[`kareus.workflow`][kareus.workflow] and the command line. Execution plumbing (collective backends,
+frequency controllers and the stream-ordered trigger) is in [`kareus.exec`][kareus.exec]; fakes and
+conformance suites for plug-ins are in [`kareus.testing`][kareus.testing].
 
 Importing kareus is light: it imports neither torch, xgboost nor pynvml.
 """

@@ -2,10 +2,10 @@
 and the typed errors a corrupt or unreadable file gets.
 
 Every file kareus writes (results.json, plan.json, frontiers, recordings, GPU profiles)
-goes through :func:`write_json_atomic`: the text is written to a temporary file in the
+goes through ``write_json_atomic``: the text is written to a temporary file in the
 same folder, flushed to disk and renamed over the target, so a reader (or a run killed
 half-way) sees either the old file or the new one, never a torn one. Every file kareus
-reads goes through :func:`read_json`, which turns the ways a file can be bad (missing, a
+reads goes through ``read_json``, which turns the ways a file can be bad (missing, a
 folder, not UTF-8, not JSON, too large, not an object) into one typed error whose message
 names the file and says what to do.
 
@@ -89,7 +89,7 @@ def _umask() -> int:
 
 
 def write_json_atomic(path: str | os.PathLike[str], obj: Any, *, indent: int | None = 1) -> Path:
-    """Serialise ``obj`` with :func:`dumps` and write it to ``path`` atomically."""
+    """Serialise ``obj`` with ``dumps`` and write it to ``path`` atomically."""
     return write_text_atomic(path, dumps(obj, indent=indent))
 
 
@@ -105,8 +105,9 @@ def read_json(
 
     Args:
         path: the file.
-        error: the exception class raised (a :class:`kareus.errors.KareusError` subclass,
-            e.g. ``PlanError``); it is called with one message string.
+        error: the exception class raised (a
+            [`kareus.errors.KareusError`][kareus.errors.KareusError] subclass, e.g. ``PlanError``);
+            it is called with one message string.
         what: what the file is, for the message ("plan", "recording", ...).
         max_bytes: larger files are refused before parsing.
         expect_object: require the top level to be a JSON object.

@@ -1,14 +1,14 @@
-"""The ``kareus`` logger: what the library decided, through the standard :mod:`logging`.
+"""The ``kareus`` logger: what the library decided, through the standard ``logging``.
 
 Every module logs to a child of the ``kareus`` logger (``logging.getLogger(__name__)``
-through :func:`get_logger`): resumed searches, refusals (a folder or plan of another
+through ``get_logger``): resumed searches, refusals (a folder or plan of another
 job, a plan digest that differs between ranks), fallbacks (clock changes delivered by
 event polling when the host-function extension is unavailable) and device and kernel
 choices (which collective backend runs, which GPUs are measured).
 
-The library only logs: the ``kareus`` logger has a :class:`logging.NullHandler`, so
+The library only logs: the ``kareus`` logger has a ``logging.NullHandler``, so
 nothing is printed unless the application configures logging. The command line does
-that with :func:`configure` (``kareus -v`` for info, ``-vv`` for debug); in your own
+that with ``configure`` (``kareus -v`` for info, ``-vv`` for debug); in your own
 program, for example::
 
     import logging
@@ -37,7 +37,7 @@ _FORMAT = "kareus: %(levelname)s: %(message)s"
 
 
 class _CliHandler(logging.StreamHandler):  # type: ignore[type-arg]
-    """The handler :func:`configure` installs (so that a second call replaces it).
+    """The handler ``configure`` installs (so that a second call replaces it).
 
     Without an explicit stream it writes to whatever ``sys.stderr`` is at each record, so
     a redirected or captured stderr (tests, notebooks) never leaves it writing to a

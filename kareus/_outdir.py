@@ -1,8 +1,8 @@
 """Guarded output folders: a manifest of the inputs, an exclusive lock, early path checks.
 
 A folder that ``kareus optimize`` writes (``--out``, or the ``log_dir`` of
-:func:`kareus.workflow.optimize`) holds search logs that a later run resumes. Resuming is
-only right when the later run has the same inputs, and only one run may write at a time:
+[`kareus.workflow.optimize`][kareus.workflow.optimize]) holds search logs that a later run resumes.
+Resuming is only right when the later run has the same inputs, and only one run may write at a time:
 
 - **Manifest** (``kareus-manifest.json``): every input that changes a number (the workload
   with all its shapes, parallelism, the GPU and a digest of its specification, the profiler
@@ -16,7 +16,7 @@ only right when the later run has the same inputs, and only one run may write at
 - **Path checks** before any work: an empty path, an existing file where a folder is
   wanted (or the reverse), a folder that cannot be created or written.
 
-This module imports nothing from kareus's layers (only :mod:`kareus._io`, the errors and
+This module imports nothing from kareus's layers (only ``kareus._io``, the errors and
 the version), so the workflow and the command line both use it.
 """
 

@@ -1,6 +1,6 @@
 """Typed errors of kareus.
 
-Every error a user can cause derives from :class:`KareusError` and from the
+Every error a user can cause derives from [`KareusError`][kareus.errors.KareusError] and from the
 built-in type that fits it (``ValueError`` for bad values, ``KeyError`` is
 avoided because its message is repr-quoted). Messages say what was wrong and
 what to do instead.
@@ -117,7 +117,7 @@ DATA_ERRORS = (KeyError, TypeError, ValueError, OverflowError, AttributeError)
 
 def data_problem(exc: BaseException, limit: int = 200) -> str:
     """One line saying what was wrong with a document's field (for one of
-    :data:`DATA_ERRORS`)."""
+    ``DATA_ERRORS``)."""
     if isinstance(exc, KeyError):
         return f"missing field {exc.args[0]!r:.60}"
     return " ".join(str(exc).split())[:limit]

@@ -416,7 +416,7 @@ def optimize(
         workload: The training workload (TP >= 2 or CP >= 2).
         gpu: GPU preset name; ``None`` = the profiler's GPU (``a100-40gb`` without a profiler).
         profiler: Where measurements come from; ``None`` = the embedded
-            :class:`~kareus.exec.emulator.EmulatedProfiler` (1% noise, ``seed``).
+            [`EmulatedProfiler`][kareus.exec.EmulatedProfiler] (1% noise, ``seed``).
         budget: Profiles per partition type for kareus's search (it may stop earlier once
             the measured front stops improving), the unsplit types included.
         batch_size: Profiles per search batch; ``None`` = the search's default.
@@ -430,19 +430,20 @@ def optimize(
             otherwise); ``True`` = also elsewhere, as a plain line every few seconds (a
             pipe, a log file); ``False`` = none.
         surrogate: The searches' surrogate: ``None`` or ``"gp"`` = the default Gaussian
-            process (:func:`~kareus.search.default_surrogate`), ``"trees"`` = the XGBoost
-            ensemble of the reference artifact (:func:`~kareus.search.tree_surrogate`), or
-            a :class:`~kareus.search.Surrogate` template of your own.
-        microbatch_composer: Any :class:`~kareus.compose.FrontierComposer` of the
+            process ([`default_surrogate`][kareus.search.default_surrogate]), ``"trees"`` = the
+            XGBoost ensemble of the reference artifact
+            ([`tree_surrogate`][kareus.search.tree_surrogate]), or a
+            [`Surrogate`][kareus.search.Surrogate] template of your own.
+        microbatch_composer: Any [`FrontierComposer`][kareus.compose.FrontierComposer] of the
             microbatch level, used for every system; ``None`` =
-            :class:`~kareus.compose.MicrobatchComposer`.
+            [`MicrobatchComposer`][kareus.compose.MicrobatchComposer].
         iteration_composer: The same for the iteration level; ``None`` =
-            :class:`~kareus.compose.IterationComposer`.
+            [`IterationComposer`][kareus.compose.IterationComposer].
         executor: Run each partition type's search as a task of this
             ``concurrent.futures.Executor`` (a thread or process pool,
-            :class:`~kareus.interop.ray.RayExecutor`, submitit's executor on Slurm);
+            [`RayExecutor`][kareus.interop.ray.RayExecutor], submitit's executor on Slurm);
             ``None`` = one after another here. Logs come back into ``log_dir``; the
-            result is the serial run's (:mod:`kareus.interop.tasks`).
+            result is the serial run's ([`kareus.interop.tasks`][kareus.interop.tasks]).
         fresh: Discard the search logs (and results) already in ``log_dir`` instead of
             resuming them.
         execution: How the emulated GPUs are fed: ``"graphed"`` (CUDA-graph replay, what
@@ -458,7 +459,7 @@ def optimize(
     ([kareus.workflow.OptimizationResult.save][]), and a plan alone by
     ``result.select(...).save(path)``.
 
-    ``log_dir`` is guarded (:mod:`kareus._outdir`): a manifest of every input that changes
+    ``log_dir`` is guarded (``kareus._outdir``): a manifest of every input that changes
     a number is kept there and a folder of another job is refused; an exclusive lock
     refuses a second run on the same folder at once.
 
@@ -472,7 +473,7 @@ def optimize(
     Raises:
         InfeasibleError: the budget is below 1.
         WorkloadError, UnknownPresetError: for an invalid workload or GPU, or a workload
-            that does not fit in the GPU's memory (:func:`kareus.model.memory.check_memory`).
+            that does not fit in the GPU's memory (``kareus.model.memory.check_memory``).
         OutputError: ``log_dir`` is unusable or holds another job's logs.
         FolderInUseError: another run holds ``log_dir``.
         TypeError: an argument of the wrong type.

@@ -1,19 +1,21 @@
 """Composition of frontiers: partition -> microbatch -> iteration, plans and the systems.
 
-- :class:`FrontierComposer`: the role, generic in what a composer takes and returns.
-- :class:`MicrobatchComposer`: per frequency, the Pareto sum of the partition types'
-  fronts (weighted by instance count) plus the work outside partitions, for each
+- [`FrontierComposer`][kareus.compose.FrontierComposer]: the role, generic in what a composer takes
+  and returns.
+- [`MicrobatchComposer`][kareus.compose.MicrobatchComposer]: per frequency, the Pareto sum of the
+  partition types' fronts (weighted by instance count) plus the work outside partitions, for each
   (stage, phase) microbatch computation.
-- :class:`IterationComposer`: the iteration frontier over the pipeline DAG by the
-  time-cost tradeoff algorithm (Perseus, SOSP'24; Phillips-Dessouky minimum cuts),
-  solved by :func:`solve_time_cost`.
-- :class:`Plan`: a frequency per microbatch computation and a configuration per partition
-  type; versioned JSON with a digest. :func:`evaluate_plan` recomputes a plan's figures
-  from its parts.
-- :func:`compose_systems`: the five :data:`SYSTEMS` (megatron, nanobatching, perseus,
-  nanobatching+perseus and kareus) through the same machinery; kareus composes the
-  workload's nanobatched and unsplit partition sets (:func:`kareus_partition_sets`) and
-  takes, per computation, the Pareto union of the two.
+- [`IterationComposer`][kareus.compose.IterationComposer]: the iteration frontier over the pipeline
+  DAG by the time-cost tradeoff algorithm (Perseus, SOSP'24; Phillips-Dessouky minimum cuts),
+  solved by [`solve_time_cost`][kareus.compose.solve_time_cost].
+- [`Plan`][kareus.compose.Plan]: a frequency per microbatch computation and a configuration per
+  partition type; versioned JSON with a digest. [`evaluate_plan`][kareus.compose.evaluate_plan]
+  recomputes a plan's figures from its parts.
+- [`compose_systems`][kareus.compose.compose_systems]: the five ``SYSTEMS`` (megatron, nanobatching,
+  perseus, nanobatching+perseus and kareus) through the same machinery; kareus composes the
+  workload's nanobatched and unsplit partition sets
+  ([`kareus_partition_sets`][kareus.compose.kareus_partition_sets]) and takes, per computation, the
+  Pareto union of the two.
 
 Modules whose names start with an underscore are implementation; import their public
 names from here.

@@ -1,9 +1,9 @@
 """Plan evaluation: a plan's iteration time and energy, recomputed from its parts.
 
 The composers build a plan's figures bottom-up (partition fronts -> microbatch points ->
-the longest path of the pipeline DAG). :func:`evaluate_plan` recomputes them from the
-partition observations, the partition counts and the outside work, independently of the
-composers' Pareto sums and the time-cost solver, so tests and benchmarks can check that a
+the longest path of the pipeline DAG). [`evaluate_plan`][kareus.compose.evaluate_plan] recomputes
+them from the partition observations, the partition counts and the outside work, independently of
+the composers' Pareto sums and the time-cost solver, so tests and benchmarks can check that a
 plan costs what its frontier says.
 """
 
@@ -39,7 +39,7 @@ def evaluate_plan(plan: Plan, *, frontiers: Mapping[str, PartitionFrontier],
     A computation whose choice splits the microbatch in another number of nanobatches than
     ``partitions``'s workload (kareus's unsplit computations) counts the partition types of
     that split, whose frontiers ``frontiers`` holds under
-    :func:`~kareus.compose.systems.kareus_type_key` (``<type>@n1``), as kareus's partition
+    [`kareus_type_key`][kareus.compose.kareus_type_key] (``<type>@n1``), as kareus's partition
     frontiers are keyed.
 
     Args:

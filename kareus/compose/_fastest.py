@@ -7,7 +7,7 @@ between "every microbatch computation at the maximum clock" and Perseus's energy
 the maximum throughput: reporting the former as a frequency-planning system's fastest
 point overstates every saving measured against it.
 
-:func:`cheapest_at_min_makespan` solves ``min sum cost(v)  s.t.  makespan <= T*`` exactly:
+``cheapest_at_min_makespan`` solves ``min sum cost(v)  s.t.  makespan <= T*`` exactly:
 
 1. Every node at its fastest option (the cheapest among options of that exact time) gives
    ``T*``, each node's earliest start ``es`` and latest finish ``lf`` (``T*`` less the

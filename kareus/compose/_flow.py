@@ -13,10 +13,10 @@ as the maximum feasible flow (Hoffman): first a feasible flow from the lower bou
 capacity), then augment s -> t in the residual network, and the nodes reachable from s
 in the final residual network form S.
 
-Two solvers: :func:`min_cut_lower_bounds` builds a network and cuts it from scratch
-(simple; the reference in tests), and :class:`WarmCut` keeps one network for the whole
+Two solvers: ``min_cut_lower_bounds`` builds a network and cuts it from scratch
+(simple; the reference in tests), and ``WarmCut`` keeps one network for the whole
 pipeline DAG and computes the minimum cut of each successive critical sub-graph from the
-previous flow (what :func:`~kareus.compose.solve_time_cost` uses by default).
+previous flow (what [`solve_time_cost`][kareus.compose.solve_time_cost] uses by default).
 """
 
 from __future__ import annotations

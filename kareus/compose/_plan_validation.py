@@ -1,7 +1,7 @@
 """Validation of plans read from files: data to check, not to trust.
 
 A plan file may come from anywhere (another version, a hand edit, a truncated copy, a
-hostile input), so :meth:`Plan.from_dict <kareus.compose.plan.Plan.from_dict>` builds a
+hostile input), so [Plan.from_dict][kareus.compose.Plan.from_dict] builds a
 plan only through ``_parse_plan``, which checks, in order: the version; every key present
 and none unknown, each of its JSON type; every number finite and in range (with size
 limits on labels, names and the number of computations); the GPU known, every clock one
@@ -11,7 +11,7 @@ the sum of its parts; the computations exactly those of the schedule; every choi
 every partition type of the workload (split in the choice's nanobatches, where it records
 them) chosen exactly once per microbatch computation, at one of its launch slots; and last
 the digest against the content. Any problem raises a
-:class:`~kareus.errors.PlanError` in one line naming the source and the field
+[`PlanError`][kareus.errors.PlanError] in one line naming the source and the field
 (``_err``).
 """
 

@@ -1,9 +1,9 @@
 """The time-cost trade-off on a DAG whose nodes have discrete (time, cost) options.
 
 Each node of a DAG can run at any of its options: a time and a cost. The DAG's time is its
-longest path; its cost the sum over nodes. :func:`solve_time_cost` traces the trade-off
-between the two with the algorithm of Phillips and Dessouky, as Perseus (SOSP'24) does for
-pipeline energy:
+longest path; its cost the sum over nodes. [`solve_time_cost`][kareus.compose.solve_time_cost]
+traces the trade-off between the two with the algorithm of Phillips and Dessouky, as Perseus
+(SOSP'24) does for pipeline energy:
 
 1. Time is counted in integer units of ``unit_s`` (the iteration composer uses a
    fraction of the shortest time any node can take, 1/100 by default). Each node's
@@ -14,7 +14,7 @@ pipeline energy:
    the cheapest set of nodes to speed up by one unit (and, possibly, others to
    slow down by one unit) so that every critical path gets one unit shorter. This is a
    minimum s-t cut in which speeding up costs the hull's slope to the left and slowing
-   down earns the slope to the right (arc lower bounds); see :mod:`kareus.compose._flow`.
+   down earns the slope to the right (arc lower bounds); see ``kareus.compose._flow``.
 4. Stop when some critical path cannot get shorter.
 
 Each step's durations are *realised* by running every node at the slowest of its

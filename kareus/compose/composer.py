@@ -1,9 +1,9 @@
 """The FrontierComposer role: compose the frontiers of one level into the next level up.
 
 kareus composes in two steps: partition frontiers -> microbatch frontiers
-(:class:`~kareus.compose.microbatch.MicrobatchComposer`), and microbatch frontiers ->
+([`MicrobatchComposer`][kareus.compose.MicrobatchComposer]), and microbatch frontiers ->
 the iteration frontier over the pipeline DAG
-(:class:`~kareus.compose.iteration.IterationComposer`). Both take the lower level's
+([`IterationComposer`][kareus.compose.IterationComposer]). Both take the lower level's
 frontiers keyed by what they describe, plus the context they need as keyword
 arguments, and return the upper level's frontier(s).
 
@@ -11,13 +11,13 @@ The role is generic in what a composer takes and what it returns:
 ``FrontierComposer[Mapping[str, PartitionFrontier], dict[tuple[int, str],
 MicrobatchFrontier]]`` is any microbatch composer, ``FrontierComposer[Mapping[tuple[int,
 str], MicrobatchFrontier], IterationFrontier]`` any iteration composer.
-:func:`~kareus.compose.compose_systems` and :func:`kareus.optimize` accept any composer
-of each level (the aliases :data:`~kareus.compose.AnyMicrobatchComposer` and
-:data:`~kareus.compose.AnyIterationComposer` name the two kinds), so a different
+[`compose_systems`][kareus.compose.compose_systems] and
+[`kareus.optimize`][kareus.workflow.optimize] accept any composer of each level (the aliases
+``AnyMicrobatchComposer`` and ``AnyIterationComposer`` name the two kinds), so a different
 composition (another pipeline model, another trade-off solver) plugs in without touching
-the search or the executor. :mod:`kareus.testing` has a conformance suite per level
-(:func:`kareus.testing.check_microbatch_composer`,
-:func:`kareus.testing.check_iteration_composer`).
+the search or the executor. [`kareus.testing`][kareus.testing] has a conformance suite per level
+([`kareus.testing.check_microbatch_composer`][kareus.testing.check_microbatch_composer],
+[`kareus.testing.check_iteration_composer`][kareus.testing.check_iteration_composer]).
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ OutT = TypeVar("OutT", covariant=True)
 class FrontierComposer(abc.ABC, Generic[InT, OutT]):
     """Composes lower-level time-energy frontiers into the level above.
 
-    Subclasses implement :meth:`compose`, naming the context they need as keyword-only
-    arguments. Every point of every frontier they return keeps the choices that produce
-    it (a plan), so that any point can be executed.
+    Subclasses implement [`compose`][kareus.compose.FrontierComposer.compose], naming the context
+    they need as keyword-only arguments. Every point of every frontier they return keeps the choices
+    that produce it (a plan), so that any point can be executed.
     """
 
     @abc.abstractmethod

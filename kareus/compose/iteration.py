@@ -1,26 +1,27 @@
 """Iteration composition: microbatch frontiers -> the iteration frontier over the pipeline DAG.
 
-Each node of the pipeline DAG (:mod:`kareus.model.pipeline`) is one microbatch
-computation and can run at any point of its :class:`MicrobatchFrontier`: a time and a
-dynamic energy. The iteration time is the DAG's longest path; the iteration energy is
-the dynamic energy of every computation plus static power x iteration time x every GPU
-(GPUs idle in pipeline bubbles still draw static power, which is why shortening the
-critical path saves static energy). Work once per iteration after the pipeline flush (the
-optimizer step, the data-parallel gradient reduction) is a ``tail`` added to every plan. The composer traces the trade-off between the two,
-as Perseus (SOSP'24) does, with the time-cost trade-off algorithm of Phillips and
-Dessouky (:func:`~kareus.compose.solve_time_cost`, in :mod:`kareus.compose._time_cost`).
+Each node of the pipeline DAG (``kareus.model.pipeline``) is one microbatch
+computation and can run at any point of its
+[`MicrobatchFrontier`][kareus.compose.MicrobatchFrontier]: a time and a dynamic energy. The
+iteration time is the DAG's longest path; the iteration energy is the dynamic energy of every
+computation plus static power x iteration time x every GPU (GPUs idle in pipeline bubbles still draw
+static power, which is why shortening the critical path saves static energy). Work once per
+iteration after the pipeline flush (the optimizer step, the data-parallel gradient reduction) is a
+``tail`` added to every plan. The composer traces the trade-off between the two, as Perseus
+(SOSP'24) does, with the time-cost trade-off algorithm of Phillips and Dessouky
+([`solve_time_cost`][kareus.compose.solve_time_cost], in ``kareus.compose._time_cost``).
 
 The frontier's short end is the lowest-energy plan at the minimum iteration time, not
 every computation at its fastest point: computations off the critical path run slower
 (cheaper) points within their slack, the same time for less energy
-(:mod:`kareus.compose._fastest`; exact, except for a large slack group, which it relaxes
+(``kareus.compose._fastest``; exact, except for a large slack group, which it relaxes
 greedily and says so in ``stats["fastest"]``). Every system composed here, Perseus's
 included, gets the same treatment, so no system's maximum-throughput row is inflated.
 
 The time unit comes from the data: ``resolution`` x the shortest time any computation
 can take (default 1/100 of it), unless ``unit_s`` is given. The solver's realised
 solutions carry exact (unrounded) times and energies; the composer keeps their Pareto
-set and turns each into a :class:`~kareus.compose.plan.Plan`.
+set and turns each into a [`Plan`][kareus.compose.Plan].
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The frontier of a whole training iteration: Pareto-optimal plans.
 
-An :class:`IterationFrontier` holds the Pareto-optimal trade-offs of a whole training
-iteration: each point is a :class:`~kareus.compose.plan.Plan` with its iteration time
-and total energy. Users pick from it with :meth:`IterationFrontier.select`.
+An [`IterationFrontier`][kareus.compose.IterationFrontier] holds the Pareto-optimal trade-offs of a
+whole training iteration: each point is a [`Plan`][kareus.compose.Plan] with its iteration time
+and total energy. Users pick from it with
+[`IterationFrontier.select`][kareus.compose.IterationFrontier.select].
 
 Energy scope: iteration energies cover every GPU of the job (dynamic energy plus static
 power x iteration time on every GPU). Times are wall times seen by one rank.
@@ -100,7 +101,7 @@ class IterationFrontier:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> IterationFrontier:
-        """Rebuild from :meth:`to_dict` output; every plan is validated (PlanError)."""
+        """Rebuild from [`to_dict`][kareus.compose.IterationFrontier.to_dict] output; every plan is validated (PlanError)."""
         check_kind(d, "iteration_frontier")
         try:
             plans = [Plan.from_dict(p) for p in d["plans"]]
@@ -114,12 +115,12 @@ class IterationFrontier:
                             ) from None
 
     def to_json(self, *, indent: int | None = None) -> str:
-        """:meth:`to_dict` as JSON text."""
+        """[`to_dict`][kareus.compose.IterationFrontier.to_dict] as JSON text."""
         return json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
     def from_json(cls, text: str) -> IterationFrontier:
-        """Rebuild from :meth:`to_json` output (raises PlanError if invalid)."""
+        """Rebuild from [`to_json`][kareus.compose.IterationFrontier.to_json] output (raises PlanError if invalid)."""
         return cls.from_dict(loads(text))
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -128,7 +129,7 @@ class IterationFrontier:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> IterationFrontier:
-        """Read a frontier written by :meth:`save` (raises PlanError if invalid)."""
+        """Read a frontier written by [`save`][kareus.compose.IterationFrontier.save] (raises PlanError if invalid)."""
         return cls.from_json(Path(path).read_text(encoding="utf-8"))
 
     def array(self) -> np.ndarray:

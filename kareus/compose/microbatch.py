@@ -18,8 +18,9 @@ frequency instead of the product of the front sizes.
 Every choice records the nanobatch count of the partition set it was composed from
 (``partitions.workload.nanobatches``). Kareus composes two sets, the workload's nanobatched
 types and its unsplit (one nanobatch) types, and takes the Pareto union of the two
-frontiers of each computation (:func:`kareus.compose.systems.compose_systems`,
-:meth:`MicrobatchFrontier.union`).
+frontiers of each computation
+([`kareus.compose.systems.compose_systems`][kareus.compose.compose_systems],
+[`MicrobatchFrontier.union`][kareus.compose.MicrobatchFrontier.union]).
 
 By default only measured points are used; a frequency at which a type has no
 measurement is skipped. With ``include_predicted=True`` the surrogate's predicted
@@ -171,7 +172,8 @@ class MicrobatchComposer(
             frontiers: Partition type name -> its frontier (every type the counts use).
             partitions: The workload's partition set (types, counts, outside work).
             outside: Measurements of the outside work per ``(stage, phase)`` and frequency
-                (:func:`measure_outside_work`); ``None`` = no outside work is counted.
+                ([`measure_outside_work`][kareus.compose.measure_outside_work]); ``None`` = no
+                outside work is counted.
             energy_scale: Multiplier from a partition measurement's scope (one TP x CP group)
                 to the microbatch's (every GPU of the stage); ``None`` = the DP degree.
 

@@ -1,8 +1,8 @@
 """The frontier of one microbatch computation (the forward or the backward of one stage).
 
-A :class:`MicrobatchFrontier` holds the time-energy trade-offs of one microbatch
-computation: each point is a :class:`~kareus.compose.plan.MicrobatchChoice` (a frequency,
-a nanobatch count and one configuration per partition type) with its time and *dynamic*
+A [`MicrobatchFrontier`][kareus.compose.MicrobatchFrontier] holds the time-energy trade-offs of one
+microbatch computation: each point is a [`MicrobatchChoice`][kareus.compose.MicrobatchChoice] (a
+frequency, a nanobatch count and one configuration per partition type) with its time and *dynamic*
 energy. Static
 energy is charged once, at iteration level, for the whole iteration (bubbles included),
 so microbatch points compare on dynamic energy.
@@ -152,7 +152,7 @@ class MicrobatchFrontier:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> MicrobatchFrontier:
-        """Rebuild from :meth:`to_dict` output (raises PlanError if invalid)."""
+        """Rebuild from [`to_dict`][kareus.compose.MicrobatchFrontier.to_dict] output (raises PlanError if invalid)."""
         check_kind(d, "microbatch_frontier")
         try:
             by_freq = {int(f): [MicrobatchPoint(time_s=p["time_s"],
@@ -165,12 +165,12 @@ class MicrobatchFrontier:
                             ) from None
 
     def to_json(self, *, indent: int | None = None) -> str:
-        """:meth:`to_dict` as JSON text."""
+        """[`to_dict`][kareus.compose.MicrobatchFrontier.to_dict] as JSON text."""
         return json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
     def from_json(cls, text: str) -> MicrobatchFrontier:
-        """Rebuild from :meth:`to_json` output (raises PlanError if invalid)."""
+        """Rebuild from [`to_json`][kareus.compose.MicrobatchFrontier.to_json] output (raises PlanError if invalid)."""
         return cls.from_dict(loads(text))
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -179,7 +179,7 @@ class MicrobatchFrontier:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> MicrobatchFrontier:
-        """Read a frontier written by :meth:`save` (raises PlanError if invalid)."""
+        """Read a frontier written by [`save`][kareus.compose.MicrobatchFrontier.save] (raises PlanError if invalid)."""
         return cls.from_json(Path(path).read_text(encoding="utf-8"))
 
     def __repr__(self) -> str:

@@ -1,15 +1,15 @@
 """Plans: what a user runs, as versioned JSON with a digest.
 
-A :class:`Plan` fixes, for one training iteration of a pipeline schedule, the GPU
+A [`Plan`][kareus.compose.Plan] fixes, for one training iteration of a pipeline schedule, the GPU
 frequency of every microbatch computation ``(stage, microbatch, fwd|bwd)`` and the
 configuration (communication SMs, launch slot) of every partition type inside it.
 
 A microbatch computation runs at one frequency, and every instance of a partition
 type inside it shares one configuration. Different computations may run at different
 frequencies, so the plan stores the distinct *microbatch choices* once
-(:class:`MicrobatchChoice`: a frequency, the number of nanobatches the microbatch is split
-into, and one configuration per partition type of that split) and maps each computation
-to one of them. A computation may run its microbatch unsplit (one nanobatch: the
+([`MicrobatchChoice`][kareus.compose.MicrobatchChoice]: a frequency, the number of nanobatches the
+microbatch is split into, and one configuration per partition type of that split) and maps each
+computation to one of them. A computation may run its microbatch unsplit (one nanobatch: the
 partition types of ``workload.with_(nanobatches=1)``, sequential) while others split it
 in the workload's nanobatches; a choice without a recorded count (a plan file written
 before choices recorded one) runs the workload's count.
@@ -21,7 +21,7 @@ to check, not to trust: loading requires the digest and checks every key, type a
 (finite, in range), the GPU's clocks and SM counts, the workload (a preset workload whose
 pipeline matches the plan), the schedule's computations, and that every partition type of
 the workload is chosen exactly once per microbatch computation at one of its launch
-slots. Any problem raises :class:`~kareus.errors.PlanError` in one line naming the file
+slots. Any problem raises [`PlanError`][kareus.errors.PlanError] in one line naming the file
 and the field.
 
 Energy scope: ``energy_j`` covers every GPU of the job for one iteration (dynamic energy
@@ -29,9 +29,9 @@ of every computation plus static power x iteration time x number of GPUs); ``tim
 the iteration time seen by each rank.
 
 Checking a plan read from a file is the concern of ``_plan_validation`` (every key, type,
-range and cross-check, with the messages); :meth:`Plan.from_dict` and
-:meth:`MicrobatchChoice.from_dict` call it. This module holds the two value types and
-their JSON form.
+range and cross-check, with the messages); [`Plan.from_dict`][kareus.compose.Plan.from_dict] and
+[`MicrobatchChoice.from_dict`][kareus.compose.MicrobatchChoice.from_dict] call it. This module holds
+the two value types and their JSON form.
 """
 
 from __future__ import annotations
@@ -82,10 +82,11 @@ class MicrobatchChoice:
     Attributes:
         freq_mhz: The SM clock of the whole computation.
         configs: ``(partition type, ScheduleConfig)`` pairs, sorted by type name; every
-            config runs at ``freq_mhz``. Build from a dict; read with :meth:`config`. The
-            types are those of the workload split in ``nanobatches`` (the same type name
-            may mean another partition under another count: ``fwd_mlp`` unsplit is the
-            MLP with its own collective after it, nanobatched it overlaps the collective
+            config runs at ``freq_mhz``. Build from a dict; read with
+            [`config`][kareus.compose.MicrobatchChoice.config]. The types are those of the workload
+            split in ``nanobatches`` (the same type name may mean another partition under another
+            count: ``fwd_mlp`` unsplit is the MLP with its own collective after it, nanobatched it
+                overlaps the collective
             of the nanobatch before).
         predicted: Whether any part of it rests on a surrogate prediction, not a measurement.
         nanobatches: Parts the microbatch is split into (1: unsplit); ``None`` = the
@@ -139,8 +140,8 @@ class MicrobatchChoice:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form: ``{"freq_mhz", "nanobatches", "predicted", "configs"}``
-        (:meth:`from_dict` reads it); ``nanobatches`` only when it is recorded, so a plan
-        file written before choices recorded it keeps its digest."""
+        ([`from_dict`][kareus.compose.MicrobatchChoice.from_dict] reads it); ``nanobatches`` only
+        when it is recorded, so a plan file written before choices recorded it keeps its digest."""
         return {"freq_mhz": self.freq_mhz,
                 **({} if self.nanobatches is None else {"nanobatches": self.nanobatches}),
                 "predicted": self.predicted,
@@ -156,7 +157,7 @@ class MicrobatchChoice:
             d: The dict (``{"freq_mhz", "predicted", "configs"}`` and, optionally,
                 ``"nanobatches"``).
             field: Where it sits in the plan, for messages (``"choices[2]"``).
-            gpu: A :class:`~kareus.model.gpu.GPUSpec` to check the clock and SM counts
+            gpu: A [`GPUSpec`][kareus.model.GPUSpec] to check the clock and SM counts
                 against; ``None`` checks types and signs only.
 
         Raises:
@@ -216,7 +217,7 @@ class Plan:
 
     # -- access ----------------------------------------------------------------------
     def choice(self, computation: Computation | str) -> MicrobatchChoice:
-        """The microbatch choice of a computation (a :class:`Computation` or its key)."""
+        """The microbatch choice of a computation (a [`Computation`][kareus.model.Computation] or its key)."""
         key = computation.key() if isinstance(computation, Computation) else computation
         try:
             return self.choices[self.assignment[key]]
@@ -322,13 +323,13 @@ class Plan:
         return _digest(self._content())
 
     def to_dict(self) -> dict[str, Any]:
-        """The versioned JSON form, with its digest (:meth:`from_dict` reads it)."""
+        """The versioned JSON form, with its digest ([`from_dict`][kareus.compose.Plan.from_dict] reads it)."""
         d = self._content()
         d["digest"] = _digest(d)
         return d
 
     def to_json(self, *, indent: int | None = 1) -> str:
-        """:meth:`to_dict` as a JSON string."""
+        """[`to_dict`][kareus.compose.Plan.to_dict] as a JSON string."""
         return json.dumps(self.to_dict(), indent=indent, sort_keys=False)
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -361,7 +362,7 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str, *, source: str = "plan") -> Plan:
-        """Parse and validate a plan from JSON text (raises :class:`PlanError`)."""
+        """Parse and validate a plan from JSON text (raises [`PlanError`][kareus.errors.PlanError])."""
         if not isinstance(text, str):
             raise PlanError(f"{source}: plan text must be a str, got {type(text).__name__}")
         if len(text) > PLAN_MAX_BYTES:

@@ -1,8 +1,9 @@
 """The five systems compared, as restricted configuration spaces run through one machinery.
 
 Every system below is a restriction of kareus's configuration space, measured with the
-same profiler and composed with the same :class:`MicrobatchComposer` and
-:class:`IterationComposer`, so differences come only from what each may choose:
+same profiler and composed with the same [`MicrobatchComposer`][kareus.compose.MicrobatchComposer]
+and [`IterationComposer`][kareus.compose.IterationComposer], so differences come only from what each
+may choose:
 
 ========================  ===========  ==================  ====================  ===============
 system                    nanobatches  launch              communication SMs     frequency
@@ -21,33 +22,34 @@ Megatron-LM. The nanobatching systems split each microbatch in the workload's nu
 nanobatches n (2 if the workload has 1) and launch every collective with the first
 computation op it may overlap. The restricted spaces are small, so they are measured
 exhaustively; kareus's full space is searched by an injectable search function (by
-default :class:`kareus.search.MultiPassSearch`).
+default [`kareus.search.MultiPassSearch`][kareus.search.MultiPassSearch]).
 
 Kareus's space holds unsplit execution too, so that where nanobatching does not pay
 (small partitions whose split costs more than the overlap hides) kareus is never worse
 than Megatron-LM: with a workload of n >= 2 nanobatches it searches two partition sets
-(:func:`kareus_partition_sets`), the workload's nanobatched types (frequency x
-communication SMs x launch slot, plus sequential) and the unsplit types of
+([`kareus_partition_sets`][kareus.compose.kareus_partition_sets]), the workload's nanobatched types
+(frequency x communication SMs x launch slot, plus sequential) and the unsplit types of
 ``workload.with_(nanobatches=1)`` (frequency x communication SMs, sequential: Megatron-LM's
 and Perseus's space with the SM count searched too). Both sets are composed with the same
 microbatch composer, each on its own, and each computation's microbatch frontier is the
-Pareto union of the two (:meth:`MicrobatchFrontier.union`); every point's choice records its
-nanobatch count, so a plan may run some computations split and others unsplit. The union
-is taken here rather than inside the composer because a computation runs one split
-throughout (its partition types are those of the split), so the space is exactly the union
-of two single-split compositions, and any :class:`FrontierComposer` of one partition set
-keeps working unchanged. The unsplit types share their names with Megatron-LM's (and some
-with the nanobatched types: ``fwd_mlp``), so kareus keys them ``<type>@n1``
-(:func:`kareus_type_key`) in its partition frontiers, its search logs
+Pareto union of the two ([`MicrobatchFrontier.union`][kareus.compose.MicrobatchFrontier.union]);
+every point's choice records its nanobatch count, so a plan may run some computations split and
+others unsplit. The union is taken here rather than inside the composer because a computation runs
+one split throughout (its partition types are those of the split), so the space is exactly the union
+of two single-split compositions, and any [`FrontierComposer`][kareus.compose.FrontierComposer] of
+one partition set keeps working unchanged. The unsplit types share their names with Megatron-LM's
+(and some with the nanobatched types: ``fwd_mlp``), so kareus keys them ``<type>@n1``
+([`kareus_type_key`][kareus.compose.kareus_type_key]) in its partition frontiers, its search logs
 (``search-<type>@n1.jsonl``) and results; the partitions themselves keep their names, so
 profilers and recordings see the same partitions Megatron-LM's baseline measures, and one
 measurement serves both. A workload of one nanobatch has one set, as before. Kareus's
 iteration frontier is the Pareto union of the iteration compositions of the union, of each
-set alone and of the systems' own configurations alone (:func:`_compose_iteration` says why):
+set alone and of the systems' own configurations alone (``_compose_iteration`` says why):
 the iteration composer is a heuristic, and this keeps kareus's frontier never worse than
 either set alone, nor than Megatron-LM's and nanobatching's plans.
 
-Energy scope: iteration energies cover every GPU of the job (see :mod:`kareus.compose`).
+Energy scope: iteration energies cover every GPU of the job (see
+[`kareus.compose`][kareus.compose]).
 """
 
 from __future__ import annotations
@@ -111,9 +113,9 @@ def system_configs(space: ConfigSpace) -> list[ScheduleConfig]:
     """The baselines' own configurations at the maximum clock that lie in ``space``.
 
     Sequential and launched with the first slot, both with NCCL's default SM count.
-    :class:`~kareus.search.MultiPassSearch` starts its initial design with them
-    (:func:`~kareus.search.system_config_indices`), so kareus's front starts from what
-    Megatron-LM and nanobatching run and can only improve on it (its space holds theirs).
+    [`MultiPassSearch`][kareus.search.MultiPassSearch] starts its initial design with them
+    ([`system_config_indices`][kareus.search.system_config_indices]), so kareus's front starts from
+    what Megatron-LM and nanobatching run and can only improve on it (its space holds theirs).
 
     Args:
         space: A partition type's configuration space.
@@ -127,8 +129,8 @@ def system_configs(space: ConfigSpace) -> list[ScheduleConfig]:
 def default_search(profiler: Profiler, partition: Partition) -> PartitionFrontier:
     """Kareus's search of one partition type's full space.
 
-    :class:`~kareus.search.MultiPassSearch`, whose initial design starts with the
-    baselines' configurations (:func:`system_configs`).
+    [`MultiPassSearch`][kareus.search.MultiPassSearch], whose initial design starts with the
+    baselines' configurations ([`system_configs`][kareus.compose.system_configs]).
 
     Args:
         profiler: Measures the partition.
@@ -210,7 +212,7 @@ def baseline_space(name: str, partition: Partition, gpu: str | GPUSpec,
     """The restricted configuration space of a baseline (not ``kareus``) for one type.
 
     Args:
-        name: One of the four baselines of :data:`SYSTEMS`.
+        name: One of the four baselines of ``SYSTEMS``.
         partition: The partition type.
         gpu: GPU preset name or spec.
         freqs_mhz: Frequencies of the frequency-planning baselines; ``None`` = the GPU's
@@ -276,7 +278,7 @@ def kareus_type_key(partition_type: str, nanobatches: int, workload: Workload) -
 
 
 def kareus_types(workload: Workload) -> dict[str, Partition]:
-    """Every partition type kareus searches, by its key (:func:`kareus_type_key`): the
+    """Every partition type kareus searches, by its key ([`kareus_type_key`][kareus.compose.kareus_type_key]): the
     workload's own types first, then the unsplit ones.
 
     Args:
@@ -342,10 +344,10 @@ def _anchored(mbc: AnyMicrobatchComposer, profiler: Profiler, pset: PartitionSet
               outside: Mapping[tuple[int, str], Mapping[int, Measurement]]
               ) -> list[dict[tuple[int, str], MicrobatchFrontier]]:
     """The microbatch frontiers of one partition set composed from kareus's own
-    measurements of the systems' configurations alone (:func:`system_configs`: Megatron-LM's
-    sequential and nanobatching's first-slot launch, at the maximum clock with NCCL's SM
-    count), which its searches measure first; ``[]`` when a type lacks them (a search of
-    its own that skips them)."""
+    measurements of the systems' configurations alone
+    ([`system_configs`][kareus.compose.system_configs]: Megatron-LM's sequential and nanobatching's
+    first-slot launch, at the maximum clock with NCCL's SM count), which its searches measure first;
+    ``[]`` when a type lacks them (a search of its own that skips them)."""
     restricted: dict[str, PartitionFrontier] = {}
     for tname, pf in frontiers.items():
         anchors = set(system_configs(profiler.space(pset.types[tname])))
@@ -365,12 +367,12 @@ def _compose_iteration(itc: AnyIterationComposer,
 
     Kareus's candidates: the union of its partition sets' microbatch frontiers (each
     computation split or unsplit), each set's alone, and the systems' own configurations
-    alone (:func:`_anchored`). The union's microbatch frontiers hold every other
+    alone (``_anchored``). The union's microbatch frontiers hold every other
     candidate's points, but the iteration composer is a heuristic on a time grid
-    (:class:`IterationComposer`): composing a superset may find a plan a little worse at
-    some iteration times than composing a subset (0.05% of the energy at a few times of the
-    README's job), and a plan whose computations differ from the fastest by less than one
-    time unit may be missed (Megatron-LM's own plan, 0.5% below kareus's energy at its time
+    ([`IterationComposer`][kareus.compose.IterationComposer]): composing a superset may find a plan
+    a little worse at some iteration times than composing a subset (0.05% of the energy at a few
+    times of the README's job), and a plan whose computations differ from the fastest by less than
+    one time unit may be missed (Megatron-LM's own plan, 0.5% below kareus's energy at its time
     on an eager emulated H200 at qwen3-1.7b TP=4). With every candidate composed, kareus's
     frontier is never worse than with either set alone, nor than Megatron-LM's and
     nanobatching's own plans, which its space holds and its searches measure. The union is
@@ -389,7 +391,7 @@ def _compose_iteration(itc: AnyIterationComposer,
 
 def _system_partition_sets(name: str, workload: Workload,
                            cache: dict[Workload, PartitionSet]) -> tuple[PartitionSet, ...]:
-    """The partition sets a system composes (kareus: :func:`kareus_partition_sets`), built
+    """The partition sets a system composes (kareus: [`kareus_partition_sets`][kareus.compose.kareus_partition_sets]), built
     once per workload variant so that the systems share them."""
     if name == "kareus":
         sets = kareus_partition_sets(workload)
@@ -419,7 +421,8 @@ class SystemsResult:
         microbatch: System name -> its microbatch frontiers per ``(stage, phase)`` (for
             kareus, the Pareto union over its partition sets).
         partitions: System name -> its partition frontiers per type (for kareus, keyed by
-            :func:`kareus_type_key`: the unsplit types as ``<type>@n1``).
+            [`kareus_type_key`][kareus.compose.kareus_type_key]: the unsplit types as
+            ``<type>@n1``).
     """
 
     workload: Workload
@@ -475,19 +478,20 @@ def compose_systems(workload: Workload, profiler: Profiler, *,
         workload: The training workload (needs TP >= 2 or CP >= 2).
         profiler: Measures partitions and the work outside them.
         search: How kareus's full space is searched per partition type; ``None`` =
-            :func:`default_search` (MultiPassSearch).
-        systems: Which of :data:`SYSTEMS` to compose; ``None`` = all five.
+            [`default_search`][kareus.compose.default_search] (MultiPassSearch).
+        systems: Which of ``SYSTEMS`` to compose; ``None`` = all five.
         freqs_mhz: Frequencies of the frequency-planning systems; ``None`` = the GPU's
             search grid.
         schedule: ``(stages, microbatches) -> PipelineSchedule``; ``None`` = 1F1B.
-        microbatch_composer: Any :class:`FrontierComposer` of partition frontiers into
-            microbatch frontiers, called as ``compose(frontiers, partitions=...,
-            outside=...)``; ``None`` = :class:`MicrobatchComposer`.
-        iteration_composer: Any :class:`FrontierComposer` of microbatch frontiers into an
-            iteration frontier, called as ``compose(frontiers, static_power_w=..., gpu=...,
-            schedule=..., label=..., workload=...)``; ``None`` = :class:`IterationComposer`.
+        microbatch_composer: Any [`FrontierComposer`][kareus.compose.FrontierComposer] of partition
+            frontiers into microbatch frontiers, called as ``compose(frontiers, partitions=...,
+            outside=...)``; ``None`` = [`MicrobatchComposer`][kareus.compose.MicrobatchComposer].
+        iteration_composer: Any [`FrontierComposer`][kareus.compose.FrontierComposer] of microbatch
+            frontiers into an iteration frontier, called as ``compose(frontiers, static_power_w=...,
+            gpu=..., schedule=..., label=..., workload=...)``; ``None`` =
+            [`IterationComposer`][kareus.compose.IterationComposer].
         kareus_frontiers: Partition frontiers already searched for kareus, by
-            :func:`kareus_type_key` (skips their search).
+            [`kareus_type_key`][kareus.compose.kareus_type_key] (skips their search).
 
     Writes nothing: [kareus.optimize][] wraps it with search logs, and its result's
     ``save(out)`` writes ``results.json`` and ``plan.json``.

@@ -3,17 +3,24 @@
 Only this package touches hardware, and only lazily: importing it initialises
 neither CUDA nor NVML, and imports neither torch nor pynvml.
 
-- Profilers (:class:`Profiler`): :class:`EmulatedProfiler` (the embedded emulated GPU),
-  :class:`NVMLProfiler` (real GPUs, NVML energy counter), :class:`ReplayProfiler`
-  (recorded measurements).
-- Frequency: :class:`FrequencyController` with :class:`NVMLFrequencyController` and
-  :class:`DryRunFrequencyController`; a :class:`FrequencyTrigger`
-  (:class:`StreamOrderedTrigger`) applies changes in stream order.
-- Collectives with an exact SM count: :class:`CollectiveBackend` with
-  :class:`OwnKernelCollective`, :class:`NCCLCappedCollective`, :class:`MscclppCollective`
-  (and :class:`ProcessGroupCollective`, NCCL's own CTA count, for uncapped systems).
-- Execution of plans in a training loop: :class:`Executor` / :class:`TorchExecutor`, and
-  runnable partitions (:class:`RunnableTransformerPartition`, :class:`CallablePartition`).
+- Profilers ([`Profiler`][kareus.exec.Profiler]): [`EmulatedProfiler`][kareus.exec.EmulatedProfiler]
+  (the embedded emulated GPU), [`NVMLProfiler`][kareus.exec.NVMLProfiler] (real GPUs, NVML energy
+  counter), [`ReplayProfiler`][kareus.exec.ReplayProfiler] (recorded measurements).
+- Frequency: [`FrequencyController`][kareus.exec.FrequencyController] with
+  [`NVMLFrequencyController`][kareus.exec.NVMLFrequencyController] and
+  [`DryRunFrequencyController`][kareus.exec.DryRunFrequencyController]; a
+  [`FrequencyTrigger`][kareus.exec.FrequencyTrigger]
+  ([`StreamOrderedTrigger`][kareus.exec.StreamOrderedTrigger]) applies changes in stream order.
+- Collectives with an exact SM count: [`CollectiveBackend`][kareus.exec.CollectiveBackend] with
+  [`OwnKernelCollective`][kareus.exec.OwnKernelCollective],
+  [`NCCLCappedCollective`][kareus.exec.NCCLCappedCollective],
+  [`MscclppCollective`][kareus.exec.MscclppCollective] (and
+  [`ProcessGroupCollective`][kareus.exec.ProcessGroupCollective], NCCL's own CTA count, for uncapped
+  systems).
+- Execution of plans in a training loop: [`Executor`][kareus.exec.Executor] /
+  [`TorchExecutor`][kareus.exec.TorchExecutor], and runnable partitions
+  ([`RunnableTransformerPartition`][kareus.exec.RunnableTransformerPartition],
+  [`CallablePartition`][kareus.exec.CallablePartition]).
 """
 
 from __future__ import annotations

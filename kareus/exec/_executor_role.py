@@ -1,12 +1,12 @@
 """The executor role: what a training loop and the NVML profiler's runner rely on.
 
-:class:`Executor` runs partitions (and microbatches of them) under configurations or a
-plan; :class:`PartitionHook` is the scope of one partition in a user's loop (name the
-collective, then issue the ops); :class:`LaunchConfig` is what an executor reads of a
+[`Executor`][kareus.exec.Executor] runs partitions (and microbatches of them) under configurations
+or a plan; [`PartitionHook`][kareus.exec.PartitionHook] is the scope of one partition in a user's
+loop (name the collective, then issue the ops); ``LaunchConfig`` is what an executor reads of a
 configuration (the launch slot and the SM count, not the clock, which is applied per
-microbatch). :data:`COMM_KINDS` are the collectives an executor launches.
+microbatch). ``COMM_KINDS`` are the collectives an executor launches.
 
-:class:`~kareus.exec.executor.TorchExecutor` implements the role on CUDA streams;
+[`TorchExecutor`][kareus.exec.TorchExecutor] implements the role on CUDA streams;
 ``kareus.testing`` has a recording fake and a conformance suite.
 """
 
@@ -30,10 +30,10 @@ class LaunchConfig(Protocol):
     """What an executor reads of a partition's configuration: where the collective starts
     and how many SMs it gets.
 
-    A :class:`~kareus.model.config.ScheduleConfig` is one (its clock is applied per
+    A [`ScheduleConfig`][kareus.model.ScheduleConfig] is one (its clock is applied per
     microbatch, not here); so is a baseline's configuration whose ``comm_sms`` is ``None``
     (the collective with its own CTA count, on the executor's ``default_collective``), as
-    :class:`kareus.exec.train.DefaultConfig` is.
+    [`kareus.exec.train.DefaultConfig`][kareus.exec.train.DefaultConfig] is.
     """
 
     @property
@@ -50,10 +50,11 @@ class LaunchConfig(Protocol):
 
 
 class PartitionHook(abc.ABC):
-    """The scope of one partition in a user's loop (what :meth:`Executor.partition` yields).
+    """The scope of one partition in a user's loop (what [`Executor.partition`][kareus.exec.Executor.partition] yields).
 
-    Call :meth:`communicate` to name the partition's collective, then :meth:`op` for each
-    computation op in order; the executor launches the collective at the configured slot.
+    Call [`communicate`][kareus.exec.PartitionHook.communicate] to name the partition's collective,
+    then [`op`][kareus.exec.PartitionHook.op] for each computation op in order; the executor
+    launches the collective at the configured slot.
 
     Attributes:
         key: The partition type.
@@ -90,16 +91,17 @@ class Executor(abc.ABC):
     """Runs partitions (and microbatches of them) under configurations or a plan.
 
     The role a training loop and the NVML profiler's runner rely on. Under a plan, call
-    :meth:`start` first (every rank compares the plan's digest), then wrap each
-    microbatch computation in :meth:`microbatch` and each partition in :meth:`partition`;
-    outside a plan, :meth:`run_partition` and :meth:`run_nanobatched` take a
-    configuration directly. Usable as a context manager (``with executor:`` calls
-    :meth:`start`).
+    [`start`][kareus.exec.Executor.start] first (every rank compares the plan's digest), then wrap
+    each microbatch computation in [`microbatch`][kareus.exec.Executor.microbatch] and each
+    partition in [`partition`][kareus.exec.Executor.partition]; outside a plan,
+    [`run_partition`][kareus.exec.Executor.run_partition] and
+    [`run_nanobatched`][kareus.exec.Executor.run_nanobatched] take a configuration directly. Usable
+    as a context manager (``with executor:`` calls [`start`][kareus.exec.Executor.start]).
 
     Attributes:
         plan: The plan the executor applies, or ``None``.
         current: ``(stage, microbatch, phase)`` of the microbatch computation being run,
-            or ``None`` outside :meth:`microbatch`.
+            or ``None`` outside [`microbatch`][kareus.exec.Executor.microbatch].
     """
 
     plan: Plan | None
@@ -131,7 +133,7 @@ class Executor(abc.ABC):
             op_names: Their names (the slot names refer to them).
             comm_tensor: The tensor the collective acts on.
             config: The schedule configuration.
-            comm_kind: The collective (one of :data:`COMM_KINDS`).
+            comm_kind: The collective (one of ``COMM_KINDS``).
             comm_output: Output tensor of all-gather / reduce-scatter.
         """
 

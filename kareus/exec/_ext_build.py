@@ -3,7 +3,7 @@
 kareus never compiles anything when it is installed or imported. The first time a
 GPU code path needs a CUDA extension (today: the SM-capped collectives in
 ``kareus/exec/_ext/collectives/``), this module compiles the sources with ``nvcc`` into
-a shared library and loads it with :mod:`ctypes`. The library holds plain ``extern "C"``
+a shared library and loads it with ``ctypes``. The library holds plain ``extern "C"``
 functions, so it does not depend on PyTorch's C++ ABI, and building it takes seconds
 instead of the minutes a ``torch.utils.cpp_extension`` build takes.
 
@@ -16,7 +16,7 @@ is published by an atomic rename.
 
 Environment variables:
     KAREUS_EXT_DIR: directory holding the extension sources (default: the package
-        data ``kareus/exec/_ext/``, found through :mod:`importlib.resources` in any
+        data ``kareus/exec/_ext/``, found through ``importlib.resources`` in any
         install layout: a source checkout, an editable install, a wheel).
     KAREUS_CACHE_DIR: cache root (default: ``$XDG_CACHE_HOME/kareus`` or
         ``~/.cache/kareus``).

@@ -7,12 +7,12 @@ capture the work into CUDA graphs and replay it (Megatron-Core's ``--cuda-graph-
 TransformerEngine's ``make_graphed_callables``, torchtitan's whole-step capture), one
 launch per graph. The executor does the same:
 
-* a :class:`GraphSequence` is a list of callables (a training iteration's microbatch
+* a ``GraphSequence`` is a list of callables (a training iteration's microbatch
   computations, or a partition's steps) captured in order, each into its own graph, all
   sharing one memory pool. Sharing a pool is what keeps memory flat (an activation
   allocated in the forward's graph and freed after the backward's is reused by the next
   microbatch's forward), and it is also why the graphs of a sequence must be replayed in
-  the order they were captured: :meth:`GraphSequence.replay` enforces it;
+  the order they were captured: ``GraphSequence.replay`` enforces it;
 * what a callable enqueues goes into its graph as it would run eagerly: the collective
   on the executor's side stream with its SM cap at the configured slot, forked and
   joined through events (captured as graph dependencies), the clock request of a
@@ -42,7 +42,7 @@ __all__ = ["GraphSequence"]
 class GraphSequence:
     """Graphs captured in order into one memory pool, replayed in that order.
 
-    Created by :meth:`TorchExecutor.capture <kareus.exec.executor.TorchExecutor.capture>`.
+    Created by [TorchExecutor.capture][kareus.exec.TorchExecutor.capture].
 
     Attributes:
         name: The sequence's name (the executor's key).
@@ -69,7 +69,7 @@ class GraphSequence:
 
     @property
     def next_index(self) -> int:
-        """The graph the next :meth:`replay` of one graph must launch."""
+        """The graph the next ``replay`` of one graph must launch."""
         return self._next
 
     def replay(self, index: int | None = None) -> None:

@@ -1,19 +1,19 @@
 """The program of a runnable partition, and the buffers its collective acts on.
 
-:class:`RunnablePartition` is a partition whose ops can be built as kernels on a GPU;
-``build()`` returns a :class:`PartitionProgram`: zero-argument callables that enqueue each
-op on the current stream, plus the tensors the partition's collective acts on. The program
-double-buffers the collective's tensor, as nanobatching does: step ``j`` computes into one
-buffer while the collective of step ``j-1`` reduces the other
-(:meth:`PartitionProgram.advance` flips them), so a loop of steps is the steady state of a
-nanobatched layer.
+[`RunnablePartition`][kareus.exec.RunnablePartition] is a partition whose ops can be built as
+kernels on a GPU; ``build()`` returns a [`PartitionProgram`][kareus.exec.PartitionProgram]:
+zero-argument callables that enqueue each op on the current stream, plus the tensors the partition's
+collective acts on. The program double-buffers the collective's tensor, as nanobatching does: step
+``j`` computes into one buffer while the collective of step ``j-1`` reduces the other
+([`PartitionProgram.advance`][kareus.exec.PartitionProgram.advance] flips them), so a loop of steps
+is the steady state of a nanobatched layer.
 
 The collective's buffers come from ``backend.empty(shape, dtype)`` when the backend has
 such a method (``_comm_zeros``): with
-:class:`~kareus.exec.collectives.OwnKernelCollective` they are registered tensors, so the
+[`OwnKernelCollective`][kareus.exec.OwnKernelCollective] they are registered tensors, so the
 executor's collectives take the zero-copy path; backends without ``empty`` (NCCL) get plain
 ``torch.zeros`` buffers. ``_comm_buffers`` sizes them from the partition's
-:class:`~kareus.model.ops.CommOp`. The functions take the torch module from their caller.
+[`CommOp`][kareus.model.CommOp]. The functions take the torch module from their caller.
 """
 
 from __future__ import annotations
@@ -35,9 +35,10 @@ class PartitionProgram:
         op_names: The ops' names, in stream order.
         comm_kind: ``"all_reduce"``, ``"all_gather"`` or ``"reduce_scatter"``; ``None`` for
             work that runs its collectives among its ops (outside work), run plainly.
-        writer: The op that writes :attr:`output` (the collective's next input), or
-            ``None`` when no op of the program does (the input is produced elsewhere).
-        step: Steps taken so far (see :meth:`advance`).
+        writer: The op that writes [`output`][kareus.exec.PartitionProgram.output] (the collective's
+            next input), or ``None`` when no op of the program does (the input is produced
+            elsewhere).
+        step: Steps taken so far (see [`advance`][kareus.exec.PartitionProgram.advance]).
     """
 
     def __init__(self, *, op_names: Sequence[str], ops: Sequence[Callable[[], Any]],
@@ -135,7 +136,7 @@ def _comm_buffers(torch: Any, comm: CommOp, model_bytes: int, device: Any, dtype
     element count is what the buffers keep, so that e.g. a float32 program's all-reduce
     buffer is still the ``shape`` its output op writes.
 
-    Every tensor the collective reads or writes comes from :func:`_comm_zeros`, in a
+    Every tensor the collective reads or writes comes from ``_comm_zeros``, in a
     fixed order (inputs, then outputs), so that a backend whose ``empty`` is collective
     sees the same calls on every rank.
     """

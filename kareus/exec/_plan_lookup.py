@@ -1,13 +1,13 @@
 """How an executor reads a plan: the key of a microbatch computation, and what the plan
 gives it.
 
-A :class:`kareus.compose.Plan` sets a frequency per microbatch computation and a
+A [`kareus.compose.Plan`][kareus.compose.Plan] sets a frequency per microbatch computation and a
 configuration per partition type inside it, keyed ``"s{stage}.m{microbatch}.{phase}"``
-(:func:`computation_key`), and the nanobatches each computation splits its microbatch into
+(``computation_key``), and the nanobatches each computation splits its microbatch into
 (1: unsplit, running the partition types of ``workload.with_(nanobatches=1)``).
-:func:`plan_config`, :func:`plan_frequency` and :func:`plan_nanobatches` look them up and
-turn a missing entry into a :class:`~kareus.errors.PlanError` that says what to do; every
-executor (:class:`~kareus.exec.executor.TorchExecutor`, the recording fake of
+``plan_config``, ``plan_frequency`` and ``plan_nanobatches`` look them up and
+turn a missing entry into a [`PlanError`][kareus.errors.PlanError] that says what to do; every
+executor ([`TorchExecutor`][kareus.exec.TorchExecutor], the recording fake of
 ``kareus.testing``) and the training loop read plans through them.
 """
 
@@ -25,7 +25,7 @@ ComputationId = tuple[int, int, str]
 
 
 def computation_key(stage: int, microbatch: int, phase: str) -> str:
-    """The key a :class:`~kareus.compose.Plan` gives a microbatch computation.
+    """The key a [`Plan`][kareus.compose.Plan] gives a microbatch computation.
 
     Args:
         stage: Pipeline stage.
@@ -56,7 +56,7 @@ def plan_config(plan: Plan, partition_type: str,
             partition runs in (a plan sets configurations per computation).
 
     Raises:
-        TypeError: ``plan`` is not a :class:`~kareus.compose.Plan`.
+        TypeError: ``plan`` is not a [`Plan`][kareus.compose.Plan].
         PlanError: no computation is given, or the plan has no configuration for the
             partition type there.
     """
@@ -82,7 +82,7 @@ def plan_frequency(plan: Plan, stage: int, microbatch: int, phase: str) -> int:
         phase: ``"fwd"`` or ``"bwd"``.
 
     Raises:
-        TypeError: ``plan`` is not a :class:`~kareus.compose.Plan`.
+        TypeError: ``plan`` is not a [`Plan`][kareus.compose.Plan].
         PlanError: the plan has no such computation.
     """
     return int(_require_plan(plan).freq_mhz(computation_key(stage, microbatch, phase)))
@@ -91,7 +91,7 @@ def plan_frequency(plan: Plan, stage: int, microbatch: int, phase: str) -> int:
 def plan_nanobatches(plan: Plan, stage: int, microbatch: int, phase: str) -> int:
     """The nanobatches ``plan`` splits one microbatch computation into (1: unsplit).
 
-    A computation's partition types (what :func:`plan_config` is asked for) are those of
+    A computation's partition types (what ``plan_config`` is asked for) are those of
     the workload split in this many nanobatches. A plan file written before choices
     recorded the count runs the workload's count.
 
@@ -102,7 +102,7 @@ def plan_nanobatches(plan: Plan, stage: int, microbatch: int, phase: str) -> int
         phase: ``"fwd"`` or ``"bwd"``.
 
     Raises:
-        TypeError: ``plan`` is not a :class:`~kareus.compose.Plan`.
+        TypeError: ``plan`` is not a [`Plan`][kareus.compose.Plan].
         PlanError: the plan has no such computation, or gives no count for it (a choice
             without one in a plan without a workload).
     """

@@ -3,8 +3,8 @@
 ``_op_builders`` is a table, op name -> builder: each builder creates the random inputs
 and weights its op needs (at the per-rank nanobatch dimensions ``_dims`` gives: the
 workload's TP and CP shares) and returns a zero-argument callable that runs the op through
-the partition's :class:`~kareus.exec.kernels.KernelSet` (the one definition of each op is
-:mod:`kareus.exec.kernels`; this module only wires shapes and data flow). The ops are the
+the partition's ``KernelSet`` (the one definition of each op is
+``kareus.exec.kernels``; this module only wires shapes and data flow). The ops are the
 attention and MLP forward and backward ops of a Llama-shaped layer: GEMMs, RMSNorm, rotary
 position embedding, causal grouped-query attention, SwiGLU, and their backward passes.
 
@@ -81,7 +81,7 @@ def _dims(wl: Workload) -> _Dims:
 
 def _sdpa(torch: Any, q: Any, k: Any, v: Any) -> Any:
     """Causal attention over grouped K/V (PyTorch's default SDPA dispatch); the one
-    definition is :meth:`kareus.exec.kernels.KernelSet.attention`."""
+    definition is ``kareus.exec.kernels.KernelSet.attention``."""
     from kareus.exec.kernels.base import _sdpa as sdpa
 
     return sdpa(q, k, v)
@@ -93,7 +93,7 @@ def _op_builders() -> dict[str, Callable[[Any, dict[str, Any], _Dims, Any], Call
     Each builder creates the inputs it needs in ``ctx`` if earlier ops did not, and its
     op stores results in ``ctx``; ops named in ``_OUTPUT_OPS`` write the collective's
     buffer (``out()``) instead. Every op runs through the kernel set in
-    ``ctx["_kernels"]`` (:mod:`kareus.exec.kernels`, the one definition of each op).
+    ``ctx["_kernels"]`` (``kareus.exec.kernels``, the one definition of each op).
     """
 
     def rnd(torch: Any, ctx: dict[str, Any], key: str, *shape: int, scale: float = 1.0) -> Any:

@@ -3,7 +3,7 @@
 On one GPU, at the clocks the GPU runs at (nothing is locked or changed), this module
 measures:
 
-* per op of the runnable partitions (:mod:`kareus.exec.torch_partition`) of the chosen
+* per op of the runnable partitions (``kareus.exec.torch_partition``) of the chosen
   workloads and kernel sets: the median time over repeated runs (CUDA events, the L2
   cache flushed by *reading* a buffer before each run, so that every op reads HBM as its
   roofline assumes), its roofline, and the average power over a loop of the op alone
@@ -25,8 +25,8 @@ Collective curves need several GPUs (``bench/collectives.py`` under torchrun); a
 profile copies them, with their sources, from a profile measured before on the same GPU
 model (by default the one shipped with kareus).
 
-The measurement goes through :class:`CalibrationDevice`; :class:`TorchCalibrationDevice` is
-the CUDA one, and tests drive :func:`measure_profile` with a fake device on a CPU. torch
+The measurement goes through ``CalibrationDevice``; ``TorchCalibrationDevice`` is
+the CUDA one, and tests drive ``measure_profile`` with a fake device on a CPU. torch
 and pynvml are imported inside the functions that need them.
 """
 
@@ -94,7 +94,7 @@ class OpProgram:
 
 @attrs.frozen(kw_only=True)
 class MeasuredOp:
-    """What :meth:`CalibrationDevice.power` returns for one op.
+    """What ``CalibrationDevice.power`` returns for one op.
 
     Attributes:
         power_w: Average power of one GPU over the loop (``None``: no power meter).
@@ -156,12 +156,12 @@ def measure_profile(device: CalibrationDevice, *, gpu: str,
                     workloads: Sequence[Any], kernel_sets: Sequence[str],
                     collectives_from: GPUProfile | None = None,
                     log: Callable[[str], None] | None = None) -> GPUProfile:
-    """Measure a :class:`GPUProfile` on ``device``.
+    """Measure a ``GPUProfile`` on ``device``.
 
     Args:
         device: The device to measure.
         gpu: The GPU preset the profile refines (``"h200-sxm"``).
-        workloads: :class:`~kareus.model.workload.Workload` objects whose runnable
+        workloads: [`Workload`][kareus.model.Workload] objects whose runnable
             partitions' ops to measure.
         kernel_sets: Kernel sets, the first the main one (time and power of every op);
             the others re-measure their elementwise and attention ops (time only).
@@ -542,14 +542,14 @@ def calibrate_to_file(out: Any, *, workloads: Sequence[str], kernels: Sequence[s
 
     Args:
         out: The profile file to write (versioned JSON).
-        workloads: Workload names as profile records name them (:func:`profile_workload`).
+        workloads: Workload names as profile records name them (``profile_workload``).
         kernels: Kernel sets, the first measured with power.
         gpu: The GPU preset (default: from the device's name).
         collectives_from: ``"shipped"`` (kareus's profile of this GPU, if any), ``"none"``,
             or the path of a profile of the same GPU model.
         reps: Timed runs per op.
         power_s: Seconds of each op's power loop.
-        device: The device (default: :class:`TorchCalibrationDevice`).
+        device: The device (default: ``TorchCalibrationDevice``).
         log: Progress lines.
 
     Returns:

@@ -1,19 +1,19 @@
 """The work outside partitions as real kernels, so that a tuning run on GPUs measures it.
 
 Each microbatch computation also runs work that belongs to no partition
-(:class:`~kareus.model.partition.OutsideWork`): the embedding on the first pipeline stage,
+([`OutsideWork`][kareus.model.OutsideWork]): the embedding on the first pipeline stage,
 the final norm, LM head and loss on the last, their backward passes, and the vocabulary-
 parallel all-reduce, all sequential (nothing overlaps them). The iteration composer needs
 its time and energy at every clock a plan may use, so the NVML profiler runs it as a
-program: :class:`RunnableOutsideWork` builds, at the workload's per-rank microbatch
+program: ``RunnableOutsideWork`` builds, at the workload's per-rank microbatch
 shapes, one kernel per op of the work (cuBLAS GEMMs, the kernel set's RMSNorm, PyTorch's
 embedding, softmax cross-entropy and index_add) followed by its collectives on the
-executor's backends, and :class:`~kareus.exec.nvml.TorchPartitionRunner` runs it as a
+executor's backends, and [`TorchPartitionRunner`][kareus.exec.TorchPartitionRunner] runs it as a
 plain step (no launch slot: the configuration only sets the clock). A memory-bound op
 without a kernel of its own here (an optimizer step, say) runs as a device copy that
 moves the op's bytes (read and written once). Collectives over another group than the
 executor's (data-parallel reductions, pipeline sends) cannot run in one stage's group:
-they are left out and listed in :attr:`RunnableOutsideWork.left_out`.
+they are left out and listed in ``RunnableOutsideWork.left_out``.
 
 torch is imported inside the functions that need it.
 """
@@ -42,13 +42,13 @@ class RunnableOutsideWork(RunnablePartition):
     """One stage's outside work of one phase, runnable on a GPU.
 
     Args:
-        work: The work (from :func:`~kareus.model.partition.build_partitions`'s ``outside``).
+        work: The work (from [`build_partitions`][kareus.model.build_partitions]'s ``outside``).
         workload: The workload it was built from (its per-rank microbatch shapes).
         comm_sms: SMs of its collectives (``None``: the executor's default collective,
             NCCL's own CTA count).
         dtype: torch dtype name of activations and weights (default ``"bfloat16"``).
         kernels: The kernel set of the norms (as for
-            :class:`~kareus.exec.torch_partition.RunnableTransformerPartition`).
+            [`RunnableTransformerPartition`][kareus.exec.RunnableTransformerPartition]).
         name: Its name in logs (default ``"outside"``).
 
     Raises:

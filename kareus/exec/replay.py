@@ -2,27 +2,27 @@
 
 A measured grid (every configuration of some partitions, profiled on real GPUs, as
 ``bench/h200_study.py`` writes it) lets the search, the composition and their tests
-run on any CPU against what the hardware really did. :class:`ReplayProfiler` answers
-``measure(partition, config)`` from such a file: a configuration measured several
+run on any CPU against what the hardware really did. [`ReplayProfiler`][kareus.exec.ReplayProfiler]
+answers ``measure(partition, config)`` from such a file: a configuration measured several
 times answers with its samples in turn (so a search sees the real spread), and a
-configuration never measured raises :class:`~kareus.errors.ConfigError` naming what
+configuration never measured raises [`ConfigError`][kareus.errors.ConfigError] naming what
 the file holds.
 
 File format (JSON): ``gpu`` (preset name), ``static_power_w`` (of the measured group;
 ``static_power_scope_gpus`` says how many GPUs that is, else TP x CP of ``workload``),
-``workload`` (optional, :meth:`~kareus.model.workload.Workload.to_dict`) and
+``workload`` (optional, [`to_dict`][kareus.model.Workload.to_dict]) and
 ``measurements``: a list of rows, each with ``partition``, ``config``
-(:meth:`~kareus.model.config.ScheduleConfig.to_dict`), ``measurement``
-(:meth:`~kareus.model.measurement.Measurement.to_dict`) and ``kind`` (rows whose kind
+([`to_dict`][kareus.model.ScheduleConfig.to_dict]), ``measurement``
+([`to_dict`][kareus.model.Measurement.to_dict]) and ``kind`` (rows whose kind
 is not in ``kinds`` are ignored; rows whose ``comm_sms`` is ``null`` are baselines
-with the collective library's own SM count, kept in :attr:`ReplayProfiler.baselines`).
-Rows of kind ``"outside"`` hold work outside partitions: ``work`` (:func:`work_key`),
+with the collective library's own SM count, kept in ``ReplayProfiler.baselines``).
+Rows of kind ``"outside"`` hold work outside partitions: ``work`` (``work_key``),
 ``freq_mhz``, ``comm_sms`` (or ``null``) and ``group_size``.
 
-:class:`RecordingProfiler` wraps any profiler and writes what it measured in this format,
+``RecordingProfiler`` wraps any profiler and writes what it measured in this format,
 so a run on real GPUs (or on the emulator) can be replayed exactly on any CPU. A row of a
 profiler that says how it fed the GPU (the NVML profiler's
-:meth:`MeasurementRecord.execution_facts <kareus.exec.nvml.MeasurementRecord.execution_facts>`)
+[MeasurementRecord.execution_facts][kareus.exec.MeasurementRecord.execution_facts])
 also holds ``execution`` (``"graphed"`` or ``"eager"``) and ``gpu_busy`` (the fraction of
 the window the GPU was busy); replaying ignores them, and rows without them load as before.
 """
@@ -185,7 +185,7 @@ class ReplayProfiler(Profiler):
             return super().space(partition)
 
     def grid_space(self, partition: Partition) -> ConfigSpace:
-        """The grid recorded for ``partition``, as a :class:`ConfigSpace` (the file must hold
+        """The grid recorded for ``partition``, as a [`ConfigSpace`][kareus.model.ConfigSpace] (the file must hold
         the full product of its frequencies, SM counts and slots)."""
         cfgs = self.configs(partition.name)
         if not cfgs:

@@ -1,36 +1,37 @@
 """Runnable partitions: the computation ops of a partition as real torch kernels.
 
 To profile a partition on a GPU, kareus needs its ops as kernels, not only as FLOP
-and byte counts. :class:`RunnableTransformerPartition` wraps a
-:class:`~kareus.model.partition.TransformerPartition` of a preset workload and builds,
+and byte counts. [`RunnableTransformerPartition`][kareus.exec.RunnableTransformerPartition] wraps a
+[`TransformerPartition`][kareus.model.TransformerPartition] of a preset workload and builds,
 on one GPU, the attention and MLP forward and backward ops at the workload's
 per-rank nanobatch shapes: GEMMs (cuBLAS), RMSNorm, rotary position embedding, causal
 scaled-dot-product attention with grouped-query heads, SwiGLU, and their backward
-passes, each from a :class:`~kareus.exec.kernels.KernelSet` (fused Triton kernels on a
-GPU by default, see :mod:`kareus.exec.kernels`), so that what is profiled is what
-production stacks train with. No model is needed. :class:`CallablePartition` does the same
-for user callables.
+passes, each from a ``KernelSet`` (fused Triton kernels on a
+GPU by default, see ``kareus.exec.kernels``), so that what is profiled is what
+production stacks train with. No model is needed.
+[`CallablePartition`][kareus.exec.CallablePartition] does the same for user callables.
 
-``build()`` returns a :class:`PartitionProgram`: zero-argument callables that
-enqueue each op on the current stream, plus the tensors the partition's collective
+``build()`` returns a [`PartitionProgram`][kareus.exec.PartitionProgram]: zero-argument callables
+that enqueue each op on the current stream, plus the tensors the partition's collective
 acts on. The program double-buffers the collective's tensor, as nanobatching does:
 step ``j`` computes into one buffer while the collective of step ``j-1`` reduces the
-other (:meth:`PartitionProgram.advance` flips them), so a loop of steps is the
-steady state of a nanobatched layer.
+other ([`PartitionProgram.advance`][kareus.exec.PartitionProgram.advance] flips them), so a loop of
+steps is the steady state of a nanobatched layer.
 
 ``build(collective=backend)`` allocates those buffers with ``backend.empty(shape,
 dtype)`` when the backend has such a method: with
-:class:`~kareus.exec.collectives.OwnKernelCollective` they are registered tensors, so
+[`OwnKernelCollective`][kareus.exec.OwnKernelCollective] they are registered tensors, so
 the executor's collectives take the zero-copy path; backends without ``empty`` (NCCL)
 get plain ``torch.zeros`` buffers, as before.
 
 torch is imported inside the functions that need it.
 
-Modules: ``_partition_program`` holds :class:`PartitionProgram`, the
-:class:`RunnablePartition` role and the collective's buffers; ``_transformer_ops`` the
-table of transformer ops (inputs, weights and kernel calls at a workload's shapes). This
-module holds the two runnable partitions (:class:`RunnableTransformerPartition`,
-:class:`CallablePartition`) and re-exports the rest.
+Modules: ``_partition_program`` holds [`PartitionProgram`][kareus.exec.PartitionProgram], the
+[`RunnablePartition`][kareus.exec.RunnablePartition] role and the collective's buffers;
+``_transformer_ops`` the table of transformer ops (inputs, weights and kernel calls at a workload's
+shapes). This module holds the two runnable partitions
+([`RunnableTransformerPartition`][kareus.exec.RunnableTransformerPartition],
+[`CallablePartition`][kareus.exec.CallablePartition]) and re-exports the rest.
 """
 
 from __future__ import annotations
@@ -59,12 +60,13 @@ class RunnableTransformerPartition(RunnablePartition):
     """A preset workload's partition whose ops run as torch kernels at its shapes.
 
     Args:
-        partition: The partition type (from :func:`~kareus.model.partition.build_partitions`).
+        partition: The partition type (from [`build_partitions`][kareus.model.build_partitions]).
         workload: The workload it was built from (gives the per-rank nanobatch shapes).
         dtype: torch dtype name of activations and weights (default ``"bfloat16"``).
-        kernels: The ops' kernels: a :class:`~kareus.exec.kernels.KernelSet` or a
+        kernels: The ops' kernels: a ``KernelSet`` or a
             registered name (``"triton"``, ``"torch"``, ``"reference"``); default
-            :func:`~kareus.exec.kernels.get_kernels`'s choice, made at :meth:`build`.
+            ``get_kernels``'s choice, made at
+            [`build`][kareus.exec.RunnableTransformerPartition.build].
     """
 
     def __init__(self, partition: TransformerPartition, workload: Workload, *,
@@ -128,7 +130,7 @@ class RunnableTransformerPartition(RunnablePartition):
             device: Where to build (a CUDA device; ``"cpu"`` works for small shapes).
             seed: Seed of the random inputs and weights.
             collective: The backend that will run the program's collective. If it has
-                ``empty(shape, dtype)`` (:class:`~kareus.exec.collectives.OwnKernelCollective`
+                ``empty(shape, dtype)`` ([`OwnKernelCollective`][kareus.exec.OwnKernelCollective]
                 does), the collective's buffers come from it: registered tensors, which
                 the own kernels reduce without staging copies. ``empty`` is then a
                 collective call, so every rank must build the same partitions in the same
@@ -181,7 +183,8 @@ def runnable_partitions(workload: Workload, names: Sequence[str] | None = None, 
                         dtype: str | None = None,
                         kernels: Any = None) -> dict[str, RunnableTransformerPartition]:
     """Runnable versions of a workload's partition types (all, or those in ``names``),
-    their ops run by ``kernels`` (see :class:`RunnableTransformerPartition`)."""
+    their ops run by ``kernels`` (see
+    [`RunnableTransformerPartition`][kareus.exec.RunnableTransformerPartition])."""
     from kareus.model.partition import build_partitions
 
     ps = build_partitions(workload)

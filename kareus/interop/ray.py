@@ -1,9 +1,9 @@
 """Partition searches on a Ray cluster: a ``concurrent.futures.Executor`` of Ray tasks.
 
-:class:`RayExecutor` turns each task that ``optimize(..., executor=...)`` submits (one per
-partition type, :class:`~kareus.interop.tasks.SearchTask`) into a Ray task that asks Ray for
-the GPUs its profiling group needs (the task's ``num_gpus``: the partition's TP x CP GPUs on
-real hardware, none on the emulated GPU). Ray places the tasks on the cluster's nodes and
+[`RayExecutor`][kareus.interop.ray.RayExecutor] turns each task that ``optimize(..., executor=...)``
+submits (one per partition type, [`SearchTask`][kareus.interop.tasks.SearchTask]) into a Ray task
+that asks Ray for the GPUs its profiling group needs (the task's ``num_gpus``: the partition's TP x
+CP GPUs on real hardware, none on the emulated GPU). Ray places the tasks on the cluster's nodes and
 runs as many at once as the resources allow; kareus adds no scheduling of its own. Each
 task's future is the one Ray gives (``ObjectRef.future()``).
 
@@ -51,12 +51,12 @@ class RayExecutor(Executor):
 
     Args:
         num_gpus: GPUs each task asks for; ``None`` = the submitted callable's ``num_gpus``
-            attribute (what :class:`~kareus.interop.tasks.SearchTask` carries), else 0.
+            attribute (what [`SearchTask`][kareus.interop.tasks.SearchTask] carries), else 0.
         num_cpus: CPUs each task asks for (default 1).
         init: Keyword arguments for ``ray.init`` when Ray is not running yet (e.g.
             ``{"num_cpus": 4}`` for a local Ray, ``{"address": "auto"}`` to join a
             cluster); ``None`` = ``ray.init()``'s defaults. A Ray this executor started is
-            shut down by :meth:`shutdown`.
+            shut down by [`shutdown`][kareus.interop.ray.RayExecutor.shutdown].
         ray: The ``ray`` module (``None``: ``import ray``); a fake for tests.
 
     Raises:

@@ -1,9 +1,10 @@
 """Partition searches as tasks of any ``concurrent.futures.Executor``.
 
 ``optimize(workload, executor=pool)`` hands each partition type's search to ``pool`` as one
-task (:class:`SearchTask`, a picklable callable): a thread or process pool on one machine,
-:class:`~kareus.interop.ray.RayExecutor` on a Ray cluster, or submitit's ``AutoExecutor`` on
-Slurm. kareus schedules nothing itself: the engine decides where and when each task runs.
+task ([`SearchTask`][kareus.interop.tasks.SearchTask], a picklable callable): a thread or process
+pool on one machine, [`RayExecutor`][kareus.interop.ray.RayExecutor] on a Ray cluster, or submitit's
+``AutoExecutor`` on Slurm. kareus schedules nothing itself: the engine decides where and when each
+task runs.
 
 **Logs.** A task may run on another machine, so it never writes into the run's folder. It
 receives the type's existing search log (if any) as text, resumes from it in a private
@@ -15,8 +16,8 @@ does.
 **Same result as a serial run.** A search's choices depend only on its seed and on what it
 measures, and every profiler measures a configuration independently of the other searches:
 real GPUs and recorded measurements by nature, the emulated GPU
-(:class:`~kareus.exec.EmulatedProfiler`) because its noise is drawn from ``(seed, what is
-measured, its repeat index)`` by hashing, never from a stream shared by the run. Each task
+([`EmulatedProfiler`][kareus.exec.EmulatedProfiler]) because its noise is drawn from ``(seed, what
+is measured, its repeat index)`` by hashing, never from a stream shared by the run. Each task
 gets its own copy of the profiler and tasks may run in any order, anywhere: the frontiers
 and logs are exactly those of the serial run (``tests/test_workflow_executor.py`` checks it
 with thread and process pools and with Ray), and the profiler's call count is advanced by
@@ -106,11 +107,12 @@ class SearchTask:
         name: The partition type.
         partition: The partition.
         profiler: A private copy of the profiler.
-        budget, batch_size, seed, surrogate: As :func:`kareus.workflow.optimize` takes them.
+        budget, batch_size, seed, surrogate: As
+            [`kareus.workflow.optimize`][kareus.workflow.optimize] takes them.
         resume_text: The type's existing search log, or ``None`` (no logs).
         log: Whether to keep a log at all.
         num_gpus: GPUs the task needs (its profiling group; 0 on the emulator); engines
-            that place tasks on GPUs (:class:`~kareus.interop.ray.RayExecutor`) read it.
+            that place tasks on GPUs ([`RayExecutor`][kareus.interop.ray.RayExecutor]) read it.
     """
 
     name: str
@@ -155,17 +157,23 @@ def run_searches(executor: Executor, profiler: Profiler, pset: PartitionSet, *, 
     """Run every partition type's search as a task of ``executor``; see the module doc.
 
     Args:
-        executor: Runs the tasks (as :func:`kareus.workflow.optimize` takes it).
-        profiler: Measures (as :func:`kareus.workflow.optimize` takes it).
-        budget: Profiles per type (as :func:`kareus.workflow.optimize` takes it).
-        batch_size: Candidates per batch (as :func:`kareus.workflow.optimize` takes it).
-        seed: The searches' seed (as :func:`kareus.workflow.optimize` takes it).
-        surrogate: The searches' model (as :func:`kareus.workflow.optimize` takes it).
+        executor: Runs the tasks (as [`kareus.workflow.optimize`][kareus.workflow.optimize] takes
+            it).
+        profiler: Measures (as [`kareus.workflow.optimize`][kareus.workflow.optimize] takes it).
+        budget: Profiles per type (as [`kareus.workflow.optimize`][kareus.workflow.optimize] takes
+            it).
+        batch_size: Candidates per batch (as [`kareus.workflow.optimize`][kareus.workflow.optimize]
+            takes it).
+        seed: The searches' seed (as [`kareus.workflow.optimize`][kareus.workflow.optimize] takes
+            it).
+        surrogate: The searches' model (as [`kareus.workflow.optimize`][kareus.workflow.optimize]
+            takes it).
         pset: The workload's partition set (its workload sets the GPUs a task needs).
         log_dir: The run's log folder (``search-<key>.jsonl`` per type), or ``None``.
         types: The partition types to search, by key (the key names the task and its
-            log); ``None`` = ``pset.types`` (:func:`kareus.compose.kareus_types` gives
-            kareus's, the unsplit types included).
+            log); ``None`` = ``pset.types``
+            ([`kareus.compose.kareus_types`][kareus.compose.kareus_types] gives kareus's, the
+            unsplit types included).
 
     Returns:
         ``(frontiers, profiles)`` per type, as a serial run gives them; ``profiler``'s call

@@ -3,21 +3,23 @@
 Zeus (https://github.com/ml-energy/zeus, ``pip install 'kareus[zeus]'``) measures and
 optimises the energy of deep-learning jobs. Two of its pieces slot into kareus's roles:
 
-* :class:`ZeusdFrequencyController`, a :class:`~kareus.exec.FrequencyController`. Locking
-  GPU clocks needs root (``CAP_SYS_ADMIN``), which :class:`~kareus.exec.NVMLFrequencyController`
-  therefore needs. Zeus's daemon ``zeusd`` runs privileged and takes clock requests over a
-  Unix socket; with ``ZEUSD_SOCK_PATH`` set, Zeus's device layer
-  (``zeus.device.get_gpus()``) sends ``set_gpu_locked_clocks`` and
-  ``reset_gpu_locked_clocks`` to it, so an unprivileged training job can follow a plan's
-  frequencies (zeus 0.16: ``zeus/device/gpu/nvidia.py``, ``ZeusdNVIDIAGPU``; the daemon's
-  HTTP API is documented in ``zeusd/`` of the same repository).
-* :class:`ZeusEnergyMeter`, an :class:`~kareus.exec.EnergyMeter` (so
-  :class:`~kareus.exec.NVMLProfiler` takes it as ``meter=``) that reads each GPU's energy
-  counter through a ``ZeusMonitor``'s devices instead of pynvml: the GPU indices are
-  ZeusMonitor's (after ``CUDA_VISIBLE_DEVICES``), and the same monitor stays available for
-  Zeus's own measurement windows (:meth:`ZeusEnergyMeter.begin_window`). ZeusMonitor's
-  windows read the counter when they begin and end; kareus's profiler needs the moments
-  the counter *steps*, so the meter polls the counter as the NVML meter does.
+* [`ZeusdFrequencyController`][kareus.interop.zeus.ZeusdFrequencyController], a
+  [`FrequencyController`][kareus.exec.FrequencyController]. Locking GPU clocks needs root
+  (``CAP_SYS_ADMIN``), which [`NVMLFrequencyController`][kareus.exec.NVMLFrequencyController]
+  therefore needs. Zeus's daemon ``zeusd`` runs privileged and takes clock requests over a Unix
+  socket; with ``ZEUSD_SOCK_PATH`` set, Zeus's device layer (``zeus.device.get_gpus()``) sends
+  ``set_gpu_locked_clocks`` and ``reset_gpu_locked_clocks`` to it, so an unprivileged training job
+  can follow a plan's frequencies (zeus 0.16: ``zeus/device/gpu/nvidia.py``, ``ZeusdNVIDIAGPU``; the
+  daemon's HTTP API is documented in ``zeusd/`` of the same repository).
+* [`ZeusEnergyMeter`][kareus.interop.zeus.ZeusEnergyMeter], an
+  [`EnergyMeter`][kareus.exec.EnergyMeter] (so [`NVMLProfiler`][kareus.exec.NVMLProfiler] takes it
+  as ``meter=``) that reads each GPU's energy counter through a ``ZeusMonitor``'s devices instead of
+  pynvml: the GPU indices are ZeusMonitor's (after ``CUDA_VISIBLE_DEVICES``), and the same monitor
+      stays available for
+  Zeus's own measurement windows
+  ([`ZeusEnergyMeter.begin_window`][kareus.interop.zeus.ZeusEnergyMeter.begin_window]).
+  ZeusMonitor's windows read the counter when they begin and end; kareus's profiler needs the
+  moments the counter *steps*, so the meter polls the counter as the NVML meter does.
 
 Importing this module imports no Zeus; the classes do when built. Tests inject fake
 ``zeus`` modules (``tests/interop/test_zeus.py``).
@@ -76,10 +78,11 @@ class ZeusdFrequencyController(FrequencyController):
         gpus: Zeus's GPU collection; ``None`` = ``zeus.device.get_gpus()`` (a fake in tests).
         require_zeusd: Refuse to start unless ``ZEUSD_SOCK_PATH`` is set (without the daemon,
             Zeus locks clocks through NVML directly, which needs root: then use
-            :class:`~kareus.exec.NVMLFrequencyController`).
+            [`NVMLFrequencyController`][kareus.exec.NVMLFrequencyController]).
 
-    Use as a context manager (or call :meth:`close`): the default clocks come back on exit,
-    on exceptions and at interpreter exit.
+    Use as a context manager (or call
+    [`close`][kareus.interop.zeus.ZeusdFrequencyController.close]): the default clocks come back on
+    exit, on exceptions and at interpreter exit.
 
     Raises:
         HardwareError: Zeus is missing, ``ZEUSD_SOCK_PATH`` is not set, or Zeus fails.
@@ -177,7 +180,8 @@ class ZeusdFrequencyController(FrequencyController):
 
 class _ZeusHandles:
     """The two NVML entry points EnergyMeter's constructor uses, answered for Zeus indices
-    (every counter, temperature and clock read goes through :class:`ZeusEnergyMeter`)."""
+    (every counter, temperature and clock read goes through
+    [`ZeusEnergyMeter`][kareus.interop.zeus.ZeusEnergyMeter])."""
 
     def nvmlInit(self) -> None:  # NVML's name
         return None
@@ -189,14 +193,14 @@ class _ZeusHandles:
 class ZeusEnergyMeter(EnergyMeter):
     """Step-edge reads of the GPUs' energy counters through a ``ZeusMonitor``.
 
-    A drop-in for :class:`~kareus.exec.EnergyMeter` (``NVMLProfiler(meter=...)``): the same
+    A drop-in for [`EnergyMeter`][kareus.exec.EnergyMeter] (``NVMLProfiler(meter=...)``): the same
     polling thread, edges and queries, with every read going through Zeus's device layer.
 
     Args:
         device_indices: ZeusMonitor's GPU indices to read (``None`` = the monitor's own).
         monitor: A ``zeus.monitor.ZeusMonitor``; ``None`` = a new one on ``device_indices``.
-        poll_interval_s: As for :class:`~kareus.exec.EnergyMeter`.
-        history: As for :class:`~kareus.exec.EnergyMeter`.
+        poll_interval_s: As for [`EnergyMeter`][kareus.exec.EnergyMeter].
+        history: As for [`EnergyMeter`][kareus.exec.EnergyMeter].
 
     Raises:
         HardwareError: Zeus is missing, or a GPU has no energy counter (older than Volta,
@@ -241,7 +245,7 @@ class ZeusEnergyMeter(EnergyMeter):
 
     def sm_clocks_mhz(self) -> list[float]:
         """Not available through Zeus's device layer: raises, so samples carry no clock and
-        :meth:`mean_sm_clock_mhz` answers ``None``."""
+        [`mean_sm_clock_mhz`][kareus.exec.EnergyMeter.mean_sm_clock_mhz] answers ``None``."""
         raise NotImplementedError("Zeus's device layer does not report the current SM clock")
 
     def begin_window(self, key: str, *, sync_execution: bool = True) -> None:

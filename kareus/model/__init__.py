@@ -1,9 +1,9 @@
 """Value objects of kareus: GPUs, ops, workloads, partitions, configurations, schedules.
 
-Also the role contracts the policy layers need (:class:`Partition`, :class:`Profiler`)
-and :class:`Dag`, the one DAG (topological order, longest paths) that the pipeline
-schedules and the iteration composer share. Nothing here touches hardware; everything
-runs on any CPU.
+Also the role contracts the policy layers need ([`Partition`][kareus.model.Partition],
+[`Profiler`][kareus.exec.Profiler]) and [`Dag`][kareus.model.Dag], the one DAG (topological order,
+longest paths) that the pipeline schedules and the iteration composer share. Nothing here touches
+hardware; everything runs on any CPU.
 """
 
 from __future__ import annotations

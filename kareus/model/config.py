@@ -1,17 +1,17 @@
 """Schedule configurations and the space of them for one partition type on one GPU.
 
-A :class:`ScheduleConfig` is the three knobs kareus turns for a partition: the SM
-clock, the number of SMs the communication kernel gets, and the launch slot (the
+A [`ScheduleConfig`][kareus.model.ScheduleConfig] is the three knobs kareus turns for a partition:
+the SM clock, the number of SMs the communication kernel gets, and the launch slot (the
 computation op the communication starts with; ``None`` = sequential, after all
 computation, as Megatron-LM does). Where the profiler can run the collective through
 several backends (kareus's own SM-capped kernels, NCCL with capped CTAs), the backend is
 a fourth knob, so that each partition type's choice is measured rather than assumed; a
 profiler with one way to communicate (the emulator, a replay) leaves it ``None`` and its
-spaces, features and plans are exactly the three-knob ones. A :class:`ConfigSpace` enumerates the valid
-configurations, checks membership with clear errors, and encodes configurations
-as *physical* numeric features for the surrogate models: MHz, SM count, where the
-slot sits in the partition's work (estimated fraction of the computation done
-before the launch), how compute-bound the slot's first op is (log10 of FLOPs per
+spaces, features and plans are exactly the three-knob ones. A
+[`ConfigSpace`][kareus.model.ConfigSpace] enumerates the valid configurations, checks membership
+with clear errors, and encodes configurations as *physical* numeric features for the surrogate
+models: MHz, SM count, where the slot sits in the partition's work (estimated fraction of the
+computation done before the launch), how compute-bound the slot's first op is (log10 of FLOPs per
 byte), a sequential flag, and (only in a space of several backends) the backend's
 position in the space's list.
 """
@@ -59,7 +59,7 @@ class ScheduleConfig:
         launch_slot: Name of the computation op the communication is launched with, or
             ``None`` for sequential execution (communication after all computation).
         backend: The collective backend that runs the communication (a name of
-            :data:`kareus.exec.collectives.BACKEND_NAMES`, e.g. ``"own"`` or
+            ``kareus.exec.collectives.BACKEND_NAMES``, e.g. ``"own"`` or
             ``"nccl_capped"``), or ``None``: the one backend of the job (every emulated
             and replayed configuration).
     """
@@ -101,7 +101,7 @@ class ScheduleConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, object]) -> ScheduleConfig:
-        """Rebuild from :meth:`to_dict` output."""
+        """Rebuild from [`to_dict`][kareus.model.ScheduleConfig.to_dict] output."""
         return cls(freq_mhz=d["freq_mhz"],  # type: ignore[arg-type]
                    comm_sms=d["comm_sms"],  # type: ignore[arg-type]
                    launch_slot=d.get("launch_slot"),  # type: ignore[arg-type]
@@ -123,15 +123,16 @@ class ConfigSpace:
 
     Args:
         partition: The partition type.
-        gpu: GPU preset name or :class:`GPUSpec`.
+        gpu: GPU preset name or [`GPUSpec`][kareus.model.GPUSpec].
         freqs_mhz: Frequencies to search; ``None`` = the GPU's ``search_clocks_mhz``.
         comm_sms: SM counts to search; ``None`` = 1..32 (capped at the GPU's SMs - 1).
         slots: Launch slot names to search; ``None`` = every slot of the partition.
         include_sequential: Whether sequential execution is part of the space (it should be:
             sometimes overlap does not pay).
-        backends: Collective backends to search (names, see :class:`ScheduleConfig`);
-            ``None`` = the job's one backend (configurations carry ``backend=None``). With
-            two or more, the features gain a ``backend`` column.
+        backends: Collective backends to search (names, see
+            [`ScheduleConfig`][kareus.model.ScheduleConfig]); ``None`` = the job's one backend
+            (configurations carry ``backend=None``). With two or more, the features gain a
+            ``backend`` column.
 
     Raises:
         UnsupportedFrequencyError, InvalidSMCountError, UnknownSlotError: for values the
@@ -206,13 +207,13 @@ class ConfigSpace:
 
     @property
     def feature_names(self) -> tuple[str, ...]:
-        """Names of the columns of :meth:`encode`: :data:`FEATURE_NAMES`, plus
+        """Names of the columns of [`encode`][kareus.model.ConfigSpace.encode]: ``FEATURE_NAMES``, plus
         ``"backend"`` in a space of several backends."""
         return FEATURE_NAMES + (("backend",) if len(self.backends) > 1 else ())
 
     def validate(self, config: ScheduleConfig) -> ScheduleConfig:
         """Check that ``config`` is valid for this partition and GPU (not that it is in the
-        grid); return it. Raises the typed errors of :mod:`kareus.errors`."""
+        grid); return it. Raises the typed errors of [`kareus.errors`][kareus.errors]."""
         if not isinstance(config, ScheduleConfig):
             raise TypeError(f"expected a ScheduleConfig, got {type(config).__name__}")
         if config.backend not in self.backends:
@@ -251,7 +252,7 @@ class ConfigSpace:
                 and config.backend in self.backends)
 
     def index(self, config: ScheduleConfig) -> int:
-        """Position of ``config`` in :attr:`configs`; ``ValueError`` if not in the space."""
+        """Position of ``config`` in [`configs`][kareus.model.ConfigSpace.configs]; ``ValueError`` if not in the space."""
         if self._index is None:
             self._index = {c: i for i, c in enumerate(self.configs)}
         try:
@@ -276,9 +277,9 @@ class ConfigSpace:
 
     # -- features --------------------------------------------------------------------
     def encode(self, configs: Iterable[ScheduleConfig]) -> np.ndarray:
-        """Numeric features, one row per configuration, columns :attr:`feature_names`
+        """Numeric features, one row per configuration, columns [`feature_names`][kareus.model.ConfigSpace.feature_names]
         (the backend column, in a space of several, is the backend's position in
-        :attr:`backends`)."""
+        ``backends``)."""
         several = len(self.backends) > 1
         rows = []
         for c in configs:
@@ -290,7 +291,7 @@ class ConfigSpace:
         return np.asarray(rows, dtype=np.float64).reshape(-1, len(self.feature_names))
 
     def features(self) -> np.ndarray:
-        """Features of every configuration of the space, in :attr:`configs` order (cached)."""
+        """Features of every configuration of the space, in [`configs`][kareus.model.ConfigSpace.configs] order (cached)."""
         if not hasattr(self, "_features"):
             self._features = self.encode(self.configs)
         return self._features

@@ -1,15 +1,15 @@
 """Directed acyclic graphs of timed nodes: topological order and longest paths.
 
-A pipeline schedule (:mod:`kareus.model.pipeline`) is a DAG whose nodes are microbatch
+A pipeline schedule (``kareus.model.pipeline``) is a DAG whose nodes are microbatch
 computations and whose edges say "v starts after u ends". With a duration per node, the
 time of the whole DAG (its *makespan*) is its longest path. The iteration composer
-evaluates many longest paths per second, so :class:`Dag` relabels the nodes once in a
+evaluates many longest paths per second, so [`Dag`][kareus.model.Dag] relabels the nodes once in a
 topological order (every edge goes from a lower to a higher position) and keeps the
 predecessor and successor lists in those positions; longest paths are then one forward
 sweep, and a batch of duration vectors is swept at once with numpy, level by level.
 
 Methods that take durations expect them in *topological positions*
-(``durations[dag.order]`` converts from node ids); :attr:`Dag.order` maps back.
+(``durations[dag.order]`` converts from node ids); ``Dag.order`` maps back.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 The built-in presets (``kareus workloads``, ``kareus gpus``) cover a few public models and
 GPUs. Any other decoder-only transformer (grouped-query attention, SwiGLU MLP) or GPU is a
-small file whose keys are the fields of :class:`~kareus.model.workload.ModelArch` or
-:class:`~kareus.model.gpu.GPUSpec`::
+small file whose keys are the fields of [`ModelArch`][kareus.model.ModelArch] or
+[`GPUSpec`][kareus.model.GPUSpec]::
 
     # my-model.toml
     name = "my-8b"
@@ -23,22 +23,23 @@ small file whose keys are the fields of :class:`~kareus.model.workload.ModelArch
     bf16_peak_tflops = 312.0
     ...
 
-:func:`load_model_file` and :func:`load_gpu_file` read and check a file;
-:func:`register_model` and :func:`register_gpu` make the result known by name to
-:func:`~kareus.model.workload.get_model` and :func:`~kareus.model.gpu.get_gpu` (so
-``Workload.preset("my-8b", ...)``, ``EmulatedProfiler("my-gpu")`` and plans of that GPU
-work). ``kareus optimize --model-file F --gpu-file F`` does both.
+``load_model_file`` and ``load_gpu_file`` read and check a file;
+[`register_model`][kareus.model.files.register_model] and
+[`register_gpu`][kareus.model.files.register_gpu] make the result known by name to
+[`get_model`][kareus.model.get_model] and [`get_gpu`][kareus.model.get_gpu] (so
+``Workload.preset("my-8b", ...)``, ``EmulatedProfiler("my-gpu")`` and plans of that GPU work).
+``kareus optimize --model-file F --gpu-file F`` does both.
 
 A workload of a model that is not a preset stores its whole architecture in
 ``Workload.to_dict()`` (so in ``results.json`` and ``plan.json``), and
-:meth:`Workload.from_dict <kareus.model.workload.Workload.from_dict>` reads it back;
+[Workload.from_dict][kareus.model.Workload.from_dict] reads it back;
 ``results.json`` likewise carries the whole GPU spec when the GPU is not a preset.
 
 Every way a file can be bad (missing, not UTF-8, not TOML or JSON, not a table, a missing
 field, an unknown key, a value of the wrong type or an impossible one) raises
-:class:`SpecFileError` with one line naming the file and what to change. TOML needs
+``SpecFileError`` with one line naming the file and what to change. TOML needs
 Python 3.11+ (``tomllib``) or the ``tomli`` package on Python 3.10; without either, a TOML
-file raises a :class:`SpecFileError` saying to install tomli or write JSON.
+file raises a ``SpecFileError`` saying to install tomli or write JSON.
 """
 
 from __future__ import annotations
@@ -198,7 +199,7 @@ def _name(value: Any, where: str) -> str:
 
 
 def model_from_dict(d: Mapping[str, Any], *, where: str = "model") -> ModelArch:
-    """A :class:`ModelArch` from a dict of its fields, checked.
+    """A [`ModelArch`][kareus.model.ModelArch] from a dict of its fields, checked.
 
     Args:
         d: ``name``, ``layers``, ``hidden``, ``heads``, ``kv_heads``, ``head_dim``, ``ffn``,
@@ -276,7 +277,7 @@ def _clocks(value: Any, field: str, where: str, *, descending: bool) -> list[int
 
 
 def gpu_from_dict(d: Mapping[str, Any], *, where: str = "GPU") -> GPUSpec:
-    """A :class:`GPUSpec` from a dict of its fields, checked.
+    """A [`GPUSpec`][kareus.model.GPUSpec] from a dict of its fields, checked.
 
     ``clocks_mhz`` and ``search_clocks_mhz`` are lists of MHz or ranges
     (``{min, max, step}`` or ``{max, step, count}``); the search clocks are used from the
@@ -317,11 +318,11 @@ def load_gpu_file(path: str | os.PathLike[str]) -> GPUSpec:
 
 def register_model(model: ModelArch | str | os.PathLike[str], *,
                    replace: bool = False) -> ModelArch:
-    """Make a model known by name to :func:`~kareus.model.workload.get_model` (and so to
+    """Make a model known by name to [`get_model`][kareus.model.get_model] (and so to
     ``Workload.preset``).
 
     Args:
-        model: A :class:`ModelArch`, or the path of a model file.
+        model: A [`ModelArch`][kareus.model.ModelArch], or the path of a model file.
         replace: Allow replacing a registered model of the same name with a different one.
 
     The registry lives in this process only: nothing is written (a process of its own,
@@ -363,11 +364,11 @@ def register_model(model: ModelArch | str | os.PathLike[str], *,
 
 
 def register_gpu(gpu: GPUSpec | str | os.PathLike[str], *, replace: bool = False) -> GPUSpec:
-    """Make a GPU known by name to :func:`~kareus.model.gpu.get_gpu` (so profilers,
+    """Make a GPU known by name to [`get_gpu`][kareus.model.get_gpu] (so profilers,
     plans and the CLI accept its name).
 
     Args:
-        gpu: A :class:`GPUSpec`, or the path of a GPU file.
+        gpu: A [`GPUSpec`][kareus.model.GPUSpec], or the path of a GPU file.
         replace: Allow replacing a registered GPU of the same name with a different one.
 
     The registry lives in this process only: nothing is written (a process of its own,

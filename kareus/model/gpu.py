@@ -1,6 +1,6 @@
 """GPU descriptions: what the emulator, the config spaces and the plans need to know.
 
-A :class:`GPUSpec` is a frozen value object. The three presets carry the vendor
+A [`GPUSpec`][kareus.model.GPUSpec] is a frozen value object. The three presets carry the vendor
 datasheets' figures (NVIDIA A100, H100 and H200: SM counts, clocks, BF16 and HBM peaks,
 NVLink bandwidth, power limit), the A100 search grid and static power of the Kareus
 paper's reference artifact, and, for the H200, figures measured on real machines (the
@@ -118,7 +118,7 @@ class GPUSpec:
         return min(self.clocks_mhz, key=lambda c: (abs(c - freq_mhz), c))
 
     def check_clock(self, freq_mhz: int) -> int:
-        """Return ``freq_mhz`` if supported; else raise :class:`UnsupportedFrequencyError`
+        """Return ``freq_mhz`` if supported; else raise [`UnsupportedFrequencyError`][kareus.errors.UnsupportedFrequencyError]
         naming the range and the nearest supported clock."""
         if not self.supports_clock(freq_mhz):
             raise UnsupportedFrequencyError(
@@ -129,7 +129,7 @@ class GPUSpec:
 
     def check_comm_sms(self, sms: int) -> int:
         """Return ``sms`` if a collective can run on that many SMs beside some computation
-        (1..SMs-1); else raise :class:`InvalidSMCountError`."""
+        (1..SMs-1); else raise [`InvalidSMCountError`][kareus.errors.InvalidSMCountError]."""
         if not 1 <= sms <= self.sm_count - 1:
             raise InvalidSMCountError(
                 f"comm_sms={sms} is impossible on {self.name}: it must be in "
@@ -155,7 +155,7 @@ class GPUSpec:
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> GPUSpec:
-        """Read a ``.toml`` or ``.json`` GPU file (see :mod:`kareus.model.files`)."""
+        """Read a ``.toml`` or ``.json`` GPU file (see [`kareus.model.files`][kareus.model.files])."""
         from kareus.model.files import load_gpu_file
 
         return load_gpu_file(path)
@@ -228,7 +228,7 @@ GPU_PRESETS: dict[str, GPUSpec] = {
 
 
 _REGISTERED_GPUS: dict[str, GPUSpec] = {}
-"""GPUs registered at run time (:func:`kareus.model.files.register_gpu`), by lower-case name."""
+"""GPUs registered at run time ([`kareus.model.files.register_gpu`][kareus.model.files.register_gpu]), by lower-case name."""
 
 
 def gpu_names() -> list[str]:
@@ -237,7 +237,7 @@ def gpu_names() -> list[str]:
 
 
 def get_gpu(name: str | GPUSpec) -> GPUSpec:
-    """Look up a GPU preset by name (a :class:`GPUSpec` passes through).
+    """Look up a GPU preset by name (a [`GPUSpec`][kareus.model.GPUSpec] passes through).
 
     Reads the presets and the GPUs registered in this process
     ([kareus.model.files.register_gpu][]); writes nothing.

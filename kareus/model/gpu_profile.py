@@ -1,23 +1,23 @@
 """A measured GPU profile: what the emulated GPU needs to know about one real GPU model.
 
 The emulator's presets carry datasheet figures and a handful of constants fitted to
-probes. A :class:`GPUProfile` carries what was *measured* on a real GPU of that model, so
+probes. A ``GPUProfile`` carries what was *measured* on a real GPU of that model, so
 that the emulator can take its inputs from measurements instead:
 
 * per-op time and average power of the runnable partitions' ops, at the clock they ran
-  at where it was recorded (:class:`OpProfile`, keyed by workload, partition, op name and
+  at where it was recorded (``OpProfile``, keyed by workload, partition, op name and
   kernel set: the production kernels and, e.g., the eager reference formulas), and the
   host time of one eager launch of each (``host_s``; how it was measured:
-  :attr:`GPUProfile.host_method`), which decides whether eager execution keeps the GPU
+  ``GPUProfile.host_method``), which decides whether eager execution keeps the GPU
   fed;
 * the GEMM peak (TFLOP/s) and the HBM bandwidth (GB/s) measured on the same GPU;
 * idle power and static power (a GPU blocked waiting on communication), and power under
-  other named loads at the clock observed (:class:`LoadPower`): the power-capped loads sit
+  other named loads at the clock observed (``LoadPower``): the power-capped loads sit
   at several clocks, which is what can be learned about frequency without changing it;
 * collective curves: time and bus bandwidth per SM count (CTA cap), message size and
-  group size, for each backend (:class:`CollectivePoint`; ``comm_sms`` ``None`` = the
+  group size, for each backend (``CollectivePoint``; ``comm_sms`` ``None`` = the
   backend picks its own CTA count);
-* the machine, driver and software versions it was measured with (:class:`MachineInfo`),
+* the machine, driver and software versions it was measured with (``MachineInfo``),
   and the files it was assembled from.
 
 Every field is validated on construction. The file format is versioned JSON::
@@ -25,14 +25,14 @@ Every field is validated on construction. The file format is versioned JSON::
     {"format": "kareus.gpu_profile", "version": 1, "digest": "<sha256>", "profile": {...}}
 
 ``digest`` is the SHA-256 of the canonical JSON of ``profile`` (sorted keys, no spaces);
-:meth:`GPUProfile.load` recomputes it, so a file edited by hand is refused rather than
-silently used. Files are read through :func:`kareus._io.read_json`, so every way a file
-can be bad raises one :class:`GPUProfileError` naming the file.
+``GPUProfile.load`` recomputes it, so a file edited by hand is refused rather than
+silently used. Files are read through ``kareus._io.read_json``, so every way a file
+can be bad raises one ``GPUProfileError`` naming the file.
 
 Profiles measured by the project ship as package data (``kareus/model/profiles/``):
-:meth:`GPUProfile.preset` loads one by GPU preset name, :func:`shipped_profiles` lists
+``GPUProfile.preset`` loads one by GPU preset name, ``shipped_profiles`` lists
 them. The profile is data, not a model: the emulator decides how to use it.
-:mod:`kareus.model.gpu_profile_build` assembles a profile from the project's measured
+``kareus.model.gpu_profile_build`` assembles a profile from the project's measured
 files (bench results and data files).
 """
 
@@ -71,9 +71,9 @@ __all__ = [
 PROFILE_FORMAT = "kareus.gpu_profile"
 PROFILE_VERSION = 1
 OP_KINDS = ("gemm", "attention", "elementwise")
-"""Op kinds of :class:`OpProfile` (those of the per-op measurement)."""
+"""Op kinds of ``OpProfile`` (those of the per-op measurement)."""
 MAX_HOST_S = 1.0
-"""Upper bound (exclusive) of :attr:`OpProfile.host_s`, seconds."""
+"""Upper bound (exclusive) of ``OpProfile.host_s``, seconds."""
 #: Fields added after version 1 was first written (``OpProfile.host_s``,
 #: ``OpProfile.power_execution``, ``GPUProfile.host_method``), left out of the stored profile
 #: (and of its digest) while at their defaults, so that the files written before them load
@@ -84,7 +84,7 @@ POWER_EXECUTIONS = ("graphed", "eager")
 
 
 def _keep_field(attribute: attrs.Attribute, value: object) -> bool:
-    """The :func:`attrs.asdict` filter of :meth:`GPUProfile.profile_dict`."""
+    """The ``attrs.asdict`` filter of ``GPUProfile.profile_dict``."""
     return not (attribute.name in _OMIT_AT_DEFAULT and value == attribute.default)
 
 
@@ -211,7 +211,7 @@ class OpProfile:
             understates the power while the op runs.
         host_s: Host seconds of one eager call of the op (``None``: not measured; older
             profiles have none): how long the host takes to launch it, measured as
-            :attr:`GPUProfile.host_method` says. Below :data:`MAX_HOST_S`.
+            ``GPUProfile.host_method`` says. Below ``MAX_HOST_S``.
         power_execution: How the power loop launched the op: ``"graphed"`` (replays of a
             CUDA graph of repeated runs) or ``"eager"`` (one launch per run, for ops that
             do not capture); ``None``: not recorded (older profiles, or no power loop).
@@ -394,7 +394,7 @@ class GPUProfile:
         sm_count: SMs of the measured GPU.
         machine: Machine, driver and software versions.
         kernel_set: The kernel set of the main per-op measurements (what
-            :meth:`op_profile` returns by default; ``""``: not recorded).
+            ``op_profile`` returns by default; ``""``: not recorded).
         gemm_peak_tflops: Best bf16 GEMM throughput measured, TFLOP/s.
         gemm_peak_freq_mhz: The SM clock it was measured at (``None``: not recorded).
         hbm_bandwidth_gbps: Best HBM bandwidth measured (bytes read + written), GB/s.
@@ -475,7 +475,7 @@ class GPUProfile:
 
     def op_profile(self, workload: str, partition: str, op: str, *,
                    kernels: str | None = None) -> OpProfile:
-        """The measurement of one op with one kernel set (default: :attr:`kernel_set`).
+        """The measurement of one op with one kernel set (default: ``kernel_set``).
 
         Raises:
             GPUProfileError: the profile has no such op; the message lists what it has.
@@ -494,7 +494,7 @@ class GPUProfile:
     def ops_of(self, workload: str, partition: str, *, kernels: str | None = None
                ) -> tuple[OpProfile, ...]:
         """The measured ops of one partition with one kernel set (default:
-        :attr:`kernel_set`), in the order stored."""
+        ``kernel_set``), in the order stored."""
         ks = self.kernel_set if kernels is None else kernels
         return tuple(o for o in self.ops
                      if (o.workload, o.partition, o.kernels) == (workload, partition, ks))
@@ -504,7 +504,7 @@ class GPUProfile:
         """The SM-capped points of one backend, collective, group and size, by SM count.
 
         Returns an empty tuple when nothing matches (the uncapped point, if measured, is
-        :meth:`uncapped_point`).
+        ``uncapped_point``).
         """
         kind = CommKind(collective).value
         pts = [c for c in self.collectives
@@ -532,7 +532,7 @@ class GPUProfile:
 
     @property
     def digest(self) -> str:
-        """SHA-256 of the canonical JSON of :meth:`profile_dict`."""
+        """SHA-256 of the canonical JSON of ``profile_dict``."""
         return profile_digest(self.profile_dict())
 
     def to_dict(self) -> dict[str, Any]:
@@ -547,7 +547,7 @@ class GPUProfile:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, source: str = "GPU profile") -> GPUProfile:
-        """Rebuild a profile from :meth:`to_dict`'s output, checking format, version,
+        """Rebuild a profile from ``to_dict``'s output, checking format, version,
         digest and every field.
 
         Raises:
@@ -580,7 +580,7 @@ class GPUProfile:
 
     @classmethod
     def preset(cls, gpu: str) -> GPUProfile:
-        """The measured profile shipped with kareus for ``gpu`` (see :func:`shipped_profiles`).
+        """The measured profile shipped with kareus for ``gpu`` (see ``shipped_profiles``).
 
         Raises:
             GPUProfileError: kareus ships no profile for ``gpu``; the message lists those

@@ -1,29 +1,29 @@
-"""Assemble a :class:`~kareus.model.gpu_profile.GPUProfile` from measured files.
+"""Assemble a ``GPUProfile`` from measured files.
 
 Each reader takes one kind of file the project's benchmarks write and returns the
-profile's records; :func:`build_gpu_profile` combines them:
+profile's records; ``build_gpu_profile`` combines them:
 
 * **per-op table** (``bench/op_roofline.py --json``, e.g. ``data/h200_op_roofline.json``):
   ``rows`` with ``workload``, ``partition``, ``op``, ``kind``, ``measured_ms``,
   ``roofline_ms``, ``kernel``, ``power_w`` (optionally a clock per row or for the file),
   the GEMM peak and HBM bandwidth of the same run, and the machine, driver and torch
-  versions -> :class:`OpProfile` rows and the peaks (:func:`read_op_table`);
+  versions -> ``OpProfile`` rows and the peaks (``read_op_table``);
 * **collective benches** (``bench/collectives.py --json``,
   ``bench/results/collectives_*xh200_nvlink*.json``): ``rows`` with ``op``,
   ``size_bytes``, ``backend``, ``sms`` (``null`` = uncapped), ``time_us``,
-  ``busbw_gbps`` and the group size in ``world_size`` -> :class:`CollectivePoint`
-  (:func:`read_collectives`);
+  ``busbw_gbps`` and the group size in ``world_size`` -> ``CollectivePoint``
+  (``read_collectives``);
 * **power probe** (``bench/emulator_power_probe.py --json``,
   ``bench/results/emulator_power_probe_h200.json``): idle power at the idle clock, one
   spinning block, GEMM chains and copies at the clocks the power limit left them ->
-  :class:`LoadPower` rows and, when no per-op table gives them, the GEMM peak and HBM
-  bandwidth (:func:`read_power_probe`);
+  ``LoadPower`` rows and, when no per-op table gives them, the GEMM peak and HBM
+  bandwidth (``read_power_probe``);
 * **measured grids** (``bench/h200_study.py --json``, ``data/*_grid*.json``): the power
   of GPUs blocked in a receive (static power) summed over the group, divided here by the
-  group's GPUs (:func:`read_grid_static_power`).
+  group's GPUs (``read_grid_static_power``).
 
-Every reader reads through :func:`kareus._io.read_json` and raises
-:class:`~kareus.model.gpu_profile.GPUProfileError` naming the file and the field when a
+Every reader reads through ``kareus._io.read_json`` and raises
+``GPUProfileError`` naming the file and the field when a
 file does not have the layout it expects.
 """
 

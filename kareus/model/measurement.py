@@ -76,7 +76,7 @@ class Measurement:
 
     @classmethod
     def from_dict(cls, d: dict[str, float]) -> Measurement:
-        """Rebuild from :meth:`to_dict` output."""
+        """Rebuild from [`to_dict`][kareus.model.Measurement.to_dict] output."""
         return cls(time_s=d["time_s"], energy_j=d["energy_j"], static_power_w=d["static_power_w"])
 
     def __str__(self) -> str:

@@ -1,7 +1,7 @@
 """Does a workload fit in its GPUs' memory? A per-GPU estimate, checked before any work.
 
 A workload that cannot be trained on its GPUs must be refused before minutes of searching,
-not reported with an iteration time. :func:`estimate_memory` counts, per GPU of each
+not reported with an iteration time. ``estimate_memory`` counts, per GPU of each
 pipeline stage (the largest stage is the one that matters):
 
 - **weights** in bf16 (2 bytes per parameter) and **gradients** in bf16 (2 bytes);

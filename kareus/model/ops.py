@@ -1,12 +1,12 @@
 """Operations: the computation kernels and communication kernels a partition is made of.
 
-A :class:`ComputeOp` is described by what it does, not how long it takes: FLOPs,
+A [`ComputeOp`][kareus.model.ComputeOp] is described by what it does, not how long it takes: FLOPs,
 bytes moved to and from HBM, and a kind (GEMM, attention, norm, ...). Profilers
 turn that into time and energy for a given GPU and configuration. GEMM and
 attention ops are *compute-bound kinds*: each gets its own launch slot. Every
 other kind is *memory-bound*, and consecutive memory-bound ops share one slot.
 
-A :class:`CommOp` is a collective over a group of GPUs: all-reduce, all-gather or
+A [`CommOp`][kareus.model.CommOp] is a collective over a group of GPUs: all-reduce, all-gather or
 reduce-scatter, with the message size in bytes per rank.
 """
 
@@ -62,7 +62,7 @@ class ComputeOp:
 
     Attributes:
         name: Unique within its partition, e.g. ``"qkv"`` or ``"attn_core"``.
-        kind: The :class:`OpKind`.
+        kind: The [`OpKind`][kareus.model.OpKind].
         flops: Floating-point operations this rank executes.
         bytes_moved: Bytes read from plus written to HBM by this rank.
     """
@@ -100,7 +100,7 @@ class CommOp:
 
     Attributes:
         name: e.g. ``"tp_all_reduce"``.
-        kind: The :class:`CommKind`.
+        kind: The [`CommKind`][kareus.model.CommKind].
         bytes: Message size per rank: the tensor reduced (all-reduce), the gathered
             output (all-gather), or the input to be reduced and scattered (reduce-scatter).
         group_size: GPUs taking part.

@@ -3,8 +3,8 @@
 A training iteration repeats a few patterns. With nanobatching, the collective of
 nanobatch *i* overlaps the computation of the next piece of work in stream order:
 nanobatch *i+1* of the same layer segment, or nanobatch 1 of the next segment. A
-:class:`Partition` is that pair: ``comm_op`` plus the ``compute_ops`` it may overlap.
-Partitions of the same *type* (same computation, same collective) share one
+[`Partition`][kareus.model.Partition] is that pair: ``comm_op`` plus the ``compute_ops`` it may
+overlap. Partitions of the same *type* (same computation, same collective) share one
 configuration, so the search runs once per type.
 
 Launch slots: the communication kernel can start together with any computation op
@@ -13,9 +13,10 @@ Each GEMM or attention op opens its own slot; consecutive memory-bound ops share
 slot of the first of them, since launching between them changes little but costs
 bandwidth contention.
 
-:func:`build_partitions` derives every partition type of a :class:`Workload`, how many
-instances each pipeline stage runs per microbatch forward and backward, and the work
-outside partitions (embedding, LM head and loss). All FLOPs and bytes are per rank.
+[`build_partitions`][kareus.model.build_partitions] derives every partition type of a
+[`Workload`][kareus.model.Workload], how many instances each pipeline stage runs per microbatch
+forward and backward, and the work outside partitions (embedding, LM head and loss). All FLOPs and
+bytes are per rank.
 
 Modelling choices (documented in docs/architecture.md): the chain of one stage is
 treated as cyclic, so the first computation of a stage is paired with the last
@@ -183,13 +184,14 @@ class OpPartition(Partition):
 
 @attrs.frozen(kw_only=True, repr=False)
 class TransformerPartition(OpPartition):
-    """A partition of a transformer layer, as built by :func:`build_partitions`.
+    """A partition of a transformer layer, as built by [`build_partitions`][kareus.model.build_partitions].
 
     Attributes:
         phase: ``"fwd"`` or ``"bwd"``.
         segment: The layer segment whose computation it holds (``"attn"``, ``"mlp"``, ...).
         stage_gpus: GPUs of the pipeline stage that run it (TP x CP); ``None`` = the
-            collective's group. Sets :attr:`group_gpus`, the scope of its measurements.
+            collective's group. Sets [`group_gpus`][kareus.model.TransformerPartition.group_gpus],
+            the scope of its measurements.
     """
 
     phase: str = "fwd"
@@ -216,10 +218,10 @@ def _nonneg_float(instance: object, attribute: attrs.Attribute, value: float) ->
 class OutsideWork:
     """Work that is not part of any partition, run sequentially.
 
-    Per microbatch computation (:attr:`PartitionSet.outside`): the embedding, final norm,
+    Per microbatch computation (``PartitionSet.outside``): the embedding, final norm,
     LM head and loss, their vocabulary-parallel all-reduces, and the pipeline send of the
     computation's output to the next stage (forward) or of its input gradient to the
-    previous one (backward). Per iteration (:attr:`PartitionSet.iteration`): the optimizer
+    previous one (backward). Per iteration (``PartitionSet.iteration``): the optimizer
     step and the data-parallel gradient reduction.
 
     Attributes:
@@ -262,7 +264,7 @@ class PartitionSet:
         outside: ``outside[(stage, phase)]`` = the work outside partitions.
         iteration: Work once per iteration after the pipeline flush, per GPU of the stage
             with the most parameters (every stage runs it at the same time): the optimizer
-            step and the data-parallel gradient reduction (:func:`iteration_work`).
+            step and the data-parallel gradient reduction (``iteration_work``).
     """
 
     workload: Workload
@@ -508,8 +510,8 @@ def iteration_work(wl: Workload, *, distributed_optimizer: bool = True) -> Outsi
       all-gather of the bf16 weights over the DP group; without it, an all-reduce of the
       fp32 gradients. Across nodes when the job spans more than one node's GPUs.
     * The Adam step over the parameters this rank updates (all of its stage's, or 1/DP of
-      them with the distributed optimizer): :data:`ADAM_BYTES_PER_PARAM` of HBM traffic and
-      :data:`ADAM_FLOPS_PER_PARAM` per parameter, one memory-bound op.
+      them with the distributed optimizer): ``ADAM_BYTES_PER_PARAM`` of HBM traffic and
+      ``ADAM_FLOPS_PER_PARAM`` per parameter, one memory-bound op.
 
     Assumptions (engineering estimates, stated in docs/emulator.md): gradients kept and
     reduced in fp32, no gradient-reduction overlap with the backward pass (Megatron-LM's

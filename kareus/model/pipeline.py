@@ -7,7 +7,7 @@ follows its forward) and *order* edges (each stage runs its computations one at 
 time, in the schedule's order). The iteration composer finds the critical path of
 this DAG for each choice of per-computation time.
 
-:func:`one_f_one_b` builds the 1F1B schedule (PipeDream-Flush): stage s runs
+[`one_f_one_b`][kareus.model.one_f_one_b] builds the 1F1B schedule (PipeDream-Flush): stage s runs
 ``min(pp - s - 1, M)`` warm-up forwards, then alternates one forward and one backward,
 then drains the remaining backwards.
 """
@@ -42,7 +42,7 @@ class Computation:
 
     @classmethod
     def from_key(cls, key: str) -> Computation:
-        """Parse :meth:`key` output (``ValueError`` if it is not one)."""
+        """Parse [`key`][kareus.model.Computation.key] output (``ValueError`` if it is not one)."""
         s, m, phase = key.split(".")
         if not (s.startswith("s") and m.startswith("m")):
             raise ValueError(f"not a computation key: {key!r}")
@@ -79,8 +79,8 @@ class PipelineSchedule:
         return sum(len(o) for o in self.stage_orders)
 
     def dag(self) -> Dag:
-        """The schedule as a :class:`~kareus.model.dag.Dag` over node indices (the
-        positions in :attr:`nodes`)."""
+        """The schedule as a [`Dag`][kareus.model.Dag] over node indices (the
+        positions in [`nodes`][kareus.model.PipelineSchedule.nodes])."""
         index = {c: i for i, c in enumerate(self.nodes)}
         return Dag(len(index), [(index[u], index[v]) for u, v in self.edges])
 

@@ -1,7 +1,7 @@
 """The Profiler role: measure one partition under one configuration.
 
 Every source of measurements — the emulated GPU, real GPUs through NVML, a file
-of recorded measurements — implements :class:`Profiler`, so the search, the
+of recorded measurements — implements [`Profiler`][kareus.exec.Profiler], so the search, the
 composition and the command line drive them all the same way.
 """
 
@@ -20,10 +20,13 @@ __all__ = ["Profiler"]
 class Profiler(abc.ABC):
     """Measures partitions.
 
-    Subclasses implement :meth:`measure`; :meth:`measure_outside` (work outside partitions,
-    run sequentially) and :meth:`static_power_w` have defaults where possible.
+    Subclasses implement [`measure`][kareus.exec.Profiler.measure];
+    [`measure_outside`][kareus.exec.Profiler.measure_outside] (work outside partitions, run
+    sequentially) and [`static_power_w`][kareus.exec.Profiler.static_power_w] have defaults where
+    possible.
 
-    Scope: a partition's :class:`Measurement` covers every GPU of the partition's group
+    Scope: a partition's [`Measurement`][kareus.model.Measurement] covers every GPU of the
+        partition's group
     (TP x CP GPUs), static power included.
     """
 

@@ -2,8 +2,9 @@
 
 The presets carry the models' public architecture configs (the ``config.json`` published
 with the weights of meta-llama/Llama-3.2-3B, Qwen/Qwen3-1.7B and
-meta-llama/Llama-3.3-70B-Instruct on Hugging Face). A :class:`Workload` checks that its parallelism divides the model (heads, KV heads,
-FFN width, vocabulary, layers) and that its batch splits into nanobatches.
+meta-llama/Llama-3.3-70B-Instruct on Hugging Face). A [`Workload`][kareus.model.Workload] checks
+that its parallelism divides the model (heads, KV heads, FFN width, vocabulary, layers) and that its
+batch splits into nanobatches.
 
 Nanobatching splits each microbatch along the batch dimension into
 ``nanobatches`` equal parts, so ``microbatch_size`` must be divisible by it;
@@ -42,7 +43,7 @@ def _check_whole(field: str, value: object) -> None:
 
 
 def _check_count(field: str, value: object) -> None:
-    """A whole number in 1..:data:`MAX_COUNT`, else a typed one-line error."""
+    """A whole number in 1..``MAX_COUNT``, else a typed one-line error."""
     _check_whole(field, value)
     assert isinstance(value, int)
     if not 1 <= value <= MAX_COUNT:
@@ -84,7 +85,7 @@ class ModelArch:
         return MODEL_PRESETS.get(self.name) == self
 
     def to_dict(self) -> dict[str, object]:
-        """Every field, JSON-ready (what :meth:`from_dict` and model files take)."""
+        """Every field, JSON-ready (what [`from_dict`][kareus.model.ModelArch.from_dict] and model files take)."""
         return attrs.asdict(self)
 
     @classmethod
@@ -96,7 +97,7 @@ class ModelArch:
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> ModelArch:
-        """Read a ``.toml`` or ``.json`` model file (see :mod:`kareus.model.files`)."""
+        """Read a ``.toml`` or ``.json`` model file (see [`kareus.model.files`][kareus.model.files])."""
         from kareus.model.files import load_model_file
 
         return load_model_file(path)
@@ -113,7 +114,7 @@ MODEL_PRESETS: dict[str, ModelArch] = {
 
 
 _REGISTERED_MODELS: dict[str, ModelArch] = {}
-"""Models registered at run time (:func:`kareus.model.files.register_model`)."""
+"""Models registered at run time ([`kareus.model.files.register_model`][kareus.model.files.register_model])."""
 
 
 def model_names() -> list[str]:
@@ -122,7 +123,7 @@ def model_names() -> list[str]:
 
 
 def get_model(name: str | ModelArch) -> ModelArch:
-    """Look up a model preset or registered model by name (a :class:`ModelArch` passes
+    """Look up a model preset or registered model by name (a [`ModelArch`][kareus.model.ModelArch] passes
     through)."""
     if isinstance(name, ModelArch):
         return name
@@ -249,7 +250,8 @@ class Workload:
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready description: ``model`` is the preset's name, or every field of an
-        architecture that is not a preset (so :meth:`from_dict` can rebuild it)."""
+        architecture that is not a preset (so [`from_dict`][kareus.model.Workload.from_dict] can
+        rebuild it)."""
         p = self.parallelism
         model: object = self.model.name if self.model.is_preset else self.model.to_dict()
         return {"model": model, "tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": p.dp,
@@ -259,7 +261,7 @@ class Workload:
 
     @classmethod
     def from_dict(cls, d: dict[str, object]) -> Workload:
-        """Rebuild a workload from :meth:`to_dict` (``results.json``, a plan's ``workload``).
+        """Rebuild a workload from [`to_dict`][kareus.model.Workload.to_dict] (``results.json``, a plan's ``workload``).
 
         Raises:
             WorkloadError: a key is missing or the workload is invalid.

@@ -1,21 +1,30 @@
 """Search for partition frontiers: Pareto utilities, surrogates, acquisition, the optimizer.
 
-- :mod:`~kareus.search.pareto`: Pareto filter, exact 2-D hypervolume and hypervolume
+- ``pareto``: Pareto filter, exact 2-D hypervolume and hypervolume
   improvement.
-- :class:`Surrogate` (:class:`GaussianProcessSurrogate`, the default;
-  :class:`XGBoostSurrogate`, :class:`BootstrapEnsemble`): models of time and dynamic
-  energy over the physical features of a configuration.
-- :class:`AcquisitionPass` (:class:`HypervolumePass`, :class:`UncertaintyPass`, ...): each
-  picks part of a batch from the predictions and the measured front.
-- :class:`MultiPassSearch`: the ask/tell optimizer, with a JSONL log that a killed search
-  resumes from; its result is a :class:`PartitionFrontier`
-  (:mod:`~kareus.search.partition_frontier`). Its parts: the features
-  (:func:`search_features`), the initial design (:func:`maximin_design`, opened by
-  :func:`system_config_indices`, sized by :func:`default_initial_size`), the defaults (:func:`default_passes`,
-  :func:`reference_passes`, :func:`default_surrogate`, :func:`tree_surrogate`).
+- [`Surrogate`][kareus.search.Surrogate]
+  ([`GaussianProcessSurrogate`][kareus.search.GaussianProcessSurrogate], the default;
+  [`XGBoostSurrogate`][kareus.search.XGBoostSurrogate],
+  [`BootstrapEnsemble`][kareus.search.BootstrapEnsemble]): models of time and dynamic energy over
+  the physical features of a configuration.
+- [`AcquisitionPass`][kareus.search.AcquisitionPass]
+  ([`HypervolumePass`][kareus.search.HypervolumePass],
+  [`UncertaintyPass`][kareus.search.UncertaintyPass], ...): each picks part of a batch from the
+  predictions and the measured front.
+- [`MultiPassSearch`][kareus.search.MultiPassSearch]: the ask/tell optimizer, with a JSONL log that
+  a killed search resumes from; its result is a
+  [`PartitionFrontier`][kareus.search.PartitionFrontier] (``partition_frontier``). Its parts: the
+  features ([`search_features`][kareus.search.search_features]), the initial design
+  ([`maximin_design`][kareus.search.maximin_design], opened by
+  [`system_config_indices`][kareus.search.system_config_indices], sized by
+  [`default_initial_size`][kareus.search.default_initial_size]), the defaults
+  ([`default_passes`][kareus.search.default_passes],
+  [`reference_passes`][kareus.search.reference_passes],
+  [`default_surrogate`][kareus.search.default_surrogate],
+  [`tree_surrogate`][kareus.search.tree_surrogate]).
 
 Import from here: the modules with a leading underscore are implementation modules, one
-concern each; :mod:`~kareus.search.surrogate` and :mod:`~kareus.search.acquisition` hold
+concern each; ``surrogate`` and ``acquisition`` hold
 the two role contracts a plug-in subclasses. Nothing here touches hardware.
 """
 

@@ -29,7 +29,7 @@ class BootstrapEnsemble(Surrogate):
 
     Args:
         base: The member surrogate (cloned, never fitted itself); ``None`` =
-            :class:`XGBoostSurrogate` with default settings.
+            [`XGBoostSurrogate`][kareus.search.XGBoostSurrogate] with default settings.
         n_models: Members (>= 2).
         fraction: Share of the samples each member sees, in (0, 1].
         replace: Draw with replacement (``fraction`` is then ignored).

@@ -1,12 +1,13 @@
 """The search's default choices: the pass mix that fills each batch and the surrogate.
 
-* :func:`default_passes` - kareus's pass mix (30/10/20/10/10).
-* :func:`reference_passes` - the pass mix of the public reference artifact of the Kareus
-  paper (40/20/20/20), for comparison.
-* :func:`default_surrogate` - a Gaussian process on the physical features.
-* :func:`tree_surrogate` - a bootstrap ensemble of five XGBoost models, as the reference
-  artifact fits.
-* :data:`SURROGATES` - the surrogate templates by name.
+* [`default_passes`][kareus.search.default_passes] - kareus's pass mix (30/10/20/10/10).
+* [`reference_passes`][kareus.search.reference_passes] - the pass mix of the public reference
+  artifact of the Kareus paper (40/20/20/20), for comparison.
+* [`default_surrogate`][kareus.search.default_surrogate] - a Gaussian process on the physical
+  features.
+* [`tree_surrogate`][kareus.search.tree_surrogate] - a bootstrap ensemble of five XGBoost models, as
+  the reference artifact fits.
+* ``SURROGATES`` - the surrogate templates by name.
 
 The figures quoted are emulated (docs/search.md, ``bench/search_efficiency.py``).
 """
@@ -41,17 +42,17 @@ def default_passes() -> list[tuple[AcquisitionPass, float]]:
     """kareus's default pass mix: 30/10/20/10/10.
 
     30% hypervolume improvement in (time, total energy), 10% in (time, dynamic energy),
-    20% exploitation near the front (:class:`~kareus.search.acquisition.NeighbourhoodPass`),
+    20% exploitation near the front ([`NeighbourhoodPass`][kareus.search.NeighbourhoodPass]),
     10% exploration by bootstrap uncertainty in its optimistic form (hypervolume
     improvement in (time, total energy) of the point two ensemble spreads below the
     mean), 10% bisection toward the fewest SMs that keep a front configuration's time
-    (:class:`~kareus.search.acquisition.HingePass`). Every hypervolume score is taken
+    ([`HingePass`][kareus.search.HingePass]). Every hypervolume score is taken
     against the *denoised* front (the predicted values of the measured configurations).
     In batches of 8 that is 3/1/2/1/1.
 
-    The public reference artifact's mix (:func:`reference_passes`) is four passes in shares
-    40/20/20/20: the same first two, then lowest predicted time (= hypervolume in (time,
-    static energy)) and the largest spread alone. On the emulator with 1% noise the passes
+    The public reference artifact's mix ([`reference_passes`][kareus.search.reference_passes]) is
+    four passes in shares 40/20/20/20: the same first two, then lowest predicted time (= hypervolume
+    in (time, static energy)) and the largest spread alone. On the emulator with 1% noise the passes
     here found better fronts with the same profiles, and giving the hinge pass its batch
     slot from the dynamic-energy pass did better in median and mean than every 40/20/20/20
     arrangement of these passes that was tried (docs/search.md); pass
@@ -79,15 +80,15 @@ def reference_passes() -> list[tuple[AcquisitionPass, float]]:
 
 
 def default_surrogate(seed: int = 0) -> Surrogate:
-    """The default surrogate template: a :class:`GaussianProcessSurrogate` (Matern 5/2,
+    """The default surrogate template: a [`GaussianProcessSurrogate`][kareus.search.GaussianProcessSurrogate] (Matern 5/2,
     one length scale per feature) on ConfigSpace's physical features, columns 0-4 of
-    :func:`search_features` (MHz, SMs, slot position, slot log intensity, sequential), with
-    the SM count on a log scale, and, in a space of several collective backends, the
-    backend column (from :data:`~kareus.search.EXTRA_COLUMNS_FROM` on).
+    [`search_features`][kareus.search.search_features] (MHz, SMs, slot position, slot log intensity,
+    sequential), with the SM count on a log scale, and, in a space of several collective backends,
+    the backend column (from ``EXTRA_COLUMNS_FROM`` on).
 
     On the emulator with 1% noise it finds better fronts with the same profiles than the
-    tree ensemble (:func:`tree_surrogate`, the default before): over the benchmark's 28
-    partitions a median hypervolume ratio of 0.993 against 0.987 after 64 profiles
+    tree ensemble ([`tree_surrogate`][kareus.search.tree_surrogate], the default before): over the
+    benchmark's 28 partitions a median hypervolume ratio of 0.993 against 0.987 after 64 profiles
     (docs/search.md). A GP interpolates between the SM counts it measured and pools
     neighbouring clocks; trees predict a plateau there and cannot tell where the time
     stops falling. ``seed`` is accepted for symmetry (the GP's fit is deterministic).
@@ -98,12 +99,12 @@ def default_surrogate(seed: int = 0) -> Surrogate:
 
 
 def tree_surrogate(seed: int = 0) -> Surrogate:
-    """The tree ensemble: a :class:`BootstrapEnsemble` of five :class:`XGBoostSurrogate`
+    """The tree ensemble: a [`BootstrapEnsemble`][kareus.search.BootstrapEnsemble] of five [`XGBoostSurrogate`][kareus.search.XGBoostSurrogate]
     on 80% subsamples (as the public reference artifact of the
     Kareus paper fits), each with a linear trend in
     frequency (feature column 0) under its trees. It reads every column of
-    :func:`search_features`, including the SM-per-clock ratios and the hide balance
-    that help trees follow the diagonal ridge of the best SM count."""
+    [`search_features`][kareus.search.search_features], including the SM-per-clock ratios and the
+    hide balance that help trees follow the diagonal ridge of the best SM count."""
     return BootstrapEnsemble(base=XGBoostSurrogate(trend_features=(0,)), n_models=5,
                              fraction=0.8, seed=seed)
 

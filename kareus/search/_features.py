@@ -1,8 +1,8 @@
 """The surrogates' features: physical knobs, and ratios that line up where a collective hides.
 
 ConfigSpace gives each configuration's physical features (clock in MHz, SM count, launch
-slot position and intensity, sequential); :func:`search_features` adds the SM count per
-relative clock (and its square) and a datasheet estimate of the balance between the
+slot position and intensity, sequential); [`search_features`][kareus.search.search_features] adds
+the SM count per relative clock (and its square) and a datasheet estimate of the balance between the
 collective's time and the computation it can hide behind. Features are physical, never
 list indices, so a model can interpolate between the configurations it measured.
 """
@@ -28,8 +28,8 @@ def search_features(space: ConfigSpace) -> np.ndarray:
 
     Columns: 0-4 ConfigSpace's physical features (MHz, SMs, slot position, slot log
     intensity, sequential); 5 the SM count per relative clock, ``comm_sms x max MHz /
-    MHz``; 6 the hide balance (:func:`_hide_balance`); 7 the SM count per relative clock
-    squared, ``comm_sms x (max MHz / MHz)^2``; from :data:`EXTRA_COLUMNS_FROM` (8) on,
+    MHz``; 6 the hide balance (``_hide_balance``); 7 the SM count per relative clock
+    squared, ``comm_sms x (max MHz / MHz)^2``; from ``EXTRA_COLUMNS_FROM`` (8) on,
     ConfigSpace's further columns: in a space of several collective backends, the
     backend's position in ``space.backends`` (absent in a space of one).
 

@@ -1,4 +1,4 @@
-"""Gaussian-process regression as a :class:`~kareus.search.Surrogate`: the search's default.
+"""Gaussian-process regression as a [`Surrogate`][kareus.search.Surrogate]: the search's default.
 
 An exact GP with a Matern kernel, automatic relevance determination and white noise,
 its hyperparameters the MAP estimate found by L-BFGS-B (scipy, imported when fitting).
@@ -55,14 +55,15 @@ class GaussianProcessSurrogate(Surrogate):
         features: Columns of ``X`` to use (``None`` = all).
         extra_features_from: Also use every column of ``X`` from this one on, however
             many there are (``None``: none). The default surrogate passes 8
-            (:data:`~kareus.search.EXTRA_COLUMNS_FROM`) so that, in a space of several
+            (``EXTRA_COLUMNS_FROM``) so that, in a space of several
             collective backends, the backend column is a feature.
         log_features: Columns of ``X`` (indices into ``X``, not into ``features``) to
             log-transform first; their values must be positive.
         kernel: ``"matern52"`` or ``"matern32"``.
         noise_bounds: Bounds of the noise variance, as a fraction of the target's variance.
         max_iter: L-BFGS-B iterations for the hyperparameters.
-        seed: Kept for the :class:`Surrogate` protocol (the fit is deterministic).
+        seed: Kept for the [`Surrogate`][kareus.search.Surrogate] protocol (the fit is
+            deterministic).
     """
 
     has_spread = True
@@ -220,7 +221,7 @@ class GaussianProcessSurrogate(Surrogate):
 
     @property
     def fitted(self) -> bool:
-        """Whether :meth:`fit` has been called."""
+        """Whether [`fit`][kareus.search.GaussianProcessSurrogate.fit] has been called."""
         return self._state is not None
 
     @property

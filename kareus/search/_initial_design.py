@@ -1,13 +1,13 @@
 """The initial design: which configurations a search profiles before any model is fitted.
 
 A search opens with the configurations a training job runs without kareus (the
-systems' own configurations: :func:`system_config_indices`), then fills the rest of its
-initial points with a space-filling design (:func:`maximin_design`) or uniform random
-picks (as the public reference artifact of the Kareus paper does):
-:func:`initial_design`. How many points it has depends on the budget
-(:func:`default_initial_size`): 16 for budgets of 32 profiles and more, half the budget
-(at least 8) below, so that at the budgets real GPUs afford (a profile costs seconds)
-the acquisition passes still get profiles to spend.
+systems' own configurations: [`system_config_indices`][kareus.search.system_config_indices]), then
+fills the rest of its initial points with a space-filling design
+([`maximin_design`][kareus.search.maximin_design]) or uniform random picks (as the public reference
+artifact of the Kareus paper does): ``initial_design``. How many points it has depends on the budget
+([`default_initial_size`][kareus.search.default_initial_size]): 16 for budgets of 32 profiles and
+more, half the budget (at least 8) below, so that at the budgets real GPUs afford (a profile costs
+seconds) the acquisition passes still get profiles to spend.
 """
 
 from __future__ import annotations
@@ -185,10 +185,11 @@ def initial_design(space: ConfigSpace, size: int, *, kind: str = "maximin",
     Args:
         space: The configuration space.
         size: Points in the design (at most the space's size).
-        kind: ``"maximin"`` (:func:`maximin_design`, space-filling) or ``"random"``
-            (uniform, as the public reference artifact does).
-        system_configs: Whether the design opens with :func:`system_config_indices`
-            and fills the rest of its points with ``kind``.
+        kind: ``"maximin"`` ([`maximin_design`][kareus.search.maximin_design], space-filling) or
+            ``"random"`` (uniform, as the public reference artifact does).
+        system_configs: Whether the design opens with
+            [`system_config_indices`][kareus.search.system_config_indices] and fills the rest of its
+            points with ``kind``.
         seed: Random seed.
 
     Returns:

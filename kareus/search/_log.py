@@ -1,12 +1,12 @@
 """The search log: a versioned JSONL record of every batch asked and measurement told.
 
-A :class:`~kareus.search.MultiPassSearch` given ``log=PATH`` writes a header line (format,
-version, partition, GPU, space, seed, sizes, and how the measurements are made where the
+A [`MultiPassSearch`][kareus.search.MultiPassSearch] given ``log=PATH`` writes a header line
+(format, version, partition, GPU, space, seed, sizes, and how the measurements are made where the
 search was told: ``measured_with``, e.g. ``{"execution": "graphed"}``), then one ``ask`` record per batch (the
 configurations and the pass that chose each) and one ``tell`` record per measurement, each
 line handed to the operating system before the search goes on (a killed run loses nothing)
 and synced to disk at least once a second and at the end of the search. ``resume=PATH`` reads it back
-(:func:`read_log`), checks that it belongs to the same search (:func:`check_header`) and
+(``read_log``), checks that it belongs to the same search (``check_header``) and
 replays it. A line cut short by a kill is dropped from the file; a corrupt line anywhere
 else is an error. Logs are JSON, never executable code.
 """
@@ -70,7 +70,7 @@ def log_header(space: ConfigSpace, *, seed: int, batch_size: int, budget: int,
         initial_size: Profiles of the initial design.
         measured_with: How the measurements are made, beyond the space (e.g.
             ``{"execution": "graphed"}``); recorded when given and not empty, and checked
-            on resume (:func:`check_header`).
+            on resume (``check_header``).
 
     Returns:
         The header record (``kind == "header"``), with the kareus version and the time of
@@ -99,7 +99,7 @@ def append_record(path: Path, record: dict[str, Any], *, sync: bool | None = Non
 
     The line reaches the operating system at once, so a killed run (Ctrl-C, SIGTERM,
     SIGKILL) loses nothing. It is synced to disk (fsync) when the log was last synced
-    :data:`SYNC_INTERVAL_S` or more ago, and always with ``sync=True`` (the end of a
+    ``SYNC_INTERVAL_S`` or more ago, and always with ``sync=True`` (the end of a
     search): a power failure loses at most the last second's records, which a resumed
     search measures again. Syncing every record instead costs a disk wait per
     measurement, which on a busy machine is a wait for a core too (the README job made
@@ -178,7 +178,7 @@ def check_header(head: dict[str, Any], space: ConfigSpace, seed: int, path: Path
         space: This search's configuration space.
         seed: This search's seed.
         path: The log file (for the messages).
-        measured_with: How this search's measurements are made (:func:`log_header`); a
+        measured_with: How this search's measurements are made (``log_header``); a
             log that recorded other values, or none where this search has some, is
             another search's (a log of eager runs does not resume a graph-captured one).
 

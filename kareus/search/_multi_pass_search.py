@@ -2,12 +2,11 @@
 
 Profiling a configuration on real GPUs costs about 13 s (the Kareus paper: a window of
 repeated runs read from NVML's energy counter, then a cool-down) and a space holds
-thousands of them, so :class:`MultiPassSearch` profiles few: a space-filling
-initial design, then batches chosen by :mod:`acquisition passes
-<kareus.search.acquisition>` from :mod:`surrogate <kareus.search.surrogate>`
-predictions of time and dynamic energy on every configuration not yet measured.
-It stops at the budget, or earlier when the measured front stops improving
-(hypervolume gain below a tolerance over a few batches).
+thousands of them, so [`MultiPassSearch`][kareus.search.MultiPassSearch] profiles few: a
+space-filling initial design, then batches chosen by acquisition passes
+(``kareus.search.acquisition``) from surrogate (``kareus.search.surrogate``) predictions of time and
+dynamic energy on every configuration not yet measured. It stops at the budget, or earlier when the
+measured front stops improving (hypervolume gain below a tolerance over a few batches).
 
 The core is ask/tell, so real GPUs, the emulator and recorded data drive the same
 optimizer::
@@ -24,7 +23,7 @@ stopped: nothing is measured twice and nothing told is lost. Configurations aske
 but not yet told when the search was killed are asked again first, so a resumed
 search makes exactly the choices an uninterrupted one would have made.
 
-The result is a :class:`~kareus.search.PartitionFrontier`: the measured
+The result is a [`PartitionFrontier`][kareus.search.PartitionFrontier]: the measured
 Pareto points with their configurations, plus every observation.
 """
 
@@ -80,42 +79,42 @@ class MultiPassSearch:
     Args:
         space: The configurations to search (one partition type on one GPU).
         surrogate: Template surrogate for time and dynamic energy (each gets a clone, fitted
-            in log space); ``None`` = :func:`~kareus.search.default_surrogate` (a Gaussian
-            process: mean + posterior spread); :func:`~kareus.search.tree_surrogate` is
-            the XGBoost ensemble.
+            in log space); ``None`` = [`default_surrogate`][kareus.search.default_surrogate] (a
+            Gaussian process: mean + posterior spread);
+            [`tree_surrogate`][kareus.search.tree_surrogate] is the XGBoost ensemble.
         passes: ``(pass, weight)`` pairs that fill each batch in proportion to their weights;
-            ``None`` = :func:`~kareus.search.default_passes` (30/10/20/10/10). A pass that
-            cannot fill its share leaves it to the next passes, then to random picks.
+            ``None`` = [`default_passes`][kareus.search.default_passes] (30/10/20/10/10). A pass
+            that cannot fill its share leaves it to the next passes, then to random picks.
         batch_size: Configurations per batch; ``None`` = 8.
         budget: Profiles in all; ``None`` = 224 (the reference artifact's budget). Capped at
             the space's size.
         initial_size: Profiles of the space-filling initial design; ``None`` =
-            :func:`~kareus.search.default_initial_size` of the budget (16 from 32 profiles
-            up, half the budget but at least 8 below). A resumed search keeps its log's.
-        initial_design: ``"maximin"`` (:func:`~kareus.search.maximin_design`,
+            [`default_initial_size`][kareus.search.default_initial_size] of the budget (16 from 32
+            profiles up, half the budget but at least 8 below). A resumed search keeps its log's.
+        initial_design: ``"maximin"`` ([`maximin_design`][kareus.search.maximin_design],
             space-filling) or
             ``"random"`` (uniform, as the reference artifact does).
         system_configs: Whether the initial design opens with the systems' own
-            configurations (:func:`~kareus.search.system_config_indices`: the maximum
-            clock with the default SM count, sequential and in the first slot) and fills
+            configurations ([`system_config_indices`][kareus.search.system_config_indices]: the
+            maximum clock with the default SM count, sequential and in the first slot) and fills
             the rest of its points with ``initial_design``; ``None`` = yes for
             ``"maximin"``, no for ``"random"``.
         allocation: How leftover batch slots are shared when weights do not divide the
             batch: ``"largest"`` remainders, or ``"last"`` pass (see
-            :func:`~kareus.search.acquisition.allocate`).
+            [`allocate`][kareus.search.allocate]).
         seed: Seed of the design, the surrogates and the tie-breaking.
         stop_patience: Stop when the measured front's hypervolume grew by less than
             ``stop_tol`` (relative) over the last ``stop_patience`` batches; ``None`` = never
             stop before the budget.
         stop_tol: Relative hypervolume gain below which the front counts as converged.
         stop: Whether to stop when the rule fires; ``False`` = only record when it fired
-            (:attr:`converged_at`) and go on to the budget (for benchmarks).
+            (``converged_at``) and go on to the budget (for benchmarks).
         log: Path of a new JSONL log of every measurement (an existing non-empty file is an
             error: resume it instead).
         resume: Path of a log to continue (replayed, validated, then appended to); if the
             file does not exist yet, a new search starts logging there.
-        progress: Show a progress bar on stderr in :meth:`run`; ``None`` = when stderr is a
-            terminal.
+        progress: Show a progress bar on stderr in [`run`][kareus.search.MultiPassSearch.run];
+            ``None`` = when stderr is a terminal.
         measured_with: How the measurements are made beyond the space, e.g.
             ``{"execution": "graphed"}`` for an emulator of graph-captured execution:
             recorded in a new log's header; a log that records other values (or none,
@@ -295,7 +294,7 @@ class MultiPassSearch:
 
     @property
     def done(self) -> bool:
-        """Whether :meth:`ask` will return nothing more."""
+        """Whether [`ask`][kareus.search.MultiPassSearch.ask] will return nothing more."""
         return not self._pending and self.stopped_reason is not None
 
     @property
@@ -309,7 +308,7 @@ class MultiPassSearch:
         return [hypervolume(f, ref) for f in self._fronts]
 
     def frontier(self) -> PartitionFrontier:
-        """The observations so far as a :class:`PartitionFrontier`."""
+        """The observations so far as a [`PartitionFrontier`][kareus.search.PartitionFrontier]."""
         return PartitionFrontier.from_observations(self.space.partition.name,
                                                    self.space.gpu.name, self._observations)
 
@@ -407,7 +406,7 @@ class MultiPassSearch:
 
         Raises:
             ValueError: if ``config`` is not in the space or was already measured.
-            TypeError: if ``measurement`` is not a :class:`Measurement`.
+            TypeError: if ``measurement`` is not a [`Measurement`][kareus.model.Measurement].
         """
         if not isinstance(measurement, Measurement):
             raise TypeError(f"measurement must be a kareus Measurement, got "
@@ -420,7 +419,7 @@ class MultiPassSearch:
         self._record(i, measurement)
 
     def tell_many(self, results: Iterable[tuple[ScheduleConfig, Measurement]]) -> None:
-        """:meth:`tell` each ``(config, measurement)`` pair."""
+        """[`tell`][kareus.search.MultiPassSearch.tell] each ``(config, measurement)`` pair."""
         for c, m in results:
             self.tell(c, m)
 
@@ -470,7 +469,7 @@ class MultiPassSearch:
 
         Raises:
             TypeError: if ``profiler`` has no ``measure`` method or ``partition`` is not a
-                :class:`~kareus.model.Partition`.
+                [`Partition`][kareus.model.Partition].
             ValueError: if ``partition`` is not the space's partition type.
         """
         if not callable(getattr(profiler, "measure", None)):

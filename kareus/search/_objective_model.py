@@ -1,11 +1,11 @@
 """Time and dynamic energy modelled apart, total energy recombined.
 
 Static power is a property of the GPUs, not of the configuration, so kareus models time
-and *dynamic* energy, each with its own :class:`~kareus.search.Surrogate` in log space
+and *dynamic* energy, each with its own [`Surrogate`][kareus.search.Surrogate] in log space
 (they are positive and span decades across frequencies and slots, so an ensemble's
 spread in log space is a *relative* uncertainty), and recombines total energy as ``time x
-static power + dynamic energy``. :class:`ObjectivePrediction` is what acquisition passes
-read.
+static power + dynamic energy``. [`ObjectivePrediction`][kareus.search.ObjectivePrediction] is what
+acquisition passes read.
 """
 
 from __future__ import annotations
@@ -80,7 +80,8 @@ class ObjectiveModel:
 
     Args:
         surrogate: Template for both models (cloned twice); ``None`` =
-            :class:`BootstrapEnsemble` of 5 :class:`XGBoostSurrogate`.
+            [`BootstrapEnsemble`][kareus.search.BootstrapEnsemble] of 5
+            [`XGBoostSurrogate`][kareus.search.XGBoostSurrogate].
         seed: Seed for the clones.
     """
 
@@ -124,7 +125,7 @@ class ObjectiveModel:
         """Predicted time, dynamic energy and their spreads for each row of ``X``.
 
         Raises:
-            RuntimeError: if called before :meth:`fit`.
+            RuntimeError: if called before [`fit`][kareus.search.ObjectiveModel.fit].
         """
         if self.time_model is None or self.dynamic_model is None:
             raise RuntimeError("ObjectiveModel.predict called before fit")

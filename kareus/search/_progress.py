@@ -1,6 +1,6 @@
 """Progress for long searches and compositions, on a terminal, in a notebook or in a log.
 
-One :class:`ProgressBar` picks how to show itself from where its output goes:
+One ``ProgressBar`` picks how to show itself from where its output goes:
 
 * **tqdm** (``tqdm.auto``: a widget in Jupyter, a text bar on a terminal) when tqdm is
   installed and the output is a terminal or a notebook; tqdm is optional, never required.
@@ -11,7 +11,7 @@ One :class:`ProgressBar` picks how to show itself from where its output goes:
   one when it closes, so a log shows the run advancing without filling up.
 
 A bar without a known total (``total=None``) shows the elapsed time only; with
-:meth:`ProgressBar.heartbeat` a background thread redraws it while one long call runs
+``ProgressBar.heartbeat`` a background thread redraws it while one long call runs
 (what the workflow does while it composes the systems' frontiers).
 """
 

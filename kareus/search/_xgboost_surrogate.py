@@ -1,4 +1,4 @@
-"""Gradient-boosted regression trees as a :class:`~kareus.search.Surrogate`.
+"""Gradient-boosted regression trees as a [`Surrogate`][kareus.search.Surrogate].
 
 XGBoost is the learner of the public reference artifact of the Kareus paper. Trees are
 at ease with the kinks of this domain (a communication kernel becomes link-bound above
@@ -147,7 +147,7 @@ class XGBoostSurrogate(Surrogate):
 
     @property
     def fitted(self) -> bool:
-        """Whether :meth:`fit` has been called."""
+        """Whether [`fit`][kareus.search.XGBoostSurrogate.fit] has been called."""
         return self._booster is not None or self._constant is not None
 
     def predict(self, X: ArrayLike) -> np.ndarray:

@@ -1,32 +1,35 @@
 """Acquisition passes: which configurations to profile next.
 
-Each batch of a :class:`~kareus.search.MultiPassSearch` is filled by several
+Each batch of a [`MultiPassSearch`][kareus.search.MultiPassSearch] is filled by several
 *passes*, each with its share of the batch. A pass looks at the surrogates'
 predictions for every candidate configuration and at the measured points, and
 picks its candidates:
 
-* :class:`HypervolumePass` - hypervolume improvement of each candidate's *predicted*
-  point over the measured front, in (time, total energy), (time, dynamic energy) or
+* [`HypervolumePass`][kareus.search.HypervolumePass] - hypervolume improvement of each candidate's
+  *predicted* point over the measured front, in (time, total energy), (time, dynamic energy) or
   (time, static energy). The last is a front of one point (static energy is static
   power x time), so that pass rewards being faster than the fastest measured point.
   This is the hypervolume improvement of the predicted mean, not an expectation
   over the prediction's uncertainty; with ``optimism > 0`` it scores an optimistic
   point (mean lowered by ``optimism`` spreads) instead; with ``front="denoised"`` it
   scores against the front of the *predicted* values of the measured configurations.
-* :class:`NeighbourhoodPass` - exploitation: the same score, among configurations one
-  knob away from the front's (any other frequency, a few SM steps, any other slot).
-* :class:`HingePass` - bisection toward the fewest SMs that keep a front
+* [`NeighbourhoodPass`][kareus.search.NeighbourhoodPass] - exploitation: the same score, among
+  configurations one knob away from the front's (any other frequency, a few SM steps, any other
+  slot).
+* [`HingePass`][kareus.search.HingePass] - bisection toward the fewest SMs that keep a front
   configuration's time: at the front's clock and slot, halfway between its SM count
   and the next smaller one measured.
-* :class:`UncertaintyPass` - the candidates the surrogates agree on least (largest
-  bootstrap spread): exploration.
-* :class:`FastestPass` - lowest predicted time (the reference artifact's third pass).
-* :class:`RandomPass` - uniform random, for baselines and tests.
+* [`UncertaintyPass`][kareus.search.UncertaintyPass] - the candidates the surrogates agree on least
+  (largest bootstrap spread): exploration.
+* [`FastestPass`][kareus.search.FastestPass] - lowest predicted time (the reference artifact's third
+  pass).
+* [`RandomPass`][kareus.search.RandomPass] - uniform random, for baselines and tests.
 
 No pass picks a candidate that is not ``available`` in the context (measured, pending
 or already chosen for this batch by an earlier pass), nor one candidate twice.
 
-Conformance: :func:`kareus.testing.check_acquisition_pass` checks any subclass.
+Conformance: [`kareus.testing.check_acquisition_pass`][kareus.testing.check_acquisition_pass] checks
+any subclass.
 """
 
 from __future__ import annotations
@@ -142,9 +145,9 @@ class AcquisitionContext:
 class AcquisitionPass(abc.ABC):
     """Picks candidates for one share of a batch.
 
-    Subclasses implement :meth:`select`. A pass must return at most ``k`` distinct
-    indices of available candidates (fewer only if fewer are available), and must not
-    modify the context.
+    Subclasses implement [`select`][kareus.search.AcquisitionPass.select]. A pass must return at
+    most ``k`` distinct indices of available candidates (fewer only if fewer are available), and
+    must not modify the context.
     """
 
     @abc.abstractmethod
@@ -319,19 +322,20 @@ class NeighbourhoodPass(AcquisitionPass):
     in (time, total energy) and in (time, dynamic energy), on the *predicted* values of
     the measured configurations (``front="denoised"``) so that a point measured with
     lucky noise does not pull the search to it. Neighbours
-    are ranked as :class:`HypervolumePass` ranks candidates; when fewer than ``k`` are
-    available (or the context has no ``features`` / ``observed_index``), the rest of the
-    share falls back to that plain hypervolume pass over every candidate.
+    are ranked as [`HypervolumePass`][kareus.search.HypervolumePass] ranks candidates; when fewer
+    than ``k`` are available (or the context has no ``features`` / ``observed_index``), the rest of
+    the share falls back to that plain hypervolume pass over every candidate.
 
     Args:
         energy: ``"total"``, ``"dynamic"`` or ``"static"``: the objective of the ranking.
         knobs: Feature column groups, one per knob; ``None`` = ConfigSpace's features:
             frequency (0), SM count (1), launch slot (2, 3, 4), and, in a space of several
             collective backends, the backend (the columns from
-            :data:`~kareus.search.EXTRA_COLUMNS_FROM` on, any value).
+            ``EXTRA_COLUMNS_FROM`` on, any value).
         steps: Radius per knob in distinct values, ``None`` = any value; ``None`` =
             ``(None, 4, None)``: any frequency (a sweep), SM count +-4 steps, any slot.
-        front: ``"denoised"`` or ``"measured"`` (see :class:`HypervolumePass`).
+        front: ``"denoised"`` or ``"measured"`` (see
+            [`HypervolumePass`][kareus.search.HypervolumePass]).
     """
 
     def __init__(self, energy: str = "total", *,
@@ -431,17 +435,19 @@ class HingePass(AcquisitionPass):
     measured: the corner is then bracketed by measurements, not by the surrogate. The
     largest gaps go first (ties at random). Only the SM count moves; the gap is counted in
     the distinct SM values of the space. When it has fewer than ``k`` proposals, the
-    rest of its share is filled by :class:`HypervolumePass` in (time, total energy).
+    rest of its share is filled by [`HypervolumePass`][kareus.search.HypervolumePass] in (time,
+    total energy).
 
     Args:
         sm_column: Feature column of the SM count.
         group_columns: Feature columns that must match the front configuration's (clock
             and launch slot): ConfigSpace's frequency (0) and slot features (2, 3, 4).
         extra_group_from: Every column from this one on must match too (``None``: none):
-            by default :data:`~kareus.search.EXTRA_COLUMNS_FROM`, so that in a space of
+            by default ``EXTRA_COLUMNS_FROM``, so that in a space of
             several collective backends the bisection stays within one backend, whose
             hinge is its own.
-        front: ``"denoised"`` or ``"measured"`` (see :class:`HypervolumePass`).
+        front: ``"denoised"`` or ``"measured"`` (see
+            [`HypervolumePass`][kareus.search.HypervolumePass]).
     """
 
     def __init__(self, *, sm_column: int = 1, group_columns: Sequence[int] = (0, 2, 3, 4),

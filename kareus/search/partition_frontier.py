@@ -1,12 +1,12 @@
 """Partition frontiers: what a search over one partition type leaves behind.
 
-A :class:`PartitionFrontier` keeps every observation (configuration and its
-measurement) of one partition type. Its :attr:`~PartitionFrontier.points` are the
-measured Pareto-optimal observations in (time, total energy); composition needs,
+A [`PartitionFrontier`][kareus.search.PartitionFrontier] keeps every observation (configuration and
+its measurement) of one partition type. Its [`points`][kareus.search.PartitionFrontier.points] are
+the measured Pareto-optimal observations in (time, total energy); composition needs,
 per frequency, the Pareto-optimal observations in (time, dynamic energy), since
-static energy is charged once at iteration level: :meth:`~PartitionFrontier.front_at`.
-Observations marked ``predicted`` come from a surrogate, not a measurement, and
-are left out unless asked for.
+static energy is charged once at iteration level:
+[`front_at`][kareus.search.PartitionFrontier.front_at]. Observations marked ``predicted`` come from
+a surrogate, not a measurement, and are left out unless asked for.
 """
 
 from __future__ import annotations
@@ -48,13 +48,13 @@ class Observation:
         return self.measurement.dynamic_energy_j
 
     def to_dict(self) -> dict[str, Any]:
-        """This observation as JSON-ready data (inverse of :meth:`from_dict`)."""
+        """This observation as JSON-ready data (inverse of [`from_dict`][kareus.search.Observation.from_dict])."""
         return {"config": self.config.to_dict(), "measurement": self.measurement.to_dict(),
                 "predicted": self.predicted}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Observation:
-        """An observation from :meth:`to_dict`'s data (``predicted`` defaults to False)."""
+        """An observation from [`to_dict`][kareus.search.Observation.to_dict]'s data (``predicted`` defaults to False)."""
         return cls(config=ScheduleConfig.from_dict(d["config"]),
                    measurement=Measurement.from_dict(d["measurement"]),
                    predicted=bool(d.get("predicted", False)))
@@ -127,13 +127,13 @@ class PartitionFrontier:
         return _front(obs, energy)
 
     def to_dict(self) -> dict[str, Any]:
-        """This frontier as JSON-ready data (inverse of :meth:`from_dict`)."""
+        """This frontier as JSON-ready data (inverse of [`from_dict`][kareus.search.PartitionFrontier.from_dict])."""
         return {"partition": self.partition, "gpu": self.gpu,
                 "observations": [o.to_dict() for o in self.observations]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PartitionFrontier:
-        """A frontier from :meth:`to_dict`'s data."""
+        """A frontier from [`to_dict`][kareus.search.PartitionFrontier.to_dict]'s data."""
         return cls(partition=d["partition"], gpu=d["gpu"],
                    observations=tuple(Observation.from_dict(o) for o in d["observations"]))
 

@@ -1,27 +1,28 @@
 """The Surrogate role: a cheap stand-in for profiling, fitted to the measurements so far.
 
-A :class:`Surrogate` learns one scalar objective (time, or dynamic energy) from
-configuration features (:func:`kareus.search.search_features`, built on
-:meth:`kareus.model.ConfigSpace.features`) and predicts it for configurations not yet
-measured. Some surrogates also give a *spread*: how much they trust each prediction.
-The search uses predictions to decide what to profile next, never as results: a
+A [`Surrogate`][kareus.search.Surrogate] learns one scalar objective (time, or dynamic energy) from
+configuration features ([`kareus.search.search_features`][kareus.search.search_features], built on
+[`kareus.model.ConfigSpace.features`][kareus.model.ConfigSpace.features]) and predicts it for
+configurations not yet measured. Some surrogates also give a *spread*: how much they trust each
+prediction. The search uses predictions to decide what to profile next, never as results: a
 partition frontier holds measured points only.
 
-The defaults, one per module, are exported from :mod:`kareus.search`:
+The defaults, one per module, are exported from [`kareus.search`][kareus.search]:
 
-* :class:`~kareus.search.GaussianProcessSurrogate` - a smooth interpolator with a
-  posterior spread, the search's default (:func:`kareus.search.default_surrogate`).
-* :class:`~kareus.search.XGBoostSurrogate` - gradient-boosted trees, the learner of the
+* [`GaussianProcessSurrogate`][kareus.search.GaussianProcessSurrogate] - a smooth interpolator with
+  a posterior spread, the search's default
+  ([`kareus.search.default_surrogate`][kareus.search.default_surrogate]).
+* [`XGBoostSurrogate`][kareus.search.XGBoostSurrogate] - gradient-boosted trees, the learner of the
   public reference artifact of the Kareus paper.
-* :class:`~kareus.search.BootstrapEnsemble` - n copies of a base surrogate, each fitted
+* [`BootstrapEnsemble`][kareus.search.BootstrapEnsemble] - n copies of a base surrogate, each fitted
   on a resample of the data; the mean of their predictions is the prediction and their
   standard deviation is the spread.
 
-:class:`~kareus.search.ObjectiveModel` fits two surrogates, for time and *dynamic*
+[`ObjectiveModel`][kareus.search.ObjectiveModel] fits two surrogates, for time and *dynamic*
 energy, in log space, and recombines them into total energy as ``time x static power +
 dynamic energy``: static power is a property of the GPUs, not of the configuration.
 
-Conformance: :func:`kareus.testing.check_surrogate` checks a subclass.
+Conformance: [`kareus.testing.check_surrogate`][kareus.testing.check_surrogate] checks a subclass.
 """
 
 from __future__ import annotations
@@ -62,13 +63,16 @@ def _check_x(X: ArrayLike, n_features: int | None) -> np.ndarray:
 class Surrogate(abc.ABC):
     """A regression model of one objective over configuration features.
 
-    Subclasses implement :meth:`fit` and :meth:`predict`. A surrogate that can say how
-    much it trusts its predictions sets ``has_spread = True`` and overrides
-    :meth:`predict_spread`. :meth:`clone` must return an *unfitted* copy with the same
-    settings (optionally reseeded); the default deep-copies an unfitted instance, so
-    override it when ``self`` may be fitted and fitting state is heavy.
+    Subclasses implement [`fit`][kareus.search.Surrogate.fit] and
+    [`predict`][kareus.search.Surrogate.predict]. A surrogate that can say how much it trusts its
+    predictions sets ``has_spread = True`` and overrides
+    [`predict_spread`][kareus.search.Surrogate.predict_spread].
+    [`clone`][kareus.search.Surrogate.clone] must return an *unfitted* copy with the same settings
+    (optionally reseeded); the default deep-copies an unfitted instance, so override it when
+    ``self`` may be fitted and fitting state is heavy.
 
-    Conformance: :func:`kareus.testing.check_surrogate` checks a subclass.
+    Conformance: [`kareus.testing.check_surrogate`][kareus.testing.check_surrogate] checks a
+        subclass.
     """
 
     #: Whether :meth:`predict_spread` is implemented.
@@ -87,7 +91,7 @@ class Surrogate(abc.ABC):
         """Predicted mean target for each row of ``X``: a float array of shape (n,).
 
         Raises:
-            RuntimeError: if called before :meth:`fit`.
+            RuntimeError: if called before [`fit`][kareus.search.Surrogate.fit].
         """
 
     def predict_spread(self, X: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
@@ -109,4 +113,4 @@ class Surrogate(abc.ABC):
     @property
     @abc.abstractmethod
     def fitted(self) -> bool:
-        """Whether :meth:`fit` has been called."""
+        """Whether [`fit`][kareus.search.Surrogate.fit] has been called."""

@@ -1,22 +1,28 @@
 """Fakes and conformance suites for testing kareus and plug-ins written for it.
 
-* :class:`FakeProfiler` - a cheap analytic :class:`~kareus.model.Profiler` with the shape
-  that matters to a search; :func:`check_profiler` - conformance checks for any profiler
-  (:mod:`kareus.testing.profiler`).
-* :class:`RecordingExecutor`, :class:`RecordingCollective`, :class:`RecordingTrigger` -
-  fakes of the executor, a collective backend and a frequency trigger;
-  :func:`check_executor` - conformance checks for any
-  :class:`~kareus.exec.executor.Executor` (:mod:`kareus.testing.executor`).
-* :func:`check_surrogate` - conformance checks for any :class:`~kareus.search.Surrogate`.
-* :func:`check_acquisition_pass` - conformance checks for any
-  :class:`~kareus.search.AcquisitionPass`.
-* :func:`check_partition` - conformance checks for any :class:`~kareus.model.Partition`.
-* :func:`check_microbatch_composer`, :func:`check_iteration_composer` - conformance checks
-  for any :class:`~kareus.compose.FrontierComposer` of either level.
+* [`FakeProfiler`][kareus.testing.FakeProfiler] - a cheap analytic
+  [`Profiler`][kareus.model.Profiler] with the shape that matters to a search;
+  [`check_profiler`][kareus.testing.check_profiler] - conformance checks for any profiler
+  (``kareus.testing.profiler``).
+* [`RecordingExecutor`][kareus.testing.RecordingExecutor],
+  [`RecordingCollective`][kareus.testing.RecordingCollective],
+  [`RecordingTrigger`][kareus.testing.RecordingTrigger] - fakes of the executor, a collective
+  backend and a frequency trigger; [`check_executor`][kareus.testing.check_executor] - conformance
+  checks for any [`Executor`][kareus.exec.Executor] (``kareus.testing.executor``).
+* [`check_surrogate`][kareus.testing.check_surrogate] - conformance checks for any
+  [`Surrogate`][kareus.search.Surrogate].
+* [`check_acquisition_pass`][kareus.testing.check_acquisition_pass] - conformance checks for any
+  [`AcquisitionPass`][kareus.search.AcquisitionPass].
+* [`check_partition`][kareus.testing.check_partition] - conformance checks for any
+  [`Partition`][kareus.model.Partition].
+* [`check_microbatch_composer`][kareus.testing.check_microbatch_composer],
+  [`check_iteration_composer`][kareus.testing.check_iteration_composer] - conformance checks for any
+  [`FrontierComposer`][kareus.compose.FrontierComposer] of either level.
 
 Each check raises ``AssertionError`` saying what is wrong. To run them as separate
-pytest tests, subclass :class:`SurrogateConformance` or :class:`AcquisitionPassConformance`
-in a ``Test*`` class and implement the factory method::
+pytest tests, subclass [`SurrogateConformance`][kareus.testing.SurrogateConformance] or
+[`AcquisitionPassConformance`][kareus.testing.AcquisitionPassConformance] in a ``Test*`` class and
+implement the factory method::
 
     class TestMySurrogate(SurrogateConformance):
         def make_surrogate(self):

@@ -1,8 +1,8 @@
 """The machinery the conformance suites share: running a table of checks, and pytest mix-ins.
 
 Each suite (surrogates, acquisition passes, profilers) is a table of named checks; each
-check raises ``AssertionError`` saying what is wrong. :func:`_run_checks` runs a table and
-names the first check that fails; :func:`_add_tests` gives a mix-in class one pytest test
+check raises ``AssertionError`` saying what is wrong. ``_run_checks`` runs a table and
+names the first check that fails; ``_add_tests`` gives a mix-in class one pytest test
 per check.
 """
 

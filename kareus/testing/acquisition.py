@@ -1,12 +1,13 @@
-"""A conformance suite for :class:`~kareus.search.AcquisitionPass` implementations.
+"""A conformance suite for [`AcquisitionPass`][kareus.search.AcquisitionPass] implementations.
 
-:func:`make_acquisition_context` builds a random but plausible
-:class:`~kareus.search.AcquisitionContext` (a fake for pass authors' own tests);
-:func:`check_acquisition_pass` runs every check of :data:`PASS_CHECKS` on passes made by a
-factory; :class:`AcquisitionPassConformance` is the same suite as pytest tests. The checks:
-valid picks that fill the share, edge cases (k = 0, nothing available, fewer candidates
-than k, one observed point), contexts without spread or with candidates already chosen,
-and purity and determinism of ``select``.
+[`make_acquisition_context`][kareus.testing.make_acquisition_context] builds a random but plausible
+[`AcquisitionContext`][kareus.search.AcquisitionContext] (a fake for pass authors' own tests);
+[`check_acquisition_pass`][kareus.testing.check_acquisition_pass] runs every check of
+``PASS_CHECKS`` on passes made by a factory;
+[`AcquisitionPassConformance`][kareus.testing.AcquisitionPassConformance] is the same suite as
+pytest tests. The checks: valid picks that fill the share, edge cases (k = 0, nothing available,
+fewer candidates than k, one observed point), contexts without spread or with candidates already
+chosen, and purity and determinism of ``select``.
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ def check_acquisition_pass(make: Callable[[], AcquisitionPass], *,
 
 
 class AcquisitionPassConformance:
-    """Mix-in: subclass in a ``Test*`` class and implement :meth:`make_pass`."""
+    """Mix-in: subclass in a ``Test*`` class and implement [`make_pass`][kareus.testing.AcquisitionPassConformance.make_pass]."""
 
     skip_checks: tuple[str, ...] = ()
 

@@ -1,21 +1,23 @@
-"""Conformance suites for :class:`~kareus.compose.FrontierComposer` implementations.
+"""Conformance suites for [`FrontierComposer`][kareus.compose.FrontierComposer] implementations.
 
-A composer of either level plugs into :func:`~kareus.compose.compose_systems` and
-:func:`kareus.optimize`, which call it with the context below, so each level has its own
-suite:
+A composer of either level plugs into [`compose_systems`][kareus.compose.compose_systems] and
+[`kareus.optimize`][kareus.workflow.optimize], which call it with the context below, so each level
+has its own suite:
 
 * microbatch composers (partition frontiers -> the microbatch frontier of every
   ``(stage, phase)``), called as ``compose(frontiers, partitions=..., outside=...)``:
-  :func:`check_microbatch_composer`, :data:`MICROBATCH_COMPOSER_CHECKS`,
-  :class:`MicrobatchComposerConformance`;
+  [`check_microbatch_composer`][kareus.testing.check_microbatch_composer],
+  ``MICROBATCH_COMPOSER_CHECKS``,
+  [`MicrobatchComposerConformance`][kareus.testing.MicrobatchComposerConformance];
 * iteration composers (microbatch frontiers -> the iteration frontier), called as
   ``compose(frontiers, static_power_w=..., gpu=..., schedule=..., label=...,
-  workload=...)``: :func:`check_iteration_composer`, :data:`ITERATION_COMPOSER_CHECKS`,
-  :class:`IterationComposerConformance`.
+  workload=...)``: [`check_iteration_composer`][kareus.testing.check_iteration_composer],
+  ``ITERATION_COMPOSER_CHECKS``,
+  [`IterationComposerConformance`][kareus.testing.IterationComposerConformance].
 
 The checks compose a tiny workload (Qwen3-1.7B, TP=2, PP=2, DP=2, three microbatches)
 whose partition types were measured exhaustively on a small grid by
-:class:`~kareus.testing.FakeProfiler`. They check the contract, not one algorithm: the
+[`FakeProfiler`][kareus.testing.FakeProfiler]. They check the contract, not one algorithm: the
 result has the right type and keys; it is a Pareto front sorted by time; every point
 keeps the choices that produce it, and those choices cost what the point says (a
 microbatch choice picks measured configurations at its frequency; an iteration plan's
@@ -77,7 +79,8 @@ class ComposerCase:
         schedule: The 1F1B schedule of the job.
         gpu: The GPU preset name.
         microbatch: The microbatch frontiers of the default
-            :class:`~kareus.compose.MicrobatchComposer`, the input of iteration composers.
+            [`MicrobatchComposer`][kareus.compose.MicrobatchComposer], the input of iteration
+            composers.
     """
 
     def __init__(self) -> None:
@@ -114,7 +117,7 @@ class ComposerCase:
 
 @functools.cache
 def composer_case() -> ComposerCase:
-    """The shared :class:`ComposerCase` (built on first use, about a second)."""
+    """The shared ``ComposerCase`` (built on first use, about a second)."""
     return ComposerCase()
 
 
@@ -229,7 +232,7 @@ def check_microbatch_composer(make: Callable[[], AnyMicrobatchComposer], *,
 
     Args:
         make: Returns a new composer each call.
-        skip: Names (keys of :data:`MICROBATCH_COMPOSER_CHECKS`) to skip.
+        skip: Names (keys of ``MICROBATCH_COMPOSER_CHECKS``) to skip.
 
     Raises:
         AssertionError: naming the first check that fails.
@@ -238,8 +241,8 @@ def check_microbatch_composer(make: Callable[[], AnyMicrobatchComposer], *,
 
 
 class MicrobatchComposerConformance:
-    """Mix-in: subclass in a ``Test*`` class and implement :meth:`make_composer`; pytest
-    then runs one test per check of :data:`MICROBATCH_COMPOSER_CHECKS`."""
+    """Mix-in: subclass in a ``Test*`` class and implement [`make_composer`][kareus.testing.MicrobatchComposerConformance.make_composer]; pytest
+    then runs one test per check of ``MICROBATCH_COMPOSER_CHECKS``."""
 
     skip_checks: tuple[str, ...] = ()
 
@@ -339,7 +342,7 @@ def check_iteration_composer(make: Callable[[], AnyIterationComposer], *,
 
     Args:
         make: Returns a new composer each call.
-        skip: Names (keys of :data:`ITERATION_COMPOSER_CHECKS`) to skip.
+        skip: Names (keys of ``ITERATION_COMPOSER_CHECKS``) to skip.
 
     Raises:
         AssertionError: naming the first check that fails.
@@ -348,8 +351,8 @@ def check_iteration_composer(make: Callable[[], AnyIterationComposer], *,
 
 
 class IterationComposerConformance:
-    """Mix-in: subclass in a ``Test*`` class and implement :meth:`make_composer`; pytest
-    then runs one test per check of :data:`ITERATION_COMPOSER_CHECKS`."""
+    """Mix-in: subclass in a ``Test*`` class and implement [`make_composer`][kareus.testing.IterationComposerConformance.make_composer]; pytest
+    then runs one test per check of ``ITERATION_COMPOSER_CHECKS``."""
 
     skip_checks: tuple[str, ...] = ()
 

@@ -1,19 +1,20 @@
 """Fakes and the conformance suite of the Executor role.
 
-* :class:`RecordingExecutor` - an :class:`~kareus.exec.executor.Executor` without a
-  device: it runs the ops it is given (so the caller's code runs) and records, in order,
+* [`RecordingExecutor`][kareus.testing.RecordingExecutor] - an [`Executor`][kareus.exec.Executor]
+  without a device: it runs the ops it is given (so the caller's code runs) and records, in order,
   what a real executor would have done: digests compared, clock requests, partitions
   with their configurations, collectives with their SM count and launch point. Use it to
   test code that drives an executor (a training loop, a runner) on any CPU.
-* :class:`RecordingCollective` - a :class:`~kareus.exec.collectives.CollectiveBackend`
-  that records each call (and, given a
-  :class:`~kareus.exec.executor.RecordingStreamBackend`, logs it as launched on the
+* [`RecordingCollective`][kareus.testing.RecordingCollective] - a
+  [`CollectiveBackend`][kareus.exec.CollectiveBackend] that records each call (and, given a
+  [`RecordingStreamBackend`][kareus.exec.RecordingStreamBackend], logs it as launched on the
   stream it was given), for executors on a fake device.
-* :class:`RecordingTrigger` - a :class:`~kareus.exec.frequency.FrequencyTrigger` that
-  records each clock request with the stream it was made on.
-* :func:`check_executor`, :data:`EXECUTOR_CHECKS` and the pytest mix-in
-  :class:`ExecutorConformance` - conformance checks for any executor, made by a factory
-  ``make(plan) -> Executor`` whose executor runs without a GPU (or on one).
+* [`RecordingTrigger`][kareus.testing.RecordingTrigger] - a
+  [`FrequencyTrigger`][kareus.exec.FrequencyTrigger] that records each clock request with the stream
+  it was made on.
+* [`check_executor`][kareus.testing.check_executor], ``EXECUTOR_CHECKS`` and the pytest mix-in
+  [`ExecutorConformance`][kareus.testing.ExecutorConformance] - conformance checks for any executor,
+  made by a factory ``make(plan) -> Executor`` whose executor runs without a GPU (or on one).
 
 This module imports neither pytest nor any hardware library.
 """
@@ -140,7 +141,7 @@ class RecordingTrigger(FrequencyTrigger):
 
 
 class _RecordingScope(PartitionHook):
-    """The scope :meth:`RecordingExecutor.partition` yields."""
+    """The scope [`RecordingExecutor.partition`][kareus.testing.RecordingExecutor.partition] yields."""
 
     def __init__(self, executor: RecordingExecutor, key: str, config: LaunchConfig,
                  op_names: Sequence[str] | None) -> None:
@@ -199,7 +200,7 @@ class _RecordingScope(PartitionHook):
 class RecordingExecutor(Executor):
     """An executor without a device: runs the ops, records what would have been launched.
 
-    Follows the contract of :class:`~kareus.exec.executor.TorchExecutor` (the same plan
+    Follows the contract of [`TorchExecutor`][kareus.exec.TorchExecutor] (the same plan
     lookups, slot and op-order checks and errors) so that code tested against it runs
     the same against the real one.
 
@@ -329,7 +330,7 @@ def make_test_plan(*, freqs_mhz: Sequence[int] = (1980, 1410),
     """A small valid plan for one stage and two forward microbatches of ``fwd_attn``.
 
     Microbatch ``i`` runs at ``freqs_mhz[i]`` with ``sms[i]`` SMs launched at ``slots[i]``
-    (ops :data:`OPS`); the plan is for an ``h200-sxm``.
+    (ops ``OPS``); the plan is for an ``h200-sxm``.
     """
     choices = [MicrobatchChoice(freq_mhz=f, configs={"fwd_attn": ScheduleConfig(f, s, slot)})
                for f, slot, s in zip(freqs_mhz, slots, sms)]
@@ -455,9 +456,9 @@ def check_executor(make: Callable[[Plan | None], Executor], *,
     Args:
         make: ``make(plan)`` returns a new executor applying ``plan`` (or none), on a
             device or fake device where every rank holds the same plan (the checks call
-            :meth:`~kareus.exec.executor.Executor.start`). The checks' plans are for an
-            ``h200-sxm`` and one stage (:func:`make_test_plan`).
-        skip: Names (keys of :data:`EXECUTOR_CHECKS`) to skip.
+            [`start`][kareus.exec.Executor.start]). The checks' plans are for an
+            ``h200-sxm`` and one stage ([`make_test_plan`][kareus.testing.make_test_plan]).
+        skip: Names (keys of ``EXECUTOR_CHECKS``) to skip.
 
     Raises:
         AssertionError: naming the first check that fails.
@@ -466,7 +467,7 @@ def check_executor(make: Callable[[Plan | None], Executor], *,
 
 
 class ExecutorConformance:
-    """Mix-in: subclass in a ``Test*`` class and implement :meth:`make_executor`; pytest
+    """Mix-in: subclass in a ``Test*`` class and implement [`make_executor`][kareus.testing.ExecutorConformance.make_executor]; pytest
     then runs one test per check. Set ``skip_checks`` to a tuple of names to skip."""
 
     skip_checks: tuple[str, ...] = ()

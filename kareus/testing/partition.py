@@ -1,14 +1,15 @@
-"""A conformance suite for :class:`~kareus.model.Partition` implementations.
+"""A conformance suite for [`Partition`][kareus.model.Partition] implementations.
 
 The search, the emulator and the executor read a partition through its role contract only:
 ``name``, ``compute_ops`` (in stream order), ``comm_op``, ``overlappable``,
 ``group_gpus`` (the scope of its measurements), and the launch ``slots`` derived from the
-ops. :func:`check_partition` runs every check of :data:`PARTITION_CHECKS` on partitions
-made by a factory; :class:`PartitionConformance` is the same suite as pytest tests.
+ops. [`check_partition`][kareus.testing.check_partition] runs every check of ``PARTITION_CHECKS`` on
+partitions made by a factory; [`PartitionConformance`][kareus.testing.PartitionConformance] is the
+same suite as pytest tests.
 
 The checks: types and a name; unique op names; slots that point at the ops they name
 (each slot's first op at its index, its ops consecutive, the slots in stream order, none
-when the partition is not overlappable) and are found by :meth:`~kareus.model.Partition.slot`;
+when the partition is not overlappable) and are found by [`slot`][kareus.model.Partition.slot];
 a measurement scope that includes the collective's group; FLOPs and bytes that add up;
 a configuration space (sequential included) over the slots; and a factory that describes
 the same partition every time.
@@ -124,7 +125,7 @@ def check_partition(make: Callable[[], Partition], *, skip: tuple[str, ...] = ()
 
     Args:
         make: Returns a new partition each call (the same one each time).
-        skip: Names (keys of :data:`PARTITION_CHECKS`) to skip.
+        skip: Names (keys of ``PARTITION_CHECKS``) to skip.
 
     Raises:
         AssertionError: naming the first check that fails.
@@ -133,8 +134,8 @@ def check_partition(make: Callable[[], Partition], *, skip: tuple[str, ...] = ()
 
 
 class PartitionConformance:
-    """Mix-in: subclass in a ``Test*`` class and implement :meth:`make_partition`; pytest
-    then runs one test per check of :data:`PARTITION_CHECKS`."""
+    """Mix-in: subclass in a ``Test*`` class and implement [`make_partition`][kareus.testing.PartitionConformance.make_partition]; pytest
+    then runs one test per check of ``PARTITION_CHECKS``."""
 
     skip_checks: tuple[str, ...] = ()
 

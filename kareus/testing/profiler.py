@@ -1,14 +1,14 @@
 """A fake profiler and the conformance suite of the Profiler role.
 
-* :class:`FakeProfiler` - a cheap analytic :class:`~kareus.model.profiler.Profiler`:
-  roofline op times, a communication kernel that speeds up with its SM count until the
-  link saturates, a walk through the computation after the launch slot with fewer SMs and
-  some HBM contention, and power that grows with frequency and voltage. It is a toy (the
-  calibrated model is :class:`kareus.exec.emulator.EmulatedProfiler`), but it has the
-  shape that matters to a search: a real time-energy trade-off across frequencies and SM
-  counts, slots that matter, and seeded multiplicative noise.
-* :func:`check_profiler`, :data:`PROFILER_CHECKS` and the pytest mix-in
-  :class:`ProfilerConformance` - conformance checks for any profiler.
+* [`FakeProfiler`][kareus.testing.FakeProfiler] - a cheap analytic
+  [`Profiler`][kareus.exec.Profiler]: roofline op times, a communication kernel that speeds up with
+  its SM count until the link saturates, a walk through the computation after the launch slot with
+  fewer SMs and some HBM contention, and power that grows with frequency and voltage. It is a toy
+  (the calibrated model is [`kareus.exec.emulator.EmulatedProfiler`][kareus.exec.EmulatedProfiler]),
+  but it has the shape that matters to a search: a real time-energy trade-off across frequencies and
+  SM counts, slots that matter, and seeded multiplicative noise.
+* [`check_profiler`][kareus.testing.check_profiler], ``PROFILER_CHECKS`` and the pytest mix-in
+  [`ProfilerConformance`][kareus.testing.ProfilerConformance] - conformance checks for any profiler.
 
 This module imports neither pytest nor any hardware library.
 """
@@ -229,7 +229,7 @@ def check_profiler(make: Callable[[], Profiler], *, partition: Partition | None 
         make: Returns a new profiler each call.
         partition: A partition the profiler can measure; ``None`` = a small Llama 3.2 3B
             forward-attention partition at TP=4.
-        skip: Names (keys of :data:`PROFILER_CHECKS`) to skip.
+        skip: Names (keys of ``PROFILER_CHECKS``) to skip.
 
     Raises:
         AssertionError: naming the first check that fails.
@@ -239,8 +239,9 @@ def check_profiler(make: Callable[[], Profiler], *, partition: Partition | None 
 
 
 class ProfilerConformance:
-    """Mix-in: subclass in a ``Test*`` class and implement :meth:`make_profiler` (and
-    optionally :meth:`make_partition`); pytest then runs one test per check."""
+    """Mix-in: subclass in a ``Test*`` class and implement [`make_profiler`][kareus.testing.ProfilerConformance.make_profiler] (and
+    optionally [`make_partition`][kareus.testing.ProfilerConformance.make_partition]); pytest then
+    runs one test per check."""
 
     skip_checks: tuple[str, ...] = ()
 

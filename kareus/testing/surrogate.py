@@ -1,10 +1,10 @@
-"""A conformance suite for :class:`~kareus.search.Surrogate` implementations.
+"""A conformance suite for [`Surrogate`][kareus.search.Surrogate] implementations.
 
-:func:`check_surrogate` runs every check of :data:`SURROGATE_CHECKS` on surrogates made by
-a factory; :class:`SurrogateConformance` is the same suite as pytest tests. The checks fit
-on toy data shaped like ConfigSpace's features (MHz, SMs, slot position, log intensity,
-sequential) with a smooth log-time-like target: shapes, fitting before predicting, a
-held-out R^2, no mutation of the inputs, typed errors for bad input, tiny and constant
+[`check_surrogate`][kareus.testing.check_surrogate] runs every check of ``SURROGATE_CHECKS`` on
+surrogates made by a factory; [`SurrogateConformance`][kareus.testing.SurrogateConformance] is the
+same suite as pytest tests. The checks fit on toy data shaped like ConfigSpace's features (MHz, SMs,
+slot position, log intensity, sequential) with a smooth log-time-like target: shapes, fitting before
+predicting, a held-out R^2, no mutation of the inputs, typed errors for bad input, tiny and constant
 data, unfitted clones, the spread, and determinism.
 """
 
@@ -152,7 +152,7 @@ def check_surrogate(make: Callable[[], Surrogate], *, skip: tuple[str, ...] = ()
 
     Args:
         make: Returns a new, unfitted surrogate each call (same settings and seed).
-        skip: Names (keys of :data:`SURROGATE_CHECKS`) to skip, e.g. ``("deterministic",)``
+        skip: Names (keys of ``SURROGATE_CHECKS``) to skip, e.g. ``("deterministic",)``
             for a surrogate that cannot be seeded.
 
     Raises:
@@ -162,7 +162,7 @@ def check_surrogate(make: Callable[[], Surrogate], *, skip: tuple[str, ...] = ()
 
 
 class SurrogateConformance:
-    """Mix-in: subclass in a ``Test*`` class and implement :meth:`make_surrogate`; pytest
+    """Mix-in: subclass in a ``Test*`` class and implement [`make_surrogate`][kareus.testing.SurrogateConformance.make_surrogate]; pytest
     then runs one test per check. Set ``skip_checks`` to a tuple of names to skip."""
 
     skip_checks: tuple[str, ...] = ()

@@ -1,18 +1,18 @@
-"""Tuning on this job's GPUs: :func:`tune` sets up the hardware and runs the job.
+"""Tuning on this job's GPUs: ``tune`` sets up the hardware and runs the job.
 
-:func:`tune` is what ``kareus optimize --profiler nvml`` runs on every rank under
+``tune`` is what ``kareus optimize --profiler nvml`` runs on every rank under
 ``torchrun``. It checks the world (one pipeline stage's TP x CP group, or one process),
-picks the GPU preset from the device name (:func:`detect_gpu_preset`), builds the collective
-backends that run on the group (:func:`tuning_backends`), the executor, the frequency
-controller and the :class:`~kareus.exec.nvml.NVMLProfiler`, pre-heats the GPUs, and hands
-the profiler to :func:`~kareus.tune.run_lockstep`.
+picks the GPU preset from the device name (``detect_gpu_preset``), builds the collective
+backends that run on the group (``tuning_backends``), the executor, the frequency
+controller and the [`NVMLProfiler`][kareus.exec.NVMLProfiler], pre-heats the GPUs, and hands
+the profiler to ``run_lockstep``.
 
-The frequency and backend dimensions it sets up are described in :mod:`kareus.tune`.
+The frequency and backend dimensions it sets up are described in ``kareus.tune``.
 
-A world of one process runs the same path on one GPU (:func:`one_gpu_backends`): each of
+A world of one process runs the same path on one GPU (``one_gpu_backends``): each of
 the workload's TP and CP groups is stood in for by a
-:class:`~kareus.exec.train.LoopbackGroupCollective` of that group's size (a real kernel of
-each collective's bytes on the side stream, communicating with nobody), so that the
+[`LoopbackGroupCollective`][kareus.exec.train.LoopbackGroupCollective] of that group's size (a real
+kernel of each collective's bytes on the side stream, communicating with nobody), so that the
 partitions' buffers, sized for their groups, fit the collectives that run on them: a smoke
 run of the tuning path, whose figures are not kareus's.
 
@@ -21,7 +21,7 @@ measures their replays, as training runs (``graphs=False``: every op launched ea
 ``tune.json`` says which (``execution``) and lists the measurements whose GPU was busy
 less than 90% of their window (``host_bound``), which the end of the run also reports.
 
-PyTorch, pynvml and the execution layer's GPU modules are imported when :func:`tune` runs,
+PyTorch, pynvml and the execution layer's GPU modules are imported when ``tune`` runs,
 never at import.
 """
 
@@ -98,11 +98,11 @@ def one_gpu_backends(workload: Workload) -> tuple[dict[str, Any], Any, str]:
 
     The partitions' communication buffers are sized for their groups (a CP all-gather's
     output holds CP times its input), so each group is stood in for at its size: a
-    :class:`~kareus.exec.train.LoopbackGroupCollective` per TP and CP group of more than
-    one rank, routed by kind as in training (all-reduces to TP, all-gathers and
-    reduce-scatters to CP; :func:`~kareus.exec.train.make_collectives` with
-    :class:`~kareus.exec.train.LoopbackGroups`). A workload with TP = CP = 1 gets a
-    :class:`~kareus.exec.collectives.LoopbackCollective` (a world of one; needs a GPU).
+    [`LoopbackGroupCollective`][kareus.exec.train.LoopbackGroupCollective] per TP and CP group of
+    more than one rank, routed by kind as in training (all-reduces to TP, all-gathers and
+    reduce-scatters to CP; [`make_collectives`][kareus.exec.train.make_collectives] with
+    [`LoopbackGroups`][kareus.exec.train.LoopbackGroups]). A workload with TP = CP = 1 gets a
+    [`LoopbackCollective`][kareus.exec.LoopbackCollective] (a world of one; needs a GPU).
 
     Returns:
         ``({"loopback": capped backend}, the default backend, a line saying what runs)``.
@@ -148,7 +148,7 @@ def tune(workload: Workload, *, out_dir: str | os.PathLike[str], gpu: str | None
 
     The world is one pipeline stage's TP x CP group (``world_size == tp x cp``), or one
     process (a smoke run of the path, each group stood in for on one GPU:
-    :func:`one_gpu_backends`).
+    ``one_gpu_backends``).
 
     Args:
         workload: The workload.
@@ -157,20 +157,21 @@ def tune(workload: Workload, *, out_dir: str | os.PathLike[str], gpu: str | None
         gpu: GPU preset; ``None`` = detected from the device name.
         budget: Profiles per partition type.
         batch_size, seed, schedule, surrogate, systems, fresh, progress: As for
-            :func:`~kareus.workflow.optimize`.
+            [`optimize`][kareus.workflow.optimize].
         types: Only these partition types (no composition), e.g. a smoke run.
         allow_clock_changes: Search the clocks with an
-            :class:`~kareus.exec.frequency.NVMLFrequencyController` (needs root; never on
+            [`NVMLFrequencyController`][kareus.exec.NVMLFrequencyController] (needs root; never on
             shared machines). Otherwise the clocks stay as they are and only the default
             clock is measured.
         backends: Backends to search among ``"own"`` and ``"nccl_capped"``; ``None`` =
             every one that runs on this group (``"loopback"`` alone in a world of one).
-            Each is built per TP and CP group (:func:`kareus.exec.train.make_collectives`).
+            Each is built per TP and CP group
+            ([`kareus.exec.train.make_collectives`][kareus.exec.train.make_collectives]).
         comm_sms: SM counts to search; ``None`` = 2, 4, 8, 16, 24, 32 and the GPU's default
             (each NCCL cap is a communicator of its own).
         kernels: The runnable partitions' kernel set (``None``: the library's choice).
         deadline_s, energy_budget_j: The plan chosen (at most one).
-        profiler_options: Keyword arguments of :class:`~kareus.exec.nvml.NVMLProfiler`
+        profiler_options: Keyword arguments of [`NVMLProfiler`][kareus.exec.NVMLProfiler]
             (``warmup_s``, ``window_steps``, ...).
         graphs: Measure CUDA-graph replays of each step (``None``, the default: as the
             training loop runs on a GPU) or eager launches (``False``);
@@ -363,8 +364,8 @@ def _preheat(prof: Any, resolve: Callable[[Partition], Any], catalog: Catalog,
 def _runnables(catalog: Catalog, kernels: Any) -> tuple[Callable[[Partition], Any],
                                                         Callable[[OutsideWork, int | None], Any]]:
     """How the NVML profiler gets kernels: each catalogued partition type as one
-    :class:`~kareus.exec.torch_partition.RunnableTransformerPartition` (made once), and
-    outside work as :class:`~kareus.exec.outside_work.RunnableOutsideWork`."""
+    [`RunnableTransformerPartition`][kareus.exec.RunnableTransformerPartition] (made once), and
+    outside work as ``RunnableOutsideWork``."""
     from kareus.exec.outside_work import RunnableOutsideWork
     from kareus.exec.torch_partition import RunnableTransformerPartition
 

@@ -1,22 +1,22 @@
 """The tuning job over a built profiler: what rank 0 runs, writes and reports.
 
-:func:`run_lockstep` is the part of a tuning run that needs no GPU: on rank 0 it runs
-:func:`~kareus.workflow.optimize` (or, for a smoke run, only some partition types' searches)
-through a :class:`~kareus.tune.LockstepProfiler`, and writes the same ``results.json``,
+``run_lockstep`` is the part of a tuning run that needs no GPU: on rank 0 it runs
+[`optimize`][kareus.workflow.optimize] (or, for a smoke run, only some partition types' searches)
+through a ``LockstepProfiler``, and writes the same ``results.json``,
 ``plan.json`` and search logs as the emulated job, plus ``tune.json`` (the machine, the
 clocks, the backends, the GPU time of every run of the command); the other ranks
-:func:`~kareus.tune.follow`. It returns a :class:`TuneReport`.
+``follow``. It returns a ``TuneReport``.
 
 Resuming: the search logs resume as in the emulated job, and every other measurement
 (baselines, outside work) is appended to ``logs/measurements.jsonl``
-(:data:`MEASUREMENTS_NAME`) and served from there by a later run of the same command; the
+(``MEASUREMENTS_NAME``) and served from there by a later run of the same command; the
 followers measure whatever rank 0 still asks for. A run that stops early still records its
 GPU time in ``tune.json``.
 
 ``tune.json`` also says how the GPUs were fed: ``execution`` (``"graphed"`` where the
 executor captured each step into CUDA graphs, as training runs, ``"eager"`` otherwise) and
 ``host_bound``, the measurements whose GPU was busy less than 90% of their window
-(:data:`~kareus.exec.nvml.HOST_BOUND_BUSY`), lowest first: their figures are of the host's
+(``HOST_BOUND_BUSY``), lowest first: their figures are of the host's
 launches as much as of the partition.
 """
 
@@ -63,7 +63,7 @@ class TuneReport:
         execution: How the steps fed the GPUs: ``"graphed"`` (CUDA-graph replays) or
             ``"eager"``; ``None``: the profiler does not say.
         host_bound: The measurements whose GPU was busy less than
-            :data:`~kareus.exec.nvml.HOST_BOUND_BUSY` of their window (``tune.json``'s
+            ``HOST_BOUND_BUSY`` of their window (``tune.json``'s
             ``host_bound``).
     """
 
@@ -91,9 +91,9 @@ def run_lockstep(workload: Workload, *, profiler: Profiler, coordinator: Coordin
                  started: float | None = None) -> TuneReport | None:
     """The tuning run over an already built profiler, on every rank (rank 0 leads).
 
-    Rank 0 runs :func:`~kareus.workflow.optimize` (or, with ``types``, only those types'
-    searches) through a :class:`LockstepProfiler` and writes the outputs into ``out_dir``;
-    the other ranks :func:`follow`. Hardware-free: :func:`tune` builds the NVML profiler,
+    Rank 0 runs [`optimize`][kareus.workflow.optimize] (or, with ``types``, only those types'
+    searches) through a ``LockstepProfiler`` and writes the outputs into ``out_dir``;
+    the other ranks ``follow``. Hardware-free: ``tune`` builds the NVML profiler,
     tests pass fakes.
 
     Args:
@@ -105,7 +105,7 @@ def run_lockstep(workload: Workload, *, profiler: Profiler, coordinator: Coordin
         types: Search only these partition types and write their frontiers
             (``frontiers.json``) instead of composing; ``None`` = the whole job.
         budget, batch_size, seed, schedule, surrogate, systems, fresh, progress: As for
-            :func:`~kareus.workflow.optimize`.
+            [`optimize`][kareus.workflow.optimize].
         deadline_s, energy_budget_j: The plan chosen (at most one; default the fastest).
         info: Extra facts for ``tune.json`` (machine, clocks, backends).
         clock: Time source.

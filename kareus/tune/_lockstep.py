@@ -1,17 +1,17 @@
 """The lockstep protocol of a tuning run: rank 0 leads, the other ranks follow.
 
 Every rank of a tuning run must issue the same collectives in the same order. So only rank 0
-runs the search and the composition: :class:`LockstepProfiler` announces each measurement
-(the partition, by its index in a :class:`Catalog` every rank builds from the workload, and
+runs the search and the composition: ``LockstepProfiler`` announces each measurement
+(the partition, by its index in a ``Catalog`` every rank builds from the workload, and
 the configuration, by value) with one broadcast, then measures it
-together with the other ranks, which :func:`follow` the announcements until rank 0 says it
+together with the other ranks, which ``follow`` the announcements until rank 0 says it
 is done. Nothing a rank decides alone changes how many collectives run.
 
 Rank 0's measurements can be kept in a JSONL file (``cache``) and served from there by a
 later run of the same command, without announcing them again. Each line also keeps how the
 GPU was fed (``execution``, ``gpu_busy``) where the inner profiler says
-(:meth:`MeasurementRecord.execution_facts <kareus.exec.nvml.MeasurementRecord.execution_facts>`),
-so that the run's host-bound measurements (:meth:`LockstepProfiler.host_bound`) include
+([MeasurementRecord.execution_facts][kareus.exec.MeasurementRecord.execution_facts]),
+so that the run's host-bound measurements (``LockstepProfiler.host_bound``) include
 those a resumed run serves from the file. Hardware-free: the inner profiler and the
 coordinator are whatever the caller passes.
 """
@@ -123,13 +123,13 @@ def _decode_config(part: Partition, words: Sequence[float], backends: Sequence[s
 
 class LockstepProfiler(Profiler):
     """Rank 0's profiler in a tuning run: announces each measurement, then measures it with
-    the other ranks (which run :func:`follow`).
+    the other ranks (which run ``follow``).
 
     Measurements made before (``cache``) are answered without measuring again.
 
     Args:
         inner: This rank's profiler (collective over the group, e.g. an
-            :class:`~kareus.exec.nvml.NVMLProfiler`).
+            [`NVMLProfiler`][kareus.exec.NVMLProfiler]).
         coordinator: Agreement among the ranks (rank 0 is this one).
         catalog: The catalog every rank built from the workload.
         backends: The backend names configurations may carry, in the same order on
@@ -200,7 +200,7 @@ class LockstepProfiler(Profiler):
 
     def host_bound(self) -> list[dict[str, Any]]:
         """The measurements known whose GPU was busy less than
-        :data:`~kareus.exec.nvml.HOST_BOUND_BUSY` of their window: each as
+        ``HOST_BOUND_BUSY`` of their window: each as
         ``{"partition", "config", "gpu_busy"}`` (or ``{"outside_work", "freq_mhz",
         "comm_sms", "group_size", "gpu_busy"}``), lowest fraction first."""
         out = []

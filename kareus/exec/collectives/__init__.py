@@ -7,33 +7,35 @@ that trade-off to be real, the collective must occupy exactly ``sms`` SMs. Every
 backend here is called as ``op(tensor(s), stream, sms)`` and enqueues the collective
 on ``stream`` using ``sms`` SMs:
 
-* :class:`OwnKernelCollective` runs kareus's own CUDA kernels (``kareus/exec/_ext/collectives``):
-  one thread block per SM, grid size = ``sms``, data pushed over NVLink into peer
-  buffers mapped through CUDA IPC, per-block flags instead of grid-wide barriers,
+* [`OwnKernelCollective`][kareus.exec.OwnKernelCollective] runs kareus's own CUDA kernels
+  (``kareus/exec/_ext/collectives``): one thread block per SM, grid size = ``sms``, data pushed over
+  NVLink into peer buffers mapped through CUDA IPC, per-block flags instead of grid-wide barriers,
   fp32 accumulation in rank order (bitwise-identical results on every rank). It
   serves 2, 4 or 8 GPUs of one node with peer access, in bf16, fp16 and fp32, on
   any tensors, and without staging copies on tensors allocated with
-  :meth:`OwnKernelCollective.empty`.
-* :class:`NCCLCappedCollective` runs NCCL with one communicator per cap, created
-  lazily through ``ProcessGroupNCCL.Options().config.min_ctas = max_ctas = sms``.
+  [`OwnKernelCollective.empty`][kareus.exec.OwnKernelCollective.empty].
+* [`NCCLCappedCollective`][kareus.exec.NCCLCappedCollective] runs NCCL with one communicator per
+  cap, created lazily through ``ProcessGroupNCCL.Options().config.min_ctas = max_ctas = sms``.
   It runs anywhere NCCL runs; one CTA of NCCL moves about as much as one SM of the
   plain-tensor own kernels (measured on 4x H200, NVLink: docs/collectives.md).
-* :class:`MscclppCollective` adapts kernels of MSCCL++ when ``import mscclpp``
-  works; it is never required.
-* :class:`ProcessGroupCollective` runs plain ``torch.distributed`` collectives with
-  NCCL's own CTA count (``sms`` ignored): the systems that do not cap SMs use it.
-* :class:`LoopbackCollective` is a one-GPU stand-in (a world of one rank), so that the
-  tuning path and the executor run end to end on one GPU; it measures no communication.
+* [`MscclppCollective`][kareus.exec.MscclppCollective] adapts kernels of MSCCL++ when ``import
+  mscclpp`` works; it is never required.
+* [`ProcessGroupCollective`][kareus.exec.ProcessGroupCollective] runs plain ``torch.distributed``
+  collectives with NCCL's own CTA count (``sms`` ignored): the systems that do not cap SMs use it.
+* [`LoopbackCollective`][kareus.exec.LoopbackCollective] is a one-GPU stand-in (a world of one
+  rank), so that the tuning path and the executor run end to end on one GPU; it measures no
+  communication.
 
 Communication buffers: a backend may offer ``empty(shape, dtype)`` (registered memory
 that every rank has mapped, for the own kernels; the other backends run on it too);
-:meth:`TorchExecutor.empty <kareus.exec.executor.TorchExecutor.empty>` asks its backends
+[TorchExecutor.empty][kareus.exec.TorchExecutor.empty] asks its backends
 for it, and runnable partitions built with ``build(collective=executor)`` take their
 buffers from there.
 
-:func:`select_collective_backend` probes the process group and picks the first
-backend in a preference order that can run there, or raises
-:class:`NoCollectiveBackendError` naming, for each backend, why it cannot.
+[`select_collective_backend`][kareus.exec.select_collective_backend] probes the process group and
+picks the first backend in a preference order that can run there, or raises
+[`NoCollectiveBackendError`][kareus.exec.NoCollectiveBackendError] naming, for each backend, why it
+cannot.
 
 Rules every caller must keep (as with NCCL): every rank of the group issues the same
 collectives, in the same order, with the same ``sms`` and sizes. The own kernels
@@ -42,13 +44,14 @@ new stream wait for the previous one when the caller switches streams.
 
 Only pure-Python validation and selection logic runs at import; torch is imported
 inside the functions that need it, and nothing is compiled until the first
-:class:`OwnKernelCollective` is built.
+[`OwnKernelCollective`][kareus.exec.OwnKernelCollective] is built.
 
 Modules (import the names from this package, not from them): ``_base`` (the
-:class:`CollectiveBackend` role), ``_errors``, ``_validation`` (SM counts, dtypes,
-algorithm choice, message pieces), ``_environment`` (probing a process group and the
+[`CollectiveBackend`][kareus.exec.CollectiveBackend] role), ``_errors``, ``_validation`` (SM counts,
+dtypes, algorithm choice, message pieces), ``_environment`` (probing a process group and the
 pure backend choice), ``_own``, ``_nccl``, ``_mscclpp``, ``_process_group``,
-``_loopback`` (the backends) and ``_selection`` (:func:`select_collective_backend`).
+``_loopback`` (the backends) and ``_selection``
+([`select_collective_backend`][kareus.exec.select_collective_backend]).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The collective-backend role: all-reduce, all-gather and reduce-scatter on an exact SM count.
 
-:class:`CollectiveBackend` is the contract every backend implements (and the type the
-executor takes); the helpers here check tensors and resolve streams for the torch-based
+[`CollectiveBackend`][kareus.exec.CollectiveBackend] is the contract every backend implements (and
+the type the executor takes); the helpers here check tensors and resolve streams for the torch-based
 backends. torch is imported inside the functions that need it.
 """
 
@@ -39,9 +39,10 @@ class CollectiveBackend(abc.ABC):
 
     Every op is enqueued on ``stream`` (``None``: the current stream) and uses
     ``sms`` SMs (thread blocks / CTAs); ``sms=None`` asks for the library's own choice,
-    which only backends without exact caps accept (:class:`ProcessGroupCollective`; the
-    capped backends raise :class:`CommSMCountError`). Ops are collective: every rank of
-    the group calls the same op with the same sizes and ``sms``, in the same order.
+    which only backends without exact caps accept
+    ([`ProcessGroupCollective`][kareus.exec.ProcessGroupCollective]; the capped backends raise
+    [`CommSMCountError`][kareus.exec.CommSMCountError]). Ops are collective: every rank of the group
+    calls the same op with the same sizes and ``sms``, in the same order.
 
     Shapes: ``all_reduce(tensor)`` reduces in place and returns ``tensor``;
     ``all_gather(output, input)`` writes rank q's ``input`` to
@@ -51,8 +52,8 @@ class CollectiveBackend(abc.ABC):
     contiguous CUDA tensors of one supported dtype on the current device.
 
     A backend may also offer ``empty(shape, dtype)`` for tensors its collectives run
-    faster on (:meth:`OwnKernelCollective.empty`); runnable partitions
-    (:mod:`kareus.exec.torch_partition`) allocate their communication buffers with it
+    faster on ([`OwnKernelCollective.empty`][kareus.exec.OwnKernelCollective.empty]); runnable
+    partitions (``kareus.exec.torch_partition``) allocate their communication buffers with it
     when it is there and with ``torch.zeros`` otherwise.
     """
 

@@ -1,8 +1,9 @@
 """What a process group offers, agreed by all its ranks, and which backend can run there.
 
-:func:`probe_collective_environment` is a collective call: each rank reports its host,
-GPU and tools, and every rank builds the same :class:`CollectiveEnvironment`, so the
-pure choice (:func:`choose_collective_backend`) gives the same answer on every rank.
+``probe_collective_environment`` is a collective call: each rank reports its host,
+GPU and tools, and every rank builds the same
+[`CollectiveEnvironment`][kareus.exec.CollectiveEnvironment], so the pure choice
+(``choose_collective_backend``) gives the same answer on every rank.
 """
 
 from __future__ import annotations
@@ -140,8 +141,8 @@ def probe_collective_environment(group: Any = None) -> CollectiveEnvironment:
     """Probes the process group (collective call: every rank of ``group`` must call it).
 
     Each rank reports its host, GPU and tools; the reports are exchanged so that all
-    ranks build the same :class:`CollectiveEnvironment` and hence choose the same
-    backend.
+    ranks build the same [`CollectiveEnvironment`][kareus.exec.CollectiveEnvironment] and hence
+    choose the same backend.
 
     Args:
         group: A ``torch.distributed`` process group (default: the world).

@@ -1,4 +1,4 @@
-"""Errors of the collective backends (all :class:`~kareus.errors.KareusError`)."""
+"""Errors of the collective backends (all [`KareusError`][kareus.errors.KareusError])."""
 
 from __future__ import annotations
 

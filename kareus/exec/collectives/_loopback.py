@@ -2,12 +2,12 @@
 
 On one GPU there is nobody to communicate with, yet the tuning path, the executor's
 stream ordering and the registered-buffer allocation should still run end to end
-before a multi-GPU run spends its time only measuring. :class:`LoopbackCollective` is
-that stand-in: a group of one rank, whose all-reduce leaves the tensor as it is (the sum
-over one rank) but reads and writes it once in a kernel on the given stream, and whose
-all-gather and reduce-scatter copy the one shard. Its ``sms`` is checked like a capped
-backend's and otherwise not applied (the copy kernels take what they take), so its
-measurements are of the computation beside a memory-bound kernel, never of communication:
+before a multi-GPU run spends its time only measuring.
+[`LoopbackCollective`][kareus.exec.LoopbackCollective] is that stand-in: a group of one rank, whose
+all-reduce leaves the tensor as it is (the sum over one rank) but reads and writes it once in a
+kernel on the given stream, and whose all-gather and reduce-scatter copy the one shard. Its ``sms``
+is checked like a capped backend's and otherwise not applied (the copy kernels take what they take),
+so its measurements are of the computation beside a memory-bound kernel, never of communication:
 a smoke run's figures, not kareus's.
 """
 
@@ -62,7 +62,7 @@ class LoopbackCollective(CollectiveBackend):
         return self._sm_count
 
     def empty(self, shape: int | Sequence[int], dtype: Any) -> Any:
-        """A zeroed tensor, as a registering backend's :meth:`empty` gives (plain memory here)."""
+        """A zeroed tensor, as a registering backend's [`empty`][kareus.exec.LoopbackCollective.empty] gives (plain memory here)."""
         self.allocated += 1
         return self._torch.zeros(shape, dtype=dtype, device=f"cuda:{self._device}")
 

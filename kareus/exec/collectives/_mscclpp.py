@@ -34,7 +34,8 @@ class MscclppCollective(CollectiveBackend):
 
     Args:
         runners: Op name (``"all_reduce"``, ``"all_gather"``, ``"reduce_scatter"``) ->
-            runner. Ops without a runner raise :class:`CollectiveUnavailableError`.
+            runner. Ops without a runner raise
+            [`CollectiveUnavailableError`][kareus.exec.CollectiveUnavailableError].
         group: Process group (default: the world).
 
     Raises:

@@ -37,7 +37,7 @@ class NCCLCappedCollective(CollectiveBackend):
         high_priority: Create the capped groups with high-priority NCCL streams
             (``ProcessGroupNCCL.Options().is_high_priority_stream``; default), so that a
             capped collective launched beside an op takes its CTAs ahead of that op's
-            pending thread blocks (see :class:`~kareus.exec.executor.TorchExecutor`'s
+            pending thread blocks (see [`TorchExecutor`][kareus.exec.TorchExecutor]'s
             ``comm_high_priority``). ProcessGroupNCCL runs collectives on streams of its
             own, so the caller's stream priority does not reach them.
     """

@@ -64,16 +64,16 @@ class OwnKernelCollective(CollectiveBackend):
     Construction is collective: every rank allocates a staging buffer, the buffers'
     IPC handles are exchanged through ``torch.distributed``, and every rank maps its
     peers' buffers. The CUDA library is built on first use (see
-    :mod:`kareus.exec._ext_build`).
+    ``kareus.exec._ext_build``).
 
     Two kinds of tensors can be passed:
 
     * Any CUDA tensor. Data is pushed into the peers' staging buffers and copied out
       there (messages larger than the staging buffer go in pieces, identically on
       every rank).
-    * Tensors from :meth:`empty` ("registered": every rank has mapped them). Results
-      are stored straight into the peers' tensors, which saves the staging copies and
-      moves fewer bytes per SM: use these for the executor's communication buffers.
+    * Tensors from [`empty`][kareus.exec.OwnKernelCollective.empty] ("registered": every rank has
+      mapped them). Results are stored straight into the peers' tensors, which saves the staging
+      copies and moves fewer bytes per SM: use these for the executor's communication buffers.
       A registered tensor must sit at the same offset of its allocation on every rank
       (it does when all ranks allocate and slice alike), and must not be in use on
       another stream while a collective on it runs. Runnable partitions built with
@@ -91,7 +91,7 @@ class OwnKernelCollective(CollectiveBackend):
             small messages or 2 GPUs, two-shot otherwise), ``"one_shot"``, ``"two_shot"``.
         registered_algorithm: All-reduce algorithm for registered tensors: ``"auto"``,
             ``"one_phase"`` or ``"two_phase"`` (see
-            :func:`choose_registered_all_reduce_algorithm`).
+            ``choose_registered_all_reduce_algorithm``).
         memory: ``"ipc"`` (own ``cudaMalloc`` buffers shared with ``cudaIpc*``) or
             ``"symm_mem"`` (PyTorch symmetric memory for the staging buffer,
             multicast unused).
@@ -263,7 +263,8 @@ class OwnKernelCollective(CollectiveBackend):
         Collective: every rank must call it with the same shape and dtype, in the same
         order. Collectives on such tensors (all-reduce in place, all-gather output,
         reduce-scatter input) store into or load from the peers' tensors directly.
-        The memory lives until :meth:`close`; contents start as zeros.
+        The memory lives until [`close`][kareus.exec.OwnKernelCollective.close]; contents start as
+        zeros.
 
         Args:
             shape: Tensor shape (an int for 1-D).
@@ -291,7 +292,7 @@ class OwnKernelCollective(CollectiveBackend):
         return raw[: numel * esize].view(tdtype).view(shape_t)
 
     def is_registered(self, tensor: Any) -> bool:
-        """Whether ``tensor`` lies in memory from :meth:`empty` (zero-copy paths)."""
+        """Whether ``tensor`` lies in memory from [`empty`][kareus.exec.OwnKernelCollective.empty] (zero-copy paths)."""
         return self._registered_ptrs(tensor) is not None
 
     def _registered_ptrs(self, tensor: Any) -> list[int] | None:
@@ -337,8 +338,8 @@ class OwnKernelCollective(CollectiveBackend):
     def all_reduce(self, tensor: Any, stream: Any, sms: int | None) -> Any:
         """Sums ``tensor`` over the group in place with ``sms`` thread blocks; returns ``tensor``.
 
-        Registered tensors (from :meth:`empty`) take the zero-copy kernels; others go
-        through the staging buffer, in pieces when larger than it.
+        Registered tensors (from [`empty`][kareus.exec.OwnKernelCollective.empty]) take the
+        zero-copy kernels; others go through the staging buffer, in pieces when larger than it.
         """
         self._check_open()
         sms = self._check_sms(sms)

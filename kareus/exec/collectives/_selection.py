@@ -37,7 +37,7 @@ def select_collective_backend(*, group: Any = None,
 
     Collective: every rank of ``group`` must call it with the same arguments. The
     environment is probed once and agreed on by all ranks (see
-    :func:`probe_collective_environment`), so every rank picks the same backend.
+    ``probe_collective_environment``), so every rank picks the same backend.
 
     Args:
         group: Process group (default: the world).

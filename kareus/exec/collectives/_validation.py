@@ -146,7 +146,7 @@ def choose_all_reduce_algorithm(nbytes: int, world_size: int, algorithm: str = "
 
 def choose_registered_all_reduce_algorithm(nbytes: int, world_size: int,
                                            algorithm: str = "auto") -> str:
-    """Picks the all-reduce for tensors allocated with :meth:`OwnKernelCollective.empty`.
+    """Picks the all-reduce for tensors allocated with [`OwnKernelCollective.empty`][kareus.exec.OwnKernelCollective.empty].
 
     Such tensors are mapped by every rank, so results go straight into the peers'
     tensors. ``"one_phase"``: rank r reads chunk r of every rank's tensor (loads over

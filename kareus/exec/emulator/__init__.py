@@ -49,7 +49,7 @@ runs on this model, so it is built as a performance model, not a lookup table:
 * **Noise**: seeded multiplicative measurement noise on time and energy, deterministic
   per (seed, call count); ``noise=0`` gives the noise-free ground truth.
 
-Scope: a partition's :class:`~kareus.model.measurement.Measurement` covers every GPU of
+Scope: a partition's [`Measurement`][kareus.model.Measurement] covers every GPU of
 the partition's group. All ranks of a collective are symmetric, so the emulator
 simulates one rank and multiplies its energy (and the static power) by the group's GPU
 count: the profiler's ``group_gpus`` argument if given, else ``partition.group_gpus``
@@ -59,14 +59,15 @@ collective's group by default), else ``partition.comm_op.group_size``.
 The constants of the presets, where each comes from, and the calibration against the
 measured H200 probe are in ``docs/emulator.md``.
 
-Calibration: :meth:`EmulatedGPU.from_profile` takes per-op time and power factors, HBM
-bandwidth, idle, static and uncore power and the collective curves from a measured
-:class:`~kareus.model.gpu_profile.GPUProfile` (``_calibration``; docs/emulator.md).
+Calibration: [`EmulatedGPU.from_profile`][kareus.exec.EmulatedGPU.from_profile] takes per-op time
+and power factors, HBM bandwidth, idle, static and uncore power and the collective curves from a
+measured ``GPUProfile`` (``_calibration``; docs/emulator.md).
 
 Modules (import the names from this package, not from them): ``_gpu`` (the GPU and
-power model, :class:`EmulatedGPU`), ``_comm`` (the collective curves), ``_calibration``
-(factors from a measured profile), ``_host`` (host costs, eager or graphed), ``_sim``
-(the event-driven simulation) and ``_profiler`` (:class:`EmulatedProfiler`).
+power model, [`EmulatedGPU`][kareus.exec.EmulatedGPU]), ``_comm`` (the collective curves),
+``_calibration`` (factors from a measured profile), ``_host`` (host costs, eager or graphed),
+``_sim`` (the event-driven simulation) and ``_profiler``
+([`EmulatedProfiler`][kareus.exec.EmulatedProfiler]).
 """
 
 from __future__ import annotations

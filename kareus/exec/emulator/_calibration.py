@@ -1,12 +1,12 @@
-"""Calibrating the emulated GPU from a measured :class:`~kareus.model.gpu_profile.GPUProfile`.
+"""Calibrating the emulated GPU from a measured ``GPUProfile``.
 
 The presets' op model is a roofline with a few efficiency constants: right for the kernels
 it describes (the fused ones), wrong for others. A measured profile holds, per op of the
 runnable partitions, the time of the kernel that ran and its average power over a loop of
-it alone. :func:`calibrate` turns each record into two factors on the op model:
+it alone. ``calibrate`` turns each record into two factors on the op model:
 
 * **time factor** ``k_t``: the measured time, less the fixed cost of timing one op alone
-  (:data:`TIMED_FLOOR_S`), over the model's work time of the same op alone on all SMs at
+  (``TIMED_FLOOR_S``), over the model's work time of the same op alone on all SMs at
   the maximum clock (the op is timed in short bursts, each after an L2 flush: at the boost
   clock, the power limit does not act within a few hundred microseconds).
   The calibrated op multiplies every term of its roofline (compute cycles, tensor feed,
@@ -33,8 +33,8 @@ the shape, the factor what the model misses about the kernel; among several reco
 one op (several workloads) the one nearest in size is used.
 
 Where the profile has the host time of an op's eager launch (``OpProfile.host_s``,
-measured by ``kareus calibrate``), :func:`host_costs` turns it into the emulator's host
-cost of that op (:attr:`EmulatedGPU.host_costs`): per (partition, op), the median over
+measured by ``kareus calibrate``), ``host_costs`` turns it into the emulator's host
+cost of that op (``EmulatedGPU.host_costs``): per (partition, op), the median over
 the workloads measured, and per op name, the median over partitions.
 
 The profile also gives the HBM bandwidth (the model's ``hbm_efficiency``), the idle power,
@@ -110,7 +110,7 @@ class OpCalibration(NamedTuple):
 
 
 def profile_kind(kind: OpKind | str) -> str:
-    """The profile's op kind (gemm, attention, elementwise) of an :class:`OpKind`."""
+    """The profile's op kind (gemm, attention, elementwise) of an [`OpKind`][kareus.model.OpKind]."""
     k = OpKind(kind)
     if k is OpKind.GEMM:
         return "gemm"
@@ -122,7 +122,7 @@ def profile_kind(kind: OpKind | str) -> str:
 def profile_workload_key(model: str, *, tp: int, cp: int = 1, microbatch_size: int,
                          seq_len: int, nanobatches: int) -> str:
     """The workload name of a profile record: the bare preset name at the default
-    shapes (:data:`PROFILE_WORKLOADS`, :data:`PROFILE_BATCH`), else
+    shapes (``PROFILE_WORKLOADS``, ``PROFILE_BATCH``), else
     ``"model tp=.. cp=.. mbs=.. seq=.. nb=.."``."""
     par = {"tp": tp, **({"cp": cp} if cp != 1 else {})}
     batch = {"microbatch_size": microbatch_size, "seq_len": seq_len, "nanobatches": nanobatches}
@@ -133,11 +133,11 @@ def profile_workload_key(model: str, *, tp: int, cp: int = 1, microbatch_size: i
 
 
 def profile_workload(key: str) -> Any:
-    """The :class:`~kareus.model.workload.Workload` a profile record's workload names.
+    """The [`Workload`][kareus.model.Workload] a profile record's workload names.
 
     Raises:
-        GPUProfileError: the name is neither a preset of :data:`PROFILE_WORKLOADS` nor of
-            the form written by :func:`profile_workload_key`.
+        GPUProfileError: the name is neither a preset of ``PROFILE_WORKLOADS`` nor of
+            the form written by ``profile_workload_key``.
     """
     from kareus.model.workload import Workload
 
@@ -238,7 +238,7 @@ def op_calibrations(gpu: Any, profile: GPUProfile,  # noqa: C901 - one pass over
     """Per-op and per-kind factors of ``profile`` on the uncalibrated ``gpu``.
 
     Args:
-        gpu: The uncalibrated :class:`EmulatedGPU` the factors refer to.
+        gpu: The uncalibrated [`EmulatedGPU`][kareus.exec.EmulatedGPU] the factors refer to.
         profile: The measured profile.
         kernels: The kernel set whose records to use, or several in order of priority
             (default: the profile's main set). For each measured (workload, partition, op)
@@ -308,7 +308,7 @@ def op_calibrations(gpu: Any, profile: GPUProfile,  # noqa: C901 - one pass over
 def host_costs(profile: GPUProfile, kernels: str | Sequence[str] | None = None
                ) -> tuple[tuple[str, str, float, str], ...]:
     """The host costs of eager launches measured in ``profile``, as
-    :attr:`EmulatedGPU.host_costs` records ``(partition, op, host_s, source)``.
+    ``EmulatedGPU.host_costs`` records ``(partition, op, host_s, source)``.
 
     For each (partition, op), the median over workloads of the first kernel set (in the
     order of ``kernels``, then the main set) that measured its host cost; and for each op

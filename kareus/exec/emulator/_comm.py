@@ -15,7 +15,7 @@ __all__ = ["CommCurve"]
 
 
 class CommCurve(NamedTuple):
-    """A collective's measured rate curve on one GPU (see :attr:`EmulatedGPU.comm_curves`).
+    """A collective's measured rate curve on one GPU (see ``EmulatedGPU.comm_curves``).
 
     Attributes:
         kind: Collective kind (``"all_reduce"``, ``"all_gather"``, ``"reduce_scatter"``).

@@ -63,7 +63,7 @@ def measured_priority(data: Mapping[str, Any], override: str | None = None
     """The stream priority to emulate measured ``data`` at, and where it comes from.
 
     ``override`` (``"high"`` or ``"normal"``; ``None`` or ``"measured"``: none) if given,
-    else the data's ``"comm_priority"`` field, else :data:`UNRECORDED_PRIORITY`.
+    else the data's ``"comm_priority"`` field, else ``UNRECORDED_PRIORITY``.
 
     Raises:
         ValueError: ``override`` or the recorded value is not a priority.
@@ -101,12 +101,12 @@ def _host_seconds(instance: object, attribute: attrs.Attribute, value: float) ->
 
 
 def _comm_curves_tuple(value: Iterable[Sequence[Any]]) -> tuple[CommCurve, ...]:
-    """The converter of :attr:`EmulatedGPU.comm_curves`: records from 4-tuples."""
+    """The converter of ``EmulatedGPU.comm_curves``: records from 4-tuples."""
     return tuple(CommCurve(str(k), int(g), float(r), float(lk)) for k, g, r, lk in value)
 
 
 def _op_calibration_tuple(value: Iterable[Sequence[Any]]) -> tuple[OpCalibration, ...]:
-    """The converter of :attr:`EmulatedGPU.op_calibration`: records from 6-tuples."""
+    """The converter of ``EmulatedGPU.op_calibration``: records from 6-tuples."""
     out = []
     for part, op, k_t, k_p, model_s, src in value:
         if not (k_t > 0 and k_p >= 0 and math.isfinite(k_t) and math.isfinite(k_p)):
@@ -119,9 +119,10 @@ def _op_calibration_tuple(value: Iterable[Sequence[Any]]) -> tuple[OpCalibration
 
 @attrs.frozen(kw_only=True)
 class EmulatedGPU:
-    """The physical model of one GPU: the datasheet :class:`GPUSpec` plus model constants.
+    """The physical model of one GPU: the datasheet [`GPUSpec`][kareus.model.GPUSpec] plus model constants.
 
-    Use :meth:`from_spec` (or :meth:`preset`) for the constants documented in
+    Use [`from_spec`][kareus.exec.EmulatedGPU.from_spec] (or
+    [`preset`][kareus.exec.EmulatedGPU.preset]) for the constants documented in
     ``docs/emulator.md``; pass any field to override it (``attrs.evolve`` works too).
 
     Attributes:
@@ -145,7 +146,7 @@ class EmulatedGPU:
         launch_overhead_s: GPU-side gap before each kernel on a stream whose launches are
             enqueued ahead of it (graph replay, or an eager host running ahead), seconds:
             2 us, measured on H200 (a one-element copy queued right behind another adds
-            1.7-2.2 us). The host's own cost per launch is separate (:attr:`execution`).
+            1.7-2.2 us). The host's own cost per launch is separate (``execution``).
         comm_gb_per_s_per_sm: Bus bandwidth (GB/s, nccl-tests convention) one SM of a collective
             moves at the maximum clock.
         comm_link_gb_per_s: Bus bandwidth at which collectives saturate (the NVLink limit), GB/s.
@@ -174,7 +175,7 @@ class EmulatedGPU:
         voltage_floor_clock_fraction: The floor clock as a fraction of the maximum clock.
         comm_curves: Measured collective curves that override ``comm_gb_per_s_per_sm`` and
             ``comm_link_gb_per_s`` per (collective kind, group size): entries
-            :class:`CommCurve` records ``(kind, group_size, gb_per_s_per_sm, link_gb_per_s)``
+            ``CommCurve`` records ``(kind, group_size, gb_per_s_per_sm, link_gb_per_s)``
             (plain 4-tuples are converted). A collective uses the entry of
             its kind and group size, else the entry of its kind with the nearest group size,
             else the two scalar fields.
@@ -182,10 +183,11 @@ class EmulatedGPU:
             pipeline sends and collectives that cross nodes (0.9 of the line rate of one
             NIC per GPU; see docs/emulator.md).
         network_latency_s: Start-up latency of an inter-node transfer, seconds.
-        op_calibration: Per-op factors from a measured GPU profile (:meth:`from_profile`):
-            :class:`OpCalibration` records ``(partition, op, time_factor, power_factor,
-            model_s, source)``; an op of a partition type with a record uses it, any other
-            op its kind's default (``partition == "*"``). Empty: the op model as is.
+        op_calibration: Per-op factors from a measured GPU profile
+            ([`from_profile`][kareus.exec.EmulatedGPU.from_profile]): ``OpCalibration`` records
+            ``(partition, op, time_factor, power_factor, model_s, source)``; an op of a partition
+            type with a record uses it, any other op its kind's default (``partition == "*"``).
+            Empty: the op model as is.
         calibration: How this model was calibrated (``""``: the preset's constants).
         comm_priority: The stream priority the collective runs at, relative to the
             computation: ``"high"`` (default; what kareus's executor does) or ``"normal"``.
@@ -194,7 +196,7 @@ class EmulatedGPU:
             those of the kernel that came first. At ``"high"`` a collective launched with
             op k takes its SMs when op k starts. At ``"normal"`` it gets SMs only once op
             k's blocks have all been dispatched, i.e. at the start of op k's last wave.
-            :class:`~kareus.model.ops.ComputeOp` carries FLOPs and bytes but no shape, so
+            [`ComputeOp`][kareus.model.ComputeOp] carries FLOPs and bytes but no shape, so
             an op's block count (a GEMM's output tiles, an elementwise op's bytes per block)
             cannot be derived without inventing a tile or block size; the emulator takes
             the limit of many waves, where the last wave begins at the op's end: the
@@ -203,19 +205,19 @@ class EmulatedGPU:
             MLP GEMMs of the measured 2x H200 grids have 1536-2048 output tiles of 128x256,
             11.6-15.5 waves on 132 SMs: their last wave begins 6-8% of the GEMM before its
             end.)
-        execution: How the host feeds the GPU (:mod:`kareus.exec.emulator._host`):
+        execution: How the host feeds the GPU (``kareus.exec.emulator._host``):
             ``"graphed"`` (default; what the executor runs on a GPU): a run of a partition is
-            one CUDA-graph launch of :attr:`graph_launch_s` and its kernels run back to back;
+            one CUDA-graph launch of ``graph_launch_s`` and its kernels run back to back;
             ``"eager"``: the host issues every op and the collective in program order at its
-            own cost (:attr:`host_costs`, else the defaults by kind), and an op starts when
+            own cost (``host_costs``, else the defaults by kind), and an op starts when
             both its stream and the host are there.
         graph_launch_s: Host seconds per graph launch (one per run of a partition or of
             outside work): 5 us, an estimate ("a few us"); hidden behind the GPU whenever the
             run takes longer.
-        host_costs: Host seconds per eager launch, measured (:meth:`from_profile` takes them
-            from a profile's ``host_s``) or set by hand: :class:`HostCost` records
-            ``(partition, op, host_s, source)`` (plain 4-tuples are converted); ops without
-            one use :data:`~kareus.exec.emulator._host.DEFAULT_HOST_COSTS` by kind.
+        host_costs: Host seconds per eager launch, measured
+            ([`from_profile`][kareus.exec.EmulatedGPU.from_profile] takes them from a profile's
+            ``host_s``) or set by hand: ``HostCost`` records ``(partition, op, host_s, source)``
+            (plain 4-tuples are converted); ops without one use ``DEFAULT_HOST_COSTS`` by kind.
     """
 
     spec: GPUSpec = attrs.field(converter=get_gpu)
@@ -263,18 +265,18 @@ class EmulatedGPU:
         """The model of ``gpu`` with the documented default constants.
 
         Known presets (``a100-40gb``, ``h100-sxm``, ``h200-sxm``) get their own constants;
-        any other :class:`GPUSpec` gets generic ones derived from its datasheet fields.
-        Keyword arguments override single constants.
+        any other [`GPUSpec`][kareus.model.GPUSpec] gets generic ones derived from its datasheet
+        fields. Keyword arguments override single constants.
 
         Args:
-            gpu: Preset name or :class:`GPUSpec`.
+            gpu: Preset name or [`GPUSpec`][kareus.model.GPUSpec].
             comm_backend: Whose collective kernels to model: ``"own"`` (kareus's SM-capped
                 kernels, measured on H200), ``"nccl"`` (NCCL capped with min/max CTAs,
                 measured on H200), or ``"custom"`` (only the scalar ``comm_gb_per_s_per_sm``
                 and ``comm_link_gb_per_s``). ``None``: ``"custom"`` if either scalar is
                 overridden, else ``"own"``.
             comm_priority: The collective's stream priority, ``"high"`` or ``"normal"``
-                (:attr:`comm_priority`).
+                ([`comm_priority`][kareus.exec.EmulatedProfiler.comm_priority]).
         """
         spec = get_gpu(gpu)
         if comm_backend is None:
@@ -292,7 +294,7 @@ class EmulatedGPU:
     @classmethod
     def preset(cls, name: str, *, comm_backend: str | None = None,
                **overrides: Any) -> EmulatedGPU:
-        """Alias of :meth:`from_spec` for a preset name."""
+        """Alias of [`from_spec`][kareus.exec.EmulatedGPU.from_spec] for a preset name."""
         return cls.from_spec(name, comm_backend=comm_backend, **overrides)
 
     @classmethod
@@ -302,14 +304,14 @@ class EmulatedGPU:
         """The model of a GPU calibrated from a measured profile.
 
         Starts from the preset of ``profile.gpu`` and takes from the profile: per-op time
-        and power factors (:mod:`kareus.exec.emulator._calibration`), the HBM bandwidth,
+        and power factors (``kareus.exec.emulator._calibration``), the HBM bandwidth,
         the idle power, the static power (a GPU waiting on communication), the uncore
         power (one spinning block at the maximum clock, else static minus idle), the
         collective curves of ``comm_backend`` fitted to its measured points, and the host
-        cost of each op's eager launch where it was measured (:attr:`host_costs`).
+        cost of each op's eager launch where it was measured (``host_costs``).
 
         Args:
-            profile: A :class:`~kareus.model.gpu_profile.GPUProfile`, a path to a profile
+            profile: A ``GPUProfile``, a path to a profile
                 file, or the GPU name of a profile shipped with kareus (``"h200-sxm"``).
             comm_backend: ``"own"`` (kareus's SM-capped kernels) or ``"nccl"`` (NCCL capped
                 with min/max CTAs): whose measured collective curves to use.
@@ -318,7 +320,8 @@ class EmulatedGPU:
                 ``"reference"`` for the eager formulas the first measured grids ran); ops
                 no listed set holds use the main set's records.
             comm_priority: The collective's stream priority, ``"high"`` or ``"normal"``
-                (:attr:`comm_priority`; not part of the calibration).
+                ([`comm_priority`][kareus.exec.EmulatedProfiler.comm_priority]; not part of the
+                calibration).
             **overrides: Constants to override after calibration.
 
         Raises:
@@ -416,7 +419,7 @@ class EmulatedGPU:
                       ) -> float:
         """Bus bytes per second of a collective on ``sms`` SMs at ``freq_mhz`` (no HBM
         contention); ``beside_tensor``: while a GEMM or attention kernel runs beside it;
-        ``kind`` and ``group_size`` select a measured curve (:attr:`comm_curves`)."""
+        ``kind`` and ``group_size`` select a measured curve (``comm_curves``)."""
         gb_per_s, link_gb_per_s = self.comm_curve(kind, group_size)
         per_sm = gb_per_s * 1e9 * (freq_mhz / self.spec.max_clock_mhz) ** self.comm_freq_exponent
         if beside_tensor:
@@ -441,8 +444,8 @@ class EmulatedGPU:
 
     def host_s(self, op: ComputeOp, partition: str | None = None) -> float:
         """Host seconds of one eager launch of ``op`` (of partition type ``partition``):
-        :attr:`host_costs`, else the default of its kind
-        (:func:`~kareus.exec.emulator._host.host_cost_s`)."""
+        ``host_costs``, else the default of its kind
+        (``host_cost_s``)."""
         return host_cost_s(self.host_costs, partition, op)
 
     @property
@@ -540,7 +543,7 @@ class _Op:
 
 
 def _prep_op(gpu: EmulatedGPU, op: ComputeOp, partition: str | None = None) -> _Op:
-    """The op as the simulation takes it; with :attr:`EmulatedGPU.op_calibration`, every
+    """The op as the simulation takes it; with ``EmulatedGPU.op_calibration``, every
     term of its roofline is multiplied by the time factor and its own dynamic power by
     the power factor of its record (``partition``, op name) or its kind."""
     kind = op.kind.value

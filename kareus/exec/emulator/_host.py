@@ -9,21 +9,21 @@ for an RMSNorm forward. A small model's partition runs for less GPU time than it
 take, and the GPU waits on the host. Replayed from a CUDA graph, the same work costs one
 launch of a few microseconds and the kernels run back to back.
 
-The emulator models both (:attr:`EmulatedGPU.execution`):
+The emulator models both (``EmulatedGPU.execution``):
 
 * ``"graphed"`` (the default; what the executor runs on a GPU): one graph launch per run
   of a partition, every kernel enqueued at once; the kernels keep only the GPU-side gap
-  between them (:attr:`EmulatedGPU.launch_overhead_s`);
+  between them (``EmulatedGPU.launch_overhead_s``);
 * ``"eager"``: the host issues the partition's ops and its collective in program order
   (the collective at its launch slot, before the slot's op; sequential: after the last
-  op), each at its own host cost (:func:`host_cost_s`); an op starts at the later of its
+  op), each at its own host cost (``host_cost_s``); an op starts at the later of its
   stream being ready and the host having issued it. The simulation
-  (:mod:`kareus.exec.emulator._sim`) carries the host as a third resource beside the
+  (``kareus.exec.emulator._sim``) carries the host as a third resource beside the
   two streams.
 
 Host costs come from a measured GPU profile where it has them (``kareus calibrate``
-records the host time per eager call of every op it times: :attr:`EmulatedGPU.host_costs`),
-else from :data:`DEFAULT_HOST_COSTS`, by op kind. Every default says where it comes from.
+records the host time per eager call of every op it times: ``EmulatedGPU.host_costs``),
+else from ``DEFAULT_HOST_COSTS``, by op kind. Every default says where it comes from.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class HostCost(NamedTuple):
     Attributes:
         partition: Partition type name; ``"*"`` for any partition.
         op: The op's name; with ``partition == "*"``, an op name (that op in any partition)
-            or a kind key of :data:`DEFAULT_HOST_COSTS` (``"gemm"``, ``"attention_bwd"``,
+            or a kind key of ``DEFAULT_HOST_COSTS`` (``"gemm"``, ``"attention_bwd"``,
             ``"collective"``, ...).
         host_s: Host seconds per eager call.
         source: Where the figure comes from.
@@ -90,7 +90,7 @@ DEFAULT_HOST_COSTS: tuple[HostCost, ...] = (
 
 
 def host_key(op: ComputeOp) -> str:
-    """The kind key of ``op`` in :data:`DEFAULT_HOST_COSTS`: its kind, with ``_bwd`` for a
+    """The kind key of ``op`` in ``DEFAULT_HOST_COSTS``: its kind, with ``_bwd`` for a
     backward op (name ending in ``_bwd``) of a kind whose backward launch differs."""
     kind = op.kind.value
     if op.name.endswith("_bwd") and f"{kind}_bwd" in _DEFAULTS:
@@ -105,8 +105,8 @@ def host_cost_s(costs: Sequence[HostCost], partition: str | None, op: ComputeOp)
     """Host seconds of one eager launch of ``op`` in ``partition``.
 
     The first that exists: a record of the same (partition, op name), of the op name in
-    any partition (``"*"``), of its kind key (``"*"``, :func:`host_key`), else the
-    default of :data:`DEFAULT_HOST_COSTS` (unknown kinds: ``"elementwise"``'s).
+    any partition (``"*"``), of its kind key (``"*"``, ``host_key``), else the
+    default of ``DEFAULT_HOST_COSTS`` (unknown kinds: ``"elementwise"``'s).
     """
     key = host_key(op)
     best: HostCost | None = None
@@ -133,7 +133,7 @@ def collective_host_s(costs: Sequence[HostCost]) -> float:
 
 
 def host_costs_tuple(value: Iterable[Sequence[Any]]) -> tuple[HostCost, ...]:
-    """The converter of :attr:`EmulatedGPU.host_costs`: records from 4-tuples, checked."""
+    """The converter of ``EmulatedGPU.host_costs``: records from 4-tuples, checked."""
     out = []
     for item in value:
         part, op, seconds, src = item

@@ -1,4 +1,4 @@
-"""The embedded default profiler: measures partitions on an :class:`EmulatedGPU`."""
+"""The embedded default profiler: measures partitions on an [`EmulatedGPU`][kareus.exec.EmulatedGPU]."""
 
 from __future__ import annotations
 
@@ -34,11 +34,11 @@ class _Prepared:
 
 
 class EmulatedProfiler(Profiler):
-    """The embedded default profiler: measures partitions on an :class:`EmulatedGPU`.
+    """The embedded default profiler: measures partitions on an [`EmulatedGPU`][kareus.exec.EmulatedGPU].
 
     Args:
-        gpu: An :class:`EmulatedGPU`, a :class:`GPUSpec` or a preset name (``None``: the
-            ``a100-40gb`` preset).
+        gpu: An [`EmulatedGPU`][kareus.exec.EmulatedGPU], a [`GPUSpec`][kareus.model.GPUSpec] or a
+            preset name (``None``: the ``a100-40gb`` preset).
         noise: Relative standard deviation of the multiplicative measurement noise on
             energy (default 1%); ``0`` gives the noise-free ground truth.
         time_noise: Relative standard deviation of the noise on time; ``None`` = a quarter
@@ -59,12 +59,12 @@ class EmulatedProfiler(Profiler):
         power_limit: Whether the emulated GPU lowers its clock above its power limit
             (default True, as real GPUs do).
         comm_priority: The collective's stream priority, ``"high"`` or ``"normal"``
-            (:attr:`EmulatedGPU.comm_priority`); ``None``: the emulated GPU's (``"high"``
+            (``EmulatedGPU.comm_priority``); ``None``: the emulated GPU's (``"high"``
             unless it was made otherwise). Part of the run's manifest when not ``"high"``.
         execution: How the host feeds the GPU, ``"graphed"`` (CUDA-graph replay, what the
             executor runs on a GPU) or ``"eager"`` (every op launched from the host at its
             host cost; ``TorchExecutor(graphs=False)``, ``--no-graphs``):
-            :attr:`EmulatedGPU.execution`; ``None``: the emulated GPU's (``"graphed"``
+            ``EmulatedGPU.execution``; ``None``: the emulated GPU's (``"graphed"``
             unless it was made otherwise). Part of the run's manifest and search logs.
 
     Scope: a partition's Measurement covers every GPU of its group: per-GPU energy x GPUs,
@@ -194,13 +194,13 @@ class EmulatedProfiler(Profiler):
     @property
     def comm_priority(self) -> str:
         """The collective's stream priority, ``"high"`` or ``"normal"``
-        (:attr:`EmulatedGPU.comm_priority`); part of a run's manifest when ``"normal"``."""
+        (``EmulatedGPU.comm_priority``); part of a run's manifest when ``"normal"``."""
         return self.emulated_gpu.comm_priority
 
     @property
     def execution(self) -> str:
         """How the host feeds the emulated GPU, ``"graphed"`` or ``"eager"``
-        (:attr:`EmulatedGPU.execution`); part of a run's manifest and search logs."""
+        (``EmulatedGPU.execution``); part of a run's manifest and search logs."""
         return self.emulated_gpu.execution
 
     @property

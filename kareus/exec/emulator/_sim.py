@@ -8,11 +8,11 @@ ends, or the host issues what a stream waits for), so a partition needs a few do
 events at most.
 
 The collective launched with op k gets its SMs when op k starts if its stream has high
-priority (:attr:`EmulatedGPU.comm_priority` ``"high"``), and once op k's thread blocks have
+priority (``EmulatedGPU.comm_priority`` ``"high"``), and once op k's thread blocks have
 all been dispatched if not (``"normal"``): in the limit of many waves that an op without a
 shape implies, at op k's end.
 
-**The host** is the third resource (:mod:`kareus.exec.emulator._host`). It issues the
+**The host** is the third resource (``kareus.exec.emulator._host``). It issues the
 work in program order: the ops, with the overlapped collective just before the op of its
 slot (the executor records an event after op k-1, makes the communication stream wait on
 it, launches the collective, then op k) and the sequential collectives after the last op.
@@ -24,7 +24,7 @@ kernels, a collective launched eagerly can start before the op it is launched wi
 a partition split in nanobatches pays its launches twice.
 
 A partition is measured as it is on a GPU: repeated back to back, its time is the time
-per run in the steady state (:meth:`_Sim.run`). The host runs ahead of the GPU by a lead
+per run in the steady state (``_Sim.run``). The host runs ahead of the GPU by a lead
 ``L`` when a run starts. If the GPU takes longer per run than the host's issue time ``H``,
 the lead grows from run to run until nothing waits on the host (GPU-bound: the time is the
 GPU's alone); otherwise the runs settle at the lead where a run takes exactly ``H``
@@ -64,7 +64,7 @@ class EmulationTrace:
         exposed_comm_s: Time the collective ran with no computation beside it.
         op_times_s: Duration of each computation op (the wait for the host and the launch
             gap included), in order.
-        execution: ``"graphed"`` or ``"eager"`` (:attr:`EmulatedGPU.execution`).
+        execution: ``"graphed"`` or ``"eager"`` (``EmulatedGPU.execution``).
         host_s: Host time per run: the graph launch, or the eager launches of every op and
             collective.
         host_bound: Whether the run is set by the host (it takes ``host_s``; the GPU waits
@@ -88,7 +88,7 @@ class EmulationTrace:
 
 
 class _Collective(NamedTuple):
-    """A collective as :meth:`_Sim.run` takes it."""
+    """A collective as ``_Sim.run`` takes it."""
 
     bus_bytes: float
     sms: int
@@ -101,7 +101,7 @@ class _Collective(NamedTuple):
 
 @attrs.define
 class _RunningCollective:
-    """The collective on the communication stream while :meth:`_Sim.run` advances it."""
+    """The collective on the communication stream while ``_Sim.run`` advances it."""
 
     latency_left_s: float  # start-up phase (launch gap + handshake) still to run
     bus_bytes_left: float
@@ -112,7 +112,7 @@ class _RunningCollective:
 
 
 def _collective(gpu: EmulatedGPU, comm: CommOp, sms: int, start: int | None) -> _Collective:
-    """A collective for :meth:`_Sim.run`. Ring all-gather moves fewer local HBM bytes per
+    """A collective for ``_Sim.run``. Ring all-gather moves fewer local HBM bytes per
     bus byte (write what arrives, read it to forward) than all-reduce and reduce-scatter
     (which also read the local operand): 2/3 of ``comm_hbm_bytes_per_bus_byte``."""
     factor = gpu.comm_hbm_bytes_per_bus_byte
@@ -160,7 +160,7 @@ class _Sim:
 
         Args:
             f_mhz: SM clock.
-            comms: The collectives (:meth:`_run_once`).
+            comms: The collectives (``_run_once``).
             detail: Whether to return per-op timings (also ``host_s``, ``host_bound``,
                 ``lead_s``).
 
@@ -229,7 +229,7 @@ class _Sim:
             comms: The collectives; at most one may overlap (``start_op`` set); those
                 with ``start_op=None`` run one after another at the end. The overlapped
                 one starts with op ``start_op`` at high stream priority, at that op's end
-                at normal priority (:attr:`EmulatedGPU.comm_priority`; launched with the
+                at normal priority (``EmulatedGPU.comm_priority``; launched with the
                 last op, it then runs after the computation), and never before the host
                 has issued it.
             detail: Whether to return per-op timings.

@@ -5,23 +5,25 @@ the *GPU* reaches the boundary between two microbatch computations, not when the
 host thread happens to enqueue it (the host runs far ahead of the device), so a
 request travels in stream order:
 
-* :class:`StreamOrderedTrigger` (a :class:`FrequencyTrigger`, the role the executor
-  asks) puts a marker on the stream at the boundary. With the small CUDA extension in
-  ``_ext/hostfn`` the marker is a host function
-  (``cudaLaunchHostFunc``) that only writes the request's token into a pipe; without
+* [`StreamOrderedTrigger`][kareus.exec.StreamOrderedTrigger] (a
+  [`FrequencyTrigger`][kareus.exec.FrequencyTrigger], the role the executor asks) puts a marker on
+  the stream at the boundary. With the small CUDA extension in ``_ext/hostfn`` the marker is a host
+  function (``cudaLaunchHostFunc``) that only writes the request's token into a pipe; without
   it, the marker is a CUDA event that a polling thread watches. Either way, the
   trigger's own thread receives the request when the GPU gets there and calls the
   controller; no NVML or CUDA call runs inside the CUDA callback.
-* A :class:`FrequencyController` changes the clock. :class:`NVMLFrequencyController`
-  locks the SM clock with ``nvmlDeviceSetGpuLockedClocks`` and always restores it:
-  on exit from its context, on exceptions, at interpreter exit and on SIGTERM. A
-  permission problem raises :class:`FrequencyPermissionError`.
-  :class:`DryRunFrequencyController` only records each request with its time; it is
-  the only controller that may run on shared machines whose clocks must not change.
+* A [`FrequencyController`][kareus.exec.FrequencyController] changes the clock.
+  [`NVMLFrequencyController`][kareus.exec.NVMLFrequencyController] locks the SM clock with
+  ``nvmlDeviceSetGpuLockedClocks`` and always restores it: on exit from its context, on exceptions,
+  at interpreter exit and on SIGTERM. A permission problem raises
+  [`FrequencyPermissionError`][kareus.exec.FrequencyPermissionError].
+  [`DryRunFrequencyController`][kareus.exec.DryRunFrequencyController] only records each request
+  with its time; it is the only controller that may run on shared machines whose clocks must not
+  change.
 
 Modules (import the names from this package, not from them): ``_controllers`` (the
 controllers), ``_markers`` (stream markers) and ``_trigger`` (the trigger role and
-:class:`StreamOrderedTrigger`).
+[`StreamOrderedTrigger`][kareus.exec.StreamOrderedTrigger]).
 """
 
 from __future__ import annotations

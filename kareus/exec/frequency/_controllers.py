@@ -119,7 +119,8 @@ class NVMLFrequencyController(FrequencyController):
     Args:
         device_indices: NVML indices of the GPUs to control; ``None`` = this process's
             current CUDA device, found in NVML by its UUID
-            (:func:`kareus.exec.nvml.nvml_device_index`: right under ``CUDA_VISIBLE_DEVICES``).
+            ([`kareus.exec.nvml.nvml_device_index`][kareus.exec.nvml_device_index]: right under
+            ``CUDA_VISIBLE_DEVICES``).
         gpu: GPU preset; requested clocks must be among its supported clocks.
         nvml: The NVML module (``None``: ``pynvml``); a fake for tests.
         handle_signals: Restore the clocks on SIGTERM (then run the previous handler,

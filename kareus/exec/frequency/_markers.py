@@ -35,7 +35,7 @@ class StreamMarker(abc.ABC):
     def enqueue(self, stream: Any, token: int, *, standing: bool = False) -> None:
         """Put the marker for ``token`` at the current end of ``stream``; ``standing``:
         the stream is being captured, deliver the token at every replay of the graph
-        (only markers that are :attr:`capturable`)."""
+        (only markers that are ``capturable``)."""
 
     @abc.abstractmethod
     def close(self, *, drained: bool = True) -> None:
@@ -84,7 +84,7 @@ class HostFunctionMarker(StreamMarker):
     """Markers as CUDA host functions (``_ext/hostfn``) that write tokens into a pipe.
 
     Args:
-        lib: The loaded library (``None``: :func:`load_hostfn_library`).
+        lib: The loaded library (``None``: ``load_hostfn_library``).
     """
 
     name = "hostfn"

@@ -23,8 +23,8 @@ class FrequencyTrigger(abc.ABC):
     """Requests clock changes that take effect in stream order (the executor's role for
     frequency: it asks at each microbatch boundary, the trigger gets it there).
 
-    :class:`StreamOrderedTrigger` is the implementation for GPUs; ``kareus.testing``
-    has a recording fake.
+    [`StreamOrderedTrigger`][kareus.exec.StreamOrderedTrigger] is the implementation for GPUs;
+    ``kareus.testing`` has a recording fake.
     """
 
     #: Whether a request made on a stream being captured into a CUDA graph becomes part
@@ -47,13 +47,15 @@ class StreamOrderedTrigger(FrequencyTrigger):
     """Hands clock requests to a controller when the GPU reaches them in stream order.
 
     Args:
-        controller: The :class:`FrequencyController` that changes the clock.
-        marker: How markers are put on streams; ``None`` = :class:`HostFunctionMarker`
-            if ``_ext/hostfn`` builds and loads, else :class:`EventPollingMarker`.
+        controller: The [`FrequencyController`][kareus.exec.FrequencyController] that changes the
+            clock.
+        marker: How markers are put on streams; ``None`` =
+            [`HostFunctionMarker`][kareus.exec.HostFunctionMarker] if ``_ext/hostfn`` builds and
+            loads, else [`EventPollingMarker`][kareus.exec.EventPollingMarker].
 
-    Use as a context manager, or call :meth:`close` (it waits for delivered markers).
-    ``fired`` lists ``(token, freq_mhz, time_s)`` in the order requests reached the
-    controller; ``errors`` holds exceptions the controller raised on its thread.
+    Use as a context manager, or call [`close`][kareus.exec.StreamOrderedTrigger.close] (it waits
+    for delivered markers). ``fired`` lists ``(token, freq_mhz, time_s)`` in the order requests
+    reached the controller; ``errors`` holds exceptions the controller raised on its thread.
     """
 
     def __init__(self, controller: FrequencyController, *,

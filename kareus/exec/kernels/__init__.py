@@ -3,7 +3,7 @@
 What kareus profiles on a GPU must be what people train with: a slow eager formula
 makes the computation that hides communication look longer than it is in a real job,
 and every overlap gain measured on it overstates what users get. This package holds
-each op of a transformer layer once, behind one interface, :class:`KernelSet`:
+each op of a transformer layer once, behind one interface, ``KernelSet``:
 
 =================  ======================================================================
 op                 what it computes
@@ -18,10 +18,10 @@ op                 what it computes
 ``matmul``         GEMMs on cuBLAS (``torch.matmul``; ``addmm_`` to accumulate)
 =================  ======================================================================
 
-Implementations (:func:`get_kernels` picks one by name):
+Implementations (``get_kernels`` picks one by name):
 
 * ``"triton"`` (the default on a CUDA GPU): kareus's own fused Triton kernels
-  (:mod:`kareus.exec.kernels._triton`, see there why), one launch per op forward and
+  (``kareus.exec.kernels._triton``, see there why), one launch per op forward and
   backward (two for RMSNorm backward), launched lean: per input signature the launch
   is worked out once and later calls go straight to the compiled kernel's launcher.
   liger-kernel's RMSNorm and SwiGLU forward are an opt-in
@@ -33,15 +33,15 @@ Implementations (:func:`get_kernels` picks one by name):
   kernels (float32 RMSNorm backward, ``rotate_half`` RoPE with ``torch.cat``), kept to
   measure what the fused kernels change.
 
-Attention runs on the SDPA backends in :attr:`KernelSet.sdpa_backends` order (cuDNN,
+Attention runs on the SDPA backends in ``KernelSet.sdpa_backends`` order (cuDNN,
 then flash, then memory-efficient), GEMMs on cuBLAS, in every implementation.
 
-To run your own kernels, subclass :class:`KernelSet` (or one of the classes here) and
+To run your own kernels, subclass ``KernelSet`` (or one of the classes here) and
 pass an instance as ``kernels=`` to
-:class:`~kareus.exec.torch_partition.RunnableTransformerPartition` or
-:func:`~kareus.exec.torch_partition.runnable_partitions`; :func:`register_kernels`
+[`RunnableTransformerPartition`][kareus.exec.RunnableTransformerPartition] or
+[`runnable_partitions`][kareus.exec.runnable_partitions]; ``register_kernels``
 makes it selectable by name (``KAREUS_KERNELS=name`` in the environment picks the
-default). :mod:`kareus.exec.kernels.autograd` wraps any kernel set as differentiable
+default). ``kareus.exec.kernels.autograd`` wraps any kernel set as differentiable
 functions for a model's own training loop.
 
 torch and triton are imported inside the functions that need them.

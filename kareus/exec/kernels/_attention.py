@@ -8,9 +8,9 @@ another stream than the capture (a runnable partition builds its attention forwa
 then replays only the backward): the join with a stream that is not capturing invalidates
 the capture.
 
-:func:`attention_forward` calls the fused attention op SDPA would choose (cuDNN or flash)
+``attention_forward`` calls the fused attention op SDPA would choose (cuDNN or flash)
 directly and keeps what its backward needs (output, log-sum-exp, the random-number
-state); :func:`attention_backward` calls the matching backward op on the current stream.
+state); ``attention_backward`` calls the matching backward op on the current stream.
 Both are plain ops: they capture like any kernel and cost one dispatch each. Where the
 chosen backend has no direct pair (the math or memory-efficient backends, a custom mask),
 the saved state is an autograd graph and the backward goes through
@@ -56,14 +56,14 @@ def _direct_backend(name: str) -> str | None:
 def attention_forward(q: Any, k: Any, v: Any, *, backend: str,
                       fallback: Callable[[Any, Any, Any], Any]) -> SavedAttention:
     """Causal attention of ``q`` [b, heads, s, hd] over ``k``, ``v`` [b, kv_heads, s_k, hd],
-    keeping what :func:`attention_backward` needs.
+    keeping what ``attention_backward`` needs.
 
     Args:
         q: Queries.
         k: Keys (grouped: fewer heads than ``q`` is allowed where the backend takes it).
         v: Values.
         backend: The SDPA backend name that SDPA picks for these inputs
-            (:meth:`~kareus.exec.kernels.KernelSet.attention_backend`):
+            (``attention_backend``):
             ``"cudnn_attention"`` and ``"flash_attention"`` run directly, anything else
             through ``fallback`` under autograd.
         fallback: ``(q, k, v) -> output``: SDPA as the kernel set runs it (used when the
@@ -98,7 +98,7 @@ def attention_forward(q: Any, k: Any, v: Any, *, backend: str,
 
 
 def attention_backward(do: Any, saved: SavedAttention) -> tuple[Any, Any, Any]:
-    """``(dq, dk, dv)`` of the attention saved by :func:`attention_forward` for the output
+    """``(dq, dk, dv)`` of the attention saved by ``attention_forward`` for the output
     gradient ``do`` (same shape as the output; any strides). Repeatable: the saved state
     is not consumed, so a profiling loop may run the same backward again."""
     import torch

@@ -21,12 +21,12 @@ tensors passed as raw addresses. Three things make that safe:
   must be a function of the key (shapes, strides, dtypes, devices, launch settings), and
   the fast path runs only while every pointer is 16-byte aligned, as it was when the
   kernel was compiled (the first call at a key compiles, or fetches, the aligned variant).
-* :func:`lean_sites` builds the fast launch from what the plain call recorded: the same
+* ``lean_sites`` builds the fast launch from what the plain call recorded: the same
   arguments in the same places, each tensor replaced by "this root tensor's address plus
   this offset", where the op names the root of each pointer parameter; anything it cannot
   place (an unnamed tensor, an unaligned offset, a non-scalar constant) means no fast path.
-* :class:`LaunchRuntime` holds what the installed Triton offers, found once
-  (:func:`runtime`): its current-device and current-stream functions, where its launch
+* ``LaunchRuntime`` holds what the installed Triton offers, found once
+  (``runtime``): its current-device and current-stream functions, where its launch
   hooks live, and a check of each compiled kernel: its source signature must name every
   parameter of the kernel, constexprs included, because the launcher's argument list is
   built from that signature and the plain path passes it every bound argument. Triton
@@ -46,12 +46,12 @@ What the fast path skips that the plain path does: re-reading Triton's debug and
 instrumentation knobs (changing them mid-run keeps the kernels compiled before) and the
 check that the globals a kernel read have not changed (kareus's kernels read none).
 
-One frame a call. :func:`lean_op` writes an op's whole fast call at one signature as one
+One frame a call. ``lean_op`` writes an op's whole fast call at one signature as one
 function: the hook check, each input's address and the alignment check, the outputs
 (``torch.empty_like`` of a template), the scratch buffers, the stream, and each launch
 with its arguments in place. And where the compiled kernel's launcher is Triton's
 ``CudaLauncher`` with a ``__call__`` this module has read (3.6 and 3.9, recognised by
-its source: :func:`direct_layout`), asks for no scratch memory and runs no sanitizer,
+its source: ``direct_layout``), asks for no scratch memory and runs no sanitizer,
 the launch calls that launcher's C function directly, in the layout that ``__call__``
 would have built: its Python (closures, scratch checks; about 1 us a launch on a fast
 CPU, measured with a no-op C call) is skipped too. tests/exec/test_kernels_launch.py
@@ -91,7 +91,7 @@ class LaunchRecord:
 def plain_launch(fn: Any, grid: tuple[int, ...], args: Sequence[Any],
                  options: Mapping[str, Any], record: list[LaunchRecord] | None) -> None:
     """``fn[grid](*args, **options)``: Triton's own dispatch; appends a
-    :class:`LaunchRecord` to ``record`` when given."""
+    ``LaunchRecord`` to ``record`` when given."""
     compiled = fn[grid](*args, **options)
     if record is not None:
         record.append(LaunchRecord(fn, tuple(grid), tuple(args), dict(options), compiled))
@@ -235,7 +235,7 @@ _RUNTIME: Any = _UNSET
 
 
 def runtime() -> LaunchRuntime | None:
-    """The :class:`LaunchRuntime` of this process (found on first use), or ``None``
+    """The ``LaunchRuntime`` of this process (found on first use), or ``None``
     when lean launches are unavailable."""
     global _RUNTIME
     if _RUNTIME is _UNSET:
@@ -247,7 +247,7 @@ def runtime() -> LaunchRuntime | None:
 
 
 def use_runtime(rt: LaunchRuntime | None | Any = _UNSET) -> None:
-    """Set the runtime that :func:`runtime` returns (``None``: lean launches off); with
+    """Set the runtime that ``runtime`` returns (``None``: lean launches off); with
     no argument, detect again on next use. For tests with a fake Triton, and to switch
     the fast path off in a running process."""
     global _RUNTIME
@@ -350,7 +350,7 @@ def direct_layout(run: Any) -> str | None:
 def _call_source(k: int, run: Any, grid: tuple[int, int, int], args: str,
                  ns: dict[str, Any]) -> str:
     """The launch of record ``k``: through the launcher's C launch where
-    :func:`direct_layout` knows it, else through the launcher."""
+    ``direct_layout`` knows it, else through the launcher."""
     gx, gy, gz = grid
     layout = direct_layout(run)
     if layout is None:
@@ -382,7 +382,7 @@ def lean_sites(rt: LaunchRuntime, records: Sequence[LaunchRecord], roots: Sequen
 
     Args:
         rt: The runtime.
-        records: The plain launches of one op call (:func:`plain_launch`).
+        records: The plain launches of one op call (``plain_launch``).
         roots: The tensors of that call that every pointer argument lies in (inputs,
             outputs, scratch), all 16-byte aligned.
         root_of: For each pointer parameter name of the kernels, the index of its root.
@@ -430,7 +430,7 @@ def lean_op(rt: LaunchRuntime, records: Sequence[LaunchRecord], roots: Sequence[
             returns: int | tuple[int, ...], dev: int,
             new: Callable[[Any], Any]) -> Callable[..., Any] | None:
     """The whole lean call of an op at one signature, as one generated function, or
-    ``None`` where any of its launches cannot have a fast one (as in :func:`lean_sites`).
+    ``None`` where any of its launches cannot have a fast one (as in ``lean_sites``).
 
     The function takes the op's input tensors (the roots whose ``make`` entry is
     ``None``, in root order) and then its per-call ``values`` (in that order); it
@@ -443,9 +443,9 @@ def lean_op(rt: LaunchRuntime, records: Sequence[LaunchRecord], roots: Sequence[
     launcher called with its arguments in place.
 
     Args:
-        rt, records, roots, root_of, values: As in :func:`lean_sites`.
+        rt, records, roots, root_of, values: As in ``lean_sites``.
         make: Per root: ``None`` (an input), a template (a fresh output each call), or
-            a :class:`Scratch`.
+            a ``Scratch``.
         returns: The index of the root returned, or a tuple of them.
         dev: The device whose current stream the launches go to.
         new: Makes a fresh tensor from a template.

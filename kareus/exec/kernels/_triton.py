@@ -9,7 +9,7 @@ projection: in-place kernels would feed each run the previous run's output (valu
 drift to inf over a profiling loop, which changes the power drawn), and making q and k
 contiguous first is an extra copy of both. These kernels take strided inputs and write
 fresh outputs. liger's RMSNorm forward and SwiGLU forward, which compute out of place,
-are an opt-in of :class:`~kareus.exec.kernels.triton_ops.TritonKernels`
+are an opt-in of ``TritonKernels``
 (``use_liger=True``): the kernels here are launched with less host time.
 
 All arithmetic is float32; results are rounded once to the output dtype.
@@ -21,7 +21,7 @@ signature of the op's inputs (their types, shapes, strides, dtypes, devices, the
 device and the launch settings; a tuple built from attributes torch keeps at hand), what
 the plain path worked out and the compiled kernel it launched, and on later calls at that
 signature runs one generated function that allocates the outputs and calls the compiled
-kernel's launcher directly (:mod:`kareus.exec.kernels._launch` says how, and when it
+kernel's launcher directly (``kareus.exec.kernels._launch`` says how, and when it
 falls back to the plain path). On one H200 host (bench/results/launch_cost_h200.json)
 the plain path cost 22-121 us of host time per op at the presets' shapes, for 9-205 us
 of GPU time, and the lean path 10-28 us before its calls became one generated frame
@@ -427,14 +427,14 @@ def rope_fwd(q: Any, k: Any, cos: Any, sin: Any, *, block_r: int = 16,
     """Rotate ``q`` and ``k`` ([b, s, heads, hd], any strides with the last 1, e.g.
     views of the packed QKV) into new contiguous tensors, in one launch.
 
-    ``grid``: ``"heads"`` (the default, see :func:`_rope_heads_kernel`): ``block_r``
+    ``grid``: ``"heads"`` (the default, see ``_rope_heads_kernel``): ``block_r``
     positions of one head a program, on a 3-D grid (sequence blocks x heads x
     sequences) that needs no index arithmetic; ``"rows"``: ``block_r`` (token, head)
     rows a program on a 1-D grid (used when a batch or head count exceeds a grid
     dimension's 65,535). Measured on one H200 (bench/results/op_roofline_h200_tune.json),
     the 3-D grid at 16 positions and 4 warps ran 1-5% faster than the row grid at all
     three presets' shapes, forward and backward (qwen3-1.7b forward 9.7 against
-    10.2 us). ``lean``: as in :func:`rms_norm_fwd`."""
+    10.2 us). ``lean``: as in ``rms_norm_fwd``."""
     rt = _launch.runtime() if lean else None
     if rt is None:
         return _rope_fwd_plain(q, k, cos, sin, block_r, num_warps, grid)
@@ -468,7 +468,7 @@ def _rope_qkv_plain(qkv: Any, cos: Any, sin: Any, heads: int, kv_heads: int, blo
 def rope_qkv(qkv: Any, cos: Any, sin: Any, *, heads: int, kv_heads: int, block_r: int = 16,
              num_warps: int = 4, grid: str | None = None,
              lean: bool = True) -> tuple[Any, Any]:
-    """:func:`rope_fwd` of q and k read from the packed QKV projection
+    """``rope_fwd`` of q and k read from the packed QKV projection
     ``[batch * seq, (heads + 2 kv_heads) * hd]`` (``seq = cos.shape[0]``): the lean path
     takes their addresses and strides from ``qkv`` without making the two views."""
     rt = _launch.runtime() if lean else None
@@ -507,7 +507,7 @@ def rope_bwd(dq: Any, dk: Any, dv: Any, cos: Any, sin: Any, *, block_r: int = 16
              num_warps: int = 4, grid: str | None = None, lean: bool = True) -> Any:
     """Rotate ``dq`` and ``dk`` back and write them with ``dv`` into one packed
     ``[b * s, (heads + 2 kv_heads) * hd]`` tensor, in one launch (``grid`` as in
-    :func:`rope_fwd`; ``lean`` as in :func:`rms_norm_fwd`)."""
+    ``rope_fwd``; ``lean`` as in ``rms_norm_fwd``)."""
     rt = _launch.runtime() if lean else None
     if rt is None:
         return _rope_bwd_plain(dq, dk, dv, cos, sin, block_r, num_warps, grid)
@@ -578,7 +578,7 @@ def _swiglu_fwd_plain(g: Any, u: Any, block: int, num_warps: int,
 
 def swiglu_fwd(g: Any, u: Any, *, block: int = 2048, num_warps: int = 8,
                lean: bool = True) -> Any:
-    """``silu(g) * u`` in one pass (``lean`` as in :func:`rms_norm_fwd`)."""
+    """``silu(g) * u`` in one pass (``lean`` as in ``rms_norm_fwd``)."""
     rt = _launch.runtime() if lean else None
     if rt is None:
         return _swiglu_fwd_plain(g, u, block, num_warps)
@@ -611,7 +611,7 @@ def _swiglu_bwd_plain(da: Any, g: Any, u: Any, block: int, num_warps: int,
 def swiglu_bwd(da: Any, g: Any, u: Any, *, block: int = 2048, num_warps: int = 8,
                lean: bool = True) -> tuple[Any, Any]:
     """``(dg, du)`` of ``silu(g) * u`` in one pass (reads da, g, u; writes dg, du;
-    ``lean`` as in :func:`rms_norm_fwd`)."""
+    ``lean`` as in ``rms_norm_fwd``)."""
     rt = _launch.runtime() if lean else None
     if rt is None:
         return _swiglu_bwd_plain(da, g, u, block, num_warps)
@@ -641,7 +641,7 @@ _SWIGLU_BWD_ROOTS = {"DA": 0, "G": 1, "U": 2, "DG": 3, "DU": 4}
 
 class _Plan:
     """What an op keeps at one signature: ``fast``, its whole lean call
-    (:func:`kareus.exec.kernels._launch.lean_op`), or ``None`` when it takes the plain
+    (``kareus.exec.kernels._launch.lean_op``), or ``None`` when it takes the plain
     path at that signature; and ``scratch``, the buffers it keeps per stream (RMSNorm
     backward's partial sums), if any."""
 
@@ -670,7 +670,7 @@ def _learn(rt: _launch.LaunchRuntime, dev: int, key: tuple[Any, ...],
            values: dict[str, Any], make: tuple[Any, ...],
            returns: int | tuple[int, ...]) -> None:
     """Keep the plan of ``key`` after a plain call that recorded ``rec``: its lean call
-    (``make`` and ``returns`` as in :func:`kareus.exec.kernels._launch.lean_op`), or
+    (``make`` and ``returns`` as in ``kareus.exec.kernels._launch.lean_op``), or
     none where the fast path cannot take this signature (then later calls at it go
     straight to the plain path). A call with an unaligned tensor keeps nothing, so the
     next call at the signature tries again."""

@@ -3,7 +3,7 @@
 For a model's own training loop: ``rms_norm(x, w)``, ``rope(qkv, cos, sin, heads=...,
 kv_heads=...)`` and ``swiglu(g, u)`` run the kernel set's forward op and, in the
 backward pass, its backward op (the same kernels the runnable partitions profile).
-``kernels`` is anything :func:`~kareus.exec.kernels.get_kernels` accepts.
+``kernels`` is anything ``get_kernels`` accepts.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The :class:`KernelSet` interface, the plain-torch and reference sets, and the registry.
+"""The ``KernelSet`` interface, the plain-torch and reference sets, and the registry.
 
 Layouts (the runnable partitions' and most training stacks'):
 
@@ -35,7 +35,7 @@ OPS = ("rms_norm", "rms_norm_bwd", "rope", "rope_bwd", "swiglu", "swiglu_bwd", "
 class KernelSet(abc.ABC):
     """One implementation of every op of a transformer layer (see the package docstring).
 
-    Subclass it, or one of :class:`TorchKernels` / ``TritonKernels``, overriding the ops
+    Subclass it, or one of ``TorchKernels`` / ``TritonKernels``, overriding the ops
     you have your own kernels for. Every method enqueues its work on the current stream
     and returns new tensors (no input is modified), so an op can run again and again on
     the same inputs, as a profiling loop does.
@@ -43,7 +43,7 @@ class KernelSet(abc.ABC):
     Attributes:
         name: Short name (``"triton"``, ``"torch"``, ``"reference"``, yours).
         sdpa_backends: ``torch.nn.attention.SDPBackend`` member names, in priority order,
-            that :meth:`attention` may use (the math backend is always the last resort).
+            that ``attention`` may use (the math backend is always the last resort).
     """
 
     name: str = "custom"
@@ -56,7 +56,7 @@ class KernelSet(abc.ABC):
 
     @abc.abstractmethod
     def rms_norm_bwd(self, dy: Any, x: Any, w: Any, eps: float = 1e-5) -> tuple[Any, Any]:
-        """Gradients ``(dx, dw)`` of :meth:`rms_norm` (``dw`` may be ``None`` if not computed)."""
+        """Gradients ``(dx, dw)`` of ``rms_norm`` (``dw`` may be ``None`` if not computed)."""
 
     @abc.abstractmethod
     def rope(self, qkv: Any, cos: Any, sin: Any, *, heads: int,
@@ -75,13 +75,13 @@ class KernelSet(abc.ABC):
 
     @abc.abstractmethod
     def swiglu_bwd(self, da: Any, g: Any, u: Any) -> tuple[Any, Any]:
-        """Gradients ``(dg, du)`` of :meth:`swiglu` for the output gradient ``da``."""
+        """Gradients ``(dg, du)`` of ``swiglu`` for the output gradient ``da``."""
 
     # -------------------------------------------------------------- shared defaults
 
     def attention(self, q: Any, k: Any, v: Any) -> Any:
         """Causal attention of ``q`` [b, heads, s, hd] over grouped ``k``, ``v``
-        [b, kv_heads, s_k, hd], on the first of :attr:`sdpa_backends` that takes it.
+        [b, kv_heads, s_k, hd], on the first of ``sdpa_backends`` that takes it.
 
         Grouped K/V are read in place (``enable_gqa``): copying them with
         ``repeat_interleave`` first cost 30% more time on one H200 (0.475 vs 0.364 ms
@@ -92,13 +92,13 @@ class KernelSet(abc.ABC):
             return _sdpa(q, k, v)
 
     def attention_fwd(self, q: Any, k: Any, v: Any) -> Any:
-        """:meth:`attention` as an explicit op pair: returns a
-        :class:`~kareus.exec.kernels._attention.SavedAttention` (its ``output`` is the
-        attention's output) for :meth:`attention_bwd`.
+        """``attention`` as an explicit op pair: returns a
+        ``SavedAttention`` (its ``output`` is the
+        attention's output) for ``attention_bwd``.
 
         The fused op SDPA picks for these inputs (cuDNN or flash) is called directly, so
         the backward needs neither the autograd engine nor its thread: it captures in a
-        CUDA graph and costs one dispatch (see :mod:`kareus.exec.kernels._attention`).
+        CUDA graph and costs one dispatch (see ``kareus.exec.kernels._attention``).
         The backend is pinned per input signature (shapes, strides, dtype, device) at
         its first call.
         """
@@ -114,14 +114,14 @@ class KernelSet(abc.ABC):
         return attention_forward(q, k, v, backend=backend, fallback=self.attention)
 
     def attention_bwd(self, do: Any, saved: Any) -> tuple[Any, Any, Any]:
-        """``(dq, dk, dv)`` of an :meth:`attention_fwd` for the output gradient ``do``
+        """``(dq, dk, dv)`` of an ``attention_fwd`` for the output gradient ``do``
         (repeatable: the saved state is kept)."""
         from kareus.exec.kernels._attention import attention_backward
 
         return attention_backward(do, saved)
 
     def attention_backend(self, q: Any, k: Any, v: Any) -> str:
-        """Name of the SDPA backend :meth:`attention` runs for these inputs."""
+        """Name of the SDPA backend ``attention`` runs for these inputs."""
         import torch
 
         with self._sdpa_context():
@@ -166,7 +166,7 @@ class KernelSet(abc.ABC):
         return torch.matmul(a, b, out=out) if out is not None else torch.matmul(a, b)
 
     def kernel_names(self) -> dict[str, str]:
-        """Which kernel each op gets, for reports (attention: see :meth:`attention_backend`)."""
+        """Which kernel each op gets, for reports (attention: see ``attention_backend``)."""
         return {"attention": "sdpa(" + " > ".join(b.lower() for b in self.sdpa_backends) + ")",
                 "matmul": "cublas (torch.matmul; addmm_ to accumulate)"}
 
@@ -368,7 +368,7 @@ _REGISTRY: dict[str, Callable[[], KernelSet]] = {}
 
 
 def register_kernels(name: str, factory: Callable[[], KernelSet]) -> None:
-    """Make a kernel set selectable by ``name`` (in :func:`get_kernels` and
+    """Make a kernel set selectable by ``name`` (in ``get_kernels`` and
     ``KAREUS_KERNELS``). ``factory`` is called with no arguments."""
     if not name or not isinstance(name, str):
         raise ValueError("a kernel set needs a non-empty name")
@@ -389,7 +389,7 @@ register_kernels("triton", _triton_factory)
 
 
 def available_kernels() -> list[str]:
-    """Names :func:`get_kernels` accepts."""
+    """Names ``get_kernels`` accepts."""
     return sorted(_REGISTRY)
 
 
@@ -406,8 +406,8 @@ def get_kernels(kernels: KernelSet | str | None = None) -> KernelSet:
     """The kernel set to run ops with.
 
     Args:
-        kernels: A :class:`KernelSet` (returned as is), a registered name
-            (:func:`available_kernels`), or ``None``/``"auto"``: ``$KAREUS_KERNELS`` if
+        kernels: A ``KernelSet`` (returned as is), a registered name
+            (``available_kernels``), or ``None``/``"auto"``: ``$KAREUS_KERNELS`` if
             set, else ``"triton"`` where CUDA and Triton are available, else ``"torch"``.
 
     Raises:

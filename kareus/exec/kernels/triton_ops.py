@@ -16,7 +16,7 @@ op                 kernel
 ``matmul``         cuBLAS
 =================  ====================================================================
 
-:mod:`kareus.exec.kernels._triton` says why the backward kernels and RoPE are kareus's
+``kareus.exec.kernels._triton`` says why the backward kernels and RoPE are kareus's
 own, and how their launches are kept lean (``lean=False`` launches through Triton's own
 dispatch on every call instead).
 """

@@ -10,13 +10,13 @@ one schedule by 0.9-7.6% between rounds on 2x H200 (median 4.0%;
 ``bench/results/h200_overlap_repeat_2xh200.json``, docs/emulator.md). Three things fix
 that here:
 
-* **Step-edge reads.** :class:`EnergyMeter` polls the counter of each local GPU on a
-  background thread and keeps only the moments it *changes* (its edges) with their
+* **Step-edge reads.** [`EnergyMeter`][kareus.exec.EnergyMeter] polls the counter of each local GPU
+  on a background thread and keeps only the moments it *changes* (its edges) with their
   host time. The energy between two edges is exact, and their host times are known
   to about the polling period, so average power over an edge-to-edge span of a few
   steps is accurate to a fraction of a percent.
-* **Steady-state windows.** :class:`NVMLProfiler` runs the partition back to back for
-  a warm-up, then a measurement span of whole counter steps, then a short tail, with a
+* **Steady-state windows.** [`NVMLProfiler`][kareus.exec.NVMLProfiler] runs the partition back to
+  back for a warm-up, then a measurement span of whole counter steps, then a short tail, with a
   device event after every run. The events give the host time at which each run
   finished, so the runs completed between the span's first and last counter step are
   counted (fractionally at the ends): energy per run = counter energy over the span /
@@ -32,25 +32,28 @@ Where the runner's executor captures CUDA graphs (the default on a GPU), each st
 graph replay, as in training; every measurement records that (``execution``) and the
 fraction of its window the GPU was busy (``gpu_busy``: the GPU's own time per step, from
 steps queued behind a sleeping kernel, over the measured time per step). Below 90%
-(:data:`HOST_BOUND_BUSY`) the host set the pace, and the measurement is flagged as
+(``HOST_BOUND_BUSY``) the host set the pace, and the measurement is flagged as
 host-bound.
 
-Static power is measured, not assumed: :meth:`NVMLProfiler.measure_static_power`
-reads the power of GPUs blocked in a receive whose sender is late (the power a GPU
-draws while it waits on communication), and of idle GPUs.
+Static power is measured, not assumed:
+[`NVMLProfiler.measure_static_power`][kareus.exec.NVMLProfiler.measure_static_power] reads the power
+of GPUs blocked in a receive whose sender is late (the power a GPU draws while it waits on
+communication), and of idle GPUs.
 
 Scope: a measurement sums the energy of every GPU of the partition's group (each rank
-reads its own GPU, and the ranks sum). All ranks must call :meth:`NVMLProfiler.measure`
-with the same arguments in the same order; step counts are decided by rank 0 and
-broadcast, so no loop length depends on one rank's timing.
+reads its own GPU, and the ranks sum). All ranks must call
+[`NVMLProfiler.measure`][kareus.exec.NVMLProfiler.measure] with the same arguments in the same
+order; step counts are decided by rank 0 and broadcast, so no loop length depends on one rank's
+timing.
 
 ``pynvml`` (the ``nvidia-ml-py`` package) is imported lazily; pass a fake module as
 ``nvml=`` to test without GPUs.
 
 Modules (import the names from this package, not from them): ``_device`` (loading NVML,
-and :func:`nvml_device_index`: this process's GPU in NVML's numbering, by UUID),
-``_meter`` (:class:`EnergyMeter`), ``_coordinator`` (agreement among ranks), ``_runner``
-(running partition steps) and ``_profiler`` (:class:`NVMLProfiler`).
+and [`nvml_device_index`][kareus.exec.nvml_device_index]: this process's GPU in NVML's numbering, by
+UUID), ``_meter`` ([`EnergyMeter`][kareus.exec.EnergyMeter]), ``_coordinator`` (agreement among
+ranks), ``_runner`` (running partition steps) and ``_profiler``
+([`NVMLProfiler`][kareus.exec.NVMLProfiler]).
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 NVML numbers every GPU of the machine in PCI order; CUDA numbers only the GPUs
 ``CUDA_VISIBLE_DEVICES`` lists, in the order it lists them (Slurm and container runtimes
 set it per job). So CUDA device 0 of a rank is NVML device 0 only when nothing remaps
-them: :func:`nvml_device_index` finds the NVML index through the GPU's UUID, which both
-numberings share.
+them: [`nvml_device_index`][kareus.exec.nvml_device_index] finds the NVML index through the GPU's
+UUID, which both numberings share.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def nvml_device_index(device: int | None = None, *, nvml: Any = None,
         device: CUDA device index as this process sees it (``None``: the current device,
             or 0 without torch).
         nvml: The NVML module (``None``: ``pynvml``); a fake for tests.
-        uuid_of: ``device -> UUID or None``; ``None`` = :func:`cuda_device_uuid`.
+        uuid_of: ``device -> UUID or None``; ``None`` = ``cuda_device_uuid``.
 
     Raises:
         HardwareError: no NVML GPU has the UUID, or the device is not visible.

@@ -38,14 +38,16 @@ class EnergyMeter:
     """Step-edge reads of NVML's total-energy counter of some local GPUs.
 
     A background thread polls each GPU's counter every ``poll_interval_s`` and records
-    the host time and value whenever the value changes. :meth:`energy_between` then
-    answers "energy and exact duration between the first and last counter step inside
-    [t0, t1]" per GPU. The thread also samples SM clock and temperature.
+    the host time and value whenever the value changes.
+    [`energy_between`][kareus.exec.EnergyMeter.energy_between] then answers "energy and exact
+    duration between the first and last counter step inside [t0, t1]" per GPU. The thread also
+    samples SM clock and temperature.
 
     Args:
         device_indices: NVML indices of the GPUs to read; ``None`` = this process's
-            current CUDA device, found in NVML by its UUID (:func:`nvml_device_index`:
-            right under ``CUDA_VISIBLE_DEVICES``).
+            current CUDA device, found in NVML by its UUID
+            ([`nvml_device_index`][kareus.exec.nvml_device_index]: right under
+            ``CUDA_VISIBLE_DEVICES``).
         nvml: The NVML module (``None``: ``pynvml``).
         poll_interval_s: Polling period; the edge times are known to about this much.
         history: Edges kept per GPU.
@@ -166,7 +168,7 @@ class EnergyMeter:
     def timed_edges(self, t0_s: float, t1_s: float, device: int = 0
                     ) -> list[tuple[float, int]]:
         """(host time, mJ) of the counter steps inside [t0_s, t1_s] whose host times are
-        sharp enough to bound a span (:meth:`_window_ends`)."""
+        sharp enough to bound a span (``_window_ends``)."""
         with self._lock:
             inside = [e for e in self._edges[device] if t0_s <= e.t_s <= t1_s]
         if len(inside) < 2:
@@ -196,8 +198,9 @@ class EnergyMeter:
 
     def _window_ends(self, inside: list[_Edge]) -> list[_Edge]:
         """The steps that may bound a span: those seen within twice the typical delay
-        after the previous read (the median over ``inside``, or :meth:`sharp_edge_s`),
-        or all of them where fewer than two are."""
+        after the previous read (the median over ``inside``, or
+        [`sharp_edge_s`][kareus.exec.EnergyMeter.sharp_edge_s]), or all of them where fewer than two
+        are."""
         limit = max(2 * statistics.median(e.blur_s for e in inside), self.sharp_edge_s())
         sharp = [e for e in inside if e.blur_s <= limit]
         return sharp if len(sharp) >= 2 else inside
@@ -210,7 +213,7 @@ class EnergyMeter:
         A step seen late, because the polling thread was kept off a busy CPU (or waited
         for the GIL far longer than usual), has a late host time: as an end it would
         shorten or stretch the span by that lateness while the energy between the steps
-        stays exact. Such steps do not bound the span (:meth:`_window_ends`).
+        stays exact. Such steps do not bound the span (``_window_ends``).
 
         Returns ``(0, 0, 0)`` when fewer than two steps fall inside.
         """

@@ -3,10 +3,11 @@
 Each measurement also says how the GPU was fed: ``execution`` (``"graphed"``: every step a
 CUDA-graph replay, as the training loop runs on a GPU; ``"eager"``: every op launched from
 the host) and ``gpu_busy``, the fraction of the measured time per step that the GPU needs
-alone (steps queued behind a sleeping kernel, :meth:`PartitionRunner.queued_step_s
-<kareus.exec.nvml.PartitionRunner.queued_step_s>`). Below :data:`HOST_BOUND_BUSY` the host,
-not the GPU, set the pace: the measurement is of the launches as much as of the partition,
-and it is flagged (a warning on the ``kareus`` logger and :attr:`MeasurementRecord.host_bound`).
+alone (steps queued behind a sleeping kernel,
+[PartitionRunner.queued_step_s][kareus.exec.PartitionRunner.queued_step_s]). Below
+``HOST_BOUND_BUSY`` the host, not the GPU, set the pace: the measurement is of the launches as much
+as of the partition, and it is flagged (a warning on the ``kareus`` logger and
+[`MeasurementRecord.host_bound`][kareus.exec.MeasurementRecord.host_bound]).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ HOST_BOUND_BUSY = 0.90
 
 @attrs.frozen(kw_only=True)
 class MeasurementRecord:
-    """Everything one :meth:`NVMLProfiler.measure` call saw (for logs and studies).
+    """Everything one [`NVMLProfiler.measure`][kareus.exec.NVMLProfiler.measure] call saw (for logs and studies).
 
     Attributes:
         config: The configuration.
@@ -88,7 +89,7 @@ class MeasurementRecord:
 
     @property
     def host_bound(self) -> bool:
-        """Whether the GPU was busy less than :data:`HOST_BOUND_BUSY` of the window."""
+        """Whether the GPU was busy less than ``HOST_BOUND_BUSY`` of the window."""
         return self.gpu_busy is not None and self.gpu_busy < HOST_BOUND_BUSY
 
     def execution_facts(self) -> dict[str, Any]:
@@ -112,14 +113,17 @@ class MeasurementRecord:
 class NVMLProfiler(Profiler):
     """Thermally stable energy and time of partitions on real GPUs, through NVML.
 
-    Every rank of the partition's group creates one, with an :class:`EnergyMeter` on
-    its own GPU, and calls :meth:`measure` in lockstep.
+    Every rank of the partition's group creates one, with an
+    [`EnergyMeter`][kareus.exec.EnergyMeter] on its own GPU, and calls
+    [`measure`][kareus.exec.NVMLProfiler.measure] in lockstep.
 
     Args:
         gpu: GPU preset (or spec) the measurements are of.
-        runner: Runs the partition's steps (e.g. :class:`TorchPartitionRunner`).
-        meter: This rank's :class:`EnergyMeter` (started by the profiler).
-        coordinator: Agreement among the group's ranks; ``None`` = :class:`LocalCoordinator`.
+        runner: Runs the partition's steps (e.g.
+            [`TorchPartitionRunner`][kareus.exec.TorchPartitionRunner]).
+        meter: This rank's [`EnergyMeter`][kareus.exec.EnergyMeter] (started by the profiler).
+        coordinator: Agreement among the group's ranks; ``None`` =
+            [`LocalCoordinator`][kareus.exec.LocalCoordinator].
         warmup_s: Back-to-back running before the measured span; ``None`` = 0.4 s.
         window_steps: Counter steps in the measured span (each 75-100 ms on H200);
             ``None`` = 6.
@@ -136,24 +140,27 @@ class NVMLProfiler(Profiler):
         max_cooldown_s: ...but no longer than this (``None`` = 1 s; an H200 falls from
             ~58 C to within 3 C of its working baseline in 0.3-0.6 s).
         static_power_w: Static power of the whole group; ``None`` = measure it at
-            :meth:`start` (blocked-in-communication power, or idle power on one GPU).
+            [`start`][kareus.exec.NVMLProfiler.start] (blocked-in-communication power, or idle power
+            on one GPU).
         group_size: GPUs of the group (``None`` = the coordinator's world size).
-        counter_timeout_s: How long :meth:`start` waits for the counter to step.
+        counter_timeout_s: How long [`start`][kareus.exec.NVMLProfiler.start] waits for the counter
+            to step.
         frequency: Sets the SM clock of each candidate. Only a controller that changes
-            clocks (:class:`~kareus.exec.frequency.NVMLFrequencyController`) opens the
+            clocks ([`NVMLFrequencyController`][kareus.exec.NVMLFrequencyController]) opens the
             frequency dimension; without one, or with a
-            :class:`~kareus.exec.frequency.DryRunFrequencyController` (machines whose
+            [`DryRunFrequencyController`][kareus.exec.DryRunFrequencyController] (machines whose
             clocks must not change), the space holds one clock, the GPU's default
-            (:attr:`clock_note` says so), and no clock is ever set.
+            (``clock_note`` says so), and no clock is ever set.
         freqs_mhz: The clocks to search when clocks are controlled; ``None`` = the GPU's
             search grid.
-        comm_sms: SM counts to search; ``None`` = :class:`~kareus.model.config.ConfigSpace`'s.
+        comm_sms: SM counts to search; ``None`` = [`ConfigSpace`][kareus.model.ConfigSpace]'s.
         backends: Names of the collective backends the runner's executor holds
             (``TorchExecutor(backends=...)``); with two or more, the backend is a dimension
             of every space. ``None`` = the executor's one collective.
-        outside: ``(work, comm_sms) -> runnable partition`` for :meth:`measure_outside`
-            (e.g. :class:`~kareus.exec.outside_work.RunnableOutsideWork`); ``None``: this
-            profiler cannot measure the work outside partitions.
+        outside: ``(work, comm_sms) -> runnable partition`` for
+            [`measure_outside`][kareus.exec.NVMLProfiler.measure_outside] (e.g.
+            ``RunnableOutsideWork``); ``None``: this profiler cannot measure the work outside
+            partitions.
         busy_steps: Steps the runner queues behind a sleeping kernel, once per
             measurement, for the GPU's time per step alone (the GPU-busy fraction);
             ``None`` = 10.
@@ -341,14 +348,14 @@ class NVMLProfiler(Profiler):
         return e / dt if dt > 0 else 0.0
 
     def space(self, partition: Partition) -> ConfigSpace:
-        """The configurations this profiler can measure: its clocks (:attr:`freqs_mhz`),
+        """The configurations this profiler can measure: its clocks (``freqs_mhz``),
         SM counts and, with several, its backends."""
         several = self.backends is not None and len(self.backends) > 1
         return ConfigSpace(partition, self.gpu, freqs_mhz=self.freqs_mhz,
                            comm_sms=self.comm_sms, backends=self.backends if several else None)
 
     def clocks_mhz(self) -> tuple[int, ...] | None:
-        """:attr:`freqs_mhz`: the clocks this profiler measures at."""
+        """``freqs_mhz``: the clocks this profiler measures at."""
         return self.freqs_mhz
 
     @property
@@ -391,8 +398,9 @@ class NVMLProfiler(Profiler):
                         comm_sms: int | None = None) -> Measurement:
         """Measure the work outside partitions (embedding, LM head, loss and their
         collectives, sequentially) at ``freq_mhz``; collective over the group like
-        :meth:`measure`. Its scope is ``group_size`` GPUs: a measurement of this profiler's
-        group scaled, where the two differ, as if every GPU drew what the measured ones did.
+        [`measure`][kareus.exec.NVMLProfiler.measure]. Its scope is ``group_size`` GPUs: a
+        measurement of this profiler's group scaled, where the two differ, as if every GPU drew what
+        the measured ones did.
 
         Raises:
             NotImplementedError: the profiler was built without ``outside``.
@@ -435,7 +443,7 @@ class NVMLProfiler(Profiler):
 
     def measure_record(self, partition: Partition, config: ScheduleConfig
                        ) -> MeasurementRecord:
-        """Like :meth:`measure`, returning the full :class:`MeasurementRecord`."""
+        """Like [`measure`][kareus.exec.NVMLProfiler.measure], returning the full [`MeasurementRecord`][kareus.exec.MeasurementRecord]."""
         self.start()
         assert self.step_period_s is not None
         wall0 = self._clock()

@@ -1,20 +1,20 @@
 """Running steps of a partition under a configuration on this rank's device.
 
 A step is one run of the partition. Where the executor captures CUDA graphs (a
-:class:`~kareus.exec.executor.TorchExecutor` on a GPU, by default), what is measured is
+[`TorchExecutor`][kareus.exec.TorchExecutor] on a GPU, by default), what is measured is
 what training runs: the step is captured once and each call replays it, one launch per
 step instead of one per op. The program double-buffers its collective's tensor (step
 ``j`` computes into one buffer while the collective reduces the other,
-:meth:`PartitionProgram.advance <kareus.exec._partition_program.PartitionProgram.advance>`),
+[PartitionProgram.advance][kareus.exec.PartitionProgram.advance]),
 so two consecutive steps read and write different addresses: the runner captures two
 graphs, a step at each parity, into one sequence and replays them alternately.
 
 A measurement is one of the GPU only if the host kept the GPU fed. So the runner can also
-time steps *queued* behind a sleeping kernel (:meth:`PartitionRunner.queued_step_s`): the
-host enqueues them while the GPU is held, and the time from the first to the last is the
-GPU's alone. The NVML profiler divides it by the time per step it measured (the
-GPU-busy fraction of the window) and flags a measurement whose GPU was busy less than 90%
-of it as host-bound.
+time steps *queued* behind a sleeping kernel
+([`PartitionRunner.queued_step_s`][kareus.exec.PartitionRunner.queued_step_s]): the host enqueues
+them while the GPU is held, and the time from the first to the last is the GPU's alone. The NVML
+profiler divides it by the time per step it measured (the GPU-busy fraction of the window) and flags
+a measurement whose GPU was busy less than 90% of it as host-bound.
 """
 
 from __future__ import annotations
@@ -48,11 +48,11 @@ class PartitionRunner(abc.ABC):
 
     @abc.abstractmethod
     def mark(self) -> Any:
-        """A point in the device's stream order (an event), for :meth:`elapsed_s`."""
+        """A point in the device's stream order (an event), for [`elapsed_s`][kareus.exec.PartitionRunner.elapsed_s]."""
 
     @abc.abstractmethod
     def elapsed_s(self, start: Any, end: Any) -> float:
-        """Device time between two marks (after :meth:`synchronize`)."""
+        """Device time between two marks (after [`synchronize`][kareus.exec.PartitionRunner.synchronize])."""
 
     @property
     def graphs(self) -> bool:
@@ -70,7 +70,7 @@ class PartitionRunner(abc.ABC):
         runner cannot tell, and its measurements carry no GPU-busy fraction.
 
         Args:
-            step: A step from :meth:`prepare`.
+            step: A step from [`prepare`][kareus.exec.PartitionRunner.prepare].
             steps: Steps to time.
             host_step_s: Host time to enqueue one step (what the hold must outlast).
         """
@@ -78,23 +78,23 @@ class PartitionRunner(abc.ABC):
 
 
 class TorchPartitionRunner(PartitionRunner):
-    """Runs :class:`~kareus.exec.torch_partition.RunnablePartition` programs through a
-    :class:`~kareus.exec.executor.TorchExecutor` (programs are built once and cached; their
-    communication buffers come from the executor's backends, :meth:`TorchExecutor.empty
-    <kareus.exec.executor.TorchExecutor.empty>`, so that
-    :class:`~kareus.exec.collectives.OwnKernelCollective` gets registered buffers, which
-    the other backends of the executor run on too).
+    """Runs [`RunnablePartition`][kareus.exec.RunnablePartition] programs through a
+    [`TorchExecutor`][kareus.exec.TorchExecutor] (programs are built once and cached; their
+    communication buffers come from the executor's backends,
+    [TorchExecutor.empty][kareus.exec.TorchExecutor.empty], so that
+    [`OwnKernelCollective`][kareus.exec.OwnKernelCollective] gets registered buffers, which the
+    other backends of the executor run on too).
 
     Partitions the runner is given may also be model partitions it can make runnable:
     ``resolve`` maps them (the tuning driver maps each workload partition type to its
-    :class:`~kareus.exec.torch_partition.RunnableTransformerPartition`).
+    [`RunnableTransformerPartition`][kareus.exec.RunnableTransformerPartition]).
 
     Where the executor captures graphs (``executor.graphs``; ``TorchExecutor(graphs=False)``
-    keeps every op eager), :meth:`prepare` captures the partition's step into a sequence of
-    two graphs (a step at each parity of the program's double buffers, with its collective,
-    events and SM cap) and returns a callable that replays the next of them. The graphs of
-    one configuration are held at a time: preparing another releases them first (their
-    memory pool goes back to the allocator), and preparing the same one again reuses them.
+    keeps every op eager), [`prepare`][kareus.exec.TorchPartitionRunner.prepare] captures the
+    partition's step into a sequence of two graphs (a step at each parity of the program's double
+    buffers, with its collective, events and SM cap) and returns a callable that replays the next of
+    them. The graphs of one configuration are held at a time: preparing another releases them first
+    (their memory pool goes back to the allocator), and preparing the same one again reuses them.
 
     Args:
         executor: The executor (carries the collective backend and the streams).
@@ -260,18 +260,22 @@ class TorchPartitionRunner(PartitionRunner):
         (``torch.cuda._sleep``, sized to outlast the host's enqueueing), so that no step
         waits on the host: the GPU's time alone.
 
-        One step more runs first, untimed: its collective absorbs the ranks' different
-        start times. Runs ``steps + 1`` steps on every rank.
+        As many steps run first, untimed and queued too: their collectives absorb the
+        ranks' different start times, and the GPU leaves the sleeping kernel's low-power
+        state before the timed steps (on 1x H200, GEMM-heavy steps timed right after the
+        sleep ran up to 13% faster than back to back, at a higher clock, and GPU-bound
+        partitions were flagged host-bound). Runs ``2 * steps`` steps on every rank.
         """
         torch = self._torch
         n = max(1, int(steps))
         self.synchronize()
         factor = self._hold_factor
-        hold_s = factor * (n + 1) * max(float(host_step_s), 1e-5) + 1e-3
+        hold_s = factor * 2 * n * max(float(host_step_s), 1e-5) + 1e-3
         cycles = int(min(hold_s * self._sleep_cycles_per_s(), 2**62))
         t0 = time.perf_counter()
         torch.cuda._sleep(cycles)
-        step()
+        for _ in range(n):
+            step()
         start = self.mark()
         for _ in range(n):
             step()
@@ -283,6 +287,6 @@ class TorchPartitionRunner(PartitionRunner):
             self._hold_factor = 2 * factor
             _log.debug("the device hold of %.2f ms ran out before %d steps were enqueued "
                        "(%.2f ms): the queued time may include host gaps; the next hold is "
-                       "%gx the host time", hold_s * 1e3, n + 1, enqueue_s * 1e3,
+                       "%gx the host time", hold_s * 1e3, 2 * n, enqueue_s * 1e3,
                        self._hold_factor)
         return self.elapsed_s(start, end) / n

@@ -2,11 +2,11 @@
 
 The library's training loop, for measuring what a plan does to a real job and as the
 pattern for applying one in your own loop. Each rank builds its shard of a decoder from a
-preset's dimensions (:class:`DecoderShard`: N layers, random initialisation, fp32 master
-weights, AdamW, cross-entropy of next-token prediction on random tokens), tensor and
-context parallel, every op on the production kernels (:mod:`kareus.exec.kernels`), and
-runs iterations through :class:`~kareus.exec.executor.TorchExecutor` under one of three
-schedules (:data:`SCHEDULES`):
+preset's dimensions ([`DecoderShard`][kareus.exec.train.DecoderShard]: N layers, random
+initialisation, fp32 master weights, AdamW, cross-entropy of next-token prediction on random
+tokens), tensor and context parallel, every op on the production kernels (``kareus.exec.kernels``),
+and runs iterations through [`TorchExecutor`][kareus.exec.TorchExecutor] under one of three
+schedules (``SCHEDULES``):
 
 * ``"sequential"``: Megatron-LM without overlap (whole microbatches, each collective
   right after the ops that produce its tensor, the collective's own CTA count);

@@ -1,18 +1,19 @@
 """The schedule logic of the training loop: which ops run in which partition, how configured.
 
 A microbatch computation of a decoder stack is one stream of ops with collectives between
-them (:func:`stack_stream`): per layer, forward ``attn_norm qkv rope [CP all-gather of K/V]
-attn_core out_proj [TP all-reduce] mlp_norm gate up swiglu down [TP all-reduce]``;
-backward, from the top layer down, ``down_dgrad ... up_wgrad [TP all-reduce] mlp_norm_bwd
-out_dgrad out_wgrad attn_core_bwd [CP reduce-scatter of dK/dV] rope_bwd qkv_dgrad qkv_wgrad
-[TP all-reduce]``, each layer's ``attn_norm_bwd`` opening the next layer's backward (it
-needs the all-reduced gradient), as in :func:`kareus.model.partition.build_partitions`.
-With full recomputation the backward of each layer first re-runs its forward, collectives
-included.
+them ([`stack_stream`][kareus.exec.train.stack_stream]): per layer, forward ``attn_norm qkv rope
+[CP all-gather of K/V] attn_core out_proj [TP all-reduce] mlp_norm gate up swiglu down
+[TP all-reduce]``; backward, from the top layer down, ``down_dgrad ... up_wgrad [TP all-reduce]
+mlp_norm_bwd out_dgrad out_wgrad attn_core_bwd [CP reduce-scatter of dK/dV] rope_bwd qkv_dgrad
+qkv_wgrad [TP all-reduce]``, each layer's ``attn_norm_bwd`` opening the next layer's backward (it
+needs the all-reduced gradient), as in
+[`kareus.model.partition.build_partitions`][kareus.model.build_partitions]. With full recomputation
+the backward of each layer first re-runs its forward, collectives included.
 
-:func:`pieces` cuts that stream at its collectives: a :class:`Piece` is a run of ops and the
-collective after them. The three schedules run the pieces of one computation through an
-:class:`~kareus.exec.executor.Executor` (:func:`run_computation`):
+[`pieces`][kareus.exec.train.pieces] cuts that stream at its collectives: a
+[`Piece`][kareus.exec.train.Piece] is a run of ops and the collective after them. The three
+schedules run the pieces of one computation through an [`Executor`][kareus.exec.Executor]
+([`run_computation`][kareus.exec.train.run_computation]):
 
 * ``"sequential"`` (Megatron-LM without overlap): the whole microbatch; each piece's
   collective right after its ops, exposed, with the collective's own CTA count;
@@ -25,12 +26,12 @@ collective after them. The three schedules run the pieces of one computation thr
 
 The partition type of a unit is the type whose ops hold the unit's ops (equal, or a prefix
 or suffix at the ends of the stack) and whose collective is the one the unit overlaps
-(:func:`match_type`); the first piece of the stack is a suffix of its type (the layer
-below it starts the chain) and the last a prefix. A slot that falls before the unit's
-first op launches with that op; one after its last op runs sequentially (:func:`clip_slot`).
-The last collective of a computation overlaps nothing: it runs exposed with the SM count
-of its cyclic partner type (the first piece's type with that collective), as the
-partition model pairs it.
+([`match_type`][kareus.exec.train.match_type]); the first piece of the stack is a suffix of its type
+(the layer below it starts the chain) and the last a prefix. A slot that falls before the unit's
+first op launches with that op; one after its last op runs sequentially
+([`clip_slot`][kareus.exec.train.clip_slot]). The last collective of a computation overlaps nothing:
+it runs exposed with the SM count of its cyclic partner type (the first piece's type with that
+collective), as the partition model pairs it.
 
 Every rank runs the same pieces in the same order, so every rank issues the same
 collectives in the same order; nothing here depends on timing. Pure Python (no torch).
@@ -110,7 +111,7 @@ class Piece:
 
 @attrs.frozen
 class TypeShape:
-    """What :func:`match_type` needs of a partition type: its ops' names and collective kind."""
+    """What [`match_type`][kareus.exec.train.match_type] needs of a partition type: its ops' names and collective kind."""
 
     op_names: tuple[str, ...]
     comm_kind: str
@@ -120,7 +121,7 @@ class TypeShape:
 class DefaultConfig:
     """A baseline configuration: the collective with its own CTA count.
 
-    ``comm_sms=None`` makes :class:`~kareus.exec.executor.TorchExecutor` use its
+    ``comm_sms=None`` makes [`TorchExecutor`][kareus.exec.TorchExecutor] use its
     ``default_collective``; ``launch_slot=None`` is sequential.
     """
 
@@ -172,9 +173,9 @@ def stack_stream(phase: str, layers: int, *, tp: int, cp: int,
         recompute: Whether the backward re-runs each layer's forward first.
 
     Returns:
-        :class:`Op` and :class:`Comm` items. Backward: layer ``l``'s ``attn_norm_bwd``
-        comes right before layer ``l-1``'s ``down_dgrad`` (after ``l-1``'s recomputed
-        forward); layer 0's is last. The embedding, final norm, LM head and loss are
+        [`Op`][kareus.exec.train.Op] and [`Comm`][kareus.exec.train.Comm] items. Backward: layer
+        ``l``'s ``attn_norm_bwd`` comes right before layer ``l-1``'s ``down_dgrad`` (after ``l-1``'s
+        recomputed forward); layer 0's is last. The embedding, final norm, LM head and loss are
         outside the stack.
     """
     if phase not in ("fwd", "bwd"):
@@ -197,7 +198,7 @@ def stack_stream(phase: str, layers: int, *, tp: int, cp: int,
 
 
 def pieces(stream: Sequence[Op | Comm]) -> list[Piece]:
-    """Cut a stream at its collectives: each :class:`Piece` ends with one (the last may not)."""
+    """Cut a stream at its collectives: each [`Piece`][kareus.exec.train.Piece] ends with one (the last may not)."""
     out: list[Piece] = []
     ops: list[Op] = []
     for item in stream:
@@ -212,7 +213,7 @@ def pieces(stream: Sequence[Op | Comm]) -> list[Piece]:
 
 
 def type_shapes(partition_set: Any) -> dict[str, TypeShape]:
-    """:class:`TypeShape` of every type of a :class:`~kareus.model.partition.PartitionSet`."""
+    """[`TypeShape`][kareus.exec.train.TypeShape] of every type of a [`PartitionSet`][kareus.model.PartitionSet]."""
     return {name: TypeShape(tuple(op.name for op in p.compute_ops), p.comm_op.kind.value)
             for name, p in partition_set.types.items()}
 
@@ -292,16 +293,17 @@ def run_computation(executor: Any, stack: Sequence[Piece], *, schedule: str, nan
     """Enqueue one microbatch computation's stack under ``schedule`` through ``executor``.
 
     Args:
-        executor: An :class:`~kareus.exec.executor.Executor`; under ``"kareus"``, call this
+        executor: An [`Executor`][kareus.exec.Executor]; under ``"kareus"``, call this
             inside its ``microbatch(...)`` scope.
-        stack: The computation's pieces (:func:`pieces` of :func:`stack_stream`).
-        schedule: One of :data:`SCHEDULES`.
+        stack: The computation's pieces ([`pieces`][kareus.exec.train.pieces] of
+            [`stack_stream`][kareus.exec.train.stack_stream]).
+        schedule: One of ``SCHEDULES``.
         nanobatches: Parts the microbatch is cut into (1 for ``"sequential"``).
         run_op: ``(op, nanobatch) -> None``: enqueue one op of one nanobatch.
         comm_args: ``(comm, nanobatch) -> (tensor, output)``: the collective's tensor (and
             output tensor for all-gather / reduce-scatter, else ``None``).
-        types: Partition types by name (:func:`type_shapes`); needed by ``"kareus"`` and
-            used to name the partitions of the baselines.
+        types: Partition types by name ([`type_shapes`][kareus.exec.train.type_shapes]); needed by
+            ``"kareus"`` and used to name the partitions of the baselines.
         plan_config_of: ``type name -> ScheduleConfig`` of the current computation
             (``"kareus"`` only; e.g. ``plan_config(plan, name, executor.current)``).
         sequential_config_of: ``"sequential"`` only: ``type name -> configuration`` of

@@ -5,19 +5,20 @@ tp_rank``, as Megatron-LM does): the TP group of a rank is the ``TP`` consecutiv
 around it, its CP group the ranks ``TP`` apart. Two kinds of collective use them:
 
 * the partitions' collectives (TP all-reduce; CP all-gather of K/V and reduce-scatter of
-  their gradients) go through a :class:`~kareus.exec.collectives.CollectiveBackend` on
-  the executor's side stream, with the configured SM count: :class:`GroupedCollective`
-  sends each kind to the backend of its group;
+  their gradients) go through a [`CollectiveBackend`][kareus.exec.CollectiveBackend] on
+  the executor's side stream, with the configured SM count:
+  [`GroupedCollective`][kareus.exec.train.GroupedCollective] sends each kind to the backend of its
+  group;
 * the work outside partitions (the vocabulary-parallel embedding and loss, the LM head's
-  input gradient, the gradient sum over CP ranks) uses :meth:`ParallelGroups.all_reduce`
-  on the current stream.
+  input gradient, the gradient sum over CP ranks) uses
+  [`ParallelGroups.all_reduce`][kareus.exec.train.ParallelGroups.all_reduce] on the current stream.
 
-:class:`LoopbackGroupCollective` and :class:`LoopbackGroups` stand in for a group on one GPU:
-every collective is a real kernel of the collective's size on the stream it is given,
-computing what the group would if every other rank held this rank's data (an all-reduce
-multiplies by the group size, an all-gather repeats the input, a reduce-scatter scales
-this rank's block). They let the whole loop run end to end on one GPU; their times are
-not those of a group (no link traffic, no SM cap).
+[`LoopbackGroupCollective`][kareus.exec.train.LoopbackGroupCollective] and
+[`LoopbackGroups`][kareus.exec.train.LoopbackGroups] stand in for a group on one GPU: every
+collective is a real kernel of the collective's size on the stream it is given, computing what the
+group would if every other rank held this rank's data (an all-reduce multiplies by the group size,
+an all-gather repeats the input, a reduce-scatter scales this rank's block). They let the whole loop
+run end to end on one GPU; their times are not those of a group (no link traffic, no SM cap).
 
 torch is imported inside the functions that need it.
 """
@@ -288,19 +289,20 @@ def make_collectives(groups: ParallelGroups, *, backend: str = "nccl_capped",
     """The collectives of a job: ``(capped, default, note)``.
 
     Args:
-        groups: The job's groups (:class:`TorchParallelGroups`, or :class:`LoopbackGroups`
-            with ``backend="loopback"``).
+        groups: The job's groups ([`TorchParallelGroups`][kareus.exec.train.TorchParallelGroups], or
+            [`LoopbackGroups`][kareus.exec.train.LoopbackGroups] with ``backend="loopback"``).
         backend: ``"nccl_capped"`` (NCCL communicators capped at each SM count),
             ``"own"`` (kareus's SM-capped kernels on registered buffers) or
-            ``"loopback"`` (one GPU: :class:`LoopbackGroupCollective`).
+            ``"loopback"`` (one GPU:
+            [`LoopbackGroupCollective`][kareus.exec.train.LoopbackGroupCollective]).
         caps: SM counts to create NCCL communicators for up front (every rank, same order).
         high_priority: Capped NCCL communicators on high-priority streams
-            (:class:`~kareus.exec.collectives.NCCLCappedCollective`); pair it with the
+            ([`NCCLCappedCollective`][kareus.exec.NCCLCappedCollective]); pair it with the
             executor's ``comm_high_priority``.
 
     Returns:
         The backend with exact SM caps, the one with the collectives' own CTA count
-        (:class:`~kareus.exec.collectives.ProcessGroupCollective`; the loopback again on
+        ([`ProcessGroupCollective`][kareus.exec.ProcessGroupCollective]; the loopback again on
         one GPU), both ``None`` when TP = CP = 1, and a line saying what runs.
     """
     if backend not in BACKENDS:
@@ -346,15 +348,16 @@ def make_collectives(groups: ParallelGroups, *, backend: str = "nccl_capped",
 def named_collectives(groups: ParallelGroups, names: Any, *, caps: tuple[int, ...] = (),
                       high_priority: bool = True) -> dict[str, GroupedCollective]:
     """Collectives for a plan whose configurations name their backend
-    (:attr:`ScheduleConfig.backend <kareus.model.config.ScheduleConfig.backend>`), for
-    :class:`~kareus.exec.executor.TorchExecutor`'s ``backends=``.
+    (ScheduleConfig.backend (``kareus.model.config.ScheduleConfig.backend``)), for
+    [`TorchExecutor`][kareus.exec.TorchExecutor]'s ``backends=``.
 
     Args:
-        groups: The job's groups; with :class:`LoopbackGroups` every name gets the
-            loopback (one GPU stands in for the group, whatever backend the plan chose).
-        names: Backend names (of :data:`BACKENDS` other than ``"loopback"``).
+        groups: The job's groups; with [`LoopbackGroups`][kareus.exec.train.LoopbackGroups] every
+            name gets the loopback (one GPU stands in for the group, whatever backend the plan
+            chose).
+        names: Backend names (of ``BACKENDS`` other than ``"loopback"``).
         caps: SM counts to create NCCL communicators for up front.
-        high_priority: As :func:`make_collectives`'s.
+        high_priority: As [`make_collectives`][kareus.exec.train.make_collectives]'s.
 
     Raises:
         ValueError: a name this loop cannot build.

@@ -1,19 +1,20 @@
 """The training loop: a decoder trained under a plan, or under the schedules it replaces.
 
-:class:`TrainingLoop` owns one rank's :class:`~kareus.exec.train.DecoderShard`, two
-:class:`~kareus.exec.executor.TorchExecutor` (one applying the plan, one for the
-baselines) and a fixed set of random-token microbatches (the same on every rank and in
-every run, so that every schedule sees the same data and its loss can be compared step
-by step). :meth:`TrainingLoop.step` enqueues one iteration: every microbatch computation
-of the pipeline schedule (1F1B with one stage: forward and backward of each microbatch in
-turn) under ``"sequential"``, ``"nanobatching"`` or ``"kareus"``
-(:mod:`kareus.exec.train._chain`), the gradient sum over CP ranks and the AdamW step.
+[`TrainingLoop`][kareus.exec.train.TrainingLoop] owns one rank's
+[`DecoderShard`][kareus.exec.train.DecoderShard], two [`TorchExecutor`][kareus.exec.TorchExecutor]
+(one applying the plan, one for the baselines) and a fixed set of random-token microbatches (the
+same on every rank and in every run, so that every schedule sees the same data and its loss can be
+compared step by step). [`TrainingLoop.step`][kareus.exec.train.TrainingLoop.step] enqueues one
+iteration: every microbatch computation of the pipeline schedule (1F1B with one stage: forward and
+backward of each microbatch in turn) under ``"sequential"``, ``"nanobatching"`` or ``"kareus"``
+(``kareus.exec.train._chain``), the gradient sum over CP ranks and the AdamW step.
 
-:func:`measure_runs` times runs of several steps back to back with device events, the
-energy of each run from an :class:`~kareus.exec.nvml.EnergyMeter` (step-edge reads);
-:func:`shuffled_order` gives the order of schedules and repeats from a seed (so every
-rank runs the same order); :func:`overlap_efficiency` times each partition type's
-computation alone, its collective alone and both under a configuration.
+[`measure_runs`][kareus.exec.train.measure_runs] times runs of several steps back to back with
+device events, the energy of each run from an [`EnergyMeter`][kareus.exec.EnergyMeter] (step-edge
+reads); [`shuffled_order`][kareus.exec.train.shuffled_order] gives the order of schedules and
+repeats from a seed (so every rank runs the same order);
+[`overlap_efficiency`][kareus.exec.train.overlap_efficiency] times each partition type's computation
+alone, its collective alone and both under a configuration.
 
 torch is imported inside the functions that need it.
 """
@@ -134,34 +135,34 @@ class TrainingLoop:
     Args:
         workload: The job: model dimensions, TP, CP, microbatch size, sequence length,
             microbatches per iteration, nanobatches, recomputation. PP and DP must be 1.
-        groups: This rank's :class:`~kareus.exec.train.ParallelGroups` (TP x CP of the
+        groups: This rank's [`ParallelGroups`][kareus.exec.train.ParallelGroups] (TP x CP of the
             workload).
         collective: The partitions' collectives with exact SM caps (a
-            :class:`~kareus.exec.train.GroupedCollective`); also the source of the
+            [`GroupedCollective`][kareus.exec.train.GroupedCollective]); also the source of the
             communication buffers.
         default_collective: The baselines' collectives with their own CTA count
             (``None``: ``collective``).
         backends: Collectives by name, for a plan whose configurations name their
-            backend (:func:`~kareus.exec.train.named_collectives`); the communication
+            backend ([`named_collectives`][kareus.exec.train.named_collectives]); the communication
             buffers come from the first of ``collective`` and these that allocates
             registered memory.
         plan: The plan the ``"kareus"`` schedule applies (``None``: only the baselines).
-        frequency: The :class:`~kareus.exec.frequency.FrequencyTrigger` the plan's clocks
+        frequency: The [`FrequencyTrigger`][kareus.exec.FrequencyTrigger] the plan's clocks
             go through (``None``: no clock requests).
         layers: Transformer layers to build (default: the model's). The plan's
             configurations are per partition type, so they apply to any number.
         streams: The stream backend (``None``: CUDA streams).
-        kernels: The ops' :class:`~kareus.exec.kernels.KernelSet` (or name).
+        kernels: The ops' ``KernelSet`` (or name).
         device: Torch device (default: the current CUDA device).
         dtype: Torch dtype name (default ``"bfloat16"``).
         seed: Seed of the weights and of the data.
         lr: AdamW learning rate.
         schedule: Pipeline schedule name when there is no plan (default ``"1f1b"``).
         comm_high_priority: Collectives on a high-priority stream, for every schedule
-            (:class:`~kareus.exec.executor.TorchExecutor`'s ``comm_high_priority``).
+            ([`TorchExecutor`][kareus.exec.TorchExecutor]'s ``comm_high_priority``).
         graphs: Run each schedule's iteration from CUDA graphs (``None``, the default: on
             a CUDA device; ``False``: eager launches). Every schedule is run the same
-            way, so comparisons stay fair. See :meth:`step`.
+            way, so comparisons stay fair. See [`step`][kareus.exec.train.TrainingLoop.step].
     """
 
     def __init__(self, *, workload: Workload, groups: Any, collective: Any = None,
@@ -334,12 +335,13 @@ class TrainingLoop:
             m.finish()
 
     def graph_sequence(self, schedule: str) -> Any:
-        """The schedule's :class:`~kareus.exec.executor.GraphSequence` (one graph per
+        """The schedule's ``GraphSequence`` (one graph per
         microbatch computation), captured on first use.
 
         Capture runs every computation once eagerly first (library set-up), then captures
         them in order; gradients and the loss are zeroed afterwards and the weights are
-        not touched, so capturing does not change what the next :meth:`step` computes.
+        not touched, so capturing does not change what the next
+        [`step`][kareus.exec.train.TrainingLoop.step] computes.
 
         Raises:
             GraphCaptureError: graphs are off for this loop, or an op cannot be captured.
@@ -381,15 +383,16 @@ def measure_runs(loop: TrainingLoop, order: Sequence[tuple[str, int]], *, steps:
 
     Args:
         loop: The training loop.
-        order: ``(schedule, repeat)`` pairs (:func:`shuffled_order`); the same on every rank.
+        order: ``(schedule, repeat)`` pairs ([`shuffled_order`][kareus.exec.train.shuffled_order]);
+            the same on every rank.
         steps: Timed iterations per run.
         warmup: Untimed iterations first (their losses are recorded too).
-        meter: An :class:`~kareus.exec.nvml.EnergyMeter` already started, or ``None``.
+        meter: An [`EnergyMeter`][kareus.exec.EnergyMeter] already started, or ``None``.
         barrier: Called before each run (e.g. ``torch.distributed.barrier``).
         log: Progress lines.
 
     Returns:
-        One :class:`RunRecord` per run, in ``order``.
+        One [`RunRecord`][kareus.exec.train.RunRecord] per run, in ``order``.
     """
     import torch
 
@@ -449,16 +452,17 @@ def overlap_efficiency(workload: Workload, *, executor: TorchExecutor,
     """Each partition type's time over max(computation alone, collective alone).
 
     Builds every type's runnable partition at the workload's nanobatch shapes
-    (:mod:`kareus.exec.torch_partition`, its buffers from the executor's backend) and
+    (``kareus.exec.torch_partition``, its buffers from the executor's backend) and
     times, with device events over ``reps`` back-to-back runs: its ops alone; its
     collective alone with the configuration's SM count; and both under the
-    configuration (:meth:`TorchExecutor.run_partition`). 1.0 is the limit of overlap.
-    Every rank must call this with the same arguments (the collectives).
+    configuration ([`TorchExecutor.run_partition`][kareus.exec.TorchExecutor.run_partition]). 1.0 is
+    the limit of overlap. Every rank must call this with the same arguments (the collectives).
 
     Args:
         workload: The job (its partition types).
         executor: Runs the partitions (its backend, with SM caps or the default).
-        configs: Partition type -> configuration (a plan's, or :class:`DefaultConfig`).
+        configs: Partition type -> configuration (a plan's, or
+            [`DefaultConfig`][kareus.exec.train.DefaultConfig]).
         kernels: The ops' kernel set.
         reps: Timed runs of each.
         warmup: Untimed runs first.

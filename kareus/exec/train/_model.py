@@ -1,7 +1,7 @@
 """A Llama-shaped decoder, one rank's shard, whose every op is a partition op.
 
-:class:`DecoderShard` holds this rank's part of a decoder built from a model's
-dimensions (:class:`~kareus.model.workload.ModelArch`): ``layers`` transformer layers
+[`DecoderShard`][kareus.exec.train.DecoderShard] holds this rank's part of a decoder built from a
+model's dimensions ([`ModelArch`][kareus.model.ModelArch]): ``layers`` transformer layers
 (RMSNorm, grouped-query attention with RoPE, SwiGLU MLP, residuals), a vocabulary-parallel
 embedding and LM head, and a final RMSNorm; random initialisation from a seed (std 0.02,
 output projections scaled by ``1/sqrt(2 layers)``), weights in bf16 with fp32 master
@@ -15,12 +15,12 @@ chunks ``0..r``, causally) and reduce-scatters their gradients after it; the wei
 gradients are summed over the CP group before the optimizer step.
 
 The forward and backward are written op by op, in the names of the partition model
-(``attn_norm``, ``qkv``, ..., ``qkv_wgrad``; :mod:`kareus.model.partition`), each op on
-the kernels of a :class:`~kareus.exec.kernels.KernelSet` (fused Triton kernels on a GPU
+(``attn_norm``, ``qkv``, ..., ``qkv_wgrad``; ``kareus.model.partition``), each op on
+the kernels of a ``KernelSet`` (fused Triton kernels on a GPU
 by default, cuBLAS GEMMs with weight gradients accumulated in place, SDPA attention), so
-that a schedule (:mod:`kareus.exec.train._chain`) can put every collective where a
-plan says. :meth:`DecoderShard.run_op` runs one op of one nanobatch; the residual
-additions run inside the norm ops that consume the all-reduced tensors. The
+that a schedule (``kareus.exec.train._chain``) can put every collective where a
+plan says. [`DecoderShard.run_op`][kareus.exec.train.DecoderShard.run_op] runs one op of one
+nanobatch; the residual additions run inside the norm ops that consume the all-reduced tensors. The
 collectives' tensors come from a fixed pool allocated up front through the backend's
 ``empty`` when it has one (registered buffers for the own kernels).
 
@@ -54,15 +54,15 @@ class DecoderShard:
         microbatch_size: Sequences per microbatch.
         seq_len: Tokens per sequence (whole sequence; CP ranks hold ``seq_len / cp``).
         num_microbatches: Microbatches per iteration (the loss is their mean).
-        groups: :class:`~kareus.exec.train.ParallelGroups` of this rank.
+        groups: [`ParallelGroups`][kareus.exec.train.ParallelGroups] of this rank.
         backend: Where the partitions' collective buffers come from: an object with
-            ``backend_for(kind)`` (:class:`~kareus.exec.train.GroupedCollective`), or a
+            ``backend_for(kind)`` ([`GroupedCollective`][kareus.exec.train.GroupedCollective]), or a
             list of them, the first whose backend offers ``empty(shape, dtype)``
             allocating (registered memory, which every backend can run on); ``None`` =
             plain tensors.
         nanobatch_counts: The nanobatch counts the loop will run (buffers for each).
         recompute: Full recomputation (the forward keeps only each layer's input).
-        kernels: A :class:`~kareus.exec.kernels.KernelSet` or name; ``None`` = default.
+        kernels: A ``KernelSet`` or name; ``None`` = default.
         device: Torch device (default: the current CUDA device).
         dtype: Torch dtype name of weights and activations (default ``"bfloat16"``).
         seed: Seed of the weights.
@@ -299,7 +299,7 @@ class DecoderShard:
 
     def finish(self) -> None:
         """End a computation: ``"fwd"`` runs the final norm, the LM head and the loss
-        (added to :attr:`loss_sum`); ``"bwd"`` runs the embedding's backward."""
+        (added to ``loss_sum``); ``"bwd"`` runs the embedding's backward."""
         with self.torch.no_grad():
             if self.phase == "fwd":
                 self._head_fwd()
