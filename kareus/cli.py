@@ -99,7 +99,7 @@ def _workload_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-de
         model = register_model(args.model_file, replace=True)
     else:
         model = get_model(args.workload)
-    dp = args.dp
+    dp = 1 if args.dp is None else args.dp
     if args.gpus is not None:
         per_replica = args.tp * args.cp * args.pp
         if args.gpus % per_replica:
@@ -107,6 +107,10 @@ def _workload_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-de
                 f"--gpus {args.gpus} is not a multiple of TP x CP x PP = {args.tp} x {args.cp} x "
                 f"{args.pp} = {per_replica}; choose parallel degrees whose product divides it")
         dp = args.gpus // per_replica
+        if args.dp is not None and args.dp != dp:
+            raise WorkloadError(
+                f"--gpus {args.gpus} and --dp {args.dp} disagree: {args.gpus} GPUs at TP x CP x "
+                f"PP = {per_replica} make DP = {dp}; give one of --gpus and --dp")
     if args.tp > 8:
         raise WorkloadError(f"--tp {args.tp}: tensor parallelism beyond one 8-GPU NVLink node "
                             "is not modelled; use --tp <= 8 and spread the rest over --cp/--pp")
@@ -123,6 +127,9 @@ def _execution_from_args(args: argparse.Namespace) -> str:
     return "eager" if getattr(args, "no_graphs", False) else "graphed"
 
 
+_DEFAULT_GPU = "a100-40gb"
+
+
 def _profiler_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     spec = args.profiler
     if spec == "emulated":
@@ -133,9 +140,14 @@ def _profiler_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-de
             if args.gpu is not None and args.gpu != gpu.name:
                 raise ValueError(f"--gpu {args.gpu} and --gpu-profile (a profile of {gpu.name}) "
                                  "disagree: give one of them")
+            if args.gpu is None and gpu.name != _DEFAULT_GPU:
+                # the profile does not switch the GPU behind the user's back
+                raise ValueError(f"--gpu-profile {args.gpu_profile} is a profile of {gpu.name}, "
+                                 f"but the GPU is {_DEFAULT_GPU} (the default): add --gpu "
+                                 f"{gpu.name}")
             return EmulatedProfiler(gpu, noise=args.noise, seed=args.seed,
                                     execution=_execution_from_args(args))
-        return EmulatedProfiler(args.gpu or "a100-40gb", noise=args.noise, seed=args.seed,
+        return EmulatedProfiler(args.gpu or _DEFAULT_GPU, noise=args.noise, seed=args.seed,
                                 execution=_execution_from_args(args))
     if spec.startswith("replay:"):
         from pathlib import Path
@@ -383,9 +395,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=_positive_int, default=4, help="tensor parallel (default 4)")
     p.add_argument("--cp", type=_positive_int, default=1, help="context parallel (default 1)")
     p.add_argument("--pp", type=_positive_int, default=2, help="pipeline stages (default 2)")
-    p.add_argument("--dp", type=_positive_int, default=1, help="data parallel (default 1)")
+    p.add_argument("--dp", type=_positive_int, default=None,
+                   help="data parallel (default 1, or GPUs / (TP x CP x PP) with --gpus)")
     p.add_argument("--gpus", type=_positive_int, default=None,
-                   help="total GPUs; sets DP = GPUs / (TP x CP x PP)")
+                   help="total GPUs; sets DP = GPUs / (TP x CP x PP) (with --dp, they must "
+                        "agree)")
     p.add_argument("--microbatches", type=_positive_int, default=8,
                    help="microbatches per iteration (default 8)")
     p.add_argument("--microbatch-size", type=_positive_int, default=8,
@@ -405,7 +419,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-profile", default=None, metavar="PATH",
                    help="--profiler emulated: calibrate the emulated GPU from a measured GPU "
                         "profile (a file written by `kareus calibrate`, or the name of one "
-                        "shipped with kareus: h200-sxm)")
+                        "shipped with kareus: h200-sxm); it does not change the GPU: give "
+                        "--gpu too (--gpu h200-sxm --gpu-profile h200-sxm)")
     p.add_argument("--no-graphs", action="store_true",
                    help="eager execution instead of CUDA-graph replay, the default: "
                         "--profiler emulated emulates it (every op launched from the host at "

@@ -94,6 +94,35 @@ def test_helpful_errors(tmp_path, capsys):
         assert pattern in capsys.readouterr().err, argv
 
 
+def test_gpus_and_dp_that_disagree_are_refused_in_one_line(tmp_path, capsys):
+    """--gpus 16 at TP x PP = 8 means DP = 2: a --dp 4 beside it is refused, naming both
+    options, before any folder is made; a --dp that agrees is accepted."""
+    from kareus.cli import _workload_from_args, build_parser
+
+    out = tmp_path / "x"
+    assert main(["optimize", "--workload", "qwen3-1.7b", "--gpus", "16", "--dp", "4",
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--gpus 16 and --dp 4 disagree" in err
+    assert "DP = 2" in err and not out.exists()
+    args = build_parser().parse_args(["optimize", "--workload", "qwen3-1.7b", "--gpus", "16",
+                                      "--dp", "2"])
+    assert _workload_from_args(args).parallelism.dp == 2
+    args = build_parser().parse_args(["optimize", "--workload", "qwen3-1.7b"])
+    assert _workload_from_args(args).parallelism.dp == 1
+
+
+def test_gpu_profile_does_not_switch_the_gpu_silently(tmp_path, capsys):
+    """--gpu-profile h200-sxm without --gpu would change the GPU from the default
+    a100-40gb: refused in one line that says to add --gpu h200-sxm."""
+    out = tmp_path / "x"
+    assert main(["optimize", "--workload", "qwen3-1.7b", "--gpu-profile", "h200-sxm",
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "add --gpu h200-sxm" in err and "a100-40gb" in err
+    assert not out.exists()
+
+
 def test_unknown_surrogate_is_rejected_by_argparse(capsys):
     import pytest
 

@@ -190,8 +190,8 @@ def test_cli_optimize_gpu_profile_flag(tmp_path: Path, capsys: pytest.CaptureFix
 def test_cli_profiler_from_gpu_profile() -> None:
     from kareus.cli import _profiler_from_args, build_parser
 
-    args = build_parser().parse_args(["optimize", "--workload", "llama3.2-3b",
-                                      "--gpu-profile", "h200-sxm", "--noise", "0"])
+    args = build_parser().parse_args(["optimize", "--workload", "llama3.2-3b", "--gpu",
+                                      "h200-sxm", "--gpu-profile", "h200-sxm", "--noise", "0"])
     prof = _profiler_from_args(args)
     assert prof.gpu.name == "h200-sxm" and prof.emulated_gpu.op_calibration
     assert prof.calibration.startswith("profile h200-sxm")
