@@ -77,6 +77,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -253,9 +263,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_optimize(args: argparse.Namespace) -> int:
-    """``kareus optimize``: search, compose and write the plans and tables of one workload
-    (``--profiler nvml`` tunes on the real GPUs); returns the exit status."""
+def _check_profiler_options(args: argparse.Namespace) -> None:
+    """Refuse the options that the chosen ``--profiler`` would ignore."""
     if getattr(args, "gpu_profile", None) is not None and args.profiler != "emulated":
         raise ValueError(f"--gpu-profile calibrates the emulated profiler; --profiler "
                          f"{args.profiler} measures instead: drop one of them")
@@ -263,13 +272,20 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         raise ValueError(f"--no-graphs emulates (or, with --profiler nvml, measures) eager "
                          f"execution; --profiler {args.profiler} replays as it ran: drop "
                          "--no-graphs")
+
+
+def cmd_optimize(args: argparse.Namespace) -> int:
+    """``kareus optimize``: search, compose and write the plans and tables of one workload
+    (``--profiler nvml`` tunes on the real GPUs); returns the exit status."""
+    _check_profiler_options(args)
     if args.profiler == "nvml":
         if args.jobs > 1:
             raise ValueError("--jobs is for emulated and replayed runs; a tuning run measures "
                              "on the job's GPUs, one partition type after another")
         return _cmd_tune(args)
     from kareus._outdir import check_output_file, check_output_folder, guarded_folder
-    from kareus.errors import WorkloadError
+    from kareus.compose.plan import Plan
+    from kareus.errors import InfeasibleError, WorkloadError
     from kareus.model.gpu import get_gpu
     from kareus.model.memory import check_memory
     from kareus.workflow import manifest_inputs, optimize
@@ -320,8 +336,12 @@ def cmd_optimize(args: argparse.Namespace) -> int:
                               log_dir=out / "logs", schedule=args.schedule,
                               surrogate=args.surrogate, progress=not args.quiet,
                               executor=executor)
-        plan = result.select(deadline_s=args.deadline_s, energy_budget_j=args.energy_budget_j)
-        paths = result.save(out, plan=plan)
+        try:
+            plan: Plan | None = result.select(deadline_s=args.deadline_s,
+                                              energy_budget_j=args.energy_budget_j)
+        except InfeasibleError as exc:  # the searches' results are still worth keeping
+            plan, infeasible = None, exc
+        paths = result.save(out, plan=plan, write_plan=plan is not None)
         if args.record is not None:
             # A resumed search reads its earlier measurements back from its log instead of
             # measuring them: record those too, so the file replays the whole run.
@@ -334,10 +354,14 @@ def cmd_optimize(args: argparse.Namespace) -> int:
                      f"the {args.profiler} profiler ({profiler.gpu.name})")
     print(result.table())
     print()
+    wrote = ", ".join(str(p) for p in paths.values()) + f", and {out / 'logs'}/"
+    if plan is None:
+        option = "--deadline-s" if args.deadline_s is not None else "--energy-budget-j"
+        raise InfeasibleError(f"{infeasible}; wrote {wrote}, but no plan.json (the same command "
+                              f"with a looser {option} reuses every measurement)")
     print(f"chosen plan: {plan.time_s:.4f} s, {plan.energy_j:,.0f} J per iteration "
           f"(digest {plan.digest[:12]})")
-    print("wrote " + ", ".join(str(p) for p in paths.values()) + f", and {out / 'logs'}/ "
-          f"({result.wall_s:.1f} s)")
+    print(f"wrote {wrote} ({result.wall_s:.1f} s)")
     return 0
 
 
@@ -442,7 +466,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="emulated measurement noise, relative (default 0.01)")
     p.add_argument("--budget", type=_positive_int, default=96,
                    help="profiles per partition type for kareus's search (default 96)")
-    p.add_argument("--seed", type=int, default=0, help="seed of search and emulator noise")
+    p.add_argument("--seed", type=_nonnegative_int, default=0,
+                   help="seed of search and emulator noise (>= 0; default 0)")
     p.add_argument("--jobs", type=_positive_int, default=1, metavar="N",
                    help="search up to N partition types at once, in N processes (emulated "
                         "and replayed profilers; the result is the same as with 1, the "

@@ -50,7 +50,7 @@ from kareus.compose.systems import (
     compose_systems,
     kareus_types,
 )
-from kareus.errors import InfeasibleError, OutputError
+from kareus.errors import ConfigError, InfeasibleError, OutputError
 from kareus.model.gpu import get_gpu
 from kareus.model.memory import check_memory
 from kareus.model.partition import Partition, PartitionSet, build_partitions
@@ -287,9 +287,10 @@ class OptimizationResult:
         return ax
 
     def save(self, out_dir: str | os.PathLike[str], *, plan: Plan | None = None,
-             figure: bool = True) -> dict[str, Path]:
+             figure: bool = True, write_plan: bool = True) -> dict[str, Path]:
         """Write ``results.json``, ``plan.json`` (``plan`` or the fastest kareus plan) and,
         if matplotlib is installed, ``frontier.png`` to ``out_dir``; return their paths.
+        ``write_plan=False`` leaves ``plan.json`` out (no plan met a constraint).
 
         Every file is written atomically (a temporary file renamed over the target), so a
         run killed while saving leaves the old file or the new one, never a torn one.
@@ -306,9 +307,11 @@ class OptimizationResult:
         except OSError as exc:
             raise OutputError(f"out_dir {out}: cannot create it ({exc.strerror or exc})"
                               ) from None
-        paths = {"results": out / "results.json", "plan": out / "plan.json"}
+        paths = {"results": out / "results.json"}
         write_json_atomic(paths["results"], self.to_dict())
-        (plan if plan is not None else self.select()).save(paths["plan"])
+        if write_plan:
+            paths["plan"] = out / "plan.json"
+            (plan if plan is not None else self.select()).save(paths["plan"])
         if figure:
             try:
                 import matplotlib
@@ -359,6 +362,9 @@ def _check_arguments(workload: Any, gpu: Any, *, budget: Any, seed: Any, batch_s
                 isinstance(value, bool) or not isinstance(value, int)):
             raise TypeError(f"{label} must be a whole number, got {value!r:.40} "
                             f"({type(value).__name__})")
+    if seed < 0:
+        raise ConfigError(f"seed must be >= 0 (it seeds the searches and the emulator's "
+                          f"noise), got {seed}")
     if budget < 1:
         raise InfeasibleError(f"budget must be at least 1 profile per partition type, got "
                               f"{budget}")
@@ -472,6 +478,7 @@ def optimize(
 
     Raises:
         InfeasibleError: the budget is below 1.
+        ConfigError: ``seed`` is negative.
         WorkloadError, UnknownPresetError: for an invalid workload or GPU, or a workload
             that does not fit in the GPU's memory (``kareus.model.memory.check_memory``).
         OutputError: ``log_dir`` is unusable or holds another job's logs.
@@ -502,9 +509,9 @@ def optimize(
     from kareus.model.pipeline import get_schedule
     from kareus.search import MultiPassSearch
 
-    template = resolve_surrogate(surrogate, seed)
     _check_arguments(workload, gpu, budget=budget, seed=seed, batch_size=batch_size,
                      log_dir=log_dir)
+    template = resolve_surrogate(surrogate, seed)
     names = _system_names(systems)
     if profiler is None:
         from kareus.exec.emulator import EmulatedProfiler

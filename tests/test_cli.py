@@ -72,9 +72,29 @@ def test_optimize_deadline_selects_and_rejects(tmp_path, capsys):
     res = json.loads((tmp_path / "out" / "results.json").read_text())
     capsys.readouterr()
     fastest = res["systems"]["kareus"]["time_s"]
+    plan = (tmp_path / "out" / "plan.json").read_bytes()
+    (tmp_path / "out" / "results.json").unlink()
     assert main(_small(tmp_path, "--deadline-s", str(fastest * 0.5))) == 2
+    captured = capsys.readouterr()
+    # One line, with the fastest plan's time; the searches' results are written all the same
+    # (the table too), and the earlier plan.json is left as it was.
+    (line,) = [x for x in captured.err.splitlines() if not x.startswith("kareus: optimising")]
+    assert line.startswith("kareus: error: no plan meets the deadline")
+    assert f"the fastest takes {fastest:.6g} s" in captured.err
+    assert "but no plan.json" in captured.err
+    assert "kareus vs perseus" in captured.out
+    assert json.loads((tmp_path / "out" / "results.json").read_text()) == res
+    assert (tmp_path / "out" / "plan.json").read_bytes() == plan
+
+
+def test_negative_seed_is_refused_before_the_start_line_leaving_nothing(tmp_path, capsys):
+    out = tmp_path / "x"
+    with pytest.raises(SystemExit) as info:
+        main(["optimize", "--workload", "qwen3-1.7b", "--seed", "-1", "--out", str(out)])
+    assert info.value.code == 2
     err = capsys.readouterr().err
-    assert "no plan meets the deadline" in err
+    assert "--seed" in err and "must be >= 0" in err and "optimising" not in err
+    assert not out.exists()
 
 
 def test_helpful_errors(tmp_path, capsys):

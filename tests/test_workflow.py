@@ -171,6 +171,15 @@ def test_arguments_of_the_wrong_type_raise_type_error():
         optimize(_small_workload(), "h200-sxm", log_dir=3, progress=False)
 
 
+def test_a_negative_seed_raises_config_error_naming_seed_before_any_work(tmp_path):
+    from kareus.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"seed must be >= 0 .*, got -1"):
+        optimize(_small_workload(), "h200-sxm", seed=-1, log_dir=tmp_path / "logs",
+                 progress=False)
+    assert not (tmp_path / "logs").exists()
+
+
 @pytest.mark.parametrize(("systems", "needle"), [
     ([], "systems is empty"), (["kareus", "zeus"], "unknown system(s) ['zeus']")])
 def test_systems_are_checked_before_any_search(systems, needle):
