@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator, Sequence
+from typing import NoReturn
 
 from kareus._logging import configure as configure_logging
 from kareus._version import __version__
@@ -165,6 +166,9 @@ def _profiler_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-de
         from kareus.exec.replay import ReplayProfiler
 
         path = Path(spec.split(":", 1)[1])
+        if path.is_dir():
+            raise ValueError(f"--profiler {spec}: {str(path)!r} is a folder; replay: wants a "
+                             "recording file (one written by --record FILE)")
         if not path.is_file():
             raise FileNotFoundError(f"--profiler {spec}: no such file {str(path)!r}")
         return ReplayProfiler(path, gpu=args.gpu)  # None: the recording's GPU
@@ -387,9 +391,18 @@ _VERBOSE_HELP = ("log what kareus decides (resumes, refusals, fallbacks, device 
                  "choices) to stderr: -v info, -vv debug")
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, ``kareus: error: ...``, with where to
+    read more, instead of the usage block and then the error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"kareus: error: {_one_line(message)} ({self.prog} --help lists "
+                     "the options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``kareus`` command's argument parser, one sub-command per ``cmd_*`` function."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kareus",
         description="Joint communication-SM, launch-slot and GPU-frequency scheduling for "
                     "large-model training.")
@@ -528,16 +541,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``kareus`` command on ``argv`` (default: ``sys.argv[1:]``).
 
     Returns:
-        The exit status: 0 on success; on a failure, one line on stderr saying what to
-        change and the error's exit code (2 for refused arguments), 130 when interrupted
+        The exit status: 0 on success; 2 with the usage on stderr without a command; on a
+        failure, one line on stderr saying what to change and the error's exit code (2 for
+        refused arguments; the argument parser's own refusals exit 2 through
+        ``SystemExit``), 130 when interrupted
         (Ctrl-C), 143 when stopped by SIGTERM, 1 for an I/O error or a bug.
     """
     parser = build_parser()
     args = parser.parse_args(argv)
     configure_logging(getattr(args, "verbose", 0))
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 0
+    if not getattr(args, "func", None):  # no command: what there is to run, and a bad status
+        parser.print_help(sys.stderr)
+        return 2
     with _signals_as_stops():
         return _run(args)
 
@@ -610,7 +625,7 @@ def _run(args: argparse.Namespace) -> int:
         return 1
 
 
-def _one_line(exc: BaseException) -> str:
+def _one_line(exc: BaseException | str) -> str:
     text = " ".join(str(exc).split())
     return text if len(text) <= 2000 else text[:1997] + "..."
 

@@ -15,9 +15,34 @@ def test_gpus_and_workloads_list_presets(capsys):
     assert "28672" in out
 
 
-def test_help_without_command(capsys):
-    assert main([]) == 0
-    assert "usage: kareus" in capsys.readouterr().out
+def test_no_command_prints_the_usage_and_fails(capsys):
+    assert main([]) == 2
+    captured = capsys.readouterr()
+    assert "usage: kareus" in captured.err and "optimize" in captured.err and not captured.out
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["optimize", "--tp", "0"], "argument --tp: must be >= 1, got 0"),
+    (["optimize", "--surrogate", "forest"], "invalid choice: 'forest'"),
+    (["optimize", "--seed", "x"], "argument --seed: expected a whole number"),
+    (["bogus"], "invalid choice: 'bogus'"),
+])
+def test_argument_parser_errors_are_one_line(argv, needle, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and not captured.out
+    assert captured.err.startswith("kareus: error: ") and needle in captured.err
+    assert "--help lists the options" in captured.err
+
+
+def test_replay_of_a_folder_says_it_wants_a_recording_file(tmp_path, capsys):
+    assert main(["optimize", "--workload", "qwen3-1.7b", "--profiler", f"replay:{tmp_path}",
+                 "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is a folder" in err and "recording file" in err
+    assert "no such file" not in err and not (tmp_path / "out").exists()
 
 
 def _small(tmp_path, *extra):
@@ -59,6 +84,7 @@ def test_optimize_small_workload_writes_results(tmp_path, capsys):
     assert main(["show", str(tmp_path / "out" / "plan.json")]) == 0
     shown = capsys.readouterr().out
     assert "partition configurations" in shown and "nanobatches per stage" in shown
+    assert shown.splitlines()[0] == "kareus plan v1"  # not "kareus plan v1 kareus"
     # Running again resumes from the logs: kareus's searches re-measure nothing.
     sizes = [len(p.read_text().splitlines()) for p in logs]
     assert main(_small(tmp_path)) == 0

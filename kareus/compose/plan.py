@@ -392,7 +392,8 @@ class Plan:
     def summary(self) -> str:
         """A readable text summary (what ``kareus show PLAN`` prints)."""
         lines = [
-            f"kareus plan v{PLAN_VERSION} {self.label or ''}".rstrip(),
+            f"kareus plan v{PLAN_VERSION}"  # the label, unless it says "kareus" again
+            + (f" ({self.label})" if self.label and self.label != "kareus" else ""),
             f"  digest      {self.digest[:16]}",
             f"  gpu         {self.gpu}",
             f"  schedule    {self.schedule}, {self.num_stages} stages x "
