@@ -50,7 +50,7 @@ from kareus.compose.systems import (
     compose_systems,
     kareus_types,
 )
-from kareus.errors import ConfigError, InfeasibleError, OutputError
+from kareus.errors import ConfigError, InfeasibleError, OutputError, WorkloadError
 from kareus.model.gpu import get_gpu
 from kareus.model.memory import check_memory
 from kareus.model.partition import Partition, PartitionSet, build_partitions
@@ -380,6 +380,18 @@ def _check_arguments(workload: Any, gpu: Any, *, budget: Any, seed: Any, batch_s
                               "for none); an empty path would write into the working folder")
 
 
+def _check_parallelism(workload: Workload) -> None:
+    """Refuse a workload with no collective to schedule (TP = CP = 1, what
+    ``Workload.preset(name)`` gives), naming the command line's defaults."""
+    p = workload.parallelism
+    if p.tp == 1 and p.cp == 1:
+        raise WorkloadError(
+            f"{workload.describe()}: with TP=1 and CP=1 no layer has a collective to overlap, "
+            f"and kareus schedules collectives; give the workload tensor or context "
+            f"parallelism, e.g. Workload.preset({workload.model.name!r}, tp=4, pp=2), which is "
+            f"what `kareus optimize --workload {workload.model.name}` runs by default")
+
+
 def _system_names(systems: Sequence[str] | None) -> list[str]:
     """``systems`` checked before any search: ``None`` is all five."""
     if systems is None:
@@ -419,7 +431,11 @@ def optimize(
     """Search, compose and compare: the whole kareus pipeline for one workload.
 
     Args:
-        workload: The training workload (TP >= 2 or CP >= 2).
+        workload: The training workload (TP >= 2 or CP >= 2). ``kareus optimize --workload
+            NAME`` runs ``Workload.preset(NAME, tp=4, pp=2)`` (the command's defaults;
+            ``Workload.preset`` alone gives TP = PP = 1, one GPU, which kareus refuses)
+            with the workload's own batch defaults (8 microbatches of 8 x 4096 tokens, 2
+            nanobatches, recomputation) on ``a100-40gb``, as here with ``gpu=None``.
         gpu: GPU preset name; ``None`` = the profiler's GPU (``a100-40gb`` without a profiler).
         profiler: Where measurements come from; ``None`` = the embedded
             [`EmulatedProfiler`][kareus.exec.EmulatedProfiler] (1% noise, ``seed``).
@@ -479,8 +495,9 @@ def optimize(
     Raises:
         InfeasibleError: the budget is below 1.
         ConfigError: ``seed`` is negative.
-        WorkloadError, UnknownPresetError: for an invalid workload or GPU, or a workload
-            that does not fit in the GPU's memory (``kareus.model.memory.check_memory``).
+        WorkloadError, UnknownPresetError: for an invalid workload or GPU, a workload
+            with TP = CP = 1 (nothing to schedule), or a workload that does not fit in the
+            GPU's memory (``kareus.model.memory.check_memory``).
         OutputError: ``log_dir`` is unusable or holds another job's logs.
         FolderInUseError: another run holds ``log_dir``.
         TypeError: an argument of the wrong type.
@@ -526,6 +543,7 @@ def optimize(
     if gpu is not None and profiler.gpu.name != gpu:
         raise ValueError(f"the profiler measures {profiler.gpu.name}, not {gpu}")
     get_schedule(schedule, 1, 1)  # raises UnknownPresetError early
+    _check_parallelism(workload)  # before the memory check: more parallelism is the answer
     check_memory(workload, profiler.gpu, schedule=schedule)  # before any long work
     start = time.monotonic()
     pset = build_partitions(workload)

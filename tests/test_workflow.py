@@ -171,6 +171,24 @@ def test_arguments_of_the_wrong_type_raise_type_error():
         optimize(_small_workload(), "h200-sxm", log_dir=3, progress=False)
 
 
+def test_one_set_of_defaults_for_the_api_and_the_command_line():
+    """`kareus optimize --workload NAME` is optimize(Workload.preset(NAME, tp=4, pp=2)) on
+    a100-40gb; Workload.preset(NAME) alone (TP = PP = 1) is refused with a message that
+    names those degrees, before the memory check (it would only say 'does not fit')."""
+    from kareus.cli import _profiler_from_args, _workload_from_args, build_parser
+    from kareus.errors import WorkloadError
+    from kareus.model import Workload
+
+    args = build_parser().parse_args(["optimize", "--workload", "qwen3-1.7b"])
+    assert _workload_from_args(args) == Workload.preset("qwen3-1.7b", tp=4, pp=2)
+    assert _profiler_from_args(args).gpu.name == "a100-40gb"
+    with pytest.raises(WorkloadError) as info:
+        optimize(Workload.preset("qwen3-1.7b"), progress=False)
+    assert "Workload.preset('qwen3-1.7b', tp=4, pp=2)" in str(info.value)
+    assert "kareus optimize --workload qwen3-1.7b" in str(info.value)
+    assert "does not fit" not in str(info.value)
+
+
 def test_a_negative_seed_raises_config_error_naming_seed_before_any_work(tmp_path):
     from kareus.errors import ConfigError
 

@@ -217,7 +217,13 @@ class Workload:
         dp: int = 1,
         **kwargs: object,
     ) -> Workload:
-        """A workload of a preset model, e.g. ``Workload.preset("llama3.2-3b", tp=4)``."""
+        """A workload of a preset model, e.g. ``Workload.preset("llama3.2-3b", tp=4)``.
+
+        The parallel degrees default to 1 (one GPU), which has no collective for kareus to
+        schedule: ``kareus optimize --workload NAME`` runs ``Workload.preset(NAME, tp=4,
+        pp=2)``, the other fields at their defaults (8 microbatches of 8 x 4096 tokens,
+        2 nanobatches, recomputation).
+        """
         return cls(model=get_model(name), parallelism=Parallelism(tp=tp, cp=cp, pp=pp, dp=dp),
                    **kwargs)  # type: ignore[arg-type]
 
