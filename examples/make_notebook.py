@@ -49,7 +49,14 @@ def markdown(script: Path) -> str:
     return "\n\n".join(parts) + "\n"
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    argparse.ArgumentParser(
+        prog="make_notebook.py",
+        description="Write examples/tutorial.ipynb and docs/tutorial.md from "
+                    "examples/tutorial.py (the source of truth, cells split at '# %%' "
+                    "markers). It takes no options.").parse_args(argv)
     import nbformat
 
     nb = build(HERE / "tutorial.py")

@@ -32,6 +32,17 @@ def test_tutorial_page_matches_script():
         "docs/tutorial.md is stale: run examples/make_notebook.py")
 
 
+@pytest.mark.parametrize(("flag", "status"), [("--help", 0), ("--bogus", 2)])
+def test_make_notebook_help_prints_help_and_writes_nothing(flag, status):
+    outputs = [EXAMPLES / "tutorial.ipynb", EXAMPLES.parent / "docs" / "tutorial.md"]
+    before = [(p.read_bytes(), p.stat().st_mtime_ns) for p in outputs]
+    out = subprocess.run([sys.executable, str(EXAMPLES / "make_notebook.py"), flag],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == status, out.stderr[-2000:]
+    assert "usage: make_notebook.py" in out.stdout + out.stderr and "wrote" not in out.stdout
+    assert [(p.read_bytes(), p.stat().st_mtime_ns) for p in outputs] == before
+
+
 def test_tutorial_script_runs(tmp_path):
     pytest.importorskip("matplotlib")
     env = dict(os.environ, KAREUS_TUTORIAL_OUT=str(tmp_path), MPLBACKEND="Agg")
