@@ -100,6 +100,18 @@ def test_pipeline_plan_is_refused_with_what_to_do(ex_mod, tmp_path):
         ex_mod.load_plan(p)
 
 
+def test_committed_plan_is_what_the_documented_make_plan_command_writes(ex_mod, tmp_path):
+    """`python examples/train_torchrun.py --make-plan --plan
+    examples/plans/llama3b_tp2_h200.json` (the script's docstring; about a second on a CPU)
+    must write the committed plan byte for byte: run it again when this fails."""
+    out = tmp_path / "plan.json"
+    ex_mod.make_plan(ex_mod.parse_args(["--make-plan", "--plan", str(out)]))
+    assert out.read_bytes() == PLAN.read_bytes(), (
+        "examples/plans/llama3b_tp2_h200.json drifted from what --make-plan writes: run "
+        "python examples/train_torchrun.py --make-plan --plan "
+        "examples/plans/llama3b_tp2_h200.json")
+
+
 def test_make_plan_writes_a_loadable_plan(ex_mod, tmp_path, capsys):
     pytest.importorskip("xgboost")
     out = tmp_path / "plan.json"
