@@ -153,7 +153,11 @@ def _check_manifest(folder: Path, inputs: Mapping[str, Any], *, fresh: bool, wha
     if fresh:
         _clear(folder)
     elif path.exists():
-        head = read_json(path, error=OutputError, what="manifest")
+        try:
+            head = read_json(path, error=OutputError, what="manifest")
+        except OutputError as exc:  # say what to do about it
+            raise OutputError(f"{exc}; use another {what}, or --fresh to discard the folder's "
+                              "results and start again") from None
         if head.get("kind") != MANIFEST_KIND or head.get("version") != MANIFEST_VERSION:
             raise OutputError(f"{what} {folder}: {path.name} is not a manifest this kareus "
                               f"reads; use another {what}, or --fresh to discard the folder's "

@@ -66,7 +66,8 @@ def test_optimize_with_own_model_and_gpu_round_trips(spec_files: tuple[Path, Pat
     files.unregister("lab-gpu")
     files.unregister("lab-3b")
     rc = main(["show", str(out / "plan.json")])
-    assert rc == 2 and "unknown GPU 'lab-gpu'" in capsys.readouterr().err
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert rc == 2 and "unknown GPU 'lab-gpu'" in err and "show PLAN --gpu-file FILE" in err
     rc = main(["show", str(out / "plan.json"), "--gpu-file", str(g)])
     assert rc == 0 and "lab-gpu" in capsys.readouterr().out
     plan = Plan.load(out / "plan.json")

@@ -130,6 +130,15 @@ def test_a_foreign_manifest_is_refused(tmp_path):
         pass
 
 
+def test_a_corrupt_manifest_is_refused_saying_what_to_do(tmp_path):
+    out = tmp_path / "f"
+    out.mkdir()
+    (out / MANIFEST_NAME).write_text("garbage")
+    with pytest.raises(OutputError, match=r"not valid JSON.*--fresh to discard"), \
+            guarded_folder(out, INPUTS):
+        pass
+
+
 def test_move_aside_never_overwrites(tmp_path):
     torn = tmp_path / "search.jsonl"
     torn.write_text("first")

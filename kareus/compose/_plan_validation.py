@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from kareus.compose.plan import PLAN_VERSION, MicrobatchChoice, Plan
-from kareus.errors import KareusError, PlanError, short_repr
+from kareus.errors import KareusError, PlanError, UnknownPresetError, short_repr
 from kareus.model.config import ScheduleConfig
 from kareus.model.gpu import get_gpu
 from kareus.model.pipeline import Computation, get_schedule
@@ -194,7 +194,10 @@ def _parse_plan(cls: type[Plan], d: Any, source: str) -> Plan:  # noqa: C901 - v
     try:
         gpu = get_gpu(gpu_name)
     except KareusError as exc:
-        raise _err(source, "gpu", str(exc)) from None
+        hint = ("; a plan made for your own GPU needs its GPU file: kareus show PLAN --gpu-file "
+                "FILE, or kareus.register_gpu(FILE) first in Python"
+                if isinstance(exc, UnknownPresetError) else "")
+        raise _err(source, "gpu", f"{exc}{hint}") from None
     schedule = _str(d["schedule"], source, "schedule", _MAX_NAME)
     stages = _int(d["num_stages"], source, "num_stages", 1, 4096)
     micro = _int(d["num_microbatches"], source, "num_microbatches", 1, _MAX_COMPUTATIONS)
