@@ -69,7 +69,11 @@ def test_optimize_with_own_model_and_gpu_round_trips(spec_files: tuple[Path, Pat
     err = capsys.readouterr().err.splitlines()[-1]
     assert rc == 2 and "unknown GPU 'lab-gpu'" in err and "show PLAN --gpu-file FILE" in err
     rc = main(["show", str(out / "plan.json"), "--gpu-file", str(g)])
-    assert rc == 0 and "lab-gpu" in capsys.readouterr().out
+    shown = capsys.readouterr().out
+    assert rc == 0 and "lab-gpu" in shown
+    # the model by its name, its shape on a line of its own, not a raw dict
+    assert "model=lab-3b," in shown and "{" not in shown
+    assert "  model       layers=4, hidden=2048, heads=16" in shown
     plan = Plan.load(out / "plan.json")
     assert Workload.from_dict(plan.workload) == wl  # no model registration needed
 

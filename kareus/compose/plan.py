@@ -400,8 +400,14 @@ class Plan:
             f"{self.num_microbatches} microbatches",
         ]
         if self.workload:
-            w = self.workload
+            w = dict(self.workload)
+            model = w.get("model")
+            if isinstance(model, dict):  # your own architecture: its name, then its shape
+                w["model"] = str(model.get("name", "?"))
             lines.append("  workload    " + ", ".join(f"{k}={v}" for k, v in w.items()))
+            if isinstance(model, dict):
+                lines.append("  model       " + ", ".join(f"{k}={v}" for k, v in model.items()
+                                                          if k != "name"))
         lines += [
             f"  iteration   {self.time_s:.4f} s, {self.energy_j:.1f} J over all GPUs "
             f"(dynamic {self.dynamic_energy_j:.1f} J, static {self.static_energy_j:.1f} J)",
