@@ -281,8 +281,9 @@ class OptimizationResult:
                   "choose where)", file=sys.stderr)
         if path is not None:
             fig = ax.figure
-            fig.tight_layout()
-            fig.savefig(path, dpi=120)
+            with _missing_glyphs_quiet():
+                fig.tight_layout()
+                fig.savefig(path, dpi=120)
             _log.info("wrote the frontier plot to %s", path)
         return ax
 
@@ -324,10 +325,11 @@ class OptimizationResult:
             else:
                 fig, ax = plt.subplots(figsize=(7, 5))
                 self.plot(ax=ax)
-                fig.tight_layout()
                 paths["figure"] = out / "frontier.png"
                 tmp = out / ".frontier.png.tmp"
-                fig.savefig(tmp, dpi=120, format="png")
+                with _missing_glyphs_quiet():
+                    fig.tight_layout()
+                    fig.savefig(tmp, dpi=120, format="png")
                 os.replace(tmp, paths["figure"])
                 plt.close(fig)
         return paths
@@ -338,6 +340,18 @@ class OptimizationResult:
                 f"{sum(self.profiles.values())} profiles in {self.wall_s:.1f} s; kareus vs "
                 f"perseus: {_pct(sv.get('iso_time_energy_saving'), 'energy')} iso-time, "
                 f"{_pct(sv.get('iso_energy_time_saving'), 'time')} iso-energy)")
+
+
+@contextlib.contextmanager
+def _missing_glyphs_quiet() -> Any:
+    """Silence matplotlib's warning per character that its font lacks (a model named in
+    CJK script, say): the title shows boxes there, and stderr keeps to kareus's own lines."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Glyph \d+ .*missing from font",
+                                category=UserWarning)
+        yield
 
 
 def _shows_figures() -> bool:

@@ -94,3 +94,23 @@ def test_bad_inputs_exit_2_with_one_line(argv: list[str], needle: str, tmp_path:
     rc = main(["optimize", *argv, "--budget", "2", "--quiet", "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err
     assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_model_named_in_cjk_script_draws_its_figure_without_glyph_warnings(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        recwarn: pytest.WarningsRecorder) -> None:
+    pytest.importorskip("matplotlib")
+    m = tmp_path / "cjk.json"
+    m.write_text(json.dumps({**MODEL, "name": "模型-3b"}), encoding="utf-8")
+    out = tmp_path / "out"
+    try:
+        rc = main(["optimize", "--model-file", str(m), "--gpu", "h200-sxm", "--tp", "2",
+                   "--pp", "2", "--microbatches", "4", "--microbatch-size", "2", "--seq-len",
+                   "1024", "--budget", "4", "--quiet", "--out", str(out)])
+    finally:
+        files.unregister("模型-3b")
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert (out / "frontier.png").is_file()
+    assert not [w for w in recwarn if "Glyph" in str(w.message)]  # not even to pytest
+    assert [line.split(":")[0] for line in err.splitlines()] == ["kareus"]  # the start line
