@@ -547,14 +547,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         ``SystemExit``), 130 when interrupted
         (Ctrl-C), 143 when stopped by SIGTERM, 1 for an I/O error or a bug.
     """
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    configure_logging(getattr(args, "verbose", 0))
-    if not getattr(args, "func", None):  # no command: what there is to run, and a bad status
-        parser.print_help(sys.stderr)
-        return 2
-    with _signals_as_stops():
-        return _run(args)
+    args: argparse.Namespace | None = None
+    try:  # the handlers first: a stop while parsing or setting up is one line too, never lost
+        with _signals_as_stops():
+            parser = build_parser()
+            args = parser.parse_args(argv)
+            configure_logging(getattr(args, "verbose", 0))
+            if not getattr(args, "func", None):  # no command: what there is, a bad status
+                parser.print_help(sys.stderr)
+                return 2
+            return _run(args)
+    except (KeyboardInterrupt, _Stopped) as exc:  # before _run, or as the handlers go back
+        return _report_stop(exc, args)
 
 
 class _Stopped(BaseException):
@@ -595,17 +599,23 @@ def _signals_as_stops() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+def _report_stop(exc: BaseException, args: argparse.Namespace | None) -> int:
+    """One line for a Ctrl-C or SIGTERM (with how to resume, once a run has said); returns
+    130 or 143."""
+    term = isinstance(exc, _Stopped) and exc.signum == signal.SIGTERM
+    hint = getattr(args, "resume_hint", None)
+    print("kareus: " + ("stopped by SIGTERM" if term else "interrupted")
+          + (f"; run the same command again to resume ({hint})" if hint else ""),
+          file=sys.stderr)
+    return 143 if term else 130
+
+
 def _run(args: argparse.Namespace) -> int:
     """Run the parsed command; every failure becomes one line on stderr and an exit status."""
     try:
         return int(args.func(args) or 0)
     except (KeyboardInterrupt, _Stopped) as exc:
-        term = isinstance(exc, _Stopped) and exc.signum == signal.SIGTERM
-        hint = getattr(args, "resume_hint", None)
-        print("kareus: " + ("stopped by SIGTERM" if term else "interrupted")
-              + (f"; run the same command again to resume ({hint})" if hint else ""),
-              file=sys.stderr)
-        return 143 if term else 130
+        return _report_stop(exc, args)
     except KareusError as exc:
         print(f"kareus: error: {_one_line(exc)}", file=sys.stderr)
         return exc.exit_code

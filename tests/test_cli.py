@@ -396,6 +396,31 @@ def test_sigterm_handler_is_put_back_after_the_command(tmp_path):
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+@pytest.mark.parametrize(("signame", "status", "word"), [
+    ("SIGTERM", 143, "stopped by SIGTERM"), ("SIGINT", 130, "interrupted")])
+def test_a_stop_while_the_command_sets_up_is_one_line_not_lost(signame, status, word,
+                                                                monkeypatch, capsys):
+    """The handlers are in place before the arguments are parsed and logging is set up: a
+    signal there ends the command with its one line and status, never a traceback or a
+    run that goes on."""
+    import os
+    import signal
+
+    import kareus.cli as cli
+
+    def configure(verbosity):
+        os.kill(os.getpid(), getattr(signal, signame))
+        for _ in range(1000):  # the handler runs between bytecodes
+            pass
+
+    monkeypatch.setattr(cli, "configure_logging", configure)
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["gpus"]) == status
+    captured = capsys.readouterr()
+    assert captured.err == f"kareus: {word}\n" and not captured.out
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_a_torn_log_header_is_recovered_not_truncated(tmp_path, capsys):
     logs = tmp_path / "out" / "logs"
     assert main(_small(tmp_path)) == 0
