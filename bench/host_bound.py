@@ -20,8 +20,9 @@ bench measures both, on one GPU:
 * **loop** (``--loop``): the library's training loop (kareus.exec.train, loopback on
   one GPU) for qwen3-1.7b TP=4 CP=2 (28 layers, 4 microbatches of 8 x 4096) and
   llama3.2-3b TP=2 (8 layers), per schedule (sequential, nanobatching, the kareus plan
-  in bench/plans/) eager and graphed: iteration time (device events, median over
-  repeats interleaved in a shuffled order), kernels per iteration and GPU-busy fraction
+  in bench/plans/, those the committed results trained under) eager and graphed:
+  iteration time (device events, median over repeats interleaved in a shuffled
+  order), kernels per iteration and GPU-busy fraction
   of the iteration's span (torch.profiler: union of kernel intervals over first kernel
   start to last kernel end), and the loss of every step (eager and graphed runs start
   from the same weights and data, so losses compare step by step).
@@ -67,7 +68,7 @@ PARTITION_WORKLOADS = (
 #: (label, plan file, layers) of the loop rows.
 LOOP_JOBS = (
     ("qwen3-1.7b tp4cp2", _REPO / "bench" / "plans" / "qwen3_1.7b_tp4cp2_mb8_h200.json", 28),
-    ("llama3.2-3b tp2", _REPO / "examples" / "plans" / "llama3b_tp2_h200.json", 8),
+    ("llama3.2-3b tp2", _REPO / "bench" / "plans" / "llama3b_tp2_h200_measured.json", 8),
 )
 
 
