@@ -225,7 +225,7 @@ def _duration(seconds: float) -> str:
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
-    """``kareus optimize --profiler nvml``: :func:`kareus.tune.tune` on every rank."""
+    """``kareus optimize --profiler nvml``: ``kareus.tune.tune`` on every rank."""
     from kareus.tune import tune
 
     if args.record is not None:
@@ -583,7 +583,7 @@ def _raise_stopped(signum: int, frame: object) -> None:
 @contextlib.contextmanager
 def _signals_as_stops() -> Iterator[None]:
     """Turn SIGTERM, and SIGINT where Python's default handler has it, into
-    :class:`_Stopped` while the command runs (main thread only; the previous handlers are
+    ``_Stopped`` while the command runs (main thread only; the previous handlers are
     put back after). A SIGINT that was ignored (a job started in the background) stays so."""
     if threading.current_thread() is not threading.main_thread():
         yield

@@ -1,18 +1,18 @@
 """The whole pipeline in one call: search every partition type, compose, compare.
 
-:func:`optimize` is what ``kareus optimize`` runs and what notebooks call:
+[`optimize`][kareus.optimize] is what ``kareus optimize`` runs and what notebooks call:
 
-1. build the partition types kareus searches (:func:`kareus.compose.kareus_types`): the
+1. build the partition types kareus searches ([kareus.compose.kareus_types][]): the
    workload's (nanobatched) types and, when the workload splits microbatches, the unsplit
    ones too (keyed ``<type>@n1``), so that kareus can run a computation unsplit where
    nanobatching does not pay;
-2. search each type's full configuration space with :class:`MultiPassSearch` (its initial
+2. search each type's full configuration space with [`MultiPassSearch`][kareus.search.MultiPassSearch] (its initial
    design starts with the baselines' own configurations; every measurement is appended to
    a JSONL log per type, ``search-<key>.jsonl``, so a killed run resumes where it
    stopped);
 3. compose the five systems (Megatron-LM, nanobatching, Perseus, nanobatching + Perseus,
    kareus) through the same microbatch and iteration composers
-   (:func:`kareus.compose.compose_systems`);
+   ([kareus.compose.compose_systems][]);
 4. summarise: each system's maximum-throughput point, and kareus's iso-time energy saving
    and iso-energy time saving against a reference system (Perseus by default).
 
@@ -117,22 +117,22 @@ def iso_energy_time_saving(system: IterationFrontier, reference: IterationFronti
 
 @attrs.frozen(kw_only=True)
 class OptimizationResult:
-    """What :func:`optimize` found.
+    """What [`optimize`][kareus.optimize] found.
 
     Attributes:
         workload: The workload optimised.
         gpu: GPU preset name.
         partitions: The workload's partition types (with its nanobatching; kareus also
-            searches the unsplit ones, :func:`~kareus.compose.kareus_types`).
+            searches the unsplit ones, [`kareus_types`][kareus.compose.kareus_types]).
         composition: The five systems' composition (kareus and the four it is compared
             with): their iteration frontiers and what they were built from.
         wall_s: Wall time of the whole run.
         execution: How the measured GPUs were fed: ``"graphed"`` (CUDA-graph replay) or
             ``"eager"`` (every op launched from the host), as the profiler says
-            (:attr:`kareus.exec.emulator.EmulatedProfiler.execution`); ``None``: the
+            (``EmulatedProfiler.execution``); ``None``: the
             profiler does not say.
         profiles: Profiles (measurements) made by kareus's searches, per partition type
-            key (:func:`~kareus.compose.kareus_type_key`: the unsplit types as
+            key ([`kareus_type_key`][kareus.compose.kareus_type_key]: the unsplit types as
             ``<type>@n1``).
     """
 
@@ -368,7 +368,7 @@ def _pct(x: float | None, what: str) -> str:
 
 def _check_arguments(workload: Any, gpu: Any, *, budget: Any, seed: Any, batch_size: Any,
                      log_dir: Any) -> None:
-    """:func:`optimize`'s plain arguments, checked before anything runs."""
+    """``optimize``'s plain arguments, checked before anything runs."""
     if not isinstance(workload, Workload):
         raise TypeError(f"workload must be a kareus Workload, got {type(workload).__name__}")
     for label, value in (("budget", budget), ("seed", seed), ("batch_size", batch_size)):
@@ -672,8 +672,8 @@ def manifest_inputs(workload: Workload, profiler: Profiler, *, budget: int,
                     surrogate: Surrogate | str | None, systems: Sequence[str] | None,
                     microbatch_composer: Any = None, iteration_composer: Any = None
                     ) -> dict[str, Any]:
-    """Every input of :func:`optimize` that changes a number, as the manifest of its output
-    folder records it (:mod:`kareus._outdir`): a folder whose manifest differs is refused."""
+    """Every input of ``optimize`` that changes a number, as the manifest of its output
+    folder records it (``kareus._outdir``): a folder whose manifest differs is refused."""
     gpu = profiler.gpu
     spec: dict[str, Any] | str
     try:
@@ -719,12 +719,12 @@ def _search_type(search_cls: Any, profiler: Profiler, part: Partition, *, budget
 
 
 def resolve_surrogate(surrogate: Surrogate | str | None, seed: int = 0) -> Surrogate | None:
-    """A surrogate template from a name (a key of :data:`kareus.search.SURROGATES`: ``"gp"``,
+    """A surrogate template from a name (a key of ``kareus.search.SURROGATES``: ``"gp"``,
     ``"trees"``), an instance, or ``None`` (the search's default).
 
     Raises:
         ValueError: an unknown name.
-        TypeError: neither a name nor a :class:`~kareus.search.Surrogate`.
+        TypeError: neither a name nor a [`Surrogate`][kareus.search.Surrogate].
     """
     from kareus.search import SURROGATES
 
