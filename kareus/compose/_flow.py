@@ -2,8 +2,9 @@
 
 The iteration composer needs a minimum s-t cut of a small network at every step of the
 time-cost trade-off. Written here (Dinic's algorithm on plain Python lists) rather than
-taken from a library because kareus's run-time dependencies are closed: numpy, attrs,
-xgboost and nvidia-ml-py, no scipy and no networkx. The networks are small (the critical
+taken from a library because none of kareus's run-time dependencies offers it for these
+networks: scipy's ``csgraph.maximum_flow`` takes integer capacities only, and networkx is
+not a dependency. The networks are small (the critical
 sub-graph of a pipeline DAG), where Dinic's BFS levels plus blocking flows are fast.
 
 A cut ``(S, T)`` of a network whose arcs carry lower bounds ``lb`` and upper bounds

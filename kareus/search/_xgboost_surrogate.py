@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 
+from kareus.errors import ConfigError
 from kareus.search.surrogate import Surrogate, _check_x, _check_xy
 
 __all__ = ["XGBoostSurrogate"]
@@ -63,6 +64,11 @@ class XGBoostSurrogate(Surrogate):
         trend_features: tuple[int, ...] | list[int] = (),
         params: dict[str, Any] | None = None,
     ) -> None:
+        import importlib.util
+
+        if importlib.util.find_spec("xgboost") is None:  # checked before any measurement
+            raise ConfigError("the trees surrogate (XGBoostSurrogate) needs xgboost: "
+                              "pip install 'kareus[trees]', or use the default gp surrogate")
         if n_estimators < 1:
             raise ValueError(f"n_estimators must be >= 1, got {n_estimators}")
         if max_depth < 1:

@@ -36,3 +36,17 @@ def test_bad_arguments():
         XGBoostSurrogate(n_estimators=0)
     with pytest.raises(ValueError, match="fitted on 2"):
         XGBoostSurrogate().fit(np.ones((3, 2)), [1.0, 2, 3]).predict(np.ones((2, 5)))
+
+
+def test_without_xgboost_the_trees_surrogate_is_refused_at_construction(monkeypatch):
+    """xgboost is the ``trees`` extra: a missing install is a typed one-line error when the
+    surrogate is made (before any measurement), not an ImportError at the first fit."""
+    import importlib.util
+
+    from kareus.errors import ConfigError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "xgboost" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"kareus\[trees\]"):
+        XGBoostSurrogate()
