@@ -48,3 +48,20 @@ def test_busy_fraction_is_the_union_of_kernel_intervals_over_their_span(monkeypa
     assert out["kernels"] == 4
     assert out["busy"] == pytest.approx(40 / 50)
     assert out["span_s"] == pytest.approx(50e-6)
+
+
+def test_the_emulated_comparison_reads_the_committed_result():
+    """bench/host_bound_emulated.py on the committed H200 result: one row per measured
+    partition, the measured ratio read back, the emulated ratios at least 1 (eager never
+    beats graph replay in the emulator)."""
+    import json
+    from pathlib import Path
+
+    emu = load_bench("host_bound_emulated")
+    path = Path(__file__).resolve().parents[2] / "bench" / "results" / "host_bound_h200.json"
+    result = json.loads(path.read_text(encoding="utf-8"))
+    rows = emu.compare(result)
+    assert len(rows) == len(result["partitions"])
+    for r, m in zip(rows, result["partitions"]):
+        assert r["measured_eager_over_graphed"] == pytest.approx(m["eager_s"] / m["graphed_s"])
+        assert r["emulated_eager_over_graphed"] >= 1.0 - 1e-9
