@@ -27,7 +27,11 @@ from typing import Any
 
 import attrs
 
+from kareus._logging import get_logger
+
 __all__ = ["SavedAttention", "attention_backward", "attention_forward"]
+
+_log = get_logger(__name__)
 
 
 @attrs.frozen(eq=False)
@@ -81,16 +85,17 @@ def attention_forward(q: Any, k: Any, v: Any, *, backend: str,
                 if direct == "cudnn":
                     r = torch.ops.aten._scaled_dot_product_cudnn_attention(
                         q, k, v, None, True, 0.0, True, False)
-                    # out, lse, cum_q, cum_k, philox seed, philox offset
-                    saved = (q, k, v, r[0], r[1], r[2], r[3], r[6], r[7])
                 else:
                     r = torch.ops.aten._scaled_dot_product_flash_attention(
                         q, k, v, 0.0, True, False)
-                    # out, lse, cum_q, cum_k, rng state, unused
-                    saved = (q, k, v, r[0], r[1], r[2], r[3], r[6], r[7])
+            # Both return (out, lse, cum_q, cum_k, max_q, max_k, two random-number state
+            # tensors, debug mask); the backward takes the same six tensors.
+            saved = (q, k, v, r[0], r[1], r[2], r[3], r[6], r[7])
             return SavedAttention(direct, r[0], saved, int(r[4]), int(r[5]))
-        except (RuntimeError, TypeError, NotImplementedError):
-            pass  # the op refuses these inputs (a layout or a head grouping): autograd
+        except (RuntimeError, TypeError, NotImplementedError) as exc:
+            # the op refuses these inputs (a layout or a head grouping): autograd
+            _log.debug("attention through autograd: the %s op refused the inputs (%s)",
+                       direct, str(exc)[:200])
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
     with torch.enable_grad():
         o = fallback(qg, kg, vg)
