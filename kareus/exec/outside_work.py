@@ -176,8 +176,7 @@ class RunnableOutsideWork(RunnablePartition):
                 return norm_bwd
             if name != "embedding_bwd":  # a memory-bound op of no kernel here: its bytes
                 nbytes = max(int(by_name[name].bytes_moved) // 2, 16)
-                src = torch.empty(nbytes, dtype=torch.uint8, device=dev).random_(
-                    0, 255, generator=gen)
+                src = _random_bytes(torch, nbytes, gen, dev)
                 dst = torch.empty_like(src)
                 return lambda: dst.copy_(src)
 
@@ -217,6 +216,25 @@ class RunnableOutsideWork(RunnablePartition):
 
     def __repr__(self) -> str:
         return f"RunnableOutsideWork({[o.name for o in self.work.ops]}, {len(self.work.comms)} comms)"
+
+
+#: Elements one call of a random fill may cover: CUDA's distribution kernels index with 32
+#: bits, and past 2**31 elements they write out of bounds (an illegal memory access, as
+#: an optimizer step's 7.6 GB copy of qwen3-1.7b at TP=4 met; pytorch/pytorch#141544).
+_FILL_CHUNK = 1 << 28
+
+
+def _random_bytes(torch: Any, nbytes: int, gen: Any, device: Any) -> Any:
+    """``nbytes`` random bytes on ``device``, filled as 64-bit words in chunks of
+    ``_FILL_CHUNK`` elements (each call's indices fit 32 bits whatever the size)."""
+    out = torch.empty(int(nbytes), dtype=torch.uint8, device=device)
+    words = int(nbytes) // 8
+    view = out[: words * 8].view(torch.int64)
+    for i in range(0, words, _FILL_CHUNK):
+        view[i:i + _FILL_CHUNK].random_(generator=gen)
+    if words * 8 < int(nbytes):
+        out[words * 8:].random_(0, 256, generator=gen)
+    return out
 
 
 def _world_size(collective: Any) -> int:
