@@ -218,9 +218,10 @@ class RunnableOutsideWork(RunnablePartition):
         return f"RunnableOutsideWork({[o.name for o in self.work.ops]}, {len(self.work.comms)} comms)"
 
 
-#: Elements one call of a random fill may cover: CUDA's distribution kernels index with 32
-#: bits, and past 2**31 elements they write out of bounds (an illegal memory access, as
-#: an optimizer step's 7.6 GB copy of qwen3-1.7b at TP=4 met; pytorch/pytorch#141544).
+#: Elements one call of a random fill may cover: some of CUDA's distribution kernels have
+#: indexed with 32 bits and left large int8 outputs unfilled (pytorch/pytorch#141544); an
+#: optimizer step's stand-in is several GB (7.6 GB for qwen3-1.7b at TP=4), so it is filled
+#: as 64-bit words in chunks that stay far below 2**31 elements.
 _FILL_CHUNK = 1 << 28
 
 
