@@ -51,6 +51,41 @@ class _Capped(C.CollectiveBackend):
         self.closed += 1
 
 
+class _Bound(C.CollectiveBackend):
+    """A backend that states its group through the base class instead of overriding."""
+
+    name = "bound"
+
+    def __init__(self, *, bind: bool = True) -> None:
+        if bind:
+            self._bind(world_size=4, rank=3, device=1, sm_count=78)
+
+    def all_reduce(self, tensor: Any, stream: Any, sms: int | None) -> Any:
+        self._check_sms(sms)
+        return tensor
+
+    def all_gather(self, output: Any, input: Any, stream: Any, sms: int | None) -> Any:
+        return output
+
+    def reduce_scatter(self, output: Any, input: Any, stream: Any, sms: int | None) -> Any:
+        return output
+
+
+def test_the_base_class_answers_for_a_bound_group():
+    b = _Bound()
+    assert (b.world_size, b.rank, b.sm_count, b.max_sms) == (4, 3, 78, 77)
+    assert b.all_reduce("t", None, 77) == "t"
+    with pytest.raises(C.CommSMCountError):
+        b.all_reduce("t", None, 78)
+
+
+def test_an_unbound_backend_says_what_to_implement():
+    b = _Bound(bind=False)
+    for prop in ("world_size", "rank", "sm_count"):
+        with pytest.raises(NotImplementedError, match=r"_Bound .*self\._bind\(.*override world_size"):
+            getattr(b, prop)
+
+
 def test_a_collective_leaves_at_least_one_sm_to_computation():
     b = _Capped(sm_count=132)
     assert b.max_sms == 131

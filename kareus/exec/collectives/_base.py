@@ -55,25 +55,72 @@ class CollectiveBackend(abc.ABC):
     faster on ([`OwnKernelCollective.empty`][kareus.exec.OwnKernelCollective.empty]); runnable
     partitions (``kareus.exec.torch_partition``) allocate their communication buffers with it
     when it is there and with ``torch.zeros`` otherwise.
+
+    An implementation states its group and GPU in one of two ways: it calls
+    ``self._bind(world_size=, rank=, device=, sm_count=)`` in ``__init__`` (or
+    ``self._bind_process_group(group)``, which reads them from an initialised
+    ``torch.distributed`` group and the current CUDA device), and the properties below
+    answer from there; or it overrides ``world_size``, ``rank`` and ``sm_count`` (e.g. to
+    delegate to another backend).
     """
 
     #: Short name used by :func:`select_collective_backend` (``prefer=``).
     name: ClassVar[str] = ""
 
+    # What _bind stores; unset until an implementation calls it.
+    _world: int
+    _rank: int
+    _device: int
+    _sm_count: int
+
+    def _bind(self, *, world_size: int, rank: int, device: int, sm_count: int) -> None:
+        """Records the group (its size and this rank) and this rank's GPU (index and SMs)."""
+        self._world = int(world_size)
+        self._rank = int(rank)
+        self._device = int(device)
+        self._sm_count = int(sm_count)
+
+    def _bind_process_group(self, group: Any) -> tuple[Any, Any]:
+        """Binds to ``group`` (``None``: the world) and the current CUDA device.
+
+        Returns:
+            ``(torch, torch.distributed)``.
+
+        Raises:
+            CollectiveUnavailableError: ``torch.distributed`` is not initialised or no GPU
+                is visible.
+        """
+        torch, dist = _require_dist(group)
+        device = torch.cuda.current_device()
+        self._bind(world_size=dist.get_world_size(group), rank=dist.get_rank(group),
+                   device=device,
+                   sm_count=torch.cuda.get_device_properties(device).multi_processor_count)
+        return torch, dist
+
+    def _bound(self, attr: str) -> int:
+        try:
+            return int(getattr(self, attr))
+        except AttributeError:
+            raise NotImplementedError(
+                f"{type(self).__name__} has not stated its group and GPU: call self._bind(...) "
+                "or self._bind_process_group(group) in __init__, or override world_size, rank "
+                "and sm_count"
+            ) from None
+
     @property
-    @abc.abstractmethod
     def world_size(self) -> int:
         """Ranks in the group."""
+        return self._bound("_world")
 
     @property
-    @abc.abstractmethod
     def rank(self) -> int:
         """This process's rank in the group."""
+        return self._bound("_rank")
 
     @property
-    @abc.abstractmethod
     def sm_count(self) -> int:
         """SMs of this rank's GPU."""
+        return self._bound("_sm_count")
 
     @property
     def max_sms(self) -> int:

@@ -40,26 +40,11 @@ class LoopbackCollective(CollectiveBackend):
 
             raise CollectiveUnavailableError("no CUDA GPU visible: LoopbackCollective needs one")
         self._torch = torch
-        self._device = torch.cuda.current_device()
-        self._sm_count = int(torch.cuda.get_device_properties(self._device)
-                             .multi_processor_count)
+        device = torch.cuda.current_device()
+        self._bind(world_size=1, rank=0, device=device,
+                   sm_count=torch.cuda.get_device_properties(device).multi_processor_count)
         #: Tensors handed out by :meth:`empty` (as a registering backend would).
         self.allocated = 0
-
-    @property
-    def world_size(self) -> int:
-        """Always 1."""
-        return 1
-
-    @property
-    def rank(self) -> int:
-        """Always 0."""
-        return 0
-
-    @property
-    def sm_count(self) -> int:
-        """SMs of this GPU."""
-        return self._sm_count
 
     def empty(self, shape: int | Sequence[int], dtype: Any) -> Any:
         """A zeroed tensor, as a registering backend's [`empty`][kareus.exec.LoopbackCollective.empty] gives (plain memory here)."""

@@ -9,7 +9,6 @@ from kareus.exec.collectives._base import (
     CollectiveBackend,
     _check_pair,
     _check_tensor,
-    _require_dist,
     _resolve_stream,
 )
 from kareus.exec.collectives._environment import mscclpp_available
@@ -56,29 +55,10 @@ class MscclppCollective(CollectiveBackend):
             raise CollectiveArgumentError(
                 f"runners has unknown ops {sorted(unknown)}; known: {', '.join(COLLECTIVE_OPS)}"
             )
-        torch, dist = _require_dist(group)
+        self._bind_process_group(group)
         import mscclpp  # noqa: F401  (fails loudly here if the install is broken)
 
         self._runners = dict(runners)
-        self._world = dist.get_world_size(group)
-        self._rank = dist.get_rank(group)
-        self._device = torch.cuda.current_device()
-        self._sm_count = torch.cuda.get_device_properties(self._device).multi_processor_count
-
-    @property
-    def world_size(self) -> int:
-        """Ranks in the group."""
-        return self._world
-
-    @property
-    def rank(self) -> int:
-        """This process's rank in the group."""
-        return self._rank
-
-    @property
-    def sm_count(self) -> int:
-        """SMs of this rank's GPU."""
-        return self._sm_count
 
     def _runner(self, op: str) -> MscclppRunner:
         if op not in self._runners:

@@ -9,7 +9,6 @@ from kareus.exec.collectives._base import (
     CollectiveBackend,
     _check_pair,
     _check_tensor,
-    _require_dist,
     _resolve_stream,
 )
 from kareus.exec.collectives._errors import CollectiveArgumentError, CollectiveUnavailableError
@@ -46,7 +45,7 @@ class NCCLCappedCollective(CollectiveBackend):
 
     def __init__(self, *, group: Any = None, max_sms: int | None = None,
                  high_priority: bool = True) -> None:
-        torch, dist = _require_dist(group)
+        torch, dist = self._bind_process_group(group)
         try:
             has_caps = hasattr(dist.ProcessGroupNCCL.Options().config, "max_ctas")
         except AttributeError:
@@ -57,31 +56,12 @@ class NCCLCappedCollective(CollectiveBackend):
                 "PyTorch (NCCL >= 2.17) or use OwnKernelCollective"
             )
         self._group = group
-        self._world = dist.get_world_size(group)
-        self._rank = dist.get_rank(group)
         self._ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self._world))
-        self._device = torch.cuda.current_device()
-        self._sm_count = torch.cuda.get_device_properties(self._device).multi_processor_count
         self._max_sms = NCCL_MAX_CTAS if max_sms is None else int(max_sms)
         if not 1 <= self._max_sms <= NCCL_MAX_CTAS:
             raise CollectiveArgumentError(f"max_sms must be in 1..{NCCL_MAX_CTAS}, got {max_sms}")
         self._groups: dict[int, Any] = {}
         self.high_priority = bool(high_priority)
-
-    @property
-    def world_size(self) -> int:
-        """Ranks in the group."""
-        return self._world
-
-    @property
-    def rank(self) -> int:
-        """This process's rank in the group."""
-        return self._rank
-
-    @property
-    def sm_count(self) -> int:
-        """SMs of this rank's GPU."""
-        return self._sm_count
 
     @property
     def max_sms(self) -> int:

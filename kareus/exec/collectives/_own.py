@@ -12,7 +12,6 @@ from kareus.exec.collectives._base import (
     CollectiveBackend,
     _check_pair,
     _check_tensor,
-    _require_dist,
     _resolve_stream,
 )
 from kareus.exec.collectives._errors import CollectiveArgumentError, CollectiveLaunchError
@@ -117,7 +116,7 @@ class OwnKernelCollective(CollectiveBackend):
                  memory: str = "ipc", spin_timeout_s: float | None = None,
                  threads_per_block: int | None = None, loads_in_flight: int | None = None,
                  arch: str | None = None) -> None:
-        torch, dist = _require_dist(group)
+        torch, dist = self._bind_process_group(group)
         if algorithm not in ALL_REDUCE_ALGORITHMS:
             raise CollectiveArgumentError(
                 f"algorithm must be one of {', '.join(ALL_REDUCE_ALGORITHMS)}, got {algorithm!r}"
@@ -132,11 +131,8 @@ class OwnKernelCollective(CollectiveBackend):
             raise CollectiveArgumentError(f"spin_timeout_s must be > 0 or None, got {spin_timeout_s}")
         defines = _build_defines(threads_per_block, loads_in_flight)
         self._group = group
-        self._world = validate_world_size(dist.get_world_size(group))
-        self._rank = dist.get_rank(group)
-        self._device = torch.cuda.current_device()
+        validate_world_size(self._world)
         props = torch.cuda.get_device_properties(self._device)
-        self._sm_count = props.multi_processor_count
         self._algorithm = algorithm
         self._registered_algorithm = registered_algorithm
         self._staging_bytes = staging_bytes
@@ -160,7 +156,8 @@ class OwnKernelCollective(CollectiveBackend):
         else:
             import torch.distributed._symmetric_memory as symm_mem
 
-            buf = symm_mem.empty(self._offset + staging_bytes, dtype=torch.uint8, device=self._device)
+            buf = symm_mem.empty(self._offset + staging_bytes, dtype=torch.uint8,
+                                 device=torch.device("cuda", self._device))
             buf.zero_()
             torch.cuda.synchronize()
             gname = (group if group is not None else dist.group.WORLD).group_name
@@ -231,21 +228,6 @@ class OwnKernelCollective(CollectiveBackend):
         if alloc.own.value:
             self._call("kc_free", alloc.own)
             alloc.own = ctypes.c_void_p()
-
-    @property
-    def world_size(self) -> int:
-        """Ranks in the group."""
-        return self._world
-
-    @property
-    def rank(self) -> int:
-        """This process's rank in the group."""
-        return self._rank
-
-    @property
-    def sm_count(self) -> int:
-        """SMs of this rank's GPU."""
-        return self._sm_count
 
     @property
     def max_sms(self) -> int:
