@@ -1,5 +1,10 @@
 """Reaching NVML: loading the library, and finding this process's GPU in NVML's numbering.
 
+A leaf module (it imports nothing of kareus but its errors): the energy meter
+(``kareus.exec.nvml``) and the frequency controllers (``kareus.exec.frequency``) both need
+these helpers, and the NVML package itself sits above the executor, which sits above the
+frequency controllers.
+
 NVML numbers every GPU of the machine in PCI order; CUDA numbers only the GPUs
 ``CUDA_VISIBLE_DEVICES`` lists, in the order it lists them (Slurm and container runtimes
 set it per job). So CUDA device 0 of a rank is NVML device 0 only when nothing remaps

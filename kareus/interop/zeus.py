@@ -27,18 +27,15 @@ Importing this module imports no Zeus; the classes do when built. Tests inject f
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
-import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
-from kareus.errors import HardwareError, UnsupportedFrequencyError
-from kareus.exec import EnergyMeter, FrequencyController, FrequencyPermissionError
-from kareus.exec.frequency import FrequencyRequest
-from kareus.model.gpu import GPUSpec, get_gpu
+from kareus.errors import HardwareError
+from kareus.exec import EnergyMeter, FrequencyPermissionError
+from kareus.exec.frequency import LockingFrequencyController
+from kareus.model.gpu import GPUSpec
 
 __all__ = ["ZeusEnergyMeter", "ZeusdFrequencyController", "zeus_gpus"]
 
@@ -68,7 +65,7 @@ def _call(obj: Any, snake: str, camel: str, *args: Any, **kwargs: Any) -> Any:
     return fn(*args, **kwargs)
 
 
-class ZeusdFrequencyController(FrequencyController):
+class ZeusdFrequencyController(LockingFrequencyController):
     """Locks SM clocks through Zeus (the ``zeusd`` daemon) and always gives them back.
 
     Args:
@@ -80,18 +77,18 @@ class ZeusdFrequencyController(FrequencyController):
             Zeus locks clocks through NVML directly, which needs root: then use
             [`NVMLFrequencyController`][kareus.exec.NVMLFrequencyController]).
 
-    Use as a context manager (or call
-    [`close`][kareus.interop.zeus.ZeusdFrequencyController.close]): the default clocks come back on
-    exit, on exceptions and at interpreter exit.
+    Use as a context manager (or call ``close()``): the default clocks come back on exit, on
+    exceptions and at interpreter exit.
 
     Raises:
         HardwareError: Zeus is missing, ``ZEUSD_SOCK_PATH`` is not set, or Zeus fails.
     """
 
+    _restore_failed = "could not restore the default clocks through Zeus: "
+
     def __init__(self, *, device_indices: Sequence[int], gpu: str | GPUSpec | None = None,
                  gpus: Any = None, require_zeusd: bool = True) -> None:
-        self.device_indices = tuple(int(i) for i in device_indices)
-        if not self.device_indices:
+        if not tuple(device_indices):
             raise ValueError("a ZeusdFrequencyController needs at least one GPU")
         if gpus is None:
             if require_zeusd and not os.environ.get("ZEUSD_SOCK_PATH"):
@@ -101,81 +98,26 @@ class ZeusdFrequencyController(FrequencyController):
                     "require_zeusd=False to lock clocks through NVML as root")
             gpus = zeus_gpus()
         self.gpus = gpus
-        self.gpu = None if gpu is None else get_gpu(gpu)
-        self._locked: set[int] = set()
-        self._lock = threading.RLock()
-        self.current_mhz: int | None = None
-        self.requests: list[FrequencyRequest] = []
-        self._closed = False
-        atexit.register(self._atexit)
+        super().__init__(device_indices=device_indices, gpu=gpu, handle_signals=False)
 
-    def set_frequency(self, freq_mhz: int, *, token: int | None = None) -> None:
-        """Lock every controlled GPU's SM clock at ``freq_mhz`` (blocking until zeusd did)."""
-        f = int(freq_mhz)
-        if self.gpu is not None and not self.gpu.supports_clock(f):
-            raise UnsupportedFrequencyError(
-                f"{f} MHz is not a supported clock of {self.gpu.name} (nearest: "
-                f"{self.gpu.nearest_clock(f)} MHz)")
-        with self._lock:
-            for i in self.device_indices:
-                try:
-                    self.gpus.set_gpu_locked_clocks(i, f, f, block=True)
-                except Exception as exc:  # ZeusdError, ZeusGPU*Error
-                    self._raise(exc, f"lock GPU {i} at {f} MHz")
-                self._locked.add(i)
-            self.current_mhz = f
-            self.requests.append(FrequencyRequest(freq_mhz=f, time_s=time.perf_counter(),
-                                                  token=token))
+    def _lock_device(self, index: int, freq_mhz: int) -> None:
+        # blocking until zeusd did
+        self.gpus.set_gpu_locked_clocks(index, freq_mhz, freq_mhz, block=True)
 
-    def _raise(self, exc: BaseException, what: str) -> None:
+    def _unlock_device(self, index: int) -> None:
+        self.gpus.reset_gpu_locked_clocks(index, block=True)
+
+    def _restore_after_failure(self) -> None:
         with contextlib.suppress(Exception):
             self.reset()
+
+    def _error(self, exc: BaseException, what: str) -> HardwareError:
         text = f"{type(exc).__name__}: {exc}"
         if "NoPermission" in type(exc).__name__ or "403" in str(exc):
-            raise FrequencyPermissionError(
+            return FrequencyPermissionError(
                 f"could not {what}: permission denied ({text}); check that zeusd runs as "
-                "root and that this user may write to its socket") from exc
-        raise HardwareError(f"could not {what} through Zeus ({text})") from exc
-
-    def reset(self) -> None:
-        """Restore the default clocks of every GPU this controller locked."""
-        with self._lock:
-            errors = []
-            for i in sorted(self._locked):
-                try:
-                    self.gpus.reset_gpu_locked_clocks(i, block=True)
-                except Exception as exc:
-                    errors.append(f"GPU {i}: {exc}")
-                    continue
-                self._locked.discard(i)
-            self.current_mhz = None
-            self.requests.append(FrequencyRequest(freq_mhz=None, time_s=time.perf_counter()))
-            if errors:
-                raise HardwareError("could not restore the default clocks through Zeus: "
-                                    + "; ".join(errors))
-
-    @property
-    def locked_devices(self) -> tuple[int, ...]:
-        """GPUs whose clocks are locked now."""
-        return tuple(sorted(self._locked))
-
-    def close(self) -> None:
-        """Restore the clocks (once)."""
-        if self._closed:
-            return
-        try:
-            self.reset()
-        finally:
-            self._closed = True
-            with contextlib.suppress(Exception):
-                atexit.unregister(self._atexit)
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _atexit(self) -> None:
-        with contextlib.suppress(Exception):
-            self.reset()
+                "root and that this user may write to its socket")
+        return HardwareError(f"could not {what} through Zeus ({text})")
 
 
 class _ZeusHandles:

@@ -1,4 +1,4 @@
-"""Reaching NVML and finding this process's GPU in it by UUID (kareus.exec.nvml._device),
+"""Reaching NVML and finding this process's GPU in it by UUID (kareus.exec._nvml_device),
 on a fake NVML with a remapped CUDA_VISIBLE_DEVICES."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def test_uuids_in_cuda_visible_devices_and_from_cuda_are_matched(monkeypatch):
 
 def test_meter_and_frequency_controller_default_to_this_process_gpu(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")
-    import kareus.exec.nvml._device as device
+    import kareus.exec._nvml_device as device
 
     monkeypatch.setattr(device, "cuda_device_uuid", _no_torch_uuid)  # as on a CPU
     nvml = FakeNVML(n=4)

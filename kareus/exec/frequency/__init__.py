@@ -19,7 +19,8 @@ request travels in stream order:
   [`FrequencyPermissionError`][kareus.exec.FrequencyPermissionError].
   [`DryRunFrequencyController`][kareus.exec.DryRunFrequencyController] only records each request
   with its time; it is the only controller that may run on shared machines whose clocks must not
-  change.
+  change. Controllers that really lock clocks (NVML's, and Zeus's in ``kareus.interop.zeus``)
+  share ``LockingFrequencyController``, which keeps the locked GPUs and restores them.
 
 Modules (import the names from this package, not from them): ``_controllers`` (the
 controllers), ``_markers`` (stream markers) and ``_trigger`` (the trigger role and
@@ -33,6 +34,7 @@ from kareus.exec.frequency._controllers import (
     FrequencyController,
     FrequencyPermissionError,
     FrequencyRequest,
+    LockingFrequencyController,
     NVMLFrequencyController,
 )
 from kareus.exec.frequency._markers import (
@@ -51,6 +53,7 @@ __all__ = [
     "FrequencyRequest",
     "FrequencyTrigger",
     "HostFunctionMarker",
+    "LockingFrequencyController",
     "NVMLFrequencyController",
     "StreamMarker",
     "StreamOrderedTrigger",

@@ -14,6 +14,7 @@ from typing import Any
 import attrs
 
 from kareus.errors import HardwareError
+from kareus.exec._nvml_device import load_nvml, nvml_device_index
 from kareus.model.gpu import GPUSpec, get_gpu
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "FrequencyController",
     "FrequencyPermissionError",
     "FrequencyRequest",
+    "LockingFrequencyController",
     "NVMLFrequencyController",
 ]
 
@@ -104,46 +106,34 @@ class DryRunFrequencyController(FrequencyController):
             self.current_mhz = None
 
 
-def _nvml_error_code(exc: BaseException) -> int | None:
-    value = getattr(exc, "value", None)
-    return int(value) if isinstance(value, int) else None
+class LockingFrequencyController(FrequencyController):
+    """The shared half of the controllers that really lock clocks: which GPUs are locked,
+    restoring them whatever happens, and the record of requests.
 
-
-_NVML_ERROR_NO_PERMISSION = 4
-_NVML_ERROR_NOT_SUPPORTED = 3
-
-
-class NVMLFrequencyController(FrequencyController):
-    """Locks SM clocks through NVML and always gives them back.
+    A subclass says how to lock and restore one GPU (``_lock_device``, ``_unlock_device``)
+    and what a failure means (``_error``); this class restores the default clocks on exit
+    from a ``with`` block, on ``close()``, at interpreter exit, on
+    SIGTERM when asked to, and before any error of a lock request is raised.
 
     Args:
-        device_indices: NVML indices of the GPUs to control; ``None`` = this process's
-            current CUDA device, found in NVML by its UUID
-            ([`kareus.exec.nvml.nvml_device_index`][kareus.exec.nvml_device_index]: right under
-            ``CUDA_VISIBLE_DEVICES``).
-        gpu: GPU preset; requested clocks must be among its supported clocks.
-        nvml: The NVML module (``None``: ``pynvml``); a fake for tests.
-        handle_signals: Restore the clocks on SIGTERM (then run the previous handler,
-            or exit with status 143). Only possible from the main thread.
+        device_indices: The GPUs to control, in the subclass's numbering.
+        gpu: GPU preset or spec; requested clocks must be among its supported clocks.
+        handle_signals: Restore the clocks on SIGTERM (then run the previous handler, or exit
+            with status 143). Only possible from the main thread.
 
     Raises:
-        HardwareError: NVML is missing or fails.
+        ValueError: no GPU to control.
     """
 
-    def __init__(self, *, device_indices: Sequence[int] | None = None,
-                 gpu: str | GPUSpec | None = None, nvml: Any = None,
-                 handle_signals: bool = True) -> None:
-        from kareus.exec.nvml import load_nvml, nvml_device_index
+    #: The start of the error raised when restoring the clocks fails.
+    _restore_failed = "could not restore the default clocks of "
 
-        self.nvml = load_nvml(nvml)
-        if device_indices is None:
-            device_indices = [nvml_device_index(nvml=self.nvml)]
+    def __init__(self, *, device_indices: Sequence[int], gpu: str | GPUSpec | None = None,
+                 handle_signals: bool = False) -> None:
         self.device_indices = tuple(int(i) for i in device_indices)
         if not self.device_indices:
-            raise ValueError("an NVMLFrequencyController needs at least one GPU")
+            raise ValueError(f"{type(self).__name__} needs at least one GPU")
         self.gpu = None if gpu is None else get_gpu(gpu)
-        self._handles = {i: self.nvml.nvmlDeviceGetHandleByIndex(i)
-                         for i in self.device_indices}
         self._locked: set[int] = set()
         self._lock = threading.RLock()
         self.current_mhz: int | None = None
@@ -158,22 +148,35 @@ class NVMLFrequencyController(FrequencyController):
         else:
             self._handles_signal = False
 
+    @abc.abstractmethod
+    def _lock_device(self, index: int, freq_mhz: int) -> None:
+        """Lock GPU ``index``'s SM clock at ``freq_mhz`` (any exception: it failed)."""
+
+    @abc.abstractmethod
+    def _unlock_device(self, index: int) -> None:
+        """Restore GPU ``index``'s default clocks (any exception: it failed)."""
+
+    @abc.abstractmethod
+    def _error(self, exc: BaseException, what: str) -> HardwareError:
+        """The error to raise when ``what`` (e.g. "lock GPU 0 at 1500 MHz") failed with ``exc``."""
+
     def set_frequency(self, freq_mhz: int, *, token: int | None = None) -> None:
         """Lock every controlled GPU's SM clock at ``freq_mhz``.
 
         Raises:
-            UnsupportedFrequencyError: not a supported clock of the GPU.
-            FrequencyPermissionError: NVML refuses (needs root); the clocks are restored.
-            HardwareError: any other NVML failure; the clocks are restored.
+            UnsupportedFrequencyError: not a supported clock of the GPU (nothing touched).
+            FrequencyPermissionError: the GPU refuses for lack of permission; the clocks are
+                restored.
+            HardwareError: any other failure; the clocks are restored.
         """
         f = int(freq_mhz)
         if self.gpu is not None:
             self.gpu.check_clock(f)  # UnsupportedFrequencyError naming the nearest clock
         with self._lock:
-            for i, h in self._handles.items():
+            for i in self.device_indices:
                 try:
-                    self.nvml.nvmlDeviceSetGpuLockedClocks(h, f, f)
-                except Exception as exc:  # NVMLError subclasses
+                    self._lock_device(i, f)
+                except Exception as exc:
                     self._raise(exc, f"lock GPU {i} at {f} MHz")
                 self._locked.add(i)
             self.current_mhz = f
@@ -181,21 +184,14 @@ class NVMLFrequencyController(FrequencyController):
                                                   token=token))
 
     def _raise(self, exc: BaseException, what: str) -> None:
-        code = _nvml_error_code(exc)
-        name = type(exc).__name__
-        if code == _NVML_ERROR_NO_PERMISSION or "NoPermission" in name:
-            # Put back whatever was already changed before reporting.
-            self.reset()
-            raise FrequencyPermissionError(
-                f"could not {what}: NVML says insufficient permissions. Locking clocks "
-                "needs root (or CAP_SYS_ADMIN); run as root, or use "
-                "DryRunFrequencyController to plan without changing clocks") from exc
-        if code == _NVML_ERROR_NOT_SUPPORTED or "NotSupported" in name:
-            self.reset()
-            raise HardwareError(f"could not {what}: this GPU does not support locked "
-                                "clocks (nvmlDeviceSetGpuLockedClocks)") from exc
+        """Put back whatever was already changed, then raise the subclass's error."""
+        self._restore_after_failure()
+        raise self._error(exc, what) from exc
+
+    def _restore_after_failure(self) -> None:
+        # A failure to restore is raised in place of the lock error (which stays its
+        # context): clocks left locked matter more.
         self.reset()
-        raise HardwareError(f"could not {what}: {exc}") from exc
 
     def reset(self) -> None:
         """Restore the default clocks of every GPU this controller locked."""
@@ -203,7 +199,7 @@ class NVMLFrequencyController(FrequencyController):
             errors = []
             for i in sorted(self._locked):
                 try:
-                    self.nvml.nvmlDeviceResetGpuLockedClocks(self._handles[i])
+                    self._unlock_device(i)
                 except Exception as exc:
                     errors.append(f"GPU {i}: {exc}")
                     continue
@@ -211,8 +207,7 @@ class NVMLFrequencyController(FrequencyController):
             self.current_mhz = None
             self.requests.append(FrequencyRequest(freq_mhz=None, time_s=time.perf_counter()))
             if errors:
-                raise HardwareError("could not restore the default clocks of "
-                                    + "; ".join(errors))
+                raise HardwareError(self._restore_failed + "; ".join(errors))
 
     @property
     def locked_devices(self) -> tuple[int, ...]:
@@ -220,7 +215,7 @@ class NVMLFrequencyController(FrequencyController):
         return tuple(sorted(self._locked))
 
     def close(self) -> None:
-        """Restore the clocks and remove the signal handler."""
+        """Restore the clocks (once) and remove the signal handler."""
         if self._closed:
             return
         try:
@@ -250,3 +245,59 @@ class NVMLFrequencyController(FrequencyController):
             return
         else:
             raise SystemExit(128 + signum)
+
+
+def _nvml_error_code(exc: BaseException) -> int | None:
+    value = getattr(exc, "value", None)
+    return int(value) if isinstance(value, int) else None
+
+
+_NVML_ERROR_NO_PERMISSION = 4
+_NVML_ERROR_NOT_SUPPORTED = 3
+
+
+class NVMLFrequencyController(LockingFrequencyController):
+    """Locks SM clocks through NVML and always gives them back.
+
+    Args:
+        device_indices: NVML indices of the GPUs to control; ``None`` = this process's
+            current CUDA device, found in NVML by its UUID
+            ([`kareus.exec.nvml.nvml_device_index`][kareus.exec.nvml_device_index]: right under
+            ``CUDA_VISIBLE_DEVICES``).
+        gpu: GPU preset; requested clocks must be among its supported clocks.
+        nvml: The NVML module (``None``: ``pynvml``); a fake for tests.
+        handle_signals: Restore the clocks on SIGTERM (then run the previous handler,
+            or exit with status 143). Only possible from the main thread.
+
+    Raises:
+        HardwareError: NVML is missing or fails.
+    """
+
+    def __init__(self, *, device_indices: Sequence[int] | None = None,
+                 gpu: str | GPUSpec | None = None, nvml: Any = None,
+                 handle_signals: bool = True) -> None:
+        self.nvml = load_nvml(nvml)
+        if device_indices is None:
+            device_indices = [nvml_device_index(nvml=self.nvml)]
+        self._handles = {int(i): self.nvml.nvmlDeviceGetHandleByIndex(int(i))
+                         for i in device_indices}
+        super().__init__(device_indices=device_indices, gpu=gpu, handle_signals=handle_signals)
+
+    def _lock_device(self, index: int, freq_mhz: int) -> None:
+        self.nvml.nvmlDeviceSetGpuLockedClocks(self._handles[index], freq_mhz, freq_mhz)
+
+    def _unlock_device(self, index: int) -> None:
+        self.nvml.nvmlDeviceResetGpuLockedClocks(self._handles[index])
+
+    def _error(self, exc: BaseException, what: str) -> HardwareError:
+        code = _nvml_error_code(exc)
+        name = type(exc).__name__
+        if code == _NVML_ERROR_NO_PERMISSION or "NoPermission" in name:
+            return FrequencyPermissionError(
+                f"could not {what}: NVML says insufficient permissions. Locking clocks "
+                "needs root (or CAP_SYS_ADMIN); run as root, or use "
+                "DryRunFrequencyController to plan without changing clocks")
+        if code == _NVML_ERROR_NOT_SUPPORTED or "NotSupported" in name:
+            return HardwareError(f"could not {what}: this GPU does not support locked "
+                                 "clocks (nvmlDeviceSetGpuLockedClocks)")
+        return HardwareError(f"could not {what}: {exc}")

@@ -49,21 +49,22 @@ timing.
 ``pynvml`` (the ``nvidia-ml-py`` package) is imported lazily; pass a fake module as
 ``nvml=`` to test without GPUs.
 
-Modules (import the names from this package, not from them): ``_device`` (loading NVML,
-and [`nvml_device_index`][kareus.exec.nvml_device_index]: this process's GPU in NVML's numbering, by
-UUID), ``_meter`` ([`EnergyMeter`][kareus.exec.EnergyMeter]), ``_coordinator`` (agreement among
+Modules (import the names from this package, not from them): ``kareus.exec._nvml_device``
+(loading NVML, and [`nvml_device_index`][kareus.exec.nvml_device_index]: this process's GPU in
+NVML's numbering, by UUID; a leaf beside this package, since the frequency controllers need it
+too), ``_meter`` ([`EnergyMeter`][kareus.exec.EnergyMeter]), ``_coordinator`` (agreement among
 ranks), ``_runner`` (running partition steps) and ``_profiler``
 ([`NVMLProfiler`][kareus.exec.NVMLProfiler]).
 """
 
 from __future__ import annotations
 
+from kareus.exec._nvml_device import cuda_device_uuid, load_nvml, nvml_device_index
 from kareus.exec.nvml._coordinator import (
     Coordinator,
     LocalCoordinator,
     TorchDistributedCoordinator,
 )
-from kareus.exec.nvml._device import cuda_device_uuid, load_nvml, nvml_device_index
 from kareus.exec.nvml._meter import EnergyMeter
 from kareus.exec.nvml._profiler import HOST_BOUND_BUSY, MeasurementRecord, NVMLProfiler
 from kareus.exec.nvml._runner import PartitionRunner, TorchPartitionRunner

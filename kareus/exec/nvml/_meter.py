@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 
 from kareus._logging import get_logger
-from kareus.exec.nvml._device import load_nvml, nvml_device_index
+from kareus.exec._nvml_device import load_nvml, nvml_device_index
 
 __all__ = ["EnergyMeter"]
 
