@@ -13,16 +13,18 @@ them) chosen exactly once per microbatch computation, at one of its launch slots
 the digest against the content. Any problem raises a
 [`PlanError`][kareus.errors.PlanError] in one line naming the source and the field
 (``_err``).
+
+The module builds no plan class of its own: ``kareus.compose.plan`` imports it and passes
+``Plan`` and ``MicrobatchChoice`` in, so the dependency runs one way.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from kareus.compose.plan import PLAN_VERSION, MicrobatchChoice, Plan
 from kareus.errors import KareusError, PlanError, UnknownPresetError, short_repr
 from kareus.model.config import ScheduleConfig
 from kareus.model.gpu import get_gpu
@@ -95,7 +97,9 @@ def _str(value: Any, source: str, field: str, max_len: int) -> str:
     return value
 
 
-def _parse_choice(d: Any, field: str, gpu: Any, source: str) -> MicrobatchChoice:
+def _parse_choice(d: Any, field: str, gpu: Any, source: str,
+                  choice_type: Callable[..., Any]) -> Any:
+    """The checked choice, built by ``choice_type`` (``MicrobatchChoice``)."""
     d = _obj(d, source, field)
     _keys(d, ("freq_mhz", "predicted", "configs"),
           frozenset(("freq_mhz", "nanobatches", "predicted", "configs")), source, field)
@@ -132,8 +136,7 @@ def _parse_choice(d: Any, field: str, gpu: Any, source: str) -> MicrobatchChoice
                                        backend=backend)
         except (KareusError, ValueError, TypeError) as exc:
             raise _err(source, where, str(exc)) from None
-    return MicrobatchChoice(freq_mhz=freq, configs=out, predicted=predicted,
-                            nanobatches=nanobatches)
+    return choice_type(freq_mhz=freq, configs=out, predicted=predicted, nanobatches=nanobatches)
 
 
 def _parse_workload(w: Any, source: str) -> Any:
@@ -176,16 +179,19 @@ def _expected_types(workload: Any) -> tuple[dict[str, frozenset[str]], dict[str,
     return per_phase, slots
 
 
-def _parse_plan(cls: type[Plan], d: Any, source: str) -> Plan:  # noqa: C901 - validates the plan file key by key, one check per key
+def _parse_plan(cls: Callable[..., Any], d: Any, source: str, *, version: int,  # noqa: C901 - validates the plan file key by key, one check per key
+                choice_type: Callable[..., Any]) -> Any:
+    """The checked plan, built by ``cls`` (``Plan``) of choices built by ``choice_type``;
+    ``version``: the plan format this kareus reads."""
     if not isinstance(source, str):
         source = str(source)
     if not isinstance(d, Mapping):
         raise PlanError(f"{source}: a plan must be a JSON object, got {type(d).__name__}")
     if "version" not in d:
         raise PlanError(f"{source}: not a kareus plan: the key 'version' is missing")
-    if type(d["version"]) is not int or d["version"] != PLAN_VERSION:
+    if type(d["version"]) is not int or d["version"] != version:
         raise _err(source, "version", f"plan format version {short_repr(d['version'])} is not "
-                   f"supported; this kareus reads version {PLAN_VERSION} (make the plan again)")
+                   f"supported; this kareus reads version {version} (make the plan again)")
     _keys(d, (*_REQUIRED_KEYS, "workload", "digest"), _TOP_KEYS, source, "plan")
     digest = _str(d["digest"], source, "digest", 64)
     if len(digest) != 64 or any(ch not in "0123456789abcdef" for ch in digest):
@@ -236,7 +242,7 @@ def _parse_plan(cls: type[Plan], d: Any, source: str) -> Plan:  # noqa: C901 - v
         raise _err(source, "choices", f"must be a non-empty list, got {short_repr(raw_choices)}")
     if len(raw_choices) > len(keys):
         raise _err(source, "choices", f"{len(raw_choices)} choices for {len(keys)} computations")
-    choices = [_parse_choice(c, f"choices[{i}]", gpu, source) for i, c in enumerate(raw_choices)]
+    choices = [_parse_choice(c, f"choices[{i}]", gpu, source, choice_type) for i, c in enumerate(raw_choices)]
     raw_assign = _obj(d["assignment"], source, "assignment")
     assignment: dict[str, int] = {}
     for k, v in raw_assign.items():

@@ -46,6 +46,7 @@ from typing import Any
 import attrs
 
 from kareus._io import read_json, write_text_atomic
+from kareus.compose._plan_validation import _parse_choice, _parse_plan
 from kareus.errors import PlanError
 from kareus.model.config import ScheduleConfig
 from kareus.model.pipeline import Computation
@@ -164,9 +165,7 @@ class MicrobatchChoice:
             PlanError: naming the field, for a missing or unknown key, a wrong type, or a
                 value out of range.
         """
-        from kareus.compose._plan_validation import _parse_choice
-
-        return _parse_choice(d, field, gpu, "plan")
+        return _parse_choice(d, field, gpu, "plan", cls)
 
     def __str__(self) -> str:
         parts = ", ".join(f"{n}: {c.comm_sms} SMs @ {c.launch_slot or 'sequential'}"
@@ -356,9 +355,7 @@ class Plan:
         Raises:
             PlanError: one line naming ``source`` and the field, for any problem.
         """
-        from kareus.compose._plan_validation import _parse_plan
-
-        return _parse_plan(cls, d, source)
+        return _parse_plan(cls, d, source, version=PLAN_VERSION, choice_type=MicrobatchChoice)
 
     @classmethod
     def from_json(cls, text: str, *, source: str = "plan") -> Plan:

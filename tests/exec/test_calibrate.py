@@ -21,7 +21,7 @@ from kareus.exec.calibrate import (
 )
 from kareus.exec.emulator import EmulatedGPU, profile_workload
 from kareus.exec.emulator._calibration import TIMED_FLOOR_S, _op_power_terms
-from kareus.exec.emulator._gpu import _prep_op
+from kareus.exec.emulator._opmodel import _prep_op
 from kareus.model import build_partitions
 from kareus.model.gpu_profile import GPUProfile, GPUProfileError, MachineInfo
 

@@ -20,9 +20,8 @@ from kareus.exec.emulator._calibration import (
     _op_power_terms,
     comm_curves,
     fit_comm_curve,
-    lookup,
 )
-from kareus.exec.emulator._gpu import _prep_op
+from kareus.exec.emulator._opmodel import _prep_op, lookup
 from kareus.model import ScheduleConfig, Workload, build_partitions
 from kareus.model.gpu_profile import GPUProfile, GPUProfileError, OpProfile
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from kareus.exec.emulator import EmulatedGPU, EmulatedProfiler
-from kareus.exec.emulator._gpu import _prep_op
 from kareus.exec.emulator._host import DEFAULT_HOST_COSTS, HostCost, host_key
+from kareus.exec.emulator._opmodel import _prep_op
 from kareus.exec.emulator._sim import _collective, _Sim
 from kareus.model import ScheduleConfig, Workload, build_partitions
 from kareus.model.ops import CommKind, CommOp, ComputeOp, OpKind

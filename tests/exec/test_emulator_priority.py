@@ -8,7 +8,7 @@ import pytest
 from bench_scripts import load_bench
 
 from kareus.exec.emulator import EmulatedGPU, EmulatedProfiler
-from kareus.exec.emulator._gpu import _prep_op
+from kareus.exec.emulator._opmodel import _prep_op
 from kareus.exec.emulator._sim import _collective, _Sim
 from kareus.model import ScheduleConfig, Workload, build_partitions
 from kareus.model.ops import CommKind, CommOp, ComputeOp, OpKind

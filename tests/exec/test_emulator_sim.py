@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kareus.exec.emulator import EmulatedGPU
-from kareus.exec.emulator._gpu import _prep_op
+from kareus.exec.emulator._opmodel import _prep_op
 from kareus.exec.emulator._sim import _Collective, _collective, _Sim
 from kareus.model.ops import CommKind, CommOp, ComputeOp, OpKind
 

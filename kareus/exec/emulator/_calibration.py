@@ -49,13 +49,19 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import attrs
 import numpy as np
 
+from kareus.exec.emulator._opmodel import (
+    OpCalibration,
+    _op_work_time,
+    _prep_op,
+    profile_kind,
+)
 from kareus.model.gpu_profile import GPUProfile, GPUProfileError, OpProfile
-from kareus.model.ops import ComputeOp, OpKind
+from kareus.model.ops import ComputeOp
 
 __all__ = ["OpCalibration", "PROFILE_BATCH", "PROFILE_WORKLOADS", "TIMED_FLOOR_S", "comm_curves",
            "fit_comm_curve", "host_costs", "op_calibrations", "profile_workload",
@@ -85,38 +91,6 @@ _UNTHROTTLED = 0.97
 _COMM_FIT_MIN_BYTES = 64 * 2**20
 #: Profile backend names for the emulator's ``comm_backend`` choices.
 COMM_BACKENDS: dict[str, str] = {"own": "own", "nccl": "nccl_capped"}
-
-
-class OpCalibration(NamedTuple):
-    """Factors on the op model of one op (see the module docstring).
-
-    Attributes:
-        partition: Partition type name (``"fwd_attn"``); ``"*"`` for a kind default.
-        op: Op name within the partition; for a kind default, the kind (``"gemm"``,
-            ``"attention"``, ``"elementwise"``).
-        time_factor: Measured time over the model's at the maximum clock.
-        power_factor: Multiplier of the op's dynamic power.
-        model_s: The model's time of the measured op (for picking the record nearest in
-            size among several workloads); 0 for kind defaults.
-        source: Where the factors come from (``"workload/kernel set"`` or a note).
-    """
-
-    partition: str
-    op: str
-    time_factor: float
-    power_factor: float
-    model_s: float
-    source: str
-
-
-def profile_kind(kind: OpKind | str) -> str:
-    """The profile's op kind (gemm, attention, elementwise) of an [`OpKind`][kareus.model.OpKind]."""
-    k = OpKind(kind)
-    if k is OpKind.GEMM:
-        return "gemm"
-    if k is OpKind.ATTENTION:
-        return "attention"
-    return "elementwise"
 
 
 def profile_workload_key(model: str, *, tp: int, cp: int = 1, microbatch_size: int,
@@ -183,8 +157,6 @@ def _model_ops(profile: GPUProfile) -> dict[tuple[str, str, str], ComputeOp]:
 def _op_power_terms(gpu: Any, prepped: Any, f_mhz: float) -> tuple[float, float, float]:
     """(work time, power without the op's own dynamic part, the op's own dynamic power)
     of one prepared op alone on all SMs at ``f_mhz`` (the simulation's power formula)."""
-    from kareus.exec.emulator._gpu import _op_work_time
-
     f_hz = f_mhz * 1e6
     s = gpu.sm_count
     t = _op_work_time(prepped, s, f_hz, gpu.hbm_bytes_per_s, gpu._issue_per_sm_cycle)
@@ -199,8 +171,6 @@ def _op_power_terms(gpu: Any, prepped: Any, f_mhz: float) -> tuple[float, float,
 
 def _fit_op(gpu: Any, op: ComputeOp, rec: OpProfile) -> tuple[float, float | None]:
     """(time factor, power factor or None) of one measured op on the uncalibrated ``gpu``."""
-    from kareus.exec.emulator._gpu import _prep_op
-
     fmax = gpu.spec.max_clock_mhz
     base = _prep_op(gpu, op)
     work, _, _ = _op_power_terms(gpu, base, fmax)
@@ -335,20 +305,6 @@ def host_costs(profile: GPUProfile, kernels: str | Sequence[str] | None = None
              f"measured, median over partitions: {profile.host_method}")
             for name, vals in sorted(names.items())]
     return tuple(out)
-
-
-def lookup(calibrations: tuple[OpCalibration, ...], partition: str | None, op: ComputeOp,
-           model_s: float) -> OpCalibration | None:
-    """The factors for ``op`` of ``partition``: the record of the same (partition, op)
-    nearest in model time, else the kind default, else ``None``."""
-    same = [c for c in calibrations if c.partition == partition and c.op == op.name]
-    if same:
-        return min(same, key=lambda c: abs(math.log(max(c.model_s, 1e-12) / max(model_s, 1e-12))))
-    kind = profile_kind(op.kind)
-    for c in calibrations:
-        if c.partition == "*" and c.op == kind:
-            return c
-    return None
 
 
 # ----------------------------------------------------------------------------- collectives

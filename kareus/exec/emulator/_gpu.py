@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 
-from kareus.exec.emulator._calibration import OpCalibration, lookup
+from kareus.exec.emulator._calibration import comm_curves, host_costs, op_calibrations
 from kareus.exec.emulator._comm import CommCurve, _comm_curves
 from kareus.exec.emulator._host import (
     EXECUTIONS,
@@ -24,15 +24,13 @@ from kareus.exec.emulator._host import (
     host_cost_s,
     host_costs_tuple,
 )
+from kareus.exec.emulator._opmodel import OpCalibration, _op_work_time, _prep_op
 from kareus.model.gpu import GPUSpec, get_gpu
 from kareus.model.ops import CommKind, CommOp, ComputeOp
 
 __all__ = ["EmulatedGPU"]
 
-# p of the p-norm that combines compute time and memory time of an op (a soft roofline max).
-_ROOFLINE_P = 4.0
-# p of the soft minimum between an op's bandwidth share and what its SMs can issue.
-_ISSUE_P = 4.0
+
 
 
 def _pos(instance: object, attribute: attrs.Attribute, value: float) -> None:
@@ -327,7 +325,6 @@ class EmulatedGPU:
         Raises:
             GPUProfileError: the profile cannot be read, has no such kernel set or backend.
         """
-        from kareus.exec.emulator._calibration import comm_curves, host_costs, op_calibrations
         from kareus.model.gpu_profile import GPUProfile, GPUProfileError, shipped_profiles
 
         if not isinstance(profile, GPUProfile):
@@ -522,65 +519,3 @@ def _default_constants(spec: GPUSpec) -> dict[str, Any]:
             network_gb_per_s=45.0,  # DGX H100 / H200: one 400 Gb/s NIC per GPU, x 0.9
         )
     return generic
-
-
-# ----------------------------------------------------------------------------- ops
-
-
-@attrs.frozen
-class _Op:
-    """An op reduced to what the simulation needs."""
-
-    cycles: float  # SM-clock cycles of compute work summed over SMs (flops / (eff x fpc))
-    bytes: float
-    tensor: bool
-    tensor_flops: float  # flops on tensor cores (for power)
-    fpc: float  # peak flops per SM per clock of the unit it runs on
-    activity: float  # busy-SM activity
-    feed_sm_s: float  # SM-seconds at the clock-independent feed ceiling (0: none)
-    power_scale: float = 1.0  # multiplier of the op's own dynamic power (calibration)
-    host_s: float = 0.0  # host seconds of one eager launch
-
-
-def _prep_op(gpu: EmulatedGPU, op: ComputeOp, partition: str | None = None) -> _Op:
-    """The op as the simulation takes it; with ``EmulatedGPU.op_calibration``, every
-    term of its roofline is multiplied by the time factor and its own dynamic power by
-    the power factor of its record (``partition``, op name) or its kind."""
-    kind = op.kind.value
-    if kind == "gemm":
-        eff, fpc, tensor = gpu.gemm_efficiency, gpu.tensor_flops_per_clock_per_sm, True
-    elif kind == "attention":
-        eff, fpc, tensor = gpu.attention_efficiency, gpu.tensor_flops_per_clock_per_sm, True
-    else:
-        eff, fpc, tensor = gpu.vector_efficiency, gpu.vector_flops_per_clock_per_sm, False
-    activity = 1.0 if tensor else gpu.mem_op_sm_activity
-    feed = (op.flops * gpu.sm_count / (gpu.tensor_feed_tflops * 1e12)) if tensor else 0.0
-    out = _Op(cycles=op.flops / (eff * fpc), bytes=float(op.bytes_moved), tensor=tensor,
-              tensor_flops=float(op.flops) if tensor else 0.0, fpc=fpc, activity=activity,
-              feed_sm_s=feed, host_s=gpu.host_s(op, partition))
-    if not gpu.op_calibration:
-        return out
-    model_s = _op_work_time(out, gpu.sm_count, gpu.spec.max_clock_mhz * 1e6,
-                            gpu.hbm_bytes_per_s, gpu._issue_per_sm_cycle) + gpu.launch_overhead_s
-    cal = lookup(gpu.op_calibration, partition, op, model_s)
-    if cal is None:
-        return out
-    k = cal.time_factor
-    return attrs.evolve(out, cycles=out.cycles * k, bytes=out.bytes * k,
-                        feed_sm_s=out.feed_sm_s * k, power_scale=cal.power_factor)
-
-
-def _op_work_time(op: _Op, sms: float, f_hz: float, bw_share: float, issue_per_sm_cycle: float
-                  ) -> float:
-    """Work time of an op on ``sms`` SMs at ``f_hz`` with ``bw_share`` bytes/s of HBM."""
-    q = _ROOFLINE_P
-    tc = op.cycles / (sms * f_hz)
-    acc = tc ** q
-    if op.feed_sm_s > 0.0:
-        acc += (op.feed_sm_s / sms) ** q
-    if op.bytes > 0:
-        issue = sms * issue_per_sm_cycle * f_hz
-        p = _ISSUE_P
-        bw = (bw_share ** -p + issue ** -p) ** (-1.0 / p)
-        acc += (op.bytes / bw) ** q
-    return acc ** (1.0 / q)

@@ -9,7 +9,8 @@ import attrs
 import numpy as np
 
 from kareus.errors import UnknownSlotError
-from kareus.exec.emulator._gpu import EmulatedGPU, _Op, _prep_op
+from kareus.exec.emulator._gpu import EmulatedGPU
+from kareus.exec.emulator._opmodel import _Op, _prep_op
 from kareus.exec.emulator._sim import EmulationTrace, _Collective, _collective, _Sim
 from kareus.model.config import ScheduleConfig
 from kareus.model.gpu import GPUSpec

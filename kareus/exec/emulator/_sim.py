@@ -41,7 +41,8 @@ from typing import Any, NamedTuple
 
 import attrs
 
-from kareus.exec.emulator._gpu import EmulatedGPU, _Op, _op_work_time
+from kareus.exec.emulator._gpu import EmulatedGPU
+from kareus.exec.emulator._opmodel import _Op, _op_work_time
 from kareus.model.ops import CommKind, CommOp
 
 __all__ = ["EmulationTrace"]
