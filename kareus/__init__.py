@@ -11,145 +11,172 @@ The top level is the curated public API:
 - the entry points: [`optimize`][kareus.workflow.optimize] and its
   [`OptimizationResult`][kareus.workflow.OptimizationResult],
   [`compose_systems`][kareus.compose.compose_systems] (the five systems of one workload side by
-  side), the [`MultiPassSearch`][kareus.search.MultiPassSearch] ask/tell loop;
+  side), the [`MultiPassSearch`][kareus.search.MultiPassSearch] ask/tell loop, and
+  [`get_gpu`][kareus.model.get_gpu], [`register_gpu`][kareus.model.files.register_gpu],
+  [`register_model`][kareus.model.files.register_model] for presets and your own files;
 - the inputs and what flows between the layers: [`Workload`][kareus.model.Workload],
   [`ModelArch`][kareus.model.ModelArch], [`Parallelism`][kareus.model.Parallelism],
   [`GPUSpec`][kareus.model.GPUSpec], [`ScheduleConfig`][kareus.model.ScheduleConfig],
   [`ConfigSpace`][kareus.model.ConfigSpace], [`Measurement`][kareus.model.Measurement], the three
-  frontiers and the [`Plan`][kareus.compose.Plan];
-- the six pluggable roles, each an abstract base class, with their defaults:
-  [`Partition`][kareus.model.Partition]
-  ([`TransformerPartition`][kareus.model.TransformerPartition],
-  [`CallablePartition`][kareus.exec.CallablePartition]), [`Profiler`][kareus.model.Profiler]
-  ([`EmulatedProfiler`][kareus.exec.EmulatedProfiler], [`NVMLProfiler`][kareus.exec.NVMLProfiler],
-  [`ReplayProfiler`][kareus.exec.ReplayProfiler]), [`Surrogate`][kareus.search.Surrogate]
-  ([`GaussianProcessSurrogate`][kareus.search.GaussianProcessSurrogate]),
-  [`AcquisitionPass`][kareus.search.AcquisitionPass]
-  ([`HypervolumePass`][kareus.search.HypervolumePass],
-  [`UncertaintyPass`][kareus.search.UncertaintyPass]),
-  [`FrontierComposer`][kareus.compose.FrontierComposer]
-  ([`MicrobatchComposer`][kareus.compose.MicrobatchComposer],
-  [`IterationComposer`][kareus.compose.IterationComposer]) and [`Executor`][kareus.exec.Executor]
-  ([`TorchExecutor`][kareus.exec.TorchExecutor]);
-- the errors (all subclasses of [`KareusError`][kareus.errors.KareusError]).
+  frontiers ([`PartitionFrontier`][kareus.search.PartitionFrontier],
+  [`MicrobatchFrontier`][kareus.compose.MicrobatchFrontier],
+  [`IterationFrontier`][kareus.compose.IterationFrontier]) and the [`Plan`][kareus.compose.Plan];
+- the six pluggable roles, each an abstract base class: [`Partition`][kareus.model.Partition],
+  [`Profiler`][kareus.model.Profiler], [`Surrogate`][kareus.search.Surrogate],
+  [`AcquisitionPass`][kareus.search.AcquisitionPass],
+  [`FrontierComposer`][kareus.compose.FrontierComposer] and [`Executor`][kareus.exec.Executor];
+- [`KareusError`][kareus.errors.KareusError], the base of every error kareus raises on purpose.
 
-Everything else lives in the layer packages, imported downward only:
-[`kareus.model`][kareus.model] <- [`kareus.search`][kareus.search] <-
+The implementations live in their layers: the default partition
+([`TransformerPartition`][kareus.model.TransformerPartition]) in [`kareus.model`][kareus.model];
+the surrogates ([`GaussianProcessSurrogate`][kareus.search.GaussianProcessSurrogate]) and the
+acquisition passes (the default mix, [`default_passes`][kareus.search.default_passes]:
+[`HypervolumePass`][kareus.search.HypervolumePass],
+[`NeighbourhoodPass`][kareus.search.NeighbourhoodPass], [`HingePass`][kareus.search.HingePass])
+in [`kareus.search`][kareus.search]; the composers
+([`MicrobatchComposer`][kareus.compose.MicrobatchComposer],
+[`IterationComposer`][kareus.compose.IterationComposer]) in [`kareus.compose`][kareus.compose];
+the profilers ([`EmulatedProfiler`][kareus.exec.EmulatedProfiler],
+[`NVMLProfiler`][kareus.exec.NVMLProfiler], [`ReplayProfiler`][kareus.exec.ReplayProfiler]),
+[`CallablePartition`][kareus.exec.CallablePartition] and
+[`TorchExecutor`][kareus.exec.TorchExecutor] in [`kareus.exec`][kareus.exec]; the error classes
+in [`kareus.errors`][kareus.errors]. Those names were importable from the top level before; they
+still are, with a ``DeprecationWarning`` naming where to import them from.
+
+Imports run downward only: [`kareus.model`][kareus.model] <- [`kareus.search`][kareus.search] <-
 [`kareus.compose`][kareus.compose] <- [`kareus.exec`][kareus.exec] <-
 [`kareus.workflow`][kareus.workflow] and the command line. Execution plumbing (collective backends,
 frequency controllers and the stream-ordered trigger) is in [`kareus.exec`][kareus.exec]; fakes and
 conformance suites for plug-ins are in [`kareus.testing`][kareus.testing].
 
-Importing kareus is light: it imports neither torch, xgboost nor pynvml.
+Importing kareus is light: the names above are loaded on first use, so ``import kareus``
+(and the ``kareus`` command before it has set up its Ctrl-C handling) imports neither numpy,
+torch, xgboost nor pynvml.
 """
 
 from __future__ import annotations
 
+import importlib
+import warnings
+from typing import TYPE_CHECKING, Any
+
 from kareus._version import __version__
-from kareus.compose import (
-    SYSTEMS,
-    FrontierComposer,
-    IterationComposer,
-    IterationFrontier,
-    MicrobatchComposer,
-    MicrobatchFrontier,
-    Plan,
-    compose_systems,
-)
-from kareus.errors import (
-    ConfigError,
-    FolderInUseError,
-    GraphCaptureError,
-    HardwareError,
-    InfeasibleError,
-    InvalidSMCountError,
-    KareusError,
-    OutputError,
-    PlanError,
-    UnknownPresetError,
-    UnknownSlotError,
-    UnsupportedFrequencyError,
-    WorkloadError,
-)
-from kareus.exec import (
-    CallablePartition,
-    EmulatedProfiler,
-    Executor,
-    NVMLProfiler,
-    ReplayProfiler,
-    TorchExecutor,
-)
-from kareus.model import (
-    ConfigSpace,
-    GPUSpec,
-    Measurement,
-    ModelArch,
-    Parallelism,
-    Partition,
-    Profiler,
-    ScheduleConfig,
-    TransformerPartition,
-    Workload,
-    get_gpu,
-)
-from kareus.model.files import SpecFileError, register_gpu, register_model
-from kareus.search import (
-    AcquisitionPass,
-    GaussianProcessSurrogate,
-    HypervolumePass,
-    MultiPassSearch,
-    PartitionFrontier,
-    Surrogate,
-    UncertaintyPass,
-)
-from kareus.workflow import OptimizationResult, optimize
+
+if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
+    from kareus.compose import (
+        FrontierComposer,
+        IterationFrontier,
+        MicrobatchFrontier,
+        Plan,
+        compose_systems,
+    )
+    from kareus.errors import KareusError
+    from kareus.exec import Executor
+    from kareus.model import (
+        ConfigSpace,
+        GPUSpec,
+        Measurement,
+        ModelArch,
+        Parallelism,
+        Partition,
+        Profiler,
+        ScheduleConfig,
+        Workload,
+        get_gpu,
+    )
+    from kareus.model.files import register_gpu, register_model
+    from kareus.search import AcquisitionPass, MultiPassSearch, PartitionFrontier, Surrogate
+    from kareus.workflow import OptimizationResult, optimize
+
+#: The public names and the module each is loaded from on first use.
+_PUBLIC: dict[str, str] = {
+    # entry points
+    "optimize": "kareus.workflow",
+    "OptimizationResult": "kareus.workflow",
+    "compose_systems": "kareus.compose",
+    "MultiPassSearch": "kareus.search",
+    "get_gpu": "kareus.model",
+    "register_gpu": "kareus.model.files",
+    "register_model": "kareus.model.files",
+    # value objects and frontiers
+    "Workload": "kareus.model",
+    "ModelArch": "kareus.model",
+    "Parallelism": "kareus.model",
+    "GPUSpec": "kareus.model",
+    "ScheduleConfig": "kareus.model",
+    "ConfigSpace": "kareus.model",
+    "Measurement": "kareus.model",
+    "PartitionFrontier": "kareus.search",
+    "MicrobatchFrontier": "kareus.compose",
+    "IterationFrontier": "kareus.compose",
+    "Plan": "kareus.compose",
+    # the six roles
+    "Partition": "kareus.model",
+    "Profiler": "kareus.model",
+    "Surrogate": "kareus.search",
+    "AcquisitionPass": "kareus.search",
+    "FrontierComposer": "kareus.compose",
+    "Executor": "kareus.exec",
+    # the base of the errors
+    "KareusError": "kareus.errors",
+}
+
+#: Names the top level offered before it was curated, and where they live now: still
+#: importable from here, with a DeprecationWarning.
+_MOVED: dict[str, str] = {
+    "TransformerPartition": "kareus.model",
+    "GaussianProcessSurrogate": "kareus.search",
+    "HypervolumePass": "kareus.search",
+    "UncertaintyPass": "kareus.search",
+    "MicrobatchComposer": "kareus.compose",
+    "IterationComposer": "kareus.compose",
+    "SYSTEMS": "kareus.compose",
+    "CallablePartition": "kareus.exec",
+    "EmulatedProfiler": "kareus.exec",
+    "NVMLProfiler": "kareus.exec",
+    "ReplayProfiler": "kareus.exec",
+    "TorchExecutor": "kareus.exec",
+    "ConfigError": "kareus.errors",
+    "FolderInUseError": "kareus.errors",
+    "GraphCaptureError": "kareus.errors",
+    "HardwareError": "kareus.errors",
+    "InfeasibleError": "kareus.errors",
+    "InvalidSMCountError": "kareus.errors",
+    "OutputError": "kareus.errors",
+    "PlanError": "kareus.errors",
+    "UnknownPresetError": "kareus.errors",
+    "UnknownSlotError": "kareus.errors",
+    "UnsupportedFrequencyError": "kareus.errors",
+    "WorkloadError": "kareus.errors",
+    "SpecFileError": "kareus.model.files",
+}
+
+#: The subpackages and modules ``kareus.<name>`` reaches without an import of its own (as when
+#: the top level imported every layer).
+_SUBMODULES = frozenset({"model", "search", "compose", "exec", "workflow", "errors", "testing",
+                         "interop", "tune", "integrations", "cli"})
 
 __all__ = [
     "AcquisitionPass",
-    "CallablePartition",
-    "ConfigError",
     "ConfigSpace",
-    "EmulatedProfiler",
     "Executor",
-    "FolderInUseError",
     "FrontierComposer",
     "GPUSpec",
-    "GaussianProcessSurrogate",
-    "GraphCaptureError",
-    "HardwareError",
-    "HypervolumePass",
-    "InfeasibleError",
-    "InvalidSMCountError",
-    "IterationComposer",
     "IterationFrontier",
     "KareusError",
     "Measurement",
-    "MicrobatchComposer",
     "MicrobatchFrontier",
     "ModelArch",
     "MultiPassSearch",
-    "NVMLProfiler",
     "OptimizationResult",
-    "OutputError",
     "Parallelism",
     "Partition",
     "PartitionFrontier",
     "Plan",
-    "PlanError",
     "Profiler",
-    "ReplayProfiler",
-    "SYSTEMS",
     "ScheduleConfig",
-    "SpecFileError",
     "Surrogate",
-    "TorchExecutor",
-    "TransformerPartition",
-    "UncertaintyPass",
-    "UnknownPresetError",
-    "UnknownSlotError",
-    "UnsupportedFrequencyError",
     "Workload",
-    "WorkloadError",
     "__version__",
     "compose_systems",
     "get_gpu",
@@ -157,3 +184,24 @@ __all__ = [
     "register_gpu",
     "register_model",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Load a public name (or a subpackage) on first use; a name that moved off the top level
+    is returned with a ``DeprecationWarning`` naming its new import path."""
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+        globals()[name] = value  # loaded once
+        return value
+    if name in _MOVED:
+        where = _MOVED[name]
+        warnings.warn(f"kareus.{name} has moved off the top level: import it from {where} "
+                      f"(from {where} import {name})", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(where), name)
+    if name in _SUBMODULES:
+        return importlib.import_module(f"kareus.{name}")
+    raise AttributeError(f"module 'kareus' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

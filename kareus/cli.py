@@ -6,6 +6,7 @@ the whole pipeline on a workload; ``kareus show PLAN`` prints a plan file.
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import contextlib
 import signal
@@ -14,12 +15,12 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import NoReturn
 
+# Only the standard library and kareus's light modules at import time: the console entry point
+# imports this module before main() installs the Ctrl-C handling, and numpy, scipy or torch
+# imported here would widen the window in which a Ctrl-C prints a traceback from the imports.
 from kareus._logging import configure as configure_logging
 from kareus._version import __version__
-from kareus.errors import KareusError
-from kareus.model.gpu import GPU_PRESETS
-from kareus.model.workload import MODEL_PRESETS
-from kareus.search import SURROGATES
+from kareus.errors import ArgumentError, KareusError, MissingFileError
 
 __all__ = ["main"]
 
@@ -46,6 +47,8 @@ def _numeric(s: str) -> bool:
 
 def cmd_gpus(args: argparse.Namespace) -> int:
     """``kareus gpus``: print the GPU presets (SMs, clocks, peaks, power); returns 0."""
+    from kareus.model.gpu import GPU_PRESETS
+
     rows = []
     for g in GPU_PRESETS.values():
         rows.append([g.name, g.sm_count, f"{g.min_clock_mhz}-{g.max_clock_mhz}",
@@ -59,6 +62,8 @@ def cmd_gpus(args: argparse.Namespace) -> int:
 
 def cmd_workloads(args: argparse.Namespace) -> int:
     """``kareus workloads``: print the model presets (shape and parameter count); returns 0."""
+    from kareus.model.workload import MODEL_PRESETS
+
     rows = []
     for m in MODEL_PRESETS.values():
         rows.append([m.name, m.layers, m.hidden, m.heads, m.kv_heads, m.head_dim, m.ffn, m.vocab,
@@ -147,11 +152,11 @@ def _profiler_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-de
         if getattr(args, "gpu_profile", None) is not None:
             gpu = EmulatedGPU.from_profile(args.gpu_profile)
             if args.gpu is not None and args.gpu != gpu.name:
-                raise ValueError(f"--gpu {args.gpu} and --gpu-profile (a profile of {gpu.name}) "
+                raise ArgumentError(f"--gpu {args.gpu} and --gpu-profile (a profile of {gpu.name}) "
                                  "disagree: give one of them")
             if args.gpu is None and gpu.name != _DEFAULT_GPU:
                 # the profile does not switch the GPU behind the user's back
-                raise ValueError(f"--gpu-profile {args.gpu_profile} is a profile of {gpu.name}, "
+                raise ArgumentError(f"--gpu-profile {args.gpu_profile} is a profile of {gpu.name}, "
                                  f"but the GPU is {_DEFAULT_GPU} (the default): add --gpu "
                                  f"{gpu.name}")
             return EmulatedProfiler(gpu, noise=args.noise, seed=args.seed,
@@ -165,12 +170,12 @@ def _profiler_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-de
 
         path = Path(spec.split(":", 1)[1])
         if path.is_dir():
-            raise ValueError(f"--profiler {spec}: {str(path)!r} is a folder; replay: wants a "
+            raise ArgumentError(f"--profiler {spec}: {str(path)!r} is a folder; replay: wants a "
                              "recording file (one written by --record FILE)")
         if not path.is_file():
-            raise FileNotFoundError(f"--profiler {spec}: no such file {str(path)!r}")
+            raise MissingFileError(f"--profiler {spec}: no such file {str(path)!r}")
         return ReplayProfiler(path, gpu=args.gpu)  # None: the recording's GPU
-    raise ValueError(f"--profiler must be 'emulated', 'replay:FILE' or 'nvml' (real GPUs, "
+    raise ArgumentError(f"--profiler must be 'emulated', 'replay:FILE' or 'nvml' (real GPUs, "
                      f"under torchrun), got {spec!r:.60}")
 
 
@@ -227,7 +232,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     from kareus.tune import tune
 
     if args.record is not None:
-        raise ValueError("--record is for emulated runs; a tuning run keeps every measurement "
+        raise ArgumentError("--record is for emulated runs; a tuning run keeps every measurement "
                          "in --out/logs")
     workload = _workload_from_args(args)
     args.resume_hint = f"the logs in {args.out}/logs keep every measurement"
@@ -268,10 +273,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 def _check_profiler_options(args: argparse.Namespace) -> None:
     """Refuse the options that the chosen ``--profiler`` would ignore."""
     if getattr(args, "gpu_profile", None) is not None and args.profiler != "emulated":
-        raise ValueError(f"--gpu-profile calibrates the emulated profiler; --profiler "
+        raise ArgumentError(f"--gpu-profile calibrates the emulated profiler; --profiler "
                          f"{args.profiler} measures instead: drop one of them")
     if getattr(args, "no_graphs", False) and args.profiler not in ("emulated", "nvml"):
-        raise ValueError(f"--no-graphs emulates (or, with --profiler nvml, measures) eager "
+        raise ArgumentError(f"--no-graphs emulates (or, with --profiler nvml, measures) eager "
                          f"execution; --profiler {args.profiler} replays as it ran: drop "
                          "--no-graphs")
 
@@ -282,7 +287,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     _check_profiler_options(args)
     if args.profiler == "nvml":
         if args.jobs > 1:
-            raise ValueError("--jobs is for emulated and replayed runs; a tuning run measures "
+            raise ArgumentError("--jobs is for emulated and replayed runs; a tuning run measures "
                              "on the job's GPUs, one partition type after another")
         return _cmd_tune(args)
     from kareus._outdir import check_output_file, check_output_folder, guarded_folder
@@ -299,7 +304,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     if args.gpu is not None:
         get_gpu(args.gpu)
     if args.deadline_s is not None and args.energy_budget_j is not None:
-        raise ValueError("give at most one of --deadline-s and --energy-budget-j")
+        raise ArgumentError("give at most one of --deadline-s and --energy-budget-j")
     # Paths first: a bad --out or --record is found now, not after the search.
     out = check_output_folder(args.out, what="--out")
     if args.record is not None:
@@ -400,6 +405,8 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``kareus`` command's argument parser, one sub-command per ``cmd_*`` function."""
+    from kareus.search import SURROGATES
+
     parser = _Parser(
         prog="kareus",
         description="Joint communication-SM, launch-slot and GPU-frequency scheduling for "
@@ -535,28 +542,61 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: The exit status of a bug (sysexits.h's EX_SOFTWARE), distinct from every refusal (2) and
+#: failure of the machine (1).
+INTERNAL_ERROR_STATUS = 70
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``kareus`` command on ``argv`` (default: ``sys.argv[1:]``).
 
     Returns:
         The exit status: 0 on success; 2 with the usage on stderr without a command; on a
-        failure, one line on stderr saying what to change and the error's exit code (2 for
-        refused arguments; the argument parser's own refusals exit 2 through
-        ``SystemExit``), 130 when interrupted
-        (Ctrl-C), 143 when stopped by SIGTERM, 1 for an I/O error or a bug.
+        failure, one line on stderr: a [`KareusError`][kareus.errors.KareusError] says what
+        to change and returns its ``exit_code`` (2 for a bad request, 1 for a failure of the
+        machine; the argument parser's own refusals exit 2 through ``SystemExit``), any
+        other ``OSError`` returns 1, and anything else is a bug, reported as
+        ``kareus: internal error: ...`` with status 70; 130 when interrupted (Ctrl-C), 143
+        when stopped by SIGTERM.
     """
     args: argparse.Namespace | None = None
     try:  # the handlers first: a stop while parsing or setting up is one line too, never lost
-        with _signals_as_stops():
+        with _signals_as_stops() as received:
             parser = build_parser()
             args = parser.parse_args(argv)
             configure_logging(getattr(args, "verbose", 0))
             if not getattr(args, "func", None):  # no command: what there is, a bad status
                 parser.print_help(sys.stderr)
                 return 2
-            return _run(args)
+            status = _run(args, received)
+            if received and status != 130 and status != 143:
+                # A stop whose exception something swallowed (code that catches every
+                # exception, or a finaliser it landed in): never a run that reports success.
+                raise _Stopped(received[0])
+            return status
     except (KeyboardInterrupt, _Stopped) as exc:  # before _run, or as the handlers go back
         return _report_stop(exc, args)
+
+
+def console_main() -> int:
+    """The process entry point of the ``kareus`` script and of ``python -m kareus``:
+    [`main`][kareus.cli.main] with the stop handlers in place for the rest of the process.
+
+    ``main`` puts the previous handlers back when it returns, for callers that run it
+    in-process; here a Ctrl-C after the command has finished (while the interpreter exits)
+    is ignored rather than shown as a traceback, and one before is the command's one line.
+
+    Returns:
+        The exit status of ``main``.
+    """
+    global _process_done
+    try:
+        _take_stop_signals()
+        status = main()
+    except (KeyboardInterrupt, _Stopped) as exc:  # in main's last steps
+        status = _report_stop(exc, None)
+    _process_done = True
+    return status
 
 
 class _Stopped(BaseException):
@@ -574,27 +614,79 @@ class _Stopped(BaseException):
         self.signum = signum
 
 
+#: The signals the handler below has received during the current command (reset when a
+#: command starts): ``main`` checks it after the command, so that a stop never goes unseen.
+_received: list[int] = []
+
+#: Set by ``console_main`` once the command's status is final: the process is exiting and a
+#: late signal has nothing left to stop.
+_process_done = False
+
+
 def _raise_stopped(signum: int, frame: object) -> None:
-    raise _Stopped(signum)
+    _received.append(signum)
+    if not _process_done:
+        raise _Stopped(signum)
+
+
+def _take_stop_signals() -> dict[int, object]:
+    """Install ``_raise_stopped`` for SIGTERM, and for SIGINT where Python's default handler
+    (or this one) has it; returns the handlers replaced. A SIGINT that was ignored (a job
+    started in the background) stays so."""
+    taken = [signal.SIGTERM]
+    if signal.getsignal(signal.SIGINT) in (signal.default_int_handler, _raise_stopped):
+        taken.append(signal.SIGINT)
+    return {sig: signal.signal(sig, _raise_stopped) for sig in taken}
+
+
+def _redeliver_stops(hook):  # type: ignore[no-untyped-def]
+    """An ``sys.unraisablehook`` that sends a stop the interpreter could not raise (it landed
+    in a finaliser, a ``__del__`` or a weakref callback, whose exceptions Python only prints)
+    to the main thread again, instead of printing it and losing it.
+
+    It is sent again a moment later from another thread: sent from the hook itself, the
+    handler would run inside the finaliser again."""
+
+    def unraisable(info):  # type: ignore[no-untyped-def]
+        exc = info.exc_value
+        if isinstance(exc, (_Stopped, KeyboardInterrupt)) and not _process_done:
+            signum = getattr(exc, "signum", signal.SIGINT)
+            timer = threading.Timer(_REDELIVER_AFTER_S, _interrupt_main, (signum,))
+            timer.daemon = True
+            timer.start()
+            return
+        hook(info)
+
+    return unraisable
+
+
+_REDELIVER_AFTER_S = 0.01
+
+
+def _interrupt_main(signum: int) -> None:
+    if signal.getsignal(signum) is _raise_stopped and not _process_done:  # still running
+        _thread.interrupt_main(signum)
 
 
 @contextlib.contextmanager
-def _signals_as_stops() -> Iterator[None]:
-    """Turn SIGTERM, and SIGINT where Python's default handler has it, into
-    ``_Stopped`` while the command runs (main thread only; the previous handlers are
-    put back after). A SIGINT that was ignored (a job started in the background) stays so."""
+def _signals_as_stops() -> Iterator[list[int]]:
+    """Turn SIGTERM, and SIGINT where Python's default handler has it, into ``_Stopped``
+    while the command runs (main thread only; the previous handlers are put back after).
+    A SIGINT that was ignored (a job started in the background) stays so. Yields the list
+    of the signals received."""
+    del _received[:]
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield _received
         return
-    taken = [signal.SIGTERM]
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        taken.append(signal.SIGINT)
-    previous = {sig: signal.signal(sig, _raise_stopped) for sig in taken}
+    hook = sys.unraisablehook
+    sys.unraisablehook = _redeliver_stops(hook)
+    previous = _take_stop_signals()
     try:
-        yield
+        yield _received
     finally:
         for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        sys.unraisablehook = hook
 
 
 def _report_stop(exc: BaseException, args: argparse.Namespace | None) -> int:
@@ -608,8 +700,14 @@ def _report_stop(exc: BaseException, args: argparse.Namespace | None) -> int:
     return 143 if term else 130
 
 
-def _run(args: argparse.Namespace) -> int:
-    """Run the parsed command; every failure becomes one line on stderr and an exit status."""
+def _run(args: argparse.Namespace, received: Sequence[int] = ()) -> int:
+    """Run the parsed command; every failure becomes one line on stderr and an exit status.
+
+    Only a [`KareusError`][kareus.errors.KareusError] is the user's to fix; an ``OSError``
+    (a full disk, a closed pipe) is the machine's; anything else is a bug in kareus (or in a
+    plug-in) and says so, whatever its type: a bare ``ValueError`` raised deep inside is not
+    an argument the user can change.
+    """
     try:
         return int(args.func(args) or 0)
     except (KeyboardInterrupt, _Stopped) as exc:
@@ -617,20 +715,19 @@ def _run(args: argparse.Namespace) -> int:
     except KareusError as exc:
         print(f"kareus: error: {_one_line(exc)}", file=sys.stderr)
         return exc.exit_code
-    except (ValueError, TypeError, FileNotFoundError) as exc:  # arguments kareus refused
-        print(f"kareus: error: {_one_line(exc)}", file=sys.stderr)
-        return 2
     except BrokenPipeError:  # the reader of stdout went away (`kareus gpus | head`)
         return 1
     except OSError as exc:
         print(f"kareus: error: {_one_line(exc)}", file=sys.stderr)
         return 1
-    except Exception as exc:  # a bug: still one line, and how to see more
+    except Exception as exc:
+        if received:  # a stop that something turned into another exception
+            return _report_stop(_Stopped(received[0]), args)
         print(f"kareus: internal error: {type(exc).__name__}: {_one_line(exc)} (please "
               f"report it; python -X dev -m kareus ... shows the traceback)", file=sys.stderr)
         if sys.flags.dev_mode:
             raise
-        return 1
+        return INTERNAL_ERROR_STATUS
 
 
 def _one_line(exc: BaseException | str) -> str:
@@ -639,4 +736,4 @@ def _one_line(exc: BaseException | str) -> str:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    sys.exit(console_main())

@@ -1,14 +1,21 @@
 """Typed errors of kareus.
 
 Every error a user can cause derives from [`KareusError`][kareus.errors.KareusError] and from the
-built-in type that fits it (``ValueError`` for bad values, ``KeyError`` is
-avoided because its message is repr-quoted). Messages say what was wrong and
-what to do instead.
+built-in type that fits it (``ValueError`` for bad values, ``TypeError`` for an object of the
+wrong type, ``FileNotFoundError`` for a file that is not there; ``KeyError`` is avoided because
+its message is repr-quoted), so that ``except ValueError`` keeps working. Messages say what was
+wrong and what to do instead.
+
+The ``kareus`` command reports a ``KareusError`` as one line and its
+[`exit_code`][kareus.errors.KareusError]; any other exception reaching it is a bug, reported as
+``kareus: internal error: ...`` with a request to report it.
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "ArgumentError",
+    "ArgumentTypeError",
     "ConfigError",
     "HardwareError",
     "InfeasibleError",
@@ -16,6 +23,7 @@ __all__ = [
     "FolderInUseError",
     "GraphCaptureError",
     "KareusError",
+    "MissingFileError",
     "OutputError",
     "PlanError",
     "UnknownPresetError",
@@ -36,6 +44,27 @@ class KareusError(Exception):
     """
 
     exit_code: int = 2
+
+
+class ArgumentError(KareusError, ValueError):
+    """An argument (or command-line option) whose value kareus refuses: out of range, of an
+    unknown kind, or in conflict with another argument. The more specific errors below
+    (workloads, configurations, plans, outputs) are used where they fit."""
+
+    exit_code = 2
+
+
+class ArgumentTypeError(KareusError, TypeError):
+    """An argument of the wrong type: a plug-in object that does not implement its role
+    (a profiler that is not a ``Profiler``...), or a value of the wrong kind."""
+
+    exit_code = 2
+
+
+class MissingFileError(KareusError, FileNotFoundError):
+    """A file the user named (a recording, a profile, a plan...) that does not exist."""
+
+    exit_code = 2
 
 
 class UnknownPresetError(KareusError, ValueError):

@@ -17,7 +17,7 @@ def test_every_error_is_a_kareus_error_and_a_builtin(name):
     cls = getattr(errors, name)
     assert issubclass(cls, KareusError)
     if cls is not KareusError:
-        assert issubclass(cls, (ValueError, RuntimeError)), name
+        assert issubclass(cls, (ValueError, TypeError, RuntimeError, FileNotFoundError)), name
     assert cls.__doc__
 
 
@@ -40,3 +40,13 @@ def test_unknown_preset_names_what_is_known():
     assert str(exc) == "unknown GPU 'h900'; known GPUs: a100-sxm, h200-sxm"
     with pytest.raises(ValueError):  # callers that catch ValueError still catch it
         raise exc
+
+
+def test_argument_errors_keep_the_builtin_callers_catch():
+    with pytest.raises(ValueError):
+        raise errors.ArgumentError("--jobs must be >= 1")
+    with pytest.raises(TypeError):
+        raise errors.ArgumentTypeError("profiler must be a Profiler, got 'str'")
+    with pytest.raises(FileNotFoundError):
+        raise errors.MissingFileError("no such file 'x.json'")
+    assert issubclass(errors.MissingFileError, OSError)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import abc
+import importlib
 import inspect
 import json
 import subprocess
 import sys
+
+import pytest
 
 import kareus
 import kareus.compose
@@ -14,22 +17,28 @@ import kareus.exec
 import kareus.model
 import kareus.search
 
-#: The six pluggable roles and their defaults (the design's role table).
+#: The six pluggable roles, each an abstract base class at the top level, and their defaults,
+#: which live in the layers (``kareus.<layer>.<name>``).
 ROLES = {
-    "Partition": ("TransformerPartition", "CallablePartition"),
-    "Profiler": ("EmulatedProfiler", "NVMLProfiler", "ReplayProfiler"),
-    "Surrogate": ("GaussianProcessSurrogate",),
-    "AcquisitionPass": ("HypervolumePass", "UncertaintyPass"),
-    "FrontierComposer": ("MicrobatchComposer", "IterationComposer"),
-    "Executor": ("TorchExecutor",),
+    "Partition": {"TransformerPartition": "model", "CallablePartition": "exec"},
+    "Profiler": {"EmulatedProfiler": "exec", "NVMLProfiler": "exec", "ReplayProfiler": "exec"},
+    "Surrogate": {"GaussianProcessSurrogate": "search"},
+    "AcquisitionPass": {"HypervolumePass": "search", "NeighbourhoodPass": "search",
+                        "HingePass": "search"},
+    "FrontierComposer": {"MicrobatchComposer": "compose", "IterationComposer": "compose"},
+    "Executor": {"TorchExecutor": "exec"},
 }
 
 #: The entry points and the objects that flow between the layers.
 ENTRY_POINTS = (
-    "optimize", "OptimizationResult", "compose_systems", "MultiPassSearch",
-    "Workload", "ModelArch", "GPUSpec", "Plan", "ScheduleConfig", "ConfigSpace", "Measurement",
-    "PartitionFrontier", "MicrobatchFrontier", "IterationFrontier", "KareusError",
+    "optimize", "OptimizationResult", "compose_systems", "MultiPassSearch", "get_gpu",
+    "register_gpu", "register_model",
+    "Workload", "ModelArch", "Parallelism", "GPUSpec", "Plan", "ScheduleConfig", "ConfigSpace",
+    "Measurement", "PartitionFrontier", "MicrobatchFrontier", "IterationFrontier", "KareusError",
 )
+
+#: The whole top level: the entry points, the value objects, the roles and the version.
+SURFACE = sorted([*ENTRY_POINTS, *ROLES, "__version__"])
 
 #: Execution plumbing: importable from kareus.exec, not offered at the top level.
 PLUMBING = (
@@ -50,16 +59,29 @@ def test_all_is_sorted_unique_and_importable():
     assert set(names) <= set(namespace)
 
 
+def test_the_surface_is_entry_points_value_objects_and_roles():
+    assert kareus.__all__ == SURFACE
+
+
 def test_roles_are_abcs_and_defaults_implement_them():
     for role, defaults in ROLES.items():
         base = getattr(kareus, role)
         assert role in kareus.__all__
         assert isinstance(base, abc.ABCMeta) and inspect.isabstract(base), role
-        for name in defaults:
-            assert name in kareus.__all__, name
-            impl = getattr(kareus, name)
+        for name, layer in defaults.items():
+            assert name not in kareus.__all__, name  # implementations stay in their layers
+            impl = getattr(importlib.import_module(f"kareus.{layer}"), name)
             assert issubclass(impl, base), f"{name} is not a {role}"
             assert not inspect.isabstract(impl), f"{name} leaves abstract methods"
+
+
+def test_the_default_passes_are_the_ones_listed():
+    from kareus.search import default_passes
+
+    listed = set(ROLES["AcquisitionPass"])
+    used = {type(p).__name__ for p, _ in default_passes()}
+    assert used == listed
+    assert "UncertaintyPass" not in used  # in reference_passes(), the reference artifact's mix
 
 
 def test_entry_points_are_exported():
@@ -67,13 +89,26 @@ def test_entry_points_are_exported():
     assert missing == []
 
 
-def test_every_error_is_exported_and_a_kareus_error():
+def test_errors_live_in_kareus_errors_with_only_the_base_at_the_top():
     import kareus.errors
 
     for name in kareus.errors.__all__:
-        assert name in kareus.__all__, name
-        assert issubclass(getattr(kareus, name), kareus.KareusError), name
-    assert issubclass(kareus.SpecFileError, kareus.KareusError)
+        assert issubclass(getattr(kareus.errors, name), kareus.KareusError), name
+        assert name == "KareusError" or name not in kareus.__all__, name
+    assert kareus.KareusError is kareus.errors.KareusError
+
+
+@pytest.mark.parametrize(("name", "home"), sorted(kareus._MOVED.items()))
+def test_a_name_moved_off_the_top_level_still_imports_with_a_warning(name, home):
+    with pytest.warns(DeprecationWarning, match=rf"import it from {home} "):
+        value = getattr(kareus, name)
+    assert value is getattr(importlib.import_module(home), name)
+
+
+def test_an_unknown_top_level_name_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        kareus.Nope  # noqa: B018
+    assert not hasattr(kareus, "StreamOrderedTrigger")
 
 
 def test_exec_plumbing_stays_in_its_layer():
@@ -104,3 +139,20 @@ def test_import_kareus_loads_no_heavy_module():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == []
+
+
+def test_import_kareus_and_its_command_load_no_numpy():
+    # the console entry point imports these before it installs its Ctrl-C handling: nothing
+    # slow may load before then (numpy alone takes a tenth of a second)
+    code = ("import json, sys\n"
+            "import kareus, kareus.cli, kareus.__main__\n"
+            "print(json.dumps([m for m in ('numpy', 'scipy', 'attrs', 'kareus.model') "
+            "if m in sys.modules]))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == []
+
+
+def test_subpackages_are_reached_from_the_top_level():
+    code = "import kareus; print(kareus.model.__name__, kareus.errors.__name__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["kareus.model", "kareus.errors"]

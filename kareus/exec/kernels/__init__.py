@@ -49,14 +49,8 @@ torch and triton are imported inside the functions that need them.
 
 from __future__ import annotations
 
-from kareus.exec.kernels.base import (
-    KernelSet,
-    ReferenceKernels,
-    TorchKernels,
-    available_kernels,
-    get_kernels,
-    register_kernels,
-)
+from kareus.exec.kernels.base import KernelSet, ReferenceKernels, TorchKernels
+from kareus.exec.kernels.registry import available_kernels, get_kernels, register_kernels
 
 __all__ = [
     "KernelSet",

@@ -41,6 +41,7 @@ import triton.language as tl
 
 from kareus.exec.kernels import _launch
 from kareus.exec.kernels._launch import LaunchRecord, plain_launch
+from kareus.exec.kernels._layout import _split_qkv
 
 _empty_like = torch.empty_like
 # Tensors whose data_ptr() is their memory (not wrapper subclasses such as DTensor).
@@ -459,8 +460,6 @@ def rope_fwd(q: Any, k: Any, cos: Any, sin: Any, *, block_r: int = 16,
 def _rope_qkv_plain(qkv: Any, cos: Any, sin: Any, heads: int, kv_heads: int, block_r: int,
                     num_warps: int, grid: str | None,
                     rec: list[LaunchRecord] | None = None) -> tuple[Any, Any]:
-    from kareus.exec.kernels.base import _split_qkv
-
     q, k, _ = _split_qkv(qkv, cos.shape[0], heads, kv_heads, cos.shape[1])
     return _rope_fwd_plain(q, k, cos, sin, block_r, num_warps, grid, rec)
 

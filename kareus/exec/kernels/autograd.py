@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kareus.exec.kernels.base import get_kernels
+from kareus.exec.kernels.registry import get_kernels
 
 __all__ = ["rms_norm", "rope", "swiglu"]
 

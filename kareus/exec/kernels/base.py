@@ -1,4 +1,4 @@
-"""The ``KernelSet`` interface, the plain-torch and reference sets, and the registry.
+"""The ``KernelSet`` interface and the plain-torch and reference sets.
 
 Layouts (the runnable partitions' and most training stacks'):
 
@@ -15,17 +15,14 @@ Layouts (the runnable partitions' and most training stacks'):
 from __future__ import annotations
 
 import abc
-import os
-from collections.abc import Callable
 from typing import Any
+
+from kareus.exec.kernels._layout import _split_qkv
 
 __all__ = [
     "KernelSet",
     "ReferenceKernels",
     "TorchKernels",
-    "available_kernels",
-    "get_kernels",
-    "register_kernels",
 ]
 
 OPS = ("rms_norm", "rms_norm_bwd", "rope", "rope_bwd", "swiglu", "swiglu_bwd", "attention",
@@ -186,15 +183,6 @@ def _sdpa(q: Any, k: Any, v: Any) -> Any:
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
     return sdpa(q, k, v, is_causal=True)
-
-
-def _split_qkv(qkv: Any, seq: int, heads: int, kv_heads: int, hd: int) -> tuple[Any, Any, Any]:
-    t = qkv.shape[0]
-    if t % seq or qkv.shape[1] != (heads + 2 * kv_heads) * hd:
-        raise ValueError(f"qkv of shape {tuple(qkv.shape)} is not [batch * {seq}, "
-                         f"({heads} + 2 * {kv_heads}) * {hd}]")
-    x = qkv.view(t // seq, seq, heads + 2 * kv_heads, hd)
-    return x.split((heads, kv_heads, kv_heads), dim=2)
 
 
 class ReferenceKernels(KernelSet):
@@ -360,74 +348,3 @@ class TorchKernels(KernelSet):
             "swiglu": "torch formula (float32)", "swiglu_bwd": "torch formula (float32)",
         })
         return names
-
-
-# ---------------------------------------------------------------------------- registry
-
-_REGISTRY: dict[str, Callable[[], KernelSet]] = {}
-
-
-def register_kernels(name: str, factory: Callable[[], KernelSet]) -> None:
-    """Make a kernel set selectable by ``name`` (in ``get_kernels`` and
-    ``KAREUS_KERNELS``). ``factory`` is called with no arguments."""
-    if not name or not isinstance(name, str):
-        raise ValueError("a kernel set needs a non-empty name")
-    if not callable(factory):
-        raise TypeError("factory must be callable")
-    _REGISTRY[name] = factory
-
-
-def _triton_factory() -> KernelSet:
-    from kareus.exec.kernels.triton_ops import TritonKernels
-
-    return TritonKernels()
-
-
-register_kernels("reference", ReferenceKernels)
-register_kernels("torch", TorchKernels)
-register_kernels("triton", _triton_factory)
-
-
-def available_kernels() -> list[str]:
-    """Names ``get_kernels`` accepts."""
-    return sorted(_REGISTRY)
-
-
-def _triton_usable() -> bool:
-    try:
-        import torch
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return bool(torch.cuda.is_available())
-
-
-def get_kernels(kernels: KernelSet | str | None = None) -> KernelSet:
-    """The kernel set to run ops with.
-
-    Args:
-        kernels: A ``KernelSet`` (returned as is), a registered name
-            (``available_kernels``), or ``None``/``"auto"``: ``$KAREUS_KERNELS`` if
-            set, else ``"triton"`` where CUDA and Triton are available, else ``"torch"``.
-
-    Raises:
-        ValueError: For an unknown name.
-        TypeError: For anything else.
-    """
-    if isinstance(kernels, KernelSet):
-        return kernels
-    if kernels is None or kernels == "auto":
-        kernels = os.environ.get("KAREUS_KERNELS") or None
-        if kernels is None or kernels == "auto":
-            kernels = "triton" if _triton_usable() else "torch"
-    if not isinstance(kernels, str):
-        raise TypeError(f"kernels must be a KernelSet, a name or None, got "
-                        f"{type(kernels).__name__}")
-    if kernels not in _REGISTRY:
-        raise ValueError(f"unknown kernel set {kernels!r}; choose one of "
-                         f"{available_kernels()} or pass a KernelSet")
-    ks = _REGISTRY[kernels]()
-    if not isinstance(ks, KernelSet):
-        raise TypeError(f"kernel set factory {kernels!r} returned {type(ks).__name__}, "
-                        f"not a KernelSet")
-    return ks

@@ -1,0 +1,212 @@
+"""The command's failures: a KareusError is the user's to fix (one line, its exit code);
+anything else is a bug, reported as an internal error whatever its type; a Ctrl-C at any
+moment, from the first imports on, is one line and a non-zero status, never a traceback and
+never lost."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import kareus.cli as cli
+from kareus.cli import INTERNAL_ERROR_STATUS, main
+from kareus.errors import ArgumentError, HardwareError, MissingFileError, WorkloadError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _failing(exc: BaseException):  # type: ignore[no-untyped-def]
+    def command(args):  # type: ignore[no-untyped-def]
+        raise exc
+    return command
+
+
+@pytest.fixture
+def gpus_raising(monkeypatch):
+    """``kareus gpus`` made to raise the given exception from inside the command."""
+    def arm(exc: BaseException) -> None:
+        monkeypatch.setattr(cli, "cmd_gpus", _failing(exc))
+    return arm
+
+
+@pytest.mark.parametrize("exc", [ValueError("x must be positive"),
+                                 TypeError("unsupported operand"),
+                                 KeyError("fwd_attn"), ZeroDivisionError("float division")])
+def test_an_exception_that_is_not_a_kareus_error_is_an_internal_error(exc, gpus_raising, capsys):
+    gpus_raising(exc)
+    assert main(["gpus"]) == INTERNAL_ERROR_STATUS
+    captured = capsys.readouterr()
+    line = f"kareus: internal error: {type(exc).__name__}: "
+    assert captured.err.startswith(line) and captured.err.count("\n") == 1
+    assert "please report it" in captured.err and "python -X dev -m kareus" in captured.err
+    assert "arguments refused" not in captured.err and "Traceback" not in captured.err
+
+
+@pytest.mark.parametrize(("exc", "status"), [
+    (ArgumentError("--jobs is for emulated runs"), 2),
+    (WorkloadError("--tp 3 does not divide 16 heads"), 2),
+    (MissingFileError("--profiler replay:x.json: no such file 'x.json'"), 2),
+    (HardwareError("NVML: insufficient permissions"), 1),
+])
+def test_a_kareus_error_is_one_line_and_its_exit_code(exc, status, gpus_raising, capsys):
+    gpus_raising(exc)
+    assert main(["gpus"]) == status
+    assert capsys.readouterr().err == f"kareus: error: {exc}\n"
+
+
+def test_an_os_error_is_the_machines_one_line(gpus_raising, capsys):
+    gpus_raising(OSError(28, "No space left on device"))
+    assert main(["gpus"]) == 1
+    assert capsys.readouterr().err == "kareus: error: [Errno 28] No space left on device\n"
+
+
+def test_dev_mode_shows_the_traceback_of_a_bug(tmp_path):
+    code = ("import sys, kareus.cli as c\n"
+            "def boom(args): raise ValueError('deep inside')\n"
+            "c.cmd_gpus = boom\n"
+            "sys.exit(c.main(['gpus']))\n")
+    out = subprocess.run([sys.executable, "-X", "dev", "-c", code], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode != 0
+    assert "kareus: internal error: ValueError: deep inside" in out.stderr
+    assert "Traceback" in out.stderr
+
+
+@pytest.mark.parametrize("argv", [
+    ["optimize", "--profiler", "bogus", "--out", "{tmp}/o"],
+    ["optimize", "--profiler", "replay:{tmp}/missing.json", "--out", "{tmp}/o"],
+    ["optimize", "--jobs", "2", "--profiler", "nvml", "--out", "{tmp}/o"],
+    ["optimize", "--deadline-s", "1", "--energy-budget-j", "5", "--out", "{tmp}/o"],
+    ["optimize", "--gpu-profile", "h200-sxm", "--profiler", "nvml", "--out", "{tmp}/o"],
+])
+def test_the_commands_own_refusals_are_kareus_errors(argv, tmp_path, capsys):
+    status = main([a.format(tmp=tmp_path) for a in argv])
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert err.startswith("kareus: error: ") and "internal error" not in err
+
+
+def test_a_stop_swallowed_by_the_command_still_fails(gpus_raising, monkeypatch, capsys):
+    """A Ctrl-C whose exception something caught and dropped (a broad except, a finaliser)
+    is not a success: the command reports it when it returns."""
+    def swallowing(args):  # type: ignore[no-untyped-def]
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):  # the handler runs between bytecodes
+                pass
+        except BaseException:  # noqa: S110 - what a careless plug-in might do
+            pass
+        print("done")
+        return 0
+
+    monkeypatch.setattr(cli, "cmd_gpus", swallowing)
+    assert main(["gpus"]) == 130
+    captured = capsys.readouterr()
+    assert captured.err == "kareus: interrupted\n"
+
+
+def test_a_stop_that_lands_in_a_finaliser_is_delivered_again(monkeypatch, capsys):
+    """Python only prints an exception raised in a ``__del__``; the command's hook sends the
+    stop to the main thread again, so the command stops there, not at its end."""
+    reached = []
+
+    class Finalised:
+        def __del__(self) -> None:
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):
+                pass
+
+    def command(args):  # type: ignore[no-untyped-def]
+        obj = Finalised()
+        del obj  # the stop is raised inside __del__ and reported as unraisable there
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # where the stop is delivered again
+            pass
+        reached.append("after")
+        return 0
+
+    monkeypatch.setattr(cli, "cmd_gpus", command)
+    assert main(["gpus"]) == 130
+    assert reached == []
+    captured = capsys.readouterr()
+    assert captured.err == "kareus: interrupted\n"
+
+
+def test_a_ctrl_c_while_the_command_modules_load_is_one_line():
+    """entry() imports the command inside its guard: a KeyboardInterrupt raised by the
+    imports (before the command's handlers exist) is the usual line and status 130."""
+    code = ("import sys\n"
+            "class Interrupting:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'kareus.cli':\n"
+            "            raise KeyboardInterrupt\n"
+            "sys.meta_path.insert(0, Interrupting())\n"
+            "from kareus.__main__ import entry\n"
+            "sys.exit(entry())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert (out.returncode, out.stderr) == (130, "kareus: interrupted\n")
+
+
+def test_console_main_keeps_the_handlers_for_the_rest_of_the_process():
+    code = ("import os, signal, sys, kareus.cli as c\n"
+            "status = c.console_main()\n"
+            "os.kill(os.getpid(), signal.SIGINT)\n"  # the command is over: nothing to stop
+            "for _ in range(1000): pass\n"
+            "sys.exit(status)\n")
+    out = subprocess.run([sys.executable, "-c", code, "gpus"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stderr == "" and "a100-40gb" in out.stdout
+
+
+def _handlers_in_place(pid: int) -> bool:
+    """Whether the process catches SIGTERM, which only the command's handlers do."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True  # it has exited (or there is no /proc; the caller skips then)
+    caught = int(next(line for line in status.splitlines()
+                      if line.startswith("SigCgt:")).split()[1], 16)
+    return bool(caught & (1 << (signal.SIGTERM - 1)))
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="needs /proc (Linux)")
+@pytest.mark.parametrize("delay_s", [0.0, 0.05, 0.15, 0.3, 0.5, 0.8])
+def test_an_early_ctrl_c_is_one_line_never_a_traceback_never_lost(tmp_path, delay_s):
+    """SIGINT early in ``python -m kareus optimize``: while it imports, sets up or starts to
+    search. Either the run stops with one line and status 130, or (on a fast machine, if it
+    had already written its results when the signal was sent) it succeeds; never a
+    traceback, and never a success when the signal came before the results.
+
+    The delay counts from the moment the command's handlers are in place (the interpreter's
+    own start-up, before any of kareus runs, is outside what kareus can guard); the window
+    before that, the command's imports, is covered by the test above.
+    """
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", "kareus", "optimize", "--workload", "qwen3-1.7b", "--gpu",
+            "h200-sxm", "--tp", "2", "--pp", "2", "--microbatches", "4", "--microbatch-size",
+            "2", "--seq-len", "1024", "--budget", "12", "--quiet", "--out", str(out)]
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 60
+    while not _handlers_in_place(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.002)
+    time.sleep(delay_s)
+    results_before = (out / "results.json").exists()
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert "Traceback" not in stderr and "Error" not in stderr, stderr
+    lines = stderr.splitlines()
+    assert all(line.startswith("kareus: ") for line in lines), stderr
+    if proc.returncode == 0:
+        assert results_before, "a SIGINT sent before the results were written was lost"
+    else:
+        assert proc.returncode == 130, stderr
+        assert lines and lines[-1].startswith("kareus: interrupted"), stderr
