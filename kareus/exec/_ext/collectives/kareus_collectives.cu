@@ -299,6 +299,51 @@ __global__ void __launch_bounds__(KC_THREADS, 1)
   if (threadIdx.x == 0) c.counters[blockIdx.x] = base + 2;
 }
 
+// ------------------------------------------------------ reduce-scatter push of a chunked all-reduce
+// The first phase of the two-shot (staged) and two-phase (registered) all-reduces, which
+// split the message into NR chunks of `chunk` elements (a multiple of the vector width),
+// chunk q reduced by rank q: rank r stores its input chunk q (len[q] elements, the first
+// lenv[q] x V of them as 16-byte vectors, the rest by block 0) into slot r of rank q's data
+// region (slots `chunk` elements apart), for every peer q. Its own chunk stays in `in`.
+// r is c.rank, as the caller already holds it; DP is the unroll depth of the vector loop
+// (each step holds NR-1 vectors per thread).
+template <typename T, int NR, int DP>
+__device__ __forceinline__ void push_chunks_to_owners(const Comm& c, int r, const T* in,
+                                                      size_t chunk, const size_t (&len)[NR],
+                                                      const size_t (&lenv)[NR]) {
+  using U = uint4;
+  constexpr int V = 16 / sizeof(T);
+  const size_t chunk_bytes = chunk * sizeof(T);
+  const size_t chunk_vec = chunk / V;
+  U v[DP][NR];
+  for_owned<DP>(
+      chunk_vec,
+      [&](int k, size_t i) {
+#pragma unroll
+        for (int q = 0; q < NR; ++q) {
+          if (q == r) continue;
+          if (i < lenv[q]) v[k][q] = reinterpret_cast<const U*>(in + (size_t)q * chunk)[i];
+        }
+      },
+      [&](int k, size_t i) {
+#pragma unroll
+        for (int q = 0; q < NR; ++q) {
+          if (q == r) continue;
+          if (i < lenv[q]) reinterpret_cast<U*>(c.peers.data[q] + (size_t)r * chunk_bytes)[i] = v[k][q];
+        }
+      });
+  if (blockIdx.x == 0) {
+#pragma unroll
+    for (int q = 0; q < NR; ++q) {
+      if (q == r) continue;
+      if (threadIdx.x < len[q] - lenv[q] * V) {
+        const size_t e = lenv[q] * V + threadIdx.x;
+        reinterpret_cast<T*>(c.peers.data[q] + (size_t)r * chunk_bytes)[e] = in[(size_t)q * chunk + e];
+      }
+    }
+  }
+}
+
 // ------------------------------------------------------------ two-shot all-reduce
 // Reduce-scatter then all-gather, both by pushing. Chunk q = [q*chunk, min(numel,(q+1)*chunk))
 // is reduced by rank q. Data region: n reduce-scatter slots of `chunk` elements, then
@@ -328,35 +373,8 @@ __global__ void __launch_bounds__(KC_THREADS, 1)
 
   block_barrier<NR>(c, base + 1);
 
-  {  // Phase 1: push input chunk q into reduce-scatter slot r of rank q.
-    U v[DP][NR];
-    for_owned<DP>(
-        chunk_vec,
-        [&](int k, size_t i) {
-#pragma unroll
-          for (int q = 0; q < NR; ++q) {
-            if (q == r) continue;
-            if (i < lenv[q]) v[k][q] = reinterpret_cast<const U*>(in + (size_t)q * chunk)[i];
-          }
-        },
-        [&](int k, size_t i) {
-#pragma unroll
-          for (int q = 0; q < NR; ++q) {
-            if (q == r) continue;
-            if (i < lenv[q]) reinterpret_cast<U*>(c.peers.data[q] + (size_t)r * chunk_bytes)[i] = v[k][q];
-          }
-        });
-    if (blockIdx.x == 0) {
-#pragma unroll
-      for (int q = 0; q < NR; ++q) {
-        if (q == r) continue;
-        if (threadIdx.x < len[q] - lenv[q] * V) {
-          const size_t e = lenv[q] * V + threadIdx.x;
-          reinterpret_cast<T*>(c.peers.data[q] + (size_t)r * chunk_bytes)[e] = in[(size_t)q * chunk + e];
-        }
-      }
-    }
-  }
+  // Phase 1: push input chunk q into reduce-scatter slot r of rank q.
+  push_chunks_to_owners<T, NR, DP>(c, r, in, chunk, len, lenv);
 
   block_barrier<NR>(c, base + 2);
 
@@ -654,7 +672,6 @@ __global__ void __launch_bounds__(KC_THREADS, 1)
   const uint32_t base = c.counters[blockIdx.x];
   const int r = c.rank;
   const size_t chunk_bytes = chunk * sizeof(T);
-  const size_t chunk_vec = chunk / V;
   const char* mine = c.peers.data[r];
   const T* in = reinterpret_cast<const T*>(buf.p[r]);
   size_t len[NR], lenv[NR];
@@ -666,35 +683,7 @@ __global__ void __launch_bounds__(KC_THREADS, 1)
   }
 
   block_barrier<NR>(c, base + 1);
-  {
-    U v[DP][NR];
-    for_owned<DP>(
-        chunk_vec,
-        [&](int k, size_t i) {
-#pragma unroll
-          for (int q = 0; q < NR; ++q) {
-            if (q == r) continue;
-            if (i < lenv[q]) v[k][q] = reinterpret_cast<const U*>(in + (size_t)q * chunk)[i];
-          }
-        },
-        [&](int k, size_t i) {
-#pragma unroll
-          for (int q = 0; q < NR; ++q) {
-            if (q == r) continue;
-            if (i < lenv[q]) reinterpret_cast<U*>(c.peers.data[q] + (size_t)r * chunk_bytes)[i] = v[k][q];
-          }
-        });
-    if (blockIdx.x == 0) {
-#pragma unroll
-      for (int q = 0; q < NR; ++q) {
-        if (q == r) continue;
-        if (threadIdx.x < len[q] - lenv[q] * V) {
-          const size_t e = lenv[q] * V + threadIdx.x;
-          reinterpret_cast<T*>(c.peers.data[q] + (size_t)r * chunk_bytes)[e] = in[(size_t)q * chunk + e];
-        }
-      }
-    }
-  }
+  push_chunks_to_owners<T, NR, DP>(c, r, in, chunk, len, lenv);
   block_barrier<NR>(c, base + 2);
   {
     size_t my_vec = 0, my_len = 0;
