@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kareus._logging import get_logger
+from kareus.errors import ArgumentError, ArgumentTypeError
 from kareus.exec._partition_program import PartitionProgram, RunnablePartition, _comm_zeros
 from kareus.model.ops import CommOp, ComputeOp
 from kareus.model.partition import OutsideWork
@@ -59,13 +60,13 @@ class RunnableOutsideWork(RunnablePartition):
                  dtype: str | None = None, kernels: Any = None,
                  name: str = "outside") -> None:
         if not isinstance(work, OutsideWork):
-            raise TypeError(f"work must be an OutsideWork, got {type(work).__name__}")
+            raise ArgumentTypeError(f"work must be an OutsideWork, got {type(work).__name__}")
         if not isinstance(workload, Workload):
-            raise TypeError(f"workload must be a Workload, got {type(workload).__name__}")
+            raise ArgumentTypeError(f"workload must be a Workload, got {type(workload).__name__}")
         unknown = [op.name for op in work.ops
                    if op.name not in OUTSIDE_OPS and op.kind.compute_bound]
         if unknown:
-            raise ValueError(f"no kernel for the compute-bound outside ops {unknown}; known: "
+            raise ArgumentError(f"no kernel for the compute-bound outside ops {unknown}; known: "
                              f"{OUTSIDE_OPS} (memory-bound ones run as copies of their bytes)")
         self.work = work
         self.workload = workload
@@ -94,7 +95,7 @@ class RunnableOutsideWork(RunnablePartition):
             ValueError: the work has none.
         """
         if not self.work.comms:
-            raise ValueError("this outside work has no collective")
+            raise ArgumentError("this outside work has no collective")
         return self.work.comms[0]
 
     @property
@@ -267,7 +268,7 @@ def _comm_op(torch: Any, comm: CommOp, collective: Any, sms: int | None, model_b
     pick = getattr(collective, "backend_for", None)
     backend = pick(sms) if callable(pick) else collective
     if backend is None:
-        raise ValueError("outside work with a collective needs an executor or a backend "
+        raise ArgumentError("outside work with a collective needs an executor or a backend "
                          "(build(collective=...))")
 
     def run() -> None:

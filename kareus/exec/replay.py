@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from kareus._io import read_json, write_text_atomic
-from kareus.errors import DATA_ERRORS, ConfigError, data_problem
+from kareus.errors import DATA_ERRORS, ArgumentError, ArgumentTypeError, ConfigError, data_problem
 from kareus.model.config import ConfigSpace, ScheduleConfig
 from kareus.model.gpu import GPUSpec, get_gpu
 from kareus.model.measurement import Measurement
@@ -83,7 +83,7 @@ class ReplayProfiler(Profiler):
             self.path = Path(source)
             data = read_json(self.path, error=ConfigError, what="recording")
         if samples not in ("cycle", "mean"):
-            raise ValueError(f"samples must be 'cycle' or 'mean', got {samples!r}")
+            raise ArgumentError(f"samples must be 'cycle' or 'mean', got {samples!r}")
         self.samples = samples
         where = f"recording {self.path or '(dict)'}"
         if not isinstance(data, Mapping):
@@ -312,7 +312,7 @@ class RecordingProfiler(Profiler):
 
     def __init__(self, inner: Profiler) -> None:
         if not isinstance(inner, Profiler):
-            raise TypeError(f"inner must be a kareus Profiler, got {type(inner).__name__}")
+            raise ArgumentTypeError(f"inner must be a kareus Profiler, got {type(inner).__name__}")
         self.inner = inner
         self.gpu = inner.gpu
         self.rows: list[dict[str, Any]] = []

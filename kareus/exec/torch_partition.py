@@ -41,6 +41,7 @@ from typing import Any
 
 import attrs
 
+from kareus.errors import ArgumentError, ArgumentTypeError
 from kareus.exec._partition_program import PartitionProgram, RunnablePartition, _comm_buffers
 from kareus.exec._transformer_ops import _ACCUMULATED_BY, _OUTPUT_OPS, _Dims, _dims, _op_builders
 from kareus.model.ops import CommKind, CommOp, ComputeOp
@@ -72,14 +73,14 @@ class RunnableTransformerPartition(RunnablePartition):
     def __init__(self, partition: TransformerPartition, workload: Workload, *,
                  dtype: str | None = None, kernels: Any = None) -> None:
         if not isinstance(partition, TransformerPartition):
-            raise TypeError(f"partition must be a TransformerPartition, got "
+            raise ArgumentTypeError(f"partition must be a TransformerPartition, got "
                             f"{type(partition).__name__}")
         if not isinstance(workload, Workload):
-            raise TypeError(f"workload must be a Workload, got {type(workload).__name__}")
+            raise ArgumentTypeError(f"workload must be a Workload, got {type(workload).__name__}")
         builders = _op_builders()
         unknown = [op.name for op in partition.compute_ops if op.name not in builders]
         if unknown:
-            raise ValueError(f"no kernel for ops {unknown} of partition {partition.name!r}")
+            raise ArgumentError(f"no kernel for ops {unknown} of partition {partition.name!r}")
         self.partition = partition
         self.workload = workload
         self.dtype = "bfloat16" if dtype is None else str(dtype)
@@ -193,7 +194,7 @@ def runnable_partitions(workload: Workload, names: Sequence[str] | None = None, 
     for n in chosen:
         p = ps[n]
         if not isinstance(p, TransformerPartition):
-            raise TypeError(f"partition {n!r} is not a TransformerPartition")
+            raise ArgumentTypeError(f"partition {n!r} is not a TransformerPartition")
         out[n] = RunnableTransformerPartition(p, workload, dtype=dtype, kernels=kernels)
     return out
 
@@ -224,14 +225,14 @@ class CallablePartition(OpPartition, RunnablePartition):
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         if len(self.callables) != len(self.compute_ops):
-            raise ValueError(f"partition {self.name!r}: {len(self.compute_ops)} ops but "
+            raise ArgumentError(f"partition {self.name!r}: {len(self.compute_ops)} ops but "
                              f"{len(self.callables)} callables")
         if not all(callable(c) for c in self.callables):
-            raise TypeError("every entry of callables must be callable")
+            raise ArgumentTypeError("every entry of callables must be callable")
         if len(self.comm_buffers) != 2:
-            raise ValueError("comm_buffers must hold two tensors (double buffering)")
+            raise ArgumentError("comm_buffers must hold two tensors (double buffering)")
         if self.comm_op.kind is not CommKind.ALL_REDUCE and len(self.comm_outputs) != 2:
-            raise ValueError(f"{self.comm_op.kind.value} needs two comm_outputs")
+            raise ArgumentError(f"{self.comm_op.kind.value} needs two comm_outputs")
 
     def build(self, *, device: Any = None, seed: int = 0,
               collective: Any = None) -> PartitionProgram:

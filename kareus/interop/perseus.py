@@ -50,7 +50,7 @@ from typing import Any
 
 from kareus._io import write_text_atomic
 from kareus.compose.plan import Plan
-from kareus.errors import PlanError
+from kareus.errors import ArgumentError, ArgumentTypeError, PlanError
 from kareus.model.pipeline import get_schedule
 
 __all__ = [
@@ -71,7 +71,7 @@ INSTRUCTIONS = {"fwd": "forward", "bwd": "backward"}
 def stage_schedules(plan: Plan) -> list[list[tuple[str, int]]]:
     """Per pipeline stage, ``(instruction, MHz)`` of every computation in execution order."""
     if not isinstance(plan, Plan):
-        raise TypeError(f"plan must be a kareus Plan, got {type(plan).__name__}")
+        raise ArgumentTypeError(f"plan must be a kareus Plan, got {type(plan).__name__}")
     sched = get_schedule(plan.schedule, plan.num_stages, plan.num_microbatches)
     return [[(INSTRUCTIONS[c.phase], int(plan.freq_mhz(c))) for c in order]
             for order in sched.stage_orders]
@@ -86,7 +86,7 @@ def _degrees(plan: Plan, tp: int | None, cp: int | None, dp: int | None) -> tupl
             raise PlanError(f"the plan does not say its {name.upper()} degree (no workload): "
                             f"pass {name}=")
         if int(value) < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
+            raise ArgumentError(f"{name} must be >= 1, got {value}")
         out.append(int(value))
     return out[0], out[1], out[2]
 
@@ -132,7 +132,7 @@ def optimizer_arguments(plan: Plan, rank: int, *, tp: int | None = None,
     tp_, cp_, dp_ = _degrees(plan, tp, cp, dp)
     world = tp_ * cp_ * dp_ * plan.num_stages
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
-        raise ValueError(f"rank must be an integer in [0, {world}) (TP {tp_} x CP {cp_} x "
+        raise ArgumentError(f"rank must be an integer in [0, {world}) (TP {tp_} x CP {cp_} x "
                          f"DP {dp_} x PP {plan.num_stages}), got {rank!r}")
     return {"rank": rank, "dp_rank": (rank // tp_) % (cp_ * dp_),
             "pp_rank": stage_of_rank(rank, tp=tp_, cp=cp_, dp=dp_), "tp_rank": rank % tp_,
@@ -198,14 +198,14 @@ def write_point_solution(plan: Plan, path: str | os.PathLike[str], *, per: str =
     """
     p = Path(path)
     if p.suffix != ".py":
-        raise ValueError(f"Perseus reads solution files ending in .py, got {str(p)!r}")
+        raise ArgumentError(f"Perseus reads solution files ending in .py, got {str(p)!r}")
     if per == "stage":
         schedules, what = stage_schedules(plan), "pipeline stage (PointSolution3D)"
     elif per == "rank":
         schedules = rank_schedules(plan, tp=tp, cp=cp, dp=dp)
         what = "global rank, Megatron-LM rank order (PointSolution)"
     else:
-        raise ValueError(f"per must be 'stage' or 'rank', got {per!r}")
+        raise ArgumentError(f"per must be 'stage' or 'rank', got {per!r}")
     header = (f"# Perseus frequency schedule exported by kareus from plan {plan.digest[:12]} "
               f"({plan.gpu}, {plan.schedule}, {plan.num_stages} stages x "
               f"{plan.num_microbatches} microbatches)\n"
@@ -223,10 +223,10 @@ def read_point_solution(path: str | os.PathLike[str]) -> list[list[tuple[str, in
     try:
         data = ast.literal_eval(text.strip())
     except (ValueError, SyntaxError) as exc:
-        raise ValueError(f"{path} is not a Perseus solution literal: {exc}") from None
+        raise ArgumentError(f"{path} is not a Perseus solution literal: {exc}") from None
     ok = isinstance(data, list) and all(
         isinstance(s, list) and all(isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str)
                                     and isinstance(x[1], int) for x in s) for s in data)
     if not ok:
-        raise ValueError(f"{path} is not a list of lists of (instruction, MHz) pairs")
+        raise ArgumentError(f"{path} is not a list of lists of (instruction, MHz) pairs")
     return data

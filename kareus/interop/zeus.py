@@ -32,7 +32,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from kareus.errors import HardwareError
+from kareus.errors import ArgumentError, HardwareError
 from kareus.exec import EnergyMeter, FrequencyPermissionError
 from kareus.exec.frequency import LockingFrequencyController
 from kareus.model.gpu import GPUSpec
@@ -89,7 +89,7 @@ class ZeusdFrequencyController(LockingFrequencyController):
     def __init__(self, *, device_indices: Sequence[int], gpu: str | GPUSpec | None = None,
                  gpus: Any = None, require_zeusd: bool = True) -> None:
         if not tuple(device_indices):
-            raise ValueError("a ZeusdFrequencyController needs at least one GPU")
+            raise ArgumentError("a ZeusdFrequencyController needs at least one GPU")
         if gpus is None:
             if require_zeusd and not os.environ.get("ZEUSD_SOCK_PATH"):
                 raise HardwareError(

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import attrs
 import numpy as np
 
-from kareus.errors import ConfigError, UnknownSlotError
+from kareus.errors import ArgumentTypeError, ConfigError, UnknownSlotError
 from kareus.model.gpu import GPUSpec, get_gpu
 from kareus.model.partition import Partition
 
@@ -74,7 +74,7 @@ class ScheduleConfig:
             raise ConfigError(f"launch_slot must be an op name or None (sequential), got "
                               f"{self.launch_slot!r:.40}")
         if self.backend is not None and (not isinstance(self.backend, str) or not self.backend):
-            raise ValueError(f"backend must be a non-empty name or None, got {self.backend!r}")
+            raise ConfigError(f"backend must be a non-empty name or None, got {self.backend!r}")
 
     @property
     def sequential(self) -> bool:
@@ -151,7 +151,7 @@ class ConfigSpace:
         backends: Sequence[str] | None = None,
     ) -> None:
         if not isinstance(partition, Partition):
-            raise TypeError(f"partition must be a kareus Partition, got {type(partition).__name__}")
+            raise ArgumentTypeError(f"partition must be a kareus Partition, got {type(partition).__name__}")
         self.partition = partition
         self.gpu = get_gpu(gpu)
         self.freqs_mhz: tuple[int, ...] = tuple(
@@ -165,11 +165,11 @@ class ConfigSpace:
         self.backends: tuple[str | None, ...] = (
             (None,) if backends is None else tuple(str(b) for b in backends))
         if not self.freqs_mhz or not self.comm_sms or not self.slots or not self.backends:
-            raise ValueError("a ConfigSpace needs at least one frequency, SM count, slot and "
+            raise ConfigError("a ConfigSpace needs at least one frequency, SM count, slot and "
                              "backend")
         if len(set(self.backends)) != len(self.backends) or any(
                 b is not None and not b for b in self.backends):
-            raise ValueError(f"backends must be distinct non-empty names, got {backends!r}")
+            raise ConfigError(f"backends must be distinct non-empty names, got {backends!r}")
         for f in self.freqs_mhz:
             self._check_freq(f)
         for s in self.comm_sms:
@@ -215,9 +215,9 @@ class ConfigSpace:
         """Check that ``config`` is valid for this partition and GPU (not that it is in the
         grid); return it. Raises the typed errors of [`kareus.errors`][kareus.errors]."""
         if not isinstance(config, ScheduleConfig):
-            raise TypeError(f"expected a ScheduleConfig, got {type(config).__name__}")
+            raise ArgumentTypeError(f"expected a ScheduleConfig, got {type(config).__name__}")
         if config.backend not in self.backends:
-            raise ValueError(f"backend {config.backend!r} is not one of this space's "
+            raise ConfigError(f"backend {config.backend!r} is not one of this space's "
                              f"{list(self.backends)}")
         self._check_freq(config.freq_mhz)
         self._check_sms(config.comm_sms)
@@ -259,7 +259,7 @@ class ConfigSpace:
             return self._index[config]
         except KeyError:
             self.validate(config)
-            raise ValueError(f"{config} is valid but not in this space's grid") from None
+            raise ConfigError(f"{config} is valid but not in this space's grid") from None
 
     def restrict(self, *, freqs_mhz: Sequence[int] | None = None,
                  comm_sms: Sequence[int] | None = None,

@@ -19,6 +19,8 @@ from typing import TypeVar
 
 import numpy as np
 
+from kareus.errors import ArgumentError
+
 __all__ = ["Dag"]
 
 _Num = TypeVar("_Num", int, float)
@@ -62,7 +64,7 @@ class Dag:
                 if indeg[v] == 0:
                     ready.append(v)
         if len(order) != n:
-            raise ValueError("the graph has a cycle")
+            raise ArgumentError("the graph has a cycle")
         self.num_nodes = n
         self.order = order
         pos = [0] * n

@@ -15,6 +15,8 @@ import math
 
 import attrs
 
+from kareus.errors import ArgumentError
+
 __all__ = ["Measurement"]
 
 
@@ -33,10 +35,10 @@ def _number(value: object) -> float:
 
 def _finite_nonneg(instance: object, attribute: attrs.Attribute, value: float) -> None:
     if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"Measurement.{attribute.name} must be finite and >= 0, got "
+        raise ArgumentError(f"Measurement.{attribute.name} must be finite and >= 0, got "
                          f"{value!r:.40}")
     if value > MAX_VALUE[attribute.name]:
-        raise ValueError(f"Measurement.{attribute.name} must be at most "
+        raise ArgumentError(f"Measurement.{attribute.name} must be at most "
                          f"{MAX_VALUE[attribute.name]:g}, got {value:g}: not a measurement")
 
 

@@ -17,6 +17,8 @@ import math
 
 import attrs
 
+from kareus.errors import ArgumentError
+
 __all__ = ["CommKind", "CommOp", "ComputeOp", "OpKind"]
 
 
@@ -53,7 +55,7 @@ class CommKind(str, enum.Enum):
 
 def _nonneg(instance: object, attribute: attrs.Attribute, value: float) -> None:
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-        raise ValueError(f"{attribute.name} must be a finite number >= 0, got {value!r}")
+        raise ArgumentError(f"{attribute.name} must be a finite number >= 0, got {value!r}")
 
 
 @attrs.frozen(kw_only=True)
@@ -74,9 +76,9 @@ class ComputeOp:
 
     def __attrs_post_init__(self) -> None:
         if not self.name:
-            raise ValueError("a ComputeOp needs a name")
+            raise ArgumentError("a ComputeOp needs a name")
         if self.flops == 0 and self.bytes_moved == 0:
-            raise ValueError(f"op {self.name!r} does no work (0 FLOPs and 0 bytes)")
+            raise ArgumentError(f"op {self.name!r} does no work (0 FLOPs and 0 bytes)")
 
     @property
     def compute_bound(self) -> bool:
@@ -113,9 +115,9 @@ class CommOp:
 
     def __attrs_post_init__(self) -> None:
         if self.group_size < 2:
-            raise ValueError(f"a collective needs group_size >= 2, got {self.group_size}")
+            raise ArgumentError(f"a collective needs group_size >= 2, got {self.group_size}")
         if self.bytes <= 0:
-            raise ValueError("a collective must move a positive number of bytes")
+            raise ArgumentError("a collective must move a positive number of bytes")
 
     @property
     def bus_bytes(self) -> float:

@@ -33,7 +33,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import attrs
 
-from kareus.errors import WorkloadError
+from kareus.errors import ArgumentError, WorkloadError
 from kareus.model.ops import CommKind, CommOp, ComputeOp, OpKind
 from kareus.model.workload import Workload
 
@@ -176,10 +176,10 @@ class OpPartition(Partition):
 
     def __attrs_post_init__(self) -> None:
         if not self.compute_ops:
-            raise ValueError(f"partition {self.name!r} needs at least one computation op")
+            raise ArgumentError(f"partition {self.name!r} needs at least one computation op")
         names = [op.name for op in self.compute_ops]
         if len(set(names)) != len(names):
-            raise ValueError(f"partition {self.name!r}: op names must be unique, got {names}")
+            raise ArgumentError(f"partition {self.name!r}: op names must be unique, got {names}")
 
 
 @attrs.frozen(kw_only=True, repr=False)
@@ -211,7 +211,7 @@ GPUS_PER_NODE = 8
 
 def _nonneg_float(instance: object, attribute: attrs.Attribute, value: float) -> None:
     if not (isinstance(value, (int, float)) and value >= 0):
-        raise ValueError(f"OutsideWork.{attribute.name} must be a number >= 0, got {value!r}")
+        raise ArgumentError(f"OutsideWork.{attribute.name} must be a number >= 0, got {value!r}")
 
 
 @attrs.frozen(kw_only=True)

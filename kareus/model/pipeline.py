@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping
 
 import attrs
 
-from kareus.errors import UnknownPresetError
+from kareus.errors import ArgumentError, UnknownPresetError
 from kareus.model.dag import Dag
 
 __all__ = ["Computation", "PipelineSchedule", "get_schedule", "one_f_one_b", "gpipe"]
@@ -34,7 +34,7 @@ class Computation:
 
     def __attrs_post_init__(self) -> None:
         if self.phase not in ("fwd", "bwd"):
-            raise ValueError(f"phase must be 'fwd' or 'bwd', got {self.phase!r}")
+            raise ArgumentError(f"phase must be 'fwd' or 'bwd', got {self.phase!r}")
 
     def key(self) -> str:
         """Compact string form, e.g. ``"s0.m3.fwd"`` (used in plan files)."""
@@ -45,7 +45,7 @@ class Computation:
         """Parse [`key`][kareus.model.Computation.key] output (``ValueError`` if it is not one)."""
         s, m, phase = key.split(".")
         if not (s.startswith("s") and m.startswith("m")):
-            raise ValueError(f"not a computation key: {key!r}")
+            raise ArgumentError(f"not a computation key: {key!r}")
         return cls(int(s[1:]), int(m[1:]), phase)
 
 
@@ -94,7 +94,7 @@ class PipelineSchedule:
         try:
             dag = self.dag()
         except ValueError:
-            raise ValueError(f"schedule {self.name!r} has a cycle") from None
+            raise ArgumentError(f"schedule {self.name!r} has a cycle") from None
         return [nodes[i] for i in dag.order]
 
     def makespan(self, durations: Mapping[Computation, float]) -> float:
@@ -127,7 +127,7 @@ def _build(name: str, pp: int, m: int, orders: list[list[Computation]]) -> Pipel
 
 def _check(pp: int, m: int) -> None:
     if pp < 1 or m < 1:
-        raise ValueError(f"need >= 1 stage and >= 1 microbatch, got pp={pp}, microbatches={m}")
+        raise ArgumentError(f"need >= 1 stage and >= 1 microbatch, got pp={pp}, microbatches={m}")
 
 
 def one_f_one_b(num_stages: int, num_microbatches: int) -> PipelineSchedule:

@@ -13,6 +13,7 @@ import math
 import numpy as np
 from numpy.typing import ArrayLike
 
+from kareus.errors import ArgumentError, ArgumentTypeError
 from kareus.search._xgboost_surrogate import XGBoostSurrogate
 from kareus.search.surrogate import Surrogate, _check_x, _check_xy
 
@@ -43,11 +44,11 @@ class BootstrapEnsemble(Surrogate):
         if base is None:
             base = XGBoostSurrogate()
         if not isinstance(base, Surrogate):
-            raise TypeError(f"base must be a kareus Surrogate, got {type(base).__name__}")
+            raise ArgumentTypeError(f"base must be a kareus Surrogate, got {type(base).__name__}")
         if n_models < 2:
-            raise ValueError(f"n_models must be >= 2 for a spread, got {n_models}")
+            raise ArgumentError(f"n_models must be >= 2 for a spread, got {n_models}")
         if not 0 < fraction <= 1:
-            raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+            raise ArgumentError(f"fraction must be in (0, 1], got {fraction}")
         self.base = base
         self.n_models = int(n_models)
         self.fraction = float(fraction)

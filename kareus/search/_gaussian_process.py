@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 
+from kareus.errors import ArgumentError
 from kareus.search.surrogate import Surrogate, _check_x, _check_xy
 
 __all__ = ["GaussianProcessSurrogate"]
@@ -78,15 +79,15 @@ class GaussianProcessSurrogate(Surrogate):
                  noise_bounds: tuple[float, float] = (1e-6, 1.0), max_iter: int = 100,
                  seed: int = 0) -> None:
         if kernel not in self._KERNELS:
-            raise ValueError(f"kernel must be one of {self._KERNELS}, got {kernel!r}")
+            raise ArgumentError(f"kernel must be one of {self._KERNELS}, got {kernel!r}")
         lo, hi = (float(b) for b in noise_bounds)
         if not 0 < lo < hi:
-            raise ValueError(f"noise_bounds must satisfy 0 < low < high, got {noise_bounds}")
+            raise ArgumentError(f"noise_bounds must satisfy 0 < low < high, got {noise_bounds}")
         if max_iter < 1:
-            raise ValueError(f"max_iter must be >= 1, got {max_iter}")
+            raise ArgumentError(f"max_iter must be >= 1, got {max_iter}")
         self.features = None if features is None else tuple(int(c) for c in features)
         if extra_features_from is not None and extra_features_from < 0:
-            raise ValueError(f"extra_features_from must be >= 0, got {extra_features_from}")
+            raise ArgumentError(f"extra_features_from must be >= 0, got {extra_features_from}")
         self.extra_features_from = (None if extra_features_from is None
                                     else int(extra_features_from))
         self.log_features = tuple(int(c) for c in log_features)
@@ -104,7 +105,7 @@ class GaussianProcessSurrogate(Surrogate):
             x = x.copy()
             for c in self.log_features:
                 if np.any(x[:, c] <= 0):
-                    raise ValueError(f"log_features column {c} must be positive")
+                    raise ArgumentError(f"log_features column {c} must be positive")
                 x[:, c] = np.log(x[:, c])
         if self.features is not None:
             cols = list(self.features)
@@ -176,7 +177,7 @@ class GaussianProcessSurrogate(Surrogate):
         self._n_features = x.shape[1]
         for c in (*(self.features or ()), *self.log_features):
             if not 0 <= c < x.shape[1]:
-                raise ValueError(f"feature column {c} out of range for X with "
+                raise ArgumentError(f"feature column {c} out of range for X with "
                                  f"{x.shape[1]} columns")
         z = self._transform(x)
         mu, sd = z.mean(axis=0), z.std(axis=0)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kareus.errors import ArgumentError
 from kareus.model.config import ConfigSpace, ScheduleConfig
 
 __all__ = ["default_initial_size", "initial_design", "maximin_design", "system_config_indices"]
@@ -199,7 +200,7 @@ def initial_design(space: ConfigSpace, size: int, *, kind: str = "maximin",
         ValueError: for an unknown ``kind``.
     """
     if kind not in ("maximin", "random"):
-        raise ValueError(f"initial_design must be 'maximin' or 'random', got {kind!r}")
+        raise ArgumentError(f"initial_design must be 'maximin' or 'random', got {kind!r}")
     opening = system_config_indices(space)[:size] if system_configs else []
     rest = size - len(opening)
     if rest <= 0:

@@ -14,6 +14,7 @@ import attrs
 import numpy as np
 from numpy.typing import ArrayLike
 
+from kareus.errors import ArgumentError, ArgumentTypeError
 from kareus.search._bootstrap_ensemble import BootstrapEnsemble
 from kareus.search.surrogate import Surrogate
 
@@ -56,7 +57,7 @@ class ObjectivePrediction:
             return self.dynamic_energy_j
         if kind == "static":
             return self.static_energy_j
-        raise ValueError(f"energy must be 'total', 'dynamic' or 'static', got {kind!r}")
+        raise ArgumentError(f"energy must be 'total', 'dynamic' or 'static', got {kind!r}")
 
     @property
     def spread(self) -> np.ndarray | None:
@@ -89,7 +90,7 @@ class ObjectiveModel:
         if surrogate is None:
             surrogate = BootstrapEnsemble(seed=seed)
         if not isinstance(surrogate, Surrogate):
-            raise TypeError(f"surrogate must be a kareus Surrogate, got "
+            raise ArgumentTypeError(f"surrogate must be a kareus Surrogate, got "
                             f"{type(surrogate).__name__}")
         self.template = surrogate
         self.seed = int(seed)
@@ -113,7 +114,7 @@ class ObjectiveModel:
         t = np.asarray(time_s, dtype=np.float64)
         d = np.asarray(dynamic_energy_j, dtype=np.float64)
         if np.any(t <= 0):
-            raise ValueError("times must be positive")
+            raise ArgumentError("times must be positive")
         floor = max(float(np.median(np.abs(d))) * 1e-3, 1e-12)
         self.time_model = self.template.clone(seed=self.seed * 2 + 1).fit(X, np.log(t))
         self.dynamic_model = self.template.clone(seed=self.seed * 2 + 2).fit(

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 
-from kareus.errors import ConfigError
+from kareus.errors import ArgumentError, ConfigError
 from kareus.search.surrogate import Surrogate, _check_x, _check_xy
 
 __all__ = ["XGBoostSurrogate"]
@@ -70,13 +70,13 @@ class XGBoostSurrogate(Surrogate):
             raise ConfigError("the trees surrogate (XGBoostSurrogate) needs xgboost: "
                               "pip install 'kareus[trees]', or use the default gp surrogate")
         if n_estimators < 1:
-            raise ValueError(f"n_estimators must be >= 1, got {n_estimators}")
+            raise ArgumentError(f"n_estimators must be >= 1, got {n_estimators}")
         if max_depth < 1:
-            raise ValueError(f"max_depth must be >= 1, got {max_depth}")
+            raise ArgumentError(f"max_depth must be >= 1, got {max_depth}")
         if not 0 < learning_rate <= 1:
-            raise ValueError(f"learning_rate must be in (0, 1], got {learning_rate}")
+            raise ArgumentError(f"learning_rate must be in (0, 1], got {learning_rate}")
         if not 0 < subsample <= 1 or not 0 < colsample_bytree <= 1:
-            raise ValueError("subsample and colsample_bytree must be in (0, 1]")
+            raise ArgumentError("subsample and colsample_bytree must be in (0, 1]")
         self.n_estimators = int(n_estimators)
         self.max_depth = int(max_depth)
         self.learning_rate = float(learning_rate)

@@ -40,6 +40,7 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
+from kareus.errors import ArgumentError
 from kareus.search._features import EXTRA_COLUMNS_FROM
 from kareus.search._objective_model import ObjectivePrediction
 from kareus.search.pareto import (
@@ -67,7 +68,7 @@ _ENERGIES = ("total", "dynamic", "static")
 def _as_index_array(values: object, n: int, name: str) -> np.ndarray:
     arr = np.asarray(values, dtype=np.int64).reshape(-1)
     if arr.size and (arr.min() < 0 or arr.max() >= n):
-        raise ValueError(f"{name} indices must be in 0..{n - 1}")
+        raise ArgumentError(f"{name} indices must be in 0..{n - 1}")
     return arr
 
 
@@ -104,16 +105,16 @@ class AcquisitionContext:
     def __attrs_post_init__(self) -> None:
         n = len(self.prediction)
         if self.available.shape != (n,):
-            raise ValueError(f"available must have shape ({n},), got {self.available.shape}")
+            raise ArgumentError(f"available must have shape ({n},), got {self.available.shape}")
         m = len(self.observed_time_s)
         if self.observed_energy_j.shape != (m,) or self.observed_static_power_w.shape != (m,):
-            raise ValueError("observed_time_s, observed_energy_j and observed_static_power_w "
+            raise ArgumentError("observed_time_s, observed_energy_j and observed_static_power_w "
                              "must have the same length")
         _as_index_array(self.chosen, n, "chosen")
         if self.features is not None and (self.features.ndim != 2 or len(self.features) != n):
-            raise ValueError(f"features must have shape ({n}, d)")
+            raise ArgumentError(f"features must have shape ({n}, d)")
         if self.observed_index is not None and np.shape(self.observed_index) != (m,):
-            raise ValueError(f"observed_index must have shape ({m},)")
+            raise ArgumentError(f"observed_index must have shape ({m},)")
 
     @property
     def n_candidates(self) -> int:
@@ -130,7 +131,7 @@ class AcquisitionContext:
         elif energy == "static":
             e = static
         else:
-            raise ValueError(f"energy must be one of {_ENERGIES}, got {energy!r}")
+            raise ArgumentError(f"energy must be one of {_ENERGIES}, got {energy!r}")
         return np.column_stack([self.observed_time_s, e])
 
     def with_chosen(self, chosen: Sequence[int] | np.ndarray) -> AcquisitionContext:
@@ -211,14 +212,14 @@ class HypervolumePass(AcquisitionPass):
     def __init__(self, energy: str = "total", *, greedy: bool = True, optimism: float = 0.0,
                  margin: float = 0.1, front: str = "measured") -> None:
         if front not in ("measured", "denoised"):
-            raise ValueError(f"front must be 'measured' or 'denoised', got {front!r}")
+            raise ArgumentError(f"front must be 'measured' or 'denoised', got {front!r}")
         self.front = front
         if energy not in _ENERGIES:
-            raise ValueError(f"energy must be one of {_ENERGIES}, got {energy!r}")
+            raise ArgumentError(f"energy must be one of {_ENERGIES}, got {energy!r}")
         if optimism < 0:
-            raise ValueError(f"optimism must be >= 0, got {optimism}")
+            raise ArgumentError(f"optimism must be >= 0, got {optimism}")
         if margin <= 0:
-            raise ValueError(f"margin must be > 0, got {margin}")
+            raise ArgumentError(f"margin must be > 0, got {margin}")
         self.energy = energy
         self.greedy = bool(greedy)
         self.optimism = float(optimism)
@@ -346,9 +347,9 @@ class NeighbourhoodPass(AcquisitionPass):
         self.steps = tuple(steps) if steps is not None else (
             (None, 4, None) if knobs is None else (None,) * len(self.knobs))
         if len(self.steps) != len(self.knobs):
-            raise ValueError("steps needs one radius per knob")
+            raise ArgumentError("steps needs one radius per knob")
         if any(st is not None and st < 1 for st in self.steps):
-            raise ValueError(f"steps must be >= 1 or None, got {self.steps}")
+            raise ArgumentError(f"steps must be >= 1 or None, got {self.steps}")
         self._hv = HypervolumePass(energy, front=front)
         self.energy = energy
         self.front = front
@@ -458,7 +459,7 @@ class HingePass(AcquisitionPass):
         self.extra_group_from = None if extra_group_from is None else int(extra_group_from)
         if self.sm_column in self.group_columns or (
                 self.extra_group_from is not None and self.sm_column >= self.extra_group_from):
-            raise ValueError("sm_column cannot also be a group column")
+            raise ArgumentError("sm_column cannot also be a group column")
         self._hv = HypervolumePass("total", front=front)
         self.front = front
 
@@ -578,12 +579,12 @@ def allocate(weights: Sequence[float], k: int, *, remainder: str = "largest") ->
     [12, 6, 6, 8]
     """
     if remainder not in ("largest", "last"):
-        raise ValueError(f"remainder must be 'largest' or 'last', got {remainder!r}")
+        raise ArgumentError(f"remainder must be 'largest' or 'last', got {remainder!r}")
     w = np.asarray(weights, dtype=float)
     if w.ndim != 1 or w.size == 0 or np.any(w < 0) or not np.isfinite(w).all() or w.sum() <= 0:
-        raise ValueError(f"weights must be non-negative with a positive sum, got {list(weights)}")
+        raise ArgumentError(f"weights must be non-negative with a positive sum, got {list(weights)}")
     if k < 0:
-        raise ValueError(f"k must be >= 0, got {k}")
+        raise ArgumentError(f"k must be >= 0, got {k}")
     exact = w / w.sum() * k
     counts = np.floor(exact + 1e-9).astype(int)
     rest = k - int(counts.sum())

@@ -17,6 +17,8 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import ArrayLike
 
+from kareus.errors import ArgumentError
+
 __all__ = [
     "hypervolume",
     "hypervolume_improvement",
@@ -31,9 +33,9 @@ def _as_points(points: ArrayLike) -> np.ndarray:
     if p.size == 0:
         return p.reshape(0, 2)
     if p.ndim != 2 or p.shape[1] != 2:
-        raise ValueError(f"points must have shape (n, 2), got {p.shape}")
+        raise ArgumentError(f"points must have shape (n, 2), got {p.shape}")
     if not np.all(np.isfinite(p)):
-        raise ValueError("points must be finite")
+        raise ArgumentError("points must be finite")
     return p
 
 
@@ -67,7 +69,7 @@ def reference_point(points: ArrayLike, margin: float = 0.1) -> np.ndarray:
     """A reference point ``(1 + margin) x`` the worst value of each objective."""
     p = _as_points(points)
     if len(p) == 0:
-        raise ValueError("need at least one point for a reference point")
+        raise ArgumentError("need at least one point for a reference point")
     return p.max(axis=0) * (1.0 + margin)
 
 

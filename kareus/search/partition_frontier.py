@@ -17,6 +17,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from kareus.errors import ArgumentError
 from kareus.model.config import ScheduleConfig
 from kareus.model.measurement import Measurement
 from kareus.search.pareto import pareto_mask
@@ -73,7 +74,7 @@ def _front(obs: list[Observation], energy: str) -> list[Observation]:
     elif energy == "dynamic":
         pts = np.array([(o.time_s, o.dynamic_energy_j) for o in obs])
     else:
-        raise ValueError(f"energy must be 'total' or 'dynamic', got {energy!r}")
+        raise ArgumentError(f"energy must be 'total' or 'dynamic', got {energy!r}")
     mask = pareto_mask(pts)
     out = [o for o, keep in zip(obs, mask) if keep]
     return sorted(out, key=lambda o: o.time_s)

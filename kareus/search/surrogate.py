@@ -33,6 +33,8 @@ import copy
 import numpy as np
 from numpy.typing import ArrayLike
 
+from kareus.errors import ArgumentError
+
 __all__ = ["Surrogate"]
 
 
@@ -40,23 +42,23 @@ def _check_xy(X: ArrayLike, y: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
     x = np.asarray(X, dtype=np.float64)
     t = np.asarray(y, dtype=np.float64)
     if x.ndim != 2:
-        raise ValueError(f"X must be a 2-D array (samples x features), got shape {x.shape}")
+        raise ArgumentError(f"X must be a 2-D array (samples x features), got shape {x.shape}")
     if t.ndim != 1 or len(t) != len(x):
-        raise ValueError(f"y must be a 1-D array with one value per row of X "
+        raise ArgumentError(f"y must be a 1-D array with one value per row of X "
                          f"({len(x)} rows), got shape {t.shape}")
     if len(x) == 0:
-        raise ValueError("cannot fit a surrogate on zero samples")
+        raise ArgumentError("cannot fit a surrogate on zero samples")
     if not (np.all(np.isfinite(x)) and np.all(np.isfinite(t))):
-        raise ValueError("X and y must be finite")
+        raise ArgumentError("X and y must be finite")
     return x, t
 
 
 def _check_x(X: ArrayLike, n_features: int | None) -> np.ndarray:
     x = np.asarray(X, dtype=np.float64)
     if x.ndim != 2:
-        raise ValueError(f"X must be a 2-D array (samples x features), got shape {x.shape}")
+        raise ArgumentError(f"X must be a 2-D array (samples x features), got shape {x.shape}")
     if n_features is not None and x.shape[1] != n_features:
-        raise ValueError(f"X has {x.shape[1]} features; the surrogate was fitted on {n_features}")
+        raise ArgumentError(f"X has {x.shape[1]} features; the surrogate was fitted on {n_features}")
     return x
 
 
