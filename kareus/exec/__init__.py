@@ -44,6 +44,7 @@ from kareus.exec.collectives import (
 )
 from kareus.exec.emulator import EmulatedGPU, EmulatedProfiler, EmulationTrace
 from kareus.exec.executor import (
+    CollectiveLaunch,
     Executor,
     PartitionHook,
     PartitionScope,
@@ -90,6 +91,7 @@ __all__ = [
     "CollectiveBackend",
     "CollectiveEnvironment",
     "CollectiveError",
+    "CollectiveLaunch",
     "CollectiveLaunchError",
     "CollectiveUnavailableError",
     "CommSMCountError",

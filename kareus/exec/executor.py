@@ -21,9 +21,12 @@ The collective runs through a [`CollectiveBackend`][kareus.exec.CollectiveBacken
 (``all_reduce(tensor, stream, sms)`` and friends), with the configuration's SM count.
 
 [`Executor`][kareus.exec.Executor] is the role (what a training loop and the NVML profiler's runner
-rely on); [`TorchExecutor`][kareus.exec.TorchExecutor] is the implementation, and ``kareus.testing``
-has a recording fake and a conformance suite. Training-loop hooks let a user's own loop apply
-a plan::
+rely on): it owns the plan, the scopes and the slot state machine, and asks its implementation
+for three hooks; [`TorchExecutor`][kareus.exec.TorchExecutor] implements them on streams (the
+collective on a side stream after an event of the compute stream, a join back through an event,
+the clock through a stream-ordered trigger) and adds CUDA graphs and registered communication
+buffers. ``kareus.testing`` has a recording fake and a conformance suite. Training-loop hooks let
+a user's own loop apply a plan::
 
     executor = TorchExecutor(plan=plan, collective=backend, frequency=trigger)
     executor.start()                     # ranks compare the plan's digest (or use `with`)
@@ -41,26 +44,32 @@ the frequency reaches the GPU through a
 ([`StreamOrderedTrigger`][kareus.exec.StreamOrderedTrigger]).
 
 Modules: the role ([`Executor`][kareus.exec.Executor], [`PartitionHook`][kareus.exec.PartitionHook],
-``LaunchConfig``) is in ``_executor_role``, the plan lookups (``computation_key``, ``plan_config``,
-``plan_frequency``) in ``_plan_lookup`` and the stream backends in ``_streams``; this
-module holds the implementation on CUDA streams ([`TorchExecutor`][kareus.exec.TorchExecutor],
-[`PartitionScope`][kareus.exec.PartitionScope]) and re-exports the rest (import the names from here
+[`PartitionScope`][kareus.exec.PartitionScope], [`CollectiveLaunch`][kareus.exec.CollectiveLaunch],
+``LaunchConfig``) is in ``_executor_role``, the plan lookups (``computation_key``,
+``plan_config``, ``plan_frequency``) in ``_plan_lookup`` and the stream backends in ``_streams``;
+this module holds the implementation on CUDA streams
+([`TorchExecutor`][kareus.exec.TorchExecutor]) and re-exports the rest (import the names from here
 or from [`kareus.exec`][kareus.exec]).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kareus._logging import get_logger
 from kareus.compose import Plan
-from kareus.errors import ConfigError, GraphCaptureError, PlanError, UnknownSlotError
-from kareus.exec._executor_role import COMM_KINDS, Executor, LaunchConfig, PartitionHook
+from kareus.errors import ConfigError, GraphCaptureError
+from kareus.exec._executor_role import (
+    COMM_KINDS,
+    CollectiveLaunch,
+    Executor,
+    LaunchConfig,
+    PartitionHook,
+    PartitionScope,
+)
 from kareus.exec._graphs import GraphSequence
 from kareus.exec._plan_lookup import (
-    _require_plan,
     computation_key,
     plan_config,
     plan_frequency,
@@ -72,6 +81,7 @@ from kareus.exec.frequency import FrequencyTrigger
 
 __all__ = [
     "COMM_KINDS",
+    "CollectiveLaunch",
     "Executor",
     "GraphSequence",
     "LaunchConfig",
@@ -91,88 +101,17 @@ __all__ = [
 _log = get_logger(__name__)
 
 
-def _default_digest_exchange(digest: str) -> list[str]:
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return [digest]
-    if not (dist.is_available() and dist.is_initialized()):
-        return [digest]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, digest)
-    return [str(d) for d in out]
-
-
-class PartitionScope(PartitionHook):
-    """Ops of one partition, launched in stream order with the collective at its slot.
-
-    Created by [`TorchExecutor.partition`][kareus.exec.TorchExecutor.partition]; call
-    [`communicate`][kareus.exec.PartitionScope.communicate] before the slot's op, then
-    [`op`][kareus.exec.PartitionScope.op] for each computation op in order. On exit, a collective
-    not yet launched (sequential, or a slot never reached) is launched after the ops, and the
-    compute stream waits for it.
-    """
-
-    def __init__(self, executor: TorchExecutor, key: str, config: LaunchConfig,
-                 op_names: Sequence[str] | None = None) -> None:
-        self._ex = executor
-        self.key = key
-        self.config = config
-        self._op_names = tuple(op_names) if op_names is not None else None
-        self._count = 0
-        self._comm: tuple[str, Any, Any] | None = None
-        self._launched = False
-        self._done_event: Any = None
-        self.ops_run: list[str] = []
-
-    def communicate(self, tensor: Any, *, kind: str = "all_reduce", output: Any = None) -> None:
-        """Register the collective ([`PartitionHook.communicate`][kareus.exec.PartitionHook.communicate]); a kind outside
-        ``COMM_KINDS`` is a ValueError."""
-        if kind not in COMM_KINDS:
-            raise ValueError(f"kind must be one of {COMM_KINDS}, got {kind!r}")
-        if self._comm is not None:
-            raise RuntimeError(f"partition {self.key!r} already has a collective")
-        if kind != "all_reduce" and output is None:
-            raise ValueError(f"{kind} needs an output tensor")
-        self._comm = (kind, tensor, output)
-
-    def op(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Enqueue computation op ``name`` (``fn(*args, **kwargs)``) on the compute stream,
-        launching the collective first if ``name`` is the configured slot."""
-        names = self._op_names
-        if names is not None and (self._count >= len(names) or names[self._count] != name):
-            expected = names[self._count] if self._count < len(names) else "no more ops"
-            raise ConfigError(f"partition {self.key!r}: op {name!r} out of order "
-                              f"(expected {expected!r})")
-        if not self._launched and self.config.launch_slot == name:
-            self._launch()
-        self._count += 1
-        self.ops_run.append(name)
-        return fn(*args, **kwargs)
-
-    def _launch(self) -> None:
-        if self._comm is None:
-            raise RuntimeError(
-                f"partition {self.key!r} reached its launch slot {self.config.launch_slot!r} "
-                "before communicate() named the collective")
-        self._done_event = self._ex._launch_comm(self._comm, self.config.comm_sms,
-                                                 getattr(self.config, "backend", None))
-        self._launched = True
-
-    def close(self) -> None:
-        """Launch a pending collective (sequential) and join it into the compute stream."""
-        if self._comm is None:
-            return
-        if not self._launched:
-            if self.config.launch_slot is not None and self._op_names is not None:
-                raise UnknownSlotError(f"partition {self.key!r}: slot "
-                                       f"{self.config.launch_slot!r} was never reached")
-            self._launch()
-        self._ex._join(self._done_event)
-
-
 class TorchExecutor(Executor):
     """Runs partitions on CUDA streams with an SM-capped collective backend.
+
+    The [`Executor`][kareus.exec.Executor] role's hooks on streams: a collective is launched on a
+    high-priority side stream after an event of the current stream
+    ([`launch_collective`][kareus.exec.TorchExecutor.launch_collective]) and joined back through
+    an event ([`join_collective`][kareus.exec.TorchExecutor.join_collective]); a microbatch's
+    clock goes through the frequency trigger on the current stream
+    ([`request_clock`][kareus.exec.TorchExecutor.request_clock]). On top of the role: CUDA graphs
+    ([`capture`][kareus.exec.TorchExecutor.capture]) and registered communication buffers
+    ([`empty`][kareus.exec.TorchExecutor.empty]).
 
     Args:
         collective: The collective backend (e.g.
@@ -232,12 +171,10 @@ class TorchExecutor(Executor):
         if frequency is not None and not isinstance(frequency, FrequencyTrigger):
             raise TypeError("frequency must be a FrequencyTrigger (e.g. StreamOrderedTrigger), "
                             f"got {type(frequency).__name__}")
-        if plan is not None:
-            _require_plan(plan)
+        super().__init__(plan=plan, digest_exchange=digest_exchange)
         self.collective: CollectiveBackend = collective
         self.default_collective: CollectiveBackend | None = default_collective
         self.backends: dict[str, CollectiveBackend] = named
-        self._plan = plan
         self.streams: StreamBackend = streams if streams is not None else TorchStreamBackend()
         if graphs and not self.streams.supports_graphs:
             raise GraphCaptureError(f"graphs=True, but {type(self.streams).__name__} cannot "
@@ -247,30 +184,10 @@ class TorchExecutor(Executor):
         self._sequences: dict[str, GraphSequence] = {}
         self._deferred: list[int] | None = None
         self.frequency: FrequencyTrigger | None = frequency
-        self._exchange = digest_exchange or _default_digest_exchange
         self._comm_stream: Any = None
         self.comm_high_priority = bool(comm_high_priority)
-        self._started = False
-        self.current = None
 
     # -- setup -----------------------------------------------------------------------
-    @property
-    def plan(self) -> Plan | None:  # type: ignore[override]
-        """The plan applied; setting another one drops every captured graph (they hold
-        the old plan's slots, SM counts and clocks) and asks for
-        [`start`][kareus.exec.TorchExecutor.start] again."""
-        return self._plan
-
-    @plan.setter
-    def plan(self, plan: Plan | None) -> None:
-        """Apply another plan (drops the graphs; call [`start`][kareus.exec.TorchExecutor.start] again)."""
-        if plan is not None:
-            _require_plan(plan)
-        if plan is not self._plan:
-            self.release_graphs()
-            self._started = False
-        self._plan = plan
-
     @property
     def comm_stream(self) -> Any:
         """The side stream collectives run on (created on first use)."""
@@ -278,27 +195,6 @@ class TorchExecutor(Executor):
             self._comm_stream = self.streams.new_stream(
                 name="comm", high_priority=self.comm_high_priority)
         return self._comm_stream
-
-    def start(self) -> None:
-        """Compare the plan's digest across ranks; refuse to run on a mismatch.
-
-        Raises:
-            PlanError: some rank holds another plan (the message lists each rank's digest).
-        """
-        if self.plan is not None:
-            mine = str(self.plan.digest)
-            every = list(self._exchange(mine))
-            if any(d != mine for d in every):
-                listing = ", ".join(f"rank {i}: {d}" for i, d in enumerate(every))
-                _log.error("refusing to train: ranks hold different plans (%s)", listing)
-                raise PlanError("ranks hold different plans; every rank must load the same "
-                                f"plan before training ({listing})")
-        self._started = True
-
-    def _require_started(self) -> None:
-        if self.plan is not None and not self._started:
-            raise PlanError("call executor.start() first: ranks must compare the plan's digest "
-                            "before any collective runs under it")
 
     def empty(self, shape: int | Sequence[int], dtype: Any, *, kind: str = "all_reduce") -> Any:
         """A zeroed communication buffer from the backends: registered memory from the
@@ -352,6 +248,36 @@ class TorchExecutor(Executor):
             return self.default_collective
         return self.collective
 
+    # -- the role's hooks ------------------------------------------------------------
+    def launch_collective(self, launch: CollectiveLaunch) -> Any:
+        """Launch ``launch``'s collective on the side stream
+        ([`comm_stream`][kareus.exec.TorchExecutor.comm_stream]) after everything enqueued on
+        the current stream so far: record an event on the current stream, make the side
+        stream wait on it, enqueue the collective there through
+        [`backend_for`][kareus.exec.TorchExecutor.backend_for] with ``launch.sms`` SMs.
+
+        Returns:
+            The event recorded on the side stream after the collective.
+        """
+        return self._launch_comm((launch.kind, launch.tensor, launch.output), launch.sms,
+                                 launch.backend)
+
+    def join_collective(self, handle: Any) -> None:
+        """Make the current stream wait on the collective's event (``handle``)."""
+        self._join(handle)
+
+    def request_clock(self, freq_mhz: int) -> None:
+        """Request ``freq_mhz`` through the frequency trigger on the current stream
+        (nothing without one). Inside a capture with a trigger that has no host nodes, the
+        request is held and issued right before that graph's replay."""
+        if self.frequency is None:
+            return
+        if self._deferred is not None and self.streams.is_capturing():
+            # A trigger without host nodes: issued right before this graph's replay.
+            self._deferred.append(freq_mhz)
+        else:
+            self.frequency.request(freq_mhz, stream=self.streams.current_stream())
+
     # -- the mechanism ---------------------------------------------------------------
     def _launch_comm(self, comm: tuple[str, Any, Any], sms: int | None,
                      backend_name: str | None = None) -> Any:
@@ -370,78 +296,6 @@ class TorchExecutor(Executor):
 
     def _join(self, done_event: Any) -> None:
         self.streams.wait_event(self.streams.current_stream(), done_event)
-
-    def run_partition(self, ops: Sequence[Callable[[], Any]], op_names: Sequence[str],
-                      comm_tensor: Any, config: LaunchConfig, *,
-                      comm_kind: str = "all_reduce", comm_output: Any = None) -> None:
-        """Enqueue one partition ([`Executor.run_partition`][kareus.exec.Executor.run_partition]): ``ops`` in order on the
-        current stream, the collective on the side stream from ``config``'s slot. The
-        configuration's ``freq_mhz`` is ignored here: the clock is set per microbatch
-        ([`microbatch`][kareus.exec.TorchExecutor.microbatch]).
-
-        Raises:
-            UnknownSlotError: ``config.launch_slot`` is not one of ``op_names``.
-        """
-        if len(ops) != len(op_names):
-            raise ValueError(f"{len(ops)} ops but {len(op_names)} names")
-        if config.launch_slot is not None and config.launch_slot not in op_names:
-            raise UnknownSlotError(f"launch slot {config.launch_slot!r} is not one of the ops "
-                                   f"{list(op_names)} (or None for sequential)")
-        scope = PartitionScope(self, "partition", config, op_names)
-        scope.communicate(comm_tensor, kind=comm_kind, output=comm_output)
-        for name, fn in zip(op_names, ops):
-            scope.op(name, fn)
-        scope.close()
-
-    def run_nanobatched(self, ops: Sequence[Callable[[int], Any]], op_names: Sequence[str],
-                        comm_tensors: Sequence[Any], config: LaunchConfig, *,
-                        comm_kind: str = "all_reduce", comm_outputs: Sequence[Any] | None = None,
-                        ) -> None:
-        """Run one layer segment over ``n >= 2`` nanobatches with overlap.
-
-        Nanobatch ``i``'s computation (``op(i)`` for each op) overlaps the collective of
-        nanobatch ``i-1``, launched at ``config``'s slot; the last nanobatch's collective
-        runs after the computation (exposed), or overlaps the next segment when the
-        caller chains segments through [`partition`][kareus.exec.TorchExecutor.partition].
-        Sequential configurations run each nanobatch's collective right after its computation.
-
-        Args:
-            ops: Callables ``op(i)`` that enqueue an op for nanobatch ``i``.
-            op_names: Their names.
-            comm_tensors: Per nanobatch, the tensor its collective acts on (written by
-                that nanobatch's computation).
-            config: The schedule configuration.
-            comm_kind: The collective.
-            comm_outputs: Per nanobatch, the output tensor (all-gather / reduce-scatter).
-        """
-        n = len(comm_tensors)
-        if n < 2:
-            raise ValueError(f"nanobatching needs n >= 2 nanobatches, got {n}")
-        outs = list(comm_outputs) if comm_outputs is not None else [None] * n
-        seq = config.sequential
-        backend = getattr(config, "backend", None)
-        # Nanobatch 0 has no previous collective to overlap.
-        for fn in ops:
-            fn(0)
-        for i in range(1, n):
-            if seq:
-                self._run_exposed(comm_tensors[i - 1], comm_kind, outs[i - 1], config.comm_sms,
-                                  backend)
-                for fn in ops:
-                    fn(i)
-                continue
-            scope = PartitionScope(self, f"nanobatch{i}", config, op_names)
-            scope.communicate(comm_tensors[i - 1], kind=comm_kind, output=outs[i - 1])
-            for name, fn in zip(op_names, ops):
-                scope.op(name, fn, i)
-            scope.close()
-        self._run_exposed(comm_tensors[n - 1], comm_kind, outs[n - 1], config.comm_sms,
-                          backend)
-
-    def _run_exposed(self, tensor: Any, kind: str, output: Any, sms: int | None,
-                     backend: str | None = None) -> None:
-        done = self._launch_comm((kind, tensor, output), sms, backend)
-        self._join(done)
 
     # -- graphs ----------------------------------------------------------------------
     def capture(self, name: str, bodies: Sequence[Callable[[], Any]], *,
@@ -539,48 +393,3 @@ class TorchExecutor(Executor):
         for n in dropped:
             del self._sequences[n]
 
-    # -- training-loop hooks ---------------------------------------------------------
-    @contextlib.contextmanager
-    def partition(self, key: str, *, config: LaunchConfig | None = None,
-                  op_names: Sequence[str] | None = None) -> Iterator[PartitionScope]:
-        """Scope of one partition of type ``key`` under the plan's configuration.
-
-        Args:
-            key: The partition type (e.g. ``"fwd_attn"``).
-            config: Override the plan's configuration.
-            op_names: Expected op order, checked as ops are issued (optional).
-        """
-        if config is None:
-            if self.plan is None:
-                raise PlanError(f"no plan and no config for partition {key!r}")
-            self._require_started()
-            config = plan_config(self.plan, key, self.current)
-        scope = PartitionScope(self, key, config, op_names)
-        ok = False
-        try:
-            yield scope
-            ok = True
-        finally:
-            if ok:
-                scope.close()
-
-    @contextlib.contextmanager
-    def microbatch(self, stage: int, microbatch: int, phase: str) -> Iterator[None]:
-        """Scope of one microbatch computation: requests the plan's clock for it in stream
-        order (it takes effect when the GPU reaches this point, not when the host does)."""
-        if phase not in ("fwd", "bwd"):
-            raise ValueError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
-        self._require_started()
-        if self.plan is not None and self.frequency is not None:
-            f = plan_frequency(self.plan, stage, microbatch, phase)
-            if self._deferred is not None and self.streams.is_capturing():
-                # A trigger without host nodes: issued right before this graph's replay.
-                self._deferred.append(f)
-            else:
-                self.frequency.request(f, stream=self.streams.current_stream())
-        prev = self.current
-        self.current = (stage, microbatch, phase)
-        try:
-            yield None
-        finally:
-            self.current = prev

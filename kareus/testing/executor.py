@@ -29,13 +29,12 @@ from kareus.compose import MicrobatchChoice, Plan
 from kareus.errors import ConfigError, PlanError, UnknownSlotError
 from kareus.exec.collectives import CollectiveBackend
 from kareus.exec.executor import (
-    COMM_KINDS,
+    CollectiveLaunch,
     Executor,
     LaunchConfig,
     PartitionHook,
+    PartitionScope,
     RecordingStreamBackend,
-    plan_config,
-    plan_frequency,
 )
 from kareus.exec.frequency import FrequencyTrigger
 from kareus.model.config import ScheduleConfig
@@ -140,69 +139,24 @@ class RecordingTrigger(FrequencyTrigger):
         return [f for f, _ in self.requests]
 
 
-class _RecordingScope(PartitionHook):
-    """The scope [`RecordingExecutor.partition`][kareus.testing.RecordingExecutor.partition] yields."""
+class _RecordingScope(PartitionScope):
+    """The scope [`RecordingExecutor.partition`][kareus.testing.RecordingExecutor.partition] yields: the role's
+    scope, recording each ``communicate``."""
 
-    def __init__(self, executor: RecordingExecutor, key: str, config: LaunchConfig,
-                 op_names: Sequence[str] | None) -> None:
-        self._ex = executor
-        self.key = key
-        self.config = config
-        self._op_names = None if op_names is None else tuple(op_names)
-        self._count = 0
-        self._comm: tuple[str, Any] | None = None
-        self._launched = False
+    _ex: RecordingExecutor
 
     def communicate(self, tensor: Any, *, kind: str = "all_reduce", output: Any = None) -> None:
-        """Records the partition's collective (launched at the configured slot)."""
-        if kind not in COMM_KINDS:
-            raise ValueError(f"kind must be one of {COMM_KINDS}, got {kind!r}")
-        if self._comm is not None:
-            raise RuntimeError(f"partition {self.key!r} already has a collective")
-        if kind != "all_reduce" and output is None:
-            raise ValueError(f"{kind} needs an output tensor")
-        self._comm = (kind, tensor)
+        """Registers the partition's collective (launched at the configured slot); records it."""
+        super().communicate(tensor, kind=kind, output=output)
         self._ex.log.append(("communicate", self.key, kind))
-
-    def op(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Runs ``fn(*args, **kwargs)`` as op ``name``, recording the collective's launch
-        first if ``name`` is the configured slot."""
-        names = self._op_names
-        if names is not None and (self._count >= len(names) or names[self._count] != name):
-            expected = names[self._count] if self._count < len(names) else "no more ops"
-            raise ConfigError(f"partition {self.key!r}: op {name!r} out of order "
-                              f"(expected {expected!r})")
-        if not self._launched and self.config.launch_slot == name:
-            self._launch(at=name)
-        self._count += 1
-        self._ex.log.append(("op", self.key, name))
-        return fn(*args, **kwargs)
-
-    def _launch(self, *, at: str | None) -> None:
-        if self._comm is None:
-            raise RuntimeError(
-                f"partition {self.key!r} reached its launch slot {self.config.launch_slot!r} "
-                "before communicate() named the collective")
-        self._ex.log.append(("collective", self.key, self._comm[0], self.config.comm_sms, at))
-        self._launched = True
-
-    def close(self) -> None:
-        """Records a collective not launched yet as launched after the ops (sequential)."""
-        if self._comm is None:
-            return
-        if not self._launched:
-            if self.config.launch_slot is not None and self._op_names is not None:
-                raise UnknownSlotError(f"partition {self.key!r}: slot "
-                                       f"{self.config.launch_slot!r} was never reached")
-            self._launch(at=None)
 
 
 class RecordingExecutor(Executor):
     """An executor without a device: runs the ops, records what would have been launched.
 
-    Follows the contract of [`TorchExecutor`][kareus.exec.TorchExecutor] (the same plan
-    lookups, slot and op-order checks and errors) so that code tested against it runs
-    the same against the real one.
+    Built on the role's template, as [`TorchExecutor`][kareus.exec.TorchExecutor] is (the same
+    plan lookups, slot state machine, op-order checks and errors), so that code tested against
+    it runs the same against the real one; its hooks record instead of launching.
 
     Args:
         plan: The plan to apply, or ``None``.
@@ -212,105 +166,66 @@ class RecordingExecutor(Executor):
         log: What happened, in order: ``("start", digest)``, ``("microbatch", stage,
             microbatch, phase, freq_mhz)`` (``freq_mhz`` ``None`` without a plan),
             ``("partition", key, config)``, ``("communicate", key, kind)``, ``("op", key,
-            name)`` and ``("collective", key, kind, comm_sms, launch_slot)`` at the point
-            the collective is launched (``launch_slot`` ``None``: after the ops).
+            name)``, ``("collective", key, kind, comm_sms, launch_slot)`` at the point
+            the collective is launched (``launch_slot`` ``None``: after the ops) and
+            ``("join", key)`` where what follows waits for it.
     """
+
+    _scope_type = _RecordingScope
 
     def __init__(self, *, plan: Plan | None = None,
                  digest_exchange: Callable[[str], Sequence[str]] | None = None) -> None:
         if plan is not None and not isinstance(plan, Plan):
             raise TypeError(f"plan must be a kareus.compose.Plan, got {type(plan).__name__}")
-        self.plan = plan
-        self.current = None
-        self._exchange = digest_exchange or (lambda d: [d])
-        self._started = False
+        super().__init__(plan=plan, digest_exchange=digest_exchange or (lambda d: [d]))
         self.log: list[tuple[Any, ...]] = []
 
+    # -- the role's hooks: record ----------------------------------------------------
+    def launch_collective(self, launch: CollectiveLaunch) -> str:
+        """Records ``("collective", partition, kind, comm_sms, slot)``; the handle is the
+        partition's key."""
+        self.log.append(("collective", launch.partition, launch.kind, launch.sms, launch.slot))
+        return launch.partition
+
+    def join_collective(self, handle: Any) -> None:
+        """Records ``("join", partition)``."""
+        self.log.append(("join", handle))
+
+    def request_clock(self, freq_mhz: int) -> None:
+        """Records ``("microbatch", stage, microbatch, phase, freq_mhz)``."""
+        assert self.current is not None
+        self.log.append(("microbatch", *self.current, freq_mhz))
+
+    def launch_op(self, partition: str, name: str, fn: Callable[..., Any], /,
+                  *args: Any, **kwargs: Any) -> Any:
+        """Records ``("op", partition, name)`` and runs the op."""
+        self.log.append(("op", partition, name))
+        return fn(*args, **kwargs)
+
+    # -- what the role runs, recorded ------------------------------------------------
     def start(self) -> None:
         """Compares the plan's digest over the (fake) ranks; records it."""
+        super().start()
         if self.plan is not None:
-            mine = self.plan.digest
-            every = list(self._exchange(mine))
-            if any(d != mine for d in every):
-                listing = ", ".join(f"rank {i}: {d}" for i, d in enumerate(every))
-                raise PlanError("ranks hold different plans; every rank must load the same "
-                                f"plan before training ({listing})")
-            self.log.append(("start", mine))
-        self._started = True
-
-    def _require_started(self) -> None:
-        if self.plan is not None and not self._started:
-            raise PlanError("call executor.start() first: ranks must compare the plan's digest "
-                            "before any collective runs under it")
-
-    def run_partition(self, ops: Sequence[Callable[[], Any]], op_names: Sequence[str],
-                      comm_tensor: Any, config: LaunchConfig, *,
-                      comm_kind: str = "all_reduce", comm_output: Any = None) -> None:
-        """Runs ``ops`` in order, recording the collective at ``config``'s slot."""
-        if len(ops) != len(op_names):
-            raise ValueError(f"{len(ops)} ops but {len(op_names)} names")
-        if config.launch_slot is not None and config.launch_slot not in op_names:
-            raise UnknownSlotError(f"launch slot {config.launch_slot!r} is not one of the ops "
-                                   f"{list(op_names)} (or None for sequential)")
-        with self.partition("partition", config=config, op_names=op_names) as part:
-            part.communicate(comm_tensor, kind=comm_kind, output=comm_output)
-            for name, fn in zip(op_names, ops):
-                part.op(name, fn)
-
-    def run_nanobatched(self, ops: Sequence[Callable[[int], Any]], op_names: Sequence[str],
-                        comm_tensors: Sequence[Any], config: LaunchConfig, *,
-                        comm_kind: str = "all_reduce", comm_outputs: Sequence[Any] | None = None,
-                        ) -> None:
-        """Runs every op of every nanobatch in order, recording each nanobatch's collective
-        where the real executor launches it."""
-        n = len(comm_tensors)
-        if n < 2:
-            raise ValueError(f"nanobatching needs n >= 2 nanobatches, got {n}")
-        outs = list(comm_outputs) if comm_outputs is not None else [None] * n
-        for fn in ops:
-            fn(0)
-        for i in range(1, n):
-            if config.sequential:  # the previous nanobatch's collective, exposed
-                self.log.append(("collective", f"nanobatch{i - 1}", comm_kind, config.comm_sms,
-                                 None))
-                for fn in ops:
-                    fn(i)
-                continue
-            with self.partition(f"nanobatch{i - 1}", config=config, op_names=op_names) as part:
-                part.communicate(comm_tensors[i - 1], kind=comm_kind, output=outs[i - 1])
-                for name, fn in zip(op_names, ops):
-                    part.op(name, fn, i)
-        self.log.append(("collective", f"nanobatch{n - 1}", comm_kind, config.comm_sms, None))
+            self.log.append(("start", str(self.plan.digest)))
 
     @contextlib.contextmanager
     def partition(self, key: str, *, config: LaunchConfig | None = None,
-                  op_names: Sequence[str] | None = None) -> Iterator[PartitionHook]:
-        """The scope of one partition of type ``key`` (the plan's configuration unless
-        ``config`` is given)."""
-        if config is None:
-            if self.plan is None:
-                raise PlanError(f"no plan and no config for partition {key!r}")
-            self._require_started()
-            config = plan_config(self.plan, key, self.current)
-        self.log.append(("partition", key, config))
-        scope = _RecordingScope(self, key, config, op_names)
-        yield scope
-        scope.close()
+                  op_names: Sequence[str] | None = None) -> Iterator[PartitionScope]:
+        """The role's scope of one partition of type ``key``; records it with its
+        configuration."""
+        with super().partition(key, config=config, op_names=op_names) as scope:
+            self.log.append(("partition", key, scope.config))
+            yield scope
 
     @contextlib.contextmanager
     def microbatch(self, stage: int, microbatch: int, phase: str) -> Iterator[None]:
-        """The scope of one microbatch computation; records the plan's clock for it."""
-        if phase not in ("fwd", "bwd"):
-            raise ValueError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
-        self._require_started()
-        f = None if self.plan is None else plan_frequency(self.plan, stage, microbatch, phase)
-        self.log.append(("microbatch", stage, microbatch, phase, f))
-        prev = self.current
-        self.current = (stage, microbatch, phase)
-        try:
+        """The role's scope of one microbatch computation; without a plan (no clock to
+        request) records it with ``freq_mhz`` ``None``."""
+        with super().microbatch(stage, microbatch, phase):
+            if self.plan is None:
+                self.log.append(("microbatch", stage, microbatch, phase, None))
             yield None
-        finally:
-            self.current = prev
 
     def entries(self, kind: str) -> list[tuple[Any, ...]]:
         """The log entries of one kind (``"op"``, ``"collective"``, ...), without the kind."""
