@@ -6,23 +6,34 @@ NVLink bandwidth, power limit), the A100 search grid and static power of the Kar
 paper's reference artifact, and, for the H200, figures measured on real machines (the
 files under ``data/`` and ``bench/results/``, described in ``docs/emulator.md`` and
 ``docs/results.md``). Each field's unit is in its name.
+
+The presets are GPU files shipped in ``kareus/model/gpus/``, each saying where its figures come
+from, read at import by [`load_gpu_file`][kareus.model.files.load_gpu_file] as any user's GPU
+file is. This module owns the GPU registry: [`get_gpu`][kareus.model.get_gpu] looks up the
+presets and the GPUs made known with [`register_gpu`][kareus.model.files.register_gpu].
 """
 
 from __future__ import annotations
 
+import importlib.resources
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
 
 import attrs
 
 from kareus.errors import (
     InvalidSMCountError,
+    KareusError,
     UnknownPresetError,
     UnsupportedFrequencyError,
     short_repr,
 )
+from kareus.model._spec_file import SpecFileError, _check_keys, _float, _int, _name, _read_table
 
-__all__ = ["GPUSpec", "get_gpu", "gpu_names", "GPU_PRESETS"]
+__all__ = ["GPU_PRESETS", "GPUSpec", "get_gpu", "gpu_from_dict", "gpu_names", "load_gpu_file",
+           "register_gpu", "registered_gpus", "unregister_gpu"]
 
 
 def _clock_tuple(values: tuple[int, ...] | list[int]) -> tuple[int, ...]:
@@ -149,86 +160,125 @@ class GPUSpec:
     @classmethod
     def from_dict(cls, d: dict[str, object]) -> GPUSpec:
         """Build and check from a dict of every field (raises ``SpecFileError``)."""
-        from kareus.model.files import gpu_from_dict
-
         return gpu_from_dict(d)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> GPUSpec:
         """Read a ``.toml`` or ``.json`` GPU file (see [`kareus.model.files`][kareus.model.files])."""
-        from kareus.model.files import load_gpu_file
-
         return load_gpu_file(path)
 
 
-def _steps(lo: int, hi: int, step: int) -> list[int]:
-    return list(range(lo, hi + 1, step))
+# ----------------------------------------------------------------------------- files
+
+_GPU_INT_FIELDS = ("sm_count", "default_comm_sms")
+_GPU_FLOAT_FIELDS = ("bf16_peak_tflops", "hbm_bandwidth_gbps", "nvlink_bandwidth_gbps",
+                     "power_limit_w", "static_power_w", "idle_power_w", "memory_gib")
+_GPU_FIELDS = ("name", "sm_count", "clocks_mhz", "search_clocks_mhz", *_GPU_FLOAT_FIELDS,
+               "default_comm_sms")
 
 
-def _desc(hi: int, step: int, count: int) -> tuple[int, ...]:
-    return tuple(hi - i * step for i in range(count))
+def _clocks(value: Any, field: str, where: str, *, descending: bool) -> list[int]:
+    if isinstance(value, Mapping):
+        allowed = ("min", "max", "step", "count")
+        bad = [k for k in value if k not in allowed]
+        if bad:
+            raise SpecFileError(f"{where}: {field} has unknown key(s) {', '.join(map(repr, bad))};"
+                                f" a clock range takes {', '.join(allowed)}")
+        if "max" not in value or "step" not in value:
+            raise SpecFileError(f"{where}: a {field} range needs max and step (and min or count)")
+        hi = _int(value["max"], f"{field}.max", where)
+        step = _int(value["step"], f"{field}.step", where)
+        if step < 1:
+            raise SpecFileError(f"{where}: {field}.step must be >= 1, got {step}")
+        if "count" in value:
+            n = _int(value["count"], f"{field}.count", where)
+            if n < 1:
+                raise SpecFileError(f"{where}: {field}.count must be >= 1, got {n}")
+            lo = hi - (n - 1) * step
+        elif "min" in value:
+            lo = _int(value["min"], f"{field}.min", where)
+        else:
+            raise SpecFileError(f"{where}: a {field} range needs min or count")
+        if lo > hi or lo < 1:
+            raise SpecFileError(f"{where}: {field} range {lo}..{hi} MHz is impossible "
+                                "(need 1 <= min <= max)")
+        clocks = list(range(lo, hi + 1, step))
+        if hi not in clocks:
+            raise SpecFileError(f"{where}: {field} range: max {hi} is not min {lo} plus a "
+                                f"multiple of step {step}")
+    elif isinstance(value, list):
+        clocks = [_int(v, field, where) for v in value]
+    else:
+        raise SpecFileError(f"{where}: {field} must be a list of MHz or a range "
+                            f"{{min, max, step}}, got {value!r:.60}")
+    if not clocks:
+        raise SpecFileError(f"{where}: {field} is empty")
+    if any(c < 1 for c in clocks):
+        raise SpecFileError(f"{where}: {field} holds a clock below 1 MHz")
+    return sorted(set(clocks), reverse=descending)
 
 
-GPU_PRESETS: dict[str, GPUSpec] = {
-    # A100 SXM 40GB: datasheet figures; clocks 210..1410 MHz in 15 MHz steps; the search grid
-    # is the reference artifact's 1410 -> 900 MHz in 30 MHz steps (18 values); static power
-    # 85 W as measured by the reference (a GPU blocked in a point-to-point receive). The idle
-    # power (55 W) is an estimate, not a measurement; only the emulator uses it.
-    "a100-40gb": GPUSpec(
-        name="a100-40gb",
-        sm_count=108,
-        clocks_mhz=_steps(210, 1410, 15),
-        search_clocks_mhz=_desc(1410, 30, 18),
-        bf16_peak_tflops=312.0,
-        hbm_bandwidth_gbps=1555.0,
-        nvlink_bandwidth_gbps=600.0,
-        power_limit_w=400.0,
-        static_power_w=85.0,
-        idle_power_w=55.0,
-        default_comm_sms=32,
-        memory_gib=40.0,
-    ),
-    # H100 SXM 80GB: datasheet figures; same GH100 clock table as the H200 (345..1980 MHz,
-    # 15 MHz steps). Static and idle power taken equal to the H200's measured idle power.
-    "h100-sxm": GPUSpec(
-        name="h100-sxm",
-        sm_count=132,
-        clocks_mhz=_steps(345, 1980, 15),
-        search_clocks_mhz=_desc(1980, 45, 18),
-        bf16_peak_tflops=989.0,
-        hbm_bandwidth_gbps=3350.0,
-        nvlink_bandwidth_gbps=900.0,
-        power_limit_w=700.0,
-        static_power_w=78.0,
-        idle_power_w=78.0,
-        default_comm_sms=32,
-        memory_gib=80.0,
-    ),
-    # H200 SXM 141GB: datasheet figures; 110 supported clocks 345..1980 MHz (measured);
-    # idle power about 78 W per GPU at the 345 MHz idle clock (measured, 4x H200). Static
-    # power: a GPU blocked in a receive drew 120 W at default clocks (measured, 2x H200,
-    # docs/results.md), but that figure falls with the SM clock (the emulator puts it near
-    # 106 W at 1500 MHz), so its clock-dependent part is dynamic power that a lower clock
-    # saves. kareus charges as static the part no clock choice can save: the idle 78 W.
-    "h200-sxm": GPUSpec(
-        name="h200-sxm",
-        sm_count=132,
-        clocks_mhz=_steps(345, 1980, 15),
-        search_clocks_mhz=_desc(1980, 45, 18),
-        bf16_peak_tflops=989.0,
-        hbm_bandwidth_gbps=4800.0,
-        nvlink_bandwidth_gbps=900.0,
-        power_limit_w=700.0,
-        static_power_w=78.0,
-        idle_power_w=78.0,
-        default_comm_sms=32,
-        memory_gib=141.0,
-    ),
-}
+def gpu_from_dict(d: Mapping[str, Any], *, where: str = "GPU") -> GPUSpec:
+    """A [`GPUSpec`][kareus.model.GPUSpec] from a dict of its fields, checked.
 
+    ``clocks_mhz`` and ``search_clocks_mhz`` are lists of MHz or ranges
+    (``{min, max, step}`` or ``{max, step, count}``); the search clocks are used from the
+    highest down.
+
+    Raises:
+        SpecFileError: a missing field, an unknown key, a wrong type or an impossible value.
+    """
+    if not isinstance(d, Mapping):
+        raise SpecFileError(f"{where}: expected a table of GPU fields, got {type(d).__name__}")
+    _check_keys(d, _GPU_FIELDS, where)
+    kwargs: dict[str, Any] = {"name": _name(d["name"], where).lower()}
+    for f in _GPU_INT_FIELDS:
+        kwargs[f] = _int(d[f], f, where)
+    for f in _GPU_FLOAT_FIELDS:
+        kwargs[f] = _float(d[f], f, where)
+    kwargs["clocks_mhz"] = _clocks(d["clocks_mhz"], "clocks_mhz", where, descending=False)
+    kwargs["search_clocks_mhz"] = _clocks(d["search_clocks_mhz"], "search_clocks_mhz", where,
+                                          descending=True)
+    try:
+        return GPUSpec(**kwargs)
+    except (KareusError, ValueError, TypeError) as exc:
+        raise SpecFileError(f"{where}: {exc}") from None
+
+
+def load_gpu_file(path: str | os.PathLike[str]) -> GPUSpec:
+    """Read a GPU description from a ``.toml`` or ``.json`` file (see the module doc).
+
+    Raises:
+        SpecFileError: the file is missing, unreadable, not UTF-8, not TOML/JSON, or its
+            content is not a valid GPU.
+    """
+    return gpu_from_dict(_read_table(path, "GPU"), where=f"GPU file {Path(path)}")
+
+
+# ----------------------------------------------------------------------------- presets
+
+
+def _preset_dir() -> Path:
+    return Path(str(importlib.resources.files("kareus.model").joinpath("gpus")))
+
+
+def _load_presets() -> dict[str, GPUSpec]:
+    """The GPU files shipped in ``kareus/model/gpus/``, read by
+    [`load_gpu_file`][kareus.model.files.load_gpu_file] as any user's GPU file is; each file
+    says where its figures come from."""
+    specs = [load_gpu_file(path) for path in sorted(_preset_dir().glob("*.toml"))]
+    return {spec.name: spec for spec in specs}
+
+
+GPU_PRESETS: dict[str, GPUSpec] = _load_presets()
+"""The built-in GPUs by name: NVIDIA A100 40GB, H100 SXM and H200 SXM (see the module doc)."""
+
+
+# ----------------------------------------------------------------------------- registry
 
 _REGISTERED_GPUS: dict[str, GPUSpec] = {}
-"""GPUs registered at run time ([`kareus.model.files.register_gpu`][kareus.model.files.register_gpu]), by lower-case name."""
+"""GPUs registered at run time ([`register_gpu`][kareus.model.files.register_gpu]), by lower-case
+name; written only through ``register_gpu`` and ``unregister_gpu``."""
 
 
 def gpu_names() -> list[str]:
@@ -266,3 +316,58 @@ def get_gpu(name: str | GPUSpec) -> GPUSpec:
     if found is None:
         raise UnknownPresetError("GPU", str(name), gpu_names())
     return found
+
+
+def register_gpu(gpu: GPUSpec | str | os.PathLike[str], *, replace: bool = False) -> GPUSpec:
+    """Make a GPU known by name to [`get_gpu`][kareus.model.get_gpu] (so profilers,
+    plans and the CLI accept its name).
+
+    Args:
+        gpu: A [`GPUSpec`][kareus.model.GPUSpec], or the path of a GPU file.
+        replace: Allow replacing a registered GPU of the same name with a different one.
+
+    The registry lives in this process only: nothing is written (a process of its own,
+    such as a worker of a process pool, registers the GPU again).
+
+    Returns:
+        The registered spec.
+
+    Raises:
+        SpecFileError: a bad file; the name is a preset's; or another GPU is registered
+            under that name (and ``replace`` is false).
+
+    Examples:
+        An H200 capped at 600 W, under a name of its own:
+
+        >>> import attrs
+        >>> import kareus
+        >>> capped = attrs.evolve(kareus.get_gpu("h200-sxm"), name="h200-600w",
+        ...                       power_limit_w=600.0)
+        >>> kareus.register_gpu(capped) is capped
+        True
+        >>> kareus.get_gpu("h200-600w").power_limit_w
+        600.0
+    """
+    spec = gpu if isinstance(gpu, GPUSpec) else load_gpu_file(gpu)
+    key = spec.name.lower()
+    if key in GPU_PRESETS:
+        if GPU_PRESETS[key] == spec:
+            return spec
+        raise SpecFileError(f"GPU {spec.name!r} is a built-in preset with other figures: give "
+                            "your GPU another name")
+    old = _REGISTERED_GPUS.get(key)
+    if old is not None and old != spec and not replace:
+        raise SpecFileError(f"another GPU is already registered as {spec.name!r}: give this "
+                            "one another name, or pass replace=True")
+    _REGISTERED_GPUS[key] = spec
+    return spec
+
+
+def registered_gpus() -> dict[str, GPUSpec]:
+    """GPUs registered at run time (not the presets), by name."""
+    return dict(_REGISTERED_GPUS)
+
+
+def unregister_gpu(name: str) -> None:
+    """Forget the registered GPU of that name, in any case (presets stay)."""
+    _REGISTERED_GPUS.pop(name.lower(), None)

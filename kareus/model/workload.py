@@ -15,10 +15,14 @@ independent computation, and only sequential schedules exist).
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
 
 import attrs
 
-from kareus.errors import UnknownPresetError, WorkloadError, short_repr
+from kareus.errors import KareusError, UnknownPresetError, WorkloadError, short_repr
+from kareus.model._spec_file import SpecFileError, _check_keys, _int, _name, _read_table
 
 __all__ = [
     "MODEL_PRESETS",
@@ -26,7 +30,12 @@ __all__ = [
     "Parallelism",
     "Workload",
     "get_model",
+    "load_model_file",
+    "model_from_dict",
     "model_names",
+    "register_model",
+    "registered_models",
+    "unregister_model",
 ]
 
 
@@ -91,16 +100,49 @@ class ModelArch:
     @classmethod
     def from_dict(cls, d: dict[str, object]) -> ModelArch:
         """Build and check from a dict of every field (raises ``SpecFileError``)."""
-        from kareus.model.files import model_from_dict
-
         return model_from_dict(d)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> ModelArch:
         """Read a ``.toml`` or ``.json`` model file (see [`kareus.model.files`][kareus.model.files])."""
-        from kareus.model.files import load_model_file
-
         return load_model_file(path)
+
+
+_MODEL_FIELDS = ("name", "layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab")
+
+
+def model_from_dict(d: Mapping[str, Any], *, where: str = "model") -> ModelArch:
+    """A [`ModelArch`][kareus.model.ModelArch] from a dict of its fields, checked.
+
+    Args:
+        d: ``name``, ``layers``, ``hidden``, ``heads``, ``kv_heads``, ``head_dim``, ``ffn``,
+            ``vocab``; nothing else.
+        where: What ``d`` is, for messages (a file name).
+
+    Raises:
+        SpecFileError: a missing field, an unknown key, a wrong type or an impossible value.
+    """
+    if not isinstance(d, Mapping):
+        raise SpecFileError(f"{where}: expected a table of model fields, got "
+                            f"{type(d).__name__}")
+    _check_keys(d, _MODEL_FIELDS, where)
+    kwargs: dict[str, Any] = {"name": _name(d["name"], where)}
+    for f in _MODEL_FIELDS[1:]:
+        kwargs[f] = _int(d[f], f, where)
+    try:
+        return ModelArch(**kwargs)
+    except (KareusError, ValueError) as exc:
+        raise SpecFileError(f"{where}: {exc}") from None
+
+
+def load_model_file(path: str | os.PathLike[str]) -> ModelArch:
+    """Read a model architecture from a ``.toml`` or ``.json`` file (see the module doc).
+
+    Raises:
+        SpecFileError: the file is missing, unreadable, not UTF-8, not TOML/JSON, or its
+            content is not a valid architecture.
+    """
+    return model_from_dict(_read_table(path, "model"), where=f"model file {Path(path)}")
 
 
 MODEL_PRESETS: dict[str, ModelArch] = {
@@ -114,7 +156,63 @@ MODEL_PRESETS: dict[str, ModelArch] = {
 
 
 _REGISTERED_MODELS: dict[str, ModelArch] = {}
-"""Models registered at run time ([`kareus.model.files.register_model`][kareus.model.files.register_model])."""
+"""Models registered at run time ([`register_model`][kareus.model.files.register_model]); written
+only through ``register_model`` and ``unregister_model``."""
+
+
+def registered_models() -> dict[str, ModelArch]:
+    """Models registered at run time (not the presets), by name."""
+    return dict(_REGISTERED_MODELS)
+
+
+def unregister_model(name: str) -> None:
+    """Forget the registered model of that name (presets stay)."""
+    _REGISTERED_MODELS.pop(name, None)
+
+
+def register_model(model: ModelArch | str | os.PathLike[str], *,
+                   replace: bool = False) -> ModelArch:
+    """Make a model known by name to [`get_model`][kareus.model.get_model] (and so to
+    ``Workload.preset``).
+
+    Args:
+        model: A [`ModelArch`][kareus.model.ModelArch], or the path of a model file.
+        replace: Allow replacing a registered model of the same name with a different one.
+
+    The registry lives in this process only: nothing is written (a process of its own,
+    such as a worker of a process pool, registers the model again).
+
+    Returns:
+        The registered architecture.
+
+    Raises:
+        SpecFileError: a bad file; the name is a preset's; or another model is registered
+            under that name (and ``replace`` is false).
+
+    Examples:
+        A preset with fewer layers, under a name of its own:
+
+        >>> import attrs
+        >>> import kareus
+        >>> from kareus.model import get_model
+        >>> mine = attrs.evolve(get_model("qwen3-1.7b"), name="my-1.7b", layers=20)
+        >>> kareus.register_model(mine) is mine
+        True
+        >>> kareus.Workload.preset("my-1.7b", tp=2).model.layers
+        20
+    """
+    arch = model if isinstance(model, ModelArch) else load_model_file(model)
+    if arch.name in MODEL_PRESETS:
+        if MODEL_PRESETS[arch.name] == arch:
+            return arch
+        raise SpecFileError(f"model {arch.name!r} is a built-in preset with other sizes: give "
+                            "your model another name")
+    old = _REGISTERED_MODELS.get(arch.name)
+    if old is not None and old != arch and not replace:
+        raise SpecFileError(f"another model is already registered as {arch.name!r}: give this "
+                            "one another name, or pass replace=True")
+    _REGISTERED_MODELS[arch.name] = arch
+    return arch
 
 
 def model_names() -> list[str]:
