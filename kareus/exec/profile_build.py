@@ -1,4 +1,8 @@
-"""Assemble a ``GPUProfile`` from measured files.
+"""Assemble a ``GPUProfile`` from measured files: the bench output formats, read.
+
+The profile itself (``kareus.model.gpu_profile``) is data of the model layer; the formats of the
+files the benchmarks and ``kareus calibrate``'s neighbours write are the measuring side's, so
+their readers live here, beside ``kareus.exec.calibrate``.
 
 Each reader takes one kind of file the project's benchmarks write and returns the
 profile's records; ``build_gpu_profile`` combines them:
