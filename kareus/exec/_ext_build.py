@@ -1,11 +1,12 @@
 """Build-on-first-use loader for kareus's CUDA extensions.
 
 kareus never compiles anything when it is installed or imported. The first time a
-GPU code path needs a CUDA extension (today: the SM-capped collectives in
-``kareus/exec/_ext/collectives/``), this module compiles the sources with ``nvcc`` into
-a shared library and loads it with ``ctypes``. The library holds plain ``extern "C"``
-functions, so it does not depend on PyTorch's C++ ABI, and building it takes seconds
-instead of the minutes a ``torch.utils.cpp_extension`` build takes.
+GPU code path needs a CUDA extension (the SM-capped collectives in ``ext/collectives/``,
+the stream-ordered host-function trigger in ``ext/hostfn/``), this module compiles the
+sources with ``nvcc`` into a shared library and loads it with ``ctypes``. The library
+holds plain ``extern "C"`` functions, so it does not depend on PyTorch's C++ ABI, and
+building it takes seconds instead of the minutes a ``torch.utils.cpp_extension`` build
+takes.
 
 Builds land in a cache directory keyed by a hash of the sources, the compiler flags,
 the target architecture and the compiler's version, so an edited source or another
@@ -14,10 +15,15 @@ and runs. Several processes (one per GPU under ``torchrun``) may ask for the sam
 build at once: a file lock lets one compile while the others wait, and the result
 is published by an atomic rename.
 
+Where the sources are: the top-level ``ext/`` directory of the source tree, one
+subdirectory per extension. A source checkout and an editable install read them there
+(``ext/`` beside the ``kareus`` package); a wheel carries a copy inside the package, at
+``kareus/exec/_ext/<name>/`` (``setup.py``'s build step puts it there), found through
+``importlib.resources``.
+
 Environment variables:
-    KAREUS_EXT_DIR: directory holding the extension sources (default: the package
-        data ``kareus/exec/_ext/``, found through ``importlib.resources`` in any
-        install layout: a source checkout, an editable install, a wheel).
+    KAREUS_EXT_DIR: directory holding the extension sources, one subdirectory per
+        extension (default: as above).
     KAREUS_CACHE_DIR: cache root (default: ``$XDG_CACHE_HOME/kareus`` or
         ``~/.cache/kareus``).
     KAREUS_NVCC: the ``nvcc`` to use (default: ``$CUDA_HOME/bin/nvcc``, then ``nvcc``
@@ -67,42 +73,43 @@ def extension_source_dir(name: str) -> Path:
     """Returns the directory holding the sources of extension ``name``.
 
     Args:
-        name: Extension name, a subdirectory of ``kareus/exec/_ext/`` (e.g.
-            ``"collectives"``).
+        name: Extension name, a subdirectory of ``ext/`` (e.g. ``"collectives"``).
 
     Raises:
         ExtensionBuildError: The directory does not exist.
     """
     root = os.environ.get("KAREUS_EXT_DIR")
-    if root:
-        base = Path(root)
-    else:
-        # The sources ship as package data of kareus.exec, so every install layout has
-        # them; a zipped install is extracted once into the build cache.
-        base = _packaged_sources()
-    if (base / name).is_dir():
-        return base / name
+    bases = [Path(root)] if root else _default_source_roots()
+    for base in bases:
+        if (base / name).is_dir():
+            return base / name
     raise ExtensionBuildError(
-        f"CUDA sources of extension {name!r} not found in {base}; reinstall kareus, or set "
-        "KAREUS_EXT_DIR to a directory that holds <name>/ with the .cu sources"
+        f"CUDA sources of extension {name!r} not found in {' or '.join(map(str, bases))}; "
+        "reinstall kareus, or set KAREUS_EXT_DIR to a directory that holds <name>/ with the "
+        ".cu sources"
     )
 
 
-def _packaged_sources() -> Path:
-    """The directory of the packaged CUDA sources (``kareus/exec/_ext``) on disk."""
+def _default_source_roots() -> list[Path]:
+    """Where the extension sources may be, in order: inside an installed wheel's package
+    (``kareus/exec/_ext``), then ``ext/`` of the source tree the package was imported from."""
     from importlib.resources import files
 
+    roots: list[Path] = []
     tree = files("kareus.exec") / "_ext"
     if isinstance(tree, Path):
-        return tree
-    out = cache_dir() / "src"  # pragma: no cover - only for zipped installs
-    for ext in tree.iterdir():  # pragma: no cover
-        if ext.is_dir():
-            (out / ext.name).mkdir(parents=True, exist_ok=True)
-            for f in ext.iterdir():
-                if f.is_file():
-                    (out / ext.name / f.name).write_bytes(f.read_bytes())
-    return out  # pragma: no cover
+        roots.append(tree)
+    elif tree.is_dir():  # pragma: no cover - only for zipped installs: extract once
+        out = cache_dir() / "src"
+        for ext in tree.iterdir():
+            if ext.is_dir():
+                (out / ext.name).mkdir(parents=True, exist_ok=True)
+                for f in ext.iterdir():
+                    if f.is_file():
+                        (out / ext.name / f.name).write_bytes(f.read_bytes())
+        roots.append(out)
+    roots.append(Path(__file__).resolve().parents[2] / "ext")
+    return roots
 
 
 def find_nvcc() -> str | None:
@@ -230,11 +237,11 @@ def build_shared_library(name: str, *, arch: str = "sm_90",
     """Builds (or finds in the cache) the shared library of extension ``name``.
 
     The library is ``<cache>/ext/<name>-<arch>-<hash>/lib<name>.so``, where the hash
-    covers every ``.cu``/``.cuh``/``.h`` file of ``_ext/<name>/``, the flags and the
+    covers every ``.cu``/``.cuh``/``.h`` file of ``ext/<name>/``, the flags and the
     nvcc version.
 
     Args:
-        name: Extension name (subdirectory of ``kareus/exec/_ext/``).
+        name: Extension name (subdirectory of ``ext/``).
         arch: Target architecture, e.g. ``"sm_90"`` for H100/H200.
         defines: Preprocessor macros (``-DKEY=VALUE``), part of the cache key.
 

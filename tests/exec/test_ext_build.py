@@ -12,7 +12,7 @@ from kareus.exec import _ext_build
 from kareus.exec import collectives as C
 
 REPO = Path(__file__).resolve().parents[2]
-CU_SOURCE = REPO / "kareus" / "exec" / "_ext" / "collectives" / "kareus_collectives.cu"
+CU_SOURCE = REPO / "ext" / "collectives" / "kareus_collectives.cu"
 needs_nvcc = pytest.mark.skipif(_ext_build.find_nvcc() is None, reason="nvcc not installed")
 
 

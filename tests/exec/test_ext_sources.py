@@ -1,8 +1,11 @@
-"""The CUDA sources ship as package data and are found from any install layout."""
+"""The CUDA sources live in the top-level ext/, ship inside the wheel, and are found from any
+install layout: a source checkout or editable install (ext/ itself), an installed wheel (the
+copy in the package)."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,11 +21,27 @@ SOURCES = {"collectives": "kareus_collectives.cu", "hostfn": "kareus_hostfn.cu"}
 
 
 @pytest.mark.parametrize("name", sorted(SOURCES))
-def test_sources_found_in_the_package(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sources_found_beside_the_package(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KAREUS_EXT_DIR", raising=False)
     found = _ext_build.extension_source_dir(name)
     assert (found / SOURCES[name]).is_file()
-    assert found.is_relative_to(Path(_ext_build.__file__).resolve().parent)
+    package = Path(_ext_build.__file__).resolve().parents[1]
+    if (package / "exec" / "_ext").is_dir():  # an installed wheel: the packaged copy
+        assert found == package / "exec" / "_ext" / name
+    else:  # a source checkout or an editable install: the top-level ext/
+        assert found == package.parent / "ext" / name
+
+
+def test_missing_sources_name_every_place_looked(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KAREUS_EXT_DIR", raising=False)
+    roots = [tmp_path / "a", tmp_path / "b"]
+    monkeypatch.setattr(_ext_build, "_default_source_roots", lambda: roots)
+    with pytest.raises(_ext_build.ExtensionBuildError,
+                       match=re.escape(f"not found in {roots[0]} or {roots[1]};")):
+        _ext_build.extension_source_dir("collectives")
+    (roots[1] / "collectives").mkdir(parents=True)
+    assert _ext_build.extension_source_dir("collectives") == roots[1] / "collectives"
 
 
 def test_environment_variable_still_overrides(tmp_path: Path,

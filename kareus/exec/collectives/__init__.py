@@ -8,7 +8,7 @@ backend here is called as ``op(tensor(s), stream, sms)`` and enqueues the collec
 on ``stream`` using ``sms`` SMs:
 
 * [`OwnKernelCollective`][kareus.exec.OwnKernelCollective] runs kareus's own CUDA kernels
-  (``kareus/exec/_ext/collectives``): one thread block per SM, grid size = ``sms``, data pushed over
+  (``ext/collectives``): one thread block per SM, grid size = ``sms``, data pushed over
   NVLink into peer buffers mapped through CUDA IPC, per-block flags instead of grid-wide barriers,
   fp32 accumulation in rank order (bitwise-identical results on every rank). It
   serves 2, 4 or 8 GPUs of one node with peer access, in bf16, fp16 and fp32, on

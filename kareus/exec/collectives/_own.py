@@ -1,4 +1,4 @@
-"""kareus's own SM-capped collective kernels over CUDA IPC peer memory (``_ext/collectives``)."""
+"""kareus's own SM-capped collective kernels over CUDA IPC peer memory (``ext/collectives``)."""
 
 from __future__ import annotations
 

@@ -186,7 +186,7 @@ def staging_bytes_needed(op: str, numel: int, elem_bytes: int, world_size: int,
     ``numel`` is the all-reduce tensor size, the all-gather input (per-rank shard) size
     or the reduce-scatter output size; ``algorithm`` is an all-reduce algorithm of
     either family (``one_shot``/``two_shot`` for plain tensors, ``one_phase``/
-    ``two_phase`` for registered ones). Mirrors the layout in ``kareus/exec/_ext/collectives``.
+    ``two_phase`` for registered ones). Mirrors the layout in ``ext/collectives``.
     """
     _validate_op(op)
     vec = 16 // elem_bytes

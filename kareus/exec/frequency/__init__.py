@@ -7,7 +7,7 @@ request travels in stream order:
 
 * [`StreamOrderedTrigger`][kareus.exec.StreamOrderedTrigger] (a
   [`FrequencyTrigger`][kareus.exec.FrequencyTrigger], the role the executor asks) puts a marker on
-  the stream at the boundary. With the small CUDA extension in ``_ext/hostfn`` the marker is a host
+  the stream at the boundary. With the small CUDA extension in ``ext/hostfn`` the marker is a host
   function (``cudaLaunchHostFunc``) that only writes the request's token into a pipe; without
   it, the marker is a CUDA event that a polling thread watches. Either way, the
   trigger's own thread receives the request when the GPU gets there and calls the

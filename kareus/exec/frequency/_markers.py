@@ -1,6 +1,6 @@
 """Stream markers: tell the host when the device reaches a point of a stream.
 
-A host function (``cudaLaunchHostFunc``, from the small ``_ext/hostfn`` extension) that
+A host function (``cudaLaunchHostFunc``, from the small ``ext/hostfn`` extension) that
 writes a token into a pipe, or, without the extension, a CUDA event that a thread polls.
 """
 
@@ -47,7 +47,7 @@ _HOSTFN_LIB: Any = None
 
 
 def load_hostfn_library(*, arch: str | None = None) -> Any:
-    """Build (first use) and load ``_ext/hostfn``; returns the ``ctypes`` library.
+    """Build (first use) and load ``ext/hostfn``; returns the ``ctypes`` library.
 
     Raises:
         kareus.exec._ext_build.ExtensionBuildError: nvcc missing or the build failed.
@@ -81,7 +81,7 @@ def _stream_handle(stream: Any) -> int:
 
 
 class HostFunctionMarker(StreamMarker):
-    """Markers as CUDA host functions (``_ext/hostfn``) that write tokens into a pipe.
+    """Markers as CUDA host functions (``ext/hostfn``) that write tokens into a pipe.
 
     Args:
         lib: The loaded library (``None``: ``load_hostfn_library``).
@@ -150,7 +150,7 @@ class HostFunctionMarker(StreamMarker):
 
 
 class EventPollingMarker(StreamMarker):
-    """Markers as events that a thread polls (the fallback without ``_ext/hostfn``).
+    """Markers as events that a thread polls (the fallback without ``ext/hostfn``).
 
     Args:
         event_factory: ``stream -> event`` recording an event on ``stream`` (an object

@@ -50,7 +50,7 @@ class StreamOrderedTrigger(FrequencyTrigger):
         controller: The [`FrequencyController`][kareus.exec.FrequencyController] that changes the
             clock.
         marker: How markers are put on streams; ``None`` =
-            [`HostFunctionMarker`][kareus.exec.HostFunctionMarker] if ``_ext/hostfn`` builds and
+            [`HostFunctionMarker`][kareus.exec.HostFunctionMarker] if ``ext/hostfn`` builds and
             loads, else [`EventPollingMarker`][kareus.exec.EventPollingMarker].
 
     Use as a context manager, or call [`close`][kareus.exec.StreamOrderedTrigger.close] (it waits
