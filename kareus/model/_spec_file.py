@@ -12,7 +12,7 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kareus.errors import KareusError
 
@@ -132,3 +132,31 @@ def _name(value: Any, where: str) -> str:
         raise SpecFileError(f"{where}: name is {len(value.strip()):,} characters long (at "
                             f"most {MAX_NAME})")
     return value.strip()
+
+
+# ----------------------------------------------------------------------------- registries
+
+_T = TypeVar("_T")
+
+
+def _register(registry: dict[str, _T], presets: Mapping[str, _T], key: str, item: _T, *,
+              name: str, kind: str, figures: str, replace: bool) -> _T:
+    """Put ``item`` in ``registry`` under ``key``, the rules both registries share: a preset's
+    name takes only the preset itself (not registered again); another item under a
+    registered name only with ``replace``.
+
+    Raises:
+        SpecFileError: ``name`` is a preset's with other ``figures``, or another ``kind`` is
+            registered under it (and ``replace`` is false).
+    """
+    if key in presets:
+        if presets[key] == item:
+            return item
+        raise SpecFileError(f"{kind} {name!r} is a built-in preset with other {figures}: give "
+                            f"your {kind} another name")
+    old = registry.get(key)
+    if old is not None and old != item and not replace:
+        raise SpecFileError(f"another {kind} is already registered as {name!r}: give this "
+                            "one another name, or pass replace=True")
+    registry[key] = item
+    return item

@@ -30,7 +30,15 @@ from kareus.errors import (
     UnsupportedFrequencyError,
     short_repr,
 )
-from kareus.model._spec_file import SpecFileError, _check_keys, _float, _int, _name, _read_table
+from kareus.model._spec_file import (
+    SpecFileError,
+    _check_keys,
+    _float,
+    _int,
+    _name,
+    _read_table,
+    _register,
+)
 
 __all__ = ["GPU_PRESETS", "GPUSpec", "get_gpu", "gpu_from_dict", "gpu_names", "load_gpu_file",
            "register_gpu", "registered_gpus", "unregister_gpu"]
@@ -349,18 +357,8 @@ def register_gpu(gpu: GPUSpec | str | os.PathLike[str], *, replace: bool = False
         600.0
     """
     spec = gpu if isinstance(gpu, GPUSpec) else load_gpu_file(gpu)
-    key = spec.name.lower()
-    if key in GPU_PRESETS:
-        if GPU_PRESETS[key] == spec:
-            return spec
-        raise SpecFileError(f"GPU {spec.name!r} is a built-in preset with other figures: give "
-                            "your GPU another name")
-    old = _REGISTERED_GPUS.get(key)
-    if old is not None and old != spec and not replace:
-        raise SpecFileError(f"another GPU is already registered as {spec.name!r}: give this "
-                            "one another name, or pass replace=True")
-    _REGISTERED_GPUS[key] = spec
-    return spec
+    return _register(_REGISTERED_GPUS, GPU_PRESETS, spec.name.lower(), spec, name=spec.name,
+                     kind="GPU", figures="figures", replace=replace)
 
 
 def registered_gpus() -> dict[str, GPUSpec]:

@@ -22,7 +22,7 @@ from typing import Any
 import attrs
 
 from kareus.errors import KareusError, UnknownPresetError, WorkloadError, short_repr
-from kareus.model._spec_file import SpecFileError, _check_keys, _int, _name, _read_table
+from kareus.model._spec_file import SpecFileError, _check_keys, _int, _name, _read_table, _register
 
 __all__ = [
     "MODEL_PRESETS",
@@ -202,17 +202,8 @@ def register_model(model: ModelArch | str | os.PathLike[str], *,
         20
     """
     arch = model if isinstance(model, ModelArch) else load_model_file(model)
-    if arch.name in MODEL_PRESETS:
-        if MODEL_PRESETS[arch.name] == arch:
-            return arch
-        raise SpecFileError(f"model {arch.name!r} is a built-in preset with other sizes: give "
-                            "your model another name")
-    old = _REGISTERED_MODELS.get(arch.name)
-    if old is not None and old != arch and not replace:
-        raise SpecFileError(f"another model is already registered as {arch.name!r}: give this "
-                            "one another name, or pass replace=True")
-    _REGISTERED_MODELS[arch.name] = arch
-    return arch
+    return _register(_REGISTERED_MODELS, MODEL_PRESETS, arch.name, arch, name=arch.name,
+                     kind="model", figures="sizes", replace=replace)
 
 
 def model_names() -> list[str]:
