@@ -10,7 +10,7 @@ The top level is the curated public API:
 
 - the entry points: [`optimize`][kareus.workflow.optimize] and its
   [`OptimizationResult`][kareus.workflow.OptimizationResult],
-  [`compose_systems`][kareus.compose.compose_systems] (the five systems of one workload side by
+  [`compose_systems`][kareus.workflow.compose_systems] (the five systems of one workload side by
   side), the [`MultiPassSearch`][kareus.search.MultiPassSearch] ask/tell loop, and
   [`get_gpu`][kareus.model.get_gpu], [`register_gpu`][kareus.model.files.register_gpu],
   [`register_model`][kareus.model.files.register_model] for presets and your own files;
@@ -68,7 +68,6 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
         IterationFrontier,
         MicrobatchFrontier,
         Plan,
-        compose_systems,
     )
     from kareus.errors import KareusError
     from kareus.exec import Executor
@@ -86,14 +85,14 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     )
     from kareus.model.files import register_gpu, register_model
     from kareus.search import AcquisitionPass, MultiPassSearch, PartitionFrontier, Surrogate
-    from kareus.workflow import OptimizationResult, optimize
+    from kareus.workflow import OptimizationResult, compose_systems, optimize
 
 #: The public names and the module each is loaded from on first use.
 _PUBLIC: dict[str, str] = {
     # entry points
     "optimize": "kareus.workflow",
     "OptimizationResult": "kareus.workflow",
-    "compose_systems": "kareus.compose",
+    "compose_systems": "kareus.workflow",
     "MultiPassSearch": "kareus.search",
     "get_gpu": "kareus.model",
     "register_gpu": "kareus.model.files",
