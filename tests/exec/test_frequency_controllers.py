@@ -13,6 +13,7 @@ from kareus.errors import HardwareError, UnsupportedFrequencyError
 from kareus.exec.frequency import (
     DryRunFrequencyController,
     FrequencyPermissionError,
+    LockingFrequencyController,
     NVMLFrequencyController,
 )
 
@@ -134,3 +135,63 @@ def test_controllers_check_clocks_exactly_as_the_gpu_spec_does(freq):
             assert str(got.value) == str(want.value)
             assert "nearest supported" in str(got.value)
     assert not any(c[0] == "lock" for c in nvml.calls)
+
+
+# ------------------------------------------------------------------ the shared base
+
+
+class _ListController(LockingFrequencyController):
+    """A controller over a dict of clocks: what a new backend implements (three hooks)."""
+
+    def __init__(self, *, fail_on: int | None = None, fail_reset: bool = False) -> None:
+        self.clocks: dict[int, int | None] = {0: None, 1: None}
+        self.fail_on = fail_on
+        self.fail_reset = fail_reset
+        super().__init__(device_indices=[0, 1], gpu="h200-sxm")
+
+    def _lock_device(self, index: int, freq_mhz: int) -> None:
+        if index == self.fail_on:
+            raise OSError("refused")
+        self.clocks[index] = freq_mhz
+
+    def _unlock_device(self, index: int) -> None:
+        if self.fail_reset:
+            raise OSError("stuck")
+        self.clocks[index] = None
+
+    def _error(self, exc: BaseException, what: str) -> HardwareError:
+        return HardwareError(f"could not {what}: {exc}")
+
+
+def test_the_base_restores_whatever_a_subclass_locked():
+    with _ListController() as ctrl:
+        ctrl.set_frequency(1500)
+        assert ctrl.clocks == {0: 1500, 1: 1500} and ctrl.locked_devices == (0, 1)
+        with pytest.raises(UnsupportedFrequencyError):
+            ctrl.set_frequency(1501)  # checked before any GPU is touched
+        assert ctrl.clocks == {0: 1500, 1: 1500}
+    assert ctrl.clocks == {0: None, 1: None} and ctrl.locked_devices == ()
+    assert [r.freq_mhz for r in ctrl.requests] == [1500, None]
+    # a failure part way restores the GPUs already locked before it is raised
+    partial = _ListController(fail_on=1)
+    with pytest.raises(HardwareError, match="could not lock GPU 1 at 1200 MHz: refused"):
+        partial.set_frequency(1200)
+    assert partial.clocks == {0: None, 1: None}
+    partial.close()
+    # a failure to restore is raised, and the GPU stays marked as locked
+    stuck = _ListController(fail_reset=True)
+    stuck.set_frequency(1200)
+    with pytest.raises(HardwareError, match="could not restore the default clocks of GPU 0"):
+        stuck.reset()
+    assert stuck.locked_devices == (0, 1)
+    stuck.fail_reset = False
+    stuck.close()
+    assert stuck.locked_devices == ()
+    with pytest.raises(ValueError, match="needs at least one GPU"):
+        NVMLFrequencyController(device_indices=[], nvml=FakeNVML(n=1), handle_signals=False)
+
+
+def test_dry_run_is_not_a_locking_controller():
+    # The dry-run controller records; it never inherits the code that touches GPUs.
+    assert not issubclass(DryRunFrequencyController, LockingFrequencyController)
+    assert issubclass(NVMLFrequencyController, LockingFrequencyController)
