@@ -101,6 +101,17 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _noise(text: str) -> float:
+    """``--noise``: a relative spread in [0, 0.5), as the emulated profiler takes it."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value < 0.5:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be in [0, 0.5), got {value}")
+    return value
+
+
 def _workload_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from kareus.errors import WorkloadError
     from kareus.model.workload import Parallelism, Workload, get_model
@@ -480,8 +491,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--record", default=None, metavar="FILE",
                    help="also save every measurement to FILE (replay it with "
                         "--profiler replay:FILE)")
-    p.add_argument("--noise", type=float, default=0.01,
-                   help="emulated measurement noise, relative (default 0.01)")
+    p.add_argument("--noise", type=_noise, default=0.01,
+                   help="emulated measurement noise, relative, in [0, 0.5) (default 0.01)")
     p.add_argument("--budget", type=_positive_int, default=96,
                    help="profiles per partition type for kareus's search (default 96)")
     p.add_argument("--seed", type=_nonnegative_int, default=0,

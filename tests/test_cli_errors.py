@@ -92,6 +92,15 @@ def test_the_commands_own_refusals_are_kareus_errors(argv, tmp_path, capsys):
     assert err.startswith("kareus: error: ") and "internal error" not in err
 
 
+@pytest.mark.parametrize("value", ["-1", "nan", "0.5", "x"])
+def test_noise_out_of_range_is_refused_by_the_parser(value, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["optimize", "--workload", "qwen3-1.7b", "--noise", value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kareus: error: argument --noise: ") and err.count("\n") == 1
+
+
 def test_a_stop_swallowed_by_the_command_still_fails(gpus_raising, monkeypatch, capsys):
     """A Ctrl-C whose exception something caught and dropped (a broad except, a finaliser)
     is not a success: the command reports it when it returns."""
