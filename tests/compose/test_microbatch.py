@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import time
 
 import numpy as np
 import pytest
@@ -107,13 +106,21 @@ def test_missing_type_is_an_error(tiny_workload):
         MicrobatchComposer().compose(pfs, partitions=pset)
 
 
-def test_speed_four_types_thirty_points_eighteen_freqs():
+def test_four_types_of_thirty_points_compose_to_a_front_of_their_sums():
+    # One microbatch composition's size (4 partition types, 30-point fronts). Its speed is a
+    # benchmark's figure, not a unit test's bound (a loaded CI machine makes wall-clock
+    # bounds flaky): bench/compose.py reports it as microbatch_compose_s (4 types x 18
+    # clocks x 30 points, target <= 1 s).
     rng = np.random.default_rng(3)
     fronts = []
     for _ in range(4):
         t = np.sort(rng.uniform(1, 2, 30))
         fronts.append((t, np.sort(rng.uniform(1, 2, 30))[::-1]))
-    start = time.perf_counter()
-    for _ in range(18 * 2):
-        pareto_sum(fronts)
-    assert time.perf_counter() - start < 1.0
+    T, E, picks = pareto_sum(fronts)
+    assert picks.shape == (len(T), 4) and len(T) > 30
+    assert np.all(np.diff(T) > 0) and np.all(np.diff(E) < 0)  # sorted, none dominated
+    # each point is the sum of one pick per front
+    assert np.allclose(T, sum(t[picks[:, k]] for k, (t, _) in enumerate(fronts)))
+    assert np.allclose(E, sum(e[picks[:, k]] for k, (_, e) in enumerate(fronts)))
+    assert T[0] == pytest.approx(sum(t.min() for t, _ in fronts))  # the fastest
+    assert E[-1] == pytest.approx(sum(e.min() for _, e in fronts))  # the thriftiest

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
+import types
 
 import pytest
 from fake_zeus import FakeGPUs, FakeZeusMonitor, install
@@ -108,13 +109,16 @@ def test_stream_ordered_trigger_drives_the_zeus_controller(gpus: FakeGPUs) -> No
 
 
 def test_meter_reads_counter_steps_through_zeus(gpus: FakeGPUs) -> None:
+    # GPU 1 draws 500 W in all (GPU 0 idles at 80 W). The window is counted in observed
+    # counter steps (15 of 20 ms), not a fixed sleep that a starved polling thread may see
+    # few steps in; the timeouts only end a broken meter.
+    gpus.add_busy(1, gpus.t0, float("inf"), 420.0)
     meter = ZeusEnergyMeter(device_indices=[1], poll_interval_s=0.0005)
     assert isinstance(meter, EnergyMeter) and meter.monitor.gpu_indices == [1]
     with meter:
-        meter.wait_edges(2, timeout_s=2.0)
+        meter.wait_edges(2, timeout_s=60.0)
         t0 = time.perf_counter()
-        gpus.add_busy(1, t0, t0 + 0.2, 420.0)  # 500 W in total for 0.2 s
-        time.sleep(0.21)
+        meter.wait_edges(16, timeout_s=60.0)
         t1 = time.perf_counter()
         energy, dt, steps = meter.energy_between(t0, t1)
     assert steps >= 7 and energy / dt == pytest.approx(500.0, rel=0.05)
@@ -122,14 +126,23 @@ def test_meter_reads_counter_steps_through_zeus(gpus: FakeGPUs) -> None:
     assert meter.mean_sm_clock_mhz(t0, t1) is None  # Zeus does not report the clock
 
 
-def test_meter_windows_are_zeus_windows(gpus: FakeGPUs) -> None:
+def test_meter_windows_are_zeus_windows(monkeypatch: pytest.MonkeyPatch) -> None:
+    # On a fake clock the window's figures are exact: 105 ms hold five whole 20-ms counter
+    # steps, at 80 W on GPU 0 and 500 W on GPU 1, summed over both.
+    import fake_zeus
+
+    now = [0.0]
+    monkeypatch.setattr(fake_zeus, "time", types.SimpleNamespace(
+        time=lambda: now[0], perf_counter=lambda: now[0]))
+    gpus = install(monkeypatch, FakeGPUs(2))
+    gpus.add_busy(1, 0.0, 1.0, 420.0)
     meter = ZeusEnergyMeter(monitor=FakeZeusMonitor(gpu_indices=[0, 1]))
     assert meter.device_indices == (0, 1)
     meter.begin_window("iteration")
-    time.sleep(0.1)
+    now[0] = 0.105
     time_s, energy_j = meter.end_window("iteration")
-    assert time_s == pytest.approx(0.1, abs=0.05)
-    assert energy_j == pytest.approx(2 * 80.0 * time_s, abs=2 * 80.0 * 0.05)
+    assert time_s == pytest.approx(0.105)
+    assert energy_j == pytest.approx((80.0 + 500.0) * 0.1)
 
 
 def test_meter_refuses_gpus_without_a_counter(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -84,12 +84,25 @@ def test_unknown_total_shows_elapsed_time_only():
 
 
 def test_heartbeat_prints_while_a_long_call_runs():
-    out = io.StringIO()
-    bar = ProgressBar(None, desc="composing", file=out, enabled=True, interval_s=0.05)
-    with bar, bar.heartbeat():
-        time.sleep(0.4)
+    # Counted, not timed: the body runs until the heartbeat thread has drawn three lines
+    # (a clock that moves a second at every read makes each redraw due), however late a
+    # loaded machine schedules that thread; the deadline only ends a broken heartbeat.
+    out, clock = io.StringIO(), _Clock()
+
+    def tick() -> float:
+        clock.t += 1.0
+        return clock.t
+
+    bar = ProgressBar(None, desc="composing", file=out, enabled=True, interval_s=0.5,
+                      clock=tick)
+    with bar, bar.heartbeat(every_s=0.001):
+        deadline = time.monotonic() + 60.0
+        while out.getvalue().count("\n") < 3 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        drawn_in_the_body = out.getvalue().count("\n")
     lines = out.getvalue().splitlines()
-    assert len(lines) >= 3 and all(line.startswith("composing ") for line in lines)
+    assert drawn_in_the_body >= 3
+    assert all(line.startswith("composing ") for line in lines)
 
 
 def test_heartbeat_silent_when_off():
