@@ -8,8 +8,9 @@ collective acts on. The program double-buffers the collective's tensor, as nanob
 ([`PartitionProgram.advance`][kareus.exec.PartitionProgram.advance] flips them), so a loop of steps
 is the steady state of a nanobatched layer.
 
-The collective's buffers come from ``backend.empty(shape, dtype)`` when the backend has
-such a method (``_comm_zeros``): with
+The collective's buffers come from the executor the program is built for
+([`Executor.empty`][kareus.exec.Executor.empty]), or from ``backend.empty(shape, dtype)`` when a
+backend with such a method is given instead (``_comm_zeros``): with
 [`OwnKernelCollective`][kareus.exec.OwnKernelCollective] they are registered tensors, so the
 executor's collectives take the zero-copy path; backends without ``empty`` (NCCL) get plain
 ``torch.zeros`` buffers. ``_comm_buffers`` sizes them from the partition's
@@ -22,6 +23,7 @@ import abc
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kareus.exec._executor_role import Executor
 from kareus.model.ops import CommKind, CommOp
 from kareus.model.partition import Partition
 
@@ -97,28 +99,27 @@ class RunnablePartition(Partition):
               collective: Any = None) -> PartitionProgram:
         """Allocate inputs and weights on ``device`` and return the program.
 
-        ``collective`` is the backend that will run the program's collective; a
-        partition that allocates its communication buffers should take them from
-        ``collective.empty(shape, dtype)`` when the backend offers that method.
+        ``collective`` is the [`Executor`][kareus.exec.Executor] (or the collective backend)
+        that will run the program's collective; a partition that allocates its
+        communication buffers should take them from ``Executor.empty(shape, dtype,
+        kind=...)``, or from ``collective.empty(shape, dtype)`` when a backend offers that
+        method.
         """
 
 
 def _comm_zeros(torch: Any, collective: Any, shape: tuple[int, ...], device: Any,
                 dtype: Any, kind: str = "all_reduce") -> Any:
-    """A zeroed buffer for the collective: from ``collective.empty`` when the backend has
-    it (registered memory for the own kernels; an executor's ``empty`` is told the
-    collective's ``kind``, so that a backend per group registers it with the right group),
-    else from ``torch.zeros``."""
-    import inspect
-
-    empty = getattr(collective, "empty", None)
-    if not callable(empty):
-        return torch.zeros(shape, device=device, dtype=dtype)
-    try:
-        takes_kind = "kind" in inspect.signature(empty).parameters
-    except (TypeError, ValueError):
-        takes_kind = False
-    t = empty(shape, dtype, kind=kind) if takes_kind else empty(shape, dtype)
+    """A zeroed buffer for the collective: from an [`Executor`][kareus.exec.Executor]'s
+    ``empty`` (the role declares it, told the collective's ``kind``, so that a backend per
+    group registers it with the right group), from a backend's ``empty(shape, dtype)`` when
+    it has one (registered memory for the own kernels), else from ``torch.zeros``."""
+    if isinstance(collective, Executor):
+        t = collective.empty(shape, dtype, kind=kind)
+    else:
+        empty = getattr(collective, "empty", None)
+        if not callable(empty):
+            return torch.zeros(shape, device=device, dtype=dtype)
+        t = empty(shape, dtype)
     if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device:
         raise ValueError(f"{type(collective).__name__}.empty({shape}, {dtype}) gave a tensor "
                          f"of shape {tuple(t.shape)}, {t.dtype} on {t.device}; the program is "

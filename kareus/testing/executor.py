@@ -14,7 +14,13 @@
   it was made on.
 * [`check_executor`][kareus.testing.check_executor], ``EXECUTOR_CHECKS`` and the pytest mix-in
   [`ExecutorConformance`][kareus.testing.ExecutorConformance] - conformance checks for any executor,
-  made by a factory ``make(plan) -> Executor`` whose executor runs without a GPU (or on one).
+  made by a factory ``make(plan) -> Executor`` whose executor runs without a GPU (or on one):
+  what the training loop and the partition runner rely on. Every op runs once, in order; the
+  role's rules hold (an unknown slot, one nanobatch, a partition before ``start`` under a plan,
+  an op out of order, a bad kind); the hooks are called in stream order (the collective right
+  before its slot's op with the configuration's SM count, then joined; the plan's clock once per
+  microbatch computation); a new plan needs ``start`` again; ``graphs`` tells the truth about
+  ``capture``; ``empty`` gives zeroed buffers of the shape and dtype asked for.
 
 This module imports neither pytest nor any hardware library.
 """
@@ -26,9 +32,10 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
 from kareus.compose import MicrobatchChoice, Plan
-from kareus.errors import ConfigError, PlanError, UnknownSlotError
+from kareus.errors import ConfigError, GraphCaptureError, PlanError, UnknownSlotError
 from kareus.exec.collectives import CollectiveBackend
 from kareus.exec.executor import (
+    COMM_KINDS,
     CollectiveLaunch,
     Executor,
     LaunchConfig,
@@ -353,6 +360,146 @@ def _check_scope_rules(make: Callable[[Plan | None], Executor]) -> None:
         pass
     else:
         raise AssertionError("an op out of the declared order must raise ConfigError")
+    try:
+        ex.run_partition([_recorder([], "qkv")], OPS, "b", ScheduleConfig(1980, 8, None))
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("run_partition with fewer ops than names must raise ValueError")
+    try:
+        with ex.partition("fwd_attn", config=ScheduleConfig(1980, 8, None)) as part:
+            part.communicate("x", kind="broadcast")
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("a collective kind outside COMM_KINDS must raise ValueError")
+
+
+def _spy(ex: Executor, events: list[tuple[Any, ...]]) -> None:
+    """Record, in ``events``, each call of ``ex``'s hooks (the executor still runs them)."""
+    launch, join, clock, run_op = (ex.launch_collective, ex.join_collective, ex.request_clock,
+                                   ex.launch_op)
+
+    def spied_launch(c: CollectiveLaunch) -> Any:
+        events.append(("collective", c.partition, c.kind, c.sms, c.slot))
+        return launch(c)
+
+    def spied_join(handle: Any) -> None:
+        events.append(("join",))
+        join(handle)
+
+    def spied_clock(freq_mhz: int) -> None:
+        events.append(("clock", freq_mhz, ex.current))
+        clock(freq_mhz)
+
+    def spied_op(partition: str, name: str, fn: Callable[..., Any], /, *args: Any,
+                 **kwargs: Any) -> Any:
+        events.append(("op", name))
+        return run_op(partition, name, fn, *args, **kwargs)
+
+    for attr, fn in (("launch_collective", spied_launch), ("join_collective", spied_join),
+                     ("request_clock", spied_clock), ("launch_op", spied_op)):
+        setattr(ex, attr, fn)
+
+
+def _check_hooks_in_stream_order(make: Callable[[Plan | None], Executor]) -> None:
+    for slot in (*OPS, None):
+        ex = make(None)
+        events: list[tuple[Any, ...]] = []
+        _spy(ex, events)
+        ex.run_partition([_recorder([], o) for o in OPS], OPS, "buf",
+                         ScheduleConfig(1980, 8, slot))
+        at = len(OPS) if slot is None else OPS.index(slot)
+        want: list[tuple[Any, ...]] = [("op", o) for o in OPS]
+        want.insert(at, ("collective", "partition", "all_reduce", 8, slot))
+        want.append(("join",))
+        assert events == want, (
+            f"slot {slot}: launch_collective once right before the slot's op (after every op "
+            f"when sequential) with the configuration's SM count, launch_op for each op, "
+            f"join_collective at the end; got {events}")
+    ex = make(None)
+    events = []
+    _spy(ex, events)
+    ex.run_nanobatched([_recorder([], o) for o in OPS], OPS, ["y0", "y1"],
+                       ScheduleConfig(1980, 16, "rope"))
+    comms = [e for e in events if e[0] == "collective"]
+    assert comms == [("collective", "nanobatch0", "all_reduce", 16, "rope"),
+                     ("collective", "nanobatch1", "all_reduce", 16, None)], \
+        f"run_nanobatched: each nanobatch's collective, the last one exposed; got {comms}"
+    assert events.count(("join",)) == 2, "run_nanobatched: every collective is joined"
+    plan = make_test_plan()
+    ex = make(plan)
+    ex.start()
+    events = []
+    _spy(ex, events)
+    for mb in (0, 1):
+        with ex.microbatch(0, mb, "fwd"):
+            pass
+    assert events == [("clock", 1980, (0, 0, "fwd")), ("clock", 1410, (0, 1, "fwd"))], \
+        f"microbatch() requests the plan's clock once, with current set; got {events}"
+    ex = make(None)
+    events = []
+    _spy(ex, events)
+    with ex.microbatch(0, 0, "fwd"):
+        pass
+    assert events == [], "without a plan there is no clock to request"
+
+
+def _check_plan_change(make: Callable[[Plan | None], Executor]) -> None:
+    ex = make(make_test_plan())
+    ex.start()
+    other = make_test_plan(freqs_mhz=(1500, 1410))
+    ex.plan = other
+    assert ex.plan is other, "setting plan must apply the new plan"
+    try:
+        with ex.microbatch(0, 0, "fwd"):
+            pass
+    except PlanError:
+        pass
+    else:
+        raise AssertionError("after another plan is set, start() must run again (PlanError)")
+    ex.start()
+    with ex.microbatch(0, 0, "fwd"), ex.partition("fwd_attn") as part:
+        assert part.config == other.config("s0.m0.fwd", "fwd_attn"), \
+            "the scope must carry the new plan's configuration"
+
+
+def _check_graph_capability(make: Callable[[Plan | None], Executor]) -> None:
+    ex = make(None)
+    assert isinstance(ex.graphs, bool), "graphs must be a bool (whether capture() works)"
+    assert ex.sequence("conformance") is None, "nothing is captured before capture()"
+    bodies = [lambda: ex.run_partition([_recorder([], o) for o in OPS], OPS, "b",
+                                       ScheduleConfig(1980, 8, "qkv"))] * 2
+    if not ex.graphs:
+        try:
+            ex.capture("conformance", bodies)
+        except GraphCaptureError:
+            pass
+        else:
+            raise AssertionError("capture() on an executor without graphs must raise "
+                                 "GraphCaptureError")
+        ex.release_graphs()  # a no-op, but callable
+        return
+    seq = ex.capture("conformance", bodies, warmup=0)
+    assert len(seq) == 2, "capture() returns one graph per body"
+    assert ex.sequence("conformance") is seq, "sequence(name) returns the captured sequence"
+    assert ex.capture("conformance", bodies, warmup=0) is seq, \
+        "capturing the same bodies under the same name and signature reuses the sequence"
+    ex.release_graphs("conformance")
+    assert ex.sequence("conformance") is None, "release_graphs(name) drops the sequence"
+
+
+def _check_buffers(make: Callable[[Plan | None], Executor]) -> None:
+    try:
+        import torch
+    except ImportError:  # the buffers are torch tensors: nothing to check without torch
+        return
+    ex = make(None)
+    for kind in COMM_KINDS:
+        t = ex.empty((2, 3), torch.float32, kind=kind)
+        assert tuple(t.shape) == (2, 3) and t.dtype == torch.float32, \
+            f"empty((2, 3), float32, kind={kind!r}) gave {tuple(t.shape)}, {t.dtype}"
+        assert not bool(t.ne(0).any()), "empty() returns a zeroed buffer"
 
 
 EXECUTOR_CHECKS: dict[str, Callable[[Callable[[Plan | None], Executor]], None]] = {
@@ -361,6 +508,10 @@ EXECUTOR_CHECKS: dict[str, Callable[[Callable[[Plan | None], Executor]], None]] 
     "run_nanobatched": _check_run_nanobatched,
     "hooks_follow_the_plan": _check_hooks_follow_the_plan,
     "scope_rules": _check_scope_rules,
+    "hooks_in_stream_order": _check_hooks_in_stream_order,
+    "plan_change": _check_plan_change,
+    "graph_capability": _check_graph_capability,
+    "buffers": _check_buffers,
 }
 
 

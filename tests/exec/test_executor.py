@@ -246,10 +246,26 @@ def test_real_plan_drives_hooks_per_microbatch_computation():
 # ------------------------------------------------------------ the role's conformance
 
 
+class _HostBuffers(RecordingCollective):
+    """A recording backend whose buffers are host tensors (TorchExecutor.empty asks it)."""
+
+    def empty(self, shape, dtype):
+        import torch
+
+        return torch.zeros(shape, dtype=dtype)
+
+
 class TestTorchExecutorConformance(ExecutorConformance):
     def make_executor(self, plan):
         dev = RecordingStreamBackend()
-        return TorchExecutor(collective=RecordingCollective(streams=dev), streams=dev,
+        return TorchExecutor(collective=_HostBuffers(streams=dev), streams=dev,
+                             plan=plan, digest_exchange=lambda d: [d, d])
+
+
+class TestEagerTorchExecutorConformance(ExecutorConformance):
+    def make_executor(self, plan):
+        dev = RecordingStreamBackend()
+        return TorchExecutor(collective=_HostBuffers(streams=dev), streams=dev, graphs=False,
                              plan=plan, digest_exchange=lambda d: [d, d])
 
 

@@ -78,26 +78,28 @@ class PartitionRunner(abc.ABC):
 
 
 class TorchPartitionRunner(PartitionRunner):
-    """Runs [`RunnablePartition`][kareus.exec.RunnablePartition] programs through a
-    [`TorchExecutor`][kareus.exec.TorchExecutor] (programs are built once and cached; their
-    communication buffers come from the executor's backends,
-    [TorchExecutor.empty][kareus.exec.TorchExecutor.empty], so that
+    """Runs [`RunnablePartition`][kareus.exec.RunnablePartition] programs through any
+    [`Executor`][kareus.exec.Executor] (programs are built once and cached; their communication
+    buffers come from the executor, [Executor.empty][kareus.exec.Executor.empty]: with a
+    [`TorchExecutor`][kareus.exec.TorchExecutor] from its backends, so that
     [`OwnKernelCollective`][kareus.exec.OwnKernelCollective] gets registered buffers, which the
-    other backends of the executor run on too).
+    other backends of the executor run on too). Device timing (``synchronize``, ``mark``,
+    ``queued_step_s``) is CUDA's, through torch.
 
     Partitions the runner is given may also be model partitions it can make runnable:
     ``resolve`` maps them (the tuning driver maps each workload partition type to its
     [`RunnableTransformerPartition`][kareus.exec.RunnableTransformerPartition]).
 
-    Where the executor captures graphs (``executor.graphs``; ``TorchExecutor(graphs=False)``
-    keeps every op eager), [`prepare`][kareus.exec.TorchPartitionRunner.prepare] captures the
+    Where the executor captures graphs ([`Executor.graphs`][kareus.exec.Executor.graphs];
+    ``TorchExecutor(graphs=False)`` keeps every op eager, and the role's default captures none), [`prepare`][kareus.exec.TorchPartitionRunner.prepare] captures the
     partition's step into a sequence of two graphs (a step at each parity of the program's double
     buffers, with its collective, events and SM cap) and returns a callable that replays the next of
     them. The graphs of one configuration are held at a time: preparing another releases them first
     (their memory pool goes back to the allocator), and preparing the same one again reuses them.
 
     Args:
-        executor: The executor (carries the collective backend and the streams).
+        executor: The executor (its hooks launch the collectives; its ``empty`` allocates
+            their buffers; its ``capture`` makes graphs where ``graphs`` is true).
         seed: Seed of the programs' random inputs and weights.
         resolve: Makes a partition that is not runnable runnable (``None``: none is).
     """
@@ -134,7 +136,7 @@ class TorchPartitionRunner(PartitionRunner):
     @property
     def graphs(self) -> bool:
         """Whether the executor captures graphs (then every step is a graph replay)."""
-        return bool(getattr(self.executor, "graphs", False))
+        return bool(self.executor.graphs)
 
     def program(self, partition: Partition) -> Any:
         """The built program of ``partition`` (built once with the executor's backend, then cached).
@@ -154,12 +156,10 @@ class TorchPartitionRunner(PartitionRunner):
                                 "RunnableTransformerPartition or CallablePartition")
             built = self._built.get(id(partition))
             if built is None:
-                # Buffers from the executor's backends: registered memory for the own
-                # kernels (a collective allocation: every rank measures the same
+                # Buffers from the executor (Executor.empty): registered memory for the
+                # own kernels (a collective allocation: every rank measures the same
                 # partitions in the same order).
-                alloc = self.executor if callable(getattr(self.executor, "empty", None)) \
-                    else getattr(self.executor, "collective", None)
-                built = (partition, partition.build(seed=self.seed, collective=alloc))
+                built = (partition, partition.build(seed=self.seed, collective=self.executor))
                 self._built[id(partition)] = built
             # Keep the partitions alive with their program so no id is ever reused.
             self._programs[key] = (given, built[1])
@@ -202,7 +202,7 @@ class TorchPartitionRunner(PartitionRunner):
             # them; each advances the program, so graph 0 holds this parity's buffers and
             # graph 1 the other's, and the program is back at this parity afterwards.
             parity = prog.step % 2
-            self._sequence = self.executor.capture(  # type: ignore[attr-defined]
+            self._sequence = self.executor.capture(
                 self.SEQUENCE, [eager, eager], signature=key, warmup=1)
             self._captured, self._parity = key, parity
             self.captures += 1
@@ -222,9 +222,7 @@ class TorchPartitionRunner(PartitionRunner):
         """Drop the captured graphs (the executor's and this runner's references), so that
         their memory pool can return to the allocator."""
         if self._sequence is not None:
-            release = getattr(self.executor, "release_graphs", None)
-            if callable(release):
-                release(self.SEQUENCE)
+            self.executor.release_graphs(self.SEQUENCE)
         self._sequence = None
         self._captured = None
 

@@ -1,8 +1,9 @@
 """The training loop: a decoder trained under a plan, or under the schedules it replaces.
 
 [`TrainingLoop`][kareus.exec.train.TrainingLoop] owns one rank's
-[`DecoderShard`][kareus.exec.train.DecoderShard], two [`TorchExecutor`][kareus.exec.TorchExecutor]
-(one applying the plan, one for the baselines) and a fixed set of random-token microbatches (the
+[`DecoderShard`][kareus.exec.train.DecoderShard], two [`Executor`][kareus.exec.Executor]s (one
+applying the plan, one for the baselines: [`TorchExecutor`][kareus.exec.TorchExecutor]s it builds,
+or any executors the caller passes) and a fixed set of random-token microbatches (the
 same on every rank and in every run, so that every schedule sees the same data and its loss can be
 compared step by step). [`TrainingLoop.step`][kareus.exec.train.TrainingLoop.step] enqueues one
 iteration: every microbatch computation of the pipeline schedule (1F1B with one stage: forward and
@@ -33,7 +34,7 @@ import attrs
 
 from kareus.compose import Plan
 from kareus.errors import PlanError
-from kareus.exec.executor import TorchExecutor, plan_config, plan_nanobatches
+from kareus.exec.executor import Executor, TorchExecutor, plan_config, plan_nanobatches
 from kareus.exec.train._chain import (
     SCHEDULES,
     DefaultConfig,
@@ -161,8 +162,24 @@ class TrainingLoop:
         comm_high_priority: Collectives on a high-priority stream, for every schedule
             ([`TorchExecutor`][kareus.exec.TorchExecutor]'s ``comm_high_priority``).
         graphs: Run each schedule's iteration from CUDA graphs (``None``, the default: on
-            a CUDA device; ``False``: eager launches). Every schedule is run the same
-            way, so comparisons stay fair. See [`step`][kareus.exec.train.TrainingLoop.step].
+            a CUDA device, or as the executors passed in capture; ``False``: eager
+            launches). Every schedule is run the same way, so comparisons stay fair. See
+            [`step`][kareus.exec.train.TrainingLoop.step].
+        executor: The executor that applies the plan (any
+            [`Executor`][kareus.exec.Executor]; it holds the plan, which ``plan`` may then
+            omit); ``None``: a [`TorchExecutor`][kareus.exec.TorchExecutor] built from
+            ``collective``, ``backends``, ``frequency`` and ``streams``. Its ``empty``
+            allocates the communication buffers when ``collective`` is not given.
+        baseline: The executor that runs the baselines (any
+            [`Executor`][kareus.exec.Executor]); ``None``: a
+            [`TorchExecutor`][kareus.exec.TorchExecutor] built from ``collective`` and
+            ``default_collective``.
+
+    Attributes:
+        executor: The executor applying the plan (``None`` without a plan).
+        baseline: The executor of the baselines.
+        graphs: Whether every schedule's iteration is replayed from graphs (the
+            executors' [`graphs`][kareus.exec.Executor.graphs] capability).
     """
 
     def __init__(self, *, workload: Workload, groups: Any, collective: Any = None,
@@ -171,7 +188,8 @@ class TrainingLoop:
                  frequency: Any = None, layers: int | None = None, streams: Any = None,
                  kernels: Any = None, device: Any = None, dtype: str = "bfloat16",
                  seed: int = 0, lr: float = 3e-4, schedule: str = "1f1b",
-                 comm_high_priority: bool = True, graphs: bool | None = None) -> None:
+                 comm_high_priority: bool = True, graphs: bool | None = None,
+                 executor: Executor | None = None, baseline: Executor | None = None) -> None:
         import torch
 
         from kareus.model.partition import build_partitions
@@ -187,8 +205,8 @@ class TrainingLoop:
             raise ValueError(f"the groups are TP={groups.tp_size} x CP={groups.cp_size}; the "
                              f"workload asks for TP={p.tp} x CP={p.cp}")
         has_comm = p.tp * p.cp > 1
-        if has_comm and collective is None:
-            raise ValueError("a workload with TP or CP > 1 needs a collective backend")
+        plan = _plan_of(plan, executor, baseline,
+                        needs_collective=has_comm and collective is None)
         if plan is not None:
             check_plan_workload(plan, workload)
         self.workload, self.groups, self.plan = workload, groups, plan
@@ -204,7 +222,7 @@ class TrainingLoop:
             arch=workload.model, layers=layers, microbatch_size=workload.microbatch_size,
             seq_len=workload.seq_len, num_microbatches=workload.num_microbatches,
             groups=groups,
-            backend=[collective, *dict(backends or {}).values()] if has_comm else None,
+            backend=self._buffer_source(has_comm, collective, backends, executor or baseline),
             nanobatch_counts=tuple(sorted({1, workload.nanobatches})),
             recompute=workload.recompute, kernels=kernels, device=device, dtype=dtype,
             seed=seed, lr=lr)
@@ -225,31 +243,63 @@ class TrainingLoop:
                     raise PlanError(f"the plan has no configuration for partition types "
                                     f"{missing} of its computations split in {n}: make it "
                                     "for this workload")
-        coll = collective if has_comm else _no_collective_backend()
-        named = dict(backends or {})
         if graphs is None:
-            graphs = self.model.device.type == "cuda"
-        self.baseline = TorchExecutor(collective=coll,
-                                      default_collective=default_collective or coll,
-                                      streams=streams, comm_high_priority=comm_high_priority,
-                                      graphs=bool(graphs))
+            given = executor or baseline
+            graphs = given.graphs if given is not None else self.model.device.type == "cuda"
         self.graphs = bool(graphs)
-        self.executor: TorchExecutor | None = None
-        if plan is not None:
+        self.baseline: Executor
+        self.executor: Executor | None
+        self.baseline, self.executor = self._executors(
+            plan, executor, baseline, collective=collective if has_comm
+            else _no_collective_backend(), default_collective=default_collective,
+            backends=backends, frequency=frequency, streams=streams,
+            comm_high_priority=comm_high_priority)
+        if self.executor is not None:
+            self.executor.start()  # every rank compares the plan's digest
+        for ex in (self.baseline, self.executor):
+            if ex is not None and bool(ex.graphs) != self.graphs:
+                raise ValueError(f"graphs={self.graphs}, but {type(ex).__name__}.graphs is "
+                                 f"{ex.graphs}: every schedule runs the same way (pass graphs= "
+                                 "to match the executors)")
+        self._data(torch, seed)
+        self.partitions_run: list[tuple[str, Any]] = []
+
+    def _executors(self, plan: Plan | None, executor: Executor | None,
+                   baseline: Executor | None, *, collective: Any, default_collective: Any,
+                   backends: Any, frequency: Any, streams: Any, comm_high_priority: bool,
+                   ) -> tuple[Executor, Executor | None]:
+        """The baselines' executor and the plan's: those given, else TorchExecutors."""
+        coll, named = collective, dict(backends or {})
+        if baseline is None:
+            baseline = TorchExecutor(collective=coll,
+                                     default_collective=default_collective or coll,
+                                     streams=streams, comm_high_priority=comm_high_priority,
+                                     graphs=self.graphs)
+        if plan is not None and executor is None:
             wanted = {b for cs in plan.partition_configs().values() for c in cs
                       if (b := getattr(c, "backend", None))}
             if wanted - set(named):
                 raise PlanError(f"the plan's configurations name collective backends "
                                 f"{sorted(wanted - set(named))}: pass them in backends= "
                                 "(kareus.exec.train.named_collectives)")
-            self.executor = TorchExecutor(plan=plan, collective=coll, frequency=frequency,
-                                          default_collective=default_collective or coll,
-                                          backends=named, streams=streams,
-                                          comm_high_priority=comm_high_priority,
-                                          graphs=bool(graphs))
-            self.executor.start()  # every rank compares the plan's digest
-        self._data(torch, seed)
-        self.partitions_run: list[tuple[str, Any]] = []
+            executor = TorchExecutor(plan=plan, collective=coll, frequency=frequency,
+                                     default_collective=default_collective or coll,
+                                     backends=named, streams=streams,
+                                     comm_high_priority=comm_high_priority,
+                                     graphs=self.graphs)
+        return baseline, executor
+
+    @staticmethod
+    def _buffer_source(has_comm: bool, collective: Any, backends: Any,
+                       executor: Executor | None) -> Any:
+        """Where the model's communication buffers come from: the first of ``collective``
+        and ``backends`` that allocates (registered memory), or, without ``collective``,
+        the executor passed in (its ``empty``)."""
+        if not has_comm:
+            return None
+        if collective is None:
+            return executor
+        return [collective, *dict(backends or {}).values()]
 
     def _data(self, torch: Any, seed: int) -> None:
         m, wl = self.model, self.workload
@@ -305,7 +355,7 @@ class TrainingLoop:
             return plan_nanobatches(self.plan, comp.stage, comp.microbatch, comp.phase)
         return self.workload.nanobatches
 
-    def _executor(self, schedule: str) -> TorchExecutor:
+    def _executor(self, schedule: str) -> Executor:
         ex = self.executor if schedule == "kareus" else self.baseline
         assert ex is not None
         return ex
@@ -366,6 +416,28 @@ class TrainingLoop:
             return None
         plan = self.plan
         return lambda key: plan_config(plan, key, ex.current)
+
+
+def _plan_of(plan: Plan | None, executor: Executor | None, baseline: Executor | None, *,
+             needs_collective: bool) -> Plan | None:
+    """The loop's plan (``plan``, or the one ``executor`` applies), after checking the
+    executors given."""
+    for label, given in (("executor", executor), ("baseline", baseline)):
+        if given is not None and not isinstance(given, Executor):
+            raise TypeError(f"{label} must be a kareus.exec.Executor, got "
+                            f"{type(given).__name__}")
+    if executor is not None:
+        if plan is not None and executor.plan is not plan:
+            raise ValueError("executor= applies another plan than plan=: pass the plan in "
+                             "one place (the executor's)")
+        if executor.plan is None:
+            raise PlanError("executor= applies no plan: build it with the plan, or pass the "
+                            "baselines' executor as baseline=")
+        plan = executor.plan
+    if needs_collective and (baseline is None or (plan is not None and executor is None)):
+        raise ValueError("a workload with TP or CP > 1 needs a collective backend (or the "
+                         "executors that run its collectives: executor=, baseline=)")
+    return plan
 
 
 def _no_collective_backend() -> Any:
@@ -446,21 +518,25 @@ def _sync(torch: Any, cuda: bool) -> None:
         torch.cuda.synchronize()
 
 
-def overlap_efficiency(workload: Workload, *, executor: TorchExecutor,
+def overlap_efficiency(workload: Workload, *, executor: Executor,
                        configs: dict[str, Any], kernels: Any = None, reps: int = 20,
                        warmup: int = 3) -> dict[str, dict[str, float]]:
     """Each partition type's time over max(computation alone, collective alone).
 
     Builds every type's runnable partition at the workload's nanobatch shapes
-    (``kareus.exec.torch_partition``, its buffers from the executor's backend) and
-    times, with device events over ``reps`` back-to-back runs: its ops alone; its
-    collective alone with the configuration's SM count; and both under the
-    configuration ([`TorchExecutor.run_partition`][kareus.exec.TorchExecutor.run_partition]). 1.0 is
-    the limit of overlap. Every rank must call this with the same arguments (the collectives).
+    (``kareus.exec.torch_partition``, its buffers from a
+    [`TorchExecutor`][kareus.exec.TorchExecutor]'s backend, or from another executor's
+    [`empty`][kareus.exec.Executor.empty]) and times, with CUDA events over ``reps``
+    back-to-back runs: its ops alone; its collective alone with the configuration's SM count;
+    and both under the configuration
+    ([`Executor.run_partition`][kareus.exec.Executor.run_partition]). 1.0 is the limit of
+    overlap. Every rank must call this with the same arguments (the collectives).
 
     Args:
         workload: The job (its partition types).
-        executor: Runs the partitions (its backend, with SM caps or the default).
+        executor: Runs the partitions (any [`Executor`][kareus.exec.Executor]; a
+            [`TorchExecutor`][kareus.exec.TorchExecutor] runs them on its backend, with SM caps
+            or the default).
         configs: Partition type -> configuration (a plan's, or
             [`DefaultConfig`][kareus.exec.train.DefaultConfig]).
         kernels: The ops' kernel set.
@@ -475,12 +551,15 @@ def overlap_efficiency(workload: Workload, *, executor: TorchExecutor,
     from kareus.exec.torch_partition import runnable_partitions
 
     parts = runnable_partitions(workload, sorted(configs), kernels=kernels)
-    coll = executor.collective
+    coll = executor.collective if isinstance(executor, TorchExecutor) else None
     out: dict[str, dict[str, float]] = {}
     for name in sorted(configs):
         part, cfg = parts[name], configs[name]
         kind = part.comm_op.kind.value
-        backend = coll.backend_for(kind) if hasattr(coll, "backend_for") else coll
+        if coll is None:  # another executor: its own buffers
+            backend: Any = executor
+        else:  # the group's backend's buffers, as the loop's model allocates them
+            backend = coll.backend_for(kind) if hasattr(coll, "backend_for") else coll
         prog = part.build(collective=backend)
         alone = (DefaultConfig(None) if isinstance(cfg, DefaultConfig)
                  else attrs.evolve(cfg, launch_slot=None))

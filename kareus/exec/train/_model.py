@@ -37,6 +37,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from kareus.exec._executor_role import Executor
 from kareus.exec.train._chain import Comm, Op
 from kareus.model.workload import ModelArch
 
@@ -56,10 +57,11 @@ class DecoderShard:
         num_microbatches: Microbatches per iteration (the loss is their mean).
         groups: [`ParallelGroups`][kareus.exec.train.ParallelGroups] of this rank.
         backend: Where the partitions' collective buffers come from: an object with
-            ``backend_for(kind)`` ([`GroupedCollective`][kareus.exec.train.GroupedCollective]), or a
-            list of them, the first whose backend offers ``empty(shape, dtype)``
-            allocating (registered memory, which every backend can run on); ``None`` =
-            plain tensors.
+            ``backend_for(kind)`` ([`GroupedCollective`][kareus.exec.train.GroupedCollective]) or
+            an [`Executor`][kareus.exec.Executor] (its ``empty(shape, dtype, kind=...)``), or a
+            list of them, the first that is an executor or whose backend offers
+            ``empty(shape, dtype)`` allocating (registered memory, which every backend can
+            run on); ``None`` = plain tensors.
         nanobatch_counts: The nanobatch counts the loop will run (buffers for each).
         recompute: Full recomputation (the forward keeps only each layer's input).
         kernels: A ``KernelSet`` or name; ``None`` = default.
@@ -228,8 +230,10 @@ class DecoderShard:
         cands = ([] if self.backend is None else list(self.backend)
                  if isinstance(self.backend, (list, tuple)) else [self.backend])
         for name, kind in self.comms():
-            owners = [c.backend_for(kind) for c in cands if c is not None]
-            backend = next((b for b in owners if callable(getattr(b, "empty", None))), None)
+            owners = [c if isinstance(c, Executor) else c.backend_for(kind)
+                      for c in cands if c is not None]
+            backend = next((b for b in owners if isinstance(b, Executor)
+                            or callable(getattr(b, "empty", None))), None)
             if kind == "all_reduce":
                 shapes: tuple[tuple[int, ...], tuple[int, ...] | None] = ((t, self.h), None)
             elif kind == "all_gather":  # local K and V -> every chunk's K and V
@@ -237,11 +241,14 @@ class DecoderShard:
             else:  # every chunk's dK, dV -> this chunk's
                 shapes = ((self.cp, 2, t * self.kv), (2, t * self.kv))
             for i in range(n):
-                bufs = tuple(None if s is None else self._zeros(torch, backend, s)
+                bufs = tuple(None if s is None else self._zeros(torch, backend, s, kind)
                              for s in shapes)
                 self._pool[(name, n, i)] = bufs  # type: ignore[assignment]
 
-    def _zeros(self, torch: Any, backend: Any, shape: tuple[int, ...]) -> Any:
+    def _zeros(self, torch: Any, backend: Any, shape: tuple[int, ...],
+               kind: str = "all_reduce") -> Any:
+        if isinstance(backend, Executor):
+            return backend.empty(shape, self.dtype, kind=kind).zero_()
         empty = getattr(backend, "empty", None)
         if callable(empty):
             return empty(shape, self.dtype).zero_()
