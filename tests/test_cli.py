@@ -318,16 +318,26 @@ def test_a_folder_without_manifest_holding_results_is_refused(tmp_path, capsys):
     _one_line_failure(capsys, _small(tmp_path), 2, "without a manifest")
 
 
-def test_a_folder_in_use_is_refused_at_once(tmp_path, capsys):
+def test_a_folder_in_use_is_refused_at_once(tmp_path, capsys, monkeypatch):
+    import fcntl
+
     from kareus._outdir import guarded_folder
 
     with guarded_folder(tmp_path / "out", {"x": 1}, what="--out"):
-        # the lock is per open file: a second open in this process is refused like another run
-        import time
+        # the lock is per open file: a second open in this process is refused like another
+        # run. "At once" without a clock: every exclusive lock the run asks for is
+        # non-blocking (LOCK_NB), so a held folder is refused, never waited for.
+        ops: list[int] = []
+        flock = fcntl.flock
 
-        t0 = time.monotonic()
+        def recording_flock(fd, op):
+            ops.append(op)
+            assert not op & fcntl.LOCK_EX or op & fcntl.LOCK_NB, "a blocking lock would wait"
+            return flock(fd, op)
+
+        monkeypatch.setattr(fcntl, "flock", recording_flock)
         _one_line_failure(capsys, _small(tmp_path), 1, "in use by another kareus run")
-        assert time.monotonic() - t0 < 5
+        assert any(op & fcntl.LOCK_EX for op in ops)
 
 
 def test_two_concurrent_runs_one_refused_no_duplicated_measurements(tmp_path):
