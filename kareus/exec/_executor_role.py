@@ -46,7 +46,7 @@ from __future__ import annotations
 import abc
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, ClassVar, Protocol
+from typing import Any, Protocol
 
 import attrs
 
@@ -301,10 +301,6 @@ class Executor(abc.ABC):
             ([`capture`][kareus.exec.Executor.capture]); ``False`` for the role's default.
     """
 
-    #: The partition scope this executor's scopes are made of (a subclass of
-    #: [`PartitionScope`][kareus.exec.PartitionScope] may add what it records).
-    _scope_type: ClassVar[type[PartitionScope]] = PartitionScope
-
     graphs: bool = False
 
     def __init__(self, *, plan: Plan | None = None,
@@ -468,10 +464,11 @@ class Executor(abc.ABC):
         if config.launch_slot is not None and config.launch_slot not in op_names:
             raise UnknownSlotError(f"launch slot {config.launch_slot!r} is not one of the ops "
                                    f"{list(op_names)} (or None for sequential)")
-        with self.partition("partition", config=config, op_names=op_names) as part:
-            part.communicate(comm_tensor, kind=comm_kind, output=comm_output)
-            for name, fn in zip(op_names, ops):
-                part.op(name, fn)
+        scope = self._open_scope("partition", config, op_names)
+        scope.communicate(comm_tensor, kind=comm_kind, output=comm_output)
+        for name, fn in zip(op_names, ops):
+            scope.op(name, fn)
+        scope.close()
 
     def run_nanobatched(self, ops: Sequence[Callable[[int], Any]], op_names: Sequence[str],
                         comm_tensors: Sequence[Any], config: LaunchConfig, *,
@@ -513,12 +510,19 @@ class Executor(abc.ABC):
                 for fn in ops:
                     fn(i)
                 continue
-            with self.partition(f"nanobatch{i - 1}", config=config, op_names=op_names) as part:
-                part.communicate(comm_tensors[i - 1], kind=comm_kind, output=outs[i - 1])
-                for name, fn in zip(op_names, ops):
-                    part.op(name, fn, i)
+            scope = self._open_scope(f"nanobatch{i - 1}", config, op_names)
+            scope.communicate(comm_tensors[i - 1], kind=comm_kind, output=outs[i - 1])
+            for name, fn in zip(op_names, ops):
+                scope.op(name, fn, i)
+            scope.close()
         self._run_exposed(f"nanobatch{n - 1}", comm_kind, comm_tensors[n - 1], outs[n - 1],
                           config)
+
+    def _open_scope(self, key: str, config: LaunchConfig,
+                    op_names: Sequence[str] | None) -> PartitionScope:
+        """A new partition scope: the one place scopes are made (a subclass may make a
+        [`PartitionScope`][kareus.exec.PartitionScope] of its own, or record the scope)."""
+        return PartitionScope(self, key, config, op_names)
 
     def _run_exposed(self, key: str, kind: str, tensor: Any, output: Any,
                      config: LaunchConfig) -> None:
@@ -551,7 +555,7 @@ class Executor(abc.ABC):
                 raise PlanError(f"no plan and no config for partition {key!r}")
             self._require_started()
             config = plan_config(self.plan, key, self.current)
-        scope = self._scope_type(self, key, config, op_names)
+        scope = self._open_scope(key, config, op_names)
         ok = False
         try:
             yield scope

@@ -178,8 +178,6 @@ class RecordingExecutor(Executor):
             ``("join", key)`` where what follows waits for it.
     """
 
-    _scope_type = _RecordingScope
-
     def __init__(self, *, plan: Plan | None = None,
                  digest_exchange: Callable[[str], Sequence[str]] | None = None) -> None:
         if plan is not None and not isinstance(plan, Plan):
@@ -216,14 +214,12 @@ class RecordingExecutor(Executor):
         if self.plan is not None:
             self.log.append(("start", str(self.plan.digest)))
 
-    @contextlib.contextmanager
-    def partition(self, key: str, *, config: LaunchConfig | None = None,
-                  op_names: Sequence[str] | None = None) -> Iterator[PartitionScope]:
-        """The role's scope of one partition of type ``key``; records it with its
-        configuration."""
-        with super().partition(key, config=config, op_names=op_names) as scope:
-            self.log.append(("partition", key, scope.config))
-            yield scope
+    def _open_scope(self, key: str, config: LaunchConfig,
+                    op_names: Sequence[str] | None) -> PartitionScope:
+        """The role's scope of one partition (recording each ``communicate``); records
+        ``("partition", key, config)``."""
+        self.log.append(("partition", key, config))
+        return _RecordingScope(self, key, config, op_names)
 
     @contextlib.contextmanager
     def microbatch(self, stage: int, microbatch: int, phase: str) -> Iterator[None]:
