@@ -5,8 +5,9 @@ pattern for applying one in your own loop. Each rank builds its shard of a decod
 preset's dimensions ([`DecoderShard`][kareus.exec.train.DecoderShard]: N layers, random
 initialisation, fp32 master weights, AdamW, cross-entropy of next-token prediction on random
 tokens), tensor and context parallel, every op on the production kernels (``kareus.exec.kernels``),
-and runs iterations through [`TorchExecutor`][kareus.exec.TorchExecutor] under one of three
-schedules (``SCHEDULES``):
+and runs iterations through an [`Executor`][kareus.exec.Executor] (a
+[`TorchExecutor`][kareus.exec.TorchExecutor] by default, or any executor passed as
+``TrainingLoop(executor=..., baseline=...)``) under one of three schedules (``SCHEDULES``):
 
 * ``"sequential"``: Megatron-LM without overlap (whole microbatches, each collective
   right after the ops that produce its tensor, the collective's own CTA count);

@@ -44,6 +44,8 @@ from typing import Any
 
 import attrs
 
+from kareus.exec._executor_role import Executor
+
 __all__ = [
     "SCHEDULES",
     "Comm",
@@ -122,7 +124,8 @@ class DefaultConfig:
     """A baseline configuration: the collective with its own CTA count.
 
     ``comm_sms=None`` makes [`TorchExecutor`][kareus.exec.TorchExecutor] use its
-    ``default_collective``; ``launch_slot=None`` is sequential.
+    ``default_collective`` (another [`Executor`][kareus.exec.Executor] sees ``sms`` ``None`` in
+    its ``launch_collective``); ``launch_slot=None`` is sequential.
     """
 
     launch_slot: str | None = None
@@ -283,7 +286,7 @@ def _plan_config(plan_config_of: Callable[[str], Any], types: Mapping[str, TypeS
     return key, (cfg if slot == cfg.launch_slot else attrs.evolve(cfg, launch_slot=slot))
 
 
-def run_computation(executor: Any, stack: Sequence[Piece], *, schedule: str, nanobatches: int,  # noqa: C901 - one branch per schedule, checked up front; they share the enqueue helpers
+def run_computation(executor: Executor, stack: Sequence[Piece], *, schedule: str, nanobatches: int,  # noqa: C901 - one branch per schedule, checked up front; they share the enqueue helpers
                     run_op: Callable[[Op, int], Any],
                     comm_args: Callable[[Comm, int], tuple[Any, Any]],
                     types: Mapping[str, TypeShape] | None = None,
