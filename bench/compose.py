@@ -40,9 +40,9 @@ import numpy as np
 
 from kareus.compose import (
     IterationComposer,
+    IterationContext,
     MicrobatchComposer,
-    exhaustive_search,
-    measure_outside_work,
+    MicrobatchContext,
 )
 from kareus.exec.emulator import EmulatedProfiler
 from kareus.model.config import ConfigSpace, ScheduleConfig
@@ -53,6 +53,7 @@ from kareus.model.pipeline import one_f_one_b
 from kareus.model.workload import Workload
 from kareus.search.pareto import hypervolume, pareto_front, pareto_mask
 from kareus.search.partition_frontier import Observation, PartitionFrontier
+from kareus.workflow import exhaustive_search, measure_outside_work
 
 
 def _lowtime_solve(n, edges, node_type, options, unit):
@@ -162,12 +163,12 @@ def main(argv=None):
     outside = measure_outside_work(prof, pset, gpu.search_clocks_mhz)
 
     t0 = time.perf_counter()
-    mfs = MicrobatchComposer().compose(pfs, partitions=pset, outside=outside)
+    mfs = MicrobatchComposer().compose(pfs, MicrobatchContext(partitions=pset, outside=outside))
     mb_real_s = time.perf_counter() - t0
 
     syn = _synthetic_frontiers(pset, gpu, np.random.default_rng(0))
     t0 = time.perf_counter()
-    MicrobatchComposer().compose(syn, partitions=pset)
+    MicrobatchComposer().compose(syn, MicrobatchContext(partitions=pset))
     mb_syn_s = time.perf_counter() - t0
 
     # Identical inputs for both solvers.
@@ -185,8 +186,9 @@ def main(argv=None):
 
     comp = IterationComposer(unit_s=unit)
     t0 = time.perf_counter()
-    ours = comp.compose(mfs, static_power_w=static_w, gpu=gpu.name, schedule=sched,
-                        label="kareus", workload=wl.to_dict())
+    ours = comp.compose(mfs, IterationContext(static_power_w=static_w, gpu=gpu.name,
+                                              schedule=sched, label="kareus",
+                                              workload=wl.to_dict()))
     ours_s = time.perf_counter() - t0
 
     lt_s, snaps = _lowtime_solve(len(nodes), edges, node_type, options, unit)

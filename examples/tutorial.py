@@ -10,10 +10,10 @@
 import os
 
 import kareus
-from kareus.compose import compose_systems
 from kareus.exec.emulator import EmulatedProfiler
 from kareus.model import ConfigSpace, ScheduleConfig, Workload, build_partitions
 from kareus.search import MultiPassSearch
+from kareus.workflow import compose_systems
 
 OUT = os.environ.get("KAREUS_TUTORIAL_OUT", "kareus-tutorial")
 os.makedirs(OUT, exist_ok=True)

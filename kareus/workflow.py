@@ -6,15 +6,28 @@
    workload's (nanobatched) types and, when the workload splits microbatches, the unsplit
    ones too (keyed ``<type>@n1``), so that kareus can run a computation unsplit where
    nanobatching does not pay;
-2. search each type's full configuration space with [`MultiPassSearch`][kareus.search.MultiPassSearch] (its initial
-   design starts with the baselines' own configurations; every measurement is appended to
-   a JSONL log per type, ``search-<key>.jsonl``, so a killed run resumes where it
-   stopped);
-3. compose the five systems (Megatron-LM, nanobatching, Perseus, nanobatching + Perseus,
-   kareus) through the same microbatch and iteration composers
-   ([kareus.compose.compose_systems][]);
+2. search each type's full configuration space as the search specification says
+   ([`SearchSpec`][kareus.search.SearchSpec]: budget, batch size, seed, surrogate, acquisition
+   passes; a [`MultiPassSearch`][kareus.search.MultiPassSearch] whose initial design starts with
+   the baselines' own configurations; every measurement is appended to a JSONL log per type,
+   ``search-<key>.jsonl``, so a killed run resumes where it stopped);
+3. measure the baselines' restricted spaces, the work outside partitions and the
+   per-iteration tail, and compose the five systems (Megatron-LM, nanobatching, Perseus,
+   nanobatching + Perseus, kareus) through the same microbatch and iteration composers
+   ([compose_systems][kareus.workflow.compose_systems]);
 4. summarise: each system's maximum-throughput point, and kareus's iso-time energy saving
    and iso-energy time saving against a reference system (Perseus by default).
+
+Every search-side role comes in at ``optimize``'s door, as Optuna's ``create_study(sampler=,
+pruner=, storage=)`` takes its parts: ``partitions=`` (your own Partition types), ``search=``
+(a [`SearchSpec`][kareus.search.SearchSpec]) or its parts (``budget=``, ``surrogate=``,
+``passes=``, ...), ``profiler=``, ``microbatch_composer=`` and ``iteration_composer=``, and
+``pool=`` (a ``concurrent.futures`` pool that runs the searches).
+
+This module and ``kareus._orchestrate`` (whose public names are re-exported here:
+[`compose_systems`][kareus.workflow.compose_systems],
+[`measure_systems`][kareus.workflow.measure_systems], [`preflight`][kareus.workflow.preflight], ...)
+are the one place that measures; the layers below only search and compose.
 
 Energy scope: every energy here is a total over all GPUs of the job for one iteration, as
 published tables report; TFLOP/s per GPU counts model FLOPs (3x forward, no
@@ -30,6 +43,7 @@ import os
 import sys
 import textwrap
 import time
+import warnings
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Executor
 from pathlib import Path
@@ -38,6 +52,16 @@ from typing import Any
 import attrs
 
 from kareus._logging import get_logger
+from kareus._orchestrate import (
+    compose_systems,
+    exhaustive_search,
+    measure_outside_work,
+    measure_systems,
+    partition_builder,
+    preflight,
+    require_outside_work,
+    search_types,
+)
 from kareus._outdir import guarded_folder, is_held, move_aside
 from kareus._version import __version__
 from kareus.compose.iteration_frontier import IterationFrontier, IterationPoint
@@ -46,22 +70,25 @@ from kareus.compose.systems import (
     SYSTEMS,
     AnyIterationComposer,
     AnyMicrobatchComposer,
+    PartitionBuilder,
     SystemsResult,
-    compose_systems,
     kareus_types,
 )
-from kareus.errors import ConfigError, InfeasibleError, OutputError, WorkloadError
+from kareus.errors import ArgumentError, ArgumentTypeError, InfeasibleError, OutputError
 from kareus.model.gpu import get_gpu
-from kareus.model.memory import check_memory
-from kareus.model.partition import Partition, PartitionSet, build_partitions
+from kareus.model.partition import PartitionSet
 from kareus.model.profiler import Profiler
 from kareus.model.workload import Workload
 from kareus.search._progress import ProgressBar, in_notebook
+from kareus.search._spec import SearchSpec, execution_of, resolve_surrogate
+from kareus.search.acquisition import AcquisitionPass
 from kareus.search.partition_frontier import PartitionFrontier
 from kareus.search.surrogate import Surrogate
 
-__all__ = ["OptimizationResult", "SystemSummary", "iso_energy_time_saving",
-           "iso_time_energy_saving", "optimize"]
+__all__ = ["OptimizationResult", "SystemSummary", "compose_systems", "exhaustive_search",
+           "iso_energy_time_saving", "iso_time_energy_saving", "manifest_inputs",
+           "measure_outside_work", "measure_systems", "optimize", "partition_builder",
+           "preflight", "require_outside_work", "resolve_surrogate", "search_types"]
 
 RESULTS_VERSION = 1
 
@@ -366,22 +393,11 @@ def _pct(x: float | None, what: str) -> str:
     return f"{100 * x:.1f}% {what}" if x is not None else f"n/a ({what}: not reachable)"
 
 
-def _check_arguments(workload: Any, gpu: Any, *, budget: Any, seed: Any, batch_size: Any,
-                     log_dir: Any) -> None:
-    """``optimize``'s plain arguments, checked before anything runs."""
+def _check_arguments(workload: Any, gpu: Any, *, log_dir: Any) -> None:
+    """``optimize``'s plain arguments, checked before anything runs (the search's are checked
+    by [`SearchSpec`][kareus.search.SearchSpec])."""
     if not isinstance(workload, Workload):
         raise TypeError(f"workload must be a kareus Workload, got {type(workload).__name__}")
-    for label, value in (("budget", budget), ("seed", seed), ("batch_size", batch_size)):
-        if (value is not None or label != "batch_size") and (
-                isinstance(value, bool) or not isinstance(value, int)):
-            raise TypeError(f"{label} must be a whole number, got {value!r:.40} "
-                            f"({type(value).__name__})")
-    if seed < 0:
-        raise ConfigError(f"seed must be >= 0 (it seeds the searches and the emulator's "
-                          f"noise), got {seed}")
-    if budget < 1:
-        raise InfeasibleError(f"budget must be at least 1 profile per partition type, got "
-                              f"{budget}")
     if gpu is not None and (not isinstance(gpu, str) or not gpu):
         raise TypeError(f"gpu must be a GPU preset name such as 'h200-sxm' (or None: the "
                         f"profiler's), got {gpu!r:.40}")
@@ -394,16 +410,23 @@ def _check_arguments(workload: Any, gpu: Any, *, budget: Any, seed: Any, batch_s
                               "for none); an empty path would write into the working folder")
 
 
-def _check_parallelism(workload: Workload) -> None:
-    """Refuse a workload with no collective to schedule (TP = CP = 1, what
-    ``Workload.preset(name)`` gives), naming the command line's defaults."""
-    p = workload.parallelism
-    if p.tp == 1 and p.cp == 1:
-        raise WorkloadError(
-            f"{workload.describe()}: with TP=1 and CP=1 no layer has a collective to overlap, "
-            f"and kareus schedules collectives; give the workload tensor or context "
-            f"parallelism, e.g. Workload.preset({workload.model.name!r}, tp=4, pp=2), which is "
-            f"what `kareus optimize --workload {workload.model.name}` runs by default")
+def _search_spec(search: Any, *, budget: Any, batch_size: Any, seed: Any, surrogate: Any,
+                 passes: Any) -> SearchSpec:
+    """The search specification ``optimize`` runs: ``search=``, or one made of the keywords
+    that name its parts (a keyword that disagrees with ``search=`` is refused)."""
+    parts = {"budget": budget, "batch_size": batch_size, "seed": seed, "surrogate": surrogate,
+             "passes": passes}
+    given = {k: v for k, v in parts.items() if v is not None}
+    if search is None:
+        return SearchSpec(**given)
+    if not isinstance(search, SearchSpec):
+        raise ArgumentTypeError(f"search must be a kareus.search.SearchSpec, got "
+                                f"{type(search).__name__}")
+    clash = sorted(k for k in given if k != "seed" or given[k] != search.seed)
+    if clash:
+        raise ArgumentError(f"give {', '.join(clash)} in search=SearchSpec(...) or as "
+                            f"keywords of optimize, not both")
+    return search
 
 
 def _system_names(systems: Sequence[str] | None) -> list[str]:
@@ -428,9 +451,12 @@ def optimize(
     gpu: str | None = None,
     *,
     profiler: Profiler | None = None,
-    budget: int = 96,
+    search: SearchSpec | None = None,
+    partitions: PartitionSet | PartitionBuilder | None = None,
+    passes: Sequence[AcquisitionPass | tuple[AcquisitionPass, float]] | None = None,
+    budget: int | None = None,
     batch_size: int | None = None,
-    seed: int = 0,
+    seed: int | None = None,
     log_dir: str | os.PathLike[str] | None = None,
     systems: Sequence[str] | None = None,
     schedule: str = "1f1b",
@@ -438,9 +464,10 @@ def optimize(
     surrogate: Surrogate | str | None = None,
     microbatch_composer: AnyMicrobatchComposer | None = None,
     iteration_composer: AnyIterationComposer | None = None,
-    executor: Executor | None = None,
+    pool: Executor | None = None,
     fresh: bool = False,
     execution: str | None = None,
+    executor: Executor | None = None,
 ) -> OptimizationResult:
     """Search, compose and compare: the whole kareus pipeline for one workload.
 
@@ -452,11 +479,28 @@ def optimize(
             nanobatches, recomputation) on ``a100-40gb``, as here with ``gpu=None``.
         gpu: GPU preset name; ``None`` = the profiler's GPU (``a100-40gb`` without a profiler).
         profiler: Where measurements come from; ``None`` = the embedded
-            [`EmulatedProfiler`][kareus.exec.EmulatedProfiler] (1% noise, ``seed``).
+            [`EmulatedProfiler`][kareus.exec.EmulatedProfiler] (1% noise, ``seed``). Any
+            [`Profiler`][kareus.model.Profiler] that implements ``measure`` and
+            ``measure_outside`` (checked before the first measurement,
+            [`preflight`][kareus.workflow.preflight]).
+        search: How every partition type is searched
+            ([`SearchSpec`][kareus.search.SearchSpec]: budget, batch size, seed, surrogate,
+            acquisition passes); ``None`` = one made of ``budget``, ``batch_size``, ``seed``,
+            ``surrogate`` and ``passes`` (each ``None``: the specification's default). With
+            ``search``, leave those out (``seed`` may repeat the specification's).
+        partitions: Your own partition types: a ``PartitionSet`` of ``workload`` (used for the
+            workload itself; the unsplit types kareus searches too and the baselines' other
+            nanobatch counts are built by ``build_partitions``), or a function ``workload ->
+            PartitionSet`` used for every variant the systems run; ``None`` =
+            [`build_partitions`][kareus.model.build_partitions].
+        passes: The acquisition passes of every search, ``(pass, weight)`` pairs or bare
+            [`AcquisitionPass`][kareus.search.AcquisitionPass]es (weight 1); ``None`` =
+            [`default_passes`][kareus.search.default_passes].
         budget: Profiles per partition type for kareus's search (it may stop earlier once
-            the measured front stops improving), the unsplit types included.
+            the measured front stops improving), the unsplit types included; ``None`` = 96.
         batch_size: Profiles per search batch; ``None`` = the search's default.
-        seed: Seed of the searches (and of the emulator's noise).
+        seed: Seed of the searches (and of the emulator's noise); ``None`` = the search
+            specification's (0 by default).
         log_dir: Where each type's search log (``search-<type>.jsonl``) goes; an existing log
             is resumed, so a killed run continues without re-measuring. ``None`` = no logs.
         systems: Which systems to compose; ``None`` = all five.
@@ -475,7 +519,7 @@ def optimize(
             [`MicrobatchComposer`][kareus.compose.MicrobatchComposer].
         iteration_composer: The same for the iteration level; ``None`` =
             [`IterationComposer`][kareus.compose.IterationComposer].
-        executor: Run each partition type's search as a task of this
+        pool: Run each partition type's search as a task of this
             ``concurrent.futures.Executor`` (a thread or process pool,
             [`RayExecutor`][kareus.interop.ray.RayExecutor], submitit's executor on Slurm);
             ``None`` = one after another here. Logs come back into ``log_dir``; the
@@ -488,6 +532,8 @@ def optimize(
             (``"graphed"`` for the embedded emulator). With a ``profiler`` of its own it
             must agree with it. Stated in the table, ``results.json``, the manifest and
             each search log's header.
+        executor: Deprecated name of ``pool`` (a ``DeprecationWarning``): ``kareus.Executor``
+            is the role that runs plans on GPUs, not a pool of tasks.
 
     What it writes: nothing, unless ``log_dir`` is given; then only the search logs and
     the folder's manifest and lock there. ``results.json`` and ``plan.json`` are written
@@ -514,6 +560,11 @@ def optimize(
             GPU's memory (``kareus.model.memory.check_memory``).
         OutputError: ``log_dir`` is unusable or holds another job's logs.
         FolderInUseError: another run holds ``log_dir``.
+        ArgumentTypeError: a profiler that does not implement ``measure_outside`` (before
+            the first measurement, naming what to implement), or ``search`` that is not a
+            SearchSpec.
+        ArgumentError: ``search`` together with a keyword that names one of its parts, or
+            ``pool`` together with ``executor``.
         TypeError: an argument of the wrong type.
 
     Examples:
@@ -538,61 +589,59 @@ def optimize(
     from functools import partial
 
     from kareus.model.pipeline import get_schedule
-    from kareus.search import MultiPassSearch
 
-    _check_arguments(workload, gpu, budget=budget, seed=seed, batch_size=batch_size,
-                     log_dir=log_dir)
-    template = resolve_surrogate(surrogate, seed)
+    if executor is not None:
+        warnings.warn("optimize(executor=...) is deprecated: pass the concurrent.futures pool "
+                      "as pool=... (kareus.Executor is the role that runs plans)",
+                      DeprecationWarning, stacklevel=2)
+        if pool is not None:
+            raise ArgumentError("give pool= (executor= is its deprecated name), not both")
+        pool = executor
+    if pool is not None and not isinstance(pool, Executor):
+        raise ArgumentTypeError(f"pool must be a concurrent.futures.Executor (a thread or "
+                                f"process pool, kareus.interop.ray.RayExecutor, submitit's "
+                                f"AutoExecutor), got {type(pool).__name__}")
+    _check_arguments(workload, gpu, log_dir=log_dir)
+    spec = _search_spec(search, budget=budget, batch_size=batch_size, seed=seed,
+                        surrogate=surrogate, passes=passes)
     names = _system_names(systems)
     if profiler is None:
         from kareus.exec.emulator import EmulatedProfiler
 
-        profiler = EmulatedProfiler(gpu or "a100-40gb", seed=seed, execution=execution)
+        profiler = EmulatedProfiler(gpu or "a100-40gb", seed=spec.seed, execution=execution)
     elif not isinstance(profiler, Profiler):
         raise TypeError(f"profiler must be a kareus Profiler, got {type(profiler).__name__}")
-    elif execution is not None and _execution_of(profiler) != execution:
+    elif execution is not None and execution_of(profiler) != execution:
         raise ValueError(f"execution={execution!r} but the profiler measures "
-                         f"{_execution_of(profiler) or 'without saying how the GPU is fed'}: "
+                         f"{execution_of(profiler) or 'without saying how the GPU is fed'}: "
                          "give the emulated profiler its execution, or leave it out")
     if gpu is not None and profiler.gpu.name != gpu:
         raise ValueError(f"the profiler measures {profiler.gpu.name}, not {gpu}")
-    get_schedule(schedule, 1, 1)  # raises UnknownPresetError early
-    _check_parallelism(workload)  # before the memory check: more parallelism is the answer
-    check_memory(workload, profiler.gpu, schedule=schedule)  # before any long work
+    preflight(workload, profiler, schedule=schedule)  # before any long work
+    build = partition_builder(partitions, workload)
     start = time.monotonic()
-    pset = build_partitions(workload)
-    types = kareus_types(workload)
+    pset = build(workload)
+    types = kareus_types(workload, build)
     _log.info("optimising %s on %s with %s: %d partition types (%d unsplit), budget %d each",
               workload.describe(), profiler.gpu.name, type(profiler).__name__,
-              len(types), len(types) - len(pset.types), budget)
+              len(types), len(types) - len(pset.types), spec.budget)
     log_path = Path(log_dir) if log_dir is not None else None
     guard = contextlib.ExitStack()
     if log_path is not None and not is_held(log_path):
         guard.enter_context(guarded_folder(
             log_path, what="log_dir", fresh=fresh, inputs=manifest_inputs(
-                workload, profiler, budget=budget, batch_size=batch_size, seed=seed,
-                schedule=schedule, surrogate=surrogate, systems=systems,
+                workload, profiler, budget=spec.budget, batch_size=spec.batch_size,
+                seed=spec.seed, schedule=schedule, surrogate=spec.surrogate, systems=systems,
                 microbatch_composer=microbatch_composer,
-                iteration_composer=iteration_composer)))
+                iteration_composer=iteration_composer, passes=spec.passes,
+                partitions=partitions)))
     with guard:
         if log_path is not None:
             log_path.mkdir(parents=True, exist_ok=True)
             _recover_torn_logs(log_path)
-        profiles: dict[str, int] = {}
-        frontiers: dict[str, PartitionFrontier] = {}
-        if executor is not None:
-            from kareus.interop.tasks import run_searches
-
-            frontiers, profiles = run_searches(executor, profiler, pset, budget=budget,
-                                               batch_size=batch_size, seed=seed, log_dir=log_path,
-                                               surrogate=template, types=types)
-        else:
-            for name, part in types.items():
-                frontiers[name] = _search_type(
-                    MultiPassSearch, profiler, part, budget=budget, batch_size=batch_size,
-                    seed=seed, log=None if log_path is None else log_path / f"search-{name}.jsonl",
-                    progress=progress, surrogate=template)
-                profiles[name] = len(frontiers[name].measured())
+        frontiers = search_types(profiler, types, spec, log_dir=log_path, progress=progress,
+                                 pool=pool, pset=pset)
+        profiles = {name: len(fr.measured()) for name, fr in frontiers.items()}
         _log.info("composing %s over a %s schedule", ", ".join(names), schedule)
         bar = ProgressBar(None, desc=f"composing {len(names)} systems", enabled=progress)
         bar.refresh()
@@ -603,11 +652,12 @@ def optimize(
                                      freqs_mhz=None if clocks is None else list(clocks),
                                      schedule=partial(get_schedule, schedule),
                                      microbatch_composer=microbatch_composer,
-                                     iteration_composer=iteration_composer)
+                                     iteration_composer=iteration_composer,
+                                     partitions=build)
             bar.set_status("done")
         return OptimizationResult(workload=workload, gpu=profiler.gpu.name, partitions=pset,
                                   composition=result, wall_s=time.monotonic() - start,
-                                  profiles=profiles, execution=_execution_of(profiler))
+                                  profiles=profiles, execution=execution_of(profiler))
 
 
 def _recover_torn_logs(log_dir: Path) -> None:
@@ -652,7 +702,7 @@ def _profiler_identity(profiler: Profiler) -> dict[str, Any]:
     priority = getattr(inner, "comm_priority", None)
     if isinstance(priority, str) and priority != "high":  # an emulator at normal priority
         ident["comm_priority"] = priority
-    execution = _execution_of(inner)
+    execution = execution_of(inner)
     if execution is not None:  # how the emulated GPU is fed: graphed or eager
         ident["execution"] = execution
     data = getattr(inner, "data", None)
@@ -670,10 +720,14 @@ def _name_of(obj: Any) -> Any:
 def manifest_inputs(workload: Workload, profiler: Profiler, *, budget: int,
                     batch_size: int | None, seed: int, schedule: str,
                     surrogate: Surrogate | str | None, systems: Sequence[str] | None,
-                    microbatch_composer: Any = None, iteration_composer: Any = None
-                    ) -> dict[str, Any]:
+                    microbatch_composer: Any = None, iteration_composer: Any = None,
+                    passes: Sequence[tuple[AcquisitionPass, float]] | None = None,
+                    partitions: Any = None) -> dict[str, Any]:
     """Every input of ``optimize`` that changes a number, as the manifest of its output
-    folder records it (``kareus._outdir``): a folder whose manifest differs is refused."""
+    folder records it (``kareus._outdir``): a folder whose manifest differs is refused.
+
+    ``passes`` and ``partitions`` are recorded only when given (not the defaults), so a
+    folder made before they could be given keeps its manifest."""
     gpu = profiler.gpu
     spec: dict[str, Any] | str
     try:
@@ -693,47 +747,17 @@ def manifest_inputs(workload: Workload, profiler: Profiler, *, budget: int,
         "profiler": _profiler_identity(profiler),
         "systems": list(systems) if systems is not None else None,
         "composers": [_name_of(microbatch_composer), _name_of(iteration_composer)],
+        **({} if passes is None else {"passes": [[_name_of(p), repr(p), float(w)]
+                                                 for p, w in passes]}),
+        **({} if partitions is None else {"partitions": _partitions_identity(partitions)}),
     }
 
 
-def _execution_of(profiler: Profiler) -> str | None:
-    """How ``profiler`` feeds its GPU (``"graphed"`` or ``"eager"``, an emulator's
-    ``execution``), looking through recorders; ``None`` if it does not say."""
-    inner: Any = profiler
-    while isinstance(getattr(inner, "inner", None), Profiler):  # recorders are transparent
-        inner = inner.inner
-    value = getattr(inner, "execution", None)
-    return value if isinstance(value, str) else None
-
-
-def _search_type(search_cls: Any, profiler: Profiler, part: Partition, *, budget: int,
-                 batch_size: int | None, seed: int, log: Path | None,
-                 progress: bool | None, surrogate: Surrogate | None = None
-                 ) -> PartitionFrontier:
-    space = profiler.space(part)
-    execution = _execution_of(profiler)  # in the log's header: a log of the other mode is refused
-    extra = {} if execution is None else {"measured_with": {"execution": execution}}
-    search = search_cls(space, budget=min(budget, len(space)), batch_size=batch_size, seed=seed,
-                        resume=log, progress=progress, surrogate=surrogate, **extra)
-    return search.run(profiler, part)
-
-
-def resolve_surrogate(surrogate: Surrogate | str | None, seed: int = 0) -> Surrogate | None:
-    """A surrogate template from a name (a key of ``kareus.search.SURROGATES``: ``"gp"``,
-    ``"trees"``), an instance, or ``None`` (the search's default).
-
-    Raises:
-        ValueError: an unknown name.
-        TypeError: neither a name nor a [`Surrogate`][kareus.search.Surrogate].
-    """
-    from kareus.search import SURROGATES
-
-    if surrogate is None or isinstance(surrogate, Surrogate):
-        return surrogate
-    if isinstance(surrogate, str):
-        if surrogate not in SURROGATES:
-            raise ValueError(f"unknown surrogate {surrogate!r}: use one of "
-                             f"{tuple(SURROGATES)}, or pass a kareus.search.Surrogate")
-        return SURROGATES[surrogate](seed)
-    raise TypeError(f"surrogate must be a name {tuple(SURROGATES)} or a kareus Surrogate, "
-                    f"got {type(surrogate).__name__}")
+def _partitions_identity(partitions: Any) -> Any:
+    """What the manifest records of ``optimize(partitions=...)``: a set's digest (its
+    types, counts and outside work), or a builder's name."""
+    if isinstance(partitions, PartitionSet):
+        return {"types": {n: _name_of(p) for n, p in partitions.types.items()},
+                "digest": _digest_json([repr(partitions.types), partitions.counts,
+                                        repr(partitions.outside), repr(partitions.iteration)])}
+    return getattr(partitions, "__qualname__", None) or _name_of(partitions)

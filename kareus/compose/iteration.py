@@ -34,17 +34,18 @@ import numpy as np
 
 from kareus.compose._time_cost import solve_time_cost
 from kareus.compose.composer import FrontierComposer
+from kareus.compose.context import IterationContext, _from_keywords
 from kareus.compose.iteration_frontier import IterationFrontier, IterationPoint
 from kareus.compose.microbatch_frontier import MicrobatchFrontier
 from kareus.compose.plan import MicrobatchChoice, Plan
-from kareus.model.measurement import Measurement
-from kareus.model.pipeline import PipelineSchedule, one_f_one_b
+from kareus.model.pipeline import one_f_one_b
 from kareus.search.pareto import pareto_mask
 
 __all__ = ["IterationComposer"]
 
 
-class IterationComposer(FrontierComposer[Mapping[tuple[int, str], MicrobatchFrontier], IterationFrontier]):
+class IterationComposer(FrontierComposer[Mapping[tuple[int, str], MicrobatchFrontier],
+                                         IterationContext, IterationFrontier]):
     """Composes microbatch frontiers into the iteration frontier over a pipeline schedule.
 
     Args:
@@ -65,46 +66,40 @@ class IterationComposer(FrontierComposer[Mapping[tuple[int, str], MicrobatchFron
     def __repr__(self) -> str:
         return f"IterationComposer(unit_s={self.unit_s}, resolution={self.resolution})"
 
-    def compose(self, frontiers: Mapping[tuple[int, str], MicrobatchFrontier], /, *,
-                static_power_w: float, gpu: str, schedule: PipelineSchedule | None = None,
-                num_microbatches: int | None = None, label: str = "",
-                workload: dict[str, Any] | None = None,
-                tail: Measurement | None = None) -> IterationFrontier:
+    def compose(self, frontiers: Mapping[tuple[int, str], MicrobatchFrontier],
+                context: IterationContext | None = None, /, **fields: Any) -> IterationFrontier:
         """The iteration frontier.
 
         Args:
             frontiers: ``(stage, phase)`` -> that computation's microbatch frontier.
-            static_power_w: Static power of every GPU of the job together.
-            gpu: GPU preset name (recorded in plans).
-            schedule: The pipeline DAG; ``None`` = 1F1B over the stages of ``frontiers``
-                and ``num_microbatches`` microbatches.
-            num_microbatches: Needed when ``schedule`` is ``None``.
-            label: Recorded in the frontier and its plans (e.g. ``"kareus"``).
-            workload: Workload description recorded in plans.
-            tail: Work once per iteration after the pipeline flush (the optimizer step
-                and the data-parallel gradient reduction), measured over every GPU of the
-                job: its time is added to every plan's iteration time and its dynamic
-                energy to every plan's (static power then covers it too). ``None``: none.
+            context: The static power of every GPU of the job together, the GPU (recorded in
+                plans), the pipeline DAG, the per-iteration tail (its time is added to every
+                plan's iteration time and its dynamic energy to every plan's; ``None``:
+                none), the label and workload recorded in plans
+                ([`IterationContext`][kareus.compose.IterationContext]).
+            **fields: Deprecated: the context's fields as keywords (``static_power_w=...,
+                gpu=..., schedule=...``), as earlier releases took them; there ``schedule``
+                may be left out for 1F1B over ``num_microbatches=`` microbatches.
 
         Returns:
             The Pareto-optimal plans, fastest first; ``stats`` records the time unit, the
             cuts and unit steps taken, the realised plans and the wall time.
 
         Raises:
-            ValueError: a computation of the schedule has no (or an empty) frontier, or
-                the static power is negative.
-            TypeError: ``schedule`` is not a PipelineSchedule.
+            ValueError: a computation of the schedule has no (or an empty) frontier.
+            TypeError: a context that is not an IterationContext.
         """
         t_start = time.perf_counter()
-        if schedule is None:
-            if num_microbatches is None:
-                raise ValueError("give schedule= or num_microbatches=")
-            pp = 1 + max(s for s, _ in frontiers)
-            schedule = one_f_one_b(pp, int(num_microbatches))
-        if not isinstance(schedule, PipelineSchedule):
-            raise TypeError(f"schedule must be a PipelineSchedule, got {type(schedule).__name__}")
-        if static_power_w < 0:
-            raise ValueError("static_power_w must be >= 0")
+        if context is None:  # earlier releases' keywords: 1F1B over num_microbatches
+            count = fields.pop("num_microbatches", None)
+            if fields.get("schedule") is None:
+                if count is None:
+                    raise ValueError("give schedule= or num_microbatches=")
+                fields["schedule"] = one_f_one_b(1 + max(s for s, _ in frontiers), int(count))
+        ctx: IterationContext = _from_keywords(IterationContext, context, fields,
+                                               "IterationComposer")
+        schedule, tail, label = ctx.schedule, ctx.tail, ctx.label
+        static_power_w, gpu, workload = ctx.static_power_w, ctx.gpu, ctx.workload
         nodes = schedule.nodes
         index = {c: i for i, c in enumerate(nodes)}
         keys = sorted({(c.stage, c.phase) for c in nodes})

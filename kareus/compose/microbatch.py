@@ -19,7 +19,7 @@ Every choice records the nanobatch count of the partition set it was composed fr
 (``partitions.workload.nanobatches``). Kareus composes two sets, the workload's nanobatched
 types and its unsplit (one nanobatch) types, and takes the Pareto union of the two
 frontiers of each computation
-([`kareus.compose.systems.compose_systems`][kareus.compose.compose_systems],
+([`kareus.compose.compose_measured`][kareus.compose.compose_measured],
 [`MicrobatchFrontier.union`][kareus.compose.MicrobatchFrontier.union]).
 
 By default only measured points are used; a frequency at which a type has no
@@ -35,23 +35,20 @@ of one data-parallel replica); microbatch energies are scaled by ``energy_scale`
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
 
 from kareus.compose.composer import FrontierComposer
+from kareus.compose.context import MicrobatchContext, OutsideTable, _from_keywords
 from kareus.compose.microbatch_frontier import MicrobatchFrontier, MicrobatchPoint
 from kareus.compose.plan import MicrobatchChoice
-from kareus.model.measurement import Measurement
-from kareus.model.partition import OutsideWork, PartitionSet
-from kareus.model.profiler import Profiler
+from kareus.model.partition import PartitionSet
 from kareus.search import Observation, PartitionFrontier
 from kareus.search.pareto import pareto_mask
 
-__all__ = ["MicrobatchComposer", "OutsideTable", "measure_outside_work", "pareto_sum"]
-
-#: ``outside[(stage, phase)][freq_mhz]`` = measurement of the work outside partitions.
-OutsideTable = Mapping[tuple[int, str], Mapping[int, Measurement]]
+__all__ = ["MicrobatchComposer", "OutsideTable", "pareto_sum"]
 
 
 def _prune(t: np.ndarray, e: np.ndarray) -> np.ndarray:
@@ -92,51 +89,9 @@ def pareto_sum(fronts: Sequence[tuple[np.ndarray, np.ndarray]]
     return T, E, picks
 
 
-def _is_empty(work: OutsideWork) -> bool:
-    return not work.ops and not work.comms
-
-
-def measure_outside_work(profiler: Profiler, partitions: PartitionSet,
-                         freqs_mhz: Sequence[int], *, comm_sms: int | None = None
-                         ) -> dict[tuple[int, str], dict[int, Measurement]]:
-    """Measure the work outside partitions of every stage and phase at every frequency.
-
-    Identical work (e.g. the empty outside work of middle stages) is measured once; empty
-    work costs nothing. Measurements cover one stage's TP x CP group.
-
-    Args:
-        profiler: Measures the work.
-        partitions: The workload's partition set (its ``outside`` work per stage and phase).
-        freqs_mhz: Frequencies to measure at.
-        comm_sms: SM count of the outside collectives; ``None`` = the profiler's default.
-
-    Returns:
-        ``outside[(stage, phase)][freq_mhz]``: the measurement.
-    """
-    if not isinstance(profiler, Profiler):
-        raise TypeError(f"profiler must be a kareus Profiler, got {type(profiler).__name__}")
-    p = partitions.workload.parallelism
-    group = p.tp * p.cp
-    static = profiler.static_power_w(group)
-    cache: dict[tuple[OutsideWork, int], Measurement] = {}
-    out: dict[tuple[int, str], dict[int, Measurement]] = {}
-    for key, work in partitions.outside.items():
-        row: dict[int, Measurement] = {}
-        for f in freqs_mhz:
-            if _is_empty(work):
-                row[int(f)] = Measurement(time_s=0.0, energy_j=0.0, static_power_w=static)
-                continue
-            ck = (work, int(f))
-            if ck not in cache:
-                cache[ck] = profiler.measure_outside(work, int(f), group_size=group,
-                                                     comm_sms=comm_sms)
-            row[int(f)] = cache[ck]
-        out[key] = row
-    return out
-
-
 class MicrobatchComposer(
-        FrontierComposer[Mapping[str, PartitionFrontier], dict[tuple[int, str], MicrobatchFrontier]]):
+        FrontierComposer[Mapping[str, PartitionFrontier], MicrobatchContext,
+                         dict[tuple[int, str], MicrobatchFrontier]]):
     """Composes partition frontiers into each microbatch computation's frontier.
 
     Args:
@@ -163,19 +118,18 @@ class MicrobatchComposer(
                 if o.predicted]
         return pred, True
 
-    def compose(self, frontiers: Mapping[str, PartitionFrontier], /, *,  # noqa: C901 - per phase: the stage-independent sums per frequency, then each stage with its outside work
-                partitions: PartitionSet, outside: OutsideTable | None = None,
-                energy_scale: float | None = None) -> dict[tuple[int, str], MicrobatchFrontier]:
+    def compose(self, frontiers: Mapping[str, PartitionFrontier],  # noqa: C901 - per phase: the stage-independent sums per frequency, then each stage with its outside work
+                context: MicrobatchContext | None = None, /, **fields: Any
+                ) -> dict[tuple[int, str], MicrobatchFrontier]:
         """The frontier of every microbatch computation ``(stage, phase)``.
 
         Args:
             frontiers: Partition type name -> its frontier (every type the counts use).
-            partitions: The workload's partition set (types, counts, outside work).
-            outside: Measurements of the outside work per ``(stage, phase)`` and frequency
-                ([`measure_outside_work`][kareus.compose.measure_outside_work]); ``None`` = no
-                outside work is counted.
-            energy_scale: Multiplier from a partition measurement's scope (one TP x CP group)
-                to the microbatch's (every GPU of the stage); ``None`` = the DP degree.
+            context: The partition set (types, counts, outside work), the measured outside
+                work per ``(stage, phase)`` and frequency (``None`` there: none counted) and
+                the energy scale ([`MicrobatchContext`][kareus.compose.MicrobatchContext]).
+            **fields: Deprecated: the context's fields as keywords (``partitions=...,
+                outside=...``), as earlier releases took them.
 
         Returns:
             ``(stage, phase)`` -> the microbatch frontier of that computation.
@@ -183,15 +137,18 @@ class MicrobatchComposer(
         Raises:
             ValueError: a type the counts use has no frontier, or a computation has no
                 frequency at which every type has a point.
+            TypeError: a frontier that is not a PartitionFrontier, or a context that is not
+                a MicrobatchContext.
         """
-        if not isinstance(partitions, PartitionSet):
-            raise TypeError(f"partitions must be a PartitionSet, got {type(partitions).__name__}")
+        ctx: MicrobatchContext = _from_keywords(MicrobatchContext, context, fields,
+                                                "MicrobatchComposer")
+        partitions: PartitionSet = ctx.partitions
+        outside: OutsideTable | None = ctx.outside
         for name, pf in frontiers.items():
             if not isinstance(pf, PartitionFrontier):
                 raise TypeError(f"frontier of {name!r} must be a PartitionFrontier, "
                                 f"got {type(pf).__name__}")
-        scale = (float(partitions.workload.parallelism.dp) if energy_scale is None
-                 else float(energy_scale))
+        scale = ctx.scale
         pp = partitions.workload.parallelism.pp
         nanobatches = partitions.workload.nanobatches  # recorded in every choice
         out: dict[tuple[int, str], MicrobatchFrontier] = {}

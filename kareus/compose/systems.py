@@ -21,8 +21,14 @@ microbatch's collectives follow the computation that produces their input, as in
 Megatron-LM. The nanobatching systems split each microbatch in the workload's number of
 nanobatches n (2 if the workload has 1) and launch every collective with the first
 computation op it may overlap. The restricted spaces are small, so they are measured
-exhaustively; kareus's full space is searched by an injectable search function (by
-default [`kareus.search.MultiPassSearch`][kareus.search.MultiPassSearch]).
+exhaustively; kareus's full space is searched ([`kareus.search.SearchSpec`][kareus.search.SearchSpec]).
+
+This module only composes. The measuring (kareus's searches, the baselines' exhaustive spaces,
+the outside work and the per-iteration tail) happens in one place above it,
+[`kareus.workflow.measure_systems`][kareus.workflow.measure_systems], which hands over a
+[`SystemsMeasurements`][kareus.compose.SystemsMeasurements];
+[`compose_measured`][kareus.compose.compose_measured] composes it.
+[`kareus.workflow.compose_systems`][kareus.workflow.compose_systems] does both.
 
 Kareus's space holds unsplit execution too, so that where nanobatching does not pay
 (small partitions whose split costs more than the overlap hides) kareus is never worse
@@ -55,55 +61,50 @@ Energy scope: iteration energies cover every GPU of the job (see
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 
 import attrs
 
 from kareus.compose.composer import FrontierComposer
+from kareus.compose.context import IterationContext, MicrobatchContext, OutsideTable
 from kareus.compose.iteration import IterationComposer
 from kareus.compose.iteration_frontier import IterationFrontier
-from kareus.compose.microbatch import MicrobatchComposer, measure_outside_work
+from kareus.compose.microbatch import MicrobatchComposer
 from kareus.compose.microbatch_frontier import MicrobatchFrontier
 from kareus.model.config import ConfigSpace, ScheduleConfig
 from kareus.model.gpu import GPUSpec
 from kareus.model.measurement import Measurement
-from kareus.model.partition import OutsideWork, Partition, PartitionSet, build_partitions
-from kareus.model.pipeline import PipelineSchedule, one_f_one_b
+from kareus.model.partition import Partition, PartitionSet, build_partitions
+from kareus.model.pipeline import PipelineSchedule
 from kareus.model.profiler import Profiler
 from kareus.model.workload import Workload
-from kareus.search import MultiPassSearch, Observation, PartitionFrontier, system_config_indices
+from kareus.search import PartitionFrontier, system_config_indices
 
-__all__ = ["SYSTEMS", "AnyIterationComposer", "AnyMicrobatchComposer", "SearchFn",
-           "SystemsResult", "baseline_space", "compose_systems", "default_search",
-           "exhaustive_search", "kareus_partition_sets", "kareus_type_key", "kareus_types",
-           "system_configs"]
+__all__ = ["SYSTEMS", "AnyIterationComposer", "AnyMicrobatchComposer", "MeasuredSet",
+           "MeasuredSystem", "PartitionBuilder", "SearchFn", "SystemsMeasurements",
+           "SystemsResult", "baseline_space", "compose_measured", "kareus_partition_sets",
+           "kareus_type_key", "kareus_types", "system_configs", "system_workload"]
 
 #: Names of the five systems, in the order they are reported (the four baselines, then kareus).
 SYSTEMS = ("megatron", "nanobatching", "perseus", "nanobatching+perseus", "kareus")
 
 #: Any composer of partition frontiers into the microbatch frontiers of every
-#: ``(stage, phase)``; called as ``compose(frontiers, partitions=..., outside=...)``.
-AnyMicrobatchComposer = FrontierComposer[Mapping[str, PartitionFrontier],
+#: ``(stage, phase)``; called as ``compose(frontiers, MicrobatchContext(...))``.
+AnyMicrobatchComposer = FrontierComposer[Mapping[str, PartitionFrontier], MicrobatchContext,
                                          dict[tuple[int, str], MicrobatchFrontier]]
 
 #: Any composer of microbatch frontiers into an iteration frontier; called as
-#: ``compose(frontiers, static_power_w=..., gpu=..., schedule=..., label=..., workload=...)``
-#: and, when its ``compose`` takes it, ``tail=`` (the per-iteration work after the flush).
+#: ``compose(frontiers, IterationContext(...))``.
 AnyIterationComposer = FrontierComposer[Mapping[tuple[int, str], MicrobatchFrontier],
-                                        IterationFrontier]
+                                        IterationContext, IterationFrontier]
 
-#: ``search(profiler, partition) -> PartitionFrontier``: how kareus's full space is searched.
+#: ``search(profiler, partition) -> PartitionFrontier``: how kareus's full space is searched
+#: (a [`SearchSpec`][kareus.search.SearchSpec] is one).
 SearchFn = Callable[[Profiler, Partition], PartitionFrontier]
 
-def _takes_tail(composer: object) -> bool:
-    """Whether an iteration composer's ``compose`` takes ``tail=``."""
-    import inspect
-
-    try:
-        return "tail" in inspect.signature(composer.compose).parameters  # type: ignore[attr-defined]
-    except (TypeError, ValueError):
-        return False
-
+#: ``build(workload) -> PartitionSet``: how a workload is cut into partitions
+#: ([`build_partitions`][kareus.model.build_partitions] by default; a builder of your own
+#: gives every system your Partition types).
+PartitionBuilder = Callable[[Workload], PartitionSet]
 
 _SEQUENTIAL = ("megatron", "perseus")
 _FIXED_CLOCK = ("megatron", "nanobatching")
@@ -124,87 +125,6 @@ def system_configs(space: ConfigSpace) -> list[ScheduleConfig]:
         Those configurations of ``space``, in the order the search tries them.
     """
     return [space.configs[i] for i in system_config_indices(space)]
-
-
-def default_search(profiler: Profiler, partition: Partition) -> PartitionFrontier:
-    """Kareus's search of one partition type's full space.
-
-    [`MultiPassSearch`][kareus.search.MultiPassSearch], whose initial design starts with the
-    baselines' configurations ([`system_configs`][kareus.compose.system_configs]).
-
-    Args:
-        profiler: Measures the partition.
-        partition: The partition type.
-
-    Returns:
-        The partition type's frontier.
-    """
-    return MultiPassSearch(profiler.space(partition)).run(profiler, partition, progress=False)
-
-
-class _SharedMeasurements(Profiler):
-    """One measurement per (partition, configuration) for all the systems compared.
-
-    The systems' spaces overlap (Megatron-LM's configuration is Perseus's at the maximum
-    clock, and kareus's space holds them all). Measuring the same run twice would let
-    measurement noise, not the system, decide which one wins, and would waste profiles on
-    real GPUs; so the first measurement of a configuration serves every system.
-    """
-
-    def __init__(self, inner: Profiler) -> None:
-        self.inner = inner
-        self.gpu = inner.gpu
-        self._runs: dict[Any, Measurement] = {}
-        self._outside: dict[Any, Measurement] = {}
-
-    @staticmethod
-    def _key(partition: Partition) -> Any:
-        try:
-            hash(partition)
-        except TypeError:
-            return id(partition)
-        return partition
-
-    def remember(self, partition: Partition, frontier: PartitionFrontier) -> None:
-        """Take the measured observations of a search already made."""
-        for o in frontier.measured():
-            self._runs.setdefault((self._key(partition), o.config), o.measurement)
-
-    def measure(self, partition: Partition, config: ScheduleConfig) -> Measurement:
-        key = (self._key(partition), config)
-        if key not in self._runs:
-            self._runs[key] = self.inner.measure(partition, config)
-        return self._runs[key]
-
-    def measure_outside(self, work: OutsideWork, freq_mhz: int, *, group_size: int,
-                        comm_sms: int | None = None) -> Measurement:
-        key = (work, int(freq_mhz), int(group_size), comm_sms)
-        if key not in self._outside:
-            self._outside[key] = self.inner.measure_outside(work, freq_mhz,
-                                                            group_size=group_size,
-                                                            comm_sms=comm_sms)
-        return self._outside[key]
-
-    def static_power_w(self, group_size: int) -> float:
-        return self.inner.static_power_w(group_size)
-
-    def space(self, partition: Partition) -> ConfigSpace:
-        return self.inner.space(partition)
-
-
-def exhaustive_search(profiler: Profiler, space: ConfigSpace) -> PartitionFrontier:
-    """Measure every configuration of ``space`` once.
-
-    Args:
-        profiler: Measures the space's partition.
-        space: The configurations.
-
-    Returns:
-        The frontier over every measurement.
-    """
-    obs = [Observation(config=c, measurement=profiler.measure(space.partition, c))
-           for c in space.configs]
-    return PartitionFrontier.from_observations(space.partition.name, space.gpu.name, obs)
 
 
 def baseline_space(name: str, partition: Partition, gpu: str | GPUSpec,
@@ -238,11 +158,14 @@ def baseline_space(name: str, partition: Partition, gpu: str | GPUSpec,
                        include_sequential=None in slots)
 
 
-def kareus_partition_sets(workload: Workload) -> tuple[PartitionSet, ...]:
+def kareus_partition_sets(workload: Workload, build: PartitionBuilder | None = None
+                          ) -> tuple[PartitionSet, ...]:
     """The partition sets kareus searches and composes for a workload.
 
     Args:
         workload: The training workload.
+        build: Cuts a workload into partitions; ``None`` =
+            [`build_partitions`][kareus.model.build_partitions].
 
     Returns:
         The workload's own set and, when it splits microbatches (``nanobatches >= 2``), the
@@ -251,9 +174,10 @@ def kareus_partition_sets(workload: Workload) -> tuple[PartitionSet, ...]:
     Raises:
         WorkloadError: the workload has no collective to schedule (TP = CP = 1).
     """
-    sets = [build_partitions(workload)]
+    build = build_partitions if build is None else build
+    sets = [build(workload)]
     if workload.nanobatches > 1:
-        sets.append(build_partitions(workload.with_(nanobatches=1)))
+        sets.append(build(workload.with_(nanobatches=1)))
     return tuple(sets)
 
 
@@ -277,18 +201,22 @@ def kareus_type_key(partition_type: str, nanobatches: int, workload: Workload) -
     return f"{partition_type}@n{nanobatches}"
 
 
-def kareus_types(workload: Workload) -> dict[str, Partition]:
+def kareus_types(workload: Workload, build: PartitionBuilder | None = None
+                 ) -> dict[str, Partition]:
     """Every partition type kareus searches, by its key ([`kareus_type_key`][kareus.compose.kareus_type_key]): the
     workload's own types first, then the unsplit ones.
 
     Args:
         workload: The training workload.
+        build: Cuts a workload into partitions; ``None`` =
+            [`build_partitions`][kareus.model.build_partitions].
 
     Returns:
         Key -> partition.
     """
     return {kareus_type_key(name, pset.workload.nanobatches, workload): part
-            for pset in kareus_partition_sets(workload) for name, part in pset.types.items()}
+            for pset in kareus_partition_sets(workload, build)
+            for name, part in pset.types.items()}
 
 
 def _with_nanobatches(frontiers: Mapping[tuple[int, str], MicrobatchFrontier], n: int
@@ -316,20 +244,6 @@ def _with_nanobatches(frontiers: Mapping[tuple[int, str], MicrobatchFrontier], n
     return out
 
 
-def _kareus_frontier(key: str, part: Partition, shared: _SharedMeasurements,
-                     search_fn: SearchFn,
-                     given: Mapping[str, PartitionFrontier] | None) -> PartitionFrontier:
-    """Kareus's frontier of one partition type: the one given under ``key`` (its
-    measurements then serve the baselines too), else a search."""
-    if given is not None and key in given:
-        shared.remember(part, given[key])
-        return given[key]
-    pf = search_fn(shared, part)
-    if not isinstance(pf, PartitionFrontier):
-        raise TypeError(f"search returned {type(pf).__name__}, expected a PartitionFrontier")
-    return pf
-
-
 def _union(frontiers: Sequence[Mapping[tuple[int, str], MicrobatchFrontier]]
            ) -> dict[tuple[int, str], MicrobatchFrontier]:
     """Per computation, the Pareto union of several sets' microbatch frontiers."""
@@ -339,35 +253,15 @@ def _union(frontiers: Sequence[Mapping[tuple[int, str], MicrobatchFrontier]]
             for key in frontiers[0]}
 
 
-def _anchored(mbc: AnyMicrobatchComposer, profiler: Profiler, pset: PartitionSet,
-              frontiers: Mapping[str, PartitionFrontier],
-              outside: Mapping[tuple[int, str], Mapping[int, Measurement]]
-              ) -> list[dict[tuple[int, str], MicrobatchFrontier]]:
-    """The microbatch frontiers of one partition set composed from kareus's own
-    measurements of the systems' configurations alone
-    ([`system_configs`][kareus.compose.system_configs]: Megatron-LM's sequential and nanobatching's
-    first-slot launch, at the maximum clock with NCCL's SM count), which its searches measure first;
-    ``[]`` when a type lacks them (a search of its own that skips them)."""
-    restricted: dict[str, PartitionFrontier] = {}
-    for tname, pf in frontiers.items():
-        anchors = set(system_configs(profiler.space(pset.types[tname])))
-        obs = [o for o in pf.measured() if o.config in anchors]
-        if not obs:
-            return []
-        restricted[tname] = PartitionFrontier.from_observations(pf.partition, pf.gpu, obs)
-    made = mbc.compose(restricted, partitions=pset, outside=outside)
-    return [_with_nanobatches(made, pset.workload.nanobatches)]
-
-
 def _compose_iteration(itc: AnyIterationComposer,
                        candidates: Sequence[Mapping[tuple[int, str], MicrobatchFrontier]],
-                       **kwargs: Any) -> IterationFrontier:
+                       context: IterationContext) -> IterationFrontier:
     """The iteration frontier of a system: of its microbatch frontiers, or, for kareus, the
     Pareto union of the iteration frontiers composed from several candidates.
 
     Kareus's candidates: the union of its partition sets' microbatch frontiers (each
     computation split or unsplit), each set's alone, and the systems' own configurations
-    alone (``_anchored``). The union's microbatch frontiers hold every other
+    alone (``MeasuredSet.anchors``). The union's microbatch frontiers hold every other
     candidate's points, but the iteration composer is a heuristic on a time grid
     ([`IterationComposer`][kareus.compose.IterationComposer]): composing a superset may find a plan
     a little worse at some iteration times than composing a subset (0.05% of the energy at a few
@@ -379,7 +273,7 @@ def _compose_iteration(itc: AnyIterationComposer,
     composed first, so it wins exact ties; ``stats`` are its composition's, with the number
     of compositions and their total wall time.
     """
-    frs = [itc.compose(c, **kwargs) for c in candidates]
+    frs = [itc.compose(c, context) for c in candidates]
     if len(frs) == 1:
         return frs[0]
     stats = {**frs[0].stats, "compositions": len(frs)}
@@ -389,25 +283,80 @@ def _compose_iteration(itc: AnyIterationComposer,
                                          label=frs[0].label, stats=stats)
 
 
-def _system_partition_sets(name: str, workload: Workload,
-                           cache: dict[Workload, PartitionSet]) -> tuple[PartitionSet, ...]:
-    """The partition sets a system composes (kareus: [`kareus_partition_sets`][kareus.compose.kareus_partition_sets]), built
-    once per workload variant so that the systems share them."""
-    if name == "kareus":
-        sets = kareus_partition_sets(workload)
-        return tuple(cache.setdefault(ps.workload, ps) for ps in sets)
-    wl = _system_workload(name, workload)
-    if wl not in cache:
-        cache[wl] = build_partitions(wl)
-    return (cache[wl],)
+def system_workload(name: str, workload: Workload) -> Workload:
+    """The workload a system runs: the sequential systems unsplit (``nanobatches=1``), the
+    nanobatching systems with the workload's nanobatches (2 if it has 1), kareus as given.
 
-
-def _system_workload(name: str, workload: Workload) -> Workload:
+    Raises:
+        ValueError: ``name`` is not one of ``SYSTEMS``.
+    """
+    if name not in SYSTEMS:
+        raise ValueError(f"unknown system {name!r}; known: {', '.join(SYSTEMS)}")
     if name in _SEQUENTIAL:
         return workload.with_(nanobatches=1)
     if name == "kareus" or workload.nanobatches >= 2:
         return workload
     return workload.with_(nanobatches=2)
+
+
+@attrs.frozen(kw_only=True)
+class MeasuredSet:
+    """One partition set of a system, measured: what its microbatch composition needs.
+
+    Attributes:
+        partitions: The partition set.
+        frontiers: Partition type name (in the set) -> its frontier.
+        outside: The work outside partitions measured per ``(stage, phase)`` at every
+            frequency the frontiers use (over one stage's TP x CP group).
+        anchors: kareus only: its frontiers restricted to the systems' own configurations
+            ([`system_configs`][kareus.compose.system_configs]), which its searches measure
+            first; ``None`` = not composed on their own (a baseline, or a search of its own
+            that skipped them).
+    """
+
+    partitions: PartitionSet
+    frontiers: dict[str, PartitionFrontier]
+    outside: OutsideTable
+    anchors: dict[str, PartitionFrontier] | None = None
+
+
+@attrs.frozen(kw_only=True)
+class MeasuredSystem:
+    """One system, measured: its partition sets and the per-iteration tail.
+
+    Attributes:
+        name: One of ``SYSTEMS``.
+        workload: The workload the system runs ([`system_workload`][kareus.compose.system_workload]).
+        sets: Its partition sets (kareus: the nanobatched set, then the unsplit one).
+        frontiers: Its partition frontiers by key (for kareus,
+            [`kareus_type_key`][kareus.compose.kareus_type_key]; for a baseline, the type name).
+        tail: The work once per iteration after the flush (optimizer step, data-parallel
+            gradient reduction) at the default clock over every GPU of the job; ``None``: none.
+    """
+
+    name: str
+    workload: Workload
+    sets: tuple[MeasuredSet, ...]
+    frontiers: dict[str, PartitionFrontier]
+    tail: Measurement | None = None
+
+
+@attrs.frozen(kw_only=True)
+class SystemsMeasurements:
+    """Everything the five systems' composition needs, measured
+    ([`kareus.workflow.measure_systems`][kareus.workflow.measure_systems] makes it).
+
+    Attributes:
+        workload: The workload.
+        gpu: GPU preset name.
+        static_power_w: Static power of every GPU of the job together.
+        systems: System name -> what it measured, in the order the systems are reported.
+    """
+
+    workload: Workload
+    gpu: str
+    static_power_w: float
+    systems: dict[str, MeasuredSystem]
 
 
 @attrs.frozen(kw_only=True)
@@ -463,73 +412,34 @@ class SystemsResult:
                 f"{', '.join(self.frontiers)})")
 
 
-def compose_systems(workload: Workload, profiler: Profiler, *,
-                    search: SearchFn | None = None,
-                    systems: Sequence[str] | None = None,
-                    freqs_mhz: Sequence[int] | None = None,
-                    schedule: Callable[[int, int], PipelineSchedule] | None = None,
-                    microbatch_composer: AnyMicrobatchComposer | None = None,
-                    iteration_composer: AnyIterationComposer | None = None,
-                    kareus_frontiers: Mapping[str, PartitionFrontier] | None = None,
-                    ) -> SystemsResult:
-    """Iteration frontiers of the five systems for one workload and one profiler.
+def compose_measured(measured: SystemsMeasurements, *, schedule: PipelineSchedule,
+                     microbatch_composer: AnyMicrobatchComposer | None = None,
+                     iteration_composer: AnyIterationComposer | None = None) -> SystemsResult:
+    """Compose the systems measured: each one's microbatch frontiers, then its iteration frontier.
+
+    Measures nothing:
+    [`kareus.workflow.compose_systems`][kareus.workflow.compose_systems] measures and calls it.
 
     Args:
-        workload: The training workload (needs TP >= 2 or CP >= 2).
-        profiler: Measures partitions and the work outside them.
-        search: How kareus's full space is searched per partition type; ``None`` =
-            [`default_search`][kareus.compose.default_search] (MultiPassSearch).
-        systems: Which of ``SYSTEMS`` to compose; ``None`` = all five.
-        freqs_mhz: Frequencies of the frequency-planning systems; ``None`` = the GPU's
-            search grid.
-        schedule: ``(stages, microbatches) -> PipelineSchedule``; ``None`` = 1F1B.
+        measured: What every system measured.
+        schedule: The pipeline DAG of the job.
         microbatch_composer: Any [`FrontierComposer`][kareus.compose.FrontierComposer] of partition
-            frontiers into microbatch frontiers, called as ``compose(frontiers, partitions=...,
-            outside=...)``; ``None`` = [`MicrobatchComposer`][kareus.compose.MicrobatchComposer].
+            frontiers into microbatch frontiers, called as ``compose(frontiers,
+            MicrobatchContext(...))``; ``None`` =
+            [`MicrobatchComposer`][kareus.compose.MicrobatchComposer].
         iteration_composer: Any [`FrontierComposer`][kareus.compose.FrontierComposer] of microbatch
-            frontiers into an iteration frontier, called as ``compose(frontiers, static_power_w=...,
-            gpu=..., schedule=..., label=..., workload=...)``; ``None`` =
+            frontiers into an iteration frontier, called as ``compose(frontiers,
+            IterationContext(...))`` (the context holds the per-iteration tail); ``None`` =
             [`IterationComposer`][kareus.compose.IterationComposer].
-        kareus_frontiers: Partition frontiers already searched for kareus, by
-            [`kareus_type_key`][kareus.compose.kareus_type_key] (skips their search).
-
-    Writes nothing: [kareus.optimize][] wraps it with search logs, and its result's
-    ``save(out)`` writes ``results.json`` and ``plan.json``.
 
     Returns:
         Every system's iteration frontier, microbatch frontiers and partition frontiers.
 
     Raises:
-        TypeError: an argument of the wrong type (a profiler that is not a Profiler, a
-            composer that is not a FrontierComposer, a search that returns something else
-            than a PartitionFrontier).
-        ValueError: an unknown system name.
-
-    Examples:
-        Megatron-LM and Perseus on the emulator (neither searches kareus's space):
-
-        >>> import kareus
-        >>> workload = kareus.Workload.preset("qwen3-1.7b", tp=2, pp=2, microbatch_size=2,
-        ...                                   seq_len=1024, num_microbatches=4)
-        >>> result = kareus.compose_systems(workload, kareus.EmulatedProfiler("h200-sxm"),
-        ...                                 systems=["megatron", "perseus"])
-        >>> sorted(result.frontiers)
-        ['megatron', 'perseus']
-        >>> megatron, perseus = result.frontiers["megatron"], result.frontiers["perseus"]
-        >>> perseus.points[-1].energy_j < megatron.points[0].energy_j
-        True
+        TypeError: a composer that is not a FrontierComposer.
+        ValueError: a microbatch composer whose choices record another nanobatch count than
+            their partition set's.
     """
-    if not isinstance(workload, Workload):
-        raise TypeError(f"workload must be a Workload, got {type(workload).__name__}")
-    if not isinstance(profiler, Profiler):
-        raise TypeError(f"profiler must be a kareus Profiler, got {type(profiler).__name__}")
-    names = list(SYSTEMS if systems is None else systems)
-    unknown = [n for n in names if n not in SYSTEMS]
-    if unknown:
-        raise ValueError(f"unknown system(s) {unknown}; known: {', '.join(SYSTEMS)}")
-    search_fn = default_search if search is None else search
-    if not callable(search_fn):
-        raise TypeError("search must be callable as search(profiler, partition)")
     mbc: AnyMicrobatchComposer = (MicrobatchComposer() if microbatch_composer is None
                                   else microbatch_composer)
     itc: AnyIterationComposer = (IterationComposer() if iteration_composer is None
@@ -538,63 +448,27 @@ def compose_systems(workload: Workload, profiler: Profiler, *,
         if not isinstance(comp, FrontierComposer):
             raise TypeError(f"{what} must be a kareus FrontierComposer, "
                             f"got {type(comp).__name__}")
-    make_schedule = one_f_one_b if schedule is None else schedule
-    gpu = profiler.gpu
-    p = workload.parallelism
-    static_w = profiler.static_power_w(p.world_size)
-    sched = make_schedule(p.pp, workload.num_microbatches)
-    grid = list(gpu.search_clocks_mhz if freqs_mhz is None else freqs_mhz)
-
     frontiers: dict[str, IterationFrontier] = {}
     micro: dict[str, dict[tuple[int, str], MicrobatchFrontier]] = {}
-    parts_out: dict[str, dict[str, PartitionFrontier]] = {}
-    pset_cache: dict[Workload, PartitionSet] = {}
-    shared = _SharedMeasurements(profiler)
-    profiler = shared
-    # kareus first, so its search's measurements serve the restricted spaces too.
-    for name in sorted(names, key=lambda n: n != "kareus"):
-        wl = _system_workload(name, workload)
-        psets = _system_partition_sets(name, workload, pset_cache)
-        pfs: dict[str, PartitionFrontier] = {}
+    for name, system in measured.systems.items():
         composed: list[dict[tuple[int, str], MicrobatchFrontier]] = []
         anchored: list[dict[tuple[int, str], MicrobatchFrontier]] = []
-        for pset in psets:
-            n = pset.workload.nanobatches
-            set_pfs: dict[str, PartitionFrontier] = {}
-            for tname, part in pset.types.items():
-                if name == "kareus":
-                    key = kareus_type_key(tname, n, workload)
-                    set_pfs[tname] = pfs[key] = _kareus_frontier(
-                        key, part, shared, search_fn, kareus_frontiers)
-                else:
-                    set_pfs[tname] = pfs[tname] = exhaustive_search(
-                        profiler, baseline_space(name, part, gpu, grid))
-            used = sorted({o.config.freq_mhz for pf in set_pfs.values()
-                           for o in pf.observations}, reverse=True)
-            outside = measure_outside_work(profiler, pset, used)
-            made = mbc.compose(set_pfs, partitions=pset, outside=outside)
+        for mset in system.sets:
+            n = mset.partitions.workload.nanobatches
+            ctx = MicrobatchContext(partitions=mset.partitions, outside=mset.outside)
+            made = mbc.compose(mset.frontiers, ctx)
             composed.append(_with_nanobatches(made, n) if name == "kareus" else made)
-            if name == "kareus":
-                anchored += _anchored(mbc, shared, pset, set_pfs, outside)
+            if mset.anchors is not None:
+                anchored.append(_with_nanobatches(mbc.compose(mset.anchors, ctx), n))
         # kareus: each computation split or unsplit, whichever is on the front
         mf = _union(composed)
-        pset = psets[0]
-        extra: dict[str, Any] = {}
-        if not pset.iteration.empty and _takes_tail(itc):
-            # Optimizer step and DP gradient reduction, at the default (maximum) clock,
-            # over every GPU of the job; the same for every system.
-            extra["tail"] = profiler.measure_outside(pset.iteration, gpu.max_clock_mhz,
-                                                     group_size=p.world_size)
         candidates = [mf, *composed] if len(composed) > 1 else [mf]
         if anchored:
             candidates.append(_union(anchored))
-        frontiers[name] = _compose_iteration(
-            itc, candidates, static_power_w=static_w, gpu=gpu.name, schedule=sched,
-            label=name, workload=wl.to_dict(), **extra)
+        frontiers[name] = _compose_iteration(itc, candidates, IterationContext(
+            static_power_w=measured.static_power_w, gpu=measured.gpu, schedule=schedule,
+            tail=system.tail, label=name, workload=system.workload.to_dict()))
         micro[name] = mf
-        parts_out[name] = pfs
-    order = list(names)
-    return SystemsResult(workload=workload, gpu=gpu.name,
-                          frontiers={n: frontiers[n] for n in order},
-                          microbatch={n: micro[n] for n in order},
-                          partitions={n: parts_out[n] for n in order})
+    return SystemsResult(workload=measured.workload, gpu=measured.gpu, frontiers=frontiers,
+                         microbatch=micro,
+                         partitions={n: dict(s.frontiers) for n, s in measured.systems.items()})

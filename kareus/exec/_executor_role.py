@@ -302,6 +302,8 @@ class Executor(abc.ABC):
     """
 
     graphs: bool = False
+    """Whether [`capture`][kareus.exec.Executor.capture] captures graphs (the role's default:
+    no; callers then run the bodies eagerly)."""
 
     def __init__(self, *, plan: Plan | None = None,
                  digest_exchange: Callable[[str], Sequence[str]] | None = None) -> None:
@@ -404,6 +406,7 @@ class Executor(abc.ABC):
 
     @plan.setter
     def plan(self, plan: Plan | None) -> None:
+        """Apply another plan (drops the graphs; call [`start`][kareus.exec.Executor.start] again)."""
         if plan is not None:
             _require_plan(plan)
         if plan is not self._plan:

@@ -1,7 +1,7 @@
 """Meeting other tools where they are: cluster engines, Zeus and Perseus.
 
 - [`kareus.interop.tasks`][kareus.interop.tasks]: partition searches as tasks of any
-  ``concurrent.futures.Executor`` (what ``optimize(..., executor=...)`` uses).
+  ``concurrent.futures.Executor`` (what ``optimize(..., pool=...)`` uses).
 - [`kareus.interop.ray`][kareus.interop.ray]: [`RayExecutor`][kareus.interop.ray.RayExecutor], an
   executor whose tasks are Ray tasks asking for the GPUs of their profiling group (``kareus[ray]``).
 - [`kareus.interop.zeus`][kareus.interop.zeus]: a frequency controller backed by the Zeus daemon

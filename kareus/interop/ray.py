@@ -1,6 +1,6 @@
 """Partition searches on a Ray cluster: a ``concurrent.futures.Executor`` of Ray tasks.
 
-[`RayExecutor`][kareus.interop.ray.RayExecutor] turns each task that ``optimize(..., executor=...)``
+[`RayExecutor`][kareus.interop.ray.RayExecutor] turns each task that ``optimize(..., pool=...)``
 submits (one per partition type, [`SearchTask`][kareus.interop.tasks.SearchTask]) into a Ray task
 that asks Ray for the GPUs its profiling group needs (the task's ``num_gpus``: the partition's TP x
 CP GPUs on real hardware, none on the emulated GPU). Ray places the tasks on the cluster's nodes and
@@ -16,7 +16,7 @@ Install with ``pip install 'kareus[ray]'``. Example::
     ray.init(address="auto")  # or let RayExecutor start a local Ray
     with RayExecutor() as pool:
         result = optimize(Workload.preset("llama3.3-70b", tp=8, pp=4), gpu="h200-sxm",
-                          executor=pool, log_dir="run/logs")
+                          pool=pool, log_dir="run/logs")
 
 Ray's own documentation describes tasks, resources and futures:
 https://docs.ray.io/en/latest/ray-core/tasks.html (``num_gpus``) and

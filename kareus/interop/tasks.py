@@ -1,10 +1,14 @@
 """Partition searches as tasks of any ``concurrent.futures.Executor``.
 
-``optimize(workload, executor=pool)`` hands each partition type's search to ``pool`` as one
+``optimize(workload, pool=pool)`` hands each partition type's search to ``pool`` as one
 task ([`SearchTask`][kareus.interop.tasks.SearchTask], a picklable callable): a thread or process
 pool on one machine, [`RayExecutor`][kareus.interop.ray.RayExecutor] on a Ray cluster, or submitit's
 ``AutoExecutor`` on Slurm. kareus schedules nothing itself: the engine decides where and when each
 task runs.
+
+**One search specification.** A task searches as the run's
+[`SearchSpec`][kareus.search.SearchSpec] says ([`SearchSpec.run`][kareus.search.SearchSpec.run]),
+the very call a serial run makes, so the pool changes where a search runs, never what it does.
 
 **Logs.** A task may run on another machine, so it never writes into the run's folder. It
 receives the type's existing search log (if any) as text, resumes from it in a private
@@ -42,8 +46,7 @@ import attrs
 from kareus._io import write_text_atomic
 from kareus.model.partition import Partition, PartitionSet
 from kareus.model.profiler import Profiler
-from kareus.search.partition_frontier import PartitionFrontier
-from kareus.search.surrogate import Surrogate
+from kareus.search import PartitionFrontier, SearchSpec, search_log_path
 
 __all__ = ["SearchTask", "SearchTaskResult", "run_searches", "task_gpus"]
 
@@ -107,8 +110,7 @@ class SearchTask:
         name: The partition type.
         partition: The partition.
         profiler: A private copy of the profiler.
-        budget, batch_size, seed, surrogate: As
-            [`kareus.workflow.optimize`][kareus.workflow.optimize] takes them.
+        search: How the type is searched (the run's search specification).
         resume_text: The type's existing search log, or ``None`` (no logs).
         log: Whether to keep a log at all.
         num_gpus: GPUs the task needs (its profiling group; 0 on the emulator); engines
@@ -118,30 +120,21 @@ class SearchTask:
     name: str
     partition: Partition
     profiler: Profiler
-    budget: int
-    batch_size: int | None
-    seed: int
-    surrogate: Surrogate | None
+    search: SearchSpec
     resume_text: str | None
     log: bool
     num_gpus: int = 0
 
     def __call__(self) -> SearchTaskResult:
-        from kareus.search import MultiPassSearch
-        from kareus.workflow import _search_type  # the serial path's search
-
         start = time.monotonic()
         before = _call_count(self.profiler)
         with tempfile.TemporaryDirectory(prefix="kareus-task-") as tmp:
             log = None
             if self.log:
-                log = Path(tmp) / f"search-{self.name}.jsonl"
+                log = search_log_path(tmp, self.name)
                 if self.resume_text:
                     log.write_text(self.resume_text, encoding="utf-8")
-            frontier = _search_type(MultiPassSearch, self.profiler, self.partition,
-                                    budget=self.budget, batch_size=self.batch_size,
-                                    seed=self.seed, log=log, progress=False,
-                                    surrogate=self.surrogate)
+            frontier = self.search.run(self.profiler, self.partition, log=log, progress=False)
             text = log.read_text(encoding="utf-8") if log is not None and log.exists() else None
         after = _call_count(self.profiler)
         used = 0 if before is None or after is None else after - before
@@ -150,24 +143,16 @@ class SearchTask:
                                 pid=os.getpid(), wall_s=time.monotonic() - start)
 
 
-def run_searches(executor: Executor, profiler: Profiler, pset: PartitionSet, *, budget: int,
-                 batch_size: int | None, seed: int, log_dir: Path | None,
-                 surrogate: Surrogate | None, types: Mapping[str, Partition] | None = None
+def run_searches(executor: Executor, profiler: Profiler, pset: PartitionSet, *,
+                 search: SearchSpec, log_dir: Path | None,
+                 types: Mapping[str, Partition] | None = None
                  ) -> tuple[dict[str, PartitionFrontier], dict[str, int]]:
     """Run every partition type's search as a task of ``executor``; see the module doc.
 
     Args:
-        executor: Runs the tasks (as [`kareus.workflow.optimize`][kareus.workflow.optimize] takes
-            it).
+        executor: Runs the tasks (``optimize(pool=...)``).
         profiler: Measures (as [`kareus.workflow.optimize`][kareus.workflow.optimize] takes it).
-        budget: Profiles per type (as [`kareus.workflow.optimize`][kareus.workflow.optimize] takes
-            it).
-        batch_size: Candidates per batch (as [`kareus.workflow.optimize`][kareus.workflow.optimize]
-            takes it).
-        seed: The searches' seed (as [`kareus.workflow.optimize`][kareus.workflow.optimize] takes
-            it).
-        surrogate: The searches' model (as [`kareus.workflow.optimize`][kareus.workflow.optimize]
-            takes it).
+        search: How every type is searched.
         pset: The workload's partition set (its workload sets the GPUs a task needs).
         log_dir: The run's log folder (``search-<key>.jsonl`` per type), or ``None``.
         types: The partition types to search, by key (the key names the task and its
@@ -193,12 +178,11 @@ def run_searches(executor: Executor, profiler: Profiler, pset: PartitionSet, *, 
     gpus = pset.workload.parallelism.gpus_per_stage
     futures = {}
     for name in names:
-        path = None if log_dir is None else log_dir / f"search-{name}.jsonl"
+        path = None if log_dir is None else search_log_path(log_dir, name)
         resume = path.read_text(encoding="utf-8") if path is not None and path.exists() \
             else None
         task = SearchTask(name=name, partition=parts[name], profiler=copy.deepcopy(profiler),
-                          budget=budget, batch_size=batch_size, seed=seed, surrogate=surrogate,
-                          resume_text=resume, log=log_dir is not None,
+                          search=search, resume_text=resume, log=log_dir is not None,
                           num_gpus=task_gpus(profiler, parts[name], gpus))
         futures[name] = executor.submit(task)
     final = {n: f.result() for n, f in futures.items()}
@@ -209,7 +193,7 @@ def run_searches(executor: Executor, profiler: Profiler, pset: PartitionSet, *, 
         for n in names:
             log_text = final[n].log_text
             if log_text is not None:
-                write_text_atomic(log_dir / f"search-{n}.jsonl", log_text)
+                write_text_atomic(search_log_path(log_dir, n), log_text)
         with open(log_dir / "tasks.jsonl", "a", encoding="utf-8") as fh:
             for rec in records:
                 fh.write(json.dumps(rec) + "\n")

@@ -23,7 +23,10 @@ class Profiler(abc.ABC):
     Subclasses implement [`measure`][kareus.exec.Profiler.measure];
     [`measure_outside`][kareus.exec.Profiler.measure_outside] (work outside partitions, run
     sequentially) and [`static_power_w`][kareus.exec.Profiler.static_power_w] have defaults where
-    possible.
+    possible. What a profiler can measure beyond partitions it declares
+    ([`measures_outside_work`][kareus.exec.Profiler.measures_outside_work]), so that
+    [`kareus.optimize`][kareus.workflow.optimize] refuses one that lacks what it needs before the
+    first measurement rather than after every search.
 
     Scope: a partition's [`Measurement`][kareus.model.Measurement] covers every GPU of the
         partition's group
@@ -43,6 +46,20 @@ class Profiler(abc.ABC):
         raise NotImplementedError(
             f"{type(self).__name__} cannot measure work outside partitions; "
             "use a profiler that can (e.g. EmulatedProfiler) for iteration-level composition")
+
+    @property
+    def measures_outside_work(self) -> bool:
+        """Whether [`measure_outside`][kareus.exec.Profiler.measure_outside] is implemented: what
+        composing whole iterations needs (``kareus.optimize``, ``compose_systems``).
+
+        By default: whether the class overrides it, and, for a profiler that wraps another as
+        its ``inner`` profiler (as recorders do), whether that one measures it too. Override it
+        where neither says the truth.
+        """
+        if type(self).measure_outside is Profiler.measure_outside:
+            return False
+        inner = getattr(self, "inner", None)
+        return inner.measures_outside_work if isinstance(inner, Profiler) else True
 
     def static_power_w(self, group_size: int) -> float:
         """Static power of ``group_size`` GPUs."""

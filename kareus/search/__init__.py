@@ -22,6 +22,9 @@
   [`reference_passes`][kareus.search.reference_passes],
   [`default_surrogate`][kareus.search.default_surrogate],
   [`tree_surrogate`][kareus.search.tree_surrogate]).
+- [`SearchSpec`][kareus.search.SearchSpec]: how every partition type is searched (budget, batch
+  size, seed, surrogate, passes), one value for every place a search runs: ``kareus.optimize``,
+  the systems' composition, a tuning run, the tasks of a pool or a Ray cluster.
 
 Import from here: the modules with a leading underscore are implementation modules, one
 concern each; ``surrogate`` and ``acquisition`` hold
@@ -47,6 +50,13 @@ from kareus.search._initial_design import (
 )
 from kareus.search._log import LOG_FORMAT, LOG_VERSION
 from kareus.search._multi_pass_search import MultiPassSearch
+from kareus.search._spec import (
+    DEFAULT_BUDGET,
+    SearchSpec,
+    execution_of,
+    resolve_surrogate,
+    search_log_path,
+)
 from kareus.search._objective_model import ObjectiveModel, ObjectivePrediction
 from kareus.search._xgboost_surrogate import XGBoostSurrogate
 from kareus.search.acquisition import (
@@ -71,6 +81,7 @@ from kareus.search.partition_frontier import Observation, PartitionFrontier
 from kareus.search.surrogate import Surrogate
 
 __all__ = [
+    "DEFAULT_BUDGET",
     "EXTRA_COLUMNS_FROM",
     "LOG_FORMAT",
     "LOG_VERSION",
@@ -89,6 +100,7 @@ __all__ = [
     "Observation",
     "PartitionFrontier",
     "RandomPass",
+    "SearchSpec",
     "Surrogate",
     "UncertaintyPass",
     "XGBoostSurrogate",
@@ -96,6 +108,7 @@ __all__ = [
     "default_initial_size",
     "default_passes",
     "default_surrogate",
+    "execution_of",
     "hypervolume",
     "hypervolume_improvement",
     "maximin_design",
@@ -103,7 +116,9 @@ __all__ = [
     "pareto_mask",
     "reference_passes",
     "reference_point",
+    "resolve_surrogate",
     "search_features",
+    "search_log_path",
     "system_config_indices",
     "tree_surrogate",
 ]

@@ -1,17 +1,18 @@
 """Conformance suites for [`FrontierComposer`][kareus.compose.FrontierComposer] implementations.
 
-A composer of either level plugs into [`compose_systems`][kareus.compose.compose_systems] and
-[`kareus.optimize`][kareus.workflow.optimize], which call it with the context below, so each level
+A composer of either level plugs into [`compose_systems`][kareus.workflow.compose_systems] and
+[`kareus.optimize`][kareus.workflow.optimize], which call it with one context object, so each level
 has its own suite:
 
 * microbatch composers (partition frontiers -> the microbatch frontier of every
-  ``(stage, phase)``), called as ``compose(frontiers, partitions=..., outside=...)``:
-  [`check_microbatch_composer`][kareus.testing.check_microbatch_composer],
+  ``(stage, phase)``), called as ``compose(frontiers, MicrobatchContext(partitions=...,
+  outside=...))``: [`check_microbatch_composer`][kareus.testing.check_microbatch_composer],
   ``MICROBATCH_COMPOSER_CHECKS``,
   [`MicrobatchComposerConformance`][kareus.testing.MicrobatchComposerConformance];
 * iteration composers (microbatch frontiers -> the iteration frontier), called as
-  ``compose(frontiers, static_power_w=..., gpu=..., schedule=..., label=...,
-  workload=...)``: [`check_iteration_composer`][kareus.testing.check_iteration_composer],
+  ``compose(frontiers, IterationContext(static_power_w=..., gpu=..., schedule=..., tail=...,
+  label=..., workload=...))``:
+  [`check_iteration_composer`][kareus.testing.check_iteration_composer],
   ``ITERATION_COMPOSER_CHECKS``,
   [`IterationComposerConformance`][kareus.testing.IterationComposerConformance].
 
@@ -21,9 +22,12 @@ whose partition types were measured exhaustively on a small grid by
 result has the right type and keys; it is a Pareto front sorted by time; every point
 keeps the choices that produce it, and those choices cost what the point says (a
 microbatch choice picks measured configurations at its frequency; an iteration plan's
-time is the pipeline DAG's longest path over its microbatch points, and its energy their
-dynamic energy plus static power x time); the inputs are not changed; the same input
-gives the same output.
+time is the pipeline DAG's longest path over its microbatch points plus the per-iteration
+tail, and its energy their dynamic energy plus the tail's plus static power x time); the
+inputs are not changed; the same input gives the same output. Beyond that, what
+``kareus.optimize`` relies on: a microbatch choice records its partition set's nanobatch
+count (or none), and a composer's ``compose`` takes the context positionally (the
+keyword form of earlier releases is refused when the class is defined).
 """
 
 from __future__ import annotations
@@ -36,17 +40,18 @@ from kareus.compose import (
     AnyIterationComposer,
     AnyMicrobatchComposer,
     FrontierComposer,
+    IterationContext,
     IterationFrontier,
     MicrobatchComposer,
+    MicrobatchContext,
     MicrobatchFrontier,
-    exhaustive_search,
 )
 from kareus.model.config import ConfigSpace
 from kareus.model.measurement import Measurement
 from kareus.model.partition import PartitionSet, build_partitions
 from kareus.model.pipeline import PipelineSchedule, one_f_one_b
 from kareus.model.workload import Workload
-from kareus.search import PartitionFrontier
+from kareus.search import Observation, PartitionFrontier
 from kareus.testing._suite import _add_tests, _run_checks
 from kareus.testing.profiler import FakeProfiler
 
@@ -76,6 +81,8 @@ class ComposerCase:
         outside: The work outside partitions at every frequency of the grid (closed-form
             figures: the fake profiler measures partitions only).
         static_power_w: Static power of every GPU of the job together.
+        tail: The work once per iteration after the flush (closed-form figures): every plan
+            must add its time and dynamic energy.
         schedule: The 1F1B schedule of the job.
         gpu: The GPU preset name.
         microbatch: The microbatch frontiers of the default
@@ -90,10 +97,12 @@ class ComposerCase:
         self.partitions: PartitionSet = build_partitions(self.workload)
         gpu = profiler.gpu
         freqs = list(gpu.search_clocks_mhz[::4])
-        self.frontiers: dict[str, PartitionFrontier] = {
-            name: exhaustive_search(profiler, ConfigSpace(part, gpu, freqs_mhz=freqs,
-                                                          comm_sms=[4, 16, 32]))
-            for name, part in self.partitions.types.items()}
+        self.frontiers: dict[str, PartitionFrontier] = {}
+        for name, part in self.partitions.types.items():
+            space = ConfigSpace(part, gpu, freqs_mhz=freqs, comm_sms=[4, 16, 32])
+            obs = [Observation(config=c, measurement=profiler.measure(part, c))
+                   for c in space.configs]  # every configuration of the grid
+            self.frontiers[name] = PartitionFrontier.from_observations(name, gpu.name, obs)
         # FakeProfiler measures partitions only: the work outside them gets closed-form
         # figures here (time inversely proportional to the clock, dynamic power ~ f^2.5).
         group = self.workload.parallelism.tp * self.workload.parallelism.cp
@@ -108,11 +117,22 @@ class ComposerCase:
                                      static_power_w=static)
             self.outside[key] = row
         self.static_power_w = profiler.static_power_w(self.workload.parallelism.world_size)
+        world = self.workload.parallelism.world_size
+        self.tail = Measurement(time_s=2e-3, energy_j=2e-3 * (150.0 * world + self.static_power_w),
+                                static_power_w=self.static_power_w)
         self.schedule: PipelineSchedule = one_f_one_b(self.workload.parallelism.pp,
                                                       self.workload.num_microbatches)
         self.gpu = gpu.name
+        self.microbatch_context = MicrobatchContext(partitions=self.partitions,
+                                                    outside=self.outside)
         self.microbatch: dict[tuple[int, str], MicrobatchFrontier] = MicrobatchComposer(
-            ).compose(self.frontiers, partitions=self.partitions, outside=self.outside)
+            ).compose(self.frontiers, self.microbatch_context)
+
+    def iteration_context(self, *, label: str = "kareus") -> IterationContext:
+        """The context an iteration composer gets for this job."""
+        return IterationContext(static_power_w=self.static_power_w, gpu=self.gpu,
+                                schedule=self.schedule, tail=self.tail, label=label,
+                                workload=self.workload.to_dict())
 
 
 @functools.cache
@@ -124,7 +144,7 @@ def composer_case() -> ComposerCase:
 # ------------------------------------------------------------------------ shared checks
 
 
-def _check_type(make: Callable[[], FrontierComposer[Any, Any]]) -> None:
+def _check_type(make: Callable[[], FrontierComposer[Any, Any, Any]]) -> None:
     c = make()
     assert isinstance(c, FrontierComposer), \
         f"factory returned {type(c).__name__}, not a FrontierComposer"
@@ -147,7 +167,7 @@ def _snapshot(frontiers: Mapping[Any, Any]) -> dict[Any, Any]:
 
 def _compose_mb(comp: AnyMicrobatchComposer, case: ComposerCase
                 ) -> dict[tuple[int, str], MicrobatchFrontier]:
-    return comp.compose(case.frontiers, partitions=case.partitions, outside=case.outside)
+    return comp.compose(case.frontiers, case.microbatch_context)
 
 
 def _check_mb_keys(make: Callable[[], AnyMicrobatchComposer]) -> None:
@@ -208,11 +228,21 @@ def _check_mb_deterministic(make: Callable[[], AnyMicrobatchComposer]) -> None:
 def _check_mb_missing_frontier(make: Callable[[], AnyMicrobatchComposer]) -> None:
     case = composer_case()
     try:
-        make().compose({}, partitions=case.partitions, outside=case.outside)
+        make().compose({}, case.microbatch_context)
     except ValueError:
         return
     raise AssertionError("composing without the frontiers the counts need must raise "
                          "ValueError")
+
+
+def _check_mb_records_nanobatches(make: Callable[[], AnyMicrobatchComposer]) -> None:
+    case = composer_case()
+    n = case.workload.nanobatches
+    for key, fr in _compose_mb(make(), case).items():
+        counts = {p.choice.nanobatches for p in fr.points}
+        assert counts <= {None, n}, \
+            (f"{key}: choices must record the partition set's {n} nanobatches (or none), got "
+             f"{sorted(c for c in counts if c is not None)}; kareus.optimize refuses them")
 
 
 #: Name -> check, for microbatch composers (each takes a factory of new composers).
@@ -223,6 +253,7 @@ MICROBATCH_COMPOSER_CHECKS: dict[str, Callable[[Callable[[], Any]], None]] = {
     "no_mutation": _check_mb_no_mutation,
     "deterministic": _check_mb_deterministic,
     "missing_frontier": _check_mb_missing_frontier,
+    "records_nanobatches": _check_mb_records_nanobatches,
 }
 
 
@@ -260,9 +291,7 @@ _add_tests(MicrobatchComposerConformance, MICROBATCH_COMPOSER_CHECKS,
 
 def _compose_it(comp: AnyIterationComposer, case: ComposerCase, *, label: str = "kareus"
                 ) -> IterationFrontier:
-    return comp.compose(case.microbatch, static_power_w=case.static_power_w, gpu=case.gpu,
-                        schedule=case.schedule, label=label,
-                        workload=case.workload.to_dict())
+    return comp.compose(case.microbatch, case.iteration_context(label=label))
 
 
 def _check_it_frontier(make: Callable[[], AnyIterationComposer]) -> None:
@@ -292,12 +321,13 @@ def _check_it_plans_cost_what_they_say(make: Callable[[], AnyIterationComposer])
             assert match, f"plan {i}: the choice of {c.key()} is not on its microbatch frontier"
             durations[c] = match[0].time_s
             dyn += match[0].dynamic_energy_j
-        t = case.schedule.makespan(durations)
-        e = dyn + case.static_power_w * t
+        t = case.schedule.makespan(durations) + case.tail.time_s
+        e = dyn + case.tail.dynamic_energy_j + case.static_power_w * t
         assert abs(pt.time_s - t) <= _REL * t, \
-            f"plan {i}: time {pt.time_s} but the longest path of its choices is {t}"
+            (f"plan {i}: time {pt.time_s} but the longest path of its choices plus the "
+             f"per-iteration tail is {t} (context.tail must be added to every plan)")
         assert abs(pt.energy_j - e) <= _REL * e, \
-            f"plan {i}: energy {pt.energy_j} but its choices use {e}"
+            f"plan {i}: energy {pt.energy_j} but its choices and the tail use {e}"
 
 
 def _check_it_no_mutation(make: Callable[[], AnyIterationComposer]) -> None:
@@ -315,14 +345,15 @@ def _check_it_deterministic(make: Callable[[], AnyIterationComposer]) -> None:
         "the same input must give the same plans"
 
 
-def _check_it_rejects_negative_static_power(make: Callable[[], AnyIterationComposer]) -> None:
+def _check_it_missing_frontier(make: Callable[[], AnyIterationComposer]) -> None:
     case = composer_case()
+    partial = dict(list(case.microbatch.items())[1:])
     try:
-        make().compose(case.microbatch, static_power_w=-1.0, gpu=case.gpu,
-                       schedule=case.schedule, label="", workload=None)
+        make().compose(partial, case.iteration_context())
     except ValueError:
         return
-    raise AssertionError("a negative static power must raise ValueError")
+    raise AssertionError("composing without a computation's microbatch frontier must raise "
+                         "ValueError")
 
 
 #: Name -> check, for iteration composers (each takes a factory of new composers).
@@ -332,7 +363,7 @@ ITERATION_COMPOSER_CHECKS: dict[str, Callable[[Callable[[], Any]], None]] = {
     "plans_cost_what_they_say": _check_it_plans_cost_what_they_say,
     "no_mutation": _check_it_no_mutation,
     "deterministic": _check_it_deterministic,
-    "rejects_negative_static_power": _check_it_rejects_negative_static_power,
+    "missing_frontier": _check_it_missing_frontier,
 }
 
 

@@ -36,7 +36,7 @@ from kareus.exec.nvml import HOST_BOUND_BUSY, Coordinator
 from kareus.model.partition import build_partitions
 from kareus.model.profiler import Profiler
 from kareus.model.workload import Workload
-from kareus.search.partition_frontier import PartitionFrontier
+from kareus.search import PartitionFrontier, SearchSpec, search_log_path
 from kareus.tune._lockstep import Catalog, LockstepProfiler, follow
 from kareus.workflow import OptimizationResult, manifest_inputs, optimize
 
@@ -84,6 +84,7 @@ def run_lockstep(workload: Workload, *, profiler: Profiler, coordinator: Coordin
                  types: Sequence[str] | None = None, budget: int = 16,
                  batch_size: int | None = None, seed: int = 0, schedule: str = "1f1b",
                  surrogate: Any = None, systems: Sequence[str] | None = None,
+                 search: SearchSpec | None = None,
                  fresh: bool = False, progress: bool | None = None,
                  deadline_s: float | None = None, energy_budget_j: float | None = None,
                  info: dict[str, Any] | None = None,
@@ -104,8 +105,11 @@ def run_lockstep(workload: Workload, *, profiler: Profiler, coordinator: Coordin
         backends: Backend names configurations may carry.
         types: Search only these partition types and write their frontiers
             (``frontiers.json``) instead of composing; ``None`` = the whole job.
-        budget, batch_size, seed, schedule, surrogate, systems, fresh, progress: As for
+        budget, batch_size, seed, schedule, surrogate, systems, fresh, progress: As
             [`optimize`][kareus.workflow.optimize].
+        search: The search specification; ``None`` = one made of ``budget``,
+            ``batch_size``, ``seed`` and ``surrogate`` (given, it replaces them). The
+            partition types' searches of a run with ``types`` use it as the whole job's do.
         deadline_s, energy_budget_j: The plan chosen (at most one; default the fastest).
         info: Extra facts for ``tune.json`` (machine, clocks, backends).
         clock: Time source.
@@ -121,6 +125,8 @@ def run_lockstep(workload: Workload, *, profiler: Profiler, coordinator: Coordin
     from kareus._outdir import guarded_folder
 
     t0 = clock() if started is None else started
+    if search is None:
+        search = SearchSpec(budget=budget, batch_size=batch_size, seed=seed, surrogate=surrogate)
     catalog = Catalog(workload)
     world = coordinator.world_size
     if coordinator.rank != 0:
@@ -132,9 +138,10 @@ def run_lockstep(workload: Workload, *, profiler: Profiler, coordinator: Coordin
                               backends=backends, cache=None)
     ok = False
     try:
-        inputs = manifest_inputs(workload, leader, budget=budget, batch_size=batch_size,
-                                 seed=seed, schedule=schedule, surrogate=surrogate,
-                                 systems=systems)
+        inputs = manifest_inputs(workload, leader, budget=search.budget,
+                                 batch_size=search.batch_size, seed=search.seed,
+                                 schedule=schedule, surrogate=search.surrogate, systems=systems,
+                                 passes=search.passes)
         inputs["tuning"] = {"types": None if types is None else list(types),
                             "backends": list(backends),
                             "clocks_mhz": list(leader.clocks_mhz() or ()),
@@ -149,19 +156,16 @@ def run_lockstep(workload: Workload, *, profiler: Profiler, coordinator: Coordin
             frontiers: dict[str, PartitionFrontier] = {}
             try:
                 if types is None:
-                    result = optimize(workload, profiler=leader, budget=budget,
-                                      batch_size=batch_size, seed=seed, log_dir=out / "logs",
-                                      schedule=schedule, surrogate=surrogate, systems=systems,
+                    result = optimize(workload, profiler=leader, search=search,
+                                      log_dir=out / "logs", schedule=schedule, systems=systems,
                                       progress=progress)
                     frontiers = result.partition_frontiers()
                     plan = result.select(deadline_s=deadline_s,
                                          energy_budget_j=energy_budget_j)
                     paths.update(result.save(out, plan=plan))
                 else:
-                    frontiers = _search_types(leader, catalog, types, budget=budget,
-                                              batch_size=batch_size, seed=seed,
-                                              log_dir=out / "logs", progress=progress,
-                                              surrogate=surrogate)
+                    frontiers = _search_types(leader, catalog, types, search,
+                                              log_dir=out / "logs", progress=progress)
                     paths["frontiers"] = out / "frontiers.json"
                     write_json_atomic(paths["frontiers"], {
                         "note": "partition frontiers of the types searched; not composed "
@@ -217,25 +221,15 @@ def _earlier_runs(path: Path) -> list[dict[str, Any]]:
     return [r for r in runs if isinstance(r, dict) and "gpu_time_s" in r]
 
 
-def _search_types(profiler: Profiler, catalog: Catalog, types: Sequence[str], *, budget: int,
-                  batch_size: int | None, seed: int, log_dir: Path, progress: bool | None,
-                  surrogate: Any) -> dict[str, PartitionFrontier]:
-    from kareus.search import MultiPassSearch
-    from kareus.workflow import resolve_surrogate
-
+def _search_types(profiler: Profiler, catalog: Catalog, types: Sequence[str],
+                  search: SearchSpec, *, log_dir: Path, progress: bool | None
+                  ) -> dict[str, PartitionFrontier]:
+    """The searches of some partition types alone, each as the whole job searches it."""
     pset = build_partitions(catalog.workload)
     unknown = [t for t in types if t not in pset.types]
     if unknown:
         raise ValueError(f"unknown partition type(s) {unknown}; {catalog.workload.describe()} "
                          f"has {list(pset.types)}")
     log_dir.mkdir(parents=True, exist_ok=True)
-    template = resolve_surrogate(surrogate, seed)
-    out = {}
-    for name in types:
-        part = pset.types[name]
-        space = profiler.space(part)
-        search = MultiPassSearch(space, budget=min(budget, len(space)), batch_size=batch_size,
-                                 seed=seed, resume=log_dir / f"search-{name}.jsonl",
-                                 progress=progress, surrogate=template)
-        out[name] = search.run(profiler, part)
-    return out
+    return {name: search.run(profiler, pset.types[name], log=search_log_path(log_dir, name),
+                             progress=progress) for name in types}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kareus.compose import SystemsResult, compose_systems, exhaustive_search
+from kareus.compose import SystemsResult
 from kareus.model.config import ConfigSpace, ScheduleConfig
 from kareus.model.gpu import get_gpu
 from kareus.model.measurement import Measurement
@@ -12,6 +12,7 @@ from kareus.model.partition import OutsideWork, Partition
 from kareus.model.profiler import Profiler
 from kareus.model.workload import Workload
 from kareus.search import PartitionFrontier
+from kareus.workflow import compose_systems, exhaustive_search
 
 
 class FakeProfiler(Profiler):

@@ -12,11 +12,11 @@ import pytest
 from kareus.compose import (
     FrontierComposer,
     IterationComposer,
+    IterationContext,
     IterationFrontier,
     MicrobatchComposer,
+    MicrobatchContext,
     MicrobatchFrontier,
-    compose_systems,
-    exhaustive_search,
 )
 from kareus.model.config import ConfigSpace
 from kareus.search import PartitionFrontier
@@ -26,6 +26,7 @@ from kareus.testing import (
     check_iteration_composer,
     check_microbatch_composer,
 )
+from kareus.workflow import compose_systems, exhaustive_search
 
 
 class TestMicrobatchComposer(MicrobatchComposerConformance):
@@ -48,9 +49,10 @@ class TestCoarseIterationComposer(IterationComposerConformance):
 class _SlowerThanItSays(MicrobatchComposer):
     """Reports every microbatch point 1% faster than its choice runs."""
 
-    def compose(self, frontiers: Mapping[str, PartitionFrontier], /, **context: Any
+    def compose(self, frontiers: Mapping[str, PartitionFrontier],
+                context: MicrobatchContext | None = None, /, **fields: Any
                 ) -> dict[tuple[int, str], MicrobatchFrontier]:
-        out = super().compose(frontiers, **context)
+        out = super().compose(frontiers, context)
         return {k: attrs.evolve(fr, points=tuple(attrs.evolve(p, time_s=p.time_s * 0.99)
                                                   for p in fr.points))
                 for k, fr in out.items()}
@@ -59,9 +61,10 @@ class _SlowerThanItSays(MicrobatchComposer):
 class _Unlabelled(IterationComposer):
     """Drops the label it was given."""
 
-    def compose(self, frontiers: Mapping[tuple[int, str], MicrobatchFrontier], /,
-                **context: Any) -> IterationFrontier:
-        return super().compose(frontiers, **{**context, "label": ""})
+    def compose(self, frontiers: Mapping[tuple[int, str], MicrobatchFrontier],
+                context: IterationContext | None = None, /, **fields: Any) -> IterationFrontier:
+        assert context is not None
+        return super().compose(frontiers, attrs.evolve(context, label=""))
 
 
 def test_suites_catch_broken_composers():
@@ -76,7 +79,7 @@ def test_suites_catch_broken_composers():
 def test_the_role_is_abstract_and_generic():
     with pytest.raises(TypeError):
         FrontierComposer()  # type: ignore[abstract]
-    assert FrontierComposer[Mapping[str, int], int] is not FrontierComposer  # subscriptable
+    assert FrontierComposer[Mapping[str, int], MicrobatchContext, int] is not FrontierComposer
     assert isinstance(MicrobatchComposer(), FrontierComposer)
     assert isinstance(IterationComposer(), FrontierComposer)
 
@@ -88,10 +91,10 @@ class _CountingIterationComposer(IterationComposer):
         super().__init__(resolution=0.05)
         self.calls = 0
 
-    def compose(self, frontiers: Mapping[tuple[int, str], MicrobatchFrontier], /,
-                **context: Any) -> IterationFrontier:
+    def compose(self, frontiers: Mapping[tuple[int, str], MicrobatchFrontier],
+                context: IterationContext | None = None, /, **fields: Any) -> IterationFrontier:
         self.calls += 1
-        return super().compose(frontiers, **context)
+        return super().compose(frontiers, context)
 
 
 def test_compose_systems_takes_any_composer(tiny_workload, fake_profiler):

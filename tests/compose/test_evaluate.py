@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kareus.compose import evaluate_plan, measure_outside_work
+from kareus.compose import evaluate_plan
 from kareus.model.partition import build_partitions
+from kareus.workflow import measure_outside_work
 
 
 def test_frontier_is_monotone_and_plans_reevaluate(composed, tiny_workload, fake_profiler):

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from kareus.compose import (
     SYSTEMS,
     IterationComposer,
+    IterationContext,
     MicrobatchChoice,
     MicrobatchFrontier,
     MicrobatchPoint,
@@ -110,8 +111,8 @@ def test_composer_fastest_plan_is_cheapest_at_min_time(system, seed):
     keys = sorted({(c.stage, c.phase) for c in sched.nodes})
     mf = {k: _frontier(system, k, rng) for k in keys}
     static = float(rng.uniform(0.0, 5.0))
-    fr = IterationComposer().compose(mf, static_power_w=static, gpu="a100-40gb",
-                                     schedule=sched, label=system)
+    fr = IterationComposer().compose(mf, IterationContext(static_power_w=static, gpu="a100-40gb",
+                                                          schedule=sched, label=system))
     nodes = sched.nodes
     idx = {c: i for i, c in enumerate(nodes)}
     dag = Dag(len(nodes), [(idx[u], idx[v]) for u, v in sched.edges])

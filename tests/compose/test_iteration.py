@@ -7,7 +7,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kareus.compose import IterationComposer, MicrobatchChoice, MicrobatchFrontier, MicrobatchPoint
+from kareus.compose import (
+    IterationComposer,
+    IterationContext,
+    MicrobatchChoice,
+    MicrobatchFrontier,
+    MicrobatchPoint,
+)
 from kareus.model.config import ScheduleConfig
 from kareus.model.pipeline import one_f_one_b
 
@@ -36,9 +42,17 @@ def test_composer_arguments(composed):
         IterationComposer().compose(mf, static_power_w=1.0, gpu="a100-40gb")
     with pytest.raises(ValueError, match="unit_s"):
         IterationComposer(unit_s=0)
-    fr = IterationComposer(resolution=0.05).compose(mf, static_power_w=100.0, gpu="a100-40gb",
-                                                    num_microbatches=3)
+    with pytest.warns(DeprecationWarning, match="IterationContext"):  # earlier releases' form
+        old = IterationComposer(resolution=0.05).compose(mf, static_power_w=100.0,
+                                                         gpu="a100-40gb", num_microbatches=3)
+    fr = IterationComposer(resolution=0.05).compose(mf, IterationContext(
+        static_power_w=100.0, gpu="a100-40gb", schedule=one_f_one_b(2, 3)))
     assert fr.stats["unit_s"] > 0 and len(fr) >= 1
+    assert [p.plan.digest for p in fr] == [p.plan.digest for p in old]
+    with pytest.raises(ValueError, match="static_power_w must be >= 0"):
+        IterationContext(static_power_w=-1.0, gpu="a100-40gb", schedule=one_f_one_b(2, 3))
+    with pytest.raises(TypeError, match="PipelineSchedule"):
+        IterationContext(static_power_w=1.0, gpu="a100-40gb", schedule=None)  # type: ignore[arg-type]
 
 
 def test_plot_smoke(composed):
@@ -71,8 +85,8 @@ def test_iteration_frontier_invariants(seed, pp, m):
                     for i, (t, e) in enumerate(zip(ts, es))]
             mfs[(s, ph)] = MicrobatchFrontier.from_fronts(s, ph, by_freq)
     static = float(rng.uniform(0, 20))
-    fr = IterationComposer(resolution=0.05).compose(mfs, static_power_w=static,
-                                                    gpu="a100-40gb", num_microbatches=m)
+    fr = IterationComposer(resolution=0.05).compose(mfs, IterationContext(
+        static_power_w=static, gpu="a100-40gb", schedule=one_f_one_b(pp, m)))
     a = fr.array()
     assert len(fr) >= 1
     assert np.all(np.diff(a[:, 0]) > 0) and np.all(np.diff(a[:, 1]) < 0)

@@ -9,12 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kareus.compose.microbatch import MicrobatchComposer, measure_outside_work, pareto_sum
+from kareus.compose import MicrobatchContext
+from kareus.compose.microbatch import MicrobatchComposer, pareto_sum
 from kareus.model.config import ScheduleConfig
 from kareus.model.measurement import Measurement
 from kareus.model.partition import build_partitions
 from kareus.search.pareto import pareto_front
 from kareus.search.partition_frontier import Observation, PartitionFrontier
+from kareus.workflow import measure_outside_work
 
 fronts_st = st.lists(
     st.lists(st.tuples(st.floats(0.1, 10), st.floats(0.1, 10)), min_size=1, max_size=6),
@@ -64,7 +66,7 @@ def test_composer_weights_by_counts_and_scales_to_stage(tiny_workload, fake_prof
     freqs = [1410, 1200]
     pfs = _frontiers_for(pset, freqs, rng)
     outside = measure_outside_work(fake_profiler, pset, freqs)
-    mfs = MicrobatchComposer().compose(pfs, partitions=pset, outside=outside)
+    mfs = MicrobatchComposer().compose(pfs, MicrobatchContext(partitions=pset, outside=outside))
     assert set(mfs) == {(s, ph) for s in range(2) for ph in ("fwd", "bwd")}
     dp = tiny_workload.parallelism.dp
     for (stage, phase), mf in mfs.items():
@@ -88,10 +90,11 @@ def test_predicted_points_only_when_allowed(tiny_workload):
     pset = build_partitions(tiny_workload)
     rng = np.random.default_rng(1)
     pfs = _frontiers_for(pset, [1410, 1200], rng, predicted_freqs=(1200,))
-    measured = MicrobatchComposer().compose(pfs, partitions=pset)
+    measured = MicrobatchComposer().compose(pfs, MicrobatchContext(partitions=pset))
     assert all(mf.freqs_mhz == [1410] for mf in measured.values())
     assert not any(p.predicted for mf in measured.values() for p in mf.points)
-    with_pred = MicrobatchComposer(include_predicted=True).compose(pfs, partitions=pset)
+    with_pred = MicrobatchComposer(include_predicted=True).compose(
+        pfs, MicrobatchContext(partitions=pset))
     for mf in with_pred.values():
         assert mf.freqs_mhz == [1410, 1200]
         assert all(p.predicted for p in mf.at(1200))
@@ -103,7 +106,22 @@ def test_missing_type_is_an_error(tiny_workload):
     pfs = _frontiers_for(pset, [1410], np.random.default_rng(2))
     pfs.pop(next(iter(pfs)))
     with pytest.raises(ValueError, match="no partition frontier"):
-        MicrobatchComposer().compose(pfs, partitions=pset)
+        MicrobatchComposer().compose(pfs, MicrobatchContext(partitions=pset))
+
+
+def test_the_keyword_form_of_earlier_releases_still_composes_with_a_warning(tiny_workload):
+    pset = build_partitions(tiny_workload)
+    pfs = _frontiers_for(pset, [1410], np.random.default_rng(3))
+    with pytest.warns(DeprecationWarning, match="MicrobatchContext"):
+        old = MicrobatchComposer().compose(pfs, partitions=pset)
+    new = MicrobatchComposer().compose(pfs, MicrobatchContext(partitions=pset))
+    assert {k: v.to_json() for k, v in old.items()} == {k: v.to_json() for k, v in new.items()}
+    with pytest.raises(TypeError, match="not both"):
+        MicrobatchComposer().compose(pfs, MicrobatchContext(partitions=pset), outside=None)
+    with pytest.raises(TypeError, match="must be a MicrobatchContext"):
+        MicrobatchComposer().compose(pfs, pset)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="PartitionSet"):
+        MicrobatchContext(partitions=None)  # type: ignore[arg-type]
 
 
 def test_four_types_of_thirty_points_compose_to_a_front_of_their_sums():

@@ -467,7 +467,7 @@ def test_random_corruptions_are_refused_without_traceback(kinds, k, redigest, by
 
 def test_a_real_plan_from_the_composer_validates(tmp_path):
     """A plan composed by the pipeline (not hand-built) passes every check."""
-    from kareus.compose import compose_systems
+    from kareus.workflow import compose_systems
     from tests.compose.conftest import FakeProfiler
 
     wl = Workload.preset("qwen3-1.7b", tp=2, pp=2, microbatch_size=2, seq_len=512,

@@ -14,18 +14,16 @@ from kareus.compose import (
     IterationComposer,
     MicrobatchFrontier,
     baseline_space,
-    compose_systems,
     evaluate_plan,
-    exhaustive_search,
     kareus_partition_sets,
     kareus_type_key,
     kareus_types,
-    measure_outside_work,
 )
 from kareus.model.config import ConfigSpace
 from kareus.model.measurement import Measurement
 from kareus.model.partition import build_partitions
 from kareus.model.workload import Workload
+from kareus.workflow import compose_systems, exhaustive_search, measure_outside_work
 from tests.compose.conftest import FakeProfiler
 
 
@@ -139,7 +137,7 @@ def _small_grid_search(p, part):
 
 def test_where_splitting_does_not_pay_kareus_runs_unsplit_and_beats_megatron(
         tiny_workload, monkeypatch):
-    import kareus.compose.systems as systems
+    import kareus._orchestrate as systems
 
     prof = _SplittingCosts()
     res = compose_systems(tiny_workload, prof, search=_small_grid_search)
@@ -171,7 +169,7 @@ def test_where_splitting_does_not_pay_kareus_runs_unsplit_and_beats_megatron(
                                                                              rel=1e-9)
     # Without the unsplit types (kareus as it was), kareus is slower than Megatron-LM here.
     real = systems.kareus_partition_sets
-    monkeypatch.setattr(systems, "kareus_partition_sets", lambda wl: real(wl)[:1])
+    monkeypatch.setattr(systems, "kareus_partition_sets", lambda wl, b=None: real(wl, b)[:1])
     split_only = compose_systems(tiny_workload, _SplittingCosts(), search=_small_grid_search,
                                  systems=["megatron", "kareus"])
     assert split_only["kareus"].points[0].time_s > meg.time_s
@@ -180,12 +178,12 @@ def test_where_splitting_does_not_pay_kareus_runs_unsplit_and_beats_megatron(
 
 def test_kareus_frontier_is_never_worse_than_either_partition_set_alone(tiny_workload,
                                                                         monkeypatch):
-    import kareus.compose.systems as systems
+    import kareus._orchestrate as systems
 
     def kareus_front(sets):
         real = systems.kareus_partition_sets
         with monkeypatch.context() as m:
-            m.setattr(systems, "kareus_partition_sets", lambda wl: sets(real(wl)))
+            m.setattr(systems, "kareus_partition_sets", lambda wl, b=None: sets(real(wl, b)))
             return compose_systems(tiny_workload, FakeProfiler(), search=_small_grid_search,
                                    systems=["kareus"])["kareus"]
 
@@ -231,8 +229,8 @@ def test_a_composer_that_records_another_count_is_refused(tiny_workload):
     from kareus.compose import MicrobatchComposer
 
     class _Wrong(MicrobatchComposer):
-        def compose(self, frontiers, /, **kw):
-            out = super().compose(frontiers, **kw)
+        def compose(self, frontiers, context, /):
+            out = super().compose(frontiers, context)
             return {k: MicrobatchFrontier.from_fronts(fr.stage, fr.phase, {
                 f: [attrs.evolve(p, choice=attrs.evolve(p.choice, nanobatches=7)) for p in ps]
                 for f, ps in fr.by_freq.items()}) for k, fr in out.items()}
@@ -246,8 +244,8 @@ def test_a_composer_that_leaves_the_count_out_gets_its_sets(tiny_workload):
     from kareus.compose import MicrobatchComposer
 
     class _Silent(MicrobatchComposer):
-        def compose(self, frontiers, /, **kw):
-            out = super().compose(frontiers, **kw)
+        def compose(self, frontiers, context, /):
+            out = super().compose(frontiers, context)
             return {k: MicrobatchFrontier.from_fronts(fr.stage, fr.phase, {
                 f: [attrs.evolve(p, choice=attrs.evolve(p.choice, nanobatches=None))
                     for p in ps] for f, ps in fr.by_freq.items()}) for k, fr in out.items()}
@@ -307,15 +305,15 @@ class _FastestOnly(IterationComposer):
     """An iteration composer that sees only each computation's fastest point: a stand-in
     for one that misses points (the default works on a time grid)."""
 
-    def compose(self, frontiers, /, **kw):
+    def compose(self, frontiers, context, /):
         fastest = {k: MicrobatchFrontier.from_fronts(fr.stage, fr.phase, {
             fr.points[0].freq_mhz: [fr.points[0]]}) for k, fr in frontiers.items()}
-        return super().compose(fastest, **kw)
+        return super().compose(fastest, context)
 
 
 def test_megatrons_plan_is_on_kareus_frontier_whatever_the_composer_misses(tiny_workload,
                                                                            monkeypatch):
-    import kareus.compose.systems as systems
+    import kareus._orchestrate as systems
 
     def run():
         return compose_systems(tiny_workload, _FasterButCostlier(), search=_small_grid_search,
@@ -332,5 +330,5 @@ def test_megatrons_plan_is_on_kareus_frontier_whatever_the_composer_misses(tiny_
     assert any(p.plan.partition_configs() == meg_plan.partition_configs()
                and p.plan.nanobatch_counts == (1,) for p in res["kareus"].points)
     with monkeypatch.context() as m:  # without the systems' own configurations composed
-        m.setattr(systems, "_anchored", lambda *a, **k: [])
+        m.setattr(systems, "_anchors", lambda *a, **k: None)
         assert not dominated(run())

@@ -5,13 +5,14 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from kareus.compose import MicrobatchChoice, Plan, compose_systems, exhaustive_search
+from kareus.compose import MicrobatchChoice, Plan
 from kareus.errors import PlanError
 from kareus.exec._plan_lookup import plan_config, plan_frequency, plan_nanobatches
 from kareus.model.config import ConfigSpace, ScheduleConfig
 from kareus.model.partition import build_partitions
 from kareus.model.pipeline import one_f_one_b
 from kareus.model.workload import Workload
+from kareus.workflow import compose_systems, exhaustive_search
 
 WL = Workload.preset("qwen3-1.7b", tp=2, pp=2, microbatch_size=2, seq_len=1024,
                      num_microbatches=2)

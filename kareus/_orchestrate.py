@@ -1,0 +1,552 @@
+"""The one place that measures: kareus's searches, the baselines' spaces, the outside work, the tail.
+
+The layers below only compute: the search layer decides what to measure next
+([`SearchSpec`][kareus.search.SearchSpec], [`MultiPassSearch`][kareus.search.MultiPassSearch]) and
+the compose layer composes what was measured ([`compose_measured`][kareus.compose.compose_measured]).
+Everything that calls a [`Profiler`][kareus.model.Profiler] for the systems compared runs here, in
+the workflow layer, in the order it always ran:
+
+1. [`preflight`][kareus.workflow.preflight]: every check that needs no measurement (the pipeline
+   schedule's name, the parallelism, the memory, what the profiler can measure), before the first
+   one. A profiler that does not implement ``measure_outside`` is refused here, in well under a
+   second, not after every search.
+2. [`search_types`][kareus.workflow.search_types]: kareus's search of every partition type, one
+   after another or as tasks of a ``concurrent.futures`` pool, each with its search log.
+3. [`measure_systems`][kareus.workflow.measure_systems]: per system, its partition frontiers (kareus's
+   searched, the baselines' restricted spaces measured exhaustively,
+   [`exhaustive_search`][kareus.workflow.exhaustive_search]), the work outside partitions at the
+   clocks they use ([`measure_outside_work`][kareus.workflow.measure_outside_work]) and the
+   per-iteration tail, all through one cache so that a configuration measured once serves every
+   system; the result is a [`SystemsMeasurements`][kareus.compose.SystemsMeasurements].
+4. [`compose_systems`][kareus.workflow.compose_systems]: steps 3 and the composition together.
+
+Import the public names from [`kareus.workflow`][kareus.workflow].
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor
+from pathlib import Path
+from typing import Any
+
+from kareus.compose.context import OutsideTable
+from kareus.compose.systems import (
+    SYSTEMS,
+    AnyIterationComposer,
+    AnyMicrobatchComposer,
+    MeasuredSet,
+    MeasuredSystem,
+    PartitionBuilder,
+    SearchFn,
+    SystemsMeasurements,
+    SystemsResult,
+    baseline_space,
+    compose_measured,
+    kareus_partition_sets,
+    kareus_type_key,
+    system_configs,
+    system_workload,
+)
+from kareus.errors import ArgumentError, ArgumentTypeError
+from kareus.model.config import ConfigSpace, ScheduleConfig
+from kareus.model.gpu import GPUSpec
+from kareus.model.measurement import Measurement
+from kareus.model.memory import MemoryEstimate, check_memory
+from kareus.model.partition import OutsideWork, Partition, PartitionSet, build_partitions
+from kareus.model.pipeline import PipelineSchedule, get_schedule, one_f_one_b
+from kareus.model.profiler import Profiler
+from kareus.model.workload import Workload
+from kareus.search import Observation, PartitionFrontier, SearchSpec, search_log_path
+
+__all__ = ["compose_systems", "exhaustive_search", "measure_outside_work", "measure_systems",
+           "partition_builder", "preflight", "require_outside_work", "search_types"]
+
+
+# ------------------------------------------------------------------------ before measuring
+
+
+def require_outside_work(profiler: Profiler) -> None:
+    """Refuse a profiler that cannot measure the work outside partitions, which composing
+    whole iterations needs (the embedding, LM head, loss, pipeline sends, optimizer step).
+
+    Raises:
+        ArgumentTypeError: ``profiler.measures_outside_work`` is false; the message names the
+            method to implement.
+    """
+    if not profiler.measures_outside_work:
+        raise ArgumentTypeError(
+            f"{type(profiler).__name__} does not implement measure_outside(work, freq_mhz, *, "
+            f"group_size, comm_sms=None), which composing whole iterations needs (embedding, "
+            f"LM head, loss, pipeline sends, optimizer step): implement it (docs/plugins.md), "
+            f"or search partition types alone with SearchSpec(...).run(profiler, partition)")
+
+
+@functools.lru_cache(maxsize=16)
+def _memory(workload: Workload, gpu: GPUSpec, schedule: str) -> MemoryEstimate:
+    """``check_memory``, once per (workload, GPU, schedule): its inputs are frozen values, so
+    the command line's early check and ``optimize``'s are one check."""
+    return check_memory(workload, gpu, schedule=schedule)
+
+
+def preflight(workload: Workload, profiler: Profiler, *, schedule: str = "1f1b") -> MemoryEstimate:
+    """Every check [`optimize`][kareus.workflow.optimize] makes before its first measurement.
+
+    The pipeline schedule's name, the parallelism (TP = CP = 1 leaves nothing to schedule),
+    what the profiler can measure (``measure_outside`` for whole iterations) and the memory
+    (``kareus.model.memory.check_memory``). Cheap (well under a second) and idempotent: the
+    memory check of a (workload, GPU, schedule) runs once per process, so a caller that checks
+    early (the ``kareus`` command, before it makes its output folder) and then calls
+    ``optimize`` checks once.
+
+    Args:
+        workload: The workload.
+        profiler: What will measure.
+        schedule: Pipeline schedule name (``"1f1b"``, ``"gpipe"``).
+
+    Returns:
+        The memory estimate per GPU.
+
+    Raises:
+        UnknownPresetError: an unknown schedule.
+        WorkloadError: TP = CP = 1, or a workload that does not fit in the GPU's memory.
+        ArgumentTypeError: a profiler that is not a Profiler, or that cannot measure the work
+            outside partitions.
+    """
+    if not isinstance(profiler, Profiler):
+        raise ArgumentTypeError(f"profiler must be a kareus Profiler, got "
+                                f"{type(profiler).__name__}")
+    get_schedule(schedule, 1, 1)  # raises UnknownPresetError early
+    _check_parallelism(workload)  # before the memory check: more parallelism is the answer
+    require_outside_work(profiler)
+    return _memory(workload, profiler.gpu, schedule)
+
+
+def _check_parallelism(workload: Workload) -> None:
+    """Refuse a workload with no collective to schedule (TP = CP = 1, what
+    ``Workload.preset(name)`` gives), naming the command line's defaults."""
+    from kareus.errors import WorkloadError
+
+    p = workload.parallelism
+    if p.tp == 1 and p.cp == 1:
+        raise WorkloadError(
+            f"{workload.describe()}: with TP=1 and CP=1 no layer has a collective to overlap, "
+            f"and kareus schedules collectives; give the workload tensor or context "
+            f"parallelism, e.g. Workload.preset({workload.model.name!r}, tp=4, pp=2), which is "
+            f"what `kareus optimize --workload {workload.model.name}` runs by default")
+
+
+def partition_builder(partitions: PartitionSet | PartitionBuilder | None,
+                      workload: Workload) -> PartitionBuilder:
+    """How every workload variant the systems compose is cut into partitions.
+
+    Args:
+        partitions: ``None`` = [`build_partitions`][kareus.model.build_partitions]; a
+            ``PartitionSet`` of ``workload`` = those partitions for ``workload`` itself (its
+            other variants, the unsplit set kareus searches too and the baselines' nanobatch
+            counts, are built by ``build_partitions``); a callable ``workload ->
+            PartitionSet`` = used for every variant.
+        workload: The workload optimised.
+
+    Returns:
+        The builder.
+
+    Raises:
+        ArgumentTypeError: neither; or a builder that returns something else than a
+            PartitionSet (when called).
+        ArgumentError: a PartitionSet of another workload.
+    """
+    if partitions is None:
+        return build_partitions
+    if isinstance(partitions, PartitionSet):
+        if partitions.workload != workload:
+            raise ArgumentError(f"partitions were built for {partitions.workload.describe()}, "
+                                f"not for the workload optimised, {workload.describe()}")
+        for name, part in partitions.types.items():
+            if not isinstance(part, Partition):
+                raise ArgumentTypeError(f"partitions.types[{name!r}] must be a kareus "
+                                        f"Partition, got {type(part).__name__}")
+        given = partitions
+        return lambda wl: given if wl == given.workload else build_partitions(wl)
+    if callable(partitions):
+        build = partitions
+
+        def checked(wl: Workload) -> PartitionSet:
+            pset = build(wl)
+            if not isinstance(pset, PartitionSet):
+                raise ArgumentTypeError(f"partitions({wl.describe()}) must return a "
+                                        f"PartitionSet, got {type(pset).__name__}")
+            return pset
+        return checked
+    raise ArgumentTypeError(f"partitions must be a PartitionSet, a function workload -> "
+                            f"PartitionSet, or None, got {type(partitions).__name__}")
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def exhaustive_search(profiler: Profiler, space: ConfigSpace) -> PartitionFrontier:
+    """Measure every configuration of ``space`` once.
+
+    Args:
+        profiler: Measures the space's partition.
+        space: The configurations.
+
+    Returns:
+        The frontier over every measurement.
+    """
+    obs = [Observation(config=c, measurement=profiler.measure(space.partition, c))
+           for c in space.configs]
+    return PartitionFrontier.from_observations(space.partition.name, space.gpu.name, obs)
+
+
+def measure_outside_work(profiler: Profiler, partitions: PartitionSet,
+                         freqs_mhz: Sequence[int], *, comm_sms: int | None = None
+                         ) -> dict[tuple[int, str], dict[int, Measurement]]:
+    """Measure the work outside partitions of every stage and phase at every frequency.
+
+    Identical work (e.g. the empty outside work of middle stages) is measured once; empty
+    work costs nothing. Measurements cover one stage's TP x CP group.
+
+    Args:
+        profiler: Measures the work.
+        partitions: The workload's partition set (its ``outside`` work per stage and phase).
+        freqs_mhz: Frequencies to measure at.
+        comm_sms: SM count of the outside collectives; ``None`` = the profiler's default.
+
+    Returns:
+        ``outside[(stage, phase)][freq_mhz]``: the measurement.
+
+    Raises:
+        ArgumentTypeError: ``profiler`` is not a Profiler, or cannot measure outside work.
+    """
+    if not isinstance(profiler, Profiler):
+        raise ArgumentTypeError(f"profiler must be a kareus Profiler, got "
+                                f"{type(profiler).__name__}")
+    p = partitions.workload.parallelism
+    group = p.tp * p.cp
+    static = profiler.static_power_w(group)
+    cache: dict[tuple[OutsideWork, int], Measurement] = {}
+    out: dict[tuple[int, str], dict[int, Measurement]] = {}
+    for key, work in partitions.outside.items():
+        row: dict[int, Measurement] = {}
+        for f in freqs_mhz:
+            if not work.ops and not work.comms:
+                row[int(f)] = Measurement(time_s=0.0, energy_j=0.0, static_power_w=static)
+                continue
+            ck = (work, int(f))
+            if ck not in cache:
+                cache[ck] = profiler.measure_outside(work, int(f), group_size=group,
+                                                     comm_sms=comm_sms)
+            row[int(f)] = cache[ck]
+        out[key] = row
+    return out
+
+
+class _SharedMeasurements(Profiler):
+    """One measurement per (partition, configuration) for all the systems compared.
+
+    The systems' spaces overlap (Megatron-LM's configuration is Perseus's at the maximum
+    clock, and kareus's space holds them all). Measuring the same run twice would let
+    measurement noise, not the system, decide which one wins, and would waste profiles on
+    real GPUs; so the first measurement of a configuration serves every system.
+    """
+
+    def __init__(self, inner: Profiler) -> None:
+        self.inner = inner
+        self.gpu = inner.gpu
+        self._runs: dict[Any, Measurement] = {}
+        self._outside: dict[Any, Measurement] = {}
+
+    @staticmethod
+    def _key(partition: Partition) -> Any:
+        try:
+            hash(partition)
+        except TypeError:
+            return id(partition)
+        return partition
+
+    def remember(self, partition: Partition, frontier: PartitionFrontier) -> None:
+        """Take the measured observations of a search already made."""
+        for o in frontier.measured():
+            self._runs.setdefault((self._key(partition), o.config), o.measurement)
+
+    def measure(self, partition: Partition, config: ScheduleConfig) -> Measurement:
+        key = (self._key(partition), config)
+        if key not in self._runs:
+            self._runs[key] = self.inner.measure(partition, config)
+        return self._runs[key]
+
+    def measure_outside(self, work: OutsideWork, freq_mhz: int, *, group_size: int,
+                        comm_sms: int | None = None) -> Measurement:
+        key = (work, int(freq_mhz), int(group_size), comm_sms)
+        if key not in self._outside:
+            self._outside[key] = self.inner.measure_outside(work, freq_mhz,
+                                                            group_size=group_size,
+                                                            comm_sms=comm_sms)
+        return self._outside[key]
+
+    def static_power_w(self, group_size: int) -> float:
+        return self.inner.static_power_w(group_size)
+
+    def space(self, partition: Partition) -> ConfigSpace:
+        return self.inner.space(partition)
+
+    def clocks_mhz(self) -> tuple[int, ...] | None:
+        return self.inner.clocks_mhz()
+
+
+def search_types(profiler: Profiler, types: Mapping[str, Partition], search: SearchSpec, *,
+                 log_dir: Path | None = None, progress: bool | None = False,
+                 pool: Executor | None = None, pset: PartitionSet | None = None
+                 ) -> dict[str, PartitionFrontier]:
+    """kareus's search of every partition type, by key, as ``search`` says.
+
+    Args:
+        profiler: Measures.
+        types: The partition types by key (the key names the search log,
+            ``search-<key>.jsonl``).
+        search: How each type is searched.
+        log_dir: Where the search logs go (an existing log is resumed); ``None`` = none.
+        progress: Each search's progress bar (``None``: on a terminal).
+        pool: Run each search as a task of this ``concurrent.futures.Executor``
+            ([`kareus.interop.tasks`][kareus.interop.tasks]); ``None`` = one after another here.
+        pset: The workload's partition set, with ``pool``: each task reads the GPUs it needs
+            from its workload.
+
+    Returns:
+        Key -> the type's frontier.
+    """
+    if pool is not None:
+        from kareus.interop.tasks import run_searches
+
+        if pset is None:
+            raise ArgumentError("search_types(pool=...) needs pset= (the GPUs of each task)")
+        frontiers, _ = run_searches(pool, profiler, pset, search=search, log_dir=log_dir,
+                                    types=types)
+        return frontiers
+    return {key: search.run(profiler, part,
+                            log=None if log_dir is None else search_log_path(log_dir, key),
+                            progress=progress)
+            for key, part in types.items()}
+
+
+def _anchors(profiler: Profiler, pset: PartitionSet, frontiers: Mapping[str, PartitionFrontier]
+             ) -> dict[str, PartitionFrontier] | None:
+    """kareus's frontiers of one partition set restricted to the systems' own configurations
+    ([`system_configs`][kareus.compose.system_configs]: Megatron-LM's sequential and
+    nanobatching's first-slot launch, at the maximum clock with NCCL's SM count), which its
+    searches measure first; ``None`` when a type lacks them (a search of its own that skips
+    them). Filters what was measured; measures nothing."""
+    restricted: dict[str, PartitionFrontier] = {}
+    for tname, pf in frontiers.items():
+        anchors = set(system_configs(profiler.space(pset.types[tname])))
+        obs = [o for o in pf.measured() if o.config in anchors]
+        if not obs:
+            return None
+        restricted[tname] = PartitionFrontier.from_observations(pf.partition, pf.gpu, obs)
+    return restricted
+
+
+def _system_names(systems: Sequence[str] | None) -> list[str]:
+    names = list(SYSTEMS if systems is None else systems)
+    unknown = [n for n in names if n not in SYSTEMS]
+    if unknown:
+        raise ArgumentError(f"unknown system(s) {unknown}; known: {', '.join(SYSTEMS)}")
+    return names
+
+
+def measure_systems(workload: Workload, profiler: Profiler, *,
+                    search: SearchSpec | SearchFn | None = None,
+                    systems: Sequence[str] | None = None,
+                    freqs_mhz: Sequence[int] | None = None,
+                    kareus_frontiers: Mapping[str, PartitionFrontier] | None = None,
+                    partitions: PartitionSet | PartitionBuilder | None = None
+                    ) -> SystemsMeasurements:
+    """Measure what the systems' composition needs; compose nothing.
+
+    kareus first, so that its searches' measurements serve the restricted spaces too; per
+    system and partition set: the partition frontiers (kareus's given or searched, the
+    baselines' spaces exhaustively), then the outside work at the clocks they use; then the
+    system's per-iteration tail at the default clock. One measurement per (partition,
+    configuration) and per (outside work, clock) serves every system.
+
+    Args:
+        workload: The training workload (needs TP >= 2 or CP >= 2).
+        profiler: Measures partitions and the work outside them.
+        search: How kareus's full space is searched per partition type: a
+            [`SearchSpec`][kareus.search.SearchSpec] or any ``search(profiler, partition) ->
+            PartitionFrontier``; ``None`` = ``SearchSpec()``.
+        systems: Which of ``SYSTEMS`` to measure; ``None`` = all five.
+        freqs_mhz: Frequencies of the frequency-planning systems; ``None`` = the GPU's
+            search grid.
+        kareus_frontiers: Partition frontiers already searched for kareus, by
+            [`kareus_type_key`][kareus.compose.kareus_type_key] (skips their search).
+        partitions: How the workload is cut into partitions
+            ([`partition_builder`][kareus.workflow.partition_builder]); ``None`` = the
+            default.
+
+    Returns:
+        What every system measured, for [`compose_measured`][kareus.compose.compose_measured].
+
+    Raises:
+        ArgumentTypeError: a profiler that is not a Profiler or cannot measure outside work,
+            a search that is not callable or returns something else than a PartitionFrontier.
+        ArgumentError: an unknown system name.
+    """
+    if not isinstance(workload, Workload):
+        raise ArgumentTypeError(f"workload must be a Workload, got {type(workload).__name__}")
+    if not isinstance(profiler, Profiler):
+        raise ArgumentTypeError(f"profiler must be a kareus Profiler, got "
+                                f"{type(profiler).__name__}")
+    names = _system_names(systems)
+    search_fn: SearchFn = SearchSpec() if search is None else search
+    if not callable(search_fn):
+        raise ArgumentTypeError("search must be a SearchSpec or callable as "
+                                "search(profiler, partition)")
+    require_outside_work(profiler)
+    build = partition_builder(partitions, workload)
+    gpu = profiler.gpu
+    p = workload.parallelism
+    static_w = profiler.static_power_w(p.world_size)
+    grid = list(gpu.search_clocks_mhz if freqs_mhz is None else freqs_mhz)
+    cache: dict[Workload, PartitionSet] = {}
+    shared = _SharedMeasurements(profiler)
+    measured: dict[str, MeasuredSystem] = {}
+    for name in sorted(names, key=lambda n: n != "kareus"):
+        wl = system_workload(name, workload)
+        if name == "kareus":
+            psets = tuple(cache.setdefault(ps.workload, ps)
+                          for ps in kareus_partition_sets(workload, build))
+        else:
+            if wl not in cache:
+                cache[wl] = build(wl)
+            psets = (cache[wl],)
+        keyed: dict[str, PartitionFrontier] = {}
+        sets: list[MeasuredSet] = []
+        for pset in psets:
+            n = pset.workload.nanobatches
+            set_pfs: dict[str, PartitionFrontier] = {}
+            for tname, part in pset.types.items():
+                if name == "kareus":
+                    key = kareus_type_key(tname, n, workload)
+                    set_pfs[tname] = keyed[key] = _kareus_frontier(
+                        key, part, shared, search_fn, kareus_frontiers)
+                else:
+                    set_pfs[tname] = keyed[tname] = exhaustive_search(
+                        shared, baseline_space(name, part, gpu, grid))
+            used = sorted({o.config.freq_mhz for pf in set_pfs.values()
+                           for o in pf.observations}, reverse=True)
+            outside: OutsideTable = measure_outside_work(shared, pset, used)
+            sets.append(MeasuredSet(
+                partitions=pset, frontiers=set_pfs, outside=outside,
+                anchors=_anchors(shared, pset, set_pfs) if name == "kareus" else None))
+        iteration = psets[0].iteration
+        # Optimizer step and DP gradient reduction, at the default (maximum) clock, over
+        # every GPU of the job; the same for every system.
+        tail = None if iteration.empty else shared.measure_outside(
+            iteration, gpu.max_clock_mhz, group_size=p.world_size)
+        measured[name] = MeasuredSystem(name=name, workload=wl, sets=tuple(sets),
+                                        frontiers=keyed, tail=tail)
+    return SystemsMeasurements(workload=workload, gpu=gpu.name, static_power_w=static_w,
+                               systems={n: measured[n] for n in names})
+
+
+def _kareus_frontier(key: str, part: Partition, shared: _SharedMeasurements,
+                     search_fn: SearchFn,
+                     given: Mapping[str, PartitionFrontier] | None) -> PartitionFrontier:
+    """Kareus's frontier of one partition type: the one given under ``key`` (its
+    measurements then serve the baselines too), else a search."""
+    if given is not None and key in given:
+        shared.remember(part, given[key])
+        return given[key]
+    pf = search_fn(shared, part)
+    if not isinstance(pf, PartitionFrontier):
+        raise ArgumentTypeError(f"search returned {type(pf).__name__}, expected a "
+                                f"PartitionFrontier")
+    return pf
+
+
+def compose_systems(workload: Workload, profiler: Profiler, *,
+                    search: SearchSpec | SearchFn | None = None,
+                    systems: Sequence[str] | None = None,
+                    freqs_mhz: Sequence[int] | None = None,
+                    schedule: Callable[[int, int], PipelineSchedule] | None = None,
+                    microbatch_composer: AnyMicrobatchComposer | None = None,
+                    iteration_composer: AnyIterationComposer | None = None,
+                    kareus_frontiers: Mapping[str, PartitionFrontier] | None = None,
+                    partitions: PartitionSet | PartitionBuilder | None = None,
+                    ) -> SystemsResult:
+    """Iteration frontiers of the five systems for one workload and one profiler.
+
+    Measures ([`measure_systems`][kareus.workflow.measure_systems]), then composes
+    ([`compose_measured`][kareus.compose.compose_measured]).
+
+    Args:
+        workload: The training workload (needs TP >= 2 or CP >= 2).
+        profiler: Measures partitions and the work outside them (it must implement
+            ``measure_outside``: checked before the first measurement).
+        search: How kareus's full space is searched per partition type: a
+            [`SearchSpec`][kareus.search.SearchSpec] or any ``search(profiler, partition) ->
+            PartitionFrontier``; ``None`` = ``SearchSpec()`` (what ``kareus.optimize`` runs
+            by default: 96 profiles per type).
+        systems: Which of ``SYSTEMS`` to compose; ``None`` = all five.
+        freqs_mhz: Frequencies of the frequency-planning systems; ``None`` = the GPU's
+            search grid.
+        schedule: ``(stages, microbatches) -> PipelineSchedule``; ``None`` = 1F1B.
+        microbatch_composer: Any [`FrontierComposer`][kareus.compose.FrontierComposer] of partition
+            frontiers into microbatch frontiers; ``None`` =
+            [`MicrobatchComposer`][kareus.compose.MicrobatchComposer].
+        iteration_composer: Any [`FrontierComposer`][kareus.compose.FrontierComposer] of microbatch
+            frontiers into an iteration frontier; ``None`` =
+            [`IterationComposer`][kareus.compose.IterationComposer].
+        kareus_frontiers: Partition frontiers already searched for kareus, by
+            [`kareus_type_key`][kareus.compose.kareus_type_key] (skips their search).
+        partitions: How the workload is cut into partitions (a ``PartitionSet`` of the
+            workload, or a function ``workload -> PartitionSet`` for every variant the systems
+            run; [`partition_builder`][kareus.workflow.partition_builder]); ``None`` =
+            [`build_partitions`][kareus.model.build_partitions].
+
+    Writes nothing: [kareus.optimize][] wraps it with search logs, and its result's
+    ``save(out)`` writes ``results.json`` and ``plan.json``.
+
+    Returns:
+        Every system's iteration frontier, microbatch frontiers and partition frontiers.
+
+    Raises:
+        ArgumentTypeError: an argument of the wrong type (a profiler that is not a Profiler
+            or cannot measure outside work, a composer that is not a FrontierComposer, a
+            search that returns something else than a PartitionFrontier).
+        ArgumentError: an unknown system name.
+
+    Examples:
+        Megatron-LM and Perseus on the emulator (neither searches kareus's space):
+
+        >>> import kareus
+        >>> from kareus.exec import EmulatedProfiler
+        >>> from kareus.workflow import compose_systems
+        >>> workload = kareus.Workload.preset("qwen3-1.7b", tp=2, pp=2, microbatch_size=2,
+        ...                                   seq_len=1024, num_microbatches=4)
+        >>> result = compose_systems(workload, EmulatedProfiler("h200-sxm"),
+        ...                          systems=["megatron", "perseus"])
+        >>> sorted(result.frontiers)
+        ['megatron', 'perseus']
+        >>> megatron, perseus = result.frontiers["megatron"], result.frontiers["perseus"]
+        >>> perseus.points[-1].energy_j < megatron.points[0].energy_j
+        True
+    """
+    from kareus.compose.composer import FrontierComposer
+
+    for what, comp in (("microbatch_composer", microbatch_composer),
+                       ("iteration_composer", iteration_composer)):
+        if comp is not None and not isinstance(comp, FrontierComposer):  # before measuring
+            raise ArgumentTypeError(f"{what} must be a kareus FrontierComposer, "
+                                    f"got {type(comp).__name__}")
+    measured = measure_systems(workload, profiler, search=search, systems=systems,
+                               freqs_mhz=freqs_mhz, kareus_frontiers=kareus_frontiers,
+                               partitions=partitions)
+    make_schedule = one_f_one_b if schedule is None else schedule
+    sched = make_schedule(workload.parallelism.pp, workload.num_microbatches)
+    return compose_measured(measured, schedule=sched, microbatch_composer=microbatch_composer,
+                            iteration_composer=iteration_composer)
