@@ -676,7 +676,7 @@ _REDELIVER_AFTER_S = 0.01
 
 def _interrupt_main(signum: int) -> None:
     if signal.getsignal(signum) is _raise_stopped and not _process_done:  # still running
-        _thread.interrupt_main(signum)
+        _thread.interrupt_main(signal.Signals(signum))
 
 
 @contextlib.contextmanager
