@@ -1,4 +1,4 @@
-"""optimize(..., executor=...): each partition type's search as a task of a
+"""optimize(..., pool=...): each partition type's search as a task of a
 concurrent.futures executor (threads, processes, Ray), with the serial run's result."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from kareus.interop.ray import RayExecutor
 from kareus.interop.tasks import SearchTask, task_gpus
 from kareus.model.partition import build_partitions
 from kareus.model.workload import Workload
+from kareus.search import SearchSpec
 from kareus.testing import FakeProfiler
 from kareus.workflow import OptimizationResult, optimize
 
@@ -53,7 +54,7 @@ def test_pool_matches_serial(pool: type[Executor], serial: tuple[OptimizationRes
     ref, ref_logs, ref_calls = serial
     prof = EmulatedProfiler("a100-40gb", seed=3)
     with pool(max_workers=2) as ex:
-        res = optimize(WL, profiler=prof, log_dir=tmp_path, executor=ex, **KW)
+        res = optimize(WL, profiler=prof, log_dir=tmp_path, pool=ex, **KW)
     _same(ref, res)
     assert _logs(tmp_path) == _logs(ref_logs)  # the logs came back into the run's folder
     assert prof.calls == ref_calls  # the noise stream is where the serial run left it
@@ -83,7 +84,7 @@ def test_tasks_in_any_order_give_the_serial_result(serial: tuple[OptimizationRes
     # searches run last-first measure what the serial run measured.
     ref, ref_logs, ref_calls = serial
     prof = EmulatedProfiler("a100-40gb", seed=3)
-    res = optimize(WL, profiler=prof, log_dir=tmp_path, executor=_Reversed(), **KW)
+    res = optimize(WL, profiler=prof, log_dir=tmp_path, pool=_Reversed(), **KW)
     _same(ref, res)
     assert _logs(tmp_path) == _logs(ref_logs)
     assert prof.calls == ref_calls
@@ -104,7 +105,7 @@ def test_resumes_from_the_run_folder(serial: tuple[OptimizationResult, Path, int
             (d / other.name).write_bytes(other.read_bytes())
     a = optimize(WL, log_dir=s_dir, **KW)
     with ThreadPoolExecutor(max_workers=2) as ex:
-        b = optimize(WL, log_dir=p_dir, executor=ex, **KW)
+        b = optimize(WL, log_dir=p_dir, pool=ex, **KW)
     _same(a, b)
     assert _logs(p_dir) == _logs(s_dir)
     assert len(_logs(p_dir)[first.name]) > cut  # the search went on from the cut
@@ -112,7 +113,19 @@ def test_resumes_from_the_run_folder(serial: tuple[OptimizationResult, Path, int
 
 def test_rejects_what_is_not_an_executor() -> None:
     with pytest.raises(TypeError, match="concurrent.futures.Executor"):
-        optimize(WL, executor=object(), **KW)  # type: ignore[arg-type]
+        optimize(WL, pool=object(), **KW)  # type: ignore[arg-type]
+
+
+def test_executor_is_the_deprecated_name_of_pool(serial: tuple[OptimizationResult, Path, int],
+                                                 tmp_path: Path) -> None:
+    ref, _, _ = serial
+    with ThreadPoolExecutor(max_workers=2) as ex:
+        with pytest.warns(DeprecationWarning, match="pool="):
+            res = optimize(WL, profiler=EmulatedProfiler("a100-40gb", seed=3),
+                           log_dir=tmp_path, executor=ex, **KW)
+        _same(ref, res)
+        with pytest.raises(ValueError, match="not both"), pytest.warns(DeprecationWarning):
+            optimize(WL, executor=ex, pool=ex, **KW)
 
 
 def test_tasks_ask_for_their_profiling_group() -> None:
@@ -179,8 +192,8 @@ def test_ray_executor_passes_search_tasks_gpus(tmp_path: Path) -> None:
     pset = build_partitions(WL)
     name, part = next(iter(pset.types.items()))
     task = SearchTask(name=name, partition=part, profiler=EmulatedProfiler("a100-40gb", seed=3),
-                      budget=4, batch_size=None, seed=3, surrogate=None, resume_text=None,
-                      log=True, num_gpus=4)
+                      search=SearchSpec(budget=4, seed=3), resume_text=None, log=True,
+                      num_gpus=4)
     ex = RayExecutor(ray=ray)
     res = ex.submit(task).result()
     assert ray.log == [{"num_gpus": 4.0, "num_cpus": 1}]
@@ -203,7 +216,7 @@ def test_optimize_on_a_local_ray_matches_serial(serial: tuple[OptimizationResult
         ray.shutdown()
     init = {"num_cpus": 2, "include_dashboard": False, "log_to_driver": False}
     with RayExecutor(init=init) as ex:
-        res = optimize(WL, log_dir=tmp_path, executor=ex, **KW)
+        res = optimize(WL, log_dir=tmp_path, pool=ex, **KW)
         assert ex.requests == [(0.0, 1)] * len(ref.profiles)  # the emulator needs no GPU
     _same(ref, res)
     assert _logs(tmp_path) == _logs(ref_logs)
