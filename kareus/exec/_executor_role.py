@@ -125,6 +125,19 @@ class CollectiveLaunch:
         return getattr(self.config, "backend", None)
 
 
+@attrs.frozen
+class _Exposed:
+    """The configuration of a collective run by itself: no launch slot, ``comm_sms`` SMs."""
+
+    comm_sms: int | None
+    launch_slot: None = None
+
+    @property
+    def sequential(self) -> bool:
+        """Always: it runs after everything issued before it."""
+        return True
+
+
 class PartitionHook(abc.ABC):
     """The scope of one partition in a user's loop (what [`Executor.partition`][kareus.exec.Executor.partition] yields).
 
@@ -520,6 +533,31 @@ class Executor(abc.ABC):
             scope.close()
         self._run_exposed(f"nanobatch{n - 1}", comm_kind, comm_tensors[n - 1], outs[n - 1],
                           config)
+
+    def run_collective(self, kind: str, tensor: Any, output: Any = None, *,
+                       sms: int | None = None, partition: str = "collective") -> None:
+        """Run one collective by itself, in stream order: after everything issued so far,
+        and what comes next waits for it (the outside work's collectives, which run among
+        its ops rather than beside them). The role's default launches and joins it through
+        the hooks, with no launch slot.
+
+        Args:
+            kind: One of ``COMM_KINDS``.
+            tensor: The tensor to all-reduce in place, or the input of an all-gather /
+                reduce-scatter.
+            output: The output of an all-gather / reduce-scatter.
+            sms: SMs it gets (``None``: the backend's own choice).
+            partition: What it belongs to (for the hooks' records).
+
+        Raises:
+            ValueError: ``kind`` is not one of ``COMM_KINDS``, or an all-gather /
+                reduce-scatter has no output.
+        """
+        if kind not in COMM_KINDS:
+            raise ValueError(f"kind must be one of {COMM_KINDS}, got {kind!r}")
+        if kind != "all_reduce" and output is None:
+            raise ValueError(f"{kind} needs an output tensor")
+        self._run_exposed(partition, kind, tensor, output, _Exposed(comm_sms=sms))
 
     def _open_scope(self, key: str, config: LaunchConfig,
                     op_names: Sequence[str] | None) -> PartitionScope:

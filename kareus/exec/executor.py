@@ -278,6 +278,24 @@ class TorchExecutor(Executor):
         else:
             self.frequency.request(freq_mhz, stream=self.streams.current_stream())
 
+    def run_collective(self, kind: str, tensor: Any, output: Any = None, *,
+                       sms: int | None = None, partition: str = "collective") -> None:
+        """Run one collective by itself on the current stream, through
+        [`backend_for`][kareus.exec.TorchExecutor.backend_for] ``(sms)`` with ``sms`` SMs
+        (the outside work's collectives; no side stream, so nothing to join).
+
+        Raises:
+            ValueError: ``kind`` is not one of ``COMM_KINDS``.
+        """
+        if kind not in COMM_KINDS:
+            raise ValueError(f"kind must be one of {COMM_KINDS}, got {kind!r}")
+        backend = self.backend_for(sms)
+        stream = self.streams.current_stream()
+        if kind == "all_reduce":
+            backend.all_reduce(tensor, stream, sms)
+        else:
+            getattr(backend, kind)(output, tensor, stream, sms)
+
     # -- the mechanism ---------------------------------------------------------------
     def _launch_comm(self, comm: tuple[str, Any, Any], sms: int | None,
                      backend_name: str | None = None) -> Any:

@@ -25,6 +25,7 @@ from typing import Any
 
 from kareus._logging import get_logger
 from kareus.errors import ArgumentError, ArgumentTypeError
+from kareus.exec._executor_role import Executor
 from kareus.exec._partition_program import PartitionProgram, RunnablePartition, _comm_zeros
 from kareus.model.ops import CommOp, ComputeOp
 from kareus.model.partition import OutsideWork
@@ -117,7 +118,7 @@ class RunnableOutsideWork(RunnablePartition):
         Args:
             device: A CUDA device (default: the current one).
             seed: Seed of the random inputs and weights.
-            collective: The executor (its ``backend_for(sms)`` runs the collectives and its
+            collective: The executor (its ``run_collective`` runs the collectives and its
                 ``empty`` allocates their buffers), or a collective backend.
         """
         import torch
@@ -265,6 +266,12 @@ def _comm_op(torch: Any, comm: CommOp, collective: Any, sms: int | None, model_b
         tensors = (buf(n // g * g), buf(n // g))
     else:
         tensors = (buf(n // g), buf(n // g * g))
+    if isinstance(collective, Executor):  # any executor runs it (Executor.run_collective)
+        ex = collective
+        if kind == "all_reduce":
+            return lambda: ex.run_collective(kind, tensors[0], sms=sms, partition=comm.name)
+        return lambda: ex.run_collective(kind, tensors[1], tensors[0], sms=sms,
+                                         partition=comm.name)
     pick = getattr(collective, "backend_for", None)
     backend = pick(sms) if callable(pick) else collective
     if backend is None:

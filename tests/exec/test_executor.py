@@ -316,3 +316,35 @@ def test_collectives_run_on_a_high_priority_stream_unless_told_not():
     assert ex.comm_stream.high_priority and ex.comm_stream.name == "comm"
     ex, _, _ = make(comm_high_priority=False)
     assert not ex.comm_stream.high_priority
+
+
+def test_run_collective_runs_on_the_current_stream_through_backend_for():
+    """A collective by itself (the outside work's): on the compute stream, no side stream,
+    no event; the backend for its SM count (the default collective for None)."""
+    dev = RecordingStreamBackend()
+    capped, default = RecordingCollective(streams=dev), RecordingCollective(streams=dev)
+    ex = TorchExecutor(collective=capped, default_collective=default, streams=dev)
+    dev.launch("before")
+    ex.run_collective("all_reduce", "g", sms=8)
+    ex.run_collective("all_gather", "x", "y")
+    assert dev.launches("compute") == ["before", "all_reduce(g)", "all_gather(x->y)"]
+    assert dev.launches("comm") == [] and not any(e[0] in ("record", "wait") for e in dev.log)
+    assert capped.calls == [("all_reduce", "g", 8)] and default.calls == [("all_gather", "x", None)]
+    with pytest.raises(ValueError, match="kind"):
+        ex.run_collective("broadcast", "g")
+
+
+def test_the_outside_works_collectives_run_through_the_executor():
+    torch = pytest.importorskip("torch")
+    from kareus.exec.outside_work import _comm_op
+    from kareus.model.ops import CommKind, CommOp
+
+    dev = RecordingStreamBackend()
+    coll = _HostBuffers(streams=dev)
+    ex = TorchExecutor(collective=coll, streams=dev)
+    comm = CommOp(name="dp_grad", kind=CommKind.ALL_GATHER, bytes=64, group_size=2)
+    run = _comm_op(torch, comm, ex, 4, 2, torch.device("cpu"), torch.float32)
+    run()
+    (kind, tensor, sms), = coll.calls
+    assert (kind, sms, tuple(tensor.shape)) == ("all_gather", 4, (16,))
+    assert dev.launches("comm") == []

@@ -174,3 +174,17 @@ def test_the_partition_runner_runs_on_the_subclass():
     assert ran == ["a", "b", "a", "b"]
     assert [(kind, sms) for kind, _, sms in backend.calls] == [("all_reduce", 12)] * 2
     runner.release()
+
+
+def test_the_outside_works_collectives_run_on_the_subclass():
+    torch = pytest.importorskip("torch")
+    from kareus.exec.outside_work import _comm_op
+    from kareus.model.ops import CommKind, CommOp
+
+    backend = RecordingCollective()
+    ex = SyncExecutor(backend=backend)
+    comm = CommOp(name="dp_grad", kind=CommKind.REDUCE_SCATTER, bytes=64, group_size=2)
+    _comm_op(torch, comm, ex, 6, 2, torch.device("cpu"), torch.float32)()
+    assert ex.launched == [("dp_grad", "reduce_scatter", 6, None)]
+    (kind, tensor, sms), = backend.calls
+    assert (kind, sms, tuple(tensor.shape)) == ("reduce_scatter", 6, (32,))
