@@ -50,6 +50,7 @@ from kareus.search._initial_design import (
 )
 from kareus.search._log import LOG_FORMAT, LOG_VERSION
 from kareus.search._multi_pass_search import MultiPassSearch
+from kareus.search._objective_model import ObjectiveModel, ObjectivePrediction
 from kareus.search._spec import (
     DEFAULT_BUDGET,
     SearchSpec,
@@ -57,7 +58,6 @@ from kareus.search._spec import (
     resolve_surrogate,
     search_log_path,
 )
-from kareus.search._objective_model import ObjectiveModel, ObjectivePrediction
 from kareus.search._xgboost_surrogate import XGBoostSurrogate
 from kareus.search.acquisition import (
     AcquisitionContext,
