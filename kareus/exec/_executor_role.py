@@ -17,7 +17,9 @@ What the role owns (concrete methods, the same for every executor):
   sequential, and joined at the end of the scope;
 * [`run_partition`][kareus.exec.Executor.run_partition] and
   [`run_nanobatched`][kareus.exec.Executor.run_nanobatched] built on that scope (an unknown slot is an
-  ``UnknownSlotError``, fewer than two nanobatches a ``ValueError``).
+  ``UnknownSlotError``, fewer than two nanobatches a ``ValueError``), and
+  [`run_collective`][kareus.exec.Executor.run_collective] (a collective by itself, as the outside
+  work runs them).
 
 What a subclass implements (the hooks, called in stream order):
 

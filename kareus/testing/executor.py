@@ -369,6 +369,12 @@ def _check_scope_rules(make: Callable[[Plan | None], Executor]) -> None:
         pass
     else:
         raise AssertionError("a collective kind outside COMM_KINDS must raise ValueError")
+    try:
+        ex.run_collective("broadcast", "x")
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("run_collective of a kind outside COMM_KINDS must raise ValueError")
 
 
 def _spy(ex: Executor, events: list[tuple[Any, ...]]) -> None:
