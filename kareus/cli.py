@@ -305,8 +305,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     from kareus.compose.plan import Plan
     from kareus.errors import InfeasibleError, WorkloadError
     from kareus.model.gpu import get_gpu
-    from kareus.model.memory import check_memory
-    from kareus.workflow import manifest_inputs, optimize
+    from kareus.workflow import manifest_inputs, optimize, preflight
 
     if args.gpu_file is not None:
         from kareus.model.files import register_gpu
@@ -330,7 +329,9 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         from kareus.exec.replay import RecordingProfiler
 
         profiler = RecordingProfiler(profiler)
-    check_memory(workload, profiler.gpu, schedule=args.schedule)
+    # optimize's checks before the folder is made (memory, parallelism, what the profiler
+    # measures); optimize's own preflight finds the memory check done (it runs once)
+    preflight(workload, profiler, schedule=args.schedule)
     _say_estimate(workload, profiler, args)
     inputs = manifest_inputs(workload, profiler, budget=args.budget, batch_size=None,
                              seed=args.seed, schedule=args.schedule, surrogate=args.surrogate,
@@ -353,7 +354,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             result = optimize(workload, profiler=profiler, budget=args.budget, seed=args.seed,
                               log_dir=out / "logs", schedule=args.schedule,
                               surrogate=args.surrogate, progress=not args.quiet,
-                              executor=executor)
+                              pool=executor)
         try:
             plan: Plan | None = result.select(deadline_s=args.deadline_s,
                                               energy_budget_j=args.energy_budget_j)
