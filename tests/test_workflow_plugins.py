@@ -257,6 +257,13 @@ def test_a_profiler_without_measure_outside_is_refused_before_measuring():
     assert len(SearchSpec(budget=3).run(prof, part).measured()) == 3
 
 
+def test_the_testing_fake_profiler_drives_optimize():
+    from kareus.testing import FakeProfiler
+
+    res = optimize(WL, profiler=FakeProfiler("h200-sxm"), **KW)
+    assert res.kareus.points[0].time_s <= res.frontiers["megatron"].points[0].time_s * 1.0001
+
+
 def test_a_recorder_measures_outside_work_when_what_it_wraps_does():
     from kareus.exec.replay import RecordingProfiler
 

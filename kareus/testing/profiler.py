@@ -6,7 +6,8 @@
   fewer SMs and some HBM contention, and power that grows with frequency and voltage. It is a toy
   (the calibrated model is [`kareus.exec.emulator.EmulatedProfiler`][kareus.exec.EmulatedProfiler]),
   but it has the shape that matters to a search: a real time-energy trade-off across frequencies and
-  SM counts, slots that matter, and seeded multiplicative noise.
+  SM counts, slots that matter, and seeded multiplicative noise. It measures the work outside
+  partitions too (closed form, without noise), so it drives ``kareus.optimize`` end to end.
 * [`check_profiler`][kareus.testing.check_profiler], ``PROFILER_CHECKS`` and the pytest mix-in
   [`ProfilerConformance`][kareus.testing.ProfilerConformance] - conformance checks for any profiler.
 
@@ -23,7 +24,7 @@ from kareus.model.config import ScheduleConfig
 from kareus.model.gpu import GPUSpec, get_gpu
 from kareus.model.measurement import Measurement
 from kareus.model.ops import CommKind
-from kareus.model.partition import Partition
+from kareus.model.partition import OutsideWork, Partition
 from kareus.model.profiler import Profiler
 from kareus.testing._suite import _add_tests, _run_checks
 
@@ -140,6 +141,25 @@ class FakeProfiler(Profiler):
         n = partition.comm_op.group_size
         return Measurement(time_s=t, energy_j=e, static_power_w=self.gpu.static_power_w * n)
 
+    def measure_outside(self, work: OutsideWork, freq_mhz: int, *, group_size: int,
+                        comm_sms: int | None = None) -> Measurement:
+        """Model work outside partitions at ``freq_mhz``: its ops with every SM, then its
+        collectives and pipeline send (no noise; scope: ``group_size`` GPUs)."""
+        g = self.gpu
+        f = float(freq_mhz)
+        sms = g.default_comm_sms if comm_sms is None else int(comm_sms)
+        t_ops = sum(self._op_time(op.flops, op.bytes_moved, f, g.sm_count, op.compute_bound,
+                                  False) for op in work.ops)
+        rate = min(g.nvlink_bandwidth_gbps / 2, self._PER_SM_GB_PER_S * sms) * 1e9
+        t_comm = sum(c.bytes / rate + 8e-6 for c in work.comms) + work.p2p_bytes / rate
+        fr = f / g.max_clock_mhz
+        volt = 0.65 + 0.35 * fr
+        p_compute = (g.power_limit_w - g.static_power_w) * 0.9 * fr * volt ** 2
+        t = t_ops + t_comm
+        dynamic = group_size * (p_compute * t_ops + 40.0 * volt ** 2 * t_comm)
+        static = g.static_power_w * group_size
+        return Measurement(time_s=t, energy_j=static * t + dynamic, static_power_w=static)
+
     def __repr__(self) -> str:
         return f"FakeProfiler({self.gpu.name!r}, noise={self.noise}, seed={self.seed})"
 
@@ -213,11 +233,33 @@ def _check_profiler_rejects_bad_configs(make: Callable[[], Profiler],
         raise AssertionError(f"measure must raise a kareus ConfigError for {c}")
 
 
+def _check_profiler_outside_work(make: Callable[[], Profiler], partition: Partition) -> None:
+    from kareus.errors import ConfigError
+
+    p = make()
+    assert p.measures_outside_work, (
+        f"{type(p).__name__}.measures_outside_work is false: kareus.optimize composes whole "
+        f"iterations and needs measure_outside(work, freq_mhz, *, group_size, comm_sms=None) "
+        f"(it refuses the profiler before measuring); implement it, or skip "
+        f"('outside_work',) for a profiler meant for partition searches alone")
+    work = OutsideWork(ops=partition.compute_ops[:1])
+    try:
+        m = p.measure_outside(work, p.gpu.max_clock_mhz, group_size=partition.group_gpus)
+    except ConfigError:
+        return  # a typed refusal of work it cannot measure (a replay of what was not recorded)
+    assert isinstance(m, Measurement), \
+        f"measure_outside must return a Measurement, got {type(m).__name__}"
+    assert m.time_s > 0 and m.energy_j > 0 and m.static_power_w > 0, \
+        f"outside work: time, energy and static power must be > 0, got {m}"
+
+
+#: Name -> check, for profilers (each takes a factory of new profilers and a partition).
 PROFILER_CHECKS: dict[str, Callable[[Callable[[], Profiler], Partition], None]] = {
     "type": _check_profiler_type,
     "measurements": _check_profiler_measurements,
     "static_power": _check_profiler_static_power,
     "rejects_bad_configs": _check_profiler_rejects_bad_configs,
+    "outside_work": _check_profiler_outside_work,
 }
 
 

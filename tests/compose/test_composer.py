@@ -67,7 +67,18 @@ class _Unlabelled(IterationComposer):
         return super().compose(frontiers, attrs.evolve(context, label=""))
 
 
+class _Tailless(IterationComposer):
+    """Drops the per-iteration tail it was given (what keyword contexts let slip through)."""
+
+    def compose(self, frontiers: Mapping[tuple[int, str], MicrobatchFrontier],
+                context: IterationContext | None = None, /, **fields: Any) -> IterationFrontier:
+        assert context is not None
+        return super().compose(frontiers, attrs.evolve(context, tail=None))
+
+
 def test_suites_catch_broken_composers():
+    with pytest.raises(AssertionError, match="plans_cost_what_they_say.*tail"):
+        check_iteration_composer(_Tailless)
     with pytest.raises(AssertionError, match="choices_cost_what_they_say"):
         check_microbatch_composer(_SlowerThanItSays)
     with pytest.raises(AssertionError, match="'frontier'.*label"):
