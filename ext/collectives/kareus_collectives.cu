@@ -305,16 +305,17 @@ __global__ void __launch_bounds__(KC_THREADS, 1)
 // chunk q reduced by rank q: rank r stores its input chunk q (len[q] elements, the first
 // lenv[q] x V of them as 16-byte vectors, the rest by block 0) into slot r of rank q's data
 // region (slots `chunk` elements apart), for every peer q. Its own chunk stays in `in`.
-// r is c.rank, as the caller already holds it; DP is the unroll depth of the vector loop
-// (each step holds NR-1 vectors per thread).
+// r (= c.rank) and chunk_vec (= chunk / V) are passed as the caller already holds them, so
+// that both kernels' PTX is the instructions, in the order, it was when each wrote this
+// phase itself; DP is the unroll depth of the vector loop (NR-1 vectors per thread a step).
 template <typename T, int NR, int DP>
 __device__ __forceinline__ void push_chunks_to_owners(const Comm& c, int r, const T* in,
-                                                      size_t chunk, const size_t (&len)[NR],
+                                                      size_t chunk, size_t chunk_vec,
+                                                      const size_t (&len)[NR],
                                                       const size_t (&lenv)[NR]) {
   using U = uint4;
   constexpr int V = 16 / sizeof(T);
   const size_t chunk_bytes = chunk * sizeof(T);
-  const size_t chunk_vec = chunk / V;
   U v[DP][NR];
   for_owned<DP>(
       chunk_vec,
@@ -374,7 +375,7 @@ __global__ void __launch_bounds__(KC_THREADS, 1)
   block_barrier<NR>(c, base + 1);
 
   // Phase 1: push input chunk q into reduce-scatter slot r of rank q.
-  push_chunks_to_owners<T, NR, DP>(c, r, in, chunk, len, lenv);
+  push_chunks_to_owners<T, NR, DP>(c, r, in, chunk, chunk_vec, len, lenv);
 
   block_barrier<NR>(c, base + 2);
 
@@ -672,6 +673,7 @@ __global__ void __launch_bounds__(KC_THREADS, 1)
   const uint32_t base = c.counters[blockIdx.x];
   const int r = c.rank;
   const size_t chunk_bytes = chunk * sizeof(T);
+  const size_t chunk_vec = chunk / V;
   const char* mine = c.peers.data[r];
   const T* in = reinterpret_cast<const T*>(buf.p[r]);
   size_t len[NR], lenv[NR];
@@ -683,7 +685,7 @@ __global__ void __launch_bounds__(KC_THREADS, 1)
   }
 
   block_barrier<NR>(c, base + 1);
-  push_chunks_to_owners<T, NR, DP>(c, r, in, chunk, len, lenv);
+  push_chunks_to_owners<T, NR, DP>(c, r, in, chunk, chunk_vec, len, lenv);
   block_barrier<NR>(c, base + 2);
   {
     size_t my_vec = 0, my_len = 0;

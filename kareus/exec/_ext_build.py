@@ -79,10 +79,17 @@ def extension_source_dir(name: str) -> Path:
         ExtensionBuildError: The directory does not exist.
     """
     root = os.environ.get("KAREUS_EXT_DIR")
-    bases = [Path(root)] if root else _default_source_roots()
-    for base in bases:
-        if (base / name).is_dir():
-            return base / name
+    if root:
+        bases = [Path(root)]
+        if (bases[0] / name).is_dir():
+            return bases[0] / name
+    else:
+        # The first place holding the sources (an empty folder left behind by an older
+        # layout does not count).
+        bases = _default_source_roots()
+        for base in bases:
+            if any((base / name).glob("*.cu")):
+                return base / name
     raise ExtensionBuildError(
         f"CUDA sources of extension {name!r} not found in {' or '.join(map(str, bases))}; "
         "reinstall kareus, or set KAREUS_EXT_DIR to a directory that holds <name>/ with the "

@@ -26,7 +26,7 @@ def test_sources_found_beside_the_package(name: str, monkeypatch: pytest.MonkeyP
     found = _ext_build.extension_source_dir(name)
     assert (found / SOURCES[name]).is_file()
     package = Path(_ext_build.__file__).resolve().parents[1]
-    if (package / "exec" / "_ext").is_dir():  # an installed wheel: the packaged copy
+    if any((package / "exec" / "_ext" / name).glob("*.cu")):  # a wheel: the packaged copy
         assert found == package / "exec" / "_ext" / name
     else:  # a source checkout or an editable install: the top-level ext/
         assert found == package.parent / "ext" / name
@@ -40,7 +40,9 @@ def test_missing_sources_name_every_place_looked(tmp_path: Path,
     with pytest.raises(_ext_build.ExtensionBuildError,
                        match=re.escape(f"not found in {roots[0]} or {roots[1]};")):
         _ext_build.extension_source_dir("collectives")
+    (roots[0] / "collectives").mkdir(parents=True)  # empty, as an older layout may leave it
     (roots[1] / "collectives").mkdir(parents=True)
+    (roots[1] / "collectives" / "k.cu").write_text("")
     assert _ext_build.extension_source_dir("collectives") == roots[1] / "collectives"
 
 
