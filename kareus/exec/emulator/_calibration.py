@@ -62,6 +62,8 @@ from kareus.exec.emulator._opmodel import (
 )
 from kareus.model.gpu_profile import GPUProfile, GPUProfileError, OpProfile
 from kareus.model.ops import ComputeOp
+from kareus.model.partition import build_partitions
+from kareus.model.workload import Workload
 
 __all__ = ["OpCalibration", "PROFILE_BATCH", "PROFILE_WORKLOADS", "TIMED_FLOOR_S", "comm_curves",
            "fit_comm_curve", "host_costs", "op_calibrations", "profile_workload",
@@ -113,8 +115,6 @@ def profile_workload(key: str) -> Any:
         GPUProfileError: the name is neither a preset of ``PROFILE_WORKLOADS`` nor of
             the form written by ``profile_workload_key``.
     """
-    from kareus.model.workload import Workload
-
     parts = key.split()
     if not parts:
         raise GPUProfileError("profile record with an empty workload name")
@@ -143,8 +143,6 @@ def profile_workload(key: str) -> Any:
 
 def _model_ops(profile: GPUProfile) -> dict[tuple[str, str, str], ComputeOp]:
     """The op model of every (workload, partition, op) the profile measured."""
-    from kareus.model.partition import build_partitions
-
     out: dict[tuple[str, str, str], ComputeOp] = {}
     for wl in sorted({o.workload for o in profile.ops}):
         parts = build_partitions(profile_workload(wl))

@@ -26,6 +26,7 @@ from kareus.exec.emulator._host import (
 )
 from kareus.exec.emulator._opmodel import OpCalibration, _op_work_time, _prep_op
 from kareus.model.gpu import GPUSpec, get_gpu
+from kareus.model.gpu_profile import GPUProfile, GPUProfileError, shipped_profiles
 from kareus.model.ops import CommKind, CommOp, ComputeOp
 
 __all__ = ["EmulatedGPU"]
@@ -325,8 +326,6 @@ class EmulatedGPU:
         Raises:
             GPUProfileError: the profile cannot be read, has no such kernel set or backend.
         """
-        from kareus.model.gpu_profile import GPUProfile, GPUProfileError, shipped_profiles
-
         if not isinstance(profile, GPUProfile):
             text = str(profile)
             profile = (GPUProfile.preset(text) if text in shipped_profiles()

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kareus.errors import GraphCaptureError, HardwareError
+from kareus.exec._ext_build import load_shared_library
 
 __all__ = ["EventPollingMarker", "HostFunctionMarker", "StreamMarker", "load_hostfn_library"]
 
@@ -54,8 +55,6 @@ def load_hostfn_library(*, arch: str | None = None) -> Any:
     """
     global _HOSTFN_LIB
     if _HOSTFN_LIB is None:
-        from kareus.exec._ext_build import load_shared_library
-
         if arch is None:
             import torch
 

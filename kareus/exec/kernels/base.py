@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 from typing import Any
 
+from kareus.exec.kernels._attention import attention_backward, attention_forward
 from kareus.exec.kernels._layout import _split_qkv
 
 __all__ = [
@@ -99,8 +100,6 @@ class KernelSet(abc.ABC):
         The backend is pinned per input signature (shapes, strides, dtype, device) at
         its first call.
         """
-        from kareus.exec.kernels._attention import attention_forward
-
         sig = (tuple(q.shape), tuple(k.shape), tuple(q.stride()), tuple(k.stride()),
                tuple(v.stride()), str(q.dtype), str(q.device))
         cache = self.__dict__.setdefault("_attention_backends", {})
@@ -113,8 +112,6 @@ class KernelSet(abc.ABC):
     def attention_bwd(self, do: Any, saved: Any) -> tuple[Any, Any, Any]:
         """``(dq, dk, dv)`` of an ``attention_fwd`` for the output gradient ``do``
         (repeatable: the saved state is kept)."""
-        from kareus.exec.kernels._attention import attention_backward
-
         return attention_backward(do, saved)
 
     def attention_backend(self, q: Any, k: Any, v: Any) -> str:
