@@ -320,15 +320,21 @@ class Executor(abc.ABC):
     """Whether [`capture`][kareus.exec.Executor.capture] captures graphs (the role's default:
     no; callers then run the bodies eagerly)."""
 
+    current: ComputationId | None = None
+    # Class-level defaults, so that a subclass that forgets super().__init__() still has
+    # the state the template keeps (no plan, not started, the default digest exchange).
+    _plan: Plan | None = None
+    _started: bool = False
+    _exchange: Callable[[str], Sequence[str]] | None = None
+
     def __init__(self, *, plan: Plan | None = None,
                  digest_exchange: Callable[[str], Sequence[str]] | None = None) -> None:
         if plan is not None:
             _require_plan(plan)
         self._plan = plan
-        self._exchange: Callable[[str], Sequence[str]] = (
-            digest_exchange or _default_digest_exchange)
+        self._exchange = digest_exchange
         self._started = False
-        self.current: ComputationId | None = None
+        self.current = None
 
     # -- the hooks a subclass implements ---------------------------------------------
     @abc.abstractmethod
@@ -437,7 +443,7 @@ class Executor(abc.ABC):
         """
         if self.plan is not None:
             mine = str(self.plan.digest)
-            every = list(self._exchange(mine))
+            every = list((self._exchange or _default_digest_exchange)(mine))
             if any(d != mine for d in every):
                 listing = ", ".join(f"rank {i}: {d}" for i, d in enumerate(every))
                 _log.error("refusing to train: ranks hold different plans (%s)", listing)

@@ -188,3 +188,22 @@ def test_the_outside_works_collectives_run_on_the_subclass():
     assert ex.launched == [("dp_grad", "reduce_scatter", 6, None)]
     (kind, tensor, sms), = backend.calls
     assert (kind, sms, tuple(tensor.shape)) == ("reduce_scatter", 6, (32,))
+
+
+def test_a_subclass_without_an_init_of_its_own_still_has_the_templates_state():
+    class Bare(Executor):  # the hooks alone: no __init__
+        def launch_collective(self, launch):
+            return None
+
+        def join_collective(self, handle):
+            pass
+
+        def request_clock(self, freq_mhz):
+            pass
+
+    def make(plan):
+        ex = Bare()
+        ex.plan = plan
+        return ex
+
+    check_executor(make)
