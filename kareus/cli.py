@@ -574,9 +574,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args: argparse.Namespace | None = None
     try:  # the handlers first: a stop while parsing or setting up is one line too, never lost
         with _signals_as_stops() as received:
-            parser = build_parser()
-            args = parser.parse_args(argv)
-            configure_logging(getattr(args, "verbose", 0))
+            try:
+                parser = build_parser()  # imports the search layer (numpy) for its choices
+                args = parser.parse_args(argv)
+                configure_logging(getattr(args, "verbose", 0))
+            except Exception as exc:
+                return _report_failure(exc, args, received)
             if not getattr(args, "func", None):  # no command: what there is, a bad status
                 parser.print_help(sys.stderr)
                 return 2
@@ -724,22 +727,30 @@ def _run(args: argparse.Namespace, received: Sequence[int] = ()) -> int:
         return int(args.func(args) or 0)
     except (KeyboardInterrupt, _Stopped) as exc:
         return _report_stop(exc, args)
-    except KareusError as exc:
+    except Exception as exc:
+        return _report_failure(exc, args, received)
+
+
+def _report_failure(exc: Exception, args: argparse.Namespace | None,
+                    received: Sequence[int]) -> int:
+    """One line for a failure (called while ``exc`` is being handled); returns the exit
+    status. Under ``python -X dev`` a bug is raised again, for its traceback."""
+    if received:  # a stop that something turned into another exception (an extension's
+        # import that reports any failure as an ImportError, a broad except)
+        return _report_stop(_Stopped(received[0]), args)
+    if isinstance(exc, KareusError):
         print(f"kareus: error: {_one_line(exc)}", file=sys.stderr)
         return exc.exit_code
-    except BrokenPipeError:  # the reader of stdout went away (`kareus gpus | head`)
+    if isinstance(exc, BrokenPipeError):  # the reader of stdout went away (`kareus gpus | head`)
         return 1
-    except OSError as exc:
+    if isinstance(exc, OSError):
         print(f"kareus: error: {_one_line(exc)}", file=sys.stderr)
         return 1
-    except Exception as exc:
-        if received:  # a stop that something turned into another exception
-            return _report_stop(_Stopped(received[0]), args)
-        print(f"kareus: internal error: {type(exc).__name__}: {_one_line(exc)} (please "
-              f"report it; python -X dev -m kareus ... shows the traceback)", file=sys.stderr)
-        if sys.flags.dev_mode:
-            raise
-        return INTERNAL_ERROR_STATUS
+    print(f"kareus: internal error: {type(exc).__name__}: {_one_line(exc)} (please "
+          f"report it; python -X dev -m kareus ... shows the traceback)", file=sys.stderr)
+    if sys.flags.dev_mode:
+        raise exc
+    return INTERNAL_ERROR_STATUS
 
 
 def _one_line(exc: BaseException | str) -> str:

@@ -120,6 +120,33 @@ def test_a_stop_swallowed_by_the_command_still_fails(gpus_raising, monkeypatch, 
     assert captured.err == "kareus: interrupted\n"
 
 
+def test_a_stop_turned_into_another_exception_is_a_stop(monkeypatch, capsys):
+    """numpy's import reports a stop that lands inside its C initialisation as an
+    ImportError ("PyCapsule_Import could not import module datetime"): a failure after a
+    stop is the stop's one line, even while the parser is built."""
+    def build_parser():  # type: ignore[no-untyped-def]
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):
+                pass
+        except BaseException:
+            raise ImportError("PyCapsule_Import could not import module 'datetime'") from None
+        raise AssertionError("the signal was not delivered")
+
+    monkeypatch.setattr(cli, "build_parser", build_parser)
+    assert main(["gpus"]) == 130
+    assert capsys.readouterr().err == "kareus: interrupted\n"
+
+
+def test_a_failure_while_the_parser_is_built_is_one_line(monkeypatch, capsys):
+    def build_parser():  # type: ignore[no-untyped-def]
+        raise ImportError("numpy is broken")
+
+    monkeypatch.setattr(cli, "build_parser", build_parser)
+    assert main(["gpus"]) == INTERNAL_ERROR_STATUS
+    assert capsys.readouterr().err.startswith("kareus: internal error: ImportError: numpy is")
+
+
 def test_a_stop_that_lands_in_a_finaliser_is_delivered_again(monkeypatch, capsys):
     """Python only prints an exception raised in a ``__del__``; the command's hook sends the
     stop to the main thread again, so the command stops there, not at its end."""
