@@ -120,6 +120,10 @@ def preflight(workload: Workload, profiler: Profiler, *, schedule: str = "1f1b")
     get_schedule(schedule, 1, 1)  # raises UnknownPresetError early
     _check_parallelism(workload)  # before the memory check: more parallelism is the answer
     require_outside_work(profiler)
+    try:
+        hash((workload, profiler.gpu))
+    except TypeError:  # a GPU spec of one's own that does not hash: checked every time
+        return check_memory(workload, profiler.gpu, schedule=schedule)
     return _memory(workload, profiler.gpu, schedule)
 
 
