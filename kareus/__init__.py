@@ -56,12 +56,11 @@ torch, xgboost nor pynvml.
 
 from __future__ import annotations
 
-import importlib
-import warnings
-from typing import TYPE_CHECKING, Any
-
 from kareus._version import __version__
 
+# Not typing.TYPE_CHECKING: importing typing takes ~10 ms, and this module runs before the
+# command's entry point can guard a Ctrl-C (type checkers read any constant of this name).
+TYPE_CHECKING = False
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
     from kareus.compose import (
         FrontierComposer,
@@ -185,9 +184,12 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     """Load a public name (or a subpackage) on first use; a name that moved off the top level
     is returned with a ``DeprecationWarning`` naming its new import path."""
+    import importlib
+    import warnings
+
     if name in _PUBLIC:
         value = getattr(importlib.import_module(_PUBLIC[name]), name)
         globals()[name] = value  # loaded once
