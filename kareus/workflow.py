@@ -747,7 +747,7 @@ def manifest_inputs(workload: Workload, profiler: Profiler, *, budget: int,
         "profiler": _profiler_identity(profiler),
         "systems": list(systems) if systems is not None else None,
         "composers": [_name_of(microbatch_composer), _name_of(iteration_composer)],
-        **({} if passes is None else {"passes": [[_name_of(p), repr(p), float(w)]
+        **({} if passes is None else {"passes": [[_name_of(p), _stable_repr(p), float(w)]
                                                  for p, w in passes]}),
         **({} if partitions is None else {"partitions": _partitions_identity(partitions)}),
     }
@@ -757,7 +757,18 @@ def _partitions_identity(partitions: Any) -> Any:
     """What the manifest records of ``optimize(partitions=...)``: a set's digest (its
     types, counts and outside work), or a builder's name."""
     if isinstance(partitions, PartitionSet):
+        types = {n: {"class": _name_of(p), "overlappable": p.overlappable,
+                     "ops": [[op.name, op.flops, op.bytes_moved] for op in p.compute_ops],
+                     "comm": [p.comm_op.kind.value, p.comm_op.bytes, p.comm_op.group_size]}
+                 for n, p in partitions.types.items()}
         return {"types": {n: _name_of(p) for n, p in partitions.types.items()},
-                "digest": _digest_json([repr(partitions.types), partitions.counts,
-                                        repr(partitions.outside), repr(partitions.iteration)])}
+                "digest": _digest_json([types, partitions.counts, repr(partitions.outside),
+                                        repr(partitions.iteration)])}
     return getattr(partitions, "__qualname__", None) or _name_of(partitions)
+
+
+def _stable_repr(obj: Any) -> str | None:
+    """``repr(obj)`` where it says what the object is; ``None`` where it holds a memory
+    address (the same configuration would give another manifest in the next run)."""
+    text = repr(obj)
+    return None if " at 0x" in text else text

@@ -114,11 +114,14 @@ def test_a_partition_builder_of_your_own_reaches_every_search(reference):
     assert res.to_dict()["frontiers"] == reference.to_dict()["frontiers"]
 
 
-def test_a_partition_set_of_your_own_is_searched_for_its_workload():
+def test_a_partition_set_of_your_own_is_searched_for_its_workload(tmp_path):
     prof = Recording()
-    res = optimize(WL, profiler=prof, partitions=_mine(WL), **KW)
+    res = optimize(WL, profiler=prof, partitions=_mine(WL), log_dir=tmp_path, **KW)
     assert MyPartition in prof.partition_types
     assert all(isinstance(p, MyPartition) for p in res.partitions.types.values())
+    # the manifest records the set by what it holds: the same set (another object) resumes
+    again = optimize(WL, profiler=Recording(), partitions=_mine(WL), log_dir=tmp_path, **KW)
+    assert again.to_dict() == res.to_dict()
     with pytest.raises(ArgumentError, match="built for"):
         optimize(WL, profiler=Recording(), partitions=_mine(WL.with_(seq_len=2048)), **KW)
     with pytest.raises(ArgumentTypeError, match="partitions must be"):
