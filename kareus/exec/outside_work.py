@@ -146,6 +146,7 @@ class RunnableOutsideWork(RunnablePartition):
             "labels": torch.randint(0, v, (t,), generator=gen, device=dev),
             "table": rnd(v, h), "w_norm": rnd(h, scale=0.1).add_(1.0),
             "W": rnd(h, v, scale=h ** -0.5), "x": rnd(t, h), "dy": rnd(t, h),
+            "d_embedded": rnd(t, h),
         }
         rows = torch.arange(t, device=dev)
 
@@ -182,15 +183,21 @@ class RunnableOutsideWork(RunnablePartition):
                 dst = torch.empty_like(src)
                 return lambda: dst.copy_(src)
 
+            # Its input is the gradient arriving from the first layer's backward (a
+            # static tensor of the build), never an output of this program: a captured
+            # graph must read only what outlives it (the final norm's ``dx`` of the
+            # previous step was replaced, and freed, by the next capture, and a replay
+            # read freed memory: an illegal memory access on 1x H200).
             def embedding_bwd() -> None:
-                g = ctx.setdefault("dtable", torch.zeros_like(ctx["table"]))
-                g.zero_()
-                g.index_add_(0, ctx["ids"], ctx.get("dx", ctx["dy"]))
+                ctx["dtable"].zero_()
+                ctx["dtable"].index_add_(0, ctx["ids"], ctx["d_embedded"])
             return embedding_bwd
 
         # Inputs the first op of a phase reads when the ops before it are elsewhere.
         names = [o.name for o in self.work.ops]
         by_name = {o.name: o for o in self.work.ops}
+        if "embedding_bwd" in names:
+            ctx["dtable"] = torch.zeros_like(ctx["table"])
         if "lm_head_dgrad" in names or "lm_head_wgrad" in names or "loss_bwd" in names:
             ctx["xn"] = ks.rms_norm(ctx["x"], ctx["w_norm"])
             ctx["logits"] = ks.matmul(ctx["xn"], ctx["W"])
