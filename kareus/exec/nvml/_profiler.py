@@ -359,6 +359,13 @@ class NVMLProfiler(Profiler):
         return self.freqs_mhz
 
     @property
+    def measures_outside_work(self) -> bool:
+        """Whether it was built with ``outside=`` (how to run work outside partitions):
+        without it, it measures partitions alone and ``kareus.optimize`` refuses it before
+        the first measurement."""
+        return self._outside is not None
+
+    @property
     def execution(self) -> str:
         """How the measured steps feed the GPU: ``"graphed"`` (CUDA-graph replays, the
         runner's executor captures) or ``"eager"`` (every op launched from the host)."""
