@@ -20,7 +20,9 @@ The top level is the curated public API:
   [`ConfigSpace`][kareus.model.ConfigSpace], [`Measurement`][kareus.model.Measurement], the three
   frontiers ([`PartitionFrontier`][kareus.search.PartitionFrontier],
   [`MicrobatchFrontier`][kareus.compose.MicrobatchFrontier],
-  [`IterationFrontier`][kareus.compose.IterationFrontier]) and the [`Plan`][kareus.compose.Plan];
+  [`IterationFrontier`][kareus.compose.IterationFrontier]), the [`Plan`][kareus.compose.Plan]
+  and the [`SearchSpec`][kareus.search.SearchSpec] (how each partition type is searched:
+  ``optimize(search=...)``);
 - the six pluggable roles, each an abstract base class: [`Partition`][kareus.model.Partition],
   [`Profiler`][kareus.model.Profiler], [`Surrogate`][kareus.search.Surrogate],
   [`AcquisitionPass`][kareus.search.AcquisitionPass],
@@ -83,7 +85,13 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
         get_gpu,
     )
     from kareus.model.files import register_gpu, register_model
-    from kareus.search import AcquisitionPass, MultiPassSearch, PartitionFrontier, Surrogate
+    from kareus.search import (
+        AcquisitionPass,
+        MultiPassSearch,
+        PartitionFrontier,
+        SearchSpec,
+        Surrogate,
+    )
     from kareus.workflow import OptimizationResult, compose_systems, optimize
 
 #: The public names and the module each is loaded from on first use.
@@ -108,6 +116,7 @@ _PUBLIC: dict[str, str] = {
     "MicrobatchFrontier": "kareus.compose",
     "IterationFrontier": "kareus.compose",
     "Plan": "kareus.compose",
+    "SearchSpec": "kareus.search",
     # the six roles
     "Partition": "kareus.model",
     "Profiler": "kareus.model",
@@ -173,6 +182,7 @@ __all__ = [
     "Plan",
     "Profiler",
     "ScheduleConfig",
+    "SearchSpec",
     "Surrogate",
     "Workload",
     "__version__",

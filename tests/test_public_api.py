@@ -35,6 +35,7 @@ ENTRY_POINTS = (
     "register_gpu", "register_model",
     "Workload", "ModelArch", "Parallelism", "GPUSpec", "Plan", "ScheduleConfig", "ConfigSpace",
     "Measurement", "PartitionFrontier", "MicrobatchFrontier", "IterationFrontier", "KareusError",
+    "SearchSpec",
 )
 
 #: The whole top level: the entry points, the value objects, the roles and the version.
