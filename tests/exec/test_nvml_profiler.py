@@ -99,16 +99,24 @@ def test_configurations_are_told_apart():
 
 
 def test_cooldown_waits_for_temperature():
+    """The cool-down waits while the GPU is hot, up to max_cooldown_s, on a fake clock (the
+    profiler's clock and sleep are its own attributes), and not at all within tolerance."""
     prof, nvml, _ = make(max_cooldown_s=0.3, cooldown_tolerance_c=2.0)
     try:
         prof.start()
+        now = [0.0]
+
+        def sleep(s):
+            now[0] += s
+
+        prof._clock, prof._sleep = (lambda: now[0]), sleep
         nvml.devices[0].temp_c = prof.baseline_temp_c + 10  # hot, and stays hot
-        rec = prof.measure_record(PART, ScheduleConfig(1980, 4, "mm"))
-        assert rec.cooldown_s == pytest.approx(0.3, abs=0.1)
-        assert rec.start_temp_c == prof.baseline_temp_c + 10
+        waited, start = prof._cooldown()
+        assert 0.3 <= waited < 0.3 + 0.05 + 1e-9  # polled every 0.05 s until the limit
+        assert start == prof.baseline_temp_c + 10
         nvml.devices[0].temp_c = prof.baseline_temp_c + 1  # within tolerance
-        rec = prof.measure_record(PART, ScheduleConfig(1980, 4, "mm"))
-        assert rec.cooldown_s < 0.05
+        waited, _ = prof._cooldown()
+        assert waited == 0.0
     finally:
         prof.close()
 
