@@ -24,6 +24,8 @@ import logging
 import sys
 from typing import TextIO
 
+from kareus.errors import ArgumentError
+
 __all__ = ["LOGGER_NAME", "configure", "get_logger"]
 
 #: The name of the library's root logger.
@@ -67,7 +69,7 @@ def get_logger(name: str = LOGGER_NAME) -> logging.Logger:
         ValueError: ``name`` is not ``kareus`` or below it.
     """
     if name != LOGGER_NAME and not name.startswith(LOGGER_NAME + "."):
-        raise ValueError(f"kareus loggers live under {LOGGER_NAME!r}, got {name!r}")
+        raise ArgumentError(f"kareus loggers live under {LOGGER_NAME!r}, got {name!r}")
     return logging.getLogger(name)
 
 

@@ -397,14 +397,15 @@ def _check_arguments(workload: Any, gpu: Any, *, log_dir: Any) -> None:
     """``optimize``'s plain arguments, checked before anything runs (the search's are checked
     by [`SearchSpec`][kareus.search.SearchSpec])."""
     if not isinstance(workload, Workload):
-        raise TypeError(f"workload must be a kareus Workload, got {type(workload).__name__}")
+        raise ArgumentTypeError(f"workload must be a kareus Workload, got "
+                                f"{type(workload).__name__}")
     if gpu is not None and (not isinstance(gpu, str) or not gpu):
-        raise TypeError(f"gpu must be a GPU preset name such as 'h200-sxm' (or None: the "
-                        f"profiler's), got {gpu!r:.40}")
+        raise ArgumentTypeError(f"gpu must be a GPU preset name such as 'h200-sxm' (or None: the "
+                                f"profiler's), got {gpu!r:.40}")
     if log_dir is not None:
         if not isinstance(log_dir, (str, os.PathLike)):
-            raise TypeError(f"log_dir must be a folder path or None, got "
-                            f"{type(log_dir).__name__}")
+            raise ArgumentTypeError(f"log_dir must be a folder path or None, got "
+                                    f"{type(log_dir).__name__}")
         if not os.fspath(log_dir):
             raise OutputError("log_dir is empty: name a folder for the logs (or pass None "
                               "for none); an empty path would write into the working folder")
@@ -434,15 +435,15 @@ def _system_names(systems: Sequence[str] | None) -> list[str]:
     if systems is None:
         return list(SYSTEMS)
     if isinstance(systems, (str, bytes)) or not isinstance(systems, Iterable):
-        raise TypeError(f"systems must be a list of system names (of {', '.join(SYSTEMS)}) "
-                        f"or None for all five, got {systems!r:.40}")
+        raise ArgumentTypeError(f"systems must be a list of system names (of {', '.join(SYSTEMS)}) "
+                                f"or None for all five, got {systems!r:.40}")
     names = list(systems)
     unknown = [n for n in names if n not in SYSTEMS]
     if unknown:
-        raise ValueError(f"unknown system(s) {unknown!r:.80}; known: {', '.join(SYSTEMS)}")
+        raise ArgumentError(f"unknown system(s) {unknown!r:.80}; known: {', '.join(SYSTEMS)}")
     if not names:
-        raise ValueError(f"systems is empty: name at least one of {', '.join(SYSTEMS)}, or "
-                         "pass None for all five")
+        raise ArgumentError(f"systems is empty: name at least one of {', '.join(SYSTEMS)}, or "
+                            "pass None for all five")
     return names
 
 
@@ -610,13 +611,14 @@ def optimize(
 
         profiler = EmulatedProfiler(gpu or "a100-40gb", seed=spec.seed, execution=execution)
     elif not isinstance(profiler, Profiler):
-        raise TypeError(f"profiler must be a kareus Profiler, got {type(profiler).__name__}")
+        raise ArgumentTypeError(f"profiler must be a kareus Profiler, got "
+                                f"{type(profiler).__name__}")
     elif execution is not None and execution_of(profiler) != execution:
-        raise ValueError(f"execution={execution!r} but the profiler measures "
-                         f"{execution_of(profiler) or 'without saying how the GPU is fed'}: "
-                         "give the emulated profiler its execution, or leave it out")
+        raise ArgumentError(f"execution={execution!r} but the profiler measures "
+                            f"{execution_of(profiler) or 'without saying how the GPU is fed'}: "
+                            "give the emulated profiler its execution, or leave it out")
     if gpu is not None and profiler.gpu.name != gpu:
-        raise ValueError(f"the profiler measures {profiler.gpu.name}, not {gpu}")
+        raise ArgumentError(f"the profiler measures {profiler.gpu.name}, not {gpu}")
     preflight(workload, profiler, schedule=schedule)  # before any long work
     build = partition_builder(partitions, workload)
     start = time.monotonic()

@@ -40,6 +40,7 @@ import numpy as np
 
 from kareus.compose._fastest import FastestSolution, cheapest_at_min_makespan
 from kareus.compose._flow import WarmCut, min_cut_lower_bounds
+from kareus.errors import ArgumentError
 from kareus.model.dag import Dag
 
 __all__ = ["TimeCostResult", "solve_time_cost"]
@@ -165,14 +166,14 @@ def solve_time_cost(num_nodes: int, edges: Sequence[tuple[int, int]],  # noqa: C
         with exact times and costs (callers Pareto-filter them).
     """
     if unit_s <= 0:
-        raise ValueError(f"unit_s must be positive, got {unit_s}")
+        raise ArgumentError(f"unit_s must be positive, got {unit_s}")
     dag = Dag(num_nodes, edges)
     n = num_nodes
     types_pos = np.asarray(node_type, dtype=np.int64)[dag.order]  # type of node at position
     opt_t = [np.asarray(t, dtype=np.float64) for t, _ in options]
     opt_c = [np.asarray(c, dtype=np.float64) for _, c in options]
     if any(len(t) == 0 for t in opt_t):
-        raise ValueError("every option set needs at least one option")
+        raise ArgumentError("every option set needs at least one option")
     finite = np.concatenate([np.abs(np.diff(np.sort(c))) for c in opt_c] + [np.ones(1)])
     scale = max(float(finite.max()), 1e-300)
     big = 1e9 * scale

@@ -30,6 +30,8 @@ import abc
 import inspect
 from typing import Any, Generic, TypeVar
 
+from kareus.errors import ArgumentTypeError
+
 __all__ = ["FrontierComposer"]
 
 #: What a composer takes: the lower level's frontiers, keyed by what each describes.
@@ -67,7 +69,7 @@ class FrontierComposer(abc.ABC, Generic[InT, CtxT, OutT]):
         positional = [p for p in params if p.kind in _POSITIONAL]
         if len(positional) < 2 and not any(p.kind is inspect.Parameter.VAR_POSITIONAL
                                            for p in params):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"{cls.__qualname__}.compose must take (frontiers, context, /): kareus passes "
                 f"one context object (MicrobatchContext or IterationContext) instead of keyword "
                 f"arguments; read its fields (context.partitions, context.tail, ...) and pass "

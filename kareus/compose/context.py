@@ -28,6 +28,7 @@ from typing import Any
 
 import attrs
 
+from kareus.errors import ArgumentError, ArgumentTypeError
 from kareus.model.measurement import Measurement
 from kareus.model.partition import PartitionSet
 from kareus.model.pipeline import PipelineSchedule
@@ -41,8 +42,8 @@ OutsideTable = Mapping[tuple[int, str], Mapping[int, Measurement]]
 def _instance(kind: type, what: str) -> Any:
     def check(instance: object, attribute: attrs.Attribute, value: object) -> None:
         if not isinstance(value, kind):
-            raise TypeError(f"{type(instance).__name__}.{attribute.name} must be {what}, got "
-                            f"{type(value).__name__}")
+            raise ArgumentTypeError(f"{type(instance).__name__}.{attribute.name} must be {what}, "
+                                    f"got {type(value).__name__}")
     return check
 
 
@@ -74,8 +75,8 @@ class MicrobatchContext:
         if self.energy_scale is not None and not (
                 isinstance(self.energy_scale, (int, float)) and math.isfinite(self.energy_scale)
                 and self.energy_scale > 0):
-            raise ValueError(f"energy_scale must be a positive number, got "
-                             f"{self.energy_scale!r}")
+            raise ArgumentError(f"energy_scale must be a positive number, got "
+                                f"{self.energy_scale!r}")
 
     @property
     def scale(self) -> float:
@@ -116,9 +117,9 @@ class IterationContext:
     def __attrs_post_init__(self) -> None:
         w = self.static_power_w
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
-            raise ValueError(f"static_power_w must be a finite number, got {w!r}")
+            raise ArgumentError(f"static_power_w must be a finite number, got {w!r}")
         if w < 0:
-            raise ValueError(f"static_power_w must be >= 0, got {w}")
+            raise ArgumentError(f"static_power_w must be >= 0, got {w}")
 
 
 def _from_keywords(kind: type, context: Any, fields: dict[str, Any], who: str) -> Any:
@@ -126,11 +127,12 @@ def _from_keywords(kind: type, context: Any, fields: dict[str, Any], who: str) -
     built from the keyword arguments of earlier releases."""
     if context is not None:
         if fields:
-            raise TypeError(f"{who}.compose takes a {kind.__name__} or keyword arguments, not "
-                            f"both (got {', '.join(sorted(fields))} besides the context)")
+            raise ArgumentTypeError(f"{who}.compose takes a {kind.__name__} or keyword arguments, "
+                                    f"not both (got {', '.join(sorted(fields))} besides the "
+                                    "context)")
         if not isinstance(context, kind):
-            raise TypeError(f"{who}.compose: the context must be a {kind.__name__}, got "
-                            f"{type(context).__name__}")
+            raise ArgumentTypeError(f"{who}.compose: the context must be a {kind.__name__}, got "
+                                    f"{type(context).__name__}")
         return context
     import warnings
 

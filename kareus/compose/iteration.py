@@ -38,6 +38,7 @@ from kareus.compose.context import IterationContext, _from_keywords
 from kareus.compose.iteration_frontier import IterationFrontier, IterationPoint
 from kareus.compose.microbatch_frontier import MicrobatchFrontier
 from kareus.compose.plan import MicrobatchChoice, Plan
+from kareus.errors import ArgumentError
 from kareus.model.pipeline import one_f_one_b
 from kareus.search.pareto import pareto_mask
 
@@ -57,11 +58,11 @@ class IterationComposer(FrontierComposer[Mapping[tuple[int, str], MicrobatchFron
 
     def __init__(self, *, unit_s: float | None = None, resolution: float | None = None) -> None:
         if unit_s is not None and not unit_s > 0:
-            raise ValueError(f"unit_s must be positive, got {unit_s}")
+            raise ArgumentError(f"unit_s must be positive, got {unit_s}")
         self.unit_s = unit_s
         self.resolution = 0.01 if resolution is None else float(resolution)
         if not 0 < self.resolution <= 1:
-            raise ValueError(f"resolution must be in (0, 1], got {self.resolution}")
+            raise ArgumentError(f"resolution must be in (0, 1], got {self.resolution}")
 
     def __repr__(self) -> str:
         return f"IterationComposer(unit_s={self.unit_s}, resolution={self.resolution})"
@@ -94,7 +95,7 @@ class IterationComposer(FrontierComposer[Mapping[tuple[int, str], MicrobatchFron
             count = fields.pop("num_microbatches", None)
             if fields.get("schedule") is None:
                 if count is None:
-                    raise ValueError("give schedule= or num_microbatches=")
+                    raise ArgumentError("give schedule= or num_microbatches=")
                 fields["schedule"] = one_f_one_b(1 + max(s for s, _ in frontiers), int(count))
         ctx: IterationContext = _from_keywords(IterationContext, context, fields,
                                                "IterationComposer")
@@ -105,7 +106,7 @@ class IterationComposer(FrontierComposer[Mapping[tuple[int, str], MicrobatchFron
         keys = sorted({(c.stage, c.phase) for c in nodes})
         missing = [k for k in keys if k not in frontiers or not frontiers[k].points]
         if missing:
-            raise ValueError(f"no microbatch frontier (or an empty one) for {missing}")
+            raise ArgumentError(f"no microbatch frontier (or an empty one) for {missing}")
         tkey = {k: i for i, k in enumerate(keys)}
         node_type = [tkey[(c.stage, c.phase)] for c in nodes]
         mpts = [frontiers[k].points for k in keys]
@@ -114,7 +115,7 @@ class IterationComposer(FrontierComposer[Mapping[tuple[int, str], MicrobatchFron
         if unit is None:
             shortest = min(p.time_s for pts in mpts for p in pts)
             if shortest <= 0:
-                raise ValueError("microbatch computations must take positive time")
+                raise ArgumentError("microbatch computations must take positive time")
             unit = shortest * self.resolution
         edges = [(index[u], index[v]) for u, v in schedule.edges]
         res = solve_time_cost(len(nodes), edges, node_type, options, unit)

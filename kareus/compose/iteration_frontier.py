@@ -23,7 +23,7 @@ import numpy as np
 from kareus._io import write_text_atomic
 from kareus.compose._frontier_common import FRONTIER_VERSION, check_kind, loads, pareto_points
 from kareus.compose.plan import Plan
-from kareus.errors import PlanError
+from kareus.errors import ArgumentError, InfeasibleError, PlanError
 from kareus.search.pareto import hypervolume
 
 __all__ = ["IterationFrontier", "IterationPoint"]
@@ -69,8 +69,8 @@ class IterationFrontier:
     def __attrs_post_init__(self) -> None:
         for a, b in zip(self.points, self.points[1:]):
             if not (a.time_s < b.time_s and a.energy_j > b.energy_j):
-                raise ValueError("IterationFrontier points must be strictly faster-and-costlier "
-                                 "in order (a Pareto front sorted by time)")
+                raise ArgumentError("IterationFrontier points must be strictly faster-and-costlier "
+                                    "in order (a Pareto front sorted by time)")
 
     @classmethod
     def from_points(cls, points: Iterable[IterationPoint], *, label: str = "",
@@ -144,7 +144,7 @@ class IterationFrontier:
     # -- selection -------------------------------------------------------------------
     def _need_points(self) -> None:
         if not self.points:
-            raise ValueError(f"the {self.label or 'iteration'} frontier is empty")
+            raise InfeasibleError(f"the {self.label or 'iteration'} frontier is empty")
 
     def max_throughput(self) -> Plan:
         """The fastest plan."""
@@ -169,19 +169,19 @@ class IterationFrontier:
                 (the message gives the closest the frontier can do).
         """
         if (deadline_s is None) == (energy_budget_j is None):
-            raise ValueError("give exactly one of deadline_s= or energy_budget_j=")
+            raise ArgumentError("give exactly one of deadline_s= or energy_budget_j=")
         self._need_points()
         if deadline_s is not None:
             ok = [p for p in self.points if p.time_s <= deadline_s]
             if not ok:
-                raise ValueError(f"no plan meets the deadline {deadline_s:.6g} s; the fastest "
-                                 f"takes {self.points[0].time_s:.6g} s")
+                raise InfeasibleError(f"no plan meets the deadline {deadline_s:.6g} s; the fastest "
+                                      f"takes {self.points[0].time_s:.6g} s")
             return min(ok, key=lambda p: p.energy_j).plan
         assert energy_budget_j is not None
         ok = [p for p in self.points if p.energy_j <= energy_budget_j]
         if not ok:
-            raise ValueError(f"no plan fits the energy budget {energy_budget_j:.6g} J; the "
-                             f"lowest-energy plan uses {self.points[-1].energy_j:.6g} J")
+            raise InfeasibleError(f"no plan fits the energy budget {energy_budget_j:.6g} J; the "
+                                  f"lowest-energy plan uses {self.points[-1].energy_j:.6g} J")
         return min(ok, key=lambda p: p.time_s).plan
 
     # -- display ---------------------------------------------------------------------

@@ -44,6 +44,7 @@ from kareus.compose.composer import FrontierComposer
 from kareus.compose.context import MicrobatchContext, OutsideTable, _from_keywords
 from kareus.compose.microbatch_frontier import MicrobatchFrontier, MicrobatchPoint
 from kareus.compose.plan import MicrobatchChoice
+from kareus.errors import ArgumentError, ArgumentTypeError
 from kareus.model.partition import PartitionSet
 from kareus.search import Observation, PartitionFrontier
 from kareus.search.pareto import pareto_mask
@@ -146,8 +147,8 @@ class MicrobatchComposer(
         outside: OutsideTable | None = ctx.outside
         for name, pf in frontiers.items():
             if not isinstance(pf, PartitionFrontier):
-                raise TypeError(f"frontier of {name!r} must be a PartitionFrontier, "
-                                f"got {type(pf).__name__}")
+                raise ArgumentTypeError(f"frontier of {name!r} must be a PartitionFrontier, "
+                                        f"got {type(pf).__name__}")
         scale = ctx.scale
         pp = partitions.workload.parallelism.pp
         nanobatches = partitions.workload.nanobatches  # recorded in every choice
@@ -156,8 +157,8 @@ class MicrobatchComposer(
             counts = {t: c for t, c in sorted(partitions.counts[phase].items()) if c > 0}
             missing = [t for t in counts if t not in frontiers]
             if missing:
-                raise ValueError(f"no partition frontier for type(s) {missing} "
-                                 f"(needed by the {phase} computations)")
+                raise ArgumentError(f"no partition frontier for type(s) {missing} "
+                                    f"(needed by the {phase} computations)")
             freqs = self.freqs_mhz
             if freqs is None:
                 fs: set[int] = set()
@@ -215,8 +216,8 @@ class MicrobatchComposer(
                                                   choice=ch)
                                   for t, e, ch in zip(T.tolist(), E.tolist(), choices)]
                 if not by_freq:
-                    raise ValueError(f"stage {stage} {phase}: no frequency at which every "
-                                     f"partition type ({', '.join(counts)}) has a point")
+                    raise ArgumentError(f"stage {stage} {phase}: no frequency at which every "
+                                        f"partition type ({', '.join(counts)}) has a point")
                 out[(stage, phase)] = built[sig] = MicrobatchFrontier.from_fronts(stage, phase,
                                                                                  by_freq)
         return out

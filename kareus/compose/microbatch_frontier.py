@@ -25,7 +25,7 @@ import attrs
 from kareus._io import write_text_atomic
 from kareus.compose._frontier_common import FRONTIER_VERSION, check_kind, loads, pareto_points
 from kareus.compose.plan import MicrobatchChoice
-from kareus.errors import PlanError
+from kareus.errors import ArgumentError, PlanError
 
 __all__ = ["MicrobatchFrontier", "MicrobatchPoint"]
 
@@ -112,12 +112,12 @@ class MicrobatchFrontier:
         """
         frs = list(frontiers)
         if not frs:
-            raise ValueError("union needs at least one microbatch frontier")
+            raise ArgumentError("union needs at least one microbatch frontier")
         stage, phase = frs[0].stage, frs[0].phase
         other = [(f.stage, f.phase) for f in frs if (f.stage, f.phase) != (stage, phase)]
         if other:
-            raise ValueError(f"union of frontiers of different computations: stage {stage} "
-                             f"{phase} and {other}")
+            raise ArgumentError(f"union of frontiers of different computations: stage {stage} "
+                                f"{phase} and {other}")
         merged: dict[int, list[MicrobatchPoint]] = {}
         for fr in frs:
             for f, pts in fr.by_freq.items():

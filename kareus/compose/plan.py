@@ -47,7 +47,7 @@ import attrs
 
 from kareus._io import read_json, write_text_atomic
 from kareus.compose._plan_validation import _parse_choice, _parse_plan
-from kareus.errors import PlanError
+from kareus.errors import ArgumentTypeError, PlanError
 from kareus.model.config import ScheduleConfig
 from kareus.model.pipeline import Computation
 
@@ -102,14 +102,14 @@ class MicrobatchChoice:
     def __attrs_post_init__(self) -> None:
         n = self.nanobatches
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-            raise ValueError(f"nanobatches must be a whole number >= 1 or None, got {n!r:.40}")
+            raise PlanError(f"nanobatches must be a whole number >= 1 or None, got {n!r:.40}")
         for name, cfg in self.configs:
             if not isinstance(cfg, ScheduleConfig):
-                raise TypeError(f"config of {name!r} must be a ScheduleConfig, "
-                                f"got {type(cfg).__name__}")
+                raise ArgumentTypeError(f"config of {name!r} must be a ScheduleConfig, "
+                                        f"got {type(cfg).__name__}")
             if cfg.freq_mhz != self.freq_mhz:
-                raise ValueError(f"config of {name!r} runs at {cfg.freq_mhz} MHz but the "
-                                 f"microbatch runs at {self.freq_mhz} MHz")
+                raise PlanError(f"config of {name!r} runs at {cfg.freq_mhz} MHz but the "
+                                f"microbatch runs at {self.freq_mhz} MHz")
 
     @classmethod
     def _trusted(cls, freq_mhz: int, configs: tuple[tuple[str, ScheduleConfig], ...],

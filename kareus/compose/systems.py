@@ -70,6 +70,7 @@ from kareus.compose.iteration import IterationComposer
 from kareus.compose.iteration_frontier import IterationFrontier
 from kareus.compose.microbatch import MicrobatchComposer
 from kareus.compose.microbatch_frontier import MicrobatchFrontier
+from kareus.errors import ArgumentError, ArgumentTypeError
 from kareus.model.config import ConfigSpace, ScheduleConfig
 from kareus.model.gpu import GPUSpec
 from kareus.model.measurement import Measurement
@@ -145,7 +146,7 @@ def baseline_space(name: str, partition: Partition, gpu: str | GPUSpec,
         ValueError: ``name`` is ``"kareus"`` or not a system.
     """
     if name not in SYSTEMS or name == "kareus":
-        raise ValueError(f"no restricted space for {name!r}; baselines: {SYSTEMS[:-1]}")
+        raise ArgumentError(f"no restricted space for {name!r}; baselines: {SYSTEMS[:-1]}")
     space = ConfigSpace(partition, gpu, freqs_mhz=freqs_mhz)
     g = space.gpu
     freqs = [g.max_clock_mhz] if name in _FIXED_CLOCK else list(space.freqs_mhz)
@@ -231,9 +232,9 @@ def _with_nanobatches(frontiers: Mapping[tuple[int, str], MicrobatchFrontier], n
     for key, fr in frontiers.items():
         counts = {p.choice.nanobatches for ps in fr.by_freq.values() for p in ps}
         if counts - {None, n}:
-            raise ValueError(f"the microbatch composer gave stage {key[0]} {key[1]} choices "
-                             f"of {sorted(c for c in counts if c is not None)} nanobatches "
-                             f"from the partition set of {n}")
+            raise ArgumentError(f"the microbatch composer gave stage {key[0]} {key[1]} choices "
+                                f"of {sorted(c for c in counts if c is not None)} nanobatches "
+                                f"from the partition set of {n}")
         if counts <= {n}:
             out[key] = fr
             continue
@@ -291,7 +292,7 @@ def system_workload(name: str, workload: Workload) -> Workload:
         ValueError: ``name`` is not one of ``SYSTEMS``.
     """
     if name not in SYSTEMS:
-        raise ValueError(f"unknown system {name!r}; known: {', '.join(SYSTEMS)}")
+        raise ArgumentError(f"unknown system {name!r}; known: {', '.join(SYSTEMS)}")
     if name in _SEQUENTIAL:
         return workload.with_(nanobatches=1)
     if name == "kareus" or workload.nanobatches >= 2:
@@ -446,8 +447,8 @@ def compose_measured(measured: SystemsMeasurements, *, schedule: PipelineSchedul
                                  else iteration_composer)
     for what, comp in (("microbatch_composer", mbc), ("iteration_composer", itc)):
         if not isinstance(comp, FrontierComposer):
-            raise TypeError(f"{what} must be a kareus FrontierComposer, "
-                            f"got {type(comp).__name__}")
+            raise ArgumentTypeError(f"{what} must be a kareus FrontierComposer, "
+                                    f"got {type(comp).__name__}")
     frontiers: dict[str, IterationFrontier] = {}
     micro: dict[str, dict[tuple[int, str], MicrobatchFrontier]] = {}
     for name, system in measured.systems.items():

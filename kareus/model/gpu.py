@@ -24,6 +24,7 @@ from typing import Any
 import attrs
 
 from kareus.errors import (
+    ArgumentError,
     InvalidSMCountError,
     KareusError,
     UnknownPresetError,
@@ -96,27 +97,27 @@ class GPUSpec:
 
     def __attrs_post_init__(self) -> None:
         if not 2 <= self.sm_count <= _MAX["sm_count"]:
-            raise ValueError(f"sm_count must be in 2..{_MAX['sm_count']:,}, got "
-                             f"{short_repr(self.sm_count)}")
+            raise ArgumentError(f"sm_count must be in 2..{_MAX['sm_count']:,}, got "
+                                f"{short_repr(self.sm_count)}")
         if not self.clocks_mhz:
-            raise ValueError("clocks_mhz must not be empty")
+            raise ArgumentError("clocks_mhz must not be empty")
         if not 1 <= self.clocks_mhz[0] <= self.clocks_mhz[-1] <= _MAX["clock_mhz"]:
-            raise ValueError(f"clocks_mhz must lie in 1..{_MAX['clock_mhz']:,} MHz")
+            raise ArgumentError(f"clocks_mhz must lie in 1..{_MAX['clock_mhz']:,} MHz")
         missing = [f for f in self.search_clocks_mhz if f not in self.clocks_mhz]
         if missing:
-            raise ValueError(f"search_clocks_mhz {missing} are not in clocks_mhz")
+            raise ArgumentError(f"search_clocks_mhz {missing} are not in clocks_mhz")
         if not 1 <= self.default_comm_sms < self.sm_count:
-            raise ValueError(f"default_comm_sms must be in 1..{self.sm_count - 1}")
+            raise ArgumentError(f"default_comm_sms must be in 1..{self.sm_count - 1}")
         for field in ("bf16_peak_tflops", "hbm_bandwidth_gbps", "nvlink_bandwidth_gbps",
                       "power_limit_w", "static_power_w", "idle_power_w", "memory_gib"):
             value = getattr(self, field)
             if not 1e-3 <= value <= _MAX[field]:  # NaN fails too
-                raise ValueError(f"{field} must be positive, in 0.001..{_MAX[field]:,g}, "
-                                 f"got {short_repr(value)}")
+                raise ArgumentError(f"{field} must be positive, in 0.001..{_MAX[field]:,g}, "
+                                    f"got {short_repr(value)}")
         if not self.idle_power_w <= self.static_power_w <= self.power_limit_w:
-            raise ValueError(f"powers must satisfy idle_power_w <= static_power_w <= "
-                             f"power_limit_w, got {self.idle_power_w:g} W, "
-                             f"{self.static_power_w:g} W, {self.power_limit_w:g} W")
+            raise ArgumentError(f"powers must satisfy idle_power_w <= static_power_w <= "
+                                f"power_limit_w, got {self.idle_power_w:g} W, "
+                                f"{self.static_power_w:g} W, {self.power_limit_w:g} W")
 
     @property
     def max_clock_mhz(self) -> int:

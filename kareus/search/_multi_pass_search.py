@@ -39,7 +39,14 @@ from typing import Any
 import numpy as np
 
 from kareus._logging import get_logger
-from kareus.errors import DATA_ERRORS, OutputError, data_problem
+from kareus.errors import (
+    DATA_ERRORS,
+    ArgumentError,
+    ArgumentTypeError,
+    InfeasibleError,
+    OutputError,
+    data_problem,
+)
 from kareus.model.config import ConfigSpace, ScheduleConfig
 from kareus.model.measurement import Measurement
 from kareus.model.partition import Partition
@@ -148,22 +155,23 @@ class MultiPassSearch:
         measured_with: Mapping[str, str] | None = None,
     ) -> None:
         if not isinstance(space, ConfigSpace):
-            raise TypeError(f"space must be a kareus ConfigSpace, got {type(space).__name__}")
+            raise ArgumentTypeError(f"space must be a kareus ConfigSpace, got "
+                                    f"{type(space).__name__}")
         if surrogate is not None and not isinstance(surrogate, Surrogate):
-            raise TypeError(f"surrogate must be a kareus Surrogate, got "
-                            f"{type(surrogate).__name__}")
+            raise ArgumentTypeError(f"surrogate must be a kareus Surrogate, got "
+                                    f"{type(surrogate).__name__}")
         self.space = space
         self.seed = int(seed)
         self.surrogate = default_surrogate(self.seed) if surrogate is None else surrogate
         self.passes = self._check_passes(default_passes() if passes is None else passes)
         self.batch_size = 8 if batch_size is None else int(batch_size)
         if self.batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+            raise ArgumentError(f"batch_size must be >= 1, got {batch_size}")
         self.budget = min(224 if budget is None else int(budget), len(space))
         if self.budget < 1:
-            raise ValueError(f"budget must be >= 1, got {budget}")
+            raise InfeasibleError(f"budget must be >= 1, got {budget}")
         if initial_size is not None and int(initial_size) < 1:
-            raise ValueError(f"initial_size must be >= 1, got {initial_size}")
+            raise ArgumentError(f"initial_size must be >= 1, got {initial_size}")
         resume_records = None
         if resume is not None and Path(resume).exists() and Path(resume).stat().st_size > 0:
             resume_records = read_log(Path(resume))
@@ -178,23 +186,23 @@ class MultiPassSearch:
                 raise OutputError(f"search log {resume}: its header has no valid "
                                   f"initial_size: {REMEDY}") from None
             if initial_size is not None and int(initial_size) != logged:
-                raise ValueError(f"search log {resume} was started with an initial design of "
-                                 f"{logged} profiles, not {initial_size}: resume it with "
-                                 "initial_size=None (or the same size)")
+                raise ArgumentError(f"search log {resume} was started with an initial design of "
+                                    f"{logged} profiles, not {initial_size}: resume it with "
+                                    "initial_size=None (or the same size)")
             self.initial_size = logged
         elif initial_size is None:
             self.initial_size = default_initial_size(self.budget)
         else:
             self.initial_size = min(int(initial_size), self.budget)
         if stop_patience is not None and stop_patience < 1:
-            raise ValueError(f"stop_patience must be >= 1 or None, got {stop_patience}")
+            raise ArgumentError(f"stop_patience must be >= 1 or None, got {stop_patience}")
         if stop_tol < 0:
-            raise ValueError(f"stop_tol must be >= 0, got {stop_tol}")
+            raise ArgumentError(f"stop_tol must be >= 0, got {stop_tol}")
         if initial_design not in ("maximin", "random"):
-            raise ValueError(f"initial_design must be 'maximin' or 'random', got "
-                             f"{initial_design!r}")
+            raise ArgumentError(f"initial_design must be 'maximin' or 'random', got "
+                                f"{initial_design!r}")
         if allocation not in ("largest", "last"):
-            raise ValueError(f"allocation must be 'largest' or 'last', got {allocation!r}")
+            raise ArgumentError(f"allocation must be 'largest' or 'last', got {allocation!r}")
         self.initial_design = initial_design
         self.allocation = allocation
         self.stop_patience = stop_patience
@@ -225,8 +233,8 @@ class MultiPassSearch:
 
         self._log_path: Path | None = None
         if log is not None and resume is not None and Path(log) != Path(resume):
-            raise ValueError("give either log= (a new search) or resume= (continue one), "
-                             "or the same path to both")
+            raise ArgumentError("give either log= (a new search) or resume= (continue one), "
+                                "or the same path to both")
         if resume_records is not None:
             assert resume is not None
             self._replay(Path(resume), resume_records)
@@ -253,16 +261,16 @@ class MultiPassSearch:
         out = []
         for item in passes:
             if not (isinstance(item, tuple) and len(item) == 2):
-                raise TypeError("passes must be (AcquisitionPass, weight) pairs, got "
-                                f"{item!r}")
+                raise ArgumentTypeError("passes must be (AcquisitionPass, weight) pairs, got "
+                                        f"{item!r}")
             p, w = item
             if not isinstance(p, AcquisitionPass):
-                raise TypeError(f"not an AcquisitionPass: {p!r}")
+                raise ArgumentTypeError(f"not an AcquisitionPass: {p!r}")
             if not (isinstance(w, (int, float)) and math.isfinite(w) and w >= 0):
-                raise ValueError(f"pass weight must be a finite number >= 0, got {w!r}")
+                raise ArgumentError(f"pass weight must be a finite number >= 0, got {w!r}")
             out.append((p, float(w)))
         if not out or sum(w for _, w in out) <= 0:
-            raise ValueError("passes need at least one pass with a positive weight")
+            raise ArgumentError("passes need at least one pass with a positive weight")
         return out
 
     # ---------------------------------------------------------------------- state
@@ -409,11 +417,11 @@ class MultiPassSearch:
             TypeError: if ``measurement`` is not a [`Measurement`][kareus.model.Measurement].
         """
         if not isinstance(measurement, Measurement):
-            raise TypeError(f"measurement must be a kareus Measurement, got "
-                            f"{type(measurement).__name__}")
+            raise ArgumentTypeError(f"measurement must be a kareus Measurement, got "
+                                    f"{type(measurement).__name__}")
         i = self.space.index(config)
         if self._measured[i]:
-            raise ValueError(f"{config} was already measured; a search never re-measures")
+            raise ArgumentError(f"{config} was already measured; a search never re-measures")
         self._write({"kind": "tell", "n": self.n_measured + 1, "config": config.to_dict(),
                      "measurement": measurement.to_dict()})
         self._record(i, measurement)
@@ -473,14 +481,15 @@ class MultiPassSearch:
             ValueError: if ``partition`` is not the space's partition type.
         """
         if not callable(getattr(profiler, "measure", None)):
-            raise TypeError(f"profiler must have a measure(partition, config) method, got "
-                            f"{type(profiler).__name__}")
+            raise ArgumentTypeError(f"profiler must have a measure(partition, config) method, got "
+                                    f"{type(profiler).__name__}")
         part = self.space.partition if partition is None else partition
         if not isinstance(part, Partition):
-            raise TypeError(f"partition must be a kareus Partition, got {type(part).__name__}")
+            raise ArgumentTypeError(f"partition must be a kareus Partition, got "
+                                    f"{type(part).__name__}")
         if part.name != self.space.partition.name:
-            raise ValueError(f"partition {part.name!r} is not the space's partition type "
-                             f"{self.space.partition.name!r}")
+            raise ArgumentError(f"partition {part.name!r} is not the space's partition type "
+                                f"{self.space.partition.name!r}")
         show = self.progress if progress is None else progress
         bar = ProgressBar(self.budget, desc=f"{part.name} on {self.space.gpu.name}",
                           enabled=show)

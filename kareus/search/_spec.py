@@ -26,7 +26,7 @@ from typing import Any
 
 import attrs
 
-from kareus.errors import ConfigError, InfeasibleError
+from kareus.errors import ArgumentError, ArgumentTypeError, ConfigError, InfeasibleError
 from kareus.model.config import ConfigSpace
 from kareus.model.partition import Partition
 from kareus.model.profiler import Profiler
@@ -58,11 +58,11 @@ def resolve_surrogate(surrogate: Surrogate | str | None, seed: int = 0) -> Surro
         return surrogate
     if isinstance(surrogate, str):
         if surrogate not in SURROGATES:
-            raise ValueError(f"unknown surrogate {surrogate!r}: use one of "
-                             f"{tuple(SURROGATES)}, or pass a kareus.search.Surrogate")
+            raise ArgumentError(f"unknown surrogate {surrogate!r}: use one of "
+                                f"{tuple(SURROGATES)}, or pass a kareus.search.Surrogate")
         return SURROGATES[surrogate](seed)
-    raise TypeError(f"surrogate must be a name {tuple(SURROGATES)} or a kareus Surrogate, "
-                    f"got {type(surrogate).__name__}")
+    raise ArgumentTypeError(f"surrogate must be a name {tuple(SURROGATES)} or a kareus Surrogate, "
+                            f"got {type(surrogate).__name__}")
 
 
 def _passes(value: Any) -> Passes | None:
@@ -72,8 +72,8 @@ def _passes(value: Any) -> Passes | None:
     if isinstance(value, AcquisitionPass):
         value = [value]
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        raise TypeError(f"passes must be a list of AcquisitionPasses or (pass, weight) pairs, "
-                        f"got {type(value).__name__}")
+        raise ArgumentTypeError(f"passes must be a list of AcquisitionPasses or (pass, weight) "
+                                f"pairs, got {type(value).__name__}")
     pairs = [(item, 1.0) if isinstance(item, AcquisitionPass) else item for item in value]
     return tuple(MultiPassSearch._check_passes(pairs))
 
@@ -82,8 +82,8 @@ def _whole(label: str, value: Any, *, optional: bool = False) -> None:
     if optional and value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{label} must be a whole number, got {value!r:.40} "
-                        f"({type(value).__name__})")
+        raise ArgumentTypeError(f"{label} must be a whole number, got {value!r:.40} "
+                                f"({type(value).__name__})")
 
 
 def execution_of(profiler: Profiler) -> str | None:
@@ -153,7 +153,7 @@ class SearchSpec:
             raise InfeasibleError(f"budget must be at least 1 profile per partition type, got "
                                   f"{self.budget}")
         if self.batch_size is not None and self.batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+            raise ArgumentError(f"batch_size must be >= 1, got {self.batch_size}")
         resolve_surrogate(self.surrogate, self.seed)  # an unknown name fails here, not later
 
     def surrogate_template(self) -> Surrogate | None:
