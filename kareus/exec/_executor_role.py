@@ -54,7 +54,7 @@ import attrs
 
 from kareus._logging import get_logger
 from kareus.compose import Plan
-from kareus.errors import ConfigError, GraphCaptureError, PlanError, UnknownSlotError
+from kareus.errors import ArgumentError, ConfigError, GraphCaptureError, PlanError, UnknownSlotError
 from kareus.exec._graphs import GraphSequence
 from kareus.exec._plan_lookup import ComputationId, _require_plan, plan_config, plan_frequency
 
@@ -217,11 +217,11 @@ class PartitionScope(PartitionHook):
         """Register the collective ([`PartitionHook.communicate`][kareus.exec.PartitionHook.communicate]); a kind outside
         ``COMM_KINDS`` is a ValueError."""
         if kind not in COMM_KINDS:
-            raise ValueError(f"kind must be one of {COMM_KINDS}, got {kind!r}")
+            raise ArgumentError(f"kind must be one of {COMM_KINDS}, got {kind!r}")
         if self._comm is not None:
             raise RuntimeError(f"partition {self.key!r} already has a collective")
         if kind != "all_reduce" and output is None:
-            raise ValueError(f"{kind} needs an output tensor")
+            raise ArgumentError(f"{kind} needs an output tensor")
         self._comm = (kind, tensor, output)
 
     def op(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -484,7 +484,7 @@ class Executor(abc.ABC):
             ValueError: ``ops`` and ``op_names`` differ in length.
         """
         if len(ops) != len(op_names):
-            raise ValueError(f"{len(ops)} ops but {len(op_names)} names")
+            raise ArgumentError(f"{len(ops)} ops but {len(op_names)} names")
         if config.launch_slot is not None and config.launch_slot not in op_names:
             raise UnknownSlotError(f"launch slot {config.launch_slot!r} is not one of the ops "
                                    f"{list(op_names)} (or None for sequential)")
@@ -522,7 +522,7 @@ class Executor(abc.ABC):
         """
         n = len(comm_tensors)
         if n < 2:
-            raise ValueError(f"nanobatching needs n >= 2 nanobatches, got {n}")
+            raise ArgumentError(f"nanobatching needs n >= 2 nanobatches, got {n}")
         outs = list(comm_outputs) if comm_outputs is not None else [None] * n
         # Nanobatch 0 has no previous collective to overlap.
         for fn in ops:
@@ -562,9 +562,9 @@ class Executor(abc.ABC):
                 reduce-scatter has no output.
         """
         if kind not in COMM_KINDS:
-            raise ValueError(f"kind must be one of {COMM_KINDS}, got {kind!r}")
+            raise ArgumentError(f"kind must be one of {COMM_KINDS}, got {kind!r}")
         if kind != "all_reduce" and output is None:
-            raise ValueError(f"{kind} needs an output tensor")
+            raise ArgumentError(f"{kind} needs an output tensor")
         self._run_exposed(partition, kind, tensor, output, _Exposed(comm_sms=sms))
 
     def _open_scope(self, key: str, config: LaunchConfig,
@@ -630,7 +630,7 @@ class Executor(abc.ABC):
                 without this computation.
         """
         if phase not in ("fwd", "bwd"):
-            raise ValueError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
+            raise ArgumentError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
         self._require_started()
         freq = (None if self.plan is None
                 else plan_frequency(self.plan, stage, microbatch, phase))

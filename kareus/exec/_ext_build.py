@@ -43,7 +43,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from kareus.errors import KareusError
+from kareus.errors import ArgumentError, KareusError
 
 __all__ = [
     "ExtensionBuildError",
@@ -151,7 +151,7 @@ def gencode_flags(arch: str) -> list[str]:
         ValueError: ``arch`` is not of the form ``sm_<digits>[a]``.
     """
     if not arch.startswith("sm_") or not arch[3:].rstrip("a").isdigit():
-        raise ValueError(f"arch must look like 'sm_90', got {arch!r}")
+        raise ArgumentError(f"arch must look like 'sm_90', got {arch!r}")
     num = arch[3:]
     return [f"-gencode=arch=compute_{num},code={arch}"]
 
@@ -234,7 +234,7 @@ def _define_flags(defines: Mapping[str, int | str] | None) -> list[str]:
     flags = []
     for key, value in sorted((defines or {}).items()):
         if not key.isidentifier():
-            raise ValueError(f"macro names must be identifiers, got {key!r}")
+            raise ArgumentError(f"macro names must be identifiers, got {key!r}")
         flags.append(f"-D{key}={value}")
     return flags
 

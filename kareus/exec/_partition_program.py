@@ -23,6 +23,7 @@ import abc
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kareus.errors import ArgumentError
 from kareus.exec._executor_role import Executor
 from kareus.model.ops import CommKind, CommOp
 from kareus.model.partition import Partition
@@ -47,11 +48,11 @@ class PartitionProgram:
                  comm_kind: str | None, buffers: Sequence[Any], comm_outputs: Sequence[Any] = (),
                  state: dict[str, Any] | None = None, writer: str | None = None) -> None:
         if len(op_names) != len(ops):
-            raise ValueError(f"{len(ops)} ops but {len(op_names)} names")
+            raise ArgumentError(f"{len(ops)} ops but {len(op_names)} names")
         if writer is not None and writer not in op_names:
-            raise ValueError(f"writer {writer!r} is not one of the ops {list(op_names)}")
+            raise ArgumentError(f"writer {writer!r} is not one of the ops {list(op_names)}")
         if len(buffers) != 2:
-            raise ValueError("a program double-buffers its collective's tensor: 2 buffers")
+            raise ArgumentError("a program double-buffers its collective's tensor: 2 buffers")
         self.op_names = tuple(op_names)
         self._ops = tuple(ops)
         self.comm_kind = comm_kind
@@ -121,9 +122,9 @@ def _comm_zeros(torch: Any, collective: Any, shape: tuple[int, ...], device: Any
             return torch.zeros(shape, device=device, dtype=dtype)
         t = empty(shape, dtype)
     if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device:
-        raise ValueError(f"{type(collective).__name__}.empty({shape}, {dtype}) gave a tensor "
-                         f"of shape {tuple(t.shape)}, {t.dtype} on {t.device}; the program is "
-                         f"built on {device}: build it on the backend's device")
+        raise ArgumentError(f"{type(collective).__name__}.empty({shape}, {dtype}) gave a tensor "
+                            f"of shape {tuple(t.shape)}, {t.dtype} on {t.device}; the program is "
+                            f"built on {device}: build it on the backend's device")
     return t.zero_()
 
 
@@ -143,8 +144,8 @@ def _comm_buffers(torch: Any, comm: CommOp, model_bytes: int, device: Any, dtype
     """
     n, rest = divmod(int(comm.bytes), int(model_bytes))
     if rest or n <= 0:
-        raise ValueError(f"{comm.name}: {comm.bytes} bytes is not a whole number of "
-                         f"{model_bytes}-byte elements")
+        raise ArgumentError(f"{comm.name}: {comm.bytes} bytes is not a whole number of "
+                            f"{model_bytes}-byte elements")
     g = comm.group_size
     if comm.kind is CommKind.ALL_REDUCE:
         in_shape, out_shape = (shape if _numel(shape) == n else (n,)), None

@@ -14,7 +14,7 @@ executor ([`TorchExecutor`][kareus.exec.TorchExecutor], the recording fake of
 from __future__ import annotations
 
 from kareus.compose import Plan
-from kareus.errors import PlanError
+from kareus.errors import ArgumentTypeError, PlanError
 from kareus.model.config import ScheduleConfig
 
 __all__ = ["ComputationId", "computation_key", "plan_config", "plan_frequency",
@@ -40,8 +40,8 @@ def computation_key(stage: int, microbatch: int, phase: str) -> str:
 
 def _require_plan(plan: object) -> Plan:
     if not isinstance(plan, Plan):
-        raise TypeError(f"plan must be a kareus.compose.Plan (load one with Plan.load(path)), "
-                        f"got {type(plan).__name__}")
+        raise ArgumentTypeError(f"plan must be a kareus.compose.Plan (load one with "
+                                f"Plan.load(path)), got {type(plan).__name__}")
     return plan
 
 

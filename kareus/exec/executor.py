@@ -59,7 +59,7 @@ from typing import Any
 
 from kareus._logging import get_logger
 from kareus.compose import Plan
-from kareus.errors import ConfigError, GraphCaptureError
+from kareus.errors import ArgumentError, ArgumentTypeError, ConfigError, GraphCaptureError
 from kareus.exec._executor_role import (
     COMM_KINDS,
     CollectiveLaunch,
@@ -161,16 +161,17 @@ class TorchExecutor(Executor):
                                ("default_collective", default_collective),
                                *((f"backends[{k!r}]", b) for k, b in named.items())):
             if backend is not None and not isinstance(backend, CollectiveBackend):
-                raise TypeError(f"{label} must be a CollectiveBackend (kareus.exec.collectives), "
-                                f"got {type(backend).__name__}")
+                raise ArgumentTypeError(f"{label} must be a CollectiveBackend "
+                                        f"(kareus.exec.collectives), got {type(backend).__name__}")
         if collective is None:
-            raise TypeError("collective must be a CollectiveBackend (kareus.exec.collectives), "
-                            "got None")
+            raise ArgumentTypeError("collective must be a CollectiveBackend "
+                                    "(kareus.exec.collectives), got None")
         if streams is not None and not isinstance(streams, StreamBackend):
-            raise TypeError(f"streams must be a StreamBackend, got {type(streams).__name__}")
+            raise ArgumentTypeError(f"streams must be a StreamBackend, got "
+                                    f"{type(streams).__name__}")
         if frequency is not None and not isinstance(frequency, FrequencyTrigger):
-            raise TypeError("frequency must be a FrequencyTrigger (e.g. StreamOrderedTrigger), "
-                            f"got {type(frequency).__name__}")
+            raise ArgumentTypeError("frequency must be a FrequencyTrigger (e.g. "
+                                    f"StreamOrderedTrigger), got {type(frequency).__name__}")
         super().__init__(plan=plan, digest_exchange=digest_exchange)
         self.collective: CollectiveBackend = collective
         self.default_collective: CollectiveBackend | None = default_collective
@@ -288,7 +289,7 @@ class TorchExecutor(Executor):
             ValueError: ``kind`` is not one of ``COMM_KINDS``.
         """
         if kind not in COMM_KINDS:
-            raise ValueError(f"kind must be one of {COMM_KINDS}, got {kind!r}")
+            raise ArgumentError(f"kind must be one of {COMM_KINDS}, got {kind!r}")
         backend = self.backend_for(sms)
         stream = self.streams.current_stream()
         if kind == "all_reduce":
@@ -348,7 +349,7 @@ class TorchExecutor(Executor):
             raise GraphCaptureError("this executor runs eagerly (graphs=False): call the "
                                     "bodies directly")
         if not bodies:
-            raise ValueError("nothing to capture: bodies is empty")
+            raise ArgumentError("nothing to capture: bodies is empty")
         self._require_started()
         key = (signature, None if self.plan is None else str(self.plan.digest))
         old = self._sequences.get(name)

@@ -29,6 +29,8 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, Future
 from typing import Any
 
+from kareus.errors import ArgumentError
+
 __all__ = ["RayExecutor"]
 
 
@@ -68,9 +70,9 @@ class RayExecutor(Executor):
         if ray is None:
             ray = _import_ray()
         if num_gpus is not None and num_gpus < 0:
-            raise ValueError(f"num_gpus must be >= 0, got {num_gpus}")
+            raise ArgumentError(f"num_gpus must be >= 0, got {num_gpus}")
         if num_cpus < 0:
-            raise ValueError(f"num_cpus must be >= 0, got {num_cpus}")
+            raise ArgumentError(f"num_cpus must be >= 0, got {num_cpus}")
         self._ray = ray
         self.num_gpus = num_gpus
         self.num_cpus = num_cpus

@@ -44,6 +44,7 @@ from typing import Any
 import attrs
 
 from kareus._io import write_text_atomic
+from kareus.errors import ArgumentTypeError
 from kareus.model.partition import Partition, PartitionSet
 from kareus.model.profiler import Profiler
 from kareus.search import PartitionFrontier, SearchSpec, search_log_path
@@ -169,9 +170,9 @@ def run_searches(executor: Executor, profiler: Profiler, pset: PartitionSet, *,
         Exception: whatever a task raised (re-raised here).
     """
     if not isinstance(executor, Executor):
-        raise TypeError(f"executor must be a concurrent.futures.Executor (a thread or process "
-                        f"pool, kareus.interop.ray.RayExecutor, submitit's AutoExecutor), got "
-                        f"{type(executor).__name__}")
+        raise ArgumentTypeError(f"executor must be a concurrent.futures.Executor (a thread or "
+                                f"process pool, kareus.interop.ray.RayExecutor, submitit's "
+                                f"AutoExecutor), got {type(executor).__name__}")
     parts: Mapping[str, Partition] = pset.types if types is None else types
     names = list(parts)
     base = _call_count(profiler)

@@ -32,7 +32,13 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
 from kareus.compose import MicrobatchChoice, Plan
-from kareus.errors import ConfigError, GraphCaptureError, PlanError, UnknownSlotError
+from kareus.errors import (
+    ArgumentTypeError,
+    ConfigError,
+    GraphCaptureError,
+    PlanError,
+    UnknownSlotError,
+)
 from kareus.exec.collectives import CollectiveBackend
 from kareus.exec.executor import (
     COMM_KINDS,
@@ -181,7 +187,8 @@ class RecordingExecutor(Executor):
     def __init__(self, *, plan: Plan | None = None,
                  digest_exchange: Callable[[str], Sequence[str]] | None = None) -> None:
         if plan is not None and not isinstance(plan, Plan):
-            raise TypeError(f"plan must be a kareus.compose.Plan, got {type(plan).__name__}")
+            raise ArgumentTypeError(f"plan must be a kareus.compose.Plan, got "
+                                    f"{type(plan).__name__}")
         super().__init__(plan=plan, digest_exchange=digest_exchange or (lambda d: [d]))
         self.log: list[tuple[Any, ...]] = []
 

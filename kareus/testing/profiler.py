@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from kareus.errors import ArgumentError, ArgumentTypeError
 from kareus.model.config import ScheduleConfig
 from kareus.model.gpu import GPUSpec, get_gpu
 from kareus.model.measurement import Measurement
@@ -50,7 +51,7 @@ class FakeProfiler(Profiler):
     def __init__(self, gpu: str | GPUSpec = "a100-40gb", *, noise: float = 0.0,
                  seed: int = 0) -> None:
         if noise < 0:
-            raise ValueError(f"noise must be >= 0, got {noise}")
+            raise ArgumentError(f"noise must be >= 0, got {noise}")
         self.gpu = get_gpu(gpu)
         self.noise = float(noise)
         self.seed = int(seed)
@@ -130,8 +131,8 @@ class FakeProfiler(Profiler):
     def measure(self, partition: Partition, config: ScheduleConfig) -> Measurement:
         """Model ``partition`` under ``config`` (scope: the partition's group of GPUs)."""
         if not isinstance(partition, Partition):
-            raise TypeError(f"partition must be a kareus Partition, got "
-                            f"{type(partition).__name__}")
+            raise ArgumentTypeError(f"partition must be a kareus Partition, got "
+                                    f"{type(partition).__name__}")
         self.space(partition).validate(config)  # typed ConfigErrors for impossible configs
         self.calls.append((partition.name, config))
         t, e = self._simulate(partition, config)

@@ -37,7 +37,7 @@ from typing import Any
 
 import attrs
 
-from kareus.errors import HardwareError, KareusError
+from kareus.errors import ArgumentError, ArgumentTypeError, HardwareError, KareusError
 from kareus.exec.nvml import Coordinator
 from kareus.model.config import ScheduleConfig
 from kareus.model.partition import OutsideWork, Partition, TransformerPartition
@@ -71,7 +71,7 @@ def tuning_backends(env: Any, wanted: Sequence[str] | None,
 
     unknown = sorted(set(wanted or ()) - set(build))
     if unknown:
-        raise ValueError(f"unknown backend(s) {unknown} for tuning: use {sorted(build)}")
+        raise ArgumentError(f"unknown backend(s) {unknown} for tuning: use {sorted(build)}")
     named: dict[str, Any] = {}
     notes: dict[str, str] = {}
     for name, make in build.items():
@@ -376,7 +376,7 @@ def _runnables(catalog: Catalog, kernels: Any) -> tuple[Callable[[Partition], An
         if idx not in made:
             p, wl = catalog.partitions[idx]
             if not isinstance(p, TransformerPartition):  # the partition builder's type
-                raise TypeError(f"partition {p.name!r} is not a TransformerPartition")
+                raise ArgumentTypeError(f"partition {p.name!r} is not a TransformerPartition")
             made[idx] = RunnableTransformerPartition(p, wl, kernels=kernels)
         return made[idx]
 

@@ -32,6 +32,7 @@ from typing import Any
 import attrs
 
 from kareus._io import write_json_atomic
+from kareus.errors import ArgumentError
 from kareus.exec.nvml import HOST_BOUND_BUSY, Coordinator
 from kareus.model.partition import build_partitions
 from kareus.model.profiler import Profiler
@@ -228,8 +229,8 @@ def _search_types(profiler: Profiler, catalog: Catalog, types: Sequence[str],
     pset = build_partitions(catalog.workload)
     unknown = [t for t in types if t not in pset.types]
     if unknown:
-        raise ValueError(f"unknown partition type(s) {unknown}; {catalog.workload.describe()} "
-                         f"has {list(pset.types)}")
+        raise ArgumentError(f"unknown partition type(s) {unknown}; {catalog.workload.describe()} "
+                            f"has {list(pset.types)}")
     log_dir.mkdir(parents=True, exist_ok=True)
     return {name: search.run(profiler, pset.types[name], log=search_log_path(log_dir, name),
                              progress=progress) for name in types}

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kareus._logging import get_logger
-from kareus.errors import HardwareError
+from kareus.errors import ArgumentError, ArgumentTypeError, HardwareError
 from kareus.exec.nvml import HOST_BOUND_BUSY, Coordinator
 from kareus.model.config import ConfigSpace, ScheduleConfig
 from kareus.model.measurement import Measurement
@@ -141,9 +141,9 @@ class LockstepProfiler(Profiler):
                  backends: Sequence[str] = (), cache: str | os.PathLike[str] | None = None
                  ) -> None:
         if not isinstance(inner, Profiler):
-            raise TypeError(f"inner must be a Profiler, got {type(inner).__name__}")
+            raise ArgumentTypeError(f"inner must be a Profiler, got {type(inner).__name__}")
         if coordinator.rank != 0:
-            raise ValueError("the LockstepProfiler runs on rank 0; other ranks call follow()")
+            raise ArgumentError("the LockstepProfiler runs on rank 0; other ranks call follow()")
         self.inner = inner
         self.gpu = inner.gpu
         self.coord = coordinator

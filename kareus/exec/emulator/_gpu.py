@@ -14,6 +14,7 @@ from typing import Any
 
 import attrs
 
+from kareus.errors import ArgumentError
 from kareus.exec.emulator._calibration import comm_curves, host_costs, op_calibrations
 from kareus.exec.emulator._comm import CommCurve, _comm_curves
 from kareus.exec.emulator._host import (
@@ -36,17 +37,19 @@ __all__ = ["EmulatedGPU"]
 
 def _pos(instance: object, attribute: attrs.Attribute, value: float) -> None:
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-        raise ValueError(f"EmulatedGPU.{attribute.name} must be a finite number > 0, got {value!r}")
+        raise ArgumentError(f"EmulatedGPU.{attribute.name} must be a finite number > 0, "
+                            f"got {value!r}")
 
 
 def _nonneg(instance: object, attribute: attrs.Attribute, value: float) -> None:
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-        raise ValueError(f"EmulatedGPU.{attribute.name} must be a finite number >= 0, got {value!r}")
+        raise ArgumentError(f"EmulatedGPU.{attribute.name} must be a finite number >= 0, "
+                            f"got {value!r}")
 
 
 def _fraction(instance: object, attribute: attrs.Attribute, value: float) -> None:
     if not (isinstance(value, (int, float)) and 0 < value <= 1):
-        raise ValueError(f"EmulatedGPU.{attribute.name} must be in (0, 1], got {value!r}")
+        raise ArgumentError(f"EmulatedGPU.{attribute.name} must be in (0, 1], got {value!r}")
 
 
 COMM_PRIORITIES = ("high", "normal")
@@ -69,34 +72,34 @@ def measured_priority(data: Mapping[str, Any], override: str | None = None
     """
     if override not in (None, "measured"):
         if override not in COMM_PRIORITIES:
-            raise ValueError(f"comm_priority {override!r}; expected high, normal or measured")
+            raise ArgumentError(f"comm_priority {override!r}; expected high, normal or measured")
         return str(override), "--comm-priority"
     recorded = data.get("comm_priority")
     if recorded is not None:
         if recorded not in COMM_PRIORITIES:
-            raise ValueError(f"the measured data have comm_priority {recorded!r}; expected "
-                             "'high' or 'normal'")
+            raise ArgumentError(f"the measured data have comm_priority {recorded!r}; expected "
+                                "'high' or 'normal'")
         return str(recorded), "recorded in the data"
     return UNRECORDED_PRIORITY, "not recorded: the data predate the option (normal)"
 
 
 def _priority(instance: object, attribute: attrs.Attribute, value: str) -> None:
     if value not in COMM_PRIORITIES:
-        raise ValueError(f"EmulatedGPU.{attribute.name} must be 'high' or 'normal', got "
-                         f"{value!r}")
+        raise ArgumentError(f"EmulatedGPU.{attribute.name} must be 'high' or 'normal', got "
+                            f"{value!r}")
 
 
 def _execution(instance: object, attribute: attrs.Attribute, value: str) -> None:
     if value not in EXECUTIONS:
-        raise ValueError(f"EmulatedGPU.{attribute.name} must be 'graphed' or 'eager', got "
-                         f"{value!r}")
+        raise ArgumentError(f"EmulatedGPU.{attribute.name} must be 'graphed' or 'eager', got "
+                            f"{value!r}")
 
 
 def _host_seconds(instance: object, attribute: attrs.Attribute, value: float) -> None:
     if (isinstance(value, bool) or not isinstance(value, (int, float))
             or not math.isfinite(value) or not 0 <= value < MAX_HOST_S):
-        raise ValueError(f"EmulatedGPU.{attribute.name} must be a finite number of seconds "
-                         f"in [0, {MAX_HOST_S}), got {value!r}")
+        raise ArgumentError(f"EmulatedGPU.{attribute.name} must be a finite number of seconds "
+                            f"in [0, {MAX_HOST_S}), got {value!r}")
 
 
 def _comm_curves_tuple(value: Iterable[Sequence[Any]]) -> tuple[CommCurve, ...]:
@@ -109,8 +112,8 @@ def _op_calibration_tuple(value: Iterable[Sequence[Any]]) -> tuple[OpCalibration
     out = []
     for part, op, k_t, k_p, model_s, src in value:
         if not (k_t > 0 and k_p >= 0 and math.isfinite(k_t) and math.isfinite(k_p)):
-            raise ValueError(f"EmulatedGPU.op_calibration: factors of {part}/{op} must be "
-                             f"finite, time > 0 and power >= 0, got {k_t!r}, {k_p!r}")
+            raise ArgumentError(f"EmulatedGPU.op_calibration: factors of {part}/{op} must be "
+                                f"finite, time > 0 and power >= 0, got {k_t!r}, {k_p!r}")
         out.append(OpCalibration(str(part), str(op), float(k_t), float(k_p), float(model_s),
                                  str(src)))
     return tuple(out)
@@ -282,8 +285,8 @@ class EmulatedGPU:
             comm_backend = ("custom" if {"comm_gb_per_s_per_sm", "comm_link_gb_per_s"} & set(overrides)
                             else "own")
         if comm_backend not in ("own", "nccl", "custom"):
-            raise ValueError(f"comm_backend must be 'own', 'nccl' or 'custom', got "
-                             f"{comm_backend!r}")
+            raise ArgumentError(f"comm_backend must be 'own', 'nccl' or 'custom', got "
+                                f"{comm_backend!r}")
         base = _default_constants(spec)
         base["comm_curves"] = () if comm_backend == "custom" else _comm_curves(spec, comm_backend)
         base["comm_priority"] = comm_priority

@@ -32,6 +32,7 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
+from kareus.errors import ArgumentError
 from kareus.model.ops import ComputeOp
 
 __all__ = ["DEFAULT_HOST_COSTS", "EXECUTIONS", "HostCost", "host_cost_s", "host_key"]
@@ -139,8 +140,8 @@ def host_costs_tuple(value: Iterable[Sequence[Any]]) -> tuple[HostCost, ...]:
         part, op, seconds, src = item
         if (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
                 or not math.isfinite(seconds) or not 0 < seconds < MAX_HOST_S):
-            raise ValueError(f"EmulatedGPU.host_costs: the host cost of {part}/{op} must be "
-                             f"a finite number of seconds in (0, {MAX_HOST_S}), got "
-                             f"{seconds!r}")
+            raise ArgumentError(f"EmulatedGPU.host_costs: the host cost of {part}/{op} must be "
+                                f"a finite number of seconds in (0, {MAX_HOST_S}), got "
+                                f"{seconds!r}")
         out.append(HostCost(str(part), str(op), float(seconds), str(src)))
     return tuple(out)

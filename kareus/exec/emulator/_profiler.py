@@ -8,7 +8,7 @@ from collections.abc import Callable
 import attrs
 import numpy as np
 
-from kareus.errors import UnknownSlotError
+from kareus.errors import ArgumentError, ArgumentTypeError, UnknownSlotError
 from kareus.exec.emulator._gpu import EmulatedGPU
 from kareus.exec.emulator._opmodel import _Op, _prep_op
 from kareus.exec.emulator._sim import EmulationTrace, _Collective, _collective, _Sim
@@ -89,19 +89,19 @@ class EmulatedProfiler(Profiler):
         if isinstance(gpu, (str, GPUSpec)):
             gpu = EmulatedGPU.from_spec(gpu)
         if not isinstance(gpu, EmulatedGPU):
-            raise TypeError(f"gpu must be an EmulatedGPU, GPUSpec or preset name, got "
-                            f"{type(gpu).__name__}")
+            raise ArgumentTypeError(f"gpu must be an EmulatedGPU, GPUSpec or preset name, got "
+                                    f"{type(gpu).__name__}")
         if comm_priority is not None and comm_priority != gpu.comm_priority:
             gpu = gpu.with_(comm_priority=comm_priority)
         if execution is not None and execution != gpu.execution:
             gpu = gpu.with_(execution=execution)
         for label, value in (("noise", noise), ("time_noise", time_noise)):
             if value is not None and not (isinstance(value, (int, float)) and 0 <= value < 0.5):
-                raise ValueError(f"{label} must be in [0, 0.5), got {value!r}")
+                raise ArgumentError(f"{label} must be in [0, 0.5), got {value!r}")
         if (group_gpus is not None and not callable(group_gpus)
                 and (not isinstance(group_gpus, int) or group_gpus < 1)):
-            raise ValueError(f"group_gpus must be a positive int, a callable or None, "
-                             f"got {group_gpus!r}")
+            raise ArgumentError(f"group_gpus must be a positive int, a callable or None, "
+                                f"got {group_gpus!r}")
         self.emulated_gpu: EmulatedGPU = gpu
         self.gpu: GPUSpec = gpu.spec
         self.noise = float(noise)
@@ -126,7 +126,7 @@ class EmulatedProfiler(Profiler):
         """
         prep = self._prepare(partition)
         if not isinstance(config, ScheduleConfig):
-            raise TypeError(f"config must be a ScheduleConfig, got {type(config).__name__}")
+            raise ArgumentTypeError(f"config must be a ScheduleConfig, got {type(config).__name__}")
         key = (config.freq_mhz, config.comm_sms, config.launch_slot)
         res = prep.results.get(key)
         if res is None:
@@ -151,9 +151,9 @@ class EmulatedProfiler(Profiler):
             comm_sms: SMs of each collective (``None``: the GPU's default, NCCL's CTA count).
         """
         if not isinstance(work, OutsideWork):
-            raise TypeError(f"work must be an OutsideWork, got {type(work).__name__}")
+            raise ArgumentTypeError(f"work must be an OutsideWork, got {type(work).__name__}")
         if not isinstance(group_size, int) or group_size < 1:
-            raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+            raise ArgumentError(f"group_size must be a positive int, got {group_size!r}")
         self._check_freq(int(freq_mhz))
         sms = self.gpu.default_comm_sms if comm_sms is None else int(comm_sms)
         self._check_sms(sms)
@@ -261,8 +261,8 @@ class EmulatedProfiler(Profiler):
         if prep is not None and prep.partition is partition:
             return prep
         if not isinstance(partition, Partition):
-            raise TypeError(f"partition must be a kareus Partition, got "
-                            f"{type(partition).__name__}")
+            raise ArgumentTypeError(f"partition must be a kareus Partition, got "
+                                    f"{type(partition).__name__}")
         ops = [self._op(o, partition.name) for o in partition.compute_ops]
         slot_index = {s.name: s.index for s in partition.slots}
         gg = self._group_gpus(partition)
@@ -280,7 +280,7 @@ class EmulatedProfiler(Profiler):
         if callable(self.group_gpus):
             g = int(self.group_gpus(partition))
             if g < 1:
-                raise ValueError(f"group_gpus({partition.name!r}) returned {g}; need >= 1")
+                raise ArgumentError(f"group_gpus({partition.name!r}) returned {g}; need >= 1")
             return g
         if isinstance(self.group_gpus, int):
             return self.group_gpus
@@ -297,7 +297,7 @@ class EmulatedProfiler(Profiler):
 
     def _check(self, prep: _Prepared, config: ScheduleConfig) -> None:
         if not isinstance(config, ScheduleConfig):
-            raise TypeError(f"config must be a ScheduleConfig, got {type(config).__name__}")
+            raise ArgumentTypeError(f"config must be a ScheduleConfig, got {type(config).__name__}")
         self._check_freq(config.freq_mhz)
         self._check_sms(config.comm_sms)
         if config.launch_slot is not None and config.launch_slot not in prep.slot_index:

@@ -13,7 +13,7 @@ from typing import Any
 
 import attrs
 
-from kareus.errors import HardwareError
+from kareus.errors import ArgumentError, HardwareError
 from kareus.exec._nvml_device import load_nvml, nvml_device_index
 from kareus.model.gpu import GPUSpec, get_gpu
 
@@ -132,7 +132,7 @@ class LockingFrequencyController(FrequencyController):
                  handle_signals: bool = False) -> None:
         self.device_indices = tuple(int(i) for i in device_indices)
         if not self.device_indices:
-            raise ValueError(f"{type(self).__name__} needs at least one GPU")
+            raise ArgumentError(f"{type(self).__name__} needs at least one GPU")
         self.gpu = None if gpu is None else get_gpu(gpu)
         self._locked: set[int] = set()
         self._lock = threading.RLock()

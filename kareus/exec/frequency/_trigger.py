@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from kareus._logging import get_logger
-from kareus.errors import GraphCaptureError
+from kareus.errors import ArgumentTypeError, GraphCaptureError
 from kareus.exec.frequency._controllers import FrequencyController
 from kareus.exec.frequency._markers import EventPollingMarker, HostFunctionMarker, StreamMarker
 
@@ -61,10 +61,10 @@ class StreamOrderedTrigger(FrequencyTrigger):
     def __init__(self, controller: FrequencyController, *,
                  marker: StreamMarker | None = None) -> None:
         if not isinstance(controller, FrequencyController):
-            raise TypeError(f"controller must be a FrequencyController, got "
-                            f"{type(controller).__name__}")
+            raise ArgumentTypeError(f"controller must be a FrequencyController, got "
+                                    f"{type(controller).__name__}")
         if marker is not None and not isinstance(marker, StreamMarker):
-            raise TypeError(f"marker must be a StreamMarker, got {type(marker).__name__}")
+            raise ArgumentTypeError(f"marker must be a StreamMarker, got {type(marker).__name__}")
         self.controller = controller
         self.fallback_reason: str | None = None
         if marker is None:

@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kareus.errors import ArgumentError
 from kareus.exec.kernels import _launch
 from kareus.exec.kernels._launch import LaunchRecord, plain_launch
 from kareus.exec.kernels._layout import _split_qkv
@@ -360,7 +361,7 @@ def _rope_heads_kernel(a_src, a_sb, a_ss, a_sh, a_dst, a_db, a_ds, a_dh, a_heads
 
 def _strides(t: Any) -> tuple[int, int, int]:
     if t.stride(-1) != 1:
-        raise ValueError("RoPE kernels need the head dimension contiguous (stride 1)")
+        raise ArgumentError("RoPE kernels need the head dimension contiguous (stride 1)")
     return t.stride(0), t.stride(1), t.stride(2)
 
 
@@ -373,7 +374,7 @@ def _rope_grid(grid: str | None, bsz: int, heads: int) -> str:
     if grid is None:
         return "heads" if bsz <= _MAX_GRID_YZ and heads <= _MAX_GRID_YZ else "rows"
     if grid not in ROPE_GRIDS:
-        raise ValueError(f"unknown RoPE grid {grid!r}; choose one of {ROPE_GRIDS}")
+        raise ArgumentError(f"unknown RoPE grid {grid!r}; choose one of {ROPE_GRIDS}")
     return grid
 
 
@@ -382,8 +383,8 @@ def _launch_rope(a: Any, a_out: Any, b: Any, b_out: Any, c: Any, c_out: Any, cos
                  rec: list[LaunchRecord] | None = None) -> None:
     bsz, seq, _, hd = a.shape
     if hd % 2 or cos.shape[-1] != hd or sin.shape != cos.shape or cos.shape[0] < seq:
-        raise ValueError(f"cos/sin of shape {tuple(cos.shape)} do not fit head dim {hd} and "
-                         f"{seq} positions")
+        raise ArgumentError(f"cos/sin of shape {tuple(cos.shape)} do not fit head dim {hd} and "
+                            f"{seq} positions")
     if cos.stride(-1) != 1 or sin.stride(-1) != 1 or sin.stride(0) != cos.stride(0):
         cos, sin = cos.contiguous(), sin.contiguous()
     grid = _rope_grid(grid, bsz, a.shape[2] + b.shape[2] + (c.shape[2] if c is not None else 0))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 from typing import Any
 
+from kareus.errors import ArgumentError
 from kareus.exec.kernels._attention import attention_backward, attention_forward
 from kareus.exec.kernels._layout import _split_qkv
 
@@ -155,7 +156,7 @@ class KernelSet(abc.ABC):
 
         if accumulate:
             if out is None:
-                raise ValueError("accumulate=True needs out= (the tensor to add into)")
+                raise ArgumentError("accumulate=True needs out= (the tensor to add into)")
             return out.addmm_(a, b)
         return torch.matmul(a, b, out=out) if out is not None else torch.matmul(a, b)
 

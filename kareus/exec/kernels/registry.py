@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+from kareus.errors import ArgumentError, ArgumentTypeError
 from kareus.exec.kernels.base import KernelSet, ReferenceKernels, TorchKernels
 from kareus.exec.kernels.triton_ops import TritonKernels
 
@@ -25,9 +26,9 @@ def register_kernels(name: str, factory: Callable[[], KernelSet]) -> None:
     """Make a kernel set selectable by ``name`` (in ``get_kernels`` and
     ``KAREUS_KERNELS``). ``factory`` is called with no arguments."""
     if not name or not isinstance(name, str):
-        raise ValueError("a kernel set needs a non-empty name")
+        raise ArgumentError("a kernel set needs a non-empty name")
     if not callable(factory):
-        raise TypeError("factory must be callable")
+        raise ArgumentTypeError("factory must be callable")
     _REGISTRY[name] = factory
 
 
@@ -73,13 +74,13 @@ def get_kernels(kernels: KernelSet | str | None = None) -> KernelSet:
         if kernels is None or kernels == "auto":
             kernels = "triton" if _triton_usable() else "torch"
     if not isinstance(kernels, str):
-        raise TypeError(f"kernels must be a KernelSet, a name or None, got "
-                        f"{type(kernels).__name__}")
+        raise ArgumentTypeError(f"kernels must be a KernelSet, a name or None, got "
+                                f"{type(kernels).__name__}")
     if kernels not in _REGISTRY:
-        raise ValueError(f"unknown kernel set {kernels!r}; choose one of "
-                         f"{available_kernels()} or pass a KernelSet")
+        raise ArgumentError(f"unknown kernel set {kernels!r}; choose one of "
+                            f"{available_kernels()} or pass a KernelSet")
     ks = _REGISTRY[kernels]()
     if not isinstance(ks, KernelSet):
-        raise TypeError(f"kernel set factory {kernels!r} returned {type(ks).__name__}, "
-                        f"not a KernelSet")
+        raise ArgumentTypeError(f"kernel set factory {kernels!r} returned {type(ks).__name__}, "
+                                f"not a KernelSet")
     return ks

@@ -18,6 +18,7 @@ from typing import Any
 import attrs
 
 from kareus._logging import get_logger
+from kareus.errors import ArgumentError
 from kareus.exec._nvml_device import load_nvml, nvml_device_index
 
 __all__ = ["EnergyMeter"]
@@ -60,7 +61,7 @@ class EnergyMeter:
             device_indices = [nvml_device_index(nvml=self.nvml)]
         self.device_indices = tuple(int(i) for i in device_indices)
         if not self.device_indices:
-            raise ValueError("an EnergyMeter needs at least one GPU")
+            raise ArgumentError("an EnergyMeter needs at least one GPU")
         self.poll_interval_s = 0.0005 if poll_interval_s is None else float(poll_interval_s)
         self._handles = [self.nvml.nvmlDeviceGetHandleByIndex(i) for i in self.device_indices]
         _log.info("energy meter on NVML GPU(s) %s, polled every %.2f ms",

@@ -23,7 +23,13 @@ from typing import Any
 import attrs
 
 from kareus._logging import get_logger
-from kareus.errors import ConfigError, HardwareError, UnknownSlotError
+from kareus.errors import (
+    ArgumentError,
+    ArgumentTypeError,
+    ConfigError,
+    HardwareError,
+    UnknownSlotError,
+)
 from kareus.exec.frequency import DryRunFrequencyController, FrequencyController
 from kareus.exec.nvml._coordinator import Coordinator, LocalCoordinator
 from kareus.exec.nvml._meter import EnergyMeter
@@ -184,12 +190,13 @@ class NVMLProfiler(Profiler):
                  clock: Callable[[], float] | None = None,
                  sleep: Callable[[float], None] | None = None) -> None:
         if not isinstance(runner, PartitionRunner):
-            raise TypeError(f"runner must be a PartitionRunner, got {type(runner).__name__}")
+            raise ArgumentTypeError(f"runner must be a PartitionRunner, got "
+                                    f"{type(runner).__name__}")
         if not isinstance(meter, EnergyMeter):
-            raise TypeError(f"meter must be an EnergyMeter, got {type(meter).__name__}")
+            raise ArgumentTypeError(f"meter must be an EnergyMeter, got {type(meter).__name__}")
         if coordinator is not None and not isinstance(coordinator, Coordinator):
-            raise TypeError(f"coordinator must be a Coordinator, got "
-                            f"{type(coordinator).__name__}")
+            raise ArgumentTypeError(f"coordinator must be a Coordinator, got "
+                                    f"{type(coordinator).__name__}")
         self.gpu = get_gpu(gpu)
         self.runner = runner
         self.meter = meter
@@ -206,9 +213,9 @@ class NVMLProfiler(Profiler):
         self.busy_steps = 10 if busy_steps is None else int(busy_steps)
         if self.window_steps < 1 or self.sub_windows < 1 or self.max_runs < 1 \
                 or self.busy_steps < 1:
-            raise ValueError("window_steps, sub_windows, max_runs and busy_steps must be >= 1")
+            raise ArgumentError("window_steps, sub_windows, max_runs and busy_steps must be >= 1")
         if not 0 < self.target_cv < 1:
-            raise ValueError(f"target_cv must be in (0, 1), got {self.target_cv}")
+            raise ArgumentError(f"target_cv must be in (0, 1), got {self.target_cv}")
         self._clock = clock or time.perf_counter
         self._sleep = sleep or time.sleep
         self.counter_timeout_s = float(counter_timeout_s)
@@ -223,8 +230,8 @@ class NVMLProfiler(Profiler):
         self._preheating = False
         self._started = False
         if frequency is not None and not isinstance(frequency, FrequencyController):
-            raise TypeError(f"frequency must be a FrequencyController, got "
-                            f"{type(frequency).__name__}")
+            raise ArgumentTypeError(f"frequency must be a FrequencyController, got "
+                                    f"{type(frequency).__name__}")
         self.frequency = frequency
         #: Whether this profiler sets the clock of each candidate (the frequency dimension).
         self.clocks_controlled = frequency is not None and not isinstance(

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kareus._logging import get_logger
-from kareus.errors import GraphCaptureError
+from kareus.errors import ArgumentTypeError, GraphCaptureError
 from kareus.exec.executor import Executor
 from kareus.model.config import ScheduleConfig
 from kareus.model.partition import Partition
@@ -114,8 +114,8 @@ class TorchPartitionRunner(PartitionRunner):
     def __init__(self, executor: Executor, *, seed: int = 0,
                  resolve: Callable[[Partition], Partition] | None = None) -> None:
         if not isinstance(executor, Executor):
-            raise TypeError(f"executor must be an Executor (e.g. TorchExecutor), got "
-                            f"{type(executor).__name__}")
+            raise ArgumentTypeError(f"executor must be an Executor (e.g. TorchExecutor), got "
+                                    f"{type(executor).__name__}")
         import torch
 
         self._torch = torch
@@ -152,8 +152,8 @@ class TorchPartitionRunner(PartitionRunner):
             if self.resolve is not None and not isinstance(partition, RunnablePartition):
                 partition = self.resolve(partition)
             if not isinstance(partition, RunnablePartition):
-                raise TypeError(f"partition {partition.name!r} is not runnable: wrap it in "
-                                "RunnableTransformerPartition or CallablePartition")
+                raise ArgumentTypeError(f"partition {partition.name!r} is not runnable: wrap it in "
+                                        "RunnableTransformerPartition or CallablePartition")
             built = self._built.get(id(partition))
             if built is None:
                 # Buffers from the executor (Executor.empty): registered memory for the

@@ -44,6 +44,7 @@ from typing import Any
 
 import attrs
 
+from kareus.errors import ArgumentError, UnknownSlotError
 from kareus.exec._executor_role import Executor
 
 __all__ = [
@@ -182,9 +183,9 @@ def stack_stream(phase: str, layers: int, *, tp: int, cp: int,
         outside the stack.
     """
     if phase not in ("fwd", "bwd"):
-        raise ValueError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
+        raise ArgumentError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
     if layers < 1 or tp < 1 or cp < 1:
-        raise ValueError(f"layers, tp and cp must be >= 1, got {layers}, {tp}, {cp}")
+        raise ArgumentError(f"layers, tp and cp must be >= 1, got {layers}, {tp}, {cp}")
     out: list[Op | Comm] = []
     if phase == "fwd":
         for layer in range(layers):
@@ -260,7 +261,7 @@ def clip_slot(slot: str | None, type_ops: Sequence[str], offset: int,
     if slot is None:
         return None
     if slot not in type_ops:
-        raise ValueError(f"launch slot {slot!r} is not an op of the type ({list(type_ops)})")
+        raise UnknownSlotError(f"launch slot {slot!r} is not an op of the type ({list(type_ops)})")
     k = list(type_ops).index(slot)
     if offset <= k < offset + len(op_names):
         return slot
@@ -278,7 +279,7 @@ def _plan_config(plan_config_of: Callable[[str], Any], types: Mapping[str, TypeS
         key = partner if partner is not None else next(
             (n for n, s in types.items() if s.comm_kind == comm_kind), None)
         if key is None:
-            raise ValueError(f"no partition type has a {comm_kind} collective")
+            raise ArgumentError(f"no partition type has a {comm_kind} collective")
         return key, attrs.evolve(plan_config_of(key), launch_slot=None)
     key, offset = hit
     cfg = plan_config_of(key)
@@ -317,13 +318,13 @@ def run_computation(executor: Executor, stack: Sequence[Piece], *, schedule: str
         ``(partition key, configuration)`` of every partition run, in order.
     """
     if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        raise ArgumentError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     if schedule == "sequential" and nanobatches != 1:
-        raise ValueError("the sequential schedule runs whole microbatches: nanobatches=1")
+        raise ArgumentError("the sequential schedule runs whole microbatches: nanobatches=1")
     if nanobatches < 1:
-        raise ValueError(f"nanobatches must be >= 1, got {nanobatches}")
+        raise ArgumentError(f"nanobatches must be >= 1, got {nanobatches}")
     if schedule == "kareus" and (types is None or plan_config_of is None):
-        raise ValueError("the kareus schedule needs types and plan_config_of")
+        raise ArgumentError("the kareus schedule needs types and plan_config_of")
     shapes = dict(types or {})
     ran: list[tuple[str, Any]] = []
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, ClassVar
 
+from kareus.errors import ArgumentError, ArgumentTypeError, PlanError
 from kareus.exec.collectives import CollectiveBackend
 
 __all__ = ["BACKENDS", "GroupedCollective", "LoopbackGroupCollective", "LoopbackGroups",
@@ -66,7 +67,7 @@ class ParallelGroups:
     def size(self, group: str) -> int:
         """Ranks in the ``"tp"`` or ``"cp"`` group."""
         if group not in ("tp", "cp"):
-            raise ValueError(f"group must be 'tp' or 'cp', got {group!r}")
+            raise ArgumentError(f"group must be 'tp' or 'cp', got {group!r}")
         return self.tp_size if group == "tp" else self.cp_size
 
 
@@ -85,7 +86,7 @@ class TorchParallelGroups(ParallelGroups):
 
         world, rank = dist.get_world_size(), dist.get_rank()
         if tp < 1 or world % tp:
-            raise ValueError(f"tp={tp} does not divide the world size {world}")
+            raise ArgumentError(f"tp={tp} does not divide the world size {world}")
         self.tp_size, self.cp_size = int(tp), world // tp
         self.tp_rank, self.cp_rank = rank % tp, rank // tp
         self._dist = dist
@@ -125,7 +126,7 @@ class LoopbackGroups(ParallelGroups):
 
     def __init__(self, *, tp: int, cp: int = 1) -> None:
         if tp < 1 or cp < 1:
-            raise ValueError(f"tp and cp must be >= 1, got {tp}, {cp}")
+            raise ArgumentError(f"tp and cp must be >= 1, got {tp}, {cp}")
         self.tp_size, self.cp_size = int(tp), int(cp)
         self.tp_rank = self.cp_rank = 0
 
@@ -133,7 +134,7 @@ class LoopbackGroups(ParallelGroups):
         """What the group's all-reduce gives when every rank holds ``tensor``."""
         n = self.size(group)
         if op not in ("sum", "max"):
-            raise ValueError(f"op must be 'sum' or 'max', got {op!r}")
+            raise ArgumentError(f"op must be 'sum' or 'max', got {op!r}")
         if op == "sum" and n > 1:
             tensor.mul_(n)
         return tensor
@@ -155,7 +156,7 @@ class LoopbackGroupCollective(CollectiveBackend):
 
     def __init__(self, *, group_size: int) -> None:
         if group_size < 1:
-            raise ValueError(f"group_size must be >= 1, got {group_size}")
+            raise ArgumentError(f"group_size must be >= 1, got {group_size}")
         self._size = int(group_size)
         self.calls: list[tuple[str, int, int | None]] = []
 
@@ -218,10 +219,10 @@ class GroupedCollective(CollectiveBackend):
     def __init__(self, *, tp: CollectiveBackend | None, cp: CollectiveBackend | None) -> None:
         for label, b in (("tp", tp), ("cp", cp)):
             if b is not None and not isinstance(b, CollectiveBackend):
-                raise TypeError(f"{label} must be a CollectiveBackend or None, got "
-                                f"{type(b).__name__}")
+                raise ArgumentTypeError(f"{label} must be a CollectiveBackend or None, got "
+                                        f"{type(b).__name__}")
         if tp is None and cp is None:
-            raise ValueError("GroupedCollective needs a TP or a CP backend")
+            raise ArgumentError("GroupedCollective needs a TP or a CP backend")
         self.tp, self.cp = tp, cp
 
     def backend_for(self, kind: str) -> CollectiveBackend:
@@ -232,7 +233,7 @@ class GroupedCollective(CollectiveBackend):
         """
         b = self.tp if kind == "all_reduce" else self.cp
         if kind not in ("all_reduce", "all_gather", "reduce_scatter") or b is None:
-            raise ValueError(f"no backend runs {kind!r} here (TP or CP degree 1?)")
+            raise ArgumentError(f"no backend runs {kind!r} here (TP or CP degree 1?)")
         return b
 
     def _first(self) -> CollectiveBackend:
@@ -306,19 +307,19 @@ def make_collectives(groups: ParallelGroups, *, backend: str = "nccl_capped",
         one GPU), both ``None`` when TP = CP = 1, and a line saying what runs.
     """
     if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        raise ArgumentError(f"backend must be one of {BACKENDS}, got {backend!r}")
     sizes = {"tp": groups.tp_size, "cp": groups.cp_size}
     if sizes["tp"] * sizes["cp"] == 1:
         return None, None, "no collectives (TP = CP = 1)"
     if backend == "loopback":
         if not isinstance(groups, LoopbackGroups):
-            raise ValueError("the loopback backend goes with LoopbackGroups (one GPU)")
+            raise ArgumentError("the loopback backend goes with LoopbackGroups (one GPU)")
         mk = {g: (LoopbackGroupCollective(group_size=n) if n > 1 else None) for g, n in sizes.items()}
         return (GroupedCollective(**mk), GroupedCollective(**mk),
                 "loopback: one GPU stands in for the group (a real kernel of each "
                 "collective's bytes on the side stream; no link traffic, SM caps not applied)")
     if not isinstance(groups, TorchParallelGroups):
-        raise ValueError(f"backend {backend!r} needs TorchParallelGroups")
+        raise ArgumentError(f"backend {backend!r} needs TorchParallelGroups")
     from kareus.exec.collectives import (
         NCCLCappedCollective,
         OwnKernelCollective,
@@ -365,9 +366,9 @@ def named_collectives(groups: ParallelGroups, names: Any, *, caps: tuple[int, ..
     out: dict[str, GroupedCollective] = {}
     for name in sorted(set(names)):
         if name not in BACKENDS or name == "loopback":
-            raise ValueError(f"the plan names collective backend {name!r}; the training loop "
-                             f"builds {[b for b in BACKENDS if b != 'loopback']}: make the "
-                             "plan with those")
+            raise PlanError(f"the plan names collective backend {name!r}; the training loop "
+                            f"builds {[b for b in BACKENDS if b != 'loopback']}: make the "
+                            "plan with those")
         kind = "loopback" if isinstance(groups, LoopbackGroups) else name
         capped, _, _ = make_collectives(groups, backend=kind, caps=caps,
                                         high_priority=high_priority)

@@ -33,7 +33,7 @@ from typing import Any
 import attrs
 
 from kareus.compose import Plan
-from kareus.errors import PlanError
+from kareus.errors import ArgumentError, ArgumentTypeError, PlanError, WorkloadError
 from kareus.exec.executor import Executor, TorchExecutor, plan_config, plan_nanobatches
 from kareus.exec.train._chain import (
     SCHEDULES,
@@ -67,7 +67,8 @@ def check_plan_workload(plan: Plan, workload: Workload) -> None:
             nanobatches, microbatches, recomputation or model.
     """
     if not isinstance(plan, Plan):
-        raise TypeError(f"plan must be a kareus.compose.Plan, got {type(plan).__name__}")
+        raise ArgumentTypeError(f"plan must be a kareus.compose.Plan, got "
+                                f"{type(plan).__name__}")
     if plan.num_stages != 1:
         raise PlanError(f"the training loop runs one pipeline stage; the plan has "
                         f"{plan.num_stages}: make a plan with pp=1")
@@ -196,14 +197,14 @@ class TrainingLoop:
         from kareus.model.pipeline import get_schedule
 
         if not isinstance(workload, Workload):
-            raise TypeError(f"workload must be a Workload, got {type(workload).__name__}")
+            raise ArgumentTypeError(f"workload must be a Workload, got {type(workload).__name__}")
         p = workload.parallelism
         if p.pp != 1 or p.dp != 1:
-            raise ValueError(f"the training loop runs PP=1, DP=1; the workload has "
-                             f"PP={p.pp}, DP={p.dp}")
+            raise WorkloadError(f"the training loop runs PP=1, DP=1; the workload has "
+                                f"PP={p.pp}, DP={p.dp}")
         if (groups.tp_size, groups.cp_size) != (p.tp, p.cp):
-            raise ValueError(f"the groups are TP={groups.tp_size} x CP={groups.cp_size}; the "
-                             f"workload asks for TP={p.tp} x CP={p.cp}")
+            raise WorkloadError(f"the groups are TP={groups.tp_size} x CP={groups.cp_size}; the "
+                                f"workload asks for TP={p.tp} x CP={p.cp}")
         has_comm = p.tp * p.cp > 1
         plan = _plan_of(plan, executor, baseline,
                         needs_collective=has_comm and collective is None)
@@ -258,9 +259,9 @@ class TrainingLoop:
             self.executor.start()  # every rank compares the plan's digest
         for ex in (self.baseline, self.executor):
             if ex is not None and bool(ex.graphs) != self.graphs:
-                raise ValueError(f"graphs={self.graphs}, but {type(ex).__name__}.graphs is "
-                                 f"{ex.graphs}: every schedule runs the same way (pass graphs= "
-                                 "to match the executors)")
+                raise ArgumentError(f"graphs={self.graphs}, but {type(ex).__name__}.graphs is "
+                                    f"{ex.graphs}: every schedule runs the same way (pass graphs= "
+                                    "to match the executors)")
         self._data(torch, seed)
         self.partitions_run: list[tuple[str, Any]] = []
 
@@ -337,7 +338,7 @@ class TrainingLoop:
         every iteration).
         """
         if schedule not in self.schedules:
-            raise ValueError(f"schedule must be one of {self.schedules}, got {schedule!r}")
+            raise ArgumentError(f"schedule must be one of {self.schedules}, got {schedule!r}")
         m = self.model
         m.zero_grad()
         if self.graphs:
@@ -424,19 +425,19 @@ def _plan_of(plan: Plan | None, executor: Executor | None, baseline: Executor | 
     executors given."""
     for label, given in (("executor", executor), ("baseline", baseline)):
         if given is not None and not isinstance(given, Executor):
-            raise TypeError(f"{label} must be a kareus.exec.Executor, got "
-                            f"{type(given).__name__}")
+            raise ArgumentTypeError(f"{label} must be a kareus.exec.Executor, got "
+                                    f"{type(given).__name__}")
     if executor is not None:
         if plan is not None and executor.plan is not plan:
-            raise ValueError("executor= applies another plan than plan=: pass the plan in "
-                             "one place (the executor's)")
+            raise ArgumentError("executor= applies another plan than plan=: pass the plan in "
+                                "one place (the executor's)")
         if executor.plan is None:
             raise PlanError("executor= applies no plan: build it with the plan, or pass the "
                             "baselines' executor as baseline=")
         plan = executor.plan
     if needs_collective and (baseline is None or (plan is not None and executor is None)):
-        raise ValueError("a workload with TP or CP > 1 needs a collective backend (or the "
-                         "executors that run its collectives: executor=, baseline=)")
+        raise ArgumentError("a workload with TP or CP > 1 needs a collective backend (or the "
+                            "executors that run its collectives: executor=, baseline=)")
     return plan
 
 
@@ -469,7 +470,7 @@ def measure_runs(loop: TrainingLoop, order: Sequence[tuple[str, int]], *, steps:
     import torch
 
     if steps < 1 or warmup < 0:
-        raise ValueError("steps must be >= 1 and warmup >= 0")
+        raise ArgumentError("steps must be >= 1 and warmup >= 0")
     cuda = loop.model.device.type == "cuda"
     out = []
     for schedule, repeat in order:

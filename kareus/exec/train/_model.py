@@ -37,6 +37,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from kareus.errors import ArgumentError, WorkloadError
 from kareus.exec._executor_role import Executor
 from kareus.exec.train._chain import Comm, Op
 from kareus.model.workload import ModelArch
@@ -84,15 +85,15 @@ class DecoderShard:
         tp, cp = groups.tp_size, groups.cp_size
         self.layers = arch.layers if layers is None else int(layers)
         if self.layers < 1:
-            raise ValueError(f"layers must be >= 1, got {self.layers}")
+            raise ArgumentError(f"layers must be >= 1, got {self.layers}")
         for what, num, den in (("heads", arch.heads, tp), ("kv_heads", arch.kv_heads, tp),
                                ("ffn", arch.ffn, tp), ("seq_len", seq_len, cp)):
             if num % den:
-                raise ValueError(f"{what}={num} is not divisible by {den} (TP={tp}, CP={cp})")
+                raise WorkloadError(f"{what}={num} is not divisible by {den} (TP={tp}, CP={cp})")
         for n in nanobatch_counts:
             if n < 1 or microbatch_size % n:
-                raise ValueError(f"microbatch_size={microbatch_size} does not split into "
-                                 f"{n} nanobatches")
+                raise WorkloadError(f"microbatch_size={microbatch_size} does not split into "
+                                    f"{n} nanobatches")
         self.arch, self.groups, self.backend = arch, groups, backend
         self.tp, self.cp, self.r = tp, cp, groups.cp_rank
         self.mbs, self.seq, self.sq = int(microbatch_size), int(seq_len), seq_len // cp
@@ -286,18 +287,18 @@ class DecoderShard:
         ([microbatch_size, seq_len / cp] int64) and runs the embedding; ``"bwd"`` runs the
         loss's backward, the LM head's and the final norm's."""
         if phase not in ("fwd", "bwd"):
-            raise ValueError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
+            raise ArgumentError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
         if nanobatches < 1 or self.mbs % nanobatches:
-            raise ValueError(f"{self.mbs} sequences do not split into {nanobatches} "
-                             "nanobatches")
+            raise ArgumentError(f"{self.mbs} sequences do not split into {nanobatches} "
+                                "nanobatches")
         if self.pool_buffers() and not any(k[1] == nanobatches for k in self._pool):
-            raise ValueError(f"no buffers for {nanobatches} nanobatches: pass it in "
-                             "nanobatch_counts")
+            raise ArgumentError(f"no buffers for {nanobatches} nanobatches: pass it in "
+                                "nanobatch_counts")
         self.phase, self.n = phase, nanobatches
         with self.torch.no_grad():
             if phase == "fwd":
                 if tokens is None or labels is None:
-                    raise ValueError("the forward computation needs tokens and labels")
+                    raise ArgumentError("the forward computation needs tokens and labels")
                 self.act = {}
                 self.head = {"tokens": tokens.reshape(-1), "labels": labels.reshape(-1)}
                 self._embed()
