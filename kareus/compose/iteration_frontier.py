@@ -165,8 +165,9 @@ class IterationFrontier:
             energy_budget_j: Iteration energy limit: returns the fastest plan within it.
 
         Raises:
-            ValueError: neither or both constraints given, or no plan meets the constraint
-                (the message gives the closest the frontier can do).
+            ArgumentError: neither or both constraints given.
+            InfeasibleError: the frontier is empty, or no plan meets the constraint (the
+                message gives the closest the frontier can do).
         """
         if (deadline_s is None) == (energy_budget_j is None):
             raise ArgumentError("give exactly one of deadline_s= or energy_budget_j=")
