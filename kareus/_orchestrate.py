@@ -56,7 +56,7 @@ from kareus.model.measurement import Measurement
 from kareus.model.memory import MemoryEstimate, check_memory
 from kareus.model.partition import OutsideWork, Partition, PartitionSet, build_partitions
 from kareus.model.pipeline import PipelineSchedule, get_schedule, one_f_one_b
-from kareus.model.profiler import Profiler
+from kareus.model.profiler import Profiler, ProfilerWrapper
 from kareus.model.workload import Workload
 from kareus.search import Observation, PartitionFrontier, SearchSpec, search_log_path
 
@@ -248,7 +248,7 @@ def measure_outside_work(profiler: Profiler, partitions: PartitionSet,
     return out
 
 
-class _SharedMeasurements(Profiler):
+class _SharedMeasurements(ProfilerWrapper):
     """One measurement per (partition, configuration) for all the systems compared.
 
     The systems' spaces overlap (Megatron-LM's configuration is Perseus's at the maximum
@@ -258,8 +258,7 @@ class _SharedMeasurements(Profiler):
     """
 
     def __init__(self, inner: Profiler) -> None:
-        self.inner = inner
-        self.gpu = inner.gpu
+        super().__init__(inner)
         self._runs: dict[Any, Measurement] = {}
         self._outside: dict[Any, Measurement] = {}
 
@@ -290,15 +289,6 @@ class _SharedMeasurements(Profiler):
                                                             group_size=group_size,
                                                             comm_sms=comm_sms)
         return self._outside[key]
-
-    def static_power_w(self, group_size: int) -> float:
-        return self.inner.static_power_w(group_size)
-
-    def space(self, partition: Partition) -> ConfigSpace:
-        return self.inner.space(partition)
-
-    def clocks_mhz(self) -> tuple[int, ...] | None:
-        return self.inner.clocks_mhz()
 
 
 def search_types(profiler: Profiler, types: Mapping[str, Partition], search: SearchSpec, *,

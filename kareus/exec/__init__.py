@@ -83,7 +83,7 @@ from kareus.exec.torch_partition import (
     RunnableTransformerPartition,
     runnable_partitions,
 )
-from kareus.model.profiler import Profiler
+from kareus.model.profiler import Profiler, ProfilerWrapper
 
 __all__ = [
     "CallablePartition",
@@ -123,6 +123,7 @@ __all__ = [
     "PartitionScope",
     "ProcessGroupCollective",
     "Profiler",
+    "ProfilerWrapper",
     "RecordingStreamBackend",
     "ReplayProfiler",
     "RunnablePartition",

@@ -37,12 +37,12 @@ from pathlib import Path
 from typing import Any
 
 from kareus._io import read_json, write_text_atomic
-from kareus.errors import DATA_ERRORS, ArgumentError, ArgumentTypeError, ConfigError, data_problem
+from kareus.errors import DATA_ERRORS, ArgumentError, ConfigError, data_problem
 from kareus.model.config import ConfigSpace, ScheduleConfig
 from kareus.model.gpu import GPUSpec, get_gpu
 from kareus.model.measurement import Measurement
 from kareus.model.partition import OutsideWork, Partition
-from kareus.model.profiler import Profiler
+from kareus.model.profiler import Profiler, ProfilerWrapper
 
 __all__ = ["RecordingProfiler", "ReplayProfiler", "work_key"]
 
@@ -297,7 +297,7 @@ def _check_row(cfg: Any, gpu: GPUSpec, path: Path | None) -> None:
                           f"{gpu.name}: the recording is corrupt or of another GPU")
 
 
-class RecordingProfiler(Profiler):
+class RecordingProfiler(ProfilerWrapper):
     """Wraps a profiler and keeps every measurement it makes, to save as a replay file.
 
     Args:
@@ -311,10 +311,7 @@ class RecordingProfiler(Profiler):
     """
 
     def __init__(self, inner: Profiler) -> None:
-        if not isinstance(inner, Profiler):
-            raise ArgumentTypeError(f"inner must be a kareus Profiler, got {type(inner).__name__}")
-        self.inner = inner
-        self.gpu = inner.gpu
+        super().__init__(inner)
         self.rows: list[dict[str, Any]] = []
         self._earlier: set[int] = set()  # ids of the rows add_earlier put in (kept alive)
 
@@ -369,14 +366,6 @@ class RecordingProfiler(Profiler):
                           "comm_sms": comm_sms, "group_size": int(group_size),
                           "measurement": m.to_dict(), **self._facts(before)})
         return m
-
-    def static_power_w(self, group_size: int) -> float:
-        """The wrapped profiler's static power of ``group_size`` GPUs."""
-        return self.inner.static_power_w(group_size)
-
-    def space(self, partition: Partition) -> ConfigSpace:
-        """The wrapped profiler's configuration space of ``partition``."""
-        return self.inner.space(partition)
 
     def to_dict(self, *, what: str = "", workload: Mapping[str, Any] | None = None
                 ) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from kareus.model.pipeline import (
     gpipe,
     one_f_one_b,
 )
-from kareus.model.profiler import Profiler
+from kareus.model.profiler import Profiler, ProfilerWrapper
 from kareus.model.workload import (
     MODEL_PRESETS,
     ModelArch,
@@ -62,6 +62,7 @@ __all__ = [
     "PartitionSet",
     "PipelineSchedule",
     "Profiler",
+    "ProfilerWrapper",
     "ScheduleConfig",
     "TransformerPartition",
     "Workload",

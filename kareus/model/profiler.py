@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import abc
 
+from kareus.errors import ArgumentTypeError
 from kareus.model.config import ConfigSpace, ScheduleConfig
 from kareus.model.gpu import GPUSpec
 from kareus.model.measurement import Measurement
 from kareus.model.partition import OutsideWork, Partition
 
-__all__ = ["Profiler"]
+__all__ = ["Profiler", "ProfilerWrapper"]
 
 
 class Profiler(abc.ABC):
@@ -76,3 +77,50 @@ class Profiler(abc.ABC):
         """The configurations of ``partition`` this profiler can measure: by default the
         GPU's full space (a replay of recorded data narrows it to what was recorded)."""
         return ConfigSpace(partition, self.gpu)
+
+
+class ProfilerWrapper(Profiler):
+    """A profiler that adds something around another one and otherwise answers as it does:
+    a cache of measurements, a recorder that keeps them for a replay file, the lockstep
+    protocol of a tuning run across ranks.
+
+    Every method of the role goes to ``inner`` unless the subclass overrides it, so a
+    wrapper changes only what it means to change (the GPU, the configuration space, the
+    clocks it can measure at and the static power stay the inner profiler's; whether it
+    measures outside work too, through
+    [`measures_outside_work`][kareus.exec.Profiler.measures_outside_work]).
+
+    Args:
+        inner: The profiler that measures.
+
+    Raises:
+        ArgumentTypeError: ``inner`` is not a Profiler.
+    """
+
+    def __init__(self, inner: Profiler) -> None:
+        if not isinstance(inner, Profiler):
+            raise ArgumentTypeError(f"inner must be a kareus Profiler, got {type(inner).__name__}")
+        self.inner = inner
+        self.gpu = inner.gpu
+
+    def measure(self, partition: Partition, config: ScheduleConfig) -> Measurement:
+        """The inner profiler's measurement."""
+        return self.inner.measure(partition, config)
+
+    def measure_outside(self, work: OutsideWork, freq_mhz: int, *, group_size: int,
+                        comm_sms: int | None = None) -> Measurement:
+        """The inner profiler's measurement of outside work."""
+        return self.inner.measure_outside(work, freq_mhz, group_size=group_size,
+                                          comm_sms=comm_sms)
+
+    def static_power_w(self, group_size: int) -> float:
+        """The inner profiler's static power of ``group_size`` GPUs."""
+        return self.inner.static_power_w(group_size)
+
+    def space(self, partition: Partition) -> ConfigSpace:
+        """The inner profiler's configuration space of ``partition``."""
+        return self.inner.space(partition)
+
+    def clocks_mhz(self) -> tuple[int, ...] | None:
+        """The inner profiler's clocks."""
+        return self.inner.clocks_mhz()

@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from kareus._logging import get_logger
-from kareus.errors import ArgumentError, ArgumentTypeError, HardwareError
+from kareus.errors import ArgumentError, HardwareError
 from kareus.exec.nvml import HOST_BOUND_BUSY, Coordinator
-from kareus.model.config import ConfigSpace, ScheduleConfig
+from kareus.model.config import ScheduleConfig
 from kareus.model.measurement import Measurement
 from kareus.model.partition import OutsideWork, Partition, build_partitions
-from kareus.model.profiler import Profiler
+from kareus.model.profiler import Profiler, ProfilerWrapper
 from kareus.model.workload import Workload
 
 __all__ = ["Catalog", "LockstepProfiler", "follow"]
@@ -121,7 +121,7 @@ def _decode_config(part: Partition, words: Sequence[float], backends: Sequence[s
                           backend=None if backend < 0 else list(backends)[backend])
 
 
-class LockstepProfiler(Profiler):
+class LockstepProfiler(ProfilerWrapper):
     """Rank 0's profiler in a tuning run: announces each measurement, then measures it with
     the other ranks (which run ``follow``).
 
@@ -140,12 +140,9 @@ class LockstepProfiler(Profiler):
     def __init__(self, inner: Profiler, *, coordinator: Coordinator, catalog: Catalog,
                  backends: Sequence[str] = (), cache: str | os.PathLike[str] | None = None
                  ) -> None:
-        if not isinstance(inner, Profiler):
-            raise ArgumentTypeError(f"inner must be a Profiler, got {type(inner).__name__}")
+        super().__init__(inner)
         if coordinator.rank != 0:
             raise ArgumentError("the LockstepProfiler runs on rank 0; other ranks call follow()")
-        self.inner = inner
-        self.gpu = inner.gpu
         self.coord = coordinator
         self.catalog = catalog
         self.backends = tuple(backends)
@@ -259,18 +256,6 @@ class LockstepProfiler(Profiler):
             self._remember(key, *self._collective(words, lambda: self.inner.measure_outside(
                 work, int(freq_mhz), group_size=group_size, comm_sms=comm_sms)))
         return self._known[key]
-
-    def static_power_w(self, group_size: int) -> float:
-        """The inner profiler's (measured when it started, on every rank)."""
-        return self.inner.static_power_w(group_size)
-
-    def space(self, partition: Partition) -> ConfigSpace:
-        """The inner profiler's space."""
-        return self.inner.space(partition)
-
-    def clocks_mhz(self) -> tuple[int, ...] | None:
-        """The inner profiler's clocks."""
-        return self.inner.clocks_mhz()
 
     def finish(self, ok: bool = True) -> None:
         """Tell the followers that the run is over (``ok``: it succeeded). Once."""
