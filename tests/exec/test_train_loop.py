@@ -258,6 +258,7 @@ def test_loopback_collective_and_grouping():
     lb.reduce_scatter(rs, torch.arange(8.0), None, 8)
     assert torch.equal(rs, torch.tensor([0.0, 4.0]))
     assert lb.calls == [("all_reduce", 6, 8), ("all_gather", 12, 8), ("reduce_scatter", 8, 8)]
+    assert lb.calls_total == 3
     tp, cp = LoopbackGroupCollective(group_size=2), LoopbackGroupCollective(group_size=3)
     g = GroupedCollective(tp=tp, cp=cp)
     g.all_reduce(torch.ones(2), None, 4)
@@ -476,3 +477,16 @@ def test_a_plan_that_runs_computations_unsplit():
     TrainingLoop(workload=wl, groups=groups, collective=capped, default_collective=default,
                  plan=every, streams=RecordingStreamBackend(), kernels="torch", device="cpu",
                  dtype="float32")
+
+
+def test_loopback_keeps_the_latest_calls_only():
+    lb = LoopbackGroupCollective(group_size=2)
+    t = torch.ones(3)
+    for _ in range(LoopbackGroupCollective.CALLS_KEPT + 5):
+        lb.all_reduce(t, None, 4)
+    kept = LoopbackGroupCollective.CALLS_KEPT
+    for _ in range(kept - 5):  # 2 x kept calls in all: trimmed to the latest kept
+        lb.all_reduce(t, None, 4)
+    assert len(lb.calls) <= 2 * kept and len(lb.calls) >= kept
+    assert lb.calls_total == 2 * kept
+    assert lb.calls[-1] == ("all_reduce", 3, 4)

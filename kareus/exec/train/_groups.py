@@ -149,16 +149,29 @@ class LoopbackGroupCollective(CollectiveBackend):
         group_size: The group size to stand in for.
 
     Attributes:
-        calls: ``(kind, elements, sms)`` of every call, in order.
+        calls: ``(kind, elements, sms)`` of the latest calls in order, at least the last
+            ``CALLS_KEPT`` (a tuning run launches eagerly for hours with ``graphs=False``:
+            an unbounded log would grow by every step).
+        calls_total: Calls made since it was built.
     """
 
     name: ClassVar[str] = "loopback"
+
+    #: How many of the latest calls ``calls`` keeps.
+    CALLS_KEPT = 4096
 
     def __init__(self, *, group_size: int) -> None:
         if group_size < 1:
             raise ArgumentError(f"group_size must be >= 1, got {group_size}")
         self._size = int(group_size)
         self.calls: list[tuple[str, int, int | None]] = []
+        self.calls_total = 0
+
+    def _record(self, kind: str, elements: int, sms: int | None) -> None:
+        self.calls.append((kind, elements, sms))
+        self.calls_total += 1
+        if len(self.calls) >= 2 * self.CALLS_KEPT:  # trimmed now and then: O(1) per call
+            del self.calls[:-self.CALLS_KEPT]
 
     @property
     def world_size(self) -> int:
@@ -182,14 +195,14 @@ class LoopbackGroupCollective(CollectiveBackend):
 
     def all_reduce(self, tensor: Any, stream: Any, sms: int | None) -> Any:
         """``tensor *= group_size`` in place on ``stream`` (reads and writes its bytes)."""
-        self.calls.append(("all_reduce", int(tensor.numel()), sms))
+        self._record("all_reduce", int(tensor.numel()), sms)
         with _on(stream):
             tensor.mul_(self._size)
         return tensor
 
     def all_gather(self, output: Any, input: Any, stream: Any, sms: int | None) -> Any:
         """``output`` = ``input`` repeated ``group_size`` times, on ``stream``."""
-        self.calls.append(("all_gather", int(output.numel()), sms))
+        self._record("all_gather", int(output.numel()), sms)
         with _on(stream):
             output.view(self._size, -1).copy_(input.reshape(1, -1).expand(self._size, -1))
         return output
@@ -198,7 +211,7 @@ class LoopbackGroupCollective(CollectiveBackend):
         """``output`` = ``group_size`` x this rank's block of ``input``, on ``stream``."""
         import torch
 
-        self.calls.append(("reduce_scatter", int(input.numel()), sms))
+        self._record("reduce_scatter", int(input.numel()), sms)
         m = output.numel()
         with _on(stream):
             torch.mul(input.reshape(-1)[:m].view(output.shape), self._size, out=output)
