@@ -161,7 +161,7 @@ _MOVED: dict[str, str] = {
 #: The subpackages and modules ``kareus.<name>`` reaches without an import of its own (as when
 #: the top level imported every layer).
 _SUBMODULES = frozenset({"model", "search", "compose", "exec", "workflow", "errors", "testing",
-                         "interop", "tune", "cli"})
+                         "interop", "tune", "cli", "integrations"})
 
 __all__ = [
     "AcquisitionPass",

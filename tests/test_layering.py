@@ -16,7 +16,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "kareus"
 RANK = {"model": 1, "search": 2, "compose": 3, "exec": 4, "workflow": 5, "_orchestrate": 5,
-        "cli": 5, "interop": 5, "tune": 5}
+        "cli": 5, "interop": 5, "tune": 5, "integrations": 5}
 HARDWARE = ("torch", "pynvml", "triton", "liger_kernel", "zeus", "ray")
 POLICY = ("model", "search", "compose")
 

@@ -55,6 +55,7 @@ from kareus.testing.executor import (
     RecordingTrigger,
     check_executor,
     make_test_plan,
+    make_workload_plan,
 )
 from kareus.testing.partition import PARTITION_CHECKS, PartitionConformance, check_partition
 from kareus.testing.profiler import (
@@ -93,5 +94,6 @@ __all__ = [
     "check_surrogate",
     "make_acquisition_context",
     "make_test_plan",
+    "make_workload_plan",
 ]
 

@@ -61,6 +61,7 @@ __all__ = [
     "RecordingTrigger",
     "check_executor",
     "make_test_plan",
+    "make_workload_plan",
 ]
 
 
@@ -262,6 +263,49 @@ def make_test_plan(*, freqs_mhz: Sequence[int] = (1980, 1410),
     return Plan(gpu="h200-sxm", num_stages=1, num_microbatches=len(choices), choices=choices,
                 assignment={f"s0.m{i}.fwd": i for i in range(len(choices))}, time_s=1.0,
                 energy_j=1.0, dynamic_energy_j=0.5, static_power_w=100.0)
+
+
+def make_workload_plan(workload: Any, *, pick: int = 1, sms: int = 8,
+                       freqs_mhz: Sequence[int] = (1980,),
+                       unsplit_microbatches: Sequence[int] = (),
+                       backend: str | None = None) -> Plan:
+    """A valid plan for every microbatch computation of ``workload`` (one stage, 1F1B),
+    without searching: for a test of code that applies plans (a training loop, a framework
+    adapter) on any CPU.
+
+    Every partition type launches its collective at its slot number ``pick`` (clipped to
+    its last) with ``sms`` SMs; microbatch ``m`` runs at ``freqs_mhz[m % len(freqs_mhz)]``;
+    the microbatches in ``unsplit_microbatches`` run unsplit (the partition types of
+    ``workload.with_(nanobatches=1)``), the others in the workload's nanobatches.
+
+    Raises:
+        WorkloadError: the workload has no collective (TP = CP = 1).
+    """
+    from kareus.model.partition import build_partitions
+    from kareus.model.pipeline import get_schedule
+
+    def configs(wl: Any, freq: int) -> dict[str, ScheduleConfig]:
+        out = {}
+        for name, p in build_partitions(wl).types.items():
+            slots = [s.name for s in p.slots]
+            slot = slots[min(pick, len(slots) - 1)] if slots else None  # unsplit: after
+            out[name] = ScheduleConfig(freq, sms, slot, backend=backend)
+        return out
+
+    freqs = [int(f) for f in freqs_mhz]
+    unsplit = {int(m) for m in unsplit_microbatches}
+    choices = [MicrobatchChoice(freq_mhz=f, configs=configs(workload, f),
+                                nanobatches=workload.nanobatches) for f in freqs]
+    if unsplit:
+        whole = workload.with_(nanobatches=1)
+        choices += [MicrobatchChoice(freq_mhz=f, configs=configs(whole, f), nanobatches=1)
+                    for f in freqs]
+    comps = get_schedule("1f1b", 1, workload.num_microbatches).stage_orders[0]
+    assignment = {c.key(): (c.microbatch % len(freqs)
+                            + (len(freqs) if c.microbatch in unsplit else 0)) for c in comps}
+    return Plan(gpu="h200-sxm", num_stages=1, num_microbatches=workload.num_microbatches,
+                choices=choices, assignment=assignment, time_s=1.0, energy_j=1.0,
+                dynamic_energy_j=0.5, static_power_w=100.0, workload=workload.to_dict())
 
 
 def _recorder(calls: list[str], name: str) -> Callable[..., str]:

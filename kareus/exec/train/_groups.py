@@ -101,6 +101,26 @@ class TorchParallelGroups(ParallelGroups):
             if t == self.tp_rank:
                 self.cp_group = g
 
+    @classmethod
+    def from_groups(cls, *, tp: Any = None, cp: Any = None) -> TorchParallelGroups:
+        """The groups a framework already made (Megatron-Core's ``parallel_state``, a
+        torchtitan device mesh's ``get_group``, a hand-written model's ``new_group``).
+
+        Args:
+            tp: The tensor-parallel ``torch.distributed`` group of this rank (``None``: TP = 1).
+            cp: The context-parallel group of this rank (``None``: CP = 1).
+        """
+        import torch.distributed as dist
+
+        self = cls.__new__(cls)
+        self._dist = dist
+        self.tp_group, self.cp_group = tp, cp
+        self.tp_size = 1 if tp is None else int(dist.get_world_size(tp))
+        self.tp_rank = 0 if tp is None else int(dist.get_rank(tp))
+        self.cp_size = 1 if cp is None else int(dist.get_world_size(cp))
+        self.cp_rank = 0 if cp is None else int(dist.get_rank(cp))
+        return self
+
     def group(self, name: str) -> Any:
         """The ``torch.distributed`` group ``"tp"`` or ``"cp"``."""
         self.size(name)

@@ -206,8 +206,11 @@ class DecoderShard:
         return self.grads[f"l{layer}.{name}"]
 
     # ------------------------------------------------------------------ buffers
+    #: RoPE base frequency (Llama 3's); a subclass or an integration may set its model's.
+    rope_base: float = 500000.0
+
     def _build_rope(self, torch: Any) -> None:
-        inv = 1.0 / (500000.0 ** (torch.arange(0, self.hd, 2, device=self.device,
+        inv = 1.0 / (float(self.rope_base) ** (torch.arange(0, self.hd, 2, device=self.device,
                                                dtype=torch.float32) / self.hd))
         pos = torch.arange(self.r * self.sq, (self.r + 1) * self.sq, device=self.device,
                            dtype=torch.float32)

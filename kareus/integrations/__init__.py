@@ -1,0 +1,46 @@
+"""Apply a plan inside someone else's training loop: Megatron-Core, torchtitan, your own model.
+
+A plan from ``kareus optimize`` says, per microbatch computation, how each decoder layer's
+collectives run beside its computation (launch slot, SM count, nanobatches) and at which
+clock. kareus's own loop (``kareus.exec.train``) applies it to kareus's own decoder; this
+package applies it to a decoder layer whose weights, data, optimizer, pipeline schedule and
+checkpoints belong to a framework:
+
+* [`PlanApplier`][kareus.integrations.PlanApplier] and
+  [`PlannedLayer`][kareus.integrations.PlannedLayer]: the framework-neutral layer: your
+  layer's weights (any PyTorch tensors, in kareus's layout through the helpers below), your
+  TP/CP groups and a plan make a differentiable layer whose forward and backward run
+  kareus's partition programs;
+* the layout helpers (``LAYER_WEIGHTS``, [`linear`][kareus.integrations.linear],
+  [`qkv_from_separate`][kareus.integrations.qkv_from_separate],
+  [`qkv_from_grouped`][kareus.integrations.qkv_from_grouped],
+  [`gate_up_from_fused`][kareus.integrations.gate_up_from_fused]): differentiable views of a
+  framework's weights, so that gradients reach its parameters by autograd;
+* ``kareus.integrations.megatron`` (``pip install "kareus[megatron]"``) and
+  ``kareus.integrations.torchtitan`` (``pip install "kareus[torchtitan]"``): the same
+  through each framework's extension points, imported on demand.
+
+The guide is docs/integrations.md; examples/ holds a hand-written tensor-parallel model
+and the framework scripts.
+"""
+
+from __future__ import annotations
+
+from kareus.integrations._layer import PlanApplier, PlannedLayer
+from kareus.integrations._weights import (
+    LAYER_WEIGHTS,
+    gate_up_from_fused,
+    linear,
+    qkv_from_grouped,
+    qkv_from_separate,
+)
+
+__all__ = [
+    "LAYER_WEIGHTS",
+    "PlanApplier",
+    "PlannedLayer",
+    "gate_up_from_fused",
+    "linear",
+    "qkv_from_grouped",
+    "qkv_from_separate",
+]

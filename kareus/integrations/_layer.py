@@ -1,0 +1,559 @@
+"""A decoder layer of any PyTorch model, run by kareus's partition programs under a plan.
+
+kareus's own training loop ([`TrainingLoop`][kareus.exec.train.TrainingLoop]) owns its model.
+Most people train with a framework that owns theirs (Megatron-Core, torchtitan, a
+hand-written tensor-parallel model); what kareus has to offer them is the *schedule* of each
+decoder layer: its ops cut into nanobatches, each collective launched at the plan's slot with
+the plan's SM count beside the computation that does not depend on it, the plan's clock per
+microbatch computation. This module lends that schedule to someone else's layer:
+
+* [`PlanApplier`][kareus.integrations.PlanApplier] holds what every layer of one model
+  shares: the [`Workload`][kareus.model.Workload] the plan was made for (the model's
+  dimensions, the microbatch shape, TP/CP), the job's groups (the framework's own
+  ``torch.distributed`` groups: [`TorchParallelGroups.from_groups`][kareus.exec.train.TorchParallelGroups.from_groups]),
+  the executors (a [`TorchExecutor`][kareus.exec.TorchExecutor] on capped NCCL communicators
+  by default, any [`Executor`][kareus.exec.Executor] given), the schedule
+  (``"kareus"`` under a plan, or the baselines ``"sequential"`` and ``"nanobatching"``) and
+  the microbatch scope ([`microbatch`][kareus.integrations.PlanApplier.microbatch]) that
+  names the computation whose configuration applies and requests its clock.
+* [`PlannedLayer`][kareus.integrations.PlannedLayer] (``applier.layer()``) is a
+  ``torch.nn.Module`` without parameters: ``layer(x, weights)`` takes the layer's input
+  ``[batch, seq / CP, hidden]`` and the framework's weights in kareus's layout
+  (``kareus.integrations.LAYER_WEIGHTS``, built with the differentiable helpers of
+  ``kareus.integrations``) and returns the layer's output, differentiable in both: the weight
+  gradients flow back into the framework's parameters by autograd.
+
+The forward runs the layer's forward stream ([`stack_stream`][kareus.exec.train.stack_stream]
+of one layer) through the executor; it keeps only the input (full recomputation, as the
+partition model assumes: ``Workload.recompute``); the backward re-runs the forward, its
+collectives included, then the backward ops, each in the partition the plan schedules.
+The ops are the same code as the training loop's decoder, on the production kernels.
+
+**What a layer boundary costs.** kareus's own loop chains layers: the forward all-reduce of
+one layer's MLP output runs beside the next layer's attention-input ops (and in the
+backward, the attention-input gradient's all-reduce beside the next layer's MLP backward).
+A planned layer is one autograd node, and what runs between two nodes belongs to the
+framework, so the last collective of each layer's forward and backward runs exposed, with
+the SM count of the partition type it pairs with, as Megatron-LM runs every collective.
+The other collectives of the layer overlap as planned.
+
+**Context parallelism** splits each sequence into CP contiguous chunks, rank ``r`` holding
+chunk ``r`` (keys and values all-gathered before attention, their gradients
+reduce-scattered after it): feed each CP rank its contiguous chunk (a framework's
+load-balanced chunking, such as Megatron-Core's two chunks per rank, is another model of
+the data and is refused by the framework adapters).
+
+Execution is eager (the executor's ``graphs`` off): the framework's own CUDA-graph support
+captures around it where it can.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from kareus.compose.plan import Plan
+from kareus.errors import ArgumentError, ArgumentTypeError, PlanError, WorkloadError
+from kareus.exec._executor_role import Executor
+from kareus.exec._plan_lookup import plan_config, plan_nanobatches
+from kareus.exec.train._chain import (
+    SCHEDULES,
+    Piece,
+    TypeShape,
+    pieces,
+    run_computation,
+    stack_stream,
+    type_shapes,
+)
+from kareus.exec.train._groups import ParallelGroups
+from kareus.exec.train._model import DecoderShard
+from kareus.integrations._weights import LAYER_WEIGHTS
+from kareus.model.workload import Workload
+
+__all__ = ["PlanApplier", "PlannedLayer"]
+
+#: Partitions recorded by an applier with ``record=True`` before the oldest are dropped.
+RECORD_KEPT = 4096
+
+
+class _LayerProgram(DecoderShard):
+    """One layer's ops on weights lent per call (the training loop's decoder ops).
+
+    Inherits the op code of [`DecoderShard`][kareus.exec.train.DecoderShard] and replaces
+    what that class owns (parameters, optimizer, embedding, head) with weights and gradient
+    buffers set before each computation; the constructor sets only what the ops read, so it
+    does not call ``DecoderShard.__init__``.
+    """
+
+    def __init__(self, *, workload: Workload, groups: ParallelGroups, backend: Any,
+                 microbatch_size: int, seq_local: int, nanobatch_counts: Sequence[int],
+                 kernels: Any, device: Any, dtype: Any, rope_base: float) -> None:
+        import torch
+
+        from kareus.exec.kernels import get_kernels
+
+        arch = workload.model
+        self.layers, self.arch, self.groups, self.backend = 1, arch, groups, backend
+        self.tp, self.cp, self.r = groups.tp_size, groups.cp_size, groups.cp_rank
+        self.mbs, self.sq = int(microbatch_size), int(seq_local)
+        self.seq = self.sq * self.cp
+        self.num_microbatches, self.recompute = 1, True
+        self.h, self.hd = arch.hidden, arch.head_dim
+        self.heads, self.kvh = arch.heads // self.tp, arch.kv_heads // self.tp
+        self.f = arch.ffn // self.tp
+        self.q, self.kv = self.heads * self.hd, self.kvh * self.hd
+        self.ks, self.torch = get_kernels(kernels), torch
+        self.device, self.dtype = torch.device(device), dtype
+        self.rope_base = float(rope_base)
+        self._build_rope(torch)
+        self._pool: dict[tuple[str, int, int], tuple[Any, Any]] = {}
+        for n in sorted(set(nanobatch_counts), reverse=True):
+            if self.mbs % n == 0:
+                self._alloc_pool(torch, n)
+        self.act: dict[tuple[int, int], dict[str, Any]] = {}
+        self.head: dict[str, Any] = {}
+        self.n, self.phase = 1, "fwd"
+        self.weights: dict[str, Any] = {}
+        self.wgrads: dict[str, Any] = {}
+
+    def W(self, layer: int, name: str) -> Any:
+        """The lent weight ``name``."""
+        return self.weights[name]
+
+    def G(self, layer: int, name: str) -> Any:
+        """The gradient buffer of weight ``name`` in the current backward."""
+        return self.wgrads[name]
+
+    def _add_dw(self, name: str, dw: Any) -> None:
+        g = self.wgrads[name.rsplit(".", 1)[-1]]
+        g.add_(dw.to(g.dtype))
+
+
+class PlanApplier:
+    """What every planned layer of one model shares: plan, workload, groups, executors.
+
+    Args:
+        workload: What the plan was made for: the model's dimensions (``hidden``,
+            ``heads``, ``kv_heads``, ``head_dim``, ``ffn``), the microbatch (``microbatch_size``
+            sequences of ``seq_len`` tokens), TP and CP, the nanobatch count of the
+            baseline; ``recompute`` must be on (a planned layer recomputes its forward).
+        groups: This rank's TP and CP groups: a
+            [`ParallelGroups`][kareus.exec.train.ParallelGroups], typically
+            ``TorchParallelGroups.from_groups(tp=..., cp=...)`` of the framework's groups.
+        plan: The plan to apply (``kareus optimize``'s ``plan.json``:
+            ``kareus.compose.Plan.load``); ``None`` runs a baseline.
+        schedule: ``"kareus"`` (the default with a plan), ``"nanobatching"`` or
+            ``"sequential"`` (the default without one): see ``kareus.exec.train.SCHEDULES``.
+        executor: The executor applying the plan; default: a
+            [`TorchExecutor`][kareus.exec.TorchExecutor] with ``collective``, eager.
+        baseline: The executor of the baselines; default: a ``TorchExecutor`` with
+            ``default_collective``.
+        collective: The SM-capped collective backend (default: NCCL communicators capped at
+            each of the plan's SM counts on a GPU, the groups' own collectives on the CPU).
+        default_collective: The collectives with their own CTA count (default: the groups'
+            own, ``ProcessGroupCollective``).
+        frequency: The executor's clock trigger (``FrequencyTrigger``); default none: the
+            plan's clocks are not requested.
+        stage: The pipeline stage of this rank (a plan sets configurations per stage).
+        kernels: The kernel set of the ops (``kareus.exec.kernels``); default per device.
+        streams: The executors' ``StreamBackend`` (default: CUDA streams on a GPU; on a
+            machine without one, ``RecordingStreamBackend``, which runs everything in host
+            order).
+        rope_base: The model's RoPE base frequency.
+        eps: The RMSNorm epsilon (kareus's kernels take ``1e-5``).
+        record: Keep the partitions run (``partitions_run``), for checking a schedule.
+        start: Agree on the plan with every rank now (``Executor.start``: a collective
+            call; pass ``False`` and call [`start`][kareus.integrations.PlanApplier.start]
+            yourself where every rank reaches it).
+
+    Raises:
+        WorkloadError: TP or CP do not match the groups, dimensions do not divide, the
+            workload does not recompute.
+        PlanError: the plan was made for another workload, or names a backend not given.
+    """
+
+    def __init__(self, *, workload: Workload, groups: ParallelGroups, plan: Plan | None = None,
+                 schedule: str | None = None, executor: Executor | None = None,
+                 baseline: Executor | None = None, collective: Any = None,
+                 default_collective: Any = None, frequency: Any = None, stage: int = 0,
+                 kernels: Any = None, streams: Any = None, rope_base: float = 500000.0,
+                 eps: float = 1e-5, record: bool = False, start: bool = True) -> None:
+        if not isinstance(workload, Workload):
+            raise ArgumentTypeError(f"workload must be a kareus.Workload, got "
+                                    f"{type(workload).__name__}")
+        if not isinstance(groups, ParallelGroups):
+            raise ArgumentTypeError("groups must be a kareus.exec.train.ParallelGroups (e.g. "
+                                    "TorchParallelGroups.from_groups(tp=..., cp=...)), got "
+                                    f"{type(groups).__name__}")
+        if plan is not None and not isinstance(plan, Plan):
+            raise ArgumentTypeError(f"plan must be a kareus.compose.Plan, got "
+                                    f"{type(plan).__name__}")
+        planned = plan is not None or (isinstance(executor, Executor)
+                                       and executor.plan is not None)
+        schedule = schedule if schedule is not None else ("kareus" if planned
+                                                          else "sequential")
+        if schedule not in SCHEDULES:
+            raise ArgumentError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        if schedule == "kareus" and not planned:
+            raise PlanError("the kareus schedule applies a plan: pass plan= (kareus optimize's "
+                            "plan.json) or run a baseline schedule")
+        if abs(float(eps) - 1e-5) > 1e-12:
+            raise ArgumentError(f"kareus's RMSNorm kernels take eps=1e-5; the model uses "
+                                f"{eps}: build the model with 1e-5 or run it without kareus")
+        _check_workload(workload, groups)
+        self.workload, self.groups, self.schedule = workload, groups, schedule
+        self.stage, self.kernels, self.rope_base = int(stage), kernels, float(rope_base)
+        self.record = bool(record)
+        self.partitions_run: list[tuple[str, str, Any]] = []
+        self._programs: dict[tuple[Any, ...], _LayerProgram] = {}
+        self._build_types()
+        self.plan: Plan | None
+        self.executor: Executor | None
+        self.baseline: Executor
+        self._build_executors(plan, executor, baseline, collective, default_collective,
+                              frequency, streams)
+        self._started = False
+        if start:
+            self.start()
+
+    # ------------------------------------------------------------------ set-up
+    def _build_types(self) -> None:
+        from kareus.model.partition import build_partitions
+
+        wl = self.workload
+        self.has_comm = wl.parallelism.tp * wl.parallelism.cp > 1
+        self.types: dict[str, TypeShape] = (type_shapes(build_partitions(wl))
+                                            if self.has_comm else {})
+        self.unsplit_types: dict[str, TypeShape] = (
+            type_shapes(build_partitions(wl.with_(nanobatches=1)))
+            if self.has_comm and wl.nanobatches > 1 else self.types)
+        p = wl.parallelism
+        self.stacks: dict[str, list[Piece]] = {
+            ph: pieces(stack_stream(ph, 1, tp=p.tp, cp=p.cp, recompute=True))
+            for ph in ("fwd", "bwd")}
+
+    def _build_executors(self, plan: Plan | None, executor: Executor | None,
+                         baseline: Executor | None, collective: Any, default_collective: Any,
+                         frequency: Any, streams: Any) -> None:
+        import torch
+
+        from kareus.exec.executor import RecordingStreamBackend, TorchExecutor
+
+        for label, given in (("executor", executor), ("baseline", baseline)):
+            if given is not None and not isinstance(given, Executor):
+                raise ArgumentTypeError(f"{label} must be a kareus.exec.Executor, got "
+                                        f"{type(given).__name__}")
+        if executor is not None:
+            if plan is not None and executor.plan is not plan:
+                raise ArgumentError("executor= applies another plan than plan=: pass the "
+                                    "plan in one place (the executor's)")
+            plan = executor.plan
+        if plan is not None:
+            _check_plan(plan, self.workload, self.has_comm, self.types, self.unsplit_types)
+        self.plan = plan
+        need_default = baseline is None or (plan is not None and executor is None)
+        if self.has_comm and need_default and (default_collective is None
+                                               or (collective is None and plan is not None)):
+            default, capped = self._default_collectives(plan)
+            default_collective = default_collective or default
+            collective = collective or capped
+        if not self.has_comm:
+            from kareus.exec.train._loop import _no_collective_backend
+
+            default_collective = collective = _no_collective_backend()
+        if streams is None and not torch.cuda.is_available():
+            streams = RecordingStreamBackend()  # no streams: host order
+        if baseline is None:
+            baseline = TorchExecutor(collective=default_collective, streams=streams,
+                                     default_collective=default_collective, graphs=False)
+        if plan is not None and executor is None:
+            executor = TorchExecutor(plan=plan, collective=collective, frequency=frequency,
+                                     default_collective=default_collective, streams=streams,
+                                     graphs=False)
+        self.baseline, self.executor = baseline, executor
+
+    def _default_collectives(self, plan: Plan | None) -> tuple[Any, Any]:
+        """``(own CTA count, SM-capped)`` backends over the groups."""
+        import torch
+
+        from kareus.exec.collectives import ProcessGroupCollective
+        from kareus.exec.train._groups import GroupedCollective, make_collectives
+
+        groups = self.groups
+        if torch.cuda.is_available():
+            caps = tuple(sorted({int(c.comm_sms) for cs in (plan.partition_configs().values()
+                                                           if plan is not None else ())
+                                 for c in cs if getattr(c, "comm_sms", None)}))
+            capped, default, _ = make_collectives(groups, backend="nccl_capped", caps=caps)
+            return default, capped
+        # On the CPU there is no SM to cap: the groups' own collectives (gloo) run both.
+        sides = {g: (ProcessGroupCollective(group=groups.group(g))  # type: ignore[attr-defined]
+                     if groups.size(g) > 1 else None) for g in ("tp", "cp")}
+        own = GroupedCollective(**sides)
+        return own, own
+
+    def start(self) -> None:
+        """Agree with every rank on the plan (the executor compares digests: a collective
+        call, so every rank of the job calls it, in the same place). Idempotent."""
+        if not self._started and self.executor is not None:
+            self.executor.start()
+        self._started = True
+
+    # ------------------------------------------------------------------ the user's hooks
+    def layer(self) -> PlannedLayer:
+        """A planned layer of this model (every layer of the model can share one)."""
+        return PlannedLayer(self)
+
+    @contextlib.contextmanager
+    def microbatch(self, microbatch: int, phase: str) -> Iterator[None]:
+        """Around one microbatch computation of this rank's stage: its forward (``"fwd"``:
+        the model's forward of microbatch ``microbatch``) or its backward (``"bwd"``: the
+        ``backward()`` of its loss). Inside, the planned layers apply the plan's
+        configuration of that computation, and its clock is requested at the start.
+
+        Needed under the ``"kareus"`` schedule (a plan sets configurations per
+        computation); the baselines ignore it. The framework adapters enter it from the
+        pipeline schedule's steps.
+        """
+        ex = self._executor()
+        if self.schedule != "kareus":
+            yield None
+            return
+        self.start()
+        with ex.microbatch(self.stage, int(microbatch), phase):
+            yield None
+
+    # ------------------------------------------------------------------ running a layer
+    def _executor(self) -> Executor:
+        ex = self.executor if self.schedule == "kareus" else self.baseline
+        if ex is None:
+            raise PlanError("the kareus schedule applies a plan: none was given")
+        return ex
+
+    def _computation(self, phase: str) -> tuple[int, bool]:
+        """``(nanobatches, unsplit under a plan)`` of the current computation."""
+        wl = self.workload
+        if self.schedule == "sequential":
+            return 1, False
+        if self.schedule == "nanobatching":
+            return wl.nanobatches, False
+        ex, plan = self._executor(), self.plan
+        assert plan is not None
+        current = ex.current
+        if current is None:
+            raise PlanError("a planned layer ran outside a microbatch computation: wrap each "
+                            "microbatch's forward in applier.microbatch(mb, 'fwd') and the "
+                            "backward of its loss in applier.microbatch(mb, 'bwd') (the "
+                            "framework adapters do it in the pipeline schedule's steps)")
+        if current[2] != phase:
+            raise PlanError(f"a planned layer's {phase} ran inside applier.microbatch(..., "
+                            f"{current[2]!r}): wrap the forward in 'fwd' and the backward "
+                            "in 'bwd'")
+        n = plan_nanobatches(plan, *current)
+        return n, n == 1 and wl.nanobatches > 1
+
+    def program(self, x: Any) -> _LayerProgram:
+        """The layer program for inputs shaped like ``x`` (one per shape, shared by layers).
+
+        Raises:
+            WorkloadError: ``x`` is not ``[batch, seq / CP, hidden]`` of the workload (under a
+                plan: its exact microbatch shape; otherwise a batch that splits into the
+                nanobatches).
+        """
+        wl = self.workload
+        if x.dim() != 3 or x.shape[2] != wl.model.hidden:
+            raise WorkloadError(f"a planned layer takes [batch, seq / CP, hidden="
+                                f"{wl.model.hidden}], got {tuple(x.shape)}")
+        b, s = int(x.shape[0]), int(x.shape[1])
+        seq_local = wl.seq_len // wl.parallelism.cp
+        if self.plan is not None and (b, s) != (wl.microbatch_size, seq_local):
+            raise WorkloadError(f"the plan was made for microbatches of {wl.microbatch_size} x "
+                                f"{seq_local} tokens per rank, the layer got {b} x {s}: make "
+                                "the plan for this shape (kareus optimize --microbatch-size "
+                                "--seq-len)")
+        key = (b, s, x.dtype, str(x.device))
+        prog = self._programs.get(key)
+        if prog is None:
+            counts = {1, wl.nanobatches}
+            if self.plan is not None:
+                counts |= {c.nanobatches for c in self.plan.choices
+                           if c.nanobatches is not None}
+            if self.schedule != "sequential" and b % wl.nanobatches:
+                raise WorkloadError(f"a batch of {b} sequences does not split into "
+                                    f"{wl.nanobatches} nanobatches")
+            prog = _LayerProgram(workload=wl, groups=self.groups,
+                                 # registered communication buffers on a GPU
+                                 backend=(self._executor() if self.has_comm
+                                          and x.device.type == "cuda" else None),
+                                 microbatch_size=b, seq_local=s, nanobatch_counts=sorted(counts),
+                                 kernels=self.kernels, device=x.device, dtype=x.dtype,
+                                 rope_base=self.rope_base)
+            self._programs[key] = prog
+        return prog
+
+    def run(self, phase: str, x: Any, weights: Sequence[Any], dy: Any = None,
+            layer: int = 0) -> tuple[Any, list[Any]]:
+        """Run one layer's forward (``dy=None``) or backward on detached tensors.
+
+        Returns:
+            Forward: ``(output, [])``; backward: ``(input gradient, weight gradients in
+            LAYER_WEIGHTS order)``.
+        """
+        import torch
+
+        prog = self.program(x)
+        ex = self._executor()
+        n, unsplit = self._computation(phase)
+        b, s, h = x.shape
+        x2 = x.reshape(b * s, h)
+        prog.weights = dict(zip(LAYER_WEIGHTS, weights, strict=True))
+        prog.phase, prog.n = phase, n
+        if phase == "fwd":
+            prog.act, prog.head, prog.wgrads = {}, {"x0": x2}, {}
+        else:
+            dy2 = dy.reshape(b * s, h)
+            prog.act = {(0, i): {"x_in": x2[prog.rows(i)], "dy": dy2[prog.rows(i)]}
+                        for i in range(n)}
+            prog.head = {}
+            prog.wgrads = {name: torch.zeros_like(w) for name, w in prog.weights.items()}
+        try:
+            if unsplit:
+                plan = self.plan
+                assert plan is not None
+                ran = run_computation(
+                    ex, self.stacks[phase], schedule="sequential", nanobatches=1,
+                    run_op=prog.run_op, comm_args=prog.comm_args, types=self.unsplit_types,
+                    sequential_config_of=lambda key: plan_config(plan, key, ex.current))
+            else:
+                ran = run_computation(
+                    ex, self.stacks[phase], schedule=self.schedule, nanobatches=n,
+                    run_op=prog.run_op, comm_args=prog.comm_args, types=self.types,
+                    plan_config_of=(None if self.schedule != "kareus" else
+                                    lambda key: plan_config(self.plan, key,  # type: ignore[arg-type]
+                                                            ex.current)))
+            if self.record:
+                self.partitions_run += [(phase, key, cfg) for key, cfg in ran]
+                del self.partitions_run[:-RECORD_KEPT]
+            if phase == "fwd":
+                out = torch.empty_like(x2)
+                for i in range(n):
+                    torch.add(prog.act[(0, i)]["x_mid"], prog._reduced("mlp_out", 0, i),
+                              out=out[prog.rows(i)])
+                return out.view(b, s, h), []
+            dx = torch.empty_like(x2)
+            for i in range(n):
+                dx[prog.rows(i)] = prog.act[(0, i)]["dx_in"]
+            return dx.view(b, s, h), [prog.wgrads[name] for name in LAYER_WEIGHTS]
+        finally:
+            prog.act, prog.head, prog.weights, prog.wgrads = {}, {}, {}, {}
+
+
+def _check_workload(workload: Workload, groups: ParallelGroups) -> None:
+    p, arch = workload.parallelism, workload.model
+    if (groups.tp_size, groups.cp_size) != (p.tp, p.cp):
+        raise WorkloadError(f"the groups are TP={groups.tp_size} x CP={groups.cp_size}; the "
+                            f"workload asks for TP={p.tp} x CP={p.cp}")
+    if not workload.recompute:
+        raise WorkloadError("a planned layer recomputes its forward in the backward (it keeps "
+                            "only its input): make the workload and the plan with "
+                            "recompute on")
+    for what, num, den in (("heads", arch.heads, p.tp), ("kv_heads", arch.kv_heads, p.tp),
+                           ("ffn", arch.ffn, p.tp), ("seq_len", workload.seq_len, p.cp)):
+        if num % den:
+            raise WorkloadError(f"{what}={num} is not divisible by {den} (TP={p.tp}, "
+                                f"CP={p.cp})")
+
+
+def _check_plan(plan: Plan, workload: Workload, has_comm: bool,
+                types: Mapping[str, TypeShape], unsplit: Mapping[str, TypeShape]) -> None:
+    from kareus.exec.train._loop import check_plan_workload
+
+    check_plan_workload(plan, workload)
+    if not has_comm:
+        return
+    for n in sorted({int(plan.nanobatches(key)) for key in plan.assignment}):
+        need = types if n > 1 or workload.nanobatches == 1 else unsplit
+        missing = sorted(set(need) - set(plan.partition_configs(nanobatches=n)))
+        if missing:
+            raise PlanError(f"the plan has no configuration for partition types {missing} of "
+                            f"its computations split in {n}: make it for this workload")
+
+
+class PlannedLayer:
+    """One decoder layer under a [`PlanApplier`][kareus.integrations.PlanApplier]'s schedule.
+
+    Call it as ``layer(x, weights)``: ``x`` is the layer's input ``[batch, seq / CP,
+    hidden]`` (this rank's CP chunk, contiguous sequences), ``weights`` the layer's seven
+    weights in kareus's layout (a mapping by the names of ``LAYER_WEIGHTS`` or a sequence in
+    that order, built from the framework's parameters with the differentiable helpers of
+    ``kareus.integrations``); it returns the layer's output (the input plus attention and
+    MLP, both residuals included), differentiable in ``x`` and every weight.
+
+    A ``torch.nn.Module`` is made on first use (``as_module()``) so that this class imports
+    without torch; it holds no parameters (the framework's module keeps them).
+    """
+
+    def __init__(self, applier: PlanApplier) -> None:
+        if not isinstance(applier, PlanApplier):
+            raise ArgumentTypeError(f"applier must be a PlanApplier, got "
+                                    f"{type(applier).__name__}")
+        self.applier = applier
+
+    def __call__(self, x: Any, weights: Mapping[str, Any] | Sequence[Any]) -> Any:
+        """The layer's output for input ``x`` under ``weights`` (see the class)."""
+        ws = _ordered(weights)
+        if x.dtype != ws[1].dtype:
+            raise ArgumentError(f"the layer's input is {x.dtype} and its weights "
+                                f"{ws[1].dtype}: pass both in the compute dtype")
+        return _function().apply(self.applier, x, *ws)
+
+
+def _ordered(weights: Mapping[str, Any] | Sequence[Any]) -> list[Any]:
+    if isinstance(weights, Mapping):
+        missing = [n for n in LAYER_WEIGHTS if n not in weights]
+        extra = sorted(set(weights) - set(LAYER_WEIGHTS))
+        if missing or extra:
+            raise ArgumentError(f"a planned layer's weights are {list(LAYER_WEIGHTS)}; "
+                                f"missing {missing}, unknown {extra}")
+        return [weights[n] for n in LAYER_WEIGHTS]
+    ws = list(weights)
+    if len(ws) != len(LAYER_WEIGHTS):
+        raise ArgumentError(f"a planned layer takes {len(LAYER_WEIGHTS)} weights "
+                            f"({list(LAYER_WEIGHTS)}), got {len(ws)}")
+    return ws
+
+
+_FUNCTION: Any = None
+
+
+def _function() -> Any:
+    """The autograd function of a planned layer (defined on first use: torch is lazy)."""
+    global _FUNCTION
+    if _FUNCTION is not None:
+        return _FUNCTION
+    import torch
+
+    class PlannedLayerFunction(torch.autograd.Function):
+        """Forward and backward of one layer through a PlanApplier's executor."""
+
+        @staticmethod
+        def forward(ctx: Any, applier: PlanApplier, x: Any, *weights: Any) -> Any:
+            ws = [w.detach().contiguous() for w in weights]
+            out, _ = applier.run("fwd", x.detach().contiguous(), ws)
+            ctx.applier = applier
+            ctx.save_for_backward(x, *weights)
+            return out
+
+        @staticmethod
+        def backward(ctx: Any, dy: Any) -> Any:
+            x, *weights = ctx.saved_tensors
+            ws = [w.detach().contiguous() for w in weights]
+            # The attention's backward reads what its forward saved under autograd
+            with torch.enable_grad():
+                dx, dws = ctx.applier.run("bwd", x.detach().contiguous(), ws,
+                                          dy=dy.contiguous())
+            return (None, dx, *dws)
+
+    _FUNCTION = PlannedLayerFunction
+    return _FUNCTION

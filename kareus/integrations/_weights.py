@@ -1,0 +1,142 @@
+"""From a framework's weight layout to the one kareus's layer programs read.
+
+A planned layer ([`PlannedLayer`][kareus.integrations.PlannedLayer]) takes this rank's
+shard of seven weights, named and laid out as kareus's own decoder holds them
+(``LAYER_WEIGHTS``), each ``[in, out]`` so that a projection is ``x @ W``:
+
+======================  ===========================================================
+``w_attn_norm``         ``[hidden]``: the attention's RMSNorm weight
+``Wqkv``                ``[hidden, (q + 2 kv) / TP]``: this rank's query heads, then its
+                        key heads, then its value heads (blocked, not interleaved per
+                        group); RoPE rotates halves (``x[:d/2]`` with ``x[d/2:]``)
+``Wo``                  ``[q / TP, hidden]``: the attention's output projection
+``w_mlp_norm``          ``[hidden]``: the MLP's RMSNorm weight
+``Wg``, ``Wu``          ``[hidden, ffn / TP]``: SwiGLU's gate and up projections
+``Wd``                  ``[ffn / TP, hidden]``: the down projection
+======================  ===========================================================
+
+Frameworks hold them otherwise: ``torch.nn.Linear`` weights are ``[out, in]``,
+Megatron-Core packs Q, K and V per query group and gate and up into one ``linear_fc1``,
+torchtitan rotates interleaved pairs with complex numbers. The functions here turn a
+framework's tensors into kareus's layout **with differentiable torch ops** (transposes,
+views, slices, concatenation): the gradients a planned layer returns flow back through them
+into the framework's own parameters by autograd, so whatever the framework hooks on its
+parameters' gradients (Megatron-Core's ``main_grad`` accumulation, DTensor placements,
+FSDP) sees them as from its own layer. A transpose is a view; a reordering costs one copy
+of the weight per forward, small beside a layer's activations.
+
+Why rows can be permuted at all: attention scores are dot products of a query and a key
+head, unchanged when both have their ``head_dim`` entries permuted the same way; so a model
+that rotates interleaved pairs ``(2i, 2i+1)`` is the same model as one that rotates halves
+``(i, i + d/2)`` with the rows of its query and key projections reordered
+(``interleaved_rope=True``). Value rows are never permuted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kareus.errors import ArgumentError
+
+__all__ = ["LAYER_WEIGHTS", "gate_up_from_fused", "linear", "qkv_from_grouped",
+           "qkv_from_separate"]
+
+#: The weights of a planned layer, in the order [`PlannedLayer`][kareus.integrations.PlannedLayer] takes them.
+LAYER_WEIGHTS = ("w_attn_norm", "Wqkv", "Wo", "w_mlp_norm", "Wg", "Wu", "Wd")
+
+
+def linear(weight: Any) -> Any:
+    """A ``torch.nn.Linear``-style ``[out, in]`` weight as ``[in, out]`` (a view)."""
+    _require_2d("weight", weight)
+    return weight.t()
+
+
+def _halves_order(head_dim: int, device: Any) -> Any:
+    """Row order taking interleaved RoPE pairs to halves: ``0, 2, 4, ..., 1, 3, 5, ...``."""
+    import torch
+
+    if head_dim % 2:
+        raise ArgumentError(f"head_dim must be even for RoPE, got {head_dim}")
+    return torch.cat((torch.arange(0, head_dim, 2, device=device),
+                      torch.arange(1, head_dim, 2, device=device)))
+
+
+def _rope_rows(w: Any, heads: int, head_dim: int) -> Any:
+    """``w`` ([heads * head_dim, in]) with each head's rows in halves order."""
+    order = _halves_order(head_dim, w.device)
+    return w.reshape(heads, head_dim, -1).index_select(1, order).reshape(heads * head_dim, -1)
+
+
+def qkv_from_separate(wq: Any, wk: Any, wv: Any, *, head_dim: int,
+                      interleaved_rope: bool = False) -> Any:
+    """kareus's ``Wqkv`` from separate ``[out, in]`` query, key and value projections.
+
+    Args:
+        wq: ``[heads * head_dim, hidden]`` (this rank's heads).
+        wk: ``[kv_heads * head_dim, hidden]``.
+        wv: ``[kv_heads * head_dim, hidden]``.
+        head_dim: Dimension of one head.
+        interleaved_rope: The model rotates interleaved pairs ``(2i, 2i+1)`` (Meta's
+            Llama reference and torchtitan, through complex numbers): reorder the query and
+            key rows of each head so that rotating halves computes the same attention.
+
+    Returns:
+        ``[hidden, (heads + 2 kv_heads) * head_dim]``.
+    """
+    import torch
+
+    for name, w in (("wq", wq), ("wk", wk), ("wv", wv)):
+        _require_2d(name, w)
+        if w.shape[0] % head_dim:
+            raise ArgumentError(f"{name} has {w.shape[0]} rows, not a multiple of head_dim "
+                                f"{head_dim}")
+    if interleaved_rope:
+        wq = _rope_rows(wq, wq.shape[0] // head_dim, head_dim)
+        wk = _rope_rows(wk, wk.shape[0] // head_dim, head_dim)
+    return torch.cat((wq, wk, wv), dim=0).t()
+
+
+def qkv_from_grouped(weight: Any, *, heads: int, kv_heads: int, head_dim: int) -> Any:
+    """kareus's ``Wqkv`` from a QKV projection packed per query group (Megatron-Core's
+    ``linear_qkv``): the rows of each of the ``kv_heads`` groups are its
+    ``heads / kv_heads`` query heads, then its key head, then its value head.
+
+    Args:
+        weight: ``[(heads + 2 kv_heads) * head_dim, hidden]``, this rank's groups.
+        heads: Query heads of this rank.
+        kv_heads: Key/value heads (query groups) of this rank.
+        head_dim: Dimension of one head.
+
+    Returns:
+        ``[hidden, (heads + 2 kv_heads) * head_dim]``.
+    """
+    import torch
+
+    _require_2d("weight", weight)
+    if heads % kv_heads or weight.shape[0] != (heads + 2 * kv_heads) * head_dim:
+        raise ArgumentError(f"a grouped QKV weight of {heads} query and {kv_heads} key/value "
+                            f"heads of {head_dim} has {(heads + 2 * kv_heads) * head_dim} rows "
+                            f"(and heads a multiple of kv_heads), got {weight.shape[0]}")
+    g = heads // kv_heads
+    w = weight.reshape(kv_heads, g + 2, head_dim, -1)
+    q = w[:, :g].reshape(heads * head_dim, -1)
+    k = w[:, g].reshape(kv_heads * head_dim, -1)
+    v = w[:, g + 1].reshape(kv_heads * head_dim, -1)
+    return torch.cat((q, k, v), dim=0).t()
+
+
+def gate_up_from_fused(weight: Any) -> tuple[Any, Any]:
+    """kareus's ``(Wg, Wu)`` from one ``[2 ffn, hidden]`` projection holding the gate's
+    rows then the up projection's (Megatron-Core's gated ``linear_fc1``, per TP shard)."""
+    _require_2d("weight", weight)
+    if weight.shape[0] % 2:
+        raise ArgumentError(f"a fused gate/up weight has an even number of rows, got "
+                            f"{weight.shape[0]}")
+    f = weight.shape[0] // 2
+    return weight[:f].t(), weight[f:].t()
+
+
+def _require_2d(name: str, w: Any) -> None:
+    if getattr(w, "dim", None) is None or w.dim() != 2:
+        raise ArgumentError(f"{name} must be a 2-D weight, got shape "
+                            f"{tuple(getattr(w, 'shape', ()))}")

@@ -1,0 +1,85 @@
+"""A plain-PyTorch Llama decoder layer (autograd everywhere) and its tensor-parallel shards,
+the reference the planned layer is checked against. Test support, not a test module."""
+
+from __future__ import annotations
+
+import torch
+
+from kareus.model.workload import ModelArch, Parallelism, Workload
+
+F = torch.nn.functional
+
+
+def workload(tp: int = 1, cp: int = 1, *, n: int = 2, mbs: int = 4, seq: int = 16,
+             microbatches: int = 2) -> Workload:
+    arch = ModelArch(name="tiny", layers=2, hidden=32, heads=4, kv_heads=2, head_dim=8,
+                     ffn=64, vocab=50)
+    return Workload(model=arch, parallelism=Parallelism(tp=tp, cp=cp), microbatch_size=mbs,
+                    seq_len=seq, num_microbatches=microbatches, nanobatches=n)
+
+
+def full_weights(arch: ModelArch, seed: int) -> dict[str, torch.Tensor]:
+    """One layer's whole (unsharded) weights, ``torch.nn.Linear`` layout ``[out, in]``."""
+    g = torch.Generator().manual_seed(seed)
+    h, hd = arch.hidden, arch.head_dim
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.1
+
+    return {"n1": 1 + 0.1 * torch.randn(h, generator=g), "wq": rnd(arch.heads * hd, h),
+            "wk": rnd(arch.kv_heads * hd, h), "wv": rnd(arch.kv_heads * hd, h),
+            "wo": rnd(h, arch.heads * hd), "n2": 1 + 0.1 * torch.randn(h, generator=g),
+            "w1": rnd(arch.ffn, h), "w3": rnd(arch.ffn, h), "w2": rnd(h, arch.ffn)}
+
+
+def shard(w: dict[str, torch.Tensor], arch: ModelArch, tp: int, rank: int
+          ) -> dict[str, torch.Tensor]:
+    """TP rank ``rank``'s shard, as Megatron-LM splits a layer (heads, FFN units)."""
+    hd = arch.head_dim
+    q, kv, f = arch.heads // tp * hd, arch.kv_heads // tp * hd, arch.ffn // tp
+    return {"n1": w["n1"], "n2": w["n2"],
+            "wq": w["wq"][rank * q:(rank + 1) * q], "wk": w["wk"][rank * kv:(rank + 1) * kv],
+            "wv": w["wv"][rank * kv:(rank + 1) * kv], "wo": w["wo"][:, rank * q:(rank + 1) * q],
+            "w1": w["w1"][rank * f:(rank + 1) * f], "w3": w["w3"][rank * f:(rank + 1) * f],
+            "w2": w["w2"][:, rank * f:(rank + 1) * f]}
+
+
+def _rope(x: torch.Tensor, base: float, interleaved: bool) -> torch.Tensor:
+    s, d = x.shape[1], x.shape[3]
+    inv = 1.0 / (base ** (torch.arange(0, d, 2).float() / d))
+    ang = torch.outer(torch.arange(s).float(), inv)
+    if interleaved:  # pairs (2i, 2i+1), as complex numbers
+        c = torch.view_as_complex(x.float().reshape(*x.shape[:-1], d // 2, 2))
+        rot = c * torch.polar(torch.ones_like(ang), ang)[None, :, None]
+        return torch.view_as_real(rot).flatten(-2).to(x.dtype)
+    ang = torch.cat((ang, ang), -1)
+    x1, x2 = x[..., :d // 2], x[..., d // 2:]
+    return x * ang.cos()[None, :, None] + torch.cat((-x2, x1), -1) * ang.sin()[None, :, None]
+
+
+def layer(x: torch.Tensor, w: dict[str, torch.Tensor], arch: ModelArch, *,
+          base: float = 500000.0, interleaved: bool = False) -> torch.Tensor:
+    """The whole layer on whole weights: RMSNorm, causal GQA with RoPE, SwiGLU, residuals."""
+    b, s, h = x.shape
+    hd = arch.head_dim
+    y = F.rms_norm(x, (h,), w["n1"], 1e-5)
+    q = _rope(F.linear(y, w["wq"]).view(b, s, -1, hd), base, interleaved)
+    k = _rope(F.linear(y, w["wk"]).view(b, s, -1, hd), base, interleaved)
+    v = F.linear(y, w["wv"]).view(b, s, -1, hd)
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                       is_causal=True, enable_gqa=True)
+    x = x + F.linear(o.transpose(1, 2).reshape(b, s, -1), w["wo"])
+    y = F.rms_norm(x, (h,), w["n2"], 1e-5)
+    return x + F.linear(F.silu(F.linear(y, w["w1"])) * F.linear(y, w["w3"]), w["w2"])
+
+
+def planned_weights(p: dict[str, torch.Tensor], arch: ModelArch, *,
+                    interleaved: bool = False) -> dict[str, torch.Tensor]:
+    """kareus's layout of a (sharded) layer's weights, through the public helpers."""
+    from kareus.integrations import linear, qkv_from_separate
+
+    return {"w_attn_norm": p["n1"],
+            "Wqkv": qkv_from_separate(p["wq"], p["wk"], p["wv"], head_dim=arch.head_dim,
+                                      interleaved_rope=interleaved),
+            "Wo": linear(p["wo"]), "w_mlp_norm": p["n2"], "Wg": linear(p["w1"]),
+            "Wu": linear(p["w3"]), "Wd": linear(p["w2"])}

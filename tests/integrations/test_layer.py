@@ -1,0 +1,331 @@
+"""The framework-neutral planned layer (kareus.integrations) against a plain-PyTorch layer.
+
+* one process (TP = CP = 1, CPU, fp32): the planned layer's output and every gradient
+  (input, each weight, through the layout helpers into ``[out, in]`` parameters) equal the
+  autograd reference, two layers deep, under both baselines, for rotate-half and for
+  interleaved RoPE (reordered rows);
+* the schedule a plan asks for (one process standing in for TP=2 x CP=2 on the recording
+  executor): clock requests, partitions, slots and SM counts, split and unsplit computations;
+* refusals (typed, one line);
+* several processes over gloo (TP=2, and TP=2 x CP=2): every schedule's outputs and
+  gradients equal the reference of the whole layer, and every rank records the plan's
+  schedule.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kareus.errors import ArgumentError, PlanError, WorkloadError  # noqa: E402
+from kareus.exec.train import LoopbackGroups  # noqa: E402
+from kareus.integrations import (  # noqa: E402
+    LAYER_WEIGHTS,
+    PlanApplier,
+    gate_up_from_fused,
+    linear,
+    qkv_from_grouped,
+    qkv_from_separate,
+)
+from kareus.testing import RecordingExecutor, make_workload_plan  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from _reference import full_weights, layer, planned_weights, shard, workload  # noqa: E402
+
+REPO = HERE.parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _params(arch, seed):
+    return {k: torch.nn.Parameter(v) for k, v in full_weights(arch, seed).items()}
+
+
+def _grads(params):
+    out = {k: p.grad.clone() for k, p in params.items()}
+    for p in params.values():
+        p.grad = None
+    return out
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("schedule", ["sequential", "nanobatching"])
+def test_a_planned_layer_is_the_reference_layer(schedule, interleaved):
+    wl = workload()
+    arch = wl.model
+    layers = [_params(arch, seed) for seed in (1, 2)]
+    x = torch.randn(4, 16, arch.hidden, generator=torch.Generator().manual_seed(0),
+                    requires_grad=True)
+    c = torch.randn(4, 16, arch.hidden, generator=torch.Generator().manual_seed(9))
+
+    y = x
+    for p in layers:
+        y = layer(y, p, arch, interleaved=interleaved)
+    (y * c).sum().backward()
+    ref_y, ref_dx, ref = y.detach(), x.grad.clone(), [_grads(p) for p in layers]
+    x.grad = None
+
+    applier = PlanApplier(workload=wl, groups=LoopbackGroups(tp=1), schedule=schedule,
+                          kernels="torch")
+    planned = applier.layer()
+    y = x
+    for p in layers:
+        y = planned(y, planned_weights(p, arch, interleaved=interleaved))
+    (y * c).sum().backward()
+    torch.testing.assert_close(y.detach(), ref_y, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad, ref_dx, rtol=1e-4, atol=1e-5)
+    for p, want in zip(layers, ref, strict=True):
+        for k, g in _grads(p).items():
+            torch.testing.assert_close(g, want[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_the_wrong_rope_layout_is_another_model():
+    # The interleaved reference differs from the rotate-half planned layer unless the rows
+    # are reordered: the check above has teeth.
+    wl = workload()
+    arch = wl.model
+    p = _params(arch, 1)
+    x = torch.randn(4, 16, arch.hidden, generator=torch.Generator().manual_seed(0))
+    planned = PlanApplier(workload=wl, groups=LoopbackGroups(tp=1), kernels="torch").layer()
+    with torch.no_grad():
+        want = layer(x, p, arch, interleaved=True)
+        assert not torch.allclose(planned(x, planned_weights(p, arch)), want, atol=1e-3)
+        torch.testing.assert_close(planned(x, planned_weights(p, arch, interleaved=True)), want,
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_and_fused_layouts_are_the_separate_ones():
+    g = torch.Generator().manual_seed(3)
+    heads, kvh, hd, h, f = 4, 2, 8, 32, 64
+    wq, wk, wv = (torch.randn(n * hd, h, generator=g) for n in (heads, kvh, kvh))
+    grouped = torch.cat([torch.cat((wq.view(kvh, -1, h)[i], wk.view(kvh, hd, h)[i],
+                                    wv.view(kvh, hd, h)[i])) for i in range(kvh)])
+    assert torch.equal(qkv_from_grouped(grouped, heads=heads, kv_heads=kvh, head_dim=hd),
+                       qkv_from_separate(wq, wk, wv, head_dim=hd))
+    w1, w3 = torch.randn(f, h, generator=g), torch.randn(f, h, generator=g)
+    wg, wu = gate_up_from_fused(torch.cat((w1, w3)))
+    assert torch.equal(wg, linear(w1)) and torch.equal(wu, linear(w3))
+    with pytest.raises(ArgumentError, match="rows"):
+        qkv_from_grouped(grouped[1:], heads=heads, kv_heads=kvh, head_dim=hd)
+    with pytest.raises(ArgumentError, match="2-D"):
+        linear(torch.zeros(3))
+
+
+# ------------------------------------------------------------------ the plan's schedule
+
+
+def _recorded(wl, plan, microbatches, *, phases=("fwd", "bwd")):
+    arch = wl.model
+    ex = RecordingExecutor(plan=plan)
+    applier = PlanApplier(workload=wl, groups=LoopbackGroups(tp=2, cp=2), executor=ex,
+                          baseline=RecordingExecutor(), kernels="torch", record=True)
+    p = {k: torch.nn.Parameter(v) for k, v in shard(full_weights(arch, 1), arch, 2, 0).items()}
+    x = torch.randn(wl.microbatch_size, wl.seq_len // 2, arch.hidden, requires_grad=True)
+    planned = applier.layer()
+    for mb in microbatches:
+        with applier.microbatch(mb, "fwd"):
+            y = planned(x, planned_weights(p, arch))
+        if "bwd" in phases:
+            with applier.microbatch(mb, "bwd"):
+                y.sum().backward()
+    return ex.log, applier
+
+
+def test_a_plan_sets_clocks_partitions_slots_and_sms():
+    from kareus.exec.executor import plan_config, plan_frequency
+
+    wl = workload(2, 2)
+    plan = make_workload_plan(wl, pick=1, sms=12, freqs_mhz=(1980, 1410),
+                              unsplit_microbatches=(1,))
+    log, applier = _recorded(wl, plan, [0, 1])
+    clocks = [e[1:] for e in log if e[0] == "microbatch"]
+    assert clocks == [(0, m, ph, plan_frequency(plan, 0, m, ph))
+                      for m in (0, 1) for ph in ("fwd", "bwd")]
+    assert {c[3] for c in clocks} == {1980, 1410}
+    # Every collective of a computation runs under the configuration the plan gives its
+    # partition type there: the SM count always, the slot unless clipped to the unit.
+    comp, n_coll = None, {}
+    for e in log:
+        if e[0] == "microbatch":
+            comp = e[1:4]
+        elif e[0] == "collective":
+            _, key, kind, sms, slot = e
+            assert sms == plan_config(plan, key, comp).comm_sms == 12, (comp, key)
+            n_coll[comp] = n_coll.get(comp, 0) + 1
+    # One layer at TP=2 x CP=2: a forward has 3 collectives (K/V all-gather, two all-reduces)
+    # per nanobatch; a backward re-runs the forward, then 3 more (all-reduce, dK/dV
+    # reduce-scatter, all-reduce). Microbatch 1 runs unsplit.
+    assert n_coll == {(0, 0, "fwd"): 6, (0, 0, "bwd"): 12, (0, 1, "fwd"): 3, (0, 1, "bwd"): 6}
+    split_keys = {k for ph, k, _ in applier.partitions_run}
+    assert split_keys <= set(plan.partition_configs(nanobatches=2)) | set(
+        plan.partition_configs(nanobatches=1))
+    # A slot the unit holds is the plan's; the first partition of the forward (fwd_attn_in
+    # ops beside the K/V all-gather of the nanobatch before) launches at its op 'qkv'.
+    first = next(e for e in log if e[0] == "collective")
+    assert first[1:3] == ("fwd_attn_in_ag", "all_gather")
+    assert first[4] == plan_config(plan, "fwd_attn_in_ag", (0, 0, "fwd")).launch_slot
+
+
+def test_a_plan_needs_the_microbatch_scope_and_the_baselines_do_not():
+    wl = workload(2, 2)
+    arch = wl.model
+    plan = make_workload_plan(wl)
+    groups = LoopbackGroups(tp=2, cp=2)
+    applier = PlanApplier(workload=wl, groups=groups, executor=RecordingExecutor(plan=plan),
+                          baseline=RecordingExecutor(), kernels="torch")
+    w = planned_weights(shard(full_weights(arch, 1), arch, 2, 0), arch)
+    x = torch.randn(wl.microbatch_size, wl.seq_len // 2, arch.hidden)
+    with pytest.raises(PlanError, match="microbatch"):
+        applier.layer()(x, w)
+    with applier.microbatch(0, "bwd"), pytest.raises(PlanError, match="'fwd'"):
+        applier.layer()(x, w)
+    base = PlanApplier(workload=wl, groups=groups, schedule="nanobatching",
+                       baseline=RecordingExecutor(), kernels="torch")
+    assert base.layer()(x, w).shape == x.shape
+
+
+def test_refusals_are_typed_and_say_what_to_do():
+    wl = workload(2, 2)
+    arch = wl.model
+    groups = LoopbackGroups(tp=2, cp=2)
+    with pytest.raises(WorkloadError, match="TP=2 x CP=2"):
+        PlanApplier(workload=workload(2, 1), groups=groups, baseline=RecordingExecutor())
+    with pytest.raises(WorkloadError, match="recompute"):
+        PlanApplier(workload=wl.with_(recompute=False), groups=groups,
+                    baseline=RecordingExecutor())
+    with pytest.raises(ArgumentError, match="eps"):
+        PlanApplier(workload=wl, groups=groups, baseline=RecordingExecutor(), eps=1e-6)
+    with pytest.raises(PlanError, match="plan="):
+        PlanApplier(workload=wl, groups=groups, schedule="kareus", baseline=RecordingExecutor())
+    plan = make_workload_plan(wl)
+    applier = PlanApplier(workload=wl, groups=groups, executor=RecordingExecutor(plan=plan),
+                          baseline=RecordingExecutor(), kernels="torch")
+    p = shard(full_weights(arch, 1), arch, 2, 0)
+    w = planned_weights(p, arch)
+    wrong = torch.randn(wl.microbatch_size * 2, wl.seq_len // 2, arch.hidden)
+    with applier.microbatch(0, "fwd"), pytest.raises(WorkloadError, match="made for"):
+        applier.layer()(wrong, w)
+    x = torch.randn(wl.microbatch_size, wl.seq_len // 2, arch.hidden)
+    with pytest.raises(ArgumentError, match="missing"):
+        applier.layer()(x, {k: w[k] for k in LAYER_WEIGHTS[:-1]})
+    with pytest.raises(ArgumentError, match="dtype|float"):
+        applier.layer()(x.double(), w)
+
+
+# ------------------------------------------------------------------ several processes, gloo
+
+
+def _worker(out_dir: str, tp: int) -> None:
+    import torch.distributed as dist
+
+    from kareus.exec.train import TorchParallelGroups
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    base = TorchParallelGroups(tp=tp)  # the "framework's" groups
+    groups = TorchParallelGroups.from_groups(tp=base.tp_group if base.tp_size > 1 else None,
+                                             cp=base.cp_group if base.cp_size > 1 else None)
+    wl = workload(groups.tp_size, groups.cp_size, microbatches=2)
+    arch = wl.model
+    sq = wl.seq_len // groups.cp_size
+    lo = groups.cp_rank * sq
+    plan = make_workload_plan(wl, pick=1, sms=8, freqs_mhz=(1980, 1410),
+                              unsplit_microbatches=(1,))
+    result = {"tp_rank": groups.tp_rank, "cp_rank": groups.cp_rank}
+    for schedule in ("sequential", "nanobatching", "kareus"):
+        applier = PlanApplier(workload=wl, groups=groups, schedule=schedule,
+                              plan=plan if schedule == "kareus" else None, kernels="torch",
+                              record=True)
+        planned = applier.layer()
+        layers = [{k: torch.nn.Parameter(v.clone()) for k, v in
+                   shard(full_weights(arch, seed), arch, groups.tp_size, groups.tp_rank).items()}
+                  for seed in (1, 2)]
+        outs = []
+        for mb in range(wl.num_microbatches):
+            g = torch.Generator().manual_seed(100 + mb)
+            x = torch.randn(wl.microbatch_size, wl.seq_len, arch.hidden, generator=g)
+            c = torch.randn(wl.microbatch_size, wl.seq_len, arch.hidden, generator=g)
+            xl = x[:, lo:lo + sq].clone().requires_grad_(True)
+            with applier.microbatch(mb, "fwd"):
+                y = xl
+                for p in layers:
+                    y = planned(y, planned_weights(p, arch))
+            with applier.microbatch(mb, "bwd"):
+                (y * c[:, lo:lo + sq]).sum().backward()
+            outs.append((y.detach(), xl.grad.clone()))
+        result[schedule] = {"outs": outs,
+                            "grads": [{k: p.grad.clone() for k, p in ps.items()} for ps in layers],
+                            "partitions": [(ph, k) for ph, k, _ in applier.partitions_run]}
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _reference_run(arch, microbatches, mbs, seq):
+    layers = [_params(arch, seed) for seed in (1, 2)]
+    outs = []
+    for mb in range(microbatches):
+        g = torch.Generator().manual_seed(100 + mb)
+        x = torch.randn(mbs, seq, arch.hidden, generator=g).requires_grad_(True)
+        c = torch.randn(mbs, seq, arch.hidden, generator=g)
+        y = x
+        for p in layers:
+            y = layer(y, p, arch)
+        (y * c).sum().backward()
+        outs.append((y.detach(), x.grad.clone()))
+    return outs, [{k: p.grad.clone() for k, p in ps.items()} for ps in layers]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("world", "tp"), [(2, 2), (4, 2)])
+def test_gloo_ranks_match_the_whole_layer(tmp_path, world, tp):
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{HERE}", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
+           f"--master_port={29741 + world}", str(Path(__file__).resolve()), str(tmp_path),
+           str(tp)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    cp = world // tp
+    wl = workload(tp, cp, microbatches=2)
+    arch = wl.model
+    outs, grads = _reference_run(arch, wl.num_microbatches, wl.microbatch_size, wl.seq_len)
+    sq = wl.seq_len // cp
+    for schedule in ("sequential", "nanobatching", "kareus"):
+        for r in res:
+            lo = r["cp_rank"] * sq
+            for (y, dx), (ry, rdx) in zip(r[schedule]["outs"], outs, strict=True):
+                torch.testing.assert_close(y, ry[:, lo:lo + sq], rtol=1e-4, atol=1e-5)
+                torch.testing.assert_close(dx, rdx[:, lo:lo + sq], rtol=1e-4, atol=1e-5)
+        # Weight gradients: each CP rank holds its chunk's part (the framework sums them
+        # over its data- and context-parallel ranks); each TP rank its shard.
+        for t in range(tp):
+            mine = [r for r in res if r["tp_rank"] == t]
+            for i, want in enumerate(grads):
+                want_shard = shard(want, arch, tp, t)
+                for k in want_shard:
+                    got = sum(r[schedule]["grads"][i][k] for r in mine)
+                    torch.testing.assert_close(got, want_shard[k], rtol=1e-4, atol=1e-5,
+                                               msg=f"{schedule} layer {i} {k} tp {t}")
+        parts = [r[schedule]["partitions"] for r in res]
+        assert all(p == parts[0] for p in parts), "ranks ran different partitions"
+    assert any(k.startswith("fwd_mlp") for _, k in res[0]["kareus"]["partitions"])
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], int(sys.argv[2]))
