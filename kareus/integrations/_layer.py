@@ -88,7 +88,8 @@ class _LayerProgram(DecoderShard):
 
     def __init__(self, *, workload: Workload, groups: ParallelGroups, backend: Any,
                  microbatch_size: int, seq_local: int, nanobatch_counts: Sequence[int],
-                 kernels: Any, device: Any, dtype: Any, rope_base: float) -> None:
+                 kernels: Any, device: Any, dtype: Any, rope_base: float,
+                 rope_inv_freq: Any = None) -> None:
         import torch
 
         from kareus.exec.kernels import get_kernels
@@ -105,7 +106,7 @@ class _LayerProgram(DecoderShard):
         self.q, self.kv = self.heads * self.hd, self.kvh * self.hd
         self.ks, self.torch = get_kernels(kernels), torch
         self.device, self.dtype = torch.device(device), dtype
-        self.rope_base = float(rope_base)
+        self.rope_base, self.rope_inv_freq = float(rope_base), rope_inv_freq
         self._build_rope(torch)
         self._pool: dict[tuple[str, int, int], tuple[Any, Any]] = {}
         for n in sorted(set(nanobatch_counts), reverse=True):
@@ -161,6 +162,9 @@ class PlanApplier:
             machine without one, ``RecordingStreamBackend``, which runs everything in host
             order).
         rope_base: The model's RoPE base frequency.
+        rope_inv_freq: The model's RoPE inverse frequencies (``head_dim / 2`` values, for
+            position ``p`` and pair ``i`` the angle ``p * rope_inv_freq[i]``) when it scales
+            them (Llama 3.1's long-context scaling); ``None``: from ``rope_base``.
         eps: The RMSNorm epsilon (kareus's kernels take ``1e-5``).
         record: Keep the partitions run (``partitions_run``), for checking a schedule.
         start: Agree on the plan with every rank now (``Executor.start``: a collective
@@ -178,7 +182,8 @@ class PlanApplier:
                  baseline: Executor | None = None, collective: Any = None,
                  default_collective: Any = None, frequency: Any = None, stage: int = 0,
                  kernels: Any = None, streams: Any = None, rope_base: float = 500000.0,
-                 eps: float = 1e-5, record: bool = False, start: bool = True) -> None:
+                 rope_inv_freq: Any = None, eps: float = 1e-5, record: bool = False,
+                 start: bool = True) -> None:
         if not isinstance(workload, Workload):
             raise ArgumentTypeError(f"workload must be a kareus.Workload, got "
                                     f"{type(workload).__name__}")
@@ -204,6 +209,7 @@ class PlanApplier:
         _check_workload(workload, groups)
         self.workload, self.groups, self.schedule = workload, groups, schedule
         self.stage, self.kernels, self.rope_base = int(stage), kernels, float(rope_base)
+        self.rope_inv_freq = rope_inv_freq
         self.record = bool(record)
         self.partitions_run: list[tuple[str, str, Any]] = []
         self._programs: dict[tuple[Any, ...], _LayerProgram] = {}
@@ -388,7 +394,8 @@ class PlanApplier:
                                           and x.device.type == "cuda" else None),
                                  microbatch_size=b, seq_local=s, nanobatch_counts=sorted(counts),
                                  kernels=self.kernels, device=x.device, dtype=x.dtype,
-                                 rope_base=self.rope_base)
+                                 rope_base=self.rope_base,
+                                 rope_inv_freq=self.rope_inv_freq)
             self._programs[key] = prog
         return prog
 

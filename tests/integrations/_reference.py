@@ -44,9 +44,11 @@ def shard(w: dict[str, torch.Tensor], arch: ModelArch, tp: int, rank: int
             "w2": w["w2"][:, rank * f:(rank + 1) * f]}
 
 
-def _rope(x: torch.Tensor, base: float, interleaved: bool) -> torch.Tensor:
+def _rope(x: torch.Tensor, base: float, interleaved: bool,
+          inv: torch.Tensor | None = None) -> torch.Tensor:
     s, d = x.shape[1], x.shape[3]
-    inv = 1.0 / (base ** (torch.arange(0, d, 2).float() / d))
+    if inv is None:
+        inv = 1.0 / (base ** (torch.arange(0, d, 2).float() / d))
     ang = torch.outer(torch.arange(s).float(), inv)
     if interleaved:  # pairs (2i, 2i+1), as complex numbers
         c = torch.view_as_complex(x.float().reshape(*x.shape[:-1], d // 2, 2))
@@ -58,13 +60,14 @@ def _rope(x: torch.Tensor, base: float, interleaved: bool) -> torch.Tensor:
 
 
 def layer(x: torch.Tensor, w: dict[str, torch.Tensor], arch: ModelArch, *,
-          base: float = 500000.0, interleaved: bool = False) -> torch.Tensor:
+          base: float = 500000.0, interleaved: bool = False,
+          inv: torch.Tensor | None = None) -> torch.Tensor:
     """The whole layer on whole weights: RMSNorm, causal GQA with RoPE, SwiGLU, residuals."""
     b, s, h = x.shape
     hd = arch.head_dim
     y = F.rms_norm(x, (h,), w["n1"], 1e-5)
-    q = _rope(F.linear(y, w["wq"]).view(b, s, -1, hd), base, interleaved)
-    k = _rope(F.linear(y, w["wk"]).view(b, s, -1, hd), base, interleaved)
+    q = _rope(F.linear(y, w["wq"]).view(b, s, -1, hd), base, interleaved, inv)
+    k = _rope(F.linear(y, w["wk"]).view(b, s, -1, hd), base, interleaved, inv)
     v = F.linear(y, w["wv"]).view(b, s, -1, hd)
     o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                        is_causal=True, enable_gqa=True)

@@ -107,6 +107,28 @@ def test_the_wrong_rope_layout_is_another_model():
                                    rtol=1e-5, atol=1e-5)
 
 
+def test_a_model_s_own_rope_frequencies():
+    # A model that scales its RoPE frequencies (Llama 3.1) passes them; the base is then
+    # ignored. A base of 10,000 differs from the default 500,000: the check has teeth.
+    wl = workload()
+    arch = wl.model
+    p = _params(arch, 1)
+    x = torch.randn(4, 16, arch.hidden, generator=torch.Generator().manual_seed(0))
+    inv = 1.0 / (10000.0 ** (torch.arange(0, arch.head_dim, 2).float() / arch.head_dim))
+    inv[2:] /= 8.0
+    with torch.no_grad():
+        want = layer(x, p, arch, inv=inv)
+        got = PlanApplier(workload=wl, groups=LoopbackGroups(tp=1), kernels="torch",
+                          rope_inv_freq=inv).layer()(x, planned_weights(p, arch))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        plain = PlanApplier(workload=wl, groups=LoopbackGroups(tp=1), kernels="torch",
+                            ).layer()(x, planned_weights(p, arch))
+        assert not torch.allclose(plain, want, atol=1e-3)
+    with pytest.raises(ArgumentError, match="head_dim / 2"):
+        PlanApplier(workload=wl, groups=LoopbackGroups(tp=1), kernels="torch",
+                    rope_inv_freq=inv[:2]).layer()(x, planned_weights(p, arch))
+
+
 def test_grouped_and_fused_layouts_are_the_separate_ones():
     g = torch.Generator().manual_seed(3)
     heads, kvh, hd, h, f = 4, 2, 8, 32, 64

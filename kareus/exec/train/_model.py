@@ -208,10 +208,19 @@ class DecoderShard:
     # ------------------------------------------------------------------ buffers
     #: RoPE base frequency (Llama 3's); a subclass or an integration may set its model's.
     rope_base: float = 500000.0
+    #: RoPE inverse frequencies ([head_dim / 2] floats) when the model scales them (Llama
+    #: 3.1's long-context scaling); ``None``: ``rope_base ** (-2i / head_dim)``.
+    rope_inv_freq: Any = None
 
     def _build_rope(self, torch: Any) -> None:
-        inv = 1.0 / (float(self.rope_base) ** (torch.arange(0, self.hd, 2, device=self.device,
-                                               dtype=torch.float32) / self.hd))
+        if self.rope_inv_freq is not None:
+            inv = torch.as_tensor(self.rope_inv_freq, dtype=torch.float32).to(self.device)
+            if inv.shape != (self.hd // 2,):
+                raise ArgumentError(f"rope_inv_freq must hold head_dim / 2 = {self.hd // 2} "
+                                    f"frequencies, got shape {tuple(inv.shape)}")
+        else:
+            inv = 1.0 / (float(self.rope_base) ** (torch.arange(
+                0, self.hd, 2, device=self.device, dtype=torch.float32) / self.hd))
         pos = torch.arange(self.r * self.sq, (self.r + 1) * self.sq, device=self.device,
                            dtype=torch.float32)
         ang = torch.outer(pos, inv)
