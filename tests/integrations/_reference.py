@@ -49,14 +49,15 @@ def _rope(x: torch.Tensor, base: float, interleaved: bool,
     s, d = x.shape[1], x.shape[3]
     if inv is None:
         inv = 1.0 / (base ** (torch.arange(0, d, 2).float() / d))
-    ang = torch.outer(torch.arange(s).float(), inv)
+    ang = torch.outer(torch.arange(s).float(), inv).to(x.device)
     if interleaved:  # pairs (2i, 2i+1), as complex numbers
         c = torch.view_as_complex(x.float().reshape(*x.shape[:-1], d // 2, 2))
         rot = c * torch.polar(torch.ones_like(ang), ang)[None, :, None]
         return torch.view_as_real(rot).flatten(-2).to(x.dtype)
     ang = torch.cat((ang, ang), -1)
     x1, x2 = x[..., :d // 2], x[..., d // 2:]
-    return x * ang.cos()[None, :, None] + torch.cat((-x2, x1), -1) * ang.sin()[None, :, None]
+    cos, sin = ang.cos()[None, :, None].to(x.dtype), ang.sin()[None, :, None].to(x.dtype)
+    return x * cos + torch.cat((-x2, x1), -1) * sin
 
 
 def layer(x: torch.Tensor, w: dict[str, torch.Tensor], arch: ModelArch, *,

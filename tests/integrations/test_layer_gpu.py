@@ -38,10 +38,22 @@ def workload(tp: int, cp: int) -> Workload:
                     seq_len=512, num_microbatches=2, nanobatches=2)
 
 
-def _close(got, want, what):
-    err = (got.float() - want.float()).abs().max().item()
-    scale = want.float().abs().max().item()
-    assert err <= 2e-2 * scale + 1e-3, f"{what}: max error {err:.3g} of {scale:.3g}"
+def _rel(got, want):
+    return float((got.detach().double() - want.detach().double()).norm()
+                 / max(float(want.detach().double().norm()), 1e-12))
+
+
+def _close(got, want, what, tol=2e-2):
+    """Relative error in norm (bf16 rounding of sums of hundreds of terms, not a bug)."""
+    err = _rel(got, want)
+    assert err < tol, f"{what}: relative error {err:.3g}"
+
+
+def _as_close_as_torch(got, torch_bf16, want, what):
+    """``got`` (bf16, kareus) is about as close to the fp32 ``want`` as PyTorch's own bf16
+    autograd of the same layer (``torch_bf16``) is: bf16 rounding, not a bug."""
+    err, base = _rel(got, want), _rel(torch_bf16, want)
+    assert err < max(2 * base, 5e-3), f"{what}: relative error {err:.3g}, torch bf16 {base:.3g}"
 
 
 @pytest.mark.parametrize("schedule", ["sequential", "nanobatching"])
@@ -49,9 +61,10 @@ def test_bf16_planned_layer_matches_the_reference(schedule):
     wl = workload(1, 1)
     arch = wl.model
     dev = torch.device("cuda")
-    full = {k: v.to(dev) for k, v in full_weights(arch, 1).items()}
+    # bf16-representable weights and input: the reference sees what the layer sees
+    full = {k: v.to(dev, torch.bfloat16).float() for k, v in full_weights(arch, 1).items()}
     g = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(4, 512, arch.hidden, generator=g).to(dev)
+    x = torch.randn(4, 512, arch.hidden, generator=g).to(dev, torch.bfloat16).float()
     c = torch.randn(4, 512, arch.hidden, generator=g).to(dev)
 
     ref_p = {k: v.clone().requires_grad_(True) for k, v in full.items()}
@@ -59,15 +72,20 @@ def test_bf16_planned_layer_matches_the_reference(schedule):
     yr = layer(xr, ref_p, arch)
     (yr * c).sum().backward()
 
+    tb = {k: v.to(torch.bfloat16).requires_grad_(True) for k, v in full.items()}
+    xt = x.to(torch.bfloat16).requires_grad_(True)
+    yt = layer(xt, tb, arch)
+    (yt.float() * c).sum().backward()
+
     p = {k: v.to(torch.bfloat16).requires_grad_(True) for k, v in full.items()}
     xb = x.to(torch.bfloat16).requires_grad_(True)
     applier = PlanApplier(workload=wl, groups=LoopbackGroups(tp=1), schedule=schedule)
     y = applier.layer()(xb, planned_weights(p, arch))
     (y.float() * c).sum().backward()
-    _close(y, yr, "output")
-    _close(xb.grad, xr.grad, "input gradient")
+    _as_close_as_torch(y, yt, yr, "output")
+    _as_close_as_torch(xb.grad, xt.grad, xr.grad, "input gradient")
     for k in full:
-        _close(p[k].grad, ref_p[k].grad, k)
+        _as_close_as_torch(p[k].grad, tb[k].grad, ref_p[k].grad, k)
 
 
 def test_loopback_plan_runs_every_schedule_alike_on_cuda_streams():
