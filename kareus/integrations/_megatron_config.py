@@ -1,0 +1,183 @@
+"""The kareus workload of a Megatron-Core model, read from its ``TransformerConfig``.
+
+Kept apart from ``kareus.integrations.megatron`` (which imports Megatron-Core at its top)
+so that the reading and its refusals import and test without Megatron-Core installed: the
+config is read by attribute (duck typing), and an attribute it lacks reads as
+Megatron-Core's default for that field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kareus.errors import ArgumentError, WorkloadError
+from kareus.model.workload import ModelArch, Parallelism, Workload
+
+__all__ = ["workload_from_megatron"]
+
+#: Megatron-Core's defaults (``TransformerConfig``) of the fields read here.
+_DEFAULTS: dict[str, Any] = {
+    "num_query_groups": None, "kv_channels": None, "tensor_model_parallel_size": 1,
+    "context_parallel_size": 1, "pipeline_model_parallel_size": 1,
+    "recompute_granularity": None, "gated_linear_unit": False, "activation_func": None,
+    "add_bias_linear": True, "add_qkv_bias": False, "normalization": "LayerNorm",
+    "qk_layernorm": False, "sequence_parallel": False, "num_moe_experts": None,
+    "layernorm_epsilon": 1e-5, "multi_latent_attention": False, "hidden_dropout": 0.1,
+    "attention_dropout": 0.1, "layernorm_zero_centered_gamma": False,
+    "apply_residual_connection_post_layernorm": False, "rotary_interleaved": False,
+    "window_size": None, "softmax_scale": None, "attention_output_gate": False,
+    "experimental_attention_variant": None, "fp16": False, "bf16": False,
+    "params_dtype": None, "fp32_residual_connection": False,
+}
+
+#: The activations of a SwiGLU MLP (with ``gated_linear_unit``), by function name.
+_SILU = ("silu", "swiglu")
+
+
+def _get(config: Any, name: str) -> Any:
+    return getattr(config, name, _DEFAULTS.get(name))
+
+
+def _required(config: Any, name: str) -> int:
+    value = getattr(config, name, None)
+    if value is None:
+        raise ArgumentError(f"the Megatron config has no {name}: pass a TransformerConfig "
+                            "(or an object with its fields)")
+    return int(value)
+
+
+def _refusals(config: Any) -> list[str]:
+    """What kareus's layer does not compute, each with what to set instead."""
+    act = _get(config, "activation_func")
+    act_name = getattr(act, "__name__", repr(act))
+    dropout = max(float(_get(config, "hidden_dropout") or 0.0),
+                  float(_get(config, "attention_dropout") or 0.0))
+    checks: list[tuple[bool, str]] = [
+        (bool(_get(config, "gated_linear_unit")) and act_name in _SILU,
+         f"kareus's MLP is SwiGLU: set gated_linear_unit=True and activation_func=F.silu "
+         f"(got gated_linear_unit={_get(config, 'gated_linear_unit')}, activation "
+         f"{act_name})"),
+        (not _get(config, "add_bias_linear") and not _get(config, "add_qkv_bias"),
+         "kareus's projections have no bias: set add_bias_linear=False and "
+         "add_qkv_bias=False"),
+        (_get(config, "normalization") == "RMSNorm"
+         and not _get(config, "layernorm_zero_centered_gamma"),
+         f"kareus's norms are RMSNorm: set normalization='RMSNorm' (got "
+         f"{_get(config, 'normalization')!r}) and layernorm_zero_centered_gamma=False"),
+        (abs(float(_get(config, "layernorm_epsilon")) - 1e-5) <= 1e-12,
+         f"kareus's RMSNorm kernels take eps=1e-5: set layernorm_epsilon=1e-5 (got "
+         f"{_get(config, 'layernorm_epsilon')})"),
+        (not _get(config, "qk_layernorm"), "kareus's attention has no query/key norm: set "
+         "qk_layernorm=False"),
+        (not _get(config, "sequence_parallel"), "kareus's layer takes the whole sequence on "
+         "every TP rank: set sequence_parallel=False"),
+        (not _get(config, "num_moe_experts"), "kareus's layer has a dense MLP: set "
+         "num_moe_experts=None"),
+        (not _get(config, "multi_latent_attention"), "kareus's attention is grouped-query "
+         "attention: multi-latent attention is not supported"),
+        (not _get(config, "experimental_attention_variant")
+         and not _get(config, "attention_output_gate") and _get(config, "window_size") is None,
+         "kareus's attention is plain causal attention: set window_size=None, "
+         "attention_output_gate=False and experimental_attention_variant=None"),
+        (not _get(config, "apply_residual_connection_post_layernorm"),
+         "kareus's layer is pre-norm: set apply_residual_connection_post_layernorm=False"),
+        (not _get(config, "fp32_residual_connection"), "kareus's layer keeps its residual "
+         "in the compute dtype: set fp32_residual_connection=False"),
+        (not _get(config, "rotary_interleaved"), "kareus's RoPE rotates halves: set "
+         "rotary_interleaved=False"),
+        (int(_get(config, "context_parallel_size") or 1) == 1,
+         "Megatron-Core splits each sequence into 2 x CP load-balanced chunks and kareus's "
+         "layer into CP contiguous ones: set context_parallel_size=1 for kareus layers"),
+        (dropout == 0.0,
+         f"kareus's layer computes without dropout and the config asks for {dropout}: set "
+         "hidden_dropout=0.0 and attention_dropout=0.0"),
+        (_get(config, "recompute_granularity") != "full",
+         "a planned layer recomputes its forward itself: set recompute_granularity=None "
+         "(Megatron's full recomputation would run it twice)"),
+    ]
+    return [msg for ok, msg in checks if not ok]
+
+
+def _dtype_bytes(config: Any) -> int:
+    if _get(config, "bf16") or _get(config, "fp16"):
+        return 2
+    itemsize = getattr(_get(config, "params_dtype"), "itemsize", None)
+    return int(itemsize) if itemsize else 4
+
+
+def workload_from_megatron(config: Any, *, microbatch_size: int, seq_len: int,
+                           num_microbatches: int, vocab_size: int, nanobatches: int = 2,
+                           name: str = "megatron-gpt", tp: int | None = None,
+                           cp: int | None = None, pp: int | None = None,
+                           dp: int | None = None) -> Workload:
+    """The [`Workload`][kareus.model.Workload] of a Megatron-Core GPT model: what a plan for
+    its decoder layers is made for (``kareus optimize``, ``kareus.optimize``).
+
+    The partition types of the plan are exactly the model's layers: the dimensions come
+    from the config (``hidden_size``, ``num_attention_heads``, ``num_query_groups``, ``None``
+    for as many as heads, ``kv_channels``, ``None`` for ``hidden / heads``,
+    ``ffn_hidden_size``, ``num_layers``), the parallel degrees from its
+    ``tensor_model_parallel_size``, ``context_parallel_size`` and
+    ``pipeline_model_parallel_size`` unless given, the batch from the arguments.
+
+    The workload always recomputes (``recompute=True``): a planned layer keeps only its
+    input and re-runs its forward, collectives included, in its backward. So Megatron's
+    own full recomputation must be off for kareus layers (``recompute_granularity=None``);
+    a selective one names submodules whose forward a kareus layer does not call and has no
+    effect on them.
+
+    A config kareus's layer does not compute is refused rather than approximated: kareus's
+    layer is a pre-norm Llama layer (RMSNorm with eps 1e-5, causal grouped-query attention
+    with rotate-half RoPE, a bias-free SwiGLU MLP) without dropout: a dropout rate above 0
+    would train another model than the config says, silently, so it is refused too (Llama-style
+    models train without it; Megatron-Core's default is 0.1: set both rates to 0.0).
+
+    Args:
+        config: A ``megatron.core.transformer.TransformerConfig`` (or any object with its
+            fields; a missing field reads as Megatron-Core's default).
+        microbatch_size: Sequences per microbatch (per data-parallel replica).
+        seq_len: Tokens per sequence.
+        num_microbatches: Microbatches per iteration (``get_forward_backward_func``'s).
+        vocab_size: The model's vocabulary (``GPTModel``'s ``vocab_size``).
+        nanobatches: Parts each microbatch is split into by the plan's baseline.
+        name: The model's name in the workload and the plan.
+        tp, cp, pp: Override the config's parallel degrees.
+        dp: The data-parallel degree (default 1: a plan of one stage does not depend on it).
+
+    Raises:
+        WorkloadError: the config describes a layer kareus does not compute (one line
+            naming the field to set), or the dimensions do not divide.
+        ArgumentError: the config lacks a dimension.
+    """
+    refused = _refusals(config)
+    cp_ = int(cp if cp is not None else (_get(config, "context_parallel_size") or 1))
+    if cp_ != 1 and not any("context_parallel" in r for r in refused):
+        refused.append("Megatron-Core's context-parallel chunks are not kareus's contiguous "
+                       "ones: run kareus layers with cp=1")
+    if refused:
+        raise WorkloadError(refused[0] + (f" (and {len(refused) - 1} more)"
+                                          if len(refused) > 1 else ""))
+    hidden = _required(config, "hidden_size")
+    heads = _required(config, "num_attention_heads")
+    groups = _get(config, "num_query_groups")
+    kv_heads = heads if groups is None else int(groups)
+    channels = _get(config, "kv_channels")
+    if channels is None and hidden % heads:
+        raise WorkloadError(f"hidden_size={hidden} is not a multiple of num_attention_heads="
+                            f"{heads}: set kv_channels")
+    head_dim = hidden // heads if channels is None else int(channels)
+    softmax_scale = _get(config, "softmax_scale")
+    if softmax_scale is not None and abs(float(softmax_scale) - head_dim ** -0.5) > 1e-9:
+        raise WorkloadError(f"kareus's attention scales scores by 1/sqrt(head_dim); the config "
+                            f"sets softmax_scale={softmax_scale}: set softmax_scale=None")
+    arch = ModelArch(name=name, layers=_required(config, "num_layers"), hidden=hidden,
+                     heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                     ffn=_required(config, "ffn_hidden_size"), vocab=int(vocab_size))
+    par = Parallelism(
+        tp=int(tp if tp is not None else (_get(config, "tensor_model_parallel_size") or 1)),
+        cp=cp_,
+        pp=int(pp if pp is not None else (_get(config, "pipeline_model_parallel_size") or 1)),
+        dp=int(dp if dp is not None else 1))
+    return Workload(model=arch, parallelism=par, microbatch_size=microbatch_size,
+                    seq_len=seq_len, num_microbatches=num_microbatches, recompute=True,
+                    nanobatches=nanobatches, dtype_bytes=_dtype_bytes(config))

@@ -1,0 +1,110 @@
+"""workload_from_megatron on duck-typed configs (no Megatron-Core needed): the fields it
+reads, the defaults of those it lacks, and the typed one-line refusals of what kareus's
+layer does not compute."""
+
+from __future__ import annotations
+
+import math
+import types
+
+import pytest
+
+from kareus.errors import ArgumentError, WorkloadError
+from kareus.integrations._megatron_config import workload_from_megatron
+
+
+def silu(x):  # named like torch.nn.functional.silu
+    return x
+
+
+def gelu(x):
+    return x
+
+
+def _config(**changes):
+    fields = dict(num_layers=4, hidden_size=256, num_attention_heads=8, num_query_groups=4,
+                  kv_channels=None, ffn_hidden_size=512, tensor_model_parallel_size=2,
+                  context_parallel_size=1, pipeline_model_parallel_size=1,
+                  recompute_granularity=None, gated_linear_unit=True, activation_func=silu,
+                  add_bias_linear=False, normalization="RMSNorm", qk_layernorm=False,
+                  sequence_parallel=False, num_moe_experts=None, layernorm_epsilon=1e-5,
+                  multi_latent_attention=False, hidden_dropout=0.0, attention_dropout=0.0,
+                  bf16=True)
+    fields.update(changes)
+    return types.SimpleNamespace(**fields)
+
+
+def _wl(config, **kw):
+    args = dict(microbatch_size=4, seq_len=128, num_microbatches=4, vocab_size=1000)
+    args.update(kw)
+    return workload_from_megatron(config, **args)
+
+
+def test_the_fields_it_reads():
+    wl = _wl(_config())
+    m, p = wl.model, wl.parallelism
+    assert (m.name, m.layers, m.hidden, m.heads, m.kv_heads, m.head_dim, m.ffn, m.vocab) == (
+        "megatron-gpt", 4, 256, 8, 4, 32, 512, 1000)
+    assert (p.tp, p.cp, p.pp, p.dp) == (2, 1, 1, 1)
+    assert (wl.microbatch_size, wl.seq_len, wl.num_microbatches, wl.nanobatches) == (4, 128, 4, 2)
+    assert wl.recompute is True and wl.dtype_bytes == 2
+
+
+def test_defaults_and_overrides():
+    # num_query_groups None: as many as heads; kv_channels given: the head dim
+    wl = _wl(_config(num_query_groups=None, kv_channels=64, bf16=False), name="mine",
+             nanobatches=4, tp=4, pp=2, dp=3)
+    m, p = wl.model, wl.parallelism
+    assert (m.name, m.heads, m.kv_heads, m.head_dim) == ("mine", 8, 8, 64)
+    assert (p.tp, p.pp, p.dp, wl.nanobatches, wl.dtype_bytes) == (4, 2, 3, 4, 4)
+    # A field the config lacks reads as Megatron-Core's default (here: dropout 0.1).
+    cfg = _config()
+    del cfg.hidden_dropout
+    with pytest.raises(WorkloadError, match="hidden_dropout=0.0"):
+        _wl(cfg)
+    # Selective recomputation names submodules a kareus layer does not call: accepted.
+    assert _wl(_config(recompute_granularity="selective")).recompute
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    ({"gated_linear_unit": False}, "SwiGLU"),
+    ({"activation_func": gelu}, "activation gelu"),
+    ({"add_bias_linear": True}, "add_bias_linear=False"),
+    ({"add_qkv_bias": True}, "add_qkv_bias=False"),
+    ({"normalization": "LayerNorm"}, "RMSNorm"),
+    ({"layernorm_zero_centered_gamma": True}, "zero_centered"),
+    ({"qk_layernorm": True}, "qk_layernorm=False"),
+    ({"sequence_parallel": True}, "sequence_parallel=False"),
+    ({"num_moe_experts": 8}, "num_moe_experts=None"),
+    ({"layernorm_epsilon": 1e-6}, "eps=1e-5"),
+    ({"multi_latent_attention": True}, "multi-latent"),
+    ({"window_size": (128, 0)}, "window_size=None"),
+    ({"context_parallel_size": 2}, "context_parallel_size=1"),
+    ({"hidden_dropout": 0.1}, "dropout"),
+    ({"attention_dropout": 0.1}, "attention_dropout=0.0"),
+    ({"recompute_granularity": "full"}, "recompute_granularity=None"),
+    ({"rotary_interleaved": True}, "rotary_interleaved=False"),
+    ({"fp32_residual_connection": True}, "fp32_residual_connection=False"),
+    ({"apply_residual_connection_post_layernorm": True}, "pre-norm"),
+    ({"softmax_scale": 1.0}, "softmax_scale=None"),
+])
+def test_what_kareus_does_not_compute_is_refused(change, match):
+    with pytest.raises(WorkloadError, match=match) as err:
+        _wl(_config(**change))
+    assert "\n" not in str(err.value)
+
+
+def test_refusals_and_dimension_errors_are_typed():
+    with pytest.raises(WorkloadError, match=r"and 1 more"):
+        _wl(_config(hidden_dropout=0.1, sequence_parallel=True))
+    with pytest.raises(WorkloadError, match="cp=1"):
+        _wl(_config(), cp=2)
+    with pytest.raises(ArgumentError, match="ffn_hidden_size"):
+        _wl(_config(ffn_hidden_size=None))
+    with pytest.raises(WorkloadError, match="kv_channels"):
+        _wl(_config(hidden_size=250))
+    with pytest.raises(WorkloadError, match="KV heads"):
+        _wl(_config(num_query_groups=1))  # TP=2 cannot split one query group
+    with pytest.raises(WorkloadError, match="nanobatches"):
+        _wl(_config(), microbatch_size=3)
+    assert _wl(_config(softmax_scale=1 / math.sqrt(32))).model.head_dim == 32
