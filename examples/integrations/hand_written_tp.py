@@ -163,7 +163,7 @@ def train(model, batches, *, steps, applier=None):
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()) / len(batches)
             with scope(mb, "bwd") if scope else _null():  # kareus
                 loss.backward()
-            total += float(loss)
+            total += float(loss.detach())
         opt.step()
         losses.append(total)
     return losses
