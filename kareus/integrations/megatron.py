@@ -1,0 +1,367 @@
+"""A kareus plan inside a Megatron-Core training script (``pip install "kareus[megatron]"``).
+
+Megatron-Core builds each decoder layer from a spec (``ModuleSpec``: a class, its params,
+its submodules) and runs microbatches through a pipeline schedule whose steps
+(``schedules.forward_step`` and ``schedules.backward_step``) it calls by module-level name.
+kareus uses exactly those two extension points, nothing forked or copied:
+
+* [`kareus_layer_spec`][kareus.integrations.megatron.kareus_layer_spec] is the spec of
+  [`KareusTransformerLayer`][kareus.integrations.megatron.KareusTransformerLayer]: Megatron's
+  own ``TransformerLayer`` with the local spec's submodules, so the parameters, their names,
+  checkpoints, DDP's ``main_grad`` buffers and the optimizer stay Megatron's; only the
+  layer's forward is kareus's (a [`PlannedLayer`][kareus.integrations.PlannedLayer] on the
+  layer's own weights, its backward through autograd into them). The spec's params carry
+  the [`PlanApplier`][kareus.integrations.PlanApplier] every layer of the model shares.
+* [`wrap_schedule`][kareus.integrations.megatron.wrap_schedule] wraps the schedule's steps
+  while it is entered, so that each microbatch's forward runs in
+  ``applier.microbatch(mb, "fwd")`` and its backward in ``applier.microbatch(mb, "bwd")``
+  (the plan's configuration and clock of that computation), and restores them on exit.
+* [`workload_from_megatron`][kareus.integrations.megatron.workload_from_megatron] reads the
+  workload a plan is made for from the ``TransformerConfig``, refusing what kareus's layer
+  does not compute.
+
+The module is tested with the Megatron-Core releases in ``TESTED_MEGATRON`` and refuses
+another at import (``MegatronVersionError``); set ``KAREUS_MEGATRON_UNTESTED=1`` to try
+one anyway (a warning instead).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import os
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import megatron.core  # type: ignore[import-untyped, import-not-found]
+import torch
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # type: ignore[import-untyped, import-not-found]
+from megatron.core.transformer.spec_utils import ModuleSpec  # type: ignore[import-untyped, import-not-found]
+from megatron.core.transformer.transformer_layer import TransformerLayer  # type: ignore[import-untyped, import-not-found]
+from packaging.version import Version
+
+from kareus.errors import ArgumentError, ArgumentTypeError, KareusError, WorkloadError
+from kareus.integrations._layer import PlanApplier
+from kareus.integrations._megatron_config import workload_from_megatron
+from kareus.integrations._weights import gate_up_from_fused, linear, qkv_from_grouped
+
+__all__ = ["TESTED_MEGATRON", "UNTESTED_ENV", "KareusTransformerLayer", "MegatronVersionError",
+           "check_megatron_version", "kareus_layer_spec", "workload_from_megatron",
+           "wrap_schedule"]
+
+#: The Megatron-Core releases this module is tested with: ``(lowest, first untested)``.
+TESTED_MEGATRON = ("0.16.0", "0.17.0")
+
+#: Set to ``1`` to run with an untested Megatron-Core release (a warning, not an error).
+UNTESTED_ENV = "KAREUS_MEGATRON_UNTESTED"
+
+
+class MegatronVersionError(KareusError, ImportError):
+    """An installed Megatron-Core release outside ``TESTED_MEGATRON``: the schedule's step
+    functions and the layer's call convention this module relies on are not public API."""
+
+
+def check_megatron_version(version: str | None = None) -> str:
+    """The installed (or given) Megatron-Core version, checked against ``TESTED_MEGATRON``.
+
+    Raises:
+        MegatronVersionError: it is outside the tested range and ``KAREUS_MEGATRON_UNTESTED``
+            is not ``1``.
+    """
+    v = str(version if version is not None else megatron.core.__version__)
+    lo, hi = TESTED_MEGATRON
+    try:
+        ok = Version(lo) <= Version(v) < Version(hi)
+    except ValueError:
+        ok = False
+    if not ok:
+        msg = (f"kareus.integrations.megatron is tested with megatron-core >={lo},<{hi}, "
+               f"found {v}: install one (pip install \"megatron-core>={lo},<{hi}\") or set "
+               f"{UNTESTED_ENV}=1 to try this one")
+        if os.environ.get(UNTESTED_ENV) != "1":
+            raise MegatronVersionError(msg)
+        warnings.warn(msg, stacklevel=2)
+    return v
+
+
+MEGATRON_VERSION = check_megatron_version()
+
+
+# ------------------------------------------------------------------ the layer
+
+
+class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
+    """Megatron-Core's ``TransformerLayer`` whose forward and backward kareus schedules.
+
+    Built by Megatron from a spec exactly like its own layer
+    ([`kareus_layer_spec`][kareus.integrations.megatron.kareus_layer_spec]): the same
+    submodules, so the same parameters under the same names. The forward takes Megatron's
+    ``[seq, batch, hidden]`` hidden states, runs the applier's
+    [`PlannedLayer`][kareus.integrations.PlannedLayer] on them (``[batch, seq, hidden]``) with
+    this layer's weights as differentiable views (``kareus_weights``), and returns
+    ``(output, None)`` as Megatron's layer does; the weight gradients reach the parameters
+    by autograd (and Megatron DDP's hooks from there).
+
+    The layer computes causal self-attention with RoPE over whole sequences: it refuses
+    (``ArgumentError``) packed sequences, inference, cross-attention, attention masks other
+    than the causal one, attention biases and a RoPE other than the applier's. With
+    ``kareus_applier`` set to ``None`` it runs Megatron's own forward.
+
+    Args:
+        applier: The [`PlanApplier`][kareus.integrations.PlanApplier] every layer of the
+            model shares (the spec's params pass it); ``None``: Megatron's own forward.
+        *args, **kwargs: ``TransformerLayer``'s (``config``, ``submodules``,
+            ``layer_number``, ...).
+
+    Raises:
+        WorkloadError: the applier's workload is not this config's layer.
+        ArgumentError: the submodules are not the local spec's (a fused norm).
+    """
+
+    def __init__(self, *args: Any, applier: PlanApplier | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if applier is not None and not isinstance(applier, PlanApplier):
+            raise ArgumentTypeError(f"applier must be a kareus PlanApplier, got "
+                                    f"{type(applier).__name__}")
+        cfg = self.config
+        self._heads = int(cfg.num_attention_heads)
+        self._kv_heads = int(cfg.num_query_groups or cfg.num_attention_heads)
+        self._head_dim = int(cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads)
+        self._tp = int(cfg.tensor_model_parallel_size or 1)
+        for name in ("input_layernorm", "pre_mlp_layernorm"):
+            if not isinstance(getattr(getattr(self, name), "weight", None), torch.Tensor):
+                raise ArgumentError(f"KareusTransformerLayer reads {name}.weight, which the "
+                                    "spec's submodules lack: build it with kareus_layer_spec()")
+        self._rope_checked: set[tuple[int, str]] = set()
+        self._mask_seen: tuple[Any, ...] | None = None
+        self.kareus_applier: PlanApplier | None = None
+        self._planned: Any = None
+        self.set_applier(applier)
+
+    def set_applier(self, applier: PlanApplier | None) -> None:
+        """Run this layer under ``applier`` (``None``: Megatron's own forward).
+
+        Raises:
+            WorkloadError: the applier's workload is not this layer (dimensions, TP).
+        """
+        if applier is not None:
+            arch, p = applier.workload.model, applier.workload.parallelism
+            mine = (self.config.hidden_size, self._heads, self._kv_heads, self._head_dim,
+                    self.config.ffn_hidden_size, self._tp)
+            theirs = (arch.hidden, arch.heads, arch.kv_heads, arch.head_dim, arch.ffn, p.tp)
+            if tuple(int(v) for v in mine) != theirs:
+                raise WorkloadError(f"the applier's workload (hidden, heads, kv_heads, "
+                                    f"head_dim, ffn, TP) is {theirs}, this layer's {mine}: "
+                                    "make it with workload_from_megatron(config, ...)")
+        self.kareus_applier = applier
+        self._planned = applier.layer() if applier is not None else None
+
+    def kareus_weights(self) -> dict[str, Any]:
+        """This rank's weights in kareus's layout (differentiable views of the parameters)."""
+        att, mlp = self.self_attention, self.mlp
+        wg, wu = gate_up_from_fused(mlp.linear_fc1.weight)
+        return {"w_attn_norm": self.input_layernorm.weight,
+                "Wqkv": qkv_from_grouped(att.linear_qkv.weight, heads=self._heads // self._tp,
+                                         kv_heads=self._kv_heads // self._tp,
+                                         head_dim=self._head_dim),
+                "Wo": linear(att.linear_proj.weight),
+                "w_mlp_norm": self.pre_mlp_layernorm.weight,
+                "Wg": wg, "Wu": wu, "Wd": linear(mlp.linear_fc2.weight)}
+
+    def forward(self, hidden_states: Any = None, attention_mask: Any = None, context: Any = None,
+                context_mask: Any = None, rotary_pos_emb: Any = None,
+                rotary_pos_cos: Any = None, rotary_pos_sin: Any = None,
+                rotary_pos_cos_sin: Any = None, attention_bias: Any = None,
+                inference_context: Any = None, packed_seq_params: Any = None,
+                sequence_len_offset: Any = None, padding_mask: Any = None, *,
+                inference_params: Any = None, **kwargs: Any) -> tuple[Any, Any]:
+        """The layer's output ``[seq, batch, hidden]`` and ``None`` (no cross-attention
+        context), as Megatron's ``TransformerLayer.forward``."""
+        if self._planned is None:
+            return super().forward(  # type: ignore[no-any-return]
+                hidden_states, attention_mask=attention_mask, context=context,
+                context_mask=context_mask, rotary_pos_emb=rotary_pos_emb,
+                rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
+                rotary_pos_cos_sin=rotary_pos_cos_sin, attention_bias=attention_bias,
+                inference_context=inference_context, packed_seq_params=packed_seq_params,
+                sequence_len_offset=sequence_len_offset, padding_mask=padding_mask,
+                inference_params=inference_params, **kwargs)
+        unsupported = {"packed_seq_params": packed_seq_params,
+                       "inference_context": inference_context,
+                       "inference_params": inference_params, "context": context,
+                       "context_mask": context_mask, "attention_bias": attention_bias,
+                       "rotary_pos_cos": rotary_pos_cos, "rotary_pos_sin": rotary_pos_sin,
+                       "rotary_pos_cos_sin": rotary_pos_cos_sin,
+                       "sequence_len_offset": sequence_len_offset, "padding_mask": padding_mask}
+        given = sorted(k for k, v in unsupported.items() if v is not None)
+        given += sorted(k for k, v in kwargs.items() if v is not None)
+        if given:
+            raise ArgumentError(f"a kareus layer computes causal self-attention over whole "
+                                f"sequences in training; it got {given}: run these batches "
+                                "with Megatron's own layer (layer.set_applier(None))")
+        s = int(hidden_states.shape[0])
+        self._check_mask(attention_mask, s)
+        self._check_rope(rotary_pos_emb, s, hidden_states.device)
+        x = hidden_states.transpose(0, 1).contiguous()
+        y = self._planned(x, self.kareus_weights())
+        return y.transpose(0, 1).contiguous(), None
+
+    def _check_mask(self, mask: Any, s: int) -> None:
+        """``None`` or the causal mask (``True`` above the diagonal), else a refusal."""
+        if mask is None:
+            return
+        seen = (mask.data_ptr(), tuple(mask.shape), mask._version)
+        if seen == self._mask_seen:
+            return
+        causal = torch.ones(s, s, dtype=torch.bool, device=mask.device).triu(1)
+        if (mask.dtype != torch.bool or tuple(mask.shape[-2:]) != (s, s)
+                or not bool((mask == causal).all())):
+            raise ArgumentError("a kareus layer computes causal attention: pass "
+                                "attention_mask=None (or the causal mask), not a padding or "
+                                "document mask")
+        self._mask_seen = seen
+
+    def _check_rope(self, emb: Any, s: int, device: Any) -> None:
+        """Megatron's RoPE table (``[seq, 1, 1, head_dim]`` angles) is the applier's, checked
+        once per sequence length."""
+        if isinstance(emb, tuple):
+            emb = emb[0]
+        if emb is None:
+            raise ArgumentError("a kareus layer applies RoPE: build the model with "
+                                "position_embedding_type='rope'")
+        if (s, str(device)) in self._rope_checked:
+            return
+        applier = self.kareus_applier
+        assert applier is not None
+        hd = self._head_dim
+        inv = applier.rope_inv_freq
+        if inv is None:
+            inv = 1.0 / (applier.rope_base ** (torch.arange(0, hd, 2, dtype=torch.float64)
+                                                / hd))
+        inv = torch.as_tensor(inv, dtype=torch.float64).cpu()
+        ang = torch.outer(torch.arange(s, dtype=torch.float64), inv)
+        want = torch.cat((ang, ang), -1)
+        got = emb.detach().reshape(emb.shape[0], -1).double().cpu()
+        if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-5, atol=1e-4):
+            raise ArgumentError(f"the model's RoPE ({tuple(emb.shape)} angles) is not the "
+                                f"applier's (base {applier.rope_base}, head_dim {hd}, "
+                                "rotary_percent 1): pass PlanApplier(rope_base=<GPTModel's "
+                                "rotary_base>) or rope_inv_freq=model.rotary_pos_emb.inv_freq")
+        self._rope_checked.add((s, str(device)))
+
+
+def kareus_layer_spec(applier: PlanApplier | None) -> ModuleSpec:
+    """The spec of a GPT decoder layer that kareus runs: Megatron-Core's local spec
+    (``get_gpt_layer_local_spec(normalization="RMSNorm")``: its submodules, so the
+    parameters, their names and checkpoints are Megatron's) with
+    [`KareusTransformerLayer`][kareus.integrations.megatron.KareusTransformerLayer] as the
+    module and ``applier`` in its params (``build_module`` passes them to the constructor).
+
+    Pass it as ``GPTModel(config, transformer_layer_spec=kareus_layer_spec(applier), ...)``.
+    """
+    if applier is not None and not isinstance(applier, PlanApplier):
+        raise ArgumentTypeError(f"applier must be a kareus PlanApplier, got "
+                                f"{type(applier).__name__}")
+    local = get_gpt_layer_local_spec(normalization="RMSNorm")
+    return ModuleSpec(module=KareusTransformerLayer, params={"applier": applier},
+                      submodules=local.submodules)
+
+
+def kareus_layers(model: Any) -> list[KareusTransformerLayer]:
+    """The kareus layers of ``model`` (any wrapping: DDP, ``Float16Module``, a list)."""
+    models = model if isinstance(model, list | tuple) else [model]
+    return [m for mm in models for m in mm.modules() if isinstance(m, KareusTransformerLayer)]
+
+
+# ------------------------------------------------------------------ the schedule
+
+#: The pipeline schedules whose step functions the wrapper follows.
+_PLAIN = ("forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving")
+_INTERLEAVED = "forward_backward_pipelining_with_interleaving"
+_STEPS = ("forward_step", "backward_step")
+
+
+class _Counters:
+    """The microbatch of each step of one ``forward_backward`` call."""
+
+    def __init__(self) -> None:
+        self.bwd = 0
+        self.fwd = 0
+        self.num_microbatches = 1
+
+    def reset(self) -> None:
+        self.bwd = self.fwd = 0
+
+
+@contextlib.contextmanager
+def wrap_schedule(applier: PlanApplier) -> Iterator[None]:
+    """While entered, each microbatch's forward in Megatron-Core's pipeline schedule runs
+    in ``applier.microbatch(mb, "fwd")`` and its backward in ``applier.microbatch(mb,
+    "bwd")``: the plan's configuration and clock of that computation.
+
+    It replaces ``megatron.core.pipeline_parallel.schedules.forward_step`` and
+    ``backward_step`` (which the schedules call by module-level name) and the
+    forward-backward functions (to start each call's count afresh) and restores them on
+    exit, an exception included. The forward's microbatch is the schedule's
+    ``current_microbatch`` (counted when not given); the backward's is counted: the
+    non-interleaved schedules (no pipelining, 1F1B) run the backwards in forward order.
+    The interleaved (virtual-pipeline) schedule is refused.
+
+    Raises:
+        MegatronVersionError: Megatron-Core outside ``TESTED_MEGATRON``.
+        ArgumentError: the schedule is already wrapped (entered twice).
+    """
+    from megatron.core.pipeline_parallel import schedules  # type: ignore[import-untyped, import-not-found]
+
+    check_megatron_version()
+    if not isinstance(applier, PlanApplier):
+        raise ArgumentTypeError(f"applier must be a kareus PlanApplier, got "
+                                f"{type(applier).__name__}")
+    names = (*_STEPS, *_PLAIN, _INTERLEAVED)
+    original = {n: getattr(schedules, n) for n in names}
+    if any(getattr(f, "_kareus_wrapped", False) for f in original.values()):
+        raise ArgumentError("Megatron's schedule is already wrapped: enter wrap_schedule once")
+    counts = _Counters()
+    fwd_sig = inspect.signature(original["forward_step"])
+
+    def forward_step(*args: Any, **kwargs: Any) -> Any:
+        bound = fwd_sig.bind_partial(*args, **kwargs).arguments
+        n = int(bound.get("num_microbatches") or 1)
+        counts.num_microbatches = n
+        mb = bound.get("current_microbatch")
+        mb = counts.fwd % n if mb is None else int(mb)
+        counts.fwd += 1
+        with applier.microbatch(mb, "fwd"):
+            return original["forward_step"](*args, **kwargs)
+
+    def backward_step(*args: Any, **kwargs: Any) -> Any:
+        mb = counts.bwd % counts.num_microbatches
+        counts.bwd += 1
+        with applier.microbatch(mb, "bwd"):
+            return original["backward_step"](*args, **kwargs)
+
+    def plain(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            counts.reset()
+            return fn(*args, **kwargs)
+        return run
+
+    @functools.wraps(original[_INTERLEAVED])
+    def interleaved(*args: Any, **kwargs: Any) -> Any:
+        raise ArgumentError("kareus's schedule wrapper follows the non-interleaved schedules: "
+                            "set virtual_pipeline_model_parallel_size=None for kareus")
+
+    wrapped: Mapping[str, Callable[..., Any]] = {
+        "forward_step": forward_step, "backward_step": backward_step,
+        **{n: plain(original[n]) for n in _PLAIN}, _INTERLEAVED: interleaved}
+    try:
+        for n, f in wrapped.items():
+            f._kareus_wrapped = True  # type: ignore[attr-defined]
+            setattr(schedules, n, f)
+        yield None
+    finally:
+        for n, f in original.items():
+            setattr(schedules, n, f)

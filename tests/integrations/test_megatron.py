@@ -1,0 +1,285 @@
+"""kareus.integrations.megatron against Megatron-Core's own layers (CPU, gloo, TP=2).
+
+Megatron-Core's training path is CUDA-only (``device="cuda"`` factories, CUDA RNG
+tracker, ``param.type()`` checks in the optimizer); the worker below installs a
+process-local CPU shim (``_cpu_shim``: test harness only, never library code) and then:
+
+* builds Megatron's own ``TransformerLayer``s (local spec) and kareus's layers
+  (``kareus_layer_spec``) with the same weights, runs 2 layers x 2 microbatches under
+  the schedules sequential, nanobatching and kareus (a plan from
+  ``make_workload_plan(workload_from_megatron(config))``) and checks the outputs, the
+  input gradients and every parameter's gradient against Megatron's (fp32, 1e-4);
+* trains the example's GPTModel (``examples/integrations/megatron_gpt.py``: Megatron DDP,
+  Megatron's optimizer, ``get_forward_backward_func``) with Megatron's layers and with
+  kareus's under ``wrap_schedule``, and checks the losses, the DDP ``main_grad``s and the
+  weights after two iterations, the (microbatch, phase) scopes the wrapper entered, and
+  that it restored the schedule;
+
+the parent checks that both ranks ran the same partitions.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+EXAMPLE = REPO / "examples" / "integrations"
+
+SEQ, MBS, MICROBATCHES, TP = 16, 4, 2, 2
+DIMS = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+            ffn_hidden_size=64)
+
+
+def test_the_module_checks_megatron_s_version(monkeypatch):
+    from kareus.integrations import megatron as km
+
+    assert km.check_megatron_version() == km.MEGATRON_VERSION
+    monkeypatch.delenv(km.UNTESTED_ENV, raising=False)
+    with pytest.raises(km.MegatronVersionError, match=r"megatron-core >=0\.16\.0,<0\.17\.0"):
+        km.check_megatron_version("0.17.1")
+    with pytest.raises(ImportError):  # an ImportError too: the module does not import
+        km.check_megatron_version("0.12.0")
+    monkeypatch.setenv(km.UNTESTED_ENV, "1")
+    with pytest.warns(UserWarning, match="0.17.1"):
+        assert km.check_megatron_version("0.17.1") == "0.17.1"
+
+
+def test_the_spec_refuses_what_is_not_an_applier():
+    from kareus.errors import ArgumentTypeError
+    from kareus.integrations.megatron import KareusTransformerLayer, kareus_layer_spec
+
+    spec = kareus_layer_spec(None)
+    assert spec.module is KareusTransformerLayer and spec.params == {"applier": None}
+    with pytest.raises(ArgumentTypeError, match="PlanApplier"):
+        kareus_layer_spec(object())  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ several processes, gloo
+
+
+def _cpu_shim() -> None:
+    """Process-local redirections of Megatron-Core's CUDA-only calls to the CPU (the test
+    harness's; the library never patches torch)."""
+    import functools
+
+    from megatron.core import tensor_parallel
+
+    def cpu(dev):
+        if isinstance(dev, int) or (dev is not None and str(dev).startswith("cuda")):
+            return torch.device("cpu")
+        return dev
+
+    def factory(fn):
+        @functools.wraps(fn)
+        def make(*a, **kw):
+            if "device" in kw:
+                kw["device"] = cpu(kw["device"])
+            return fn(*a, **kw)
+        return make
+
+    for name in ("zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn",
+                 "randint", "zeros_like", "ones_like", "empty_like", "full_like",
+                 "as_tensor", "linspace"):
+        setattr(torch, name, factory(getattr(torch, name)))
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    own_type = torch.Tensor.type
+
+    def tensor_type(self, *a, **kw):  # Megatron's optimizer checks "torch.cuda.*Tensor"
+        t = own_type(self, *a, **kw)
+        if not a and not kw and self.device.type == "cpu" and not t.startswith("torch.cuda."):
+            return "torch.cuda." + t[len("torch."):]
+        return t
+
+    torch.Tensor.type = tensor_type
+    # The no-op RNG tracker (dropout is 0): CUDA's would call torch.cuda.get_rng_state().
+    tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True,
+                                                  force_reset=True)
+
+
+def _close(a, b, what):
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=what)
+
+
+def _layers_match(config, wl, groups, emb, out):
+    """Megatron's layers and kareus's, same weights, every schedule."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+
+    from kareus.integrations import PlanApplier
+    from kareus.integrations.megatron import kareus_layer_spec
+    from kareus.testing import make_workload_plan
+
+    torch.manual_seed(1)  # every rank builds the same full weights and keeps its shard
+    own = [build_module(get_gpt_layer_local_spec(normalization="RMSNorm"), config=config,
+                        layer_number=i + 1) for i in range(config.num_layers)]
+    with torch.no_grad():
+        for lay in own:  # norms away from 1, so that their gradients are checked
+            for norm in (lay.input_layernorm, lay.pre_mlp_layernorm):
+                norm.weight.add_(0.1 * torch.randn(norm.weight.shape))
+
+    def run(layers, applier=None):
+        outs = []
+        for mb in range(MICROBATCHES):
+            g = torch.Generator().manual_seed(100 + mb)
+            x = torch.randn(SEQ, MBS, config.hidden_size, generator=g).requires_grad_(True)
+            c = torch.randn(SEQ, MBS, config.hidden_size, generator=g)
+            with applier.microbatch(mb, "fwd") if applier else _null():
+                y = x
+                for lay in layers:
+                    y, ctx = lay(hidden_states=y, attention_mask=None, rotary_pos_emb=emb)
+                    assert ctx is None and y.shape == x.shape
+            with applier.microbatch(mb, "bwd") if applier else _null():
+                (y * c).sum().backward()
+            outs.append((y.detach(), x.grad.clone()))
+        return outs, [{n: p.grad.clone() for n, p in lay.named_parameters()} for lay in layers]
+
+    want_outs, want_grads = run(own)
+    plan = make_workload_plan(wl, pick=1, sms=8, freqs_mhz=(1980, 1410),
+                              unsplit_microbatches=(1,))
+    for schedule in ("sequential", "nanobatching", "kareus"):
+        applier = PlanApplier(workload=wl, groups=groups, schedule=schedule,
+                              plan=plan if schedule == "kareus" else None, kernels="torch",
+                              rope_base=500000, record=True)
+        mine = [build_module(kareus_layer_spec(applier), config=config, layer_number=i + 1)
+                for i in range(config.num_layers)]
+        for m, o in zip(mine, own, strict=True):
+            m.load_state_dict(o.state_dict())
+        assert [n for n, _ in mine[0].named_parameters()] == [
+            n for n, _ in own[0].named_parameters()]
+        outs, grads = run(mine, applier if schedule == "kareus" else None)
+        for (y, dx), (wy, wdx) in zip(outs, want_outs, strict=True):
+            _close(y, wy, f"{schedule} output")
+            _close(dx, wdx, f"{schedule} input gradient")
+        for i, (g, w) in enumerate(zip(grads, want_grads, strict=True)):
+            assert set(g) == set(w)
+            for n in w:
+                _close(g[n], w[n], f"{schedule} layer {i} {n}")
+        out[schedule] = [(ph, k) for ph, k, _ in applier.partitions_run]
+
+
+def _gpt_matches(config, wl, groups, out):
+    """The example's training (GPTModel, DDP, optimizer, get_forward_backward_func), with
+    Megatron's layers and with kareus's under wrap_schedule."""
+    import megatron_gpt as ex
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.pipeline_parallel import schedules
+
+    from kareus.integrations import PlanApplier
+    from kareus.integrations.megatron import kareus_layer_spec, wrap_schedule
+    from kareus.testing import make_workload_plan
+
+    g = torch.Generator().manual_seed(7)
+    batches = []
+    for _ in range(MICROBATCHES):
+        tok = torch.randint(0, ex.VOCAB, (MBS, SEQ + 1), generator=g)
+        batches.append((tok[:, :-1], tok[:, 1:]))
+    torch.manual_seed(0)
+    own_model = ex.build_model(config, get_gpt_layer_local_spec(normalization="RMSNorm"),
+                               SEQ, "cpu")
+    initial = {k: v.clone() if torch.is_tensor(v) else v  # _extra_state: None
+               for k, v in own_model.state_dict().items()}
+    own = ex.train(own_model, config, batches, steps=2, seq_len=SEQ)
+
+    plan = make_workload_plan(wl, pick=1, sms=8, freqs_mhz=(1980, 1410))
+    applier = PlanApplier(workload=wl, groups=groups, plan=plan, kernels="torch",
+                          rope_base=ex.ROTARY_BASE, record=True)
+    scopes = []
+    enter = applier.microbatch
+
+    def spy(mb, phase):
+        scopes.append((mb, phase))
+        return enter(mb, phase)
+
+    applier.microbatch = spy  # type: ignore[method-assign]
+    model = ex.build_model(config, kareus_layer_spec(applier), SEQ, "cpu")
+    model.load_state_dict(initial)
+    originals = (schedules.forward_step, schedules.backward_step,
+                 schedules.forward_backward_no_pipelining)
+    with wrap_schedule(applier):
+        assert schedules.forward_step is not originals[0]
+        mine = ex.train(model, config, batches, steps=2, seq_len=SEQ)
+    assert (schedules.forward_step, schedules.backward_step,
+            schedules.forward_backward_no_pipelining) == originals
+    assert scopes == [(m, ph) for _ in range(2) for m in range(MICROBATCHES)
+                      for ph in ("fwd", "bwd")], scopes
+    torch.testing.assert_close(torch.tensor(mine), torch.tensor(own), rtol=1e-4, atol=1e-5)
+    own_p, my_p = dict(own_model.named_parameters()), dict(model.named_parameters())
+    assert set(own_p) == set(my_p)
+    for n, p in own_p.items():
+        _close(my_p[n].main_grad, p.main_grad, f"main_grad {n}")
+        _close(my_p[n].detach(), p.detach(), f"weight {n}")
+    out["gpt"] = [(ph, k) for ph, k, _ in applier.partitions_run]
+    out["losses"] = mine
+
+    # An exception inside the wrapper still restores the schedule.
+    with pytest.raises(RuntimeError, match="boom"), wrap_schedule(applier):
+        raise RuntimeError("boom")
+    assert schedules.forward_step is originals[0]
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _worker(out_dir: str) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    sys.path.insert(0, str(EXAMPLE))
+    import megatron_gpt as ex
+
+    from kareus.exec.train import TorchParallelGroups
+    from kareus.integrations.megatron import workload_from_megatron
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP)
+    _cpu_shim()
+    config = ex.make_config(TP, torch.float32, **DIMS)
+    wl = workload_from_megatron(config, microbatch_size=MBS, seq_len=SEQ,
+                                num_microbatches=MICROBATCHES, vocab_size=ex.VOCAB)
+    groups = TorchParallelGroups.from_groups(tp=parallel_state.get_tensor_model_parallel_group())
+    emb = RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=1.0,
+                          rotary_base=ex.ROTARY_BASE)(SEQ)
+    out: dict = {}
+    _layers_match(config, wl, groups, emb, out)
+    _gpt_matches(config, wl, groups, out)
+    torch.save(out, os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_kareus_layers_are_megatron_s_layers_over_gloo(tmp_path):
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{HERE}", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={TP}",
+           "--master_port=29763", str(Path(__file__).resolve()), str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(TP)]
+    for key in ("sequential", "nanobatching", "kareus", "gpt"):
+        assert res[0][key] and res[1][key] == res[0][key], f"ranks ran different {key}"
+    assert any(k.startswith("fwd_mlp") for _, k in res[0]["kareus"])
+    assert res[0]["losses"] == res[1]["losses"]
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])
