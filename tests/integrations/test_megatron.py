@@ -166,6 +166,45 @@ def _layers_match(config, wl, groups, emb, out):
             for n in w:
                 _close(g[n], w[n], f"{schedule} layer {i} {n}")
         out[schedule] = [(ph, k) for ph, k, _ in applier.partitions_run]
+    _layer_refusals(mine[0], emb, config)
+
+
+def _layer_refusals(lay, emb, config):
+    """What a kareus layer does not compute is refused, typed, in one line."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from kareus.errors import ArgumentError, WorkloadError
+    from kareus.integrations import PlanApplier
+    from kareus.integrations.megatron import workload_from_megatron
+
+    applier = lay.kareus_applier
+    x = torch.randn(SEQ, MBS, config.hidden_size)
+    causal = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)[None, None]
+    with torch.no_grad(), applier.microbatch(0, "fwd"):
+        lay(hidden_states=x, attention_mask=causal, rotary_pos_emb=emb)  # the causal mask
+        for kw, match in (({"packed_seq_params": object()}, "packed_seq_params"),
+                          ({"inference_context": object()}, "inference_context"),
+                          ({"attention_mask": ~causal}, "causal"),
+                          ({"rotary_pos_emb": None}, "position_embedding_type='rope'")):
+            args = {"hidden_states": x, "attention_mask": None, "rotary_pos_emb": emb, **kw}
+            with pytest.raises(ArgumentError, match=match):
+                lay(**args)
+        other = RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=1.0,
+                                rotary_base=10000)(SEQ + 2)[2:]
+        lay._rope_checked.clear()
+        with pytest.raises(ArgumentError, match="rope_base"):
+            lay(hidden_states=x, attention_mask=None, rotary_pos_emb=other)
+    wrong = workload_from_megatron(config, microbatch_size=MBS, seq_len=SEQ,
+                                   num_microbatches=MICROBATCHES, vocab_size=64)
+    wrong = wrong.with_(model=wrong.model.__class__(**{**wrong.model.to_dict(), "ffn": 128}))
+    with pytest.raises(WorkloadError, match="workload_from_megatron"):
+        lay.set_applier(PlanApplier(workload=wrong, groups=applier.groups, kernels="torch"))
+    lay.set_applier(None)  # Megatron's own forward
+    with torch.no_grad():
+        y, _ = lay(hidden_states=x, attention_mask=None, rotary_pos_emb=emb)
+    lay.set_applier(applier)
+    with torch.no_grad(), applier.microbatch(0, "fwd"):
+        _close(lay(hidden_states=x, attention_mask=None, rotary_pos_emb=emb)[0], y, "own")
 
 
 def _gpt_matches(config, wl, groups, out):
