@@ -1,0 +1,618 @@
+"""A kareus plan inside torchtitan's Llama 3 (torchtitan 0.3.x).
+
+torchtitan builds a ``Llama3Model`` from nested config dataclasses, tensor-parallelizes it
+with its own declarative sharding plan (``model.parallelize(parallel_dims)`` or
+``parallelize_llama``) and trains it with its ``Trainer``. kareus takes over the one thing
+its plans are about, each decoder layer's schedule: every ``Llama3TransformerBlock`` of the
+built, parallelized model runs through a [`PlannedLayer`][kareus.integrations.PlannedLayer]
+whose weights are the block's own parameters, read through differentiable views at every
+call, so the gradients land in torchtitan's parameters (as DTensors under the
+``partial_dtensor`` backend, as plain local shards under the default ``spmd_types``)
+and torchtitan's optimizer, gradient clipping, checkpoints, embedding, final norm, LM head
+and loss see nothing else.
+
+Three functions:
+
+* [`workload_from_torchtitan`][kareus.integrations.torchtitan.workload_from_torchtitan]:
+  the [`Workload`][kareus.model.Workload] a plan is made for (``kareus optimize``), read from
+  a ``Llama3Model`` or its config, refusing what kareus's layer does not compute;
+* [`apply_plan`][kareus.integrations.torchtitan.apply_plan]: builds the
+  [`PlanApplier`][kareus.integrations.PlanApplier] from the model (its RoPE frequencies,
+  its TP group) and routes each block's forward through it;
+* [`wrap_trainer`][kareus.integrations.torchtitan.wrap_trainer]: enters the microbatch
+  scopes around the forward and the backward of each microbatch of torchtitan's
+  ``Trainer`` (the ``"kareus"`` schedule needs them; a hand-written loop adds the two
+  ``with applier.microbatch(...)`` lines itself).
+
+**Layouts.** torchtitan's fused ``wqkv`` packs its rows per key/value head (the group's
+query heads, its key head, its value head) and rotates interleaved pairs ``(2i, 2i + 1)``
+with complex numbers; separate ``wq``/``wk``/``wv`` rotate the same way. kareus's layer
+reads query, key and value heads blocked and rotates halves, so the query and key rows of
+each head are reordered (the same attention scores: see ``kareus.integrations._weights``).
+The RoPE frequencies are taken from the block's own rope cache, so Llama 3.1's scaled
+frequencies are the model's, not a recomputation.
+
+**Why the forward of each block instance is replaced** (an instance attribute, the way
+torchtitan's ``Module.parallelize`` wraps the forward of the modules it shards) rather
+than the class changed or a config ``@override`` used: the plan is applied to one
+already built and parallelized model, whose parameters stay where they are; torchtitan's
+classes are not touched, other models in the process are unaffected, and
+[`remove_plan`][kareus.integrations.torchtitan.remove_plan] restores the block.
+
+Tested with torchtitan 0.3.0 (``pip install "kareus[torchtitan]"``); other versions are
+refused (their model API differs: 0.3 rebuilt it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from kareus.errors import ArgumentError, ArgumentTypeError, PlanError, WorkloadError
+from kareus.integrations._layer import PlanApplier
+from kareus.integrations._weights import LAYER_WEIGHTS, linear, qkv_from_separate
+from kareus.model.workload import ModelArch, Parallelism, Workload
+
+__all__ = ["TESTED_VERSIONS", "apply_plan", "planned_blocks", "remove_plan",
+           "workload_from_torchtitan", "wrap_trainer"]
+
+#: The torchtitan releases this adapter is tested with (a ``packaging`` specifier).
+TESTED_VERSIONS = ">=0.3,<0.4"
+
+#: The attribute a planned block keeps its applier under.
+_APPLIER_ATTR = "_kareus_applier"
+
+_checked_version: str | None = None
+
+
+def check_torchtitan_version() -> str:
+    """The installed torchtitan's version, refused unless it is 0.3.x.
+
+    Raises:
+        ArgumentError: torchtitan is missing or of another release.
+    """
+    global _checked_version
+    if _checked_version is not None:
+        return _checked_version
+    from importlib import metadata
+
+    try:
+        version = metadata.version("torchtitan")
+    except metadata.PackageNotFoundError:
+        raise ArgumentError('torchtitan is not installed: pip install "kareus[torchtitan]" '
+                            f"(torchtitan{TESTED_VERSIONS})") from None
+    parts = version.split(".")
+    if parts[:2] != ["0", "3"]:
+        raise ArgumentError(f"kareus.integrations.torchtitan is tested with torchtitan 0.3.x; "
+                            f"found {version}: pip install \"torchtitan{TESTED_VERSIONS}\"")
+    _checked_version = version
+    return version
+
+
+# ------------------------------------------------------------------ the model's dimensions
+
+
+def _model_config(model_or_config: Any) -> Any:
+    """The ``Decoder.Config`` of a built torchtitan model, or the config itself."""
+    Decoder = _classes().Decoder
+    if isinstance(model_or_config, Decoder.Config):
+        return model_or_config
+    cfg = getattr(model_or_config, "config", None)
+    if isinstance(cfg, Decoder.Config):
+        return cfg
+    raise ArgumentTypeError("expected a torchtitan Llama3Model (built) or its "
+                            f"Llama3Model.Config, got {type(model_or_config).__name__}")
+
+
+def _classes() -> Any:
+    """torchtitan's classes this adapter reads (imported on first use)."""
+    global _CLASSES
+    if _CLASSES is None:
+        check_torchtitan_version()
+        from torchtitan.models.common import attention  # type: ignore[import]
+        from torchtitan.models.common.decoder import Decoder  # type: ignore[import]
+        from torchtitan.models.common.feed_forward import FeedForward  # type: ignore[import]
+        from torchtitan.models.common.linear import Linear  # type: ignore[import]
+        from torchtitan.models.common.rope import ComplexRoPE  # type: ignore[import]
+        from torchtitan.models.llama3.model import (  # type: ignore[import]
+            Llama3TransformerBlock,
+        )
+
+        _CLASSES = types.SimpleNamespace(
+            Decoder=Decoder, FeedForward=FeedForward, Linear=Linear, ComplexRoPE=ComplexRoPE,
+            Block=Llama3TransformerBlock, GQAttention=attention.GQAttention,
+            QKVLinear=attention.QKVLinear, FusedQKVLinear=attention.FusedQKVLinear,
+            SDPA=attention.ScaledDotProductAttention, Flex=attention.FlexAttention,
+            Varlen=attention.VarlenAttention)
+    return _CLASSES
+
+
+_CLASSES: Any = None
+
+
+def _check_layer(where: str, lc: Any) -> None:
+    """Refuse a layer config whose modules kareus's layer does not compute."""
+    tt = _classes()
+    if not isinstance(lc, tt.Block.Config):
+        raise WorkloadError(f"{where} is a {type(lc).__qualname__}: kareus applies plans to "
+                            "Llama3TransformerBlock layers only")
+    if getattr(lc, "moe", None) is not None or lc.feed_forward is None:
+        raise WorkloadError(f"{where} is a mixture of experts: kareus's layer has a dense "
+                            "SwiGLU MLP; run MoE layers without kareus")
+    if type(lc.feed_forward) is not tt.FeedForward.Config:
+        raise WorkloadError(f"{where}'s MLP is a {type(lc.feed_forward).__qualname__}: "
+                            "kareus's layer computes torchtitan's plain FeedForward (SwiGLU)")
+    att = lc.attention
+    if type(att) is not tt.GQAttention.Config:
+        raise WorkloadError(f"{where}'s attention is a {type(att).__qualname__}: kareus's "
+                            "layer computes GQAttention")
+    if att.qk_norm is not None:
+        raise WorkloadError(f"{where} normalizes queries and keys (qk_norm): kareus's layer "
+                            "does not; run this model without kareus")
+    if type(att.qkv_linear) not in (tt.QKVLinear.Config, tt.FusedQKVLinear.Config):
+        raise WorkloadError(f"{where}'s QKV projection is a "
+                            f"{type(att.qkv_linear).__qualname__} (e.g. tp_gemm_backend "
+                            "dist_gemm): kareus runs its own collectives; use the default "
+                            "tp_gemm_backend")
+    if type(att.wo) is not tt.Linear.Config:
+        raise WorkloadError(f"{where}'s output projection is a {type(att.wo).__qualname__}: "
+                            "use the default tp_gemm_backend")
+    if type(att.rope) is not tt.ComplexRoPE.Config:
+        raise WorkloadError(f"{where}'s RoPE is a {type(att.rope).__qualname__}: kareus "
+                            "reads torchtitan's ComplexRoPE (Llama 3's interleaved pairs)")
+    inner = att.inner_attention
+    if isinstance(inner, tt.Varlen.Config):
+        if tuple(inner.window_size) != (-1, 0):
+            raise WorkloadError(f"{where} attends within a window {inner.window_size}: "
+                                "kareus's layer is causal over the whole sequence")
+    elif not isinstance(inner, (tt.SDPA.Config, tt.Flex.Config)):
+        raise WorkloadError(f"{where}'s inner attention is a {type(inner).__qualname__}: "
+                            "kareus's layer computes causal attention (SDPA, flex, varlen)")
+    ff = lc.feed_forward
+    qkv = att.qkv_linear
+    linears = [ff.w1, ff.w2, ff.w3, att.wo] + ([qkv.wqkv] if hasattr(qkv, "wqkv")
+                                               else [qkv.wq, qkv.wkv])
+    if any(getattr(lin, "bias", False) for lin in linears):
+        raise WorkloadError(f"{where} has biases in its projections: kareus's layer has none")
+    for name in ("attention_norm", "ffn_norm"):
+        eps = float(getattr(getattr(lc, name), "eps", 1e-5))
+        if abs(eps - 1e-5) > 1e-12:
+            raise WorkloadError(f"{where}'s {name} has eps={eps}: kareus's RMSNorm kernels "
+                                "take 1e-5; build the model with 1e-5 or run it without "
+                                "kareus")
+
+
+def _layer_dims(i: int, lc: Any, dim: int) -> tuple[int, int, int, int]:
+    """``(heads, kv_heads, head_dim, ffn)`` of layer config ``lc``, refusing what kareus's
+    layer does not compute."""
+    where = f"layer {i}"
+    _check_layer(where, lc)
+    att, ff = lc.attention, lc.feed_forward
+    heads = int(att.n_heads)
+    kv = int(att.n_kv_heads if att.n_kv_heads is not None else heads)
+    hd = int(att.head_dim if att.head_dim is not None else dim // heads)
+    if int(att.rope.dim) != hd:
+        raise WorkloadError(f"{where} rotates {att.rope.dim} of {hd} dimensions per head: "
+                            "kareus's layer rotates the whole head (partial RoPE is not "
+                            "supported)")
+    if int(ff.w1.in_features) != dim:
+        raise WorkloadError(f"{where}'s MLP takes {ff.w1.in_features} features, the model "
+                            f"{dim}")
+    return heads, kv, hd, int(ff.w1.out_features)
+
+
+def model_arch_from_torchtitan(model_or_config: Any, *, name: str = "torchtitan-llama3"
+                               ) -> ModelArch:
+    """The [`ModelArch`][kareus.model.ModelArch] of a torchtitan Llama 3 model (built or
+    config): ``dim``, the layer count, heads, key/value heads, head dimension, the SwiGLU
+    hidden size as the model builds it (``feed_forward.w1``'s output features) and the
+    vocabulary.
+
+    Raises:
+        ArgumentTypeError: not a torchtitan decoder model or config.
+        WorkloadError: a layer kareus's layer does not compute (MoE, qk-norm, RMSNorm eps
+            other than 1e-5, biases, partial or non-interleaved RoPE, windowed attention,
+            a fused TP GEMM backend), or layers of different shapes.
+    """
+    cfg = _model_config(model_or_config)
+    dim = int(cfg.dim)
+    layers = list(cfg.layers)
+    if not layers:
+        raise WorkloadError("the model has no layers")
+    dims = [_layer_dims(i, lc, dim) for i, lc in enumerate(layers)]
+    if any(d != dims[0] for d in dims):
+        raise WorkloadError(f"the layers differ in shape ({sorted(set(dims))}): a plan is "
+                            "made for one layer shape")
+    heads, kv, hd, ffn = dims[0]
+    return ModelArch(name=name, layers=len(layers), hidden=dim, heads=heads, kv_heads=kv,
+                     head_dim=hd, ffn=ffn, vocab=int(cfg.vocab_size))
+
+
+def workload_from_torchtitan(model_or_config: Any, *, tp: int, cp: int = 1,
+                             microbatch_size: int, seq_len: int, num_microbatches: int,
+                             nanobatches: int = 2, pp: int = 1, dp: int = 1,
+                             name: str = "torchtitan-llama3") -> Workload:
+    """The workload ``kareus optimize`` makes a plan for, from a torchtitan Llama 3 model.
+
+    Args:
+        model_or_config: A built ``Llama3Model`` (parallelized or not) or its
+            ``Llama3Model.Config``.
+        tp: Tensor-parallel degree (``parallelism.tensor_parallel_degree``).
+        cp: Context-parallel degree (``apply_plan`` takes 1 only: torchtitan's CP is its
+            own attention over load-balanced chunks).
+        microbatch_size: Sequences per microbatch (``training.local_batch_size`` divided
+            by the gradient accumulation steps).
+        seq_len: Tokens per sequence (``training.seq_len``).
+        num_microbatches: Microbatches per optimizer step (gradient accumulation steps).
+        nanobatches: The nanobatch count of the baseline ``"nanobatching"`` schedule.
+        pp: Pipeline-parallel degree; dp: data-parallel degree (for the plan's job size).
+        name: The model's name in the workload.
+
+    Raises:
+        ArgumentTypeError: not a torchtitan model or config.
+        WorkloadError: the model has a layer kareus's layer does not compute (see
+            [`model_arch_from_torchtitan`][kareus.integrations.torchtitan.model_arch_from_torchtitan]),
+            or the degrees do not divide its heads.
+    """
+    arch = model_arch_from_torchtitan(model_or_config, name=name)
+    return Workload(model=arch, parallelism=Parallelism(tp=tp, cp=cp, pp=pp, dp=dp),
+                    microbatch_size=microbatch_size, seq_len=seq_len,
+                    num_microbatches=num_microbatches, nanobatches=nanobatches,
+                    recompute=True)
+
+
+# ------------------------------------------------------------------ the blocks' weights
+
+
+def _local(t: Any) -> Any:
+    """This rank's shard of a parameter: ``DTensor.to_local()`` (differentiable: the
+    gradient comes back as a DTensor of the parameter's placements), or the tensor."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def _grouped_rope_order(kv_heads: int, per_kv: int, head_dim: int, device: Any) -> Any:
+    """Rows of a local fused ``wqkv`` (``[kv_heads, per_kv + 2, head_dim]`` rows: each
+    group's query heads, key head, value head) in kareus's order: every query head, then
+    every key head, then every value head, the query and key rows of each head taking
+    interleaved RoPE pairs to halves (``0, 2, 4, ..., 1, 3, 5, ...``)."""
+    import torch
+
+    r = per_kv + 2
+    halves = torch.cat((torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)))
+    plain = torch.arange(head_dim)
+
+    def head(g: int, j: int, rope: bool) -> Any:
+        return (g * r + j) * head_dim + (halves if rope else plain)
+
+    rows = [head(g, j, True) for g in range(kv_heads) for j in range(per_kv)]
+    rows += [head(g, per_kv, True) for g in range(kv_heads)]
+    rows += [head(g, per_kv + 1, False) for g in range(kv_heads)]
+    return torch.cat(rows).to(device)
+
+
+class _BlockLayout:
+    """How one torchtitan block's parameters become kareus's ``LAYER_WEIGHTS``."""
+
+    def __init__(self, block: Any) -> None:
+        att = block.attention
+        self.head_dim = int(att.head_dim)
+        self.fused = isinstance(att.qkv_linear, _classes().FusedQKVLinear)
+        self.per_kv = int(att.n_heads) // int(att.n_kv_heads)
+        self._order: dict[tuple[int, str], Any] = {}
+
+    def _fused_qkv(self, w: Any) -> Any:
+        rows = int(w.shape[0])
+        per_group = (self.per_kv + 2) * self.head_dim
+        if rows % per_group:
+            raise WorkloadError(f"a fused wqkv shard of {rows} rows does not hold whole "
+                                f"key/value groups of {per_group}: TP must divide n_kv_heads")
+        key = (rows, str(w.device))
+        order = self._order.get(key)
+        if order is None:
+            order = _grouped_rope_order(rows // per_group, self.per_kv, self.head_dim,
+                                        w.device)
+            self._order[key] = order
+        return w.index_select(0, order).t()
+
+    def weights(self, block: Any) -> dict[str, Any]:
+        """The block's weights in kareus's layout, differentiable views of its parameters."""
+        att, ff = block.attention, block.feed_forward
+        if self.fused:
+            qkv = self._fused_qkv(_local(att.qkv_linear.wqkv.weight))
+        else:
+            q = att.qkv_linear
+            qkv = qkv_from_separate(_local(q.wq.weight), _local(q.wk.weight),
+                                    _local(q.wv.weight), head_dim=self.head_dim,
+                                    interleaved_rope=True)
+        out = {"w_attn_norm": _local(block.attention_norm.weight), "Wqkv": qkv,
+               "Wo": linear(_local(att.wo.weight)),
+               "w_mlp_norm": _local(block.ffn_norm.weight),
+               "Wg": linear(_local(ff.w1.weight)), "Wu": linear(_local(ff.w3.weight)),
+               "Wd": linear(_local(ff.w2.weight))}
+        assert tuple(out) == LAYER_WEIGHTS
+        return out
+
+
+def _rope_inv_freq(block: Any) -> Any:
+    """The block's RoPE frequencies (``head_dim / 2``), read from its rope cache
+    (``cache[p, i] = exp(i * p * freq_i)``): the angle at position 1."""
+    import torch
+
+    cache = _local(block.attention.rope.cache).detach()
+    if not torch.is_complex(cache) or cache.dim() != 2 or cache.shape[0] < 2:
+        raise WorkloadError("the block's rope cache is not torchtitan's complex "
+                            "[max_seq_len, head_dim / 2] cache: build the model with "
+                            "ComplexRoPE")
+    if not torch.allclose(cache[:2].abs(), torch.ones((), device=cache.device), atol=1e-5):
+        raise WorkloadError("the block's RoPE scales magnitudes as well as angles: kareus's "
+                            "layer rotates only")
+    return torch.angle(cache[1]).float().cpu()
+
+
+# ------------------------------------------------------------------ applying a plan
+
+
+def _tp_group(mesh: Any, tp_group: Any, tp: int) -> Any:
+    """The TP process group from ``tp_group``, a DeviceMesh or a torchtitan ParallelDims."""
+    if tp_group is not None:
+        if mesh is not None:
+            raise ArgumentError("pass the TP group once: mesh= or tp_group=")
+        return tp_group
+    if mesh is None:
+        if tp > 1:
+            raise ArgumentError(f"the workload has TP={tp}: pass mesh= (torchtitan's "
+                                "ParallelDims or its tp DeviceMesh) or tp_group=")
+        return None
+    get_mesh = getattr(mesh, "get_mesh", None)
+    if callable(get_mesh):  # torchtitan's ParallelDims
+        if tp == 1:
+            return None
+        mesh = get_mesh("tp")
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if len(names) > 1:
+        if "tp" not in names:
+            raise ArgumentError(f"the device mesh has dimensions {names} and no 'tp'")
+        mesh = mesh["tp"]
+    if not hasattr(mesh, "get_group"):
+        raise ArgumentTypeError(f"mesh must be a torchtitan ParallelDims or a DeviceMesh, "
+                                f"got {type(mesh).__name__}")
+    return mesh.get_group() if mesh.size() > 1 else None
+
+
+def planned_blocks(model: Any) -> list[Any]:
+    """The ``Llama3TransformerBlock`` modules of ``model``, in module order."""
+    block = _classes().Block
+    return [m for m in model.modules() if isinstance(m, block)]
+
+
+def apply_plan(model: Any, *, workload: Workload, mesh: Any = None, tp_group: Any = None,
+               plan: Any = None, schedule: str | None = None, **applier_kwargs: Any
+               ) -> PlanApplier:
+    """Run every ``Llama3TransformerBlock`` of a built torchtitan model under a plan.
+
+    Call it after torchtitan has parallelized the model (``model.parallelize`` or
+    ``parallelize_llama``) and before the first forward, on every rank. Each block's
+    ``forward`` is replaced on the instance by one that passes the block's input and its
+    own parameters (differentiable views) to a planned layer; embeddings, the final norm,
+    the LM head, the loss, the optimizer and checkpoints stay torchtitan's.
+
+    Args:
+        model: The built, parallelized ``Llama3Model`` (or a pipeline stage of one).
+        workload: What the plan was made for
+            ([`workload_from_torchtitan`][kareus.integrations.torchtitan.workload_from_torchtitan]
+            of this model); checked against the model.
+        mesh: torchtitan's ``ParallelDims`` or its TP ``DeviceMesh`` (or a mesh with a
+            ``"tp"`` dimension); or pass ``tp_group=`` (a ``torch.distributed`` group).
+        plan: The plan (``kareus.Plan.load("plan.json")``); ``None`` runs a baseline.
+        schedule: ``"kareus"`` (the default with a plan), ``"sequential"`` or
+            ``"nanobatching"``.
+        **applier_kwargs: Passed to [`PlanApplier`][kareus.integrations.PlanApplier]
+            (``executor``, ``frequency``, ``kernels``, ``record``, ...); ``rope_inv_freq``
+            and ``eps`` come from the model.
+
+    Returns:
+        The applier: enter ``applier.microbatch(mb, "fwd")`` around each microbatch's
+        forward and ``applier.microbatch(mb, "bwd")`` around its backward (or
+        [`wrap_trainer`][kareus.integrations.torchtitan.wrap_trainer]).
+
+    Raises:
+        WorkloadError: the model is not the workload's, has no Llama 3 block, has a layer
+            kareus does not compute, is wrapped in activation checkpointing, or the
+            workload asks for context parallelism.
+        ArgumentError: the TP group is missing or given twice, or an applier argument the
+            model sets.
+    """
+    check_torchtitan_version()
+    if not isinstance(workload, Workload):
+        raise ArgumentTypeError(f"workload must be a kareus.Workload, got "
+                                f"{type(workload).__name__}")
+    for key in ("rope_inv_freq", "rope_base", "eps", "groups", "workload"):
+        if key in applier_kwargs:
+            raise ArgumentError(f"apply_plan reads {key} from the model and its mesh: do not "
+                                "pass it")
+    if workload.parallelism.cp != 1:
+        raise WorkloadError("torchtitan's context parallelism is its own attention over "
+                            "load-balanced chunks: apply kareus plans with CP=1")
+    arch = model_arch_from_torchtitan(model, name=workload.model.name)
+    mine, theirs = (tuple(getattr(a, f) for f in ("hidden", "heads", "kv_heads", "head_dim",
+                                                  "ffn"))
+                    for a in (arch, workload.model))
+    if mine != theirs:
+        raise WorkloadError(f"the model's layer is (hidden, heads, kv_heads, head_dim, ffn) = "
+                            f"{mine}, the workload's {theirs}: make the workload with "
+                            "workload_from_torchtitan(model, ...)")
+    for name, _ in model.named_modules():
+        if "checkpoint_wrapped_module" in name:
+            raise WorkloadError("the model is wrapped in activation checkpointing: kareus's "
+                                "layer recomputes its forward itself; build it with "
+                                "activation_checkpoint mode 'none'")
+    blocks = planned_blocks(model)
+    if not blocks:
+        raise WorkloadError("the model has no Llama3TransformerBlock (a pipeline stage "
+                            "without layers needs no plan)")
+    inv = _rope_inv_freq(blocks[0])
+    import torch
+
+    for blk in blocks[1:]:
+        if not torch.equal(_rope_inv_freq(blk), inv):
+            raise WorkloadError("the blocks' RoPE frequencies differ: kareus's layers share "
+                                "one set")
+    from kareus.exec.train import TorchParallelGroups
+
+    group = _tp_group(mesh, tp_group, workload.parallelism.tp)
+    groups = TorchParallelGroups.from_groups(tp=group)
+    applier = PlanApplier(workload=workload, groups=groups, plan=plan, schedule=schedule,
+                          rope_inv_freq=inv, **applier_kwargs)
+    layer = applier.layer()
+    for blk in blocks:
+        _plan_block(blk, applier, layer)
+    return applier
+
+
+def _plan_block(block: Any, applier: PlanApplier, layer: Any) -> None:
+    """Replace ``block``'s forward (on the instance) by the planned layer's."""
+    layout = _BlockLayout(block)
+    seq = applier.workload.seq_len // applier.workload.parallelism.cp
+
+    def forward(self: Any, x: Any, attention_masks: Any = None, positions: Any = None
+                ) -> Any:
+        _check_attention_inputs(x, attention_masks, positions)
+        local, rewrap = _unwrap_input(x)
+        if int(local.shape[1]) != seq:
+            raise WorkloadError(f"the block got sequences of {local.shape[1]} tokens, the "
+                                f"workload {seq} (sequence parallelism or another seq_len): "
+                                "turn sequence parallelism off, make the workload for this "
+                                "seq_len")
+        return rewrap(layer(local, layout.weights(self)))
+
+    block.forward = types.MethodType(forward, block)
+    setattr(block, _APPLIER_ATTR, applier)
+
+
+def remove_plan(model: Any) -> int:
+    """Give each planned block its own forward back; the number of blocks restored."""
+    n = 0
+    for blk in planned_blocks(model):
+        if hasattr(blk, _APPLIER_ATTR):
+            del blk.forward
+            delattr(blk, _APPLIER_ATTR)
+            n += 1
+    return n
+
+
+def _unwrap_input(x: Any) -> tuple[Any, Callable[[Any], Any]]:
+    """A block input as a local tensor, and how to wrap the output like the input.
+
+    Under torchtitan's ``partial_dtensor`` backend blocks pass replicated DTensors;
+    ``to_local``/``from_local`` are differentiable (the gradient of the output is made
+    replicated, an all-reduce where torchtitan left it partial)."""
+    placements = getattr(x, "placements", None)
+    if placements is None:
+        return x, lambda y: y
+    if not all(p.is_replicate() for p in placements):
+        raise WorkloadError(f"the block's input is a DTensor placed {tuple(placements)}: "
+                            "kareus's layer takes the whole sequence on every TP rank; turn "
+                            "sequence parallelism off")
+    from torch.distributed.tensor import DTensor
+
+    mesh = x.device_mesh
+
+    def rewrap(y: Any) -> Any:
+        return DTensor.from_local(y, mesh, placements, run_check=False)
+
+    return x.to_local(), rewrap
+
+
+def _check_attention_inputs(x: Any, attention_masks: Any, positions: Any) -> None:
+    """Refuse what makes attention other than causal over the whole sequence from position
+    0: a document-packing mask or positions of packed documents. A mask built from
+    positions ``0, 1, ..., seq - 1`` in every row (no packing) is plain causal."""
+    import torch
+
+    if positions is None:
+        if attention_masks is not None:
+            raise WorkloadError("kareus's layer computes causal attention: attention masks "
+                                "without positions (document packing, a custom mask) are "
+                                "not supported")
+        return
+    p = _local(positions)
+    want = torch.arange(p.shape[-1], device=p.device, dtype=p.dtype)
+    if not bool(torch.equal(p, want.expand_as(p))):
+        raise WorkloadError("the batch packs documents (positions restart inside a "
+                            "sequence): kareus's layer computes causal attention over the "
+                            "whole sequence; turn document packing off")
+    del x
+
+
+# ------------------------------------------------------------------ torchtitan's Trainer
+
+
+def wrap_trainer(trainer: Any, applier: PlanApplier) -> None:
+    """Enter ``applier``'s microbatch scopes in a torchtitan 0.3 ``Trainer``.
+
+    torchtitan's ``Trainer.train_step`` calls ``forward_backward_step`` once per gradient
+    accumulation step, which calls ``trainer.fwd_bwd_fn(inputs, labels,
+    global_valid_tokens, extra_kwargs)``: the model's forward, the loss and its backward.
+    This replaces ``fwd_bwd_fn`` on the instance by the same three steps, the forward in
+    ``applier.microbatch(mb, "fwd")`` and the backward in ``applier.microbatch(mb, "bwd")``,
+    ``mb`` counting the calls of one ``train_step`` (the plan's microbatches); and wraps
+    ``train_step`` to restart the count. A hand-written loop adds the two ``with`` lines
+    instead.
+
+    Raises:
+        WorkloadError: pipeline parallelism is on (its schedule runs the microbatches; this
+            adapter does not enter its steps), or CUDA graphs wrap the forward-backward.
+        PlanError: a step runs more microbatches than the plan's workload.
+    """
+    check_torchtitan_version()
+    dims = getattr(trainer, "parallel_dims", None)
+    if dims is not None and getattr(dims, "pp_enabled", False):
+        raise WorkloadError("pipeline parallelism: kareus's torchtitan adapter enters "
+                            "microbatch scopes without it only; run PP=1")
+    if getattr(trainer, "fwd_bwd_fn", None) != getattr(trainer, "_forward_backward_body",
+                                                       None):
+        raise WorkloadError("the trainer's forward-backward is wrapped (CUDA graphs or "
+                            "another wrapper): turn training.disable_cuda_graphs on")
+    limit = applier.workload.num_microbatches
+    state = {"mb": 0}
+    train_step = trainer.train_step
+
+    def counted_train_step(*args: Any, **kwargs: Any) -> Any:
+        state["mb"] = 0
+        return train_step(*args, **kwargs)
+
+    def fwd_bwd(inputs: Any, labels: Any, global_valid_tokens: Any,
+                extra_kwargs: dict[str, Any]) -> Any:
+        mb = state["mb"]
+        if mb >= limit:
+            raise PlanError(f"a training step ran microbatch {mb}; the plan's workload has "
+                            f"{limit} (num_microbatches = gradient accumulation steps)")
+        state["mb"] = mb + 1
+        loss_kwargs = ({"positions": extra_kwargs["positions"]}
+                       if "positions" in extra_kwargs else {})
+        with trainer.train_context():
+            with applier.microbatch(mb, "fwd"):
+                logits = trainer.model_parts[0](inputs, **extra_kwargs)
+            loss, _ = trainer.loss_fn(logits, labels, global_valid_tokens, **loss_kwargs)
+            del logits
+            with _no_typecheck(), applier.microbatch(mb, "bwd"):
+                loss.backward()
+        return loss
+
+    trainer.fwd_bwd_fn = fwd_bwd
+    trainer.train_step = counted_train_step
+
+
+@contextlib.contextmanager
+def _no_typecheck() -> Iterator[None]:
+    """spmd_types' type propagation off in the backward, as torchtitan's trainer does."""
+    try:
+        import spmd_types as spmd  # type: ignore[import]
+    except ImportError:  # pragma: no cover - spmd_types comes with torchtitan 0.3
+        yield None
+        return
+    with spmd.no_typecheck():
+        yield None

@@ -1,0 +1,375 @@
+"""kareus.integrations.torchtitan against torchtitan 0.3's own Llama 3 blocks.
+
+* one process: the workload read from a config (and from a built model), the refusals
+  (typed, one line), and a planned model (TP = 1) equal to torchtitan's own, fused and
+  separate QKV, with Llama 3.1's scaled RoPE frequencies;
+* two processes over gloo (TP = 2, torchtitan's own TP plan, both SPMD backends):
+  a clone with kareus applied runs two microbatches forward and backward under the
+  schedules sequential, nanobatching and kareus; the losses, the logits and every
+  parameter's gradient equal torchtitan's own model, and both ranks record the same
+  partitions.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import attrs
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("torchtitan")
+
+from kareus import Parallelism  # noqa: E402
+from kareus.errors import ArgumentError, ArgumentTypeError, WorkloadError  # noqa: E402
+from kareus.integrations import torchtitan as kt  # noqa: E402
+from kareus.testing import make_workload_plan  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+
+DIM, LAYERS, HEADS, KV, VOCAB, SEQ, MBS = 64, 2, 4, 2, 128, 16, 4
+
+
+def config(*, fuse: bool, scaling: str = "llama") -> object:
+    """A tiny Llama 3 config: SDPA inner attention (flex has no CPU backward)."""
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.common.feed_forward import compute_ffn_hidden_dim
+    from torchtitan.models.llama3 import _build_llama3_layers
+    from torchtitan.models.llama3.model import Llama3Model
+
+    layers = _build_llama3_layers(
+        fuse_qkv=fuse, n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=KV,
+        hidden_dim=compute_ffn_hidden_dim(DIM, multiple_of=32),
+        rope=ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len=32, theta=500000.0,
+                                scaling=scaling, original_max_position_embeddings=64),
+        attn_backend="flex")
+    for lc in layers:  # "sdpa" is refused by name in 0.3.0; its module is not
+        lc.attention.inner_attention = ScaledDotProductAttention.Config()
+    return Llama3Model.Config(
+        dim=DIM, vocab_size=VOCAB,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM),
+        norm=RMSNorm.Config(normalized_shape=DIM),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB), layers=layers)
+
+
+def build(cfg):
+    torch.manual_seed(0)
+    model = cfg.build()
+    model.init_states()
+    # a little noise on the norms, so that their gradients are not all alike
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ------------------------------------------------------------------ one process
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_the_workload_is_the_model_s(fuse):
+    cfg = config(fuse=fuse)
+    wl = kt.workload_from_torchtitan(cfg, tp=2, microbatch_size=MBS, seq_len=SEQ,
+                                     num_microbatches=2, name="tiny")
+    arch = wl.model
+    assert (arch.hidden, arch.layers, arch.heads, arch.kv_heads, arch.head_dim, arch.ffn,
+            arch.vocab) == (64, 2, 4, 2, 16, 192, 128)
+    assert (wl.parallelism.tp, wl.microbatch_size, wl.seq_len, wl.num_microbatches,
+            wl.nanobatches, wl.recompute) == (2, MBS, SEQ, 2, 2, True)
+    model = build(cfg)
+    assert kt.workload_from_torchtitan(model, tp=2, microbatch_size=MBS, seq_len=SEQ,
+                                       num_microbatches=2, name="tiny") == wl
+
+
+def _replace_layers(cfg, **changes):
+    for i, lc in enumerate(cfg.layers):
+        for path, value in changes.items():
+            obj = lc
+            *parents, last = path.split(".")
+            for name in parents:
+                obj = getattr(obj, name)
+            setattr(obj, last, value)
+        cfg.layers[i] = lc
+    return cfg
+
+
+def test_what_kareus_does_not_compute_is_refused():
+    from torchtitan.models.common import RMSNorm
+    from torchtitan.models.common.attention import VarlenAttention
+    from torchtitan.models.common.feed_forward import SigmoidGatedFeedForward
+    from torchtitan.models.common.linear import Linear
+
+    kw = dict(tp=2, microbatch_size=MBS, seq_len=SEQ, num_microbatches=2)
+    cases = [
+        ({"attention.qk_norm": RMSNorm.Config(normalized_shape=16)}, "qk_norm"),
+        ({"attention_norm.eps": 1e-6}, "eps=1e-06"),
+        ({"moe": object()}, "mixture of experts"),
+        ({"attention.inner_attention": VarlenAttention.Config(window_size=(8, 0))}, "window"),
+        ({"feed_forward.w1.bias": True}, "biases"),
+    ]
+    for change, match in cases:
+        with pytest.raises(WorkloadError, match=match):
+            kt.workload_from_torchtitan(_replace_layers(config(fuse=True), **change), **kw)
+    cfg = config(fuse=False)
+    ff = cfg.layers[0].feed_forward
+    cfg.layers[0].feed_forward = SigmoidGatedFeedForward.Config(
+        w1=ff.w1, w2=ff.w2, w3=ff.w3, gate=Linear.Config(in_features=DIM, out_features=1))
+    with pytest.raises(WorkloadError, match="SigmoidGated"):
+        kt.workload_from_torchtitan(cfg, **kw)
+    with pytest.raises(WorkloadError, match="TP=4"):
+        kt.workload_from_torchtitan(config(fuse=True), **dict(kw, tp=4))
+    with pytest.raises(ArgumentTypeError, match="Llama3Model"):
+        kt.workload_from_torchtitan(torch.nn.Linear(2, 2), **kw)
+
+
+def test_another_torchtitan_release_is_refused(monkeypatch):
+    from importlib import metadata
+
+    monkeypatch.setattr(kt, "_checked_version", None)
+    monkeypatch.setattr(metadata, "version", lambda name: "0.4.1")
+    with pytest.raises(ArgumentError, match=r"0\.3\.x; found 0\.4\.1"):
+        kt.check_torchtitan_version()
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+@pytest.mark.parametrize("schedule", ["sequential", "nanobatching"])
+def test_a_planned_model_is_torchtitan_s_model(fuse, schedule):
+    # TP = 1: the layout (fused groups, interleaved RoPE rows), the scaled frequencies and
+    # the gradients through the views, without processes.
+    cfg = config(fuse=fuse)
+    ref = build(cfg)
+    model = copy.deepcopy(ref)
+    wl = kt.workload_from_torchtitan(cfg, tp=1, microbatch_size=MBS, seq_len=SEQ,
+                                     num_microbatches=1)
+    applier = kt.apply_plan(model, workload=wl, schedule=schedule, kernels="torch")
+    inv = applier.rope_inv_freq
+    plain = 1.0 / (500000.0 ** (torch.arange(0, 16, 2).float() / 16))
+    assert not torch.allclose(inv, plain)  # the scaled frequencies: the check has teeth
+    tokens = torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    outs = []
+    for m in (ref, model):
+        logits = m(tokens[:, :-1])
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()
+                                          ).backward()
+        outs.append(logits.detach())
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    got = dict(model.named_parameters())
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(got[n].grad, p.grad, rtol=1e-4, atol=1e-6, msg=n)
+    assert kt.remove_plan(model) == LAYERS
+    torch.testing.assert_close(model(tokens[:, :-1]), ref(tokens[:, :-1]))
+
+
+def test_apply_plan_refusals():
+    cfg = config(fuse=True)
+    model = build(cfg)
+    kw = dict(microbatch_size=MBS, seq_len=SEQ, num_microbatches=1)
+    wl = kt.workload_from_torchtitan(cfg, tp=1, **kw)
+    with pytest.raises(WorkloadError, match="CP=1"):
+        kt.apply_plan(model, workload=wl.with_(parallelism=Parallelism(cp=2)))
+    with pytest.raises(ArgumentError, match="mesh="):
+        kt.apply_plan(model, workload=kt.workload_from_torchtitan(cfg, tp=2, **kw))
+    with pytest.raises(ArgumentError, match="rope_inv_freq"):
+        kt.apply_plan(model, workload=wl, rope_inv_freq=torch.ones(8))
+    with pytest.raises(WorkloadError, match="workload_from_torchtitan"):
+        kt.apply_plan(model, workload=wl.with_(model=attrs.evolve(wl.model, ffn=256)))
+    kt.apply_plan(model, workload=wl, kernels="torch")
+    tokens = torch.randint(0, VOCAB, (MBS, SEQ))
+    packed = torch.cat((torch.arange(8), torch.arange(8))).expand(MBS, SEQ)
+    with pytest.raises(WorkloadError, match="packs documents"):
+        model(tokens, packed)
+    with pytest.raises(WorkloadError, match="seq_len"):
+        model(tokens[:, :8])
+    with pytest.raises(WorkloadError, match="masks"):
+        model(tokens, None, object())
+    # positions 0..seq-1 in every row: plain causal, accepted
+    model(tokens, torch.arange(SEQ).expand(MBS, SEQ))
+
+
+def test_wrap_trainer_enters_the_scopes_per_microbatch():
+    # A stand-in with the Trainer's attributes the wrapper touches (a real Trainer needs a
+    # dataset, a tokenizer and CUDA).
+    cfg = config(fuse=True)
+    model = build(cfg)
+    wl = kt.workload_from_torchtitan(cfg, tp=1, microbatch_size=MBS, seq_len=SEQ,
+                                     num_microbatches=2)
+    applier = kt.apply_plan(model, workload=wl, schedule="sequential", kernels="torch")
+    scopes = []
+    real = applier.microbatch
+
+    def spy(mb, phase):
+        scopes.append((mb, phase))
+        return real(mb, phase)
+
+    applier.microbatch = spy
+
+    def loss_fn(pred, labels, n):
+        loss = torch.nn.functional.cross_entropy(pred.flatten(0, 1), labels.flatten(),
+                                                 reduction="sum") / n
+        return loss, None
+
+    import contextlib
+
+    class Trainer:
+        parallel_dims = SimpleNamespace(pp_enabled=False)
+        model_parts = [model]
+        train_context = staticmethod(contextlib.nullcontext)
+
+        def __init__(self):
+            self.loss_fn = loss_fn
+            self.fwd_bwd_fn = self._forward_backward_body
+
+        def _forward_backward_body(self, *a):
+            raise AssertionError("replaced")
+
+        def train_step(self, batches):
+            for tokens in batches:
+                self.fwd_bwd_fn(tokens[:, :-1], tokens[:, 1:], tokens.numel(), {})
+
+    trainer = Trainer()
+    kt.wrap_trainer(trainer, applier)
+    tokens = torch.randint(0, VOCAB, (MBS, SEQ + 1))
+    trainer.train_step([tokens, tokens])
+    trainer.train_step([tokens, tokens])
+    assert scopes == [(m, ph) for m in (0, 1) for ph in ("fwd", "bwd")] * 2
+    with pytest.raises(Exception, match="microbatch 2"):
+        trainer.train_step([tokens] * 3)
+    assert all(p.grad is not None for p in model.parameters())
+    pp = Trainer()
+    pp.parallel_dims = SimpleNamespace(pp_enabled=True)
+    with pytest.raises(WorkloadError, match="PP=1"):
+        kt.wrap_trainer(pp, applier)
+
+
+# ------------------------------------------------------------------ two processes, gloo
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _worker(out_dir: str, backend: str) -> None:
+    import torch.distributed as dist
+    import torchtitan.distributed.parallel_dims as tt_parallel_dims
+    import torchtitan.tools.utils as tt_utils
+    from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.config import ParallelismConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+
+    # (importing the model package also registers the "fake" process-group backend that
+    # torchtitan's build_mesh asks for on mesh dimensions of degree 1)
+    config(fuse=False)
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    # torchtitan 0.3 picks "cuda" when no accelerator is found: the mesh is on the CPU here
+    tt_parallel_dims.device_type = tt_utils.device_type = "cpu"
+    dist_utils.set_spmd_backend(backend)
+    parallelism = ParallelismConfig(tensor_parallel_degree=2, enable_sequence_parallel=False,
+                                    spmd_backend=backend)
+    dims = ParallelDims.from_config(parallelism, world_size=2)
+    dims.build_mesh()
+    context = dist_utils.get_spmd_context(parallel_dims=dims)
+    result: dict = {}
+    for fuse in (False, True):
+        cfg = config(fuse=fuse)
+        cfg.update_from_config(config=SimpleNamespace(parallelism=parallelism))
+        base = build(cfg)
+        wl = kt.workload_from_torchtitan(cfg, tp=2, microbatch_size=MBS, seq_len=SEQ,
+                                         num_microbatches=2)
+        plan = make_workload_plan(wl, pick=1, sms=8, freqs_mhz=(1980, 1410),
+                                  unsplit_microbatches=(1,))
+        for schedule in ("torchtitan", "sequential", "nanobatching", "kareus"):
+            model = copy.deepcopy(base)
+            with context():
+                model.parallelize(dims)
+            applier = None
+            if schedule != "torchtitan":
+                applier = kt.apply_plan(model, workload=wl, mesh=dims, schedule=schedule,
+                                        plan=plan if schedule == "kareus" else None,
+                                        kernels="torch", record=True)
+            losses, logits = [], []
+            for mb in range(wl.num_microbatches):
+                g = torch.Generator().manual_seed(10 + mb)
+                tokens = torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=g)
+                with context():
+                    with applier.microbatch(mb, "fwd") if applier else _null():
+                        out = model(tokens[:, :-1])
+                    loss = cross_entropy_loss(out, tokens[:, 1:], global_vocab_size=VOCAB)
+                    loss = loss / tokens[:, 1:].numel()
+                    with applier.microbatch(mb, "bwd") if applier else _null():
+                        loss.backward()
+                losses.append(float(_full(loss).detach()))
+                logits.append(_full(out).detach().clone())
+            result[(fuse, schedule)] = {
+                "losses": losses, "logits": logits,
+                "grads": {n: _full(p.grad).detach().clone()
+                          for n, p in model.named_parameters()},
+                "placements": {n: str(getattr(p.grad, "placements", None))
+                               for n, p in model.named_parameters()},
+                "partitions": ([(ph, k) for ph, k, _ in applier.partitions_run]
+                               if applier else []),
+            }
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["spmd_types", "partial_dtensor"])
+def test_gloo_tp2_equals_torchtitan(tmp_path, backend):
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{HERE}", OMP_NUM_THREADS="1")
+    # --standalone: a free port of its own (other suites may run beside this one)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(Path(__file__).resolve()), str(tmp_path), backend]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for r in res:
+        for fuse in (False, True):
+            want = r[(fuse, "torchtitan")]
+            for schedule in ("sequential", "nanobatching", "kareus"):
+                got = r[(fuse, schedule)]
+                what = f"{backend} fuse={fuse} {schedule}"
+                assert got["losses"] == pytest.approx(want["losses"], rel=1e-5), what
+                for a, b in zip(got["logits"], want["logits"], strict=True):
+                    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=what)
+                assert set(got["grads"]) == set(want["grads"])
+                for n, g in want["grads"].items():
+                    torch.testing.assert_close(got["grads"][n], g, rtol=1e-4, atol=1e-6,
+                                               msg=f"{what} {n}")
+    for fuse in (False, True):
+        for schedule in ("sequential", "nanobatching", "kareus"):
+            parts = [r[(fuse, schedule)]["partitions"] for r in res]
+            assert parts[0] and parts[0] == parts[1], "ranks ran different partitions"
+        assert any(k.startswith("fwd_mlp") for _, k in res[0][(fuse, "kareus")]["partitions"])
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], sys.argv[2])
