@@ -344,8 +344,8 @@ def _rope_inv_freq(block: Any) -> Any:
     cache = _local(block.attention.rope.cache).detach()
     if not torch.is_complex(cache) or cache.dim() != 2 or cache.shape[0] < 2:
         raise WorkloadError("the block's rope cache is not torchtitan's complex "
-                            "[max_seq_len, head_dim / 2] cache: build the model with "
-                            "ComplexRoPE")
+                            "[max_seq_len, head_dim / 2] cache (model.to(dtype) casts it to "
+                            "real): cast the parameters only, build with ComplexRoPE")
     if not torch.allclose(cache[:2].abs(), torch.ones((), device=cache.device), atol=1e-5):
         raise WorkloadError("the block's RoPE scales magnitudes as well as angles: kareus's "
                             "layer rotates only")
