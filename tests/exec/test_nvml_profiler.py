@@ -227,6 +227,21 @@ def test_a_gpu_busy_half_its_window_is_flagged_host_bound(caplog):
     assert prof.last_record is rec and prof.records == [rec]
 
 
+def test_a_gpu_slowed_by_its_power_limit_is_busy_not_host_bound():
+    # Measured on 1x H200 (qwen3-1.7b TP=4 fwd_mlp, graphed): 570 us per step in a
+    # sustained window at ~727 W (the 700 W limit) against 503 us in a short queued burst
+    # at full clock: 88% "busy" by the raw ratio. A GPU at a lower clock is slower, not
+    # idle: the GPU's time is scaled by the clock ratio before judging.
+    from kareus.exec.nvml._profiler import _busy
+
+    assert _busy(503e-6, 570e-6, None, None) == pytest.approx(503 / 570)
+    assert _busy(503e-6, 570e-6, 1980.0, 1980.0) == pytest.approx(503 / 570)
+    assert _busy(503e-6, 570e-6, 1980.0, 1740.0) == 1.0  # 503 * 1980 / 1740 > 570
+    assert _busy(300e-6, 570e-6, 1980.0, 1740.0) == pytest.approx(300 * 1980 / 1740 / 570)
+    assert _busy(503e-6, 570e-6, 1740.0, 1980.0) == pytest.approx(503 / 570)  # never down
+    assert _busy(None, 570e-6, 1980.0, 1740.0) is None
+
+
 def test_a_fed_gpu_is_not_flagged_and_graph_replays_say_so(caplog):
     import logging
 

@@ -51,6 +51,27 @@ IDLE_WINDOW_S = 0.5
 HOST_BOUND_BUSY = 0.90
 
 
+def _mhz(clock: float | None) -> str:
+    return "?" if clock is None else f"{clock:.0f}"
+
+
+def _busy(gpu_step_s: float | None, step_s: float, queued_clock: float | None,
+          window_clock: float | None) -> float | None:
+    """Busy fraction of a window: the GPU's own time per step (timed in a short queued
+    burst) over the measured time per step. Where the window ran at a lower SM clock than
+    the burst (sustained load brings the GPU to its power limit), the GPU's time is scaled
+    up by the clock ratio first: compute-bound work takes that much longer at the lower
+    clock, and a slower GPU is not a starved one. (Memory-bound work slows less, so the
+    scaled figure is an upper bound of its busy time: a window is called host-bound only
+    when even that leaves the GPU idle.)"""
+    if gpu_step_s is None or step_s <= 0:
+        return None
+    scale = 1.0
+    if queued_clock and window_clock and 0 < window_clock < queued_clock:
+        scale = queued_clock / window_clock
+    return min(1.0, gpu_step_s * scale / step_s)
+
+
 @attrs.frozen(kw_only=True)
 class MeasurementRecord:
     """Everything one [`NVMLProfiler.measure`][kareus.exec.NVMLProfiler.measure] call saw (for logs and studies).
@@ -66,13 +87,17 @@ class MeasurementRecord:
         cooldown_s: Time spent waiting for the temperature before the candidate.
         start_temp_c: Hottest GPU at the start of the candidate.
         sm_clock_mhz: Mean SM clock during the measured span (this rank's GPU).
+        queued_sm_clock_mhz: Mean SM clock while ``gpu_step_s`` was timed (a short burst of
+            queued steps, before the power limit bites).
         wall_s: Wall time the candidate took, cool-down included.
         host_step_s: Host time to enqueue one step; close to the step's device time means
             the host, not the GPU, set the pace.
         gpu_step_s: The GPU's time per step alone (steps queued behind a sleeping kernel;
             the mean over the group's ranks); ``None``: the runner cannot tell.
-        gpu_busy: ``min(1, gpu_step_s / measured time per step)``: the fraction of the
-            window the GPU was busy (``None`` without ``gpu_step_s``).
+        gpu_busy: The fraction of the window the GPU was busy: ``gpu_step_s``, scaled to
+            the window's clock where the window ran at a lower one (a GPU at its power
+            limit is busy, only slower), over the measured time per step, at most 1
+            (``None`` without ``gpu_step_s``).
         execution: ``"graphed"`` (steps were CUDA-graph replays) or ``"eager"``.
     """
 
@@ -92,6 +117,7 @@ class MeasurementRecord:
     gpu_step_s: float | None = None
     gpu_busy: float | None = None
     execution: str | None = None
+    queued_sm_clock_mhz: float | None = None
 
     @property
     def host_bound(self) -> bool:
@@ -477,7 +503,9 @@ class NVMLProfiler(Profiler):
         est = max((self._clock() - c0) / 5, 1e-6)
         # The GPU's time per step alone (steps queued behind a held GPU), the mean over
         # the group; every rank runs the same steps and takes part in the sum.
+        q0 = self._clock()
         queued = self.runner.queued_step_s(step, steps=self.busy_steps, host_step_s=enqueue_s)
+        queued_clock = self._burst_clock_mhz(q0, config.freq_mhz)
         known, total = self.coord.sum([0.0 if queued is None else 1.0, queued or 0.0])
         gpu_step_s = total / known if known == self.coord.world_size else None
         span_s = self.window_steps * self.step_period_s
@@ -554,26 +582,51 @@ class NVMLProfiler(Profiler):
         e_group, step_mean, cv, dt_s, _ = result
         p_group = e_group / step_mean if step_mean > 0 else 0.0
         m = Measurement(time_s=step_mean, energy_j=e_group, static_power_w=self.static_power_w())
-        busy = None if gpu_step_s is None or step_mean <= 0 else min(1.0, gpu_step_s / step_mean)
+        window_clock = self.meter.mean_sm_clock_mhz(lo, hi)
+        busy = _busy(gpu_step_s, step_mean, queued_clock, window_clock)
         rec = MeasurementRecord(
             config=config, partition=partition.name, measurement=m, steps=n_steps, runs=runs,
             power_w=p_group, subwindow_cv=cv, window_s=dt_s, cooldown_s=cooldown_s,
-            start_temp_c=start_temp, sm_clock_mhz=self.meter.mean_sm_clock_mhz(lo, hi),
+            start_temp_c=start_temp, sm_clock_mhz=window_clock,
+            queued_sm_clock_mhz=queued_clock,
             wall_s=self._clock() - wall0, host_step_s=host_step_s, gpu_step_s=gpu_step_s,
             gpu_busy=busy, execution=self.execution)
         self.records.append(rec)
         self.last_record = rec
+        raw = _busy(gpu_step_s, step_mean, None, None)
+        if (not rec.host_bound and raw is not None and raw < HOST_BOUND_BUSY
+                and not self._preheating and self.coord.rank == 0):
+            _log.info("clock-limited measurement: %s under %s ran at %.0f MHz in its window "
+                      "against %.0f MHz in a short queued burst (a power or thermal limit): "
+                      "the GPU was busy, at a lower clock (%.0f%% of the window at the "
+                      "burst's clock)", partition.name, config, window_clock or 0.0,
+                      queued_clock or 0.0, 100 * raw)
         if rec.host_bound and not self._preheating and self.coord.rank == 0:
             assert busy is not None and gpu_step_s is not None
             _log.warning(
                 "host-bound measurement: %s under %s kept the GPU busy %.0f%% of its window "
-                "(%.1f us per step measured, %.1f us of GPU work; %s execution): the figures "
-                "are of the launches as much as of the partition; %s", partition.name,
-                config, 100 * busy, 1e6 * step_mean, 1e6 * gpu_step_s, self.execution,
+                "(%.1f us per step measured, %.1f us of GPU work; SM clock %s MHz in the "
+                "window, %s MHz alone; %s execution): the figures are of the launches as "
+                "much as of the partition; %s", partition.name, config, 100 * busy,
+                1e6 * step_mean, 1e6 * gpu_step_s, _mhz(window_clock), _mhz(queued_clock),
+                self.execution,
                 "a graph replay longer than the partition: measure a larger partition"
                 if self.runner.graphs else "capture graphs (TorchExecutor(graphs=None), the "
                 "default on a GPU) or use the lean kernels, whose launches cost less host time")
         return rec
+
+    def _burst_clock_mhz(self, t0_s: float, requested_mhz: int) -> float:
+        """The SM clock of a short burst of steps that just ended: the meter's samples in
+        it (it samples clocks every 50 ms, so a burst of a few ms often has none), else a
+        reading now (the clock lags the load by milliseconds), else the requested one."""
+        sampled = self.meter.mean_sm_clock_mhz(t0_s, self._clock())
+        if sampled:
+            return float(sampled)
+        try:
+            now = [c for c in self.meter.sm_clocks_mhz() if c]
+        except Exception:  # best effort, as the meter's own sampling
+            now = []
+        return float(statistics.fmean(now)) if now else float(requested_mhz)
 
     def close(self) -> None:
         """Stop the meter's thread and give the clocks back (controlled clocks)."""
