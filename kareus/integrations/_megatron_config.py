@@ -141,7 +141,9 @@ def workload_from_megatron(config: Any, *, microbatch_size: int, seq_len: int,
         vocab_size: The model's vocabulary (``GPTModel``'s ``vocab_size``).
         nanobatches: Parts each microbatch is split into by the plan's baseline.
         name: The model's name in the workload and the plan.
-        tp, cp, pp: Override the config's parallel degrees.
+        tp: Override the config's tensor-parallel degree.
+        cp: Override the config's context-parallel degree.
+        pp: Override the config's pipeline-parallel degree.
         dp: The data-parallel degree (default 1: a plan of one stage does not depend on it).
 
     Raises:

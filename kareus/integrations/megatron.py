@@ -112,7 +112,8 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
     Args:
         applier: The [`PlanApplier`][kareus.integrations.PlanApplier] every layer of the
             model shares (the spec's params pass it); ``None``: Megatron's own forward.
-        *args, **kwargs: ``TransformerLayer``'s (``config``, ``submodules``,
+        *args: ``TransformerLayer``'s positional arguments.
+        **kwargs: ``TransformerLayer``'s keyword arguments (``config``, ``submodules``,
             ``layer_number``, ...).
 
     Raises:
