@@ -131,6 +131,9 @@ def main(argv=None):
     ap.add_argument("--plan", type=Path, help="a kareus plan for this model (default: make one "
                     "on the emulated H200)")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--schedule", choices=("kareus", "sequential", "nanobatching"),
+                    default=None, help="the layers' schedule (default: kareus, the plan's; "
+                    "on one GPU, TP=1, which has no collective to plan: nanobatching)")
     args = ap.parse_args(argv)
 
     dist.init_process_group("nccl")
@@ -144,12 +147,14 @@ def main(argv=None):
     # kareus: the workload the plan is made for, read from the config, and the plan
     wl = workload_from_megatron(config, microbatch_size=mbs, seq_len=seq,  # kareus
                                 num_microbatches=microbatches, vocab_size=VOCAB)  # kareus
-    if args.plan is not None:  # kareus
+    schedule = args.schedule or ("kareus" if tp > 1 else "nanobatching")
+    plan = None
+    if schedule == "kareus" and args.plan is not None:  # kareus
         plan = kareus.Plan.load(args.plan)  # kareus
-    else:  # kareus: every rank makes the same plan (deterministic search on the emulator)
+    elif schedule == "kareus":  # kareus: every rank makes the same plan (deterministic search)
         plan = kareus.optimize(wl, "h200-sxm", budget=8, seed=0, progress=False).select()
     applier = PlanApplier(  # kareus
-        workload=wl, plan=plan, rope_base=ROTARY_BASE,  # kareus
+        workload=wl, plan=plan, schedule=schedule, rope_base=ROTARY_BASE,  # kareus
         groups=TorchParallelGroups.from_groups(  # kareus
             tp=parallel_state.get_tensor_model_parallel_group()))  # kareus
 
@@ -172,8 +177,9 @@ def main(argv=None):
         planned = train(model, config, batches, steps=args.steps, seq_len=seq)
 
     if dist.get_rank() == 0:
-        print(f"TP={tp}, bf16; plan {plan.digest[:12]} ({plan.time_s * 1e3:.2f} ms/iteration "
-              f"on {plan.gpu}, emulated unless measured)")
+        print(f"TP={tp}, bf16; kareus layers under the {schedule} schedule" + (
+            "" if plan is None else f", plan {plan.digest[:12]} ({plan.time_s * 1e3:.2f} "
+            f"ms/iteration on {plan.gpu}, emulated unless measured)"))
         print("step  Megatron layers   kareus layers")
         for i, (a, b) in enumerate(zip(own, planned, strict=True)):
             print(f"{i:>4}  {a:15.6f}   {b:13.6f}")
