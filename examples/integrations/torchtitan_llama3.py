@@ -124,6 +124,9 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--spmd-backend", default="spmd_types",
                     choices=("spmd_types", "partial_dtensor"))
+    ap.add_argument("--schedule", choices=("kareus", "sequential", "nanobatching"),
+                    default=None, help="the blocks' schedule (default: kareus, the plan's; "
+                    "on one GPU, TP=1, which has no collective to plan: nanobatching)")
     args = ap.parse_args(argv)
 
     from torchtitan.distributed import ParallelDims
@@ -150,9 +153,11 @@ def main(argv=None):
     # kareus: the workload the plan is made for, read from the model's config
     wl = workload_from_torchtitan(cfg, tp=tp, microbatch_size=MBS, seq_len=SEQ,  # kareus
                                   num_microbatches=MICROBATCHES, name="tiny-llama3")  # kareus
-    if args.plan is not None:  # kareus
+    schedule = args.schedule or ("kareus" if tp > 1 else "nanobatching")
+    plan = None
+    if schedule == "kareus" and args.plan is not None:  # kareus
         plan = kareus.Plan.load(args.plan)  # kareus
-    else:  # kareus: every rank makes the same plan (deterministic search on the emulator)
+    elif schedule == "kareus":  # kareus: every rank makes the same plan (deterministic search)
         plan = kareus.optimize(wl, "h200-sxm", budget=8, seed=0, progress=False).select()
 
     torch.manual_seed(0)
@@ -174,14 +179,16 @@ def main(argv=None):
             model.parallelize(dims)
         applier = None
         if who == "kareus":
-            applier = apply_plan(model, workload=wl, mesh=dims, plan=plan)  # kareus
+            applier = apply_plan(model, workload=wl, mesh=dims, plan=plan,  # kareus
+                                 schedule=schedule)  # kareus
         results[who] = train(model, batches, steps=args.steps, context=context,
                              applier=applier)
 
     if dist.get_rank() == 0:
         print(f"TP={tp} ({args.spmd_backend}) on {'GPU, bf16' if cuda else 'CPU, fp32'}; "
-              f"plan {plan.digest[:12]} ({plan.time_s * 1e3:.2f} ms/iteration on {plan.gpu}, "
-              "emulated unless measured)")
+              f"kareus blocks under the {schedule} schedule" + (
+                  "" if plan is None else f", plan {plan.digest[:12]} ({plan.time_s * 1e3:.2f} "
+                  f"ms/iteration on {plan.gpu}, emulated unless measured)"))
         print("step  torchtitan   kareus")
         for i, (a, b) in enumerate(zip(results["torchtitan"], results["kareus"], strict=True)):
             print(f"{i:>4}  {a:10.6f}   {b:10.6f}")
