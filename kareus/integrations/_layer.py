@@ -156,7 +156,8 @@ class PlanApplier:
             own, ``ProcessGroupCollective``).
         frequency: The executor's clock trigger (``FrequencyTrigger``); default none: the
             plan's clocks are not requested.
-        stage: The pipeline stage of this rank (a plan sets configurations per stage).
+        stage: The pipeline stage of this rank (a plan sets configurations per stage; a
+            plan of PP stages is applied by an applier per stage, each with its own).
         kernels: The kernel set of the ops (``kareus.exec.kernels``); default per device.
         streams: The executors' ``StreamBackend`` (default: CUDA streams on a GPU; on a
             machine without one, ``RecordingStreamBackend``, which runs everything in host
@@ -207,6 +208,10 @@ class PlanApplier:
             raise ArgumentError(f"kareus's RMSNorm kernels take eps=1e-5; the model uses "
                                 f"{eps}: build the model with 1e-5 or run it without kareus")
         _check_workload(workload, groups)
+        if not 0 <= int(stage) < workload.parallelism.pp:
+            raise ArgumentError(f"stage must be this rank's pipeline stage, 0 .. "
+                                f"{workload.parallelism.pp - 1} (PP={workload.parallelism.pp}), "
+                                f"got {stage}")
         self.workload, self.groups, self.schedule = workload, groups, schedule
         self.stage, self.kernels, self.rope_base = int(stage), kernels, float(rope_base)
         self.rope_inv_freq = rope_inv_freq
@@ -476,7 +481,7 @@ def _check_plan(plan: Plan, workload: Workload, has_comm: bool,
                 types: Mapping[str, TypeShape], unsplit: Mapping[str, TypeShape]) -> None:
     from kareus.exec.train._loop import check_plan_workload
 
-    check_plan_workload(plan, workload)
+    check_plan_workload(plan, workload, one_stage=False)
     if not has_comm:
         return
     for n in sorted({int(plan.nanobatches(key)) for key in plan.assignment}):

@@ -269,9 +269,9 @@ def make_workload_plan(workload: Any, *, pick: int = 1, sms: int = 8,
                        freqs_mhz: Sequence[int] = (1980,),
                        unsplit_microbatches: Sequence[int] = (),
                        backend: str | None = None) -> Plan:
-    """A valid plan for every microbatch computation of ``workload`` (one stage, 1F1B),
-    without searching: for a test of code that applies plans (a training loop, a framework
-    adapter) on any CPU.
+    """A valid plan for every microbatch computation of ``workload`` (1F1B over its PP
+    stages), without searching: for a test of code that applies plans (a training loop, a
+    framework adapter) on any CPU.
 
     Every partition type launches its collective at its slot number ``pick`` (clipped to
     its last) with ``sms`` SMs; microbatch ``m`` runs at ``freqs_mhz[m % len(freqs_mhz)]``;
@@ -300,10 +300,12 @@ def make_workload_plan(workload: Any, *, pick: int = 1, sms: int = 8,
         whole = workload.with_(nanobatches=1)
         choices += [MicrobatchChoice(freq_mhz=f, configs=configs(whole, f), nanobatches=1)
                     for f in freqs]
-    comps = get_schedule("1f1b", 1, workload.num_microbatches).stage_orders[0]
+    stages = workload.parallelism.pp
+    comps = [c for order in get_schedule("1f1b", stages, workload.num_microbatches).stage_orders
+             for c in order]
     assignment = {c.key(): (c.microbatch % len(freqs)
                             + (len(freqs) if c.microbatch in unsplit else 0)) for c in comps}
-    return Plan(gpu="h200-sxm", num_stages=1, num_microbatches=workload.num_microbatches,
+    return Plan(gpu="h200-sxm", num_stages=stages, num_microbatches=workload.num_microbatches,
                 choices=choices, assignment=assignment, time_s=1.0, energy_j=1.0,
                 dynamic_energy_j=0.5, static_power_w=100.0, workload=workload.to_dict())
 

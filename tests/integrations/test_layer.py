@@ -201,6 +201,31 @@ def test_a_plan_sets_clocks_partitions_slots_and_sms():
     assert first[4] == plan_config(plan, "fwd_attn_in_ag", (0, 0, "fwd")).launch_slot
 
 
+def test_each_pipeline_stage_applies_its_own_computations():
+    from kareus.model.workload import Parallelism
+
+    wl = workload(2, 2).with_(parallelism=Parallelism(tp=2, cp=2, pp=2))
+    arch = wl.model
+    plan = make_workload_plan(wl, freqs_mhz=(1980, 1410))
+    assert plan.num_stages == 2
+    w = planned_weights(shard(full_weights(arch, 1), arch, 2, 0), arch)
+    x = torch.randn(wl.microbatch_size, wl.seq_len // 2, arch.hidden)
+    for stage in (0, 1):
+        ex = RecordingExecutor(plan=plan)
+        applier = PlanApplier(workload=wl, groups=LoopbackGroups(tp=2, cp=2), executor=ex,
+                              baseline=RecordingExecutor(), kernels="torch", stage=stage)
+        with applier.microbatch(1, "fwd"):
+            applier.layer()(x, w)
+        assert [e for e in ex.log if e[0] == "microbatch"] == [
+            ("microbatch", stage, 1, "fwd", 1410)]
+    with pytest.raises(ArgumentError, match="stage"):
+        PlanApplier(workload=wl, groups=LoopbackGroups(tp=2, cp=2), executor=ex,
+                    baseline=RecordingExecutor(), stage=2)
+    with pytest.raises(PlanError, match="stage"):
+        PlanApplier(workload=workload(2, 2), groups=LoopbackGroups(tp=2, cp=2),
+                    executor=RecordingExecutor(plan=plan), baseline=RecordingExecutor())
+
+
 def test_a_plan_needs_the_microbatch_scope_and_the_baselines_do_not():
     wl = workload(2, 2)
     arch = wl.model

@@ -58,20 +58,31 @@ __all__ = [
 ]
 
 
-def check_plan_workload(plan: Plan, workload: Workload) -> None:
+def check_plan_workload(plan: Plan, workload: Workload, *, one_stage: bool = True) -> None:
     """Refuse a plan made for another job than ``workload``.
 
+    Args:
+        plan: The plan.
+        workload: The job.
+        one_stage: Whether the caller runs one pipeline stage only (the library's loop);
+            otherwise the plan's stages must be the workload's PP degree (an integration
+            applies stage ``s``'s configurations on the ranks of stage ``s``).
+
     Raises:
-        PlanError: the plan has more than one pipeline stage, or its recorded workload
-            differs from ``workload`` in TP, CP, microbatch size, sequence length,
-            nanobatches, microbatches, recomputation or model.
+        PlanError: the plan has more than one pipeline stage (``one_stage``) or not the
+            workload's PP stages, or its recorded workload differs from ``workload`` in TP,
+            CP, microbatch size, sequence length, nanobatches, microbatches, recomputation
+            or model.
     """
     if not isinstance(plan, Plan):
         raise ArgumentTypeError(f"plan must be a kareus.compose.Plan, got "
                                 f"{type(plan).__name__}")
-    if plan.num_stages != 1:
+    if one_stage and plan.num_stages != 1:
         raise PlanError(f"the training loop runs one pipeline stage; the plan has "
                         f"{plan.num_stages}: make a plan with pp=1")
+    if not one_stage and plan.num_stages != workload.parallelism.pp:
+        raise PlanError(f"the plan has {plan.num_stages} pipeline stage(s), the job "
+                        f"{workload.parallelism.pp} (PP): make the plan for this job")
     w = plan.workload or {}
     if not w:
         raise PlanError("the plan does not record its workload: make it with kareus optimize")
