@@ -6,7 +6,9 @@ down projections row-parallel, an all-reduce after each), with ``torch.nn`` modu
 own AdamW and its own loop. kareus takes over each block's forward and backward schedule
 (nanobatches, each collective at the plan's launch slot with the plan's SM count, the plan's
 clock per microbatch computation); the weights, the optimizer, the data and everything
-outside the blocks stay the user's. The lines kareus adds are marked ``# kareus``.
+outside the blocks stay the user's. The blocks run as one ``PlannedStack``, so each block's
+last collective overlaps the next block's first ops as the plan composes them (one
+``PlannedLayer`` per block would run it exposed). The lines kareus adds are marked ``# kareus``.
 
 Run it with one process per rank of the TP group, on the CPU (gloo) or on GPUs (NCCL)::
 
@@ -101,7 +103,6 @@ class Block(torch.nn.Module):
         self.w1 = torch.nn.Linear(dim, ffn // tp, bias=False)
         self.w3 = torch.nn.Linear(dim, ffn // tp, bias=False)
         self.w2 = torch.nn.Linear(ffn // tp, dim, bias=False)
-        self.planned = None  # kareus: a PlannedLayer, when kareus runs this block
 
     def kareus_weights(self):  # kareus: this block's weights in kareus's layout (views)
         return {"w_attn_norm": self.attn_norm.weight,
@@ -112,8 +113,6 @@ class Block(torch.nn.Module):
                 "Wd": linear(self.w2.weight)}
 
     def forward(self, x):
-        if self.planned is not None:  # kareus
-            return self.planned(x, self.kareus_weights())  # kareus
         b, s, _ = x.shape
         y = _ToTP.apply(self.attn_norm(x), self.group)
         q = _rope(self.wq(y).view(b, s, self.heads, self.hd))
@@ -136,11 +135,15 @@ class Model(torch.nn.Module):
                                           for _ in range(layers))
         self.norm = torch.nn.RMSNorm(dim, eps=1e-5)
         self.head = torch.nn.Linear(dim, vocab, bias=False)
+        self.planned = None  # kareus: a PlannedStack, when kareus runs the blocks
 
     def forward(self, tokens):
         x = self.emb(tokens)
-        for blk in self.blocks:
-            x = blk(x)
+        if self.planned is not None:  # kareus: the blocks as one node, chained as planned
+            x = self.planned(x, [blk.kareus_weights() for blk in self.blocks])  # kareus
+        else:
+            for blk in self.blocks:
+                x = blk(x)
         return self.head(self.norm(x))
 
 
@@ -225,8 +228,7 @@ def main(argv=None):
     model.load_state_dict(initial)
     applier = PlanApplier(workload=wl, plan=plan,  # kareus
                           groups=TorchParallelGroups.from_groups(tp=group))  # kareus
-    for blk in model.blocks:  # kareus
-        blk.planned = applier.layer()  # kareus
+    model.planned = applier.stack(len(model.blocks))  # kareus
     planned = train(model, batches, steps=args.steps, applier=applier)
 
     if dist.get_rank() == 0:

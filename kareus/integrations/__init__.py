@@ -10,7 +10,8 @@ checkpoints belong to a framework:
   [`PlannedLayer`][kareus.integrations.PlannedLayer]: the framework-neutral layer: your
   layer's weights (any PyTorch tensors, in kareus's layout through the helpers below), your
   TP/CP groups and a plan make a differentiable layer whose forward and backward run
-  kareus's partition programs;
+  kareus's partition programs; [`PlannedStack`][kareus.integrations.PlannedStack] runs
+  consecutive layers as one node, so collectives chain across layer boundaries as planned;
 * the layout helpers (``LAYER_WEIGHTS``, [`linear`][kareus.integrations.linear],
   [`qkv_from_separate`][kareus.integrations.qkv_from_separate],
   [`qkv_from_grouped`][kareus.integrations.qkv_from_grouped],
@@ -26,7 +27,7 @@ and the framework scripts.
 
 from __future__ import annotations
 
-from kareus.integrations._layer import PlanApplier, PlannedLayer
+from kareus.integrations._layer import PlanApplier, PlannedLayer, PlannedStack
 from kareus.integrations._weights import (
     LAYER_WEIGHTS,
     gate_up_from_fused,
@@ -39,6 +40,7 @@ __all__ = [
     "LAYER_WEIGHTS",
     "PlanApplier",
     "PlannedLayer",
+    "PlannedStack",
     "gate_up_from_fused",
     "linear",
     "qkv_from_grouped",

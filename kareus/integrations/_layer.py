@@ -30,12 +30,14 @@ collectives included, then the backward ops, each in the partition the plan sche
 The ops are the same code as the training loop's decoder, on the production kernels.
 
 **What a layer boundary costs.** kareus's own loop chains layers: the forward all-reduce of
-one layer's MLP output runs beside the next layer's attention-input ops (and in the
-backward, the attention-input gradient's all-reduce beside the next layer's MLP backward).
-A planned layer is one autograd node, and what runs between two nodes belongs to the
-framework, so the last collective of each layer's forward and backward runs exposed, with
-the SM count of the partition type it pairs with, as Megatron-LM runs every collective.
-The other collectives of the layer overlap as planned.
+one layer's MLP output runs beside the next layer's attention-input ops. A planned layer is
+one autograd node, and what runs between two nodes belongs to the framework, so the last
+collective of each layer's forward (the MLP output's all-reduce of its last nanobatch) runs
+exposed, with the SM count of the partition type it pairs with, as Megatron-LM runs every
+collective; the other collectives overlap as planned (a backward ends with the input norm's
+backward, which overlaps its last all-reduce either way).
+[`PlannedStack`][kareus.integrations.PlannedStack] runs consecutive layers as one node and
+chains them as the loop does.
 
 **Context parallelism** splits each sequence into CP contiguous chunks, rank ``r`` holding
 chunk ``r`` (keys and values all-gathered before attention, their gradients
@@ -71,7 +73,7 @@ from kareus.exec.train._model import DecoderShard
 from kareus.integrations._weights import LAYER_WEIGHTS
 from kareus.model.workload import Workload
 
-__all__ = ["PlanApplier", "PlannedLayer"]
+__all__ = ["PlanApplier", "PlannedLayer", "PlannedStack"]
 
 #: Partitions recorded by an applier with ``record=True`` before the oldest are dropped.
 RECORD_KEPT = 4096
@@ -89,13 +91,13 @@ class _LayerProgram(DecoderShard):
     def __init__(self, *, workload: Workload, groups: ParallelGroups, backend: Any,
                  microbatch_size: int, seq_local: int, nanobatch_counts: Sequence[int],
                  kernels: Any, device: Any, dtype: Any, rope_base: float,
-                 rope_inv_freq: Any = None) -> None:
+                 rope_inv_freq: Any = None, layers: int = 1) -> None:
         import torch
 
         from kareus.exec.kernels import get_kernels
 
         arch = workload.model
-        self.layers, self.arch, self.groups, self.backend = 1, arch, groups, backend
+        self.layers, self.arch, self.groups, self.backend = int(layers), arch, groups, backend
         self.tp, self.cp, self.r = groups.tp_size, groups.cp_size, groups.cp_rank
         self.mbs, self.sq = int(microbatch_size), int(seq_local)
         self.seq = self.sq * self.cp
@@ -115,19 +117,20 @@ class _LayerProgram(DecoderShard):
         self.act: dict[tuple[int, int], dict[str, Any]] = {}
         self.head: dict[str, Any] = {}
         self.n, self.phase = 1, "fwd"
-        self.weights: dict[str, Any] = {}
-        self.wgrads: dict[str, Any] = {}
+        self.weights: list[dict[str, Any]] = []
+        self.wgrads: list[dict[str, Any]] = []
 
     def W(self, layer: int, name: str) -> Any:
-        """The lent weight ``name``."""
-        return self.weights[name]
+        """The lent weight ``name`` of layer ``layer``."""
+        return self.weights[layer][name]
 
     def G(self, layer: int, name: str) -> Any:
-        """The gradient buffer of weight ``name`` in the current backward."""
-        return self.wgrads[name]
+        """The gradient buffer of weight ``name`` of layer ``layer`` in the current backward."""
+        return self.wgrads[layer][name]
 
     def _add_dw(self, name: str, dw: Any) -> None:
-        g = self.wgrads[name.rsplit(".", 1)[-1]]
+        layer, weight = name.split(".", 1)  # "l3.w_attn_norm"
+        g = self.wgrads[int(layer[1:])][weight]
         g.add_(dw.to(g.dtype))
 
 
@@ -239,10 +242,16 @@ class PlanApplier:
         self.unsplit_types: dict[str, TypeShape] = (
             type_shapes(build_partitions(wl.with_(nanobatches=1)))
             if self.has_comm and wl.nanobatches > 1 else self.types)
-        p = wl.parallelism
-        self.stacks: dict[str, list[Piece]] = {
-            ph: pieces(stack_stream(ph, 1, tp=p.tp, cp=p.cp, recompute=True))
-            for ph in ("fwd", "bwd")}
+        self._stacks: dict[tuple[str, int], list[Piece]] = {}
+
+    def _stack(self, phase: str, layers: int) -> list[Piece]:
+        """The pieces of ``layers`` consecutive layers' forward or backward (recomputing)."""
+        key = (phase, layers)
+        if key not in self._stacks:
+            p = self.workload.parallelism
+            self._stacks[key] = pieces(stack_stream(phase, layers, tp=p.tp, cp=p.cp,
+                                                    recompute=True))
+        return self._stacks[key]
 
     def _build_executors(self, plan: Plan | None, executor: Executor | None,
                          baseline: Executor | None, collective: Any, default_collective: Any,
@@ -316,6 +325,12 @@ class PlanApplier:
         """A planned layer of this model (every layer of the model can share one)."""
         return PlannedLayer(self)
 
+    def stack(self, layers: int) -> PlannedStack:
+        """``layers`` consecutive planned layers as one autograd node, so that the
+        collectives chain across their boundaries as the plan composes them (see
+        [`PlannedStack`][kareus.integrations.PlannedStack])."""
+        return PlannedStack(self, layers)
+
     @contextlib.contextmanager
     def microbatch(self, microbatch: int, phase: str) -> Iterator[None]:
         """Around one microbatch computation of this rank's stage: its forward (``"fwd"``:
@@ -364,8 +379,9 @@ class PlanApplier:
         n = plan_nanobatches(plan, *current)
         return n, n == 1 and wl.nanobatches > 1
 
-    def program(self, x: Any) -> _LayerProgram:
-        """The layer program for inputs shaped like ``x`` (one per shape, shared by layers).
+    def program(self, x: Any, layers: int = 1) -> _LayerProgram:
+        """The program of ``layers`` consecutive layers for inputs shaped like ``x`` (one per
+        shape and depth, shared by every layer or stack of that depth).
 
         Raises:
             WorkloadError: ``x`` is not ``[batch, seq / CP, hidden]`` of the workload (under a
@@ -383,7 +399,7 @@ class PlanApplier:
                                 f"{seq_local} tokens per rank, the layer got {b} x {s}: make "
                                 "the plan for this shape (kareus optimize --microbatch-size "
                                 "--seq-len)")
-        key = (b, s, x.dtype, str(x.device))
+        key = (b, s, x.dtype, str(x.device), int(layers))
         prog = self._programs.get(key)
         if prog is None:
             counts = {1, wl.nanobatches}
@@ -400,46 +416,65 @@ class PlanApplier:
                                  microbatch_size=b, seq_local=s, nanobatch_counts=sorted(counts),
                                  kernels=self.kernels, device=x.device, dtype=x.dtype,
                                  rope_base=self.rope_base,
-                                 rope_inv_freq=self.rope_inv_freq)
+                                 rope_inv_freq=self.rope_inv_freq, layers=layers)
             self._programs[key] = prog
         return prog
 
-    def run(self, phase: str, x: Any, weights: Sequence[Any], dy: Any = None,
-            layer: int = 0) -> tuple[Any, list[Any]]:
-        """Run one layer's forward (``dy=None``) or backward on detached tensors.
+    def run(self, phase: str, x: Any, weights: Sequence[Sequence[Any]], dy: Any = None,
+            inputs: Sequence[Any] | None = None) -> tuple[Any, list[Any]]:
+        """Run the forward (``dy=None``) or backward of ``len(weights)`` consecutive layers
+        on detached tensors.
+
+        Args:
+            phase: ``"fwd"`` or ``"bwd"``.
+            x: The first layer's input ``[batch, seq / CP, hidden]``.
+            weights: Per layer, its weights in ``LAYER_WEIGHTS`` order.
+            dy: Backward: the gradient of the last layer's output.
+            inputs: Backward: the forward's inputs of layers ``1 ..`` (what the forward
+                returned), ``[batch * seq / CP, hidden]`` each.
 
         Returns:
-            Forward: ``(output, [])``; backward: ``(input gradient, weight gradients in
-            LAYER_WEIGHTS order)``.
+            Forward: ``(output, inputs of layers 1 ..)``; backward: ``(gradient of x, the
+            weight gradients of every layer, layer by layer in LAYER_WEIGHTS order)``.
         """
         import torch
 
-        prog = self.program(x)
+        depth = len(weights)
+        prog = self.program(x, depth)
         ex = self._executor()
         n, unsplit = self._computation(phase)
         b, s, h = x.shape
         x2 = x.reshape(b * s, h)
-        prog.weights = dict(zip(LAYER_WEIGHTS, weights, strict=True))
+        top = depth - 1
+        prog.weights = [dict(zip(LAYER_WEIGHTS, ws, strict=True)) for ws in weights]
         prog.phase, prog.n = phase, n
         if phase == "fwd":
-            prog.act, prog.head, prog.wgrads = {}, {"x0": x2}, {}
+            prog.act, prog.head, prog.wgrads = {}, {"x0": x2}, []
         else:
             dy2 = dy.reshape(b * s, h)
-            prog.act = {(0, i): {"x_in": x2[prog.rows(i)], "dy": dy2[prog.rows(i)]}
-                        for i in range(n)}
+            kept = [x2, *(inputs or [])]
+            if len(kept) != depth:
+                raise ArgumentError(f"the backward of {depth} layers takes the inputs of "
+                                    f"layers 1 .. {top}, got {len(kept) - 1}")
+            prog.act = {(layer, i): {"x_in": kept[layer][prog.rows(i)]}
+                        for layer in range(depth) for i in range(n)}
+            for i in range(n):
+                prog.act[(top, i)]["dy"] = dy2[prog.rows(i)]
             prog.head = {}
-            prog.wgrads = {name: torch.zeros_like(w) for name, w in prog.weights.items()}
+            prog.wgrads = [{name: torch.zeros_like(w) for name, w in ws.items()}
+                           for ws in prog.weights]
+        stack = self._stack(phase, depth)
         try:
             if unsplit:
                 plan = self.plan
                 assert plan is not None
                 ran = run_computation(
-                    ex, self.stacks[phase], schedule="sequential", nanobatches=1,
+                    ex, stack, schedule="sequential", nanobatches=1,
                     run_op=prog.run_op, comm_args=prog.comm_args, types=self.unsplit_types,
                     sequential_config_of=lambda key: plan_config(plan, key, ex.current))
             else:
                 ran = run_computation(
-                    ex, self.stacks[phase], schedule=self.schedule, nanobatches=n,
+                    ex, stack, schedule=self.schedule, nanobatches=n,
                     run_op=prog.run_op, comm_args=prog.comm_args, types=self.types,
                     plan_config_of=(None if self.schedule != "kareus" else
                                     lambda key: plan_config(self.plan, key,  # type: ignore[arg-type]
@@ -450,15 +485,21 @@ class PlanApplier:
             if phase == "fwd":
                 out = torch.empty_like(x2)
                 for i in range(n):
-                    torch.add(prog.act[(0, i)]["x_mid"], prog._reduced("mlp_out", 0, i),
+                    torch.add(prog.act[(top, i)]["x_mid"], prog._reduced("mlp_out", top, i),
                               out=out[prog.rows(i)])
-                return out.view(b, s, h), []
+                kept_inputs = []
+                for layer in range(1, depth):
+                    xin = torch.empty_like(x2)
+                    for i in range(n):
+                        xin[prog.rows(i)] = prog.act[(layer, i)]["x_in"]
+                    kept_inputs.append(xin)
+                return out.view(b, s, h), kept_inputs
             dx = torch.empty_like(x2)
             for i in range(n):
                 dx[prog.rows(i)] = prog.act[(0, i)]["dx_in"]
-            return dx.view(b, s, h), [prog.wgrads[name] for name in LAYER_WEIGHTS]
+            return dx.view(b, s, h), [g[name] for g in prog.wgrads for name in LAYER_WEIGHTS]
         finally:
-            prog.act, prog.head, prog.weights, prog.wgrads = {}, {}, {}, {}
+            prog.act, prog.head, prog.weights, prog.wgrads = {}, {}, [], []
 
 
 def _check_workload(workload: Workload, groups: ParallelGroups) -> None:
@@ -518,7 +559,47 @@ class PlannedLayer:
         if x.dtype != ws[1].dtype:
             raise ArgumentError(f"the layer's input is {x.dtype} and its weights "
                                 f"{ws[1].dtype}: pass both in the compute dtype")
-        return _function().apply(self.applier, x, *ws)
+        return _function().apply(self.applier, 1, x, *ws)
+
+
+class PlannedStack:
+    """Consecutive decoder layers under a [`PlanApplier`][kareus.integrations.PlanApplier]'s
+    schedule, as one autograd node.
+
+    A [`PlannedLayer`][kareus.integrations.PlannedLayer] is one node per layer, so the last
+    collective of each layer's forward runs exposed (what runs between two nodes is the
+    framework's). A stack of ``layers`` layers runs their forward and backward as kareus's
+    own loop does, each layer's forward ops and collectives chained into the next layer's
+    (the all-reduce of one layer's MLP output beside the next layer's attention-input
+    ops): only the stack's own last collective runs exposed. It keeps each layer's input
+    for the backward (full recomputation, as the framework would), so its memory is that of
+    ``layers`` planned layers.
+
+    Call it as ``stack(x, weights)`` with ``weights`` a sequence of ``layers`` layers'
+    weights (each as [`PlannedLayer`][kareus.integrations.PlannedLayer] takes them); it
+    returns the last layer's output, differentiable in ``x`` and every weight. Use it where
+    your model runs its layers back to back (a hand-written model's loop over blocks).
+    """
+
+    def __init__(self, applier: PlanApplier, layers: int) -> None:
+        if not isinstance(applier, PlanApplier):
+            raise ArgumentTypeError(f"applier must be a PlanApplier, got "
+                                    f"{type(applier).__name__}")
+        if int(layers) < 1:
+            raise ArgumentError(f"a planned stack has at least one layer, got {layers}")
+        self.applier, self.layers = applier, int(layers)
+
+    def __call__(self, x: Any, weights: Sequence[Mapping[str, Any] | Sequence[Any]]) -> Any:
+        """The last layer's output for input ``x`` (see the class)."""
+        per_layer = [_ordered(w) for w in weights]
+        if len(per_layer) != self.layers:
+            raise ArgumentError(f"this stack has {self.layers} layers, got the weights of "
+                                f"{len(per_layer)}")
+        if any(x.dtype != ws[1].dtype for ws in per_layer):
+            raise ArgumentError(f"the stack's input is {x.dtype} and some weights are not: "
+                                "pass all in the compute dtype")
+        flat = [w for ws in per_layer for w in ws]
+        return _function().apply(self.applier, self.layers, x, *flat)
 
 
 def _ordered(weights: Mapping[str, Any] | Sequence[Any]) -> list[Any]:
@@ -550,22 +631,29 @@ def _function() -> Any:
         """Forward and backward of one layer through a PlanApplier's executor."""
 
         @staticmethod
-        def forward(ctx: Any, applier: PlanApplier, x: Any, *weights: Any) -> Any:
-            ws = [w.detach().contiguous() for w in weights]
-            out, _ = applier.run("fwd", x.detach().contiguous(), ws)
-            ctx.applier = applier
+        def forward(ctx: Any, applier: PlanApplier, layers: int, x: Any, *weights: Any) -> Any:
+            out, inputs = applier.run("fwd", x.detach().contiguous(),
+                                      _per_layer(weights, layers))
+            ctx.applier, ctx.layers = applier, layers
+            ctx.inputs = inputs  # layers 1 ..: what full recomputation keeps
             ctx.save_for_backward(x, *weights)
             return out
 
         @staticmethod
         def backward(ctx: Any, dy: Any) -> Any:
             x, *weights = ctx.saved_tensors
-            ws = [w.detach().contiguous() for w in weights]
+            inputs, ctx.inputs = ctx.inputs, None
             # The attention's backward reads what its forward saved under autograd
             with torch.enable_grad():
-                dx, dws = ctx.applier.run("bwd", x.detach().contiguous(), ws,
-                                          dy=dy.contiguous())
-            return (None, dx, *dws)
+                dx, dws = ctx.applier.run("bwd", x.detach().contiguous(),
+                                          _per_layer(weights, ctx.layers), dy=dy.contiguous(),
+                                          inputs=inputs)
+            return (None, None, dx, *dws)
+
+    def _per_layer(weights: Sequence[Any], layers: int) -> list[list[Any]]:
+        ws = [w.detach().contiguous() for w in weights]
+        k = len(LAYER_WEIGHTS)
+        return [ws[i * k:(i + 1) * k] for i in range(layers)]
 
     _FUNCTION = PlannedLayerFunction
     return _FUNCTION

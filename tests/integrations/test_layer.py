@@ -61,9 +61,10 @@ def _grads(params):
     return out
 
 
+@pytest.mark.parametrize("how", ["layers", "stack"])
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("schedule", ["sequential", "nanobatching"])
-def test_a_planned_layer_is_the_reference_layer(schedule, interleaved):
+def test_a_planned_layer_is_the_reference_layer(schedule, interleaved, how):
     wl = workload()
     arch = wl.model
     layers = [_params(arch, seed) for seed in (1, 2)]
@@ -80,10 +81,14 @@ def test_a_planned_layer_is_the_reference_layer(schedule, interleaved):
 
     applier = PlanApplier(workload=wl, groups=LoopbackGroups(tp=1), schedule=schedule,
                           kernels="torch")
-    planned = applier.layer()
-    y = x
-    for p in layers:
-        y = planned(y, planned_weights(p, arch, interleaved=interleaved))
+    ws = [planned_weights(p, arch, interleaved=interleaved) for p in layers]
+    if how == "stack":  # one autograd node over both layers
+        y = applier.stack(len(layers))(x, ws)
+    else:
+        planned = applier.layer()
+        y = x
+        for w in ws:
+            y = planned(y, w)
     (y * c).sum().backward()
     torch.testing.assert_close(y.detach(), ref_y, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(x.grad, ref_dx, rtol=1e-4, atol=1e-5)
@@ -201,6 +206,48 @@ def test_a_plan_sets_clocks_partitions_slots_and_sms():
     assert first[4] == plan_config(plan, "fwd_attn_in_ag", (0, 0, "fwd")).launch_slot
 
 
+def test_a_stack_chains_collectives_across_its_layers():
+    # Two planned layers run the last collective of each layer's forward exposed (a
+    # partition with no ops beside it); a stack of the two only its own last one: the
+    # boundary all-reduce runs beside the next layer's first partition, as planned. (A
+    # backward ends with its input norm's backward, which overlaps the last all-reduce
+    # of the layer either way.)
+    wl = workload(2, 2)
+    arch = wl.model
+    plan = make_workload_plan(wl, sms=12)
+    ws = [planned_weights({k: torch.nn.Parameter(v) for k, v in
+                           shard(full_weights(arch, seed), arch, 2, 0).items()}, arch)
+          for seed in (1, 2)]
+    x = torch.randn(wl.microbatch_size, wl.seq_len // 2, arch.hidden, requires_grad=True)
+    exposed = {}
+    for how in ("layers", "stack"):
+        ex = RecordingExecutor(plan=plan)
+        applier = PlanApplier(workload=wl, groups=LoopbackGroups(tp=2, cp=2), executor=ex,
+                              baseline=RecordingExecutor(), kernels="torch")
+        with applier.microbatch(0, "fwd"):
+            if how == "stack":
+                y = applier.stack(2)(x, ws)
+            else:
+                y = applier.layer()(applier.layer()(x, ws[0]), ws[1])
+        with applier.microbatch(0, "bwd"):
+            y.sum().backward()
+        parts = [e for e in ex.log if e[0] == "partition"]
+        ops_in = {}
+        key = None
+        for e in ex.log:
+            if e[0] == "partition":
+                key = len(ops_in)
+                ops_in[key] = 0
+            elif e[0] == "op" and key is not None:
+                ops_in[key] += 1
+        exposed[how] = sum(1 for n in ops_in.values() if n == 0)
+        assert len(parts) == len(ops_in)
+        collectives = [e for e in ex.log if e[0] == "collective"]
+        # 2 layers x (3 forward + 3 recomputed + 3 backward) collectives x 2 nanobatches
+        assert len(collectives) == 2 * 9 * 2
+    assert exposed == {"layers": 2, "stack": 1}
+
+
 def test_each_pipeline_stage_applies_its_own_computations():
     from kareus.model.workload import Parallelism
 
@@ -293,9 +340,10 @@ def _worker(out_dir: str, tp: int) -> None:
     plan = make_workload_plan(wl, pick=1, sms=8, freqs_mhz=(1980, 1410),
                               unsplit_microbatches=(1,))
     result = {"tp_rank": groups.tp_rank, "cp_rank": groups.cp_rank}
-    for schedule in ("sequential", "nanobatching", "kareus"):
-        applier = PlanApplier(workload=wl, groups=groups, schedule=schedule,
-                              plan=plan if schedule == "kareus" else None, kernels="torch",
+    for schedule in ("sequential", "nanobatching", "kareus", "kareus-stack"):
+        stacked = schedule.endswith("-stack")
+        applier = PlanApplier(workload=wl, groups=groups, schedule=schedule.split("-")[0],
+                              plan=plan if schedule.startswith("kareus") else None, kernels="torch",
                               record=True)
         planned = applier.layer()
         layers = [{k: torch.nn.Parameter(v.clone()) for k, v in
@@ -308,9 +356,12 @@ def _worker(out_dir: str, tp: int) -> None:
             c = torch.randn(wl.microbatch_size, wl.seq_len, arch.hidden, generator=g)
             xl = x[:, lo:lo + sq].clone().requires_grad_(True)
             with applier.microbatch(mb, "fwd"):
-                y = xl
-                for p in layers:
-                    y = planned(y, planned_weights(p, arch))
+                if stacked:
+                    y = applier.stack(2)(xl, [planned_weights(p, arch) for p in layers])
+                else:
+                    y = xl
+                    for p in layers:
+                        y = planned(y, planned_weights(p, arch))
             with applier.microbatch(mb, "bwd"):
                 (y * c[:, lo:lo + sq]).sum().backward()
             outs.append((y.detach(), xl.grad.clone()))
@@ -353,7 +404,7 @@ def test_gloo_ranks_match_the_whole_layer(tmp_path, world, tp):
     arch = wl.model
     outs, grads = _reference_run(arch, wl.num_microbatches, wl.microbatch_size, wl.seq_len)
     sq = wl.seq_len // cp
-    for schedule in ("sequential", "nanobatching", "kareus"):
+    for schedule in ("sequential", "nanobatching", "kareus", "kareus-stack"):
         for r in res:
             lo = r["cp_rank"] * sq
             for (y, dx), (ry, rdx) in zip(r[schedule]["outs"], outs, strict=True):
