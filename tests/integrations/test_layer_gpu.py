@@ -100,15 +100,20 @@ def test_loopback_plan_runs_every_schedule_alike_on_cuda_streams():
     g = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(4, 256, arch.hidden, generator=g).to(dev, torch.bfloat16)
     results = {}
-    for schedule in ("sequential", "nanobatching", "kareus"):
-        applier = PlanApplier(workload=wl, groups=groups, plan=plan, schedule=schedule,
-                              collective=capped, default_collective=default, record=True)
+    for schedule in ("sequential", "nanobatching", "kareus", "kareus-stack"):
+        applier = PlanApplier(workload=wl, groups=groups, plan=plan,
+                              schedule=schedule.split("-")[0], collective=capped,
+                              default_collective=default, record=True)
         planned = applier.layer()
         outs = []
         for mb in range(2):
             xm = x.clone().requires_grad_(True)
             with applier.microbatch(mb, "fwd"):
-                y = planned(planned(xm, planned_weights(p, arch)), planned_weights(p, arch))
+                if schedule.endswith("stack"):
+                    y = applier.stack(2)(xm, [planned_weights(p, arch)] * 2)
+                else:
+                    y = planned(planned(xm, planned_weights(p, arch)),
+                                planned_weights(p, arch))
             with applier.microbatch(mb, "bwd"):
                 y.float().square().mean().backward()
             outs.append((y.detach(), xm.grad))
@@ -116,12 +121,12 @@ def test_loopback_plan_runs_every_schedule_alike_on_cuda_streams():
         for v in p.values():
             v.grad = None
         results[schedule] = (outs, grads)
-        if schedule == "kareus":
+        if schedule.startswith("kareus"):
             assert applier.partitions_run
             assert {cfg.comm_sms for _, _, cfg in applier.partitions_run} == {16}
     torch.cuda.synchronize()
     base_outs, base_grads = results["sequential"]
-    for schedule in ("nanobatching", "kareus"):
+    for schedule in ("nanobatching", "kareus", "kareus-stack"):
         outs, grads = results[schedule]
         for (y, dx), (by, bdx) in zip(outs, base_outs, strict=True):
             _close(y, by, f"{schedule} output")
