@@ -259,18 +259,14 @@ class PlanApplier:
         import torch
 
         from kareus.exec.executor import RecordingStreamBackend, TorchExecutor
+        from kareus.exec.train._loop import check_plan_types, check_plan_workload, given_plan
 
-        for label, given in (("executor", executor), ("baseline", baseline)):
-            if given is not None and not isinstance(given, Executor):
-                raise ArgumentTypeError(f"{label} must be a kareus.exec.Executor, got "
-                                        f"{type(given).__name__}")
-        if executor is not None:
-            if plan is not None and executor.plan is not plan:
-                raise ArgumentError("executor= applies another plan than plan=: pass the "
-                                    "plan in one place (the executor's)")
-            plan = executor.plan
+        plan = given_plan(plan, executor, baseline)
         if plan is not None:
-            _check_plan(plan, self.workload, self.has_comm, self.types, self.unsplit_types)
+            check_plan_workload(plan, self.workload, one_stage=False)
+            if self.has_comm:
+                check_plan_types(plan, self.workload, self.types, self.unsplit_types,
+                                 {int(plan.nanobatches(key)) for key in plan.assignment})
         self.plan = plan
         need_default = baseline is None or (plan is not None and executor is None)
         if self.has_comm and need_default and (default_collective is None
@@ -516,21 +512,6 @@ def _check_workload(workload: Workload, groups: ParallelGroups) -> None:
         if num % den:
             raise WorkloadError(f"{what}={num} is not divisible by {den} (TP={p.tp}, "
                                 f"CP={p.cp})")
-
-
-def _check_plan(plan: Plan, workload: Workload, has_comm: bool,
-                types: Mapping[str, TypeShape], unsplit: Mapping[str, TypeShape]) -> None:
-    from kareus.exec.train._loop import check_plan_workload
-
-    check_plan_workload(plan, workload, one_stage=False)
-    if not has_comm:
-        return
-    for n in sorted({int(plan.nanobatches(key)) for key in plan.assignment}):
-        need = types if n > 1 or workload.nanobatches == 1 else unsplit
-        missing = sorted(set(need) - set(plan.partition_configs(nanobatches=n)))
-        if missing:
-            raise PlanError(f"the plan has no configuration for partition types {missing} of "
-                            f"its computations split in {n}: make it for this workload")
 
 
 class PlannedLayer:

@@ -42,14 +42,6 @@ from _reference import full_weights, layer, planned_weights, shard, workload  # 
 REPO = HERE.parents[1]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _params(arch, seed):
     return {k: torch.nn.Parameter(v) for k, v in full_weights(arch, seed).items()}
 

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from bench_scripts import load_bench  # noqa: E402
+from bench_scripts import load_bench
 
 
 def test_the_bench_runs_every_row_on_the_cpu(tmp_path, capsys):

@@ -27,7 +27,7 @@ import functools
 import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -247,14 +247,9 @@ class TrainingLoop:
         self.computations = list(get_schedule(name, 1, workload.num_microbatches)
                                  .stage_orders[0])
         if plan is not None:  # the types of each split the plan runs
-            for n in sorted({plan_nanobatches(plan, c.stage, c.microbatch, c.phase)
-                             for c in self.computations}):
-                need = self.types if n > 1 or workload.nanobatches == 1 else self.unsplit_types
-                missing = sorted(set(need) - set(plan.partition_configs(nanobatches=n)))
-                if missing:
-                    raise PlanError(f"the plan has no configuration for partition types "
-                                    f"{missing} of its computations split in {n}: make it "
-                                    "for this workload")
+            check_plan_types(plan, workload, self.types, self.unsplit_types,
+                             {plan_nanobatches(plan, c.stage, c.microbatch, c.phase)
+                              for c in self.computations})
         if graphs is None:
             given = executor or baseline
             graphs = given.graphs if given is not None else self.model.device.type == "cuda"
@@ -430,22 +425,57 @@ class TrainingLoop:
         return lambda key: plan_config(plan, key, ex.current)
 
 
-def _plan_of(plan: Plan | None, executor: Executor | None, baseline: Executor | None, *,
-             needs_collective: bool) -> Plan | None:
-    """The loop's plan (``plan``, or the one ``executor`` applies), after checking the
-    executors given."""
+def check_plan_types(plan: Plan, workload: Workload, types: Mapping[str, Any],
+                     unsplit_types: Mapping[str, Any], counts: Iterable[int]) -> None:
+    """Refuse a plan that lacks a configuration for a partition type it will be asked for.
+
+    Args:
+        plan: The plan.
+        workload: Its job.
+        types: The partition types of the workload split in its nanobatches.
+        unsplit_types: Those of the workload run unsplit (one nanobatch).
+        counts: The nanobatch counts the plan's computations run.
+
+    Raises:
+        PlanError: a computation split in ``n`` has no configuration for some type.
+    """
+    for n in sorted(set(counts)):
+        need = types if n > 1 or workload.nanobatches == 1 else unsplit_types
+        missing = sorted(set(need) - set(plan.partition_configs(nanobatches=n)))
+        if missing:
+            raise PlanError(f"the plan has no configuration for partition types {missing} "
+                            f"of its computations split in {n}: make it for this workload")
+
+
+def given_plan(plan: Plan | None, executor: Executor | None,
+               baseline: Executor | None) -> Plan | None:
+    """The plan to apply: ``plan``, or the one ``executor`` applies (they must agree),
+    after checking that the executors given are executors.
+
+    Raises:
+        ArgumentTypeError: ``executor`` or ``baseline`` is not an [`Executor`][kareus.exec.Executor].
+        ArgumentError: ``executor`` applies another plan than ``plan``.
+    """
     for label, given in (("executor", executor), ("baseline", baseline)):
         if given is not None and not isinstance(given, Executor):
             raise ArgumentTypeError(f"{label} must be a kareus.exec.Executor, got "
                                     f"{type(given).__name__}")
-    if executor is not None:
-        if plan is not None and executor.plan is not plan:
-            raise ArgumentError("executor= applies another plan than plan=: pass the plan in "
-                                "one place (the executor's)")
-        if executor.plan is None:
-            raise PlanError("executor= applies no plan: build it with the plan, or pass the "
-                            "baselines' executor as baseline=")
-        plan = executor.plan
+    if executor is None:
+        return plan
+    if plan is not None and executor.plan is not plan:
+        raise ArgumentError("executor= applies another plan than plan=: pass the plan in "
+                            "one place (the executor's)")
+    return executor.plan
+
+
+def _plan_of(plan: Plan | None, executor: Executor | None, baseline: Executor | None, *,
+             needs_collective: bool) -> Plan | None:
+    """The loop's plan (``plan``, or the one ``executor`` applies), after checking the
+    executors given."""
+    plan = given_plan(plan, executor, baseline)
+    if executor is not None and executor.plan is None:
+        raise PlanError("executor= applies no plan: build it with the plan, or pass the "
+                        "baselines' executor as baseline=")
     if needs_collective and (baseline is None or (plan is not None and executor is None)):
         raise ArgumentError("a workload with TP or CP > 1 needs a collective backend (or the "
                             "executors that run its collectives: executor=, baseline=)")
