@@ -259,7 +259,7 @@ class PlanApplier:
         import torch
 
         from kareus.exec.executor import RecordingStreamBackend, TorchExecutor
-        from kareus.exec.train._loop import check_plan_types, check_plan_workload, given_plan
+        from kareus.exec.train import check_plan_types, check_plan_workload, given_plan
 
         plan = given_plan(plan, executor, baseline)
         if plan is not None:
