@@ -9,11 +9,17 @@ schedule and the checkpoints stay Megatron's. The lines kareus adds are marked `
 a workload read from the config, a ``PlanApplier`` on Megatron's TP group, the layer spec,
 and the schedule wrapper around the training loop.
 
-It needs GPUs (Megatron-Core's training path is CUDA-only; kareus's CPU tests run this same
-code through a test-only shim)::
+Run it on GPUs (NCCL, bf16), one process per TP rank::
 
     torchrun --standalone --nproc_per_node 2 examples/integrations/megatron_gpt.py
     torchrun --standalone --nproc_per_node 2 examples/integrations/megatron_gpt.py --plan plan.json
+
+or, to try it on a laptop, on the CPU (gloo, fp32) with ``--cpu``: Megatron-Core's training
+path is CUDA-only, so ``--cpu`` first installs ``megatron_cpu_shim.py`` beside this script,
+which redirects Megatron's CUDA calls to the CPU in the process (an example-only shim that
+patches torch; never train with it)::
+
+    torchrun --standalone --nproc_per_node 2 examples/integrations/megatron_gpt.py --cpu
 
 Without ``--plan`` it makes one on the emulated H200 for this model's shapes (a few seconds,
 CPU). It trains ``--steps`` iterations twice from the same weights, with Megatron's own
@@ -131,18 +137,29 @@ def main(argv=None):
     ap.add_argument("--plan", type=Path, help="a kareus plan for this model (default: make one "
                     "on the emulated H200)")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--cpu", action="store_true",
+                    help="run on the CPU (gloo, fp32) through megatron_cpu_shim.py")
     ap.add_argument("--schedule", choices=("kareus", "sequential", "nanobatching"),
                     default=None, help="the layers' schedule (default: kareus, the plan's; "
                     "on one GPU, TP=1, which has no collective to plan: nanobatching)")
     args = ap.parse_args(argv)
 
-    dist.init_process_group("nccl")
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("gloo" if args.cpu else "nccl")
     tp = dist.get_world_size()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    if args.cpu:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import megatron_cpu_shim
+
+        megatron_cpu_shim.install()
+        torch.manual_seed(1234)
+        device, dtype = "cpu", torch.float32
+    else:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)
+        device, dtype = "cuda", torch.bfloat16
     mbs, seq, microbatches = 4, 128, 4
-    config = make_config(tp)
+    config = make_config(tp, dtype)
 
     # kareus: the workload the plan is made for, read from the config, and the plan
     wl = workload_from_megatron(config, microbatch_size=mbs, seq_len=seq,  # kareus
@@ -161,23 +178,24 @@ def main(argv=None):
     g = torch.Generator().manual_seed(7)
     batches = []
     for _ in range(microbatches):
-        tok = torch.randint(0, VOCAB, (mbs, seq + 1), generator=g).cuda()
+        tok = torch.randint(0, VOCAB, (mbs, seq + 1), generator=g).to(device)
         batches.append((tok[:, :-1], tok[:, 1:]))
 
     torch.manual_seed(0)
     own_model = build_model(config, get_gpt_layer_local_spec(normalization="RMSNorm"), seq,
-                            "cuda")
+                            device)
     initial = {k: v.clone() if torch.is_tensor(v) else v  # _extra_state: None
                for k, v in own_model.state_dict().items()}
     own = train(own_model, config, batches, steps=args.steps, seq_len=seq)
 
-    model = build_model(config, kareus_layer_spec(applier), seq, "cuda")  # kareus
+    model = build_model(config, kareus_layer_spec(applier), seq, device)  # kareus
     model.load_state_dict(initial)
     with wrap_schedule(applier):  # kareus
         planned = train(model, config, batches, steps=args.steps, seq_len=seq)
 
     if dist.get_rank() == 0:
-        print(f"TP={tp}, bf16; kareus layers under the {schedule} schedule" + (
+        print(f"TP={tp}, {'CPU, fp32' if args.cpu else 'GPU, bf16'}; kareus layers under the "
+              f"{schedule} schedule" + (
             "" if plan is None else f", plan {plan.digest[:12]} ({plan.time_s * 1e3:.2f} "
             f"ms/iteration on {plan.gpu}, emulated unless measured)"))
         print("step  Megatron layers   kareus layers")

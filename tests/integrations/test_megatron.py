@@ -67,44 +67,12 @@ def test_the_spec_refuses_what_is_not_an_applier():
 
 
 def _cpu_shim() -> None:
-    """Process-local redirections of Megatron-Core's CUDA-only calls to the CPU (the test
-    harness's; the library never patches torch)."""
-    import functools
+    """The example's CPU shim (examples/integrations/megatron_cpu_shim.py: Megatron-Core's
+    CUDA-only calls redirected to the CPU in this process; never library code)."""
+    sys.path.insert(0, str(EXAMPLE))
+    import megatron_cpu_shim
 
-    from megatron.core import tensor_parallel
-
-    def cpu(dev):
-        if isinstance(dev, int) or (dev is not None and str(dev).startswith("cuda")):
-            return torch.device("cpu")
-        return dev
-
-    def factory(fn):
-        @functools.wraps(fn)
-        def make(*a, **kw):
-            if "device" in kw:
-                kw["device"] = cpu(kw["device"])
-            return fn(*a, **kw)
-        return make
-
-    for name in ("zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn",
-                 "randint", "zeros_like", "ones_like", "empty_like", "full_like",
-                 "as_tensor", "linspace"):
-        setattr(torch, name, factory(getattr(torch, name)))
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.Tensor.cuda = lambda self, *a, **k: self
-    own_type = torch.Tensor.type
-
-    def tensor_type(self, *a, **kw):  # Megatron's optimizer checks "torch.cuda.*Tensor"
-        t = own_type(self, *a, **kw)
-        if not a and not kw and self.device.type == "cpu" and not t.startswith("torch.cuda."):
-            return "torch.cuda." + t[len("torch."):]
-        return t
-
-    torch.Tensor.type = tensor_type
-    # The no-op RNG tracker (dropout is 0): CUDA's would call torch.cuda.get_rng_state().
-    tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True,
-                                                  force_reset=True)
+    megatron_cpu_shim.install()
 
 
 def _close(a, b, what):
