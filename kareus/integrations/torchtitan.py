@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import types
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -538,13 +539,23 @@ def _check_attention_inputs(x: Any, attention_masks: Any, positions: Any) -> Non
                                 "without positions (document packing, a custom mask) are "
                                 "not supported")
         return
+    # Every block of one forward gets the same positions tensor: read it once (reading a
+    # GPU tensor's values waits for the GPU, which a check per block would do per layer).
+    seen = _CHECKED_POSITIONS.get("last")
+    if seen is not None and seen[0]() is positions and seen[1] == positions._version:
+        return
     p = _local(positions)
     want = torch.arange(p.shape[-1], device=p.device, dtype=p.dtype)
     if not bool(torch.equal(p, want.expand_as(p))):
         raise WorkloadError("the batch packs documents (positions restart inside a "
                             "sequence): kareus's layer computes causal attention over the "
                             "whole sequence; turn document packing off")
+    _CHECKED_POSITIONS["last"] = (weakref.ref(positions), positions._version)
     del x
+
+
+#: The positions tensor checked last (a weak reference and its version counter).
+_CHECKED_POSITIONS: dict[str, Any] = {}
 
 
 # ------------------------------------------------------------------ torchtitan's Trainer

@@ -365,3 +365,25 @@ def test_gloo_tp2_equals_torchtitan(tmp_path, backend):
 
 if __name__ == "__main__":
     _worker(sys.argv[1], sys.argv[2])
+
+
+def test_positions_are_read_once_per_tensor(monkeypatch):
+    # Reading a GPU tensor's values waits for the GPU: the blocks of one forward share one
+    # positions tensor, and only the first block reads it.
+    from kareus.errors import WorkloadError
+    from kareus.integrations import torchtitan as tt
+
+    reads = []
+    real = torch.equal
+    monkeypatch.setattr(torch, "equal", lambda a, b: reads.append(1) or real(a, b))
+    x = torch.zeros(2, 8, 4)
+    pos = torch.arange(8).expand(2, 8).clone()
+    for _ in range(4):
+        tt._check_attention_inputs(x, None, pos)
+    assert len(reads) == 1
+    pos.add_(0)  # written since: read again
+    tt._check_attention_inputs(x, None, pos)
+    assert len(reads) == 2
+    packed = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]] * 2)
+    with pytest.raises(WorkloadError, match="packs documents"):
+        tt._check_attention_inputs(x, None, packed)
