@@ -154,7 +154,8 @@ class PlanApplier:
         baseline: The executor of the baselines; default: a ``TorchExecutor`` with
             ``default_collective``.
         collective: The SM-capped collective backend (default: NCCL communicators capped at
-            each of the plan's SM counts on a GPU, the groups' own collectives on the CPU).
+            each of the plan's SM counts on a GPU, the groups' own collectives on the CPU,
+            the loopback stand-in with ``LoopbackGroups``).
         default_collective: The collectives with their own CTA count (default: the groups'
             own, ``ProcessGroupCollective``).
         frequency: The executor's clock trigger (``FrequencyTrigger``); default none: the
@@ -294,9 +295,12 @@ class PlanApplier:
         import torch
 
         from kareus.exec.collectives import ProcessGroupCollective
-        from kareus.exec.train._groups import GroupedCollective, make_collectives
+        from kareus.exec.train._groups import GroupedCollective, LoopbackGroups, make_collectives
 
         groups = self.groups
+        if isinstance(groups, LoopbackGroups):  # one process stands in for the group
+            capped, default, _ = make_collectives(groups, backend="loopback")
+            return default, capped
         if torch.cuda.is_available():
             caps = tuple(sorted({int(c.comm_sms) for cs in (plan.partition_configs().values()
                                                            if plan is not None else ())

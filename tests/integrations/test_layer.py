@@ -283,6 +283,26 @@ def test_a_plan_needs_the_microbatch_scope_and_the_baselines_do_not():
     assert base.layer()(x, w).shape == x.shape
 
 
+def test_loopback_groups_get_the_loopback_collective_by_default():
+    # One process standing in for TP=2 x CP=2 without executors given: the applier builds
+    # the loopback collectives (each collective a real op of its bytes) and runs a plan.
+    from kareus.exec.train import LoopbackGroupCollective
+
+    wl = workload(2, 2)
+    arch = wl.model
+    applier = PlanApplier(workload=wl, groups=LoopbackGroups(tp=2, cp=2),
+                          plan=make_workload_plan(wl), kernels="torch")
+    w = planned_weights(shard(full_weights(arch, 1), arch, 2, 0), arch)
+    x = torch.randn(wl.microbatch_size, wl.seq_len // 2, arch.hidden, requires_grad=True)
+    with applier.microbatch(0, "fwd"):
+        y = applier.layer()(x, w)
+    with applier.microbatch(0, "bwd"):
+        y.sum().backward()
+    tp = applier.executor.collective.backend_for("all_reduce")
+    assert isinstance(tp, LoopbackGroupCollective) and tp.calls_total > 0
+    assert torch.isfinite(x.grad).all()
+
+
 def test_refusals_are_typed_and_say_what_to_do():
     wl = workload(2, 2)
     arch = wl.model
