@@ -7,7 +7,9 @@ schedule (nanobatches, each collective at the plan's launch slot with the plan's
 the plan's clock per microbatch computation); the data, the optimizer, DDP, the pipeline
 schedule and the checkpoints stay Megatron's. The lines kareus adds are marked ``# kareus``:
 a workload read from the config, a ``PlanApplier`` on Megatron's TP group, the layer spec,
-and the schedule wrapper around the training loop.
+``chain_layers`` (the decoder block's layers as one planned stack, so that each layer's last
+forward collective overlaps the next layer) and the schedule wrapper around the training
+loop.
 
 Run it on GPUs (NCCL, bf16), one process per TP rank::
 
@@ -59,6 +61,7 @@ import kareus  # noqa: E402  # kareus
 from kareus.exec.train import TorchParallelGroups  # noqa: E402  # kareus
 from kareus.integrations import PlanApplier  # noqa: E402  # kareus
 from kareus.integrations.megatron import (  # noqa: E402  # kareus
+    chain_layers,
     kareus_layer_spec,
     workload_from_megatron,
     wrap_schedule,
@@ -189,6 +192,7 @@ def main(argv=None):
     own = train(own_model, config, batches, steps=args.steps, seq_len=seq)
 
     model = build_model(config, kareus_layer_spec(applier), seq, device)  # kareus
+    chain_layers(model)  # kareus: the block's layers as one stack (boundaries overlapped)
     model.load_state_dict(initial)
     with wrap_schedule(applier):  # kareus
         planned = train(model, config, batches, steps=args.steps, seq_len=seq)

@@ -3,7 +3,8 @@
 Megatron-Core builds each decoder layer from a spec (``ModuleSpec``: a class, its params,
 its submodules) and runs microbatches through a pipeline schedule whose steps
 (``schedules.forward_step`` and ``schedules.backward_step``) it calls by module-level name.
-kareus uses exactly those two extension points, nothing forked or copied:
+kareus uses exactly those two extension points (and, to chain the layers, the decoder
+block's instance ``forward``), nothing forked or copied:
 
 * [`kareus_layer_spec`][kareus.integrations.megatron.kareus_layer_spec] is the spec of
   [`KareusTransformerLayer`][kareus.integrations.megatron.KareusTransformerLayer]: Megatron's
@@ -12,6 +13,12 @@ kareus uses exactly those two extension points, nothing forked or copied:
   layer's forward is kareus's (a [`PlannedLayer`][kareus.integrations.PlannedLayer] on the
   layer's own weights, its backward through autograd into them). The spec's params carry
   the [`PlanApplier`][kareus.integrations.PlanApplier] every layer of the model shares.
+* [`chain_layers`][kareus.integrations.megatron.chain_layers] (one call on the built
+  model) runs the decoder block's kareus layers as one
+  [`PlannedStack`][kareus.integrations.PlannedStack], so that each layer's last forward
+  collective overlaps the next layer's first ops instead of running exposed: it replaces
+  the ``forward`` of the model's ``TransformerBlock`` instance (the plain training call; any
+  other runs Megatron's own), and ``unchain_layers`` restores it.
 * [`wrap_schedule`][kareus.integrations.megatron.wrap_schedule] wraps the schedule's steps
   while it is entered, so that each microbatch's forward runs in
   ``applier.microbatch(mb, "fwd")`` and its backward in ``applier.microbatch(mb, "bwd")``
@@ -31,6 +38,7 @@ import contextlib
 import functools
 import inspect
 import os
+import types
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -48,8 +56,8 @@ from kareus.integrations._megatron_config import workload_from_megatron
 from kareus.integrations._weights import gate_up_from_fused, linear, qkv_from_grouped
 
 __all__ = ["TESTED_MEGATRON", "UNTESTED_ENV", "KareusTransformerLayer", "MegatronVersionError",
-           "check_megatron_version", "kareus_layer_spec", "workload_from_megatron",
-           "wrap_schedule"]
+           "chain_layers", "check_megatron_version", "kareus_layer_spec", "unchain_layers",
+           "workload_from_megatron", "wrap_schedule"]
 
 #: The Megatron-Core releases this module is tested with: ``(lowest, first untested)``.
 TESTED_MEGATRON = ("0.16.0", "0.17.0")
@@ -274,6 +282,163 @@ def kareus_layers(model: Any) -> list[KareusTransformerLayer]:
     """The kareus layers of ``model`` (any wrapping: DDP, ``Float16Module``, a list)."""
     models = model if isinstance(model, list | tuple) else [model]
     return [m for mm in models for m in mm.modules() if isinstance(m, KareusTransformerLayer)]
+
+
+# ------------------------------------------------------------------ the block
+
+#: ``TransformerBlock.forward``'s arguments that are not the plain training call (the
+#: inference, packed-sequence, cross-attention and fused-RoPE inputs): given one, the
+#: chained block runs Megatron's own forward (whose kareus layers refuse what they do not
+#: compute).
+_NOT_PLAIN = ("context", "context_mask", "rotary_pos_cos", "rotary_pos_sin",
+              "rotary_pos_cos_sin", "attention_bias", "inference_context", "packed_seq_params",
+              "sequence_len_offset", "padding_mask", "inference_params",
+              "dynamic_inference_decode_only")
+
+#: Where a chained block keeps the forward it replaced (``None``: the class's).
+_SAVED = "_kareus_unchained_forward"
+
+
+def _blocks(model: Any) -> list[Any]:
+    from megatron.core.transformer.transformer_block import TransformerBlock  # type: ignore[import-untyped, import-not-found]
+
+    models = model if isinstance(model, list | tuple) else [model]
+    return [m for mm in models for m in mm.modules() if isinstance(m, TransformerBlock)]
+
+
+def chain_layers(model: Any) -> Any:
+    """Run the decoder layers of each ``TransformerBlock`` of ``model`` as one
+    [`PlannedStack`][kareus.integrations.PlannedStack], so that each layer's last forward
+    collective overlaps the next layer's first ops as the plan composes them (per layer,
+    it runs exposed at every layer boundary). Returns ``model``.
+
+    Call it once on the built model (any wrapping: ``GPTModel``, DDP, ``Float16Module``, a
+    list), before or after DDP: ``chain_layers(model)``. It replaces the ``forward`` of
+    each block *instance* (``model.decoder``; the class is untouched) by one that, in the
+    plain training call, does what Megatron-Core's ``TransformerBlock.forward`` does with
+    kareus layers: the pipeline's input tensor when the stage does not pre-process, a
+    viewless input, the layers (here: one stack on their ``kareus_weights()``, with the
+    layers' own checks of the mask and the RoPE and one ``[s, b, h] <-> [b, s, h]``
+    transpose each way for the whole stack), the final layernorm when the stage
+    post-processes. The values are those of the layers run one by one.
+
+    Any other call runs Megatron's own block forward, layer by layer (as without
+    ``chain_layers``: same values, the boundary collectives exposed): an inference,
+    packed-sequence, cross-attention or fused-RoPE argument (which the kareus layers then
+    refuse, typed, as they do unchained), a layer whose applier is ``None`` (Megatron's
+    own layer) or not the others', forward hooks on a layer (the stack does not call the
+    layers as modules: DDP's ``overlap_param_gather`` registers such hooks), and the
+    configurations ``workload_from_megatron`` refuses for kareus (``sequence_parallel``,
+    fp8 or fp4, full recomputation in training, CPU offloading); the configuration and
+    hook cases warn once per block. ``unchain_layers(model)`` restores the block's forward.
+
+    Raises:
+        ArgumentError: ``model`` has no ``TransformerBlock``, or one whose layers are not all
+            ``KareusTransformerLayer`` (build them with ``kareus_layer_spec``).
+    """
+    blocks = _blocks(model)
+    if not blocks:
+        raise ArgumentError("chain_layers takes a Megatron-Core model with a TransformerBlock "
+                            "(GPTModel's decoder); this one has none")
+    for block in blocks:
+        other = sorted({type(lay).__name__ for lay in block.layers
+                        if not isinstance(lay, KareusTransformerLayer)})
+        if other:
+            raise ArgumentError(f"chain_layers chains KareusTransformerLayers; this block has "
+                                f"{other}: build the model with kareus_layer_spec(applier)")
+    for block in blocks:
+        if not _is_chained(block):
+            setattr(block, _SAVED, block.__dict__.get("forward"))
+            block._kareus_warned = set()
+            block.forward = types.MethodType(_chained_block_forward, block)
+    return model
+
+
+def unchain_layers(model: Any) -> Any:
+    """Undo [`chain_layers`][kareus.integrations.megatron.chain_layers]: each block of
+    ``model`` runs the forward it had before (Megatron's own, layer by layer). Returns
+    ``model``; a block that is not chained is left as it is."""
+    for block in _blocks(model):
+        if _is_chained(block):
+            saved = block.__dict__.pop(_SAVED)
+            del block.forward
+            if saved is not None:
+                block.forward = saved
+            del block._kareus_warned
+    return model
+
+
+def _is_chained(block: Any) -> bool:
+    fwd = block.__dict__.get("forward")
+    return getattr(fwd, "__func__", None) is _chained_block_forward
+
+
+def _class_forward(block: Any) -> Callable[..., Any]:
+    saved = block.__dict__.get(_SAVED)
+    if saved is not None:
+        return saved  # type: ignore[no-any-return]
+    return functools.partial(type(block).forward, block)
+
+
+def _why_not_chained(block: Any, args: Mapping[str, Any]) -> tuple[str, bool] | None:
+    """Why this call of the block runs Megatron's own forward (and whether to warn), or
+    ``None`` when it is the plain training call the stack runs."""
+    if any(args.get(k) is not None for k in _NOT_PLAIN):
+        return "not the plain training call", False
+    layers = list(block.layers)
+    if not layers:
+        return "no layers", False
+    applier = layers[0].kareus_applier
+    if applier is None or any(lay.kareus_applier is not applier for lay in layers):
+        return "a layer runs Megatron's own forward or another applier", False
+    cfg = block.config
+    for bad, what in ((cfg.sequence_parallel, "sequence_parallel"),
+                      (cfg.fp8 or getattr(cfg, "fp4", None), "fp8 or fp4"),
+                      (cfg.recompute_granularity == "full" and block.training,
+                       "recompute_granularity='full'"),
+                      (cfg.cpu_offloading, "cpu_offloading")):
+        if bad:
+            return f"the config sets {what}", True
+    if any(lay._forward_pre_hooks or lay._forward_hooks for lay in layers):
+        return "a layer has forward hooks (the stack does not call the layers as modules)", True
+    return None
+
+
+def _chained_block_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """``TransformerBlock.forward`` with the kareus layers as one stack (``chain_layers``)."""
+    from megatron.core.utils import WrappedTensor, make_viewless_tensor  # type: ignore[import-untyped, import-not-found]
+
+    own = _class_forward(self)
+    bound = inspect.signature(type(self).forward).bind(self, *args, **kwargs).arguments
+    why = _why_not_chained(self, bound)
+    if why is not None:
+        if why[1] and why[0] not in self._kareus_warned:
+            self._kareus_warned.add(why[0])
+            warnings.warn(f"chain_layers: {why[0]}, so this block runs its kareus layers one "
+                          "by one (each layer's last forward collective exposed)", stacklevel=2)
+        return own(*args, **kwargs)
+    hidden_states = bound["hidden_states"]
+    if isinstance(hidden_states, WrappedTensor):
+        hidden_states = hidden_states.unwrap()
+    if not self.pre_process:
+        hidden_states = self.input_tensor  # set_input_tensor(), as Megatron's block
+    hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
+    layers: list[KareusTransformerLayer] = list(self.layers)
+    first = layers[0]
+    applier = first.kareus_applier
+    assert applier is not None
+    s = int(hidden_states.shape[0])
+    # every layer shares the applier: the first layer's checks hold for all
+    first._check_mask(bound.get("attention_mask"), s)
+    first._check_rope(bound.get("rotary_pos_emb"), s, hidden_states.device)
+    x = hidden_states.transpose(0, 1).contiguous()
+    y = applier.stack(len(layers))(x, [lay.kareus_weights() for lay in layers])
+    hidden_states = y.transpose(0, 1).contiguous()
+    if self.final_layernorm is not None:
+        hidden_states = self.final_layernorm(hidden_states)
+        hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True,
+                                             keep_graph=True)
+    return hidden_states
 
 
 # ------------------------------------------------------------------ the schedule

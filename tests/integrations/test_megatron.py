@@ -228,11 +228,87 @@ def _gpt_matches(config, wl, groups, out):
         _close(my_p[n].detach(), p.detach(), f"weight {n}")
     out["gpt"] = [(ph, k) for ph, k, _ in applier.partitions_run]
     out["losses"] = mine
+    out["exposed"] = {"layers": _exposed_per_forward(applier)}
+    _chained_gpt_matches(config, wl, groups, plan, initial, batches, own_model, own, out)
 
     # An exception inside the wrapper still restores the schedule.
     with pytest.raises(RuntimeError, match="boom"), wrap_schedule(applier):
         raise RuntimeError("boom")
     assert schedules.forward_step is originals[0]
+
+
+def _exposed(partitions):
+    """The exposed forward collectives: forward partitions launched at no slot
+    (``launch_slot=None``: the collective runs after the ops beside it, if any; the last
+    one of a computation has none, keyed by its partner type under a plan,
+    ``"<kind>:tail"`` otherwise)."""
+    return sum(ph == "fwd" and cfg.launch_slot is None for ph, _, cfg in partitions)
+
+
+def _exposed_per_forward(applier):
+    return _exposed(applier.partitions_run) / (2 * MICROBATCHES)  # 2 iterations
+
+
+def _chained_gpt_matches(config, wl, groups, plan, initial, batches, own_model, own, out):
+    """chain_layers: the same training, the block's layers as one PlannedStack; then
+    unchain_layers restores Megatron's block forward."""
+    import megatron_gpt as ex
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    from kareus.errors import ArgumentError
+    from kareus.integrations import PlanApplier
+    from kareus.integrations.megatron import (
+        chain_layers,
+        kareus_layer_spec,
+        unchain_layers,
+        wrap_schedule,
+    )
+
+    with pytest.raises(ArgumentError, match="kareus_layer_spec"):
+        chain_layers(own_model)  # Megatron's own layers
+    applier = PlanApplier(workload=wl, groups=groups, plan=plan, kernels="torch",
+                          rope_base=ex.ROTARY_BASE, record=True)
+    model = ex.build_model(config, kareus_layer_spec(applier), SEQ, "cpu")
+    model.load_state_dict(initial)
+    block = model.decoder
+    assert chain_layers(model) is model and "forward" in vars(block)
+    chain_layers(model)  # again: no change
+    with wrap_schedule(applier):
+        mine = ex.train(model, config, batches, steps=2, seq_len=SEQ)
+    torch.testing.assert_close(torch.tensor(mine), torch.tensor(own), rtol=1e-4, atol=1e-5)
+    own_p, my_p = dict(own_model.named_parameters()), dict(model.named_parameters())
+    for n, p in own_p.items():
+        _close(my_p[n].main_grad, p.main_grad, f"chained main_grad {n}")
+        _close(my_p[n].detach(), p.detach(), f"chained weight {n}")
+    out["exposed"]["chained"] = _exposed_per_forward(applier)
+    out["chained"] = [(ph, k) for ph, k, _ in applier.partitions_run]
+
+    tok, _ = batches[0]
+    pos = torch.arange(SEQ).expand_as(tok)
+    del applier.partitions_run[:]
+    with torch.no_grad(), applier.microbatch(0, "fwd"):
+        chained = model(tok, pos, None)
+        # anything but the plain call runs Megatron's block, whose kareus layers refuse it
+        with pytest.raises(ArgumentError, match="packed_seq_params"):
+            block(hidden_states=torch.zeros(SEQ, MBS, config.hidden_size),
+                  attention_mask=None, packed_seq_params=PackedSeqParams())
+    assert _exposed(applier.partitions_run) == 1
+    # a layer's forward hook: the stack would skip it, so the block runs layer by layer
+    hook = block.layers[0].register_forward_pre_hook(lambda module, args: None)
+    del applier.partitions_run[:]
+    with (torch.no_grad(), applier.microbatch(0, "fwd"),
+          pytest.warns(UserWarning, match="forward hooks")):
+        _close(model(tok, pos, None), chained, "logits, a layer hooked")
+    assert _exposed(applier.partitions_run) == config.num_layers
+    hook.remove()
+    assert unchain_layers(model) is model and "forward" not in vars(block)
+    assert block.forward.__func__ is TransformerBlock.forward
+    unchain_layers(model)  # again: no change
+    del applier.partitions_run[:]
+    with torch.no_grad(), applier.microbatch(0, "fwd"):
+        _close(model(tok, pos, None), chained, "unchained logits")
+    assert _exposed(applier.partitions_run) == config.num_layers
 
 
 class _null:
@@ -282,8 +358,10 @@ def test_kareus_layers_are_megatron_s_layers_over_gloo(tmp_path):
                           check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(TP)]
-    for key in ("sequential", "nanobatching", "kareus", "gpt"):
+    for key in ("sequential", "nanobatching", "kareus", "gpt", "chained"):
         assert res[0][key] and res[1][key] == res[0][key], f"ranks ran different {key}"
+    # the last forward collective of every layer runs exposed; chained, only the block's
+    assert res[0]["exposed"] == {"layers": DIMS["num_layers"], "chained": 1}, res[0]["exposed"]
     assert any(k.startswith("fwd_mlp") for _, k in res[0]["kareus"])
     assert res[0]["losses"] == res[1]["losses"]
 
