@@ -5,8 +5,10 @@ tensor-parallelized with torchtitan's own sharding plan (``model.parallelize``);
 is torchtitan's vocab-parallel cross entropy, the optimizer plain AdamW. kareus takes over
 each ``Llama3TransformerBlock``'s forward and backward schedule (nanobatches, each
 collective at the plan's launch slot with the plan's SM count, the plan's clock per
-microbatch computation); the weights stay torchtitan's parameters. The lines kareus adds
-are marked ``# kareus``.
+microbatch computation); the weights stay torchtitan's parameters. ``apply_plan`` chains
+the decoder's blocks into one stack by default, so each layer's last forward all-reduce
+overlaps the next layer's first ops (``chain=False``: one planned layer per block). The
+lines kareus adds are marked ``# kareus``.
 
 With torchtitan's ``Trainer`` instead of this loop, the two ``with applier.microbatch``
 lines are one call after the trainer is built (pipeline parallelism off)::

@@ -18,7 +18,8 @@ Three functions:
   a ``Llama3Model`` or its config, refusing what kareus's layer does not compute;
 * [`apply_plan`][kareus.integrations.torchtitan.apply_plan]: builds the
   [`PlanApplier`][kareus.integrations.PlanApplier] from the model (its RoPE frequencies,
-  its TP group) and routes each block's forward through it;
+  its TP group) and routes each block's forward through it, the decoder's blocks chained
+  into one stack where they can be;
 * [`wrap_trainer`][kareus.integrations.torchtitan.wrap_trainer]: enters the microbatch
   scopes around the forward and the backward of each microbatch of torchtitan's
   ``Trainer`` (the ``"kareus"`` schedule needs them; a hand-written loop adds the two
@@ -39,6 +40,19 @@ already built and parallelized model, whose parameters stay where they are; torc
 classes are not touched, other models in the process are unaffected, and
 [`remove_plan`][kareus.integrations.torchtitan.remove_plan] restores the block.
 
+**Chained blocks.** One planned layer per block is one autograd node per block, so the last
+forward all-reduce of every layer would run exposed. torchtitan's ``Decoder.forward`` runs
+its blocks back to back (embeddings, then ``for layer in self.layers.values(): h =
+layer(h, attention_masks, positions)`` with nothing in between, then the final norm and
+the LM head), so by default ``apply_plan`` runs them as one
+[`PlannedStack`][kareus.integrations.PlannedStack]: it wraps the decoder's forward on the
+instance (around torchtitan's own redistribution wrapper) to mark the loop, and gives the
+``layers`` container an instance ``values`` that hands that one loop a single callable
+running the stack (every other caller gets the blocks). Blocks with anything around their
+call that a stack would skip (FSDP's ``fully_shard`` hooks, module hooks,
+``torch.compile``) run per block, checked at every forward; ``chain=False`` turns it off,
+``chain=True`` requires it.
+
 Tested with torchtitan 0.3.0 (``pip install "kareus[torchtitan]"``); other versions are
 refused (their model API differs: 0.3 rebuilt it).
 """
@@ -56,7 +70,7 @@ from kareus.integrations._layer import PlanApplier
 from kareus.integrations._weights import LAYER_WEIGHTS, linear, qkv_from_separate
 from kareus.model.workload import ModelArch, Parallelism, Workload
 
-__all__ = ["TESTED_VERSIONS", "apply_plan", "planned_blocks", "remove_plan",
+__all__ = ["TESTED_VERSIONS", "apply_plan", "chained_blocks", "planned_blocks", "remove_plan",
            "workload_from_torchtitan", "wrap_trainer"]
 
 #: The torchtitan releases this adapter is tested with (a ``packaging`` specifier).
@@ -64,6 +78,9 @@ TESTED_VERSIONS = ">=0.3,<0.4"
 
 #: The attribute a planned block keeps its applier under.
 _APPLIER_ATTR = "_kareus_applier"
+
+#: The attribute a chained decoder keeps its chain under.
+_CHAIN_ATTR = "_kareus_chain"
 
 _checked_version: str | None = None
 
@@ -390,8 +407,8 @@ def planned_blocks(model: Any) -> list[Any]:
 
 
 def apply_plan(model: Any, *, workload: Workload, mesh: Any = None, tp_group: Any = None,
-               plan: Any = None, schedule: str | None = None, **applier_kwargs: Any
-               ) -> PlanApplier:
+               plan: Any = None, schedule: str | None = None, chain: bool | None = None,
+               **applier_kwargs: Any) -> PlanApplier:
     """Run every ``Llama3TransformerBlock`` of a built torchtitan model under a plan.
 
     Call it after torchtitan has parallelized the model (``model.parallelize`` or
@@ -399,6 +416,20 @@ def apply_plan(model: Any, *, workload: Workload, mesh: Any = None, tp_group: An
     ``forward`` is replaced on the instance by one that passes the block's input and its
     own parameters (differentiable views) to a planned layer; embeddings, the final norm,
     the LM head, the loss, the optimizer and checkpoints stay torchtitan's.
+
+    **Chaining.** torchtitan's ``Decoder.forward`` runs its blocks back to back
+    (``for layer in self.layers.values(): h = layer(h, attention_masks, positions)``,
+    nothing in between). With ``chain`` on, each decoder whose ``layers`` are all planned
+    blocks runs them as one [`PlannedStack`][kareus.integrations.PlannedStack]
+    (``applier.stack(n)``): each layer's last forward all-reduce overlaps the next layer's
+    first ops, as the plan composes them, so only one forward collective per decoder
+    forward runs exposed instead of one per layer. The decoder's forward is wrapped on the
+    instance (around torchtitan's own, its input/output redistribution included) to mark
+    its loop, and the ``layers`` container's ``values()`` gives that one loop a single
+    callable that runs the stack; every other caller of ``values()`` gets the blocks. A
+    block with anything around its call that a stack would skip (``fully_shard``'s FSDP
+    hooks, any module hook, ``torch.compile``, a forward replaced after this call) runs
+    per block instead, checked at every forward.
 
     Args:
         model: The built, parallelized ``Llama3Model`` (or a pipeline stage of one).
@@ -410,6 +441,9 @@ def apply_plan(model: Any, *, workload: Workload, mesh: Any = None, tp_group: An
         plan: The plan (``kareus.Plan.load("plan.json")``); ``None`` runs a baseline.
         schedule: ``"kareus"`` (the default with a plan), ``"sequential"`` or
             ``"nanobatching"``.
+        chain: ``None`` (the default): chain each decoder's blocks where it can (see
+            above), per block otherwise; ``True``: chain or refuse (``WorkloadError`` saying
+            why, here or at the forward); ``False``: every block per block.
         **applier_kwargs: Passed to [`PlanApplier`][kareus.integrations.PlanApplier]
             (``executor``, ``frequency``, ``kernels``, ``record``, ...); ``rope_inv_freq``
             and ``eps`` come from the model.
@@ -422,11 +456,14 @@ def apply_plan(model: Any, *, workload: Workload, mesh: Any = None, tp_group: An
     Raises:
         WorkloadError: the model is not the workload's, has no Llama 3 block, has a layer
             kareus does not compute, is wrapped in activation checkpointing, or the
-            workload asks for context parallelism.
+            workload asks for context parallelism; ``chain=True`` and a decoder's blocks
+            cannot be chained.
         ArgumentError: the TP group is missing or given twice, or an applier argument the
             model sets.
     """
     check_torchtitan_version()
+    if chain not in (None, True, False):
+        raise ArgumentTypeError(f"chain must be None, True or False, got {chain!r}")
     if not isinstance(workload, Workload):
         raise ArgumentTypeError(f"workload must be a kareus.Workload, got "
                                 f"{type(workload).__name__}")
@@ -454,6 +491,11 @@ def apply_plan(model: Any, *, workload: Workload, mesh: Any = None, tp_group: An
     if not blocks:
         raise WorkloadError("the model has no Llama3TransformerBlock (a pipeline stage "
                             "without layers needs no plan)")
+    if any(hasattr(m, _APPLIER_ATTR) or hasattr(m, _CHAIN_ATTR) for m in model.modules()):
+        raise ArgumentError("a plan is applied to this model already: remove_plan(model) "
+                            "first")
+    # chain=True refuses before anything is replaced
+    decoders = [] if chain is False else _decoders(model, blocks, strict=bool(chain))
     inv = _rope_inv_freq(blocks[0])
     import torch
 
@@ -468,13 +510,23 @@ def apply_plan(model: Any, *, workload: Workload, mesh: Any = None, tp_group: An
     applier = PlanApplier(workload=workload, groups=groups, plan=plan, schedule=schedule,
                           rope_inv_freq=inv, **applier_kwargs)
     layer = applier.layer()
-    for blk in blocks:
-        _plan_block(blk, applier, layer)
+    installed = {id(blk): _plan_block(blk, applier, layer) for blk in blocks}
+    for decoder, own in decoders:
+        _Chain(decoder, own, applier, [installed[id(b)] for b in own], strict=bool(chain))
     return applier
 
 
-def _plan_block(block: Any, applier: PlanApplier, layer: Any) -> None:
-    """Replace ``block``'s forward (on the instance) by the planned layer's."""
+def _check_seq(local: Any, seq: int) -> None:
+    if int(local.shape[1]) != seq:
+        raise WorkloadError(f"the block got sequences of {local.shape[1]} tokens, the "
+                            f"workload {seq} (sequence parallelism or another seq_len): "
+                            "turn sequence parallelism off, make the workload for this "
+                            "seq_len")
+
+
+def _plan_block(block: Any, applier: PlanApplier, layer: Any) -> tuple[Any, _BlockLayout]:
+    """Replace ``block``'s forward (on the instance) by the planned layer's; the forward
+    installed and the block's layout."""
     layout = _BlockLayout(block)
     seq = applier.workload.seq_len // applier.workload.parallelism.cp
 
@@ -482,19 +534,174 @@ def _plan_block(block: Any, applier: PlanApplier, layer: Any) -> None:
                 ) -> Any:
         _check_attention_inputs(x, attention_masks, positions)
         local, rewrap = _unwrap_input(x)
-        if int(local.shape[1]) != seq:
-            raise WorkloadError(f"the block got sequences of {local.shape[1]} tokens, the "
-                                f"workload {seq} (sequence parallelism or another seq_len): "
-                                "turn sequence parallelism off, make the workload for this "
-                                "seq_len")
+        _check_seq(local, seq)
         return rewrap(layer(local, layout.weights(self)))
 
     block.forward = types.MethodType(forward, block)
     setattr(block, _APPLIER_ATTR, applier)
+    return block.__dict__["forward"], layout
+
+
+def _decoders(model: Any, blocks: list[Any], *, strict: bool) -> list[tuple[Any, list[Any]]]:
+    """``(decoder, its blocks)`` of every torchtitan ``Decoder`` in ``model`` whose
+    ``layers`` are all blocks of ``blocks``; with ``strict``, refuse a planned block that no
+    such decoder runs (it could not be chained)."""
+    planned = {id(b) for b in blocks}
+    out, covered = [], set()
+    for m in model.modules():
+        if not isinstance(m, _classes().Decoder):
+            continue
+        own = list(_layers_values(m))
+        if own and all(id(b) in planned for b in own):
+            for b in own if strict else ():
+                why = _around_call(b, None)
+                if why is not None:
+                    raise WorkloadError(f"chain=True: a block of {type(m).__name__} {why}; "
+                                        "pass chain=None to run such blocks per block")
+            out.append((m, own))
+            covered |= {id(b) for b in own}
+        elif strict and any(id(b) in planned for b in own):
+            raise WorkloadError(f"chain=True: {type(m).__name__}.layers holds modules other "
+                                "than Llama3TransformerBlocks: kareus chains a decoder whose "
+                                "layers are all planned; pass chain=None (per block there)")
+    if strict and len(covered) != len(planned):
+        raise WorkloadError("chain=True: some Llama3TransformerBlocks are not the layers of a "
+                            "torchtitan Decoder (whose forward loops over them): pass "
+                            "chain=None to run those per block")
+    return out
+
+
+def _layers_values(decoder: Any) -> Any:
+    """The decoder's blocks in its loop's order (``layers.values()`` of the container's
+    class: not a chain's override)."""
+    import torch
+
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleDict):
+        return ()
+    return torch.nn.ModuleDict.values(layers)
+
+
+def _around_call(block: Any, installed: Any) -> str | None:
+    """What would run around ``block``'s call, which a stack skips (None: nothing);
+    ``installed``: the planned forward the block must still have (None: not checked)."""
+    from torch.nn.modules import module as torch_module
+
+    fsdp: tuple[type, ...] = ()
+    try:
+        from torch.distributed.fsdp import FSDPModule
+
+        fsdp = (FSDPModule,)
+    except ImportError:  # pragma: no cover - torch without distributed
+        pass
+    if isinstance(block, fsdp):
+        return "is sharded by fully_shard (FSDP: its hooks gather the parameters)"
+    if getattr(block, "_compiled_call_impl", None) is not None:
+        return "is compiled (torch.compile)"
+    if (block._forward_pre_hooks or block._forward_hooks or block._backward_hooks
+            or block._backward_pre_hooks):
+        return "has module hooks"
+    if (torch_module._global_forward_pre_hooks or torch_module._global_forward_hooks
+            or torch_module._global_backward_hooks
+            or torch_module._global_backward_pre_hooks):
+        return "would run global module hooks"
+    if installed is not None and block.__dict__.get("forward") is not installed:
+        return "has a forward replaced after apply_plan"
+    return None
+
+
+class _Chain:
+    """One torchtitan decoder's planned blocks, run as one ``PlannedStack`` by the
+    decoder's own loop.
+
+    ``Decoder.forward`` loops ``for layer in self.layers.values(): h = layer(h,
+    attention_masks, positions)``. The decoder's forward is wrapped on the instance
+    (around what was there: torchtitan's redistribution wrapper or the class's) to mark
+    that its loop is running, and ``layers.values`` (an instance attribute of the
+    container) gives the first call of a marked forward a single callable that runs the
+    stack; any other call, or a block that cannot be chained now, gets the blocks."""
+
+    def __init__(self, decoder: Any, blocks: list[Any], applier: PlanApplier,
+                 installed: list[tuple[Any, _BlockLayout]], *, strict: bool) -> None:
+        self.blocks, self.strict = blocks, strict
+        self.installed = [f for f, _ in installed]
+        self.layouts = [lay for _, lay in installed]
+        self.stack = applier.stack(len(blocks))
+        wl = applier.workload
+        self.seq = wl.seq_len // wl.parallelism.cp
+        self.armed = False
+        self.decoder_name = type(decoder).__name__
+        self.own_forward = decoder.__dict__.get("forward")  # torchtitan's wrapper, if any
+        inner = decoder.forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            self.armed = True
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.armed = False
+
+        layers = decoder.layers
+
+        def values() -> Any:
+            if self.armed:
+                self.armed = False
+                why = self.why_not()
+                if why is None:
+                    return (self.run,)
+                if self.strict:
+                    raise WorkloadError(f"chain=True: a block of {self.decoder_name} {why}; "
+                                        "pass chain=None to run such blocks per block")
+            return _layers_values(decoder)
+
+        decoder.forward = forward
+        layers.values = values
+        setattr(decoder, _CHAIN_ATTR, self)
+
+    def why_not(self) -> str | None:
+        """Why the blocks cannot run as one stack now (None: they can)."""
+        for blk, fwd in zip(self.blocks, self.installed, strict=True):
+            why = _around_call(blk, fwd)
+            if why is not None:
+                return why
+        return None
+
+    def run(self, h: Any, attention_masks: Any = None, positions: Any = None) -> Any:
+        """Every block of the decoder on ``h``: what its loop computes."""
+        _check_attention_inputs(h, attention_masks, positions)
+        local, rewrap = _unwrap_input(h)
+        _check_seq(local, self.seq)
+        weights = [lay.weights(blk) for lay, blk in zip(self.layouts, self.blocks,
+                                                         strict=True)]
+        return rewrap(self.stack(local, weights))
+
+    def remove(self, decoder: Any) -> None:
+        del decoder.layers.values
+        if self.own_forward is None:
+            del decoder.forward
+        else:
+            decoder.forward = self.own_forward
+        delattr(decoder, _CHAIN_ATTR)
+
+
+def chained_blocks(model: Any) -> list[Any]:
+    """The planned blocks of ``model`` that its next forward runs as stacks (one per
+    decoder), in module order; the others run per block."""
+    out: list[Any] = []
+    for m in model.modules():
+        chain = getattr(m, _CHAIN_ATTR, None)
+        if isinstance(chain, _Chain) and chain.why_not() is None:
+            out += chain.blocks
+    return out
 
 
 def remove_plan(model: Any) -> int:
-    """Give each planned block its own forward back; the number of blocks restored."""
+    """Give each planned block its own forward back, and each chained decoder its forward
+    and its ``layers``' ``values``; the number of blocks restored."""
+    for m in list(model.modules()):
+        chain = getattr(m, _CHAIN_ATTR, None)
+        if isinstance(chain, _Chain):
+            chain.remove(m)
     n = 0
     for blk in planned_blocks(model):
         if hasattr(blk, _APPLIER_ATTR):

@@ -5,9 +5,12 @@
   separate QKV, with Llama 3.1's scaled RoPE frequencies;
 * two processes over gloo (TP = 2, torchtitan's own TP plan, both SPMD backends):
   a clone with kareus applied runs two microbatches forward and backward under the
-  schedules sequential, nanobatching and kareus; the losses, the logits and every
-  parameter's gradient equal torchtitan's own model, and both ranks record the same
-  partitions.
+  schedules sequential, nanobatching and kareus, the blocks chained into one stack (the
+  default) and per block; the losses, the logits and every parameter's gradient equal
+  torchtitan's own model, both ranks record the same partitions, the chained model runs
+  one exposed forward collective per forward where per block runs one per layer, and
+  remove_plan gives back the identical forwards;
+* blocks with a hook around their call run per block (chain=True refuses them).
 """
 
 from __future__ import annotations
@@ -140,16 +143,20 @@ def test_another_torchtitan_release_is_refused(monkeypatch):
 
 
 @pytest.mark.parametrize("fuse", [False, True])
-@pytest.mark.parametrize("schedule", ["sequential", "nanobatching"])
-def test_a_planned_model_is_torchtitan_s_model(fuse, schedule):
+@pytest.mark.parametrize("schedule,chain", [("sequential", None), ("nanobatching", None),
+                                            ("nanobatching", False)])
+def test_a_planned_model_is_torchtitan_s_model(fuse, schedule, chain):
     # TP = 1: the layout (fused groups, interleaved RoPE rows), the scaled frequencies and
-    # the gradients through the views, without processes.
+    # the gradients through the views, without processes; the blocks chained (the
+    # default) or per block.
     cfg = config(fuse=fuse)
     ref = build(cfg)
     model = copy.deepcopy(ref)
     wl = kt.workload_from_torchtitan(cfg, tp=1, microbatch_size=MBS, seq_len=SEQ,
                                      num_microbatches=1)
-    applier = kt.apply_plan(model, workload=wl, schedule=schedule, kernels="torch")
+    applier = kt.apply_plan(model, workload=wl, schedule=schedule, kernels="torch",
+                            chain=chain)
+    assert len(kt.chained_blocks(model)) == (0 if chain is False else LAYERS)
     inv = applier.rope_inv_freq
     plain = 1.0 / (500000.0 ** (torch.arange(0, 16, 2).float() / 16))
     assert not torch.allclose(inv, plain)  # the scaled frequencies: the check has teeth
@@ -164,8 +171,50 @@ def test_a_planned_model_is_torchtitan_s_model(fuse, schedule):
     got = dict(model.named_parameters())
     for n, p in ref.named_parameters():
         torch.testing.assert_close(got[n].grad, p.grad, rtol=1e-4, atol=1e-6, msg=n)
+    depths = {key[-1] for key in applier._programs}
+    assert depths == ({1} if chain is False else {LAYERS})  # one stack of every layer
     assert kt.remove_plan(model) == LAYERS
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert "values" not in model.layers.__dict__ and kt.chained_blocks(model) == []
     torch.testing.assert_close(model(tokens[:, :-1]), ref(tokens[:, :-1]))
+
+
+def test_blocks_with_anything_around_their_call_run_per_block():
+    # A stack skips the blocks' __call__: a block with a hook (fully_shard's FSDP hooks,
+    # say) runs per block, checked at every forward; chain=True refuses it, typed.
+    cfg = config(fuse=True)
+    ref = build(cfg)
+    model = copy.deepcopy(ref)
+    wl = kt.workload_from_torchtitan(cfg, tp=1, microbatch_size=MBS, seq_len=SEQ,
+                                     num_microbatches=1)
+    applier = kt.apply_plan(model, workload=wl, schedule="nanobatching", kernels="torch")
+    tokens = torch.randint(0, VOCAB, (MBS, SEQ))
+    want = ref(tokens)
+    calls = []
+    handle = model.layers["1"].register_forward_hook(lambda *a: calls.append(1))
+    assert kt.chained_blocks(model) == []
+    torch.testing.assert_close(model(tokens), want, rtol=1e-5, atol=1e-5)
+    assert calls == [1] and {k[-1] for k in applier._programs} == {1}
+    handle.remove()
+    assert len(kt.chained_blocks(model)) == LAYERS
+    torch.testing.assert_close(model(tokens), want, rtol=1e-5, atol=1e-5)
+    assert calls == [1] and {k[-1] for k in applier._programs} == {1, LAYERS}
+    # outside the decoder's forward, layers.values() is the blocks (optimizer hooks, ...)
+    assert list(model.layers.values()) == [model.layers["0"], model.layers["1"]]
+    with pytest.raises(ArgumentError, match="remove_plan"):
+        kt.apply_plan(model, workload=wl, kernels="torch")
+    kt.remove_plan(model)
+    kt.apply_plan(model, workload=wl, schedule="nanobatching", kernels="torch", chain=True)
+    handle = model.layers["0"].register_forward_pre_hook(lambda *a: None)
+    with pytest.raises(WorkloadError, match="chain=True: a block of Llama3Model has module "
+                                            "hooks"):
+        model(tokens)
+    kt.remove_plan(model)
+    with pytest.raises(WorkloadError, match="module hooks"):
+        kt.apply_plan(model, workload=wl, kernels="torch", chain=True)
+    assert not any("forward" in m.__dict__ for m in model.modules())  # nothing replaced
+    with pytest.raises(ArgumentTypeError, match="chain"):
+        kt.apply_plan(model, workload=wl, kernels="torch", chain="yes")
 
 
 def test_apply_plan_refusals():
@@ -256,6 +305,20 @@ def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+#: (schedule, chain) of the runs: torchtitan's own blocks, then kareus's, chained (the
+#: default) and, under the overlapping schedules, per block.
+RUNS = [("torchtitan", None), ("sequential", None), ("nanobatching", None),
+        ("nanobatching", False), ("kareus", None), ("kareus", False)]
+
+
+def _own_forwards(model):
+    """What every module's forward and the layers' ``values`` are (an instance attribute,
+    such as torchtitan's redistribution wrapper of the model's forward, or the class's)."""
+    out = {n: m.__dict__.get("forward") for n, m in model.named_modules()}
+    out["layers.values"] = model.layers.__dict__.get("values")
+    return out
+
+
 def _worker(out_dir: str, backend: str) -> None:
     import torch.distributed as dist
     import torchtitan.distributed.parallel_dims as tt_parallel_dims
@@ -288,30 +351,38 @@ def _worker(out_dir: str, backend: str) -> None:
                                          num_microbatches=2)
         plan = make_workload_plan(wl, pick=1, sms=8, freqs_mhz=(1980, 1410),
                                   unsplit_microbatches=(1,))
-        for schedule in ("torchtitan", "sequential", "nanobatching", "kareus"):
+        for schedule, chain in RUNS:
             model = copy.deepcopy(base)
             with context():
                 model.parallelize(dims)
+            own = _own_forwards(model)
             applier = None
             if schedule != "torchtitan":
                 applier = kt.apply_plan(model, workload=wl, mesh=dims, schedule=schedule,
                                         plan=plan if schedule == "kareus" else None,
-                                        kernels="torch", record=True)
-            losses, logits = [], []
+                                        kernels="torch", record=True, chain=chain)
+            losses, logits, forwards = [], [], []
             for mb in range(wl.num_microbatches):
                 g = torch.Generator().manual_seed(10 + mb)
                 tokens = torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=g)
                 with context():
+                    ran = len(applier.partitions_run) if applier else 0
                     with applier.microbatch(mb, "fwd") if applier else _null():
                         out = model(tokens[:, :-1])
+                    if applier:  # this forward's partitions: (key, launch slot)
+                        forwards.append([(k, cfg.launch_slot) for _, k, cfg
+                                         in applier.partitions_run[ran:]])
                     loss = cross_entropy_loss(out, tokens[:, 1:], global_vocab_size=VOCAB)
                     loss = loss / tokens[:, 1:].numel()
                     with applier.microbatch(mb, "bwd") if applier else _null():
                         loss.backward()
                 losses.append(float(_full(loss).detach()))
                 logits.append(_full(out).detach().clone())
-            result[(fuse, schedule)] = {
-                "losses": losses, "logits": logits,
+            result[(fuse, schedule, chain)] = {
+                "losses": losses, "logits": logits, "forwards": forwards,
+                "chained": len(kt.chained_blocks(model)),
+                "restored": kt.remove_plan(model) if applier else 0,
+                "own_forwards": _own_forwards(model) == own,
                 "grads": {n: _full(p.grad).detach().clone()
                           for n, p in model.named_parameters()},
                 "placements": {n: str(getattr(p.grad, "placements", None))
@@ -345,10 +416,10 @@ def test_gloo_tp2_equals_torchtitan(tmp_path, backend):
     res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     for r in res:
         for fuse in (False, True):
-            want = r[(fuse, "torchtitan")]
-            for schedule in ("sequential", "nanobatching", "kareus"):
-                got = r[(fuse, schedule)]
-                what = f"{backend} fuse={fuse} {schedule}"
+            want = r[(fuse, "torchtitan", None)]
+            for schedule, chain in RUNS[1:]:
+                got = r[(fuse, schedule, chain)]
+                what = f"{backend} fuse={fuse} {schedule} chain={chain}"
                 assert got["losses"] == pytest.approx(want["losses"], rel=1e-5), what
                 for a, b in zip(got["logits"], want["logits"], strict=True):
                     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=what)
@@ -356,11 +427,31 @@ def test_gloo_tp2_equals_torchtitan(tmp_path, backend):
                 for n, g in want["grads"].items():
                     torch.testing.assert_close(got["grads"][n], g, rtol=1e-4, atol=1e-6,
                                                msg=f"{what} {n}")
+                assert got["chained"] == (0 if chain is False else LAYERS), what
+                assert got["restored"] == LAYERS and got["own_forwards"], what
     for fuse in (False, True):
-        for schedule in ("sequential", "nanobatching", "kareus"):
-            parts = [r[(fuse, schedule)]["partitions"] for r in res]
+        for schedule, chain in RUNS[1:]:
+            parts = [r[(fuse, schedule, chain)]["partitions"] for r in res]
             assert parts[0] and parts[0] == parts[1], "ranks ran different partitions"
-        assert any(k.startswith("fwd_mlp") for _, k in res[0][(fuse, "kareus")]["partitions"])
+        assert any(k.startswith("fwd_mlp") for _, k in res[0][(fuse, "kareus", None)]
+                   ["partitions"])
+        # The exposed forward collectives: in a forward cut into nanobatches, a collective
+        # with nothing left to overlap runs in a partition of no ops, launched after them
+        # (launch slot None; named "<kind>:tail" under the baselines). Per block, each
+        # layer's last all-reduce is one; chained, only the decoder's last.
+        for schedule in ("nanobatching", "kareus"):
+            split = [0, 1] if schedule == "nanobatching" else [0]  # the plan: mb 1 unsplit
+            for chain, per_forward in ((False, LAYERS), (None, 1)):
+                forwards = res[0][(fuse, schedule, chain)]["forwards"]
+                for mb in split:
+                    tails = [k for k, slot in forwards[mb] if slot is None]
+                    assert len(tails) == per_forward, (schedule, chain, mb, forwards[mb])
+                    if schedule == "nanobatching":
+                        assert tails == ["all_reduce:tail"] * per_forward
+            # the unsplit microbatch runs the same partitions either way
+            if schedule == "kareus":
+                assert (res[0][(fuse, schedule, None)]["forwards"][1]
+                        == res[0][(fuse, schedule, False)]["forwards"][1])
 
 
 if __name__ == "__main__":
