@@ -168,8 +168,24 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
         self._planned = applier.layer() if applier is not None else None
 
     def kareus_weights(self) -> dict[str, Any]:
-        """This rank's weights in kareus's layout (differentiable views of the parameters)."""
+        """This rank's weights in kareus's layout (differentiable views of the parameters).
+
+        Raises:
+            ArgumentError: a submodule whose weight kareus reads has forward hooks (Megatron
+                DDP's ``overlap_param_gather`` gathers parameters in such hooks): kareus
+                reads the weights without calling those modules, so the hooks would not run.
+        """
         att, mlp = self.self_attention, self.mlp
+        for name, mod in (("input_layernorm", self.input_layernorm),
+                          ("self_attention.linear_qkv", att.linear_qkv),
+                          ("self_attention.linear_proj", att.linear_proj),
+                          ("pre_mlp_layernorm", self.pre_mlp_layernorm),
+                          ("mlp.linear_fc1", mlp.linear_fc1), ("mlp.linear_fc2", mlp.linear_fc2)):
+            if mod._forward_pre_hooks or mod._forward_hooks:
+                raise ArgumentError(f"{name} of layer {self.layer_number} has forward hooks "
+                                    "(Megatron DDP's overlap_param_gather sets some): a kareus "
+                                    "layer reads its weights without calling its modules, so "
+                                    "they would not run; turn overlap_param_gather off")
         wg, wu = gate_up_from_fused(mlp.linear_fc1.weight)
         return {"w_attn_norm": self.input_layernorm.weight,
                 "Wqkv": qkv_from_grouped(att.linear_qkv.weight, heads=self._heads // self._tp,

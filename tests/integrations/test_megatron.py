@@ -162,6 +162,12 @@ def _layer_refusals(lay, emb, config):
         lay._rope_checked.clear()
         with pytest.raises(ArgumentError, match="rope_base"):
             lay(hidden_states=x, attention_mask=None, rotary_pos_emb=other)
+        # A forward hook on a module whose weight kareus reads would not run (Megatron DDP's
+        # overlap_param_gather gathers parameters there): refused
+        handle = lay.mlp.linear_fc1.register_forward_pre_hook(lambda *a: None)
+        with pytest.raises(ArgumentError, match="overlap_param_gather"):
+            lay(hidden_states=x, attention_mask=None, rotary_pos_emb=emb)
+        handle.remove()
     wrong = workload_from_megatron(config, microbatch_size=MBS, seq_len=SEQ,
                                    num_microbatches=MICROBATCHES, vocab_size=64)
     wrong = wrong.with_(model=wrong.model.__class__(**{**wrong.model.to_dict(), "ffn": 128}))
