@@ -636,7 +636,10 @@ def _function() -> Any:
             return (None, None, dx, *dws)
 
     def _per_layer(weights: Sequence[Any], layers: int) -> list[list[Any]]:
-        ws = [w.detach().contiguous() for w in weights]
+        # No copies: the 2-D weights only feed GEMMs, which take a transposed view's layout
+        # (a framework's [out, in] weight as [in, out]); their gradient buffers take the
+        # same strides, so the gradient flows back without a copy either.
+        ws = [w.detach() for w in weights]
         k = len(LAYER_WEIGHTS)
         return [ws[i * k:(i + 1) * k] for i in range(layers)]
 
