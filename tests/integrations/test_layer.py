@@ -283,6 +283,29 @@ def test_a_plan_needs_the_microbatch_scope_and_the_baselines_do_not():
     assert base.layer()(x, w).shape == x.shape
 
 
+def test_the_plan_s_clocks_go_to_the_trigger_given():
+    # The default TorchExecutor requests each computation's clock through frequency=,
+    # once per microbatch computation, at its start.
+    from kareus.exec.executor import plan_frequency
+    from kareus.testing import RecordingTrigger
+
+    wl = workload(2, 2)
+    arch = wl.model
+    plan = make_workload_plan(wl, freqs_mhz=(1980, 1410))
+    trigger = RecordingTrigger()
+    applier = PlanApplier(workload=wl, groups=LoopbackGroups(tp=2, cp=2), plan=plan,
+                          frequency=trigger, kernels="torch")
+    w = planned_weights(shard(full_weights(arch, 1), arch, 2, 0), arch)
+    for mb in (0, 1):
+        x = torch.randn(wl.microbatch_size, wl.seq_len // 2, arch.hidden, requires_grad=True)
+        with applier.microbatch(mb, "fwd"):
+            y = applier.stack(2)(x, [w, w])
+        with applier.microbatch(mb, "bwd"):
+            y.sum().backward()
+    assert trigger.freqs_mhz == [plan_frequency(plan, 0, mb, ph) for mb in (0, 1)
+                                 for ph in ("fwd", "bwd")] == [1980, 1980, 1410, 1410]
+
+
 def test_loopback_groups_get_the_loopback_collective_by_default():
     # One process standing in for TP=2 x CP=2 without executors given: the applier builds
     # the loopback collectives (each collective a real op of its bytes) and runs a plan.
