@@ -489,7 +489,9 @@ def wrap_schedule(applier: PlanApplier) -> Iterator[None]:
     exit, an exception included. The forward's microbatch is the schedule's
     ``current_microbatch`` (counted when not given); the backward's is counted: the
     non-interleaved schedules (no pipelining, 1F1B) run the backwards in forward order.
-    The interleaved (virtual-pipeline) schedule is refused.
+    The interleaved (virtual-pipeline) schedule is refused. Entering a forward-backward
+    call starts the applier ([`start`][kareus.integrations.PlanApplier.start],
+    idempotent), where every rank of every pipeline stage reaches it.
 
     Raises:
         MegatronVersionError: Megatron-Core outside ``TESTED_MEGATRON``.
@@ -528,6 +530,11 @@ def wrap_schedule(applier: PlanApplier) -> Iterator[None]:
         @functools.wraps(fn)
         def run(*args: Any, **kwargs: Any) -> Any:
             counts.reset()
+            # Every rank enters the schedule here, before any pipeline communication: the
+            # place to agree on the plan (a collective over every rank) if the applier was
+            # built with start=False; in the first microbatch scope a later stage would
+            # reach it only after receiving the first stage's output (a deadlock).
+            applier.start()
             return fn(*args, **kwargs)
         return run
 
