@@ -131,7 +131,8 @@ def train(model, config, batches, *, steps, seq_len, applier=None):
                                model=[ddp], num_microbatches=len(batches), seq_length=seq_len,
                                micro_batch_size=batches[0][0].shape[0], forward_only=False)
         opt.step()
-        losses.append(sum(float(o["loss"]) for o in out) / len(out))
+        # only the last pipeline stage sees the loss
+        losses.append(sum(float(o["loss"]) for o in out) / len(out) if out else None)
     return losses
 
 

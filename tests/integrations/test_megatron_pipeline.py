@@ -97,39 +97,14 @@ def _train(model, config, batches):
     pipeline stage: the mean loss of each iteration on the last stage, ``None`` before."""
     import megatron_gpt as ex
     from megatron.core import parallel_state
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func, schedules
 
-    ddp = DistributedDataParallel(
-        config=config, module=model,
-        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                                 overlap_grad_reduce=False,
-                                                 use_distributed_optimizer=False))
-    opt = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.0, bf16=False,
-                        params_dtype=config.params_dtype, clip_grad=1.0,
-                        use_distributed_optimizer=False), [ddp])
-    config.finalize_model_grads_func = finalize_model_grads
-    config.grad_scale_func = opt.scale_loss
-    config.no_sync_func = ddp.no_sync
     forward_backward = get_forward_backward_func()
     assert forward_backward.__name__ == "forward_backward_pipelining_without_interleaving"
     assert forward_backward is schedules.forward_backward_pipelining_without_interleaving
-    losses = []
-    for _ in range(STEPS):
-        ddp.zero_grad_buffer()
-        opt.zero_grad()
-        out = forward_backward(forward_step_func=ex.forward_step, data_iterator=iter(batches),
-                               model=[ddp], num_microbatches=len(batches), seq_length=SEQ,
-                               micro_batch_size=MBS, forward_only=False)
-        opt.step()
-        assert bool(out) == parallel_state.is_pipeline_last_stage()
-        losses.append(sum(float(o["loss"]) for o in out) / len(out) if out else None)
+    losses = ex.train(model, config, batches, steps=STEPS, seq_len=SEQ)
+    last = parallel_state.is_pipeline_last_stage()
+    assert all((loss is not None) == last for loss in losses)
     return losses
 
 
