@@ -96,16 +96,9 @@ class _LayerProgram(DecoderShard):
 
         from kareus.exec.kernels import get_kernels
 
-        arch = workload.model
-        self.layers, self.arch, self.groups, self.backend = int(layers), arch, groups, backend
-        self.tp, self.cp, self.r = groups.tp_size, groups.cp_size, groups.cp_rank
-        self.mbs, self.sq = int(microbatch_size), int(seq_local)
-        self.seq = self.sq * self.cp
+        self.layers, self.backend = int(layers), backend
+        self._shard_dims(workload.model, groups, int(microbatch_size), int(seq_local))
         self.num_microbatches, self.recompute = 1, True
-        self.h, self.hd = arch.hidden, arch.head_dim
-        self.heads, self.kvh = arch.heads // self.tp, arch.kv_heads // self.tp
-        self.f = arch.ffn // self.tp
-        self.q, self.kv = self.heads * self.hd, self.kvh * self.hd
         self.ks, self.torch = get_kernels(kernels), torch
         self.device, self.dtype = torch.device(device), dtype
         self.rope_base, self.rope_inv_freq = float(rope_base), rope_inv_freq
@@ -384,9 +377,9 @@ class PlanApplier:
         shape and depth, shared by every layer or stack of that depth).
 
         Raises:
-            WorkloadError: ``x`` is not ``[batch, seq / CP, hidden]`` of the workload (under a
-                plan: its exact microbatch shape; otherwise a batch that splits into the
-                nanobatches).
+            WorkloadError: ``x`` is not ``[batch, seq / CP, hidden]`` of the workload (under
+                the kareus schedule: the plan's exact microbatch shape; otherwise a batch that
+                splits into the nanobatches).
         """
         wl = self.workload
         if x.dim() != 3 or x.shape[2] != wl.model.hidden:
@@ -394,7 +387,7 @@ class PlanApplier:
                                 f"{wl.model.hidden}], got {tuple(x.shape)}")
         b, s = int(x.shape[0]), int(x.shape[1])
         seq_local = wl.seq_len // wl.parallelism.cp
-        if self.plan is not None and (b, s) != (wl.microbatch_size, seq_local):
+        if self.schedule == "kareus" and (b, s) != (wl.microbatch_size, seq_local):
             raise WorkloadError(f"the plan was made for microbatches of {wl.microbatch_size} x "
                                 f"{seq_local} tokens per rank, the layer got {b} x {s}: make "
                                 "the plan for this shape (kareus optimize --microbatch-size "

@@ -94,14 +94,10 @@ class DecoderShard:
             if n < 1 or microbatch_size % n:
                 raise WorkloadError(f"microbatch_size={microbatch_size} does not split into "
                                     f"{n} nanobatches")
-        self.arch, self.groups, self.backend = arch, groups, backend
-        self.tp, self.cp, self.r = tp, cp, groups.cp_rank
-        self.mbs, self.seq, self.sq = int(microbatch_size), int(seq_len), seq_len // cp
+        self.backend = backend
+        self._shard_dims(arch, groups, int(microbatch_size), seq_len // cp)
         self.num_microbatches = int(num_microbatches)
         self.recompute = bool(recompute)
-        self.h, self.hd = arch.hidden, arch.head_dim
-        self.heads, self.kvh, self.f = arch.heads // tp, arch.kv_heads // tp, arch.ffn // tp
-        self.q, self.kv = self.heads * self.hd, self.kvh * self.hd
         self.v_local = -(-arch.vocab // tp)
         self.v0 = groups.tp_rank * self.v_local
         self.ks = get_kernels(kernels)
@@ -123,6 +119,19 @@ class DecoderShard:
         self.phase = "fwd"
 
     # ------------------------------------------------------------------ parameters
+    def _shard_dims(self, arch: ModelArch, groups: Any, microbatch_size: int,
+                    seq_local: int) -> None:
+        """This rank's dimensions: TP/CP coordinates, tokens, and its share of the heads and
+        the MLP (what every op reads)."""
+        self.arch, self.groups = arch, groups
+        self.tp, self.cp, self.r = groups.tp_size, groups.cp_size, groups.cp_rank
+        self.mbs, self.sq = microbatch_size, seq_local
+        self.seq = seq_local * self.cp
+        self.h, self.hd = arch.hidden, arch.head_dim
+        self.heads, self.kvh = arch.heads // self.tp, arch.kv_heads // self.tp
+        self.f = arch.ffn // self.tp
+        self.q, self.kv = self.heads * self.hd, self.kvh * self.hd
+
     def _shapes(self) -> dict[str, tuple[tuple[int, ...], float, bool]]:
         """name -> (shape, init std (0: ones), sharded over TP)."""
         h, std = self.h, 0.02
