@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import random
 import statistics
@@ -280,6 +281,15 @@ def _profile_iteration(torch: Any, loop: Any, schedule: str) -> dict[str, Any]:
             "span_s": span / 1e6}
 
 
+def loss_rel_diff(a: list[float], b: list[float]) -> float:
+    """Largest relative difference of two loss curves, step by step; ``inf`` when a loss
+    of either is not finite (a NaN compares unequal to everything, and ``max`` over NaNs
+    depends on their order: such runs must not read as equal)."""
+    if len(a) != len(b) or not all(math.isfinite(x) for x in (*a, *b)):
+        return math.inf
+    return max((abs(x - y) / max(abs(x), 1e-9) for x, y in zip(a, b)), default=0.0)
+
+
 def measure_loop(args: argparse.Namespace, log: Any) -> list[dict[str, Any]]:
     """The loop rows: per job, schedule and mode."""
     import torch
@@ -344,12 +354,12 @@ def measure_loop(args: argparse.Namespace, log: Any) -> list[dict[str, Any]]:
             ref = seq_graphed if mode == "graphed" else seq_eager
             eager_losses = runs[(schedule, "eager")][0]["losses"]
             graphed_losses = runs[(schedule, "graphed")][0]["losses"]
-            diff = max(abs(a - b) / max(abs(a), 1e-9)
-                       for a, b in zip(eager_losses, graphed_losses))
+            diff = loss_rel_diff(eager_losses, graphed_losses)
             row = {"job": label, "layers": loop.layers, "workload": wl.to_dict(),
                    "schedule": schedule, "mode": mode, "time_s": t,
                    "vs_sequential": t / ref, **prof.get((schedule, mode), {}),
-                   "loss_rel_diff_eager_vs_graphed": diff, "runs": rs}
+                   "loss_rel_diff_eager_vs_graphed": diff,
+                   "losses_finite": math.isfinite(diff), "runs": rs}
             rows.append(row)
             busy = row.get("busy")
             log(f"{label:20s} {schedule:13s} {mode:8s} {1e3 * t:9.2f} ms  "

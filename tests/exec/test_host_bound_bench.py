@@ -65,3 +65,14 @@ def test_the_emulated_comparison_reads_the_committed_result():
     for r, m in zip(rows, result["partitions"]):
         assert r["measured_eager_over_graphed"] == pytest.approx(m["eager_s"] / m["graphed_s"])
         assert r["emulated_eager_over_graphed"] >= 1.0 - 1e-9
+
+
+def test_loss_curves_with_a_non_finite_loss_never_compare_equal():
+    """A NaN loss made `max` of the relative differences order-dependent (it read 0.0 for
+    runs that had diverged): now any non-finite loss is an infinite difference."""
+    import math
+
+    assert hb.loss_rel_diff([2.0, 1.0], [2.0, 1.01]) == pytest.approx(0.01)
+    assert hb.loss_rel_diff([2.0, math.nan], [2.0, math.nan]) == math.inf
+    assert hb.loss_rel_diff([2.0, 1.0], [2.0, math.inf]) == math.inf
+    assert hb.loss_rel_diff([2.0], [2.0, 1.0]) == math.inf

@@ -17,8 +17,10 @@ around it, its CP group the ranks ``TP`` apart. Two kinds of collective use them
 [`LoopbackGroups`][kareus.exec.train.LoopbackGroups] stand in for a group on one GPU: every
 collective is a real kernel of the collective's size on the stream it is given, computing what the
 group would if every other rank held this rank's data (an all-reduce multiplies by the group size,
-an all-gather repeats the input, a reduce-scatter scales this rank's block). They let the whole loop
-run end to end on one GPU; their times are not those of a group (no link traffic, no SM cap).
+an all-gather repeats the input, a reduce-scatter sums the input's blocks: the adjoint of that
+all-gather, so a backward through the stand-in is the exact gradient of its forward). They let the
+whole loop run end to end on one GPU; their times are not those of a group (no link traffic, no SM
+cap).
 
 torch is imported inside the functions that need it.
 """
@@ -58,6 +60,12 @@ class ParallelGroups:
     tp_rank: int
     cp_size: int
     cp_rank: int
+
+    #: Whether every rank of each group holds this rank's data (a one-process stand-in such
+    #: as [`LoopbackGroups`][kareus.exec.train.LoopbackGroups]): the training loop then draws
+    #: its tokens from this rank's vocabulary shard, so that no token's embedding is the zero
+    #: row a real vocabulary-parallel lookup never produces (see ``TrainingLoop``).
+    replicated: ClassVar[bool] = False
 
     def all_reduce(self, tensor: Any, *, group: str, op: str = "sum") -> Any:
         """Reduce ``tensor`` in place over the ``"tp"`` or ``"cp"`` group (``op``:
@@ -139,6 +147,11 @@ class LoopbackGroups(ParallelGroups):
     """TP and CP groups on one GPU: this process plays rank 0 of each, and every other
     rank holds the same data (a sum multiplies by the group size; a max is the tensor).
 
+    The function such a stand-in computes is not the model's: every rank claims the tokens
+    of this rank's vocabulary shard, so the loss counts the target's logit once per TP rank
+    and can fall below zero as training goes on. It is a deterministic function of the same
+    kernels, for timing the loop and comparing its schedules on one GPU.
+
     Args:
         tp: The tensor-parallel degree to stand in for.
         cp: The context-parallel degree to stand in for.
@@ -149,6 +162,8 @@ class LoopbackGroups(ParallelGroups):
             raise ArgumentError(f"tp and cp must be >= 1, got {tp}, {cp}")
         self.tp_size, self.cp_size = int(tp), int(cp)
         self.tp_rank = self.cp_rank = 0
+
+    replicated: ClassVar[bool] = True
 
     def all_reduce(self, tensor: Any, *, group: str, op: str = "sum") -> Any:
         """What the group's all-reduce gives when every rank holds ``tensor``."""
@@ -228,13 +243,22 @@ class LoopbackGroupCollective(CollectiveBackend):
         return output
 
     def reduce_scatter(self, output: Any, input: Any, stream: Any, sms: int | None) -> Any:
-        """``output`` = ``group_size`` x this rank's block of ``input``, on ``stream``."""
+        """``output`` = the sum of ``input``'s ``group_size`` blocks, on ``stream``.
+
+        This is the adjoint of [`all_gather`][kareus.exec.train.LoopbackGroupCollective.all_gather]
+        (which copies one block to every place): the CP backward reduce-scatters the K/V
+        gradients of every gathered copy, and their sum is the exact gradient of this
+        rank's K/V through the stand-in's forward. (Scaling this rank's block by the group
+        size instead is no gradient of anything: over 28 layers of Qwen3-1.7B at CP=2 it
+        compounds into non-finite gradients in the first step.) It reads the whole input,
+        as a real reduce-scatter does.
+        """
         import torch
 
         self._record("reduce_scatter", int(input.numel()), sms)
         m = output.numel()
         with _on(stream):
-            torch.mul(input.reshape(-1)[:m].view(output.shape), self._size, out=output)
+            torch.sum(input.reshape(self._size, m), dim=0, out=output.view(-1))
         return output
 
 

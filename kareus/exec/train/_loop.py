@@ -310,10 +310,17 @@ class TrainingLoop:
 
     def _data(self, torch: Any, seed: int) -> None:
         m, wl = self.model, self.workload
+        # Stand-in groups (every rank holds this rank's data): tokens from this rank's
+        # vocabulary shard. A token of another shard would get the zero embedding row, which
+        # stays zero through the layers at a sequence's first position, and RMSNorm's
+        # backward at a zero row multiplies the gradient by 1/sqrt(eps) (316) per norm:
+        # non-finite gradients after about 20 layers. A real TP group sums every token's row.
+        lo_id, hi_id = ((m.v0, min(m.v0 + m.v_local, wl.model.vocab))
+                        if getattr(self.groups, "replicated", False) else (0, wl.model.vocab))
         self.batches = []
         for mb in range(wl.num_microbatches):
             g = torch.Generator(device="cpu").manual_seed(seed * 7919 + 104729 + mb)
-            tok = torch.randint(0, wl.model.vocab, (wl.microbatch_size, wl.seq_len + 1),
+            tok = torch.randint(lo_id, hi_id, (wl.microbatch_size, wl.seq_len + 1),
                                 generator=g)
             lo, hi = m.r * m.sq, (m.r + 1) * m.sq
             self.batches.append((tok[:, lo:hi].contiguous().to(m.device),
