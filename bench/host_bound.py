@@ -39,6 +39,7 @@ versions, every row. Clocks are never changed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -47,6 +48,7 @@ import random
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +113,62 @@ def _versions() -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ partitions
+
+
+class ClockSampler:
+    """The GPU's SM clock, sampled by NVML from a thread while a timed window runs.
+
+    Under the H200's 700 W power limit the SM clock sags below its 1980 MHz maximum on
+    long dense work, and a window that follows an idle moment runs at a higher clock than
+    one that follows seconds of work: two timings of the same kernels can differ by their
+    clocks, not by how they were launched. Each window's mean clock is recorded beside
+    its time so that a ratio can be read at equal clocks. Without NVML (or with no
+    permission) it records nothing.
+    """
+
+    def __init__(self, period_s: float = 0.0005, *, nvml: bool = True) -> None:
+        self.period_s = period_s
+        self._handle: Any = None
+        self._nvml: Any = None
+        if not nvml:
+            return
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(
+                int(os.environ.get("KAREUS_BENCH_NVML_INDEX", "0")))
+            self._nvml = pynvml
+        except Exception:  # no NVML: clocks stay unknown
+            self._handle = None
+
+    def mean_mhz(self, fn: Any) -> tuple[Any, float | None]:
+        """Run ``fn()`` while sampling; returns its result and the mean SM clock."""
+        if self._handle is None:
+            return fn(), None
+        import threading
+
+        samples: list[int] = []
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.is_set():
+                with contextlib.suppress(Exception):  # a failed read is skipped
+                    samples.append(self._nvml.nvmlDeviceGetClockInfo(
+                        self._handle, self._nvml.NVML_CLOCK_SM))
+                stop.wait(self.period_s)
+
+        th = threading.Thread(target=sample, daemon=True)
+        th.start()
+        try:
+            out = fn()
+        finally:
+            stop.set()
+            th.join()
+        return out, (statistics.fmean(samples) if samples else None)
+
+
+CLOCKS = ClockSampler(nvml=False)  # main() samples on a GPU
 
 
 def _queued_time_s(torch: Any, step: Any, steps: int) -> tuple[float, bool]:
@@ -198,15 +256,26 @@ def measure_partitions(args: argparse.Namespace, log: Any) -> list[dict[str, Any
             res: dict[str, list[float]] = {"gpu_only_s": [], "eager_s": [], "graphed_s": [],
                                            "compute_only_s": []}
             fed = True
+            mhz: dict[str, list[float]] = {"gpu_only": [], "eager": [], "graphed": []}
+
+            def clocked(key: str, fn: Any, mhz: dict[str, list[float]] = mhz) -> Any:
+                out, m = CLOCKS.mean_mhz(fn)
+                if m is not None:
+                    mhz[key].append(m)
+                return out
+
             for _ in range(args.rounds):
-                q, ok = _queued_time_s(torch, step, args.steps)
+                q, ok = clocked("gpu_only", partial(_queued_time_s, torch, step, args.steps))
                 res["gpu_only_s"].append(q)
                 q, ok2 = _queued_time_s(torch, plain, args.steps)
                 res["compute_only_s"].append(q)
                 fed = fed and ok and ok2
-                res["eager_s"].append(_timed_s(torch, step, args.steps, 1))
-                res["graphed_s"].append(_timed_s(torch, seq.replay, args.steps // 2, 2))
+                res["eager_s"].append(clocked(
+                    "eager", partial(_timed_s, torch, step, args.steps, 1)))
+                res["graphed_s"].append(clocked(
+                    "graphed", partial(_timed_s, torch, seq.replay, args.steps // 2, 2)))
             med = {k: statistics.median(v) for k, v in res.items()}
+            clock = {f"{k}_mhz": (statistics.median(v) if v else None) for k, v in mhz.items()}
             emulated = _emulated_compute_s(part, name, gpu.max_clock_mhz)
             row = {"workload": label, "partition": name, "ops": len(prog.op_names),
                    "collective": kind, "slot": slot, **med,
@@ -217,11 +286,14 @@ def measure_partitions(args: argparse.Namespace, log: Any) -> list[dict[str, Any
                    "graphed_ratio": med["graphed_s"] / med["gpu_only_s"],
                    "eager_busy": min(1.0, med["gpu_only_s"] / med["eager_s"]),
                    "graphed_busy": min(1.0, med["gpu_only_s"] / med["graphed_s"]),
-                   "gpu_only_fed": fed, "rounds": res}
+                   "gpu_only_fed": fed, **clock, "rounds": res, "rounds_mhz": mhz}
             rows.append(row)
             err = row["emulated_compute_error"]
+            cs = "/".join("-" if clock[f"{k}_mhz"] is None else f"{clock[f'{k}_mhz']:.0f}"
+                          for k in ("gpu_only", "eager", "graphed"))
             log(f"{label:24s} {name:18s} gpu-only {1e6 * med['gpu_only_s']:8.1f} us  "
                 f"eager {row['eager_ratio']:5.2f}x  graphed {row['graphed_ratio']:5.2f}x  "
+                f"MHz {cs}  "
                 f"compute {1e6 * med['compute_only_s']:8.1f} us, emulated "
                 f"{'-' if err is None else f'{100 * err:+.1f}%'}")
             del seq, prog, ex
@@ -323,16 +395,22 @@ def measure_loop(args: argparse.Namespace, log: Any) -> list[dict[str, Any]]:
             losses = [loop.step(schedule)]  # warm-up (captures the graphs the first time)
             torch.cuda.synchronize()
             times = []
-            for _ in range(args.loop_steps):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                losses.append(loop.step(schedule))
-                b.record()
-                times.append((a, b))
-            torch.cuda.synchronize()
+
+            def timed(schedule: str = schedule, losses: list[Any] = losses,
+                      times: list[Any] = times, loop: Any = loop) -> None:
+                for _ in range(args.loop_steps):
+                    a = torch.cuda.Event(enable_timing=True)
+                    b = torch.cuda.Event(enable_timing=True)
+                    a.record()
+                    losses.append(loop.step(schedule))
+                    b.record()
+                    times.append((a, b))
+                torch.cuda.synchronize()
+
+            _, mhz = CLOCKS.mean_mhz(timed)
             runs.setdefault((schedule, mode), []).append({
                 "time_s": [a.elapsed_time(b) / 1e3 for a, b in times],
-                "losses": [float(x) for x in losses]})
+                "losses": [float(x) for x in losses], "sm_mhz": mhz})
         log(f"{label}: {len(order)} runs in {time.perf_counter() - t0:.1f} s")
         prof: dict[tuple[str, str], dict[str, Any]] = {}
         for schedule in loop.schedules:
@@ -355,8 +433,10 @@ def measure_loop(args: argparse.Namespace, log: Any) -> list[dict[str, Any]]:
             eager_losses = runs[(schedule, "eager")][0]["losses"]
             graphed_losses = runs[(schedule, "graphed")][0]["losses"]
             diff = loss_rel_diff(eager_losses, graphed_losses)
+            clocks = [r["sm_mhz"] for r in rs if r.get("sm_mhz") is not None]
             row = {"job": label, "layers": loop.layers, "workload": wl.to_dict(),
                    "schedule": schedule, "mode": mode, "time_s": t,
+                   "sm_mhz": statistics.median(clocks) if clocks else None,
                    "vs_sequential": t / ref, **prof.get((schedule, mode), {}),
                    "loss_rel_diff_eager_vs_graphed": diff,
                    "losses_finite": math.isfinite(diff), "runs": rs}
@@ -364,7 +444,8 @@ def measure_loop(args: argparse.Namespace, log: Any) -> list[dict[str, Any]]:
             busy = row.get("busy")
             log(f"{label:20s} {schedule:13s} {mode:8s} {1e3 * t:9.2f} ms  "
                 f"x{row['vs_sequential']:.3f} seq  kernels {row.get('kernels')}  busy "
-                f"{'-' if busy is None else f'{100 * busy:.1f}%'}  loss diff {diff:.2e}")
+                f"{'-' if busy is None else f'{100 * busy:.1f}%'}  loss diff {diff:.2e}  "
+                f"SM {'-' if row['sm_mhz'] is None else round(row['sm_mhz'])} MHz")
         del loop
         torch.cuda.empty_cache()
     return rows
@@ -385,6 +466,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     t_begin = time.perf_counter()
+    global CLOCKS
+    CLOCKS = ClockSampler()
 
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - t_begin:6.1f}s] {msg}", flush=True)
