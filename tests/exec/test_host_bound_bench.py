@@ -76,3 +76,9 @@ def test_loss_curves_with_a_non_finite_loss_never_compare_equal():
     assert hb.loss_rel_diff([2.0, math.nan], [2.0, math.nan]) == math.inf
     assert hb.loss_rel_diff([2.0, 1.0], [2.0, math.inf]) == math.inf
     assert hb.loss_rel_diff([2.0], [2.0, 1.0]) == math.inf
+
+
+def test_the_loss_noise_floor_is_the_spread_of_repeated_runs():
+    runs = [{"losses": [10.0, 2.0]}, {"losses": [10.0, 2.1]}, {"losses": [10.0, 1.98]}]
+    assert hb.loss_noise_floor(runs) == pytest.approx(0.05)
+    assert hb.loss_noise_floor(runs[:1]) is None
