@@ -82,3 +82,19 @@ def test_the_loss_noise_floor_is_the_spread_of_repeated_runs():
     runs = [{"losses": [10.0, 2.0]}, {"losses": [10.0, 2.1]}, {"losses": [10.0, 1.98]}]
     assert hb.loss_noise_floor(runs) == pytest.approx(0.05)
     assert hb.loss_noise_floor(runs[:1]) is None
+
+
+def test_the_clock_sampler_runs_the_window_and_averages_what_nvml_reads(monkeypatch):
+    """Without NVML the window runs and its clock is unknown; with a (fake) NVML, the mean
+    of the SM clocks read while the window ran."""
+    import time
+
+    off = hb.ClockSampler(nvml=False)
+    assert off.mean_mhz(lambda: 7) == (7, None)
+    reads = iter([1500, 1700] + [1600] * 10_000)
+    fake = types.SimpleNamespace(NVML_CLOCK_SM=0,
+                                 nvmlDeviceGetClockInfo=lambda h, kind: next(reads))
+    on = hb.ClockSampler(period_s=0.001, nvml=False)
+    on._handle, on._nvml = object(), fake
+    out, mhz = on.mean_mhz(lambda: time.sleep(0.02) or "done")
+    assert out == "done" and 1500 <= mhz <= 1700
