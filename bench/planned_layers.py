@@ -7,7 +7,9 @@ and backward through ``--layers`` layers, each microbatch in its ``applier.micro
 scopes) on one GPU, the group stood in for by the loopback collective, for each
 (mode, schedule):
 
-* mode: ``layers`` (one node per layer) or ``stack`` (one node for all);
+* mode: ``layers`` (one node per layer) or ``stack`` (one node for all), each eager and,
+  on a GPU, replayed from CUDA graphs (``layers+graphs``, ``stack+graphs``:
+  ``PlanApplier(graphs=True)``; ``--no-graphs`` leaves those rows out);
 * schedule: ``sequential``, ``nanobatching`` and ``kareus`` under a **synthetic** plan
   (``kareus.testing.make_workload_plan``: every partition type at its second slot with 8
   SMs): the figure is of the execution path, not of a searched plan (the loopback does
@@ -68,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tiny", action="store_true",
                     help="a tiny model (hidden 64) for a smoke run of the code path")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--no-graphs", action="store_true",
+                    help="leave out the graphed rows (they need a CUDA GPU)")
     return ap.parse_args(argv)
 
 
@@ -145,16 +149,18 @@ def main(argv: list[str] | None = None) -> int:
     groups = LoopbackGroups(tp=p.tp, cp=p.cp)
     capped, default, _ = make_collectives(groups, backend="loopback")
     plan = make_workload_plan(wl, sms=8)
-    appliers = {s: PlanApplier(workload=wl, groups=groups, plan=plan, schedule=s,
-                               collective=capped, default_collective=default,
-                               kernels=None if cuda else "torch")
-                for s in SCHEDULES}
+    graphs = (False, True) if cuda and not args.no_graphs else (False,)
+    appliers = {g: {s: PlanApplier(workload=wl, groups=groups, plan=plan, schedule=s,
+                                   collective=capped, default_collective=default,
+                                   kernels=None if cuda else "torch", graphs=g)
+                    for s in SCHEDULES} for g in graphs}
     weights = _weights(torch, wl, args.layers, device, dtype)
     g = torch.Generator(device="cpu").manual_seed(1)
     shape = (wl.microbatch_size, wl.seq_len // p.cp, wl.model.hidden)
     xs = [torch.randn(shape, generator=g).to(device, dtype) for _ in range(args.microbatches)]
     dys = [torch.randn(shape, generator=g).to(device, dtype) * 1e-3 for _ in xs]
-    its = {m: Iteration(torch, appliers, m, weights, xs, dys) for m in MODES}
+    its = {m + ("+graphs" if g else ""): Iteration(torch, appliers[g], m, weights, xs, dys)
+           for g in graphs for m in MODES}
 
     def sync() -> None:
         if cuda:
@@ -173,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         b.synchronize()
         return a.elapsed_time(b) / 1e3
 
-    rows = [(m, s) for m in MODES for s in SCHEDULES]
-    for m, s in rows:  # warm-up: programs, buffers, kernels' first launches
+    rows = [(m, s) for m in its for s in SCHEDULES]
+    for m, s in rows:  # warm-up: programs, buffers, kernels' first launches, captures
         timed(m, s)
     times: dict[tuple[str, str], list[float]] = {r: [] for r in rows}
     rng = random.Random(0)
@@ -230,12 +236,12 @@ def _print(rows: list[dict[str, Any]], wl: Any, args: argparse.Namespace, cuda: 
     p = wl.parallelism
     print(f"{wl.model.name} TP={p.tp} CP={p.cp}, {args.layers} layers, {args.microbatches} "
           f"microbatches of {wl.microbatch_size} x {wl.seq_len}; loopback; synthetic plan")
-    head = f"{'mode':<7} {'schedule':<13} {'iteration ms':>12}"
+    head = f"{'mode':<13} {'schedule':<13} {'iteration ms':>12}"
     if cuda:
         head += f" {'GPU-only ms':>11} {'fed':>5} {'busy':>5} {'kernels':>7}"
     print(head)
     for r in rows:
-        line = f"{r['mode']:<7} {r['schedule']:<13} {1e3 * r['iteration_s']:>12.3f}"
+        line = f"{r['mode']:<13} {r['schedule']:<13} {1e3 * r['iteration_s']:>12.3f}"
         if cuda:
             busy, gpu, fed = r.get("busy"), r.get("gpu_only_s"), r.get("fed")
             line += (f" {'n/a' if gpu is None else f'{1e3 * gpu:.3f}':>11} "

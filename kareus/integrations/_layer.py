@@ -45,8 +45,9 @@ reduce-scattered after it): feed each CP rank its contiguous chunk (a framework'
 load-balanced chunking, such as Megatron-Core's two chunks per rank, is another model of
 the data and is refused by the framework adapters).
 
-Execution is eager (the executor's ``graphs`` off): the framework's own CUDA-graph support
-captures around it where it can.
+Execution is eager by default; ``PlanApplier(graphs=True)`` replays each computation from a
+CUDA graph (``kareus.integrations._graphed``): static buffers around the captured program,
+outputs cloned, so a small model's GPU is not held back by the host.
 """
 
 from __future__ import annotations
@@ -165,6 +166,11 @@ class PlanApplier:
             them (Llama 3.1's long-context scaling); ``None``: from ``rope_base``.
         eps: The RMSNorm epsilon (kareus's kernels take ``1e-5``).
         record: Keep the partitions run (``partitions_run``), for checking a schedule.
+        graphs: Replay each computation from a CUDA graph (``kareus.integrations._graphed``:
+            captured on first use per phase, depth and plan choice; inputs copied into
+            static buffers, outputs cloned out), so that a small model's GPU is not held
+            back by the host. Needs a CUDA device and an executor that captures; the
+            default ``False`` launches eagerly.
         start: Agree on the plan with every rank now (``Executor.start``: a collective
             call; pass ``False`` and call [`start`][kareus.integrations.PlanApplier.start]
             yourself where every rank reaches it).
@@ -181,7 +187,7 @@ class PlanApplier:
                  default_collective: Any = None, frequency: Any = None, stage: int = 0,
                  kernels: Any = None, streams: Any = None, rope_base: float = 500000.0,
                  rope_inv_freq: Any = None, eps: float = 1e-5, record: bool = False,
-                 start: bool = True) -> None:
+                 graphs: bool = False, start: bool = True) -> None:
         if not isinstance(workload, Workload):
             raise ArgumentTypeError(f"workload must be a kareus.Workload, got "
                                     f"{type(workload).__name__}")
@@ -219,8 +225,17 @@ class PlanApplier:
         self.plan: Plan | None
         self.executor: Executor | None
         self.baseline: Executor
+        self.graphs = bool(graphs)
         self._build_executors(plan, executor, baseline, collective, default_collective,
                               frequency, streams)
+        if self.graphs:
+            for ex in (self.baseline, self.executor):
+                if ex is not None and not ex.graphs:
+                    raise ArgumentError(
+                        f"graphs=True, but {type(ex).__name__}.graphs is False (no CUDA "
+                        "device, or an executor given without graphs): pass graphs=False "
+                        "or executors that capture")
+        self._runner: Any = None
         self._started = False
         if start:
             self.start()
@@ -272,15 +287,19 @@ class PlanApplier:
             from kareus.exec.train._loop import _no_collective_backend
 
             default_collective = collective = _no_collective_backend()
+        # Graphs on a CUDA device only (a fake stream backend's "graphs" replay nothing)
+        capture = (self.graphs and torch.cuda.is_available()
+                   and (streams is None or bool(streams.supports_graphs)))
         if streams is None and not torch.cuda.is_available():
             streams = RecordingStreamBackend()  # no streams: host order
         if baseline is None:
             baseline = TorchExecutor(collective=default_collective, streams=streams,
-                                     default_collective=default_collective, graphs=False)
+                                     default_collective=default_collective,
+                                     graphs=capture)
         if plan is not None and executor is None:
             executor = TorchExecutor(plan=plan, collective=collective, frequency=frequency,
                                      default_collective=default_collective, streams=streams,
-                                     graphs=False)
+                                     graphs=capture)
         self.baseline, self.executor = baseline, executor
 
     def _default_collectives(self, plan: Plan | None) -> tuple[Any, Any]:
@@ -430,6 +449,28 @@ class PlanApplier:
             Forward: ``(output, inputs of layers 1 ..)``; backward: ``(gradient of x, the
             weight gradients of every layer, layer by layer in LAYER_WEIGHTS order)``.
         """
+        if self.graphs:
+            return self._graphs_runner().run(phase, x, weights, dy, inputs)
+        result, ran = self._run_eager(phase, x, weights, dy, inputs)
+        self._record(phase, ran)
+        return result
+
+    def _graphs_runner(self) -> Any:
+        if self._runner is None:
+            from kareus.integrations._graphed import GraphedRunner
+
+            self._runner = GraphedRunner(self)
+        return self._runner
+
+    def _record(self, phase: str, ran: Sequence[tuple[str, Any]]) -> None:
+        if self.record:
+            self.partitions_run += [(phase, key, cfg) for key, cfg in ran]
+            del self.partitions_run[:-RECORD_KEPT]
+
+    def _run_eager(self, phase: str, x: Any, weights: Sequence[Sequence[Any]], dy: Any,
+                   inputs: Sequence[Any] | None) -> tuple[tuple[Any, list[Any]],
+                                                          list[tuple[str, Any]]]:
+        """``run``'s work, enqueued as it goes; also returns the partitions run."""
         import torch
 
         depth = len(weights)
@@ -472,9 +513,6 @@ class PlanApplier:
                     plan_config_of=(None if self.schedule != "kareus" else
                                     lambda key: plan_config(self.plan, key,  # type: ignore[arg-type]
                                                             ex.current)))
-            if self.record:
-                self.partitions_run += [(phase, key, cfg) for key, cfg in ran]
-                del self.partitions_run[:-RECORD_KEPT]
             if phase == "fwd":
                 out = torch.empty_like(x2)
                 for i in range(n):
@@ -486,11 +524,12 @@ class PlanApplier:
                     for i in range(n):
                         xin[prog.rows(i)] = prog.act[(layer, i)]["x_in"]
                     kept_inputs.append(xin)
-                return out.view(b, s, h), kept_inputs
+                return (out.view(b, s, h), kept_inputs), ran
             dx = torch.empty_like(x2)
             for i in range(n):
                 dx[prog.rows(i)] = prog.act[(0, i)]["dx_in"]
-            return dx.view(b, s, h), [g[name] for g in prog.wgrads for name in LAYER_WEIGHTS]
+            return ((dx.view(b, s, h), [g[name] for g in prog.wgrads for name in LAYER_WEIGHTS]),
+                    ran)
         finally:
             prog.act, prog.head, prog.weights, prog.wgrads = {}, {}, [], []
 

@@ -1,0 +1,159 @@
+"""Planned layers replayed from graphs (``PlanApplier(graphs=True)``), on the CPU.
+
+A CUDA graph cannot be captured here; a stand-in executor whose "graph" re-runs the
+captured bodies on replay reads exactly what a graph reads: the static buffers the
+runner copies the caller's tensors into, and the weights it reads in place. So a stale
+input, a weight that should have been copied, or a capture shared by computations that
+differ shows up as a wrong output or gradient against eager execution. (The clone of
+the outputs and real capture are checked on a GPU: tests/integrations/test_layer_gpu.py.)
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kareus.errors import ArgumentError  # noqa: E402
+from kareus.exec.executor import RecordingStreamBackend, TorchExecutor  # noqa: E402
+from kareus.exec.train import LoopbackGroups, make_collectives  # noqa: E402
+from kareus.integrations import PlanApplier  # noqa: E402
+from kareus.testing import make_workload_plan  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from _reference import full_weights, planned_weights, workload  # noqa: E402
+
+
+class _Rerun:
+    def __init__(self, bodies):
+        self.bodies = bodies
+
+    def replay(self, index=None):
+        for body in self.bodies:
+            body()
+
+
+class RerunExecutor(TorchExecutor):
+    """A TorchExecutor whose graphs re-run their bodies on replay (test stand-in)."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(streams=RecordingStreamBackend(), graphs=True, **kw)
+        self.captured: list[tuple[str, Any]] = []
+
+    def capture(self, name, bodies, *, signature=None, warmup=1):
+        for _ in range(warmup):
+            for body in bodies:
+                body()
+        for body in bodies:
+            body()
+        self.captured.append((name, signature))
+        return _Rerun(bodies)
+
+
+def _applier(wl, *, graphs, plan=None, schedule=None):
+    groups = LoopbackGroups(tp=wl.parallelism.tp, cp=wl.parallelism.cp)
+    capped, default, _ = make_collectives(groups, backend="loopback")
+    kw: dict[str, Any] = {}
+    if graphs:
+        kw["baseline"] = RerunExecutor(collective=default, default_collective=default)
+        if plan is not None:
+            kw["executor"] = RerunExecutor(collective=capped, default_collective=default,
+                                           plan=plan)
+    return PlanApplier(workload=wl, groups=groups, plan=plan, schedule=schedule,
+                       kernels="torch", graphs=graphs, **kw)
+
+
+def _run(applier, params, xs, *, plan):
+    """Two microbatches through a stack of two layers; the weights change in place
+    between them (an optimizer step). Returns outputs, input and weight gradients."""
+    arch = applier.workload.model
+    outs = []
+    for mb, x0 in enumerate(xs):
+        x = x0.clone().requires_grad_(True)
+        ws = [planned_weights(p, arch) for p in params]
+        fwd = applier.microbatch(mb, "fwd") if plan else _null()
+        with fwd:
+            y = applier.stack(len(params))(x, ws)
+        bwd = applier.microbatch(mb, "bwd") if plan else _null()
+        with bwd:
+            (y * (mb + 1.5)).square().sum().backward()
+        grads = {f"{i}.{k}": p.grad.clone() for i, lp in enumerate(params)
+                 for k, p in lp.items()}
+        outs.append((y.detach().clone(), x.grad.clone(), grads))
+        with torch.no_grad():
+            for lp in params:
+                for p in lp.values():
+                    p.sub_(0.01 * p.grad.sign())
+                    p.grad = None
+    return outs
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+@pytest.mark.parametrize("schedule", ["sequential", "nanobatching", "kareus"])
+def test_graphed_planned_stacks_compute_what_eager_ones_do(schedule):
+    wl = workload(tp=1, cp=2)
+    plan = make_workload_plan(wl) if schedule == "kareus" else None
+    xs = [torch.randn(4, 8, wl.model.hidden, generator=torch.Generator().manual_seed(s))
+          for s in (0, 1)]
+    results = []
+    for graphs in (False, True):
+        params = [{k: torch.nn.Parameter(v) for k, v in full_weights(wl.model, seed).items()}
+                  for seed in (1, 2)]
+        applier = _applier(wl, graphs=graphs, plan=plan,
+                           schedule=None if plan else schedule)
+        results.append(_run(applier, params, xs, plan=plan is not None))
+        if graphs:
+            ex = applier.executor if plan is not None else applier.baseline
+            # one forward and one backward graph, captured once: the second microbatch
+            # (other input, updated weights) replays them, unless the plan gives it
+            # another choice
+            assert 2 <= len(ex.captured) <= 4
+            assert applier._runner.captures == len(ex.captured)
+    for (ye, dxe, ge), (yg, dxg, gg) in zip(*results, strict=True):
+        torch.testing.assert_close(yg, ye, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(dxg, dxe, rtol=1e-6, atol=1e-6)
+        for k in ge:
+            torch.testing.assert_close(gg[k], ge[k], rtol=1e-6, atol=1e-6, msg=k)
+
+
+def test_a_weight_that_moves_is_copied_from_then_on():
+    wl = workload(tp=1, cp=2)
+    applier = _applier(wl, graphs=True)
+    arch = wl.model
+    params = [{k: torch.nn.Parameter(v) for k, v in full_weights(arch, 1).items()}]
+    x = torch.randn(4, 8, arch.hidden, generator=torch.Generator().manual_seed(0))
+    stack = applier.stack(1)
+    with torch.no_grad():
+        stack(x, [planned_weights(params[0], arch)])
+    runner = applier._runner
+    (cap,) = runner._graphs.values()
+    # every weight is read where it lay at the capture
+    assert cap.copied == [[False] * 7]
+    names = ["w_attn_norm", "Wqkv", "Wo", "w_mlp_norm", "Wg", "Wu", "Wd"]
+    # a parameter that moves (a framework that reallocates) is captured again, copied
+    params[0]["w1"] = torch.nn.Parameter(params[0]["w1"].detach().clone() * 2)
+    with torch.no_grad():
+        got = stack(x, [planned_weights(params[0], arch)])
+        want = _applier(wl, graphs=False).stack(1)(x, [planned_weights(params[0], arch)])
+    assert runner.captures == 2
+    (cap,) = runner._graphs.values()
+    assert cap.copied[0][names.index("Wg")]
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_graphs_need_executors_that_capture():
+    wl = workload(tp=2)
+    with pytest.raises(ArgumentError, match="graphs=True"):
+        PlanApplier(workload=wl, groups=LoopbackGroups(tp=2), kernels="torch", graphs=True)
