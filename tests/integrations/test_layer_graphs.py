@@ -155,5 +155,12 @@ def test_a_weight_that_moves_is_copied_from_then_on():
 
 def test_graphs_need_executors_that_capture():
     wl = workload(tp=2)
+    groups = LoopbackGroups(tp=2)
+    _, default, _ = make_collectives(groups, backend="loopback")
+    eager = TorchExecutor(collective=default, default_collective=default,
+                          streams=RecordingStreamBackend(), graphs=False)
     with pytest.raises(ArgumentError, match="graphs=True"):
-        PlanApplier(workload=wl, groups=LoopbackGroups(tp=2), kernels="torch", graphs=True)
+        PlanApplier(workload=wl, groups=groups, kernels="torch", baseline=eager, graphs=True)
+    if not torch.cuda.is_available():  # no device: the default executors cannot capture
+        with pytest.raises(ArgumentError, match="graphs=True"):
+            PlanApplier(workload=wl, groups=groups, kernels="torch", graphs=True)
