@@ -146,6 +146,8 @@ def main(argv=None):
     ap.add_argument("--schedule", choices=("kareus", "sequential", "nanobatching"),
                     default=None, help="the layers' schedule (default: kareus, the plan's; "
                     "on one GPU, TP=1, which has no collective to plan: nanobatching)")
+    ap.add_argument("--graphs", action="store_true",
+                    help="replay the kareus layers from CUDA graphs (a GPU only)")
     args = ap.parse_args(argv)
 
     dist.init_process_group("gloo" if args.cpu else "nccl")
@@ -176,6 +178,7 @@ def main(argv=None):
         plan = kareus.optimize(wl, "h200-sxm", budget=8, seed=0, progress=False).select()
     applier = PlanApplier(  # kareus
         workload=wl, plan=plan, schedule=schedule, rope_base=ROTARY_BASE,  # kareus
+        graphs=args.graphs,  # kareus: CUDA graphs around the layers (a GPU only)
         groups=TorchParallelGroups.from_groups(  # kareus
             tp=parallel_state.get_tensor_model_parallel_group()))  # kareus
 
@@ -200,7 +203,7 @@ def main(argv=None):
 
     if dist.get_rank() == 0:
         print(f"TP={tp}, {'CPU, fp32' if args.cpu else 'GPU, bf16'}; kareus layers under the "
-              f"{schedule} schedule" + (
+              f"{schedule} schedule{', graphed' if args.graphs else ''}" + (
             "" if plan is None else f", plan {plan.digest[:12]} ({plan.time_s * 1e3:.2f} "
             f"ms/iteration on {plan.gpu}, emulated unless measured)"))
         print("step  Megatron layers   kareus layers")
