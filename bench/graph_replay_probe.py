@@ -138,14 +138,8 @@ def probe(args: argparse.Namespace, torch: Any, clocks: Any) -> list[dict[str, A
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        import torch
-    except ImportError:
-        print("graph_replay_probe.py: torch is not installed", file=sys.stderr)
-        return 2
-    if not torch.cuda.is_available():
-        print("graph_replay_probe.py: no CUDA GPU visible: this probe measures a GPU",
-              file=sys.stderr)
+    torch = hb.cuda_torch("graph_replay_probe.py")
+    if torch is None:
         return 2
     out: dict[str, Any] = {
         "bench": "graph_replay_probe",

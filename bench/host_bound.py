@@ -475,19 +475,26 @@ def measure_loop(args: argparse.Namespace, log: Any) -> list[dict[str, Any]]:
     return rows
 
 
+def cuda_torch(script: str) -> Any:
+    """torch, when it sees a CUDA GPU; else ``None`` after a one-line reason on stderr."""
+    try:
+        import torch
+    except ImportError:
+        print(f"{script}: torch is not installed (pip install torch)", file=sys.stderr)
+        return None
+    if not torch.cuda.is_available():
+        print(f"{script}: no CUDA GPU visible: this bench measures a GPU", file=sys.stderr)
+        return None
+    return torch
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the bench; exit 2 without a CUDA GPU."""
     args = parse_args(argv)
     if args.quick:
         args.steps, args.rounds, args.loop_steps, args.loop_repeats = 8, 1, 2, 1
-    try:
-        import torch
-    except ImportError:
-        print("host_bound.py: torch is not installed (pip install torch)", file=sys.stderr)
-        return 2
-    if not torch.cuda.is_available():
-        print("host_bound.py: no CUDA GPU visible: this bench measures a GPU",
-              file=sys.stderr)
+    torch = cuda_torch("host_bound.py")
+    if torch is None:
         return 2
     t_begin = time.perf_counter()
     global CLOCKS

@@ -88,15 +88,29 @@ def test_bf16_planned_layer_matches_the_reference(schedule):
         _as_close_as_torch(p[k].grad, tb[k].grad, ref_p[k].grad, k)
 
 
-def test_loopback_plan_runs_every_schedule_alike_on_cuda_streams():
+def _loopback_tp4_cp2():
+    """A TP=4 x CP=2 workload stood in for by loopback collectives on CUDA, its plan, and
+    one rank's bf16 weights."""
     wl = workload(4, 2)
-    arch = wl.model
     groups = LoopbackGroups(tp=4, cp=2)
     capped, default, _ = make_collectives(groups, backend="loopback")
     plan = make_workload_plan(wl, sms=16, freqs_mhz=(1980, 1410), unsplit_microbatches=(1,))
+    p = {k: v.to("cuda", torch.bfloat16).requires_grad_(True)
+         for k, v in shard(full_weights(wl.model, 1), wl.model, 4, 0).items()}
+    return wl, groups, capped, default, plan, p
+
+
+def _take_grads(p):
+    grads = {k: v.grad.clone() for k, v in p.items()}
+    for v in p.values():
+        v.grad = None
+    return grads
+
+
+def test_loopback_plan_runs_every_schedule_alike_on_cuda_streams():
+    wl, groups, capped, default, plan, p = _loopback_tp4_cp2()
+    arch = wl.model
     dev = torch.device("cuda")
-    p = {k: v.to(dev, torch.bfloat16).requires_grad_(True)
-         for k, v in shard(full_weights(arch, 1), arch, 4, 0).items()}
     g = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(4, 256, arch.hidden, generator=g).to(dev, torch.bfloat16)
     results = {}
@@ -117,10 +131,7 @@ def test_loopback_plan_runs_every_schedule_alike_on_cuda_streams():
             with applier.microbatch(mb, "bwd"):
                 y.float().square().mean().backward()
             outs.append((y.detach(), xm.grad))
-        grads = {k: v.grad.clone() for k, v in p.items()}
-        for v in p.values():
-            v.grad = None
-        results[schedule] = (outs, grads)
+        results[schedule] = (outs, _take_grads(p))
         if schedule.startswith("kareus"):
             assert applier.partitions_run
             assert {cfg.comm_sms for _, _, cfg in applier.partitions_run} == {16}
@@ -140,14 +151,9 @@ def test_graphed_planned_stacks_equal_eager_ones_on_cuda():
     """PlanApplier(graphs=True) on CUDA streams (loopback TP=4 x CP=2 plan): two
     microbatches of other inputs through a graphed stack equal eager execution, and the
     first microbatch's output and gradients are not overwritten by the second replay."""
-    wl = workload(4, 2)
+    wl, groups, capped, default, plan, p = _loopback_tp4_cp2()
     arch = wl.model
-    groups = LoopbackGroups(tp=4, cp=2)
-    capped, default, _ = make_collectives(groups, backend="loopback")
-    plan = make_workload_plan(wl, sms=16, freqs_mhz=(1980, 1410), unsplit_microbatches=(1,))
     dev = torch.device("cuda")
-    p = {k: v.to(dev, torch.bfloat16).requires_grad_(True)
-         for k, v in shard(full_weights(arch, 1), arch, 4, 0).items()}
     g = torch.Generator(device="cpu").manual_seed(0)
     xs = [torch.randn(4, 256, arch.hidden, generator=g).to(dev, torch.bfloat16)
           for _ in range(2)]
@@ -165,10 +171,7 @@ def test_graphed_planned_stacks_equal_eager_ones_on_cuda():
                 with applier.microbatch(mb, "bwd"):
                     y.float().square().mean().backward()
                 outs.append((y.detach(), xm.grad))
-            grads = {k: v.grad.clone() for k, v in p.items()}
-            for v in p.values():
-                v.grad = None
-            results[(schedule, graphs)] = (outs, grads)
+            results[(schedule, graphs)] = (outs, _take_grads(p))
             if graphs:
                 assert applier._runner.captures >= 2
     torch.cuda.synchronize()
