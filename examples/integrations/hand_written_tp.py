@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -161,23 +162,16 @@ def train(model, batches, *, steps, applier=None):
         opt.zero_grad()
         total = 0.0
         for mb, (tokens, labels) in enumerate(batches):
-            with scope(mb, "fwd") if scope else _null():  # kareus
+            with scope(mb, "fwd") if scope else nullcontext():  # kareus
                 logits = model(tokens)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()) / len(batches)
-            with scope(mb, "bwd") if scope else _null():  # kareus
+            with scope(mb, "bwd") if scope else nullcontext():  # kareus
                 loss.backward()
             total += float(loss.detach())
         opt.step()
         losses.append(total)
     return losses
 
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def main(argv=None):

@@ -39,6 +39,7 @@ import argparse
 import copy
 import os
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -99,24 +100,17 @@ def train(model, batches, *, steps, context, applier=None):
         total = 0.0
         for mb, (tokens, labels) in enumerate(batches):
             with context():
-                with applier.microbatch(mb, "fwd") if applier else _null():  # kareus
+                with applier.microbatch(mb, "fwd") if applier else nullcontext():  # kareus
                     logits = model(tokens)
                 loss = cross_entropy_loss(logits, labels, global_vocab_size=VOCAB)
                 loss = loss / (labels.numel() * len(batches))
-                with applier.microbatch(mb, "bwd") if applier else _null():  # kareus
+                with applier.microbatch(mb, "bwd") if applier else nullcontext():  # kareus
                     loss.backward()
             total += float((loss.full_tensor() if hasattr(loss, "full_tensor") else loss).detach())
         opt.step()
         losses.append(total)
     return losses
 
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def main(argv=None):

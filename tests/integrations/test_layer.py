@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -37,6 +36,7 @@ from kareus.testing import RecordingExecutor, make_workload_plan  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from _ranks import run_ranks  # noqa: E402
 from _reference import full_weights, layer, planned_weights, shard, workload  # noqa: E402
 
 REPO = HERE.parents[1]
@@ -426,14 +426,7 @@ def _reference_run(arch, microbatches, mbs, seq):
 @pytest.mark.slow
 @pytest.mark.parametrize(("world", "tp"), [(2, 2), (4, 2)])
 def test_gloo_ranks_match_the_whole_layer(tmp_path, world, tp):
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{HERE}", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
-           f"--master_port={29741 + world}", str(Path(__file__).resolve()), str(tmp_path),
-           str(tp)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600,
-                          check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    res = run_ranks(__file__, tmp_path, world, str(tp))
     cp = world // tp
     wl = workload(tp, cp, microbatches=2)
     arch = wl.model

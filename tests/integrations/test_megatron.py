@@ -21,8 +21,8 @@ the parent checks that both ranks ran the same partitions.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -102,12 +102,12 @@ def _layers_match(config, wl, groups, emb, out):
             g = torch.Generator().manual_seed(100 + mb)
             x = torch.randn(SEQ, MBS, config.hidden_size, generator=g).requires_grad_(True)
             c = torch.randn(SEQ, MBS, config.hidden_size, generator=g)
-            with applier.microbatch(mb, "fwd") if applier else _null():
+            with applier.microbatch(mb, "fwd") if applier else nullcontext():
                 y = x
                 for lay in layers:
                     y, ctx = lay(hidden_states=y, attention_mask=None, rotary_pos_emb=emb)
                     assert ctx is None and y.shape == x.shape
-            with applier.microbatch(mb, "bwd") if applier else _null():
+            with applier.microbatch(mb, "bwd") if applier else nullcontext():
                 (y * c).sum().backward()
             outs.append((y.detach(), x.grad.clone()))
         return outs, [{n: p.grad.clone() for n, p in lay.named_parameters()} for lay in layers]
@@ -317,13 +317,6 @@ def _chained_gpt_matches(config, wl, groups, plan, initial, batches, own_model, 
     assert _exposed(applier.partitions_run) == config.num_layers
 
 
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
 
 def _worker(out_dir: str) -> None:
     import torch.distributed as dist
@@ -357,13 +350,9 @@ def _worker(out_dir: str) -> None:
 
 @pytest.mark.slow
 def test_kareus_layers_are_megatron_s_layers_over_gloo(tmp_path):
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{HERE}", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={TP}",
-           "--master_port=29763", str(Path(__file__).resolve()), str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600,
-                          check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(TP)]
+    from _ranks import run_ranks  # tests/integrations, on sys.path under pytest
+
+    res = run_ranks(__file__, tmp_path, TP)
     for key in ("sequential", "nanobatching", "kareus", "gpt", "chained"):
         assert res[0][key] and res[1][key] == res[0][key], f"ranks ran different {key}"
     # the last forward collective of every layer runs exposed; chained, only the block's

@@ -29,7 +29,6 @@ parent checks that the TP ranks of a stage ran the same partitions.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -218,13 +217,9 @@ def _worker(out_dir: str) -> None:
 @pytest.mark.slow
 def test_kareus_layers_under_megatron_s_1f1b_pipeline_over_gloo(tmp_path):
     world = TP * PP
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{HERE}", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
-           "--master_port=29764", str(Path(__file__).resolve()), str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600,
-                          check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    from _ranks import run_ranks  # tests/integrations, on sys.path under pytest
+
+    res = run_ranks(__file__, tmp_path, world)
     by_stage: dict = {}
     for r in res:
         by_stage.setdefault(r["stage"], []).append(r)

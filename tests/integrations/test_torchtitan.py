@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import copy
 import os
-import subprocess
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -265,12 +265,11 @@ def test_wrap_trainer_enters_the_scopes_per_microbatch():
                                                  reduction="sum") / n
         return loss, None
 
-    import contextlib
 
     class Trainer:
         parallel_dims = SimpleNamespace(pp_enabled=False)
         model_parts = [model]
-        train_context = staticmethod(contextlib.nullcontext)
+        train_context = staticmethod(nullcontext)
 
         def __init__(self):
             self.loss_fn = loss_fn
@@ -367,14 +366,14 @@ def _worker(out_dir: str, backend: str) -> None:
                 tokens = torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=g)
                 with context():
                     ran = len(applier.partitions_run) if applier else 0
-                    with applier.microbatch(mb, "fwd") if applier else _null():
+                    with applier.microbatch(mb, "fwd") if applier else nullcontext():
                         out = model(tokens[:, :-1])
                     if applier:  # this forward's partitions: (key, launch slot)
                         forwards.append([(k, cfg.launch_slot) for _, k, cfg
                                          in applier.partitions_run[ran:]])
                     loss = cross_entropy_loss(out, tokens[:, 1:], global_vocab_size=VOCAB)
                     loss = loss / tokens[:, 1:].numel()
-                    with applier.microbatch(mb, "bwd") if applier else _null():
+                    with applier.microbatch(mb, "bwd") if applier else nullcontext():
                         loss.backward()
                 losses.append(float(_full(loss).detach()))
                 logits.append(_full(out).detach().clone())
@@ -395,25 +394,13 @@ def _worker(out_dir: str, backend: str) -> None:
     dist.destroy_process_group()
 
 
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["spmd_types", "partial_dtensor"])
 def test_gloo_tp2_equals_torchtitan(tmp_path, backend):
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{HERE}", OMP_NUM_THREADS="1")
-    # --standalone: a free port of its own (other suites may run beside this one)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(Path(__file__).resolve()), str(tmp_path), backend]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600,
-                          check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    from _ranks import run_ranks  # tests/integrations, on sys.path under pytest
+
+    res = run_ranks(__file__, tmp_path, 2, backend)
     for r in res:
         for fuse in (False, True):
             want = r[(fuse, "torchtitan", None)]
