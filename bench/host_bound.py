@@ -86,6 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--loop-steps", type=int, default=3, help="timed iterations per loop run")
     ap.add_argument("--loop-repeats", type=int, default=2, help="runs per loop schedule+mode")
     ap.add_argument("--quick", action="store_true", help="fewer steps and rounds (smoke run)")
+    ap.add_argument("--trace-dir", type=Path, default=None,
+                    help="write each profiled loop iteration here as a Chrome trace")
     ap.add_argument("--only", default=None,
                     help="comma-separated labels (substrings) of the workloads to run")
     return ap.parse_args(argv)
@@ -333,34 +335,72 @@ _EMU: dict[str, Any] = {}
 # ------------------------------------------------------------------ the loop
 
 
-def _profile_iteration(torch: Any, loop: Any, schedule: str) -> dict[str, Any]:
-    """Kernels of one iteration and the GPU-busy fraction of their span."""
+#: Upper ends (us) of the idle-gap bins of ``kernel_timeline``.
+GAP_BINS_US = (1.0, 2.0, 3.0, 5.0, 10.0, 50.0, math.inf)
+
+
+def kernel_timeline(kernels: list[tuple[float, float, str]],
+                    top: int = 15) -> dict[str, Any]:
+    """What one iteration's kernels say about feeding: ``kernels`` are ``(start_us,
+    end_us, name)`` of every kernel (any stream). Busy = the union of their intervals
+    over the span (first start to last end); every idle gap between busy stretches is
+    binned by length (``gaps``: count and idle time per bin, upper ends
+    ``GAP_BINS_US``) and charged to the kernel that ends it (``top_kernels``: per kernel
+    name, calls, GPU time, idle time before it, the ``top`` names with most idle time
+    first): where a graph's launches leave the GPU waiting."""
+    if not kernels:
+        return {"kernels": 0, "busy": None, "span_s": None}
+    ks = sorted(kernels)
+    busy = idle = 0.0
+    cur_s, cur_e = ks[0][0], ks[0][1]
+    bins = [[0, 0.0] for _ in GAP_BINS_US]
+    per: dict[str, list[float]] = {}
+    for s, e, name in ks:
+        rec = per.setdefault(name, [0, 0.0, 0.0])
+        rec[0] += 1
+        rec[1] += e - s
+        if s > cur_e:
+            busy += cur_e - cur_s
+            gap = s - cur_e
+            idle += gap
+            rec[2] += gap
+            b = next(i for i, hi in enumerate(GAP_BINS_US) if gap <= hi)
+            bins[b][0] += 1
+            bins[b][1] += gap
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    span = max(e for _, e, _ in ks) - ks[0][0]
+    names = sorted(per.items(), key=lambda kv: -kv[1][2])[:top]
+    return {"kernels": len(ks), "busy": busy / span if span > 0 else None,
+            "span_s": span / 1e6, "idle_s": idle / 1e6,
+            "gaps": [{"up_to_us": hi, "count": n, "idle_s": t / 1e6}
+                     for hi, (n, t) in zip(GAP_BINS_US, bins)],
+            "top_kernels": [{"name": n[:120], "calls": int(c), "gpu_s": g / 1e6,
+                             "idle_before_s": i / 1e6} for n, (c, g, i) in names]}
+
+
+def _profile_iteration(torch: Any, loop: Any, schedule: str,
+                       trace: Path | None = None) -> dict[str, Any]:
+    """Kernels of one iteration, the GPU-busy fraction of their span and where the GPU
+    waited (``kernel_timeline``); the profile as a Chrome trace at ``trace``, if given."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         loop.step(schedule)
         torch.cuda.synchronize()
-    spans = []
+    kernels = []
     for ev in prof.events():
         if getattr(ev, "device_type", None) is None:
             continue
         if str(ev.device_type).endswith("CUDA"):
-            spans.append((ev.time_range.start, ev.time_range.end))
-    if not spans:
-        return {"kernels": 0, "busy": None, "span_s": None}
-    spans.sort()
-    busy, cur_s, cur_e = 0.0, spans[0][0], spans[0][1]
-    for s, e in spans[1:]:
-        if s > cur_e:
-            busy += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    busy += cur_e - cur_s
-    span = max(e for _, e in spans) - spans[0][0]
-    return {"kernels": len(spans), "busy": busy / span if span > 0 else None,
-            "span_s": span / 1e6}
+            kernels.append((ev.time_range.start, ev.time_range.end, str(ev.name)))
+    if trace is not None:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace))
+    return kernel_timeline(kernels)
 
 
 def loss_rel_diff(a: list[float], b: list[float]) -> float:
@@ -439,8 +479,10 @@ def measure_loop(args: argparse.Namespace, log: Any) -> list[dict[str, Any]]:
                 loop.graphs = mode == "graphed"
                 loop.reset()
                 loop.step(schedule)
+                trace = (None if args.trace_dir is None else args.trace_dir /
+                         f"{label.replace(' ', '_')}_{schedule}_{mode}.json")
                 try:
-                    prof[(schedule, mode)] = _profile_iteration(torch, loop, schedule)
+                    prof[(schedule, mode)] = _profile_iteration(torch, loop, schedule, trace)
                 except Exception as exc:  # the profiler is optional here
                     prof[(schedule, mode)] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
         trigger.close()
@@ -470,6 +512,10 @@ def measure_loop(args: argparse.Namespace, log: Any) -> list[dict[str, Any]]:
                 f"{'-' if busy is None else f'{100 * busy:.1f}%'}  loss diff {diff:.2e} "
                 f"(repeats {'-' if floor is None else f'{floor:.2e}'})  "
                 f"SM {'-' if row['sm_mhz'] is None else round(row['sm_mhz'])} MHz")
+            if row.get("gaps"):
+                log("    idle gaps (<= us: count, ms): " + ", ".join(
+                    f"{g['up_to_us']:g}: {g['count']}, {1e3 * g['idle_s']:.1f}"
+                    for g in row["gaps"]))
         del loop
         torch.cuda.empty_cache()
     return rows

@@ -3,6 +3,7 @@ GPU-busy fraction it computes from a profile's kernel intervals."""
 
 from __future__ import annotations
 
+import math
 import types
 
 import pytest
@@ -26,6 +27,7 @@ def test_busy_fraction_is_the_union_of_kernel_intervals_over_their_span(monkeypa
         def __init__(self, start, end):
             self.device_type = "DeviceType.CUDA"
             self.time_range = types.SimpleNamespace(start=start, end=end)
+            self.name = "k"
 
     events = [Ev(0, 10), Ev(5, 20), Ev(30, 40), Ev(40, 50)]  # busy 20 + 20 of 50
 
@@ -48,6 +50,26 @@ def test_busy_fraction_is_the_union_of_kernel_intervals_over_their_span(monkeypa
     assert out["kernels"] == 4
     assert out["busy"] == pytest.approx(40 / 50)
     assert out["span_s"] == pytest.approx(50e-6)
+    assert out["idle_s"] == pytest.approx(10e-6)
+
+
+def test_idle_gaps_are_binned_and_charged_to_the_kernel_that_ends_them():
+    ks = [(0.0, 10.0, "gemm"), (11.5, 20.0, "norm"), (20.0, 30.0, "gemm"),
+          (34.0, 40.0, "add"), (35.0, 36.0, "comm"), (100.0, 110.0, "gemm")]
+    out = hb.kernel_timeline(ks)
+    assert out["kernels"] == 6 and out["span_s"] == pytest.approx(110e-6)
+    assert out["busy"] == pytest.approx((30 - 1.5 + 6 + 10) / 110)
+    assert out["idle_s"] == pytest.approx((1.5 + 4 + 60) * 1e-6)
+    by_bin = {g["up_to_us"]: (g["count"], g["idle_s"]) for g in out["gaps"]}
+    assert by_bin[2.0] == (1, pytest.approx(1.5e-6))
+    assert by_bin[5.0] == (1, pytest.approx(4e-6))
+    assert by_bin[math.inf] == (1, pytest.approx(60e-6))
+    assert sum(c for c, _ in by_bin.values()) == 3
+    top = {k["name"]: k for k in out["top_kernels"]}
+    assert [k["name"] for k in out["top_kernels"]][:3] == ["gemm", "add", "norm"]
+    assert top["gemm"]["calls"] == 3 and top["gemm"]["gpu_s"] == pytest.approx(30e-6)
+    assert top["comm"]["idle_before_s"] == 0.0  # inside a busy stretch
+    assert hb.kernel_timeline([]) == {"kernels": 0, "busy": None, "span_s": None}
 
 
 def test_the_emulated_comparison_reads_the_committed_result():
