@@ -13,8 +13,9 @@ setting, in its own process (settings that are environment variables must be set
 CUDA starts):
 
 * ``default``: as the loop runs.
-* ``lt_no_workspace``: ``CUBLASLT_WORKSPACE_SIZE=0`` (torch's cuBLASLt workspace, KiB)
-  and ``CUBLAS_WORKSPACE_CONFIG=:0:0``.
+* ``no_workspace``: ``CUBLASLT_WORKSPACE_SIZE=0`` (torch's cuBLASLt workspace, KiB)
+  and ``CUBLAS_WORKSPACE_CONFIG=:0:0`` (the cuBLAS handle's); ``lt_no_workspace`` and
+  ``cublas_no_workspace``: each of the two alone.
 * ``cublas``: ``torch.backends.cuda.preferred_blas_library("cublas")``.
 * ``tunableop``: PyTorch TunableOp picks each GEMM's algorithm by timing (tuned eagerly
   before capture).
@@ -51,15 +52,29 @@ import host_bound as hb  # noqa: E402  (the same timeline and refusal helpers)
 #: name -> (environment, preferred BLAS library or None).
 SETTINGS: dict[str, tuple[dict[str, str], str | None]] = {
     "default": ({}, None),
-    "lt_no_workspace": ({"CUBLASLT_WORKSPACE_SIZE": "0", "CUBLAS_WORKSPACE_CONFIG": ":0:0"},
-                        None),
+    "no_workspace": ({"CUBLASLT_WORKSPACE_SIZE": "0", "CUBLAS_WORKSPACE_CONFIG": ":0:0"},
+                     None),
+    "lt_no_workspace": ({"CUBLASLT_WORKSPACE_SIZE": "0"}, None),
+    "cublas_no_workspace": ({"CUBLAS_WORKSPACE_CONFIG": ":0:0"}, None),
     "cublas": ({}, "cublas"),
     "tunableop": ({"PYTORCH_TUNABLEOP_ENABLED": "1", "PYTORCH_TUNABLEOP_TUNING": "1",
                    "PYTORCH_TUNABLEOP_VERBOSE": "0"}, None),
 }
 
-#: Qwen3-1.7B at TP=4 (hidden 2048, 4 query and 2 K/V heads of 128, FFN 1536 per rank).
-HIDDEN, QKV, Q, FFN, HEADS, HEAD_DIM = 2048, 1024, 512, 1536, 4, 128
+#: (label, model preset, TP) of the GEMM shapes.
+MODELS = {"qwen3": ("qwen3-1.7b", 4), "llama3b": ("llama3.2-3b", 4),
+          "llama70b": ("llama3.3-70b", 8)}
+
+
+def _dims(model: str) -> dict[str, int]:
+    """One TP rank's GEMM widths of ``model`` (a ``MODELS`` label)."""
+    from kareus.model.workload import get_model
+
+    name, tp = MODELS[model]
+    a = get_model(name)
+    q, kv = a.heads // tp * a.head_dim, a.kv_heads // tp * a.head_dim
+    return {"hidden": a.hidden, "qkv": q + 2 * kv, "q": q, "ffn": a.ffn // tp,
+            "heads": a.heads // tp, "head_dim": a.head_dim}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -71,25 +86,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--layers", type=int, default=4, help="layers of GEMMs per graph")
     ap.add_argument("--replays", type=int, default=20, help="timed replays per graph")
     ap.add_argument("--tokens", default="8192,16384", help="token counts (rows) to probe")
+    ap.add_argument("--models", default="qwen3", help=f"GEMM shapes of: {', '.join(MODELS)}")
+    ap.add_argument("--no-attention", action="store_true", help="GEMMs only")
     ap.add_argument("--settings", default=",".join(SETTINGS), help="settings to run")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
 
-def _gemm_body(torch: Any, t: int, layers: int) -> Any:
+def _gemm_body(torch: Any, t: int, layers: int, d: dict[str, int]) -> Any:
     """One decoder layer's GEMMs per layer (forward, then backward), as the loop calls
-    them."""
+    them, at widths ``d`` (``_dims``)."""
     dev, dt = "cuda", torch.bfloat16
+    hid, qkv, q, f = d["hidden"], d["qkv"], d["q"], d["ffn"]
 
     def r(*shape: int) -> Any:
         return torch.randn(*shape, device=dev, dtype=dt) * 0.02
 
-    w = [{"qkv": r(HIDDEN, QKV), "o": r(Q, HIDDEN), "g": r(HIDDEN, FFN), "u": r(HIDDEN, FFN),
-          "d": r(FFN, HIDDEN)} for _ in range(layers)]
+    w = [{"qkv": r(hid, qkv), "o": r(q, hid), "g": r(hid, f), "u": r(hid, f),
+          "d": r(f, hid)} for _ in range(layers)]
     g = [{k: torch.zeros_like(v) for k, v in wl.items()} for wl in w]
-    xn, attn, xn2, a, dy = r(t, HIDDEN), r(t, Q), r(t, HIDDEN), r(t, FFN), r(t, HIDDEN)
-    dg, du, dqkv = r(t, FFN), r(t, FFN), r(t, QKV)
-    out_h = torch.empty(t, HIDDEN, device=dev, dtype=dt)
+    xn, attn, xn2, a, dy = r(t, hid), r(t, q), r(t, hid), r(t, f), r(t, hid)
+    dg, du, dqkv = r(t, f), r(t, f), r(t, qkv)
+    out_h = torch.empty(t, hid, device=dev, dtype=dt)
 
     def body() -> None:
         for wl, gl in zip(w, g):
@@ -112,14 +130,14 @@ def _gemm_body(torch: Any, t: int, layers: int) -> Any:
     return body
 
 
-def _attention_body(torch: Any, t: int, backend: str) -> Any:
+def _attention_body(torch: Any, t: int, backend: str, d: dict[str, int]) -> Any:
     """Causal attention forward and backward (the direct ops kareus's loop calls; K and V
     with as many heads as Q, which both backends take)."""
     from kareus.exec.kernels._attention import attention_backward, attention_forward
 
     b, s = t // 2048, 2048
-    q = torch.randn(b, HEADS, s, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(b, HEADS, s, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(b, d["heads"], s, d["head_dim"], device="cuda", dtype=torch.bfloat16)
+    k = torch.randn_like(q)
     v = torch.randn_like(k)
     do = torch.randn_like(q)
 
@@ -171,15 +189,19 @@ def child(name: str, args: argparse.Namespace) -> dict[str, Any]:
     if blas is not None:
         torch.backends.cuda.preferred_blas_library(blas)
     out: dict[str, Any] = {}
-    for t in (int(x) for x in args.tokens.split(",")):
-        out[f"gemms t={t}"] = _measure(torch, _gemm_body(torch, t, args.layers), args.replays)
-        for backend in ("cudnn", "flash"):
-            try:
-                out[f"attention {backend} t={t}"] = _measure(
-                    torch, _attention_body(torch, t, backend), args.replays)
-            except Exception as exc:  # a backend this build lacks
-                out[f"attention {backend} t={t}"] = {"error": f"{type(exc).__name__}: "
-                                                              f"{exc}"[:200]}
+    for model in args.models.split(","):
+        d = _dims(model)
+        for t in (int(x) for x in args.tokens.split(",")):
+            out[f"{model} gemms t={t}"] = _measure(torch, _gemm_body(torch, t, args.layers, d),
+                                                   args.replays)
+            for backend in () if args.no_attention else ("cudnn", "flash"):
+                case = f"{model} attention {backend} t={t}"
+                try:
+                    out[case] = _measure(torch, _attention_body(torch, t, backend, d),
+                                         args.replays)
+                except Exception as exc:  # a backend this build lacks
+                    out[case] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+                torch.cuda.empty_cache()
     return out
 
 
@@ -198,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         for n in names:
             env = {**os.environ, **SETTINGS[n][0]}
             cmd = [sys.executable, __file__, "--child", n, "--layers", str(args.layers),
-                   "--replays", str(args.replays), "--tokens", args.tokens]
+                   "--replays", str(args.replays), "--tokens", args.tokens,
+                   "--models", args.models, *(["--no-attention"] if args.no_attention else [])]
             p = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
             if p.returncode != 0:
                 print(f"{n}: exit {p.returncode}: {p.stderr.strip()[-300:]}", flush=True)
@@ -219,14 +242,14 @@ def main(argv: list[str] | None = None) -> int:
                          "idle_us": statistics.median(r["idle_us"] for r in ok),
                          "top_idle": ok[0]["top_idle"], "rounds": len(ok)})
     base = {r["case"]: r.get("replay_ms") for r in rows if r["setting"] == "default"}
-    print(f"\n{'setting':16s} {'case':24s} {'ms/replay':>9s} {'x dflt':>7s} {'ops':>5s} "
+    print(f"\n{'setting':16s} {'case':32s} {'ms/replay':>9s} {'x dflt':>7s} {'ops':>5s} "
           f"{'memsets':>7s} {'busy':>6s} {'idle us':>8s}")
     for r in rows:
         if "error" in r:
-            print(f"{r['setting']:16s} {r['case']:24s} {r['error']}")
+            print(f"{r['setting']:16s} {r['case']:32s} {r['error']}")
             continue
         ref = base.get(r["case"])
-        print(f"{r['setting']:16s} {r['case']:24s} {r['replay_ms']:9.3f} "
+        print(f"{r['setting']:16s} {r['case']:32s} {r['replay_ms']:9.3f} "
               f"{r['replay_ms'] / ref if ref else float('nan'):7.3f} {r['ops']:5d} "
               f"{r['memsets']:7d} {100 * r['busy']:5.1f}% {r['idle_us']:8.1f}")
     if args.json is not None:

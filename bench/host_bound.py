@@ -86,6 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--loop-steps", type=int, default=3, help="timed iterations per loop run")
     ap.add_argument("--loop-repeats", type=int, default=2, help="runs per loop schedule+mode")
     ap.add_argument("--quick", action="store_true", help="fewer steps and rounds (smoke run)")
+    ap.add_argument("--modes", default="eager,graphed",
+                    help="loop modes to run (eager, graphed); the other mode's columns read "
+                         "n/a")
     ap.add_argument("--trace-dir", type=Path, default=None,
                     help="write each profiled loop iteration here as a Chrome trace")
     ap.add_argument("--only", default=None,
@@ -446,7 +449,8 @@ def measure_loop(args: argparse.Namespace, log: Any) -> list[dict[str, Any]]:
                             default_collective=default, plan=plan, frequency=trigger,
                             layers=layers, graphs=True)
         runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
-        order = [(s, m) for s in loop.schedules for m in ("eager", "graphed")]
+        modes = [m for m in ("eager", "graphed") if m in args.modes.split(",")]
+        order = [(s, m) for s in loop.schedules for m in modes]
         order = [o for _ in range(args.loop_repeats) for o in order]
         random.Random(0).shuffle(order)
         t0 = time.perf_counter()
@@ -475,7 +479,7 @@ def measure_loop(args: argparse.Namespace, log: Any) -> list[dict[str, Any]]:
         log(f"{label}: {len(order)} runs in {time.perf_counter() - t0:.1f} s")
         prof: dict[tuple[str, str], dict[str, Any]] = {}
         for schedule in loop.schedules:
-            for mode in ("eager", "graphed"):
+            for mode in modes:
                 loop.graphs = mode == "graphed"
                 loop.reset()
                 loop.step(schedule)
@@ -486,17 +490,16 @@ def measure_loop(args: argparse.Namespace, log: Any) -> list[dict[str, Any]]:
                 except Exception as exc:  # the profiler is optional here
                     prof[(schedule, mode)] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
         trigger.close()
-        seq_eager = statistics.median(t for r in runs[("sequential", "eager")]
-                                      for t in r["time_s"])
-        seq_graphed = statistics.median(t for r in runs[("sequential", "graphed")]
-                                        for t in r["time_s"])
+        seq = {m: statistics.median(t for r in runs[("sequential", m)] for t in r["time_s"])
+               for m in modes}
         for (schedule, mode), rs in sorted(runs.items()):
             t = statistics.median(x for r in rs for x in r["time_s"])
-            ref = seq_graphed if mode == "graphed" else seq_eager
-            eager_losses = runs[(schedule, "eager")][0]["losses"]
-            graphed_losses = runs[(schedule, "graphed")][0]["losses"]
-            diff = loss_rel_diff(eager_losses, graphed_losses)
-            floor = loss_noise_floor(runs[(schedule, "eager")])
+            ref = seq[mode]
+            both = all((schedule, m) in runs for m in ("eager", "graphed"))
+            diff = (loss_rel_diff(runs[(schedule, "eager")][0]["losses"],
+                                  runs[(schedule, "graphed")][0]["losses"]) if both
+                    else math.nan)
+            floor = loss_noise_floor(runs.get((schedule, "eager"), runs[(schedule, mode)]))
             clocks = [r["sm_mhz"] for r in rs if r.get("sm_mhz") is not None]
             row = {"job": label, "layers": loop.layers, "workload": wl.to_dict(),
                    "schedule": schedule, "mode": mode, "time_s": t,
@@ -504,7 +507,8 @@ def measure_loop(args: argparse.Namespace, log: Any) -> list[dict[str, Any]]:
                    "vs_sequential": t / ref, **prof.get((schedule, mode), {}),
                    "loss_rel_diff_eager_vs_graphed": diff,
                    "loss_rel_diff_eager_repeats": floor,
-                   "losses_finite": math.isfinite(diff), "runs": rs}
+                   "losses_finite": all(math.isfinite(x) for r in rs for x in r["losses"]),
+                   "runs": rs}
             rows.append(row)
             busy = row.get("busy")
             log(f"{label:20s} {schedule:13s} {mode:8s} {1e3 * t:9.2f} ms  "
