@@ -49,6 +49,8 @@ for _p in (_REPO, _REPO / "bench"):
         sys.path.insert(0, str(_p))
 import host_bound as hb  # noqa: E402  (the same timeline and refusal helpers)
 
+from kareus.exec._graphs import WORKSPACE_FREE  # noqa: E402
+
 #: name -> (environment, preferred BLAS library or None).
 SETTINGS: dict[str, tuple[dict[str, str], str | None]] = {
     "default": ({}, None),
@@ -218,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     for rnd in range(args.rounds):
         for n in names:
-            env = {**os.environ, **SETTINGS[n][0]}
+            env = {k: v for k, v in os.environ.items() if k not in WORKSPACE_FREE}
+            env.update(SETTINGS[n][0])  # only the setting's own variables
             cmd = [sys.executable, __file__, "--child", n, "--layers", str(args.layers),
                    "--replays", str(args.replays), "--tokens", args.tokens,
                    "--models", args.models, *(["--no-attention"] if args.no_attention else [])]

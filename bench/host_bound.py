@@ -99,7 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _versions() -> dict[str, Any]:
     import torch
 
-    out: dict[str, Any] = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
+    out: dict[str, Any] = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
+                           "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
     try:
         import triton
 
@@ -526,7 +527,14 @@ def measure_loop(args: argparse.Namespace, log: Any) -> list[dict[str, Any]]:
 
 
 def cuda_torch(script: str) -> Any:
-    """torch, when it sees a CUDA GPU; else ``None`` after a one-line reason on stderr."""
+    """torch, when it sees a CUDA GPU; else ``None`` after a one-line reason on stderr.
+    cuBLAS is asked for GEMMs without a workspace first, as the ``kareus`` command and
+    the training loop ask (``kareus.exec.prefer_workspace_free_gemms``; a
+    ``CUBLAS_WORKSPACE_CONFIG`` set by the caller is kept), so the benches measure what
+    kareus runs."""
+    from kareus.exec import prefer_workspace_free_gemms
+
+    prefer_workspace_free_gemms()
     try:
         import torch
     except ImportError:

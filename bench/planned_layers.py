@@ -143,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
+    if cuda:  # as a graphed PlanApplier asks, but before any GEMM of the eager rows
+        from kareus.exec import prefer_workspace_free_gemms
+
+        prefer_workspace_free_gemms()
     dtype = torch.bfloat16 if cuda else torch.float32
     wl = _workload(args)
     p = wl.parallelism

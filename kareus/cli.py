@@ -600,11 +600,17 @@ def console_main() -> int:
     ``main`` puts the previous handlers back when it returns, for callers that run it
     in-process; here a Ctrl-C after the command has finished (while the interpreter exits)
     is ignored rather than shown as a traceback, and one before is the command's one line.
+    The process asks cuBLAS for GEMMs without a workspace before anything runs on a GPU
+    (``kareus.exec.prefer_workspace_free_gemms``; unless ``CUBLAS_WORKSPACE_CONFIG`` is
+    set): graph replays then carry no memset per GEMM.
 
     Returns:
         The exit status of ``main``.
     """
     global _process_done
+    from kareus.exec._graphs import prefer_workspace_free_gemms
+
+    prefer_workspace_free_gemms()
     try:
         _take_stop_signals()
         status = main()

@@ -25,6 +25,7 @@ neither CUDA nor NVML, and imports neither torch nor pynvml.
 
 from __future__ import annotations
 
+from kareus.exec._graphs import prefer_workspace_free_gemms
 from kareus.exec.collectives import (
     CollectiveArgumentError,
     CollectiveBackend,
@@ -136,6 +137,7 @@ __all__ = [
     "TorchPartitionRunner",
     "TorchStreamBackend",
     "nvml_device_index",
+    "prefer_workspace_free_gemms",
     "runnable_partitions",
     "select_collective_backend",
 ]

@@ -68,7 +68,7 @@ from kareus.exec._executor_role import (
     PartitionHook,
     PartitionScope,
 )
-from kareus.exec._graphs import GraphSequence
+from kareus.exec._graphs import GraphSequence, prefer_workspace_free_gemms
 from kareus.exec._plan_lookup import (
     computation_key,
     plan_config,
@@ -182,6 +182,8 @@ class TorchExecutor(Executor):
                                     "capture graphs (no CUDA device?): pass graphs=False")
         self.graphs: bool = (self.streams.supports_graphs if graphs is None
                              else bool(graphs))
+        if self.graphs and isinstance(self.streams, TorchStreamBackend):
+            prefer_workspace_free_gemms()  # no memset node per GEMM (kareus.exec._graphs)
         self._sequences: dict[str, GraphSequence] = {}
         self._deferred: list[int] | None = None
         self.frequency: FrequencyTrigger | None = frequency

@@ -59,6 +59,7 @@ from typing import Any
 from kareus.compose.plan import Plan
 from kareus.errors import ArgumentError, ArgumentTypeError, PlanError, WorkloadError
 from kareus.exec._executor_role import Executor
+from kareus.exec._graphs import prefer_workspace_free_gemms
 from kareus.exec._plan_lookup import plan_config, plan_nanobatches
 from kareus.exec.train._chain import (
     SCHEDULES,
@@ -226,6 +227,8 @@ class PlanApplier:
         self.executor: Executor | None
         self.baseline: Executor
         self.graphs = bool(graphs)
+        if self.graphs:
+            prefer_workspace_free_gemms()  # no memset node per GEMM (kareus.exec._graphs)
         self._build_executors(plan, executor, baseline, collective, default_collective,
                               frequency, streams)
         if self.graphs:

@@ -210,3 +210,74 @@ def test_dropping_graphs_synchronises_the_device_first():
     assert dev.log.count(("synchronize", "", None)) == n
     ex.release_graphs()
     assert dev.log.count(("synchronize", "", None)) == n + 1 and ex.sequence("s") is None
+
+
+# ---------------------------------------------------------------- cuBLAS's workspace
+
+
+@pytest.fixture
+def clean_cublas_env(monkeypatch):
+    import kareus.exec._graphs as g
+
+    for k in g.WORKSPACE_FREE:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(g, "_warned_late", False)
+    return g
+
+
+def test_workspace_free_gemms_are_asked_for_where_the_user_has_not_chosen(clean_cublas_env):
+    import os
+
+    from kareus.exec import prefer_workspace_free_gemms
+
+    assert prefer_workspace_free_gemms() == "set"
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":0:0"
+    assert os.environ["CUBLASLT_WORKSPACE_SIZE"] == "0"
+    assert prefer_workspace_free_gemms() == "user"  # now set: kept as it is
+
+
+def test_a_users_workspace_and_deterministic_mode_are_left_alone(clean_cublas_env, monkeypatch):
+    import os
+    import sys
+    import types
+
+    g = clean_cublas_env
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    assert g.prefer_workspace_free_gemms() == "user"
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert "CUBLASLT_WORKSPACE_SIZE" not in os.environ
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+    fake = types.SimpleNamespace(are_deterministic_algorithms_enabled=lambda: True)
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    assert g.prefer_workspace_free_gemms() == "deterministic"
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+
+
+def test_setting_it_after_cuda_started_is_said_once(clean_cublas_env, monkeypatch, caplog):
+    import logging
+    import sys
+    import types
+
+    g = clean_cublas_env
+    fake = types.SimpleNamespace(are_deterministic_algorithms_enabled=lambda: False,
+                                 cuda=types.SimpleNamespace(is_initialized=lambda: True))
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    with caplog.at_level(logging.INFO, logger="kareus"):
+        assert g.prefer_workspace_free_gemms() == "set"
+        monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+        assert g.prefer_workspace_free_gemms() == "set"
+    said = [r for r in caplog.records if "after CUDA started" in r.getMessage()]
+    assert len(said) == 1
+
+
+def test_a_graphed_executor_asks_for_workspace_free_gemms(clean_cublas_env, monkeypatch):
+    import os
+
+    from kareus.exec._streams import TorchStreamBackend
+
+    make(graphs=False)  # the recording device: nothing asked
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    monkeypatch.setattr(TorchStreamBackend, "supports_graphs", True, raising=False)
+    TorchExecutor(collective=RecordingCollective(),
+                  streams=TorchStreamBackend(device="cpu"), graphs=True)
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":0:0"

@@ -34,6 +34,7 @@ import attrs
 
 from kareus.compose import Plan
 from kareus.errors import ArgumentError, ArgumentTypeError, PlanError, WorkloadError
+from kareus.exec._graphs import prefer_workspace_free_gemms
 from kareus.exec.executor import Executor, TorchExecutor, plan_config, plan_nanobatches
 from kareus.exec.train._chain import (
     SCHEDULES,
@@ -209,6 +210,8 @@ class TrainingLoop:
 
         if not isinstance(workload, Workload):
             raise ArgumentTypeError(f"workload must be a Workload, got {type(workload).__name__}")
+        if graphs is not False and torch.cuda.is_available():
+            prefer_workspace_free_gemms()  # before the first GEMM (kareus.exec._graphs)
         p = workload.parallelism
         if p.pp != 1 or p.dp != 1:
             raise WorkloadError(f"the training loop runs PP=1, DP=1; the workload has "
