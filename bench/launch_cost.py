@@ -60,11 +60,14 @@ WORKLOADS: list[tuple[str, str, dict[str, int], int]] = [
 ]
 SEQ_LEN = 4096
 NANOBATCHES = 2
-OPS = ("rms_norm", "rms_norm_bwd", "rope", "rope_bwd", "swiglu", "swiglu_bwd")
+OPS = ("rms_norm", "rms_norm_bwd", "add_rms_norm", "rms_norm_bwd_add", "rope", "rope_bwd",
+       "swiglu", "swiglu_bwd")
 LIGER_OPS = ("rms_norm", "swiglu")
 # The op's tag in kareus.exec.kernels._triton's plans (lean_status()).
-LEAN_TAG = {"rms_norm": "rms_norm_fwd", "rms_norm_bwd": "rms_norm_bwd", "rope": "rope_qkv",
-            "rope_bwd": "rope_bwd", "swiglu": "swiglu_fwd", "swiglu_bwd": "swiglu_bwd"}
+LEAN_TAG = {"rms_norm": "rms_norm_fwd", "rms_norm_bwd": "rms_norm_bwd",
+            "add_rms_norm": "add_rms_norm_fwd", "rms_norm_bwd_add": "rms_norm_bwd_add",
+            "rope": "rope_qkv", "rope_bwd": "rope_bwd", "swiglu": "swiglu_fwd",
+            "swiglu_bwd": "swiglu_bwd"}
 BUDGET_US = 15.0
 SPIN_CYCLES = 20_000_000  # about 10 ms of GPU spin at 2 GHz; lengthened 4x on a retry
 SPIN_RETRIES = 3
@@ -160,11 +163,14 @@ def op_calls(torch: Any, preset: str, par: dict[str, int], mb: int,
     qkv, cos, sin = ctx["qkv"], ctx["cos"], ctx["sin"]
     dq, dk, dv = (ctx[n].transpose(1, 2) for n in ("dq", "dk", "dv"))  # the op's layout
     g, u, da = ctx["g"], ctx["u"], ctx["da"]
+    dw_out = torch.zeros_like(w)  # the fused backward accumulates into it
     calls = {}
     for path, ks in sets.items():
         calls[path] = {
             "rms_norm": lambda ks=ks: ks.rms_norm(x, w),
             "rms_norm_bwd": lambda ks=ks: ks.rms_norm_bwd(dy, x, w),
+            "add_rms_norm": lambda ks=ks: ks.add_rms_norm(x, dy, w),
+            "rms_norm_bwd_add": lambda ks=ks: ks.rms_norm_bwd_add(dy, x, w, dy, dw_out),
             "rope": lambda ks=ks: ks.rope(qkv, cos, sin, heads=d.heads, kv_heads=d.kvh),
             "rope_bwd": lambda ks=ks: ks.rope_bwd(dq, dk, dv, cos, sin),
             "swiglu": lambda ks=ks: ks.swiglu(g, u),

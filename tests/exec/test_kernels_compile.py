@@ -71,15 +71,21 @@ def test_rms_norm_kernels_compile_at_the_presets_widths(width):
     k = _compile(kt._rms_norm_fwd_kernel, {"BLOCK": block, "ROWS": rows}, warps,
                  pointer_names={"X", "Y", "W"})
     assert k.asm["cubin"]
+    k = _compile(kt._add_rms_norm_fwd_kernel, {"BLOCK": block, "ROWS": rows}, warps,
+                 pointer_names={"X", "R", "S", "Y", "W"})
+    assert k.asm["cubin"]
     block, rows, warps, _ = kt._bwd_config(width, None, None, None)
     for prefetch in (True, False):
-        k = _compile(kt._rms_norm_bwd_kernel,
-                     {"BLOCK": block, "ROWS": rows, "PREFETCH": prefetch}, warps,
-                     pointer_names={"DY", "X", "W", "DX", "DWP"})
+        for has_res in (False, True):
+            k = _compile(kt._rms_norm_bwd_kernel,
+                         {"BLOCK": block, "ROWS": rows, "PREFETCH": prefetch,
+                          "HAS_RES": has_res}, warps,
+                         pointer_names={"DY", "X", "W", "DX", "DWP", "DRES"})
+            assert k.asm["cubin"]
+    for acc in (False, True):
+        k = _compile(kt._sum_rows_kernel, {"P": 264, "BLOCK_P": 64, "BLOCK_N": 16, "ACC": acc},
+                     4, pointer_names={"P_ptr", "OUT"})
         assert k.asm["cubin"]
-    k = _compile(kt._sum_rows_kernel, {"P": 264, "BLOCK_P": 64, "BLOCK_N": 16}, 4,
-                 pointer_names={"P_ptr", "OUT"})
-    assert k.asm["cubin"]
 
 
 @pytest.mark.parametrize("half", [64, 32])

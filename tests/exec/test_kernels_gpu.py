@@ -45,6 +45,32 @@ def test_rms_norm_forward_and_backward(use_liger, rows, width):
     assert torch.equal(dx, ks.rms_norm_bwd(dy, x, w)[0])  # deterministic
 
 
+@pytest.mark.parametrize("lean", [True, False])
+@pytest.mark.parametrize("rows,width", [(4099, 3072), (16384, 2048), (33, 96)])
+def test_fused_residual_norms_equal_the_separate_ops_bit_for_bit(lean, rows, width):
+    """``add_rms_norm`` and ``rms_norm_bwd_add`` in bf16 on the GPU: the same bits as the
+    residual addition, the norm, its backward, the residual gradient's addition and the
+    weight gradient's accumulation run one by one (what the training loop ran before it
+    fused them), lean launches (three calls: plain, learned, fast) and plain."""
+    ks = TritonKernels(lean=lean)
+    torch.manual_seed(rows + width)
+    x, r, dy, dres = (rnd(rows, width) for _ in range(4))
+    w, g0 = 1 + rnd(width, scale=0.1), rnd(width, scale=0.1)
+    s_ref = x + r
+    y_ref = ks.rms_norm(s_ref, w)
+    dx, dw = ks.rms_norm_bwd(dy, s_ref, w)
+    for _ in range(3):
+        s, y = ks.add_rms_norm(x, r, w)
+        assert torch.equal(s, s_ref) and torch.equal(y, y_ref)
+        acc = g0.clone()
+        out = ks.rms_norm_bwd_add(dy, s_ref, w, dres, acc)
+        assert torch.equal(out, dres + dx)
+        assert torch.equal(acc, g0 + dw)
+    main_grad = g0.float()  # a float32 gradient buffer: the separate ops' rounding
+    ks.rms_norm_bwd_add(dy, s_ref, w, dres, main_grad)
+    assert torch.equal(main_grad, g0.float() + dw.float())
+
+
 @pytest.mark.parametrize("b,s,h,kvh,hd", [(2, 128, 6, 2, 128), (1, 64, 8, 1, 128),
                                           (3, 17, 3, 3, 64)])
 def test_rope_forward_and_backward_on_strided_inputs(b, s, h, kvh, hd):

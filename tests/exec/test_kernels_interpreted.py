@@ -67,6 +67,30 @@ def _checks() -> list[dict]:
         again = ks.rms_norm_bwd(dy, x, w)
         add(f"rms_norm_bwd deterministic {tag}",
             0.0 if torch.equal(dx, again[0]) and torch.equal(dw, again[1]) else 1.0)
+        # The fused residual ops equal the separate ops they replace, bit for bit (the
+        # training loop's results do not move when it fuses them). In float32: the
+        # interpreter rounds float32 to bf16 by truncation where a GPU and torch round to
+        # nearest (tests/exec/test_kernels_gpu.py checks bf16 on a GPU).
+        x, dy, w = x.float(), dy.float(), w.float()
+        dx, dw = ks.rms_norm_bwd(dy, x, w)
+        r, dres = rnd(g, rows, width).float(), rnd(g, rows, width).float()
+        g0 = rnd(g, width, scale=0.1).float()
+        s, ys = ks.add_rms_norm(x, r, w)
+        add(f"add_rms_norm exact {tag}",
+            0.0 if torch.equal(s, x + r) and torch.equal(ys, ks.rms_norm(x + r, w)) else 1.0)
+        acc = g0.clone()
+        fused = ks.rms_norm_bwd_add(dy, x, w, dres, acc)
+        add(f"rms_norm_bwd_add exact {tag}",
+            0.0 if torch.equal(fused, dres + dx) and torch.equal(acc, g0 + dw) else 1.0)
+        ks.rms_norm_bwd_add(dy, x, w, dres, acc)  # accumulates again
+        add(f"rms_norm_bwd_add accumulates {tag}",
+            0.0 if torch.equal(acc, (g0 + dw) + dw) else 1.0)
+        xs, rs = x[:, : width // 2], r[:, : width // 2]  # strided rows
+        s2, y2 = ks.add_rms_norm(xs, rs, w[: width // 2])
+        add(f"add_rms_norm strided exact {tag}",
+            0.0 if torch.equal(s2, xs + rs) and torch.equal(y2, ks.rms_norm(xs + rs,
+                                                                           w[: width // 2]))
+            else 1.0)
 
     for b, s, h, kvh, hd in ((2, 32, 6, 2, 128), (1, 16, 8, 1, 128), (3, 17, 3, 3, 64)):
         g = torch.Generator().manual_seed(b * 1000 + s)
@@ -147,8 +171,8 @@ def interpreted() -> dict[str, float]:
 
 def test_every_fused_op_matches_its_formula_in_the_interpreter(interpreted):
     ops = {name.split()[0].split(".")[0] for name in interpreted}
-    assert {"rms_norm", "rms_norm_bwd", "rope", "rope_bwd", "swiglu",
-            "swiglu_bwd"} <= ops
+    assert {"rms_norm", "rms_norm_bwd", "add_rms_norm", "rms_norm_bwd_add", "rope", "rope_bwd",
+            "swiglu", "swiglu_bwd"} <= ops
     bad = {n: e for n, e in interpreted.items()
            if not n.startswith("partition") and not e < BF16_TOL}
     assert not bad, bad

@@ -35,7 +35,8 @@ if not hasattr(kt._rms_norm_fwd_kernel, "arg_names"):  # pragma: no cover - inte
     pytest.skip("needs Triton's JIT kernels (not TRITON_INTERPRET=1)", allow_module_level=True)
 
 pytestmark = pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")  # Triton 3.9
-KERNELS = ("_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel", "_sum_rows_kernel",
+KERNELS = ("_rms_norm_fwd_kernel", "_add_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel",
+           "_sum_rows_kernel",
            "_rope_heads_kernel", "_rope_kernel", "_swiglu_fwd_kernel", "_swiglu_bwd_kernel")
 STREAM = 77
 
@@ -142,7 +143,13 @@ def ops():
     dk, dv = (rnd(b, kvh, s, hd, seed=i).transpose(1, 2) for i in (6, 7))
     q, k = (t.view(b, s, -1, hd) for t in (qkv[:, :h * hd], qkv[:, h * hd:(h + kvh) * hd]))
     g, u, da = rnd(33, 130, seed=8), rnd(33, 130, seed=9), rnd(33, 130, seed=10)
+    r, dres, dw_out = rnd(70, 96, seed=11), rnd(70, 96, seed=12), rnd(96, seed=13)
     return [
+        ("add_rms_norm_fwd", lambda lean: kt.add_rms_norm_fwd(x, r, w, 1e-5, lean=lean),
+         {"x": x, "r": r, "w": w}, ("s", "y")),
+        ("rms_norm_bwd_add",
+         lambda lean: (kt.rms_norm_bwd_add(dy, x, w, dres, dw_out, 1e-5, lean=lean),),
+         {"dy": dy, "x": x, "w": w, "dres": dres, "dw_out": dw_out}, ("dx",)),
         ("rms_norm_fwd", lambda lean: (kt.rms_norm_fwd(x, w, 1e-5, lean=lean),),
          {"x": x, "w": w}, ("y",)),
         ("rms_norm_bwd", lambda lean: kt.rms_norm_bwd(dy, x, w, 1e-5, lean=lean),

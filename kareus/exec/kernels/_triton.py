@@ -68,12 +68,36 @@ def _rms_norm_fwd_kernel(X, Y, W, stride_x, stride_y, M, N, eps,
 
 
 @triton.jit
-def _rms_norm_bwd_kernel(DY, X, W, DX, DWP, stride_dy, stride_x, stride_dx, M, N, eps, iters,
-                         BLOCK: tl.constexpr, ROWS: tl.constexpr, PREFETCH: tl.constexpr):
+def _add_rms_norm_fwd_kernel(X, R, S, Y, W, stride_x, stride_r, stride_s, stride_y, M, N, eps,
+                             BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    # S = X + R (the residual stream, rounded to S's dtype as a separate addition rounds
+    # it), then Y = RMSNorm(S) exactly as _rms_norm_fwd_kernel computes it.
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    cmask = cols < N
+    m = (rows < M)[:, None] & cmask[None, :]
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    s = (x + r).to(S.dtype.element_ty)
+    tl.store(S + rows[:, None] * stride_s + cols[None, :], s, mask=m)
+    s32 = s.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(s32 * s32, axis=1) / N + eps)
+    w = tl.load(W + cols, mask=cmask, other=0.0)
+    xn = (s32 * rstd[:, None]).to(W.dtype.element_ty)
+    y = xn.to(tl.float32) * w.to(tl.float32)[None, :]
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(DY, X, W, DX, DWP, DRES, stride_dy, stride_x, stride_dx, stride_res,
+                         M, N, eps, iters, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                         PREFETCH: tl.constexpr, HAS_RES: tl.constexpr):
     # Persistent: program p handles row blocks p, p + P, ... and keeps its share of dw
     # in registers, written once at the end (P x N float32 partial sums). With PREFETCH
     # the loads of the next row block are issued before the current one is computed,
-    # so memory latency overlaps the reductions.
+    # so memory latency overlaps the reductions. With HAS_RES, DX = DRES + dx: the
+    # residual branch's gradient added to dx rounded to DX's dtype, as a separate
+    # addition of the two rounded tensors computes it.
     pid = tl.program_id(0)
     progs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK)
@@ -98,9 +122,11 @@ def _rms_norm_bwd_kernel(DY, X, W, DX, DWP, stride_dy, stride_x, stride_dx, M, N
         xhat = x * rstd[:, None]
         g = dy * w[None, :]
         c = tl.sum(g * xhat, axis=1) / N
-        dx = (g - xhat * c[:, None]) * rstd[:, None]
-        tl.store(DX + cur[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty),
-                 mask=mc)
+        dx = ((g - xhat * c[:, None]) * rstd[:, None]).to(DX.dtype.element_ty)
+        if HAS_RES:
+            dres = tl.load(DRES + cur[:, None] * stride_res + cols[None, :], mask=mc, other=0.0)
+            dx = (dres.to(tl.float32) + dx.to(tl.float32)).to(DX.dtype.element_ty)
+        tl.store(DX + cur[:, None] * stride_dx + cols[None, :], dx, mask=mc)
         dw += tl.sum(dy * xhat, axis=0)
         if not PREFETCH:
             x_nxt = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0)
@@ -111,8 +137,10 @@ def _rms_norm_bwd_kernel(DY, X, W, DX, DWP, stride_dy, stride_x, stride_dx, M, N
 
 @triton.jit
 def _sum_rows_kernel(P_ptr, OUT, N, P: tl.constexpr, BLOCK_P: tl.constexpr,
-                     BLOCK_N: tl.constexpr):
-    # OUT[n] = sum_p P[p, n], rounded once to OUT's dtype (the dw partials' final sum).
+                     BLOCK_N: tl.constexpr, ACC: tl.constexpr):
+    # OUT[n] = sum_p P[p, n], rounded once to OUT's dtype (the dw partials' final sum);
+    # with ACC, OUT[n] += that rounded sum (a gradient accumulated in place, rounded as a
+    # separate in-place addition rounds it).
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cm = cols < N
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -120,7 +148,11 @@ def _sum_rows_kernel(P_ptr, OUT, N, P: tl.constexpr, BLOCK_P: tl.constexpr,
         r = p0 + tl.arange(0, BLOCK_P)
         acc += tl.sum(tl.load(P_ptr + r[:, None] * N + cols[None, :],
                               mask=(r < P)[:, None] & cm[None, :], other=0.0), axis=0)
-    tl.store(OUT + cols, acc.to(OUT.dtype.element_ty), mask=cm)
+    total = acc.to(OUT.dtype.element_ty)
+    if ACC:
+        total = (tl.load(OUT + cols, mask=cm, other=0.0).to(tl.float32)
+                 + total.to(tl.float32)).to(OUT.dtype.element_ty)
+    tl.store(OUT + cols, total, mask=cm)
 
 
 def _norm_config(n: int, rows: int | None, num_warps: int | None) -> tuple[int, int, int]:
@@ -189,16 +221,77 @@ def rms_norm_fwd(x: Any, w: Any, eps: float, *, rows: int | None = None,
     return y
 
 
+def _add_rms_norm_fwd_plain(x: Any, r: Any, w: Any, eps: float, rows: int | None,
+                            num_warps: int | None, rec: list[LaunchRecord] | None = None
+                            ) -> tuple[Any, Any]:
+    if r.shape != x.shape:
+        raise ArgumentError(f"the residual's shape {tuple(r.shape)} is not x's "
+                            f"{tuple(x.shape)}")
+    n = x.shape[-1]
+    x2, r2 = x.reshape(-1, n), r.reshape(-1, n)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if r2.stride(-1) != 1:
+        r2 = r2.contiguous()
+    s = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    block, rows, warps = _norm_config(n, rows, num_warps)
+    m = x2.shape[0]
+    plain_launch(_add_rms_norm_fwd_kernel, (triton.cdiv(m, rows),),
+                 (x2, r2, s, y, w, x2.stride(0), r2.stride(0), s.stride(0), y.stride(0), m, n,
+                  eps, block, rows), {"num_warps": warps}, rec)
+    return s.view(x.shape), y.view(x.shape)
+
+
+def add_rms_norm_fwd(x: Any, r: Any, w: Any, eps: float, *, rows: int | None = None,
+                     num_warps: int | None = None, lean: bool = True) -> tuple[Any, Any]:
+    """``(s, rms_norm(s))`` with ``s = x + r``, in one pass: the residual addition and the
+    norm that reads it (reads x and r, writes s and the normalised rows; a separate
+    addition would write s and read it back). ``lean`` as in ``rms_norm_fwd``."""
+    rt = _launch.runtime() if lean else None
+    if rt is None:
+        return _add_rms_norm_fwd_plain(x, r, w, eps, rows, num_warps)
+    eps = float(eps)
+    dev = rt.current_device()
+    key = ("add_rms_norm_fwd", type(x), x.shape, x.stride(), x.dtype, x.get_device(), type(r),
+           r.shape, r.stride(), r.dtype, r.get_device(), type(w), w.shape, w.stride(),
+           w.dtype, w.get_device(), dev, rows, num_warps)
+    p = _PLANS.get(key)
+    if p is not None and p.fast is not None:
+        out = p.fast(x, r, w, eps)
+        if out is not None:
+            return out  # type: ignore[no-any-return]
+    rec: list[LaunchRecord] | None = [] if p is None else None
+    s, y = _add_rms_norm_fwd_plain(x, r, w, eps, rows, num_warps, rec)
+    if rec:
+        _learn(rt, dev, key, rec, (x, r, w, s, y), _ADD_RMS_FWD_ROOTS, {"eps": eps},
+               (None, None, None, _template(s), _template(y)), (3, 4))
+    return s, y
+
+
 def _rms_norm_bwd_plain(dy: Any, x: Any, w: Any, eps: float, rows: int | None,
                         num_warps: int | None, programs_per_sm: int | None, prefetch: bool,
                         sum_block_n: int, sum_block_p: int,
-                        rec: list[LaunchRecord] | None = None) -> tuple[Any, Any]:
+                        rec: list[LaunchRecord] | None = None, dres: Any = None,
+                        dw_out: Any = None) -> tuple[Any, Any]:
     n = x.shape[-1]
     x2, dy2 = x.reshape(-1, n), dy.reshape(-1, n)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     if dy2.stride(-1) != 1:
         dy2 = dy2.contiguous()
+    res2 = dy2
+    if dres is not None:
+        if dres.shape != x.shape:
+            raise ArgumentError(f"the residual gradient's shape {tuple(dres.shape)} is not "
+                                f"x's {tuple(x.shape)}")
+        res2 = dres.reshape(-1, n)
+        if res2.stride(-1) != 1:
+            res2 = res2.contiguous()
+    if dw_out is not None and (tuple(dw_out.shape) != (n,) or not dw_out.is_contiguous()
+                               or dw_out.device != w.device):
+        raise ArgumentError(f"dw_out must be a contiguous [{n}] tensor on {w.device}, got "
+                            f"shape {tuple(dw_out.shape)} on {dw_out.device}")
     m = x2.shape[0]
     dx = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     block, rows, warps, programs_per_sm = _bwd_config(n, rows, num_warps, programs_per_sm)
@@ -207,12 +300,14 @@ def _rms_norm_bwd_plain(dy: Any, x: Any, w: Any, eps: float, rows: int | None,
     progs = max(1, min(triton.cdiv(m, rows), sms * programs_per_sm))
     dwp = torch.empty(progs, n, dtype=torch.float32, device=x.device)
     plain_launch(_rms_norm_bwd_kernel, (progs,),
-                 (dy2, x2, w, dx, dwp, dy2.stride(0), x2.stride(0), dx.stride(0), m, n, eps,
-                  triton.cdiv(triton.cdiv(m, rows), progs), block, rows, prefetch),
+                 (dy2, x2, w, dx, dwp, res2, dy2.stride(0), x2.stride(0), dx.stride(0),
+                  res2.stride(0), m, n, eps, triton.cdiv(triton.cdiv(m, rows), progs), block,
+                  rows, prefetch, dres is not None),
                  {"num_warps": warps}, rec)
-    dw = torch.empty(n, dtype=w.dtype, device=w.device)
+    dw = torch.empty(n, dtype=w.dtype, device=w.device) if dw_out is None else dw_out
     plain_launch(_sum_rows_kernel, (triton.cdiv(n, sum_block_n),),
-                 (dwp, dw, n, progs, sum_block_p, sum_block_n), {"num_warps": 4}, rec)
+                 (dwp, dw, n, progs, sum_block_p, sum_block_n, dw_out is not None),
+                 {"num_warps": 4}, rec)
     return dx.view(x.shape), dw
 
 
@@ -263,9 +358,50 @@ def rms_norm_bwd(dy: Any, x: Any, w: Any, eps: float, *, rows: int | None = None
     return dx, dw
 
 
+def rms_norm_bwd_add(dy: Any, x: Any, w: Any, dres: Any, dw_out: Any, eps: float, *,
+                     rows: int | None = None, num_warps: int | None = None,
+                     programs_per_sm: int | None = None, prefetch: bool = True,
+                     sum_block_n: int = 16, sum_block_p: int = 64, lean: bool = True) -> Any:
+    """``dres + dx`` of ``rms_norm_bwd``, with its ``dw`` added into ``dw_out`` in place:
+    the norm's backward, the residual branch's gradient and the weight gradient's
+    accumulation in the same two launches (a separate addition of ``dres`` would read
+    ``dx`` back, and ``dw`` would be added by a third kernel). Rounded as those separate
+    additions round. Settings and ``lean`` as in ``rms_norm_bwd``."""
+    rt = _launch.runtime() if lean else None
+    if rt is None:
+        return _rms_norm_bwd_plain(dy, x, w, eps, rows, num_warps, programs_per_sm, prefetch,
+                                   sum_block_n, sum_block_p, None, dres, dw_out)[0]
+    eps = float(eps)
+    dev = rt.current_device()
+    key = ("rms_norm_bwd_add", type(dy), dy.shape, dy.stride(), dy.dtype, dy.get_device(),
+           type(x), x.shape, x.stride(), x.dtype, x.get_device(), type(w), w.shape,
+           w.stride(), w.dtype, w.get_device(), type(dres), dres.shape, dres.stride(),
+           dres.dtype, dres.get_device(), type(dw_out), dw_out.shape, dw_out.stride(),
+           dw_out.dtype, dw_out.get_device(), dev, rows, num_warps, programs_per_sm, prefetch,
+           sum_block_n, sum_block_p)
+    p = _PLANS.get(key)
+    if p is not None and p.fast is not None:
+        out = p.fast(dy, x, w, dres, dw_out, eps)
+        if out is not None:
+            return out
+    rec: list[LaunchRecord] | None = [] if p is None else None
+    dx, _ = _rms_norm_bwd_plain(dy, x, w, eps, rows, num_warps, programs_per_sm, prefetch,
+                                sum_block_n, sum_block_p, rec, dres, dw_out)
+    if rec:
+        dwp = rec[0].args[4]
+        _learn(rt, dev, key, rec, (dy, x, w, dres, dw_out, dx, dwp), _RMS_BWD_ADD_ROOTS,
+               {"eps": eps}, (None, None, None, None, None, _template(dx),
+                              _launch.Scratch(_template(dwp))), 5)
+    return dx
+
+
 # Which root tensor (by its index in the op's roots) each pointer parameter lies in.
 _RMS_FWD_ROOTS = {"X": 0, "Y": 1, "W": 2}
-_RMS_BWD_ROOTS = {"DY": 0, "X": 1, "W": 2, "DX": 3, "DWP": 4, "P_ptr": 4, "OUT": 5}
+_ADD_RMS_FWD_ROOTS = {"X": 0, "R": 1, "W": 2, "S": 3, "Y": 4}
+# Without a residual the kernel's DRES is DY (read by nothing).
+_RMS_BWD_ROOTS = {"DY": 0, "DRES": 0, "X": 1, "W": 2, "DX": 3, "DWP": 4, "P_ptr": 4, "OUT": 5}
+_RMS_BWD_ADD_ROOTS = {"DY": 0, "X": 1, "W": 2, "DRES": 3, "OUT": 4, "DX": 5, "DWP": 6,
+                      "P_ptr": 6}
 
 
 # ---------------------------------------------------------------------------- RoPE

@@ -36,8 +36,13 @@ class KernelSet(abc.ABC):
 
     Subclass it, or one of ``TorchKernels`` / ``TritonKernels``, overriding the ops
     you have your own kernels for. Every method enqueues its work on the current stream
-    and returns new tensors (no input is modified), so an op can run again and again on
-    the same inputs, as a profiling loop does.
+    and returns new tensors (no input is modified, except an ``out=`` / ``dw_out=``
+    argument an op accumulates into), so an op can run again and again on the same
+    inputs, as a profiling loop does.
+
+    ``add_rms_norm`` and ``rms_norm_bwd_add`` (the residual additions around a norm,
+    fused) have defaults built from the other ops; a set with its own fused kernels
+    overrides them.
 
     Attributes:
         name: Short name (``"triton"``, ``"torch"``, ``"reference"``, yours).
@@ -77,6 +82,29 @@ class KernelSet(abc.ABC):
         """Gradients ``(dg, du)`` of ``swiglu`` for the output gradient ``da``."""
 
     # -------------------------------------------------------------- shared defaults
+    def add_rms_norm(self, x: Any, r: Any, w: Any, eps: float = 1e-5) -> tuple[Any, Any]:
+        """``(s, rms_norm(s, w))`` with ``s = x + r``: a residual addition and the norm
+        that reads its sum (a decoder layer's input norms). By default the two ops;
+        ``TritonKernels`` runs both in one pass."""
+        s = x + r
+        return s, self.rms_norm(s, w, eps)
+
+    def rms_norm_bwd_add(self, dy: Any, x: Any, w: Any, dres: Any, dw_out: Any,
+                         eps: float = 1e-5) -> Any:
+        """``dres + dx`` of ``rms_norm_bwd(dy, x, w)``, with its ``dw`` added into
+        ``dw_out`` in place (the residual branch's gradient and the weight gradient's
+        accumulation). By default the ops one by one; ``TritonKernels`` fuses them
+        into its backward's two launches."""
+        dx, dw = self.rms_norm_bwd(dy, x, w, eps)
+        if dw is None:  # a set without the weight gradient: computed here
+            import torch
+
+            xf = x.float()
+            xhat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+            dw = (dy.float() * xhat.to(x.dtype).float()).sum(0)
+        dw_out.add_(dw.to(dw_out.dtype))
+        return dres + dx
+
 
     def attention(self, q: Any, k: Any, v: Any) -> Any:
         """Causal attention of ``q`` [b, heads, s, hd] over grouped ``k``, ``v``

@@ -1,20 +1,24 @@
 """The fused kernel set: kareus's own Triton kernels, launched lean.
 
-=================  ====================================================================
-op                 kernel
-=================  ====================================================================
-``rms_norm``       kareus's ``_rms_norm_fwd_kernel`` (liger-kernel's
-                   ``LigerRMSNormFunction``, Llama casting, with ``use_liger=True``)
-``rms_norm_bwd``   kareus's ``_rms_norm_bwd_kernel`` (dx and dw in one pass)
-``rope``           kareus's ``_rope_heads_kernel``: q and k in one launch on a 3-D grid,
-                   read in place from the packed QKV
-``rope_bwd``       the same kernel: dq and dk rotated back and dv copied, into dQKV
-``swiglu``         kareus's ``_swiglu_fwd_kernel`` (liger-kernel's
-                   ``LigerSiLUMulFunction`` with ``use_liger=True``)
-``swiglu_bwd``     kareus's ``_swiglu_bwd_kernel``
-``attention``      SDPA: cuDNN, then flash, then memory-efficient
-``matmul``         cuBLAS
-=================  ====================================================================
+======================  ====================================================================
+op                      kernel
+======================  ====================================================================
+``rms_norm``            kareus's ``_rms_norm_fwd_kernel`` (liger-kernel's
+                        ``LigerRMSNormFunction``, Llama casting, with ``use_liger=True``)
+``rms_norm_bwd``        kareus's ``_rms_norm_bwd_kernel`` (dx and dw in one pass)
+``add_rms_norm``        kareus's ``_add_rms_norm_fwd_kernel`` (residual sum and norm, one
+                        pass)
+``rms_norm_bwd_add``    ``_rms_norm_bwd_kernel`` adding the residual's gradient, the dw sum
+                        accumulated into the gradient buffer
+``rope``                kareus's ``_rope_heads_kernel``: q and k in one launch on a 3-D grid,
+                        read in place from the packed QKV
+``rope_bwd``            the same kernel: dq and dk rotated back and dv copied, into dQKV
+``swiglu``              kareus's ``_swiglu_fwd_kernel`` (liger-kernel's
+                        ``LigerSiLUMulFunction`` with ``use_liger=True``)
+``swiglu_bwd``          kareus's ``_swiglu_bwd_kernel``
+``attention``           SDPA: cuDNN, then flash, then memory-efficient
+``matmul``              cuBLAS
+======================  ====================================================================
 
 ``kareus.exec.kernels._triton`` says why the backward kernels and RoPE are kareus's
 own, and how their launches are kept lean (``lean=False`` launches through Triton's own
@@ -82,6 +86,19 @@ class TritonKernels(KernelSet):
     def rms_norm_bwd(self, dy: Any, x: Any, w: Any, eps: float = 1e-5) -> tuple[Any, Any]:
         return self._k.rms_norm_bwd(dy, x, w, eps, lean=self.lean)
 
+    def add_rms_norm(self, x: Any, r: Any, w: Any, eps: float = 1e-5) -> tuple[Any, Any]:
+        if self.use_liger:
+            return super().add_rms_norm(x, r, w, eps)
+        return self._k.add_rms_norm_fwd(x, r, w, eps, lean=self.lean)  # type: ignore[no-any-return]
+
+    def rms_norm_bwd_add(self, dy: Any, x: Any, w: Any, dres: Any, dw_out: Any,
+                         eps: float = 1e-5) -> Any:
+        if dw_out.dtype != w.dtype or dw_out.shape != w.shape or not dw_out.is_contiguous():
+            # e.g. a framework's float32 main_grad: rounded through w's dtype as the
+            # separate ops round it
+            return super().rms_norm_bwd_add(dy, x, w, dres, dw_out, eps)
+        return self._k.rms_norm_bwd_add(dy, x, w, dres, dw_out, eps, lean=self.lean)
+
     def rope(self, qkv: Any, cos: Any, sin: Any, *, heads: int,
              kv_heads: int) -> tuple[Any, Any]:
         return self._k.rope_qkv(qkv, cos, sin, heads=heads, kv_heads=kv_heads, lean=self.lean)
@@ -109,6 +126,10 @@ class TritonKernels(KernelSet):
             "rms_norm": f"{lig} LigerRMSNormFunction" if lig
             else f"kareus triton _rms_norm_fwd_kernel{how}",
             "rms_norm_bwd": f"kareus triton _rms_norm_bwd_kernel{how}",
+            "add_rms_norm": f"{lig} LigerRMSNormFunction after a torch add" if lig
+            else f"kareus triton _add_rms_norm_fwd_kernel{how}",
+            "rms_norm_bwd_add": f"kareus triton _rms_norm_bwd_kernel with the residual "
+                                f"gradient, dw accumulated in place{how}",
             "rope": f"kareus triton _rope_heads_kernel (q and k, one launch{how})",
             "rope_bwd": f"kareus triton _rope_heads_kernel (dq, dk, dv into dqkv, one "
                         f"launch{how})",

@@ -435,15 +435,18 @@ class DecoderShard:
         return self.phase == "bwd"
 
     def _op_attn_norm(self, layer: int, a: dict[str, Any], nb: int) -> None:
+        w = self.W(layer, "w_attn_norm")
         if not self._recomputing():
             if layer == 0:
                 a["x_in"] = self.head["x0"][self.rows(nb)]
-            else:
+            else:  # the residual addition and the norm in one pass
                 prev = self.act[(layer - 1, nb)]
-                a["x_in"] = prev["x_mid"] + self._reduced("mlp_out", layer - 1, nb)
+                a["x_in"], a["xn"] = self.ks.add_rms_norm(
+                    prev["x_mid"], self._reduced("mlp_out", layer - 1, nb), w)
                 if self.recompute:  # the layer below keeps its input only
                     self.act[(layer - 1, nb)] = {"x_in": prev["x_in"]}
-        a["xn"] = self.ks.rms_norm(a["x_in"], self.W(layer, "w_attn_norm"))
+                return
+        a["xn"] = self.ks.rms_norm(a["x_in"], w)
 
     def _op_qkv(self, layer: int, a: dict[str, Any], nb: int) -> None:
         a["qkv"] = self.ks.matmul(a["xn"], self.W(layer, "Wqkv"))
@@ -509,8 +512,8 @@ class DecoderShard:
             a["attn_out"] = y
 
     def _op_mlp_norm(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        a["x_mid"] = a["x_in"] + self._reduced("attn_out", layer, nb)
-        a["xn2"] = self.ks.rms_norm(a["x_mid"], self.W(layer, "w_mlp_norm"))
+        a["x_mid"], a["xn2"] = self.ks.add_rms_norm(
+            a["x_in"], self._reduced("attn_out", layer, nb), self.W(layer, "w_mlp_norm"))
 
     def _op_gate(self, layer: int, a: dict[str, Any], nb: int) -> None:
         a["g"] = self.ks.matmul(a["xn2"], self.W(layer, "Wg"))
@@ -554,10 +557,9 @@ class DecoderShard:
         self.ks.matmul(a["xn2"].t(), a["du"], out=self.G(layer, "Wu"), accumulate=True)
 
     def _op_mlp_norm_bwd(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        dx, dw = self._norm_bwd(self._reduced("mlp_in_grad", layer, nb), a["x_mid"],
-                                self.W(layer, "w_mlp_norm"))
-        self._add_dw(f"l{layer}.w_mlp_norm", dw)
-        a["dx_mid"] = a["dy"] + dx
+        a["dx_mid"] = self.ks.rms_norm_bwd_add(
+            self._reduced("mlp_in_grad", layer, nb), a["x_mid"], self.W(layer, "w_mlp_norm"),
+            a["dy"], self.G(layer, "w_mlp_norm"))
 
     def _op_out_dgrad(self, layer: int, a: dict[str, Any], nb: int) -> None:
         a["dattn"] = self.ks.matmul(a["dx_mid"], self.W(layer, "Wo").t())
@@ -601,10 +603,9 @@ class DecoderShard:
         self.ks.matmul(a["xn"].t(), a["dqkv"], out=self.G(layer, "Wqkv"), accumulate=True)
 
     def _op_attn_norm_bwd(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        dx, dw = self._norm_bwd(self._reduced("attn_in_grad", layer, nb), a["x_in"],
-                                self.W(layer, "w_attn_norm"))
-        self._add_dw(f"l{layer}.w_attn_norm", dw)
-        dx_in = a["dx_mid"] + dx
+        dx_in = self.ks.rms_norm_bwd_add(
+            self._reduced("attn_in_grad", layer, nb), a["x_in"], self.W(layer, "w_attn_norm"),
+            a["dx_mid"], self.G(layer, "w_attn_norm"))
         if layer > 0:
             self.act[(layer - 1, nb)]["dy"] = dx_in
             self.act[(layer, nb)] = {}
