@@ -52,40 +52,44 @@ _TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 @triton.jit
-def _rms_norm_fwd_kernel(X, Y, W, stride_x, stride_y, M, N, eps,
-                         BLOCK: tl.constexpr, ROWS: tl.constexpr):
+def _row_block(M, N, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    # This program's ROWS rows (int64 offsets), its columns and their masks.
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     cmask = cols < N
-    m = (rows < M)[:, None] & cmask[None, :]
-    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    return rows, cols, cmask, (rows < M)[:, None] & cmask[None, :]
+
+
+@triton.jit
+def _norm_rows(x, rows, cols, cmask, m, W, Y, stride_y, N, eps):
+    # Y = RMSNorm of the float32 rows x, with Llama's casting: normalise in float32,
+    # round to the weight's dtype, then scale.
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
     w = tl.load(W + cols, mask=cmask, other=0.0)
-    # Llama's casting: normalise in float32, round to the activation dtype, then scale.
     xn = (x * rstd[:, None]).to(W.dtype.element_ty)
     y = xn.to(tl.float32) * w.to(tl.float32)[None, :]
     tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=m)
 
 
 @triton.jit
+def _rms_norm_fwd_kernel(X, Y, W, stride_x, stride_y, M, N, eps,
+                         BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    rows, cols, cmask, m = _row_block(M, N, BLOCK, ROWS)
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    _norm_rows(x, rows, cols, cmask, m, W, Y, stride_y, N, eps)
+
+
+@triton.jit
 def _add_rms_norm_fwd_kernel(X, R, S, Y, W, stride_x, stride_r, stride_s, stride_y, M, N, eps,
                              BLOCK: tl.constexpr, ROWS: tl.constexpr):
     # S = X + R (the residual stream, rounded to S's dtype as a separate addition rounds
-    # it), then Y = RMSNorm(S) exactly as _rms_norm_fwd_kernel computes it.
-    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    cmask = cols < N
-    m = (rows < M)[:, None] & cmask[None, :]
+    # it), then Y = RMSNorm(S) as _rms_norm_fwd_kernel computes it.
+    rows, cols, cmask, m = _row_block(M, N, BLOCK, ROWS)
     x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
     r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=m, other=0.0).to(tl.float32)
     s = (x + r).to(S.dtype.element_ty)
     tl.store(S + rows[:, None] * stride_s + cols[None, :], s, mask=m)
-    s32 = s.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(s32 * s32, axis=1) / N + eps)
-    w = tl.load(W + cols, mask=cmask, other=0.0)
-    xn = (s32 * rstd[:, None]).to(W.dtype.element_ty)
-    y = xn.to(tl.float32) * w.to(tl.float32)[None, :]
-    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=m)
+    _norm_rows(s.to(tl.float32), rows, cols, cmask, m, W, Y, stride_y, N, eps)
 
 
 @triton.jit
@@ -180,12 +184,16 @@ def _bwd_config(n: int, rows: int | None, num_warps: int | None,
     return block, rows, num_warps, programs_per_sm
 
 
+def _as_rows(t: Any, n: int) -> Any:
+    """``t`` as ``[rows, n]`` with its columns contiguous (a view where it can be)."""
+    t2 = t.reshape(-1, n)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
 def _rms_norm_fwd_plain(x: Any, w: Any, eps: float, rows: int | None,
                         num_warps: int | None, rec: list[LaunchRecord] | None = None) -> Any:
     n = x.shape[-1]
-    x2 = x.reshape(-1, n)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _as_rows(x, n)
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     block, rows, warps = _norm_config(n, rows, num_warps)
     m = x2.shape[0]
@@ -228,11 +236,7 @@ def _add_rms_norm_fwd_plain(x: Any, r: Any, w: Any, eps: float, rows: int | None
         raise ArgumentError(f"the residual's shape {tuple(r.shape)} is not x's "
                             f"{tuple(x.shape)}")
     n = x.shape[-1]
-    x2, r2 = x.reshape(-1, n), r.reshape(-1, n)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    if r2.stride(-1) != 1:
-        r2 = r2.contiguous()
+    x2, r2 = _as_rows(x, n), _as_rows(r, n)
     s = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     block, rows, warps = _norm_config(n, rows, num_warps)
@@ -275,19 +279,13 @@ def _rms_norm_bwd_plain(dy: Any, x: Any, w: Any, eps: float, rows: int | None,
                         rec: list[LaunchRecord] | None = None, dres: Any = None,
                         dw_out: Any = None) -> tuple[Any, Any]:
     n = x.shape[-1]
-    x2, dy2 = x.reshape(-1, n), dy.reshape(-1, n)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    if dy2.stride(-1) != 1:
-        dy2 = dy2.contiguous()
+    x2, dy2 = _as_rows(x, n), _as_rows(dy, n)
     res2 = dy2
     if dres is not None:
         if dres.shape != x.shape:
             raise ArgumentError(f"the residual gradient's shape {tuple(dres.shape)} is not "
                                 f"x's {tuple(x.shape)}")
-        res2 = dres.reshape(-1, n)
-        if res2.stride(-1) != 1:
-            res2 = res2.contiguous()
+        res2 = _as_rows(dres, n)
     if dw_out is not None and (tuple(dw_out.shape) != (n,) or not dw_out.is_contiguous()
                                or dw_out.device != w.device):
         raise ArgumentError(f"dw_out must be a contiguous [{n}] tensor on {w.device}, got "
