@@ -74,6 +74,30 @@ def test_rms_norm_and_its_backward_match_autograd_of_the_formula(ks, seed):
 
 
 @pytest.mark.parametrize("ks", SETS, ids=lambda k: k.name)
+def test_the_residual_norms_default_to_the_separate_ops(ks):
+    """``add_rms_norm`` and ``rms_norm_bwd_add`` of a set without fused kernels: exactly
+    the addition, the norm, its backward, the residual gradient's addition and the weight
+    gradient's accumulation (the reference set's backward has no ``dw``: the formula's)."""
+    g = gen(3)
+    x, r, dy, dres = (rnd(g, 37, 96) for _ in range(4))
+    w, g0 = 1 + rnd(g, 96, scale=0.1), rnd(g, 96, scale=0.1)
+    s, y = ks.add_rms_norm(x, r, w)
+    assert torch.equal(s, x + r) and torch.equal(y, ks.rms_norm(x + r, w))
+    dx, dw = ks.rms_norm_bwd(dy, x, w)
+    if dw is None:
+        from kareus.exec.kernels.base import rms_norm_weight_grad
+
+        dw = rms_norm_weight_grad(dy, x)
+        xd = x.double().requires_grad_()
+        wd = w.double().requires_grad_()
+        norm64(xd, wd).backward(dy.double())
+        assert rel(dw, wd.grad) < BF16_TOL
+    acc = g0.clone()
+    assert torch.equal(ks.rms_norm_bwd_add(dy, x, w, dres, acc), dres + dx)
+    assert torch.equal(acc, g0 + dw.to(acc.dtype))
+
+
+@pytest.mark.parametrize("ks", SETS, ids=lambda k: k.name)
 def test_rope_rotates_q_and_k_of_the_packed_qkv_and_its_backward_rotates_back(ks):
     g = gen(2)
     b, s, h, kvh, hd = 2, 6, 4, 2, 16

@@ -97,11 +97,7 @@ class KernelSet(abc.ABC):
         into its backward's two launches."""
         dx, dw = self.rms_norm_bwd(dy, x, w, eps)
         if dw is None:  # a set without the weight gradient: computed here
-            import torch
-
-            xf = x.float()
-            xhat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-            dw = (dy.float() * xhat.to(x.dtype).float()).sum(0)
+            dw = rms_norm_weight_grad(dy, x, eps)
         dw_out.add_(dw.to(dw_out.dtype))
         return dres + dx
 
@@ -195,6 +191,17 @@ class KernelSet(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
+
+
+def rms_norm_weight_grad(dy: Any, x: Any, eps: float = 1e-5) -> Any:
+    """``dw`` of ``rms_norm`` (float32), for kernel sets whose ``rms_norm_bwd`` returns
+    ``dw=None``: the sum over rows of ``dy`` times the normalised rows, rounded to x's
+    dtype as the forward rounds them."""
+    import torch
+
+    xf = x.float()
+    xhat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (dy.float() * xhat.to(x.dtype).float()).sum(0)
 
 
 def _sdpa(q: Any, k: Any, v: Any) -> Any:

@@ -411,10 +411,10 @@ class DecoderShard:
 
     def _norm_bwd(self, dy: Any, x: Any, w: Any) -> tuple[Any, Any]:
         dx, dw = self.ks.rms_norm_bwd(dy, x, w)
-        if dw is None:  # a kernel set without the weight gradient: compute it here
-            xf = x.float()
-            xhat = xf * self.torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)
-            dw = (dy.float() * xhat.to(x.dtype).float()).sum(0)
+        if dw is None:  # a kernel set without the weight gradient: computed here
+            from kareus.exec.kernels.base import rms_norm_weight_grad
+
+            dw = rms_norm_weight_grad(dy, x)
         return dx, dw
 
     def _add_dw(self, name: str, dw: Any) -> None:
