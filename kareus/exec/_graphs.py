@@ -32,9 +32,10 @@ that allocates before a capture.
 2.11, CUDA 13) picks GEMM kernels that need a zeroed 4-byte counter and zeroes it with a
 ``cudaMemsetAsync`` right before the kernel; in a graph that is a memset node, and the
 GPU idles around each one (about 4 us before it, against about 0.5 us between two
-kernels). Measured on one H200 (``bench/results/graph_memset_probe_h200.json``,
-``host_bound_h200.json``): of a graphed nanobatched Qwen3-1.7B TP=4 CP=2 iteration's
-18,884 GPU operations, 3,372 were such memsets, and the GPU was busy 94.3% of the span;
+kernels). Measured on one H200 (``bench/results/graph_memset_probe_h200_gemms.json``,
+``bench/results/cublas_workspace_loop_h200/``): of a graphed nanobatched Qwen3-1.7B
+TP=4 CP=2 iteration's 18,884 GPU operations, 3,372 were memsets (2,700 of them cuBLAS's),
+and the GPU was busy 94.3% of the span;
 with ``CUBLAS_WORKSPACE_CONFIG=:0:0`` (no workspace) cuBLAS picks kernels without the
 counter, the memsets are gone (16,184 operations), the GPU is busy 97.7% and the
 iteration is 1-3% shorter; the GEMMs alone ran 0.96-1.02x their time with the workspace

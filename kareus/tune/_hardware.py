@@ -288,7 +288,10 @@ def tune(workload: Workload, *, out_dir: str | os.PathLike[str], gpu: str | None
                 "machine": f"{world}x {device_name}",
                 "software": {"torch": torch.__version__,
                              "driver": _text(pynvml.nvmlSystemGetDriverVersion()),
-                             "cuda": torch.version.cuda},
+                             "cuda": torch.version.cuda,
+                             # cuBLAS's workspace (kareus.exec.prefer_workspace_free_gemms)
+                             "cublas_workspace_config":
+                                 os.environ.get("CUBLAS_WORKSPACE_CONFIG")},
                 "gpu": spec.name, "clocks_controlled": prof.clocks_controlled,
                 "clocks_mhz": list(prof.freqs_mhz), "clock_note": prof.clock_note,
                 "comm_sms": sms, "backends_unavailable": notes,
