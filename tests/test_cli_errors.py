@@ -201,6 +201,27 @@ def test_console_main_keeps_the_handlers_for_the_rest_of_the_process():
     assert out.returncode == 0 and out.stderr == "" and "a100-40gb" in out.stdout
 
 
+def test_the_command_asks_cublas_for_no_workspace_unless_the_user_set_one():
+    """The ``kareus`` process sets ``CUBLAS_WORKSPACE_CONFIG=:0:0`` before anything runs
+    (no memset node per GEMM in a graph: kareus.exec._graphs); a value the user set is
+    kept."""
+    import os
+
+    code = ("import os, sys, kareus.cli as c\n"
+            "status = c.console_main()\n"
+            "print(os.environ.get('CUBLAS_WORKSPACE_CONFIG'), "
+            "os.environ.get('CUBLASLT_WORKSPACE_SIZE'))\n"
+            "sys.exit(status)\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE")}
+    for given, want in ((None, ":0:0 0"), (":4096:8", ":4096:8 None")):
+        run_env = env if given is None else {**env, "CUBLAS_WORKSPACE_CONFIG": given}
+        out = subprocess.run([sys.executable, "-c", code, "gpus"], capture_output=True,
+                             text=True, timeout=120, env=run_env)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip().splitlines()[-1] == want
+
+
 def _handlers_in_place(pid: int) -> bool:
     """Whether the process catches SIGTERM, which only the command's handlers do."""
     try:
