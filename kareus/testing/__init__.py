@@ -15,6 +15,8 @@
   [`AcquisitionPass`][kareus.search.AcquisitionPass].
 * [`check_partition`][kareus.testing.check_partition] - conformance checks for any
   [`Partition`][kareus.model.Partition].
+* [`check_kernels`][kareus.testing.check_kernels] - conformance checks for any kernel set
+  (``kareus.exec.kernels.KernelSet``: each op against its formula in float64).
 * [`check_microbatch_composer`][kareus.testing.check_microbatch_composer],
   [`check_iteration_composer`][kareus.testing.check_iteration_composer] - conformance checks for any
   [`FrontierComposer`][kareus.compose.FrontierComposer] of either level.
@@ -57,6 +59,7 @@ from kareus.testing.executor import (
     make_test_plan,
     make_workload_plan,
 )
+from kareus.testing.kernels import KERNEL_CHECKS, KernelSetConformance, check_kernels
 from kareus.testing.partition import PARTITION_CHECKS, PartitionConformance, check_partition
 from kareus.testing.profiler import (
     PROFILER_CHECKS,
@@ -69,6 +72,7 @@ from kareus.testing.surrogate import SURROGATE_CHECKS, SurrogateConformance, che
 __all__ = [
     "EXECUTOR_CHECKS",
     "ITERATION_COMPOSER_CHECKS",
+    "KERNEL_CHECKS",
     "MICROBATCH_COMPOSER_CHECKS",
     "PARTITION_CHECKS",
     "PASS_CHECKS",
@@ -78,6 +82,7 @@ __all__ = [
     "ExecutorConformance",
     "FakeProfiler",
     "IterationComposerConformance",
+    "KernelSetConformance",
     "MicrobatchComposerConformance",
     "PartitionConformance",
     "ProfilerConformance",
@@ -88,6 +93,7 @@ __all__ = [
     "check_acquisition_pass",
     "check_executor",
     "check_iteration_composer",
+    "check_kernels",
     "check_microbatch_composer",
     "check_partition",
     "check_profiler",

@@ -45,6 +45,16 @@ def test_rms_norm_forward_and_backward(use_liger, rows, width):
     assert torch.equal(dx, ks.rms_norm_bwd(dy, x, w)[0])  # deterministic
 
 
+@pytest.mark.parametrize("use_liger", SETS)
+def test_the_fused_set_passes_the_kernel_conformance_suite(use_liger):
+    """kareus.testing.check_kernels on the GPU in bf16 (the suite every kernel set of a
+    user must pass; the torch and reference sets pass it on the CPU, the fused set also in
+    Triton's interpreter)."""
+    from kareus.testing import check_kernels
+
+    check_kernels(TritonKernels(use_liger=use_liger), device="cuda", dtype="bfloat16")
+
+
 @pytest.mark.parametrize("lean", [True, False])
 @pytest.mark.parametrize("rows,width", [(4099, 3072), (16384, 2048), (33, 96)])
 def test_fused_residual_norms_equal_the_separate_ops_bit_for_bit(lean, rows, width):

@@ -155,6 +155,15 @@ def _checks() -> list[dict]:
             outs[kern][n] = prog.output.clone()
     for n in names:
         add(f"partition {n}", rel(outs["triton"][n], outs["reference"][n]))
+
+    # The kernel sets' conformance suite, float32 (kareus.testing.check_kernels).
+    from kareus.testing import check_kernels
+
+    try:
+        check_kernels(TritonKernels(use_liger=False))
+        add("conformance", 0.0)
+    except AssertionError as exc:
+        out.append({"name": f"conformance failed: {exc}"[:300], "rel": 1.0})
     return out
 
 
@@ -174,8 +183,13 @@ def test_every_fused_op_matches_its_formula_in_the_interpreter(interpreted):
     assert {"rms_norm", "rms_norm_bwd", "add_rms_norm", "rms_norm_bwd_add", "rope", "rope_bwd",
             "swiglu", "swiglu_bwd"} <= ops
     bad = {n: e for n, e in interpreted.items()
-           if not n.startswith("partition") and not e < BF16_TOL}
+           if not n.startswith(("partition", "conformance")) and not e < BF16_TOL}
     assert not bad, bad
+
+
+def test_the_fused_set_passes_the_kernel_conformance_suite_in_the_interpreter(interpreted):
+    assert interpreted.get("conformance") == 0.0, [n for n in interpreted
+                                                   if n.startswith("conformance")]
 
 
 def test_partitions_with_fused_kernels_match_the_reference_in_the_interpreter(interpreted):
