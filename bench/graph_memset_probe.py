@@ -151,8 +151,6 @@ def _attention_body(torch: Any, t: int, backend: str, d: dict[str, int]) -> Any:
 
 
 def _measure(torch: Any, body: Any, replays: int) -> dict[str, Any]:
-    from torch.profiler import ProfilerActivity, profile
-
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -165,11 +163,7 @@ def _measure(torch: Any, body: Any, replays: int) -> dict[str, Any]:
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        graph.replay()
-        torch.cuda.synchronize()
-    ops = [(ev.time_range.start, ev.time_range.end, str(ev.name)) for ev in prof.events()
-           if str(getattr(ev, "device_type", "")).endswith("CUDA")]
+    ops = hb.profiled_kernels(torch, graph.replay)
     tl = hb.kernel_timeline(ops, top=6)
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()

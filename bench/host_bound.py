@@ -87,8 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--loop-repeats", type=int, default=2, help="runs per loop schedule+mode")
     ap.add_argument("--quick", action="store_true", help="fewer steps and rounds (smoke run)")
     ap.add_argument("--modes", default="eager,graphed",
-                    help="loop modes to run (eager, graphed); the other mode's columns read "
-                         "n/a")
+                    help="loop modes to run (eager, graphed); with one, the eager-vs-graphed "
+                         "loss difference reads NaN")
     ap.add_argument("--trace-dir", type=Path, default=None,
                     help="write each profiled loop iteration here as a Chrome trace")
     ap.add_argument("--only", default=None,
@@ -385,26 +385,28 @@ def kernel_timeline(kernels: list[tuple[float, float, str]],
                              "idle_before_s": i / 1e6} for n, (c, g, i) in names]}
 
 
-def _profile_iteration(torch: Any, loop: Any, schedule: str,
-                       trace: Path | None = None) -> dict[str, Any]:
-    """Kernels of one iteration, the GPU-busy fraction of their span and where the GPU
-    waited (``kernel_timeline``); the profile as a Chrome trace at ``trace``, if given."""
+def profiled_kernels(torch: Any, fn: Any,
+                     trace: Path | None = None) -> list[tuple[float, float, str]]:
+    """``(start_us, end_us, name)`` of every GPU operation ``fn()`` enqueues (torch.profiler,
+    after a synchronisation); the profile as a Chrome trace at ``trace``, if given."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        loop.step(schedule)
+        fn()
         torch.cuda.synchronize()
-    kernels = []
-    for ev in prof.events():
-        if getattr(ev, "device_type", None) is None:
-            continue
-        if str(ev.device_type).endswith("CUDA"):
-            kernels.append((ev.time_range.start, ev.time_range.end, str(ev.name)))
     if trace is not None:
         trace.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(trace))
-    return kernel_timeline(kernels)
+    return [(ev.time_range.start, ev.time_range.end, str(ev.name)) for ev in prof.events()
+            if str(getattr(ev, "device_type", None)).endswith("CUDA")]
+
+
+def _profile_iteration(torch: Any, loop: Any, schedule: str,
+                       trace: Path | None = None) -> dict[str, Any]:
+    """Kernels of one iteration, the GPU-busy fraction of their span and where the GPU
+    waited (``kernel_timeline``); the profile as a Chrome trace at ``trace``, if given."""
+    return kernel_timeline(profiled_kernels(torch, lambda: loop.step(schedule), trace))
 
 
 def loss_rel_diff(a: list[float], b: list[float]) -> float:

@@ -82,22 +82,12 @@ def prefer_workspace_free_gemms() -> str:
     global _warned_late
     if "CUBLAS_WORKSPACE_CONFIG" in os.environ:
         return "user"
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        try:
-            if torch.are_deterministic_algorithms_enabled():
-                return "deterministic"
-        except AttributeError:  # a stand-in torch
-            pass
+    torch = sys.modules.get("torch")  # not imported here: only asked when already loaded
+    if torch is not None and torch.are_deterministic_algorithms_enabled():
+        return "deterministic"
     for k, v in WORKSPACE_FREE.items():
         os.environ.setdefault(k, v)
-    started = False
-    if torch is not None:
-        try:
-            started = bool(torch.cuda.is_initialized())
-        except AttributeError:
-            started = False
-    if started and not _warned_late:
+    if torch is not None and torch.cuda.is_initialized() and not _warned_late:
         _warned_late = True
         _log.info("CUBLAS_WORKSPACE_CONFIG=:0:0 set after CUDA started in this process: it "
                   "takes effect only if no GEMM has run yet; set it before starting for "

@@ -59,7 +59,6 @@ from typing import Any
 from kareus.compose.plan import Plan
 from kareus.errors import ArgumentError, ArgumentTypeError, PlanError, WorkloadError
 from kareus.exec._executor_role import Executor
-from kareus.exec._graphs import prefer_workspace_free_gemms
 from kareus.exec._plan_lookup import plan_config, plan_nanobatches
 from kareus.exec.train._chain import (
     SCHEDULES,
@@ -122,11 +121,6 @@ class _LayerProgram(DecoderShard):
     def G(self, layer: int, name: str) -> Any:
         """The gradient buffer of weight ``name`` of layer ``layer`` in the current backward."""
         return self.wgrads[layer][name]
-
-    def _add_dw(self, name: str, dw: Any) -> None:
-        layer, weight = name.split(".", 1)  # "l3.w_attn_norm"
-        g = self.wgrads[int(layer[1:])][weight]
-        g.add_(dw.to(g.dtype))
 
 
 class PlanApplier:
@@ -227,8 +221,6 @@ class PlanApplier:
         self.executor: Executor | None
         self.baseline: Executor
         self.graphs = bool(graphs)
-        if self.graphs:
-            prefer_workspace_free_gemms()  # no memset node per GEMM (kareus.exec._graphs)
         self._build_executors(plan, executor, baseline, collective, default_collective,
                               frequency, streams)
         if self.graphs:

@@ -101,7 +101,6 @@ class KernelSet(abc.ABC):
         dw_out.add_(dw.to(dw_out.dtype))
         return dres + dx
 
-
     def attention(self, q: Any, k: Any, v: Any) -> Any:
         """Causal attention of ``q`` [b, heads, s, hd] over grouped ``k``, ``v``
         [b, kv_heads, s_k, hd], on the first of ``sdpa_backends`` that takes it.

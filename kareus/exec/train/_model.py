@@ -391,7 +391,7 @@ class DecoderShard:
         ks.matmul(hd["xn"].t(), hd["dlogits"], out=self.grads["Wlm"], accumulate=True)
         self.groups.all_reduce(dxn, group="tp")
         dxf, dw = self._norm_bwd(dxn, hd["xf"], self.params["w_final"])
-        self._add_dw("w_final", dw)
+        self.grads["w_final"].add_(dw.to(self.dtype))
         top = self.layers - 1
         for i in range(self.n):
             self.act.setdefault((top, i), {})["dy"] = dxf[self.rows(i)]
@@ -416,9 +416,6 @@ class DecoderShard:
 
             dw = rms_norm_weight_grad(dy, x)
         return dx, dw
-
-    def _add_dw(self, name: str, dw: Any) -> None:
-        self.grads[name].add_(dw.to(self.dtype))
 
     # ------------------------------------------------------------------ the ops
     def run_op(self, op: Op, nb: int) -> None:
