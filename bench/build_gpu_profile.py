@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kareus.exec.profile_build import build_gpu_profile
+from kareus.profilers.profile_build import build_gpu_profile
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"

@@ -44,13 +44,13 @@ from kareus.compose import (
     MicrobatchComposer,
     MicrobatchContext,
 )
-from kareus.exec.emulator import EmulatedProfiler
 from kareus.model.config import ConfigSpace, ScheduleConfig
 from kareus.model.dag import Dag
 from kareus.model.measurement import Measurement
 from kareus.model.partition import build_partitions
 from kareus.model.pipeline import one_f_one_b
 from kareus.model.workload import Workload
+from kareus.profilers.emulator import EmulatedProfiler
 from kareus.search.pareto import hypervolume, pareto_front, pareto_mask
 from kareus.search.partition_frontier import Observation, PartitionFrontier
 from kareus.workflow import exhaustive_search, measure_outside_work

@@ -41,10 +41,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kareus.exec.emulator import EmulatedGPU, EmulatedProfiler
 from kareus.model.config import ScheduleConfig
 from kareus.model.partition import build_partitions
 from kareus.model.workload import Workload
+from kareus.profilers.emulator import EmulatedGPU, EmulatedProfiler
 
 FREQ_MHZ = 1410
 SLOT = "qkv"

@@ -24,7 +24,7 @@ the preset's run) and ``as_shipped`` (the profile's GPU as ``kareus optimize
 nothing fitted to the probe). The probe's ops are not in the profile: they take the
 profile's per-kind median time and power factors.
 
-Stream priority (:attr:`~kareus.exec.emulator.EmulatedGPU.comm_priority`): the 12 rows,
+Stream priority (:attr:`~kareus.profilers.emulator.EmulatedGPU.comm_priority`): the 12 rows,
 the 2x repeat and the 2x H200 overlap probe are emulated at the priority their
 collectives ran at, the data's ``"comm_priority"`` field, else ``"normal"`` (all three ran
 on normal-priority streams: a collective launched with op k starts when op k ends);
@@ -52,10 +52,10 @@ from pathlib import Path
 import attrs
 import numpy as np
 
-from kareus.exec.emulator import EmulatedGPU, EmulatedProfiler, measured_priority
 from kareus.model.config import ScheduleConfig
 from kareus.model.ops import CommKind, CommOp, ComputeOp, OpKind
 from kareus.model.partition import OpPartition, OutsideWork
+from kareus.profilers.emulator import EmulatedGPU, EmulatedProfiler, measured_priority
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "h200_tp4_overlap_probe.json"
 ELEMS = 96 * 2**20  # 96M elements: "a 96M-element bf16 tensor"
@@ -209,7 +209,7 @@ def overlap_probe_check(comm_priority: str | None = None) -> dict[str, object]:
 
     The probe's runs are short (not at the power-limited steady state), so times are
     also compared relative to the GEMM chain alone of the same source. At the probe's
-    stream priority (:func:`kareus.exec.emulator.measured_priority`; ``comm_priority`` overrides it).
+    stream priority (:func:`kareus.profilers.emulator.measured_priority`; ``comm_priority`` overrides it).
     """
     if not OVERLAP_PROBE.exists():
         return {}
@@ -259,7 +259,7 @@ def repeat_check(rows4: list[dict[str, object]], default_ctas: int,
     emulator's best row ranks in the 4x measurement, and ``gpu2`` (default: the h200-sxm
     preset with NCCL's measured group-2 curve; default CTAs ``default_ctas``) against the
     2x medians: where its best schedule ranks by the medians and in each round, at the
-    repeat's stream priority (:func:`kareus.exec.emulator.measured_priority`; ``comm_priority`` overrides it).
+    repeat's stream priority (:func:`kareus.profilers.emulator.measured_priority`; ``comm_priority`` overrides it).
     """
     if not REPEAT.exists():
         return {"missing": str(REPEAT)}

@@ -5,7 +5,7 @@ Reads ``bench/results/collectives_{4,2}xh200_nvlink.json`` (measured by
 kernels, NCCL capped at the same CTA count), collective and group size, fits the
 emulator's throughput curve ``R(s) = ((s r)^-2 + L^-2)^-1/2`` (bus GB/s) to the rows of
 one message size by least squares on relative error over s = 1..32 SMs. The printed
-table is what ``kareus.exec.emulator`` carries as ``_H200_COMM`` (per-SM throughput at the
+table is what ``kareus.profilers.emulator`` carries as ``_H200_COMM`` (per-SM throughput at the
 maximum clock ``r`` and link limit ``L``).
 
 Usage::

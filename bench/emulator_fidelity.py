@@ -41,7 +41,7 @@ comm_backend="nccl")``; ``--gpu-profile h200-sxm`` names the profile shipped wit
 until the emulator has that constructor it stops with a message saying so.
 
 **Stream priority.** Each grid is emulated at the stream priority its collectives ran at
-(:attr:`kareus.exec.EmulatedGPU.comm_priority`): the grid's ``"comm_priority"`` field
+(:attr:`kareus.profilers.EmulatedGPU.comm_priority`): the grid's ``"comm_priority"`` field
 (``bench/h200_study.py --comm-priority`` records it), else ``"normal"``: every grid
 measured before that option ran its collectives at normal priority, where a collective
 launched with an op gets SMs only once that op's blocks are all dispatched.
@@ -79,12 +79,12 @@ import attrs
 from scipy.stats import pearsonr, spearmanr
 
 from kareus._io import read_json, write_json_atomic
-from kareus.exec import EmulatedGPU, EmulatedProfiler
-from kareus.exec.emulator import measured_priority, profile_workload_key
 from kareus.model import Partition, ScheduleConfig, Workload, build_partitions
 from kareus.model.gpu import get_gpu
 from kareus.model.gpu_profile import GPUProfile, GPUProfileError, OpProfile, shipped_profiles
 from kareus.model.ops import OpKind
+from kareus.profilers import EmulatedGPU, EmulatedProfiler
+from kareus.profilers.emulator import measured_priority, profile_workload_key
 
 REPO = Path(__file__).resolve().parents[1]
 TARGETS = {"median_rel_err_max": 0.08, "spearman_min": 0.9, "pick_regret_max": 0.02}
@@ -209,7 +209,7 @@ def evaluate_grid(path: Path, gpu_name: str, profile: Path | None = None,
                   comm_priority: str | None = None) -> dict[str, Any]:
     """Emulate every measured row of the grid file ``path``; errors, ranks and picks.
     ``comm_priority``: emulate at this stream priority instead of the grid's
-    (:func:`kareus.exec.emulator.measured_priority`).
+    (:func:`kareus.profilers.emulator.measured_priority`).
     ``detail``: each row also gets the average power per GPU on both sides, the emulated
     timeline (collective start and end, end of the computation), the emulated time and
     power at the measured clock and the launch-slot shift check (:func:`shifted_slot`),
@@ -596,7 +596,7 @@ def run(grids: list[Path], gpu_profile: Path | None, gpu_name: str = "h200-sxm",
         comm_priority: str | None = None) -> dict[str, Any]:
     """Evaluate the emulator on ``grids``; the result written by ``--json`` (``detail``:
     rows with the fields :func:`residuals` needs; ``comm_priority``: every grid at this
-    stream priority instead of its own, :func:`kareus.exec.emulator.measured_priority`)."""
+    stream priority instead of its own, :func:`kareus.profilers.emulator.measured_priority`)."""
     _, how = make_emulator(gpu_name, gpu_profile, kernels)
     floors = [f for i, a in enumerate(grids) for b in grids[i + 1:]
               if (f := measurement_floor(a, b)) is not None]

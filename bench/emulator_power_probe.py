@@ -37,7 +37,7 @@ def main() -> int:
     import pynvml
     import torch
 
-    from kareus.exec.nvml import nvml_device_index
+    from kareus.profilers.nvml import nvml_device_index
 
     pynvml.nvmlInit()
     h = pynvml.nvmlDeviceGetHandleByIndex(nvml_device_index())  # by UUID

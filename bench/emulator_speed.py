@@ -24,10 +24,10 @@ import sys
 import time
 from pathlib import Path
 
-from kareus.exec.emulator import EmulatedProfiler
 from kareus.model.config import ConfigSpace
 from kareus.model.partition import build_partitions
 from kareus.model.workload import Workload
+from kareus.profilers.emulator import EmulatedProfiler
 
 CASES = [
     ("a100-40gb", "llama3.2-3b", dict(tp=4, microbatch_size=8, seq_len=4096)),

@@ -13,7 +13,7 @@ NCCL's own CTA choice (``comm_sms`` null) is taken as 32, as in the calibration.
 ``megatron`` baseline is the whole microbatch without nanobatching (a partition built with
 ``nanobatches=1``), emulated as such.
 
-Stream priority (:attr:`~kareus.exec.emulator.EmulatedGPU.comm_priority`): the grid is
+Stream priority (:attr:`~kareus.profilers.emulator.EmulatedGPU.comm_priority`): the grid is
 emulated at the priority its collectives ran at, its ``"comm_priority"`` field
 (``bench/h200_study.py --comm-priority`` records it), else ``"normal"`` (this grid predates
 the option and ran NCCL at normal priority: a collective launched with op k starts when op
@@ -35,10 +35,10 @@ from pathlib import Path
 
 import numpy as np
 
-from kareus.exec.emulator import EmulatedGPU, EmulatedProfiler, measured_priority
 from kareus.model.config import ScheduleConfig
 from kareus.model.partition import build_partitions
 from kareus.model.workload import Workload
+from kareus.profilers.emulator import EmulatedGPU, EmulatedProfiler, measured_priority
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data" / "h200_llama3b_tp2_grid.json"

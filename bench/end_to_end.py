@@ -40,8 +40,8 @@ import sys
 import time
 from pathlib import Path
 
-from kareus.exec.emulator import EmulatedGPU, EmulatedProfiler
 from kareus.model import Workload
+from kareus.profilers.emulator import EmulatedGPU, EmulatedProfiler
 from kareus.workflow import iso_energy_time_saving, iso_time_energy_saving, optimize
 
 FLOP_ACCOUNTING = ("model FLOPs per GPU: 3 x forward (GEMMs, causal attention as half the "

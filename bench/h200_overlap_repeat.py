@@ -56,7 +56,7 @@ def main() -> int:  # noqa: C901 - a linear bench script, one branch per option 
     import torch.distributed as dist
 
     from kareus.exec.collectives import NCCLCappedCollective
-    from kareus.exec.nvml import nvml_device_index
+    from kareus.profilers.nvml import nvml_device_index
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)

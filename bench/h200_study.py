@@ -111,15 +111,15 @@ def main() -> int:  # noqa: C901 - a linear script
     from kareus.errors import HardwareError
     from kareus.exec.collectives import NCCLCappedCollective
     from kareus.exec.executor import ProcessGroupCollective, TorchExecutor
-    from kareus.exec.nvml import (
+    from kareus.exec.torch_partition import runnable_partitions
+    from kareus.model.config import ConfigSpace, ScheduleConfig
+    from kareus.model.workload import Workload
+    from kareus.profilers.nvml import (
         EnergyMeter,
         NVMLProfiler,
         TorchDistributedCoordinator,
         TorchPartitionRunner,
     )
-    from kareus.exec.torch_partition import runnable_partitions
-    from kareus.model.config import ConfigSpace, ScheduleConfig
-    from kareus.model.workload import Workload
 
     t_begin = time.perf_counter()
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -385,9 +385,9 @@ def analyze(path: Path, *, budgets: list[int], seeds: int,  # noqa: C901 - one l
     """
     import numpy as np
 
-    from kareus.exec.replay import ReplayProfiler
     from kareus.model.partition import build_partitions
     from kareus.model.workload import Workload
+    from kareus.profilers.replay import ReplayProfiler
     from kareus.search import SURROGATES, MultiPassSearch
     from kareus.search.pareto import hypervolume, pareto_front, reference_point
 

@@ -321,8 +321,8 @@ def _emulated_compute_s(part: Any, name: str, freq_mhz: int) -> float | None:
     """The calibrated emulator's time of the partition's computation alone (the shipped
     h200-sxm profile; graph-replay launches), to check its ops against the measurement."""
     try:
-        from kareus.exec.emulator import EmulatedGPU
         from kareus.model.gpu_profile import GPUProfile
+        from kareus.profilers.emulator import EmulatedGPU
 
         gpu = _EMU.get("gpu")
         if gpu is None:

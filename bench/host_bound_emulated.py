@@ -40,11 +40,11 @@ WORKLOADS = {
 def compare(result: dict[str, Any], *, gpu: str = "h200-sxm", sms: int = 16
             ) -> list[dict[str, Any]]:
     """One row per measured partition: measured and emulated eager / graphed ratios."""
-    from kareus.exec.emulator import EmulatedGPU, EmulatedProfiler
     from kareus.model.config import ScheduleConfig
     from kareus.model.gpu_profile import GPUProfile
     from kareus.model.partition import build_partitions
     from kareus.model.workload import Workload
+    from kareus.profilers.emulator import EmulatedGPU, EmulatedProfiler
 
     base = EmulatedGPU.from_profile(GPUProfile.preset(gpu))
     emus = {m: EmulatedProfiler(base, noise=0.0, execution=m) for m in ("eager", "graphed")}

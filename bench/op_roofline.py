@@ -60,7 +60,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kareus.exec.calibrate import TorchCalibrationDevice
+from kareus.profilers.calibrate import TorchCalibrationDevice
 
 WORKLOADS: dict[str, dict[str, int]] = {
     "llama3.2-3b": {"tp": 4},
@@ -95,7 +95,7 @@ def gemm_mkn(name: str, d: Any) -> tuple[int, int, int]:
 
 
 class Bench(TorchCalibrationDevice):
-    """The library's one-GPU measuring device (kareus.exec.calibrate, which ``kareus
+    """The library's one-GPU measuring device (kareus.profilers.calibrate, which ``kareus
     calibrate`` uses) with this bench's units: milliseconds and row dicts."""
 
     def __init__(self, torch: Any, reps: int, power_s: float) -> None:
@@ -490,7 +490,7 @@ def machine(torch: Any) -> dict[str, Any]:
     try:
         import pynvml
 
-        from kareus.exec.nvml import nvml_device_index
+        from kareus.profilers.nvml import nvml_device_index
 
         pynvml.nvmlInit()
         h = pynvml.nvmlDeviceGetHandleByIndex(nvml_device_index())  # by UUID

@@ -356,14 +356,14 @@ def mutated_files(tmp: Path, per_kind: int, seed: int) -> dict:
     from kareus.cli import main as kareus_main
     from kareus.compose.plan import Plan
     from kareus.errors import KareusError
-    from kareus.exec.emulator import EmulatedProfiler
-    from kareus.exec.replay import ReplayProfiler
     from kareus.model import ScheduleConfig
     from kareus.model.files import load_gpu_file, load_model_file
     from kareus.model.gpu import GPU_PRESETS
     from kareus.model.gpu_profile import GPUProfile
     from kareus.model.partition import build_partitions
     from kareus.model.workload import Parallelism, Workload
+    from kareus.profilers.emulator import EmulatedProfiler
+    from kareus.profilers.replay import ReplayProfiler
     from tests.compose import test_plan as plan_corpus
 
     rng = random.Random(seed)

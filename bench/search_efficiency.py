@@ -2,7 +2,7 @@
 
 For every partition type of ``llama3.2-3b`` (TP=4) and ``qwen3-1.7b`` (CP=2, TP=4),
 microbatch 8, sequence 4096, two nanobatches, on ``a100-40gb`` and ``h200-sxm`` (all
-EMULATED: kareus.exec.emulator.EmulatedProfiler), over the full default space: each
+EMULATED: kareus.profilers.emulator.EmulatedProfiler), over the full default space: each
 GPU's default frequency grid (``GPUSpec.search_clocks_mhz``: A100 1410 -> 900 MHz in
 30 MHz steps, H200 1980 -> 1215 MHz in 45 MHz steps; 18 values each), SM counts 1..32,
 every launch slot plus sequential (ConfigSpace's default):
@@ -91,7 +91,7 @@ MAX_BUDGET = max(BUDGETS)
 
 def make_profiler(kind: str, gpu: str, noise: float, seed: int) -> Any:
     if kind == "emulated":
-        from kareus.exec.emulator import EmulatedProfiler
+        from kareus.profilers.emulator import EmulatedProfiler
 
         return EmulatedProfiler(gpu, noise=noise, seed=seed)
     from kareus.testing import FakeProfiler  # development stand-in only
@@ -314,9 +314,9 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - a linear bench s
             sys.argv[1:] if argv is None else argv),
         "emulated": args.profiler == "emulated",
         "git_head": _git("rev-parse", "--short", "HEAD"),
-        "emulator_commit": _git("log", "-1", "--format=%h", "--", "kareus/exec/emulator"),
-        "emulator_dirty": bool(_git("status", "--porcelain", "--", "kareus/exec/emulator")),
-        "profiler": ("kareus.exec.emulator.EmulatedProfiler" if args.profiler == "emulated"
+        "emulator_commit": _git("log", "-1", "--format=%h", "--", "kareus/profilers/emulator"),
+        "emulator_dirty": bool(_git("status", "--porcelain", "--", "kareus/profilers/emulator")),
+        "profiler": ("kareus.profilers.emulator.EmulatedProfiler" if args.profiler == "emulated"
                      else "kareus.testing.FakeProfiler (development stand-in)"),
         "noise": NOISE,
         "machine": f"{platform.machine()} CPU, {platform.system()}, {os.cpu_count()} cores",

@@ -4,7 +4,7 @@ On real GPUs a profile costs about 1.5 s (a window of repeated runs read from NV
 energy counter, then a cool-down; ``mean_wall_s_per_candidate`` of the measured grids
 below), so a tuning run affords a handful of profiles per partition type. This bench
 replays the default :class:`kareus.search.MultiPassSearch` (``budget=B``, everything
-else default) on measured grids, with ``kareus.exec.replay.ReplayProfiler`` answering
+else default) on measured grids, with ``kareus.profilers.replay.ReplayProfiler`` answering
 each configuration's recorded measurement, for several seeds and budgets, and counts how
 often the configurations it measured include
 
@@ -59,8 +59,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from kareus.exec.replay import ReplayProfiler  # noqa: E402
 from kareus.model import Workload, build_partitions  # noqa: E402
+from kareus.profilers.replay import ReplayProfiler  # noqa: E402
 from kareus.search import MultiPassSearch  # noqa: E402
 
 GRIDS = ("data/h200_llama3b_tp2_grid.json", "data/h200_llama3b_tp2_grid13.json")
@@ -104,9 +104,9 @@ def _emulated_case(key: str) -> tuple[Any, Any, Any]:
     profiler)."""
     from search_efficiency import model_partitions
 
-    from kareus.exec.emulator import EmulatedProfiler
     from kareus.model import ConfigSpace
     from kareus.model.gpu import get_gpu
+    from kareus.profilers.emulator import EmulatedProfiler
 
     model, gpu, name = key.split("/")
     part = model_partitions(model)[name]
@@ -129,7 +129,7 @@ def one_search(task: tuple[str, str, int, int]) -> dict[str, Any]:
     search measured (it measured them with noise)."""
     path, name, budget, seed = task
     if path == "emulated":
-        from kareus.exec.emulator import EmulatedProfiler
+        from kareus.profilers.emulator import EmulatedProfiler
 
         space, part, truth = _emulated_case(name)
         profiler: Any = EmulatedProfiler(space.gpu, noise=EMULATED_NOISE["energy"],

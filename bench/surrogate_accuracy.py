@@ -116,7 +116,7 @@ def score(name: str, x: np.ndarray, train: np.ndarray, test: np.ndarray,
 
 
 def measured(draws: int) -> dict[str, Any]:
-    from kareus.exec.replay import ReplayProfiler
+    from kareus.profilers.replay import ReplayProfiler
 
     out: dict[str, Any] = {}
     for path, sizes in MEASURED.items():

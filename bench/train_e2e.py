@@ -7,7 +7,7 @@ of the same ops (Megatron-style ``sequential``, default ``nanobatching``, ``kare
 the plan), ``--repeats`` runs of each in an order shuffled from ``--order-seed`` (the same
 on every rank), each run from the same initial weights and data. Per run: device-event
 time of each iteration (slowest rank per iteration), NVML energy of every GPU (the
-step-edge meter, :class:`~kareus.exec.nvml.EnergyMeter`, summed over ranks) and the loss
+step-edge meter, :class:`~kareus.profilers.nvml.EnergyMeter`, summed over ranks) and the loss
 after each iteration. Then each partition type's overlap efficiency under the plan and
 under default nanobatching: its time over max(computation alone, collective alone).
 Clocks are never changed (the plan's clock requests go to a dry-run controller).
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:  # a linear script
     meter = None
     meter_note = "NVML EnergyMeter (step-edge reads), this process's GPU by UUID"
     try:
-        from kareus.exec.nvml import EnergyMeter
+        from kareus.profilers.nvml import EnergyMeter
 
         meter = EnergyMeter().start()
     except Exception as exc:  # energy is reported as missing

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kareus.exec import EmulatedProfiler, Profiler
 from kareus.model import Measurement, Workload, build_partitions
+from kareus.profilers import EmulatedProfiler, Profiler
 from kareus.search import BootstrapEnsemble, MultiPassSearch, Surrogate
 from kareus.testing import check_profiler, check_surrogate
 

@@ -10,8 +10,8 @@
 import os
 
 import kareus
-from kareus.exec.emulator import EmulatedProfiler
 from kareus.model import ConfigSpace, ScheduleConfig, Workload, build_partitions
+from kareus.profilers.emulator import EmulatedProfiler
 from kareus.search import MultiPassSearch
 from kareus.workflow import compose_systems
 

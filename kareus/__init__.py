@@ -38,8 +38,8 @@ acquisition passes (the default mix, [`default_passes`][kareus.search.default_pa
 in [`kareus.search`][kareus.search]; the composers
 ([`MicrobatchComposer`][kareus.compose.MicrobatchComposer],
 [`IterationComposer`][kareus.compose.IterationComposer]) in [`kareus.compose`][kareus.compose];
-the profilers ([`EmulatedProfiler`][kareus.exec.EmulatedProfiler],
-[`NVMLProfiler`][kareus.exec.NVMLProfiler], [`ReplayProfiler`][kareus.exec.ReplayProfiler]),
+the profilers ([`EmulatedProfiler`][kareus.profilers.EmulatedProfiler],
+[`NVMLProfiler`][kareus.profilers.NVMLProfiler], [`ReplayProfiler`][kareus.profilers.ReplayProfiler]),
 [`CallablePartition`][kareus.exec.CallablePartition] and
 [`TorchExecutor`][kareus.exec.TorchExecutor] in [`kareus.exec`][kareus.exec]; the error classes
 in [`kareus.errors`][kareus.errors]. Those names were importable from the top level before; they
@@ -58,7 +58,10 @@ torch, xgboost nor pynvml.
 
 from __future__ import annotations
 
+from kareus import _compat
 from kareus._version import __version__
+
+_compat.install()  # old import paths of moved modules keep working for one release
 
 # Not typing.TYPE_CHECKING: importing typing takes ~10 ms, and this module runs before the
 # command's entry point can guard a Ctrl-C (type checkers read any constant of this name).
@@ -139,9 +142,9 @@ _MOVED: dict[str, str] = {
     "IterationComposer": "kareus.compose",
     "SYSTEMS": "kareus.compose",
     "CallablePartition": "kareus.exec",
-    "EmulatedProfiler": "kareus.exec",
-    "NVMLProfiler": "kareus.exec",
-    "ReplayProfiler": "kareus.exec",
+    "EmulatedProfiler": "kareus.profilers",
+    "NVMLProfiler": "kareus.profilers",
+    "ReplayProfiler": "kareus.profilers",
     "TorchExecutor": "kareus.exec",
     "ConfigError": "kareus.errors",
     "FolderInUseError": "kareus.errors",
@@ -160,8 +163,8 @@ _MOVED: dict[str, str] = {
 
 #: The subpackages and modules ``kareus.<name>`` reaches without an import of its own (as when
 #: the top level imported every layer).
-_SUBMODULES = frozenset({"model", "search", "compose", "exec", "workflow", "errors", "testing",
-                         "interop", "tune", "cli", "integrations"})
+_SUBMODULES = frozenset({"model", "search", "compose", "exec", "profilers", "workflow", "errors",
+                         "testing", "interop", "tune", "cli", "integrations"})
 
 __all__ = [
     "AcquisitionPass",

@@ -518,7 +518,7 @@ def compose_systems(workload: Workload, profiler: Profiler, *,
         Megatron-LM and Perseus on the emulator (neither searches kareus's space):
 
         >>> import kareus
-        >>> from kareus.exec import EmulatedProfiler
+        >>> from kareus.profilers import EmulatedProfiler
         >>> from kareus.workflow import compose_systems
         >>> workload = kareus.Workload.preset("qwen3-1.7b", tp=2, pp=2, microbatch_size=2,
         ...                                   seq_len=1024, num_microbatches=4)

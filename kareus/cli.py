@@ -158,7 +158,7 @@ _DEFAULT_GPU = "a100-40gb"
 def _profiler_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     spec = args.profiler
     if spec == "emulated":
-        from kareus.exec.emulator import EmulatedGPU, EmulatedProfiler
+        from kareus.profilers.emulator import EmulatedGPU, EmulatedProfiler
 
         if getattr(args, "gpu_profile", None) is not None:
             gpu = EmulatedGPU.from_profile(args.gpu_profile)
@@ -177,7 +177,7 @@ def _profiler_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-de
     if spec.startswith("replay:"):
         from pathlib import Path
 
-        from kareus.exec.replay import ReplayProfiler
+        from kareus.profilers.replay import ReplayProfiler
 
         path = Path(spec.split(":", 1)[1])
         if path.is_dir():
@@ -271,7 +271,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """``kareus calibrate``: measure a GPU profile on this machine's GPU and write it;
     returns 0."""
-    from kareus.exec.calibrate import calibrate_to_file
+    from kareus.profilers.calibrate import calibrate_to_file
 
     path = calibrate_to_file(args.out, workloads=args.workload or ["llama3.2-3b"],
                              kernels=[k for k in args.kernels.split(",") if k], gpu=args.gpu,
@@ -326,7 +326,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
                             f"dominate every kernel); use --seq-len >= {_MIN_SEQ_LEN}")
     profiler = _profiler_from_args(args)
     if args.record is not None:
-        from kareus.exec.replay import RecordingProfiler
+        from kareus.profilers.replay import RecordingProfiler
 
         profiler = RecordingProfiler(profiler)
     # optimize's checks before the folder is made (memory, parallelism, what the profiler

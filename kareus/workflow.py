@@ -480,7 +480,7 @@ def optimize(
             nanobatches, recomputation) on ``a100-40gb``, as here with ``gpu=None``.
         gpu: GPU preset name; ``None`` = the profiler's GPU (``a100-40gb`` without a profiler).
         profiler: Where measurements come from; ``None`` = the embedded
-            [`EmulatedProfiler`][kareus.exec.EmulatedProfiler] (1% noise, ``seed``). Any
+            [`EmulatedProfiler`][kareus.profilers.EmulatedProfiler] (1% noise, ``seed``). Any
             [`Profiler`][kareus.model.Profiler] that implements ``measure`` and
             ``measure_outside`` (checked before the first measurement,
             [`preflight`][kareus.workflow.preflight]).
@@ -607,7 +607,7 @@ def optimize(
                         surrogate=surrogate, passes=passes)
     names = _system_names(systems)
     if profiler is None:
-        from kareus.exec.emulator import EmulatedProfiler
+        from kareus.profilers.emulator import EmulatedProfiler
 
         profiler = EmulatedProfiler(gpu or "a100-40gb", seed=spec.seed, execution=execution)
     elif not isinstance(profiler, Profiler):

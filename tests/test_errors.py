@@ -53,7 +53,7 @@ def test_argument_errors_keep_the_builtin_callers_catch():
 
 
 def _emulated(**kwargs):  # type: ignore[no-untyped-def]
-    from kareus.exec.emulator import EmulatedProfiler
+    from kareus.profilers.emulator import EmulatedProfiler
 
     return EmulatedProfiler("a100-40gb", **kwargs)
 
@@ -133,8 +133,8 @@ def test_a_library_argument_error_reaches_the_command_as_one_line(monkeypatch, c
 BARE_RAISES = {
     "kareus/_io.py": 1,  # json parse_constant hook: read_json turns it into its typed error
     "kareus/compose/plan.py": 1,  # the same hook of Plan.loads: it raises PlanError
-    "kareus/exec/replay.py": 4,  # a recording's bad field: ReplayProfiler raises ConfigError
-    "kareus/exec/emulator/_sim.py": 1,  # the profiler overlaps at most one collective
+    "kareus/profilers/replay.py": 4,  # a recording's bad field: ReplayProfiler raises ConfigError
+    "kareus/profilers/emulator/_sim.py": 1,  # the profiler overlaps at most one collective
 }
 
 

@@ -1,4 +1,5 @@
-"""The package's layers import only downward: model <- search <- compose <- exec <- workflow / cli.
+"""The package's layers import only downward: model <- search <- compose <- exec <- profilers <-
+workflow / cli.
 
 A lower layer that imports a higher one would let objects cross layers untyped (as ``Any``)
 and make the policy layers depend on hardware code; the policy layers (model, search,
@@ -15,8 +16,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "kareus"
-RANK = {"model": 1, "search": 2, "compose": 3, "exec": 4, "workflow": 5, "_orchestrate": 5,
-        "cli": 5, "interop": 5, "tune": 5, "integrations": 5}
+RANK = {"model": 1, "search": 2, "compose": 3, "exec": 4, "profilers": 5, "workflow": 6,
+        "_orchestrate": 6, "cli": 6, "interop": 6, "tune": 6, "integrations": 6}
 HARDWARE = ("torch", "pynvml", "triton", "liger_kernel", "zeus", "ray")
 POLICY = ("model", "search", "compose")
 
@@ -91,8 +92,8 @@ def test_checker_flags_an_upward_import(tmp_path: Path, monkeypatch: pytest.Monk
 # through an import inside a function: a function-local import that only breaks a cycle hides
 # a dependency that runs both ways. The graph below has an edge A -> B for every import of B
 # anywhere in A (functions and ``if TYPE_CHECKING:`` blocks included), and for every package
-# that Python initialises on the way to B (importing ``kareus.exec.nvml._meter`` runs
-# ``kareus/exec/nvml/__init__.py`` first) unless that package contains A (it is initialised
+# that Python initialises on the way to B (importing ``kareus.profilers.nvml._meter`` runs
+# ``kareus/profilers/nvml/__init__.py`` first) unless that package contains A (it is initialised
 # before A runs).
 
 #: Cycles allowed to stay, each as the sorted names of its modules, with the reason it is the

@@ -8,6 +8,7 @@ import inspect
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -21,7 +22,8 @@ import kareus.search
 #: which live in the layers (``kareus.<layer>.<name>``).
 ROLES = {
     "Partition": {"TransformerPartition": "model", "CallablePartition": "exec"},
-    "Profiler": {"EmulatedProfiler": "exec", "NVMLProfiler": "exec", "ReplayProfiler": "exec"},
+    "Profiler": {"EmulatedProfiler": "profilers", "NVMLProfiler": "profilers",
+                 "ReplayProfiler": "profilers"},
     "Surrogate": {"GaussianProcessSurrogate": "search"},
     "AcquisitionPass": {"HypervolumePass": "search", "NeighbourhoodPass": "search",
                         "HingePass": "search"},
@@ -41,12 +43,13 @@ ENTRY_POINTS = (
 #: The whole top level: the entry points, the value objects, the roles and the version.
 SURFACE = sorted([*ENTRY_POINTS, *ROLES, "__version__"])
 
-#: Execution plumbing: importable from kareus.exec, not offered at the top level.
-PLUMBING = (
-    "StreamOrderedTrigger", "CollectiveBackend", "FrequencyController",
-    "DryRunFrequencyController", "NVMLFrequencyController", "OwnKernelCollective",
-    "NCCLCappedCollective", "EnergyMeter", "PartitionRunner",
-)
+#: Execution and measurement plumbing: importable from its layer, not offered at the top level.
+PLUMBING = {
+    "StreamOrderedTrigger": "exec", "CollectiveBackend": "exec", "FrequencyController": "exec",
+    "DryRunFrequencyController": "exec", "NVMLFrequencyController": "exec",
+    "OwnKernelCollective": "exec", "NCCLCappedCollective": "exec", "EnergyMeter": "profilers",
+    "PartitionRunner": "profilers",
+}
 
 
 def test_all_is_sorted_unique_and_importable():
@@ -113,10 +116,10 @@ def test_an_unknown_top_level_name_is_an_attribute_error():
 
 
 def test_exec_plumbing_stays_in_its_layer():
-    for name in PLUMBING:
+    for name, layer in PLUMBING.items():
         assert name not in kareus.__all__, name
         assert not hasattr(kareus, name), name
-        assert name in kareus.exec.__all__, name
+        assert name in importlib.import_module(f"kareus.{layer}").__all__, name
 
 
 def test_top_level_names_are_the_layer_objects():
@@ -134,7 +137,7 @@ def test_import_kareus_loads_no_heavy_module():
     code = (
         "import json, sys\n"
         "import kareus, kareus.model, kareus.search, kareus.compose, kareus.exec, kareus.cli, "
-        "kareus.tune\n"
+        "kareus.tune, kareus.profilers\n"
         "heavy = ('torch', 'pynvml', 'xgboost', 'matplotlib')\n"
         "print(json.dumps([m for m in heavy if m in sys.modules]))\n"
     )
@@ -157,3 +160,57 @@ def test_subpackages_are_reached_from_the_top_level():
     code = "import kareus; print(kareus.model.__name__, kareus.errors.__name__)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["kareus.model", "kareus.errors"]
+
+
+def test_a_lazy_package_lists_the_same_names_for_type_checkers_as_it_loads():
+    # kareus.profilers loads its names on first use (kareus._lazy) and imports the same names
+    # under TYPE_CHECKING for type checkers and the API reference: the two lists must agree
+    import ast
+
+    import kareus.profilers as pkg
+
+    tree = ast.parse(Path(pkg.__file__).read_text(encoding="utf-8"))
+    checked = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.If)
+               for stmt in node.body if isinstance(stmt, ast.ImportFrom) for a in stmt.names}
+    assert checked == set(pkg._NAMES) == set(pkg.__all__)
+    for name in pkg.__all__:
+        assert getattr(pkg, name).__name__ == name
+
+
+def test_importing_the_emulator_loads_nothing_of_the_execution_layer():
+    code = ("import json, sys\nimport kareus.profilers.emulator\n"
+            "print(json.dumps(sorted(m for m in sys.modules if m.startswith('kareus.exec'))))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == []
+
+
+@pytest.mark.parametrize(("old", "new"), [
+    ("kareus.exec.emulator", "kareus.profilers.emulator"),
+    ("kareus.exec.nvml", "kareus.profilers.nvml"),
+    ("kareus.exec.replay", "kareus.profilers.replay"),
+    ("kareus.exec.calibrate", "kareus.profilers.calibrate"),
+    ("kareus.exec.profile_build", "kareus.profilers.profile_build"),
+])
+def test_a_moved_module_imports_by_its_old_path_with_a_warning(old, new):
+    code = ("import importlib, json, sys, warnings\n"
+            "warnings.simplefilter('always')\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            f"    old = importlib.import_module({old!r})\n"
+            f"new = importlib.import_module({new!r})\n"
+            "print(json.dumps([old is new, [str(x.message) for x in w "
+            "if x.category is DeprecationWarning]]))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    same, messages = json.loads(out.stdout)
+    assert same
+    assert any(f"{old} has moved to {new}" in m for m in messages)
+
+
+def test_a_name_moved_out_of_exec_still_imports_with_a_warning():
+    import kareus.profilers
+
+    with pytest.warns(DeprecationWarning, match="kareus.exec.EmulatedProfiler has moved to "
+                                                "kareus.profilers.EmulatedProfiler"):
+        from kareus.exec import EmulatedProfiler
+    assert EmulatedProfiler is kareus.profilers.EmulatedProfiler
+    with pytest.raises(AttributeError, match="has no attribute 'Nope'"):
+        kareus.exec.Nope  # noqa: B018

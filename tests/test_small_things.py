@@ -178,7 +178,7 @@ def test_device_choice_of_the_energy_meter_is_logged(caplog):
         from fake_nvml import FakeNVML
     finally:
         sys.path.pop(0)
-    from kareus.exec.nvml import EnergyMeter
+    from kareus.profilers.nvml import EnergyMeter
 
     with caplog.at_level(logging.INFO, logger="kareus"):
         EnergyMeter(device_indices=[0, 1], nvml=FakeNVML(2), poll_interval_s=0.001)

@@ -17,11 +17,11 @@ import pytest
 
 from kareus.compose.plan import Plan
 from kareus.errors import HardwareError
-from kareus.exec.emulator import EmulatedProfiler
-from kareus.exec.nvml import Coordinator
 from kareus.model.measurement import Measurement
 from kareus.model.profiler import Profiler
 from kareus.model.workload import Workload
+from kareus.profilers.emulator import EmulatedProfiler
+from kareus.profilers.nvml import Coordinator
 from kareus.tune import Catalog, LockstepProfiler, follow, run_lockstep
 
 

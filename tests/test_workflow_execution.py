@@ -9,8 +9,8 @@ import pytest
 
 from kareus.cli import main
 from kareus.errors import OutputError
-from kareus.exec.emulator import EmulatedProfiler
 from kareus.model import ConfigSpace, Workload, build_partitions
+from kareus.profilers.emulator import EmulatedProfiler
 from kareus.search import MultiPassSearch
 from kareus.workflow import optimize
 

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 
 from kareus.compose import kareus_types
-from kareus.exec.emulator import EmulatedProfiler
 from kareus.interop.ray import RayExecutor
 from kareus.interop.tasks import SearchTask, task_gpus
 from kareus.model.partition import build_partitions
 from kareus.model.workload import Workload
+from kareus.profilers.emulator import EmulatedProfiler
 from kareus.search import SearchSpec
 from kareus.testing import FakeProfiler
 from kareus.workflow import OptimizationResult, optimize

@@ -21,7 +21,6 @@ from kareus.compose import (
     MicrobatchFrontier,
 )
 from kareus.errors import ArgumentError, ArgumentTypeError, OutputError
-from kareus.exec.emulator import EmulatedProfiler
 from kareus.model import (
     ConfigSpace,
     Measurement,
@@ -34,6 +33,7 @@ from kareus.model import (
 )
 from kareus.model.ops import CommOp, ComputeOp
 from kareus.model.partition import OutsideWork
+from kareus.profilers.emulator import EmulatedProfiler
 from kareus.search import AcquisitionContext, AcquisitionPass, PartitionFrontier, SearchSpec
 from kareus.workflow import optimize
 
@@ -268,7 +268,7 @@ def test_the_testing_fake_profiler_drives_optimize():
 
 
 def test_a_recorder_measures_outside_work_when_what_it_wraps_does():
-    from kareus.exec.replay import RecordingProfiler
+    from kareus.profilers.replay import RecordingProfiler
 
     assert RecordingProfiler(Recording()).measures_outside_work
     assert not RecordingProfiler(PartitionsOnly()).measures_outside_work

@@ -1,11 +1,9 @@
-"""Execution: profilers, energy meters, frequency control, collectives, executors.
+"""Execution, the hardware side: frequency control, collectives, kernels, executors.
 
-Only this package touches hardware, and only lazily: importing it initialises
-neither CUDA nor NVML, and imports neither torch nor pynvml.
+This package and [`kareus.profilers`][kareus.profilers] (which measures, on the emulated GPU or
+on real ones, and builds on this one) are the only ones that touch hardware, and only lazily:
+importing it initialises neither CUDA nor NVML, and imports neither torch nor pynvml.
 
-- Profilers ([`Profiler`][kareus.exec.Profiler]): [`EmulatedProfiler`][kareus.exec.EmulatedProfiler]
-  (the embedded emulated GPU), [`NVMLProfiler`][kareus.exec.NVMLProfiler] (real GPUs, NVML energy
-  counter), [`ReplayProfiler`][kareus.exec.ReplayProfiler] (recorded measurements).
 - Frequency: [`FrequencyController`][kareus.exec.FrequencyController] with
   [`NVMLFrequencyController`][kareus.exec.NVMLFrequencyController] and
   [`DryRunFrequencyController`][kareus.exec.DryRunFrequencyController]; a
@@ -43,7 +41,6 @@ from kareus.exec.collectives import (
     ProcessGroupCollective,
     select_collective_backend,
 )
-from kareus.exec.emulator import EmulatedGPU, EmulatedProfiler, EmulationTrace
 from kareus.exec.executor import (
     CollectiveLaunch,
     Executor,
@@ -65,18 +62,7 @@ from kareus.exec.frequency import (
     StreamMarker,
     StreamOrderedTrigger,
 )
-from kareus.exec.nvml import (
-    Coordinator,
-    EnergyMeter,
-    LocalCoordinator,
-    MeasurementRecord,
-    NVMLProfiler,
-    PartitionRunner,
-    TorchDistributedCoordinator,
-    TorchPartitionRunner,
-    nvml_device_index,
-)
-from kareus.exec.replay import ReplayProfiler
+from kareus.exec.nvml_device import nvml_device_index
 from kareus.exec.torch_partition import (
     CallablePartition,
     PartitionProgram,
@@ -84,7 +70,6 @@ from kareus.exec.torch_partition import (
     RunnableTransformerPartition,
     runnable_partitions,
 )
-from kareus.model.profiler import Profiler, ProfilerWrapper
 
 __all__ = [
     "CallablePartition",
@@ -96,12 +81,7 @@ __all__ = [
     "CollectiveLaunchError",
     "CollectiveUnavailableError",
     "CommSMCountError",
-    "Coordinator",
     "DryRunFrequencyController",
-    "EmulatedGPU",
-    "EmulatedProfiler",
-    "EmulationTrace",
-    "EnergyMeter",
     "EventPollingMarker",
     "Executor",
     "ExtensionBuildError",
@@ -109,35 +89,34 @@ __all__ = [
     "FrequencyPermissionError",
     "FrequencyTrigger",
     "HostFunctionMarker",
-    "LocalCoordinator",
     "LoopbackCollective",
-    "MeasurementRecord",
     "MscclppCollective",
     "NCCLCappedCollective",
     "NVMLFrequencyController",
-    "NVMLProfiler",
     "NoCollectiveBackendError",
     "OwnKernelCollective",
     "PartitionHook",
     "PartitionProgram",
-    "PartitionRunner",
     "PartitionScope",
     "ProcessGroupCollective",
-    "Profiler",
-    "ProfilerWrapper",
     "RecordingStreamBackend",
-    "ReplayProfiler",
     "RunnablePartition",
     "RunnableTransformerPartition",
     "StreamBackend",
     "StreamMarker",
     "StreamOrderedTrigger",
-    "TorchDistributedCoordinator",
     "TorchExecutor",
-    "TorchPartitionRunner",
     "TorchStreamBackend",
     "nvml_device_index",
     "prefer_workspace_free_gemms",
     "runnable_partitions",
     "select_collective_backend",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """Names this package re-exported before the profilers moved to ``kareus.profilers``:
+    returned from there with a ``DeprecationWarning`` (one release)."""
+    from kareus._compat import moved_attribute
+
+    return moved_attribute(__name__, name)

@@ -8,7 +8,7 @@ its time and energy at every clock a plan may use, so the NVML profiler runs it 
 program: ``RunnableOutsideWork`` builds, at the workload's per-rank microbatch
 shapes, one kernel per op of the work (cuBLAS GEMMs, the kernel set's RMSNorm, PyTorch's
 embedding, softmax cross-entropy and index_add) followed by its collectives on the
-executor's backends, and [`TorchPartitionRunner`][kareus.exec.TorchPartitionRunner] runs it as a
+executor's backends, and [`TorchPartitionRunner`][kareus.profilers.TorchPartitionRunner] runs it as a
 plain step (no launch slot: the configuration only sets the clock). A memory-bound op
 without a kernel of its own here (an optimizer step, say) runs as a device copy that
 moves the op's bytes (read and written once). Collectives over another group than the

@@ -20,7 +20,7 @@ does.
 **Same result as a serial run.** A search's choices depend only on its seed and on what it
 measures, and every profiler measures a configuration independently of the other searches:
 real GPUs and recorded measurements by nature, the emulated GPU
-([`EmulatedProfiler`][kareus.exec.EmulatedProfiler]) because its noise is drawn from ``(seed, what
+([`EmulatedProfiler`][kareus.profilers.EmulatedProfiler]) because its noise is drawn from ``(seed, what
 is measured, its repeat index)`` by hashing, never from a stream shared by the run. Each task
 gets its own copy of the profiler and tasks may run in any order, anywhere: the frontiers
 and logs are exactly those of the serial run (``tests/test_workflow_executor.py`` checks it
@@ -62,8 +62,8 @@ def _call_count(profiler: Profiler) -> int | None:
 def task_gpus(profiler: Profiler, partition: Partition, gpus_per_stage: int) -> int:
     """GPUs a search task needs: none for the emulated GPU or recorded measurements, else
     the partition's profiling group (its TP x CP GPUs)."""
-    from kareus.exec.emulator import EmulatedProfiler
-    from kareus.exec.replay import ReplayProfiler
+    from kareus.profilers.emulator import EmulatedProfiler
+    from kareus.profilers.replay import ReplayProfiler
 
     if isinstance(profiler, (EmulatedProfiler, ReplayProfiler)):
         return 0

@@ -12,7 +12,7 @@ optimises the energy of deep-learning jobs. Two of its pieces slot into kareus's
   can follow a plan's frequencies (zeus 0.16: ``zeus/device/gpu/nvidia.py``, ``ZeusdNVIDIAGPU``; the
   daemon's HTTP API is documented in ``zeusd/`` of the same repository).
 * [`ZeusEnergyMeter`][kareus.interop.zeus.ZeusEnergyMeter], an
-  [`EnergyMeter`][kareus.exec.EnergyMeter] (so [`NVMLProfiler`][kareus.exec.NVMLProfiler] takes it
+  [`EnergyMeter`][kareus.profilers.EnergyMeter] (so [`NVMLProfiler`][kareus.profilers.NVMLProfiler] takes it
   as ``meter=``) that reads each GPU's energy counter through a ``ZeusMonitor``'s devices instead of
   pynvml: the GPU indices are ZeusMonitor's (after ``CUDA_VISIBLE_DEVICES``), and the same monitor
       stays available for
@@ -33,9 +33,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from kareus.errors import ArgumentError, HardwareError
-from kareus.exec import EnergyMeter, FrequencyPermissionError
+from kareus.exec import FrequencyPermissionError
 from kareus.exec.frequency import LockingFrequencyController
 from kareus.model.gpu import GPUSpec
+from kareus.profilers import EnergyMeter
 
 __all__ = ["ZeusEnergyMeter", "ZeusdFrequencyController", "zeus_gpus"]
 
@@ -135,14 +136,14 @@ class _ZeusHandles:
 class ZeusEnergyMeter(EnergyMeter):
     """Step-edge reads of the GPUs' energy counters through a ``ZeusMonitor``.
 
-    A drop-in for [`EnergyMeter`][kareus.exec.EnergyMeter] (``NVMLProfiler(meter=...)``): the same
+    A drop-in for [`EnergyMeter`][kareus.profilers.EnergyMeter] (``NVMLProfiler(meter=...)``): the same
     polling thread, edges and queries, with every read going through Zeus's device layer.
 
     Args:
         device_indices: ZeusMonitor's GPU indices to read (``None`` = the monitor's own).
         monitor: A ``zeus.monitor.ZeusMonitor``; ``None`` = a new one on ``device_indices``.
-        poll_interval_s: As for [`EnergyMeter`][kareus.exec.EnergyMeter].
-        history: As for [`EnergyMeter`][kareus.exec.EnergyMeter].
+        poll_interval_s: As for [`EnergyMeter`][kareus.profilers.EnergyMeter].
+        history: As for [`EnergyMeter`][kareus.profilers.EnergyMeter].
 
     Raises:
         HardwareError: Zeus is missing, or a GPU has no energy counter (older than Volta,
@@ -187,7 +188,7 @@ class ZeusEnergyMeter(EnergyMeter):
 
     def sm_clocks_mhz(self) -> list[float]:
         """Not available through Zeus's device layer: raises, so samples carry no clock and
-        [`mean_sm_clock_mhz`][kareus.exec.EnergyMeter.mean_sm_clock_mhz] answers ``None``."""
+        [`mean_sm_clock_mhz`][kareus.profilers.EnergyMeter.mean_sm_clock_mhz] answers ``None``."""
         raise NotImplementedError("Zeus's device layer does not report the current SM clock")
 
     def begin_window(self, key: str, *, sync_execution: bool = True) -> None:

@@ -32,7 +32,7 @@ can be bad raises one ``GPUProfileError`` naming the file.
 Profiles measured by the project ship as package data (``kareus/model/profiles/``):
 ``GPUProfile.preset`` loads one by GPU preset name, ``shipped_profiles`` lists
 them. The profile is data, not a model: the emulator decides how to use it.
-``kareus.exec.profile_build`` (the measuring side) assembles a profile from the project's
+``kareus.profilers.profile_build`` (the measuring side) assembles a profile from the project's
 measured files (bench results and data files).
 """
 
@@ -590,7 +590,7 @@ class GPUProfile:
         if path is None:
             raise GPUProfileError(f"kareus ships no measured profile for {gpu!r}; it ships "
                                   f"{', '.join(shipped_profiles()) or 'none'}: build one with "
-                                  "kareus.exec.profile_build.build_gpu_profile")
+                                  "kareus.profilers.profile_build.build_gpu_profile")
         return cls.load(path)
 
     @classmethod

@@ -4,7 +4,7 @@
   [`Profiler`][kareus.exec.Profiler]: roofline op times, a communication kernel that speeds up with
   its SM count until the link saturates, a walk through the computation after the launch slot with
   fewer SMs and some HBM contention, and power that grows with frequency and voltage. It is a toy
-  (the calibrated model is [`kareus.exec.emulator.EmulatedProfiler`][kareus.exec.EmulatedProfiler]),
+  (the calibrated model is [`kareus.profilers.emulator.EmulatedProfiler`][kareus.profilers.EmulatedProfiler]),
   but it has the shape that matters to a search: a real time-energy trade-off across frequencies and
   SM counts, slots that matter, and seeded multiplicative noise. It measures the work outside
   partitions too (closed form, without noise), so it drives ``kareus.optimize`` end to end.

@@ -4,7 +4,7 @@
 ``torchrun`` (one process per GPU of one pipeline stage's TP x CP group; the stages of a
 pipeline run the same partition types, so one group measures them all). It profiles every
 partition type of the workload with the multi-pass search through the
-[`NVMLProfiler`][kareus.exec.NVMLProfiler], measures the baselines' configurations and the
+[`NVMLProfiler`][kareus.profilers.NVMLProfiler], measures the baselines' configurations and the
 work outside partitions, composes the five systems, and writes the same ``results.json``,
 ``plan.json`` and search logs as the emulated job, plus ``tune.json`` (the machine, the
 clocks, the backends, the GPU time).

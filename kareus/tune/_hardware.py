@@ -4,7 +4,7 @@
 ``torchrun``. It checks the world (one pipeline stage's TP x CP group, or one process),
 picks the GPU preset from the device name (``detect_gpu_preset``), builds the collective
 backends that run on the group (``tuning_backends``), the executor, the frequency
-controller and the [`NVMLProfiler`][kareus.exec.NVMLProfiler], pre-heats the GPUs, and hands
+controller and the [`NVMLProfiler`][kareus.profilers.NVMLProfiler], pre-heats the GPUs, and hands
 the profiler to ``run_lockstep``.
 
 The frequency and backend dimensions it sets up are described in ``kareus.tune``.
@@ -38,10 +38,10 @@ from typing import Any
 import attrs
 
 from kareus.errors import ArgumentError, ArgumentTypeError, HardwareError, KareusError
-from kareus.exec.nvml import Coordinator
 from kareus.model.config import ScheduleConfig
 from kareus.model.partition import OutsideWork, Partition, TransformerPartition
 from kareus.model.workload import Workload
+from kareus.profilers.nvml import Coordinator
 from kareus.tune._job import TuneReport, run_lockstep
 from kareus.tune._lockstep import Catalog
 
@@ -171,7 +171,7 @@ def tune(workload: Workload, *, out_dir: str | os.PathLike[str], gpu: str | None
             (each NCCL cap is a communicator of its own).
         kernels: The runnable partitions' kernel set (``None``: the library's choice).
         deadline_s, energy_budget_j: The plan chosen (at most one).
-        profiler_options: Keyword arguments of [`NVMLProfiler`][kareus.exec.NVMLProfiler]
+        profiler_options: Keyword arguments of [`NVMLProfiler`][kareus.profilers.NVMLProfiler]
             (``warmup_s``, ``window_steps``, ...).
         graphs: Measure CUDA-graph replays of each step (``None``, the default: as the
             training loop runs on a GPU) or eager launches (``False``);
@@ -196,7 +196,7 @@ def tune(workload: Workload, *, out_dir: str | os.PathLike[str], gpu: str | None
         DryRunFrequencyController,
         NVMLFrequencyController,
     )
-    from kareus.exec.nvml import (
+    from kareus.profilers.nvml import (
         EnergyMeter,
         LocalCoordinator,
         NVMLProfiler,
@@ -329,7 +329,7 @@ def tune(workload: Workload, *, out_dir: str | os.PathLike[str], gpu: str | None
 
 def _host_bound_summary(report: TuneReport) -> str:
     """One line on the run's host-bound measurements (``tune.json``'s ``host_bound``)."""
-    from kareus.exec.nvml import HOST_BOUND_BUSY
+    from kareus.profilers.nvml import HOST_BOUND_BUSY
 
     mode = report.execution or "unknown"
     flagged = report.host_bound

@@ -33,10 +33,10 @@ import attrs
 
 from kareus._io import write_json_atomic
 from kareus.errors import ArgumentError
-from kareus.exec.nvml import HOST_BOUND_BUSY, Coordinator
 from kareus.model.partition import build_partitions
 from kareus.model.profiler import Profiler
 from kareus.model.workload import Workload
+from kareus.profilers.nvml import HOST_BOUND_BUSY, Coordinator
 from kareus.search import PartitionFrontier, SearchSpec, search_log_path
 from kareus.tune._lockstep import Catalog, LockstepProfiler, follow
 from kareus.workflow import OptimizationResult, manifest_inputs, optimize

@@ -10,7 +10,7 @@ is done. Nothing a rank decides alone changes how many collectives run.
 Rank 0's measurements can be kept in a JSONL file (``cache``) and served from there by a
 later run of the same command, without announcing them again. Each line also keeps how the
 GPU was fed (``execution``, ``gpu_busy``) where the inner profiler says
-([MeasurementRecord.execution_facts][kareus.exec.MeasurementRecord.execution_facts]),
+([MeasurementRecord.execution_facts][kareus.profilers.MeasurementRecord.execution_facts]),
 so that the run's host-bound measurements (``LockstepProfiler.host_bound``) include
 those a resumed run serves from the file. Hardware-free: the inner profiler and the
 coordinator are whatever the caller passes.
@@ -26,12 +26,12 @@ from typing import Any
 
 from kareus._logging import get_logger
 from kareus.errors import ArgumentError, HardwareError
-from kareus.exec.nvml import HOST_BOUND_BUSY, Coordinator
 from kareus.model.config import ScheduleConfig
 from kareus.model.measurement import Measurement
 from kareus.model.partition import OutsideWork, Partition, build_partitions
 from kareus.model.profiler import Profiler, ProfilerWrapper
 from kareus.model.workload import Workload
+from kareus.profilers.nvml import HOST_BOUND_BUSY, Coordinator
 
 __all__ = ["Catalog", "LockstepProfiler", "follow"]
 
@@ -129,7 +129,7 @@ class LockstepProfiler(ProfilerWrapper):
 
     Args:
         inner: This rank's profiler (collective over the group, e.g. an
-            [`NVMLProfiler`][kareus.exec.NVMLProfiler]).
+            [`NVMLProfiler`][kareus.profilers.NVMLProfiler]).
         coordinator: Agreement among the ranks (rank 0 is this one).
         catalog: The catalog every rank built from the workload.
         backends: The backend names configurations may carry, in the same order on

@@ -95,7 +95,7 @@ def test_argument_errors(tiny_workload, fake_profiler):
 
 
 def test_systems_share_measurements_of_the_same_run(tiny_workload):
-    from kareus.exec.emulator import EmulatedProfiler
+    from kareus.profilers.emulator import EmulatedProfiler
 
     noisy = EmulatedProfiler("a100-40gb", noise=0.05, seed=7)
     search, _ = _search_calls()

@@ -1,4 +1,4 @@
-"""Reaching NVML and finding this process's GPU in it by UUID (kareus.exec._nvml_device),
+"""Reaching NVML and finding this process's GPU in it by UUID (kareus.exec.nvml_device),
 on a fake NVML with a remapped CUDA_VISIBLE_DEVICES."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from fake_nvml import FakeNVML
 
 from kareus.errors import HardwareError
 from kareus.exec.frequency import NVMLFrequencyController
-from kareus.exec.nvml import EnergyMeter, nvml_device_index
+from kareus.profilers.nvml import EnergyMeter, nvml_device_index
 
 
 def test_missing_driver_says_what_to_do():
-    from kareus.exec.nvml import load_nvml
+    from kareus.profilers.nvml import load_nvml
 
     class NoDriver:
         def nvmlInit(self):
@@ -58,7 +58,7 @@ def test_uuids_in_cuda_visible_devices_and_from_cuda_are_matched(monkeypatch):
 
 def test_meter_and_frequency_controller_default_to_this_process_gpu(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")
-    import kareus.exec._nvml_device as device
+    import kareus.exec.nvml_device as device
 
     monkeypatch.setattr(device, "cuda_device_uuid", _no_torch_uuid)  # as on a CPU
     nvml = FakeNVML(n=4)

@@ -213,9 +213,9 @@ def main() -> int:
 
     from kareus.exec.collectives import OwnKernelCollective
     from kareus.exec.executor import TorchExecutor
-    from kareus.exec.nvml import TorchPartitionRunner
     from kareus.exec.torch_partition import runnable_partitions
     from kareus.model.config import ScheduleConfig
+    from kareus.profilers.nvml import TorchPartitionRunner
 
     coll = OwnKernelCollective(spin_timeout_s=60.0)
     ex = TorchExecutor(collective=coll)

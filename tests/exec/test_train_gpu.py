@@ -82,7 +82,7 @@ def test_loopback_schedules_on_cuda_streams(tp, cp):
 
 def test_measure_runs_with_the_energy_meter():
     pytest.importorskip("pynvml")
-    from kareus.exec.nvml import EnergyMeter
+    from kareus.profilers.nvml import EnergyMeter
 
     wl = workload(2, 1)
     groups = LoopbackGroups(tp=2)

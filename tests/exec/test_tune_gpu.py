@@ -46,7 +46,7 @@ def test_outside_work_runs_with_its_collective(phase):
 
 @gpu
 def test_runner_builds_buffers_through_the_executor_and_runs_named_backends():
-    from kareus.exec.nvml import TorchPartitionRunner
+    from kareus.profilers.nvml import TorchPartitionRunner
 
     loop = LoopbackCollective()
     ex = TorchExecutor(collective=loop, backends={"loopback": loop}, default_collective=loop,
@@ -71,7 +71,7 @@ def test_runner_builds_buffers_through_the_executor_and_runs_named_backends():
 
 @gpu
 def test_graphed_steps_replay_what_the_eager_steps_compute():
-    from kareus.exec.nvml import TorchPartitionRunner
+    from kareus.profilers.nvml import TorchPartitionRunner
 
     wl = workload()
     part = build_partitions(wl).types["fwd_attn"]
@@ -101,7 +101,7 @@ def test_graphed_steps_replay_what_the_eager_steps_compute():
 @gpu
 @pytest.mark.parametrize("graphs", [False, True])
 def test_the_gpu_time_per_step_alone_is_at_most_the_step_time(graphs):
-    from kareus.exec.nvml import TorchPartitionRunner
+    from kareus.profilers.nvml import TorchPartitionRunner
 
     wl = workload()
     loop = LoopbackCollective()
@@ -132,7 +132,7 @@ def test_the_gpu_time_per_step_alone_is_at_most_the_step_time(graphs):
 def test_a_tp4_cp2_workload_runs_on_one_gpu_with_each_group_at_its_size():
     # `kareus optimize --profiler nvml` on one GPU at TP=4 CP=2 stopped at once with
     # "all_gather: output must hold world_size x input.numel() = 1 x ...".
-    from kareus.exec.nvml import TorchPartitionRunner
+    from kareus.profilers.nvml import TorchPartitionRunner
     from kareus.tune import one_gpu_backends
 
     wl = Workload.preset("qwen3-1.7b", tp=4, cp=2, microbatch_size=2, seq_len=1024)

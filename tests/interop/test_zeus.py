@@ -13,11 +13,8 @@ from fake_zeus import FakeGPUs, FakeZeusMonitor, install
 from kareus.errors import HardwareError, UnsupportedFrequencyError
 from kareus.exec import (
     DryRunFrequencyController,
-    EnergyMeter,
     FrequencyController,
     FrequencyPermissionError,
-    NVMLProfiler,
-    PartitionRunner,
     StreamMarker,
     StreamOrderedTrigger,
 )
@@ -25,6 +22,7 @@ from kareus.interop.zeus import ZeusdFrequencyController, ZeusEnergyMeter
 from kareus.model.config import ScheduleConfig
 from kareus.model.ops import CommKind, CommOp, ComputeOp, OpKind
 from kareus.model.partition import OpPartition
+from kareus.profilers import EnergyMeter, NVMLProfiler, PartitionRunner
 
 
 @pytest.fixture()

@@ -1,5 +1,5 @@
 """GPUProfile: validation and versioned JSON with a digest (the builder from measured files:
-tests/exec/test_profile_build.py)."""
+tests/profilers/test_profile_build.py)."""
 
 from __future__ import annotations
 

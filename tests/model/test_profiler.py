@@ -55,8 +55,8 @@ class _DryClocks(_Minimal):
 
 
 def test_a_wrapper_answers_as_its_inner_profiler():
-    from kareus.exec.replay import RecordingProfiler
     from kareus.model import ProfilerWrapper
+    from kareus.profilers.replay import RecordingProfiler
 
     inner = _DryClocks()
     part = next(iter(build_partitions(Workload.preset("qwen3-1.7b", tp=2)).types.values()))

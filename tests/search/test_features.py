@@ -33,8 +33,8 @@ def test_squared_ratio_lines_up_a_ridge_that_grows_faster_than_the_clock():
     # qwen3-1.7b's attention-input all-reduce on the emulated A100: the fewest SMs that
     # hide it (launched at attn_norm) grow about as clock^2, so SMs x (max/MHz)^2 takes
     # about one value along the ridge while SMs x max/MHz drifts with the clock.
-    from kareus.exec.emulator import EmulatedProfiler
     from kareus.model import Workload, build_partitions
+    from kareus.profilers.emulator import EmulatedProfiler
     from kareus.search import search_features
 
     wl = Workload.preset("qwen3-1.7b", cp=2, tp=4, microbatch_size=8, seq_len=4096)
@@ -60,8 +60,8 @@ def test_hide_balance_lines_up_the_hinge_across_clocks_and_slots():
     # feature should take about one value for every clock and slot: that is what lets a
     # tree find the hinge with one split. Compare its scatter at the hinge with the
     # scatter of the SMs-per-relative-clock feature there.
-    from kareus.exec.emulator import EmulatedProfiler
     from kareus.model import Workload, build_partitions
+    from kareus.profilers.emulator import EmulatedProfiler
     from kareus.search import search_features
 
     part = build_partitions(Workload.preset("llama3.2-3b", tp=4))["fwd_attn"]

@@ -376,8 +376,8 @@ def test_default_search_finds_most_of_an_emulated_front_and_beats_random():
     # The default search (GP surrogate, default passes) on a real emulated partition with
     # 1% noise: within 48 profiles of 960 its measured front, re-evaluated noise-free,
     # holds most of the true front's hypervolume, and more than uniform random picks.
-    from kareus.exec.emulator import EmulatedProfiler
     from kareus.model import Workload, build_partitions
+    from kareus.profilers.emulator import EmulatedProfiler
     from kareus.search.pareto import hypervolume, pareto_front, reference_point
 
     part = build_partitions(Workload.preset("llama3.2-3b", tp=4, microbatch_size=8,

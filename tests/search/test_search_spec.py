@@ -7,8 +7,8 @@ import pickle
 import pytest
 
 from kareus.errors import ConfigError, InfeasibleError
-from kareus.exec.emulator import EmulatedProfiler
 from kareus.model import Workload, build_partitions
+from kareus.profilers.emulator import EmulatedProfiler
 from kareus.search import (
     GaussianProcessSurrogate,
     HypervolumePass,

@@ -154,9 +154,9 @@ def test_the_training_loop_refuses_what_it_cannot_run():
 
 def test_the_partition_runner_runs_on_the_subclass():
     pytest.importorskip("torch")
-    from kareus.exec.nvml import TorchPartitionRunner
     from kareus.exec.torch_partition import CallablePartition
     from kareus.model.ops import CommKind, CommOp, ComputeOp, OpKind
+    from kareus.profilers.nvml import TorchPartitionRunner
 
     ran: list[str] = []
     part = CallablePartition(

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from kareus.exec.emulator import EmulatedProfiler
-from kareus.exec.replay import ReplayProfiler
 from kareus.model import ConfigSpace, Measurement, Profiler, Workload, build_partitions
 from kareus.model.config import ScheduleConfig
 from kareus.model.gpu import get_gpu
 from kareus.model.partition import OutsideWork
+from kareus.profilers.emulator import EmulatedProfiler
+from kareus.profilers.replay import ReplayProfiler
 from kareus.testing import FakeProfiler, ProfilerConformance, check_profiler
 
 DATA = Path(__file__).resolve().parents[2] / "data" / "h200_llama3b_tp2_grid.json"

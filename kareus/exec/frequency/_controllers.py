@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 
 from kareus.errors import ArgumentError, HardwareError
-from kareus.exec._nvml_device import load_nvml, nvml_device_index
+from kareus.exec.nvml_device import load_nvml, nvml_device_index
 from kareus.model.gpu import GPUSpec, get_gpu
 
 __all__ = [
@@ -262,7 +262,7 @@ class NVMLFrequencyController(LockingFrequencyController):
     Args:
         device_indices: NVML indices of the GPUs to control; ``None`` = this process's
             current CUDA device, found in NVML by its UUID
-            ([`kareus.exec.nvml.nvml_device_index`][kareus.exec.nvml_device_index]: right under
+            ([`kareus.profilers.nvml.nvml_device_index`][kareus.exec.nvml_device_index]: right under
             ``CUDA_VISIBLE_DEVICES``).
         gpu: GPU preset; requested clocks must be among its supported clocks.
         nvml: The NVML module (``None``: ``pynvml``); a fake for tests.

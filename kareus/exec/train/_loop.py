@@ -11,7 +11,7 @@ backward of each microbatch in turn) under ``"sequential"``, ``"nanobatching"`` 
 (``kareus.exec.train._chain``), the gradient sum over CP ranks and the AdamW step.
 
 [`measure_runs`][kareus.exec.train.measure_runs] times runs of several steps back to back with
-device events, the energy of each run from an [`EnergyMeter`][kareus.exec.EnergyMeter] (step-edge
+device events, the energy of each run from an [`EnergyMeter`][kareus.profilers.EnergyMeter] (step-edge
 reads); [`shuffled_order`][kareus.exec.train.shuffled_order] gives the order of schedules and
 repeats from a seed (so every rank runs the same order);
 [`overlap_efficiency`][kareus.exec.train.overlap_efficiency] times each partition type's computation
@@ -513,7 +513,7 @@ def measure_runs(loop: TrainingLoop, order: Sequence[tuple[str, int]], *, steps:
             the same on every rank.
         steps: Timed iterations per run.
         warmup: Untimed iterations first (their losses are recorded too).
-        meter: An [`EnergyMeter`][kareus.exec.EnergyMeter] already started, or ``None``.
+        meter: An [`EnergyMeter`][kareus.profilers.EnergyMeter] already started, or ``None``.
         barrier: Called before each run (e.g. ``torch.distributed.barrier``).
         log: Progress lines.
 

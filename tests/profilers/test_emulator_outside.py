@@ -1,0 +1,52 @@
+"""The emulator on work outside partitions: pipeline sends, cross-node collectives."""
+
+from __future__ import annotations
+
+import pytest
+
+from kareus.model import Workload, build_partitions
+from kareus.model.ops import CommKind, CommOp
+from kareus.model.partition import OutsideWork
+from kareus.profilers.emulator import EmulatedGPU, EmulatedProfiler
+
+
+def test_pipeline_send_time_and_power() -> None:
+    gpu = EmulatedGPU.from_spec("a100-40gb")
+    prof = EmulatedProfiler(gpu, noise=0)
+    nbytes = 25e6
+    m = prof.measure_outside(OutsideWork(p2p_bytes=nbytes, p2p_cross_node=True), 1410,
+                             group_size=1)
+    want = gpu.network_latency_s + nbytes / (gpu.network_gb_per_s * 1e9)
+    assert m.time_s == pytest.approx(want)
+    wait_w = gpu.spec.idle_power_w + gpu.uncore_power_w
+    assert m.energy_j == pytest.approx(wait_w * want + gpu.link_energy_pj_per_byte * 1e-12
+                                       * nbytes)
+    # Inside a node the send runs at NVLink's rate: faster.
+    near = prof.measure_outside(OutsideWork(p2p_bytes=nbytes), 1410, group_size=1)
+    assert near.time_s < m.time_s
+    # Energy scales with the GPUs covered.
+    m8 = prof.measure_outside(OutsideWork(p2p_bytes=nbytes, p2p_cross_node=True), 1410,
+                              group_size=8)
+    assert m8.energy_j == pytest.approx(8 * m.energy_j)
+
+
+def test_cross_node_collectives_use_the_network() -> None:
+    prof = EmulatedProfiler("h200-sxm", noise=0)
+    ar = CommOp(name="dp", kind=CommKind.ALL_REDUCE, bytes=1 << 30, group_size=4)
+    local = prof.measure_outside(OutsideWork(comms=(ar,)), 1980, group_size=1)
+    remote = prof.measure_outside(OutsideWork(comms=(ar,), comms_cross_node=True), 1980,
+                                  group_size=1)
+    gpu = prof.emulated_gpu
+    assert remote.time_s == pytest.approx(gpu.network_latency_s
+                                          + ar.bus_bytes / (gpu.network_gb_per_s * 1e9))
+    assert remote.time_s > 3 * local.time_s  # NIC ~45 GB/s vs NVLink ~300 GB/s
+
+
+def test_iteration_tail_of_a_workload() -> None:
+    wl = Workload.preset("llama3.2-3b", tp=4, pp=2, dp=4, num_microbatches=8)
+    pset = build_partitions(wl)
+    prof = EmulatedProfiler("h200-sxm", noise=0)
+    tail = prof.measure_outside(pset.iteration, 1980, group_size=wl.parallelism.world_size)
+    opt = prof.measure_outside(OutsideWork(ops=pset.iteration.ops), 1980,
+                               group_size=wl.parallelism.world_size)
+    assert tail.time_s > opt.time_s > 0  # the DP reduction adds to the optimizer step
