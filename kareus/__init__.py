@@ -218,4 +218,6 @@ def __getattr__(name: str) -> object:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+    # the public names and the module's own dunders; not the names its code uses
+    # (TYPE_CHECKING, annotations, the private helpers)
+    return sorted({*__all__, *(k for k in globals() if k.startswith("__"))})

@@ -26,6 +26,10 @@ MOVED_MODULES: dict[str, str] = {
     "kareus.exec.replay": "kareus.profilers.replay",
     "kareus.exec.calibrate": "kareus.profilers.calibrate",
     "kareus.exec.profile_build": "kareus.profilers.profile_build",
+    # the first that matches wins: the two pool modules before the rest of kareus.interop
+    "kareus.interop.tasks": "kareus.workflow.pools",
+    "kareus.interop.ray": "kareus.workflow.ray",
+    "kareus.interop": "kareus.integrations",
 }
 
 #: Package -> {name it used to re-export: module that has it now}.
@@ -51,7 +55,8 @@ def _warn(old: str, new: str) -> None:
 
 
 def new_module_name(fullname: str) -> str | None:
-    """The current path of a module imported by its old path, or ``None`` if it did not move."""
+    """The current path of a module imported by its old path, or ``None`` if it did not move
+    (the first entry of ``MOVED_MODULES`` that matches)."""
     for old, new in MOVED_MODULES.items():
         if fullname == old or fullname.startswith(old + "."):
             return new + fullname[len(old):]
@@ -78,13 +83,14 @@ class MovedModuleFinder:
 
     @staticmethod
     def find_spec(fullname: str, path: Any = None, target: Any = None) -> Any:
+        """A spec that loads the module at the new path, for an old path; else ``None``."""
         new = new_module_name(fullname)
         if new is None:
             return None
         import importlib.util
 
         _warn(fullname, new)
-        return importlib.util.spec_from_loader(fullname, _AliasLoader(new))
+        return importlib.util.spec_from_loader(fullname, _AliasLoader(new))  # type: ignore[arg-type]
 
 
 def install() -> None:

@@ -150,3 +150,59 @@ def read_json(
 
 def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a number kareus writes")
+
+
+def _nearest_existing(path: Path) -> Path:
+    p = path.absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def check_output_folder(path: str | os.PathLike[str] | None, *, what: str = "--out") -> Path:
+    """Check that ``path`` can be (or is) a writable folder, before any long work.
+
+    Raises:
+        OutputError: an empty path, an existing file, a file on the way, or no write
+            permission where the folder is or would be created.
+    """
+    from kareus.errors import OutputError
+
+    if path is None or not str(os.fspath(path)).strip():
+        raise OutputError(f"{what} is empty: give the folder the results go to")
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise OutputError(f"{what} {p} is an existing file, not a folder: choose a folder "
+                          "path (it is created if missing)")
+    base = _nearest_existing(p)
+    if not base.is_dir():
+        raise OutputError(f"{what} {p}: {base} is a file, so the folder cannot be created; "
+                          "choose another path")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise OutputError(f"{what} {p}: {base} is not writable; choose a folder you can "
+                          "write to")
+    return p
+
+
+def check_output_file(path: str | os.PathLike[str] | None, *, what: str = "--record") -> Path:
+    """Check that ``path`` can be written as a file, before any long work.
+
+    Raises:
+        OutputError: an empty path, an existing folder, or a folder on the way that is a
+            file or not writable.
+    """
+    from kareus.errors import OutputError
+
+    if path is None or not str(os.fspath(path)).strip():
+        raise OutputError(f"{what} is empty: give the path of the file to write")
+    p = Path(path)
+    if p.is_dir():
+        raise OutputError(f"{what} {p} is a folder: give the path of a file to write")
+    if p.exists() and not os.access(p, os.W_OK):
+        raise OutputError(f"{what} {p} exists and is not writable; choose another path")
+    base = _nearest_existing(p.parent if str(p.parent) else Path("."))
+    if not base.is_dir():
+        raise OutputError(f"{what} {p}: {base} is a file, so {p} cannot be written")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise OutputError(f"{what} {p}: {base} is not writable; choose another path")
+    return p

@@ -12,7 +12,7 @@ import contextlib
 import signal
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NoReturn
 
 # Only the standard library and kareus's light modules at import time: the console entry point
@@ -73,13 +73,15 @@ def cmd_workloads(args: argparse.Namespace) -> int:
     return 0
 
 
-def _whole_number(text: str, lowest: int) -> int:
+def _whole_number(text: str, lowest: int, highest: int | None = None) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if value < lowest:
         raise argparse.ArgumentTypeError(f"must be >= {lowest}, got {value}")
+    if highest is not None and value > highest:
+        raise argparse.ArgumentTypeError(f"must be <= {highest:,}, got {value:,}")
     return value
 
 
@@ -91,13 +93,34 @@ def _nonnegative_int(text: str) -> int:
     return _whole_number(text, 0)
 
 
+def _int_up_to(highest: int) -> Callable[[str], int]:
+    """A positive whole number no larger than ``highest``: an option's sane range, so that an
+    absurd value is refused before any work rather than deep inside it."""
+    def parse(text: str) -> int:
+        return _whole_number(text, 1, highest)
+    parse.__name__ = "whole number"  # argparse names the type in its message
+    return parse
+
+
+#: The largest values the options take (each far beyond any training job or useful run):
+#: one parallel degree, the GPUs of a job, the batch dimensions, the profiles per type.
+_MAX_DEGREE = 65_536
+_MAX_GPUS = 1_048_576
+_MAX_MICROBATCHES = 1_000_000
+_MAX_MICROBATCH_SIZE = 65_536
+_MAX_SEQ_LEN = 16_777_216
+_MAX_NANOBATCHES = 64
+_MAX_BUDGET = 1_000_000
+_MAX_SEED = 2**32 - 1  # numpy's seeds
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {value}")
     return value
 
 
@@ -136,6 +159,11 @@ def _workload_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-de
             raise WorkloadError(
                 f"--gpus {args.gpus} and --dp {args.dp} disagree: {args.gpus} GPUs at TP x CP x "
                 f"PP = {per_replica} make DP = {dp}; give one of --gpus and --dp")
+    world = args.tp * args.cp * args.pp * dp
+    if world > _MAX_GPUS:
+        raise WorkloadError(
+            f"--tp {args.tp} x --cp {args.cp} x --pp {args.pp} x --dp {dp} = {world:,} GPUs: more "
+            f"than {_MAX_GPUS:,} GPUs is not a job kareus models; lower --dp (or --gpus)")
     if args.tp > 8:
         raise WorkloadError(f"--tp {args.tp}: tensor parallelism beyond one 8-GPU NVLink node "
                             "is not modelled; use --tp <= 8 and spread the rest over --cp/--pp")
@@ -192,42 +220,35 @@ def _profiler_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-de
 
 _MIN_SEQ_LEN = 128
 
-# The up-front estimate of a run's length (emulated profiler, GP surrogate), fitted to runs of
-# the README job on a 2-core CPU (budget 96 and 300: 960 profiles in 5.9 s, 2,004 in 16.8 s;
-# 8, 32 and 128 microbatches: 5.9, 7.2 and 67.6 s): per partition type with n profiles,
-# a x n + b x n^4 seconds (the GP refits every batch); composing C microbatch computations
-# for the five systems, c x C^2 seconds.
-_EST_S_PER_PROFILE = 5e-3
-_EST_S_PER_PROFILE4 = 4e-10
-_EST_S_PER_COMPUTATION2 = 2.4e-4
+# A long run is said up front (on stderr), an absurd one refused, from the workflow's
+# estimate of its length (kareus.workflow.estimate_run_s).
 _EST_SAY_ABOVE_S = 120.0
 _EST_REFUSE_ABOVE_S = 2 * 86400.0
 
 
-def _say_estimate(workload, profiler, args) -> None:  # type: ignore[no-untyped-def]
+def _say_estimate(run, args) -> None:  # type: ignore[no-untyped-def]
     """Say up front, on stderr, how long a long run will take (profiles and composition);
     refuse one estimated at more than two days."""
     from kareus.errors import InfeasibleError
     from kareus.model.partition import build_partitions
 
-    pset = build_partitions(workload)
-    counts = [min(args.budget, len(profiler.space(p))) for p in pset.types.values()]
-    computations = 2 * workload.parallelism.pp * workload.num_microbatches
-    est = (sum(_EST_S_PER_PROFILE * n + _EST_S_PER_PROFILE4 * float(n) ** 4 for n in counts)
-           + _EST_S_PER_COMPUTATION2 * float(computations) ** 2)
+    est = run.estimate_s
+    if est <= _EST_SAY_ABOVE_S:
+        return
+    types = build_partitions(run.workload).types.values()
+    profiles = sum(min(args.budget, len(run.profiler.space(p))) for p in types)
+    computations = 2 * run.workload.parallelism.pp * run.workload.num_microbatches
+    what = (f"up to {profiles:,} profiles over {len(types)} partition types and compose "
+            f"{computations:,} microbatch computations")
     if est > _EST_REFUSE_ABOVE_S:
         raise InfeasibleError(
-            f"this run would make up to {sum(counts):,} profiles over {len(counts)} partition "
-            f"types and compose {computations:,} microbatch computations: roughly "
-            f"{_duration(est)} on a 2-core CPU (estimated); lower --budget (each type's space "
-            f"has {min(len(profiler.space(p)) for p in pset.types.values()):,}+ "
-            f"configurations) or --microbatches")
-    if est > _EST_SAY_ABOVE_S:
-        print(f"kareus: this run makes up to {sum(counts):,} profiles over {len(counts)} "
-              f"partition types and composes {computations:,} microbatch computations: "
-              f"roughly {_duration(est)} on a 2-core CPU (estimated; lower --budget or "
-              f"--microbatches for a quicker run). Ctrl-C stops it; the same command resumes.",
-              file=sys.stderr)
+            f"this run would make {what}: roughly {_duration(est)} on a 2-core CPU "
+            f"(estimated); lower --budget (each type's space has "
+            f"{min(len(run.profiler.space(p)) for p in types):,}+ configurations) or "
+            f"--microbatches")
+    print(f"kareus: this run makes {what.replace('compose ', 'composes ')}: roughly "
+          f"{_duration(est)} on a 2-core CPU (estimated; lower --budget or --microbatches for "
+          f"a quicker run). Ctrl-C stops it; the same command resumes.", file=sys.stderr)
 
 
 def _duration(seconds: float) -> str:
@@ -292,20 +313,12 @@ def _check_profiler_options(args: argparse.Namespace) -> None:
                          "--no-graphs")
 
 
-def cmd_optimize(args: argparse.Namespace) -> int:
-    """``kareus optimize``: search, compose and write the plans and tables of one workload
-    (``--profiler nvml`` tunes on the real GPUs); returns the exit status."""
-    _check_profiler_options(args)
-    if args.profiler == "nvml":
-        if args.jobs > 1:
-            raise ArgumentError("--jobs is for emulated and replayed runs; a tuning run measures "
-                             "on the job's GPUs, one partition type after another")
-        return _cmd_tune(args)
-    from kareus._outdir import check_output_file, check_output_folder, guarded_folder
-    from kareus.compose.plan import Plan
-    from kareus.errors import InfeasibleError, WorkloadError
+def _check_optimize_options(args: argparse.Namespace) -> None:
+    """The options of an emulated or replayed ``kareus optimize`` that need no workload: the
+    GPU (and its file), the plan's limit, the number of processes."""
+    import os
+
     from kareus.model.gpu import get_gpu
-    from kareus.workflow import manifest_inputs, optimize, preflight
 
     if args.gpu_file is not None:
         from kareus.model.files import register_gpu
@@ -315,6 +328,42 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         get_gpu(args.gpu)
     if args.deadline_s is not None and args.energy_budget_j is not None:
         raise ArgumentError("give at most one of --deadline-s and --energy-budget-j")
+    cores = os.cpu_count() or 1
+    if args.jobs > cores:
+        raise ArgumentError(f"--jobs {args.jobs}: this machine has {cores} CPU core(s), and each "
+                            f"job is a process that keeps one busy; use --jobs {cores} or fewer")
+
+
+def _say_start(args: argparse.Namespace, workload, profiler) -> None:  # type: ignore[no-untyped-def]
+    """The run's first line on stderr (none with ``--quiet``)."""
+    if args.quiet:
+        return
+    print(f"kareus: optimising {workload.describe()} on {profiler.gpu.name} "
+          f"({workload.parallelism.world_size} GPUs) with the {args.profiler} profiler"
+          + (f", {_execution_from_args(args)} execution" if args.profiler == "emulated" else "")
+          + (f" (calibrated from the measured profile {args.gpu_profile})"
+             if getattr(args, "gpu_profile", None) and args.profiler == "emulated" else ""),
+          file=sys.stderr)
+
+
+def cmd_optimize(args: argparse.Namespace) -> int:
+    """``kareus optimize``: search, compose and write the plans and tables of one workload
+    (``--profiler nvml`` tunes on the real GPUs); returns the exit status."""
+    _check_profiler_options(args)
+    if args.profiler == "nvml":
+        if args.jobs > 1:
+            raise ArgumentError("--jobs is for emulated and replayed runs; a tuning run measures "
+                             "on the job's GPUs, one partition type after another")
+        return _cmd_tune(args)
+
+    from kareus._io import check_output_file, check_output_folder
+    from kareus.compose import kareus_types
+    from kareus.compose.plan import Plan
+    from kareus.errors import InfeasibleError, WorkloadError
+    from kareus.workflow import prepare
+    from kareus.workflow.outdir import guarded_folder
+
+    _check_optimize_options(args)
     # Paths first: a bad --out or --record is found now, not after the search.
     out = check_output_folder(args.out, what="--out")
     if args.record is not None:
@@ -329,32 +378,23 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         from kareus.profilers.replay import RecordingProfiler
 
         profiler = RecordingProfiler(profiler)
-    # optimize's checks before the folder is made (memory, parallelism, what the profiler
-    # measures); optimize's own preflight finds the memory check done (it runs once)
-    preflight(workload, profiler, schedule=args.schedule)
-    _say_estimate(workload, profiler, args)
-    inputs = manifest_inputs(workload, profiler, budget=args.budget, batch_size=None,
-                             seed=args.seed, schedule=args.schedule, surrogate=args.surrogate,
-                             systems=None)
-    with guarded_folder(out, inputs, fresh=args.fresh, what="--out"):
+    # every check of the run (memory, parallelism, what the profiler measures, the search),
+    # once, before the folder is made
+    run = prepare(workload, profiler=profiler, budget=args.budget, seed=args.seed,
+                  schedule=args.schedule, surrogate=args.surrogate)
+    _say_estimate(run, args)
+    with guarded_folder(out, run.manifest, fresh=args.fresh, what="--out"):
         args.resume_hint = f"the search logs in {out / 'logs'} keep every measurement"
-        print(f"kareus: optimising {workload.describe()} on {profiler.gpu.name} "
-              f"({workload.parallelism.world_size} GPUs) with the {args.profiler} profiler"
-              + (f", {_execution_from_args(args)} execution" if args.profiler == "emulated"
-                 else "")
-              + (f" (calibrated from the measured profile {args.gpu_profile})"
-                 if getattr(args, "gpu_profile", None) and args.profiler == "emulated" else ""),
-              file=sys.stderr)
+        _say_start(args, workload, profiler)
         with contextlib.ExitStack() as stack:
             executor = None
             if args.jobs > 1:
                 from concurrent.futures import ProcessPoolExecutor
 
-                executor = stack.enter_context(ProcessPoolExecutor(max_workers=args.jobs))
-            result = optimize(workload, profiler=profiler, budget=args.budget, seed=args.seed,
-                              log_dir=out / "logs", schedule=args.schedule,
-                              surrogate=args.surrogate, progress=not args.quiet,
-                              pool=executor)
+                # no more processes than partition types to search
+                workers = min(args.jobs, len(kareus_types(workload, run.partitions)))
+                executor = stack.enter_context(ProcessPoolExecutor(max_workers=workers))
+            result = run.run(log_dir=out / "logs", pool=executor, progress=not args.quiet)
         try:
             plan: Plan | None = result.select(deadline_s=args.deadline_s,
                                               energy_budget_j=args.energy_budget_j)
@@ -446,21 +486,24 @@ def build_parser() -> argparse.ArgumentParser:
                         "--profiler replay:FILE)")
     p.add_argument("--gpu-file", default=None, metavar="FILE",
                    help="your own GPU, a .toml or .json file (instead of --gpu)")
-    p.add_argument("--tp", type=_positive_int, default=4, help="tensor parallel (default 4)")
-    p.add_argument("--cp", type=_positive_int, default=1, help="context parallel (default 1)")
-    p.add_argument("--pp", type=_positive_int, default=2, help="pipeline stages (default 2)")
-    p.add_argument("--dp", type=_positive_int, default=None,
+    p.add_argument("--tp", type=_int_up_to(_MAX_DEGREE), default=4,
+                   help="tensor parallel (default 4)")
+    p.add_argument("--cp", type=_int_up_to(_MAX_DEGREE), default=1,
+                   help="context parallel (default 1)")
+    p.add_argument("--pp", type=_int_up_to(_MAX_DEGREE), default=2,
+                   help="pipeline stages (default 2)")
+    p.add_argument("--dp", type=_int_up_to(_MAX_GPUS), default=None,
                    help="data parallel (default 1, or GPUs / (TP x CP x PP) with --gpus)")
-    p.add_argument("--gpus", type=_positive_int, default=None,
+    p.add_argument("--gpus", type=_int_up_to(_MAX_GPUS), default=None,
                    help="total GPUs; sets DP = GPUs / (TP x CP x PP) (with --dp, they must "
                         "agree)")
-    p.add_argument("--microbatches", type=_positive_int, default=8,
+    p.add_argument("--microbatches", type=_int_up_to(_MAX_MICROBATCHES), default=8,
                    help="microbatches per iteration (default 8)")
-    p.add_argument("--microbatch-size", type=_positive_int, default=8,
+    p.add_argument("--microbatch-size", type=_int_up_to(_MAX_MICROBATCH_SIZE), default=8,
                    help="sequences per microbatch (default 8)")
-    p.add_argument("--seq-len", type=_positive_int, default=4096,
+    p.add_argument("--seq-len", type=_int_up_to(_MAX_SEQ_LEN), default=4096,
                    help="sequence length (default 4096)")
-    p.add_argument("--nanobatches", type=_positive_int, default=2,
+    p.add_argument("--nanobatches", type=_int_up_to(_MAX_NANOBATCHES), default=2,
                    help="nanobatches per microbatch for overlap (default 2)")
     p.add_argument("--no-recompute", action="store_true",
                    help="no activation recomputation (default: full recomputation)")
@@ -494,9 +537,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "--profiler replay:FILE)")
     p.add_argument("--noise", type=_noise, default=0.01,
                    help="emulated measurement noise, relative, in [0, 0.5) (default 0.01)")
-    p.add_argument("--budget", type=_positive_int, default=96,
+    p.add_argument("--budget", type=_int_up_to(_MAX_BUDGET), default=96,
                    help="profiles per partition type for kareus's search (default 96)")
-    p.add_argument("--seed", type=_nonnegative_int, default=0,
+    p.add_argument("--seed", type=lambda s: _whole_number(s, 0, _MAX_SEED), default=0,
                    help="seed of search and emulator noise (>= 0; default 0)")
     p.add_argument("--jobs", type=_positive_int, default=1, metavar="N",
                    help="search up to N partition types at once, in N processes (emulated "

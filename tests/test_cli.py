@@ -266,10 +266,10 @@ def test_bad_paths_and_absurd_sizes_fail_in_one_line_before_the_search(tmp_path,
         (["--out", out, "--record", str(tmp_path)], "is a folder"),
         (["--out", out, "--record", ""], "--record is empty"),
         (["--out", out, "--seq-len", "1"], "--seq-len >= 128"),
-        (["--out", out, "--seq-len", "100000000"], "does not fit on h200-sxm"),
-        (["--out", out, "--microbatch-size", "1000000"], "GiB per GPU"),
+        (["--out", out, "--seq-len", "10000000"], "does not fit on h200-sxm"),
+        (["--out", out, "--microbatch-size", "60000"], "GiB per GPU"),
         (["--out", out, "--microbatches", "100000"], "days"),
-        (["--out", out, "--budget", "1000000000"], "lower --budget"),
+        (["--out", out, "--budget", "1000000"], "lower --budget"),
     ]
     for extra, pattern in cases:
         argv = _small(tmp_path, *extra)
@@ -321,7 +321,7 @@ def test_a_folder_without_manifest_holding_results_is_refused(tmp_path, capsys):
 def test_a_folder_in_use_is_refused_at_once(tmp_path, capsys, monkeypatch):
     import fcntl
 
-    from kareus._outdir import guarded_folder
+    from kareus.workflow.outdir import guarded_folder
 
     with guarded_folder(tmp_path / "out", {"x": 1}, what="--out"):
         # the lock is per open file: a second open in this process is refused like another

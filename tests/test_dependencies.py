@@ -23,7 +23,7 @@ DISTRIBUTION = {"pynvml": "nvidia-ml-py", "megatron": "megatron-core"}
 
 #: imported only when found, never required (each is detected at run time)
 OPTIONAL = {
-    "tqdm": "progress bars in notebooks when installed (kareus/search/_progress.py)",
+    "tqdm": "progress bars in notebooks when installed (kareus/search/progress.py)",
     "mscclpp": "not on PyPI; used when the user has it (kareus/exec/collectives)",
     "liger_kernel": "fused kernels when installed (kareus/exec/kernels)",
     "triton": "installed with torch (the torch extra)",

@@ -17,7 +17,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "kareus"
 RANK = {"model": 1, "search": 2, "compose": 3, "exec": 4, "profilers": 5, "workflow": 6,
-        "_orchestrate": 6, "cli": 6, "interop": 6, "tune": 6, "integrations": 6}
+        "cli": 6, "tune": 6, "integrations": 6}
 HARDWARE = ("torch", "pynvml", "triton", "liger_kernel", "zeus", "ray")
 POLICY = ("model", "search", "compose")
 

@@ -214,3 +214,9 @@ def test_a_name_moved_out_of_exec_still_imports_with_a_warning():
     assert EmulatedProfiler is kareus.profilers.EmulatedProfiler
     with pytest.raises(AttributeError, match="has no attribute 'Nope'"):
         kareus.exec.Nope  # noqa: B018
+
+
+def test_dir_lists_the_public_names_and_no_implementation_names():
+    names = dir(kareus)
+    assert set(kareus.__all__) <= set(names)
+    assert not {"TYPE_CHECKING", "annotations", "_compat", "_PUBLIC"} & set(names)

@@ -281,25 +281,18 @@ def test_gpu_presets_are_found_from_the_device_name():
         detect_gpu_preset("NVIDIA GeForce RTX 4090")
 
 
-class _Fed:
-    """What the NVML profiler's record says of how the GPU was fed."""
-
-    def __init__(self, busy: float) -> None:
-        self.busy = busy
-
-    def execution_facts(self) -> dict:
-        return {"execution": "graphed", "gpu_busy": self.busy}
-
-
 class FedProfiler(GroupProfiler):
-    """A group profiler that also says how it fed the GPU: every fifth measurement's GPU
-    was busy half its window (host-bound), the others 97%."""
+    """A group profiler that also says how it fed the GPU (the Profiler role's ``execution``
+    and ``last_facts``, as the NVML profiler says them): every fifth measurement's GPU was
+    busy half its window (host-bound), the others 97%."""
 
     execution = "graphed"
+    last_facts = None
 
     def _group(self, m: Measurement) -> Measurement:
         out = super()._group(m)
-        self.last_record = _Fed(0.5 if len(self.calls) % 5 == 0 else 0.97)
+        self.last_facts = {"execution": "graphed",
+                           "gpu_busy": 0.5 if len(self.calls) % 5 == 0 else 0.97}
         return out
 
 

@@ -1,4 +1,5 @@
-"""Apply a plan inside someone else's training loop: Megatron-Core, torchtitan, your own model.
+"""One door for third-party systems: a plan applied in Megatron-Core, torchtitan or your own
+model, and kareus beside Zeus and Perseus.
 
 A plan from ``kareus optimize`` says, per microbatch computation, how each decoder layer's
 collectives run beside its computation (launch slot, SM count, nanobatches) and at which
@@ -19,7 +20,14 @@ checkpoints belong to a framework:
   framework's weights, so that gradients reach its parameters by autograd;
 * ``kareus.integrations.megatron`` (``pip install "kareus[megatron]"``) and
   ``kareus.integrations.torchtitan`` (``pip install "kareus[torchtitan]"``): the same
-  through each framework's extension points, imported on demand.
+  through each framework's extension points, imported on demand;
+* ``kareus.integrations.zeus`` (``pip install "kareus[zeus]"``): a frequency controller backed
+  by the Zeus daemon (zeusd) and an energy meter backed by Zeus's ZeusMonitor;
+* ``kareus.integrations.perseus``: a plan's per-rank, per-microbatch frequencies in the
+  schedule format Perseus's frequency server reads.
+
+Importing this package imports neither torch's distributed side nor a framework, Zeus or
+Perseus: each adapter module imports them when used.
 
 The guide is docs/integrations.md; examples/ holds a hand-written tensor-parallel model
 and the framework scripts.

@@ -1,7 +1,7 @@
 """Value objects of kareus: GPUs, ops, workloads, partitions, configurations, schedules.
 
 Also the role contracts the policy layers need ([`Partition`][kareus.model.Partition],
-[`Profiler`][kareus.exec.Profiler]) and [`Dag`][kareus.model.Dag], the one DAG (topological order,
+[`Profiler`][kareus.model.Profiler]) and [`Dag`][kareus.model.Dag], the one DAG (topological order,
 longest paths) that the pipeline schedules and the iteration composer share. Nothing here touches
 hardware; everything runs on any CPU.
 """

@@ -559,7 +559,7 @@ def calibrate_to_file(out: Any, *, workloads: Sequence[str], kernels: Sequence[s
         HardwareError: no CUDA GPU, or no preset for it and ``gpu`` not given.
         GPUProfileError: a bad workload name, kernel set or collectives profile.
     """
-    from kareus._outdir import check_output_file
+    from kareus._io import check_output_file
     from kareus.model.gpu_profile import shipped_profiles
 
     check_output_file(out, what="--out")

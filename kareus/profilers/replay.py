@@ -272,6 +272,27 @@ class ReplayProfiler(Profiler):
         return (f"ReplayProfiler({self.path or 'dict'}: {n} measurements of "
                 f"{len(self._table)} configurations, partitions {self.partitions})")
 
+    @property
+    def uses_gpus(self) -> bool:
+        """``False``: a replay reads a file."""
+        return False
+
+    def identity(self) -> dict[str, Any]:
+        """The class, how samples are answered and a digest of the recording."""
+        blob = json.dumps(self.data, sort_keys=True, separators=(",", ":"), default=repr)
+        return {"class": f"{type(self).__module__}.{type(self).__qualname__}",
+                "samples": self.samples,
+                "data_digest": hashlib.sha256(blob.encode("utf-8")).hexdigest()}
+
+    @property
+    def measurement_count(self) -> int:
+        """Measurements answered so far (``calls``)."""
+        return self.calls
+
+    def advance_measurements(self, count: int) -> None:
+        """Count ``count`` answers given by copies (a pool's search tasks) as given here."""
+        self.calls += int(count)
+
 
 def _mean(ms: Iterable[Measurement]) -> Measurement:
     ms = list(ms)
@@ -315,22 +336,13 @@ class RecordingProfiler(ProfilerWrapper):
         self.rows: list[dict[str, Any]] = []
         self._earlier: set[int] = set()  # ids of the rows add_earlier put in (kept alive)
 
-    def _facts(self, before: Any) -> dict[str, Any]:
-        """How the wrapped profiler fed the GPU in the measurement it just made (its
-        ``last_record``, if it keeps one and it is new)."""
-        rec = getattr(self.inner, "last_record", None)
-        facts = getattr(rec, "execution_facts", None)
-        if rec is None or rec is before or not callable(facts):
-            return {}
-        return dict(facts())
-
     def measure(self, partition: Partition, config: ScheduleConfig) -> Measurement:
         """Measure with the wrapped profiler and record the row."""
-        before = getattr(self.inner, "last_record", None)
+        before = self.inner.last_facts
         m = self.inner.measure(partition, config)
         self.rows.append({"kind": "grid", "partition": partition.name,
                           "config": config.to_dict(), "measurement": m.to_dict(),
-                          **self._facts(before)})
+                          **self.facts_since(before)})
         return m
 
     def add_earlier(self, partition_name: str, config: ScheduleConfig,
@@ -359,12 +371,12 @@ class RecordingProfiler(ProfilerWrapper):
     def measure_outside(self, work: OutsideWork, freq_mhz: int, *, group_size: int,
                         comm_sms: int | None = None) -> Measurement:
         """Measure outside work with the wrapped profiler and record the row."""
-        before = getattr(self.inner, "last_record", None)
+        before = self.inner.last_facts
         m = self.inner.measure_outside(work, freq_mhz, group_size=group_size,
                                        comm_sms=comm_sms)
         self.rows.append({"kind": "outside", "work": work_key(work), "freq_mhz": int(freq_mhz),
                           "comm_sms": comm_sms, "group_size": int(group_size),
-                          "measurement": m.to_dict(), **self._facts(before)})
+                          "measurement": m.to_dict(), **self.facts_since(before)})
         return m
 
     def to_dict(self, *, what: str = "", workload: Mapping[str, Any] | None = None

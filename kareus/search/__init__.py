@@ -54,7 +54,7 @@ from kareus.search._objective_model import ObjectiveModel, ObjectivePrediction
 from kareus.search._spec import (
     DEFAULT_BUDGET,
     SearchSpec,
-    execution_of,
+    execution_of,  # noqa: F401 (deprecated: profiler.execution)
     resolve_surrogate,
     search_log_path,
 )
@@ -108,7 +108,6 @@ __all__ = [
     "default_initial_size",
     "default_passes",
     "default_surrogate",
-    "execution_of",
     "hypervolume",
     "hypervolume_improvement",
     "maximin_design",

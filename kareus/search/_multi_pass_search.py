@@ -64,7 +64,6 @@ from kareus.search._log import (
     sync_log,
 )
 from kareus.search._objective_model import ObjectiveModel
-from kareus.search._progress import ProgressBar
 from kareus.search.acquisition import (
     AcquisitionContext,
     AcquisitionPass,
@@ -73,6 +72,7 @@ from kareus.search.acquisition import (
 )
 from kareus.search.pareto import hypervolume, pareto_front, reference_point
 from kareus.search.partition_frontier import Observation, PartitionFrontier
+from kareus.search.progress import ProgressBar
 from kareus.search.surrogate import Surrogate
 
 __all__ = ["MultiPassSearch"]

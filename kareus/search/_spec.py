@@ -5,7 +5,7 @@ pruner=...)`` is to Optuna: the search-side roles and settings in one value, han
 the searches. [`kareus.optimize`][kareus.workflow.optimize] (``search=``), the five systems'
 composition ([`kareus.workflow.compose_systems`][kareus.workflow.compose_systems]), a tuning run on
 the job's own GPUs (``kareus.tune``) and the tasks of a ``concurrent.futures`` pool or a Ray cluster
-([`kareus.interop.tasks`][kareus.interop.tasks]) all build their
+([`kareus.workflow.pools`][kareus.workflow.pools]) all build their
 [`MultiPassSearch`][kareus.search.MultiPassSearch] from it, through
 [`SearchSpec.search`][kareus.search.SearchSpec.search] or
 [`SearchSpec.run`][kareus.search.SearchSpec.run], so the same specification gives the same search
@@ -36,7 +36,7 @@ from kareus.search.acquisition import AcquisitionPass
 from kareus.search.partition_frontier import PartitionFrontier
 from kareus.search.surrogate import Surrogate
 
-__all__ = ["DEFAULT_BUDGET", "SearchSpec", "execution_of", "resolve_surrogate",
+__all__ = ["DEFAULT_BUDGET", "SearchSpec", "resolve_surrogate",
            "search_log_path"]
 
 #: Profiles per partition type when a specification does not say (``kareus optimize``'s
@@ -87,14 +87,13 @@ def _whole(label: str, value: Any, *, optional: bool = False) -> None:
 
 
 def execution_of(profiler: Profiler) -> str | None:
-    """How ``profiler`` feeds its GPU (``"graphed"`` or ``"eager"``, an emulator's
-    ``execution``), looking through recorders (an ``inner`` profiler); ``None`` if it does not
-    say. A search log records it, so that a log of the other mode is refused on resume."""
-    inner: Any = profiler
-    while isinstance(getattr(inner, "inner", None), Profiler):  # recorders are transparent
-        inner = inner.inner
-    value = getattr(inner, "execution", None)
-    return value if isinstance(value, str) else None
+    """Deprecated: ``profiler.execution`` ([`Profiler.execution`][kareus.model.Profiler.execution])
+    says it, through any wrappers."""
+    import warnings
+
+    warnings.warn("kareus.search.execution_of(profiler) is deprecated: read profiler.execution",
+                  DeprecationWarning, stacklevel=2)
+    return profiler.execution
 
 
 def search_log_path(log_dir: str | os.PathLike[str], key: str) -> Path:
@@ -188,7 +187,8 @@ class SearchSpec:
         """Search ``partition``'s space (``profiler.space(partition)``) with ``profiler``.
 
         The log's header records how the profiler feeds its GPU
-        ([`execution_of`][kareus.search.execution_of]), so a log of the other mode is refused.
+        ([`Profiler.execution`][kareus.model.Profiler.execution]), so a log of the other mode is
+        refused.
 
         Args:
             profiler: Measures.
@@ -199,7 +199,7 @@ class SearchSpec:
         Returns:
             The type's frontier.
         """
-        execution = execution_of(profiler)
+        execution = profiler.execution
         search = self.search(profiler.space(partition), log=log, progress=progress,
                              measured_with=None if execution is None
                              else {"execution": execution})

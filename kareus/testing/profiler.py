@@ -1,7 +1,7 @@
 """A fake profiler and the conformance suite of the Profiler role.
 
 * [`FakeProfiler`][kareus.testing.FakeProfiler] - a cheap analytic
-  [`Profiler`][kareus.exec.Profiler]: roofline op times, a communication kernel that speeds up with
+  [`Profiler`][kareus.model.Profiler]: roofline op times, a communication kernel that speeds up with
   its SM count until the link saturates, a walk through the computation after the launch slot with
   fewer SMs and some HBM contention, and power that grows with frequency and voltage. It is a toy
   (the calibrated model is [`kareus.profilers.emulator.EmulatedProfiler`][kareus.profilers.EmulatedProfiler]),
@@ -17,6 +17,7 @@ This module imports neither pytest nor any hardware library.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -57,6 +58,15 @@ class FakeProfiler(Profiler):
         self.seed = int(seed)
         self._rng = np.random.default_rng(seed)
         self.calls: list[tuple[str, ScheduleConfig]] = []
+
+    @property
+    def uses_gpus(self) -> bool:
+        """``False``: a formula on the CPU."""
+        return False
+
+    def identity(self) -> dict[str, Any]:
+        """The class, the noise and its seed."""
+        return {**super().identity(), "noise": self.noise, "seed": self.seed}
 
     # Model constants (per GPU): per-SM copy throughput and comm power, as fractions.
     _PER_SM_GB_PER_S = 18.0

@@ -123,7 +123,7 @@ def run_lockstep(workload: Workload, *, profiler: Profiler, coordinator: Coordin
     Returns:
         The report on rank 0, ``None`` on the other ranks.
     """
-    from kareus._outdir import guarded_folder
+    from kareus.workflow.outdir import guarded_folder
 
     t0 = clock() if started is None else started
     if search is None:

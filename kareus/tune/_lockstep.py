@@ -180,14 +180,6 @@ class LockstepProfiler(ProfilerWrapper):
             with open(self.cache, "a", encoding="utf-8") as fh:
                 fh.write(json.dumps({"key": key, "measurement": m.to_dict(), **facts}) + "\n")
 
-    def _inner_facts(self, before: Any) -> dict[str, Any]:
-        """How the inner profiler fed the GPU in the measurement it just made."""
-        rec = getattr(self.inner, "last_record", None)
-        facts = getattr(rec, "execution_facts", None)
-        if rec is None or rec is before or not callable(facts):
-            return {}
-        return dict(facts())
-
     @property
     def executions(self) -> list[str]:
         """The execution modes of the measurements known (``"graphed"``, ``"eager"``),
@@ -224,7 +216,7 @@ class LockstepProfiler(ProfilerWrapper):
             raise HardwareError("the tuning run's ranks are no longer in step (an earlier "
                                 "measurement failed); run the same command again to resume")
         self._announce(words)
-        before = getattr(self.inner, "last_record", None)
+        before = self.inner.last_facts
         try:
             m = run()
         except BaseException:
@@ -233,7 +225,7 @@ class LockstepProfiler(ProfilerWrapper):
             self._broken = True
             raise
         self.measured += 1
-        return m, self._inner_facts(before)
+        return m, self.facts_since(before)
 
     def measure(self, partition: Partition, config: ScheduleConfig) -> Measurement:
         """Announce, then measure ``partition`` under ``config`` with every rank."""

@@ -6,6 +6,8 @@ import itertools
 
 import numpy as np
 import pytest
+
+pytest.importorskip("hypothesis", reason="property tests: the dev extra installs hypothesis")
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+
+pytest.importorskip("hypothesis", reason="property tests: the dev extra installs hypothesis")
 from hypothesis import given
 from hypothesis import strategies as st
 

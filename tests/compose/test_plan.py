@@ -15,6 +15,8 @@ import json
 
 import attrs
 import pytest
+
+pytest.importorskip("hypothesis", reason="property tests: the dev extra installs hypothesis")
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

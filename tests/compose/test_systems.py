@@ -6,6 +6,8 @@ import zlib
 
 import attrs
 import pytest
+
+pytest.importorskip("hypothesis", reason="property tests: the dev extra installs hypothesis")
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -137,7 +139,7 @@ def _small_grid_search(p, part):
 
 def test_where_splitting_does_not_pay_kareus_runs_unsplit_and_beats_megatron(
         tiny_workload, monkeypatch):
-    import kareus._orchestrate as systems
+    import kareus.workflow.measure as systems
 
     prof = _SplittingCosts()
     res = compose_systems(tiny_workload, prof, search=_small_grid_search)
@@ -178,7 +180,7 @@ def test_where_splitting_does_not_pay_kareus_runs_unsplit_and_beats_megatron(
 
 def test_kareus_frontier_is_never_worse_than_either_partition_set_alone(tiny_workload,
                                                                         monkeypatch):
-    import kareus._orchestrate as systems
+    import kareus.workflow.measure as systems
 
     def kareus_front(sets):
         real = systems.kareus_partition_sets
@@ -313,7 +315,7 @@ class _FastestOnly(IterationComposer):
 
 def test_megatrons_plan_is_on_kareus_frontier_whatever_the_composer_misses(tiny_workload,
                                                                            monkeypatch):
-    import kareus._orchestrate as systems
+    import kareus.workflow.measure as systems
 
     def run():
         return compose_systems(tiny_workload, _FasterButCostlier(), search=_small_grid_search,

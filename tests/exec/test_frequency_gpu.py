@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kareus.exec.frequency import (  # noqa: E402
+from kareus.exec.frequency import (
     DryRunFrequencyController,
     EventPollingMarker,
     HostFunctionMarker,

@@ -12,13 +12,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_train_gpu import workload  # noqa: E402
-from test_train_loop import plan_for  # noqa: E402
+from test_train_gpu import workload
+from test_train_loop import plan_for
 
-from kareus.exec.executor import TorchExecutor  # noqa: E402
-from kareus.exec.frequency import DryRunFrequencyController, StreamOrderedTrigger  # noqa: E402
-from kareus.exec.kernels import get_kernels  # noqa: E402
-from kareus.exec.train import LoopbackGroups, TrainingLoop, make_collectives  # noqa: E402
+from kareus.exec.executor import TorchExecutor
+from kareus.exec.frequency import DryRunFrequencyController, StreamOrderedTrigger
+from kareus.exec.kernels import get_kernels
+from kareus.exec.train import LoopbackGroups, TrainingLoop, make_collectives
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kareus.exec.kernels import (  # noqa: E402
+from kareus.exec.kernels import (
     KernelSet,
     ReferenceKernels,
     TorchKernels,
@@ -20,7 +20,7 @@ from kareus.exec.kernels import (  # noqa: E402
     get_kernels,
     register_kernels,
 )
-from kareus.exec.kernels import autograd as kag  # noqa: E402
+from kareus.exec.kernels import autograd as kag
 
 BF16_TOL = 1e-2  # relative error of bf16 results against float64
 

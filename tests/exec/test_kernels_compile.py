@@ -28,7 +28,7 @@ try:
 except ImportError:  # pragma: no cover - Triton before 3.3 names the constants otherwise
     pytest.skip("needs Triton 3.3 or newer's compile API", allow_module_level=True)
 
-from kareus.exec.kernels import _triton as kt  # noqa: E402
+from kareus.exec.kernels import _triton as kt
 
 pytestmark = pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")  # Triton 3.9
 HOPPER = GPUTarget("cuda", 90, 32)

@@ -10,9 +10,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-from kareus.exec.kernels import ReferenceKernels, get_kernels  # noqa: E402
-from kareus.exec.kernels import autograd as kag  # noqa: E402
-from kareus.exec.kernels.triton_ops import TritonKernels, liger_version  # noqa: E402
+from kareus.exec.kernels import ReferenceKernels, get_kernels
+from kareus.exec.kernels import autograd as kag
+from kareus.exec.kernels.triton_ops import TritonKernels, liger_version
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

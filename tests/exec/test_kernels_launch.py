@@ -24,7 +24,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-from kareus.exec.kernels import _launch  # noqa: E402
+from kareus.exec.kernels import _launch
 
 try:
     from kareus.exec.kernels import _triton as kt

@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kareus.exec import outside_work  # noqa: E402
+from kareus.exec import outside_work
 
 
 @pytest.mark.parametrize("nbytes", [8, 13, 8 * 40 + 5, 8 * 64])

@@ -17,13 +17,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import attrs  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+import attrs
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from kareus.exec.outside_work import RunnableOutsideWork  # noqa: E402
-from kareus.exec.torch_partition import RunnableTransformerPartition  # noqa: E402
-from kareus.model import ModelArch, Parallelism, Workload, build_partitions  # noqa: E402
-from kareus.testing import RecordingExecutor  # noqa: E402
+from kareus.exec.outside_work import RunnableOutsideWork
+from kareus.exec.torch_partition import RunnableTransformerPartition
+from kareus.model import ModelArch, Parallelism, Workload, build_partitions
+from kareus.testing import RecordingExecutor
 
 TINY = ModelArch(name="tiny", layers=2, hidden=64, heads=8, kv_heads=4, head_dim=8, ffn=128,
                  vocab=512)

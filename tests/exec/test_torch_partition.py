@@ -13,15 +13,15 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kareus.exec.executor import RecordingStreamBackend, TorchExecutor  # noqa: E402
-from kareus.exec.torch_partition import (  # noqa: E402
+from kareus.exec.executor import RecordingStreamBackend, TorchExecutor
+from kareus.exec.torch_partition import (
     RunnableTransformerPartition,
     runnable_partitions,
 )
-from kareus.model.config import ScheduleConfig  # noqa: E402
-from kareus.model.workload import ModelArch, Parallelism, Workload  # noqa: E402
-from kareus.profilers.nvml import TorchPartitionRunner  # noqa: E402
-from kareus.testing import RecordingCollective  # noqa: E402
+from kareus.model.config import ScheduleConfig
+from kareus.model.workload import ModelArch, Parallelism, Workload
+from kareus.profilers.nvml import TorchPartitionRunner
+from kareus.testing import RecordingCollective
 
 GROUP = 2  # the fake collectives act as a group of two identical ranks
 

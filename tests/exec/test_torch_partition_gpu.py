@@ -9,15 +9,15 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kareus.exec.executor import TorchExecutor  # noqa: E402
-from kareus.exec.torch_partition import (  # noqa: E402
+from kareus.exec.executor import TorchExecutor
+from kareus.exec.torch_partition import (
     CallablePartition,
     runnable_partitions,
 )
-from kareus.model.config import ScheduleConfig  # noqa: E402
-from kareus.model.ops import CommKind, CommOp, ComputeOp, OpKind  # noqa: E402
-from kareus.model.workload import ModelArch, Parallelism, Workload  # noqa: E402
-from kareus.testing import RecordingCollective  # noqa: E402
+from kareus.model.config import ScheduleConfig
+from kareus.model.ops import CommKind, CommOp, ComputeOp, OpKind
+from kareus.model.workload import ModelArch, Parallelism, Workload
+from kareus.testing import RecordingCollective
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 pytestmark = pytest.mark.gpu

@@ -16,16 +16,16 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_train_loop import plan_for, reference  # noqa: E402
+from test_train_loop import plan_for, reference
 
-from kareus.exec.train import (  # noqa: E402
+from kareus.exec.train import (
     LoopbackGroups,
     TrainingLoop,
     make_collectives,
     measure_runs,
     shuffled_order,
 )
-from kareus.model.workload import ModelArch, Parallelism, Workload  # noqa: E402
+from kareus.model.workload import ModelArch, Parallelism, Workload
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

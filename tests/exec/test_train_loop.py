@@ -24,11 +24,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kareus.compose import MicrobatchChoice, Plan  # noqa: E402
-from kareus.errors import PlanError  # noqa: E402
-from kareus.exec.collectives import CollectiveBackend  # noqa: E402
-from kareus.exec.executor import RecordingStreamBackend  # noqa: E402
-from kareus.exec.train import (  # noqa: E402
+from kareus.compose import MicrobatchChoice, Plan
+from kareus.errors import PlanError
+from kareus.exec.collectives import CollectiveBackend
+from kareus.exec.executor import RecordingStreamBackend
+from kareus.exec.train import (
     GroupedCollective,
     LoopbackGroupCollective,
     LoopbackGroups,
@@ -39,10 +39,10 @@ from kareus.exec.train import (  # noqa: E402
     named_collectives,
     shuffled_order,
 )
-from kareus.model.config import ScheduleConfig  # noqa: E402
-from kareus.model.partition import build_partitions  # noqa: E402
-from kareus.model.pipeline import get_schedule  # noqa: E402
-from kareus.model.workload import ModelArch, Parallelism, Workload  # noqa: E402
+from kareus.model.config import ScheduleConfig
+from kareus.model.partition import build_partitions
+from kareus.model.pipeline import get_schedule
+from kareus.model.workload import ModelArch, Parallelism, Workload
 
 F = torch.nn.functional
 REPO = Path(__file__).resolve().parents[2]

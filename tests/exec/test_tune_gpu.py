@@ -10,13 +10,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kareus.exec.collectives import LoopbackCollective  # noqa: E402
-from kareus.exec.executor import TorchExecutor  # noqa: E402
-from kareus.exec.outside_work import RunnableOutsideWork  # noqa: E402
-from kareus.exec.torch_partition import RunnableTransformerPartition  # noqa: E402
-from kareus.model.config import ScheduleConfig  # noqa: E402
-from kareus.model.partition import build_partitions  # noqa: E402
-from kareus.model.workload import Workload  # noqa: E402
+from kareus.exec.collectives import LoopbackCollective
+from kareus.exec.executor import TorchExecutor
+from kareus.exec.outside_work import RunnableOutsideWork
+from kareus.exec.torch_partition import RunnableTransformerPartition
+from kareus.model.config import ScheduleConfig
+from kareus.model.partition import build_partitions
+from kareus.model.workload import Workload
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 pytestmark = pytest.mark.gpu

@@ -22,9 +22,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kareus.errors import ArgumentError, PlanError, WorkloadError  # noqa: E402
-from kareus.exec.train import LoopbackGroups  # noqa: E402
-from kareus.integrations import (  # noqa: E402
+from kareus.errors import ArgumentError, PlanError, WorkloadError
+from kareus.exec.train import LoopbackGroups
+from kareus.integrations import (
     LAYER_WEIGHTS,
     PlanApplier,
     gate_up_from_fused,
@@ -32,12 +32,12 @@ from kareus.integrations import (  # noqa: E402
     qkv_from_grouped,
     qkv_from_separate,
 )
-from kareus.testing import RecordingExecutor, make_workload_plan  # noqa: E402
+from kareus.testing import RecordingExecutor, make_workload_plan
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _ranks import run_ranks  # noqa: E402
-from _reference import full_weights, layer, planned_weights, shard, workload  # noqa: E402
+from _ranks import run_ranks
+from _reference import full_weights, layer, planned_weights, shard, workload
 
 REPO = HERE.parents[1]
 

@@ -20,12 +20,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _reference import full_weights, layer, planned_weights, shard  # noqa: E402
+from _reference import full_weights, layer, planned_weights, shard
 
-from kareus.exec.train import LoopbackGroups, make_collectives  # noqa: E402
-from kareus.integrations import PlanApplier  # noqa: E402
-from kareus.model.workload import ModelArch, Parallelism, Workload  # noqa: E402
-from kareus.testing import make_workload_plan  # noqa: E402
+from kareus.exec.train import LoopbackGroups, make_collectives
+from kareus.integrations import PlanApplier
+from kareus.model.workload import ModelArch, Parallelism, Workload
+from kareus.testing import make_workload_plan
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -19,15 +19,15 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kareus.errors import ArgumentError  # noqa: E402
-from kareus.exec.executor import RecordingStreamBackend, TorchExecutor  # noqa: E402
-from kareus.exec.train import LoopbackGroups, make_collectives  # noqa: E402
-from kareus.integrations import PlanApplier  # noqa: E402
-from kareus.testing import make_workload_plan  # noqa: E402
+from kareus.errors import ArgumentError
+from kareus.exec.executor import RecordingStreamBackend, TorchExecutor
+from kareus.exec.train import LoopbackGroups, make_collectives
+from kareus.integrations import PlanApplier
+from kareus.testing import make_workload_plan
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _reference import full_weights, planned_weights, workload  # noqa: E402
+from _reference import full_weights, planned_weights, workload
 
 
 class _Rerun:

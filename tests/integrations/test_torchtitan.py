@@ -28,10 +28,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("torchtitan")
 
-from kareus import Parallelism  # noqa: E402
-from kareus.errors import ArgumentError, ArgumentTypeError, WorkloadError  # noqa: E402
-from kareus.integrations import torchtitan as kt  # noqa: E402
-from kareus.testing import make_workload_plan  # noqa: E402
+from kareus import Parallelism
+from kareus.errors import ArgumentError, ArgumentTypeError, WorkloadError
+from kareus.integrations import torchtitan as kt
+from kareus.testing import make_workload_plan
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]

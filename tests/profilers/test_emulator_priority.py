@@ -12,7 +12,6 @@ from kareus.model.ops import CommKind, CommOp, ComputeOp, OpKind
 from kareus.profilers.emulator import EmulatedGPU, EmulatedProfiler
 from kareus.profilers.emulator._opmodel import _prep_op
 from kareus.profilers.emulator._sim import _collective, _Sim
-from kareus.workflow import _profiler_identity
 
 GPU = EmulatedGPU.from_spec("h200-sxm", comm_backend="nccl")
 NORMAL = GPU.with_(comm_priority="normal")
@@ -110,8 +109,8 @@ def test_the_setting_is_validated_and_passed_through() -> None:
 
 
 def test_the_run_manifest_names_normal_priority_only() -> None:
-    assert "comm_priority" not in _profiler_identity(EmulatedProfiler(GPU))
-    ident = _profiler_identity(EmulatedProfiler(GPU, comm_priority="normal"))
+    assert "comm_priority" not in EmulatedProfiler(GPU).identity()
+    ident = EmulatedProfiler(GPU, comm_priority="normal").identity()
     assert ident["comm_priority"] == "normal"
 
 

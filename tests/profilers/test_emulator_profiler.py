@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 
 import pytest
+
+pytest.importorskip("hypothesis", reason="property tests: the dev extra installs hypothesis")
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

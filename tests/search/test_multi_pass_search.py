@@ -7,6 +7,8 @@ import json
 import numpy as np
 import pytest
 
+pytest.importorskip("xgboost", reason="these searches run the trees surrogate (the trees extra)")
+
 from kareus.errors import OutputError
 from kareus.model import ConfigSpace, Measurement, ScheduleConfig
 from kareus.search import (

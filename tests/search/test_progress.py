@@ -9,8 +9,8 @@ import types
 
 import pytest
 
-from kareus.search import _progress
-from kareus.search._progress import ProgressBar, in_notebook
+from kareus.search import progress as _progress
+from kareus.search.progress import ProgressBar, in_notebook
 
 
 class _Tty(io.StringIO):

@@ -8,8 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kareus.exec.kernels import ReferenceKernels, TorchKernels  # noqa: E402
-from kareus.testing import KernelSetConformance, check_kernels  # noqa: E402
+from kareus.exec.kernels import ReferenceKernels, TorchKernels
+from kareus.testing import KernelSetConformance, check_kernels
 
 
 class TestTorchKernelsConformance(KernelSetConformance):

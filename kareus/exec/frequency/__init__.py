@@ -19,7 +19,7 @@ request travels in stream order:
   [`FrequencyPermissionError`][kareus.exec.FrequencyPermissionError].
   [`DryRunFrequencyController`][kareus.exec.DryRunFrequencyController] only records each request
   with its time; it is the only controller that may run on shared machines whose clocks must not
-  change. Controllers that really lock clocks (NVML's, and Zeus's in ``kareus.interop.zeus``)
+  change. Controllers that really lock clocks (NVML's, and Zeus's in ``kareus.integrations.zeus``)
   share ``LockingFrequencyController``, which keeps the locked GPUs and restores them.
 
 Modules (import the names from this package, not from them): ``_controllers`` (the

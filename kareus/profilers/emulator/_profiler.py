@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 import numpy as np
@@ -213,6 +214,36 @@ class EmulatedProfiler(Profiler):
     def static_power_w(self, group_size: int) -> float:
         """Static power of ``group_size`` GPUs."""
         return self.gpu.static_power_w * group_size
+
+    @property
+    def uses_gpus(self) -> bool:
+        """``False``: the emulated GPU runs on the CPU."""
+        return False
+
+    def identity(self) -> dict[str, Any]:
+        """The class, the noise levels and seed, whether the power limit lowers the clock,
+        the calibration (when from a measured profile), the collective's priority (when
+        ``"normal"``) and the execution mode: every setting that changes a number."""
+        ident: dict[str, Any] = {"class": f"{type(self).__module__}.{type(self).__qualname__}",
+                                 "noise": self.noise, "time_noise": self.time_noise,
+                                 "seed": self.seed, "power_limit": self.power_limit}
+        if self.calibration:
+            ident["calibration"] = self.calibration
+        if self.comm_priority != "high":
+            ident["comm_priority"] = self.comm_priority
+        ident["execution"] = self.execution
+        return ident
+
+    @property
+    def measurement_count(self) -> int:
+        """Measurements made since construction or ``reset_noise`` (``calls``): the noise of a
+        measurement is drawn from the seed and this count."""
+        return self.calls
+
+    def advance_measurements(self, count: int) -> None:
+        """Count ``count`` measurements made by copies (a pool's search tasks) as made here,
+        so the next measurement draws the noise one process would."""
+        self.calls += int(count)
 
     def trace(self, partition: Partition, config: ScheduleConfig) -> EmulationTrace:
         """The noise-free emulated run of ``partition`` under ``config``, for one GPU, with

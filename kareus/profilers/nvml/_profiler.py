@@ -253,6 +253,7 @@ class NVMLProfiler(Profiler):
         self.records: list[MeasurementRecord] = []
         #: The record of the latest measurement (pre-heating runs included).
         self.last_record: MeasurementRecord | None = None
+        self._last_facts: dict[str, Any] | None = None
         self._preheating = False
         self._started = False
         if frequency is not None and not isinstance(frequency, FrequencyController):
@@ -403,6 +404,12 @@ class NVMLProfiler(Profiler):
         """How the measured steps feed the GPU: ``"graphed"`` (CUDA-graph replays, the
         runner's executor captures) or ``"eager"`` (every op launched from the host)."""
         return "graphed" if self.runner.graphs else "eager"
+
+    @property
+    def last_facts(self) -> dict[str, Any] | None:
+        """How the GPU was fed in the last measurement (``execution``, ``gpu_busy``: its
+        record's [`execution_facts`][kareus.profilers.MeasurementRecord.execution_facts])."""
+        return self._last_facts
 
     def _validate(self, partition: Partition, config: ScheduleConfig) -> None:
         """Refuse a configuration the GPU or the partition cannot take, before the clock is
@@ -593,6 +600,7 @@ class NVMLProfiler(Profiler):
             gpu_busy=busy, execution=self.execution)
         self.records.append(rec)
         self.last_record = rec
+        self._last_facts = rec.execution_facts()
         raw = _busy(gpu_step_s, step_mean, None, None)
         if (not rec.host_bound and raw is not None and raw < HOST_BOUND_BUSY
                 and not self._preheating and self.coord.rank == 0):

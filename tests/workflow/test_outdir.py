@@ -1,4 +1,4 @@
-"""kareus._outdir: early path checks, the manifest of inputs and the folder lock."""
+"""kareus.workflow.outdir (and kareus._io's path checks): early path checks, the manifest of inputs and the folder lock."""
 
 from __future__ import annotations
 
@@ -7,16 +7,9 @@ import os
 
 import pytest
 
-from kareus._outdir import (
-    LOCK_NAME,
-    MANIFEST_NAME,
-    check_output_file,
-    check_output_folder,
-    guarded_folder,
-    is_held,
-    move_aside,
-)
+from kareus._io import check_output_file, check_output_folder
 from kareus.errors import FolderInUseError, OutputError
+from kareus.workflow.outdir import LOCK_NAME, MANIFEST_NAME, guarded_folder, is_held, move_aside
 
 INPUTS = {"workload": {"model": "llama3.2-3b", "tp": 2}, "budget": 32, "seed": 0}
 

@@ -13,14 +13,15 @@ from typing import Any
 import pytest
 
 from kareus.compose import kareus_types
-from kareus.interop.ray import RayExecutor
-from kareus.interop.tasks import SearchTask, task_gpus
 from kareus.model.partition import build_partitions
+from kareus.model.profiler import Profiler
 from kareus.model.workload import Workload
 from kareus.profilers.emulator import EmulatedProfiler
 from kareus.search import SearchSpec
 from kareus.testing import FakeProfiler
 from kareus.workflow import OptimizationResult, optimize
+from kareus.workflow.pools import SearchTask, task_gpus
+from kareus.workflow.ray import RayExecutor
 
 WL = Workload.preset("qwen3-1.7b", tp=2, pp=2, microbatch_size=4, num_microbatches=4)
 KW: dict[str, Any] = {"budget": 10, "seed": 3, "progress": False}
@@ -116,23 +117,22 @@ def test_rejects_what_is_not_an_executor() -> None:
         optimize(WL, pool=object(), **KW)  # type: ignore[arg-type]
 
 
-def test_executor_is_the_deprecated_name_of_pool(serial: tuple[OptimizationResult, Path, int],
-                                                 tmp_path: Path) -> None:
-    ref, _, _ = serial
-    with ThreadPoolExecutor(max_workers=2) as ex:
-        with pytest.warns(DeprecationWarning, match="pool="):
-            res = optimize(WL, profiler=EmulatedProfiler("a100-40gb", seed=3),
-                           log_dir=tmp_path, executor=ex, **KW)
-        _same(ref, res)
-        with pytest.raises(ValueError, match="not both"), pytest.warns(DeprecationWarning):
-            optimize(WL, executor=ex, pool=ex, **KW)
+def test_executor_the_old_name_of_pool_is_gone() -> None:
+    # kareus.Executor is the role that runs plans; the pool of search tasks is pool= alone
+    with ThreadPoolExecutor(max_workers=1) as ex, pytest.raises(TypeError, match="executor"):
+        optimize(WL, executor=ex, **KW)  # type: ignore[call-arg]
 
 
 def test_tasks_ask_for_their_profiling_group() -> None:
     pset = build_partitions(Workload.preset("qwen3-1.7b", tp=4, cp=2, pp=2, microbatch_size=4))
     part = next(iter(pset.types.values()))
     assert task_gpus(EmulatedProfiler("a100-40gb"), part, 8) == 0
-    assert task_gpus(FakeProfiler(), part, 8) == 8
+    assert task_gpus(FakeProfiler(), part, 8) == 0  # a formula on the CPU says so
+
+    class Silent(FakeProfiler):  # a profiler that does not say is taken to need its GPUs
+        uses_gpus = Profiler.uses_gpus
+
+    assert task_gpus(Silent(), part, 8) == 8
 
 
 class _FakeRef:

@@ -1,7 +1,7 @@
 """Partition searches on a Ray cluster: a ``concurrent.futures.Executor`` of Ray tasks.
 
-[`RayExecutor`][kareus.interop.ray.RayExecutor] turns each task that ``optimize(..., pool=...)``
-submits (one per partition type, [`SearchTask`][kareus.interop.tasks.SearchTask]) into a Ray task
+[`RayExecutor`][kareus.workflow.ray.RayExecutor] turns each task that ``optimize(..., pool=...)``
+submits (one per partition type, [`SearchTask`][kareus.workflow.pools.SearchTask]) into a Ray task
 that asks Ray for the GPUs its profiling group needs (the task's ``num_gpus``: the partition's TP x
 CP GPUs on real hardware, none on the emulated GPU). Ray places the tasks on the cluster's nodes and
 runs as many at once as the resources allow; kareus adds no scheduling of its own. Each
@@ -11,7 +11,7 @@ Install with ``pip install 'kareus[ray]'``. Example::
 
     import ray
     from kareus import Workload, optimize
-    from kareus.interop.ray import RayExecutor
+    from kareus.workflow.ray import RayExecutor
 
     ray.init(address="auto")  # or let RayExecutor start a local Ray
     with RayExecutor() as pool:
@@ -53,12 +53,12 @@ class RayExecutor(Executor):
 
     Args:
         num_gpus: GPUs each task asks for; ``None`` = the submitted callable's ``num_gpus``
-            attribute (what [`SearchTask`][kareus.interop.tasks.SearchTask] carries), else 0.
+            attribute (what [`SearchTask`][kareus.workflow.pools.SearchTask] carries), else 0.
         num_cpus: CPUs each task asks for (default 1).
         init: Keyword arguments for ``ray.init`` when Ray is not running yet (e.g.
             ``{"num_cpus": 4}`` for a local Ray, ``{"address": "auto"}`` to join a
             cluster); ``None`` = ``ray.init()``'s defaults. A Ray this executor started is
-            shut down by [`shutdown`][kareus.interop.ray.RayExecutor.shutdown].
+            shut down by [`shutdown`][kareus.workflow.ray.RayExecutor.shutdown].
         ray: The ``ray`` module (``None``: ``import ray``); a fake for tests.
 
     Raises:

@@ -1,104 +1,70 @@
-"""Guarded output folders: a manifest of the inputs, an exclusive lock, early path checks.
+"""Guarded output folders: a manifest of the inputs and an exclusive lock.
 
 A folder that ``kareus optimize`` writes (``--out``, or the ``log_dir`` of
 [`kareus.workflow.optimize`][kareus.workflow.optimize]) holds search logs that a later run resumes.
 Resuming is only right when the later run has the same inputs, and only one run may write at a time:
 
-- **Manifest** (``kareus-manifest.json``): every input that changes a number (the workload
-  with all its shapes, parallelism, the GPU and a digest of its specification, the profiler
-  and a digest of its data, the noise, the surrogate, the budget, the seed, the kareus
+- **Manifest** (``kareus-manifest.json``, [`manifest_inputs`][kareus.workflow.manifest_inputs]):
+  every input that changes a number (the workload with all its shapes, parallelism, the GPU
+  and a digest of its specification, the profiler's
+  [`identity`][kareus.model.Profiler.identity], the surrogate, the budget, the seed, the kareus
   version). A run whose inputs differ is refused in one line that names the first differing
   field and says what to do (another folder, or ``--fresh`` / ``fresh=True`` to discard the
   old results). A folder with kareus outputs but no manifest is refused the same way.
 - **Lock** (``.kareus.lock``): an exclusive, non-blocking ``fcntl.flock`` held for the whole
   run; a second run on the same folder is refused at once. The operating system releases it
   when the process ends, however it ends, so a killed run never leaves a stale lock.
-- **Path checks** before any work: an empty path, an existing file where a folder is
-  wanted (or the reverse), a folder that cannot be created or written.
+- **Torn logs**: a search log whose header line a kill cut short is moved aside
+  ([`recover_torn_logs`][kareus.workflow.outdir.recover_torn_logs]) and that search starts again.
 
-This module imports nothing from kareus's layers (only ``kareus._io``, the errors and
-the version), so the workflow and the command line both use it.
+The path checks made before any work (an empty path, a file where a folder is wanted, a
+folder that cannot be written) are ``kareus._io``'s, shared with the measuring side.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
+import json
 import os
 import shutil
-from collections.abc import Iterator, Mapping
+import sys
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kareus._io import read_json, write_json_atomic
-from kareus._version import __version__
-from kareus.errors import FolderInUseError, OutputError
+import attrs
 
-__all__ = ["LOCK_NAME", "MANIFEST_NAME", "check_output_file", "check_output_folder",
-           "guarded_folder", "is_held"]
+from kareus._io import check_output_folder, read_json, write_json_atomic
+from kareus._version import __version__
+from kareus.errors import (
+    FolderInUseError,
+    OutputError,
+)
+from kareus.model.partition import PartitionSet
+from kareus.model.profiler import Profiler
+from kareus.model.workload import Workload
+from kareus.search.acquisition import AcquisitionPass
+from kareus.search.surrogate import Surrogate
+
+__all__ = ["LOCK_NAME", "MANIFEST_NAME", "guarded_folder", "is_held", "manifest_inputs", "move_aside", "recover_torn_logs"]
+
 
 MANIFEST_NAME = "kareus-manifest.json"
+
 LOCK_NAME = ".kareus.lock"
+
 MANIFEST_KIND = "kareus-manifest"
+
 MANIFEST_VERSION = 1
 
 #: What kareus writes in an output folder (``--fresh`` removes these, nothing else).
 _OUTPUTS = ("results.json", "plan.json", "frontier.png", MANIFEST_NAME)
+
 _LOG_GLOB = "search-*.jsonl*"
 
 _held: set[Path] = set()
-
-
-def _nearest_existing(path: Path) -> Path:
-    p = path.absolute()
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    return p
-
-
-def check_output_folder(path: str | os.PathLike[str] | None, *, what: str = "--out") -> Path:
-    """Check that ``path`` can be (or is) a writable folder, before any long work.
-
-    Raises:
-        OutputError: an empty path, an existing file, a file on the way, or no write
-            permission where the folder is or would be created.
-    """
-    if path is None or not str(os.fspath(path)).strip():
-        raise OutputError(f"{what} is empty: give the folder the results go to")
-    p = Path(path)
-    if p.exists() and not p.is_dir():
-        raise OutputError(f"{what} {p} is an existing file, not a folder: choose a folder "
-                          "path (it is created if missing)")
-    base = _nearest_existing(p)
-    if not base.is_dir():
-        raise OutputError(f"{what} {p}: {base} is a file, so the folder cannot be created; "
-                          "choose another path")
-    if not os.access(base, os.W_OK | os.X_OK):
-        raise OutputError(f"{what} {p}: {base} is not writable; choose a folder you can "
-                          "write to")
-    return p
-
-
-def check_output_file(path: str | os.PathLike[str] | None, *, what: str = "--record") -> Path:
-    """Check that ``path`` can be written as a file, before any long work.
-
-    Raises:
-        OutputError: an empty path, an existing folder, or a folder on the way that is a
-            file or not writable.
-    """
-    if path is None or not str(os.fspath(path)).strip():
-        raise OutputError(f"{what} is empty: give the path of the file to write")
-    p = Path(path)
-    if p.is_dir():
-        raise OutputError(f"{what} {p} is a folder: give the path of a file to write")
-    if p.exists() and not os.access(p, os.W_OK):
-        raise OutputError(f"{what} {p} exists and is not writable; choose another path")
-    base = _nearest_existing(p.parent if str(p.parent) else Path("."))
-    if not base.is_dir():
-        raise OutputError(f"{what} {p}: {base} is a file, so {p} cannot be written")
-    if not os.access(base, os.W_OK | os.X_OK):
-        raise OutputError(f"{what} {p}: {base} is not writable; choose another path")
-    return p
 
 
 def is_held(path: str | os.PathLike[str]) -> bool:
@@ -147,6 +113,25 @@ def _has_outputs(folder: Path, *, manifest: bool = True) -> bool:
         for sub in (folder, folder / "logs") if sub.is_dir())
 
 
+def _current_paths(recorded: Any) -> Any:
+    """A manifest's inputs with the profiler's class under its current module path: a folder
+    made before a module moved (``kareus.exec.emulator`` is now ``kareus.profilers.emulator``)
+    is the same job."""
+    from kareus._compat import new_module_name
+
+    profiler = recorded.get("profiler") if isinstance(recorded, dict) else None
+    if not isinstance(profiler, dict):
+        return recorded
+    cls = profiler.get("class")
+    if not isinstance(cls, str) or "." not in cls:
+        return recorded
+    module, name = cls.rsplit(".", 1)
+    moved = new_module_name(module)
+    if moved is None:
+        return recorded
+    return {**recorded, "profiler": {**profiler, "class": f"{moved}.{name}"}}
+
+
 def _check_manifest(folder: Path, inputs: Mapping[str, Any], *, fresh: bool, what: str) -> bool:
     """Check the folder's manifest against ``inputs`` or write it; True when written."""
     path = folder / MANIFEST_NAME
@@ -162,7 +147,7 @@ def _check_manifest(folder: Path, inputs: Mapping[str, Any], *, fresh: bool, wha
             raise OutputError(f"{what} {folder}: {path.name} is not a manifest this kareus "
                               f"reads; use another {what}, or --fresh to discard the folder's "
                               "results")
-        field = _first_difference(head.get("inputs"), dict(inputs))
+        field = _first_difference(_current_paths(head.get("inputs")), dict(inputs))
         if field is not None:
             old, new = _lookup(head.get("inputs"), field), _lookup(inputs, field)
             raise OutputError(f"{what} {folder} holds the results of another job: its {field} "
@@ -179,6 +164,8 @@ def _check_manifest(folder: Path, inputs: Mapping[str, Any], *, fresh: bool, wha
 
 
 @contextlib.contextmanager
+
+
 def guarded_folder(folder: str | os.PathLike[str], inputs: Mapping[str, Any], *,
                    fresh: bool = False, what: str = "--out") -> Iterator[Path]:
     """Create ``folder``, lock it for this run, and check (or write) its manifest.
@@ -249,3 +236,93 @@ def move_aside(path: Path) -> Path:
         k += 1
     shutil.move(str(path), str(target))
     return target
+
+
+def recover_torn_logs(log_dir: Path) -> None:
+    """Move aside a search log whose header line was cut short by a kill (it holds no
+    measurement yet), so that the search starts it again instead of failing on it; the
+    torn file is kept beside it as ``<name>.torn``."""
+    for log in sorted(log_dir.glob("search-*.jsonl")):
+        try:
+            with open(log, "rb") as fh:
+                head = fh.readline()
+        except OSError:
+            continue
+        if not head or head.endswith(b"\n"):
+            continue
+        try:
+            complete = isinstance(json.loads(head), dict)
+        except ValueError:
+            complete = False
+        if not complete:
+            kept = move_aside(log)
+            print(f"kareus: {log} had a torn header line (a run was killed as it started); "
+                  f"kept it as {kept.name} and starting that search again", file=sys.stderr)
+
+
+def _digest_json(obj: Any) -> str:
+    blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=repr)
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+def _name_of(obj: Any) -> Any:
+    if obj is None or isinstance(obj, str):
+        return obj
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def manifest_inputs(workload: Workload, profiler: Profiler, *, budget: int,
+                    batch_size: int | None, seed: int, schedule: str,
+                    surrogate: Surrogate | str | None, systems: Sequence[str] | None,
+                    microbatch_composer: Any = None, iteration_composer: Any = None,
+                    passes: Sequence[tuple[AcquisitionPass, float]] | None = None,
+                    partitions: Any = None) -> dict[str, Any]:
+    """Every input of ``optimize`` that changes a number, as the manifest of its output
+    folder records it: a folder whose manifest differs is refused.
+
+    ``passes`` and ``partitions`` are recorded only when given (not the defaults), so a
+    folder made before they could be given keeps its manifest."""
+    gpu = profiler.gpu
+    spec: dict[str, Any] | str
+    try:
+        spec = attrs.asdict(gpu)
+    except attrs.exceptions.NotAnAttrsClassError:
+        spec = repr(gpu)
+    return {
+        "kareus_version": __version__,
+        "workload": {**workload.to_dict(), "dtype_bytes": workload.dtype_bytes,
+                     "architecture": attrs.asdict(workload.model)},
+        "gpu": {"name": gpu.name, "spec_digest": _digest_json(spec)},
+        "budget": budget,
+        "batch_size": batch_size,
+        "seed": seed,
+        "schedule": schedule,
+        "surrogate": _name_of(surrogate) or "gp",
+        "profiler": profiler.identity(),
+        "systems": list(systems) if systems is not None else None,
+        "composers": [_name_of(microbatch_composer), _name_of(iteration_composer)],
+        **({} if passes is None else {"passes": [[_name_of(p), _stable_repr(p), float(w)]
+                                                 for p, w in passes]}),
+        **({} if partitions is None else {"partitions": _partitions_identity(partitions)}),
+    }
+
+
+def _partitions_identity(partitions: Any) -> Any:
+    """What the manifest records of ``optimize(partitions=...)``: a set's digest (its
+    types, counts and outside work), or a builder's name."""
+    if isinstance(partitions, PartitionSet):
+        types = {n: {"class": _name_of(p), "overlappable": p.overlappable,
+                     "ops": [[op.name, op.flops, op.bytes_moved] for op in p.compute_ops],
+                     "comm": [p.comm_op.kind.value, p.comm_op.bytes, p.comm_op.group_size]}
+                 for n, p in partitions.types.items()}
+        return {"types": {n: _name_of(p) for n, p in partitions.types.items()},
+                "digest": _digest_json([types, partitions.counts, repr(partitions.outside),
+                                        repr(partitions.iteration)])}
+    return getattr(partitions, "__qualname__", None) or _name_of(partitions)
+
+
+def _stable_repr(obj: Any) -> str | None:
+    """``repr(obj)`` where it says what the object is; ``None`` where it holds a memory
+    address (the same configuration would give another manifest in the next run)."""
+    text = repr(obj)
+    return None if " at 0x" in text else text

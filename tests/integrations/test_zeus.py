@@ -18,7 +18,7 @@ from kareus.exec import (
     StreamMarker,
     StreamOrderedTrigger,
 )
-from kareus.interop.zeus import ZeusdFrequencyController, ZeusEnergyMeter
+from kareus.integrations.zeus import ZeusdFrequencyController, ZeusEnergyMeter
 from kareus.model.config import ScheduleConfig
 from kareus.model.ops import CommKind, CommOp, ComputeOp, OpKind
 from kareus.model.partition import OpPartition

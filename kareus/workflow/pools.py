@@ -1,8 +1,8 @@
 """Partition searches as tasks of any ``concurrent.futures.Executor``.
 
 ``optimize(workload, pool=pool)`` hands each partition type's search to ``pool`` as one
-task ([`SearchTask`][kareus.interop.tasks.SearchTask], a picklable callable): a thread or process
-pool on one machine, [`RayExecutor`][kareus.interop.ray.RayExecutor] on a Ray cluster, or submitit's
+task ([`SearchTask`][kareus.workflow.pools.SearchTask], a picklable callable): a thread or process
+pool on one machine, [`RayExecutor`][kareus.workflow.ray.RayExecutor] on a Ray cluster, or submitit's
 ``AutoExecutor`` on Slurm. kareus schedules nothing itself: the engine decides where and when each
 task runs.
 
@@ -23,7 +23,7 @@ real GPUs and recorded measurements by nature, the emulated GPU
 ([`EmulatedProfiler`][kareus.profilers.EmulatedProfiler]) because its noise is drawn from ``(seed, what
 is measured, its repeat index)`` by hashing, never from a stream shared by the run. Each task
 gets its own copy of the profiler and tasks may run in any order, anywhere: the frontiers
-and logs are exactly those of the serial run (``tests/test_workflow_executor.py`` checks it
+and logs are exactly those of the serial run (``tests/workflow/test_workflow_executor.py`` checks it
 with thread and process pools and with Ray), and the profiler's call count is advanced by
 the measurements the tasks made.
 """
@@ -52,23 +52,11 @@ from kareus.search import PartitionFrontier, SearchSpec, search_log_path
 __all__ = ["SearchTask", "SearchTaskResult", "run_searches", "task_gpus"]
 
 
-def _call_count(profiler: Profiler) -> int | None:
-    """The profiler's count of measurements made (the emulator's ``calls``), or ``None``
-    when it keeps none."""
-    calls = getattr(profiler, "calls", None)
-    return calls if isinstance(calls, int) and not isinstance(calls, bool) else None
-
-
 def task_gpus(profiler: Profiler, partition: Partition, gpus_per_stage: int) -> int:
-    """GPUs a search task needs: none for the emulated GPU or recorded measurements, else
-    the partition's profiling group (its TP x CP GPUs)."""
-    from kareus.profilers.emulator import EmulatedProfiler
-    from kareus.profilers.replay import ReplayProfiler
-
-    if isinstance(profiler, (EmulatedProfiler, ReplayProfiler)):
-        return 0
-    needs = getattr(profiler, "uses_gpus", True)
-    return int(gpus_per_stage) if needs else 0
+    """GPUs a search task needs: the partition's profiling group (its TP x CP GPUs) for a
+    profiler that [`uses_gpus`][kareus.model.Profiler.uses_gpus], else none (the emulated GPU,
+    recorded measurements)."""
+    return int(gpus_per_stage) if profiler.uses_gpus else 0
 
 
 @attrs.frozen(kw_only=True)
@@ -115,7 +103,7 @@ class SearchTask:
         resume_text: The type's existing search log, or ``None`` (no logs).
         log: Whether to keep a log at all.
         num_gpus: GPUs the task needs (its profiling group; 0 on the emulator); engines
-            that place tasks on GPUs ([`RayExecutor`][kareus.interop.ray.RayExecutor]) read it.
+            that place tasks on GPUs ([`RayExecutor`][kareus.workflow.ray.RayExecutor]) read it.
     """
 
     name: str
@@ -128,7 +116,7 @@ class SearchTask:
 
     def __call__(self) -> SearchTaskResult:
         start = time.monotonic()
-        before = _call_count(self.profiler)
+        before = self.profiler.measurement_count
         with tempfile.TemporaryDirectory(prefix="kareus-task-") as tmp:
             log = None
             if self.log:
@@ -137,7 +125,7 @@ class SearchTask:
                     log.write_text(self.resume_text, encoding="utf-8")
             frontier = self.search.run(self.profiler, self.partition, log=log, progress=False)
             text = log.read_text(encoding="utf-8") if log is not None and log.exists() else None
-        after = _call_count(self.profiler)
+        after = self.profiler.measurement_count
         used = 0 if before is None or after is None else after - before
         return SearchTaskResult(name=self.name, frontier=frontier, log_text=text,
                                 noise_offset=before, noise_used=used, host=socket.gethostname(),
@@ -171,11 +159,11 @@ def run_searches(executor: Executor, profiler: Profiler, pset: PartitionSet, *,
     """
     if not isinstance(executor, Executor):
         raise ArgumentTypeError(f"executor must be a concurrent.futures.Executor (a thread or "
-                                f"process pool, kareus.interop.ray.RayExecutor, submitit's "
+                                f"process pool, kareus.workflow.ray.RayExecutor, submitit's "
                                 f"AutoExecutor), got {type(executor).__name__}")
     parts: Mapping[str, Partition] = pset.types if types is None else types
     names = list(parts)
-    base = _call_count(profiler)
+    base = profiler.measurement_count
     gpus = pset.workload.parallelism.gpus_per_stage
     futures = {}
     for name in names:
@@ -189,7 +177,7 @@ def run_searches(executor: Executor, profiler: Profiler, pset: PartitionSet, *,
     final = {n: f.result() for n, f in futures.items()}
     records = [final[n].log_record(1) for n in names]
     if base is not None:
-        profiler.calls = base + sum(r.noise_used for r in final.values())  # type: ignore[attr-defined]
+        profiler.advance_measurements(sum(r.noise_used for r in final.values()))
     if log_dir is not None:
         for n in names:
             log_text = final[n].log_text

@@ -84,16 +84,27 @@ def test_a_search_log_resumes_only_in_its_own_mode(tmp_path):
                         measured_with={"execution": "graphed"})
 
 
-def test_execution_must_agree_with_a_given_profiler():
-    with pytest.raises(ValueError, match="execution='graphed' but the profiler measures eager"):
-        optimize(_small(), budget=2, progress=False, execution="graphed",
-                 profiler=EmulatedProfiler("h200-sxm", execution="eager"))
+@pytest.mark.parametrize("given", [{"execution": "graphed"}, {"execution": "eager"},
+                                   {"gpu": "h200-sxm"}, {"gpu": "a100-40gb"}])
+def test_gpu_and_execution_choose_the_default_profiler_and_are_refused_beside_yours(given):
+    # they configure the default emulated profiler: beside a profiler of your own they are
+    # refused whether or not they agree with it (no overlap to reconcile)
+    name = next(iter(given))
+    with pytest.raises(ValueError, match=rf"{name}= chooses the default \(emulated\) profiler; "
+                                         r"yours measures h200-sxm, eager"):
+        optimize(_small(), budget=2, progress=False,
+                 profiler=EmulatedProfiler("h200-sxm", execution="eager"), **given)
+
+
+def test_a_gpu_name_in_another_case_is_the_same_gpu():
+    result = optimize(_small(), "H200-SXM", budget=2, progress=False, systems=["megatron"])
+    assert result.gpu == "h200-sxm"
 
 
 def test_cli_no_graphs(tmp_path, capsys):
     args = ["optimize", "--workload", "qwen3-1.7b", "--gpu", "h200-sxm", "--tp", "2",
             "--pp", "2", "--microbatch-size", "2", "--seq-len", "1024", "--microbatches", "4",
-            "--budget", "2", "--quiet"]
+            "--budget", "2"]
     assert main([*args, "--no-graphs", "--out", str(tmp_path / "e")]) == 0
     out = capsys.readouterr()
     assert "eager execution" in out.out and "eager execution" in out.err

@@ -275,7 +275,7 @@ def test_a_recorder_measures_outside_work_when_what_it_wraps_does():
 
 
 def test_the_command_line_checks_memory_once(tmp_path, monkeypatch):
-    import kareus._orchestrate as orchestrate
+    import kareus.workflow.checks as orchestrate
     from kareus.cli import main
 
     calls = []

@@ -3,47 +3,34 @@
 The layers below only compute: the search layer decides what to measure next
 ([`SearchSpec`][kareus.search.SearchSpec], [`MultiPassSearch`][kareus.search.MultiPassSearch]) and
 the compose layer composes what was measured ([`compose_measured`][kareus.compose.compose_measured]).
-Everything that calls a [`Profiler`][kareus.model.Profiler] for the systems compared runs here, in
-the workflow layer, in the order it always ran:
+Everything that calls a [`Profiler`][kareus.model.Profiler] for the systems compared runs here:
 
-1. [`preflight`][kareus.workflow.preflight]: every check that needs no measurement (the pipeline
-   schedule's name, the parallelism, the memory, what the profiler can measure), before the first
-   one. A profiler that does not implement ``measure_outside`` is refused here, in well under a
-   second, not after every search.
-2. [`search_types`][kareus.workflow.search_types]: kareus's search of every partition type, one
-   after another or as tasks of a ``concurrent.futures`` pool, each with its search log.
-3. [`measure_systems`][kareus.workflow.measure_systems]: per system, its partition frontiers (kareus's
-   searched, the baselines' restricted spaces measured exhaustively,
+1. [`search_types`][kareus.workflow.search_types]: kareus's search of every partition type, one
+   after another or as tasks of a ``concurrent.futures`` pool
+   ([`kareus.workflow.pools`][kareus.workflow.pools]), each with its search log.
+2. [`measure_systems`][kareus.workflow.measure_systems]: per system, its partition frontiers
+   (kareus's searched, the baselines' restricted spaces measured exhaustively,
    [`exhaustive_search`][kareus.workflow.exhaustive_search]), the work outside partitions at the
    clocks they use ([`measure_outside_work`][kareus.workflow.measure_outside_work]) and the
    per-iteration tail, all through one cache so that a configuration measured once serves every
    system; the result is a [`SystemsMeasurements`][kareus.compose.SystemsMeasurements].
-4. [`compose_systems`][kareus.workflow.compose_systems]: steps 3 and the composition together.
-
-Import the public names from [`kareus.workflow`][kareus.workflow].
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
 
 from kareus.compose.context import OutsideTable
 from kareus.compose.systems import (
-    SYSTEMS,
-    AnyIterationComposer,
-    AnyMicrobatchComposer,
     MeasuredSet,
     MeasuredSystem,
     PartitionBuilder,
     SearchFn,
     SystemsMeasurements,
-    SystemsResult,
     baseline_space,
-    compose_measured,
     kareus_partition_sets,
     kareus_type_key,
     system_configs,
@@ -51,94 +38,15 @@ from kareus.compose.systems import (
 )
 from kareus.errors import ArgumentError, ArgumentTypeError
 from kareus.model.config import ConfigSpace, ScheduleConfig
-from kareus.model.gpu import GPUSpec
 from kareus.model.measurement import Measurement
-from kareus.model.memory import MemoryEstimate, check_memory
 from kareus.model.partition import OutsideWork, Partition, PartitionSet, build_partitions
-from kareus.model.pipeline import PipelineSchedule, get_schedule, one_f_one_b
 from kareus.model.profiler import Profiler, ProfilerWrapper
 from kareus.model.workload import Workload
 from kareus.search import Observation, PartitionFrontier, SearchSpec, search_log_path
+from kareus.workflow.checks import require_outside_work, system_names
 
-__all__ = ["compose_systems", "exhaustive_search", "measure_outside_work", "measure_systems",
-           "partition_builder", "preflight", "require_outside_work", "search_types"]
+__all__ = ["exhaustive_search", "measure_outside_work", "measure_systems", "partition_builder", "search_types"]
 
-
-# ------------------------------------------------------------------------ before measuring
-
-
-def require_outside_work(profiler: Profiler) -> None:
-    """Refuse a profiler that cannot measure the work outside partitions, which composing
-    whole iterations needs (the embedding, LM head, loss, pipeline sends, optimizer step).
-
-    Raises:
-        ArgumentTypeError: ``profiler.measures_outside_work`` is false; the message names the
-            method to implement.
-    """
-    if not profiler.measures_outside_work:
-        raise ArgumentTypeError(
-            f"{type(profiler).__name__} does not implement measure_outside(work, freq_mhz, *, "
-            f"group_size, comm_sms=None), which composing whole iterations needs (embedding, "
-            f"LM head, loss, pipeline sends, optimizer step): implement it (docs/plugins.md), "
-            f"or search partition types alone with SearchSpec(...).run(profiler, partition)")
-
-
-@functools.lru_cache(maxsize=16)
-def _memory(workload: Workload, gpu: GPUSpec, schedule: str) -> MemoryEstimate:
-    """``check_memory``, once per (workload, GPU, schedule): its inputs are frozen values, so
-    the command line's early check and ``optimize``'s are one check."""
-    return check_memory(workload, gpu, schedule=schedule)
-
-
-def preflight(workload: Workload, profiler: Profiler, *, schedule: str = "1f1b") -> MemoryEstimate:
-    """Every check [`optimize`][kareus.workflow.optimize] makes before its first measurement.
-
-    The pipeline schedule's name, the parallelism (TP = CP = 1 leaves nothing to schedule),
-    what the profiler can measure (``measure_outside`` for whole iterations) and the memory
-    (``kareus.model.memory.check_memory``). Cheap (well under a second) and idempotent: the
-    memory check of a (workload, GPU, schedule) runs once per process, so a caller that checks
-    early (the ``kareus`` command, before it makes its output folder) and then calls
-    ``optimize`` checks once.
-
-    Args:
-        workload: The workload.
-        profiler: What will measure.
-        schedule: Pipeline schedule name (``"1f1b"``, ``"gpipe"``).
-
-    Returns:
-        The memory estimate per GPU.
-
-    Raises:
-        UnknownPresetError: an unknown schedule.
-        WorkloadError: TP = CP = 1, or a workload that does not fit in the GPU's memory.
-        ArgumentTypeError: a profiler that is not a Profiler, or that cannot measure the work
-            outside partitions.
-    """
-    if not isinstance(profiler, Profiler):
-        raise ArgumentTypeError(f"profiler must be a kareus Profiler, got "
-                                f"{type(profiler).__name__}")
-    get_schedule(schedule, 1, 1)  # raises UnknownPresetError early
-    _check_parallelism(workload)  # before the memory check: more parallelism is the answer
-    require_outside_work(profiler)
-    try:
-        hash((workload, profiler.gpu))
-    except TypeError:  # a GPU spec of one's own that does not hash: checked every time
-        return check_memory(workload, profiler.gpu, schedule=schedule)
-    return _memory(workload, profiler.gpu, schedule)
-
-
-def _check_parallelism(workload: Workload) -> None:
-    """Refuse a workload with no collective to schedule (TP = CP = 1, what
-    ``Workload.preset(name)`` gives), naming the command line's defaults."""
-    from kareus.errors import WorkloadError
-
-    p = workload.parallelism
-    if p.tp == 1 and p.cp == 1:
-        raise WorkloadError(
-            f"{workload.describe()}: with TP=1 and CP=1 no layer has a collective to overlap, "
-            f"and kareus schedules collectives; give the workload tensor or context "
-            f"parallelism, e.g. Workload.preset({workload.model.name!r}, tp=4, pp=2), which is "
-            f"what `kareus optimize --workload {workload.model.name}` runs by default")
 
 
 def partition_builder(partitions: PartitionSet | PartitionBuilder | None,
@@ -185,9 +93,6 @@ def partition_builder(partitions: PartitionSet | PartitionBuilder | None,
         return checked
     raise ArgumentTypeError(f"partitions must be a PartitionSet, a function workload -> "
                             f"PartitionSet, or None, got {type(partitions).__name__}")
-
-
-# --------------------------------------------------------------------------- measuring
 
 
 def exhaustive_search(profiler: Profiler, space: ConfigSpace) -> PartitionFrontier:
@@ -305,7 +210,7 @@ def search_types(profiler: Profiler, types: Mapping[str, Partition], search: Sea
         log_dir: Where the search logs go (an existing log is resumed); ``None`` = none.
         progress: Each search's progress bar (``None``: on a terminal).
         pool: Run each search as a task of this ``concurrent.futures.Executor``
-            ([`kareus.interop.tasks`][kareus.interop.tasks]); ``None`` = one after another here.
+            ([`kareus.workflow.pools`][kareus.workflow.pools]); ``None`` = one after another here.
         pset: The workload's partition set, with ``pool``: each task reads the GPUs it needs
             from its workload.
 
@@ -313,7 +218,7 @@ def search_types(profiler: Profiler, types: Mapping[str, Partition], search: Sea
         Key -> the type's frontier.
     """
     if pool is not None:
-        from kareus.interop.tasks import run_searches
+        from kareus.workflow.pools import run_searches
 
         if pset is None:
             raise ArgumentError("search_types(pool=...) needs pset= (the GPUs of each task)")
@@ -341,14 +246,6 @@ def _anchors(profiler: Profiler, pset: PartitionSet, frontiers: Mapping[str, Par
             return None
         restricted[tname] = PartitionFrontier.from_observations(pf.partition, pf.gpu, obs)
     return restricted
-
-
-def _system_names(systems: Sequence[str] | None) -> list[str]:
-    names = list(SYSTEMS if systems is None else systems)
-    unknown = [n for n in names if n not in SYSTEMS]
-    if unknown:
-        raise ArgumentError(f"unknown system(s) {unknown}; known: {', '.join(SYSTEMS)}")
-    return names
 
 
 def measure_systems(workload: Workload, profiler: Profiler, *,
@@ -394,7 +291,7 @@ def measure_systems(workload: Workload, profiler: Profiler, *,
     if not isinstance(profiler, Profiler):
         raise ArgumentTypeError(f"profiler must be a kareus Profiler, got "
                                 f"{type(profiler).__name__}")
-    names = _system_names(systems)
+    names = system_names(systems)
     search_fn: SearchFn = SearchSpec() if search is None else search
     if not callable(search_fn):
         raise ArgumentTypeError("search must be a SearchSpec or callable as "
@@ -460,87 +357,3 @@ def _kareus_frontier(key: str, part: Partition, shared: _SharedMeasurements,
         raise ArgumentTypeError(f"search returned {type(pf).__name__}, expected a "
                                 f"PartitionFrontier")
     return pf
-
-
-def compose_systems(workload: Workload, profiler: Profiler, *,
-                    search: SearchSpec | SearchFn | None = None,
-                    systems: Sequence[str] | None = None,
-                    freqs_mhz: Sequence[int] | None = None,
-                    schedule: Callable[[int, int], PipelineSchedule] | None = None,
-                    microbatch_composer: AnyMicrobatchComposer | None = None,
-                    iteration_composer: AnyIterationComposer | None = None,
-                    kareus_frontiers: Mapping[str, PartitionFrontier] | None = None,
-                    partitions: PartitionSet | PartitionBuilder | None = None,
-                    ) -> SystemsResult:
-    """Iteration frontiers of the five systems for one workload and one profiler.
-
-    Measures ([`measure_systems`][kareus.workflow.measure_systems]), then composes
-    ([`compose_measured`][kareus.compose.compose_measured]).
-
-    Args:
-        workload: The training workload (needs TP >= 2 or CP >= 2).
-        profiler: Measures partitions and the work outside them (it must implement
-            ``measure_outside``: checked before the first measurement).
-        search: How kareus's full space is searched per partition type: a
-            [`SearchSpec`][kareus.search.SearchSpec] or any ``search(profiler, partition) ->
-            PartitionFrontier``; ``None`` = ``SearchSpec()`` (what ``kareus.optimize`` runs
-            by default: 96 profiles per type).
-        systems: Which of ``SYSTEMS`` to compose; ``None`` = all five.
-        freqs_mhz: Frequencies of the frequency-planning systems; ``None`` = the GPU's
-            search grid.
-        schedule: ``(stages, microbatches) -> PipelineSchedule``; ``None`` = 1F1B.
-        microbatch_composer: Any [`FrontierComposer`][kareus.compose.FrontierComposer] of partition
-            frontiers into microbatch frontiers; ``None`` =
-            [`MicrobatchComposer`][kareus.compose.MicrobatchComposer].
-        iteration_composer: Any [`FrontierComposer`][kareus.compose.FrontierComposer] of microbatch
-            frontiers into an iteration frontier; ``None`` =
-            [`IterationComposer`][kareus.compose.IterationComposer].
-        kareus_frontiers: Partition frontiers already searched for kareus, by
-            [`kareus_type_key`][kareus.compose.kareus_type_key] (skips their search).
-        partitions: How the workload is cut into partitions (a ``PartitionSet`` of the
-            workload, or a function ``workload -> PartitionSet`` for every variant the systems
-            run; [`partition_builder`][kareus.workflow.partition_builder]); ``None`` =
-            [`build_partitions`][kareus.model.build_partitions].
-
-    Writes nothing: [kareus.optimize][] wraps it with search logs, and its result's
-    ``save(out)`` writes ``results.json`` and ``plan.json``.
-
-    Returns:
-        Every system's iteration frontier, microbatch frontiers and partition frontiers.
-
-    Raises:
-        ArgumentTypeError: an argument of the wrong type (a profiler that is not a Profiler
-            or cannot measure outside work, a composer that is not a FrontierComposer, a
-            search that returns something else than a PartitionFrontier).
-        ArgumentError: an unknown system name.
-
-    Examples:
-        Megatron-LM and Perseus on the emulator (neither searches kareus's space):
-
-        >>> import kareus
-        >>> from kareus.profilers import EmulatedProfiler
-        >>> from kareus.workflow import compose_systems
-        >>> workload = kareus.Workload.preset("qwen3-1.7b", tp=2, pp=2, microbatch_size=2,
-        ...                                   seq_len=1024, num_microbatches=4)
-        >>> result = compose_systems(workload, EmulatedProfiler("h200-sxm"),
-        ...                          systems=["megatron", "perseus"])
-        >>> sorted(result.frontiers)
-        ['megatron', 'perseus']
-        >>> megatron, perseus = result.frontiers["megatron"], result.frontiers["perseus"]
-        >>> perseus.points[-1].energy_j < megatron.points[0].energy_j
-        True
-    """
-    from kareus.compose.composer import FrontierComposer
-
-    for what, comp in (("microbatch_composer", microbatch_composer),
-                       ("iteration_composer", iteration_composer)):
-        if comp is not None and not isinstance(comp, FrontierComposer):  # before measuring
-            raise ArgumentTypeError(f"{what} must be a kareus FrontierComposer, "
-                                    f"got {type(comp).__name__}")
-    measured = measure_systems(workload, profiler, search=search, systems=systems,
-                               freqs_mhz=freqs_mhz, kareus_frontiers=kareus_frontiers,
-                               partitions=partitions)
-    make_schedule = one_f_one_b if schedule is None else schedule
-    sched = make_schedule(workload.parallelism.pp, workload.num_microbatches)
-    return compose_measured(measured, schedule=sched, microbatch_composer=microbatch_composer,
-                            iteration_composer=iteration_composer)

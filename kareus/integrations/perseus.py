@@ -15,12 +15,12 @@ The format, as Zeus defines it (https://github.com/ml-energy/zeus,
   ``(instruction, MHz)`` pairs, one per forward or backward computation of one iteration, in
   the order the rank runs them (``"forward"`` / ``"backward"``). The server stores a round of
   schedules as JSON, a list of ``{"rank": r, "frequencies": [["forward", 1410], ...]}``
-  ([`frequency_schedules`][kareus.interop.perseus.frequency_schedules]).
+  ([`frequency_schedules`][kareus.integrations.perseus.frequency_schedules]).
 * The server's ``PointSolution`` scheduler runs one fixed schedule read from a *solution file*
   (its ``solution_path`` argument, a ``.py`` file whose text is one Python literal: a list,
   one entry per rank, of lists of ``(instruction, MHz)`` tuples). ``PointSolution3D`` takes
   one entry per pipeline stage and copies it to every rank of that stage (the ranks report
-  their ``pp_rank``). [`write_point_solution`][kareus.interop.perseus.write_point_solution] writes
+  their ``pp_rank``). [`write_point_solution`][kareus.integrations.perseus.write_point_solution] writes
   that file: only list, tuple, string and integer literals (the server ``eval``\\ s it; kareus's own
   plans stay JSON).
 
@@ -37,7 +37,7 @@ with CP folded into the data-parallel degree: ``dp_degree = cp * dp`` and, for e
 ``dp_rank = dp_rank * cp + cp_rank``, the rank's position among the copies of its stage's
 TP group. The TP degree Zeus sees stays the job's own, and every rank of a stage runs the
 stage's schedule whatever its CP or DP rank, so the schedules do not change.
-[`optimizer_arguments`][kareus.interop.perseus.optimizer_arguments] gives each rank the arguments of
+[`optimizer_arguments`][kareus.integrations.perseus.optimizer_arguments] gives each rank the arguments of
 Zeus's client so folded.
 """
 

@@ -10,7 +10,7 @@ import pytest
 
 from kareus.compose.plan import Plan
 from kareus.errors import PlanError
-from kareus.interop.perseus import (
+from kareus.integrations.perseus import (
     frequency_schedules,
     optimizer_arguments,
     rank_schedules,

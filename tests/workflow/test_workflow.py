@@ -5,7 +5,7 @@ import re
 import pytest
 
 from kareus.compose import kareus_types, system_configs
-from kareus.errors import InfeasibleError
+from kareus.errors import InfeasibleError, OutputError
 from kareus.model import ConfigSpace, Workload
 from kareus.workflow import iso_energy_time_saving, iso_time_energy_saving, optimize
 
@@ -230,3 +230,25 @@ def test_memory_accounting_by_hand():
     full = estimate_memory(wl.with_(seq_len=4096, microbatch_size=8))
     none = estimate_memory(wl.with_(seq_len=4096, microbatch_size=8, recompute=False))
     assert none.activations_bytes > 3 * full.activations_bytes
+
+
+def test_a_folder_made_before_the_profilers_moved_resumes(tmp_path):
+    # the manifest of a folder made when the emulator lived in kareus.exec names its class by
+    # that path: the same job, so the run resumes instead of refusing the folder
+    import json
+
+    wl = Workload.preset("qwen3-1.7b", tp=2, pp=2, microbatch_size=2, seq_len=1024,
+                         num_microbatches=4)
+    first = optimize(wl, "h200-sxm", budget=2, progress=False, log_dir=tmp_path)
+    manifest = tmp_path / "kareus-manifest.json"
+    data = json.loads(manifest.read_text())
+    assert data["inputs"]["profiler"]["class"] == \
+        "kareus.profilers.emulator._profiler.EmulatedProfiler"
+    data["inputs"]["profiler"]["class"] = "kareus.exec.emulator._profiler.EmulatedProfiler"
+    manifest.write_text(json.dumps(data))
+    again = optimize(wl, "h200-sxm", budget=2, progress=False, log_dir=tmp_path)
+    assert again.profiles == first.profiles
+    data["inputs"]["profiler"]["class"] = "kareus.exec.other.EmulatedProfiler"
+    manifest.write_text(json.dumps(data))
+    with pytest.raises(OutputError, match="profiler.class"):
+        optimize(wl, "h200-sxm", budget=2, progress=False, log_dir=tmp_path)

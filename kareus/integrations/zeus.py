@@ -3,7 +3,7 @@
 Zeus (https://github.com/ml-energy/zeus, ``pip install 'kareus[zeus]'``) measures and
 optimises the energy of deep-learning jobs. Two of its pieces slot into kareus's roles:
 
-* [`ZeusdFrequencyController`][kareus.interop.zeus.ZeusdFrequencyController], a
+* [`ZeusdFrequencyController`][kareus.integrations.zeus.ZeusdFrequencyController], a
   [`FrequencyController`][kareus.exec.FrequencyController]. Locking GPU clocks needs root
   (``CAP_SYS_ADMIN``), which [`NVMLFrequencyController`][kareus.exec.NVMLFrequencyController]
   therefore needs. Zeus's daemon ``zeusd`` runs privileged and takes clock requests over a Unix
@@ -11,18 +11,18 @@ optimises the energy of deep-learning jobs. Two of its pieces slot into kareus's
   ``set_gpu_locked_clocks`` and ``reset_gpu_locked_clocks`` to it, so an unprivileged training job
   can follow a plan's frequencies (zeus 0.16: ``zeus/device/gpu/nvidia.py``, ``ZeusdNVIDIAGPU``; the
   daemon's HTTP API is documented in ``zeusd/`` of the same repository).
-* [`ZeusEnergyMeter`][kareus.interop.zeus.ZeusEnergyMeter], an
+* [`ZeusEnergyMeter`][kareus.integrations.zeus.ZeusEnergyMeter], an
   [`EnergyMeter`][kareus.profilers.EnergyMeter] (so [`NVMLProfiler`][kareus.profilers.NVMLProfiler] takes it
   as ``meter=``) that reads each GPU's energy counter through a ``ZeusMonitor``'s devices instead of
   pynvml: the GPU indices are ZeusMonitor's (after ``CUDA_VISIBLE_DEVICES``), and the same monitor
       stays available for
   Zeus's own measurement windows
-  ([`ZeusEnergyMeter.begin_window`][kareus.interop.zeus.ZeusEnergyMeter.begin_window]).
+  ([`ZeusEnergyMeter.begin_window`][kareus.integrations.zeus.ZeusEnergyMeter.begin_window]).
   ZeusMonitor's windows read the counter when they begin and end; kareus's profiler needs the
   moments the counter *steps*, so the meter polls the counter as the NVML meter does.
 
 Importing this module imports no Zeus; the classes do when built. Tests inject fake
-``zeus`` modules (``tests/interop/test_zeus.py``).
+``zeus`` modules (``tests/integrations/test_zeus.py``).
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ class ZeusdFrequencyController(LockingFrequencyController):
 class _ZeusHandles:
     """The two NVML entry points EnergyMeter's constructor uses, answered for Zeus indices
     (every counter, temperature and clock read goes through
-    [`ZeusEnergyMeter`][kareus.interop.zeus.ZeusEnergyMeter])."""
+    [`ZeusEnergyMeter`][kareus.integrations.zeus.ZeusEnergyMeter])."""
 
     def nvmlInit(self) -> None:  # NVML's name
         return None
