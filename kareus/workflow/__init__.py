@@ -1,17 +1,17 @@
 """The top floor: an ``optimize`` run from its checks to its saved result, one module a step.
 
-- [`kareus.workflow.run`][kareus.workflow.run]: [`optimize`][kareus.workflow.optimize] (the whole
+- ``kareus.workflow.run``: [`optimize`][kareus.workflow.optimize] (the whole
   pipeline in one call) and [`prepare`][kareus.workflow.prepare] (its checks, returning an
   [`OptimizationRun`][kareus.workflow.OptimizationRun] that runs later; the command line uses it
   to say how long a run takes and to guard its folder before the first measurement).
-- [`kareus.workflow.checks`][kareus.workflow.checks]: every check before measuring
+- ``kareus.workflow.checks``: every check before measuring
   ([`preflight`][kareus.workflow.preflight]).
-- [`kareus.workflow.measure`][kareus.workflow.measure]: the one place that measures
+- ``kareus.workflow.measure``: the one place that measures
   ([`search_types`][kareus.workflow.search_types],
   [`measure_systems`][kareus.workflow.measure_systems]).
-- [`kareus.workflow.compose`][kareus.workflow.compose]:
+- ``kareus.workflow.compose``:
   [`compose_systems`][kareus.workflow.compose_systems], the five systems side by side.
-- [`kareus.workflow.result`][kareus.workflow.result]:
+- ``kareus.workflow.result``:
   [`OptimizationResult`][kareus.workflow.OptimizationResult] (table, plan, plot, files).
 - [`kareus.workflow.outdir`][kareus.workflow.outdir]: guarded output folders (manifest, lock).
 - [`kareus.workflow.pools`][kareus.workflow.pools]: partition searches as tasks of any

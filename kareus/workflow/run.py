@@ -241,7 +241,7 @@ class OptimizationRun:
     arguments, the search specification, the systems, the profiler, the memory and what the
     profiler can measure); [`run`][kareus.workflow.OptimizationRun.run] searches and composes.
     ``kareus optimize`` prepares the run, says how long it will take and guards its output
-    folder with the run's [`manifest`][kareus.workflow.OptimizationRun.manifest], then runs it:
+    folder with the run's ``manifest``, then runs it:
     nothing is checked twice.
 
     Attributes:
