@@ -232,3 +232,39 @@ def test_cycle_checker_sees_function_local_imports(tmp_path: Path) -> None:
     assert "kareus.exec.nvml" not in graph["kareus.exec.nvml._runner"]  # its own package
     path = _path_around(graph, _cycles(graph)[0])
     assert path.startswith("kareus.exec.loop -> ") and path.endswith(" -> kareus.exec.loop")
+
+
+# ------------------------------------------------------------------ private modules
+#
+# What a package offers the others is public (and documented); its underscore modules are its
+# own. A module of one subpackage never imports another subpackage's private module.
+
+
+def _private_imports(package: Path | None = None) -> list[str]:
+    package = PACKAGE if package is None else package
+    bad = []
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(package).parts
+        if len(parts) < 2:  # the top-level modules (kareus/cli.py, ...) are not a subpackage
+            continue
+        for line, module in _imports(path):
+            names = module.split(".")
+            if (names[0] == package.name and len(names) > 2 and names[1] != parts[0]
+                    and any(n.startswith("_") and not n.startswith("__") for n in names[2:])):
+                bad.append(f"{path.relative_to(package.parent)}:{line} imports {module}")
+    return bad
+
+
+def test_no_package_imports_another_packages_private_module() -> None:
+    bad = _private_imports()
+    assert not bad, "\n".join(bad)
+
+
+def test_private_import_checker_flags_one(tmp_path: Path) -> None:
+    fake = tmp_path / "kareus"
+    (fake / "exec").mkdir(parents=True)
+    (fake / "integrations").mkdir()
+    (fake / "exec" / "_inner.py").write_text("")
+    (fake / "exec" / "own.py").write_text("from kareus.exec._inner import x\n")  # its own
+    (fake / "integrations" / "a.py").write_text("from kareus.exec._inner import x\n")
+    assert _private_imports(fake) == ["kareus/integrations/a.py:1 imports kareus.exec._inner"]

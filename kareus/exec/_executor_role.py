@@ -56,7 +56,7 @@ from kareus._logging import get_logger
 from kareus.compose import Plan
 from kareus.errors import ArgumentError, ConfigError, GraphCaptureError, PlanError, UnknownSlotError
 from kareus.exec._graphs import GraphSequence
-from kareus.exec._plan_lookup import ComputationId, _require_plan, plan_config, plan_frequency
+from kareus.exec.plan_lookup import ComputationId, _require_plan, plan_config, plan_frequency
 
 __all__ = ["COMM_KINDS", "CollectiveLaunch", "Executor", "LaunchConfig", "PartitionHook",
            "PartitionScope"]

@@ -58,10 +58,12 @@ from typing import Any
 
 from kareus.compose.plan import Plan
 from kareus.errors import ArgumentError, ArgumentTypeError, PlanError, WorkloadError
-from kareus.exec._executor_role import Executor
-from kareus.exec._plan_lookup import plan_config, plan_nanobatches
-from kareus.exec.train._chain import (
+from kareus.exec import Executor
+from kareus.exec.plan_lookup import plan_config, plan_nanobatches
+from kareus.exec.train import (
     SCHEDULES,
+    DecoderShard,
+    ParallelGroups,
     Piece,
     TypeShape,
     pieces,
@@ -69,8 +71,6 @@ from kareus.exec.train._chain import (
     stack_stream,
     type_shapes,
 )
-from kareus.exec.train._groups import ParallelGroups
-from kareus.exec.train._model import DecoderShard
 from kareus.integrations._weights import LAYER_WEIGHTS
 from kareus.model.workload import Workload
 
@@ -279,9 +279,9 @@ class PlanApplier:
             default_collective = default_collective or default
             collective = collective or capped
         if not self.has_comm:
-            from kareus.exec.train._loop import _no_collective_backend
+            from kareus.exec.train import no_collective_backend
 
-            default_collective = collective = _no_collective_backend()
+            default_collective = collective = no_collective_backend()
         # Graphs on a CUDA device only (a fake stream backend's "graphs" replay nothing)
         capture = (self.graphs and torch.cuda.is_available()
                    and (streams is None or bool(streams.supports_graphs)))
@@ -302,7 +302,7 @@ class PlanApplier:
         import torch
 
         from kareus.exec.collectives import ProcessGroupCollective
-        from kareus.exec.train._groups import GroupedCollective, LoopbackGroups, make_collectives
+        from kareus.exec.train import GroupedCollective, LoopbackGroups, make_collectives
 
         groups = self.groups
         if isinstance(groups, LoopbackGroups):  # one process stands in for the group

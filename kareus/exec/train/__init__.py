@@ -59,6 +59,7 @@ from kareus.exec.train._loop import (
     check_plan_workload,
     given_plan,
     measure_runs,
+    no_collective_backend,
     overlap_efficiency,
     shuffled_order,
 )
@@ -88,6 +89,7 @@ __all__ = [
     "match_type",
     "measure_runs",
     "named_collectives",
+    "no_collective_backend",
     "overlap_efficiency",
     "pieces",
     "run_computation",

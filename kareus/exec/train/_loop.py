@@ -263,7 +263,7 @@ class TrainingLoop:
         self.executor: Executor | None
         self.baseline, self.executor = self._executors(
             plan, executor, baseline, collective=collective if has_comm
-            else _no_collective_backend(), default_collective=default_collective,
+            else no_collective_backend(), default_collective=default_collective,
             backends=backends, frequency=frequency, streams=streams,
             comm_high_priority=comm_high_priority)
         if self.executor is not None:
@@ -494,7 +494,7 @@ def _plan_of(plan: Plan | None, executor: Executor | None, baseline: Executor | 
     return plan
 
 
-def _no_collective_backend() -> Any:
+def no_collective_backend() -> Any:
     """The executors' backend of a job without collectives (TP = CP = 1; never called)."""
     from kareus.exec.train._groups import LoopbackGroupCollective
 
