@@ -56,7 +56,7 @@ from kareus._logging import get_logger
 from kareus.compose import Plan
 from kareus.errors import ArgumentError, ConfigError, GraphCaptureError, PlanError, UnknownSlotError
 from kareus.exec._graphs import GraphSequence
-from kareus.exec._plan_lookup import ComputationId, _require_plan, plan_config, plan_frequency
+from kareus.exec.plan_lookup import ComputationId, _require_plan, plan_config, plan_frequency
 
 __all__ = ["COMM_KINDS", "CollectiveLaunch", "Executor", "LaunchConfig", "PartitionHook",
            "PartitionScope"]
@@ -74,7 +74,7 @@ class LaunchConfig(Protocol):
     A [`ScheduleConfig`][kareus.model.ScheduleConfig] is one (its clock is applied per
     microbatch, not here); so is a baseline's configuration whose ``comm_sms`` is ``None``
     (the collective with its own CTA count, on the executor's ``default_collective``), as
-    [`kareus.exec.train.DefaultConfig`][kareus.exec.train.DefaultConfig] is.
+    [`kareus.exec.schedule.DefaultConfig`][kareus.exec.schedule.DefaultConfig] is.
     """
 
     @property

@@ -46,7 +46,8 @@ the frequency reaches the GPU through a
 Modules: the role ([`Executor`][kareus.exec.Executor], [`PartitionHook`][kareus.exec.PartitionHook],
 [`PartitionScope`][kareus.exec.PartitionScope], [`CollectiveLaunch`][kareus.exec.CollectiveLaunch],
 ``LaunchConfig``) is in ``_executor_role``, the plan lookups (``computation_key``,
-``plan_config``, ``plan_frequency``) in ``_plan_lookup`` and the stream backends in ``_streams``;
+``plan_config``, ``plan_frequency``, ``plan_nanobatches``) in the public
+[`kareus.exec.plan_lookup`][kareus.exec.plan_lookup] and the stream backends in ``_streams``;
 this module holds the implementation on CUDA streams
 ([`TorchExecutor`][kareus.exec.TorchExecutor]) and re-exports the rest (import the names from here
 or from [`kareus.exec`][kareus.exec]).
@@ -69,15 +70,15 @@ from kareus.exec._executor_role import (
     PartitionScope,
 )
 from kareus.exec._graphs import GraphSequence, prefer_workspace_free_gemms
-from kareus.exec._plan_lookup import (
+from kareus.exec._streams import RecordingStreamBackend, StreamBackend, TorchStreamBackend
+from kareus.exec.collectives import CollectiveBackend, ProcessGroupCollective
+from kareus.exec.frequency import FrequencyTrigger
+from kareus.exec.plan_lookup import (
     computation_key,
     plan_config,
     plan_frequency,
     plan_nanobatches,
 )
-from kareus.exec._streams import RecordingStreamBackend, StreamBackend, TorchStreamBackend
-from kareus.exec.collectives import CollectiveBackend, ProcessGroupCollective
-from kareus.exec.frequency import FrequencyTrigger
 
 __all__ = [
     "COMM_KINDS",

@@ -79,7 +79,7 @@ class GraphedRunner:
 
     def _key(self, phase: str, x: Any, weights: Sequence[Sequence[Any]],
              inputs: Sequence[Any] | None) -> tuple[Any, ...]:
-        from kareus.exec._plan_lookup import computation_key
+        from kareus.exec.plan_lookup import computation_key
 
         ap = self.applier
         n, unsplit = ap._computation(phase)

@@ -7,7 +7,7 @@ import pytest
 
 from kareus.compose import MicrobatchChoice, Plan
 from kareus.errors import PlanError
-from kareus.exec._plan_lookup import plan_config, plan_frequency, plan_nanobatches
+from kareus.exec.plan_lookup import plan_config, plan_frequency, plan_nanobatches
 from kareus.model.config import ConfigSpace, ScheduleConfig
 from kareus.model.partition import build_partitions
 from kareus.model.pipeline import one_f_one_b
