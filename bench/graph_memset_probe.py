@@ -135,7 +135,7 @@ def _gemm_body(torch: Any, t: int, layers: int, d: dict[str, int]) -> Any:
 def _attention_body(torch: Any, t: int, backend: str, d: dict[str, int]) -> Any:
     """Causal attention forward and backward (the direct ops kareus's loop calls; K and V
     with as many heads as Q, which both backends take)."""
-    from kareus.exec.kernels._attention import attention_backward, attention_forward
+    from kareus.exec.kernels import attention_backward, attention_forward
 
     b, s = t // 2048, 2048
     q = torch.randn(b, d["heads"], s, d["head_dim"], device="cuda", dtype=torch.bfloat16)

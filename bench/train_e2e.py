@@ -137,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:  # a linear script
 
     from kareus.compose.plan import Plan
     from kareus.exec.frequency import DryRunFrequencyController, StreamOrderedTrigger
+    from kareus.exec.schedule import DefaultConfig
     from kareus.exec.train import (
-        DefaultConfig,
         LoopbackGroups,
         TorchParallelGroups,
         TrainingLoop,

@@ -2,7 +2,8 @@
 
 When a module moves to another package (the measuring side left ``kareus.exec`` for
 ``kareus.profilers``; the third-party adapters of ``kareus.interop`` joined
-``kareus.integrations``), code written against the old path keeps working for one release:
+``kareus.integrations``; the decoder schedule left ``kareus.exec.train`` for
+``kareus.exec.schedule``), code written against the old path keeps working for one release:
 ``import kareus.exec.emulator`` returns the module now at ``kareus.profilers.emulator`` (the
 same module object, so ``isinstance`` checks and monkeypatching see one thing), and
 ``from kareus.exec import EmulatedProfiler`` returns the class from its new home, each with a
@@ -44,6 +45,10 @@ MOVED_NAMES: dict[str, dict[str, str]] = {
         "Profiler": "kareus.profilers",
         "ProfilerWrapper": "kareus.profilers",
     },
+    "kareus.exec.train": dict.fromkeys(
+        ("SCHEDULES", "Comm", "DefaultConfig", "Op", "Piece", "TypeShape", "clip_slot",
+         "match_type", "pieces", "run_computation", "stack_stream", "type_shapes"),
+        "kareus.exec.schedule"),
 }
 
 
@@ -83,13 +88,16 @@ class MovedModuleFinder:
 
     @staticmethod
     def find_spec(fullname: str, path: Any = None, target: Any = None) -> Any:
-        """A spec that loads the module at the new path, for an old path; else ``None``."""
+        """The spec of an old module path (loading the module at its new path, with a
+        ``DeprecationWarning``); ``None`` for any other module."""
         new = new_module_name(fullname)
         if new is None:
             return None
         import importlib.util
 
         _warn(fullname, new)
+        # a loader by its two methods (create_module, exec_module); typeshed's protocol
+        # also asks for the legacy load_module, which the import system never calls here
         return importlib.util.spec_from_loader(fullname, _AliasLoader(new))  # type: ignore[arg-type]
 
 

@@ -5,7 +5,9 @@ A lower layer that imports a higher one would let objects cross layers untyped (
 and make the policy layers depend on hardware code; the policy layers (model, search,
 compose) must also run on any CPU, so they never import torch or pynvml, not even lazily.
 No modules import each other either, not even through a function-local import
-(``test_no_import_cycles``). The checks read the sources (``ast``) and import nothing.
+(``test_no_import_cycles``), and no package imports another package's private (underscore)
+module (``test_no_package_imports_another_packages_private_module``). The checks read the
+sources (``ast``) and import nothing.
 """
 
 from __future__ import annotations
@@ -236,35 +238,113 @@ def test_cycle_checker_sees_function_local_imports(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------ private modules
 #
-# What a package offers the others is public (and documented); its underscore modules are its
-# own. A module of one subpackage never imports another subpackage's private module.
+# A private module (a name starting with an underscore, at any depth: ``kareus.exec._graphs``,
+# ``kareus.exec.kernels._attention``) is its package's business: only modules inside that
+# package (its own modules and its subpackages') import it. Anything another package needs
+# is a public name (in a public module or the package's ``__all__``), documented as such.
+# A sibling subpackage is another package: ``kareus.exec.train`` importing
+# ``kareus.exec.kernels._attention`` is a violation, while ``kareus.exec.train`` importing
+# ``kareus.exec._executor_role`` is not (``kareus.exec.train`` is inside ``kareus.exec``: a
+# package's internals serve its subpackages). The check covers the top-level modules of
+# ``kareus`` (the workflow and the command line) as a package of their own, so they use
+# only what the layers offer in public.
+
+#: Private imports allowed to stay for now, by ``(importing file, private module)``, with
+#: the reason. Each is the change of a file another change is moving; remove an entry when
+#: its import goes (the test fails on a stale entry).
+PENDING_PRIVATE_IMPORTS: dict[tuple[str, str], str] = {
+    ("kareus/cli.py", "kareus.exec._graphs"): (
+        "the command asks for workspace-free GEMMs at process start, before its Ctrl-C "
+        "handling is in place: importing kareus.exec there would load every exec module "
+        "first; the leaf module alone is cheap"),
+}
+
+
+def _private_owner(module: str) -> str | None:
+    """The package a private module belongs to (the part before its first underscore
+    name), or ``None`` when ``module`` is public."""
+    parts = module.split(".")
+    for i, part in enumerate(parts):
+        if part.startswith("_") and not part.startswith("__"):
+            return ".".join(parts[:i])
+    return None
 
 
 def _private_imports(package: Path | None = None) -> list[str]:
+    """``file:line imports module`` for every import of another package's private module
+    (functions and ``if TYPE_CHECKING:`` blocks included; relative imports resolved)."""
     package = PACKAGE if package is None else package
+    modules = {_module_name(p, package) for p in package.rglob("*.py")}
     bad = []
     for path in sorted(package.rglob("*.py")):
-        parts = path.relative_to(package).parts
-        if len(parts) < 2:  # the top-level modules (kareus/cli.py, ...) are not a subpackage
-            continue
-        for line, module in _imports(path):
-            names = module.split(".")
-            if (names[0] == package.name and len(names) > 2 and names[1] != parts[0]
-                    and any(n.startswith("_") and not n.startswith("__") for n in names[2:])):
-                bad.append(f"{path.relative_to(package.parent)}:{line} imports {module}")
+        name = _module_name(path, package)
+        home = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        rel = path.relative_to(package.parent).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                base = node.module
+                if node.level:
+                    anchor = home.split(".")
+                    base = ".".join([*anchor[:len(anchor) - node.level + 1], node.module])
+                # ``from kareus.exec import _graphs`` imports a module too (a private name
+                # of a public module, ``from m import _helper``, is not a module)
+                targets = [base, *(f"{base}.{a.name}" for a in node.names
+                                   if f"{base}.{a.name}" in modules)]
+            for target in targets:
+                owner = _private_owner(target)
+                if owner is None or not owner.startswith(package.name):
+                    continue  # public, or another project's (torch's private modules)
+                if home == owner or home.startswith(owner + "."):
+                    continue  # inside the package that owns it
+                if (rel, target) in PENDING_PRIVATE_IMPORTS:
+                    continue
+                bad.append(f"{rel}:{node.lineno} imports {target} (private to {owner})")
     return bad
 
 
 def test_no_package_imports_another_packages_private_module() -> None:
     bad = _private_imports()
-    assert not bad, "\n".join(bad)
+    assert not bad, ("imports of another package's private module (make what is needed a "
+                     "public name of that package):\n" + "\n".join(bad))
 
 
-def test_private_import_checker_flags_one(tmp_path: Path) -> None:
+def test_pending_private_imports_are_still_there() -> None:
+    found = set()
+    for rel, module in PENDING_PRIVATE_IMPORTS:
+        text = (PACKAGE.parent / rel).read_text(encoding="utf-8")
+        if module in text:
+            found.add((rel, module))
+    stale = sorted(set(PENDING_PRIVATE_IMPORTS) - found)
+    assert not stale, f"pending private imports that are gone (remove them): {stale}"
+
+
+def test_private_import_checker_flags_a_violation(tmp_path: Path) -> None:
     fake = tmp_path / "kareus"
-    (fake / "exec").mkdir(parents=True)
-    (fake / "integrations").mkdir()
-    (fake / "exec" / "_inner.py").write_text("")
-    (fake / "exec" / "own.py").write_text("from kareus.exec._inner import x\n")  # its own
-    (fake / "integrations" / "a.py").write_text("from kareus.exec._inner import x\n")
-    assert _private_imports(fake) == ["kareus/integrations/a.py:1 imports kareus.exec._inner"]
+    for pkg in ("exec", "exec/kernels", "exec/train", "integrations"):
+        (fake / pkg).mkdir(parents=True, exist_ok=True)
+        (fake / pkg / "__init__.py").write_text("")
+    (fake / "__init__.py").write_text("")
+    (fake / "exec" / "_role.py").write_text("")
+    (fake / "exec" / "kernels" / "_attention.py").write_text("")
+    # inside the owning package (a subpackage using its parent's internals): allowed
+    (fake / "exec" / "train" / "loop.py").write_text(
+        "from kareus.exec._role import Executor\nfrom .. import _role\n")
+    (fake / "exec" / "kernels" / "base.py").write_text("from ._attention import f\n")
+    # a sibling subpackage's private module, in a function: flagged
+    (fake / "exec" / "train" / "model.py").write_text(
+        "def f():\n    from kareus.exec.kernels._attention import attention_forward\n")
+    # another package's private module, three spellings: flagged
+    (fake / "integrations" / "layer.py").write_text(
+        "import kareus.exec._role\nfrom kareus.exec import _role\n"
+        "from ..exec._role import Executor\nimport torch._C\n")
+    bad = _private_imports(fake)
+    assert bad == [
+        "kareus/exec/train/model.py:2 imports kareus.exec.kernels._attention "
+        "(private to kareus.exec.kernels)",
+        "kareus/integrations/layer.py:1 imports kareus.exec._role (private to kareus.exec)",
+        "kareus/integrations/layer.py:2 imports kareus.exec._role (private to kareus.exec)",
+        "kareus/integrations/layer.py:3 imports kareus.exec._role (private to kareus.exec)",
+    ]

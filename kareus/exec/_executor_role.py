@@ -74,7 +74,7 @@ class LaunchConfig(Protocol):
     A [`ScheduleConfig`][kareus.model.ScheduleConfig] is one (its clock is applied per
     microbatch, not here); so is a baseline's configuration whose ``comm_sms`` is ``None``
     (the collective with its own CTA count, on the executor's ``default_collective``), as
-    [`kareus.exec.train.DefaultConfig`][kareus.exec.train.DefaultConfig] is.
+    [`kareus.exec.schedule.DefaultConfig`][kareus.exec.schedule.DefaultConfig] is.
     """
 
     @property

@@ -19,12 +19,14 @@ from typing import Any
 
 import attrs
 
+from kareus.model.decoder import layer_collectives
 from kareus.model.workload import Workload
 
 __all__: list[str] = []
 
 # Ops whose result is the tensor the partition's all-reduce sums (the layer segment's
-# output, or its input gradient in the backward pass).
+# output, or its input gradient in the backward pass): the producers of the decoder layer's
+# all-reduces (kareus.model.decoder): out_proj, down, up_dgrad, qkv_dgrad.
 #
 # A partition type pairs a segment's computation with either the segment's own
 # collective (of the previous nanobatch), whose input one of these ops produces, or, for
@@ -39,7 +41,7 @@ __all__: list[str] = []
 # collective is handed the previous program's output; alone (profiling) the buffer
 # stays zero, a fixed point of the in-place sum (seeded data, with nothing rewriting
 # it, would grow by the group size every other step until it overflows).
-_OUTPUT_OPS = frozenset({"out_proj", "down", "up_dgrad", "qkv_dgrad"})
+_OUTPUT_OPS = frozenset(c.producer for c in layer_collectives() if c.kind == "all_reduce")
 
 # Ops whose result the next op accumulates into in place: gate_dgrad writes dX, then
 # up_dgrad adds its product to it (one GEMM with beta=1, as Megatron-LM's fused gate/up

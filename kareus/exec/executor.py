@@ -46,7 +46,8 @@ the frequency reaches the GPU through a
 Modules: the role ([`Executor`][kareus.exec.Executor], [`PartitionHook`][kareus.exec.PartitionHook],
 [`PartitionScope`][kareus.exec.PartitionScope], [`CollectiveLaunch`][kareus.exec.CollectiveLaunch],
 ``LaunchConfig``) is in ``_executor_role``, the plan lookups (``computation_key``,
-``plan_config``, ``plan_frequency``) in ``plan_lookup`` and the stream backends in ``_streams``;
+``plan_config``, ``plan_frequency``, ``plan_nanobatches``) in the public
+[`kareus.exec.plan_lookup`][kareus.exec.plan_lookup] and the stream backends in ``_streams``;
 this module holds the implementation on CUDA streams
 ([`TorchExecutor`][kareus.exec.TorchExecutor]) and re-exports the rest (import the names from here
 or from [`kareus.exec`][kareus.exec]).

@@ -23,7 +23,7 @@ microbatch computation. This module lends that schedule to someone else's layer:
   ``kareus.integrations``) and returns the layer's output, differentiable in both: the weight
   gradients flow back into the framework's parameters by autograd.
 
-The forward runs the layer's forward stream ([`stack_stream`][kareus.exec.train.stack_stream]
+The forward runs the layer's forward stream ([`stack_stream`][kareus.exec.schedule.stack_stream]
 of one layer) through the executor; it keeps only the input (full recomputation, as the
 partition model assumes: ``Workload.recompute``); the backward re-runs the forward, its
 collectives included, then the backward ops, each in the partition the plan schedules.
@@ -60,10 +60,8 @@ from kareus.compose.plan import Plan
 from kareus.errors import ArgumentError, ArgumentTypeError, PlanError, WorkloadError
 from kareus.exec import Executor
 from kareus.exec.plan_lookup import plan_config, plan_nanobatches
-from kareus.exec.train import (
+from kareus.exec.schedule import (
     SCHEDULES,
-    DecoderShard,
-    ParallelGroups,
     Piece,
     TypeShape,
     pieces,
@@ -71,6 +69,7 @@ from kareus.exec.train import (
     stack_stream,
     type_shapes,
 )
+from kareus.exec.train import DecoderShard, ParallelGroups
 from kareus.integrations._weights import LAYER_WEIGHTS
 from kareus.model.workload import Workload
 
@@ -137,7 +136,7 @@ class PlanApplier:
         plan: The plan to apply (``kareus optimize``'s ``plan.json``:
             ``kareus.compose.Plan.load``); ``None`` runs a baseline.
         schedule: ``"kareus"`` (the default with a plan), ``"nanobatching"`` or
-            ``"sequential"`` (the default without one): see ``kareus.exec.train.SCHEDULES``.
+            ``"sequential"`` (the default without one): see ``kareus.exec.schedule.SCHEDULES``.
         executor: The executor applying the plan; default: a
             [`TorchExecutor`][kareus.exec.TorchExecutor] with ``collective``, eager.
         baseline: The executor of the baselines; default: a ``TorchExecutor`` with
@@ -278,10 +277,10 @@ class PlanApplier:
             default, capped = self._default_collectives(plan)
             default_collective = default_collective or default
             collective = collective or capped
-        if not self.has_comm:
-            from kareus.exec.train import no_collective_backend
+        if not self.has_comm:  # no collective runs: a stand-in the executors never call
+            from kareus.exec.train import LoopbackGroupCollective
 
-            default_collective = collective = no_collective_backend()
+            default_collective = collective = LoopbackGroupCollective(group_size=1)
         # Graphs on a CUDA device only (a fake stream backend's "graphs" replay nothing)
         capture = (self.graphs and torch.cuda.is_available()
                    and (streams is None or bool(streams.supports_graphs)))

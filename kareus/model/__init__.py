@@ -1,6 +1,8 @@
 """Value objects of kareus: GPUs, ops, workloads, partitions, configurations, schedules.
 
-Also the role contracts the policy layers need ([`Partition`][kareus.model.Partition],
+The decoder layer's op order (which ops run in which segment, where the collectives sit:
+[`DECODER_LAYER`][kareus.model.DECODER_LAYER]) is written once, here, for the partition model
+and the runtime schedule alike. Also the role contracts the policy layers need ([`Partition`][kareus.model.Partition],
 [`Profiler`][kareus.model.Profiler]) and [`Dag`][kareus.model.Dag], the one DAG (topological order,
 longest paths) that the pipeline schedules and the iteration composer share. Nothing here touches
 hardware; everything runs on any CPU.
@@ -10,6 +12,15 @@ from __future__ import annotations
 
 from kareus.model.config import FEATURE_NAMES, ConfigSpace, ScheduleConfig
 from kareus.model.dag import Dag
+from kareus.model.decoder import (
+    ATTENTION_SEGMENT,
+    DECODER_LAYER,
+    LayerCollective,
+    LayerPhase,
+    LayerSegment,
+    decoder_layer,
+    layer_collectives,
+)
 from kareus.model.gpu import GPU_PRESETS, GPUSpec, get_gpu, gpu_names
 from kareus.model.measurement import Measurement
 from kareus.model.ops import CommKind, CommOp, ComputeOp, OpKind
@@ -41,6 +52,8 @@ from kareus.model.workload import (
 )
 
 __all__ = [
+    "ATTENTION_SEGMENT",
+    "DECODER_LAYER",
     "FEATURE_NAMES",
     "GPU_PRESETS",
     "MODEL_PRESETS",
@@ -52,6 +65,9 @@ __all__ = [
     "Dag",
     "GPUSpec",
     "LaunchSlot",
+    "LayerCollective",
+    "LayerPhase",
+    "LayerSegment",
     "Measurement",
     "ModelArch",
     "OpKind",
@@ -67,12 +83,14 @@ __all__ = [
     "TransformerPartition",
     "Workload",
     "build_partitions",
+    "decoder_layer",
     "get_gpu",
     "get_model",
     "get_schedule",
     "gpipe",
     "gpu_names",
     "launch_slots",
+    "layer_collectives",
     "model_names",
     "one_f_one_b",
 ]

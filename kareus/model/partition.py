@@ -34,6 +34,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import attrs
 
 from kareus.errors import ArgumentError, WorkloadError
+from kareus.model.decoder import ATTENTION_SEGMENT, decoder_layer
 from kareus.model.ops import CommKind, CommOp, ComputeOp, OpKind
 from kareus.model.workload import Workload
 
@@ -359,52 +360,68 @@ class _Shapes:
                          bytes_moved=(2 * self.t * self.q + kv_elems) * self.d)
 
 
-def _layer_segments(wl: Workload, phase: str, s: _Shapes) -> list[_Segment]:
-    p = wl.parallelism
+def _layer_ops(phase: str, s: _Shapes) -> dict[str, ComputeOp]:
+    """Every op of a decoder layer's ``phase``, costed at the shapes ``s``, by name."""
     t, h, q, kv, f = s.t, s.h, s.q, s.kv, s.f
-    ar = (CommOp(name="tp_all_reduce", kind=CommKind.ALL_REDUCE, bytes=t * h * s.d,
-                 group_size=p.tp) if p.tp > 1 else None)
-    kv_bytes = 2 * s.b * s.sk * kv * s.d
-    attn_in: tuple[ComputeOp, ...]
-    attn_out: tuple[ComputeOp, ...]
-    mlp: tuple[ComputeOp, ...]
+    ops: tuple[ComputeOp, ...]
     if phase == "fwd":
-        attn_in = (s.mem("attn_norm", OpKind.NORM, 2 * t * h, 2.0),
-                   s.gemm("qkv", t, h, q + 2 * kv),
-                   s.mem("rope", OpKind.ROPE, 2 * t * (q + kv), 1.5))
-        attn_out = (s.attention("attn_core", backward=False), s.gemm("out_proj", t, q, h))
-        mlp = (s.mem("mlp_norm", OpKind.NORM, 2 * t * h, 2.0), s.gemm("gate", t, h, f),
+        ops = (s.mem("attn_norm", OpKind.NORM, 2 * t * h, 2.0),
+               s.gemm("qkv", t, h, q + 2 * kv),
+               s.mem("rope", OpKind.ROPE, 2 * t * (q + kv), 1.5),
+               s.attention("attn_core", backward=False), s.gemm("out_proj", t, q, h),
+               s.mem("mlp_norm", OpKind.NORM, 2 * t * h, 2.0), s.gemm("gate", t, h, f),
                s.gemm("up", t, h, f), s.mem("swiglu", OpKind.ACTIVATION, 3 * t * f, 2.0),
                s.gemm("down", t, f, h))
-        if p.cp > 1:
-            ag = CommOp(name="cp_all_gather_kv", kind=CommKind.ALL_GATHER, bytes=kv_bytes,
-                        group_size=p.cp)
-            return [_Segment("attn_in", attn_in, ag), _Segment("attn_out", attn_out, ar),
-                    _Segment("mlp", mlp, ar)]
-        return [_Segment("attn", attn_in + attn_out, ar), _Segment("mlp", mlp, ar)]
-    # Backward, from the top of a layer down. The norm backward of a block needs the
-    # all-reduced input gradient, so it opens the next segment in stream order.
-    mlp = (s.mem("attn_norm_bwd", OpKind.NORM, 3 * t * h, 3.0),
-           s.gemm("down_dgrad", t, h, f), s.gemm("down_wgrad", f, t, h),
-           s.mem("swiglu_bwd", OpKind.ACTIVATION, 5 * t * f, 3.0),
-           s.gemm("gate_dgrad", t, f, h), s.gemm("up_dgrad", t, f, h),
-           s.gemm("gate_wgrad", h, t, f), s.gemm("up_wgrad", h, t, f))
-    attn_out = (s.mem("mlp_norm_bwd", OpKind.NORM, 3 * t * h, 3.0),
-                s.gemm("out_dgrad", t, h, q), s.gemm("out_wgrad", q, t, h),
-                s.attention("attn_core_bwd", backward=True))
+        return {op.name: op for op in ops}
     # RoPE's backward rotates dQ and dK back and also carries dV into the packed dQKV the
     # QKV GEMM's backward reads (autograd's concatenation of the three, fused into the
     # one kernel): its bytes count dV's read and write; its FLOPs are the rotation's.
     rope_bwd = ComputeOp(name="rope_bwd", kind=OpKind.ROPE, flops=1.5 * 2 * t * (q + kv),
                          bytes_moved=2 * t * (q + 2 * kv) * s.d)
-    attn_in = (rope_bwd,
-               s.gemm("qkv_dgrad", t, q + 2 * kv, h), s.gemm("qkv_wgrad", h, t, q + 2 * kv))
-    if p.cp > 1:
-        rs = CommOp(name="cp_reduce_scatter_dkv", kind=CommKind.REDUCE_SCATTER, bytes=kv_bytes,
-                    group_size=p.cp)
-        return [_Segment("mlp", mlp, ar), _Segment("attn_out", attn_out, rs),
-                _Segment("attn_in", attn_in, ar)]
-    return [_Segment("mlp", mlp, ar), _Segment("attn", attn_out + attn_in, ar)]
+    ops = (s.mem("attn_norm_bwd", OpKind.NORM, 3 * t * h, 3.0),
+           s.gemm("down_dgrad", t, h, f), s.gemm("down_wgrad", f, t, h),
+           s.mem("swiglu_bwd", OpKind.ACTIVATION, 5 * t * f, 3.0),
+           s.gemm("gate_dgrad", t, f, h), s.gemm("up_dgrad", t, f, h),
+           s.gemm("gate_wgrad", h, t, f), s.gemm("up_wgrad", h, t, f),
+           s.mem("mlp_norm_bwd", OpKind.NORM, 3 * t * h, 3.0),
+           s.gemm("out_dgrad", t, h, q), s.gemm("out_wgrad", q, t, h),
+           s.attention("attn_core_bwd", backward=True),
+           rope_bwd,
+           s.gemm("qkv_dgrad", t, q + 2 * kv, h), s.gemm("qkv_wgrad", h, t, q + 2 * kv))
+    return {op.name: op for op in ops}
+
+
+def _layer_segments(wl: Workload, phase: str, s: _Shapes) -> list[_Segment]:
+    """A layer's segments in the op order of ``kareus.model.decoder`` (seen as a cycle: the
+    backward's input-norm backward opens its MLP segment), each op costed here. Without a
+    CP collective the two attention segments are one (``ATTENTION_SEGMENT``); a segment
+    whose collective does not run (TP = 1) keeps ``comm=None`` for ``_normalise``."""
+    p = wl.parallelism
+    kv_bytes = 2 * s.b * s.sk * s.kv * s.d
+    comms = {
+        "all_reduce": (CommOp(name="tp_all_reduce", kind=CommKind.ALL_REDUCE,
+                              bytes=s.t * s.h * s.d, group_size=p.tp) if p.tp > 1 else None),
+        "all_gather": (CommOp(name="cp_all_gather_kv", kind=CommKind.ALL_GATHER,
+                              bytes=kv_bytes, group_size=p.cp) if p.cp > 1 else None),
+        "reduce_scatter": (CommOp(name="cp_reduce_scatter_dkv", kind=CommKind.REDUCE_SCATTER,
+                                  bytes=kv_bytes, group_size=p.cp) if p.cp > 1 else None),
+    }
+    ops = _layer_ops(phase, s)
+    layer = decoder_layer(phase)
+    unknown = sorted(set(layer.op_names) ^ set(ops))
+    if unknown:  # the op order and the costs name the same ops
+        raise AssertionError(f"decoder ops without a cost or not in the op order: {unknown}")
+    out: list[_Segment] = []
+    merge: tuple[ComputeOp, ...] = ()
+    for seg in layer.cyclic_segments():
+        seg_ops = merge + tuple(ops[n] for n in seg.op_names)
+        if seg.collective.group == "cp" and p.cp == 1:
+            merge = seg_ops  # no CP collective: one attention segment with the next
+            continue
+        name = ATTENTION_SEGMENT if merge else seg.name
+        out.append(_Segment(name, seg_ops, comms[seg.collective.kind]))
+        merge = ()
+    return out
 
 
 def _normalise(segments: list[_Segment]) -> list[_Segment]:

@@ -1,4 +1,5 @@
-"""The training loop's schedule logic (kareus.exec.train._chain) on fakes, no torch.
+"""The decoder schedule (kareus.exec.schedule), which the training loop and the framework
+adapters run, on fakes, no torch; its op order against the partition model's.
 
 A RecordingExecutor records where each collective launches, with which SM count and
 under which partition type; the ops are recorded by a fake model.
@@ -12,7 +13,7 @@ import pytest
 
 from kareus.compose import MicrobatchChoice, Plan
 from kareus.exec.executor import plan_config
-from kareus.exec.train import (
+from kareus.exec.schedule import (
     SCHEDULES,
     Comm,
     DefaultConfig,
@@ -21,10 +22,10 @@ from kareus.exec.train import (
     match_type,
     pieces,
     run_computation,
-    shuffled_order,
     stack_stream,
     type_shapes,
 )
+from kareus.exec.train import shuffled_order
 from kareus.model.config import ScheduleConfig
 from kareus.model.partition import build_partitions
 from kareus.model.pipeline import get_schedule
@@ -101,6 +102,32 @@ def test_forward_stream_of_a_tp_cp_layer():
     assert names == ["attn_norm", "qkv", "rope", "<all_gather:kv>", "attn_core", "out_proj",
                      "<all_reduce:attn_out>", "mlp_norm", "gate", "up", "swiglu", "down",
                      "<all_reduce:mlp_out>"]
+
+
+def test_the_stream_runs_the_decoder_layers_op_order():
+    # One place writes the op order (kareus.model.DECODER_LAYER): the stream of one layer is
+    # its ops and collectives, the partition model cuts the same ops, and both op tables
+    # (the training loop's decoder, the runnable partitions' builders) hold exactly them.
+    from kareus.exec._transformer_ops import _op_builders
+    from kareus.exec.train import DecoderShard
+    from kareus.model import DECODER_LAYER
+
+    fwd, bwd = DECODER_LAYER["fwd"], DECODER_LAYER["bwd"]
+    stream = stack_stream("fwd", 1, tp=2, cp=2, recompute=True)
+    assert tuple(x.name for x in stream if isinstance(x, Op)) == fwd.op_names
+    assert [(x.kind, x.name) for x in stream if isinstance(x, Comm)] == [
+        (c.kind, c.tensor) for c in fwd.collectives]
+    stream = stack_stream("bwd", 1, tp=2, cp=2, recompute=False)
+    assert tuple(x.name for x in stream if isinstance(x, Op)) == bwd.op_names
+    names = set(fwd.op_names) | set(bwd.op_names)
+    assert set(_op_builders()) == names
+    assert {n[len("_op_"):] for n in dir(DecoderShard) if n.startswith("_op_")} == names
+    ps = build_partitions(workload(2, 2))
+    assert {op.name for p in ps for op in p.compute_ops} == names
+    for p in ps:  # every type's ops in the layer's (cyclic) order
+        order = (*bwd.tail, *bwd.op_names) if p.phase == "bwd" else fwd.op_names
+        idx = [order.index(op.name) for op in p.compute_ops]
+        assert idx == sorted(idx), p.name
 
 
 def test_backward_stream_recomputes_each_layer_before_its_backward():

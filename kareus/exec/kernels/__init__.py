@@ -34,7 +34,11 @@ Implementations (``get_kernels`` picks one by name):
   measure what the fused kernels change.
 
 Attention runs on the SDPA backends in ``KernelSet.sdpa_backends`` order (cuDNN,
-then flash, then memory-efficient), GEMMs on cuBLAS, in every implementation.
+then flash, then memory-efficient), GEMMs on cuBLAS, in every implementation. Its forward and
+backward are two explicit ops (``attention_forward`` keeps a ``SavedAttention``,
+``attention_backward`` reads it; no autograd engine between them, so both capture in a CUDA
+graph): every kernel set's ``attention_fwd`` / ``attention_bwd`` run on them, and a caller
+with its own mask (the training loop's context-parallel chunks) calls them directly.
 
 To run your own kernels, subclass ``KernelSet`` (or one of the classes here) and
 pass an instance as ``kernels=`` to
@@ -49,13 +53,17 @@ torch and triton are imported inside the functions that need them.
 
 from __future__ import annotations
 
+from kareus.exec.kernels._attention import SavedAttention, attention_backward, attention_forward
 from kareus.exec.kernels.base import KernelSet, ReferenceKernels, TorchKernels
 from kareus.exec.kernels.registry import available_kernels, get_kernels, register_kernels
 
 __all__ = [
     "KernelSet",
     "ReferenceKernels",
+    "SavedAttention",
     "TorchKernels",
+    "attention_backward",
+    "attention_forward",
     "available_kernels",
     "get_kernels",
     "register_kernels",

@@ -7,7 +7,7 @@ initialisation, fp32 master weights, AdamW, cross-entropy of next-token predicti
 tokens), tensor and context parallel, every op on the production kernels (``kareus.exec.kernels``),
 and runs iterations through an [`Executor`][kareus.exec.Executor] (a
 [`TorchExecutor`][kareus.exec.TorchExecutor] by default, or any executor passed as
-``TrainingLoop(executor=..., baseline=...)``) under one of three schedules (``SCHEDULES``):
+``TrainingLoop(executor=..., baseline=...)``) under one of three schedules ([`SCHEDULES`][kareus.exec.schedule.SCHEDULES]):
 
 * ``"sequential"``: Megatron-LM without overlap (whole microbatches, each collective
   right after the ops that produce its tensor, the collective's own CTA count);
@@ -20,28 +20,17 @@ The three run the same ops on the same data from the same weights, so their loss
 step by step (up to the rounding of different GEMM shapes and of the attention backward's
 accumulation order).
 
-Modules: ``_chain`` (which op runs in which partition: pure Python), ``_model`` (the
-decoder's ops), ``_groups`` (TP and CP groups, and the one-GPU loopback stand-ins),
-``_loop`` (the loop, timing and energy of runs, overlap efficiency). A training script
+Which op runs in which partition is the decoder schedule,
+[`kareus.exec.schedule`][kareus.exec.schedule], which this loop shares with the framework
+adapters ([`kareus.integrations`][kareus.integrations]); its names were re-exported here and
+still import from here for one release, with a ``DeprecationWarning``. Modules: ``_model`` (the
+decoder's ops), ``_groups`` (TP and CP groups, and the one-GPU loopback stand-ins), ``_loop``
+(the loop, timing and energy of runs, overlap efficiency). A training script
 is ``examples/train_torchrun.py``; ``bench/train_e2e.py`` measures the three schedules.
 """
 
 from __future__ import annotations
 
-from kareus.exec.train._chain import (
-    SCHEDULES,
-    Comm,
-    DefaultConfig,
-    Op,
-    Piece,
-    TypeShape,
-    clip_slot,
-    match_type,
-    pieces,
-    run_computation,
-    stack_stream,
-    type_shapes,
-)
 from kareus.exec.train._groups import (
     BACKENDS,
     GroupedCollective,
@@ -67,33 +56,29 @@ from kareus.exec.train._model import DecoderShard
 
 __all__ = [
     "BACKENDS",
-    "SCHEDULES",
-    "Comm",
     "DecoderShard",
-    "DefaultConfig",
     "GroupedCollective",
     "LoopbackGroupCollective",
     "LoopbackGroups",
-    "Op",
     "ParallelGroups",
-    "Piece",
     "RunRecord",
     "TorchParallelGroups",
     "TrainingLoop",
-    "TypeShape",
     "check_plan_types",
     "check_plan_workload",
-    "clip_slot",
     "given_plan",
     "make_collectives",
-    "match_type",
     "measure_runs",
     "named_collectives",
     "no_collective_backend",
     "overlap_efficiency",
-    "pieces",
-    "run_computation",
     "shuffled_order",
-    "stack_stream",
-    "type_shapes",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """The decoder schedule's names this package re-exported before they moved to
+    ``kareus.exec.schedule``: returned from there with a ``DeprecationWarning`` (one release)."""
+    from kareus._compat import moved_attribute
+
+    return moved_attribute(__name__, name)

@@ -8,7 +8,7 @@ same on every rank and in every run, so that every schedule sees the same data a
 compared step by step). [`TrainingLoop.step`][kareus.exec.train.TrainingLoop.step] enqueues one
 iteration: every microbatch computation of the pipeline schedule (1F1B with one stage: forward and
 backward of each microbatch in turn) under ``"sequential"``, ``"nanobatching"`` or ``"kareus"``
-(``kareus.exec.train._chain``), the gradient sum over CP ranks and the AdamW step.
+([`kareus.exec.schedule`][kareus.exec.schedule]), the gradient sum over CP ranks and the AdamW step.
 
 [`measure_runs`][kareus.exec.train.measure_runs] times runs of several steps back to back with
 device events, the energy of each run from an [`EnergyMeter`][kareus.profilers.EnergyMeter] (step-edge
@@ -36,7 +36,7 @@ from kareus.compose import Plan
 from kareus.errors import ArgumentError, ArgumentTypeError, PlanError, WorkloadError
 from kareus.exec._graphs import prefer_workspace_free_gemms
 from kareus.exec.executor import Executor, TorchExecutor, plan_config, plan_nanobatches
-from kareus.exec.train._chain import (
+from kareus.exec.schedule import (
     SCHEDULES,
     DefaultConfig,
     Piece,
@@ -592,7 +592,7 @@ def overlap_efficiency(workload: Workload, *, executor: Executor,
             [`TorchExecutor`][kareus.exec.TorchExecutor] runs them on its backend, with SM caps
             or the default).
         configs: Partition type -> configuration (a plan's, or
-            [`DefaultConfig`][kareus.exec.train.DefaultConfig]).
+            [`DefaultConfig`][kareus.exec.schedule.DefaultConfig]).
         kernels: The ops' kernel set.
         reps: Timed runs of each.
         warmup: Untimed runs first.

@@ -18,7 +18,7 @@ The forward and backward are written op by op, in the names of the partition mod
 (``attn_norm``, ``qkv``, ..., ``qkv_wgrad``; ``kareus.model.partition``), each op on
 the kernels of a ``KernelSet`` (fused Triton kernels on a GPU
 by default, cuBLAS GEMMs with weight gradients accumulated in place, SDPA attention), so
-that a schedule (``kareus.exec.train._chain``) can put every collective where a
+that the decoder schedule ([`kareus.exec.schedule`][kareus.exec.schedule]) can put every collective where a
 plan says. [`DecoderShard.run_op`][kareus.exec.train.DecoderShard.run_op] runs one op of one
 nanobatch; the residual additions run inside the norm ops that consume the all-reduced tensors. The
 collectives' tensors come from a fixed pool allocated up front through the backend's
@@ -39,7 +39,8 @@ from typing import Any
 
 from kareus.errors import ArgumentError, WorkloadError
 from kareus.exec._executor_role import Executor
-from kareus.exec.train._chain import Comm, Op
+from kareus.exec.schedule import Comm, Op
+from kareus.model.decoder import layer_collectives
 from kareus.model.workload import ModelArch
 
 __all__ = ["DecoderShard"]
@@ -238,13 +239,8 @@ class DecoderShard:
 
     def comms(self) -> list[tuple[str, str]]:
         """``(name, kind)`` of the collectives of one layer."""
-        out = []
-        if self.tp > 1:
-            out += [("attn_out", "all_reduce"), ("mlp_out", "all_reduce"),
-                    ("mlp_in_grad", "all_reduce"), ("attn_in_grad", "all_reduce")]
-        if self.cp > 1:
-            out += [("kv", "all_gather"), ("kv_grad", "reduce_scatter")]
-        return out
+        ours = layer_collectives(tp=self.tp, cp=self.cp)  # the decoder layer's, in order
+        return [(c.tensor, c.kind) for group in ("tp", "cp") for c in ours if c.group == group]
 
     def _alloc_pool(self, torch: Any, n: int) -> None:
         b = self.mbs // n
@@ -493,7 +489,7 @@ class DecoderShard:
             if self.cp == 1 or self.r == 0:
                 saved = self.ks.attention_fwd(q, k, v)
             else:  # a lower-right causal mask: SDPA under autograd
-                from kareus.exec.kernels._attention import attention_forward
+                from kareus.exec.kernels import attention_forward
 
                 saved = attention_forward(q, k, v, backend="masked", fallback=self._attend)
             a["graph"] = saved

@@ -1,19 +1,22 @@
-"""The schedule logic of the training loop: which ops run in which partition, how configured.
+"""The decoder schedule: which op runs in which partition, and how each is configured.
+
+The one schedule of a decoder stack that kareus runs, in its own training loop
+([`TrainingLoop`][kareus.exec.train.TrainingLoop]) and inside a framework's model
+([`PlanApplier`][kareus.integrations.PlanApplier]).
 
 A microbatch computation of a decoder stack is one stream of ops with collectives between
-them ([`stack_stream`][kareus.exec.train.stack_stream]): per layer, forward ``attn_norm qkv rope
-[CP all-gather of K/V] attn_core out_proj [TP all-reduce] mlp_norm gate up swiglu down
-[TP all-reduce]``; backward, from the top layer down, ``down_dgrad ... up_wgrad [TP all-reduce]
-mlp_norm_bwd out_dgrad out_wgrad attn_core_bwd [CP reduce-scatter of dK/dV] rope_bwd qkv_dgrad
-qkv_wgrad [TP all-reduce]``, each layer's ``attn_norm_bwd`` opening the next layer's backward (it
-needs the all-reduced gradient), as in
-[`kareus.model.partition.build_partitions`][kareus.model.build_partitions]. With full recomputation
-the backward of each layer first re-runs its forward, collectives included.
+them ([`stack_stream`][kareus.exec.schedule.stack_stream]): each layer's ops and collectives in
+the order of [`kareus.model.DECODER_LAYER`][kareus.model.DECODER_LAYER] (the one place that
+writes it, which the partition model costs too), the forward from the bottom layer up, the
+backward from the top layer down, each layer's ``attn_norm_bwd`` (the layer's tail: it needs
+the all-reduced input gradient) opening the next layer's backward, as in
+[`build_partitions`][kareus.model.build_partitions]. With full recomputation the backward of
+each layer first re-runs its forward, collectives included.
 
-[`pieces`][kareus.exec.train.pieces] cuts that stream at its collectives: a
-[`Piece`][kareus.exec.train.Piece] is a run of ops and the collective after them. The three
-schedules run the pieces of one computation through an [`Executor`][kareus.exec.Executor]
-([`run_computation`][kareus.exec.train.run_computation]):
+[`pieces`][kareus.exec.schedule.pieces] cuts that stream at its collectives: a
+[`Piece`][kareus.exec.schedule.Piece] is a run of ops and the collective after them. The three
+schedules (``SCHEDULES``) run the pieces of one computation through an
+[`Executor`][kareus.exec.Executor] ([`run_computation`][kareus.exec.schedule.run_computation]):
 
 * ``"sequential"`` (Megatron-LM without overlap): the whole microbatch; each piece's
   collective right after its ops, exposed, with the collective's own CTA count;
@@ -26,12 +29,12 @@ schedules run the pieces of one computation through an [`Executor`][kareus.exec.
 
 The partition type of a unit is the type whose ops hold the unit's ops (equal, or a prefix
 or suffix at the ends of the stack) and whose collective is the one the unit overlaps
-([`match_type`][kareus.exec.train.match_type]); the first piece of the stack is a suffix of its type
-(the layer below it starts the chain) and the last a prefix. A slot that falls before the unit's
-first op launches with that op; one after its last op runs sequentially
-([`clip_slot`][kareus.exec.train.clip_slot]). The last collective of a computation overlaps nothing:
-it runs exposed with the SM count of its cyclic partner type (the first piece's type with that
-collective), as the partition model pairs it.
+([`match_type`][kareus.exec.schedule.match_type]); the first piece of the stack is a suffix of
+its type (the layer below it starts the chain) and the last a prefix. A slot that falls before
+the unit's first op launches with that op; one after its last op runs sequentially
+([`clip_slot`][kareus.exec.schedule.clip_slot]). The last collective of a computation overlaps
+nothing: it runs exposed with the SM count of its cyclic partner type (the first piece's type
+with that collective), as the partition model pairs it.
 
 Every rank runs the same pieces in the same order, so every rank issues the same
 collectives in the same order; nothing here depends on timing. Pure Python (no torch).
@@ -46,6 +49,7 @@ import attrs
 
 from kareus.errors import ArgumentError, UnknownSlotError
 from kareus.exec._executor_role import Executor
+from kareus.model.decoder import LayerPhase, decoder_layer
 
 __all__ = [
     "SCHEDULES",
@@ -62,21 +66,14 @@ __all__ = [
     "type_shapes",
 ]
 
-#: The schedules a training loop runs, in report order.
 SCHEDULES = ("sequential", "nanobatching", "kareus")
-
-_FWD_ATTN_IN = ("attn_norm", "qkv", "rope")
-_FWD_ATTN_OUT = ("attn_core", "out_proj")
-_FWD_MLP = ("mlp_norm", "gate", "up", "swiglu", "down")
-_BWD_MLP = ("down_dgrad", "down_wgrad", "swiglu_bwd", "gate_dgrad", "up_dgrad", "gate_wgrad",
-            "up_wgrad")
-_BWD_ATTN_OUT = ("mlp_norm_bwd", "out_dgrad", "out_wgrad", "attn_core_bwd")
-_BWD_ATTN_IN = ("rope_bwd", "qkv_dgrad", "qkv_wgrad")
+"""The schedules a decoder stack runs under, in report order: the two baselines, then kareus."""
 
 
 @attrs.frozen
 class Op:
-    """One computation op of the stack: its name (a partition op name) and its layer."""
+    """One computation op of the stack: its name (an op of
+    [`DECODER_LAYER`][kareus.model.DECODER_LAYER], as the partitions name it) and its layer."""
 
     name: str
     layer: int
@@ -88,9 +85,9 @@ class Comm:
 
     Attributes:
         kind: ``"all_reduce"``, ``"all_gather"`` or ``"reduce_scatter"``.
-        name: The tensor it acts on: ``"attn_out"``, ``"mlp_out"`` (forward all-reduces),
-            ``"kv"`` (K/V all-gather), ``"mlp_in_grad"``, ``"attn_in_grad"`` (backward
-            all-reduces), ``"kv_grad"`` (dK/dV reduce-scatter).
+        name: The tensor it acts on (a
+            [`LayerCollective.tensor`][kareus.model.LayerCollective]: ``"attn_out"``,
+            ``"kv"``, ...).
         layer: Its layer.
     """
 
@@ -114,7 +111,7 @@ class Piece:
 
 @attrs.frozen
 class TypeShape:
-    """What [`match_type`][kareus.exec.train.match_type] needs of a partition type: its ops' names and collective kind."""
+    """What [`match_type`][kareus.exec.schedule.match_type] needs of a partition type: its ops' names and collective kind."""
 
     op_names: tuple[str, ...]
     comm_kind: str
@@ -139,29 +136,16 @@ class DefaultConfig:
         return self.launch_slot is None
 
 
-def _layer_fwd(layer: int, tp: int, cp: int) -> list[Op | Comm]:
-    out: list[Op | Comm] = [Op(n, layer) for n in _FWD_ATTN_IN]
-    if cp > 1:
-        out.append(Comm("all_gather", "kv", layer))
-    out += [Op(n, layer) for n in _FWD_ATTN_OUT]
-    if tp > 1:
-        out.append(Comm("all_reduce", "attn_out", layer))
-    out += [Op(n, layer) for n in _FWD_MLP]
-    if tp > 1:
-        out.append(Comm("all_reduce", "mlp_out", layer))
-    return out
-
-
-def _layer_bwd(layer: int, tp: int, cp: int) -> list[Op | Comm]:
-    out: list[Op | Comm] = [Op(n, layer) for n in _BWD_MLP]
-    if tp > 1:
-        out.append(Comm("all_reduce", "mlp_in_grad", layer))
-    out += [Op(n, layer) for n in _BWD_ATTN_OUT]
-    if cp > 1:
-        out.append(Comm("reduce_scatter", "kv_grad", layer))
-    out += [Op(n, layer) for n in _BWD_ATTN_IN]
-    if tp > 1:
-        out.append(Comm("all_reduce", "attn_in_grad", layer))
+def _layer(phase: LayerPhase, layer: int, tp: int, cp: int) -> list[Op | Comm]:
+    """One layer's segments of ``phase`` (not its tail): ops, then the collective, when its
+    group has more than one GPU."""
+    sizes = {"tp": tp, "cp": cp}
+    out: list[Op | Comm] = []
+    for seg in phase.segments:
+        out += [Op(n, layer) for n in seg.op_names]
+        c = seg.collective
+        if sizes[c.group] > 1:
+            out.append(Comm(c.kind, c.tensor, layer))
     return out
 
 
@@ -177,7 +161,7 @@ def stack_stream(phase: str, layers: int, *, tp: int, cp: int,
         recompute: Whether the backward re-runs each layer's forward first.
 
     Returns:
-        [`Op`][kareus.exec.train.Op] and [`Comm`][kareus.exec.train.Comm] items. Backward: layer
+        [`Op`][kareus.exec.schedule.Op] and [`Comm`][kareus.exec.schedule.Comm] items. Backward: layer
         ``l``'s ``attn_norm_bwd`` comes right before layer ``l-1``'s ``down_dgrad`` (after ``l-1``'s
         recomputed forward); layer 0's is last. The embedding, final norm, LM head and loss are
         outside the stack.
@@ -186,23 +170,24 @@ def stack_stream(phase: str, layers: int, *, tp: int, cp: int,
         raise ArgumentError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
     if layers < 1 or tp < 1 or cp < 1:
         raise ArgumentError(f"layers, tp and cp must be >= 1, got {layers}, {tp}, {cp}")
+    fwd, bwd = decoder_layer("fwd"), decoder_layer("bwd")
     out: list[Op | Comm] = []
     if phase == "fwd":
         for layer in range(layers):
-            out += _layer_fwd(layer, tp, cp)
+            out += _layer(fwd, layer, tp, cp)
         return out
     for layer in reversed(range(layers)):
         if recompute:
-            out += _layer_fwd(layer, tp, cp)
+            out += _layer(fwd, layer, tp, cp)
         if layer < layers - 1:
-            out.append(Op("attn_norm_bwd", layer + 1))
-        out += _layer_bwd(layer, tp, cp)
-    out.append(Op("attn_norm_bwd", 0))
+            out += [Op(n, layer + 1) for n in bwd.tail]
+        out += _layer(bwd, layer, tp, cp)
+    out += [Op(n, 0) for n in bwd.tail]
     return out
 
 
 def pieces(stream: Sequence[Op | Comm]) -> list[Piece]:
-    """Cut a stream at its collectives: each [`Piece`][kareus.exec.train.Piece] ends with one (the last may not)."""
+    """Cut a stream at its collectives: each [`Piece`][kareus.exec.schedule.Piece] ends with one (the last may not)."""
     out: list[Piece] = []
     ops: list[Op] = []
     for item in stream:
@@ -217,7 +202,7 @@ def pieces(stream: Sequence[Op | Comm]) -> list[Piece]:
 
 
 def type_shapes(partition_set: Any) -> dict[str, TypeShape]:
-    """[`TypeShape`][kareus.exec.train.TypeShape] of every type of a [`PartitionSet`][kareus.model.PartitionSet]."""
+    """[`TypeShape`][kareus.exec.schedule.TypeShape] of every type of a [`PartitionSet`][kareus.model.PartitionSet]."""
     return {name: TypeShape(tuple(op.name for op in p.compute_ops), p.comm_op.kind.value)
             for name, p in partition_set.types.items()}
 
@@ -299,14 +284,14 @@ def run_computation(executor: Executor, stack: Sequence[Piece], *, schedule: str
     Args:
         executor: An [`Executor`][kareus.exec.Executor]; under ``"kareus"``, call this
             inside its ``microbatch(...)`` scope.
-        stack: The computation's pieces ([`pieces`][kareus.exec.train.pieces] of
-            [`stack_stream`][kareus.exec.train.stack_stream]).
+        stack: The computation's pieces ([`pieces`][kareus.exec.schedule.pieces] of
+            [`stack_stream`][kareus.exec.schedule.stack_stream]).
         schedule: One of ``SCHEDULES``.
         nanobatches: Parts the microbatch is cut into (1 for ``"sequential"``).
         run_op: ``(op, nanobatch) -> None``: enqueue one op of one nanobatch.
         comm_args: ``(comm, nanobatch) -> (tensor, output)``: the collective's tensor (and
             output tensor for all-gather / reduce-scatter, else ``None``).
-        types: Partition types by name ([`type_shapes`][kareus.exec.train.type_shapes]); needed by
+        types: Partition types by name ([`type_shapes`][kareus.exec.schedule.type_shapes]); needed by
             ``"kareus"`` and used to name the partitions of the baselines.
         plan_config_of: ``type name -> ScheduleConfig`` of the current computation
             (``"kareus"`` only; e.g. ``plan_config(plan, name, executor.current)``).

@@ -1,0 +1,196 @@
+"""The decoder layer's op order: which ops a layer runs, in stream order, and where its
+collectives sit.
+
+This is the one place that writes it. A Llama-shaped decoder layer (RMSNorm, grouped-query
+attention with RoPE, SwiGLU MLP) under tensor parallelism (TP, Megatron-LM's layout: an
+all-reduce after the row-parallel output and down projections, and after the input
+gradients of the column-parallel QKV and gate/up projections) and context parallelism (CP:
+K and V all-gathered before attention, their gradients reduce-scattered after it) runs,
+per layer and nanobatch::
+
+    forward:  attn_norm qkv rope            | CP all-gather of K/V ("kv")
+              attn_core out_proj            | TP all-reduce ("attn_out")
+              mlp_norm gate up swiglu down  | TP all-reduce ("mlp_out")
+    backward: down_dgrad down_wgrad swiglu_bwd gate_dgrad up_dgrad gate_wgrad up_wgrad
+                                            | TP all-reduce ("mlp_in_grad")
+              mlp_norm_bwd out_dgrad out_wgrad attn_core_bwd
+                                            | CP reduce-scatter of dK/dV ("kv_grad")
+              rope_bwd qkv_dgrad qkv_wgrad  | TP all-reduce ("attn_in_grad")
+              attn_norm_bwd
+
+A [`LayerSegment`][kareus.model.LayerSegment] is a run of ops and the collective after them
+(the collective acts on a tensor one of its ops completes); a
+[`LayerPhase`][kareus.model.LayerPhase] is one phase's segments in order, plus the ops after
+its last collective (``tail``): the input norm's backward needs the all-reduced input
+gradient, so it runs after the layer's last collective, in stream order beside the next
+layer down's MLP backward. The residual additions run inside the norms that consume the
+all-reduced tensors (fused), so they are no ops of their own. A collective over a group of
+one GPU (TP = 1, CP = 1) does not run; the segments on its two sides are then one.
+
+Who reads it:
+
+* the partition model ([`build_partitions`][kareus.model.build_partitions]) cuts a stage's
+  cyclic chain of segments into partition types and costs each op (FLOPs, bytes): it
+  takes its op names and their order from here ([`LayerPhase.cyclic_segments`][kareus.model.LayerPhase.cyclic_segments]);
+* the runtime schedule (``kareus.exec.schedule``) strings layers into the stream of one
+  microbatch computation (recomputation, the tail's place between layers) and runs it under
+  a plan, in the training loop and in the framework adapters; its collectives' buffers
+  and the runnable partitions' output ops come from here too.
+
+So the emulator costs exactly the ops the layer runs, in the order it runs them. Pure data;
+no torch.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterable, Mapping
+
+import attrs
+
+from kareus.errors import ArgumentError
+
+__all__ = [
+    "ATTENTION_SEGMENT",
+    "DECODER_LAYER",
+    "LayerCollective",
+    "LayerPhase",
+    "LayerSegment",
+    "decoder_layer",
+    "layer_collectives",
+]
+
+_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+_GROUPS = ("tp", "cp")
+
+
+def _names(names: Iterable[str]) -> tuple[str, ...]:
+    return tuple(names)
+
+
+@attrs.frozen
+class LayerCollective:
+    """One collective of a decoder layer.
+
+    Attributes:
+        kind: ``"all_reduce"``, ``"all_gather"`` or ``"reduce_scatter"`` (a
+            [`CommKind`][kareus.model.CommKind] value).
+        tensor: The tensor it acts on: ``"attn_out"``, ``"mlp_out"`` (forward all-reduces),
+            ``"kv"`` (K/V all-gather), ``"mlp_in_grad"``, ``"attn_in_grad"`` (backward
+            all-reduces), ``"kv_grad"`` (dK/dV reduce-scatter).
+        group: The parallel group it runs over: ``"tp"`` or ``"cp"`` (it does not run when
+            that group has one GPU).
+        producer: The op that completes its input tensor (the last op to write it).
+    """
+
+    kind: str
+    tensor: str
+    group: str
+    producer: str
+
+    def __attrs_post_init__(self) -> None:
+        if self.kind not in _KINDS or self.group not in _GROUPS:
+            raise ArgumentError(f"a layer collective is one of {_KINDS} over one of {_GROUPS}, "
+                                f"got {self.kind!r} over {self.group!r}")
+
+
+@attrs.frozen
+class LayerSegment:
+    """A run of a layer's ops and the collective after them.
+
+    Attributes:
+        name: The segment's name (``"attn_in"``, ``"attn_out"``, ``"mlp"``): partition
+            types are named after the segments whose ops they hold.
+        op_names: Its ops, in stream order.
+        collective: The collective that runs after them, on a tensor one of them completes.
+    """
+
+    name: str
+    op_names: tuple[str, ...] = attrs.field(converter=_names)
+    collective: LayerCollective
+
+    def __attrs_post_init__(self) -> None:
+        if self.collective.producer not in self.op_names:
+            raise ArgumentError(f"segment {self.name!r}: the producer "
+                                f"{self.collective.producer!r} of its collective is not one "
+                                f"of its ops {self.op_names}")
+
+
+@attrs.frozen
+class LayerPhase:
+    """One phase (forward or backward) of a decoder layer: its segments, then its tail.
+
+    Attributes:
+        phase: ``"fwd"`` or ``"bwd"``.
+        segments: The segments, in stream order.
+        tail: Ops that run after the last collective (the backward's ``attn_norm_bwd``).
+    """
+
+    phase: str
+    segments: tuple[LayerSegment, ...]
+    tail: tuple[str, ...] = attrs.field(converter=_names, default=())
+
+    @property
+    def op_names(self) -> tuple[str, ...]:
+        """Every op of the phase, in stream order (the tail last)."""
+        return tuple(n for seg in self.segments for n in seg.op_names) + self.tail
+
+    @property
+    def collectives(self) -> tuple[LayerCollective, ...]:
+        """The collectives, in stream order."""
+        return tuple(seg.collective for seg in self.segments)
+
+    def cyclic_segments(self) -> tuple[LayerSegment, ...]:
+        """The segments of a stage's chain of layers seen as a cycle, as the partition model
+        cuts it: the tail (run after one layer's last collective) opens the first segment
+        (of the layer below, or of the layer itself in the cycle)."""
+        if not self.tail:
+            return self.segments
+        first, *rest = self.segments
+        return (attrs.evolve(first, op_names=self.tail + first.op_names), *rest)
+
+
+def _ar(tensor: str, producer: str) -> LayerCollective:
+    return LayerCollective("all_reduce", tensor, "tp", producer)
+
+
+DECODER_LAYER: Mapping[str, LayerPhase] = types.MappingProxyType({
+    "fwd": LayerPhase("fwd", (
+        LayerSegment("attn_in", ("attn_norm", "qkv", "rope"),
+                     LayerCollective("all_gather", "kv", "cp", "rope")),
+        LayerSegment("attn_out", ("attn_core", "out_proj"), _ar("attn_out", "out_proj")),
+        LayerSegment("mlp", ("mlp_norm", "gate", "up", "swiglu", "down"),
+                     _ar("mlp_out", "down")),
+    )),
+    "bwd": LayerPhase("bwd", (
+        # gate_dgrad writes the input gradient and up_dgrad adds its product in place
+        LayerSegment("mlp", ("down_dgrad", "down_wgrad", "swiglu_bwd", "gate_dgrad",
+                             "up_dgrad", "gate_wgrad", "up_wgrad"),
+                     _ar("mlp_in_grad", "up_dgrad")),
+        LayerSegment("attn_out", ("mlp_norm_bwd", "out_dgrad", "out_wgrad", "attn_core_bwd"),
+                     LayerCollective("reduce_scatter", "kv_grad", "cp", "attn_core_bwd")),
+        LayerSegment("attn_in", ("rope_bwd", "qkv_dgrad", "qkv_wgrad"),
+                     _ar("attn_in_grad", "qkv_dgrad")),
+    ), tail=("attn_norm_bwd",)),
+})
+"""The decoder layer's two phases by name (``"fwd"``, ``"bwd"``), read-only: the op order of
+the module docstring, the one place it is written."""
+
+ATTENTION_SEGMENT = "attn"
+"""The name of the attention segments as one, when no CP collective runs between them
+(``attn_in`` and ``attn_out`` forward, ``attn_out`` and ``attn_in`` backward)."""
+
+
+def decoder_layer(phase: str) -> LayerPhase:
+    """The decoder layer's ``phase`` (``"fwd"`` or ``"bwd"``)."""
+    if phase not in DECODER_LAYER:
+        raise ArgumentError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
+    return DECODER_LAYER[phase]
+
+
+def layer_collectives(*, tp: int = 2, cp: int = 2) -> tuple[LayerCollective, ...]:
+    """The collectives one layer runs at TP ``tp`` and CP ``cp``: forward then backward,
+    each in stream order (those over a group of one GPU left out)."""
+    sizes = {"tp": int(tp), "cp": int(cp)}
+    return tuple(c for phase in ("fwd", "bwd") for c in DECODER_LAYER[phase].collectives
+                 if sizes[c.group] > 1)

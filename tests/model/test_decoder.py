@@ -1,0 +1,66 @@
+"""The decoder layer's op order (kareus.model.decoder): the one description the partition
+model and the runtime schedule both read."""
+
+from __future__ import annotations
+
+import pytest
+
+from kareus.errors import ArgumentError
+from kareus.model import (
+    DECODER_LAYER,
+    LayerCollective,
+    LayerSegment,
+    build_partitions,
+    decoder_layer,
+    layer_collectives,
+)
+from kareus.model.workload import ModelArch, Parallelism, Workload
+
+ARCH = ModelArch(name="tiny", layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=128,
+                 vocab=101)
+
+
+def test_each_op_runs_once_per_layer_and_phase():
+    for phase in ("fwd", "bwd"):
+        names = decoder_layer(phase).op_names
+        assert len(set(names)) == len(names)
+    assert not set(DECODER_LAYER["fwd"].op_names) & set(DECODER_LAYER["bwd"].op_names)
+
+
+def test_the_backward_tail_opens_the_first_segment_of_the_cycle():
+    bwd = decoder_layer("bwd")
+    assert bwd.tail == ("attn_norm_bwd",)
+    cyc = bwd.cyclic_segments()
+    assert cyc[0].op_names == ("attn_norm_bwd", *bwd.segments[0].op_names)
+    assert cyc[1:] == bwd.segments[1:]
+    assert decoder_layer("fwd").cyclic_segments() == decoder_layer("fwd").segments
+
+
+def test_collectives_by_group_size():
+    assert [c.tensor for c in layer_collectives(tp=2, cp=2)] == [
+        "kv", "attn_out", "mlp_out", "mlp_in_grad", "kv_grad", "attn_in_grad"]
+    assert [c.tensor for c in layer_collectives(tp=2, cp=1)] == [
+        "attn_out", "mlp_out", "mlp_in_grad", "attn_in_grad"]
+    assert {c.kind for c in layer_collectives(tp=1, cp=2)} == {"all_gather", "reduce_scatter"}
+    assert layer_collectives(tp=1, cp=1) == ()
+
+
+@pytest.mark.parametrize(("tp", "cp"), [(2, 1), (1, 2), (2, 2)])
+def test_the_partition_model_costs_exactly_the_layers_ops(tp, cp):
+    wl = Workload(model=ARCH, parallelism=Parallelism(tp=tp, cp=cp), microbatch_size=2,
+                  seq_len=64, num_microbatches=2, nanobatches=2)
+    ps = build_partitions(wl)
+    for phase in ("fwd", "bwd"):
+        held = {op.name for p in ps if p.phase == phase for op in p.compute_ops}
+        assert held == set(decoder_layer(phase).op_names)
+
+
+def test_bad_descriptions_are_refused():
+    with pytest.raises(ArgumentError, match="one of"):
+        LayerCollective("broadcast", "x", "tp", "qkv")
+    with pytest.raises(ArgumentError, match="producer"):
+        LayerSegment("s", ("qkv",), LayerCollective("all_reduce", "x", "tp", "down"))
+    with pytest.raises(ArgumentError, match="phase"):
+        decoder_layer("both")
+    with pytest.raises(TypeError):
+        DECODER_LAYER["fwd"] = DECODER_LAYER["bwd"]  # type: ignore[index]
