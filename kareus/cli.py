@@ -362,6 +362,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     from kareus.errors import InfeasibleError, WorkloadError
     from kareus.workflow import prepare
     from kareus.workflow.outdir import guarded_folder
+    from kareus.workflow.result import joules
 
     _check_optimize_options(args)
     # Paths first: a bad --out or --record is found now, not after the search.
@@ -418,7 +419,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         option = "--deadline-s" if args.deadline_s is not None else "--energy-budget-j"
         raise InfeasibleError(f"{infeasible}; wrote {wrote}, but no plan.json (the same command "
                               f"with a looser {option} reuses every measurement)")
-    print(f"chosen plan: {plan.time_s:.4f} s, {plan.energy_j:,.0f} J per iteration "
+    print(f"chosen plan: {plan.time_s:.4f} s, {joules(plan.energy_j)} J per iteration "
           f"(digest {plan.digest[:12]})")
     print(f"wrote {wrote} ({result.wall_s:.1f} s)")
     return 0

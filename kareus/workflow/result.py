@@ -39,7 +39,8 @@ from kareus.model.workload import Workload
 from kareus.search.partition_frontier import PartitionFrontier
 from kareus.search.progress import in_notebook
 
-__all__ = ["OptimizationResult", "RESULTS_VERSION", "SystemSummary", "iso_energy_time_saving", "iso_time_energy_saving"]
+__all__ = ["RESULTS_VERSION", "OptimizationResult", "SystemSummary", "iso_energy_time_saving",
+           "iso_time_energy_saving", "joules"]
 
 
 RESULTS_VERSION = 1
@@ -174,8 +175,8 @@ class OptimizationResult:
         """The comparison table and kareus's savings against Perseus, as text."""
         rows = []
         for s in self.systems().values():
-            rows.append([s.name, f"{s.time_s:.4f}", f"{s.static_j:,.0f}", f"{s.dynamic_j:,.0f}",
-                         f"{s.total_j:,.0f}", f"{s.tflops_per_gpu:.1f}"])
+            rows.append([s.name, f"{s.time_s:.4f}", joules(s.static_j), joules(s.dynamic_j),
+                         joules(s.total_j), f"{s.tflops_per_gpu:.1f}"])
         headers = ["system", "iteration time (s)", "static energy (J)", "dynamic energy (J)",
                    "total energy (J)", "TFLOP/s per GPU"]
         widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
@@ -233,6 +234,9 @@ class OptimizationResult:
             ever show it, it is saved to ``kareus-frontier.png`` in the working directory
             and stderr says so.
         """
+        if path is not None and not Path(path).parent.is_dir():  # before any drawing
+            raise OutputError(f"cannot save the plot to {path}: the folder {Path(path).parent} "
+                              "does not exist; create it or pass a path in an existing folder")
         import matplotlib.pyplot as plt  # optional dependency
 
         fresh = ax is None
@@ -337,6 +341,12 @@ def _shows_figures() -> bool:
     import matplotlib.pyplot as plt
 
     return in_notebook() or plt.isinteractive()
+
+
+def joules(energy_j: float) -> str:
+    """An energy for a table: whole joules with thousands separators from 1,000 J up, four
+    significant digits below (a small workload's 0.0123 J is not printed as 0)."""
+    return f"{energy_j:,.0f}" if abs(energy_j) >= 1000 else f"{energy_j:.4g}"
 
 
 def _pct(x: float | None, what: str) -> str:

@@ -252,3 +252,20 @@ def test_a_folder_made_before_the_profilers_moved_resumes(tmp_path):
     manifest.write_text(json.dumps(data))
     with pytest.raises(OutputError, match="profiler.class"):
         optimize(wl, "h200-sxm", budget=2, progress=False, log_dir=tmp_path)
+
+
+def test_energies_print_with_significant_digits_below_a_kilojoule():
+    from kareus.workflow.result import joules
+
+    assert joules(13259.4) == "13,259"
+    assert joules(999.5) == "999.5"
+    assert joules(0.012345) == "0.01235"  # not "0"
+    assert joules(0.0) == "0"
+
+
+def test_a_plot_into_a_missing_folder_is_refused_in_one_line(tmp_path):
+    wl = Workload.preset("qwen3-1.7b", tp=2, pp=2, microbatch_size=2, seq_len=1024,
+                         num_microbatches=4)
+    result = optimize(wl, "h200-sxm", budget=2, progress=False, systems=["megatron"])
+    with pytest.raises(OutputError, match="does not exist; create it"):
+        result.plot(tmp_path / "missing" / "f.png")
