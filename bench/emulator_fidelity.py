@@ -108,9 +108,9 @@ def _rel(p: Path) -> str:
 
 # What each measured grid's attention ran (docs/fidelity.md): the first grid copied K and V
 # to every head before SDPA, the second handed grouped K/V to SDPA (``enable_gqa``), both
-# on PyTorch 2.11's default SDPA dispatch. bench/sdpa_gqa_probe.py timed both at the grids'
-# TP=2 shapes on one H200 (bench/results/sdpa_gqa_probe_h200.json).
-SDPA_PROBE = REPO / "bench" / "results" / "sdpa_gqa_probe_h200.json"
+# on PyTorch 2.11's default SDPA dispatch. bench/probes/sdpa_gqa_probe.py timed both at the grids'
+# TP=2 shapes on one H200 (bench/probes/results/sdpa_gqa_probe_h200.json).
+SDPA_PROBE = REPO / "bench" / "probes" / "results" / "sdpa_gqa_probe_h200.json"
 AS_RUN_ATTENTION = {
     "h200_llama3b_tp2_grid.json": ("sdpa_repeat_interleave_ms",
                                    "SDPA default dispatch, K/V copied to every head"),

@@ -1,5 +1,5 @@
-"""Load a script of bench/ as a module, for tests of its pure functions (importable from
-every test: pytest puts tests/ on the path for its conftest.py)."""
+"""Load a script of bench/ (or of bench/probes/) as a module, for tests of its pure
+functions (importable from every test: pytest puts tests/ on the path for its conftest.py)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,18 @@ from pathlib import Path
 from types import ModuleType
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
+PROBES = BENCH / "probes"
 
 
 def load_bench(name: str) -> ModuleType:
-    """``bench/<name>.py`` as the module ``name`` (registered in ``sys.modules``, which
+    """``bench/<name>.py`` as the module ``name``; ``"probes/<stem>"`` loads
+    ``bench/probes/<stem>.py`` as the module ``stem`` (registered in ``sys.modules``, which
     dataclasses and pickling need)."""
     path = BENCH / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
+    stem = Path(name).name
+    spec = importlib.util.spec_from_file_location(stem, path)
     assert spec is not None and spec.loader is not None, path
     mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
+    sys.modules[stem] = mod
     spec.loader.exec_module(mod)
     return mod

@@ -32,8 +32,8 @@ that allocates before a capture.
 2.11, CUDA 13) picks GEMM kernels that need a zeroed 4-byte counter and zeroes it with a
 ``cudaMemsetAsync`` right before the kernel; in a graph that is a memset node, and the
 GPU idles around each one (about 4 us before it, against about 0.5 us between two
-kernels). Measured on one H200 (``bench/results/graph_memset_probe_h200_gemms.json``,
-``bench/results/cublas_workspace_loop_h200/``): of a graphed nanobatched Qwen3-1.7B
+kernels). Measured on one H200 (``bench/probes/results/graph_memset_probe_h200_gemms.json``,
+``bench/probes/results/cublas_workspace_loop_h200/``): of a graphed nanobatched Qwen3-1.7B
 TP=4 CP=2 iteration's 18,884 GPU operations, 3,372 were memsets (2,700 of them cuBLAS's),
 and the GPU was busy 94.3% of the span;
 with ``CUBLAS_WORKSPACE_CONFIG=:0:0`` (no workspace) cuBLAS picks kernels without the

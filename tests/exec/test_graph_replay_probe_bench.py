@@ -1,11 +1,11 @@
-"""bench/graph_replay_probe.py on a CPU: its command line and its refusal without a GPU."""
+"""bench/probes/graph_replay_probe.py on a CPU: its command line and its refusal without a GPU."""
 
 from __future__ import annotations
 
 import pytest
 from bench_scripts import load_bench
 
-probe = load_bench("graph_replay_probe")
+probe = load_bench("probes/graph_replay_probe")
 
 
 def test_command_line_and_refusal_without_a_gpu(capsys):

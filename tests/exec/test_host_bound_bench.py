@@ -73,13 +73,13 @@ def test_idle_gaps_are_binned_and_charged_to_the_kernel_that_ends_them():
 
 
 def test_the_emulated_comparison_reads_the_committed_result():
-    """bench/host_bound_emulated.py on the committed H200 result: one row per measured
+    """bench/probes/host_bound_emulated.py on the committed H200 result: one row per measured
     partition, the measured ratio read back, the emulated ratios at least 1 (eager never
     beats graph replay in the emulator)."""
     import json
     from pathlib import Path
 
-    emu = load_bench("host_bound_emulated")
+    emu = load_bench("probes/host_bound_emulated")
     path = Path(__file__).resolve().parents[2] / "bench" / "results" / "host_bound_h200.json"
     result = json.loads(path.read_text(encoding="utf-8"))
     rows = emu.compare(result)

@@ -1,4 +1,4 @@
-"""bench/trace_compare.py on the CPU: categories of kernel names, and the per-category
+"""bench/probes/trace_compare.py on the CPU: categories of kernel names, and the per-category
 comparison of two traces."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import json
 import pytest
 from bench_scripts import load_bench
 
-tc = load_bench("trace_compare")
+tc = load_bench("probes/trace_compare")
 
 
 def test_kernel_names_fall_into_their_categories():

@@ -148,7 +148,7 @@ def test_fidelity_bench_emulates_a_grid_at_its_priority() -> None:
 def test_calibration_emulates_the_probe_at_normal_priority() -> None:
     import json
 
-    ec = load_bench("emulator_calibration")
+    ec = load_bench("probes/emulator_calibration")
     if not ec.DATA.exists():
         pytest.skip("needs the measured probe in data/")
     data = json.loads(ec.DATA.read_text())

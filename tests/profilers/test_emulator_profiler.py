@@ -244,7 +244,7 @@ def test_a100_a_few_sms_are_energy_optimal(fwd_attn, a100):
 def test_a100_four_sms_are_energy_optimal(fwd_attn, a100):
     # The Kareus paper's A100 case study: 4 SMs hid the all-reduce and used less energy than 2 and than 20. The
     # preset's collective rate is calibrated to the first half (4 hide, 3 do not:
-    # bench/emulator_a100_case_study.py); that 20 SMs cost more is a consequence, not an
+    # bench/probes/emulator_a100_case_study.py); that 20 SMs cost more is a consequence, not an
     # input (of the link-limited collective, with the A100's tensor interference at 0).
     e = {s: a100.measure(fwd_attn, ScheduleConfig(1410, s, "qkv")).energy_j
          for s in range(2, 31)}

@@ -108,7 +108,7 @@ class KernelSet(abc.ABC):
         Grouped K/V are read in place (``enable_gqa``): copying them with
         ``repeat_interleave`` first cost 30% more time on one H200 (0.475 vs 0.364 ms
         for 4 x 12 query heads over 4 K/V heads, 4096 tokens, head dim 128;
-        bench/results/sdpa_gqa_probe_h200.json).
+        bench/probes/results/sdpa_gqa_probe_h200.json).
         """
         with self._sdpa_context():
             return _sdpa(q, k, v)

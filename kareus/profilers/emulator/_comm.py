@@ -31,7 +31,7 @@ class CommCurve(NamedTuple):
 
 
 # Collective curves measured on H200 (bench/results/collectives_{4,2}xh200_nvlink.json,
-# fitted by bench/emulator_comm_tables.py on the 64 MiB rows): (kind, group size,
+# fitted by bench/probes/emulator_comm_tables.py on the 64 MiB rows): (kind, group size,
 # bus GB/s per SM at the maximum clock, link limit GB/s).
 _H200_COMM: dict[str, tuple[CommCurve, ...]] = {
     "own": (CommCurve("all_reduce", 4, 25.1, 301.0), CommCurve("all_gather", 4, 19.3, 259.0),
@@ -49,7 +49,7 @@ _H200_COMM: dict[str, tuple[CommCurve, ...]] = {
 # Reduction of Dynamic and Static Energy in Large Model Training": Llama 3.2 3B fwd_attn, TP=4,
 # 1410 MHz, 1024-thread blocks): 4 communication SMs hid the 96 MiB all-reduce inside the
 # computation and were energy-optimal, so 3 SMs did not hide it. In this model that bounds
-# the all-reduce rate to [35.8, 48.3) GB/s per SM at 1410 MHz (bench/emulator_a100_case_study.py
+# the all-reduce rate to [35.8, 48.3) GB/s per SM at 1410 MHz (bench/probes/emulator_a100_case_study.py
 # finds the bounds by bisection); the factor puts it near the geometric middle (41.6):
 # 1.80 x 23.06 = 41.5 GB/s, and it scales every A100 curve (all kinds, group sizes)
 # alike: the same kernel design.

@@ -7,7 +7,7 @@ grids ``data/h200_llama3b_tp2_grid*.json``), and a read returns a value up to on
 stale.
 Reading it at arbitrary moments around a window of at least 1.5 s scattered the energy of
 one schedule by 0.9-7.6% between rounds on 2x H200 (median 4.0%;
-``bench/results/h200_overlap_repeat_2xh200.json``, docs/emulator.md). Three things fix
+``bench/probes/results/h200_overlap_repeat_2xh200.json``, docs/emulator.md). Three things fix
 that here:
 
 * **Step-edge reads.** [`EnergyMeter`][kareus.profilers.EnergyMeter] polls the counter of each local GPU

@@ -9,8 +9,8 @@ back. Runs on a CPU.
 
 Usage::
 
-    python bench/host_bound_emulated.py bench/results/host_bound_h200.json \\
-        --json bench/results/host_bound_emulated_h200.json
+    python bench/probes/host_bound_emulated.py bench/results/host_bound_h200.json \\
+        --json bench/probes/results/host_bound_emulated_h200.json
 
 Prints a table and writes JSON (``--json``). The SM count of the emulated collective is
 16 (the loopback stand-in of the measurement applies none; the ratio hardly depends on it).
@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-_REPO = Path(__file__).resolve().parents[1]
+_REPO = Path(__file__).resolve().parents[2]
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 

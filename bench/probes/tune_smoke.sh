@@ -4,7 +4,7 @@
 # communication, so the figures are of the path, not of kareus (no collective is measured).
 # Clocks are never changed (the frequency dimension is the default clock alone).
 #
-#   bash bench/tune_smoke.sh OUTDIR
+#   bash bench/probes/tune_smoke.sh OUTDIR
 #
 # 1. one partition type (fwd_attn, Llama 3.2 3B at TP=2 shapes), budget 8: search, logs,
 #    frontiers.json, tune.json;
@@ -12,7 +12,7 @@
 # 3. the whole job (every partition type, the baselines, the outside work, composition),
 #    budget 3: results.json, plan.json, tune.json.
 set -uo pipefail
-out=${1:?usage: bash bench/tune_smoke.sh OUTDIR}
+out=${1:?usage: bash bench/probes/tune_smoke.sh OUTDIR}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1

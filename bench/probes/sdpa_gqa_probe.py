@@ -9,7 +9,7 @@ copy of the same tensor.
 
 Usage::
 
-    python bench/sdpa_gqa_probe.py --json bench/results/sdpa_gqa_probe_h200.json
+    python bench/probes/sdpa_gqa_probe.py --json bench/probes/results/sdpa_gqa_probe_h200.json
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ The side kernels are launched first, then the GEMMs, each side kernel lasting ab
 as long as the GEMM chain alone. Runs alternate (alone, spin, copy) to cancel clock drift.
 Also times the copy kernel alone, to see how much it slows down beside the GEMMs.
 
-Usage (on the GPU machine): ``python bench/emulator_interference_probe.py --json OUT.json``
+Usage (on the GPU machine): ``python bench/probes/emulator_interference_probe.py --json OUT.json``
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ interference probe measured, and tensor 0.60) with rms 2.7% against 1.2%.
 
 Usage::
 
-    python bench/emulator_calibration.py --json bench/results/emulator_calibration.json --markdown
+    python bench/probes/emulator_calibration.py --json bench/probes/results/emulator_calibration.json --markdown
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from kareus.model.ops import CommKind, CommOp, ComputeOp, OpKind
 from kareus.model.partition import OpPartition, OutsideWork
 from kareus.profilers.emulator import EmulatedGPU, EmulatedProfiler, measured_priority
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "h200_tp4_overlap_probe.json"
+DATA = Path(__file__).resolve().parents[2] / "data" / "h200_tp4_overlap_probe.json"
 ELEMS = 96 * 2**20  # 96M elements: "a 96M-element bf16 tensor"
 M, K, N = 8192, 4096, 4096
 AR_BYTES = M * K * 2  # 64 MiB
@@ -159,7 +159,8 @@ def fit_interference(gpu: EmulatedGPU, iso: dict[str, object], default_ctas: int
                     "rms_rel_err": math.sqrt(best[0] / len(caps)), "overlapped": check}
 
 
-POWER_PROBE = Path(__file__).resolve().parent / "results" / "emulator_power_probe_h200.json"
+# bench/results/: the power probe is an input of the shipped profile, kept with the benchmarks
+POWER_PROBE = Path(__file__).resolve().parents[1] / "results" / "emulator_power_probe_h200.json"
 INTERFERENCE_PROBE = (Path(__file__).resolve().parent / "results"
                       / "emulator_interference_probe_h200.json")
 
@@ -205,7 +206,7 @@ OVERLAP_PROBE = (Path(__file__).resolve().parent / "results"
 
 def overlap_probe_check(comm_priority: str | None = None) -> dict[str, object]:
     """Emulated (h200-sxm preset, each backend's measured curves) vs measured 2x H200
-    overlap of 4 GEMMs and a 64 MiB all-reduce (bench/emulator_overlap_probe.py).
+    overlap of 4 GEMMs and a 64 MiB all-reduce (bench/probes/emulator_overlap_probe.py).
 
     The probe's runs are short (not at the power-limited steady state), so times are
     also compared relative to the GEMM chain alone of the same source. At the probe's
@@ -252,7 +253,7 @@ def repeat_check(rows4: list[dict[str, object]], default_ctas: int,
                  ) -> dict[str, object]:
     """How well a single measurement ranks the 12 schedules, and the emulator on 2x H200.
 
-    ``bench/h200_overlap_repeat.py`` ran the same 12 schedules three times each on 2x
+    ``bench/probes/h200_overlap_repeat.py`` ran the same 12 schedules three times each on 2x
     H200 (TP=2). Reported: each schedule's run-to-run energy spread, the lowest-energy
     schedule of every round, whether the 4x probe's best row leads its runner-up by more
     than the median spread (if not, ``best_row_match`` compares noise), where the
@@ -304,7 +305,7 @@ def repeat_check(rows4: list[dict[str, object]], default_ctas: int,
     round_ranks = [_rank({k: rounds[i]["mj_per_step_per_gpu"] for k, rounds in rep["rows"].items()},
                          emu_best2) for i in range(n_rounds)]
     return {
-        "source": "bench/results/h200_overlap_repeat_2xh200.json (2x H200, NVLink; 3 rounds)",
+        "source": "bench/probes/results/h200_overlap_repeat_2xh200.json (2x H200, NVLink; 3 rounds)",
         "energy_spread_per_schedule": {k: round(v, 4) for k, v in spread.items()},
         "median_energy_spread": round(median_spread, 4),
         "max_energy_spread": round(max(spread.values()), 4),

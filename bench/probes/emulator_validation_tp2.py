@@ -7,7 +7,7 @@ nanobatches), energy summed over the 2 GPUs. Every measured configuration (the g
 comm SMs x launch slots, the search's points, repeats and the baselines) is emulated on the
 ``h200-sxm`` preset with NCCL's measured collective curves for 2 GPUs
 (``comm_backend="nccl"``, from ``bench/collectives.py``) and the interference constants
-fitted by ``bench/emulator_calibration.py`` on the 4-GPU probe (nothing is fitted to this
+fitted by ``bench/probes/emulator_calibration.py`` on the 4-GPU probe (nothing is fitted to this
 grid).
 NCCL's own CTA choice (``comm_sms`` null) is taken as 32, as in the calibration. The
 ``megatron`` baseline is the whole microbatch without nanobatching (a partition built with
@@ -22,7 +22,7 @@ k ends); ``--comm-priority high|normal`` emulates it at that priority instead
 
 Usage::
 
-    python bench/emulator_validation_tp2.py --json bench/results/emulator_validation_tp2.json
+    python bench/probes/emulator_validation_tp2.py --json bench/probes/results/emulator_validation_tp2.json
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ from kareus.model.partition import build_partitions
 from kareus.model.workload import Workload
 from kareus.profilers.emulator import EmulatedGPU, EmulatedProfiler, measured_priority
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "data" / "h200_llama3b_tp2_grid.json"
-CALIBRATION = REPO / "bench" / "results" / "emulator_calibration.json"
+CALIBRATION = REPO / "bench" / "probes" / "results" / "emulator_calibration.json"
 
 
 def spearman(a: list[float], b: list[float]) -> float:

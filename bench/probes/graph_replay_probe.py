@@ -21,7 +21,7 @@ clock of each back-to-back window is recorded (NVML).
 
 Usage (one GPU; changes no GPU setting)::
 
-    python bench/graph_replay_probe.py --json bench/results/graph_replay_probe_h200.json
+    python bench/probes/graph_replay_probe.py --json bench/probes/results/graph_replay_probe_h200.json
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for host_bound
 import host_bound as hb  # the same timing helpers
 
 # (preset, tp, cp, microbatch, partitions)
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out: dict[str, Any] = {
         "bench": "graph_replay_probe",
-        "command": " ".join(["python", "bench/graph_replay_probe.py", *(argv or sys.argv[1:])]),
+        "command": " ".join(["python", "bench/probes/graph_replay_probe.py", *(argv or sys.argv[1:])]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": "1x H200" if "H200" in torch.cuda.get_device_name() else
         torch.cuda.get_device_name(), **hb._versions(),

@@ -6,11 +6,11 @@ at SM caps 2, 8 and 32, for kareus's own kernels and for NCCL capped at the same
 Each figure is the mean over ``--steps`` back-to-back steps, the median over ``--trials``
 interleaved trials, on rank 0 (all ranks run the same calls). Default clocks, nothing
 locked. The emulator's interference constants for a backend are fitted to these times by
-``bench/emulator_calibration.py --overlap-probe``-style code in ``docs/emulator.md``.
+``bench/probes/emulator_calibration.py --overlap-probe``-style code in ``docs/emulator.md``.
 
 Usage::
 
-    torchrun --standalone --nproc_per_node 2 bench/emulator_overlap_probe.py --json OUT.json
+    torchrun --standalone --nproc_per_node 2 bench/probes/emulator_overlap_probe.py --json OUT.json
 """
 
 from __future__ import annotations

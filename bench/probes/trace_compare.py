@@ -10,7 +10,7 @@ off: more, smaller kernels (counts), slower ones (time), or idle GPU (``host_bou
 
 Usage::
 
-    python bench/trace_compare.py A.json.gz B.json.gz [--json OUT]
+    python bench/probes/trace_compare.py A.json.gz B.json.gz [--json OUT]
 
 Runs on any machine (reads files only).
 """
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         args.json.write_text(json.dumps({
             "bench": "trace_compare", "a": str(args.a), "b": str(args.b),
-            "command": " ".join(["python", "bench/trace_compare.py", *(argv or sys.argv[1:])]),
+            "command": " ".join(["python", "bench/probes/trace_compare.py", *(argv or sys.argv[1:])]),
             "rows": rows}, indent=1) + "\n")
     return 0
 

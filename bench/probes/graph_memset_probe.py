@@ -26,7 +26,7 @@ of rounds that interleave the settings (each round runs every setting once, in o
 
 Usage (one CUDA GPU)::
 
-    python bench/graph_memset_probe.py --json bench/results/graph_memset_probe_h200.json
+    python bench/probes/graph_memset_probe.py --json bench/probes/results/graph_memset_probe_h200.json
 
 Clocks are never changed.
 """
@@ -43,7 +43,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-_REPO = Path(__file__).resolve().parents[1]
+_REPO = Path(__file__).resolve().parents[2]
 for _p in (_REPO, _REPO / "bench"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
             "bench": "graph_memset_probe",
-            "command": " ".join(["python", "bench/graph_memset_probe.py",
+            "command": " ".join(["python", "bench/probes/graph_memset_probe.py",
                                  *(argv or sys.argv[1:])]),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": "1x H200" if "H200" in torch.cuda.get_device_name() else

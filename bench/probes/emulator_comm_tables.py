@@ -10,7 +10,7 @@ maximum clock ``r`` and link limit ``L``).
 
 Usage::
 
-    python bench/emulator_comm_tables.py --json bench/results/emulator_comm_tables.json
+    python bench/probes/emulator_comm_tables.py --json bench/probes/results/emulator_comm_tables.json
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"  # bench/results/
 FILES = ("collectives_4xh200_nvlink.json", "collectives_2xh200_nvlink.json")
 KIND = {"all_reduce": "all_reduce", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter"}
 

@@ -22,7 +22,7 @@ nothing locked or changed.
 
 Usage::
 
-    torchrun --standalone --nproc_per_node 2 bench/h200_overlap_repeat.py --json OUT.json
+    torchrun --standalone --nproc_per_node 2 bench/probes/h200_overlap_repeat.py --json OUT.json
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ case-study input "4 SMs hide, 3 do not" holds again. No preset constant is chang
 
 Usage::
 
-    python bench/emulator_a100_case_study.py --json bench/results/emulator_a100_case_study.json
+    python bench/probes/emulator_a100_case_study.py --json bench/probes/results/emulator_a100_case_study.json
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ well under 2 ms. For every partition type of a few preset workloads this times:
 
 Usage::
 
-    python bench/emulator_speed.py --json bench/results/emulator_speed.json
+    python bench/probes/emulator_speed.py --json bench/probes/results/emulator_speed.json
 """
 
 from __future__ import annotations
