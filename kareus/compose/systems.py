@@ -261,8 +261,9 @@ def _compose_iteration(itc: AnyIterationComposer,
     Pareto union of the iteration frontiers composed from several candidates.
 
     Kareus's candidates: the union of its partition sets' microbatch frontiers (each
-    computation split or unsplit), each set's alone, and the systems' own configurations
-    alone (``MeasuredSet.anchors``). The union's microbatch frontiers hold every other
+    computation split or unsplit), each set's alone, and the baselines' own measurements
+    alone (``MeasuredSet.anchors``, their union and each set's: the latter compose exactly as
+    the baselines do). The union's microbatch frontiers hold every other
     candidate's points, but the iteration composer is a heuristic on a time grid
     ([`IterationComposer`][kareus.compose.IterationComposer]): composing a superset may find a plan
     a little worse at some iteration times than composing a subset (0.05% of the energy at a few
@@ -309,10 +310,13 @@ class MeasuredSet:
         frontiers: Partition type name (in the set) -> its frontier.
         outside: The work outside partitions measured per ``(stage, phase)`` at every
             frequency the frontiers use (over one stage's TP x CP group).
-        anchors: kareus only: its frontiers restricted to the systems' own configurations
+        anchors: kareus only: the baselines' own measurements of this set (every
+            configuration they measured of its partition types), or, where no baseline
+            measured it, kareus's own of the systems' configurations
             ([`system_configs`][kareus.compose.system_configs]), which its searches measure
-            first; ``None`` = not composed on their own (a baseline, or a search of its own
-            that skipped them).
+            first; composed on their own as a candidate, so kareus's frontier holds the
+            baselines' points; ``None`` = not composed on their own (a baseline, or a search of
+            its own that skipped them).
     """
 
     partitions: PartitionSet
@@ -466,6 +470,8 @@ def compose_measured(measured: SystemsMeasurements, *, schedule: PipelineSchedul
         candidates = [mf, *composed] if len(composed) > 1 else [mf]
         if anchored:
             candidates.append(_union(anchored))
+            if len(anchored) > 1:  # each set's own: a baseline's microbatch frontiers alone
+                candidates += anchored
         frontiers[name] = _compose_iteration(itc, candidates, IterationContext(
             static_power_w=measured.static_power_w, gpu=measured.gpu, schedule=schedule,
             tail=system.tail, label=name, workload=system.workload.to_dict()))

@@ -340,8 +340,66 @@ def measure_systems(workload: Workload, profiler: Profiler, *,
             iteration, gpu.max_clock_mhz, group_size=p.world_size)
         measured[name] = MeasuredSystem(name=name, workload=wl, sets=tuple(sets),
                                         frontiers=keyed, tail=tail)
+    if "kareus" in measured and len(measured) > 1:
+        measured["kareus"] = _with_every_measured_configuration(shared, measured)
     return SystemsMeasurements(workload=workload, gpu=gpu.name, static_power_w=static_w,
                                systems={n: measured[n] for n in names})
+
+
+def _with_every_measured_configuration(shared: _SharedMeasurements,
+                                       measured: Mapping[str, MeasuredSystem]) -> MeasuredSystem:
+    """kareus's measurements with every configuration the baselines measured of the same
+    partition types added: kareus's space holds the baselines' configurations (each
+    baseline's space is a restriction of it), and they are measured already, so they enter
+    kareus's partition frontiers and its composition at no cost.
+
+    Each of kareus's partition sets then also carries, as its ``anchors``, the baselines'
+    own measurements of it alone (Perseus's clocks x Megatron-LM's schedule for the unsplit
+    set, nanobatching + Perseus's for the split one): composed on their own, they give the
+    baselines' own microbatch and iteration frontiers, so kareus's frontier, the Pareto union
+    of its candidates, holds every baseline's points at any search budget. A set no baseline
+    measured keeps the anchors its searches measured (the systems' own configurations at the
+    maximum clock)."""
+    kareus = measured["kareus"]
+    keyed = dict(kareus.frontiers)
+    sets = []
+    for mset in kareus.sets:
+        pset = mset.partitions
+        others: dict[str, list[Observation]] = {t: [] for t in pset.types}
+        for name, system in measured.items():
+            if name == "kareus":
+                continue
+            for bset in system.sets:
+                if bset.partitions is pset:
+                    for tname in pset.types:
+                        others[tname] += bset.frontiers[tname].measured()
+        if not all(others.values()):
+            sets.append(mset)
+            continue
+        frontiers: dict[str, PartitionFrontier] = {}
+        anchors: dict[str, PartitionFrontier] = {}
+        for tname, pf in mset.frontiers.items():
+            seen = {o.config for o in pf.measured()}
+            extra: list[Observation] = []
+            for o in others[tname]:
+                if o.config not in seen:
+                    seen.add(o.config)
+                    extra.append(o)
+            frontiers[tname] = PartitionFrontier.from_observations(
+                pf.partition, pf.gpu, [*pf.observations, *extra])
+            own = {o.config: o for o in others[tname]}
+            anchors[tname] = PartitionFrontier.from_observations(pf.partition, pf.gpu,
+                                                                 list(own.values()))
+            for key, kf in kareus.frontiers.items():
+                if kf is pf:
+                    keyed[key] = frontiers[tname]
+        used = sorted({o.config.freq_mhz for pf in frontiers.values()
+                       for o in pf.observations}, reverse=True)
+        sets.append(MeasuredSet(partitions=pset, frontiers=frontiers,
+                                outside=measure_outside_work(shared, pset, used),
+                                anchors=anchors))
+    return MeasuredSystem(name="kareus", workload=kareus.workload, sets=tuple(sets),
+                          frontiers=keyed, tail=kareus.tail)
 
 
 def _kareus_frontier(key: str, part: Partition, shared: _SharedMeasurements,

@@ -1,0 +1,130 @@
+"""Is kareus's frontier ahead of every baseline's at every search budget? (EMULATED)
+
+kareus's space holds every baseline's configurations, so its iteration frontier should never
+be behind any baseline's. For each job and budget this runs ``kareus.optimize`` on the
+embedded emulator and compares kareus's iteration frontier with each baseline's point by
+point: for a baseline point (time t, energy e), kareus's lowest energy among its plans of at
+most t. A point is *behind* when that energy exceeds e (beyond 1e-9 relative); the *saving*
+at the point is ``1 - E_kareus(t) / e``.
+
+Printed per job, budget and baseline: the points behind, the median and minimum saving over
+the baseline's points, and (against nanobatching+Perseus) the median saving as a fraction of
+the one at the largest budget run.
+
+Usage::
+
+    python bench/baseline_dominance.py [--budgets 8,16,32,96] [--seeds 0] [--quick]
+        [--json bench/results/baseline_dominance.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+#: The jobs: (label, preset, GPU, workload keywords).
+JOBS = [
+    ("readme", "qwen3-1.7b", "a100-40gb",
+     dict(tp=4, cp=2, pp=2, num_microbatches=8, microbatch_size=16, seq_len=4096)),
+    ("llama70b-1024", "llama3.3-70b", "h200-sxm",
+     dict(tp=8, pp=8, dp=16, num_microbatches=16, microbatch_size=2, seq_len=8192)),
+    ("llama3b-tp4", "llama3.2-3b", "h200-sxm",
+     dict(tp=4, pp=2, num_microbatches=8, microbatch_size=8, seq_len=4096)),
+    ("qwen3-tp2-cp2", "qwen3-1.7b", "h100-sxm",
+     dict(tp=2, cp=2, pp=2, num_microbatches=8, microbatch_size=8, seq_len=8192)),
+]
+QUICK_JOBS = [
+    ("qwen3-small", "qwen3-1.7b", "h200-sxm",
+     dict(tp=2, pp=2, num_microbatches=4, microbatch_size=2, seq_len=1024)),
+]
+BASELINES = ("megatron", "nanobatching", "perseus", "nanobatching+perseus")
+
+
+def compare(kareus: Any, baseline: Any) -> dict[str, Any]:
+    """Point by point: kareus's lowest energy within each baseline point's time."""
+    k = sorted((p.time_s, p.energy_j) for p in kareus.points)
+    behind, savings = 0, []
+    for p in baseline.points:
+        within = [e for t, e in k if t <= p.time_s * (1 + 1e-9)]
+        if not within:
+            behind += 1
+            savings.append(float("-inf"))
+            continue
+        best = min(within)
+        if best > p.energy_j * (1 + 1e-9):
+            behind += 1
+        savings.append(1 - best / p.energy_j)
+    finite = [s for s in savings if s != float("-inf")]
+    return {"points": len(savings), "behind": behind,
+            "median_saving": statistics.median(finite) if finite else None,
+            "min_saving": min(savings) if savings else None}
+
+
+def run(jobs: list[tuple[str, str, str, dict[str, Any]]], budgets: list[int],
+        seeds: list[int]) -> list[dict[str, Any]]:
+    from kareus.model import Workload
+    from kareus.workflow import optimize
+
+    rows = []
+    for label, preset, gpu, kw in jobs:
+        wl = Workload.preset(preset, **kw)
+        for seed in seeds:
+            for budget in budgets:
+                t0 = time.monotonic()
+                res = optimize(wl, gpu, budget=budget, seed=seed, progress=False)
+                wall = time.monotonic() - t0
+                for base in BASELINES:
+                    rows.append({"job": label, "seed": seed, "budget": budget,
+                                 "baseline": base, "wall_s": wall,
+                                 **compare(res.kareus, res.frontiers[base])})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--budgets", default="8,16,32,96")
+    ap.add_argument("--seeds", default="0")
+    ap.add_argument("--quick", action="store_true", help="one small job, budgets 8 and 16")
+    ap.add_argument("--json", default=None, metavar="PATH")
+    args = ap.parse_args(argv)
+    budgets = [8, 16] if args.quick else [int(b) for b in args.budgets.split(",")]
+    seeds = [int(s) for s in args.seeds.split(",")]
+    rows = run(QUICK_JOBS if args.quick else JOBS, budgets, seeds)
+    top = max(budgets)
+    ref = {(r["job"], r["seed"]): r["median_saving"] for r in rows
+           if r["budget"] == top and r["baseline"] == "nanobatching+perseus"}
+    print(f"{'job':<15} {'seed':>4} {'budget':>6} {'baseline':<21} {'behind':>10} "
+          f"{'median':>8} {'min':>8} {'of top':>7}")
+    for r in rows:
+        frac = ""
+        if r["baseline"] == "nanobatching+perseus" and ref.get((r["job"], r["seed"])):
+            frac = f"{r['median_saving'] / ref[(r['job'], r['seed'])]:.2f}"
+        med = "n/a" if r["median_saving"] is None else f"{100 * r['median_saving']:.2f}%"
+        low = "n/a" if r["min_saving"] is None else f"{100 * r['min_saving']:.2f}%"
+        print(f"{r['job']:<15} {r['seed']:>4} {r['budget']:>6} {r['baseline']:<21} "
+              f"{r['behind']:>4}/{r['points']:<5} {med:>8} {low:>8} {frac:>7}")
+    print("(EMULATED; saving = 1 - kareus's lowest energy within the baseline point's time / "
+          "the baseline point's energy)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "emulated": True, "machine": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(), "command": " ".join(sys.argv), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,55 @@
+"""kareus's frontier is never behind a baseline's, at any search budget (emulated).
+
+Every configuration a baseline measured is a point of kareus's space, measured already: it
+enters kareus's partition frontiers, and each baseline's own measurements are composed as one
+of kareus's candidates, so kareus's iteration frontier holds every baseline point.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kareus.model import Workload
+from kareus.workflow import optimize
+
+JOBS = [
+    ("qwen3-1.7b", "h200-sxm", dict(tp=2, pp=2, num_microbatches=4, microbatch_size=2,
+                                    seq_len=1024)),
+    ("qwen3-1.7b", "a100-40gb", dict(tp=2, cp=2, pp=2, num_microbatches=4, microbatch_size=2,
+                                     seq_len=2048)),
+    ("llama3.2-3b", "h100-sxm", dict(tp=4, pp=2, num_microbatches=4, microbatch_size=2,
+                                     seq_len=1024)),
+]
+
+
+def _behind(kareus, baseline) -> list[tuple[float, float, float]]:
+    """Baseline points (time, energy) for which kareus has no plan as fast and as frugal:
+    ``(time_s, baseline energy, kareus's lowest energy within that time)``."""
+    points = sorted((p.time_s, p.energy_j) for p in kareus.points)
+    bad = []
+    for p in baseline.points:
+        within = [e for t, e in points if t <= p.time_s * (1 + 1e-9)]
+        best = min(within) if within else float("inf")
+        if best > p.energy_j * (1 + 1e-9):
+            bad.append((p.time_s, p.energy_j, best))
+    return bad
+
+
+@pytest.mark.parametrize("budget", [8, 16, 32])
+@pytest.mark.parametrize(("preset", "gpu", "shape"), JOBS)
+def test_kareus_is_behind_no_baseline_at_any_budget(preset, gpu, shape, budget):
+    result = optimize(Workload.preset(preset, **shape), gpu, budget=budget, progress=False)
+    for name, frontier in result.frontiers.items():
+        if name != "kareus":
+            assert _behind(result.kareus, frontier) == [], (name, budget)
+
+
+def test_kareus_frontiers_hold_every_configuration_the_baselines_measured():
+    wl = Workload.preset(*JOBS[0][:1], **JOBS[0][2])
+    result = optimize(wl, "h200-sxm", budget=8, progress=False)
+    kareus = result.composition.partitions["kareus"]
+    for name in ("perseus", "nanobatching+perseus"):
+        for tname, pf in result.composition.partitions[name].items():
+            mine = [k for k in kareus if k.split("@")[0] == tname]
+            configs = set().union(*({o.config for o in kareus[k].measured()} for k in mine))
+            assert {o.config for o in pf.measured()} <= configs, (name, tname)
