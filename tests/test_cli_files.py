@@ -114,3 +114,36 @@ def test_a_model_named_in_cjk_script_draws_its_figure_without_glyph_warnings(
     assert (out / "frontier.png").is_file()
     assert not [w for w in recwarn if "Glyph" in str(w.message)]  # not even to pytest
     assert err == ""  # no glyph warning on stderr either (and --quiet: no start line)
+
+
+TINY_QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,
+              "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 8,
+              "head_dim": 64, "intermediate_size": 2816, "vocab_size": 32000,
+              "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "hidden_act": "silu",
+              "use_sliding_window": False, "sliding_window": None, "rope_scaling": None}
+
+
+def test_optimize_takes_a_hugging_face_config(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "tiny-qwen3"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(TINY_QWEN3))
+    out = tmp_path / "out"
+    rc = main(["optimize", "--model-file", str(folder / "config.json"), "--gpu", "h200-sxm",
+               "--tp", "2", "--pp", "2", "--microbatches", "4", "--microbatch-size", "2",
+               "--seq-len", "1024", "--budget", "4", "--quiet", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    model = json.loads((out / "results.json").read_text())["workload"]["model"]
+    assert model["name"] == "tiny-qwen3" and model["qk_norm"] is True
+    assert model["tied_embeddings"] is True and model["norm_eps"] == 1e-6
+    plan = Plan.load(out / "plan.json")
+    assert Workload.from_dict(plan.workload).model == ModelArch.from_hf_config(
+        folder / "config.json")
+    # A config asking for what kareus does not compute: exit 2, one line naming the key.
+    (folder / "config.json").write_text(json.dumps({**TINY_QWEN3, "use_sliding_window": True}))
+    rc = main(["optimize", "--model-file", str(folder / "config.json"), "--budget", "2",
+               "--quiet", "--out", str(tmp_path / "o2")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "use_sliding_window true is not computed" in err
+    assert len(err.strip().splitlines()) == 1

@@ -44,6 +44,7 @@ import attrs
 from kareus.errors import ArgumentError, ArgumentTypeError
 from kareus.exec._partition_program import PartitionProgram, RunnablePartition, _comm_buffers
 from kareus.exec._transformer_ops import _ACCUMULATED_BY, _OUTPUT_OPS, _Dims, _dims, _op_builders
+from kareus.exec.model_check import refuse_uncomputed
 from kareus.model.ops import CommKind, CommOp, ComputeOp
 from kareus.model.partition import OpPartition, TransformerPartition
 from kareus.model.workload import Workload
@@ -77,6 +78,7 @@ class RunnableTransformerPartition(RunnablePartition):
                             f"{type(partition).__name__}")
         if not isinstance(workload, Workload):
             raise ArgumentTypeError(f"workload must be a Workload, got {type(workload).__name__}")
+        refuse_uncomputed(workload.model, where="kareus's runnable partitions")
         builders = _op_builders()
         unknown = [op.name for op in partition.compute_ops if op.name not in builders]
         if unknown:

@@ -69,7 +69,7 @@ from kareus.exec.schedule import (
     stack_stream,
     type_shapes,
 )
-from kareus.exec.train import DecoderShard, ParallelGroups
+from kareus.exec.train import DecoderShard, ParallelGroups, refuse_uncomputed
 from kareus.integrations._weights import LAYER_WEIGHTS
 from kareus.model.workload import Workload
 
@@ -205,6 +205,7 @@ class PlanApplier:
             raise ArgumentError(f"kareus's RMSNorm kernels take eps=1e-5; the model uses "
                                 f"{eps}: build the model with 1e-5 or run it without kareus")
         _check_workload(workload, groups)
+        refuse_uncomputed(workload.model, where="kareus's planned layer")
         if not 0 <= int(stage) < workload.parallelism.pp:
             raise ArgumentError(f"stage must be this rank's pipeline stage, 0 .. "
                                 f"{workload.parallelism.pp - 1} (PP={workload.parallelism.pp}), "

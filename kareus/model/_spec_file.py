@@ -86,15 +86,19 @@ def _read_table(path: str | os.PathLike[str], what: str) -> dict[str, Any]:
     return data
 
 
-def _check_keys(d: Mapping[str, Any], fields: tuple[str, ...], where: str) -> None:
-    unknown = [k for k in d if k not in fields]
+def _check_keys(d: Mapping[str, Any], fields: tuple[str, ...], where: str,
+                optional: tuple[str, ...] = ()) -> None:
+    """Refuse unknown keys (with the closest field as a hint) and missing ``fields``;
+    ``optional`` keys may be present or not."""
+    known = fields + optional
+    unknown = [k for k in d if k not in known]
     if unknown:
         hints = []
         for k in unknown:
-            close = difflib.get_close_matches(str(k), fields, n=1)
+            close = difflib.get_close_matches(str(k), known, n=1)
             hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
         raise SpecFileError(f"{where}: unknown key(s) {', '.join(hints)}; the fields are "
-                            f"{', '.join(fields)}")
+                            f"{', '.join(known)}")
     missing = [f for f in fields if f not in d]
     if missing:
         raise SpecFileError(f"{where}: missing field(s) {', '.join(missing)}; every one of "
@@ -106,6 +110,12 @@ def _int(value: Any, field: str, where: str) -> int:
         if isinstance(value, float) and value.is_integer():
             return int(value)
         raise SpecFileError(f"{where}: {field} must be a whole number, got {value!r:.60}")
+    return value
+
+
+def _bool(value: Any, field: str, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise SpecFileError(f"{where}: {field} must be true or false, got {value!r:.60}")
     return value
 
 

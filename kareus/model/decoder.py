@@ -56,6 +56,7 @@ __all__ = [
     "LayerCollective",
     "LayerPhase",
     "LayerSegment",
+    "QK_NORM_OPS",
     "decoder_layer",
     "layer_collectives",
 ]
@@ -181,11 +182,32 @@ ATTENTION_SEGMENT = "attn"
 (``attn_in`` and ``attn_out`` forward, ``attn_out`` and ``attn_in`` backward)."""
 
 
-def decoder_layer(phase: str) -> LayerPhase:
-    """The decoder layer's ``phase`` (``"fwd"`` or ``"bwd"``)."""
+#: The ops query/key normalisation adds (per-head RMSNorm before RoPE, as Qwen3 does), and
+#: the op they follow: forward between the QKV projection and RoPE, backward right after
+#: RoPE's backward (turning dQ and dK back into the projection's output gradients).
+QK_NORM_OPS: Mapping[str, tuple[str, tuple[str, ...]]] = types.MappingProxyType({
+    "fwd": ("qkv", ("q_norm", "k_norm")),
+    "bwd": ("rope_bwd", ("q_norm_bwd", "k_norm_bwd")),
+})
+
+
+def decoder_layer(phase: str, *, qk_norm: bool = False) -> LayerPhase:
+    """The decoder layer's ``phase`` (``"fwd"`` or ``"bwd"``); with ``qk_norm``, the layer of
+    a model that normalises queries and keys per head (``QK_NORM_OPS``
+    inserted in the attention-input segment)."""
     if phase not in DECODER_LAYER:
         raise ArgumentError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
-    return DECODER_LAYER[phase]
+    layer = DECODER_LAYER[phase]
+    if not qk_norm:
+        return layer
+    after, extra = QK_NORM_OPS[phase]
+    segments = []
+    for seg in layer.segments:
+        if after in seg.op_names:
+            i = seg.op_names.index(after) + 1
+            seg = attrs.evolve(seg, op_names=(*seg.op_names[:i], *extra, *seg.op_names[i:]))
+        segments.append(seg)
+    return attrs.evolve(layer, segments=tuple(segments))
 
 
 def layer_collectives(*, tp: int = 2, cp: int = 2) -> tuple[LayerCollective, ...]:

@@ -14,6 +14,11 @@ small file whose keys are the fields of [`ModelArch`][kareus.model.ModelArch] or
     head_dim = 128
     ffn = 14336
     vocab = 128256
+    # the layer features, each optional (these are the defaults: a plain Llama layer)
+    qk_norm = false          # RMSNorm of queries and keys per head, before RoPE (Qwen3)
+    norm_eps = 1e-5          # every RMSNorm's epsilon
+    qkv_bias = false         # a bias on the QKV projection (Qwen2)
+    tied_embeddings = false  # the LM head uses the embedding's matrix
 
     # my-gpu.toml: clocks as a list or as {min, max, step}; search clocks descending
     name = "my-gpu"
@@ -22,6 +27,14 @@ small file whose keys are the fields of [`ModelArch`][kareus.model.ModelArch] or
     search_clocks_mhz = {max = 1410, step = 30, count = 18}
     bf16_peak_tflops = 312.0
     ...
+
+A Hugging Face ``config.json`` of the Llama, Qwen2 or Qwen3 family is a model file too:
+``load_model_file`` recognises it by its content (an ``architectures`` or ``model_type``
+key) and reads it as [`model_from_hf_config`][kareus.model.files.model_from_hf_config] does
+(the model named by the config's ``_name_or_path``, else its folder), so
+``kareus optimize --model-file Qwen3-1.7B/config.json`` works; a config that asks for what
+kareus does not compute (a sliding window, experts, another activation, other biases) is
+refused in one line naming its key. Nothing is downloaded: the file must be local.
 
 ``load_model_file`` and ``load_gpu_file`` read and check a file;
 [`register_model`][kareus.model.files.register_model] and
@@ -36,7 +49,8 @@ A workload of a model that is not a preset stores its whole architecture in
 ``results.json`` likewise carries the whole GPU spec when the GPU is not a preset.
 
 Every way a file can be bad (missing, not UTF-8, not TOML or JSON, not a table, a missing
-field, an unknown key, a value of the wrong type or an impossible one) raises
+field, an unknown key, a value of the wrong type, such as ``qk_norm = 1``, or an impossible
+one, such as ``norm_eps = 0``) raises
 ``SpecFileError`` with one line naming the file and what to change. TOML needs
 Python 3.11+ (``tomllib``) or the ``tomli`` package on Python 3.10; without either, a TOML
 file raises a ``SpecFileError`` saying to install tomli or write JSON.
@@ -62,6 +76,7 @@ from kareus.model.workload import (
     ModelArch,
     load_model_file,
     model_from_dict,
+    model_from_hf_config,
     register_model,
     registered_models,
     unregister_model,
@@ -73,6 +88,7 @@ __all__ = [
     "load_gpu_file",
     "load_model_file",
     "model_from_dict",
+    "model_from_hf_config",
     "register_gpu",
     "register_model",
     "registered_gpus",

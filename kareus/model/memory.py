@@ -4,7 +4,8 @@ A workload that cannot be trained on its GPUs must be refused before minutes of 
 not reported with an iteration time. ``estimate_memory`` counts, per GPU of each
 pipeline stage (the largest stage is the one that matters):
 
-- **weights** in bf16 (2 bytes per parameter) and **gradients** in bf16 (2 bytes);
+- **weights** in bf16 (2 bytes per parameter) and **gradients** in bf16 (2 bytes); tied
+  embeddings are one matrix on a single stage, a copy on each end stage with PP > 1;
 - **optimizer state**: fp32 master weights and Adam's two moments (12 bytes per parameter),
   sharded over the data-parallel replicas as Megatron-LM's distributed optimizer does;
 - **activations** of the microbatches in flight (1F1B: stage ``s`` of ``p`` holds up to
@@ -69,18 +70,16 @@ class MemoryEstimate:
                 f"{self.activations_bytes / _GIB:,.1f})")
 
 
-def _layer_params(wl: Workload) -> float:
-    m, tp = wl.model, wl.parallelism.tp
-    attn = m.hidden * (m.heads + 2 * m.kv_heads) * m.head_dim + m.heads * m.head_dim * m.hidden
-    return (attn + 3 * m.hidden * m.ffn) / tp + 2 * m.hidden
-
-
 def _saved_bytes_per_token(wl: Workload) -> float:
-    """bf16 bytes one layer saves for its backward, per token, without recomputation
-    (before TP sharding)."""
+    """Bytes one layer saves for its backward, per token, without recomputation (before TP
+    sharding): bf16 tensors, fp32 per-head statistics. With qk-norm the norms keep their
+    inputs, the projection's q and k, beside the normalised and rotated ones attention keeps,
+    and their per-head reciprocal RMS."""
     m = wl.model
     hq, hkv = m.heads * m.head_dim, m.kv_heads * m.head_dim
     attn = 2 * m.hidden * 2 + 2 * (hq + 2 * hkv) + 2 * hq + 4 * m.heads
+    if m.qk_norm:
+        attn += 2 * (hq + hkv) + 4 * (m.heads + m.kv_heads)
     mlp = 2 * m.hidden * 2 + 2 * 3 * m.ffn
     return float(attn + mlp)
 
@@ -94,7 +93,7 @@ def estimate_memory(workload: Workload, *, schedule: str = "1f1b") -> MemoryEsti
     """
     wl, p, m = workload, workload.parallelism, workload.model
     tokens = wl.microbatch_size * wl.seq_len / p.cp
-    per_layer = _layer_params(wl)
+    per_layer = m.layer_params_per_rank(p.tp)
     saved = _saved_bytes_per_token(wl) / p.tp
     kept = (2 * m.hidden / p.tp) if wl.recompute else saved
     best: MemoryEstimate | None = None
@@ -103,7 +102,10 @@ def estimate_memory(workload: Workload, *, schedule: str = "1f1b") -> MemoryEsti
         if stage == 0:
             params += m.vocab * m.hidden / p.tp
         if stage == p.pp - 1:
-            params += m.vocab * m.hidden / p.tp + m.hidden
+            # The LM head: the embedding's own matrix when tied on one stage; with PP > 1
+            # the last stage keeps a copy of the tied matrix.
+            tied_here = m.tied_embeddings and p.pp == 1
+            params += (0 if tied_here else m.vocab * m.hidden / p.tp) + m.hidden
         inflight = wl.num_microbatches if schedule == "gpipe" else \
             min(p.pp - stage, wl.num_microbatches)
         act = inflight * wl.layers_per_stage * kept * tokens

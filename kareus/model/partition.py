@@ -24,6 +24,16 @@ collective of the stage (one exposed collective and one bare computation per sta
 and microbatch are counted as one overlapped pair); residual additions are omitted;
 with full recomputation the backward pass of each layer re-runs its forward,
 collectives included, so backward computations also hold forward partition types.
+
+The model's layer features change the op lists: with ``qk_norm`` the attention input gains
+``q_norm`` and ``k_norm`` between ``qkv`` and ``rope`` (memory-bound, so they and ``rope``
+form one launch slot, named ``q_norm``) and its backward ``q_norm_bwd`` and ``k_norm_bwd``
+after ``rope_bwd`` (in ``rope_bwd``'s slot); a QKV bias is added in the ``qkv`` GEMM's
+epilogue and its gradient reduced in ``qkv_wgrad``'s (no op of its own, no new slot); tied
+embeddings change no op of a microbatch (the LM head's weight gradient is written into the
+embedding's gradient instead of a matrix of its own) but change the parameters, so the
+optimizer step, and with PP > 1 add the tied gradient's all-reduce between the end stages
+(``iteration_work``).
 """
 
 from __future__ import annotations
@@ -339,10 +349,27 @@ class _Shapes:
         self.v = m.vocab // p.tp if m.vocab % p.tp == 0 else -(-m.vocab // p.tp)
         self.heads = m.heads // p.tp
         self.head_dim = m.head_dim
+        self.qk_norm = m.qk_norm
+        self.qkv_bias = m.qkv_bias
 
-    def gemm(self, name: str, m: int, k: int, n: int) -> ComputeOp:
+    def gemm(self, name: str, m: int, k: int, n: int, *, bias_add: bool = False,
+             bias_grad: bool = False) -> ComputeOp:
+        """An (m x k) @ (k x n) GEMM: reads both operands, writes the result once.
+
+        ``bias_add``: the epilogue adds a bias of ``n`` values to every output row (``m x n``
+        additions, the bias read). ``bias_grad``: the epilogue also sums the ``k x n`` operand
+        over its ``k`` rows, the gradient of such a bias (``k x n`` additions, ``n`` values
+        written); the operand is read by the GEMM already.
+        """
+        flops = 2.0 * m * k * n
         moved = (m * k + m * n + k * n) * self.d
-        return ComputeOp(name=name, kind=OpKind.GEMM, flops=2.0 * m * k * n, bytes_moved=moved)
+        if bias_add:
+            flops += m * n
+            moved += n * self.d
+        if bias_grad:
+            flops += k * n
+            moved += n * self.d
+        return ComputeOp(name=name, kind=OpKind.GEMM, flops=flops, bytes_moved=moved)
 
     def mem(self, name: str, kind: OpKind, elems_moved: float, flops_per_elem: float = 1.0
             ) -> ComputeOp:
@@ -363,10 +390,20 @@ class _Shapes:
 def _layer_ops(phase: str, s: _Shapes) -> dict[str, ComputeOp]:
     """Every op of a decoder layer's ``phase``, costed at the shapes ``s``, by name."""
     t, h, q, kv, f = s.t, s.h, s.q, s.kv, s.f
+    # qk-norm: one RMSNorm per head of the queries and of the keys, over head_dim, between
+    # the QKV projection and RoPE; as the layer norms, forward reads and writes each element
+    # (2 FLOPs per element moved), backward reads the gradient and the saved input and
+    # writes the input's gradient (3 per element moved; the per-head weights' gradients are
+    # reduced in the same kernel).
+    qk_norm = (s.mem("q_norm", OpKind.NORM, 2 * t * q, 2.0),
+               s.mem("k_norm", OpKind.NORM, 2 * t * kv, 2.0)) if s.qk_norm else ()
+    qk_norm_bwd = (s.mem("q_norm_bwd", OpKind.NORM, 3 * t * q, 3.0),
+                   s.mem("k_norm_bwd", OpKind.NORM, 3 * t * kv, 3.0)) if s.qk_norm else ()
     ops: tuple[ComputeOp, ...]
     if phase == "fwd":
         ops = (s.mem("attn_norm", OpKind.NORM, 2 * t * h, 2.0),
-               s.gemm("qkv", t, h, q + 2 * kv),
+               s.gemm("qkv", t, h, q + 2 * kv, bias_add=s.qkv_bias),
+               *qk_norm,
                s.mem("rope", OpKind.ROPE, 2 * t * (q + kv), 1.5),
                s.attention("attn_core", backward=False), s.gemm("out_proj", t, q, h),
                s.mem("mlp_norm", OpKind.NORM, 2 * t * h, 2.0), s.gemm("gate", t, h, f),
@@ -376,6 +413,9 @@ def _layer_ops(phase: str, s: _Shapes) -> dict[str, ComputeOp]:
     # RoPE's backward rotates dQ and dK back and also carries dV into the packed dQKV the
     # QKV GEMM's backward reads (autograd's concatenation of the three, fused into the
     # one kernel): its bytes count dV's read and write; its FLOPs are the rotation's.
+    # With qk-norm, the norms' backward then turns the dQ and dK parts of dQKV into the
+    # gradients of the projection's outputs. A QKV bias's gradient (dQKV summed over the
+    # tokens) is reduced in the weight-gradient GEMM's epilogue, which reads dQKV anyway.
     rope_bwd = ComputeOp(name="rope_bwd", kind=OpKind.ROPE, flops=1.5 * 2 * t * (q + kv),
                          bytes_moved=2 * t * (q + 2 * kv) * s.d)
     ops = (s.mem("attn_norm_bwd", OpKind.NORM, 3 * t * h, 3.0),
@@ -386,8 +426,9 @@ def _layer_ops(phase: str, s: _Shapes) -> dict[str, ComputeOp]:
            s.mem("mlp_norm_bwd", OpKind.NORM, 3 * t * h, 3.0),
            s.gemm("out_dgrad", t, h, q), s.gemm("out_wgrad", q, t, h),
            s.attention("attn_core_bwd", backward=True),
-           rope_bwd,
-           s.gemm("qkv_dgrad", t, q + 2 * kv, h), s.gemm("qkv_wgrad", h, t, q + 2 * kv))
+           rope_bwd, *qk_norm_bwd,
+           s.gemm("qkv_dgrad", t, q + 2 * kv, h),
+           s.gemm("qkv_wgrad", h, t, q + 2 * kv, bias_grad=s.qkv_bias))
     return {op.name: op for op in ops}
 
 
@@ -407,7 +448,7 @@ def _layer_segments(wl: Workload, phase: str, s: _Shapes) -> list[_Segment]:
                                   bytes=kv_bytes, group_size=p.cp) if p.cp > 1 else None),
     }
     ops = _layer_ops(phase, s)
-    layer = decoder_layer(phase)
+    layer = decoder_layer(phase, qk_norm=s.qk_norm)
     unknown = sorted(set(layer.op_names) ^ set(ops))
     if unknown:  # the op order and the costs name the same ops
         raise AssertionError(f"decoder ops without a cost or not in the op order: {unknown}")
@@ -498,15 +539,21 @@ def build_partitions(workload: Workload) -> PartitionSet:
 
 def stage_params_per_rank(wl: Workload) -> float:
     """Parameters one rank of the pipeline stage with the most parameters holds: its
-    layers' weights split over TP (norm weights replicated), plus the embedding on the
-    first stage and the LM head and final norm on the last (each split over TP; untied)."""
+    layers' weights split over TP (norm weights replicated,
+    [`ModelArch.layer_params_per_rank`][kareus.model.ModelArch.layer_params_per_rank]), plus
+    the embedding on the first stage and the LM head and final norm on the last (each split
+    over TP).
+
+    Tied embeddings are one matrix where the embedding and the LM head share a stage
+    (PP = 1). With PP > 1 the last stage keeps its own copy of the tied matrix for the LM
+    head (Megatron-LM's layout: the copies stay equal because their gradients are summed,
+    ``iteration_work``), so each end stage holds one
+    matrix either way."""
     m, p = wl.model, wl.parallelism
-    attn = m.hidden * (m.heads + 2 * m.kv_heads) * m.head_dim + m.heads * m.head_dim * m.hidden
-    layer = (attn + 3 * m.hidden * m.ffn) / p.tp + 2 * m.hidden
-    layers = wl.layers_per_stage * layer
+    layers = wl.layers_per_stage * m.layer_params_per_rank(p.tp)
     embed = m.vocab * m.hidden / p.tp
     if p.pp == 1:
-        return layers + 2 * embed + m.hidden
+        return layers + (1 if m.tied_embeddings else 2) * embed + m.hidden
     return layers + embed + m.hidden  # the first (embedding) or last (LM head) stage
 
 
@@ -530,11 +577,16 @@ def iteration_work(wl: Workload, *, distributed_optimizer: bool = True) -> Outsi
       them with the distributed optimizer): ``ADAM_BYTES_PER_PARAM`` of HBM traffic and
       ``ADAM_FLOPS_PER_PARAM`` per parameter, one memory-bound op.
 
+    * With tied embeddings and PP > 1, an all-reduce of the tied matrix's fp32 gradient
+      (``vocab / TP x hidden``) between the first stage (its embedding's gradient) and the
+      last (its LM head's), so that both copies take the same step (Megatron-LM's embedding
+      group, two GPUs).
+
     Assumptions (engineering estimates, stated in docs/emulator.md): gradients kept and
     reduced in fp32, no gradient-reduction overlap with the backward pass (Megatron-LM's
     ``--overlap-grad-reduce`` is off by default).
     """
-    p = wl.parallelism
+    p, m = wl.parallelism, wl.model
     n = stage_params_per_rank(wl)
     comms: list[CommOp] = []
     share = n
@@ -548,6 +600,13 @@ def iteration_work(wl: Workload, *, distributed_optimizer: bool = True) -> Outsi
         else:
             comms = [CommOp(name="dp_grad_all_reduce", kind=CommKind.ALL_REDUCE,
                             bytes=int(4 * n), group_size=p.dp)]
+    if m.tied_embeddings and p.pp > 1:
+        # After the data-parallel reduction of the gradients, before the step (and so
+        # before the weights' all-gather of the distributed optimizer).
+        v_local = -(-m.vocab // p.tp)
+        tied = CommOp(name="embedding_grad_all_reduce", kind=CommKind.ALL_REDUCE,
+                      bytes=4 * v_local * m.hidden, group_size=2)
+        comms.insert(1 if p.dp > 1 else 0, tied)
     step = ComputeOp(name="optimizer_step", kind=OpKind.ELEMENTWISE,
                      flops=ADAM_FLOPS_PER_PARAM * share,
                      bytes_moved=ADAM_BYTES_PER_PARAM * share)
@@ -580,6 +639,8 @@ def _outside_work(wl: Workload) -> dict[tuple[int, str], OutsideWork]:
             if ar is not None:
                 fwd_comms.append(ar)
         if stage == p.pp - 1:
+            # With tied embeddings the LM head multiplies by the embedding's matrix, and
+            # lm_head_wgrad writes into that matrix's gradient: the same kernels and bytes.
             fwd_ops += [s.mem("final_norm", OpKind.NORM, 2 * t * h, 2.0),
                         s.gemm("lm_head", t, h, v),
                         s.mem("loss", OpKind.LOSS, 3 * t * v, 4.0)]

@@ -2,9 +2,13 @@
 
 The presets carry the models' public architecture configs (the ``config.json`` published
 with the weights of meta-llama/Llama-3.2-3B, Qwen/Qwen3-1.7B and
-meta-llama/Llama-3.3-70B-Instruct on Hugging Face). A [`Workload`][kareus.model.Workload] checks
-that its parallelism divides the model (heads, KV heads, FFN width, vocabulary, layers) and that its
-batch splits into nanobatches.
+meta-llama/Llama-3.3-70B-Instruct on Hugging Face), layer features included: Qwen3-1.7B
+normalises queries and keys per head (``qk_norm``), uses an RMSNorm epsilon of 1e-6 and ties
+its input and output embeddings; Llama-3.2-3B ties its embeddings (epsilon 1e-5); Llama-3.3-70B
+does not (epsilon 1e-5). Such a ``config.json`` is itself a model file
+([`model_from_hf_config`][kareus.model.files.model_from_hf_config]). A
+[`Workload`][kareus.model.Workload] checks that its parallelism divides the model (heads, KV
+heads, FFN width, vocabulary, layers) and that its batch splits into nanobatches.
 
 Nanobatching splits each microbatch along the batch dimension into
 ``nanobatches`` equal parts, so ``microbatch_size`` must be divisible by it;
@@ -22,7 +26,17 @@ from typing import Any
 import attrs
 
 from kareus.errors import KareusError, UnknownPresetError, WorkloadError, short_repr
-from kareus.model._spec_file import SpecFileError, _check_keys, _int, _name, _read_table, _register
+from kareus.model._hf_config import hf_arch_fields, is_hf_config
+from kareus.model._spec_file import (
+    SpecFileError,
+    _bool,
+    _check_keys,
+    _float,
+    _int,
+    _name,
+    _read_table,
+    _register,
+)
 
 __all__ = [
     "MODEL_PRESETS",
@@ -32,6 +46,7 @@ __all__ = [
     "get_model",
     "load_model_file",
     "model_from_dict",
+    "model_from_hf_config",
     "model_names",
     "register_model",
     "registered_models",
@@ -61,7 +76,35 @@ def _check_count(field: str, value: object) -> None:
 
 @attrs.frozen(kw_only=True)
 class ModelArch:
-    """A decoder-only transformer with grouped-query attention and a SwiGLU MLP."""
+    """A decoder-only transformer with grouped-query attention and a SwiGLU MLP.
+
+    Every layer is: RMSNorm, the fused QKV projection, RoPE on queries and keys, causal
+    attention, the output projection, then RMSNorm and the SwiGLU MLP (gate, up, down), each
+    block with a residual connection; the embedding before the first layer, a final RMSNorm,
+    the LM head and the loss after the last. The layer features below change which kernels
+    run and how much they move, so [`build_partitions`][kareus.model.build_partitions] costs
+    them; their defaults are a plain Llama layer.
+
+    Attributes:
+        name: The model's name (a preset's or the user's).
+        layers: Transformer layers.
+        hidden: Width of the residual stream.
+        heads: Query heads.
+        kv_heads: Key/value heads (grouped-query attention: ``heads`` is a multiple).
+        head_dim: Width of one head.
+        ffn: Width of the SwiGLU MLP's gate and up projections.
+        vocab: Vocabulary size (rows of the embedding, columns of the LM head).
+        qk_norm: Queries and keys are RMS-normalised per head (over ``head_dim``, one weight
+            vector of ``head_dim`` each for q and k) after the QKV projection and before RoPE,
+            as Qwen3 does.
+        norm_eps: The epsilon every RMSNorm adds to the mean square (numerics only: it
+            changes no FLOP or byte count, but the kernels must use the model's value).
+        qkv_bias: The QKV projection adds a bias (``(heads + 2 kv_heads) x head_dim``
+            values), as Qwen2 does; the output projection and the MLP have none.
+        tied_embeddings: The LM head uses the input embedding's weight matrix (one
+            ``vocab x hidden`` matrix, not two): its weight gradient accumulates into the
+            embedding's.
+    """
 
     name: str
     layers: int
@@ -71,6 +114,10 @@ class ModelArch:
     head_dim: int
     ffn: int
     vocab: int
+    qk_norm: bool = False
+    norm_eps: float = 1e-5
+    qkv_bias: bool = False
+    tied_embeddings: bool = False
 
     def __attrs_post_init__(self) -> None:
         for field in ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab"):
@@ -78,15 +125,41 @@ class ModelArch:
         if self.heads % self.kv_heads:
             raise WorkloadError(f"{self.name}: heads ({self.heads}) must be a multiple of "
                                 f"kv_heads ({self.kv_heads})")
+        for field in ("qk_norm", "qkv_bias", "tied_embeddings"):
+            if not isinstance(getattr(self, field), bool):
+                raise WorkloadError(f"{self.name}: {field} must be True or False, got "
+                                    f"{short_repr(getattr(self, field))}")
+        eps = self.norm_eps
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
+            raise WorkloadError(f"{self.name}: norm_eps must be a number in (0, 1) (RMSNorm's "
+                                f"epsilon, e.g. 1e-5 or 1e-6), got {short_repr(eps)}")
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one transformer layer: the QKV (with its bias, if any), output and
+        MLP weights, the two norm weights, and the q/k norm weights with ``qk_norm``."""
+        return int(self.layer_params_per_rank(1))
+
+    def layer_params_per_rank(self, tp: int) -> float:
+        """Parameters of one transformer layer that one of ``tp`` tensor-parallel ranks
+        holds: the projections (and the QKV bias, split with its output columns) divided
+        over the ranks, the norm weights (the q/k norms' too) replicated on each."""
+        qkv = (self.heads + 2 * self.kv_heads) * self.head_dim
+        sharded = (self.hidden * qkv + self.heads * self.head_dim * self.hidden
+                   + 3 * self.hidden * self.ffn + (qkv if self.qkv_bias else 0))
+        replicated = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+        return sharded / tp + replicated
+
+    @property
+    def embedding_params(self) -> int:
+        """Parameters of the input embedding and the LM head together: one ``vocab x
+        hidden`` matrix when they are tied, two otherwise."""
+        return (1 if self.tied_embeddings else 2) * self.vocab * self.hidden
 
     @property
     def params(self) -> int:
-        """Parameter count (untied embedding and LM head counted once each)."""
-        attn = self.hidden * (self.heads + 2 * self.kv_heads) * self.head_dim
-        attn += self.heads * self.head_dim * self.hidden
-        mlp = 3 * self.hidden * self.ffn
-        norms = 2 * self.hidden
-        return self.layers * (attn + mlp + norms) + 2 * self.vocab * self.hidden + self.hidden
+        """Parameter count (a tied embedding and LM head counted once, untied ones once each)."""
+        return self.layers * self.layer_params + self.embedding_params + self.hidden
 
     @property
     def is_preset(self) -> bool:
@@ -94,21 +167,45 @@ class ModelArch:
         return MODEL_PRESETS.get(self.name) == self
 
     def to_dict(self) -> dict[str, object]:
-        """Every field, JSON-ready (what [`from_dict`][kareus.model.ModelArch.from_dict] and model files take)."""
-        return attrs.asdict(self)
+        """Every field, JSON-ready (what [`from_dict`][kareus.model.ModelArch.from_dict] and
+        model files take); a layer feature at its default is left out, so a model without
+        features is written as before they existed (same plans, same digests)."""
+        d = attrs.asdict(self)
+        for f in attrs.fields(ModelArch):
+            if f.name in _MODEL_FEATURES and d[f.name] == f.default:
+                del d[f.name]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, object]) -> ModelArch:
-        """Build and check from a dict of every field (raises ``SpecFileError``)."""
+        """Build and check from a dict of its fields (raises ``SpecFileError``)."""
         return model_from_dict(d)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> ModelArch:
-        """Read a ``.toml`` or ``.json`` model file (see [`kareus.model.files`][kareus.model.files])."""
+        """Read a ``.toml`` or ``.json`` model file, or a Hugging Face ``config.json`` (see
+        [`kareus.model.files`][kareus.model.files])."""
         return load_model_file(path)
 
+    @classmethod
+    def from_hf_config(cls, config: str | os.PathLike[str] | Mapping[str, Any], *,
+                       name: str | None = None) -> ModelArch:
+        """The architecture of a Hugging Face ``config.json`` (a local file or its dict),
+        see [`model_from_hf_config`][kareus.model.files.model_from_hf_config]."""
+        return model_from_hf_config(config, name=name)
 
+
+#: The fields a model file must give.
 _MODEL_FIELDS = ("name", "layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab")
+#: The layer features a model file may give (absent: the defaults of a plain Llama layer).
+_MODEL_FEATURES = ("qk_norm", "norm_eps", "qkv_bias", "tied_embeddings")
+
+
+def _build(kwargs: dict[str, Any], where: str) -> ModelArch:
+    try:
+        return ModelArch(**kwargs)
+    except (KareusError, ValueError) as exc:
+        raise SpecFileError(f"{where}: {exc}") from None
 
 
 def model_from_dict(d: Mapping[str, Any], *, where: str = "model") -> ModelArch:
@@ -116,7 +213,9 @@ def model_from_dict(d: Mapping[str, Any], *, where: str = "model") -> ModelArch:
 
     Args:
         d: ``name``, ``layers``, ``hidden``, ``heads``, ``kv_heads``, ``head_dim``, ``ffn``,
-            ``vocab``; nothing else.
+            ``vocab`` (all needed), and optionally the layer features ``qk_norm``,
+            ``qkv_bias``, ``tied_embeddings`` (true or false) and ``norm_eps`` (a number);
+            nothing else.
         where: What ``d`` is, for messages (a file name).
 
     Raises:
@@ -125,33 +224,94 @@ def model_from_dict(d: Mapping[str, Any], *, where: str = "model") -> ModelArch:
     if not isinstance(d, Mapping):
         raise SpecFileError(f"{where}: expected a table of model fields, got "
                             f"{type(d).__name__}")
-    _check_keys(d, _MODEL_FIELDS, where)
+    _check_keys(d, _MODEL_FIELDS, where, optional=_MODEL_FEATURES)
     kwargs: dict[str, Any] = {"name": _name(d["name"], where)}
     for f in _MODEL_FIELDS[1:]:
         kwargs[f] = _int(d[f], f, where)
-    try:
-        return ModelArch(**kwargs)
-    except (KareusError, ValueError) as exc:
-        raise SpecFileError(f"{where}: {exc}") from None
+    for f in ("qk_norm", "qkv_bias", "tied_embeddings"):
+        if f in d:
+            kwargs[f] = _bool(d[f], f, where)
+    if "norm_eps" in d:
+        kwargs["norm_eps"] = _float(d["norm_eps"], "norm_eps", where)
+    return _build(kwargs, where)
+
+
+def model_from_hf_config(config: str | os.PathLike[str] | Mapping[str, Any], *,
+                         name: str | None = None) -> ModelArch:
+    """A [`ModelArch`][kareus.model.ModelArch] from a Hugging Face ``config.json``.
+
+    The Llama, Qwen2 and Qwen3 families (``architectures`` ``LlamaForCausalLM``,
+    ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, or ``model_type`` ``llama``, ``qwen2``,
+    ``qwen3``) map onto kareus's layer: ``hidden_size``, ``num_hidden_layers``,
+    ``num_attention_heads``, ``num_key_value_heads``, ``head_dim`` (else ``hidden_size /
+    num_attention_heads``), ``intermediate_size``, ``vocab_size``, ``rms_norm_eps``,
+    ``tie_word_embeddings``; Qwen2 has a QKV bias, Qwen3 normalises queries and keys per
+    head. What a config asks for that kareus does not compute is refused, in one line naming
+    the key: a sliding window, experts (MoE), an activation other than ``silu``, biases
+    beyond Qwen2's QKV bias (``attention_bias`` in Llama and Qwen3 also adds one to the
+    output projection; ``mlp_bias``), attention dropout, and RoPE scaling other than
+    Llama 3's (which changes RoPE's frequencies, not its FLOPs). Nothing is downloaded.
+
+    Args:
+        config: The path of a local ``config.json``, or its parsed dict.
+        name: The model's name; default: the config's ``_name_or_path``, else the name of
+            the file's folder, else its ``model_type``.
+
+    Raises:
+        SpecFileError: the file cannot be read, or the config is of another family or asks
+            for something kareus does not compute.
+    """
+    folder = ""
+    if isinstance(config, Mapping):
+        d, where = config, "Hugging Face config"
+    else:
+        d = _read_table(config, "model")
+        where, folder = f"Hugging Face config {Path(config)}", _folder_name(Path(config))
+    fields = hf_arch_fields(d, where)
+    family = str(fields.pop("model_type"))
+    if name is None:
+        guess = d.get("_name_or_path")
+        name = guess if isinstance(guess, str) and guess.strip() else (folder or family)
+    return _build({"name": _name(name, where), **fields}, where)
+
+
+def _folder_name(path: Path) -> str:
+    """The model's name as the folder of its ``config.json`` gives it: ``owner/model`` in the
+    Hugging Face cache (``models--owner--model/snapshots/<commit>/config.json``), else the
+    folder's own name."""
+    parent = path.resolve().parent
+    repo = parent.parent.parent.name
+    if parent.parent.name == "snapshots" and repo.startswith("models--"):
+        return repo[len("models--"):].replace("--", "/")
+    return parent.name
 
 
 def load_model_file(path: str | os.PathLike[str]) -> ModelArch:
-    """Read a model architecture from a ``.toml`` or ``.json`` file (see the module doc).
+    """Read a model architecture from a ``.toml`` or ``.json`` model file, or from a
+    Hugging Face ``config.json`` (recognised by its content: an ``architectures`` or
+    ``model_type`` key; read as [`model_from_hf_config`][kareus.model.files.model_from_hf_config]
+    does, named by its ``_name_or_path`` or its folder).
 
     Raises:
         SpecFileError: the file is missing, unreadable, not UTF-8, not TOML/JSON, or its
             content is not a valid architecture.
     """
-    return model_from_dict(_read_table(path, "model"), where=f"model file {Path(path)}")
+    d = _read_table(path, "model")
+    if is_hf_config(d):
+        return model_from_hf_config(path)
+    return model_from_dict(d, where=f"model file {Path(path)}")
 
 
 MODEL_PRESETS: dict[str, ModelArch] = {
     "llama3.2-3b": ModelArch(name="llama3.2-3b", layers=28, hidden=3072, heads=24, kv_heads=8,
-                             head_dim=128, ffn=8192, vocab=128256),
+                             head_dim=128, ffn=8192, vocab=128256, norm_eps=1e-5,
+                             tied_embeddings=True),
     "qwen3-1.7b": ModelArch(name="qwen3-1.7b", layers=28, hidden=2048, heads=16, kv_heads=8,
-                            head_dim=128, ffn=6144, vocab=151936),
+                            head_dim=128, ffn=6144, vocab=151936, qk_norm=True, norm_eps=1e-6,
+                            tied_embeddings=True),
     "llama3.3-70b": ModelArch(name="llama3.3-70b", layers=80, hidden=8192, heads=64, kv_heads=8,
-                              head_dim=128, ffn=28672, vocab=128256),
+                              head_dim=128, ffn=28672, vocab=128256, norm_eps=1e-5,
+                              tied_embeddings=False),
 }
 
 
@@ -314,6 +474,36 @@ class Workload:
         2 nanobatches, recomputation).
         """
         return cls(model=get_model(name), parallelism=Parallelism(tp=tp, cp=cp, pp=pp, dp=dp),
+                   **kwargs)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_hf_config(
+        cls,
+        config: str | os.PathLike[str] | Mapping[str, Any],
+        *,
+        name: str | None = None,
+        tp: int = 1,
+        cp: int = 1,
+        pp: int = 1,
+        dp: int = 1,
+        **kwargs: object,
+    ) -> Workload:
+        """A workload of the model a Hugging Face ``config.json`` describes, e.g.
+        ``Workload.from_hf_config("Qwen3-1.7B/config.json", tp=4, cp=2, pp=2)``.
+
+        The architecture is read as
+        [`model_from_hf_config`][kareus.model.files.model_from_hf_config] reads it (a local
+        file or its dict; Llama, Qwen2, Qwen3); the other arguments are those of
+        [`preset`][kareus.model.Workload.preset]. The model is not registered: to make its
+        name known to [`get_model`][kareus.model.get_model] (as plans of it need), pass
+        the architecture to [`register_model`][kareus.model.files.register_model].
+
+        Raises:
+            SpecFileError: the config cannot be read, or asks for what kareus does not compute.
+            WorkloadError: the parallelism or batch does not fit the model.
+        """
+        arch = model_from_hf_config(config, name=name)
+        return cls(model=arch, parallelism=Parallelism(tp=tp, cp=cp, pp=pp, dp=dp),
                    **kwargs)  # type: ignore[arg-type]
 
     @property

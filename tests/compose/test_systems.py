@@ -333,4 +333,6 @@ def test_megatrons_plan_is_on_kareus_frontier_whatever_the_composer_misses(tiny_
                and p.plan.nanobatch_counts == (1,) for p in res["kareus"].points)
     with monkeypatch.context() as m:  # without the systems' own configurations composed
         m.setattr(systems, "_anchors", lambda *a, **k: None)
+        m.setattr(systems, "_with_every_measured_configuration",
+                  lambda shared, measured: measured["kareus"])
         assert not dominated(run())

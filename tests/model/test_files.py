@@ -206,3 +206,47 @@ def test_workload_round_trip_stores_a_custom_architecture(tmp_path: Path) -> Non
 def test_model_from_dict_rejects_non_tables() -> None:
     with pytest.raises(SpecFileError, match="expected a table"):
         model_from_dict(["layers", 2])  # type: ignore[arg-type]
+
+
+FEATURES_TOML = MODEL_TOML + """\
+qk_norm = true
+norm_eps = 1e-6
+qkv_bias = true
+tied_embeddings = true
+"""
+
+
+def test_layer_features_in_model_files(tmp_path: Path) -> None:
+    arch = load_model_file(_write(tmp_path, "m.toml", FEATURES_TOML))
+    assert (arch.qk_norm, arch.norm_eps, arch.qkv_bias, arch.tied_embeddings) == (
+        True, 1e-6, True, True)
+    again = load_model_file(_write(tmp_path, "m.json", json.dumps(spec_to_dict(arch))))
+    assert again == arch == model_from_dict(arch.to_dict())
+    # Absent features are the defaults (files written before they existed still load).
+    plain = load_model_file(_write(tmp_path, "p.toml", MODEL_TOML))
+    assert (plain.qk_norm, plain.norm_eps, plain.qkv_bias, plain.tied_embeddings) == (
+        False, 1e-5, False, False)
+    # A workload of it carries them through to_dict / from_dict (results.json, plan.json).
+    wl = Workload(model=arch)
+    assert Workload.from_dict(wl.to_dict()).model == arch
+
+
+@pytest.mark.parametrize(("line", "needle"), [
+    ("qk_norm = 1", "qk_norm must be true or false, got 1"),
+    ('qkv_bias = "yes"', "qkv_bias must be true or false"),
+    ("tied_embeddings = 0", "tied_embeddings must be true or false"),
+    ("norm_eps = 0", "norm_eps must be a number in (0, 1)"),
+    ("norm_eps = -1e-5", "norm_eps must be a number in (0, 1)"),
+    ("norm_eps = 2.0", "norm_eps must be a number in (0, 1)"),
+    ('norm_eps = "1e-5"', "norm_eps must be a number"),
+    ("norm_eps = true", "norm_eps must be a number"),
+    ("norm_eps = nan", "norm_eps must be a finite number"),
+    ("qk_nrom = true", "did you mean 'qk_norm'"),
+    ("tie_word_embeddings = true", "did you mean 'tied_embeddings'"),
+])
+def test_bad_layer_features_raise_one_line(tmp_path: Path, line: str, needle: str) -> None:
+    path = _write(tmp_path, "bad.toml", MODEL_TOML + line + "\n")
+    with pytest.raises(SpecFileError) as err:
+        load_model_file(path)
+    msg = str(err.value)
+    assert needle in msg and "\n" not in msg and str(path) in msg

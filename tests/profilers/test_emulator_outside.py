@@ -50,3 +50,27 @@ def test_iteration_tail_of_a_workload() -> None:
     opt = prof.measure_outside(OutsideWork(ops=pset.iteration.ops), 1980,
                                group_size=wl.parallelism.world_size)
     assert tail.time_s > opt.time_s > 0  # the DP reduction adds to the optimizer step
+
+
+def test_the_emulator_costs_the_model_s_layer_features() -> None:
+    import attrs
+
+    from kareus.model import ScheduleConfig
+
+    prof = EmulatedProfiler("a100-40gb", noise=0)
+    qwen3 = Workload.preset("qwen3-1.7b", tp=4, cp=2, pp=2, microbatch_size=16)
+    plain = qwen3.with_(model=attrs.evolve(qwen3.model, name="plain", qk_norm=False,
+                                           tied_embeddings=False))
+    a, b = build_partitions(plain), build_partitions(qwen3)
+    # qk-norm: the attention input's partition runs two more memory-bound kernels.
+    cfg = ScheduleConfig(freq_mhz=1410, comm_sms=9, launch_slot=None)
+    slow = prof.measure(b["fwd_attn_in_ag"], cfg)
+    fast = prof.measure(a["fwd_attn_in_ag"], cfg)
+    assert slow.time_s > fast.time_s and slow.energy_j > fast.energy_j
+    # The qk-norm slot is a launch point like any other (named after its first op).
+    assert prof.measure(b["fwd_attn_in_ag"], attrs.evolve(cfg, launch_slot="q_norm")).time_s > 0
+    # Tied embeddings over two stages: the gradients' all-reduce lengthens the tail.
+    world = qwen3.parallelism.world_size
+    tail = prof.measure_outside(b.iteration, 1410, group_size=world)
+    untied = prof.measure_outside(a.iteration, 1410, group_size=world)
+    assert tail.time_s > untied.time_s

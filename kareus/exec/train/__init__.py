@@ -31,6 +31,7 @@ is ``examples/train_torchrun.py``; ``bench/train_e2e.py`` measures the three sch
 
 from __future__ import annotations
 
+from kareus.exec.model_check import refuse_uncomputed
 from kareus.exec.train._groups import (
     BACKENDS,
     GroupedCollective,
@@ -72,6 +73,7 @@ __all__ = [
     "named_collectives",
     "no_collective_backend",
     "overlap_efficiency",
+    "refuse_uncomputed",
     "shuffled_order",
 ]
 

@@ -39,6 +39,7 @@ from typing import Any
 
 from kareus.errors import ArgumentError, WorkloadError
 from kareus.exec._executor_role import Executor
+from kareus.exec.model_check import refuse_uncomputed
 from kareus.exec.schedule import Comm, Op
 from kareus.model.decoder import layer_collectives
 from kareus.model.workload import ModelArch
@@ -46,6 +47,8 @@ from kareus.model.workload import ModelArch
 __all__ = ["DecoderShard"]
 
 _LAYER_PARAMS = ("w_attn_norm", "Wqkv", "Wo", "w_mlp_norm", "Wg", "Wu", "Wd")
+
+
 
 
 class DecoderShard:
@@ -83,6 +86,7 @@ class DecoderShard:
 
         from kareus.exec.kernels import get_kernels
 
+        refuse_uncomputed(arch, where="kareus's training loop")
         tp, cp = groups.tp_size, groups.cp_size
         self.layers = arch.layers if layers is None else int(layers)
         if self.layers < 1:
@@ -150,8 +154,16 @@ class DecoderShard:
             for k, v in per_layer.items():
                 shapes[f"l{layer}.{k}"] = v
         shapes["w_final"] = ((h,), 0.0, False)
-        shapes["Wlm"] = ((h, self.v_local), std, True)
+        if not self.arch.tied_embeddings:  # tied: the output layer is the embedding's transpose
+            shapes["Wlm"] = ((h, self.v_local), std, True)
         return shapes
+
+    def _lm_weight(self) -> Any:
+        """The output layer's weight ``(hidden, vocab shard)``: its own, or, with tied
+        embeddings, the embedding matrix transposed (one parameter, both gradients)."""
+        if self.arch.tied_embeddings:
+            return self.params["emb"].t()
+        return self.params["Wlm"]
 
     def _build_params(self, torch: Any) -> None:
         shapes = self._shapes()
@@ -354,7 +366,7 @@ class DecoderShard:
             a = self.act[(top, i)]
             torch.add(a["x_mid"], self._reduced("mlp_out", top, i), out=xf[self.rows(i)])
         xn = ks.rms_norm(xf, self.params["w_final"])
-        logits = ks.matmul(xn, self.params["Wlm"]).float()
+        logits = ks.matmul(xn, self._lm_weight()).float()
         if self.v_local * self.tp > self.arch.vocab:  # padding columns of the last shard
             pad = (torch.arange(self.v_local, device=self.device) + self.v0) >= self.arch.vocab
             logits.masked_fill_(pad, float("-inf"))
@@ -383,8 +395,11 @@ class DecoderShard:
 
     def _head_bwd(self) -> None:
         ks, hd = self.ks, self.head
-        dxn = ks.matmul(hd["dlogits"], self.params["Wlm"].t())
-        ks.matmul(hd["xn"].t(), hd["dlogits"], out=self.grads["Wlm"], accumulate=True)
+        dxn = ks.matmul(hd["dlogits"], self._lm_weight().t())
+        if self.arch.tied_embeddings:  # the output layer's gradient, transposed, into emb's
+            ks.matmul(hd["dlogits"].t(), hd["xn"], out=self.grads["emb"], accumulate=True)
+        else:
+            ks.matmul(hd["xn"].t(), hd["dlogits"], out=self.grads["Wlm"], accumulate=True)
         self.groups.all_reduce(dxn, group="tp")
         dxf, dw = self._norm_bwd(dxn, hd["xf"], self.params["w_final"])
         self.grads["w_final"].add_(dw.to(self.dtype))

@@ -1,0 +1,42 @@
+"""What kareus's decoder computes of a model, checked before anything runs.
+
+The partition model costs every layer feature a model file or preset can name (query/key
+normalisation, a QKV bias, the RMSNorm epsilon, tied embeddings), so any such model can be
+planned. The decoder that runs a plan (the training loop, the runnable partitions, the planned
+layers of ``kareus.integrations``) computes fewer of them today; running a model with one it
+does not compute would train another model than the user's, so each refuses it here, in one
+line naming the field.
+"""
+
+from __future__ import annotations
+
+from kareus.errors import WorkloadError
+from kareus.model.workload import ModelArch
+
+__all__ = ["refuse_uncomputed"]
+
+
+def refuse_uncomputed(arch: ModelArch, *, where: str) -> None:
+    """Refuse a model whose layers ask for what kareus's decoder does not compute yet: run
+    anyway, it would train another model than the user's (the worst kind of error is a
+    silently different result).
+
+    Planning such a model works (the partition model costs its ops); running it here does
+    not, until the decoder computes: per-head query/key RMSNorm (``qk_norm``), a QKV bias
+    (``qkv_bias``), an RMSNorm epsilon other than 1e-5 (``norm_eps``). Tied input and output
+    embeddings are computed (one matrix).
+
+    Raises:
+        WorkloadError: one line naming every field that is not computed.
+    """
+    missing = []
+    if arch.qk_norm:
+        missing.append("qk_norm=True (per-head query/key RMSNorm)")
+    if arch.qkv_bias:
+        missing.append("qkv_bias=True (a QKV bias)")
+    if abs(arch.norm_eps - 1e-5) > 1e-12:
+        missing.append(f"norm_eps={arch.norm_eps:g} (its RMSNorm kernels use 1e-5)")
+    if missing:
+        raise WorkloadError(f"{where} does not compute {'; '.join(missing)} of model "
+                            f"{arch.name!r} yet, and would train another model: plan it (the "
+                            "emulator costs these ops), but run it with a model without them")
