@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any, ClassVar
 
+import attrs
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -111,7 +112,8 @@ def reference(shards: list[dict[str, Any]], arch: ModelArch, layers: int,
          for s in shards]
     heads, kvh, hd = arch.heads // tp, arch.kv_heads // tp, arch.head_dim
     emb = torch.cat([p["emb"] for p in P])[:arch.vocab]
-    wlm = torch.cat([p["Wlm"] for p in P], dim=1)[:, :arch.vocab]
+    wlm = (emb.t() if arch.tied_embeddings  # one matrix: both gradients reach it
+           else torch.cat([p["Wlm"] for p in P], dim=1)[:, :arch.vocab])
     total = 0.0
     for tokens, labels in batches:
         b, s = tokens.shape
@@ -174,6 +176,36 @@ def test_one_process_matches_autograd(schedule, recompute):
         assert _close(g, ref[k]), k
     # the optimizer moved the weights
     assert not torch.equal(m.params["l0.Wqkv"], params["l0.Wqkv"])
+
+
+@pytest.mark.parametrize("schedule", ["sequential", "nanobatching"])
+def test_tied_embeddings_train_one_matrix_as_autograd_does(schedule):
+    wl = workload(1, 1)
+    wl = wl.with_(model=attrs.evolve(wl.model, tied_embeddings=True))
+    loop = TrainingLoop(workload=wl, groups=LoopbackGroups(tp=1), streams=RecordingStreamBackend(),
+                        kernels="torch", device="cpu", dtype="float32", lr=1e-3)
+    m = loop.model
+    assert "Wlm" not in m.params  # the output layer is the embedding, transposed
+    params = {k: v.clone() for k, v in m.params.items()}
+    loss = float(loop.step(schedule))
+    ref_loss, (ref,) = reference([params], wl.model, loop.layers, loop.batches,
+                                 wl.num_microbatches * wl.microbatch_size * wl.seq_len)
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    for k, g in m.grads.items():
+        assert _close(g, ref[k]), k
+
+
+@pytest.mark.parametrize(("change", "field"), [({"qk_norm": True}, "qk_norm"),
+                                               ({"qkv_bias": True}, "qkv_bias"),
+                                               ({"norm_eps": 1e-6}, "norm_eps")])
+def test_a_layer_feature_the_decoder_does_not_compute_is_refused(change, field):
+    from kareus.errors import WorkloadError
+
+    wl = workload(1, 1)
+    wl = wl.with_(model=attrs.evolve(wl.model, **change))
+    with pytest.raises(WorkloadError, match=rf"training loop does not compute {field}"):
+        TrainingLoop(workload=wl, groups=LoopbackGroups(tp=1), streams=RecordingStreamBackend(),
+                     kernels="torch", device="cpu", dtype="float32")
 
 
 @pytest.mark.parametrize("tp,cp,recompute", [(2, 1, True), (1, 2, True), (2, 2, False)])
