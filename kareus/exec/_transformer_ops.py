@@ -60,6 +60,7 @@ class _Dims:
     kvh: int  # KV heads on this rank
     hd: int
     f: int
+    eps: float = 1e-5  # the model's RMSNorm epsilon
 
     @property
     def t(self) -> int:
@@ -78,7 +79,7 @@ def _dims(wl: Workload) -> _Dims:
     m, p = wl.model, wl.parallelism
     return _Dims(b=wl.microbatch_size // wl.nanobatches, sq=wl.seq_len // p.cp, sk=wl.seq_len,
                  h=m.hidden, heads=m.heads // p.tp, kvh=m.kv_heads // p.tp, hd=m.head_dim,
-                 f=m.ffn // p.tp)
+                 f=m.ffn // p.tp, eps=m.norm_eps)
 
 
 def _sdpa(torch: Any, q: Any, k: Any, v: Any) -> Any:
@@ -128,7 +129,7 @@ def _op_builders() -> dict[str, Callable[[Any, dict[str, Any], _Dims, Any], Call
             ks = ctx["_kernels"]
 
             def op() -> None:
-                ctx["xn"] = ks.rms_norm(x, w)
+                ctx["xn"] = ks.rms_norm(x, w, d.eps)
             return op
         return build
 
@@ -141,7 +142,7 @@ def _op_builders() -> dict[str, Callable[[Any, dict[str, Any], _Dims, Any], Call
             ks = ctx["_kernels"]
 
             def op() -> None:
-                ctx["dyn"], ctx["d" + key_w] = ks.rms_norm_bwd(dy, x, w)
+                ctx["dyn"], ctx["d" + key_w] = ks.rms_norm_bwd(dy, x, w, d.eps)
             return op
         return build
 
@@ -177,13 +178,52 @@ def _op_builders() -> dict[str, Callable[[Any, dict[str, Any], _Dims, Any], Call
             return op
         return build
 
+    def cols(d: _Dims, which: str) -> slice:
+        return slice(0, d.q) if which == "q" else slice(d.q, d.q + d.kv)
+
+    def qk_norm(which: str) -> Callable[..., Callable[[], Any]]:
+        # as the decoder's: the projection's output is kept (qkv_pre) and RoPE reads a copy
+        # whose query (then key) heads are normalised over head_dim
+        def build(torch: Any, ctx: dict[str, Any], d: _Dims, out: Any) -> Callable[[], Any]:
+            rnd(torch, ctx, "qkv", d.t, d.q + 2 * d.kv)
+            w = rnd(torch, ctx, f"w_{which}_norm", d.hd, scale=0.1)
+            w.add_(1.0)
+            c = cols(d, which)
+            ks = ctx["_kernels"]
+
+            def op() -> None:
+                if which == "q" or "qkv_n" not in ctx:
+                    ctx["qkv_pre"] = ctx["qkv"]
+                    ctx["qkv_n"] = ctx["qkv"].clone()
+                x = ctx["qkv_pre"][:, c].reshape(-1, d.hd)
+                ctx["qkv_n"][:, c] = ks.rms_norm(x, w, d.eps).view(d.t, -1)
+            return op
+        return build
+
+    def qk_norm_bwd(which: str) -> Callable[..., Callable[[], Any]]:
+        def build(torch: Any, ctx: dict[str, Any], d: _Dims, out: Any) -> Callable[[], Any]:
+            if "qkv_pre" not in ctx:
+                ctx["qkv_pre"] = rnd(torch, ctx, "qkv", d.t, d.q + 2 * d.kv)
+            rnd(torch, ctx, "dqkv", d.t, d.q + 2 * d.kv)
+            w = rnd(torch, ctx, f"w_{which}_norm", d.hd, scale=0.1)
+            c = cols(d, which)
+            ks = ctx["_kernels"]
+
+            def op() -> None:
+                dy = ctx["dqkv"][:, c].reshape(-1, d.hd)
+                dx, ctx[f"dw_{which}_norm"] = ks.rms_norm_bwd(
+                    dy, ctx["qkv_pre"][:, c].reshape(-1, d.hd), w, d.eps)
+                ctx["dqkv"][:, c] = dx.view(d.t, -1)
+            return op
+        return build
+
     def rope(torch: Any, ctx: dict[str, Any], d: _Dims, out: Any) -> Callable[[], Any]:
         rnd(torch, ctx, "qkv", d.t, d.q + 2 * d.kv)
         cos, sin = cos_sin(torch, ctx, d)
         ks = ctx["_kernels"]
 
         def op() -> None:
-            qkv = ctx["qkv"]
+            qkv = ctx.get("qkv_n", ctx["qkv"])  # the normalised copy with qk-norm
             q, k = ks.rope(qkv, cos, sin, heads=d.heads, kv_heads=d.kvh)
             ctx["q"], ctx["k"] = q.transpose(1, 2), k.transpose(1, 2)
             v = qkv.view(d.b, d.sq, d.heads + 2 * d.kvh, d.hd)[:, :, d.heads + d.kvh:]
@@ -262,6 +302,8 @@ def _op_builders() -> dict[str, Callable[[Any, dict[str, Any], _Dims, Any], Call
         "attn_norm": norm("w_attn_norm"),
         "mlp_norm": norm("w_mlp_norm"),
         "qkv": gemm("xn", th, "Wqkv", lambda d: (d.h, d.q + 2 * d.kv), "qkv"),
+        "q_norm": qk_norm("q"),
+        "k_norm": qk_norm("k"),
         "rope": rope,
         "attn_core": attn_core,
         "out_proj": gemm("attn", tq, "Wo", lambda d: (d.q, d.h), "y"),
@@ -284,6 +326,8 @@ def _op_builders() -> dict[str, Callable[[Any, dict[str, Any], _Dims, Any], Call
         "out_wgrad": gemm("attn", tq, "dyn", th, "dWo", trans_a=True),
         "attn_core_bwd": attn_core_bwd,
         "rope_bwd": rope_bwd,
+        "q_norm_bwd": qk_norm_bwd("q"),
+        "k_norm_bwd": qk_norm_bwd("k"),
         "qkv_dgrad": gemm("dqkv", tqkv, "Wqkv", lambda d: (d.h, d.q + 2 * d.kv), "dx",
                           trans_w=True),
         "qkv_wgrad": gemm("xn", th, "dqkv", tqkv, "dWqkv", trans_a=True),

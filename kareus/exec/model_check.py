@@ -16,25 +16,28 @@ from kareus.model.workload import ModelArch
 __all__ = ["refuse_uncomputed"]
 
 
-def refuse_uncomputed(arch: ModelArch, *, where: str) -> None:
+def refuse_uncomputed(arch: ModelArch, *, where: str,
+                      computes: frozenset[str] = frozenset()) -> None:
     """Refuse a model whose layers ask for what kareus's decoder does not compute yet: run
     anyway, it would train another model than the user's (the worst kind of error is a
     silently different result).
 
-    Planning such a model works (the partition model costs its ops); running it here does
-    not, until the decoder computes: per-head query/key RMSNorm (``qk_norm``), a QKV bias
-    (``qkv_bias``), an RMSNorm epsilon other than 1e-5 (``norm_eps``). Tied input and output
-    embeddings are computed (one matrix).
+    Planning such a model works (the partition model costs its ops); running it needs a
+    decoder that computes: per-head query/key RMSNorm (``qk_norm``), a QKV bias
+    (``qkv_bias``, computed nowhere yet), an RMSNorm epsilon other than 1e-5 (``norm_eps``).
+    ``computes`` names the ones the caller computes (the training loop: ``qk_norm`` and
+    ``norm_eps``). Tied input and output embeddings concern only the training loop, which
+    computes them.
 
     Raises:
         WorkloadError: one line naming every field that is not computed.
     """
     missing = []
-    if arch.qk_norm:
+    if arch.qk_norm and "qk_norm" not in computes:
         missing.append("qk_norm=True (per-head query/key RMSNorm)")
-    if arch.qkv_bias:
+    if arch.qkv_bias and "qkv_bias" not in computes:
         missing.append("qkv_bias=True (a QKV bias)")
-    if abs(arch.norm_eps - 1e-5) > 1e-12:
+    if abs(arch.norm_eps - 1e-5) > 1e-12 and "norm_eps" not in computes:
         missing.append(f"norm_eps={arch.norm_eps:g} (its RMSNorm kernels use 1e-5)")
     if missing:
         raise WorkloadError(f"{where} does not compute {'; '.join(missing)} of model "

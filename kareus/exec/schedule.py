@@ -150,7 +150,7 @@ def _layer(phase: LayerPhase, layer: int, tp: int, cp: int) -> list[Op | Comm]:
 
 
 def stack_stream(phase: str, layers: int, *, tp: int, cp: int,
-                 recompute: bool) -> list[Op | Comm]:
+                 recompute: bool, qk_norm: bool = False) -> list[Op | Comm]:
     """The ops and collectives of one microbatch computation of ``layers`` layers, in order.
 
     Args:
@@ -159,6 +159,8 @@ def stack_stream(phase: str, layers: int, *, tp: int, cp: int,
         tp: Tensor-parallel degree (``> 1``: all-reduces).
         cp: Context-parallel degree (``> 1``: K/V all-gather, dK/dV reduce-scatter).
         recompute: Whether the backward re-runs each layer's forward first.
+        qk_norm: The model normalises queries and keys per head (the layer's ops of
+            ``decoder_layer(phase, qk_norm=True)``).
 
     Returns:
         [`Op`][kareus.exec.schedule.Op] and [`Comm`][kareus.exec.schedule.Comm] items. Backward: layer
@@ -170,7 +172,7 @@ def stack_stream(phase: str, layers: int, *, tp: int, cp: int,
         raise ArgumentError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
     if layers < 1 or tp < 1 or cp < 1:
         raise ArgumentError(f"layers, tp and cp must be >= 1, got {layers}, {tp}, {cp}")
-    fwd, bwd = decoder_layer("fwd"), decoder_layer("bwd")
+    fwd, bwd = decoder_layer("fwd", qk_norm=qk_norm), decoder_layer("bwd", qk_norm=qk_norm)
     out: list[Op | Comm] = []
     if phase == "fwd":
         for layer in range(layers):

@@ -78,7 +78,8 @@ class RunnableTransformerPartition(RunnablePartition):
                             f"{type(partition).__name__}")
         if not isinstance(workload, Workload):
             raise ArgumentTypeError(f"workload must be a Workload, got {type(workload).__name__}")
-        refuse_uncomputed(workload.model, where="kareus's runnable partitions")
+        refuse_uncomputed(workload.model, where="kareus's runnable partitions",
+                          computes=frozenset({"qk_norm", "norm_eps"}))
         builders = _op_builders()
         unknown = [op.name for op in partition.compute_ops if op.name not in builders]
         if unknown:

@@ -158,7 +158,7 @@ class PlanApplier:
         rope_inv_freq: The model's RoPE inverse frequencies (``head_dim / 2`` values, for
             position ``p`` and pair ``i`` the angle ``p * rope_inv_freq[i]``) when it scales
             them (Llama 3.1's long-context scaling); ``None``: from ``rope_base``.
-        eps: The RMSNorm epsilon (kareus's kernels take ``1e-5``).
+        eps: The model's RMSNorm epsilon: it must be the workload's ``norm_eps``.
         record: Keep the partitions run (``partitions_run``), for checking a schedule.
         graphs: Replay each computation from a CUDA graph (``kareus.integrations._graphed``:
             captured on first use per phase, depth and plan choice; inputs copied into
@@ -201,11 +201,13 @@ class PlanApplier:
         if schedule == "kareus" and not planned:
             raise PlanError("the kareus schedule applies a plan: pass plan= (kareus optimize's "
                             "plan.json) or run a baseline schedule")
-        if abs(float(eps) - 1e-5) > 1e-12:
-            raise ArgumentError(f"kareus's RMSNorm kernels take eps=1e-5; the model uses "
-                                f"{eps}: build the model with 1e-5 or run it without kareus")
         _check_workload(workload, groups)
-        refuse_uncomputed(workload.model, where="kareus's planned layer")
+        if abs(float(eps) - workload.model.norm_eps) > 1e-12 * max(1.0, float(eps)):
+            raise ArgumentError(f"the model's RMSNorm uses eps={eps:g}, the workload's model "
+                                f"{workload.model.norm_eps:g} (norm_eps): make the workload "
+                                "from the model's own config")
+        refuse_uncomputed(workload.model, where="kareus's planned layer",
+                          computes=frozenset({"norm_eps"}))
         if not 0 <= int(stage) < workload.parallelism.pp:
             raise ArgumentError(f"stage must be this rank's pipeline stage, 0 .. "
                                 f"{workload.parallelism.pp - 1} (PP={workload.parallelism.pp}), "
@@ -254,7 +256,8 @@ class PlanApplier:
         if key not in self._stacks:
             p = self.workload.parallelism
             self._stacks[key] = pieces(stack_stream(phase, layers, tp=p.tp, cp=p.cp,
-                                                    recompute=True))
+                                                    recompute=True,
+                                                    qk_norm=self.workload.model.qk_norm))
         return self._stacks[key]
 
     def _build_executors(self, plan: Plan | None, executor: Executor | None,

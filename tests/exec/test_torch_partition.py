@@ -9,6 +9,7 @@ their arithmetic on the host. Skipped without torch.
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -319,3 +320,39 @@ def test_grouped_attention_reads_kv_groups_in_place_and_matches_the_copy():
         torch.testing.assert_close(a, b)
     # Causal: the first position attends to itself only.
     torch.testing.assert_close(out[:, :, 0], v.repeat_interleave(3, dim=1)[:, :, 0])
+
+
+def test_query_key_norm_partitions_run_the_decoders_normalisation():
+    # a Qwen3-shaped layer (qk-norm, eps 1e-6): the attention-input partitions hold the
+    # per-head norms between the QKV projection and RoPE (and after RoPE's backward), run
+    # them, and normalise each query and key head over head_dim with the model's eps
+    wl = tiny_workload()
+    wl = wl.with_(model=attrs.evolve(wl.model, qk_norm=True, norm_eps=1e-6))
+    parts = runnable_partitions(wl, ["fwd_attn", "bwd_attn"])
+    fwd, bwd = parts["fwd_attn"], parts["bwd_attn"]
+    names = [op.name for op in fwd.partition.compute_ops]
+    assert names[names.index("qkv") + 1:names.index("rope")] == ["q_norm", "k_norm"]
+    back = [op.name for op in bwd.partition.compute_ops]
+    assert back[back.index("rope_bwd") + 1:back.index("qkv_dgrad")] == ["q_norm_bwd",
+                                                                        "k_norm_bwd"]
+    prog = fwd.build(device="cpu", seed=3)
+    prog.run_plain()
+    ctx = prog.state  # the ops' tensors
+    pre, normed = ctx["qkv_pre"].float(), ctx["qkv_n"].float()
+    d = wl.model.head_dim
+    q_cols = slice(0, (wl.model.heads // 2) * d)
+    x = pre[:, q_cols].reshape(-1, d)
+    want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * ctx["w_q_norm"].float()
+    assert torch.allclose(normed[:, q_cols].reshape(-1, d), want, rtol=1e-2, atol=1e-2)
+    v_cols = slice((wl.model.heads // 2 + wl.model.kv_heads // 2) * d, None)
+    assert torch.equal(normed[:, v_cols], pre[:, v_cols])  # values untouched
+    bwd.build(device="cpu", seed=3).run_plain()  # the backward's norms run too
+
+
+def test_a_qkv_bias_is_refused_by_the_runnable_partitions():
+    from kareus.errors import WorkloadError
+
+    wl = tiny_workload()
+    wl = wl.with_(model=attrs.evolve(wl.model, qkv_bias=True))
+    with pytest.raises(WorkloadError, match="runnable partitions does not compute qkv_bias"):
+        runnable_partitions(wl, ["fwd_attn"])["fwd_attn"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import attrs
 import pytest
 
 from kareus.compose import MicrobatchChoice, Plan
@@ -111,6 +112,7 @@ def test_the_stream_runs_the_decoder_layers_op_order():
     from kareus.exec._transformer_ops import _op_builders
     from kareus.exec.train import DecoderShard
     from kareus.model import DECODER_LAYER
+    from kareus.model.decoder import decoder_layer
 
     fwd, bwd = DECODER_LAYER["fwd"], DECODER_LAYER["bwd"]
     stream = stack_stream("fwd", 1, tp=2, cp=2, recompute=True)
@@ -120,10 +122,20 @@ def test_the_stream_runs_the_decoder_layers_op_order():
     stream = stack_stream("bwd", 1, tp=2, cp=2, recompute=False)
     assert tuple(x.name for x in stream if isinstance(x, Op)) == bwd.op_names
     names = set(fwd.op_names) | set(bwd.op_names)
+    # the query/key norms: ops of the layer of a model that has them
+    qk = {n for ph in ("fwd", "bwd") for n in decoder_layer(ph, qk_norm=True).op_names} - names
+    assert qk == {"q_norm", "k_norm", "q_norm_bwd", "k_norm_bwd"}
+    names |= qk
+    stream = stack_stream("bwd", 1, tp=2, cp=2, recompute=False, qk_norm=True)
+    assert tuple(x.name for x in stream if isinstance(x, Op)) == \
+        decoder_layer("bwd", qk_norm=True).op_names
     assert set(_op_builders()) == names
     assert {n[len("_op_"):] for n in dir(DecoderShard) if n.startswith("_op_")} == names
     ps = build_partitions(workload(2, 2))
-    assert {op.name for p in ps for op in p.compute_ops} == names
+    assert {op.name for p in ps for op in p.compute_ops} == names - qk
+    wl_qk = workload(2, 2)
+    wl_qk = wl_qk.with_(model=attrs.evolve(wl_qk.model, qk_norm=True))
+    assert {op.name for p in build_partitions(wl_qk) for op in p.compute_ops} == names
     for p in ps:  # every type's ops in the layer's (cyclic) order
         order = (*bwd.tail, *bwd.op_names) if p.phase == "bwd" else fwd.op_names
         idx = [order.index(op.name) for op in p.compute_ops]

@@ -93,8 +93,8 @@ def loopback_loop(tp: int, cp: int, recompute: bool = True, *, lr: float = 1e-2,
 # ------------------------------------------------------------------ the reference
 
 
-def _rms(x, w):
-    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)) * w
+def _rms(x, w, eps=1e-5):
+    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)) * w
 
 
 def _rope(x, cos, sin):  # x [b, s, heads, hd]; HF layout, halves equal
@@ -111,6 +111,7 @@ def reference(shards: list[dict[str, Any]], arch: ModelArch, layers: int,
     P = [{k: v.detach().double().clone().requires_grad_() for k, v in s.items()}
          for s in shards]
     heads, kvh, hd = arch.heads // tp, arch.kv_heads // tp, arch.head_dim
+    eps = arch.norm_eps
     emb = torch.cat([p["emb"] for p in P])[:arch.vocab]
     wlm = (emb.t() if arch.tied_embeddings  # one matrix: both gradients reach it
            else torch.cat([p["Wlm"] for p in P], dim=1)[:, :arch.vocab])
@@ -125,21 +126,25 @@ def reference(shards: list[dict[str, Any]], arch: ModelArch, layers: int,
         x = emb[tokens.reshape(-1)]
         for layer in range(layers):
             y = 0
-            xn = _rms(x, P[0][f"l{layer}.w_attn_norm"])
+            xn = _rms(x, P[0][f"l{layer}.w_attn_norm"], eps)
             for p in P:
                 qkv = (xn @ p[f"l{layer}.Wqkv"]).view(b, s, heads + 2 * kvh, hd)
-                q = _rope(qkv[:, :, :heads], cos, sin).transpose(1, 2)
-                k = _rope(qkv[:, :, heads:heads + kvh], cos, sin).transpose(1, 2)
+                q, k = qkv[:, :, :heads], qkv[:, :, heads:heads + kvh]
+                if arch.qk_norm:  # per head over head_dim, before RoPE (one weight each)
+                    q = _rms(q, P[0][f"l{layer}.w_q_norm"], eps)
+                    k = _rms(k, P[0][f"l{layer}.w_k_norm"], eps)
+                q = _rope(q, cos, sin).transpose(1, 2)
+                k = _rope(k, cos, sin).transpose(1, 2)
                 v = qkv[:, :, heads + kvh:].transpose(1, 2)
                 rep = heads // kvh
                 o = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1),
                                                    v.repeat_interleave(rep, 1), is_causal=True)
                 y = y + o.transpose(1, 2).reshape(b * s, heads * hd) @ p[f"l{layer}.Wo"]
             x = x + y
-            xn2 = _rms(x, P[0][f"l{layer}.w_mlp_norm"])
+            xn2 = _rms(x, P[0][f"l{layer}.w_mlp_norm"], eps)
             x = x + sum((F.silu(xn2 @ p[f"l{layer}.Wg"]) * (xn2 @ p[f"l{layer}.Wu"]))
                         @ p[f"l{layer}.Wd"] for p in P)
-        logits = _rms(x, P[0]["w_final"]) @ wlm
+        logits = _rms(x, P[0]["w_final"], eps) @ wlm
         total = total + F.cross_entropy(logits, labels.reshape(-1), reduction="sum")
     loss = total / n_tokens
     loss.backward()
@@ -178,14 +183,25 @@ def test_one_process_matches_autograd(schedule, recompute):
     assert not torch.equal(m.params["l0.Wqkv"], params["l0.Wqkv"])
 
 
-@pytest.mark.parametrize("schedule", ["sequential", "nanobatching"])
-def test_tied_embeddings_train_one_matrix_as_autograd_does(schedule):
-    wl = workload(1, 1)
-    wl = wl.with_(model=attrs.evolve(wl.model, tied_embeddings=True))
+@pytest.mark.parametrize(("schedule", "recompute"), [("sequential", True),
+                                                     ("nanobatching", False)])
+@pytest.mark.parametrize("features", [
+    {"tied_embeddings": True},
+    {"qk_norm": True, "norm_eps": 1e-6},  # Qwen3's layer
+    {"qk_norm": True, "norm_eps": 1e-6, "tied_embeddings": True}])
+def test_layer_features_train_as_autograd_does(schedule, recompute, features):
+    wl = workload(1, 1, recompute)
+    wl = wl.with_(model=attrs.evolve(wl.model, **features))
     loop = TrainingLoop(workload=wl, groups=LoopbackGroups(tp=1), streams=RecordingStreamBackend(),
                         kernels="torch", device="cpu", dtype="float32", lr=1e-3)
     m = loop.model
-    assert "Wlm" not in m.params  # the output layer is the embedding, transposed
+    # tied: the output layer is the embedding, transposed; qk-norm: one weight per layer each
+    assert ("Wlm" in m.params) is not wl.model.tied_embeddings
+    assert ("l0.w_q_norm" in m.params) is wl.model.qk_norm
+    if wl.model.qk_norm:  # not ones, so that a wrong weight shows in the gradients
+        for layer in range(loop.layers):
+            for name in ("w_q_norm", "w_k_norm"):
+                m.params[f"l{layer}.{name}"].uniform_(0.5, 1.5)
     params = {k: v.clone() for k, v in m.params.items()}
     loss = float(loop.step(schedule))
     ref_loss, (ref,) = reference([params], wl.model, loop.layers, loop.batches,
@@ -195,9 +211,7 @@ def test_tied_embeddings_train_one_matrix_as_autograd_does(schedule):
         assert _close(g, ref[k]), k
 
 
-@pytest.mark.parametrize(("change", "field"), [({"qk_norm": True}, "qk_norm"),
-                                               ({"qkv_bias": True}, "qkv_bias"),
-                                               ({"norm_eps": 1e-6}, "norm_eps")])
+@pytest.mark.parametrize(("change", "field"), [({"qkv_bias": True}, "qkv_bias")])
 def test_a_layer_feature_the_decoder_does_not_compute_is_refused(change, field):
     from kareus.errors import WorkloadError
 
@@ -393,14 +407,25 @@ class GlooCollective(CollectiveBackend):
         return output
 
 
-def _worker(out_dir: str) -> None:
+#: Qwen3's layer features, for the four-rank test.
+QWEN3_FEATURES = {"qk_norm": True, "norm_eps": 1e-6, "tied_embeddings": True}
+
+
+def _four_rank_workload(features: str) -> Workload:
+    wl = workload(2, 2, recompute=True)
+    if features == "qwen3":
+        wl = wl.with_(model=attrs.evolve(wl.model, **QWEN3_FEATURES))
+    return wl
+
+
+def _worker(out_dir: str, features: str) -> None:
     import torch.distributed as dist
 
     from kareus.exec.train import TorchParallelGroups
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    wl = workload(2, 2, recompute=True)
+    wl = _four_rank_workload(features)
     groups = TorchParallelGroups(tp=2)
     coll = GroupedCollective(tp=GlooCollective(groups.tp_group),
                              cp=GlooCollective(groups.cp_group))
@@ -427,15 +452,19 @@ def _worker(out_dir: str) -> None:
 
 
 @pytest.mark.slow
-def test_four_gloo_ranks_match_the_whole_model(tmp_path):
+@pytest.mark.parametrize("features", ["llama", "qwen3"])
+def test_four_gloo_ranks_match_the_whole_model(tmp_path, features):
+    # qwen3: query/key norms (their weights' gradients summed over the TP ranks' heads),
+    # eps 1e-6 and tied embeddings (a vocabulary-parallel output layer on the embedding)
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    port = "29731" if features == "llama" else "29733"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4",
-           "--master_port=29731", str(Path(__file__).resolve()), str(tmp_path)]
+           f"--master_port={port}", str(Path(__file__).resolve()), str(tmp_path), features]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300,
                           check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
-    wl = workload(2, 2)
+    wl = _four_rank_workload(features)
     by = {(r["tp_rank"], r["cp_rank"]): r for r in res}
     shards = [by[(t, 0)]["params"] for t in range(2)]
     for c in range(2):  # CP ranks hold the same weights
@@ -452,7 +481,7 @@ def test_four_gloo_ranks_match_the_whole_model(tmp_path):
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1])
+    _worker(sys.argv[1], sys.argv[2])
 
 
 def test_graphed_loop_captures_one_graph_per_computation_with_its_clock():

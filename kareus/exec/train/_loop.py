@@ -246,7 +246,8 @@ class TrainingLoop:
         self.layers = self.model.layers
         self.stacks: dict[str, list[Piece]] = {
             ph: pieces(stack_stream(ph, self.layers, tp=p.tp, cp=p.cp,
-                                    recompute=workload.recompute))
+                                    recompute=workload.recompute,
+                                    qk_norm=workload.model.qk_norm))
             for ph in ("fwd", "bwd")}
         name = plan.schedule if plan is not None else schedule
         self.computations = list(get_schedule(name, 1, workload.num_microbatches)

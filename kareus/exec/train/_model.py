@@ -86,7 +86,8 @@ class DecoderShard:
 
         from kareus.exec.kernels import get_kernels
 
-        refuse_uncomputed(arch, where="kareus's training loop")
+        refuse_uncomputed(arch, where="kareus's training loop",
+                          computes=frozenset({"qk_norm", "norm_eps"}))
         tp, cp = groups.tp_size, groups.cp_size
         self.layers = arch.layers if layers is None else int(layers)
         if self.layers < 1:
@@ -136,6 +137,7 @@ class DecoderShard:
         self.heads, self.kvh = arch.heads // self.tp, arch.kv_heads // self.tp
         self.f = arch.ffn // self.tp
         self.q, self.kv = self.heads * self.hd, self.kvh * self.hd
+        self.eps, self.qk_norm = arch.norm_eps, arch.qk_norm
 
     def _shapes(self) -> dict[str, tuple[tuple[int, ...], float, bool]]:
         """name -> (shape, init std (0: ones), sharded over TP)."""
@@ -148,6 +150,9 @@ class DecoderShard:
             "w_mlp_norm": ((h,), 0.0, False),
             "Wg": ((h, self.f), std, True), "Wu": ((h, self.f), std, True),
             "Wd": ((self.f, h), out_std, True)}
+        if self.qk_norm:  # one RMSNorm weight over head_dim for every query and key head
+            per_layer["w_q_norm"] = ((self.hd,), 0.0, False)
+            per_layer["w_k_norm"] = ((self.hd,), 0.0, False)
         shapes: dict[str, tuple[tuple[int, ...], float, bool]] = {
             "emb": ((self.v_local, h), std, True)}
         for layer in range(self.layers):
@@ -365,7 +370,7 @@ class DecoderShard:
         for i in range(self.n):
             a = self.act[(top, i)]
             torch.add(a["x_mid"], self._reduced("mlp_out", top, i), out=xf[self.rows(i)])
-        xn = ks.rms_norm(xf, self.params["w_final"])
+        xn = ks.rms_norm(xf, self.params["w_final"], self.eps)
         logits = ks.matmul(xn, self._lm_weight()).float()
         if self.v_local * self.tp > self.arch.vocab:  # padding columns of the last shard
             pad = (torch.arange(self.v_local, device=self.device) + self.v0) >= self.arch.vocab
@@ -421,11 +426,11 @@ class DecoderShard:
         self.grads["emb"].index_add_(0, ids, dx0.mul_(valid.unsqueeze(1).to(dx0.dtype)))
 
     def _norm_bwd(self, dy: Any, x: Any, w: Any) -> tuple[Any, Any]:
-        dx, dw = self.ks.rms_norm_bwd(dy, x, w)
+        dx, dw = self.ks.rms_norm_bwd(dy, x, w, self.eps)
         if dw is None:  # a kernel set without the weight gradient: computed here
             from kareus.exec.kernels.base import rms_norm_weight_grad
 
-            dw = rms_norm_weight_grad(dy, x)
+            dw = rms_norm_weight_grad(dy, x, self.eps)
         return dx, dw
 
     # ------------------------------------------------------------------ the ops
@@ -450,14 +455,53 @@ class DecoderShard:
             else:  # the residual addition and the norm in one pass
                 prev = self.act[(layer - 1, nb)]
                 a["x_in"], a["xn"] = self.ks.add_rms_norm(
-                    prev["x_mid"], self._reduced("mlp_out", layer - 1, nb), w)
+                    prev["x_mid"], self._reduced("mlp_out", layer - 1, nb), w, self.eps)
                 if self.recompute:  # the layer below keeps its input only
                     self.act[(layer - 1, nb)] = {"x_in": prev["x_in"]}
                 return
-        a["xn"] = self.ks.rms_norm(a["x_in"], w)
+        a["xn"] = self.ks.rms_norm(a["x_in"], w, self.eps)
 
     def _op_qkv(self, layer: int, a: dict[str, Any], nb: int) -> None:
         a["qkv"] = self.ks.matmul(a["xn"], self.W(layer, "Wqkv"))
+
+    def _head_cols(self, which: str) -> slice:
+        """The columns of the packed QKV that hold this rank's query or key heads."""
+        return slice(0, self.q) if which == "q" else slice(self.q, self.q + self.kv)
+
+    def _qk_norm(self, layer: int, a: dict[str, Any], which: str) -> None:
+        """Normalise each query (or key) head over head_dim, as Qwen3 does before RoPE: the
+        projection's output is kept for the backward (``qkv_pre``) and RoPE reads a copy
+        with the normalised heads."""
+        if "qkv_pre" not in a:
+            a["qkv_pre"] = a["qkv"]
+            a["qkv"] = a["qkv"].clone()
+        cols = self._head_cols(which)
+        x = a["qkv_pre"][:, cols].reshape(-1, self.hd)
+        y = self.ks.rms_norm(x, self.W(layer, f"w_{which}_norm"), self.eps)
+        a["qkv"][:, cols] = y.view(a["qkv"].shape[0], -1)
+
+    def _op_q_norm(self, layer: int, a: dict[str, Any], nb: int) -> None:
+        self._qk_norm(layer, a, "q")
+
+    def _op_k_norm(self, layer: int, a: dict[str, Any], nb: int) -> None:
+        self._qk_norm(layer, a, "k")
+
+    def _qk_norm_bwd(self, layer: int, a: dict[str, Any], which: str) -> None:
+        """The backward of ``_qk_norm``: the gradient of the normalised heads (RoPE's backward
+        wrote it into the packed dQKV) becomes the projection's output gradient, in place;
+        the norm weight's gradient accumulates (each TP rank holds part of it: its heads)."""
+        cols = self._head_cols(which)
+        dy = a["dqkv"][:, cols].reshape(-1, self.hd)
+        x = a["qkv_pre"][:, cols].reshape(-1, self.hd)
+        dx, dw = self._norm_bwd(dy, x, self.W(layer, f"w_{which}_norm"))
+        a["dqkv"][:, cols] = dx.view(a["dqkv"].shape[0], -1)
+        self.G(layer, f"w_{which}_norm").add_(dw.to(self.dtype))
+
+    def _op_q_norm_bwd(self, layer: int, a: dict[str, Any], nb: int) -> None:
+        self._qk_norm_bwd(layer, a, "q")
+
+    def _op_k_norm_bwd(self, layer: int, a: dict[str, Any], nb: int) -> None:
+        self._qk_norm_bwd(layer, a, "k")
 
     def _op_rope(self, layer: int, a: dict[str, Any], nb: int) -> None:
         b = self.mbs // self.n
@@ -521,7 +565,8 @@ class DecoderShard:
 
     def _op_mlp_norm(self, layer: int, a: dict[str, Any], nb: int) -> None:
         a["x_mid"], a["xn2"] = self.ks.add_rms_norm(
-            a["x_in"], self._reduced("attn_out", layer, nb), self.W(layer, "w_mlp_norm"))
+            a["x_in"], self._reduced("attn_out", layer, nb), self.W(layer, "w_mlp_norm"),
+            self.eps)
 
     def _op_gate(self, layer: int, a: dict[str, Any], nb: int) -> None:
         a["g"] = self.ks.matmul(a["xn2"], self.W(layer, "Wg"))
@@ -567,7 +612,7 @@ class DecoderShard:
     def _op_mlp_norm_bwd(self, layer: int, a: dict[str, Any], nb: int) -> None:
         a["dx_mid"] = self.ks.rms_norm_bwd_add(
             self._reduced("mlp_in_grad", layer, nb), a["x_mid"], self.W(layer, "w_mlp_norm"),
-            a["dy"], self.G(layer, "w_mlp_norm"))
+            a["dy"], self.G(layer, "w_mlp_norm"), self.eps)
 
     def _op_out_dgrad(self, layer: int, a: dict[str, Any], nb: int) -> None:
         a["dattn"] = self.ks.matmul(a["dx_mid"], self.W(layer, "Wo").t())
@@ -613,7 +658,7 @@ class DecoderShard:
     def _op_attn_norm_bwd(self, layer: int, a: dict[str, Any], nb: int) -> None:
         dx_in = self.ks.rms_norm_bwd_add(
             self._reduced("attn_in_grad", layer, nb), a["x_in"], self.W(layer, "w_attn_norm"),
-            a["dx_mid"], self.G(layer, "w_attn_norm"))
+            a["dx_mid"], self.G(layer, "w_attn_norm"), self.eps)
         if layer > 0:
             self.act[(layer - 1, nb)]["dy"] = dx_in
             self.act[(layer, nb)] = {}
@@ -627,8 +672,13 @@ class DecoderShard:
         self.loss_sum.zero_()
 
     def optimizer_step(self) -> None:
-        """Sum gradients over CP ranks, then AdamW on the fp32 masters; bf16 weights follow."""
+        """Sum gradients over CP ranks (and the query/key norms' over TP ranks, whose heads
+        each saw part of them), then AdamW on the fp32 masters; bf16 weights follow."""
         with self.torch.no_grad():
+            if self.qk_norm and self.tp > 1:  # each TP rank's heads gave part of these
+                for layer in range(self.layers):
+                    for name in ("w_q_norm", "w_k_norm"):
+                        self.groups.all_reduce(self.G(layer, name), group="tp")
             self.groups.all_reduce(self.flat_grad, group="cp")
             self.master_param.grad.copy_(self.flat_grad)
             self.optimizer.step()
