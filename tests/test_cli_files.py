@@ -67,7 +67,8 @@ def test_optimize_with_own_model_and_gpu_round_trips(spec_files: tuple[Path, Pat
     files.unregister("lab-3b")
     rc = main(["show", str(out / "plan.json")])
     err = capsys.readouterr().err.splitlines()[-1]
-    assert rc == 2 and "unknown GPU 'lab-gpu'" in err and "show PLAN --gpu-file FILE" in err
+    # (the loader's hint is Python's; the command's own --gpu-file hint is the CLI's to add)
+    assert rc == 2 and "unknown GPU 'lab-gpu'" in err and "register_gpu(FILE)" in err
     rc = main(["show", str(out / "plan.json"), "--gpu-file", str(g)])
     shown = capsys.readouterr().out
     assert rc == 0 and "lab-gpu" in shown

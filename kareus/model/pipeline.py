@@ -162,7 +162,8 @@ _SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe}
 
 
 def get_schedule(name: str, num_stages: int, num_microbatches: int) -> PipelineSchedule:
-    """A schedule by name (``"1f1b"`` or ``"gpipe"``)."""
-    if name not in _SCHEDULES:
-        raise UnknownPresetError("pipeline schedule", name, sorted(_SCHEDULES))
-    return _SCHEDULES[name](num_stages, num_microbatches)
+    """A schedule by name (``"1f1b"`` or ``"gpipe"``, in any case)."""
+    key = name.lower() if isinstance(name, str) else name
+    if key not in _SCHEDULES:
+        raise UnknownPresetError("pipeline schedule", str(name), sorted(_SCHEDULES))
+    return _SCHEDULES[key](num_stages, num_microbatches)
