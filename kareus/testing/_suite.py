@@ -2,8 +2,9 @@
 
 Each suite (surrogates, acquisition passes, profilers) is a table of named checks; each
 check raises ``AssertionError`` saying what is wrong. ``_run_checks`` runs a table and
-names the first check that fails; ``_add_tests`` gives a mix-in class one pytest test
-per check.
+names the first check that fails, whatever the plug-in raised there (an exception the
+plug-in raises where the contract wants a result is a failure of that check, not a crash
+of the suite); ``_add_tests`` gives a mix-in class one pytest test per check.
 """
 
 from __future__ import annotations
@@ -14,7 +15,12 @@ from typing import Any
 
 def _run_checks(what: str, checks: dict[str, Callable[..., None]], skip: tuple[str, ...],
                 *args: Any) -> None:
-    """Run ``checks`` (name -> check) on ``args``, naming the first that fails."""
+    """Run ``checks`` (name -> check) on ``args``, naming the first that fails.
+
+    Raises:
+        AssertionError: naming the check that failed and what went wrong: its assertion,
+            or any other exception raised inside it (with the exception's type).
+    """
     for name, check in checks.items():
         if name in skip:
             continue
@@ -22,6 +28,9 @@ def _run_checks(what: str, checks: dict[str, Callable[..., None]], skip: tuple[s
             check(*args)
         except AssertionError as e:
             raise AssertionError(f"{what} conformance check {name!r} failed: {e}") from e
+        except Exception as e:
+            raise AssertionError(f"{what} conformance check {name!r} failed: it raised "
+                                 f"{type(e).__name__}: {e}") from e
 
 
 def _add_tests(cls: type, checks: dict[str, Callable[..., None]],
