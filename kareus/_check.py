@@ -36,7 +36,10 @@ def check_number(name: str, value: object, *, minimum: float | None = None,
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ArgumentTypeError(f"{name} must be a number, not {type(value).__name__} "
                                 f"{short_repr(value)}")
-    x = float(value)
+    try:
+        x = float(value)
+    except OverflowError:  # an integer beyond float range
+        raise ArgumentError(f"{name} is too large: {short_repr(value)}") from None
     if math.isnan(x):
         raise ArgumentError(f"{name} is NaN: pass a number")
     if math.isinf(x) and not (allow_inf and x > 0):

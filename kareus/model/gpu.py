@@ -149,7 +149,7 @@ class GPUSpec:
         naming the range and the nearest supported clock."""
         if not self.supports_clock(freq_mhz):
             raise UnsupportedFrequencyError(
-                f"{freq_mhz} MHz is not a supported SM clock of {self.name} "
+                f"freq_mhz={freq_mhz}: {freq_mhz} MHz is not a supported SM clock of {self.name} "
                 f"({self.min_clock_mhz}..{self.max_clock_mhz} MHz; nearest supported: "
                 f"{self.nearest_clock(freq_mhz)} MHz)")
         return int(freq_mhz)
