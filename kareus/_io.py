@@ -9,7 +9,8 @@ reads goes through ``read_json``, which turns the ways a file can be bad (missin
 folder, not UTF-8, not JSON, too large, not an object) into one typed error whose message
 names the file and says what to do.
 
-This module imports nothing from kareus's layers, so every layer may use it.
+This module imports nothing from kareus's layers (only the leaf module of typed errors),
+so every layer may use it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import os
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from kareus.errors import OutputError
 
 __all__ = ["DEFAULT_MAX_BYTES", "dumps", "read_json", "write_json_atomic", "write_text_atomic"]
 
@@ -38,10 +41,24 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
 
     Returns:
         The path written.
+
+    Raises:
+        OutputError: ``path`` is an existing folder, or its folder does not exist or cannot
+            be written (the message names ``path``, never the temporary file).
     """
     target = Path(path)
     folder = target.parent if str(target.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
+    if target.is_dir():
+        raise OutputError(f"{target} is a folder, not a file: pass the path of a file to write "
+                          f"(for example {target / 'plan.json'})")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
+    except FileNotFoundError:
+        raise OutputError(f"cannot write {target}: its folder {folder} does not exist; "
+                          f"create it first") from None
+    except OSError as exc:
+        raise OutputError(f"cannot write {target}: {exc.strerror or exc} (in folder {folder})"
+                          ) from None
     try:
         # mkstemp makes the file private (0600); give it the mode an ordinary write would
         # (the old file's, else 0666 less the umask), so shared results stay readable.

@@ -429,6 +429,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     """``kareus show``: print the summary of a saved plan (a plan file, or an output
     folder's plan.json); returns 0."""
     from kareus.compose.plan import Plan
+    from kareus.errors import PlanError
 
     if args.gpu_file is not None:
         from kareus.model.files import register_gpu
@@ -439,7 +440,14 @@ def cmd_show(args: argparse.Namespace) -> int:
     path = Path(args.plan)
     if path.is_dir() and (path / "plan.json").is_file():  # `kareus show OUT`
         path = path / "plan.json"
-    print(Plan.load(path).summary())
+    try:
+        plan = Plan.load(path)
+    except PlanError as exc:
+        if "unknown GPU" in str(exc):  # the Python hint, in the command's words
+            raise PlanError(f"{exc} (on the command line: kareus show PLAN --gpu-file "
+                            "FILE)") from None
+        raise
+    print(plan.summary())
     return 0
 
 
@@ -789,7 +797,7 @@ def _report_failure(exc: Exception, args: argparse.Namespace | None,
         # import that reports any failure as an ImportError, a broad except)
         return _report_stop(_Stopped(received[0]), args)
     if isinstance(exc, KareusError):
-        print(f"kareus: error: {_one_line(exc)}", file=sys.stderr)
+        print(f"kareus: error: {_cli_words(_one_line(exc))}", file=sys.stderr)
         return exc.exit_code
     if isinstance(exc, BrokenPipeError):  # the reader of stdout went away (`kareus gpus | head`)
         return 1
@@ -801,6 +809,18 @@ def _report_failure(exc: Exception, args: argparse.Namespace | None,
     if sys.flags.dev_mode:
         raise exc
     return INTERNAL_ERROR_STATUS
+
+
+#: Python argument names in an error's remedy and the command's options that set them.
+_CLI_WORDS = (("optimize(..., fresh=True)", "--fresh"), ("fresh=True", "--fresh"))
+
+
+def _cli_words(message: str) -> str:
+    """An error of the library, its remedy said in the command's words (``--fresh`` for
+    ``fresh=True``)."""
+    for python, option in _CLI_WORDS:
+        message = message.replace(python, option)
+    return message
 
 
 def _one_line(exc: BaseException | str) -> str:

@@ -267,3 +267,10 @@ def test_an_early_ctrl_c_is_one_line_never_a_traceback_never_lost(tmp_path, dela
     else:
         assert proc.returncode == 130, stderr
         assert lines and lines[-1].startswith("kareus: interrupted"), stderr
+
+
+def test_a_library_remedy_is_said_in_the_commands_words():
+    from kareus.cli import _cli_words
+
+    assert _cli_words("delete the log, or start again with optimize(..., fresh=True)") == \
+        "delete the log, or start again with --fresh"

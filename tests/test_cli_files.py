@@ -67,6 +67,7 @@ def test_optimize_with_own_model_and_gpu_round_trips(spec_files: tuple[Path, Pat
     files.unregister("lab-3b")
     rc = main(["show", str(out / "plan.json")])
     err = capsys.readouterr().err.splitlines()[-1]
+    # the loader's hint is Python's, and the command adds its own
     assert rc == 2 and "unknown GPU 'lab-gpu'" in err and "show PLAN --gpu-file FILE" in err
     rc = main(["show", str(out / "plan.json"), "--gpu-file", str(g)])
     shown = capsys.readouterr().out

@@ -98,7 +98,7 @@ def _unknown_kernels():  # type: ignore[no-untyped-def]
 USER_MISTAKES = [
     ("negative emulator noise", lambda: _emulated(noise=-1), errors.ArgumentError, ValueError),
     ("emulator on no GPUs", lambda: _emulated(group_gpus=0), errors.ArgumentError, ValueError),
-    ("search budget of 0", lambda: _search(budget=0), errors.InfeasibleError, ValueError),
+    ("search budget of 0", lambda: _search(budget=0), errors.ArgumentError, ValueError),
     ("unknown initial design", lambda: _search(initial_design="sobol"), errors.ArgumentError,
      ValueError),
     ("optimize a name", _optimize_a_string, errors.ArgumentTypeError, TypeError),

@@ -78,3 +78,15 @@ def test_a_non_object_is_read_when_allowed(tmp_path):
     path = tmp_path / "list.json"
     path.write_text("[1, 2]")
     assert read_json(path, error=PlanError, expect_object=False) == [1, 2]
+
+
+def test_writing_onto_a_folder_or_into_a_missing_one_names_the_path_not_a_temporary(tmp_path):
+    from kareus.errors import KareusError, OutputError
+
+    with pytest.raises(OutputError, match="is a folder, not a file") as err:
+        write_text_atomic(tmp_path, "{}\n")
+    assert str(tmp_path) in str(err.value) and ".tmp" not in str(err.value)
+    with pytest.raises(OutputError, match="does not exist; create it first") as err:
+        write_text_atomic(tmp_path / "no" / "plan.json", "{}\n")
+    assert isinstance(err.value, KareusError) and ".tmp" not in str(err.value)
+    assert list(tmp_path.iterdir()) == []

@@ -17,9 +17,9 @@ Run it on GPUs (NCCL, bf16), one process per TP rank::
     torchrun --standalone --nproc_per_node 2 examples/integrations/megatron_gpt.py --plan plan.json
 
 or, to try it on a laptop, on the CPU (gloo, fp32) with ``--cpu``: Megatron-Core's training
-path is CUDA-only, so ``--cpu`` first installs ``megatron_cpu_shim.py`` beside this script,
-which redirects Megatron's CUDA calls to the CPU in the process (an example-only shim that
-patches torch; never train with it)::
+path is CUDA-only, so ``--cpu`` first installs ``kareus.integrations.megatron_cpu``, which
+redirects Megatron's CUDA calls to the CPU in the process (it patches torch; never train
+with it)::
 
     torchrun --standalone --nproc_per_node 2 examples/integrations/megatron_gpt.py --cpu
 
@@ -142,7 +142,7 @@ def main(argv=None):
                     "on the emulated H200)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--cpu", action="store_true",
-                    help="run on the CPU (gloo, fp32) through megatron_cpu_shim.py")
+                    help="run on the CPU (gloo, fp32) through kareus.integrations.megatron_cpu")
     ap.add_argument("--schedule", choices=("kareus", "sequential", "nanobatching"),
                     default=None, help="the layers' schedule (default: kareus, the plan's; "
                     "on one GPU, TP=1, which has no collective to plan: nanobatching)")
@@ -154,10 +154,9 @@ def main(argv=None):
     tp = dist.get_world_size()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     if args.cpu:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import megatron_cpu_shim
+        from kareus.integrations import megatron_cpu
 
-        megatron_cpu_shim.install()
+        megatron_cpu.install()  # after the model-parallel groups, before the model
         torch.manual_seed(1234)
         device, dtype = "cpu", torch.float32
     else:

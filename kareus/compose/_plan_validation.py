@@ -200,8 +200,8 @@ def _parse_plan(cls: Callable[..., Any], d: Any, source: str, *, version: int,  
     try:
         gpu = get_gpu(gpu_name)
     except KareusError as exc:
-        hint = ("; a plan made for your own GPU needs its GPU file: kareus show PLAN --gpu-file "
-                "FILE, or kareus.register_gpu(FILE) first in Python"
+        hint = ("; a plan made for your own GPU needs its GPU file: call "
+                "kareus.register_gpu(FILE) before loading the plan"
                 if isinstance(exc, UnknownPresetError) else "")
         raise _err(source, "gpu", f"{exc}{hint}") from None
     schedule = _str(d["schedule"], source, "schedule", _MAX_NAME)

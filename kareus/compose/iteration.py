@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from kareus._check import check_number
 from kareus.compose._time_cost import solve_time_cost
 from kareus.compose.composer import FrontierComposer
 from kareus.compose.context import IterationContext, _from_keywords
@@ -57,10 +58,10 @@ class IterationComposer(FrontierComposer[Mapping[tuple[int, str], MicrobatchFron
     """
 
     def __init__(self, *, unit_s: float | None = None, resolution: float | None = None) -> None:
-        if unit_s is not None and not unit_s > 0:
-            raise ArgumentError(f"unit_s must be positive, got {unit_s}")
+        if unit_s is not None:
+            unit_s = check_number("unit_s", unit_s, positive=True)
         self.unit_s = unit_s
-        self.resolution = 0.01 if resolution is None else float(resolution)
+        self.resolution = 0.01 if resolution is None else check_number("resolution", resolution)
         if not 0 < self.resolution <= 1:
             raise ArgumentError(f"resolution must be in (0, 1], got {self.resolution}")
 

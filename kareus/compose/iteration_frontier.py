@@ -20,6 +20,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from kareus._check import check_number
 from kareus._io import write_text_atomic
 from kareus.compose._frontier_common import FRONTIER_VERSION, check_kind, loads, pareto_points
 from kareus.compose.plan import Plan
@@ -165,12 +166,21 @@ class IterationFrontier:
             energy_budget_j: Iteration energy limit: returns the fastest plan within it.
 
         Raises:
-            ArgumentError: neither or both constraints given.
+            ArgumentError: neither or both constraints given, or a limit that is NaN, zero
+                or negative (``+inf`` is no limit).
+            ArgumentTypeError: a limit that is not a number.
             InfeasibleError: the frontier is empty, or no plan meets the constraint (the
                 message gives the closest the frontier can do).
         """
         if (deadline_s is None) == (energy_budget_j is None):
-            raise ArgumentError("give exactly one of deadline_s= or energy_budget_j=")
+            raise ArgumentError("give exactly one of deadline_s= or energy_budget_j= to "
+                                "IterationFrontier.select (max_throughput() and min_energy() "
+                                "take none)")
+        if deadline_s is not None:
+            deadline_s = check_number("deadline_s", deadline_s, positive=True, allow_inf=True)
+        if energy_budget_j is not None:
+            energy_budget_j = check_number("energy_budget_j", energy_budget_j, positive=True,
+                                           allow_inf=True)
         self._need_points()
         if deadline_s is not None:
             ok = [p for p in self.points if p.time_s <= deadline_s]

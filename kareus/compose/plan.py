@@ -246,7 +246,7 @@ class Plan:
         if n is None:
             key = computation.key() if isinstance(computation, Computation) else computation
             raise PlanError(f"the plan records no nanobatch count for computation {key} and "
-                            "no workload to take it from: make the plan with kareus optimize")
+                            "no workload to take it from: make the plan again with kareus.optimize")
         return n
 
     def _count_of(self, choice: MicrobatchChoice) -> int | None:

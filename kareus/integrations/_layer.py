@@ -199,8 +199,9 @@ class PlanApplier:
         if schedule not in SCHEDULES:
             raise ArgumentError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         if schedule == "kareus" and not planned:
-            raise PlanError("the kareus schedule applies a plan: pass plan= (kareus optimize's "
-                            "plan.json) or run a baseline schedule")
+            raise PlanError("the kareus schedule applies a plan: pass plan= (a Plan, e.g. "
+                            "Plan.load(PATH) of an optimize run's plan.json) or run a baseline "
+                            "schedule")
         _check_workload(workload, groups)
         if abs(float(eps) - workload.model.norm_eps) > 1e-12 * max(1.0, float(eps)):
             raise ArgumentError(f"the model's RMSNorm uses eps={eps:g}, the workload's model "
@@ -378,10 +379,12 @@ class PlanApplier:
         assert plan is not None
         current = ex.current
         if current is None:
-            raise PlanError("a planned layer ran outside a microbatch computation: wrap each "
-                            "microbatch's forward in applier.microbatch(mb, 'fwd') and the "
-                            "backward of its loss in applier.microbatch(mb, 'bwd') (the "
-                            "framework adapters do it in the pipeline schedule's steps)")
+            raise PlanError("a planned layer ran outside a microbatch computation: in "
+                            "Megatron-Core, run the training step inside "
+                            "kareus.integrations.megatron.wrap_schedule(applier) (torchtitan: "
+                            "wrap_trainer); in your own loop, wrap each microbatch's forward "
+                            "in applier.microbatch(mb, 'fwd') and its backward in "
+                            "applier.microbatch(mb, 'bwd')")
         if current[2] != phase:
             raise PlanError(f"a planned layer's {phase} ran inside applier.microbatch(..., "
                             f"{current[2]!r}): wrap the forward in 'fwd' and the backward "
@@ -407,8 +410,8 @@ class PlanApplier:
         if self.schedule == "kareus" and (b, s) != (wl.microbatch_size, seq_local):
             raise WorkloadError(f"the plan was made for microbatches of {wl.microbatch_size} x "
                                 f"{seq_local} tokens per rank, the layer got {b} x {s}: make "
-                                "the plan for this shape (kareus optimize --microbatch-size "
-                                "--seq-len)")
+                                "the plan for this shape (a Workload with microbatch_size= and "
+                                "seq_len= of this batch)")
         key = (b, s, x.dtype, str(x.device), int(layers))
         prog = self._programs.get(key)
         if prog is None:

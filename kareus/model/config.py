@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import attrs
 import numpy as np
@@ -35,14 +35,37 @@ __all__ = ["ConfigSpace", "ScheduleConfig", "FEATURE_NAMES"]
 FEATURE_NAMES = ("freq_mhz", "comm_sms", "slot_position", "slot_log_intensity", "sequential")
 
 
-def _whole(value: object) -> int:
-    """A whole number (an int, or a float with no fraction), else a ConfigError."""
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        return int(value)
-    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        return int(value)
-    raise ConfigError(f"a configuration's clock and SM count are whole numbers, got "
-                      f"{value!r:.40}")
+#: Above any GPU's clock (MHz) or SM count: a configuration beyond it is a typo.
+_MAX_KNOB = 1_000_000
+
+
+def _whole_named(name: str) -> Callable[[object], int]:
+    def whole(value: object) -> int:
+        """A whole number (an int, or a float with no fraction) in 0..``_MAX_KNOB``, else
+        a ConfigError naming the field. Whether the GPU has that clock or SM count is the
+        space's to say ([`ConfigSpace.validate`][kareus.model.ConfigSpace.validate])."""
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool) or isinstance(value, float) and math.isfinite(value) and value.is_integer():
+            n = int(value)
+        else:
+            raise ConfigError(f"ScheduleConfig {name} must be a whole number, got "
+                              f"{value!r:.40}")
+        if not 0 <= n <= _MAX_KNOB:
+            raise ConfigError(f"ScheduleConfig {name} must be in 0..{_MAX_KNOB:,}, got "
+                              f"{value!r:.40}")
+        return n
+    return whole
+
+
+_freq_mhz = _whole_named("freq_mhz")
+_comm_sms = _whole_named("comm_sms")
+
+
+def _whole_freq(value: object) -> int:
+    return _freq_mhz(value)
+
+
+def _whole_sms(value: object) -> int:
+    return _comm_sms(value)
 
 
 @functools.total_ordering
@@ -64,8 +87,8 @@ class ScheduleConfig:
             and replayed configuration).
     """
 
-    freq_mhz: int = attrs.field(converter=_whole)
-    comm_sms: int = attrs.field(converter=_whole)
+    freq_mhz: int = attrs.field(converter=_whole_freq)
+    comm_sms: int = attrs.field(converter=_whole_sms)
     launch_slot: str | None = None
     backend: str | None = attrs.field(default=None, kw_only=True)
 

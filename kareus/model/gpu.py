@@ -25,6 +25,7 @@ import attrs
 
 from kareus.errors import (
     ArgumentError,
+    ArgumentTypeError,
     InvalidSMCountError,
     KareusError,
     UnknownPresetError,
@@ -43,6 +44,12 @@ from kareus.model._spec_file import (
 
 __all__ = ["GPU_PRESETS", "GPUSpec", "get_gpu", "gpu_from_dict", "gpu_names", "load_gpu_file",
            "register_gpu", "registered_gpus", "unregister_gpu"]
+
+
+def _lower(name: object) -> object:
+    """GPU names are case-insensitive and kept in lower case (what files and results
+    record)."""
+    return name.lower() if isinstance(name, str) else name
 
 
 def _clock_tuple(values: tuple[int, ...] | list[int]) -> tuple[int, ...]:
@@ -65,7 +72,7 @@ class GPUSpec:
     """One GPU model.
 
     Attributes:
-        name: Preset name, e.g. ``"h200-sxm"``.
+        name: Preset name, e.g. ``"h200-sxm"`` (case-insensitive: kept in lower case).
         sm_count: Streaming multiprocessors on the chip.
         clocks_mhz: Supported SM (graphics) clocks, ascending.
         search_clocks_mhz: The default frequency grid searched by kareus,
@@ -82,7 +89,7 @@ class GPUSpec:
         memory_gib: Device memory.
     """
 
-    name: str
+    name: str = attrs.field(converter=_lower)
     sm_count: int
     clocks_mhz: tuple[int, ...] = attrs.field(converter=_clock_tuple)
     search_clocks_mhz: tuple[int, ...] = attrs.field(converter=_int_tuple)
@@ -142,7 +149,7 @@ class GPUSpec:
         naming the range and the nearest supported clock."""
         if not self.supports_clock(freq_mhz):
             raise UnsupportedFrequencyError(
-                f"{freq_mhz} MHz is not a supported SM clock of {self.name} "
+                f"freq_mhz={freq_mhz}: {freq_mhz} MHz is not a supported SM clock of {self.name} "
                 f"({self.min_clock_mhz}..{self.max_clock_mhz} MHz; nearest supported: "
                 f"{self.nearest_clock(freq_mhz)} MHz)")
         return int(freq_mhz)
@@ -320,7 +327,10 @@ def get_gpu(name: str | GPUSpec) -> GPUSpec:
     """
     if isinstance(name, GPUSpec):
         return name
-    key = str(name).lower()
+    if not isinstance(name, str):
+        raise ArgumentTypeError(f"gpu must be a preset name or a GPUSpec, not "
+                                f"{type(name).__name__}")
+    key = name.lower()
     found = GPU_PRESETS.get(key) or _REGISTERED_GPUS.get(key)
     if found is None:
         raise UnknownPresetError("GPU", str(name), gpu_names())

@@ -27,6 +27,8 @@ MAX_VALUE = {"time_s": 1e9, "energy_j": 1e15, "static_power_w": 1e7}
 
 
 def _number(value: object) -> float:
+    if isinstance(value, (str, bool)):  # left for the validator to refuse, by name
+        return value  # type: ignore[return-value]
     try:
         return float(value)  # type: ignore[arg-type]
     except OverflowError:  # an integer beyond float range
@@ -34,7 +36,8 @@ def _number(value: object) -> float:
 
 
 def _finite_nonneg(instance: object, attribute: attrs.Attribute, value: float) -> None:
-    if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value < 0:
         raise ArgumentError(f"Measurement.{attribute.name} must be finite and >= 0, got "
                          f"{value!r:.40}")
     if value > MAX_VALUE[attribute.name]:

@@ -18,6 +18,7 @@ from collections.abc import Iterator, Mapping
 
 import attrs
 
+from kareus._check import check_count
 from kareus.errors import ArgumentError, UnknownPresetError
 from kareus.model.dag import Dag
 
@@ -125,9 +126,14 @@ def _build(name: str, pp: int, m: int, orders: list[list[Computation]]) -> Pipel
     return sched
 
 
+#: Bounds of a schedule's size: far above any job, low enough that building its DAG ends.
+MAX_STAGES = 4096
+MAX_MICROBATCHES = 1_000_000
+
+
 def _check(pp: int, m: int) -> None:
-    if pp < 1 or m < 1:
-        raise ArgumentError(f"need >= 1 stage and >= 1 microbatch, got pp={pp}, microbatches={m}")
+    check_count("num_stages", pp, maximum=MAX_STAGES)
+    check_count("num_microbatches", m, maximum=MAX_MICROBATCHES)
 
 
 def one_f_one_b(num_stages: int, num_microbatches: int) -> PipelineSchedule:
@@ -162,7 +168,8 @@ _SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe}
 
 
 def get_schedule(name: str, num_stages: int, num_microbatches: int) -> PipelineSchedule:
-    """A schedule by name (``"1f1b"`` or ``"gpipe"``)."""
-    if name not in _SCHEDULES:
-        raise UnknownPresetError("pipeline schedule", name, sorted(_SCHEDULES))
-    return _SCHEDULES[name](num_stages, num_microbatches)
+    """A schedule by name (``"1f1b"`` or ``"gpipe"``, in any case)."""
+    key = name.lower() if isinstance(name, str) else name
+    if key not in _SCHEDULES:
+        raise UnknownPresetError("pipeline schedule", str(name), sorted(_SCHEDULES))
+    return _SCHEDULES[key](num_stages, num_microbatches)

@@ -25,7 +25,13 @@ from typing import Any
 
 import attrs
 
-from kareus.errors import KareusError, UnknownPresetError, WorkloadError, short_repr
+from kareus.errors import (
+    ArgumentTypeError,
+    KareusError,
+    UnknownPresetError,
+    WorkloadError,
+    short_repr,
+)
 from kareus.model._hf_config import hf_arch_fields, is_hf_config
 from kareus.model._spec_file import (
     SpecFileError,
@@ -74,6 +80,11 @@ def _check_count(field: str, value: object) -> None:
         raise WorkloadError(f"{field} must be in 1..{MAX_COUNT:,}, got {short_repr(value)}")
 
 
+def _lower(name: object) -> object:
+    """Names are case-insensitive and kept in lower case (what files and results record)."""
+    return name.lower() if isinstance(name, str) else name
+
+
 @attrs.frozen(kw_only=True)
 class ModelArch:
     """A decoder-only transformer with grouped-query attention and a SwiGLU MLP.
@@ -86,7 +97,7 @@ class ModelArch:
     them; their defaults are a plain Llama layer.
 
     Attributes:
-        name: The model's name (a preset's or the user's).
+        name: The model's name (a preset's or the user's; kept in lower case).
         layers: Transformer layers.
         hidden: Width of the residual stream.
         heads: Query heads.
@@ -106,7 +117,7 @@ class ModelArch:
             embedding's.
     """
 
-    name: str
+    name: str = attrs.field(converter=_lower)
     layers: int
     hidden: int
     heads: int
@@ -326,8 +337,8 @@ def registered_models() -> dict[str, ModelArch]:
 
 
 def unregister_model(name: str) -> None:
-    """Forget the registered model of that name (presets stay)."""
-    _REGISTERED_MODELS.pop(name, None)
+    """Forget the registered model of that name, in any case (presets stay)."""
+    _REGISTERED_MODELS.pop(name.lower(), None)
 
 
 def register_model(model: ModelArch | str | os.PathLike[str], *,
@@ -372,11 +383,20 @@ def model_names() -> list[str]:
 
 
 def get_model(name: str | ModelArch) -> ModelArch:
-    """Look up a model preset or registered model by name (a [`ModelArch`][kareus.model.ModelArch] passes
-    through)."""
+    """Look up a model preset or registered model by name, in any case (a
+    [`ModelArch`][kareus.model.ModelArch] passes through).
+
+    Raises:
+        UnknownPresetError: ``name`` is not a preset or a registered model; the message
+            lists the known ones.
+    """
     if isinstance(name, ModelArch):
         return name
-    found = MODEL_PRESETS.get(name) or _REGISTERED_MODELS.get(name)
+    if not isinstance(name, str):
+        raise ArgumentTypeError(f"model must be a preset name or a ModelArch, not "
+                                f"{type(name).__name__}")
+    key = name.lower()
+    found = MODEL_PRESETS.get(key) or _REGISTERED_MODELS.get(key)
     if found is None:
         raise UnknownPresetError("workload", name, model_names())
     return found

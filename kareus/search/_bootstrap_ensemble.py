@@ -13,6 +13,7 @@ import math
 import numpy as np
 from numpy.typing import ArrayLike
 
+from kareus._check import check_count, check_number
 from kareus.errors import ArgumentError, ArgumentTypeError
 from kareus.search._xgboost_surrogate import XGBoostSurrogate
 from kareus.search.surrogate import Surrogate, _check_x, _check_xy
@@ -45,8 +46,8 @@ class BootstrapEnsemble(Surrogate):
             base = XGBoostSurrogate()
         if not isinstance(base, Surrogate):
             raise ArgumentTypeError(f"base must be a kareus Surrogate, got {type(base).__name__}")
-        if n_models < 2:
-            raise ArgumentError(f"n_models must be >= 2 for a spread, got {n_models}")
+        check_count("n_models", n_models, minimum=2)
+        check_number("fraction", fraction)
         if not 0 < fraction <= 1:
             raise ArgumentError(f"fraction must be in (0, 1], got {fraction}")
         self.base = base

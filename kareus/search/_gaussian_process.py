@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 
+from kareus._check import check_count
 from kareus.errors import ArgumentError
 from kareus.search.surrogate import Surrogate, _check_x, _check_xy
 
@@ -83,8 +84,7 @@ class GaussianProcessSurrogate(Surrogate):
         lo, hi = (float(b) for b in noise_bounds)
         if not 0 < lo < hi:
             raise ArgumentError(f"noise_bounds must satisfy 0 < low < high, got {noise_bounds}")
-        if max_iter < 1:
-            raise ArgumentError(f"max_iter must be >= 1, got {max_iter}")
+        check_count("max_iter", max_iter)
         self.features = None if features is None else tuple(int(c) for c in features)
         if extra_features_from is not None and extra_features_from < 0:
             raise ArgumentError(f"extra_features_from must be >= 0, got {extra_features_from}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kareus._check import check_count
 from kareus.errors import ArgumentError
 from kareus.model.config import ConfigSpace, ScheduleConfig
 
@@ -44,6 +45,7 @@ def default_initial_size(budget: int) -> int:
     Returns:
         ``min(budget, max(8, min(16, budget // 2)))``.
     """
+    budget = check_count("budget", budget)
     half = int(budget) // 2
     return min(int(budget), max(MIN_INITIAL_SIZE, min(DEFAULT_INITIAL_SIZE, half)))
 
@@ -99,7 +101,7 @@ def maximin_design(space: ConfigSpace, n: int, *, seed: int = 0, tries: int = 64
         seed: Random seed.
         tries: Candidate designs to choose among.
     """
-    n = min(int(n), len(space))
+    n = min(check_count("n", n), len(space))
     if n <= 0:
         return []
     rng = np.random.default_rng([seed, 7919])

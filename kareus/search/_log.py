@@ -9,10 +9,17 @@ and synced to disk at least once a second and at the end of the search. ``resume
 (``read_log``), checks that it belongs to the same search (``check_header``) and
 replays it. A line cut short by a kill is dropped from the file; a corrupt line anywhere
 else is an error. Logs are JSON, never executable code.
+
+Every record carries a checksum of its content (``"check"``: the first 16 hex digits of the
+SHA-256 of the record's canonical JSON, without that field), so that a record edited by hand
+or damaged on disk is refused on resume, naming its file and line, rather than replayed as
+if it had been measured. Logs written before checksums existed (a header without
+``"check"``) still resume, unchecked.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -25,8 +32,9 @@ from kareus._version import __version__
 from kareus.errors import OutputError
 from kareus.model.config import ConfigSpace
 
-__all__ = ["LOG_FORMAT", "LOG_VERSION", "SYNC_INTERVAL_S", "append_record", "check_header",
-           "log_header", "read_log", "space_description", "sync_log"]
+__all__ = ["CHECK_FIELD", "LOG_FORMAT", "LOG_VERSION", "SYNC_INTERVAL_S", "append_record",
+           "check_header", "log_header", "read_log", "record_checksum", "space_description",
+           "sync_log"]
 
 #: The ``format`` field of a search log's header.
 LOG_FORMAT = "kareus-search-log"
@@ -35,7 +43,22 @@ LOG_VERSION = 1
 
 #: What to do with a log that cannot be resumed, said in every such error.
 REMEDY = ("delete that log to measure its partition type again, or start over with "
-          "--fresh (optimize(..., fresh=True))")
+          "optimize(..., fresh=True)")
+
+#: The field of every record that holds its checksum (``record_checksum``).
+CHECK_FIELD = "check"
+
+
+def record_checksum(record: Mapping[str, Any]) -> str:
+    """The checksum of a log record: the first 16 hex digits of the SHA-256 of its JSON
+    with sorted keys and no spaces, the ``CHECK_FIELD`` left out.
+
+    JSON numbers read back as the same floats and are written again as the same text, so
+    a record read from a log has the checksum it was written with, unless it was changed.
+    """
+    body = {k: v for k, v in record.items() if k != CHECK_FIELD}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
 def space_description(space: ConfigSpace) -> dict[str, Any]:
@@ -107,12 +130,14 @@ def append_record(path: Path, record: dict[str, Any], *, sync: bool | None = Non
 
     Args:
         path: The log file.
-        record: A JSON-serialisable record.
+        record: A JSON-serialisable record; written with its checksum (``CHECK_FIELD``)
+            added, ``record`` itself left as it is.
         sync: ``True`` syncs now; ``False`` never; ``None`` (default) by the interval.
     """
     key = os.fspath(path)
+    signed = {**record, CHECK_FIELD: record_checksum(record)}
     with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record, separators=(",", ":")) + "\n")
+        f.write(json.dumps(signed, separators=(",", ":")) + "\n")
         f.flush()
         now = time.monotonic()
         if sync or (sync is None and now - _last_sync.get(key, -math.inf) >= SYNC_INTERVAL_S):
@@ -131,21 +156,26 @@ def read_log(path: Path) -> list[dict[str, Any]]:
     """Every record of the log at ``path``, the header first.
 
     A last line cut short (a search killed while writing) is dropped, and the file is
-    truncated after the last whole record so that appending continues cleanly.
+    truncated after the last whole record so that appending continues cleanly. Each
+    record's checksum is checked (``record_checksum``) and left out of what is returned;
+    in a log whose header has none (written before checksums existed) a record without
+    one is accepted.
 
     Args:
         path: The log file.
 
     Returns:
-        The records, in order; the first is the header.
+        The records, in order, without their checksums; the first is the header.
 
     Raises:
-        OutputError: if a line other than the last is not a JSON record, or there is no
-            header (an OutputError is a ValueError).
+        OutputError: if a line other than the last is not a JSON record, there is no
+            header, or a record does not match its checksum or lacks one (an OutputError is
+            a ValueError).
     """
     raw = path.read_bytes()
     lines = raw.split(b"\n")
     records: list[dict[str, Any]] = []
+    line_numbers: list[int] = []
     good_bytes = 0
     for k, line in enumerate(lines):
         if not line.strip():
@@ -153,6 +183,7 @@ def read_log(path: Path) -> list[dict[str, Any]]:
             continue
         try:
             records.append(json.loads(line))
+            line_numbers.append(k + 1)
         except json.JSONDecodeError:
             if k == len(lines) - 1:  # a record cut short by the kill: drop it
                 break
@@ -166,7 +197,27 @@ def read_log(path: Path) -> list[dict[str, Any]]:
             or records[0].get("kind") != "header":
         raise OutputError(f"{path} is not a kareus search log (no header line, or a line "
                           f"that is not a record): {REMEDY}")
-    return records
+    return _verified(path, records, line_numbers)
+
+
+def _verified(path: Path, records: list[dict[str, Any]], line_numbers: list[int]
+              ) -> list[dict[str, Any]]:
+    """The records without their checksums, each checked against its own."""
+    signed = CHECK_FIELD in records[0]
+    out = []
+    for k, (rec, line) in enumerate(zip(records, line_numbers)):
+        # The header cannot be dropped alone: the whole log goes.
+        todo = REMEDY if k == 0 else f"delete that line to measure it again, or {REMEDY}"
+        if CHECK_FIELD in rec:
+            if rec[CHECK_FIELD] != record_checksum(rec):
+                raise OutputError(f"search log {path}, line {line}: the record does not match "
+                                  f"its checksum (edited by hand or damaged): {todo}")
+            rec = {key: v for key, v in rec.items() if key != CHECK_FIELD}
+        elif signed:
+            raise OutputError(f"search log {path}, line {line}: the record has no checksum "
+                              f"(edited by hand or damaged): {todo}")
+        out.append(rec)
+    return out
 
 
 def check_header(head: dict[str, Any], space: ConfigSpace, seed: int, path: Path,

@@ -38,12 +38,12 @@ from typing import Any
 
 import numpy as np
 
+from kareus._check import check_count, check_number
 from kareus._logging import get_logger
 from kareus.errors import (
     DATA_ERRORS,
     ArgumentError,
     ArgumentTypeError,
-    InfeasibleError,
     OutputError,
     data_problem,
 )
@@ -161,17 +161,16 @@ class MultiPassSearch:
             raise ArgumentTypeError(f"surrogate must be a kareus Surrogate, got "
                                     f"{type(surrogate).__name__}")
         self.space = space
-        self.seed = int(seed)
+        self.seed = check_count("seed", seed, minimum=0)
         self.surrogate = default_surrogate(self.seed) if surrogate is None else surrogate
         self.passes = self._check_passes(default_passes() if passes is None else passes)
-        self.batch_size = 8 if batch_size is None else int(batch_size)
-        if self.batch_size < 1:
-            raise ArgumentError(f"batch_size must be >= 1, got {batch_size}")
-        self.budget = min(224 if budget is None else int(budget), len(space))
-        if self.budget < 1:
-            raise InfeasibleError(f"budget must be >= 1, got {budget}")
-        if initial_size is not None and int(initial_size) < 1:
-            raise ArgumentError(f"initial_size must be >= 1, got {initial_size}")
+        self.batch_size = 8 if batch_size is None else check_count("batch_size", batch_size)
+        self.budget = min(224 if budget is None else check_count("budget", budget), len(space))
+        if initial_size is not None:
+            check_count("initial_size", initial_size)
+        if stop_patience is not None:
+            check_count("stop_patience", stop_patience)
+        check_number("stop_tol", stop_tol, minimum=0)
         resume_records = None
         if resume is not None and Path(resume).exists() and Path(resume).stat().st_size > 0:
             resume_records = read_log(Path(resume))
@@ -194,10 +193,6 @@ class MultiPassSearch:
             self.initial_size = default_initial_size(self.budget)
         else:
             self.initial_size = min(int(initial_size), self.budget)
-        if stop_patience is not None and stop_patience < 1:
-            raise ArgumentError(f"stop_patience must be >= 1 or None, got {stop_patience}")
-        if stop_tol < 0:
-            raise ArgumentError(f"stop_tol must be >= 0, got {stop_tol}")
         if initial_design not in ("maximin", "random"):
             raise ArgumentError(f"initial_design must be 'maximin' or 'random', got "
                                 f"{initial_design!r}")

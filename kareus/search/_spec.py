@@ -26,7 +26,7 @@ from typing import Any
 
 import attrs
 
-from kareus.errors import ArgumentError, ArgumentTypeError, ConfigError, InfeasibleError
+from kareus.errors import ArgumentError, ArgumentTypeError, ConfigError
 from kareus.model.config import ConfigSpace
 from kareus.model.partition import Partition
 from kareus.model.profiler import Profiler
@@ -123,7 +123,7 @@ class SearchSpec:
 
     Raises:
         TypeError: a field of the wrong type.
-        InfeasibleError: ``budget`` below 1.
+        ArgumentError: ``budget`` below 1.
         ConfigError: a negative ``seed``.
         ValueError: an unknown surrogate name, a batch size below 1, pass weights that are
             negative or all zero.
@@ -149,8 +149,8 @@ class SearchSpec:
             raise ConfigError(f"seed must be >= 0 (it seeds the searches and the emulator's "
                               f"noise), got {self.seed}")
         if self.budget < 1:
-            raise InfeasibleError(f"budget must be at least 1 profile per partition type, got "
-                                  f"{self.budget}")
+            raise ArgumentError(f"budget must be at least 1 profile per partition type, got "
+                                f"{self.budget}")
         if self.batch_size is not None and self.batch_size < 1:
             raise ArgumentError(f"batch_size must be >= 1, got {self.batch_size}")
         resolve_surrogate(self.surrogate, self.seed)  # an unknown name fails here, not later

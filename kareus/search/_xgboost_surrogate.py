@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 
+from kareus._check import check_count, check_number
 from kareus.errors import ArgumentError, ConfigError
 from kareus.search.surrogate import Surrogate, _check_x, _check_xy
 
@@ -69,10 +70,10 @@ class XGBoostSurrogate(Surrogate):
         if importlib.util.find_spec("xgboost") is None:  # checked before any measurement
             raise ConfigError("the trees surrogate (XGBoostSurrogate) needs xgboost: "
                               "pip install 'kareus[trees]', or use the default gp surrogate")
-        if n_estimators < 1:
-            raise ArgumentError(f"n_estimators must be >= 1, got {n_estimators}")
+        check_count("n_estimators", n_estimators)
         if max_depth < 1:
             raise ArgumentError(f"max_depth must be >= 1, got {max_depth}")
+        check_number("learning_rate", learning_rate)
         if not 0 < learning_rate <= 1:
             raise ArgumentError(f"learning_rate must be in (0, 1], got {learning_rate}")
         if not 0 < subsample <= 1 or not 0 < colsample_bytree <= 1:

@@ -40,6 +40,7 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
+from kareus._check import check_count, check_number
 from kareus.errors import ArgumentError
 from kareus.search._features import EXTRA_COLUMNS_FROM
 from kareus.search._objective_model import ObjectivePrediction
@@ -216,10 +217,8 @@ class HypervolumePass(AcquisitionPass):
         self.front = front
         if energy not in _ENERGIES:
             raise ArgumentError(f"energy must be one of {_ENERGIES}, got {energy!r}")
-        if optimism < 0:
-            raise ArgumentError(f"optimism must be >= 0, got {optimism}")
-        if margin <= 0:
-            raise ArgumentError(f"margin must be > 0, got {margin}")
+        check_number("optimism", optimism, minimum=0)
+        check_number("margin", margin, positive=True)
         self.energy = energy
         self.greedy = bool(greedy)
         self.optimism = float(optimism)
@@ -583,8 +582,7 @@ def allocate(weights: Sequence[float], k: int, *, remainder: str = "largest") ->
     w = np.asarray(weights, dtype=float)
     if w.ndim != 1 or w.size == 0 or np.any(w < 0) or not np.isfinite(w).all() or w.sum() <= 0:
         raise ArgumentError(f"weights must be non-negative with a positive sum, got {list(weights)}")
-    if k < 0:
-        raise ArgumentError(f"k must be >= 0, got {k}")
+    k = check_count("k", k, minimum=0)
     exact = w / w.sum() * k
     counts = np.floor(exact + 1e-9).astype(int)
     rest = k - int(counts.sum())

@@ -92,6 +92,9 @@ class Surrogate(abc.ABC):
     def predict(self, X: ArrayLike) -> np.ndarray:
         """Predicted mean target for each row of ``X``: a float array of shape (n,).
 
+        Zero rows give an empty array of shape ``(0,)``, not an error (a search may ask for
+        the predictions of no candidates); ``predict_spread`` likewise gives two.
+
         Raises:
             RuntimeError: if called before [`fit`][kareus.search.Surrogate.fit].
         """

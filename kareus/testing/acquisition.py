@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from kareus._check import check_count, check_number
+from kareus.errors import ArgumentError
 from kareus.search import AcquisitionContext, AcquisitionPass, ObjectivePrediction
 from kareus.testing._suite import _add_tests, _run_checks
 
@@ -30,6 +32,13 @@ def make_acquisition_context(n: int = 200, *, m: int = 12, seed: int = 0,
     """A random but plausible context: ``n`` candidates with predictions, ``m`` observed
     points, a share ``unavailable`` of candidates not available, and ``n_chosen`` of them
     already chosen for the batch."""
+    n = check_count("n", n)
+    m = check_count("m", m)
+    seed = check_count("seed", seed, minimum=0)
+    check_number("unavailable", unavailable, minimum=0)
+    if not unavailable < 1:
+        raise ArgumentError(f"unavailable must be below 1 (a share of the candidates), got "
+                            f"{unavailable}")
     rng = np.random.default_rng(seed)
     t = rng.uniform(1e-3, 3e-3, n)
     d = 0.5 / t * 1e-3 * rng.uniform(0.8, 1.2, n)  # a time-energy trade-off

@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from kareus.errors import ArgumentError, ArgumentTypeError
+from kareus._check import check_count, check_number
+from kareus.errors import ArgumentTypeError
 from kareus.model.config import ScheduleConfig
 from kareus.model.gpu import GPUSpec, get_gpu
 from kareus.model.measurement import Measurement
@@ -51,11 +52,9 @@ class FakeProfiler(Profiler):
 
     def __init__(self, gpu: str | GPUSpec = "a100-40gb", *, noise: float = 0.0,
                  seed: int = 0) -> None:
-        if noise < 0:
-            raise ArgumentError(f"noise must be >= 0, got {noise}")
+        self.noise = check_number("noise", noise, minimum=0)
+        self.seed = check_count("seed", seed, minimum=0)
         self.gpu = get_gpu(gpu)
-        self.noise = float(noise)
-        self.seed = int(seed)
         self._rng = np.random.default_rng(seed)
         self.calls: list[tuple[str, ScheduleConfig]] = []
 

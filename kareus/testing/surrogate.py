@@ -3,8 +3,8 @@
 [`check_surrogate`][kareus.testing.check_surrogate] runs every check of ``SURROGATE_CHECKS`` on
 surrogates made by a factory; [`SurrogateConformance`][kareus.testing.SurrogateConformance] is the
 same suite as pytest tests. The checks fit on toy data shaped like ConfigSpace's features (MHz, SMs,
-slot position, log intensity, sequential) with a smooth log-time-like target: shapes, fitting before
-predicting, a held-out R^2, no mutation of the inputs, typed errors for bad input, tiny and constant
+slot position, log intensity, sequential) with a smooth log-time-like target: shapes (zero rows
+included: ``predict`` returns shape ``(0,)``), fitting before predicting, a held-out R^2, no mutation of the inputs, typed errors for bad input, tiny and constant
 data, unfitted clones, the spread, and determinism.
 """
 
@@ -60,7 +60,18 @@ def _check_fit_predict_shapes(make: Callable[[], Surrogate]) -> None:
         f"predict must return an array of shape (17,), got {getattr(p, 'shape', type(p))}"
     assert np.issubdtype(p.dtype, np.floating) and np.isfinite(p).all(), \
         "predictions must be finite floats"
-    assert s.predict(x[:0]).shape == (0,), "predict on zero rows must return shape (0,)"
+
+
+def _check_zero_rows(make: Callable[[], Surrogate]) -> None:
+    x, y = _toy_data(30, 1)
+    s = make().fit(x, y)
+    p = s.predict(x[:0])
+    assert isinstance(p, np.ndarray) and p.shape == (0,), \
+        f"predict on zero rows must return shape (0,), got {getattr(p, 'shape', type(p))}"
+    if s.has_spread:
+        mean, spread = s.predict_spread(x[:0])
+        assert mean.shape == (0,) and spread.shape == (0,), \
+            "predict_spread on zero rows must return two arrays of shape (0,)"
 
 
 def _check_learns(make: Callable[[], Surrogate]) -> None:
@@ -137,6 +148,7 @@ SURROGATE_CHECKS: dict[str, Callable[[Callable[[], Surrogate]], None]] = {
     "type": _check_type,
     "predict_before_fit": _check_predict_before_fit,
     "fit_predict_shapes": _check_fit_predict_shapes,
+    "zero_rows": _check_zero_rows,
     "learns": _check_learns,
     "no_mutation": _check_no_mutation,
     "bad_shapes": _check_bad_shapes,
@@ -156,7 +168,8 @@ def check_surrogate(make: Callable[[], Surrogate], *, skip: tuple[str, ...] = ()
             for a surrogate that cannot be seeded.
 
     Raises:
-        AssertionError: naming the first check that fails.
+        AssertionError: naming the first check that fails, whether by an assertion or by
+            any exception the surrogate raised inside it.
     """
     _run_checks("surrogate", SURROGATE_CHECKS, skip, make)
 

@@ -32,7 +32,7 @@ from kareus.compose.plan import Plan
 from kareus.compose.systems import (
     SystemsResult,
 )
-from kareus.errors import InfeasibleError, OutputError
+from kareus.errors import OutputError
 from kareus.model.gpu import get_gpu
 from kareus.model.partition import PartitionSet
 from kareus.model.workload import Workload
@@ -166,10 +166,9 @@ class OptimizationResult:
         """
         if deadline_s is None and energy_budget_j is None:
             return self.kareus.max_throughput()
-        try:
-            return self.kareus.select(deadline_s=deadline_s, energy_budget_j=energy_budget_j)
-        except ValueError as exc:
-            raise InfeasibleError(str(exc)) from None
+        # IterationFrontier.select raises InfeasibleError when no plan meets the limit, and
+        # an argument error (a kareus error that is a ValueError/TypeError) for a mistake
+        return self.kareus.select(deadline_s=deadline_s, energy_budget_j=energy_budget_j)
 
     def table(self) -> str:
         """The comparison table and kareus's savings against Perseus, as text."""

@@ -274,8 +274,14 @@ def test_a_plan_needs_the_microbatch_scope_and_the_baselines_do_not():
                           baseline=RecordingExecutor(), kernels="torch")
     w = planned_weights(shard(full_weights(arch, 1), arch, 2, 0), arch)
     x = torch.randn(wl.microbatch_size, wl.seq_len // 2, arch.hidden)
-    with pytest.raises(PlanError, match="microbatch"):
+    with pytest.raises(PlanError, match="microbatch") as err:
         applier.layer()(x, w)
+    assert "wrap_schedule(applier)" in str(err.value) and "--" not in str(err.value)
+    odd = torch.randn(wl.microbatch_size + 1, wl.seq_len // 2, arch.hidden)
+    with applier.microbatch(0, "fwd"), pytest.raises(WorkloadError, match="microbatch_size=") \
+            as err:
+        applier.layer()(odd, w)
+    assert "--" not in str(err.value)
     with applier.microbatch(0, "bwd"), pytest.raises(PlanError, match="'fwd'"):
         applier.layer()(x, w)
     base = PlanApplier(workload=wl, groups=groups, schedule="nanobatching",

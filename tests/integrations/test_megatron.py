@@ -67,12 +67,11 @@ def test_the_spec_refuses_what_is_not_an_applier():
 
 
 def _cpu_shim() -> None:
-    """The example's CPU shim (examples/integrations/megatron_cpu_shim.py: Megatron-Core's
-    CUDA-only calls redirected to the CPU in this process; never library code)."""
-    sys.path.insert(0, str(EXAMPLE))
-    import megatron_cpu_shim
+    """Megatron-Core's CUDA-only calls redirected to the CPU in this process
+    (kareus.integrations.megatron_cpu, what the example's --cpu installs)."""
+    from kareus.integrations import megatron_cpu
 
-    megatron_cpu_shim.install()
+    megatron_cpu.install()
 
 
 def _close(a, b, what):

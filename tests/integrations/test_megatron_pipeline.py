@@ -1,8 +1,8 @@
 """kareus.integrations.megatron under Megatron-Core's 1F1B pipeline (CPU, gloo, PP=2 x TP=2).
 
 Four processes (``initialize_model_parallel(tensor_model_parallel_size=2,
-pipeline_model_parallel_size=2)``) with the CPU shim of the Megatron example
-(``examples/integrations/megatron_cpu_shim.py``: test harness only, never library code);
+pipeline_model_parallel_size=2)``) with Megatron-Core redirected to the CPU
+(``kareus.integrations.megatron_cpu``: for CPU runs and tests only, never for training);
 each pipeline stage builds its part of a tiny GPTModel (``num_layers=4``: 2 layers per
 stage, ``pre_process`` on the first stage, ``post_process`` on the last) and trains it
 2 iterations of 4 microbatches with Megatron's DDP, Megatron's optimizer and
@@ -131,12 +131,11 @@ def _worker(out_dir: str) -> None:
     from megatron.core.pipeline_parallel import schedules
 
     sys.path.insert(0, str(EXAMPLE))
-    import megatron_cpu_shim
     import megatron_gpt as ex
 
     from kareus.exec.executor import TorchExecutor
     from kareus.exec.train import TorchParallelGroups
-    from kareus.integrations import PlanApplier
+    from kareus.integrations import PlanApplier, megatron_cpu
     from kareus.integrations.megatron import (
         chain_layers,
         kareus_layer_spec,
@@ -150,7 +149,7 @@ def _worker(out_dir: str) -> None:
     torch.set_num_threads(1)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP,
                                              pipeline_model_parallel_size=PP)
-    megatron_cpu_shim.install()
+    megatron_cpu.install()
     stage = parallel_state.get_pipeline_model_parallel_rank()
     config = ex.make_config(TP, torch.float32, **DIMS, pipeline_model_parallel_size=PP,
                             pipeline_dtype=torch.float32)

@@ -91,10 +91,11 @@ def test_configs_sort_with_sequential_and_slots_mixed():
 
 
 @pytest.mark.parametrize(("kwargs", "needle"), [
-    ({"freq_mhz": float("inf")}, "whole numbers"),
-    ({"comm_sms": 4.7}, "whole numbers"),  # not truncated to 4
-    ({"comm_sms": "4"}, "whole numbers"),
-    ({"freq_mhz": True}, "whole numbers"),
+    ({"freq_mhz": float("inf")}, "freq_mhz must be a whole number"),
+    ({"comm_sms": 4.7}, "comm_sms must be a whole number"),  # not truncated to 4
+    ({"comm_sms": "4"}, "comm_sms must be a whole number"),
+    ({"freq_mhz": True}, "freq_mhz must be a whole number"),
+    ({"comm_sms": -1}, "comm_sms must be in 0..1,000,000"),
     ({"launch_slot": 3}, "launch_slot must be an op name"),
 ])
 def test_a_configuration_of_the_wrong_kind_is_a_config_error(kwargs, needle):

@@ -96,9 +96,9 @@ def test_names_and_defaults(tmp_path: Path) -> None:
     # The config's own name first, then the folder (the HF cache's owner/model), then the
     # family; an explicit name beats them all.
     named = {**QWEN3_1_7B, "_name_or_path": "Qwen/Qwen3-1.7B"}
-    assert load_model_file(_config(tmp_path, named)).name == "Qwen/Qwen3-1.7B"
+    assert load_model_file(_config(tmp_path, named)).name == "qwen/qwen3-1.7b"  # names: any case
     cache = "hub/models--Qwen--Qwen3-1.7B/snapshots/0123abc"
-    assert load_model_file(_config(tmp_path, QWEN3_1_7B, folder=cache)).name == "Qwen/Qwen3-1.7B"
+    assert load_model_file(_config(tmp_path, QWEN3_1_7B, folder=cache)).name == "qwen/qwen3-1.7b"
     assert model_from_hf_config(QWEN3_1_7B).name == "qwen3"
     assert model_from_hf_config(named, name="mine").name == "mine"
     # A minimal Llama config: the LlamaConfig defaults (no KV-head count: multi-head
@@ -117,15 +117,20 @@ def test_names_and_defaults(tmp_path: Path) -> None:
 def test_workload_from_hf_config(tmp_path: Path) -> None:
     path = _config(tmp_path, QWEN3_1_7B, folder="Qwen3-1.7B")
     wl = Workload.from_hf_config(path, tp=4, cp=2, pp=2, microbatch_size=16)
-    assert wl.model == attrs.evolve(get_model("qwen3-1.7b"), name="Qwen3-1.7B")
+    # named after its folder (in lower case, as every name): exactly the preset
+    assert wl.model == get_model("qwen3-1.7b") and wl.to_dict()["model"] == "qwen3-1.7b"
     assert (wl.parallelism.tp, wl.parallelism.cp, wl.microbatch_size) == (4, 2, 16)
     # Not a preset: its whole architecture, features included, travels in to_dict.
+    path = _config(tmp_path, QWEN3_1_7B, folder="my-qwen3")
+    wl = Workload.from_hf_config(path, tp=4, cp=2, pp=2, microbatch_size=16)
+    assert wl.model == attrs.evolve(get_model("qwen3-1.7b"), name="my-qwen3")
     d = wl.to_dict()["model"]
     assert isinstance(d, dict) and d["qk_norm"] is True and d["norm_eps"] == 1e-6
     assert Workload.from_dict(wl.to_dict()) == wl
     # register_model takes the config.json as it takes any model file.
     assert files.register_model(path) == wl.model
-    assert Workload.preset("Qwen3-1.7B", tp=4).model == wl.model
+    assert Workload.preset("My-Qwen3", tp=4).model == wl.model
+    files.unregister("my-qwen3")
 
 
 def _without(d: dict[str, Any], key: str) -> dict[str, Any]:

@@ -7,12 +7,14 @@ import json
 import pytest
 
 from kareus.search._log import (
+    CHECK_FIELD,
     LOG_FORMAT,
     LOG_VERSION,
     append_record,
     check_header,
     log_header,
     read_log,
+    record_checksum,
     space_description,
 )
 
@@ -104,3 +106,63 @@ def test_records_reach_the_os_at_once_and_the_disk_once_a_second(tmp_path, monke
     log_mod.append_record(path, {"kind": "tell", "i": 12}, sync=False)
     log_mod.sync_log(path)
     assert len(synced) == 4
+
+
+def _signed_log(small_space, path):
+    from kareus.search import MultiPassSearch
+    from kareus.testing import FakeProfiler
+
+    MultiPassSearch(small_space, budget=16, batch_size=8, seed=5, log=path).run(FakeProfiler())
+    return path.read_text().splitlines()
+
+
+def test_every_record_carries_a_checksum_that_read_log_leaves_out(small_space, tmp_path):
+    path = tmp_path / "s.jsonl"
+    lines = _signed_log(small_space, path)
+    assert all(record_checksum(json.loads(x)) == json.loads(x)[CHECK_FIELD] for x in lines)
+    assert all(CHECK_FIELD not in r for r in read_log(path))
+
+
+def test_a_number_edited_by_hand_is_refused_naming_file_and_line(small_space, tmp_path):
+    from kareus.errors import OutputError
+    from kareus.search import MultiPassSearch
+
+    path = tmp_path / "s.jsonl"
+    lines = _signed_log(small_space, path)
+    k = next(i for i, x in enumerate(lines) if json.loads(x)["kind"] == "tell")
+    rec = json.loads(lines[k])
+    rec["measurement"]["time_s"] *= 0.5  # a hand edit: a faster measurement than was made
+    lines[k] = json.dumps(rec)
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(OutputError) as err:
+        MultiPassSearch(small_space, budget=16, batch_size=8, seed=5, resume=path)
+    msg = str(err.value)
+    assert f"{path}, line {k + 1}" in msg and "checksum" in msg and "\n" not in msg
+    assert "delete that line" in msg and "fresh=True" in msg and "--" not in msg
+    rec.pop(CHECK_FIELD)  # dropping the checksum as well does not hide the edit
+    lines[k] = json.dumps(rec)
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(OutputError, match=f"line {k + 1}: the record has no checksum"):
+        read_log(path)
+    del lines[k]  # what the message says to do: the search measures that point again
+    path.write_text("\n".join(lines) + "\n")
+    from kareus.testing import FakeProfiler
+
+    resumed = MultiPassSearch(small_space, budget=16, batch_size=8, seed=5, resume=path)
+    resumed.run(FakeProfiler())
+    assert resumed.n_measured == 16
+
+
+def test_logs_written_before_checksums_still_load(small_space, tmp_path):
+    from kareus.search import MultiPassSearch
+
+    path = tmp_path / "s.jsonl"
+    lines = _signed_log(small_space, path)
+    old = []
+    for x in lines:
+        rec = json.loads(x)
+        rec.pop(CHECK_FIELD)
+        old.append(json.dumps(rec))
+    path.write_text("\n".join(old) + "\n")
+    s = MultiPassSearch(small_space, budget=16, batch_size=8, seed=5, resume=path)
+    assert s.n_measured == sum(json.loads(x)["kind"] == "tell" for x in lines)

@@ -24,6 +24,7 @@ from kareus.search import (
     maximin_design,
     system_config_indices,
 )
+from kareus.search._log import record_checksum
 from kareus.testing import FakeProfiler
 
 FAST = XGBoostSurrogate(n_estimators=15, max_depth=3)  # keeps the tests quick
@@ -266,12 +267,13 @@ def test_a_corrupt_record_is_refused_in_one_line_naming_it(small_space, tmp_path
     k = next(i for i, x in enumerate(lines) if json.loads(x)["kind"] == "tell")
     rec = json.loads(lines[k])
     corrupt(rec)
+    rec["check"] = record_checksum(rec)  # a corrupt record that was written so, not edited
     lines[k] = json.dumps(rec)
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(OutputError) as err:
         search(small_space, budget=16, batch_size=8, seed=5, resume=path)
     msg = str(err.value)
-    assert needle in msg and f"record {k + 1} ('tell')" in msg and "--fresh" in msg
+    assert needle in msg and f"record {k + 1} ('tell')" in msg and "fresh=True" in msg
     assert "\n" not in msg and isinstance(err.value, ValueError)
 
 

@@ -6,7 +6,7 @@ import pickle
 
 import pytest
 
-from kareus.errors import ConfigError, InfeasibleError
+from kareus.errors import ArgumentError, ConfigError
 from kareus.model import Workload, build_partitions
 from kareus.profilers.emulator import EmulatedProfiler
 from kareus.search import (
@@ -23,7 +23,7 @@ PART = build_partitions(Workload.preset("qwen3-1.7b", tp=2, microbatch_size=2,
 
 
 def test_fields_are_checked_where_the_spec_is_made():
-    with pytest.raises(InfeasibleError, match="at least 1"):
+    with pytest.raises(ArgumentError, match="at least 1"):
         SearchSpec(budget=0)
     with pytest.raises(ConfigError, match="seed must be >= 0"):
         SearchSpec(seed=-1)

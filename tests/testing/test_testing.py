@@ -72,6 +72,15 @@ class _ForgetsToReset(XGBoostSurrogate):
         return self
 
 
+class _NoZeroRows(XGBoostSurrogate):
+    """Refuses to predict nothing (as scikit-learn's models do)."""
+
+    def predict(self, X):
+        if len(X) == 0:
+            raise ValueError("Found array with 0 sample(s)")
+        return super().predict(X)
+
+
 class _Leaky(AcquisitionPass):
     """Ignores availability."""
 
@@ -98,10 +107,18 @@ def test_conformance_catches_broken_surrogates(make, check):
         check_surrogate(lambda: make(n_estimators=10))
 
 
+def test_an_exception_a_surrogate_raises_is_reported_against_its_check():
+    with pytest.raises(AssertionError) as err:
+        check_surrogate(lambda: _NoZeroRows(n_estimators=10))
+    assert str(err.value) == ("surrogate conformance check 'zero_rows' failed: it raised "
+                              "ValueError: Found array with 0 sample(s)")
+    assert isinstance(err.value.__cause__, ValueError)
+
+
 def test_conformance_skip():
     check_surrogate(lambda: _WrongShape(n_estimators=10),
-                    skip=("fit_predict_shapes", "learns", "tiny_and_constant", "spread",
-                          "deterministic", "no_mutation", "clone"))
+                    skip=("fit_predict_shapes", "zero_rows", "learns", "tiny_and_constant",
+                          "spread", "deterministic", "no_mutation", "clone"))
 
 
 @pytest.mark.parametrize("make", [_Leaky, _Lazy])

@@ -5,7 +5,7 @@ import re
 import pytest
 
 from kareus.compose import kareus_types, system_configs
-from kareus.errors import InfeasibleError, OutputError
+from kareus.errors import ArgumentError, InfeasibleError, OutputError
 from kareus.model import ConfigSpace, Workload
 from kareus.workflow import iso_energy_time_saving, iso_time_energy_saving, optimize
 
@@ -95,7 +95,7 @@ def test_iso_savings_by_hand():
 
 def test_bad_budget():
     wl = Workload.preset("qwen3-1.7b", tp=2, microbatch_size=2, seq_len=1024)
-    with pytest.raises(InfeasibleError, match="budget"):
+    with pytest.raises(ArgumentError, match="budget"):
         optimize(wl, "h200-sxm", budget=0)
 
 

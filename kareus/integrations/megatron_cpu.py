@@ -1,0 +1,82 @@
+"""Megatron-Core on the CPU, for trying a Megatron script on a laptop and for CPU tests
+(never for training).
+
+Megatron-Core's training path calls CUDA unconditionally: its seeding
+(``model_parallel_cuda_manual_seed``), the rotary embedding and the causal mask are made
+on ``"cuda"``, DDP's gradient buffers and the schedule's loss tensors too, and its
+optimizer checks for ``torch.cuda.*Tensor`` types.
+[`install`][kareus.integrations.megatron_cpu.install] redirects those calls to the CPU in
+this process: torch's tensor factories map ``device="cuda"`` to the CPU,
+``torch.cuda.current_device`` names the CPU, CPU tensors report CUDA type names, and a
+no-op RNG tracker replaces CUDA's, so dropout must be 0. It patches torch globally for the
+process, for good (there is no uninstall): run it only in a process of its own that runs
+Megatron with gloo, in fp32 (``examples/integrations/megatron_gpt.py --cpu``, and kareus's
+CPU tests of the Megatron adapter, which run the same code).
+
+When to call it, in this order::
+
+    dist.init_process_group("gloo")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    megatron_cpu.install()   # after the model-parallel groups, before building the model
+    torch.manual_seed(1234)  # instead of tensor_parallel.model_parallel_cuda_manual_seed
+    model = GPTModel(...)
+
+After ``initialize_model_parallel`` because it replaces the RNG tracker that Megatron's
+parallel state sets up; before the model, the DDP wrapper and the optimizer are built,
+because those make their CUDA tensors as they are built.
+
+Importing this module imports neither torch nor Megatron-Core; ``install`` does.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+__all__ = ["install"]
+
+_FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "randint",
+              "zeros_like", "ones_like", "empty_like", "full_like", "as_tensor", "linspace")
+
+
+def install() -> None:
+    """Redirect Megatron-Core's CUDA-only calls to the CPU in this process, for good.
+
+    Call it after ``parallel_state.initialize_model_parallel`` and before building the
+    model (see the module doc); seed with ``torch.manual_seed`` rather than Megatron's
+    ``model_parallel_cuda_manual_seed``, and keep dropout at 0.
+    """
+    import torch
+    from megatron.core import tensor_parallel  # type: ignore[import-untyped, import-not-found]
+
+    def cpu(dev: Any) -> Any:
+        if isinstance(dev, int) or (dev is not None and str(dev).startswith("cuda")):
+            return torch.device("cpu")
+        return dev
+
+    def factory(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def make(*a: Any, **kw: Any) -> Any:
+            if "device" in kw:
+                kw["device"] = cpu(kw["device"])
+            return fn(*a, **kw)
+        return make
+
+    for name in _FACTORIES:
+        setattr(torch, name, factory(getattr(torch, name)))
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment, return-value]
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+    own_type = torch.Tensor.type
+
+    def tensor_type(self: Any, *a: Any, **kw: Any) -> Any:
+        # Megatron's optimizer checks for "torch.cuda.*Tensor"
+        t = own_type(self, *a, **kw)
+        if not a and not kw and self.device.type == "cpu" and not t.startswith("torch.cuda."):
+            return "torch.cuda." + t[len("torch."):]
+        return t
+
+    torch.Tensor.type = tensor_type  # type: ignore[method-assign, assignment]
+    # The no-op RNG tracker (dropout is 0): CUDA's would call torch.cuda.get_rng_state().
+    tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True,
+                                                  force_reset=True)
