@@ -71,7 +71,7 @@ def test_optimize_small_workload_writes_results(tmp_path, capsys):
     # least about as fast as the fastest baseline (measurement noise aside).
     fastest_baseline = min(v["time_s"] for n, v in res["systems"].items() if n != "kareus")
     assert k["time_s"] <= fastest_baseline * 1.02
-    assert res["workload"]["model"] == "qwen3-1.7b" and res["gpu"] == "h200-sxm"
+    assert res["workload"]["model"]["name"] == "qwen3-1.7b" and res["gpu"] == "h200-sxm"
     assert "iso_time_energy_saving_vs_perseus" in res
     plan = Plan.load(tmp_path / "out" / "plan.json")
     assert plan.time_s == k["time_s"]
@@ -297,7 +297,7 @@ def test_a_folder_of_another_job_is_refused_naming_the_field(tmp_path, capsys):
     capsys.readouterr()
     before = (tmp_path / "out" / "results.json").read_bytes()
     for extra, field in ((["--seq-len", "512"], "workload.seq_len"),
-                         (["--workload", "llama3.2-3b"], "workload.model"),
+                         (["--workload", "llama3.2-3b"], "workload.model.name"),
                          (["--seed", "3"], "seed"), (["--noise", "0.02"], "profiler.noise"),
                          (["--budget", "13"], "budget"),
                          (["--surrogate", "trees"], "surrogate")):

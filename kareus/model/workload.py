@@ -554,11 +554,13 @@ class Workload:
                 f"{' recompute' if self.recompute else ''}")
 
     def to_dict(self) -> dict[str, object]:
-        """JSON-ready description: ``model`` is the preset's name, or every field of an
-        architecture that is not a preset (so [`from_dict`][kareus.model.Workload.from_dict] can
-        rebuild it)."""
+        """JSON-ready description: ``model`` is the whole architecture, name and features
+        included, also for a preset (a preset may change between versions: a plan then still
+        says which model it was made for, and [`from_dict`][kareus.model.Workload.from_dict]
+        rebuilds that one). Descriptions written before this named a preset only; they still
+        load, as the current preset."""
         p = self.parallelism
-        model: object = self.model.name if self.model.is_preset else self.model.to_dict()
+        model: object = self.model.to_dict()
         return {"model": model, "tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": p.dp,
                 "microbatch_size": self.microbatch_size, "seq_len": self.seq_len,
                 "num_microbatches": self.num_microbatches, "recompute": self.recompute,

@@ -286,6 +286,23 @@ def test_a_plan_that_names_its_backend_runs_on_that_backend():
         named_collectives(groups, {"mscclpp"})
 
 
+def test_a_plan_is_for_an_architecture_whatever_its_name():
+    from kareus.exec.train import check_plan_workload
+
+    wl = workload(2, 1)
+    plan = plan_for(wl)
+    renamed = wl.with_(model=attrs.evolve(wl.model, name="someone-elses-tiny"))
+    check_plan_workload(plan, renamed)  # the same architecture under another name
+    with_qk = wl.with_(model=attrs.evolve(wl.model, qk_norm=True, norm_eps=1e-6))
+    with pytest.raises(PlanError, match=r"model.qk_norm: plan False, job True; "
+                                        r"model.norm_eps: plan 1e-05, job 1e-06"):
+        check_plan_workload(plan, with_qk)
+    # a plan written before plans carried the architecture names a preset: its current one
+    legacy = attrs.evolve(plan, workload={**plan.workload, "model": "qwen3-1.7b"})
+    with pytest.raises(PlanError, match="model.layers: plan 28, job 2"):
+        check_plan_workload(legacy, wl)
+
+
 def test_kareus_needs_a_plan():
     loop = loopback_loop(2, 1, plan=False)
     assert loop.schedules == ("sequential", "nanobatching")

@@ -197,7 +197,7 @@ def test_workload_round_trip_stores_a_custom_architecture(tmp_path: Path) -> Non
     assert Workload.from_dict(d) == wl  # read back without registering anything
     # A preset keeps the short form (plan digests of preset workloads do not change).
     pre = Workload.preset("qwen3-1.7b", tp=4, cp=2, pp=2, microbatch_size=16)
-    assert pre.to_dict()["model"] == "qwen3-1.7b"
+    assert pre.to_dict()["model"] == pre.model.to_dict()  # a preset too: its architecture
     assert Workload.from_dict(pre.to_dict()) == pre
     with pytest.raises(SpecFileError, match="missing field"):
         Workload.from_dict({**d, "model": {"name": "broken", "layers": 2}})

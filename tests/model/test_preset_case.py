@@ -19,7 +19,7 @@ from kareus.model import (
 def test_presets_are_found_in_any_case_and_named_in_lower_case():
     assert get_gpu("H200-SXM") is GPU_PRESETS["h200-sxm"]
     wl = Workload.preset("Qwen3-1.7B", tp=2)
-    assert wl.model.name == "qwen3-1.7b" and wl.to_dict()["model"] == "qwen3-1.7b"
+    assert wl.model.name == "qwen3-1.7b" and wl.to_dict()["model"]["name"] == "qwen3-1.7b"
     assert get_model("LLAMA3.2-3B") is get_model("llama3.2-3b")
     assert get_schedule("GPipe", 2, 2).name == get_schedule("gpipe", 2, 2).name
 

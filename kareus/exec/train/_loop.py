@@ -33,7 +33,7 @@ from typing import Any
 import attrs
 
 from kareus.compose import Plan
-from kareus.errors import ArgumentError, ArgumentTypeError, PlanError, WorkloadError
+from kareus.errors import ArgumentError, ArgumentTypeError, KareusError, PlanError, WorkloadError
 from kareus.exec._graphs import prefer_workspace_free_gemms
 from kareus.exec.executor import Executor, TorchExecutor, plan_config, plan_nanobatches
 from kareus.exec.schedule import (
@@ -47,7 +47,7 @@ from kareus.exec.schedule import (
     type_shapes,
 )
 from kareus.exec.train._model import DecoderShard
-from kareus.model.workload import Workload
+from kareus.model.workload import ModelArch, Workload, get_model
 
 __all__ = [
     "RunRecord",
@@ -89,12 +89,36 @@ def check_plan_workload(plan: Plan, workload: Workload, *, one_stage: bool = Tru
         raise PlanError("the plan does not record its workload: make it with kareus optimize")
     mine = workload.to_dict()
     keys = ("tp", "cp", "microbatch_size", "seq_len", "nanobatches", "num_microbatches",
-            "recompute", "model")
+            "recompute")
     diff = [f"{k}: plan {w.get(k)!r}, job {mine[k]!r}" for k in keys
             if k in w and w[k] != mine[k]]
+    if "model" in w:
+        diff += _architecture_differences(w["model"], workload.model)
     if diff:
         raise PlanError("the plan was made for another job (" + "; ".join(diff) +
                         "): make a plan for this workload")
+
+
+def _architecture_differences(recorded: Any, model: ModelArch) -> list[str]:
+    """How the model a plan was made for differs from ``model``, field by field; names do not
+    matter (the same architecture under another name is the same model). A plan that names a
+    preset only (written before plans carried the architecture) is taken as that preset's
+    current architecture."""
+    if isinstance(recorded, str):
+        try:
+            recorded = get_model(recorded).to_dict()
+        except KareusError:  # a model this process does not know: by name only
+            return [] if recorded == model.name else [
+                f"model: plan {recorded!r}, job {model.name!r}"]
+    if not isinstance(recorded, dict):
+        return [f"model: plan {recorded!r:.60}, job {model.name!r}"]
+    try:
+        planned = ModelArch.from_dict({**recorded, "name": model.name})
+    except (KareusError, ValueError) as exc:
+        return [f"model: the plan's architecture is not readable ({exc})"]
+    mine, theirs = attrs.asdict(model), attrs.asdict(planned)
+    return [f"model.{k}: plan {theirs[k]!r}, job {mine[k]!r}" for k in mine
+            if k != "name" and mine[k] != theirs[k]]
 
 
 @attrs.frozen
