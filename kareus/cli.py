@@ -67,10 +67,18 @@ def cmd_workloads(args: argparse.Namespace) -> int:
     rows = []
     for m in MODEL_PRESETS.values():
         rows.append([m.name, m.layers, m.hidden, m.heads, m.kv_heads, m.head_dim, m.ffn, m.vocab,
-                     f"{m.params / 1e9:.2f}"])
+                     f"{m.params / 1e9:.2f}", _features(m)])
     print(_table(["workload", "layers", "hidden", "heads", "KV heads", "head dim", "FFN",
-                  "vocab", "params (B)"], rows))
+                  "vocab", "params (B)", "layer features"], rows))
     return 0
+
+
+def _features(m) -> str:  # type: ignore[no-untyped-def]
+    """A model's layer features in a few words (``-`` for a plain Llama layer)."""
+    words = [w for w, on in (("qk-norm", m.qk_norm), ("QKV bias", m.qkv_bias),
+                             ("tied embeddings", m.tied_embeddings)) if on]
+    words.append(f"eps {m.norm_eps:g}")
+    return ", ".join(words)
 
 
 def _whole_number(text: str, lowest: int, highest: int | None = None) -> int:
@@ -334,15 +342,24 @@ def _check_optimize_options(args: argparse.Namespace) -> None:
                             f"job is a process that keeps one busy; use --jobs {cores} or fewer")
 
 
-def _say_start(args: argparse.Namespace, workload, profiler) -> None:  # type: ignore[no-untyped-def]
-    """The run's first line on stderr (none with ``--quiet``)."""
+def _say_start(args: argparse.Namespace, run) -> None:  # type: ignore[no-untyped-def]
+    """The run's first lines on stderr (none with ``--quiet``): what runs, and what the
+    search spaces hold against the budget."""
     if args.quiet:
         return
+    from kareus.compose import kareus_types
+
+    workload, profiler = run.workload, run.profiler
     print(f"kareus: optimising {workload.describe()} on {profiler.gpu.name} "
           f"({workload.parallelism.world_size} GPUs) with the {args.profiler} profiler"
           + (f", {_execution_from_args(args)} execution" if args.profiler == "emulated" else "")
           + (f" (calibrated from the measured profile {args.gpu_profile})"
              if getattr(args, "gpu_profile", None) and args.profiler == "emulated" else ""),
+          file=sys.stderr)
+    sizes = [len(profiler.space(p)) for p in kareus_types(workload, run.partitions).values()]
+    print(f"kareus: {len(sizes)} partition types, {min(sizes):,}-{max(sizes):,} configurations "
+          f"each (clocks x communication SMs x launch slots); --budget {args.budget} profiles "
+          f"each (a smaller budget finds less of each front: docs/search.md measures it)",
           file=sys.stderr)
 
 
@@ -386,7 +403,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     _say_estimate(run, args)
     with guarded_folder(out, run.manifest, fresh=args.fresh, what="--out"):
         args.resume_hint = f"the search logs in {out / 'logs'} keep every measurement"
-        _say_start(args, workload, profiler)
+        _say_start(args, run)
         with contextlib.ExitStack() as stack:
             executor = None
             if args.jobs > 1:

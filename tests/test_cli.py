@@ -482,3 +482,17 @@ def test_python_api_type_and_path_errors(tmp_path, capsys):
         result.save(a_file)
     with pytest.raises(KareusError):
         result.save("")
+
+
+def test_workloads_lists_the_layer_features(capsys):
+    assert main(["workloads"]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[2:]}
+    assert "qk-norm, tied embeddings, eps 1e-06" in rows["qwen3-1.7b"]
+    assert rows["llama3.3-70b"].rstrip().endswith("eps 1e-05")
+
+
+def test_the_start_says_the_spaces_against_the_budget(tmp_path, capsys):
+    argv = [a for a in _small(tmp_path) if a != "--quiet"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "configurations each (clocks x communication SMs x launch slots); --budget 12" in err
