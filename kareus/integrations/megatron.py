@@ -56,8 +56,8 @@ from kareus.integrations._megatron_config import check_layer_config, workload_fr
 from kareus.integrations._weights import gate_up_from_fused, linear, qkv_from_grouped
 
 __all__ = ["TESTED_MEGATRON", "UNTESTED_ENV", "KareusTransformerLayer", "MegatronVersionError",
-           "chain_layers", "check_layer_config", "check_megatron_version", "kareus_layer_spec", "unchain_layers",
-           "workload_from_megatron", "wrap_schedule"]
+           "chain_layers", "check_layer_config", "check_megatron_version", "kareus_layer_spec",
+           "unchain_layers", "workload_from_megatron", "wrap_schedule"]
 
 #: The Megatron-Core releases this module is tested with: ``(lowest, first untested)``.
 TESTED_MEGATRON = ("0.16.0", "0.17.0")

@@ -1,4 +1,6 @@
-"""kareus.integrations.megatron against Megatron-Core's own layers (CPU, gloo, TP=2).
+"""kareus.integrations.megatron against Megatron-Core's own layers (CPU, gloo, TP=2), for a
+Llama layer and for Qwen3's (``qk_layernorm=True``, ``layernorm_epsilon=1e-6``, tied
+embeddings).
 
 Megatron-Core's training path is CUDA-only (``device="cuda"`` factories, CUDA RNG
 tracker, ``param.type()`` checks in the optimizer); the worker below installs a
