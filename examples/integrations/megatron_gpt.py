@@ -72,26 +72,29 @@ ROTARY_BASE = 500000
 VOCAB = 1024
 
 
-def make_config(tp, dtype=torch.bfloat16, **dims):
-    """The user's model: a small Llama-style GPT (RMSNorm, GQA, RoPE, SwiGLU, no biases)."""
+def make_config(tp, dtype=torch.bfloat16, **fields):
+    """The user's model: a small Llama-style GPT (RMSNorm, GQA, RoPE, SwiGLU, no biases);
+    ``fields`` change any ``TransformerConfig`` field (a Qwen3-style layer:
+    ``qk_layernorm=True, layernorm_epsilon=1e-6``)."""
     d = dict(num_layers=4, hidden_size=256, num_attention_heads=8, num_query_groups=4,
-             ffn_hidden_size=512)
-    d.update(dims)
-    return TransformerConfig(
-        **d, normalization="RMSNorm", layernorm_epsilon=1e-5, gated_linear_unit=True,
-        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False,
-        hidden_dropout=0.0, attention_dropout=0.0, bf16=dtype == torch.bfloat16,
-        params_dtype=dtype, tensor_model_parallel_size=tp, sequence_parallel=False,
-        use_cpu_initialization=True, gradient_accumulation_fusion=False,
-        bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
-        apply_rope_fusion=False, persist_layer_norm=False)
+             ffn_hidden_size=512, normalization="RMSNorm", layernorm_epsilon=1e-5,
+             gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+             add_qkv_bias=False, hidden_dropout=0.0, attention_dropout=0.0,
+             bf16=dtype == torch.bfloat16, params_dtype=dtype, tensor_model_parallel_size=tp,
+             sequence_parallel=False, use_cpu_initialization=True,
+             gradient_accumulation_fusion=False, bias_activation_fusion=False,
+             masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+             persist_layer_norm=False)
+    d.update(fields)
+    return TransformerConfig(**d)
 
 
-def build_model(config, layer_spec, seq_len, device):
-    """A GPTModel with ``layer_spec``'s layers."""
+def build_model(config, layer_spec, seq_len, device, *, tied=False):
+    """A GPTModel with ``layer_spec``'s layers (``tied``: the output layer reuses the input
+    embedding, ``share_embeddings_and_output_weights``)."""
     return GPTModel(config, transformer_layer_spec=layer_spec, vocab_size=VOCAB,
                     max_sequence_length=seq_len, position_embedding_type="rope",
-                    rotary_base=ROTARY_BASE, share_embeddings_and_output_weights=False,
+                    rotary_base=ROTARY_BASE, share_embeddings_and_output_weights=tied,
                     parallel_output=True).to(device)
 
 
@@ -177,6 +180,7 @@ def main(argv=None):
         plan = kareus.optimize(wl, "h200-sxm", budget=8, seed=0, progress=False).select()
     applier = PlanApplier(  # kareus
         workload=wl, plan=plan, schedule=schedule, rope_base=ROTARY_BASE,  # kareus
+        eps=config.layernorm_epsilon,  # kareus: the model's RMSNorm epsilon
         graphs=args.graphs,  # kareus: CUDA graphs around the layers (a GPU only)
         groups=TorchParallelGroups.from_groups(  # kareus
             tp=parallel_state.get_tensor_model_parallel_group()))  # kareus

@@ -13,10 +13,12 @@ checkpoints belong to a framework:
   TP/CP groups and a plan make a differentiable layer whose forward and backward run
   kareus's partition programs; [`PlannedStack`][kareus.integrations.PlannedStack] runs
   consecutive layers as one node, so collectives chain across layer boundaries as planned;
-* the layout helpers (``LAYER_WEIGHTS``, [`linear`][kareus.integrations.linear],
+* the layout helpers (``LAYER_WEIGHTS``, with a ``qk_norm`` model's two more:
+  [`layer_weights`][kareus.integrations.layer_weights]; [`linear`][kareus.integrations.linear],
   [`qkv_from_separate`][kareus.integrations.qkv_from_separate],
   [`qkv_from_grouped`][kareus.integrations.qkv_from_grouped],
-  [`gate_up_from_fused`][kareus.integrations.gate_up_from_fused]): differentiable views of a
+  [`gate_up_from_fused`][kareus.integrations.gate_up_from_fused],
+  [`head_norm`][kareus.integrations.head_norm]): differentiable views of a
   framework's weights, so that gradients reach its parameters by autograd;
 * ``kareus.integrations.megatron`` (``pip install "kareus[megatron]"``) and
   ``kareus.integrations.torchtitan`` (``pip install "kareus[torchtitan]"``): the same
@@ -38,7 +40,10 @@ from __future__ import annotations
 from kareus.integrations._layer import PlanApplier, PlannedLayer, PlannedStack
 from kareus.integrations._weights import (
     LAYER_WEIGHTS,
+    QK_NORM_WEIGHTS,
     gate_up_from_fused,
+    head_norm,
+    layer_weights,
     linear,
     qkv_from_grouped,
     qkv_from_separate,
@@ -49,7 +54,10 @@ __all__ = [
     "PlanApplier",
     "PlannedLayer",
     "PlannedStack",
+    "QK_NORM_WEIGHTS",
     "gate_up_from_fused",
+    "head_norm",
+    "layer_weights",
     "linear",
     "qkv_from_grouped",
     "qkv_from_separate",

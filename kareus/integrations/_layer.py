@@ -19,8 +19,9 @@ microbatch computation. This module lends that schedule to someone else's layer:
 * [`PlannedLayer`][kareus.integrations.PlannedLayer] (``applier.layer()``) is a
   ``torch.nn.Module`` without parameters: ``layer(x, weights)`` takes the layer's input
   ``[batch, seq / CP, hidden]`` and the framework's weights in kareus's layout
-  (``kareus.integrations.LAYER_WEIGHTS``, built with the differentiable helpers of
-  ``kareus.integrations``) and returns the layer's output, differentiable in both: the weight
+  (``kareus.integrations.LAYER_WEIGHTS``, and the query/key norm weights of a ``qk_norm``
+  model: [`layer_weights`][kareus.integrations.layer_weights]; built with the
+  differentiable helpers of ``kareus.integrations``) and returns the layer's output, differentiable in both: the weight
   gradients flow back into the framework's parameters by autograd.
 
 The forward runs the layer's forward stream ([`stack_stream`][kareus.exec.schedule.stack_stream]
@@ -70,7 +71,7 @@ from kareus.exec.schedule import (
     type_shapes,
 )
 from kareus.exec.train import DecoderShard, ParallelGroups, refuse_uncomputed
-from kareus.integrations._weights import LAYER_WEIGHTS
+from kareus.integrations._weights import QK_NORM_WEIGHTS, layer_weights
 from kareus.model.workload import Workload
 
 __all__ = ["PlanApplier", "PlannedLayer", "PlannedStack"]
@@ -208,12 +209,14 @@ class PlanApplier:
                                 f"{workload.model.norm_eps:g} (norm_eps): make the workload "
                                 "from the model's own config")
         refuse_uncomputed(workload.model, where="kareus's planned layer",
-                          computes=frozenset({"norm_eps"}))
+                          computes=frozenset({"norm_eps", "qk_norm"}))
         if not 0 <= int(stage) < workload.parallelism.pp:
             raise ArgumentError(f"stage must be this rank's pipeline stage, 0 .. "
                                 f"{workload.parallelism.pp - 1} (PP={workload.parallelism.pp}), "
                                 f"got {stage}")
         self.workload, self.groups, self.schedule = workload, groups, schedule
+        #: The names of one layer's weights, in the order the planned layers take them.
+        self.weight_names: tuple[str, ...] = layer_weights(workload.model.qk_norm)
         self.stage, self.kernels, self.rope_base = int(stage), kernels, float(rope_base)
         self.rope_inv_freq = rope_inv_freq
         self.record = bool(record)
@@ -441,14 +444,14 @@ class PlanApplier:
         Args:
             phase: ``"fwd"`` or ``"bwd"``.
             x: The first layer's input ``[batch, seq / CP, hidden]``.
-            weights: Per layer, its weights in ``LAYER_WEIGHTS`` order.
+            weights: Per layer, its weights in ``weight_names`` order.
             dy: Backward: the gradient of the last layer's output.
             inputs: Backward: the forward's inputs of layers ``1 ..`` (what the forward
                 returned), ``[batch * seq / CP, hidden]`` each.
 
         Returns:
             Forward: ``(output, inputs of layers 1 ..)``; backward: ``(gradient of x, the
-            weight gradients of every layer, layer by layer in LAYER_WEIGHTS order)``.
+            weight gradients of every layer, layer by layer in ``weight_names`` order)``.
         """
         if self.graphs:
             return self._graphs_runner().run(phase, x, weights, dy, inputs)
@@ -481,7 +484,8 @@ class PlanApplier:
         b, s, h = x.shape
         x2 = x.reshape(b * s, h)
         top = depth - 1
-        prog.weights = [dict(zip(LAYER_WEIGHTS, ws, strict=True)) for ws in weights]
+        names = self.weight_names
+        prog.weights = [dict(zip(names, ws, strict=True)) for ws in weights]
         prog.phase, prog.n = phase, n
         if phase == "fwd":
             prog.act, prog.head, prog.wgrads = {}, {"x0": x2}, []
@@ -529,7 +533,7 @@ class PlanApplier:
             dx = torch.empty_like(x2)
             for i in range(n):
                 dx[prog.rows(i)] = prog.act[(0, i)]["dx_in"]
-            return ((dx.view(b, s, h), [g[name] for g in prog.wgrads for name in LAYER_WEIGHTS]),
+            return ((dx.view(b, s, h), [g[name] for g in prog.wgrads for name in names]),
                     ran)
         finally:
             prog.act, prog.head, prog.weights, prog.wgrads = {}, {}, [], []
@@ -555,10 +559,12 @@ class PlannedLayer:
     """One decoder layer under a [`PlanApplier`][kareus.integrations.PlanApplier]'s schedule.
 
     Call it as ``layer(x, weights)``: ``x`` is the layer's input ``[batch, seq / CP,
-    hidden]`` (this rank's CP chunk, contiguous sequences), ``weights`` the layer's seven
-    weights in kareus's layout (a mapping by the names of ``LAYER_WEIGHTS`` or a sequence in
-    that order, built from the framework's parameters with the differentiable helpers of
-    ``kareus.integrations``); it returns the layer's output (the input plus attention and
+    hidden]`` (this rank's CP chunk, contiguous sequences), ``weights`` the layer's weights
+    in kareus's layout (a mapping by the names of the applier's ``weight_names`` or a
+    sequence in that order: ``LAYER_WEIGHTS``' seven, and the query and key norm weights
+    ``w_q_norm``, ``w_k_norm`` when the workload's model has ``qk_norm``; see
+    [`layer_weights`][kareus.integrations.layer_weights]; built from the framework's
+    parameters with the differentiable helpers of ``kareus.integrations``); it returns the layer's output (the input plus attention and
     MLP, both residuals included), differentiable in ``x`` and every weight.
 
     A ``torch.nn.Module`` is made on first use (``as_module()``) so that this class imports
@@ -573,7 +579,7 @@ class PlannedLayer:
 
     def __call__(self, x: Any, weights: Mapping[str, Any] | Sequence[Any]) -> Any:
         """The layer's output for input ``x`` under ``weights`` (see the class)."""
-        ws = _ordered(weights)
+        ws = _ordered(weights, self.applier.weight_names)
         if x.dtype != ws[1].dtype:
             raise ArgumentError(f"the layer's input is {x.dtype} and its weights "
                                 f"{ws[1].dtype}: pass both in the compute dtype")
@@ -609,7 +615,7 @@ class PlannedStack:
 
     def __call__(self, x: Any, weights: Sequence[Mapping[str, Any] | Sequence[Any]]) -> Any:
         """The last layer's output for input ``x`` (see the class)."""
-        per_layer = [_ordered(w) for w in weights]
+        per_layer = [_ordered(w, self.applier.weight_names) for w in weights]
         if len(per_layer) != self.layers:
             raise ArgumentError(f"this stack has {self.layers} layers, got the weights of "
                                 f"{len(per_layer)}")
@@ -620,18 +626,22 @@ class PlannedStack:
         return _function().apply(self.applier, self.layers, x, *flat)
 
 
-def _ordered(weights: Mapping[str, Any] | Sequence[Any]) -> list[Any]:
+def _ordered(weights: Mapping[str, Any] | Sequence[Any], names: Sequence[str]) -> list[Any]:
+    """``weights`` (by name or in order) as a list in the order of ``names``."""
     if isinstance(weights, Mapping):
-        missing = [n for n in LAYER_WEIGHTS if n not in weights]
-        extra = sorted(set(weights) - set(LAYER_WEIGHTS))
+        missing = [n for n in names if n not in weights]
+        extra = sorted(set(weights) - set(names))
         if missing or extra:
-            raise ArgumentError(f"a planned layer's weights are {list(LAYER_WEIGHTS)}; "
-                                f"missing {missing}, unknown {extra}")
-        return [weights[n] for n in LAYER_WEIGHTS]
+            qk = set(QK_NORM_WEIGHTS)
+            why = (" (the workload's model has no qk_norm)" if set(extra) & qk
+                   else " (the workload's model has qk_norm)" if set(missing) & qk else "")
+            raise ArgumentError(f"a planned layer's weights are {list(names)}; missing "
+                                f"{missing}, unknown {extra}{why}")
+        return [weights[n] for n in names]
     ws = list(weights)
-    if len(ws) != len(LAYER_WEIGHTS):
-        raise ArgumentError(f"a planned layer takes {len(LAYER_WEIGHTS)} weights "
-                            f"({list(LAYER_WEIGHTS)}), got {len(ws)}")
+    if len(ws) != len(names):
+        raise ArgumentError(f"a planned layer takes {len(names)} weights ({list(names)}), "
+                            f"got {len(ws)}")
     return ws
 
 
@@ -651,7 +661,7 @@ def _function() -> Any:
         @staticmethod
         def forward(ctx: Any, applier: PlanApplier, layers: int, x: Any, *weights: Any) -> Any:
             out, inputs = applier.run("fwd", x.detach().contiguous(),
-                                      _per_layer(weights, layers))
+                                      _per_layer(weights, layers, len(applier.weight_names)))
             ctx.applier, ctx.layers = applier, layers
             ctx.inputs = inputs  # layers 1 ..: what full recomputation keeps
             ctx.save_for_backward(x, *weights)
@@ -664,16 +674,17 @@ def _function() -> Any:
             # The attention's backward reads what its forward saved under autograd
             with torch.enable_grad():
                 dx, dws = ctx.applier.run("bwd", x.detach().contiguous(),
-                                          _per_layer(weights, ctx.layers), dy=dy.contiguous(),
+                                          _per_layer(weights, ctx.layers,
+                                                     len(ctx.applier.weight_names)),
+                                          dy=dy.contiguous(),
                                           inputs=inputs)
             return (None, None, dx, *dws)
 
-    def _per_layer(weights: Sequence[Any], layers: int) -> list[list[Any]]:
+    def _per_layer(weights: Sequence[Any], layers: int, k: int) -> list[list[Any]]:
         # No copies: the 2-D weights only feed GEMMs, which take a transposed view's layout
         # (a framework's [out, in] weight as [in, out]); their gradient buffers take the
         # same strides, so the gradient flows back without a copy either.
         ws = [w.detach() for w in weights]
-        k = len(LAYER_WEIGHTS)
         return [ws[i * k:(i + 1) * k] for i in range(layers)]
 
     _FUNCTION = PlannedLayerFunction

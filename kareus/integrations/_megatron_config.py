@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from kareus.errors import ArgumentError, WorkloadError
+from kareus.errors import ArgumentError, ArgumentTypeError, WorkloadError
 from kareus.model.workload import ModelArch, Parallelism, Workload
 
-__all__ = ["workload_from_megatron"]
+__all__ = ["check_layer_config", "workload_from_megatron"]
 
 #: Megatron-Core's defaults (``TransformerConfig``) of the fields read here.
 _DEFAULTS: dict[str, Any] = {
@@ -27,7 +27,8 @@ _DEFAULTS: dict[str, Any] = {
     "apply_residual_connection_post_layernorm": False, "rotary_interleaved": False,
     "window_size": None, "softmax_scale": None, "attention_output_gate": False,
     "experimental_attention_variant": None, "fp16": False, "bf16": False,
-    "params_dtype": None, "fp32_residual_connection": False,
+    "params_dtype": None, "fp32_residual_connection": False, "qk_l2_norm": False,
+    "qk_clip": False, "log_max_attention_logit": False,
 }
 
 #: The activations of a SwiGLU MLP (with ``gated_linear_unit``), by function name.
@@ -64,11 +65,11 @@ def _refusals(config: Any) -> list[str]:
          and not _get(config, "layernorm_zero_centered_gamma"),
          f"kareus's norms are RMSNorm: set normalization='RMSNorm' (got "
          f"{_get(config, 'normalization')!r}) and layernorm_zero_centered_gamma=False"),
-        (abs(float(_get(config, "layernorm_epsilon")) - 1e-5) <= 1e-12,
-         f"kareus's RMSNorm kernels take eps=1e-5: set layernorm_epsilon=1e-5 (got "
-         f"{_get(config, 'layernorm_epsilon')})"),
-        (not _get(config, "qk_layernorm"), "kareus's attention has no query/key norm: set "
-         "qk_layernorm=False"),
+        (not _get(config, "qk_l2_norm"), "kareus's query/key norm is RMSNorm with a weight: "
+         "set qk_l2_norm=False (qk_layernorm=True with normalization='RMSNorm' is computed)"),
+        (not _get(config, "qk_clip") and not _get(config, "log_max_attention_logit"),
+         "kareus's attention does not record the largest attention logit: set qk_clip=False "
+         "and log_max_attention_logit=False"),
         (not _get(config, "sequence_parallel"), "kareus's layer takes the whole sequence on "
          "every TP rank: set sequence_parallel=False"),
         (not _get(config, "num_moe_experts"), "kareus's layer has a dense MLP: set "
@@ -98,6 +99,60 @@ def _refusals(config: Any) -> list[str]:
     return [msg for ok, msg in checks if not ok]
 
 
+def _eps(config: Any) -> float:
+    eps = _get(config, "layernorm_epsilon")
+    try:
+        value = float(eps)
+    except (TypeError, ValueError):
+        raise WorkloadError(f"layernorm_epsilon must be a number, got {eps!r}") from None
+    if not 0.0 < value < 1.0:
+        raise WorkloadError(f"layernorm_epsilon must be in (0, 1), got {eps!r}")
+    return value
+
+
+def check_layer_config(config: Any, arch: ModelArch, tp: int) -> None:
+    """Check a Megatron-Core layer's own config against the model a workload describes,
+    whatever made that workload (``workload_from_megatron``, a preset, a hand-made
+    [`ModelArch`][kareus.model.ModelArch]): kareus's layer computes the workload's model, so
+    a config that asks for anything else is refused, in one line naming the config's field.
+
+    Raises:
+        WorkloadError: the config asks for what kareus's layer does not compute (the first
+            of ``workload_from_megatron``'s refusals), or one of its fields differs from the
+            workload's model (dimensions, ``qk_layernorm``, ``layernorm_epsilon``,
+            ``add_qkv_bias``) or TP.
+    """
+    refused = _refusals(config)
+    if refused:
+        raise WorkloadError(refused[0])
+    heads = _required(config, "num_attention_heads")
+    groups = _get(config, "num_query_groups")
+    channels = _get(config, "kv_channels")
+    mine: list[tuple[str, Any, Any, str]] = [
+        ("hidden_size", _required(config, "hidden_size"), arch.hidden, "hidden"),
+        ("num_attention_heads", heads, arch.heads, "heads"),
+        ("num_query_groups", heads if groups is None else int(groups), arch.kv_heads,
+         "kv_heads"),
+        ("kv_channels", (_required(config, "hidden_size") // heads if channels is None
+                         else int(channels)), arch.head_dim, "head_dim"),
+        ("ffn_hidden_size", _required(config, "ffn_hidden_size"), arch.ffn, "ffn"),
+        ("qk_layernorm", bool(_get(config, "qk_layernorm")), arch.qk_norm, "qk_norm"),
+        ("add_qkv_bias", bool(_get(config, "add_qkv_bias")), arch.qkv_bias, "qkv_bias"),
+        ("tensor_model_parallel_size", int(_get(config, "tensor_model_parallel_size") or 1),
+         int(tp), "TP"),
+    ]
+    for field, got, want, theirs in mine:
+        if got != want:
+            raise WorkloadError(f"the Megatron config has {field}={got}, the workload's model "
+                                f"{theirs}={want}: make the workload with "
+                                "workload_from_megatron(config, ...)")
+    eps = _eps(config)
+    if abs(eps - arch.norm_eps) > 1e-12 * max(1.0, eps):
+        raise WorkloadError(f"the Megatron config has layernorm_epsilon={eps:g}, the "
+                            f"workload's model norm_eps={arch.norm_eps:g}: make the workload "
+                            "with workload_from_megatron(config, ...)")
+
+
 def _dtype_bytes(config: Any) -> int:
     if _get(config, "bf16") or _get(config, "fp16"):
         return 2
@@ -109,7 +164,8 @@ def workload_from_megatron(config: Any, *, microbatch_size: int, seq_len: int,
                            num_microbatches: int, vocab_size: int, nanobatches: int = 2,
                            name: str = "megatron-gpt", tp: int | None = None,
                            cp: int | None = None, pp: int | None = None,
-                           dp: int | None = None) -> Workload:
+                           dp: int | None = None,
+                           share_embeddings_and_output_weights: bool = False) -> Workload:
     """The [`Workload`][kareus.model.Workload] of a Megatron-Core GPT model: what a plan for
     its decoder layers is made for (``kareus optimize``, ``kareus.optimize``).
 
@@ -126,9 +182,18 @@ def workload_from_megatron(config: Any, *, microbatch_size: int, seq_len: int,
     a selective one names submodules whose forward a kareus layer does not call and has no
     effect on them.
 
+    The layer features are read too: ``qk_layernorm`` (with ``normalization="RMSNorm"``:
+    each query and key head RMS-normalized over ``head_dim`` before RoPE, as Qwen3 does;
+    Megatron's ``self_attention.q_layernorm`` and ``k_layernorm``) becomes the model's
+    ``qk_norm``, ``layernorm_epsilon`` its ``norm_eps`` (any value; the
+    [`PlanApplier`][kareus.integrations.PlanApplier]'s ``eps`` must be the same), and
+    ``share_embeddings_and_output_weights`` (``GPTModel``'s argument, not the config's) its
+    ``tied_embeddings``: the embeddings and the output layer stay Megatron's, so tying them
+    changes nothing kareus runs, only the model the plan's iteration costs.
+
     A config kareus's layer does not compute is refused rather than approximated: kareus's
-    layer is a pre-norm Llama layer (RMSNorm with eps 1e-5, causal grouped-query attention
-    with rotate-half RoPE, a bias-free SwiGLU MLP) without dropout: a dropout rate above 0
+    layer is a pre-norm Llama or Qwen3 layer (RMSNorm, causal grouped-query attention with
+    rotate-half RoPE, a bias-free SwiGLU MLP) without dropout: a dropout rate above 0
     would train another model than the config says, silently, so it is refused too (Llama-style
     models train without it; Megatron-Core's default is 0.1: set both rates to 0.0).
 
@@ -145,13 +210,19 @@ def workload_from_megatron(config: Any, *, microbatch_size: int, seq_len: int,
         cp: Override the config's context-parallel degree.
         pp: Override the config's pipeline-parallel degree.
         dp: The data-parallel degree (default 1: a plan of one stage does not depend on it).
+        share_embeddings_and_output_weights: ``GPTModel``'s argument of that name (the
+            output layer reuses the input embedding).
 
     Raises:
         WorkloadError: the config describes a layer kareus does not compute (one line
             naming the field to set), or the dimensions do not divide.
         ArgumentError: the config lacks a dimension.
     """
+    if not isinstance(share_embeddings_and_output_weights, bool):
+        raise ArgumentTypeError("share_embeddings_and_output_weights must be a bool, got "
+                                f"{type(share_embeddings_and_output_weights).__name__}")
     refused = _refusals(config)
+    eps = _eps(config)
     cp_ = int(cp if cp is not None else (_get(config, "context_parallel_size") or 1))
     if cp_ != 1 and not any("context_parallel" in r for r in refused):
         refused.append("Megatron-Core's context-parallel chunks are not kareus's contiguous "
@@ -174,7 +245,9 @@ def workload_from_megatron(config: Any, *, microbatch_size: int, seq_len: int,
                             f"sets softmax_scale={softmax_scale}: set softmax_scale=None")
     arch = ModelArch(name=name, layers=_required(config, "num_layers"), hidden=hidden,
                      heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                     ffn=_required(config, "ffn_hidden_size"), vocab=int(vocab_size))
+                     ffn=_required(config, "ffn_hidden_size"), vocab=int(vocab_size),
+                     qk_norm=bool(_get(config, "qk_layernorm")), norm_eps=eps,
+                     tied_embeddings=bool(share_embeddings_and_output_weights))
     par = Parallelism(
         tp=int(tp if tp is not None else (_get(config, "tensor_model_parallel_size") or 1)),
         cp=cp_,

@@ -2,7 +2,8 @@
 
 A planned layer ([`PlannedLayer`][kareus.integrations.PlannedLayer]) takes this rank's
 shard of seven weights, named and laid out as kareus's own decoder holds them
-(``LAYER_WEIGHTS``), each ``[in, out]`` so that a projection is ``x @ W``:
+(``LAYER_WEIGHTS``), each ``[in, out]`` so that a projection is ``x @ W``, and two more
+when the model normalizes each query and key head (``ModelArch.qk_norm``, as Qwen3 does):
 
 ======================  ===========================================================
 ``w_attn_norm``         ``[hidden]``: the attention's RMSNorm weight
@@ -13,7 +14,21 @@ shard of seven weights, named and laid out as kareus's own decoder holds them
 ``w_mlp_norm``          ``[hidden]``: the MLP's RMSNorm weight
 ``Wg``, ``Wu``          ``[hidden, ffn / TP]``: SwiGLU's gate and up projections
 ``Wd``                  ``[ffn / TP, hidden]``: the down projection
+``w_q_norm``            ``[head_dim]``: the RMSNorm weight every query head is
+                        normalized with before RoPE (``qk_norm`` models only)
+``w_k_norm``            ``[head_dim]``: the same for every key head
 ======================  ===========================================================
+
+[`layer_weights`][kareus.integrations.layer_weights] names a model's set, in the order a
+planned layer takes them.
+
+**The query/key norm weights under TP.** They are not sharded: every rank holds the whole
+``[head_dim]`` weight and applies it to its own heads, so each rank's backward yields only
+its heads' part of their gradient. A planned layer returns that part, exactly as the
+framework's own norm module does under autograd; summing the parts over the TP ranks is
+the framework's business (Megatron-Core sums the gradients of parameters named
+``q_layernorm``/``k_layernorm`` over TP in ``finalize_model_grads`` when
+``qk_layernorm`` is on), so kareus neither reduces them itself nor leaves a sum undone.
 
 Frameworks hold them otherwise: ``torch.nn.Linear`` weights are ``[out, in]``,
 Megatron-Core packs Q, K and V per query group and gate and up into one ``linear_fc1``,
@@ -38,11 +53,22 @@ from typing import Any
 
 from kareus.errors import ArgumentError
 
-__all__ = ["LAYER_WEIGHTS", "gate_up_from_fused", "linear", "qkv_from_grouped",
-           "qkv_from_separate"]
+__all__ = ["LAYER_WEIGHTS", "QK_NORM_WEIGHTS", "gate_up_from_fused", "head_norm",
+           "layer_weights", "linear", "qkv_from_grouped", "qkv_from_separate"]
 
 #: The weights of a planned layer, in the order [`PlannedLayer`][kareus.integrations.PlannedLayer] takes them.
 LAYER_WEIGHTS = ("w_attn_norm", "Wqkv", "Wo", "w_mlp_norm", "Wg", "Wu", "Wd")
+
+#: The per-head query and key RMSNorm weights a ``qk_norm`` model's layer adds (after ``LAYER_WEIGHTS``).
+QK_NORM_WEIGHTS = ("w_q_norm", "w_k_norm")
+
+
+def layer_weights(qk_norm: bool) -> tuple[str, ...]:
+    """The weights of one planned layer of a model, in the order a
+    [`PlannedLayer`][kareus.integrations.PlannedLayer] takes them: ``LAYER_WEIGHTS``, then,
+    when the model normalizes each query and key head (``qk_norm``, see
+    [`ModelArch`][kareus.model.ModelArch]), ``QK_NORM_WEIGHTS``."""
+    return LAYER_WEIGHTS + (QK_NORM_WEIGHTS if qk_norm else ())
 
 
 def linear(weight: Any) -> Any:
@@ -123,6 +149,28 @@ def qkv_from_grouped(weight: Any, *, heads: int, kv_heads: int, head_dim: int) -
     k = w[:, g].reshape(kv_heads * head_dim, -1)
     v = w[:, g + 1].reshape(kv_heads * head_dim, -1)
     return torch.cat((q, k, v), dim=0).t()
+
+
+def head_norm(weight: Any, *, interleaved_rope: bool = False) -> Any:
+    """kareus's ``w_q_norm`` or ``w_k_norm`` from a model's per-head query or key RMSNorm
+    weight (``[head_dim]``).
+
+    The mean square a head is normalized by does not depend on the order of its entries,
+    but the weight multiplies them one by one: when the projection's rows were reordered for
+    interleaved RoPE (``qkv_from_separate(..., interleaved_rope=True)``), the weight's
+    entries are reordered the same way (an index, differentiable); otherwise it is the
+    weight itself.
+
+    Args:
+        weight: ``[head_dim]``.
+        interleaved_rope: The model rotates interleaved pairs (see ``qkv_from_separate``).
+    """
+    if getattr(weight, "dim", None) is None or weight.dim() != 1:
+        raise ArgumentError(f"a query/key norm weight is 1-D ([head_dim]), got shape "
+                            f"{tuple(getattr(weight, 'shape', ()))}")
+    if not interleaved_rope:
+        return weight
+    return weight.index_select(0, _halves_order(int(weight.shape[0]), weight.device))
 
 
 def gate_up_from_fused(weight: Any) -> tuple[Any, Any]:

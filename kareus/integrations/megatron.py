@@ -50,14 +50,14 @@ from megatron.core.transformer.spec_utils import ModuleSpec  # type: ignore[impo
 from megatron.core.transformer.transformer_layer import TransformerLayer  # type: ignore[import-untyped, import-not-found]
 from packaging.version import Version
 
-from kareus.errors import ArgumentError, ArgumentTypeError, KareusError, WorkloadError
+from kareus.errors import ArgumentError, ArgumentTypeError, KareusError
 from kareus.integrations._layer import PlanApplier
-from kareus.integrations._megatron_config import workload_from_megatron
+from kareus.integrations._megatron_config import check_layer_config, workload_from_megatron
 from kareus.integrations._weights import gate_up_from_fused, linear, qkv_from_grouped
 
 __all__ = ["TESTED_MEGATRON", "UNTESTED_ENV", "KareusTransformerLayer", "MegatronVersionError",
-           "chain_layers", "check_megatron_version", "kareus_layer_spec", "unchain_layers",
-           "workload_from_megatron", "wrap_schedule"]
+           "chain_layers", "check_layer_config", "check_megatron_version", "kareus_layer_spec",
+           "unchain_layers", "workload_from_megatron", "wrap_schedule"]
 
 #: The Megatron-Core releases this module is tested with: ``(lowest, first untested)``.
 TESTED_MEGATRON = ("0.16.0", "0.17.0")
@@ -125,7 +125,8 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
             ``layer_number``, ...).
 
     Raises:
-        WorkloadError: the applier's workload is not this config's layer.
+        WorkloadError: the config asks for what kareus's layer does not compute, or is not
+            the applier's workload's layer (``check_layer_config``).
         ArgumentError: the submodules are not the local spec's (a fused norm).
     """
 
@@ -139,10 +140,19 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
         self._kv_heads = int(cfg.num_query_groups or cfg.num_attention_heads)
         self._head_dim = int(cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads)
         self._tp = int(cfg.tensor_model_parallel_size or 1)
-        for name in ("input_layernorm", "pre_mlp_layernorm"):
-            if not isinstance(getattr(getattr(self, name), "weight", None), torch.Tensor):
+        self._qk_norm = bool(getattr(cfg, "qk_layernorm", False))
+        norms = ["input_layernorm", "pre_mlp_layernorm"]
+        if self._qk_norm:
+            norms += ["self_attention.q_layernorm", "self_attention.k_layernorm"]
+        for name in norms:
+            try:
+                mod = self.get_submodule(name)
+            except AttributeError:
+                mod = None
+            if not isinstance(getattr(mod, "weight", None), torch.Tensor):
                 raise ArgumentError(f"KareusTransformerLayer reads {name}.weight, which the "
-                                    "spec's submodules lack: build it with kareus_layer_spec()")
+                                    "spec's submodules lack: build it with "
+                                    "kareus_layer_spec(applier)")
         self._rope_checked: set[tuple[int, str]] = set()
         self._mask_seen: tuple[Any, ...] | None = None
         self.kareus_applier: PlanApplier | None = None
@@ -152,18 +162,19 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
     def set_applier(self, applier: PlanApplier | None) -> None:
         """Run this layer under ``applier`` (``None``: Megatron's own forward).
 
+        The layer's own config is checked against the applier's workload, whatever made
+        that workload: what kareus's layer does not compute is refused, and so is any field
+        that differs from the workload's model (``check_layer_config``: dimensions,
+        ``qk_layernorm``, ``layernorm_epsilon``, ``add_qkv_bias``, TP), in one line naming
+        Megatron's field.
+
         Raises:
-            WorkloadError: the applier's workload is not this layer (dimensions, TP).
+            WorkloadError: the config asks for what kareus's layer does not compute, or it
+                is not the applier's workload's layer.
         """
         if applier is not None:
-            arch, p = applier.workload.model, applier.workload.parallelism
-            mine = (self.config.hidden_size, self._heads, self._kv_heads, self._head_dim,
-                    self.config.ffn_hidden_size, self._tp)
-            theirs = (arch.hidden, arch.heads, arch.kv_heads, arch.head_dim, arch.ffn, p.tp)
-            if tuple(int(v) for v in mine) != theirs:
-                raise WorkloadError(f"the applier's workload (hidden, heads, kv_heads, "
-                                    f"head_dim, ffn, TP) is {theirs}, this layer's {mine}: "
-                                    "make it with workload_from_megatron(config, ...)")
+            check_layer_config(self.config, applier.workload.model,
+                               applier.workload.parallelism.tp)
         self.kareus_applier = applier
         self._planned = applier.layer() if applier is not None else None
 
@@ -176,24 +187,34 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
                 reads the weights without calling those modules, so the hooks would not run.
         """
         att, mlp = self.self_attention, self.mlp
-        for name, mod in (("input_layernorm", self.input_layernorm),
-                          ("self_attention.linear_qkv", att.linear_qkv),
-                          ("self_attention.linear_proj", att.linear_proj),
-                          ("pre_mlp_layernorm", self.pre_mlp_layernorm),
-                          ("mlp.linear_fc1", mlp.linear_fc1), ("mlp.linear_fc2", mlp.linear_fc2)):
+        read = [("input_layernorm", self.input_layernorm),
+                ("self_attention.linear_qkv", att.linear_qkv),
+                ("self_attention.linear_proj", att.linear_proj),
+                ("pre_mlp_layernorm", self.pre_mlp_layernorm),
+                ("mlp.linear_fc1", mlp.linear_fc1), ("mlp.linear_fc2", mlp.linear_fc2)]
+        if self._qk_norm:
+            read += [("self_attention.q_layernorm", att.q_layernorm),
+                     ("self_attention.k_layernorm", att.k_layernorm)]
+        for name, mod in read:
             if mod._forward_pre_hooks or mod._forward_hooks:
                 raise ArgumentError(f"{name} of layer {self.layer_number} has forward hooks "
                                     "(Megatron DDP's overlap_param_gather sets some): a kareus "
                                     "layer reads its weights without calling its modules, so "
                                     "they would not run; turn overlap_param_gather off")
         wg, wu = gate_up_from_fused(mlp.linear_fc1.weight)
-        return {"w_attn_norm": self.input_layernorm.weight,
-                "Wqkv": qkv_from_grouped(att.linear_qkv.weight, heads=self._heads // self._tp,
-                                         kv_heads=self._kv_heads // self._tp,
-                                         head_dim=self._head_dim),
-                "Wo": linear(att.linear_proj.weight),
-                "w_mlp_norm": self.pre_mlp_layernorm.weight,
-                "Wg": wg, "Wu": wu, "Wd": linear(mlp.linear_fc2.weight)}
+        out = {"w_attn_norm": self.input_layernorm.weight,
+               "Wqkv": qkv_from_grouped(att.linear_qkv.weight, heads=self._heads // self._tp,
+                                        kv_heads=self._kv_heads // self._tp,
+                                        head_dim=self._head_dim),
+               "Wo": linear(att.linear_proj.weight),
+               "w_mlp_norm": self.pre_mlp_layernorm.weight,
+               "Wg": wg, "Wu": wu, "Wd": linear(mlp.linear_fc2.weight)}
+        if self._qk_norm:
+            # Whole on every TP rank; each rank's heads give part of the gradient, which
+            # Megatron's finalize_model_grads sums over TP (its q/k_layernorm rule)
+            out["w_q_norm"] = att.q_layernorm.weight
+            out["w_k_norm"] = att.k_layernorm.weight
+        return out
 
     def forward(self, hidden_states: Any = None, attention_mask: Any = None, context: Any = None,
                 context_mask: Any = None, rotary_pos_emb: Any = None,
@@ -277,19 +298,32 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
         self._rope_checked.add((s, str(device)))
 
 
-def kareus_layer_spec(applier: PlanApplier | None) -> ModuleSpec:
+def kareus_layer_spec(applier: PlanApplier | None, *,
+                      qk_layernorm: bool | None = None) -> ModuleSpec:
     """The spec of a GPT decoder layer that kareus runs: Megatron-Core's local spec
-    (``get_gpt_layer_local_spec(normalization="RMSNorm")``: its submodules, so the
-    parameters, their names and checkpoints are Megatron's) with
+    (``get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=...)``: its
+    submodules, so the parameters, their names and checkpoints are Megatron's) with
     [`KareusTransformerLayer`][kareus.integrations.megatron.KareusTransformerLayer] as the
     module and ``applier`` in its params (``build_module`` passes them to the constructor).
 
     Pass it as ``GPTModel(config, transformer_layer_spec=kareus_layer_spec(applier), ...)``.
+
+    Args:
+        applier: The applier every layer shares (``None``: Megatron's own forward).
+        qk_layernorm: Give the attention its per-head query and key RMSNorms
+            (``self_attention.q_layernorm`` and ``k_layernorm``; the config's
+            ``qk_layernorm`` must agree). ``None``: as the applier's workload's model
+            (``qk_norm``), without them when there is no applier.
     """
     if applier is not None and not isinstance(applier, PlanApplier):
         raise ArgumentTypeError(f"applier must be a kareus PlanApplier, got "
                                 f"{type(applier).__name__}")
-    local = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if qk_layernorm is None:
+        qk_layernorm = applier is not None and applier.workload.model.qk_norm
+    if not isinstance(qk_layernorm, bool):
+        raise ArgumentTypeError(f"qk_layernorm must be a bool or None, got "
+                                f"{type(qk_layernorm).__name__}")
+    local = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
     return ModuleSpec(module=KareusTransformerLayer, params={"applier": applier},
                       submodules=local.submodules)
 

@@ -1,4 +1,4 @@
-"""A kareus plan inside torchtitan's Llama 3 (torchtitan 0.3.x).
+"""A kareus plan inside torchtitan's Llama 3 and Qwen3 dense models (torchtitan 0.3.x).
 
 torchtitan builds a ``Llama3Model`` from nested config dataclasses, tensor-parallelizes it
 with its own declarative sharding plan (``model.parallelize(parallel_dims)`` or
@@ -31,7 +31,10 @@ with complex numbers; separate ``wq``/``wk``/``wv`` rotate the same way. kareus'
 reads query, key and value heads blocked and rotates halves, so the query and key rows of
 each head are reordered (the same attention scores: see ``kareus.integrations._weights``).
 The RoPE frequencies are taken from the block's own rope cache, so Llama 3.1's scaled
-frequencies are the model's, not a recomputation.
+frequencies are the model's, not a recomputation. Qwen3's blocks rotate halves
+(``CosSinRoPE``): their rows keep their order; their per-head ``q_norm``/``k_norm``
+weights become the planned layer's ``w_q_norm``/``w_k_norm`` (see ``_head_norm`` for
+their gradient under TP).
 
 **Why the forward of each block instance is replaced** (an instance attribute, the way
 torchtitan's ``Module.parallelize`` wraps the forward of the modules it shards) rather
@@ -67,7 +70,7 @@ from typing import Any
 
 from kareus.errors import ArgumentError, ArgumentTypeError, PlanError, WorkloadError
 from kareus.integrations._layer import PlanApplier
-from kareus.integrations._weights import LAYER_WEIGHTS, linear, qkv_from_separate
+from kareus.integrations._weights import head_norm, layer_weights, linear, qkv_from_separate
 from kareus.model.workload import ModelArch, Parallelism, Workload
 
 __all__ = ["TESTED_VERSIONS", "apply_plan", "chained_blocks", "planned_blocks", "remove_plan",
@@ -133,14 +136,23 @@ def _classes() -> Any:
         from torchtitan.models.common.decoder import Decoder  # type: ignore[import]
         from torchtitan.models.common.feed_forward import FeedForward  # type: ignore[import]
         from torchtitan.models.common.linear import Linear  # type: ignore[import]
-        from torchtitan.models.common.rope import ComplexRoPE  # type: ignore[import]
+        from torchtitan.models.common.nn_modules import RMSNorm  # type: ignore[import]
+        from torchtitan.models.common.rope import (  # type: ignore[import]
+            ComplexRoPE,
+            CosSinRoPE,
+        )
         from torchtitan.models.llama3.model import (  # type: ignore[import]
             Llama3TransformerBlock,
+        )
+        from torchtitan.models.qwen3.model import (  # type: ignore[import]
+            Qwen3TransformerBlock,
         )
 
         _CLASSES = types.SimpleNamespace(
             Decoder=Decoder, FeedForward=FeedForward, Linear=Linear, ComplexRoPE=ComplexRoPE,
-            Block=Llama3TransformerBlock, GQAttention=attention.GQAttention,
+            CosSinRoPE=CosSinRoPE, RMSNorm=RMSNorm,
+            Blocks=(Llama3TransformerBlock, Qwen3TransformerBlock),
+            GQAttention=attention.GQAttention,
             QKVLinear=attention.QKVLinear, FusedQKVLinear=attention.FusedQKVLinear,
             SDPA=attention.ScaledDotProductAttention, Flex=attention.FlexAttention,
             Varlen=attention.VarlenAttention)
@@ -153,9 +165,9 @@ _CLASSES: Any = None
 def _check_layer(where: str, lc: Any) -> None:
     """Refuse a layer config whose modules kareus's layer does not compute."""
     tt = _classes()
-    if not isinstance(lc, tt.Block.Config):
+    if not any(isinstance(lc, b.Config) for b in tt.Blocks):
         raise WorkloadError(f"{where} is a {type(lc).__qualname__}: kareus applies plans to "
-                            "Llama3TransformerBlock layers only")
+                            "Llama3TransformerBlock and Qwen3TransformerBlock layers only")
     if getattr(lc, "moe", None) is not None or lc.feed_forward is None:
         raise WorkloadError(f"{where} is a mixture of experts: kareus's layer has a dense "
                             "SwiGLU MLP; run MoE layers without kareus")
@@ -166,9 +178,6 @@ def _check_layer(where: str, lc: Any) -> None:
     if type(att) is not tt.GQAttention.Config:
         raise WorkloadError(f"{where}'s attention is a {type(att).__qualname__}: kareus's "
                             "layer computes GQAttention")
-    if att.qk_norm is not None:
-        raise WorkloadError(f"{where} normalizes queries and keys (qk_norm): kareus's layer "
-                            "does not; run this model without kareus")
     if type(att.qkv_linear) not in (tt.QKVLinear.Config, tt.FusedQKVLinear.Config):
         raise WorkloadError(f"{where}'s QKV projection is a "
                             f"{type(att.qkv_linear).__qualname__} (e.g. tp_gemm_backend "
@@ -177,9 +186,10 @@ def _check_layer(where: str, lc: Any) -> None:
     if type(att.wo) is not tt.Linear.Config:
         raise WorkloadError(f"{where}'s output projection is a {type(att.wo).__qualname__}: "
                             "use the default tp_gemm_backend")
-    if type(att.rope) is not tt.ComplexRoPE.Config:
+    if type(att.rope) not in (tt.ComplexRoPE.Config, tt.CosSinRoPE.Config):
         raise WorkloadError(f"{where}'s RoPE is a {type(att.rope).__qualname__}: kareus "
-                            "reads torchtitan's ComplexRoPE (Llama 3's interleaved pairs)")
+                            "reads torchtitan's ComplexRoPE (Llama 3's interleaved pairs) "
+                            "and CosSinRoPE (Qwen3's rotate-half)")
     inner = att.inner_attention
     if isinstance(inner, tt.Varlen.Config):
         if tuple(inner.window_size) != (-1, 0):
@@ -194,17 +204,41 @@ def _check_layer(where: str, lc: Any) -> None:
                                                else [qkv.wq, qkv.wkv])
     if any(getattr(lin, "bias", False) for lin in linears):
         raise WorkloadError(f"{where} has biases in its projections: kareus's layer has none")
+    _check_norms(where, lc)
+
+
+def _check_norms(where: str, lc: Any) -> None:
+    """Refuse norms other than RMSNorms with a weight (the query/key norm's over a head)."""
+    rms = _classes().RMSNorm.Config
+    qk = lc.attention.qk_norm
+    if qk is not None and (type(qk) is not rms or not qk.elementwise_affine):
+        raise WorkloadError(f"{where}'s qk_norm is a {type(qk).__qualname__} without a "
+                            "weight or not an RMSNorm: kareus's layer computes an RMSNorm "
+                            "with a weight over each head (Qwen3's)")
     for name in ("attention_norm", "ffn_norm"):
-        eps = float(getattr(getattr(lc, name), "eps", 1e-5))
-        if abs(eps - 1e-5) > 1e-12:
-            raise WorkloadError(f"{where}'s {name} has eps={eps}: kareus's RMSNorm kernels "
-                                "take 1e-5; build the model with 1e-5 or run it without "
-                                "kareus")
+        norm = getattr(lc, name)
+        if type(norm) is not rms or not norm.elementwise_affine:
+            raise WorkloadError(f"{where}'s {name} is a {type(norm).__qualname__} (or has no "
+                                "weight): kareus's layer computes an RMSNorm with a weight")
+    _layer_eps(where, lc)
 
 
-def _layer_dims(i: int, lc: Any, dim: int) -> tuple[int, int, int, int]:
-    """``(heads, kv_heads, head_dim, ffn)`` of layer config ``lc``, refusing what kareus's
-    layer does not compute."""
+def _layer_eps(where: str, lc: Any) -> float:
+    """The one RMSNorm epsilon of a layer's norms (kareus's layer uses one, the model's
+    ``norm_eps``), refusing norms that differ."""
+    names = ["attention_norm", "ffn_norm"] + (["attention.qk_norm"]
+                                              if lc.attention.qk_norm is not None else [])
+    eps = {n: float((lc.attention.qk_norm if n == "attention.qk_norm"
+                     else getattr(lc, n)).eps) for n in names}
+    if len(set(eps.values())) > 1:
+        raise WorkloadError(f"{where}'s norms have different eps ({eps}): kareus's layer "
+                            "takes one RMSNorm epsilon per model")
+    return eps["attention_norm"]
+
+
+def _layer_dims(i: int, lc: Any, dim: int) -> tuple[int, int, int, int, bool, float]:
+    """``(heads, kv_heads, head_dim, ffn, qk_norm, eps)`` of layer config ``lc``, refusing
+    what kareus's layer does not compute."""
     where = f"layer {i}"
     _check_layer(where, lc)
     att, ff = lc.attention, lc.feed_forward
@@ -218,21 +252,28 @@ def _layer_dims(i: int, lc: Any, dim: int) -> tuple[int, int, int, int]:
     if int(ff.w1.in_features) != dim:
         raise WorkloadError(f"{where}'s MLP takes {ff.w1.in_features} features, the model "
                             f"{dim}")
-    return heads, kv, hd, int(ff.w1.out_features)
+    qk = att.qk_norm is not None
+    if qk and int(att.qk_norm.normalized_shape) != hd:
+        raise WorkloadError(f"{where}'s qk_norm normalizes {att.qk_norm.normalized_shape} "
+                            f"features, a head has {hd}: kareus normalizes each head")
+    return heads, kv, hd, int(ff.w1.out_features), qk, _layer_eps(where, lc)
 
 
 def model_arch_from_torchtitan(model_or_config: Any, *, name: str = "torchtitan-llama3"
                                ) -> ModelArch:
-    """The [`ModelArch`][kareus.model.ModelArch] of a torchtitan Llama 3 model (built or
-    config): ``dim``, the layer count, heads, key/value heads, head dimension, the SwiGLU
-    hidden size as the model builds it (``feed_forward.w1``'s output features) and the
-    vocabulary.
+    """The [`ModelArch`][kareus.model.ModelArch] of a torchtitan Llama 3 or Qwen3 dense
+    model (built or config): ``dim``, the layer count, heads, key/value heads, head
+    dimension, the SwiGLU hidden size as the model builds it (``feed_forward.w1``'s output
+    features), the vocabulary, and the layer features: ``qk_norm`` (the attention's
+    per-head ``qk_norm``, Qwen3's), ``norm_eps`` (the norms' one epsilon) and
+    ``tied_embeddings`` (``enable_weight_tying``).
 
     Raises:
         ArgumentTypeError: not a torchtitan decoder model or config.
-        WorkloadError: a layer kareus's layer does not compute (MoE, qk-norm, RMSNorm eps
-            other than 1e-5, biases, partial or non-interleaved RoPE, windowed attention,
-            a fused TP GEMM backend), or layers of different shapes.
+        WorkloadError: a layer kareus's layer does not compute (MoE, a query/key norm other
+            than an RMSNorm with a weight over each head, norms of different eps, biases,
+            partial RoPE, windowed attention, a fused TP GEMM backend), or layers of
+            different shapes.
     """
     cfg = _model_config(model_or_config)
     dim = int(cfg.dim)
@@ -243,9 +284,11 @@ def model_arch_from_torchtitan(model_or_config: Any, *, name: str = "torchtitan-
     if any(d != dims[0] for d in dims):
         raise WorkloadError(f"the layers differ in shape ({sorted(set(dims))}): a plan is "
                             "made for one layer shape")
-    heads, kv, hd, ffn = dims[0]
+    heads, kv, hd, ffn, qk, eps = dims[0]
     return ModelArch(name=name, layers=len(layers), hidden=dim, heads=heads, kv_heads=kv,
-                     head_dim=hd, ffn=ffn, vocab=int(cfg.vocab_size))
+                     head_dim=hd, ffn=ffn, vocab=int(cfg.vocab_size), qk_norm=qk,
+                     norm_eps=eps,
+                     tied_embeddings=bool(getattr(cfg, "enable_weight_tying", False)))
 
 
 def workload_from_torchtitan(model_or_config: Any, *, tp: int, cp: int = 1,
@@ -291,16 +334,43 @@ def _local(t: Any) -> Any:
     return to_local() if callable(to_local) else t
 
 
-def _grouped_rope_order(kv_heads: int, per_kv: int, head_dim: int, device: Any) -> Any:
+def _head_norm(weight: Any) -> Any:
+    """This rank's query/key norm weight: whole on every TP rank, applied to its own heads,
+    so each rank's backward yields only its heads' part of the gradient.
+
+    What torchtitan's own module hands back differs by SPMD backend, and the view does the
+    same: under ``spmd_types`` the parameter is a plain tensor typed replicated, whose
+    gradient stays this rank's part (summing it is left to what reduces replicated
+    gradients); under ``partial_dtensor`` it is a DTensor replicated over TP, whose
+    gradient DTensor sums over the TP ranks. So the DTensor's local view declares its
+    gradient partial over the ``tp`` mesh dimension (``to_local(grad_placements=...)``):
+    DTensor then sums the parts, neither twice nor not at all (checked against torchtitan's
+    blocks in the gloo tests, both backends)."""
+    to_local = getattr(weight, "to_local", None)
+    if not callable(to_local):
+        return weight
+    from torch.distributed.tensor import Partial
+
+    names = tuple(getattr(weight.device_mesh, "mesh_dim_names", None) or ())
+    if not names and len(weight.placements) == 1:
+        names = ("tp",)  # the TP plan's one-dimensional mesh
+    grads = tuple(Partial() if name == "tp" and p.is_replicate() else p
+                  for name, p in zip(names, weight.placements, strict=True))
+    return to_local(grad_placements=grads)
+
+
+def _grouped_rope_order(kv_heads: int, per_kv: int, head_dim: int, device: Any,
+                        interleaved: bool = True) -> Any:
     """Rows of a local fused ``wqkv`` (``[kv_heads, per_kv + 2, head_dim]`` rows: each
     group's query heads, key head, value head) in kareus's order: every query head, then
-    every key head, then every value head, the query and key rows of each head taking
-    interleaved RoPE pairs to halves (``0, 2, 4, ..., 1, 3, 5, ...``)."""
+    every key head, then every value head; with ``interleaved``, the query and key rows of
+    each head taking interleaved RoPE pairs to halves (``0, 2, 4, ..., 1, 3, 5, ...``)."""
     import torch
 
     r = per_kv + 2
-    halves = torch.cat((torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)))
     plain = torch.arange(head_dim)
+    halves = (torch.cat((torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)))
+              if interleaved else plain)
 
     def head(g: int, j: int, rope: bool) -> Any:
         return (g * r + j) * head_dim + (halves if rope else plain)
@@ -318,6 +388,9 @@ class _BlockLayout:
         att = block.attention
         self.head_dim = int(att.head_dim)
         self.fused = isinstance(att.qkv_linear, _classes().FusedQKVLinear)
+        # Llama 3's ComplexRoPE rotates interleaved pairs, Qwen3's CosSinRoPE halves
+        self.interleaved = isinstance(att.rope, _classes().ComplexRoPE)
+        self.qk_norm = getattr(att, "q_norm", None) is not None
         self.per_kv = int(att.n_heads) // int(att.n_kv_heads)
         self._order: dict[tuple[int, str], Any] = {}
 
@@ -331,7 +404,7 @@ class _BlockLayout:
         order = self._order.get(key)
         if order is None:
             order = _grouped_rope_order(rows // per_group, self.per_kv, self.head_dim,
-                                        w.device)
+                                        w.device, self.interleaved)
             self._order[key] = order
         return w.index_select(0, order).t()
 
@@ -344,22 +417,41 @@ class _BlockLayout:
             q = att.qkv_linear
             qkv = qkv_from_separate(_local(q.wq.weight), _local(q.wk.weight),
                                     _local(q.wv.weight), head_dim=self.head_dim,
-                                    interleaved_rope=True)
+                                    interleaved_rope=self.interleaved)
         out = {"w_attn_norm": _local(block.attention_norm.weight), "Wqkv": qkv,
                "Wo": linear(_local(att.wo.weight)),
                "w_mlp_norm": _local(block.ffn_norm.weight),
                "Wg": linear(_local(ff.w1.weight)), "Wu": linear(_local(ff.w3.weight)),
                "Wd": linear(_local(ff.w2.weight))}
-        assert tuple(out) == LAYER_WEIGHTS
+        if self.qk_norm:  # whole on every TP rank: see _head_norm
+            out["w_q_norm"] = head_norm(_head_norm(att.q_norm.weight),
+                                        interleaved_rope=self.interleaved)
+            out["w_k_norm"] = head_norm(_head_norm(att.k_norm.weight),
+                                        interleaved_rope=self.interleaved)
+        assert tuple(out) == layer_weights(self.qk_norm)
         return out
 
 
 def _rope_inv_freq(block: Any) -> Any:
-    """The block's RoPE frequencies (``head_dim / 2``), read from its rope cache
-    (``cache[p, i] = exp(i * p * freq_i)``): the angle at position 1."""
+    """The block's RoPE frequencies (``head_dim / 2``), read from its rope cache: the
+    angle at position 1 (ComplexRoPE: ``cache[p, i] = exp(i * p * freq_i)``; CosSinRoPE:
+    ``cache[p] = (cos, cos, sin, sin)`` of ``p * freq``)."""
     import torch
 
-    cache = _local(block.attention.rope.cache).detach()
+    rope = block.attention.rope
+    cache = _local(rope.cache).detach()
+    if isinstance(rope, _classes().CosSinRoPE):
+        hd = int(block.attention.head_dim)
+        if cache.dim() != 2 or cache.shape[0] < 2 or cache.shape[1] != 2 * hd:
+            raise WorkloadError("the block's rope cache is not torchtitan's cos/sin "
+                                "[max_seq_len, 2 head_dim] cache")
+        cos, sin = cache[1, : hd // 2].double(), cache[1, hd: hd + hd // 2].double()
+        if not torch.allclose(cos * cos + sin * sin, torch.ones((), dtype=torch.float64,
+                                                                device=cache.device),
+                              atol=1e-5):
+            raise WorkloadError("the block's RoPE scales magnitudes as well as angles: "
+                                "kareus's layer rotates only")
+        return torch.atan2(sin, cos).float().cpu()
     if not torch.is_complex(cache) or cache.dim() != 2 or cache.shape[0] < 2:
         raise WorkloadError("the block's rope cache is not torchtitan's complex "
                             "[max_seq_len, head_dim / 2] cache (model.to(dtype) casts it to "
@@ -401,15 +493,17 @@ def _tp_group(mesh: Any, tp_group: Any, tp: int) -> Any:
 
 
 def planned_blocks(model: Any) -> list[Any]:
-    """The ``Llama3TransformerBlock`` modules of ``model``, in module order."""
-    block = _classes().Block
-    return [m for m in model.modules() if isinstance(m, block)]
+    """The ``Llama3TransformerBlock`` and ``Qwen3TransformerBlock`` modules of ``model``, in
+    module order."""
+    blocks = _classes().Blocks
+    return [m for m in model.modules() if isinstance(m, blocks)]
 
 
 def apply_plan(model: Any, *, workload: Workload, mesh: Any = None, tp_group: Any = None,
                plan: Any = None, schedule: str | None = None, chain: bool | None = None,
                **applier_kwargs: Any) -> PlanApplier:
-    """Run every ``Llama3TransformerBlock`` of a built torchtitan model under a plan.
+    """Run every ``Llama3TransformerBlock`` (or ``Qwen3TransformerBlock``) of a built
+    torchtitan model under a plan.
 
     Call it after torchtitan has parallelized the model (``model.parallelize`` or
     ``parallelize_llama``) and before the first forward, on every rank. Each block's
@@ -454,7 +548,9 @@ def apply_plan(model: Any, *, workload: Workload, mesh: Any = None, tp_group: An
         [`wrap_trainer`][kareus.integrations.torchtitan.wrap_trainer]).
 
     Raises:
-        WorkloadError: the model is not the workload's, has no Llama 3 block, has a layer
+        WorkloadError: the model is not the workload's (a field of its layers differs from
+            the workload's model: dimensions, ``qk_norm``, ``norm_eps``), has no Llama 3 or
+            Qwen3 block, has a layer
             kareus does not compute, is wrapped in activation checkpointing, or the
             workload asks for context parallelism; ``chain=True`` and a decoder's blocks
             cannot be chained.
@@ -475,13 +571,14 @@ def apply_plan(model: Any, *, workload: Workload, mesh: Any = None, tp_group: An
         raise WorkloadError("torchtitan's context parallelism is its own attention over "
                             "load-balanced chunks: apply kareus plans with CP=1")
     arch = model_arch_from_torchtitan(model, name=workload.model.name)
-    mine, theirs = (tuple(getattr(a, f) for f in ("hidden", "heads", "kv_heads", "head_dim",
-                                                  "ffn"))
-                    for a in (arch, workload.model))
-    if mine != theirs:
-        raise WorkloadError(f"the model's layer is (hidden, heads, kv_heads, head_dim, ffn) = "
-                            f"{mine}, the workload's {theirs}: make the workload with "
-                            "workload_from_torchtitan(model, ...)")
+    # The model's own config against the workload's model, whatever made the workload
+    for field in ("hidden", "heads", "kv_heads", "head_dim", "ffn", "qk_norm", "norm_eps",
+                  "qkv_bias"):
+        mine, theirs = getattr(arch, field), getattr(workload.model, field)
+        if mine != theirs:
+            raise WorkloadError(f"the model's layers have {field}={mine}, the workload's "
+                                f"model {field}={theirs}: make the workload with "
+                                "workload_from_torchtitan(model, ...)")
     for name, _ in model.named_modules():
         if "checkpoint_wrapped_module" in name:
             raise WorkloadError("the model is wrapped in activation checkpointing: kareus's "
@@ -489,7 +586,7 @@ def apply_plan(model: Any, *, workload: Workload, mesh: Any = None, tp_group: An
                                 "activation_checkpoint mode 'none'")
     blocks = planned_blocks(model)
     if not blocks:
-        raise WorkloadError("the model has no Llama3TransformerBlock (a pipeline stage "
+        raise WorkloadError("the model has no Llama 3 or Qwen3 block (a pipeline stage "
                             "without layers needs no plan)")
     if any(hasattr(m, _APPLIER_ATTR) or hasattr(m, _CHAIN_ATTR) for m in model.modules()):
         raise ArgumentError("a plan is applied to this model already: remove_plan(model) "
@@ -508,7 +605,7 @@ def apply_plan(model: Any, *, workload: Workload, mesh: Any = None, tp_group: An
     group = _tp_group(mesh, tp_group, workload.parallelism.tp)
     groups = TorchParallelGroups.from_groups(tp=group)
     applier = PlanApplier(workload=workload, groups=groups, plan=plan, schedule=schedule,
-                          rope_inv_freq=inv, **applier_kwargs)
+                          rope_inv_freq=inv, eps=arch.norm_eps, **applier_kwargs)
     layer = applier.layer()
     installed = {id(blk): _plan_block(blk, applier, layer) for blk in blocks}
     for decoder, own in decoders:
@@ -562,10 +659,10 @@ def _decoders(model: Any, blocks: list[Any], *, strict: bool) -> list[tuple[Any,
             covered |= {id(b) for b in own}
         elif strict and any(id(b) in planned for b in own):
             raise WorkloadError(f"chain=True: {type(m).__name__}.layers holds modules other "
-                                "than Llama3TransformerBlocks: kareus chains a decoder whose "
+                                "than Llama 3 or Qwen3 blocks: kareus chains a decoder whose "
                                 "layers are all planned; pass chain=None (per block there)")
     if strict and len(covered) != len(planned):
-        raise WorkloadError("chain=True: some Llama3TransformerBlocks are not the layers of a "
+        raise WorkloadError("chain=True: some planned blocks are not the layers of a "
                             "torchtitan Decoder (whose forward loops over them): pass "
                             "chain=None to run those per block")
     return out

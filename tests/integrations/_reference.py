@@ -1,5 +1,6 @@
 """A plain-PyTorch Llama decoder layer (autograd everywhere) and its tensor-parallel shards,
-the reference the planned layer is checked against. Test support, not a test module."""
+the reference the planned layer is checked against; with ``qk=True`` Qwen3's layer (each
+query and key head RMS-normalized before RoPE, eps 1e-6). Test support, not a test module."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ F = torch.nn.functional
 
 
 def workload(tp: int = 1, cp: int = 1, *, n: int = 2, mbs: int = 4, seq: int = 16,
-             microbatches: int = 2) -> Workload:
+             microbatches: int = 2, qk: bool = False) -> Workload:
+    qwen3 = {"qk_norm": True, "norm_eps": 1e-6} if qk else {}
     arch = ModelArch(name="tiny", layers=2, hidden=32, heads=4, kv_heads=2, head_dim=8,
-                     ffn=64, vocab=50)
+                     ffn=64, vocab=50, **qwen3)
     return Workload(model=arch, parallelism=Parallelism(tp=tp, cp=cp), microbatch_size=mbs,
                     seq_len=seq, num_microbatches=microbatches, nanobatches=n)
 
@@ -26,10 +28,14 @@ def full_weights(arch: ModelArch, seed: int) -> dict[str, torch.Tensor]:
     def rnd(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g) * 0.1
 
-    return {"n1": 1 + 0.1 * torch.randn(h, generator=g), "wq": rnd(arch.heads * hd, h),
-            "wk": rnd(arch.kv_heads * hd, h), "wv": rnd(arch.kv_heads * hd, h),
-            "wo": rnd(h, arch.heads * hd), "n2": 1 + 0.1 * torch.randn(h, generator=g),
-            "w1": rnd(arch.ffn, h), "w3": rnd(arch.ffn, h), "w2": rnd(h, arch.ffn)}
+    w = {"n1": 1 + 0.1 * torch.randn(h, generator=g), "wq": rnd(arch.heads * hd, h),
+         "wk": rnd(arch.kv_heads * hd, h), "wv": rnd(arch.kv_heads * hd, h),
+         "wo": rnd(h, arch.heads * hd), "n2": 1 + 0.1 * torch.randn(h, generator=g),
+         "w1": rnd(arch.ffn, h), "w3": rnd(arch.ffn, h), "w2": rnd(h, arch.ffn)}
+    if arch.qk_norm:  # one weight over head_dim for every query head, one for every key head
+        w["qn"] = 1 + 0.1 * torch.randn(hd, generator=g)
+        w["kn"] = 1 + 0.1 * torch.randn(hd, generator=g)
+    return w
 
 
 def shard(w: dict[str, torch.Tensor], arch: ModelArch, tp: int, rank: int
@@ -37,7 +43,7 @@ def shard(w: dict[str, torch.Tensor], arch: ModelArch, tp: int, rank: int
     """TP rank ``rank``'s shard, as Megatron-LM splits a layer (heads, FFN units)."""
     hd = arch.head_dim
     q, kv, f = arch.heads // tp * hd, arch.kv_heads // tp * hd, arch.ffn // tp
-    return {"n1": w["n1"], "n2": w["n2"],
+    return {"n1": w["n1"], "n2": w["n2"], **{k: w[k] for k in ("qn", "kn") if k in w},
             "wq": w["wq"][rank * q:(rank + 1) * q], "wk": w["wk"][rank * kv:(rank + 1) * kv],
             "wv": w["wv"][rank * kv:(rank + 1) * kv], "wo": w["wo"][:, rank * q:(rank + 1) * q],
             "w1": w["w1"][rank * f:(rank + 1) * f], "w3": w["w3"][rank * f:(rank + 1) * f],
@@ -65,25 +71,31 @@ def layer(x: torch.Tensor, w: dict[str, torch.Tensor], arch: ModelArch, *,
           inv: torch.Tensor | None = None) -> torch.Tensor:
     """The whole layer on whole weights: RMSNorm, causal GQA with RoPE, SwiGLU, residuals."""
     b, s, h = x.shape
-    hd = arch.head_dim
-    y = F.rms_norm(x, (h,), w["n1"], 1e-5)
-    q = _rope(F.linear(y, w["wq"]).view(b, s, -1, hd), base, interleaved, inv)
-    k = _rope(F.linear(y, w["wk"]).view(b, s, -1, hd), base, interleaved, inv)
+    hd, eps = arch.head_dim, arch.norm_eps
+    y = F.rms_norm(x, (h,), w["n1"], eps)
+    q, k = F.linear(y, w["wq"]).view(b, s, -1, hd), F.linear(y, w["wk"]).view(b, s, -1, hd)
+    if arch.qk_norm:  # per head, before RoPE
+        q, k = F.rms_norm(q, (hd,), w["qn"], eps), F.rms_norm(k, (hd,), w["kn"], eps)
+    q, k = _rope(q, base, interleaved, inv), _rope(k, base, interleaved, inv)
     v = F.linear(y, w["wv"]).view(b, s, -1, hd)
     o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                        is_causal=True, enable_gqa=True)
     x = x + F.linear(o.transpose(1, 2).reshape(b, s, -1), w["wo"])
-    y = F.rms_norm(x, (h,), w["n2"], 1e-5)
+    y = F.rms_norm(x, (h,), w["n2"], eps)
     return x + F.linear(F.silu(F.linear(y, w["w1"])) * F.linear(y, w["w3"]), w["w2"])
 
 
 def planned_weights(p: dict[str, torch.Tensor], arch: ModelArch, *,
                     interleaved: bool = False) -> dict[str, torch.Tensor]:
     """kareus's layout of a (sharded) layer's weights, through the public helpers."""
-    from kareus.integrations import linear, qkv_from_separate
+    from kareus.integrations import head_norm, linear, qkv_from_separate
 
-    return {"w_attn_norm": p["n1"],
-            "Wqkv": qkv_from_separate(p["wq"], p["wk"], p["wv"], head_dim=arch.head_dim,
-                                      interleaved_rope=interleaved),
-            "Wo": linear(p["wo"]), "w_mlp_norm": p["n2"], "Wg": linear(p["w1"]),
-            "Wu": linear(p["w3"]), "Wd": linear(p["w2"])}
+    out = {"w_attn_norm": p["n1"],
+           "Wqkv": qkv_from_separate(p["wq"], p["wk"], p["wv"], head_dim=arch.head_dim,
+                                     interleaved_rope=interleaved),
+           "Wo": linear(p["wo"]), "w_mlp_norm": p["n2"], "Wg": linear(p["w1"]),
+           "Wu": linear(p["w3"]), "Wd": linear(p["w2"])}
+    if arch.qk_norm:  # the norm weights' entries follow the rows' order
+        out["w_q_norm"] = head_norm(p["qn"], interleaved_rope=interleaved)
+        out["w_k_norm"] = head_norm(p["kn"], interleaved_rope=interleaved)
+    return out

@@ -53,11 +53,12 @@ def _grads(params):
     return out
 
 
+@pytest.mark.parametrize("qk", [False, True], ids=["llama", "qwen3"])
 @pytest.mark.parametrize("how", ["layers", "stack"])
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("schedule", ["sequential", "nanobatching"])
-def test_a_planned_layer_is_the_reference_layer(schedule, interleaved, how):
-    wl = workload()
+def test_a_planned_layer_is_the_reference_layer(schedule, interleaved, how, qk):
+    wl = workload(qk=qk)
     arch = wl.model
     layers = [_params(arch, seed) for seed in (1, 2)]
     x = torch.randn(4, 16, arch.hidden, generator=torch.Generator().manual_seed(0),
@@ -72,8 +73,9 @@ def test_a_planned_layer_is_the_reference_layer(schedule, interleaved, how):
     x.grad = None
 
     applier = PlanApplier(workload=wl, groups=LoopbackGroups(tp=1), schedule=schedule,
-                          kernels="torch")
+                          kernels="torch", eps=arch.norm_eps)
     ws = [planned_weights(p, arch, interleaved=interleaved) for p in layers]
+    assert len(ws[0]) == (9 if qk else 7)
     if how == "stack":  # one autograd node over both layers
         y = applier.stack(len(layers))(x, ws)
     else:
@@ -356,6 +358,9 @@ def test_refusals_are_typed_and_say_what_to_do():
     x = torch.randn(wl.microbatch_size, wl.seq_len // 2, arch.hidden)
     with pytest.raises(ArgumentError, match="missing"):
         applier.layer()(x, {k: w[k] for k in LAYER_WEIGHTS[:-1]})
+    ones = torch.ones(arch.head_dim)
+    with pytest.raises(ArgumentError, match="model has no qk_norm"):
+        applier.layer()(x, {**w, "w_q_norm": ones, "w_k_norm": ones})
     with pytest.raises(ArgumentError, match="dtype|float"):
         applier.layer()(x.double(), w)
 
@@ -363,7 +368,7 @@ def test_refusals_are_typed_and_say_what_to_do():
 # ------------------------------------------------------------------ several processes, gloo
 
 
-def _worker(out_dir: str, tp: int) -> None:
+def _worker(out_dir: str, tp: int, qk: bool) -> None:
     import torch.distributed as dist
 
     from kareus.exec.train import TorchParallelGroups
@@ -374,7 +379,7 @@ def _worker(out_dir: str, tp: int) -> None:
     base = TorchParallelGroups(tp=tp)  # the "framework's" groups
     groups = TorchParallelGroups.from_groups(tp=base.tp_group if base.tp_size > 1 else None,
                                              cp=base.cp_group if base.cp_size > 1 else None)
-    wl = workload(groups.tp_size, groups.cp_size, microbatches=2)
+    wl = workload(groups.tp_size, groups.cp_size, microbatches=2, qk=qk)
     arch = wl.model
     sq = wl.seq_len // groups.cp_size
     lo = groups.cp_rank * sq
@@ -385,7 +390,7 @@ def _worker(out_dir: str, tp: int) -> None:
         stacked = schedule.endswith("-stack")
         applier = PlanApplier(workload=wl, groups=groups, schedule=schedule.split("-")[0],
                               plan=plan if schedule.startswith("kareus") else None, kernels="torch",
-                              record=True)
+                              eps=arch.norm_eps, record=True)
         planned = applier.layer()
         layers = [{k: torch.nn.Parameter(v.clone()) for k, v in
                    shard(full_weights(arch, seed), arch, groups.tp_size, groups.tp_rank).items()}
@@ -430,11 +435,12 @@ def _reference_run(arch, microbatches, mbs, seq):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("world", "tp"), [(2, 2), (4, 2)])
-def test_gloo_ranks_match_the_whole_layer(tmp_path, world, tp):
-    res = run_ranks(__file__, tmp_path, world, str(tp))
+@pytest.mark.parametrize(("world", "tp", "qk"), [(2, 2, False), (4, 2, False), (2, 2, True)],
+                         ids=["tp2", "tp2-cp2", "tp2-qwen3"])
+def test_gloo_ranks_match_the_whole_layer(tmp_path, world, tp, qk):
+    res = run_ranks(__file__, tmp_path, world, str(tp), str(int(qk)))
     cp = world // tp
-    wl = workload(tp, cp, microbatches=2)
+    wl = workload(tp, cp, microbatches=2, qk=qk)
     arch = wl.model
     outs, grads = _reference_run(arch, wl.num_microbatches, wl.microbatch_size, wl.seq_len)
     sq = wl.seq_len // cp
@@ -445,12 +451,21 @@ def test_gloo_ranks_match_the_whole_layer(tmp_path, world, tp):
                 torch.testing.assert_close(y, ry[:, lo:lo + sq], rtol=1e-4, atol=1e-5)
                 torch.testing.assert_close(dx, rdx[:, lo:lo + sq], rtol=1e-4, atol=1e-5)
         # Weight gradients: each CP rank holds its chunk's part (the framework sums them
-        # over its data- and context-parallel ranks); each TP rank its shard.
+        # over its data- and context-parallel ranks); each TP rank its shard. The query/key
+        # norm weights are whole on every TP rank, which holds its heads' part of their
+        # gradient (the framework sums them over TP, as Megatron-Core does): the sum over
+        # every rank is the whole gradient, and no rank has it alone.
+        for i, want in enumerate(grads):
+            for k in ("qn", "kn") if qk else ():
+                got = sum(r[schedule]["grads"][i][k] for r in res)
+                torch.testing.assert_close(got, want[k], rtol=1e-4, atol=1e-5,
+                                           msg=f"{schedule} layer {i} {k}")
+                assert not torch.allclose(res[0][schedule]["grads"][i][k], want[k], atol=1e-3)
         for t in range(tp):
             mine = [r for r in res if r["tp_rank"] == t]
             for i, want in enumerate(grads):
                 want_shard = shard(want, arch, tp, t)
-                for k in want_shard:
+                for k in set(want_shard) - {"qn", "kn"}:
                     got = sum(r[schedule]["grads"][i][k] for r in mine)
                     torch.testing.assert_close(got, want_shard[k], rtol=1e-4, atol=1e-5,
                                                msg=f"{schedule} layer {i} {k} tp {t}")
@@ -460,4 +475,4 @@ def test_gloo_ranks_match_the_whole_layer(tmp_path, world, tp):
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1], int(sys.argv[2]))
+    _worker(sys.argv[1], int(sys.argv[2]), bool(int(sys.argv[3])))

@@ -1,4 +1,6 @@
-"""kareus.integrations.megatron against Megatron-Core's own layers (CPU, gloo, TP=2).
+"""kareus.integrations.megatron against Megatron-Core's own layers (CPU, gloo, TP=2), for a
+Llama layer and for Qwen3's (``qk_layernorm=True``, ``layernorm_epsilon=1e-6``, tied
+embeddings).
 
 Megatron-Core's training path is CUDA-only (``device="cuda"`` factories, CUDA RNG
 tracker, ``param.type()`` checks in the optimizer); the worker below installs a
@@ -37,6 +39,10 @@ EXAMPLE = REPO / "examples" / "integrations"
 SEQ, MBS, MICROBATCHES, TP = 16, 4, 2, 2
 DIMS = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
             ffn_hidden_size=64)
+#: The layer variants checked: a Llama layer, and Qwen3's (per-head query/key RMSNorm,
+#: eps 1e-6, the output layer tied to the embedding).
+VARIANTS = {"llama": ({}, False),
+            "qwen3": ({"qk_layernorm": True, "layernorm_epsilon": 1e-6}, True)}
 
 
 def test_the_module_checks_megatron_s_version(monkeypatch):
@@ -88,11 +94,15 @@ def _layers_match(config, wl, groups, emb, out):
     from kareus.testing import make_workload_plan
 
     torch.manual_seed(1)  # every rank builds the same full weights and keeps its shard
-    own = [build_module(get_gpt_layer_local_spec(normalization="RMSNorm"), config=config,
-                        layer_number=i + 1) for i in range(config.num_layers)]
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+    own = [build_module(spec, config=config, layer_number=i + 1)
+           for i in range(config.num_layers)]
     with torch.no_grad():
         for lay in own:  # norms away from 1, so that their gradients are checked
-            for norm in (lay.input_layernorm, lay.pre_mlp_layernorm):
+            norms = [lay.input_layernorm, lay.pre_mlp_layernorm]
+            if config.qk_layernorm:
+                norms += [lay.self_attention.q_layernorm, lay.self_attention.k_layernorm]
+            for norm in norms:  # the same on every TP rank (replicated)
                 norm.weight.add_(0.1 * torch.randn(norm.weight.shape))
 
     def run(layers, applier=None):
@@ -117,13 +127,15 @@ def _layers_match(config, wl, groups, emb, out):
     for schedule in ("sequential", "nanobatching", "kareus"):
         applier = PlanApplier(workload=wl, groups=groups, schedule=schedule,
                               plan=plan if schedule == "kareus" else None, kernels="torch",
-                              rope_base=500000, record=True)
+                              rope_base=500000, eps=config.layernorm_epsilon, record=True)
         mine = [build_module(kareus_layer_spec(applier), config=config, layer_number=i + 1)
                 for i in range(config.num_layers)]
         for m, o in zip(mine, own, strict=True):
             m.load_state_dict(o.state_dict())
         assert [n for n, _ in mine[0].named_parameters()] == [
             n for n, _ in own[0].named_parameters()]
+        assert ("self_attention.q_layernorm.weight" in dict(own[0].named_parameters())
+                ) == config.qk_layernorm
         outs, grads = run(mine, applier if schedule == "kareus" else None)
         for (y, dx), (wy, wdx) in zip(outs, want_outs, strict=True):
             _close(y, wy, f"{schedule} output")
@@ -167,11 +179,18 @@ def _layer_refusals(lay, emb, config):
         with pytest.raises(ArgumentError, match="overlap_param_gather"):
             lay(hidden_states=x, attention_mask=None, rotary_pos_emb=emb)
         handle.remove()
-    wrong = workload_from_megatron(config, microbatch_size=MBS, seq_len=SEQ,
-                                   num_microbatches=MICROBATCHES, vocab_size=64)
-    wrong = wrong.with_(model=wrong.model.__class__(**{**wrong.model.to_dict(), "ffn": 128}))
-    with pytest.raises(WorkloadError, match="workload_from_megatron"):
-        lay.set_applier(PlanApplier(workload=wrong, groups=applier.groups, kernels="torch"))
+    wl = workload_from_megatron(config, microbatch_size=MBS, seq_len=SEQ,
+                                num_microbatches=MICROBATCHES, vocab_size=64)
+    eps = config.layernorm_epsilon
+    # The layer checks its own config against the workload's model, whatever made it
+    for change, match in (({"ffn": 128}, "ffn_hidden_size=64, the workload's model ffn=128"),
+                          ({"qk_norm": not config.qk_layernorm}, "qk_layernorm="),
+                          ({"norm_eps": eps * 10}, "layernorm_epsilon=")):
+        wrong = wl.with_(model=wl.model.__class__(**{**wl.model.to_dict(), **change}))
+        with pytest.raises(WorkloadError, match=match) as err:
+            lay.set_applier(PlanApplier(workload=wrong, groups=applier.groups, kernels="torch",
+                                        eps=wrong.model.norm_eps))
+        assert "\n" not in str(err.value)
     lay.set_applier(None)  # Megatron's own forward
     with torch.no_grad():
         y, _ = lay(hidden_states=x, attention_mask=None, rotary_pos_emb=emb)
@@ -180,7 +199,7 @@ def _layer_refusals(lay, emb, config):
         _close(lay(hidden_states=x, attention_mask=None, rotary_pos_emb=emb)[0], y, "own")
 
 
-def _gpt_matches(config, wl, groups, out):
+def _gpt_matches(config, wl, groups, out, tied):
     """The example's training (GPTModel, DDP, optimizer, get_forward_backward_func), with
     Megatron's layers and with kareus's under wrap_schedule."""
     import megatron_gpt as ex
@@ -197,15 +216,15 @@ def _gpt_matches(config, wl, groups, out):
         tok = torch.randint(0, ex.VOCAB, (MBS, SEQ + 1), generator=g)
         batches.append((tok[:, :-1], tok[:, 1:]))
     torch.manual_seed(0)
-    own_model = ex.build_model(config, get_gpt_layer_local_spec(normalization="RMSNorm"),
-                               SEQ, "cpu")
+    own_model = ex.build_model(config, get_gpt_layer_local_spec(
+        normalization="RMSNorm", qk_layernorm=config.qk_layernorm), SEQ, "cpu", tied=tied)
     initial = {k: v.clone() if torch.is_tensor(v) else v  # _extra_state: None
                for k, v in own_model.state_dict().items()}
     own = ex.train(own_model, config, batches, steps=2, seq_len=SEQ)
 
     plan = make_workload_plan(wl, pick=1, sms=8, freqs_mhz=(1980, 1410))
     applier = PlanApplier(workload=wl, groups=groups, plan=plan, kernels="torch",
-                          rope_base=ex.ROTARY_BASE, record=True)
+                          rope_base=ex.ROTARY_BASE, eps=config.layernorm_epsilon, record=True)
     scopes = []
     enter = applier.microbatch
 
@@ -214,7 +233,7 @@ def _gpt_matches(config, wl, groups, out):
         return enter(mb, phase)
 
     applier.microbatch = spy  # type: ignore[method-assign]
-    model = ex.build_model(config, kareus_layer_spec(applier), SEQ, "cpu")
+    model = ex.build_model(config, kareus_layer_spec(applier), SEQ, "cpu", tied=tied)
     model.load_state_dict(initial)
     originals = (schedules.forward_step, schedules.backward_step,
                  schedules.forward_backward_no_pipelining)
@@ -234,7 +253,7 @@ def _gpt_matches(config, wl, groups, out):
     out["gpt"] = [(ph, k) for ph, k, _ in applier.partitions_run]
     out["losses"] = mine
     out["exposed"] = {"layers": _exposed_per_forward(applier)}
-    _chained_gpt_matches(config, wl, groups, plan, initial, batches, own_model, own, out)
+    _chained_gpt_matches(config, wl, groups, plan, initial, batches, own_model, own, out, tied)
 
     # An exception inside the wrapper still restores the schedule.
     with pytest.raises(RuntimeError, match="boom"), wrap_schedule(applier):
@@ -254,7 +273,8 @@ def _exposed_per_forward(applier):
     return _exposed(applier.partitions_run) / (2 * MICROBATCHES)  # 2 iterations
 
 
-def _chained_gpt_matches(config, wl, groups, plan, initial, batches, own_model, own, out):
+def _chained_gpt_matches(config, wl, groups, plan, initial, batches, own_model, own, out,
+                         tied):
     """chain_layers: the same training, the block's layers as one PlannedStack; then
     unchain_layers restores Megatron's block forward."""
     import megatron_gpt as ex
@@ -273,8 +293,8 @@ def _chained_gpt_matches(config, wl, groups, plan, initial, batches, own_model, 
     with pytest.raises(ArgumentError, match="kareus_layer_spec"):
         chain_layers(own_model)  # Megatron's own layers
     applier = PlanApplier(workload=wl, groups=groups, plan=plan, kernels="torch",
-                          rope_base=ex.ROTARY_BASE, record=True)
-    model = ex.build_model(config, kareus_layer_spec(applier), SEQ, "cpu")
+                          rope_base=ex.ROTARY_BASE, eps=config.layernorm_epsilon, record=True)
+    model = ex.build_model(config, kareus_layer_spec(applier), SEQ, "cpu", tied=tied)
     model.load_state_dict(initial)
     block = model.decoder
     assert chain_layers(model) is model and "forward" in vars(block)
@@ -317,7 +337,7 @@ def _chained_gpt_matches(config, wl, groups, plan, initial, batches, own_model, 
 
 
 
-def _worker(out_dir: str) -> None:
+def _worker(out_dir: str, variant: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
@@ -332,15 +352,20 @@ def _worker(out_dir: str) -> None:
     torch.set_num_threads(1)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP)
     _cpu_shim()
-    config = ex.make_config(TP, torch.float32, **DIMS)
+    fields, tied = VARIANTS[variant]
+    config = ex.make_config(TP, torch.float32, **DIMS, **fields)
     wl = workload_from_megatron(config, microbatch_size=MBS, seq_len=SEQ,
-                                num_microbatches=MICROBATCHES, vocab_size=ex.VOCAB)
+                                num_microbatches=MICROBATCHES, vocab_size=ex.VOCAB,
+                                share_embeddings_and_output_weights=tied)
+    m = wl.model
+    assert (m.qk_norm, m.norm_eps, m.tied_embeddings) == (
+        config.qk_layernorm, config.layernorm_epsilon, tied)
     groups = TorchParallelGroups.from_groups(tp=parallel_state.get_tensor_model_parallel_group())
     emb = RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=1.0,
                           rotary_base=ex.ROTARY_BASE)(SEQ)
     out: dict = {}
     _layers_match(config, wl, groups, emb, out)
-    _gpt_matches(config, wl, groups, out)
+    _gpt_matches(config, wl, groups, out, tied)
     torch.save(out, os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
     dist.barrier()
     parallel_state.destroy_model_parallel()
@@ -348,10 +373,11 @@ def _worker(out_dir: str) -> None:
 
 
 @pytest.mark.slow
-def test_kareus_layers_are_megatron_s_layers_over_gloo(tmp_path):
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_kareus_layers_are_megatron_s_layers_over_gloo(tmp_path, variant):
     from _ranks import run_ranks  # tests/integrations, on sys.path under pytest
 
-    res = run_ranks(__file__, tmp_path, TP)
+    res = run_ranks(__file__, tmp_path, TP, variant)
     for key in ("sequential", "nanobatching", "kareus", "gpt", "chained"):
         assert res[0][key] and res[1][key] == res[0][key], f"ranks ran different {key}"
     # the last forward collective of every layer runs exposed; chained, only the block's
@@ -361,4 +387,4 @@ def test_kareus_layers_are_megatron_s_layers_over_gloo(tmp_path):
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1])
+    _worker(sys.argv[1], sys.argv[2])

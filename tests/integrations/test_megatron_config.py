@@ -9,8 +9,8 @@ import types
 
 import pytest
 
-from kareus.errors import ArgumentError, WorkloadError
-from kareus.integrations._megatron_config import workload_from_megatron
+from kareus.errors import ArgumentError, ArgumentTypeError, WorkloadError
+from kareus.integrations._megatron_config import check_layer_config, workload_from_megatron
 
 
 def silu(x):  # named like torch.nn.functional.silu
@@ -73,10 +73,11 @@ def test_defaults_and_overrides():
     ({"add_qkv_bias": True}, "add_qkv_bias=False"),
     ({"normalization": "LayerNorm"}, "RMSNorm"),
     ({"layernorm_zero_centered_gamma": True}, "zero_centered"),
-    ({"qk_layernorm": True}, "qk_layernorm=False"),
+    ({"qk_l2_norm": True}, "qk_l2_norm=False"),
+    ({"qk_clip": True}, "qk_clip=False"),
     ({"sequence_parallel": True}, "sequence_parallel=False"),
     ({"num_moe_experts": 8}, "num_moe_experts=None"),
-    ({"layernorm_epsilon": 1e-6}, "eps=1e-5"),
+    ({"layernorm_epsilon": 0.0}, "layernorm_epsilon must be in"),
     ({"multi_latent_attention": True}, "multi-latent"),
     ({"window_size": (128, 0)}, "window_size=None"),
     ({"context_parallel_size": 2}, "context_parallel_size=1"),
@@ -92,6 +93,39 @@ def test_what_kareus_does_not_compute_is_refused(change, match):
     with pytest.raises(WorkloadError, match=match) as err:
         _wl(_config(**change))
     assert "\n" not in str(err.value)
+
+
+def test_qwen3_s_layer_is_read():
+    # Per-head query/key RMSNorm, eps 1e-6, the output layer tied to the embedding (a
+    # GPTModel argument): the model's layer features, computed by kareus's layer.
+    wl = _wl(_config(qk_layernorm=True, layernorm_epsilon=1e-6),
+             share_embeddings_and_output_weights=True)
+    m = wl.model
+    assert (m.qk_norm, m.norm_eps, m.tied_embeddings, m.qkv_bias) == (True, 1e-6, True, False)
+    assert not _wl(_config()).model.qk_norm
+    with pytest.raises(ArgumentTypeError, match="share_embeddings_and_output_weights"):
+        _wl(_config(), share_embeddings_and_output_weights=1)
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"hidden": 128}, "hidden_size=256"), ({"heads": 16, "head_dim": 16}, "num_attention_heads"),
+    ({"kv_heads": 8}, "num_query_groups"), ({"ffn": 1024}, "ffn_hidden_size"),
+    ({"qk_norm": True}, "qk_layernorm=False"), ({"norm_eps": 1e-6}, "layernorm_epsilon=1e-05"),
+    ({"qkv_bias": True}, "add_qkv_bias=False"),
+])
+def test_a_layer_checks_its_config_against_the_workload(change, field):
+    # Whatever made the workload (a preset, a hand-made ModelArch), a layer whose own config
+    # differs from its model is refused in one line naming Megatron's field.
+    cfg = _config()
+    arch = _wl(cfg).model
+    check_layer_config(cfg, arch, tp=2)
+    with pytest.raises(WorkloadError, match=field) as err:
+        check_layer_config(cfg, arch.__class__(**{**arch.to_dict(), **change}), tp=2)
+    assert "\n" not in str(err.value)
+    with pytest.raises(WorkloadError, match="tensor_model_parallel_size=2"):
+        check_layer_config(cfg, arch, tp=4)
+    with pytest.raises(WorkloadError, match="sequence_parallel=False"):
+        check_layer_config(_config(sequence_parallel=True), arch, tp=2)
 
 
 def test_refusals_and_dimension_errors_are_typed():

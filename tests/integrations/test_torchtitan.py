@@ -62,6 +62,32 @@ def config(*, fuse: bool, scaling: str = "llama") -> object:
         lm_head=Linear.Config(in_features=DIM, out_features=VOCAB), layers=layers)
 
 
+def qwen3_config(*, fuse: bool) -> object:
+    """A tiny Qwen3 config (torchtitan's own layer builder): per-head query/key RMSNorm,
+    eps 1e-6, rotate-half RoPE (CosSinRoPE), the LM head tied to the embedding."""
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.qwen3 import _build_qwen3_layers
+    from torchtitan.models.qwen3.model import Qwen3Model
+
+    hd = DIM // HEADS
+    layers = _build_qwen3_layers(
+        fuse_qkv=fuse, n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=KV, head_dim=hd,
+        hidden_dim=192, attn_backend="flex",
+        rope=CosSinRoPE.Config(dim=hd, max_seq_len=32, theta=1000000.0))
+    for lc in layers:  # as config(): SDPA (flex has no CPU backward)
+        lc.attention.inner_attention = ScaledDotProductAttention.Config()
+    return Qwen3Model.Config(
+        dim=DIM, vocab_size=VOCAB, enable_weight_tying=True,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM),
+        norm=RMSNorm.Config(normalized_shape=DIM, eps=1e-6),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB), layers=layers)
+
+
+#: The models checked, by name.
+MODELS = {"llama3": config, "qwen3": qwen3_config}
+
+
 def build(cfg):
     torch.manual_seed(0)
     model = cfg.build()
@@ -69,7 +95,7 @@ def build(cfg):
     # a little noise on the norms, so that their gradients are not all alike
     with torch.no_grad():
         for n, p in model.named_parameters():
-            if n.endswith("norm.weight"):
+            if n.endswith("norm.weight"):  # the q/k norms too (q_norm, k_norm)
                 p.add_(0.1 * torch.randn_like(p))
     return model
 
@@ -112,8 +138,10 @@ def test_what_kareus_does_not_compute_is_refused():
 
     kw = dict(tp=2, microbatch_size=MBS, seq_len=SEQ, num_microbatches=2)
     cases = [
-        ({"attention.qk_norm": RMSNorm.Config(normalized_shape=16)}, "qk_norm"),
-        ({"attention_norm.eps": 1e-6}, "eps=1e-06"),
+        ({"attention.qk_norm": RMSNorm.Config(normalized_shape=8)}, "qk_norm normalizes 8"),
+        ({"attention.qk_norm": RMSNorm.Config(normalized_shape=16, elementwise_affine=False)},
+         "without a weight"),
+        ({"attention_norm.eps": 1e-6}, "different eps"),
         ({"moe": object()}, "mixture of experts"),
         ({"attention.inner_attention": VarlenAttention.Config(window_size=(8, 0))}, "window"),
         ({"feed_forward.w1.bias": True}, "biases"),
@@ -140,6 +168,51 @@ def test_another_torchtitan_release_is_refused(monkeypatch):
     monkeypatch.setattr(metadata, "version", lambda name: "0.4.1")
     with pytest.raises(ArgumentError, match=r"0\.3\.x; found 0\.4\.1"):
         kt.check_torchtitan_version()
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_qwen3_s_workload(fuse):
+    wl = kt.workload_from_torchtitan(qwen3_config(fuse=fuse), tp=2, microbatch_size=MBS,
+                                     seq_len=SEQ, num_microbatches=2, name="tiny-qwen3")
+    m = wl.model
+    assert (m.hidden, m.heads, m.kv_heads, m.head_dim, m.ffn) == (64, 4, 2, 16, 192)
+    assert (m.qk_norm, m.norm_eps, m.tied_embeddings, m.qkv_bias) == (True, 1e-6, True, False)
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+@pytest.mark.parametrize("schedule,chain", [("sequential", None), ("nanobatching", None),
+                                            ("nanobatching", False)])
+def test_a_planned_qwen3_is_torchtitan_s_qwen3(fuse, schedule, chain):
+    # TP = 1: rotate-half RoPE (no row reordering), the q/k norm weights and eps 1e-6
+    cfg = qwen3_config(fuse=fuse)
+    ref = build(cfg)
+    model = copy.deepcopy(ref)
+    wl = kt.workload_from_torchtitan(cfg, tp=1, microbatch_size=MBS, seq_len=SEQ,
+                                     num_microbatches=1)
+    applier = kt.apply_plan(model, workload=wl, schedule=schedule, kernels="torch",
+                            chain=chain)
+    plain = 1.0 / (1000000.0 ** (torch.arange(0, 16, 2).float() / 16))
+    torch.testing.assert_close(applier.rope_inv_freq, plain)
+    tokens = torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    outs = []
+    for m in (ref, model):
+        logits = m(tokens[:, :-1])
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()
+                                          ).backward()
+        outs.append(logits.detach())
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    got = dict(model.named_parameters())
+    assert any("q_norm" in n for n in got)
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(got[n].grad, p.grad, rtol=1e-4, atol=1e-6, msg=n)
+    # The model checks the workload's model field by field, whatever made it
+    other = copy.deepcopy(ref)
+    for change, match in (({"qk_norm": False}, "qk_norm=True"),
+                          ({"norm_eps": 1e-5}, "norm_eps=1e-06")):
+        wrong = wl.with_(model=attrs.evolve(wl.model, **change))
+        with pytest.raises(WorkloadError, match=match) as err:
+            kt.apply_plan(other, workload=wrong, kernels="torch")
+        assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("fuse", [False, True])
@@ -318,7 +391,7 @@ def _own_forwards(model):
     return out
 
 
-def _worker(out_dir: str, backend: str) -> None:
+def _worker(out_dir: str, backend: str, name: str) -> None:
     import torch.distributed as dist
     import torchtitan.distributed.parallel_dims as tt_parallel_dims
     import torchtitan.tools.utils as tt_utils
@@ -342,8 +415,9 @@ def _worker(out_dir: str, backend: str) -> None:
     dims.build_mesh()
     context = dist_utils.get_spmd_context(parallel_dims=dims)
     result: dict = {}
+    make = MODELS[name]
     for fuse in (False, True):
-        cfg = config(fuse=fuse)
+        cfg = make(fuse=fuse)
         cfg.update_from_config(config=SimpleNamespace(parallelism=parallelism))
         base = build(cfg)
         wl = kt.workload_from_torchtitan(cfg, tp=2, microbatch_size=MBS, seq_len=SEQ,
@@ -396,11 +470,12 @@ def _worker(out_dir: str, backend: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(MODELS))
 @pytest.mark.parametrize("backend", ["spmd_types", "partial_dtensor"])
-def test_gloo_tp2_equals_torchtitan(tmp_path, backend):
+def test_gloo_tp2_equals_torchtitan(tmp_path, backend, name):
     from _ranks import run_ranks  # tests/integrations, on sys.path under pytest
 
-    res = run_ranks(__file__, tmp_path, 2, backend)
+    res = run_ranks(__file__, tmp_path, 2, backend, name)
     for r in res:
         for fuse in (False, True):
             want = r[(fuse, "torchtitan", None)]
@@ -442,7 +517,7 @@ def test_gloo_tp2_equals_torchtitan(tmp_path, backend):
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1], sys.argv[2])
+    _worker(sys.argv[1], sys.argv[2], sys.argv[3])
 
 
 def test_positions_are_read_once_per_tensor(monkeypatch):
