@@ -300,6 +300,13 @@ def tune(workload: Workload, *, out_dir: str | os.PathLike[str], gpu: str | None
                 "static_power_w": prof.static_power_w(),
                 "counter_step_s": prof.step_period_s,
                 "smoke_run": world == 1,
+                # a partition is measured on this world's GPUs and stands for its TP x CP
+                # group: energy and static power scaled to the group where they differ
+                "energy_scope": (f"each partition measured on {world} GPU(s) and scaled to "
+                                 f"its TP x CP group of {workload.parallelism.gpus_per_stage} "
+                                 "(energy and static power; time as measured)"
+                                 if world != workload.parallelism.gpus_per_stage else
+                                 f"each partition measured on its {world} GPU(s)"),
                 "command": _command(),
                 "date": time.strftime("%Y-%m-%d", time.gmtime()),
             }

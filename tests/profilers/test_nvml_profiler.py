@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 import time
 
+import attrs
 import pytest
 from fake_nvml import FakeNVML
 
@@ -73,10 +74,30 @@ def test_profiler_measures_energy_per_step():
     assert m.time_s == pytest.approx(step_s, rel=0.02)
     # Power over the measured span is the busy power (+10 W per SM in the fake).
     assert rec.power_w == pytest.approx(540.0, rel=0.05)
-    assert m.energy_j == pytest.approx(540.0 * step_s, rel=0.06)
-    assert m.static_power_w == pytest.approx(80.0, rel=0.1)  # measured idle (one GPU)
+    # PART's collective runs over 2 GPUs: measured on one, scaled to its group of two
+    assert (rec.measured_gpus, rec.scope_gpus) == (1, 2)
+    assert m.energy_j == pytest.approx(2 * 540.0 * step_s, rel=0.06)
+    assert m.static_power_w == pytest.approx(2 * 80.0, rel=0.1)  # measured idle, per GPU x 2
     assert prof.idle_power_w == pytest.approx(80.0, rel=0.1)
     assert rec.window_s >= 4 * 0.02 * 0.9
+
+
+def test_a_world_of_one_scales_each_partition_to_its_group():
+    # every GPU of a group draws what the measured one draws: a partition of a group of g
+    # GPUs costs g times the energy and static power of one, at the measured time
+    two = PART  # a collective over 2 GPUs
+    eight = attrs.evolve(PART, name="p8", comm_op=attrs.evolve(PART.comm_op, group_size=8))
+    prof, nvml, runner = make(static_power_w=100.0)
+    try:
+        a = prof.measure_record(two, ScheduleConfig(1980, 4, "mm"))
+        b = prof.measure_record(eight, ScheduleConfig(1980, 4, "mm"))
+    finally:
+        prof.close()
+    assert (a.scope_gpus, b.scope_gpus) == (2, 8)
+    assert b.measurement.time_s == pytest.approx(a.measurement.time_s, rel=0.03)
+    assert b.measurement.energy_j / b.measurement.time_s == pytest.approx(
+        4 * a.measurement.energy_j / a.measurement.time_s, rel=0.08)
+    assert (a.measurement.static_power_w, b.measurement.static_power_w) == (200.0, 800.0)
 
 
 def test_repeated_measurements_agree():
@@ -125,7 +146,8 @@ def test_static_power_can_be_given():
     prof, *_ = make(static_power_w=300.0)
     try:
         m = prof.measure(PART, ScheduleConfig(1980, 4, None))
-        assert m.static_power_w == 300.0
+        # 300 W is the profiler's group (one GPU here); PART's scope is two GPUs
+        assert m.static_power_w == 600.0 and prof.static_power_w() == 300.0
         assert prof.static_power_w(8) == pytest.approx(300.0 * 8)
     finally:
         prof.close()

@@ -79,7 +79,8 @@ class MeasurementRecord:
     Attributes:
         config: The configuration.
         partition: Partition type.
-        measurement: The result (group scope).
+        measurement: The result, over the partition's group (its TP x CP GPUs): measured on
+            ``measured_gpus``, scaled to ``scope_gpus`` where the two differ.
         steps: Steps run in the last run; ``runs``: runs made (repeats).
         power_w: Group power over the measured span; ``subwindow_cv``: spread (std / mean) of
             the energy per step of the span's sub-windows in the accepted run.
@@ -99,6 +100,8 @@ class MeasurementRecord:
             limit is busy, only slower), over the measured time per step, at most 1
             (``None`` without ``gpu_step_s``).
         execution: ``"graphed"`` (steps were CUDA-graph replays) or ``"eager"``.
+        measured_gpus: GPUs whose energy was read (the profiler's group).
+        scope_gpus: GPUs the measurement stands for (the partition's group).
     """
 
     config: ScheduleConfig
@@ -118,6 +121,8 @@ class MeasurementRecord:
     gpu_busy: float | None = None
     execution: str | None = None
     queued_sm_clock_mhz: float | None = None
+    measured_gpus: int = 1
+    scope_gpus: int = 1
 
     @property
     def host_bound(self) -> bool:
@@ -588,7 +593,13 @@ class NVMLProfiler(Profiler):
         assert result is not None
         e_group, step_mean, cv, dt_s, _ = result
         p_group = e_group / step_mean if step_mean > 0 else 0.0
-        m = Measurement(time_s=step_mean, energy_j=e_group, static_power_w=self.static_power_w())
+        # The partition's scope is its group (TP x CP GPUs). Measured on fewer GPUs (a world
+        # of one, its collectives stood in for by loopback groups), the energy and the static
+        # power are scaled to the scope, as if every GPU of the group drew what the measured
+        # ones drew; the time is the measured one.
+        scope = int(partition.group_gpus)
+        m = Measurement(time_s=step_mean, energy_j=e_group * scope / self.group_size,
+                        static_power_w=self.static_power_w(scope))
         window_clock = self.meter.mean_sm_clock_mhz(lo, hi)
         busy = _busy(gpu_step_s, step_mean, queued_clock, window_clock)
         rec = MeasurementRecord(
@@ -597,7 +608,8 @@ class NVMLProfiler(Profiler):
             start_temp_c=start_temp, sm_clock_mhz=window_clock,
             queued_sm_clock_mhz=queued_clock,
             wall_s=self._clock() - wall0, host_step_s=host_step_s, gpu_step_s=gpu_step_s,
-            gpu_busy=busy, execution=self.execution)
+            gpu_busy=busy, execution=self.execution, measured_gpus=self.group_size,
+            scope_gpus=scope)
         self.records.append(rec)
         self.last_record = rec
         self._last_facts = rec.execution_facts()
