@@ -86,9 +86,12 @@ def test_outside_work_is_measured_through_its_runnable_once_built():
         assert built == [(work, None)]
         a1 = prof.measure_outside(work, 1980, group_size=1)  # this profiler's group: as measured
         assert a1.energy_j == prof.records[-1].measurement.energy_j
-        # Asked for over 4 GPUs (one measured here): scaled to their scope.
+        assert (prof.records[-1].measured_gpus, prof.records[-1].scope_gpus) == (1, 1)
+        # Asked for over 4 GPUs (one measured here): scaled to their scope, once
         c = prof.measure_outside(work, 1980, group_size=4)
-        assert c.energy_j == pytest.approx(4 * prof.records[-1].measurement.energy_j)
+        assert (prof.records[-1].measured_gpus, prof.records[-1].scope_gpus) == (1, 4)
+        assert c.energy_j == prof.records[-1].measurement.energy_j
+        assert c.energy_j / c.time_s == pytest.approx(4 * a1.energy_j / a1.time_s, rel=0.1)
         assert c.static_power_w == pytest.approx(4 * prof.static_power_w(1))
         assert prof.records[-1].config == ScheduleConfig(1980, H200.default_comm_sms, None)
     finally:

@@ -465,14 +465,11 @@ class NVMLProfiler(Profiler):
             self._outside_parts[key] = self._outside(work, comm_sms)
         part = self._outside_parts[key]
         sms = self.gpu.default_comm_sms if comm_sms is None else int(comm_sms)
-        m = self.measure(part, ScheduleConfig(freq_mhz, sms, None))
-        if int(group_size) == self.group_size:
-            return m
         # Work asked for over another number of GPUs than this group (the once-per-
         # iteration work is asked for over every GPU of the job): each GPU runs the same
-        # work, so each is taken to draw what the measured ones did.
-        return Measurement(time_s=m.time_s, energy_j=m.energy_j * group_size / self.group_size,
-                           static_power_w=self.static_power_w(group_size))
+        # work, so each is taken to draw what the measured ones did (scaled once, here).
+        return self.measure_record(part, ScheduleConfig(freq_mhz, sms, None),
+                                   scope_gpus=int(group_size)).measurement
 
     # -- measuring ---------------------------------------------------------------------
     def _cooldown(self) -> tuple[float, float]:
@@ -493,9 +490,12 @@ class NVMLProfiler(Profiler):
         """Measure one run of ``partition`` under ``config`` (collective over the group)."""
         return self.measure_record(partition, config).measurement
 
-    def measure_record(self, partition: Partition, config: ScheduleConfig
-                       ) -> MeasurementRecord:
-        """Like [`measure`][kareus.profilers.NVMLProfiler.measure], returning the full [`MeasurementRecord`][kareus.profilers.MeasurementRecord]."""
+    def measure_record(self, partition: Partition, config: ScheduleConfig, *,
+                       scope_gpus: int | None = None) -> MeasurementRecord:
+        """Like [`measure`][kareus.profilers.NVMLProfiler.measure], returning the full [`MeasurementRecord`][kareus.profilers.MeasurementRecord].
+
+        ``scope_gpus``: the GPUs the measurement stands for; ``None`` = the partition's group
+        (``partition.group_gpus``)."""
         self.start()
         assert self.step_period_s is not None
         wall0 = self._clock()
@@ -597,7 +597,7 @@ class NVMLProfiler(Profiler):
         # of one, its collectives stood in for by loopback groups), the energy and the static
         # power are scaled to the scope, as if every GPU of the group drew what the measured
         # ones drew; the time is the measured one.
-        scope = int(partition.group_gpus)
+        scope = int(partition.group_gpus if scope_gpus is None else scope_gpus)
         m = Measurement(time_s=step_mean, energy_j=e_group * scope / self.group_size,
                         static_power_w=self.static_power_w(scope))
         window_clock = self.meter.mean_sm_clock_mhz(lo, hi)
