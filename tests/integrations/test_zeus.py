@@ -189,4 +189,5 @@ def test_nvml_profiler_measures_with_the_zeus_meter(gpus: FakeGPUs) -> None:
         prof.close()
     assert rec.measurement.time_s == pytest.approx(0.004, rel=0.03)
     assert rec.power_w == pytest.approx(500.0, rel=0.06)
-    assert rec.measurement.static_power_w == pytest.approx(80.0, rel=0.1)  # measured idle
+    # measured idle of the one GPU, scaled to the partition's group of two
+    assert rec.measurement.static_power_w == pytest.approx(2 * 80.0, rel=0.1)
