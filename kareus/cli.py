@@ -167,6 +167,10 @@ def _workload_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-de
             raise WorkloadError(
                 f"--gpus {args.gpus} and --dp {args.dp} disagree: {args.gpus} GPUs at TP x CP x "
                 f"PP = {per_replica} make DP = {dp}; give one of --gpus and --dp")
+    if args.tp == 1 and args.cp == 1:
+        raise WorkloadError("--tp 1 --cp 1: no layer has a collective to overlap, and kareus "
+                            "schedules collectives; use --tp 2 or more, or --cp 2 or more (the "
+                            "default is --tp 4)")
     world = args.tp * args.cp * args.pp * dp
     if world > _MAX_GPUS:
         raise WorkloadError(

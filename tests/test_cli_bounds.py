@@ -66,3 +66,10 @@ def test_jobs_up_to_the_cores_run(tmp_path):
 def test_quiet_prints_no_start_line(tmp_path, capsys):
     assert main([*BASE, "--quiet", "--out", str(tmp_path / "o")]) == 0
     assert "optimising" not in capsys.readouterr().err
+
+
+def test_no_collective_is_refused_in_the_commands_words(tmp_path, capsys):
+    code = _run([*_replace(BASE, "--tp", "1"), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--tp 1 --cp 1" in err and "Workload.preset" not in err
+    assert not (tmp_path / "o").exists()

@@ -152,7 +152,7 @@ def preflight(workload: Workload, profiler: Profiler, *, schedule: str = "1f1b")
 
 def check_parallelism(workload: Workload) -> None:
     """Refuse a workload with no collective to schedule (TP = CP = 1, what
-    ``Workload.preset(name)`` gives), naming the command line's defaults."""
+    ``Workload.preset(name)`` gives)."""
     from kareus.errors import WorkloadError
 
     p = workload.parallelism
@@ -160,8 +160,7 @@ def check_parallelism(workload: Workload) -> None:
         raise WorkloadError(
             f"{workload.describe()}: with TP=1 and CP=1 no layer has a collective to overlap, "
             f"and kareus schedules collectives; give the workload tensor or context "
-            f"parallelism, e.g. Workload.preset({workload.model.name!r}, tp=4, pp=2), which is "
-            f"what `kareus optimize --workload {workload.model.name}` runs by default")
+            f"parallelism, e.g. Workload.preset({workload.model.name!r}, tp=4, pp=2)")
 
 
 # The estimate of a run's length (emulated profiler, GP surrogate), fitted to runs of the

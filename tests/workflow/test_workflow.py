@@ -179,7 +179,8 @@ def test_arguments_of_the_wrong_type_raise_type_error():
 def test_one_set_of_defaults_for_the_api_and_the_command_line():
     """`kareus optimize --workload NAME` is optimize(Workload.preset(NAME, tp=4, pp=2)) on
     a100-40gb; Workload.preset(NAME) alone (TP = PP = 1) is refused with a message that
-    names those degrees, before the memory check (it would only say 'does not fit')."""
+    names those degrees in Python's words, before the memory check (it would only say 'does
+    not fit')."""
     from kareus.cli import _profiler_from_args, _workload_from_args, build_parser
     from kareus.errors import WorkloadError
     from kareus.model import Workload
@@ -190,7 +191,7 @@ def test_one_set_of_defaults_for_the_api_and_the_command_line():
     with pytest.raises(WorkloadError) as info:
         optimize(Workload.preset("qwen3-1.7b"), progress=False)
     assert "Workload.preset('qwen3-1.7b', tp=4, pp=2)" in str(info.value)
-    assert "kareus optimize --workload qwen3-1.7b" in str(info.value)
+    assert "kareus optimize" not in str(info.value)  # Python's words for Python
     assert "does not fit" not in str(info.value)
 
 
