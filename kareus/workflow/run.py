@@ -257,6 +257,8 @@ class OptimizationRun:
             it ([`manifest_inputs`][kareus.workflow.manifest_inputs]).
         estimate_s: Roughly how long the run takes on a 2-core CPU with the emulated
             profiler ([`estimate_run_s`][kareus.workflow.estimate_run_s]).
+        left_out: Systems of the default five that this workload cannot run (the
+            nanobatching ones when a microbatch holds one sequence), each composed by none.
     """
 
     workload: Workload
@@ -269,6 +271,7 @@ class OptimizationRun:
     iteration_composer: AnyIterationComposer | None
     manifest: dict[str, Any]
     estimate_s: float
+    left_out: tuple[str, ...] = ()
 
     def run(self, *, log_dir: Path | None = None, pool: Executor | None = None,
             progress: bool | None = None) -> OptimizationResult:
@@ -349,6 +352,7 @@ def prepare(
     spec = search_spec_of(search, budget=budget, batch_size=batch_size, seed=seed,
                           surrogate=surrogate, passes=passes)
     names = system_names(systems)
+    names, left_out = _splittable_systems(workload, names, given=systems is not None)
     resolve_surrogate(spec.surrogate, spec.seed)  # a missing extra (trees: xgboost) now
     if profiler is None:
         from kareus.profilers.emulator import EmulatedProfiler
@@ -371,7 +375,27 @@ def prepare(
         microbatch_composer=microbatch_composer, iteration_composer=iteration_composer,
         passes=spec.passes, partitions=partitions)
     return OptimizationRun(workload=workload, profiler=profiler, search=spec,
-                           systems=tuple(names), schedule=schedule, partitions=build,
+                           systems=tuple(names), left_out=left_out, schedule=schedule,
+                           partitions=build,
                            microbatch_composer=microbatch_composer,
                            iteration_composer=iteration_composer, manifest=manifest,
                            estimate_s=estimate_run_s(workload, profiler, spec.budget))
+
+
+#: The systems that split every microbatch into nanobatches along its batch dimension.
+_SPLITTING = ("nanobatching", "nanobatching+perseus")
+
+
+def _splittable_systems(workload: Workload, names: list[str], *, given: bool
+                        ) -> tuple[list[str], tuple[str, ...]]:
+    """The systems to compose, without the nanobatching ones when a microbatch of one
+    sequence cannot be split along its batch (splitting along the sequence is not
+    implemented): left out of the default five, refused when asked for by name."""
+    if workload.microbatch_size >= 2:
+        return names, ()
+    asked = [n for n in names if n in _SPLITTING]
+    if asked and given:
+        raise ArgumentError(f"systems: {', '.join(asked)} split each microbatch into "
+                            f"nanobatches of sequences, and microbatch_size=1 holds one; leave "
+                            "them out (the default leaves them out)")
+    return [n for n in names if n not in _SPLITTING], tuple(asked)

@@ -275,3 +275,19 @@ def test_a_plot_into_a_missing_folder_is_refused_in_one_line(tmp_path):
     result = optimize(wl, "h200-sxm", budget=2, progress=False, systems=["megatron"])
     with pytest.raises(OutputError, match="does not exist; create it"):
         result.plot(tmp_path / "missing" / "f.png")
+
+
+def test_one_sequence_per_microbatch_runs_without_the_nanobatching_systems():
+    # a microbatch of one sequence cannot be split along its batch: the two nanobatching
+    # systems are left out of the default five (and refused by name), the rest run
+    from kareus.workflow import prepare
+
+    wl = Workload.preset("qwen3-1.7b", tp=2, pp=2, microbatch_size=1, seq_len=1024,
+                         num_microbatches=4, nanobatches=1)
+    run = prepare(wl, "h200-sxm", budget=2)
+    assert run.left_out == ("nanobatching", "nanobatching+perseus")
+    assert run.systems == ("megatron", "perseus", "kareus")
+    result = run.run(progress=False)
+    assert sorted(result.frontiers) == ["kareus", "megatron", "perseus"]
+    with pytest.raises(ArgumentError, match="systems: nanobatching split each microbatch"):
+        prepare(wl, "h200-sxm", budget=2, systems=["megatron", "nanobatching"])
