@@ -31,9 +31,10 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def workload(tp: int, cp: int) -> Workload:
+def workload(tp: int, cp: int, qk: bool = False) -> Workload:
+    """A small layer; ``qk``: Qwen3's (per-head query/key norms, eps 1e-6)."""
     m = ModelArch(name="small", layers=2, hidden=512, heads=8, kv_heads=4, head_dim=64,
-                  ffn=1024, vocab=1000)
+                  ffn=1024, vocab=1000, qk_norm=qk, norm_eps=1e-6 if qk else 1e-5)
     return Workload(model=m, parallelism=Parallelism(tp=tp, cp=cp), microbatch_size=4,
                     seq_len=512, num_microbatches=2, nanobatches=2)
 
@@ -56,9 +57,10 @@ def _as_close_as_torch(got, torch_bf16, want, what):
     assert err < max(2 * base, 5e-3), f"{what}: relative error {err:.3g}, torch bf16 {base:.3g}"
 
 
+@pytest.mark.parametrize("qk", [False, True], ids=["llama", "qwen3"])
 @pytest.mark.parametrize("schedule", ["sequential", "nanobatching"])
-def test_bf16_planned_layer_matches_the_reference(schedule):
-    wl = workload(1, 1)
+def test_bf16_planned_layer_matches_the_reference(schedule, qk):
+    wl = workload(1, 1, qk)
     arch = wl.model
     dev = torch.device("cuda")
     # bf16-representable weights and input: the reference sees what the layer sees
@@ -79,7 +81,8 @@ def test_bf16_planned_layer_matches_the_reference(schedule):
 
     p = {k: v.to(torch.bfloat16).requires_grad_(True) for k, v in full.items()}
     xb = x.to(torch.bfloat16).requires_grad_(True)
-    applier = PlanApplier(workload=wl, groups=LoopbackGroups(tp=1), schedule=schedule)
+    applier = PlanApplier(workload=wl, groups=LoopbackGroups(tp=1), schedule=schedule,
+                          eps=arch.norm_eps)
     y = applier.layer()(xb, planned_weights(p, arch))
     (y.float() * c).sum().backward()
     _as_close_as_torch(y, yt, yr, "output")
@@ -88,10 +91,10 @@ def test_bf16_planned_layer_matches_the_reference(schedule):
         _as_close_as_torch(p[k].grad, tb[k].grad, ref_p[k].grad, k)
 
 
-def _loopback_tp4_cp2():
+def _loopback_tp4_cp2(qk: bool = False):
     """A TP=4 x CP=2 workload stood in for by loopback collectives on CUDA, its plan, and
     one rank's bf16 weights."""
-    wl = workload(4, 2)
+    wl = workload(4, 2, qk)
     groups = LoopbackGroups(tp=4, cp=2)
     capped, default, _ = make_collectives(groups, backend="loopback")
     plan = make_workload_plan(wl, sms=16, freqs_mhz=(1980, 1410), unsplit_microbatches=(1,))
@@ -147,11 +150,12 @@ def test_loopback_plan_runs_every_schedule_alike_on_cuda_streams():
     assert capped.backend_for("all_reduce").calls_total > 0
 
 
-def test_graphed_planned_stacks_equal_eager_ones_on_cuda():
+@pytest.mark.parametrize("qk", [False, True], ids=["llama", "qwen3"])
+def test_graphed_planned_stacks_equal_eager_ones_on_cuda(qk):
     """PlanApplier(graphs=True) on CUDA streams (loopback TP=4 x CP=2 plan): two
     microbatches of other inputs through a graphed stack equal eager execution, and the
     first microbatch's output and gradients are not overwritten by the second replay."""
-    wl, groups, capped, default, plan, p = _loopback_tp4_cp2()
+    wl, groups, capped, default, plan, p = _loopback_tp4_cp2(qk)
     arch = wl.model
     dev = torch.device("cuda")
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -162,7 +166,7 @@ def test_graphed_planned_stacks_equal_eager_ones_on_cuda():
         for graphs in (False, True):
             applier = PlanApplier(workload=wl, groups=groups, plan=plan, schedule=schedule,
                                   collective=capped, default_collective=default,
-                                  graphs=graphs)
+                                  graphs=graphs, eps=arch.norm_eps)
             outs = []
             for mb, x in enumerate(xs):
                 xm = x.clone().requires_grad_(True)
