@@ -160,12 +160,14 @@ class GraphedRunner:
                                                 cap.inputs or None)
 
         name = self._names.setdefault(key, f"integrations:{phase}:{len(self._names)}")
-        # The capture runs the body once eagerly first (warm-up), then captures it, then
+        # The capture runs the body twice eagerly first (warm-up: the first call of a
+        # Triton op at a new signature compiles or fetches its kernel, the second builds
+        # its lean launch; neither may happen inside a capture), then captures it, then
         # the caller's result comes from a replay, as every later call's does. A
         # re-capture (a weight moved) is another signature under the same name: the
         # executor drops the old graphs.
         cap.seq = ap._executor().capture(name, [body], signature=(key, self.captures),
-                                         warmup=1)
+                                         warmup=2)
         cap.seq.replay()
         self.captures += 1
         self._graphs[key] = cap
