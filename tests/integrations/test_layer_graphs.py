@@ -176,3 +176,22 @@ def test_a_graphed_layer_under_a_plan_needs_its_microbatch_scope():
     params = {k: torch.nn.Parameter(v) for k, v in full_weights(wl.model, 1).items()}
     with pytest.raises(PlanError, match="microbatch"):
         applier.stack(1)(x, [planned_weights(params, wl.model)])
+
+
+def test_every_body_is_warmed_up_twice_before_its_capture(monkeypatch):
+    # the first call of a Triton op at a new signature compiles or fetches its kernel, the
+    # second builds its lean launch: neither may happen inside a capture (on a fresh 1x H200
+    # a graphed Qwen3 stack's first capture failed with one warm-up run, not with two)
+    asked = []
+    capture = RerunExecutor.capture
+
+    def recording(self, name, bodies, *, signature=None, warmup=1):
+        asked.append(warmup)
+        return capture(self, name, bodies, signature=signature, warmup=warmup)
+
+    monkeypatch.setattr(RerunExecutor, "capture", recording)
+    wl = workload(tp=1, cp=2)
+    params = [{k: torch.nn.Parameter(v) for k, v in full_weights(wl.model, 1).items()}]
+    xs = [torch.randn(4, 8, wl.model.hidden, generator=torch.Generator().manual_seed(0))]
+    _run(_applier(wl, graphs=True, plan=None, schedule="sequential"), params, xs, plan=False)
+    assert asked and set(asked) == {2}

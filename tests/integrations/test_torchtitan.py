@@ -179,6 +179,23 @@ def test_qwen3_s_workload(fuse):
     assert (m.qk_norm, m.norm_eps, m.tied_embeddings, m.qkv_bias) == (True, 1e-6, True, False)
 
 
+def _same_step(ref, model):
+    """One forward and backward of ``ref`` and of the planned ``model`` on the same tokens:
+    the same logits and every parameter's gradient; returns the tokens."""
+    tokens = torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    outs = []
+    for m in (ref, model):
+        logits = m(tokens[:, :-1])
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()
+                                          ).backward()
+        outs.append(logits.detach())
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    got = dict(model.named_parameters())
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(got[n].grad, p.grad, rtol=1e-4, atol=1e-6, msg=n)
+    return tokens
+
+
 @pytest.mark.parametrize("fuse", [False, True])
 @pytest.mark.parametrize("schedule,chain", [("sequential", None), ("nanobatching", None),
                                             ("nanobatching", False)])
@@ -193,18 +210,8 @@ def test_a_planned_qwen3_is_torchtitan_s_qwen3(fuse, schedule, chain):
                             chain=chain)
     plain = 1.0 / (1000000.0 ** (torch.arange(0, 16, 2).float() / 16))
     torch.testing.assert_close(applier.rope_inv_freq, plain)
-    tokens = torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=torch.Generator().manual_seed(1))
-    outs = []
-    for m in (ref, model):
-        logits = m(tokens[:, :-1])
-        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()
-                                          ).backward()
-        outs.append(logits.detach())
-    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
-    got = dict(model.named_parameters())
-    assert any("q_norm" in n for n in got)
-    for n, p in ref.named_parameters():
-        torch.testing.assert_close(got[n].grad, p.grad, rtol=1e-4, atol=1e-6, msg=n)
+    _same_step(ref, model)
+    assert any("q_norm" in n for n, _ in model.named_parameters())
     # The model checks the workload's model field by field, whatever made it
     other = copy.deepcopy(ref)
     for change, match in (({"qk_norm": False}, "qk_norm=True"),
@@ -233,17 +240,7 @@ def test_a_planned_model_is_torchtitan_s_model(fuse, schedule, chain):
     inv = applier.rope_inv_freq
     plain = 1.0 / (500000.0 ** (torch.arange(0, 16, 2).float() / 16))
     assert not torch.allclose(inv, plain)  # the scaled frequencies: the check has teeth
-    tokens = torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=torch.Generator().manual_seed(1))
-    outs = []
-    for m in (ref, model):
-        logits = m(tokens[:, :-1])
-        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()
-                                          ).backward()
-        outs.append(logits.detach())
-    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
-    got = dict(model.named_parameters())
-    for n, p in ref.named_parameters():
-        torch.testing.assert_close(got[n].grad, p.grad, rtol=1e-4, atol=1e-6, msg=n)
+    tokens = _same_step(ref, model)
     depths = {key[-1] for key in applier._programs}
     assert depths == ({1} if chain is False else {LAYERS})  # one stack of every layer
     assert kt.remove_plan(model) == LAYERS
