@@ -15,6 +15,7 @@ from kareus.model.dag import Dag
 from kareus.model.decoder import (
     ATTENTION_SEGMENT,
     DECODER_LAYER,
+    SP_DECODER_LAYER,
     LayerCollective,
     LayerPhase,
     LayerSegment,
@@ -54,6 +55,7 @@ from kareus.model.workload import (
 __all__ = [
     "ATTENTION_SEGMENT",
     "DECODER_LAYER",
+    "SP_DECODER_LAYER",
     "FEATURE_NAMES",
     "GPU_PRESETS",
     "MODEL_PRESETS",

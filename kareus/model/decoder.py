@@ -37,6 +37,33 @@ Who reads it:
   a plan, in the training loop and in the framework adapters; its collectives' buffers
   and the runnable partitions' output ops come from here too.
 
+**Sequence parallelism** (SP, Megatron-LM's ``sequence_parallel``, torchtitan's
+``enable_sequence_parallel``) is the other TP layout: between the TP regions each rank holds
+a shard of the sequence (``tokens / TP``), so the norms (and the residual additions fused
+into them) run on the shard; each TP all-reduce becomes a reduce-scatter after the
+row-parallel output projections and an all-gather of the normed input before the
+column-parallel input projections (``decoder_layer(phase, sp=True)``)::
+
+    forward:  attn_norm                     | TP all-gather ("attn_in")
+              qkv rope                      | CP all-gather of K/V ("kv")
+              attn_core out_proj            | TP reduce-scatter ("attn_out")
+              mlp_norm                      | TP all-gather ("mlp_in")
+              gate up swiglu down           | TP reduce-scatter ("mlp_out")
+    backward: down_dgrad down_wgrad swiglu_bwd gate_dgrad up_dgrad gate_wgrad up_wgrad
+                                            | TP reduce-scatter ("mlp_in_grad")
+              mlp_norm_bwd                  | TP all-gather ("attn_out_grad")
+              out_dgrad out_wgrad attn_core_bwd
+                                            | CP reduce-scatter of dK/dV ("kv_grad")
+              rope_bwd qkv_dgrad qkv_wgrad  | TP reduce-scatter ("attn_in_grad")
+              attn_norm_bwd                 | TP all-gather ("mlp_out_grad")
+
+The backward's last all-gather collects the layer's input gradient (sharded, as its input
+was) for the MLP backward of the layer below, which reads the whole sequence; there is no
+tail. The weight gradients of the column-parallel projections read the all-gathered inputs
+of the forward (kept, or recomputed with the forward; kareus does not all-gather them a
+second time in the backward as Megatron-LM may). Each TP collective moves the layer's
+``tokens x hidden`` activation, as the all-reduce it replaces did, in half the bus traffic.
+
 So the emulator costs exactly the ops the layer runs, in the order it runs them. Pure data;
 no torch.
 """
@@ -57,6 +84,7 @@ __all__ = [
     "LayerPhase",
     "LayerSegment",
     "QK_NORM_OPS",
+    "SP_DECODER_LAYER",
     "decoder_layer",
     "layer_collectives",
 ]
@@ -76,9 +104,13 @@ class LayerCollective:
     Attributes:
         kind: ``"all_reduce"``, ``"all_gather"`` or ``"reduce_scatter"`` (a
             [`CommKind`][kareus.model.CommKind] value).
-        tensor: The tensor it acts on: ``"attn_out"``, ``"mlp_out"`` (forward all-reduces),
-            ``"kv"`` (K/V all-gather), ``"mlp_in_grad"``, ``"attn_in_grad"`` (backward
-            all-reduces), ``"kv_grad"`` (dK/dV reduce-scatter).
+        tensor: The tensor it acts on: ``"attn_out"``, ``"mlp_out"`` (forward all-reduces,
+            or reduce-scatters under sequence parallelism), ``"kv"`` (K/V all-gather),
+            ``"mlp_in_grad"``, ``"attn_in_grad"`` (backward all-reduces, or reduce-scatters),
+            ``"kv_grad"`` (dK/dV reduce-scatter); under sequence parallelism also
+            ``"attn_in"``, ``"mlp_in"`` (forward all-gathers of the normed inputs) and
+            ``"attn_out_grad"``, ``"mlp_out_grad"`` (backward all-gathers of the output
+            gradients).
         group: The parallel group it runs over: ``"tp"`` or ``"cp"`` (it does not run when
             that group has one GPU).
         producer: The op that completes its input tensor (the last op to write it).
@@ -155,6 +187,14 @@ def _ar(tensor: str, producer: str) -> LayerCollective:
     return LayerCollective("all_reduce", tensor, "tp", producer)
 
 
+def _ag(tensor: str, producer: str) -> LayerCollective:
+    return LayerCollective("all_gather", tensor, "tp", producer)
+
+
+def _rs(tensor: str, producer: str) -> LayerCollective:
+    return LayerCollective("reduce_scatter", tensor, "tp", producer)
+
+
 DECODER_LAYER: Mapping[str, LayerPhase] = types.MappingProxyType({
     "fwd": LayerPhase("fwd", (
         LayerSegment("attn_in", ("attn_norm", "qkv", "rope"),
@@ -177,6 +217,30 @@ DECODER_LAYER: Mapping[str, LayerPhase] = types.MappingProxyType({
 """The decoder layer's two phases by name (``"fwd"``, ``"bwd"``), read-only: the op order of
 the module docstring, the one place it is written."""
 
+SP_DECODER_LAYER: Mapping[str, LayerPhase] = types.MappingProxyType({
+    "fwd": LayerPhase("fwd", (
+        LayerSegment("attn_norm", ("attn_norm",), _ag("attn_in", "attn_norm")),
+        LayerSegment("attn_in", ("qkv", "rope"),
+                     LayerCollective("all_gather", "kv", "cp", "rope")),
+        LayerSegment("attn_out", ("attn_core", "out_proj"), _rs("attn_out", "out_proj")),
+        LayerSegment("mlp_norm", ("mlp_norm",), _ag("mlp_in", "mlp_norm")),
+        LayerSegment("mlp", ("gate", "up", "swiglu", "down"), _rs("mlp_out", "down")),
+    )),
+    "bwd": LayerPhase("bwd", (
+        LayerSegment("mlp", ("down_dgrad", "down_wgrad", "swiglu_bwd", "gate_dgrad",
+                             "up_dgrad", "gate_wgrad", "up_wgrad"),
+                     _rs("mlp_in_grad", "up_dgrad")),
+        LayerSegment("mlp_norm", ("mlp_norm_bwd",), _ag("attn_out_grad", "mlp_norm_bwd")),
+        LayerSegment("attn_out", ("out_dgrad", "out_wgrad", "attn_core_bwd"),
+                     LayerCollective("reduce_scatter", "kv_grad", "cp", "attn_core_bwd")),
+        LayerSegment("attn_in", ("rope_bwd", "qkv_dgrad", "qkv_wgrad"),
+                     _rs("attn_in_grad", "qkv_dgrad")),
+        LayerSegment("attn_norm", ("attn_norm_bwd",), _ag("mlp_out_grad", "attn_norm_bwd")),
+    )),
+})
+"""The decoder layer under sequence parallelism, by phase: the second op order of the module
+docstring (no tail: the backward ends with the all-gather of the input gradient)."""
+
 ATTENTION_SEGMENT = "attn"
 """The name of the attention segments as one, when no CP collective runs between them
 (``attn_in`` and ``attn_out`` forward, ``attn_out`` and ``attn_in`` backward)."""
@@ -191,13 +255,14 @@ QK_NORM_OPS: Mapping[str, tuple[str, tuple[str, ...]]] = types.MappingProxyType(
 })
 
 
-def decoder_layer(phase: str, *, qk_norm: bool = False) -> LayerPhase:
+def decoder_layer(phase: str, *, qk_norm: bool = False, sp: bool = False) -> LayerPhase:
     """The decoder layer's ``phase`` (``"fwd"`` or ``"bwd"``); with ``qk_norm``, the layer of
     a model that normalises queries and keys per head (``QK_NORM_OPS``
-    inserted in the attention-input segment)."""
+    inserted in the attention-input segment); with ``sp``, the sequence-parallel layout
+    (``SP_DECODER_LAYER``)."""
     if phase not in DECODER_LAYER:
         raise ArgumentError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
-    layer = DECODER_LAYER[phase]
+    layer = (SP_DECODER_LAYER if sp else DECODER_LAYER)[phase]
     if not qk_norm:
         return layer
     after, extra = QK_NORM_OPS[phase]
@@ -210,9 +275,12 @@ def decoder_layer(phase: str, *, qk_norm: bool = False) -> LayerPhase:
     return attrs.evolve(layer, segments=tuple(segments))
 
 
-def layer_collectives(*, tp: int = 2, cp: int = 2) -> tuple[LayerCollective, ...]:
-    """The collectives one layer runs at TP ``tp`` and CP ``cp``: forward then backward,
-    each in stream order (those over a group of one GPU left out)."""
+def layer_collectives(*, tp: int = 2, cp: int = 2,
+                      sp: bool = False) -> tuple[LayerCollective, ...]:
+    """The collectives one layer runs at TP ``tp`` and CP ``cp`` (``sp``: sequence-parallel
+    layout): forward then backward, each in stream order (those over a group of one GPU
+    left out)."""
     sizes = {"tp": int(tp), "cp": int(cp)}
-    return tuple(c for phase in ("fwd", "bwd") for c in DECODER_LAYER[phase].collectives
+    layer = SP_DECODER_LAYER if sp else DECODER_LAYER
+    return tuple(c for phase in ("fwd", "bwd") for c in layer[phase].collectives
                  if sizes[c.group] > 1)

@@ -64,3 +64,21 @@ def test_bad_descriptions_are_refused():
         decoder_layer("both")
     with pytest.raises(TypeError):
         DECODER_LAYER["fwd"] = DECODER_LAYER["bwd"]  # type: ignore[index]
+
+
+def test_sequence_parallel_layout_has_the_same_ops_and_no_all_reduce():
+    for phase in ("fwd", "bwd"):
+        for qk in (False, True):
+            assert (sorted(decoder_layer(phase, qk_norm=qk, sp=True).op_names)
+                    == sorted(decoder_layer(phase, qk_norm=qk).op_names))
+    assert decoder_layer("bwd", sp=True).tail == ()
+    sp = layer_collectives(tp=2, cp=2, sp=True)
+    assert [(c.kind, c.tensor) for c in sp if c.group == "tp"] == [
+        ("all_gather", "attn_in"), ("reduce_scatter", "attn_out"), ("all_gather", "mlp_in"),
+        ("reduce_scatter", "mlp_out"), ("reduce_scatter", "mlp_in_grad"),
+        ("all_gather", "attn_out_grad"), ("reduce_scatter", "attn_in_grad"),
+        ("all_gather", "mlp_out_grad")]
+    # the CP collectives do not change with the TP layout
+    assert ([c for c in sp if c.group == "cp"]
+            == [c for c in layer_collectives(tp=2, cp=2) if c.group == "cp"])
+    assert [c.group for c in layer_collectives(tp=1, cp=2, sp=True)] == ["cp", "cp"]
