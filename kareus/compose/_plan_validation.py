@@ -140,10 +140,10 @@ def _parse_choice(d: Any, field: str, gpu: Any, source: str,
 
 
 def _parse_workload(w: Any, source: str) -> Any:
-    from kareus.model.workload import Workload  # keeps the module light
+    from kareus.model.workload import RECOMPUTE_POLICIES, Workload  # keeps the module light
 
     w = _obj(w, source, "workload")
-    _keys(w, sorted(_WORKLOAD_KEYS), _WORKLOAD_KEYS, source, "workload")
+    _keys(w, sorted(_WORKLOAD_KEYS), _WORKLOAD_KEYS | {"sp"}, source, "workload")
     if isinstance(w["model"], dict):  # the architecture of a model that is not a preset
         from kareus.model.workload import ModelArch
 
@@ -154,11 +154,15 @@ def _parse_workload(w: Any, source: str) -> Any:
     else:
         model = _str(w["model"], source, "workload.model", _MAX_NAME)
     ints = {k: _int(w[k], source, f"workload.{k}", 1, 100_000_000) for k in _WORKLOAD_INTS}
-    if not isinstance(w["recompute"], bool):
-        raise _err(source, "workload.recompute", f"{short_repr(w['recompute'])} is not true or false")
+    if not isinstance(w["recompute"], bool) and w["recompute"] not in RECOMPUTE_POLICIES:
+        raise _err(source, "workload.recompute", f"{short_repr(w['recompute'])} is not one of "
+                   f"{', '.join(RECOMPUTE_POLICIES)}")
+    sp = w.get("sp", False)
+    if not isinstance(sp, bool):
+        raise _err(source, "workload.sp", f"{short_repr(sp)} is not true or false")
     try:
         return Workload.preset(model, tp=ints["tp"], cp=ints["cp"], pp=ints["pp"],
-                               dp=ints["dp"], microbatch_size=ints["microbatch_size"],
+                               dp=ints["dp"], sp=sp, microbatch_size=ints["microbatch_size"],
                                seq_len=ints["seq_len"],
                                num_microbatches=ints["num_microbatches"],
                                recompute=w["recompute"], nanobatches=ints["nanobatches"])

@@ -50,6 +50,7 @@ import attrs
 from kareus.errors import ArgumentError, UnknownSlotError
 from kareus.exec._executor_role import Executor
 from kareus.model.decoder import LayerPhase, decoder_layer
+from kareus.model.workload import RECOMPUTE_POLICIES, recompute_policy
 
 __all__ = [
     "SCHEDULES",
@@ -150,7 +151,8 @@ def _layer(phase: LayerPhase, layer: int, tp: int, cp: int) -> list[Op | Comm]:
 
 
 def stack_stream(phase: str, layers: int, *, tp: int, cp: int,
-                 recompute: bool, qk_norm: bool = False) -> list[Op | Comm]:
+                 recompute: bool | str, qk_norm: bool = False,
+                 sp: bool = False) -> list[Op | Comm]:
     """The ops and collectives of one microbatch computation of ``layers`` layers, in order.
 
     Args:
@@ -158,9 +160,12 @@ def stack_stream(phase: str, layers: int, *, tp: int, cp: int,
         layers: Transformer layers of the stage.
         tp: Tensor-parallel degree (``> 1``: all-reduces).
         cp: Context-parallel degree (``> 1``: K/V all-gather, dK/dV reduce-scatter).
-        recompute: Whether the backward re-runs each layer's forward first.
+        recompute: The recomputation policy (``"full"``: the backward re-runs each layer's
+            forward first; ``"selective"``: the attention core only, inside the layer's
+            backward; ``"none"``), or ``True``/``False`` for ``"full"``/``"none"``.
         qk_norm: The model normalises queries and keys per head (the layer's ops of
             ``decoder_layer(phase, qk_norm=True)``).
+        sp: The sequence-parallel layout (``decoder_layer(phase, sp=True)``).
 
     Returns:
         [`Op`][kareus.exec.schedule.Op] and [`Comm`][kareus.exec.schedule.Comm] items. Backward: layer
@@ -172,14 +177,19 @@ def stack_stream(phase: str, layers: int, *, tp: int, cp: int,
         raise ArgumentError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
     if layers < 1 or tp < 1 or cp < 1:
         raise ArgumentError(f"layers, tp and cp must be >= 1, got {layers}, {tp}, {cp}")
-    fwd, bwd = decoder_layer("fwd", qk_norm=qk_norm), decoder_layer("bwd", qk_norm=qk_norm)
+    policy = recompute_policy(recompute)
+    if policy not in RECOMPUTE_POLICIES:
+        raise ArgumentError(f"recompute must be one of {RECOMPUTE_POLICIES} or a bool, "
+                            f"got {recompute!r:.40}")
+    fwd = decoder_layer("fwd", qk_norm=qk_norm, sp=sp)
+    bwd = decoder_layer("bwd", qk_norm=qk_norm, sp=sp, recompute=str(policy))
     out: list[Op | Comm] = []
     if phase == "fwd":
         for layer in range(layers):
             out += _layer(fwd, layer, tp, cp)
         return out
     for layer in reversed(range(layers)):
-        if recompute:
+        if policy == "full":
             out += _layer(fwd, layer, tp, cp)
         if layer < layers - 1:
             out += [Op(n, layer + 1) for n in bwd.tail]

@@ -544,7 +544,7 @@ def _check_workload(workload: Workload, groups: ParallelGroups) -> None:
     if (groups.tp_size, groups.cp_size) != (p.tp, p.cp):
         raise WorkloadError(f"the groups are TP={groups.tp_size} x CP={groups.cp_size}; the "
                             f"workload asks for TP={p.tp} x CP={p.cp}")
-    if not workload.recompute:
+    if workload.recompute != "full":
         raise WorkloadError("a planned layer recomputes its forward in the backward (it keeps "
                             "only its input): make the workload and the plan with "
                             "recompute on")

@@ -84,6 +84,7 @@ __all__ = [
     "LayerPhase",
     "LayerSegment",
     "QK_NORM_OPS",
+    "SELECTIVE_RECOMPUTE",
     "SP_DECODER_LAYER",
     "decoder_layer",
     "layer_collectives",
@@ -255,24 +256,47 @@ QK_NORM_OPS: Mapping[str, tuple[str, tuple[str, ...]]] = types.MappingProxyType(
 })
 
 
-def decoder_layer(phase: str, *, qk_norm: bool = False, sp: bool = False) -> LayerPhase:
-    """The decoder layer's ``phase`` (``"fwd"`` or ``"bwd"``); with ``qk_norm``, the layer of
-    a model that normalises queries and keys per head (``QK_NORM_OPS``
-    inserted in the attention-input segment); with ``sp``, the sequence-parallel layout
-    (``SP_DECODER_LAYER``)."""
-    if phase not in DECODER_LAYER:
-        raise ArgumentError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
-    layer = (SP_DECODER_LAYER if sp else DECODER_LAYER)[phase]
-    if not qk_norm:
-        return layer
-    after, extra = QK_NORM_OPS[phase]
+#: Selective recomputation (Megatron-LM's ``--recompute-granularity selective``, its
+#: ``core_attn`` module): the backward re-runs the attention core's forward (the op named
+#: first) right before the op named second, since the attention output is not kept (the
+#: output projection's weight gradient and the attention backward read it); every other
+#: activation is kept, and no collective runs again.
+SELECTIVE_RECOMPUTE: tuple[str, str] = ("attn_core", "out_dgrad")
+
+
+def _insert(layer: LayerPhase, before_or_after: str, anchor: str,
+            extra: tuple[str, ...]) -> LayerPhase:
     segments = []
     for seg in layer.segments:
-        if after in seg.op_names:
-            i = seg.op_names.index(after) + 1
+        if anchor in seg.op_names:
+            i = seg.op_names.index(anchor) + (1 if before_or_after == "after" else 0)
             seg = attrs.evolve(seg, op_names=(*seg.op_names[:i], *extra, *seg.op_names[i:]))
         segments.append(seg)
     return attrs.evolve(layer, segments=tuple(segments))
+
+
+def decoder_layer(phase: str, *, qk_norm: bool = False, sp: bool = False,
+                  recompute: str = "full") -> LayerPhase:
+    """The decoder layer's ``phase`` (``"fwd"`` or ``"bwd"``); with ``qk_norm``, the layer of
+    a model that normalises queries and keys per head (``QK_NORM_OPS``
+    inserted in the attention-input segment); with ``sp``, the sequence-parallel layout
+    (``SP_DECODER_LAYER``); with ``recompute="selective"``, the backward holds the
+    recomputed attention core (``SELECTIVE_RECOMPUTE``). Full recomputation re-runs the
+    whole forward phase before the backward phase (the runtime schedule strings it), so it
+    changes no phase's ops; nor does ``"none"``."""
+    if phase not in DECODER_LAYER:
+        raise ArgumentError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
+    if recompute not in ("none", "selective", "full"):
+        raise ArgumentError(f"recompute must be 'none', 'selective' or 'full', "
+                            f"got {recompute!r:.40}")
+    layer = (SP_DECODER_LAYER if sp else DECODER_LAYER)[phase]
+    if qk_norm:
+        after, extra = QK_NORM_OPS[phase]
+        layer = _insert(layer, "after", after, extra)
+    if recompute == "selective" and phase == "bwd":
+        op, before = SELECTIVE_RECOMPUTE
+        layer = _insert(layer, "before", before, (op,))
+    return layer
 
 
 def layer_collectives(*, tp: int = 2, cp: int = 2,

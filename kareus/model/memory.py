@@ -95,7 +95,8 @@ def estimate_memory(workload: Workload, *, schedule: str = "1f1b") -> MemoryEsti
     tokens = wl.microbatch_size * wl.seq_len / p.cp
     per_layer = m.layer_params_per_rank(p.tp)
     saved = _saved_bytes_per_token(wl) / p.tp
-    kept = (2 * m.hidden / p.tp) if wl.recompute else saved
+    full = wl.recompute == "full"
+    kept = (2 * m.hidden / p.tp) if full else saved
     best: MemoryEstimate | None = None
     for stage in range(p.pp):
         params = wl.layers_per_stage * per_layer
@@ -109,7 +110,7 @@ def estimate_memory(workload: Workload, *, schedule: str = "1f1b") -> MemoryEsti
         inflight = wl.num_microbatches if schedule == "gpipe" else \
             min(p.pp - stage, wl.num_microbatches)
         act = inflight * wl.layers_per_stage * kept * tokens
-        if wl.recompute:
+        if full:
             act += saved * tokens
         if stage == p.pp - 1:
             act += tokens * m.vocab / p.tp * 4
@@ -135,5 +136,5 @@ def check_memory(workload: Workload, gpu: GPUSpec, *, schedule: str = "1f1b") ->
             f"{workload.describe()} does not fit on {gpu.name}: it needs at least "
             f"{est.describe()}, the GPU has {gpu.memory_gib:g} GiB; use a smaller "
             f"microbatch size or sequence length, more TP/CP/PP"
-            f"{', or recomputation' if not workload.recompute else ''}")
+            f"{', or recomputation' if workload.recompute != 'full' else ''}")
     return est

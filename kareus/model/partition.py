@@ -529,7 +529,10 @@ def build_partitions(workload: Workload) -> PartitionSet:
                                                    segment=seg.name, stage_gpus=p.tp * p.cp)
             counts[phase][name] = counts[phase].get(name, 0) + k * L
 
-    if wl.recompute:
+    if wl.recompute == "selective":
+        raise WorkloadError(f"{wl.model.name}: recompute='selective' is not costed yet; "
+                            "use 'full' or 'none'")
+    if wl.recompute == "full":
         for name, c in counts["fwd"].items():
             counts["bwd"][name] = counts["bwd"].get(name, 0) + c
 

@@ -46,6 +46,7 @@ from kareus.model._spec_file import (
 
 __all__ = [
     "MODEL_PRESETS",
+    "RECOMPUTE_POLICIES",
     "ModelArch",
     "Parallelism",
     "Workload",
@@ -54,6 +55,7 @@ __all__ = [
     "model_from_dict",
     "model_from_hf_config",
     "model_names",
+    "recompute_policy",
     "register_model",
     "registered_models",
     "unregister_model",
@@ -70,6 +72,21 @@ def _check_whole(field: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise WorkloadError(f"{field} must be a whole number (int), got {value!r:.40} "
                             f"({type(value).__name__})")
+
+
+RECOMPUTE_POLICIES = ("none", "selective", "full")
+"""Activation recomputation policies a [`Workload`][kareus.model.Workload] names."""
+
+
+def recompute_policy(value: object) -> object:
+    """A recomputation setting as a policy name: ``True``/``False`` (the older boolean
+    field) as ``"full"``/``"none"``; a string in lower case; anything else as given, for
+    the caller's check to refuse."""
+    if isinstance(value, bool):
+        return "full" if value else "none"
+    if isinstance(value, str):
+        return value.strip().lower()
+    return value
 
 
 def _check_count(field: str, value: object) -> None:
@@ -404,16 +421,33 @@ def get_model(name: str | ModelArch) -> ModelArch:
 
 @attrs.frozen(kw_only=True)
 class Parallelism:
-    """Tensor, context, pipeline and data parallel degrees."""
+    """Tensor, context, pipeline and data parallel degrees, and the TP layout.
+
+    Attributes:
+        tp, cp, pp, dp: The degrees.
+        sp: Sequence parallelism (Megatron-LM's ``--sequence-parallel``, torchtitan's
+            ``enable_sequence_parallel``): between the TP regions each TP rank holds
+            ``1 / tp`` of the sequence, and each TP all-reduce is a reduce-scatter and an
+            all-gather (``kareus.model.decoder``). With ``tp == 1`` it changes nothing (as
+            in Megatron-LM, which turns it off there).
+    """
 
     tp: int = 1
     cp: int = 1
     pp: int = 1
     dp: int = 1
+    sp: bool = False
 
     def __attrs_post_init__(self) -> None:
         for field in ("tp", "cp", "pp", "dp"):
             _check_count(f"parallelism {field}", getattr(self, field))
+        if not isinstance(self.sp, bool):
+            raise WorkloadError(f"parallelism sp must be True or False, got {self.sp!r:.40}")
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether the sequence-parallel layout runs: ``sp`` at ``tp > 1``."""
+        return self.sp and self.tp > 1
 
     @property
     def world_size(self) -> int:
@@ -436,7 +470,12 @@ class Workload:
         microbatch_size: Sequences per microbatch (per data-parallel replica).
         seq_len: Tokens per sequence.
         num_microbatches: Microbatches per iteration and replica.
-        recompute: Full activation recomputation (the backward pass re-runs each layer's forward).
+        recompute: Activation recomputation, one of ``RECOMPUTE_POLICIES``: ``"full"`` (the
+            backward re-runs each layer's forward; only layer inputs are kept),
+            ``"selective"`` (the attention core is recomputed in the backward, as
+            Megatron-LM's ``--recompute-activations``; everything else kept) or
+            ``"none"`` (every activation the backward reads is kept). ``True`` and
+            ``False`` are read as ``"full"`` and ``"none"``.
         nanobatches: Parts each microbatch is split into for overlap (>= 1).
         dtype_bytes: Bytes per activation element (2 for bf16).
     """
@@ -446,7 +485,7 @@ class Workload:
     microbatch_size: int = 8
     seq_len: int = 4096
     num_microbatches: int = 8
-    recompute: bool = True
+    recompute: str = attrs.field(default="full", converter=recompute_policy)
     nanobatches: int = 2
     dtype_bytes: int = 2
 
@@ -455,8 +494,9 @@ class Workload:
         for field in ("microbatch_size", "seq_len", "num_microbatches", "nanobatches",
                       "dtype_bytes"):
             _check_count(field, getattr(self, field))
-        if not isinstance(self.recompute, bool):
-            raise WorkloadError(f"recompute must be True or False, got {self.recompute!r:.40}")
+        if self.recompute not in RECOMPUTE_POLICIES:
+            raise WorkloadError(f"recompute must be one of {', '.join(RECOMPUTE_POLICIES)}, "
+                                f"got {self.recompute!r:.40}")
         checks = [
             (m.heads % p.tp == 0, f"TP={p.tp} does not divide the {m.heads} attention heads"),
             (m.kv_heads % p.tp == 0,
@@ -466,6 +506,9 @@ class Workload:
              f"PP={p.pp} does not divide the {m.layers} layers; choose a divisor of {m.layers}"),
             (self.seq_len % (2 * p.cp) == 0 or p.cp == 1,
              f"CP={p.cp} needs seq_len divisible by 2*CP={2 * p.cp} (load-balanced causal split)"),
+            (not p.sequence_parallel or (self.seq_len // p.cp) % p.tp == 0,
+             f"sequence parallelism at TP={p.tp} needs each rank's seq_len / CP = "
+             f"{self.seq_len // p.cp} tokens per sequence divisible by TP"),
             (self.microbatch_size % self.nanobatches == 0,
              f"microbatch_size={self.microbatch_size} does not split into "
              f"{self.nanobatches} nanobatches; use a divisor of the microbatch size"),
@@ -484,6 +527,7 @@ class Workload:
         cp: int = 1,
         pp: int = 1,
         dp: int = 1,
+        sp: bool = False,
         **kwargs: object,
     ) -> Workload:
         """A workload of a preset model, e.g. ``Workload.preset("llama3.2-3b", tp=4)``.
@@ -493,7 +537,7 @@ class Workload:
         pp=2)``, the other fields at their defaults (8 microbatches of 8 x 4096 tokens,
         2 nanobatches, recomputation).
         """
-        return cls(model=get_model(name), parallelism=Parallelism(tp=tp, cp=cp, pp=pp, dp=dp),
+        return cls(model=get_model(name), parallelism=Parallelism(tp=tp, cp=cp, pp=pp, dp=dp, sp=sp),
                    **kwargs)  # type: ignore[arg-type]
 
     @classmethod
@@ -506,6 +550,7 @@ class Workload:
         cp: int = 1,
         pp: int = 1,
         dp: int = 1,
+        sp: bool = False,
         **kwargs: object,
     ) -> Workload:
         """A workload of the model a Hugging Face ``config.json`` describes, e.g.
@@ -523,7 +568,7 @@ class Workload:
             WorkloadError: the parallelism or batch does not fit the model.
         """
         arch = model_from_hf_config(config, name=name)
-        return cls(model=arch, parallelism=Parallelism(tp=tp, cp=cp, pp=pp, dp=dp),
+        return cls(model=arch, parallelism=Parallelism(tp=tp, cp=cp, pp=pp, dp=dp, sp=sp),
                    **kwargs)  # type: ignore[arg-type]
 
     @property
@@ -548,10 +593,11 @@ class Workload:
     def describe(self) -> str:
         """One line: model, parallelism and batch."""
         p = self.parallelism
-        return (f"{self.model.name} TP={p.tp} CP={p.cp} PP={p.pp} DP={p.dp} "
+        return (f"{self.model.name} TP={p.tp}{' SP' if p.sequence_parallel else ''} "
+                f"CP={p.cp} PP={p.pp} DP={p.dp} "
                 f"mbs={self.microbatch_size} seq={self.seq_len} "
                 f"microbatches={self.num_microbatches} nanobatches={self.nanobatches}"
-                f"{' recompute' if self.recompute else ''}")
+                f"{'' if self.recompute == 'none' else f' recompute={self.recompute}'}")
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready description: ``model`` is the whole architecture, name and features
@@ -561,7 +607,7 @@ class Workload:
         load, as the current preset."""
         p = self.parallelism
         model: object = self.model.to_dict()
-        return {"model": model, "tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": p.dp,
+        return {"model": model, "tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": p.dp, "sp": p.sp,
                 "microbatch_size": self.microbatch_size, "seq_len": self.seq_len,
                 "num_microbatches": self.num_microbatches, "recompute": self.recompute,
                 "nanobatches": self.nanobatches}
@@ -579,7 +625,9 @@ class Workload:
             raise WorkloadError("a workload description needs at least the key 'model'")
         model = d["model"]
         arch = ModelArch.from_dict(model) if isinstance(model, dict) else get_model(str(model))
-        par = {k: int(d.get(k, 1)) for k in ("tp", "cp", "pp", "dp")}  # type: ignore[call-overload]
+        par: dict[str, Any] = {k: int(d.get(k, 1))  # type: ignore[call-overload]
+                               for k in ("tp", "cp", "pp", "dp")}
+        par["sp"] = d.get("sp", False)
         rest = {k: d[k] for k in ("microbatch_size", "seq_len", "num_microbatches",
                                   "recompute", "nanobatches", "dtype_bytes") if k in d}
         return cls(model=arch, parallelism=Parallelism(**par), **rest)  # type: ignore[arg-type]

@@ -47,7 +47,7 @@ def test_the_fields_it_reads():
         "megatron-gpt", 4, 256, 8, 4, 32, 512, 1000)
     assert (p.tp, p.cp, p.pp, p.dp) == (2, 1, 1, 1)
     assert (wl.microbatch_size, wl.seq_len, wl.num_microbatches, wl.nanobatches) == (4, 128, 4, 2)
-    assert wl.recompute is True and wl.dtype_bytes == 2
+    assert wl.recompute == "full" and wl.dtype_bytes == 2
 
 
 def test_defaults_and_overrides():

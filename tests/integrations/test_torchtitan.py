@@ -112,7 +112,7 @@ def test_the_workload_is_the_model_s(fuse):
     assert (arch.hidden, arch.layers, arch.heads, arch.kv_heads, arch.head_dim, arch.ffn,
             arch.vocab) == (64, 2, 4, 2, 16, 192, 128)
     assert (wl.parallelism.tp, wl.microbatch_size, wl.seq_len, wl.num_microbatches,
-            wl.nanobatches, wl.recompute) == (2, MBS, SEQ, 2, 2, True)
+            wl.nanobatches, wl.recompute) == (2, MBS, SEQ, 2, 2, "full")
     model = build(cfg)
     assert kt.workload_from_torchtitan(model, tp=2, microbatch_size=MBS, seq_len=SEQ,
                                        num_microbatches=2, name="tiny") == wl

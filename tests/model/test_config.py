@@ -104,8 +104,11 @@ def test_a_configuration_of_the_wrong_kind_is_a_config_error(kwargs, needle):
     assert ScheduleConfig(np.int64(1410), 4.0).comm_sms == 4  # numpy ints, whole floats
 
 
-def test_recompute_must_be_a_bool():
+def test_recompute_is_a_policy_and_booleans_read_as_full_or_none():
     from kareus.errors import WorkloadError
 
-    with pytest.raises(WorkloadError, match="recompute must be True or False"):
+    with pytest.raises(WorkloadError, match="recompute must be one of none, selective, full"):
         Workload.preset("qwen3-1.7b", recompute="no")
+    assert Workload.preset("qwen3-1.7b", tp=2, recompute=True).recompute == "full"
+    assert Workload.preset("qwen3-1.7b", tp=2, recompute=False).recompute == "none"
+    assert Workload.preset("qwen3-1.7b", tp=2, recompute="Selective").recompute == "selective"

@@ -82,3 +82,16 @@ def test_sequence_parallel_layout_has_the_same_ops_and_no_all_reduce():
     assert ([c for c in sp if c.group == "cp"]
             == [c for c in layer_collectives(tp=2, cp=2) if c.group == "cp"])
     assert [c.group for c in layer_collectives(tp=1, cp=2, sp=True)] == ["cp", "cp"]
+
+
+def test_selective_recomputation_reruns_the_attention_core_in_the_backward():
+    for sp in (False, True):
+        bwd = decoder_layer("bwd", sp=sp, recompute="selective")
+        names = bwd.op_names
+        assert names.count("attn_core") == 1
+        assert names.index("attn_core") + 1 == names.index("out_dgrad")
+        assert tuple(n for n in names if n != "attn_core") == decoder_layer("bwd", sp=sp).op_names
+        assert decoder_layer("fwd", sp=sp, recompute="selective") == decoder_layer("fwd", sp=sp)
+    assert decoder_layer("bwd", recompute="none") == decoder_layer("bwd")
+    with pytest.raises(ArgumentError, match="recompute"):
+        decoder_layer("bwd", recompute="attention")

@@ -59,6 +59,15 @@ __all__ = [
 ]
 
 
+def _full_recompute(workload: Workload) -> bool:
+    """Whether the loop's decoder re-runs each layer's forward in the backward (``"full"``)
+    or keeps every activation (``"none"``); ``"selective"`` is refused until it runs."""
+    if workload.recompute == "selective":
+        raise WorkloadError("the training loop does not run recompute='selective' yet; use "
+                            "'full' or 'none'")
+    return workload.recompute == "full"
+
+
 def check_plan_workload(plan: Plan, workload: Workload, *, one_stage: bool = True) -> None:
     """Refuse a plan made for another job than ``workload``.
 
@@ -88,10 +97,14 @@ def check_plan_workload(plan: Plan, workload: Workload, *, one_stage: bool = Tru
     if not w:
         raise PlanError("the plan does not record its workload: make it with kareus optimize")
     mine = workload.to_dict()
-    keys = ("tp", "cp", "microbatch_size", "seq_len", "nanobatches", "num_microbatches",
+    theirs = dict(w)
+    if isinstance(theirs.get("recompute"), bool):  # plans written before the policies
+        theirs["recompute"] = "full" if theirs["recompute"] else "none"
+    theirs.setdefault("sp", False)  # plans written before sequence parallelism
+    keys = ("tp", "cp", "sp", "microbatch_size", "seq_len", "nanobatches", "num_microbatches",
             "recompute")
-    diff = [f"{k}: plan {w.get(k)!r}, job {mine[k]!r}" for k in keys
-            if k in w and w[k] != mine[k]]
+    diff = [f"{k}: plan {theirs.get(k)!r}, job {mine[k]!r}" for k in keys
+            if k in theirs and theirs[k] != mine[k]]
     if "model" in w:
         diff += _architecture_differences(w["model"], workload.model)
     if diff:
@@ -265,12 +278,12 @@ class TrainingLoop:
             groups=groups,
             backend=self._buffer_source(has_comm, collective, backends, executor or baseline),
             nanobatch_counts=tuple(sorted({1, workload.nanobatches})),
-            recompute=workload.recompute, kernels=kernels, device=device, dtype=dtype,
+            recompute=_full_recompute(workload), kernels=kernels, device=device, dtype=dtype,
             seed=seed, lr=lr)
         self.layers = self.model.layers
         self.stacks: dict[str, list[Piece]] = {
             ph: pieces(stack_stream(ph, self.layers, tp=p.tp, cp=p.cp,
-                                    recompute=workload.recompute,
+                                    recompute=_full_recompute(workload),
                                     qk_norm=workload.model.qk_norm))
             for ph in ("fwd", "bwd")}
         name = plan.schedule if plan is not None else schedule

@@ -42,7 +42,7 @@ from kareus.exec._executor_role import Executor
 from kareus.exec.model_check import refuse_uncomputed
 from kareus.exec.schedule import Comm, Op
 from kareus.model.decoder import layer_collectives
-from kareus.model.workload import ModelArch
+from kareus.model.workload import ModelArch, recompute_policy
 
 __all__ = ["DecoderShard"]
 
@@ -103,7 +103,11 @@ class DecoderShard:
         self.backend = backend
         self._shard_dims(arch, groups, int(microbatch_size), seq_len // cp)
         self.num_microbatches = int(num_microbatches)
-        self.recompute = bool(recompute)
+        policy = recompute_policy(recompute)
+        if policy not in ("none", "full"):
+            raise WorkloadError(f"the training loop's decoder runs recompute 'full' or 'none', "
+                                f"got {recompute!r:.40}")
+        self.recompute = policy == "full"
         self.v_local = -(-arch.vocab // tp)
         self.v0 = groups.tp_rank * self.v_local
         self.ks = get_kernels(kernels)
