@@ -45,9 +45,9 @@ from kareus.model.pipeline import (
 from kareus.model.profiler import Profiler, ProfilerWrapper
 from kareus.model.workload import (
     MODEL_PRESETS,
+    RECOMPUTE_POLICIES,
     ModelArch,
     Parallelism,
-    RECOMPUTE_POLICIES,
     Workload,
     get_model,
     model_names,
