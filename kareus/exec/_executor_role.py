@@ -66,6 +66,14 @@ _log = get_logger(__name__)
 #: Collective kinds the executor can launch (the names of ``CollectiveBackend`` methods).
 COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 
+#: The parallel groups a collective may name (``None``: routed by its kind).
+COMM_GROUPS = ("tp", "cp")
+
+
+def _check_group(group: str | None) -> None:
+    if group is not None and group not in COMM_GROUPS:
+        raise ArgumentError(f"group must be one of {COMM_GROUPS} or None, got {group!r:.40}")
+
 
 class LaunchConfig(Protocol):
     """What an executor reads of a partition's configuration: where the collective starts
@@ -106,6 +114,11 @@ class CollectiveLaunch:
         config: The configuration it runs under.
         slot: The op it launches with (it starts right before that op), or ``None``: after
             every op of the partition (sequential, or exposed).
+        group: The parallel group it runs over, ``"tp"`` or ``"cp"``, when the caller says
+            (``None``: the backend routes by kind, as a
+            [`GroupedCollective`][kareus.exec.train.GroupedCollective] does: all-reduces over
+            TP, all-gathers and reduce-scatters over CP). Sequence parallelism all-gathers
+            and reduce-scatters over TP, so its collectives name their group.
     """
 
     partition: str
@@ -114,6 +127,7 @@ class CollectiveLaunch:
     output: Any
     config: LaunchConfig
     slot: str | None
+    group: str | None = None
 
     @property
     def sms(self) -> int | None:
@@ -156,7 +170,8 @@ class PartitionHook(abc.ABC):
     config: LaunchConfig
 
     @abc.abstractmethod
-    def communicate(self, tensor: Any, *, kind: str = "all_reduce", output: Any = None) -> None:
+    def communicate(self, tensor: Any, *, kind: str = "all_reduce", output: Any = None,
+                    group: str | None = None) -> None:
         """Register the collective of this partition (launched at the configured slot).
 
         Args:
@@ -164,6 +179,8 @@ class PartitionHook(abc.ABC):
                 reduce-scatter.
             kind: ``"all_reduce"``, ``"all_gather"`` or ``"reduce_scatter"``.
             output: Output tensor of all-gather / reduce-scatter.
+            group: The parallel group, ``"tp"`` or ``"cp"`` (``None``: routed by kind;
+                [`CollectiveLaunch.group`][kareus.exec.CollectiveLaunch]).
         """
 
     @abc.abstractmethod
@@ -208,21 +225,23 @@ class PartitionScope(PartitionHook):
         self.config = config
         self._op_names = tuple(op_names) if op_names is not None else None
         self._count = 0
-        self._comm: tuple[str, Any, Any] | None = None
+        self._comm: tuple[str, Any, Any, str | None] | None = None
         self._launched = False
         self._handle: Any = None
         self.ops_run: list[str] = []
 
-    def communicate(self, tensor: Any, *, kind: str = "all_reduce", output: Any = None) -> None:
+    def communicate(self, tensor: Any, *, kind: str = "all_reduce", output: Any = None,
+                    group: str | None = None) -> None:
         """Register the collective ([`PartitionHook.communicate`][kareus.exec.PartitionHook.communicate]); a kind outside
-        ``COMM_KINDS`` is a ValueError."""
+        ``COMM_KINDS`` or a group other than ``"tp"``, ``"cp"`` is a ValueError."""
         if kind not in COMM_KINDS:
             raise ArgumentError(f"kind must be one of {COMM_KINDS}, got {kind!r}")
+        _check_group(group)
         if self._comm is not None:
             raise RuntimeError(f"partition {self.key!r} already has a collective")
         if kind != "all_reduce" and output is None:
             raise ArgumentError(f"{kind} needs an output tensor")
-        self._comm = (kind, tensor, output)
+        self._comm = (kind, tensor, output, group)
 
     def op(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Issue computation op ``name`` (``fn(*args, **kwargs)``) through the executor's
@@ -243,10 +262,10 @@ class PartitionScope(PartitionHook):
             raise RuntimeError(
                 f"partition {self.key!r} reached its launch slot {self.config.launch_slot!r} "
                 "before communicate() named the collective")
-        kind, tensor, output = self._comm
+        kind, tensor, output, group = self._comm
         self._handle = self._ex.launch_collective(CollectiveLaunch(
             partition=self.key, kind=kind, tensor=tensor, output=output, config=self.config,
-            slot=at))
+            slot=at, group=group))
         self._launched = True
 
     def close(self) -> None:
@@ -372,7 +391,8 @@ class Executor(abc.ABC):
         return fn(*args, **kwargs)
 
     # -- communication buffers -------------------------------------------------------
-    def empty(self, shape: int | Sequence[int], dtype: Any, *, kind: str = "all_reduce") -> Any:
+    def empty(self, shape: int | Sequence[int], dtype: Any, *, kind: str = "all_reduce",
+              group: str | None = None) -> Any:
         """A zeroed buffer for a collective of ``kind`` (what runnable partitions built with
         ``build(collective=executor)`` and the training loop's model allocate their
         communication tensors with).
@@ -386,6 +406,7 @@ class Executor(abc.ABC):
             shape: Tensor shape (an int for 1-D).
             dtype: A torch dtype.
             kind: The collective the buffer is for (one of ``COMM_KINDS``).
+            group: Its group (``"tp"``, ``"cp"``; ``None``: the kind's usual one).
         """
         import torch
 
@@ -466,7 +487,8 @@ class Executor(abc.ABC):
     # -- running partitions ----------------------------------------------------------
     def run_partition(self, ops: Sequence[Callable[[], Any]], op_names: Sequence[str],
                       comm_tensor: Any, config: LaunchConfig, *,
-                      comm_kind: str = "all_reduce", comm_output: Any = None) -> None:
+                      comm_kind: str = "all_reduce", comm_output: Any = None,
+                      comm_group: str | None = None) -> None:
         """Enqueue one partition: ``ops`` in order, the collective at ``config``'s slot
         (joined at the end). The configuration's clock is not applied here: it is set per
         microbatch ([`microbatch`][kareus.exec.Executor.microbatch]).
@@ -478,6 +500,7 @@ class Executor(abc.ABC):
             config: The schedule configuration.
             comm_kind: The collective (one of ``COMM_KINDS``).
             comm_output: Output tensor of all-gather / reduce-scatter.
+            comm_group: Its group (``"tp"``, ``"cp"``; ``None``: routed by kind).
 
         Raises:
             UnknownSlotError: ``config.launch_slot`` is not one of ``op_names``.
@@ -489,7 +512,7 @@ class Executor(abc.ABC):
             raise UnknownSlotError(f"launch slot {config.launch_slot!r} is not one of the ops "
                                    f"{list(op_names)} (or None for sequential)")
         scope = self._open_scope("partition", config, op_names)
-        scope.communicate(comm_tensor, kind=comm_kind, output=comm_output)
+        scope.communicate(comm_tensor, kind=comm_kind, output=comm_output, group=comm_group)
         for name, fn in zip(op_names, ops):
             scope.op(name, fn)
         scope.close()
@@ -497,7 +520,7 @@ class Executor(abc.ABC):
     def run_nanobatched(self, ops: Sequence[Callable[[int], Any]], op_names: Sequence[str],
                         comm_tensors: Sequence[Any], config: LaunchConfig, *,
                         comm_kind: str = "all_reduce", comm_outputs: Sequence[Any] | None = None,
-                        ) -> None:
+                        comm_group: str | None = None) -> None:
         """Run one layer segment over ``n >= 2`` nanobatches, each nanobatch's collective
         overlapping the next nanobatch's computation from ``config``'s slot on.
 
@@ -516,6 +539,7 @@ class Executor(abc.ABC):
             config: The schedule configuration.
             comm_kind: The collective.
             comm_outputs: Per nanobatch, the output tensor (all-gather / reduce-scatter).
+            comm_group: The collectives' group (``"tp"``, ``"cp"``; ``None``: routed by kind).
 
         Raises:
             ValueError: fewer than two nanobatches.
@@ -530,20 +554,22 @@ class Executor(abc.ABC):
         for i in range(1, n):
             if config.sequential:
                 self._run_exposed(f"nanobatch{i - 1}", comm_kind, comm_tensors[i - 1],
-                                  outs[i - 1], config)
+                                  outs[i - 1], config, group=comm_group)
                 for fn in ops:
                     fn(i)
                 continue
             scope = self._open_scope(f"nanobatch{i - 1}", config, op_names)
-            scope.communicate(comm_tensors[i - 1], kind=comm_kind, output=outs[i - 1])
+            scope.communicate(comm_tensors[i - 1], kind=comm_kind, output=outs[i - 1],
+                              group=comm_group)
             for name, fn in zip(op_names, ops):
                 scope.op(name, fn, i)
             scope.close()
         self._run_exposed(f"nanobatch{n - 1}", comm_kind, comm_tensors[n - 1], outs[n - 1],
-                          config)
+                          config, group=comm_group)
 
     def run_collective(self, kind: str, tensor: Any, output: Any = None, *,
-                       sms: int | None = None, partition: str = "collective") -> None:
+                       sms: int | None = None, partition: str = "collective",
+                       group: str | None = None) -> None:
         """Run one collective by itself, in stream order: after everything issued so far,
         and what comes next waits for it (the outside work's collectives, which run among
         its ops rather than beside them). The role's default launches and joins it through
@@ -556,6 +582,7 @@ class Executor(abc.ABC):
             output: The output of an all-gather / reduce-scatter.
             sms: SMs it gets (``None``: the backend's own choice).
             partition: What it belongs to (for the hooks' records).
+            group: Its group (``"tp"``, ``"cp"``; ``None``: routed by kind).
 
         Raises:
             ValueError: ``kind`` is not one of ``COMM_KINDS``, or an all-gather /
@@ -565,7 +592,8 @@ class Executor(abc.ABC):
             raise ArgumentError(f"kind must be one of {COMM_KINDS}, got {kind!r}")
         if kind != "all_reduce" and output is None:
             raise ArgumentError(f"{kind} needs an output tensor")
-        self._run_exposed(partition, kind, tensor, output, _Exposed(comm_sms=sms))
+        _check_group(group)
+        self._run_exposed(partition, kind, tensor, output, _Exposed(comm_sms=sms), group=group)
 
     def _open_scope(self, key: str, config: LaunchConfig,
                     op_names: Sequence[str] | None) -> PartitionScope:
@@ -574,10 +602,11 @@ class Executor(abc.ABC):
         return PartitionScope(self, key, config, op_names)
 
     def _run_exposed(self, key: str, kind: str, tensor: Any, output: Any,
-                     config: LaunchConfig) -> None:
+                     config: LaunchConfig, *, group: str | None = None) -> None:
         """A collective after everything issued so far, joined right away."""
         self.join_collective(self.launch_collective(CollectiveLaunch(
-            partition=key, kind=kind, tensor=tensor, output=output, config=config, slot=None)))
+            partition=key, kind=kind, tensor=tensor, output=output, config=config, slot=None,
+            group=group)))
 
     # -- training-loop hooks ---------------------------------------------------------
     @contextlib.contextmanager

@@ -102,6 +102,17 @@ __all__ = [
 _log = get_logger(__name__)
 
 
+def _route(backend: Any, kind: str, group: str | None) -> Any:
+    """The backend that runs a collective of ``kind`` over ``group``: for a backend with one
+    backend per group (``for_group``, as the training loop's
+    [`GroupedCollective`][kareus.exec.train.GroupedCollective]) and a named group, that group's;
+    otherwise ``backend`` itself (it routes by kind, or serves one group)."""
+    pick = getattr(backend, "for_group", None)
+    if group is not None and callable(pick):
+        return pick(group)
+    return backend
+
+
 class TorchExecutor(Executor):
     """Runs partitions on CUDA streams with an SM-capped collective backend.
 
@@ -200,7 +211,8 @@ class TorchExecutor(Executor):
                 name="comm", high_priority=self.comm_high_priority)
         return self._comm_stream
 
-    def empty(self, shape: int | Sequence[int], dtype: Any, *, kind: str = "all_reduce") -> Any:
+    def empty(self, shape: int | Sequence[int], dtype: Any, *, kind: str = "all_reduce",
+              group: str | None = None) -> Any:
         """A zeroed communication buffer from the backends: registered memory from the
         first of ``collective``, then ``backends``, that allocates
         ([OwnKernelCollective.empty][kareus.exec.OwnKernelCollective.empty];
@@ -217,13 +229,17 @@ class TorchExecutor(Executor):
             dtype: A torch dtype.
             kind: The collective the buffer is for (``"all_reduce"``, ``"all_gather"``,
                 ``"reduce_scatter"``).
+            group: Its group, ``"tp"`` or ``"cp"`` (``None``: the group that runs ``kind``
+                by default; sequence parallelism all-gathers and reduce-scatters over TP).
         """
         for backend in (self.collective, *self.backends.values()):
             alloc = getattr(backend, "empty", None)
             route = getattr(backend, "backend_for", None)
             if not callable(alloc) and callable(route):  # one backend per group
                 try:
-                    alloc = getattr(route(kind), "empty", None)
+                    sub = (_route(backend, kind, group) if group is not None
+                           else route(kind))
+                    alloc = getattr(sub, "empty", None)
                 except ValueError:  # no group runs that kind here
                     alloc = None
             if callable(alloc):
@@ -264,7 +280,7 @@ class TorchExecutor(Executor):
             The event recorded on the side stream after the collective.
         """
         return self._launch_comm((launch.kind, launch.tensor, launch.output), launch.sms,
-                                 launch.backend)
+                                 launch.backend, launch.group)
 
     def join_collective(self, handle: Any) -> None:
         """Make the current stream wait on the collective's event (``handle``)."""
@@ -283,7 +299,8 @@ class TorchExecutor(Executor):
             self.frequency.request(freq_mhz, stream=self.streams.current_stream())
 
     def run_collective(self, kind: str, tensor: Any, output: Any = None, *,
-                       sms: int | None = None, partition: str = "collective") -> None:
+                       sms: int | None = None, partition: str = "collective",
+                       group: str | None = None) -> None:
         """Run one collective by itself on the current stream, through
         [`backend_for`][kareus.exec.TorchExecutor.backend_for] ``(sms)`` with ``sms`` SMs
         (the outside work's collectives; no side stream, so nothing to join).
@@ -293,7 +310,7 @@ class TorchExecutor(Executor):
         """
         if kind not in COMM_KINDS:
             raise ArgumentError(f"kind must be one of {COMM_KINDS}, got {kind!r}")
-        backend = self.backend_for(sms)
+        backend = _route(self.backend_for(sms), kind, group)
         stream = self.streams.current_stream()
         if kind == "all_reduce":
             backend.all_reduce(tensor, stream, sms)
@@ -302,9 +319,9 @@ class TorchExecutor(Executor):
 
     # -- the mechanism ---------------------------------------------------------------
     def _launch_comm(self, comm: tuple[str, Any, Any], sms: int | None,
-                     backend_name: str | None = None) -> Any:
+                     backend_name: str | None = None, group: str | None = None) -> Any:
         kind, tensor, output = comm
-        backend = self.backend_for(sms, backend_name)
+        backend = _route(self.backend_for(sms, backend_name), kind, group)
         compute = self.streams.current_stream()
         side = self.comm_stream
         ready = self.streams.record_event(compute)

@@ -63,6 +63,7 @@ __all__ = [
     "match_type",
     "pieces",
     "run_computation",
+    "sp_backward_stream",
     "stack_stream",
     "type_shapes",
 ]
@@ -90,11 +91,15 @@ class Comm:
             [`LayerCollective.tensor`][kareus.model.LayerCollective]: ``"attn_out"``,
             ``"kv"``, ...).
         layer: Its layer.
+        group: Its parallel group (``"tp"`` or ``"cp"``;
+            [`LayerCollective.group`][kareus.model.LayerCollective]), which the executor's
+            collective backend runs it over (``None``: routed by kind).
     """
 
     kind: str
     name: str
     layer: int
+    group: str | None = None
 
 
 @attrs.frozen
@@ -146,7 +151,7 @@ def _layer(phase: LayerPhase, layer: int, tp: int, cp: int) -> list[Op | Comm]:
         out += [Op(n, layer) for n in seg.op_names]
         c = seg.collective
         if sizes[c.group] > 1:
-            out.append(Comm(c.kind, c.tensor, layer))
+            out.append(Comm(c.kind, c.tensor, layer, c.group))
     return out
 
 
@@ -195,6 +200,38 @@ def stack_stream(phase: str, layers: int, *, tp: int, cp: int,
             out += [Op(n, layer + 1) for n in bwd.tail]
         out += _layer(bwd, layer, tp, cp)
     out += [Op(n, 0) for n in bwd.tail]
+    return out
+
+
+def sp_backward_stream(stream: Sequence[Op | Comm], layers: int, *,
+                       gather_input_grad: bool = True) -> list[Op | Comm]:
+    """A sequence-parallel backward stream of ``layers`` layers as it runs at TP > 1.
+
+    Under sequence parallelism every layer's backward reads the whole sequence's output
+    gradient (its down projection's), while what arrives from above is this rank's shard:
+    the layer above's input gradient, all-gathered by that layer's last collective
+    (``"mlp_out_grad"``), or, for the top layer of the stack, the LM head's (Megatron-LM
+    reduce-scatters the head's input gradient to the sequence shard) or the framework's
+    layer above. So the stack opens with that all-gather (``Comm("all_gather",
+    "mlp_out_grad", layers, "tp")``), a collective of the stack: it overlaps the first
+    ops of the next nanobatch as the others do.
+
+    Args:
+        stream: ``stack_stream("bwd", layers, ..., sp=True)``.
+        layers: Its layers.
+        gather_input_grad: Keep the stack's last collective, the all-gather of layer 0's
+            input gradient (for the embedding's backward, which reads every token);
+            ``False`` when the caller takes the sharded input gradient (a planned layer,
+            whose framework gathers it in the layer below).
+
+    Returns:
+        The stream with the all-gather first (and without the last one).
+    """
+    out: list[Op | Comm] = [Comm("all_gather", "mlp_out_grad", layers, "tp"), *stream]
+    last = out[-1]
+    if (not gather_input_grad and isinstance(last, Comm) and last.kind == "all_gather"
+            and last.name == "mlp_out_grad"):
+        out.pop()
     return out
 
 
@@ -337,7 +374,7 @@ def run_computation(executor: Executor, stack: Sequence[Piece], *, schedule: str
         tensor, output = comm_args(comm, nb)
         names = piece.op_names if piece is not None else ()
         with executor.partition(key, config=cfg, op_names=names) as part:
-            part.communicate(tensor, kind=comm.kind, output=output)
+            part.communicate(tensor, kind=comm.kind, output=output, group=comm.group)
             if piece is not None:
                 ops_of(piece, ops_nb, part)
         ran.append((key, cfg))
@@ -362,9 +399,10 @@ def run_computation(executor: Executor, stack: Sequence[Piece], *, schedule: str
         return ran
 
     partner: dict[str, str] = {}
-    if stack and schedule == "kareus":
+    first = next((piece for piece in stack if piece.ops), None)
+    if first is not None and schedule == "kareus":
         for kind in ("all_reduce", "all_gather", "reduce_scatter"):
-            hit = match_type(shapes, stack[0].op_names, kind)
+            hit = match_type(shapes, first.op_names, kind)
             if hit is not None:
                 partner[kind] = hit[0]
     pending: tuple[Comm, int] | None = None
@@ -383,7 +421,7 @@ def run_computation(executor: Executor, stack: Sequence[Piece], *, schedule: str
                         piece.op_names[0] if piece.ops else None)
                 tensor, output = comm_args(comm, cnb)
                 with executor.partition(key, config=cfg, op_names=piece.op_names) as part:
-                    part.communicate(tensor, kind=comm.kind, output=output)
+                    part.communicate(tensor, kind=comm.kind, output=output, group=comm.group)
                     ops_of(piece, nb, part)
                 ran.append((key, cfg))
             pending = (piece.comm, nb) if piece.comm is not None else None

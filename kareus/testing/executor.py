@@ -159,9 +159,10 @@ class _RecordingScope(PartitionScope):
 
     _ex: RecordingExecutor
 
-    def communicate(self, tensor: Any, *, kind: str = "all_reduce", output: Any = None) -> None:
+    def communicate(self, tensor: Any, *, kind: str = "all_reduce", output: Any = None,
+                    group: str | None = None) -> None:
         """Registers the partition's collective (launched at the configured slot); records it."""
-        super().communicate(tensor, kind=kind, output=output)
+        super().communicate(tensor, kind=kind, output=output, group=group)
         self._ex.log.append(("communicate", self.key, kind))
 
 

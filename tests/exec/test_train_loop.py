@@ -415,10 +415,23 @@ QWEN3_FEATURES = {"qk_norm": True, "norm_eps": 1e-6, "tied_embeddings": True}
 
 
 def _four_rank_workload(features: str) -> Workload:
+    if features.startswith("sp-"):  # sequence parallelism: "sp-tp2" or "sp-tp2cp2"
+        cp = 2 if features.endswith("cp2") else 1
+        wl = workload(2, cp, recompute=cp == 2)  # without recomputation: kept gathers
+        p = wl.parallelism
+        return wl.with_(model=attrs.evolve(wl.model, **QWEN3_FEATURES),
+                        parallelism=Parallelism(tp=p.tp, cp=p.cp, sp=True))
     wl = workload(2, 2, recompute=True)
     if features == "qwen3":
         wl = wl.with_(model=attrs.evolve(wl.model, **QWEN3_FEATURES))
     return wl
+
+
+def _has_sp_types(wl: Workload) -> bool:
+    """Whether the partition model builds the sequence-parallel partition types (their TP
+    all-gathers), which a plan for ``wl`` configures."""
+    return any(p.comm_op.kind.value == "all_gather" and "qkv" in [o.name for o in p.compute_ops]
+               for p in build_partitions(wl).types.values())
 
 
 def _worker(out_dir: str, features: str) -> None:
@@ -431,8 +444,11 @@ def _worker(out_dir: str, features: str) -> None:
     wl = _four_rank_workload(features)
     groups = TorchParallelGroups(tp=2)
     coll = GroupedCollective(tp=GlooCollective(groups.tp_group),
-                             cp=GlooCollective(groups.cp_group))
-    loop = TrainingLoop(workload=wl, groups=groups, collective=coll, plan=plan_for(wl),
+                             cp=(GlooCollective(groups.cp_group) if groups.cp_size > 1
+                                 else None))
+    planned = not wl.parallelism.sequence_parallel or _has_sp_types(wl)
+    loop = TrainingLoop(workload=wl, groups=groups, collective=coll,
+                        plan=plan_for(wl) if planned else None,
                         streams=RecordingStreamBackend(), kernels="torch", device="cpu",
                         dtype="float32", lr=1e-3)
     params = {k: v.clone() for k, v in loop.model.params.items()}
@@ -477,6 +493,39 @@ def test_four_gloo_ranks_match_the_whole_model(tmp_path, features):
     ref_loss, ref = reference(shards, wl.model, wl.model.layers, res[0]["batches"],
                               wl.num_microbatches * wl.microbatch_size * wl.seq_len)
     for s in ("sequential", "nanobatching", "kareus"):
+        for r in res:
+            assert r[s]["loss"] == pytest.approx(ref_loss, rel=1e-5), s
+            for k, g in r[s]["grads"].items():
+                assert _close(g, ref[r["tp_rank"]][k]), (s, r["tp_rank"], r["cp_rank"], k)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("layout", "nproc"), [("sp-tp2", 2), ("sp-tp2cp2", 4)])
+def test_sequence_parallel_gloo_ranks_match_the_whole_model(tmp_path, layout, nproc):
+    # Sequence parallelism (Qwen3's layer: query/key norms, eps 1e-6, tied embeddings): the
+    # norms on each rank's sequence shard, TP all-gathers before the QKV and gate/up GEMMs
+    # and reduce-scatters after the output and down projections (and mirrored in the
+    # backward), through the executor over gloo; the embedding reduce-scattered, the final
+    # norm's output gathered. TP=2 keeps every activation (the gathered inputs copied for
+    # the weight gradients); TP=2 x CP=2 recomputes. Two sequences per nanobatch, so the
+    # reordering around RoPE and attention runs.
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    port = "29735" if layout == "sp-tp2" else "29737"
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           f"--master_port={port}", str(Path(__file__).resolve()), str(tmp_path), layout]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
+    wl = _four_rank_workload(layout)
+    assert wl.parallelism.sequence_parallel
+    by = {(r["tp_rank"], r["cp_rank"]): r for r in res}
+    shards = [by[(t, 0)]["params"] for t in range(2)]
+    ref_loss, ref = reference(shards, wl.model, wl.model.layers, res[0]["batches"],
+                              wl.num_microbatches * wl.microbatch_size * wl.seq_len)
+    ran = [s for s in ("sequential", "nanobatching", "kareus") if s in res[0]]
+    assert ran[:2] == ["sequential", "nanobatching"]
+    for s in ran:
         for r in res:
             assert r[s]["loss"] == pytest.approx(ref_loss, rel=1e-5), s
             for k, g in r[s]["grads"].items():

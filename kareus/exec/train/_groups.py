@@ -72,6 +72,18 @@ class ParallelGroups:
         ``"sum"`` or ``"max"``) on the current stream; returns ``tensor``."""
         raise NotImplementedError
 
+    def all_gather(self, output: Any, input: Any, *, group: str) -> Any:
+        """Gather every rank's ``input`` of the group into ``output`` (``[size, *input.shape]``,
+        rank order) on the current stream (sequence parallelism's final-norm output before
+        the LM head); returns ``output``."""
+        raise NotImplementedError
+
+    def reduce_scatter(self, output: Any, input: Any, *, group: str) -> Any:
+        """Sum ``input`` (``[size, *output.shape]``) over the group; this rank's block into
+        ``output``, on the current stream (sequence parallelism's embedding output and the
+        LM head's input gradient); returns ``output``."""
+        raise NotImplementedError
+
     def size(self, group: str) -> int:
         """Ranks in the ``"tp"`` or ``"cp"`` group."""
         if group not in ("tp", "cp"):
@@ -142,6 +154,34 @@ class TorchParallelGroups(ParallelGroups):
         self._dist.all_reduce(tensor, op=red, group=self.group(group))
         return tensor
 
+    def _nccl(self, group: str) -> bool:
+        return str(self._dist.get_backend(self.group(group))) == "nccl"
+
+    def all_gather(self, output: Any, input: Any, *, group: str) -> Any:
+        """The group's all-gather into ``output`` on the current stream."""
+        if self.size(group) == 1:
+            return output.view(input.shape).copy_(input)
+        if self._nccl(group):
+            self._dist.all_gather_into_tensor(output, input.contiguous(), group=self.group(group))
+        else:  # gloo: a list of views of output
+            parts = list(output.view(self.size(group), -1).unbind(0))
+            self._dist.all_gather(parts, input.reshape(-1).contiguous(), group=self.group(group))
+        return output
+
+    def reduce_scatter(self, output: Any, input: Any, *, group: str) -> Any:
+        """The group's reduce-scatter into ``output`` on the current stream."""
+        n = self.size(group)
+        if n == 1:
+            return output.copy_(input.view(output.shape))
+        if self._nccl(group):
+            self._dist.reduce_scatter_tensor(output, input.contiguous(), group=self.group(group))
+        else:  # gloo has no reduce-scatter: the sum, then this rank's block
+            tmp = input.contiguous().clone()
+            self._dist.all_reduce(tmp, group=self.group(group))
+            rank = self.tp_rank if group == "tp" else self.cp_rank
+            output.copy_(tmp.view(n, *output.shape)[rank])
+        return output
+
 
 class LoopbackGroups(ParallelGroups):
     """TP and CP groups on one GPU: this process plays rank 0 of each, and every other
@@ -173,6 +213,22 @@ class LoopbackGroups(ParallelGroups):
         if op == "sum" and n > 1:
             tensor.mul_(n)
         return tensor
+
+    def all_gather(self, output: Any, input: Any, *, group: str) -> Any:
+        """What the group's all-gather gives when every rank holds ``input``: it repeated."""
+        n = self.size(group)
+        output.view(n, -1).copy_(input.reshape(1, -1).expand(n, -1))
+        return output
+
+    def reduce_scatter(self, output: Any, input: Any, *, group: str) -> Any:
+        """The sum of ``input``'s blocks (the adjoint of
+        [`all_gather`][kareus.exec.train.LoopbackGroups.all_gather], as
+        [`LoopbackGroupCollective.reduce_scatter`][kareus.exec.train.LoopbackGroupCollective.reduce_scatter])."""
+        import torch
+
+        n = self.size(group)
+        torch.sum(input.reshape(n, -1), dim=0, out=output.view(-1))
+        return output
 
 
 class LoopbackGroupCollective(CollectiveBackend):
@@ -264,7 +320,9 @@ class LoopbackGroupCollective(CollectiveBackend):
 
 class GroupedCollective(CollectiveBackend):
     """One backend for the executor that sends all-reduces to the TP group's backend and
-    all-gathers / reduce-scatters to the CP group's.
+    all-gathers / reduce-scatters to the CP group's, unless the collective names its group
+    ([`for_group`][kareus.exec.train.GroupedCollective.for_group]: sequence parallelism's
+    all-gathers and reduce-scatters run over TP).
 
     Args:
         tp: Backend of the TP group (``None`` when TP = 1).
@@ -291,6 +349,20 @@ class GroupedCollective(CollectiveBackend):
         b = self.tp if kind == "all_reduce" else self.cp
         if kind not in ("all_reduce", "all_gather", "reduce_scatter") or b is None:
             raise ArgumentError(f"no backend runs {kind!r} here (TP or CP degree 1?)")
+        return b
+
+    def for_group(self, group: str) -> CollectiveBackend:
+        """The backend of the ``"tp"`` or ``"cp"`` group (what the executor uses for a
+        collective that names its group: [`CollectiveLaunch.group`][kareus.exec.CollectiveLaunch]).
+
+        Raises:
+            ValueError: ``group`` is neither, or that group has no backend (degree 1).
+        """
+        if group not in ("tp", "cp"):
+            raise ArgumentError(f"group must be 'tp' or 'cp', got {group!r:.40}")
+        b = self.tp if group == "tp" else self.cp
+        if b is None:
+            raise ArgumentError(f"no backend runs collectives over {group!r} here (degree 1)")
         return b
 
     def _first(self) -> CollectiveBackend:

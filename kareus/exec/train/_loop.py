@@ -43,6 +43,7 @@ from kareus.exec.schedule import (
     TypeShape,
     pieces,
     run_computation,
+    sp_backward_stream,
     stack_stream,
     type_shapes,
 )
@@ -279,13 +280,15 @@ class TrainingLoop:
             backend=self._buffer_source(has_comm, collective, backends, executor or baseline),
             nanobatch_counts=tuple(sorted({1, workload.nanobatches})),
             recompute=_full_recompute(workload), kernels=kernels, device=device, dtype=dtype,
-            seed=seed, lr=lr)
+            seed=seed, lr=lr, sp=p.sequence_parallel)
         self.layers = self.model.layers
-        self.stacks: dict[str, list[Piece]] = {
-            ph: pieces(stack_stream(ph, self.layers, tp=p.tp, cp=p.cp,
-                                    recompute=_full_recompute(workload),
-                                    qk_norm=workload.model.qk_norm))
-            for ph in ("fwd", "bwd")}
+        streams_ = {ph: stack_stream(ph, self.layers, tp=p.tp, cp=p.cp,
+                                     recompute=_full_recompute(workload),
+                                     qk_norm=workload.model.qk_norm, sp=p.sequence_parallel)
+                    for ph in ("fwd", "bwd")}
+        if p.sequence_parallel:  # opened by the all-gather of the LM head's input gradient
+            streams_["bwd"] = sp_backward_stream(streams_["bwd"], self.layers)
+        self.stacks: dict[str, list[Piece]] = {ph: pieces(st) for ph, st in streams_.items()}
         name = plan.schedule if plan is not None else schedule
         self.computations = list(get_schedule(name, 1, workload.num_microbatches)
                                  .stage_orders[0])

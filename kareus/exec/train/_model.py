@@ -28,6 +28,28 @@ The loss is the mean cross-entropy of next-token prediction over every token of 
 iteration, computed vocabulary-parallel (max, sum of exponentials and target logit
 all-reduced over TP).
 
+**Sequence parallelism** (``sp=True`` at TP > 1, Megatron-LM's ``--sequence-parallel``; the
+op order of ``decoder_layer(phase, sp=True)``): between the TP regions each TP rank holds
+its shard of every sequence of a nanobatch, positions ``[r sq/TP, (r+1) sq/TP)`` of each
+(``sq`` = the CP-local length), laid out ``[sequences, sq/TP, hidden]`` as rows; the norms
+(with the residual additions fused in) run on the shard. The normed input is all-gathered
+over TP before the QKV and gate/up GEMMs, and the output and down projections'
+results are reduce-scattered; the backward mirrors it (reduce-scatter of the input gradients
+of the QKV and gate/up GEMMs, all-gather of the output gradients before ``out_dgrad`` and
+``down_dgrad``, the input gradient all-gathered last for the layer below or the embedding).
+A gathered tensor lists the ranks' shards one after another (``[TP, sequences, sq/TP]``
+token order): the GEMMs, the SwiGLU and the per-head query/key norms are row-wise and run
+in that order, and RoPE and attention, which need each sequence in order, reorder it
+(a copy, only when a nanobatch holds more than one sequence). The weight gradients of the
+QKV and gate/up GEMMs read the gathered inputs of the forward: kept (without
+recomputation: a copy per layer, since the gather buffer is the next layer's) or
+recomputed with the forward. As Megatron-LM does, the embedding's output is
+reduce-scattered to the shard (instead of all-reduced), the final norm runs on the shard and
+its output is all-gathered before the LM head, whose input gradient is reduce-scattered; the
+backward opens with the all-gather of the top layer's output gradient (a collective of the
+stack, through the executor: ``sp_backward_stack``). The norm weights' gradients are
+summed over TP before the optimizer step (each rank's shard of tokens gave part of them).
+
 torch is imported inside the functions that need it.
 """
 
@@ -51,6 +73,19 @@ _LAYER_PARAMS = ("w_attn_norm", "Wqkv", "Wo", "w_mlp_norm", "Wg", "Wu", "Wd")
 
 
 
+def _group_backend(c: Any, kind: str, group: str) -> Any:
+    """The backend of ``c`` that runs a collective of ``kind`` over ``group`` (``c``'s own
+    when it serves one group)."""
+    pick = getattr(c, "for_group", None)
+    if callable(pick):
+        try:
+            return pick(group)
+        except ValueError:  # no backend for that group
+            return None
+    route = getattr(c, "backend_for", None)
+    return route(kind) if callable(route) else c
+
+
 class DecoderShard:
     """One rank's shard of a Llama-shaped decoder, run op by op.
 
@@ -69,6 +104,7 @@ class DecoderShard:
             run on); ``None`` = plain tensors.
         nanobatch_counts: The nanobatch counts the loop will run (buffers for each).
         recompute: Full recomputation (the forward keeps only each layer's input).
+        sp: Sequence parallelism (at TP > 1; a no-op at TP = 1): see the module docstring.
         kernels: A ``KernelSet`` or name; ``None`` = default.
         device: Torch device (default: the current CUDA device).
         dtype: Torch dtype name of weights and activations (default ``"bfloat16"``).
@@ -81,7 +117,8 @@ class DecoderShard:
                  seq_len: int, num_microbatches: int, groups: Any, backend: Any = None,
                  nanobatch_counts: tuple[int, ...] = (1, 2), recompute: bool = True,
                  kernels: Any = None, device: Any = None, dtype: str = "bfloat16",
-                 seed: int = 0, lr: float = 3e-4, weight_decay: float = 0.01) -> None:
+                 seed: int = 0, lr: float = 3e-4, weight_decay: float = 0.01,
+                 sp: bool = False) -> None:
         import torch
 
         from kareus.exec.kernels import get_kernels
@@ -101,7 +138,7 @@ class DecoderShard:
                 raise WorkloadError(f"microbatch_size={microbatch_size} does not split into "
                                     f"{n} nanobatches")
         self.backend = backend
-        self._shard_dims(arch, groups, int(microbatch_size), seq_len // cp)
+        self._shard_dims(arch, groups, int(microbatch_size), seq_len // cp, sp=sp)
         self.num_microbatches = int(num_microbatches)
         policy = recompute_policy(recompute)
         if policy not in ("none", "full"):
@@ -130,11 +167,17 @@ class DecoderShard:
 
     # ------------------------------------------------------------------ parameters
     def _shard_dims(self, arch: ModelArch, groups: Any, microbatch_size: int,
-                    seq_local: int) -> None:
+                    seq_local: int, *, sp: bool = False) -> None:
         """This rank's dimensions: TP/CP coordinates, tokens, and its share of the heads and
         the MLP (what every op reads)."""
         self.arch, self.groups = arch, groups
         self.tp, self.cp, self.r = groups.tp_size, groups.cp_size, groups.cp_rank
+        #: Whether the sequence-parallel layout runs (``sp`` at TP > 1).
+        self.sp = bool(sp) and self.tp > 1
+        if self.sp and seq_local % self.tp:
+            raise WorkloadError(f"sequence parallelism at TP={self.tp} needs each rank's "
+                                f"seq_len / CP = {seq_local} tokens per sequence divisible "
+                                "by TP")
         self.mbs, self.sq = microbatch_size, seq_local
         self.seq = seq_local * self.cp
         self.h, self.hd = arch.hidden, arch.head_dim
@@ -260,33 +303,45 @@ class DecoderShard:
 
     def comms(self) -> list[tuple[str, str]]:
         """``(name, kind)`` of the collectives of one layer."""
-        ours = layer_collectives(tp=self.tp, cp=self.cp)  # the decoder layer's, in order
-        return [(c.tensor, c.kind) for group in ("tp", "cp") for c in ours if c.group == group]
+        return [(name, kind) for name, kind, _ in self._comms()]
+
+    def _comms(self) -> list[tuple[str, str, str]]:
+        """``(name, kind, group)`` of the collectives of one layer, TP's first."""
+        ours = layer_collectives(tp=self.tp, cp=self.cp, sp=self.sp)  # in order
+        return [(c.tensor, c.kind, c.group) for group in ("tp", "cp") for c in ours
+                if c.group == group]
 
     def _alloc_pool(self, torch: Any, n: int) -> None:
         b = self.mbs // n
         t = b * self.sq
         cands = ([] if self.backend is None else list(self.backend)
                  if isinstance(self.backend, (list, tuple)) else [self.backend])
-        for name, kind in self.comms():
-            owners = [c if isinstance(c, Executor) else c.backend_for(kind)
+        for name, kind, group in self._comms():
+            owners = [c if isinstance(c, Executor) else _group_backend(c, kind, group)
                       for c in cands if c is not None]
             backend = next((b for b in owners if isinstance(b, Executor)
                             or callable(getattr(b, "empty", None))), None)
+            shapes: tuple[tuple[int, ...], tuple[int, ...] | None]
             if kind == "all_reduce":
-                shapes: tuple[tuple[int, ...], tuple[int, ...] | None] = ((t, self.h), None)
+                shapes = ((t, self.h), None)
+            elif group == "tp":  # sequence parallelism: shard <-> every shard, in rank order
+                ts = t // self.tp
+                shapes = (((ts, self.h), (self.tp, ts, self.h)) if kind == "all_gather"
+                          else ((self.tp, ts, self.h), (ts, self.h)))
             elif kind == "all_gather":  # local K and V -> every chunk's K and V
                 shapes = ((2, t * self.kv), (self.cp, 2, t * self.kv))
             else:  # every chunk's dK, dV -> this chunk's
                 shapes = ((self.cp, 2, t * self.kv), (2, t * self.kv))
             for i in range(n):
-                bufs = tuple(None if s is None else self._zeros(torch, backend, s, kind)
+                bufs = tuple(None if s is None else self._zeros(torch, backend, s, kind, group)
                              for s in shapes)
                 self._pool[(name, n, i)] = bufs  # type: ignore[assignment]
 
     def _zeros(self, torch: Any, backend: Any, shape: tuple[int, ...],
-               kind: str = "all_reduce") -> Any:
+               kind: str = "all_reduce", group: str | None = None) -> Any:
         if isinstance(backend, Executor):
+            if group is not None and self.sp:
+                return backend.empty(shape, self.dtype, kind=kind, group=group).zero_()
             return backend.empty(shape, self.dtype, kind=kind).zero_()
         empty = getattr(backend, "empty", None)
         if callable(empty):
@@ -316,7 +371,10 @@ class DecoderShard:
     def _out(self, name: str, layer: int, nb: int) -> tuple[Any, bool]:
         """Where an op writes the input of collective ``name``: a pool buffer, or None."""
         key = (name, self.n, nb)
-        return (self._pool[key][0], True) if key in self._pool else (None, False)
+        if key not in self._pool:
+            return None, False
+        buf = self._pool[key][0]  # [TP, tokens / TP, hidden] under sequence parallelism
+        return buf.view(-1, buf.shape[-1]), True
 
     # ------------------------------------------------------------------ computations
     def begin(self, phase: str, nanobatches: int, tokens: Any = None,
@@ -355,26 +413,72 @@ class DecoderShard:
                 self.head = {}
 
     def rows(self, nb: int) -> slice:
-        """Token rows of nanobatch ``nb`` in a whole-microbatch [tokens, hidden] tensor."""
-        t = self.mbs // self.n * self.sq
+        """Token rows of nanobatch ``nb`` in a whole-microbatch ``[tokens, hidden]`` tensor of
+        this rank's residual stream (its sequence shard's tokens under sequence
+        parallelism)."""
+        t = self.mbs // self.n * self.sq // (self.tp if self.sp else 1)
         return slice(nb * t, (nb + 1) * t)
+
+    # ------------------------------------------------------------------ sequence parallelism
+    def _gathered(self, name: str, nb: int) -> Any:
+        """The result of TP all-gather ``name`` as ``[tokens, hidden]`` (rank-order tokens)."""
+        out = self._pool[(name, self.n, nb)][1]
+        return out.view(-1, out.shape[-1])
+
+    def _to_seq_order(self, x: Any) -> Any:
+        """Rows of a gathered nanobatch from rank order (``[TP, sequences, sq/TP]``) to
+        sequence order (``[sequences, sq]``): a copy when the nanobatch holds more than one
+        sequence, ``x`` itself otherwise (the two orders are then one)."""
+        b = self.mbs // self.n
+        if not self.sp or b == 1:
+            return x
+        c = x.shape[-1]
+        return x.view(self.tp, b, self.sq // self.tp, c).transpose(0, 1).reshape(-1, c)
+
+    def _to_rank_order(self, x: Any) -> Any:
+        """The inverse of ``_to_seq_order``."""
+        b = self.mbs // self.n
+        if not self.sp or b == 1:
+            return x
+        c = x.shape[-1]
+        return x.view(b, self.tp, self.sq // self.tp, c).transpose(0, 1).reshape(-1, c)
+
+    def _sp_micro(self, x: Any, *, to_ranks: bool) -> Any:
+        """A whole microbatch ``[tokens, hidden]`` from sequence order to rank-major order
+        ``[TP, nanobatches, sequences, sq/TP]`` (``to_ranks``; contiguous, for the reduce-
+        scatter that leaves each rank its shards) or back (from an all-gather's output)."""
+        b, st, h = self.mbs // self.n, self.sq // self.tp, x.shape[-1]
+        if to_ranks:
+            return x.view(self.n, b, self.tp, st, h).permute(2, 0, 1, 3, 4).contiguous()
+        return x.view(self.tp, self.n, b, st, h).permute(1, 2, 0, 3, 4).reshape(-1, h)
 
     def _embed(self) -> None:
         ids = self.head["tokens"] - self.v0
         valid = (ids >= 0) & (ids < self.v_local)
         x0 = self.params["emb"][ids.clamp(0, self.v_local - 1)]
         x0.mul_(valid.unsqueeze(1).to(x0.dtype))
-        self.groups.all_reduce(x0, group="tp")
+        if self.sp:  # the sum over the vocabulary shards, each rank its sequence shard
+            full = self._sp_micro(x0, to_ranks=True)
+            x0 = self.torch.empty(full.shape[1:], device=self.device, dtype=self.dtype)
+            self.groups.reduce_scatter(x0, full, group="tp")
+            x0 = x0.view(-1, self.h)
+        else:
+            self.groups.all_reduce(x0, group="tp")
         self.head["x0"], self.head["ids"], self.head["valid"] = x0, ids, valid
 
     def _head_fwd(self) -> None:
         torch, ks = self.torch, self.ks
         top = self.layers - 1
-        xf = torch.empty(self.mbs * self.sq, self.h, device=self.device, dtype=self.dtype)
+        rows = self.rows(self.n - 1).stop
+        xf = torch.empty(rows, self.h, device=self.device, dtype=self.dtype)
         for i in range(self.n):
             a = self.act[(top, i)]
             torch.add(a["x_mid"], self._reduced("mlp_out", top, i), out=xf[self.rows(i)])
         xn = ks.rms_norm(xf, self.params["w_final"], self.eps)
+        if self.sp:  # the final norm on the shard, its output gathered for the LM head
+            full = torch.empty(self.tp, *xn.shape, device=self.device, dtype=self.dtype)
+            self.groups.all_gather(full, xn, group="tp")
+            xn = self._sp_micro(full, to_ranks=False)
         logits = ks.matmul(xn, self._lm_weight()).float()
         if self.v_local * self.tp > self.arch.vocab:  # padding columns of the last shard
             pad = (torch.arange(self.v_local, device=self.device) + self.v0) >= self.arch.vocab
@@ -409,19 +513,32 @@ class DecoderShard:
             ks.matmul(hd["dlogits"].t(), hd["xn"], out=self.grads["emb"], accumulate=True)
         else:
             ks.matmul(hd["xn"].t(), hd["dlogits"], out=self.grads["Wlm"], accumulate=True)
-        self.groups.all_reduce(dxn, group="tp")
+        if self.sp:  # summed over the vocabulary shards, each rank its sequence shard
+            full = self._sp_micro(dxn, to_ranks=True)
+            dxn = self.torch.empty(full.shape[1:], device=self.device, dtype=dxn.dtype)
+            self.groups.reduce_scatter(dxn, full, group="tp")
+            dxn = dxn.view(-1, self.h)
+        else:
+            self.groups.all_reduce(dxn, group="tp")
         dxf, dw = self._norm_bwd(dxn, hd["xf"], self.params["w_final"])
         self.grads["w_final"].add_(dw.to(self.dtype))
         top = self.layers - 1
         for i in range(self.n):
-            self.act.setdefault((top, i), {})["dy"] = dxf[self.rows(i)]
+            if self.sp:  # the stack's first collective gathers it (sp_backward_stack)
+                self._buf("mlp_out_grad", i).view(-1, self.h).copy_(dxf[self.rows(i)])
+            else:
+                self.act.setdefault((top, i), {})["dy"] = dxf[self.rows(i)]
         hd["dlogits"] = hd["xn"] = hd["xf"] = None
 
     def _embed_bwd(self) -> None:
         torch = self.torch
         dx0 = torch.empty(self.mbs * self.sq, self.h, device=self.device, dtype=self.dtype)
+        t = self.mbs // self.n * self.sq
         for i in range(self.n):
-            dx0[self.rows(i)] = self.act[(0, i)]["dx_in"]
+            if self.sp:  # layer 0's input gradient, gathered by the stack's last collective
+                dx0[i * t:(i + 1) * t] = self._to_seq_order(self._gathered("mlp_out_grad", i))
+            else:
+                dx0[self.rows(i)] = self.act[(0, i)]["dx_in"]
         # Rows of tokens outside this shard's vocabulary add zeros (to a clamped row):
         # no boolean indexing, whose result size the host must read (a synchronisation,
         # which a CUDA graph cannot capture).
@@ -462,11 +579,28 @@ class DecoderShard:
                     prev["x_mid"], self._reduced("mlp_out", layer - 1, nb), w, self.eps)
                 if self.recompute:  # the layer below keeps its input only
                     self.act[(layer - 1, nb)] = {"x_in": prev["x_in"]}
+                self._to_gather("attn_in", a, "xn", nb)
                 return
         a["xn"] = self.ks.rms_norm(a["x_in"], w, self.eps)
+        self._to_gather("attn_in", a, "xn", nb)
+
+    def _to_gather(self, name: str, a: dict[str, Any], key: str, nb: int) -> None:
+        """Sequence parallelism: the shard ``a[key]`` into the input of TP all-gather
+        ``name``."""
+        if self.sp:
+            self._buf(name, nb).view(-1, self.h).copy_(a.pop(key))
+
+    def _input(self, name: str, a: dict[str, Any], key: str, nb: int) -> Any:
+        """The normed input ``a[key]`` of a column-parallel GEMM; under sequence parallelism
+        the result of all-gather ``name`` (kept as ``a[key]`` for the weight gradient: a
+        copy without recomputation, since the next layer gathers into the same buffer)."""
+        if self.sp and key not in a:
+            g = self._gathered(name, nb)
+            a[key] = g if self.recompute else g.clone()
+        return a[key]
 
     def _op_qkv(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        a["qkv"] = self.ks.matmul(a["xn"], self.W(layer, "Wqkv"))
+        a["qkv"] = self.ks.matmul(self._input("attn_in", a, "xn", nb), self.W(layer, "Wqkv"))
 
     def _head_cols(self, which: str) -> slice:
         """The columns of the packed QKV that hold this rank's query or key heads."""
@@ -509,8 +643,9 @@ class DecoderShard:
 
     def _op_rope(self, layer: int, a: dict[str, Any], nb: int) -> None:
         b = self.mbs // self.n
-        q, k = self.ks.rope(a["qkv"], self.cos, self.sin, heads=self.heads, kv_heads=self.kvh)
-        v = a["qkv"].view(b, self.sq, self.heads + 2 * self.kvh, self.hd)[
+        qkv = self._to_seq_order(a["qkv"])
+        q, k = self.ks.rope(qkv, self.cos, self.sin, heads=self.heads, kv_heads=self.kvh)
+        v = qkv.view(b, self.sq, self.heads + 2 * self.kvh, self.hd)[
             :, :, self.heads + self.kvh:]
         a["q"], a["k"], a["v"] = q, k, v
         if self.cp > 1:  # this chunk's K and V, packed for the all-gather
@@ -559,7 +694,8 @@ class DecoderShard:
             o = saved.output
         else:
             o = self._attend(q, k, v)
-        a["attn"] = o.detach().transpose(1, 2).reshape(b * self.sq, self.q)
+        a["attn"] = self._to_rank_order(o.detach().transpose(1, 2).reshape(b * self.sq,
+                                                                            self.q))
 
     def _op_out_proj(self, layer: int, a: dict[str, Any], nb: int) -> None:
         out, pooled = self._out("attn_out", layer, nb)
@@ -571,12 +707,13 @@ class DecoderShard:
         a["x_mid"], a["xn2"] = self.ks.add_rms_norm(
             a["x_in"], self._reduced("attn_out", layer, nb), self.W(layer, "w_mlp_norm"),
             self.eps)
+        self._to_gather("mlp_in", a, "xn2", nb)
 
     def _op_gate(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        a["g"] = self.ks.matmul(a["xn2"], self.W(layer, "Wg"))
+        a["g"] = self.ks.matmul(self._input("mlp_in", a, "xn2", nb), self.W(layer, "Wg"))
 
     def _op_up(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        a["u"] = self.ks.matmul(a["xn2"], self.W(layer, "Wu"))
+        a["u"] = self.ks.matmul(self._input("mlp_in", a, "xn2", nb), self.W(layer, "Wu"))
 
     def _op_swiglu(self, layer: int, a: dict[str, Any], nb: int) -> None:
         a["a"] = self.ks.swiglu(a["g"], a["u"])
@@ -588,11 +725,17 @@ class DecoderShard:
             a["mlp_out"] = y
 
     # backward
+    def _dy(self, a: dict[str, Any], nb: int) -> Any:
+        """The gradient of the layer's output as the down projection sees it: under
+        sequence parallelism the all-gather of the layer above's input gradient (or of the
+        LM head's, the stack's first collective)."""
+        return self._gathered("mlp_out_grad", nb) if self.sp else a["dy"]
+
     def _op_down_dgrad(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        a["da"] = self.ks.matmul(a["dy"], self.W(layer, "Wd").t())
+        a["da"] = self.ks.matmul(self._dy(a, nb), self.W(layer, "Wd").t())
 
     def _op_down_wgrad(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        self.ks.matmul(a["a"].t(), a["dy"], out=self.G(layer, "Wd"), accumulate=True)
+        self.ks.matmul(a["a"].t(), self._dy(a, nb), out=self.G(layer, "Wd"), accumulate=True)
 
     def _op_swiglu_bwd(self, layer: int, a: dict[str, Any], nb: int) -> None:
         a["dg"], a["du"] = self.ks.swiglu_bwd(a["da"], a["g"], a["u"])
@@ -604,30 +747,45 @@ class DecoderShard:
             a["mlp_in_grad"] = d
 
     def _op_up_dgrad(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        out = self._reduced("mlp_in_grad", layer, nb)
+        out, pooled = self._out("mlp_in_grad", layer, nb)  # gate_dgrad's product
+        if not pooled:
+            out = a["mlp_in_grad"]
         self.ks.matmul(a["du"], self.W(layer, "Wu").t(), out=out, accumulate=True)
 
     def _op_gate_wgrad(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        self.ks.matmul(a["xn2"].t(), a["dg"], out=self.G(layer, "Wg"), accumulate=True)
+        self.ks.matmul(self._input("mlp_in", a, "xn2", nb).t(), a["dg"],
+                       out=self.G(layer, "Wg"), accumulate=True)
 
     def _op_up_wgrad(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        self.ks.matmul(a["xn2"].t(), a["du"], out=self.G(layer, "Wu"), accumulate=True)
+        self.ks.matmul(self._input("mlp_in", a, "xn2", nb).t(), a["du"],
+                       out=self.G(layer, "Wu"), accumulate=True)
 
     def _op_mlp_norm_bwd(self, layer: int, a: dict[str, Any], nb: int) -> None:
+        dres = (self._buf("mlp_out_grad", nb).view(-1, self.h) if self.sp else a["dy"])
         a["dx_mid"] = self.ks.rms_norm_bwd_add(
             self._reduced("mlp_in_grad", layer, nb), a["x_mid"], self.W(layer, "w_mlp_norm"),
-            a["dy"], self.G(layer, "w_mlp_norm"), self.eps)
+            dres, self.G(layer, "w_mlp_norm"), self.eps)
+        if self.sp:  # the shard, for the all-gather before out_dgrad (and the residual's)
+            buf = self._buf("attn_out_grad", nb).view(-1, self.h)
+            a["dx_mid"] = buf.copy_(a["dx_mid"])
+
+    def _dx_mid(self, a: dict[str, Any], nb: int) -> Any:
+        """The gradient of the attention block's output as the output projection sees it
+        (gathered under sequence parallelism)."""
+        return self._gathered("attn_out_grad", nb) if self.sp else a["dx_mid"]
 
     def _op_out_dgrad(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        a["dattn"] = self.ks.matmul(a["dx_mid"], self.W(layer, "Wo").t())
+        a["dattn"] = self.ks.matmul(self._dx_mid(a, nb), self.W(layer, "Wo").t())
 
     def _op_out_wgrad(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        self.ks.matmul(a["attn"].t(), a["dx_mid"], out=self.G(layer, "Wo"), accumulate=True)
+        self.ks.matmul(a["attn"].t(), self._dx_mid(a, nb), out=self.G(layer, "Wo"),
+                       accumulate=True)
 
     def _op_attn_core_bwd(self, layer: int, a: dict[str, Any], nb: int) -> None:
         b = self.mbs // self.n
         saved = a.pop("graph")
-        do = a["dattn"].view(b, self.sq, self.heads, self.hd).transpose(1, 2)
+        do = self._to_seq_order(a["dattn"]).view(b, self.sq, self.heads,
+                                                 self.hd).transpose(1, 2)
         dq, dk, dv = self.ks.attention_bwd(do, saved)
         a["dq"] = dq
         if self.cp > 1:  # every chunk's dK, dV, packed for the reduce-scatter
@@ -648,7 +806,8 @@ class DecoderShard:
             dk, dv = loc[0], loc[1]
         else:
             dk, dv = a["dk"].transpose(1, 2), a["dv"].transpose(1, 2)
-        a["dqkv"] = self.ks.rope_bwd(a["dq"].transpose(1, 2), dk, dv, self.cos, self.sin)
+        a["dqkv"] = self._to_rank_order(
+            self.ks.rope_bwd(a["dq"].transpose(1, 2), dk, dv, self.cos, self.sin))
 
     def _op_qkv_dgrad(self, layer: int, a: dict[str, Any], nb: int) -> None:
         out, pooled = self._out("attn_in_grad", layer, nb)
@@ -657,12 +816,15 @@ class DecoderShard:
             a["attn_in_grad"] = d
 
     def _op_qkv_wgrad(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        self.ks.matmul(a["xn"].t(), a["dqkv"], out=self.G(layer, "Wqkv"), accumulate=True)
+        self.ks.matmul(self._input("attn_in", a, "xn", nb).t(), a["dqkv"],
+                       out=self.G(layer, "Wqkv"), accumulate=True)
 
     def _op_attn_norm_bwd(self, layer: int, a: dict[str, Any], nb: int) -> None:
         dx_in = self.ks.rms_norm_bwd_add(
             self._reduced("attn_in_grad", layer, nb), a["x_in"], self.W(layer, "w_attn_norm"),
             a["dx_mid"], self.G(layer, "w_attn_norm"), self.eps)
+        if self.sp:  # the shard, for the all-gather of the layer below's output gradient
+            dx_in = self._buf("mlp_out_grad", nb).view(-1, self.h).copy_(dx_in)
         if layer > 0:
             self.act[(layer - 1, nb)]["dy"] = dx_in
             self.act[(layer, nb)] = {}
@@ -677,12 +839,18 @@ class DecoderShard:
 
     def optimizer_step(self) -> None:
         """Sum gradients over CP ranks (and the query/key norms' over TP ranks, whose heads
-        each saw part of them), then AdamW on the fp32 masters; bf16 weights follow."""
+        each saw part of them, and under sequence parallelism the other norms' over TP
+        ranks, whose sequence shards each saw part of them), then AdamW on the fp32 masters; bf16 weights follow."""
         with self.torch.no_grad():
             if self.qk_norm and self.tp > 1:  # each TP rank's heads gave part of these
                 for layer in range(self.layers):
                     for name in ("w_q_norm", "w_k_norm"):
                         self.groups.all_reduce(self.G(layer, name), group="tp")
+            if self.sp:  # each TP rank's sequence shard gave part of the norms' gradients
+                for layer in range(self.layers):
+                    for name in ("w_attn_norm", "w_mlp_norm"):
+                        self.groups.all_reduce(self.G(layer, name), group="tp")
+                self.groups.all_reduce(self.grads["w_final"], group="tp")
             self.groups.all_reduce(self.flat_grad, group="cp")
             self.master_param.grad.copy_(self.flat_grad)
             self.optimizer.step()
