@@ -18,7 +18,8 @@ microbatch computation. This module lends that schedule to someone else's layer:
   names the computation whose configuration applies and requests its clock.
 * [`PlannedLayer`][kareus.integrations.PlannedLayer] (``applier.layer()``) is a
   ``torch.nn.Module`` without parameters: ``layer(x, weights)`` takes the layer's input
-  ``[batch, seq / CP, hidden]`` and the framework's weights in kareus's layout
+  ``[batch, seq / CP, hidden]`` (``[batch, seq / (CP x TP), hidden]`` under sequence
+  parallelism) and the framework's weights in kareus's layout
   (``kareus.integrations.LAYER_WEIGHTS``, and the query/key norm weights of a ``qk_norm``
   model: [`layer_weights`][kareus.integrations.layer_weights]; built with the
   differentiable helpers of ``kareus.integrations``) and returns the layer's output, differentiable in both: the weight
@@ -39,6 +40,19 @@ collective; the other collectives overlap as planned (a backward ends with the i
 backward, which overlaps its last all-reduce either way).
 [`PlannedStack`][kareus.integrations.PlannedStack] runs consecutive layers as one node and
 chains them as the loop does.
+
+**Sequence parallelism** (``workload.parallelism.sp`` at TP > 1, Megatron-Core's
+``sequence_parallel=True``, torchtitan's ``enable_sequence_parallel``): a layer's input and
+output are this rank's sequence shard, ``[batch, seq / (CP x TP), hidden]`` (TP rank ``t``
+holds positions ``[t s', (t+1) s')`` of each sequence of its CP chunk, ``s' = seq / (CP x
+TP)``; the layout Megatron-Core passes between its layers as ``[s / TP, b, h]``); the
+layer all-gathers its normed inputs over TP before its QKV and gate/up GEMMs and
+reduce-scatters after its output and down projections (``DecoderShard``'s sequence
+parallelism). Its backward opens with the all-gather of its output's gradient and returns
+the sharded gradient of its input (the framework's layer below gathers it, as Megatron's
+does). The norm weights' gradients are this rank's part (its shard's tokens): the
+framework sums them over TP as it does for its own layers (Megatron-Core's
+``sequence_parallel`` parameter attribute; a DTensor's partial gradient in torchtitan).
 
 **Context parallelism** splits each sequence into CP contiguous chunks, rank ``r`` holding
 chunk ``r`` (keys and values all-gathered before attention, their gradients
@@ -67,6 +81,7 @@ from kareus.exec.schedule import (
     TypeShape,
     pieces,
     run_computation,
+    sp_backward_stream,
     stack_stream,
     type_shapes,
 )
@@ -98,7 +113,8 @@ class _LayerProgram(DecoderShard):
         from kareus.exec.kernels import get_kernels
 
         self.layers, self.backend = int(layers), backend
-        self._shard_dims(workload.model, groups, int(microbatch_size), int(seq_local))
+        self._shard_dims(workload.model, groups, int(microbatch_size), int(seq_local),
+                         sp=workload.parallelism.sequence_parallel)
         self.num_microbatches, self.recompute = 1, True
         self.ks, self.torch = get_kernels(kernels), torch
         self.device, self.dtype = torch.device(device), dtype
@@ -259,9 +275,11 @@ class PlanApplier:
         key = (phase, layers)
         if key not in self._stacks:
             p = self.workload.parallelism
-            self._stacks[key] = pieces(stack_stream(phase, layers, tp=p.tp, cp=p.cp,
-                                                    recompute=True,
-                                                    qk_norm=self.workload.model.qk_norm))
+            stream = stack_stream(phase, layers, tp=p.tp, cp=p.cp, recompute=True,
+                                  qk_norm=self.workload.model.qk_norm, sp=p.sequence_parallel)
+            if phase == "bwd" and p.sequence_parallel:  # gather dy first; dx stays a shard
+                stream = sp_backward_stream(stream, layers, gather_input_grad=False)
+            self._stacks[key] = pieces(stream)
         return self._stacks[key]
 
     def _build_executors(self, plan: Plan | None, executor: Executor | None,
@@ -400,16 +418,21 @@ class PlanApplier:
         shape and depth, shared by every layer or stack of that depth).
 
         Raises:
-            WorkloadError: ``x`` is not ``[batch, seq / CP, hidden]`` of the workload (under
-                the kareus schedule: the plan's exact microbatch shape; otherwise a batch that
+            WorkloadError: ``x`` is not ``[batch, seq / CP, hidden]`` of the workload
+                (``[batch, seq / (CP x TP), hidden]`` under sequence parallelism; under the
+                kareus schedule: the plan's exact microbatch shape; otherwise a batch that
                 splits into the nanobatches).
         """
         wl = self.workload
+        p = wl.parallelism
+        shard = f"seq / (CP x TP) = seq / {p.cp * p.tp}" if p.sequence_parallel else "seq / CP"
         if x.dim() != 3 or x.shape[2] != wl.model.hidden:
-            raise WorkloadError(f"a planned layer takes [batch, seq / CP, hidden="
+            raise WorkloadError(f"a planned layer takes [batch, {shard}, hidden="
                                 f"{wl.model.hidden}], got {tuple(x.shape)}")
         b, s = int(x.shape[0]), int(x.shape[1])
-        seq_local = wl.seq_len // wl.parallelism.cp
+        if p.sequence_parallel:  # the sequence shard: the CP chunk's length / TP
+            s *= p.tp
+        seq_local = wl.seq_len // p.cp
         if self.schedule == "kareus" and (b, s) != (wl.microbatch_size, seq_local):
             raise WorkloadError(f"the plan was made for microbatches of {wl.microbatch_size} x "
                                 f"{seq_local} tokens per rank, the layer got {b} x {s}: make "
@@ -443,11 +466,12 @@ class PlanApplier:
 
         Args:
             phase: ``"fwd"`` or ``"bwd"``.
-            x: The first layer's input ``[batch, seq / CP, hidden]``.
+            x: The first layer's input ``[batch, seq / CP, hidden]`` (the sequence shard
+                ``[batch, seq / (CP x TP), hidden]`` under sequence parallelism).
             weights: Per layer, its weights in ``weight_names`` order.
             dy: Backward: the gradient of the last layer's output.
             inputs: Backward: the forward's inputs of layers ``1 ..`` (what the forward
-                returned), ``[batch * seq / CP, hidden]`` each.
+                returned), ``[tokens, hidden]`` each (``x``'s tokens).
 
         Returns:
             Forward: ``(output, inputs of layers 1 ..)``; backward: ``(gradient of x, the
@@ -498,7 +522,10 @@ class PlanApplier:
             prog.act = {(layer, i): {"x_in": kept[layer][prog.rows(i)]}
                         for layer in range(depth) for i in range(n)}
             for i in range(n):
-                prog.act[(top, i)]["dy"] = dy2[prog.rows(i)]
+                if prog.sp:  # the input of the stack's first collective (sp_backward_stream)
+                    prog._buf("mlp_out_grad", i).view(-1, h).copy_(dy2[prog.rows(i)])
+                else:
+                    prog.act[(top, i)]["dy"] = dy2[prog.rows(i)]
             prog.head = {}
             prog.wgrads = [{name: torch.zeros_like(w) for name, w in ws.items()}
                            for ws in prog.weights]
@@ -549,17 +576,22 @@ def _check_workload(workload: Workload, groups: ParallelGroups) -> None:
                             "only its input): make the workload and the plan with "
                             "recompute on")
     for what, num, den in (("heads", arch.heads, p.tp), ("kv_heads", arch.kv_heads, p.tp),
-                           ("ffn", arch.ffn, p.tp), ("seq_len", workload.seq_len, p.cp)):
+                           ("ffn", arch.ffn, p.tp), ("seq_len", workload.seq_len,
+                                                     p.cp * (p.tp if p.sequence_parallel
+                                                             else 1))):
         if num % den:
             raise WorkloadError(f"{what}={num} is not divisible by {den} (TP={p.tp}, "
-                                f"CP={p.cp})")
+                                f"CP={p.cp}{', sequence parallel' if p.sequence_parallel else ''})")
 
 
 class PlannedLayer:
     """One decoder layer under a [`PlanApplier`][kareus.integrations.PlanApplier]'s schedule.
 
     Call it as ``layer(x, weights)``: ``x`` is the layer's input ``[batch, seq / CP,
-    hidden]`` (this rank's CP chunk, contiguous sequences), ``weights`` the layer's weights
+    hidden]`` (this rank's CP chunk, contiguous sequences; under sequence parallelism this
+    rank's shard of it, ``[batch, seq / (CP x TP), hidden]``: TP rank ``t`` holds the
+    ``t``-th of TP equal runs of positions, as Megatron-Core scatters its
+    ``[seq, batch, hidden]``), ``weights`` the layer's weights
     in kareus's layout (a mapping by the names of the applier's ``weight_names`` or a
     sequence in that order: ``LAYER_WEIGHTS``' seven, and the query and key norm weights
     ``w_q_norm``, ``w_k_norm`` when the workload's model has ``qk_norm``; see

@@ -70,8 +70,6 @@ def _refusals(config: Any) -> list[str]:
         (not _get(config, "qk_clip") and not _get(config, "log_max_attention_logit"),
          "kareus's attention does not record the largest attention logit: set qk_clip=False "
          "and log_max_attention_logit=False"),
-        (not _get(config, "sequence_parallel"), "kareus's layer takes the whole sequence on "
-         "every TP rank: set sequence_parallel=False"),
         (not _get(config, "num_moe_experts"), "kareus's layer has a dense MLP: set "
          "num_moe_experts=None"),
         (not _get(config, "multi_latent_attention"), "kareus's attention is grouped-query "
@@ -110,7 +108,14 @@ def _eps(config: Any) -> float:
     return value
 
 
-def check_layer_config(config: Any, arch: ModelArch, tp: int) -> None:
+def _sequence_parallel(config: Any, tp: int) -> bool:
+    """Whether the config's layers run sequence-parallel: ``sequence_parallel`` at TP > 1
+    (at TP = 1 Megatron-Core's scatter and gather are no-ops, as kareus's ``sp`` is)."""
+    return bool(_get(config, "sequence_parallel")) and int(tp) > 1
+
+
+def check_layer_config(config: Any, arch: ModelArch, tp: int, *,
+                       sp: bool | None = None) -> None:
     """Check a Megatron-Core layer's own config against the model a workload describes,
     whatever made that workload (``workload_from_megatron``, a preset, a hand-made
     [`ModelArch`][kareus.model.ModelArch]): kareus's layer computes the workload's model, so
@@ -120,7 +125,8 @@ def check_layer_config(config: Any, arch: ModelArch, tp: int) -> None:
         WorkloadError: the config asks for what kareus's layer does not compute (the first
             of ``workload_from_megatron``'s refusals), or one of its fields differs from the
             workload's model (dimensions, ``qk_layernorm``, ``layernorm_epsilon``,
-            ``add_qkv_bias``) or TP.
+            ``add_qkv_bias``), TP, or (``sp`` given: the workload's
+            ``Parallelism.sequence_parallel``) ``sequence_parallel``.
     """
     refused = _refusals(config)
     if refused:
@@ -141,6 +147,9 @@ def check_layer_config(config: Any, arch: ModelArch, tp: int) -> None:
         ("tensor_model_parallel_size", int(_get(config, "tensor_model_parallel_size") or 1),
          int(tp), "TP"),
     ]
+    if sp is not None:  # the layout of the hidden states between layers
+        mine.append(("sequence_parallel", _sequence_parallel(config, tp), bool(sp),
+                     "parallelism sp (at TP > 1)"))
     for field, got, want, theirs in mine:
         if got != want:
             raise WorkloadError(f"the Megatron config has {field}={got}, the workload's model "
@@ -175,6 +184,10 @@ def workload_from_megatron(config: Any, *, microbatch_size: int, seq_len: int,
     ``ffn_hidden_size``, ``num_layers``), the parallel degrees from its
     ``tensor_model_parallel_size``, ``context_parallel_size`` and
     ``pipeline_model_parallel_size`` unless given, the batch from the arguments.
+
+    ``sequence_parallel`` becomes the workload's ``Parallelism.sp``: kareus's layer then
+    takes and returns Megatron's sequence-sharded hidden states (``[s / TP, b, h]``), with
+    the TP all-gathers and reduce-scatters Megatron's own layer runs.
 
     The workload always recomputes (``recompute=True``): a planned layer keeps only its
     input and re-runs its forward, collectives included, in its backward. So Megatron's
@@ -252,7 +265,7 @@ def workload_from_megatron(config: Any, *, microbatch_size: int, seq_len: int,
         tp=int(tp if tp is not None else (_get(config, "tensor_model_parallel_size") or 1)),
         cp=cp_,
         pp=int(pp if pp is not None else (_get(config, "pipeline_model_parallel_size") or 1)),
-        dp=int(dp if dp is not None else 1))
+        dp=int(dp if dp is not None else 1), sp=bool(_get(config, "sequence_parallel")))
     return Workload(model=arch, parallelism=par, microbatch_size=microbatch_size,
                     seq_len=seq_len, num_microbatches=num_microbatches, recompute=True,
                     nanobatches=nanobatches, dtype_bytes=_dtype_bytes(config))

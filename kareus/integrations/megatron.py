@@ -106,7 +106,9 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
     Built by Megatron from a spec exactly like its own layer
     ([`kareus_layer_spec`][kareus.integrations.megatron.kareus_layer_spec]): the same
     submodules, so the same parameters under the same names. The forward takes Megatron's
-    ``[seq, batch, hidden]`` hidden states, runs the applier's
+    ``[seq, batch, hidden]`` hidden states (under ``sequence_parallel=True``, which the
+    applier's workload must say too, this rank's sequence shard ``[seq / TP, batch,
+    hidden]``, as Megatron's own layers pass them), runs the applier's
     [`PlannedLayer`][kareus.integrations.PlannedLayer] on them (``[batch, seq, hidden]``) with
     this layer's weights as differentiable views (``kareus_weights``), and returns
     ``(output, None)`` as Megatron's layer does; the weight gradients reach the parameters
@@ -173,8 +175,9 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
                 is not the applier's workload's layer.
         """
         if applier is not None:
-            check_layer_config(self.config, applier.workload.model,
-                               applier.workload.parallelism.tp)
+            p = applier.workload.parallelism
+            check_layer_config(self.config, applier.workload.model, p.tp,
+                               sp=p.sequence_parallel)
         self.kareus_applier = applier
         self._planned = applier.layer() if applier is not None else None
 
@@ -247,7 +250,7 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
             raise ArgumentError(f"a kareus layer computes causal self-attention over whole "
                                 f"sequences in training; it got {given}: run these batches "
                                 "with Megatron's own layer (layer.set_applier(None))")
-        s = int(hidden_states.shape[0])
+        s = _sequence_length(self, hidden_states)
         self._check_mask(attention_mask, s)
         self._check_rope(rotary_pos_emb, s, hidden_states.device)
         x = hidden_states.transpose(0, 1).contiguous()
@@ -296,6 +299,16 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
                                 "rotary_percent 1): pass PlanApplier(rope_base=<GPTModel's "
                                 "rotary_base>) or rope_inv_freq=model.rotary_pos_emb.inv_freq")
         self._rope_checked.add((s, str(device)))
+
+
+def _sequence_length(layer: KareusTransformerLayer, hidden_states: Any) -> int:
+    """The (CP-local) sequence length of Megatron's ``[s, b, h]`` hidden states: under
+    sequence parallelism each TP rank holds ``s / TP`` of it."""
+    s = int(hidden_states.shape[0])
+    applier = layer.kareus_applier
+    if applier is not None and applier.workload.parallelism.sequence_parallel:
+        s *= applier.workload.parallelism.tp
+    return s
 
 
 def kareus_layer_spec(applier: PlanApplier | None, *,
@@ -378,8 +391,7 @@ def chain_layers(model: Any) -> Any:
     refuse, typed, as they do unchained), a layer whose applier is ``None`` (Megatron's
     own layer) or not the others', forward hooks on a layer (the stack does not call the
     layers as modules: DDP's ``overlap_param_gather`` registers such hooks), and the
-    configurations ``workload_from_megatron`` refuses for kareus (``sequence_parallel``,
-    fp8 or fp4, full recomputation in training, CPU offloading); the configuration and
+    configurations ``workload_from_megatron`` refuses for kareus (fp8 or fp4, full recomputation in training, CPU offloading); the configuration and
     hook cases warn once per block. ``unchain_layers(model)`` restores the block's forward.
 
     Raises:
@@ -442,8 +454,7 @@ def _why_not_chained(block: Any, args: Mapping[str, Any]) -> tuple[str, bool] | 
     if applier is None or any(lay.kareus_applier is not applier for lay in layers):
         return "a layer runs Megatron's own forward or another applier", False
     cfg = block.config
-    for bad, what in ((cfg.sequence_parallel, "sequence_parallel"),
-                      (cfg.fp8 or getattr(cfg, "fp4", None), "fp8 or fp4"),
+    for bad, what in ((cfg.fp8 or getattr(cfg, "fp4", None), "fp8 or fp4"),
                       (cfg.recompute_granularity == "full" and block.training,
                        "recompute_granularity='full'"),
                       (cfg.cpu_offloading, "cpu_offloading")):
@@ -477,7 +488,7 @@ def _chained_block_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
     first = layers[0]
     applier = first.kareus_applier
     assert applier is not None
-    s = int(hidden_states.shape[0])
+    s = _sequence_length(first, hidden_states)
     # every layer shares the applier: the first layer's checks hold for all
     first._check_mask(bound.get("attention_mask"), s)
     first._check_rope(bound.get("rotary_pos_emb"), s, hidden_states.device)
