@@ -281,3 +281,28 @@ def test_every_sequence_parallel_partition_conforms():
                          seq_len=1024, num_microbatches=2)
     for part in build_partitions(wl):
         check_partition(lambda part=part: part)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_selective_recomputation_costs_the_attention_core_again_in_the_backward(sp):
+    none = build_partitions(_llama(recompute="none", sp=sp))
+    sel = build_partitions(_llama(recompute="selective", sp=sp))
+    assert set(sel.names) == set(none.names)
+    fwd_core = next(op for p in sel if p.phase == "fwd" for op in p.compute_ops
+                    if op.name == "attn_core")
+    for p in sel:
+        if p.phase != "bwd":
+            assert p == none[p.name]
+            continue
+        names = [op.name for op in p.compute_ops]
+        if "out_dgrad" in names:  # the recomputed core runs right before it, at its cost
+            i = names.index("out_dgrad")
+            assert i > 0 and p.compute_ops[i - 1] == fwd_core
+            assert names[:i - 1] + names[i:] == [op.name for op in none[p.name].compute_ops]
+            assert any(s.name == "attn_core" for s in p.slots)
+        else:
+            assert p == none[p.name]
+    # no forward partition is re-run: only full recomputation counts them in the backward
+    assert sel.counts == none.counts
+    assert (sel.computation_flops(0, "bwd") - none.computation_flops(0, "bwd")
+            == pytest.approx(fwd_core.flops * 28 * 2))
