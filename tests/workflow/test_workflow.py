@@ -291,3 +291,20 @@ def test_one_sequence_per_microbatch_runs_without_the_nanobatching_systems():
     assert sorted(result.frontiers) == ["kareus", "megatron", "perseus"]
     with pytest.raises(ArgumentError, match="systems: nanobatching split each microbatch"):
         prepare(wl, "h200-sxm", budget=2, systems=["megatron", "nanobatching"])
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_sequence_parallel_jobs_are_searched_and_composed_for_every_system(recompute):
+    """The sequence-parallel layout's partition types (TP all-gathers and reduce-scatters,
+    with CP's of the same kinds) run through search and composition like the others."""
+    wl = Workload.preset("llama3.2-3b", tp=2, cp=2, pp=2, sp=True, microbatch_size=2,
+                         seq_len=1024, num_microbatches=4, recompute=recompute)
+    res = optimize(wl, "h200-sxm", budget=8, seed=0, progress=False)
+    assert list(res.systems()) == ["megatron", "nanobatching", "perseus",
+                                   "nanobatching+perseus", "kareus"]
+    frontiers = res.partition_frontiers()
+    assert {"fwd_attn_in_tp_ag", "fwd_attn_in_cp_ag", "bwd_attn_in_tp_rs",
+            "bwd_attn_in_cp_rs", "fwd_attn_norm_ag"} <= set(frontiers)
+    fastest = {n: fr.points[0].time_s for n, fr in res.frontiers.items()}
+    assert fastest["kareus"] <= min(fastest["megatron"], fastest["nanobatching"]) * (1 + 1e-6)
+    assert res.workload.parallelism.sequence_parallel
