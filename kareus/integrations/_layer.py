@@ -434,10 +434,12 @@ class PlanApplier:
             s *= p.tp
         seq_local = wl.seq_len // p.cp
         if self.schedule == "kareus" and (b, s) != (wl.microbatch_size, seq_local):
+            div = p.tp if p.sequence_parallel else 1
             raise WorkloadError(f"the plan was made for microbatches of {wl.microbatch_size} x "
-                                f"{seq_local} tokens per rank, the layer got {b} x {s}: make "
-                                "the plan for this shape (a Workload with microbatch_size= and "
-                                "seq_len= of this batch)")
+                                f"{seq_local // div} tokens per rank ([batch, {shard}, "
+                                f"hidden]), the layer got {b} x {s // div}: make the plan for "
+                                "this shape (a Workload with microbatch_size= and seq_len= of "
+                                "this batch)")
         key = (b, s, x.dtype, str(x.device), int(layers))
         prog = self._programs.get(key)
         if prog is None:

@@ -35,6 +35,7 @@ one anyway (a warning instead).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import os
@@ -56,7 +57,7 @@ from kareus.integrations._megatron_config import check_layer_config, workload_fr
 from kareus.integrations._weights import gate_up_from_fused, linear, qkv_from_grouped
 
 __all__ = ["TESTED_MEGATRON", "UNTESTED_ENV", "KareusTransformerLayer", "MegatronVersionError",
-           "chain_layers", "check_layer_config", "check_megatron_version", "kareus_layer_spec",
+           "SequenceParallelRMSNorm", "chain_layers", "check_layer_config", "check_megatron_version", "kareus_layer_spec",
            "unchain_layers", "workload_from_megatron", "wrap_schedule"]
 
 #: The Megatron-Core releases this module is tested with: ``(lowest, first untested)``.
@@ -311,6 +312,44 @@ def _sequence_length(layer: KareusTransformerLayer, hidden_states: Any) -> int:
     return s
 
 
+class SequenceParallelRMSNorm(torch.nn.Module):
+    """RMSNorm for Megatron-Core's modules under ``sequence_parallel=True`` without
+    Transformer Engine: a ``weight`` (the state-dict name of the local spec's
+    ``torch.nn.RMSNorm``), ``eps``, and the weight marked ``sequence_parallel`` as
+    Megatron's own sequence-parallel norms mark theirs (``TENorm``, ``FusedLayerNorm``), so
+    that ``finalize_model_grads`` sums its gradient over TP (each rank's norm saw its
+    sequence shard only). RMSNorm is per token, so it computes on the shard what it
+    computes on the whole sequence.
+
+    Megatron-Core 0.16's local spec cannot build an RMSNorm layer under sequence
+    parallelism (its ``WrappedTorchNorm`` refuses ``sequence_parallel``, and apex's
+    ``FusedLayerNorm`` is LayerNorm only); [`kareus_layer_spec`][kareus.integrations.megatron.kareus_layer_spec]
+    uses this module there, and so can the ``TransformerBlock``'s final norm
+    (``TransformerBlockSubmodules(layer_specs=..., layer_norm=SequenceParallelRMSNorm)``).
+
+    Args:
+        config: The ``TransformerConfig`` (its ``sequence_parallel`` is read).
+        hidden_size: The normalised size.
+        eps: The RMSNorm epsilon.
+        **kwargs: Megatron's other norm arguments (``persist_layer_norm``, ...), unused.
+    """
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **kwargs: Any) -> None:
+        super().__init__()
+        if getattr(config, "normalization", "RMSNorm") != "RMSNorm":
+            raise ArgumentError(f"SequenceParallelRMSNorm is RMSNorm; the config has "
+                                f"normalization={config.normalization!r}")
+        self.eps = float(eps)
+        device = "cpu" if getattr(config, "use_cpu_initialization", False) else None
+        self.weight = torch.nn.Parameter(torch.ones(int(hidden_size), device=device,
+                                                    dtype=config.params_dtype))
+        self.weight.sequence_parallel = bool(config.sequence_parallel)  # type: ignore[attr-defined]
+
+    def forward(self, x: Any) -> Any:
+        """``rms_norm(x) * weight`` over the last dimension."""
+        return torch.nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
 def kareus_layer_spec(applier: PlanApplier | None, *,
                       qk_layernorm: bool | None = None) -> ModuleSpec:
     """The spec of a GPT decoder layer that kareus runs: Megatron-Core's local spec
@@ -320,6 +359,13 @@ def kareus_layer_spec(applier: PlanApplier | None, *,
     module and ``applier`` in its params (``build_module`` passes them to the constructor).
 
     Pass it as ``GPTModel(config, transformer_layer_spec=kareus_layer_spec(applier), ...)``.
+
+    Under sequence parallelism (the applier's workload's ``sp``, and the config's
+    ``sequence_parallel=True``) the layer's norms are
+    [`SequenceParallelRMSNorm`][kareus.integrations.megatron.SequenceParallelRMSNorm]s (the
+    local spec's refuse ``sequence_parallel``; same parameter names); the model's final
+    norm needs one too: pass ``TransformerBlockSubmodules(layer_specs=[spec] * num_layers,
+    layer_norm=SequenceParallelRMSNorm)`` as the ``transformer_layer_spec``.
 
     Args:
         applier: The applier every layer shares (``None``: Megatron's own forward).
@@ -337,8 +383,24 @@ def kareus_layer_spec(applier: PlanApplier | None, *,
         raise ArgumentTypeError(f"qk_layernorm must be a bool or None, got "
                                 f"{type(qk_layernorm).__name__}")
     local = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
+    submodules = local.submodules
+    if applier is not None and applier.workload.parallelism.sequence_parallel:
+        # the local spec's norms refuse sequence_parallel: the same RMSNorm, marked
+        submodules = _sequence_parallel_norms(submodules, qk_layernorm)
     return ModuleSpec(module=KareusTransformerLayer, params={"applier": applier},
-                      submodules=local.submodules)
+                      submodules=submodules)
+
+
+def _sequence_parallel_norms(submodules: Any, qk_layernorm: bool) -> Any:
+    """``submodules`` with [`SequenceParallelRMSNorm`][kareus.integrations.megatron.SequenceParallelRMSNorm]
+    as every norm of the layer (the same parameter names)."""
+    att = submodules.self_attention
+    if qk_layernorm:
+        att = ModuleSpec(module=att.module, params=att.params, submodules=dataclasses.replace(
+            att.submodules, q_layernorm=SequenceParallelRMSNorm,
+            k_layernorm=SequenceParallelRMSNorm))
+    return dataclasses.replace(submodules, input_layernorm=SequenceParallelRMSNorm,
+                               pre_mlp_layernorm=SequenceParallelRMSNorm, self_attention=att)
 
 
 def kareus_layers(model: Any) -> list[KareusTransformerLayer]:

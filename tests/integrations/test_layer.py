@@ -334,6 +334,44 @@ def test_loopback_groups_get_the_loopback_collective_by_default():
     assert torch.isfinite(x.grad).all()
 
 
+@pytest.mark.parametrize("how", ["layer", "stack"])
+def test_under_sequence_parallelism_a_layer_takes_and_returns_the_sequence_shard(how):
+    # One process standing in for TP=2 x CP=2 with sequence parallelism, under a plan of the
+    # SP partition types: the layer's input and output are [batch, seq / (CP x TP),
+    # hidden]; its TP collectives are all-gathers and reduce-scatters on the TP group's
+    # backend (the CP group's runs the K/V ones); the input gradient is a shard too.
+    import attrs
+
+    from kareus.exec.train import LoopbackGroupCollective
+
+    wl = workload(2, 2)
+    wl = wl.with_(parallelism=attrs.evolve(wl.parallelism, sp=True))
+    arch = wl.model
+    applier = PlanApplier(workload=wl, groups=LoopbackGroups(tp=2, cp=2),
+                          plan=make_workload_plan(wl), kernels="torch", record=True)
+    w = planned_weights(shard(full_weights(arch, 1), arch, 2, 0), arch)
+    x = torch.randn(wl.microbatch_size, wl.seq_len // 4, arch.hidden, requires_grad=True)
+    run = (applier.layer() if how == "layer" else
+           (lambda x, w: applier.stack(2)(x, [w, w])))
+    with applier.microbatch(0, "fwd"):
+        y = run(x, w)
+    assert y.shape == x.shape
+    with applier.microbatch(0, "bwd"):
+        y.sum().backward()
+    assert x.grad.shape == x.shape and torch.isfinite(x.grad).all()
+    tp = applier.executor.collective.for_group("tp")
+    cp = applier.executor.collective.for_group("cp")
+    assert isinstance(tp, LoopbackGroupCollective)
+    assert {k for k, _, _ in tp.calls} == {"all_gather", "reduce_scatter"}
+    assert {k for k, _, _ in cp.calls} == {"all_gather", "reduce_scatter"}
+    # every TP collective moves the nanobatch's tokens x hidden; the K/V ones less
+    t = wl.microbatch_size // wl.nanobatches * wl.seq_len // 2 * arch.hidden
+    assert {n for _, n, _ in tp.calls} == {t}
+    with pytest.raises(WorkloadError, match=r"seq / \(CP x TP\)"), \
+            applier.microbatch(0, "fwd"):
+        applier.layer()(torch.randn(wl.microbatch_size, wl.seq_len // 2, arch.hidden), w)
+
+
 def test_refusals_are_typed_and_say_what_to_do():
     wl = workload(2, 2)
     arch = wl.model

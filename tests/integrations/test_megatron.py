@@ -1,6 +1,7 @@
 """kareus.integrations.megatron against Megatron-Core's own layers (CPU, gloo, TP=2), for a
 Llama layer and for Qwen3's (``qk_layernorm=True``, ``layernorm_epsilon=1e-6``, tied
-embeddings).
+embeddings), the latter also with ``sequence_parallel=True`` (the layers take and return
+each rank's sequence shard ``[s / TP, b, h]``).
 
 Megatron-Core's training path is CUDA-only (``device="cuda"`` factories, CUDA RNG
 tracker, ``param.type()`` checks in the optimizer); the worker below installs a
@@ -27,6 +28,7 @@ import sys
 from contextlib import nullcontext
 from pathlib import Path
 
+import attrs
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -42,7 +44,21 @@ DIMS = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_group
 #: The layer variants checked: a Llama layer, and Qwen3's (per-head query/key RMSNorm,
 #: eps 1e-6, the output layer tied to the embedding).
 VARIANTS = {"llama": ({}, False),
-            "qwen3": ({"qk_layernorm": True, "layernorm_epsilon": 1e-6}, True)}
+            "qwen3": ({"qk_layernorm": True, "layernorm_epsilon": 1e-6}, True),
+            "qwen3-sp": ({"qk_layernorm": True, "layernorm_epsilon": 1e-6,
+                          "sequence_parallel": True}, True)}
+
+
+def _shard(t, config):
+    """``t`` ``[SEQ, ...]`` as this rank's input: its sequence shard under
+    ``sequence_parallel`` (TP rank ``r``: positions ``[r SEQ/TP, (r+1) SEQ/TP)``, as
+    Megatron-Core scatters), ``t`` itself otherwise."""
+    if not config.sequence_parallel:
+        return t
+    from megatron.core import parallel_state
+
+    r, n = SEQ // TP, parallel_state.get_tensor_model_parallel_rank()
+    return t[n * r:(n + 1) * r].contiguous()
 
 
 def test_the_module_checks_megatron_s_version(monkeypatch):
@@ -84,9 +100,45 @@ def _close(a, b, what):
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=what)
 
 
+def _own_spec(config):
+    """Megatron's own layer: the local spec; under ``sequence_parallel`` with norms that
+    take it (the local spec's refuse it; Transformer Engine's ``TENorm`` would be the norm
+    of a GPU job), kareus's ``SequenceParallelRMSNorm`` (torch's RMSNorm, the weight marked
+    for Megatron's TP gradient sum)."""
+    import dataclasses
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from kareus.integrations.megatron import SequenceParallelRMSNorm
+
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+    if not config.sequence_parallel:
+        return spec
+    sub, att = spec.submodules, spec.submodules.self_attention
+    norm = SequenceParallelRMSNorm
+    if config.qk_layernorm:
+        att = ModuleSpec(module=att.module, params=att.params, submodules=dataclasses.replace(
+            att.submodules, q_layernorm=norm, k_layernorm=norm))
+    return ModuleSpec(module=spec.module, params=spec.params, submodules=dataclasses.replace(
+        sub, input_layernorm=norm, pre_mlp_layernorm=norm, self_attention=att))
+
+
+def _model_spec(config, layer_spec):
+    """What GPTModel takes as its layers: the layer spec, or under ``sequence_parallel`` the
+    block's submodules with a final norm that takes it."""
+    if not config.sequence_parallel:
+        return layer_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from kareus.integrations.megatron import SequenceParallelRMSNorm
+
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * config.num_layers,
+                                      layer_norm=SequenceParallelRMSNorm)
+
+
 def _layers_match(config, wl, groups, emb, out):
     """Megatron's layers and kareus's, same weights, every schedule."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
 
     from kareus.integrations import PlanApplier
@@ -94,7 +146,7 @@ def _layers_match(config, wl, groups, emb, out):
     from kareus.testing import make_workload_plan
 
     torch.manual_seed(1)  # every rank builds the same full weights and keeps its shard
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+    spec = _own_spec(config)
     own = [build_module(spec, config=config, layer_number=i + 1)
            for i in range(config.num_layers)]
     with torch.no_grad():
@@ -109,8 +161,9 @@ def _layers_match(config, wl, groups, emb, out):
         outs = []
         for mb in range(MICROBATCHES):
             g = torch.Generator().manual_seed(100 + mb)
-            x = torch.randn(SEQ, MBS, config.hidden_size, generator=g).requires_grad_(True)
-            c = torch.randn(SEQ, MBS, config.hidden_size, generator=g)
+            x = _shard(torch.randn(SEQ, MBS, config.hidden_size, generator=g),
+                       config).requires_grad_(True)
+            c = _shard(torch.randn(SEQ, MBS, config.hidden_size, generator=g), config)
             with applier.microbatch(mb, "fwd") if applier else nullcontext():
                 y = x
                 for lay in layers:
@@ -157,7 +210,7 @@ def _layer_refusals(lay, emb, config):
     from kareus.integrations.megatron import workload_from_megatron
 
     applier = lay.kareus_applier
-    x = torch.randn(SEQ, MBS, config.hidden_size)
+    x = _shard(torch.randn(SEQ, MBS, config.hidden_size), config)
     causal = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)[None, None]
     with torch.no_grad(), applier.microbatch(0, "fwd"):
         lay(hidden_states=x, attention_mask=causal, rotary_pos_emb=emb)  # the causal mask
@@ -191,6 +244,13 @@ def _layer_refusals(lay, emb, config):
             lay.set_applier(PlanApplier(workload=wrong, groups=applier.groups, kernels="torch",
                                         eps=wrong.model.norm_eps))
         assert "\n" not in str(err.value)
+    # ... and its layout: sequence-sharded hidden states or whole ones
+    other = wl.with_(parallelism=attrs.evolve(wl.parallelism, sp=not wl.parallelism.sp))
+    want = f"sequence_parallel={config.sequence_parallel}"
+    with pytest.raises(WorkloadError, match=want) as err:
+        lay.set_applier(PlanApplier(workload=other, groups=applier.groups, kernels="torch",
+                                    eps=other.model.norm_eps))
+    assert "\n" not in str(err.value)
     lay.set_applier(None)  # Megatron's own forward
     with torch.no_grad():
         y, _ = lay(hidden_states=x, attention_mask=None, rotary_pos_emb=emb)
@@ -203,7 +263,6 @@ def _gpt_matches(config, wl, groups, out, tied):
     """The example's training (GPTModel, DDP, optimizer, get_forward_backward_func), with
     Megatron's layers and with kareus's under wrap_schedule."""
     import megatron_gpt as ex
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.pipeline_parallel import schedules
 
     from kareus.integrations import PlanApplier
@@ -216,8 +275,8 @@ def _gpt_matches(config, wl, groups, out, tied):
         tok = torch.randint(0, ex.VOCAB, (MBS, SEQ + 1), generator=g)
         batches.append((tok[:, :-1], tok[:, 1:]))
     torch.manual_seed(0)
-    own_model = ex.build_model(config, get_gpt_layer_local_spec(
-        normalization="RMSNorm", qk_layernorm=config.qk_layernorm), SEQ, "cpu", tied=tied)
+    own_model = ex.build_model(config, _model_spec(config, _own_spec(config)), SEQ, "cpu",
+                               tied=tied)
     initial = {k: v.clone() if torch.is_tensor(v) else v  # _extra_state: None
                for k, v in own_model.state_dict().items()}
     own = ex.train(own_model, config, batches, steps=2, seq_len=SEQ)
@@ -233,7 +292,8 @@ def _gpt_matches(config, wl, groups, out, tied):
         return enter(mb, phase)
 
     applier.microbatch = spy  # type: ignore[method-assign]
-    model = ex.build_model(config, kareus_layer_spec(applier), SEQ, "cpu", tied=tied)
+    model = ex.build_model(config, _model_spec(config, kareus_layer_spec(applier)), SEQ, "cpu",
+                           tied=tied)
     model.load_state_dict(initial)
     originals = (schedules.forward_step, schedules.backward_step,
                  schedules.forward_backward_no_pipelining)
@@ -294,7 +354,8 @@ def _chained_gpt_matches(config, wl, groups, plan, initial, batches, own_model, 
         chain_layers(own_model)  # Megatron's own layers
     applier = PlanApplier(workload=wl, groups=groups, plan=plan, kernels="torch",
                           rope_base=ex.ROTARY_BASE, eps=config.layernorm_epsilon, record=True)
-    model = ex.build_model(config, kareus_layer_spec(applier), SEQ, "cpu", tied=tied)
+    model = ex.build_model(config, _model_spec(config, kareus_layer_spec(applier)), SEQ, "cpu",
+                           tied=tied)
     model.load_state_dict(initial)
     block = model.decoder
     assert chain_layers(model) is model and "forward" in vars(block)
@@ -316,7 +377,7 @@ def _chained_gpt_matches(config, wl, groups, plan, initial, batches, own_model, 
         chained = model(tok, pos, None)
         # anything but the plain call runs Megatron's block, whose kareus layers refuse it
         with pytest.raises(ArgumentError, match="packed_seq_params"):
-            block(hidden_states=torch.zeros(SEQ, MBS, config.hidden_size),
+            block(hidden_states=_shard(torch.zeros(SEQ, MBS, config.hidden_size), config),
                   attention_mask=None, packed_seq_params=PackedSeqParams())
     assert _exposed(applier.partitions_run) == 1
     # a layer's forward hook: the stack would skip it, so the block runs layer by layer
@@ -360,6 +421,7 @@ def _worker(out_dir: str, variant: str) -> None:
     m = wl.model
     assert (m.qk_norm, m.norm_eps, m.tied_embeddings) == (
         config.qk_layernorm, config.layernorm_epsilon, tied)
+    assert wl.parallelism.sequence_parallel == config.sequence_parallel
     groups = TorchParallelGroups.from_groups(tp=parallel_state.get_tensor_model_parallel_group())
     emb = RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=1.0,
                           rotary_base=ex.ROTARY_BASE)(SEQ)

@@ -75,7 +75,6 @@ def test_defaults_and_overrides():
     ({"layernorm_zero_centered_gamma": True}, "zero_centered"),
     ({"qk_l2_norm": True}, "qk_l2_norm=False"),
     ({"qk_clip": True}, "qk_clip=False"),
-    ({"sequence_parallel": True}, "sequence_parallel=False"),
     ({"num_moe_experts": 8}, "num_moe_experts=None"),
     ({"layernorm_epsilon": 0.0}, "layernorm_epsilon must be in"),
     ({"multi_latent_attention": True}, "multi-latent"),
@@ -124,13 +123,26 @@ def test_a_layer_checks_its_config_against_the_workload(change, field):
     assert "\n" not in str(err.value)
     with pytest.raises(WorkloadError, match="tensor_model_parallel_size=2"):
         check_layer_config(cfg, arch, tp=4)
-    with pytest.raises(WorkloadError, match="sequence_parallel=False"):
-        check_layer_config(_config(sequence_parallel=True), arch, tp=2)
+    # The layout: sequence-sharded hidden states (sequence_parallel) or whole ones, as the
+    # workload says (a no-op at TP=1, as Megatron's scatter and gather are)
+    check_layer_config(_config(sequence_parallel=True), arch, tp=2, sp=True)
+    check_layer_config(_config(sequence_parallel=True, tensor_model_parallel_size=1), arch,
+                       tp=1, sp=False)
+    for sp in (True, False):
+        with pytest.raises(WorkloadError, match=f"sequence_parallel={not sp}") as err:
+            check_layer_config(_config(sequence_parallel=not sp), arch, tp=2, sp=sp)
+        assert "\n" not in str(err.value)
+
+
+def test_sequence_parallelism_is_read():
+    wl = _wl(_config(sequence_parallel=True))
+    assert wl.parallelism.sp and wl.parallelism.sequence_parallel
+    assert not _wl(_config()).parallelism.sp
 
 
 def test_refusals_and_dimension_errors_are_typed():
     with pytest.raises(WorkloadError, match=r"and 1 more"):
-        _wl(_config(hidden_dropout=0.1, sequence_parallel=True))
+        _wl(_config(hidden_dropout=0.1, rotary_interleaved=True))
     with pytest.raises(WorkloadError, match="cp=1"):
         _wl(_config(), cp=2)
     with pytest.raises(ArgumentError, match="ffn_hidden_size"):
