@@ -36,6 +36,15 @@ frequencies are the model's, not a recomputation. Qwen3's blocks rotate halves
 weights become the planned layer's ``w_q_norm``/``w_k_norm`` (see ``_head_norm`` for
 their gradient under TP).
 
+**Sequence parallelism** (``parallelism.enable_sequence_parallel``, on by default in
+torchtitan 0.3): its TP plan passes each block this rank's sequence shard (``[batch, seq /
+TP, hidden]``; a DTensor placed ``Shard(1)`` over ``tp`` under ``partial_dtensor``) and
+keeps the norms on it. The workload says so too (``Parallelism.sp``, read from the model's
+sharding plan by ``workload_from_torchtitan``); the planned layer then takes and returns
+the shard (the TP all-gathers and reduce-scatters inside it, as torchtitan's plan does
+them around the projections). The norm weights' gradients are this rank's part, handed
+back as torchtitan's own blocks hand theirs (see ``_head_norm``).
+
 **Why the forward of each block instance is replaced** (an instance attribute, the way
 torchtitan's ``Module.parallelize`` wraps the forward of the modules it shards) rather
 than the class changed or a config ``@override`` used: the plan is applied to one
@@ -291,10 +300,28 @@ def model_arch_from_torchtitan(model_or_config: Any, *, name: str = "torchtitan-
                      tied_embeddings=bool(getattr(cfg, "enable_weight_tying", False)))
 
 
+def sequence_parallel_of(model_or_config: Any) -> bool | None:
+    """Whether torchtitan's TP plan of a model (or its config) is sequence parallel
+    (``parallelism.enable_sequence_parallel``): its blocks' attention norm takes the
+    sequence sharded over ``tp`` (``Shard(1)``). ``None`` when the model has no TP plan
+    (its config was not updated from a ``ParallelismConfig``)."""
+    from torchtitan.distributed.parallel_dims import MeshAxisName
+
+    layers = list(_model_config(model_or_config).layers or [])
+    norm = getattr(layers[0], "attention_norm", None) if layers else None
+    sc = getattr(norm, "sharding_config", None)
+    layout = None if sc is None else (sc.in_src_shardings or {}).get("input")
+    if layout is None:
+        return None
+    tp_type = layout.per_axis_spmd_types().get(MeshAxisName.TP)
+    return getattr(tp_type, "dim", None) == 1
+
+
 def workload_from_torchtitan(model_or_config: Any, *, tp: int, cp: int = 1,
                              microbatch_size: int, seq_len: int, num_microbatches: int,
                              nanobatches: int = 2, pp: int = 1, dp: int = 1,
-                             name: str = "torchtitan-llama3") -> Workload:
+                             name: str = "torchtitan-llama3",
+                             sp: bool | None = None) -> Workload:
     """The workload ``kareus optimize`` makes a plan for, from a torchtitan Llama 3 model.
 
     Args:
@@ -310,6 +337,9 @@ def workload_from_torchtitan(model_or_config: Any, *, tp: int, cp: int = 1,
         nanobatches: The nanobatch count of the baseline ``"nanobatching"`` schedule.
         pp: Pipeline-parallel degree; dp: data-parallel degree (for the plan's job size).
         name: The model's name in the workload.
+        sp: Sequence parallelism (``parallelism.enable_sequence_parallel``); ``None``: as
+            the model's TP plan says ([`sequence_parallel_of`][kareus.integrations.torchtitan.sequence_parallel_of];
+            off without one).
 
     Raises:
         ArgumentTypeError: not a torchtitan model or config.
@@ -318,7 +348,10 @@ def workload_from_torchtitan(model_or_config: Any, *, tp: int, cp: int = 1,
             or the degrees do not divide its heads.
     """
     arch = model_arch_from_torchtitan(model_or_config, name=name)
-    return Workload(model=arch, parallelism=Parallelism(tp=tp, cp=cp, pp=pp, dp=dp),
+    if sp is None:
+        sp = bool(sequence_parallel_of(model_or_config))
+    return Workload(model=arch, parallelism=Parallelism(tp=tp, cp=cp, pp=pp, dp=dp,
+                                                        sp=bool(sp)),
                     microbatch_size=microbatch_size, seq_len=seq_len,
                     num_microbatches=num_microbatches, nanobatches=nanobatches,
                     recompute=True)
@@ -336,7 +369,9 @@ def _local(t: Any) -> Any:
 
 def _head_norm(weight: Any) -> Any:
     """This rank's query/key norm weight: whole on every TP rank, applied to its own heads,
-    so each rank's backward yields only its heads' part of the gradient.
+    so each rank's backward yields only its heads' part of the gradient (and, under
+    sequence parallelism, the attention and MLP norms' weights: applied to this rank's
+    sequence shard, the same holds).
 
     What torchtitan's own module hands back differs by SPMD backend, and the view does the
     same: under ``spmd_types`` the parameter is a plain tensor typed replicated, whose
@@ -384,8 +419,9 @@ def _grouped_rope_order(kv_heads: int, per_kv: int, head_dim: int, device: Any,
 class _BlockLayout:
     """How one torchtitan block's parameters become kareus's ``LAYER_WEIGHTS``."""
 
-    def __init__(self, block: Any) -> None:
+    def __init__(self, block: Any, *, sp: bool = False) -> None:
         att = block.attention
+        self.sp = sp  # the norms saw this rank's sequence shard: their gradients, a part
         self.head_dim = int(att.head_dim)
         self.fused = isinstance(att.qkv_linear, _classes().FusedQKVLinear)
         # Llama 3's ComplexRoPE rotates interleaved pairs, Qwen3's CosSinRoPE halves
@@ -418,9 +454,10 @@ class _BlockLayout:
             qkv = qkv_from_separate(_local(q.wq.weight), _local(q.wk.weight),
                                     _local(q.wv.weight), head_dim=self.head_dim,
                                     interleaved_rope=self.interleaved)
-        out = {"w_attn_norm": _local(block.attention_norm.weight), "Wqkv": qkv,
+        norm = _head_norm if self.sp else _local  # see _head_norm
+        out = {"w_attn_norm": norm(block.attention_norm.weight), "Wqkv": qkv,
                "Wo": linear(_local(att.wo.weight)),
-               "w_mlp_norm": _local(block.ffn_norm.weight),
+               "w_mlp_norm": norm(block.ffn_norm.weight),
                "Wg": linear(_local(ff.w1.weight)), "Wu": linear(_local(ff.w3.weight)),
                "Wd": linear(_local(ff.w2.weight))}
         if self.qk_norm:  # whole on every TP rank: see _head_norm
@@ -579,6 +616,12 @@ def apply_plan(model: Any, *, workload: Workload, mesh: Any = None, tp_group: An
             raise WorkloadError(f"the model's layers have {field}={mine}, the workload's "
                                 f"model {field}={theirs}: make the workload with "
                                 "workload_from_torchtitan(model, ...)")
+    par = workload.parallelism
+    planned_sp = sequence_parallel_of(model)
+    if par.tp > 1 and planned_sp is not None and planned_sp != par.sequence_parallel:
+        raise WorkloadError(f"the model's TP plan has enable_sequence_parallel={planned_sp}, "
+                            f"the workload sp={par.sp}: make the workload with "
+                            "workload_from_torchtitan(model, ...)")
     for name, _ in model.named_modules():
         if "checkpoint_wrapped_module" in name:
             raise WorkloadError("the model is wrapped in activation checkpointing: kareus's "
@@ -613,25 +656,35 @@ def apply_plan(model: Any, *, workload: Workload, mesh: Any = None, tp_group: An
     return applier
 
 
-def _check_seq(local: Any, seq: int) -> None:
+def _block_seq(workload: Workload) -> int:
+    """The tokens per sequence a block gets on this rank: the CP chunk, its TP shard under
+    sequence parallelism."""
+    p = workload.parallelism
+    return workload.seq_len // p.cp // (p.tp if p.sequence_parallel else 1)
+
+
+def _check_seq(local: Any, seq: int, sp: bool) -> None:
     if int(local.shape[1]) != seq:
+        layout = ("this rank's sequence shard (sequence parallelism)" if sp
+                  else "whole sequences")
         raise WorkloadError(f"the block got sequences of {local.shape[1]} tokens, the "
-                            f"workload {seq} (sequence parallelism or another seq_len): "
-                            "turn sequence parallelism off, make the workload for this "
-                            "seq_len")
+                            f"workload {seq} ({layout}): make the workload for this "
+                            "model's seq_len and enable_sequence_parallel "
+                            "(workload_from_torchtitan)")
 
 
 def _plan_block(block: Any, applier: PlanApplier, layer: Any) -> tuple[Any, _BlockLayout]:
     """Replace ``block``'s forward (on the instance) by the planned layer's; the forward
     installed and the block's layout."""
-    layout = _BlockLayout(block)
-    seq = applier.workload.seq_len // applier.workload.parallelism.cp
+    sp = applier.workload.parallelism.sequence_parallel
+    layout = _BlockLayout(block, sp=sp)
+    seq = _block_seq(applier.workload)
 
     def forward(self: Any, x: Any, attention_masks: Any = None, positions: Any = None
                 ) -> Any:
         _check_attention_inputs(x, attention_masks, positions)
-        local, rewrap = _unwrap_input(x)
-        _check_seq(local, seq)
+        local, rewrap = _unwrap_input(x, sp)
+        _check_seq(local, seq, sp)
         return rewrap(layer(local, layout.weights(self)))
 
     block.forward = types.MethodType(forward, block)
@@ -724,8 +777,8 @@ class _Chain:
         self.installed = [f for f, _ in installed]
         self.layouts = [lay for _, lay in installed]
         self.stack = applier.stack(len(blocks))
-        wl = applier.workload
-        self.seq = wl.seq_len // wl.parallelism.cp
+        self.sp = applier.workload.parallelism.sequence_parallel
+        self.seq = _block_seq(applier.workload)
         self.armed = False
         self.decoder_name = type(decoder).__name__
         self.own_forward = decoder.__dict__.get("forward")  # torchtitan's wrapper, if any
@@ -766,8 +819,8 @@ class _Chain:
     def run(self, h: Any, attention_masks: Any = None, positions: Any = None) -> Any:
         """Every block of the decoder on ``h``: what its loop computes."""
         _check_attention_inputs(h, attention_masks, positions)
-        local, rewrap = _unwrap_input(h)
-        _check_seq(local, self.seq)
+        local, rewrap = _unwrap_input(h, self.sp)
+        _check_seq(local, self.seq, self.sp)
         weights = [lay.weights(blk) for lay, blk in zip(self.layouts, self.blocks,
                                                          strict=True)]
         return rewrap(self.stack(local, weights))
@@ -808,19 +861,28 @@ def remove_plan(model: Any) -> int:
     return n
 
 
-def _unwrap_input(x: Any) -> tuple[Any, Callable[[Any], Any]]:
+def _unwrap_input(x: Any, sp: bool = False) -> tuple[Any, Callable[[Any], Any]]:
     """A block input as a local tensor, and how to wrap the output like the input.
 
-    Under torchtitan's ``partial_dtensor`` backend blocks pass replicated DTensors;
+    Under torchtitan's ``partial_dtensor`` backend blocks pass replicated DTensors (under
+    sequence parallelism: sharded along the sequence, ``Shard(1)``, over ``tp``);
     ``to_local``/``from_local`` are differentiable (the gradient of the output is made
-    replicated, an all-reduce where torchtitan left it partial)."""
+    replicated, an all-reduce where torchtitan left it partial; a shard stays a shard)."""
     placements = getattr(x, "placements", None)
     if placements is None:
         return x, lambda y: y
-    if not all(p.is_replicate() for p in placements):
-        raise WorkloadError(f"the block's input is a DTensor placed {tuple(placements)}: "
-                            "kareus's layer takes the whole sequence on every TP rank; turn "
-                            "sequence parallelism off")
+    names = tuple(getattr(x.device_mesh, "mesh_dim_names", None) or ())
+    if not names:  # the TP plan's one-dimensional mesh, or unnamed dimensions
+        names = ("tp",) if len(placements) == 1 else ("",) * len(placements)
+    from torch.distributed.tensor import Replicate, Shard
+
+    want = [Shard(1) if sp and name == "tp" else Replicate() for name in names]
+    if list(placements) != want:
+        layout = ("sharded along the sequence over tp only (sequence parallelism)" if sp
+                  else "replicated (whole sequences on every TP rank)")
+        raise WorkloadError(f"the block's input is a DTensor placed {tuple(placements)}; the "
+                            f"workload's layer takes it {layout}: make the workload with "
+                            "workload_from_torchtitan(model, ...) (its sp)")
     from torch.distributed.tensor import DTensor
 
     mesh = x.device_mesh

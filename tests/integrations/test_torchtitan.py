@@ -10,6 +10,9 @@
   torchtitan's own model, both ranks record the same partitions, the chained model runs
   one exposed forward collective per forward where per block runs one per layer, and
   remove_plan gives back the identical forwards;
+* the same for torchtitan's ``qwen3`` with sequence parallelism on
+  (``enable_sequence_parallel=True``: each block takes and returns this rank's sequence
+  shard, ``Shard(1)``; the workload reads ``sp`` from the model's TP plan);
 * blocks with a hook around their call run per block (chain=True refuses them).
 """
 
@@ -389,6 +392,8 @@ def _own_forwards(model):
 
 
 def _worker(out_dir: str, backend: str, name: str) -> None:
+    sp = name.endswith("-sp")  # "qwen3-sp": torchtitan's TP plan with sequence parallelism
+    name = name.removesuffix("-sp")
     import torch.distributed as dist
     import torchtitan.distributed.parallel_dims as tt_parallel_dims
     import torchtitan.tools.utils as tt_utils
@@ -406,7 +411,7 @@ def _worker(out_dir: str, backend: str, name: str) -> None:
     # torchtitan 0.3 picks "cuda" when no accelerator is found: the mesh is on the CPU here
     tt_parallel_dims.device_type = tt_utils.device_type = "cpu"
     dist_utils.set_spmd_backend(backend)
-    parallelism = ParallelismConfig(tensor_parallel_degree=2, enable_sequence_parallel=False,
+    parallelism = ParallelismConfig(tensor_parallel_degree=2, enable_sequence_parallel=sp,
                                     spmd_backend=backend)
     dims = ParallelDims.from_config(parallelism, world_size=2)
     dims.build_mesh()
@@ -419,6 +424,7 @@ def _worker(out_dir: str, backend: str, name: str) -> None:
         base = build(cfg)
         wl = kt.workload_from_torchtitan(cfg, tp=2, microbatch_size=MBS, seq_len=SEQ,
                                          num_microbatches=2)
+        assert wl.parallelism.sequence_parallel == sp == kt.sequence_parallel_of(cfg)
         plan = make_workload_plan(wl, pick=1, sms=8, freqs_mhz=(1980, 1410),
                                   unsplit_microbatches=(1,))
         for schedule, chain in RUNS:
@@ -467,7 +473,7 @@ def _worker(out_dir: str, backend: str, name: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name", [*sorted(MODELS), "qwen3-sp"])
 @pytest.mark.parametrize("backend", ["spmd_types", "partial_dtensor"])
 def test_gloo_tp2_equals_torchtitan(tmp_path, backend, name):
     from _ranks import run_ranks  # tests/integrations, on sys.path under pytest
@@ -506,7 +512,8 @@ def test_gloo_tp2_equals_torchtitan(tmp_path, backend, name):
                     tails = [k for k, slot in forwards[mb] if slot is None]
                     assert len(tails) == per_forward, (schedule, chain, mb, forwards[mb])
                     if schedule == "nanobatching":
-                        assert tails == ["all_reduce:tail"] * per_forward
+                        kind = "reduce_scatter" if name.endswith("-sp") else "all_reduce"
+                        assert tails == [f"{kind}:tail"] * per_forward
             # the unsplit microbatch runs the same partitions either way
             if schedule == "kareus":
                 assert (res[0][(fuse, schedule, None)]["forwards"][1]
