@@ -41,12 +41,15 @@ class PartitionProgram:
         writer: The op that writes [`output`][kareus.exec.PartitionProgram.output] (the collective's
             next input), or ``None`` when no op of the program does (the input is produced
             elsewhere).
+        comm_group: The collective's parallel group (``"tp"``, ``"cp"``), for the
+            executor's ``comm_group=``; ``None``: routed by kind.
         step: Steps taken so far (see [`advance`][kareus.exec.PartitionProgram.advance]).
     """
 
     def __init__(self, *, op_names: Sequence[str], ops: Sequence[Callable[[], Any]],
                  comm_kind: str | None, buffers: Sequence[Any], comm_outputs: Sequence[Any] = (),
-                 state: dict[str, Any] | None = None, writer: str | None = None) -> None:
+                 state: dict[str, Any] | None = None, writer: str | None = None,
+                 comm_group: str | None = None) -> None:
         if len(op_names) != len(ops):
             raise ArgumentError(f"{len(ops)} ops but {len(op_names)} names")
         if writer is not None and writer not in op_names:
@@ -60,6 +63,7 @@ class PartitionProgram:
         self._comm_outputs = list(comm_outputs)
         self.state = state if state is not None else {}
         self.writer = writer
+        self.comm_group = comm_group
         self.step = 0
 
     @property
@@ -109,13 +113,14 @@ class RunnablePartition(Partition):
 
 
 def _comm_zeros(torch: Any, collective: Any, shape: tuple[int, ...], device: Any,
-                dtype: Any, kind: str = "all_reduce") -> Any:
+                dtype: Any, kind: str = "all_reduce", group: str | None = None) -> Any:
     """A zeroed buffer for the collective: from an [`Executor`][kareus.exec.Executor]'s
     ``empty`` (the role declares it, told the collective's ``kind``, so that a backend per
     group registers it with the right group), from a backend's ``empty(shape, dtype)`` when
     it has one (registered memory for the own kernels), else from ``torch.zeros``."""
     if isinstance(collective, Executor):
-        t = collective.empty(shape, dtype, kind=kind)
+        t = (collective.empty(shape, dtype, kind=kind) if group is None
+             else collective.empty(shape, dtype, kind=kind, group=group))
     else:
         empty = getattr(collective, "empty", None)
         if not callable(empty):
@@ -130,7 +135,8 @@ def _comm_zeros(torch: Any, collective: Any, shape: tuple[int, ...], device: Any
 
 def _comm_buffers(torch: Any, comm: CommOp, model_bytes: int, device: Any, dtype: Any,
                   shape: tuple[int, ...],
-                  collective: Any = None) -> tuple[list[Any], list[Any]]:
+                  collective: Any = None,
+                  group: str | None = None) -> tuple[list[Any], list[Any]]:
     """Two input buffers (and two outputs for all-gather / reduce-scatter), zeroed.
 
     ``comm.bytes`` counts the model's elements at ``model_bytes`` bytes each (the
@@ -154,9 +160,10 @@ def _comm_buffers(torch: Any, comm: CommOp, model_bytes: int, device: Any, dtype
     else:
         in_shape, out_shape = (n // g * g,), (n // g,)
     kind = comm.kind.value
-    ins = [_comm_zeros(torch, collective, in_shape, device, dtype, kind) for _ in range(2)]
+    ins = [_comm_zeros(torch, collective, in_shape, device, dtype, kind, group)
+           for _ in range(2)]
     outs = ([] if out_shape is None
-            else [_comm_zeros(torch, collective, out_shape, device, dtype, kind)
+            else [_comm_zeros(torch, collective, out_shape, device, dtype, kind, group)
                   for _ in range(2)])
     return ins, outs
 

@@ -9,7 +9,14 @@ attention and MLP forward and backward ops of a Llama-shaped layer: GEMMs, RMSNo
 position embedding, causal grouped-query attention, SwiGLU, and their backward passes.
 
 ``_OUTPUT_OPS`` and ``_ACCUMULATED_BY`` say which op writes the tensor the partition's
-collective acts on. The builders take the torch module from their caller.
+collective acts on (``_writers`` under sequence parallelism). The builders take the torch
+module from their caller.
+
+Under sequence parallelism (``Parallelism.sequence_parallel``) the norms and their
+backward run on the rank's sequence shard (``tokens / TP`` rows) and write the input of the
+TP all-gather that follows them; the GEMMs run on the gathered tokens, whose rows come in
+rank order, so RoPE and attention reorder them (a copy when a nanobatch holds more than
+one sequence), as the training loop's decoder does (``DecoderShard``).
 """
 
 from __future__ import annotations
@@ -43,6 +50,18 @@ __all__: list[str] = []
 # it, would grow by the group size every other step until it overflows).
 _OUTPUT_OPS = frozenset(c.producer for c in layer_collectives() if c.kind == "all_reduce")
 
+
+def _writers(kind: str, group: str | None, sp: bool) -> frozenset[str]:
+    """The ops that produce the input of a TP collective of ``kind`` in the layer's layout
+    (``sp``: the sequence-parallel one, whose TP collectives are all-gathers of the norms'
+    outputs and reduce-scatters of the output projections' and the input gradients'). A CP
+    collective (K/V) has none here: its input is RoPE's packed K and V, which the runnable
+    ops do not pack."""
+    if group == "cp":
+        return frozenset()
+    return frozenset(c.producer for c in layer_collectives(tp=2, cp=1, sp=sp)
+                     if c.kind == kind and c.group == "tp")
+
 # Ops whose result the next op accumulates into in place: gate_dgrad writes dX, then
 # up_dgrad adds its product to it (one GEMM with beta=1, as Megatron-LM's fused gate/up
 # weight does). ``torch.addmm(C, A, B)`` into a third tensor first copies C: 1.28x the
@@ -61,10 +80,30 @@ class _Dims:
     hd: int
     f: int
     eps: float = 1e-5  # the model's RMSNorm epsilon
+    sp: int = 1  # TP under sequence parallelism (the norms' tokens are t / sp), else 1
 
     @property
     def t(self) -> int:
         return self.b * self.sq
+
+    @property
+    def ts(self) -> int:
+        """Tokens the norms see: the sequence shard under sequence parallelism."""
+        return self.t // self.sp
+
+    def seq_order(self, x: Any) -> Any:
+        """Gathered rows from rank order (``[TP, b, sq / TP]``) to sequence order."""
+        if self.sp == 1 or self.b == 1:
+            return x
+        c = x.shape[-1]
+        return x.view(self.sp, self.b, self.sq // self.sp, c).transpose(0, 1).reshape(-1, c)
+
+    def rank_order(self, x: Any) -> Any:
+        """The inverse of ``seq_order``."""
+        if self.sp == 1 or self.b == 1:
+            return x
+        c = x.shape[-1]
+        return x.view(self.b, self.sp, self.sq // self.sp, c).transpose(0, 1).reshape(-1, c)
 
     @property
     def q(self) -> int:
@@ -79,7 +118,7 @@ def _dims(wl: Workload) -> _Dims:
     m, p = wl.model, wl.parallelism
     return _Dims(b=wl.microbatch_size // wl.nanobatches, sq=wl.seq_len // p.cp, sk=wl.seq_len,
                  h=m.hidden, heads=m.heads // p.tp, kvh=m.kv_heads // p.tp, hd=m.head_dim,
-                 f=m.ffn // p.tp, eps=m.norm_eps)
+                 f=m.ffn // p.tp, eps=m.norm_eps, sp=p.tp if p.sequence_parallel else 1)
 
 
 def _sdpa(torch: Any, q: Any, k: Any, v: Any) -> Any:
@@ -122,27 +161,33 @@ def _op_builders() -> dict[str, Callable[[Any, dict[str, Any], _Dims, Any], Call
 
     def norm(key_w: str) -> Callable[..., Callable[[], Any]]:
         def build(torch: Any, ctx: dict[str, Any], d: _Dims, out: Any) -> Callable[[], Any]:
-            x = rnd(torch, ctx, "x", d.t, d.h)
+            x = rnd(torch, ctx, "x", d.ts, d.h)
             w = rnd(torch, ctx, key_w, d.h, scale=0.1)
             w.add_(1.0)
 
             ks = ctx["_kernels"]
 
             def op() -> None:
-                ctx["xn"] = ks.rms_norm(x, w, d.eps)
+                y = ks.rms_norm(x, w, d.eps)
+                if out is not None:  # the all-gather's input (sequence parallelism)
+                    y = out().view(d.ts, d.h).copy_(y)
+                ctx["xn"] = y
             return op
         return build
 
     def norm_bwd(key_w: str) -> Callable[..., Callable[[], Any]]:
         def build(torch: Any, ctx: dict[str, Any], d: _Dims, out: Any) -> Callable[[], Any]:
-            x = rnd(torch, ctx, "x", d.t, d.h)
+            x = rnd(torch, ctx, "x", d.ts, d.h)
             w = rnd(torch, ctx, key_w, d.h, scale=0.1)
-            dy = rnd(torch, ctx, "dy", d.t, d.h)
+            dy = rnd(torch, ctx, "dy", d.ts, d.h)
 
             ks = ctx["_kernels"]
 
             def op() -> None:
-                ctx["dyn"], ctx["d" + key_w] = ks.rms_norm_bwd(dy, x, w, d.eps)
+                dx, ctx["d" + key_w] = ks.rms_norm_bwd(dy, x, w, d.eps)
+                if out is not None:  # the all-gather's input (sequence parallelism)
+                    dx = out().view(d.ts, d.h).copy_(dx)
+                ctx["dyn"] = dx
             return op
         return build
 
@@ -169,10 +214,10 @@ def _op_builders() -> dict[str, Callable[[Any, dict[str, Any], _Dims, Any], Call
                 a = get_a().t() if trans_a else get_a()
                 w = get_w().t() if trans_w else get_w()
                 if accumulate:  # into the result of the op before (_ACCUMULATED_BY)
-                    ks.matmul(a, w, out=out() if out is not None else ctx[dst],
-                              accumulate=True)
+                    ks.matmul(a, w, out=out().view(a.shape[0], -1) if out is not None
+                              else ctx[dst], accumulate=True)
                 elif out is not None:
-                    ks.matmul(a, w, out=out())
+                    ks.matmul(a, w, out=out().view(a.shape[0], -1))
                 else:
                     ctx[dst] = ks.matmul(a, w)
             return op
@@ -223,7 +268,7 @@ def _op_builders() -> dict[str, Callable[[Any, dict[str, Any], _Dims, Any], Call
         ks = ctx["_kernels"]
 
         def op() -> None:
-            qkv = ctx.get("qkv_n", ctx["qkv"])  # the normalised copy with qk-norm
+            qkv = d.seq_order(ctx.get("qkv_n", ctx["qkv"]))  # normalised copy with qk-norm
             q, k = ks.rope(qkv, cos, sin, heads=d.heads, kv_heads=d.kvh)
             ctx["q"], ctx["k"] = q.transpose(1, 2), k.transpose(1, 2)
             v = qkv.view(d.b, d.sq, d.heads + 2 * d.kvh, d.hd)[:, :, d.heads + d.kvh:]
@@ -243,7 +288,7 @@ def _op_builders() -> dict[str, Callable[[Any, dict[str, Any], _Dims, Any], Call
 
         def op() -> None:
             o = ks.attention(ctx["q"], ctx["k"], ctx["v"])
-            ctx["attn"] = o.transpose(1, 2).reshape(d.t, d.q)
+            ctx["attn"] = d.rank_order(o.transpose(1, 2).reshape(d.t, d.q))
         return op
 
     def attn_core_bwd(torch: Any, ctx: dict[str, Any], d: _Dims, out: Any) -> Callable[[], Any]:
@@ -255,7 +300,7 @@ def _op_builders() -> dict[str, Callable[[Any, dict[str, Any], _Dims, Any], Call
         rnd(torch, ctx, "dattn", d.t, d.q)
 
         def op() -> None:
-            do = ctx["dattn"].view(d.b, d.sq, d.heads, d.hd).transpose(1, 2)
+            do = d.seq_order(ctx["dattn"]).view(d.b, d.sq, d.heads, d.hd).transpose(1, 2)
             ctx["dq"], ctx["dk"], ctx["dv"] = ks.attention_bwd(do, saved)
         return op
 
@@ -270,8 +315,9 @@ def _op_builders() -> dict[str, Callable[[Any, dict[str, Any], _Dims, Any], Call
 
         def op() -> None:
             # RoPE is a rotation: its backward rotates back; dv is packed beside.
-            ctx["dqkv"] = ks.rope_bwd(ctx["dq"].transpose(1, 2), ctx["dk"].transpose(1, 2),
-                                      ctx["dv"].transpose(1, 2), cos, sin)
+            ctx["dqkv"] = d.rank_order(ks.rope_bwd(
+                ctx["dq"].transpose(1, 2), ctx["dk"].transpose(1, 2),
+                ctx["dv"].transpose(1, 2), cos, sin))
         return op
 
     def swiglu(torch: Any, ctx: dict[str, Any], d: _Dims, out: Any) -> Callable[[], Any]:

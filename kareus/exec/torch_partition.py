@@ -43,7 +43,14 @@ import attrs
 
 from kareus.errors import ArgumentError, ArgumentTypeError
 from kareus.exec._partition_program import PartitionProgram, RunnablePartition, _comm_buffers
-from kareus.exec._transformer_ops import _ACCUMULATED_BY, _OUTPUT_OPS, _Dims, _dims, _op_builders
+from kareus.exec._transformer_ops import (
+    _ACCUMULATED_BY,
+    _OUTPUT_OPS,
+    _Dims,
+    _dims,
+    _op_builders,
+    _writers,
+)
 from kareus.exec.model_check import refuse_uncomputed
 from kareus.model.ops import CommKind, CommOp, ComputeOp
 from kareus.model.partition import OpPartition, TransformerPartition
@@ -153,16 +160,28 @@ class RunnableTransformerPartition(RunnablePartition):
 
         ctx: dict[str, Any] = {"_gen": gen, "_device": dev, "_dtype": dtype,
                                "_kernels": get_kernels(self.kernels)}
+        group = getattr(self.partition, "comm_group", None) or None
         bufs, outs = _comm_buffers(torch, self.comm_op, self.workload.dtype_bytes, dev,
-                                   dtype, (d.t, d.h), collective)
+                                   dtype, (d.t, d.h), collective,
+                                   group if d.sp > 1 else None)
         holder: dict[str, Any] = {}
         builders = _op_builders()
         names = [op.name for op in self.compute_ops]
-        # The op that produces the all-reduce's input writes the buffer; a type whose
-        # collective belongs to the segment before it has none (see _OUTPUT_OPS).
-        out_ops = [n for n in names if n in _OUTPUT_OPS]
-        writes_buffer = (self.comm_op.kind is CommKind.ALL_REDUCE and bool(out_ops)
-                         and bufs[0].shape == (d.t, d.h))
+        # The op that produces the collective's input writes the buffer; a type whose
+        # collective belongs to the segment before it has none (see _OUTPUT_OPS). Under
+        # sequence parallelism the TP all-gathers' inputs come from the norms (on the
+        # sequence shard), the reduce-scatters' from the output projections and input
+        # gradients (on every token).
+        kind = self.comm_op.kind
+        if d.sp > 1 and kind is not CommKind.ALL_REDUCE:
+            group = getattr(self.partition, "comm_group", None)
+            out_ops = [n for n in names if n in _writers(kind.value, group, True)]
+            rows = d.ts if kind is CommKind.ALL_GATHER else d.t
+            writes_buffer = bool(out_ops) and bufs[0].numel() == rows * d.h
+        else:
+            out_ops = [n for n in names if n in _OUTPUT_OPS]
+            writes_buffer = (kind is CommKind.ALL_REDUCE and bool(out_ops)
+                             and bufs[0].shape == (d.t, d.h))
         writer = out_ops[-1] if writes_buffer else None
         ops = []
         for name in names:
@@ -172,7 +191,8 @@ class RunnableTransformerPartition(RunnablePartition):
             fn = builders[name](torch, ctx, d, out)
             ops.append(fn)
         prog = PartitionProgram(op_names=names, ops=ops, comm_kind=self.comm_op.kind.value,
-                                buffers=bufs, comm_outputs=outs, state=ctx, writer=writer)
+                                buffers=bufs, comm_outputs=outs, state=ctx, writer=writer,
+                                comm_group=group)
         holder["prog"] = prog
         with torch.no_grad():
             prog.run_plain()  # materialise every intermediate once

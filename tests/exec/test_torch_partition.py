@@ -356,3 +356,42 @@ def test_a_qkv_bias_is_refused_by_the_runnable_partitions():
     wl = wl.with_(model=attrs.evolve(wl.model, qkv_bias=True))
     with pytest.raises(WorkloadError, match="runnable partitions does not compute qkv_bias"):
         runnable_partitions(wl, ["fwd_attn"])["fwd_attn"]
+
+
+# ------------------------------------------------------------------ sequence parallelism
+
+
+#: The TP collective's writer of each sequence-parallel type (TP=2 x CP=2): the norms write
+#: the all-gathers' inputs (on the sequence shard), the output projections and the input
+#: gradients the reduce-scatters'; a type whose collective comes from the segment before
+#: it, or runs over CP (K/V), has none.
+SP_WRITERS = {"fwd_attn_norm_ag": "attn_norm", "fwd_attn_out_rs": "out_proj",
+              "fwd_mlp_norm_ag": "mlp_norm", "fwd_mlp_rs": "down", "bwd_mlp": "up_dgrad",
+              "bwd_mlp_norm_ag": "mlp_norm_bwd", "bwd_attn_in_tp_rs": "qkv_dgrad",
+              "bwd_attn_norm_ag": "attn_norm_bwd"}
+
+
+def test_sequence_parallel_types_run_and_their_producers_write_the_buffers():
+    wl = tiny_workload(cp=2)
+    wl = wl.with_(parallelism=Parallelism(tp=2, cp=2, sp=True))
+    parts = runnable_partitions(wl, dtype="float32")
+    d = next(iter(parts.values())).dims
+    assert (d.sp, d.ts) == (2, d.t // 2)
+    ex = TorchExecutor(collective=HostCollective(), streams=RecordingStreamBackend())
+    for name, part in parts.items():
+        prog = part.build(device="cpu", seed=7)
+        assert prog.writer == SP_WRITERS.get(name), name
+        assert prog.comm_group == part.partition.comm_group
+        for _ in range(2):
+            ex.run_partition(prog.ops, prog.op_names, prog.comm_tensor,
+                             ScheduleConfig(1980, 8, prog.op_names[0]),
+                             comm_kind=prog.comm_kind, comm_output=prog.comm_output,
+                             comm_group=prog.comm_group)
+            prog.advance()
+        if prog.writer is not None:  # both inputs written (build's run and step 1)
+            assert all(b.abs().sum() > 0 for b in prog._buffers), name
+    # a norm's output is the all-gather's input: the shard's normed tokens
+    prog = parts["fwd_attn_norm_ag"].build(device="cpu", seed=8)
+    ctx = prog.state
+    want = torch.nn.functional.rms_norm(ctx["x"], (d.h,), ctx["w_attn_norm"], d.eps)
+    torch.testing.assert_close(prog.output.view(d.ts, d.h), want)  # build ran it once
