@@ -109,7 +109,11 @@ def optimize(
             NAME`` runs ``Workload.preset(NAME, tp=4, pp=2)`` (the command's defaults;
             ``Workload.preset`` alone gives TP = PP = 1, one GPU, which kareus refuses)
             with the workload's own batch defaults (8 microbatches of 8 x 4096 tokens, 2
-            nanobatches, recomputation) on ``a100-40gb``, as here with ``gpu=None``.
+            nanobatches, recomputation) on ``a100-40gb``, as here with ``gpu=None``. Its
+            TP layout (``Parallelism(sp=True)``: sequence parallelism, ``--sp``) and
+            recomputation policy (``recompute="full" | "selective" | "none"``,
+            ``--recompute``) decide the partition types, their work and the memory check,
+            and the plan records both.
         gpu: GPU preset name of the default profiler (the embedded emulated GPU); ``None`` =
             ``a100-40gb``. Beside a ``profiler`` of your own it is refused (that profiler has
             its GPU).
