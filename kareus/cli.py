@@ -418,8 +418,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     _say_estimate(run, args)
     if run.left_out and not args.quiet:
         print(f"kareus: {' and '.join(run.left_out)} left out: --microbatch-size 1 holds one "
-              "sequence, which they cannot split into nanobatches (kareus does not split along "
-              "the sequence yet)", file=sys.stderr)
+              "sequence, which they cannot split into nanobatches at --cp > 1 (nanobatches "
+              "along the sequence are modelled at --cp 1 only)", file=sys.stderr)
     with guarded_folder(out, run.manifest, fresh=args.fresh, what="--out"):
         args.resume_hint = f"the search logs in {out / 'logs'} keep every measurement"
         _say_start(args, run)
