@@ -49,6 +49,16 @@ the collective they overlap when a segment overlaps more than one: its kind (``_
 one kind meet (CP > 1). Selective recomputation (``recompute="selective"``) re-runs the
 attention core's forward in the backward, right before ``out_dgrad``: one more attention
 op in that segment, costed as the forward's.
+
+A microbatch of one sequence splits into nanobatches along the sequence
+(``Workload.sequence_split``, CP = 1): chunk ``i`` of ``n`` holds ``c = seq_len / n``
+tokens, and its causal attention reads the keys and values of chunks ``0..i``, so it does
+``(i + 1/2) c^2`` query-key pairs of work (the chunks add up to the whole sequence's half
+score matrix) while every other op is the same in every chunk. A segment holding attention
+is then one partition type per chunk (suffixed ``_c{i}``). The forward runs the chunks in
+order (a chunk's attention needs the earlier chunks' K and V) and the backward in reverse
+(a chunk's attention backward adds to the earlier chunks' dK and dV, which their QKV
+backward reads), which decides which chunk overlaps the collective of the segment before.
 """
 
 from __future__ import annotations
@@ -353,14 +363,27 @@ class _Segment:
 
 
 class _Shapes:
-    """Per-rank shapes of one nanobatch (or one microbatch, with ``nanobatches=1``)."""
+    """Per-rank shapes of one nanobatch (or one microbatch, with ``parts=1``); with
+    ``chunk``, of chunk ``chunk`` of a microbatch of one sequence split along the sequence
+    into ``parts`` (``Workload.sequence_split``)."""
 
-    def __init__(self, wl: Workload, parts: int) -> None:
+    def __init__(self, wl: Workload, parts: int, chunk: int | None = None) -> None:
         m, p = wl.model, wl.parallelism
         self.d = wl.dtype_bytes
-        self.b = wl.microbatch_size // parts  # sequences
-        self.sq = wl.seq_len // p.cp  # query tokens per sequence on this rank
-        self.sk = wl.seq_len  # key tokens per sequence after the CP all-gather
+        if chunk is None:
+            self.b = wl.microbatch_size // parts  # sequences
+            self.sq = wl.seq_len // p.cp  # query tokens per sequence on this rank
+            self.sk = wl.seq_len  # key tokens per sequence after the CP all-gather
+            # causal attention, load-balanced over CP ranks: half the score matrix
+            self.pairs = 0.5 * self.sq * self.sk
+        else:  # one sequence (CP = 1), its chunk ``chunk`` of ``parts``
+            self.b = 1
+            self.sq = wl.seq_len // parts
+            # its queries read the keys of its own chunk and of every earlier one: the
+            # earlier chunks' whole (chunk x sq x sq) block and half of its own square, as
+            # the half score matrix of a whole sequence counts (the chunks' sum is it)
+            self.sk = (chunk + 1) * self.sq
+            self.pairs = (chunk + 0.5) * self.sq * self.sq
         self.t = self.b * self.sq  # tokens on this rank
         # tokens the norms (and the residual additions fused into them) see: the rank's
         # sequence shard under sequence parallelism, else all of them
@@ -402,8 +425,9 @@ class _Shapes:
                          bytes_moved=elems_moved * self.d)
 
     def attention(self, name: str, backward: bool) -> ComputeOp:
-        # Causal attention, load-balanced over CP ranks: half the score matrix on average.
-        fwd_flops = 4.0 * self.b * self.sq * self.sk * self.heads * self.head_dim * 0.5
+        # Causal attention: 4 FLOPs per (query, key) pair and head dimension (QK^T, PV),
+        # over the pairs the causal mask leaves (``pairs``); K and V of the keys it reads.
+        fwd_flops = 4.0 * self.b * self.pairs * self.heads * self.head_dim
         kv_elems = 2 * self.b * self.sk * self.kv
         if backward:
             return ComputeOp(name=name, kind=OpKind.ATTENTION, flops=2.5 * fwd_flops,
@@ -575,6 +599,57 @@ def _type_name(phase: str, segment: str, comm: CommOp, group: str,
     return f"{name}_{group}_{comm.kind.short}"
 
 
+#: ``(phase counted in, type phase, segment, the collective it overlaps, its group,
+#: instances per layer, its chunk when the segment's work depends on it)``
+_Pair = tuple[str, str, _Segment, CommOp, str, int, int | None]
+
+
+def _overlap_pairs(wl: Workload, segs_of: dict[str, list[list[_Segment]]]) -> list[_Pair]:
+    """Every (computation, collective) pair one stage runs per microbatch computation: each
+    nanobatch of a segment beside the collective of the nanobatch before it in stream
+    order (``_chains``); along the sequence (``Workload.sequence_split``), a segment whose
+    work depends on the chunk (its attention) in one pair per chunk."""
+    n = wl.nanobatches
+    segs = {phase: segs_of[phase][0] for phase in PHASES}
+    pairs: list[_Pair] = []
+
+    def units(phase: str, j: int, which: Sequence[int]) -> list[tuple[_Segment, int, int | None]]:
+        """``(segment, instances, chunk label)`` of segment ``j``'s nanobatches ``which``
+        (positions in the order they run)."""
+        if not which:
+            return []
+        same = all(segs_of[phase][c][j].ops == segs[phase][j].ops
+                   for c in range(len(segs_of[phase])))
+        if same:
+            return [(segs[phase][j], len(which), None)]
+        # forward in chunk order (a chunk's attention reads the earlier chunks' K and V);
+        # backward in reverse (a chunk's attention backward adds to the earlier chunks'
+        # dK and dV, which their QKV backward reads)
+        order = list(range(n)) if phase == "fwd" else list(reversed(range(n)))
+        return [(segs_of[phase][order[i]][j], 1, order[i]) for i in which]
+
+    for counted, phase, prev_last in _chains(wl, segs):
+        chain = segs[phase]
+        m = len(chain)
+        for j, seg in enumerate(chain):
+            assert seg.comm is not None
+            if n == 1:
+                pairs.append((counted, phase, seg, seg.comm, seg.group, 1, None))
+                continue
+            # nanobatches 2..n overlap the collective of the one before them
+            for unit, k, c in units(phase, j, range(1, n)):
+                pairs.append((counted, phase, unit, seg.comm, seg.group, k, c))
+            if j + 1 < m:  # the next segment's first nanobatch overlaps its last one's
+                for unit, k, c in units(phase, j + 1, [0]):
+                    pairs.append((counted, phase, unit, seg.comm, seg.group, k, c))
+        if n > 1:  # the first segment's first nanobatch overlaps the collective before it
+            last = segs[prev_last][-1]
+            assert last.comm is not None
+            for unit, k, c in units(phase, 0, [0]):
+                pairs.append((counted, phase, unit, last.comm, last.group, k, c))
+    return pairs
+
+
 def build_partitions(workload: Workload) -> PartitionSet:
     """Partition types, per-microbatch instance counts and outside work of a workload.
 
@@ -588,35 +663,23 @@ def build_partitions(workload: Workload) -> PartitionSet:
         raise WorkloadError(
             f"{wl.model.name}: with TP=1 and CP=1 no layer has a collective to overlap; "
             "kareus needs tensor or context parallelism (set tp >= 2 or cp >= 2)")
-    shapes = _Shapes(wl, n)
     L = wl.layers_per_stage
     types: dict[str, TransformerPartition] = {}
     counts: dict[str, dict[str, int]] = {ph: {} for ph in PHASES}
 
-    segs = {phase: _normalise(_layer_segments(wl, phase, shapes)) for phase in PHASES}
-    # (phase counted in, type phase, segment, the collective it overlaps, its group,
-    # instances per layer)
-    pairs: list[tuple[str, str, _Segment, CommOp, str, int]] = []
-    for counted, phase, prev_last in _chains(wl, segs):
-        chain = segs[phase]
-        m = len(chain)
-        for j, seg in enumerate(chain):
-            assert seg.comm is not None
-            if n == 1:
-                pairs.append((counted, phase, seg, seg.comm, seg.group, 1))
-                continue
-            pairs.append((counted, phase, seg, seg.comm, seg.group, n - 1))
-            if j + 1 < m:
-                pairs.append((counted, phase, chain[j + 1], seg.comm, seg.group, 1))
-        if n > 1:  # the first segment's first nanobatch overlaps the collective before it
-            last = segs[prev_last][-1]
-            assert last.comm is not None
-            pairs.append((counted, phase, chain[0], last.comm, last.group, 1))
+    # the layer's segments per chunk: one list, or, along the sequence, one per chunk (only
+    # the attention ops' costs differ between them)
+    chunks: list[int | None] = list(range(n)) if wl.sequence_split else [None]
+    segs_of = {phase: [_normalise(_layer_segments(wl, phase, _Shapes(wl, n, c)))
+                       for c in chunks] for phase in PHASES}
+    pairs = _overlap_pairs(wl, segs_of)
     overlapped: dict[tuple[str, str], set[tuple[CommKind, str]]] = {}
-    for _, phase, seg, comm, group, _ in pairs:
+    for _, phase, seg, comm, group, _, _ in pairs:
         overlapped.setdefault((phase, seg.name), set()).add((comm.kind, group))
-    for counted, phase, seg, comm, group, k in pairs:
+    for counted, phase, seg, comm, group, k, c in pairs:
         name = _type_name(phase, seg.name, comm, group, overlapped[(phase, seg.name)])
+        if c is not None:
+            name += f"_c{c}"
         if name not in types:
             types[name] = TransformerPartition(name=name, compute_ops=seg.ops, comm_op=comm,
                                                overlappable=n > 1, phase=phase,

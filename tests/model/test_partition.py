@@ -306,3 +306,72 @@ def test_selective_recomputation_costs_the_attention_core_again_in_the_backward(
     assert sel.counts == none.counts
     assert (sel.computation_flops(0, "bwd") - none.computation_flops(0, "bwd")
             == pytest.approx(fwd_core.flops * 28 * 2))
+
+
+# ------------------------------------------------------------------ nanobatches along the sequence
+
+
+def _one_sequence(n=2, **kw):
+    base = dict(tp=4, microbatch_size=1, seq_len=8192, nanobatches=n, num_microbatches=4)
+    base.update(kw)
+    return Workload.preset("llama3.2-3b", **base)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("recompute", ["full", "selective", "none"])
+def test_sequence_chunks_cost_their_causal_attention_exactly(n, recompute):
+    """Chunk i of n (c tokens) attends to the keys of chunks 0..i: (i + 1/2) c^2 query-key
+    pairs, as the half score matrix of the whole sequence counts them (the chunks add up to
+    it); every other op is the same in every chunk."""
+    wl = _one_sequence(n, recompute=recompute)
+    assert wl.sequence_split
+    ps = build_partitions(wl)
+    whole = build_partitions(wl.with_(nanobatches=1))
+    c, heads, hd, kv = 8192 // n, 24 // 4, 128, 8 * 128 // 4
+    cores = {}
+    for p in ps:
+        for op in p.compute_ops:
+            if op.name == "attn_core" and p.phase == "fwd":
+                i = int(p.name.rsplit("_c", 1)[1])
+                assert op.flops == pytest.approx(4 * (i + 0.5) * c * c * heads * hd)
+                # its queries and output, the K and V of chunks 0..i
+                assert op.bytes_moved == (2 * c * heads * hd + 2 * (i + 1) * c * kv) * 2
+                cores[i] = op
+    assert sorted(cores) == list(range(n))
+    # the split costs the whole microbatch's work, no more, no less
+    for phase in ("fwd", "bwd"):
+        assert ps.computation_flops(0, phase) == pytest.approx(
+            whole.computation_flops(0, phase))
+    # per layer and phase each chunk's attention runs once
+    for phase in ("fwd", "bwd"):
+        chunk_types = [t for t in ps.counts[phase] if "_c" in t and ps[t].phase == phase]
+        assert sum(ps.counts[phase][t] for t in chunk_types) == n * 28
+    # the ops that do not attend are the batch split's (the same tokens per nanobatch)
+    batch = build_partitions(Workload.preset("llama3.2-3b", tp=4, microbatch_size=n,
+                                             seq_len=8192 // n, nanobatches=n,
+                                             num_microbatches=4, recompute=recompute))
+    assert ps["fwd_mlp"] == batch["fwd_mlp"] and ps["bwd_mlp"] == batch["bwd_mlp"]
+
+
+def test_sequence_chunks_run_forward_in_order_and_backward_in_reverse():
+    """The forward's first chunk (chunk 0) overlaps the collective of the segment before it;
+    the backward runs the chunks in reverse (a chunk's attention backward adds to the
+    earlier chunks' dK and dV), so there the last chunk does."""
+    ps = build_partitions(_one_sequence(2, cp=1, sp=True))
+    assert ps["fwd_attn_ag_c0"].comm_op.kind is CommKind.ALL_GATHER  # after attn_norm's
+    assert ps["fwd_attn_rs_c1"].comm_op.kind is CommKind.REDUCE_SCATTER  # chunk 0's own
+    assert ps["bwd_attn_ag_c1"].comm_op.kind is CommKind.ALL_GATHER  # after mlp_norm_bwd's
+    assert ps["bwd_attn_rs_c0"].comm_op.kind is CommKind.REDUCE_SCATTER  # chunk 1's own
+    # the norms run on each chunk's sequence shard: tokens / nanobatches / TP
+    norm = next(op for op in ps["fwd_attn_norm_ag"].compute_ops)
+    assert norm.bytes_moved == 2 * (8192 // 2 // 4) * 3072 * 2
+
+
+def test_sequence_split_refusals():
+    with pytest.raises(WorkloadError, match="not modelled with CP=2"):
+        _one_sequence(2, tp=2, cp=2)
+    with pytest.raises(WorkloadError, match="does not split into 3 nanobatches along the seq"):
+        _one_sequence(3)
+    with pytest.raises(WorkloadError, match="does not split into 4 nanobatches"):
+        _one_sequence(4, microbatch_size=2)
+    assert not _one_sequence(1).sequence_split
