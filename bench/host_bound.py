@@ -26,11 +26,18 @@ bench measures both, on one GPU:
   of the iteration's span (torch.profiler: union of kernel intervals over first kernel
   start to last kernel end), and the loss of every step (eager and graphed runs start
   from the same weights and data, so losses compare step by step).
+  ``--sp on`` runs the loop jobs with sequence parallelism (Megatron-LM's
+  ``--sequence-parallel``: TP all-gathers before the QKV and gate/up GEMMs, reduce-scatters
+  after the output projections, norms on the sequence shard) under the job's SP plan
+  (``bench/plans/*_sp_h200.json``; a job without one runs its baselines only);
+  ``--sp both`` runs each job in both layouts (rows labelled ``... sp``).
 
 Usage (one CUDA GPU)::
 
     python bench/host_bound.py --json bench/results/host_bound_h200.json
     python bench/host_bound.py --quick       # fewer steps, for a smoke run
+    python bench/host_bound.py --loop --no-partitions --only qwen3 --modes graphed \
+        --sp both --json bench/results/host_bound_qwen3_sp_h200.json
 
 Prints a table and writes JSON (``--json``): the machine, driver, torch and triton
 versions, every row. Clocks are never changed.
@@ -68,11 +75,17 @@ PARTITION_WORKLOADS = (
     ("llama3.3-70b tp8", "llama3.3-70b", 8, 1, 8),
 )
 
-#: (label, plan file, layers) of the loop rows.
+#: (label, plan file, layers, the plan of the same job under sequence parallelism or None)
+#: of the loop rows.
 LOOP_JOBS = (
-    ("qwen3-1.7b tp4cp2", _REPO / "bench" / "plans" / "qwen3_1.7b_tp4cp2_mb8_h200.json", 28),
-    ("llama3.2-3b tp2", _REPO / "bench" / "plans" / "llama3b_tp2_h200_measured.json", 8),
+    ("qwen3-1.7b tp4cp2", _REPO / "bench" / "plans" / "qwen3_1.7b_tp4cp2_mb8_h200.json", 28,
+     _REPO / "bench" / "plans" / "qwen3_1.7b_tp4cp2_mb8_sp_h200.json"),
+    ("llama3.2-3b tp2", _REPO / "bench" / "plans" / "llama3b_tp2_h200_measured.json", 8,
+     None),
 )
+
+#: ``--sp``'s choices: the TP layouts a loop job runs in.
+SP_CHOICES = {"off": (False,), "on": (True,), "both": (False, True)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -93,7 +106,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="write each profiled loop iteration here as a Chrome trace")
     ap.add_argument("--only", default=None,
                     help="comma-separated labels (substrings) of the workloads to run")
+    ap.add_argument("--sp", choices=sorted(SP_CHOICES), default="off",
+                    help="the loop jobs' TP layout: off (all-reduces, the default), on "
+                         "(sequence parallelism, under the job's SP plan) or both")
     return ap.parse_args(argv)
+
+
+def loop_jobs(args: argparse.Namespace) -> list[tuple[str, Path | None, int, Any]]:
+    """``(label, plan file or None, layers, Workload)`` of the loop runs ``args`` ask for:
+    each job of ``LOOP_JOBS`` in each layout of ``--sp`` (under sequence parallelism its SP
+    plan, or no plan when it has none: the baselines only)."""
+    from kareus.compose.plan import Plan
+    from kareus.model.workload import Workload
+
+    out = []
+    for label, plan_path, layers, sp_plan in LOOP_JOBS:
+        if args.only and not any(s in label for s in args.only.split(",")):
+            continue
+        wl = Workload.from_dict(dict(Plan.load(plan_path).workload or {}))
+        for sp in SP_CHOICES[args.sp]:
+            if not sp:
+                out.append((label, plan_path, layers, wl))
+                continue
+            p = wl.parallelism
+            swl = wl.with_(parallelism=type(p)(tp=p.tp, cp=p.cp, pp=p.pp, dp=p.dp, sp=True))
+            plan = sp_plan if sp_plan is not None and sp_plan.exists() else None
+            out.append((f"{label} sp", plan, layers, swl))
+    return out
 
 
 def _versions() -> dict[str, Any]:
@@ -436,18 +475,17 @@ def measure_loop(args: argparse.Namespace, log: Any) -> list[dict[str, Any]]:
     from kareus.compose.plan import Plan
     from kareus.exec.frequency import DryRunFrequencyController, StreamOrderedTrigger
     from kareus.exec.train import LoopbackGroups, TrainingLoop, make_collectives
-    from kareus.model.workload import Workload
 
     rows = []
-    for label, plan_path, layers in LOOP_JOBS:
-        if args.only and not any(s in label for s in args.only.split(",")):
-            continue
-        plan = Plan.load(plan_path)
-        wl = Workload.from_dict(dict(plan.workload or {}))
+    for label, plan_path, layers, wl in loop_jobs(args):
+        plan = Plan.load(plan_path) if plan_path is not None else None
+        if plan is None:
+            log(f"{label}: no plan for this layout: the baselines only")
         p = wl.parallelism
         groups = LoopbackGroups(tp=p.tp, cp=p.cp)
         capped, default, _ = make_collectives(groups, backend="loopback")
-        trigger = StreamOrderedTrigger(DryRunFrequencyController(gpu=plan.gpu))
+        trigger = StreamOrderedTrigger(DryRunFrequencyController(
+            gpu=plan.gpu if plan is not None else "h200-sxm"))
         loop = TrainingLoop(workload=wl, groups=groups, collective=capped,
                             default_collective=default, plan=plan, frequency=trigger,
                             layers=layers, graphs=True)
@@ -505,6 +543,7 @@ def measure_loop(args: argparse.Namespace, log: Any) -> list[dict[str, Any]]:
             floor = loss_noise_floor(runs.get((schedule, "eager"), runs[(schedule, mode)]))
             clocks = [r["sm_mhz"] for r in rs if r.get("sm_mhz") is not None]
             row = {"job": label, "layers": loop.layers, "workload": wl.to_dict(),
+                   "sequence_parallel": p.sequence_parallel,
                    "schedule": schedule, "mode": mode, "time_s": t,
                    "sm_mhz": statistics.median(clocks) if clocks else None,
                    "vs_sequential": t / ref, **prof.get((schedule, mode), {}),

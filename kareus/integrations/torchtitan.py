@@ -305,7 +305,7 @@ def sequence_parallel_of(model_or_config: Any) -> bool | None:
     (``parallelism.enable_sequence_parallel``): its blocks' attention norm takes the
     sequence sharded over ``tp`` (``Shard(1)``). ``None`` when the model has no TP plan
     (its config was not updated from a ``ParallelismConfig``)."""
-    from torchtitan.distributed.parallel_dims import MeshAxisName
+    from torchtitan.distributed.parallel_dims import MeshAxisName  # type: ignore[import]
 
     layers = list(_model_config(model_or_config).layers or [])
     norm = getattr(layers[0], "attention_norm", None) if layers else None
@@ -607,21 +607,7 @@ def apply_plan(model: Any, *, workload: Workload, mesh: Any = None, tp_group: An
     if workload.parallelism.cp != 1:
         raise WorkloadError("torchtitan's context parallelism is its own attention over "
                             "load-balanced chunks: apply kareus plans with CP=1")
-    arch = model_arch_from_torchtitan(model, name=workload.model.name)
-    # The model's own config against the workload's model, whatever made the workload
-    for field in ("hidden", "heads", "kv_heads", "head_dim", "ffn", "qk_norm", "norm_eps",
-                  "qkv_bias"):
-        mine, theirs = getattr(arch, field), getattr(workload.model, field)
-        if mine != theirs:
-            raise WorkloadError(f"the model's layers have {field}={mine}, the workload's "
-                                f"model {field}={theirs}: make the workload with "
-                                "workload_from_torchtitan(model, ...)")
-    par = workload.parallelism
-    planned_sp = sequence_parallel_of(model)
-    if par.tp > 1 and planned_sp is not None and planned_sp != par.sequence_parallel:
-        raise WorkloadError(f"the model's TP plan has enable_sequence_parallel={planned_sp}, "
-                            f"the workload sp={par.sp}: make the workload with "
-                            "workload_from_torchtitan(model, ...)")
+    arch = _check_model(model, workload)
     for name, _ in model.named_modules():
         if "checkpoint_wrapped_module" in name:
             raise WorkloadError("the model is wrapped in activation checkpointing: kareus's "
@@ -654,6 +640,26 @@ def apply_plan(model: Any, *, workload: Workload, mesh: Any = None, tp_group: An
     for decoder, own in decoders:
         _Chain(decoder, own, applier, [installed[id(b)] for b in own], strict=bool(chain))
     return applier
+
+
+def _check_model(model: Any, workload: Workload) -> Any:
+    """The model's own config against the workload, whatever made the workload: its layers'
+    architecture and its TP plan's layout. Returns the model's ``ModelArch``."""
+    arch = model_arch_from_torchtitan(model, name=workload.model.name)
+    for field in ("hidden", "heads", "kv_heads", "head_dim", "ffn", "qk_norm", "norm_eps",
+                  "qkv_bias"):
+        mine, theirs = getattr(arch, field), getattr(workload.model, field)
+        if mine != theirs:
+            raise WorkloadError(f"the model's layers have {field}={mine}, the workload's "
+                                f"model {field}={theirs}: make the workload with "
+                                "workload_from_torchtitan(model, ...)")
+    par = workload.parallelism
+    planned_sp = sequence_parallel_of(model)
+    if par.tp > 1 and planned_sp is not None and planned_sp != par.sequence_parallel:
+        raise WorkloadError(f"the model's TP plan has enable_sequence_parallel={planned_sp}, "
+                            f"the workload sp={par.sp}: make the workload with "
+                            "workload_from_torchtitan(model, ...)")
+    return arch
 
 
 def _block_seq(workload: Workload) -> int:

@@ -22,6 +22,20 @@ def test_command_line_and_refusal_without_a_gpu(capsys):
     assert "no CUDA GPU" in capsys.readouterr().err
 
 
+def test_sp_runs_the_loop_jobs_in_the_sequence_parallel_layout_under_their_sp_plan():
+    from kareus.compose.plan import Plan
+    from kareus.exec.train import check_plan_workload
+
+    assert hb.parse_args([]).sp == "off"
+    jobs = hb.loop_jobs(hb.parse_args(["--loop", "--only", "qwen3", "--sp", "both"]))
+    assert [(label, wl.parallelism.sequence_parallel) for label, _, _, wl in jobs] == [
+        ("qwen3-1.7b tp4cp2", False), ("qwen3-1.7b tp4cp2 sp", True)]
+    for _, plan_path, _, wl in jobs:  # each plan is for its layout (the loop checks it)
+        check_plan_workload(Plan.load(plan_path), wl)
+    (label, plan, _, wl), = hb.loop_jobs(hb.parse_args(["--only", "llama", "--sp", "on"]))
+    assert plan is None and wl.parallelism.sp  # no SP plan: the baselines only
+
+
 def test_busy_fraction_is_the_union_of_kernel_intervals_over_their_span(monkeypatch):
     class Ev:
         def __init__(self, start, end):
