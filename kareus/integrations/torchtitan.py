@@ -83,7 +83,7 @@ from kareus.integrations._weights import head_norm, layer_weights, linear, qkv_f
 from kareus.model.workload import ModelArch, Parallelism, Workload
 
 __all__ = ["TESTED_VERSIONS", "apply_plan", "chained_blocks", "planned_blocks", "remove_plan",
-           "workload_from_torchtitan", "wrap_trainer"]
+           "sequence_parallel_of", "workload_from_torchtitan", "wrap_trainer"]
 
 #: The torchtitan releases this adapter is tested with (a ``packaging`` specifier).
 TESTED_VERSIONS = ">=0.3,<0.4"

@@ -31,10 +31,10 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def workload(tp: int, cp: int, recompute: bool = True) -> Workload:
+def workload(tp: int, cp: int, recompute: bool = True, sp: bool = False) -> Workload:
     m = ModelArch(name="small", layers=2, hidden=512, heads=8, kv_heads=4, head_dim=64,
                   ffn=1024, vocab=1000)
-    return Workload(model=m, parallelism=Parallelism(tp=tp, cp=cp), microbatch_size=4,
+    return Workload(model=m, parallelism=Parallelism(tp=tp, cp=cp, sp=sp), microbatch_size=4,
                     seq_len=256, num_microbatches=2, nanobatches=2, recompute=recompute)
 
 
@@ -55,9 +55,12 @@ def test_bf16_loop_on_fused_kernels_matches_autograd(schedule):
         assert err < 3e-2, (k, err)
 
 
-@pytest.mark.parametrize("tp,cp", [(2, 1), (2, 2)])
-def test_loopback_schedules_on_cuda_streams(tp, cp):
-    wl = workload(tp, cp)
+@pytest.mark.parametrize("tp,cp,sp", [(2, 1, False), (2, 2, False), (2, 1, True),
+                                      (2, 2, True)])
+def test_loopback_schedules_on_cuda_streams(tp, cp, sp):
+    # sp: sequence parallelism (TP all-gathers and reduce-scatters on the TP loopback,
+    # eager and from CUDA graphs, the default on a GPU)
+    wl = workload(tp, cp, sp=sp)
     groups = LoopbackGroups(tp=tp, cp=cp)
     capped, default, _ = make_collectives(groups, backend="loopback")
     plan = plan_for(wl, sms=8)
@@ -78,6 +81,13 @@ def test_loopback_schedules_on_cuda_streams(tp, cp):
         assert all(torch.isfinite(torch.tensor(got))), s
         assert got == pytest.approx(ref, rel=2e-2), s
     assert ref[-1] < ref[0]
+    if sp:  # the TP collectives of the layout ran on the TP group's backend
+        assert {c[0] for c in capped.tp.calls} == {"all_gather", "reduce_scatter"}
+    if loop.graphs:  # graphed and eager run the same computation
+        loop.graphs = False
+        loop.reset()
+        eager = [float(loop.step("sequential")) for _ in range(4)]
+        assert eager == pytest.approx(ref, rel=2e-2)
 
 
 def test_measure_runs_with_the_energy_meter():
