@@ -131,6 +131,7 @@ class RunnableOutsideWork(RunnablePartition):
         wl = self.workload
         m, p = wl.model, wl.parallelism
         t = wl.microbatch_size * wl.seq_len // p.cp
+        ts = t // (p.tp if p.sequence_parallel else 1)  # the final norm's tokens (the shard)
         h = m.hidden
         v = -(-m.vocab // p.tp)
         gen = torch.Generator(device=dev)
@@ -146,8 +147,10 @@ class RunnableOutsideWork(RunnablePartition):
             "labels": torch.randint(0, v, (t,), generator=gen, device=dev),
             "table": rnd(v, h), "w_norm": rnd(h, scale=0.1).add_(1.0),
             "W": rnd(h, v, scale=h ** -0.5), "x": rnd(t, h), "dy": rnd(t, h),
-            "d_embedded": rnd(t, h),
+            "d_embedded": rnd(t, h), "xs": rnd(ts, h), "dys": rnd(ts, h),
         }
+        if ts == t:  # without sequence parallelism the final norm sees every token
+            ctx["xs"], ctx["dys"] = ctx["x"], ctx["dy"]
         rows = torch.arange(t, device=dev)
 
         def op(name: str) -> Callable[[], Any]:
@@ -155,6 +158,9 @@ class RunnableOutsideWork(RunnablePartition):
                 return lambda: ctx.__setitem__("x", torch.nn.functional.embedding(
                     ctx["ids"], ctx["table"]))
             if name == "final_norm":
+                if ts != t:  # on the sequence shard; the LM head reads the gathered tokens
+                    return lambda: ctx.__setitem__("xns", ks.rms_norm(ctx["xs"],
+                                                                      ctx["w_norm"]))
                 return lambda: ctx.__setitem__("xn", ks.rms_norm(ctx["x"], ctx["w_norm"]))
             if name == "lm_head":
                 return lambda: ctx.__setitem__("logits", ks.matmul(ctx["xn"], ctx["W"]))
@@ -174,7 +180,7 @@ class RunnableOutsideWork(RunnablePartition):
                 return lambda: ctx.__setitem__("dW", ks.matmul(ctx["xn"].t(), ctx["dlogits"]))
             if name == "final_norm_bwd":
                 def norm_bwd() -> None:
-                    ctx["dx"], ctx["dw_norm"] = ks.rms_norm_bwd(ctx["dy"], ctx["x"],
+                    ctx["dx"], ctx["dw_norm"] = ks.rms_norm_bwd(ctx["dys"], ctx["xs"],
                                                                 ctx["w_norm"])
                 return norm_bwd
             if name != "embedding_bwd":  # a memory-bound op of no kernel here: its bytes
@@ -198,7 +204,8 @@ class RunnableOutsideWork(RunnablePartition):
         by_name = {o.name: o for o in self.work.ops}
         if "embedding_bwd" in names:
             ctx["dtable"] = torch.zeros_like(ctx["table"])
-        if "lm_head_dgrad" in names or "lm_head_wgrad" in names or "loss_bwd" in names:
+        if ("lm_head_dgrad" in names or "lm_head_wgrad" in names or "loss_bwd" in names
+                or ts != t):  # the LM head's input (gathered, under sequence parallelism)
             ctx["xn"] = ks.rms_norm(ctx["x"], ctx["w_norm"])
             ctx["logits"] = ks.matmul(ctx["xn"], ctx["W"])
         ops = [op(n) for n in names]
@@ -263,9 +270,12 @@ def _comm_op(torch: Any, comm: CommOp, collective: Any, sms: int | None, model_b
     n = int(comm.bytes) // int(model_bytes)
     g = comm.group_size
     kind = comm.kind.value
+    # Its group, from its name (``tp_...``, ``cp_...``): under sequence parallelism the TP
+    # group runs all-gathers and reduce-scatters too (``None``: routed by kind).
+    group = next((x for x in ("tp", "cp") if comm.name.startswith(x + "_")), None)
 
-    def buf(numel: int) -> Any:  # registered with the group that runs ``kind``, where it can
-        return _comm_zeros(torch, collective, (numel,), device, dtype, kind)
+    def buf(numel: int) -> Any:  # registered with the group that runs it, where it can
+        return _comm_zeros(torch, collective, (numel,), device, dtype, kind, group)
 
     if kind == "all_reduce":
         tensors: tuple[Any, ...] = (buf(n),)
@@ -276,11 +286,15 @@ def _comm_op(torch: Any, comm: CommOp, collective: Any, sms: int | None, model_b
     if isinstance(collective, Executor):  # any executor runs it (Executor.run_collective)
         ex = collective
         if kind == "all_reduce":
-            return lambda: ex.run_collective(kind, tensors[0], sms=sms, partition=comm.name)
+            return lambda: ex.run_collective(kind, tensors[0], sms=sms, partition=comm.name,
+                                             group=group)
         return lambda: ex.run_collective(kind, tensors[1], tensors[0], sms=sms,
-                                         partition=comm.name)
+                                         partition=comm.name, group=group)
     pick = getattr(collective, "backend_for", None)
     backend = pick(sms) if callable(pick) else collective
+    route = getattr(backend, "for_group", None)
+    if group is not None and callable(route):
+        backend = route(group)
     if backend is None:
         raise ArgumentError("outside work with a collective needs an executor or a backend "
                          "(build(collective=...))")

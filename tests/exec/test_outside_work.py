@@ -30,3 +30,30 @@ def test_random_bytes_fills_every_chunk(monkeypatch, nbytes):
     # every 8-byte word drawn (a zero word among 64-bit draws is practically impossible)
     assert (out[: 8 * words].view(torch.int64) != 0).all()
 
+
+
+def test_sequence_parallel_outside_work_runs_its_tp_collectives_on_the_tp_group():
+    # Under sequence parallelism the embedding's output is reduce-scattered and the final
+    # norm's all-gathered over TP: kinds a GroupedCollective sends to CP unless the
+    # collective names its group (here CP = 1: there is no CP backend at all).
+    import torch
+
+    from kareus.exec.executor import RecordingStreamBackend, TorchExecutor
+    from kareus.exec.outside_work import RunnableOutsideWork
+    from kareus.exec.train import GroupedCollective, LoopbackGroupCollective
+    from kareus.model import ModelArch, Parallelism, Workload, build_partitions
+
+    m = ModelArch(name="tiny", layers=2, hidden=64, heads=8, kv_heads=4, head_dim=8, ffn=128,
+                  vocab=512)
+    wl = Workload(model=m, parallelism=Parallelism(tp=4, sp=True), microbatch_size=2,
+                  seq_len=64, num_microbatches=2, nanobatches=2)
+    tp = LoopbackGroupCollective(group_size=4)
+    ex = TorchExecutor(collective=GroupedCollective(tp=tp, cp=None),
+                       streams=RecordingStreamBackend())
+    ex.empty = lambda shape, dtype, **kw: torch.zeros(shape, dtype=dtype)  # on the CPU
+    work = build_partitions(wl).outside[(0, "fwd")]
+    prog = RunnableOutsideWork(work, wl, dtype="float32").build(device="cpu", collective=ex)
+    with torch.no_grad():
+        prog.run_plain()
+    assert {k for k, _, _ in tp.calls} == {"reduce_scatter", "all_gather"}
+    assert prog.state["xns"].shape[0] * 4 == prog.state["xn"].shape[0]  # norm on the shard

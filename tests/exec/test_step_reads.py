@@ -29,9 +29,10 @@ TINY = ModelArch(name="tiny", layers=2, hidden=64, heads=8, kv_heads=4, head_dim
                  vocab=512)
 
 
-def _workload(cp: int) -> Workload:
+def _workload(cp: int, sp: bool = False) -> Workload:
     return attrs.evolve(Workload.preset("qwen3-1.7b"), model=TINY,
-                        parallelism=Parallelism(tp=4, pp=1, cp=cp, dp=1), microbatch_size=2,
+                        parallelism=Parallelism(tp=4, pp=1, cp=cp, dp=1, sp=sp),
+                        microbatch_size=2,
                         seq_len=64, num_microbatches=4, nanobatches=2)
 
 
@@ -71,9 +72,12 @@ def _stale_reads(prog, steps: int = 3):
     return [(f, p) for f, p in seen[-1].inputs if p in seen[-2].made]
 
 
+@pytest.mark.parametrize("sp", [False, True])
 @pytest.mark.parametrize("phase", ["fwd", "bwd", "iteration"])
-def test_outside_work_reads_nothing_an_earlier_step_made(phase):
-    wl = _workload(1)
+def test_outside_work_reads_nothing_an_earlier_step_made(phase, sp):
+    # sp: the embedding reduce-scattered, the final norm on the sequence shard and its
+    # output all-gathered (TP collectives of the kinds CP runs, named for their group)
+    wl = _workload(1, sp)
     pset = build_partitions(wl)
     work = pset.iteration if phase == "iteration" else pset.outside[(0, phase)]
     prog = RunnableOutsideWork(work, wl, dtype="float32").build(
@@ -82,9 +86,9 @@ def test_outside_work_reads_nothing_an_earlier_step_made(phase):
         "before made"
 
 
-@pytest.mark.parametrize("cp", [1, 2])
-def test_partitions_read_nothing_an_earlier_step_made(cp):
-    wl = _workload(cp)
+@pytest.mark.parametrize(("cp", "sp"), [(1, False), (2, False), (2, True)])
+def test_partitions_read_nothing_an_earlier_step_made(cp, sp):
+    wl = _workload(cp, sp)
     for name, part in build_partitions(wl).types.items():
         prog = RunnableTransformerPartition(part, wl, dtype="float32").build(
             device="cpu", collective=RecordingExecutor())
