@@ -104,9 +104,9 @@ def test_rope_forward_and_backward_on_strided_inputs(b, s, h, kvh, hd):
 
 @pytest.mark.parametrize("b,s,h,kvh", [(2, 2048, 4, 2), (1, 4096, 16, 8), (3, 37, 3, 1)])
 def test_qk_norm_fused_with_rope_equals_the_separate_kernels(b, s, h, kvh):
-    """On the GPU (bf16 rounded to nearest): the fused forward equals the Triton norm and
-    RoPE kernels it replaces bit for bit; the backward agrees with them within bf16
-    rounding and with float64 within the set's tolerance."""
+    """On the GPU: the fused kernels agree with the Triton norm and RoPE kernels they
+    replace within bf16 rounding (not bit for bit: the fused norm sums each head's squares
+    in another order), and dv is copied exactly."""
     from kareus.exec.kernels import KernelSet
 
     ks, hd = TritonKernels(use_liger=False), 128
@@ -120,7 +120,7 @@ def test_qk_norm_fused_with_rope_equals_the_separate_kernels(b, s, h, kvh):
     kw = {"heads": h, "kv_heads": kvh, "eps": 1e-6}
     q, k = ks.qk_norm_rope(qkv, wq, wk, cos, sin, **kw)
     q2, k2 = KernelSet.qk_norm_rope(ks, qkv, wq, wk, cos, sin, **kw)
-    assert torch.equal(q, q2) and torch.equal(k, k2)
+    assert rel(q, q2) < 1e-3 and rel(k, k2) < 1e-3
     got = ks.qk_norm_rope_bwd(dq, dk, dv, qkv, wq, wk, cos, sin, eps=1e-6)
     sep = KernelSet.qk_norm_rope_bwd(ks, dq, dk, dv, qkv, wq, wk, cos, sin, eps=1e-6)
     for a, r in zip(got, sep):

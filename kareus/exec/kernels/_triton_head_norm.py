@@ -4,8 +4,11 @@ A model that normalises queries and keys per head (Qwen3: an RMSNorm over ``head
 every query and key head, between the QKV projection and RoPE) would otherwise run, per
 layer and nanobatch, a copy of the packed QKV, two strided per-head norms (each another
 gather and scatter, since a head's vector is not a row of a contiguous matrix), then RoPE
-reading the normalised heads again. Measured on one H200 at qwen3-1.7b's shapes, the
-per-head norm through ``torch.rms_norm`` ran at 0.71-0.74 TB/s, 17% of HBM bandwidth.
+reading the normalised heads again. On one H200 at Qwen3-1.7B's shapes (graphed, GPU
+time; bench/probes/qk_norm_rope.py), the forward ran at 72-80% of HBM bandwidth
+(3.5-3.8 TB/s of the minimum traffic) against 10-11% for the separate Triton norm and
+RoPE kernels and 3% for ``TorchKernels``' composition; the backward at 33-51% (1.6-2.5
+TB/s; the partial weight gradients' reduction is the rest) against 9-11% and 2-4%.
 
 Here one program holds ``BLOCK_S`` positions of one head: it reads the head's two halves
 from the packed QKV in place (any row stride), normalises them (float32 statistics, the
@@ -182,13 +185,16 @@ def qk_norm_rope_fwd(qkv: Any, wq: Any, wk: Any, cos: Any, sin: Any, *, heads: i
 
 
 def qk_norm_rope_bwd(dq: Any, dk: Any, dv: Any, qkv: Any, wq: Any, wk: Any, cos: Any,
-                     sin: Any, *, eps: float, block_s: int = 16,
+                     sin: Any, *, eps: float, block_s: int = 64,
                      num_warps: int = 4) -> tuple[Any, Any, Any]:
     """The backward of ``qk_norm_rope_fwd``: ``(dqkv, dwq, dwk)``: the packed gradient of the
     projection's output (``[batch * seq, (heads + 2 kv_heads) * hd]``, ``dv`` copied into
     its place) and the float32 gradients of the two norm weights. ``dq``, ``dk``, ``dv``:
     ``[batch, seq, heads or kv_heads, hd]``, any strides with the last 1; ``qkv`` the
-    projection's output the forward read."""
+    projection's output the forward read. ``block_s``: positions a program (64: fewer
+    partial weight gradients to reduce; on one H200 at Qwen3-1.7B's shapes the backward
+    ran 1.2-1.6x faster than at 16, bench/probes/results/qk_norm_rope_h200.json, where
+    the forward was faster at 16)."""
     b, seq, heads, hd = dq.shape
     kv_heads = dk.shape[2]
     if dv.shape[2] != kv_heads or dk.shape[:2] != dq.shape[:2] or dv.shape[:2] != dq.shape[:2]:
