@@ -40,7 +40,43 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["GraphedRunner"]
+__all__ = ["GraphedRunner", "capture_in_progress", "computation_signature"]
+
+
+def capture_in_progress() -> bool:
+    """Whether work enqueued now on the current CUDA stream goes into a graph that someone
+    is capturing (the framework's step capture, a user's ``torch.cuda.graph``).
+
+    ``torch.cuda.is_current_stream_capturing()``, asked only once CUDA has started in this
+    process (before that nothing can be capturing, and asking would start it): a planned
+    layer then launches its kernels into that capture instead of capturing or replaying
+    graphs of its own.
+    """
+    import torch
+
+    if not torch.cuda.is_initialized():
+        return False
+    return bool(torch.cuda.is_current_stream_capturing())
+
+
+def computation_signature(applier: Any, phase: str, x: Any,
+                          weights: Sequence[Sequence[Any]],
+                          inputs: Sequence[Any] | None) -> tuple[Any, ...]:
+    """What changes the work a planned computation enqueues: phase, depth, nanobatch count,
+    whether the plan runs it unsplit, the plan's choice for it (its configurations and SM
+    counts), shapes, strides and dtypes. Two calls with one signature enqueue the same
+    kernels on tensors of the same layout (a graph of one replays the other)."""
+    from kareus.exec.plan_lookup import computation_key
+
+    n, unsplit = applier._computation(phase)
+    choice: Any = None
+    if applier.schedule == "kareus":
+        current = applier._executor().current
+        key = computation_key(*current)
+        choice = applier.plan.assignment.get(key, key)
+    wsig = tuple((tuple(w.shape), tuple(w.stride()), w.dtype) for ws in weights for w in ws)
+    return (phase, len(weights), n, unsplit, choice, tuple(x.shape), x.dtype,
+            str(x.device), wsig, len(inputs or ()))
 
 
 class _Captured:
@@ -77,25 +113,10 @@ class GraphedRunner:
         self._names: dict[tuple[Any, ...], str] = {}
         self.captures = 0
 
-    def _key(self, phase: str, x: Any, weights: Sequence[Sequence[Any]],
-             inputs: Sequence[Any] | None) -> tuple[Any, ...]:
-        from kareus.exec.plan_lookup import computation_key
-
-        ap = self.applier
-        n, unsplit = ap._computation(phase)
-        choice: Any = None
-        if ap.schedule == "kareus":
-            current = ap._executor().current
-            key = computation_key(*current)
-            choice = ap.plan.assignment.get(key, key)
-        wsig = tuple((tuple(w.shape), tuple(w.stride()), w.dtype) for ws in weights for w in ws)
-        return (phase, len(weights), n, unsplit, choice, tuple(x.shape), x.dtype,
-                str(x.device), wsig, len(inputs or ()))
-
     def run(self, phase: str, x: Any, weights: Sequence[Sequence[Any]], dy: Any = None,
             inputs: Sequence[Any] | None = None) -> tuple[Any, list[Any]]:
         """``PlanApplier.run`` from a graph: copy in, replay, clone out."""
-        key = self._key(phase, x, weights, inputs)
+        key = computation_signature(self.applier, phase, x, weights, inputs)
         cap = self._graphs.get(key)
         if cap is None or self._moved(key, cap, weights):
             cap = self._capture(key, phase, x, weights, dy, inputs)

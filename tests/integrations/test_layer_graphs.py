@@ -195,3 +195,134 @@ def test_every_body_is_warmed_up_twice_before_its_capture(monkeypatch):
     xs = [torch.randn(4, 8, wl.model.hidden, generator=torch.Generator().manual_seed(0))]
     _run(_applier(wl, graphs=True, plan=None, schedule="sequential"), params, xs, plan=False)
     assert asked and set(asked) == {2}
+
+
+# ---------------------------------------------------------------- inside an enclosing capture
+class _Counting(_Rerun):
+    replays = 0
+
+    def replay(self, index=None):
+        _Counting.replays += 1
+        super().replay(index)
+
+
+def _fake_capture(monkeypatch):
+    """From now on the current CUDA stream reads as being captured (by someone else)."""
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("schedule", ["nanobatching", "kareus"])
+def test_inside_an_enclosing_capture_layers_launch_into_it(monkeypatch, schedule, graphs):
+    # a step outside any capture (the framework's warm-up), then the same step while the
+    # stream is captured: no graph of the applier's own is captured or replayed, and the
+    # result is eager's
+    monkeypatch.setattr(RerunExecutor, "capture",
+                        lambda self, name, bodies, **kw: _Counting(bodies))
+    wl = workload(tp=1, cp=2)
+    plan = make_workload_plan(wl) if schedule == "kareus" else None
+    xs = [torch.randn(4, 8, wl.model.hidden, generator=torch.Generator().manual_seed(s))
+          for s in (0, 1)]
+
+    def params():
+        return [{k: torch.nn.Parameter(v) for k, v in full_weights(wl.model, seed).items()}
+                for seed in (1, 2)]
+
+    want = _run(_applier(wl, graphs=False, plan=plan, schedule=schedule), params(), xs,
+                plan=plan is not None)
+    applier = _applier(wl, graphs=graphs, plan=plan, schedule=schedule)
+    _run(applier, params(), xs, plan=plan is not None)  # warm-up, outside
+    captures, replays = (applier._runner.captures if graphs else 0), _Counting.replays
+    _fake_capture(monkeypatch)
+    got = _run(applier, params(), xs, plan=plan is not None)
+    assert _Counting.replays == replays
+    if graphs:
+        assert applier._runner.captures == captures
+    for (ye, dxe, ge), (yg, dxg, gg) in zip(want, got, strict=True):
+        torch.testing.assert_close(yg, ye, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(dxg, dxe, rtol=1e-6, atol=1e-6)
+        for k in ge:
+            torch.testing.assert_close(gg[k], ge[k], rtol=1e-6, atol=1e-6, msg=k)
+
+
+def test_a_first_run_inside_a_capture_is_refused(monkeypatch):
+    from kareus.errors import GraphCaptureError
+
+    wl = workload(tp=1, cp=2)
+    applier = _applier(wl, graphs=True)
+    params = {k: torch.nn.Parameter(v) for k, v in full_weights(wl.model, 1).items()}
+    x = torch.randn(4, 8, wl.model.hidden)
+    _fake_capture(monkeypatch)
+    with pytest.raises(GraphCaptureError, match="before it ever ran outside one"):
+        applier.stack(1)(x, [planned_weights(params, wl.model)])
+    assert applier._runner is None
+
+
+def test_a_plan_that_differs_per_microbatch_needs_a_whole_step_capture(monkeypatch):
+    from kareus.errors import PlanError
+
+    wl = workload(tp=1, cp=2)
+    plan = make_workload_plan(wl, freqs_mhz=(1980, 1410))  # two choices: two clocks
+    xs = [torch.randn(4, 8, wl.model.hidden, generator=torch.Generator().manual_seed(s))
+          for s in (0, 1)]
+
+    def params():
+        return [{k: torch.nn.Parameter(v) for k, v in full_weights(wl.model, 1).items()}]
+
+    want = _run(_applier(wl, graphs=False, plan=plan), params(), xs, plan=True)
+    per_mb, whole = (_applier(wl, graphs=True, plan=plan) for _ in range(2))
+    whole.whole_step_capture = True
+    for applier in (per_mb, whole):
+        _run(applier, params(), xs, plan=True)
+    with monkeypatch.context() as m:
+        _fake_capture(m)
+        with pytest.raises(PlanError, match="whole_step_capture=True"):
+            _run(per_mb, params(), xs, plan=True)
+        got = _run(whole, params(), xs, plan=True)
+    for (ye, dxe, ge), (yg, dxg, gg) in zip(want, got, strict=True):
+        torch.testing.assert_close(yg, ye, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(dxg, dxe, rtol=1e-6, atol=1e-6)
+        for k in ge:
+            torch.testing.assert_close(gg[k], ge[k], rtol=1e-6, atol=1e-6, msg=k)
+    # one choice for every microbatch: any capture takes it
+    uniform = _applier(wl, graphs=True, plan=make_workload_plan(wl))
+    _run(uniform, params(), xs, plan=True)
+    _fake_capture(monkeypatch)
+    _run(uniform, params(), xs, plan=True)
+
+
+def test_the_plans_digest_exchange_is_refused_inside_a_capture(monkeypatch):
+    from kareus.errors import PlanError
+
+    wl = workload(tp=1, cp=2)
+    groups = LoopbackGroups(tp=1, cp=2)
+    applier = PlanApplier(workload=wl, groups=groups, plan=make_workload_plan(wl),
+                          kernels="torch", start=False)
+    _fake_capture(monkeypatch)
+    with pytest.raises(PlanError, match="applier.start"), applier.microbatch(0, "fwd"):
+        pass
+
+
+def test_graphs_default_per_device(monkeypatch, caplog):
+    import logging
+
+    wl = workload(tp=1, cp=2)
+    groups = LoopbackGroups(tp=1, cp=2)
+    caplog.set_level(logging.INFO, logger="kareus")
+    # no CUDA device: eager, said once
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cpu = PlanApplier(workload=wl, groups=groups, kernels="torch")
+    assert cpu.graphs is False and cpu.baseline.graphs is False
+    assert "kareus planned layers: eager launches" in caplog.text
+    # a device whose streams capture: graphs, said once
+    caplog.clear()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    gpu = PlanApplier(workload=wl, groups=groups, kernels="torch",
+                      streams=RecordingStreamBackend())
+    assert gpu.graphs is True and gpu.baseline.graphs is True
+    assert "kareus planned layers: own CUDA graphs" in caplog.text
+    # told otherwise
+    off = PlanApplier(workload=wl, groups=groups, kernels="torch",
+                      streams=RecordingStreamBackend(), graphs=False)
+    assert off.graphs is False and off.baseline.graphs is False
