@@ -40,7 +40,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["GraphedRunner", "capture_in_progress", "computation_signature"]
+__all__ = ["GraphedRunner", "KeptInputs", "capture_in_progress", "computation_signature"]
 
 
 def capture_in_progress() -> bool:
@@ -61,7 +61,7 @@ def capture_in_progress() -> bool:
 
 def computation_signature(applier: Any, phase: str, x: Any,
                           weights: Sequence[Sequence[Any]],
-                          inputs: Sequence[Any] | None) -> tuple[Any, ...]:
+                          inputs: Sequence[Any] | KeptInputs | None) -> tuple[Any, ...]:
     """What changes the work a planned computation enqueues: phase, depth, nanobatch count,
     whether the plan runs it unsplit, the plan's choice for it (its configurations and SM
     counts), shapes, strides and dtypes. Two calls with one signature enqueue the same
@@ -79,6 +79,73 @@ def computation_signature(applier: Any, phase: str, x: Any,
             str(x.device), wsig, len(inputs or ()))
 
 
+class _Slot:
+    """A forward graph's static buffers that its backward graphs read in place: the
+    stack's input (the copy the forward read) and the inputs of layers ``1 ..`` the
+    forward kept (outputs of the graph, in its pool); and the forward whose backward they
+    hold now (a weak reference to its [`KeptInputs`][kareus.integrations._graphed.KeptInputs]).
+    """
+
+    serials = 0
+
+    def __init__(self, forward: _Captured) -> None:
+        self._forward = forward
+        self.owner: Any = None
+        self.retired = False
+        _Slot.serials += 1
+        self.serial = _Slot.serials
+
+    @property
+    def x(self) -> Any:
+        """The forward graph's static input."""
+        return self._forward.x
+
+    @property
+    def kept(self) -> list[Any]:
+        """The inputs of layers ``1 ..`` the forward graph wrote (its static outputs)."""
+        return list(self._forward.result[1])
+
+    def holder(self) -> KeptInputs | None:
+        """The pending forward whose backward these buffers hold (``None``: free)."""
+        return None if self.owner is None else self.owner()
+
+    def evict(self) -> None:
+        """Before the buffers are overwritten: give the pending forward's backward clones
+        of them (enqueued before the overwrite, so they hold what it kept)."""
+        held = self.holder()
+        if held is not None and held.clones is None:
+            held.clones = [t.clone() for t in self.kept]
+        self.owner = None
+
+
+class KeptInputs:
+    """What a graphed forward hands its backward instead of copies of what it kept: its
+    forward graph's slot, read in place by the backward graph while no later replay of
+    that forward has overwritten it, or clones of it made right before such a replay.
+
+    ``len()`` is the number of kept inputs (layers ``1 ..``); ``tensors()`` gives them.
+    """
+
+    def __init__(self, slot: _Slot) -> None:
+        import weakref
+
+        self.slot = slot
+        self.clones: list[Any] | None = None
+        slot.owner = weakref.ref(self)
+
+    def __len__(self) -> int:
+        return len(self.slot.kept)
+
+    def in_place(self) -> bool:
+        """Whether the slot still holds this forward's buffers."""
+        return self.clones is None and self.slot.holder() is self
+
+    def tensors(self) -> list[Any]:
+        """The kept inputs of layers ``1 ..`` (the slot's own while they are this
+        forward's; clones otherwise)."""
+        return list(self.slot.kept if self.clones is None else self.clones)
+
+
 class _Captured:
     """One captured computation: its graph sequence, static buffers and static outputs."""
 
@@ -87,6 +154,7 @@ class _Captured:
         self.x: Any = None
         self.dy: Any = None
         self.inputs: list[Any] = []
+        self.slot: _Slot | None = None  # a forward's; the slot a backward reads
         # per layer, per weight: the tensor the graph reads, and whether it is a copy
         self.weights: list[list[Any]] = []
         self.copied: list[list[bool]] = []
@@ -104,6 +172,8 @@ class GraphedRunner:
 
     Attributes:
         captures: Graphs captured so far (a re-capture counts again).
+        loads: Backwards whose kept inputs were copied back into their forward's slot
+            (another forward of that graph ran in between).
     """
 
     def __init__(self, applier: Any) -> None:
@@ -112,20 +182,56 @@ class GraphedRunner:
         self._copy_always: set[tuple[tuple[Any, ...], int, int]] = set()
         self._names: dict[tuple[Any, ...], str] = {}
         self.captures = 0
+        self.loads = 0
 
     def run(self, phase: str, x: Any, weights: Sequence[Sequence[Any]], dy: Any = None,
-            inputs: Sequence[Any] | None = None) -> tuple[Any, list[Any]]:
-        """``PlanApplier.run`` from a graph: copy in, replay, clone out."""
+            inputs: Sequence[Any] | KeptInputs | None = None) -> tuple[Any, Any]:
+        """``PlanApplier.run`` from a graph: copy in, replay, clone out (see the module
+        docstring). A forward returns its kept inputs as a ``KeptInputs``."""
         key = computation_signature(self.applier, phase, x, weights, inputs)
+        slot = None
+        if isinstance(inputs, KeptInputs):
+            if inputs.slot.retired:  # its forward graph was captured again: copies
+                inputs = inputs.tensors()
+            else:
+                slot = inputs.slot
+                if not inputs.in_place():  # another forward's now, or evicted: load it
+                    kept = inputs.tensors()
+                    self.loads += 1
+                    slot.evict()
+                    slot.x.copy_(x)  # the forward's input, as autograd saved it
+                    for dst, src in zip(slot.kept, kept, strict=True):
+                        dst.copy_(src)
+                slot.owner = None  # consumed by this backward
+                key = (*key, "slot", slot.serial)
         cap = self._graphs.get(key)
         if cap is None or self._moved(key, cap, weights):
-            cap = self._capture(key, phase, x, weights, dy, inputs)
+            if cap is not None and cap.slot is not None and phase == "fwd":
+                self._retire(cap.slot)
+            cap = self._capture(key, phase, x, weights, dy, inputs, slot)
         else:
+            if phase == "fwd":
+                assert cap.slot is not None
+                cap.slot.evict()
             self._copy_in(cap, x, weights, dy, inputs)
             cap.seq.replay()
         self.applier._record(phase, cap.ran)
         first, rest = cap.result
+        if phase == "fwd":
+            assert cap.slot is not None
+            return first.clone(), KeptInputs(cap.slot)
         return first.clone(), [t.clone() for t in rest]
+
+    def _retire(self, slot: _Slot) -> None:
+        """A forward graph is captured again: its slot stays with the forwards that hold it
+        (their backwards read copies), and the backward graphs that read it go."""
+        slot.retired = True
+        ex = self.applier._executor()
+        for key in [k for k in self._graphs if k[-2:] == ("slot", slot.serial)]:
+            del self._graphs[key]
+            name = self._names.get(key)
+            if name is not None:
+                ex.release_graphs(name)
 
     def _moved(self, key: tuple[Any, ...], cap: _Captured,
                weights: Sequence[Sequence[Any]]) -> bool:
@@ -140,29 +246,31 @@ class GraphedRunner:
         return moved
 
     def _copy_in(self, cap: _Captured, x: Any, weights: Sequence[Sequence[Any]], dy: Any,
-                 inputs: Sequence[Any] | None) -> None:
-        cap.x.copy_(x)
+                 inputs: Any) -> None:
+        if cap.x is not None:  # not a backward reading its forward's slot
+            cap.x.copy_(x)
+            for dst, src in zip(cap.inputs, inputs or (), strict=True):
+                dst.copy_(src)
         if cap.dy is not None:
             cap.dy.copy_(dy)
-        for dst, src in zip(cap.inputs, inputs or (), strict=True):
-            dst.copy_(src)
         for i, ws in enumerate(weights):
             for j, w in enumerate(ws):
                 if cap.copied[i][j]:
                     cap.weights[i][j].copy_(w)
 
     def _capture(self, key: tuple[Any, ...], phase: str, x: Any,
-                 weights: Sequence[Sequence[Any]], dy: Any,
-                 inputs: Sequence[Any] | None) -> _Captured:
+                 weights: Sequence[Sequence[Any]], dy: Any, inputs: Any,
+                 slot: _Slot | None) -> _Captured:
         import torch
 
         ap = self.applier
         cap = _Captured()
-        cap.x = torch.empty_like(x, memory_format=torch.contiguous_format)
+        if slot is None:
+            cap.x = torch.empty_like(x, memory_format=torch.contiguous_format)
+            cap.inputs = [torch.empty_like(t, memory_format=torch.contiguous_format)
+                          for t in inputs or ()]
         cap.dy = None if dy is None else torch.empty_like(dy,
                                                           memory_format=torch.contiguous_format)
-        cap.inputs = [torch.empty_like(t, memory_format=torch.contiguous_format)
-                      for t in inputs or ()]
         for i, ws in enumerate(weights):
             row, copied, ptrs = [], [], []
             for j, w in enumerate(ws):
@@ -175,10 +283,10 @@ class GraphedRunner:
             cap.copied.append(copied)
             cap.ptrs.append(ptrs)
         self._copy_in(cap, x, weights, dy, inputs)
-
         def body() -> None:
-            cap.result, cap.ran = ap._run_eager(phase, cap.x, cap.weights, cap.dy,
-                                                cap.inputs or None)
+            # what the graph reads: its own static buffers, or its forward's slot
+            gx, gin = (cap.x, cap.inputs) if slot is None else (slot.x, slot.kept)
+            cap.result, cap.ran = ap._run_eager(phase, gx, cap.weights, cap.dy, gin or None)
 
         name = self._names.setdefault(key, f"integrations:{phase}:{len(self._names)}")
         # The capture runs the body twice eagerly first (warm-up: the first call of a
@@ -190,6 +298,10 @@ class GraphedRunner:
         cap.seq = ap._executor().capture(name, [body], signature=(key, self.captures),
                                          warmup=2)
         cap.seq.replay()
+        if phase == "fwd":
+            cap.slot = _Slot(cap)
+        else:
+            cap.slot = slot
         self.captures += 1
         self._graphs[key] = cap
         return cap

@@ -494,14 +494,22 @@ class PlanApplier:
             Forward: ``(output, inputs of layers 1 ..)``; backward: ``(gradient of x, the
             weight gradients of every layer, layer by layer in ``weight_names`` order)``.
         """
+        from kareus.integrations._graphed import KeptInputs
+
         if capture_in_progress():
             # Someone captures the stream (the framework's step, the user's graph): the
             # kernels, events and collectives go into that capture; no graph of our own
+            if isinstance(inputs, KeptInputs):
+                raise GraphCaptureError("a planned layer's backward runs inside a CUDA graph "
+                                        "capture, its forward ran outside any: capture "
+                                        "forward and backward together")
             self._check_enclosing(phase, x, weights, inputs)
         else:
             self._warmed.add(computation_signature(self, phase, x, weights, inputs))
             if self._own_graphs(x):
                 return self._graphs_runner().run(phase, x, weights, dy, inputs)
+        if isinstance(inputs, KeptInputs):  # a graphed forward's, run eagerly backward
+            inputs = inputs.tensors()
         result, ran = self._run_eager(phase, x, weights, dy, inputs)
         self._record(phase, ran)
         return result

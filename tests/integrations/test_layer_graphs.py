@@ -326,3 +326,53 @@ def test_graphs_default_per_device(monkeypatch, caplog):
     off = PlanApplier(workload=wl, groups=groups, kernels="torch",
                       streams=RecordingStreamBackend(), graphs=False)
     assert off.graphs is False and off.baseline.graphs is False
+
+
+# ---------------------------------------------------------------- backward reads its forward's slot
+@pytest.mark.parametrize("order", ["fwd-bwd", "all-forwards-first", "no-grad-forward-between"])
+def test_a_graphed_backward_reads_what_its_forward_kept_in_place(order):
+    # the backward graph reads the forward graph's static input and kept inputs where the
+    # forward left them; another forward of the same graph before that backward first
+    # gives the pending backward clones of them (copied back before its replay), so every
+    # order of forwards and backwards computes what eager execution does
+    wl = workload(tp=1, cp=2)
+    xs = [torch.randn(4, 8, wl.model.hidden, generator=torch.Generator().manual_seed(s))
+          for s in (0, 1)]
+    results = []
+    for graphs in (False, True):
+        params = [{k: torch.nn.Parameter(v) for k, v in full_weights(wl.model, seed).items()}
+                  for seed in (1, 2)]
+        applier = _applier(wl, graphs=graphs, schedule="nanobatching")
+        stack = applier.stack(2)
+
+        def forward(x, params=params, stack=stack):
+            return stack(x, [planned_weights(p, wl.model) for p in params])
+
+        for _ in range(2):  # the first iteration captures (a weight made anew moves once)
+            loads = applier._graphs_runner().loads if graphs else 0
+            leaves = [x.clone().requires_grad_(True) for x in xs]
+            if order == "all-forwards-first":
+                ys = [forward(x) for x in leaves]
+                for y in reversed(ys):
+                    y.square().sum().backward()
+            else:
+                ys = []
+                for x in leaves:
+                    y = forward(x)
+                    if order == "no-grad-forward-between":
+                        with torch.no_grad():
+                            forward(x * 3)  # overwrites the slot; y's backward is pending
+                    y.square().sum().backward()
+                    ys.append(y)
+        results.append(([y.detach() for y in ys], [x.grad for x in leaves],
+                        {f"{i}.{k}": p.grad for i, lp in enumerate(params)
+                         for k, p in lp.items()}))
+        if graphs:
+            runner = applier._runner
+            assert runner.loads - loads == {"fwd-bwd": 0, "all-forwards-first": 1,
+                                    "no-grad-forward-between": 2}[order]
+    (ye, dxe, ge), (yg, dxg, gg) = results
+    for a, b in zip(ye + dxe, yg + dxg, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
+    for k in ge:
+        torch.testing.assert_close(gg[k], ge[k], rtol=1e-6, atol=1e-6, msg=k)
