@@ -1,33 +1,69 @@
-"""Planned layers replayed from CUDA graphs: static buffers around a captured layer program.
+"""Planned layers and CUDA graphs: launched into someone else's capture, or replayed from
+graphs of their own.
 
-A planned layer (or stack) launched eagerly pays the host path of every op, and on a small
-model the GPU waits for it (``bench/planned_layers.py``). With ``PlanApplier(graphs=True)``
-each distinct computation is captured once by the executor
+**Inside an enclosing capture.** When the current CUDA stream is being captured
+(``torch.cuda.is_current_stream_capturing()``: torchtitan's step capture, Megatron-Core's
+``cuda_graph_impl="local"``, a user's own ``torch.cuda.graph``), a planned layer or stack
+enqueues its kernels as it would eagerly, and they go into that capture: the collectives on
+the executor's side stream (forked and joined through events, which the capture turns into
+graph edges), the microbatch scope's clock request as a host node (the stream-ordered
+trigger's host-function marker; the event-polling marker cannot be captured and says so).
+No graph of its own is captured or replayed there. What a capture cannot hold is refused in
+one line: set-up on a computation's first run (programs, registered buffers, communicators,
+the kernels' first launches: the framework's warm-up step runs it first), the ranks'
+digest exchange of the plan (``applier.start()`` before the capture), and a plan whose
+microbatch computations differ when the capture may be replayed for every microbatch
+(``PlanApplier(whole_step_capture=True)`` says it holds the whole step).
+
+**Graphs of its own** (``PlanApplier(graphs=True)``, the default on a CUDA device): each
+distinct computation is captured once by the executor
 ([`TorchExecutor.capture`][kareus.exec.TorchExecutor.capture]: its collectives at the plan's
-slots and SM counts, the cross-stream events, in one graph) and replayed after that. What a
-graph reads and writes must stay at the addresses it was captured with, so each graph owns:
+slots and SM counts, the cross-stream events, in one graph) and replayed after that. For a
+chained stack ([`PlannedStack`][kareus.integrations.PlannedStack]) a graph is the whole
+microbatch computation of the stack, as the training loop's graphs are. What a graph reads
+and writes must stay at the addresses it was captured with:
 
-* **static inputs**: the layer's input, the backward's output gradient and the inputs of
-  layers ``1 ..`` the forward kept; each call copies the caller's tensors into them (one
-  copy kernel each);
-* **weights**: read where they lie when the graph is captured (a parameter, or a view of
+* **the forward's input** is copied into the forward graph's static buffer (one copy
+  kernel); the forward graph writes the inputs of layers ``1 ..`` it keeps for the
+  backward into its own static outputs;
+* **the backward reads what its forward kept in place**: the forward graph's static input
+  and kept inputs are its *slot*, which the backward graph of that forward reads where they
+  lie (no clone out of the forward, no copy into the backward). A later replay of the same
+  forward graph before that backward (several microbatches' forwards before their
+  backwards, a forward under ``torch.no_grad`` in between) first clones the slot for the
+  pending backward, which copies it back before its replay; a forward whose backward can no
+  longer run (its autograd node freed) is not cloned for;
+* **weights** are read where they lie when the graph is captured (a parameter, or a view of
   one such as ``linear``'s transpose: the framework's optimizer updates it in place between
   replays). A weight that lies elsewhere on a later call (one made anew on every call, as
   ``qkv_from_separate``'s concatenation, when the allocator does not hand it the same
-  memory; a framework that reallocates its parameters) makes the runner capture that
-  computation again with the weight copied into a static buffer from then on. The test is
-  the address alone, which is exact: a tensor at the captured address is what the graph
-  reads, whatever made it;
-* **outputs**: what the captured run returned (the layer's output, the kept inputs, the
-  input gradient, the weight gradients) is cloned after each replay. The next replay
-  overwrites the static outputs, and autograd keeps a layer's output (saved by the next
-  op) and its gradients (accumulated into ``.grad`` / ``main_grad``) across microbatches.
+  memory; a framework that reallocates its parameters; another layer's weights, since
+  layers of one shape share a graph) makes the runner capture that computation again with
+  the weight copied into a static buffer from then on. The test is the address alone, which
+  is exact: a tensor at the captured address is what the graph reads, whatever made it;
+* **outputs** handed to autograd are cloned after each replay: the layer's output (autograd
+  keeps it across microbatches, saved by the next op), the input gradient (it may become a
+  leaf's ``.grad``) and the weight gradients (accumulated by autograd into ``.grad``, or by
+  the framework's hooks into ``main_grad``: writing them into the framework's gradient
+  buffers inside the graph would bypass those hooks, so that is not done).
+
+**Memory per graph** (activation = ``batch x seq / CP x hidden`` elements of the compute
+dtype; ``L`` = the stack's layers): a forward graph holds its static input and output (2
+activations) and the kept inputs (``L - 1`` activations); a backward graph reading its
+forward's slot holds the output gradient and the input gradient (2 activations) and the
+weight gradients (the ``L`` layers' weights' size); a backward graph fed copies (its
+forward's graph was captured again since) holds the input and kept inputs as well (``L + 2``
+activations); a copied weight adds its size. Each graph also keeps its memory pool: the
+peak of the temporaries its computation allocates (one layer's recomputed forward and
+backward at a time). One forward and one backward graph per plan choice and shape (two
+microbatches with one choice share them); the backward graphs are per forward graph whose
+slot they read.
 
 A graph is keyed by what changes the captured work: phase, depth, nanobatch count,
 whether the plan runs the computation unsplit, the plan's choice for the computation (its
-configurations and SM counts), shapes and dtypes. Microbatch computations that share a plan
-choice share a graph. The microbatch scope's clock request is made when the scope is
-entered, outside the graphs, as in eager execution.
+configurations and SM counts), shapes and dtypes (``computation_signature``). The
+microbatch scope's clock request is made when the scope is entered, outside the graphs, as
+in eager execution.
 
 Why not ``torch.cuda.make_graphed_callables``: it captures through autograd, while a
 planned layer's forward and backward are already one autograd node each whose inside is

@@ -46,9 +46,12 @@ reduce-scattered after it): feed each CP rank its contiguous chunk (a framework'
 load-balanced chunking, such as Megatron-Core's two chunks per rank, is another model of
 the data and is refused by the framework adapters).
 
-Execution is eager by default; ``PlanApplier(graphs=True)`` replays each computation from a
-CUDA graph (``kareus.integrations._graphed``): static buffers around the captured program,
-outputs cloned, so a small model's GPU is not held back by the host.
+**CUDA graphs.** On a CUDA device each computation is replayed from a CUDA graph of the
+applier's own by default (``kareus.integrations._graphed``: static buffers around the
+captured program, the backward reading what its forward kept in place), so a small model's
+GPU is not held back by the host; ``graphs=False`` launches eagerly; on the CPU it is eager.
+Inside someone else's capture (the framework's step capture, your own ``torch.cuda.graph``)
+the layers launch their kernels into that capture instead.
 """
 
 from __future__ import annotations
