@@ -245,7 +245,11 @@ def main(argv: list[str] | None = None) -> int:
         rows = _measure_shape(torch, args, wl, layers, modes, device)
         _print(rows, wl, args, layers, cuda)
         out_rows += rows
-        if cuda:
+        if cuda:  # this shape's graphs and buffers go (the appliers and runners refer
+            # to each other: a collection frees them) before the next shape's
+            import gc
+
+            gc.collect()
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
     if args.json is not None:
