@@ -33,14 +33,22 @@ and writes must stay at the addresses it was captured with:
   backwards, a forward under ``torch.no_grad`` in between) first clones the slot for the
   pending backward, which copies it back before its replay; a forward whose backward can no
   longer run (its autograd node freed) is not cloned for;
+* **a graph per layer**: the default executors' graphs share one memory pool
+  (``shared_pool_streams``), so each layer (or stack) gets its own graphs once its first
+  weight has come back at the same address on a later call (at most the model's layer
+  count per computation; calls before that, and beyond it, share one graph). Sharing the
+  pool is safe because nothing a later replay could overwrite is read after another graph
+  ran: static inputs and the kept inputs live outside the pool, and outputs are cloned
+  right after their replay. An executor given by the caller keeps a pool per graph, and
+  layers of one shape share a graph (their weights copied in);
 * **weights** are read where they lie when the graph is captured (a parameter, or a view of
   one such as ``linear``'s transpose: the framework's optimizer updates it in place between
   replays). A weight that lies elsewhere on a later call (one made anew on every call, as
   ``qkv_from_separate``'s concatenation, when the allocator does not hand it the same
-  memory; a framework that reallocates its parameters; another layer's weights, since
-  layers of one shape share a graph) makes the runner capture that computation again with
-  the weight copied into a static buffer from then on. The test is the address alone, which
-  is exact: a tensor at the captured address is what the graph reads, whatever made it;
+  memory; a framework that reallocates its parameters; another layer's weights in a
+  shared graph) makes the runner capture that computation again with the weight copied
+  into a static buffer from then on. The test is the address alone, which is exact: a
+  tensor at the captured address is what the graph reads, whatever made it;
 * **outputs** handed to autograd are cloned after each replay: the layer's output (autograd
   keeps it across microbatches, saved by the next op), the input gradient (it may become a
   leaf's ``.grad``) and the weight gradients (accumulated by autograd into ``.grad``, or by
@@ -53,11 +61,13 @@ activations) and the kept inputs (``L - 1`` activations); a backward graph readi
 forward's slot holds the output gradient and the input gradient (2 activations) and the
 weight gradients (the ``L`` layers' weights' size); a backward graph fed copies (its
 forward's graph was captured again since) holds the input and kept inputs as well (``L + 2``
-activations); a copied weight adds its size. Each graph also keeps its memory pool: the
-peak of the temporaries its computation allocates (one layer's recomputed forward and
-backward at a time). One forward and one backward graph per plan choice and shape (two
-microbatches with one choice share them); the backward graphs are per forward graph whose
-slot they read.
+activations); a copied weight adds its size. The pool (shared by the executor's graphs, or one per graph
+with an executor given) holds the peak of the temporaries a computation allocates (one
+layer's recomputed forward and backward at a time). One forward and one backward graph per
+plan choice, shape and layer (two microbatches with one choice share them); the backward
+graphs are per forward graph whose slot they read. Per layer of a model run one node per
+layer, so: about 4 activations (static input, output; output gradient, input gradient,
+the backward reading its forward's input) plus its weights' size, per plan choice.
 
 A graph is keyed by what changes the captured work: phase, depth, nanobatch count,
 whether the plan runs the computation unsplit, the plan's choice for the computation (its
@@ -77,6 +87,33 @@ from collections.abc import Sequence
 from typing import Any
 
 __all__ = ["GraphedRunner", "KeptInputs", "capture_in_progress", "computation_signature"]
+
+
+def shared_pool_streams() -> Any:
+    """CUDA streams whose graphs all share one memory pool (a
+    [`TorchStreamBackend`][kareus.exec.TorchStreamBackend] whose ``graph_pool`` is always the
+    same): the default executors of a graphed applier, so that a graph per layer costs its
+    static buffers, not a pool of temporaries each. Sharing is safe here because what
+    outlives a replay is allocated outside the pool (static inputs, the kept inputs a
+    backward reads) or read right after the replay, before any other graph runs (the
+    outputs cloned out)."""
+    from kareus.exec import TorchStreamBackend
+
+    class SharedPoolStreams(TorchStreamBackend):
+        shares_graph_pool = True
+
+        def graph_pool(self) -> Any:
+            pool = getattr(self, "_shared_pool", None)
+            if pool is None:
+                pool = self._shared_pool = super().graph_pool()
+            return pool
+
+    return SharedPoolStreams()
+
+
+def _shares_pool(executor: Any) -> bool:
+    """Whether ``executor``'s graphs share one memory pool (its streams say so)."""
+    return bool(getattr(getattr(executor, "streams", None), "shares_graph_pool", False))
 
 
 def capture_in_progress() -> bool:
@@ -138,8 +175,9 @@ class _Slot:
 
     @property
     def kept(self) -> list[Any]:
-        """The inputs of layers ``1 ..`` the forward graph wrote (its static outputs)."""
-        return list(self._forward.result[1])
+        """The inputs of layers ``1 ..`` the forward graph writes (static buffers allocated
+        outside its memory pool)."""
+        return list(self._forward.kept)
 
     def holder(self) -> KeptInputs | None:
         """The pending forward whose backward these buffers hold (``None``: free)."""
@@ -191,6 +229,7 @@ class _Captured:
         self.dy: Any = None
         self.inputs: list[Any] = []
         self.slot: _Slot | None = None  # a forward's; the slot a backward reads
+        self.kept: list[Any] = []  # a forward's static kept inputs
         # per layer, per weight: the tensor the graph reads, and whether it is a copy
         self.weights: list[list[Any]] = []
         self.copied: list[list[bool]] = []
@@ -217,6 +256,8 @@ class GraphedRunner:
         self._graphs: dict[tuple[Any, ...], _Captured] = {}
         self._copy_always: set[tuple[tuple[Any, ...], int, int]] = set()
         self._names: dict[tuple[Any, ...], str] = {}
+        self._seen: dict[tuple[Any, ...], set[int]] = {}
+        self._own: dict[tuple[Any, ...], set[int]] = {}
         self.captures = 0
         self.loads = 0
 
@@ -225,6 +266,7 @@ class GraphedRunner:
         """``PlanApplier.run`` from a graph: copy in, replay, clone out (see the module
         docstring). A forward returns its kept inputs as a ``KeptInputs``."""
         key = computation_signature(self.applier, phase, x, weights, inputs)
+        key = (*key, self._identity(key, weights))
         slot = None
         if isinstance(inputs, KeptInputs):
             if inputs.slot.retired:  # its forward graph was captured again: copies
@@ -257,6 +299,25 @@ class GraphedRunner:
             assert cap.slot is not None
             return first.clone(), KeptInputs(cap.slot)
         return first.clone(), [t.clone() for t in rest]
+
+    def _identity(self, key: tuple[Any, ...], weights: Sequence[Sequence[Any]]) -> int | None:
+        """Which graph of ``key`` this call replays: with a shared memory pool, each layer
+        (or stack) its own, known by its first weight's address once that address has come
+        back on a later call (a parameter; a tensor made anew on every call rarely does),
+        at most the model's layer count per key; ``None``: the graph every other call
+        shares, whose weights are copied in when they lie elsewhere."""
+        if not _shares_pool(self.applier._executor()):
+            return None
+        ptr = int(weights[0][0].data_ptr())
+        own = self._own.setdefault(key, set())
+        if ptr in own:
+            return ptr
+        seen = self._seen.setdefault(key, set())
+        if ptr in seen and len(own) < self.applier.workload.model.layers:
+            own.add(ptr)
+            return ptr
+        seen.add(ptr)
+        return None
 
     def _retire(self, slot: _Slot) -> None:
         """A forward graph is captured again: its slot stays with the forwards that hold it
@@ -319,10 +380,16 @@ class GraphedRunner:
             cap.copied.append(copied)
             cap.ptrs.append(ptrs)
         self._copy_in(cap, x, weights, dy, inputs)
+        if phase == "fwd":  # outside the pool: the backward reads them after other replays
+            b, s, h = x.shape
+            cap.kept = [torch.empty((b * s, h), dtype=x.dtype, device=x.device)
+                        for _ in range(len(weights) - 1)]
+
         def body() -> None:
             # what the graph reads: its own static buffers, or its forward's slot
             gx, gin = (cap.x, cap.inputs) if slot is None else (slot.x, slot.kept)
-            cap.result, cap.ran = ap._run_eager(phase, gx, cap.weights, cap.dy, gin or None)
+            cap.result, cap.ran = ap._run_eager(phase, gx, cap.weights, cap.dy, gin or None,
+                                                kept_out=cap.kept or None)
 
         name = self._names.setdefault(key, f"integrations:{phase}:{len(self._names)}")
         # The capture runs the body twice eagerly first (warm-up: the first call of a

@@ -333,13 +333,20 @@ class PlanApplier:
                    and (streams is None or bool(streams.supports_graphs)))
         if streams is None and not torch.cuda.is_available():
             streams = RecordingStreamBackend()  # no streams: host order
+        shared = None
+        if streams is None and capture:
+            from kareus.integrations._graphed import shared_pool_streams
+
+            shared = shared_pool_streams  # one memory pool for each executor's graphs
         if baseline is None:
-            baseline = TorchExecutor(collective=default_collective, streams=streams,
+            baseline = TorchExecutor(collective=default_collective,
+                                     streams=streams if shared is None else shared(),
                                      default_collective=default_collective,
                                      graphs=capture)
         if plan is not None and executor is None:
             executor = TorchExecutor(plan=plan, collective=collective, frequency=frequency,
-                                     default_collective=default_collective, streams=streams,
+                                     default_collective=default_collective,
+                                     streams=streams if shared is None else shared(),
                                      graphs=capture)
         self.baseline, self.executor = baseline, executor
 
@@ -577,9 +584,10 @@ class PlanApplier:
             del self.partitions_run[:-RECORD_KEPT]
 
     def _run_eager(self, phase: str, x: Any, weights: Sequence[Sequence[Any]], dy: Any,
-                   inputs: Sequence[Any] | None) -> tuple[tuple[Any, list[Any]],
-                                                          list[tuple[str, Any]]]:
-        """``run``'s work, enqueued as it goes; also returns the partitions run."""
+                   inputs: Sequence[Any] | None, kept_out: Sequence[Any] | None = None
+                   ) -> tuple[tuple[Any, list[Any]], list[tuple[str, Any]]]:
+        """``run``'s work, enqueued as it goes; also returns the partitions run. A forward
+        writes the kept inputs into ``kept_out`` when given (a graph's static buffers)."""
         import torch
 
         depth = len(weights)
@@ -630,7 +638,7 @@ class PlanApplier:
                               out=out[prog.rows(i)])
                 kept_inputs = []
                 for layer in range(1, depth):
-                    xin = torch.empty_like(x2)
+                    xin = torch.empty_like(x2) if kept_out is None else kept_out[layer - 1]
                     for i in range(n):
                         xin[prog.rows(i)] = prog.act[(layer, i)]["x_in"]
                     kept_inputs.append(xin)

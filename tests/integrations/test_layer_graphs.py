@@ -376,3 +376,59 @@ def test_a_graphed_backward_reads_what_its_forward_kept_in_place(order):
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
     for k in ge:
         torch.testing.assert_close(gg[k], ge[k], rtol=1e-6, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("schedule", ["sequential", "kareus"])
+def test_with_a_shared_pool_each_layer_replays_a_graph_of_its_own(schedule):
+    # executors whose graphs share one memory pool (the default ones on a GPU): once a
+    # layer's first weight has come back at its address, that layer gets graphs of its own
+    # (at most the model's layer count of them)
+    # reading its weights in place (only the QKV concatenation, made anew on every call,
+    # is copied), and its backward reads its own forward's slot: no loads in the
+    # per-microbatch order; the gradients are eager's
+    wl = workload(tp=1, cp=2)
+    plan = make_workload_plan(wl) if schedule == "kareus" else None
+    xs = [torch.randn(4, 8, wl.model.hidden, generator=torch.Generator().manual_seed(s))
+          for s in (0, 1)]
+    results, appliers = [], []
+    for graphs in (False, True):
+        params = [{k: torch.nn.Parameter(v) for k, v in full_weights(wl.model, seed).items()}
+                  for seed in (1, 2, 3)]
+        applier = _applier(wl, graphs=graphs, plan=plan,
+                           schedule=None if plan else schedule)
+        for ex in (applier.baseline, applier.executor):
+            if ex is not None:
+                ex.streams.shares_graph_pool = True
+        layer = applier.layer()
+        out = []
+        for _ in range(3):  # iterations: the third runs every layer from its own graphs
+            loads = applier._graphs_runner().loads if graphs else 0
+            for mb, x0 in enumerate(xs):
+                x = x0.clone().requires_grad_(True)
+                with applier.microbatch(mb, "fwd") if plan else nullcontext():
+                    y = x
+                    for p in params:
+                        y = layer(y, planned_weights(p, wl.model))
+                with applier.microbatch(mb, "bwd") if plan else nullcontext():
+                    y.square().sum().backward()
+                out.append((y.detach(), x.grad))
+        if graphs:
+            assert applier._runner.loads == loads  # the last iteration loaded nothing
+        grads = {f"{i}.{k}": p.grad for i, lp in enumerate(params) for k, p in lp.items()}
+        results.append((out, grads))
+        appliers.append(applier)
+    runner = appliers[1]._runner
+    own = [k for k in runner._graphs if k[len(k) - 1 if k[-2] != "slot" else -3] is not None]
+    # forward and backward of each layer, per plan choice (one here), up to the model's
+    # layer count (2): the third layer replays the graph the others' first calls share
+    assert wl.model.layers == 2 and len(own) == 4
+    assert any(k[-1] is None for k in runner._graphs)
+    for k in own:
+        copied = {j for row in runner._graphs[k].copied for j, c in enumerate(row) if c}
+        assert copied <= {1}
+    (e_out, e_grads), (g_out, g_grads) = results
+    for (ye, dxe), (yg, dxg) in zip(e_out, g_out, strict=True):
+        torch.testing.assert_close(yg, ye, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(dxg, dxe, rtol=1e-6, atol=1e-6)
+    for k in e_grads:
+        torch.testing.assert_close(g_grads[k], e_grads[k], rtol=1e-6, atol=1e-6, msg=k)
