@@ -1,7 +1,7 @@
 """The planned layer on one GPU: production kernels, CUDA streams, a real executor.
 
 * TP = CP = 1, bf16: output and every gradient against the float32 autograd reference of
-  the same layer (within bf16 rounding);
+  the same layer (within bf16 rounding), with the applier's defaults (its own graphs);
 * TP=4 x CP=2 stood in for by the loopback collective, under a plan, on a
   ``TorchExecutor`` with its side stream: every schedule computes the same function (the
   loopback's group semantics are the same in each), and the kareus schedule's collectives
@@ -120,7 +120,8 @@ def test_loopback_plan_runs_every_schedule_alike_on_cuda_streams():
     for schedule in ("sequential", "nanobatching", "kareus", "kareus-stack"):
         applier = PlanApplier(workload=wl, groups=groups, plan=plan,
                               schedule=schedule.split("-")[0], collective=capped,
-                              default_collective=default, record=True)
+                              default_collective=default, record=True,
+                              graphs=False)  # eager here; graphed below
         planned = applier.layer()
         outs = []
         for mb in range(2):
@@ -150,17 +151,23 @@ def test_loopback_plan_runs_every_schedule_alike_on_cuda_streams():
     assert capped.backend_for("all_reduce").calls_total > 0
 
 
+@pytest.mark.parametrize("mode", ["stack", "layers"])
 @pytest.mark.parametrize("qk", [False, True], ids=["llama", "qwen3"])
-def test_graphed_planned_stacks_equal_eager_ones_on_cuda(qk):
-    """PlanApplier(graphs=True) on CUDA streams (loopback TP=4 x CP=2 plan): two
-    microbatches of other inputs through a graphed stack equal eager execution, and the
-    first microbatch's output and gradients are not overwritten by the second replay."""
+def test_graphed_planned_stacks_equal_eager_ones_on_cuda(qk, mode):
+    """PlanApplier(graphs=True) on CUDA streams (loopback TP=4 x CP=2 plan): three
+    iterations of two microbatches of other inputs through a graphed stack (or two planned
+    layers, each its own node) equal eager execution, and the first microbatch's output
+    and gradients are not overwritten by the second replay. From the second iteration on
+    each layer (or the stack) replays graphs of its own, captured into the executor's one
+    memory pool, the backward reading its forward's kept inputs in place."""
     wl, groups, capped, default, plan, p = _loopback_tp4_cp2(qk)
     arch = wl.model
     dev = torch.device("cuda")
     g = torch.Generator(device="cpu").manual_seed(0)
     xs = [torch.randn(4, 256, arch.hidden, generator=g).to(dev, torch.bfloat16)
           for _ in range(2)]
+    p2 = {k: (v.detach() * 2 if v.dim() > 1 else v.detach().clone()).requires_grad_(True)
+          for k, v in p.items()}
     results = {}
     for schedule in ("nanobatching", "kareus"):
         for graphs in (False, True):
@@ -168,16 +175,28 @@ def test_graphed_planned_stacks_equal_eager_ones_on_cuda(qk):
                                   collective=capped, default_collective=default,
                                   graphs=graphs, eps=arch.norm_eps)
             outs = []
-            for mb, x in enumerate(xs):
-                xm = x.clone().requires_grad_(True)
-                with applier.microbatch(mb, "fwd"):
-                    y = applier.stack(2)(xm, [planned_weights(p, arch)] * 2)
-                with applier.microbatch(mb, "bwd"):
-                    y.float().square().mean().backward()
-                outs.append((y.detach(), xm.grad))
-            results[(schedule, graphs)] = (outs, _take_grads(p))
+            layer = applier.layer()
+            for _ in range(3):
+                for mb, x in enumerate(xs):
+                    xm = x.clone().requires_grad_(True)
+                    with applier.microbatch(mb, "fwd"):
+                        if mode == "stack":
+                            y = applier.stack(2)(xm, [planned_weights(p, arch)] * 2)
+                        else:  # two layers of their own weights (p, and p doubled)
+                            y = layer(layer(xm, planned_weights(p, arch)),
+                                      planned_weights(p2, arch))
+                    with applier.microbatch(mb, "bwd"):
+                        y.float().square().mean().backward()
+                    outs.append((y.detach(), xm.grad))
+            grads = _take_grads(p)
+            if mode == "layers":
+                grads.update({f"2.{k}": v for k, v in _take_grads(p2).items()})
+            results[(schedule, graphs)] = (outs, grads)
             if graphs:
                 assert applier._runner.captures >= 2
+                own = [k for k in applier._runner._graphs
+                       if k[-3 if k[-2] == "slot" else -1] is not None]
+                assert own  # graphs of the layers' (or the stack's) own
     torch.cuda.synchronize()
     for schedule in ("nanobatching", "kareus"):
         (e_outs, e_grads), (g_outs, g_grads) = (results[(schedule, False)],
