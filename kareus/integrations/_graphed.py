@@ -262,10 +262,13 @@ class GraphedRunner:
         self.loads = 0
 
     def run(self, phase: str, x: Any, weights: Sequence[Sequence[Any]], dy: Any = None,
-            inputs: Sequence[Any] | KeptInputs | None = None) -> tuple[Any, Any]:
+            inputs: Sequence[Any] | KeptInputs | None = None, *,
+            key: tuple[Any, ...] | None = None) -> tuple[Any, Any]:
         """``PlanApplier.run`` from a graph: copy in, replay, clone out (see the module
-        docstring). A forward returns its kept inputs as a ``KeptInputs``."""
-        key = computation_signature(self.applier, phase, x, weights, inputs)
+        docstring). A forward returns its kept inputs as a ``KeptInputs``. ``key``: the
+        computation's ``computation_signature``, when the caller has it."""
+        if key is None:
+            key = computation_signature(self.applier, phase, x, weights, inputs)
         key = (*key, self._identity(key, weights))
         slot = None
         if isinstance(inputs, KeptInputs):

@@ -501,8 +501,10 @@ class PlanApplier:
                 returned), ``[batch * seq / CP, hidden]`` each.
 
         Returns:
-            Forward: ``(output, inputs of layers 1 ..)``; backward: ``(gradient of x, the
-            weight gradients of every layer, layer by layer in ``weight_names`` order)``.
+            Forward: ``(output, inputs of layers 1 ..)`` (from the applier's own graphs a
+            ``KeptInputs``, which the backward takes as ``inputs``); backward:
+            ``(gradient of x, the weight gradients of every layer, layer by layer in
+            ``weight_names`` order)``.
         """
         from kareus.integrations._graphed import KeptInputs
 
@@ -515,9 +517,10 @@ class PlanApplier:
                                         "forward and backward together")
             self._check_enclosing(phase, x, weights, inputs)
         else:
-            self._warmed.add(computation_signature(self, phase, x, weights, inputs))
+            key = computation_signature(self, phase, x, weights, inputs)
+            self._warmed.add(key)
             if self._own_graphs(x):
-                return self._graphs_runner().run(phase, x, weights, dy, inputs)
+                return self._graphs_runner().run(phase, x, weights, dy, inputs, key=key)
         if isinstance(inputs, KeptInputs):  # a graphed forward's, run eagerly backward
             inputs = inputs.tensors()
         result, ran = self._run_eager(phase, x, weights, dy, inputs)
