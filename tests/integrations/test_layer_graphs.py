@@ -432,3 +432,34 @@ def test_with_a_shared_pool_each_layer_replays_a_graph_of_its_own(schedule):
         torch.testing.assert_close(dxg, dxe, rtol=1e-6, atol=1e-6)
     for k in e_grads:
         torch.testing.assert_close(g_grads[k], e_grads[k], rtol=1e-6, atol=1e-6, msg=k)
+
+
+def test_inside_an_enclosing_capture_the_clock_requests_go_into_it(monkeypatch):
+    # the microbatch scope's clock request goes to the trigger on the current (captured)
+    # stream, as in eager execution: with the stream-ordered trigger's host-function
+    # marker that is a host node of the enclosing graph, with event polling a one-line
+    # GraphCaptureError from the trigger; never held back nor dropped
+    from kareus.testing import RecordingTrigger
+
+    wl = workload(tp=1, cp=2)
+    plan = make_workload_plan(wl, freqs_mhz=(1980, 1410))
+    groups = LoopbackGroups(tp=1, cp=2)
+    capped, default, _ = make_collectives(groups, backend="loopback")
+    trigger = RecordingTrigger()
+    trigger.capturable = True
+    applier = PlanApplier(
+        workload=wl, groups=groups, plan=plan, kernels="torch", graphs=True,
+        whole_step_capture=True,
+        baseline=RerunExecutor(collective=default, default_collective=default),
+        executor=RerunExecutor(collective=capped, default_collective=default, plan=plan,
+                               frequency=trigger))
+    params = [{k: torch.nn.Parameter(v) for k, v in full_weights(wl.model, 1).items()}]
+    xs = [torch.randn(4, 8, wl.model.hidden, generator=torch.Generator().manual_seed(s))
+          for s in (0, 1)]
+    _run(applier, params, xs, plan=True)  # warm-up, outside
+    trigger.requests.clear()
+    _fake_capture(monkeypatch)
+    _run(applier, params, xs, plan=True)
+    stream = applier.executor.streams.current_stream()
+    assert trigger.requests == [(1980, stream), (1980, stream), (1410, stream),
+                                (1410, stream)]
