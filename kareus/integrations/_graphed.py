@@ -155,8 +155,8 @@ def computation_signature(applier: Any, phase: str, x: Any,
 class _Slot:
     """A forward graph's static buffers that its backward graphs read in place: the
     stack's input (the copy the forward read) and the inputs of layers ``1 ..`` the
-    forward kept (outputs of the graph, in its pool); and the forward whose backward they
-    hold now (a weak reference to its [`KeptInputs`][kareus.integrations._graphed.KeptInputs]).
+    forward kept (static buffers the graph writes, outside its memory pool); and the
+    forward whose backward they hold now (a weak reference to its [`KeptInputs`][kareus.integrations._graphed.KeptInputs]).
     """
 
     serials = 0
