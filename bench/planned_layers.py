@@ -30,7 +30,8 @@ sleeping kernel, so the host never holds the GPU back; ``n/a`` when the sleeping
 out before the host had enqueued them, which a host-bound iteration does), **fed** =
 GPU-only / measured, kernels per iteration and the GPU-busy fraction of one profiled
 iteration's span (torch.profiler, as ``bench/host_bound.py``: the union of kernel intervals
-over first to last kernel).
+over first to last kernel). Per mode (JSON only): the memory its warm-up left reserved and
+its peak allocation, every schedule of the mode together.
 
 Usage (one CUDA GPU; clocks are never changed)::
 
@@ -318,9 +319,21 @@ def _measure_shape(torch: Any, args: argparse.Namespace, wl: Any, layers: int,
 
     rows = [(m, s) for m in its for s in SCHEDULES]
     # warm-up: programs, buffers, kernels' first launches, captures (a step capture
-    # warms its planned layers up on a side stream, outside the capture, first)
-    for m, s in rows:
-        timed(m, s)
+    # warms its planned layers up on a side stream, outside the capture, first); per
+    # mode, the memory its warm-up leaves reserved (programs, graphs and their pools, and
+    # the caching allocator's blocks) and its peak allocation
+    memory: dict[str, dict[str, float]] = {}
+    for m in its:
+        if cuda:
+            sync()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_reserved()
+        for s in SCHEDULES:
+            timed(m, s)
+        if cuda:
+            sync()
+            memory[m] = {"reserved_growth_gib": (torch.cuda.memory_reserved() - before) / 2**30,
+                         "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30}
     times: dict[tuple[str, str], list[float]] = {r: [] for r in rows}
     rng = random.Random(0)
     for _ in range(args.rounds):
@@ -332,7 +345,7 @@ def _measure_shape(torch: Any, args: argparse.Namespace, wl: Any, layers: int,
     for m, s in rows:
         row: dict[str, Any] = {"layers": layers, "microbatch_size": wl.microbatch_size,
                                "seq_len": wl.seq_len, "microbatches": args.microbatches,
-                               "mode": m, "schedule": s,
+                               "mode": m, "schedule": s, **memory.get(m, {}),
                                "iteration_s": statistics.median(times[(m, s)]),
                                "iteration_s_all": times[(m, s)]}
         if cuda:
