@@ -49,7 +49,7 @@ from kareus.errors import ArgumentError, ArgumentTypeError
 from kareus.model.partition import PartitionSet
 from kareus.model.profiler import Profiler
 from kareus.model.workload import Workload
-from kareus.search import SearchSpec, resolve_surrogate
+from kareus.search import SearchSpec, prior_count, resolve_surrogate, search_log_path
 from kareus.search.acquisition import AcquisitionPass
 from kareus.search.progress import ProgressBar
 from kareus.search.surrogate import Surrogate
@@ -63,6 +63,7 @@ from kareus.workflow.checks import (
 )
 from kareus.workflow.compose import compose_systems
 from kareus.workflow.measure import (
+    baseline_priors,
     partition_builder,
     search_types,
 )
@@ -305,15 +306,23 @@ class OptimizationRun:
         if log_dir is not None:
             log_dir.mkdir(parents=True, exist_ok=True)
             recover_torn_logs(log_dir)
+        clocks = profiler.clocks_mhz()
+        priors = baseline_priors(profiler, workload, types, systems=self.systems,
+                                 freqs_mhz=None if clocks is None else list(clocks),
+                                 partitions=build, log_dir=log_dir)
         frontiers = search_types(profiler, types, self.search, log_dir=log_dir,
-                                 progress=progress, pool=pool, pset=pset)
-        profiles = {name: len(fr.measured()) for name, fr in frontiers.items()}
+                                 progress=progress, pool=pool, pset=pset, priors=priors)
+        # kareus's own profiles: its frontiers also hold the baselines' measurements its
+        # searches started from (a resumed search's, recorded in its log, counted too)
+        profiles = {name: len(fr.measured()) - (
+            len(priors[name]) if name in priors
+            else 0 if log_dir is None else prior_count(search_log_path(log_dir, name)))
+            for name, fr in frontiers.items()}
         names = list(self.systems)
         _log.info("composing %s over a %s schedule", ", ".join(names), self.schedule)
         bar = ProgressBar(None, desc=f"composing {len(names)} systems", enabled=progress)
         bar.refresh()
         with bar, bar.heartbeat():
-            clocks = profiler.clocks_mhz()
             result = compose_systems(workload, profiler, systems=names,
                                      kareus_frontiers=frontiers,
                                      freqs_mhz=None if clocks is None else list(clocks),
