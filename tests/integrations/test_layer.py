@@ -8,9 +8,8 @@
   executor): clock requests, partitions, slots and SM counts, split and unsplit computations;
 * refusals (typed, one line);
 * several processes over gloo (TP=2, and TP=2 x CP=2 on Megatron-Core's load-balanced
-  chunks): every schedule's outputs and
-  gradients equal the reference of the whole layer, and every rank records the plan's
-  schedule.
+  chunks): every schedule's outputs and gradients equal the reference of the whole layer,
+  and every rank records the plan's schedule.
 """
 
 from __future__ import annotations
