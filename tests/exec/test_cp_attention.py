@@ -105,6 +105,6 @@ def test_runnable_partitions_run_cp_rank_0_s_attention():
     names = [n for n, p in build_partitions(wl).types.items()
              if any(o.name.startswith("attn_core") for o in p.compute_ops)]
     assert names
-    for name, part in runnable_partitions(wl, names).items():
+    for part in runnable_partitions(wl, names).values():
         prog = part.build(device="cpu", seed=0)
         prog.run_plain()
