@@ -116,39 +116,46 @@ def cp_attention(ks: Any, q: Any, k: Any, v: Any, pieces: tuple[_Piece, ...], *,
                  keep: bool) -> tuple[Any, list[SavedAttention]]:
     """The rank's causal attention: ``q`` [b, heads, s_local, hd] (its chunks) over ``k``,
     ``v`` [b, kv_heads, s, hd] (every key, by position). Returns the output
-    [b, heads, s_local, hd] and, with ``keep``, each piece's saved state for
-    ``cp_attention_bwd``."""
-    import torch
-
-    outs, saved = [], []
+    [b, heads, s_local, hd] (a view of a [b, s_local, heads, hd] tensor, as the fused ops
+    return theirs, so that the output projection reads it without another copy) and, with
+    ``keep``, each piece's saved state for ``cp_attention_bwd``."""
+    b, heads, s_local, hd = q.shape
+    out = q.new_empty((b, s_local, heads, hd))
+    saved = []
     for p in pieces:
         qp, kp, vp = q[:, :, p.q0:p.q1], k[:, :, :p.keys], v[:, :, :p.keys]
         if keep:
             s = _piece_fwd(ks, qp, kp, vp, p.square)
             saved.append(s)
-            outs.append(s.output)
+            o = s.output.detach()
         elif p.square or q.device.type != "cuda":
-            outs.append(lower_right_attention(ks, qp, kp, vp))
+            o = lower_right_attention(ks, qp, kp, vp)
         else:  # the flash op's forward (its saved state dropped)
-            outs.append(_piece_fwd(ks, qp, kp, vp, False).output.detach())
-    return torch.cat(outs, dim=2), saved
+            o = _piece_fwd(ks, qp, kp, vp, False).output.detach()
+        out[:, p.q0:p.q1].copy_(o.transpose(1, 2))
+    return out.transpose(1, 2), saved
 
 
 def cp_attention_bwd(do: Any, saved: list[SavedAttention], pieces: tuple[_Piece, ...], *,
                      keys: int) -> tuple[Any, Any]:
-    """``(dq, dkv)`` of ``cp_attention``: ``dq`` [b, heads, s_local, hd] and the keys' and
-    values' gradients summed over the pieces, by position: ``dkv`` [2, b, keys, kv_heads,
-    hd]."""
-    import torch
-
-    dqs = []
+    """``(dq, dkv)`` of ``cp_attention``: ``dq`` [b, heads, s_local, hd] (a view of a
+    [b, s_local, heads, hd] tensor) and the keys' and values' gradients summed over the
+    pieces, by position: ``dkv`` [2, b, keys, kv_heads, hd] (zero past the longest piece's
+    keys)."""
+    b, heads, s_local, hd = do.shape
+    dq_out = do.new_empty((b, s_local, heads, hd))
     dkv = None
-    for p, s in zip(pieces, saved, strict=True):
+    # the longest piece first: its gradients are copied, the shorter one's added to them
+    for p, s in sorted(zip(pieces, saved, strict=True), key=lambda ps: -ps[0].keys):
         dq, dk, dv = attention_backward(do[:, :, p.q0:p.q1], s)
-        dqs.append(dq)
+        dq_out[:, p.q0:p.q1].copy_(dq.transpose(1, 2))
         if dkv is None:
-            b, kvh, _, hd = dk.shape
-            dkv = torch.zeros((2, b, keys, kvh, hd), device=dk.device, dtype=dk.dtype)
-        dkv[0, :, :p.keys].add_(dk.transpose(1, 2))
-        dkv[1, :, :p.keys].add_(dv.transpose(1, 2))
-    return torch.cat(dqs, dim=2), dkv
+            kvh = dk.shape[1]
+            dkv = dk.new_empty((2, b, keys, kvh, hd))
+            dkv[:, :, p.keys:].zero_()
+            dkv[0, :, :p.keys].copy_(dk.transpose(1, 2))
+            dkv[1, :, :p.keys].copy_(dv.transpose(1, 2))
+        else:
+            dkv[0, :, :p.keys].add_(dk.transpose(1, 2))
+            dkv[1, :, :p.keys].add_(dv.transpose(1, 2))
+    return dq_out.transpose(1, 2), dkv
