@@ -197,6 +197,11 @@ def workload_from_megatron(config: Any, *, microbatch_size: int, seq_len: int,
     ``ffn_hidden_size``, ``num_layers``), the parallel degrees from its
     ``tensor_model_parallel_size``, ``context_parallel_size`` and
     ``pipeline_model_parallel_size`` unless given, the batch from the arguments.
+    Context parallelism is Megatron-Core's load-balanced layout, which is kareus's
+    (``kareus.model.cp_positions``; ``seq_len`` must split into 2 x CP chunks); its
+    ``cp_comm_type`` may be ``None``/``"p2p"`` (Megatron's ring) or ``"all_gather"``,
+    which compute the same attention (a kareus layer all-gathers; ``CP_COMM_TYPES``),
+    not the all-to-all types.
 
     The workload always recomputes (``recompute=True``): a planned layer keeps only its
     input and re-runs its forward, collectives included, in its backward. So Megatron's

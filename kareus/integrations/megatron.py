@@ -344,6 +344,11 @@ def kareus_layer_spec(applier: PlanApplier | None, *,
             (``self_attention.q_layernorm`` and ``k_layernorm``; the config's
             ``qk_layernorm`` must agree). ``None``: as the applier's workload's model
             (``qk_norm``), without them when there is no applier.
+
+    With context parallelism in the applier's workload (CP > 1) the spec's core attention
+    is [`KareusCoreAttention`][kareus.integrations.megatron.KareusCoreAttention], a
+    stand-in without parameters: Megatron's local ``DotProductAttention`` refuses CP, and
+    the kareus layer computes its attention itself.
     """
     if applier is not None and not isinstance(applier, PlanApplier):
         raise ArgumentTypeError(f"applier must be a kareus PlanApplier, got "
