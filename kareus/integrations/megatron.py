@@ -385,6 +385,7 @@ class KareusCoreAttention(torch.nn.Module):
         self.config = config
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused: the kareus layer computes its attention itself (``ArgumentError``)."""
         raise ArgumentError("a context-parallel kareus layer computes its attention itself; "
                             "Megatron's local attention does not run context parallelism "
                             "(run it under an applier, or build Megatron's own layers with "

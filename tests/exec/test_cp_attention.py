@@ -22,19 +22,9 @@ from kareus.exec._cp_attention import (
     scatter_kv_grad,
 )
 from kareus.exec.kernels import get_kernels
-from kareus.model import cp_chunks, cp_positions
+from kareus.model import cp_positions
 
 F = torch.nn.functional
-
-
-def test_positions_are_megatron_s_chunks():
-    assert cp_chunks(1, 0) == (0,)
-    assert [cp_chunks(4, r) for r in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
-    assert cp_positions(8, 2, 0) == [0, 1, 6, 7] and cp_positions(8, 2, 1) == [2, 3, 4, 5]
-    every = sorted(p for r in range(3) for p in cp_positions(12, 3, r))
-    assert every == list(range(12))
-    with pytest.raises(Exception, match="2 x CP"):
-        cp_positions(10, 3, 0)
 
 
 def _gathered(k, v, cp):
