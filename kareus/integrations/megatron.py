@@ -142,10 +142,16 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
     """
 
     def __init__(self, *args: Any, applier: PlanApplier | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
         if applier is not None and not isinstance(applier, PlanApplier):
             raise ArgumentTypeError(f"applier must be a kareus PlanApplier, got "
                                     f"{type(applier).__name__}")
+        config = kwargs.get("config", args[0] if args else None)
+        if applier is not None and config is not None:
+            # before Megatron builds the submodules: a CP config with a CP=1 applier would
+            # otherwise stop in the local attention's own assertion instead of this line
+            check_layer_config(config, applier.workload.model, applier.workload.parallelism.tp,
+                               applier.workload.parallelism.cp)
+        super().__init__(*args, **kwargs)
         cfg = self.config
         self._heads = int(cfg.num_attention_heads)
         self._kv_heads = int(cfg.num_query_groups or cfg.num_attention_heads)

@@ -268,5 +268,27 @@ def test_the_cp_spec_has_the_local_spec_s_parameters():
         "DotProductAttention")
 
 
+def test_a_cp_config_under_a_cp1_applier_is_refused_before_megatron_builds_it():
+    sys.path.insert(0, str(EXAMPLE))
+    import megatron_gpt as ex
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from kareus.errors import WorkloadError
+    from kareus.exec.train import LoopbackGroups
+    from kareus.integrations import PlanApplier
+    from kareus.integrations.megatron import KareusTransformerLayer, workload_from_megatron
+
+    config = ex.make_config(1, torch.float32, **DIMS)  # CP=1
+    wl = workload_from_megatron(config, microbatch_size=MBS, seq_len=SEQ,
+                                num_microbatches=MICROBATCHES, vocab_size=ex.VOCAB)
+    applier = PlanApplier(workload=wl, groups=LoopbackGroups(tp=1), schedule="sequential",
+                          kernels="torch", eps=1e-6, start=False)
+    cp_config = ex.make_config(1, torch.float32, **DIMS, context_parallel_size=2)
+    subs = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=True).submodules
+    with pytest.raises(WorkloadError, match="context_parallel_size=2, the workload's model CP=1"):
+        KareusTransformerLayer(config=cp_config, submodules=subs, layer_number=1,
+                               applier=applier)
+
+
 if __name__ == "__main__":
     _worker(sys.argv[1])
