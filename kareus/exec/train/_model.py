@@ -345,7 +345,8 @@ class DecoderShard:
     def begin(self, phase: str, nanobatches: int, tokens: Any = None,
               labels: Any = None) -> None:
         """Start a computation: ``"fwd"`` takes this rank's ``tokens`` and ``labels``
-        ([microbatch_size, seq_len / cp] int64) and runs the embedding; ``"bwd"`` runs the
+        ([microbatch_size, seq_len / cp] int64: with CP, the tokens at this rank's
+        ``positions()``) and runs the embedding; ``"bwd"`` runs the
         loss's backward, the LM head's and the final norm's."""
         if phase not in ("fwd", "bwd"):
             raise ArgumentError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
