@@ -10,7 +10,7 @@ the **GPU-busy fraction** of a window (below about 90%, the host set the pace).
 The NVML profiler times each partition's steps this way
 ([`TorchPartitionRunner.queued_step_s`][kareus.profilers.TorchPartitionRunner.queued_step_s]),
 and ``kareus verify`` times training iterations this way
-([`kareus.workflow.verify`][kareus.workflow.verify]). torch is imported when called.
+([`verify`][kareus.workflow.verification.verify]). torch is imported when called.
 """
 
 from __future__ import annotations

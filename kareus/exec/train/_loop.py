@@ -149,6 +149,8 @@ class RunRecord:
             the first and last NVML counter steps of the window x the window / steps), or
             ``None`` without a meter or with fewer than two counter steps.
         counter_steps: NVML counter steps inside the window.
+        sm_clock_mhz: Mean SM clock the meter sampled in the window (``None`` without a
+            meter that samples clocks, or without a sample).
     """
 
     schedule: str
@@ -158,6 +160,7 @@ class RunRecord:
     window_s: float
     energy_j: float | None
     counter_steps: int
+    sm_clock_mhz: float | None = None
 
     @property
     def time_s(self) -> float:
@@ -169,7 +172,8 @@ class RunRecord:
         return {"schedule": self.schedule, "repeat": self.repeat,
                 "step_time_s": list(self.step_time_s), "losses": list(self.losses),
                 "window_s": self.window_s, "energy_j": self.energy_j,
-                "counter_steps": self.counter_steps, "time_s": self.time_s}
+                "counter_steps": self.counter_steps, "time_s": self.time_s,
+                "sm_clock_mhz": self.sm_clock_mhz}
 
 
 def shuffled_order(schedules: Sequence[str], repeats: int, seed: int) -> list[tuple[str, int]]:
@@ -678,14 +682,16 @@ def measure_runs(loop: TrainingLoop, order: Sequence[tuple[str, int]], *, steps:
         _sync(torch, cuda)
         t1 = time.perf_counter()
         times = tuple((a.elapsed_time(b) / 1e3) if cuda else (b - a) for a, b in events)
-        energy, counted = None, 0
+        energy, counted, clock = None, 0, None
         if meter is not None:
             e, d, counted = meter.energy_between(t0, t1)
             if counted >= 1 and d > 0:
                 energy = e / d * (t1 - t0) / steps
+            if hasattr(meter, "mean_sm_clock_mhz"):
+                clock = meter.mean_sm_clock_mhz(t0, t1)
         rec = RunRecord(schedule=schedule, repeat=repeat, step_time_s=times,
                         losses=tuple(float(x) for x in losses), window_s=t1 - t0,
-                        energy_j=energy, counter_steps=counted)
+                        energy_j=energy, counter_steps=counted, sm_clock_mhz=clock)
         out.append(rec)
         if log is not None:
             log(f"{schedule} repeat {repeat}: {1e3 * rec.time_s:.2f} ms/iteration, "
