@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import json
 import os
 import statistics
@@ -67,6 +68,7 @@ from kareus.errors import ArgumentError, HardwareError, OutputError, PlanError
 from kareus.exec.frequency import FrequencyTrigger
 from kareus.model.measurement import Measurement
 from kareus.model.workload import Workload
+from kareus.workflow.result import joules
 
 __all__ = ["VERIFY_NAME", "VERIFY_SYSTEMS", "Figures", "PlanCheck", "SystemCheck",
            "VerifyReport", "job_measurement", "verify"]
@@ -238,8 +240,8 @@ class VerifyReport:
         def row(label: str, f: Figures | None, time_s: float) -> str:
             if f is None:
                 return f"{'':13s} {label:9s} {time_s:9.4f} {'-':>11s} {'-':>12s} {'-':>10s}"
-            return (f"{'':13s} {label:9s} {f.time_s:9.4f} {f.static_j:11.1f} "
-                    f"{f.dynamic_j:12.1f} {f.total_j:10.1f}")
+            return (f"{'':13s} {label:9s} {f.time_s:9.4f} {joules(f.static_j):>11s} "
+                    f"{joules(f.dynamic_j):>12s} {joules(f.total_j):>10s}")
 
         for s in self.systems:
             lines.append(f"{s.system:13s} ({s.schedule})")
@@ -582,7 +584,7 @@ def _setup(stack: contextlib.ExitStack, plan: Plan, wl: Workload, *, cpu: bool, 
         from kareus.profilers.nvml import EnergyMeter
 
         try:
-            meter: Any = EnergyMeter(nvml=nvml, **({"device_indices": [0]} if cpu else {}))
+            meter: Any = EnergyMeter(nvml=nvml, device_indices=[0] if cpu else None)
             meter.start()
         except Exception as exc:  # no counter: nothing to verify the energy with
             raise HardwareError(f"cannot read NVML's energy counter ({exc}): verify needs "
@@ -620,7 +622,7 @@ def _queued_iteration_s(loop: Any, schedules: Sequence[str], steps: int, torch: 
         t0 = time.perf_counter()
         loop.step(s)
         host_s = time.perf_counter() - t0
-        got = queued_time_s(lambda s=s: loop.step(s), steps=steps, host_step_s=host_s)
+        got = queued_time_s(functools.partial(loop.step, s), steps=steps, host_step_s=host_s)
         out[s] = got.step_s
     return out
 
