@@ -440,7 +440,9 @@ class TrainingLoop:
         graphs: switching back to a point replays them, nothing is captured again.
 
         Args:
-            deadline_s, energy_budget_j, stage_slowdown: The target (exactly one).
+            deadline_s: The iteration time limit (s).
+            energy_budget_j: The iteration energy limit (J, every GPU of the job).
+            stage_slowdown: ``{stage: factor}`` (or one factor per stage), each >= 1.
             frontier: The iteration frontier (``IterationFrontier.load`` of
                 ``frontier.json`` beside ``plan.json``); needed on the first call, kept.
             executor_for: ``plan -> Executor`` for a new point, when the loop was given
