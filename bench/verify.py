@@ -7,7 +7,10 @@ job's TP x CP group and each partition's energy is scaled to its group), then
 tuned plan, Megatron-LM's sequential schedule and nanobatching in the library's training loop,
 interleaved repeats, NVML energy scaled to the job the same way). Prints, per job and system,
 the composed time and energy beside the measured ones and their ratios, and writes every
-report (``--json``). Clocks are never changed (both steps use the dry-run frequency controller).
+report (``--json``). Then a straggler scenario (``--straggler``, ``straggler_scenario``): the
+plan paced by a straggler elsewhere in the job, the switch along the frontier
+(``TrainingLoop.retarget``) and the same iterations after it, measured. Clocks are never
+changed (every step uses the dry-run frequency controller).
 
 Jobs (``--jobs``): ``qwen3-cp2`` (qwen3-1.7b, TP=4 CP=2, 4 microbatches of 8 x 4096) and
 ``llama-tp2`` (llama3.2-3b, TP=2, the same batch).
@@ -68,6 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="queued iterations per system for the GPU-busy fraction (0: skip)")
     ap.add_argument("--tolerance", type=float, default=0.05,
                     help="the check's tolerance (the issue's 5%%; the table shows ratios)")
+    ap.add_argument("--straggler", type=float, default=1.2,
+                    help="after verifying, pace the plan by a straggler this many times "
+                         "slower and measure the switch along the frontier (<= 1: skip)")
     ap.add_argument("--work", type=Path, default=None,
                     help="folder of the tune outputs (default: a temporary folder)")
     ap.add_argument("--quick", action="store_true",
@@ -115,6 +121,123 @@ def table(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def straggler_scenario(folder: Path, *, slowdown: float, steps: int, device: str | None,
+                       log: Any) -> dict[str, Any]:
+    """A straggler elsewhere in the job, then the switch along the frontier, measured.
+
+    The tuned plan runs in the training loop, first alone (its iteration time ``T0``),
+    then paced by a straggler: the iteration cannot end before ``slowdown x T0`` (on a GPU
+    a sleeping kernel of that length on a side stream that the next iteration waits for,
+    as a slow replica's gradient reduction would make it wait; on the CPU a host sleep).
+    Then ``loop.retarget(stage_slowdown={0: slowdown})`` moves to the lowest-energy point
+    that finishes within that pace (Perseus's rule), and the same paced iterations run
+    under it. Clocks are never changed (the dry-run controller), so the points differ in
+    their SM counts, slots and nanobatching only. Returns times and energies (scaled to the
+    job) of each phase, the points' predictions, and the first iteration after each switch
+    (unpaced: its capture of the new point's graphs; a switch back captures nothing).
+    """
+    import contextlib
+    import gc
+
+    import torch
+
+    from kareus.compose import IterationFrontier, Plan
+    from kareus.workflow.verification import job_measurement, open_job_loop
+
+    plan = Plan.load(folder / "plan.json")
+    frontier = IterationFrontier.load(folder / "frontier.json")
+    out: dict[str, Any] = {"slowdown": slowdown, "frontier_points": len(frontier)}
+    with contextlib.ExitStack() as stack:
+        job = open_job_loop(stack, plan, device=device)
+        loop, meter, cuda = job.loop, job.meter, not job.cpu
+        wl = job.workload
+        side = torch.cuda.Stream() if cuda else None
+        cycles_per_s = 0.0
+        if cuda:
+            from kareus.exec.device_time import sleep_cycles_per_s
+
+            cycles_per_s = sleep_cycles_per_s()
+
+        def sync() -> None:
+            if cuda:
+                torch.cuda.synchronize()
+
+        def iterations(n: int, pace_s: float) -> list[float]:
+            """``n`` iterations, each at least ``pace_s`` long (0: unpaced); their times."""
+            times = []
+            for _ in range(n):
+                if cuda:
+                    assert side is not None
+                    a, b = (torch.cuda.Event(enable_timing=True),
+                            torch.cuda.Event(enable_timing=True))
+                    a.record()
+                    if pace_s > 0:
+                        side.wait_stream(torch.cuda.current_stream())
+                        with torch.cuda.stream(side):
+                            torch.cuda._sleep(int(pace_s * cycles_per_s))
+                    loop.step("kareus")
+                    if pace_s > 0:
+                        torch.cuda.current_stream().wait_stream(side)
+                    b.record()
+                    b.synchronize()
+                    times.append(a.elapsed_time(b) / 1e3)
+                else:
+                    t = time.perf_counter()
+                    loop.step("kareus")
+                    time.sleep(max(0.0, pace_s - (time.perf_counter() - t)))
+                    times.append(time.perf_counter() - t)
+            return times
+
+        def phase(n: int, pace_s: float) -> dict[str, Any]:
+            sync()
+            t0 = time.perf_counter()
+            times = iterations(n, pace_s)
+            sync()
+            t1 = time.perf_counter()
+            e, d, counted = meter.energy_between(t0, t1)
+            energy = None
+            if counted >= 1 and d > 0:
+                m = job_measurement(time_s=sum(times) / n, energy_j=e / d * (t1 - t0) / n,
+                                    measured_gpus=job.world, job_gpus=wl.parallelism.world_size,
+                                    job_static_power_w=loop.plan.static_power_w)
+                energy = m.energy_j
+            return {"time_s": sum(times) / n, "energy_j": energy, "times_s": times,
+                    "plan": loop.plan.digest[:12], "predicted_time_s": loop.plan.time_s,
+                    "predicted_energy_j": loop.plan.energy_j}
+
+        loop.reset()
+        iterations(1, 0.0)  # capture, compile
+        base = phase(steps, 0.0)
+        pace = slowdown * base["time_s"]
+        log(f"straggler: the plan alone {base['time_s']:.4f} s/iteration; paced at "
+            f"{pace:.4f} s")
+        before = phase(steps, pace)
+        chosen = loop.retarget(stage_slowdown={0: slowdown}, frontier=frontier)
+        # the new point's first iteration, unpaced: its capture (graphs) and first replay
+        switch = iterations(1, 0.0)[0]
+        after = phase(steps, pace)
+        loop.retarget(stage_slowdown={0: 1.0})
+        back = iterations(1, 0.0)[0]  # back to the first point: its graphs replayed
+        out.update({"alone": base, "paced_before": before, "paced_after": after,
+                    "switched_to": {"digest": chosen.digest[:12],
+                                    "predicted_time_s": chosen.time_s,
+                                    "predicted_energy_j": chosen.energy_j,
+                                    "same_point": chosen.digest == plan.digest},
+                    "first_iteration_after_switch_s": switch,
+                    "first_iteration_after_switch_back_s": back,
+                    "executors_built": loop.frontier_switch.built,
+                    "measured": not job.cpu})
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    b, a = out["paced_before"], out["paced_after"]
+    log(f"straggler {slowdown:g}x: before the switch {b['time_s']:.4f} s, "
+        f"{b['energy_j'] or float('nan'):.1f} J; after ({out['switched_to']['digest']}) "
+        f"{a['time_s']:.4f} s, {a['energy_j'] or float('nan'):.1f} J"
+        + ("" if out["measured"] else "  -- CPU: NOT A MEASUREMENT"))
+    return out
+
+
 def _quick(args: argparse.Namespace, work: Path, log: Any) -> dict[str, Any]:
     """The CPU smoke run: a tiny job optimized on the emulator, then verify's dry run."""
     import torch
@@ -133,7 +256,11 @@ def _quick(args: argparse.Namespace, work: Path, log: Any) -> dict[str, Any]:
     rep = verify(out, device="cpu", steps=args.steps, warmup=args.warmup,
                  repeats=args.repeats, tolerance=args.tolerance, log=print)
     assert rep is not None
-    return {"tiny-tp2": rep.to_dict()}
+    d = rep.to_dict()
+    if args.straggler > 1:
+        d["straggler"] = straggler_scenario(out, slowdown=args.straggler, steps=args.steps,
+                                            device="cpu", log=log)
+    return {"tiny-tp2": d}
 
 
 def _measured(args: argparse.Namespace, work: Path, log: Any) -> dict[str, Any]:
@@ -173,6 +300,9 @@ def _measured(args: argparse.Namespace, work: Path, log: Any) -> dict[str, Any]:
                                                 "execution", "clock_note", "software")}
         except (OSError, ValueError):
             d["tune"] = None
+        if args.straggler > 1:
+            d["straggler"] = straggler_scenario(out, slowdown=args.straggler,
+                                                steps=args.steps, device=None, log=log)
         reports[job] = d
     return reports
 

@@ -70,8 +70,8 @@ from kareus.model.measurement import Measurement
 from kareus.model.workload import Workload
 from kareus.workflow.result import joules
 
-__all__ = ["VERIFY_NAME", "VERIFY_SYSTEMS", "Figures", "PlanCheck", "SystemCheck",
-           "VerifyReport", "job_measurement", "verify"]
+__all__ = ["VERIFY_NAME", "VERIFY_SYSTEMS", "Figures", "JobLoop", "PlanCheck", "SystemCheck",
+           "VerifyReport", "job_measurement", "open_job_loop", "verify"]
 
 #: The file ``kareus verify`` writes (beside the plan by default).
 VERIFY_NAME = "verify.json"
@@ -443,6 +443,99 @@ def verify(plan: Plan | str | os.PathLike[str], *,
     tolerance = check_number("tolerance", tolerance, positive=True)
     plan, res, where = _load_inputs(plan, results)
     predicted = _predictions(plan, res, systems)
+    t_begin = time.perf_counter()
+    import torch
+
+    from kareus.exec.train import measure_runs, shuffled_order
+
+    with contextlib.ExitStack() as stack:
+        job = open_job_loop(stack, plan, device=device, backend=backend, graphs=graphs,
+                            kernels=kernels, seed=seed, nvml=nvml)
+        loop, wl, cpu, rank, world = job.loop, job.workload, job.cpu, job.rank, job.world
+
+        def say(msg: str) -> None:
+            if log is not None and rank == 0:
+                log(f"[{time.perf_counter() - t_begin:6.1f}s] {msg}")
+
+        schedules = [VERIFY_SYSTEMS[s] for s in predicted]
+        for s in schedules:  # compilation, autotuning, graph capture
+            loop.reset()
+            loop.step(s)
+        if not cpu:
+            torch.cuda.synchronize()
+        say(f"warmed up; {wl.describe()}, {loop.layers} layers; {job.collectives_note}")
+        order = shuffled_order(schedules, repeats, order_seed)
+        records = measure_runs(loop, order, steps=steps, warmup=warmup, meter=job.meter,
+                               barrier=job.barrier, log=say)
+        busy_s: dict[str, float | None] = {s: None for s in schedules}
+        if not cpu and busy_steps:
+            busy_s = _queued_iteration_s(loop, schedules, busy_steps, torch)
+        gathered = job.gather({"runs": [r.to_dict() for r in records], "busy": busy_s,
+                               "fired": job.clock_requests()})
+    if rank != 0:
+        return None
+    report = _report(plan, wl, predicted, order, gathered, steps=steps, world=world,
+                     tolerance=tolerance, cpu=cpu, facts={
+                         "collectives": job.collectives_note, "meter": job.meter_note,
+                         "device": job.device_name, "warmup": warmup, "steps": steps,
+                         "repeats": repeats, "order_seed": order_seed, "seed": seed,
+                         "graphs": bool(loop.graphs), "layers": loop.layers,
+                         "elapsed_s": time.perf_counter() - t_begin})
+    target = Path(out) if out is not None else (where / VERIFY_NAME if where else None)
+    if target is not None:
+        report.facts["path"] = str(report.save(target))
+    return report
+
+
+@attrs.frozen(kw_only=True)
+class JobLoop:
+    """The plan's job set up for measuring in this process
+    ([`open_job_loop`][kareus.workflow.verification.open_job_loop]).
+
+    Attributes:
+        loop: The [`TrainingLoop`][kareus.exec.train.TrainingLoop] (the plan as its
+            ``"kareus"`` schedule, and the baselines).
+        workload: The plan's job.
+        meter: The energy meter (an [`EnergyMeter`][kareus.profilers.EnergyMeter] started,
+            or the CPU dry run's stand-in).
+        cpu: Whether this is the CPU dry run (NOT a measurement).
+        rank: This process's rank; ``world``: processes of the job here.
+        device_name: The GPU's name (``"cpu"`` for the dry run).
+        collectives_note: What runs the collectives (the loopback stand-in said so).
+        meter_note: What the meter is.
+        barrier: Every rank waits (``None`` in a world of one).
+        gather: ``obj -> every rank's obj``.
+        clock_requests: How many clock requests reached the dry-run controller.
+    """
+
+    loop: Any
+    workload: Workload
+    meter: Any
+    cpu: bool
+    rank: int
+    world: int
+    device_name: str
+    collectives_note: str
+    meter_note: str
+    barrier: Callable[[], Any] | None
+    gather: Callable[[Any], list[Any]]
+    clock_requests: Callable[[], int]
+
+
+def open_job_loop(stack: contextlib.ExitStack, plan: Plan, *, device: str | None = None,
+                  backend: str | None = None, graphs: bool | None = None, kernels: Any = None,
+                  seed: int = 0, nvml: Any = None) -> JobLoop:
+    """Set up the plan's job in this process as ``kareus verify`` does: the process group
+    (several ranks) or loopback groups standing in for the job's (one), the collectives, a
+    dry-run clock controller (stream-ordered on a GPU: clocks are never changed), the
+    [`TrainingLoop`][kareus.exec.train.TrainingLoop] and the energy meter. ``stack`` closes
+    what was opened. Arguments as [`verify`][kareus.workflow.verification.verify].
+
+    Raises:
+        PlanError: the plan's job has PP or DP above 1 (the loop runs one stage).
+        HardwareError: no CUDA device without ``device="cpu"``; no energy counter.
+        ArgumentError: a world that is neither one process nor the job's TP x CP.
+    """
     wl = Workload.from_dict(dict(plan.workload or {}))
     p = wl.parallelism
     if p.pp != 1 or p.dp != 1:
@@ -458,56 +551,22 @@ def verify(plan: Plan | str | os.PathLike[str], *,
     if device not in ("cuda", "cpu"):
         raise ArgumentError(f"--device must be cuda or cpu, got {device!r}")
     cpu = device == "cpu"
-    rank, world = _world()
+    _, world = _world()
     if cpu and world != 1:
         raise ArgumentError("the CPU dry run is one process (loopback groups stand in for "
                             "the job's): run it without torchrun")
-    t_begin = time.perf_counter()
-
-    def say(msg: str) -> None:
-        if log is not None and rank == 0:
-            log(f"[{time.perf_counter() - t_begin:6.1f}s] {msg}")
-
-    with contextlib.ExitStack() as stack:
-        ctx = _setup(stack, plan, wl, cpu=cpu, world=world, backend=backend, graphs=graphs,
-                     kernels=kernels, seed=seed, nvml=nvml, say=say)
-        loop, meter, barrier = ctx["loop"], ctx["meter"], ctx["barrier"]
-        rank = ctx["rank"]
-        from kareus.exec.train import measure_runs, shuffled_order
-
-        schedules = [VERIFY_SYSTEMS[s] for s in predicted]
-        for s in schedules:  # compilation, autotuning, graph capture
-            loop.reset()
-            loop.step(s)
-        if not cpu:
-            torch.cuda.synchronize()
-        say(f"warmed up; {wl.describe()}, {loop.layers} layers; {ctx['collectives']}")
-        order = shuffled_order(schedules, repeats, order_seed)
-        records = measure_runs(loop, order, steps=steps, warmup=warmup, meter=meter,
-                               barrier=barrier, log=say)
-        busy_s: dict[str, float | None] = {s: None for s in schedules}
-        if not cpu and busy_steps:
-            busy_s = _queued_iteration_s(loop, schedules, busy_steps, torch)
-        gathered = ctx["gather"]({"runs": [r.to_dict() for r in records], "busy": busy_s,
-                                  "fired": ctx["fired"]()})
-    if rank != 0:
-        return None
-    report = _report(plan, wl, predicted, order, gathered, steps=steps, world=world,
-                     tolerance=tolerance, cpu=cpu, facts={
-                         "collectives": ctx["collectives"], "meter": ctx["meter_note"],
-                         "device": ctx["device_name"], "warmup": warmup, "steps": steps,
-                         "repeats": repeats, "order_seed": order_seed, "seed": seed,
-                         "graphs": bool(loop.graphs), "layers": loop.layers,
-                         "elapsed_s": time.perf_counter() - t_begin})
-    target = Path(out) if out is not None else (where / VERIFY_NAME if where else None)
-    if target is not None:
-        report.facts["path"] = str(report.save(target))
-    return report
+    ctx = _setup(stack, plan, wl, cpu=cpu, world=world, backend=backend, graphs=graphs,
+                 kernels=kernels, seed=seed, nvml=nvml)
+    return JobLoop(loop=ctx["loop"], workload=wl, meter=ctx["meter"], cpu=cpu,
+                   rank=ctx["rank"], world=world, device_name=ctx["device_name"],
+                   collectives_note=ctx["collectives"], meter_note=ctx["meter_note"],
+                   barrier=ctx["barrier"], gather=ctx["gather"],
+                   clock_requests=ctx["fired"])
 
 
 def _setup(stack: contextlib.ExitStack, plan: Plan, wl: Workload, *, cpu: bool, world: int,
-           backend: str | None, graphs: bool | None, kernels: Any, seed: int, nvml: Any,
-           say: Callable[[str], None]) -> dict[str, Any]:
+           backend: str | None, graphs: bool | None, kernels: Any, seed: int, nvml: Any
+           ) -> dict[str, Any]:
     """The process group, groups, collectives, trigger, loop and meter (closed by
     ``stack``)."""
     import torch

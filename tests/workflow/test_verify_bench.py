@@ -21,6 +21,12 @@ def test_the_quick_run_writes_every_system_and_says_it_is_not_a_measurement(tmp_
     assert set(rep["systems"]) == {"megatron", "nanobatching", "kareus"}
     assert [r[:2] for r in data["table"]] == [["tiny-tp2", s] for s in rep["systems"]]
     assert "NOT A MEASUREMENT" in capsys.readouterr().out
+    st = rep["straggler"]
+    assert st["measured"] is False and st["slowdown"] == 1.2
+    # a new point's executor is built once; staying on the plan's point builds none
+    assert st["executors_built"] == (0 if st["switched_to"]["same_point"] else 1)
+    paced = st["paced_before"]["time_s"]
+    assert paced >= 1.2 * st["alone"]["time_s"] * 0.9  # the straggler sets the pace
 
 
 def test_the_options_are_checked():
