@@ -147,6 +147,7 @@ def test_retarget_switches_at_the_next_step_and_replays_graphs_on_return():
         loop.retarget(deadline_s=2.0)
     plan = loop.retarget(deadline_s=2.0, frontier=fr)
     assert plan is fr.points[2].plan and loop.plan is fr.points[0].plan  # not yet
+    assert kareus_captures() == n  # built, not captured before its first step
     assert step_freqs() == {1410} and loop.plan is plan
     assert kareus_captures() == 2 * n
     loop.retarget(deadline_s=1.0)  # back to the first point: its graphs, no capture
@@ -199,9 +200,10 @@ def test_retarget_refuses_a_loop_without_plan_and_a_frontier_of_another_job():
     foreign = attrs.evolve(fr.points[2].plan, workload=other.to_dict())
     mixed = IterationFrontier(points=[fr.points[0], IterationPoint(
         time_s=1.6, energy_j=8.0, plan=foreign)])
-    loop.retarget(deadline_s=2.0, frontier=mixed)
     with pytest.raises(PlanError, match="another job"):
-        loop.step("kareus")
+        loop.retarget(deadline_s=2.0, frontier=mixed)
+    assert loop.plan.digest == fr.points[0].plan.digest
+    loop.step("kareus")  # still the plan it ran
 
 
 def _worker(out: str) -> None:

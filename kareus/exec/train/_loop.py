@@ -478,6 +478,8 @@ class TrainingLoop:
                 frontier, current=current, make_executor=make, check=self._check_new_plan,
                 decide=decide)
         plan = self.frontier_switch.choose(target, stages=1)
+        if self.plan is None or plan.digest != self.plan.digest:
+            self.frontier_switch.executor(plan)  # checked and built now, kept
         self._pending_plan = plan
         return plan
 
