@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import sys
@@ -137,7 +138,6 @@ def straggler_scenario(folder: Path, *, slowdown: float, steps: int, device: str
     (unpaced: its capture of the new point's graphs; a switch back captures nothing).
     """
     import contextlib
-    import gc
 
     import torch
 
@@ -283,10 +283,12 @@ def _measured(args: argparse.Namespace, work: Path, log: Any) -> dict[str, Any]:
         log(f"{job}: tuning {wl.describe()} (budget {args.budget}) into {out}")
         tune(wl, out_dir=out, budget=args.budget, progress=False)
         tune_s = time.perf_counter() - t0
+        gc.collect()  # the tune's programs and graphs, before the loop's
         torch.cuda.empty_cache()
         log(f"{job}: tuned in {tune_s:.0f} s; verifying")
         rep = verify(out, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
                      busy_steps=args.busy_steps, tolerance=args.tolerance, log=print)
+        gc.collect()
         torch.cuda.empty_cache()
         if rep is None:  # not rank 0
             continue
