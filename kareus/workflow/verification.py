@@ -437,6 +437,25 @@ def verify(plan: Plan | str | os.PathLike[str], *,
         PlanError: the plan is not for a job the loop runs (PP or DP above 1), or
             ``results.json`` is of another job.
         ArgumentError: a bad option, or a world that is not the job's TP x CP.
+
+    Examples:
+        The CPU dry run of a tiny job's plan (its figures are NOT measurements: on a GPU,
+        leave ``device`` out), writing ``verify.json`` beside the plan:
+
+        >>> import tempfile
+        >>> import kareus
+        >>> arch = kareus.ModelArch(name="tiny", layers=2, hidden=32, heads=4, kv_heads=2,
+        ...                         head_dim=8, ffn=64, vocab=50)
+        >>> job = kareus.Workload(model=arch, parallelism=kareus.Parallelism(tp=2),
+        ...                       microbatch_size=2, seq_len=8, num_microbatches=2)
+        >>> out = tempfile.mkdtemp()
+        >>> _ = kareus.optimize(job, "h200-sxm", budget=4, progress=False).save(
+        ...     out, figure=False)
+        >>> report = kareus.verify(out, device="cpu", steps=1, repeats=1)
+        >>> [s.system for s in report.systems], report.measured
+        (['megatron', 'nanobatching', 'kareus'], False)
+        >>> sorted(report.systems[-1].ratios())
+        ['dynamic_j', 'static_j', 'time_s', 'total_j']
     """
     if min(steps, repeats) < 1 or warmup < 0 or busy_steps < 0:
         raise ArgumentError("steps and repeats must be >= 1, warmup and busy_steps >= 0")
