@@ -179,23 +179,32 @@ class FrontierSwitch:
                  make_executor: Callable[[Plan], Executor],
                  check: Callable[[Plan], None] | None = None,
                  decide: Callable[[int], int] | None = None) -> None:
-        if not isinstance(frontier, IterationFrontier):
-            raise ArgumentTypeError(f"frontier must be a kareus.compose.IterationFrontier "
-                                    f"(IterationFrontier.load of frontier.json), got "
-                                    f"{type(frontier).__name__}")
         if not isinstance(current, Executor) or current.plan is None:
             raise ArgumentTypeError("current must be the Executor applying the job's plan")
-        digests = {p.plan.digest for p in frontier.points}
-        if len(digests) != len(frontier.points):
-            raise PlanError("the frontier holds the same plan twice: load it from "
-                            "kareus optimize's frontier.json")
-        self.frontier = frontier
+        self.frontier = self._checked(frontier)
         self._make = make_executor
         self._check = check
         self._decide = decide or broadcast_from_rank0
         self._executors: dict[str, Executor] = {str(current.plan.digest): current}
         self.built = 0
         self.history: list[tuple[Target, int, str]] = []
+
+    @staticmethod
+    def _checked(frontier: IterationFrontier) -> IterationFrontier:
+        if not isinstance(frontier, IterationFrontier):
+            raise ArgumentTypeError(f"frontier must be a kareus.compose.IterationFrontier "
+                                    f"(IterationFrontier.load of frontier.json), got "
+                                    f"{type(frontier).__name__}")
+        digests = {p.plan.digest for p in frontier.points}
+        if len(digests) != len(frontier.points):
+            raise PlanError("the frontier holds the same plan twice: load it from "
+                            "kareus optimize's frontier.json")
+        return frontier
+
+    def use(self, frontier: IterationFrontier) -> None:
+        """Choose from ``frontier`` from now on (a frontier loaded again, or a new one);
+        the executors built so far are kept, so a point used before keeps its graphs."""
+        self.frontier = self._checked(frontier)
 
     def choose(self, target: Target, *, stages: int = 1) -> Plan:
         """The point meeting ``target``, the same on every rank (decided on rank 0).

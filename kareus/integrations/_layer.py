@@ -410,7 +410,9 @@ class PlanApplier:
         if self.executor.current is not None:
             raise PlanError("retarget between iterations, not inside applier.microbatch()")
         switch = getattr(self, "frontier_switch", None)
-        if switch is None or frontier is not None:
+        if switch is not None and frontier is not None:
+            switch.use(frontier)  # the points built so far are kept
+        if switch is None:
             make = executor_for or self._make_plan_executor
             if frontier is None or make is None:
                 raise ArgumentError("retarget needs frontier=IterationFrontier.load("

@@ -57,7 +57,8 @@ def plan_at(wl: Workload, freq: int, *, sms: int, time_s: float, energy_j: float
     return Plan(gpu="h200-sxm", num_stages=1, num_microbatches=wl.num_microbatches,
                 choices=[MicrobatchChoice(freq_mhz=freq, configs=cfgs)],
                 assignment={c.key(): 0 for c in comps}, time_s=time_s, energy_j=energy_j,
-                dynamic_energy_j=energy_j / 2, static_power_w=100.0, workload=wl.to_dict())
+                dynamic_energy_j=energy_j - 2.0 * time_s, static_power_w=2.0,
+                workload=wl.to_dict())
 
 
 def frontier(wl: Workload) -> IterationFrontier:
@@ -156,6 +157,9 @@ def test_retarget_switches_at_the_next_step_and_replays_graphs_on_return():
     assert step_freqs() == {1620} and kareus_captures() == 3 * n
     loop.retarget(energy_budget_j=8.5)
     assert step_freqs() == {1410} and kareus_captures() == 3 * n
+    # the frontier given again: the points built so far (and their graphs) are kept
+    loop.retarget(deadline_s=1.0, frontier=IterationFrontier(points=list(fr.points)))
+    assert step_freqs() == {1980} and kareus_captures() == 3 * n
     assert loop.frontier_switch.built == 2
     # the collectives of the switched point run with its SM count
     seq = loop.executor.sequence("train:kareus")

@@ -31,7 +31,8 @@ def _frontier(wl):
     for freq, t, e in ((1980, 1.0, 10.0), (1410, 1.6, 8.0)):
         plan = attrs.evolve(make_workload_plan(wl, sms=12 if freq == 1980 else 6,
                                                freqs_mhz=(freq,)),
-                            time_s=t, energy_j=e, dynamic_energy_j=e - 100.0 * t / 50)
+                            time_s=t, energy_j=e, dynamic_energy_j=e - 2.0 * t,
+                            static_power_w=2.0)
         pts.append(IterationPoint(time_s=t, energy_j=e, plan=plan))
     return IterationFrontier(points=pts, label="kareus")
 

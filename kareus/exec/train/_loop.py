@@ -468,7 +468,9 @@ class TrainingLoop:
         if self.executor is None or self.plan is None:
             raise PlanError("retarget moves a running plan along its frontier: build the loop "
                             "with plan= first")
-        if self.frontier_switch is None or frontier is not None:
+        if self.frontier_switch is not None and frontier is not None:
+            self.frontier_switch.use(frontier)  # the points built so far are kept
+        if self.frontier_switch is None:
             if frontier is None:
                 raise ArgumentError("retarget needs the plan's iteration frontier once: pass "
                                     "frontier=IterationFrontier.load('OUT/frontier.json')")
