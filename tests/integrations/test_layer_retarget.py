@@ -113,3 +113,53 @@ def test_measure_compares_a_users_loop_with_the_plan():
                        baseline=RecordingExecutor(), kernels="torch")
     with pytest.raises(PlanError, match="plan="):
         bare.measure()
+
+
+def test_graphed_layers_capture_each_point_once_and_replay_it_on_return():
+    """With graphs (the CPU stand-in executor of test_layer_graphs, whose graphs re-run
+    their bodies): a point's computations are captured by its own executor once; back on a
+    point used before, its graphs replay (no capture), with its SM counts."""
+    from test_layer_graphs import RerunExecutor, _run
+
+    from kareus.exec.train import make_collectives
+
+    torch.set_num_threads(1)
+    wl = workload(tp=1, cp=2)
+    fr = _frontier(wl)
+    groups = LoopbackGroups(tp=1, cp=2)
+    capped, default, _ = make_collectives(groups, backend="loopback")
+
+    def rerun(plan):
+        return RerunExecutor(collective=capped, default_collective=default, plan=plan)
+
+    first = rerun(fr.points[0].plan)
+    applier = PlanApplier(workload=wl, groups=groups, executor=first, kernels="torch",
+                          baseline=RerunExecutor(collective=default,
+                                                 default_collective=default),
+                          graphs=True, record=True)
+    params = [{k: torch.nn.Parameter(v) for k, v in full_weights(wl.model, 1).items()}]
+    xs = [torch.randn(4, 8, wl.model.hidden, generator=torch.Generator().manual_seed(s))
+          for s in (0, 1)]
+
+    def sms_run() -> set[int]:
+        applier.partitions_run.clear()
+        _run(applier, params, xs, plan=True)
+        return {cfg.comm_sms for _, _, cfg in applier.partitions_run}
+
+    # twice per point: a layer's own graphs are captured once its weights come back at
+    # the same address (the runner's rule), so the second run reaches the steady state
+    assert sms_run() == {12} and sms_run() == {12}
+    captured = len(first.captured)
+    assert captured > 0
+    applier.retarget(deadline_s=2.0, frontier=fr, executor_for=rerun)
+    # the slow point's graphs, captured by its own executor
+    assert sms_run() == {6} and sms_run() == {6}
+    second = applier.executor
+    assert second is not first and len(second.captured) > 0
+    n2 = len(second.captured)
+    applier.retarget(deadline_s=1.0)
+    assert applier.executor is first and sms_run() == {12} and sms_run() == {12}
+    assert len(first.captured) == captured and len(second.captured) == n2  # replayed
+    applier.retarget(deadline_s=2.0)
+    assert sms_run() == {6} and sms_run() == {6}
+    assert len(first.captured) == captured and len(second.captured) == n2
