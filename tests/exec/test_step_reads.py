@@ -86,7 +86,7 @@ def test_outside_work_reads_nothing_an_earlier_step_made(phase, sp):
         "before made"
 
 
-@pytest.mark.parametrize(("cp", "sp"), [(1, False), (2, False), (2, True)])
+@pytest.mark.parametrize(("cp", "sp"), [(1, False), (2, False), (1, True), (2, True)])
 def test_partitions_read_nothing_an_earlier_step_made(cp, sp):
     wl = _workload(cp, sp)
     for name, part in build_partitions(wl).types.items():
