@@ -555,8 +555,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "frontier.png and the search logs to --out.")
     p.add_argument("--workload", default=None, help="model preset (see `kareus workloads`)")
     p.add_argument("--model-file", default=None, metavar="FILE",
-                   help="your own model architecture, a .toml or .json file (instead of "
-                        "--workload; see docs/plugins.md)")
+                   help="your own model architecture, a .toml or .json file, a Hugging Face "
+                        "config.json, or a Megatron-Core/Megatron-LM configuration (.json or "
+                        ".yaml) (instead of --workload; see docs/plugins.md and "
+                        "docs/integrations.md)")
     p.add_argument("--megatron-args", default=None, metavar="FLAGS",
                    help="the model, parallelism and batch as Megatron-LM's pretrain_gpt.py "
                         "flags (one quoted string, or @FILE holding them), instead of "

@@ -84,6 +84,20 @@ def test_a_layer_kareus_does_not_compute_is_refused_by_its_field():
         workload_from_megatron_args(JOB, dp=3)
 
 
+def test_the_same_job_as_a_model_file_is_the_same_model(tmp_path):
+    """Megatron-LM's arguments as a --model-file give the architecture the flags give."""
+    import json
+
+    from kareus.model.files import load_model_file
+
+    ns = parse_megatron_args(JOB)
+    f = tmp_path / "args.json"
+    f.write_text(json.dumps({k: v for k, v in vars(ns).items()}), encoding="utf-8")
+    from_file = load_model_file(f)
+    from_flags = workload_from_megatron_args(ns, dp=2).model
+    assert from_file.to_dict() | {"name": "x"} == from_flags.to_dict() | {"name": "x"}
+
+
 @pytest.mark.slow
 def test_kareus_optimize_megatron_args_makes_the_plan_the_spec_accepts(tmp_path, capsys):
     """``kareus optimize --megatron-args`` (a small search), then the check the spec's
