@@ -47,6 +47,11 @@ from typing import Any
 import megatron.core  # type: ignore[import-untyped, import-not-found]
 import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # type: ignore[import-untyped, import-not-found]
+from megatron.core.tensor_parallel.layers import (  # type: ignore[import-untyped, import-not-found]
+    ColumnParallelLinear,
+    RowParallelLinear,
+)
+from megatron.core.transformer.dot_product_attention import DotProductAttention  # type: ignore[import-untyped, import-not-found]
 from megatron.core.transformer.spec_utils import ModuleSpec  # type: ignore[import-untyped, import-not-found]
 from megatron.core.transformer.transformer_layer import TransformerLayer  # type: ignore[import-untyped, import-not-found]
 from packaging.version import Version
@@ -404,19 +409,6 @@ def _layer_submodules(qk_layernorm: bool, layout: str) -> Any:
 # ------------------------------------------------------------------ the TE layout's modules
 
 
-def _te_layout_classes() -> tuple[type, type, type]:
-    from megatron.core.tensor_parallel.layers import (  # type: ignore[import-untyped, import-not-found]
-        ColumnParallelLinear,
-        RowParallelLinear,
-    )
-    from megatron.core.transformer.dot_product_attention import DotProductAttention  # type: ignore[import-untyped, import-not-found]
-
-    return ColumnParallelLinear, RowParallelLinear, DotProductAttention
-
-
-_ColumnParallelLinear, _RowParallelLinear, _DotProductAttention = _te_layout_classes()
-
-
 class _KeptExtraState:
     """Keeps the ``_extra_state`` a checkpoint gives (TE's FP8 metadata, an empty tensor or
     ``None``) and returns it as given; ``None`` until one is loaded."""
@@ -428,7 +420,7 @@ class _KeptExtraState:
         return getattr(self, "_kareus_extra_state", None)
 
 
-class _NormedColumnParallelLinear(_KeptExtraState, _ColumnParallelLinear):  # type: ignore[misc]
+class _NormedColumnParallelLinear(_KeptExtraState, ColumnParallelLinear):  # type: ignore[misc]
     """Megatron's ``ColumnParallelLinear`` with the RMSNorm before it, under Transformer
     Engine's names: ``layer_norm_weight`` (first, as TE registers it), ``weight`` and
     ``_extra_state`` (TE's ``TELayerNormColumnParallelLinear`` with RMSNorm, unfused)."""
@@ -441,7 +433,7 @@ class _NormedColumnParallelLinear(_KeptExtraState, _ColumnParallelLinear):  # ty
                   else None)
         w = torch.nn.Parameter(torch.ones(size, dtype=config.params_dtype, device=device))
         w.sequence_parallel = bool(config.sequence_parallel)  # type: ignore[attr-defined]
-        self._parameters = {"layer_norm_weight": w, **self._parameters}
+        self._parameters = {"layer_norm_weight": w, **self._parameters}  # type: ignore[has-type]
         self._norm_eps = float(config.layernorm_epsilon)
 
     def forward(self, input_: Any, weight: Any = None, runtime_gather_output: Any = None
@@ -451,12 +443,12 @@ class _NormedColumnParallelLinear(_KeptExtraState, _ColumnParallelLinear):  # ty
         return super().forward(x, weight, runtime_gather_output)
 
 
-class _TEStateRowParallelLinear(_KeptExtraState, _RowParallelLinear):  # type: ignore[misc]
+class _TEStateRowParallelLinear(_KeptExtraState, RowParallelLinear):  # type: ignore[misc]
     """Megatron's ``RowParallelLinear`` keeping TE's ``_extra_state`` (``TERowParallelLinear``'s
     names)."""
 
 
-class _TEStateDotProductAttention(_KeptExtraState, _DotProductAttention):  # type: ignore[misc]
+class _TEStateDotProductAttention(_KeptExtraState, DotProductAttention):  # type: ignore[misc]
     """Megatron's ``DotProductAttention`` keeping TE's ``_extra_state``
     (``TEDotProductAttention``'s names)."""
 

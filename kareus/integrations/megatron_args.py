@@ -63,7 +63,9 @@ def _bool(name: str, default: bool = False) -> tuple[str, dict[str, Any]]:
     return name, {"action": "store_true", "default": default}
 
 
-#: The flags kareus reads, with Megatron-LM core_v0.16.1's types and defaults.
+#: The flags kareus reads, with Megatron-LM core_v0.16.1's types, defaults and attribute
+#: names (a ``TransformerConfig`` field's flag stores under the field's name:
+#: ``--norm-epsilon`` is ``layernorm_epsilon``, ``--disable-bias-linear`` ``add_bias_linear``).
 _READ: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--num-layers", {"type": int, "default": None}),
     ("--hidden-size", {"type": int, "default": None}),
@@ -94,11 +96,12 @@ _READ: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--attention-dropout", {"type": float, "default": 0.1}),
     _bool("--bf16"),
     _bool("--fp16"),
-    ("--fp8-format", {"default": None}),
-    ("--fp4-format", {"default": None}),
-    ("--norm-epsilon", {"type": float, "default": 1e-5}),
+    ("--fp8-format", {"default": None, "dest": "fp8"}),
+    ("--fp4-format", {"default": None, "dest": "fp4"}),
+    ("--norm-epsilon", {"type": float, "default": 1e-5, "dest": "layernorm_epsilon"}),
     ("--normalization", {"default": "LayerNorm"}),
-    _bool("--apply-layernorm-1p"),
+    ("--apply-layernorm-1p", {"action": "store_true", "default": False,
+                             "dest": "layernorm_zero_centered_gamma"}),
     _bool("--qk-layernorm"),
     _bool("--qk-l2-norm"),
     _bool("--untie-embeddings-and-output-weights"),
@@ -126,7 +129,6 @@ _READ: tuple[tuple[str, dict[str, Any]], ...] = (
     _bool("--apply-residual-connection-post-layernorm"),
     _bool("--fp32-residual-connection"),
     _bool("--overlap-param-gather"),
-    ("--softmax-scale", {"type": float, "default": None}),
     ("--transformer-impl", {"default": "transformer_engine"}),
     ("--spec", {"nargs": "*", "default": None}),
 )
@@ -134,54 +136,10 @@ _READ: tuple[tuple[str, dict[str, Any]], ...] = (
 #: Flags (taking a value) that change nothing kareus costs or runs: data, tokenizer files,
 #: optimizer, schedule of the learning rate, logging, checkpoints, evaluation, seeds,
 #: initialisation, distributed set-up, fusions of Megatron's own kernels.
-_IGNORED_VALUE = frozenset("""
---data-path --split --train-data-path --valid-data-path --test-data-path --data-cache-path
---vocab-file --merge-file --tokenizer-model --num-workers --data-args-path --per-split-data-args-path
---train-iters --train-samples --eval-iters --eval-interval --log-interval --save-interval
---save --load --pretrained-checkpoint --ckpt-format --tensorboard-dir --wandb-project
---wandb-exp-name --wandb-save-dir --lr --min-lr --lr-decay-style --lr-decay-iters
---lr-decay-samples --lr-warmup-iters --lr-warmup-samples --lr-warmup-fraction --lr-warmup-init
---weight-decay --start-weight-decay --end-weight-decay --weight-decay-incr-style --clip-grad
---adam-beta1 --adam-beta2 --adam-eps --sgd-momentum --optimizer --loss-scale
---initial-loss-scale --min-loss-scale --loss-scale-window --hysteresis --init-method-std
---seed --data-parallel-random-init --distributed-backend --distributed-timeout-minutes
---local-rank --exit-interval --exit-duration-in-mins --exit-signal-handler-for-dataloader
---timing-log-level --timing-log-option --tensorboard-log-interval --tensorboard-queue-size
---log-params-norm-interval --num-dataset-builder-threads --dataloader-type --mmap-bin-files
---object-storage-cache-path --ddp-bucket-size --ddp-num-buckets --attention-backend
---use-checkpoint-args --non-persistent-save-interval --non-persistent-ckpt-type
---manual-gc-interval --tokenizer-special-tokens --tiktoken-pattern --tokenizer-metadata
---eod-mask-loss-type --dist-ckpt-strictness --ckpt-convert-format --ckpt-convert-save
---profile-step-start --profile-step-end --profile-ranks --result-rejected-tracker-filename
---train-sync-interval --check-weight-hash-across-dp-replicas-interval --num-distributed-optimizer-instances
---main-grads-dtype --main-params-dtype --exp-avg-dtype --exp-avg-sq-dtype --init-model-with-meta-device
---logging-level --straggler-minmax-count --rerun-mode --data-sharding
---decoder-first-pipeline-num-layers --decoder-last-pipeline-num-layers
-""".split())
+_IGNORED_VALUE = frozenset(["--data-path", "--split", "--train-data-path", "--valid-data-path", "--test-data-path", "--data-cache-path", "--vocab-file", "--merge-file", "--tokenizer-model", "--num-workers", "--data-args-path", "--per-split-data-args-path", "--train-iters", "--train-samples", "--eval-iters", "--eval-interval", "--log-interval", "--save-interval", "--save", "--load", "--pretrained-checkpoint", "--ckpt-format", "--tensorboard-dir", "--wandb-project", "--wandb-exp-name", "--wandb-save-dir", "--lr", "--min-lr", "--lr-decay-style", "--lr-decay-iters", "--lr-decay-samples", "--lr-warmup-iters", "--lr-warmup-samples", "--lr-warmup-fraction", "--lr-warmup-init", "--weight-decay", "--start-weight-decay", "--end-weight-decay", "--weight-decay-incr-style", "--clip-grad", "--adam-beta1", "--adam-beta2", "--adam-eps", "--sgd-momentum", "--optimizer", "--loss-scale", "--initial-loss-scale", "--min-loss-scale", "--loss-scale-window", "--hysteresis", "--init-method-std", "--seed", "--data-parallel-random-init", "--distributed-backend", "--distributed-timeout-minutes", "--local-rank", "--exit-interval", "--exit-duration-in-mins", "--exit-signal-handler-for-dataloader", "--timing-log-level", "--timing-log-option", "--tensorboard-log-interval", "--tensorboard-queue-size", "--log-params-norm-interval", "--num-dataset-builder-threads", "--dataloader-type", "--mmap-bin-files", "--object-storage-cache-path", "--ddp-bucket-size", "--ddp-num-buckets", "--attention-backend", "--use-checkpoint-args", "--non-persistent-save-interval", "--non-persistent-ckpt-type", "--manual-gc-interval", "--tokenizer-special-tokens", "--tiktoken-pattern", "--tokenizer-metadata", "--eod-mask-loss-type", "--dist-ckpt-strictness", "--ckpt-convert-format", "--ckpt-convert-save", "--profile-step-start", "--profile-step-end", "--profile-ranks", "--result-rejected-tracker-filename", "--train-sync-interval", "--check-weight-hash-across-dp-replicas-interval", "--num-distributed-optimizer-instances", "--main-grads-dtype", "--main-params-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype", "--init-model-with-meta-device", "--logging-level", "--straggler-minmax-count", "--rerun-mode", "--data-sharding", "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"])
 
 #: Flags without a value that change nothing kareus costs or runs.
-_IGNORED_SWITCH = frozenset("""
---mock-data --use-mcore-models --no-load-optim --no-load-rng --no-save-optim --no-save-rng
---use-distributed-optimizer --overlap-grad-reduce --use-flash-attn --no-masked-softmax-fusion
---no-bias-gelu-fusion --no-bias-swiglu-fusion --no-bias-dropout-fusion --no-rope-fusion
---no-gradient-accumulation-fusion --no-persist-layer-norm --no-async-tensor-model-parallel-allreduce
---attention-softmax-in-fp32 --accumulate-allreduce-grads-in-fp32 --log-throughput
---log-timers-to-tensorboard --log-validation-ppl-to-tensorboard --log-memory-to-tensorboard
---log-params-norm --log-num-zeros-in-grad --log-progress --log-world-size-to-tensorboard
---log-loss-scale-to-tensorboard --log-energy --tensorboard-log-interval --no-check-for-nan-in-loss-and-grad
---check-for-nan-in-loss-and-grad --manual-gc --no-manual-gc-eval --bf16-reduced-precision-matmul
---use-cpu-initialization --empty-unused-memory-level --no-create-attention-mask-in-dataloader
---dist-ckpt-save-pre-mcore-014 --auto-detect-ckpt-format --finetune --reset-position-ids
---reset-attention-mask --eod-mask-loss --legacy-tokenizer --use-dist-ckpt --async-save
---no-initialization --profile --use-pytorch-profiler --record-memory-history --barrier-with-L1-time
---disable-straggler-on-startup --enable-one-logger --no-mmap-bin-files --deterministic-mode
---calculate-per-token-loss --check-weight-hash-across-dp-replicas-interval --ckpt-fully-parallel-save
---ckpt-fully-parallel-load --ckpt-assume-constant-structure --no-ckpt-fully-parallel-save
---use-torch-optimizer-for-cpu-offload
---overlap-param-gather-with-optimizer-step --align-grad-reduce --align-param-gather
---no-align-grad-reduce --no-align-param-gather --tp-comm-overlap --log-straggler
---skip-train --trust-remote-code
-""".split())
+_IGNORED_SWITCH = frozenset(["--mock-data", "--use-mcore-models", "--no-load-optim", "--no-load-rng", "--no-save-optim", "--no-save-rng", "--use-distributed-optimizer", "--overlap-grad-reduce", "--use-flash-attn", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm", "--no-async-tensor-model-parallel-allreduce", "--attention-softmax-in-fp32", "--accumulate-allreduce-grads-in-fp32", "--log-throughput", "--log-timers-to-tensorboard", "--log-validation-ppl-to-tensorboard", "--log-memory-to-tensorboard", "--log-params-norm", "--log-num-zeros-in-grad", "--log-progress", "--log-world-size-to-tensorboard", "--log-loss-scale-to-tensorboard", "--log-energy", "--tensorboard-log-interval", "--no-check-for-nan-in-loss-and-grad", "--check-for-nan-in-loss-and-grad", "--manual-gc", "--no-manual-gc-eval", "--bf16-reduced-precision-matmul", "--use-cpu-initialization", "--empty-unused-memory-level", "--no-create-attention-mask-in-dataloader", "--dist-ckpt-save-pre-mcore-014", "--auto-detect-ckpt-format", "--finetune", "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss", "--legacy-tokenizer", "--use-dist-ckpt", "--async-save", "--no-initialization", "--profile", "--use-pytorch-profiler", "--record-memory-history", "--barrier-with-L1-time", "--disable-straggler-on-startup", "--enable-one-logger", "--no-mmap-bin-files", "--deterministic-mode", "--calculate-per-token-loss", "--check-weight-hash-across-dp-replicas-interval", "--ckpt-fully-parallel-save", "--ckpt-fully-parallel-load", "--ckpt-assume-constant-structure", "--no-ckpt-fully-parallel-save", "--use-torch-optimizer-for-cpu-offload", "--overlap-param-gather-with-optimizer-step", "--align-grad-reduce", "--align-param-gather", "--no-align-grad-reduce", "--no-align-param-gather", "--tp-comm-overlap", "--log-straggler", "--skip-train", "--trust-remote-code"])
 
 def read_megatron_flags(flags: str | Sequence[str]) -> list[str]:
     """The flag list of a string (split as a shell does), a sequence of strings, or
@@ -381,8 +339,8 @@ def _config_of(args: Any) -> SimpleNamespace:
         "add_bias_linear": _get(args, "add_bias_linear", True),
         "add_qkv_bias": _get(args, "add_qkv_bias", False),
         "normalization": _get(args, "normalization", "LayerNorm"),
-        "layernorm_epsilon": _get(args, "norm_epsilon", 1e-5),
-        "layernorm_zero_centered_gamma": _get(args, "apply_layernorm_1p", False),
+        "layernorm_epsilon": _get(args, "layernorm_epsilon", 1e-5),
+        "layernorm_zero_centered_gamma": _get(args, "layernorm_zero_centered_gamma", False),
         "qk_layernorm": _get(args, "qk_layernorm", False),
         "qk_l2_norm": _get(args, "qk_l2_norm", False),
         "num_moe_experts": _get(args, "num_experts"),
@@ -396,8 +354,7 @@ def _config_of(args: Any) -> SimpleNamespace:
         "hidden_dropout": _get(args, "hidden_dropout", 0.1),
         "attention_dropout": _get(args, "attention_dropout", 0.1),
         "bf16": _get(args, "bf16", False), "fp16": _get(args, "fp16", False),
-        "fp8": _get(args, "fp8_format", _get(args, "fp8")),
-        "fp4": _get(args, "fp4_format", _get(args, "fp4")),
+        "fp8": _get(args, "fp8"), "fp4": _get(args, "fp4"),
     }
     return SimpleNamespace(**fields)
 

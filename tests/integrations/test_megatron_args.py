@@ -119,3 +119,37 @@ def test_kareus_optimize_megatron_args_makes_the_plan_the_spec_accepts(tmp_path,
     assert main(["optimize", "--megatron-args", small, "--tp", "4",
                  "--out", str(tmp_path / "o2")]) != 0
     assert "drop --tp" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra", ["", " --qk-layernorm --norm-epsilon 1e-6 "
+                                   "--untie-embeddings-and-output-weights --recompute-activations"])
+def test_the_parser_agrees_with_megatron_lm_s_own(monkeypatch, extra):
+    """kareus's parser against Megatron-LM's ``parse_args`` + ``validate_args`` (run when
+    ``megatron.training`` is importable: a Megatron-LM checkout at ``core_v0.16.1`` on
+    ``PYTHONPATH``, with ``six`` and ``regex``): every attribute both have is equal, and the
+    workloads of both namespaces are equal."""
+    import contextlib
+    import io
+    import shlex
+    import sys
+
+    training_args = pytest.importorskip("megatron.training.arguments")
+    import megatron.training.utils as training_utils
+
+    for mod in (training_args, training_utils):  # validate_args asks the GPU's architecture
+        monkeypatch.setattr(mod, "get_device_arch_version", lambda: 9, raising=False)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("RANK", "0")
+    job = JOB.replace("--data-path 1 a.bin 2 b.bin", "") + extra  # one data source
+    monkeypatch.setattr(sys, "argv", shlex.split(job))
+    with contextlib.redirect_stdout(io.StringIO()):
+        theirs = training_args.validate_args(training_args.parse_args(), {})
+    mine = parse_megatron_args(job)
+    differ = {k: (getattr(theirs, k), v) for k, v in vars(mine).items()
+              if hasattr(theirs, k) and getattr(theirs, k) != v}
+    assert not differ
+    assert set(vars(mine)) - set(vars(theirs)) <= {"recompute_activations"}  # validate deletes
+    theirs.padded_vocab_size = 32256  # the tokenizer's build sets it: NullTokenizer 32001
+    assert workload_from_megatron_args(theirs) == workload_from_megatron_args(
+        job, dp=theirs.data_parallel_size)

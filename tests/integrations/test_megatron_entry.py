@@ -59,7 +59,7 @@ def megatron_lm_args(qwen3: bool) -> argparse.Namespace:
         context_parallel_size=1, expert_model_parallel_size=1, sequence_parallel=False,
         virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
         recompute_granularity=None, hidden_dropout=0.0, attention_dropout=0.0, bf16=False,
-        fp16=False, norm_epsilon=1e-6 if qwen3 else 1e-5, normalization="RMSNorm",
+        fp16=False, layernorm_epsilon=1e-6 if qwen3 else 1e-5, normalization="RMSNorm",
         qk_layernorm=qwen3, untie_embeddings_and_output_weights=False, swiglu=True,
         add_bias_linear=False, add_qkv_bias=False, position_embedding_type="rope",
         rotary_base=500000, rotary_percent=1.0, use_rope_scaling=False,
@@ -92,6 +92,58 @@ def test_without_megatron_lm_the_spec_refuses_in_one_line(monkeypatch):
         megatron_lm_applier(types.SimpleNamespace(layernorm_epsilon=1e-5))
 
 
+class _TEStandIn:
+    """The methods of Megatron-Core's ``TESpecProvider`` that its TE spec calls, returning
+    stand-in classes named as Transformer Engine's (not installed here)."""
+
+    made: dict[str, type] = {}
+
+    def _te(self, name):
+        return self.made.setdefault(name, type(name, (), {}))
+
+    def linear(self):
+        return self._te("TELinear")
+
+    def column_parallel_linear(self):
+        return self._te("TEColumnParallelLinear")
+
+    def row_parallel_linear(self):
+        return self._te("TERowParallelLinear")
+
+    def fuse_layernorm_and_linear(self):
+        return True
+
+    def column_parallel_layer_norm_linear(self):
+        return self._te("TELayerNormColumnParallelLinear")
+
+    def layer_norm(self, rms_norm=False, for_qk=False):
+        return self._te("TENorm")
+
+    def core_attention(self):
+        return self._te("TEDotProductAttention")
+
+    def activation_func(self):
+        return None
+
+
+_SUBMODULES = ("input_layernorm", "pre_mlp_layernorm", "self_attention", "mlp", "linear_qkv",
+               "core_attention", "linear_proj", "q_layernorm", "k_layernorm", "linear_fc1",
+               "linear_fc2")
+
+
+def _leaf_pairs(theirs, mine, path=""):
+    """``(where, their module, mine)`` of every leaf submodule of two layer specs."""
+    for field in _SUBMODULES:
+        if not hasattr(theirs, field):
+            continue
+        a, b = getattr(theirs, field), getattr(mine, field)
+        if getattr(a, "submodules", None) is not None:
+            assert a.module is b.module
+            yield from _leaf_pairs(a.submodules, b.submodules, f"{path}{field}.")
+        else:
+            yield f"{path}{field}", a, b
+
+
 def test_the_te_layout_is_megatron_s_te_spec(monkeypatch):
     """Megatron-Core's own ``get_gpt_layer_with_transformer_engine_spec``, read with a
     stand-in for Transformer Engine's classes (not installed): kareus's TE layout has an
@@ -102,63 +154,17 @@ def test_the_te_layout_is_megatron_s_te_spec(monkeypatch):
 
     from kareus.integrations import megatron as km
 
-    made = {}
-
-    def te(name):
-        return made.setdefault(name, type(name, (), {}))
-
-    class StandIn:  # the methods of Megatron-Core's TESpecProvider that the spec calls
-        def linear(self):
-            return te("TELinear")
-
-        def column_parallel_linear(self):
-            return te("TEColumnParallelLinear")
-
-        def row_parallel_linear(self):
-            return te("TERowParallelLinear")
-
-        def fuse_layernorm_and_linear(self):
-            return True
-
-        def column_parallel_layer_norm_linear(self):
-            return te("TELayerNormColumnParallelLinear")
-
-        def layer_norm(self, rms_norm=False, for_qk=False):
-            return te("TENorm")
-
-        def core_attention(self):
-            return te("TEDotProductAttention")
-
-        def activation_func(self):
-            return None
-
-    monkeypatch.setattr(specs, "TESpecProvider", StandIn, raising=False)
+    monkeypatch.setattr(specs, "TESpecProvider", _TEStandIn, raising=False)
     theirs = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True).submodules
     mine = km.kareus_layer_spec(None, qk_layernorm=True, layout="te").submodules
     kareus_for = {"TELayerNormColumnParallelLinear": km._NormedColumnParallelLinear,
                   "TERowParallelLinear": km._TEStateRowParallelLinear,
                   "TEDotProductAttention": km._TEStateDotProductAttention,
                   "TENorm": km._TEStateNorm}
-
-    def pairs(t, m, path=""):
-        for field in ("input_layernorm", "pre_mlp_layernorm", "self_attention", "mlp",
-                      "linear_qkv", "core_attention", "linear_proj", "q_layernorm",
-                      "k_layernorm", "linear_fc1", "linear_fc2"):
-            if hasattr(t, field):
-                a, b = getattr(t, field), getattr(m, field)
-                if hasattr(a, "submodules") and a.submodules is not None:
-                    assert a.module is b.module
-                    yield from pairs(a.submodules, b.submodules, f"{path}{field}.")
-                else:
-                    yield f"{path}{field}", a, b
-
-    seen = list(pairs(theirs, mine))
+    seen = list(_leaf_pairs(theirs, mine))
     assert len(seen) == 9
     for where, a, b in seen:
-        if a is IdentityOp:
-            assert b is IdentityOp, where
-        else:
-            assert b is kareus_for[a.__name__], (where, a.__name__, b)
+        assert b is (IdentityOp if a is IdentityOp else kareus_for[a.__name__]), where
     assert theirs.sharded_state_dict_keys_map["mlp.0.weight"] == (
         "mlp.linear_fc1.layer_norm_weight")
 
@@ -248,9 +254,9 @@ def _worker(out_dir: str, variant: str) -> None:
     sys.path.insert(0, str(EXAMPLE))
     import megatron_gpt as ex
 
+    import kareus
     from kareus.integrations import megatron as km
     from kareus.integrations.megatron_args import workload_from_megatron_args
-    import kareus
 
     qwen3 = variant == "qwen3"
     args = megatron_lm_args(qwen3)
