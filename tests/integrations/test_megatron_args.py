@@ -49,6 +49,19 @@ def test_the_job_s_flags_make_megatron_s_workload():
     assert padded_vocab_size(argparse.Namespace(padded_vocab_size=50304)) == 50304
 
 
+def test_the_docs_command_line_is_a_job_kareus_reads():
+    """docs/integrations.md's pretrain_gpt.py flags: the workload its plan is made for."""
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "integrations.md").read_text()
+    block = doc.split("<!-- megatron-lm-flags")[1]
+    flags = re.search(r'FLAGS="(.*?)"', block, re.S).group(1)
+    wl = workload_from_megatron_args(flags, dp=1)  # --gpus 2 at TP=2
+    assert (wl.parallelism.tp, wl.num_microbatches, wl.model.vocab) == (2, 8, 32256)
+    assert "--spec kareus.integrations.megatron layer_spec" in block
+
+
 def test_flags_in_a_file_and_as_a_list(tmp_path):
     f = tmp_path / "job.sh"
     f.write_text("# the job\n" + JOB.replace(" --", " \\\n    --"), encoding="utf-8")
