@@ -350,7 +350,7 @@ def model_from_megatron_config(config: str | os.PathLike[str] | Mapping[str, Any
     mapping, or a saved ``TransformerConfig`` with the model's ``vocab_size``; what it asks
     for that kareus's layer does not compute (dropout, biases, LayerNorm, experts, ...) is
     refused in one line naming the field. The fields and the rules are those of
-    ``kareus.model._megatron_file`` (docs/plugins.md lists them).
+    ``kareus.model.files`` (docs/integrations.md lists them).
 
     Args:
         config: The path of a ``.json`` / ``.yaml`` file, or its parsed mapping.
