@@ -73,6 +73,11 @@ def job_flags(args: argparse.Namespace) -> list[str]:
         "--mock-data", "--lr", "3e-4", "--min-lr", "3e-5", "--train-iters", str(args.iters),
         "--log-interval", "1", "--eval-iters", "0", "--seed", "1234",
         "--transformer-impl", "local", "--distributed-backend", "nccl",
+        # Megatron-Core's local modules without Apex or Transformer Engine: torch's RMSNorm
+        # takes no persist_layer_norm, the linears no gradient-accumulation fusion, and
+        # the fused softmax / RoPE kernels are not built
+        "--no-persist-layer-norm", "--no-gradient-accumulation-fusion",
+        "--no-masked-softmax-fusion", "--no-rope-fusion",
     ]
 
 

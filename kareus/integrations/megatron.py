@@ -144,6 +144,10 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
         config = kwargs["config"] if "config" in kwargs else (args[0] if args else None)
         if kwargs.get("submodules") is None and len(args) < 2:
             # the module-level ``layer_spec``: the submodules of this config and layout
+            if getattr(config, "persist_layer_norm", False):
+                raise ArgumentError("kareus's layers use Megatron-Core's local RMSNorm "
+                                    "(torch.nn.RMSNorm), which takes no persist_layer_norm: "
+                                    "give Megatron-LM --no-persist-layer-norm")
             if layout is None:
                 layout = _megatron_lm_layout()
             kwargs["submodules"] = _layer_submodules(bool(getattr(config, "qk_layernorm",

@@ -83,6 +83,17 @@ def test_the_spec_is_a_module_level_modulespec_before_any_process_group():
     assert spec.submodules is None  # chosen per layer from its config
 
 
+def test_the_spec_refuses_megatron_lm_s_persisted_layernorm():
+    from megatron.core.transformer.spec_utils import build_module
+
+    from kareus.errors import ArgumentError
+    from kareus.integrations.megatron import layer_spec
+
+    with pytest.raises(ArgumentError, match="--no-persist-layer-norm"):
+        build_module(layer_spec, config=types.SimpleNamespace(persist_layer_norm=True),
+                     layer_number=1)
+
+
 def test_without_megatron_lm_the_spec_refuses_in_one_line(monkeypatch):
     from kareus.errors import ArgumentError
     from kareus.integrations.megatron import megatron_lm_applier
