@@ -155,7 +155,10 @@ def _workload_from_megatron_flags(args: argparse.Namespace):  # type: ignore[no-
     from kareus.integrations.megatron_args import parse_megatron_args, workload_from_megatron_args
 
     given = [f"--{k.replace('_', '-')}" for k in (*_JOB_DEFAULTS, "workload", "model_file")
-             if getattr(args, k) is not None] + (["--no-recompute"] if args.no_recompute else [])
+             if getattr(args, k, None) is not None] + [
+                 f for f, on in (("--no-recompute", args.no_recompute),
+                                 ("--recompute", getattr(args, "recompute", None) is not None),
+                                 ("--sp", getattr(args, "sp", False))) if on]
     if given:
         raise ArgumentError(f"--megatron-args describes the model, the parallelism and the "
                             f"batch; drop {', '.join(given)} (give them as Megatron-LM flags)")
@@ -573,8 +576,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--megatron-args", default=None, metavar="FLAGS",
                    help="the model, parallelism and batch as Megatron-LM's pretrain_gpt.py "
                         "flags (one quoted string, or @FILE holding them), instead of "
-                        "--workload/--model-file and --tp/--cp/--pp/--microbatches/"
-                        "--microbatch-size/--seq-len; the plan is accepted by "
+                        "--workload/--model-file, --tp/--cp/--pp/--sp, --microbatches/"
+                        "--microbatch-size/--seq-len and --recompute; the plan is accepted by "
                         "`--spec kareus.integrations.megatron layer_spec` (docs/integrations.md)")
     p.add_argument("--gpu", default=None,
                    help="GPU preset (default: a100-40gb, or the recording's GPU with "

@@ -25,7 +25,9 @@ the two merge), e.g. from a clone::
         model_provider.py megatron/training megatron/legacy megatron/rl \\
         megatron/post_training | tar -x -C megatron-lm-0.16.1
 
-``megatron.training`` imports ``six`` and ``regex`` (its tokenizers): have them installed.
+``megatron.training`` imports ``six`` and ``regex`` (its tokenizers); where they are not
+installed the script puts empty stand-ins beside the checkout (the ``NullTokenizer`` of
+these runs uses neither).
 
 One H200, TP=1 (the default), 20 iterations::
 
@@ -81,11 +83,25 @@ def job_flags(args: argparse.Namespace) -> list[str]:
     ]
 
 
+def stub_tokenizer_imports(folder: Path) -> list[str]:
+    """Empty ``six`` / ``regex`` modules in ``folder`` for those not installed (returns
+    their names): ``megatron.training``'s tokenizer modules import them at import time, and
+    the ``NullTokenizer`` of these runs uses neither."""
+    import importlib.util
+
+    missing = [m for m in ("six", "regex") if importlib.util.find_spec(m) is None]
+    for m in missing:
+        (folder / m).mkdir(parents=True, exist_ok=True)
+        (folder / m / "__init__.py").write_text('"""a stand-in: the NullTokenizer uses none"""\n')
+    return missing
+
+
 def command(args: argparse.Namespace, case: str) -> tuple[list[str], dict[str, str]]:
     """The ``torchrun`` command and environment of one case."""
     flags = job_flags(args)
+    stubs = Path(args.megatron_lm).resolve() / "_kareus_stubs"
     env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", NCCL_NVLS_ENABLE="0",
-               PYTHONPATH=os.pathsep.join([str(args.megatron_lm), str(REPO),
+               PYTHONPATH=os.pathsep.join([str(args.megatron_lm), str(REPO), str(stubs),
                                            os.environ.get("PYTHONPATH", "")]))
     extra = CASES[case]
     if extra is not None:
@@ -135,6 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         ap.error(f"unknown case(s) {bad}: choose from {list(CASES)}")
     results: dict[str, dict[str, object]] = {}
+    if not args.print:
+        stubbed = stub_tokenizer_imports(Path(args.megatron_lm).resolve() / "_kareus_stubs")
+        if stubbed:
+            print(f"# {', '.join(stubbed)} not installed: empty stand-ins (the NullTokenizer "
+                  "uses neither)", flush=True)
     for case in cases:
         cmd, env = command(args, case)
         shown = " ".join(f"{k}={env[k]}" for k in ("KAREUS_PLAN", "KAREUS_GRAPHS",

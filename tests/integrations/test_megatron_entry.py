@@ -358,6 +358,92 @@ def _worker(out_dir: str, variant: str) -> None:
     dist.destroy_process_group()
 
 
+#: A Megatron-LM checkout (``core_v0.16.1``: ``pretrain_gpt.py``, ``gpt_builders.py``,
+#: ``model_provider.py``, ``megatron/training``, ...) for the test with Megatron-LM's own code.
+MEGATRON_LM_ENV = "KAREUS_TEST_MEGATRON_LM"
+REAL_FLAGS = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention "
+              "--num-query-groups 2 --ffn-hidden-size 128 --seq-length 32 "
+              "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 4 --swiglu "
+              "--disable-bias-linear --normalization RMSNorm --position-embedding-type rope "
+              "--rotary-base 500000 --hidden-dropout 0 --attention-dropout 0 "
+              "--tokenizer-type NullTokenizer --vocab-size 1000 --mock-data --lr 1e-3 "
+              "--train-iters 2 --transformer-impl local --no-persist-layer-norm "
+              "--no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-rope-fusion "
+              "--use-cpu-initialization")
+
+
+def _real_megatron_lm_worker(out_dir: str) -> None:
+    """Megatron-LM's own argument parsing and ``gpt_builder`` (what ``pretrain_gpt.py``
+    runs to build the model), with ``--spec kareus.integrations.megatron layer_spec`` and
+    without it (Megatron's local layers), on one CPU process."""
+    import contextlib
+    import io
+    import shlex
+
+    sys.path[:0] = [os.environ[MEGATRON_LM_ENV]]
+    import megatron.training.arguments as margs
+    import megatron.training.utils as mutils
+
+    for mod in (margs, mutils):  # validate_args asks the GPU's architecture
+        mod.get_device_arch_version = lambda: 9
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    import gpt_builders
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func, schedules
+    from megatron.training import global_vars
+    from megatron.training.tokenizer.tokenizer import _vocab_size_with_padding
+
+    from kareus.integrations import megatron as km
+    from kareus.integrations import megatron_cpu
+    from kareus.integrations.megatron_args import workload_from_megatron_args
+
+    def parsed(flags):
+        sys.argv = ["pretrain_gpt.py", *shlex.split(flags)]
+        with contextlib.redirect_stdout(io.StringIO()):
+            args = margs.validate_args(margs.parse_args(), {})
+            args.padded_vocab_size = _vocab_size_with_padding(1001, args)  # NullTokenizer
+        global_vars.set_args(args)
+        return args
+
+    dist.init_process_group("gloo")
+    parallel_state.initialize_model_parallel()
+    megatron_cpu.install()
+    own_schedule = schedules.forward_backward_no_pipelining
+    torch.manual_seed(0)
+    own = gpt_builders.gpt_builder(parsed(REAL_FLAGS), True, True)
+    spec_flags = REAL_FLAGS + " --spec kareus.integrations.megatron layer_spec"
+    mine = gpt_builders.gpt_builder(parsed(spec_flags), True, True)
+    assert [type(lay) for lay in mine.decoder.layers] == [km.KareusTransformerLayer] * 2
+    assert km._Entry.applier.workload == workload_from_megatron_args(spec_flags)
+    assert get_forward_backward_func() is not own_schedule  # wrapped before train() asks
+    mine.load_state_dict(own.state_dict())
+    tok = torch.randint(0, 1000, (2, 33), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(32).expand(2, 32)
+    mask = torch.ones(32, 32, dtype=torch.bool).triu(1)[None, None]  # the dataloader's
+    losses = []
+    for model in (own, mine):
+        loss = model(tok[:, :-1], pos, mask, labels=tok[:, 1:]).float().mean()
+        loss.backward()
+        losses.append(float(loss))
+    _close(torch.tensor(losses[1]), torch.tensor(losses[0]), "loss")
+    for (n, p), q in zip(own.named_parameters(), mine.parameters(), strict=True):
+        _close(q.grad, p.grad, f"grad {n}")
+    km.release_layer_spec()
+    torch.save({"losses": losses}, os.path.join(out_dir, "rank0.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get(MEGATRON_LM_ENV),
+                    reason=f"{MEGATRON_LM_ENV}=<a Megatron-LM checkout at core_v0.16.1> not set")
+def test_megatron_lm_s_own_builder_builds_kareus_layers_from_the_spec(tmp_path):
+    from _ranks import run_ranks
+
+    res = run_ranks(__file__, tmp_path, 1, "megatron-lm")
+    assert res[0]["losses"][0] == pytest.approx(res[0]["losses"][1], rel=1e-5)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["llama", "qwen3"])
 def test_pretrain_gpt_s_spec_trains_kareus_layers_as_megatron_s_own(tmp_path, variant):
@@ -377,4 +463,7 @@ def test_pretrain_gpt_s_spec_trains_kareus_layers_as_megatron_s_own(tmp_path, va
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1], sys.argv[2])
+    if sys.argv[2] == "megatron-lm":
+        _real_megatron_lm_worker(sys.argv[1])
+    else:
+        _worker(sys.argv[1], sys.argv[2])
