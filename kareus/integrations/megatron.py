@@ -126,9 +126,16 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
     than the causal one, attention biases and a RoPE other than the applier's. With
     ``kareus_applier`` set to ``None`` it runs Megatron's own forward.
 
+    Built from the module-level ``layer_spec`` (Megatron-LM's ``--spec``), it chooses its
+    submodules from its config (``qk_layernorm``) and layout, and takes the applier Megatron-LM's
+    arguments make ([`megatron_lm_applier`][kareus.integrations.megatron.megatron_lm_applier]).
+
     Args:
         applier: The [`PlanApplier`][kareus.integrations.PlanApplier] every layer of the
             model shares (the spec's params pass it); ``None``: Megatron's own forward.
+        layout: Without submodules (``layer_spec``): ``"local"`` or ``"te"`` parameter names
+            (default: ``KAREUS_LAYOUT``, else from Megatron-LM's ``--transformer-impl``);
+            with submodules, the layout is theirs.
         *args: ``TransformerLayer``'s positional arguments.
         **kwargs: ``TransformerLayer``'s keyword arguments (``config``, ``submodules``,
             ``layer_number``, ...).
