@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
@@ -46,10 +46,16 @@ from kareus.compose.systems import (
     kareus_types,
 )
 from kareus.errors import ArgumentError, ArgumentTypeError
-from kareus.model.partition import PartitionSet
+from kareus.model.partition import Partition, PartitionSet
 from kareus.model.profiler import Profiler
 from kareus.model.workload import Workload
-from kareus.search import SearchSpec, prior_count, resolve_surrogate, search_log_path
+from kareus.search import (
+    Observation,
+    SearchSpec,
+    prior_count,
+    resolve_surrogate,
+    search_log_path,
+)
 from kareus.search.acquisition import AcquisitionPass
 from kareus.search.progress import ProgressBar
 from kareus.search.surrogate import Surrogate
@@ -307,11 +313,25 @@ class OptimizationRun:
             log_dir.mkdir(parents=True, exist_ok=True)
             recover_torn_logs(log_dir)
         clocks = profiler.clocks_mhz()
-        priors = baseline_priors(profiler, workload, types, systems=self.systems,
-                                 freqs_mhz=None if clocks is None else list(clocks),
-                                 partitions=build, log_dir=log_dir)
-        frontiers = search_types(profiler, types, self.search, log_dir=log_dir,
-                                 progress=progress, pool=pool, pset=pset, priors=priors)
+
+        def priors_of(some: Mapping[str, Partition]) -> dict[str, list[Observation]]:
+            return baseline_priors(profiler, workload, some, systems=self.systems,
+                                   freqs_mhz=None if clocks is None else list(clocks),
+                                   partitions=build, log_dir=log_dir)
+
+        if pool is not None:  # every type's priors first, then the searches as tasks
+            priors = priors_of(types)
+            frontiers = search_types(profiler, types, self.search, log_dir=log_dir,
+                                     progress=progress, pool=pool, pset=pset, priors=priors)
+        else:  # one type after another, its priors right before its search: the order a
+            # resumed run reads the logs back in (each log holds its priors, then its search)
+            priors, frontiers = {}, {}
+            for key, part in types.items():
+                one = priors_of({key: part})
+                priors.update(one)
+                frontiers.update(search_types(profiler, {key: part}, self.search,
+                                              log_dir=log_dir, progress=progress,
+                                              priors=one))
         # kareus's own profiles: its frontiers also hold the baselines' measurements its
         # searches started from (a resumed search's, recorded in its log, counted too)
         profiles = {name: len(fr.measured()) - (
