@@ -377,10 +377,16 @@ def _real_megatron_lm_worker(out_dir: str) -> None:
     runs to build the model), with ``--spec kareus.integrations.megatron layer_spec`` and
     without it (Megatron's local layers), on one CPU process."""
     import contextlib
+    import importlib.util
     import io
     import shlex
 
-    sys.path[:0] = [os.environ[MEGATRON_LM_ENV]]
+    stubs = Path(out_dir) / "stubs"  # megatron.training's tokenizers import six and regex
+    for name in ("six", "regex"):  # at import; the NullTokenizer uses neither
+        if importlib.util.find_spec(name) is None:
+            (stubs / name).mkdir(parents=True, exist_ok=True)
+            (stubs / name / "__init__.py").write_text("")
+    sys.path[:0] = [os.environ[MEGATRON_LM_ENV], str(stubs)]
     import megatron.training.arguments as margs
     import megatron.training.utils as mutils
 
