@@ -40,11 +40,15 @@ backward, which overlaps its last all-reduce either way).
 [`PlannedStack`][kareus.integrations.PlannedStack] runs consecutive layers as one node and
 chains them as the loop does.
 
-**Context parallelism** splits each sequence into CP contiguous chunks, rank ``r`` holding
-chunk ``r`` (keys and values all-gathered before attention, their gradients
-reduce-scattered after it): feed each CP rank its contiguous chunk (a framework's
-load-balanced chunking, such as Megatron-Core's two chunks per rank, is another model of
-the data and is refused by the framework adapters).
+**Context parallelism** uses Megatron-Core's load-balanced layout
+([`cp_positions`][kareus.model.cp_positions]): each sequence is cut into 2 x CP chunks and
+CP rank ``r`` holds chunks ``r`` and ``2 CP - 1 - r``; the layer's input on that rank is
+its two chunks concatenated (``seq / CP`` tokens, as Megatron-Core's
+``get_batch_on_this_cp_rank`` leaves them), RoPE rotates each token by its global position,
+the keys and values are all-gathered over the CP group before attention (ordered by
+position; one causal piece per chunk) and their gradients reduce-scattered after it. Feed
+each CP rank its chunks in that layout (``megatron.core.utils.get_batch_on_this_cp_rank``
+does; for other data, index the sequence by ``cp_positions(seq_len, cp, rank)``).
 
 **CUDA graphs.** On a CUDA device each computation is replayed from a CUDA graph of the
 applier's own by default (``kareus.integrations._graphed``: static buffers around the
@@ -665,17 +669,19 @@ def _check_workload(workload: Workload, groups: ParallelGroups) -> None:
                             "only its input): make the workload and the plan with "
                             "recompute on")
     for what, num, den in (("heads", arch.heads, p.tp), ("kv_heads", arch.kv_heads, p.tp),
-                           ("ffn", arch.ffn, p.tp), ("seq_len", workload.seq_len, p.cp)):
+                           ("ffn", arch.ffn, p.tp),
+                           ("seq_len", workload.seq_len, 2 * p.cp if p.cp > 1 else 1)):
         if num % den:
             raise WorkloadError(f"{what}={num} is not divisible by {den} (TP={p.tp}, "
-                                f"CP={p.cp})")
+                                f"CP={p.cp}{'; 2 x CP chunks' if what == 'seq_len' else ''})")
 
 
 class PlannedLayer:
     """One decoder layer under a [`PlanApplier`][kareus.integrations.PlanApplier]'s schedule.
 
     Call it as ``layer(x, weights)``: ``x`` is the layer's input ``[batch, seq / CP,
-    hidden]`` (this rank's CP chunk, contiguous sequences), ``weights`` the layer's weights
+    hidden]`` (with CP, this rank's two load-balanced chunks of each sequence, concatenated:
+    [`cp_positions`][kareus.model.cp_positions]), ``weights`` the layer's weights
     in kareus's layout (a mapping by the names of the applier's ``weight_names`` or a
     sequence in that order: ``LAYER_WEIGHTS``' seven, and the query and key norm weights
     ``w_q_norm``, ``w_k_norm`` when the workload's model has ``qk_norm``; see

@@ -368,9 +368,10 @@ class TrainingLoop:
             g = torch.Generator(device="cpu").manual_seed(seed * 7919 + 104729 + mb)
             tok = torch.randint(lo_id, hi_id, (wl.microbatch_size, wl.seq_len + 1),
                                 generator=g)
-            lo, hi = m.r * m.sq, (m.r + 1) * m.sq
-            self.batches.append((tok[:, lo:hi].contiguous().to(m.device),
-                                 tok[:, lo + 1:hi + 1].contiguous().to(m.device)))
+            # this rank's tokens: its CP chunks (Megatron-Core's load-balanced layout)
+            pos = torch.tensor(m.positions())
+            self.batches.append((tok[:, pos].contiguous().to(m.device),
+                                 tok[:, pos + 1].contiguous().to(m.device)))
 
     @property
     def schedules(self) -> tuple[str, ...]:
