@@ -1212,3 +1212,52 @@ def _no_typecheck() -> Iterator[None]:
         return
     with spmd.no_typecheck():
         yield None
+
+
+# ------------------------------------------------------------------ the command line
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m kareus.integrations.torchtitan [--plan PATH] [--schedule NAME]
+    --module M --config C [torchtitan's flags]``: torchtitan 0.3's own ``-m
+    torchtitan.train`` (its config parser, ``Trainer``, training loop and teardown) with
+    [`wrap_trainer`][kareus.integrations.torchtitan.wrap_trainer] between building the
+    Trainer and training it. ``--plan``: ``kareus optimize``'s ``plan.json`` made for
+    [`workload_from_trainer`][kareus.integrations.torchtitan.workload_from_trainer] of
+    this config; without it, ``--schedule`` names a baseline (``sequential``,
+    ``nanobatching``). Run it under ``torchrun`` as torchtitan's own entry point."""
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    mine: dict[str, str | None] = {"--plan": None, "--schedule": None}
+    rest: list[str] = []
+    it = iter(args)
+    for arg in it:
+        key, eq, value = arg.partition("=")
+        if key in mine:
+            if not eq:
+                value = next(it, "")
+            if not value:
+                raise ArgumentError(f"{key} needs a value")
+            mine[key] = value
+        else:
+            rest.append(arg)
+    check_torchtitan_version()
+    import torch
+    from torchtitan.config import ConfigManager  # type: ignore[import]
+    from torchtitan.tools.logging import init_logger  # type: ignore[import]
+
+    init_logger()
+    config = ConfigManager().parse_args(rest)
+    trainer = config.build()
+    try:
+        wrap_trainer(trainer, mine["--plan"], schedule=mine["--schedule"])
+        trainer.train()
+    finally:
+        trainer.close()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -46,7 +46,7 @@ import types
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cpu_trainer_config", "trainer_runs_here", "use_cpu", "write_cpu_assets"]
+__all__ = ["cpu_trainer_config", "main", "trainer_runs_here", "use_cpu", "write_cpu_assets"]
 
 #: The modules of torchtitan 0.3 that import its device type or module by name.
 _DEVICE_MODULES = ("torchtitan.tools.utils", "torchtitan.components.metrics",
@@ -196,9 +196,13 @@ def cpu_trainer_config(assets: str | os.PathLike[str], *args: str, module: str =
     """
     from torchtitan.config import ConfigManager  # type: ignore[import]
 
-    root = Path(assets)
-    base = ["--module", module, "--config", config,
-            "--hf_assets_path", str(root / "tokenizer"),
+    base = ["--module", module, "--config", config, *_asset_flags(Path(assets), sdpa=sdpa)]
+    return ConfigManager().parse_args([*base, *args])
+
+
+def _asset_flags(root: Path, *, sdpa: bool) -> list[str]:
+    """torchtitan's flags that read the assets in ``root`` (and swap in SDPA)."""
+    base = ["--hf_assets_path", str(root / "tokenizer"),
             "--dump_folder", str(root / "outputs"),
             "--dataloader.dataset", "c4_test", "--dataloader.dataset_path", str(root / "data"),
             "--validator.dataloader.dataset", "c4_test",
@@ -206,4 +210,31 @@ def cpu_trainer_config(assets: str | os.PathLike[str], *args: str, module: str =
             "--checkpoint.no-enable"]
     if sdpa:
         base += ["--override.imports", "kareus.testing.torchtitan_sdpa.causal_sdpa"]
-    return ConfigManager().parse_args([*base, *args])
+    return base
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m kareus.testing.torchtitan_cpu ASSETS [kareus's and torchtitan's flags]``:
+    [`kareus.integrations.torchtitan.main`][kareus.integrations.torchtitan.main] on the
+    CPU, reading [`write_cpu_assets`][kareus.testing.torchtitan_cpu.write_cpu_assets]'
+    files in ``ASSETS`` (written there first) with torchtitan's SDPA attention, as
+    [`cpu_trainer_config`][kareus.testing.torchtitan_cpu.cpu_trainer_config] sets them;
+    ``--module`` / ``--config`` default to torchtitan's debug Llama 3. Run it under
+    ``torchrun --standalone --nproc_per_node N``."""
+    import sys
+
+    from kareus.integrations.torchtitan import main as train
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0].startswith("-"):
+        raise SystemExit("usage: python -m kareus.testing.torchtitan_cpu ASSETS [flags]")
+    root = write_cpu_assets(args[0])
+    use_cpu()
+    rest = args[1:]
+    model = ([] if "--module" in rest or any(a.startswith("--module=") for a in rest)
+             else ["--module", "llama3", "--config", "llama3_debugmodel"])
+    train([*model, *_asset_flags(root, sdpa=True), *rest])
+
+
+if __name__ == "__main__":
+    main()

@@ -37,15 +37,18 @@ BASE = ["--parallelism.tensor_parallel_degree", "2",
         "--training.global_batch_size", "8", "--training.steps", "2",
         "--training.mixed_precision_param", "float32", "--debug.seed", "0",
         "--validator.enable", "--validator.freq", "1", "--validator.steps", "2",
-        "--metrics.log_freq", "1", "activation-checkpoint:full"]
+        "--metrics.log_freq", "1"]
+
+#: Full activation checkpointing: kareus's recomputation (a tyro subcommand: last).
+FULL_AC = "activation-checkpoint:full"
 
 #: Refused by wrap_trainer, by the setting it names: (extra flags, sdpa override, words).
 REFUSALS = {
-    "sequence_parallel": (["--parallelism.enable-sequence-parallel"], True,
+    "sequence_parallel": (["--parallelism.enable-sequence-parallel", FULL_AC], True,
                           "--parallelism.no-enable-sequence-parallel"),
     "selective_ac": (["activation-checkpoint:selective"], True, "activation-checkpoint:full"),
     "no_ac": (["activation-checkpoint:none"], True, "activation-checkpoint:full"),
-    "flex_documents": ([], False, "FlexAttention, which masks packed documents"),
+    "flex_documents": ([FULL_AC], False, "FlexAttention, which masks packed documents"),
 }
 
 
@@ -103,7 +106,7 @@ def _worker(out_dir: str, run: str, what: str) -> None:
             result["error"] = str(e)
         result["step"] = trainer.step
     else:
-        flags = ["--compile.enable"] if what == "compile" else []
+        flags = (["--compile.enable"] if what == "compile" else []) + [FULL_AC]
         trainer = cpu_trainer_config(assets, *BASE, *flags).build()
         result = _record(trainer)
         applier = None
