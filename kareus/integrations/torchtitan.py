@@ -623,23 +623,27 @@ def apply_plan(model: Any, *, workload: Workload, mesh: Any = None, tp_group: An
                           rope_inv_freq=inv, eps=arch.norm_eps, **applier_kwargs)
     layer = applier.layer()
     installed = {id(blk): _plan_block(blk, applier, layer) for blk in blocks}
-    for w in wrappers:  # full AC: kareus's layer recomputes; the wrapper calls the block
-        inner = w._checkpoint_wrapped_module
+    _around_blocks(blocks, wrappers, applier)
+    for decoder, own in decoders:
+        _Chain(decoder, own, applier, [installed[id(b)] for b in own], strict=bool(chain))
+    return applier
+
+
+def _around_blocks(blocks: list[Any], wrappers: list[Any], applier: PlanApplier) -> None:
+    """What wraps the planned blocks: full activation-checkpoint wrappers call their block
+    directly (kareus's layer recomputes its forward itself); torch.compile of a block
+    (torchtitan compiles each, fullgraph) would trace into the planned layer, so the block
+    runs uncompiled (its compiled call set aside, restored by ``remove_plan``; the planned
+    forward is excluded from compilation) while torchtitan's compiled loss stays."""
+    for w in wrappers:
         w.forward = types.MethodType(lambda self, *a, **k: self._checkpoint_wrapped_module(
             *a, **k), w)
         setattr(w, _APPLIER_ATTR, applier)
-        del inner
-    # torch.compile of a block (torchtitan compiles each, fullgraph) would trace into the
-    # planned layer: the block runs the planned layer uncompiled (its forward is excluded
-    # from compilation), torchtitan's compiled loss and the rest stay as they are
     for m in [*blocks, *wrappers]:
         compiled = m.__dict__.get("_compiled_call_impl")
         if compiled is not None:
             m.__dict__[_COMPILED_ATTR] = compiled
             m._compiled_call_impl = None
-    for decoder, own in decoders:
-        _Chain(decoder, own, applier, [installed[id(b)] for b in own], strict=bool(chain))
-    return applier
 
 
 def _check_seq(local: Any, seq: int) -> None:

@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("torchtitan")
 
-from kareus.testing.torchtitan_cpu import trainer_runs_here  # noqa: E402
+from kareus.testing.torchtitan_cpu import trainer_runs_here
 
 REPO = Path(__file__).resolve().parents[2]
 _WHY = trainer_runs_here()

@@ -25,7 +25,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("torchtitan")
 
-from kareus.testing.torchtitan_cpu import trainer_runs_here  # noqa: E402
+from kareus.testing.torchtitan_cpu import trainer_runs_here
 
 _WHY = trainer_runs_here()
 pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"torchtitan's Trainer: {_WHY}")
