@@ -364,12 +364,13 @@ def test_wrap_trainer_enters_the_scopes_per_microbatch():
         kt.wrap_trainer(pp, applier)
 
 
+@pytest.mark.parametrize("name", sorted(MODELS))
 @pytest.mark.parametrize("fuse", [False, True])
-def test_packed_documents_rotate_at_their_positions(fuse):
+def test_packed_documents_rotate_at_their_positions(fuse, name):
     # torchtitan's text loader packs documents: positions restart at each one. Under
     # torchtitan's SDPA attention (causal over the whole sequence) its blocks rotate RoPE at
     # those positions; the planned blocks do the same: same output, same gradients.
-    cfg = config(fuse=fuse)
+    cfg = MODELS[name](fuse=fuse)
     base = build(cfg)
     planned = copy.deepcopy(base)
     wl = kt.workload_from_torchtitan(cfg, tp=1, microbatch_size=MBS, seq_len=SEQ,
@@ -565,3 +566,12 @@ def test_positions_are_read_once_per_tensor(monkeypatch):
         tt._rope_positions(object(), packed)
     with pytest.raises(WorkloadError, match="without positions"):
         tt._rope_positions(object(), None)
+
+
+def test_wrap_trainer_takes_a_trainer_and_a_plan():
+    with pytest.raises(ArgumentTypeError, match="Trainer"):
+        kt.wrap_trainer(object(), None)
+    with pytest.raises(ArgumentTypeError, match="plan must be"):
+        kt.wrap_trainer(object(), 3)
+    with pytest.raises(ArgumentTypeError, match="Trainer"):
+        kt.workload_from_trainer(SimpleNamespace(config=None))
