@@ -11,7 +11,19 @@ call, so the gradients land in torchtitan's parameters (as DTensors under the
 and torchtitan's optimizer, gradient clipping, checkpoints, embedding, final norm, LM head
 and loss see nothing else.
 
-Three functions:
+With torchtitan's own ``Trainer`` (what its users run), one call:
+
+* [`workload_from_trainer`][kareus.integrations.torchtitan.workload_from_trainer]: the
+  workload a built ``Trainer`` runs, read from its config and model (what a plan is made
+  for);
+* [`wrap_trainer`][kareus.integrations.torchtitan.wrap_trainer]: ``wrap_trainer(trainer,
+  plan)`` between ``config.build()`` and ``trainer.train()`` checks the plan against that
+  workload, refuses what kareus does not run as torchtitan would (naming torchtitan's
+  flag, before step 1), applies it and enters the plan's scopes in the Trainer's steps;
+  [`main`][kareus.integrations.torchtitan.main] is torchtitan's ``-m torchtitan.train``
+  with that call (``python -m kareus.integrations.torchtitan --plan plan.json ...``).
+
+The lower-level calls, for a loop of your own:
 
 * [`workload_from_torchtitan`][kareus.integrations.torchtitan.workload_from_torchtitan]:
   the [`Workload`][kareus.model.Workload] a plan is made for (``kareus optimize``), read from
@@ -20,10 +32,8 @@ Three functions:
   [`PlanApplier`][kareus.integrations.PlanApplier] from the model (its RoPE frequencies,
   its TP group) and routes each block's forward through it, the decoder's blocks chained
   into one stack where they can be;
-* [`wrap_trainer`][kareus.integrations.torchtitan.wrap_trainer]: enters the microbatch
-  scopes around the forward and the backward of each microbatch of torchtitan's
-  ``Trainer`` (the ``"kareus"`` schedule needs them; a hand-written loop adds the two
-  ``with applier.microbatch(...)`` lines itself).
+* the two ``with applier.microbatch(...)`` lines around each microbatch's forward and
+  backward (the ``"kareus"`` schedule needs them).
 
 **Layouts.** torchtitan's fused ``wqkv`` packs its rows per key/value head (the group's
 query heads, its key head, its value head) and rotates interleaved pairs ``(2i, 2i + 1)``
@@ -56,8 +66,9 @@ call that a stack would skip (FSDP's ``fully_shard`` hooks, module hooks,
 ``torch.compile``) run per block, checked at every forward; ``chain=False`` turns it off,
 ``chain=True`` requires it.
 
-Tested with torchtitan 0.3.0 (``pip install "kareus[torchtitan]"``); other versions are
-refused (their model API differs: 0.3 rebuilt it).
+Tested with torchtitan 0.3.0 on torch 2.14.1 (``pip install "kareus[torchtitan]"``; its
+Trainer does not run on torch 2.13); other torchtitan versions are refused (their model API
+differs: 0.3 rebuilt it).
 """
 
 from __future__ import annotations
@@ -73,8 +84,8 @@ from kareus.integrations._layer import PlanApplier
 from kareus.integrations._weights import head_norm, layer_weights, linear, qkv_from_separate
 from kareus.model.workload import ModelArch, Parallelism, Workload
 
-__all__ = ["TESTED_VERSIONS", "apply_plan", "chained_blocks", "planned_blocks", "remove_plan",
-           "workload_from_torchtitan", "workload_from_trainer", "wrap_trainer"]
+__all__ = ["TESTED_VERSIONS", "apply_plan", "chained_blocks", "main", "planned_blocks",
+           "remove_plan", "workload_from_torchtitan", "workload_from_trainer", "wrap_trainer"]
 
 #: The torchtitan releases this adapter is tested with (a ``packaging`` specifier).
 TESTED_VERSIONS = ">=0.3,<0.4"
