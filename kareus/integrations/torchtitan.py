@@ -962,15 +962,17 @@ def _trainer_parts(trainer: Any) -> tuple[Any, Any, Any]:
 
 def _recompute_policy(config: Any) -> str:
     """The recompute policy of torchtitan's ``activation_checkpoint`` setting."""
+    from torchtitan.distributed import activation_checkpoint as tt_ac  # type: ignore[import]
+
     ac = config.activation_checkpoint
     if ac is None:
         return "none"
-    policy = _AC_POLICIES.get(type(ac).__qualname__.split(".")[0])
-    if policy is None:
-        raise WorkloadError(f"activation_checkpoint is a {type(ac).__qualname__} (memory-"
-                            "budget checkpointing): kareus's recompute policies are none, "
-                            "selective and full; use activation-checkpoint:full")
-    return policy
+    for name, policy in _AC_POLICIES.items():
+        if isinstance(ac, getattr(tt_ac, name).Config):
+            return policy
+    raise WorkloadError(f"activation_checkpoint is a {type(ac).__qualname__} (not selective "
+                        "or full): kareus's recompute policies are none, selective and "
+                        "full; use activation-checkpoint:full")
 
 
 def workload_from_trainer(trainer: Any, *, nanobatches: int = 2,
