@@ -105,7 +105,16 @@ def forward_step(data_iterator, model):
     loss = model(tokens, positions, None, labels=labels)
 
     def loss_func(output):
-        return output.float().mean(), {"loss": output.float().mean().detach()}
+        # The sum and the token count: Megatron divides one by the other (and by the
+        # microbatches), and DDP averages the gradients over the data- and context-parallel
+        # ranks, so each CP rank's mean over its chunks makes the whole sequences' mean. The
+        # reported loss is that mean, over every CP rank's tokens.
+        loss = output.float().sum()
+        tokens = torch.tensor(output.numel(), device=output.device)
+        report = torch.stack((loss.detach(), tokens.float()))
+        if parallel_state.get_context_parallel_world_size() > 1:
+            dist.all_reduce(report, group=parallel_state.get_context_parallel_group())
+        return loss, tokens, {"loss": report[0] / report[1]}
 
     return loss, loss_func
 
@@ -149,8 +158,9 @@ def main(argv=None):
     ap.add_argument("--schedule", choices=("kareus", "sequential", "nanobatching"),
                     default=None, help="the layers' schedule (default: kareus, the plan's; "
                     "on one GPU, TP=1, which has no collective to plan: nanobatching)")
-    ap.add_argument("--graphs", action="store_true",
-                    help="replay the kareus layers from CUDA graphs (a GPU only)")
+    ap.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
+                    help="replay the kareus layers from CUDA graphs (default: on a GPU; "
+                    "--no-graphs: eager)")
     args = ap.parse_args(argv)
 
     dist.init_process_group("gloo" if args.cpu else "nccl")
@@ -181,7 +191,7 @@ def main(argv=None):
     applier = PlanApplier(  # kareus
         workload=wl, plan=plan, schedule=schedule, rope_base=ROTARY_BASE,  # kareus
         eps=config.layernorm_epsilon,  # kareus: the model's RMSNorm epsilon
-        graphs=args.graphs,  # kareus: CUDA graphs around the layers (a GPU only)
+        graphs=args.graphs,  # kareus: CUDA graphs around the layers (None: on a GPU)
         groups=TorchParallelGroups.from_groups(  # kareus
             tp=parallel_state.get_tensor_model_parallel_group()))  # kareus
 
@@ -206,7 +216,7 @@ def main(argv=None):
 
     if dist.get_rank() == 0:
         print(f"TP={tp}, {'CPU, fp32' if args.cpu else 'GPU, bf16'}; kareus layers under the "
-              f"{schedule} schedule{', graphed' if args.graphs else ''}" + (
+              f"{schedule} schedule{', graphed' if applier.graphs else ''}" + (
             "" if plan is None else f", plan {plan.digest[:12]} ({plan.time_s * 1e3:.2f} "
             f"ms/iteration on {plan.gpu}, emulated unless measured)"))
         print("step  Megatron layers   kareus layers")

@@ -28,6 +28,7 @@ from kareus.search import resolve_surrogate
 from kareus.workflow.checks import estimate_run_s, preflight, require_outside_work
 from kareus.workflow.compose import compose_systems
 from kareus.workflow.measure import (
+    baseline_priors,
     exhaustive_search,
     measure_outside_work,
     measure_systems,
@@ -49,6 +50,7 @@ __all__ = [
     "SystemSummary",
     "compose_systems",
     "estimate_run_s",
+    "baseline_priors",
     "exhaustive_search",
     "iso_energy_time_saving",
     "iso_time_energy_saving",

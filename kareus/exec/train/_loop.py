@@ -100,7 +100,10 @@ def check_plan_workload(plan: Plan, workload: Workload, *, one_stage: bool = Tru
     theirs = dict(w)
     if isinstance(theirs.get("recompute"), bool):  # plans written before the policies
         theirs["recompute"] = "full" if theirs["recompute"] else "none"
-    theirs.setdefault("sp", False)  # plans written before sequence parallelism
+    # the TP layout, not the flag: sequence parallelism at TP = 1 is the plain layout (as in
+    # Megatron-LM); plans written before sequence parallelism have none
+    theirs["sp"] = bool(theirs.get("sp", False)) and theirs.get("tp") != 1
+    mine["sp"] = workload.parallelism.sequence_parallel
     keys = ("tp", "cp", "sp", "microbatch_size", "seq_len", "nanobatches", "num_microbatches",
             "recompute")
     diff = [f"{k}: plan {theirs.get(k)!r}, job {mine[k]!r}" for k in keys
@@ -365,9 +368,10 @@ class TrainingLoop:
             g = torch.Generator(device="cpu").manual_seed(seed * 7919 + 104729 + mb)
             tok = torch.randint(lo_id, hi_id, (wl.microbatch_size, wl.seq_len + 1),
                                 generator=g)
-            lo, hi = m.r * m.sq, (m.r + 1) * m.sq
-            self.batches.append((tok[:, lo:hi].contiguous().to(m.device),
-                                 tok[:, lo + 1:hi + 1].contiguous().to(m.device)))
+            # this rank's tokens: its CP chunks (Megatron-Core's load-balanced layout)
+            pos = torch.tensor(m.positions())
+            self.batches.append((tok[:, pos].contiguous().to(m.device),
+                                 tok[:, pos + 1].contiguous().to(m.device)))
 
     @property
     def schedules(self) -> tuple[str, ...]:

@@ -125,7 +125,8 @@ def profile_workload(key: str) -> Any:
                 f"profile workload {key!r}: a bare name must be one of "
                 f"{', '.join(PROFILE_WORKLOADS)} (measured at their default shapes); name "
                 "others 'model tp=.. cp=.. mbs=.. seq=.. nb=..'")
-        return Workload.preset(model, **PROFILE_WORKLOADS[model], **PROFILE_BATCH)
+        shapes: dict[str, Any] = {**PROFILE_WORKLOADS[model], **PROFILE_BATCH}
+        return Workload.preset(model, **shapes)
     names = {"tp": "tp", "cp": "cp", "mbs": "microbatch_size", "seq": "seq_len",
              "nb": "nanobatches"}
     kw: dict[str, Any] = {}
