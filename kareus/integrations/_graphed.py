@@ -146,7 +146,11 @@ def computation_signature(applier: Any, phase: str, x: Any,
     if applier.schedule == "kareus":
         current = applier._executor().current
         key = computation_key(*current)
-        choice = applier.plan.assignment.get(key, key)
+        index = applier.plan.assignment.get(key, key)
+        # the choice itself (frequency, nanobatches, every configuration and SM count),
+        # not its index: another plan (a retarget) may hold another choice at that index
+        choice = (applier.plan.choices[index] if isinstance(index, int)
+                  and 0 <= index < len(applier.plan.choices) else index)
     wsig = tuple((tuple(w.shape), tuple(w.stride()), w.dtype) for ws in weights for w in ws)
     return (phase, len(weights), n, unsplit, choice, tuple(x.shape), x.dtype,
             str(x.device), wsig, len(inputs or ()))

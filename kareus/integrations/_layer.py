@@ -396,11 +396,16 @@ class PlanApplier:
                                      streams=streams if shared is None else shared(),
                                      default_collective=default_collective,
                                      graphs=capture)
+
+        def make(p: Plan) -> Executor:  # also another frontier point's (retarget)
+            return TorchExecutor(plan=p, collective=collective, frequency=frequency,
+                                 default_collective=default_collective,
+                                 streams=streams if shared is None else shared(),
+                                 graphs=capture)
+
+        self._make_plan_executor = make if executor is None else None
         if plan is not None and executor is None:
-            executor = TorchExecutor(plan=plan, collective=collective, frequency=frequency,
-                                     default_collective=default_collective,
-                                     streams=streams if shared is None else shared(),
-                                     graphs=capture)
+            executor = make(plan)
         self.baseline, self.executor = baseline, executor
 
     def _default_collectives(self, plan: Plan | None) -> tuple[Any, Any]:
@@ -467,6 +472,74 @@ class PlanApplier:
         self.start()
         with ex.microbatch(self.stage, int(microbatch), phase):
             yield None
+
+    def measure(self, **kwargs: Any) -> Any:
+        """A context manager that measures iterations of your loop and compares them with
+        the plan's prediction (a [`PlanCheck`][kareus.workflow.PlanCheck]: call
+        ``check.step()`` after each iteration; ``check.report`` after the block). Keyword
+        arguments go to ``PlanCheck`` (``warmup``, ``tolerance``, ``meter`` ...).
+
+        Raises:
+            PlanError: the applier runs no plan.
+        """
+        from kareus.workflow.verification import PlanCheck
+
+        if self.plan is None:
+            raise PlanError("applier.measure() compares with a plan's prediction: build the "
+                            "applier with plan=")
+        return PlanCheck(self.plan, workload=self.workload, **kwargs)
+
+    def retarget(self, *, deadline_s: float | None = None,
+                 energy_budget_j: float | None = None, stage_slowdown: Any = None,
+                 frontier: Any = None, executor_for: Any = None, decide: Any = None) -> Plan:
+        """Move to the iteration frontier's point that meets a new target, now: call it
+        between iterations (outside [`microbatch`][kareus.integrations.PlanApplier.microbatch]),
+        at the same iteration on every rank (rank 0 decides, the default process group
+        follows). Arguments as
+        [`TrainingLoop.retarget`][kareus.exec.train.TrainingLoop.retarget]
+        (``stage_slowdown`` that differs between the stages of a PP > 1 job is refused:
+        the frontier's points are whole-job plans). Each point's executor is built once
+        and kept; the graphed runner's graphs are keyed by the plan's choice, so a point
+        used before replays them.
+
+        Raises:
+            PlanError: no plan, or called inside a microbatch computation.
+        """
+        from kareus.exec.retarget import FrontierSwitch, Target
+
+        target = Target(deadline_s=deadline_s, energy_budget_j=energy_budget_j,
+                        stage_slowdown=stage_slowdown)
+        if self.executor is None or self.plan is None:
+            raise PlanError("retarget moves a running plan along its frontier: build the "
+                            "applier with plan=")
+        if self.executor.current is not None:
+            raise PlanError("retarget between iterations, not inside applier.microbatch()")
+        switch = getattr(self, "frontier_switch", None)
+        if switch is not None and frontier is not None:
+            switch.use(frontier)  # the points built so far are kept
+        if switch is None:
+            make = executor_for or self._make_plan_executor
+            if frontier is None or make is None:
+                raise ArgumentError("retarget needs frontier=IterationFrontier.load("
+                                    "'OUT/frontier.json') once (and executor_for= when the "
+                                    "applier was given its executor)")
+            switch = self.frontier_switch = FrontierSwitch(
+                frontier, current=self.executor, make_executor=make,
+                check=self._check_plan, decide=decide)
+        plan = switch.choose(target, stages=self.workload.parallelism.pp)
+        if plan.digest != self.plan.digest:
+            ex = switch.executor(plan)
+            ex.start()  # every rank compares the new plan's digest (collective)
+            self.executor, self.plan = ex, plan
+        return plan
+
+    def _check_plan(self, plan: Plan) -> None:
+        from kareus.exec.train import check_plan_types, check_plan_workload
+
+        check_plan_workload(plan, self.workload, one_stage=False)
+        if self.has_comm:
+            check_plan_types(plan, self.workload, self.types, self.unsplit_types,
+                             {int(plan.nanobatches(key)) for key in plan.assignment})
 
     # ------------------------------------------------------------------ running a layer
     def _executor(self) -> Executor:

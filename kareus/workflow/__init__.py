@@ -17,6 +17,10 @@
 - [`kareus.workflow.pools`][kareus.workflow.pools]: partition searches as tasks of any
   ``concurrent.futures.Executor``, and [`kareus.workflow.ray`][kareus.workflow.ray]: a pool whose
   tasks are Ray tasks (``kareus[ray]``).
+- [`kareus.workflow.verification`][kareus.workflow.verification]:
+  [`verify`][kareus.workflow.verify] (``kareus verify``: a plan and its baselines run in the
+  training loop on the job's GPUs, predicted against measured) and
+  [`PlanCheck`][kareus.workflow.PlanCheck] (the same check around a user's own loop).
 
 The layers below only search and compose; this package is the one place that measures, and the
 command line (``kareus.cli``) only parses, calls it and prints.
@@ -43,11 +47,22 @@ from kareus.workflow.result import (
     iso_time_energy_saving,
 )
 from kareus.workflow.run import OptimizationRun, optimize, prepare
+from kareus.workflow.verification import (
+    Figures,
+    PlanCheck,
+    SystemCheck,
+    VerifyReport,
+    verify,
+)
 
 __all__ = [
+    "Figures",
     "OptimizationResult",
     "OptimizationRun",
+    "PlanCheck",
+    "SystemCheck",
     "SystemSummary",
+    "VerifyReport",
     "compose_systems",
     "estimate_run_s",
     "baseline_priors",
@@ -64,4 +79,5 @@ __all__ = [
     "require_outside_work",
     "resolve_surrogate",
     "search_types",
+    "verify",
 ]
