@@ -59,7 +59,7 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-def workload(tp: int, cp: int, recompute: bool = True, n: int = 2) -> Workload:
+def workload(tp: int, cp: int, recompute: bool | str = True, n: int = 2) -> Workload:
     m = ModelArch(name="tiny", layers=2, hidden=32, heads=4, kv_heads=2, head_dim=8, ffn=64,
                   vocab=50)
     return Workload(model=m, parallelism=Parallelism(tp=tp, cp=cp), microbatch_size=4,
@@ -166,8 +166,10 @@ def _close(a, b, tol=1e-4):
     return float((a.double() - b.double()).norm() / max(b.double().norm(), 1e-12)) < tol
 
 
-@pytest.mark.parametrize(("schedule", "recompute"), [("sequential", True),
-                                                     ("nanobatching", False)])
+@pytest.mark.parametrize(("schedule", "recompute"), [("sequential", "full"),
+                                                     ("nanobatching", "none"),
+                                                     ("sequential", "selective"),
+                                                     ("nanobatching", "selective")])
 @pytest.mark.parametrize("features", [
     {},  # a Llama layer
     {"tied_embeddings": True},
@@ -221,6 +223,52 @@ def test_loopback_schedules_agree_and_the_loss_falls(tp, cp, recompute):
     assert ref[-1] < ref[0]
     loop.reset()
     assert float(loop.step("kareus")) == losses["kareus"][0]
+
+
+@pytest.mark.parametrize("policy", ["none", "selective", "full"])
+def test_what_the_forward_keeps_and_the_backward_runs_again(policy):
+    """CP=2 standing in (one process): after a forward, each layer keeps every activation
+    (none), all but the attention core's output and its saved state (selective; the
+    gathered K/V instead), or its input only (full); the backward runs no forward op
+    (none), the attention core once per layer and nanobatch right before out_dgrad
+    (selective), or every forward op (full)."""
+    from kareus.model.decoder import decoder_layer
+
+    loop = loopback_loop(1, 2, policy, plan=False)
+    m = loop.model
+    fwd, bwd = (c for c in loop.computations if c.microbatch == 0)
+    assert (fwd.phase, bwd.phase) == ("fwd", "bwd")
+    loop._run_computation("nanobatching", fwd)
+    kept = {key: set(a) for key, a in m.act.items()}
+    assert len(kept) == loop.layers * 2  # layers x nanobatches
+    for names in kept.values():
+        if policy == "full":
+            assert names == {"x_in"}
+        else:
+            assert {"x_in", "xn", "q", "k", "x_mid", "xn2", "g", "u", "a"} <= names
+            assert ("graph" in names) is (policy == "none")
+            assert ("attn" in names) is (policy == "none")
+            assert ({"kf", "vf"} <= names) is (policy == "selective")
+    ran = []
+    run_op = m.run_op
+
+    def recording(op, nb):
+        ran.append(op.name)
+        run_op(op, nb)
+
+    m.run_op = recording
+    loop._run_computation("nanobatching", bwd)
+    forward_ops = set(decoder_layer("fwd").op_names)
+    again = [n for n in ran if n in forward_ops]
+    if policy == "none":
+        assert again == []
+    elif policy == "selective":
+        assert again == ["attn_core"] * (loop.layers * 2)
+        for i, n in enumerate(ran):
+            if n == "attn_core":
+                assert ran[i + 1] == "out_dgrad"
+    else:
+        assert set(again) == forward_ops
 
 
 def test_measure_runs_on_the_cpu():
@@ -414,8 +462,10 @@ class GlooCollective(CollectiveBackend):
 QWEN3_FEATURES = {"qk_norm": True, "norm_eps": 1e-6, "tied_embeddings": True}
 
 
-def _four_rank_workload(features: str) -> Workload:
-    wl = workload(2, 2, recompute=True)
+def _four_rank_workload(case: str) -> Workload:
+    """``case``: ``"features/policy"`` (llama or qwen3 layer, recomputation policy)."""
+    features, policy = case.split("/")
+    wl = workload(2, 2, recompute=policy)
     if features == "qwen3":
         wl = wl.with_(model=attrs.evolve(wl.model, **QWEN3_FEATURES))
     return wl
@@ -432,7 +482,9 @@ def _worker(out_dir: str, features: str) -> None:
     groups = TorchParallelGroups(tp=2)
     coll = GroupedCollective(tp=GlooCollective(groups.tp_group),
                              cp=GlooCollective(groups.cp_group))
-    loop = TrainingLoop(workload=wl, groups=groups, collective=coll, plan=plan_for(wl),
+    # the partition model does not cost selective recomputation yet: its baselines only
+    plan = plan_for(wl) if wl.recompute != "selective" else None
+    loop = TrainingLoop(workload=wl, groups=groups, collective=coll, plan=plan,
                         streams=RecordingStreamBackend(), kernels="torch", device="cpu",
                         dtype="float32", lr=1e-3)
     params = {k: v.clone() for k, v in loop.model.params.items()}
@@ -454,13 +506,19 @@ def _worker(out_dir: str, features: str) -> None:
     dist.destroy_process_group()
 
 
+FOUR_RANK_CASES = ("llama/full", "qwen3/full", "llama/none", "qwen3/selective",
+                   "llama/selective")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("features", ["llama", "qwen3"])
+@pytest.mark.parametrize("features", FOUR_RANK_CASES)
 def test_four_gloo_ranks_match_the_whole_model(tmp_path, features):
     # qwen3: query/key norms (their weights' gradients summed over the TP ranks' heads),
-    # eps 1e-6 and tied embeddings (a vocabulary-parallel output layer on the embedding)
+    # eps 1e-6 and tied embeddings (a vocabulary-parallel output layer on the embedding);
+    # none / selective: the activations kept (selective: the gathered K/V too, the
+    # attention core re-run in the backward without its all-gather)
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    port = "29731" if features == "llama" else "29733"
+    port = str(29731 + 2 * FOUR_RANK_CASES.index(features))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4",
            f"--master_port={port}", str(Path(__file__).resolve()), str(tmp_path), features]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300,
@@ -476,7 +534,9 @@ def test_four_gloo_ranks_match_the_whole_model(tmp_path, features):
                 assert torch.equal(v, shards[t][k]), k
     ref_loss, ref = reference(shards, wl.model, wl.model.layers, res[0]["batches"],
                               wl.num_microbatches * wl.microbatch_size * wl.seq_len)
-    for s in ("sequential", "nanobatching", "kareus"):
+    ran = [s for s in ("sequential", "nanobatching", "kareus") if s in res[0]]
+    assert len(ran) == (2 if wl.recompute == "selective" else 3)
+    for s in ran:
         for r in res:
             assert r[s]["loss"] == pytest.approx(ref_loss, rel=1e-5), s
             for k, g in r[s]["grads"].items():

@@ -59,13 +59,25 @@ __all__ = [
 ]
 
 
-def _full_recompute(workload: Workload) -> bool:
-    """Whether the loop's decoder re-runs each layer's forward in the backward (``"full"``)
-    or keeps every activation (``"none"``); ``"selective"`` is refused until it runs."""
-    if workload.recompute == "selective":
-        raise WorkloadError("the training loop does not run recompute='selective' yet; use "
-                            "'full' or 'none'")
-    return workload.recompute == "full"
+def _partition_types(workload: Workload, plan: Plan | None) -> dict[str, TypeShape]:
+    """The partition types of ``workload`` ([`type_shapes`][kareus.exec.schedule.type_shapes]
+    of its partition set): a plan's configurations are per type, and the baselines name
+    their partitions by them.
+
+    Where the partition model does not cost the workload's recomputation policy yet
+    (``"selective"``), a baseline (no plan) still runs: its partitions are named by the
+    types of the same workload without recomputation, whose forward types are the same
+    and whose backward types differ only by the recomputed attention core (the pieces
+    that hold it are named by their ops). A plan needs the types themselves.
+    """
+    from kareus.model.partition import build_partitions
+
+    try:
+        return type_shapes(build_partitions(workload))
+    except WorkloadError:
+        if plan is not None or workload.recompute != "selective":
+            raise
+        return type_shapes(build_partitions(workload.with_(recompute="none")))
 
 
 def check_plan_workload(plan: Plan, workload: Workload, *, one_stage: bool = True) -> None:
@@ -242,7 +254,6 @@ class TrainingLoop:
                  executor: Executor | None = None, baseline: Executor | None = None) -> None:
         import torch
 
-        from kareus.model.partition import build_partitions
         from kareus.model.pipeline import get_schedule
 
         if not isinstance(workload, Workload):
@@ -264,13 +275,13 @@ class TrainingLoop:
         if plan is not None:
             check_plan_workload(plan, workload)
         self.workload, self.groups, self.plan = workload, groups, plan
-        self.types: dict[str, TypeShape] = (type_shapes(build_partitions(workload))
+        self.types: dict[str, TypeShape] = (_partition_types(workload, plan)
                                             if has_comm else {})
         # The partition types of a computation a plan runs unsplit (kareus's space holds
         # unsplit execution: kareus.compose.systems); a plan names them by their own names
         # in its unsplit choices
         self.unsplit_types: dict[str, TypeShape] = (
-            type_shapes(build_partitions(workload.with_(nanobatches=1)))
+            _partition_types(workload.with_(nanobatches=1), plan)
             if has_comm and workload.nanobatches > 1 else self.types)
         self.model = DecoderShard(
             arch=workload.model, layers=layers, microbatch_size=workload.microbatch_size,
@@ -278,12 +289,12 @@ class TrainingLoop:
             groups=groups,
             backend=self._buffer_source(has_comm, collective, backends, executor or baseline),
             nanobatch_counts=tuple(sorted({1, workload.nanobatches})),
-            recompute=_full_recompute(workload), kernels=kernels, device=device, dtype=dtype,
+            recompute=workload.recompute, kernels=kernels, device=device, dtype=dtype,
             seed=seed, lr=lr)
         self.layers = self.model.layers
         self.stacks: dict[str, list[Piece]] = {
             ph: pieces(stack_stream(ph, self.layers, tp=p.tp, cp=p.cp,
-                                    recompute=_full_recompute(workload),
+                                    recompute=workload.recompute,
                                     qk_norm=workload.model.qk_norm))
             for ph in ("fwd", "bwd")}
         name = plan.schedule if plan is not None else schedule

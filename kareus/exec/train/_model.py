@@ -42,7 +42,7 @@ from kareus.exec._executor_role import Executor
 from kareus.exec.model_check import refuse_uncomputed
 from kareus.exec.schedule import Comm, Op
 from kareus.model.decoder import layer_collectives
-from kareus.model.workload import ModelArch, recompute_policy
+from kareus.model.workload import RECOMPUTE_POLICIES, ModelArch, recompute_policy
 
 __all__ = ["DecoderShard"]
 
@@ -68,7 +68,15 @@ class DecoderShard:
             ``empty(shape, dtype)`` allocating (registered memory, which every backend can
             run on); ``None`` = plain tensors.
         nanobatch_counts: The nanobatch counts the loop will run (buffers for each).
-        recompute: Full recomputation (the forward keeps only each layer's input).
+        recompute: The recomputation policy (``Workload.recompute``): ``"full"`` (or
+            ``True``: the forward keeps only each layer's input and the backward re-runs
+            the layer's forward, its collectives included), ``"selective"`` (every
+            activation is kept except the attention core's output and its softmax
+            statistics; the backward re-runs the attention core forward right before
+            ``out_dgrad``, where ``decoder_layer("bwd", recompute="selective")`` puts it;
+            no collective runs again: under CP the gathered keys and values are kept) or
+            ``"none"`` (or ``False``: every activation is kept, the backward runs no
+            forward op).
         kernels: A ``KernelSet`` or name; ``None`` = default.
         device: Torch device (default: the current CUDA device).
         dtype: Torch dtype name of weights and activations (default ``"bfloat16"``).
@@ -79,7 +87,7 @@ class DecoderShard:
 
     def __init__(self, *, arch: ModelArch, layers: int | None = None, microbatch_size: int,
                  seq_len: int, num_microbatches: int, groups: Any, backend: Any = None,
-                 nanobatch_counts: tuple[int, ...] = (1, 2), recompute: bool = True,
+                 nanobatch_counts: tuple[int, ...] = (1, 2), recompute: bool | str = True,
                  kernels: Any = None, device: Any = None, dtype: str = "bfloat16",
                  seed: int = 0, lr: float = 3e-4, weight_decay: float = 0.01) -> None:
         import torch
@@ -104,10 +112,10 @@ class DecoderShard:
         self._shard_dims(arch, groups, int(microbatch_size), seq_len // cp)
         self.num_microbatches = int(num_microbatches)
         policy = recompute_policy(recompute)
-        if policy not in ("none", "full"):
-            raise WorkloadError(f"the training loop's decoder runs recompute 'full' or 'none', "
+        if policy not in RECOMPUTE_POLICIES:
+            raise WorkloadError(f"recompute must be one of {', '.join(RECOMPUTE_POLICIES)}, "
                                 f"got {recompute!r:.40}")
-        self.recompute = policy == "full"
+        self._set_policy(str(policy))
         self.v_local = -(-arch.vocab // tp)
         self.v0 = groups.tp_rank * self.v_local
         self.ks = get_kernels(kernels)
@@ -127,6 +135,12 @@ class DecoderShard:
         self.head: dict[str, Any] = {}
         self.n = 1
         self.phase = "fwd"
+
+    def _set_policy(self, policy: str) -> None:
+        """The recomputation policy: ``policy`` (``"none"``, ``"selective"``, ``"full"``),
+        and ``recompute``, whether the backward re-runs whole layers (``"full"``)."""
+        self.policy = policy
+        self.recompute = policy == "full"
 
     # ------------------------------------------------------------------ parameters
     def _shard_dims(self, arch: ModelArch, groups: Any, microbatch_size: int,
@@ -442,7 +456,7 @@ class DecoderShard:
         """Enqueue op ``op`` of nanobatch ``nb`` of the current computation."""
         fn: Callable[[int, dict[str, Any], int], None] = getattr(self, "_op_" + op.name)
         a = self.act.setdefault((op.layer, nb), {})
-        if op.name == "attn_core" and (self.phase == "bwd" or not self.recompute):
+        if op.name == "attn_core" and (self.phase == "bwd" or self.policy == "none"):
             fn(op.layer, a, nb)  # keeps the attention's graph for attn_core_bwd
             return
         with self.torch.no_grad():
@@ -536,7 +550,9 @@ class DecoderShard:
         torch = self.torch
         b = self.mbs // self.n
         q = a["q"].transpose(1, 2)
-        if self.cp > 1:
+        if self.cp > 1 and "kf" in a:  # selective recomputation: the gathered K, V kept
+            k, v = a["kf"].transpose(1, 2), a["vf"].transpose(1, 2)
+        elif self.cp > 1:
             full = self._reduced("kv", layer, nb).view(self.cp, 2, b, self.sq, self.kvh,
                                                        self.hd)[: self.r + 1]
             # A copy (the buffer is the next layer's all-gather output): [b, keys, kvh, hd]
@@ -546,6 +562,8 @@ class DecoderShard:
             vf = full[:, 1].permute(1, 0, 2, 3, 4).clone(memory_format=fmt).view(
                 b, -1, self.kvh, self.hd)
             k, v = kf.transpose(1, 2), vf.transpose(1, 2)
+            if self.policy == "selective":  # the backward's attention core reads them
+                a["kf"], a["vf"] = kf, vf
         else:
             k, v = a["k"].transpose(1, 2), a["v"].transpose(1, 2)
         if torch.is_grad_enabled():  # keep what attn_core_bwd needs
@@ -566,6 +584,8 @@ class DecoderShard:
         y = self.ks.matmul(a["attn"], self.W(layer, "Wo"), out=out)
         if not pooled:
             a["attn_out"] = y
+        if self.policy == "selective":  # not kept: the backward re-runs the attention core
+            del a["attn"]
 
     def _op_mlp_norm(self, layer: int, a: dict[str, Any], nb: int) -> None:
         a["x_mid"], a["xn2"] = self.ks.add_rms_norm(
