@@ -25,9 +25,27 @@ microbatch computation. This module lends that schedule to someone else's layer:
   gradients flow back into the framework's parameters by autograd.
 
 The forward runs the layer's forward stream ([`stack_stream`][kareus.exec.schedule.stack_stream]
-of one layer) through the executor; it keeps only the input (full recomputation, as the
-partition model assumes: ``Workload.recompute``); the backward re-runs the forward, its
-collectives included, then the backward ops, each in the partition the plan schedules.
+of one layer) through the executor and keeps for the backward what the workload's
+recomputation policy (``Workload.recompute``) says
+([`KEPT_FOR_BACKWARD`][kareus.exec.train.KEPT_FOR_BACKWARD]); the backward runs the backward
+ops, each in the partition the plan schedules, and re-runs what was not kept:
+
+* ``"full"``: the forward keeps the layer's input only (one ``tokens x hidden`` tensor per
+  layer); the backward re-runs the whole forward, its collectives included, first;
+* ``"selective"`` (Megatron-Core's default selective recomputation, its ``core_attn``):
+  everything but the attention core's output and softmax statistics is kept; the
+  backward re-runs the attention core forward alone, right before ``out_dgrad``, and no
+  collective (under CP the gathered keys and values are kept);
+* ``"none"``: every activation the backward reads is kept; the backward runs no forward op.
+
+Per layer and token of this rank, in elements of the compute dtype (``h`` hidden, ``q``
+and ``kv`` the query and key/value widths and ``f`` the FFN width on this TP rank), the
+forward keeps ``h`` (full); ``4 h + 2 q + 2 kv + 3 f`` plus the queries and keys and values
+(or under CP rank ``r``'s ``r + 1`` gathered chunks of keys and values: ``2 (r + 1) kv``)
+(selective: the input, both norms' outputs, the residual sum, the QKV projection (its
+values are read through it), the roped queries and keys, gate, up and SwiGLU outputs; a
+qk-norm model keeps its QKV projection twice, before and after the norms); none adds the
+attention output (``q``) and its softmax statistics (``heads`` fp32 values).
 The ops are the same code as the training loop's decoder, on the production kernels.
 
 **What a layer boundary costs.** kareus's own loop chains layers: the forward all-reduce of
@@ -68,7 +86,6 @@ from kareus.exec.schedule import (
     pieces,
     run_computation,
     stack_stream,
-    type_shapes,
 )
 from kareus.exec.train import DecoderShard, ParallelGroups, refuse_uncomputed
 from kareus.integrations._weights import QK_NORM_WEIGHTS, layer_weights
@@ -78,6 +95,60 @@ __all__ = ["PlanApplier", "PlannedLayer", "PlannedStack"]
 
 #: Partitions recorded by an applier with ``record=True`` before the oldest are dropped.
 RECORD_KEPT = 4096
+
+
+class KeptActivations:
+    """What a planned layer's (or stack's) forward kept for its backward under a policy that
+    keeps activations (``"none"``, ``"selective"``): per layer and nanobatch, the tensors
+    its backward reads ([`KEPT_FOR_BACKWARD`][kareus.exec.train.KEPT_FOR_BACKWARD]), as the
+    forward left them. Opaque to the caller: the autograd node hands it to its backward.
+
+    Under graphs the tensors are the forward graph's static buffers, lent to this object
+    until its backward has run (``release``) or it is dropped; the graph is not replayed
+    while they are lent (``kareus.integrations._graphed``).
+
+    Args:
+        act: ``(layer, nanobatch) -> {name: tensor or saved attention}``.
+        depth: Layers of the computation.
+        nanobatches: Nanobatches the forward ran in.
+        release: Called once when the backward has read them (graphs: frees the slot).
+    """
+
+    def __init__(self, act: dict[tuple[int, int], dict[str, Any]], *, depth: int,
+                 nanobatches: int, release: Any = None) -> None:
+        self.act, self.depth, self.nanobatches = act, int(depth), int(nanobatches)
+        self._release = release
+        self.consumed = False
+        #: Under graphs: the forward slot the tensors lie in (its key and generation).
+        self.slot: Any = None
+
+    def for_backward(self, depth: int, nanobatches: int) -> dict[tuple[int, int],
+                                                                  dict[str, Any]]:
+        """The backward's state (a copy of the mappings; the tensors are shared).
+
+        Raises:
+            ArgumentError: another depth, or another nanobatch split than the forward's
+                (the kept activations are per nanobatch), or the backward ran already
+                with graphs (the buffers may be another forward's now).
+        """
+        if self.consumed:
+            raise ArgumentError("a planned layer's backward ran twice on graphs with "
+                                "recompute 'none'/'selective' (retain_graph): its forward's "
+                                "buffers are lent once; use graphs=False")
+        if depth != self.depth or nanobatches != self.nanobatches:
+            raise ArgumentError(f"the forward ran {self.depth} layer(s) in {self.nanobatches} "
+                                f"nanobatch(es) and its backward {depth} in {nanobatches}: "
+                                "with recompute 'none' or 'selective' a microbatch's backward "
+                                "runs in its forward's nanobatches (make the plan so, or "
+                                "recompute 'full')")
+        return {key: dict(a) for key, a in self.act.items()}
+
+    def release(self) -> None:
+        """The backward has read the activations (graphs: the forward's buffers are free)."""
+        if self._release is not None:
+            self.consumed = True
+            self._release()
+            self._release = None
 
 
 class _LayerProgram(DecoderShard):
@@ -99,7 +170,8 @@ class _LayerProgram(DecoderShard):
 
         self.layers, self.backend = int(layers), backend
         self._shard_dims(workload.model, groups, int(microbatch_size), int(seq_local))
-        self.num_microbatches, self.recompute = 1, True
+        self.num_microbatches = 1
+        self._set_policy(workload.recompute)
         self.ks, self.torch = get_kernels(kernels), torch
         self.device, self.dtype = torch.device(device), dtype
         self.rope_base, self.rope_inv_freq = float(rope_base), rope_inv_freq
@@ -130,7 +202,8 @@ class PlanApplier:
         workload: What the plan was made for: the model's dimensions (``hidden``,
             ``heads``, ``kv_heads``, ``head_dim``, ``ffn``), the microbatch (``microbatch_size``
             sequences of ``seq_len`` tokens), TP and CP, the nanobatch count of the
-            baseline; ``recompute`` must be on (a planned layer recomputes its forward).
+            baseline, the recomputation policy (``recompute``: what a layer keeps for its
+            backward; see the module docstring).
         groups: This rank's TP and CP groups: a
             [`ParallelGroups`][kareus.exec.train.ParallelGroups], typically
             ``TorchParallelGroups.from_groups(tp=..., cp=...)`` of the framework's groups.
@@ -171,8 +244,7 @@ class PlanApplier:
             yourself where every rank reaches it).
 
     Raises:
-        WorkloadError: TP or CP do not match the groups, dimensions do not divide, the
-            workload does not recompute.
+        WorkloadError: TP or CP do not match the groups, or dimensions do not divide.
         PlanError: the plan was made for another workload, or names a backend not given.
     """
 
@@ -222,7 +294,7 @@ class PlanApplier:
         self.record = bool(record)
         self.partitions_run: list[tuple[str, str, Any]] = []
         self._programs: dict[tuple[Any, ...], _LayerProgram] = {}
-        self._build_types()
+        self._build_types(plan if plan is not None else getattr(executor, "plan", None))
         self.plan: Plan | None
         self.executor: Executor | None
         self.baseline: Executor
@@ -242,25 +314,26 @@ class PlanApplier:
             self.start()
 
     # ------------------------------------------------------------------ set-up
-    def _build_types(self) -> None:
-        from kareus.model.partition import build_partitions
+    def _build_types(self, plan: Plan | None) -> None:
+        from kareus.exec.train import partition_types
 
         wl = self.workload
         self.has_comm = wl.parallelism.tp * wl.parallelism.cp > 1
-        self.types: dict[str, TypeShape] = (type_shapes(build_partitions(wl))
+        self.types: dict[str, TypeShape] = (partition_types(wl, plan)
                                             if self.has_comm else {})
         self.unsplit_types: dict[str, TypeShape] = (
-            type_shapes(build_partitions(wl.with_(nanobatches=1)))
+            partition_types(wl.with_(nanobatches=1), plan)
             if self.has_comm and wl.nanobatches > 1 else self.types)
         self._stacks: dict[tuple[str, int], list[Piece]] = {}
 
     def _stack(self, phase: str, layers: int) -> list[Piece]:
-        """The pieces of ``layers`` consecutive layers' forward or backward (recomputing)."""
+        """The pieces of ``layers`` consecutive layers' forward or backward (the backward
+        re-running what the recomputation policy does not keep)."""
         key = (phase, layers)
         if key not in self._stacks:
             p = self.workload.parallelism
             self._stacks[key] = pieces(stack_stream(phase, layers, tp=p.tp, cp=p.cp,
-                                                    recompute=True,
+                                                    recompute=self.workload.recompute,
                                                     qk_norm=self.workload.model.qk_norm))
         return self._stacks[key]
 
@@ -446,12 +519,15 @@ class PlanApplier:
             x: The first layer's input ``[batch, seq / CP, hidden]``.
             weights: Per layer, its weights in ``weight_names`` order.
             dy: Backward: the gradient of the last layer's output.
-            inputs: Backward: the forward's inputs of layers ``1 ..`` (what the forward
-                returned), ``[batch * seq / CP, hidden]`` each.
+            inputs: Backward: what the forward kept (what it returned second): under full
+                recomputation the inputs of layers ``1 ..``, ``[batch * seq / CP, hidden]``
+                each; otherwise its ``KeptActivations``.
 
         Returns:
-            Forward: ``(output, inputs of layers 1 ..)``; backward: ``(gradient of x, the
-            weight gradients of every layer, layer by layer in ``weight_names`` order)``.
+            Forward: ``(output, kept)``, ``kept`` the inputs of layers ``1 ..`` (full
+            recomputation) or the activations kept (``KeptActivations``); backward:
+            ``(gradient of x, the weight gradients of every layer, layer by layer in
+            ``weight_names`` order)``.
         """
         if self.graphs:
             return self._graphs_runner().run(phase, x, weights, dy, inputs)
@@ -472,8 +548,7 @@ class PlanApplier:
             del self.partitions_run[:-RECORD_KEPT]
 
     def _run_eager(self, phase: str, x: Any, weights: Sequence[Sequence[Any]], dy: Any,
-                   inputs: Sequence[Any] | None) -> tuple[tuple[Any, list[Any]],
-                                                          list[tuple[str, Any]]]:
+                   inputs: Any) -> tuple[tuple[Any, Any], list[tuple[str, Any]]]:
         """``run``'s work, enqueued as it goes; also returns the partitions run."""
         import torch
 
@@ -491,12 +566,13 @@ class PlanApplier:
             prog.act, prog.head, prog.wgrads = {}, {"x0": x2}, []
         else:
             dy2 = dy.reshape(b * s, h)
-            kept = [x2, *(inputs or [])]
-            if len(kept) != depth:
-                raise ArgumentError(f"the backward of {depth} layers takes the inputs of "
-                                    f"layers 1 .. {top}, got {len(kept) - 1}")
-            prog.act = {(layer, i): {"x_in": kept[layer][prog.rows(i)]}
-                        for layer in range(depth) for i in range(n)}
+            if prog.policy != "full":  # what the forward kept, as it kept it
+                if not isinstance(inputs, KeptActivations):
+                    raise ArgumentError(f"the backward under recompute={prog.policy!r} "
+                                        "takes what the forward kept (its second result)")
+                prog.act = inputs.for_backward(depth, n)
+            else:
+                prog.act = self._inputs_kept(prog, x2, inputs, depth, n)
             for i in range(n):
                 prog.act[(top, i)]["dy"] = dy2[prog.rows(i)]
             prog.head = {}
@@ -523,6 +599,11 @@ class PlanApplier:
                 for i in range(n):
                     torch.add(prog.act[(top, i)]["x_mid"], prog._reduced("mlp_out", top, i),
                               out=out[prog.rows(i)])
+                if prog.policy != "full":
+                    kept_acts = KeptActivations({key: prog.kept(a)
+                                                 for key, a in prog.act.items()},
+                                                depth=depth, nanobatches=n)
+                    return (out.view(b, s, h), kept_acts), ran
                 kept_inputs = []
                 for layer in range(1, depth):
                     xin = torch.empty_like(x2)
@@ -538,16 +619,23 @@ class PlanApplier:
         finally:
             prog.act, prog.head, prog.weights, prog.wgrads = {}, {}, [], []
 
+    @staticmethod
+    def _inputs_kept(prog: _LayerProgram, x2: Any, inputs: Any, depth: int,
+                     n: int) -> dict[tuple[int, int], dict[str, Any]]:
+        """Full recomputation's backward state: each layer's input, by nanobatch."""
+        kept = [x2, *(inputs or [])]
+        if len(kept) != depth:
+            raise ArgumentError(f"the backward of {depth} layers takes the inputs of "
+                                f"layers 1 .. {depth - 1}, got {len(kept) - 1}")
+        return {(layer, i): {"x_in": kept[layer][prog.rows(i)]}
+                for layer in range(depth) for i in range(n)}
+
 
 def _check_workload(workload: Workload, groups: ParallelGroups) -> None:
     p, arch = workload.parallelism, workload.model
     if (groups.tp_size, groups.cp_size) != (p.tp, p.cp):
         raise WorkloadError(f"the groups are TP={groups.tp_size} x CP={groups.cp_size}; the "
                             f"workload asks for TP={p.tp} x CP={p.cp}")
-    if workload.recompute != "full":
-        raise WorkloadError("a planned layer recomputes its forward in the backward (it keeps "
-                            "only its input): make the workload and the plan with "
-                            "recompute on")
     for what, num, den in (("heads", arch.heads, p.tp), ("kv_heads", arch.kv_heads, p.tp),
                            ("ffn", arch.ffn, p.tp), ("seq_len", workload.seq_len, p.cp)):
         if num % den:
@@ -663,7 +751,8 @@ def _function() -> Any:
             out, inputs = applier.run("fwd", x.detach().contiguous(),
                                       _per_layer(weights, layers, len(applier.weight_names)))
             ctx.applier, ctx.layers = applier, layers
-            ctx.inputs = inputs  # layers 1 ..: what full recomputation keeps
+            # full recomputation: the inputs of layers 1 ..; otherwise KeptActivations
+            ctx.inputs = inputs
             ctx.save_for_backward(x, *weights)
             return out
 

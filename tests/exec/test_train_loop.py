@@ -241,14 +241,11 @@ def test_what_the_forward_keeps_and_the_backward_runs_again(policy):
     loop._run_computation("nanobatching", fwd)
     kept = {key: set(a) for key, a in m.act.items()}
     assert len(kept) == loop.layers * 2  # layers x nanobatches
+    common = {"x_in", "xn", "x_mid", "xn2", "g", "u", "a"}
+    want = {"full": {"x_in"}, "none": common | {"graph", "attn"},
+            "selective": common | {"q", "kf", "vf"}}[policy]
     for names in kept.values():
-        if policy == "full":
-            assert names == {"x_in"}
-        else:
-            assert {"x_in", "xn", "q", "k", "x_mid", "xn2", "g", "u", "a"} <= names
-            assert ("graph" in names) is (policy == "none")
-            assert ("attn" in names) is (policy == "none")
-            assert ({"kf", "vf"} <= names) is (policy == "selective")
+        assert names == want
     ran = []
     run_op = m.run_op
 

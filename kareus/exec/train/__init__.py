@@ -51,13 +51,15 @@ from kareus.exec.train._loop import (
     measure_runs,
     no_collective_backend,
     overlap_efficiency,
+    partition_types,
     shuffled_order,
 )
-from kareus.exec.train._model import DecoderShard
+from kareus.exec.train._model import KEPT_FOR_BACKWARD, DecoderShard
 
 __all__ = [
     "BACKENDS",
     "DecoderShard",
+    "KEPT_FOR_BACKWARD",
     "GroupedCollective",
     "LoopbackGroupCollective",
     "LoopbackGroups",
@@ -73,6 +75,7 @@ __all__ = [
     "named_collectives",
     "no_collective_backend",
     "overlap_efficiency",
+    "partition_types",
     "refuse_uncomputed",
     "shuffled_order",
 ]

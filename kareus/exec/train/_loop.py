@@ -55,11 +55,12 @@ __all__ = [
     "check_plan_workload",
     "measure_runs",
     "overlap_efficiency",
+    "partition_types",
     "shuffled_order",
 ]
 
 
-def _partition_types(workload: Workload, plan: Plan | None) -> dict[str, TypeShape]:
+def partition_types(workload: Workload, plan: Plan | None) -> dict[str, TypeShape]:
     """The partition types of ``workload`` ([`type_shapes`][kareus.exec.schedule.type_shapes]
     of its partition set): a plan's configurations are per type, and the baselines name
     their partitions by them.
@@ -275,13 +276,13 @@ class TrainingLoop:
         if plan is not None:
             check_plan_workload(plan, workload)
         self.workload, self.groups, self.plan = workload, groups, plan
-        self.types: dict[str, TypeShape] = (_partition_types(workload, plan)
+        self.types: dict[str, TypeShape] = (partition_types(workload, plan)
                                             if has_comm else {})
         # The partition types of a computation a plan runs unsplit (kareus's space holds
         # unsplit execution: kareus.compose.systems); a plan names them by their own names
         # in its unsplit choices
         self.unsplit_types: dict[str, TypeShape] = (
-            _partition_types(workload.with_(nanobatches=1), plan)
+            partition_types(workload.with_(nanobatches=1), plan)
             if has_comm and workload.nanobatches > 1 else self.types)
         self.model = DecoderShard(
             arch=workload.model, layers=layers, microbatch_size=workload.microbatch_size,

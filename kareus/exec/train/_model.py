@@ -48,6 +48,26 @@ __all__ = ["DecoderShard"]
 
 _LAYER_PARAMS = ("w_attn_norm", "Wqkv", "Wo", "w_mlp_norm", "Wg", "Wu", "Wd")
 
+#: What a layer's backward reads of its forward, per recomputation policy (names of the
+#: per-layer, per-nanobatch activations): ``"full"`` keeps the input and re-runs the rest;
+#: ``"none"`` keeps the input, both norms' outputs, the query/key norms' input
+#: (``qkv_pre``, qk-norm models), the attention's saved state (queries, keys, values,
+#: output and softmax statistics: ``graph``) and its output in the output projection's
+#: layout (``attn``, a view of the same memory on the fused kernels), the residual sum
+#: (``x_mid``), the gate and up projections and the SwiGLU output; ``"selective"`` keeps
+#: the same but the attention's output and statistics, holding instead what its
+#: recomputation reads: the queries, and the keys and values (this rank's, or under CP
+#: every chunk's as gathered, so that no collective runs again).
+KEPT_FOR_BACKWARD: dict[str, frozenset[str]] = {
+    "full": frozenset({"x_in"}),
+    "none": frozenset({"x_in", "xn", "qkv_pre", "graph", "attn", "x_mid", "xn2", "g", "u",
+                       "a"}),
+    "selective": frozenset({"x_in", "xn", "qkv_pre", "q", "x_mid", "xn2", "g", "u", "a"}),
+}
+_KEPT = KEPT_FOR_BACKWARD
+_KEPT_NO_CP = frozenset({"k", "v"})
+_KEPT_CP = frozenset({"kf", "vf"})
+
 
 
 
@@ -141,6 +161,14 @@ class DecoderShard:
         and ``recompute``, whether the backward re-runs whole layers (``"full"``)."""
         self.policy = policy
         self.recompute = policy == "full"
+        self._kept_names = _KEPT[policy] | (_KEPT_CP if policy == "selective" and self.cp > 1
+                                            else _KEPT_NO_CP if policy == "selective"
+                                            else frozenset())
+
+    def kept(self, a: dict[str, Any]) -> dict[str, Any]:
+        """Of one layer's activations of one nanobatch after its forward, those its backward
+        reads under the policy (``KEPT_FOR_BACKWARD``)."""
+        return {k: v for k, v in a.items() if k in self._kept_names}
 
     # ------------------------------------------------------------------ parameters
     def _shard_dims(self, arch: ModelArch, groups: Any, microbatch_size: int,
@@ -355,6 +383,13 @@ class DecoderShard:
                 self.head = {"tokens": tokens.reshape(-1), "labels": labels.reshape(-1)}
                 self._embed()
             else:
+                split = 1 + max((i for _, i in self.act), default=0)
+                if split != nanobatches and self.policy != "full":
+                    raise ArgumentError(
+                        f"the forward ran in {split} nanobatch(es), the backward in "
+                        f"{nanobatches}: with recompute {self.policy!r} a microbatch's "
+                        "backward runs in its forward's nanobatches (the activations are "
+                        "kept per nanobatch)")
                 self._head_bwd()
 
     def finish(self) -> None:
@@ -412,9 +447,8 @@ class DecoderShard:
         rows = torch.arange(logits.shape[0], device=self.device)
         logits[rows, lidc] -= lvalid.to(logits.dtype)
         self.head.update(xf=xf, xn=xn, dlogits=logits.mul_(1.0 / n_tokens).to(self.dtype))
-        if self.recompute:  # keep each layer's input only
-            for (layer, i), a in list(self.act.items()):
-                self.act[(layer, i)] = {"x_in": a["x_in"]}
+        for key, a in list(self.act.items()):  # what the backward reads only
+            self.act[key] = self.kept(a)
 
     def _head_bwd(self) -> None:
         ks, hd = self.ks, self.head
@@ -457,7 +491,8 @@ class DecoderShard:
         fn: Callable[[int, dict[str, Any], int], None] = getattr(self, "_op_" + op.name)
         a = self.act.setdefault((op.layer, nb), {})
         if op.name == "attn_core" and (self.phase == "bwd" or self.policy == "none"):
-            fn(op.layer, a, nb)  # keeps the attention's graph for attn_core_bwd
+            with self.torch.enable_grad():  # keeps the attention's state for attn_core_bwd
+                fn(op.layer, a, nb)  # (a framework may run the forward without grad)
             return
         with self.torch.no_grad():
             fn(op.layer, a, nb)
@@ -474,8 +509,8 @@ class DecoderShard:
                 prev = self.act[(layer - 1, nb)]
                 a["x_in"], a["xn"] = self.ks.add_rms_norm(
                     prev["x_mid"], self._reduced("mlp_out", layer - 1, nb), w, self.eps)
-                if self.recompute:  # the layer below keeps its input only
-                    self.act[(layer - 1, nb)] = {"x_in": prev["x_in"]}
+                # the layer below keeps what its backward reads only
+                self.act[(layer - 1, nb)] = self.kept(prev)
                 return
         a["xn"] = self.ks.rms_norm(a["x_in"], w, self.eps)
 
