@@ -73,8 +73,9 @@ from kareus.integrations._layer import PlanApplier
 from kareus.integrations._weights import head_norm, layer_weights, linear, qkv_from_separate
 from kareus.model.workload import ModelArch, Parallelism, Workload
 
-__all__ = ["TESTED_VERSIONS", "apply_plan", "chained_blocks", "planned_blocks", "remove_plan",
-           "workload_from_torchtitan", "wrap_trainer"]
+__all__ = ["TESTED_VERSIONS", "apply_plan", "chained_blocks", "planned_blocks",
+           "recompute_from_torchtitan", "remove_plan", "workload_from_torchtitan",
+           "wrap_trainer"]
 
 #: The torchtitan releases this adapter is tested with (a ``packaging`` specifier).
 TESTED_VERSIONS = ">=0.3,<0.4"
@@ -291,10 +292,63 @@ def model_arch_from_torchtitan(model_or_config: Any, *, name: str = "torchtitan-
                      tied_embeddings=bool(getattr(cfg, "enable_weight_tying", False)))
 
 
+def recompute_from_torchtitan(activation_checkpoint: Any) -> str:
+    """The recomputation policy (``Workload.recompute``) of torchtitan 0.3's
+    ``Trainer.Config.activation_checkpoint``, where it means what kareus runs.
+
+    * ``None`` (the ``none`` subcommand): every activation kept: ``"none"``;
+    * ``FullAC.Config`` (``full``): every block re-run from its input in the backward:
+      ``"full"`` (kareus's layer recomputes itself: its blocks are not wrapped in
+      torchtitan's checkpoint as well, which ``apply_plan`` refuses);
+    * ``SelectiveAC.Config`` (``selective``, torchtitan's default) is per-op selective
+      checkpointing: it keeps the outputs of attention, every other matmul and some
+      collectives and recomputes the rest, which is not kareus's ``"selective"`` (the
+      attention core re-run, everything else kept): refused, and so is
+      ``MemoryBudgetAC.Config`` (``memory-budget``: the compiler chooses what to keep).
+      torchtitan 0.3 has no per-layer selective option.
+
+    Also takes the subcommand names (``"none"``, ``"full"``, ``"selective"``,
+    ``"memory-budget"``).
+
+    Raises:
+        WorkloadError: a setting kareus's layer does not run (one line naming it).
+        ArgumentTypeError: not an ``activation_checkpoint`` setting.
+    """
+    names = {"none": "none", "full": "full", "selective": None, "memory-budget": None}
+    if activation_checkpoint is None:
+        return "none"
+    if isinstance(activation_checkpoint, str):
+        if activation_checkpoint not in names:
+            raise ArgumentTypeError(f"activation_checkpoint must be one of {sorted(names)} "
+                                    f"or its config, got {activation_checkpoint!r:.40}")
+        kind = activation_checkpoint
+    else:
+        from torchtitan.distributed.activation_checkpoint import (  # type: ignore[import-not-found]
+            FullAC,
+            MemoryBudgetAC,
+            SelectiveAC,
+        )
+
+        kinds = ((FullAC.Config, "full"), (SelectiveAC.Config, "selective"),
+                 (MemoryBudgetAC.Config, "memory-budget"))
+        found = next((k for cls, k in kinds if type(activation_checkpoint) is cls), None)
+        if found is None:
+            raise ArgumentTypeError(f"activation_checkpoint must be torchtitan's FullAC, "
+                                    f"SelectiveAC or MemoryBudgetAC config or None, got "
+                                    f"{type(activation_checkpoint).__name__}")
+        kind = found
+    if names[kind] is None:
+        raise WorkloadError(f"activation_checkpoint {kind!r} is not a recomputation kareus's "
+                            "layer runs (torchtitan's selective is per-op, not the attention "
+                            "core alone): set activation_checkpoint to 'none' or 'full'")
+    return names[kind]  # type: ignore[return-value]
+
+
 def workload_from_torchtitan(model_or_config: Any, *, tp: int, cp: int = 1,
                              microbatch_size: int, seq_len: int, num_microbatches: int,
                              nanobatches: int = 2, pp: int = 1, dp: int = 1,
-                             name: str = "torchtitan-llama3") -> Workload:
+                             name: str = "torchtitan-llama3",
+                             recompute: str = "full") -> Workload:
     """The workload ``kareus optimize`` makes a plan for, from a torchtitan Llama 3 model.
 
     Args:
@@ -310,6 +364,8 @@ def workload_from_torchtitan(model_or_config: Any, *, tp: int, cp: int = 1,
         nanobatches: The nanobatch count of the baseline ``"nanobatching"`` schedule.
         pp: Pipeline-parallel degree; dp: data-parallel degree (for the plan's job size).
         name: The model's name in the workload.
+        recompute: The recomputation policy: the trainer's
+            (``recompute_from_torchtitan(config.activation_checkpoint)``).
 
     Raises:
         ArgumentTypeError: not a torchtitan model or config.
@@ -321,7 +377,7 @@ def workload_from_torchtitan(model_or_config: Any, *, tp: int, cp: int = 1,
     return Workload(model=arch, parallelism=Parallelism(tp=tp, cp=cp, pp=pp, dp=dp),
                     microbatch_size=microbatch_size, seq_len=seq_len,
                     num_microbatches=num_microbatches, nanobatches=nanobatches,
-                    recompute=True)
+                    recompute=recompute)
 
 
 # ------------------------------------------------------------------ the blocks' weights

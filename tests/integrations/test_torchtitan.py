@@ -537,3 +537,21 @@ def test_positions_are_read_once_per_tensor(monkeypatch):
     packed = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]] * 2)
     with pytest.raises(WorkloadError, match="packs documents"):
         tt._check_attention_inputs(x, None, packed)
+
+
+def test_the_trainer_s_activation_checkpoint_is_a_recomputation_policy_or_refused():
+    from torchtitan.distributed.activation_checkpoint import FullAC, MemoryBudgetAC, SelectiveAC
+
+    assert kt.recompute_from_torchtitan(None) == "none"
+    assert kt.recompute_from_torchtitan(FullAC.Config()) == "full"
+    assert kt.recompute_from_torchtitan("none") == "none"
+    assert kt.recompute_from_torchtitan("full") == "full"
+    for setting in (SelectiveAC.Config(), MemoryBudgetAC.Config(), "selective",
+                    "memory-budget"):
+        with pytest.raises(WorkloadError, match="activation_checkpoint '") as err:
+            kt.recompute_from_torchtitan(setting)
+        assert "\n" not in str(err.value)
+    with pytest.raises(ArgumentTypeError, match="activation_checkpoint"):
+        kt.recompute_from_torchtitan(object())
+    with pytest.raises(ArgumentTypeError, match="activation_checkpoint"):
+        kt.recompute_from_torchtitan("op")
