@@ -56,7 +56,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kareus.errors import ArgumentError
-from kareus.integrations._layer import KeptActivations
+from kareus.integrations._kept import KeptActivations
 
 __all__ = ["GraphedRunner"]
 

@@ -323,7 +323,7 @@ def recompute_from_torchtitan(activation_checkpoint: Any) -> str:
                                     f"or its config, got {activation_checkpoint!r:.40}")
         kind = activation_checkpoint
     else:
-        from torchtitan.distributed.activation_checkpoint import (  # type: ignore[import-not-found]
+        from torchtitan.distributed.activation_checkpoint import (  # type: ignore[import-untyped, import-not-found]
             FullAC,
             MemoryBudgetAC,
             SelectiveAC,

@@ -48,27 +48,26 @@ __all__ = ["DecoderShard"]
 
 _LAYER_PARAMS = ("w_attn_norm", "Wqkv", "Wo", "w_mlp_norm", "Wg", "Wu", "Wd")
 
-#: What a layer's backward reads of its forward, per recomputation policy (names of the
-#: per-layer, per-nanobatch activations): ``"full"`` keeps the input and re-runs the rest;
-#: ``"none"`` keeps the input, both norms' outputs, the query/key norms' input
-#: (``qkv_pre``, qk-norm models), the attention's saved state (queries, keys, values,
-#: output and softmax statistics: ``graph``) and its output in the output projection's
-#: layout (``attn``, a view of the same memory on the fused kernels), the residual sum
-#: (``x_mid``), the gate and up projections and the SwiGLU output; ``"selective"`` keeps
-#: the same but the attention's output and statistics, holding instead what its
-#: recomputation reads: the queries, and the keys and values (this rank's, or under CP
-#: every chunk's as gathered, so that no collective runs again).
 KEPT_FOR_BACKWARD: dict[str, frozenset[str]] = {
     "full": frozenset({"x_in"}),
     "none": frozenset({"x_in", "xn", "qkv_pre", "graph", "attn", "x_mid", "xn2", "g", "u",
                        "a"}),
     "selective": frozenset({"x_in", "xn", "qkv_pre", "q", "x_mid", "xn2", "g", "u", "a"}),
 }
+"""What a layer's backward reads of its forward, per recomputation policy (names of the
+per-layer, per-nanobatch activations): ``"full"`` keeps the input and re-runs the rest;
+``"none"`` keeps the input, both norms' outputs, the query/key norms' input
+(``qkv_pre``, qk-norm models), the attention's saved state (queries, keys, values,
+output and softmax statistics: ``graph``) and its output in the output projection's
+layout (``attn``, a view of the same memory on the fused kernels), the residual sum
+(``x_mid``), the gate and up projections and the SwiGLU output; ``"selective"`` keeps
+the same but the attention's output and statistics, holding instead what its
+recomputation reads: the queries (``q``), and the keys and values, this rank's (``k``,
+``v``) without CP, every chunk's as gathered (``kf``, ``vf``) under CP, so that no
+collective runs again (the two are added by ``DecoderShard`` per CP size)."""
 _KEPT = KEPT_FOR_BACKWARD
 _KEPT_NO_CP = frozenset({"k", "v"})
 _KEPT_CP = frozenset({"kf", "vf"})
-
-
 
 
 class DecoderShard:
