@@ -290,11 +290,17 @@ class PlanApplier:
         import torch
 
         from kareus.exec.executor import RecordingStreamBackend, TorchExecutor
-        from kareus.exec.train import check_plan_types, check_plan_workload, given_plan
+        from kareus.exec.train import (
+            check_plan_splits,
+            check_plan_types,
+            check_plan_workload,
+            given_plan,
+        )
 
         plan = given_plan(plan, executor, baseline)
         if plan is not None:
             check_plan_workload(plan, self.workload, one_stage=False)
+            check_plan_splits(plan, self.workload)
             if self.has_comm:
                 check_plan_types(plan, self.workload, self.types, self.unsplit_types,
                                  {int(plan.nanobatches(key)) for key in plan.assignment})

@@ -268,6 +268,36 @@ def test_what_the_forward_keeps_and_the_backward_runs_again(policy):
         assert set(again) == forward_ops
 
 
+@pytest.mark.parametrize("policy", ["none", "full"])
+def test_a_plan_splitting_a_backward_otherwise_than_its_forward(policy):
+    """Kept activations are per nanobatch: with recompute 'none' (or 'selective') a plan
+    that runs a microbatch's forward split and its backward unsplit is refused, for the
+    loop and for planned layers; full recomputation re-splits the input and runs it."""
+    from kareus.integrations import PlanApplier
+    from kareus.testing import make_workload_plan
+
+    wl = workload(2, 1, policy)
+    plan = make_workload_plan(wl, unsplit_microbatches=(0,))
+    key = "s0.m0.fwd"
+    plan = attrs.evolve(plan, assignment={**plan.assignment, key: 0})  # m0's forward split
+    assert plan.nanobatches(key) == 2 and plan.nanobatches("s0.m0.bwd") == 1
+    groups = LoopbackGroups(tp=2)
+    capped, default, _ = make_collectives(groups, backend="loopback")
+
+    builds = (lambda: TrainingLoop(workload=wl, groups=groups, collective=capped,
+                                   default_collective=default, plan=plan,
+                                   streams=RecordingStreamBackend(), kernels="torch",
+                                   device="cpu", dtype="float32"),
+              lambda: PlanApplier(workload=wl, groups=groups, plan=plan, collective=capped,
+                                  default_collective=default, kernels="torch"))
+    for build in builds:
+        if policy == "full":
+            build()
+        else:
+            with pytest.raises(PlanError, match="s0.m0.fwd into 2 nanobatch.*recompute='none'"):
+                build()
+
+
 def test_measure_runs_on_the_cpu():
     loop = loopback_loop(2, 1)
     order = shuffled_order(loop.schedules, 1, 3)

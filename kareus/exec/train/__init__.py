@@ -45,6 +45,7 @@ from kareus.exec.train._groups import (
 from kareus.exec.train._loop import (
     RunRecord,
     TrainingLoop,
+    check_plan_splits,
     check_plan_types,
     check_plan_workload,
     given_plan,
@@ -67,6 +68,7 @@ __all__ = [
     "RunRecord",
     "TorchParallelGroups",
     "TrainingLoop",
+    "check_plan_splits",
     "check_plan_types",
     "check_plan_workload",
     "given_plan",

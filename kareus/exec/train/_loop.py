@@ -52,6 +52,7 @@ from kareus.model.workload import ModelArch, Workload, get_model
 __all__ = [
     "RunRecord",
     "TrainingLoop",
+    "check_plan_splits",
     "check_plan_workload",
     "measure_runs",
     "overlap_efficiency",
@@ -79,6 +80,28 @@ def partition_types(workload: Workload, plan: Plan | None) -> dict[str, TypeShap
         if plan is not None or workload.recompute != "selective":
             raise
         return type_shapes(build_partitions(workload.with_(recompute="none")))
+
+
+def check_plan_splits(plan: Plan, workload: Workload) -> None:
+    """Refuse a plan that splits a microbatch's backward into other nanobatches than its
+    forward when the workload keeps activations (``recompute`` ``"none"`` or
+    ``"selective"``): they are kept per nanobatch, so the backward runs in the forward's
+    split (full recomputation re-splits each layer's input, so any split runs).
+
+    Raises:
+        PlanError: a microbatch whose forward and backward nanobatch counts differ.
+    """
+    if workload.recompute == "full":
+        return
+    for key in plan.assignment:
+        if not str(key).endswith(".fwd"):
+            continue
+        other = str(key)[:-4] + ".bwd"
+        if other in plan.assignment and plan.nanobatches(key) != plan.nanobatches(other):
+            raise PlanError(f"the plan splits {key} into {plan.nanobatches(key)} "
+                            f"nanobatch(es) and {other} into {plan.nanobatches(other)}: "
+                            f"with recompute={workload.recompute!r} a backward runs in its "
+                            "forward's nanobatches (make the plan for this workload)")
 
 
 def check_plan_workload(plan: Plan, workload: Workload, *, one_stage: bool = True) -> None:
@@ -275,6 +298,7 @@ class TrainingLoop:
                         needs_collective=has_comm and collective is None)
         if plan is not None:
             check_plan_workload(plan, workload)
+            check_plan_splits(plan, workload)
         self.workload, self.groups, self.plan = workload, groups, plan
         self.types: dict[str, TypeShape] = (partition_types(workload, plan)
                                             if has_comm else {})
