@@ -608,6 +608,11 @@ class PlannedLayer:
     parameters with the differentiable helpers of ``kareus.integrations``); it returns the layer's output (the input plus attention and
     MLP, both residuals included), differentiable in ``x`` and every weight.
 
+    The autograd node keeps for the backward what the workload's recomputation policy
+    says (``Workload.recompute``: the layer's input under ``"full"``; all but the attention
+    core's output and statistics under ``"selective"``; every activation the backward
+    reads under ``"none"``; the memory per layer and token is in the module docstring).
+
     A ``torch.nn.Module`` is made on first use (``as_module()``) so that this class imports
     without torch; it holds no parameters (the framework's module keeps them).
     """
@@ -636,9 +641,10 @@ class PlannedStack:
     framework's). A stack of ``layers`` layers runs their forward and backward as kareus's
     own loop does, each layer's forward ops and collectives chained into the next layer's
     (the all-reduce of one layer's MLP output beside the next layer's attention-input
-    ops): only the stack's own last collective runs exposed. It keeps each layer's input
-    for the backward (full recomputation, as the framework would), so its memory is that of
-    ``layers`` planned layers.
+    ops): only the stack's own last collective runs exposed. It keeps for the backward what
+    ``layers`` planned layers keep under the workload's recomputation policy (full: each
+    layer's input; selective: all but each attention core's output and statistics; none:
+    every activation the backward reads; see the module docstring for the memory).
 
     Call it as ``stack(x, weights)`` with ``weights`` a sequence of ``layers`` layers'
     weights (each as [`PlannedLayer`][kareus.integrations.PlannedLayer] takes them); it
