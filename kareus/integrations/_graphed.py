@@ -148,11 +148,11 @@ class GraphedRunner:
         if cap is None or self._moved(skey, cap, weights):
             cap = self._capture(skey, "fwd", x, weights, None, None)
             cap.generation = self.captures
+            _refuse_autograd_attention(cap.result[1])  # before the slot is used
             if idx < len(slots):
                 slots[idx] = cap
             else:
                 slots.append(cap)
-            _refuse_autograd_attention(cap.result[1])
         else:
             self._copy_in(cap, x, weights, None, None)
             cap.seq.replay()
@@ -165,7 +165,7 @@ class GraphedRunner:
                                release=free)
         # dropped without its backward (no grad needed, an exception): the slot is free
         weakref.finalize(lent, free)
-        lent.slot = (skey, cap.generation)
+        lent.slot = (skey, cap.generation, cap.lendings)
         return out.clone(), lent
 
     def _backward_kept(self, key: tuple[Any, ...], x: Any, weights: Sequence[Sequence[Any]],
@@ -175,9 +175,10 @@ class GraphedRunner:
         if slot is None:
             raise ArgumentError("a planned layer's graphed backward needs its graphed "
                                 "forward's kept activations")
-        skey, generation = slot
+        skey, generation, lending = slot
         fwd = self._graphs.get(skey)
-        if fwd is None or fwd.generation != generation or not fwd.lent:
+        if (fwd is None or fwd.generation != generation or not fwd.lent
+                or fwd.lendings != lending):
             raise ArgumentError("a planned layer's forward buffers were released before its "
                                 "backward ran (a backward run twice: retain_graph is not "
                                 "supported on graphs with recompute 'none'/'selective')")

@@ -35,7 +35,8 @@ class KeptActivations:
         self.act, self.depth, self.nanobatches = act, int(depth), int(nanobatches)
         self._release = release
         self.consumed = False
-        #: Under graphs: the forward slot the tensors lie in (its key and generation).
+        #: Under graphs: the forward slot the tensors lie in (its key, its capture's number
+        #: and which lending of it this is).
         self.slot: Any = None
 
     def for_backward(self, depth: int, nanobatches: int) -> dict[tuple[int, int],

@@ -718,7 +718,9 @@ def _function() -> Any:
         @staticmethod
         def backward(ctx: Any, dy: Any) -> Any:
             x, *weights = ctx.saved_tensors
-            inputs, ctx.inputs = ctx.inputs, None
+            inputs = ctx.inputs
+            if not isinstance(inputs, KeptActivations):  # full recomputation: freed now
+                ctx.inputs = None  # (kept activations: the node frees them, retain_graph)
             # The attention's backward reads what its forward saved under autograd
             with torch.enable_grad():
                 dx, dws = ctx.applier.run("bwd", x.detach().contiguous(),

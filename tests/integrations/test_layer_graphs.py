@@ -182,6 +182,33 @@ def test_kept_activations_stay_in_their_forward_slot_until_its_backward(recomput
             torch.testing.assert_close(gg[k], ge[k], rtol=1e-6, atol=1e-6, msg=k)
 
 
+def test_a_graphed_backward_reads_its_own_forward_s_slot_once():
+    """A second backward of the same graphed forward (retain_graph) is refused: its slot may
+    hold another forward's activations by then. Eager, the kept activations are the node's
+    own: a second backward gives the same gradients."""
+    wl = workload(tp=1, cp=2, recompute="selective")
+    arch = wl.model
+    eager = _applier(wl, graphs=False, schedule="nanobatching")
+    params = {k: torch.nn.Parameter(v) for k, v in full_weights(arch, 1).items()}
+    x = torch.randn(4, 8, arch.hidden, generator=torch.Generator().manual_seed(0),
+                    requires_grad=True)
+    y = eager.layer()(x, planned_weights(params, arch))
+    y.sum().backward(retain_graph=True)
+    first = x.grad.clone()
+    x.grad = None
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, first)
+    applier = _applier(wl, graphs=True, schedule="nanobatching")
+    params = {k: torch.nn.Parameter(v) for k, v in full_weights(arch, 1).items()}
+    x = torch.randn(4, 8, arch.hidden, generator=torch.Generator().manual_seed(0),
+                    requires_grad=True)
+    y = applier.layer()(x, planned_weights(params, arch))
+    y.sum().backward(retain_graph=True)
+    applier.layer()(x.detach(), planned_weights(params, arch)).sum()  # the slot again
+    with pytest.raises(ArgumentError, match="retain_graph"):
+        y.sum().backward()
+
+
 def test_a_weight_that_moves_is_copied_from_then_on():
     wl = workload(tp=1, cp=2)
     applier = _applier(wl, graphs=True)
