@@ -1,30 +1,43 @@
-"""The planned layers of kareus.integrations on one GPU: is a framework's eager layer fed?
+"""The planned layers of kareus.integrations on one GPU: fed, and as fast as one graph of the step?
 
 A framework that hands its decoder layers to kareus (``kareus.integrations``) runs them
-eagerly, as autograd nodes: per layer (``PlannedLayer``, one node each) or as one
+as autograd nodes: per layer (``PlannedLayer``, one node each) or as one
 ``PlannedStack``. This bench runs one iteration (``--microbatches`` microbatches, forward
-and backward through ``--layers`` layers, each microbatch in its ``applier.microbatch``
-scopes) on one GPU, the group stood in for by the loopback collective, for each
-(mode, schedule):
+and backward through the layers, each microbatch in its ``applier.microbatch`` scopes) on
+one GPU, the group stood in for by the loopback collective, for each (mode, schedule):
 
-* mode: ``layers`` (one node per layer) or ``stack`` (one node for all), each eager and,
-  on a GPU, replayed from CUDA graphs (``layers+graphs``, ``stack+graphs``:
-  ``PlanApplier(graphs=True)``; ``--no-graphs`` leaves those rows out);
+* mode: ``layers`` (one node per layer) or ``stack`` (one node for all), each
+  - eager (``PlanApplier(graphs=False)``),
+  - ``+graphs``: replayed from the applier's own CUDA graphs (``graphs=True``),
+  - ``@step``: eager layers inside **one CUDA graph of the step** (forward and backward of
+    every microbatch captured together by ``torch.cuda.graph``, the weight gradients
+    accumulated in place inside it), as torchtitan's default step capture or a user's own
+    ``torch.cuda.graph`` runs them: the planned layers launch into that capture;
+  (``--modes`` picks some; ``--no-graphs`` leaves out both graphed kinds);
 * schedule: ``sequential``, ``nanobatching`` and ``kareus`` under a **synthetic** plan
   (``kareus.testing.make_workload_plan``: every partition type at its second slot with 8
   SMs): the figure is of the execution path, not of a searched plan (the loopback does
   not cap SMs anyway).
 
-Per row: iteration time (device events, median over rounds in a shuffled order), the
-GPU's own time of the iteration (iterations enqueued behind a sleeping kernel, so the host
-never holds the GPU back; ``n/a`` when the sleeping kernel ran out before the host had
-enqueued them, which a host-bound iteration does), **fed** = GPU-only / measured, kernels
-per iteration and the GPU-busy fraction of one profiled iteration's span (torch.profiler,
-as ``bench/host_bound.py``: the union of kernel intervals over first to last kernel).
+``--rows`` runs several shapes in one go (``LAYERS:MBSxSEQ`` each, e.g. the issue's
+``4:4x4096,8:8x4096,14:8x4096``); the rows of one shape are timed in interleaved rounds
+(a shuffled order per round).
+
+Per row: iteration time (device events, median over rounds), **vs step** = this row's
+time over the ``@step`` row of the same layer mode and schedule (own graphs against one
+graph of the step), the GPU's own time of the iteration (iterations enqueued behind a
+sleeping kernel, so the host never holds the GPU back; ``n/a`` when the sleeping kernel ran
+out before the host had enqueued them, which a host-bound iteration does), **fed** =
+GPU-only / measured, kernels per iteration and the GPU-busy fraction of one profiled
+iteration's span (torch.profiler, as ``bench/host_bound.py``: the union of kernel intervals
+over first to last kernel). Per mode (JSON only): the memory its warm-up left reserved and
+its peak allocation, every schedule of the mode together.
 
 Usage (one CUDA GPU; clocks are never changed)::
 
     python bench/planned_layers.py --json bench/results/planned_layers_h200.json
+    python bench/planned_layers.py --rows 4:4x4096,8:8x4096,14:8x4096 \
+        --modes layers+graphs,stack+graphs,layers@step,stack@step --json OUT.json
     python bench/planned_layers.py --device cpu --tiny   # a smoke run of the code path
 
 Prints a table and writes JSON (``--json``): machine, driver, torch, every row.
@@ -53,6 +66,7 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
     os.environ.setdefault(_k, _v)  # never NVLink multicast
 
 MODES = ("layers", "stack")
+KINDS = ("", "+graphs", "@step")
 SCHEDULES = ("sequential", "nanobatching", "kareus")
 
 
@@ -71,22 +85,55 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="a tiny model (hidden 64) for a smoke run of the code path")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--no-graphs", action="store_true",
-                    help="leave out the graphed rows (they need a CUDA GPU)")
+                    help="leave out the graphed rows, own and step (they need a CUDA GPU)")
+    ap.add_argument("--modes", default=None,
+                    help="comma-separated modes to run (default: every one the device "
+                         "runs): " + ", ".join(m + k for k in KINDS for m in MODES))
+    ap.add_argument("--rows", default=None,
+                    help="shapes LAYERS:MBSxSEQ, comma-separated (e.g. "
+                         "4:4x4096,8:8x4096,14:8x4096); default: --layers, "
+                         "--microbatch-size x --seq-len")
     return ap.parse_args(argv)
 
 
-def _workload(args: argparse.Namespace) -> Any:
+def _shapes(args: argparse.Namespace) -> list[tuple[int, int, int]]:
+    """``(layers, microbatch_size, seq_len)`` of each shape ``--rows`` asks for."""
+    if not args.rows:
+        return [(args.layers, args.microbatch_size, args.seq_len)]
+    out = []
+    for item in args.rows.split(","):
+        try:
+            layers, rest = item.split(":")
+            mbs, seq = rest.lower().split("x")
+            out.append((int(layers), int(mbs), int(seq)))
+        except ValueError:
+            raise SystemExit(f"--rows: {item!r} is not LAYERS:MBSxSEQ (e.g. 8:8x4096)") from None
+    return out
+
+
+def _modes(args: argparse.Namespace, cuda: bool) -> list[str]:
+    kinds = KINDS if cuda and not args.no_graphs else ("",)
+    every = [m + k for k in kinds for m in MODES]
+    if args.modes is None:
+        return every
+    asked = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in asked if m not in every]
+    if bad:
+        raise SystemExit(f"--modes: {bad} not among {every} (graphed modes need a CUDA GPU)")
+    return asked
+
+
+def _workload(args: argparse.Namespace, layers: int, mbs: int, seq: int) -> Any:
     from kareus.model.workload import ModelArch, Parallelism, Workload
 
     if args.tiny:
-        arch = ModelArch(name="tiny", layers=args.layers, hidden=64, heads=8, kv_heads=4,
+        arch = ModelArch(name="tiny", layers=layers, hidden=64, heads=8, kv_heads=4,
                          head_dim=8, ffn=128, vocab=100)
         return Workload(model=arch, parallelism=Parallelism(tp=args.tp, cp=args.cp),
                         microbatch_size=4, seq_len=32, num_microbatches=args.microbatches,
                         nanobatches=2)
-    return Workload.preset(args.model, tp=args.tp, cp=args.cp,
-                           microbatch_size=args.microbatch_size, seq_len=args.seq_len,
-                           num_microbatches=args.microbatches, nanobatches=2)
+    return Workload.preset(args.model, tp=args.tp, cp=args.cp, microbatch_size=mbs,
+                           seq_len=seq, num_microbatches=args.microbatches, nanobatches=2)
 
 
 def _weights(torch: Any, wl: Any, layers: int, device: Any, dtype: Any) -> list[dict[str, Any]]:
@@ -117,6 +164,13 @@ class Iteration:
         self.weights, self.xs, self.dys = weights, xs, dys
 
     def step(self, schedule: str) -> None:
+        self.forward_backward(schedule)
+        for w in self.weights:  # the optimizer's zero_grad, so grads do not pile up
+            for t in w.values():
+                t.grad = None
+
+    def forward_backward(self, schedule: str) -> None:
+        """Forward and backward of every microbatch (the gradients accumulate)."""
         applier = self.appliers[schedule]
         for mb, (x, dy) in enumerate(zip(self.xs, self.dys, strict=True)):
             with applier.microbatch(mb, "fwd"):
@@ -128,18 +182,53 @@ class Iteration:
                         y = layer(y, w)
             with applier.microbatch(mb, "bwd"):
                 y.backward(dy)
-        for w in self.weights:  # the optimizer's zero_grad, so grads do not pile up
-            for t in w.values():
-                t.grad = None
+
+
+class StepCapture:
+    """One CUDA graph of the step around eager planned layers: the gradients zeroed, then
+    the forward and backward of every microbatch (``Iteration.forward_backward``),
+    captured by ``torch.cuda.graph`` after a warm-up on a side stream (PyTorch's recipe for
+    whole-network capture), the weight gradients accumulated in place inside it. The
+    planned layers see the capture and launch into it."""
+
+    def __init__(self, torch: Any, it: Iteration) -> None:
+        self.torch, self.it = torch, it
+        self.graphs: dict[str, Any] = {}
+        self.grads: list[Any] = []  # the gradients the graphs write (kept alive here)
+
+    def _body(self, schedule: str) -> None:
+        for t in self.grads:
+            t.zero_()
+        self.it.forward_backward(schedule)
+
+    def step(self, schedule: str) -> None:
+        g = self.graphs.get(schedule)
+        if g is None:
+            g = self.graphs[schedule] = self._capture(schedule)
+        g.replay()
+
+    def _capture(self, schedule: str) -> Any:
+        torch = self.torch
+        if not self.grads:
+            for w in self.it.weights:
+                for t in w.values():
+                    t.grad = torch.zeros_like(t)
+                    self.grads.append(t.grad)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._body(schedule)
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            self._body(schedule)
+        return g
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
-
-    from kareus.exec.train import LoopbackGroups, make_collectives
-    from kareus.integrations import PlanApplier
-    from kareus.testing import make_workload_plan
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
@@ -147,24 +236,69 @@ def main(argv: list[str] | None = None) -> int:
         from kareus.exec import prefer_workspace_free_gemms
 
         prefer_workspace_free_gemms()
+    modes = _modes(args, cuda)
+    shapes = _shapes(args)
+    out_rows: list[dict[str, Any]] = []
+    workloads = []
+    for layers, mbs, seq in shapes:
+        wl = _workload(args, layers, mbs, seq)
+        workloads.append(wl.to_dict())
+        rows = _measure_shape(torch, args, wl, layers, modes, device)
+        _print(rows, wl, args, layers, cuda)
+        out_rows += rows
+        if cuda:  # this shape's graphs and buffers go (the appliers and runners refer
+            # to each other: a collection frees them) before the next shape's
+            import gc
+
+            gc.collect()
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+    if args.json is not None:
+        result = {"command": "python bench/planned_layers.py " + " ".join(argv or sys.argv[1:]),
+                  "date": datetime.date.today().isoformat(), "workloads": workloads,
+                  "rounds": args.rounds,
+                  "plan": "synthetic (kareus.testing.make_workload_plan, slot 1, 8 SMs)",
+                  "collective": "loopback (one GPU stands in for the group; SM caps not "
+                                "applied)",
+                  "rows": out_rows}
+        if cuda:
+            from host_bound import _versions
+
+            result["machine"] = _versions()
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+def _measure_shape(torch: Any, args: argparse.Namespace, wl: Any, layers: int,
+                   modes: list[str], device: Any) -> list[dict[str, Any]]:
+    """Every (mode, schedule) row of one shape, timed in interleaved rounds."""
+    from kareus.exec.train import LoopbackGroups, make_collectives
+    from kareus.integrations import PlanApplier
+    from kareus.testing import make_workload_plan
+
+    cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
-    wl = _workload(args)
     p = wl.parallelism
     groups = LoopbackGroups(tp=p.tp, cp=p.cp)
     capped, default, _ = make_collectives(groups, backend="loopback")
     plan = make_workload_plan(wl, sms=8)
-    graphs = (False, True) if cuda and not args.no_graphs else (False,)
-    appliers = {g: {s: PlanApplier(workload=wl, groups=groups, plan=plan, schedule=s,
-                                   collective=capped, default_collective=default,
-                                   kernels=None if cuda else "torch", graphs=g)
-                    for s in SCHEDULES} for g in graphs}
-    weights = _weights(torch, wl, args.layers, device, dtype)
     g = torch.Generator(device="cpu").manual_seed(1)
     shape = (wl.microbatch_size, wl.seq_len // p.cp, wl.model.hidden)
     xs = [torch.randn(shape, generator=g).to(device, dtype) for _ in range(args.microbatches)]
     dys = [torch.randn(shape, generator=g).to(device, dtype) * 1e-3 for _ in xs]
-    its = {m + ("+graphs" if g else ""): Iteration(torch, appliers[g], m, weights, xs, dys)
-           for g in graphs for m in MODES}
+    its: dict[str, Any] = {}
+    for mode in modes:
+        own = mode.endswith("+graphs")
+        appliers = {s: PlanApplier(workload=wl, groups=groups, plan=plan, schedule=s,
+                                   collective=capped, default_collective=default,
+                                   kernels=None if cuda else "torch", graphs=own,
+                                   whole_step_capture=mode.endswith("@step"))
+                    for s in SCHEDULES}
+        # each mode its own weights (the same values): a step graph owns its gradients
+        it = Iteration(torch, appliers, mode.split("+")[0].split("@")[0],
+                       _weights(torch, wl, layers, device, dtype), xs, dys)
+        its[mode] = StepCapture(torch, it) if mode.endswith("@step") else it
 
     def sync() -> None:
         if cuda:
@@ -184,8 +318,22 @@ def main(argv: list[str] | None = None) -> int:
         return a.elapsed_time(b) / 1e3
 
     rows = [(m, s) for m in its for s in SCHEDULES]
-    for m, s in rows:  # warm-up: programs, buffers, kernels' first launches, captures
-        timed(m, s)
+    # warm-up: programs, buffers, kernels' first launches, captures (a step capture
+    # warms its planned layers up on a side stream, outside the capture, first); per
+    # mode, the memory its warm-up leaves reserved (programs, graphs and their pools, and
+    # the caching allocator's blocks) and its peak allocation
+    memory: dict[str, dict[str, float]] = {}
+    for m in its:
+        if cuda:
+            sync()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_reserved()
+        for s in SCHEDULES:
+            timed(m, s)
+        if cuda:
+            sync()
+            memory[m] = {"reserved_growth_gib": (torch.cuda.memory_reserved() - before) / 2**30,
+                         "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30}
     times: dict[tuple[str, str], list[float]] = {r: [] for r in rows}
     rng = random.Random(0)
     for _ in range(args.rounds):
@@ -195,7 +343,9 @@ def main(argv: list[str] | None = None) -> int:
             times[r].append(timed(*r))
     out_rows = []
     for m, s in rows:
-        row: dict[str, Any] = {"mode": m, "schedule": s,
+        row: dict[str, Any] = {"layers": layers, "microbatch_size": wl.microbatch_size,
+                               "seq_len": wl.seq_len, "microbatches": args.microbatches,
+                               "mode": m, "schedule": s, **memory.get(m, {}),
                                "iteration_s": statistics.median(times[(m, s)]),
                                "iteration_s_all": times[(m, s)]}
         if cuda:
@@ -208,44 +358,38 @@ def main(argv: list[str] | None = None) -> int:
                        fed=min(1.0, gpu_s / row["iteration_s"]) if fed_ok else None,
                        **_profile_iteration(torch, _Stepper(its[m]), s))
         out_rows.append(row)
-    _print(out_rows, wl, args, cuda)
-    if args.json is not None:
-        result = {"command": "python bench/planned_layers.py " + " ".join(argv or sys.argv[1:]),
-                  "date": datetime.date.today().isoformat(), "workload": wl.to_dict(),
-                  "layers": args.layers, "rounds": args.rounds,
-                  "plan": "synthetic (kareus.testing.make_workload_plan, slot 1, 8 SMs)",
-                  "collective": "loopback (one GPU stands in for the group; SM caps not "
-                                "applied)",
-                  "rows": out_rows}
-        if cuda:
-            from host_bound import _versions
-
-            result["machine"] = _versions()
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
-    return 0
+    by = {(r["mode"], r["schedule"]): r for r in out_rows}
+    for r in out_rows:  # own graphs (or eager) against one graph of the step
+        base = r["mode"].split("+")[0].split("@")[0]
+        step = by.get((base + "@step", r["schedule"]))
+        r["vs_step"] = (r["iteration_s"] / step["iteration_s"]
+                        if step is not None and not r["mode"].endswith("@step") else None)
+    return out_rows
 
 
 class _Stepper:
     """``step(schedule)`` of one mode, for the profiler helper."""
 
-    def __init__(self, it: Iteration) -> None:
+    def __init__(self, it: Any) -> None:
         self.it = it
 
     def step(self, schedule: str) -> None:
         self.it.step(schedule)
 
 
-def _print(rows: list[dict[str, Any]], wl: Any, args: argparse.Namespace, cuda: bool) -> None:
+def _print(rows: list[dict[str, Any]], wl: Any, args: argparse.Namespace, layers: int,
+           cuda: bool) -> None:
     p = wl.parallelism
-    print(f"{wl.model.name} TP={p.tp} CP={p.cp}, {args.layers} layers, {args.microbatches} "
+    print(f"{wl.model.name} TP={p.tp} CP={p.cp}, {layers} layers, {args.microbatches} "
           f"microbatches of {wl.microbatch_size} x {wl.seq_len}; loopback; synthetic plan")
-    head = f"{'mode':<13} {'schedule':<13} {'iteration ms':>12}"
+    head = f"{'mode':<13} {'schedule':<13} {'iteration ms':>12} {'vs step':>7}"
     if cuda:
         head += f" {'GPU-only ms':>11} {'fed':>5} {'busy':>5} {'kernels':>7}"
     print(head)
     for r in rows:
-        line = f"{r['mode']:<13} {r['schedule']:<13} {1e3 * r['iteration_s']:>12.3f}"
+        vs = r.get("vs_step")
+        line = (f"{r['mode']:<13} {r['schedule']:<13} {1e3 * r['iteration_s']:>12.3f} "
+                f"{'' if vs is None else f'{vs:.3f}':>7}")
         if cuda:
             busy, gpu, fed = r.get("busy"), r.get("gpu_only_s"), r.get("fed")
             line += (f" {'n/a' if gpu is None else f'{1e3 * gpu:.3f}':>11} "

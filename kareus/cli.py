@@ -180,10 +180,21 @@ def _workload_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-de
         raise WorkloadError(f"--tp {args.tp}: tensor parallelism beyond one 8-GPU NVLink node "
                             "is not modelled; use --tp <= 8 and spread the rest over --cp/--pp")
     return Workload(model=model, parallelism=Parallelism(tp=args.tp, cp=args.cp, pp=args.pp,
-                                                         dp=dp),
+                                                         dp=dp, sp=bool(args.sp)),
                     microbatch_size=args.microbatch_size, seq_len=args.seq_len,
-                    num_microbatches=args.microbatches, recompute=not args.no_recompute,
+                    num_microbatches=args.microbatches, recompute=_recompute_from_args(args),
                     nanobatches=args.nanobatches)
+
+
+def _recompute_from_args(args: argparse.Namespace) -> str:
+    """The recomputation policy of ``--recompute`` (default ``full``); ``--no-recompute`` is
+    ``--recompute none`` (kept for older command lines), refused beside another policy."""
+    if args.no_recompute:
+        if args.recompute not in (None, "none"):
+            raise ArgumentError(f"--no-recompute is --recompute none; it contradicts "
+                                f"--recompute {args.recompute}: give one of them")
+        return "none"
+    return "full" if args.recompute is None else str(args.recompute)
 
 
 def _execution_from_args(args: argparse.Namespace) -> str:
@@ -407,8 +418,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     _say_estimate(run, args)
     if run.left_out and not args.quiet:
         print(f"kareus: {' and '.join(run.left_out)} left out: --microbatch-size 1 holds one "
-              "sequence, which they cannot split into nanobatches (kareus does not split along "
-              "the sequence yet)", file=sys.stderr)
+              "sequence, which they cannot split into nanobatches at --cp > 1 (nanobatches "
+              "along the sequence are modelled at --cp 1 only)", file=sys.stderr)
     with guarded_folder(out, run.manifest, fresh=args.fresh, what="--out"):
         args.resume_hint = f"the search logs in {out / 'logs'} keep every measurement"
         _say_start(args, run)
@@ -539,8 +550,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sequence length (default 4096)")
     p.add_argument("--nanobatches", type=_int_up_to(_MAX_NANOBATCHES), default=2,
                    help="nanobatches per microbatch for overlap (default 2)")
+    p.add_argument("--sp", action="store_true",
+                   help="sequence parallelism (Megatron-LM's --sequence-parallel): each TP "
+                        "all-reduce becomes a reduce-scatter and an all-gather, norms on the "
+                        "sequence shard; nothing changes at --tp 1")
+    p.add_argument("--recompute", default=None, choices=("none", "selective", "full"),
+                   help="activation recomputation: full (the default: the backward re-runs "
+                        "each layer's forward), selective (the attention core only, as "
+                        "Megatron-LM's --recompute-activations) or none")
     p.add_argument("--no-recompute", action="store_true",
-                   help="no activation recomputation (default: full recomputation)")
+                   help="the same as --recompute none (kept for older command lines)")
     p.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"),
                    help="pipeline schedule: 1f1b (default) or gpipe")
     p.add_argument("--profiler", default="emulated",

@@ -496,3 +496,47 @@ def test_the_start_says_the_spaces_against_the_budget(tmp_path, capsys):
     assert main(argv) == 0
     err = capsys.readouterr().err
     assert "configurations each (clocks x communication SMs x launch slots); --budget 12" in err
+
+
+def test_sp_and_recompute_options_make_the_workload(capsys):
+    from kareus.cli import _workload_from_args, build_parser
+
+    def wl(*extra):
+        return _workload_from_args(build_parser().parse_args(
+            ["optimize", "--workload", "qwen3-1.7b", *extra]))
+
+    base = wl()
+    assert (base.parallelism.sp, base.recompute) == (False, "full")
+    assert wl("--sp").parallelism.sequence_parallel
+    for policy in ("none", "selective", "full"):
+        assert wl("--recompute", policy).recompute == policy
+    # --no-recompute stays: --recompute none by another name
+    assert wl("--no-recompute").recompute == "none"
+    assert wl("--no-recompute", "--recompute", "none").recompute == "none"
+    assert main(["optimize", "--workload", "qwen3-1.7b", "--no-recompute", "--recompute",
+                 "selective"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "contradicts --recompute selective" in err
+    with pytest.raises(SystemExit) as info:
+        main(["optimize", "--workload", "qwen3-1.7b", "--recompute", "attention"])
+    assert info.value.code == 2 and "--recompute" in capsys.readouterr().err
+
+
+def test_optimize_with_sp_and_selective_recomputation_writes_a_plan_for_that_layout(tmp_path,
+                                                                                    capsys):
+    import json
+
+    from kareus.compose.plan import Plan
+
+    assert main(_small(tmp_path, "--sp", "--recompute", "selective")) == 0
+    out = capsys.readouterr().out
+    for name in ("megatron", "nanobatching", "perseus", "nanobatching+perseus", "kareus"):
+        assert name in out
+    plan = Plan.load(tmp_path / "out" / "plan.json")
+    assert plan.workload["sp"] is True and plan.workload["recompute"] == "selective"
+    res = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert res["workload"]["sp"] is True
+    assert any("_norm" in t for t in res["profiles_per_partition_type"])
+    # the folder is the SP job's: the all-reduce layout is another job
+    assert main(_small(tmp_path, "--recompute", "selective")) == 2
+    assert "sp" in capsys.readouterr().err

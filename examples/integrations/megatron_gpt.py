@@ -149,8 +149,9 @@ def main(argv=None):
     ap.add_argument("--schedule", choices=("kareus", "sequential", "nanobatching"),
                     default=None, help="the layers' schedule (default: kareus, the plan's; "
                     "on one GPU, TP=1, which has no collective to plan: nanobatching)")
-    ap.add_argument("--graphs", action="store_true",
-                    help="replay the kareus layers from CUDA graphs (a GPU only)")
+    ap.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
+                    help="replay the kareus layers from CUDA graphs (default: on a GPU; "
+                    "--no-graphs: eager)")
     args = ap.parse_args(argv)
 
     dist.init_process_group("gloo" if args.cpu else "nccl")
@@ -181,7 +182,7 @@ def main(argv=None):
     applier = PlanApplier(  # kareus
         workload=wl, plan=plan, schedule=schedule, rope_base=ROTARY_BASE,  # kareus
         eps=config.layernorm_epsilon,  # kareus: the model's RMSNorm epsilon
-        graphs=args.graphs,  # kareus: CUDA graphs around the layers (a GPU only)
+        graphs=args.graphs,  # kareus: CUDA graphs around the layers (None: on a GPU)
         groups=TorchParallelGroups.from_groups(  # kareus
             tp=parallel_state.get_tensor_model_parallel_group()))  # kareus
 
@@ -206,7 +207,7 @@ def main(argv=None):
 
     if dist.get_rank() == 0:
         print(f"TP={tp}, {'CPU, fp32' if args.cpu else 'GPU, bf16'}; kareus layers under the "
-              f"{schedule} schedule{', graphed' if args.graphs else ''}" + (
+              f"{schedule} schedule{', graphed' if applier.graphs else ''}" + (
             "" if plan is None else f", plan {plan.digest[:12]} ({plan.time_s * 1e3:.2f} "
             f"ms/iteration on {plan.gpu}, emulated unless measured)"))
         print("step  Megatron layers   kareus layers")

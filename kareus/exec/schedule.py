@@ -50,6 +50,7 @@ import attrs
 from kareus.errors import ArgumentError, UnknownSlotError
 from kareus.exec._executor_role import Executor
 from kareus.model.decoder import LayerPhase, decoder_layer
+from kareus.model.partition import TransformerPartition
 from kareus.model.workload import RECOMPUTE_POLICIES, recompute_policy
 
 __all__ = [
@@ -90,11 +91,15 @@ class Comm:
             [`LayerCollective.tensor`][kareus.model.LayerCollective]: ``"attn_out"``,
             ``"kv"``, ...).
         layer: Its layer.
+        group: The parallel group it runs over, ``"tp"`` or ``"cp"`` (a
+            [`LayerCollective.group`][kareus.model.LayerCollective]): under sequence
+            parallelism with CP a TP and a CP collective may be of one kind.
     """
 
     kind: str
     name: str
     layer: int
+    group: str = "tp"
 
 
 @attrs.frozen
@@ -112,10 +117,12 @@ class Piece:
 
 @attrs.frozen
 class TypeShape:
-    """What [`match_type`][kareus.exec.schedule.match_type] needs of a partition type: its ops' names and collective kind."""
+    """What [`match_type`][kareus.exec.schedule.match_type] needs of a partition type: its
+    ops' names, collective kind and the collective's group (``None``: not known, any)."""
 
     op_names: tuple[str, ...]
     comm_kind: str
+    comm_group: str | None = None
 
 
 @attrs.frozen
@@ -146,7 +153,7 @@ def _layer(phase: LayerPhase, layer: int, tp: int, cp: int) -> list[Op | Comm]:
         out += [Op(n, layer) for n in seg.op_names]
         c = seg.collective
         if sizes[c.group] > 1:
-            out.append(Comm(c.kind, c.tensor, layer))
+            out.append(Comm(c.kind, c.tensor, layer, c.group))
     return out
 
 
@@ -215,7 +222,9 @@ def pieces(stream: Sequence[Op | Comm]) -> list[Piece]:
 
 def type_shapes(partition_set: Any) -> dict[str, TypeShape]:
     """[`TypeShape`][kareus.exec.schedule.TypeShape] of every type of a [`PartitionSet`][kareus.model.PartitionSet]."""
-    return {name: TypeShape(tuple(op.name for op in p.compute_ops), p.comm_op.kind.value)
+    return {name: TypeShape(tuple(op.name for op in p.compute_ops), p.comm_op.kind.value,
+                            p.comm_group or None if isinstance(p, TransformerPartition)
+                            else None)
             for name, p in partition_set.types.items()}
 
 
@@ -227,17 +236,20 @@ def _find(sub: tuple[str, ...], seq: tuple[str, ...]) -> int:
 
 
 def match_type(types: Mapping[str, TypeShape], op_names: Sequence[str],
-               comm_kind: str) -> tuple[str, int] | None:
+               comm_kind: str, comm_group: str | None = None) -> tuple[str, int] | None:
     """The partition type a unit runs as: ``(type name, offset of the unit's ops in it)``.
 
-    The type's collective must be ``comm_kind`` and its ops must hold ``op_names`` as a
-    contiguous run; a type with exactly those ops wins, then the one with the fewest
-    ops. ``None`` when no type fits.
+    The type's collective must be ``comm_kind`` (over ``comm_group``, when both the type and
+    the caller name a group) and its ops must hold ``op_names`` as a contiguous run; a type
+    with exactly those ops wins, then the one with the fewest ops. ``None`` when no type
+    fits.
     """
     names = tuple(op_names)
     best: tuple[int, str, int] | None = None
     for name, shape in types.items():
         if shape.comm_kind != comm_kind or not names:
+            continue
+        if comm_group is not None and shape.comm_group not in (None, comm_group):
             continue
         k = _find(names, shape.op_names)
         if k < 0:
@@ -269,12 +281,14 @@ def clip_slot(slot: str | None, type_ops: Sequence[str], offset: int,
 
 
 def _plan_config(plan_config_of: Callable[[str], Any], types: Mapping[str, TypeShape],
-                 op_names: tuple[str, ...], comm_kind: str,
+                 op_names: tuple[str, ...], comm: Comm,
                  partner: str | None) -> tuple[str, Any]:
-    hit = match_type(types, op_names, comm_kind)
+    comm_kind = comm.kind
+    hit = match_type(types, op_names, comm_kind, comm.group)
     if hit is None:  # no type holds these ops: sequential, with the partner's SM count
         key = partner if partner is not None else next(
-            (n for n, s in types.items() if s.comm_kind == comm_kind), None)
+            (n for n, s in types.items() if s.comm_kind == comm_kind
+             and s.comm_group in (None, comm.group)), None)
         if key is None:
             raise ArgumentError(f"no partition type has a {comm_kind} collective")
         return key, attrs.evolve(plan_config_of(key), launch_slot=None)
@@ -342,31 +356,33 @@ def run_computation(executor: Executor, stack: Sequence[Piece], *, schedule: str
                 ops_of(piece, ops_nb, part)
         ran.append((key, cfg))
 
-    def key_for(op_names: tuple[str, ...], kind: str) -> str:
-        hit = match_type(shapes, op_names, kind) if shapes else None
-        return hit[0] if hit is not None else f"{kind}:{'+'.join(op_names) or 'tail'}"
+    def key_for(op_names: tuple[str, ...], comm: Comm) -> str:
+        hit = match_type(shapes, op_names, comm.kind, comm.group) if shapes else None
+        return hit[0] if hit is not None else f"{comm.kind}:{'+'.join(op_names) or 'tail'}"
 
     if schedule == "sequential":
         for piece in stack:
             if piece.comm is None:
                 ops_of(piece, 0)
                 continue
-            key = key_for(piece.op_names, piece.comm.kind)
+            key = key_for(piece.op_names, piece.comm)
             cfg: Any = DefaultConfig(None)
             if sequential_config_of is not None:
                 if key not in shapes:  # no type holds these ops: the first of its kind
                     key = next((n for n, sh in shapes.items()
-                                if sh.comm_kind == piece.comm.kind), key)
+                                if sh.comm_kind == piece.comm.kind
+                                and sh.comm_group in (None, piece.comm.group)), key)
                 cfg = attrs.evolve(sequential_config_of(key), launch_slot=None)
             launch(key, cfg, piece.comm, 0, piece, 0)
         return ran
 
-    partner: dict[str, str] = {}
+    partner: dict[tuple[str, str], str] = {}
     if stack and schedule == "kareus":
         for kind in ("all_reduce", "all_gather", "reduce_scatter"):
-            hit = match_type(shapes, stack[0].op_names, kind)
-            if hit is not None:
-                partner[kind] = hit[0]
+            for group in ("tp", "cp"):
+                hit = match_type(shapes, stack[0].op_names, kind, group)
+                if hit is not None:
+                    partner[(kind, group)] = hit[0]
     pending: tuple[Comm, int] | None = None
     for piece in stack:
         for nb in range(nanobatches):
@@ -376,10 +392,10 @@ def run_computation(executor: Executor, stack: Sequence[Piece], *, schedule: str
                 comm, cnb = pending
                 if schedule == "kareus":
                     assert plan_config_of is not None
-                    key, cfg = _plan_config(plan_config_of, shapes, piece.op_names, comm.kind,
-                                            partner.get(comm.kind))
+                    key, cfg = _plan_config(plan_config_of, shapes, piece.op_names, comm,
+                                            partner.get((comm.kind, comm.group)))
                 else:
-                    key, cfg = key_for(piece.op_names, comm.kind), DefaultConfig(
+                    key, cfg = key_for(piece.op_names, comm), DefaultConfig(
                         piece.op_names[0] if piece.ops else None)
                 tensor, output = comm_args(comm, cnb)
                 with executor.partition(key, config=cfg, op_names=piece.op_names) as part:
@@ -391,9 +407,9 @@ def run_computation(executor: Executor, stack: Sequence[Piece], *, schedule: str
         comm, cnb = pending
         if schedule == "kareus":
             assert plan_config_of is not None
-            key, cfg = _plan_config(plan_config_of, shapes, (), comm.kind,
-                                    partner.get(comm.kind))
+            key, cfg = _plan_config(plan_config_of, shapes, (), comm,
+                                    partner.get((comm.kind, comm.group)))
         else:
-            key, cfg = key_for((), comm.kind), DefaultConfig(None)
+            key, cfg = key_for((), comm), DefaultConfig(None)
         launch(key, cfg, comm, cnb, None, 0)
     return ran

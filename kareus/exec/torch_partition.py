@@ -41,7 +41,7 @@ from typing import Any
 
 import attrs
 
-from kareus.errors import ArgumentError, ArgumentTypeError
+from kareus.errors import ArgumentError, ArgumentTypeError, WorkloadError
 from kareus.exec._partition_program import PartitionProgram, RunnablePartition, _comm_buffers
 from kareus.exec._transformer_ops import _ACCUMULATED_BY, _OUTPUT_OPS, _Dims, _dims, _op_builders
 from kareus.exec.model_check import refuse_uncomputed
@@ -80,6 +80,11 @@ class RunnableTransformerPartition(RunnablePartition):
             raise ArgumentTypeError(f"workload must be a Workload, got {type(workload).__name__}")
         refuse_uncomputed(workload.model, where="kareus's runnable partitions",
                           computes=frozenset({"qk_norm", "norm_eps"}))
+        if workload.sequence_split:
+            raise WorkloadError(f"{workload.model.name}: kareus's runnable partitions split "
+                                "nanobatches along the batch only, and microbatch_size=1 "
+                                f"holds one sequence; use nanobatches=1 (the cost model and "
+                                "the emulator split along the sequence)")
         builders = _op_builders()
         unknown = [op.name for op in partition.compute_ops if op.name not in builders]
         if unknown:

@@ -1,27 +1,73 @@
-"""Planned layers replayed from CUDA graphs: static buffers around a captured layer program.
+"""Planned layers and CUDA graphs: launched into someone else's capture, or replayed from
+graphs of their own.
 
-A planned layer (or stack) launched eagerly pays the host path of every op, and on a small
-model the GPU waits for it (``bench/planned_layers.py``). With ``PlanApplier(graphs=True)``
-each distinct computation is captured once by the executor
+**Inside an enclosing capture.** When the current CUDA stream is being captured
+(``torch.cuda.is_current_stream_capturing()``: torchtitan's step capture, Megatron-Core's
+``cuda_graph_impl="local"``, a user's own ``torch.cuda.graph``), a planned layer or stack
+enqueues its kernels as it would eagerly, and they go into that capture: the collectives on
+the executor's side stream (forked and joined through events, which the capture turns into
+graph edges), the microbatch scope's clock request as a host node (the stream-ordered
+trigger's host-function marker; the event-polling marker cannot be captured and says so).
+No graph of its own is captured or replayed there. What a capture cannot hold is refused in
+one line: set-up on a computation's first run (programs, registered buffers, communicators,
+the kernels' first launches: the framework's warm-up step runs it first), the ranks'
+digest exchange of the plan (``applier.start()`` before the capture), and a plan whose
+microbatch computations differ when the capture may be replayed for every microbatch
+(``PlanApplier(whole_step_capture=True)`` says it holds the whole step).
+
+**Graphs of its own** (``PlanApplier(graphs=True)``, the default on a CUDA device): each
+distinct computation is captured once by the executor
 ([`TorchExecutor.capture`][kareus.exec.TorchExecutor.capture]: its collectives at the plan's
-slots and SM counts, the cross-stream events, in one graph) and replayed after that. What a
-graph reads and writes must stay at the addresses it was captured with, so each graph owns:
+slots and SM counts, the cross-stream events, in one graph) and replayed after that. For a
+chained stack ([`PlannedStack`][kareus.integrations.PlannedStack]) a graph is the whole
+microbatch computation of the stack, as the training loop's graphs are. What a graph reads
+and writes must stay at the addresses it was captured with:
 
-* **static inputs**: the layer's input, the backward's output gradient and the inputs of
-  layers ``1 ..`` the forward kept; each call copies the caller's tensors into them (one
-  copy kernel each);
-* **weights**: read where they lie when the graph is captured (a parameter, or a view of
+* **the forward's input** is copied into the forward graph's static buffer (one copy
+  kernel); the forward graph writes the inputs of layers ``1 ..`` it keeps for the
+  backward into its own static outputs;
+* **the backward reads what its forward kept in place**: the forward graph's static input
+  and kept inputs are its *slot*, which the backward graph of that forward reads where they
+  lie (no clone out of the forward, no copy into the backward). A later replay of the same
+  forward graph before that backward (several microbatches' forwards before their
+  backwards, a forward under ``torch.no_grad`` in between) first clones the slot for the
+  pending backward, which copies it back before its replay; a forward whose backward can no
+  longer run (its autograd node freed) is not cloned for;
+* **a graph per layer**: the default executors' graphs share one memory pool
+  (``shared_pool_streams``), so each layer (or stack) gets its own graphs once its first
+  weight has come back at the same address on a later call (at most the model's layer
+  count per computation; calls before that, and beyond it, share one graph). Sharing the
+  pool is safe because nothing a later replay could overwrite is read after another graph
+  ran: static inputs and the kept inputs live outside the pool, and outputs are cloned
+  right after their replay. An executor given by the caller keeps a pool per graph, and
+  layers of one shape share a graph (their weights copied in);
+* **weights** are read where they lie when the graph is captured (a parameter, or a view of
   one such as ``linear``'s transpose: the framework's optimizer updates it in place between
   replays). A weight that lies elsewhere on a later call (one made anew on every call, as
   ``qkv_from_separate``'s concatenation, when the allocator does not hand it the same
-  memory; a framework that reallocates its parameters) makes the runner capture that
-  computation again with the weight copied into a static buffer from then on. The test is
-  the address alone, which is exact: a tensor at the captured address is what the graph
-  reads, whatever made it;
-* **outputs**: what the captured run returned (the layer's output, the kept inputs, the
-  input gradient, the weight gradients) is cloned after each replay. The next replay
-  overwrites the static outputs, and autograd keeps a layer's output (saved by the next
-  op) and its gradients (accumulated into ``.grad`` / ``main_grad``) across microbatches.
+  memory; a framework that reallocates its parameters; another layer's weights in a
+  shared graph) makes the runner capture that computation again with the weight copied
+  into a static buffer from then on. The test is the address alone, which is exact: a
+  tensor at the captured address is what the graph reads, whatever made it;
+* **outputs** handed to autograd are cloned after each replay: the layer's output (autograd
+  keeps it across microbatches, saved by the next op), the input gradient (it may become a
+  leaf's ``.grad``) and the weight gradients (accumulated by autograd into ``.grad``, or by
+  the framework's hooks into ``main_grad``: writing them into the framework's gradient
+  buffers inside the graph would bypass those hooks, so that is not done).
+
+**Memory per graph** (activation = ``batch x seq / CP x hidden`` elements of the compute
+dtype; ``L`` = the stack's layers): a forward graph holds its static input and output (2
+activations) and the kept inputs (``L - 1`` activations); a backward graph reading its
+forward's slot holds the output gradient and the input gradient (2 activations) and the
+weight gradients (the ``L`` layers' weights' size); a backward graph fed copies (its
+forward's graph was captured again since) holds the input and kept inputs as well (``L + 2``
+activations); a copied weight adds its size. The pool (shared by the executor's graphs, or one per graph
+with an executor given) holds the peak of the temporaries a computation allocates (one
+layer's recomputed forward and backward at a time). One forward and one backward graph per
+plan choice, shape and layer (two microbatches with one choice share them); the backward
+graphs are per forward graph whose slot they read. Per layer of a model run one node per
+layer, so: about 4 activations (static input, output; output gradient, input gradient,
+the backward reading its forward's input) plus its weights' size, per plan choice.
 
 **Kept activations** (recomputation ``"none"`` or ``"selective"``): what the forward keeps
 for the backward stays where the forward graph wrote it, in the graph's static buffers
@@ -36,12 +82,15 @@ them, and no copy. A slot is free again when its backward has run, or when the a
 graph holding it is dropped without one. The forward's attention must then run on the
 fused kernels (flash or cuDNN), whose saved state is plain tensors: attention through
 autograd (CP ranks above 0, whose mask is not causal's) is refused with ``"none"``.
+Such graphs keep a memory pool each (the applier's default executors share one pool only
+under full recomputation): kept activations allocated in a shared pool could lie where
+another graph's temporaries do.
 
 A graph is keyed by what changes the captured work: phase, depth, nanobatch count,
 whether the plan runs the computation unsplit, the plan's choice for the computation (its
-configurations and SM counts), shapes and dtypes. Microbatch computations that share a plan
-choice share a graph. The microbatch scope's clock request is made when the scope is
-entered, outside the graphs, as in eager execution.
+configurations and SM counts), shapes and dtypes (``computation_signature``). The
+microbatch scope's clock request is made when the scope is entered, outside the graphs, as
+in eager execution.
 
 Why not ``torch.cuda.make_graphed_callables``: it captures through autograd, while a
 planned layer's forward and backward are already one autograd node each whose inside is
@@ -58,7 +107,141 @@ from typing import Any
 from kareus.errors import ArgumentError
 from kareus.integrations._kept import KeptActivations
 
-__all__ = ["GraphedRunner"]
+__all__ = ["GraphedRunner", "KeptInputs", "capture_in_progress", "computation_signature"]
+
+
+def shared_pool_streams() -> Any:
+    """CUDA streams whose graphs all share one memory pool (a
+    [`TorchStreamBackend`][kareus.exec.TorchStreamBackend] whose ``graph_pool`` is always the
+    same): the default executors of a graphed applier, so that a graph per layer costs its
+    static buffers, not a pool of temporaries each. Sharing is safe here because what
+    outlives a replay is allocated outside the pool (static inputs, the kept inputs a
+    backward reads) or read right after the replay, before any other graph runs (the
+    outputs cloned out)."""
+    from kareus.exec import TorchStreamBackend
+
+    class SharedPoolStreams(TorchStreamBackend):
+        shares_graph_pool = True
+
+        def graph_pool(self) -> Any:
+            pool = getattr(self, "_shared_pool", None)
+            if pool is None:
+                pool = self._shared_pool = super().graph_pool()
+            return pool
+
+    return SharedPoolStreams()
+
+
+def _shares_pool(executor: Any) -> bool:
+    """Whether ``executor``'s graphs share one memory pool (its streams say so)."""
+    return bool(getattr(getattr(executor, "streams", None), "shares_graph_pool", False))
+
+
+def capture_in_progress() -> bool:
+    """Whether work enqueued now on the current CUDA stream goes into a graph that someone
+    is capturing (the framework's step capture, a user's ``torch.cuda.graph``).
+
+    ``torch.cuda.is_current_stream_capturing()``, asked only once CUDA has started in this
+    process (before that nothing can be capturing, and asking would start it): a planned
+    layer then launches its kernels into that capture instead of capturing or replaying
+    graphs of its own.
+    """
+    import torch
+
+    if not torch.cuda.is_initialized():
+        return False
+    return bool(torch.cuda.is_current_stream_capturing())
+
+
+def computation_signature(applier: Any, phase: str, x: Any,
+                          weights: Sequence[Sequence[Any]],
+                          inputs: Sequence[Any] | KeptInputs | KeptActivations | None
+                          ) -> tuple[Any, ...]:
+    """What changes the work a planned computation enqueues: phase, depth, nanobatch count,
+    whether the plan runs it unsplit, the plan's choice for it (its configurations and SM
+    counts), shapes, strides and dtypes. Two calls with one signature enqueue the same
+    kernels on tensors of the same layout (a graph of one replays the other)."""
+    from kareus.exec.plan_lookup import computation_key
+
+    n, unsplit = applier._computation(phase)
+    choice: Any = None
+    if applier.schedule == "kareus":
+        current = applier._executor().current
+        key = computation_key(*current)
+        choice = applier.plan.assignment.get(key, key)
+    wsig = tuple((tuple(w.shape), tuple(w.stride()), w.dtype) for ws in weights for w in ws)
+    kept = (-1 if isinstance(inputs, KeptActivations)  # every activation a policy keeps
+            else len(inputs or ()))
+    return (phase, len(weights), n, unsplit, choice, tuple(x.shape), x.dtype,
+            str(x.device), wsig, kept)
+
+
+class _Slot:
+    """A forward graph's static buffers that its backward graphs read in place: the
+    stack's input (the copy the forward read) and the inputs of layers ``1 ..`` the
+    forward kept (static buffers the graph writes, outside its memory pool); and the
+    forward whose backward they hold now (a weak reference to its [`KeptInputs`][kareus.integrations._graphed.KeptInputs]).
+    """
+
+    serials = 0
+
+    def __init__(self, forward: _Captured) -> None:
+        self._forward = forward
+        self.owner: Any = None
+        self.retired = False
+        _Slot.serials += 1
+        self.serial = _Slot.serials
+
+    @property
+    def x(self) -> Any:
+        """The forward graph's static input."""
+        return self._forward.x
+
+    @property
+    def kept(self) -> list[Any]:
+        """The inputs of layers ``1 ..`` the forward graph writes (static buffers allocated
+        outside its memory pool)."""
+        return list(self._forward.kept)
+
+    def holder(self) -> KeptInputs | None:
+        """The pending forward whose backward these buffers hold (``None``: free)."""
+        return None if self.owner is None else self.owner()
+
+    def evict(self) -> None:
+        """Before the buffers are overwritten: give the pending forward's backward clones
+        of them (enqueued before the overwrite, so they hold what it kept)."""
+        held = self.holder()
+        if held is not None and held.clones is None:
+            held.clones = [t.clone() for t in self.kept]
+        self.owner = None
+
+
+class KeptInputs:
+    """What a graphed forward hands its backward instead of copies of what it kept: its
+    forward graph's slot, read in place by the backward graph while no later replay of
+    that forward has overwritten it, or clones of it made right before such a replay.
+
+    ``len()`` is the number of kept inputs (layers ``1 ..``); ``tensors()`` gives them.
+    """
+
+    def __init__(self, slot: _Slot) -> None:
+        import weakref
+
+        self.slot = slot
+        self.clones: list[Any] | None = None
+        slot.owner = weakref.ref(self)
+
+    def __len__(self) -> int:
+        return len(self.slot.kept)
+
+    def in_place(self) -> bool:
+        """Whether the slot still holds this forward's buffers."""
+        return self.clones is None and self.slot.holder() is self
+
+    def tensors(self) -> list[Any]:
+        """The kept inputs of layers ``1 ..`` (the slot's own while they are this
+        forward's; clones otherwise)."""
+        return list(self.slot.kept if self.clones is None else self.clones)
 
 
 class _Captured:
@@ -69,13 +252,15 @@ class _Captured:
         self.x: Any = None
         self.dy: Any = None
         self.inputs: list[Any] = []
+        self.slot: _Slot | None = None  # a forward's; the slot a backward reads
+        self.kept: list[Any] = []  # a forward's static kept inputs
         # per layer, per weight: the tensor the graph reads, and whether it is a copy
         self.weights: list[list[Any]] = []
         self.copied: list[list[bool]] = []
         self.ptrs: list[list[int]] = []
         self.result: Any = None
         self.ran: list[tuple[str, Any]] = []
-        self.lent = False  # its kept activations are lent to a pending backward
+        self.lent = False  # a forward slot's kept activations are lent to a pending backward
         self.lendings = 0  # how many times they were lent (which lending a release frees)
         # a forward slot: its capture's number; a backward: that of the slot it reads
         self.generation = 0
@@ -90,6 +275,8 @@ class GraphedRunner:
 
     Attributes:
         captures: Graphs captured so far (a re-capture counts again).
+        loads: Backwards whose kept inputs were copied back into their forward's slot
+            (another forward of that graph ran in between).
     """
 
     def __init__(self, applier: Any) -> None:
@@ -97,45 +284,59 @@ class GraphedRunner:
         self._graphs: dict[tuple[Any, ...], _Captured] = {}
         self._copy_always: set[tuple[tuple[Any, ...], int, int]] = set()
         self._names: dict[tuple[Any, ...], str] = {}
+        self._seen: dict[tuple[Any, ...], set[int]] = {}
+        self._own: dict[tuple[Any, ...], set[int]] = {}
         self._slots: dict[tuple[Any, ...], list[_Captured]] = {}
         self.captures = 0
-
-    def _key(self, phase: str, x: Any, weights: Sequence[Sequence[Any]],
-             inputs: Sequence[Any] | None) -> tuple[Any, ...]:
-        from kareus.exec.plan_lookup import computation_key
-
-        ap = self.applier
-        n, unsplit = ap._computation(phase)
-        choice: Any = None
-        if ap.schedule == "kareus":
-            current = ap._executor().current
-            key = computation_key(*current)
-            choice = ap.plan.assignment.get(key, key)
-        wsig = tuple((tuple(w.shape), tuple(w.stride()), w.dtype) for ws in weights for w in ws)
-        kept = len(inputs or ()) if not isinstance(inputs, KeptActivations) else -1
-        return (phase, len(weights), n, unsplit, choice, tuple(x.shape), x.dtype,
-                str(x.device), wsig, kept)
+        self.loads = 0
 
     def run(self, phase: str, x: Any, weights: Sequence[Sequence[Any]], dy: Any = None,
-            inputs: Sequence[Any] | None = None) -> tuple[Any, list[Any]]:
-        """``PlanApplier.run`` from a graph: copy in, replay, clone out (kept activations
-        lent, not cloned: see the module docstring)."""
-        key = self._key(phase, x, weights, inputs)
-        if self.applier.workload.recompute != "full":
+            inputs: Sequence[Any] | KeptInputs | None = None, *,
+            key: tuple[Any, ...] | None = None) -> tuple[Any, Any]:
+        """``PlanApplier.run`` from a graph: copy in, replay, clone out (see the module
+        docstring). A forward returns its kept inputs as a ``KeptInputs``. ``key``: the
+        computation's ``computation_signature``, when the caller has it."""
+        if key is None:
+            key = computation_signature(self.applier, phase, x, weights, inputs)
+        if self.applier.workload.recompute != "full":  # activations kept: lent slots
             if phase == "fwd":
                 return self._forward_kept(key, x, weights)
             if not isinstance(inputs, KeptActivations):
                 raise ArgumentError("a planned layer's graphed backward takes what its "
                                     "forward kept (KeptActivations)")
             return self._backward_kept(key, x, weights, dy, inputs)
+        key = (*key, self._identity(key, weights))
+        slot = None
+        if isinstance(inputs, KeptInputs):
+            if inputs.slot.retired:  # its forward graph was captured again: copies
+                inputs = inputs.tensors()
+            else:
+                slot = inputs.slot
+                if not inputs.in_place():  # another forward's now, or evicted: load it
+                    kept = inputs.tensors()
+                    self.loads += 1
+                    slot.evict()
+                    slot.x.copy_(x)  # the forward's input, as autograd saved it
+                    for dst, src in zip(slot.kept, kept, strict=True):
+                        dst.copy_(src)
+                slot.owner = None  # consumed by this backward
+                key = (*key, "slot", slot.serial)
         cap = self._graphs.get(key)
         if cap is None or self._moved(key, cap, weights):
-            cap = self._capture(key, phase, x, weights, dy, inputs)
+            if cap is not None and cap.slot is not None and phase == "fwd":
+                self._retire(cap.slot)
+            cap = self._capture(key, phase, x, weights, dy, inputs, slot)
         else:
+            if phase == "fwd":
+                assert cap.slot is not None
+                cap.slot.evict()
             self._copy_in(cap, x, weights, dy, inputs)
             cap.seq.replay()
         self.applier._record(phase, cap.ran)
         first, rest = cap.result
+        if phase == "fwd":
+            assert cap.slot is not None
+            return first.clone(), KeptInputs(cap.slot)
         return first.clone(), [t.clone() for t in rest]
 
     def _forward_kept(self, key: tuple[Any, ...], x: Any,
@@ -146,7 +347,7 @@ class GraphedRunner:
         skey = (*key, "slot", idx)
         cap = slots[idx] if idx < len(slots) else None
         if cap is None or self._moved(skey, cap, weights):
-            cap = self._capture(skey, "fwd", x, weights, None, None)
+            cap = self._capture(skey, "fwd", x, weights, None, None, None)
             cap.generation = self.captures
             _refuse_autograd_attention(cap.result[1])  # before the slot is used
             if idx < len(slots):
@@ -189,7 +390,7 @@ class GraphedRunner:
             # captured again has new buffers: its backward is captured again too)
             static = KeptActivations(fwd.result[1].act, depth=kept.depth,
                                      nanobatches=kept.nanobatches)
-            cap = self._capture(bkey, "bwd", x, weights, dy, static)
+            cap = self._capture(bkey, "bwd", x, weights, dy, static, None)
             cap.generation = generation
         else:
             self._copy_in(cap, x, weights, dy, None)
@@ -198,6 +399,36 @@ class GraphedRunner:
         self.applier._record("bwd", cap.ran)
         first, rest = cap.result
         return first.clone(), [t.clone() for t in rest]
+
+    def _identity(self, key: tuple[Any, ...], weights: Sequence[Sequence[Any]]) -> int | None:
+        """Which graph of ``key`` this call replays: with a shared memory pool, each layer
+        (or stack) its own, known by its first weight's address once that address has come
+        back on a later call (a parameter; a tensor made anew on every call rarely does),
+        at most the model's layer count per key; ``None``: the graph every other call
+        shares, whose weights are copied in when they lie elsewhere."""
+        if not _shares_pool(self.applier._executor()):
+            return None
+        ptr = int(weights[0][0].data_ptr())
+        own = self._own.setdefault(key, set())
+        if ptr in own:
+            return ptr
+        seen = self._seen.setdefault(key, set())
+        if ptr in seen and len(own) < self.applier.workload.model.layers:
+            own.add(ptr)
+            return ptr
+        seen.add(ptr)
+        return None
+
+    def _retire(self, slot: _Slot) -> None:
+        """A forward graph is captured again: its slot stays with the forwards that hold it
+        (their backwards read copies), and the backward graphs that read it go."""
+        slot.retired = True
+        ex = self.applier._executor()
+        for key in [k for k in self._graphs if k[-2:] == ("slot", slot.serial)]:
+            del self._graphs[key]
+            name = self._names.get(key)
+            if name is not None:
+                ex.release_graphs(name)
 
     def _moved(self, key: tuple[Any, ...], cap: _Captured,
                weights: Sequence[Sequence[Any]]) -> bool:
@@ -212,30 +443,34 @@ class GraphedRunner:
         return moved
 
     def _copy_in(self, cap: _Captured, x: Any, weights: Sequence[Sequence[Any]], dy: Any,
-                 inputs: Sequence[Any] | None) -> None:
-        cap.x.copy_(x)
+                 inputs: Any) -> None:
+        if cap.x is not None:  # not a backward reading its forward's slot
+            cap.x.copy_(x)
+            for dst, src in zip(cap.inputs, inputs or (), strict=True):
+                dst.copy_(src)
         if cap.dy is not None:
             cap.dy.copy_(dy)
-        for dst, src in zip(cap.inputs, inputs or (), strict=True):
-            dst.copy_(src)
         for i, ws in enumerate(weights):
             for j, w in enumerate(ws):
                 if cap.copied[i][j]:
                     cap.weights[i][j].copy_(w)
 
     def _capture(self, key: tuple[Any, ...], phase: str, x: Any,
-                 weights: Sequence[Sequence[Any]], dy: Any, inputs: Any) -> _Captured:
+                 weights: Sequence[Sequence[Any]], dy: Any, inputs: Any,
+                 slot: _Slot | None) -> _Captured:
         import torch
 
         ap = self.applier
         cap = _Captured()
-        cap.x = torch.empty_like(x, memory_format=torch.contiguous_format)
+        static_kept = inputs if isinstance(inputs, KeptActivations) else None
+        if static_kept is not None:  # a backward reading its forward slot's activations
+            inputs = None
+        if slot is None:
+            cap.x = torch.empty_like(x, memory_format=torch.contiguous_format)
+            cap.inputs = [torch.empty_like(t, memory_format=torch.contiguous_format)
+                          for t in inputs or ()]
         cap.dy = None if dy is None else torch.empty_like(dy,
                                                           memory_format=torch.contiguous_format)
-        static_kept = inputs if isinstance(inputs, KeptActivations) else None
-        cap.inputs = ([] if static_kept is not None else
-                      [torch.empty_like(t, memory_format=torch.contiguous_format)
-                       for t in inputs or ()])
         for i, ws in enumerate(weights):
             row, copied, ptrs = [], [], []
             for j, w in enumerate(ws):
@@ -247,11 +482,19 @@ class GraphedRunner:
             cap.weights.append(row)
             cap.copied.append(copied)
             cap.ptrs.append(ptrs)
-        self._copy_in(cap, x, weights, dy, None if static_kept is not None else inputs)
+        self._copy_in(cap, x, weights, dy, inputs)
+        if phase == "fwd" and ap.workload.recompute == "full":
+            # outside the pool: the backward reads them after other replays
+            b, s, h = x.shape
+            cap.kept = [torch.empty((b * s, h), dtype=x.dtype, device=x.device)
+                        for _ in range(len(weights) - 1)]
 
         def body() -> None:
-            cap.result, cap.ran = ap._run_eager(phase, cap.x, cap.weights, cap.dy,
-                                                static_kept or cap.inputs or None)
+            # what the graph reads: its own static buffers, or its forward's slot
+            gx, gin = (cap.x, cap.inputs) if slot is None else (slot.x, slot.kept)
+            cap.result, cap.ran = ap._run_eager(phase, gx, cap.weights, cap.dy,
+                                                static_kept or gin or None,
+                                                kept_out=cap.kept or None)
 
         name = self._names.setdefault(key, f"integrations:{phase}:{len(self._names)}")
         # The capture runs the body twice eagerly first (warm-up: the first call of a
@@ -263,6 +506,10 @@ class GraphedRunner:
         cap.seq = ap._executor().capture(name, [body], signature=(key, self.captures),
                                          warmup=2)
         cap.seq.replay()
+        if phase == "fwd":
+            cap.slot = _Slot(cap)
+        else:
+            cap.slot = slot
         self.captures += 1
         self._graphs[key] = cap
         return cap

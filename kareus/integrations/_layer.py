@@ -64,9 +64,12 @@ reduce-scattered after it): feed each CP rank its contiguous chunk (a framework'
 load-balanced chunking, such as Megatron-Core's two chunks per rank, is another model of
 the data and is refused by the framework adapters).
 
-Execution is eager by default; ``PlanApplier(graphs=True)`` replays each computation from a
-CUDA graph (``kareus.integrations._graphed``): static buffers around the captured program,
-outputs cloned, so a small model's GPU is not held back by the host.
+**CUDA graphs.** On a CUDA device each computation is replayed from a CUDA graph of the
+applier's own by default (``kareus.integrations._graphed``: static buffers around the
+captured program, the backward reading what its forward kept in place), so a small model's
+GPU is not held back by the host; ``graphs=False`` launches eagerly; on the CPU it is eager.
+Inside someone else's capture (the framework's step capture, your own ``torch.cuda.graph``)
+the layers launch their kernels into that capture instead.
 """
 
 from __future__ import annotations
@@ -75,8 +78,15 @@ import contextlib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from kareus._logging import get_logger
 from kareus.compose.plan import Plan
-from kareus.errors import ArgumentError, ArgumentTypeError, PlanError, WorkloadError
+from kareus.errors import (
+    ArgumentError,
+    ArgumentTypeError,
+    GraphCaptureError,
+    PlanError,
+    WorkloadError,
+)
 from kareus.exec import Executor
 from kareus.exec.plan_lookup import plan_config, plan_nanobatches
 from kareus.exec.schedule import (
@@ -86,13 +96,17 @@ from kareus.exec.schedule import (
     pieces,
     run_computation,
     stack_stream,
+    type_shapes,
 )
 from kareus.exec.train import DecoderShard, ParallelGroups, refuse_uncomputed
+from kareus.integrations._graphed import capture_in_progress, computation_signature
 from kareus.integrations._kept import KeptActivations
 from kareus.integrations._weights import QK_NORM_WEIGHTS, layer_weights
 from kareus.model.workload import Workload
 
 __all__ = ["PlanApplier", "PlannedLayer", "PlannedStack"]
+
+_log = get_logger(__name__)
 
 #: Partitions recorded by an applier with ``record=True`` before the oldest are dropped.
 RECORD_KEPT = 4096
@@ -181,11 +195,23 @@ class PlanApplier:
             them (Llama 3.1's long-context scaling); ``None``: from ``rope_base``.
         eps: The model's RMSNorm epsilon: it must be the workload's ``norm_eps``.
         record: Keep the partitions run (``partitions_run``), for checking a schedule.
-        graphs: Replay each computation from a CUDA graph (``kareus.integrations._graphed``:
-            captured on first use per phase, depth and plan choice; inputs copied into
-            static buffers, outputs cloned out), so that a small model's GPU is not held
-            back by the host. Needs a CUDA device and an executor that captures; the
-            default ``False`` launches eagerly.
+        graphs: Replay each computation from a CUDA graph of its own
+            (``kareus.integrations._graphed``: captured on first use per phase, depth and
+            plan choice), so that a small model's GPU is not held back by the host.
+            ``None`` (default): on where the executors can capture (a CUDA device), eager
+            on the CPU; the choice is logged once. ``False``: eager launches. Whatever
+            this says, a layer that runs while the current CUDA stream is being captured
+            (the framework's step capture, your own ``torch.cuda.graph``) launches its
+            kernels into that capture (no graph of its own, no replay), and tensors on
+            the CPU run eagerly.
+        whole_step_capture: An enclosing capture, where there is one, holds every
+            microbatch computation of the step in its own place (your own
+            ``torch.cuda.graph`` around the whole step), so a plan may give each
+            computation its own configuration and clock. ``False`` (default): a framework
+            may replay one capture for every microbatch (torchtitan's
+            ``training.disable_cuda_graphs = False`` captures one forward-backward and
+            replays it per gradient-accumulation step), so inside a capture a plan whose
+            computations of this stage and phase differ is refused.
         start: Agree on the plan with every rank now (``Executor.start``: a collective
             call; pass ``False`` and call [`start`][kareus.integrations.PlanApplier.start]
             yourself where every rank reaches it).
@@ -201,7 +227,8 @@ class PlanApplier:
                  default_collective: Any = None, frequency: Any = None, stage: int = 0,
                  kernels: Any = None, streams: Any = None, rope_base: float = 500000.0,
                  rope_inv_freq: Any = None, eps: float = 1e-5, record: bool = False,
-                 graphs: bool = False, start: bool = True) -> None:
+                 graphs: bool | None = None, whole_step_capture: bool = False,
+                 start: bool = True) -> None:
         if not isinstance(workload, Workload):
             raise ArgumentTypeError(f"workload must be a kareus.Workload, got "
                                     f"{type(workload).__name__}")
@@ -241,16 +268,28 @@ class PlanApplier:
         self.record = bool(record)
         self.partitions_run: list[tuple[str, str, Any]] = []
         self._programs: dict[tuple[Any, ...], _LayerProgram] = {}
-        self._build_types(plan if plan is not None else getattr(executor, "plan", None))
+        self._build_types()
         self.plan: Plan | None
         self.executor: Executor | None
         self.baseline: Executor
-        self.graphs = bool(graphs)
+        self.whole_step_capture = bool(whole_step_capture)
+        #: Signatures of computations run outside any capture (``_graphed.computation_signature``):
+        #: what an enclosing capture may take without setting anything up inside it.
+        self._warmed: set[tuple[Any, ...]] = set()
+        self.graphs = graphs is None or bool(graphs)  # resolved below
         self._build_executors(plan, executor, baseline, collective, default_collective,
                               frequency, streams)
-        if self.graphs:
-            for ex in (self.baseline, self.executor):
-                if ex is not None and not ex.graphs:
+        capturing = [ex for ex in (self.baseline, self.executor) if ex is not None]
+        if graphs is None:
+            self.graphs = all(ex.graphs for ex in capturing)
+            _log.info("kareus planned layers: %s", (
+                "own CUDA graphs per computation, eager into an enclosing capture "
+                "(graphs=False: eager)" if self.graphs else
+                "eager launches (no CUDA device, or executors given without graphs), "
+                "into an enclosing capture where there is one"))
+        elif self.graphs:
+            for ex in capturing:
+                if not ex.graphs:
                     raise ArgumentError(
                         f"graphs=True, but {type(ex).__name__}.graphs is False (no CUDA "
                         "device, or an executor given without graphs): pass graphs=False "
@@ -261,15 +300,15 @@ class PlanApplier:
             self.start()
 
     # ------------------------------------------------------------------ set-up
-    def _build_types(self, plan: Plan | None) -> None:
-        from kareus.exec.train import partition_types
+    def _build_types(self) -> None:
+        from kareus.model.partition import build_partitions
 
         wl = self.workload
         self.has_comm = wl.parallelism.tp * wl.parallelism.cp > 1
-        self.types: dict[str, TypeShape] = (partition_types(wl, plan)
+        self.types: dict[str, TypeShape] = (type_shapes(build_partitions(wl))
                                             if self.has_comm else {})
         self.unsplit_types: dict[str, TypeShape] = (
-            partition_types(wl.with_(nanobatches=1), plan)
+            type_shapes(build_partitions(wl.with_(nanobatches=1)))
             if self.has_comm and wl.nanobatches > 1 else self.types)
         self._stacks: dict[tuple[str, int], list[Piece]] = {}
 
@@ -315,18 +354,28 @@ class PlanApplier:
             from kareus.exec.train import LoopbackGroupCollective
 
             default_collective = collective = LoopbackGroupCollective(group_size=1)
-        # Graphs on a CUDA device only (a fake stream backend's "graphs" replay nothing)
+        # Graphs on a CUDA device only (a fake stream backend's "graphs" replay nothing);
+        # self.graphs is True here for graphs=None too (on where the device captures)
         capture = (self.graphs and torch.cuda.is_available()
                    and (streams is None or bool(streams.supports_graphs)))
         if streams is None and not torch.cuda.is_available():
             streams = RecordingStreamBackend()  # no streams: host order
+        shared = None
+        # one pool shared only when nothing but the layers' inputs is kept (they live
+        # outside it); kept activations lie in their forward graph's own pool (_graphed)
+        if streams is None and capture and self.workload.recompute == "full":
+            from kareus.integrations._graphed import shared_pool_streams
+
+            shared = shared_pool_streams  # one memory pool for each executor's graphs
         if baseline is None:
-            baseline = TorchExecutor(collective=default_collective, streams=streams,
+            baseline = TorchExecutor(collective=default_collective,
+                                     streams=streams if shared is None else shared(),
                                      default_collective=default_collective,
                                      graphs=capture)
         if plan is not None and executor is None:
             executor = TorchExecutor(plan=plan, collective=collective, frequency=frequency,
-                                     default_collective=default_collective, streams=streams,
+                                     default_collective=default_collective,
+                                     streams=streams if shared is None else shared(),
                                      graphs=capture)
         self.baseline, self.executor = baseline, executor
 
@@ -386,6 +435,11 @@ class PlanApplier:
         if self.schedule != "kareus":
             yield None
             return
+        if not self._started and capture_in_progress():
+            raise PlanError("the planned layers' first microbatch scope is inside a CUDA "
+                            "graph capture, where the ranks cannot compare the plan's "
+                            "digest: call applier.start() (or run a step) before the "
+                            "capture")
         self.start()
         with ex.microbatch(self.stage, int(microbatch), phase):
             yield None
@@ -477,16 +531,81 @@ class PlanApplier:
                 each; otherwise its ``KeptActivations``.
 
         Returns:
-            Forward: ``(output, kept)``, ``kept`` the inputs of layers ``1 ..`` (full
-            recomputation) or the activations kept (``KeptActivations``); backward:
+            Forward: ``(output, kept)``, ``kept`` the inputs of layers ``1 ..`` under full
+            recomputation (from the applier's own graphs a ``KeptInputs``), otherwise the
+            activations kept (``KeptActivations``); the backward takes it as ``inputs``;
+            backward:
             ``(gradient of x, the weight gradients of every layer, layer by layer in
             ``weight_names`` order)``.
         """
-        if self.graphs:
-            return self._graphs_runner().run(phase, x, weights, dy, inputs)
+        from kareus.integrations._graphed import KeptInputs
+
+        if capture_in_progress():
+            # Someone captures the stream (the framework's step, the user's graph): the
+            # kernels, events and collectives go into that capture; no graph of our own
+            if isinstance(inputs, KeptInputs) or (isinstance(inputs, KeptActivations)
+                                                  and inputs.slot is not None):
+                raise GraphCaptureError("a planned layer's backward runs inside a CUDA graph "
+                                        "capture, its forward ran outside any: capture "
+                                        "forward and backward together")
+            self._check_enclosing(phase, x, weights, inputs)
+        else:
+            key = computation_signature(self, phase, x, weights, inputs)
+            self._warmed.add(key)
+            if self._own_graphs(x):
+                return self._graphs_runner().run(phase, x, weights, dy, inputs, key=key)
+        if isinstance(inputs, KeptInputs):  # a graphed forward's, run eagerly backward
+            inputs = inputs.tensors()
         result, ran = self._run_eager(phase, x, weights, dy, inputs)
         self._record(phase, ran)
         return result
+
+    def _own_graphs(self, x: Any) -> bool:
+        """Whether this call replays a graph of its own: graphs on, and the tensors on the
+        device the executor captures (a CUDA graph holds no CPU work: tensors on the CPU
+        run eagerly, on a GPU machine too)."""
+        if not self.graphs:
+            return False
+        from kareus.exec import TorchStreamBackend
+
+        streams = getattr(self._executor(), "streams", None)
+        return x.device.type == "cuda" or not isinstance(streams, TorchStreamBackend)
+
+    def _check_enclosing(self, phase: str, x: Any, weights: Sequence[Sequence[Any]],
+                         inputs: Sequence[Any] | None) -> None:
+        """Refuse, in one line, what an enclosing capture cannot take: set-up (buffers,
+        communicators, kernels' first launches, the plan's digest exchange) that has not
+        happened outside it, and a plan whose microbatch computations differ when the
+        capture may be replayed for every microbatch."""
+        if self.plan is not None and self.schedule == "kareus" and not self._started:
+            raise PlanError("a planned layer runs inside a CUDA graph capture before the "
+                            "ranks compared the plan's digest: call applier.start() before "
+                            "the capture")
+        if computation_signature(self, phase, x, weights, inputs) not in self._warmed:
+            raise GraphCaptureError(
+                f"a planned layer's {phase} of {len(weights)} layer(s) on {tuple(x.shape)} "
+                "runs inside a CUDA graph capture before it ever ran outside one (its "
+                "buffers, communicators and kernels are set up on the first run, which a "
+                "capture cannot hold): run the step once before capturing it (torchtitan "
+                "and Megatron-Core do a warm-up step; with torch.cuda.graph, warm up on a "
+                "side stream first)")
+        if self.schedule == "kareus" and not self.whole_step_capture:
+            plan = self.plan
+            assert plan is not None
+            from kareus.exec.plan_lookup import computation_key
+
+            mine = {v for k, v in plan.assignment.items()
+                    if k.startswith(f"s{self.stage}.") and k.endswith(f".{phase}")}
+            if len(mine) > 1:
+                current = self._executor().current
+                raise PlanError(
+                    f"the plan gives this stage's {phase} computations {len(mine)} different "
+                    "choices (configurations, nanobatches or clocks), but this capture "
+                    f"(at {computation_key(*current) if current else phase}) may be "
+                    "replayed for every microbatch (torchtitan's step capture is): make a "
+                    "plan with one choice per phase, turn the framework's capture off "
+                    "(torchtitan: training.disable_cuda_graphs), or, if your capture holds "
+                    "the whole step, PlanApplier(whole_step_capture=True)")
 
     def _graphs_runner(self) -> Any:
         if self._runner is None:
@@ -501,8 +620,11 @@ class PlanApplier:
             del self.partitions_run[:-RECORD_KEPT]
 
     def _run_eager(self, phase: str, x: Any, weights: Sequence[Sequence[Any]], dy: Any,
-                   inputs: Any) -> tuple[tuple[Any, Any], list[tuple[str, Any]]]:
-        """``run``'s work, enqueued as it goes; also returns the partitions run."""
+                   inputs: Any, kept_out: Sequence[Any] | None = None
+                   ) -> tuple[tuple[Any, Any], list[tuple[str, Any]]]:
+        """``run``'s work, enqueued as it goes; also returns the partitions run. A forward
+        writes the kept inputs into ``kept_out`` when given (a graph's static buffers;
+        full recomputation only)."""
         import torch
 
         depth = len(weights)
@@ -559,7 +681,7 @@ class PlanApplier:
                     return (out.view(b, s, h), kept_acts), ran
                 kept_inputs = []
                 for layer in range(1, depth):
-                    xin = torch.empty_like(x2)
+                    xin = torch.empty_like(x2) if kept_out is None else kept_out[layer - 1]
                     for i in range(n):
                         xin[prog.rows(i)] = prog.act[(layer, i)]["x_in"]
                     kept_inputs.append(xin)

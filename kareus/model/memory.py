@@ -9,14 +9,20 @@ pipeline stage (the largest stage is the one that matters):
 - **optimizer state**: fp32 master weights and Adam's two moments (12 bytes per parameter),
   sharded over the data-parallel replicas as Megatron-LM's distributed optimizer does;
 - **activations** of the microbatches in flight (1F1B: stage ``s`` of ``p`` holds up to
-  ``p - s`` microbatches; GPipe: all of them). With full recomputation only each layer's
-  bf16 input is kept, plus one layer's full activations while it is recomputed; without
-  it, every tensor a layer saves for its backward (norm inputs, QKV, attention output with
-  FlashAttention's per-head statistics, the SwiGLU gate, up and product): the per-layer
-  accounting of Korthikanti et al., "Reducing Activation Recomputation in Large
-  Transformer Models" (MLSys 2023), for grouped-query attention, a SwiGLU MLP and flash
-  attention (no attention-score matrices). TP shards every tensor (with sequence
-  parallelism), CP shards the sequence;
+  ``p - s`` microbatches; GPipe: all of them), per the workload's recomputation policy:
+  ``"full"`` keeps each layer's bf16 input, plus one layer's full activations while it is
+  recomputed; ``"none"`` keeps every tensor a layer saves for its backward (norm inputs,
+  the normed inputs of the projections, QKV, attention output with FlashAttention's
+  per-head statistics, the SwiGLU gate, up and product): the per-layer accounting of
+  Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models"
+  (MLSys 2023), for grouped-query attention, a SwiGLU MLP and flash attention (no
+  attention-score matrices); ``"selective"`` keeps all of those but the attention core's
+  output and statistics (recomputed in the backward), plus one layer's while it is
+  recomputed. The projections' tensors are sharded over TP; the norms' inputs (the residual
+  stream) are replicated on every TP rank, or sharded with the sequence under sequence
+  parallelism; the normed inputs of the QKV and gate/up projections are whole on every
+  rank in both layouts (under sequence parallelism kareus keeps the all-gathered tensor
+  for the weight gradients rather than gathering it again). CP shards the sequence;
 - the **logits** of one microbatch on the last stage in fp32 (the loss is computed there).
 
 The CUDA context, the allocator's fragmentation and communication buffers are not counted,
@@ -70,18 +76,52 @@ class MemoryEstimate:
                 f"{self.activations_bytes / _GIB:,.1f})")
 
 
-def _saved_bytes_per_token(wl: Workload) -> float:
-    """Bytes one layer saves for its backward, per token, without recomputation (before TP
-    sharding): bf16 tensors, fp32 per-head statistics. With qk-norm the norms keep their
-    inputs, the projection's q and k, beside the normalised and rotated ones attention keeps,
-    and their per-head reciprocal RMS."""
+@attrs.frozen
+class _SavedBytes:
+    """Bytes one layer saves for its backward per token of the rank's sequence (CP applied,
+    TP not yet), without recomputation, by how TP shards them."""
+
+    residual: float  # the norms' inputs: replicated over TP, sharded under SP
+    gathered: float  # the normed inputs of the column-parallel projections: whole
+    sharded: float  # the projections' outputs and what follows them: 1/TP
+    attention_core: float  # of ``sharded``: the attention output and statistics
+
+    def per_rank(self, tp: int, sp: bool) -> float:
+        """Bytes per token on one rank."""
+        return self.residual / (tp if sp else 1) + self.gathered + self.sharded / tp
+
+
+def _saved_bytes_per_token(wl: Workload) -> _SavedBytes:
+    """What one layer saves for its backward, per token, without recomputation: bf16
+    tensors, fp32 per-head statistics. With qk-norm the norms keep their inputs, the
+    projection's q and k, beside the normalised and rotated ones attention keeps, and their
+    per-head reciprocal RMS."""
     m = wl.model
     hq, hkv = m.heads * m.head_dim, m.kv_heads * m.head_dim
-    attn = 2 * m.hidden * 2 + 2 * (hq + 2 * hkv) + 2 * hq + 4 * m.heads
+    core = 2 * hq + 4 * m.heads  # attention output and its log-sum-exp statistics
+    sharded = 2 * (hq + 2 * hkv) + core + 2 * 3 * m.ffn
     if m.qk_norm:
-        attn += 2 * (hq + hkv) + 4 * (m.heads + m.kv_heads)
-    mlp = 2 * m.hidden * 2 + 2 * 3 * m.ffn
-    return float(attn + mlp)
+        sharded += 2 * (hq + hkv) + 4 * (m.heads + m.kv_heads)
+    # two norms: each keeps its input (the residual stream) and the projections read
+    # their output (QKV, and the gate and up projections)
+    return _SavedBytes(residual=2 * 2 * m.hidden, gathered=2 * 2 * m.hidden,
+                       sharded=float(sharded), attention_core=float(core))
+
+
+def _kept_bytes_per_token(wl: Workload) -> tuple[float, float]:
+    """``(kept per layer, working set of one recomputed layer)`` per token on one rank,
+    by the recomputation policy (module docstring)."""
+    p = wl.parallelism
+    sp = p.sequence_parallel
+    saved = _saved_bytes_per_token(wl)
+    everything = saved.per_rank(p.tp, sp)
+    if wl.recompute == "full":
+        layer_input = 2 * wl.model.hidden / (p.tp if sp else 1)
+        return layer_input, everything
+    if wl.recompute == "selective":
+        core = saved.attention_core / p.tp
+        return everything - core, core
+    return everything, 0.0
 
 
 def estimate_memory(workload: Workload, *, schedule: str = "1f1b") -> MemoryEstimate:
@@ -94,9 +134,7 @@ def estimate_memory(workload: Workload, *, schedule: str = "1f1b") -> MemoryEsti
     wl, p, m = workload, workload.parallelism, workload.model
     tokens = wl.microbatch_size * wl.seq_len / p.cp
     per_layer = m.layer_params_per_rank(p.tp)
-    saved = _saved_bytes_per_token(wl) / p.tp
-    full = wl.recompute == "full"
-    kept = (2 * m.hidden / p.tp) if full else saved
+    kept, working = _kept_bytes_per_token(wl)
     best: MemoryEstimate | None = None
     for stage in range(p.pp):
         params = wl.layers_per_stage * per_layer
@@ -109,9 +147,7 @@ def estimate_memory(workload: Workload, *, schedule: str = "1f1b") -> MemoryEsti
             params += (0 if tied_here else m.vocab * m.hidden / p.tp) + m.hidden
         inflight = wl.num_microbatches if schedule == "gpipe" else \
             min(p.pp - stage, wl.num_microbatches)
-        act = inflight * wl.layers_per_stage * kept * tokens
-        if full:
-            act += saved * tokens
+        act = inflight * wl.layers_per_stage * kept * tokens + working * tokens
         if stage == p.pp - 1:
             act += tokens * m.vocab / p.tp * 4
         est = MemoryEstimate(stage=stage, weights_bytes=2 * params, grads_bytes=2 * params,
@@ -130,11 +166,13 @@ def check_memory(workload: Workload, gpu: GPUSpec, *, schedule: str = "1f1b") ->
             change.
     """
     est = estimate_memory(workload, schedule=schedule)
+    par = workload.parallelism
     have = gpu.memory_gib * _GIB
     if est.total_bytes > have:
         raise WorkloadError(
             f"{workload.describe()} does not fit on {gpu.name}: it needs at least "
             f"{est.describe()}, the GPU has {gpu.memory_gib:g} GiB; use a smaller "
             f"microbatch size or sequence length, more TP/CP/PP"
-            f"{', or recomputation' if workload.recompute != 'full' else ''}")
+            f"{', or recomputation' if workload.recompute != 'full' else ''}"
+            f"{', or sequence parallelism' if par.tp > 1 and not par.sp else ''}")
     return est

@@ -34,6 +34,31 @@ embeddings change no op of a microbatch (the LM head's weight gradient is writte
 embedding's gradient instead of a matrix of its own) but change the parameters, so the
 optimizer step, and with PP > 1 add the tied gradient's all-reduce between the end stages
 (``iteration_work``).
+
+Under sequence parallelism (``Parallelism.sequence_parallel``: ``sp`` at TP > 1) the layer
+runs ``decoder_layer(phase, sp=True)``: the TP all-reduces are TP all-gathers (before the
+QKV and gate/up projections, and of the output gradients in the backward) and
+reduce-scatters (after the output and down projections, and of the input gradients), each
+of the rank's ``tokens x hidden`` activation (``CommOp.bytes``: the gathered output, the
+scattered input); the norms (with the residual additions fused into them) run on the
+rank's sequence shard, ``tokens / TP``. The norms then sit in segments of their own, so
+the partition types are ``{phase}_{segment}`` with the segments of that op order
+(``attn_norm``, ``attn_in``, ``attn_out`` or ``attn``, ``mlp_norm``, ``mlp``), suffixed by
+the collective they overlap when a segment overlaps more than one: its kind (``_ag``,
+``_rs``), or its group and kind (``_tp_ag``, ``_cp_ag``) where a TP and a CP collective of
+one kind meet (CP > 1). Selective recomputation (``recompute="selective"``) re-runs the
+attention core's forward in the backward, right before ``out_dgrad``: one more attention
+op in that segment, costed as the forward's.
+
+A microbatch of one sequence splits into nanobatches along the sequence
+(``Workload.sequence_split``, CP = 1): chunk ``i`` of ``n`` holds ``c = seq_len / n``
+tokens, and its causal attention reads the keys and values of chunks ``0..i``, so it does
+``(i + 1/2) c^2`` query-key pairs of work (the chunks add up to the whole sequence's half
+score matrix) while every other op is the same in every chunk. A segment holding attention
+is then one partition type per chunk (suffixed ``_c{i}``). The forward runs the chunks in
+order (a chunk's attention needs the earlier chunks' K and V) and the backward in reverse
+(a chunk's attention backward adds to the earlier chunks' dK and dV, which their QKV
+backward reads), which decides which chunk overlaps the collective of the segment before.
 """
 
 from __future__ import annotations
@@ -203,11 +228,15 @@ class TransformerPartition(OpPartition):
         stage_gpus: GPUs of the pipeline stage that run it (TP x CP); ``None`` = the
             collective's group. Sets [`group_gpus`][kareus.model.TransformerPartition.group_gpus],
             the scope of its measurements.
+        comm_group: The parallel group its collective runs over (``"tp"`` or ``"cp"``;
+            ``""``: not said). Under sequence parallelism with CP, a TP and a CP collective
+            may be of one kind; the runtime tells them apart by it.
     """
 
     phase: str = "fwd"
     segment: str = ""
     stage_gpus: int | None = None
+    comm_group: str = ""
 
     @property
     def group_gpus(self) -> int:
@@ -330,18 +359,37 @@ class _Segment:
     name: str
     ops: tuple[ComputeOp, ...]
     comm: CommOp | None
+    group: str = ""  # the collective's group ("tp", "cp"), "" without one
 
 
 class _Shapes:
-    """Per-rank shapes of one nanobatch (or one microbatch, with ``nanobatches=1``)."""
+    """Per-rank shapes of one nanobatch (or one microbatch, with ``parts=1``); with
+    ``chunk``, of chunk ``chunk`` of a microbatch of one sequence split along the sequence
+    into ``parts`` (``Workload.sequence_split``)."""
 
-    def __init__(self, wl: Workload, parts: int) -> None:
+    def __init__(self, wl: Workload, parts: int, chunk: int | None = None) -> None:
         m, p = wl.model, wl.parallelism
         self.d = wl.dtype_bytes
-        self.b = wl.microbatch_size // parts  # sequences
-        self.sq = wl.seq_len // p.cp  # query tokens per sequence on this rank
-        self.sk = wl.seq_len  # key tokens per sequence after the CP all-gather
+        if chunk is None:
+            self.b = wl.microbatch_size // parts  # sequences
+            self.sq = wl.seq_len // p.cp  # query tokens per sequence on this rank
+            self.sk = wl.seq_len  # key tokens per sequence after the CP all-gather
+            # causal attention, load-balanced over CP ranks: half the score matrix
+            self.pairs = 0.5 * self.sq * self.sk
+        else:  # one sequence (CP = 1), its chunk ``chunk`` of ``parts``
+            self.b = 1
+            self.sq = wl.seq_len // parts
+            # its queries read the keys of its own chunk and of every earlier one: the
+            # earlier chunks' whole (chunk x sq x sq) block and half of its own square, as
+            # the half score matrix of a whole sequence counts (the chunks' sum is it)
+            self.sk = (chunk + 1) * self.sq
+            self.pairs = (chunk + 0.5) * self.sq * self.sq
         self.t = self.b * self.sq  # tokens on this rank
+        # tokens the norms (and the residual additions fused into them) see: the rank's
+        # sequence shard under sequence parallelism, else all of them
+        self.tn = self.t // p.tp if p.sequence_parallel else self.t
+        self.sp = p.sequence_parallel
+        self.recompute = wl.recompute
         self.h = m.hidden
         self.q = m.heads // p.tp * m.head_dim
         self.kv = m.kv_heads // p.tp * m.head_dim
@@ -377,8 +425,9 @@ class _Shapes:
                          bytes_moved=elems_moved * self.d)
 
     def attention(self, name: str, backward: bool) -> ComputeOp:
-        # Causal attention, load-balanced over CP ranks: half the score matrix on average.
-        fwd_flops = 4.0 * self.b * self.sq * self.sk * self.heads * self.head_dim * 0.5
+        # Causal attention: 4 FLOPs per (query, key) pair and head dimension (QK^T, PV),
+        # over the pairs the causal mask leaves (``pairs``); K and V of the keys it reads.
+        fwd_flops = 4.0 * self.b * self.pairs * self.heads * self.head_dim
         kv_elems = 2 * self.b * self.sk * self.kv
         if backward:
             return ComputeOp(name=name, kind=OpKind.ATTENTION, flops=2.5 * fwd_flops,
@@ -390,6 +439,7 @@ class _Shapes:
 def _layer_ops(phase: str, s: _Shapes) -> dict[str, ComputeOp]:
     """Every op of a decoder layer's ``phase``, costed at the shapes ``s``, by name."""
     t, h, q, kv, f = s.t, s.h, s.q, s.kv, s.f
+    tn = s.tn  # the norms' tokens (t / TP under sequence parallelism)
     # qk-norm: one RMSNorm per head of the queries and of the keys, over head_dim, between
     # the QKV projection and RoPE; as the layer norms, forward reads and writes each element
     # (2 FLOPs per element moved), backward reads the gradient and the saved input and
@@ -401,12 +451,12 @@ def _layer_ops(phase: str, s: _Shapes) -> dict[str, ComputeOp]:
                    s.mem("k_norm_bwd", OpKind.NORM, 3 * t * kv, 3.0)) if s.qk_norm else ()
     ops: tuple[ComputeOp, ...]
     if phase == "fwd":
-        ops = (s.mem("attn_norm", OpKind.NORM, 2 * t * h, 2.0),
+        ops = (s.mem("attn_norm", OpKind.NORM, 2 * tn * h, 2.0),
                s.gemm("qkv", t, h, q + 2 * kv, bias_add=s.qkv_bias),
                *qk_norm,
                s.mem("rope", OpKind.ROPE, 2 * t * (q + kv), 1.5),
                s.attention("attn_core", backward=False), s.gemm("out_proj", t, q, h),
-               s.mem("mlp_norm", OpKind.NORM, 2 * t * h, 2.0), s.gemm("gate", t, h, f),
+               s.mem("mlp_norm", OpKind.NORM, 2 * tn * h, 2.0), s.gemm("gate", t, h, f),
                s.gemm("up", t, h, f), s.mem("swiglu", OpKind.ACTIVATION, 3 * t * f, 2.0),
                s.gemm("down", t, f, h))
         return {op.name: op for op in ops}
@@ -418,12 +468,15 @@ def _layer_ops(phase: str, s: _Shapes) -> dict[str, ComputeOp]:
     # tokens) is reduced in the weight-gradient GEMM's epilogue, which reads dQKV anyway.
     rope_bwd = ComputeOp(name="rope_bwd", kind=OpKind.ROPE, flops=1.5 * 2 * t * (q + kv),
                          bytes_moved=2 * t * (q + 2 * kv) * s.d)
-    ops = (s.mem("attn_norm_bwd", OpKind.NORM, 3 * t * h, 3.0),
+    ops = (s.mem("attn_norm_bwd", OpKind.NORM, 3 * tn * h, 3.0),
            s.gemm("down_dgrad", t, h, f), s.gemm("down_wgrad", f, t, h),
            s.mem("swiglu_bwd", OpKind.ACTIVATION, 5 * t * f, 3.0),
            s.gemm("gate_dgrad", t, f, h), s.gemm("up_dgrad", t, f, h),
            s.gemm("gate_wgrad", h, t, f), s.gemm("up_wgrad", h, t, f),
-           s.mem("mlp_norm_bwd", OpKind.NORM, 3 * t * h, 3.0),
+           s.mem("mlp_norm_bwd", OpKind.NORM, 3 * tn * h, 3.0),
+           # selective recomputation re-runs the attention core's forward (the same
+           # kernel, the same work) before the output projection's backward reads its output
+           *((s.attention("attn_core", backward=False),) if s.recompute == "selective" else ()),
            s.gemm("out_dgrad", t, h, q), s.gemm("out_wgrad", q, t, h),
            s.attention("attn_core_bwd", backward=True),
            rope_bwd, *qk_norm_bwd,
@@ -432,23 +485,46 @@ def _layer_ops(phase: str, s: _Shapes) -> dict[str, ComputeOp]:
     return {op.name: op for op in ops}
 
 
-def _layer_segments(wl: Workload, phase: str, s: _Shapes) -> list[_Segment]:
-    """A layer's segments in the op order of ``kareus.model.decoder`` (seen as a cycle: the
-    backward's input-norm backward opens its MLP segment), each op costed here. Without a
-    CP collective the two attention segments are one (``ATTENTION_SEGMENT``); a segment
-    whose collective does not run (TP = 1) keeps ``comm=None`` for ``_normalise``."""
+def _layer_comms(wl: Workload, s: _Shapes) -> dict[tuple[str, str], CommOp | None]:
+    """A layer's collectives by ``(kind, group)`` (``None`` where the group has one GPU).
+
+    ``CommOp.bytes`` follows its convention (the emulator moves ``bus_bytes`` of it): an
+    all-reduce's tensor, an all-gather's gathered output, a reduce-scatter's input. So the
+    TP all-reduce and, under sequence parallelism, the TP all-gather (of the normed input
+    or the output gradient) and reduce-scatter (of the output projections' partial sums or
+    the input gradients) all name the rank's whole ``tokens x hidden`` activation; the CP
+    ones the K and V of the whole sequence."""
     p = wl.parallelism
+    act = s.t * s.h * s.d
     kv_bytes = 2 * s.b * s.sk * s.kv * s.d
-    comms = {
-        "all_reduce": (CommOp(name="tp_all_reduce", kind=CommKind.ALL_REDUCE,
-                              bytes=s.t * s.h * s.d, group_size=p.tp) if p.tp > 1 else None),
-        "all_gather": (CommOp(name="cp_all_gather_kv", kind=CommKind.ALL_GATHER,
-                              bytes=kv_bytes, group_size=p.cp) if p.cp > 1 else None),
-        "reduce_scatter": (CommOp(name="cp_reduce_scatter_dkv", kind=CommKind.REDUCE_SCATTER,
-                                  bytes=kv_bytes, group_size=p.cp) if p.cp > 1 else None),
+    tp = p.tp > 1
+    cp = p.cp > 1
+    return {
+        ("all_reduce", "tp"): (CommOp(name="tp_all_reduce", kind=CommKind.ALL_REDUCE,
+                                      bytes=act, group_size=p.tp) if tp else None),
+        ("all_gather", "tp"): (CommOp(name="tp_all_gather", kind=CommKind.ALL_GATHER,
+                                      bytes=act, group_size=p.tp) if tp else None),
+        ("reduce_scatter", "tp"): (CommOp(name="tp_reduce_scatter",
+                                          kind=CommKind.REDUCE_SCATTER, bytes=act,
+                                          group_size=p.tp) if tp else None),
+        ("all_gather", "cp"): (CommOp(name="cp_all_gather_kv", kind=CommKind.ALL_GATHER,
+                                      bytes=kv_bytes, group_size=p.cp) if cp else None),
+        ("reduce_scatter", "cp"): (CommOp(name="cp_reduce_scatter_dkv",
+                                          kind=CommKind.REDUCE_SCATTER, bytes=kv_bytes,
+                                          group_size=p.cp) if cp else None),
     }
+
+
+def _layer_segments(wl: Workload, phase: str, s: _Shapes) -> list[_Segment]:
+    """A layer's segments in the op order of ``kareus.model.decoder`` (its TP layout,
+    query/key norm and recomputation policy; seen as a cycle: the backward's input-norm
+    backward opens its MLP segment), each op costed here. Without a CP collective the two
+    attention segments are one (``ATTENTION_SEGMENT``); a segment whose collective does not
+    run (TP = 1) keeps ``comm=None`` for ``_normalise``."""
+    p = wl.parallelism
+    comms = _layer_comms(wl, s)
     ops = _layer_ops(phase, s)
-    layer = decoder_layer(phase, qk_norm=s.qk_norm)
+    layer = decoder_layer(phase, qk_norm=s.qk_norm, sp=s.sp, recompute=s.recompute)
     unknown = sorted(set(layer.op_names) ^ set(ops))
     if unknown:  # the op order and the costs name the same ops
         raise AssertionError(f"decoder ops without a cost or not in the op order: {unknown}")
@@ -456,11 +532,13 @@ def _layer_segments(wl: Workload, phase: str, s: _Shapes) -> list[_Segment]:
     merge: tuple[ComputeOp, ...] = ()
     for seg in layer.cyclic_segments():
         seg_ops = merge + tuple(ops[n] for n in seg.op_names)
-        if seg.collective.group == "cp" and p.cp == 1:
+        c = seg.collective
+        if c.group == "cp" and p.cp == 1:
             merge = seg_ops  # no CP collective: one attention segment with the next
             continue
         name = ATTENTION_SEGMENT if merge else seg.name
-        out.append(_Segment(name, seg_ops, comms[seg.collective.kind]))
+        out.append(_Segment(name, seg_ops, comms[(c.kind, c.group)],
+                            c.group if comms[(c.kind, c.group)] is not None else ""))
         merge = ()
     return out
 
@@ -481,10 +559,95 @@ def _normalise(segments: list[_Segment]) -> list[_Segment]:
         if pending:
             ops = tuple(op for p in pending for op in p.ops) + seg.ops
             name = "_".join([p.name for p in pending] + [seg.name])
-            seg = _Segment(name, ops, seg.comm)
+            seg = _Segment(name, ops, seg.comm, seg.group)
             pending = []
         out.append(seg)
     return out
+
+
+def _chains(wl: Workload, segs: dict[str, list[_Segment]]) -> list[tuple[str, str, str]]:
+    """The chains of segments one stage runs per microbatch computation, as
+    ``(phase counted in, phase of the segments, phase whose last collective the chain's
+    first segment overlaps)``: the forward pass chains forward layers (layer ``l+1``'s first
+    segment overlaps layer ``l``'s last collective), the backward pass backward layers; with
+    full recomputation the backward also runs each layer's forward right before its
+    backward, so in it the recomputed forward's first segment overlaps the last collective
+    of the backward of the layer above, and the backward's first segment the recomputed
+    forward's last one. (With TP > 1 without sequence parallelism both phases end with the
+    TP all-reduce, so this pairs as the forward pass does; at TP = 1 the runtime's units of
+    a recomputed stack mix both phases' ops and run sequentially, so the forward pass's
+    pairing is kept.)"""
+    if wl.recompute != "full":
+        return [("fwd", "fwd", "fwd"), ("bwd", "bwd", "bwd")]
+    if wl.parallelism.tp == 1:
+        return [("fwd", "fwd", "fwd"), ("bwd", "bwd", "bwd"), ("bwd", "fwd", "fwd")]
+    return [("fwd", "fwd", "fwd"), ("bwd", "bwd", "fwd"), ("bwd", "fwd", "bwd")]
+
+
+def _type_name(phase: str, segment: str, comm: CommOp, group: str,
+               overlapped: set[tuple[CommKind, str]]) -> str:
+    """A partition type's name: ``{phase}_{segment}``, and when the segment overlaps more
+    than one collective, the collective's kind (``_ar``, ``_ag``, ``_rs``), or its group and
+    kind (``_tp_rs``, ``_cp_rs``) when two of them are of one kind (under sequence
+    parallelism with CP, a TP and a CP all-gather or reduce-scatter). Names depend on the
+    layer's structure only (never on message sizes), so they are stable for a workload."""
+    name = f"{phase}_{segment}"
+    if len(overlapped) == 1:
+        return name
+    if len({kind for kind, _ in overlapped}) == len(overlapped):
+        return f"{name}_{comm.kind.short}"
+    return f"{name}_{group}_{comm.kind.short}"
+
+
+#: ``(phase counted in, type phase, segment, the collective it overlaps, its group,
+#: instances per layer, its chunk when the segment's work depends on it)``
+_Pair = tuple[str, str, _Segment, CommOp, str, int, int | None]
+
+
+def _overlap_pairs(wl: Workload, segs_of: dict[str, list[list[_Segment]]]) -> list[_Pair]:
+    """Every (computation, collective) pair one stage runs per microbatch computation: each
+    nanobatch of a segment beside the collective of the nanobatch before it in stream
+    order (``_chains``); along the sequence (``Workload.sequence_split``), a segment whose
+    work depends on the chunk (its attention) in one pair per chunk."""
+    n = wl.nanobatches
+    segs = {phase: segs_of[phase][0] for phase in PHASES}
+    pairs: list[_Pair] = []
+
+    def units(phase: str, j: int, which: Sequence[int]) -> list[tuple[_Segment, int, int | None]]:
+        """``(segment, instances, chunk label)`` of segment ``j``'s nanobatches ``which``
+        (positions in the order they run)."""
+        if not which:
+            return []
+        same = all(segs_of[phase][c][j].ops == segs[phase][j].ops
+                   for c in range(len(segs_of[phase])))
+        if same:
+            return [(segs[phase][j], len(which), None)]
+        # forward in chunk order (a chunk's attention reads the earlier chunks' K and V);
+        # backward in reverse (a chunk's attention backward adds to the earlier chunks'
+        # dK and dV, which their QKV backward reads)
+        order = list(range(n)) if phase == "fwd" else list(reversed(range(n)))
+        return [(segs_of[phase][order[i]][j], 1, order[i]) for i in which]
+
+    for counted, phase, prev_last in _chains(wl, segs):
+        chain = segs[phase]
+        m = len(chain)
+        for j, seg in enumerate(chain):
+            assert seg.comm is not None
+            if n == 1:
+                pairs.append((counted, phase, seg, seg.comm, seg.group, 1, None))
+                continue
+            # nanobatches 2..n overlap the collective of the one before them
+            for unit, k, c in units(phase, j, range(1, n)):
+                pairs.append((counted, phase, unit, seg.comm, seg.group, k, c))
+            if j + 1 < m:  # the next segment's first nanobatch overlaps its last one's
+                for unit, k, c in units(phase, j + 1, [0]):
+                    pairs.append((counted, phase, unit, seg.comm, seg.group, k, c))
+        if n > 1:  # the first segment's first nanobatch overlaps the collective before it
+            last = segs[prev_last][-1]
+            assert last.comm is not None
+            for unit, k, c in units(phase, 0, [0]):
+                pairs.append((counted, phase, unit, last.comm, last.group, k, c))
+    return pairs
 
 
 def build_partitions(workload: Workload) -> PartitionSet:
@@ -500,41 +663,29 @@ def build_partitions(workload: Workload) -> PartitionSet:
         raise WorkloadError(
             f"{wl.model.name}: with TP=1 and CP=1 no layer has a collective to overlap; "
             "kareus needs tensor or context parallelism (set tp >= 2 or cp >= 2)")
-    shapes = _Shapes(wl, n)
     L = wl.layers_per_stage
     types: dict[str, TransformerPartition] = {}
     counts: dict[str, dict[str, int]] = {ph: {} for ph in PHASES}
 
-    for phase in PHASES:
-        segs = _normalise(_layer_segments(wl, phase, shapes))
-        pairs: list[tuple[_Segment, CommOp, int]] = []
-        m = len(segs)
-        for j, seg in enumerate(segs):
-            assert seg.comm is not None
-            if n == 1:
-                pairs.append((seg, seg.comm, 1))
-            else:
-                pairs.append((seg, seg.comm, n - 1))
-                pairs.append((segs[(j + 1) % m], seg.comm, 1))
-        kinds_by_segment: dict[str, set[tuple[str, float]]] = {}
-        for seg, comm, _ in pairs:
-            kinds_by_segment.setdefault(seg.name, set()).add((comm.kind.value, comm.bytes))
-        for seg, comm, k in pairs:
-            name = f"{phase}_{seg.name}"
-            if len(kinds_by_segment[seg.name]) > 1:
-                name += f"_{comm.kind.short}"
-            if name not in types:
-                types[name] = TransformerPartition(name=name, compute_ops=seg.ops, comm_op=comm,
-                                                   overlappable=n > 1, phase=phase,
-                                                   segment=seg.name, stage_gpus=p.tp * p.cp)
-            counts[phase][name] = counts[phase].get(name, 0) + k * L
-
-    if wl.recompute == "selective":
-        raise WorkloadError(f"{wl.model.name}: recompute='selective' is not costed yet; "
-                            "use 'full' or 'none'")
-    if wl.recompute == "full":
-        for name, c in counts["fwd"].items():
-            counts["bwd"][name] = counts["bwd"].get(name, 0) + c
+    # the layer's segments per chunk: one list, or, along the sequence, one per chunk (only
+    # the attention ops' costs differ between them)
+    chunks: list[int | None] = list(range(n)) if wl.sequence_split else [None]
+    segs_of = {phase: [_normalise(_layer_segments(wl, phase, _Shapes(wl, n, c)))
+                       for c in chunks] for phase in PHASES}
+    pairs = _overlap_pairs(wl, segs_of)
+    overlapped: dict[tuple[str, str], set[tuple[CommKind, str]]] = {}
+    for _, phase, seg, comm, group, _, _ in pairs:
+        overlapped.setdefault((phase, seg.name), set()).add((comm.kind, group))
+    for counted, phase, seg, comm, group, k, c in pairs:
+        name = _type_name(phase, seg.name, comm, group, overlapped[(phase, seg.name)])
+        if c is not None:
+            name += f"_c{c}"
+        if name not in types:
+            types[name] = TransformerPartition(name=name, compute_ops=seg.ops, comm_op=comm,
+                                               overlappable=n > 1, phase=phase,
+                                               segment=seg.name, stage_gpus=p.tp * p.cp,
+                                               comm_group=group)
+        counts[counted][name] = counts[counted].get(name, 0) + k * L
 
     return PartitionSet(workload=wl, types=dict(types), counts=counts,
                         outside=_outside_work(wl), iteration=iteration_work(wl))
@@ -618,15 +769,36 @@ def iteration_work(wl: Workload, *, distributed_optimizer: bool = True) -> Outsi
 
 
 def _outside_work(wl: Workload) -> dict[tuple[int, str], OutsideWork]:
+    """The work of one microbatch computation outside the layers, per stage and phase.
+
+    The embedding (first stage) and the final norm, LM head and loss (last stage), with
+    their TP collectives, as Megatron-LM runs them: without sequence parallelism the
+    vocab-parallel embedding's output is all-reduced (forward) and so is the LM head's
+    input gradient (backward). Under sequence parallelism the embedding's output is
+    reduce-scattered onto the sequence shards instead (its backward all-gather is the
+    bottom layer's last collective, ``kareus.model.decoder``); the final norm runs on the
+    shard and its output is all-gathered before the LM head; backward, the LM head's input
+    gradient is reduce-scattered, the final norm's backward runs on the shard and its
+    output gradient is all-gathered for the top layer's MLP backward (which reads the whole
+    sequence). The collectives run after the ops here (no overlap, and in the emulator a
+    sequential run costs the same in either order)."""
     p = wl.parallelism
     s = _Shapes(wl, 1)
     t, h, v = s.t, s.h, s.v
-    ar = (CommOp(name="tp_all_reduce_vocab", kind=CommKind.ALL_REDUCE, bytes=t * h * s.d,
+    tn = s.tn
+    act = t * h * s.d
+    sp = s.sp
+    ar = (CommOp(name="tp_all_reduce_vocab", kind=CommKind.ALL_REDUCE, bytes=act,
                  group_size=p.tp) if p.tp > 1 else None)
+    rs = (CommOp(name="tp_reduce_scatter_vocab", kind=CommKind.REDUCE_SCATTER, bytes=act,
+                 group_size=p.tp) if sp else None)
+    ag = (CommOp(name="tp_all_gather_final_norm", kind=CommKind.ALL_GATHER, bytes=act,
+                 group_size=p.tp) if sp else None)
     out: dict[tuple[int, str], OutsideWork] = {}
     # Pipeline sends: the stage's output activations (forward) or input gradients
     # (backward) of one microbatch, bf16, split over the TP ranks (each sends its 1/TP
-    # share, gathered on the other side: Megatron-LM's scatter-gather of pipeline tensors).
+    # share, gathered on the other side: Megatron-LM's scatter-gather of pipeline tensors;
+    # under sequence parallelism the share is the rank's sequence shard).
     # Stages sit on different nodes when a stage group of TP x CP GPUs times PP does not
     # fit in one node.
     p2p = t * h * s.d / p.tp
@@ -639,18 +811,24 @@ def _outside_work(wl: Workload) -> dict[tuple[int, str], OutsideWork]:
         if stage == 0:
             fwd_ops.append(s.mem("embedding", OpKind.EMBEDDING, 2 * t * h, 0.0001))
             bwd_ops.append(s.mem("embedding_bwd", OpKind.EMBEDDING, 3 * t * h, 1.0))
-            if ar is not None:
+            if rs is not None:
+                fwd_comms.append(rs)
+            elif ar is not None:
                 fwd_comms.append(ar)
         if stage == p.pp - 1:
             # With tied embeddings the LM head multiplies by the embedding's matrix, and
             # lm_head_wgrad writes into that matrix's gradient: the same kernels and bytes.
-            fwd_ops += [s.mem("final_norm", OpKind.NORM, 2 * t * h, 2.0),
+            fwd_ops += [s.mem("final_norm", OpKind.NORM, 2 * tn * h, 2.0),
                         s.gemm("lm_head", t, h, v),
                         s.mem("loss", OpKind.LOSS, 3 * t * v, 4.0)]
             bwd_ops += [s.mem("loss_bwd", OpKind.LOSS, 2 * t * v, 2.0),
                         s.gemm("lm_head_dgrad", t, v, h), s.gemm("lm_head_wgrad", h, t, v),
-                        s.mem("final_norm_bwd", OpKind.NORM, 3 * t * h, 3.0)]
-            if ar is not None:
+                        s.mem("final_norm_bwd", OpKind.NORM, 3 * tn * h, 3.0)]
+            if sp:
+                assert ag is not None and rs is not None
+                fwd_comms.append(ag)
+                bwd_comms += [rs, ag]
+            elif ar is not None:
                 bwd_comms.append(ar)
         out[(stage, "fwd")] = OutsideWork(ops=fwd_ops, comms=fwd_comms,
                                           p2p_bytes=p2p if stage < p.pp - 1 else 0.0,

@@ -476,7 +476,9 @@ class Workload:
             Megatron-LM's ``--recompute-activations``; everything else kept) or
             ``"none"`` (every activation the backward reads is kept). ``True`` and
             ``False`` are read as ``"full"`` and ``"none"``.
-        nanobatches: Parts each microbatch is split into for overlap (>= 1).
+        nanobatches: Parts each microbatch is split into for overlap (>= 1): groups of
+            its sequences, or, for a microbatch of one sequence, chunks of that sequence
+            (``sequence_split``; CP = 1 only).
         dtype_bytes: Bytes per activation element (2 for bf16).
     """
 
@@ -509,9 +511,21 @@ class Workload:
             (not p.sequence_parallel or (self.seq_len // p.cp) % p.tp == 0,
              f"sequence parallelism at TP={p.tp} needs each rank's seq_len / CP = "
              f"{self.seq_len // p.cp} tokens per sequence divisible by TP"),
-            (self.microbatch_size % self.nanobatches == 0,
+            (self.microbatch_size % self.nanobatches == 0 or self.microbatch_size == 1,
              f"microbatch_size={self.microbatch_size} does not split into "
-             f"{self.nanobatches} nanobatches; use a divisor of the microbatch size"),
+             f"{self.nanobatches} nanobatches; use a divisor of the microbatch size (or "
+             f"microbatch_size=1: one sequence, split along the sequence)"),
+            (not self.sequence_split or p.cp == 1,
+             f"nanobatches along the sequence (microbatch_size=1, nanobatches="
+             f"{self.nanobatches}) are not modelled with CP={p.cp}: use nanobatches=1 or "
+             f"cp=1"),
+            (not self.sequence_split or self.seq_len % self.nanobatches == 0,
+             f"seq_len={self.seq_len} does not split into {self.nanobatches} nanobatches "
+             f"along the sequence; use a divisor of the sequence length"),
+            (not self.sequence_split or not p.sequence_parallel
+             or (self.seq_len // self.nanobatches) % p.tp == 0,
+             f"sequence parallelism at TP={p.tp} needs each nanobatch's "
+             f"{self.seq_len // self.nanobatches} tokens divisible by TP"),
             (self.num_microbatches >= 1, "num_microbatches must be >= 1"),
         ]
         for ok, msg in checks:
@@ -575,6 +589,16 @@ class Workload:
     def layers_per_stage(self) -> int:
         """Transformer layers on each pipeline stage."""
         return self.model.layers // self.parallelism.pp
+
+    @property
+    def sequence_split(self) -> bool:
+        """Whether nanobatches split each microbatch along the sequence: a microbatch of one
+        sequence (``microbatch_size == 1``) in ``nanobatches > 1`` parts, each a contiguous
+        chunk of ``seq_len / nanobatches`` tokens whose causal attention reads the keys and
+        values of its own and every earlier chunk (so its cost grows with its index;
+        ``kareus.model.build_partitions`` costs each chunk). Otherwise nanobatches are
+        ``microbatch_size / nanobatches`` whole sequences each."""
+        return self.microbatch_size == 1 and self.nanobatches > 1
 
     @property
     def tokens_per_rank(self) -> int:

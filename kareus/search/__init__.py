@@ -48,7 +48,7 @@ from kareus.search._initial_design import (
     maximin_design,
     system_config_indices,
 )
-from kareus.search._log import LOG_FORMAT, LOG_VERSION
+from kareus.search._log import LOG_FORMAT, LOG_VERSION, prior_count
 from kareus.search._multi_pass_search import MultiPassSearch
 from kareus.search._objective_model import ObjectiveModel, ObjectivePrediction
 from kareus.search._spec import (
@@ -117,6 +117,7 @@ __all__ = [
     "reference_point",
     "resolve_surrogate",
     "search_features",
+    "prior_count",
     "search_log_path",
     "system_config_indices",
     "tree_surrogate",

@@ -200,6 +200,20 @@ def read_log(path: Path) -> list[dict[str, Any]]:
     return _verified(path, records, line_numbers)
 
 
+def prior_count(path: str | os.PathLike[str]) -> int:
+    """How many prior observations (``MultiPassSearch``'s ``prior``: measured before the
+    search, outside its budget) the search log at ``path`` holds; 0 for a missing or empty
+    file.
+
+    Raises:
+        OutputError: the file is not an intact kareus search log.
+    """
+    p = Path(path)
+    if not p.exists() or p.stat().st_size == 0:
+        return 0
+    return sum(1 for rec in read_log(p)[1:] if rec.get("kind") == "prior")
+
+
 def _verified(path: Path, records: list[dict[str, Any]], line_numbers: list[int]
               ) -> list[dict[str, Any]]:
     """The records without their checksums, each checked against its own."""

@@ -126,6 +126,13 @@ class MultiPassSearch:
             ``{"execution": "graphed"}`` for an emulator of graph-captured execution:
             recorded in a new log's header; a log that records other values (or none,
             where this is given) is refused on resume.
+        prior: Observations of configurations of this space measured before the search
+            and paid for elsewhere (the baselines' measurements of the same partition type,
+            [`kareus.workflow`][kareus.workflow]): the surrogates learn from them and the
+            frontier holds them, no configuration among them is measured again, and they
+            do not count toward ``budget``. Those outside the space, and repeats, are
+            left out. A new log records them first; a resumed search takes its log's (the
+            ones given then are not used), so it continues exactly as it began.
 
     Raises:
         TypeError: for a space, surrogate or pass of the wrong type.
@@ -153,6 +160,7 @@ class MultiPassSearch:
         resume: str | os.PathLike[str] | None = None,
         progress: bool | None = None,
         measured_with: Mapping[str, str] | None = None,
+        prior: Iterable[Observation] = (),
     ) -> None:
         if not isinstance(space, ConfigSpace):
             raise ArgumentTypeError(f"space must be a kareus ConfigSpace, got "
@@ -210,6 +218,7 @@ class MultiPassSearch:
         n = len(space)
         self._features = search_features(space)
         self._observations: list[Observation] = []
+        self._n_prior = 0  # observations told as prior (the first ones)
         self._measured = np.zeros(n, dtype=bool)
         self._pending: list[int] = []
         self._batches = 0  # batches asked so far
@@ -248,6 +257,7 @@ class MultiPassSearch:
                 self._write(log_header(space, seed=self.seed, batch_size=self.batch_size,
                                        budget=self.budget, initial_size=self.initial_size,
                                        measured_with=measured_with))
+            self._tell_prior(prior)
 
     # ---------------------------------------------------------------------- checking
     @staticmethod
@@ -276,8 +286,13 @@ class MultiPassSearch:
 
     @property
     def n_measured(self) -> int:
-        """Observations told so far."""
-        return len(self._observations)
+        """Observations this search has been told so far (priors not counted)."""
+        return len(self._observations) - self._n_prior
+
+    @property
+    def n_prior(self) -> int:
+        """Prior observations the search began with (see ``prior``)."""
+        return self._n_prior
 
     @property
     def pending(self) -> list[ScheduleConfig]:
@@ -421,6 +436,26 @@ class MultiPassSearch:
                      "measurement": measurement.to_dict()})
         self._record(i, measurement)
 
+    def _tell_prior(self, prior: Iterable[Observation]) -> None:
+        for o in prior:
+            if not isinstance(o, Observation):
+                raise ArgumentTypeError(f"prior must hold kareus Observations, got "
+                                        f"{type(o).__name__}")
+            if o.config not in self.space:
+                continue
+            i = self.space.index(o.config)
+            if self._measured[i]:
+                continue
+            self._write({"kind": "prior", "config": o.config.to_dict(),
+                         "measurement": o.measurement.to_dict()})
+            self._record_prior(i, o.measurement)
+
+    def _record_prior(self, i: int, measurement: Measurement) -> None:
+        if len(self._observations) != self._n_prior:
+            raise ArgumentError("prior observations come before the search's own")
+        self._record(i, measurement)
+        self._n_prior += 1
+
     def tell_many(self, results: Iterable[tuple[ScheduleConfig, Measurement]]) -> None:
         """[`tell`][kareus.search.MultiPassSearch.tell] each ``(config, measurement)`` pair."""
         for c, m in results:
@@ -529,6 +564,12 @@ class MultiPassSearch:
                              if not self._measured[self.space.index(c)]]
             for c, name in zip(cfgs, rec.get("passes", [])):
                 self.chosen_by[c] = name
+        elif kind == "prior":
+            config = ScheduleConfig.from_dict(rec["config"])
+            i = self.space.index(config)
+            if self._measured[i]:
+                raise OutputError(f"search log {path} holds {config} twice: {REMEDY}")
+            self._record_prior(i, Measurement.from_dict(rec["measurement"]))
         elif kind == "tell":
             config = ScheduleConfig.from_dict(rec["config"])
             i = self.space.index(config)
@@ -540,5 +581,6 @@ class MultiPassSearch:
                               f"{REMEDY}")
 
     def __repr__(self) -> str:
-        return (f"MultiPassSearch({self.space!r}, {self.n_measured}/{self.budget} measured, "
+        return (f"MultiPassSearch({self.space!r}, {self.n_measured}/{self.budget} measured"
+                f"{f' (+{self._n_prior} prior)' if self._n_prior else ''}, "
                 f"batch_size={self.batch_size}, seed={self.seed})")

@@ -33,7 +33,7 @@ from kareus.model.profiler import Profiler
 from kareus.search._defaults import SURROGATES
 from kareus.search._multi_pass_search import MultiPassSearch
 from kareus.search.acquisition import AcquisitionPass
-from kareus.search.partition_frontier import PartitionFrontier
+from kareus.search.partition_frontier import Observation, PartitionFrontier
 from kareus.search.surrogate import Surrogate
 
 __all__ = ["DEFAULT_BUDGET", "SearchSpec", "resolve_surrogate",
@@ -160,8 +160,8 @@ class SearchSpec:
         return resolve_surrogate(self.surrogate, self.seed)
 
     def search(self, space: ConfigSpace, *, log: str | os.PathLike[str] | None = None,
-               progress: bool | None = False, measured_with: dict[str, str] | None = None
-               ) -> MultiPassSearch:
+               progress: bool | None = False, measured_with: dict[str, str] | None = None,
+               prior: Sequence[Observation] = ()) -> MultiPassSearch:
         """A new search of ``space`` as this specification says.
 
         Args:
@@ -170,6 +170,8 @@ class SearchSpec:
             progress: Show a progress bar (``None``: on a terminal).
             measured_with: How the measurements are made beyond the space (recorded in the
                 log's header, [`MultiPassSearch`][kareus.search.MultiPassSearch]).
+            prior: Observations paid for elsewhere that the search starts from, outside
+                its budget (``MultiPassSearch``'s ``prior``).
 
         Returns:
             The search, ready to ask or to run.
@@ -179,11 +181,11 @@ class SearchSpec:
                                progress=progress, surrogate=self.surrogate_template(),
                                passes=None if self.passes is None else copy.deepcopy(
                                    list(self.passes)),
-                               measured_with=measured_with)
+                               measured_with=measured_with, prior=prior)
 
     def run(self, profiler: Profiler, partition: Partition, *,
-            log: str | os.PathLike[str] | None = None, progress: bool | None = False
-            ) -> PartitionFrontier:
+            log: str | os.PathLike[str] | None = None, progress: bool | None = False,
+            prior: Sequence[Observation] = ()) -> PartitionFrontier:
         """Search ``partition``'s space (``profiler.space(partition)``) with ``profiler``.
 
         The log's header records how the profiler feeds its GPU
@@ -195,6 +197,8 @@ class SearchSpec:
             partition: The partition type.
             log: The search log (resumed if it exists); ``None`` = none.
             progress: Show a progress bar (``None``: on a terminal).
+            prior: Observations of the type measured already, outside the budget
+                (``MultiPassSearch``'s ``prior``).
 
         Returns:
             The type's frontier.
@@ -202,7 +206,7 @@ class SearchSpec:
         execution = profiler.execution
         search = self.search(profiler.space(partition), log=log, progress=progress,
                              measured_with=None if execution is None
-                             else {"execution": execution})
+                             else {"execution": execution}, prior=prior)
         return search.run(profiler, partition)
 
     def __call__(self, profiler: Profiler, partition: Partition) -> PartitionFrontier:

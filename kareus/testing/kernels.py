@@ -12,6 +12,9 @@ formula (autograd of it for the backward ops):
   into the buffer given; a set that fuses them must agree with the separate ops),
 * ``rope`` / ``rope_bwd`` (rotate-half RoPE of q and k read from the packed QKV, and its
   backward packing dq, dk, dv),
+* ``qk_norm_rope`` / ``qk_norm_rope_bwd`` (per-head RMSNorm of the queries and keys, then
+  RoPE, as Qwen3's attention input; the backward's packed dQKV and the two norm weights'
+  gradients),
 * ``swiglu`` / ``swiglu_bwd``,
 * ``attention`` (causal, grouped K/V) and ``attention_fwd`` / ``attention_bwd``,
 * ``matmul`` (into ``out=``, and accumulating with ``accumulate=True``);
@@ -142,6 +145,31 @@ def _check_rope(ks: Any, c: _Case) -> None:
     _unchanged("rope / rope_bwd", keep + kept, [qkv, cos, sin, dq, dk, dv])
 
 
+def _check_qk_norm_rope(ks: Any, c: _Case) -> None:
+    b, s, h, kvh, hd, eps = 2, 6, 4, 2, 16, 1e-6
+    qkv = c.rnd(b * s, (h + 2 * kvh) * hd, scale=3.0)
+    wq, wk = 1 + c.rnd(hd, scale=0.1), 1 + c.rnd(hd, scale=0.1)
+    cos, sin = _cos_sin(c, s, hd)
+    dq, dk, dv = c.rnd(b, s, h, hd), c.rnd(b, s, kvh, hd), c.rnd(b, s, kvh, hd)
+    keep = [t.clone() for t in (qkv, wq, wk, cos, sin, dq, dk, dv)]
+    xd = qkv.double().cpu().requires_grad_()
+    wqd, wkd = wq.double().cpu().requires_grad_(), wk.double().cpu().requires_grad_()
+    full = xd.view(b, s, h + 2 * kvh, hd)
+    cd, sd = cos.double().cpu()[None, :, None, :], sin.double().cpu()[None, :, None, :]
+    qw = _rotate64(_norm64(full[:, :, :h], wqd, eps), cd, sd)
+    kw = _rotate64(_norm64(full[:, :, h:h + kvh], wkd, eps), cd, sd)
+    ((qw * dq.double().cpu()).sum() + (kw * dk.double().cpu()).sum()
+     + (full[:, :, h + kvh:] * dv.double().cpu()).sum()).backward()
+    q, k = ks.qk_norm_rope(qkv, wq, wk, cos, sin, heads=h, kv_heads=kvh, eps=eps)
+    c.close("qk_norm_rope q", q, qw.detach())
+    c.close("qk_norm_rope k", k, kw.detach())
+    dqkv, dwq, dwk = ks.qk_norm_rope_bwd(dq, dk, dv, qkv, wq, wk, cos, sin, eps=eps)
+    c.close("qk_norm_rope_bwd dqkv", dqkv, xd.grad)
+    c.close("qk_norm_rope_bwd dwq", dwq, wqd.grad)
+    c.close("qk_norm_rope_bwd dwk", dwk, wkd.grad)
+    _unchanged("qk_norm_rope / qk_norm_rope_bwd", keep, [qkv, wq, wk, cos, sin, dq, dk, dv])
+
+
 def _check_swiglu(ks: Any, c: _Case) -> None:
     torch = c.torch
     g, u, da = c.rnd(33, 40), c.rnd(33, 40), c.rnd(33, 40)
@@ -215,6 +243,7 @@ KERNEL_CHECKS: dict[str, Callable[[Any, _Case], None]] = {
     "rms_norm": _check_rms_norm,
     "residual_norms": _check_residual_norms,
     "rope": _check_rope,
+    "qk_norm_rope": _check_qk_norm_rope,
     "swiglu": _check_swiglu,
     "attention": _check_attention,
     "matmul": _check_matmul,

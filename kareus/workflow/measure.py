@@ -45,7 +45,8 @@ from kareus.model.workload import Workload
 from kareus.search import Observation, PartitionFrontier, SearchSpec, search_log_path
 from kareus.workflow.checks import require_outside_work, system_names
 
-__all__ = ["exhaustive_search", "measure_outside_work", "measure_systems", "partition_builder", "search_types"]
+__all__ = ["baseline_priors", "exhaustive_search", "measure_outside_work", "measure_systems",
+           "partition_builder", "search_types"]
 
 
 
@@ -196,9 +197,64 @@ class _SharedMeasurements(ProfilerWrapper):
         return self._outside[key]
 
 
+def baseline_priors(profiler: Profiler, workload: Workload, types: Mapping[str, Partition], *,
+                    systems: Sequence[str], freqs_mhz: Sequence[int] | None = None,
+                    partitions: PartitionSet | PartitionBuilder | None = None,
+                    log_dir: Path | None = None) -> dict[str, list[Observation]]:
+    """The baselines' measurements of kareus's partition types, made before kareus's search
+    so that it starts from them (``MultiPassSearch``'s ``prior``).
+
+    Each baseline measures its restricted space of a partition type exhaustively
+    ([`baseline_space`][kareus.compose.baseline_space]: Perseus and nanobatching + Perseus
+    sweep every clock of the default schedule), and those types are kareus's too (the
+    unsplit set is the sequential systems', the workload's own set the nanobatching
+    systems'). The comparison needs those measurements anyway; made first, they teach
+    kareus's search how each type's time and energy move with the clock before it spends
+    its budget, and [`measure_systems`][kareus.workflow.measure_systems] then reuses them
+    (kareus's frontiers hold them) instead of measuring again.
+
+    Args:
+        profiler: Measures.
+        workload: The workload optimised.
+        types: kareus's partition types by key
+            ([`kareus_types`][kareus.compose.kareus_types]).
+        systems: The systems compared (only the baselines among them measure).
+        freqs_mhz: The frequency-planning baselines' clocks; ``None`` = the GPU's grid.
+        partitions: How workloads are cut ([`partition_builder`][kareus.workflow.partition_builder]).
+        log_dir: The run's search logs: a type whose log already holds records takes its
+            priors from there on resume, so it is not measured again here.
+
+    Returns:
+        Key -> the observations (empty lists left out).
+    """
+    build = partition_builder(partitions, workload)
+    grid = None if freqs_mhz is None else list(freqs_mhz)
+    shared = _SharedMeasurements(profiler)
+    out: dict[str, list[Observation]] = {}
+    for name in system_names(systems):
+        if name == "kareus":
+            continue
+        wl = system_workload(name, workload)
+        for tname in build(wl).types:
+            key = kareus_type_key(tname, wl.nanobatches, workload)
+            if key not in types:
+                continue
+            if log_dir is not None:
+                log = search_log_path(log_dir, key)
+                if log.exists() and log.stat().st_size > 0:
+                    continue
+            space = baseline_space(name, types[key], profiler.gpu, grid)
+            seen = {o.config for o in out.get(key, [])}
+            obs = [Observation(config=c, measurement=shared.measure(types[key], c))
+                   for c in space.configs if c not in seen]
+            out.setdefault(key, []).extend(obs)
+    return {k: v for k, v in out.items() if v}
+
+
 def search_types(profiler: Profiler, types: Mapping[str, Partition], search: SearchSpec, *,
                  log_dir: Path | None = None, progress: bool | None = False,
-                 pool: Executor | None = None, pset: PartitionSet | None = None
+                 pool: Executor | None = None, pset: PartitionSet | None = None,
+                 priors: Mapping[str, Sequence[Observation]] | None = None
                  ) -> dict[str, PartitionFrontier]:
     """kareus's search of every partition type, by key, as ``search`` says.
 
@@ -213,21 +269,24 @@ def search_types(profiler: Profiler, types: Mapping[str, Partition], search: Sea
             ([`kareus.workflow.pools`][kareus.workflow.pools]); ``None`` = one after another here.
         pset: The workload's partition set, with ``pool``: each task reads the GPUs it needs
             from its workload.
+        priors: Observations each type's search starts from, by key, outside its budget
+            ([`baseline_priors`][kareus.workflow.baseline_priors]).
 
     Returns:
         Key -> the type's frontier.
     """
+    priors = {} if priors is None else priors
     if pool is not None:
         from kareus.workflow.pools import run_searches
 
         if pset is None:
             raise ArgumentError("search_types(pool=...) needs pset= (the GPUs of each task)")
         frontiers, _ = run_searches(pool, profiler, pset, search=search, log_dir=log_dir,
-                                    types=types)
+                                    types=types, priors=priors)
         return frontiers
     return {key: search.run(profiler, part,
                             log=None if log_dir is None else search_log_path(log_dir, key),
-                            progress=progress)
+                            progress=progress, prior=tuple(priors.get(key, ())))
             for key, part in types.items()}
 
 

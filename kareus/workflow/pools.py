@@ -36,7 +36,7 @@ import os
 import socket
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
@@ -47,7 +47,13 @@ from kareus._io import write_text_atomic
 from kareus.errors import ArgumentTypeError
 from kareus.model.partition import Partition, PartitionSet
 from kareus.model.profiler import Profiler
-from kareus.search import PartitionFrontier, SearchSpec, search_log_path
+from kareus.search import (
+    Observation,
+    PartitionFrontier,
+    SearchSpec,
+    prior_count,
+    search_log_path,
+)
 
 __all__ = ["SearchTask", "SearchTaskResult", "run_searches", "task_gpus"]
 
@@ -73,6 +79,7 @@ class SearchTaskResult:
         host: Where the task ran (host name).
         pid: The process that ran it.
         wall_s: The task's wall time.
+        priors: Observations the search started from (not its profiles).
     """
 
     name: str
@@ -83,11 +90,13 @@ class SearchTaskResult:
     host: str
     pid: int
     wall_s: float
+    priors: int = 0
 
     def log_record(self, attempt: int) -> dict[str, Any]:
         """One line of ``tasks.jsonl``."""
         return {"type": self.name, "attempt": attempt, "host": self.host, "pid": self.pid,
-                "wall_s": round(self.wall_s, 3), "profiles": len(self.frontier.measured()),
+                "wall_s": round(self.wall_s, 3),
+                "profiles": len(self.frontier.measured()) - self.priors,
                 "noise_offset": self.noise_offset, "noise_used": self.noise_used}
 
 
@@ -104,6 +113,7 @@ class SearchTask:
         log: Whether to keep a log at all.
         num_gpus: GPUs the task needs (its profiling group; 0 on the emulator); engines
             that place tasks on GPUs ([`RayExecutor`][kareus.workflow.ray.RayExecutor]) read it.
+        prior: Observations the search starts from, outside its budget.
     """
 
     name: str
@@ -113,6 +123,7 @@ class SearchTask:
     resume_text: str | None
     log: bool
     num_gpus: int = 0
+    prior: tuple[Observation, ...] = ()
 
     def __call__(self) -> SearchTaskResult:
         start = time.monotonic()
@@ -123,18 +134,22 @@ class SearchTask:
                 log = search_log_path(tmp, self.name)
                 if self.resume_text:
                     log.write_text(self.resume_text, encoding="utf-8")
-            frontier = self.search.run(self.profiler, self.partition, log=log, progress=False)
+            frontier = self.search.run(self.profiler, self.partition, log=log, progress=False,
+                                       prior=self.prior)
             text = log.read_text(encoding="utf-8") if log is not None and log.exists() else None
+            priors = prior_count(log) if log is not None else len(self.prior)
         after = self.profiler.measurement_count
         used = 0 if before is None or after is None else after - before
         return SearchTaskResult(name=self.name, frontier=frontier, log_text=text,
                                 noise_offset=before, noise_used=used, host=socket.gethostname(),
-                                pid=os.getpid(), wall_s=time.monotonic() - start)
+                                pid=os.getpid(), wall_s=time.monotonic() - start,
+                                priors=priors)
 
 
 def run_searches(executor: Executor, profiler: Profiler, pset: PartitionSet, *,
                  search: SearchSpec, log_dir: Path | None,
-                 types: Mapping[str, Partition] | None = None
+                 types: Mapping[str, Partition] | None = None,
+                 priors: Mapping[str, Sequence[Observation]] | None = None
                  ) -> tuple[dict[str, PartitionFrontier], dict[str, int]]:
     """Run every partition type's search as a task of ``executor``; see the module doc.
 
@@ -148,6 +163,7 @@ def run_searches(executor: Executor, profiler: Profiler, pset: PartitionSet, *,
             log); ``None`` = ``pset.types``
             ([`kareus.compose.kareus_types`][kareus.compose.kareus_types] gives kareus's, the
             unsplit types included).
+        priors: Observations each type's search starts from, by key.
 
     Returns:
         ``(frontiers, profiles)`` per type, as a serial run gives them; ``profiler``'s call
@@ -172,7 +188,8 @@ def run_searches(executor: Executor, profiler: Profiler, pset: PartitionSet, *,
             else None
         task = SearchTask(name=name, partition=parts[name], profiler=copy.deepcopy(profiler),
                           search=search, resume_text=resume, log=log_dir is not None,
-                          num_gpus=task_gpus(profiler, parts[name], gpus))
+                          num_gpus=task_gpus(profiler, parts[name], gpus),
+                          prior=tuple((priors or {}).get(name, ())))
         futures[name] = executor.submit(task)
     final = {n: f.result() for n, f in futures.items()}
     records = [final[n].log_record(1) for n in names]
@@ -187,4 +204,4 @@ def run_searches(executor: Executor, profiler: Profiler, pset: PartitionSet, *,
             for rec in records:
                 fh.write(json.dumps(rec) + "\n")
     frontiers = {n: final[n].frontier for n in names}
-    return frontiers, {n: len(frontiers[n].measured()) for n in names}
+    return frontiers, {n: len(frontiers[n].measured()) - final[n].priors for n in names}

@@ -113,7 +113,8 @@ class OptimizationResult:
             profiler does not say.
         profiles: Profiles (measurements) made by kareus's searches, per partition type
             key ([`kareus_type_key`][kareus.compose.kareus_type_key]: the unsplit types as
-            ``<type>@n1``).
+            ``<type>@n1``); the baselines' measurements each search started from
+            (its priors) are not counted.
     """
 
     workload: Workload

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
@@ -46,10 +46,16 @@ from kareus.compose.systems import (
     kareus_types,
 )
 from kareus.errors import ArgumentError, ArgumentTypeError
-from kareus.model.partition import PartitionSet
+from kareus.model.partition import Partition, PartitionSet
 from kareus.model.profiler import Profiler
 from kareus.model.workload import Workload
-from kareus.search import SearchSpec, resolve_surrogate
+from kareus.search import (
+    Observation,
+    SearchSpec,
+    prior_count,
+    resolve_surrogate,
+    search_log_path,
+)
 from kareus.search.acquisition import AcquisitionPass
 from kareus.search.progress import ProgressBar
 from kareus.search.surrogate import Surrogate
@@ -63,6 +69,7 @@ from kareus.workflow.checks import (
 )
 from kareus.workflow.compose import compose_systems
 from kareus.workflow.measure import (
+    baseline_priors,
     partition_builder,
     search_types,
 )
@@ -109,7 +116,11 @@ def optimize(
             NAME`` runs ``Workload.preset(NAME, tp=4, pp=2)`` (the command's defaults;
             ``Workload.preset`` alone gives TP = PP = 1, one GPU, which kareus refuses)
             with the workload's own batch defaults (8 microbatches of 8 x 4096 tokens, 2
-            nanobatches, recomputation) on ``a100-40gb``, as here with ``gpu=None``.
+            nanobatches, recomputation) on ``a100-40gb``, as here with ``gpu=None``. Its
+            TP layout (``Parallelism(sp=True)``: sequence parallelism, ``--sp``) and
+            recomputation policy (``recompute="full" | "selective" | "none"``,
+            ``--recompute``) decide the partition types, their work and the memory check,
+            and the plan records both.
         gpu: GPU preset name of the default profiler (the embedded emulated GPU); ``None`` =
             ``a100-40gb``. Beside a ``profiler`` of your own it is refused (that profiler has
             its GPU).
@@ -301,15 +312,37 @@ class OptimizationRun:
         if log_dir is not None:
             log_dir.mkdir(parents=True, exist_ok=True)
             recover_torn_logs(log_dir)
-        frontiers = search_types(profiler, types, self.search, log_dir=log_dir,
-                                 progress=progress, pool=pool, pset=pset)
-        profiles = {name: len(fr.measured()) for name, fr in frontiers.items()}
+        clocks = profiler.clocks_mhz()
+
+        def priors_of(some: Mapping[str, Partition]) -> dict[str, list[Observation]]:
+            return baseline_priors(profiler, workload, some, systems=self.systems,
+                                   freqs_mhz=None if clocks is None else list(clocks),
+                                   partitions=build, log_dir=log_dir)
+
+        if pool is not None:  # every type's priors first, then the searches as tasks
+            priors = priors_of(types)
+            frontiers = search_types(profiler, types, self.search, log_dir=log_dir,
+                                     progress=progress, pool=pool, pset=pset, priors=priors)
+        else:  # one type after another, its priors right before its search: the order a
+            # resumed run reads the logs back in (each log holds its priors, then its search)
+            priors, frontiers = {}, {}
+            for key, part in types.items():
+                one = priors_of({key: part})
+                priors.update(one)
+                frontiers.update(search_types(profiler, {key: part}, self.search,
+                                              log_dir=log_dir, progress=progress,
+                                              priors=one))
+        # kareus's own profiles: its frontiers also hold the baselines' measurements its
+        # searches started from (a resumed search's, recorded in its log, counted too)
+        profiles = {name: len(fr.measured()) - (
+            len(priors[name]) if name in priors
+            else 0 if log_dir is None else prior_count(search_log_path(log_dir, name)))
+            for name, fr in frontiers.items()}
         names = list(self.systems)
         _log.info("composing %s over a %s schedule", ", ".join(names), self.schedule)
         bar = ProgressBar(None, desc=f"composing {len(names)} systems", enabled=progress)
         bar.refresh()
         with bar, bar.heartbeat():
-            clocks = profiler.clocks_mhz()
             result = compose_systems(workload, profiler, systems=names,
                                      kareus_frontiers=frontiers,
                                      freqs_mhz=None if clocks is None else list(clocks),
@@ -382,20 +415,22 @@ def prepare(
                            estimate_s=estimate_run_s(workload, profiler, spec.budget))
 
 
-#: The systems that split every microbatch into nanobatches along its batch dimension.
+#: The systems that split every microbatch into nanobatches.
 _SPLITTING = ("nanobatching", "nanobatching+perseus")
 
 
 def _splittable_systems(workload: Workload, names: list[str], *, given: bool
                         ) -> tuple[list[str], tuple[str, ...]]:
     """The systems to compose, without the nanobatching ones when a microbatch of one
-    sequence cannot be split along its batch (splitting along the sequence is not
-    implemented): left out of the default five, refused when asked for by name."""
-    if workload.microbatch_size >= 2:
+    sequence cannot be split: along its batch it cannot, and along the sequence
+    (``Workload.sequence_split``) only at CP = 1; left out of the default five, refused
+    when asked for by name."""
+    if workload.microbatch_size >= 2 or workload.parallelism.cp == 1:
         return names, ()
     asked = [n for n in names if n in _SPLITTING]
     if asked and given:
         raise ArgumentError(f"systems: {', '.join(asked)} split each microbatch into "
-                            f"nanobatches of sequences, and microbatch_size=1 holds one; leave "
-                            "them out (the default leaves them out)")
+                            f"nanobatches, and microbatch_size=1 at CP={workload.parallelism.cp} "
+                            "does not split (nanobatches along the sequence are modelled at "
+                            "CP=1 only); leave them out (the default leaves them out)")
     return [n for n in names if n not in _SPLITTING], tuple(asked)

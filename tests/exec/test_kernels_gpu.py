@@ -102,6 +102,33 @@ def test_rope_forward_and_backward_on_strided_inputs(b, s, h, kvh, hd):
     assert torch.equal(got[:, -nv:], dv.reshape(b * s, nv))  # dv copied exactly
 
 
+@pytest.mark.parametrize("b,s,h,kvh", [(2, 2048, 4, 2), (1, 4096, 16, 8), (3, 37, 3, 1)])
+def test_qk_norm_fused_with_rope_equals_the_separate_kernels(b, s, h, kvh):
+    """On the GPU: the fused kernels agree with the Triton norm and RoPE kernels they
+    replace within bf16 rounding (not bit for bit: the fused norm sums each head's squares
+    in another order), and dv is copied exactly."""
+    from kareus.exec.kernels import KernelSet
+
+    ks, hd = TritonKernels(use_liger=False), 128
+    torch.manual_seed(s)
+    qkv = rnd(b * s, (h + 2 * kvh) * hd, scale=3.0)
+    wq, wk = 1 + rnd(hd, scale=0.1), 1 + rnd(hd, scale=0.1)
+    ang = torch.randn(s, hd // 2, device="cuda", dtype=torch.float64)
+    ang = torch.cat((ang, ang), -1)
+    cos, sin = ang.cos().to(torch.bfloat16), ang.sin().to(torch.bfloat16)
+    dq, dk, dv = (rnd(b, n, s, hd).transpose(1, 2) for n in (h, kvh, kvh))
+    kw = {"heads": h, "kv_heads": kvh, "eps": 1e-6}
+    q, k = ks.qk_norm_rope(qkv, wq, wk, cos, sin, **kw)
+    q2, k2 = KernelSet.qk_norm_rope(ks, qkv, wq, wk, cos, sin, **kw)
+    assert rel(q, q2) < 1e-3 and rel(k, k2) < 1e-3
+    got = ks.qk_norm_rope_bwd(dq, dk, dv, qkv, wq, wk, cos, sin, eps=1e-6)
+    sep = KernelSet.qk_norm_rope_bwd(ks, dq, dk, dv, qkv, wq, wk, cos, sin, eps=1e-6)
+    for a, r in zip(got, sep):
+        assert rel(a, r) < BF16_TOL
+    nv = kvh * hd
+    assert torch.equal(got[0][:, -nv:], dv.reshape(b * s, nv))
+
+
 @pytest.mark.parametrize("use_liger", SETS)
 @pytest.mark.parametrize("shape", [(4096, 2048), (1000, 3584), (7, 33)])
 def test_swiglu_forward_and_backward(use_liger, shape):

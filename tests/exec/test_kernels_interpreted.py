@@ -122,6 +122,47 @@ def _checks() -> list[dict]:
             0.0 if torch.equal(ks._k.rope_bwd(dq, dk, dv, cos, sin, grid="rows"), got)
             else 1.0)
 
+    # Query/key norm fused with RoPE: against float64, and (forward) bit for bit the
+    # separate norm and RoPE kernels it replaces; the backward's dv copied exactly.
+    for b, s, h, kvh, hd in ((2, 33, 4, 2, 16), (1, 70, 3, 1, 128)):
+        g = torch.Generator().manual_seed(7 * s)
+        tag = f"b{b} s{s} h{h} kv{kvh} hd{hd}"
+        qkv = rnd(g, b * s, (h + 2 * kvh) * hd, scale=3.0)
+        wq, wk = 1 + rnd(g, hd, scale=0.1), 1 + rnd(g, hd, scale=0.1)
+        ang = torch.randn(s, hd // 2, generator=g, dtype=torch.float64)
+        ang = torch.cat((ang, ang), -1)
+        cos, sin = ang.cos().to(torch.bfloat16), ang.sin().to(torch.bfloat16)
+        dq = rnd(g, b, h, s, hd).transpose(1, 2)  # attention's gradient layout (strided)
+        dk = rnd(g, b, kvh, s, hd).transpose(1, 2)
+        dv = rnd(g, b, kvh, s, hd).transpose(1, 2)
+        xd = qkv.double().requires_grad_()
+        wqd, wkd = wq.double().requires_grad_(), wk.double().requires_grad_()
+        full = xd.view(b, s, h + 2 * kvh, hd)
+        cd, sd = cos.double()[None, :, None, :], sin.double()[None, :, None, :]
+
+        def norm_rot(x, w, cd=cd, sd=sd):
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+            x1, x2 = x.chunk(2, -1)
+            return x * cd + torch.cat((-x2, x1), -1) * sd
+
+        qw, kw = norm_rot(full[:, :, :h], wqd), norm_rot(full[:, :, h:h + kvh], wkd)
+        ((qw * dq.double()).sum() + (kw * dk.double()).sum()
+         + (full[:, :, h + kvh:] * dv.double()).sum()).backward()
+        q, k = ks.qk_norm_rope(qkv, wq, wk, cos, sin, heads=h, kv_heads=kvh, eps=1e-6)
+        add(f"qk_norm_rope.q {tag}", rel(q, qw.detach()))
+        add(f"qk_norm_rope.k {tag}", rel(k, kw.detach()))
+        q2, k2 = super(TritonKernels, ks).qk_norm_rope(qkv, wq, wk, cos, sin, heads=h,
+                                                       kv_heads=kvh, eps=1e-6)
+        add(f"qk_norm_rope equals norm then rope {tag}",
+            0.0 if torch.equal(q, q2) and torch.equal(k, k2) else 1.0)
+        dqkv, dwq, dwk = ks.qk_norm_rope_bwd(dq, dk, dv, qkv, wq, wk, cos, sin, eps=1e-6)
+        add(f"qk_norm_rope_bwd.dqkv {tag}", rel(dqkv, xd.grad))
+        add(f"qk_norm_rope_bwd.dwq {tag}", rel(dwq, wqd.grad))
+        add(f"qk_norm_rope_bwd.dwk {tag}", rel(dwk, wkd.grad))
+        nv = kvh * hd
+        add(f"qk_norm_rope_bwd dv copied exactly {tag}",
+            0.0 if torch.equal(dqkv[:, -nv:], dv.reshape(b * s, nv)) else 1.0)
+
     for shape in ((64, 2048), (7, 33), (3, 4099)):
         g = torch.Generator().manual_seed(shape[1])
         gt, ut, da = rnd(g, *shape), rnd(g, *shape), rnd(g, *shape)

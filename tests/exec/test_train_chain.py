@@ -37,13 +37,23 @@ ARCH = ModelArch(name="tiny", layers=3, hidden=64, heads=4, kv_heads=2, head_dim
                  vocab=101)
 COMBOS = [(2, 1, True), (2, 1, False), (1, 2, False), (2, 2, True), (2, 2, False),
           (4, 2, True)]
+#: Sequence-parallel layouts (TP > 1): (tp, cp, recompute policy).
+SP_COMBOS = [(2, 1, "full"), (2, 1, "none"), (2, 2, "full"), (2, 2, "none"), (4, 2, "full"),
+             (4, 2, "none")]
 
 
-def workload(tp: int, cp: int, recompute: bool = True, n: int = 2, layers: int = 3) -> Workload:
+def workload(tp: int, cp: int, recompute: bool | str = True, n: int = 2, layers: int = 3,
+             sp: bool = False) -> Workload:
     m = ModelArch(name="tiny", layers=layers, hidden=64, heads=8, kv_heads=4, head_dim=8,
                   ffn=128, vocab=101)
-    return Workload(model=m, parallelism=Parallelism(tp=tp, cp=cp), microbatch_size=4,
+    return Workload(model=m, parallelism=Parallelism(tp=tp, cp=cp, sp=sp), microbatch_size=4,
                     seq_len=16, num_microbatches=2, nanobatches=n, recompute=recompute)
+
+
+def stream_of(wl: Workload, phase: str) -> list:
+    p = wl.parallelism
+    return stack_stream(phase, wl.model.layers, tp=p.tp, cp=p.cp, recompute=wl.recompute,
+                        qk_norm=wl.model.qk_norm, sp=p.sequence_parallel)
 
 
 def plan_for(wl: Workload, *, pick: int = 1, sms: int = 8) -> Plan:
@@ -75,12 +85,10 @@ class FakeModel:
 
 
 def run(wl: Workload, phase: str, schedule: str, plan: Plan | None = None):
-    p = wl.parallelism
     ex = RecordingExecutor(plan=plan)
     ex.start()
     model = FakeModel(ex.log)
-    stack = pieces(stack_stream(phase, wl.model.layers, tp=p.tp, cp=p.cp,
-                                recompute=wl.recompute))
+    stack = pieces(stream_of(wl, phase))
     types = type_shapes(build_partitions(wl))
     n = 1 if schedule == "sequential" else wl.nanobatches
     if schedule == "kareus":
@@ -157,35 +165,40 @@ def test_backward_stream_recomputes_each_layer_before_its_backward():
     assert not any(n in ("qkv", "down") for n, _ in no_rc)
 
 
-@pytest.mark.parametrize("tp,cp,recompute", COMBOS)
-def test_every_piece_is_a_partition_type_with_its_collective(tp, cp, recompute):
-    """Each unit's ops and the collective it overlaps form a type of the partition model."""
-    wl = workload(tp, cp, recompute)
+@pytest.mark.parametrize("tp,cp,recompute,sp",
+                         [(*c, False) for c in COMBOS] + [(*c, True) for c in SP_COMBOS])
+def test_every_piece_is_a_partition_type_with_its_collective(tp, cp, recompute, sp):
+    """Each unit's ops and the collective it overlaps (kind and group) form a type of the
+    partition model."""
+    wl = workload(tp, cp, recompute, sp=sp)
     types = type_shapes(build_partitions(wl))
     for phase in ("fwd", "bwd"):
-        stack = pieces(stack_stream(phase, 3, tp=tp, cp=cp, recompute=recompute))
+        stack = pieces(stream_of(wl, phase))
         assert all(p.comm is not None for p in stack[:-1])
         prev = None
         partial = 0
         for piece in stack:
             if prev is not None:
-                hit = match_type(types, piece.op_names, prev.kind)
+                hit = match_type(types, piece.op_names, prev.kind, prev.group)
                 assert hit is not None, (phase, piece.op_names, prev.kind)
+                assert types[hit[0]].comm_group == prev.group
                 partial += types[hit[0]].op_names != piece.op_names
             if piece.comm is not None:  # the next nanobatch of the same piece
-                hit = match_type(types, piece.op_names, piece.comm.kind)
+                hit = match_type(types, piece.op_names, piece.comm.kind, piece.comm.group)
                 assert hit is not None, (phase, piece.op_names, piece.comm.kind)
+                assert types[hit[0]].comm_group == piece.comm.group
             prev = piece.comm
         # only the ends of the stack are cut: the top layer's first backward piece and
         # the bottom layer's last one
         assert partial <= 2, (phase, partial)
 
 
-@pytest.mark.parametrize("tp,cp,recompute", COMBOS)
-def test_partitions_per_computation_match_the_partition_model(tp, cp, recompute):
+@pytest.mark.parametrize("tp,cp,recompute,sp",
+                         [(*c, False) for c in COMBOS] + [(*c, True) for c in SP_COMBOS])
+def test_partitions_per_computation_match_the_partition_model(tp, cp, recompute, sp):
     """The loop runs each type about as often per microbatch computation as the partition
     model counts it (the model pairs the last collective with the first piece: the tail)."""
-    wl = workload(tp, cp, recompute)
+    wl = workload(tp, cp, recompute, sp=sp)
     ps = build_partitions(wl)
     plan = plan_for(wl)
     for phase in ("fwd", "bwd"):

@@ -509,9 +509,7 @@ def _worker(out_dir: str, features: str) -> None:
     groups = TorchParallelGroups(tp=2)
     coll = GroupedCollective(tp=GlooCollective(groups.tp_group),
                              cp=GlooCollective(groups.cp_group))
-    # the partition model does not cost selective recomputation yet: its baselines only
-    plan = plan_for(wl) if wl.recompute != "selective" else None
-    loop = TrainingLoop(workload=wl, groups=groups, collective=coll, plan=plan,
+    loop = TrainingLoop(workload=wl, groups=groups, collective=coll, plan=plan_for(wl),
                         streams=RecordingStreamBackend(), kernels="torch", device="cpu",
                         dtype="float32", lr=1e-3)
     params = {k: v.clone() for k, v in loop.model.params.items()}
@@ -561,9 +559,7 @@ def test_four_gloo_ranks_match_the_whole_model(tmp_path, features):
                 assert torch.equal(v, shards[t][k]), k
     ref_loss, ref = reference(shards, wl.model, wl.model.layers, res[0]["batches"],
                               wl.num_microbatches * wl.microbatch_size * wl.seq_len)
-    ran = [s for s in ("sequential", "nanobatching", "kareus") if s in res[0]]
-    assert len(ran) == (2 if wl.recompute == "selective" else 3)
-    for s in ran:
+    for s in ("sequential", "nanobatching", "kareus"):
         for r in res:
             assert r[s]["loss"] == pytest.approx(ref_loss, rel=1e-5), s
             for k, g in r[s]["grads"].items():

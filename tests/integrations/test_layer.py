@@ -408,12 +408,6 @@ def test_refusals_are_typed_and_say_what_to_do():
 # ------------------------------------------------------------------ several processes, gloo
 
 
-def _schedules(recompute: str) -> tuple[str, ...]:
-    # the partition model does not cost selective recomputation yet: no plan for it
-    return (("sequential", "nanobatching") if recompute == "selective" else
-            ("sequential", "nanobatching", "kareus", "kareus-stack"))
-
-
 def _worker(out_dir: str, tp: int, qk: bool, recompute: str) -> None:
     import torch.distributed as dist
 
@@ -429,11 +423,10 @@ def _worker(out_dir: str, tp: int, qk: bool, recompute: str) -> None:
     arch = wl.model
     sq = wl.seq_len // groups.cp_size
     lo = groups.cp_rank * sq
-    plan = (make_workload_plan(wl, pick=1, sms=8, freqs_mhz=(1980, 1410),
-                               unsplit_microbatches=(1,))
-            if recompute != "selective" else None)
+    plan = make_workload_plan(wl, pick=1, sms=8, freqs_mhz=(1980, 1410),
+                              unsplit_microbatches=(1,))
     result = {"tp_rank": groups.tp_rank, "cp_rank": groups.cp_rank}
-    for schedule in _schedules(recompute):
+    for schedule in ("sequential", "nanobatching", "kareus", "kareus-stack"):
         stacked = schedule.endswith("-stack")
         applier = PlanApplier(workload=wl, groups=groups, schedule=schedule.split("-")[0],
                               plan=plan if schedule.startswith("kareus") else None, kernels="torch",
@@ -494,7 +487,7 @@ def test_gloo_ranks_match_the_whole_layer(tmp_path, world, tp, qk, recompute):
     arch = wl.model
     outs, grads = _reference_run(arch, wl.num_microbatches, wl.microbatch_size, wl.seq_len)
     sq = wl.seq_len // cp
-    for schedule in _schedules(recompute):
+    for schedule in ("sequential", "nanobatching", "kareus", "kareus-stack"):
         for r in res:
             lo = r["cp_rank"] * sq
             for (y, dx), (ry, rdx) in zip(r[schedule]["outs"], outs, strict=True):
@@ -521,8 +514,7 @@ def test_gloo_ranks_match_the_whole_layer(tmp_path, world, tp, qk, recompute):
                                                msg=f"{schedule} layer {i} {k} tp {t}")
         parts = [r[schedule]["partitions"] for r in res]
         assert all(p == parts[0] for p in parts), "ranks ran different partitions"
-    if recompute != "selective":
-        assert any(k.startswith("fwd_mlp") for _, k in res[0]["kareus"]["partitions"])
+    assert any(k.startswith("fwd_mlp") for _, k in res[0]["kareus"]["partitions"])
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The planned layer on one GPU: production kernels, CUDA streams, a real executor.
 
 * TP = CP = 1, bf16: output and every gradient against the float32 autograd reference of
-  the same layer (within bf16 rounding);
+  the same layer (within bf16 rounding), with the applier's defaults (its own graphs);
 * TP=4 x CP=2 stood in for by the loopback collective, under a plan, on a
   ``TorchExecutor`` with its side stream: every schedule computes the same function (the
   loopback's group semantics are the same in each), and the kareus schedule's collectives
@@ -120,7 +120,8 @@ def test_loopback_plan_runs_every_schedule_alike_on_cuda_streams():
     for schedule in ("sequential", "nanobatching", "kareus", "kareus-stack"):
         applier = PlanApplier(workload=wl, groups=groups, plan=plan,
                               schedule=schedule.split("-")[0], collective=capped,
-                              default_collective=default, record=True)
+                              default_collective=default, record=True,
+                              graphs=False)  # eager here; graphed below
         planned = applier.layer()
         outs = []
         for mb in range(2):
@@ -150,17 +151,23 @@ def test_loopback_plan_runs_every_schedule_alike_on_cuda_streams():
     assert capped.backend_for("all_reduce").calls_total > 0
 
 
+@pytest.mark.parametrize("mode", ["stack", "layers"])
 @pytest.mark.parametrize("qk", [False, True], ids=["llama", "qwen3"])
-def test_graphed_planned_stacks_equal_eager_ones_on_cuda(qk):
-    """PlanApplier(graphs=True) on CUDA streams (loopback TP=4 x CP=2 plan): two
-    microbatches of other inputs through a graphed stack equal eager execution, and the
-    first microbatch's output and gradients are not overwritten by the second replay."""
+def test_graphed_planned_stacks_equal_eager_ones_on_cuda(qk, mode):
+    """PlanApplier(graphs=True) on CUDA streams (loopback TP=4 x CP=2 plan): three
+    iterations of two microbatches of other inputs through a graphed stack (or two planned
+    layers, each its own node) equal eager execution, and the first microbatch's output
+    and gradients are not overwritten by the second replay. From the second iteration on
+    each layer (or the stack) replays graphs of its own, captured into the executor's one
+    memory pool, the backward reading its forward's kept inputs in place."""
     wl, groups, capped, default, plan, p = _loopback_tp4_cp2(qk)
     arch = wl.model
     dev = torch.device("cuda")
     g = torch.Generator(device="cpu").manual_seed(0)
     xs = [torch.randn(4, 256, arch.hidden, generator=g).to(dev, torch.bfloat16)
           for _ in range(2)]
+    p2 = {k: (v.detach() * 2 if v.dim() > 1 else v.detach().clone()).requires_grad_(True)
+          for k, v in p.items()}
     results = {}
     for schedule in ("nanobatching", "kareus"):
         for graphs in (False, True):
@@ -168,16 +175,28 @@ def test_graphed_planned_stacks_equal_eager_ones_on_cuda(qk):
                                   collective=capped, default_collective=default,
                                   graphs=graphs, eps=arch.norm_eps)
             outs = []
-            for mb, x in enumerate(xs):
-                xm = x.clone().requires_grad_(True)
-                with applier.microbatch(mb, "fwd"):
-                    y = applier.stack(2)(xm, [planned_weights(p, arch)] * 2)
-                with applier.microbatch(mb, "bwd"):
-                    y.float().square().mean().backward()
-                outs.append((y.detach(), xm.grad))
-            results[(schedule, graphs)] = (outs, _take_grads(p))
+            layer = applier.layer()
+            for _ in range(3):
+                for mb, x in enumerate(xs):
+                    xm = x.clone().requires_grad_(True)
+                    with applier.microbatch(mb, "fwd"):
+                        if mode == "stack":
+                            y = applier.stack(2)(xm, [planned_weights(p, arch)] * 2)
+                        else:  # two layers of their own weights (p, and p doubled)
+                            y = layer(layer(xm, planned_weights(p, arch)),
+                                      planned_weights(p2, arch))
+                    with applier.microbatch(mb, "bwd"):
+                        y.float().square().mean().backward()
+                    outs.append((y.detach(), xm.grad))
+            grads = _take_grads(p)
+            if mode == "layers":
+                grads.update({f"2.{k}": v for k, v in _take_grads(p2).items()})
+            results[(schedule, graphs)] = (outs, grads)
             if graphs:
                 assert applier._runner.captures >= 2
+                own = [k for k in applier._runner._graphs
+                       if k[-3 if k[-2] == "slot" else -1] is not None]
+                assert own  # graphs of the layers' (or the stack's) own
     torch.cuda.synchronize()
     for schedule in ("nanobatching", "kareus"):
         (e_outs, e_grads), (g_outs, g_grads) = (results[(schedule, False)],
@@ -188,6 +207,88 @@ def test_graphed_planned_stacks_equal_eager_ones_on_cuda(qk):
         assert not torch.equal(g_outs[0][0], g_outs[1][0])  # two inputs, two outputs kept
         for k, gk in g_grads.items():
             _close(gk, e_grads[k], f"{schedule} graphed {k}")
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs-on", "graphs-off"])
+@pytest.mark.parametrize("mode", ["layers", "stack"])
+@pytest.mark.parametrize("schedule", ["nanobatching", "kareus"])
+def test_planned_layers_inside_an_enclosing_cuda_graph_give_the_eager_gradients(
+        schedule, mode, graphs):
+    """Forward and backward of two microbatches captured as one ``torch.cuda.graph`` (a
+    user's own step capture; torchtitan's and Megatron-Core's work the same way) around
+    planned layers built with graphs on (or off): the layers launch into the capture (no
+    graph of their own is captured inside it), and a replay on new inputs gives the
+    output, input and weight gradients of eager execution on those inputs. The plan gives
+    the two microbatches different choices (microbatch 1 unsplit, another clock), which a
+    capture of the whole step holds in place."""
+    wl, groups, capped, default, plan, p = _loopback_tp4_cp2(qk=True)
+    arch = wl.model
+    dev = torch.device("cuda")
+    g = torch.Generator(device="cpu").manual_seed(0)
+    new = [torch.randn(4, 256, arch.hidden, generator=g).to(dev, torch.bfloat16)
+           for _ in range(2)]
+
+    def forward(applier, x, ws):
+        if mode == "stack":
+            return applier.stack(2)(x, [planned_weights(ws, arch)] * 2)
+        layer = applier.layer()
+        return layer(layer(x, planned_weights(ws, arch)), planned_weights(ws, arch))
+
+    def step(applier, xs, ws):
+        outs = []
+        for mb, x in enumerate(xs):
+            with applier.microbatch(mb, "fwd"):
+                y = forward(applier, x, ws)
+            with applier.microbatch(mb, "bwd"):
+                y.float().square().mean().backward()
+            outs.append(y.detach())
+        return outs
+
+    # eager, on the new inputs
+    eager = PlanApplier(workload=wl, groups=groups, plan=plan, schedule=schedule,
+                        collective=capped, default_collective=default, graphs=False,
+                        eps=arch.norm_eps)
+    xe = [x.clone().requires_grad_(True) for x in new]
+    want_y = step(eager, xe, p)
+    want = {k: v.grad.clone() for k, v in p.items()}
+
+    # captured: static inputs and gradients, warmed up on a side stream, then one graph
+    applier = PlanApplier(workload=wl, groups=groups, plan=plan, schedule=schedule,
+                          collective=capped, default_collective=default, graphs=graphs,
+                          eps=arch.norm_eps, whole_step_capture=True)
+    ws = {k: v.detach().clone().requires_grad_(True) for k, v in p.items()}
+    xs = [torch.randn_like(x).requires_grad_(True) for x in new]
+    static = [*ws.values(), *xs]
+    for t in static:
+        t.grad = torch.zeros_like(t)
+
+    def body():
+        for t in static:
+            t.grad.zero_()
+        return step(applier, xs, ws)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            body()
+    torch.cuda.current_stream().wait_stream(side)
+    own = applier._runner.captures if graphs else 0
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got_y = body()
+    if graphs:
+        assert applier._runner.captures == own  # nothing captured of its own inside
+    with torch.no_grad():
+        for x, n in zip(xs, new, strict=True):
+            x.copy_(n)
+    graph.replay()
+    torch.cuda.synchronize()
+    for i in range(2):
+        _close(got_y[i], want_y[i], f"microbatch {i} output")
+        _close(xs[i].grad, xe[i].grad, f"microbatch {i} input gradient")
+    for k in want:
+        _close(ws[k].grad, want[k], k)
 
 
 @pytest.mark.parametrize("how", ["layers", "stack"])

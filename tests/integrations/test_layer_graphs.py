@@ -98,8 +98,6 @@ def _run(applier, params, xs, *, plan):
 @pytest.mark.parametrize("recompute", ["full", "none", "selective"])
 @pytest.mark.parametrize("schedule", ["sequential", "nanobatching", "kareus"])
 def test_graphed_planned_stacks_compute_what_eager_ones_do(schedule, recompute):
-    if schedule == "kareus" and recompute == "selective":
-        pytest.skip("the partition model does not cost selective recomputation yet: no plan")
     wl = workload(tp=1, cp=2, recompute=recompute)
     # under the plan, microbatch 1 runs unsplit: another choice, so graphs of its own
     plan = (make_workload_plan(wl, unsplit_microbatches=(1,)) if schedule == "kareus"
@@ -275,3 +273,271 @@ def test_every_body_is_warmed_up_twice_before_its_capture(monkeypatch):
     xs = [torch.randn(4, 8, wl.model.hidden, generator=torch.Generator().manual_seed(0))]
     _run(_applier(wl, graphs=True, plan=None, schedule="sequential"), params, xs, plan=False)
     assert asked and set(asked) == {2}
+
+
+# ---------------------------------------------------------------- inside an enclosing capture
+class _Counting(_Rerun):
+    replays = 0
+
+    def replay(self, index=None):
+        _Counting.replays += 1
+        super().replay(index)
+
+
+def _fake_capture(monkeypatch):
+    """From now on the current CUDA stream reads as being captured (by someone else)."""
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("schedule", ["nanobatching", "kareus"])
+def test_inside_an_enclosing_capture_layers_launch_into_it(monkeypatch, schedule, graphs):
+    # a step outside any capture (the framework's warm-up), then the same step while the
+    # stream is captured: no graph of the applier's own is captured or replayed, and the
+    # result is eager's
+    monkeypatch.setattr(RerunExecutor, "capture",
+                        lambda self, name, bodies, **kw: _Counting(bodies))
+    wl = workload(tp=1, cp=2)
+    plan = make_workload_plan(wl) if schedule == "kareus" else None
+    xs = [torch.randn(4, 8, wl.model.hidden, generator=torch.Generator().manual_seed(s))
+          for s in (0, 1)]
+
+    def params():
+        return [{k: torch.nn.Parameter(v) for k, v in full_weights(wl.model, seed).items()}
+                for seed in (1, 2)]
+
+    want = _run(_applier(wl, graphs=False, plan=plan, schedule=schedule), params(), xs,
+                plan=plan is not None)
+    applier = _applier(wl, graphs=graphs, plan=plan, schedule=schedule)
+    _run(applier, params(), xs, plan=plan is not None)  # warm-up, outside
+    captures, replays = (applier._runner.captures if graphs else 0), _Counting.replays
+    _fake_capture(monkeypatch)
+    got = _run(applier, params(), xs, plan=plan is not None)
+    assert _Counting.replays == replays
+    if graphs:
+        assert applier._runner.captures == captures
+    for (ye, dxe, ge), (yg, dxg, gg) in zip(want, got, strict=True):
+        torch.testing.assert_close(yg, ye, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(dxg, dxe, rtol=1e-6, atol=1e-6)
+        for k in ge:
+            torch.testing.assert_close(gg[k], ge[k], rtol=1e-6, atol=1e-6, msg=k)
+
+
+def test_a_first_run_inside_a_capture_is_refused(monkeypatch):
+    from kareus.errors import GraphCaptureError
+
+    wl = workload(tp=1, cp=2)
+    applier = _applier(wl, graphs=True)
+    params = {k: torch.nn.Parameter(v) for k, v in full_weights(wl.model, 1).items()}
+    x = torch.randn(4, 8, wl.model.hidden)
+    _fake_capture(monkeypatch)
+    with pytest.raises(GraphCaptureError, match="before it ever ran outside one"):
+        applier.stack(1)(x, [planned_weights(params, wl.model)])
+    assert applier._runner is None
+
+
+def test_a_plan_that_differs_per_microbatch_needs_a_whole_step_capture(monkeypatch):
+    from kareus.errors import PlanError
+
+    wl = workload(tp=1, cp=2)
+    plan = make_workload_plan(wl, freqs_mhz=(1980, 1410))  # two choices: two clocks
+    xs = [torch.randn(4, 8, wl.model.hidden, generator=torch.Generator().manual_seed(s))
+          for s in (0, 1)]
+
+    def params():
+        return [{k: torch.nn.Parameter(v) for k, v in full_weights(wl.model, 1).items()}]
+
+    want = _run(_applier(wl, graphs=False, plan=plan), params(), xs, plan=True)
+    per_mb, whole = (_applier(wl, graphs=True, plan=plan) for _ in range(2))
+    whole.whole_step_capture = True
+    for applier in (per_mb, whole):
+        _run(applier, params(), xs, plan=True)
+    with monkeypatch.context() as m:
+        _fake_capture(m)
+        with pytest.raises(PlanError, match="whole_step_capture=True"):
+            _run(per_mb, params(), xs, plan=True)
+        got = _run(whole, params(), xs, plan=True)
+    for (ye, dxe, ge), (yg, dxg, gg) in zip(want, got, strict=True):
+        torch.testing.assert_close(yg, ye, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(dxg, dxe, rtol=1e-6, atol=1e-6)
+        for k in ge:
+            torch.testing.assert_close(gg[k], ge[k], rtol=1e-6, atol=1e-6, msg=k)
+    # one choice for every microbatch: any capture takes it
+    uniform = _applier(wl, graphs=True, plan=make_workload_plan(wl))
+    _run(uniform, params(), xs, plan=True)
+    _fake_capture(monkeypatch)
+    _run(uniform, params(), xs, plan=True)
+
+
+def test_the_plans_digest_exchange_is_refused_inside_a_capture(monkeypatch):
+    from kareus.errors import PlanError
+
+    wl = workload(tp=1, cp=2)
+    groups = LoopbackGroups(tp=1, cp=2)
+    applier = PlanApplier(workload=wl, groups=groups, plan=make_workload_plan(wl),
+                          kernels="torch", start=False)
+    _fake_capture(monkeypatch)
+    with pytest.raises(PlanError, match="applier.start"), applier.microbatch(0, "fwd"):
+        pass
+
+
+def test_graphs_default_per_device(monkeypatch, caplog):
+    import logging
+
+    wl = workload(tp=1, cp=2)
+    groups = LoopbackGroups(tp=1, cp=2)
+    caplog.set_level(logging.INFO, logger="kareus")
+    # no CUDA device: eager, said once
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cpu = PlanApplier(workload=wl, groups=groups, kernels="torch")
+    assert cpu.graphs is False and cpu.baseline.graphs is False
+    assert "kareus planned layers: eager launches" in caplog.text
+    # a device whose streams capture: graphs, said once
+    caplog.clear()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    gpu = PlanApplier(workload=wl, groups=groups, kernels="torch",
+                      streams=RecordingStreamBackend())
+    assert gpu.graphs is True and gpu.baseline.graphs is True
+    assert "kareus planned layers: own CUDA graphs" in caplog.text
+    # told otherwise
+    off = PlanApplier(workload=wl, groups=groups, kernels="torch",
+                      streams=RecordingStreamBackend(), graphs=False)
+    assert off.graphs is False and off.baseline.graphs is False
+
+
+# ---------------------------------------------------------------- backward reads its forward's slot
+@pytest.mark.parametrize("order", ["fwd-bwd", "all-forwards-first", "no-grad-forward-between"])
+def test_a_graphed_backward_reads_what_its_forward_kept_in_place(order):
+    # the backward graph reads the forward graph's static input and kept inputs where the
+    # forward left them; another forward of the same graph before that backward first
+    # gives the pending backward clones of them (copied back before its replay), so every
+    # order of forwards and backwards computes what eager execution does
+    wl = workload(tp=1, cp=2)
+    xs = [torch.randn(4, 8, wl.model.hidden, generator=torch.Generator().manual_seed(s))
+          for s in (0, 1)]
+    results = []
+    for graphs in (False, True):
+        params = [{k: torch.nn.Parameter(v) for k, v in full_weights(wl.model, seed).items()}
+                  for seed in (1, 2)]
+        applier = _applier(wl, graphs=graphs, schedule="nanobatching")
+        stack = applier.stack(2)
+
+        def forward(x, params=params, stack=stack):
+            return stack(x, [planned_weights(p, wl.model) for p in params])
+
+        for _ in range(2):  # the first iteration captures (a weight made anew moves once)
+            loads = applier._graphs_runner().loads if graphs else 0
+            leaves = [x.clone().requires_grad_(True) for x in xs]
+            if order == "all-forwards-first":
+                ys = [forward(x) for x in leaves]
+                for y in reversed(ys):
+                    y.square().sum().backward()
+            else:
+                ys = []
+                for x in leaves:
+                    y = forward(x)
+                    if order == "no-grad-forward-between":
+                        with torch.no_grad():
+                            forward(x * 3)  # overwrites the slot; y's backward is pending
+                    y.square().sum().backward()
+                    ys.append(y)
+        results.append(([y.detach() for y in ys], [x.grad for x in leaves],
+                        {f"{i}.{k}": p.grad for i, lp in enumerate(params)
+                         for k, p in lp.items()}))
+        if graphs:
+            runner = applier._runner
+            assert runner.loads - loads == {"fwd-bwd": 0, "all-forwards-first": 1,
+                                    "no-grad-forward-between": 2}[order]
+    (ye, dxe, ge), (yg, dxg, gg) = results
+    for a, b in zip(ye + dxe, yg + dxg, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
+    for k in ge:
+        torch.testing.assert_close(gg[k], ge[k], rtol=1e-6, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("schedule", ["sequential", "kareus"])
+def test_with_a_shared_pool_each_layer_replays_a_graph_of_its_own(schedule):
+    # executors whose graphs share one memory pool (the default ones on a GPU): once a
+    # layer's first weight has come back at its address, that layer gets graphs of its own
+    # (at most the model's layer count of them)
+    # reading its weights in place (only the QKV concatenation, made anew on every call,
+    # is copied), and its backward reads its own forward's slot: no loads in the
+    # per-microbatch order; the gradients are eager's
+    wl = workload(tp=1, cp=2)
+    plan = make_workload_plan(wl) if schedule == "kareus" else None
+    xs = [torch.randn(4, 8, wl.model.hidden, generator=torch.Generator().manual_seed(s))
+          for s in (0, 1)]
+    results, appliers = [], []
+    for graphs in (False, True):
+        params = [{k: torch.nn.Parameter(v) for k, v in full_weights(wl.model, seed).items()}
+                  for seed in (1, 2, 3)]
+        applier = _applier(wl, graphs=graphs, plan=plan,
+                           schedule=None if plan else schedule)
+        for ex in (applier.baseline, applier.executor):
+            if ex is not None:
+                ex.streams.shares_graph_pool = True
+        layer = applier.layer()
+        out = []
+        for _ in range(3):  # iterations: the third runs every layer from its own graphs
+            loads = applier._graphs_runner().loads if graphs else 0
+            for mb, x0 in enumerate(xs):
+                x = x0.clone().requires_grad_(True)
+                with applier.microbatch(mb, "fwd") if plan else nullcontext():
+                    y = x
+                    for p in params:
+                        y = layer(y, planned_weights(p, wl.model))
+                with applier.microbatch(mb, "bwd") if plan else nullcontext():
+                    y.square().sum().backward()
+                out.append((y.detach(), x.grad))
+        if graphs:
+            assert applier._runner.loads == loads  # the last iteration loaded nothing
+        grads = {f"{i}.{k}": p.grad for i, lp in enumerate(params) for k, p in lp.items()}
+        results.append((out, grads))
+        appliers.append(applier)
+    runner = appliers[1]._runner
+    own = [k for k in runner._graphs if k[len(k) - 1 if k[-2] != "slot" else -3] is not None]
+    # forward and backward of each layer, per plan choice (one here), up to the model's
+    # layer count (2): the third layer replays the graph the others' first calls share
+    assert wl.model.layers == 2 and len(own) == 4
+    assert any(k[-1] is None for k in runner._graphs)
+    for k in own:
+        copied = {j for row in runner._graphs[k].copied for j, c in enumerate(row) if c}
+        assert copied <= {1}
+    (e_out, e_grads), (g_out, g_grads) = results
+    for (ye, dxe), (yg, dxg) in zip(e_out, g_out, strict=True):
+        torch.testing.assert_close(yg, ye, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(dxg, dxe, rtol=1e-6, atol=1e-6)
+    for k in e_grads:
+        torch.testing.assert_close(g_grads[k], e_grads[k], rtol=1e-6, atol=1e-6, msg=k)
+
+
+def test_inside_an_enclosing_capture_the_clock_requests_go_into_it(monkeypatch):
+    # the microbatch scope's clock request goes to the trigger on the current (captured)
+    # stream, as in eager execution: with the stream-ordered trigger's host-function
+    # marker that is a host node of the enclosing graph, with event polling a one-line
+    # GraphCaptureError from the trigger; never held back nor dropped
+    from kareus.testing import RecordingTrigger
+
+    wl = workload(tp=1, cp=2)
+    plan = make_workload_plan(wl, freqs_mhz=(1980, 1410))
+    groups = LoopbackGroups(tp=1, cp=2)
+    capped, default, _ = make_collectives(groups, backend="loopback")
+    trigger = RecordingTrigger()
+    trigger.capturable = True
+    applier = PlanApplier(
+        workload=wl, groups=groups, plan=plan, kernels="torch", graphs=True,
+        whole_step_capture=True,
+        baseline=RerunExecutor(collective=default, default_collective=default),
+        executor=RerunExecutor(collective=capped, default_collective=default, plan=plan,
+                               frequency=trigger))
+    params = [{k: torch.nn.Parameter(v) for k, v in full_weights(wl.model, 1).items()}]
+    xs = [torch.randn(4, 8, wl.model.hidden, generator=torch.Generator().manual_seed(s))
+          for s in (0, 1)]
+    _run(applier, params, xs, plan=True)  # warm-up, outside
+    trigger.requests.clear()
+    _fake_capture(monkeypatch)
+    _run(applier, params, xs, plan=True)
+    stream = applier.executor.streams.current_stream()
+    assert trigger.requests == [(1980, stream), (1980, stream), (1410, stream),
+                                (1410, stream)]

@@ -1,8 +1,8 @@
 """kareus.integrations.megatron against Megatron-Core's own layers (CPU, gloo, TP=2), for a
 Llama layer and for Qwen3's (``qk_layernorm=True``, ``layernorm_epsilon=1e-6``, tied
 embeddings), each without recomputation (Megatron's default) and with Megatron's selective
-recomputation (``core_attn``; kareus's layers then recompute their attention core; the
-baselines only, as the partition model does not cost it yet), and a Llama layer under
+recomputation (``core_attn``; kareus's layers then recompute their attention core), and a
+Llama layer under
 Megatron's full recomputation (kareus's layers chained: the stack recomputes itself).
 
 Megatron-Core's training path is CUDA-only (``device="cuda"`` factories, CUDA RNG
@@ -58,12 +58,9 @@ VARIANTS = {"llama": ({}, False),
 
 
 def _plan(wl, **kw):
-    """The test plan, or ``None`` where the partition model does not cost the workload's
-    recomputation yet (selective): those variants run the baselines only."""
+    """The test plan (synthetic: every type at its second slot, 8 SMs)."""
     from kareus.testing import make_workload_plan
 
-    if wl.recompute == "selective":
-        return None
     return make_workload_plan(wl, pick=1, sms=8, freqs_mhz=(1980, 1410), **kw)
 
 
@@ -144,7 +141,7 @@ def _layers_match(config, wl, groups, emb, out):
 
     want_outs, want_grads = run(own)
     plan = _plan(wl, unsplit_microbatches=(1,))
-    for schedule in ("sequential", "nanobatching", "kareus")[:3 if plan else 2]:
+    for schedule in ("sequential", "nanobatching", "kareus"):
         applier = PlanApplier(workload=wl, groups=groups, schedule=schedule,
                               plan=plan if schedule == "kareus" else None, kernels="torch",
                               rope_base=500000, eps=config.layernorm_epsilon, record=True)
@@ -243,7 +240,6 @@ def _gpt_matches(config, wl, groups, out, tied):
 
     plan = _plan(wl)
     applier = PlanApplier(workload=wl, groups=groups, plan=plan, kernels="torch",
-                          schedule=None if plan else "nanobatching",
                           rope_base=ex.ROTARY_BASE, eps=config.layernorm_epsilon, record=True)
     scopes = []
     enter = applier.microbatch
@@ -313,7 +309,6 @@ def _chained_gpt_matches(config, wl, groups, plan, initial, batches, own_model, 
     with pytest.raises(ArgumentError, match="kareus_layer_spec"):
         chain_layers(own_model)  # Megatron's own layers
     applier = PlanApplier(workload=wl, groups=groups, plan=plan, kernels="torch",
-                          schedule=None if plan else "nanobatching",
                           rope_base=ex.ROTARY_BASE, eps=config.layernorm_epsilon, record=True)
     model = ex.build_model(config, kareus_layer_spec(applier), SEQ, "cpu", tied=tied)
     model.load_state_dict(initial)
@@ -456,14 +451,11 @@ def test_kareus_layers_are_megatron_s_layers_over_gloo(tmp_path, variant):
         assert any(k.startswith("bwd_") for _, k in res[0]["gpt"])
         assert res[0]["losses"] == res[1]["losses"]
         return
-    planned = not variant.endswith("selective")
     for key in ("sequential", "nanobatching", "kareus", "gpt", "chained"):
-        if key == "kareus" and not planned:
-            continue
         assert res[0][key] and res[1][key] == res[0][key], f"ranks ran different {key}"
     # the last forward collective of every layer runs exposed; chained, only the block's
     assert res[0]["exposed"] == {"layers": DIMS["num_layers"], "chained": 1}, res[0]["exposed"]
-    assert any(k.startswith("fwd_mlp") for _, k in res[0]["kareus" if planned else "gpt"])
+    assert any(k.startswith("fwd_mlp") for _, k in res[0]["kareus"])
     assert res[0]["losses"] == res[1]["losses"]
 
 

@@ -1,5 +1,6 @@
 """bench/planned_layers.py runs its code path on the CPU (a tiny model): every mode and
-schedule, a JSON of every row."""
+schedule the CPU runs, several shapes, a JSON of every row; the graphed modes (own and
+step capture) are refused without a GPU."""
 
 from __future__ import annotations
 
@@ -15,10 +16,22 @@ from bench_scripts import load_bench
 def test_the_bench_runs_every_row_on_the_cpu(tmp_path, capsys):
     bench = load_bench("planned_layers")
     out = tmp_path / "pl.json"
-    assert bench.main(["--device", "cpu", "--tiny", "--rounds", "1", "--layers", "2",
+    assert bench.main(["--device", "cpu", "--tiny", "--rounds", "1", "--rows", "2:4x32,1:4x32",
                        "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["mode"], r["schedule"]) for r in rows] == [
-        (m, s) for m in bench.MODES for s in bench.SCHEDULES]
-    assert all(r["iteration_s"] > 0 for r in rows)
+    assert [(r["layers"], r["mode"], r["schedule"]) for r in rows] == [
+        (n, m, s) for n in (2, 1) for m in bench.MODES for s in bench.SCHEDULES]
+    assert all(r["iteration_s"] > 0 and r["vs_step"] is None for r in rows)
     assert "synthetic plan" in capsys.readouterr().out
+
+
+def test_the_bench_parses_its_shapes_and_refuses_graphed_modes_on_the_cpu():
+    bench = load_bench("planned_layers")
+    args = bench.parse_args(["--rows", "4:4x4096,8:8x4096,14:8x4096"])
+    assert bench._shapes(args) == [(4, 4, 4096), (8, 8, 4096), (14, 8, 4096)]
+    args = bench.parse_args(["--modes", "stack@step"])
+    assert bench._modes(args, cuda=True) == ["stack@step"]
+    with pytest.raises(SystemExit, match="need a CUDA GPU"):
+        bench._modes(args, cuda=False)
+    with pytest.raises(SystemExit, match="LAYERS:MBSxSEQ"):
+        bench._shapes(bench.parse_args(["--rows", "4x4096"]))

@@ -45,14 +45,26 @@ def test_collectives_by_group_size():
     assert layer_collectives(tp=1, cp=1) == ()
 
 
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize(("tp", "cp"), [(2, 1), (1, 2), (2, 2)])
-def test_the_partition_model_costs_exactly_the_layers_ops(tp, cp):
-    wl = Workload(model=ARCH, parallelism=Parallelism(tp=tp, cp=cp), microbatch_size=2,
-                  seq_len=64, num_microbatches=2, nanobatches=2)
+def test_the_partition_model_costs_exactly_the_layers_ops(tp, cp, n, sp):
+    wl = Workload(model=ARCH, parallelism=Parallelism(tp=tp, cp=cp, sp=sp), microbatch_size=2,
+                  seq_len=64, num_microbatches=2, nanobatches=n)
     ps = build_partitions(wl)
+    layout = wl.parallelism.sequence_parallel
+    sizes = {"tp": tp, "cp": cp}
     for phase in ("fwd", "bwd"):
-        held = {op.name for p in ps if p.phase == phase for op in p.compute_ops}
-        assert held == set(decoder_layer(phase).op_names)
+        layer = decoder_layer(phase, sp=layout)
+        held = [p for p in ps if p.phase == phase]
+        assert {op.name for p in held for op in p.compute_ops} == set(layer.op_names)
+        # the collectives it overlaps are the layer's, by kind and group
+        want = {(c.kind, c.group) for c in layer.collectives if sizes[c.group] > 1}
+        assert {(p.comm_op.kind.value, p.comm_group) for p in held} == want
+        # one microbatch computation runs every collective of every layer (2) once per
+        # nanobatch
+        running = [c for c in layer.collectives if sizes[c.group] > 1]
+        assert sum(ps.counts[phase][p.name] for p in held) == len(running) * n * ARCH.layers
 
 
 def test_bad_descriptions_are_refused():

@@ -67,3 +67,42 @@ def test_check_memory_passes_what_fits_and_refuses_what_does_not():
     with pytest.raises(WorkloadError) as info:
         check_memory(huge.with_(recompute=True, microbatch_size=512), gpu)
     assert "recomputation" not in str(info.value)
+
+
+def test_recomputation_policies_keep_what_they_say():
+    """none keeps every saved tensor; selective all but the attention core's output and
+    statistics (plus one layer's while recomputed); full the layer inputs (plus one layer's
+    everything while recomputed)."""
+    wl = _wl(tp=2, seq_len=4096)
+    m = wl.model
+    act = {rc: estimate_memory(wl.with_(recompute=rc), schedule="gpipe").activations_bytes
+           for rc in ("none", "selective", "full")}
+    assert act["full"] < act["selective"] < act["none"]
+    tokens = wl.microbatch_size * wl.seq_len
+    layers = wl.num_microbatches * m.layers
+    core = (2 * m.heads * m.head_dim + 4 * m.heads) / 2  # per token, one of TP=2 ranks
+    # selective drops the core of every layer in flight, and holds one layer's again
+    assert act["none"] - act["selective"] == pytest.approx((layers - 1) * core * tokens)
+    logits = tokens * m.vocab / 2 * 4
+    everything = (act["none"] - logits) / layers / tokens
+    # full: each layer's input, replicated over TP without sequence parallelism
+    assert act["full"] - logits == pytest.approx((layers * 2 * m.hidden + everything) * tokens)
+
+
+def test_sequence_parallelism_shards_the_residual_stream():
+    for rc in ("none", "selective", "full"):
+        plain = _wl(tp=4, seq_len=4096, recompute=rc)
+        sp = _wl(tp=4, seq_len=4096, recompute=rc, sp=True)
+        a, b = estimate_memory(plain).activations_bytes, estimate_memory(sp).activations_bytes
+        assert b < a, rc
+    # full recomputation keeps only the layer inputs: 1/TP of them under SP
+    plain = _wl(tp=4, seq_len=4096, num_microbatches=1)
+    sp = _wl(tp=4, seq_len=4096, num_microbatches=1, sp=True)
+    m = plain.model
+    tokens = plain.microbatch_size * plain.seq_len
+    diff = estimate_memory(plain).activations_bytes - estimate_memory(sp).activations_bytes
+    kept = m.layers * 2 * m.hidden * tokens * (1 - 1 / 4)
+    working = 2 * 2 * m.hidden * tokens * (1 - 1 / 4)  # the norms' inputs of one layer
+    assert diff == pytest.approx(kept + working)
+    # at TP=1 sequence parallelism changes nothing
+    assert estimate_memory(_wl(sp=True)) == estimate_memory(_wl())

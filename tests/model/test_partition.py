@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from kareus.errors import WorkloadError
@@ -195,3 +196,182 @@ def test_the_suite_catches_a_partition_whose_slots_lie():
     with pytest.raises(AssertionError, match="'slots'.*stream order"):
         check_partition(lambda: _Lying(name=base.name, compute_ops=base.compute_ops,
                                        comm_op=base.comm_op))
+
+
+# ------------------------------------------------------------------ sequence parallelism
+
+
+def test_sequence_parallel_collectives_move_the_all_reduces_tensor():
+    """Under SP each TP all-reduce is a reduce-scatter plus an all-gather of the same
+    ``tokens x hidden`` tensor: CommOp.bytes is the all-gather's gathered output and the
+    reduce-scatter's input (the emulator moves ``bus_bytes``: half the all-reduce's)."""
+    ar = build_partitions(_llama())
+    sp = build_partitions(_llama(sp=True))
+    act = 8 * 4096 // 2 * 3072 * 2  # one nanobatch of tokens x hidden, bf16
+    assert ar["fwd_attn"].comm_op.bytes == act
+    tp = [p for p in sp if p.comm_group == "tp"]
+    assert {p.comm_op.kind for p in tp} == {CommKind.ALL_GATHER, CommKind.REDUCE_SCATTER}
+    assert all(p.comm_op.bytes == act and p.comm_op.group_size == 4 for p in tp)
+    assert all(2 * p.comm_op.bus_bytes == ar["fwd_attn"].comm_op.bus_bytes for p in tp)
+
+
+def test_sequence_parallel_norms_run_on_the_sequence_shard():
+    ar = {op.name: op for p in build_partitions(_llama()) for op in p.compute_ops}
+    sp = {op.name: op for p in build_partitions(_llama(sp=True)) for op in p.compute_ops}
+    assert set(ar) == set(sp)
+    for name in ar:
+        if name in ("attn_norm", "mlp_norm", "attn_norm_bwd", "mlp_norm_bwd"):
+            assert sp[name].bytes_moved * 4 == ar[name].bytes_moved
+            assert sp[name].flops * 4 == ar[name].flops
+        else:  # every other op sees the whole sequence, as before
+            assert sp[name] == ar[name], name
+
+
+def test_sequence_parallel_types_are_named_by_kind_and_group():
+    wl = Workload.preset("qwen3-1.7b", tp=4, cp=2, sp=True, microbatch_size=4, seq_len=4096,
+                         num_microbatches=2)
+    ps = build_partitions(wl)
+    # a segment overlapping a TP and a CP collective of one kind: named by group and kind
+    assert {"fwd_attn_in_tp_ag", "fwd_attn_in_cp_ag", "bwd_attn_in_tp_rs",
+            "bwd_attn_in_cp_rs"} <= set(ps.names)
+    assert ps["fwd_attn_in_cp_ag"].comm_op.group_size == 2
+    assert ps["fwd_attn_in_tp_ag"].comm_op.group_size == 4
+    assert ps["fwd_attn_in_cp_ag"].compute_ops == ps["fwd_attn_in_tp_ag"].compute_ops
+    # one type per (segment, collective kind and group): no two share ops and collective
+    keys = [(p.phase, tuple(op.name for op in p.compute_ops), p.comm_op.kind, p.comm_group)
+            for p in ps]
+    assert len(set(keys)) == len(keys)
+    # names follow the structure only: the same for another batch size
+    assert build_partitions(wl.with_(microbatch_size=2)).names == ps.names
+    # without nanobatching each segment has its own collective only
+    one = build_partitions(wl.with_(nanobatches=1))
+    assert "fwd_attn_norm" in one.names and one["fwd_attn_norm"].comm_op.kind is \
+        CommKind.ALL_GATHER
+
+
+def test_sequence_parallel_at_tp1_is_the_plain_layout():
+    wl = Workload.preset("qwen3-1.7b", cp=2, microbatch_size=2, seq_len=1024)
+    assert build_partitions(wl.with_(parallelism=attrs.evolve(wl.parallelism, sp=True))
+                            ).types == build_partitions(wl).types
+
+
+def test_sequence_parallel_outside_work():
+    """The embedding's output is reduce-scattered instead of all-reduced; the final norm runs
+    on the shard and is all-gathered before the LM head; backward, the LM head's input
+    gradient is reduce-scattered and the final norm's output gradient all-gathered."""
+    wl = _llama(pp=2, num_microbatches=4, sp=True)
+    ps = build_partitions(wl)
+    plain = build_partitions(_llama(pp=2, num_microbatches=4))
+    act = 8 * 4096 * 3072 * 2
+    first, last = ps.outside[(0, "fwd")], ps.outside[(1, "fwd")]
+    assert [(c.kind, c.bytes) for c in first.comms] == [(CommKind.REDUCE_SCATTER, act)]
+    assert [(c.kind, c.bytes) for c in last.comms] == [(CommKind.ALL_GATHER, act)]
+    assert [c.kind for c in ps.outside[(1, "bwd")].comms] == [CommKind.REDUCE_SCATTER,
+                                                               CommKind.ALL_GATHER]
+    assert ps.outside[(0, "bwd")].comms == ()  # the bottom layer's all-gather feeds it
+    norm = {op.name: op for op in last.ops}["final_norm"]
+    assert norm.bytes_moved * 4 == {op.name: op for op in plain.outside[(1, "fwd")].ops
+                                    }["final_norm"].bytes_moved
+    # the pipeline sends the rank's sequence shard: the same bytes as its 1/TP share
+    assert first.p2p_bytes == plain.outside[(0, "fwd")].p2p_bytes
+
+
+def test_every_sequence_parallel_partition_conforms():
+    wl = Workload.preset("llama3.2-3b", tp=2, cp=2, pp=2, sp=True, microbatch_size=2,
+                         seq_len=1024, num_microbatches=2)
+    for part in build_partitions(wl):
+        check_partition(lambda part=part: part)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_selective_recomputation_costs_the_attention_core_again_in_the_backward(sp):
+    none = build_partitions(_llama(recompute="none", sp=sp))
+    sel = build_partitions(_llama(recompute="selective", sp=sp))
+    assert set(sel.names) == set(none.names)
+    fwd_core = next(op for p in sel if p.phase == "fwd" for op in p.compute_ops
+                    if op.name == "attn_core")
+    for p in sel:
+        if p.phase != "bwd":
+            assert p == none[p.name]
+            continue
+        names = [op.name for op in p.compute_ops]
+        if "out_dgrad" in names:  # the recomputed core runs right before it, at its cost
+            i = names.index("out_dgrad")
+            assert i > 0 and p.compute_ops[i - 1] == fwd_core
+            assert names[:i - 1] + names[i:] == [op.name for op in none[p.name].compute_ops]
+            assert any(s.name == "attn_core" for s in p.slots)
+        else:
+            assert p == none[p.name]
+    # no forward partition is re-run: only full recomputation counts them in the backward
+    assert sel.counts == none.counts
+    assert (sel.computation_flops(0, "bwd") - none.computation_flops(0, "bwd")
+            == pytest.approx(fwd_core.flops * 28 * 2))
+
+
+# ------------------------------------------------------------------ nanobatches along the sequence
+
+
+def _one_sequence(n=2, **kw):
+    base = dict(tp=4, microbatch_size=1, seq_len=8192, nanobatches=n, num_microbatches=4)
+    base.update(kw)
+    return Workload.preset("llama3.2-3b", **base)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("recompute", ["full", "selective", "none"])
+def test_sequence_chunks_cost_their_causal_attention_exactly(n, recompute):
+    """Chunk i of n (c tokens) attends to the keys of chunks 0..i: (i + 1/2) c^2 query-key
+    pairs, as the half score matrix of the whole sequence counts them (the chunks add up to
+    it); every other op is the same in every chunk."""
+    wl = _one_sequence(n, recompute=recompute)
+    assert wl.sequence_split
+    ps = build_partitions(wl)
+    whole = build_partitions(wl.with_(nanobatches=1))
+    c, heads, hd, kv = 8192 // n, 24 // 4, 128, 8 * 128 // 4
+    cores = {}
+    for p in ps:
+        for op in p.compute_ops:
+            if op.name == "attn_core" and p.phase == "fwd":
+                i = int(p.name.rsplit("_c", 1)[1])
+                assert op.flops == pytest.approx(4 * (i + 0.5) * c * c * heads * hd)
+                # its queries and output, the K and V of chunks 0..i
+                assert op.bytes_moved == (2 * c * heads * hd + 2 * (i + 1) * c * kv) * 2
+                cores[i] = op
+    assert sorted(cores) == list(range(n))
+    # the split costs the whole microbatch's work, no more, no less
+    for phase in ("fwd", "bwd"):
+        assert ps.computation_flops(0, phase) == pytest.approx(
+            whole.computation_flops(0, phase))
+    # per layer and phase each chunk's attention runs once
+    for phase in ("fwd", "bwd"):
+        chunk_types = [t for t in ps.counts[phase] if "_c" in t and ps[t].phase == phase]
+        assert sum(ps.counts[phase][t] for t in chunk_types) == n * 28
+    # the ops that do not attend are the batch split's (the same tokens per nanobatch)
+    batch = build_partitions(Workload.preset("llama3.2-3b", tp=4, microbatch_size=n,
+                                             seq_len=8192 // n, nanobatches=n,
+                                             num_microbatches=4, recompute=recompute))
+    assert ps["fwd_mlp"] == batch["fwd_mlp"] and ps["bwd_mlp"] == batch["bwd_mlp"]
+
+
+def test_sequence_chunks_run_forward_in_order_and_backward_in_reverse():
+    """The forward's first chunk (chunk 0) overlaps the collective of the segment before it;
+    the backward runs the chunks in reverse (a chunk's attention backward adds to the
+    earlier chunks' dK and dV), so there the last chunk does."""
+    ps = build_partitions(_one_sequence(2, cp=1, sp=True))
+    assert ps["fwd_attn_ag_c0"].comm_op.kind is CommKind.ALL_GATHER  # after attn_norm's
+    assert ps["fwd_attn_rs_c1"].comm_op.kind is CommKind.REDUCE_SCATTER  # chunk 0's own
+    assert ps["bwd_attn_ag_c1"].comm_op.kind is CommKind.ALL_GATHER  # after mlp_norm_bwd's
+    assert ps["bwd_attn_rs_c0"].comm_op.kind is CommKind.REDUCE_SCATTER  # chunk 1's own
+    # the norms run on each chunk's sequence shard: tokens / nanobatches / TP
+    norm = next(op for op in ps["fwd_attn_norm_ag"].compute_ops)
+    assert norm.bytes_moved == 2 * (8192 // 2 // 4) * 3072 * 2
+
+
+def test_sequence_split_refusals():
+    with pytest.raises(WorkloadError, match="not modelled with CP=2"):
+        _one_sequence(2, tp=2, cp=2)
+    with pytest.raises(WorkloadError, match="does not split into 3 nanobatches along the seq"):
+        _one_sequence(3)
+    with pytest.raises(WorkloadError, match="does not split into 4 nanobatches"):
+        _one_sequence(4, microbatch_size=2)
+    assert not _one_sequence(1).sequence_split

@@ -426,3 +426,31 @@ def test_scope_is_the_stage_for_context_parallel_partitions():
                        comm_op=CommOp(name="ag", kind=CommKind.ALL_GATHER, bytes=2**24,
                                       group_size=2))
     assert prof.measure(user, ScheduleConfig(1410, 4, "g")).static_power_w == pytest.approx(170)
+
+
+def test_sequence_parallel_collectives_cost_by_kind_and_group_size():
+    """The TP all-gathers and reduce-scatters of the sequence-parallel layout move half the
+    all-reduce's bus bytes of the same tensor, at their own measured curves; every SP type
+    measures, sequential and overlapped."""
+    wl = Workload.preset("llama3.2-3b", tp=4, cp=2, microbatch_size=8, seq_len=4096)
+    plain = build_partitions(wl)
+    sp = build_partitions(Workload.preset("llama3.2-3b", tp=4, cp=2, sp=True,
+                                          microbatch_size=8, seq_len=4096))
+    prof = EmulatedProfiler("h200-sxm", noise=0.0)
+    gpu = prof.emulated_gpu
+    ar = plain["fwd_attn_out_ar"].comm_op
+    for name in ("fwd_attn_in_tp_ag", "fwd_attn_out_rs"):
+        c = sp[name].comm_op
+        assert c.bytes == ar.bytes and c.bus_bytes == ar.bus_bytes / 2
+        rate = gpu.comm_bus_rate(16, 1980, kind=c.kind, group_size=4)
+        assert rate != gpu.comm_bus_rate(16, 1980, kind=CommKind.ALL_REDUCE, group_size=4)
+        assert gpu.comm_time_s(c, 16, 1980) == pytest.approx(
+            gpu.launch_overhead_s + gpu.comm_latency_s + c.bus_bytes / rate)
+        assert gpu.comm_time_s(c, 16, 1980) < 0.7 * gpu.comm_time_s(ar, 16, 1980)
+    # the CP all-gather of K/V and the TP one of the normed input: same kind, own sizes
+    assert sp["fwd_attn_in_cp_ag"].comm_op.group_size == 2
+    for part in sp:
+        slots = [None, *(s.name for s in part.slots)]
+        for slot in (slots[0], slots[-1]):
+            m = prof.measure(part, ScheduleConfig(1980, 16, slot))
+            assert m.time_s > 0 and m.energy_j > 0

@@ -17,6 +17,7 @@ from kareus.search import (
     FastestPass,
     HypervolumePass,
     MultiPassSearch,
+    Observation,
     PartitionFrontier,
     RandomPass,
     XGBoostSurrogate,
@@ -405,3 +406,38 @@ def test_default_search_finds_most_of_an_emulated_front_and_beats_random():
         rand.append(hypervolume(truth[pick], ref) / hv_true)
     assert min(ours) >= 0.95, ours  # 0.998 and 0.978 at the time of writing; random 0.92-0.94
     assert np.mean(ours) > np.mean(rand), (ours, rand)
+
+
+def test_prior_observations_teach_the_search_outside_its_budget(medium_space, tmp_path):
+    """Priors (the baselines' measurements): never measured again, not counted toward the
+    budget, in the frontier and the surrogate's data; logged first, and a resumed search
+    takes its log's priors (not the ones given then), so it continues exactly."""
+    prof = FakeProfiler(noise=0.01, seed=4)
+    top = medium_space.gpu.max_clock_mhz
+    base = [c for c in medium_space.configs
+            if c.launch_slot is None and c.comm_sms == medium_space.configs[0].comm_sms]
+    prior = [Observation(config=c, measurement=prof.measure(medium_space.partition, c))
+             for c in base]
+    n = len(prior)
+    assert n >= 4
+    outside = ScheduleConfig(freq_mhz=top + 1000, comm_sms=1, launch_slot=None)
+    given = [*prior, prior[0], Observation(config=outside, measurement=prior[0].measurement)]
+    prof.calls.clear()
+    kw = dict(budget=16, batch_size=4, seed=1, stop_patience=None)
+    path = tmp_path / "p.jsonl"
+    s = search(medium_space, prior=given, log=path, **kw)
+    assert s.n_prior == n and s.n_measured == 0  # the repeat and the outsider left out
+    s.run(prof)
+    measured = [c for _, c in prof.calls]
+    assert len(measured) == 16 == s.n_measured
+    assert not set(measured) & {o.config for o in prior}
+    assert s.observations[:n] == prior and len(s.frontier().observations) == 16 + n
+    records = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [r["kind"] for r in records[1:n + 1]] == ["prior"] * n
+    assert records[n + 1]["kind"] == "ask"
+    from kareus.search import prior_count
+
+    assert prior_count(path) == n and prior_count(tmp_path / "none.jsonl") == 0
+    # resumed with other priors given: the log's are used, nothing new is measured
+    again = search(medium_space, prior=prior[:3], resume=path, **kw)
+    assert again.n_prior == n and again.observations == s.observations and again.done

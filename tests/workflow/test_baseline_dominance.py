@@ -53,3 +53,31 @@ def test_kareus_frontiers_hold_every_configuration_the_baselines_measured():
             mine = [k for k in kareus if k.split("@")[0] == tname]
             configs = set().union(*({o.config for o in kareus[k].measured()} for k in mine))
             assert {o.config for o in pf.measured()} <= configs, (name, tname)
+
+
+def test_kareus_searches_start_from_the_baselines_measurements(tmp_path):
+    """The baselines measure first; kareus's search of each type starts from their
+    measurements (priors, outside its budget), nothing is measured twice, and the profile
+    counts are kareus's own."""
+    from kareus.profilers import EmulatedProfiler
+    from kareus.search import prior_count, search_log_path
+
+    class Counting(EmulatedProfiler):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.seen: list = []
+
+        def measure(self, partition, config):
+            self.seen.append((partition.name, partition.compute_ops, config))
+            return super().measure(partition, config)
+
+    wl = Workload.preset(JOBS[0][0], **JOBS[0][2])
+    prof = Counting("h200-sxm")
+    result = optimize(wl, profiler=prof, budget=8, progress=False, log_dir=tmp_path)
+    assert len(prof.seen) == len(set(prof.seen))  # one measurement per configuration
+    perseus = result.composition.partitions["perseus"]
+    for key, pf in result.composition.partitions["kareus"].items():
+        assert result.profiles[key] == 8
+        assert len(pf.measured()) >= 8 + (len(perseus[key.split("@")[0]].measured())
+                                          if key.endswith("@n1") else 0)
+        assert prior_count(search_log_path(tmp_path, key)) > 0

@@ -277,12 +277,13 @@ def test_a_plot_into_a_missing_folder_is_refused_in_one_line(tmp_path):
         result.plot(tmp_path / "missing" / "f.png")
 
 
-def test_one_sequence_per_microbatch_runs_without_the_nanobatching_systems():
-    # a microbatch of one sequence cannot be split along its batch: the two nanobatching
-    # systems are left out of the default five (and refused by name), the rest run
+def test_one_sequence_per_microbatch_runs_without_the_nanobatching_systems_at_cp2():
+    # a microbatch of one sequence cannot be split along its batch, and along the sequence
+    # only at CP=1: at CP=2 the two nanobatching systems are left out of the default five
+    # (and refused by name), the rest run
     from kareus.workflow import prepare
 
-    wl = Workload.preset("qwen3-1.7b", tp=2, pp=2, microbatch_size=1, seq_len=1024,
+    wl = Workload.preset("qwen3-1.7b", tp=2, cp=2, pp=2, microbatch_size=1, seq_len=1024,
                          num_microbatches=4, nanobatches=1)
     run = prepare(wl, "h200-sxm", budget=2)
     assert run.left_out == ("nanobatching", "nanobatching+perseus")
@@ -291,3 +292,37 @@ def test_one_sequence_per_microbatch_runs_without_the_nanobatching_systems():
     assert sorted(result.frontiers) == ["kareus", "megatron", "perseus"]
     with pytest.raises(ArgumentError, match="systems: nanobatching split each microbatch"):
         prepare(wl, "h200-sxm", budget=2, systems=["megatron", "nanobatching"])
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_sequence_parallel_jobs_are_searched_and_composed_for_every_system(recompute):
+    """The sequence-parallel layout's partition types (TP all-gathers and reduce-scatters,
+    with CP's of the same kinds) run through search and composition like the others."""
+    wl = Workload.preset("llama3.2-3b", tp=2, cp=2, pp=2, sp=True, microbatch_size=2,
+                         seq_len=1024, num_microbatches=4, recompute=recompute)
+    res = optimize(wl, "h200-sxm", budget=8, seed=0, progress=False)
+    assert list(res.systems()) == ["megatron", "nanobatching", "perseus",
+                                   "nanobatching+perseus", "kareus"]
+    frontiers = res.partition_frontiers()
+    assert {"fwd_attn_in_tp_ag", "fwd_attn_in_cp_ag", "bwd_attn_in_tp_rs",
+            "bwd_attn_in_cp_rs", "fwd_attn_norm_ag"} <= set(frontiers)
+    fastest = {n: fr.points[0].time_s for n, fr in res.frontiers.items()}
+    assert fastest["kareus"] <= min(fastest["megatron"], fastest["nanobatching"]) * (1 + 1e-6)
+    assert res.workload.parallelism.sequence_parallel
+
+
+def test_one_sequence_per_microbatch_splits_along_the_sequence_at_cp1():
+    """At CP=1 a microbatch of one sequence splits along the sequence, for kareus and the
+    nanobatching baselines alike: all five systems run, and each chunk's attention is a type
+    of its own (the later chunk reads the earlier one's keys and values too)."""
+    from kareus.workflow import prepare
+
+    wl = Workload.preset("qwen3-1.7b", tp=2, pp=2, microbatch_size=1, seq_len=1024,
+                         num_microbatches=4, nanobatches=1)
+    run = prepare(wl, "h200-sxm", budget=2)
+    assert run.left_out == () and len(run.systems) == 5
+    result = run.run(progress=False)
+    assert sorted(result.frontiers) == sorted(["megatron", "nanobatching", "perseus",
+                                               "nanobatching+perseus", "kareus"])
+    split = result.composition.partitions["nanobatching"]
+    assert {"fwd_attn_c0", "fwd_attn_c1", "bwd_attn_c0", "bwd_attn_c1"} <= set(split)

@@ -101,6 +101,44 @@ class KernelSet(abc.ABC):
         dw_out.add_(dw.to(dw_out.dtype))
         return dres + dx
 
+    def qk_norm_rope(self, qkv: Any, wq: Any, wk: Any, cos: Any, sin: Any, *, heads: int,
+                     kv_heads: int, eps: float = 1e-6) -> tuple[Any, Any]:
+        """Query/key normalisation then RoPE (Qwen3's attention input): each query head of
+        the packed ``qkv`` normalised over head_dim with ``wq``, each key head with ``wk``
+        (``rms_norm`` semantics), then rotated as ``rope`` rotates; returns ``(q, k)`` in
+        ``rope``'s layout. By default the ops one by one (a copy of the packed QKV with
+        the normalised heads, then ``rope``); ``TritonKernels`` runs it in one launch."""
+        hd = cos.shape[1]
+        t = qkv.shape[0]
+        nq, nk = heads * hd, kv_heads * hd
+        normed = qkv.clone()
+        for cols, w in ((slice(0, nq), wq), (slice(nq, nq + nk), wk)):
+            x = qkv[:, cols].reshape(-1, hd)
+            normed[:, cols] = self.rms_norm(x, w, eps).view(t, -1)
+        return self.rope(normed, cos, sin, heads=heads, kv_heads=kv_heads)
+
+    def qk_norm_rope_bwd(self, dq: Any, dk: Any, dv: Any, qkv: Any, wq: Any, wk: Any,
+                         cos: Any, sin: Any, *, eps: float = 1e-6) -> tuple[Any, Any, Any]:
+        """The backward of ``qk_norm_rope``: ``(dqkv, dwq, dwk)``, the packed gradient of the
+        projection's output (``dv`` in its place, as ``rope_bwd`` packs it) and the norm
+        weights' gradients (float32). ``qkv`` is the projection's output the forward read.
+        By default ``rope_bwd`` then the two norms' backward."""
+        hd = cos.shape[1]
+        heads, kv_heads = dq.shape[2], dk.shape[2]
+        dqkv = self.rope_bwd(dq, dk, dv, cos, sin)
+        t = dqkv.shape[0]
+        nq, nk = heads * hd, kv_heads * hd
+        grads = []
+        for cols, w in ((slice(0, nq), wq), (slice(nq, nq + nk), wk)):
+            dy = dqkv[:, cols].reshape(-1, hd)
+            x = qkv[:, cols].reshape(-1, hd)
+            dx, dw = self.rms_norm_bwd(dy, x, w, eps)
+            if dw is None:
+                dw = rms_norm_weight_grad(dy, x, eps)
+            dqkv[:, cols] = dx.view(t, -1)
+            grads.append(dw.float())
+        return dqkv, grads[0], grads[1]
+
     def attention(self, q: Any, k: Any, v: Any) -> Any:
         """Causal attention of ``q`` [b, heads, s, hd] over grouped ``k``, ``v``
         [b, kv_heads, s_k, hd], on the first of ``sdpa_backends`` that takes it.

@@ -106,6 +106,19 @@ class TritonKernels(KernelSet):
     def rope_bwd(self, dq: Any, dk: Any, dv: Any, cos: Any, sin: Any) -> Any:
         return self._k.rope_bwd(dq, dk, dv, cos, sin, lean=self.lean)
 
+    def qk_norm_rope(self, qkv: Any, wq: Any, wk: Any, cos: Any, sin: Any, *, heads: int,
+                     kv_heads: int, eps: float = 1e-6) -> tuple[Any, Any]:
+        from kareus.exec.kernels import _triton_head_norm
+
+        return _triton_head_norm.qk_norm_rope_fwd(qkv, wq, wk, cos, sin, heads=heads,
+                                                  kv_heads=kv_heads, eps=eps)
+
+    def qk_norm_rope_bwd(self, dq: Any, dk: Any, dv: Any, qkv: Any, wq: Any, wk: Any,
+                         cos: Any, sin: Any, *, eps: float = 1e-6) -> tuple[Any, Any, Any]:
+        from kareus.exec.kernels import _triton_head_norm
+
+        return _triton_head_norm.qk_norm_rope_bwd(dq, dk, dv, qkv, wq, wk, cos, sin, eps=eps)
+
     def swiglu(self, g: Any, u: Any) -> Any:
         if self.use_liger:
             import torch
@@ -136,6 +149,11 @@ class TritonKernels(KernelSet):
             "swiglu": f"{lig} LigerSiLUMulFunction" if lig
             else f"kareus triton _swiglu_fwd_kernel{how}",
             "swiglu_bwd": f"kareus triton _swiglu_bwd_kernel{how}",
+            "qk_norm_rope": "kareus triton _norm_rope_fwd_kernel (per-head q/k RMSNorm and "
+                            "RoPE, one launch, plain launch)",
+            "qk_norm_rope_bwd": "kareus triton _norm_rope_bwd_kernel (dq, dk back through "
+                                "RoPE and the norms, dv copied; one launch and a reduction "
+                                "of the weights' partial gradients, plain launch)",
         })
         return names
 

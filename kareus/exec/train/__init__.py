@@ -52,7 +52,6 @@ from kareus.exec.train._loop import (
     measure_runs,
     no_collective_backend,
     overlap_efficiency,
-    partition_types,
     shuffled_order,
 )
 from kareus.exec.train._model import KEPT_FOR_BACKWARD, DecoderShard
@@ -77,7 +76,6 @@ __all__ = [
     "named_collectives",
     "no_collective_backend",
     "overlap_efficiency",
-    "partition_types",
     "refuse_uncomputed",
     "shuffled_order",
 ]

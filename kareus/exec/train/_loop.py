@@ -56,30 +56,8 @@ __all__ = [
     "check_plan_workload",
     "measure_runs",
     "overlap_efficiency",
-    "partition_types",
     "shuffled_order",
 ]
-
-
-def partition_types(workload: Workload, plan: Plan | None) -> dict[str, TypeShape]:
-    """The partition types of ``workload`` ([`type_shapes`][kareus.exec.schedule.type_shapes]
-    of its partition set): a plan's configurations are per type, and the baselines name
-    their partitions by them.
-
-    Where the partition model does not cost the workload's recomputation policy yet
-    (``"selective"``), a baseline (no plan) still runs: its partitions are named by the
-    types of the same workload without recomputation, whose forward types are the same
-    and whose backward types differ only by the recomputed attention core (the pieces
-    that hold it are named by their ops). A plan needs the types themselves.
-    """
-    from kareus.model.partition import build_partitions
-
-    try:
-        return type_shapes(build_partitions(workload))
-    except WorkloadError:
-        if plan is not None or workload.recompute != "selective":
-            raise
-        return type_shapes(build_partitions(workload.with_(recompute="none")))
 
 
 def check_plan_splits(plan: Plan, workload: Workload) -> None:
@@ -136,7 +114,10 @@ def check_plan_workload(plan: Plan, workload: Workload, *, one_stage: bool = Tru
     theirs = dict(w)
     if isinstance(theirs.get("recompute"), bool):  # plans written before the policies
         theirs["recompute"] = "full" if theirs["recompute"] else "none"
-    theirs.setdefault("sp", False)  # plans written before sequence parallelism
+    # the TP layout, not the flag: sequence parallelism at TP = 1 is the plain layout (as in
+    # Megatron-LM); plans written before sequence parallelism have none
+    theirs["sp"] = bool(theirs.get("sp", False)) and theirs.get("tp") != 1
+    mine["sp"] = workload.parallelism.sequence_parallel
     keys = ("tp", "cp", "sp", "microbatch_size", "seq_len", "nanobatches", "num_microbatches",
             "recompute")
     diff = [f"{k}: plan {theirs.get(k)!r}, job {mine[k]!r}" for k in keys
@@ -278,6 +259,7 @@ class TrainingLoop:
                  executor: Executor | None = None, baseline: Executor | None = None) -> None:
         import torch
 
+        from kareus.model.partition import build_partitions
         from kareus.model.pipeline import get_schedule
 
         if not isinstance(workload, Workload):
@@ -300,13 +282,13 @@ class TrainingLoop:
             check_plan_workload(plan, workload)
             check_plan_splits(plan, workload)
         self.workload, self.groups, self.plan = workload, groups, plan
-        self.types: dict[str, TypeShape] = (partition_types(workload, plan)
+        self.types: dict[str, TypeShape] = (type_shapes(build_partitions(workload))
                                             if has_comm else {})
         # The partition types of a computation a plan runs unsplit (kareus's space holds
         # unsplit execution: kareus.compose.systems); a plan names them by their own names
         # in its unsplit choices
         self.unsplit_types: dict[str, TypeShape] = (
-            partition_types(workload.with_(nanobatches=1), plan)
+            type_shapes(build_partitions(workload.with_(nanobatches=1)))
             if has_comm and workload.nanobatches > 1 else self.types)
         self.model = DecoderShard(
             arch=workload.model, layers=layers, microbatch_size=workload.microbatch_size,

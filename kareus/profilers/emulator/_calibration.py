@@ -71,13 +71,13 @@ __all__ = ["OpCalibration", "PROFILE_BATCH", "PROFILE_WORKLOADS", "TIMED_FLOOR_S
 
 #: Workload shapes of profile records named by a bare preset name: the shapes at which
 #: ``bench/op_roofline.py`` (and ``kareus calibrate`` by default) measure each preset.
-PROFILE_WORKLOADS: dict[str, dict[str, int]] = {
+PROFILE_WORKLOADS: dict[str, dict[str, Any]] = {
     "llama3.2-3b": {"tp": 4},
     "qwen3-1.7b": {"tp": 4, "cp": 2},
     "llama3.3-70b": {"tp": 8},
 }
 #: Batch of those records: microbatch 8 x 4096 tokens in 2 nanobatches.
-PROFILE_BATCH: dict[str, int] = {"microbatch_size": 8, "seq_len": 4096, "nanobatches": 2}
+PROFILE_BATCH: dict[str, Any] = {"microbatch_size": 8, "seq_len": 4096, "nanobatches": 2}
 
 #: The fixed cost in an op timed alone as ``kareus calibrate`` and ``bench/op_roofline.py``
 #: time it (CUDA events around one run after an L2 flush), seconds: a one-element copy
@@ -125,10 +125,11 @@ def profile_workload(key: str) -> Any:
                 f"profile workload {key!r}: a bare name must be one of "
                 f"{', '.join(PROFILE_WORKLOADS)} (measured at their default shapes); name "
                 "others 'model tp=.. cp=.. mbs=.. seq=.. nb=..'")
-        return Workload.preset(model, **PROFILE_WORKLOADS[model], **PROFILE_BATCH)
+        shapes: dict[str, Any] = {**PROFILE_WORKLOADS[model], **PROFILE_BATCH}
+        return Workload.preset(model, **shapes)
     names = {"tp": "tp", "cp": "cp", "mbs": "microbatch_size", "seq": "seq_len",
              "nb": "nanobatches"}
-    kw: dict[str, int] = {}
+    kw: dict[str, Any] = {}
     for item in rest:
         k, _, v = item.partition("=")
         if k not in names or not v.isdigit():
