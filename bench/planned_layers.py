@@ -143,6 +143,8 @@ def _weights(torch: Any, wl: Any, layers: int, device: Any, dtype: Any) -> list[
     shapes = {"w_attn_norm": (a.hidden,), "Wqkv": (a.hidden, q + 2 * kv), "Wo": (q, a.hidden),
               "w_mlp_norm": (a.hidden,), "Wg": (a.hidden, f), "Wu": (a.hidden, f),
               "Wd": (f, a.hidden)}
+    if a.qk_norm:  # Qwen3's per-head query and key norms
+        shapes.update({"w_q_norm": (a.head_dim,), "w_k_norm": (a.head_dim,)})
     g = torch.Generator(device="cpu").manual_seed(0)
     out = []
     for _ in range(layers):
@@ -293,6 +295,7 @@ def _measure_shape(torch: Any, args: argparse.Namespace, wl: Any, layers: int,
         appliers = {s: PlanApplier(workload=wl, groups=groups, plan=plan, schedule=s,
                                    collective=capped, default_collective=default,
                                    kernels=None if cuda else "torch", graphs=own,
+                                   eps=wl.model.norm_eps,
                                    whole_step_capture=mode.endswith("@step"))
                     for s in SCHEDULES}
         # each mode its own weights (the same values): a step graph owns its gradients

@@ -9,7 +9,8 @@ chosen point in a PyTorch training loop.
 The top level is the curated public API:
 
 - the entry points: [`optimize`][kareus.workflow.optimize] and its
-  [`OptimizationResult`][kareus.workflow.OptimizationResult],
+  [`OptimizationResult`][kareus.workflow.OptimizationResult], [`verify`][kareus.workflow.verify]
+  (a plan measured where it runs, against its prediction),
   [`compose_systems`][kareus.workflow.compose_systems] (the five systems of one workload side by
   side), the [`MultiPassSearch`][kareus.search.MultiPassSearch] ask/tell loop, and
   [`get_gpu`][kareus.model.get_gpu], [`register_gpu`][kareus.model.files.register_gpu],
@@ -95,12 +96,13 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
         SearchSpec,
         Surrogate,
     )
-    from kareus.workflow import OptimizationResult, compose_systems, optimize
+    from kareus.workflow import OptimizationResult, compose_systems, optimize, verify
 
 #: The public names and the module each is loaded from on first use.
 _PUBLIC: dict[str, str] = {
     # entry points
     "optimize": "kareus.workflow",
+    "verify": "kareus.workflow",
     "OptimizationResult": "kareus.workflow",
     "compose_systems": "kareus.workflow",
     "MultiPassSearch": "kareus.search",
@@ -194,6 +196,7 @@ __all__ = [
     "optimize",
     "register_gpu",
     "register_model",
+    "verify",
 ]
 
 

@@ -487,6 +487,38 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    """``kareus verify``: run a plan and its baselines in the library's training loop on
+    this job's GPUs and compare with the predictions (``kareus.workflow.verify``); 0 when
+    every system is within ``--tolerance``, 1 when one is not."""
+    from kareus.workflow.verification import verify
+
+    if args.gpu_file is not None:
+        from kareus.model.files import register_gpu
+
+        register_gpu(args.gpu_file, replace=True)
+    report = verify(args.plan, results=args.results,
+                    systems=None if args.systems is None else args.systems.split(","),
+                    steps=args.steps, warmup=args.warmup, repeats=args.repeats,
+                    order_seed=args.order_seed, seed=args.seed, tolerance=args.tolerance,
+                    device=args.device, backend=args.backend,
+                    graphs=False if args.no_graphs else None, busy_steps=args.busy_steps,
+                    out=args.out, log=None if args.quiet else print)
+    if report is None:  # not rank 0
+        return 0
+    print(report.table())
+    if "path" in report.facts:
+        print(f"wrote {report.facts['path']}")
+    if not report.passed:
+        bad = [s.system for s in report.systems if not s.within(report.tolerance)]
+        print(f"kareus: verify: {', '.join(bad)} measured outside the tolerance "
+              f"({100 * report.tolerance:g}%) of the prediction"
+              + ("" if report.measured else " (a dry run: not a measurement)"),
+              file=sys.stderr)
+        return 1
+    return 0
+
+
 _VERBOSE_HELP = ("log what kareus decides (resumes, refusals, fallbacks, device and kernel "
                  "choices) to stderr: -v info, -vv debug")
 
@@ -644,6 +676,50 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-file", default=None, metavar="FILE",
                    help="the GPU file of a plan made for your own GPU")
     p.set_defaults(func=cmd_show)
+    p = sub.add_parser(
+        "verify", help="run a plan and its baselines on this job's GPUs and compare with "
+                       "the predictions",
+        description="Trains the plan's job in kareus's training loop (under torchrun on its "
+                    "TP x CP GPUs, or in one process on one GPU with loopback collectives "
+                    "standing in for the groups, the energy scaled to the job as the tune "
+                    "scales), the plan and each baseline results.json predicts, interleaved; "
+                    "prints predicted vs measured time and energy, writes verify.json, and "
+                    "exits 1 when a system is outside --tolerance. Clocks are never changed.")
+    p.add_argument("plan", help="a plan.json, or the kareus optimize --out folder holding it")
+    p.add_argument("--results", default=None, metavar="PATH",
+                   help="the results.json with the baselines' predictions (default: the one "
+                        "beside the plan)")
+    p.add_argument("--systems", default=None, metavar="LIST",
+                   help="systems to run, of megatron,nanobatching,kareus (default: kareus "
+                        "and every baseline results.json predicts)")
+    p.add_argument("--steps", type=_positive_int, default=4, help="timed iterations per run "
+                   "(default 4)")
+    p.add_argument("--warmup", type=_nonnegative_int, default=1,
+                   help="untimed iterations first in each run (default 1)")
+    p.add_argument("--repeats", type=_positive_int, default=2,
+                   help="runs per system, interleaved (default 2)")
+    p.add_argument("--order-seed", type=_nonnegative_int, default=0,
+                   help="seed of the run order (default 0)")
+    p.add_argument("--seed", type=_nonnegative_int, default=0,
+                   help="seed of the weights and data (default 0)")
+    p.add_argument("--tolerance", type=_positive_float, default=0.10,
+                   help="largest relative difference of measured time and total energy from "
+                        "the prediction (default 0.10)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                   help="cuda (default) or cpu: a dry run whose figures are NOT measurements")
+    p.add_argument("--backend", default=None, choices=("nccl_capped", "own", "loopback"),
+                   help="the collectives (default nccl_capped on several GPUs, loopback on one)")
+    p.add_argument("--no-graphs", action="store_true",
+                   help="launch every op eagerly instead of replaying CUDA graphs")
+    p.add_argument("--busy-steps", type=_nonnegative_int, default=2,
+                   help="iterations queued behind a held GPU per system, for the GPU-busy "
+                        "fraction (default 2; 0: skip)")
+    p.add_argument("--out", default=None, metavar="PATH",
+                   help="verify.json's path or folder (default: beside the plan)")
+    p.add_argument("--gpu-file", default=None, metavar="FILE",
+                   help="the GPU file of a plan made for your own GPU")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.set_defaults(func=cmd_verify)
     for command in sub.choices.values():  # -v after the command works too
         command.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
                              help=_VERBOSE_HELP)

@@ -57,5 +57,6 @@ def test_optimize_writes_nothing_until_the_result_is_saved(tmp_path, monkeypatch
     result = kareus.optimize(workload, "h200-sxm", budget=4, progress=False)
     assert list(tmp_path.iterdir()) == []
     paths = result.save(tmp_path / "out", figure=False)
-    assert {p.name for p in (tmp_path / "out").iterdir()} == {"results.json", "plan.json"}
-    assert set(paths) == {"results", "plan"}
+    assert {p.name for p in (tmp_path / "out").iterdir()} == {"results.json", "plan.json",
+                                                               "frontier.json"}
+    assert set(paths) == {"results", "plan", "frontier"}

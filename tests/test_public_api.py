@@ -34,7 +34,7 @@ ROLES = {
 #: The entry points and the objects that flow between the layers.
 ENTRY_POINTS = (
     "optimize", "OptimizationResult", "compose_systems", "MultiPassSearch", "get_gpu",
-    "register_gpu", "register_model",
+    "register_gpu", "register_model", "verify",
     "Workload", "ModelArch", "Parallelism", "GPUSpec", "Plan", "ScheduleConfig", "ConfigSpace",
     "Measurement", "PartitionFrontier", "MicrobatchFrontier", "IterationFrontier", "KareusError",
     "SearchSpec",

@@ -105,7 +105,16 @@ def forward_step(data_iterator, model):
     loss = model(tokens, positions, None, labels=labels)
 
     def loss_func(output):
-        return output.float().mean(), {"loss": output.float().mean().detach()}
+        # The sum and the token count: Megatron divides one by the other (and by the
+        # microbatches), and DDP averages the gradients over the data- and context-parallel
+        # ranks, so each CP rank's mean over its chunks makes the whole sequences' mean. The
+        # reported loss is that mean, over every CP rank's tokens.
+        loss = output.float().sum()
+        tokens = torch.tensor(output.numel(), device=output.device)
+        report = torch.stack((loss.detach(), tokens.float()))
+        if parallel_state.get_context_parallel_world_size() > 1:
+            dist.all_reduce(report, group=parallel_state.get_context_parallel_group())
+        return loss, tokens, {"loss": report[0] / report[1]}
 
     return loss, loss_func
 

@@ -7,6 +7,10 @@ the partition's ``KernelSet`` (the one definition of each op is
 ``kareus.exec.kernels``; this module only wires shapes and data flow). The ops are the
 attention and MLP forward and backward ops of a Llama-shaped layer: GEMMs, RMSNorm, rotary
 position embedding, causal grouped-query attention, SwiGLU, and their backward passes.
+With context parallelism the attention ops are those of CP rank 0 on Megatron-Core's
+load-balanced chunks (``kareus.exec._cp_attention``: the gathered keys and values put in
+position order, one causal piece per chunk; every rank has the same causal work), and RoPE
+runs at that rank's global positions.
 
 ``_OUTPUT_OPS`` and ``_ACCUMULATED_BY`` say which op writes the tensor the partition's
 collective acts on. The builders take the torch module from their caller.
@@ -19,6 +23,14 @@ from typing import Any
 
 import attrs
 
+from kareus.exec._cp_attention import (
+    attention_pieces,
+    cp_attention,
+    cp_attention_bwd,
+    order_kv,
+    scatter_kv_grad,
+)
+from kareus.model.context_parallel import cp_positions
 from kareus.model.decoder import layer_collectives
 from kareus.model.workload import Workload
 
@@ -61,6 +73,7 @@ class _Dims:
     hd: int
     f: int
     eps: float = 1e-5  # the model's RMSNorm epsilon
+    cp: int = 1  # context-parallel ranks (the ops are CP rank 0's)
 
     @property
     def t(self) -> int:
@@ -79,7 +92,7 @@ def _dims(wl: Workload) -> _Dims:
     m, p = wl.model, wl.parallelism
     return _Dims(b=wl.microbatch_size // wl.nanobatches, sq=wl.seq_len // p.cp, sk=wl.seq_len,
                  h=m.hidden, heads=m.heads // p.tp, kvh=m.kv_heads // p.tp, hd=m.head_dim,
-                 f=m.ffn // p.tp, eps=m.norm_eps)
+                 f=m.ffn // p.tp, eps=m.norm_eps, cp=p.cp)
 
 
 def _sdpa(torch: Any, q: Any, k: Any, v: Any) -> Any:
@@ -113,7 +126,8 @@ def _op_builders() -> dict[str, Callable[[Any, dict[str, Any], _Dims, Any], Call
         if "cos" not in ctx:
             inv = 1.0 / (500000.0 ** (torch.arange(0, d.hd, 2, device=ctx["_device"],
                                                    dtype=torch.float32) / d.hd))
-            pos = torch.arange(d.sq, device=ctx["_device"], dtype=torch.float32)
+            pos = torch.tensor(cp_positions(d.sk, d.cp, 0), device=ctx["_device"],
+                               dtype=torch.float32)  # CP rank 0's tokens
             ang = torch.outer(pos, inv)
             ang = torch.cat((ang, ang), dim=-1)  # [s, hd], the two halves equal
             ctx["cos"] = ang.cos().to(ctx["_dtype"])
@@ -237,9 +251,23 @@ def _op_builders() -> dict[str, Callable[[Any, dict[str, Any], _Dims, Any], Call
             ctx["k"] = rnd(torch, ctx, "_k", d.b, d.sk, d.kvh, d.hd).transpose(1, 2)
             ctx["v"] = rnd(torch, ctx, "_v", d.b, d.sk, d.kvh, d.hd).transpose(1, 2)
 
+    def gathered(torch: Any, ctx: dict[str, Any], d: _Dims) -> Any:
+        # the CP all-gather's output: every rank's two chunks of K and V, rank-major
+        return rnd(torch, ctx, "_kv_gathered", d.cp * 2 * d.t * d.kv)
+
     def attn_core(torch: Any, ctx: dict[str, Any], d: _Dims, out: Any) -> Callable[[], Any]:
         ensure_qkv(torch, ctx, d)
         ks = ctx["_kernels"]
+        if d.cp > 1:  # as the decoder: order the gathered K/V, one causal piece per chunk
+            kv_in = gathered(torch, ctx, d)
+            pieces = attention_pieces(d.sq, d.cp, 0)
+
+            def op_cp() -> None:
+                kv = order_kv(kv_in, cp=d.cp, b=d.b, sq=d.sq, kvh=d.kvh, hd=d.hd)
+                o, _ = cp_attention(ks, ctx["q"], kv[0].transpose(1, 2),
+                                    kv[1].transpose(1, 2), pieces, keep=False)
+                ctx["attn"] = o.transpose(1, 2).reshape(d.t, d.q)
+            return op_cp
 
         def op() -> None:
             o = ks.attention(ctx["q"], ctx["k"], ctx["v"])
@@ -249,10 +277,20 @@ def _op_builders() -> dict[str, Callable[[Any, dict[str, Any], _Dims, Any], Call
     def attn_core_bwd(torch: Any, ctx: dict[str, Any], d: _Dims, out: Any) -> Callable[[], Any]:
         ensure_qkv(torch, ctx, d)
         ks = ctx["_kernels"]
+        rnd(torch, ctx, "dattn", d.t, d.q)
         # The forward runs once here; each run of the op is the backward alone, called
         # directly (no autograd engine), so it captures in a CUDA graph.
+        if d.cp > 1:  # as the decoder: the pieces' backwards, dK/dV laid out for the RS
+            pieces = attention_pieces(d.sq, d.cp, 0)
+            _, saved_cp = cp_attention(ks, ctx["q"], ctx["k"], ctx["v"], pieces, keep=True)
+            grad_buf = rnd(torch, ctx, "_kv_grad", d.cp * 2 * d.t * d.kv)
+
+            def op_cp() -> None:
+                do = ctx["dattn"].view(d.b, d.sq, d.heads, d.hd).transpose(1, 2)
+                ctx["dq"], dkv = cp_attention_bwd(do, saved_cp, pieces, keys=d.sk)
+                scatter_kv_grad(dkv, grad_buf, cp=d.cp, b=d.b, sq=d.sq, kvh=d.kvh, hd=d.hd)
+            return op_cp
         saved = ks.attention_fwd(ctx["q"], ctx["k"], ctx["v"])
-        rnd(torch, ctx, "dattn", d.t, d.q)
 
         def op() -> None:
             do = ctx["dattn"].view(d.b, d.sq, d.heads, d.hd).transpose(1, 2)
@@ -263,6 +301,7 @@ def _op_builders() -> dict[str, Callable[[Any, dict[str, Any], _Dims, Any], Call
         cos, sin = cos_sin(torch, ctx, d)
         if "dq" not in ctx:
             ctx["dq"] = rnd(torch, ctx, "_dq", d.b, d.sq, d.heads, d.hd).transpose(1, 2)
+        if "dk" not in ctx:  # with CP: this rank's chunks' (the reduce-scatter's output)
             ctx["dk"] = rnd(torch, ctx, "_dk", d.b, d.sq, d.kvh, d.hd).transpose(1, 2)
             ctx["dv"] = rnd(torch, ctx, "_dv", d.b, d.sq, d.kvh, d.hd).transpose(1, 2)
 

@@ -81,7 +81,7 @@ and microbatch in flight): the activations take the memory eager execution would
 them, and no copy. A slot is free again when its backward has run, or when the autograd
 graph holding it is dropped without one. The forward's attention must then run on the
 fused kernels (flash or cuDNN), whose saved state is plain tensors: attention through
-autograd (CP ranks above 0, whose mask is not causal's) is refused with ``"none"``.
+autograd (a CP piece whose mask is not causal's) is refused with ``"none"``.
 Such graphs keep a memory pool each (the applier's default executors share one pool only
 under full recomputation): kept activations allocated in a shared pool could lie where
 another graph's temporaries do.
@@ -168,7 +168,11 @@ def computation_signature(applier: Any, phase: str, x: Any,
     if applier.schedule == "kareus":
         current = applier._executor().current
         key = computation_key(*current)
-        choice = applier.plan.assignment.get(key, key)
+        index = applier.plan.assignment.get(key, key)
+        # the choice itself (frequency, nanobatches, every configuration and SM count),
+        # not its index: another plan (a retarget) may hold another choice at that index
+        choice = (applier.plan.choices[index] if isinstance(index, int)
+                  and 0 <= index < len(applier.plan.choices) else index)
     wsig = tuple((tuple(w.shape), tuple(w.stride()), w.dtype) for ws in weights for w in ws)
     kept = (-1 if isinstance(inputs, KeptActivations)  # every activation a policy keeps
             else len(inputs or ()))
@@ -531,10 +535,12 @@ def _refuse_autograd_attention(kept: Any) -> None:
     """Refuse kept attention state that is an autograd graph on a GPU (its backward through
     the autograd engine is not capturable in another graph than its forward's)."""
     for a in kept.act.values():
-        saved = a.get("graph")
-        if (saved is not None and getattr(saved, "backend", None) == "autograd"
-                and saved.output.device.type == "cuda"):
-            raise ArgumentError("graphs=True with recompute='none' needs the attention on the "
-                                "fused kernels (flash or cuDNN); this attention runs through "
-                                "autograd (a CP rank above 0, or a backend without a direct "
-                                "op): use recompute='selective', or graphs=False")
+        saved = a.get("graph")  # one attention's state, or under CP one per causal piece
+        for st in saved if isinstance(saved, list) else [saved]:
+            if (st is not None and getattr(st, "backend", None) == "autograd"
+                    and st.output.device.type == "cuda"):
+                raise ArgumentError("graphs=True with recompute='none' needs the attention on "
+                                    "the fused kernels (flash or cuDNN); this attention runs "
+                                    "through autograd (a CP piece whose mask is not causal's, "
+                                    "or a backend without a direct op): use "
+                                    "recompute='selective', or graphs=False")

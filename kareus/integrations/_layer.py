@@ -41,7 +41,7 @@ ops, each in the partition the plan schedules, and re-runs what was not kept:
 Per layer and token of this rank, in elements of the compute dtype (``h`` hidden, ``q``
 and ``kv`` the query and key/value widths and ``f`` the FFN width on this TP rank), the
 forward keeps ``h`` (full); ``4 h + 2 q + 2 kv + 3 f`` plus the queries and keys and values
-(or under CP rank ``r``'s ``r + 1`` gathered chunks of keys and values: ``2 (r + 1) kv``)
+(or under CP every chunk's keys and values, gathered: ``2 cp kv``)
 (selective: the input, both norms' outputs, the residual sum, the QKV projection (its
 values are read through it), the roped queries and keys, gate, up and SwiGLU outputs; a
 qk-norm model keeps its QKV projection twice, before and after the norms); none adds the
@@ -58,11 +58,15 @@ backward, which overlaps its last all-reduce either way).
 [`PlannedStack`][kareus.integrations.PlannedStack] runs consecutive layers as one node and
 chains them as the loop does.
 
-**Context parallelism** splits each sequence into CP contiguous chunks, rank ``r`` holding
-chunk ``r`` (keys and values all-gathered before attention, their gradients
-reduce-scattered after it): feed each CP rank its contiguous chunk (a framework's
-load-balanced chunking, such as Megatron-Core's two chunks per rank, is another model of
-the data and is refused by the framework adapters).
+**Context parallelism** uses Megatron-Core's load-balanced layout
+([`cp_positions`][kareus.model.cp_positions]): each sequence is cut into 2 x CP chunks and
+CP rank ``r`` holds chunks ``r`` and ``2 CP - 1 - r``; the layer's input on that rank is
+its two chunks concatenated (``seq / CP`` tokens, as Megatron-Core's
+``get_batch_on_this_cp_rank`` leaves them), RoPE rotates each token by its global position,
+the keys and values are all-gathered over the CP group before attention (ordered by
+position; one causal piece per chunk) and their gradients reduce-scattered after it. Feed
+each CP rank its chunks in that layout (``megatron.core.utils.get_batch_on_this_cp_rank``
+does; for other data, index the sequence by ``cp_positions(seq_len, cp, rank)``).
 
 **CUDA graphs.** On a CUDA device each computation is replayed from a CUDA graph of the
 applier's own by default (``kareus.integrations._graphed``: static buffers around the
@@ -372,11 +376,16 @@ class PlanApplier:
                                      streams=streams if shared is None else shared(),
                                      default_collective=default_collective,
                                      graphs=capture)
+
+        def make(p: Plan) -> Executor:  # also another frontier point's (retarget)
+            return TorchExecutor(plan=p, collective=collective, frequency=frequency,
+                                 default_collective=default_collective,
+                                 streams=streams if shared is None else shared(),
+                                 graphs=capture)
+
+        self._make_plan_executor = make if executor is None else None
         if plan is not None and executor is None:
-            executor = TorchExecutor(plan=plan, collective=collective, frequency=frequency,
-                                     default_collective=default_collective,
-                                     streams=streams if shared is None else shared(),
-                                     graphs=capture)
+            executor = make(plan)
         self.baseline, self.executor = baseline, executor
 
     def _default_collectives(self, plan: Plan | None) -> tuple[Any, Any]:
@@ -443,6 +452,74 @@ class PlanApplier:
         self.start()
         with ex.microbatch(self.stage, int(microbatch), phase):
             yield None
+
+    def measure(self, **kwargs: Any) -> Any:
+        """A context manager that measures iterations of your loop and compares them with
+        the plan's prediction (a [`PlanCheck`][kareus.workflow.PlanCheck]: call
+        ``check.step()`` after each iteration; ``check.report`` after the block). Keyword
+        arguments go to ``PlanCheck`` (``warmup``, ``tolerance``, ``meter`` ...).
+
+        Raises:
+            PlanError: the applier runs no plan.
+        """
+        from kareus.workflow.verification import PlanCheck
+
+        if self.plan is None:
+            raise PlanError("applier.measure() compares with a plan's prediction: build the "
+                            "applier with plan=")
+        return PlanCheck(self.plan, workload=self.workload, **kwargs)
+
+    def retarget(self, *, deadline_s: float | None = None,
+                 energy_budget_j: float | None = None, stage_slowdown: Any = None,
+                 frontier: Any = None, executor_for: Any = None, decide: Any = None) -> Plan:
+        """Move to the iteration frontier's point that meets a new target, now: call it
+        between iterations (outside [`microbatch`][kareus.integrations.PlanApplier.microbatch]),
+        at the same iteration on every rank (rank 0 decides, the default process group
+        follows). Arguments as
+        [`TrainingLoop.retarget`][kareus.exec.train.TrainingLoop.retarget]
+        (``stage_slowdown`` that differs between the stages of a PP > 1 job is refused:
+        the frontier's points are whole-job plans). Each point's executor is built once
+        and kept; the graphed runner's graphs are keyed by the plan's choice, so a point
+        used before replays them.
+
+        Raises:
+            PlanError: no plan, or called inside a microbatch computation.
+        """
+        from kareus.exec.retarget import FrontierSwitch, Target
+
+        target = Target(deadline_s=deadline_s, energy_budget_j=energy_budget_j,
+                        stage_slowdown=stage_slowdown)
+        if self.executor is None or self.plan is None:
+            raise PlanError("retarget moves a running plan along its frontier: build the "
+                            "applier with plan=")
+        if self.executor.current is not None:
+            raise PlanError("retarget between iterations, not inside applier.microbatch()")
+        switch = getattr(self, "frontier_switch", None)
+        if switch is not None and frontier is not None:
+            switch.use(frontier)  # the points built so far are kept
+        if switch is None:
+            make = executor_for or self._make_plan_executor
+            if frontier is None or make is None:
+                raise ArgumentError("retarget needs frontier=IterationFrontier.load("
+                                    "'OUT/frontier.json') once (and executor_for= when the "
+                                    "applier was given its executor)")
+            switch = self.frontier_switch = FrontierSwitch(
+                frontier, current=self.executor, make_executor=make,
+                check=self._check_plan, decide=decide)
+        plan = switch.choose(target, stages=self.workload.parallelism.pp)
+        if plan.digest != self.plan.digest:
+            ex = switch.executor(plan)
+            ex.start()  # every rank compares the new plan's digest (collective)
+            self.executor, self.plan = ex, plan
+        return plan
+
+    def _check_plan(self, plan: Plan) -> None:
+        from kareus.exec.train import check_plan_types, check_plan_workload
+
+        check_plan_workload(plan, self.workload, one_stage=False)
+        if self.has_comm:
+            check_plan_types(plan, self.workload, self.types, self.unsplit_types,
+                             {int(plan.nanobatches(key)) for key in plan.assignment})
 
     # ------------------------------------------------------------------ running a layer
     def _executor(self) -> Executor:
@@ -712,17 +789,19 @@ def _check_workload(workload: Workload, groups: ParallelGroups) -> None:
         raise WorkloadError(f"the groups are TP={groups.tp_size} x CP={groups.cp_size}; the "
                             f"workload asks for TP={p.tp} x CP={p.cp}")
     for what, num, den in (("heads", arch.heads, p.tp), ("kv_heads", arch.kv_heads, p.tp),
-                           ("ffn", arch.ffn, p.tp), ("seq_len", workload.seq_len, p.cp)):
+                           ("ffn", arch.ffn, p.tp),
+                           ("seq_len", workload.seq_len, 2 * p.cp if p.cp > 1 else 1)):
         if num % den:
             raise WorkloadError(f"{what}={num} is not divisible by {den} (TP={p.tp}, "
-                                f"CP={p.cp})")
+                                f"CP={p.cp}{'; 2 x CP chunks' if what == 'seq_len' else ''})")
 
 
 class PlannedLayer:
     """One decoder layer under a [`PlanApplier`][kareus.integrations.PlanApplier]'s schedule.
 
     Call it as ``layer(x, weights)``: ``x`` is the layer's input ``[batch, seq / CP,
-    hidden]`` (this rank's CP chunk, contiguous sequences), ``weights`` the layer's weights
+    hidden]`` (with CP, this rank's two load-balanced chunks of each sequence, concatenated:
+    [`cp_positions`][kareus.model.cp_positions]), ``weights`` the layer's weights
     in kareus's layout (a mapping by the names of the applier's ``weight_names`` or a
     sequence in that order: ``LAYER_WEIGHTS``' seven, and the query and key norm weights
     ``w_q_norm``, ``w_k_norm`` when the workload's model has ``qk_norm``; see

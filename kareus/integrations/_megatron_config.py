@@ -28,10 +28,20 @@ _DEFAULTS: dict[str, Any] = {
     "window_size": None, "softmax_scale": None, "attention_output_gate": False,
     "experimental_attention_variant": None, "fp16": False, "bf16": False,
     "params_dtype": None, "fp32_residual_connection": False, "qk_l2_norm": False,
-    "qk_clip": False, "log_max_attention_logit": False, "recompute_method": None,
-    "recompute_num_layers": None, "recompute_modules": None,
+    "qk_clip": False, "log_max_attention_logit": False, "cp_comm_type": None,
+    "recompute_method": None, "recompute_num_layers": None, "recompute_modules": None,
     "distribute_saved_activations": False, "num_layers": None,
 }
+
+#: Megatron-Core's context-parallel communication types a kareus layer stands in for. A
+#: kareus layer computes its attention itself, always by all-gathering the keys and values
+#: over the CP group ("all_gather", kareus's pattern); Megatron's default ring ("p2p", what
+#: ``None`` means) passes the same keys and values around the ring instead: the same exact
+#: attention on the same load-balanced chunks, other communication, so a config asking for
+#: it is accepted and runs kareus's all-gather (the plan costs what runs). The all-to-all
+#: types ("a2a": heads scattered over the CP group; "a2a+p2p": hierarchical CP groups) are
+#: a layout the user chose on purpose and kareus does not run: refused.
+CP_COMM_TYPES = (None, "p2p", "all_gather")
 
 #: The activations of a SwiGLU MLP (with ``gated_linear_unit``), by function name.
 _SILU = ("silu", "swiglu")
@@ -88,9 +98,11 @@ def _refusals(config: Any) -> list[str]:
          "in the compute dtype: set fp32_residual_connection=False"),
         (not _get(config, "rotary_interleaved"), "kareus's RoPE rotates halves: set "
          "rotary_interleaved=False"),
-        (int(_get(config, "context_parallel_size") or 1) == 1,
-         "Megatron-Core splits each sequence into 2 x CP load-balanced chunks and kareus's "
-         "layer into CP contiguous ones: set context_parallel_size=1 for kareus layers"),
+        (_cp_comm_ok(config),
+         f"kareus's layer all-gathers keys and values over the CP group (cp_comm_type "
+         f"'all_gather', or Megatron's default ring 'p2p': the same attention); got "
+         f"cp_comm_type={_get(config, 'cp_comm_type')!r}: set cp_comm_type='all_gather' or "
+         "'p2p'"),
         (dropout == 0.0,
          f"kareus's layer computes without dropout and the config asks for {dropout}: set "
          "hidden_dropout=0.0 and attention_dropout=0.0"),
@@ -147,6 +159,14 @@ def _recompute_policy(config: Any) -> str:
     return "full"
 
 
+def _cp_comm_ok(config: Any) -> bool:
+    if int(_get(config, "context_parallel_size") or 1) == 1:
+        return True  # no CP communication at all
+    kinds = _get(config, "cp_comm_type")
+    kinds = kinds if isinstance(kinds, list | tuple) else [kinds]
+    return all(k in CP_COMM_TYPES for k in kinds)
+
+
 def _eps(config: Any) -> float:
     eps = _get(config, "layernorm_epsilon")
     try:
@@ -158,7 +178,7 @@ def _eps(config: Any) -> float:
     return value
 
 
-def check_layer_config(config: Any, arch: ModelArch, tp: int,
+def check_layer_config(config: Any, arch: ModelArch, tp: int, cp: int = 1,
                        recompute: str | None = None) -> None:
     """Check a Megatron-Core layer's own config against the model a workload describes,
     whatever made that workload (``workload_from_megatron``, a preset, a hand-made
@@ -176,7 +196,7 @@ def check_layer_config(config: Any, arch: ModelArch, tp: int,
         WorkloadError: the config asks for what kareus's layer does not compute (the first
             of ``workload_from_megatron``'s refusals), or one of its fields differs from the
             workload's model (dimensions, ``qk_layernorm``, ``layernorm_epsilon``,
-            ``add_qkv_bias``), TP or the recomputation policy.
+            ``add_qkv_bias``), TP, CP or the recomputation policy.
     """
     refused = _refusals(config)
     if refused:
@@ -196,6 +216,8 @@ def check_layer_config(config: Any, arch: ModelArch, tp: int,
         ("add_qkv_bias", bool(_get(config, "add_qkv_bias")), arch.qkv_bias, "qkv_bias"),
         ("tensor_model_parallel_size", int(_get(config, "tensor_model_parallel_size") or 1),
          int(tp), "TP"),
+        ("context_parallel_size", int(_get(config, "context_parallel_size") or 1), int(cp),
+         "CP"),
     ]
     for field, got, want, theirs in mine:
         if got != want:
@@ -237,6 +259,11 @@ def workload_from_megatron(config: Any, *, microbatch_size: int, seq_len: int,
     ``ffn_hidden_size``, ``num_layers``), the parallel degrees from its
     ``tensor_model_parallel_size``, ``context_parallel_size`` and
     ``pipeline_model_parallel_size`` unless given, the batch from the arguments.
+    Context parallelism is Megatron-Core's load-balanced layout, which is kareus's
+    (``kareus.model.cp_positions``; ``seq_len`` must split into 2 x CP chunks); its
+    ``cp_comm_type`` may be ``None``/``"p2p"`` (Megatron's ring) or ``"all_gather"``,
+    which compute the same attention (a kareus layer all-gathers; ``CP_COMM_TYPES``),
+    not the all-to-all types.
 
     The workload's recomputation policy is the config's: ``recompute_granularity=None``
     keeps every activation (``"none"``), ``"selective"`` with ``recompute_modules=
@@ -288,9 +315,6 @@ def workload_from_megatron(config: Any, *, microbatch_size: int, seq_len: int,
     refused = _refusals(config)
     eps = _eps(config)
     cp_ = int(cp if cp is not None else (_get(config, "context_parallel_size") or 1))
-    if cp_ != 1 and not any("context_parallel" in r for r in refused):
-        refused.append("Megatron-Core's context-parallel chunks are not kareus's contiguous "
-                       "ones: run kareus layers with cp=1")
     if refused:
         raise WorkloadError(refused[0] + (f" (and {len(refused) - 1} more)"
                                           if len(refused) > 1 else ""))

@@ -35,6 +35,7 @@ one anyway (a warning instead).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import os
@@ -50,13 +51,15 @@ from megatron.core.transformer.spec_utils import ModuleSpec  # type: ignore[impo
 from megatron.core.transformer.transformer_layer import TransformerLayer  # type: ignore[import-untyped, import-not-found]
 from packaging.version import Version
 
-from kareus.errors import ArgumentError, ArgumentTypeError, KareusError
+from kareus.errors import ArgumentError, ArgumentTypeError, KareusError, WorkloadError
 from kareus.integrations._layer import PlanApplier
 from kareus.integrations._megatron_config import check_layer_config, workload_from_megatron
 from kareus.integrations._weights import gate_up_from_fused, linear, qkv_from_grouped
+from kareus.model import cp_positions
 
 __all__ = ["TESTED_MEGATRON", "UNTESTED_ENV", "KareusTransformerLayer", "MegatronVersionError",
-           "chain_layers", "check_layer_config", "check_megatron_version", "kareus_layer_spec",
+           "KareusCoreAttention", "chain_layers", "check_layer_config", "check_megatron_version",
+           "kareus_layer_spec",
            "unchain_layers", "workload_from_megatron", "wrap_schedule"]
 
 #: The Megatron-Core releases this module is tested with: ``(lowest, first untested)``.
@@ -112,6 +115,14 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
     ``(output, None)`` as Megatron's layer does; the weight gradients reach the parameters
     by autograd (and Megatron DDP's hooks from there).
 
+    With context parallelism (``context_parallel_size > 1``) the hidden states are the
+    rank's two load-balanced chunks of each sequence, as Megatron-Core's
+    ``get_batch_on_this_cp_rank`` and its RoPE (``get_pos_emb_on_this_cp_rank``) lay them
+    out, which is kareus's CP layout: the applier's CP group must be Megatron's
+    (``TorchParallelGroups.from_groups(tp=..., cp=parallel_state.get_context_parallel_group())``),
+    and the layer computes the attention itself (all-gathered keys and values, whatever
+    ``cp_comm_type`` of ``"p2p"`` and ``"all_gather"`` the config names).
+
     The layer computes causal self-attention with RoPE over whole sequences: it refuses
     (``ArgumentError``) packed sequences, inference, cross-attention, attention masks other
     than the causal one, attention biases and a RoPE other than the applier's. With
@@ -131,10 +142,16 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
     """
 
     def __init__(self, *args: Any, applier: PlanApplier | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
         if applier is not None and not isinstance(applier, PlanApplier):
             raise ArgumentTypeError(f"applier must be a kareus PlanApplier, got "
                                     f"{type(applier).__name__}")
+        config = kwargs.get("config", args[0] if args else None)
+        if applier is not None and config is not None:
+            # before Megatron builds the submodules: a CP config with a CP=1 applier would
+            # otherwise stop in the local attention's own assertion instead of this line
+            check_layer_config(config, applier.workload.model, applier.workload.parallelism.tp,
+                               applier.workload.parallelism.cp)
+        super().__init__(*args, **kwargs)
         cfg = self.config
         self._heads = int(cfg.num_attention_heads)
         self._kv_heads = int(cfg.num_query_groups or cfg.num_attention_heads)
@@ -175,9 +192,25 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
         if applier is not None:
             check_layer_config(self.config, applier.workload.model,
                                applier.workload.parallelism.tp,
+                               applier.workload.parallelism.cp,
                                recompute=applier.workload.recompute)
+            self._check_cp_group(applier)
         self.kareus_applier = applier
         self._planned = applier.layer() if applier is not None else None
+
+    def _check_cp_group(self, applier: PlanApplier) -> None:
+        """The applier's CP coordinates are this layer's in Megatron's CP group (a rank
+        holding other chunks than its CP rank says would attend to the wrong keys)."""
+        cp = getattr(getattr(self, "pg_collection", None), "cp", None)
+        if cp is None:
+            return
+        megatron = (int(cp.size()), int(cp.rank()))
+        mine = (applier.groups.cp_size, applier.groups.cp_rank)
+        if mine != megatron:
+            raise WorkloadError(f"the applier's CP group is size {mine[0]}, rank {mine[1]}; "
+                                f"Megatron's is size {megatron[0]}, rank {megatron[1]}: pass "
+                                "TorchParallelGroups.from_groups(tp=..., cp=parallel_state."
+                                "get_context_parallel_group())")
 
     def kareus_weights(self) -> dict[str, Any]:
         """This rank's weights in kareus's layout (differentiable views of the parameters).
@@ -277,8 +310,9 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
         self._mask_seen = seen
 
     def _check_rope(self, emb: Any, s: int, device: Any) -> None:
-        """Megatron's RoPE table (``[seq, 1, 1, head_dim]`` angles) is the applier's, checked
-        once per sequence length."""
+        """Megatron's RoPE table (``[seq, 1, 1, head_dim]`` angles; with CP, those of the
+        rank's chunks' global positions) is the applier's, checked once per sequence
+        length."""
         if isinstance(emb, tuple):
             emb = emb[0]
         if emb is None:
@@ -294,7 +328,9 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
             inv = 1.0 / (applier.rope_base ** (torch.arange(0, hd, 2, dtype=torch.float64)
                                                 / hd))
         inv = torch.as_tensor(inv, dtype=torch.float64).cpu()
-        ang = torch.outer(torch.arange(s, dtype=torch.float64), inv)
+        groups = applier.groups
+        pos = cp_positions(s * groups.cp_size, groups.cp_size, groups.cp_rank)
+        ang = torch.outer(torch.tensor(pos, dtype=torch.float64), inv)
         want = torch.cat((ang, ang), -1)
         got = emb.detach().reshape(emb.shape[0], -1).double().cpu()
         if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-5, atol=1e-4):
@@ -321,6 +357,11 @@ def kareus_layer_spec(applier: PlanApplier | None, *,
             (``self_attention.q_layernorm`` and ``k_layernorm``; the config's
             ``qk_layernorm`` must agree). ``None``: as the applier's workload's model
             (``qk_norm``), without them when there is no applier.
+
+    With context parallelism in the applier's workload (CP > 1) the spec's core attention
+    is [`KareusCoreAttention`][kareus.integrations.megatron.KareusCoreAttention], a
+    stand-in without parameters: Megatron's local ``DotProductAttention`` refuses CP, and
+    the kareus layer computes its attention itself.
     """
     if applier is not None and not isinstance(applier, PlanApplier):
         raise ArgumentTypeError(f"applier must be a kareus PlanApplier, got "
@@ -331,8 +372,37 @@ def kareus_layer_spec(applier: PlanApplier | None, *,
         raise ArgumentTypeError(f"qk_layernorm must be a bool or None, got "
                                 f"{type(qk_layernorm).__name__}")
     local = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
+    subs = local.submodules
+    if applier is not None and applier.workload.parallelism.cp > 1:
+        # Megatron's local attention refuses CP (only Transformer Engine's runs it); a kareus
+        # layer computes its attention itself: a stand-in without parameters
+        att = subs.self_attention
+        att = ModuleSpec(module=att.module, params=att.params, submodules=dataclasses.replace(
+            att.submodules, core_attention=KareusCoreAttention))
+        subs = dataclasses.replace(subs, self_attention=att)
     return ModuleSpec(module=KareusTransformerLayer, params={"applier": applier},
-                      submodules=local.submodules)
+                      submodules=subs)
+
+
+class KareusCoreAttention(torch.nn.Module):
+    """The core attention of a context-parallel kareus layer: a stand-in without
+    parameters or state (as Megatron's local ``DotProductAttention``, so the state dict is
+    the local spec's), never called, because the kareus layer computes its attention
+    itself (keys and values all-gathered over the CP group). Megatron's local attention
+    refuses context parallelism, so a layer with this stand-in cannot run Megatron's own
+    forward (``set_applier(None)``): calling it raises ``ArgumentError``."""
+
+    def __init__(self, config: Any = None, layer_number: int = 1, attn_mask_type: Any = None,
+                 attention_type: str = "self", **kwargs: Any) -> None:
+        super().__init__()
+        self.config = config
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused: the kareus layer computes its attention itself (``ArgumentError``)."""
+        raise ArgumentError("a context-parallel kareus layer computes its attention itself; "
+                            "Megatron's local attention does not run context parallelism "
+                            "(run it under an applier, or build Megatron's own layers with "
+                            "Transformer Engine's spec)")
 
 
 def kareus_layers(model: Any) -> list[KareusTransformerLayer]:

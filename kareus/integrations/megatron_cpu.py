@@ -8,8 +8,10 @@ optimizer checks for ``torch.cuda.*Tensor`` types, and its activation checkpoint
 and full recomputation) saves and restores the CUDA RNG state.
 [`install`][kareus.integrations.megatron_cpu.install] redirects those calls to the CPU in
 this process: torch's tensor factories map ``device="cuda"`` to the CPU,
-``torch.cuda.current_device`` names the CPU, CPU tensors report CUDA type names, and a
-no-op RNG tracker (and CUDA RNG state) replaces CUDA's, so dropout must be 0. It patches torch globally for the
+``torch.cuda.current_device`` names the CPU, pinned memory is plain CPU memory (Megatron's
+context-parallel RoPE slicing pins an index tensor), CPU tensors report CUDA type names, and a
+no-op RNG tracker (and CUDA RNG state) replaces CUDA's, so dropout must be 0. It patches
+torch globally for the
 process, for good (there is no uninstall): run it only in a process of its own that runs
 Megatron with gloo, in fp32 (``examples/integrations/megatron_gpt.py --cpu``, and kareus's
 CPU tests of the Megatron adapter, which run the same code).
@@ -60,6 +62,7 @@ def install() -> None:
         def make(*a: Any, **kw: Any) -> Any:
             if "device" in kw:
                 kw["device"] = cpu(kw["device"])
+            kw.pop("pin_memory", None)  # no pinned-memory allocator without an accelerator
             return fn(*a, **kw)
         return make
 
@@ -68,6 +71,7 @@ def install() -> None:
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment, return-value]
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
     torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+    torch.Tensor.pin_memory = lambda self, *a, **k: self  # type: ignore[method-assign]
     own_type = torch.Tensor.type
 
     def tensor_type(self: Any, *a: Any, **kw: Any) -> Any:

@@ -11,6 +11,7 @@ hardware; everything runs on any CPU.
 from __future__ import annotations
 
 from kareus.model.config import FEATURE_NAMES, ConfigSpace, ScheduleConfig
+from kareus.model.context_parallel import cp_chunks, cp_positions
 from kareus.model.dag import Dag
 from kareus.model.decoder import (
     ATTENTION_SEGMENT,
@@ -87,6 +88,8 @@ __all__ = [
     "RECOMPUTE_POLICIES",
     "Workload",
     "build_partitions",
+    "cp_chunks",
+    "cp_positions",
     "decoder_layer",
     "get_gpu",
     "get_model",

@@ -6,7 +6,12 @@ dynamic energy separately and recombines them, since the static power is a
 property of the GPUs, not of the configuration.
 
 Scope: a partition's measurement covers every GPU that runs it (its TP x CP
-group), and ``static_power_w`` is the static power of that whole group.
+group), and ``static_power_w`` is the static power of that whole group. A measurement taken
+on fewer GPUs than its scope (a world of one standing in for the group) is scaled to the
+scope by [`Measurement.scaled_to_scope`][kareus.model.Measurement.scaled_to_scope]: the time
+as measured, the energy and the static power by the GPU count, as if every GPU of the scope
+drew what the measured ones drew. The NVML profiler scales its partitions that way and
+``kareus verify`` scales a training loop's energy to the job the same way.
 """
 
 from __future__ import annotations
@@ -73,6 +78,23 @@ class Measurement:
     def average_power_w(self) -> float:
         """Energy over time (0 for a zero-time measurement)."""
         return self.energy_j / self.time_s if self.time_s > 0 else 0.0
+
+    def scaled_to_scope(self, *, measured_gpus: int, scope_gpus: int) -> Measurement:
+        """This measurement, taken on ``measured_gpus`` GPUs, as one of ``scope_gpus``:
+        time as measured, energy and static power times ``scope_gpus / measured_gpus``
+        (every GPU of the scope taken to draw what the measured ones drew on average).
+
+        Raises:
+            ArgumentError: a GPU count below 1.
+        """
+        for name, n in (("measured_gpus", measured_gpus), ("scope_gpus", scope_gpus)):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ArgumentError(f"{name} must be a whole number >= 1, got {n!r:.40}")
+        if measured_gpus == scope_gpus:
+            return self
+        k = scope_gpus / measured_gpus
+        return Measurement(time_s=self.time_s, energy_j=self.energy_j * k,
+                           static_power_w=self.static_power_w * k)
 
     def to_dict(self) -> dict[str, float]:
         """``{"time_s", "energy_j", "static_power_w"}``, JSON-ready."""

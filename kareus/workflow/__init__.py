@@ -17,6 +17,10 @@
 - [`kareus.workflow.pools`][kareus.workflow.pools]: partition searches as tasks of any
   ``concurrent.futures.Executor``, and [`kareus.workflow.ray`][kareus.workflow.ray]: a pool whose
   tasks are Ray tasks (``kareus[ray]``).
+- [`kareus.workflow.verification`][kareus.workflow.verification]:
+  [`verify`][kareus.workflow.verify] (``kareus verify``: a plan and its baselines run in the
+  training loop on the job's GPUs, predicted against measured) and
+  [`PlanCheck`][kareus.workflow.PlanCheck] (the same check around a user's own loop).
 
 The layers below only search and compose; this package is the one place that measures, and the
 command line (``kareus.cli``) only parses, calls it and prints.
@@ -28,6 +32,7 @@ from kareus.search import resolve_surrogate
 from kareus.workflow.checks import estimate_run_s, preflight, require_outside_work
 from kareus.workflow.compose import compose_systems
 from kareus.workflow.measure import (
+    baseline_priors,
     exhaustive_search,
     measure_outside_work,
     measure_systems,
@@ -42,13 +47,25 @@ from kareus.workflow.result import (
     iso_time_energy_saving,
 )
 from kareus.workflow.run import OptimizationRun, optimize, prepare
+from kareus.workflow.verification import (
+    Figures,
+    PlanCheck,
+    SystemCheck,
+    VerifyReport,
+    verify,
+)
 
 __all__ = [
+    "Figures",
     "OptimizationResult",
     "OptimizationRun",
+    "PlanCheck",
+    "SystemCheck",
     "SystemSummary",
+    "VerifyReport",
     "compose_systems",
     "estimate_run_s",
+    "baseline_priors",
     "exhaustive_search",
     "iso_energy_time_saving",
     "iso_time_energy_saving",
@@ -62,4 +79,5 @@ __all__ = [
     "require_outside_work",
     "resolve_surrogate",
     "search_types",
+    "verify",
 ]

@@ -60,7 +60,7 @@ MANIFEST_KIND = "kareus-manifest"
 MANIFEST_VERSION = 1
 
 #: What kareus writes in an output folder (``--fresh`` removes these, nothing else).
-_OUTPUTS = ("results.json", "plan.json", "frontier.png", MANIFEST_NAME)
+_OUTPUTS = ("results.json", "plan.json", "frontier.json", "frontier.png", MANIFEST_NAME)
 
 _LOG_GLOB = "search-*.jsonl*"
 

@@ -39,11 +39,14 @@ from kareus.model.workload import Workload
 from kareus.search.partition_frontier import PartitionFrontier
 from kareus.search.progress import in_notebook
 
-__all__ = ["RESULTS_VERSION", "OptimizationResult", "SystemSummary", "iso_energy_time_saving",
+__all__ = ["FRONTIER_NAME", "RESULTS_VERSION", "OptimizationResult", "SystemSummary", "iso_energy_time_saving",
            "iso_time_energy_saving", "joules"]
 
 
 RESULTS_VERSION = 1
+
+#: kareus's iteration frontier beside ``plan.json`` in an output folder (every point's plan).
+FRONTIER_NAME = "frontier.json"
 
 _log = get_logger(__name__)
 
@@ -272,8 +275,11 @@ class OptimizationResult:
 
     def save(self, out_dir: str | os.PathLike[str], *, plan: Plan | None = None,
              figure: bool = True, write_plan: bool = True) -> dict[str, Path]:
-        """Write ``results.json``, ``plan.json`` (``plan`` or the fastest kareus plan) and,
-        if matplotlib is installed, ``frontier.png`` to ``out_dir``; return their paths.
+        """Write ``results.json``, ``plan.json`` (``plan`` or the fastest kareus plan),
+        ``frontier.json`` (kareus's iteration frontier, every point's plan:
+        [`IterationFrontier.save`][kareus.compose.IterationFrontier.save], what a running job
+        moves along without searching again: ``TrainingLoop.retarget``) and, if matplotlib
+        is installed, ``frontier.png`` to ``out_dir``; return their paths.
         ``write_plan=False`` leaves ``plan.json`` out (no plan met a constraint).
 
         Every file is written atomically (a temporary file renamed over the target), so a
@@ -292,6 +298,11 @@ class OptimizationResult:
                               ) from None
         paths = {"results": out / "results.json"}
         write_json_atomic(paths["results"], self.to_dict())
+        if len(self.kareus):
+            paths["frontier"] = out / FRONTIER_NAME
+            # without the composer's wall time: the same inputs give the same bytes
+            attrs.evolve(self.kareus, stats={k: v for k, v in self.kareus.stats.items()
+                                             if k != "wall_s"}).save(paths["frontier"])
         if write_plan:
             paths["plan"] = out / "plan.json"
             (plan if plan is not None else self.select()).save(paths["plan"])

@@ -226,9 +226,9 @@ def optimize(
         >>> plan.time_s <= result.frontiers["megatron"].points[0].time_s
         True
         >>> out = tempfile.mkdtemp()
-        >>> paths = result.save(out, figure=False)  # results.json and plan.json
+        >>> paths = result.save(out, figure=False)  # results.json, plan.json, frontier.json
         >>> sorted(path.name for path in paths.values())
-        ['plan.json', 'results.json']
+        ['frontier.json', 'plan.json', 'results.json']
     """
     check_log_dir(log_dir)
     run = prepare(workload, gpu, profiler=profiler, search=search, partitions=partitions,

@@ -36,10 +36,10 @@ from kareus.testing import RecordingExecutor
 ARCH = ModelArch(name="tiny", layers=3, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=128,
                  vocab=101)
 COMBOS = [(2, 1, True), (2, 1, False), (1, 2, False), (2, 2, True), (2, 2, False),
-          (4, 2, True)]
+          (4, 2, True), (2, 1, "selective"), (1, 2, "selective"), (2, 2, "selective")]
 #: Sequence-parallel layouts (TP > 1): (tp, cp, recompute policy).
 SP_COMBOS = [(2, 1, "full"), (2, 1, "none"), (2, 2, "full"), (2, 2, "none"), (4, 2, "full"),
-             (4, 2, "none")]
+             (4, 2, "none"), (2, 1, "selective"), (2, 2, "selective")]
 
 
 def workload(tp: int, cp: int, recompute: bool | str = True, n: int = 2, layers: int = 3,
@@ -193,6 +193,19 @@ def test_every_piece_is_a_partition_type_with_its_collective(tp, cp, recompute, 
         assert partial <= 2, (phase, partial)
 
 
+@pytest.mark.parametrize("recompute", ["full", "selective", "none"])
+def test_sequence_parallel_pieces_with_query_key_norm_are_partition_types(recompute):
+    wl = workload(2, 2, recompute, sp=True)
+    wl = wl.with_(model=attrs.evolve(wl.model, qk_norm=True))
+    types = type_shapes(build_partitions(wl))
+    for phase in ("fwd", "bwd"):
+        for piece in pieces(stream_of(wl, phase)):
+            if piece.comm is not None:
+                hit = match_type(types, piece.op_names, piece.comm.kind, piece.comm.group)
+                assert hit is not None and types[hit[0]].op_names == piece.op_names, (
+                    phase, piece.op_names)
+
+
 @pytest.mark.parametrize("tp,cp,recompute,sp",
                          [(*c, False) for c in COMBOS] + [(*c, True) for c in SP_COMBOS])
 def test_partitions_per_computation_match_the_partition_model(tp, cp, recompute, sp):
@@ -209,7 +222,7 @@ def test_partitions_per_computation_match_the_partition_model(tp, cp, recompute,
         # layer's recomputed attention) overlaps nothing, and the bottom layer's norm
         # backward overlaps the last collective instead of the top layer's
         assert set(got) == set(want) and all(abs(got[k] - want[k]) <= 1 for k in want), phase
-        if not recompute or phase == "fwd":
+        if wl.recompute != "full" or phase == "fwd":
             assert got == want, phase
 
 

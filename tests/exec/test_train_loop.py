@@ -4,9 +4,11 @@
   same decoder (the op-by-op backward is right);
 * one process standing in for TP and CP groups (loopback): the three schedules give the
   same losses, the loss falls, a reset starts over;
-* four processes over gloo (TP=2 x CP=2, real collectives through the executor): the
-  loss and every rank's gradients equal the autograd reference of the whole model
-  assembled from the four shards (tensor and context parallelism are right).
+* four processes over gloo (TP=2 x CP=2) and two (TP=1 x CP=2), real collectives through
+  the executor, each rank fed its chunks of Megatron-Core's load-balanced layout (chunks
+  ``r`` and ``2 CP - 1 - r`` of 2 x CP): the loss and every rank's gradients equal the
+  float64 autograd reference of the whole model assembled from the shards, on whole
+  sequences (tensor and context parallelism are right).
 
 Skipped without torch.
 """
@@ -243,7 +245,7 @@ def test_what_the_forward_keeps_and_the_backward_runs_again(policy):
     assert len(kept) == loop.layers * 2  # layers x nanobatches
     common = {"x_in", "xn", "x_mid", "xn2", "g", "u", "a"}
     want = {"full": {"x_in"}, "none": common | {"graph", "attn"},
-            "selective": common | {"q", "kf", "vf"}}[policy]
+            "selective": common | {"q", "kvs"}}[policy]
     for names in kept.values():
         assert names == want
     ran = []
@@ -489,31 +491,38 @@ class GlooCollective(CollectiveBackend):
 QWEN3_FEATURES = {"qk_norm": True, "norm_eps": 1e-6, "tied_embeddings": True}
 
 
-def _four_rank_workload(case: str) -> Workload:
+def _four_rank_workload(case: str, tp: int = 2) -> Workload:
     """``case``: ``"features/policy"`` (llama or qwen3 layer, recomputation policy)."""
     features, policy = case.split("/")
-    wl = workload(2, 2, recompute=policy)
+    wl = workload(tp, 2, recompute=policy).with_(seq_len=16)  # 4 chunks of 4 tokens
     if features == "qwen3":
         wl = wl.with_(model=attrs.evolve(wl.model, **QWEN3_FEATURES))
     return wl
 
 
-def _worker(out_dir: str, features: str) -> None:
+def _worker(out_dir: str, features: str, tp: str = "2") -> None:
     import torch.distributed as dist
 
     from kareus.exec.train import TorchParallelGroups
+    from kareus.model import cp_positions
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    wl = _four_rank_workload(features)
-    groups = TorchParallelGroups(tp=2)
-    coll = GroupedCollective(tp=GlooCollective(groups.tp_group),
+    wl = _four_rank_workload(features, int(tp))
+    groups = TorchParallelGroups(tp=int(tp))
+    coll = GroupedCollective(tp=GlooCollective(groups.tp_group) if groups.tp_size > 1 else None,
                              cp=GlooCollective(groups.cp_group))
     loop = TrainingLoop(workload=wl, groups=groups, collective=coll, plan=plan_for(wl),
                         streams=RecordingStreamBackend(), kernels="torch", device="cpu",
                         dtype="float32", lr=1e-3)
     params = {k: v.clone() for k, v in loop.model.params.items()}
     result = {"tp_rank": groups.tp_rank, "cp_rank": groups.cp_rank, "params": params}
+    # the rank's tokens are its two chunks of Megatron-Core's layout, and so are its RoPE
+    # positions
+    c = wl.seq_len // 4
+    chunks = (groups.cp_rank, 3 - groups.cp_rank)
+    want = [p for j in chunks for p in range(j * c, (j + 1) * c)]
+    assert loop.model.positions() == want == cp_positions(wl.seq_len, 2, groups.cp_rank)
     for s in loop.schedules:
         loop.reset()
         loss = float(loop.step(s))
@@ -531,30 +540,30 @@ def _worker(out_dir: str, features: str) -> None:
     dist.destroy_process_group()
 
 
-FOUR_RANK_CASES = ("llama/full", "qwen3/full", "llama/none", "qwen3/selective",
-                   "llama/selective")
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("features", FOUR_RANK_CASES)
-def test_four_gloo_ranks_match_the_whole_model(tmp_path, features):
+@pytest.mark.parametrize(("tp", "features"), [
+    (2, "llama/full"), (2, "qwen3/full"), (1, "qwen3/full"), (2, "llama/none"),
+    (2, "qwen3/selective"), (2, "llama/selective")])
+def test_gloo_ranks_match_the_whole_model(tmp_path, tp, features):
+    # TP x CP=2 ranks on Megatron-Core's load-balanced chunks against the whole sequences;
     # qwen3: query/key norms (their weights' gradients summed over the TP ranks' heads),
     # eps 1e-6 and tied embeddings (a vocabulary-parallel output layer on the embedding);
     # none / selective: the activations kept (selective: the gathered K/V too, the
     # attention core re-run in the backward without its all-gather)
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    port = str(29731 + 2 * FOUR_RANK_CASES.index(features))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4",
-           f"--master_port={port}", str(Path(__file__).resolve()), str(tmp_path), features]
+    world = 2 * tp
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={world}", str(Path(__file__).resolve()), str(tmp_path),
+           features, str(tp)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300,
                           check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
-    wl = _four_rank_workload(features)
+    res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    wl = _four_rank_workload(features, tp)
     by = {(r["tp_rank"], r["cp_rank"]): r for r in res}
-    shards = [by[(t, 0)]["params"] for t in range(2)]
+    shards = [by[(t, 0)]["params"] for t in range(tp)]
     for c in range(2):  # CP ranks hold the same weights
-        for t in range(2):
+        for t in range(tp):
             for k, v in by[(t, c)]["params"].items():
                 assert torch.equal(v, shards[t][k]), k
     ref_loss, ref = reference(shards, wl.model, wl.model.layers, res[0]["batches"],
@@ -567,7 +576,7 @@ def test_four_gloo_ranks_match_the_whole_model(tmp_path, features):
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1], sys.argv[2])
+    _worker(*sys.argv[1:])
 
 
 def test_graphed_loop_captures_one_graph_per_computation_with_its_clock():

@@ -7,9 +7,9 @@
 * the schedule a plan asks for (one process standing in for TP=2 x CP=2 on the recording
   executor): clock requests, partitions, slots and SM counts, split and unsplit computations;
 * refusals (typed, one line);
-* several processes over gloo (TP=2, and TP=2 x CP=2): every schedule's outputs and
-  gradients equal the reference of the whole layer, and every rank records the plan's
-  schedule.
+* several processes over gloo (TP=2, and TP=2 x CP=2 on Megatron-Core's load-balanced
+  chunks): every schedule's outputs and gradients equal the reference of the whole layer,
+  and every rank records the plan's schedule.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from kareus.integrations import (
     qkv_from_grouped,
     qkv_from_separate,
 )
+from kareus.model import cp_positions
 from kareus.testing import RecordingExecutor, make_workload_plan
 
 HERE = Path(__file__).resolve().parent
@@ -421,8 +422,8 @@ def _worker(out_dir: str, tp: int, qk: bool, recompute: str) -> None:
                                              cp=base.cp_group if base.cp_size > 1 else None)
     wl = workload(groups.tp_size, groups.cp_size, microbatches=2, qk=qk, recompute=recompute)
     arch = wl.model
-    sq = wl.seq_len // groups.cp_size
-    lo = groups.cp_rank * sq
+    # this rank's tokens: Megatron-Core's load-balanced chunks (r and 2 CP - 1 - r)
+    pos = torch.tensor(cp_positions(wl.seq_len, groups.cp_size, groups.cp_rank))
     plan = make_workload_plan(wl, pick=1, sms=8, freqs_mhz=(1980, 1410),
                               unsplit_microbatches=(1,))
     result = {"tp_rank": groups.tp_rank, "cp_rank": groups.cp_rank}
@@ -440,7 +441,7 @@ def _worker(out_dir: str, tp: int, qk: bool, recompute: str) -> None:
             g = torch.Generator().manual_seed(100 + mb)
             x = torch.randn(wl.microbatch_size, wl.seq_len, arch.hidden, generator=g)
             c = torch.randn(wl.microbatch_size, wl.seq_len, arch.hidden, generator=g)
-            xl = x[:, lo:lo + sq].clone().requires_grad_(True)
+            xl = x[:, pos].clone().requires_grad_(True)
             with applier.microbatch(mb, "fwd"):
                 if stacked:
                     y = applier.stack(2)(xl, [planned_weights(p, arch) for p in layers])
@@ -449,7 +450,7 @@ def _worker(out_dir: str, tp: int, qk: bool, recompute: str) -> None:
                     for p in layers:
                         y = planned(y, planned_weights(p, arch))
             with applier.microbatch(mb, "bwd"):
-                (y * c[:, lo:lo + sq]).sum().backward()
+                (y * c[:, pos]).sum().backward()
             outs.append((y.detach(), xl.grad.clone()))
         result[schedule] = {"outs": outs,
                             "grads": [{k: p.grad.clone() for k, p in ps.items()} for ps in layers],
@@ -486,13 +487,12 @@ def test_gloo_ranks_match_the_whole_layer(tmp_path, world, tp, qk, recompute):
     wl = workload(tp, cp, microbatches=2, qk=qk, recompute=recompute)
     arch = wl.model
     outs, grads = _reference_run(arch, wl.num_microbatches, wl.microbatch_size, wl.seq_len)
-    sq = wl.seq_len // cp
     for schedule in ("sequential", "nanobatching", "kareus", "kareus-stack"):
         for r in res:
-            lo = r["cp_rank"] * sq
+            pos = torch.tensor(cp_positions(wl.seq_len, cp, r["cp_rank"]))
             for (y, dx), (ry, rdx) in zip(r[schedule]["outs"], outs, strict=True):
-                torch.testing.assert_close(y, ry[:, lo:lo + sq], rtol=1e-4, atol=1e-5)
-                torch.testing.assert_close(dx, rdx[:, lo:lo + sq], rtol=1e-4, atol=1e-5)
+                torch.testing.assert_close(y, ry[:, pos], rtol=1e-4, atol=1e-5)
+                torch.testing.assert_close(dx, rdx[:, pos], rtol=1e-4, atol=1e-5)
         # Weight gradients: each CP rank holds its chunk's part (the framework sums them
         # over its data- and context-parallel ranks); each TP rank its shard. The query/key
         # norm weights are whole on every TP rank, which holds its heads' part of their

@@ -121,7 +121,9 @@ def test_the_layer_s_recomputation_must_be_the_workload_s():
     ({"layernorm_epsilon": 0.0}, "layernorm_epsilon must be in"),
     ({"multi_latent_attention": True}, "multi-latent"),
     ({"window_size": (128, 0)}, "window_size=None"),
-    ({"context_parallel_size": 2}, "context_parallel_size=1"),
+    ({"context_parallel_size": 2, "cp_comm_type": "a2a"}, "cp_comm_type='a2a'"),
+    ({"context_parallel_size": 2, "cp_comm_type": ["p2p"] * 3 + ["a2a+p2p"]},
+     "set cp_comm_type='all_gather' or 'p2p'"),
     ({"hidden_dropout": 0.1}, "dropout"),
     ({"attention_dropout": 0.1}, "attention_dropout=0.0"),
     ({"rotary_interleaved": True}, "rotary_interleaved=False"),
@@ -133,6 +135,22 @@ def test_what_kareus_does_not_compute_is_refused(change, match):
     with pytest.raises(WorkloadError, match=match) as err:
         _wl(_config(**change))
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("comm", [None, "p2p", "all_gather", ["all_gather", "p2p"] * 2])
+def test_context_parallelism_is_read(comm):
+    # Megatron's load-balanced CP layout is kareus's: CP > 1 is read (Megatron's default
+    # ring and the all-gather compute the same attention; kareus's layer all-gathers)
+    cfg = _config(context_parallel_size=2, cp_comm_type=comm)
+    wl = _wl(cfg)
+    assert wl.parallelism.cp == 2
+    check_layer_config(cfg, wl.model, tp=2, cp=2)
+    with pytest.raises(WorkloadError, match="context_parallel_size=2, the workload's model CP=1"):
+        check_layer_config(cfg, wl.model, tp=2)
+    with pytest.raises(WorkloadError, match=r"2\*CP=4"):  # 2 x CP chunks of 126 tokens
+        _wl(cfg, seq_len=126)
+    # the all-to-all types are not checked without CP (Megatron ignores them there)
+    _wl(_config(cp_comm_type="a2a"))
 
 
 def test_qwen3_s_layer_is_read():
@@ -171,8 +189,7 @@ def test_a_layer_checks_its_config_against_the_workload(change, field):
 def test_refusals_and_dimension_errors_are_typed():
     with pytest.raises(WorkloadError, match=r"and 1 more"):
         _wl(_config(hidden_dropout=0.1, sequence_parallel=True))
-    with pytest.raises(WorkloadError, match="cp=1"):
-        _wl(_config(), cp=2)
+    assert _wl(_config(), cp=2).parallelism.cp == 2
     with pytest.raises(ArgumentError, match="ffn_hidden_size"):
         _wl(_config(ffn_hidden_size=None))
     with pytest.raises(WorkloadError, match="kv_channels"):

@@ -166,6 +166,8 @@ class RunRecord:
             the first and last NVML counter steps of the window x the window / steps), or
             ``None`` without a meter or with fewer than two counter steps.
         counter_steps: NVML counter steps inside the window.
+        sm_clock_mhz: Mean SM clock the meter sampled in the window (``None`` without a
+            meter that samples clocks, or without a sample).
     """
 
     schedule: str
@@ -175,6 +177,7 @@ class RunRecord:
     window_s: float
     energy_j: float | None
     counter_steps: int
+    sm_clock_mhz: float | None = None
 
     @property
     def time_s(self) -> float:
@@ -186,7 +189,8 @@ class RunRecord:
         return {"schedule": self.schedule, "repeat": self.repeat,
                 "step_time_s": list(self.step_time_s), "losses": list(self.losses),
                 "window_s": self.window_s, "energy_j": self.energy_j,
-                "counter_steps": self.counter_steps, "time_s": self.time_s}
+                "counter_steps": self.counter_steps, "time_s": self.time_s,
+                "sm_clock_mhz": self.sm_clock_mhz}
 
 
 def shuffled_order(schedules: Sequence[str], repeats: int, seed: int) -> list[tuple[str, int]]:
@@ -343,18 +347,22 @@ class TrainingLoop:
                                      default_collective=default_collective or coll,
                                      streams=streams, comm_high_priority=comm_high_priority,
                                      graphs=self.graphs)
-        if plan is not None and executor is None:
+        def make(plan: Plan) -> Executor:  # also another frontier point's (retarget)
             wanted = {b for cs in plan.partition_configs().values() for c in cs
                       if (b := getattr(c, "backend", None))}
             if wanted - set(named):
                 raise PlanError(f"the plan's configurations name collective backends "
                                 f"{sorted(wanted - set(named))}: pass them in backends= "
                                 "(kareus.exec.train.named_collectives)")
-            executor = TorchExecutor(plan=plan, collective=coll, frequency=frequency,
-                                     default_collective=default_collective or coll,
-                                     backends=named, streams=streams,
-                                     comm_high_priority=comm_high_priority,
-                                     graphs=self.graphs)
+            return TorchExecutor(plan=plan, collective=coll, frequency=frequency,
+                                 default_collective=default_collective or coll,
+                                 backends=named, streams=streams,
+                                 comm_high_priority=comm_high_priority, graphs=self.graphs)
+
+        if executor is None:
+            self._make_plan_executor = make
+            if plan is not None:
+                executor = make(plan)
         return baseline, executor
 
     @staticmethod
@@ -383,9 +391,10 @@ class TrainingLoop:
             g = torch.Generator(device="cpu").manual_seed(seed * 7919 + 104729 + mb)
             tok = torch.randint(lo_id, hi_id, (wl.microbatch_size, wl.seq_len + 1),
                                 generator=g)
-            lo, hi = m.r * m.sq, (m.r + 1) * m.sq
-            self.batches.append((tok[:, lo:hi].contiguous().to(m.device),
-                                 tok[:, lo + 1:hi + 1].contiguous().to(m.device)))
+            # this rank's tokens: its CP chunks (Megatron-Core's load-balanced layout)
+            pos = torch.tensor(m.positions())
+            self.batches.append((tok[:, pos].contiguous().to(m.device),
+                                 tok[:, pos + 1].contiguous().to(m.device)))
 
     @property
     def schedules(self) -> tuple[str, ...]:
@@ -413,6 +422,8 @@ class TrainingLoop:
         """
         if schedule not in self.schedules:
             raise ArgumentError(f"schedule must be one of {self.schedules}, got {schedule!r}")
+        if self._pending_plan is not None:  # a retarget takes effect here, between iterations
+            self._switch_plan(self._pending_plan)
         m = self.model
         m.zero_grad()
         if self.graphs:
@@ -422,6 +433,96 @@ class TrainingLoop:
                 self._run_computation(schedule, comp)
         m.optimizer_step()
         return m.loss_sum.clone()
+
+    # -- moving along the frontier (kareus.exec.retarget) ------------------------------
+    _make_plan_executor: Callable[[Plan], Executor] | None = None
+    _pending_plan: Plan | None = None
+    frontier_switch: Any = None
+    """The [`FrontierSwitch`][kareus.exec.retarget.FrontierSwitch] of the points used so far
+    (``None`` before the first [`retarget`][kareus.exec.train.TrainingLoop.retarget])."""
+
+    def retarget(self, *, deadline_s: float | None = None,
+                 energy_budget_j: float | None = None,
+                 stage_slowdown: Mapping[int, float] | Sequence[float] | None = None,
+                 frontier: Any = None, executor_for: Callable[[Plan], Executor] | None = None,
+                 decide: Callable[[int], int] | None = None) -> Plan:
+        """Move to the point of the iteration frontier that meets a new target, from the
+        next [`step`][kareus.exec.train.TrainingLoop.step] on (an iteration boundary).
+
+        Exactly one target: ``deadline_s`` (the lowest-energy point within it),
+        ``energy_budget_j`` (the fastest point within it, every GPU of the job) or
+        ``stage_slowdown`` (``{0: s}``: the iteration is paced at ``s`` x the fastest
+        point's time by a straggler, and the stage slows its clocks to that pace, as
+        Perseus does: see [`kareus.exec.retarget`][kareus.exec.retarget]). Rank 0 decides and
+        every rank of the default process group takes its point, so every rank calls this
+        at the same iteration. Each point's executor is built once and kept with its CUDA
+        graphs: switching back to a point replays them, nothing is captured again.
+
+        Args:
+            deadline_s: The iteration time limit (s).
+            energy_budget_j: The iteration energy limit (J, every GPU of the job).
+            stage_slowdown: ``{stage: factor}`` (or one factor per stage), each >= 1.
+            frontier: The iteration frontier (``IterationFrontier.load`` of
+                ``frontier.json`` beside ``plan.json``); needed on the first call, kept.
+            executor_for: ``plan -> Executor`` for a new point, when the loop was given
+                its executor (``executor=``); otherwise the loop builds a
+                [`TorchExecutor`][kareus.exec.TorchExecutor] as for its first plan.
+            decide: ``index -> every rank's index`` (default: rank 0's, broadcast).
+
+        Returns:
+            The plan the loop runs from the next step on.
+
+        Raises:
+            PlanError: the loop runs no plan, or a point's plan is for another job.
+            InfeasibleError: no point meets the target.
+            ArgumentError: no frontier, or more or less than one target.
+        """
+        from kareus.exec.retarget import FrontierSwitch, Target
+
+        target = Target(deadline_s=deadline_s, energy_budget_j=energy_budget_j,
+                        stage_slowdown=stage_slowdown)
+        if self.executor is None or self.plan is None:
+            raise PlanError("retarget moves a running plan along its frontier: build the loop "
+                            "with plan= first")
+        if self.frontier_switch is not None and frontier is not None:
+            self.frontier_switch.use(frontier)  # the points built so far are kept
+        if self.frontier_switch is None:
+            if frontier is None:
+                raise ArgumentError("retarget needs the plan's iteration frontier once: pass "
+                                    "frontier=IterationFrontier.load('OUT/frontier.json')")
+            make = executor_for or self._make_plan_executor
+            if make is None:
+                raise ArgumentError("the loop was given its executor (executor=): pass "
+                                    "executor_for=plan -> Executor for the other points")
+            current = self.executor
+            self.frontier_switch = FrontierSwitch(
+                frontier, current=current, make_executor=make, check=self._check_new_plan,
+                decide=decide)
+        plan = self.frontier_switch.choose(target, stages=1)
+        if self.plan is None or plan.digest != self.plan.digest:
+            self.frontier_switch.executor(plan)  # checked and built now, kept
+        self._pending_plan = plan
+        return plan
+
+    def _check_new_plan(self, plan: Plan) -> None:
+        check_plan_workload(plan, self.workload)
+        if self.plan is not None and plan.schedule != self.plan.schedule:
+            raise PlanError(f"the frontier's point runs the {plan.schedule!r} pipeline "
+                            f"schedule, the loop {self.plan.schedule!r}: load the frontier "
+                            "written with the plan")
+        if self.types:
+            check_plan_types(plan, self.workload, self.types, self.unsplit_types,
+                             {plan_nanobatches(plan, c.stage, c.microbatch, c.phase)
+                              for c in self.computations})
+
+    def _switch_plan(self, plan: Plan) -> None:
+        """Run ``plan`` from now on (its executor, built once, keeps its graphs)."""
+        self._pending_plan = None
+        if self.plan is not None and plan.digest == self.plan.digest:
+            return
+        ex = self.frontier_switch.executor(plan)
+        ex.start()  # every rank compares the new plan's digest (a collective call)
+        self.executor, self.plan = ex, plan
 
     def _nanobatches(self, schedule: str, comp: Any = None) -> int:
         if schedule == "sequential":
@@ -606,14 +707,16 @@ def measure_runs(loop: TrainingLoop, order: Sequence[tuple[str, int]], *, steps:
         _sync(torch, cuda)
         t1 = time.perf_counter()
         times = tuple((a.elapsed_time(b) / 1e3) if cuda else (b - a) for a, b in events)
-        energy, counted = None, 0
+        energy, counted, clock = None, 0, None
         if meter is not None:
             e, d, counted = meter.energy_between(t0, t1)
             if counted >= 1 and d > 0:
                 energy = e / d * (t1 - t0) / steps
+            if hasattr(meter, "mean_sm_clock_mhz"):
+                clock = meter.mean_sm_clock_mhz(t0, t1)
         rec = RunRecord(schedule=schedule, repeat=repeat, step_time_s=times,
                         losses=tuple(float(x) for x in losses), window_s=t1 - t0,
-                        energy_j=energy, counter_steps=counted)
+                        energy_j=energy, counter_steps=counted, sm_clock_mhz=clock)
         out.append(rec)
         if log is not None:
             log(f"{schedule} repeat {repeat}: {1e3 * rec.time_s:.2f} ms/iteration, "

@@ -9,10 +9,13 @@ copies and AdamW on them.
 
 Tensor parallelism splits heads and the MLP's hidden units over the TP group as
 Megatron-LM does (QKV and gate/up column-parallel, output and down projections
-row-parallel, an all-reduce after each); context parallelism splits every sequence into
-CP contiguous chunks, all-gathers K and V before attention (rank ``r`` attends over the
-chunks ``0..r``, causally) and reduce-scatters their gradients after it; the weight
-gradients are summed over the CP group before the optimizer step.
+row-parallel, an all-reduce after each); context parallelism uses Megatron-Core's
+load-balanced layout ([`cp_positions`][kareus.model.cp_positions]: every sequence cut into
+2 x CP chunks, rank ``r`` holding chunks ``r`` and ``2 CP - 1 - r``, concatenated), applies
+RoPE at each token's global position, all-gathers K and V before attention (ordered by
+position, then one causal piece per chunk: ``kareus.exec._cp_attention``) and
+reduce-scatters their gradients after it; the weight gradients are summed over the CP
+group before the optimizer step.
 
 The forward and backward are written op by op, in the names of the partition model
 (``attn_norm``, ``qkv``, ..., ``qkv_wgrad``; ``kareus.model.partition``), each op on
@@ -38,9 +41,17 @@ from collections.abc import Callable
 from typing import Any
 
 from kareus.errors import ArgumentError, WorkloadError
+from kareus.exec._cp_attention import (
+    attention_pieces,
+    cp_attention,
+    cp_attention_bwd,
+    order_kv,
+    scatter_kv_grad,
+)
 from kareus.exec._executor_role import Executor
 from kareus.exec.model_check import refuse_uncomputed
 from kareus.exec.schedule import Comm, Op
+from kareus.model.context_parallel import cp_positions
 from kareus.model.decoder import layer_collectives
 from kareus.model.workload import RECOMPUTE_POLICIES, ModelArch, recompute_policy
 
@@ -63,11 +74,11 @@ layout (``attn``, a view of the same memory on the fused kernels), the residual 
 (``x_mid``), the gate and up projections and the SwiGLU output; ``"selective"`` keeps
 the same but the attention's output and statistics, holding instead what its
 recomputation reads: the queries (``q``), and the keys and values, this rank's (``k``,
-``v``) without CP, every chunk's as gathered (``kf``, ``vf``) under CP, so that no
+``v``) without CP, every chunk's as gathered, by position (``kvs``) under CP, so that no
 collective runs again (the two are added by ``DecoderShard`` per CP size)."""
 _KEPT = KEPT_FOR_BACKWARD
 _KEPT_NO_CP = frozenset({"k", "v"})
-_KEPT_CP = frozenset({"kf", "vf"})
+_KEPT_CP = frozenset({"kvs"})
 
 
 class DecoderShard:
@@ -77,7 +88,8 @@ class DecoderShard:
         arch: Model dimensions (hidden size, heads, KV heads, head dim, FFN, vocabulary).
         layers: Transformer layers to build (default: ``arch.layers``).
         microbatch_size: Sequences per microbatch.
-        seq_len: Tokens per sequence (whole sequence; CP ranks hold ``seq_len / cp``).
+        seq_len: Tokens per sequence (whole sequence; CP ranks hold ``seq_len / cp``: two
+            of its ``2 cp`` chunks, ``cp_positions``).
         num_microbatches: Microbatches per iteration (the loss is their mean).
         groups: [`ParallelGroups`][kareus.exec.train.ParallelGroups] of this rank.
         backend: Where the partitions' collective buffers come from: an object with
@@ -120,7 +132,8 @@ class DecoderShard:
         if self.layers < 1:
             raise ArgumentError(f"layers must be >= 1, got {self.layers}")
         for what, num, den in (("heads", arch.heads, tp), ("kv_heads", arch.kv_heads, tp),
-                               ("ffn", arch.ffn, tp), ("seq_len", seq_len, cp)):
+                               ("ffn", arch.ffn, tp),
+                               ("seq_len", seq_len, 2 * cp if cp > 1 else 1)):
             if num % den:
                 raise WorkloadError(f"{what}={num} is not divisible by {den} (TP={tp}, CP={cp})")
         for n in nanobatch_counts:
@@ -178,6 +191,11 @@ class DecoderShard:
         self.tp, self.cp, self.r = groups.tp_size, groups.cp_size, groups.cp_rank
         self.mbs, self.sq = microbatch_size, seq_local
         self.seq = seq_local * self.cp
+        if self.cp > 1 and seq_local % 2:
+            raise WorkloadError(f"seq_len={self.seq} is not divisible by 2 x CP = "
+                                f"{2 * self.cp} (Megatron-Core's load-balanced chunks)")
+        #: The causal attention pieces of this rank's two chunks (CP > 1).
+        self.pieces = attention_pieces(seq_local, self.cp, self.r) if self.cp > 1 else ()
         self.h, self.hd = arch.hidden, arch.head_dim
         self.heads, self.kvh = arch.heads // self.tp, arch.kv_heads // self.tp
         self.f = arch.ffn // self.tp
@@ -293,11 +311,16 @@ class DecoderShard:
         else:
             inv = 1.0 / (float(self.rope_base) ** (torch.arange(
                 0, self.hd, 2, device=self.device, dtype=torch.float32) / self.hd))
-        pos = torch.arange(self.r * self.sq, (self.r + 1) * self.sq, device=self.device,
-                           dtype=torch.float32)
+        # each token at its global position (this rank's two chunks)
+        pos = torch.tensor(self.positions(), device=self.device, dtype=torch.float32)
         ang = torch.outer(pos, inv)
         ang = torch.cat((ang, ang), dim=-1)
         self.cos, self.sin = ang.cos().to(self.dtype), ang.sin().to(self.dtype)
+
+    def positions(self) -> list[int]:
+        """The global positions of this rank's tokens of a sequence, in its order
+        (``cp_positions``: its two chunks with CP, the whole sequence without)."""
+        return cp_positions(self.seq, self.cp, self.r)
 
     def comms(self) -> list[tuple[str, str]]:
         """``(name, kind)`` of the collectives of one layer."""
@@ -363,7 +386,8 @@ class DecoderShard:
     def begin(self, phase: str, nanobatches: int, tokens: Any = None,
               labels: Any = None) -> None:
         """Start a computation: ``"fwd"`` takes this rank's ``tokens`` and ``labels``
-        ([microbatch_size, seq_len / cp] int64) and runs the embedding; ``"bwd"`` runs the
+        ([microbatch_size, seq_len / cp] int64: with CP, the tokens at this rank's
+        ``positions()``) and runs the embedding; ``"bwd"`` runs the
         loss's backward, the LM head's and the final norm's."""
         if phase not in ("fwd", "bwd"):
             raise ArgumentError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
@@ -566,51 +590,28 @@ class DecoderShard:
             loc[0].copy_(k)
             loc[1].copy_(v)
 
-    def _attend(self, q: Any, k: Any, v: Any) -> Any:
-        """Causal attention of this CP chunk's queries over keys ``0 .. (r+1) sq``."""
-        if self.cp == 1 or self.r == 0:
-            return self.ks.attention(q, k, v)
-        torch = self.torch
-        from torch.nn.attention.bias import causal_lower_right
-
-        rep = q.shape[1] // k.shape[1]
-        if rep > 1:
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        mask = causal_lower_right(q.shape[2], k.shape[2])
-        with self.ks._sdpa_context():
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
     def _op_attn_core(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        torch = self.torch
         b = self.mbs // self.n
         q = a["q"].transpose(1, 2)
-        if self.cp > 1 and "kf" in a:  # selective recomputation: the gathered K, V kept
-            k, v = a["kf"].transpose(1, 2), a["vf"].transpose(1, 2)
-        elif self.cp > 1:
-            full = self._reduced("kv", layer, nb).view(self.cp, 2, b, self.sq, self.kvh,
-                                                       self.hd)[: self.r + 1]
-            # A copy (the buffer is the next layer's all-gather output): [b, keys, kvh, hd]
-            fmt = torch.contiguous_format
-            kf = full[:, 0].permute(1, 0, 2, 3, 4).clone(memory_format=fmt).view(
-                b, -1, self.kvh, self.hd)
-            vf = full[:, 1].permute(1, 0, 2, 3, 4).clone(memory_format=fmt).view(
-                b, -1, self.kvh, self.hd)
-            k, v = kf.transpose(1, 2), vf.transpose(1, 2)
-            if self.policy == "selective":  # the backward's attention core reads them
-                a["kf"], a["vf"] = kf, vf
+        keep = self.torch.is_grad_enabled()  # keep what attn_core_bwd needs
+        if self.cp > 1:  # every chunk's K and V by position, then one causal piece per chunk
+            kv = a.get("kvs")  # selective recomputation: the gathered K, V kept
+            if kv is None:
+                kv = order_kv(self._reduced("kv", layer, nb), cp=self.cp, b=b, sq=self.sq,
+                              kvh=self.kvh, hd=self.hd)
+                if self.policy == "selective":  # the backward's attention core reads them
+                    a["kvs"] = kv
+            o, saved = cp_attention(self.ks, q, kv[0].transpose(1, 2), kv[1].transpose(1, 2),
+                                    self.pieces, keep=keep)
+            if keep:
+                a["graph"] = saved
         else:
             k, v = a["k"].transpose(1, 2), a["v"].transpose(1, 2)
-        if torch.is_grad_enabled():  # keep what attn_core_bwd needs
-            if self.cp == 1 or self.r == 0:
-                saved = self.ks.attention_fwd(q, k, v)
-            else:  # a lower-right causal mask: SDPA under autograd
-                from kareus.exec.kernels import attention_forward
-
-                saved = attention_forward(q, k, v, backend="masked", fallback=self._attend)
-            a["graph"] = saved
-            o = saved.output
-        else:
-            o = self._attend(q, k, v)
+            if keep:
+                a["graph"] = self.ks.attention_fwd(q, k, v)
+                o = a["graph"].output
+            else:
+                o = self.ks.attention(q, k, v)
         a["attn"] = o.detach().transpose(1, 2).reshape(b * self.sq, self.q)
 
     def _op_out_proj(self, layer: int, a: dict[str, Any], nb: int) -> None:
@@ -682,18 +683,12 @@ class DecoderShard:
         b = self.mbs // self.n
         saved = a.pop("graph")
         do = a["dattn"].view(b, self.sq, self.heads, self.hd).transpose(1, 2)
-        dq, dk, dv = self.ks.attention_bwd(do, saved)
-        a["dq"] = dq
         if self.cp > 1:  # every chunk's dK, dV, packed for the reduce-scatter
-            full = self._buf("kv_grad", nb).view(self.cp, 2, b, self.sq, self.kvh, self.hd)
-            full[self.r + 1:].zero_()
-            n_ch = self.r + 1
-            full[:n_ch, 0].copy_(dk.transpose(1, 2).reshape(b, n_ch, self.sq, self.kvh,
-                                                              self.hd).transpose(0, 1))
-            full[:n_ch, 1].copy_(dv.transpose(1, 2).reshape(b, n_ch, self.sq, self.kvh,
-                                                              self.hd).transpose(0, 1))
+            a["dq"], dkv = cp_attention_bwd(do, saved, self.pieces, keys=self.seq)
+            scatter_kv_grad(dkv, self._buf("kv_grad", nb), cp=self.cp, b=b, sq=self.sq,
+                            kvh=self.kvh, hd=self.hd)
         else:
-            a["dk"], a["dv"] = dk, dv
+            a["dq"], a["dk"], a["dv"] = self.ks.attention_bwd(do, saved)
 
     def _op_rope_bwd(self, layer: int, a: dict[str, Any], nb: int) -> None:
         b = self.mbs // self.n

@@ -598,8 +598,9 @@ class NVMLProfiler(Profiler):
         # power are scaled to the scope, as if every GPU of the group drew what the measured
         # ones drew; the time is the measured one.
         scope = int(partition.group_gpus if scope_gpus is None else scope_gpus)
-        m = Measurement(time_s=step_mean, energy_j=e_group * scope / self.group_size,
-                        static_power_w=self.static_power_w(scope))
+        m = Measurement(time_s=step_mean, energy_j=e_group,
+                        static_power_w=self.static_power_w()).scaled_to_scope(
+            measured_gpus=self.group_size, scope_gpus=scope)
         window_clock = self.meter.mean_sm_clock_mhz(lo, hi)
         busy = _busy(gpu_step_s, step_mean, queued_clock, window_clock)
         rec = MeasurementRecord(

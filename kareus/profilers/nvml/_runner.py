@@ -20,7 +20,6 @@ a measurement whose GPU was busy less than 90% of it as host-bound.
 from __future__ import annotations
 
 import abc
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -240,18 +239,6 @@ class TorchPartitionRunner(PartitionRunner):
         """Device time between two marks, seconds."""
         return float(start.elapsed_time(end)) / 1000.0
 
-    def _sleep_cycles_per_s(self) -> float:
-        """Clock cycles per second of ``torch.cuda._sleep`` now (it spins on the SM clock,
-        which a power cap or a locked clock changes)."""
-        torch = self._torch
-        cycles = 2_000_000
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        torch.cuda._sleep(cycles)
-        b.record()
-        b.synchronize()
-        return cycles / max(a.elapsed_time(b) / 1e3, 1e-6)
-
     def queued_step_s(self, step: Callable[[], None], *, steps: int,
                       host_step_s: float) -> float | None:
         """Device time per step of ``steps`` steps enqueued behind a sleeping kernel
@@ -264,27 +251,14 @@ class TorchPartitionRunner(PartitionRunner):
         sleep ran up to 13% faster than back to back, at a higher clock, and GPU-bound
         partitions were flagged host-bound). Runs ``2 * steps`` steps on every rank.
         """
-        torch = self._torch
+        from kareus.exec.device_time import queued_time_s
+
         n = max(1, int(steps))
-        self.synchronize()
         factor = self._hold_factor
-        hold_s = factor * 2 * n * max(float(host_step_s), 1e-5) + 1e-3
-        cycles = int(min(hold_s * self._sleep_cycles_per_s(), 2**62))
-        t0 = time.perf_counter()
-        torch.cuda._sleep(cycles)
-        for _ in range(n):
-            step()
-        start = self.mark()
-        for _ in range(n):
-            step()
-        end = self.mark()
-        reached = bool(start.query())  # the GPU got there before the host was done
-        enqueue_s = time.perf_counter() - t0
-        self.synchronize()
-        if reached:
+        got = queued_time_s(step, steps=n, host_step_s=host_step_s, hold_factor=factor)
+        if not got.held_long_enough:
             self._hold_factor = 2 * factor
-            _log.debug("the device hold of %.2f ms ran out before %d steps were enqueued "
-                       "(%.2f ms): the queued time may include host gaps; the next hold is "
-                       "%gx the host time", hold_s * 1e3, 2 * n, enqueue_s * 1e3,
-                       self._hold_factor)
-        return self.elapsed_s(start, end) / n
+            _log.debug("the device hold ran out before %d steps were enqueued (%.2f ms): the "
+                       "queued time may include host gaps; the next hold is %gx the host "
+                       "time", 2 * n, got.enqueue_s * 1e3, self._hold_factor)
+        return got.step_s

@@ -1,0 +1,133 @@
+"""kareus verify (kareus.workflow.verification) end to end on the CPU: an emulated optimize
+run's folder verified in the training loop (one process standing in for TP=2 with loopback
+collectives), energy from a fake NVML counter scaled to the job, the command's exit status
+and verify.json; the dry run says it is not a measurement.
+
+Skipped without torch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from fake_nvml import FakeNVML
+
+from kareus.cli import main
+from kareus.compose import IterationFrontier, Plan
+from kareus.errors import ArgumentError, HardwareError, PlanError
+from kareus.model.measurement import Measurement
+from kareus.model.workload import ModelArch, Parallelism, Workload
+from kareus.workflow import optimize
+from kareus.workflow.verification import Figures, job_measurement, verify
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny(tp: int = 2, seq: int = 8) -> Workload:
+    m = ModelArch(name="tiny", layers=2, hidden=32, heads=4, kv_heads=2, head_dim=8, ffn=64,
+                  vocab=50)
+    return Workload(model=m, parallelism=Parallelism(tp=tp, cp=1), microbatch_size=2,
+                    seq_len=seq, num_microbatches=2, nanobatches=2, recompute=True)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("opt")
+    optimize(tiny(), "h200-sxm", budget=4, seed=1, progress=False).save(out, figure=False)
+    return out
+
+
+def test_the_folder_keeps_the_frontier_the_plan_came_from(folder):
+    fr = IterationFrontier.load(folder / "frontier.json")
+    plan = Plan.load(folder / "plan.json")
+    assert len(fr) >= 1 and plan.digest in {p.plan.digest for p in fr.points}
+    assert "wall_s" not in fr.stats  # the same inputs give the same bytes
+
+
+def test_a_measurement_is_scaled_to_the_job_as_the_tune_scales():
+    m = job_measurement(time_s=0.5, energy_j=300.0, measured_gpus=1, job_gpus=8,
+                        job_static_power_w=800.0)
+    assert m == Measurement(time_s=0.5, energy_j=300.0, static_power_w=100.0).scaled_to_scope(
+        measured_gpus=1, scope_gpus=8)
+    assert (m.time_s, m.energy_j, m.static_power_w) == (0.5, 2400.0, 800.0)
+    f = Figures.of_measurement(m)
+    assert (f.static_j, f.dynamic_j, f.total_j) == (400.0, 2000.0, 2400.0)
+    same = Measurement(time_s=1.0, energy_j=2.0, static_power_w=1.0)
+    assert same.scaled_to_scope(measured_gpus=4, scope_gpus=4) is same
+    with pytest.raises(ArgumentError, match="scope_gpus"):
+        same.scaled_to_scope(measured_gpus=1, scope_gpus=0)
+
+
+def test_verify_runs_every_system_and_scales_the_counter_to_the_job(folder, tmp_path):
+    nvml = FakeNVML(1, period_s=0.002, idle_w=100.0)
+    rep = verify(folder, device="cpu", steps=3, warmup=1, repeats=2, nvml=nvml,
+                 busy_steps=0, out=tmp_path)
+    assert rep is not None and not rep.measured and "NOT A MEASUREMENT" in rep.note
+    assert [s.system for s in rep.systems] == ["megatron", "nanobatching", "kareus"]
+    assert [s.schedule for s in rep.systems] == ["sequential", "nanobatching", "kareus"]
+    results = json.loads((folder / "results.json").read_text())
+    plan = Plan.load(folder / "plan.json")
+    for s in rep.systems:
+        pred = results["systems"][s.system] if s.system != "kareus" else None
+        if pred is not None:
+            assert s.predicted.total_j == pytest.approx(pred["total_j"])
+        else:
+            assert s.predicted.total_j == pytest.approx(plan.energy_j)
+        assert s.repeats == 2 and s.measured is not None
+        # the fake GPU draws 100 W: one GPU read, the job's two GPUs counted
+        assert s.measured.total_j == pytest.approx(2 * 100.0 * s.measured_time_s, rel=0.25)
+        assert s.measured.static_j == pytest.approx(
+            s.predicted.static_j / s.predicted.time_s * s.measured_time_s)
+    data = json.loads((tmp_path / "verify.json").read_text())
+    assert data["measured"] is False and data["job_gpus"] == 2 and data["measured_gpus"] == 1
+    assert "scaled to 2" in data["energy_scope"]
+    assert len(data["runs"]) == 6 and data["plan"]["digest"] == plan.digest
+    assert "dry-run" in data["clocks"]
+    assert set(data["systems"]["kareus"]["ratios"]) == {"time_s", "static_j", "dynamic_j",
+                                                        "total_j"}
+    assert "CPU DRY RUN" in rep.table().splitlines()[0]
+
+
+def test_the_command_prints_writes_and_exits_past_the_tolerance(folder, tmp_path, capsys):
+    out = tmp_path / "v.json"
+    code = main(["verify", str(folder), "--device", "cpu", "--steps", "2", "--repeats", "1",
+                 "--quiet", "--out", str(out), "--systems", "kareus"])
+    text = capsys.readouterr()
+    assert code == 1  # a CPU's host time is nowhere near an H200's composed time
+    assert "CPU DRY RUN" in text.out and "predicted" in text.out and "measured" in text.out
+    assert "outside the tolerance" in text.err and "not a measurement" in text.err
+    assert json.loads(out.read_text())["passed"] is False
+    code = main(["verify", str(folder / "plan.json"), "--device", "cpu", "--steps", "1",
+                 "--repeats", "1", "--quiet", "--out", str(out), "--tolerance", "1e6",
+                 "--systems", "kareus"])
+    assert code == 0 and json.loads(out.read_text())["passed"] is True
+
+
+def test_refusals(folder, tmp_path):
+    with pytest.raises(ArgumentError, match="--systems"):
+        verify(folder, device="cpu", systems=["perseus"])
+    other = tmp_path / "results.json"
+    data = json.loads((folder / "results.json").read_text())
+    data["workload"] = tiny(seq=16).to_dict()
+    other.write_text(json.dumps(data))
+    with pytest.raises(PlanError, match="another job"):
+        verify(folder, results=other, device="cpu")
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    (lone / "plan.json").write_bytes((folder / "plan.json").read_bytes())
+    with pytest.raises(PlanError, match="results"):
+        verify(lone, device="cpu", systems=["megatron"])
+    if not torch.cuda.is_available():
+        with pytest.raises(HardwareError, match="--device cpu"):
+            verify(folder)
