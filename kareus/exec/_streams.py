@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import gc
 import itertools
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -125,18 +127,45 @@ class TorchStreamBackend(StreamBackend):
 
     @contextlib.contextmanager
     def capture(self, pool: Any, *, name: str) -> Iterator[Any]:
-        """``torch.cuda.graph`` into a new ``CUDAGraph`` sharing ``pool``.
+        """``torch.cuda.graph`` into a new ``CUDAGraph`` sharing ``pool``; yields it held
+        by a ``CapturedGraph`` (see there: a graph dropped during a capture is destroyed
+        after it).
 
         Capture errors are thread-local: other threads of the process (the energy
         meter's NVML polling, the frequency controller) keep running, as long as they
-        make no CUDA call on the capturing stream.
+        make no CUDA call on the capturing stream. Python's cyclic garbage collector is
+        off during the capture (it could destroy an unreachable graph, anyone's, whose
+        destruction would invalidate this capture; PyTorch stopped collecting before
+        each capture in 2.9). A capture that fails (its body raises, or CUDA invalidated
+        it) is ended and undone before the error propagates: the stream current before
+        it is current again, the allocator stops routing to ``pool`` and the graph's
+        random-generator state is dropped, so CUDA stays usable (``torch.cuda.graph``
+        leaves its capture stream current and the generator in capture when ending an
+        invalidated capture raises).
         """
-        graph = self._torch.cuda.CUDAGraph()
-        with self._torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-            yield graph
+        torch = self._torch
+        bury_graphs()  # outside any capture of ours (the caller's own is checked)
+        graph = torch.cuda.CUDAGraph()
+        before = torch.cuda.current_stream(self.device)
+        collecting = gc.isenabled()
+        gc.disable()
+        _capturing.depth = getattr(_capturing, "depth", 0) + 1
+        try:
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                yield CapturedGraph(graph)
+        except BaseException:
+            _undo_capture(torch, graph, pool, before, self.device)
+            raise
+        finally:
+            _capturing.depth -= 1
+            if collecting:
+                gc.enable()
 
     def replay(self, graph: Any) -> None:
-        """``graph.replay()`` on the current stream."""
+        """``graph.replay()`` on the current stream (graphs dropped during a capture are
+        destroyed first: ``CapturedGraph``)."""
+        if _GRAVEYARD:
+            bury_graphs()
         graph.replay()
 
     def is_capturing(self) -> bool:
@@ -144,8 +173,90 @@ class TorchStreamBackend(StreamBackend):
         return bool(self._torch.cuda.is_current_stream_capturing())
 
     def synchronize(self) -> None:
-        """``torch.cuda.synchronize()`` of the device."""
+        """``torch.cuda.synchronize()`` of the device; then graphs dropped during a
+        capture are destroyed (``CapturedGraph``)."""
         self._torch.cuda.synchronize(self.device)
+        bury_graphs()
+
+
+#: Per thread: how many captures of a ``TorchStreamBackend`` are open in it.
+_capturing = threading.local()
+#: CUDA graphs whose ``CapturedGraph`` was dropped while a capture was underway.
+_GRAVEYARD: list[Any] = []
+
+
+def _capture_underway() -> bool:
+    """Whether destroying a CUDA graph now could invalidate a capture: one of ours is open
+    in this thread, or the current stream is being captured (anyone's capture)."""
+    if getattr(_capturing, "depth", 0):
+        return True
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return False
+    return bool(torch.cuda.is_current_stream_capturing())
+
+
+def bury_graphs() -> int:
+    """Destroy the graphs dropped during a capture (``CapturedGraph``), unless a capture is
+    underway now; returns how many were destroyed."""
+    if not _GRAVEYARD or _capture_underway():
+        return 0
+    n = len(_GRAVEYARD)
+    del _GRAVEYARD[:]
+    return n
+
+
+class CapturedGraph:
+    """A captured CUDA graph, as [`TorchStreamBackend.capture`][kareus.exec.TorchStreamBackend.capture]
+    yields it: ``replay()`` launches it.
+
+    Destroying a CUDA graph while a stream is being captured is an operation CUDA does
+    not permit there: it invalidates that capture (PyTorch prints "CUDA warning:
+    operation not permitted when stream is capturing" and the capture fails). Graphs
+    dropped in a reference cycle are destroyed whenever Python's cyclic garbage
+    collector runs, which may be inside a capture (a planned layer's own, or the
+    framework's step capture around planned layers). So when this holder goes away
+    while a capture is underway, its graph is kept in a list and destroyed at the next
+    point outside captures (the next capture of a ``TorchStreamBackend``, its
+    ``synchronize``).
+    """
+
+    __slots__ = ("graph",)
+
+    def __init__(self, graph: Any) -> None:
+        self.graph = graph
+
+    def replay(self) -> None:
+        """Launch the graph on the current stream."""
+        self.graph.replay()
+
+    def __del__(self) -> None:
+        graph, self.graph = self.graph, None
+        try:
+            if graph is not None and _capture_underway():
+                _GRAVEYARD.append(graph)
+        except Exception:  # at interpreter exit torch may be half gone
+            pass
+
+
+def _undo_capture(torch: Any, graph: Any, pool: Any, before: Any, device: Any) -> None:
+    """After a failed capture: end it if it is still open, make ``before`` the current
+    stream again, stop routing allocations to ``pool`` and drop the graph's state (its
+    random-generator capture state), each step best effort."""
+    with contextlib.suppress(RuntimeError):
+        if torch.cuda.is_current_stream_capturing():  # the body raised before the end
+            with contextlib.suppress(RuntimeError):
+                graph.capture_end()
+    if torch.cuda.current_stream(device) != before:
+        torch.cuda.set_stream(before)
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if end is not None:  # already done when the capture ended cleanly: then it raises
+        with contextlib.suppress(RuntimeError, TypeError):
+            end(torch.cuda.current_device() if device.index is None else device.index, pool)
+    with contextlib.suppress(RuntimeError):
+        graph.reset()
 
 
 @attrs.frozen

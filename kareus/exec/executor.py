@@ -387,9 +387,12 @@ class TorchExecutor(Executor):
                 held, self._deferred = self._deferred, None
             graphs.append(graph)
             deferred.append(held or [])
-        trigger = self.frequency
+        # The request closes over the trigger and the streams, not the executor: the
+        # executor holds the sequence, and a cycle would leave its graphs to the garbage
+        # collector instead of freeing them when the executor goes
+        trigger, streams = self.frequency, self.streams
         request = None if trigger is None else (
-            lambda f: trigger.request(f, stream=self.streams.current_stream()))
+            lambda f: trigger.request(f, stream=streams.current_stream()))
         seq = GraphSequence(name=name, key=key, streams=self.streams, graphs=graphs,
                             deferred=deferred, request=request)
         self._sequences[name] = seq

@@ -104,7 +104,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from kareus.errors import ArgumentError
+from kareus.errors import ArgumentError, GraphCaptureError
 from kareus.integrations._kept import KeptActivations
 
 __all__ = ["GraphedRunner", "KeptInputs", "capture_in_progress", "computation_signature"]
@@ -190,7 +190,11 @@ class _Slot:
     serials = 0
 
     def __init__(self, forward: _Captured) -> None:
-        self._forward = forward
+        # the forward's buffers, not the forward itself: the forward holds its slot, and
+        # a cycle would leave the forward's graph to the garbage collector, which may run
+        # (and destroy it) inside a later capture
+        self._x = forward.x
+        self._kept = list(forward.kept)
         self.owner: Any = None
         self.retired = False
         _Slot.serials += 1
@@ -199,13 +203,13 @@ class _Slot:
     @property
     def x(self) -> Any:
         """The forward graph's static input."""
-        return self._forward.x
+        return self._x
 
     @property
     def kept(self) -> list[Any]:
         """The inputs of layers ``1 ..`` the forward graph writes (static buffers allocated
         outside its memory pool)."""
-        return list(self._forward.kept)
+        return list(self._kept)
 
     def holder(self) -> KeptInputs | None:
         """The pending forward whose backward these buffers hold (``None``: free)."""
@@ -284,7 +288,11 @@ class GraphedRunner:
     """
 
     def __init__(self, applier: Any) -> None:
-        self.applier = applier
+        import weakref
+
+        # weakly: the applier holds its runner, and a cycle would leave the runner's
+        # graphs to the garbage collector (``kareus.exec._streams.CapturedGraph``)
+        self._applier = weakref.ref(applier)
         self._graphs: dict[tuple[Any, ...], _Captured] = {}
         self._copy_always: set[tuple[tuple[Any, ...], int, int]] = set()
         self._names: dict[tuple[Any, ...], str] = {}
@@ -293,6 +301,15 @@ class GraphedRunner:
         self._slots: dict[tuple[Any, ...], list[_Captured]] = {}
         self.captures = 0
         self.loads = 0
+
+    @property
+    def applier(self) -> Any:
+        """The applier whose programs and executors run the captured work."""
+        applier = self._applier()
+        if applier is None:
+            raise GraphCaptureError("this graphed runner's PlanApplier is gone: run "
+                                    "through the applier")
+        return applier
 
     def run(self, phase: str, x: Any, weights: Sequence[Sequence[Any]], dy: Any = None,
             inputs: Sequence[Any] | KeptInputs | None = None, *,

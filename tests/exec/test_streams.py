@@ -34,3 +34,41 @@ def test_unknown_launches_are_an_error():
     assert dev.launches("compute") == ["x"]
     with pytest.raises(KeyError, match="never launched"):
         dev.happens_before(("compute", "x"), ("comm", "y"))
+
+
+def test_a_graph_dropped_during_a_capture_is_destroyed_after_it(monkeypatch):
+    # destroying a CUDA graph inside a capture invalidates that capture: a graph whose
+    # holder goes then (a reference cycle the garbage collector frees mid-capture) is
+    # kept until the next point outside captures
+
+    from kareus.exec import _streams
+
+    destroyed: list[int] = []
+
+    class Graph:  # stands in for torch.cuda.CUDAGraph (its destructor is the CUDA call)
+        def __init__(self, n):
+            self.n, self.replays = n, 0
+
+        def replay(self):
+            self.replays += 1
+
+        def __del__(self):
+            destroyed.append(self.n)
+
+    capturing = [True]
+    monkeypatch.setattr(_streams, "_capture_underway", lambda: capturing[0])
+    monkeypatch.setattr(_streams, "_GRAVEYARD", [])
+    graph = Graph(1)
+    held = _streams.CapturedGraph(graph)
+    held.replay()
+    assert graph.replays == 1
+    del graph, held  # "inside a capture" (a cycle freed by the collector goes alike)
+    assert destroyed == [] and len(_streams._GRAVEYARD) == 1
+    assert _streams.bury_graphs() == 0  # still capturing: kept
+    assert destroyed == []
+    capturing[0] = False
+    assert _streams.bury_graphs() == 1
+    assert destroyed == [1]
+    held = _streams.CapturedGraph(Graph(2))  # outside any capture: destroyed at once
+    del held
+    assert destroyed == [1, 2] and _streams._GRAVEYARD == []

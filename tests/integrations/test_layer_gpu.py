@@ -12,6 +12,7 @@ Skipped without torch or without CUDA.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -29,6 +30,32 @@ from kareus.testing import make_workload_plan
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@contextlib.contextmanager
+def _user_capture(graph):
+    """``torch.cuda.graph(graph)`` (a user's own capture, in its default global mode) that,
+    when the capture fails, leaves CUDA usable for the tests after this one: the stream
+    current before it is current again (``torch.cuda.graph`` leaves its capture stream
+    current when ending an invalidated capture raises), the allocator stops routing to
+    the graph's pool and the graph's random-generator capture state is dropped
+    (``reset``; else every later ``randn`` on the GPU fails with "Offset increment outside
+    graph capture")."""
+    before = torch.cuda.current_stream()
+    pool = torch.cuda.graph_pool_handle()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            yield
+    except BaseException:
+        if torch.cuda.current_stream() != before:
+            torch.cuda.set_stream(before)
+        end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+        with contextlib.suppress(RuntimeError, TypeError):
+            if end is not None:  # raises when the capture ended cleanly
+                end(torch.cuda.current_device(), pool)
+        with contextlib.suppress(RuntimeError):
+            graph.reset()
+        raise
 
 
 def workload(tp: int, cp: int, qk: bool = False) -> Workload:
@@ -257,7 +284,9 @@ def test_planned_layers_inside_an_enclosing_cuda_graph_give_the_eager_gradients(
                           collective=capped, default_collective=default, graphs=graphs,
                           eps=arch.norm_eps, whole_step_capture=True)
     ws = {k: v.detach().clone().requires_grad_(True) for k, v in p.items()}
-    xs = [torch.randn_like(x).requires_grad_(True) for x in new]
+    # (drawn on the CPU: the inputs do not depend on the CUDA generator's state)
+    xs = [torch.randn(tuple(x.shape), generator=g).to(dev, torch.bfloat16).requires_grad_(True)
+          for x in new]
     static = [*ws.values(), *xs]
     for t in static:
         t.grad = torch.zeros_like(t)
@@ -275,7 +304,7 @@ def test_planned_layers_inside_an_enclosing_cuda_graph_give_the_eager_gradients(
     torch.cuda.current_stream().wait_stream(side)
     own = applier._runner.captures if graphs else 0
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with _user_capture(graph):
         got_y = body()
     if graphs:
         assert applier._runner.captures == own  # nothing captured of its own inside

@@ -541,3 +541,40 @@ def test_inside_an_enclosing_capture_the_clock_requests_go_into_it(monkeypatch):
     stream = applier.executor.streams.current_stream()
     assert trigger.requests == [(1980, stream), (1980, stream), (1410, stream),
                                 (1410, stream)]
+
+
+def test_a_graphed_applier_and_its_graphs_go_without_the_garbage_collector():
+    # Graphs that only Python's cyclic garbage collector frees are destroyed whenever it
+    # runs, which may be inside a later CUDA graph capture (anyone's), which that
+    # invalidates: the runner, its forwards' slots and the executor's sequences hold no
+    # reference cycle, so dropping the applier frees its graphs at once
+    import gc
+    import weakref
+
+    wl = workload(tp=1, cp=2)
+    groups = LoopbackGroups(tp=1, cp=2)
+    _, default, _ = make_collectives(groups, backend="loopback")
+    ex = TorchExecutor(collective=default, default_collective=default,
+                       streams=RecordingStreamBackend(), graphs=True)
+    applier = PlanApplier(workload=wl, groups=groups, kernels="torch", graphs=True,
+                          baseline=ex)
+    params = [{k: torch.nn.Parameter(v) for k, v in full_weights(wl.model, seed).items()}
+              for seed in (1, 2)]
+    x = torch.randn(4, 8, wl.model.hidden, generator=torch.Generator().manual_seed(0))
+    y = applier.stack(2)(x.requires_grad_(True), [planned_weights(p, wl.model)
+                                                  for p in params])
+    y.square().sum().backward()
+    y = applier.stack(2)(x, [planned_weights(p, wl.model) for p in params])
+    assert applier._runner.captures >= 2
+    seqs = [weakref.ref(s) for s in ex._sequences.values()]
+    refs = [weakref.ref(o) for o in (applier, applier._runner, ex)]
+    assert seqs
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del applier, ex, y  # y's backward node (its forward's kept inputs) pending
+        assert [r() for r in refs] == [None] * 3
+        assert all(s() is None for s in seqs)
+    finally:
+        if enabled:
+            gc.enable()
