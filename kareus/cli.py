@@ -143,10 +143,55 @@ def _noise(text: str) -> float:
     return value
 
 
+#: The defaults of the options that ``--megatron-args`` replaces (``None`` in the parser, so
+#: that an option given beside ``--megatron-args`` is refused rather than ignored).
+_JOB_DEFAULTS = {"tp": 4, "cp": 1, "pp": 2, "microbatches": 8, "microbatch_size": 8,
+                 "seq_len": 4096}
+
+
+def _workload_from_megatron_flags(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """The workload of ``--megatron-args``: the job as Megatron-LM's flags describe it."""
+    from kareus.errors import WorkloadError
+    from kareus.integrations.megatron_args import parse_megatron_args, workload_from_megatron_args
+
+    given = [f"--{k.replace('_', '-')}" for k in (*_JOB_DEFAULTS, "workload", "model_file")
+             if getattr(args, k, None) is not None] + [
+                 f for f, on in (("--no-recompute", args.no_recompute),
+                                 ("--recompute", getattr(args, "recompute", None) is not None),
+                                 ("--sp", getattr(args, "sp", False))) if on]
+    if given:
+        raise ArgumentError(f"--megatron-args describes the model, the parallelism and the "
+                            f"batch; drop {', '.join(given)} (give them as Megatron-LM flags)")
+    flags = parse_megatron_args(args.megatron_args)
+    tp, cp, pp = (flags.tensor_model_parallel_size, flags.context_parallel_size,
+                  flags.pipeline_model_parallel_size)
+    dp = 1 if args.dp is None else args.dp
+    if args.gpus is not None:
+        if args.gpus % (tp * cp * pp):
+            raise WorkloadError(f"--gpus {args.gpus} is not a multiple of the flags' TP x CP x PP "
+                                f"= {tp * cp * pp}")
+        if args.dp is not None and args.dp != args.gpus // (tp * cp * pp):
+            raise WorkloadError(f"--gpus {args.gpus} and --dp {args.dp} disagree: give one")
+        dp = args.gpus // (tp * cp * pp)
+    if tp == 1 and cp == 1:
+        raise WorkloadError("the Megatron-LM flags give TP=1 and CP=1: no layer has a "
+                            "collective to overlap, so there is nothing to plan; train with "
+                            "layer_spec without KAREUS_PLAN (the sequential schedule)")
+    if tp > 8 or tp * cp * pp * dp > _MAX_GPUS:
+        raise WorkloadError(f"TP={tp} x CP={cp} x PP={pp} x DP={dp}: beyond what kareus models "
+                            f"(TP <= 8, at most {_MAX_GPUS:,} GPUs)")
+    return workload_from_megatron_args(flags, dp=dp, nanobatches=args.nanobatches)
+
+
 def _workload_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from kareus.errors import WorkloadError
     from kareus.model.workload import Parallelism, Workload, get_model
 
+    if getattr(args, "megatron_args", None) is not None:
+        return _workload_from_megatron_flags(args)
+    for name, default in _JOB_DEFAULTS.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, default)
     if (args.workload is None) == (args.model_file is None):
         raise WorkloadError("give either --workload PRESET or --model-file FILE (one of them)")
     if args.model_file is not None:
@@ -556,29 +601,37 @@ def build_parser() -> argparse.ArgumentParser:
                     "frontier.png and the search logs to --out.")
     p.add_argument("--workload", default=None, help="model preset (see `kareus workloads`)")
     p.add_argument("--model-file", default=None, metavar="FILE",
-                   help="your own model architecture, a .toml or .json file (instead of "
-                        "--workload; see docs/plugins.md)")
+                   help="your own model architecture, a .toml or .json file, a Hugging Face "
+                        "config.json, or a Megatron-Core/Megatron-LM configuration (.json or "
+                        ".yaml) (instead of --workload; see docs/plugins.md and "
+                        "docs/integrations.md)")
+    p.add_argument("--megatron-args", default=None, metavar="FLAGS",
+                   help="the model, parallelism and batch as Megatron-LM's pretrain_gpt.py "
+                        "flags (one quoted string, or @FILE holding them), instead of "
+                        "--workload/--model-file, --tp/--cp/--pp/--sp, --microbatches/"
+                        "--microbatch-size/--seq-len and --recompute; the plan is accepted by "
+                        "`--spec kareus.integrations.megatron layer_spec` (docs/integrations.md)")
     p.add_argument("--gpu", default=None,
                    help="GPU preset (default: a100-40gb, or the recording's GPU with "
                         "--profiler replay:FILE)")
     p.add_argument("--gpu-file", default=None, metavar="FILE",
                    help="your own GPU, a .toml or .json file (instead of --gpu)")
-    p.add_argument("--tp", type=_int_up_to(_MAX_DEGREE), default=4,
+    p.add_argument("--tp", type=_int_up_to(_MAX_DEGREE), default=None,
                    help="tensor parallel (default 4)")
-    p.add_argument("--cp", type=_int_up_to(_MAX_DEGREE), default=1,
+    p.add_argument("--cp", type=_int_up_to(_MAX_DEGREE), default=None,
                    help="context parallel (default 1)")
-    p.add_argument("--pp", type=_int_up_to(_MAX_DEGREE), default=2,
+    p.add_argument("--pp", type=_int_up_to(_MAX_DEGREE), default=None,
                    help="pipeline stages (default 2)")
     p.add_argument("--dp", type=_int_up_to(_MAX_GPUS), default=None,
                    help="data parallel (default 1, or GPUs / (TP x CP x PP) with --gpus)")
     p.add_argument("--gpus", type=_int_up_to(_MAX_GPUS), default=None,
                    help="total GPUs; sets DP = GPUs / (TP x CP x PP) (with --dp, they must "
                         "agree)")
-    p.add_argument("--microbatches", type=_int_up_to(_MAX_MICROBATCHES), default=8,
+    p.add_argument("--microbatches", type=_int_up_to(_MAX_MICROBATCHES), default=None,
                    help="microbatches per iteration (default 8)")
-    p.add_argument("--microbatch-size", type=_int_up_to(_MAX_MICROBATCH_SIZE), default=8,
+    p.add_argument("--microbatch-size", type=_int_up_to(_MAX_MICROBATCH_SIZE), default=None,
                    help="sequences per microbatch (default 8)")
-    p.add_argument("--seq-len", type=_int_up_to(_MAX_SEQ_LEN), default=4096,
+    p.add_argument("--seq-len", type=_int_up_to(_MAX_SEQ_LEN), default=None,
                    help="sequence length (default 4096)")
     p.add_argument("--nanobatches", type=_int_up_to(_MAX_NANOBATCHES), default=2,
                    help="nanobatches per microbatch for overlap (default 2)")

@@ -22,7 +22,9 @@ checkpoints belong to a framework:
   framework's weights, so that gradients reach its parameters by autograd;
 * ``kareus.integrations.megatron`` (``pip install "kareus[megatron]"``) and
   ``kareus.integrations.torchtitan`` (``pip install "kareus[torchtitan]"``): the same
-  through each framework's extension points, imported on demand;
+  through each framework's extension points, imported on demand
+  (``--spec kareus.integrations.megatron layer_spec`` in Megatron-LM's ``pretrain_gpt.py``;
+  ``kareus.integrations.megatron_args`` reads a job's Megatron-LM flags without Megatron);
 * ``kareus.integrations.zeus`` (``pip install "kareus[zeus]"``): a frequency controller backed
   by the Zeus daemon (zeusd) and an energy meter backed by Zeus's ZeusMonitor;
 * ``kareus.integrations.perseus``: a plan's per-rank, per-microbatch frequencies in the

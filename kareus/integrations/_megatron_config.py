@@ -104,8 +104,9 @@ def _refusals(config: Any) -> list[str]:
          f"cp_comm_type={_get(config, 'cp_comm_type')!r}: set cp_comm_type='all_gather' or "
          "'p2p'"),
         (dropout == 0.0,
-         f"kareus's layer computes without dropout and the config asks for {dropout}: set "
-         "hidden_dropout=0.0 and attention_dropout=0.0"),
+         f"kareus's layer computes without dropout and the config asks for {dropout} "
+         "(Megatron-Core's default is 0.1): set hidden_dropout=0.0 and attention_dropout=0.0 "
+         "(Megatron-LM: --hidden-dropout 0 --attention-dropout 0)"),
     ]
     refused = [msg for ok, msg in checks if not ok]
     try:

@@ -42,11 +42,17 @@ import os
 import types
 import warnings
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import megatron.core  # type: ignore[import-untyped, import-not-found]
 import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # type: ignore[import-untyped, import-not-found]
+from megatron.core.tensor_parallel.layers import (  # type: ignore[import-untyped, import-not-found]
+    ColumnParallelLinear,
+    RowParallelLinear,
+)
+from megatron.core.transformer.dot_product_attention import DotProductAttention  # type: ignore[import-untyped, import-not-found]
 from megatron.core.transformer.spec_utils import ModuleSpec  # type: ignore[import-untyped, import-not-found]
 from megatron.core.transformer.transformer_layer import TransformerLayer  # type: ignore[import-untyped, import-not-found]
 from packaging.version import Version
@@ -55,12 +61,15 @@ from kareus.errors import ArgumentError, ArgumentTypeError, KareusError, Workloa
 from kareus.integrations._layer import PlanApplier
 from kareus.integrations._megatron_config import check_layer_config, workload_from_megatron
 from kareus.integrations._weights import gate_up_from_fused, linear, qkv_from_grouped
+from kareus.integrations.megatron_args import workload_from_megatron_args
 from kareus.model import cp_positions
 
-__all__ = ["TESTED_MEGATRON", "UNTESTED_ENV", "KareusTransformerLayer", "MegatronVersionError",
-           "KareusCoreAttention", "chain_layers", "check_layer_config", "check_megatron_version",
-           "kareus_layer_spec",
-           "unchain_layers", "workload_from_megatron", "wrap_schedule"]
+__all__ = ["CHAIN_ENV", "GRAPHS_ENV", "LAYOUTS", "LAYOUT_ENV", "PLAN_ENV", "SCHEDULE_ENV",
+           "TESTED_MEGATRON", "UNTESTED_ENV", "KareusCoreAttention", "KareusTransformerLayer",
+           "MegatronVersionError", "chain_layers", "check_layer_config",
+           "check_megatron_version", "kareus_layer_spec", "layer_spec", "megatron_lm_applier",
+           "release_layer_spec", "unchain_layers", "workload_from_megatron",
+           "workload_from_megatron_args", "wrap_schedule"]
 
 #: The Megatron-Core releases this module is tested with: ``(lowest, first untested)``.
 TESTED_MEGATRON = ("0.16.0", "0.17.0")
@@ -128,9 +137,16 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
     than the causal one, attention biases and a RoPE other than the applier's. With
     ``kareus_applier`` set to ``None`` it runs Megatron's own forward.
 
+    Built from the module-level ``layer_spec`` (Megatron-LM's ``--spec``), it chooses its
+    submodules from its config (``qk_layernorm``) and layout, and takes the applier Megatron-LM's
+    arguments make ([`megatron_lm_applier`][kareus.integrations.megatron.megatron_lm_applier]).
+
     Args:
         applier: The [`PlanApplier`][kareus.integrations.PlanApplier] every layer of the
             model shares (the spec's params pass it); ``None``: Megatron's own forward.
+        layout: Without submodules (``layer_spec``): ``"local"`` or ``"te"`` parameter names
+            (default: ``KAREUS_LAYOUT``, else from Megatron-LM's ``--transformer-impl``);
+            with submodules, the layout is theirs.
         *args: ``TransformerLayer``'s positional arguments.
         **kwargs: ``TransformerLayer``'s keyword arguments (``config``, ``submodules``,
             ``layer_number``, ...).
@@ -141,7 +157,22 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
         ArgumentError: the submodules are not the local spec's (a fused norm).
     """
 
-    def __init__(self, *args: Any, applier: PlanApplier | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, applier: PlanApplier | _FromMegatronLM | None = None,
+                 layout: str | None = None, **kwargs: Any) -> None:
+        config = kwargs["config"] if "config" in kwargs else (args[0] if args else None)
+        if kwargs.get("submodules") is None and len(args) < 2:
+            # the module-level ``layer_spec``: the submodules of this config and layout
+            if getattr(config, "persist_layer_norm", False):
+                raise ArgumentError("kareus's layers use Megatron-Core's local RMSNorm "
+                                    "(torch.nn.RMSNorm), which takes no persist_layer_norm: "
+                                    "give Megatron-LM --no-persist-layer-norm")
+            if layout is None:
+                layout = _megatron_lm_layout()
+            kwargs["submodules"] = _layer_submodules(
+                bool(getattr(config, "qk_layernorm", False)), layout,
+                cp=int(getattr(config, "context_parallel_size", 1) or 1) > 1)
+        if isinstance(applier, _FromMegatronLM):
+            applier = megatron_lm_applier(config)
         if applier is not None and not isinstance(applier, PlanApplier):
             raise ArgumentTypeError(f"applier must be a kareus PlanApplier, got "
                                     f"{type(applier).__name__}")
@@ -158,7 +189,11 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
         self._head_dim = int(cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads)
         self._tp = int(cfg.tensor_model_parallel_size or 1)
         self._qk_norm = bool(getattr(cfg, "qk_layernorm", False))
-        norms = ["input_layernorm", "pre_mlp_layernorm"]
+        #: ``"te"``: the norm weights live in ``linear_qkv`` and ``linear_fc1``
+        #: (``layer_norm_weight``), as in Megatron's Transformer Engine spec.
+        self.layout = ("te" if isinstance(getattr(self.self_attention, "linear_qkv", None),
+                                          _NormedColumnParallelLinear) else "local")
+        norms = (["input_layernorm", "pre_mlp_layernorm"] if self.layout == "local" else [])
         if self._qk_norm:
             norms += ["self_attention.q_layernorm", "self_attention.k_layernorm"]
         for name in norms:
@@ -170,6 +205,11 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
                 raise ArgumentError(f"KareusTransformerLayer reads {name}.weight, which the "
                                     "spec's submodules lack: build it with "
                                     "kareus_layer_spec(applier)")
+        if self.layout == "te" and not isinstance(getattr(self.mlp, "linear_fc1", None),
+                                                  _NormedColumnParallelLinear):
+            raise ArgumentError("KareusTransformerLayer's TE layout reads "
+                                "mlp.linear_fc1.layer_norm_weight, which the spec's submodules "
+                                "lack: build it with kareus_layer_spec(applier, layout='te')")
         self._rope_checked: set[tuple[int, str]] = set()
         self._mask_seen: tuple[Any, ...] | None = None
         self.kareus_applier: PlanApplier | None = None
@@ -236,12 +276,15 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
                                     "layer reads its weights without calling its modules, so "
                                     "they would not run; turn overlap_param_gather off")
         wg, wu = gate_up_from_fused(mlp.linear_fc1.weight)
-        out = {"w_attn_norm": self.input_layernorm.weight,
+        te = self.layout == "te"
+        out = {"w_attn_norm": (att.linear_qkv.layer_norm_weight if te
+                               else self.input_layernorm.weight),
                "Wqkv": qkv_from_grouped(att.linear_qkv.weight, heads=self._heads // self._tp,
                                         kv_heads=self._kv_heads // self._tp,
                                         head_dim=self._head_dim),
                "Wo": linear(att.linear_proj.weight),
-               "w_mlp_norm": self.pre_mlp_layernorm.weight,
+               "w_mlp_norm": (mlp.linear_fc1.layer_norm_weight if te
+                              else self.pre_mlp_layernorm.weight),
                "Wg": wg, "Wu": wu, "Wd": linear(mlp.linear_fc2.weight)}
         if self._qk_norm:
             # Whole on every TP rank; each rank's heads give part of the gradient, which
@@ -341,8 +384,12 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
         self._rope_checked.add((s, str(device)))
 
 
-def kareus_layer_spec(applier: PlanApplier | None, *,
-                      qk_layernorm: bool | None = None) -> ModuleSpec:
+#: The parameter layouts of ``kareus_layer_spec``.
+LAYOUTS = ("local", "te")
+
+
+def kareus_layer_spec(applier: PlanApplier | None, *, qk_layernorm: bool | None = None,
+                      layout: str = "local") -> ModuleSpec:
     """The spec of a GPT decoder layer that kareus runs: Megatron-Core's local spec
     (``get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=...)``: its
     submodules, so the parameters, their names and checkpoints are Megatron's) with
@@ -351,12 +398,30 @@ def kareus_layer_spec(applier: PlanApplier | None, *,
 
     Pass it as ``GPTModel(config, transformer_layer_spec=kareus_layer_spec(applier), ...)``.
 
+    With ``layout="te"`` the parameters are named as in Megatron-Core's Transformer Engine
+    spec (``get_gpt_layer_with_transformer_engine_spec``), so a checkpoint of a TE-spec model
+    loads into kareus's layers and saves back unchanged, without Transformer Engine
+    installed: there ``input_layernorm`` and ``pre_mlp_layernorm`` are ``IdentityOp`` and the
+    RMSNorm weights are ``self_attention.linear_qkv.layer_norm_weight`` and
+    ``mlp.linear_fc1.layer_norm_weight`` (TE's ``TELayerNormColumnParallelLinear``: the map
+    Megatron-Core's own local spec gives in its ``sharded_state_dict_keys_map``), the query
+    and key norms stay ``self_attention.q_layernorm.weight`` / ``k_layernorm.weight``
+    (``TENorm``), and each module keeps the ``_extra_state`` entry a TE checkpoint holds for
+    it (``linear_qkv``, ``core_attention``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``:
+    always, ``None`` until one is loaded; the q/k norms: when the checkpoint has one),
+    returned as loaded. The weights themselves have the local spec's shapes and layouts
+    (TE's are the same). With ``applier=None`` the layer runs Megatron's own forward on
+    these modules (the norm applied inside ``linear_qkv`` / ``linear_fc1``, as TE's fused
+    module does).
+
     Args:
         applier: The applier every layer shares (``None``: Megatron's own forward).
         qk_layernorm: Give the attention its per-head query and key RMSNorms
             (``self_attention.q_layernorm`` and ``k_layernorm``; the config's
             ``qk_layernorm`` must agree). ``None``: as the applier's workload's model
             (``qk_norm``), without them when there is no applier.
+        layout: ``"local"`` (Megatron-Core's local spec's names) or ``"te"`` (its
+            Transformer Engine spec's names).
 
     With context parallelism in the applier's workload (CP > 1) the spec's core attention
     is [`KareusCoreAttention`][kareus.integrations.megatron.KareusCoreAttention], a
@@ -371,17 +436,112 @@ def kareus_layer_spec(applier: PlanApplier | None, *,
     if not isinstance(qk_layernorm, bool):
         raise ArgumentTypeError(f"qk_layernorm must be a bool or None, got "
                                 f"{type(qk_layernorm).__name__}")
-    local = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
-    subs = local.submodules
-    if applier is not None and applier.workload.parallelism.cp > 1:
-        # Megatron's local attention refuses CP (only Transformer Engine's runs it); a kareus
-        # layer computes its attention itself: a stand-in without parameters
-        att = subs.self_attention
-        att = ModuleSpec(module=att.module, params=att.params, submodules=dataclasses.replace(
-            att.submodules, core_attention=KareusCoreAttention))
-        subs = dataclasses.replace(subs, self_attention=att)
+    cp = applier is not None and applier.workload.parallelism.cp > 1
     return ModuleSpec(module=KareusTransformerLayer, params={"applier": applier},
-                      submodules=subs)
+                      submodules=_layer_submodules(qk_layernorm, layout, cp=cp))
+
+
+def _layer_submodules(qk_layernorm: bool, layout: str, *, cp: bool = False) -> Any:
+    """The ``TransformerLayerSubmodules`` of kareus's layer in ``layout``; with ``cp`` (the
+    workload's CP > 1) the core attention is the parameter-free
+    [`KareusCoreAttention`][kareus.integrations.megatron.KareusCoreAttention] (Megatron's
+    local attention refuses context parallelism)."""
+    from megatron.core.transformer.identity_op import IdentityOp  # type: ignore[import-untyped, import-not-found]
+
+    if layout not in LAYOUTS:
+        raise ArgumentError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    sub = get_gpt_layer_local_spec(normalization="RMSNorm",
+                                   qk_layernorm=qk_layernorm).submodules
+    attn, mlp = sub.self_attention, sub.mlp
+    te = layout == "te"
+    core = ((_TEStateCoreAttention if te else KareusCoreAttention) if cp
+            else (_TEStateDotProductAttention if te else attn.submodules.core_attention))
+    if not te and not cp:
+        return sub
+    attn_sub = dataclasses.replace(attn.submodules, core_attention=core)
+    if not te:
+        return dataclasses.replace(sub, self_attention=ModuleSpec(
+            module=attn.module, params=dict(attn.params), submodules=attn_sub))
+    attn_sub = dataclasses.replace(
+        attn_sub, linear_qkv=_NormedColumnParallelLinear, linear_proj=_TEStateRowParallelLinear,
+        **({"q_layernorm": _TEStateNorm, "k_layernorm": _TEStateNorm} if qk_layernorm else {}))
+    mlp_sub = dataclasses.replace(mlp.submodules, linear_fc1=_NormedColumnParallelLinear,
+                                  linear_fc2=_TEStateRowParallelLinear)
+    return dataclasses.replace(
+        sub, input_layernorm=IdentityOp, pre_mlp_layernorm=IdentityOp,
+        self_attention=ModuleSpec(module=attn.module, params=dict(attn.params),
+                                  submodules=attn_sub),
+        mlp=ModuleSpec(module=mlp.module, params=dict(mlp.params), submodules=mlp_sub))
+
+
+# ------------------------------------------------------------------ the TE layout's modules
+
+
+class _KeptExtraState:
+    """Keeps the ``_extra_state`` a checkpoint gives (TE's FP8 metadata, an empty tensor or
+    ``None``) and returns it as given; ``None`` until one is loaded."""
+
+    def set_extra_state(self, state: Any) -> None:
+        self._kareus_extra_state = state
+
+    def get_extra_state(self) -> Any:
+        return getattr(self, "_kareus_extra_state", None)
+
+
+class _NormedColumnParallelLinear(_KeptExtraState, ColumnParallelLinear):  # type: ignore[misc]
+    """Megatron's ``ColumnParallelLinear`` with the RMSNorm before it, under Transformer
+    Engine's names: ``layer_norm_weight`` (first, as TE registers it), ``weight`` and
+    ``_extra_state`` (TE's ``TELayerNormColumnParallelLinear`` with RMSNorm, unfused)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        config = kwargs["config"]
+        size = int(kwargs["input_size"] if "input_size" in kwargs else args[0])
+        device = (self.weight.device if isinstance(getattr(self, "weight", None), torch.Tensor)
+                  else None)
+        w = torch.nn.Parameter(torch.ones(size, dtype=config.params_dtype, device=device))
+        w.sequence_parallel = bool(config.sequence_parallel)  # type: ignore[attr-defined]
+        self._parameters = {"layer_norm_weight": w, **self._parameters}  # type: ignore[has-type]
+        self._norm_eps = float(config.layernorm_epsilon)
+
+    def forward(self, input_: Any, weight: Any = None, runtime_gather_output: Any = None
+                ) -> Any:
+        x = torch.nn.functional.rms_norm(input_, (int(input_.shape[-1]),),
+                                         self.layer_norm_weight, self._norm_eps)
+        return super().forward(x, weight, runtime_gather_output)
+
+
+class _TEStateRowParallelLinear(_KeptExtraState, RowParallelLinear):  # type: ignore[misc]
+    """Megatron's ``RowParallelLinear`` keeping TE's ``_extra_state`` (``TERowParallelLinear``'s
+    names)."""
+
+
+class _TEStateDotProductAttention(_KeptExtraState, DotProductAttention):  # type: ignore[misc]
+    """Megatron's ``DotProductAttention`` keeping TE's ``_extra_state``
+    (``TEDotProductAttention``'s names)."""
+
+
+class _TEStateNorm:
+    """Megatron's local RMSNorm for the query/key norms (``TENorm``'s ``weight``), keeping an
+    ``_extra_state`` entry when the checkpoint has one (Transformer Engine 2's norms do)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm  # type: ignore[import-untyped, import-not-found]
+
+        norm = WrappedTorchNorm(*args, **kwargs)
+        key = "_extra_state"
+
+        def load(state_dict: Any, prefix: str, *rest: Any) -> None:
+            if prefix + key in state_dict:
+                norm._kareus_extra_state = state_dict.pop(prefix + key)
+
+        def save(module: Any, state_dict: Any, prefix: str, *rest: Any) -> None:
+            if hasattr(module, "_kareus_extra_state"):
+                state_dict[prefix + key] = module._kareus_extra_state
+
+        norm._register_load_state_dict_pre_hook(load)
+        norm._register_state_dict_hook(save)
+        return norm
 
 
 class KareusCoreAttention(torch.nn.Module):
@@ -405,10 +565,146 @@ class KareusCoreAttention(torch.nn.Module):
                             "Transformer Engine's spec)")
 
 
+class _TEStateCoreAttention(_KeptExtraState, KareusCoreAttention):
+    """The context-parallel stand-in of the TE layout, keeping ``TEDotProductAttention``'s
+    ``_extra_state``."""
+
+
 def kareus_layers(model: Any) -> list[KareusTransformerLayer]:
     """The kareus layers of ``model`` (any wrapping: DDP, ``Float16Module``, a list)."""
     models = model if isinstance(model, list | tuple) else [model]
     return [m for mm in models for m in mm.modules() if isinstance(m, KareusTransformerLayer)]
+
+
+# ------------------------------------------------------------------ Megatron-LM's --spec
+
+#: The plan the ``layer_spec`` entry applies: the path of a ``plan.json`` (or the
+#: ``kareus optimize --out`` folder holding one); unset: the ``"sequential"`` baseline.
+PLAN_ENV = "KAREUS_PLAN"
+#: The schedule of the ``layer_spec`` entry (``kareus``, ``sequential``, ``nanobatching``);
+#: unset: ``kareus`` with a plan, ``sequential`` without.
+SCHEDULE_ENV = "KAREUS_SCHEDULE"
+#: ``1``: the ``layer_spec`` entry replays its layers from CUDA graphs (a GPU only).
+GRAPHS_ENV = "KAREUS_GRAPHS"
+#: ``0``: the ``layer_spec`` entry leaves the decoder's layers unchained (each layer its own
+#: node); default: chained (``chain_layers``).
+CHAIN_ENV = "KAREUS_CHAIN"
+#: ``local`` or ``te``: the parameter names of the ``layer_spec`` entry's layers; unset:
+#: ``te`` when Megatron-LM runs with ``--transformer-impl transformer_engine`` (its
+#: default), so the checkpoints of a TE-spec run load, else ``local``.
+LAYOUT_ENV = "KAREUS_LAYOUT"
+
+
+class _FromMegatronLM:
+    """The ``applier`` of ``layer_spec``: built from Megatron-LM's own arguments when
+    Megatron builds the first layer."""
+
+    def __repr__(self) -> str:
+        return "<the applier of Megatron-LM's arguments, built with the first layer>"
+
+
+class _Entry:
+    """The process's ``layer_spec`` applier and the schedule wrapper it entered."""
+
+    applier: PlanApplier | None = None
+    stack: contextlib.ExitStack | None = None
+
+
+def _megatron_lm_args() -> Any:
+    try:
+        from megatron.training import get_args  # type: ignore[import-untyped, import-not-found]
+    except ImportError:
+        get_args = None
+    args = get_args() if get_args is not None else None
+    if args is None:
+        raise ArgumentError("kareus.integrations.megatron.layer_spec reads Megatron-LM's parsed "
+                            "arguments (megatron.training.get_args()), which this process does "
+                            "not have: run it with Megatron-LM's pretrain_gpt.py --spec "
+                            "kareus.integrations.megatron layer_spec, or in your own script "
+                            "build a PlanApplier and pass kareus_layer_spec(applier)")
+    return args
+
+
+def _megatron_lm_layout() -> str:
+    layout = os.environ.get(LAYOUT_ENV)
+    if layout:
+        if layout not in LAYOUTS:
+            raise ArgumentError(f"{LAYOUT_ENV}={layout!r}: give one of {LAYOUTS}")
+        return layout
+    impl = getattr(_megatron_lm_args(), "transformer_impl", "local")
+    return "te" if impl == "transformer_engine" else "local"
+
+
+def megatron_lm_applier(config: Any) -> PlanApplier:
+    """The [`PlanApplier`][kareus.integrations.PlanApplier] of the ``layer_spec`` entry,
+    built once per process from Megatron-LM's own state when Megatron builds the first
+    layer: the workload from its parsed arguments and the layer's ``TransformerConfig``
+    ([`workload_from_megatron_args`][kareus.integrations.megatron_args.workload_from_megatron_args]:
+    microbatches from the global batch, the padded vocabulary, DP), the TP and CP groups and
+    the pipeline stage from ``parallel_state``, the plan from ``KAREUS_PLAN``, RoPE's base
+    from ``--rotary-base``; then it enters [`wrap_schedule`][kareus.integrations.megatron.wrap_schedule]
+    for the rest of the process (with ``chain=True`` unless ``KAREUS_CHAIN=0``), before the
+    trainer fetches its schedule (``get_forward_backward_func()``, which Megatron-LM calls
+    in ``train()``, after building the model). Later layers get the same applier;
+    [`release_layer_spec`][kareus.integrations.megatron.release_layer_spec] undoes it.
+
+    Raises:
+        ArgumentError: no Megatron-LM arguments in this process, or a second model whose
+            workload differs.
+        MegatronArgsError: a Megatron-LM setting kareus's layer does not compute (dropout,
+            ...), named by its flag.
+        PlanError: the plan was made for another job.
+    """
+    from megatron.core import parallel_state  # type: ignore[import-untyped, import-not-found]
+
+    from kareus.compose.plan import Plan
+    from kareus.exec.train import TorchParallelGroups
+
+    args = _megatron_lm_args()
+    workload = workload_from_megatron_args(args, config=config)
+    if _Entry.applier is not None:
+        if _Entry.applier.workload != workload:
+            raise ArgumentError("layer_spec built a second model with another workload in this "
+                                "process: call kareus.integrations.megatron.release_layer_spec() "
+                                "between the two")
+        return _Entry.applier
+    plan_path = os.environ.get(PLAN_ENV)
+    plan = None
+    if plan_path:
+        path = Path(plan_path)
+        plan = Plan.load(path / "plan.json" if path.is_dir() else path)
+    cp = (parallel_state.get_context_parallel_group()
+          if workload.parallelism.cp > 1 else None)
+    groups = TorchParallelGroups.from_groups(
+        tp=parallel_state.get_tensor_model_parallel_group(), cp=cp)
+    applier = PlanApplier(workload=workload, groups=groups, plan=plan,
+                          schedule=os.environ.get(SCHEDULE_ENV) or None,
+                          stage=parallel_state.get_pipeline_model_parallel_rank(),
+                          rope_base=float(getattr(args, "rotary_base", 10000)),
+                          eps=float(config.layernorm_epsilon),
+                          graphs=os.environ.get(GRAPHS_ENV) == "1", start=False)
+    stack = contextlib.ExitStack()
+    stack.enter_context(wrap_schedule(applier, chain=os.environ.get(CHAIN_ENV) != "0"))
+    _Entry.applier, _Entry.stack = applier, stack
+    return applier
+
+
+def release_layer_spec() -> None:
+    """Leave the schedule wrapper the ``layer_spec`` entry entered and forget its applier
+    (the next model built from ``layer_spec`` builds a new one). Idempotent."""
+    stack, _Entry.stack, _Entry.applier = _Entry.stack, None, None
+    if stack is not None:
+        stack.close()
+
+
+#: The ``--spec`` target of Megatron-LM's ``pretrain_gpt.py``:
+#: ``--spec kareus.integrations.megatron layer_spec``. A module-level ``ModuleSpec`` (Megatron
+#: takes it as it is, without calling it) of
+#: [`KareusTransformerLayer`][kareus.integrations.megatron.KareusTransformerLayer] whose
+#: submodules are chosen per layer from its config (``qk_layernorm``) and layout
+#: (``KAREUS_LAYOUT``), and whose applier is built when the first layer is
+#: ([`megatron_lm_applier`][kareus.integrations.megatron.megatron_lm_applier]).
+layer_spec = ModuleSpec(module=KareusTransformerLayer, params={"applier": _FromMegatronLM()})
 
 
 # ------------------------------------------------------------------ the block
@@ -495,6 +791,17 @@ def unchain_layers(model: Any) -> Any:
                 block.forward = saved
             del block._kareus_warned
     return model
+
+
+def _chain_kareus_blocks(model: Any) -> None:
+    """Chain each block of ``model`` whose layers are all kareus layers (others untouched)."""
+    if model is None:
+        return
+    for block in _blocks(model):
+        layers = list(block.layers)
+        if (layers and not _is_chained(block)
+                and all(isinstance(lay, KareusTransformerLayer) for lay in layers)):
+            chain_layers(block)
 
 
 def _is_chained(block: Any) -> bool:
@@ -589,7 +896,7 @@ class _Counters:
 
 
 @contextlib.contextmanager
-def wrap_schedule(applier: PlanApplier) -> Iterator[None]:
+def wrap_schedule(applier: PlanApplier, *, chain: bool = False) -> Iterator[None]:
     """While entered, each microbatch's forward in Megatron-Core's pipeline schedule runs
     in ``applier.microbatch(mb, "fwd")`` and its backward in ``applier.microbatch(mb,
     "bwd")``: the plan's configuration and clock of that computation.
@@ -603,6 +910,11 @@ def wrap_schedule(applier: PlanApplier) -> Iterator[None]:
     The interleaved (virtual-pipeline) schedule is refused. Entering a forward-backward
     call starts the applier ([`start`][kareus.integrations.PlanApplier.start],
     idempotent), where every rank of every pipeline stage reaches it.
+
+    With ``chain=True`` each forward-backward call also chains the decoder layers of its
+    ``model`` ([`chain_layers`][kareus.integrations.megatron.chain_layers] on every
+    ``TransformerBlock`` whose layers are all kareus layers; once), so that a trainer that
+    builds its own model (Megatron-LM's ``pretrain_gpt.py``) runs them as one stack.
 
     Raises:
         MegatronVersionError: Megatron-Core outside ``TESTED_MEGATRON``.
@@ -646,6 +958,8 @@ def wrap_schedule(applier: PlanApplier) -> Iterator[None]:
             # built with start=False; in the first microbatch scope a later stage would
             # reach it only after receiving the first stage's output (a deadlock).
             applier.start()
+            if chain:
+                _chain_kareus_blocks(kwargs.get("model"))
             return fn(*args, **kwargs)
         return run
 

@@ -36,6 +36,16 @@ key) and reads it as [`model_from_hf_config`][kareus.model.files.model_from_hf_c
 kareus does not compute (a sliding window, experts, another activation, other biases) is
 refused in one line naming its key. Nothing is downloaded: the file must be local.
 
+A Megatron-Core / Megatron-LM configuration is a model file too (``.json`` or ``.yaml``:
+Megatron-LM's ``--yaml-cfg`` file, its arguments as a flat mapping, or a saved
+``TransformerConfig`` with the model's ``vocab_size``), recognised by its content and read as
+[`model_from_megatron_config`][kareus.model.files.model_from_megatron_config] does: Megatron's
+names (``num_layers``, ``num_query_groups``, ``kv_channels``, ``ffn_hidden_size``,
+``layernorm_epsilon`` or ``norm_epsilon``, ``qk_layernorm``, ...) with Megatron's defaults and
+its vocabulary padding; what kareus's layer does not compute (dropout, whose Megatron default
+is 0.1, linear biases, LayerNorm, experts, ...) is refused in one line naming the field.
+Reading YAML needs PyYAML.
+
 ``load_model_file`` and ``load_gpu_file`` read and check a file;
 [`register_model`][kareus.model.files.register_model] and
 [`register_gpu`][kareus.model.files.register_gpu] make the result known by name to
@@ -77,6 +87,7 @@ from kareus.model.workload import (
     load_model_file,
     model_from_dict,
     model_from_hf_config,
+    model_from_megatron_config,
     register_model,
     registered_models,
     unregister_model,
@@ -89,6 +100,7 @@ __all__ = [
     "load_model_file",
     "model_from_dict",
     "model_from_hf_config",
+    "model_from_megatron_config",
     "register_gpu",
     "register_model",
     "registered_gpus",

@@ -33,6 +33,7 @@ from kareus.errors import (
     short_repr,
 )
 from kareus.model._hf_config import hf_arch_fields, is_hf_config
+from kareus.model._megatron_file import is_megatron_config, megatron_arch_fields, read_yaml
 from kareus.model._spec_file import (
     SpecFileError,
     _bool,
@@ -315,19 +316,59 @@ def _folder_name(path: Path) -> str:
 
 
 def load_model_file(path: str | os.PathLike[str]) -> ModelArch:
-    """Read a model architecture from a ``.toml`` or ``.json`` model file, or from a
+    """Read a model architecture from a ``.toml`` or ``.json`` model file, from a
     Hugging Face ``config.json`` (recognised by its content: an ``architectures`` or
     ``model_type`` key; read as [`model_from_hf_config`][kareus.model.files.model_from_hf_config]
-    does, named by its ``_name_or_path`` or its folder).
+    does, named by its ``_name_or_path`` or its folder), or from a Megatron-Core /
+    Megatron-LM configuration (``.json`` or ``.yaml``, recognised by its content; read as
+    [`model_from_megatron_config`][kareus.model.files.model_from_megatron_config] does).
 
     Raises:
-        SpecFileError: the file is missing, unreadable, not UTF-8, not TOML/JSON, or its
+        SpecFileError: the file is missing, unreadable, not UTF-8, not TOML/JSON/YAML, or its
             content is not a valid architecture.
     """
+    if Path(path).suffix.lower() in (".yaml", ".yml"):
+        d = read_yaml(path)
+        if not is_megatron_config(d):
+            raise SpecFileError(f"model file {Path(path)}: a YAML model file is a Megatron "
+                                "configuration (num_layers, hidden_size, num_attention_heads, "
+                                "or a language_model section); write kareus's own fields as "
+                                ".toml or .json")
+        return model_from_megatron_config(path)
     d = _read_table(path, "model")
     if is_hf_config(d):
         return model_from_hf_config(path)
+    if is_megatron_config(d):
+        return model_from_megatron_config(path)
     return model_from_dict(d, where=f"model file {Path(path)}")
+
+
+def model_from_megatron_config(config: str | os.PathLike[str] | Mapping[str, Any], *,
+                               name: str | None = None) -> ModelArch:
+    """A [`ModelArch`][kareus.model.ModelArch] from a Megatron-Core / Megatron-LM
+    configuration: Megatron-LM's YAML (``--yaml-cfg``), its arguments as a flat JSON or YAML
+    mapping, or a saved ``TransformerConfig`` with the model's ``vocab_size``; what it asks
+    for that kareus's layer does not compute (dropout, biases, LayerNorm, experts, ...) is
+    refused in one line naming the field. The fields and the rules are those of
+    ``kareus.model.files`` (docs/integrations.md lists them).
+
+    Args:
+        config: The path of a ``.json`` / ``.yaml`` file, or its parsed mapping.
+        name: The model's name; default: the file's name without its suffix
+            (``megatron-gpt`` for a mapping). Plans compare architectures, not names.
+
+    Raises:
+        SpecFileError: the file cannot be read, or the configuration is not one kareus
+            computes.
+    """
+    if isinstance(config, Mapping):
+        d, where, stem = config, "Megatron config", "megatron-gpt"
+    else:
+        p = Path(config)
+        d = read_yaml(p) if p.suffix.lower() in (".yaml", ".yml") else _read_table(p, "model")
+        where, stem = f"Megatron config {p}", p.stem
+    fields = megatron_arch_fields(d, where)
+    return _build({"name": _name(name if name is not None else stem, where), **fields}, where)
 
 
 MODEL_PRESETS: dict[str, ModelArch] = {

@@ -139,7 +139,9 @@ def test_bad_gpu_values_raise_typed_errors(tmp_path: Path, change: dict, needle:
 def test_file_level_errors(tmp_path: Path) -> None:
     cases = [
         (tmp_path / "none.toml", "does not exist"),
-        (_write(tmp_path, "m.yaml", MODEL_TOML), "must end in .toml or .json"),
+        (_write(tmp_path, "m.txt", MODEL_TOML), "must end in .toml or .json"),
+        # YAML is read for Megatron configurations; kareus's own fields there are not one
+        (_write(tmp_path, "m.yaml", MODEL_TOML), "must hold a mapping|Megatron configuration"),
         (_write(tmp_path, "latin.toml", "name = 'caf\xe9'\n".encode("latin-1")), "not UTF-8"),
         (_write(tmp_path, "m.json", "{not json"), "not valid JSON"),
         (_write(tmp_path, "list.json", "[1, 2]"), "holds a JSON list"),
