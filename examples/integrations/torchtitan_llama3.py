@@ -10,12 +10,11 @@ the decoder's blocks into one stack by default, so each layer's last forward all
 overlaps the next layer's first ops (``chain=False``: one planned layer per block). The
 lines kareus adds are marked ``# kareus``.
 
-With torchtitan's ``Trainer`` instead of this loop, the two ``with applier.microbatch``
-lines are one call after the trainer is built (pipeline parallelism off)::
+With torchtitan's ``Trainer`` instead of this loop, all of it is one call after the
+trainer is built (docs/integrations.md, "With torchtitan's Trainer: a recipe")::
 
-    applier = apply_plan(trainer.model_parts[0], workload=wl, mesh=trainer.parallel_dims,
-                         plan=plan)
-    wrap_trainer(trainer, applier)
+    wl = workload_from_trainer(trainer)   # what the plan is made for
+    wrap_trainer(trainer, "plan.json")    # checks it against wl, applies it
 
 Run it with one process per TP rank, on GPUs (NCCL, bf16) or on the CPU (gloo, fp32)::
 

@@ -155,6 +155,55 @@ class _LayerProgram(DecoderShard):
         """The lent weight ``name`` of layer ``layer``."""
         return self.weights[layer][name]
 
+    # ------------------------------------------------ RoPE at the batch's positions
+    #: Per-token RoPE tables ``[batch * seq, head_dim]`` of the current call (packed
+    #: documents: positions that restart at each document), or None (positions
+    #: ``0 .. seq - 1`` of every sequence: the shared tables).
+    tok_cos: Any = None
+    tok_sin: Any = None
+
+    def set_positions(self, positions: Any) -> None:
+        """Rotate by ``positions`` (``[batch, seq]`` token positions of this call) instead
+        of ``0 .. seq - 1``; ``None`` goes back to the shared tables."""
+        if positions is None:
+            self.tok_cos = self.tok_sin = None
+            return
+        torch = self.torch
+        if self.rope_inv_freq is not None:
+            inv = torch.as_tensor(self.rope_inv_freq, dtype=torch.float32).to(self.device)
+        else:
+            inv = 1.0 / (float(self.rope_base) ** (torch.arange(
+                0, self.hd, 2, device=self.device, dtype=torch.float32) / self.hd))
+        pos = positions.reshape(-1).to(device=self.device, dtype=torch.float32)
+        ang = torch.outer(pos, inv)
+        ang = torch.cat((ang, ang), dim=-1)
+        self.tok_cos, self.tok_sin = ang.cos().to(self.dtype), ang.sin().to(self.dtype)
+
+    def _op_rope(self, layer: int, a: dict[str, Any], nb: int) -> None:
+        if self.tok_cos is None:
+            super()._op_rope(layer, a, nb)
+            return
+        # The kernels take seq = cos.shape[0]: this nanobatch's tokens as one sequence of
+        # per-token tables (RoPE is per token), then back to [batch, seq, heads, hd].
+        b, rows = self.mbs // self.n, self.rows(nb)
+        q, k = self.ks.rope(a["qkv"], self.tok_cos[rows], self.tok_sin[rows],
+                            heads=self.heads, kv_heads=self.kvh)
+        a["q"] = q.reshape(b, self.sq, self.heads, self.hd)
+        a["k"] = k.reshape(b, self.sq, self.kvh, self.hd)
+        a["v"] = a["qkv"].view(b, self.sq, self.heads + 2 * self.kvh, self.hd)[
+            :, :, self.heads + self.kvh:]
+
+    def _op_rope_bwd(self, layer: int, a: dict[str, Any], nb: int) -> None:
+        if self.tok_cos is None:
+            super()._op_rope_bwd(layer, a, nb)
+            return
+        rows = self.rows(nb)
+        t = rows.stop - rows.start
+        dq = a["dq"].transpose(1, 2).reshape(1, t, self.heads, self.hd)
+        dk = a["dk"].transpose(1, 2).reshape(1, t, self.kvh, self.hd)
+        dv = a["dv"].transpose(1, 2).reshape(1, t, self.kvh, self.hd)
+        a["dqkv"] = self.ks.rope_bwd(dq, dk, dv, self.tok_cos[rows], self.tok_sin[rows])
+
     def G(self, layer: int, name: str) -> Any:
         """The gradient buffer of weight ``name`` of layer ``layer`` in the current backward."""
         return self.wgrads[layer][name]
@@ -594,7 +643,8 @@ class PlanApplier:
         return prog
 
     def run(self, phase: str, x: Any, weights: Sequence[Sequence[Any]], dy: Any = None,
-            inputs: Sequence[Any] | None = None) -> tuple[Any, list[Any]]:
+            inputs: Sequence[Any] | None = None, positions: Any = None
+            ) -> tuple[Any, list[Any]]:
         """Run the forward (``dy=None``) or backward of ``len(weights)`` consecutive layers
         on detached tensors.
 
@@ -606,6 +656,10 @@ class PlanApplier:
             inputs: Backward: what the forward kept (what it returned second): under full
                 recomputation the inputs of layers ``1 ..``, ``[batch * seq / CP, hidden]``
                 each; otherwise its ``KeptActivations``.
+            positions: ``[batch, seq]`` token positions for RoPE where they are not
+                ``0 .. seq - 1`` in every sequence (packed documents, positions restarting
+                at each one; CP = 1); None: ``0 .. seq - 1``. Attention stays causal over
+                the whole sequence.
 
         Returns:
             Forward: ``(output, kept)``, ``kept`` the inputs of layers ``1 ..`` under full
@@ -617,6 +671,14 @@ class PlanApplier:
         """
         from kareus.integrations._graphed import KeptInputs
 
+        if positions is not None:
+            if self.workload.parallelism.cp != 1:
+                raise WorkloadError("packed-document positions are supported at CP=1 only")
+            b, s = int(x.shape[0]), int(x.shape[1])
+            if tuple(positions.shape) not in ((b, s), (1, s)):
+                raise WorkloadError(f"positions of shape {tuple(positions.shape)} for a "
+                                    f"batch of {b} x {s} tokens: pass [batch, seq]")
+            positions = positions.expand(b, s)
         if capture_in_progress():
             # Someone captures the stream (the framework's step, the user's graph): the
             # kernels, events and collectives go into that capture; no graph of our own
@@ -629,11 +691,13 @@ class PlanApplier:
         else:
             key = computation_signature(self, phase, x, weights, inputs)
             self._warmed.add(key)
-            if self._own_graphs(x):
+            # packed-document positions change per batch: such calls run eagerly (a graph
+            # of our own would keep the first batch's RoPE tables)
+            if positions is None and self._own_graphs(x):
                 return self._graphs_runner().run(phase, x, weights, dy, inputs, key=key)
         if isinstance(inputs, KeptInputs):  # a graphed forward's, run eagerly backward
             inputs = inputs.tensors()
-        result, ran = self._run_eager(phase, x, weights, dy, inputs)
+        result, ran = self._run_eager(phase, x, weights, dy, inputs, positions=positions)
         self._record(phase, ran)
         return result
 
@@ -697,11 +761,13 @@ class PlanApplier:
             del self.partitions_run[:-RECORD_KEPT]
 
     def _run_eager(self, phase: str, x: Any, weights: Sequence[Sequence[Any]], dy: Any,
-                   inputs: Any, kept_out: Sequence[Any] | None = None
+                   inputs: Any, kept_out: Sequence[Any] | None = None,
+                   positions: Any = None
                    ) -> tuple[tuple[Any, Any], list[tuple[str, Any]]]:
         """``run``'s work, enqueued as it goes; also returns the partitions run. A forward
         writes the kept inputs into ``kept_out`` when given (a graph's static buffers;
-        full recomputation only)."""
+        full recomputation only); ``positions``: RoPE positions of packed documents (see
+        ``run``)."""
         import torch
 
         depth = len(weights)
@@ -731,6 +797,7 @@ class PlanApplier:
             prog.wgrads = [{name: torch.zeros_like(w) for name, w in ws.items()}
                            for ws in prog.weights]
         stack = self._stack(phase, depth)
+        prog.set_positions(positions)
         try:
             if unsplit:
                 plan = self.plan
@@ -770,6 +837,7 @@ class PlanApplier:
                     ran)
         finally:
             prog.act, prog.head, prog.weights, prog.wgrads = {}, {}, [], []
+            prog.set_positions(None)
 
     @staticmethod
     def _inputs_kept(prog: _LayerProgram, x2: Any, inputs: Any, depth: int,
@@ -824,13 +892,17 @@ class PlannedLayer:
                                     f"{type(applier).__name__}")
         self.applier = applier
 
-    def __call__(self, x: Any, weights: Mapping[str, Any] | Sequence[Any]) -> Any:
-        """The layer's output for input ``x`` under ``weights`` (see the class)."""
+    def __call__(self, x: Any, weights: Mapping[str, Any] | Sequence[Any], *,
+                 positions: Any = None) -> Any:
+        """The layer's output for input ``x`` under ``weights`` (see the class);
+        ``positions``: ``[batch, seq]`` RoPE positions of packed documents (see
+        [`PlanApplier.run`][kareus.integrations.PlanApplier.run]), None for ``0 .. seq -
+        1``."""
         ws = _ordered(weights, self.applier.weight_names)
         if x.dtype != ws[1].dtype:
             raise ArgumentError(f"the layer's input is {x.dtype} and its weights "
                                 f"{ws[1].dtype}: pass both in the compute dtype")
-        return _function().apply(self.applier, 1, x, *ws)
+        return _function().apply(self.applier, 1, positions, x, *ws)
 
 
 class PlannedStack:
@@ -861,8 +933,10 @@ class PlannedStack:
             raise ArgumentError(f"a planned stack has at least one layer, got {layers}")
         self.applier, self.layers = applier, int(layers)
 
-    def __call__(self, x: Any, weights: Sequence[Mapping[str, Any] | Sequence[Any]]) -> Any:
-        """The last layer's output for input ``x`` (see the class)."""
+    def __call__(self, x: Any, weights: Sequence[Mapping[str, Any] | Sequence[Any]], *,
+                 positions: Any = None) -> Any:
+        """The last layer's output for input ``x`` (see the class; ``positions`` as
+        [`PlannedLayer`][kareus.integrations.PlannedLayer] takes them)."""
         per_layer = [_ordered(w, self.applier.weight_names) for w in weights]
         if len(per_layer) != self.layers:
             raise ArgumentError(f"this stack has {self.layers} layers, got the weights of "
@@ -871,7 +945,7 @@ class PlannedStack:
             raise ArgumentError(f"the stack's input is {x.dtype} and some weights are not: "
                                 "pass all in the compute dtype")
         flat = [w for ws in per_layer for w in ws]
-        return _function().apply(self.applier, self.layers, x, *flat)
+        return _function().apply(self.applier, self.layers, positions, x, *flat)
 
 
 def _ordered(weights: Mapping[str, Any] | Sequence[Any], names: Sequence[str]) -> list[Any]:
@@ -907,10 +981,12 @@ def _function() -> Any:
         """Forward and backward of one layer through a PlanApplier's executor."""
 
         @staticmethod
-        def forward(ctx: Any, applier: PlanApplier, layers: int, x: Any, *weights: Any) -> Any:
+        def forward(ctx: Any, applier: PlanApplier, layers: int, positions: Any, x: Any,
+                    *weights: Any) -> Any:
             out, inputs = applier.run("fwd", x.detach().contiguous(),
-                                      _per_layer(weights, layers, len(applier.weight_names)))
-            ctx.applier, ctx.layers = applier, layers
+                                      _per_layer(weights, layers, len(applier.weight_names)),
+                                      positions=positions)
+            ctx.applier, ctx.layers, ctx.positions = applier, layers, positions
             # full recomputation: the inputs of layers 1 ..; otherwise KeptActivations
             ctx.inputs = inputs
             ctx.save_for_backward(x, *weights)
@@ -928,8 +1004,8 @@ def _function() -> Any:
                                           _per_layer(weights, ctx.layers,
                                                      len(ctx.applier.weight_names)),
                                           dy=dy.contiguous(),
-                                          inputs=inputs)
-            return (None, None, dx, *dws)
+                                          inputs=inputs, positions=ctx.positions)
+            return (None, None, None, dx, *dws)
 
     def _per_layer(weights: Sequence[Any], layers: int, k: int) -> list[list[Any]]:
         # No copies: the 2-D weights only feed GEMMs, which take a transposed view's layout

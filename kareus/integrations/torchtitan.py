@@ -11,7 +11,19 @@ call, so the gradients land in torchtitan's parameters (as DTensors under the
 and torchtitan's optimizer, gradient clipping, checkpoints, embedding, final norm, LM head
 and loss see nothing else.
 
-Three functions:
+With torchtitan's own ``Trainer`` (what its users run), one call:
+
+* [`workload_from_trainer`][kareus.integrations.torchtitan.workload_from_trainer]: the
+  workload a built ``Trainer`` runs, read from its config and model (what a plan is made
+  for);
+* [`wrap_trainer`][kareus.integrations.torchtitan.wrap_trainer]: ``wrap_trainer(trainer,
+  plan)`` between ``config.build()`` and ``trainer.train()`` checks the plan against that
+  workload, refuses what kareus does not run as torchtitan would (naming torchtitan's
+  flag, before step 1), applies it and enters the plan's scopes in the Trainer's steps;
+  [`main`][kareus.integrations.torchtitan.main] is torchtitan's ``-m torchtitan.train``
+  with that call (``python -m kareus.integrations.torchtitan --plan plan.json ...``).
+
+The lower-level calls, for a loop of your own:
 
 * [`workload_from_torchtitan`][kareus.integrations.torchtitan.workload_from_torchtitan]:
   the [`Workload`][kareus.model.Workload] a plan is made for (``kareus optimize``), read from
@@ -20,10 +32,8 @@ Three functions:
   [`PlanApplier`][kareus.integrations.PlanApplier] from the model (its RoPE frequencies,
   its TP group) and routes each block's forward through it, the decoder's blocks chained
   into one stack where they can be;
-* [`wrap_trainer`][kareus.integrations.torchtitan.wrap_trainer]: enters the microbatch
-  scopes around the forward and the backward of each microbatch of torchtitan's
-  ``Trainer`` (the ``"kareus"`` schedule needs them; a hand-written loop adds the two
-  ``with applier.microbatch(...)`` lines itself).
+* the two ``with applier.microbatch(...)`` lines around each microbatch's forward and
+  backward (the ``"kareus"`` schedule needs them).
 
 **Layouts.** torchtitan's fused ``wqkv`` packs its rows per key/value head (the group's
 query heads, its key head, its value head) and rotates interleaved pairs ``(2i, 2i + 1)``
@@ -56,8 +66,9 @@ call that a stack would skip (FSDP's ``fully_shard`` hooks, module hooks,
 ``torch.compile``) run per block, checked at every forward; ``chain=False`` turns it off,
 ``chain=True`` requires it.
 
-Tested with torchtitan 0.3.0 (``pip install "kareus[torchtitan]"``); other versions are
-refused (their model API differs: 0.3 rebuilt it).
+Tested with torchtitan 0.3.0 on torch 2.14.1 (``pip install "kareus[torchtitan]"``; its
+Trainer does not run on torch 2.13); other torchtitan versions are refused (their model API
+differs: 0.3 rebuilt it).
 """
 
 from __future__ import annotations
@@ -73,9 +84,9 @@ from kareus.integrations._layer import PlanApplier
 from kareus.integrations._weights import head_norm, layer_weights, linear, qkv_from_separate
 from kareus.model.workload import ModelArch, Parallelism, Workload
 
-__all__ = ["TESTED_VERSIONS", "apply_plan", "chained_blocks", "planned_blocks",
+__all__ = ["TESTED_VERSIONS", "apply_plan", "chained_blocks", "main", "planned_blocks",
            "recompute_from_torchtitan", "remove_plan", "workload_from_torchtitan",
-           "wrap_trainer"]
+           "workload_from_trainer", "wrap_trainer"]
 
 #: The torchtitan releases this adapter is tested with (a ``packaging`` specifier).
 TESTED_VERSIONS = ">=0.3,<0.4"
@@ -85,6 +96,10 @@ _APPLIER_ATTR = "_kareus_applier"
 
 #: The attribute a chained decoder keeps its chain under.
 _CHAIN_ATTR = "_kareus_chain"
+
+#: The attribute a planned block (or its checkpoint wrapper) keeps torch.compile's
+#: compiled call under while the planned layer runs uncompiled.
+_COMPILED_ATTR = "_kareus_compiled_call_impl"
 
 _checked_version: str | None = None
 
@@ -340,7 +355,8 @@ def recompute_from_torchtitan(activation_checkpoint: Any) -> str:
     if names[kind] is None:
         raise WorkloadError(f"activation_checkpoint {kind!r} is not a recomputation kareus's "
                             "layer runs (torchtitan's selective is per-op, not the attention "
-                            "core alone): set activation_checkpoint to 'none' or 'full'")
+                            "core alone): set activation_checkpoint to 'none' or 'full' "
+                            "(activation-checkpoint:none, activation-checkpoint:full)")
     return names[kind]  # type: ignore[return-value]
 
 
@@ -357,10 +373,13 @@ def workload_from_torchtitan(model_or_config: Any, *, tp: int, cp: int = 1,
         tp: Tensor-parallel degree (``parallelism.tensor_parallel_degree``).
         cp: Context-parallel degree (``apply_plan`` takes 1 only: torchtitan's CP is its
             own attention over load-balanced chunks).
-        microbatch_size: Sequences per microbatch (``training.local_batch_size`` divided
-            by the gradient accumulation steps).
+        microbatch_size: Sequences per microbatch: ``training.local_batch_size`` (each
+            gradient accumulation step runs one local batch; the steps are
+            ``num_microbatches``).
         seq_len: Tokens per sequence (``training.seq_len``).
-        num_microbatches: Microbatches per optimizer step (gradient accumulation steps).
+        num_microbatches: Microbatches per optimizer step: the Trainer's
+            ``gradient_accumulation_steps`` (``training.global_batch_size`` over
+            ``training.local_batch_size`` times the data-parallel degree).
         nanobatches: The nanobatch count of the baseline ``"nanobatching"`` schedule.
         pp: Pipeline-parallel degree; dp: data-parallel degree (for the plan's job size).
         name: The model's name in the workload.
@@ -557,7 +576,7 @@ def planned_blocks(model: Any) -> list[Any]:
 
 def apply_plan(model: Any, *, workload: Workload, mesh: Any = None, tp_group: Any = None,
                plan: Any = None, schedule: str | None = None, chain: bool | None = None,
-               **applier_kwargs: Any) -> PlanApplier:
+               full_ac: bool = False, **applier_kwargs: Any) -> PlanApplier:
     """Run every ``Llama3TransformerBlock`` (or ``Qwen3TransformerBlock``) of a built
     torchtitan model under a plan.
 
@@ -594,6 +613,12 @@ def apply_plan(model: Any, *, workload: Workload, mesh: Any = None, tp_group: An
         chain: ``None`` (the default): chain each decoder's blocks where it can (see
             above), per block otherwise; ``True``: chain or refuse (``WorkloadError`` saying
             why, here or at the forward); ``False``: every block per block.
+        full_ac: The blocks are wrapped in torchtitan's *full* activation checkpointing
+            (``activation_checkpoint = FullAC.Config()``): kareus's layer recomputes each
+            block's forward in its backward itself (the workload's ``recompute="full"``),
+            so each wrapper calls its block directly (checkpointing it again would run the
+            planned forward, collectives included, inside the backward). Any other
+            wrapper is refused.
         **applier_kwargs: Passed to [`PlanApplier`][kareus.integrations.PlanApplier]
             (``executor``, ``frequency``, ``kernels``, ``record``, ...); ``rope_inv_freq``
             and ``eps`` come from the model.
@@ -635,12 +660,14 @@ def apply_plan(model: Any, *, workload: Workload, mesh: Any = None, tp_group: An
             raise WorkloadError(f"the model's layers have {field}={mine}, the workload's "
                                 f"model {field}={theirs}: make the workload with "
                                 "workload_from_torchtitan(model, ...)")
-    for name, _ in model.named_modules():
-        if "checkpoint_wrapped_module" in name:
-            raise WorkloadError("the model is wrapped in activation checkpointing: kareus's "
-                                "layer recomputes its forward itself; build it with "
-                                "activation_checkpoint mode 'none'")
     blocks = planned_blocks(model)
+    wrappers = _checkpoint_wrappers(model, blocks)
+    if wrappers and not full_ac:
+        raise WorkloadError("the blocks are wrapped in activation checkpointing: kareus's "
+                            "layer recomputes each block's forward fully itself; in "
+                            "torchtitan 0.3 use full checkpointing (activation-checkpoint:full"
+                            ", with wrap_trainer) or none (activation-checkpoint:none), with "
+                            "a workload of the same recompute policy")
     if not blocks:
         raise WorkloadError("the model has no Llama 3 or Qwen3 block (a pipeline stage "
                             "without layers needs no plan)")
@@ -664,17 +691,35 @@ def apply_plan(model: Any, *, workload: Workload, mesh: Any = None, tp_group: An
                           rope_inv_freq=inv, eps=arch.norm_eps, **applier_kwargs)
     layer = applier.layer()
     installed = {id(blk): _plan_block(blk, applier, layer) for blk in blocks}
+    _around_blocks(blocks, wrappers, applier)
     for decoder, own in decoders:
         _Chain(decoder, own, applier, [installed[id(b)] for b in own], strict=bool(chain))
     return applier
 
 
+def _around_blocks(blocks: list[Any], wrappers: list[Any], applier: PlanApplier) -> None:
+    """What wraps the planned blocks: full activation-checkpoint wrappers call their block
+    directly (kareus's layer recomputes its forward itself); torch.compile of a block
+    (torchtitan compiles each, fullgraph) would trace into the planned layer, so the block
+    runs uncompiled (its compiled call set aside, restored by ``remove_plan``; the planned
+    forward is excluded from compilation) while torchtitan's compiled loss stays."""
+    for w in wrappers:
+        w.forward = types.MethodType(lambda self, *a, **k: self._checkpoint_wrapped_module(
+            *a, **k), w)
+        setattr(w, _APPLIER_ATTR, applier)
+    for m in [*blocks, *wrappers]:
+        compiled = m.__dict__.get("_compiled_call_impl")
+        if compiled is not None:
+            m.__dict__[_COMPILED_ATTR] = compiled
+            m._compiled_call_impl = None
+
+
 def _check_seq(local: Any, seq: int) -> None:
     if int(local.shape[1]) != seq:
         raise WorkloadError(f"the block got sequences of {local.shape[1]} tokens, the "
-                            f"workload {seq} (sequence parallelism or another seq_len): "
-                            "turn sequence parallelism off, make the workload for this "
-                            "seq_len")
+                            f"workload {seq}: under sequence parallelism kareus's layer "
+                            "does not run yet (torchtitan: --parallelism.no-enable-sequence-"
+                            "parallel); otherwise make the workload for this seq_len")
 
 
 def _plan_block(block: Any, applier: PlanApplier, layer: Any) -> tuple[Any, _BlockLayout]:
@@ -685,12 +730,16 @@ def _plan_block(block: Any, applier: PlanApplier, layer: Any) -> tuple[Any, _Blo
 
     def forward(self: Any, x: Any, attention_masks: Any = None, positions: Any = None
                 ) -> Any:
-        _check_attention_inputs(x, attention_masks, positions)
+        pos = _rope_positions(attention_masks, positions)
         local, rewrap = _unwrap_input(x)
         _check_seq(local, seq)
-        return rewrap(layer(local, layout.weights(self)))
+        return rewrap(layer(local, layout.weights(self), positions=pos))
 
-    block.forward = types.MethodType(forward, block)
+    import torch
+
+    # torch.compile traces around the planned layer, never into it (its executor launches
+    # collectives on side streams and keeps Python state): torchtitan compiles the rest
+    block.forward = torch.compiler.disable(types.MethodType(forward, block))
     setattr(block, _APPLIER_ATTR, applier)
     return block.__dict__["forward"], layout
 
@@ -821,12 +870,12 @@ class _Chain:
 
     def run(self, h: Any, attention_masks: Any = None, positions: Any = None) -> Any:
         """Every block of the decoder on ``h``: what its loop computes."""
-        _check_attention_inputs(h, attention_masks, positions)
+        pos = _rope_positions(attention_masks, positions)
         local, rewrap = _unwrap_input(h)
         _check_seq(local, self.seq)
         weights = [lay.weights(blk) for lay, blk in zip(self.layouts, self.blocks,
                                                          strict=True)]
-        return rewrap(self.stack(local, weights))
+        return rewrap(self.stack(local, weights, positions=pos))
 
     def remove(self, decoder: Any) -> None:
         del decoder.layers.values
@@ -856,12 +905,23 @@ def remove_plan(model: Any) -> int:
         if isinstance(chain, _Chain):
             chain.remove(m)
     n = 0
-    for blk in planned_blocks(model):
-        if hasattr(blk, _APPLIER_ATTR):
-            del blk.forward
-            delattr(blk, _APPLIER_ATTR)
-            n += 1
+    blocks = planned_blocks(model)
+    for m in [*blocks, *_checkpoint_wrappers(model, blocks)]:
+        if _COMPILED_ATTR in m.__dict__:
+            m._compiled_call_impl = m.__dict__.pop(_COMPILED_ATTR)
+        if _APPLIER_ATTR in m.__dict__:
+            del m.forward
+            delattr(m, _APPLIER_ATTR)
+            n += any(m is b for b in blocks)
     return n
+
+
+def _checkpoint_wrappers(model: Any, blocks: list[Any]) -> list[Any]:
+    """The activation-checkpoint wrappers (torch's ``CheckpointWrapper``, as torchtitan
+    applies them) around blocks of ``blocks``."""
+    ids = {id(b) for b in blocks}
+    return [m for m in model.modules()
+            if id(getattr(m, "_checkpoint_wrapped_module", None)) in ids]
 
 
 def _unwrap_input(x: Any) -> tuple[Any, Callable[[Any], Any]]:
@@ -887,66 +947,294 @@ def _unwrap_input(x: Any) -> tuple[Any, Callable[[Any], Any]]:
     return x.to_local(), rewrap
 
 
-def _check_attention_inputs(x: Any, attention_masks: Any, positions: Any) -> None:
-    """Refuse what makes attention other than causal over the whole sequence from position
-    0: a document-packing mask or positions of packed documents. A mask built from
-    positions ``0, 1, ..., seq - 1`` in every row (no packing) is plain causal."""
+def _rope_positions(attention_masks: Any, positions: Any) -> Any:
+    """The positions the planned layer rotates by: None where they are ``0 .. seq - 1`` in
+    every sequence (no packing), this rank's ``[batch, seq]`` positions where documents
+    are packed (positions restart at each one: RoPE at those positions, attention causal
+    over the whole sequence, as torchtitan's SDPA attention computes).
+
+    Refuses what makes attention other than causal over the whole sequence: masks without
+    positions (a custom mask), and masks of packed documents (FlexAttention's or
+    VarlenAttention's ``block_causal``: each document attends only to itself). A mask
+    built from positions ``0, 1, ..., seq - 1`` in every row is plain causal."""
     import torch
 
     if positions is None:
         if attention_masks is not None:
             raise WorkloadError("kareus's layer computes causal attention: attention masks "
-                                "without positions (document packing, a custom mask) are "
-                                "not supported")
-        return
+                                "without positions (a custom mask) are not supported")
+        return None
     # Every block of one forward gets the same positions tensor: read it once (reading a
     # GPU tensor's values waits for the GPU, which a check per block would do per layer).
     seen = _CHECKED_POSITIONS.get("last")
     if seen is not None and seen[0]() is positions and seen[1] == positions._version:
-        return
-    p = _local(positions)
-    want = torch.arange(p.shape[-1], device=p.device, dtype=p.dtype)
-    if not bool(torch.equal(p, want.expand_as(p))):
-        raise WorkloadError("the batch packs documents (positions restart inside a "
-                            "sequence): kareus's layer computes causal attention over the "
-                            "whole sequence; turn document packing off")
-    _CHECKED_POSITIONS["last"] = (weakref.ref(positions), positions._version)
-    del x
+        plain, p = seen[2], seen[3]
+    else:
+        p = _local(positions)
+        want = torch.arange(p.shape[-1], device=p.device, dtype=p.dtype)
+        plain = bool(torch.equal(p, want.expand_as(p)))
+        _CHECKED_POSITIONS["last"] = (weakref.ref(positions), positions._version, plain, p)
+    if plain:
+        return None
+    if attention_masks is not None:
+        raise WorkloadError("the batch packs documents and the model's attention masks "
+                            "them (FlexAttention or VarlenAttention, block_causal): kareus's "
+                            "layer attends causally over the whole sequence; give the "
+                            "layers torchtitan's ScaledDotProductAttention "
+                            "(attention.inner_attention) or train without kareus")
+    return p
 
 
-#: The positions tensor checked last (a weak reference and its version counter).
+#: The positions tensor checked last (a weak reference, its version counter, whether
+#: it is plain ``0 .. seq - 1``, and its local tensor).
 _CHECKED_POSITIONS: dict[str, Any] = {}
 
 
 # ------------------------------------------------------------------ torchtitan's Trainer
 
 
-def wrap_trainer(trainer: Any, applier: PlanApplier) -> None:
-    """Enter ``applier``'s microbatch scopes in a torchtitan 0.3 ``Trainer``.
+#: The recompute policies a planned layer runs (it recomputes each layer's forward).
+_LAYER_POLICIES = ("full",)
 
-    torchtitan's ``Trainer.train_step`` calls ``forward_backward_step`` once per gradient
-    accumulation step, which calls ``trainer.fwd_bwd_fn(inputs, labels,
-    global_valid_tokens, extra_kwargs)``: the model's forward, the loss and its backward.
-    This replaces ``fwd_bwd_fn`` on the instance by the same three steps, the forward in
-    ``applier.microbatch(mb, "fwd")`` and the backward in ``applier.microbatch(mb, "bwd")``,
-    ``mb`` counting the calls of one ``train_step`` (the plan's microbatches); and wraps
-    ``train_step`` to restart the count. A hand-written loop adds the two ``with`` lines
-    instead.
+
+def _trainer_parts(trainer: Any) -> tuple[Any, Any, Any]:
+    """``(config, parallel_dims, model)`` of a torchtitan 0.3 ``Trainer``."""
+    check_torchtitan_version()
+    config = getattr(trainer, "config", None)
+    dims = getattr(trainer, "parallel_dims", None)
+    parts = getattr(trainer, "model_parts", None)
+    if config is None or dims is None or not parts:
+        raise ArgumentTypeError("expected a built torchtitan 0.3 Trainer (config.build() of "
+                                f"its Trainer.Config), got {type(trainer).__name__}")
+    if getattr(dims, "pp_enabled", False) or len(parts) != 1:
+        raise WorkloadError("pipeline parallelism (parallelism.pipeline_parallel_degree > 1): "
+                            "torchtitan's pipeline schedule runs the microbatches and kareus's "
+                            "adapter does not enter its steps; run "
+                            "--parallelism.pipeline_parallel_degree 1")
+    return config, dims, parts[0]
+
+
+def _recompute_policy(config: Any) -> str:
+    """The recompute policy of torchtitan's ``activation_checkpoint`` setting
+    ([`recompute_from_torchtitan`][kareus.integrations.torchtitan.recompute_from_torchtitan])."""
+    return recompute_from_torchtitan(config.activation_checkpoint)
+
+
+def workload_from_trainer(trainer: Any, *, nanobatches: int = 2,
+                          name: str | None = None) -> Workload:
+    """The [`Workload`][kareus.model.Workload] a torchtitan 0.3 ``Trainer`` runs, read from
+    its config and its model (what ``kareus optimize`` makes the plan for).
+
+    * the model: [`model_arch_from_torchtitan`][kareus.integrations.torchtitan.model_arch_from_torchtitan]
+      of ``trainer.model_config`` (after torchtitan's ``--override.imports``), refusing
+      layers kareus's layer does not compute;
+    * parallelism: ``tp``, ``cp``, ``pp`` and the data-parallel degree (``dp_replicate x
+      dp_shard``) of ``trainer.parallel_dims``; ``sp`` from
+      ``parallelism.enable_sequence_parallel``;
+    * the batch: ``microbatch_size = training.local_batch_size`` (one local batch per
+      gradient-accumulation step), ``num_microbatches`` the Trainer's
+      ``gradient_accumulation_steps``, ``seq_len = training.seq_len``;
+    * ``recompute`` from ``activation_checkpoint``
+      ([`recompute_from_torchtitan`][kareus.integrations.torchtitan.recompute_from_torchtitan]):
+      ``None`` (``activation-checkpoint:none``) is ``"none"``, ``full`` ``"full"``;
+      ``selective`` (torchtitan's default, per-op) and ``memory-budget`` are refused;
+    * ``dtype_bytes`` from the dtype the blocks compute in: ``training.dtype`` if bfloat16,
+      else FSDP's ``training.mixed_precision_param`` (torchtitan wraps every block in
+      FSDP, whose mixed precision casts the parameters).
+
+    Args:
+        trainer: The built Trainer (``config.build()``), before ``train()``.
+        nanobatches: The nanobatch count of the baseline ``"nanobatching"`` schedule (a
+            planning choice, not the Trainer's; a plan records its own).
+        name: The model's name in the workload (default ``"torchtitan-<module>-<flavor>"``).
 
     Raises:
-        WorkloadError: pipeline parallelism is on (its schedule runs the microbatches; this
-            adapter does not enter its steps), or CUDA graphs wrap the forward-backward.
-        PlanError: a step runs more microbatches than the plan's workload.
+        ArgumentTypeError: not a built torchtitan Trainer.
+        WorkloadError: pipeline parallelism, selective or memory-budget checkpointing, or a
+            layer kareus's layer does not compute.
     """
-    check_torchtitan_version()
-    dims = getattr(trainer, "parallel_dims", None)
-    if dims is not None and getattr(dims, "pp_enabled", False):
-        raise WorkloadError("pipeline parallelism: kareus's torchtitan adapter enters "
-                            "microbatch scopes without it only; run PP=1")
+    config, dims, _ = _trainer_parts(trainer)
+    spec = getattr(config, "model_spec", None)
+    if name is None:
+        name = (f"torchtitan-{spec.name}-{spec.flavor}" if spec is not None
+                else "torchtitan-model")
+    arch = model_arch_from_torchtitan(trainer.model_config, name=name)
+    training = config.training
+    compute = (training.dtype if training.dtype == "bfloat16"
+               else training.mixed_precision_param)
+    par = Parallelism(tp=int(dims.tp), cp=int(dims.cp), pp=int(dims.pp),
+                      dp=int(dims.dp_replicate) * int(dims.dp_shard),
+                      sp=bool(config.parallelism.enable_sequence_parallel))
+    return Workload(model=arch, parallelism=par,
+                    microbatch_size=int(training.local_batch_size),
+                    seq_len=int(training.seq_len),
+                    num_microbatches=int(trainer.gradient_accumulation_steps),
+                    nanobatches=int(nanobatches), recompute=_recompute_policy(config),
+                    dtype_bytes=2 if compute == "bfloat16" else 4)
+
+
+def _refuse_unsupported(trainer: Any, config: Any, model: Any, workload: Workload) -> None:
+    """Refuse, in torchtitan 0.3's own words, what kareus's planned layers do not run
+    exactly as torchtitan would (before the first step)."""
+    if workload.parallelism.sequence_parallel:
+        raise WorkloadError("parallelism.enable_sequence_parallel is on (torchtitan's "
+                            "default): kareus's planned layers do not run sequence "
+                            "parallelism yet; pass --parallelism.no-enable-sequence-parallel "
+                            "(Python: config.parallelism.enable_sequence_parallel = False)")
+    if workload.recompute not in _LAYER_POLICIES:
+        raise WorkloadError(f"activation_checkpoint is {workload.recompute} (torchtitan's "
+                            "default is selective): kareus's planned layers recompute each "
+                            "layer's forward fully; pass activation-checkpoint:full (Python: "
+                            "config.activation_checkpoint = FullAC.Config()) and make the "
+                            "plan for it")
+    if workload.parallelism.cp != 1:
+        raise WorkloadError("parallelism.context_parallel_degree > 1: torchtitan's context "
+                            "parallelism is its own attention over load-balanced chunks; "
+                            "run --parallelism.context_parallel_degree 1")
     if getattr(trainer, "fwd_bwd_fn", None) != getattr(trainer, "_forward_backward_body",
                                                        None):
-        raise WorkloadError("the trainer's forward-backward is wrapped (CUDA graphs or "
-                            "another wrapper): turn training.disable_cuda_graphs on")
+        raise WorkloadError("training.disable_cuda_graphs is off: the Trainer captures its "
+                            "forward-backward in a CUDA graph, which kareus's planned layers "
+                            "do not run inside yet; pass --training.disable-cuda-graphs "
+                            "(Python: config.training.disable_cuda_graphs = True)")
+    if config.parallelism.spmd_backend == "full_dtensor":
+        raise WorkloadError("parallelism.spmd_backend full_dtensor: kareus's adapter is "
+                            "tested with spmd_types (the default) and partial_dtensor")
+    masked = _document_masks(config, model)
+    if masked is not None:
+        raise WorkloadError(f"the model's attention is {masked}, which masks packed "
+                            "documents (block_causal; torchtitan's text loader always packs): "
+                            "kareus's layer attends causally over the whole sequence; give "
+                            "the layers torchtitan's ScaledDotProductAttention "
+                            "(attention.inner_attention, e.g. with --override.imports) or "
+                            "train without kareus")
+
+
+def _document_masks(config: Any, model: Any) -> str | None:
+    """The name of the model's attention where it masks documents (None: it does not)."""
+    tt = _classes()
+    for lc in getattr(model.config, "layers", ()):
+        inner = lc.attention.inner_attention
+        if isinstance(inner, (tt.Flex.Config, tt.Varlen.Config)):
+            return type(inner).__qualname__.split(".")[0]
+    return None
+
+
+def _plan_of(plan: Any) -> Any:
+    from kareus.compose.plan import Plan
+
+    if plan is None or isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, (str, bytes)) or hasattr(plan, "__fspath__"):
+        return Plan.load(plan)  # type: ignore[arg-type]
+    raise ArgumentTypeError(f"plan must be a kareus Plan, a plan file's path or None, got "
+                            f"{type(plan).__name__}")
+
+
+def wrap_trainer(trainer: Any, plan: Any = None, *, schedule: str | None = None,
+                 chain: bool | None = None, **applier_kwargs: Any) -> PlanApplier:
+    """Apply a plan to a torchtitan 0.3 ``Trainer``: one call between ``config.build()``
+    and ``trainer.train()``, on every rank.
+
+    It reads the workload the Trainer runs
+    ([`workload_from_trainer`][kareus.integrations.torchtitan.workload_from_trainer]),
+    refuses what kareus's layers do not run exactly as torchtitan would (each in one line
+    naming torchtitan's own setting, before the first step), checks the plan against that
+    workload (``PlanError`` if it was made for another), applies it
+    ([`apply_plan`][kareus.integrations.torchtitan.apply_plan] on the Trainer's model and
+    mesh) and enters the plan's microbatch scopes in the Trainer's steps:
+
+    * **training**: ``Trainer.train_step`` calls ``forward_backward_step`` once per
+      gradient-accumulation step, which calls ``trainer.fwd_bwd_fn(inputs, labels,
+      global_valid_tokens, extra_kwargs)``; this replaces ``fwd_bwd_fn`` on the instance by
+      the same steps, the forward in ``applier.microbatch(mb, "fwd")`` and the backward in
+      ``applier.microbatch(mb, "bwd")``, ``mb`` counting the calls of one step;
+    * **validation** (``validator.enable``): the validator's forward-only batches run the
+      planned layers under the ``"sequential"`` schedule (no plan configuration exists for
+      a forward without its backward; the values are the same);
+    * **packed documents**: each batch's ``positions`` (restarting at every document)
+      rotate the planned layers' RoPE, as torchtitan's blocks do;
+    * **torch.compile** (``compile.enable``): the planned blocks run uncompiled (torch's
+      ``torch.compiler.disable``), torchtitan compiles the rest (the loss);
+    * **activation checkpointing**: ``activation-checkpoint:full`` is kareus's full
+      recomputation (the wrapper calls the planned block, which recomputes itself).
+
+    Passing a [`PlanApplier`][kareus.integrations.PlanApplier] made with ``apply_plan``
+    instead of a plan only enters its scopes (the lower-level path).
+
+    Args:
+        trainer: The built Trainer.
+        plan: A [`Plan`][kareus.compose.Plan], a plan file's path (``kareus optimize``'s
+            ``plan.json``), ``None`` (a baseline ``schedule``), or an applier.
+        schedule: As ``apply_plan`` takes it (default ``"kareus"`` with a plan).
+        chain: As ``apply_plan`` takes it. torchtitan wraps every block in FSDP (even at
+            one data-parallel rank), so under the Trainer the blocks run per block.
+        **applier_kwargs: Passed to ``apply_plan`` (``kernels``, ``record``, ...).
+
+    Returns:
+        The applier (``applier.partitions_run`` with ``record=True``).
+
+    Raises:
+        WorkloadError: what kareus does not run as torchtitan would: sequence parallelism,
+            activation checkpointing other than full, context or pipeline parallelism,
+            CUDA graphs, attention masking packed documents, a layer kareus does not
+            compute.
+        PlanError: the plan was made for another workload; a step runs more microbatches
+            than the plan's workload.
+    """
+    if isinstance(plan, PlanApplier):
+        if applier_kwargs or schedule is not None or chain is not None:
+            raise ArgumentError("wrap_trainer(trainer, applier) only enters the applier's "
+                                "scopes: pass plan options to apply_plan")
+        check_torchtitan_version()
+        dims = getattr(trainer, "parallel_dims", None)
+        if dims is not None and getattr(dims, "pp_enabled", False):
+            raise WorkloadError("pipeline parallelism (parallelism.pipeline_parallel_degree "
+                                "> 1): kareus's adapter does not enter the pipeline "
+                                "schedule's steps; run --parallelism.pipeline_parallel_degree 1")
+        if getattr(trainer, "fwd_bwd_fn", None) != getattr(trainer, "_forward_backward_body",
+                                                           None):
+            raise WorkloadError("the trainer's forward-backward is wrapped (CUDA graphs or "
+                                "another wrapper): pass --training.disable-cuda-graphs")
+        applier = plan
+    else:
+        plan = _plan_of(plan)
+        config, dims, model = _trainer_parts(trainer)
+        nb = int((plan.workload or {}).get("nanobatches", 2)) if plan is not None else 2
+        workload = workload_from_trainer(trainer, nanobatches=nb)
+        _refuse_unsupported(trainer, config, model, workload)
+        applier = apply_plan(model, workload=workload, mesh=dims, plan=plan,
+                             schedule=schedule, chain=chain,
+                             full_ac=workload.recompute == "full"
+                             and config.activation_checkpoint is not None,
+                             **applier_kwargs)
+        validator = getattr(trainer, "validator", None)
+        if config.validator.enable and validator is not None:
+            _wrap_validator(validator, applier)
+    _enter_scopes(trainer, applier)
+    return applier
+
+
+def _wrap_validator(validator: Any, applier: PlanApplier) -> None:
+    """Run the validator's forward-only batches under the ``"sequential"`` schedule (a
+    plan configures a microbatch's forward and backward together; validation runs no
+    backward). The values are those of any schedule: only the overlap differs."""
+    validate = validator.validate
+
+    def sequential_validate(*args: Any, **kwargs: Any) -> Any:
+        before = applier.schedule
+        applier.schedule = "sequential"
+        try:
+            return validate(*args, **kwargs)
+        finally:
+            applier.schedule = before
+
+    validator.validate = sequential_validate
+
+
+def _enter_scopes(trainer: Any, applier: PlanApplier) -> None:
+    """Replace the Trainer's ``fwd_bwd_fn`` by its own steps inside the applier's
+    microbatch scopes, and restart the microbatch count at each ``train_step``."""
     limit = applier.workload.num_microbatches
     state = {"mb": 0}
     train_step = trainer.train_step
@@ -987,3 +1275,52 @@ def _no_typecheck() -> Iterator[None]:
         return
     with spmd.no_typecheck():
         yield None
+
+
+# ------------------------------------------------------------------ the command line
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m kareus.integrations.torchtitan [--plan PATH] [--schedule NAME]
+    --module M --config C [torchtitan's flags]``: torchtitan 0.3's own ``-m
+    torchtitan.train`` (its config parser, ``Trainer``, training loop and teardown) with
+    [`wrap_trainer`][kareus.integrations.torchtitan.wrap_trainer] between building the
+    Trainer and training it. ``--plan``: ``kareus optimize``'s ``plan.json`` made for
+    [`workload_from_trainer`][kareus.integrations.torchtitan.workload_from_trainer] of
+    this config; without it, ``--schedule`` names a baseline (``sequential``,
+    ``nanobatching``). Run it under ``torchrun`` as torchtitan's own entry point."""
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    mine: dict[str, str | None] = {"--plan": None, "--schedule": None}
+    rest: list[str] = []
+    it = iter(args)
+    for arg in it:
+        key, eq, value = arg.partition("=")
+        if key in mine:
+            if not eq:
+                value = next(it, "")
+            if not value:
+                raise ArgumentError(f"{key} needs a value")
+            mine[key] = value
+        else:
+            rest.append(arg)
+    check_torchtitan_version()
+    import torch
+    from torchtitan.config import ConfigManager  # type: ignore[import]
+    from torchtitan.tools.logging import init_logger  # type: ignore[import]
+
+    init_logger()
+    config = ConfigManager().parse_args(rest)
+    trainer = config.build()
+    try:
+        wrap_trainer(trainer, mine["--plan"], schedule=mine["--schedule"])
+        trainer.train()
+    finally:
+        trainer.close()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -52,32 +52,37 @@ def shard(w: dict[str, torch.Tensor], arch: ModelArch, tp: int, rank: int
 
 
 def _rope(x: torch.Tensor, base: float, interleaved: bool,
-          inv: torch.Tensor | None = None) -> torch.Tensor:
-    s, d = x.shape[1], x.shape[3]
+          inv: torch.Tensor | None = None,
+          positions: torch.Tensor | None = None) -> torch.Tensor:
+    b, s, d = x.shape[0], x.shape[1], x.shape[3]
     if inv is None:
         inv = 1.0 / (base ** (torch.arange(0, d, 2).float() / d))
-    ang = torch.outer(torch.arange(s).float(), inv).to(x.device)
+    pos = (torch.arange(s).expand(b, s) if positions is None else positions).float().cpu()
+    ang = (pos[..., None] * inv.cpu()).to(x.device)  # [batch, seq, d / 2]
     if interleaved:  # pairs (2i, 2i+1), as complex numbers
         c = torch.view_as_complex(x.float().reshape(*x.shape[:-1], d // 2, 2))
-        rot = c * torch.polar(torch.ones_like(ang), ang)[None, :, None]
+        rot = c * torch.polar(torch.ones_like(ang), ang)[:, :, None]
         return torch.view_as_real(rot).flatten(-2).to(x.dtype)
     ang = torch.cat((ang, ang), -1)
     x1, x2 = x[..., :d // 2], x[..., d // 2:]
-    cos, sin = ang.cos()[None, :, None].to(x.dtype), ang.sin()[None, :, None].to(x.dtype)
+    cos, sin = ang.cos()[:, :, None].to(x.dtype), ang.sin()[:, :, None].to(x.dtype)
     return x * cos + torch.cat((-x2, x1), -1) * sin
 
 
 def layer(x: torch.Tensor, w: dict[str, torch.Tensor], arch: ModelArch, *,
           base: float = 500000.0, interleaved: bool = False,
-          inv: torch.Tensor | None = None) -> torch.Tensor:
-    """The whole layer on whole weights: RMSNorm, causal GQA with RoPE, SwiGLU, residuals."""
+          inv: torch.Tensor | None = None,
+          positions: torch.Tensor | None = None) -> torch.Tensor:
+    """The whole layer on whole weights: RMSNorm, causal GQA with RoPE (at ``positions``,
+    ``[batch, seq]``, default ``0 .. seq - 1``), SwiGLU, residuals."""
     b, s, h = x.shape
     hd, eps = arch.head_dim, arch.norm_eps
     y = F.rms_norm(x, (h,), w["n1"], eps)
     q, k = F.linear(y, w["wq"]).view(b, s, -1, hd), F.linear(y, w["wk"]).view(b, s, -1, hd)
     if arch.qk_norm:  # per head, before RoPE
         q, k = F.rms_norm(q, (hd,), w["qn"], eps), F.rms_norm(k, (hd,), w["kn"], eps)
-    q, k = _rope(q, base, interleaved, inv), _rope(k, base, interleaved, inv)
+    q = _rope(q, base, interleaved, inv, positions)
+    k = _rope(k, base, interleaved, inv, positions)
     v = F.linear(y, w["wv"]).view(b, s, -1, hd)
     o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                        is_causal=True, enable_gqa=True)

@@ -302,9 +302,6 @@ def test_apply_plan_refusals():
         kt.apply_plan(model, workload=wl.with_(model=attrs.evolve(wl.model, ffn=256)))
     kt.apply_plan(model, workload=wl, kernels="torch")
     tokens = torch.randint(0, VOCAB, (MBS, SEQ))
-    packed = torch.cat((torch.arange(8), torch.arange(8))).expand(MBS, SEQ)
-    with pytest.raises(WorkloadError, match="packs documents"):
-        model(tokens, packed)
     with pytest.raises(WorkloadError, match="seq_len"):
         model(tokens[:, :8])
     with pytest.raises(WorkloadError, match="masks"):
@@ -363,8 +360,36 @@ def test_wrap_trainer_enters_the_scopes_per_microbatch():
     assert all(p.grad is not None for p in model.parameters())
     pp = Trainer()
     pp.parallel_dims = SimpleNamespace(pp_enabled=True)
-    with pytest.raises(WorkloadError, match="PP=1"):
+    with pytest.raises(WorkloadError, match="pipeline_parallel_degree 1"):
         kt.wrap_trainer(pp, applier)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("fuse", [False, True])
+def test_packed_documents_rotate_at_their_positions(fuse, name):
+    # torchtitan's text loader packs documents: positions restart at each one. Under
+    # torchtitan's SDPA attention (causal over the whole sequence) its blocks rotate RoPE at
+    # those positions; the planned blocks do the same: same output, same gradients.
+    cfg = MODELS[name](fuse=fuse)
+    base = build(cfg)
+    planned = copy.deepcopy(base)
+    wl = kt.workload_from_torchtitan(cfg, tp=1, microbatch_size=MBS, seq_len=SEQ,
+                                     num_microbatches=1)
+    kt.apply_plan(planned, workload=wl, schedule="sequential", kernels="torch")
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, VOCAB, (MBS, SEQ), generator=g)
+    packed = torch.stack([torch.cat((torch.arange(k), torch.arange(SEQ - k)))
+                          for k in (3, 8, 11, 16)])
+    outs = []
+    for model in (base, planned):
+        out = model(tokens, positions=packed)
+        out.square().mean().backward()
+        outs.append((out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-4, atol=1e-5)
+    for n, grad in outs[0][1].items():
+        torch.testing.assert_close(outs[1][1][n], grad, rtol=1e-4, atol=1e-6, msg=n)
+    # the positions matter: plain positions give another output
+    assert not torch.allclose(planned(tokens).detach(), outs[1][0], atol=1e-4)
 
 
 # ------------------------------------------------------------------ two processes, gloo
@@ -526,17 +551,30 @@ def test_positions_are_read_once_per_tensor(monkeypatch):
     reads = []
     real = torch.equal
     monkeypatch.setattr(torch, "equal", lambda a, b: reads.append(1) or real(a, b))
-    x = torch.zeros(2, 8, 4)
     pos = torch.arange(8).expand(2, 8).clone()
     for _ in range(4):
-        tt._check_attention_inputs(x, None, pos)
+        assert tt._rope_positions(None, pos) is None  # 0 .. seq - 1: the shared tables
     assert len(reads) == 1
     pos.add_(0)  # written since: read again
-    tt._check_attention_inputs(x, None, pos)
+    tt._rope_positions(None, pos)
     assert len(reads) == 2
+    # packed documents: RoPE at their positions, attention causal over the sequence ...
     packed = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]] * 2)
-    with pytest.raises(WorkloadError, match="packs documents"):
-        tt._check_attention_inputs(x, None, packed)
+    assert torch.equal(tt._rope_positions(None, packed), packed)
+    # ... unless the model's attention masks the documents (flex / varlen block_causal)
+    with pytest.raises(WorkloadError, match="masks them"):
+        tt._rope_positions(object(), packed)
+    with pytest.raises(WorkloadError, match="without positions"):
+        tt._rope_positions(object(), None)
+
+
+def test_wrap_trainer_takes_a_trainer_and_a_plan():
+    with pytest.raises(ArgumentTypeError, match="Trainer"):
+        kt.wrap_trainer(object(), None)
+    with pytest.raises(ArgumentTypeError, match="plan must be"):
+        kt.wrap_trainer(object(), 3)
+    with pytest.raises(ArgumentTypeError, match="Trainer"):
+        kt.workload_from_trainer(SimpleNamespace(config=None))
 
 
 def test_the_trainer_s_activation_checkpoint_is_a_recomputation_policy_or_refused():

@@ -1,0 +1,104 @@
+"""The planned layer rotating RoPE at per-token positions (packed documents: positions that
+restart at each document), against the autograd reference layer at the same positions:
+on the CPU in float64 with float32 RoPE angles (the baselines' schedules, Llama's and
+Qwen3's layer), and on a GPU in bf16
+with the production kernels (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _reference import full_weights, layer, planned_weights, workload
+
+from kareus.errors import WorkloadError
+from kareus.exec.train import LoopbackGroups
+from kareus.integrations import PlanApplier
+
+
+def _packed(b: int, s: int, starts: tuple[int, ...]) -> torch.Tensor:
+    """Positions of ``b`` sequences of ``s`` tokens, a document starting at each of
+    ``starts`` (row ``r`` shifted by ``r``, so rows differ)."""
+    rows = []
+    for r in range(b):
+        cuts = sorted({0, *((c + r) % s for c in starts)})
+        pos = torch.cat([torch.arange(e - a) for a, e in zip(cuts, [*cuts[1:], s])])
+        rows.append(pos)
+    return torch.stack(rows)
+
+
+def _run(applier, x, w, positions, c):
+    x = x.clone().requires_grad_(True)
+    p = {k: v.clone().requires_grad_(True) for k, v in w.items()}
+    y = applier.layer()(x, planned_weights(p, applier.workload.model), positions=positions)
+    (y * c).sum().backward()
+    return y.detach(), x.grad, {k: v.grad for k, v in p.items()}
+
+
+@pytest.mark.parametrize("qk", [False, True], ids=["llama", "qwen3"])
+@pytest.mark.parametrize("schedule", ["sequential", "nanobatching"])
+def test_positions_rotate_as_the_reference_float64(schedule, qk):
+    wl = workload(qk=qk)
+    arch = wl.model
+    w = {k: v.double() for k, v in full_weights(arch, 2).items()}
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(wl.microbatch_size, wl.seq_len, arch.hidden, generator=g,
+                    dtype=torch.float64)
+    c = torch.randn(x.shape, generator=g, dtype=torch.float64)
+    pos = _packed(wl.microbatch_size, wl.seq_len, (5, 11))
+    applier = PlanApplier(workload=wl, groups=LoopbackGroups(tp=1), schedule=schedule,
+                          kernels="torch", eps=arch.norm_eps)
+    y, dx, dw = _run(applier, x, w, pos, c)
+    xr = x.clone().requires_grad_(True)
+    pr = {k: v.clone().requires_grad_(True) for k, v in w.items()}
+    yr = layer(xr, pr, arch, positions=pos)
+    (yr * c).sum().backward()
+    # (the RoPE angles are float32 on both sides: ~1e-7, as at positions 0 .. seq - 1)
+    tol = {"rtol": 1e-6, "atol": 2e-6}
+    torch.testing.assert_close(y, yr.detach(), **tol)
+    torch.testing.assert_close(dx, xr.grad, **tol)
+    for k in w:
+        torch.testing.assert_close(dw[k], pr[k].grad, **tol, msg=k)
+    # and the positions matter
+    y0, _, _ = _run(applier, x, w, None, c)
+    assert not torch.allclose(y0, y)
+
+
+def test_positions_must_match_the_batch():
+    wl = workload()
+    applier = PlanApplier(workload=wl, groups=LoopbackGroups(tp=1), schedule="sequential",
+                          kernels="torch", eps=wl.model.norm_eps)
+    w = full_weights(wl.model, 2)
+    x = torch.randn(wl.microbatch_size, wl.seq_len, wl.model.hidden)
+    with pytest.raises(WorkloadError, match="positions of shape"):
+        applier.layer()(x, planned_weights(w, wl.model), positions=torch.zeros(3, 3))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("qk", [False, True], ids=["llama", "qwen3"])
+def test_positions_on_the_gpu_kernels_bf16(qk):
+    # the production kernels (Triton RoPE) given per-token tables: as close to the fp32
+    # reference at those positions as bf16 allows
+    wl = workload(qk=qk, mbs=4, seq=256)
+    arch = wl.model
+    dev = torch.device("cuda")
+    w = {k: v.to(dev, torch.bfloat16) for k, v in full_weights(arch, 2).items()}
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 256, arch.hidden, generator=g).to(dev, torch.bfloat16)
+    c = torch.randn(4, 256, arch.hidden, generator=g).to(dev, torch.bfloat16)
+    pos = _packed(4, 256, (37, 100, 190)).to(dev)
+    applier = PlanApplier(workload=wl, groups=LoopbackGroups(tp=1), schedule="nanobatching",
+                          eps=arch.norm_eps)
+    y, dx, _ = _run(applier, x, w, pos, c)
+    xr = x.float().clone().requires_grad_(True)
+    yr = layer(xr, {k: v.float() for k, v in w.items()}, arch, positions=pos)
+    (yr * c.float()).sum().backward()
+    for got, want, what in ((y, yr, "output"), (dx, xr.grad, "input gradient")):
+        err = float((got.double() - want.double()).norm() / want.double().norm())
+        assert err < 2e-2, f"{what}: relative error {err:.3g}"

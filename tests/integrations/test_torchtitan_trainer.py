@@ -1,0 +1,182 @@
+"""torchtitan 0.3's own Trainer with a kareus plan, against the same Trainer without one.
+
+Two processes over gloo (kareus.testing.torchtitan_cpu: the Trainer on the CPU), torchtitan's
+debug Llama 3 model (attention: torchtitan's causal SDPA, FlexAttention having no CPU
+backward), TP = 2, fp32, the loader's packed documents (``positions`` restarting at each
+document: the planned layers' RoPE at those positions), validation on, two gradient-
+accumulation microbatches per step, full activation checkpointing (kareus's recomputation),
+sequence parallelism off (refused until the planned layers run it). Each run is built from
+torchtitan's own command line; the run with a plan gets one ``wrap_trainer(trainer,
+plan)`` call. Every microbatch loss, every gradient norm and every validation loss equals
+torchtitan's own run to fp32 tolerance, with ``compile.enable`` too; and what is not run as
+torchtitan runs it is refused by ``wrap_trainer``, before step 1, in one line naming the
+setting.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("torchtitan")
+
+from kareus.testing.torchtitan_cpu import trainer_runs_here
+
+_WHY = trainer_runs_here()
+pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"torchtitan's Trainer: {_WHY}")
+
+#: The Trainer's command line of every run here (torchtitan's own flags).
+BASE = ["--parallelism.tensor_parallel_degree", "2",
+        "--parallelism.no-enable-sequence-parallel",
+        "--training.seq_len", "64", "--training.local_batch_size", "4",
+        "--training.global_batch_size", "8", "--training.steps", "2",
+        "--training.mixed_precision_param", "float32", "--debug.seed", "0",
+        "--validator.enable", "--validator.freq", "1", "--validator.steps", "2",
+        "--metrics.log_freq", "1"]
+
+#: Full activation checkpointing: kareus's recomputation (a tyro subcommand: last).
+FULL_AC = "activation-checkpoint:full"
+
+#: Refused by wrap_trainer, by the setting it names: (extra flags, sdpa override, words).
+REFUSALS = {
+    "sequence_parallel": (["--parallelism.enable-sequence-parallel", FULL_AC], True,
+                          "--parallelism.no-enable-sequence-parallel"),
+    "selective_ac": (["activation-checkpoint:selective"], True, "activation-checkpoint:full"),
+    "no_ac": (["activation-checkpoint:none"], True, "activation-checkpoint:full"),
+    "flex_documents": ([FULL_AC], False, "FlexAttention, which masks packed documents"),
+}
+
+
+def _record(trainer) -> dict:
+    """Wrap the Trainer's reporting: each microbatch's loss, each step's gradient norm and
+    loss, each validation loss."""
+    out: dict = {"mb_losses": [], "grad_norms": [], "losses": [], "val_losses": []}
+    fb = trainer.forward_backward_step
+
+    def forward_backward_step(**kw):
+        loss = fb(**kw)
+        out["mb_losses"].append(float(loss.detach()))
+        return loss
+
+    trainer.forward_backward_step = forward_backward_step
+    mp = trainer.metrics_processor
+    log, log_val = mp.log, mp.log_validation
+
+    def record_log(step, loss, max_loss, grad_norm, **kw):
+        out["losses"].append(float(loss))
+        out["grad_norms"].append(float(grad_norm))
+        return log(step, loss, max_loss, grad_norm, **kw)
+
+    def record_val(loss, step):
+        out["val_losses"].append(float(loss))
+        return log_val(loss=loss, step=step)
+
+    mp.log, mp.log_validation = record_log, record_val
+    return out
+
+
+def _worker(out_dir: str, run: str, what: str) -> None:
+    """One Trainer per process (torchtitan 0.3 builds one per process: a second one's
+    fully_shard meets the first one's mesh). ``run``: ``torchtitan``, ``kareus`` or
+    ``refuse``; ``what``: ``eager``, ``compile`` or a key of REFUSALS."""
+    import torch.distributed as dist
+
+    from kareus.errors import KareusError
+    from kareus.integrations.torchtitan import workload_from_trainer, wrap_trainer
+    from kareus.testing import make_workload_plan
+    from kareus.testing.torchtitan_cpu import cpu_trainer_config, use_cpu, write_cpu_assets
+
+    use_cpu()
+    torch.set_num_threads(1)
+    out = Path(out_dir)
+    assets = write_cpu_assets(out.parent / "assets")
+    result: dict = {}
+    if run == "refuse":
+        flags, sdpa, _ = REFUSALS[what]
+        trainer = cpu_trainer_config(assets, *BASE, *flags, sdpa=sdpa).build()
+        try:
+            wrap_trainer(trainer, None, schedule="sequential")
+            result["error"] = "accepted"
+        except KareusError as e:
+            result["error"] = str(e)
+        result["step"] = trainer.step
+    else:
+        flags = (["--compile.enable"] if what == "compile" else []) + [FULL_AC]
+        trainer = cpu_trainer_config(assets, *BASE, *flags).build()
+        result = _record(trainer)
+        applier = None
+        if run == "kareus":
+            wl = workload_from_trainer(trainer)
+            plan = make_workload_plan(wl, pick=1, sms=8, freqs_mhz=(1980, 1410),
+                                      unsplit_microbatches=(1,))
+            applier = wrap_trainer(trainer, plan, kernels="torch", record=True)
+            result["workload"] = wl.to_dict()
+            result["dtype_bytes"] = wl.dtype_bytes
+        trainer.train()
+        if applier is not None:
+            result["partitions"] = [(ph, k) for ph, k, _ in applier.partitions_run]
+    trainer.close()
+    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _run(tmp_path, run, what):
+    import subprocess
+
+    here = Path(__file__).resolve().parent
+    out = tmp_path / f"{run}-{what}"
+    out.mkdir()
+    env = dict(os.environ, PYTHONPATH=f"{here.parents[1]}{os.pathsep}{here}",
+               OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc_per_node=2", __file__, str(out), run, what]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _check_equal(tmp_path, what):
+    want_ranks = _run(tmp_path, "torchtitan", what)
+    got_ranks = _run(tmp_path, "kareus", what)
+    for want, got in zip(want_ranks, got_ranks, strict=True):
+        assert len(want["mb_losses"]) == 4 and len(want["val_losses"]) == 2
+        assert got["mb_losses"] == pytest.approx(want["mb_losses"], rel=1e-5, abs=1e-7)
+        assert got["losses"] == pytest.approx(want["losses"], rel=1e-5, abs=1e-7)
+        assert got["grad_norms"] == pytest.approx(want["grad_norms"], rel=1e-4)
+        assert got["val_losses"] == pytest.approx(want["val_losses"], rel=1e-5)
+        wl = got["workload"]
+        assert (wl["tp"], wl["sp"], wl["microbatch_size"], wl["seq_len"],
+                wl["num_microbatches"], wl["recompute"]) == (2, False, 4, 64, 2, "full")
+        assert got["dtype_bytes"] == 4
+        # the plan ran: its forward and backward partitions, the same on both ranks
+        assert any(ph == "bwd" for ph, _ in got["partitions"])
+    assert got_ranks[0]["partitions"] == got_ranks[1]["partitions"]
+
+
+@pytest.mark.slow
+def test_a_plan_in_torchtitan_s_trainer_trains_torchtitan_s_model(tmp_path):
+    _check_equal(tmp_path, "eager")
+
+
+@pytest.mark.slow
+def test_a_plan_in_torchtitan_s_compiled_trainer(tmp_path):
+    _check_equal(tmp_path, "compile")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(REFUSALS))
+def test_what_kareus_does_not_run_is_refused_before_step_1(tmp_path, name):
+    for r in _run(tmp_path, "refuse", name):
+        assert REFUSALS[name][2] in r["error"], r["error"]
+        assert "\n" not in r["error"] and r["step"] == 0
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], sys.argv[2], sys.argv[3])
