@@ -232,7 +232,8 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
         if applier is not None:
             check_layer_config(self.config, applier.workload.model,
                                applier.workload.parallelism.tp,
-                               applier.workload.parallelism.cp)
+                               applier.workload.parallelism.cp,
+                               recompute=applier.workload.recompute)
             self._check_cp_group(applier)
         self.kareus_applier = applier
         self._planned = applier.layer() if applier is not None else None
@@ -323,6 +324,12 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
             raise ArgumentError(f"a kareus layer computes causal self-attention over whole "
                                 f"sequences in training; it got {given}: run these batches "
                                 "with Megatron's own layer (layer.set_applier(None))")
+        if self.config.recompute_granularity == "full" and self.training:
+            # Megatron's block checkpoints its layers (its _checkpointed_forward): the kareus
+            # layer, which re-runs its own forward in its backward, would run three times
+            raise ArgumentError("recompute_granularity='full': the kareus layer recomputes "
+                                "itself, and Megatron's block would re-run it in its own "
+                                "checkpoint; run the layers chained (chain_layers(model))")
         s = int(hidden_states.shape[0])
         self._check_mask(attention_mask, s)
         self._check_rope(rotary_pos_emb, s, hidden_states.device)
@@ -745,8 +752,10 @@ def chain_layers(model: Any) -> Any:
     own layer) or not the others', forward hooks on a layer (the stack does not call the
     layers as modules: DDP's ``overlap_param_gather`` registers such hooks), and the
     configurations ``workload_from_megatron`` refuses for kareus (``sequence_parallel``,
-    fp8 or fp4, full recomputation in training, CPU offloading); the configuration and
-    hook cases warn once per block. ``unchain_layers(model)`` restores the block's forward.
+    fp8 or fp4, CPU offloading); the configuration and hook cases warn once per block.
+    With ``recompute_granularity="full"`` the stack recomputes each layer itself (Megatron's
+    block checkpoint is not used), which is how kareus layers run Megatron's full
+    recomputation: unchained, a kareus layer refuses it in training. ``unchain_layers(model)`` restores the block's forward.
 
     Raises:
         ArgumentError: ``model`` has no ``TransformerBlock``, or one whose layers are not all
@@ -821,8 +830,6 @@ def _why_not_chained(block: Any, args: Mapping[str, Any]) -> tuple[str, bool] | 
     cfg = block.config
     for bad, what in ((cfg.sequence_parallel, "sequence_parallel"),
                       (cfg.fp8 or getattr(cfg, "fp4", None), "fp8 or fp4"),
-                      (cfg.recompute_granularity == "full" and block.training,
-                       "recompute_granularity='full'"),
                       (cfg.cpu_offloading, "cpu_offloading")):
         if bad:
             return f"the config sets {what}", True
