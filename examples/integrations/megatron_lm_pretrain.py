@@ -73,7 +73,7 @@ def job_flags(args: argparse.Namespace) -> list[str]:
         "--rotary-base", "500000", "--hidden-dropout", "0", "--attention-dropout", "0",
         "--bf16", "--tokenizer-type", "NullTokenizer", "--vocab-size", "32000",
         "--mock-data", "--lr", "3e-4", "--min-lr", "3e-5", "--train-iters", str(args.iters),
-        "--log-interval", "1", "--eval-iters", "0", "--seed", "1234",
+        "--log-interval", "1", "--eval-iters", "0", "--eval-interval", str(args.iters), "--seed", "1234",
         "--transformer-impl", "local", "--distributed-backend", "nccl",
         # Megatron-Core's local modules without Apex or Transformer Engine: torch's RMSNorm
         # takes no persist_layer_norm, the linears no gradient-accumulation fusion, and

@@ -69,6 +69,23 @@ graphs are per forward graph whose slot they read. Per layer of a model run one 
 layer, so: about 4 activations (static input, output; output gradient, input gradient,
 the backward reading its forward's input) plus its weights' size, per plan choice.
 
+**Kept activations** (recomputation ``"none"`` or ``"selective"``): what the forward keeps
+for the backward stays where the forward graph wrote it, in the graph's static buffers
+(its memory pool), and is lent to the layer's autograd node
+(``KeptActivations``) instead of being copied out; the backward graph of that
+forward reads them in place. While they are lent the forward graph is not replayed: the
+next forward of the same shape replays another copy of the graph (a *slot*), captured the
+first time every slot is lent, so there are as many slots as forwards of that shape whose
+backward is pending at once (a framework's layers, each one node, use one slot per layer
+and microbatch in flight): the activations take the memory eager execution would give
+them, and no copy. A slot is free again when its backward has run, or when the autograd
+graph holding it is dropped without one. The forward's attention must then run on the
+fused kernels (flash or cuDNN), whose saved state is plain tensors: attention through
+autograd (a CP piece whose mask is not causal's) is refused with ``"none"``.
+Such graphs keep a memory pool each (the applier's default executors share one pool only
+under full recomputation): kept activations allocated in a shared pool could lie where
+another graph's temporaries do.
+
 A graph is keyed by what changes the captured work: phase, depth, nanobatch count,
 whether the plan runs the computation unsplit, the plan's choice for the computation (its
 configurations and SM counts), shapes and dtypes (``computation_signature``). The
@@ -83,10 +100,12 @@ the executor's job, and this module only keeps its buffers still.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from kareus.errors import GraphCaptureError
+from kareus.errors import ArgumentError, GraphCaptureError
+from kareus.integrations._kept import KeptActivations
 
 __all__ = ["GraphedRunner", "KeptInputs", "capture_in_progress", "computation_signature"]
 
@@ -136,7 +155,8 @@ def capture_in_progress() -> bool:
 
 def computation_signature(applier: Any, phase: str, x: Any,
                           weights: Sequence[Sequence[Any]],
-                          inputs: Sequence[Any] | KeptInputs | None) -> tuple[Any, ...]:
+                          inputs: Sequence[Any] | KeptInputs | KeptActivations | None
+                          ) -> tuple[Any, ...]:
     """What changes the work a planned computation enqueues: phase, depth, nanobatch count,
     whether the plan runs it unsplit, the plan's choice for it (its configurations and SM
     counts), shapes, strides and dtypes. Two calls with one signature enqueue the same
@@ -154,8 +174,10 @@ def computation_signature(applier: Any, phase: str, x: Any,
         choice = (applier.plan.choices[index] if isinstance(index, int)
                   and 0 <= index < len(applier.plan.choices) else index)
     wsig = tuple((tuple(w.shape), tuple(w.stride()), w.dtype) for ws in weights for w in ws)
+    kept = (-1 if isinstance(inputs, KeptActivations)  # every activation a policy keeps
+            else len(inputs or ()))
     return (phase, len(weights), n, unsplit, choice, tuple(x.shape), x.dtype,
-            str(x.device), wsig, len(inputs or ()))
+            str(x.device), wsig, kept)
 
 
 class _Slot:
@@ -246,6 +268,10 @@ class _Captured:
         self.ptrs: list[list[int]] = []
         self.result: Any = None
         self.ran: list[tuple[str, Any]] = []
+        self.lent = False  # a forward slot's kept activations are lent to a pending backward
+        self.lendings = 0  # how many times they were lent (which lending a release frees)
+        # a forward slot: its capture's number; a backward: that of the slot it reads
+        self.generation = 0
 
 
 class GraphedRunner:
@@ -272,6 +298,7 @@ class GraphedRunner:
         self._names: dict[tuple[Any, ...], str] = {}
         self._seen: dict[tuple[Any, ...], set[int]] = {}
         self._own: dict[tuple[Any, ...], set[int]] = {}
+        self._slots: dict[tuple[Any, ...], list[_Captured]] = {}
         self.captures = 0
         self.loads = 0
 
@@ -292,6 +319,13 @@ class GraphedRunner:
         computation's ``computation_signature``, when the caller has it."""
         if key is None:
             key = computation_signature(self.applier, phase, x, weights, inputs)
+        if self.applier.workload.recompute != "full":  # activations kept: lent slots
+            if phase == "fwd":
+                return self._forward_kept(key, x, weights)
+            if not isinstance(inputs, KeptActivations):
+                raise ArgumentError("a planned layer's graphed backward takes what its "
+                                    "forward kept (KeptActivations)")
+            return self._backward_kept(key, x, weights, dy, inputs)
         key = (*key, self._identity(key, weights))
         slot = None
         if isinstance(inputs, KeptInputs):
@@ -324,6 +358,67 @@ class GraphedRunner:
         if phase == "fwd":
             assert cap.slot is not None
             return first.clone(), KeptInputs(cap.slot)
+        return first.clone(), [t.clone() for t in rest]
+
+    def _forward_kept(self, key: tuple[Any, ...], x: Any,
+                      weights: Sequence[Sequence[Any]]) -> tuple[Any, Any]:
+        """The forward from a free slot; its kept activations lent, not copied."""
+        slots = self._slots.setdefault(key, [])
+        idx = next((i for i, c in enumerate(slots) if not c.lent), len(slots))
+        skey = (*key, "slot", idx)
+        cap = slots[idx] if idx < len(slots) else None
+        if cap is None or self._moved(skey, cap, weights):
+            cap = self._capture(skey, "fwd", x, weights, None, None, None)
+            cap.generation = self.captures
+            _refuse_autograd_attention(cap.result[1])  # before the slot is used
+            if idx < len(slots):
+                slots[idx] = cap
+            else:
+                slots.append(cap)
+        else:
+            self._copy_in(cap, x, weights, None, None)
+            cap.seq.replay()
+        self.applier._record("fwd", cap.ran)
+        out, kept = cap.result
+        cap.lent = True
+        cap.lendings += 1
+        free = _Release(cap)
+        lent = KeptActivations(kept.act, depth=kept.depth, nanobatches=kept.nanobatches,
+                               release=free)
+        # dropped without its backward (no grad needed, an exception): the slot is free
+        weakref.finalize(lent, free)
+        lent.slot = (skey, cap.generation, cap.lendings)
+        return out.clone(), lent
+
+    def _backward_kept(self, key: tuple[Any, ...], x: Any, weights: Sequence[Sequence[Any]],
+                       dy: Any, kept: KeptActivations) -> tuple[Any, list[Any]]:
+        """The backward of a forward slot, reading its static buffers in place."""
+        slot = kept.slot
+        if slot is None:
+            raise ArgumentError("a planned layer's graphed backward needs its graphed "
+                                "forward's kept activations")
+        skey, generation, lending = slot
+        fwd = self._graphs.get(skey)
+        if (fwd is None or fwd.generation != generation or not fwd.lent
+                or fwd.lendings != lending):
+            raise ArgumentError("a planned layer's forward buffers were released before its "
+                                "backward ran (a backward run twice: retain_graph is not "
+                                "supported on graphs with recompute 'none'/'selective')")
+        bkey = (*key, skey)
+        cap = self._graphs.get(bkey)
+        if cap is None or cap.generation != generation or self._moved(bkey, cap, weights):
+            # the backward graph reads the forward slot's buffers where they lie (a slot
+            # captured again has new buffers: its backward is captured again too)
+            static = KeptActivations(fwd.result[1].act, depth=kept.depth,
+                                     nanobatches=kept.nanobatches)
+            cap = self._capture(bkey, "bwd", x, weights, dy, static, None)
+            cap.generation = generation
+        else:
+            self._copy_in(cap, x, weights, dy, None)
+            cap.seq.replay()
+        kept.release()
+        self.applier._record("bwd", cap.ran)
+        first, rest = cap.result
         return first.clone(), [t.clone() for t in rest]
 
     def _identity(self, key: tuple[Any, ...], weights: Sequence[Sequence[Any]]) -> int | None:
@@ -388,6 +483,9 @@ class GraphedRunner:
 
         ap = self.applier
         cap = _Captured()
+        static_kept = inputs if isinstance(inputs, KeptActivations) else None
+        if static_kept is not None:  # a backward reading its forward slot's activations
+            inputs = None
         if slot is None:
             cap.x = torch.empty_like(x, memory_format=torch.contiguous_format)
             cap.inputs = [torch.empty_like(t, memory_format=torch.contiguous_format)
@@ -406,7 +504,8 @@ class GraphedRunner:
             cap.copied.append(copied)
             cap.ptrs.append(ptrs)
         self._copy_in(cap, x, weights, dy, inputs)
-        if phase == "fwd":  # outside the pool: the backward reads them after other replays
+        if phase == "fwd" and ap.workload.recompute == "full":
+            # outside the pool: the backward reads them after other replays
             b, s, h = x.shape
             cap.kept = [torch.empty((b * s, h), dtype=x.dtype, device=x.device)
                         for _ in range(len(weights) - 1)]
@@ -414,7 +513,8 @@ class GraphedRunner:
         def body() -> None:
             # what the graph reads: its own static buffers, or its forward's slot
             gx, gin = (cap.x, cap.inputs) if slot is None else (slot.x, slot.kept)
-            cap.result, cap.ran = ap._run_eager(phase, gx, cap.weights, cap.dy, gin or None,
+            cap.result, cap.ran = ap._run_eager(phase, gx, cap.weights, cap.dy,
+                                                static_kept or gin or None,
                                                 kept_out=cap.kept or None)
 
         name = self._names.setdefault(key, f"integrations:{phase}:{len(self._names)}")
@@ -434,3 +534,30 @@ class GraphedRunner:
         self.captures += 1
         self._graphs[key] = cap
         return cap
+
+
+class _Release:
+    """Frees a forward slot from one lending of its kept activations (a later lending of
+    the same slot is not freed by it)."""
+
+    def __init__(self, cap: _Captured) -> None:
+        self.cap, self.lending = cap, cap.lendings
+
+    def __call__(self) -> None:
+        if self.cap.lendings == self.lending:
+            self.cap.lent = False
+
+
+def _refuse_autograd_attention(kept: Any) -> None:
+    """Refuse kept attention state that is an autograd graph on a GPU (its backward through
+    the autograd engine is not capturable in another graph than its forward's)."""
+    for a in kept.act.values():
+        saved = a.get("graph")  # one attention's state, or under CP one per causal piece
+        for st in saved if isinstance(saved, list) else [saved]:
+            if (st is not None and getattr(st, "backend", None) == "autograd"
+                    and st.output.device.type == "cuda"):
+                raise ArgumentError("graphs=True with recompute='none' needs the attention on "
+                                    "the fused kernels (flash or cuDNN); this attention runs "
+                                    "through autograd (a CP piece whose mask is not causal's, "
+                                    "or a backend without a direct op): use "
+                                    "recompute='selective', or graphs=False")

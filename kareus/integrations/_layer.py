@@ -26,9 +26,27 @@ microbatch computation. This module lends that schedule to someone else's layer:
   gradients flow back into the framework's parameters by autograd.
 
 The forward runs the layer's forward stream ([`stack_stream`][kareus.exec.schedule.stack_stream]
-of one layer) through the executor; it keeps only the input (full recomputation, as the
-partition model assumes: ``Workload.recompute``); the backward re-runs the forward, its
-collectives included, then the backward ops, each in the partition the plan schedules.
+of one layer) through the executor and keeps for the backward what the workload's
+recomputation policy (``Workload.recompute``) says
+([`KEPT_FOR_BACKWARD`][kareus.exec.train.KEPT_FOR_BACKWARD]); the backward runs the backward
+ops, each in the partition the plan schedules, and re-runs what was not kept:
+
+* ``"full"``: the forward keeps the layer's input only (one ``tokens x hidden`` tensor per
+  layer); the backward re-runs the whole forward, its collectives included, first;
+* ``"selective"`` (Megatron-Core's default selective recomputation, its ``core_attn``):
+  everything but the attention core's output and softmax statistics is kept; the
+  backward re-runs the attention core forward alone, right before ``out_dgrad``, and no
+  collective (under CP the gathered keys and values are kept);
+* ``"none"``: every activation the backward reads is kept; the backward runs no forward op.
+
+Per layer and token of this rank, in elements of the compute dtype (``h`` hidden, ``q``
+and ``kv`` the query and key/value widths and ``f`` the FFN width on this TP rank), the
+forward keeps ``h`` (full); ``4 h + 2 q + 2 kv + 3 f`` plus the queries and keys and values
+(or under CP every chunk's keys and values, gathered: ``2 cp kv``)
+(selective: the input, both norms' outputs, the residual sum, the QKV projection (its
+values are read through it), the roped queries and keys, gate, up and SwiGLU outputs; a
+qk-norm model keeps its QKV projection twice, before and after the norms); none adds the
+attention output (``q``) and its softmax statistics (``heads`` fp32 values).
 The ops are the same code as the training loop's decoder, on the production kernels.
 
 **What a layer boundary costs.** kareus's own loop chains layers: the forward all-reduce of
@@ -101,6 +119,7 @@ from kareus.exec.schedule import (
 )
 from kareus.exec.train import DecoderShard, ParallelGroups, refuse_uncomputed
 from kareus.integrations._graphed import capture_in_progress, computation_signature
+from kareus.integrations._kept import KeptActivations
 from kareus.integrations._weights import QK_NORM_WEIGHTS, layer_weights
 from kareus.model.workload import Workload
 
@@ -132,7 +151,8 @@ class _LayerProgram(DecoderShard):
         self.layers, self.backend = int(layers), backend
         self._shard_dims(workload.model, groups, int(microbatch_size), int(seq_local),
                          sp=workload.parallelism.sequence_parallel)
-        self.num_microbatches, self.recompute = 1, True
+        self.num_microbatches = 1
+        self._set_policy(workload.recompute)
         self.ks, self.torch = get_kernels(kernels), torch
         self.device, self.dtype = torch.device(device), dtype
         self.rope_base, self.rope_inv_freq = float(rope_base), rope_inv_freq
@@ -212,7 +232,8 @@ class PlanApplier:
         workload: What the plan was made for: the model's dimensions (``hidden``,
             ``heads``, ``kv_heads``, ``head_dim``, ``ffn``), the microbatch (``microbatch_size``
             sequences of ``seq_len`` tokens), TP and CP, the nanobatch count of the
-            baseline; ``recompute`` must be on (a planned layer recomputes its forward).
+            baseline, the recomputation policy (``recompute``: what a layer keeps for its
+            backward; see the module docstring).
         groups: This rank's TP and CP groups: a
             [`ParallelGroups`][kareus.exec.train.ParallelGroups], typically
             ``TorchParallelGroups.from_groups(tp=..., cp=...)`` of the framework's groups.
@@ -265,8 +286,7 @@ class PlanApplier:
             yourself where every rank reaches it).
 
     Raises:
-        WorkloadError: TP or CP do not match the groups, dimensions do not divide, the
-            workload does not recompute.
+        WorkloadError: TP or CP do not match the groups, or dimensions do not divide.
         PlanError: the plan was made for another workload, or names a backend not given.
     """
 
@@ -362,11 +382,13 @@ class PlanApplier:
         self._stacks: dict[tuple[str, int], list[Piece]] = {}
 
     def _stack(self, phase: str, layers: int) -> list[Piece]:
-        """The pieces of ``layers`` consecutive layers' forward or backward (recomputing)."""
+        """The pieces of ``layers`` consecutive layers' forward or backward (the backward
+        re-running what the recomputation policy does not keep)."""
         key = (phase, layers)
         if key not in self._stacks:
             p = self.workload.parallelism
-            stream = stack_stream(phase, layers, tp=p.tp, cp=p.cp, recompute=True,
+            stream = stack_stream(phase, layers, tp=p.tp, cp=p.cp,
+                                  recompute=self.workload.recompute,
                                   qk_norm=self.workload.model.qk_norm, sp=p.sequence_parallel)
             if phase == "bwd" and p.sequence_parallel:  # gather dy first; dx stays a shard
                 stream = sp_backward_stream(stream, layers, gather_input_grad=False)
@@ -379,11 +401,17 @@ class PlanApplier:
         import torch
 
         from kareus.exec.executor import RecordingStreamBackend, TorchExecutor
-        from kareus.exec.train import check_plan_types, check_plan_workload, given_plan
+        from kareus.exec.train import (
+            check_plan_splits,
+            check_plan_types,
+            check_plan_workload,
+            given_plan,
+        )
 
         plan = given_plan(plan, executor, baseline)
         if plan is not None:
             check_plan_workload(plan, self.workload, one_stage=False)
+            check_plan_splits(plan, self.workload)
             if self.has_comm:
                 check_plan_types(plan, self.workload, self.types, self.unsplit_types,
                                  {int(plan.nanobatches(key)) for key in plan.assignment})
@@ -405,7 +433,9 @@ class PlanApplier:
         if streams is None and not torch.cuda.is_available():
             streams = RecordingStreamBackend()  # no streams: host order
         shared = None
-        if streams is None and capture:
+        # one pool shared only when nothing but the layers' inputs is kept (they live
+        # outside it); kept activations lie in their forward graph's own pool (_graphed)
+        if streams is None and capture and self.workload.recompute == "full":
             from kareus.integrations._graphed import shared_pool_streams
 
             shared = shared_pool_streams  # one memory pool for each executor's graphs
@@ -650,16 +680,19 @@ class PlanApplier:
                 ``[batch, seq / (CP x TP), hidden]`` under sequence parallelism).
             weights: Per layer, its weights in ``weight_names`` order.
             dy: Backward: the gradient of the last layer's output.
-            inputs: Backward: the forward's inputs of layers ``1 ..`` (what the forward
-                returned), ``[tokens, hidden]`` each (``x``'s tokens).
+            inputs: Backward: what the forward kept (what it returned second): under full
+                recomputation the inputs of layers ``1 ..``, ``[tokens, hidden]`` each
+                (``x``'s tokens); otherwise its ``KeptActivations``.
             positions: ``[batch, seq]`` token positions for RoPE where they are not
                 ``0 .. seq - 1`` in every sequence (packed documents, positions restarting
                 at each one; CP = 1); None: ``0 .. seq - 1``. Attention stays causal over
                 the whole sequence.
 
         Returns:
-            Forward: ``(output, inputs of layers 1 ..)`` (from the applier's own graphs a
-            ``KeptInputs``, which the backward takes as ``inputs``); backward:
+            Forward: ``(output, kept)``, ``kept`` the inputs of layers ``1 ..`` under full
+            recomputation (from the applier's own graphs a ``KeptInputs``), otherwise the
+            activations kept (``KeptActivations``); the backward takes it as ``inputs``;
+            backward:
             ``(gradient of x, the weight gradients of every layer, layer by layer in
             ``weight_names`` order)``.
         """
@@ -679,7 +712,8 @@ class PlanApplier:
         if capture_in_progress():
             # Someone captures the stream (the framework's step, the user's graph): the
             # kernels, events and collectives go into that capture; no graph of our own
-            if isinstance(inputs, KeptInputs):
+            if isinstance(inputs, KeptInputs) or (isinstance(inputs, KeptActivations)
+                                                  and inputs.slot is not None):
                 raise GraphCaptureError("a planned layer's backward runs inside a CUDA graph "
                                         "capture, its forward ran outside any: capture "
                                         "forward and backward together")
@@ -757,12 +791,13 @@ class PlanApplier:
             del self.partitions_run[:-RECORD_KEPT]
 
     def _run_eager(self, phase: str, x: Any, weights: Sequence[Sequence[Any]], dy: Any,
-                   inputs: Sequence[Any] | None, kept_out: Sequence[Any] | None = None,
+                   inputs: Any, kept_out: Sequence[Any] | None = None,
                    positions: Any = None
-                   ) -> tuple[tuple[Any, list[Any]], list[tuple[str, Any]]]:
+                   ) -> tuple[tuple[Any, Any], list[tuple[str, Any]]]:
         """``run``'s work, enqueued as it goes; also returns the partitions run. A forward
-        writes the kept inputs into ``kept_out`` when given (a graph's static buffers);
-        ``positions``: RoPE positions of packed documents (see ``run``)."""
+        writes the kept inputs into ``kept_out`` when given (a graph's static buffers;
+        full recomputation only); ``positions``: RoPE positions of packed documents (see
+        ``run``)."""
         import torch
 
         depth = len(weights)
@@ -779,12 +814,13 @@ class PlanApplier:
             prog.act, prog.head, prog.wgrads = {}, {"x0": x2}, []
         else:
             dy2 = dy.reshape(b * s, h)
-            kept = [x2, *(inputs or [])]
-            if len(kept) != depth:
-                raise ArgumentError(f"the backward of {depth} layers takes the inputs of "
-                                    f"layers 1 .. {top}, got {len(kept) - 1}")
-            prog.act = {(layer, i): {"x_in": kept[layer][prog.rows(i)]}
-                        for layer in range(depth) for i in range(n)}
+            if prog.policy != "full":  # what the forward kept, as it kept it
+                if not isinstance(inputs, KeptActivations):
+                    raise ArgumentError(f"the backward under recompute={prog.policy!r} "
+                                        "takes what the forward kept (its second result)")
+                prog.act = inputs.for_backward(depth, n)
+            else:
+                prog.act = self._inputs_kept(prog, x2, inputs, depth, n)
             for i in range(n):
                 if prog.sp:  # the input of the stack's first collective (sp_backward_stream)
                     prog._buf("mlp_out_grad", i).view(-1, h).copy_(dy2[prog.rows(i)])
@@ -815,6 +851,11 @@ class PlanApplier:
                 for i in range(n):
                     torch.add(prog.act[(top, i)]["x_mid"], prog._reduced("mlp_out", top, i),
                               out=out[prog.rows(i)])
+                if prog.policy != "full":
+                    kept_acts = KeptActivations({key: prog.kept(a)
+                                                 for key, a in prog.act.items()},
+                                                depth=depth, nanobatches=n)
+                    return (out.view(b, s, h), kept_acts), ran
                 kept_inputs = []
                 for layer in range(1, depth):
                     xin = torch.empty_like(x2) if kept_out is None else kept_out[layer - 1]
@@ -831,16 +872,23 @@ class PlanApplier:
             prog.act, prog.head, prog.weights, prog.wgrads = {}, {}, [], []
             prog.set_positions(None)
 
+    @staticmethod
+    def _inputs_kept(prog: _LayerProgram, x2: Any, inputs: Any, depth: int,
+                     n: int) -> dict[tuple[int, int], dict[str, Any]]:
+        """Full recomputation's backward state: each layer's input, by nanobatch."""
+        kept = [x2, *(inputs or [])]
+        if len(kept) != depth:
+            raise ArgumentError(f"the backward of {depth} layers takes the inputs of "
+                                f"layers 1 .. {depth - 1}, got {len(kept) - 1}")
+        return {(layer, i): {"x_in": kept[layer][prog.rows(i)]}
+                for layer in range(depth) for i in range(n)}
+
 
 def _check_workload(workload: Workload, groups: ParallelGroups) -> None:
     p, arch = workload.parallelism, workload.model
     if (groups.tp_size, groups.cp_size) != (p.tp, p.cp):
         raise WorkloadError(f"the groups are TP={groups.tp_size} x CP={groups.cp_size}; the "
                             f"workload asks for TP={p.tp} x CP={p.cp}")
-    if workload.recompute != "full":
-        raise WorkloadError("a planned layer recomputes its forward in the backward (it keeps "
-                            "only its input): make the workload and the plan with "
-                            "recompute on")
     for what, num, den in (("heads", arch.heads, p.tp), ("kv_heads", arch.kv_heads, p.tp),
                            ("ffn", arch.ffn, p.tp),
                            ("seq_len", workload.seq_len, 2 * p.cp if p.cp > 1 else 1)):
@@ -868,6 +916,11 @@ class PlannedLayer:
     [`layer_weights`][kareus.integrations.layer_weights]; built from the framework's
     parameters with the differentiable helpers of ``kareus.integrations``); it returns the layer's output (the input plus attention and
     MLP, both residuals included), differentiable in ``x`` and every weight.
+
+    The autograd node keeps for the backward what the workload's recomputation policy
+    says (``Workload.recompute``: the layer's input under ``"full"``; all but the attention
+    core's output and statistics under ``"selective"``; every activation the backward
+    reads under ``"none"``; the memory per layer and token is in the module docstring).
 
     A ``torch.nn.Module`` is made on first use (``as_module()``) so that this class imports
     without torch; it holds no parameters (the framework's module keeps them).
@@ -901,9 +954,10 @@ class PlannedStack:
     framework's). A stack of ``layers`` layers runs their forward and backward as kareus's
     own loop does, each layer's forward ops and collectives chained into the next layer's
     (the all-reduce of one layer's MLP output beside the next layer's attention-input
-    ops): only the stack's own last collective runs exposed. It keeps each layer's input
-    for the backward (full recomputation, as the framework would), so its memory is that of
-    ``layers`` planned layers.
+    ops): only the stack's own last collective runs exposed. It keeps for the backward what
+    ``layers`` planned layers keep under the workload's recomputation policy (full: each
+    layer's input; selective: all but each attention core's output and statistics; none:
+    every activation the backward reads; see the module docstring for the memory).
 
     Call it as ``stack(x, weights)`` with ``weights`` a sequence of ``layers`` layers'
     weights (each as [`PlannedLayer`][kareus.integrations.PlannedLayer] takes them); it
@@ -973,14 +1027,17 @@ def _function() -> Any:
                                       _per_layer(weights, layers, len(applier.weight_names)),
                                       positions=positions)
             ctx.applier, ctx.layers, ctx.positions = applier, layers, positions
-            ctx.inputs = inputs  # layers 1 ..: what full recomputation keeps
+            # full recomputation: the inputs of layers 1 ..; otherwise KeptActivations
+            ctx.inputs = inputs
             ctx.save_for_backward(x, *weights)
             return out
 
         @staticmethod
         def backward(ctx: Any, dy: Any) -> Any:
             x, *weights = ctx.saved_tensors
-            inputs, ctx.inputs = ctx.inputs, None
+            inputs = ctx.inputs
+            if not isinstance(inputs, KeptActivations):  # full recomputation: freed now
+                ctx.inputs = None  # (kept activations: the node frees them, retain_graph)
             # The attention's backward reads what its forward saved under autograd
             with torch.enable_grad():
                 dx, dws = ctx.applier.run("bwd", x.detach().contiguous(),

@@ -29,6 +29,8 @@ _DEFAULTS: dict[str, Any] = {
     "experimental_attention_variant": None, "fp16": False, "bf16": False,
     "params_dtype": None, "fp32_residual_connection": False, "qk_l2_norm": False,
     "qk_clip": False, "log_max_attention_logit": False, "cp_comm_type": None,
+    "recompute_method": None, "recompute_num_layers": None, "recompute_modules": None,
+    "distribute_saved_activations": False, "num_layers": None,
 }
 
 #: Megatron-Core's context-parallel communication types a kareus layer stands in for. A
@@ -103,11 +105,57 @@ def _refusals(config: Any) -> list[str]:
          f"kareus's layer computes without dropout and the config asks for {dropout} "
          "(Megatron-Core's default is 0.1): set hidden_dropout=0.0 and attention_dropout=0.0 "
          "(Megatron-LM: --hidden-dropout 0 --attention-dropout 0)"),
-        (_get(config, "recompute_granularity") != "full",
-         "a planned layer recomputes its forward itself: set recompute_granularity=None "
-         "(Megatron's full recomputation would run it twice)"),
     ]
-    return [msg for ok, msg in checks if not ok]
+    refused = [msg for ok, msg in checks if not ok]
+    try:
+        _recompute_policy(config)
+    except WorkloadError as exc:
+        refused.append(str(exc))
+    return refused
+
+
+def _recompute_policy(config: Any) -> str:
+    """The recomputation policy (``Workload.recompute``) a Megatron-Core config asks for:
+    ``recompute_granularity=None`` is ``"none"``; ``"selective"`` with ``recompute_modules``
+    ``["core_attn"]`` (Megatron-Core 0.16's default) is ``"selective"`` (the attention core
+    re-run in the backward); ``"full"`` with a ``recompute_method`` that recomputes every
+    layer (``"uniform"``, or ``"block"`` with ``recompute_num_layers`` at least the layers
+    of a pipeline stage) is ``"full"``: each layer re-run in its backward from its input.
+    Megatron's uniform units of several layers keep fewer inputs than kareus, which keeps
+    each layer's (the same values; a memory difference of at most one input per layer).
+
+    Raises:
+        WorkloadError: a setting kareus's layer does not run (other modules, part of the
+            layers recomputed, saved activations distributed), naming the field.
+    """
+    granularity = _get(config, "recompute_granularity")
+    if granularity is None:
+        return "none"
+    if granularity == "selective":
+        modules = _get(config, "recompute_modules")
+        modules = ["core_attn"] if modules is None else list(modules)
+        if modules != ["core_attn"]:
+            raise WorkloadError(f"kareus's selective recomputation re-runs the attention core "
+                                f"only; the config has recompute_modules={modules}: set "
+                                "recompute_modules=['core_attn']")
+        return "selective"
+    if granularity != "full":
+        raise WorkloadError(f"recompute_granularity must be None, 'selective' or 'full' for a "
+                            f"kareus layer, got {granularity!r:.40}")
+    method, count = _get(config, "recompute_method"), _get(config, "recompute_num_layers")
+    layers, pp = _get(config, "num_layers"), _get(config, "pipeline_model_parallel_size") or 1
+    per_stage = -(-int(layers) // int(pp)) if layers else None
+    every = (method == "uniform" and count is not None and int(count) >= 1) or (
+        method == "block" and count is not None and per_stage is not None
+        and int(count) >= per_stage)
+    if not every:
+        raise WorkloadError(f"kareus's full recomputation re-runs every layer; the config has "
+                            f"recompute_method={method!r} with recompute_num_layers={count}: "
+                            "set recompute_method='uniform' and recompute_num_layers=1")
+    if _get(config, "distribute_saved_activations"):
+        raise WorkloadError("kareus keeps each layer's input whole on every TP rank: set "
+                            "distribute_saved_activations=False")
+    return "full"
 
 
 def _cp_comm_ok(config: Any) -> bool:
@@ -135,19 +183,26 @@ def _sequence_parallel(config: Any, tp: int) -> bool:
     return bool(_get(config, "sequence_parallel")) and int(tp) > 1
 
 
-def check_layer_config(config: Any, arch: ModelArch, tp: int, cp: int = 1, *,
-                       sp: bool | None = None) -> None:
+def check_layer_config(config: Any, arch: ModelArch, tp: int, cp: int = 1,
+                       recompute: str | None = None, *, sp: bool | None = None) -> None:
     """Check a Megatron-Core layer's own config against the model a workload describes,
     whatever made that workload (``workload_from_megatron``, a preset, a hand-made
     [`ModelArch`][kareus.model.ModelArch]): kareus's layer computes the workload's model, so
     a config that asks for anything else is refused, in one line naming the config's field.
 
+    Args:
+        config: The layer's ``TransformerConfig``.
+        arch: The workload's model.
+        tp: The workload's TP degree.
+        recompute: The workload's recomputation policy (``None``: not compared); the
+            config's (``recompute_granularity`` and its companions) must be the same.
+
     Raises:
         WorkloadError: the config asks for what kareus's layer does not compute (the first
             of ``workload_from_megatron``'s refusals), or one of its fields differs from the
             workload's model (dimensions, ``qk_layernorm``, ``layernorm_epsilon``,
-            ``add_qkv_bias``), TP, CP, or (``sp`` given: the workload's
-            ``Parallelism.sequence_parallel``) ``sequence_parallel``.
+            ``add_qkv_bias``), TP, CP, the recomputation policy, or (``sp`` given: the
+            workload's ``Parallelism.sequence_parallel``) ``sequence_parallel``.
     """
     refused = _refusals(config)
     if refused:
@@ -183,6 +238,12 @@ def check_layer_config(config: Any, arch: ModelArch, tp: int, cp: int = 1, *,
         raise WorkloadError(f"the Megatron config has layernorm_epsilon={eps:g}, the "
                             f"workload's model norm_eps={arch.norm_eps:g}: make the workload "
                             "with workload_from_megatron(config, ...)")
+    policy = _recompute_policy(config)
+    if recompute is not None and policy != recompute:
+        raise WorkloadError(f"the Megatron config has recompute_granularity="
+                            f"{_get(config, 'recompute_granularity')!r} (recompute "
+                            f"{policy!r}), the workload recompute={recompute!r}: make the "
+                            "workload with workload_from_megatron(config, ...)")
 
 
 def _dtype_bytes(config: Any) -> int:
@@ -217,11 +278,13 @@ def workload_from_megatron(config: Any, *, microbatch_size: int, seq_len: int,
     takes and returns Megatron's sequence-sharded hidden states (``[s / TP, b, h]``), with
     the TP all-gathers and reduce-scatters Megatron's own layer runs.
 
-    The workload always recomputes (``recompute=True``): a planned layer keeps only its
-    input and re-runs its forward, collectives included, in its backward. So Megatron's
-    own full recomputation must be off for kareus layers (``recompute_granularity=None``);
-    a selective one names submodules whose forward a kareus layer does not call and has no
-    effect on them.
+    The workload's recomputation policy is the config's: ``recompute_granularity=None``
+    keeps every activation (``"none"``), ``"selective"`` with ``recompute_modules=
+    ["core_attn"]`` re-runs the attention core in the backward (``"selective"``), ``"full"``
+    with a ``recompute_method`` that recomputes every layer re-runs each layer from its
+    input (``"full"``; the kareus layer recomputes itself, so run the layers chained,
+    ``chain_layers(model)``, where Megatron's block would wrap them in its own checkpoint).
+    Any other recomputation setting is refused, naming the field.
 
     The layer features are read too: ``qk_layernorm`` (with ``normalization="RMSNorm"``:
     each query and key head RMS-normalized over ``head_dim`` before RoPE, as Qwen3 does;
@@ -292,5 +355,6 @@ def workload_from_megatron(config: Any, *, microbatch_size: int, seq_len: int,
         pp=int(pp if pp is not None else (_get(config, "pipeline_model_parallel_size") or 1)),
         dp=int(dp if dp is not None else 1), sp=bool(_get(config, "sequence_parallel")))
     return Workload(model=arch, parallelism=par, microbatch_size=microbatch_size,
-                    seq_len=seq_len, num_microbatches=num_microbatches, recompute=True,
+                    seq_len=seq_len, num_microbatches=num_microbatches,
+                    recompute=_recompute_policy(config),
                     nanobatches=nanobatches, dtype_bytes=_dtype_bytes(config))

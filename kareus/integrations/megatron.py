@@ -234,7 +234,7 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
         if applier is not None:
             p = applier.workload.parallelism
             check_layer_config(self.config, applier.workload.model, p.tp, p.cp,
-                               sp=p.sequence_parallel)
+                               recompute=applier.workload.recompute, sp=p.sequence_parallel)
             self._check_cp_group(applier)
         self.kareus_applier = applier
         self._planned = applier.layer() if applier is not None else None
@@ -325,6 +325,12 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
             raise ArgumentError(f"a kareus layer computes causal self-attention over whole "
                                 f"sequences in training; it got {given}: run these batches "
                                 "with Megatron's own layer (layer.set_applier(None))")
+        if self.config.recompute_granularity == "full" and self.training:
+            # Megatron's block checkpoints its layers (its _checkpointed_forward): the kareus
+            # layer, which re-runs its own forward in its backward, would run three times
+            raise ArgumentError("recompute_granularity='full': the kareus layer recomputes "
+                                "itself, and Megatron's block would re-run it in its own "
+                                "checkpoint; run the layers chained (chain_layers(model))")
         s = _sequence_length(self, hidden_states)
         self._check_mask(attention_mask, s)
         self._check_rope(rotary_pos_emb, s, hidden_states.device)
@@ -821,8 +827,11 @@ def chain_layers(model: Any) -> Any:
     refuse, typed, as they do unchained), a layer whose applier is ``None`` (Megatron's
     own layer) or not the others', forward hooks on a layer (the stack does not call the
     layers as modules: DDP's ``overlap_param_gather`` registers such hooks), and the
-    configurations ``workload_from_megatron`` refuses for kareus (fp8 or fp4, full recomputation in training, CPU offloading); the configuration and
-    hook cases warn once per block. ``unchain_layers(model)`` restores the block's forward.
+    configurations ``workload_from_megatron`` refuses for kareus (fp8 or fp4,
+    CPU offloading); the configuration and hook cases warn once per block.
+    With ``recompute_granularity="full"`` the stack recomputes each layer itself (Megatron's
+    block checkpoint is not used), which is how kareus layers run Megatron's full
+    recomputation: unchained, a kareus layer refuses it in training. ``unchain_layers(model)`` restores the block's forward.
 
     Raises:
         ArgumentError: ``model`` has no ``TransformerBlock``, or one whose layers are not all
@@ -896,8 +905,6 @@ def _why_not_chained(block: Any, args: Mapping[str, Any]) -> tuple[str, bool] | 
         return "a layer runs Megatron's own forward or another applier", False
     cfg = block.config
     for bad, what in ((cfg.fp8 or getattr(cfg, "fp4", None), "fp8 or fp4"),
-                      (cfg.recompute_granularity == "full" and block.training,
-                       "recompute_granularity='full'"),
                       (cfg.cpu_offloading, "cpu_offloading")):
         if bad:
             return f"the config sets {what}", True

@@ -4,12 +4,14 @@
 Megatron-Core's training path calls CUDA unconditionally: its seeding
 (``model_parallel_cuda_manual_seed``), the rotary embedding and the causal mask are made
 on ``"cuda"``, DDP's gradient buffers and the schedule's loss tensors too, and its
-optimizer checks for ``torch.cuda.*Tensor`` types.
+optimizer checks for ``torch.cuda.*Tensor`` types, and its activation checkpoint (selective
+and full recomputation) saves and restores the CUDA RNG state.
 [`install`][kareus.integrations.megatron_cpu.install] redirects those calls to the CPU in
 this process: torch's tensor factories map ``device="cuda"`` to the CPU,
 ``torch.cuda.current_device`` names the CPU, pinned memory is plain CPU memory (Megatron's
 context-parallel RoPE slicing pins an index tensor), CPU tensors report CUDA type names, and a
-no-op RNG tracker replaces CUDA's, so dropout must be 0. It patches torch globally for the
+no-op RNG tracker (and CUDA RNG state) replaces CUDA's, so dropout must be 0. It patches
+torch globally for the
 process, for good (there is no uninstall): run it only in a process of its own that runs
 Megatron with gloo, in fp32 (``examples/integrations/megatron_gpt.py --cpu``, and kareus's
 CPU tests of the Megatron adapter, which run the same code).
@@ -83,3 +85,7 @@ def install() -> None:
     # The no-op RNG tracker (dropout is 0): CUDA's would call torch.cuda.get_rng_state().
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True,
                                                   force_reset=True)
+    # Megatron's activation checkpoint (its selective and full recomputation) saves and
+    # restores the CUDA RNG state around the recomputed forward: there is none (no dropout)
+    tensor_parallel.random._get_cuda_rng_state = lambda *a, **k: None
+    tensor_parallel.random._set_cuda_rng_state = lambda *a, **k: None

@@ -94,7 +94,8 @@ from kareus.integrations._weights import head_norm, layer_weights, linear, qkv_f
 from kareus.model.workload import ModelArch, Parallelism, Workload
 
 __all__ = ["TESTED_VERSIONS", "apply_plan", "chained_blocks", "main", "planned_blocks",
-           "remove_plan", "sequence_parallel_of", "workload_from_torchtitan",
+           "recompute_from_torchtitan", "remove_plan", "sequence_parallel_of",
+           "workload_from_torchtitan",
            "workload_from_trainer", "wrap_trainer"]
 
 #: The torchtitan releases this adapter is tested with (a ``packaging`` specifier).
@@ -333,11 +334,64 @@ def sequence_parallel_of(model_or_config: Any) -> bool | None:
     return getattr(tp_type, "dim", None) == 1
 
 
+def recompute_from_torchtitan(activation_checkpoint: Any) -> str:
+    """The recomputation policy (``Workload.recompute``) of torchtitan 0.3's
+    ``Trainer.Config.activation_checkpoint``, where it means what kareus runs.
+
+    * ``None`` (the ``none`` subcommand): every activation kept: ``"none"``;
+    * ``FullAC.Config`` (``full``): every block re-run from its input in the backward:
+      ``"full"`` (kareus's layer recomputes itself: its blocks are not wrapped in
+      torchtitan's checkpoint as well, which ``apply_plan`` refuses);
+    * ``SelectiveAC.Config`` (``selective``, torchtitan's default) is per-op selective
+      checkpointing: it keeps the outputs of attention, every other matmul and some
+      collectives and recomputes the rest, which is not kareus's ``"selective"`` (the
+      attention core re-run, everything else kept): refused, and so is
+      ``MemoryBudgetAC.Config`` (``memory-budget``: the compiler chooses what to keep).
+      torchtitan 0.3 has no per-layer selective option.
+
+    Also takes the subcommand names (``"none"``, ``"full"``, ``"selective"``,
+    ``"memory-budget"``).
+
+    Raises:
+        WorkloadError: a setting kareus's layer does not run (one line naming it).
+        ArgumentTypeError: not an ``activation_checkpoint`` setting.
+    """
+    names = {"none": "none", "full": "full", "selective": None, "memory-budget": None}
+    if activation_checkpoint is None:
+        return "none"
+    if isinstance(activation_checkpoint, str):
+        if activation_checkpoint not in names:
+            raise ArgumentTypeError(f"activation_checkpoint must be one of {sorted(names)} "
+                                    f"or its config, got {activation_checkpoint!r:.40}")
+        kind = activation_checkpoint
+    else:
+        from torchtitan.distributed.activation_checkpoint import (  # type: ignore[import-untyped, import-not-found]
+            FullAC,
+            MemoryBudgetAC,
+            SelectiveAC,
+        )
+
+        kinds = ((FullAC.Config, "full"), (SelectiveAC.Config, "selective"),
+                 (MemoryBudgetAC.Config, "memory-budget"))
+        found = next((k for cls, k in kinds if type(activation_checkpoint) is cls), None)
+        if found is None:
+            raise ArgumentTypeError(f"activation_checkpoint must be torchtitan's FullAC, "
+                                    f"SelectiveAC or MemoryBudgetAC config or None, got "
+                                    f"{type(activation_checkpoint).__name__}")
+        kind = found
+    if names[kind] is None:
+        raise WorkloadError(f"activation_checkpoint {kind!r} is not a recomputation kareus's "
+                            "layer runs (torchtitan's selective is per-op, not the attention "
+                            "core alone): set activation_checkpoint to 'none' or 'full' "
+                            "(activation-checkpoint:none, activation-checkpoint:full)")
+    return names[kind]  # type: ignore[return-value]
+
+
 def workload_from_torchtitan(model_or_config: Any, *, tp: int, cp: int = 1,
                              microbatch_size: int, seq_len: int, num_microbatches: int,
                              nanobatches: int = 2, pp: int = 1, dp: int = 1,
                              name: str = "torchtitan-llama3",
-                             sp: bool | None = None) -> Workload:
+                             recompute: str = "full", sp: bool | None = None) -> Workload:
     """The workload ``kareus optimize`` makes a plan for, from a torchtitan Llama 3 model.
 
     Args:
@@ -356,6 +410,8 @@ def workload_from_torchtitan(model_or_config: Any, *, tp: int, cp: int = 1,
         nanobatches: The nanobatch count of the baseline ``"nanobatching"`` schedule.
         pp: Pipeline-parallel degree; dp: data-parallel degree (for the plan's job size).
         name: The model's name in the workload.
+        recompute: The recomputation policy: the trainer's
+            (``recompute_from_torchtitan(config.activation_checkpoint)``).
         sp: Sequence parallelism (``parallelism.enable_sequence_parallel``); ``None``: as
             the model's TP plan says ([`sequence_parallel_of`][kareus.integrations.torchtitan.sequence_parallel_of];
             off without one).
@@ -373,7 +429,7 @@ def workload_from_torchtitan(model_or_config: Any, *, tp: int, cp: int = 1,
                                                         sp=bool(sp)),
                     microbatch_size=microbatch_size, seq_len=seq_len,
                     num_microbatches=num_microbatches, nanobatches=nanobatches,
-                    recompute=True)
+                    recompute=recompute)
 
 
 # ------------------------------------------------------------------ the blocks' weights
@@ -1005,9 +1061,6 @@ _CHECKED_POSITIONS: dict[str, Any] = {}
 # ------------------------------------------------------------------ torchtitan's Trainer
 
 
-#: torchtitan 0.3's activation-checkpoint configs, by the recompute policy they are.
-_AC_POLICIES = {"SelectiveAC": "selective", "FullAC": "full"}
-
 #: The recompute policies a planned layer runs (it recomputes each layer's forward).
 _LAYER_POLICIES = ("full",)
 
@@ -1030,18 +1083,9 @@ def _trainer_parts(trainer: Any) -> tuple[Any, Any, Any]:
 
 
 def _recompute_policy(config: Any) -> str:
-    """The recompute policy of torchtitan's ``activation_checkpoint`` setting."""
-    from torchtitan.distributed import activation_checkpoint as tt_ac  # type: ignore[import]
-
-    ac = config.activation_checkpoint
-    if ac is None:
-        return "none"
-    for name, policy in _AC_POLICIES.items():
-        if isinstance(ac, getattr(tt_ac, name).Config):
-            return policy
-    raise WorkloadError(f"activation_checkpoint is a {type(ac).__qualname__} (not selective "
-                        "or full): kareus's recompute policies are none, selective and "
-                        "full; use activation-checkpoint:full")
+    """The recompute policy of torchtitan's ``activation_checkpoint`` setting
+    ([`recompute_from_torchtitan`][kareus.integrations.torchtitan.recompute_from_torchtitan])."""
+    return recompute_from_torchtitan(config.activation_checkpoint)
 
 
 def workload_from_trainer(trainer: Any, *, nanobatches: int = 2,
@@ -1058,9 +1102,10 @@ def workload_from_trainer(trainer: Any, *, nanobatches: int = 2,
     * the batch: ``microbatch_size = training.local_batch_size`` (one local batch per
       gradient-accumulation step), ``num_microbatches`` the Trainer's
       ``gradient_accumulation_steps``, ``seq_len = training.seq_len``;
-    * ``recompute`` from ``activation_checkpoint``: ``None`` (``activation-checkpoint:none``)
-      is ``"none"``, ``selective`` (torchtitan's default) ``"selective"``, ``full``
-      ``"full"``;
+    * ``recompute`` from ``activation_checkpoint``
+      ([`recompute_from_torchtitan`][kareus.integrations.torchtitan.recompute_from_torchtitan]):
+      ``None`` (``activation-checkpoint:none``) is ``"none"``, ``full`` ``"full"``;
+      ``selective`` (torchtitan's default, per-op) and ``memory-budget`` are refused;
     * ``dtype_bytes`` from the dtype the blocks compute in: ``training.dtype`` if bfloat16,
       else FSDP's ``training.mixed_precision_param`` (torchtitan wraps every block in
       FSDP, whose mixed precision casts the parameters).
@@ -1073,8 +1118,8 @@ def workload_from_trainer(trainer: Any, *, nanobatches: int = 2,
 
     Raises:
         ArgumentTypeError: not a built torchtitan Trainer.
-        WorkloadError: pipeline parallelism, memory-budget checkpointing, or a layer
-            kareus's layer does not compute.
+        WorkloadError: pipeline parallelism, selective or memory-budget checkpointing, or a
+            layer kareus's layer does not compute.
     """
     config, dims, _ = _trainer_parts(trainer)
     spec = getattr(config, "model_spec", None)

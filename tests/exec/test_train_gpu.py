@@ -1,7 +1,8 @@
 """The library's training loop on one GPU (kareus.exec.train), production kernels, CUDA streams.
 
-* TP = CP = 1: loss and gradients of the bf16 loop on the GPU's fused kernels against a
-  float64 autograd reference of the same model on the CPU;
+* TP = CP = 1: loss and gradients of the bf16 loop on the GPU's fused kernels (graphed),
+  at every recomputation policy, against a float64 autograd reference of the same model
+  on the CPU;
 * TP=2 x CP=2 stood in for by the loopback collective: the three schedules give the same
   losses (within bf16 rounding), the loss falls, every collective of the kareus schedule
   ran on the side stream with the plan's SM count, and the energy meter and
@@ -31,16 +32,17 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def workload(tp: int, cp: int, recompute: bool = True, sp: bool = False) -> Workload:
+def workload(tp: int, cp: int, recompute: bool | str = True, sp: bool = False) -> Workload:
     m = ModelArch(name="small", layers=2, hidden=512, heads=8, kv_heads=4, head_dim=64,
                   ffn=1024, vocab=1000)
     return Workload(model=m, parallelism=Parallelism(tp=tp, cp=cp, sp=sp), microbatch_size=4,
                     seq_len=256, num_microbatches=2, nanobatches=2, recompute=recompute)
 
 
+@pytest.mark.parametrize("recompute", ["full", "selective", "none"])
 @pytest.mark.parametrize("schedule", ["sequential", "nanobatching"])
-def test_bf16_loop_on_fused_kernels_matches_autograd(schedule):
-    wl = workload(1, 1)
+def test_bf16_loop_on_fused_kernels_matches_autograd(schedule, recompute):
+    wl = workload(1, 1, recompute)  # graphed (the default on a GPU)
     loop = TrainingLoop(workload=wl, groups=LoopbackGroups(tp=1), lr=1e-3)
     m = loop.model
     params = {k: v.detach().float().cpu() for k, v in m.params.items()}

@@ -61,7 +61,7 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-def workload(tp: int, cp: int, recompute: bool = True, n: int = 2) -> Workload:
+def workload(tp: int, cp: int, recompute: bool | str = True, n: int = 2) -> Workload:
     m = ModelArch(name="tiny", layers=2, hidden=32, heads=4, kv_heads=2, head_dim=8, ffn=64,
                   vocab=50)
     return Workload(model=m, parallelism=Parallelism(tp=tp, cp=cp), microbatch_size=4,
@@ -168,8 +168,10 @@ def _close(a, b, tol=1e-4):
     return float((a.double() - b.double()).norm() / max(b.double().norm(), 1e-12)) < tol
 
 
-@pytest.mark.parametrize(("schedule", "recompute"), [("sequential", True),
-                                                     ("nanobatching", False)])
+@pytest.mark.parametrize(("schedule", "recompute"), [("sequential", "full"),
+                                                     ("nanobatching", "none"),
+                                                     ("sequential", "selective"),
+                                                     ("nanobatching", "selective")])
 @pytest.mark.parametrize("features", [
     {},  # a Llama layer
     {"tied_embeddings": True},
@@ -223,6 +225,79 @@ def test_loopback_schedules_agree_and_the_loss_falls(tp, cp, recompute):
     assert ref[-1] < ref[0]
     loop.reset()
     assert float(loop.step("kareus")) == losses["kareus"][0]
+
+
+@pytest.mark.parametrize("policy", ["none", "selective", "full"])
+def test_what_the_forward_keeps_and_the_backward_runs_again(policy):
+    """CP=2 standing in (one process): after a forward, each layer keeps every activation
+    (none), all but the attention core's output and its saved state (selective; the
+    gathered K/V instead), or its input only (full); the backward runs no forward op
+    (none), the attention core once per layer and nanobatch right before out_dgrad
+    (selective), or every forward op (full)."""
+    from kareus.model.decoder import decoder_layer
+
+    loop = loopback_loop(1, 2, policy, plan=False)
+    m = loop.model
+    fwd, bwd = (c for c in loop.computations if c.microbatch == 0)
+    assert (fwd.phase, bwd.phase) == ("fwd", "bwd")
+    loop._run_computation("nanobatching", fwd)
+    kept = {key: set(a) for key, a in m.act.items()}
+    assert len(kept) == loop.layers * 2  # layers x nanobatches
+    common = {"x_in", "xn", "x_mid", "xn2", "g", "u", "a"}
+    want = {"full": {"x_in"}, "none": common | {"graph", "attn"},
+            "selective": common | {"q", "kvs"}}[policy]
+    for names in kept.values():
+        assert names == want
+    ran = []
+    run_op = m.run_op
+
+    def recording(op, nb):
+        ran.append(op.name)
+        run_op(op, nb)
+
+    m.run_op = recording
+    loop._run_computation("nanobatching", bwd)
+    forward_ops = set(decoder_layer("fwd").op_names)
+    again = [n for n in ran if n in forward_ops]
+    if policy == "none":
+        assert again == []
+    elif policy == "selective":
+        assert again == ["attn_core"] * (loop.layers * 2)
+        for i, n in enumerate(ran):
+            if n == "attn_core":
+                assert ran[i + 1] == "out_dgrad"
+    else:
+        assert set(again) == forward_ops
+
+
+@pytest.mark.parametrize("policy", ["none", "full"])
+def test_a_plan_splitting_a_backward_otherwise_than_its_forward(policy):
+    """Kept activations are per nanobatch: with recompute 'none' (or 'selective') a plan
+    that runs a microbatch's forward split and its backward unsplit is refused, for the
+    loop and for planned layers; full recomputation re-splits the input and runs it."""
+    from kareus.integrations import PlanApplier
+    from kareus.testing import make_workload_plan
+
+    wl = workload(2, 1, policy)
+    plan = make_workload_plan(wl, unsplit_microbatches=(0,))
+    key = "s0.m0.fwd"
+    plan = attrs.evolve(plan, assignment={**plan.assignment, key: 0})  # m0's forward split
+    assert plan.nanobatches(key) == 2 and plan.nanobatches("s0.m0.bwd") == 1
+    groups = LoopbackGroups(tp=2)
+    capped, default, _ = make_collectives(groups, backend="loopback")
+
+    builds = (lambda: TrainingLoop(workload=wl, groups=groups, collective=capped,
+                                   default_collective=default, plan=plan,
+                                   streams=RecordingStreamBackend(), kernels="torch",
+                                   device="cpu", dtype="float32"),
+              lambda: PlanApplier(workload=wl, groups=groups, plan=plan, collective=capped,
+                                  default_collective=default, kernels="torch"))
+    for build in builds:
+        if policy == "full":
+            build()
+        else:
+            with pytest.raises(PlanError, match="s0.m0.fwd into 2 nanobatch.*recompute='none'"):
+                build()
 
 
 def test_measure_runs_on_the_cpu():
@@ -416,14 +491,18 @@ class GlooCollective(CollectiveBackend):
 QWEN3_FEATURES = {"qk_norm": True, "norm_eps": 1e-6, "tied_embeddings": True}
 
 
-def _four_rank_workload(features: str, tp: int = 2) -> Workload:
-    if features.startswith("sp-"):  # sequence parallelism: "sp-tp2" or "sp-tp2cp2"
-        cp = 2 if features.endswith("cp2") else 1
-        wl = workload(2, cp, recompute=cp == 2)  # without recomputation: kept gathers
+def _four_rank_workload(case: str, tp: int = 2) -> Workload:
+    """``case``: ``"features/policy"`` (llama or qwen3 layer, recomputation policy), or a
+    sequence-parallel layout, ``"sp-tp2"`` or ``"sp-tp2cp2"`` (Qwen3's layer)."""
+    if case.startswith("sp-"):
+        cp = 2 if case.endswith("cp2") else 1
+        # without recomputation at TP=2 (the gathered inputs kept), full at TP=2 x CP=2
+        wl = workload(2, cp, recompute="full" if cp == 2 else "none")
         p = wl.parallelism
         return wl.with_(model=attrs.evolve(wl.model, **QWEN3_FEATURES),
                         parallelism=Parallelism(tp=p.tp, cp=p.cp, sp=True))
-    wl = workload(tp, 2, recompute=True).with_(seq_len=16)  # 4 chunks of 4 tokens
+    features, policy = case.split("/")
+    wl = workload(tp, 2, recompute=policy).with_(seq_len=16)  # 4 chunks of 4 tokens
     if features == "qwen3":
         wl = wl.with_(model=attrs.evolve(wl.model, **QWEN3_FEATURES))
     return wl
@@ -472,11 +551,15 @@ def _worker(out_dir: str, features: str, tp: str = "2") -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("tp", "features"), [(2, "llama"), (2, "qwen3"), (1, "qwen3")])
+@pytest.mark.parametrize(("tp", "features"), [
+    (2, "llama/full"), (2, "qwen3/full"), (1, "qwen3/full"), (2, "llama/none"),
+    (2, "qwen3/selective"), (2, "llama/selective")])
 def test_gloo_ranks_match_the_whole_model(tmp_path, tp, features):
     # TP x CP=2 ranks on Megatron-Core's load-balanced chunks against the whole sequences;
     # qwen3: query/key norms (their weights' gradients summed over the TP ranks' heads),
-    # eps 1e-6 and tied embeddings (a vocabulary-parallel output layer on the embedding)
+    # eps 1e-6 and tied embeddings (a vocabulary-parallel output layer on the embedding);
+    # none / selective: the activations kept (selective: the gathered K/V too, the
+    # attention core re-run in the backward without its all-gather)
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     world = 2 * tp
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",

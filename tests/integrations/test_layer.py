@@ -54,12 +54,13 @@ def _grads(params):
     return out
 
 
+@pytest.mark.parametrize("recompute", ["full", "selective", "none"])
 @pytest.mark.parametrize("qk", [False, True], ids=["llama", "qwen3"])
 @pytest.mark.parametrize("how", ["layers", "stack"])
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("schedule", ["sequential", "nanobatching"])
-def test_a_planned_layer_is_the_reference_layer(schedule, interleaved, how, qk):
-    wl = workload(qk=qk)
+def test_a_planned_layer_is_the_reference_layer(schedule, interleaved, how, qk, recompute):
+    wl = workload(qk=qk, recompute=recompute)
     arch = wl.model
     layers = [_params(arch, seed) for seed in (1, 2)]
     x = torch.randn(4, 16, arch.hidden, generator=torch.Generator().manual_seed(0),
@@ -90,6 +91,48 @@ def test_a_planned_layer_is_the_reference_layer(schedule, interleaved, how, qk):
     for p, want in zip(layers, ref, strict=True):
         for k, g in _grads(p).items():
             torch.testing.assert_close(g, want[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_a_planned_stack_keeps_what_its_policy_says_and_reruns_the_rest(recompute):
+    """What the autograd node holds between forward and backward, and which forward ops its
+    backward runs: none of them (none), the attention core once per layer and nanobatch
+    right before out_dgrad (selective), every one (full)."""
+    from kareus.model.decoder import decoder_layer
+
+    wl = workload(recompute=recompute)
+    arch = wl.model
+    applier = PlanApplier(workload=wl, groups=LoopbackGroups(tp=1), schedule="nanobatching",
+                          kernels="torch", eps=arch.norm_eps)
+    x = torch.randn(4, 16, arch.hidden, generator=torch.Generator().manual_seed(0),
+                    requires_grad=True)
+    ws = [planned_weights(_params(arch, seed), arch) for seed in (1, 2)]
+    prog = applier.program(x.detach(), 2)
+    ran, run_op = [], prog.run_op
+
+    def recording(op, nb):
+        ran.append((prog.phase, op.name))
+        run_op(op, nb)
+
+    prog.run_op = recording
+    y = applier.stack(2)(x, ws)
+    kept = y.grad_fn.inputs
+    if recompute == "full":  # the second layer's input (the first's is the node's input)
+        assert len(kept) == 1 and kept[0].shape == (64, arch.hidden)
+    else:
+        assert sorted(kept.act) == [(layer, i) for layer in range(2) for i in range(2)]
+        for a in kept.act.values():
+            assert ("graph" in a) is ("attn" in a) is (recompute == "none")
+            assert {"x_in", "xn", "x_mid", "xn2", "g", "u", "a"} <= set(a)
+    y.sum().backward()
+    forward_ops = set(decoder_layer("fwd").op_names)
+    bwd = [name for phase, name in ran if phase == "bwd"]
+    again = [name for name in bwd if name in forward_ops]
+    assert again == {"none": [], "selective": ["attn_core"] * 4}.get(recompute, again)
+    if recompute == "full":
+        assert set(again) == forward_ops
+    if recompute == "selective":
+        assert all(bwd[i + 1] == "out_dgrad" for i, n in enumerate(bwd) if n == "attn_core")
 
 
 def test_the_wrong_rope_layout_is_another_model():
@@ -379,9 +422,6 @@ def test_refusals_are_typed_and_say_what_to_do():
     groups = LoopbackGroups(tp=2, cp=2)
     with pytest.raises(WorkloadError, match="TP=2 x CP=2"):
         PlanApplier(workload=workload(2, 1), groups=groups, baseline=RecordingExecutor())
-    with pytest.raises(WorkloadError, match="recompute"):
-        PlanApplier(workload=wl.with_(recompute=False), groups=groups,
-                    baseline=RecordingExecutor())
     with pytest.raises(ArgumentError, match="eps"):
         PlanApplier(workload=wl, groups=groups, baseline=RecordingExecutor(), eps=1e-6)
     with pytest.raises(PlanError, match="plan="):
@@ -407,7 +447,7 @@ def test_refusals_are_typed_and_say_what_to_do():
 # ------------------------------------------------------------------ several processes, gloo
 
 
-def _worker(out_dir: str, tp: int, qk: bool) -> None:
+def _worker(out_dir: str, tp: int, qk: bool, recompute: str) -> None:
     import torch.distributed as dist
 
     from kareus.exec.train import TorchParallelGroups
@@ -418,7 +458,7 @@ def _worker(out_dir: str, tp: int, qk: bool) -> None:
     base = TorchParallelGroups(tp=tp)  # the "framework's" groups
     groups = TorchParallelGroups.from_groups(tp=base.tp_group if base.tp_size > 1 else None,
                                              cp=base.cp_group if base.cp_size > 1 else None)
-    wl = workload(groups.tp_size, groups.cp_size, microbatches=2, qk=qk)
+    wl = workload(groups.tp_size, groups.cp_size, microbatches=2, qk=qk, recompute=recompute)
     arch = wl.model
     # this rank's tokens: Megatron-Core's load-balanced chunks (r and 2 CP - 1 - r)
     pos = torch.tensor(cp_positions(wl.seq_len, groups.cp_size, groups.cp_rank))
@@ -474,12 +514,15 @@ def _reference_run(arch, microbatches, mbs, seq):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("world", "tp", "qk"), [(2, 2, False), (4, 2, False), (2, 2, True)],
-                         ids=["tp2", "tp2-cp2", "tp2-qwen3"])
-def test_gloo_ranks_match_the_whole_layer(tmp_path, world, tp, qk):
-    res = run_ranks(__file__, tmp_path, world, str(tp), str(int(qk)))
+@pytest.mark.parametrize(("world", "tp", "qk", "recompute"),
+                         [(2, 2, False, "full"), (4, 2, False, "full"), (2, 2, True, "full"),
+                          (4, 2, False, "none"), (4, 2, True, "selective")],
+                         ids=["tp2", "tp2-cp2", "tp2-qwen3", "tp2-cp2-none",
+                              "tp2-cp2-qwen3-selective"])
+def test_gloo_ranks_match_the_whole_layer(tmp_path, world, tp, qk, recompute):
+    res = run_ranks(__file__, tmp_path, world, str(tp), str(int(qk)), recompute)
     cp = world // tp
-    wl = workload(tp, cp, microbatches=2, qk=qk)
+    wl = workload(tp, cp, microbatches=2, qk=qk, recompute=recompute)
     arch = wl.model
     outs, grads = _reference_run(arch, wl.num_microbatches, wl.microbatch_size, wl.seq_len)
     for schedule in ("sequential", "nanobatching", "kareus", "kareus-stack"):
@@ -513,4 +556,4 @@ def test_gloo_ranks_match_the_whole_layer(tmp_path, world, tp, qk):
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1], int(sys.argv[2]), bool(int(sys.argv[3])))
+    _worker(sys.argv[1], int(sys.argv[2]), bool(int(sys.argv[3])), sys.argv[4])

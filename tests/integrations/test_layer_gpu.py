@@ -318,3 +318,57 @@ def test_planned_layers_inside_an_enclosing_cuda_graph_give_the_eager_gradients(
         _close(xs[i].grad, xe[i].grad, f"microbatch {i} input gradient")
     for k in want:
         _close(ws[k].grad, want[k], k)
+
+
+@pytest.mark.parametrize("how", ["layers", "stack"])
+def test_graphed_planned_layers_at_every_recomputation_policy_on_cuda(how):
+    """TP = CP = 1, bf16, real CUDA graphs: per recomputation policy, two microbatches in
+    flight (both forwards, then both backwards) through graphed planned layers equal eager
+    ones (the kept activations stay in the forward graphs' buffers, a slot per forward in
+    flight); what the eager forwards hold orders none > selective > full."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device="cpu").manual_seed(0)
+    base = workload(1, 1)
+    arch = base.model
+    p = {k: v.to(dev, torch.bfloat16).requires_grad_(True)
+         for k, v in full_weights(arch, 1).items()}
+    xs = [torch.randn(4, 256, arch.hidden, generator=g).to(dev, torch.bfloat16)
+          for _ in range(2)]
+    held = {}
+    for policy in ("none", "selective", "full"):
+        wl = base.with_(recompute=policy)
+        results = {}
+        for graphs in (False, True):
+            applier = PlanApplier(workload=wl, groups=LoopbackGroups(tp=1),
+                                  schedule="sequential", graphs=graphs, eps=arch.norm_eps)
+            ws = [planned_weights(p, arch)] * 2
+            for _ in range(2):  # the second round replays (graphs) what the first captured
+                torch.cuda.synchronize()
+                before = torch.cuda.memory_allocated()
+                ins, ys = [], []
+                for x in xs:
+                    xm = x.clone().requires_grad_(True)
+                    if how == "stack":
+                        y = applier.stack(2)(xm, ws)
+                    else:
+                        y = xm
+                        for w in ws:
+                            y = applier.layer()(y, w)
+                    ins.append(xm)
+                    ys.append(y)
+                torch.cuda.synchronize()
+                if not graphs:  # eager: what the forwards keep is allocated by them
+                    held[policy] = torch.cuda.memory_allocated() - before
+                outs = []
+                for xm, y in zip(ins, ys, strict=True):
+                    y.float().square().mean().backward()
+                    outs.append((y.detach(), xm.grad))
+                results[graphs] = (outs, _take_grads(p))
+        (e_outs, e_grads), (g_outs, g_grads) = results[False], results[True]
+        for (y, dx), (ey, edx) in zip(g_outs, e_outs, strict=True):
+            _close(y, ey, f"{policy} graphed output")
+            _close(dx, edx, f"{policy} graphed input gradient")
+        for k, gk in g_grads.items():
+            _close(gk, e_grads[k], f"{policy} graphed {k}")
+    # none keeps the attention's output and statistics too; full the inputs only
+    assert held["none"] > held["selective"] > held["full"] > 0, held

@@ -95,9 +95,10 @@ def _run(applier, params, xs, *, plan):
 
 
 
+@pytest.mark.parametrize("recompute", ["full", "none", "selective"])
 @pytest.mark.parametrize("schedule", ["sequential", "nanobatching", "kareus"])
-def test_graphed_planned_stacks_compute_what_eager_ones_do(schedule):
-    wl = workload(tp=1, cp=2)
+def test_graphed_planned_stacks_compute_what_eager_ones_do(schedule, recompute):
+    wl = workload(tp=1, cp=2, recompute=recompute)
     # under the plan, microbatch 1 runs unsplit: another choice, so graphs of its own
     plan = (make_workload_plan(wl, unsplit_microbatches=(1,)) if schedule == "kareus"
             else None)
@@ -127,6 +128,83 @@ def test_graphed_planned_stacks_compute_what_eager_ones_do(schedule):
         torch.testing.assert_close(dxg, dxe, rtol=1e-6, atol=1e-6)
         for k in ge:
             torch.testing.assert_close(gg[k], ge[k], rtol=1e-6, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_kept_activations_stay_in_their_forward_slot_until_its_backward(recompute):
+    """Per-layer nodes, two microbatches in flight: each forward replays a slot whose
+    activations are not lent (four: two layers x two microbatches), its backward reads them
+    in place and frees it; a forward whose result needs no gradient frees its slot when
+    dropped. Outputs and gradients equal eager execution."""
+    wl = workload(tp=1, cp=2, recompute=recompute)
+    arch = wl.model
+    xs = [torch.randn(4, 8, arch.hidden, generator=torch.Generator().manual_seed(s))
+          for s in (0, 1)]
+    results = []
+    for graphs in (False, True):
+        params = [{k: torch.nn.Parameter(v) for k, v in full_weights(arch, seed).items()}
+                  for seed in (1, 2)]
+        applier = _applier(wl, graphs=graphs, schedule="nanobatching")
+        layer = applier.layer()
+        got = []
+        for _ in range(2):  # the second round replays the slots of the first
+            ys, inputs = [], []
+            for x0 in xs:  # both forwards first: both microbatches in flight
+                x = x0.clone().requires_grad_(True)
+                y = x
+                for p in params:
+                    y = layer(y, planned_weights(p, arch))
+                ys.append(y)
+                inputs.append(x)
+            for y, x in zip(reversed(ys), reversed(inputs), strict=True):
+                y.square().sum().backward()
+                got.append((y.detach().clone(), x.grad.clone(),
+                            {f"{i}.{k}": p.grad.clone() for i, lp in enumerate(params)
+                             for k, p in lp.items()}))
+                for lp in params:
+                    for p in lp.values():
+                        p.grad = None
+        results.append(got)
+        if graphs:
+            runner = applier._runner
+            slots = [c for caps in runner._slots.values() for c in caps]
+            assert len(slots) == 4 and not any(c.lent for c in slots)
+            captured = runner.captures
+            with torch.no_grad():  # no backward will come: the slot is freed when dropped
+                layer(xs[0], planned_weights(params[0], arch))
+            assert not any(c.lent for c in slots) and runner.captures == captured
+    for (ye, dxe, ge), (yg, dxg, gg) in zip(*results, strict=True):
+        torch.testing.assert_close(yg, ye, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(dxg, dxe, rtol=1e-6, atol=1e-6)
+        for k in ge:
+            torch.testing.assert_close(gg[k], ge[k], rtol=1e-6, atol=1e-6, msg=k)
+
+
+def test_a_graphed_backward_reads_its_own_forward_s_slot_once():
+    """A second backward of the same graphed forward (retain_graph) is refused: its slot may
+    hold another forward's activations by then. Eager, the kept activations are the node's
+    own: a second backward gives the same gradients."""
+    wl = workload(tp=1, cp=2, recompute="selective")
+    arch = wl.model
+    eager = _applier(wl, graphs=False, schedule="nanobatching")
+    params = {k: torch.nn.Parameter(v) for k, v in full_weights(arch, 1).items()}
+    x = torch.randn(4, 8, arch.hidden, generator=torch.Generator().manual_seed(0),
+                    requires_grad=True)
+    y = eager.layer()(x, planned_weights(params, arch))
+    y.sum().backward(retain_graph=True)
+    first = x.grad.clone()
+    x.grad = None
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, first)
+    applier = _applier(wl, graphs=True, schedule="nanobatching")
+    params = {k: torch.nn.Parameter(v) for k, v in full_weights(arch, 1).items()}
+    x = torch.randn(4, 8, arch.hidden, generator=torch.Generator().manual_seed(0),
+                    requires_grad=True)
+    y = applier.layer()(x, planned_weights(params, arch))
+    y.sum().backward(retain_graph=True)
+    applier.layer()(x.detach(), planned_weights(params, arch)).sum()  # the slot again
+    with pytest.raises(ArgumentError, match="retain_graph"):
+        y.sum().backward()
 
 
 def test_a_weight_that_moves_is_copied_from_then_on():

@@ -1,7 +1,10 @@
 """kareus.integrations.megatron against Megatron-Core's own layers (CPU, gloo, TP=2), for a
 Llama layer and for Qwen3's (``qk_layernorm=True``, ``layernorm_epsilon=1e-6``, tied
-embeddings), the latter also with ``sequence_parallel=True`` (the layers take and return
-each rank's sequence shard ``[s / TP, b, h]``).
+embeddings), each without recomputation (Megatron's default) and with Megatron's selective
+recomputation (``core_attn``; kareus's layers then recompute their attention core), a
+Llama layer under Megatron's full recomputation (kareus's layers chained: the stack
+recomputes itself), and Qwen3's layer with ``sequence_parallel=True`` (the layers take and
+return each rank's sequence shard ``[s / TP, b, h]``).
 
 Megatron-Core's training path is CUDA-only (``device="cuda"`` factories, CUDA RNG
 tracker, ``param.type()`` checks in the optimizer); the worker below installs a
@@ -42,11 +45,26 @@ SEQ, MBS, MICROBATCHES, TP = 16, 4, 2, 2
 DIMS = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
             ffn_hidden_size=64)
 #: The layer variants checked: a Llama layer, and Qwen3's (per-head query/key RMSNorm,
-#: eps 1e-6, the output layer tied to the embedding).
+#: eps 1e-6, the output layer tied to the embedding), without recomputation (Megatron's
+#: default: kareus's layers keep every activation); and both with Megatron's selective
+#: recomputation of the attention core (kareus's re-runs its attention core in the backward).
+_QWEN3 = {"qk_layernorm": True, "layernorm_epsilon": 1e-6}
+_SELECTIVE = {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
 VARIANTS = {"llama": ({}, False),
-            "qwen3": ({"qk_layernorm": True, "layernorm_epsilon": 1e-6}, True),
-            "qwen3-sp": ({"qk_layernorm": True, "layernorm_epsilon": 1e-6,
-                          "sequence_parallel": True}, True)}
+            "qwen3": (_QWEN3, True),
+            "llama-selective": (_SELECTIVE, False),
+            "qwen3-selective": ({**_QWEN3, **_SELECTIVE}, True),
+            # Megatron's full recomputation, every layer: kareus's layers chained
+            "llama-full": ({"recompute_granularity": "full", "recompute_method": "uniform",
+                            "recompute_num_layers": 1}, False),
+            "qwen3-sp": ({**_QWEN3, "sequence_parallel": True}, True)}
+
+
+def _plan(wl, **kw):
+    """The test plan (synthetic: every type at its second slot, 8 SMs)."""
+    from kareus.testing import make_workload_plan
+
+    return make_workload_plan(wl, pick=1, sms=8, freqs_mhz=(1980, 1410), **kw)
 
 
 def _shard(t, config):
@@ -59,6 +77,7 @@ def _shard(t, config):
 
     r, n = SEQ // TP, parallel_state.get_tensor_model_parallel_rank()
     return t[n * r:(n + 1) * r].contiguous()
+
 
 
 def test_the_module_checks_megatron_s_version(monkeypatch):
@@ -143,7 +162,6 @@ def _layers_match(config, wl, groups, emb, out):
 
     from kareus.integrations import PlanApplier
     from kareus.integrations.megatron import kareus_layer_spec
-    from kareus.testing import make_workload_plan
 
     torch.manual_seed(1)  # every rank builds the same full weights and keeps its shard
     spec = _own_spec(config)
@@ -175,8 +193,7 @@ def _layers_match(config, wl, groups, emb, out):
         return outs, [{n: p.grad.clone() for n, p in lay.named_parameters()} for lay in layers]
 
     want_outs, want_grads = run(own)
-    plan = make_workload_plan(wl, pick=1, sms=8, freqs_mhz=(1980, 1410),
-                              unsplit_microbatches=(1,))
+    plan = _plan(wl, unsplit_microbatches=(1,))
     for schedule in ("sequential", "nanobatching", "kareus"):
         applier = PlanApplier(workload=wl, groups=groups, schedule=schedule,
                               plan=plan if schedule == "kareus" else None, kernels="torch",
@@ -267,7 +284,6 @@ def _gpt_matches(config, wl, groups, out, tied):
 
     from kareus.integrations import PlanApplier
     from kareus.integrations.megatron import kareus_layer_spec, wrap_schedule
-    from kareus.testing import make_workload_plan
 
     g = torch.Generator().manual_seed(7)
     batches = []
@@ -281,7 +297,7 @@ def _gpt_matches(config, wl, groups, out, tied):
                for k, v in own_model.state_dict().items()}
     own = ex.train(own_model, config, batches, steps=2, seq_len=SEQ)
 
-    plan = make_workload_plan(wl, pick=1, sms=8, freqs_mhz=(1980, 1410))
+    plan = _plan(wl)
     applier = PlanApplier(workload=wl, groups=groups, plan=plan, kernels="torch",
                           rope_base=ex.ROTARY_BASE, eps=config.layernorm_epsilon, record=True)
     scopes = []
@@ -398,6 +414,54 @@ def _chained_gpt_matches(config, wl, groups, plan, initial, batches, own_model, 
 
 
 
+def _full_recompute_matches(config, wl, groups, out):
+    """Megatron's full recomputation (every layer, uniform units of one): its own model
+    against kareus's layers chained (the kareus stack re-runs each layer itself, in place
+    of Megatron's block checkpoint), two training steps: losses, main_grads and weights;
+    unchained, a kareus layer refuses Megatron's block checkpoint."""
+    import megatron_gpt as ex
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from kareus.errors import ArgumentError
+    from kareus.integrations import PlanApplier
+    from kareus.integrations.megatron import (
+        chain_layers,
+        kareus_layer_spec,
+        unchain_layers,
+        wrap_schedule,
+    )
+
+    assert wl.recompute == "full"
+    g = torch.Generator().manual_seed(7)
+    batches = []
+    for _ in range(MICROBATCHES):
+        tok = torch.randint(0, ex.VOCAB, (MBS, SEQ + 1), generator=g)
+        batches.append((tok[:, :-1], tok[:, 1:]))
+    torch.manual_seed(0)
+    own_model = ex.build_model(config, get_gpt_layer_local_spec(normalization="RMSNorm"),
+                               SEQ, "cpu")
+    initial = {k: v.clone() if torch.is_tensor(v) else v
+               for k, v in own_model.state_dict().items()}
+    own = ex.train(own_model, config, batches, steps=2, seq_len=SEQ)
+    applier = PlanApplier(workload=wl, groups=groups, plan=_plan(wl), kernels="torch",
+                          rope_base=ex.ROTARY_BASE, eps=config.layernorm_epsilon, record=True)
+    model = ex.build_model(config, kareus_layer_spec(applier), SEQ, "cpu")
+    model.load_state_dict(initial)
+    chain_layers(model)
+    with wrap_schedule(applier):
+        mine = ex.train(model, config, batches, steps=2, seq_len=SEQ)
+    torch.testing.assert_close(torch.tensor(mine), torch.tensor(own), rtol=1e-4, atol=1e-5)
+    own_p, my_p = dict(own_model.named_parameters()), dict(model.named_parameters())
+    for n, p in own_p.items():
+        _close(my_p[n].main_grad, p.main_grad, f"full main_grad {n}")
+        _close(my_p[n].detach(), p.detach(), f"full weight {n}")
+    out["gpt"] = out["chained"] = [(ph, k) for ph, k, _ in applier.partitions_run]
+    out["losses"] = mine
+    unchain_layers(model)
+    with pytest.raises(ArgumentError, match="chain_layers"), wrap_schedule(applier):
+        ex.train(model, config, batches, steps=1, seq_len=SEQ)
+
+
 def _worker(out_dir: str, variant: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -421,13 +485,17 @@ def _worker(out_dir: str, variant: str) -> None:
     m = wl.model
     assert (m.qk_norm, m.norm_eps, m.tied_embeddings) == (
         config.qk_layernorm, config.layernorm_epsilon, tied)
+    assert wl.recompute == (config.recompute_granularity or "none")
     assert wl.parallelism.sequence_parallel == config.sequence_parallel
     groups = TorchParallelGroups.from_groups(tp=parallel_state.get_tensor_model_parallel_group())
     emb = RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=1.0,
                           rotary_base=ex.ROTARY_BASE)(SEQ)
     out: dict = {}
-    _layers_match(config, wl, groups, emb, out)
-    _gpt_matches(config, wl, groups, out, tied)
+    if variant.endswith("-full"):
+        _full_recompute_matches(config, wl, groups, out)
+    else:
+        _layers_match(config, wl, groups, emb, out)
+        _gpt_matches(config, wl, groups, out, tied)
     torch.save(out, os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
     dist.barrier()
     parallel_state.destroy_model_parallel()
@@ -440,6 +508,11 @@ def test_kareus_layers_are_megatron_s_layers_over_gloo(tmp_path, variant):
     from _ranks import run_ranks  # tests/integrations, on sys.path under pytest
 
     res = run_ranks(__file__, tmp_path, TP, variant)
+    if variant.endswith("-full"):  # chained training only (see _full_recompute_matches)
+        assert res[0]["gpt"] and res[1]["gpt"] == res[0]["gpt"]
+        assert any(k.startswith("bwd_") for _, k in res[0]["gpt"])
+        assert res[0]["losses"] == res[1]["losses"]
+        return
     for key in ("sequential", "nanobatching", "kareus", "gpt", "chained"):
         assert res[0][key] and res[1][key] == res[0][key], f"ranks ran different {key}"
     # the last forward collective of every layer runs exposed; chained, only the block's

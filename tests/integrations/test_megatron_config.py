@@ -47,7 +47,7 @@ def test_the_fields_it_reads():
         "megatron-gpt", 4, 256, 8, 4, 32, 512, 1000)
     assert (p.tp, p.cp, p.pp, p.dp) == (2, 1, 1, 1)
     assert (wl.microbatch_size, wl.seq_len, wl.num_microbatches, wl.nanobatches) == (4, 128, 4, 2)
-    assert wl.recompute == "full" and wl.dtype_bytes == 2
+    assert wl.recompute == "none" and wl.dtype_bytes == 2
 
 
 def test_defaults_and_overrides():
@@ -62,8 +62,49 @@ def test_defaults_and_overrides():
     del cfg.hidden_dropout
     with pytest.raises(WorkloadError, match="hidden_dropout=0.0"):
         _wl(cfg)
-    # Selective recomputation names submodules a kareus layer does not call: accepted.
-    assert _wl(_config(recompute_granularity="selective")).recompute
+
+@pytest.mark.parametrize(("change", "policy"), [
+    ({}, "none"),
+    ({"recompute_granularity": "selective"}, "selective"),  # recompute_modules None: 0.16's
+    ({"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}, "selective"),
+    ({"recompute_granularity": "full", "recompute_method": "uniform",
+      "recompute_num_layers": 1}, "full"),
+    ({"recompute_granularity": "full", "recompute_method": "uniform",
+      "recompute_num_layers": 2}, "full"),  # every layer, in units of two
+    ({"recompute_granularity": "full", "recompute_method": "block",
+      "recompute_num_layers": 2, "pipeline_model_parallel_size": 2}, "full"),  # 2 per stage
+])
+def test_megatron_s_recomputation_is_the_workload_s_policy(change, policy):
+    assert _wl(_config(**change)).recompute == policy
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    ({"recompute_granularity": "selective", "recompute_modules": ["core_attn", "mlp"]},
+     "recompute_modules=\\['core_attn'\\]"),
+    ({"recompute_granularity": "selective", "recompute_modules": ["layernorm"]},
+     "recompute_modules"),
+    ({"recompute_granularity": "full", "recompute_method": "block",
+      "recompute_num_layers": 3}, "recompute_num_layers=1"),  # 3 of 4 layers
+    ({"recompute_granularity": "full", "recompute_method": None,
+      "recompute_num_layers": None}, "recompute_method='uniform'"),
+    ({"recompute_granularity": "full", "recompute_method": "uniform",
+      "recompute_num_layers": 1, "distribute_saved_activations": True},
+     "distribute_saved_activations=False"),
+])
+def test_recomputation_kareus_does_not_run_is_refused(change, match):
+    with pytest.raises(WorkloadError, match=match) as err:
+        _wl(_config(**change))
+    assert "\n" not in str(err.value)
+
+
+def test_the_layer_s_recomputation_must_be_the_workload_s():
+
+    cfg = _config(recompute_granularity="selective")
+    wl = _wl(cfg)
+    check_layer_config(cfg, wl.model, 2, recompute="selective")
+    with pytest.raises(WorkloadError, match="recompute_granularity='selective'.*"
+                                            "recompute='full'"):
+        check_layer_config(cfg, wl.model, 2, recompute="full")
 
 
 @pytest.mark.parametrize(("change", "match"), [
@@ -84,7 +125,6 @@ def test_defaults_and_overrides():
      "set cp_comm_type='all_gather' or 'p2p'"),
     ({"hidden_dropout": 0.1}, "dropout"),
     ({"attention_dropout": 0.1}, "attention_dropout=0.0"),
-    ({"recompute_granularity": "full"}, "recompute_granularity=None"),
     ({"rotary_interleaved": True}, "rotary_interleaved=False"),
     ({"fp32_residual_connection": True}, "fp32_residual_connection=False"),
     ({"apply_residual_connection_post_layernorm": True}, "pre-norm"),

@@ -582,3 +582,21 @@ def test_wrap_trainer_takes_a_trainer_and_a_plan():
         kt.wrap_trainer(object(), 3)
     with pytest.raises(ArgumentTypeError, match="Trainer"):
         kt.workload_from_trainer(SimpleNamespace(config=None))
+
+
+def test_the_trainer_s_activation_checkpoint_is_a_recomputation_policy_or_refused():
+    from torchtitan.distributed.activation_checkpoint import FullAC, MemoryBudgetAC, SelectiveAC
+
+    assert kt.recompute_from_torchtitan(None) == "none"
+    assert kt.recompute_from_torchtitan(FullAC.Config()) == "full"
+    assert kt.recompute_from_torchtitan("none") == "none"
+    assert kt.recompute_from_torchtitan("full") == "full"
+    for setting in (SelectiveAC.Config(), MemoryBudgetAC.Config(), "selective",
+                    "memory-budget"):
+        with pytest.raises(WorkloadError, match="activation_checkpoint '") as err:
+            kt.recompute_from_torchtitan(setting)
+        assert "\n" not in str(err.value)
+    with pytest.raises(ArgumentTypeError, match="activation_checkpoint"):
+        kt.recompute_from_torchtitan(object())
+    with pytest.raises(ArgumentTypeError, match="activation_checkpoint"):
+        kt.recompute_from_torchtitan("op")

@@ -45,6 +45,7 @@ from kareus.exec.train._groups import (
 from kareus.exec.train._loop import (
     RunRecord,
     TrainingLoop,
+    check_plan_splits,
     check_plan_types,
     check_plan_workload,
     given_plan,
@@ -53,11 +54,12 @@ from kareus.exec.train._loop import (
     overlap_efficiency,
     shuffled_order,
 )
-from kareus.exec.train._model import DecoderShard
+from kareus.exec.train._model import KEPT_FOR_BACKWARD, DecoderShard
 
 __all__ = [
     "BACKENDS",
     "DecoderShard",
+    "KEPT_FOR_BACKWARD",
     "GroupedCollective",
     "LoopbackGroupCollective",
     "LoopbackGroups",
@@ -65,6 +67,7 @@ __all__ = [
     "RunRecord",
     "TorchParallelGroups",
     "TrainingLoop",
+    "check_plan_splits",
     "check_plan_types",
     "check_plan_workload",
     "given_plan",

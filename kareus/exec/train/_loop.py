@@ -53,6 +53,7 @@ from kareus.model.workload import ModelArch, Workload, get_model
 __all__ = [
     "RunRecord",
     "TrainingLoop",
+    "check_plan_splits",
     "check_plan_workload",
     "measure_runs",
     "overlap_efficiency",
@@ -60,13 +61,26 @@ __all__ = [
 ]
 
 
-def _full_recompute(workload: Workload) -> bool:
-    """Whether the loop's decoder re-runs each layer's forward in the backward (``"full"``)
-    or keeps every activation (``"none"``); ``"selective"`` is refused until it runs."""
-    if workload.recompute == "selective":
-        raise WorkloadError("the training loop does not run recompute='selective' yet; use "
-                            "'full' or 'none'")
-    return workload.recompute == "full"
+def check_plan_splits(plan: Plan, workload: Workload) -> None:
+    """Refuse a plan that splits a microbatch's backward into other nanobatches than its
+    forward when the workload keeps activations (``recompute`` ``"none"`` or
+    ``"selective"``): they are kept per nanobatch, so the backward runs in the forward's
+    split (full recomputation re-splits each layer's input, so any split runs).
+
+    Raises:
+        PlanError: a microbatch whose forward and backward nanobatch counts differ.
+    """
+    if workload.recompute == "full":
+        return
+    for key in plan.assignment:
+        if not str(key).endswith(".fwd"):
+            continue
+        other = str(key)[:-4] + ".bwd"
+        if other in plan.assignment and plan.nanobatches(key) != plan.nanobatches(other):
+            raise PlanError(f"the plan splits {key} into {plan.nanobatches(key)} "
+                            f"nanobatch(es) and {other} into {plan.nanobatches(other)}: "
+                            f"with recompute={workload.recompute!r} a backward runs in its "
+                            "forward's nanobatches (make the plan for this workload)")
 
 
 def check_plan_workload(plan: Plan, workload: Workload, *, one_stage: bool = True) -> None:
@@ -271,6 +285,7 @@ class TrainingLoop:
                         needs_collective=has_comm and collective is None)
         if plan is not None:
             check_plan_workload(plan, workload)
+            check_plan_splits(plan, workload)
         self.workload, self.groups, self.plan = workload, groups, plan
         self.types: dict[str, TypeShape] = (type_shapes(build_partitions(workload))
                                             if has_comm else {})
@@ -286,11 +301,11 @@ class TrainingLoop:
             groups=groups,
             backend=self._buffer_source(has_comm, collective, backends, executor or baseline),
             nanobatch_counts=tuple(sorted({1, workload.nanobatches})),
-            recompute=_full_recompute(workload), kernels=kernels, device=device, dtype=dtype,
+            recompute=workload.recompute, kernels=kernels, device=device, dtype=dtype,
             seed=seed, lr=lr, sp=p.sequence_parallel)
         self.layers = self.model.layers
         streams_ = {ph: stack_stream(ph, self.layers, tp=p.tp, cp=p.cp,
-                                     recompute=_full_recompute(workload),
+                                     recompute=workload.recompute,
                                      qk_norm=workload.model.qk_norm, sp=p.sequence_parallel)
                     for ph in ("fwd", "bwd")}
         if p.sequence_parallel:  # opened by the all-gather of the LM head's input gradient

@@ -75,13 +75,32 @@ from kareus.exec.model_check import refuse_uncomputed
 from kareus.exec.schedule import Comm, Op
 from kareus.model.context_parallel import cp_positions
 from kareus.model.decoder import layer_collectives
-from kareus.model.workload import ModelArch, recompute_policy
+from kareus.model.workload import RECOMPUTE_POLICIES, ModelArch, recompute_policy
 
 __all__ = ["DecoderShard"]
 
 _LAYER_PARAMS = ("w_attn_norm", "Wqkv", "Wo", "w_mlp_norm", "Wg", "Wu", "Wd")
 
-
+KEPT_FOR_BACKWARD: dict[str, frozenset[str]] = {
+    "full": frozenset({"x_in"}),
+    "none": frozenset({"x_in", "xn", "qkv_pre", "graph", "attn", "x_mid", "xn2", "g", "u",
+                       "a"}),
+    "selective": frozenset({"x_in", "xn", "qkv_pre", "q", "x_mid", "xn2", "g", "u", "a"}),
+}
+"""What a layer's backward reads of its forward, per recomputation policy (names of the
+per-layer, per-nanobatch activations): ``"full"`` keeps the input and re-runs the rest;
+``"none"`` keeps the input, both norms' outputs, the query/key norms' input
+(``qkv_pre``, qk-norm models), the attention's saved state (queries, keys, values,
+output and softmax statistics: ``graph``) and its output in the output projection's
+layout (``attn``, a view of the same memory on the fused kernels), the residual sum
+(``x_mid``), the gate and up projections and the SwiGLU output; ``"selective"`` keeps
+the same but the attention's output and statistics, holding instead what its
+recomputation reads: the queries (``q``), and the keys and values, this rank's (``k``,
+``v``) without CP, every chunk's as gathered, by position (``kvs``) under CP, so that no
+collective runs again (the two are added by ``DecoderShard`` per CP size)."""
+_KEPT = KEPT_FOR_BACKWARD
+_KEPT_NO_CP = frozenset({"k", "v"})
+_KEPT_CP = frozenset({"kvs"})
 
 
 def _group_backend(c: Any, kind: str, group: str) -> Any:
@@ -115,7 +134,15 @@ class DecoderShard:
             ``empty(shape, dtype)`` allocating (registered memory, which every backend can
             run on); ``None`` = plain tensors.
         nanobatch_counts: The nanobatch counts the loop will run (buffers for each).
-        recompute: Full recomputation (the forward keeps only each layer's input).
+        recompute: The recomputation policy (``Workload.recompute``): ``"full"`` (or
+            ``True``: the forward keeps only each layer's input and the backward re-runs
+            the layer's forward, its collectives included), ``"selective"`` (every
+            activation is kept except the attention core's output and its softmax
+            statistics; the backward re-runs the attention core forward right before
+            ``out_dgrad``, where ``decoder_layer("bwd", recompute="selective")`` puts it;
+            no collective runs again: under CP the gathered keys and values are kept) or
+            ``"none"`` (or ``False``: every activation is kept, the backward runs no
+            forward op).
         sp: Sequence parallelism (at TP > 1; a no-op at TP = 1): see the module docstring.
         kernels: A ``KernelSet`` or name; ``None`` = default.
         device: Torch device (default: the current CUDA device).
@@ -127,7 +154,7 @@ class DecoderShard:
 
     def __init__(self, *, arch: ModelArch, layers: int | None = None, microbatch_size: int,
                  seq_len: int, num_microbatches: int, groups: Any, backend: Any = None,
-                 nanobatch_counts: tuple[int, ...] = (1, 2), recompute: bool = True,
+                 nanobatch_counts: tuple[int, ...] = (1, 2), recompute: bool | str = True,
                  kernels: Any = None, device: Any = None, dtype: str = "bfloat16",
                  seed: int = 0, lr: float = 3e-4, weight_decay: float = 0.01,
                  sp: bool = False) -> None:
@@ -154,10 +181,10 @@ class DecoderShard:
         self._shard_dims(arch, groups, int(microbatch_size), seq_len // cp, sp=sp)
         self.num_microbatches = int(num_microbatches)
         policy = recompute_policy(recompute)
-        if policy not in ("none", "full"):
-            raise WorkloadError(f"the training loop's decoder runs recompute 'full' or 'none', "
+        if policy not in RECOMPUTE_POLICIES:
+            raise WorkloadError(f"recompute must be one of {', '.join(RECOMPUTE_POLICIES)}, "
                                 f"got {recompute!r:.40}")
-        self.recompute = policy == "full"
+        self._set_policy(str(policy))
         self.v_local = -(-arch.vocab // tp)
         self.v0 = groups.tp_rank * self.v_local
         self.ks = get_kernels(kernels)
@@ -177,6 +204,20 @@ class DecoderShard:
         self.head: dict[str, Any] = {}
         self.n = 1
         self.phase = "fwd"
+
+    def _set_policy(self, policy: str) -> None:
+        """The recomputation policy: ``policy`` (``"none"``, ``"selective"``, ``"full"``),
+        and ``recompute``, whether the backward re-runs whole layers (``"full"``)."""
+        self.policy = policy
+        self.recompute = policy == "full"
+        self._kept_names = _KEPT[policy] | (_KEPT_CP if policy == "selective" and self.cp > 1
+                                            else _KEPT_NO_CP if policy == "selective"
+                                            else frozenset())
+
+    def kept(self, a: dict[str, Any]) -> dict[str, Any]:
+        """Of one layer's activations of one nanobatch after its forward, those its backward
+        reads under the policy (``KEPT_FOR_BACKWARD``)."""
+        return {k: v for k, v in a.items() if k in self._kept_names}
 
     # ------------------------------------------------------------------ parameters
     def _shard_dims(self, arch: ModelArch, groups: Any, microbatch_size: int,
@@ -423,6 +464,13 @@ class DecoderShard:
                 self.head = {"tokens": tokens.reshape(-1), "labels": labels.reshape(-1)}
                 self._embed()
             else:
+                split = 1 + max((i for _, i in self.act), default=0)
+                if split != nanobatches and self.policy != "full":
+                    raise ArgumentError(
+                        f"the forward ran in {split} nanobatch(es), the backward in "
+                        f"{nanobatches}: with recompute {self.policy!r} a microbatch's "
+                        "backward runs in its forward's nanobatches (the activations are "
+                        "kept per nanobatch)")
                 self._head_bwd()
 
     def finish(self) -> None:
@@ -526,9 +574,8 @@ class DecoderShard:
         rows = torch.arange(logits.shape[0], device=self.device)
         logits[rows, lidc] -= lvalid.to(logits.dtype)
         self.head.update(xf=xf, xn=xn, dlogits=logits.mul_(1.0 / n_tokens).to(self.dtype))
-        if self.recompute:  # keep each layer's input only
-            for (layer, i), a in list(self.act.items()):
-                self.act[(layer, i)] = {"x_in": a["x_in"]}
+        for key, a in list(self.act.items()):  # what the backward reads only
+            self.act[key] = self.kept(a)
 
     def _head_bwd(self) -> None:
         ks, hd = self.ks, self.head
@@ -583,8 +630,9 @@ class DecoderShard:
         """Enqueue op ``op`` of nanobatch ``nb`` of the current computation."""
         fn: Callable[[int, dict[str, Any], int], None] = getattr(self, "_op_" + op.name)
         a = self.act.setdefault((op.layer, nb), {})
-        if op.name == "attn_core" and (self.phase == "bwd" or not self.recompute):
-            fn(op.layer, a, nb)  # keeps the attention's graph for attn_core_bwd
+        if op.name == "attn_core" and (self.phase == "bwd" or self.policy == "none"):
+            with self.torch.enable_grad():  # keeps the attention's state for attn_core_bwd
+                fn(op.layer, a, nb)  # (a framework may run the forward without grad)
             return
         with self.torch.no_grad():
             fn(op.layer, a, nb)
@@ -601,8 +649,8 @@ class DecoderShard:
                 prev = self.act[(layer - 1, nb)]
                 a["x_in"], a["xn"] = self.ks.add_rms_norm(
                     prev["x_mid"], self._reduced("mlp_out", layer - 1, nb), w, self.eps)
-                if self.recompute:  # the layer below keeps its input only
-                    self.act[(layer - 1, nb)] = {"x_in": prev["x_in"]}
+                # the layer below keeps what its backward reads only
+                self.act[(layer - 1, nb)] = self.kept(prev)
                 self._to_gather("attn_in", a, "xn", nb)
                 return
         a["xn"] = self.ks.rms_norm(a["x_in"], w, self.eps)
@@ -682,8 +730,12 @@ class DecoderShard:
         q = a["q"].transpose(1, 2)
         keep = self.torch.is_grad_enabled()  # keep what attn_core_bwd needs
         if self.cp > 1:  # every chunk's K and V by position, then one causal piece per chunk
-            kv = order_kv(self._reduced("kv", layer, nb), cp=self.cp, b=b, sq=self.sq,
-                          kvh=self.kvh, hd=self.hd)
+            kv = a.get("kvs")  # selective recomputation: the gathered K, V kept
+            if kv is None:
+                kv = order_kv(self._reduced("kv", layer, nb), cp=self.cp, b=b, sq=self.sq,
+                              kvh=self.kvh, hd=self.hd)
+                if self.policy == "selective":  # the backward's attention core reads them
+                    a["kvs"] = kv
             o, saved = cp_attention(self.ks, q, kv[0].transpose(1, 2), kv[1].transpose(1, 2),
                                     self.pieces, keep=keep)
             if keep:
@@ -703,6 +755,8 @@ class DecoderShard:
         y = self.ks.matmul(a["attn"], self.W(layer, "Wo"), out=out)
         if not pooled:
             a["attn_out"] = y
+        if self.policy == "selective":  # not kept: the backward re-runs the attention core
+            del a["attn"]
 
     def _op_mlp_norm(self, layer: int, a: dict[str, Any], nb: int) -> None:
         a["x_mid"], a["xn2"] = self.ks.add_rms_norm(
