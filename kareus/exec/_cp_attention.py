@@ -92,14 +92,17 @@ def lower_right_attention(ks: Any, q: Any, k: Any, v: Any) -> Any:
     to ``s_k - s_q + i``) through SDPA with that mask, on the kernel set's SDPA backends:
     ``q`` [b, heads, s_q, hd] over grouped ``k``, ``v`` [b, kv_heads, s_k, hd]."""
     import torch
-    from torch.nn.attention.bias import causal_lower_right
 
     if q.shape[2] == k.shape[2]:
         return ks.attention(q, k, v)
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    mask = causal_lower_right(q.shape[2], k.shape[2])
+    # query i sees keys 0 .. s_k - s_q + i: a boolean mask rather than torch's
+    # causal_lower_right bias (a tensor subclass, which cannot be made under a
+    # TorchDispatchMode such as the runnable partitions' read tracking)
+    sq, sk = q.shape[2], k.shape[2]
+    mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(diagonal=sk - sq)
     with ks._sdpa_context():
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
