@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "kareus"
 
 #: import name -> distribution name, where they differ
-DISTRIBUTION = {"pynvml": "nvidia-ml-py", "megatron": "megatron-core"}
+DISTRIBUTION = {"pynvml": "nvidia-ml-py", "megatron": "megatron-core", "yaml": "pyyaml"}
 
 #: imported only when found, never required (each is detected at run time)
 OPTIONAL = {

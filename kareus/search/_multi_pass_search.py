@@ -343,7 +343,8 @@ class MultiPassSearch:
         if self.stopped_reason is not None:
             return []
         start = time.perf_counter()
-        room = self.budget - self.n_measured
+        # with priors the budget may exceed what is left unmeasured in the space
+        room = min(self.budget - self.n_measured, int((~self._measured).sum()))
         if self.n_measured < self.initial_size:
             k = min(room, self.initial_size - self.n_measured)
             picks = [i for i in self._initial if not self._measured[i]][:k]

@@ -441,3 +441,13 @@ def test_prior_observations_teach_the_search_outside_its_budget(medium_space, tm
     # resumed with other priors given: the log's are used, nothing new is measured
     again = search(medium_space, prior=prior[:3], resume=path, **kw)
     assert again.n_prior == n and again.observations == s.observations and again.done
+
+
+def test_priors_that_leave_less_than_the_budget_unmeasured_exhaust_the_space(small_space):
+    prof = FakeProfiler(noise=0.01, seed=2)
+    prior = [Observation(config=c, measurement=prof.measure(small_space.partition, c))
+             for c in small_space.configs[:-3]]
+    prof.calls.clear()
+    s = search(small_space, prior=prior, budget=16, batch_size=8, seed=0, stop_patience=None)
+    s.run(prof)
+    assert len(prof.calls) == 3 == s.n_measured and s.stopped_reason == "exhausted"
