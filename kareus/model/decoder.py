@@ -64,6 +64,12 @@ of the forward (kept, or recomputed with the forward; kareus does not all-gather
 second time in the backward as Megatron-LM may). Each TP collective moves the layer's
 ``tokens x hidden`` activation, as the all-reduce it replaces did, in half the bus traffic.
 
+**Query/key normalisation** (``qk_norm``, Qwen3's per-head RMSNorm of the queries and keys
+before RoPE) runs fused with RoPE, in either layout: the layer's ``rope`` becomes
+``qk_norm_rope`` and its ``rope_bwd`` ``qk_norm_rope_bwd`` (``decoder_layer(phase,
+qk_norm=True)``; one kernel each, ``KernelSet.qk_norm_rope`` / ``qk_norm_rope_bwd``), the
+op the CP all-gather of K/V waits for included.
+
 So the emulator costs exactly the ops the layer runs, in the order it runs them. Pure data;
 no torch.
 """
@@ -247,12 +253,16 @@ ATTENTION_SEGMENT = "attn"
 (``attn_in`` and ``attn_out`` forward, ``attn_out`` and ``attn_in`` backward)."""
 
 
-#: The ops query/key normalisation adds (per-head RMSNorm before RoPE, as Qwen3 does), and
-#: the op they follow: forward between the QKV projection and RoPE, backward right after
-#: RoPE's backward (turning dQ and dK back into the projection's output gradients).
-QK_NORM_OPS: Mapping[str, tuple[str, tuple[str, ...]]] = types.MappingProxyType({
-    "fwd": ("qkv", ("q_norm", "k_norm")),
-    "bwd": ("rope_bwd", ("q_norm_bwd", "k_norm_bwd")),
+#: Query/key normalisation (per-head RMSNorm of the queries and keys before RoPE, as Qwen3
+#: does) runs fused with RoPE, one kernel per phase (``KernelSet.qk_norm_rope`` and
+#: ``qk_norm_rope_bwd``): per phase, the op it replaces and the fused op's name. Forward,
+#: ``qk_norm_rope`` normalises and rotates q and k of the QKV projection's output in place
+#: of ``rope`` (and completes the K the CP all-gather sends); backward,
+#: ``qk_norm_rope_bwd`` rotates dQ and dK back and runs the norms' backward in place of
+#: ``rope_bwd``, writing the projection's output gradient and the norm weights' gradients.
+QK_NORM_OPS: Mapping[str, tuple[str, str]] = types.MappingProxyType({
+    "fwd": ("rope", "qk_norm_rope"),
+    "bwd": ("rope_bwd", "qk_norm_rope_bwd"),
 })
 
 
@@ -262,6 +272,21 @@ QK_NORM_OPS: Mapping[str, tuple[str, tuple[str, ...]]] = types.MappingProxyType(
 #: output projection's weight gradient and the attention backward read it); every other
 #: activation is kept, and no collective runs again.
 SELECTIVE_RECOMPUTE: tuple[str, str] = ("attn_core", "out_dgrad")
+
+
+def _replace(layer: LayerPhase, op: str, by: str) -> LayerPhase:
+    """``layer`` with op ``op`` renamed ``by`` wherever it is named (its segment's ops, the
+    collective it produces the tensor of, the tail)."""
+    segments = []
+    for seg in layer.segments:
+        if op in seg.op_names:
+            c = seg.collective
+            seg = attrs.evolve(
+                seg, op_names=tuple(by if n == op else n for n in seg.op_names),
+                collective=attrs.evolve(c, producer=by) if c.producer == op else c)
+        segments.append(seg)
+    return attrs.evolve(layer, segments=tuple(segments),
+                        tail=tuple(by if n == op else n for n in layer.tail))
 
 
 def _insert(layer: LayerPhase, before_or_after: str, anchor: str,
@@ -278,8 +303,8 @@ def _insert(layer: LayerPhase, before_or_after: str, anchor: str,
 def decoder_layer(phase: str, *, qk_norm: bool = False, sp: bool = False,
                   recompute: str = "full") -> LayerPhase:
     """The decoder layer's ``phase`` (``"fwd"`` or ``"bwd"``); with ``qk_norm``, the layer of
-    a model that normalises queries and keys per head (``QK_NORM_OPS``
-    inserted in the attention-input segment); with ``sp``, the sequence-parallel layout
+    a model that normalises queries and keys per head (RoPE and its backward replaced by the
+    fused ops of ``QK_NORM_OPS``, ``qk_norm_rope`` and ``qk_norm_rope_bwd``); with ``sp``, the sequence-parallel layout
     (``SP_DECODER_LAYER``); with ``recompute="selective"``, the backward holds the
     recomputed attention core (``SELECTIVE_RECOMPUTE``). Full recomputation re-runs the
     whole forward phase before the backward phase (the runtime schedule strings it), so it
@@ -291,8 +316,8 @@ def decoder_layer(phase: str, *, qk_norm: bool = False, sp: bool = False,
                             f"got {recompute!r:.40}")
     layer = (SP_DECODER_LAYER if sp else DECODER_LAYER)[phase]
     if qk_norm:
-        after, extra = QK_NORM_OPS[phase]
-        layer = _insert(layer, "after", after, extra)
+        op, fused = QK_NORM_OPS[phase]
+        layer = _replace(layer, op, fused)
     if recompute == "selective" and phase == "bwd":
         op, before = SELECTIVE_RECOMPUTE
         layer = _insert(layer, "before", before, (op,))

@@ -93,15 +93,16 @@ class _SavedBytes:
 
 def _saved_bytes_per_token(wl: Workload) -> _SavedBytes:
     """What one layer saves for its backward, per token, without recomputation: bf16
-    tensors, fp32 per-head statistics. With qk-norm the norms keep their inputs, the
-    projection's q and k, beside the normalised and rotated ones attention keeps, and their
-    per-head reciprocal RMS."""
+    tensors, fp32 per-head statistics. With qk-norm the fused norm-and-RoPE op
+    (``qk_norm_rope``) keeps its input, the projection's q and k, beside the normalised and
+    rotated ones attention keeps; its backward recomputes the per-head reciprocal RMS, so
+    none is kept."""
     m = wl.model
     hq, hkv = m.heads * m.head_dim, m.kv_heads * m.head_dim
     core = 2 * hq + 4 * m.heads  # attention output and its log-sum-exp statistics
     sharded = 2 * (hq + 2 * hkv) + core + 2 * 3 * m.ffn
     if m.qk_norm:
-        sharded += 2 * (hq + hkv) + 4 * (m.heads + m.kv_heads)
+        sharded += 2 * (hq + hkv)
     # two norms: each keeps its input (the residual stream) and the projections read
     # their output (QKV, and the gate and up projections)
     return _SavedBytes(residual=2 * 2 * m.hidden, gathered=2 * 2 * m.hidden,

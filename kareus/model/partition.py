@@ -25,10 +25,12 @@ and microbatch are counted as one overlapped pair); residual additions are omitt
 with full recomputation the backward pass of each layer re-runs its forward,
 collectives included, so backward computations also hold forward partition types.
 
-The model's layer features change the op lists: with ``qk_norm`` the attention input gains
-``q_norm`` and ``k_norm`` between ``qkv`` and ``rope`` (memory-bound, so they and ``rope``
-form one launch slot, named ``q_norm``) and its backward ``q_norm_bwd`` and ``k_norm_bwd``
-after ``rope_bwd`` (in ``rope_bwd``'s slot); a QKV bias is added in the ``qkv`` GEMM's
+The model's layer features change the op lists: with ``qk_norm`` the per-head query/key
+norms run fused with RoPE, so ``rope`` is ``qk_norm_rope`` and ``rope_bwd`` is
+``qk_norm_rope_bwd`` (one memory-bound kernel each, in RoPE's launch slot, named after it;
+costed with its minimum HBM traffic: q and k, the norm weights and the cos/sin tables read,
+q and k written, and in the backward dQ, dK, dV and the pre-norm q and k read, dQKV and
+the weights' gradients written); a QKV bias is added in the ``qkv`` GEMM's
 epilogue and its gradient reduced in ``qkv_wgrad``'s (no op of its own, no new slot); tied
 embeddings change no op of a microbatch (the LM head's weight gradient is written into the
 embedding's gradient instead of a matrix of its own) but change the parameters, so the
@@ -440,21 +442,31 @@ def _layer_ops(phase: str, s: _Shapes) -> dict[str, ComputeOp]:
     """Every op of a decoder layer's ``phase``, costed at the shapes ``s``, by name."""
     t, h, q, kv, f = s.t, s.h, s.q, s.kv, s.f
     tn = s.tn  # the norms' tokens (t / TP under sequence parallelism)
-    # qk-norm: one RMSNorm per head of the queries and of the keys, over head_dim, between
-    # the QKV projection and RoPE; as the layer norms, forward reads and writes each element
-    # (2 FLOPs per element moved), backward reads the gradient and the saved input and
-    # writes the input's gradient (3 per element moved; the per-head weights' gradients are
-    # reduced in the same kernel).
-    qk_norm = (s.mem("q_norm", OpKind.NORM, 2 * t * q, 2.0),
-               s.mem("k_norm", OpKind.NORM, 2 * t * kv, 2.0)) if s.qk_norm else ()
-    qk_norm_bwd = (s.mem("q_norm_bwd", OpKind.NORM, 3 * t * q, 3.0),
-                   s.mem("k_norm_bwd", OpKind.NORM, 3 * t * kv, 3.0)) if s.qk_norm else ()
+    # qk-norm: each query and key head RMS-normalised over head_dim before RoPE (Qwen3), run
+    # fused with RoPE, one memory-bound kernel per phase (KernelSet.qk_norm_rope and
+    # qk_norm_rope_bwd), in RoPE's place. Its bytes are the op's minimum traffic: forward,
+    # q and k of the QKV projection's output read, the two norm weights (head_dim each) and
+    # the cos/sin tables (seq x head_dim each) read, the normalised and rotated q and k
+    # written; backward, dQ, dK, dV, the pre-norm q and k, the weights and the tables read,
+    # the packed dQKV (dV copied into place) and the weights' float32 gradients written.
+    # FLOPs per element of q and k: forward 4 for the norm (square and sum, scale by the
+    # reciprocal RMS and by the weight) and 3 for the rotation; backward 9 and 3 (as the
+    # separate norm and RoPE ops counted them).
+    hd = s.head_dim
+    tables = 2 * s.sq * hd  # cos and sin of this rank's positions
+    qk_norm_rope = ComputeOp(name="qk_norm_rope", kind=OpKind.ROPE,
+                             flops=7.0 * t * (q + kv),
+                             bytes_moved=(2 * t * (q + kv) + 2 * hd + tables) * s.d)
+    qk_norm_rope_bwd = ComputeOp(
+        name="qk_norm_rope_bwd", kind=OpKind.ROPE, flops=12.0 * t * (q + kv),
+        bytes_moved=(t * (q + 2 * kv) + t * (q + kv) + 2 * hd + tables
+                     + t * (q + 2 * kv)) * s.d + 2 * hd * 4)
     ops: tuple[ComputeOp, ...]
     if phase == "fwd":
         ops = (s.mem("attn_norm", OpKind.NORM, 2 * tn * h, 2.0),
                s.gemm("qkv", t, h, q + 2 * kv, bias_add=s.qkv_bias),
-               *qk_norm,
-               s.mem("rope", OpKind.ROPE, 2 * t * (q + kv), 1.5),
+               (qk_norm_rope if s.qk_norm
+                else s.mem("rope", OpKind.ROPE, 2 * t * (q + kv), 1.5)),
                s.attention("attn_core", backward=False), s.gemm("out_proj", t, q, h),
                s.mem("mlp_norm", OpKind.NORM, 2 * tn * h, 2.0), s.gemm("gate", t, h, f),
                s.gemm("up", t, h, f), s.mem("swiglu", OpKind.ACTIVATION, 3 * t * f, 2.0),
@@ -463,8 +475,7 @@ def _layer_ops(phase: str, s: _Shapes) -> dict[str, ComputeOp]:
     # RoPE's backward rotates dQ and dK back and also carries dV into the packed dQKV the
     # QKV GEMM's backward reads (autograd's concatenation of the three, fused into the
     # one kernel): its bytes count dV's read and write; its FLOPs are the rotation's.
-    # With qk-norm, the norms' backward then turns the dQ and dK parts of dQKV into the
-    # gradients of the projection's outputs. A QKV bias's gradient (dQKV summed over the
+    # With qk-norm the fused backward (above) runs in its place. A QKV bias's gradient (dQKV summed over the
     # tokens) is reduced in the weight-gradient GEMM's epilogue, which reads dQKV anyway.
     rope_bwd = ComputeOp(name="rope_bwd", kind=OpKind.ROPE, flops=1.5 * 2 * t * (q + kv),
                          bytes_moved=2 * t * (q + 2 * kv) * s.d)
@@ -479,7 +490,7 @@ def _layer_ops(phase: str, s: _Shapes) -> dict[str, ComputeOp]:
            *((s.attention("attn_core", backward=False),) if s.recompute == "selective" else ()),
            s.gemm("out_dgrad", t, h, q), s.gemm("out_wgrad", q, t, h),
            s.attention("attn_core_bwd", backward=True),
-           rope_bwd, *qk_norm_bwd,
+           qk_norm_rope_bwd if s.qk_norm else rope_bwd,
            s.gemm("qkv_dgrad", t, q + 2 * kv, h),
            s.gemm("qkv_wgrad", h, t, q + 2 * kv, bias_grad=s.qkv_bias))
     return {op.name: op for op in ops}

@@ -95,59 +95,78 @@ def test_features_are_validated(change: dict[str, object], needle: str) -> None:
 # ----------------------------------------------------------------------------- qk-norm
 
 
-def test_qk_norm_adds_per_head_norms_before_rope() -> None:
+def test_qk_norm_runs_fused_with_rope() -> None:
     plain, normed = _wl(PLAIN), _wl(attrs.evolve(PLAIN, qk_norm=True))
     t, q, kv = _shapes(normed)
+    hd, sq = PLAIN.head_dim, normed.seq_len // normed.parallelism.cp
     a, b = build_partitions(plain), build_partitions(normed)
-    # Forward: q_norm and k_norm read and write q and k (2 elements moved per element,
-    # 2 FLOPs per element moved), between the QKV GEMM and RoPE.
+    # Forward: one op in RoPE's place (KernelSet.qk_norm_rope): q and k read and written,
+    # the two norm weights and the cos/sin tables read; 4 FLOPs per element for the norm
+    # and 3 for the rotation.
     fwd = _ops(b, "fwd")
-    assert fwd["q_norm"] == (2.0 * 2 * t * q, 2 * t * q * D)
-    assert fwd["k_norm"] == (2.0 * 2 * t * kv, 2 * t * kv * D)
+    assert fwd["qk_norm_rope"] == (7.0 * t * (q + kv),
+                                   (2 * t * (q + kv) + 2 * hd + 2 * sq * hd) * D)
     part = b["fwd_attn_in_ag"]
-    names = [op.name for op in part.compute_ops]
-    assert names == ["attn_norm", "qkv", "q_norm", "k_norm", "rope"]
-    assert part.compute_bytes - a["fwd_attn_in_ag"].compute_bytes == pytest.approx(
-        2 * t * (q + kv) * D)
+    assert [op.name for op in part.compute_ops] == ["attn_norm", "qkv", "qk_norm_rope"]
+    assert part.comm_op == a["fwd_attn_in_ag"].comm_op
+    fused = next(op for op in part.compute_ops if op.name == "qk_norm_rope")
+    assert fused.kind is OpKind.ROPE and not fused.compute_bound  # memory-bound
     assert part.flops - a["fwd_attn_in_ag"].flops == pytest.approx(4 * t * (q + kv))
-    # Backward: read the gradient and the saved input, write the input's gradient.
+    # Backward (KernelSet.qk_norm_rope_bwd): dQ, dK, dV, the pre-norm q and k, the weights
+    # and the tables read; dQKV and the weights' float32 gradients written.
     bwd = _ops(b, "bwd")
-    assert bwd["q_norm_bwd"] == (3.0 * 3 * t * q, 3 * t * q * D)
-    assert bwd["k_norm_bwd"] == (3.0 * 3 * t * kv, 3 * t * kv * D)
+    assert bwd["qk_norm_rope_bwd"] == (
+        12.0 * t * (q + kv),
+        (2 * t * (q + 2 * kv) + t * (q + kv) + 2 * hd + 2 * sq * hd) * D + 2 * hd * 4)
     bwd_in = next(p for p in b if p.name.startswith("bwd_attn_in"))
     assert [op.name for op in bwd_in.compute_ops] == [
-        "rope_bwd", "q_norm_bwd", "k_norm_bwd", "qkv_dgrad", "qkv_wgrad"]
-    # Nothing else moved.
-    assert {k: v for k, v in _ops(a, "fwd").items()} == {
-        k: v for k, v in fwd.items() if k not in ("q_norm", "k_norm")}
-    assert _ops(a, "bwd") == {k: v for k, v in bwd.items()
-                              if k not in ("q_norm_bwd", "k_norm_bwd")}
-    # Per microbatch, recomputation included: forward norms twice (forward and the
-    # backward's re-run), backward norms once, for every layer of the stage.
+        "qk_norm_rope_bwd", "qkv_dgrad", "qkv_wgrad"]
+    # Nothing else moved: the same ops but RoPE's, with the same costs.
+    assert {k: v for k, v in _ops(a, "fwd").items() if k != "rope"} == {
+        k: v for k, v in fwd.items() if k != "qk_norm_rope"}
+    assert {k: v for k, v in _ops(a, "bwd").items() if k != "rope_bwd"} == {
+        k: v for k, v in bwd.items() if k != "qk_norm_rope_bwd"}
+    assert "rope" not in fwd and "rope_bwd" not in bwd
+    # Per microbatch, recomputation included: the forward op twice (forward and the
+    # backward's re-run), the backward op once, for every layer of the stage.
     diff = b.computation_flops(0, "bwd") - a.computation_flops(0, "bwd")
     per_nb = 4 * t * (q + kv) + 9 * t * (q + kv)
     assert diff == pytest.approx(per_nb * normed.nanobatches * normed.layers_per_stage)
 
 
-def test_qk_norm_shares_rope_s_launch_slot() -> None:
+def test_qk_norm_takes_rope_s_launch_slot() -> None:
     a = build_partitions(_wl(PLAIN))["fwd_attn_in_ag"]
     b = build_partitions(_wl(attrs.evolve(PLAIN, qk_norm=True)))["fwd_attn_in_ag"]
-    # Consecutive memory-bound ops share one slot, named after its first op: no new slot.
+    # One fused memory-bound op where RoPE was: the same slots, RoPE's named after it.
     assert [s.name for s in a.slots] == ["attn_norm", "qkv", "rope"]
-    assert [s.name for s in b.slots] == ["attn_norm", "qkv", "q_norm"]
-    assert b.slot("q_norm").op_names == ("q_norm", "k_norm", "rope")
-    assert not b.slot("q_norm").compute_bound
+    assert [s.name for s in b.slots] == ["attn_norm", "qkv", "qk_norm_rope"]
+    assert not b.slot("qk_norm_rope").compute_bound
     bwd = next(p for p in build_partitions(_wl(attrs.evolve(PLAIN, qk_norm=True)))
                if p.name.startswith("bwd_attn_in"))
-    assert bwd.slot("rope_bwd").op_names == ("rope_bwd", "q_norm_bwd", "k_norm_bwd")
+    assert bwd.slot("qk_norm_rope_bwd").op_names == ("qk_norm_rope_bwd",)
+
+
+def test_qk_norm_fused_op_under_sequence_parallelism_and_selective_recompute() -> None:
+    # SP: the fused op runs on the gathered tokens (as RoPE does), not on the shard.
+    sp = _wl(attrs.evolve(PLAIN, qk_norm=True), sp=True, recompute="selective")
+    plain = _wl(PLAIN, sp=True, recompute="selective")
+    t, q, kv = _shapes(sp)
+    fa, fb = _ops(build_partitions(plain), "fwd"), _ops(build_partitions(sp), "fwd")
+    assert fb["qk_norm_rope"][0] == 7.0 * t * (q + kv)
+    assert fa["rope"][0] == 3.0 * t * (q + kv)
+    ba = _ops(build_partitions(sp), "bwd")
+    assert "qk_norm_rope_bwd" in ba and "attn_core" in ba  # the selective re-run
+    assert not {"rope", "rope_bwd", "q_norm", "k_norm", "q_norm_bwd", "k_norm_bwd"} & (
+        set(fb) | set(ba))
 
 
 def test_qk_norm_weights_and_saved_activations() -> None:
     normed = attrs.evolve(PLAIN, qk_norm=True)
     assert normed.params - PLAIN.params == PLAIN.layers * 2 * PLAIN.head_dim
-    # Without recomputation the norms keep their inputs (q and k) and fp32 1/RMS per head.
+    # Without recomputation the fused norm-and-RoPE op keeps its input (q and k); its
+    # backward recomputes the per-head statistics (none kept).
     wa, wb = _wl(PLAIN, recompute=False, pp=1), _wl(normed, recompute=False, pp=1)
-    extra = (2 * (16 + 4) * 64 + 4 * (16 + 4)) / 4  # per token, split over TP = 4
+    extra = 2 * (16 + 4) * 64 / 4  # per token, split over TP = 4
     tokens = 8 * 2048 / 2
     layers_in_flight = wa.layers_per_stage  # one stage: one microbatch in flight
     got = estimate_memory(wb).activations_bytes - estimate_memory(wa).activations_bytes
