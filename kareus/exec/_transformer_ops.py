@@ -238,57 +238,40 @@ def _op_builders() -> dict[str, Callable[[Any, dict[str, Any], _Dims, Any], Call
             return op
         return build
 
-    def cols(d: _Dims, which: str) -> slice:
-        return slice(0, d.q) if which == "q" else slice(d.q, d.q + d.kv)
+    def qk_weights(torch: Any, ctx: dict[str, Any], d: _Dims) -> tuple[Any, Any]:
+        """The per-head query and key norm weights (``head_dim`` each, near one)."""
+        ws = []
+        for which in ("q", "k"):
+            key = f"w_{which}_norm"
+            fresh = key not in ctx
+            w = rnd(torch, ctx, key, d.hd, scale=0.1)
+            if fresh:
+                w.add_(1.0)
+            ws.append(w)
+        return ws[0], ws[1]
 
-    def qk_norm(which: str) -> Callable[..., Callable[[], Any]]:
-        # as the decoder's: the projection's output is kept (qkv_pre) and RoPE reads a copy
-        # whose query (then key) heads are normalised over head_dim
+    def rope_op(fused: bool) -> Callable[..., Callable[[], Any]]:
+        # RoPE of the packed QKV's queries and keys (``rope``), or with ``fused`` each query
+        # and key head RMS-normalised first, in the same kernel (``qk_norm_rope``, as the
+        # decoder of a qk-norm model runs it)
         def build(torch: Any, ctx: dict[str, Any], d: _Dims, out: Any) -> Callable[[], Any]:
             rnd(torch, ctx, "qkv", d.t, d.q + 2 * d.kv)
-            w = rnd(torch, ctx, f"w_{which}_norm", d.hd, scale=0.1)
-            w.add_(1.0)
-            c = cols(d, which)
+            cos, sin = cos_sin(torch, ctx, d)
             ks = ctx["_kernels"]
+            wq, wk = qk_weights(torch, ctx, d) if fused else (None, None)
 
             def op() -> None:
-                if which == "q" or "qkv_n" not in ctx:
-                    ctx["qkv_pre"] = ctx["qkv"]
-                    ctx["qkv_n"] = ctx["qkv"].clone()
-                x = ctx["qkv_pre"][:, c].reshape(-1, d.hd)
-                ctx["qkv_n"][:, c] = ks.rms_norm(x, w, d.eps).view(d.t, -1)
+                qkv = d.seq_order(ctx["qkv"])
+                if fused:
+                    q, k = ks.qk_norm_rope(qkv, wq, wk, cos, sin, heads=d.heads,
+                                           kv_heads=d.kvh, eps=d.eps)
+                else:
+                    q, k = ks.rope(qkv, cos, sin, heads=d.heads, kv_heads=d.kvh)
+                ctx["q"], ctx["k"] = q.transpose(1, 2), k.transpose(1, 2)
+                v = qkv.view(d.b, d.sq, d.heads + 2 * d.kvh, d.hd)[:, :, d.heads + d.kvh:]
+                ctx["v"] = v.transpose(1, 2)
             return op
         return build
-
-    def qk_norm_bwd(which: str) -> Callable[..., Callable[[], Any]]:
-        def build(torch: Any, ctx: dict[str, Any], d: _Dims, out: Any) -> Callable[[], Any]:
-            if "qkv_pre" not in ctx:
-                ctx["qkv_pre"] = rnd(torch, ctx, "qkv", d.t, d.q + 2 * d.kv)
-            rnd(torch, ctx, "dqkv", d.t, d.q + 2 * d.kv)
-            w = rnd(torch, ctx, f"w_{which}_norm", d.hd, scale=0.1)
-            c = cols(d, which)
-            ks = ctx["_kernels"]
-
-            def op() -> None:
-                dy = ctx["dqkv"][:, c].reshape(-1, d.hd)
-                dx, ctx[f"dw_{which}_norm"] = ks.rms_norm_bwd(
-                    dy, ctx["qkv_pre"][:, c].reshape(-1, d.hd), w, d.eps)
-                ctx["dqkv"][:, c] = dx.view(d.t, -1)
-            return op
-        return build
-
-    def rope(torch: Any, ctx: dict[str, Any], d: _Dims, out: Any) -> Callable[[], Any]:
-        rnd(torch, ctx, "qkv", d.t, d.q + 2 * d.kv)
-        cos, sin = cos_sin(torch, ctx, d)
-        ks = ctx["_kernels"]
-
-        def op() -> None:
-            qkv = d.seq_order(ctx.get("qkv_n", ctx["qkv"]))  # normalised copy with qk-norm
-            q, k = ks.rope(qkv, cos, sin, heads=d.heads, kv_heads=d.kvh)
-            ctx["q"], ctx["k"] = q.transpose(1, 2), k.transpose(1, 2)
-            v = qkv.view(d.b, d.sq, d.heads + 2 * d.kvh, d.hd)[:, :, d.heads + d.kvh:]
-            ctx["v"] = v.transpose(1, 2)
-        return op
 
     def ensure_qkv(torch: Any, ctx: dict[str, Any], d: _Dims) -> None:
         if "q" not in ctx:
@@ -343,22 +326,31 @@ def _op_builders() -> dict[str, Callable[[Any, dict[str, Any], _Dims, Any], Call
             ctx["dq"], ctx["dk"], ctx["dv"] = ks.attention_bwd(do, saved)
         return op
 
-    def rope_bwd(torch: Any, ctx: dict[str, Any], d: _Dims, out: Any) -> Callable[[], Any]:
-        cos, sin = cos_sin(torch, ctx, d)
-        if "dq" not in ctx:
-            ctx["dq"] = rnd(torch, ctx, "_dq", d.b, d.sq, d.heads, d.hd).transpose(1, 2)
-        if "dk" not in ctx:  # with CP: this rank's chunks' (the reduce-scatter's output)
-            ctx["dk"] = rnd(torch, ctx, "_dk", d.b, d.sq, d.kvh, d.hd).transpose(1, 2)
-            ctx["dv"] = rnd(torch, ctx, "_dv", d.b, d.sq, d.kvh, d.hd).transpose(1, 2)
+    def rope_bwd_op(fused: bool) -> Callable[..., Callable[[], Any]]:
+        # RoPE's backward (``rope_bwd``), or with ``fused`` the norms' backward after it in
+        # the same kernel (``qk_norm_rope_bwd``: it reads the pre-norm QKV too)
+        def build(torch: Any, ctx: dict[str, Any], d: _Dims, out: Any) -> Callable[[], Any]:
+            cos, sin = cos_sin(torch, ctx, d)
+            if "dq" not in ctx:
+                ctx["dq"] = rnd(torch, ctx, "_dq", d.b, d.sq, d.heads, d.hd).transpose(1, 2)
+            if "dk" not in ctx:  # with CP: this rank's chunks' (the reduce-scatter's output)
+                ctx["dk"] = rnd(torch, ctx, "_dk", d.b, d.sq, d.kvh, d.hd).transpose(1, 2)
+                ctx["dv"] = rnd(torch, ctx, "_dv", d.b, d.sq, d.kvh, d.hd).transpose(1, 2)
+            ks = ctx["_kernels"]
+            if fused:
+                qkv = d.seq_order(rnd(torch, ctx, "qkv", d.t, d.q + 2 * d.kv))
+                wq, wk = qk_weights(torch, ctx, d)
 
-        ks = ctx["_kernels"]
-
-        def op() -> None:
-            # RoPE is a rotation: its backward rotates back; dv is packed beside.
-            ctx["dqkv"] = d.rank_order(ks.rope_bwd(
-                ctx["dq"].transpose(1, 2), ctx["dk"].transpose(1, 2),
-                ctx["dv"].transpose(1, 2), cos, sin))
-        return op
+            def op() -> None:
+                dq, dk, dv = (ctx[n].transpose(1, 2) for n in ("dq", "dk", "dv"))
+                if fused:
+                    dqkv, ctx["dw_q_norm"], ctx["dw_k_norm"] = ks.qk_norm_rope_bwd(
+                        dq, dk, dv, qkv, wq, wk, cos, sin, eps=d.eps)
+                else:  # RoPE is a rotation: its backward rotates back; dv packed beside
+                    dqkv = ks.rope_bwd(dq, dk, dv, cos, sin)
+                ctx["dqkv"] = d.rank_order(dqkv)
+            return op
+        return build
 
     def swiglu(torch: Any, ctx: dict[str, Any], d: _Dims, out: Any) -> Callable[[], Any]:
         rnd(torch, ctx, "g", d.t, d.f)
@@ -388,9 +380,8 @@ def _op_builders() -> dict[str, Callable[[Any, dict[str, Any], _Dims, Any], Call
         "attn_norm": norm("w_attn_norm"),
         "mlp_norm": norm("w_mlp_norm"),
         "qkv": gemm("xn", th, "Wqkv", lambda d: (d.h, d.q + 2 * d.kv), "qkv"),
-        "q_norm": qk_norm("q"),
-        "k_norm": qk_norm("k"),
-        "rope": rope,
+        "rope": rope_op(fused=False),
+        "qk_norm_rope": rope_op(fused=True),
         "attn_core": attn_core,
         "out_proj": gemm("attn", tq, "Wo", lambda d: (d.q, d.h), "y"),
         "gate": gemm("xn", th, "Wg", lambda d: (d.h, d.f), "g"),
@@ -411,9 +402,8 @@ def _op_builders() -> dict[str, Callable[[Any, dict[str, Any], _Dims, Any], Call
         "out_dgrad": gemm("dyn", th, "Wo", lambda d: (d.q, d.h), "dattn", trans_w=True),
         "out_wgrad": gemm("attn", tq, "dyn", th, "dWo", trans_a=True),
         "attn_core_bwd": attn_core_bwd,
-        "rope_bwd": rope_bwd,
-        "q_norm_bwd": qk_norm_bwd("q"),
-        "k_norm_bwd": qk_norm_bwd("k"),
+        "rope_bwd": rope_bwd_op(fused=False),
+        "qk_norm_rope_bwd": rope_bwd_op(fused=True),
         "qkv_dgrad": gemm("dqkv", tqkv, "Wqkv", lambda d: (d.h, d.q + 2 * d.kv), "dx",
                           trans_w=True),
         "qkv_wgrad": gemm("xn", th, "dqkv", tqkv, "dWqkv", trans_a=True),

@@ -45,7 +45,8 @@ forward keeps ``h`` (full); ``4 h + 2 q + 2 kv + 3 f`` plus the queries and keys
 (or under CP every chunk's keys and values, gathered: ``2 cp kv``)
 (selective: the input, both norms' outputs, the residual sum, the QKV projection (its
 values are read through it), the roped queries and keys, gate, up and SwiGLU outputs; a
-qk-norm model keeps its QKV projection twice, before and after the norms); none adds the
+qk-norm model keeps the same: its fused norm-and-RoPE backward reads the QKV projection,
+through which the values are kept anyway); none adds the
 attention output (``q``) and its softmax statistics (``heads`` fp32 values).
 The ops are the same code as the training loop's decoder, on the production kernels.
 
@@ -195,30 +196,15 @@ class _LayerProgram(DecoderShard):
         ang = torch.cat((ang, ang), dim=-1)
         self.tok_cos, self.tok_sin = ang.cos().to(self.dtype), ang.sin().to(self.dtype)
 
-    def _op_rope(self, layer: int, a: dict[str, Any], nb: int) -> None:
+    def _rope_tables(self, nb: int) -> tuple[Any, Any]:
+        """The shared tables, or with packed-document positions this nanobatch's per-token
+        tables: the kernels take ``seq = cos.shape[0]``, so its tokens rotate as one
+        sequence of per-token tables (RoPE, and the query/key norms fused with it, are
+        per token); the decoder's ops view the results back to ``[batch, seq, ...]``."""
         if self.tok_cos is None:
-            super()._op_rope(layer, a, nb)
-            return
-        # The kernels take seq = cos.shape[0]: this nanobatch's tokens as one sequence of
-        # per-token tables (RoPE is per token), then back to [batch, seq, heads, hd].
-        b, rows = self.mbs // self.n, self.rows(nb)
-        q, k = self.ks.rope(a["qkv"], self.tok_cos[rows], self.tok_sin[rows],
-                            heads=self.heads, kv_heads=self.kvh)
-        a["q"] = q.reshape(b, self.sq, self.heads, self.hd)
-        a["k"] = k.reshape(b, self.sq, self.kvh, self.hd)
-        a["v"] = a["qkv"].view(b, self.sq, self.heads + 2 * self.kvh, self.hd)[
-            :, :, self.heads + self.kvh:]
-
-    def _op_rope_bwd(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        if self.tok_cos is None:
-            super()._op_rope_bwd(layer, a, nb)
-            return
+            return self.cos, self.sin
         rows = self.rows(nb)
-        t = rows.stop - rows.start
-        dq = a["dq"].transpose(1, 2).reshape(1, t, self.heads, self.hd)
-        dk = a["dk"].transpose(1, 2).reshape(1, t, self.kvh, self.hd)
-        dv = a["dv"].transpose(1, 2).reshape(1, t, self.kvh, self.hd)
-        a["dqkv"] = self.ks.rope_bwd(dq, dk, dv, self.tok_cos[rows], self.tok_sin[rows])
+        return self.tok_cos[rows], self.tok_sin[rows]
 
     def G(self, layer: int, name: str) -> Any:
         """The gradient buffer of weight ``name`` of layer ``layer`` in the current backward."""

@@ -459,7 +459,8 @@ class TorchCalibrationDevice(CalibrationDevice):
         names = ks.kernel_names()
         family = {"attn_norm": "rms_norm", "mlp_norm": "rms_norm",
                   "attn_norm_bwd": "rms_norm_bwd", "mlp_norm_bwd": "rms_norm_bwd",
-                  "rope": "rope", "rope_bwd": "rope_bwd", "swiglu": "swiglu",
+                  "rope": "rope", "rope_bwd": "rope_bwd", "qk_norm_rope": "qk_norm_rope",
+                  "qk_norm_rope_bwd": "qk_norm_rope_bwd", "swiglu": "swiglu",
                   "swiglu_bwd": "swiglu_bwd", "attn_core": "attention",
                   "attn_core_bwd": "attention"}
         for pname, part in runnable_partitions(workload, kernels=ks).items():

@@ -322,31 +322,42 @@ def test_grouped_attention_reads_kv_groups_in_place_and_matches_the_copy():
     torch.testing.assert_close(out[:, :, 0], v.repeat_interleave(3, dim=1)[:, :, 0])
 
 
-def test_query_key_norm_partitions_run_the_decoders_normalisation():
-    # a Qwen3-shaped layer (qk-norm, eps 1e-6): the attention-input partitions hold the
-    # per-head norms between the QKV projection and RoPE (and after RoPE's backward), run
-    # them, and normalise each query and key head over head_dim with the model's eps
+def test_query_key_norm_partitions_run_the_fused_norm_and_rope():
+    # a Qwen3-shaped layer (qk-norm, eps 1e-6): the attention-input partitions run the
+    # per-head norms fused with RoPE in RoPE's place (KernelSet.qk_norm_rope and its
+    # backward), normalising each query and key head over head_dim with the model's eps
+    from kareus.exec.kernels import get_kernels
+
     wl = tiny_workload()
     wl = wl.with_(model=attrs.evolve(wl.model, qk_norm=True, norm_eps=1e-6))
     parts = runnable_partitions(wl, ["fwd_attn", "bwd_attn"])
     fwd, bwd = parts["fwd_attn"], parts["bwd_attn"]
     names = [op.name for op in fwd.partition.compute_ops]
-    assert names[names.index("qkv") + 1:names.index("rope")] == ["q_norm", "k_norm"]
+    assert names[names.index("qkv") + 1] == "qk_norm_rope" and "rope" not in names
     back = [op.name for op in bwd.partition.compute_ops]
-    assert back[back.index("rope_bwd") + 1:back.index("qkv_dgrad")] == ["q_norm_bwd",
-                                                                        "k_norm_bwd"]
+    assert back[back.index("attn_core_bwd") + 1:back.index("qkv_dgrad")] == [
+        "qk_norm_rope_bwd"]
     prog = fwd.build(device="cpu", seed=3)
     prog.run_plain()
     ctx = prog.state  # the ops' tensors
-    pre, normed = ctx["qkv_pre"].float(), ctx["qkv_n"].float()
-    d = wl.model.head_dim
-    q_cols = slice(0, (wl.model.heads // 2) * d)
-    x = pre[:, q_cols].reshape(-1, d)
-    want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * ctx["w_q_norm"].float()
-    assert torch.allclose(normed[:, q_cols].reshape(-1, d), want, rtol=1e-2, atol=1e-2)
-    v_cols = slice((wl.model.heads // 2 + wl.model.kv_heads // 2) * d, None)
-    assert torch.equal(normed[:, v_cols], pre[:, v_cols])  # values untouched
-    bwd.build(device="cpu", seed=3).run_plain()  # the backward's norms run too
+    m = wl.model
+    heads, kvh, d = m.heads // 2, m.kv_heads // 2, m.head_dim
+    # the queries attention reads: each head normalised (float32 statistics), then rotated
+    pre = ctx["qkv"].float()
+    x = pre[:, :heads * d].reshape(-1, d)
+    normed = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)) * ctx["w_q_norm"].float()
+    qkv_n = pre.clone()
+    qkv_n[:, :heads * d] = normed.view(pre.shape[0], -1)
+    want_q, _ = get_kernels("reference").rope(qkv_n, ctx["cos"].float(), ctx["sin"].float(),
+                                             heads=heads, kv_heads=kvh)
+    got_q = ctx["q"].transpose(1, 2).float()
+    assert torch.allclose(got_q, want_q, rtol=2e-2, atol=2e-2)
+    v = pre.view(*got_q.shape[:2], heads + 2 * kvh, d)[:, :, heads + kvh:]
+    assert torch.equal(ctx["v"].transpose(1, 2).float(), v)  # values untouched
+    bprog = bwd.build(device="cpu", seed=3)
+    bprog.run_plain()  # the fused backward runs too, and gives the norm weights' gradients
+    assert bprog.state["dw_q_norm"].shape == (d,) and bprog.state["dw_k_norm"].shape == (d,)
+    assert bprog.state["dqkv"].shape == (pre.shape[0], (heads + 2 * kvh) * d)
 
 
 def test_a_qkv_bias_is_refused_by_the_runnable_partitions():

@@ -132,7 +132,7 @@ def test_the_stream_runs_the_decoder_layers_op_order():
     names = set(fwd.op_names) | set(bwd.op_names)
     # the query/key norms: ops of the layer of a model that has them
     qk = {n for ph in ("fwd", "bwd") for n in decoder_layer(ph, qk_norm=True).op_names} - names
-    assert qk == {"q_norm", "k_norm", "q_norm_bwd", "k_norm_bwd"}
+    assert qk == {"qk_norm_rope", "qk_norm_rope_bwd"}  # in RoPE's place, fused
     names |= qk
     stream = stack_stream("bwd", 1, tp=2, cp=2, recompute=False, qk_norm=True)
     assert tuple(x.name for x in stream if isinstance(x, Op)) == \
@@ -143,7 +143,8 @@ def test_the_stream_runs_the_decoder_layers_op_order():
     assert {op.name for p in ps for op in p.compute_ops} == names - qk
     wl_qk = workload(2, 2)
     wl_qk = wl_qk.with_(model=attrs.evolve(wl_qk.model, qk_norm=True))
-    assert {op.name for p in build_partitions(wl_qk) for op in p.compute_ops} == names
+    assert {op.name for p in build_partitions(wl_qk) for op in p.compute_ops} == (
+        names - {"rope", "rope_bwd"})
     for p in ps:  # every type's ops in the layer's (cyclic) order
         order = (*bwd.tail, *bwd.op_names) if p.phase == "bwd" else fwd.op_names
         idx = [order.index(op.name) for op in p.compute_ops]

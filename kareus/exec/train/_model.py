@@ -18,7 +18,9 @@ reduce-scatters their gradients after it; the weight gradients are summed over t
 group before the optimizer step.
 
 The forward and backward are written op by op, in the names of the partition model
-(``attn_norm``, ``qkv``, ..., ``qkv_wgrad``; ``kareus.model.partition``), each op on
+(``attn_norm``, ``qkv``, ..., ``qkv_wgrad``; ``kareus.model.partition``; a model with
+per-head query/key norms runs them fused with RoPE, ``qk_norm_rope`` and
+``qk_norm_rope_bwd``: ``KernelSet.qk_norm_rope``), each op on
 the kernels of a ``KernelSet`` (fused Triton kernels on a GPU
 by default, cuBLAS GEMMs with weight gradients accumulated in place, SDPA attention), so
 that the decoder schedule ([`kareus.exec.schedule`][kareus.exec.schedule]) can put every collective where a
@@ -41,8 +43,9 @@ results are reduce-scattered; the backward mirrors it (reduce-scatter of the inp
 of the QKV and gate/up GEMMs, all-gather of the output gradients before ``out_dgrad`` and
 ``down_dgrad``, the input gradient all-gathered last for the layer below or the embedding).
 A gathered tensor lists the ranks' shards one after another (``[TP, sequences, sq/TP]``
-token order): the GEMMs, the SwiGLU and the per-head query/key norms are row-wise and run
-in that order, and RoPE and attention, which need each sequence in order, reorder it
+token order): the GEMMs and the SwiGLU are row-wise and run in that order, and RoPE
+(with the query/key norms fused into it) and attention, which need each sequence in order,
+reorder it
 (a copy, only when a nanobatch holds more than one sequence). The weight gradients of the
 QKV and gate/up GEMMs read the gathered inputs of the forward: kept (without
 recomputation: a copy per layer, since the gather buffer is the next layer's) or
@@ -89,8 +92,8 @@ KEPT_FOR_BACKWARD: dict[str, frozenset[str]] = {
 }
 """What a layer's backward reads of its forward, per recomputation policy (names of the
 per-layer, per-nanobatch activations): ``"full"`` keeps the input and re-runs the rest;
-``"none"`` keeps the input, both norms' outputs, the query/key norms' input
-(``qkv_pre``, qk-norm models), the attention's saved state (queries, keys, values,
+``"none"`` keeps the input, both norms' outputs, the input of the fused query/key norm
+and RoPE (``qkv_pre``, the QKV projection's output, qk-norm models), the attention's saved state (queries, keys, values,
 output and softmax statistics: ``graph``) and its output in the output projection's
 layout (``attn``, a view of the same memory on the fused kernels), the residual sum
 (``x_mid``), the gate and up projections and the SwiGLU output; ``"selective"`` keeps
@@ -674,55 +677,45 @@ class DecoderShard:
     def _op_qkv(self, layer: int, a: dict[str, Any], nb: int) -> None:
         a["qkv"] = self.ks.matmul(self._input("attn_in", a, "xn", nb), self.W(layer, "Wqkv"))
 
-    def _head_cols(self, which: str) -> slice:
-        """The columns of the packed QKV that hold this rank's query or key heads."""
-        return slice(0, self.q) if which == "q" else slice(self.q, self.q + self.kv)
-
-    def _qk_norm(self, layer: int, a: dict[str, Any], which: str) -> None:
-        """Normalise each query (or key) head over head_dim, as Qwen3 does before RoPE: the
-        projection's output is kept for the backward (``qkv_pre``) and RoPE reads a copy
-        with the normalised heads."""
-        if "qkv_pre" not in a:
-            a["qkv_pre"] = a["qkv"]
-            a["qkv"] = a["qkv"].clone()
-        cols = self._head_cols(which)
-        x = a["qkv_pre"][:, cols].reshape(-1, self.hd)
-        y = self.ks.rms_norm(x, self.W(layer, f"w_{which}_norm"), self.eps)
-        a["qkv"][:, cols] = y.view(a["qkv"].shape[0], -1)
-
-    def _op_q_norm(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        self._qk_norm(layer, a, "q")
-
-    def _op_k_norm(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        self._qk_norm(layer, a, "k")
-
-    def _qk_norm_bwd(self, layer: int, a: dict[str, Any], which: str) -> None:
-        """The backward of ``_qk_norm``: the gradient of the normalised heads (RoPE's backward
-        wrote it into the packed dQKV) becomes the projection's output gradient, in place;
-        the norm weight's gradient accumulates (each TP rank holds part of it: its heads)."""
-        cols = self._head_cols(which)
-        dy = a["dqkv"][:, cols].reshape(-1, self.hd)
-        x = a["qkv_pre"][:, cols].reshape(-1, self.hd)
-        dx, dw = self._norm_bwd(dy, x, self.W(layer, f"w_{which}_norm"))
-        a["dqkv"][:, cols] = dx.view(a["dqkv"].shape[0], -1)
-        self.G(layer, f"w_{which}_norm").add_(dw.to(self.dtype))
-
-    def _op_q_norm_bwd(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        self._qk_norm_bwd(layer, a, "q")
-
-    def _op_k_norm_bwd(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        self._qk_norm_bwd(layer, a, "k")
+    def _rope_tables(self, nb: int) -> tuple[Any, Any]:
+        """The cos/sin tables RoPE reads for nanobatch ``nb`` (``[seq, head_dim]``, position
+        ``p`` in row ``p``): the shared ones."""
+        return self.cos, self.sin
 
     def _op_rope(self, layer: int, a: dict[str, Any], nb: int) -> None:
+        self._attention_inputs(layer, a, nb, qk_norm=False)
+
+    def _op_qk_norm_rope(self, layer: int, a: dict[str, Any], nb: int) -> None:
+        """Qwen3's attention input: each query and key head RMS-normalised over head_dim
+        with its weight, then rotated, in one kernel (``KernelSet.qk_norm_rope``); the
+        projection's output is kept for the backward (``qkv_pre``, which reads the pre-norm
+        queries and keys; the values are read through it as well)."""
+        self._attention_inputs(layer, a, nb, qk_norm=True)
+
+    def _attention_inputs(self, layer: int, a: dict[str, Any], nb: int, *,
+                          qk_norm: bool) -> None:
+        """The queries, keys and values of the packed QKV (``_op_rope``, and
+        ``_op_qk_norm_rope`` with ``qk_norm``), in sequence order; under CP this chunk's K
+        and V packed for the all-gather."""
         b = self.mbs // self.n
         qkv = self._to_seq_order(a["qkv"])
-        q, k = self.ks.rope(qkv, self.cos, self.sin, heads=self.heads, kv_heads=self.kvh)
+        cos, sin = self._rope_tables(nb)
+        if qk_norm:
+            a["qkv_pre"] = qkv
+            q, k = self.ks.qk_norm_rope(qkv, self.W(layer, "w_q_norm"),
+                                        self.W(layer, "w_k_norm"), cos, sin,
+                                        heads=self.heads, kv_heads=self.kvh, eps=self.eps)
+        else:
+            q, k = self.ks.rope(qkv, cos, sin, heads=self.heads, kv_heads=self.kvh)
         v = qkv.view(b, self.sq, self.heads + 2 * self.kvh, self.hd)[
             :, :, self.heads + self.kvh:]
-        a["q"], a["k"], a["v"] = q, k, v
+        # (per-token tables return one sequence of the nanobatch's tokens: a view back)
+        a["q"] = q.reshape(b, self.sq, self.heads, self.hd)
+        a["k"] = k.reshape(b, self.sq, self.kvh, self.hd)
+        a["v"] = v
         if self.cp > 1:  # this chunk's K and V, packed for the all-gather
             loc = self._buf("kv", nb).view(2, b, self.sq, self.kvh, self.hd)
-            loc[0].copy_(k)
+            loc[0].copy_(a["k"])
             loc[1].copy_(v)
 
     def _op_attn_core(self, layer: int, a: dict[str, Any], nb: int) -> None:
@@ -848,15 +841,41 @@ class DecoderShard:
         else:
             a["dq"], a["dk"], a["dv"] = self.ks.attention_bwd(do, saved)
 
-    def _op_rope_bwd(self, layer: int, a: dict[str, Any], nb: int) -> None:
+    def _attention_grads(self, layer: int, a: dict[str, Any], nb: int
+                         ) -> tuple[Any, Any, Any]:
+        """``(dq, dk, dv)`` of this rank's tokens, ``[batch, seq, heads, head_dim]`` (dK and
+        dV reduce-scattered under CP); with per-token tables (``_rope_tables``), one
+        sequence of the nanobatch's tokens."""
         b = self.mbs // self.n
         if self.cp > 1:
             loc = self._reduced("kv_grad", layer, nb).view(2, b, self.sq, self.kvh, self.hd)
             dk, dv = loc[0], loc[1]
         else:
             dk, dv = a["dk"].transpose(1, 2), a["dv"].transpose(1, 2)
-        a["dqkv"] = self._to_rank_order(
-            self.ks.rope_bwd(a["dq"].transpose(1, 2), dk, dv, self.cos, self.sin))
+        dq = a["dq"].transpose(1, 2)
+        seq = self._rope_tables(nb)[0].shape[0]
+        if seq != self.sq:
+            dq, dk, dv = (g.reshape(-1, seq, *g.shape[2:]) for g in (dq, dk, dv))
+        return dq, dk, dv
+
+    def _op_rope_bwd(self, layer: int, a: dict[str, Any], nb: int) -> None:
+        dq, dk, dv = self._attention_grads(layer, a, nb)
+        cos, sin = self._rope_tables(nb)
+        a["dqkv"] = self._to_rank_order(self.ks.rope_bwd(dq, dk, dv, cos, sin))
+
+    def _op_qk_norm_rope_bwd(self, layer: int, a: dict[str, Any], nb: int) -> None:
+        """The backward of ``_op_qk_norm_rope`` in one kernel (``KernelSet.qk_norm_rope_bwd``):
+        dQ and dK rotated back and through the norms into the projection's output gradient
+        (packed with dV); the norm weights' gradients accumulate (each TP rank holds part of
+        them: its heads)."""
+        dq, dk, dv = self._attention_grads(layer, a, nb)
+        cos, sin = self._rope_tables(nb)
+        dqkv, dwq, dwk = self.ks.qk_norm_rope_bwd(
+            dq, dk, dv, a["qkv_pre"], self.W(layer, "w_q_norm"), self.W(layer, "w_k_norm"),
+            cos, sin, eps=self.eps)
+        a["dqkv"] = self._to_rank_order(dqkv)
+        self.G(layer, "w_q_norm").add_(dwq.to(self.dtype))
+        self.G(layer, "w_k_norm").add_(dwk.to(self.dtype))
 
     def _op_qkv_dgrad(self, layer: int, a: dict[str, Any], nb: int) -> None:
         out, pooled = self._out("attn_in_grad", layer, nb)

@@ -13,7 +13,16 @@ runs on this model, so it is built as a performance model, not a lookup table:
   clock-independent feed time (the L2 and crossbar feed the tensor cores at a rate that
   does not follow the SM clock; measured on H200, GEMMs reach 0.82 of the clock's peak at
   1500 MHz and 0.74 at 1980 MHz). The terms combine as a p-norm close to the roofline's
-  max, plus a fixed GPU-side gap per kernel (2 us, measured on H200).
+  max, plus a fixed GPU-side gap per kernel (2 us, measured on H200). Fused memory-bound
+  kernels are one op with the fused work: the per-head query/key RMSNorm with RoPE of a
+  qk-norm model (``qk_norm_rope``, ``qk_norm_rope_bwd``; ``kareus.model.partition``) is one
+  memory-bound op of kind ``rope`` whose bytes are its minimum HBM traffic (q and k read
+  and written, the norm weights and cos/sin tables read; backward dQ, dK, dV and the
+  pre-norm q and k read, dQKV and the weights' gradients written) and whose FLOPs run on
+  CUDA cores, so it costs about that traffic over the op's bandwidth share (the compute
+  term is far below it), one launch gap, and in eager execution one RoPE launch's host
+  time; a measured profile's record of it (``kareus calibrate`` on a qk-norm workload)
+  scales it as any op's, and without one the op kind's default does.
 * **Communication kernels** move ``CommOp.bus_bytes`` at a rate that grows with their SM
   count and saturates at the effective link bandwidth: ``1/R = ((s r(f))^-p + L^-p)^(1/p)``
   with a per-SM throughput ``r(f) = r0 (f/f_max)^alpha`` (mildly frequency dependent),
