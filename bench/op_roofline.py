@@ -71,6 +71,7 @@ BATCH = {"microbatch_size": 8, "seq_len": 4096, "nanobatches": 2}
 
 FAMILY = {"attn_norm": "rms_norm", "mlp_norm": "rms_norm", "attn_norm_bwd": "rms_norm_bwd",
           "mlp_norm_bwd": "rms_norm_bwd", "rope": "rope", "rope_bwd": "rope_bwd",
+          "qk_norm_rope": "qk_norm_rope", "qk_norm_rope_bwd": "qk_norm_rope_bwd",
           "swiglu": "swiglu", "swiglu_bwd": "swiglu_bwd", "attn_core": "attention",
           "attn_core_bwd": "attention"}
 
