@@ -12,6 +12,9 @@ op                 what it computes
 ``rms_norm_bwd``   ``dx`` and ``dw`` of that, from ``dy``, ``x`` and ``w``
 ``rope``           rotary embedding of q and k, read from the packed QKV projection
 ``rope_bwd``       the inverse rotation of ``dq`` and ``dk``, packed with ``dv`` into dQKV
+``qk_norm_rope``   per-head RMSNorm of q and k (Qwen3), then RoPE: a qk-norm layer's op
+                   in RoPE's place (its backward ``qk_norm_rope_bwd``; by default the
+                   composition of the ops above, one kernel each in ``"triton"``)
 ``swiglu``         ``silu(g) * u``
 ``swiglu_bwd``     ``dg`` and ``du`` of that
 ``attention``      causal scaled-dot-product attention, grouped K/V read in place
