@@ -37,6 +37,10 @@ _REQUIRED_KEYS = ("version", "gpu", "schedule", "num_stages", "num_microbatches"
                   "assignment", "time_s", "energy_j", "dynamic_energy_j", "static_power_w")
 # Limits on what a plan file may hold (a plan kareus wrote is far inside them).
 _MAX_LABEL = 200
+#: The launch slots a qk-norm model's attention-input types had before its query/key norms
+#: ran fused with RoPE (``kareus.model.decoder.QK_NORM_OPS``).
+_UNFUSED_QK_SLOTS = frozenset({"q_norm", "k_norm", "rope", "q_norm_bwd", "k_norm_bwd",
+                               "rope_bwd"})
 _MAX_NAME = 100
 _MAX_COMPUTATIONS = 1_000_000
 _MAX_TIME_S = 1e6
@@ -291,9 +295,13 @@ def _parse_plan(cls: Callable[..., Any], d: Any, source: str, *, version: int,  
             if cfg.launch_slot is None:
                 continue
             if allowed is None or cfg.launch_slot not in allowed:
+                fused = {"qk_norm_rope", "qk_norm_rope_bwd"} & set(allowed or ())
+                why = ("; the plan was made before the query/key norms ran fused with RoPE "
+                       "(qk_norm_rope): make it again" if fused and cfg.launch_slot in
+                       _UNFUSED_QK_SLOTS else "")
                 raise _err(source, f"choices[{i}].configs.{name}.launch_slot",
                            f"{cfg.launch_slot!r} is not a launch slot of {name} (slots: "
-                           f"{sorted(allowed or ())} or null for sequential)")
+                           f"{sorted(allowed or ())} or null for sequential){why}")
     try:
         plan = cls(gpu=gpu.name, schedule=schedule, num_stages=stages, num_microbatches=micro,
                    choices=choices, assignment=assignment, time_s=time_s, energy_j=energy_j,
