@@ -20,11 +20,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _reference import full_weights, layer, planned_weights, workload
+from _reference import full_weights, layer, planned_weights
 
 from kareus.exec.kernels import KernelSet, get_kernels
 from kareus.exec.train import LoopbackGroups
 from kareus.integrations import PlanApplier
+from kareus.model.workload import ModelArch, Parallelism, Workload
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -60,6 +61,14 @@ def _kernels(fused: bool) -> Any:
     return Counting()
 
 
+def _workload(recompute: str) -> Workload:
+    """A small Qwen3-shaped layer (per-head query/key norms, eps 1e-6)."""
+    m = ModelArch(name="small-qwen3", layers=2, hidden=512, heads=8, kv_heads=4, head_dim=64,
+                  ffn=1024, vocab=1000, qk_norm=True, norm_eps=1e-6)
+    return Workload(model=m, parallelism=Parallelism(tp=1, cp=1), microbatch_size=4,
+                    seq_len=512, num_microbatches=2, nanobatches=2, recompute=recompute)
+
+
 def _rel(got: Any, want: Any) -> float:
     g, w = got.detach().double(), want.detach().double()
     return float((g - w).norm() / max(float(w.norm()), 1e-12))
@@ -71,13 +80,14 @@ def test_planned_layer_runs_the_fused_query_key_norm_and_matches_the_unfused_mat
         recompute, graphs):
     default = type(get_kernels(None))
     assert default.name == "triton" and default.qk_norm_rope is not KernelSet.qk_norm_rope
-    wl = workload(qk=True, mbs=4, seq=256, recompute=recompute)
+    wl = _workload(recompute)
     arch = wl.model
     dev = torch.device("cuda")
+    # bf16-representable weights and input: the reference sees what the layer sees
     full = {k: v.to(dev, torch.bfloat16).float() for k, v in full_weights(arch, 3).items()}
     g = torch.Generator().manual_seed(2)
-    x = torch.randn(4, 256, arch.hidden, generator=g).to(dev, torch.bfloat16).float()
-    c = torch.randn(4, 256, arch.hidden, generator=g).to(dev)
+    x = torch.randn(4, 512, arch.hidden, generator=g).to(dev, torch.bfloat16).float()
+    c = torch.randn(4, 512, arch.hidden, generator=g).to(dev)
 
     out = {}
     for fused in (True, False):
@@ -104,12 +114,18 @@ def test_planned_layer_runs_the_fused_query_key_norm_and_matches_the_unfused_mat
     assert _rel(dx_f, dx_u) < 2e-2
     for k in dw_f:
         assert _rel(dw_f[k], dw_u[k]) < 2e-2, (k, _rel(dw_f[k], dw_u[k]))
-    # and against the float32 autograd reference layer
+    # and against the float32 autograd reference layer, about as closely as PyTorch's own
+    # bf16 autograd of the same layer is (bf16 rounding, not a bug)
     ref_p = {k: v.clone().requires_grad_(True) for k, v in full.items()}
     xr = x.clone().requires_grad_(True)
     yr = layer(xr, ref_p, arch)
     (yr * c).sum().backward()
-    assert _rel(y_f, yr) < 2e-2
-    assert _rel(dx_f, xr.grad) < 3e-2
-    for k in dw_f:
-        assert _rel(dw_f[k], ref_p[k].grad) < 3e-2, (k, _rel(dw_f[k], ref_p[k].grad))
+    tb = {k: v.to(torch.bfloat16).requires_grad_(True) for k, v in full.items()}
+    xt = x.to(torch.bfloat16).requires_grad_(True)
+    yt = layer(xt, tb, arch)
+    (yt.float() * c).sum().backward()
+    pairs = [(y_f, yt, yr, "output"), (dx_f, xt.grad, xr.grad, "input gradient")]
+    pairs += [(dw_f[k], tb[k].grad, ref_p[k].grad, k) for k in full]
+    for got, torch_bf16, want, what in pairs:
+        err, base = _rel(got, want), _rel(torch_bf16, want)
+        assert err < max(2 * base, 5e-3), f"{what}: relative error {err:.3g}, torch {base:.3g}"
