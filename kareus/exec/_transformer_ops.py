@@ -6,7 +6,8 @@ workload's TP and CP shares) and returns a zero-argument callable that runs the 
 the partition's ``KernelSet`` (the one definition of each op is
 ``kareus.exec.kernels``; this module only wires shapes and data flow). The ops are the
 attention and MLP forward and backward ops of a Llama-shaped layer: GEMMs, RMSNorm, rotary
-position embedding, causal grouped-query attention, SwiGLU, and their backward passes.
+position embedding (a qk-norm model's with its per-head query/key norms fused in:
+``qk_norm_rope``), causal grouped-query attention, SwiGLU, and their backward passes.
 With context parallelism the attention ops are those of CP rank 0 on Megatron-Core's
 load-balanced chunks (``kareus.exec._cp_attention``: the gathered keys and values put in
 position order, one causal piece per chunk; every rank has the same causal work), and RoPE
