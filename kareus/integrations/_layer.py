@@ -1027,17 +1027,35 @@ def _function() -> Any:
                                       _per_layer(weights, layers, len(applier.weight_names)),
                                       positions=positions)
             ctx.applier, ctx.layers, ctx.positions = applier, layers, positions
-            # full recomputation: the inputs of layers 1 ..; otherwise KeptActivations
+            ctx.weights = len(weights)
+            # What the backward reads. Eager: autograd holds it (saved for backward), so it
+            # is freed as soon as the backward has run, whoever keeps this node (a
+            # framework keeps the output, and so the node, until later), and it passes
+            # through saved-tensor hooks; full recomputation keeps the inputs of layers 1 ..,
+            # otherwise KeptActivations. From graphs of the applier's own: the forward
+            # graph's buffers, lent (their slot is freed by the backward).
+            kept: list[Any] = []
+            ctx.kept_layout = None
+            if isinstance(inputs, KeptActivations) and inputs.slot is None:
+                kept, ctx.kept_layout = inputs.pack()
+                inputs = None
+            elif isinstance(inputs, list):
+                kept, ctx.kept_layout, inputs = inputs, "inputs", None
             ctx.inputs = inputs
-            ctx.save_for_backward(x, *weights)
+            ctx.save_for_backward(x, *weights, *kept)
             return out
 
         @staticmethod
         def backward(ctx: Any, dy: Any) -> Any:
-            x, *weights = ctx.saved_tensors
+            x, *saved = ctx.saved_tensors
+            weights, kept = saved[:ctx.weights], saved[ctx.weights:]
             inputs = ctx.inputs
-            if not isinstance(inputs, KeptActivations):  # full recomputation: freed now
-                ctx.inputs = None  # (kept activations: the node frees them, retain_graph)
+            if ctx.kept_layout == "inputs":
+                inputs = kept
+            elif ctx.kept_layout is not None:
+                inputs = KeptActivations.unpack(ctx.kept_layout, kept)
+            elif not isinstance(inputs, KeptActivations):  # graphs, full recomputation:
+                ctx.inputs = None  # freed now (kept activations: their slot is released)
             # The attention's backward reads what its forward saved under autograd
             with torch.enable_grad():
                 dx, dws = ctx.applier.run("bwd", x.detach().contiguous(),
