@@ -85,6 +85,7 @@ __all__ = [
     "LayerSegment",
     "QK_NORM_OPS",
     "SELECTIVE_RECOMPUTE",
+    "NOT_READ_BY_BACKWARD",
     "SP_DECODER_LAYER",
     "decoder_layer",
     "layer_collectives",
@@ -262,6 +263,18 @@ QK_NORM_OPS: Mapping[str, tuple[str, tuple[str, ...]]] = types.MappingProxyType(
 #: output projection's weight gradient and the attention backward read it); every other
 #: activation is kept, and no collective runs again.
 SELECTIVE_RECOMPUTE: tuple[str, str] = ("attn_core", "out_dgrad")
+
+
+#: The forward ops whose results no backward op reads: the down projection (its output is
+#: the layer's output, which the layer above reads; its backward reads the SwiGLU output and
+#: the output's gradient). Full recomputation skips them where the layer runs no collective
+#: (TP = CP = 1, where no partition is planned, as ``torch.compile``'s partitioner drops
+#: them from a checkpointed block's recomputation): 21% of a recomputed layer's forward
+#: FLOPs at hidden 2048, FFN 6144, 4096-token sequences (bench/recompute_policy.py's
+#: shapes), about 5% of a step with full recomputation. With collectives the recomputed
+#: forward is the forward phase its partitions are costed and scheduled as, the output's
+#: collective after the down projection included.
+NOT_READ_BY_BACKWARD: tuple[str, ...] = ("down",)
 
 
 def _insert(layer: LayerPhase, before_or_after: str, anchor: str,
