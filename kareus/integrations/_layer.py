@@ -1046,13 +1046,12 @@ def _function() -> Any:
             # otherwise KeptActivations. From graphs of the applier's own: the forward
             # graph's buffers, lent (their slot is freed by the backward).
             kept: list[Any] = []
-            ctx.kept_layout = None
+            ctx.kept_layout, ctx.inputs = None, inputs
             if isinstance(inputs, KeptActivations) and inputs.slot is None:
                 kept, ctx.kept_layout = inputs.pack()
-                inputs = None
+                ctx.inputs = None
             elif isinstance(inputs, list):
-                kept, ctx.kept_layout, inputs = inputs, "inputs", None
-            ctx.inputs = inputs
+                kept, ctx.kept_layout, ctx.inputs = inputs, "inputs", None
             ctx.save_for_backward(x, *weights, *kept)
             return out
 
