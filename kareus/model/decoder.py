@@ -295,8 +295,9 @@ def decoder_layer(phase: str, *, qk_norm: bool = False, sp: bool = False,
     inserted in the attention-input segment); with ``sp``, the sequence-parallel layout
     (``SP_DECODER_LAYER``); with ``recompute="selective"``, the backward holds the
     recomputed attention core (``SELECTIVE_RECOMPUTE``). Full recomputation re-runs the
-    whole forward phase before the backward phase (the runtime schedule strings it), so it
-    changes no phase's ops; nor does ``"none"``."""
+    forward phase before the backward phase (the runtime schedule strings it; without
+    ``NOT_READ_BY_BACKWARD`` where the layer has no collective), so it changes no phase's
+    ops; nor does ``"none"``."""
     if phase not in DECODER_LAYER:
         raise ArgumentError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
     if recompute not in ("none", "selective", "full"):
