@@ -163,14 +163,19 @@ def test_qk_norm_fused_op_under_sequence_parallelism_and_selective_recompute() -
 def test_qk_norm_weights_and_saved_activations() -> None:
     normed = attrs.evolve(PLAIN, qk_norm=True)
     assert normed.params - PLAIN.params == PLAIN.layers * 2 * PLAIN.head_dim
-    # Without recomputation the fused norm-and-RoPE op keeps its input (q and k); its
-    # backward recomputes the per-head statistics (none kept).
+    # Without recomputation kareus's layer keeps the projection's output before the norms
+    # (the fused norm-and-RoPE backward's input: q, k and v, one tensor), no statistics (the
+    # backward recomputes them); under CP (here 2) one more tensor than without qk-norm,
+    # without CP the QKV projection kept anyway; what it keeps is counted against this
+    # figure in tests/integrations/test_layer_memory.py
     wa, wb = _wl(PLAIN, recompute=False, pp=1), _wl(normed, recompute=False, pp=1)
-    extra = 2 * (16 + 4) * 64 / 4  # per token, split over TP = 4
+    extra = 2 * (16 + 2 * 4) * 64 / 4  # per token, split over TP = 4
     tokens = 8 * 2048 / 2
     layers_in_flight = wa.layers_per_stage  # one stage: one microbatch in flight
     got = estimate_memory(wb).activations_bytes - estimate_memory(wa).activations_bytes
     assert got == pytest.approx(layers_in_flight * extra * tokens)
+    wa1, wb1 = (w.with_(parallelism=attrs.evolve(w.parallelism, cp=1)) for w in (wa, wb))
+    assert estimate_memory(wb1).activations_bytes == estimate_memory(wa1).activations_bytes
 
 
 # ----------------------------------------------------------------------------- QKV bias

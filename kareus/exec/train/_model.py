@@ -93,8 +93,9 @@ KEPT_FOR_BACKWARD: dict[str, frozenset[str]] = {
 """What a layer's backward reads of its forward, per recomputation policy (names of the
 per-layer, per-nanobatch activations): ``"full"`` keeps the input and re-runs the rest;
 ``"none"`` keeps the input, both norms' outputs, the input of the fused query/key norm
-and RoPE (``qkv_pre``, the QKV projection's output, qk-norm models), the attention's saved state (queries, keys, values,
-output and softmax statistics: ``graph``) and its output in the output projection's
+and RoPE (``qkv_pre``, the QKV projection's output, qk-norm models), the attention's
+saved state (queries, keys, values, output and softmax statistics: ``graph``) and its
+output in the output projection's
 layout (``attn``, a view of the same memory on the fused kernels), the residual sum
 (``x_mid``), the gate and up projections and the SwiGLU output; ``"selective"`` keeps
 the same but the attention's output and statistics, holding instead what its
