@@ -132,6 +132,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _nonnegative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value}")
+    return value
+
+
 def _noise(text: str) -> float:
     """``--noise``: a relative spread in [0, 0.5), as the emulated profiler takes it."""
     try:
@@ -548,7 +558,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
                     order_seed=args.order_seed, seed=args.seed, tolerance=args.tolerance,
                     device=args.device, backend=args.backend,
                     graphs=False if args.no_graphs else None, busy_steps=args.busy_steps,
-                    out=args.out, log=None if args.quiet else print)
+                    min_window_s=args.min_window_s, out=args.out,
+                    log=None if args.quiet else print)
     if report is None:  # not rank 0
         return 0
     print(report.table())
@@ -767,6 +778,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--busy-steps", type=_nonnegative_int, default=2,
                    help="iterations queued behind a held GPU per system, for the GPU-busy "
                         "fraction (default 2; 0: skip)")
+    p.add_argument("--min-window-s", type=_nonnegative_float, default=None, metavar="S",
+                   help="shortest timed window of a run: iterations are added after --steps "
+                        "until it lasts this long, so that NVML's energy counter steps "
+                        "inside it (default: 7.5 of the counter's step periods, at least "
+                        "0.5 s; about 0.75 s on an H200)")
     p.add_argument("--out", default=None, metavar="PATH",
                    help="verify.json's path or folder (default: beside the plan)")
     p.add_argument("--gpu-file", default=None, metavar="FILE",
