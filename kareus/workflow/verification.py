@@ -248,7 +248,11 @@ class VerifyReport:
         head = (f"{'system':13s} {'':9s} {'time (s)':>9s} {'static (J)':>11s} "
                 f"{'dynamic (J)':>12s} {'total (J)':>10s}  {'busy':>5s} {'SM MHz':>6s}")
         lines = ([] if self.measured else ["CPU DRY RUN: NOT A MEASUREMENT (see the note "
-                                           "below)"]) + [head, "-" * len(head)]
+                                           "below)"])
+        if self.facts.get("stand_in"):
+            lines.append(f"{self.facts['stand_in']}: every measured figure below is a "
+                         "stand-in's (see the note)")
+        lines += [head, "-" * len(head)]
 
         def row(label: str, f: Figures | None, time_s: float) -> str:
             if f is None:
@@ -411,7 +415,7 @@ def verify(plan: Plan | str | os.PathLike[str], *,
            repeats: int = 2, order_seed: int = 0, seed: int = 0, tolerance: float = 0.10,
            device: str | None = None, backend: str | None = None, graphs: bool | None = None,
            kernels: Any = None, busy_steps: int = 2, nvml: Any = None,
-           min_window_s: float | None = None,
+           min_window_s: float | None = None, loopback: str = "plain",
            out: str | os.PathLike[str] | None = None,
            log: Callable[[str], None] | None = None) -> VerifyReport | None:
     """Run the plan and the baselines it was compared with; compare with the predictions.
@@ -451,6 +455,13 @@ def verify(plan: Plan | str | os.PathLike[str], *,
             of the meter (about 0.75 s on an H200; 0 for the CPU dry run's stand-in). A
             run whose window still holds no counter step takes its energy from NVML's
             sampled power readings, and ``verify.json`` says so (``energy_method``).
+        loopback: In one process: ``"plain"`` (the loopback kernel of each collective's
+            bytes, far shorter than the real collective) or ``"faithful"`` (each collective
+            holds its SM count for the real collective's time at that count and size, from
+            the measured collective curves or the emulator's link model:
+            [`TimedLoopbackGroupCollective`][kareus.exec.train.TimedLoopbackGroupCollective]);
+            every figure made with it is labelled a STAND-IN. Refused under ``torchrun``
+            (the real collectives run there).
         out: Where rank 0 writes ``verify.json`` (a file or a folder; ``None``: beside a
             plan file, or nowhere for a plan object).
         log: Progress lines (rank 0).
@@ -497,7 +508,7 @@ def verify(plan: Plan | str | os.PathLike[str], *,
 
     with contextlib.ExitStack() as stack:
         job = open_job_loop(stack, plan, device=device, backend=backend, graphs=graphs,
-                            kernels=kernels, seed=seed, nvml=nvml)
+                            kernels=kernels, seed=seed, nvml=nvml, loopback=loopback)
         loop, wl, cpu, rank, world = job.loop, job.workload, job.cpu, job.rank, job.world
 
         def say(msg: str) -> None:
@@ -535,7 +546,8 @@ def verify(plan: Plan | str | os.PathLike[str], *,
                          "collectives": job.collectives_note, "meter": job.meter_note,
                          "device": job.device_name, "warmup": warmup, "steps": steps,
                          "repeats": repeats, "order_seed": order_seed, "seed": seed,
-                         "min_window_s": window,
+                         "min_window_s": window, "loopback": job.loopback,
+                         "stand_in": job.stand_in,
                          "graphs": bool(loop.graphs), "layers": loop.layers,
                          "elapsed_s": time.perf_counter() - t_begin})
     target = Path(out) if out is not None else (where / VERIFY_NAME if where else None)
@@ -563,6 +575,9 @@ class JobLoop:
         barrier: Every rank waits (``None`` in a world of one).
         gather: ``obj -> every rank's obj``.
         clock_requests: How many clock requests reached the dry-run controller.
+        loopback: The one-GPU stand-in (``"plain"`` or ``"faithful"``), ``None`` with
+            real collectives.
+        stand_in: The STAND-IN label of a time-faithful loopback's figures, else ``None``.
     """
 
     loop: Any
@@ -577,11 +592,13 @@ class JobLoop:
     barrier: Callable[[], Any] | None
     gather: Callable[[Any], list[Any]]
     clock_requests: Callable[[], int]
+    loopback: str | None = None
+    stand_in: str | None = None
 
 
 def open_job_loop(stack: contextlib.ExitStack, plan: Plan, *, device: str | None = None,
                   backend: str | None = None, graphs: bool | None = None, kernels: Any = None,
-                  seed: int = 0, nvml: Any = None) -> JobLoop:
+                  seed: int = 0, nvml: Any = None, loopback: str = "plain") -> JobLoop:
     """Set up the plan's job in this process as ``kareus verify`` does: the process group
     (several ranks) or loopback groups standing in for the job's (one), the collectives, a
     dry-run clock controller (stream-ordered on a GPU: clocks are never changed), the
@@ -612,18 +629,27 @@ def open_job_loop(stack: contextlib.ExitStack, plan: Plan, *, device: str | None
     if cpu and world != 1:
         raise ArgumentError("the CPU dry run is one process (loopback groups stand in for "
                             "the job's): run it without torchrun")
+    from kareus.exec.train import LOOPBACK_MODES
+
+    if loopback not in LOOPBACK_MODES:
+        raise ArgumentError(f"--loopback must be one of {LOOPBACK_MODES}, got {loopback!r}")
+    if loopback != "plain" and world != 1:
+        raise ArgumentError(f"--loopback {loopback} stands in for the groups in one process; "
+                            f"{world} processes run the real collectives: leave it out")
     ctx = _setup(stack, plan, wl, cpu=cpu, world=world, backend=backend, graphs=graphs,
-                 kernels=kernels, seed=seed, nvml=nvml)
+                 kernels=kernels, seed=seed, nvml=nvml, loopback=loopback)
     return JobLoop(loop=ctx["loop"], workload=wl, meter=ctx["meter"], cpu=cpu,
                    rank=ctx["rank"], world=world, device_name=ctx["device_name"],
                    collectives_note=ctx["collectives"], meter_note=ctx["meter_note"],
                    barrier=ctx["barrier"], gather=ctx["gather"],
-                   clock_requests=ctx["fired"])
+                   clock_requests=ctx["fired"],
+                   loopback=loopback if world == 1 and p.tp * p.cp > 1 else None,
+                   stand_in=ctx.get("stand_in"))
 
 
 def _setup(stack: contextlib.ExitStack, plan: Plan, wl: Workload, *, cpu: bool, world: int,
-           backend: str | None, graphs: bool | None, kernels: Any, seed: int, nvml: Any
-           ) -> dict[str, Any]:
+           backend: str | None, graphs: bool | None, kernels: Any, seed: int, nvml: Any,
+           loopback: str = "plain") -> dict[str, Any]:
     """The process group, groups, collectives, trigger, loop and meter (closed by
     ``stack``)."""
     import torch
@@ -666,9 +692,19 @@ def _setup(stack: contextlib.ExitStack, plan: Plan, wl: Workload, *, cpu: bool, 
     configs = [c for cs in plan.partition_configs().values() for c in cs]
     caps = tuple(sorted({c.comm_sms for c in configs}))
     named_wanted = {c.backend for c in configs if c.backend}
+    times = None
+    if loopback == "faithful" and world == 1 and p.tp * p.cp > 1:
+        from kareus.exec.train import STAND_IN_LABEL
+        from kareus.profilers.collective_times import EmulatedCollectiveTimes
+
+        times = EmulatedCollectiveTimes(plan.gpu)
+        ctx["stand_in"] = STAND_IN_LABEL
+    mode = "faithful" if times is not None else "plain"
     if p.tp * p.cp > 1:
-        capped, default, note = make_collectives(groups, backend=backend, caps=caps)
-        named = (named_collectives(groups, named_wanted, caps=caps)
+        capped, default, note = make_collectives(groups, backend=backend, caps=caps,
+                                                 loopback=mode, times=times)
+        named = (named_collectives(groups, named_wanted, caps=caps, loopback=mode,
+                                   times=times)
                  if named_wanted and not cpu else {})
     else:
         capped = default = named = None  # type: ignore[assignment]
@@ -816,6 +852,9 @@ def _report(plan: Plan, wl: Workload, predicted: Mapping[str, Figures],
                 "(dry-run controller)."
                 + (" One process stood in for the job's groups (loopback collectives)."
                    if world == 1 and job > 1 else ""))
+    if facts.get("stand_in"):
+        note = (f"{facts['stand_in']}. " + note + " Collectives: "
+                + str(facts.get("collectives")))
     facts = {**facts, "machine": machine, "workload": wl.to_dict(), "job_gpus": job,
              "measured_gpus": world,
              "plan": {"digest": plan.digest, "label": plan.label, "gpu": plan.gpu},

@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch")
 from test_train_loop import plan_for, workload
 
 from kareus.errors import ArgumentError, ArgumentTypeError
+from kareus.exec.collectives import CommSMCountError
 from kareus.exec.executor import RecordingStreamBackend
 from kareus.exec.train import (
     LOOPBACK_MODES,
@@ -91,7 +92,7 @@ def test_refusals():
     with pytest.raises(ArgumentError, match="backend"):
         TimedLoopbackGroupCollective(group_size=2, times=RATE, backend="mscclpp")
     timed = TimedLoopbackGroupCollective(group_size=2, times=RATE)
-    with pytest.raises(ArgumentError, match="sms"):
+    with pytest.raises(CommSMCountError, match="comm_sms"):
         timed.all_reduce(torch.ones(4), None, 0)
     groups = LoopbackGroups(tp=2, cp=2)
     with pytest.raises(ArgumentError, match="times="):

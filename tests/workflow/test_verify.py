@@ -170,3 +170,31 @@ def test_power_readings_stand_in_for_a_counter_that_did_not_step_and_are_labelle
     # nothing measured the energy: no figure, said so, and the check fails
     assert s.measured is None and s.energy_method is None and not s.within(1e9)
     assert "NOTHING (not measured)" in rep.table()
+
+
+def test_the_time_faithful_loopback_is_labelled_a_stand_in_everywhere(folder, tmp_path):
+    rep = verify(folder, device="cpu", steps=1, warmup=0, repeats=1, busy_steps=0,
+                 systems=["kareus"], loopback="faithful", out=tmp_path)
+    assert rep is not None
+    data = json.loads((tmp_path / "verify.json").read_text())
+    assert data["loopback"] == "faithful" and data["stand_in"].startswith("STAND-IN")
+    # where the collective times come from: the H200 profile's curve measured on 2 GPUs
+    assert "STAND-IN" in data["collectives"] and "MEASURED curve" in data["collectives"]
+    assert rep.note.startswith("STAND-IN") and "STAND-IN" in rep.table()
+    plain = verify(folder, device="cpu", steps=1, warmup=0, repeats=1, busy_steps=0,
+                   systems=["kareus"], out=tmp_path)
+    assert plain is not None and plain.facts["stand_in"] is None
+    assert "STAND-IN" not in plain.table()
+    with pytest.raises(ArgumentError, match="--loopback"):
+        verify(folder, device="cpu", loopback="fast")
+
+
+def test_the_command_takes_loopback_faithful(folder, tmp_path, capsys):
+    out = tmp_path / "v.json"
+    main(["verify", str(folder), "--device", "cpu", "--steps", "1", "--repeats", "1",
+          "--quiet", "--out", str(out), "--systems", "kareus", "--loopback", "faithful"])
+    assert "STAND-IN" in capsys.readouterr().out
+    assert json.loads(out.read_text())["loopback"] == "faithful"
+    code = main(["optimize", "--workload", "qwen3-1.7b", "--tp", "2", "--loopback", "faithful",
+                 "--out", str(tmp_path / "o")])
+    assert code == 2 and "--loopback" in capsys.readouterr().err

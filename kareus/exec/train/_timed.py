@@ -148,10 +148,6 @@ class TimedLoopbackGroupCollective(LoopbackGroupCollective):
         """Where this group's ``kind`` times come from."""
         return self.times.source(kind, self.world_size, backend=self.backend)
 
-    def _check_sms(self, sms: int) -> None:
-        if sms < 1 or sms > self.sm_count:
-            raise ArgumentError(f"sms must be in 1..{self.sm_count}, got {sms}")
-
     def _timed(self, kind: str, message_bytes: int, sms: int | None) -> tuple[int, int]:
         used, secs = self.target(kind, message_bytes, sms)
         self.timed.append((kind, int(message_bytes), used, secs))
