@@ -83,7 +83,8 @@ def test_the_kernel_holds_its_sms_for_the_target_time(kind, group, sms, mib):
     got = _event_time_s(run)
     print(f"STAND-IN {kind} x{group} {mib} MiB on {sms} SMs: target {1e6 * target:.1f} us, "
           f"kernel {1e6 * got:.1f} us ({got / target:.3f}x)")
-    assert got == pytest.approx(target, rel=0.10), (got, target)
+    # within 10% (and the few microseconds the events add around a kernel)
+    assert abs(got - target) <= 0.10 * target + 3e-6, (got, target)
 
 
 def _loop(loopback: str) -> tuple[TrainingLoop, object]:
