@@ -55,7 +55,7 @@ def faithful_note(backends: Iterable[TimedLoopbackGroupCollective | None]) -> st
             "Times: " + " | ".join(parts))
 
 
-#: Backends :func:`make_collectives` builds for the plan's collectives.
+#: Backends ``make_collectives`` builds for the plan's collectives.
 BACKENDS = ("nccl_capped", "own", "loopback")
 
 

@@ -54,7 +54,7 @@ class CollectiveTimes(abc.ABC):
 
     @abc.abstractmethod
     def source(self, kind: str, group_size: int, *, backend: str) -> str:
-        """Where :meth:`time_s` comes from for this kind and group size (one line)."""
+        """Where ``time_s`` comes from for this kind and group size (one line)."""
 
     def sms_for(self, sms: int | None) -> int:
         """The SMs a collective with ``sms`` (``None``: uncapped) takes; default: as
@@ -165,9 +165,11 @@ class TimedLoopbackGroupCollective(LoopbackGroupCollective):
         self._record("all_reduce", int(tensor.numel()), sms)
         used, ns = self._timed("all_reduce", tensor.numel() * tensor.element_size(), sms)
         with _on(stream):
-            flat = tensor.view(-1)
+            flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
             timed_collective("scale", flat, flat, group=self.world_size, ctas=used,
                              duration_ns=ns, scale=float(self.world_size))
+            if not tensor.is_contiguous():  # a strided tensor: reduced in a copy
+                tensor.copy_(flat.view(tensor.shape))
         return tensor
 
     def all_gather(self, output: Any, input: Any, stream: Any, sms: int | None) -> Any:
