@@ -134,3 +134,30 @@ def test_the_loop_runs_with_it_and_trains_as_with_the_plain_loopback():
             # the plan's collectives at its SM count, the baselines' at the model's uncapped 24
             assert {s for _, _, s, _ in capped.tp.timed} >= {8, 24}
     assert losses["faithful"] == pytest.approx(losses["plain"], rel=1e-6)
+
+
+def test_the_work_outside_partitions_runs_through_the_stand_in_too():
+    groups = LoopbackGroups(tp=2, cp=2)
+    capped, _, note = make_collectives(groups, backend="loopback", loopback="faithful",
+                                       times=RATE)
+    assert "outside partitions" in note
+    plain = LoopbackGroups(tp=2, cp=2)
+    x = torch.arange(8.0)
+    a, b = x.clone(), x.clone()
+    groups.all_reduce(a, group="tp")
+    plain.all_reduce(b, group="tp")
+    assert torch.equal(a, b)
+    groups.all_reduce(a, group="tp", op="max")  # unchanged, and no collective timed
+    assert torch.equal(a, b)
+    out_a, out_b = torch.empty(16), torch.empty(16)
+    groups.all_gather(out_a, x, group="cp")
+    plain.all_gather(out_b, x, group="cp")
+    assert torch.equal(out_a, out_b)
+    rs_a, rs_b = torch.empty(4), torch.empty(4)
+    groups.reduce_scatter(rs_a, x, group="cp")
+    plain.reduce_scatter(rs_b, x, group="cp")
+    assert torch.equal(rs_a, rs_b)
+    # each held the uncapped SM count (24 in RATE) for its time
+    assert [(k, s) for k, _, s, _ in capped.tp.timed] == [("all_reduce", 24)]
+    assert [(k, s) for k, _, s, _ in capped.cp.timed] == [("all_gather", 24),
+                                                         ("reduce_scatter", 24)]

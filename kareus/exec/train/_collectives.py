@@ -51,7 +51,8 @@ def faithful_note(backends: Iterable[TimedLoopbackGroupCollective | None]) -> st
     return (f"{STAND_IN_LABEL}: one GPU stands in for the group; each collective computes "
             "the loopback's data in a kernel of exactly its SM count that holds those SMs "
             "for the real collective's time at that count and size, alone (no link "
-            "traffic; its slow-down beside computation only what its own copy suffers). "
+            "traffic; its slow-down beside computation only what its own copy suffers); "
+            "the work outside partitions' collectives too, at their uncapped SM count. "
             "Times: " + " | ".join(parts))
 
 
@@ -81,7 +82,9 @@ def make_collectives(groups: ParallelGroups, *, backend: str = "nccl_capped",
             bytes, far shorter than the real collective) or ``"faithful"``
             ([`TimedLoopbackGroupCollective`][kareus.exec.train.TimedLoopbackGroupCollective]:
             the same data, holding the collective's SM count for as long as the real
-            collective takes, from ``times``; a STAND-IN, said in the note).
+            collective takes, from ``times``; a STAND-IN, said in the note). The groups'
+            own collectives (the work outside partitions) then run through the same
+            stand-ins ([`LoopbackGroups.run_through`][kareus.exec.train.LoopbackGroups.run_through]).
         times: The collectives' times for ``loopback="faithful"`` (required there).
         curves: Whose collective kernels' times the faithful stand-in takes (``"nccl"``
             or ``"own"``).
@@ -108,6 +111,7 @@ def make_collectives(groups: ParallelGroups, *, backend: str = "nccl_capped",
             timed = {g: (TimedLoopbackGroupCollective(group_size=n, times=times,
                                                       backend=curves) if n > 1 else None)
                      for g, n in sizes.items()}
+            groups.run_through(dict(timed))  # the outside work's collectives too
             return (GroupedCollective(**timed), GroupedCollective(**timed),
                     faithful_note(timed.values()))
         mk = {g: (LoopbackGroupCollective(group_size=n) if n > 1 else None) for g, n in sizes.items()}

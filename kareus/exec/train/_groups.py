@@ -202,8 +202,23 @@ class LoopbackGroups(ParallelGroups):
             raise ArgumentError(f"tp and cp must be >= 1, got {tp}, {cp}")
         self.tp_size, self.cp_size = int(tp), int(cp)
         self.tp_rank = self.cp_rank = 0
+        self._through: dict[str, CollectiveBackend] = {}
 
     replicated: ClassVar[bool] = True
+
+    def run_through(self, backends: dict[str, CollectiveBackend | None]) -> None:
+        """Run the work outside partitions' collectives of each group (``"tp"``, ``"cp"``)
+        through that group's stand-in backend, on the current stream at its uncapped SM
+        count: the time-faithful stand-in
+        ([`TimedLoopbackGroupCollective`][kareus.exec.train.TimedLoopbackGroupCollective]),
+        so that they take as long as the partitions' collectives do
+        (``make_collectives(loopback="faithful")`` sets it; the first backend given for a
+        group stays). The data is what the plain methods compute; a max-reduction stays
+        the tensor as it is."""
+        for g, b in backends.items():
+            self.size(g)
+            if b is not None and g not in self._through:  # the first given stays
+                self._through[g] = b
 
     def all_reduce(self, tensor: Any, *, group: str, op: str = "sum") -> Any:
         """What the group's all-reduce gives when every rank holds ``tensor``."""
@@ -211,12 +226,16 @@ class LoopbackGroups(ParallelGroups):
         if op not in ("sum", "max"):
             raise ArgumentError(f"op must be 'sum' or 'max', got {op!r}")
         if op == "sum" and n > 1:
+            if group in self._through:
+                return self._through[group].all_reduce(tensor, None, None)
             tensor.mul_(n)
         return tensor
 
     def all_gather(self, output: Any, input: Any, *, group: str) -> Any:
         """What the group's all-gather gives when every rank holds ``input``: it repeated."""
         n = self.size(group)
+        if group in self._through and n > 1:
+            return self._through[group].all_gather(output, input, None, None)
         output.view(n, -1).copy_(input.reshape(1, -1).expand(n, -1))
         return output
 
@@ -227,6 +246,8 @@ class LoopbackGroups(ParallelGroups):
         import torch
 
         n = self.size(group)
+        if group in self._through and n > 1:
+            return self._through[group].reduce_scatter(output, input, None, None)
         torch.sum(input.reshape(n, -1), dim=0, out=output.view(-1))
         return output
 
