@@ -27,8 +27,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from fake_nvml import FakeNVML
-
 from kareus.compose import MicrobatchChoice, Plan
 from kareus.errors import PlanError
 from kareus.exec.collectives import CollectiveBackend
@@ -733,6 +731,13 @@ def test_loopback_keeps_the_latest_calls_only():
 # ---- energy windows against a counter that steps only every so often -----------------
 
 
+def _fake_nvml(**kw):
+    # imported here: this file also runs as a torchrun script, where tests/ is not on the path
+    from fake_nvml import FakeNVML
+
+    return FakeNVML(1, **kw)
+
+
 def _meter(nvml):
     from kareus.profilers.nvml import EnergyMeter
 
@@ -742,7 +747,7 @@ def _meter(nvml):
 def test_a_run_lasts_long_enough_for_the_counter_to_step():
     # An H200's counter steps every ~100 ms; iterations of ~1 ms would leave a window of a
     # few of them without a step. The window is lengthened until the counter steps inside.
-    nvml = FakeNVML(1, period_s=0.05, idle_w=300.0)
+    nvml = _fake_nvml(period_s=0.05, idle_w=300.0)
     meter = _meter(nvml)
     loop = loopback_loop(2, 1)
     try:
@@ -779,7 +784,7 @@ def test_the_default_window_follows_the_counters_step_period():
 
 def test_without_a_counter_step_the_energy_comes_from_power_readings_and_says_so():
     # the counter steps every 10 s: never inside a 0.3 s window
-    nvml = FakeNVML(1, period_s=10.0, idle_w=250.0)
+    nvml = _fake_nvml(period_s=10.0, idle_w=250.0)
     meter = _meter(nvml)
     loop = loopback_loop(2, 1)
     try:
@@ -793,7 +798,7 @@ def test_without_a_counter_step_the_energy_comes_from_power_readings_and_says_so
 
 
 def test_a_window_nothing_measured_has_no_energy():
-    nvml = FakeNVML(1, period_s=10.0, idle_w=250.0, power_readings=False)
+    nvml = _fake_nvml(period_s=10.0, idle_w=250.0, power_readings=False)
     meter = _meter(nvml)
     loop = loopback_loop(2, 1)
     try:

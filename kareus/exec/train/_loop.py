@@ -703,8 +703,9 @@ def measure_runs(loop: TrainingLoop, order: Sequence[tuple[str, int]], *, steps:
             [`min_energy_window_s`][kareus.exec.nvml_device.min_energy_window_s] of it
             (about 0.75 s on an H200), without one 0 (exactly ``steps`` iterations).
         agree: ``n -> the largest n of every rank`` (every rank must run the same
-            iterations: their collectives pair up); ``None``: this rank alone decides (a
-            world of one).
+            iterations: their collectives pair up); ``None``: the largest over
+            ``torch.distributed``'s default group where one is initialised, else this
+            rank's.
 
     Returns:
         One [`RunRecord`][kareus.exec.train.RunRecord] per run, in ``order``.
@@ -719,7 +720,7 @@ def measure_runs(loop: TrainingLoop, order: Sequence[tuple[str, int]], *, steps:
         min_window_s = min_energy_window_s(meter) if meter is not None else 0.0
     if min_window_s < 0:
         raise ArgumentError(f"min_window_s must be >= 0, got {min_window_s}")
-    agree = agree or (lambda n: n)
+    agree = agree or _default_agree()
     cuda = loop.model.device.type == "cuda"
     out = []
     for schedule, repeat in order:
@@ -752,6 +753,21 @@ def measure_runs(loop: TrainingLoop, order: Sequence[tuple[str, int]], *, steps:
                  (", energy NOT measured (no counter step, no power reading)"
                   if meter is not None else "")))
     return out
+
+
+def _default_agree() -> Callable[[int], int]:
+    """The largest ``n`` of every rank of the default process group (this rank's alone
+    without one)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return lambda n: n
+
+    def agree(n: int) -> int:
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, int(n))
+        return max(int(x) for x in every)
+    return agree
 
 
 def _timed_window(loop: TrainingLoop, schedule: str, losses: list[Any], *, steps: int,
