@@ -161,3 +161,59 @@ def test_the_work_outside_partitions_runs_through_the_stand_in_too():
     assert [(k, s) for k, _, s, _ in capped.tp.timed] == [("all_reduce", 24)]
     assert [(k, s) for k, _, s, _ in capped.cp.timed] == [("all_gather", 24),
                                                          ("reduce_scatter", 24)]
+
+
+_AGREE_SCRIPT = """
+import json, sys, time
+import torch
+import torch.distributed as dist
+from kareus.exec.executor import RecordingStreamBackend
+from kareus.exec.train import LoopbackGroups, TrainingLoop, make_collectives, measure_runs
+from kareus.model.workload import ModelArch, Parallelism, Workload
+
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+arch = ModelArch(name="tiny", layers=1, hidden=32, heads=4, kv_heads=2, head_dim=8, ffn=64,
+                 vocab=50)
+wl = Workload(model=arch, parallelism=Parallelism(tp=2), microbatch_size=2, seq_len=8,
+              num_microbatches=1, nanobatches=1)
+groups = LoopbackGroups(tp=2)
+capped, default, _ = make_collectives(groups, backend="loopback")
+loop = TrainingLoop(workload=wl, groups=groups, collective=capped, default_collective=default,
+                    streams=RecordingStreamBackend(), kernels="torch", device="cpu",
+                    dtype="float32")
+step = loop.step
+def slow(schedule):  # rank 1 is five times slower per iteration
+    out = step(schedule)
+    time.sleep(0.02 if rank == 1 else 0.004)
+    return out
+loop.step = slow
+(rec,) = measure_runs(loop, [("sequential", 0)], steps=2, warmup=0, min_window_s=0.3)
+json.dump({"iterations": len(rec.step_time_s), "window_s": rec.window_s},
+          open(sys.argv[1] + f"/rank{rank}.json", "w"))
+dist.destroy_process_group()
+"""
+
+
+def test_ranks_of_different_pace_run_the_same_iterations(tmp_path):
+    # each rank lengthens its window by its own pace; the iterations added are agreed
+    # (the largest) over the default process group, or the ranks' collectives would not
+    # pair up
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "agree.py"
+    script.write_text(_AGREE_SCRIPT)
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node", "2", str(script), str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    a, b = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert a["iterations"] == b["iterations"] > 2
+    assert min(a["window_s"], b["window_s"]) >= 0.3
