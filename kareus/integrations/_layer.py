@@ -177,6 +177,13 @@ class _LayerProgram(DecoderShard):
     #: ``0 .. seq - 1`` of every sequence: the shared tables).
     tok_cos: Any = None
     tok_sin: Any = None
+    _tok_inv: Any = None
+
+    def _tok_rows(self, nb: int) -> slice:
+        """Rows of nanobatch ``nb`` in the per-token tables: its sequences' tokens, whole
+        (under sequence parallelism RoPE runs after the all-gather, on whole sequences)."""
+        t = self.mbs // self.n * self.sq
+        return slice(nb * t, (nb + 1) * t)
 
     def set_positions(self, positions: Any) -> None:
         """Rotate by ``positions`` (``[batch, seq]`` token positions of this call) instead
@@ -185,11 +192,14 @@ class _LayerProgram(DecoderShard):
             self.tok_cos = self.tok_sin = None
             return
         torch = self.torch
-        if self.rope_inv_freq is not None:
-            inv = torch.as_tensor(self.rope_inv_freq, dtype=torch.float32).to(self.device)
-        else:
-            inv = 1.0 / (float(self.rope_base) ** (torch.arange(
-                0, self.hd, 2, device=self.device, dtype=torch.float32) / self.hd))
+        inv = self._tok_inv
+        if inv is None:  # made once (outside any capture: a host-to-device copy)
+            if self.rope_inv_freq is not None:
+                inv = torch.as_tensor(self.rope_inv_freq, dtype=torch.float32).to(self.device)
+            else:
+                inv = 1.0 / (float(self.rope_base) ** (torch.arange(
+                    0, self.hd, 2, device=self.device, dtype=torch.float32) / self.hd))
+            self._tok_inv = inv
         pos = positions.reshape(-1).to(device=self.device, dtype=torch.float32)
         ang = torch.outer(pos, inv)
         ang = torch.cat((ang, ang), dim=-1)
@@ -200,25 +210,28 @@ class _LayerProgram(DecoderShard):
             super()._op_rope(layer, a, nb)
             return
         # The kernels take seq = cos.shape[0]: this nanobatch's tokens as one sequence of
-        # per-token tables (RoPE is per token), then back to [batch, seq, heads, hd].
-        b, rows = self.mbs // self.n, self.rows(nb)
-        q, k = self.ks.rope(a["qkv"], self.tok_cos[rows], self.tok_sin[rows],
+        # per-token tables (RoPE is per token), then back to [batch, seq, heads, hd]. Under
+        # sequence parallelism the gathered rows come in rank order: to sequence order first.
+        b, rows = self.mbs // self.n, self._tok_rows(nb)
+        qkv = self._to_seq_order(a["qkv"])
+        q, k = self.ks.rope(qkv, self.tok_cos[rows], self.tok_sin[rows],
                             heads=self.heads, kv_heads=self.kvh)
         a["q"] = q.reshape(b, self.sq, self.heads, self.hd)
         a["k"] = k.reshape(b, self.sq, self.kvh, self.hd)
-        a["v"] = a["qkv"].view(b, self.sq, self.heads + 2 * self.kvh, self.hd)[
+        a["v"] = qkv.view(b, self.sq, self.heads + 2 * self.kvh, self.hd)[
             :, :, self.heads + self.kvh:]
 
     def _op_rope_bwd(self, layer: int, a: dict[str, Any], nb: int) -> None:
         if self.tok_cos is None:
             super()._op_rope_bwd(layer, a, nb)
             return
-        rows = self.rows(nb)
+        rows = self._tok_rows(nb)
         t = rows.stop - rows.start
         dq = a["dq"].transpose(1, 2).reshape(1, t, self.heads, self.hd)
         dk = a["dk"].transpose(1, 2).reshape(1, t, self.kvh, self.hd)
         dv = a["dv"].transpose(1, 2).reshape(1, t, self.kvh, self.hd)
-        a["dqkv"] = self.ks.rope_bwd(dq, dk, dv, self.tok_cos[rows], self.tok_sin[rows])
+        a["dqkv"] = self._to_rank_order(
+            self.ks.rope_bwd(dq, dk, dv, self.tok_cos[rows], self.tok_sin[rows]))
 
     def G(self, layer: int, name: str) -> Any:
         """The gradient buffer of weight ``name`` of layer ``layer`` in the current backward."""
@@ -685,8 +698,9 @@ class PlanApplier:
                 (``x``'s tokens); otherwise its ``KeptActivations``.
             positions: ``[batch, seq]`` token positions for RoPE where they are not
                 ``0 .. seq - 1`` in every sequence (packed documents, positions restarting
-                at each one; CP = 1); None: ``0 .. seq - 1``. Attention stays causal over
-                the whole sequence.
+                at each one; CP = 1; under sequence parallelism the whole sequences'
+                positions, as RoPE runs after the all-gather); None: ``0 .. seq - 1``.
+                Attention stays causal over the whole sequence.
 
         Returns:
             Forward: ``(output, kept)``, ``kept`` the inputs of layers ``1 ..`` under full
@@ -701,10 +715,9 @@ class PlanApplier:
         if positions is not None:
             if self.workload.parallelism.cp != 1:
                 raise WorkloadError("packed-document positions are supported at CP=1 only")
-            if self.workload.parallelism.sequence_parallel:
-                raise WorkloadError("packed-document positions are not supported under "
-                                    "sequence parallelism: turn it off (sp=False)")
             b, s = int(x.shape[0]), int(x.shape[1])
+            if self.workload.parallelism.sequence_parallel:  # whole sequences' positions
+                s *= self.workload.parallelism.tp
             if tuple(positions.shape) not in ((b, s), (1, s)):
                 raise WorkloadError(f"positions of shape {tuple(positions.shape)} for a "
                                     f"batch of {b} x {s} tokens: pass [batch, seq]")

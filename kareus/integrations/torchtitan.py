@@ -88,6 +88,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from kareus._logging import get_logger
 from kareus.errors import ArgumentError, ArgumentTypeError, PlanError, WorkloadError
 from kareus.integrations._layer import PlanApplier
 from kareus.integrations._weights import head_norm, layer_weights, linear, qkv_from_separate
@@ -112,6 +113,8 @@ _CHAIN_ATTR = "_kareus_chain"
 _COMPILED_ATTR = "_kareus_compiled_call_impl"
 
 _checked_version: str | None = None
+
+_log = get_logger(__name__)
 
 
 def check_torchtitan_version() -> str:
@@ -334,20 +337,32 @@ def sequence_parallel_of(model_or_config: Any) -> bool | None:
     return getattr(tp_type, "dim", None) == 1
 
 
-def recompute_from_torchtitan(activation_checkpoint: Any) -> str:
-    """The recomputation policy (``Workload.recompute``) of torchtitan 0.3's
-    ``Trainer.Config.activation_checkpoint``, where it means what kareus runs.
+#: What torchtitan 0.3's per-op selective checkpointing keeps and re-runs, for messages.
+_SELECTIVE_DIFFERS = ("torchtitan's selective is per-op (it keeps attention's output and every "
+                      "other matmul's and re-runs the norms, RoPE, SwiGLU and the other "
+                      "matmuls), not kareus's selective (the attention core re-run, all else "
+                      "kept)")
+
+
+def recompute_from_torchtitan(activation_checkpoint: Any, *,
+                              selective_as: str | None = None) -> str:
+    """The recomputation policy (``Workload.recompute``) kareus's planned layers run for
+    torchtitan 0.3's ``Trainer.Config.activation_checkpoint``.
 
     * ``None`` (the ``none`` subcommand): every activation kept: ``"none"``;
     * ``FullAC.Config`` (``full``): every block re-run from its input in the backward:
-      ``"full"`` (kareus's layer recomputes itself: its blocks are not wrapped in
-      torchtitan's checkpoint as well, which ``apply_plan`` refuses);
+      ``"full"`` (kareus's layer recomputes itself: torchtitan's checkpoint wrapper around
+      each planned block calls it directly);
     * ``SelectiveAC.Config`` (``selective``, torchtitan's default) is per-op selective
-      checkpointing: it keeps the outputs of attention, every other matmul and some
-      collectives and recomputes the rest, which is not kareus's ``"selective"`` (the
-      attention core re-run, everything else kept): refused, and so is
-      ``MemoryBudgetAC.Config`` (``memory-budget``: the compiler chooses what to keep).
-      torchtitan 0.3 has no per-layer selective option.
+      checkpointing: it keeps the outputs of attention, every other matmul and the
+      reduce-scatters and recomputes the rest. That is none of kareus's policies (its
+      ``"selective"`` re-runs the attention core alone and keeps everything else), so it
+      is not mapped silently: ``selective_as`` names the policy the planned layers run in
+      its place (``"selective"``, ``"full"`` or ``"none"``: the same values, other memory
+      and time; the plan is made for that policy), and without it the setting is refused.
+      torchtitan 0.3 has no per-layer selective option (``every N layers``) to map.
+    * ``MemoryBudgetAC.Config`` (``memory-budget``: the compiler chooses what to keep):
+      refused.
 
     Also takes the subcommand names (``"none"``, ``"full"``, ``"selective"``,
     ``"memory-budget"``).
@@ -355,7 +370,13 @@ def recompute_from_torchtitan(activation_checkpoint: Any) -> str:
     Raises:
         WorkloadError: a setting kareus's layer does not run (one line naming it).
         ArgumentTypeError: not an ``activation_checkpoint`` setting.
+        ArgumentError: ``selective_as`` is not a recomputation policy.
     """
+    from kareus.model.workload import RECOMPUTE_POLICIES
+
+    if selective_as is not None and selective_as not in RECOMPUTE_POLICIES:
+        raise ArgumentError(f"selective_as must be one of {RECOMPUTE_POLICIES}, got "
+                            f"{selective_as!r:.40}")
     names = {"none": "none", "full": "full", "selective": None, "memory-budget": None}
     if activation_checkpoint is None:
         return "none"
@@ -379,11 +400,19 @@ def recompute_from_torchtitan(activation_checkpoint: Any) -> str:
                                     f"SelectiveAC or MemoryBudgetAC config or None, got "
                                     f"{type(activation_checkpoint).__name__}")
         kind = found
-    if names[kind] is None:
-        raise WorkloadError(f"activation_checkpoint {kind!r} is not a recomputation kareus's "
-                            "layer runs (torchtitan's selective is per-op, not the attention "
-                            "core alone): set activation_checkpoint to 'none' or 'full' "
-                            "(activation-checkpoint:none, activation-checkpoint:full)")
+    if kind == "selective":
+        if selective_as is None:
+            raise WorkloadError(f"activation_checkpoint is selective: {_SELECTIVE_DIFFERS}; "
+                                "name the policy kareus's layers run in its place "
+                                "(selective_as='selective', 'full' or 'none'; kareus optimize "
+                                "--selective-as), or set activation-checkpoint:full or "
+                                "activation-checkpoint:none")
+        return selective_as
+    if kind == "memory-budget":
+        raise WorkloadError("activation_checkpoint is memory-budget (the compiler chooses "
+                            "what to recompute), not a policy kareus's layer runs: set "
+                            "activation-checkpoint:full, activation-checkpoint:none or "
+                            "activation-checkpoint:selective")
     return names[kind]  # type: ignore[return-value]
 
 
@@ -613,7 +642,8 @@ def planned_blocks(model: Any) -> list[Any]:
 
 def apply_plan(model: Any, *, workload: Workload, mesh: Any = None, tp_group: Any = None,
                plan: Any = None, schedule: str | None = None, chain: bool | None = None,
-               full_ac: bool = False, **applier_kwargs: Any) -> PlanApplier:
+               full_ac: bool = False, replace_ac: bool = False,
+               **applier_kwargs: Any) -> PlanApplier:
     """Run every ``Llama3TransformerBlock`` (or ``Qwen3TransformerBlock``) of a built
     torchtitan model under a plan.
 
@@ -655,7 +685,13 @@ def apply_plan(model: Any, *, workload: Workload, mesh: Any = None, tp_group: An
             block's forward in its backward itself (the workload's ``recompute="full"``),
             so each wrapper calls its block directly (checkpointing it again would run the
             planned forward, collectives included, inside the backward). Any other
-            wrapper is refused.
+            wrapper is refused unless ``replace_ac``.
+        replace_ac: The blocks are wrapped in any of torchtitan's activation checkpointing
+            (full or per-op selective) and kareus's layer runs the workload's
+            recomputation policy in its place (each wrapper calls its block directly);
+            [`wrap_trainer`][kareus.integrations.torchtitan.wrap_trainer] sets it from the
+            Trainer's ``activation_checkpoint``
+            ([`recompute_from_torchtitan`][kareus.integrations.torchtitan.recompute_from_torchtitan]).
         **applier_kwargs: Passed to [`PlanApplier`][kareus.integrations.PlanApplier]
             (``executor``, ``frequency``, ``kernels``, ``record``, ...); ``rope_inv_freq``
             and ``eps`` come from the model.
@@ -691,12 +727,11 @@ def apply_plan(model: Any, *, workload: Workload, mesh: Any = None, tp_group: An
     arch = _check_model(model, workload)  # its layers and its TP layout: the workload's
     blocks = planned_blocks(model)
     wrappers = _checkpoint_wrappers(model, blocks)
-    if wrappers and not full_ac:
+    if wrappers and not (full_ac or replace_ac):
         raise WorkloadError("the blocks are wrapped in activation checkpointing: kareus's "
-                            "layer recomputes each block's forward fully itself; in "
-                            "torchtitan 0.3 use full checkpointing (activation-checkpoint:full"
-                            ", with wrap_trainer) or none (activation-checkpoint:none), with "
-                            "a workload of the same recompute policy")
+                            "layer runs the workload's recomputation policy itself; pass "
+                            "replace_ac=True (wrap_trainer does) or build without "
+                            "checkpointing (activation-checkpoint:none)")
     if not blocks:
         raise WorkloadError("the model has no Llama 3 or Qwen3 block (a pipeline stage "
                             "without layers needs no plan)")
@@ -754,8 +789,8 @@ def _block_seq(workload: Workload) -> int:
 
 
 def _around_blocks(blocks: list[Any], wrappers: list[Any], applier: PlanApplier) -> None:
-    """What wraps the planned blocks: full activation-checkpoint wrappers call their block
-    directly (kareus's layer recomputes its forward itself); torch.compile of a block
+    """What wraps the planned blocks: activation-checkpoint wrappers call their block
+    directly (kareus's layer runs the workload's recomputation policy itself); torch.compile of a block
     (torchtitan compiles each, fullgraph) would trace into the planned layer, so the block
     runs uncompiled (its compiled call set aside, restored by ``remove_plan``; the planned
     forward is excluded from compilation) while torchtitan's compiled loss stays."""
@@ -1032,6 +1067,14 @@ def _rope_positions(attention_masks: Any, positions: Any) -> Any:
             raise WorkloadError("kareus's layer computes causal attention: attention masks "
                                 "without positions (a custom mask) are not supported")
         return None
+    if _capturing():
+        # inside a CUDA graph capture (torchtitan's step capture, replayed for every batch)
+        # the values cannot be read, and the next batch's may differ: always rotate by them
+        if attention_masks is not None:
+            raise WorkloadError("the model's attention masks documents (FlexAttention or "
+                                "VarlenAttention, block_causal): kareus's layer attends "
+                                "causally over the whole sequence")
+        return _local(positions)
     # Every block of one forward gets the same positions tensor: read it once (reading a
     # GPU tensor's values waits for the GPU, which a check per block would do per layer).
     seen = _CHECKED_POSITIONS.get("last")
@@ -1053,16 +1096,19 @@ def _rope_positions(attention_masks: Any, positions: Any) -> Any:
     return p
 
 
+def _capturing() -> bool:
+    """Whether the current CUDA stream is being captured (False without CUDA)."""
+    import torch
+
+    return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
 #: The positions tensor checked last (a weak reference, its version counter, whether
 #: it is plain ``0 .. seq - 1``, and its local tensor).
 _CHECKED_POSITIONS: dict[str, Any] = {}
 
 
 # ------------------------------------------------------------------ torchtitan's Trainer
-
-
-#: The recompute policies a planned layer runs (it recomputes each layer's forward).
-_LAYER_POLICIES = ("full",)
 
 
 def _trainer_parts(trainer: Any) -> tuple[Any, Any, Any]:
@@ -1082,14 +1128,8 @@ def _trainer_parts(trainer: Any) -> tuple[Any, Any, Any]:
     return config, dims, parts[0]
 
 
-def _recompute_policy(config: Any) -> str:
-    """The recompute policy of torchtitan's ``activation_checkpoint`` setting
-    ([`recompute_from_torchtitan`][kareus.integrations.torchtitan.recompute_from_torchtitan])."""
-    return recompute_from_torchtitan(config.activation_checkpoint)
-
-
-def workload_from_trainer(trainer: Any, *, nanobatches: int = 2,
-                          name: str | None = None) -> Workload:
+def workload_from_trainer(trainer: Any, *, nanobatches: int = 2, name: str | None = None,
+                          selective_as: str | None = None) -> Workload:
     """The [`Workload`][kareus.model.Workload] a torchtitan 0.3 ``Trainer`` runs, read from
     its config and its model (what ``kareus optimize`` makes the plan for).
 
@@ -1098,14 +1138,15 @@ def workload_from_trainer(trainer: Any, *, nanobatches: int = 2,
       layers kareus's layer does not compute;
     * parallelism: ``tp``, ``cp``, ``pp`` and the data-parallel degree (``dp_replicate x
       dp_shard``) of ``trainer.parallel_dims``; ``sp`` from
-      ``parallelism.enable_sequence_parallel``;
+      ``parallelism.enable_sequence_parallel`` (on by default; off at TP = 1);
     * the batch: ``microbatch_size = training.local_batch_size`` (one local batch per
       gradient-accumulation step), ``num_microbatches`` the Trainer's
       ``gradient_accumulation_steps``, ``seq_len = training.seq_len``;
     * ``recompute`` from ``activation_checkpoint``
       ([`recompute_from_torchtitan`][kareus.integrations.torchtitan.recompute_from_torchtitan]):
       ``None`` (``activation-checkpoint:none``) is ``"none"``, ``full`` ``"full"``;
-      ``selective`` (torchtitan's default, per-op) and ``memory-budget`` are refused;
+      ``selective`` (torchtitan's default, per-op) is ``selective_as`` (refused without
+      it: no kareus policy is torchtitan's per-op selection), ``memory-budget`` refused;
     * ``dtype_bytes`` from the dtype the blocks compute in: ``training.dtype`` if bfloat16,
       else FSDP's ``training.mixed_precision_param`` (torchtitan wraps every block in
       FSDP, whose mixed precision casts the parameters).
@@ -1115,11 +1156,15 @@ def workload_from_trainer(trainer: Any, *, nanobatches: int = 2,
         nanobatches: The nanobatch count of the baseline ``"nanobatching"`` schedule (a
             planning choice, not the Trainer's; a plan records its own).
         name: The model's name in the workload (default ``"torchtitan-<module>-<flavor>"``).
+        selective_as: Under torchtitan's per-op selective checkpointing, the
+            recomputation policy kareus's planned layers run in its place
+            (``"selective"``, ``"full"`` or ``"none"``); ignored otherwise.
 
     Raises:
         ArgumentTypeError: not a built torchtitan Trainer.
-        WorkloadError: pipeline parallelism, selective or memory-budget checkpointing, or a
-            layer kareus's layer does not compute.
+        WorkloadError: pipeline parallelism, selective checkpointing without
+            ``selective_as``, memory-budget checkpointing, or a layer kareus's layer does
+            not compute.
     """
     config, dims, _ = _trainer_parts(trainer)
     spec = getattr(config, "model_spec", None)
@@ -1130,41 +1175,27 @@ def workload_from_trainer(trainer: Any, *, nanobatches: int = 2,
     training = config.training
     compute = (training.dtype if training.dtype == "bfloat16"
                else training.mixed_precision_param)
-    par = Parallelism(tp=int(dims.tp), cp=int(dims.cp), pp=int(dims.pp),
+    tp = int(dims.tp)
+    par = Parallelism(tp=tp, cp=int(dims.cp), pp=int(dims.pp),
                       dp=int(dims.dp_replicate) * int(dims.dp_shard),
-                      sp=bool(config.parallelism.enable_sequence_parallel))
+                      sp=tp > 1 and bool(config.parallelism.enable_sequence_parallel))
+    recompute = recompute_from_torchtitan(config.activation_checkpoint,
+                                          selective_as=selective_as)
     return Workload(model=arch, parallelism=par,
                     microbatch_size=int(training.local_batch_size),
                     seq_len=int(training.seq_len),
                     num_microbatches=int(trainer.gradient_accumulation_steps),
-                    nanobatches=int(nanobatches), recompute=_recompute_policy(config),
+                    nanobatches=int(nanobatches), recompute=recompute,
                     dtype_bytes=2 if compute == "bfloat16" else 4)
 
 
-def _refuse_unsupported(trainer: Any, config: Any, model: Any, workload: Workload) -> None:
+def _refuse_unsupported(config: Any, model: Any, workload: Workload) -> None:
     """Refuse, in torchtitan 0.3's own words, what kareus's planned layers do not run
     exactly as torchtitan would (before the first step)."""
-    if workload.parallelism.sequence_parallel:
-        raise WorkloadError("parallelism.enable_sequence_parallel is on (torchtitan's "
-                            "default): kareus's planned layers do not run sequence "
-                            "parallelism yet; pass --parallelism.no-enable-sequence-parallel "
-                            "(Python: config.parallelism.enable_sequence_parallel = False)")
-    if workload.recompute not in _LAYER_POLICIES:
-        raise WorkloadError(f"activation_checkpoint is {workload.recompute} (torchtitan's "
-                            "default is selective): kareus's planned layers recompute each "
-                            "layer's forward fully; pass activation-checkpoint:full (Python: "
-                            "config.activation_checkpoint = FullAC.Config()) and make the "
-                            "plan for it")
     if workload.parallelism.cp != 1:
         raise WorkloadError("parallelism.context_parallel_degree > 1: torchtitan's context "
                             "parallelism is its own attention over load-balanced chunks; "
                             "run --parallelism.context_parallel_degree 1")
-    if getattr(trainer, "fwd_bwd_fn", None) != getattr(trainer, "_forward_backward_body",
-                                                       None):
-        raise WorkloadError("training.disable_cuda_graphs is off: the Trainer captures its "
-                            "forward-backward in a CUDA graph, which kareus's planned layers "
-                            "do not run inside yet; pass --training.disable-cuda-graphs "
-                            "(Python: config.training.disable_cuda_graphs = True)")
     if config.parallelism.spmd_backend == "full_dtensor":
         raise WorkloadError("parallelism.spmd_backend full_dtensor: kareus's adapter is "
                             "tested with spmd_types (the default) and partial_dtensor")
@@ -1176,6 +1207,24 @@ def _refuse_unsupported(trainer: Any, config: Any, model: Any, workload: Workloa
                             "the layers torchtitan's ScaledDotProductAttention "
                             "(attention.inner_attention, e.g. with --override.imports) or "
                             "train without kareus")
+
+
+def _refuse_replayed_plan(plan: Any, schedule: str | None, stage: int = 0) -> None:
+    """Under torchtitan's CUDA graphs one captured forward-backward is replayed for every
+    gradient-accumulation step: refuse, before step 1, a plan whose computations of one
+    phase differ (the replay would run the captured one's choice for all)."""
+    if plan is None or schedule not in (None, "kareus"):
+        return
+    for phase in ("fwd", "bwd"):
+        mine = {v for k, v in plan.assignment.items()
+                if k.startswith(f"s{stage}.") and k.endswith(f".{phase}")}
+        if len(mine) > 1:
+            raise WorkloadError(
+                f"training.disable_cuda_graphs is off: torchtitan captures one "
+                f"forward-backward and replays it for every gradient-accumulation step, but "
+                f"the plan gives the {phase} computations {len(mine)} different choices "
+                "(configurations, nanobatches or clocks): make a plan with one choice per "
+                "phase, or pass --training.disable-cuda-graphs")
 
 
 def _document_masks(config: Any, model: Any) -> str | None:
@@ -1199,8 +1248,25 @@ def _plan_of(plan: Any) -> Any:
                             f"{type(plan).__name__}")
 
 
+def _step_capture(trainer: Any) -> bool:
+    """Whether the Trainer captures its forward-backward in a CUDA graph (torchtitan's
+    ``training.disable_cuda_graphs = False`` on an NVIDIA GPU: its ``fwd_bwd_fn`` is
+    ``wrap_with_cuda_graph`` of ``_forward_backward_body``; on a CPU the wrapper is the
+    body itself). Refuses a forward-backward wrapped by anything else."""
+    body = getattr(trainer, "_forward_backward_body", None)
+    if getattr(trainer, "fwd_bwd_fn", None) == body:
+        return False
+    if not trainer.config.training.disable_cuda_graphs:
+        return True
+    raise WorkloadError("the Trainer's fwd_bwd_fn is wrapped by something other than "
+                        "torchtitan's CUDA graphs (training.disable_cuda_graphs is set): "
+                        "kareus enters its scopes in torchtitan's own forward-backward; "
+                        "remove that wrapper")
+
+
 def wrap_trainer(trainer: Any, plan: Any = None, *, schedule: str | None = None,
-                 chain: bool | None = None, **applier_kwargs: Any) -> PlanApplier:
+                 chain: bool | None = None, selective_as: str | None = None,
+                 **applier_kwargs: Any) -> PlanApplier:
     """Apply a plan to a torchtitan 0.3 ``Trainer``: one call between ``config.build()``
     and ``trainer.train()``, on every rank.
 
@@ -1217,15 +1283,30 @@ def wrap_trainer(trainer: Any, plan: Any = None, *, schedule: str | None = None,
       global_valid_tokens, extra_kwargs)``; this replaces ``fwd_bwd_fn`` on the instance by
       the same steps, the forward in ``applier.microbatch(mb, "fwd")`` and the backward in
       ``applier.microbatch(mb, "bwd")``, ``mb`` counting the calls of one step;
+    * **CUDA graphs** (``training.disable_cuda_graphs = False``, torchtitan's default on
+      NVIDIA GPUs): those steps are wrapped in torchtitan's own ``wrap_with_cuda_graph``
+      as its body was, so torchtitan warms them up eagerly, captures them once and replays
+      the capture for every gradient-accumulation step; the planned layers launch their
+      kernels into that capture (no graphs of their own). As one capture serves every
+      microbatch, a plan must give every forward (and every backward) one choice: others
+      are refused here;
+    * **sequence parallelism** (``parallelism.enable_sequence_parallel``, the default):
+      the planned layers take and return this rank's sequence shard, as torchtitan's
+      blocks do (the workload's ``sp``);
+    * **activation checkpointing**: torchtitan's checkpoint wrapper around each block
+      calls the planned block directly, which runs the workload's recomputation policy:
+      ``full`` is kareus's ``"full"``, ``none`` its ``"none"``; torchtitan's per-op
+      ``selective`` (the default) is none of kareus's policies, so the policy run in its
+      place is named: the plan's workload's ``recompute`` (it was made for it), or
+      ``selective_as`` without a plan
+      ([`recompute_from_torchtitan`][kareus.integrations.torchtitan.recompute_from_torchtitan]);
     * **validation** (``validator.enable``): the validator's forward-only batches run the
       planned layers under the ``"sequential"`` schedule (no plan configuration exists for
       a forward without its backward; the values are the same);
     * **packed documents**: each batch's ``positions`` (restarting at every document)
       rotate the planned layers' RoPE, as torchtitan's blocks do;
     * **torch.compile** (``compile.enable``): the planned blocks run uncompiled (torch's
-      ``torch.compiler.disable``), torchtitan compiles the rest (the loss);
-    * **activation checkpointing**: ``activation-checkpoint:full`` is kareus's full
-      recomputation (the wrapper calls the planned block, which recomputes itself).
+      ``torch.compiler.disable``), torchtitan compiles the rest (the loss).
 
     Passing a [`PlanApplier`][kareus.integrations.PlanApplier] made with ``apply_plan``
     instead of a plan only enters its scopes (the lower-level path).
@@ -1237,21 +1318,24 @@ def wrap_trainer(trainer: Any, plan: Any = None, *, schedule: str | None = None,
         schedule: As ``apply_plan`` takes it (default ``"kareus"`` with a plan).
         chain: As ``apply_plan`` takes it. torchtitan wraps every block in FSDP (even at
             one data-parallel rank), so under the Trainer the blocks run per block.
+        selective_as: Under torchtitan's per-op selective checkpointing, the policy the
+            planned layers run in its place; default: the plan's workload's ``recompute``
+            (required without a plan).
         **applier_kwargs: Passed to ``apply_plan`` (``kernels``, ``record``, ...).
 
     Returns:
         The applier (``applier.partitions_run`` with ``record=True``).
 
     Raises:
-        WorkloadError: what kareus does not run as torchtitan would: sequence parallelism,
-            activation checkpointing other than full, context or pipeline parallelism,
-            CUDA graphs, attention masking packed documents, a layer kareus does not
-            compute.
+        WorkloadError: what kareus does not run as torchtitan would: context or pipeline
+            parallelism, memory-budget checkpointing, selective checkpointing without a
+            policy named, attention masking packed documents, a plan of several choices
+            per phase under CUDA graphs, a layer kareus does not compute.
         PlanError: the plan was made for another workload; a step runs more microbatches
             than the plan's workload.
     """
     if isinstance(plan, PlanApplier):
-        if applier_kwargs or schedule is not None or chain is not None:
+        if applier_kwargs or schedule is not None or chain is not None or selective_as:
             raise ArgumentError("wrap_trainer(trainer, applier) only enters the applier's "
                                 "scopes: pass plan options to apply_plan")
         check_torchtitan_version()
@@ -1260,26 +1344,38 @@ def wrap_trainer(trainer: Any, plan: Any = None, *, schedule: str | None = None,
             raise WorkloadError("pipeline parallelism (parallelism.pipeline_parallel_degree "
                                 "> 1): kareus's adapter does not enter the pipeline "
                                 "schedule's steps; run --parallelism.pipeline_parallel_degree 1")
-        if getattr(trainer, "fwd_bwd_fn", None) != getattr(trainer, "_forward_backward_body",
-                                                           None):
-            raise WorkloadError("the trainer's forward-backward is wrapped (CUDA graphs or "
-                                "another wrapper): pass --training.disable-cuda-graphs")
         applier = plan
+        captured = _step_capture(trainer)
+        if captured:
+            _refuse_replayed_plan(applier.plan, applier.schedule, applier.stage)
     else:
         plan = _plan_of(plan)
         config, dims, model = _trainer_parts(trainer)
-        nb = int((plan.workload or {}).get("nanobatches", 2)) if plan is not None else 2
-        workload = workload_from_trainer(trainer, nanobatches=nb)
-        _refuse_unsupported(trainer, config, model, workload)
+        planned = (plan.workload or {}) if plan is not None else {}
+        nb = int(planned.get("nanobatches", 2))
+        if selective_as is None and plan is not None:
+            selective_as = planned.get("recompute")
+        workload = workload_from_trainer(trainer, nanobatches=nb, selective_as=selective_as)
+        _refuse_unsupported(config, model, workload)
+        captured = _step_capture(trainer)
+        if captured:
+            _refuse_replayed_plan(plan, schedule)
+        from torchtitan.distributed.activation_checkpoint import (  # type: ignore[import-untyped, import-not-found]
+            SelectiveAC,
+        )
+
+        if isinstance(config.activation_checkpoint, SelectiveAC.Config):
+            _log.info("kareus: torchtitan's per-op selective activation checkpointing is "
+                      "replaced by kareus's recompute=%s in the planned layers",
+                      workload.recompute)
         applier = apply_plan(model, workload=workload, mesh=dims, plan=plan,
                              schedule=schedule, chain=chain,
-                             full_ac=workload.recompute == "full"
-                             and config.activation_checkpoint is not None,
+                             replace_ac=config.activation_checkpoint is not None,
                              **applier_kwargs)
         validator = getattr(trainer, "validator", None)
         if config.validator.enable and validator is not None:
             _wrap_validator(validator, applier)
-    _enter_scopes(trainer, applier)
+    _enter_scopes(trainer, applier, captured=captured)
     return applier
 
 
@@ -1300,9 +1396,10 @@ def _wrap_validator(validator: Any, applier: PlanApplier) -> None:
     validator.validate = sequential_validate
 
 
-def _enter_scopes(trainer: Any, applier: PlanApplier) -> None:
+def _enter_scopes(trainer: Any, applier: PlanApplier, *, captured: bool = False) -> None:
     """Replace the Trainer's ``fwd_bwd_fn`` by its own steps inside the applier's
-    microbatch scopes, and restart the microbatch count at each ``train_step``."""
+    microbatch scopes (wrapped in torchtitan's CUDA graph wrapper where the Trainer's was:
+    ``captured``), and restart the microbatch count at each ``train_step``."""
     limit = applier.workload.num_microbatches
     state = {"mb": 0}
     train_step = trainer.train_step
@@ -1313,6 +1410,8 @@ def _enter_scopes(trainer: Any, applier: PlanApplier) -> None:
 
     def fwd_bwd(inputs: Any, labels: Any, global_valid_tokens: Any,
                 extra_kwargs: dict[str, Any]) -> Any:
+        # under a step capture this runs for torchtitan's eager warm-up and its one
+        # capture only; the replays run what was captured
         mb = state["mb"]
         if mb >= limit:
             raise PlanError(f"a training step ran microbatch {mb}; the plan's workload has "
@@ -1329,8 +1428,16 @@ def _enter_scopes(trainer: Any, applier: PlanApplier) -> None:
                 loss.backward()
         return loss
 
-    trainer.fwd_bwd_fn = fwd_bwd
+    fn: Any = fwd_bwd
+    if captured:
+        from torchtitan.distributed.cudagraph import (  # type: ignore[import]
+            wrap_with_cuda_graph,
+        )
+
+        fn = wrap_with_cuda_graph(fwd_bwd)
+    trainer.fwd_bwd_fn = fn
     trainer.train_step = counted_train_step
+
 
 
 @contextlib.contextmanager
