@@ -178,6 +178,10 @@ class _LayerProgram(DecoderShard):
     tok_cos: Any = None
     tok_sin: Any = None
     _tok_inv: Any = None
+    #: Document ids ``[batch, seq]`` of the current call where attention masks packed
+    #: documents (``cumsum(positions == 0) - 1``: a document starts where its position is
+    #: 0), or None (causal over the whole sequence).
+    doc_ids: Any = None
 
     def _tok_rows(self, nb: int) -> slice:
         """Rows of nanobatch ``nb`` in the per-token tables: its sequences' tokens, whole
@@ -185,13 +189,17 @@ class _LayerProgram(DecoderShard):
         t = self.mbs // self.n * self.sq
         return slice(nb * t, (nb + 1) * t)
 
-    def set_positions(self, positions: Any) -> None:
+    def set_positions(self, positions: Any, *, documents: bool = False) -> None:
         """Rotate by ``positions`` (``[batch, seq]`` token positions of this call) instead
-        of ``0 .. seq - 1``; ``None`` goes back to the shared tables."""
+        of ``0 .. seq - 1``; ``None`` goes back to the shared tables. ``documents``: the
+        attention masks the documents too (each token attends to the earlier tokens of
+        its own document only: torchtitan's ``block_causal``)."""
         if positions is None:
-            self.tok_cos = self.tok_sin = None
+            self.tok_cos = self.tok_sin = self.doc_ids = None
             return
         torch = self.torch
+        self.doc_ids = (torch.cumsum((positions == 0).to(torch.int32), dim=1) - 1
+                        if documents else None)
         inv = self._tok_inv
         if inv is None:  # made once (outside any capture: a host-to-device copy)
             if self.rope_inv_freq is not None:
@@ -232,6 +240,25 @@ class _LayerProgram(DecoderShard):
         dv = a["dv"].transpose(1, 2).reshape(1, t, self.kvh, self.hd)
         a["dqkv"] = self._to_rank_order(
             self.ks.rope_bwd(dq, dk, dv, self.tok_cos[rows], self.tok_sin[rows]))
+
+    def _op_attn_core(self, layer: int, a: dict[str, Any], nb: int) -> None:
+        if self.doc_ids is None:
+            super()._op_attn_core(layer, a, nb)
+            return
+        # packed documents masked: causal within each document (CP = 1: refused in run)
+        torch, b = self.torch, self.mbs // self.n
+        ids = self.doc_ids[nb * b:(nb + 1) * b]
+        s = ids.shape[1]
+        causal = torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
+        mask = ((ids[:, :, None] == ids[:, None, :]) & causal)[:, None]
+        q, k, v = (a[n].transpose(1, 2) for n in ("q", "k", "v"))
+        if torch.is_grad_enabled():  # keep what attn_core_bwd needs
+            a["graph"] = self.ks.attention_fwd(q, k, v, mask=mask)
+            o = a["graph"].output
+        else:
+            o = self.ks.attention(q, k, v, mask=mask)
+        a["attn"] = self._to_rank_order(o.detach().transpose(1, 2).reshape(b * self.sq,
+                                                                            self.q))
 
     def G(self, layer: int, name: str) -> Any:
         """The gradient buffer of weight ``name`` of layer ``layer`` in the current backward."""
@@ -682,8 +709,8 @@ class PlanApplier:
         return prog
 
     def run(self, phase: str, x: Any, weights: Sequence[Sequence[Any]], dy: Any = None,
-            inputs: Sequence[Any] | None = None, positions: Any = None
-            ) -> tuple[Any, list[Any]]:
+            inputs: Sequence[Any] | None = None, positions: Any = None,
+            documents: bool = False) -> tuple[Any, list[Any]]:
         """Run the forward (``dy=None``) or backward of ``len(weights)`` consecutive layers
         on detached tensors.
 
@@ -700,7 +727,13 @@ class PlanApplier:
                 ``0 .. seq - 1`` in every sequence (packed documents, positions restarting
                 at each one; CP = 1; under sequence parallelism the whole sequences'
                 positions, as RoPE runs after the all-gather); None: ``0 .. seq - 1``.
-                Attention stays causal over the whole sequence.
+                Attention stays causal over the whole sequence unless ``documents``.
+            documents: Attention masks the packed documents of ``positions`` (a document
+                starts where its position is 0; each token attends to the earlier tokens
+                of its own document: torchtitan's FlexAttention / VarlenAttention
+                ``block_causal``), exactly, through SDPA with a boolean mask (every score
+                computed, the masked ones dropped: not a block-sparse kernel). Plans do
+                not cost it (see ``kareus.integrations.torchtitan``).
 
         Returns:
             Forward: ``(output, kept)``, ``kept`` the inputs of layers ``1 ..`` under full
@@ -712,6 +745,8 @@ class PlanApplier:
         """
         from kareus.integrations._graphed import KeptInputs
 
+        if positions is None:
+            documents = False  # positions 0 .. seq - 1: one document per sequence
         if positions is not None:
             if self.workload.parallelism.cp != 1:
                 raise WorkloadError("packed-document positions are supported at CP=1 only")
@@ -740,7 +775,8 @@ class PlanApplier:
                 return self._graphs_runner().run(phase, x, weights, dy, inputs, key=key)
         if isinstance(inputs, KeptInputs):  # a graphed forward's, run eagerly backward
             inputs = inputs.tensors()
-        result, ran = self._run_eager(phase, x, weights, dy, inputs, positions=positions)
+        result, ran = self._run_eager(phase, x, weights, dy, inputs, positions=positions,
+                                      documents=documents)
         self._record(phase, ran)
         return result
 
@@ -805,7 +841,7 @@ class PlanApplier:
 
     def _run_eager(self, phase: str, x: Any, weights: Sequence[Sequence[Any]], dy: Any,
                    inputs: Any, kept_out: Sequence[Any] | None = None,
-                   positions: Any = None
+                   positions: Any = None, documents: bool = False
                    ) -> tuple[tuple[Any, Any], list[tuple[str, Any]]]:
         """``run``'s work, enqueued as it goes; also returns the partitions run. A forward
         writes the kept inputs into ``kept_out`` when given (a graph's static buffers;
@@ -843,7 +879,7 @@ class PlanApplier:
             prog.wgrads = [{name: torch.zeros_like(w) for name, w in ws.items()}
                            for ws in prog.weights]
         stack = self._stack(phase, depth)
-        prog.set_positions(positions)
+        prog.set_positions(positions, documents=documents)
         try:
             if unsplit:
                 plan = self.plan
@@ -946,16 +982,16 @@ class PlannedLayer:
         self.applier = applier
 
     def __call__(self, x: Any, weights: Mapping[str, Any] | Sequence[Any], *,
-                 positions: Any = None) -> Any:
+                 positions: Any = None, documents: bool = False) -> Any:
         """The layer's output for input ``x`` under ``weights`` (see the class);
         ``positions``: ``[batch, seq]`` RoPE positions of packed documents (see
         [`PlanApplier.run`][kareus.integrations.PlanApplier.run]), None for ``0 .. seq -
-        1``."""
+        1``; ``documents``: attention masks those documents (each attends to itself)."""
         ws = _ordered(weights, self.applier.weight_names)
         if x.dtype != ws[1].dtype:
             raise ArgumentError(f"the layer's input is {x.dtype} and its weights "
                                 f"{ws[1].dtype}: pass both in the compute dtype")
-        return _function().apply(self.applier, 1, positions, x, *ws)
+        return _function().apply(self.applier, 1, positions, bool(documents), x, *ws)
 
 
 class PlannedStack:
@@ -987,9 +1023,9 @@ class PlannedStack:
         self.applier, self.layers = applier, int(layers)
 
     def __call__(self, x: Any, weights: Sequence[Mapping[str, Any] | Sequence[Any]], *,
-                 positions: Any = None) -> Any:
-        """The last layer's output for input ``x`` (see the class; ``positions`` as
-        [`PlannedLayer`][kareus.integrations.PlannedLayer] takes them)."""
+                 positions: Any = None, documents: bool = False) -> Any:
+        """The last layer's output for input ``x`` (see the class; ``positions`` and
+        ``documents`` as [`PlannedLayer`][kareus.integrations.PlannedLayer] takes them)."""
         per_layer = [_ordered(w, self.applier.weight_names) for w in weights]
         if len(per_layer) != self.layers:
             raise ArgumentError(f"this stack has {self.layers} layers, got the weights of "
@@ -998,7 +1034,8 @@ class PlannedStack:
             raise ArgumentError(f"the stack's input is {x.dtype} and some weights are not: "
                                 "pass all in the compute dtype")
         flat = [w for ws in per_layer for w in ws]
-        return _function().apply(self.applier, self.layers, positions, x, *flat)
+        return _function().apply(self.applier, self.layers, positions, bool(documents), x,
+                                 *flat)
 
 
 def _ordered(weights: Mapping[str, Any] | Sequence[Any], names: Sequence[str]) -> list[Any]:
@@ -1034,12 +1071,13 @@ def _function() -> Any:
         """Forward and backward of one layer through a PlanApplier's executor."""
 
         @staticmethod
-        def forward(ctx: Any, applier: PlanApplier, layers: int, positions: Any, x: Any,
-                    *weights: Any) -> Any:
+        def forward(ctx: Any, applier: PlanApplier, layers: int, positions: Any,
+                    documents: bool, x: Any, *weights: Any) -> Any:
             out, inputs = applier.run("fwd", x.detach().contiguous(),
                                       _per_layer(weights, layers, len(applier.weight_names)),
-                                      positions=positions)
+                                      positions=positions, documents=documents)
             ctx.applier, ctx.layers, ctx.positions = applier, layers, positions
+            ctx.documents = documents
             # full recomputation: the inputs of layers 1 ..; otherwise KeptActivations
             ctx.inputs = inputs
             ctx.save_for_backward(x, *weights)
@@ -1057,8 +1095,9 @@ def _function() -> Any:
                                           _per_layer(weights, ctx.layers,
                                                      len(ctx.applier.weight_names)),
                                           dy=dy.contiguous(),
-                                          inputs=inputs, positions=ctx.positions)
-            return (None, None, None, dx, *dws)
+                                          inputs=inputs, positions=ctx.positions,
+                                          documents=ctx.documents)
+            return (None, None, None, None, dx, *dws)
 
     def _per_layer(weights: Sequence[Any], layers: int, k: int) -> list[list[Any]]:
         # No copies: the 2-D weights only feed GEMMs, which take a transposed view's layout

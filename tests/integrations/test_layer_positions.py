@@ -1,8 +1,9 @@
 """The planned layer rotating RoPE at per-token positions (packed documents: positions that
 restart at each document), against the autograd reference layer at the same positions:
 on the CPU in float64 with float32 RoPE angles (the baselines' schedules, Llama's and
-Qwen3's layer), and on a GPU in bf16
-with the production kernels (skipped without CUDA)."""
+Qwen3's layer, each recomputation policy), with attention masking those documents too
+(torchtitan's block_causal), and on a GPU in bf16 with the production kernels (skipped
+without CUDA)."""
 
 from __future__ import annotations
 
@@ -32,10 +33,11 @@ def _packed(b: int, s: int, starts: tuple[int, ...]) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def _run(applier, x, w, positions, c):
+def _run(applier, x, w, positions, c, documents=False):
     x = x.clone().requires_grad_(True)
     p = {k: v.clone().requires_grad_(True) for k, v in w.items()}
-    y = applier.layer()(x, planned_weights(p, applier.workload.model), positions=positions)
+    y = applier.layer()(x, planned_weights(p, applier.workload.model), positions=positions,
+                        documents=documents)
     (y * c).sum().backward()
     return y.detach(), x.grad, {k: v.grad for k, v in p.items()}
 
@@ -67,6 +69,37 @@ def test_positions_rotate_as_the_reference_float64(schedule, qk):
     # and the positions matter
     y0, _, _ = _run(applier, x, w, None, c)
     assert not torch.allclose(y0, y)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("qk", [False, True], ids=["llama", "qwen3"])
+@pytest.mark.parametrize("schedule", ["sequential", "nanobatching"])
+def test_documents_masked_as_the_reference_float64(schedule, qk, recompute):
+    # each token attends to the earlier tokens of its own document only (a document starts
+    # where its position is 0), as torchtitan's FlexAttention / VarlenAttention block_causal
+    wl = workload(qk=qk, recompute=recompute)
+    arch = wl.model
+    w = {k: v.double() for k, v in full_weights(arch, 2).items()}
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(wl.microbatch_size, wl.seq_len, arch.hidden, generator=g,
+                    dtype=torch.float64)
+    c = torch.randn(x.shape, generator=g, dtype=torch.float64)
+    pos = _packed(wl.microbatch_size, wl.seq_len, (4, 9, 13))
+    applier = PlanApplier(workload=wl, groups=LoopbackGroups(tp=1), schedule=schedule,
+                          kernels="torch", eps=arch.norm_eps)
+    y, dx, dw = _run(applier, x, w, pos, c, documents=True)
+    xr = x.clone().requires_grad_(True)
+    pr = {k: v.clone().requires_grad_(True) for k, v in w.items()}
+    yr = layer(xr, pr, arch, positions=pos, documents=True)
+    (yr * c).sum().backward()
+    tol = {"rtol": 1e-6, "atol": 2e-6}
+    torch.testing.assert_close(y, yr.detach(), **tol)
+    torch.testing.assert_close(dx, xr.grad, **tol)
+    for k in w:
+        torch.testing.assert_close(dw[k], pr[k].grad, **tol, msg=k)
+    # the mask matters: causal over the whole sequence differs
+    y_causal, _, _ = _run(applier, x, w, pos, c)
+    assert not torch.allclose(y_causal, y)
 
 
 def test_positions_must_match_the_batch():
