@@ -532,6 +532,9 @@ class _BlockLayout:
         self.interleaved = isinstance(att.rope, _classes().ComplexRoPE)
         self.qk_norm = getattr(att, "q_norm", None) is not None
         self.per_kv = int(att.n_heads) // int(att.n_kv_heads)
+        # FlexAttention / VarlenAttention: the decoder's masks are block_causal documents
+        self.documents = isinstance(att.inner_attention, (_classes().Flex,
+                                                          _classes().Varlen))
         self._order: dict[tuple[int, str], Any] = {}
 
     def _fused_qkv(self, w: Any) -> Any:
@@ -738,6 +741,7 @@ def apply_plan(model: Any, *, workload: Workload, mesh: Any = None, tp_group: An
     if any(hasattr(m, _APPLIER_ATTR) or hasattr(m, _CHAIN_ATTR) for m in model.modules()):
         raise ArgumentError("a plan is applied to this model already: remove_plan(model) "
                             "first")
+    _check_documents(model, blocks, plan, schedule)
     # chain=True refuses before anything is replaced
     decoders = [] if chain is False else _decoders(model, blocks, strict=bool(chain))
     inv = _rope_inv_freq(blocks[0])
@@ -824,10 +828,11 @@ def _plan_block(block: Any, applier: PlanApplier, layer: Any) -> tuple[Any, _Blo
 
     def forward(self: Any, x: Any, attention_masks: Any = None, positions: Any = None
                 ) -> Any:
-        pos = _rope_positions(attention_masks, positions)
+        pos = _rope_positions(attention_masks, positions, layout.documents)
         local, rewrap = _unwrap_input(x, sp)
         _check_seq(local, seq, sp)
-        return rewrap(layer(local, layout.weights(self), positions=pos))
+        return rewrap(layer(local, layout.weights(self), positions=pos,
+                            documents=layout.documents))
 
     import torch
 
@@ -964,12 +969,13 @@ class _Chain:
 
     def run(self, h: Any, attention_masks: Any = None, positions: Any = None) -> Any:
         """Every block of the decoder on ``h``: what its loop computes."""
-        pos = _rope_positions(attention_masks, positions)
+        documents = self.layouts[0].documents
+        pos = _rope_positions(attention_masks, positions, documents)
         local, rewrap = _unwrap_input(h, self.sp)
         _check_seq(local, self.seq, self.sp)
         weights = [lay.weights(blk) for lay, blk in zip(self.layouts, self.blocks,
                                                          strict=True)]
-        return rewrap(self.stack(local, weights, positions=pos))
+        return rewrap(self.stack(local, weights, positions=pos, documents=documents))
 
     def remove(self, decoder: Any) -> None:
         del decoder.layers.values
@@ -1050,16 +1056,17 @@ def _unwrap_input(x: Any, sp: bool = False) -> tuple[Any, Callable[[Any], Any]]:
     return x.to_local(), rewrap
 
 
-def _rope_positions(attention_masks: Any, positions: Any) -> Any:
-    """The positions the planned layer rotates by: None where they are ``0 .. seq - 1`` in
-    every sequence (no packing), this rank's ``[batch, seq]`` positions where documents
-    are packed (positions restart at each one: RoPE at those positions, attention causal
-    over the whole sequence, as torchtitan's SDPA attention computes).
+def _rope_positions(attention_masks: Any, positions: Any, documents: bool = False) -> Any:
+    """The positions the planned layer rotates by (and, with ``documents``, masks the
+    documents of): None where they are ``0 .. seq - 1`` in every sequence (no packing:
+    one document per sequence), this rank's ``[batch, seq]`` positions where documents are
+    packed (positions restart at each one).
 
-    Refuses what makes attention other than causal over the whole sequence: masks without
-    positions (a custom mask), and masks of packed documents (FlexAttention's or
-    VarlenAttention's ``block_causal``: each document attends only to itself). A mask
-    built from positions ``0, 1, ..., seq - 1`` in every row is plain causal."""
+    ``documents``: the block's attention is FlexAttention or VarlenAttention, whose masks
+    torchtitan's decoder builds from the positions (``block_causal``: each token attends
+    to the earlier tokens of its own document); the planned layer builds the same mask
+    from the positions. Without it (SDPA) attention is causal over the whole sequence and
+    the decoder passes no masks: masks there (a custom mask) are refused."""
     import torch
 
     if positions is None:
@@ -1067,13 +1074,13 @@ def _rope_positions(attention_masks: Any, positions: Any) -> Any:
             raise WorkloadError("kareus's layer computes causal attention: attention masks "
                                 "without positions (a custom mask) are not supported")
         return None
+    if attention_masks is not None and not documents:
+        raise WorkloadError("the block gets attention masks but its attention is not "
+                            "FlexAttention or VarlenAttention (block_causal documents): "
+                            "kareus's layer does not compute a custom mask")
     if _capturing():
         # inside a CUDA graph capture (torchtitan's step capture, replayed for every batch)
         # the values cannot be read, and the next batch's may differ: always rotate by them
-        if attention_masks is not None:
-            raise WorkloadError("the model's attention masks documents (FlexAttention or "
-                                "VarlenAttention, block_causal): kareus's layer attends "
-                                "causally over the whole sequence")
         return _local(positions)
     # Every block of one forward gets the same positions tensor: read it once (reading a
     # GPU tensor's values waits for the GPU, which a check per block would do per layer).
@@ -1085,15 +1092,7 @@ def _rope_positions(attention_masks: Any, positions: Any) -> Any:
         want = torch.arange(p.shape[-1], device=p.device, dtype=p.dtype)
         plain = bool(torch.equal(p, want.expand_as(p)))
         _CHECKED_POSITIONS["last"] = (weakref.ref(positions), positions._version, plain, p)
-    if plain:
-        return None
-    if attention_masks is not None:
-        raise WorkloadError("the batch packs documents and the model's attention masks "
-                            "them (FlexAttention or VarlenAttention, block_causal): kareus's "
-                            "layer attends causally over the whole sequence; give the "
-                            "layers torchtitan's ScaledDotProductAttention "
-                            "(attention.inner_attention) or train without kareus")
-    return p
+    return None if plain else p
 
 
 def _capturing() -> bool:
@@ -1199,14 +1198,6 @@ def _refuse_unsupported(config: Any, model: Any, workload: Workload) -> None:
     if config.parallelism.spmd_backend == "full_dtensor":
         raise WorkloadError("parallelism.spmd_backend full_dtensor: kareus's adapter is "
                             "tested with spmd_types (the default) and partial_dtensor")
-    masked = _document_masks(config, model)
-    if masked is not None:
-        raise WorkloadError(f"the model's attention is {masked}, which masks packed "
-                            "documents (block_causal; torchtitan's text loader always packs): "
-                            "kareus's layer attends causally over the whole sequence; give "
-                            "the layers torchtitan's ScaledDotProductAttention "
-                            "(attention.inner_attention, e.g. with --override.imports) or "
-                            "train without kareus")
 
 
 def _refuse_replayed_plan(plan: Any, schedule: str | None, stage: int = 0) -> None:
@@ -1227,14 +1218,43 @@ def _refuse_replayed_plan(plan: Any, schedule: str | None, stage: int = 0) -> No
                 "phase, or pass --training.disable-cuda-graphs")
 
 
-def _document_masks(config: Any, model: Any) -> str | None:
-    """The name of the model's attention where it masks documents (None: it does not)."""
+def _masks_documents(block: Any) -> bool:
+    """Whether a block's attention is FlexAttention or VarlenAttention (the decoder gives
+    it ``block_causal`` document masks)."""
     tt = _classes()
-    for lc in getattr(model.config, "layers", ()):
-        inner = lc.attention.inner_attention
-        if isinstance(inner, (tt.Flex.Config, tt.Varlen.Config)):
-            return type(inner).__qualname__.split(".")[0]
-    return None
+    return isinstance(block.attention.inner_attention, (tt.Flex, tt.Varlen))
+
+
+def _check_documents(model: Any, blocks: list[Any], plan: Any, schedule: str | None
+                     ) -> None:
+    """Refuse what the planned layers' document masks would not reproduce: blocks of both
+    kinds (masked and not), a decoder whose masks are not torchtitan's ``block_causal``
+    documents (an overridden ``get_attention_masks``), and a plan for masked attention
+    (plans cost causal attention over the whole sequence, not the pairs within
+    documents that run)."""
+    tt = _classes()
+    kinds = {_masks_documents(b) for b in blocks}
+    if len(kinds) > 1:
+        raise WorkloadError("some blocks attend with FlexAttention or VarlenAttention "
+                            "(document masks) and some with SDPA: kareus applies one "
+                            "attention to every layer")
+    if kinds != {True}:
+        return
+    Decoder = tt.Decoder
+    for m in model.modules():
+        if isinstance(m, Decoder) and (
+                type(m).get_attention_masks is not Decoder.get_attention_masks
+                or type(m)._create_flex_attention_mask_for_document
+                is not Decoder._create_flex_attention_mask_for_document):
+            raise WorkloadError(f"{type(m).__name__} builds its own attention masks: kareus's "
+                                "layer computes torchtitan's block_causal document mask only")
+    if plan is not None and schedule in (None, "kareus"):
+        raise WorkloadError("the model's attention masks packed documents (FlexAttention or "
+                            "VarlenAttention, block_causal), which kareus's cost model does "
+                            "not cost (it costs causal attention over the whole sequence): "
+                            "run a baseline schedule (plan=None, schedule='sequential' or "
+                            "'nanobatching'), or give the layers torchtitan's "
+                            "ScaledDotProductAttention (attention.inner_attention) for a plan")
 
 
 def _plan_of(plan: Any) -> Any:

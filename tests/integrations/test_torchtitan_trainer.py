@@ -49,7 +49,7 @@ REFUSALS = {
     "selective_without_policy": ([], True, "selective_as"),
     "memory_budget_ac": (["--compile.enable", "activation-checkpoint:memory-budget"], True,
                          "activation_checkpoint is memory-budget"),
-    "flex_documents": ([FULL_AC], False, "FlexAttention, which masks packed documents"),
+    "plan_for_flex_documents": ([FULL_AC], False, "does not cost"),
     "cuda_graphs_plan_of_several_choices": ([], True, "training.disable_cuda_graphs"),
 }
 
@@ -119,6 +119,8 @@ def _worker(out_dir: str, run: str, what: str) -> None:
         flags, sdpa, _ = REFUSALS[what]
         trainer = cpu_trainer_config(assets, *BASE, *flags, sdpa=sdpa).build()
         plan = None
+        if what == "plan_for_flex_documents":
+            plan = make_workload_plan(workload_from_trainer(trainer))
         if what == "cuda_graphs_plan_of_several_choices":
             trainer.fwd_bwd_fn = _StandInCapture(trainer._forward_backward_body)
             plan = make_workload_plan(workload_from_trainer(trainer, selective_as="selective"),
@@ -129,6 +131,9 @@ def _worker(out_dir: str, run: str, what: str) -> None:
         except KareusError as e:
             result["error"] = str(e)
         result["step"] = trainer.step
+        trainer.close()
+    elif run == "documents":
+        result = _documents(trainer_config=cpu_trainer_config(assets, *BASE, sdpa=False))
     else:
         ac = {"none": [NO_AC], "full": [FULL_AC]}.get(what.partition("-")[2], [])
         flags = (["--compile.enable"] if what == "compile" else []) + ac
@@ -152,10 +157,45 @@ def _worker(out_dir: str, run: str, what: str) -> None:
         trainer.train()
         if applier is not None:
             result["partitions"] = [(ph, k) for ph, k, _ in applier.partitions_run]
-    trainer.close()
+        trainer.close()
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _documents(trainer_config) -> dict:
+    """torchtitan's stock attention (FlexAttention, block_causal document masks): the
+    model's forward on packed batches with and without kareus's layers (a baseline
+    schedule: plans do not cost document masks), then training steps and validation under
+    kareus (FlexAttention has no backward on a CPU: torchtitan alone cannot train here)."""
+    from kareus.integrations.torchtitan import wrap_trainer
+
+    trainer = trainer_config.build()
+    model = trainer.model_parts[0]
+    it = iter(trainer.dataloader)
+    batches = [next(it) for _ in range(2)]
+
+    def logits() -> list:
+        out = []
+        for input_dict, labels in batches:
+            inputs, _, extra = trainer.post_dataloading_process(dict(input_dict), labels)
+            with torch.no_grad(), trainer.train_context():
+                y = model(inputs, **extra)
+            out.append((y.to_local() if hasattr(y, "to_local") else y).clone())
+        return out
+
+    want = logits()
+    wrap_trainer(trainer, None, schedule="nanobatching", selective_as="selective",
+                 kernels="torch")
+    got = logits()
+    result = _record(trainer)
+    trainer.train()
+    trainer.close()
+    packed = [bool((b[0]["positions"][:, 1:] == 0).any()) for b in batches]
+    result["packed"] = packed
+    result["max_diff"] = max(float((g - w).abs().max()) for g, w in zip(got, want, strict=True))
+    result["scale"] = max(float(w.abs().max()) for w in want)
+    return result
 
 
 def _run(tmp_path, run, what):
@@ -217,6 +257,17 @@ def test_a_plan_in_torchtitan_s_step_capture(tmp_path):
 @pytest.mark.parametrize("ac", ["none", "full"])
 def test_a_plan_under_torchtitan_s_other_checkpointing(tmp_path, ac):
     _check_equal(tmp_path, f"eager-{ac}")
+
+
+@pytest.mark.slow
+def test_torchtitan_s_document_masks_in_planned_layers(tmp_path):
+    # stock attention (FlexAttention, block_causal): the forward equals torchtitan's on
+    # packed batches to fp32 tolerance, and the Trainer trains and validates under kareus
+    for r in _run(tmp_path, "documents", "flex"):
+        assert all(r["packed"])
+        assert r["max_diff"] <= 1e-5 * r["scale"], r
+        assert len(r["mb_losses"]) == 4 and len(r["val_losses"]) == 2
+        assert all(0 < v < 20 for v in r["mb_losses"] + r["val_losses"])
 
 
 @pytest.mark.slow
