@@ -264,7 +264,7 @@ def test_torchtitan_s_document_masks_in_planned_layers(tmp_path):
     # stock attention (FlexAttention, block_causal): the forward equals torchtitan's on
     # packed batches to fp32 tolerance, and the Trainer trains and validates under kareus
     for r in _run(tmp_path, "documents", "flex"):
-        assert all(r["packed"])
+        assert any(r["packed"])  # some batch packs documents
         assert r["max_diff"] <= 1e-5 * r["scale"], r
         assert len(r["mb_losses"]) == 4 and len(r["val_losses"]) == 2
         assert all(0 < v < 20 for v in r["mb_losses"] + r["val_losses"])
