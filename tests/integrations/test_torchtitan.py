@@ -568,8 +568,10 @@ def test_positions_are_read_once_per_tensor(monkeypatch):
     # packed documents: RoPE at their positions, attention causal over the sequence ...
     packed = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]] * 2)
     assert torch.equal(tt._rope_positions(None, packed), packed)
-    # ... unless the model's attention masks the documents (flex / varlen block_causal)
-    with pytest.raises(WorkloadError, match="masks them"):
+    # ... or masking them where the block's attention is flex / varlen (block_causal) ...
+    assert torch.equal(tt._rope_positions(object(), packed, True), packed)
+    # ... and masks given to an SDPA block (a custom mask) are refused
+    with pytest.raises(WorkloadError, match="not FlexAttention or VarlenAttention"):
         tt._rope_positions(object(), packed)
     with pytest.raises(WorkloadError, match="without positions"):
         tt._rope_positions(object(), None)
@@ -591,10 +593,21 @@ def test_the_trainer_s_activation_checkpoint_is_a_recomputation_policy_or_refuse
     assert kt.recompute_from_torchtitan(FullAC.Config()) == "full"
     assert kt.recompute_from_torchtitan("none") == "none"
     assert kt.recompute_from_torchtitan("full") == "full"
-    for setting in (SelectiveAC.Config(), MemoryBudgetAC.Config(), "selective",
-                    "memory-budget"):
-        with pytest.raises(WorkloadError, match="activation_checkpoint '") as err:
+    # torchtitan's per-op selective is none of kareus's policies: the one run in its
+    # place is named, or the setting is refused (saying what differs)
+    for setting in (SelectiveAC.Config(), "selective"):
+        with pytest.raises(WorkloadError, match="per-op.*selective_as") as err:
             kt.recompute_from_torchtitan(setting)
+        assert "\n" not in str(err.value)
+        for policy in ("none", "selective", "full"):
+            assert kt.recompute_from_torchtitan(setting, selective_as=policy) == policy
+    with pytest.raises(ArgumentError, match="selective_as"):
+        kt.recompute_from_torchtitan(SelectiveAC.Config(), selective_as="op")
+    # selective_as concerns selective only
+    assert kt.recompute_from_torchtitan(FullAC.Config(), selective_as="none") == "full"
+    for setting in (MemoryBudgetAC.Config(), "memory-budget"):
+        with pytest.raises(WorkloadError, match="memory-budget") as err:
+            kt.recompute_from_torchtitan(setting, selective_as="full")
         assert "\n" not in str(err.value)
     with pytest.raises(ArgumentTypeError, match="activation_checkpoint"):
         kt.recompute_from_torchtitan(object())
