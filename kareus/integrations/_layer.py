@@ -157,6 +157,7 @@ class _LayerProgram(DecoderShard):
         self.device, self.dtype = torch.device(device), dtype
         self.rope_base, self.rope_inv_freq = float(rope_base), rope_inv_freq
         self._build_rope(torch)
+        self._tok_inv = self._inv_freq()  # on the device now: never copied inside a capture
         self._pool: dict[tuple[str, int, int], tuple[Any, Any]] = {}
         for n in sorted(set(nanobatch_counts), reverse=True):
             if self.mbs % n == 0:
@@ -183,6 +184,14 @@ class _LayerProgram(DecoderShard):
     #: 0), or None (causal over the whole sequence).
     doc_ids: Any = None
 
+    def _inv_freq(self) -> Any:
+        """The RoPE inverse frequencies on the device (float32, ``head_dim / 2``)."""
+        torch = self.torch
+        if self.rope_inv_freq is not None:
+            return torch.as_tensor(self.rope_inv_freq, dtype=torch.float32).to(self.device)
+        return 1.0 / (float(self.rope_base) ** (torch.arange(
+            0, self.hd, 2, device=self.device, dtype=torch.float32) / self.hd))
+
     def _tok_rows(self, nb: int) -> slice:
         """Rows of nanobatch ``nb`` in the per-token tables: its sequences' tokens, whole
         (under sequence parallelism RoPE runs after the all-gather, on whole sequences)."""
@@ -201,13 +210,6 @@ class _LayerProgram(DecoderShard):
         self.doc_ids = (torch.cumsum((positions == 0).to(torch.int32), dim=1) - 1
                         if documents else None)
         inv = self._tok_inv
-        if inv is None:  # made once (outside any capture: a host-to-device copy)
-            if self.rope_inv_freq is not None:
-                inv = torch.as_tensor(self.rope_inv_freq, dtype=torch.float32).to(self.device)
-            else:
-                inv = 1.0 / (float(self.rope_base) ** (torch.arange(
-                    0, self.hd, 2, device=self.device, dtype=torch.float32) / self.hd))
-            self._tok_inv = inv
         pos = positions.reshape(-1).to(device=self.device, dtype=torch.float32)
         ang = torch.outer(pos, inv)
         ang = torch.cat((ang, ang), dim=-1)

@@ -1477,17 +1477,21 @@ def _no_typecheck() -> Iterator[None]:
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m kareus.integrations.torchtitan [--plan PATH] [--schedule NAME]
-    --module M --config C [torchtitan's flags]``: torchtitan 0.3's own ``-m
+    [--selective-as POLICY] --module M --config C [torchtitan's flags]``: torchtitan 0.3's own ``-m
     torchtitan.train`` (its config parser, ``Trainer``, training loop and teardown) with
     [`wrap_trainer`][kareus.integrations.torchtitan.wrap_trainer] between building the
     Trainer and training it. ``--plan``: ``kareus optimize``'s ``plan.json`` made for
     [`workload_from_trainer`][kareus.integrations.torchtitan.workload_from_trainer] of
     this config; without it, ``--schedule`` names a baseline (``sequential``,
-    ``nanobatching``). Run it under ``torchrun`` as torchtitan's own entry point."""
+    ``nanobatching``). ``--selective-as``: under torchtitan's per-op selective activation
+    checkpointing (its default), the recomputation policy kareus's layers run in its place
+    (default: the plan's; required without a plan). Run it under ``torchrun`` as
+    torchtitan's own entry point."""
     import sys
 
     args = list(sys.argv[1:] if argv is None else argv)
-    mine: dict[str, str | None] = {"--plan": None, "--schedule": None}
+    mine: dict[str, str | None] = {"--plan": None, "--schedule": None,
+                                   "--selective-as": None}
     rest: list[str] = []
     it = iter(args)
     for arg in it:
@@ -1509,7 +1513,8 @@ def main(argv: list[str] | None = None) -> None:
     config = ConfigManager().parse_args(rest)
     trainer = config.build()
     try:
-        wrap_trainer(trainer, mine["--plan"], schedule=mine["--schedule"])
+        wrap_trainer(trainer, mine["--plan"], schedule=mine["--schedule"],
+                     selective_as=mine["--selective-as"])
         trainer.train()
     finally:
         trainer.close()

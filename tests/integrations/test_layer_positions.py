@@ -135,3 +135,69 @@ def test_positions_on_the_gpu_kernels_bf16(qk):
     for got, want, what in ((y, yr, "output"), (dx, xr.grad, "input gradient")):
         err = float((got.double() - want.double()).norm() / want.double().norm())
         assert err < 2e-2, f"{what}: relative error {err:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
+def test_positions_inside_an_enclosing_capture_follow_each_replay(documents):
+    # torchtitan's step capture: one forward-backward warmed up eagerly (here on plain
+    # positions), captured on one batch's positions and replayed on another's, copied into
+    # the captured tensors. The replay must rotate (and mask) by the copied positions:
+    # equal to eager execution on them, to bf16 rounding.
+    wl = workload(qk=True, mbs=4, seq=256)
+    arch = wl.model
+    dev = torch.device("cuda")
+    p = {k: v.to(dev, torch.bfloat16).requires_grad_(True)
+         for k, v in full_weights(arch, 2).items()}
+    g = torch.Generator().manual_seed(1)
+    x_new = torch.randn(4, 256, arch.hidden, generator=g).to(dev, torch.bfloat16)
+    pos_new = _packed(4, 256, (37, 100, 190)).to(dev)
+
+    def step(applier, x, pos):
+        y = applier.layer()(x, planned_weights(p, arch), positions=pos, documents=documents)
+        y.float().square().mean().backward()
+        return y.detach()
+
+    eager = PlanApplier(workload=wl, groups=LoopbackGroups(tp=1), schedule="nanobatching",
+                        eps=arch.norm_eps, graphs=False)
+    xe = x_new.clone().requires_grad_(True)
+    want_y = step(eager, xe, pos_new)
+    want = {k: v.grad.clone() for k, v in p.items()}
+
+    applier = PlanApplier(workload=wl, groups=LoopbackGroups(tp=1), schedule="nanobatching",
+                          eps=arch.norm_eps)
+    x = torch.randn(4, 256, arch.hidden, generator=g).to(dev, torch.bfloat16)
+    x.requires_grad_(True)
+    pos = torch.arange(256, device=dev).expand(4, 256).clone()  # plain, as a warm-up may be
+    for t in [*p.values(), x]:
+        t.grad = torch.zeros_like(t)
+
+    def body():
+        for t in [*p.values(), x]:
+            t.grad.zero_()
+        return step(applier, x, pos)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            body()
+    torch.cuda.current_stream().wait_stream(side)
+    pos.copy_(_packed(4, 256, (11, 64)).to(dev))  # the captured batch's own documents
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got_y = body()
+    with torch.no_grad():
+        x.copy_(x_new)
+        pos.copy_(pos_new)
+    graph.replay()
+    torch.cuda.synchronize()
+
+    def rel(a, b):
+        return float((a.double() - b.double()).norm() / b.double().norm())
+
+    assert rel(got_y, want_y) < 2e-2
+    assert rel(x.grad, xe.grad) < 2e-2
+    for k in want:
+        assert rel(p[k].grad, want[k]) < 2e-2, k
