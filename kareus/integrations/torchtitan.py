@@ -94,10 +94,10 @@ from kareus.integrations._layer import PlanApplier
 from kareus.integrations._weights import head_norm, layer_weights, linear, qkv_from_separate
 from kareus.model.workload import ModelArch, Parallelism, Workload
 
-__all__ = ["TESTED_VERSIONS", "apply_plan", "chained_blocks", "main", "planned_blocks",
-           "recompute_from_torchtitan", "remove_plan", "sequence_parallel_of",
-           "workload_from_torchtitan",
-           "workload_from_trainer", "wrap_trainer"]
+__all__ = ["TESTED_VERSIONS", "apply_plan", "chained_blocks", "main", "masks_documents",
+           "planned_blocks", "recompute_from_torchtitan", "remove_plan",
+           "sequence_parallel_of", "workload_from_torchtitan",
+           "workload_from_torchtitan_config", "workload_from_trainer", "wrap_trainer"]
 
 #: The torchtitan releases this adapter is tested with (a ``packaging`` specifier).
 TESTED_VERSIONS = ">=0.3,<0.4"
@@ -1166,26 +1166,115 @@ def workload_from_trainer(trainer: Any, *, nanobatches: int = 2, name: str | Non
             not compute.
     """
     config, dims, _ = _trainer_parts(trainer)
+    return _workload_of(config, trainer.model_config,
+                        (int(dims.tp), int(dims.cp), int(dims.pp),
+                         int(dims.dp_replicate) * int(dims.dp_shard)),
+                        int(trainer.gradient_accumulation_steps), nanobatches=nanobatches,
+                        name=name, selective_as=selective_as)
+
+
+def _workload_of(config: Any, model_config: Any, degrees: tuple[int, int, int, int],
+                 accumulation_steps: int, *, nanobatches: int, name: str | None,
+                 selective_as: str | None) -> Workload:
+    """The workload of a Trainer config, its (updated, overridden) model config, its
+    ``(tp, cp, pp, dp)`` and gradient-accumulation steps."""
     spec = getattr(config, "model_spec", None)
     if name is None:
         name = (f"torchtitan-{spec.name}-{spec.flavor}" if spec is not None
                 else "torchtitan-model")
-    arch = model_arch_from_torchtitan(trainer.model_config, name=name)
+    arch = model_arch_from_torchtitan(model_config, name=name)
     training = config.training
     compute = (training.dtype if training.dtype == "bfloat16"
                else training.mixed_precision_param)
-    tp = int(dims.tp)
-    par = Parallelism(tp=tp, cp=int(dims.cp), pp=int(dims.pp),
-                      dp=int(dims.dp_replicate) * int(dims.dp_shard),
+    tp, cp, pp, dp = degrees
+    par = Parallelism(tp=tp, cp=cp, pp=pp, dp=dp,
                       sp=tp > 1 and bool(config.parallelism.enable_sequence_parallel))
     recompute = recompute_from_torchtitan(config.activation_checkpoint,
                                           selective_as=selective_as)
     return Workload(model=arch, parallelism=par,
                     microbatch_size=int(training.local_batch_size),
                     seq_len=int(training.seq_len),
-                    num_microbatches=int(trainer.gradient_accumulation_steps),
+                    num_microbatches=int(accumulation_steps),
                     nanobatches=int(nanobatches), recompute=recompute,
                     dtype_bytes=2 if compute == "bfloat16" else 4)
+
+
+def workload_from_torchtitan_config(config: Any, *, world_size: int, nanobatches: int = 2,
+                                    name: str | None = None,
+                                    selective_as: str | None = None) -> Workload:
+    """The workload torchtitan 0.3's ``Trainer`` would run for ``config`` on ``world_size``
+    ranks, without building it (no devices, no data): what ``kareus optimize
+    --torchtitan-args`` makes a plan for, equal to
+    [`workload_from_trainer`][kareus.integrations.torchtitan.workload_from_trainer] of the
+    built Trainer.
+
+    The model config is updated from the config and its ``--override.imports`` applied,
+    as the Trainer does; the degrees are ``ParallelDims.from_config`` (a
+    ``data_parallel_shard_degree`` of -1 takes the ranks left); the gradient-accumulation
+    steps ``training.global_batch_size`` over ``training.local_batch_size`` times the
+    data-parallel degree.
+
+    Args:
+        config: A ``Trainer.Config`` (``ConfigManager().parse_args([...])``); not changed.
+        world_size: The ranks the job runs on (``torchrun``'s ``WORLD_SIZE``).
+        nanobatches, name, selective_as: As ``workload_from_trainer`` takes them.
+
+    Raises:
+        ArgumentError: no model in the config, or degrees that do not multiply to
+            ``world_size``, or batch sizes that do not divide.
+        WorkloadError: as ``workload_from_trainer``.
+    """
+    config, model_config = _trainer_config_copy(config)
+    par = config.parallelism
+    rep, shard = int(par.data_parallel_replicate_degree), int(par.data_parallel_shard_degree)
+    cp, tp, pp = (int(par.context_parallel_degree), int(par.tensor_parallel_degree),
+                  int(par.pipeline_parallel_degree))
+    world = int(world_size)
+    if shard < 0:
+        shard = world // (rep * cp * tp * pp)
+    if shard < 1 or rep * shard * cp * tp * pp != world:
+        raise ArgumentError(f"torchtitan's degrees (data_parallel_replicate {rep} x "
+                            f"data_parallel_shard {par.data_parallel_shard_degree} x context "
+                            f"{cp} x tensor {tp} x pipeline {pp}) do not make {world} ranks: "
+                            "give the job's GPU count (--gpus)")
+    dp = rep * shard
+    local, glob = int(config.training.local_batch_size), int(config.training.global_batch_size)
+    if glob < 0:
+        glob = local * dp
+    if glob <= 0 or glob % (local * dp):
+        raise ArgumentError(f"training.global_batch_size {glob} is not a multiple of "
+                            f"training.local_batch_size {local} x the data-parallel degree "
+                            f"{dp}")
+    return _workload_of(config, model_config, (tp, cp, pp, dp), glob // (local * dp),
+                        nanobatches=nanobatches, name=name, selective_as=selective_as)
+
+
+def _trainer_config_copy(config: Any) -> tuple[Any, Any]:
+    """A copy of a ``Trainer.Config`` and its model config, updated from it and with its
+    ``--override.imports`` applied, as the Trainer does when it is built."""
+    import copy
+
+    check_torchtitan_version()
+    if getattr(config, "model_spec", None) is None:
+        raise ArgumentError("the torchtitan config has no model: give --module and --config")
+    config = copy.deepcopy(config)
+    config.model_spec.model.update_from_config(config=config)
+    if config.override.imports:
+        from torchtitan.config.override import apply_overrides  # type: ignore[import]
+
+        apply_overrides(config.override, config)
+    return config, config.model_spec.model
+
+
+def masks_documents(model_or_config: Any) -> bool:
+    """Whether a torchtitan model's attention masks packed documents (``FlexAttention`` /
+    ``VarlenAttention``: ``block_causal``), which plans do not cost. Takes a built model,
+    its config, or a ``Trainer.Config`` (its model after its ``--override.imports``)."""
+    tt = _classes()
+    if getattr(model_or_config, "model_spec", None) is not None:
+        model_or_config = _trainer_config_copy(model_or_config)[1]
+    return any(isinstance(lc.attention.inner_attention, (tt.Flex.Config, tt.Varlen.Config))
+               for lc in _model_config(model_or_config).layers or ())
 
 
 def _refuse_unsupported(config: Any, model: Any, workload: Workload) -> None:

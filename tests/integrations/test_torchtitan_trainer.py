@@ -106,7 +106,11 @@ def _worker(out_dir: str, run: str, what: str) -> None:
     import torchtitan.distributed.cudagraph as cudagraph
 
     from kareus.errors import KareusError
-    from kareus.integrations.torchtitan import workload_from_trainer, wrap_trainer
+    from kareus.integrations.torchtitan import (
+        workload_from_torchtitan_config,
+        workload_from_trainer,
+        wrap_trainer,
+    )
     from kareus.testing import make_workload_plan
     from kareus.testing.torchtitan_cpu import cpu_trainer_config, use_cpu, write_cpu_assets
 
@@ -137,7 +141,11 @@ def _worker(out_dir: str, run: str, what: str) -> None:
     else:
         ac = {"none": [NO_AC], "full": [FULL_AC]}.get(what.partition("-")[2], [])
         flags = (["--compile.enable"] if what == "compile" else []) + ac
-        trainer = cpu_trainer_config(assets, *BASE, *flags).build()
+        config = cpu_trainer_config(assets, *BASE, *flags)
+        # what kareus optimize --torchtitan-args makes the plan for, from the config alone
+        from_config = workload_from_torchtitan_config(config, world_size=2,
+                                                      selective_as="selective")
+        trainer = config.build()
         result = _record(trainer)
         graphs = what == "graphs"
         if graphs:  # the forward-backward wrapped as on a GPU with CUDA graphs on
@@ -152,6 +160,7 @@ def _worker(out_dir: str, run: str, what: str) -> None:
                                        unsplit_microbatches=(1,)))
             applier = wrap_trainer(trainer, plan, kernels="torch", record=True)
             result["workload"] = wl.to_dict()
+            result["config_workload"] = from_config.to_dict()
             result["dtype_bytes"] = wl.dtype_bytes
             result["wrapped"] = [getattr(f, "__name__", "?") for f in _StandInCapture.wrapped]
         trainer.train()
@@ -225,6 +234,7 @@ def _check_equal(tmp_path, what):
         assert got["grad_norms"] == pytest.approx(want["grad_norms"], rel=1e-4)
         assert got["val_losses"] == pytest.approx(want["val_losses"], rel=1e-5)
         wl = got["workload"]
+        assert got["config_workload"] == wl  # the config's workload is the Trainer's
         assert (wl["tp"], wl["sp"], wl["microbatch_size"], wl["seq_len"],
                 wl["num_microbatches"], wl["recompute"]) == (2, True, 4, 64, 2, recompute)
         assert got["dtype_bytes"] == 4
