@@ -1217,7 +1217,9 @@ def workload_from_torchtitan_config(config: Any, *, world_size: int, nanobatches
     Args:
         config: A ``Trainer.Config`` (``ConfigManager().parse_args([...])``); not changed.
         world_size: The ranks the job runs on (``torchrun``'s ``WORLD_SIZE``).
-        nanobatches, name, selective_as: As ``workload_from_trainer`` takes them.
+        nanobatches: As ``workload_from_trainer`` takes it.
+        name: As ``workload_from_trainer`` takes it.
+        selective_as: As ``workload_from_trainer`` takes it.
 
     Raises:
         ArgumentError: no model in the config, or degrees that do not multiply to
