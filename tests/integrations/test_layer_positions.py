@@ -114,8 +114,9 @@ def test_positions_must_match_the_batch():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
 @pytest.mark.parametrize("qk", [False, True], ids=["llama", "qwen3"])
-def test_positions_on_the_gpu_kernels_bf16(qk):
+def test_positions_on_the_gpu_kernels_bf16(qk, documents):
     # the production kernels (Triton RoPE) given per-token tables: as close to the fp32
     # reference at those positions as bf16 allows
     wl = workload(qk=qk, mbs=4, seq=256)
@@ -128,9 +129,10 @@ def test_positions_on_the_gpu_kernels_bf16(qk):
     pos = _packed(4, 256, (37, 100, 190)).to(dev)
     applier = PlanApplier(workload=wl, groups=LoopbackGroups(tp=1), schedule="nanobatching",
                           eps=arch.norm_eps)
-    y, dx, _ = _run(applier, x, w, pos, c)
+    y, dx, _ = _run(applier, x, w, pos, c, documents=documents)
     xr = x.float().clone().requires_grad_(True)
-    yr = layer(xr, {k: v.float() for k, v in w.items()}, arch, positions=pos)
+    yr = layer(xr, {k: v.float() for k, v in w.items()}, arch, positions=pos,
+               documents=documents)
     (yr * c.float()).sum().backward()
     for got, want, what in ((y, yr, "output"), (dx, xr.grad, "input gradient")):
         err = float((got.double() - want.double()).norm() / want.double().norm())
