@@ -193,10 +193,76 @@ def _workload_from_megatron_flags(args: argparse.Namespace):  # type: ignore[no-
     return workload_from_megatron_args(flags, dp=dp, nanobatches=args.nanobatches)
 
 
+def _workload_from_torchtitan_flags(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """The workload of ``--torchtitan-args``: what torchtitan 0.3's Trainer runs for those
+    flags (``--module``/``--config`` and overrides, as ``-m torchtitan.train`` takes them)
+    on ``--gpus`` ranks; ``--recompute`` names the policy kareus's layers run in place of
+    torchtitan's per-op selective checkpointing."""
+    import contextlib
+    import io
+
+    from kareus.errors import WorkloadError
+    from kareus.integrations.megatron_args import read_megatron_flags
+    from kareus.integrations.torchtitan import (
+        check_torchtitan_version,
+        masks_documents,
+        workload_from_torchtitan_config,
+    )
+
+    given = [f"--{k.replace('_', '-')}" for k in (*_JOB_DEFAULTS, "workload", "model_file",
+                                                   "dp")
+             if getattr(args, k, None) is not None] + [
+                 f for f, on in (("--no-recompute", args.no_recompute),
+                                 ("--sp", getattr(args, "sp", False)),
+                                 ("--megatron-args",
+                                  getattr(args, "megatron_args", None) is not None)) if on]
+    if given:
+        raise ArgumentError(f"--torchtitan-args describes the model, the parallelism and the "
+                            f"batch; drop {', '.join(given)} (give them as torchtitan flags; "
+                            "--gpus is the job's rank count)")
+    check_torchtitan_version()
+    from torchtitan.config import ConfigManager  # type: ignore[import]
+
+    try:
+        argv = read_megatron_flags(args.torchtitan_args)
+    except KareusError as exc:
+        raise ArgumentError(str(exc).replace("--megatron-args", "--torchtitan-args")) from None
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            config = ConfigManager().parse_args(argv)
+    except SystemExit:
+        why = " ".join(err.getvalue().split())[-300:]
+        raise ArgumentError(f"--torchtitan-args: torchtitan's parser refused the flags "
+                            f"({why or 'no message'})") from None
+    if args.gpus is None:
+        raise ArgumentError("--torchtitan-args needs --gpus (the job's rank count: torchrun's "
+                            "WORLD_SIZE)")
+    wl = workload_from_torchtitan_config(config, world_size=args.gpus,
+                                         nanobatches=args.nanobatches,
+                                         selective_as=args.recompute)
+    if args.recompute is not None and wl.recompute != args.recompute:
+        raise ArgumentError(f"--recompute {args.recompute} contradicts the flags' "
+                            f"activation_checkpoint ({wl.recompute}); --recompute names the "
+                            "policy run in place of torchtitan's selective only")
+    if masks_documents(config):
+        raise WorkloadError("the model's attention masks packed documents (FlexAttention or "
+                            "VarlenAttention, block_causal), which kareus's cost model does not "
+                            "cost yet: give the layers torchtitan's SDPA attention "
+                            "(--override.imports kareus.testing.torchtitan_sdpa.causal_sdpa) "
+                            "for a plan")
+    if wl.parallelism.tp == 1 and wl.parallelism.cp == 1:
+        raise WorkloadError("the torchtitan flags give TP=1 and CP=1: no layer has a "
+                            "collective to overlap, so there is nothing to plan")
+    return wl
+
+
 def _workload_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from kareus.errors import WorkloadError
     from kareus.model.workload import Parallelism, Workload, get_model
 
+    if getattr(args, "torchtitan_args", None) is not None:
+        return _workload_from_torchtitan_flags(args)
     if getattr(args, "megatron_args", None) is not None:
         return _workload_from_megatron_flags(args)
     for name, default in _JOB_DEFAULTS.items():
@@ -631,6 +697,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "--workload/--model-file, --tp/--cp/--pp/--sp, --microbatches/"
                         "--microbatch-size/--seq-len and --recompute; the plan is accepted by "
                         "`--spec kareus.integrations.megatron layer_spec` (docs/integrations.md)")
+    p.add_argument("--torchtitan-args", default=None, metavar="FLAGS",
+                   help="the model, parallelism and batch as torchtitan 0.3's -m "
+                        "torchtitan.train flags (--module M --config C and overrides; one "
+                        "quoted string, or @FILE), with --gpus the job's rank count, instead "
+                        "of --workload/--model-file and the job options; --recompute names "
+                        "the policy run in place of torchtitan's selective checkpointing; "
+                        "the plan is what `python -m kareus.integrations.torchtitan --plan` "
+                        "takes (docs/integrations.md)")
     p.add_argument("--gpu", default=None,
                    help="GPU preset (default: a100-40gb, or the recording's GPU with "
                         "--profiler replay:FILE)")
