@@ -109,6 +109,28 @@ from kareus.integrations._kept import KeptActivations
 
 __all__ = ["GraphedRunner", "KeptInputs", "capture_in_progress", "computation_signature"]
 
+#: Copies of one computation's graph whose static outputs may be held by callers at once
+#: (lent, not cloned) before further copies clone their outputs instead: outputs kept by
+#: the caller beyond this cost a copy each, not a graph each.
+LEND_SLOTS = 4
+
+
+def _can_count() -> bool:
+    """Whether this PyTorch tells how many tensors share a storage (the test of whether a
+    lent output is still held); without it outputs are cloned."""
+    import torch
+
+    return callable(getattr(torch._C, "_storage_Use_Count", None))
+
+
+def _storage_refs(t: Any) -> int:
+    """How many references hold ``t``'s storage (tensors and views on it, saved
+    tensors of autograd, ``.grad`` fields): ``torch._C._storage_Use_Count``, the count
+    PyTorch's own CUDA graph trees test their outputs' liveness with."""
+    import torch
+
+    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
+
 
 def shared_pool_streams() -> Any:
     """CUDA streams whose graphs all share one memory pool (a
@@ -272,6 +294,30 @@ class _Captured:
         self.lendings = 0  # how many times they were lent (which lending a release frees)
         # a forward slot: its capture's number; a backward: that of the slot it reads
         self.generation = 0
+        self.phase = "fwd"
+        # the static outputs the graph writes (output, or input and weight gradients),
+        # lent to autograd (``lends``) or cloned after each replay; the references to
+        # their storages the runner itself holds (``settle``)
+        self.outs: list[Any] = []
+        self.lends = False
+        self.own_refs: list[int] = []
+
+    def settle(self) -> None:
+        """Count the references the runner itself holds to each static output's storage
+        (the buffers, the graph's result): more later means a caller still holds one."""
+        self.own_refs = [_storage_refs(t) for t in self.outs] if self.lends else []
+
+    def busy(self) -> bool:
+        """Whether a caller still holds a static output this graph lent (an output that
+        autograd saved for a backward, a gradient that became a ``.grad``, a view of
+        either): its next replay would overwrite it."""
+        return self.lends and any(_storage_refs(t) > n
+                                  for t, n in zip(self.outs, self.own_refs, strict=True))
+
+    def hand_out(self, t: Any) -> Any:
+        """A static output for the caller: lent (an alias of the static buffer, which
+        ``busy`` then reports held until every alias of it is gone), or cloned."""
+        return t.detach() if self.lends else t.clone()
 
 
 class GraphedRunner:
@@ -342,11 +388,11 @@ class GraphedRunner:
                         dst.copy_(src)
                 slot.owner = None  # consumed by this backward
                 key = (*key, "slot", slot.serial)
-        cap = self._graphs.get(key)
+        key, cap, lends = self._pick(key)
         if cap is None or self._moved(key, cap, weights):
             if cap is not None and cap.slot is not None and phase == "fwd":
                 self._retire(cap.slot)
-            cap = self._capture(key, phase, x, weights, dy, inputs, slot)
+            cap = self._capture(key, phase, x, weights, dy, inputs, slot, lends=lends)
         else:
             if phase == "fwd":
                 assert cap.slot is not None
@@ -357,18 +403,40 @@ class GraphedRunner:
         first, rest = cap.result
         if phase == "fwd":
             assert cap.slot is not None
-            return first.clone(), KeptInputs(cap.slot)
-        return first.clone(), [t.clone() for t in rest]
+            return cap.hand_out(first), KeptInputs(cap.slot)
+        return cap.hand_out(first), [cap.hand_out(t) for t in rest]
+
+    def _pick(self, key: tuple[Any, ...]) -> tuple[tuple[Any, ...], _Captured | None, bool]:
+        """Which copy of computation ``key``'s graph this call replays: the first whose
+        static outputs nobody holds any more; else a new copy (``None``), which lends its outputs while fewer than
+        ``LEND_SLOTS`` lending copies are held, and clones them otherwise (bounded memory
+        when a caller keeps every output). Returns ``(key of the copy, its graph or None,
+        whether a new copy lends)``."""
+        lending_held = 0
+        j = 0
+        while True:
+            k = (*key, "copy", j)
+            cap = self._graphs.get(k)
+            if cap is None:
+                return k, None, lending_held < LEND_SLOTS and _can_count()
+            if not cap.busy():
+                return k, cap, cap.lends
+            lending_held += 1
+            j += 1
 
     def _forward_kept(self, key: tuple[Any, ...], x: Any,
                       weights: Sequence[Sequence[Any]]) -> tuple[Any, Any]:
         """The forward from a free slot; its kept activations lent, not copied."""
         slots = self._slots.setdefault(key, [])
-        idx = next((i for i, c in enumerate(slots) if not c.lent), len(slots))
+        idx = next((i for i, c in enumerate(slots) if not c.lent and not c.busy()),
+                   len(slots))
         skey = (*key, "slot", idx)
         cap = slots[idx] if idx < len(slots) else None
         if cap is None or self._moved(skey, cap, weights):
-            cap = self._capture(skey, "fwd", x, weights, None, None, None)
+            held = sum(1 for c in slots if c.lends and not c.lent and c.busy())
+            lends = (cap.lends if cap is not None
+                     else held < LEND_SLOTS and _can_count())
+            cap = self._capture(skey, "fwd", x, weights, None, None, None, lends=lends)
             cap.generation = self.captures
             _refuse_autograd_attention(cap.result[1])  # before the slot is used
             if idx < len(slots):
@@ -388,7 +456,7 @@ class GraphedRunner:
         # dropped without its backward (no grad needed, an exception): the slot is free
         weakref.finalize(lent, free)
         lent.slot = (skey, cap.generation, cap.lendings)
-        return out.clone(), lent
+        return cap.hand_out(out), lent
 
     def _backward_kept(self, key: tuple[Any, ...], x: Any, weights: Sequence[Sequence[Any]],
                        dy: Any, kept: KeptActivations) -> tuple[Any, list[Any]]:
@@ -404,14 +472,14 @@ class GraphedRunner:
             raise ArgumentError("a planned layer's forward buffers were released before its "
                                 "backward ran (a backward run twice: retain_graph is not "
                                 "supported on graphs with recompute 'none'/'selective')")
-        bkey = (*key, skey)
-        cap = self._graphs.get(bkey)
+        bkey, cap, lends = self._pick((*key, skey))
         if cap is None or cap.generation != generation or self._moved(bkey, cap, weights):
             # the backward graph reads the forward slot's buffers where they lie (a slot
             # captured again has new buffers: its backward is captured again too)
             static = KeptActivations(fwd.result[1].act, depth=kept.depth,
                                      nanobatches=kept.nanobatches)
-            cap = self._capture(bkey, "bwd", x, weights, dy, static, None)
+            cap = self._capture(bkey, "bwd", x, weights, dy, static, None,
+                                lends=lends if cap is None else cap.lends)
             cap.generation = generation
         else:
             self._copy_in(cap, x, weights, dy, None)
@@ -419,7 +487,7 @@ class GraphedRunner:
         kept.release()
         self.applier._record("bwd", cap.ran)
         first, rest = cap.result
-        return first.clone(), [t.clone() for t in rest]
+        return cap.hand_out(first), [cap.hand_out(t) for t in rest]
 
     def _identity(self, key: tuple[Any, ...], weights: Sequence[Sequence[Any]]) -> int | None:
         """Which graph of ``key`` this call replays: with a shared memory pool, each layer
@@ -445,7 +513,8 @@ class GraphedRunner:
         (their backwards read copies), and the backward graphs that read it go."""
         slot.retired = True
         ex = self.applier._executor()
-        for key in [k for k in self._graphs if k[-2:] == ("slot", slot.serial)]:
+        for key in [k for k, c in self._graphs.items()
+                    if c.phase == "bwd" and c.slot is slot]:
             del self._graphs[key]
             name = self._names.get(key)
             if name is not None:
@@ -478,11 +547,12 @@ class GraphedRunner:
 
     def _capture(self, key: tuple[Any, ...], phase: str, x: Any,
                  weights: Sequence[Sequence[Any]], dy: Any, inputs: Any,
-                 slot: _Slot | None) -> _Captured:
+                 slot: _Slot | None, *, lends: bool = False) -> _Captured:
         import torch
 
         ap = self.applier
         cap = _Captured()
+        cap.phase, cap.lends = phase, bool(lends)
         static_kept = inputs if isinstance(inputs, KeptActivations) else None
         if static_kept is not None:  # a backward reading its forward slot's activations
             inputs = None
@@ -504,9 +574,15 @@ class GraphedRunner:
             cap.copied.append(copied)
             cap.ptrs.append(ptrs)
         self._copy_in(cap, x, weights, dy, inputs)
+        # the static outputs (outside the pool, before the capture): the forward's
+        # output; the backward's input gradient and weight gradients, in the layout
+        # eager execution gives them (``zeros_like`` of each weight)
+        b, s, h = x.shape
+        cap.outs = [torch.empty((b * s, h), dtype=x.dtype, device=x.device)]
+        if phase == "bwd":
+            cap.outs += [torch.zeros_like(w) for ws in cap.weights for w in ws]
         if phase == "fwd" and ap.workload.recompute == "full":
             # outside the pool: the backward reads them after other replays
-            b, s, h = x.shape
             cap.kept = [torch.empty((b * s, h), dtype=x.dtype, device=x.device)
                         for _ in range(len(weights) - 1)]
 
@@ -515,7 +591,8 @@ class GraphedRunner:
             gx, gin = (cap.x, cap.inputs) if slot is None else (slot.x, slot.kept)
             cap.result, cap.ran = ap._run_eager(phase, gx, cap.weights, cap.dy,
                                                 static_kept or gin or None,
-                                                kept_out=cap.kept or None)
+                                                kept_out=cap.kept or None,
+                                                out_bufs=cap.outs)
 
         name = self._names.setdefault(key, f"integrations:{phase}:{len(self._names)}")
         # The capture runs the body twice eagerly first (warm-up: the first call of a
@@ -527,6 +604,7 @@ class GraphedRunner:
         cap.seq = ap._executor().capture(name, [body], signature=(key, self.captures),
                                          warmup=2)
         cap.seq.replay()
+        cap.settle()
         if phase == "fwd":
             cap.slot = _Slot(cap)
         else:

@@ -95,6 +95,14 @@ def _run(applier, params, xs, *, plan):
 
 
 
+def _computation(key):
+    """A graph's key without the copy it is (``("copy", j)``) and without the forward
+    slot it is or reads (``("slot", n)``, or a kept-activations forward slot's key)."""
+    key = key[:-2] if key[-2:-1] == ("copy",) else key
+    key = key[:-2] if key[-2:-1] == ("slot",) else key
+    return key[:-1] if key and isinstance(key[-1], tuple) and "slot" in key[-1] else key
+
+
 @pytest.mark.parametrize("recompute", ["full", "none", "selective"])
 @pytest.mark.parametrize("schedule", ["sequential", "nanobatching", "kareus"])
 def test_graphed_planned_stacks_compute_what_eager_ones_do(schedule, recompute):
@@ -116,9 +124,14 @@ def test_graphed_planned_stacks_compute_what_eager_ones_do(schedule, recompute):
             # a baseline: one forward and one backward graph, which the second microbatch
             # (other input, updated weights) replays; the plan: one pair per choice. A
             # graph is captured again only when a weight moved, and the only weight made
-            # anew on every call is the concatenated QKV (index 1 of each layer)
+            # anew on every call is the concatenated QKV (index 1 of each layer). The
+            # caller holds microbatch 0's output (``y``) while microbatch 1's forward runs,
+            # so that forward replays a second copy of the graph (the first one's static
+            # output is lent, not cloned)
             runner = applier._runner
-            assert len(runner._graphs) == (4 if plan is not None else 2)
+            computations = {_computation(k) for k in runner._graphs}
+            assert len(computations) == (4 if plan is not None else 2)
+            assert len(runner._graphs) <= 2 * len(computations)
             assert runner.captures == len(ex.captured) >= len(runner._graphs)
             copied = {j for cap in runner._graphs.values() for row in cap.copied
                       for j, c in enumerate(row) if c}
@@ -407,12 +420,16 @@ def test_graphs_default_per_device(monkeypatch, caplog):
 
 
 # ---------------------------------------------------------------- backward reads its forward's slot
+@pytest.mark.parametrize("held", [False, True])
 @pytest.mark.parametrize("order", ["fwd-bwd", "all-forwards-first", "no-grad-forward-between"])
-def test_a_graphed_backward_reads_what_its_forward_kept_in_place(order):
+def test_a_graphed_backward_reads_what_its_forward_kept_in_place(order, held):
     # the backward graph reads the forward graph's static input and kept inputs where the
     # forward left them; another forward of the same graph before that backward first
     # gives the pending backward clones of them (copied back before its replay), so every
-    # order of forwards and backwards computes what eager execution does
+    # order of forwards and backwards computes what eager execution does. With the
+    # forward's output still held (``held``: the loss saved it, the caller keeps it) its
+    # static output is lent, so the next forward replays another copy of the graph, whose
+    # slot is its own: nothing to load
     wl = workload(tp=1, cp=2)
     xs = [torch.randn(4, 8, wl.model.hidden, generator=torch.Generator().manual_seed(s))
           for s in (0, 1)]
@@ -426,29 +443,41 @@ def test_a_graphed_backward_reads_what_its_forward_kept_in_place(order):
         def forward(x, params=params, stack=stack):
             return stack(x, [planned_weights(p, wl.model) for p in params])
 
+        scale = torch.linspace(0.5, 1.5, wl.model.hidden)
+
+        def loss(y):  # held: saves y for its backward; else holds no reference to it
+            return y.square().sum() if held else (y * scale).sum()
+
         for _ in range(2):  # the first iteration captures (a weight made anew moves once)
             loads = applier._graphs_runner().loads if graphs else 0
             leaves = [x.clone().requires_grad_(True) for x in xs]
             if order == "all-forwards-first":
-                ys = [forward(x) for x in leaves]
-                for y in reversed(ys):
-                    y.square().sum().backward()
+                ys, losses = [], []
+                for x in leaves:
+                    y = forward(x)
+                    losses.append(loss(y))
+                    ys.append(y if held else y.detach().clone())
+                    del y
+                for ls in reversed(losses):
+                    ls.backward()
             else:
                 ys = []
                 for x in leaves:
                     y = forward(x)
+                    ls = loss(y)
+                    y = y if held else y.detach().clone()
                     if order == "no-grad-forward-between":
                         with torch.no_grad():
                             forward(x * 3)  # overwrites the slot; y's backward is pending
-                    y.square().sum().backward()
+                    ls.backward()
                     ys.append(y)
         results.append(([y.detach() for y in ys], [x.grad for x in leaves],
                         {f"{i}.{k}": p.grad for i, lp in enumerate(params)
                          for k, p in lp.items()}))
         if graphs:
             runner = applier._runner
-            assert runner.loads - loads == {"fwd-bwd": 0, "all-forwards-first": 1,
-                                    "no-grad-forward-between": 2}[order]
+            assert runner.loads - loads == (0 if held else {
+                "fwd-bwd": 0, "all-forwards-first": 1, "no-grad-forward-between": 2}[order])
     (ye, dxe, ge), (yg, dxg, gg) = results
     for a, b in zip(ye + dxe, yg + dxg, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
@@ -496,11 +525,13 @@ def test_with_a_shared_pool_each_layer_replays_a_graph_of_its_own(schedule):
         results.append((out, grads))
         appliers.append(applier)
     runner = appliers[1]._runner
-    own = [k for k in runner._graphs if k[len(k) - 1 if k[-2] != "slot" else -3] is not None]
+    own = [k for k in runner._graphs if _computation(k)[-1] is not None]
     # forward and backward of each layer, per plan choice (one here), up to the model's
     # layer count (2): the third layer replays the graph the others' first calls share
-    assert wl.model.layers == 2 and len(own) == 4
-    assert any(k[-1] is None for k in runner._graphs)
+    # (a graph per layer, in as many copies as its outputs are held at once: a layer's
+    # output is the next one's saved input until that backward)
+    assert wl.model.layers == 2 and len({_computation(k) for k in own}) == 4
+    assert any(_computation(k)[-1] is None for k in runner._graphs)
     for k in own:
         copied = {j for row in runner._graphs[k].copied for j, c in enumerate(row) if c}
         assert copied <= {1}
