@@ -109,6 +109,9 @@ from kareus.integrations._kept import KeptActivations
 
 __all__ = ["GraphedRunner", "KeptInputs", "capture_in_progress", "computation_signature"]
 
+#: Addresses per computation and input at which graphs read that input in place.
+IN_PLACE_ADDRESSES = 16
+
 #: Copies of one computation's graph whose static outputs may be held by callers at once
 #: (lent, not cloned) before further copies clone their outputs instead: outputs kept by
 #: the caller beyond this cost a copy each, not a graph each.
@@ -216,6 +219,7 @@ class _Slot:
         # a cycle would leave the forward's graph to the garbage collector, which may run
         # (and destroy it) inside a later capture
         self._x = forward.x
+        self.x_ptr = forward.x_ptr  # the input's address, read in place when ``x`` is None
         self._kept = list(forward.kept)
         self.owner: Any = None
         self.retired = False
@@ -224,7 +228,8 @@ class _Slot:
 
     @property
     def x(self) -> Any:
-        """The forward graph's static input."""
+        """The forward graph's static input (``None``: it reads its input in place, at
+        ``x_ptr``, where autograd keeps it for the backward)."""
         return self._x
 
     @property
@@ -301,6 +306,10 @@ class _Captured:
         self.outs: list[Any] = []
         self.lends = False
         self.own_refs: list[int] = []
+        # inputs read in place: the caller's tensors during a capture or replay only
+        self.current: tuple[Any, Any] = (None, None)
+        self.x_ptr = 0  # where the forward's input was when it was captured
+        self.key: tuple[Any, ...] = ()
 
     def settle(self) -> None:
         """Count the references the runner itself holds to each static output's storage
@@ -345,6 +354,10 @@ class GraphedRunner:
         self._seen: dict[tuple[Any, ...], set[int]] = {}
         self._own: dict[tuple[Any, ...], set[int]] = {}
         self._slots: dict[tuple[Any, ...], list[_Captured]] = {}
+        self._in_place: dict[tuple[Any, ...], set[int]] = {}
+        self._seen_inputs: dict[tuple[Any, ...], set[int]] = {}
+        self._lent_ptrs: set[int] = set()  # where the static outputs this runner lends lie
+        self._families: dict[tuple[Any, ...], list[_Captured]] = {}
         self.captures = 0
         self.loads = 0
 
@@ -372,10 +385,18 @@ class GraphedRunner:
                 raise ArgumentError("a planned layer's graphed backward takes what its "
                                     "forward kept (KeptActivations)")
             return self._backward_kept(key, x, weights, dy, inputs)
-        key = (*key, self._identity(key, weights))
+        # inputs read where they lie: the forward's input, the backward's output gradient
+        read = (self._stable(key, "x", x) if phase == "fwd" else None,
+                self._stable(key, "dy", dy) if phase == "bwd" else None)
+        identity = self._identity(key, weights)
+        family = (*key, identity)
+        key = (*key, ("in", *read), identity)
         slot = None
         if isinstance(inputs, KeptInputs):
-            if inputs.slot.retired:  # its forward graph was captured again: copies
+            if inputs.slot.retired or (inputs.slot.x is None
+                                       and x.data_ptr() != inputs.slot.x_ptr):
+                # its forward graph was captured again (or, read in place, its input is
+                # not where the forward read it): copies
                 inputs = inputs.tensors()
             else:
                 slot = inputs.slot
@@ -383,22 +404,28 @@ class GraphedRunner:
                     kept = inputs.tensors()
                     self.loads += 1
                     slot.evict()
-                    slot.x.copy_(x)  # the forward's input, as autograd saved it
+                    if slot.x is not None:  # (read in place: it is still there)
+                        slot.x.copy_(x)  # the forward's input, as autograd saved it
                     for dst, src in zip(slot.kept, kept, strict=True):
                         dst.copy_(src)
                 slot.owner = None  # consumed by this backward
                 key = (*key, "slot", slot.serial)
-        key, cap, lends = self._pick(key)
+        key, cap, lends = self._pick(key, family)
         if cap is None or self._moved(key, cap, weights):
             if cap is not None and cap.slot is not None and phase == "fwd":
                 self._retire(cap.slot)
-            cap = self._capture(key, phase, x, weights, dy, inputs, slot, lends=lends)
+            cap = self._capture(key, phase, x, weights, dy, inputs, slot, lends=lends,
+                                read=read, family=family)
         else:
             if phase == "fwd":
                 assert cap.slot is not None
                 cap.slot.evict()
             self._copy_in(cap, x, weights, dy, inputs)
-            cap.seq.replay()
+            cap.current = (x, dy)
+            try:
+                cap.seq.replay()
+            finally:
+                cap.current = (None, None)
         self.applier._record(phase, cap.ran)
         first, rest = cap.result
         if phase == "fwd":
@@ -406,23 +433,51 @@ class GraphedRunner:
             return cap.hand_out(first), KeptInputs(cap.slot)
         return cap.hand_out(first), [cap.hand_out(t) for t in rest]
 
-    def _pick(self, key: tuple[Any, ...]) -> tuple[tuple[Any, ...], _Captured | None, bool]:
+    def _stable(self, key: tuple[Any, ...], what: str, t: Any) -> int | None:
+        """The address to read input ``what`` of computation ``key`` at in place (the
+        graph captured for that address reads it there, no copy), or ``None`` (copied
+        into a static buffer): a contiguous tensor at the start of a static output this
+        runner lent (the previous layer's output or input gradient), or at an address
+        this computation was given before (the framework's own buffers), at most
+        ``IN_PLACE_ADDRESSES`` addresses per computation and input."""
+        if t is None or not t.is_contiguous():
+            return None
+        ptr = int(t.data_ptr())
+        known = self._in_place.setdefault((key, what), set())
+        if ptr in known:
+            return ptr
+        seen = self._seen_inputs.setdefault((key, what), set())
+        if len(known) < IN_PLACE_ADDRESSES and (ptr in self._lent_ptrs or ptr in seen):
+            known.add(ptr)
+            return ptr
+        if len(seen) >= 4 * IN_PLACE_ADDRESSES:  # addresses that do not come back
+            seen.clear()
+        seen.add(ptr)
+        return None
+
+    def _pick(self, key: tuple[Any, ...], family: tuple[Any, ...]
+              ) -> tuple[tuple[Any, ...], _Captured | None, bool]:
         """Which copy of computation ``key``'s graph this call replays: the first whose
-        static outputs nobody holds any more; else a new copy (``None``), which lends its outputs while fewer than
-        ``LEND_SLOTS`` lending copies are held, and clones them otherwise (bounded memory
-        when a caller keeps every output). Returns ``(key of the copy, its graph or None,
-        whether a new copy lends)``."""
-        lending_held = 0
+        static outputs nobody holds any more; else a new copy (``None``), which lends its
+        outputs while fewer than ``LEND_SLOTS`` lending graphs of the computation
+        (``family``: whatever inputs they read in place) are held, and clones them
+        otherwise (bounded memory when a caller keeps every output). Returns ``(key of
+        the copy, its graph or None, whether a new copy lends)``."""
         j = 0
         while True:
             k = (*key, "copy", j)
             cap = self._graphs.get(k)
             if cap is None:
-                return k, None, lending_held < LEND_SLOTS and _can_count()
+                return k, None, self._lending_held(family) < LEND_SLOTS and _can_count()
             if not cap.busy():
                 return k, cap, cap.lends
-            lending_held += 1
             j += 1
+
+    def _lending_held(self, family: tuple[Any, ...]) -> int:
+        """How many graphs of computation ``family`` lent outputs that are still held."""
+        caps = self._families.get(family, [])
+        caps[:] = [c for c in caps if self._graphs.get(c.key) is c]  # current ones
+        return sum(1 for c in caps if c.lends and c.busy())
 
     def _forward_kept(self, key: tuple[Any, ...], x: Any,
                       weights: Sequence[Sequence[Any]]) -> tuple[Any, Any]:
@@ -436,7 +491,8 @@ class GraphedRunner:
             held = sum(1 for c in slots if c.lends and not c.lent and c.busy())
             lends = (cap.lends if cap is not None
                      else held < LEND_SLOTS and _can_count())
-            cap = self._capture(skey, "fwd", x, weights, None, None, None, lends=lends)
+            cap = self._capture(skey, "fwd", x, weights, None, None, None, lends=lends,
+                                family=key)
             cap.generation = self.captures
             _refuse_autograd_attention(cap.result[1])  # before the slot is used
             if idx < len(slots):
@@ -472,14 +528,14 @@ class GraphedRunner:
             raise ArgumentError("a planned layer's forward buffers were released before its "
                                 "backward ran (a backward run twice: retain_graph is not "
                                 "supported on graphs with recompute 'none'/'selective')")
-        bkey, cap, lends = self._pick((*key, skey))
+        bkey, cap, lends = self._pick((*key, skey), key)
         if cap is None or cap.generation != generation or self._moved(bkey, cap, weights):
             # the backward graph reads the forward slot's buffers where they lie (a slot
             # captured again has new buffers: its backward is captured again too)
             static = KeptActivations(fwd.result[1].act, depth=kept.depth,
                                      nanobatches=kept.nanobatches)
             cap = self._capture(bkey, "bwd", x, weights, dy, static, None,
-                                lends=lends if cap is None else cap.lends)
+                                lends=lends if cap is None else cap.lends, family=key)
             cap.generation = generation
         else:
             self._copy_in(cap, x, weights, dy, None)
@@ -547,21 +603,25 @@ class GraphedRunner:
 
     def _capture(self, key: tuple[Any, ...], phase: str, x: Any,
                  weights: Sequence[Sequence[Any]], dy: Any, inputs: Any,
-                 slot: _Slot | None, *, lends: bool = False) -> _Captured:
+                 slot: _Slot | None, *, lends: bool = False,
+                 read: tuple[int | None, int | None] = (None, None),
+                 family: tuple[Any, ...] | None = None) -> _Captured:
         import torch
 
         ap = self.applier
         cap = _Captured()
-        cap.phase, cap.lends = phase, bool(lends)
+        cap.phase, cap.lends, cap.key = phase, bool(lends), key
+        self._families.setdefault(key if family is None else family, []).append(cap)
         static_kept = inputs if isinstance(inputs, KeptActivations) else None
         if static_kept is not None:  # a backward reading its forward slot's activations
             inputs = None
-        if slot is None:
+        if slot is None and read[0] is None:
             cap.x = torch.empty_like(x, memory_format=torch.contiguous_format)
             cap.inputs = [torch.empty_like(t, memory_format=torch.contiguous_format)
                           for t in inputs or ()]
-        cap.dy = None if dy is None else torch.empty_like(dy,
-                                                          memory_format=torch.contiguous_format)
+        cap.x_ptr = int(x.data_ptr())
+        cap.dy = (None if dy is None or read[1] is not None
+                  else torch.empty_like(dy, memory_format=torch.contiguous_format))
         for i, ws in enumerate(weights):
             row, copied, ptrs = [], [], []
             for j, w in enumerate(ws):
@@ -587,9 +647,14 @@ class GraphedRunner:
                         for _ in range(len(weights) - 1)]
 
         def body() -> None:
-            # what the graph reads: its own static buffers, or its forward's slot
+            # what the graph reads: its own static buffers, or its forward's slot; an
+            # input read in place where the caller's tensor lies (``current``: the
+            # tensor at that address during this capture or replay)
             gx, gin = (cap.x, cap.inputs) if slot is None else (slot.x, slot.kept)
-            cap.result, cap.ran = ap._run_eager(phase, gx, cap.weights, cap.dy,
+            if gx is None:
+                gx = cap.current[0]
+            gdy = cap.dy if cap.dy is not None else cap.current[1]
+            cap.result, cap.ran = ap._run_eager(phase, gx, cap.weights, gdy,
                                                 static_kept or gin or None,
                                                 kept_out=cap.kept or None,
                                                 out_bufs=cap.outs)
@@ -601,10 +666,16 @@ class GraphedRunner:
         # the caller's result comes from a replay, as every later call's does. A
         # re-capture (a weight moved) is another signature under the same name: the
         # executor drops the old graphs.
-        cap.seq = ap._executor().capture(name, [body], signature=(key, self.captures),
-                                         warmup=2)
-        cap.seq.replay()
+        cap.current = (x, dy)  # dropped after: a graph holds no caller's tensor
+        try:
+            cap.seq = ap._executor().capture(name, [body], signature=(key, self.captures),
+                                             warmup=2)
+            cap.seq.replay()
+        finally:
+            cap.current = (None, None)
         cap.settle()
+        if cap.lends:
+            self._lent_ptrs.add(int(cap.outs[0].data_ptr()))
         if phase == "fwd":
             cap.slot = _Slot(cap)
         else:
