@@ -104,10 +104,13 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
+
 from kareus.errors import ArgumentError, GraphCaptureError
 from kareus.integrations._kept import KeptActivations
 
-__all__ = ["GraphedRunner", "KeptInputs", "capture_in_progress", "computation_signature"]
+__all__ = ["GraphMemory", "GraphedRunner", "KeptInputs", "capture_in_progress",
+           "computation_signature"]
 
 #: Addresses per computation and input at which graphs read that input in place.
 IN_PLACE_ADDRESSES = 16
@@ -116,6 +119,28 @@ IN_PLACE_ADDRESSES = 16
 #: (lent, not cloned) before further copies clone their outputs instead: outputs kept by
 #: the caller beyond this cost a copy each, not a graph each.
 LEND_SLOTS = 4
+
+
+@attrs.frozen
+class GraphMemory:
+    """What a planned-layer applier's own graphs hold (``PlanApplier.graph_memory()``).
+
+    Attributes:
+        graphs: Graphs captured and kept (every copy and input-address variant).
+        lending: Of those, graphs that lend their static outputs (the rest clone them).
+        static_bytes: Their static buffers: inputs copied in, outputs, kept inputs,
+            copied weights (the memory pools' temporaries are not counted: the caching
+            allocator's figures hold them).
+    """
+
+    graphs: int
+    lending: int
+    static_bytes: int
+
+    @property
+    def static_bytes_per_graph(self) -> float:
+        """The static buffers' mean size per graph (0 without graphs)."""
+        return self.static_bytes / self.graphs if self.graphs else 0.0
 
 
 def _can_count() -> bool:
@@ -310,6 +335,8 @@ class _Captured:
         self.current: tuple[Any, Any] = (None, None)
         self.x_ptr = 0  # where the forward's input was when it was captured
         self.key: tuple[Any, ...] = ()
+        self.family: tuple[Any, ...] = ()  # the computation, whatever copy or variant
+        self.rule: tuple[Any, ...] = ()  # the weights it reads (``_copy_always``)
 
     def settle(self) -> None:
         """Count the references the runner itself holds to each static output's storage
@@ -349,13 +376,13 @@ class GraphedRunner:
         # graphs to the garbage collector (``kareus.exec._streams.CapturedGraph``)
         self._applier = weakref.ref(applier)
         self._graphs: dict[tuple[Any, ...], _Captured] = {}
+        # (weights a graph reads, layer, weight) that moved once: copied in from then on
         self._copy_always: set[tuple[tuple[Any, ...], int, int]] = set()
         self._names: dict[tuple[Any, ...], str] = {}
         self._seen: dict[tuple[Any, ...], set[int]] = {}
         self._own: dict[tuple[Any, ...], set[int]] = {}
         self._slots: dict[tuple[Any, ...], list[_Captured]] = {}
         self._in_place: dict[tuple[Any, ...], set[int]] = {}
-        self._seen_inputs: dict[tuple[Any, ...], set[int]] = {}
         self._lent_ptrs: set[int] = set()  # where the static outputs this runner lends lie
         self._families: dict[tuple[Any, ...], list[_Captured]] = {}
         self.captures = 0
@@ -415,7 +442,7 @@ class GraphedRunner:
             if cap is not None and cap.slot is not None and phase == "fwd":
                 self._retire(cap.slot)
             cap = self._capture(key, phase, x, weights, dy, inputs, slot, lends=lends,
-                                read=read, family=family)
+                                read=read, family=family, identity=identity)
         else:
             if phase == "fwd":
                 assert cap.slot is not None
@@ -433,26 +460,40 @@ class GraphedRunner:
             return cap.hand_out(first), KeptInputs(cap.slot)
         return cap.hand_out(first), [cap.hand_out(t) for t in rest]
 
+    def memory(self) -> GraphMemory:
+        """The graphs kept and their static buffers (see ``GraphMemory``)."""
+        seen: set[int] = set()
+        total = 0
+        for cap in self._graphs.values():
+            bufs = [cap.x, cap.dy, *cap.inputs, *cap.kept, *cap.outs,
+                    *(w for row, cp in zip(cap.weights, cap.copied, strict=True)
+                      for w, c in zip(row, cp, strict=True) if c)]
+            for t in bufs:
+                if t is not None and t.data_ptr() not in seen:
+                    seen.add(t.data_ptr())
+                    total += t.numel() * t.element_size()
+        return GraphMemory(graphs=len(self._graphs),
+                           lending=sum(1 for c in self._graphs.values() if c.lends),
+                           static_bytes=total)
+
     def _stable(self, key: tuple[Any, ...], what: str, t: Any) -> int | None:
         """The address to read input ``what`` of computation ``key`` at in place (the
         graph captured for that address reads it there, no copy), or ``None`` (copied
         into a static buffer): a contiguous tensor at the start of a static output this
-        runner lent (the previous layer's output or input gradient), or at an address
-        this computation was given before (the framework's own buffers), at most
-        ``IN_PLACE_ADDRESSES`` addresses per computation and input."""
+        runner lent (the previous layer's output, or the next layer's input gradient:
+        addresses that stay this runner's as long as its graphs do), at most
+        ``IN_PLACE_ADDRESSES`` addresses per computation and input. Other tensors are
+        copied in: an address the allocator gives back on some calls and not on others
+        would capture a graph per address seen."""
         if t is None or not t.is_contiguous():
             return None
         ptr = int(t.data_ptr())
+        if ptr not in self._lent_ptrs:
+            return None
         known = self._in_place.setdefault((key, what), set())
-        if ptr in known:
-            return ptr
-        seen = self._seen_inputs.setdefault((key, what), set())
-        if len(known) < IN_PLACE_ADDRESSES and (ptr in self._lent_ptrs or ptr in seen):
+        if ptr in known or len(known) < IN_PLACE_ADDRESSES:
             known.add(ptr)
             return ptr
-        if len(seen) >= 4 * IN_PLACE_ADDRESSES:  # addresses that do not come back
-            seen.clear()
-        seen.add(ptr)
         return None
 
     def _pick(self, key: tuple[Any, ...], family: tuple[Any, ...]
@@ -571,10 +612,16 @@ class GraphedRunner:
         ex = self.applier._executor()
         for key in [k for k, c in self._graphs.items()
                     if c.phase == "bwd" and c.slot is slot]:
-            del self._graphs[key]
+            self._drop(self._graphs.pop(key))
             name = self._names.get(key)
             if name is not None:
                 ex.release_graphs(name)
+
+    def _drop(self, cap: _Captured) -> None:
+        """A graph goes (captured again, or its forward slot's was): its static outputs
+        are no longer addresses this runner lends."""
+        if cap.lends and cap.outs:
+            self._lent_ptrs.discard(int(cap.outs[0].data_ptr()))
 
     def _moved(self, key: tuple[Any, ...], cap: _Captured,
                weights: Sequence[Sequence[Any]]) -> bool:
@@ -584,7 +631,9 @@ class GraphedRunner:
         for i, ws in enumerate(weights):
             for j, w in enumerate(ws):
                 if not cap.copied[i][j] and w.data_ptr() != cap.ptrs[i][j]:
-                    self._copy_always.add((key, i, j))
+                    # every graph of these weights copies it from now on (each copy and
+                    # input variant, forward and backward)
+                    self._copy_always.add((cap.rule, i, j))
                     moved = True
         return moved
 
@@ -605,13 +654,18 @@ class GraphedRunner:
                  weights: Sequence[Sequence[Any]], dy: Any, inputs: Any,
                  slot: _Slot | None, *, lends: bool = False,
                  read: tuple[int | None, int | None] = (None, None),
-                 family: tuple[Any, ...] | None = None) -> _Captured:
+                 family: tuple[Any, ...] | None = None,
+                 identity: int | None = None) -> _Captured:
         import torch
 
         ap = self.applier
         cap = _Captured()
         cap.phase, cap.lends, cap.key = phase, bool(lends), key
-        self._families.setdefault(key if family is None else family, []).append(cap)
+        cap.family = key if family is None else family
+        # whose weights it reads: their layout, and the layer's own graphs' identity
+        cap.rule = (tuple((tuple(w.shape), tuple(w.stride()), w.dtype)
+                          for ws in weights for w in ws), identity)
+        self._families.setdefault(cap.family, []).append(cap)
         static_kept = inputs if isinstance(inputs, KeptActivations) else None
         if static_kept is not None:  # a backward reading its forward slot's activations
             inputs = None
@@ -625,7 +679,7 @@ class GraphedRunner:
         for i, ws in enumerate(weights):
             row, copied, ptrs = [], [], []
             for j, w in enumerate(ws):
-                copy = (key, i, j) in self._copy_always
+                copy = (cap.rule, i, j) in self._copy_always
                 row.append(torch.empty_strided(w.shape, w.stride(), dtype=w.dtype,
                                                device=w.device) if copy else w)
                 copied.append(copy)
@@ -681,6 +735,9 @@ class GraphedRunner:
         else:
             cap.slot = slot
         self.captures += 1
+        old = self._graphs.get(key)
+        if old is not None:
+            self._drop(old)
         self._graphs[key] = cap
         return cap
 

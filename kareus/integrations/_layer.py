@@ -778,6 +778,15 @@ class PlanApplier:
                     "(torchtitan: training.disable_cuda_graphs), or, if your capture holds "
                     "the whole step, PlanApplier(whole_step_capture=True)")
 
+    def graph_memory(self) -> Any:
+        """What this applier's own CUDA graphs hold: a ``GraphMemory`` (graphs kept, how
+        many lend their outputs, their static buffers' bytes); zeros before any graph."""
+        from kareus.integrations._graphed import GraphMemory
+
+        if self._runner is None:
+            return GraphMemory(graphs=0, lending=0, static_bytes=0)
+        return self._runner.memory()
+
     def _graphs_runner(self) -> Any:
         if self._runner is None:
             from kareus.integrations._graphed import GraphedRunner

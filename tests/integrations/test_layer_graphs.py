@@ -23,7 +23,6 @@ from kareus.errors import ArgumentError
 from kareus.exec.executor import RecordingStreamBackend, TorchExecutor
 from kareus.exec.train import LoopbackGroups, make_collectives
 from kareus.integrations import PlanApplier
-from kareus.integrations import _graphed as graphed
 from kareus.testing import make_workload_plan
 
 HERE = Path(__file__).resolve().parent
@@ -424,22 +423,16 @@ def test_graphs_default_per_device(monkeypatch, caplog):
 
 
 # ---------------------------------------------------------------- backward reads its forward's slot
-@pytest.mark.parametrize("in_place", [False, True])
 @pytest.mark.parametrize("held", [False, True])
 @pytest.mark.parametrize("order", ["fwd-bwd", "all-forwards-first", "no-grad-forward-between"])
-def test_a_graphed_backward_reads_what_its_forward_kept_in_place(order, held, in_place,
-                                                                 monkeypatch):
+def test_a_graphed_backward_reads_what_its_forward_kept_in_place(order, held):
     # the backward graph reads the forward graph's static input and kept inputs where the
     # forward left them; another forward of the same graph before that backward first
     # gives the pending backward clones of them (copied back before its replay), so every
     # order of forwards and backwards computes what eager execution does. With the
     # forward's output still held (``held``: the loss saved it, the caller keeps it) its
     # static output is lent, so the next forward replays another copy of the graph, whose
-    # slot is its own: nothing to load. With inputs read in place (``in_place``: at an
-    # address seen before, which the allocator may or may not give back) a forward of
-    # another input replays another graph: loads only where the same graph ran again
-    if not in_place:
-        monkeypatch.setattr(graphed, "IN_PLACE_ADDRESSES", 0)
+    # slot is its own: nothing to load
     wl = workload(tp=1, cp=2)
     xs = [torch.randn(4, 8, wl.model.hidden, generator=torch.Generator().manual_seed(s))
           for s in (0, 1)]
@@ -488,10 +481,7 @@ def test_a_graphed_backward_reads_what_its_forward_kept_in_place(order, held, in
             runner = applier._runner
             expected = 0 if held else {"fwd-bwd": 0, "all-forwards-first": 1,
                                        "no-grad-forward-between": 2}[order]
-            if in_place:
-                assert runner.loads - loads <= expected
-            else:
-                assert runner.loads - loads == expected
+            assert runner.loads - loads == expected
     (ye, dxe, ge), (yg, dxg, gg) = results
     for a, b in zip(ye + dxe, yg + dxg, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
