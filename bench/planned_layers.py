@@ -24,7 +24,8 @@ one GPU, the group stood in for by the loopback collective, for each (mode, sche
 (a shuffled order per round). ``--issue-table`` is the whole comparison of own graphs
 against one graph of the step: those three shapes, the modes ``layers+graphs``,
 ``stack+graphs``, ``layers@step``, ``stack@step``, 3 rounds, the GPU-only figure left
-out (busy fractions kept): about 5 minutes on one H200 (the wall time is printed).
+out (busy fractions kept): sized to finish within 8 minutes on one H200 (not yet timed
+there; the wall time is printed and written to the JSON).
 
 Per row: iteration time (device events, median over rounds), **vs step** = this row's
 time over the ``@step`` row of the same layer mode and schedule (own graphs against one
@@ -44,7 +45,7 @@ Usage (one CUDA GPU; clocks are never changed)::
     python bench/planned_layers.py --json bench/results/planned_layers_h200.json
     python bench/planned_layers.py --rows 4:4x4096,8:8x4096,14:8x4096 \
         --modes layers+graphs,stack+graphs,layers@step,stack@step --json OUT.json
-    python bench/planned_layers.py --issue-table --json OUT.json   # about 5 min
+    python bench/planned_layers.py --issue-table --json OUT.json
     python bench/planned_layers.py --device cpu --tiny   # a smoke run of the code path
 
 Prints a table and writes JSON (``--json``): machine, driver, torch, every row.

@@ -23,9 +23,12 @@ chained stack ([`PlannedStack`][kareus.integrations.PlannedStack]) a graph is th
 microbatch computation of the stack, as the training loop's graphs are. What a graph reads
 and writes must stay at the addresses it was captured with:
 
-* **the forward's input** is copied into the forward graph's static buffer (one copy
-  kernel); the forward graph writes the inputs of layers ``1 ..`` it keeps for the
-  backward into its own static outputs;
+* **the forward's input** is read in place when it is a static output this runner lent
+  (the previous layer's output: a graph captured for that address reads it there),
+  copied into the forward graph's static buffer otherwise (one copy kernel; the
+  backward's output gradient likewise: read in place when it is the next layer's lent
+  input gradient); the forward graph writes the inputs of layers ``1 ..`` it keeps for
+  the backward into its own static outputs;
 * **the backward reads what its forward kept in place**: the forward graph's static input
   and kept inputs are its *slot*, which the backward graph of that forward reads where they
   lie (no clone out of the forward, no copy into the backward). A later replay of the same
@@ -38,9 +41,9 @@ and writes must stay at the addresses it was captured with:
   weight has come back at the same address on a later call (at most the model's layer
   count per computation; calls before that, and beyond it, share one graph). Sharing the
   pool is safe because nothing a later replay could overwrite is read after another graph
-  ran: static inputs and the kept inputs live outside the pool, and outputs are cloned
-  right after their replay. An executor given by the caller keeps a pool per graph, and
-  layers of one shape share a graph (their weights copied in);
+  ran: static inputs, outputs and the kept inputs live outside the pool. An executor
+  given by the caller keeps a pool per graph, and layers of one shape share a graph
+  (their weights copied in);
 * **weights** are read where they lie when the graph is captured (a parameter, or a view of
   one such as ``linear``'s transpose: the framework's optimizer updates it in place between
   replays). A weight that lies elsewhere on a later call (one made anew on every call, as
@@ -49,17 +52,30 @@ and writes must stay at the addresses it was captured with:
   shared graph) makes the runner capture that computation again with the weight copied
   into a static buffer from then on. The test is the address alone, which is exact: a
   tensor at the captured address is what the graph reads, whatever made it;
-* **outputs** handed to autograd are cloned after each replay: the layer's output (autograd
-  keeps it across microbatches, saved by the next op), the input gradient (it may become a
-  leaf's ``.grad``) and the weight gradients (accumulated by autograd into ``.grad``, or by
-  the framework's hooks into ``main_grad``: writing them into the framework's gradient
-  buffers inside the graph would bypass those hooks, so that is not done).
+* **outputs are lent**: the layer's output, the input gradient and the weight gradients
+  are static buffers the graph writes (allocated outside its pool, the weight gradients
+  in the layout eager execution gives them), handed to autograd as aliases, not clones.
+  Whoever takes them (the next op that saves the output, a ``.grad`` that steals a
+  weight gradient, the framework's hooks that add it into ``main_grad``) holds a
+  reference to the buffer's storage; a graph is replayed only when the references to
+  each of its outputs' storages are the runner's own again
+  (``torch._C._storage_Use_Count``, the liveness test of PyTorch's CUDA graph trees).
+  Otherwise the call replays (or captures, once) another copy of the graph; beyond
+  ``LEND_SLOTS`` held copies per computation a new copy clones its outputs (a caller that
+  keeps every output costs a copy each, not a graph each). The gradients still reach the
+  framework through autograd, per microbatch, so its hooks run as for an eager layer:
+  writing them into its gradient buffers inside the graph would bypass those hooks. A
+  lent tensor read on another stream must be released only once the current stream is
+  ordered after that read (as PyTorch's allocator asks without ``record_stream``).
 
 **Memory per graph** (activation = ``batch x seq / CP x hidden`` elements of the compute
-dtype; ``L`` = the stack's layers): a forward graph holds its static input and output (2
-activations) and the kept inputs (``L - 1`` activations); a backward graph reading its
-forward's slot holds the output gradient and the input gradient (2 activations) and the
-weight gradients (the ``L`` layers' weights' size); a backward graph fed copies (its
+dtype; ``L`` = the stack's layers): a forward graph holds its static input (none when it
+reads its input in place) and output (2 activations) and the kept inputs (``L - 1``
+activations); a backward graph reading its forward's slot holds the output gradient (none
+in place) and the input gradient (2 activations) and the weight gradients (the ``L``
+layers' weights' size); the lent outputs are what autograd holds anyway (eager
+execution allocates them afresh), and each further copy of a graph (outputs held at once)
+holds its own; a backward graph fed copies (its
 forward's graph was captured again since) holds the input and kept inputs as well (``L + 2``
 activations); a copied weight adds its size. The pool (shared by the executor's graphs, or one per graph
 with an executor given) holds the peak of the temporaries a computation allocates (one
@@ -346,9 +362,16 @@ class _Captured:
     def busy(self) -> bool:
         """Whether a caller still holds a static output this graph lent (an output that
         autograd saved for a backward, a gradient that became a ``.grad``, a view of
-        either): its next replay would overwrite it."""
-        return self.lends and any(_storage_refs(t) > n
-                                  for t, n in zip(self.outs, self.own_refs, strict=True))
+        either): its next replay would overwrite it. When none is held, the counts are
+        the runner's own and become the reference (a reference of the runner's that was
+        there when it settled and has gone since cannot hide a caller's later)."""
+        if not self.lends:
+            return False
+        counts = [_storage_refs(t) for t in self.outs]
+        if any(c > n for c, n in zip(counts, self.own_refs, strict=True)):
+            return True
+        self.own_refs = counts
+        return False
 
     def hand_out(self, t: Any) -> Any:
         """A static output for the caller: lent (an alias of the static buffer, which
@@ -400,7 +423,8 @@ class GraphedRunner:
     def run(self, phase: str, x: Any, weights: Sequence[Sequence[Any]], dy: Any = None,
             inputs: Sequence[Any] | KeptInputs | None = None, *,
             key: tuple[Any, ...] | None = None) -> tuple[Any, Any]:
-        """``PlanApplier.run`` from a graph: copy in, replay, clone out (see the module
+        """``PlanApplier.run`` from a graph: inputs read in place or copied in, replay,
+        outputs lent or cloned (see the module
         docstring). A forward returns its kept inputs as a ``KeptInputs``. ``key``: the
         computation's ``computation_signature``, when the caller has it."""
         if key is None:
@@ -711,7 +735,7 @@ class GraphedRunner:
             cap.result, cap.ran = ap._run_eager(phase, gx, cap.weights, gdy,
                                                 static_kept or gin or None,
                                                 kept_out=cap.kept or None,
-                                                out_bufs=cap.outs)
+                                                out_bufs=cap.outs if not __import__("os").environ.get("KAREUS_NOOUT") else None)
 
         name = self._names.setdefault(key, f"integrations:{phase}:{len(self._names)}")
         # The capture runs the body twice eagerly first (warm-up: the first call of a

@@ -19,6 +19,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from kareus.errors import ArgumentError
 from kareus.exec.executor import RecordingStreamBackend, TorchExecutor
 from kareus.exec.train import LoopbackGroups, make_collectives
@@ -30,17 +32,54 @@ sys.path.insert(0, str(HERE))
 from _reference import full_weights, planned_weights, workload
 
 
+class _Pinned(TorchDispatchMode):
+    """What a CUDA graph does to the tensors its work makes: every op that makes a new
+    tensor makes it at the address it had when the graph was captured. Recording (the
+    capture's run), each such op's result is kept in order; replaying, each such op's
+    result is copied into the tensor kept for it, which is returned instead. So a
+    replay overwrites what the capture made (a forward's kept activations, its outputs),
+    as a graph's replay does, and whoever still holds one of those tensors sees it
+    change. Views and ops that write into their inputs are left alone (they make no new
+    storage)."""
+
+    def __init__(self, kept: list[Any] | None) -> None:
+        super().__init__()
+        self.recording = kept is None
+        self.kept: list[Any] = [] if kept is None else kept
+        self.next = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.is_view or func._schema.is_mutable or not isinstance(out, torch.Tensor):
+            return out
+        if self.recording:
+            self.kept.append(out)
+            return out
+        pinned = self.kept[self.next]
+        self.next += 1
+        assert pinned.shape == out.shape and pinned.dtype == out.dtype, func
+        pinned.copy_(out)
+        return pinned
+
+
 class _Rerun:
-    def __init__(self, bodies):
-        self.bodies = bodies
+    def __init__(self, bodies, kept=None):
+        self.bodies, self.kept = bodies, kept
 
     def replay(self, index=None):
-        for body in self.bodies:
-            body()
+        if self.kept is None:  # a plain re-run
+            for body in self.bodies:
+                body()
+            return
+        for body, kept in zip(self.bodies, self.kept, strict=True):
+            with _Pinned(kept):
+                body()
 
 
 class RerunExecutor(TorchExecutor):
-    """A TorchExecutor whose graphs re-run their bodies on replay (test stand-in)."""
+    """A TorchExecutor whose graphs re-run their bodies on replay (test stand-in), every
+    tensor they make at the place it had at the capture (``_Pinned``), as a graph's
+    replay writes it."""
 
     def __init__(self, **kw: Any) -> None:
         super().__init__(streams=RecordingStreamBackend(), graphs=True, **kw)
@@ -50,10 +89,13 @@ class RerunExecutor(TorchExecutor):
         for _ in range(warmup):
             for body in bodies:
                 body()
+        kept = []
         for body in bodies:
-            body()
+            with _Pinned(None) as mode:
+                body()
+            kept.append(mode.kept)
         self.captured.append((name, signature))
-        return _Rerun(bodies)
+        return _Rerun(bodies, kept)
 
 
 def _applier(wl, *, graphs, plan=None, schedule=None):

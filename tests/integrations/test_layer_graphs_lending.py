@@ -115,10 +115,12 @@ def _megatron_style_hooks(params):
 
 @pytest.mark.parametrize("order", ["1f1b", "all-forwards-first"])
 @pytest.mark.parametrize("schedule", ["sequential", "kareus"])
-def test_megatron_style_main_grad_accumulation_gets_the_eager_gradients(schedule, order):
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_megatron_style_main_grad_accumulation_gets_the_eager_gradients(schedule, order,
+                                                                       recompute):
     # per-layer nodes as Megatron runs KareusTransformerLayer, three microbatches
     # accumulated into main_grad by the DDP-style hook over two iterations
-    wl = workload(tp=1, cp=2, microbatches=3)
+    wl = workload(tp=1, cp=2, microbatches=3, recompute=recompute)
     plan = make_workload_plan(wl) if schedule == "kareus" else None
     xs = [torch.randn(4, 8, wl.model.hidden, generator=torch.Generator().manual_seed(s))
           for s in range(3)]
