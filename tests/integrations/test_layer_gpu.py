@@ -430,11 +430,12 @@ def _accumulating_iteration(applier, params, xs, order, arch):
     return [(y.detach(), x.grad) for y, x in zip(ys, leaves, strict=True)]
 
 
+@pytest.mark.parametrize("recompute", ["full", "none"])
 @pytest.mark.parametrize("hooks", ["grad", "main_grad"])
 @pytest.mark.parametrize("order", ["1f1b", "all-forwards-first"])
 @pytest.mark.parametrize("schedule", ["nanobatching", "kareus"])
 def test_graphed_layers_lend_outputs_and_accumulate_the_eager_gradients_on_cuda(
-        schedule, order, hooks):
+        schedule, order, hooks, recompute):
     """Graphs on (loopback TP=4 x CP=2 plan, two planned layers of their own weights, one
     node each): three microbatches per iteration, two iterations, the weight gradients
     accumulated over the microbatches (``hooks="grad"``: by autograd into ``.grad``, the
@@ -443,9 +444,11 @@ def test_graphed_layers_lend_outputs_and_accumulate_the_eager_gradients_on_cuda(
     held by the caller (``all-forwards-first``: all three forwards in flight). The graphs
     lend their static outputs (the layer's output is the graph's buffer, not a copy) and
     the second layer reads the first's output in place; every output, input gradient and
-    accumulated gradient equals eager execution's (bf16 rounding)."""
+    accumulated gradient equals eager execution's (bf16 rounding). ``recompute``: the
+    forward keeps the layer's input (full) or every activation (none: its kept
+    activations lent to the backward from the forward graph's slot as well)."""
     wl, groups, capped, default, _, p = _loopback_tp4_cp2()
-    wl = wl.with_(num_microbatches=3)
+    wl = wl.with_(num_microbatches=3, recompute=recompute)
     plan = make_workload_plan(wl, sms=16)
     arch = wl.model
     g = torch.Generator(device="cpu").manual_seed(0)
