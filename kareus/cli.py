@@ -132,6 +132,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _nonnegative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value}")
+    return value
+
+
 def _noise(text: str) -> float:
     """``--noise``: a relative spread in [0, 0.5), as the emulated profiler takes it."""
     try:
@@ -342,7 +352,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
                   types=None if args.types is None else args.types.split(","),
                   backends=None if args.backends is None else args.backends.split(","),
                   deadline_s=args.deadline_s, energy_budget_j=args.energy_budget_j,
-                  graphs=False if getattr(args, "no_graphs", False) else None)
+                  graphs=False if getattr(args, "no_graphs", False) else None,
+                  loopback=args.loopback)
     if report is None:  # not rank 0
         return 0
     if report.result is not None:
@@ -379,6 +390,13 @@ def _check_profiler_options(args: argparse.Namespace) -> None:
         raise ArgumentError(f"--no-graphs emulates (or, with --profiler nvml, measures) eager "
                          f"execution; --profiler {args.profiler} replays as it ran: drop "
                          "--no-graphs")
+
+
+def _check_loopback_option(args: argparse.Namespace) -> None:
+    if getattr(args, "loopback", "plain") != "plain" and args.profiler != "nvml":
+        raise ArgumentError(f"--loopback {args.loopback} stands in for collectives on one "
+                            f"real GPU (--profiler nvml); --profiler {args.profiler} does "
+                            "not run them: drop --loopback")
 
 
 def _check_optimize_options(args: argparse.Namespace) -> None:
@@ -427,6 +445,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     """``kareus optimize``: search, compose and write the plans and tables of one workload
     (``--profiler nvml`` tunes on the real GPUs); returns the exit status."""
     _check_profiler_options(args)
+    _check_loopback_option(args)
     if args.profiler == "nvml":
         if args.jobs > 1:
             raise ArgumentError("--jobs is for emulated and replayed runs; a tuning run measures "
@@ -548,7 +567,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
                     order_seed=args.order_seed, seed=args.seed, tolerance=args.tolerance,
                     device=args.device, backend=args.backend,
                     graphs=False if args.no_graphs else None, busy_steps=args.busy_steps,
-                    out=args.out, log=None if args.quiet else print)
+                    min_window_s=args.min_window_s, loopback=args.loopback, out=args.out,
+                    log=None if args.quiet else print)
     if report is None:  # not rank 0
         return 0
     print(report.table())
@@ -670,6 +690,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backends", default=None, metavar="LIST",
                    help="--profiler nvml: collective backends to search (own, nccl_capped); "
                         "default: every one that runs on the group")
+    p.add_argument("--loopback", choices=("plain", "faithful"), default="plain",
+                   help="--profiler nvml in one process: the one-GPU stand-in for the TP and "
+                        "CP groups' collectives: plain (a kernel of their bytes, default) or "
+                        "faithful (each holds its SM count for the real collective's time, "
+                        "from the measured collective curves; a STAND-IN, said in tune.json)")
     p.add_argument("--record", default=None, metavar="FILE",
                    help="also save every measurement to FILE (replay it with "
                         "--profiler replay:FILE)")
@@ -767,6 +792,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--busy-steps", type=_nonnegative_int, default=2,
                    help="iterations queued behind a held GPU per system, for the GPU-busy "
                         "fraction (default 2; 0: skip)")
+    p.add_argument("--loopback", choices=("plain", "faithful"), default="plain",
+                   help="in one process: the stand-in for the groups' collectives: plain (a "
+                        "kernel of their bytes, default) or faithful (each holds its SM count "
+                        "for the real collective's time, from the measured collective "
+                        "curves; its figures are labelled STAND-IN)")
+    p.add_argument("--min-window-s", type=_nonnegative_float, default=None, metavar="S",
+                   help="shortest timed window of a run: iterations are added after --steps "
+                        "until it lasts this long, so that NVML's energy counter steps "
+                        "inside it (default: 7.5 of the counter's step periods, at least "
+                        "0.5 s; about 0.75 s on an H200)")
     p.add_argument("--out", default=None, metavar="PATH",
                    help="verify.json's path or folder (default: beside the plan)")
     p.add_argument("--gpu-file", default=None, metavar="FILE",
