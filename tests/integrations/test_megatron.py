@@ -62,9 +62,9 @@ VARIANTS = {"llama": ({}, False),
             # test_layer_graphs, whose replays remake every tensor where the capture made
             # it): their outputs and gradients lent to autograd, Megatron DDP's hooks
             # adding them into main_grad; the example's training only. Under selective
-            # recomputation: with "none" the CPU's attention keeps an autograd graph,
-            # which the stand-in cannot replay in place (on a GPU the fused kernels keep
-            # plain tensors)
+            # recomputation: with "none" the stand-in's results differ from eager, before
+            # lending as well (likely the CPU attention's kept autograd graph, which a
+            # replay in place does not remake; see test_layer_graphs_lending)
             "llama-graphs": (_SELECTIVE, False)}
 
 
