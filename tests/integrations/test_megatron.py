@@ -85,10 +85,20 @@ def test_the_module_checks_megatron_s_version(monkeypatch):
 
     assert km.check_megatron_version() == km.MEGATRON_VERSION
     monkeypatch.delenv(km.UNTESTED_ENV, raising=False)
-    with pytest.raises(km.MegatronVersionError, match=r"megatron-core >=0\.16\.0,<0\.17\.0"):
+    # the two tested lines pass; the next one, the previous one and a non-version do not
+    for tested in ("0.15.0", "0.15.3", "0.16.0", "0.16.1"):
+        assert km.check_megatron_version(tested) == tested
+    with pytest.raises(km.MegatronVersionError, match=r"megatron-core >=0\.15\.0,<0\.17\.0"):
         km.check_megatron_version("0.17.1")
+    for untested in ("0.20.0", "0.14.0", "0.15.0rc7", "main"):
+        with pytest.raises(km.MegatronVersionError):
+            km.check_megatron_version(untested)
     with pytest.raises(ImportError):  # an ImportError too: the module does not import
         km.check_megatron_version("0.12.0")
+    try:  # one line: a user reads it as it is
+        km.check_megatron_version("0.17.1")
+    except km.MegatronVersionError as exc:
+        assert "\n" not in str(exc)
     monkeypatch.setenv(km.UNTESTED_ENV, "1")
     with pytest.warns(UserWarning, match="0.17.1"):
         assert km.check_megatron_version("0.17.1") == "0.17.1"
