@@ -473,6 +473,7 @@ def _full_recompute_matches(config, wl, groups, out):
 
 
 def _worker(out_dir: str, variant: str) -> None:
+    import megatron.core
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
@@ -500,7 +501,8 @@ def _worker(out_dir: str, variant: str) -> None:
     groups = TorchParallelGroups.from_groups(tp=parallel_state.get_tensor_model_parallel_group())
     emb = RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=1.0,
                           rotary_base=ex.ROTARY_BASE)(SEQ)
-    out: dict = {}
+    # the Megatron-Core the workers ran (the test compares it with its own)
+    out: dict = {"megatron_core": megatron.core.__version__}
     if variant.endswith("-full"):
         _full_recompute_matches(config, wl, groups, out)
     else:
@@ -515,9 +517,12 @@ def _worker(out_dir: str, variant: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_kareus_layers_are_megatron_s_layers_over_gloo(tmp_path, variant):
+    import megatron.core
     from _ranks import run_ranks  # tests/integrations, on sys.path under pytest
 
     res = run_ranks(__file__, tmp_path, TP, variant)
+    # the workers ran this process's Megatron-Core (a source tree first on PYTHONPATH too)
+    assert [r["megatron_core"] for r in res] == [megatron.core.__version__] * TP
     if variant.endswith("-full"):  # chained training only (see _full_recompute_matches)
         assert res[0]["gpt"] and res[1]["gpt"] == res[0]["gpt"]
         assert any(k.startswith("bwd_") for _, k in res[0]["gpt"])

@@ -134,6 +134,7 @@ def test_kareus_optimize_megatron_args_makes_the_plan_the_spec_accepts(tmp_path,
     assert "drop --tp" in capsys.readouterr().err
 
 
+@pytest.mark.megatron_line
 @pytest.mark.parametrize("extra", ["", " --qk-layernorm --norm-epsilon 1e-6 "
                                    "--untie-embeddings-and-output-weights --recompute-activations"])
 def test_the_parser_agrees_with_megatron_lm_s_own(monkeypatch, extra):
