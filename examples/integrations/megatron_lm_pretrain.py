@@ -294,6 +294,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def write_json(args: argparse.Namespace, lines: dict[str, dict[str, object]]) -> None:
+    """``--json``: the options, the job's flags and every line run so far (written after
+    each line, so a run stopped in a later line keeps the earlier ones)."""
+    if args.json is None:
+        return
+    shown = {k: str(v) for k, v in vars(args).items() if k != "cases_list"}
+    args.json.write_text(json.dumps({"args": shown, "flags": " ".join(job_flags(args)),
+                                     "lines": lines}, indent=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cases: list[str] = args.cases_list
@@ -309,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(str(exc), file=sys.stderr)
                 lines[label] = {**entry, "error": str(exc)}
                 failed = True
+                write_json(args, lines)
                 continue
             label = version if version not in lines else f"{version} ({megatron_lm})"
             entry.update(megatron_core=version, megatron_core_path=str(core))
@@ -326,14 +337,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         entry["results"] = results
         lines[label] = entry
+        write_json(args, lines)
         print_line(args, label, results)
         failed |= any(r.get("exit") != 0 for r in results.values())
-    if args.print:
-        return 0
-    if args.json is not None:
-        shown = {k: str(v) for k, v in vars(args).items() if k != "cases_list"}
-        args.json.write_text(json.dumps({"args": shown, "flags": " ".join(job_flags(args)),
-                                         "lines": lines}, indent=1))
     return 1 if failed else 0
 
 

@@ -80,6 +80,7 @@ def _shard(t, config):
 
 
 
+@pytest.mark.megatron_line
 def test_the_module_checks_megatron_s_version(monkeypatch):
     from kareus.integrations import megatron as km
 
@@ -104,6 +105,7 @@ def test_the_module_checks_megatron_s_version(monkeypatch):
         assert km.check_megatron_version("0.17.1") == "0.17.1"
 
 
+@pytest.mark.megatron_line
 def test_the_spec_refuses_what_is_not_an_applier():
     from kareus.errors import ArgumentTypeError
     from kareus.integrations.megatron import KareusTransformerLayer, kareus_layer_spec
@@ -514,8 +516,15 @@ def _worker(out_dir: str, variant: str) -> None:
     dist.destroy_process_group()
 
 
+#: The variants run on every tested Megatron-Core line (``megatron_line``): query/key norm
+#: under sequence parallelism, and the chained block under full recomputation.
+LINE_VARIANTS = ("qwen3-sp", "llama-full")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("variant", [
+    pytest.param(v, marks=pytest.mark.megatron_line) if v in LINE_VARIANTS else v
+    for v in sorted(VARIANTS)])
 def test_kareus_layers_are_megatron_s_layers_over_gloo(tmp_path, variant):
     import megatron.core
     from _ranks import run_ranks  # tests/integrations, on sys.path under pytest

@@ -7,6 +7,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "integrations" / "megatron_lm_pretrain.py"
 
 
@@ -63,6 +65,19 @@ def test_the_qwen3_shape_is_qwen3_1_7b_s_layer_as_kareus_reads_its_flags(tmp_pat
     assert (m.hidden, m.heads, m.kv_heads, m.head_dim, m.ffn, m.vocab) == (
         2048, 16, 8, 128, 6144, 151936)
     assert m.qk_norm and m.norm_eps == 1e-6 and m.tied_embeddings
+    # what kareus's layer does not compute, added to these flags, is refused in one line
+    # naming the flag (or its TransformerConfig field)
+    from kareus.errors import KareusError
+
+    job = mine.split("pretrain_gpt.py", 1)[1]
+    for extra, named in (("--add-qkv-bias", "add_qkv_bias"),
+                         ("--hidden-dropout 0.1", "--hidden-dropout"),
+                         ("--rotary-interleaved", "rotary_interleaved"),
+                         ("--qk-l2-norm", "qk_l2_norm"), ("--num-experts 8", "num_moe_experts"),
+                         ("--apply-layernorm-1p", "layernorm_zero_centered_gamma")):
+        with pytest.raises(KareusError, match=named) as err:
+            workload_from_megatron_args(f"{job} {extra}")
+        assert "\n" not in str(err.value)
     # the llama shape is unchanged: no query/key norm, Megatron-LM's eps
     llama = workload_from_megatron_args(" ".join(mod.job_flags(mod.parse_args(
         ["--megatron-lm", str(tmp_path)]))))
