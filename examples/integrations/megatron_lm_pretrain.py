@@ -46,8 +46,9 @@ read (and written to the JSON) before it runs; ``--untested`` sets
 installed the script puts empty stand-ins beside the checkout (the ``NullTokenizer`` of
 these runs uses neither). Megatron-LM runs ``make`` in ``megatron/core/datasets`` at start
 (to compile its dataset helpers); a wheel ships them compiled but without the ``Makefile``,
-so where the compiled helpers lie without one the script writes a ``Makefile`` whose target
-does nothing (and says so).
+so where the compiled helpers lie without one inside the checkout (an unpacked wheel) the
+script writes a ``Makefile`` whose target does nothing (and says so); an installed
+megatron-core without one is left alone (the script says what will fail).
 
 One H200, TP=1 (the default), 20 iterations, both shapes on the 0.16 line::
 
@@ -77,19 +78,22 @@ REPO = Path(__file__).resolve().parents[2]
 _LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): "
                    r"([0-9.]+) \|.*?lm loss: ([0-9.Ee+-]+) \|")
 
-#: The layer shapes of ``--shape``: the dimensions (each a default of its option) and
-#: the feature flags Megatron-LM builds that layer with.
-SHAPES: dict[str, dict[str, object]] = {
+#: The layer shapes of ``--shape``: their dimensions (each the default of its option) ...
+SHAPES: dict[str, dict[str, int | None]] = {
     # a Llama-style layer (the shape of the recorded 1x H200 run)
     "llama": {"hidden": 1024, "heads": 16, "kv_heads": 8, "kv_channels": None, "ffn": 2816,
-              "vocab": 32000, "rotary_base": 500000, "flags": []},
+              "vocab": 32000, "rotary_base": 500000},
     # Qwen3-1.7B's layer (its config.json: hidden 2048, 16 heads, 8 KV heads, head_dim 128,
     # intermediate 6144, rms_norm_eps 1e-6, rope_theta 1000000, vocab 151936 (the
     # NullTokenizer adds one token to --vocab-size), tie_word_embeddings true: Megatron-LM
     # ties them unless --untie-embeddings-and-output-weights)
     "qwen3": {"hidden": 2048, "heads": 16, "kv_heads": 8, "kv_channels": 128, "ffn": 6144,
-              "vocab": 151935, "rotary_base": 1000000,
-              "flags": ["--qk-layernorm", "--norm-epsilon", "1e-6"]},
+              "vocab": 151935, "rotary_base": 1000000},
+}
+#: ... and the feature flags Megatron-LM builds that layer with.
+SHAPE_FLAGS: dict[str, list[str]] = {
+    "llama": [],
+    "qwen3": ["--qk-layernorm", "--norm-epsilon", "1e-6"],
 }
 
 #: The cases: (name, extra environment).
@@ -99,7 +103,6 @@ CASES = {"megatron": None, "kareus": {}, "kareus-graphs": {"KAREUS_GRAPHS": "1"}
 
 def job_flags(args: argparse.Namespace) -> list[str]:
     """The job's flags (without ``--spec``): a GPT of ``args.shape`` on mock data."""
-    shape = SHAPES[args.shape]
     channels = (["--kv-channels", str(args.kv_channels)] if args.kv_channels is not None
                 else [])
     return [
@@ -109,7 +112,7 @@ def job_flags(args: argparse.Namespace) -> list[str]:
         "--seq-length", str(args.seq), "--max-position-embeddings", str(args.seq),
         "--micro-batch-size", str(args.mbs), "--global-batch-size", str(args.gbs),
         "--tensor-model-parallel-size", str(args.tp), "--swiglu", "--disable-bias-linear",
-        "--normalization", "RMSNorm", *shape["flags"],  # type: ignore[misc]
+        "--normalization", "RMSNorm", *SHAPE_FLAGS[args.shape],
         "--position-embedding-type", "rope",
         "--rotary-base", str(args.rotary_base), "--hidden-dropout", "0",
         "--attention-dropout", "0",
@@ -196,14 +199,19 @@ def megatron_core_of(args: argparse.Namespace, megatron_lm: Path) -> tuple[str, 
     return version, Path(folder)
 
 
-def ensure_helpers_makefile(core: Path) -> bool:
-    """Write a ``Makefile`` that does nothing into ``core/datasets`` when the compiled
-    dataset helpers lie there without one (a wheel's layout; Megatron-LM's start-up runs
-    ``make`` there and exits when it fails). Returns whether it wrote one."""
+def missing_helpers_makefile(core: Path) -> bool:
+    """Whether the compiled dataset helpers lie in ``core/datasets`` without a ``Makefile``
+    (a wheel's layout: Megatron-LM's start-up runs ``make`` there and exits when it fails)."""
     datasets = core / "datasets"
-    if (datasets / "Makefile").exists() or not list(datasets.glob("helpers_cpp*.so")):
+    return not (datasets / "Makefile").exists() and bool(list(datasets.glob("helpers_cpp*.so")))
+
+
+def ensure_helpers_makefile(core: Path) -> bool:
+    """Write a ``Makefile`` that does nothing into ``core/datasets`` where
+    ``missing_helpers_makefile`` says one is missing. Returns whether it wrote one."""
+    if not missing_helpers_makefile(core):
         return False
-    (datasets / "Makefile").write_text(_NOOP_MAKEFILE)
+    (core / "datasets" / "Makefile").write_text(_NOOP_MAKEFILE)
     return True
 
 
@@ -245,8 +253,9 @@ def print_line(args: argparse.Namespace, label: str, results: dict[str, dict[str
     ok = [c for c, r in results.items() if r.get("exit") == 0]
     print(f"\n== megatron-core {label}")
     print("iteration  " + "  ".join(f"{c:>20}" for c in ok))
+    losses = {c: results[c]["loss"] for c in ok}
     for it in range(1, args.iters + 1):
-        row = [results[c]["loss"].get(it) for c in ok]  # type: ignore[union-attr]
+        row = [loss.get(it) if isinstance(loss, dict) else None for loss in losses.values()]
         print(f"{it:>9}  " + "  ".join(f"{v:>20.6f}" if v is not None else f"{'-':>20}"
                                        for v in row))
     print(f"median step time (ms), iterations {args.warmup + 1}-{args.iters}:  "
@@ -285,7 +294,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args(argv)
     for key, value in SHAPES[args.shape].items():
-        if key != "flags" and getattr(args, key) is None:
+        if getattr(args, key) is None:
             setattr(args, key, value)
     args.cases_list = [c.strip() for c in args.cases.split(",") if c.strip()]
     bad = [c for c in args.cases_list if c not in CASES]
@@ -329,9 +338,16 @@ def main(argv: list[str] | None = None) -> int:
             if stubbed:
                 print(f"# {', '.join(stubbed)} not installed: empty stand-ins (the "
                       "NullTokenizer uses neither)", flush=True)
-            if ensure_helpers_makefile(core):
+            # only inside the checkout: an installed megatron-core is the environment's
+            inside = megatron_lm.resolve() in core.resolve().parents
+            if inside and ensure_helpers_makefile(core):
                 print(f"# wrote {core / 'datasets' / 'Makefile'} (a target that does "
                       "nothing: the compiled dataset helpers are there)", flush=True)
+            elif not inside and missing_helpers_makefile(core):
+                print(f"# {core / 'datasets'} has the compiled dataset helpers without the "
+                      "Makefile Megatron-LM runs at start-up, so it will stop there: unpack "
+                      f"the megatron-core wheel into {megatron_lm} (python -m zipfile -e "
+                      "WHEEL DIR) to run its own copy", flush=True)
         results = run_line(args, cases, megatron_lm)
         if args.print:
             continue

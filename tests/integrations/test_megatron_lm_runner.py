@@ -84,14 +84,16 @@ def test_the_qwen3_shape_is_qwen3_1_7b_s_layer_as_kareus_reads_its_flags(tmp_pat
     assert not llama.model.qk_norm and llama.model.norm_eps == 1e-5
 
 
-def _fake_line(folder: Path, version: str, loss: float) -> Path:
-    """A Megatron-LM checkout with its own ``megatron/core`` (``version``, a wheel's compiled
-    dataset helpers without the Makefile) whose ``pretrain_gpt.py`` prints Megatron-LM's
-    iteration lines (the loss it is given)."""
-    core = folder / "megatron" / "core"
-    (core / "datasets").mkdir(parents=True)
-    (core / "__init__.py").write_text(f"__version__ = {version!r}\n")
-    (core / "datasets" / "helpers_cpp.cpython-312-x86_64-linux-gnu.so").write_bytes(b"")
+def _fake_line(folder: Path, version: str | None, loss: float) -> Path:
+    """A Megatron-LM checkout whose ``pretrain_gpt.py`` prints Megatron-LM's iteration lines
+    (the loss it is given); with ``version``, its own ``megatron/core`` (a wheel's compiled
+    dataset helpers without the Makefile)."""
+    folder.mkdir()
+    if version is not None:
+        core = folder / "megatron" / "core"
+        (core / "datasets").mkdir(parents=True)
+        (core / "__init__.py").write_text(f"__version__ = {version!r}\n")
+        (core / "datasets" / "helpers_cpp.cpython-312-x86_64-linux-gnu.so").write_bytes(b"")
     (folder / "pretrain_gpt.py").write_text(
         "import sys\n"
         "for i in (1, 2, 3):\n"
@@ -145,3 +147,25 @@ def test_a_line_whose_megatron_core_does_not_import_is_reported_not_run(tmp_path
                      "--json", str(out)]) == 1
     assert "broken" in capsys.readouterr().err
     assert "broken" in json.loads(out.read_text())["lines"][str(bad)]["error"]
+
+
+def test_the_installed_megatron_core_is_left_as_it_is(tmp_path, capsys):
+    """A line without its own megatron/core runs the installed one, whose folder the script
+    never writes into (it says when Megatron-LM's start-up will miss the Makefile)."""
+    pytest.importorskip("megatron.core")
+    import json
+
+    import megatron.core
+
+    mod = _load()
+    datasets = Path(megatron.core.__file__).resolve().parent / "datasets"
+    before = sorted(p.name for p in datasets.iterdir())
+    out = tmp_path / "r.json"
+    line = _fake_line(tmp_path / "plain", None, 1.5)
+    assert mod.main(["--megatron-lm", str(line), "--cases", "megatron", "--iters", "3",
+                     "--json", str(out)]) == 0
+    assert sorted(p.name for p in datasets.iterdir()) == before
+    res = json.loads(out.read_text())["lines"][megatron.core.__version__]
+    assert res["megatron_core_path"] == str(datasets.parent)
+    if mod.missing_helpers_makefile(datasets.parent):
+        assert "will stop there" in capsys.readouterr().out
