@@ -258,8 +258,10 @@ def print_line(args: argparse.Namespace, label: str, results: dict[str, dict[str
         row = [loss.get(it) if isinstance(loss, dict) else None for loss in losses.values()]
         print(f"{it:>9}  " + "  ".join(f"{v:>20.6f}" if v is not None else f"{'-':>20}"
                                        for v in row))
+    medians = {c: results[c]["median_step_ms"] for c in ok}
     print(f"median step time (ms), iterations {args.warmup + 1}-{args.iters}:  "
-          + "  ".join(f"{c} {results[c]['median_step_ms']:.1f}" for c in ok))
+          + "  ".join(f"{c} {m:.1f}" if isinstance(m, float) else f"{c} -"
+                      for c, m in medians.items()))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
