@@ -218,6 +218,22 @@ def ensure_helpers_makefile(core: Path) -> bool:
     return True
 
 
+#: Megatron-LM's memory report (``report_memory``, printed after the first and second
+#: iterations, the second with the optimizer's state): torch's allocator's peaks, in MB.
+_MEMORY = re.compile(r"memory \(MB\) \| allocated: ([\d.]+) \| max allocated: ([\d.]+) \| "
+                     r"reserved: ([\d.]+) \| max reserved: ([\d.]+)")
+
+
+def parse_memory(text: str) -> dict[str, float] | None:
+    """Megatron-LM's last memory report: ``{"max_allocated_mb", "max_reserved_mb"}`` (rank
+    0's, after the second iteration: the optimizer's state included), or None."""
+    found = list(_MEMORY.finditer(text))
+    if not found:
+        return None
+    m = found[-1]
+    return {"max_allocated_mb": float(m.group(2)), "max_reserved_mb": float(m.group(4))}
+
+
 def parse_log(text: str) -> dict[int, tuple[float, float]]:
     """``{iteration: (step time ms, lm loss)}`` of Megatron-LM's log."""
     return {int(m.group(1)): (float(m.group(2)), float(m.group(3)))
@@ -246,7 +262,8 @@ def run_line(args: argparse.Namespace, cases: list[str], megatron_lm: Path
         times = [t for it, (t, _) in sorted(log.items()) if it > args.warmup]
         results[case] = {"exit": 0, "loss": {it: loss for it, (_, loss) in sorted(log.items())},
                          "step_ms": {it: t for it, (t, _) in sorted(log.items())},
-                         "median_step_ms": statistics.median(times) if times else None}
+                         "median_step_ms": statistics.median(times) if times else None,
+                         "memory": parse_memory(proc.stdout + proc.stderr)}
     return results
 
 
@@ -265,6 +282,10 @@ def print_line(args: argparse.Namespace, label: str, results: dict[str, dict[str
     print(f"median step time (ms), iterations {args.warmup + 1}-{args.iters}:  "
           + "  ".join(f"{c} {m:.1f}" if isinstance(m, float) else f"{c} -"
                       for c, m in medians.items()))
+    mems = {c: results[c].get("memory") for c in ok}
+    print("max allocated / max reserved after iteration 2 (MB):  "
+          + "  ".join(f"{c} {m['max_allocated_mb']:.0f} / {m['max_reserved_mb']:.0f}"
+                      if isinstance(m, dict) else f"{c} -" for c, m in mems.items()))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -169,3 +169,13 @@ def test_the_installed_megatron_core_is_left_as_it_is(tmp_path, capsys):
     assert res["megatron_core_path"] == str(datasets.parent)
     if mod.missing_helpers_makefile(datasets.parent):
         assert "will stop there" in capsys.readouterr().out
+
+
+def test_the_memory_report_read_is_the_last_one():
+    mod = _load()
+    text = ("[Rank 0] (after 1 iterations) memory (MB) | allocated: 10.00 | max allocated: "
+            "20.00 | reserved: 30.00 | max reserved: 40.00\n"
+            "[Rank 0] (after 2 iterations) memory (MB) | allocated: 11.00 | max allocated: "
+            "25.50 | reserved: 31.00 | max reserved: 45.00\n")
+    assert mod.parse_memory(text) == {"max_allocated_mb": 25.5, "max_reserved_mb": 45.0}
+    assert mod.parse_memory("no report") is None
