@@ -823,6 +823,15 @@ class PlanApplier:
                     "(torchtitan: training.disable_cuda_graphs), or, if your capture holds "
                     "the whole step, PlanApplier(whole_step_capture=True)")
 
+    def graph_memory(self) -> Any:
+        """What this applier's own CUDA graphs hold: a ``GraphMemory`` (graphs kept, how
+        many lend their outputs, their static buffers' bytes); zeros before any graph."""
+        from kareus.integrations._graphed import GraphMemory
+
+        if self._runner is None:
+            return GraphMemory(graphs=0, lending=0, static_bytes=0)
+        return self._runner.memory()
+
     def _graphs_runner(self) -> Any:
         if self._runner is None:
             from kareus.integrations._graphed import GraphedRunner
@@ -837,12 +846,17 @@ class PlanApplier:
 
     def _run_eager(self, phase: str, x: Any, weights: Sequence[Sequence[Any]], dy: Any,
                    inputs: Any, kept_out: Sequence[Any] | None = None,
-                   positions: Any = None, documents: bool = False
+                   positions: Any = None, documents: bool = False,
+                   out_bufs: Sequence[Any] | None = None
                    ) -> tuple[tuple[Any, Any], list[tuple[str, Any]]]:
         """``run``'s work, enqueued as it goes; also returns the partitions run. A forward
         writes the kept inputs into ``kept_out`` when given (a graph's static buffers;
         full recomputation only); ``positions``: RoPE positions of packed documents (see
-        ``run``)."""
+        ``run``). ``out_bufs``: where the results go (a graph's static outputs, which
+        the graphed runner lends to autograd): a forward's output ``[tokens, hidden]``;
+        a backward's input gradient ``[tokens, hidden]`` then every layer's weight
+        gradients in ``weight_names`` order (zeroed here, then accumulated into over the
+        nanobatches)."""
         import torch
 
         depth = len(weights)
@@ -872,8 +886,13 @@ class PlanApplier:
                 else:
                     prog.act[(top, i)]["dy"] = dy2[prog.rows(i)]
             prog.head = {}
-            prog.wgrads = [{name: torch.zeros_like(w) for name, w in ws.items()}
-                           for ws in prog.weights]
+            if out_bufs is None:
+                prog.wgrads = [{name: torch.zeros_like(w) for name, w in ws.items()}
+                               for ws in prog.weights]
+            else:
+                given = iter(out_bufs[1:])
+                prog.wgrads = [{name: next(given).zero_() for name in ws}
+                               for ws in prog.weights]
         stack = self._stack(phase, depth)
         prog.set_positions(positions, documents=documents)
         try:
@@ -892,7 +911,7 @@ class PlanApplier:
                                     lambda key: plan_config(self.plan, key,  # type: ignore[arg-type]
                                                             ex.current)))
             if phase == "fwd":
-                out = torch.empty_like(x2)
+                out = torch.empty_like(x2) if out_bufs is None else out_bufs[0]
                 for i in range(n):
                     torch.add(prog.act[(top, i)]["x_mid"], prog._reduced("mlp_out", top, i),
                               out=out[prog.rows(i)])
@@ -908,7 +927,7 @@ class PlanApplier:
                         xin[prog.rows(i)] = prog.act[(layer, i)]["x_in"]
                     kept_inputs.append(xin)
                 return (out.view(b, s, h), kept_inputs), ran
-            dx = torch.empty_like(x2)
+            dx = torch.empty_like(x2) if out_bufs is None else out_bufs[0]
             for i in range(n):
                 dx[prog.rows(i)] = prog.act[(0, i)]["dx_in"]
             return ((dx.view(b, s, h), [g[name] for g in prog.wgrads for name in names]),

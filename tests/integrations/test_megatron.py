@@ -57,7 +57,15 @@ VARIANTS = {"llama": ({}, False),
             # Megatron's full recomputation, every layer: kareus's layers chained
             "llama-full": ({"recompute_granularity": "full", "recompute_method": "uniform",
                             "recompute_num_layers": 1}, False),
-            "qwen3-sp": ({**_QWEN3, "sequence_parallel": True}, True)}
+            "qwen3-sp": ({**_QWEN3, "sequence_parallel": True}, True),
+            # kareus's layers replayed from graphs of their own (the CPU stand-in graph of
+            # test_layer_graphs, whose replays remake every tensor where the capture made
+            # it): their outputs and gradients lent to autograd, Megatron DDP's hooks
+            # adding them into main_grad; the example's training only. Under selective
+            # recomputation: with "none" the stand-in's results differ from eager, before
+            # lending as well (likely the CPU attention's kept autograd graph, which a
+            # replay in place does not remake; see test_layer_graphs_lending)
+            "llama-graphs": (_SELECTIVE, False)}
 
 
 def _plan(wl, **kw):
@@ -80,20 +88,32 @@ def _shard(t, config):
 
 
 
+@pytest.mark.megatron_line
 def test_the_module_checks_megatron_s_version(monkeypatch):
     from kareus.integrations import megatron as km
 
     assert km.check_megatron_version() == km.MEGATRON_VERSION
     monkeypatch.delenv(km.UNTESTED_ENV, raising=False)
-    with pytest.raises(km.MegatronVersionError, match=r"megatron-core >=0\.16\.0,<0\.17\.0"):
+    # the two tested lines pass; the next one, the previous one and a non-version do not
+    for tested in ("0.15.0", "0.15.3", "0.16.0", "0.16.1"):
+        assert km.check_megatron_version(tested) == tested
+    with pytest.raises(km.MegatronVersionError, match=r"megatron-core >=0\.15\.0,<0\.17\.0"):
         km.check_megatron_version("0.17.1")
+    for untested in ("0.20.0", "0.14.0", "0.15.0rc7", "main"):
+        with pytest.raises(km.MegatronVersionError):
+            km.check_megatron_version(untested)
     with pytest.raises(ImportError):  # an ImportError too: the module does not import
         km.check_megatron_version("0.12.0")
+    try:  # one line: a user reads it as it is
+        km.check_megatron_version("0.17.1")
+    except km.MegatronVersionError as exc:
+        assert "\n" not in str(exc)
     monkeypatch.setenv(km.UNTESTED_ENV, "1")
     with pytest.warns(UserWarning, match="0.17.1"):
         assert km.check_megatron_version("0.17.1") == "0.17.1"
 
 
+@pytest.mark.megatron_line
 def test_the_spec_refuses_what_is_not_an_applier():
     from kareus.errors import ArgumentTypeError
     from kareus.integrations.megatron import KareusTransformerLayer, kareus_layer_spec
@@ -462,7 +482,55 @@ def _full_recompute_matches(config, wl, groups, out):
         ex.train(model, config, batches, steps=1, seq_len=SEQ)
 
 
+def _gpt_graphs_match(config, wl, groups, out, tied):
+    """The example's training (Megatron DDP with its main_grad hooks, the optimizer,
+    get_forward_backward_func) with kareus's layers on graphs of their own: losses,
+    main_grads and weights as with Megatron's layers."""
+    import megatron_gpt as ex
+    from test_layer_graphs import RerunExecutor
+
+    from kareus.exec.collectives import ProcessGroupCollective
+    from kareus.exec.train import GroupedCollective
+    from kareus.integrations import PlanApplier
+    from kareus.integrations.megatron import kareus_layer_spec, wrap_schedule
+
+    g = torch.Generator().manual_seed(7)
+    batches = []
+    for _ in range(MICROBATCHES):
+        tok = torch.randint(0, ex.VOCAB, (MBS, SEQ + 1), generator=g)
+        batches.append((tok[:, :-1], tok[:, 1:]))
+    torch.manual_seed(0)
+    own_model = ex.build_model(config, _model_spec(config, _own_spec(config)), SEQ, "cpu",
+                               tied=tied)
+    initial = {k: v.clone() if torch.is_tensor(v) else v
+               for k, v in own_model.state_dict().items()}
+    own = ex.train(own_model, config, batches, steps=3, seq_len=SEQ)
+    plan = _plan(wl)
+    gloo = GroupedCollective(tp=ProcessGroupCollective(group=groups.group("tp")), cp=None)
+    applier = PlanApplier(
+        workload=wl, groups=groups, plan=plan, kernels="torch", rope_base=ex.ROTARY_BASE,
+        eps=config.layernorm_epsilon, graphs=True,
+        executor=RerunExecutor(collective=gloo, default_collective=gloo, plan=plan),
+        baseline=RerunExecutor(collective=gloo, default_collective=gloo))
+    model = ex.build_model(config, _model_spec(config, kareus_layer_spec(applier)), SEQ, "cpu",
+                           tied=tied)
+    model.load_state_dict(initial)
+    with wrap_schedule(applier):
+        mine = ex.train(model, config, batches, steps=3, seq_len=SEQ)
+    runner = applier._runner
+    assert runner is not None and runner.captures > 0
+    assert any(cap.lends for cap in runner._graphs.values())
+    torch.testing.assert_close(torch.tensor(mine), torch.tensor(own), rtol=1e-4, atol=1e-5)
+    own_p, my_p = dict(own_model.named_parameters()), dict(model.named_parameters())
+    for n, p in own_p.items():
+        _close(my_p[n].main_grad, p.main_grad, f"graphed main_grad {n}")
+        _close(my_p[n].detach(), p.detach(), f"graphed weight {n}")
+    out["losses"] = mine
+    out["graphs"] = applier.graph_memory().graphs
+
+
 def _worker(out_dir: str, variant: str) -> None:
+    import megatron.core
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
@@ -490,9 +558,12 @@ def _worker(out_dir: str, variant: str) -> None:
     groups = TorchParallelGroups.from_groups(tp=parallel_state.get_tensor_model_parallel_group())
     emb = RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=1.0,
                           rotary_base=ex.ROTARY_BASE)(SEQ)
-    out: dict = {}
+    # the Megatron-Core the workers ran (the test compares it with its own)
+    out: dict = {"megatron_core": megatron.core.__version__}
     if variant.endswith("-full"):
         _full_recompute_matches(config, wl, groups, out)
+    elif variant.endswith("-graphs"):
+        _gpt_graphs_match(config, wl, groups, out, tied)
     else:
         _layers_match(config, wl, groups, emb, out)
         _gpt_matches(config, wl, groups, out, tied)
@@ -502,12 +573,25 @@ def _worker(out_dir: str, variant: str) -> None:
     dist.destroy_process_group()
 
 
+#: The variants run on every tested Megatron-Core line (``megatron_line``): query/key norm
+#: under sequence parallelism, and the chained block under full recomputation.
+LINE_VARIANTS = ("qwen3-sp", "llama-full")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("variant", [
+    pytest.param(v, marks=pytest.mark.megatron_line) if v in LINE_VARIANTS else v
+    for v in sorted(VARIANTS)])
 def test_kareus_layers_are_megatron_s_layers_over_gloo(tmp_path, variant):
+    import megatron.core
     from _ranks import run_ranks  # tests/integrations, on sys.path under pytest
 
     res = run_ranks(__file__, tmp_path, TP, variant)
+    # the workers ran this process's Megatron-Core (a source tree first on PYTHONPATH too)
+    assert [r["megatron_core"] for r in res] == [megatron.core.__version__] * TP
+    if variant.endswith("-graphs"):  # trained from graphs of their own (see the worker)
+        assert res[0]["graphs"] > 0 and res[0]["losses"] == res[1]["losses"]
+        return
     if variant.endswith("-full"):  # chained training only (see _full_recompute_matches)
         assert res[0]["gpt"] and res[1]["gpt"] == res[0]["gpt"]
         assert any(k.startswith("bwd_") for _, k in res[0]["gpt"])
