@@ -25,10 +25,21 @@ Per row: iteration time (device events; the median over ``--rounds`` rounds, the
 interleaved in a shuffled order each round), the GPU's own time (the iteration enqueued
 behind a sleeping kernel: ``bench/host_bound.py``'s ``_queued_time_s``), the GPU-busy
 fraction of one profiled iteration's span (the union of kernel intervals over first to
-last kernel), kernels per iteration, the peak memory of an iteration, and a check of the
-values: the first microbatch's output and one weight's gradient against the compiled
+last kernel), kernels per iteration, memory (below), and a check of the values: the first microbatch's output and one weight's gradient against the compiled
 block's at the same policy (relative difference; bf16 on a GPU). The summary gives
 kareus's time over the compiled block's per policy (the target: at most 1.0).
+
+Memory, per row: ``kept_gib``, what one microbatch's forward keeps for its backward (on a
+GPU what it leaves allocated, its output aside; kareus's rows on an eager run of the same
+layers, since from graphs the kept tensors are the forward graph's buffers, allocated once;
+on the CPU the bytes autograd saves) beside ``model_kept_gib``, the memory model's figure
+for the same layers (``kareus.model.memory.kept_activation_bytes``); on a GPU
+``footprint_gib``, the peak of reserved memory over an iteration from a base taken with
+nothing cached, each system built and measured on its own (graph pools, their static
+buffers and the kept activations in forward slots included: a replay allocates nothing, so
+a peak of *allocated* memory around replays, ``peak_allocated_gib``, sees only the outputs
+cloned out of the graphs and the gradients), and ``held_gib``, what stays allocated between
+iterations (graphs' buffers).
 
 Usage (one CUDA GPU; clocks are never changed)::
 
@@ -208,40 +219,118 @@ class Iteration:
         return y.detach().float(), g.float()
 
 
-def _systems(torch: Any, args: argparse.Namespace, policy: str, weights: list[dict],
-             xs: list[Any], dys: list[Any], device: Any, dtype: Any,
-             graphs: bool) -> dict[str, Iteration]:
+def _system(torch: Any, args: argparse.Namespace, system: str, policy: str,
+            weights: list[dict], xs: list[Any], dys: list[Any], device: Any, dtype: Any,
+            graphs: bool) -> Iteration:
+    """One row's system, built on its own (a kareus row its own applier, so its graphs
+    and their memory pools are its own: the footprint measured is this row's)."""
     from kareus.exec.train import LoopbackGroups
     from kareus.integrations import PlanApplier
 
     wl = _workload(args, policy)
     arch = wl.model
     cuda = device.type == "cuda"
+    if system == "compiled":
+        cos, sin = _rope_tables(torch, args.seq_len, arch.head_dim, device, dtype)
+        block = compiled_block(torch, arch, policy, args.compile_backend, cos, sin)
+        names = ("w_attn_norm", "Wqkv", "Wo", "w_mlp_norm", "Wg", "Wu", "Wd")
+
+        def compiled(x: Any) -> Any:
+            for w in weights:
+                x = block(x, *(w[n] for n in names))
+            return x
+
+        return Iteration(torch, system, compiled, weights, xs, dys)
     applier = PlanApplier(workload=wl, groups=LoopbackGroups(tp=1), schedule="sequential",
                           kernels=None if cuda else "torch", graphs=graphs,
                           rope_base=ROPE_BASE, eps=arch.norm_eps)
-    stack, layer = applier.stack(len(weights)), applier.layer()
+    if system == "kareus-stack":
+        stack = applier.stack(len(weights))
 
-    def kareus_stack(x: Any) -> Any:
-        return stack(x, weights)
+        def kareus_stack(x: Any) -> Any:
+            return stack(x, weights)
+
+        return Iteration(torch, system, kareus_stack, weights, xs, dys)
+    layer = applier.layer()
 
     def kareus_layers(x: Any) -> Any:
         for w in weights:
             x = layer(x, w)
         return x
 
-    cos, sin = _rope_tables(torch, args.seq_len, arch.head_dim, device, dtype)
-    block = compiled_block(torch, arch, policy, args.compile_backend, cos, sin)
-    names = ("w_attn_norm", "Wqkv", "Wo", "w_mlp_norm", "Wg", "Wu", "Wd")
+    return Iteration(torch, system, kareus_layers, weights, xs, dys)
 
-    def compiled(x: Any) -> Any:
-        for w in weights:
-            x = block(x, *(w[n] for n in names))
-        return x
 
-    runs = {"kareus-stack": kareus_stack, "kareus-layers": kareus_layers,
-            "compiled": compiled}
-    return {s: Iteration(torch, s, runs[s], weights, xs, dys) for s in SYSTEMS}
+def _footprint(torch: Any, it: Iteration) -> dict[str, float]:
+    """The memory one system costs, measured on its own (the other rows' graphs idle):
+    from a base taken after ``empty_cache`` (nothing cached outside graph pools), two
+    iterations (compilation, graph captures), ``empty_cache`` again (the eager warm-ups'
+    blocks), then one iteration. ``footprint_gib``: the peak of reserved memory over it,
+    graph pools and their static buffers included (a replay allocates nothing, so a peak
+    of allocated memory around replays sees none of what graphs hold); ``held_gib``: what
+    stays allocated after it (graphs' static buffers and kept activations in forward
+    slots; the weight gradients are dropped by the iteration); ``peak_allocated_gib``: the
+    peak of allocated memory over it (around graphs: only what is allocated outside them,
+    the outputs cloned out and the gradients)."""
+    import gc
+
+    gib = 2 ** 30
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()
+    base_reserved, base_alloc = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
+    for _ in range(2):
+        it.step()
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    it.step()
+    torch.cuda.synchronize()
+    return {"footprint_gib": (torch.cuda.max_memory_reserved() - base_reserved) / gib,
+            "held_gib": (torch.cuda.memory_allocated() - base_alloc) / gib,
+            "peak_allocated_gib": (torch.cuda.max_memory_allocated() - base_alloc) / gib}
+
+
+def _kept_bytes(torch: Any, it: Iteration, cuda: bool) -> int | None:
+    """Bytes one microbatch's forward keeps for its backward (after one warm-up
+    iteration). On a GPU: what the forward leaves allocated, its output aside; on the CPU
+    (no allocator statistics): every tensor autograd saves, through
+    ``saved_tensors_hooks``, each storage once, the weights and the input left out. For
+    kareus the system runs eagerly here: from its own graphs a forward keeps its graph's
+    buffers, allocated once when captured (the same tensors; ``held_gib``). ``None``
+    where nothing is seen."""
+    def zero() -> None:
+        for w in it.weights:
+            for t in w.values():
+                t.grad = None
+
+    it.run(it.xs[0]).backward(it.dys[0])  # warm-up: compilation, the programs' tables
+    zero()
+    if cuda:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        y = it.run(it.xs[0])
+        torch.cuda.synchronize()
+        kept = torch.cuda.memory_allocated() - before - y.untyped_storage().nbytes()
+        y.backward(it.dys[0])
+        zero()
+        return kept if kept > 0 else None
+    storages: dict[int, int] = {}
+
+    def pack(t: Any) -> Any:
+        st = t.untyped_storage()
+        storages[st.data_ptr()] = st.nbytes()
+        return t
+
+    exclude = {t.untyped_storage().data_ptr() for w in it.weights for t in w.values()}
+    exclude.add(it.xs[0].untyped_storage().data_ptr())
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = it.run(it.xs[0])
+    y.backward(it.dys[0])
+    zero()
+    kept = sum(b for ptr, b in storages.items() if ptr not in exclude)
+    return kept or None
 
 
 def _rel(a: Any, b: Any) -> float:
@@ -276,10 +365,13 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one bench, read 
     xs = [torch.randn(shape, generator=g).to(device, dtype) for _ in range(args.microbatches)]
     dys = [(torch.randn(shape, generator=g) * 1e-2).to(device, dtype) for _ in xs]
     its: dict[tuple[str, str], Iteration] = {}
+    memory: dict[tuple[str, str], dict[str, float]] = {}
     for policy in args.policies:
-        for system, it in _systems(torch, args, policy, weights, xs, dys, device, dtype,
-                                   graphs).items():
-            its[(system, policy)] = it
+        for system in SYSTEMS:
+            it = its[(system, policy)] = _system(torch, args, system, policy, weights, xs,
+                                                 dys, device, dtype, graphs)
+            if cuda:  # each system's memory on its own, before the next is built
+                memory[(system, policy)] = _footprint(torch, it)
 
     def sync() -> None:
         if cuda:
@@ -324,16 +416,25 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one bench, read 
         if cuda:
             from host_bound import _profile_iteration, _queued_time_s
 
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            its[key].step()
-            torch.cuda.synchronize()
-            row["peak_memory_gib"] = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+            row.update(memory[key])
             gpu_s, fed_ok = _queued_time_s(torch, its[key].step, 2)
             row.update(gpu_only_s=gpu_s if fed_ok else None, gpu_only_reliable=fed_ok,
                        **_profile_iteration(torch, its[key], ""))
         out_rows.append(row)
+    from kareus.model.memory import kept_activation_bytes
+
+    for row in out_rows:  # last: what autograd keeps (an eager run for kareus's rows)
+        system, policy = row["system"], row["policy"]
+        it = (its[(system, policy)] if system == "compiled" else
+              _system(torch, args, system, policy, weights, xs, dys, device, dtype, False))
+        kept = _kept_bytes(torch, it, cuda)
+        row["kept_gib"] = None if kept is None else kept / 2 ** 30
+        if system != "compiled":  # the memory model's figure for the same layers, less
+            d = 2 if cuda else 4  # the first one's input (the caller's, counted above)
+            wl = _workload(args, policy).with_(dtype_bytes=d)
+            first_input = args.microbatch_size * args.seq_len * args.hidden * d
+            row["model_kept_gib"] = (kept_activation_bytes(wl, layers=args.layers)
+                                     - first_input) / 2 ** 30
     ratios = _ratios(out_rows)
     _print(out_rows, ratios, args, cuda, graphs)
     if args.json is not None:
@@ -374,8 +475,9 @@ def _print(rows: list[dict[str, Any]], ratios: dict[str, dict[str, float]],
           + ("" if cuda else "; CPU smoke run, not a measurement"))
     head = f"{'system':<14} {'policy':<10} {'iteration ms':>12}"
     if cuda:
-        head += f" {'GPU-only ms':>11} {'busy':>5} {'kernels':>7} {'peak GiB':>8}"
-    head += f" {'d(out)':>8} {'d(grad)':>8}"
+        head += (f" {'GPU-only ms':>11} {'busy':>5} {'kernels':>7} {'footprint GiB':>13}"
+                 f" {'held GiB':>8}")
+    head += f" {'kept MiB':>9} {'model MiB':>9} {'d(out)':>8} {'d(grad)':>8}"
     print(head)
     for r in rows:
         line = f"{r['system']:<14} {r['policy']:<10} {1e3 * r['iteration_s']:>12.3f}"
@@ -383,7 +485,11 @@ def _print(rows: list[dict[str, Any]], ratios: dict[str, dict[str, float]],
             gpu, busy = r.get("gpu_only_s"), r.get("busy")
             line += (f" {'n/a' if gpu is None else f'{1e3 * gpu:.3f}':>11} "
                      f"{'n/a' if busy is None else f'{busy:.2f}':>5} "
-                     f"{r.get('kernels', 0):>7} {r['peak_memory_gib']:>8.2f}")
+                     f"{r.get('kernels', 0):>7} {r['footprint_gib']:>13.2f} "
+                     f"{r['held_gib']:>8.2f}")
+        kept, model = r.get("kept_gib"), r.get("model_kept_gib")
+        line += (f" {'n/a' if kept is None else f'{kept * 1024:.2f}':>9}"
+                 f" {'' if model is None else f'{model * 1024:.2f}':>9}")
         line += f" {r['output_rel_diff']:>8.1e} {r['grad_rel_diff']:>8.1e}"
         print(line)
     for policy, per in ratios.items():

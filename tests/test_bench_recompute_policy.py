@@ -1,6 +1,7 @@
 """bench/recompute_policy.py: its --quick mode runs the code path on the CPU (a tiny model,
-every system at every policy, the values checked against the compiled block), and without
-CUDA and without --quick it says so and exits cleanly."""
+every system at every policy, the values checked against the compiled block, what each
+keeps for the backward against the memory model), and without CUDA and without --quick it
+says so and exits cleanly."""
 
 from __future__ import annotations
 
@@ -25,6 +26,12 @@ def test_quick_runs_every_system_at_every_policy_and_they_agree(tmp_path, capsys
         assert r["iteration_s"] > 0
         assert r["output_rel_diff"] < 1e-5 and r["grad_rel_diff"] < 1e-5, r
     assert set(result["kareus_over_compiled"]) == set(bench.POLICIES)
+    kept = {(r["system"], r["policy"]): r["kept_gib"] for r in rows}
+    for r in rows:  # what kareus's layers keep is what the memory model counts
+        if r["system"] != "compiled":
+            assert r["kept_gib"] == pytest.approx(r["model_kept_gib"], rel=1e-9), r
+    for system in ("kareus-stack", "kareus-layers"):
+        assert kept[(system, "none")] > kept[(system, "selective")] > kept[(system, "full")]
     assert "not a measurement" in result["machine_kind"]
     assert "CPU smoke run" in capsys.readouterr().out
 

@@ -5,10 +5,12 @@ side.
 It runs the same job (mock data, the flags below) once per case, each a fresh ``torchrun``:
 
 * ``megatron``: Megatron-LM's own layers (``--transformer-impl local``: the local spec);
-* ``kareus``: kareus's layers through ``layer_spec`` (the sequential schedule without
+* ``kareus``: kareus's layers through ``layer_spec``, eager (``KAREUS_GRAPHS=0``; the
+  sequential schedule without
   ``--plan``; under the plan with ``--plan``, made by
   ``kareus optimize --megatron-args "<the same flags>"``);
-* ``kareus-graphs``: the same with ``KAREUS_GRAPHS=1`` (kareus's CUDA graphs per layer);
+* ``kareus-graphs``: the same with ``KAREUS_GRAPHS=1`` (kareus's CUDA graphs per layer,
+  also what an unset ``KAREUS_GRAPHS`` gives on a GPU);
 * ``kareus-nanobatching``: ``KAREUS_SCHEDULE=nanobatching``;
 
 parses Megatron-LM's log lines (``lm loss`` and ``elapsed time per iteration (ms)`` of
@@ -56,7 +58,8 @@ _LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(
                    r"([0-9.]+) \|.*?lm loss: ([0-9.Ee+-]+) \|")
 
 #: The cases: (name, extra environment).
-CASES = {"megatron": None, "kareus": {}, "kareus-graphs": {"KAREUS_GRAPHS": "1"},
+CASES = {"megatron": None, "kareus": {"KAREUS_GRAPHS": "0"},
+         "kareus-graphs": {"KAREUS_GRAPHS": "1"},
          "kareus-nanobatching": {"KAREUS_SCHEDULE": "nanobatching"}}
 
 

@@ -338,7 +338,7 @@ class TorchExecutor(Executor):
 
     # -- graphs ----------------------------------------------------------------------
     def capture(self, name: str, bodies: Sequence[Callable[[], Any]], *,
-                signature: Any = None, warmup: int = 1) -> GraphSequence:
+                signature: Any = None, warmup: int = 1, pool: Any = None) -> GraphSequence:
         """Capture ``bodies`` in order into graphs sharing one memory pool
         (``GraphSequence``), or return the sequence captured
         under ``name`` before if its signature and the plan are unchanged.
@@ -357,6 +357,11 @@ class TorchExecutor(Executor):
                 (shapes, schedule); a change re-captures.
             warmup: Eager runs of every body before the capture (library set-up), on a
                 side stream; 0 when the caller has just run them.
+            pool: The memory pool to capture into: one this executor's streams made
+                (``graph_pool()``) and other graphs were captured into, whose memory the
+                new graphs may then reuse (so the caller replays them in the order they
+                were captured and reads nothing a graph of the pool wrote after another
+                one ran); ``None`` (default): a new pool.
 
         Returns:
             The sequence; replay it with ``GraphSequence.replay``.
@@ -386,7 +391,7 @@ class TorchExecutor(Executor):
                         body()
             self.streams.wait_event(self.streams.current_stream(),
                                     self.streams.record_event(side))
-        pool = self.streams.graph_pool()
+        pool = self.streams.graph_pool() if pool is None else pool
         graphs, deferred = [], []
         for i, body in enumerate(bodies):
             self._deferred = [] if not getattr(self.frequency, "capturable", False) else None

@@ -49,7 +49,7 @@ import attrs
 
 from kareus.errors import ArgumentError, UnknownSlotError
 from kareus.exec._executor_role import Executor
-from kareus.model.decoder import LayerPhase, decoder_layer
+from kareus.model.decoder import NOT_READ_BY_BACKWARD, LayerPhase, decoder_layer
 from kareus.model.partition import TransformerPartition
 from kareus.model.workload import RECOMPUTE_POLICIES, recompute_policy
 
@@ -170,7 +170,8 @@ def stack_stream(phase: str, layers: int, *, tp: int, cp: int,
         tp: Tensor-parallel degree (``> 1``: all-reduces).
         cp: Context-parallel degree (``> 1``: K/V all-gather, dK/dV reduce-scatter).
         recompute: The recomputation policy (``"full"``: the backward re-runs each layer's
-            forward first; ``"selective"``: the attention core only, inside the layer's
+            forward first, less the down projection when TP = CP = 1
+            (``kareus.model.decoder.NOT_READ_BY_BACKWARD``); ``"selective"``: the attention core only, inside the layer's
             backward; ``"none"``), or ``True``/``False`` for ``"full"``/``"none"``.
         qk_norm: The model normalises queries and keys per head (the layer's ops of
             ``decoder_layer(phase, qk_norm=True)``).
@@ -197,9 +198,13 @@ def stack_stream(phase: str, layers: int, *, tp: int, cp: int,
         for layer in range(layers):
             out += _layer(fwd, layer, tp, cp)
         return out
+    # full recomputation re-runs each layer's forward, less what no backward op reads
+    # where the layer has no collective (``NOT_READ_BY_BACKWARD``)
+    skip = NOT_READ_BY_BACKWARD if tp == cp == 1 else ()
     for layer in reversed(range(layers)):
         if policy == "full":
-            out += _layer(fwd, layer, tp, cp)
+            out += [x for x in _layer(fwd, layer, tp, cp)
+                    if not (isinstance(x, Op) and x.name in skip)]
         if layer < layers - 1:
             out += [Op(n, layer + 1) for n in bwd.tail]
         out += _layer(bwd, layer, tp, cp)

@@ -82,9 +82,21 @@ them, and no copy. A slot is free again when its backward has run, or when the a
 graph holding it is dropped without one. The forward's attention must then run on the
 fused kernels (flash or cuDNN), whose saved state is plain tensors: attention through
 autograd (a CP piece whose mask is not causal's) is refused with ``"none"``.
-Such graphs keep a memory pool each (the applier's default executors share one pool only
-under full recomputation): kept activations allocated in a shared pool could lie where
-another graph's temporaries do.
+Such forward graphs keep a memory pool each (the applier's default executors share one
+pool among all graphs only under full recomputation): kept activations allocated in a
+shared pool could lie where another graph's temporaries do, which that graph's replay
+would overwrite while they are lent. Their backward graphs share one pool (on a
+``TorchExecutor``: ``GraphedRunner._backward_pool``): they read their forward slot's
+buffers where they lie, in the forward's pool, and their outputs are cloned right after
+their replay, so the pool holds the largest backward's temporaries once, not once per
+layer and slot.
+
+So, what graphs keep resident, per policy (what ``bench/recompute_policy.py`` reports as
+``footprint``): a forward slot keeps its kept activations allocated for as long as the
+graph lives (whether lent or not: its static outputs), and its pool the forward's
+temporaries; under ``"full"`` the slot keeps only the layers' inputs and every graph
+shares one pool. A peak of allocated memory measured around replays does not see any of
+it (a replay allocates nothing): measure reserved memory, graphs included.
 
 A graph is keyed by what changes the captured work: phase, depth, nanobatch count,
 whether the plan runs the computation unsplit, the plan's choice for the computation (its
@@ -299,6 +311,7 @@ class GraphedRunner:
         self._seen: dict[tuple[Any, ...], set[int]] = {}
         self._own: dict[tuple[Any, ...], set[int]] = {}
         self._slots: dict[tuple[Any, ...], list[_Captured]] = {}
+        self._backward_pools: dict[int, tuple[Any, Any]] = {}
         self.captures = 0
         self.loads = 0
 
@@ -440,6 +453,26 @@ class GraphedRunner:
         seen.add(ptr)
         return None
 
+    def _backward_pool(self, ex: Any) -> Any:
+        """The memory pool every backward graph of kept activations shares (per stream
+        backend), or ``None`` where the executor takes no pool (an executor of another
+        kind: a pool per graph, as before). Sharing is safe: a backward graph reads its
+        forward slot's buffers, which lie in that forward graph's own pool, and its
+        outputs (input and weight gradients) are cloned right after its replay, before
+        another graph runs; so each backward graph needs the memory of its temporaries
+        only while it runs, and one pool holds the largest of them instead of one each
+        (a framework's layers, one node each: a backward graph per layer and forward
+        slot)."""
+        from kareus.exec import TorchExecutor
+
+        if not isinstance(ex, TorchExecutor) or not ex.graphs:
+            return None
+        held = self._backward_pools.get(id(ex.streams))
+        if held is None:  # the streams held too: their id stays theirs
+            held = self._backward_pools[id(ex.streams)] = (ex.streams,
+                                                           ex.streams.graph_pool())
+        return held[1]
+
     def _retire(self, slot: _Slot) -> None:
         """A forward graph is captured again: its slot stays with the forwards that hold it
         (their backwards read copies), and the backward graphs that read it go."""
@@ -524,8 +557,11 @@ class GraphedRunner:
         # the caller's result comes from a replay, as every later call's does. A
         # re-capture (a weight moved) is another signature under the same name: the
         # executor drops the old graphs.
-        cap.seq = ap._executor().capture(name, [body], signature=(key, self.captures),
-                                         warmup=2)
+        ex = ap._executor()
+        pool = (self._backward_pool(ex) if phase == "bwd"
+                and ap.workload.recompute != "full" else None)
+        cap.seq = ex.capture(name, [body], signature=(key, self.captures), warmup=2,
+                             **({} if pool is None else {"pool": pool}))
         cap.seq.replay()
         if phase == "fwd":
             cap.slot = _Slot(cap)

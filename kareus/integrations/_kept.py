@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
+
 from kareus.errors import ArgumentError
+from kareus.exec.kernels import SavedAttention
 
 __all__ = ["KeptActivations"]
 
@@ -59,6 +62,60 @@ class KeptActivations:
                                 "runs in its forward's nanobatches (make the plan so, or "
                                 "recompute 'full')")
         return {key: dict(a) for key, a in self.act.items()}
+
+    def pack(self) -> tuple[list[Any], Any]:
+        """``(tensors, layout)``: every tensor held (each once, attention states' included),
+        and what rebuilds the mappings around them (``unpack``). Eager execution hands the
+        tensors to autograd (``ctx.save_for_backward``), so they are freed when the backward
+        has run (not when the autograd node goes, which may be much later: a framework that
+        keeps the output) and pass through ``torch.autograd.graph.saved_tensors_hooks``
+        (activation offloading, memory accounting) as every other saved tensor does."""
+        tensors: list[Any] = []
+        index: dict[int, int] = {}
+
+        def slot(t: Any) -> int:
+            i = index.get(id(t))
+            if i is None:
+                i = index[id(t)] = len(tensors)
+                tensors.append(t)
+            return i
+
+        def shape(v: Any) -> Any:
+            if isinstance(v, SavedAttention):
+                # the state without its tensors (the layout must not hold them)
+                bare = attrs.evolve(v, output=None, tensors=())
+                return ("attention", bare, slot(v.output),
+                        tuple(None if t is None else slot(t) for t in v.tensors))
+            if isinstance(v, list):
+                return ("list", [shape(x) for x in v])
+            if v is None:
+                return ("none",)
+            return ("tensor", slot(v))
+
+        layout = {key: {name: shape(v) for name, v in a.items()}
+                  for key, a in self.act.items()}
+        return tensors, (layout, self.depth, self.nanobatches)
+
+    @staticmethod
+    def unpack(layout: Any, tensors: list[Any]) -> KeptActivations:
+        """The activations ``pack`` gave ``(tensors, layout)`` of, around ``tensors`` (what
+        autograd hands back: the same tensors, or what a saved-tensors hook made of them)."""
+        act_layout, depth, nanobatches = layout
+
+        def value(s: Any) -> Any:
+            if s[0] == "attention":
+                _, saved, out, ts = s
+                return attrs.evolve(saved, output=tensors[out],
+                                    tensors=tuple(None if i is None else tensors[i]
+                                                  for i in ts))
+            if s[0] == "list":
+                return [value(x) for x in s[1]]
+            if s[0] == "none":
+                return None
+            return tensors[s[1]]
+
+        act = {key: {name: value(s) for name, s in a.items()} for key, a in act_layout.items()}
+        return KeptActivations(act, depth=depth, nanobatches=nanobatches)
 
     def release(self) -> None:
         """The backward has read the activations (graphs: the forward's buffers are free)."""

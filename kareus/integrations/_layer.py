@@ -32,21 +32,32 @@ recomputation policy (``Workload.recompute``) says
 ops, each in the partition the plan schedules, and re-runs what was not kept:
 
 * ``"full"``: the forward keeps the layer's input only (one ``tokens x hidden`` tensor per
-  layer); the backward re-runs the whole forward, its collectives included, first;
+  layer); the backward re-runs the forward first, its collectives included (where the
+  layer has none, TP = CP = 1, without the down projection, whose output no backward op
+  reads: ``kareus.model.decoder.NOT_READ_BY_BACKWARD``);
 * ``"selective"`` (Megatron-Core's default selective recomputation, its ``core_attn``):
   everything but the attention core's output and softmax statistics is kept; the
   backward re-runs the attention core forward alone, right before ``out_dgrad``, and no
   collective (under CP the gathered keys and values are kept);
 * ``"none"``: every activation the backward reads is kept; the backward runs no forward op.
 
+Eager, what the forward keeps is saved for the backward through autograd
+(``ctx.save_for_backward``): it is freed as soon as the backward has run, even where the
+framework keeps the layer's output (and so its autograd node) longer, and it passes
+through ``torch.autograd.graph.saved_tensors_hooks`` like any saved tensor.
+
 Per layer and token of this rank, in elements of the compute dtype (``h`` hidden, ``q``
 and ``kv`` the query and key/value widths and ``f`` the FFN width on this TP rank), the
-forward keeps ``h`` (full); ``4 h + 2 q + 2 kv + 3 f`` plus the queries and keys and values
-(or under CP every chunk's keys and values, gathered: ``2 cp kv``)
-(selective: the input, both norms' outputs, the residual sum, the QKV projection (its
-values are read through it), the roped queries and keys, gate, up and SwiGLU outputs; a
-qk-norm model keeps its QKV projection twice, before and after the norms); none adds the
-attention output (``q``) and its softmax statistics (``heads`` fp32 values).
+forward keeps ``h`` (full); ``4 h + 2 q + 3 kv + 3 f`` (selective: the input, both norms'
+outputs, the residual sum, the QKV projection, whose values the attention reads in place,
+the rotated queries and keys, the gate, up and SwiGLU outputs; a qk-norm model also keeps
+the projection before its norms, ``q + 2 kv``; under CP the rotated queries and every
+chunk's keys and values as gathered, ``2 cp kv``, instead of the projection and the local
+keys); none adds the attention output (``q``; under CP each causal piece's output beside
+the whole one, ``2 q``; under sequence parallelism with more than one sequence per
+computation also its copy in the gathered order, ``q``) and its softmax statistics
+(``heads`` fp32 values). ``kareus.model.memory.kept_activation_bytes``
+counts it for a workload (tests/integrations/test_layer_memory.py checks the two agree).
 The ops are the same code as the training loop's decoder, on the production kernels.
 
 **What a layer boundary costs.** kareus's own loop chains layers: the forward all-reduce of
@@ -1027,17 +1038,34 @@ def _function() -> Any:
                                       _per_layer(weights, layers, len(applier.weight_names)),
                                       positions=positions)
             ctx.applier, ctx.layers, ctx.positions = applier, layers, positions
-            # full recomputation: the inputs of layers 1 ..; otherwise KeptActivations
-            ctx.inputs = inputs
-            ctx.save_for_backward(x, *weights)
+            ctx.weights = len(weights)
+            # What the backward reads. Eager: autograd holds it (saved for backward), so it
+            # is freed as soon as the backward has run, whoever keeps this node (a
+            # framework keeps the output, and so the node, until later), and it passes
+            # through saved-tensor hooks; full recomputation keeps the inputs of layers 1 ..,
+            # otherwise KeptActivations. From graphs of the applier's own: the forward
+            # graph's buffers, lent (their slot is freed by the backward).
+            kept: list[Any] = []
+            ctx.kept_layout, ctx.inputs = None, inputs
+            if isinstance(inputs, KeptActivations) and inputs.slot is None:
+                kept, ctx.kept_layout = inputs.pack()
+                ctx.inputs = None
+            elif isinstance(inputs, list):
+                kept, ctx.kept_layout, ctx.inputs = inputs, "inputs", None
+            ctx.save_for_backward(x, *weights, *kept)
             return out
 
         @staticmethod
         def backward(ctx: Any, dy: Any) -> Any:
-            x, *weights = ctx.saved_tensors
+            x, *saved = ctx.saved_tensors
+            weights, kept = saved[:ctx.weights], saved[ctx.weights:]
             inputs = ctx.inputs
-            if not isinstance(inputs, KeptActivations):  # full recomputation: freed now
-                ctx.inputs = None  # (kept activations: the node frees them, retain_graph)
+            if ctx.kept_layout == "inputs":
+                inputs = kept
+            elif ctx.kept_layout is not None:
+                inputs = KeptActivations.unpack(ctx.kept_layout, kept)
+            elif not isinstance(inputs, KeptActivations):  # graphs, full recomputation:
+                ctx.inputs = None  # freed now (kept activations: their slot is released)
             # The attention's backward reads what its forward saved under autograd
             with torch.enable_grad():
                 dx, dws = ctx.applier.run("bwd", x.detach().contiguous(),

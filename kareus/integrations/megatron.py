@@ -660,7 +660,9 @@ PLAN_ENV = "KAREUS_PLAN"
 #: The schedule of the ``layer_spec`` entry (``kareus``, ``sequential``, ``nanobatching``);
 #: unset: ``kareus`` with a plan, ``sequential`` without.
 SCHEDULE_ENV = "KAREUS_SCHEDULE"
-#: ``1``: the ``layer_spec`` entry replays its layers from CUDA graphs (a GPU only).
+#: ``1``: the ``layer_spec`` entry replays its layers from their own CUDA graphs (a GPU
+#: only); ``0``: eager; unset: the applier's default, graphs on a CUDA device and eager
+#: elsewhere (the fast path unless told otherwise).
 GRAPHS_ENV = "KAREUS_GRAPHS"
 #: ``0``: the ``layer_spec`` entry leaves the decoder's layers unchained (each layer its own
 #: node); default: chained (``chain_layers``).
@@ -758,11 +760,22 @@ def megatron_lm_applier(config: Any) -> PlanApplier:
                           stage=parallel_state.get_pipeline_model_parallel_rank(),
                           rope_base=float(getattr(args, "rotary_base", 10000)),
                           eps=float(config.layernorm_epsilon),
-                          graphs=os.environ.get(GRAPHS_ENV) == "1", start=False)
+                          graphs=_graphs_from_env(), start=False)
     stack = contextlib.ExitStack()
     stack.enter_context(wrap_schedule(applier, chain=os.environ.get(CHAIN_ENV) != "0"))
     _Entry.applier, _Entry.stack = applier, stack
     return applier
+
+
+def _graphs_from_env() -> bool | None:
+    """``KAREUS_GRAPHS`` as the applier's ``graphs``: ``1`` True, ``0`` False, unset None."""
+    value = os.environ.get(GRAPHS_ENV, "").strip()
+    if value == "":
+        return None
+    if value not in ("0", "1"):
+        raise ArgumentError(f"{GRAPHS_ENV}={value!r}: give 1 (own CUDA graphs), 0 (eager) or "
+                            "leave it unset (graphs on a CUDA device)")
+    return value == "1"
 
 
 def release_layer_spec() -> None:

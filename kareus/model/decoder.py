@@ -85,6 +85,7 @@ __all__ = [
     "LayerSegment",
     "QK_NORM_OPS",
     "SELECTIVE_RECOMPUTE",
+    "NOT_READ_BY_BACKWARD",
     "SP_DECODER_LAYER",
     "decoder_layer",
     "layer_collectives",
@@ -264,6 +265,18 @@ QK_NORM_OPS: Mapping[str, tuple[str, tuple[str, ...]]] = types.MappingProxyType(
 SELECTIVE_RECOMPUTE: tuple[str, str] = ("attn_core", "out_dgrad")
 
 
+#: The forward ops whose results no backward op reads: the down projection (its output is
+#: the layer's output, which the layer above reads; its backward reads the SwiGLU output and
+#: the output's gradient). Full recomputation skips them where the layer runs no collective
+#: (TP = CP = 1, where no partition is planned, as ``torch.compile``'s partitioner drops
+#: them from a checkpointed block's recomputation): 21% of a recomputed layer's forward
+#: FLOPs at hidden 2048, FFN 6144, 4096-token sequences (bench/recompute_policy.py's
+#: shapes), about 5% of a step with full recomputation. With collectives the recomputed
+#: forward is the forward phase its partitions are costed and scheduled as, the output's
+#: collective after the down projection included.
+NOT_READ_BY_BACKWARD: tuple[str, ...] = ("down",)
+
+
 def _insert(layer: LayerPhase, before_or_after: str, anchor: str,
             extra: tuple[str, ...]) -> LayerPhase:
     segments = []
@@ -282,8 +295,9 @@ def decoder_layer(phase: str, *, qk_norm: bool = False, sp: bool = False,
     inserted in the attention-input segment); with ``sp``, the sequence-parallel layout
     (``SP_DECODER_LAYER``); with ``recompute="selective"``, the backward holds the
     recomputed attention core (``SELECTIVE_RECOMPUTE``). Full recomputation re-runs the
-    whole forward phase before the backward phase (the runtime schedule strings it), so it
-    changes no phase's ops; nor does ``"none"``."""
+    forward phase before the backward phase (the runtime schedule strings it; without
+    ``NOT_READ_BY_BACKWARD`` where the layer has no collective), so it changes no phase's
+    ops; nor does ``"none"``."""
     if phase not in DECODER_LAYER:
         raise ArgumentError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
     if recompute not in ("none", "selective", "full"):

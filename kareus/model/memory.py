@@ -9,20 +9,31 @@ pipeline stage (the largest stage is the one that matters):
 - **optimizer state**: fp32 master weights and Adam's two moments (12 bytes per parameter),
   sharded over the data-parallel replicas as Megatron-LM's distributed optimizer does;
 - **activations** of the microbatches in flight (1F1B: stage ``s`` of ``p`` holds up to
-  ``p - s`` microbatches; GPipe: all of them), per the workload's recomputation policy:
-  ``"full"`` keeps each layer's bf16 input, plus one layer's full activations while it is
-  recomputed; ``"none"`` keeps every tensor a layer saves for its backward (norm inputs,
-  the normed inputs of the projections, QKV, attention output with FlashAttention's
-  per-head statistics, the SwiGLU gate, up and product): the per-layer accounting of
-  Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models"
-  (MLSys 2023), for grouped-query attention, a SwiGLU MLP and flash attention (no
-  attention-score matrices); ``"selective"`` keeps all of those but the attention core's
-  output and statistics (recomputed in the backward), plus one layer's while it is
-  recomputed. The projections' tensors are sharded over TP; the norms' inputs (the residual
-  stream) are replicated on every TP rank, or sharded with the sequence under sequence
-  parallelism; the normed inputs of the QKV and gate/up projections are whole on every
-  rank in both layouts (under sequence parallelism kareus keeps the all-gathered tensor
-  for the weight gradients rather than gathering it again). CP shards the sequence;
+  ``p - s`` microbatches; GPipe: all of them), per the workload's recomputation policy, as
+  kareus's layer keeps them (``kept_activation_bytes``; a test counts the bytes its
+  planned layers hand autograd against these figures; elements of the workload's
+  ``dtype_bytes``, 2 for bf16): ``"full"`` keeps each layer's input, plus one layer's full
+  activations while it is recomputed; ``"none"`` keeps every tensor a layer's backward
+  reads: both norms' inputs (the residual stream) and outputs
+  (the projections' inputs), the QKV projection's output (the attention reads the values
+  in place in it, so all of it stays), the rotated queries and keys, the attention output
+  with FlashAttention's per-head log-sum-exp, and the SwiGLU gate, up and product; with
+  per-head query/key norms also the projection's output before them (the norms' input);
+  under CP the rotated queries and every chunk's keys and values as gathered (no
+  collective runs again in the backward) instead of the QKV projection and the local
+  keys, and each causal piece's output beside the whole output; under sequence
+  parallelism with more than one sequence per microbatch, the output also in the
+  gathered tokens' order the output projection reads. This is the per-layer
+  accounting of Korthikanti et al., "Reducing Activation Recomputation in Large
+  Transformer Models" (MLSys 2023), for grouped-query attention, RoPE, a SwiGLU MLP and
+  flash attention (no attention-score matrices). ``"selective"`` keeps all of those but the
+  attention core's output and statistics (recomputed in the backward), plus one layer's
+  while it is recomputed. The projections' tensors are sharded over TP; the norms' inputs
+  (the residual stream) are replicated on every TP rank, or sharded with the sequence
+  under sequence parallelism; the normed inputs of the QKV and gate/up projections are
+  whole on every rank in both layouts (under sequence parallelism kareus keeps the
+  all-gathered tensor for the weight gradients rather than gathering it again). CP shards
+  the sequence;
 - the **logits** of one microbatch on the last stage in fp32 (the loss is computed there).
 
 The CUDA context, the allocator's fragmentation and communication buffers are not counted,
@@ -38,7 +49,7 @@ from kareus.errors import WorkloadError
 from kareus.model.gpu import GPUSpec
 from kareus.model.workload import Workload
 
-__all__ = ["MemoryEstimate", "check_memory", "estimate_memory"]
+__all__ = ["MemoryEstimate", "check_memory", "estimate_memory", "kept_activation_bytes"]
 
 _GIB = 1024**3
 
@@ -92,19 +103,31 @@ class _SavedBytes:
 
 
 def _saved_bytes_per_token(wl: Workload) -> _SavedBytes:
-    """What one layer saves for its backward, per token, without recomputation: bf16
-    tensors, fp32 per-head statistics. With qk-norm the norms keep their inputs, the
-    projection's q and k, beside the normalised and rotated ones attention keeps, and their
-    per-head reciprocal RMS."""
-    m = wl.model
+    """What one layer of kareus's keeps for its backward, per token, without recomputation
+    (the module docstring): tensors of ``dtype_bytes`` per element (2: bf16), fp32 per-head
+    statistics."""
+    m, cp, d = wl.model, wl.parallelism.cp, wl.dtype_bytes
     hq, hkv = m.heads * m.head_dim, m.kv_heads * m.head_dim
-    core = 2 * hq + 4 * m.heads  # attention output and its log-sum-exp statistics
-    sharded = 2 * (hq + 2 * hkv) + core + 2 * 3 * m.ffn
-    if m.qk_norm:
-        sharded += 2 * (hq + hkv) + 4 * (m.heads + m.kv_heads)
+    lse = 4 * m.heads  # FlashAttention's log-sum-exp, fp32, per head and query token
+    if cp == 1:
+        # the QKV projection (the values read in place in it), the rotated queries and keys
+        sharded = d * (hq + 2 * hkv) + d * (hq + hkv)
+        core = d * hq + lse  # the attention output and its statistics
+        p = wl.parallelism
+        if p.sequence_parallel and wl.microbatch_size > 1:
+            # the output projection reads the output in the gathered (rank) order, a copy
+            # when a computation holds more than one sequence (an unsplit microbatch)
+            core += d * hq
+    else:
+        # the rotated queries and every chunk's keys and values, gathered by position
+        sharded = d * hq + d * 2 * cp * hkv
+        core = 2 * d * hq + lse  # each causal piece's output, and the whole output
+    sharded += core + d * 3 * m.ffn  # gate, up and their SwiGLU product
+    if m.qk_norm:  # the projection's output before the per-head norms (their input)
+        sharded += d * (hq + 2 * hkv)
     # two norms: each keeps its input (the residual stream) and the projections read
     # their output (QKV, and the gate and up projections)
-    return _SavedBytes(residual=2 * 2 * m.hidden, gathered=2 * 2 * m.hidden,
+    return _SavedBytes(residual=2 * d * m.hidden, gathered=2 * d * m.hidden,
                        sharded=float(sharded), attention_core=float(core))
 
 
@@ -116,12 +139,29 @@ def _kept_bytes_per_token(wl: Workload) -> tuple[float, float]:
     saved = _saved_bytes_per_token(wl)
     everything = saved.per_rank(p.tp, sp)
     if wl.recompute == "full":
-        layer_input = 2 * wl.model.hidden / (p.tp if sp else 1)
+        layer_input = wl.dtype_bytes * wl.model.hidden / (p.tp if sp else 1)
         return layer_input, everything
     if wl.recompute == "selective":
         core = saved.attention_core / p.tp
         return everything - core, core
     return everything, 0.0
+
+
+def kept_activation_bytes(workload: Workload, *, layers: int = 1) -> float:
+    """Bytes one rank keeps between the forward and the backward of ``layers`` decoder
+    layers of one microbatch, under the workload's recomputation policy (the module
+    docstring; what kareus's layers hand autograd, the layers' own input aside): without
+    the working set of a recomputed layer, which lives during the backward only.
+
+    Args:
+        workload: The training workload (its model, microbatch, TP/CP/SP and ``recompute``).
+        layers: Consecutive layers (a stack's; ``"full"`` keeps the inputs of layers
+            ``1 ..`` of a stack beside its own input, which its caller holds: counted here
+            as every layer's input).
+    """
+    p = workload.parallelism
+    tokens = workload.microbatch_size * workload.seq_len / p.cp
+    return float(layers) * _kept_bytes_per_token(workload)[0] * tokens
 
 
 def estimate_memory(workload: Workload, *, schedule: str = "1f1b") -> MemoryEstimate:

@@ -34,6 +34,11 @@ def collector_off():
 
 def test_a_graph_freed_by_the_collector_inside_a_capture_is_destroyed_after_it(collector_off):
     streams = TorchStreamBackend()
+    # Earlier tests' garbage (graphs among it) is collected now, outside any capture, so
+    # that the collection inside the user's capture below frees our graph alone.
+    gc.collect()
+    streams.synchronize()
+    assert _streams._GRAVEYARD == []
     x = torch.zeros(256, device="cuda")
     with streams.capture(streams.graph_pool(), name="ours") as ours:
         x.add_(1)

@@ -371,3 +371,20 @@ def test_shuffled_order_is_a_function_of_the_seed_alone():
     assert a == shuffled_order(SCHEDULES, 3, 0)
     assert sorted(a) == sorted((s, r) for s in SCHEDULES for r in range(3))
     assert any(shuffled_order(SCHEDULES, 3, k) != a for k in range(1, 5))
+
+
+def test_full_recomputation_skips_what_no_backward_reads_only_without_collectives():
+    # TP = CP = 1 (no partition planned): the recomputed forward leaves out the down
+    # projection, whose output (the layer's) no backward op reads, as torch.compile's
+    # partitioner does; with a collective the recomputed forward is the forward phase its
+    # partitions are costed as (the down projection and the output's collective included)
+    from kareus.model.decoder import NOT_READ_BY_BACKWARD, decoder_layer
+
+    fwd = decoder_layer("fwd").op_names
+    for tp, cp in ((1, 1), (2, 1), (1, 2)):
+        s = stack_stream("bwd", 2, tp=tp, cp=cp, recompute="full")
+        again = [x.name for x in s if isinstance(x, Op) and x.name in fwd]
+        skipped = tp == cp == 1
+        want = [n for n in fwd if not (skipped and n in NOT_READ_BY_BACKWARD)] * 2
+        assert again == want, (tp, cp)
+        assert ("down" in again) is not skipped

@@ -227,6 +227,54 @@ def test_loopback_schedules_agree_and_the_loss_falls(tp, cp, recompute):
     assert float(loop.step("kareus")) == losses["kareus"][0]
 
 
+def _kept_storage_bytes(act: Any) -> int:
+    """Bytes of the storages reachable from the loop's activations (each once)."""
+    from kareus.exec.kernels import SavedAttention
+
+    seen: dict[int, int] = {}
+
+    def walk(v: Any) -> None:
+        if isinstance(v, torch.Tensor):
+            st = v.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+        elif isinstance(v, SavedAttention):
+            for t in (v.output, *v.tensors):
+                walk(t)
+        elif isinstance(v, (list, tuple)):
+            for t in v:
+                walk(t)
+        elif isinstance(v, dict):
+            for t in v.values():
+                walk(t)
+
+    walk(act)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("tp,cp", [(1, 1), (2, 1), (1, 2)])
+def test_the_bytes_the_forward_keeps_are_the_memory_model_s(tp, cp):
+    """After a microbatch's forward the loop holds, per policy, the bytes the memory model
+    counts for its layers (``kept_activation_bytes``; fp32 here): none > selective (the
+    attention core's output and statistics) > full (the layers' inputs)."""
+    from kareus.model.memory import kept_activation_bytes
+
+    got = {}
+    for policy in ("none", "selective", "full"):
+        loop = loopback_loop(tp, cp, policy, plan=False)
+        m = loop.model
+        fwd, bwd = (c for c in loop.computations if c.microbatch == 0)
+        loop._run_computation("nanobatching", fwd)
+        got[policy] = _kept_storage_bytes(m.act)
+        wl = loop.workload.with_(dtype_bytes=4)
+        want = kept_activation_bytes(wl, layers=loop.layers)
+        if policy == "none":  # on the CPU the attention's log-sum-exp lives in its autograd
+            tokens = wl.microbatch_size * wl.seq_len // cp  # graph, not in m.act
+            want -= 4 * wl.model.heads // tp * tokens * loop.layers
+        assert got[policy] == want, policy
+        loop._run_computation("nanobatching", bwd)
+    assert got["none"] > got["selective"] > got["full"]
+
+
 @pytest.mark.parametrize("policy", ["none", "selective", "full"])
 def test_what_the_forward_keeps_and_the_backward_runs_again(policy):
     """CP=2 standing in (one process): after a forward, each layer keeps every activation

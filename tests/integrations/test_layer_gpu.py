@@ -320,12 +320,55 @@ def test_planned_layers_inside_an_enclosing_cuda_graph_give_the_eager_gradients(
         _close(ws[k].grad, want[k], k)
 
 
+def _storage_bytes(tensors) -> int:
+    """Bytes of the storages of ``tensors``, each once."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in tensors}.values())
+
+
+def _check_policy_memory(held, graphed, base):
+    """``held``: what two microbatches' eager forwards left allocated per policy, their
+    outputs aside; ``graphed``: what the graphed applier keeps allocated after its rounds,
+    the test's own tensors aside."""
+    from kareus.model.memory import kept_activation_bytes
+
+    arch = base.model
+    # none keeps the attention's output and statistics too; full the inputs only
+    assert held["none"] > held["selective"] > held["full"] > 0, held
+    for policy, got in held.items():  # two microbatches of 4 x 256 tokens; the model
+        # counts every layer's input, the first of which is the caller's
+        wl = base.with_(recompute=policy, seq_len=256)
+        first = wl.microbatch_size * wl.seq_len * arch.hidden * 2
+        want = 2 * (kept_activation_bytes(wl, layers=2) - first)
+        # the allocator rounds each block up to 512 bytes; ~20 tensors per layer
+        assert want <= got <= want + 2 * 2 * 32 * 512, (policy, got, want)
+    # graphed, the forward slots hold what the eager forwards keep (two microbatches in
+    # flight: two slots per stack or layer), so what the graphs keep allocated moves with
+    # the policy: none - selective as much as eager (the same graphs otherwise); full far
+    # less (its graphs' static buffers and outputs differ in number, not its activations)
+    assert graphed["none"] > graphed["selective"] > graphed["full"], graphed
+    eager_diff = held["none"] - held["selective"]
+    graphed_diff = graphed["none"] - graphed["selective"]
+    assert 0.5 * eager_diff <= graphed_diff <= 1.5 * eager_diff, (graphed, held)
+    assert graphed["selective"] - graphed["full"] >= 0.5 * (held["selective"] - held["full"])
+
+
 @pytest.mark.parametrize("how", ["layers", "stack"])
 def test_graphed_planned_layers_at_every_recomputation_policy_on_cuda(how):
     """TP = CP = 1, bf16, real CUDA graphs: per recomputation policy, two microbatches in
     flight (both forwards, then both backwards) through graphed planned layers equal eager
     ones (the kept activations stay in the forward graphs' buffers, a slot per forward in
-    flight); what the eager forwards hold orders none > selective > full."""
+    flight); what the eager forwards leave allocated (their outputs aside) is what the
+    memory model counts (``kept_activation_bytes``, within the allocator's 512-byte
+    rounding), so none > selective > full; and after the backwards nothing of it is left,
+    though the outputs (and so the autograd nodes) live on.
+
+    (The memory is measured from a base with the previous round's tensors already gone: a
+    round that drops the one before's inside its window counts the difference of two
+    rounds, which read "none = selective < full" before the nodes' kept activations were
+    saved through autograd and freed by the backward.)"""
+    import gc
+
     dev = torch.device("cuda")
     g = torch.Generator(device="cpu").manual_seed(0)
     base = workload(1, 1)
@@ -334,18 +377,24 @@ def test_graphed_planned_layers_at_every_recomputation_policy_on_cuda(how):
          for k, v in full_weights(arch, 1).items()}
     xs = [torch.randn(4, 256, arch.hidden, generator=g).to(dev, torch.bfloat16)
           for _ in range(2)]
-    held = {}
+    held, graphed = {}, {}
     for policy in ("none", "selective", "full"):
         wl = base.with_(recompute=policy)
         results = {}
         for graphs in (False, True):
+            if graphs:  # what the graphed applier keeps allocated, from a clean base
+                applier = None
+                gc.collect()
+                torch.cuda.synchronize()
+                graph_base = torch.cuda.memory_allocated()
             applier = PlanApplier(workload=wl, groups=LoopbackGroups(tp=1),
                                   schedule="sequential", graphs=graphs, eps=arch.norm_eps)
             ws = [planned_weights(p, arch)] * 2
-            for _ in range(2):  # the second round replays (graphs) what the first captured
+            for rnd in range(2):  # the second round replays (graphs) what the first captured
+                ins, ys, outs = [], [], []  # the round before's gone before the base
+                gc.collect()
                 torch.cuda.synchronize()
                 before = torch.cuda.memory_allocated()
-                ins, ys = [], []
                 for x in xs:
                     xm = x.clone().requires_grad_(True)
                     if how == "stack":
@@ -358,17 +407,29 @@ def test_graphed_planned_layers_at_every_recomputation_policy_on_cuda(how):
                     ys.append(y)
                 torch.cuda.synchronize()
                 if not graphs:  # eager: what the forwards keep is allocated by them
-                    held[policy] = torch.cuda.memory_allocated() - before
-                outs = []
+                    mine = _storage_bytes(ins + ys)
+                    held[policy] = torch.cuda.memory_allocated() - before - mine
                 for xm, y in zip(ins, ys, strict=True):
                     y.float().square().mean().backward()
                     outs.append((y.detach(), xm.grad))
+                if not graphs and rnd == 1:  # freed by the backwards, though the outputs
+                    gc.collect()  # (and so the nodes) are alive (the first round also
+                    torch.cuda.synchronize()  # allocates the programs' tables)
+                    grads = sum(t.grad.untyped_storage().nbytes()
+                                for t in [*ins, *p.values()])
+                    after = torch.cuda.memory_allocated() - before - mine - grads
+                    assert after <= 0, (policy, after)
                 results[graphs] = (outs, _take_grads(p))
+            if graphs:  # the graphs' buffers: forward slots (kept activations), outputs
+                gc.collect()
+                torch.cuda.synchronize()
+                mine = _storage_bytes([*ins, *ys, *(t for o in outs for t in o),
+                                       *results[True][1].values()])
+                graphed[policy] = torch.cuda.memory_allocated() - graph_base - mine
         (e_outs, e_grads), (g_outs, g_grads) = results[False], results[True]
         for (y, dx), (ey, edx) in zip(g_outs, e_outs, strict=True):
             _close(y, ey, f"{policy} graphed output")
             _close(dx, edx, f"{policy} graphed input gradient")
         for k, gk in g_grads.items():
             _close(gk, e_grads[k], f"{policy} graphed {k}")
-    # none keeps the attention's output and statistics too; full the inputs only
-    assert held["none"] > held["selective"] > held["full"] > 0, held
+    _check_policy_memory(held, graphed, base)

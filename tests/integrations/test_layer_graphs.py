@@ -45,14 +45,16 @@ class RerunExecutor(TorchExecutor):
     def __init__(self, **kw: Any) -> None:
         super().__init__(streams=RecordingStreamBackend(), graphs=True, **kw)
         self.captured: list[tuple[str, Any]] = []
+        self.pools: list[tuple[str, Any]] = []  # the pool each capture was given (None: new)
 
-    def capture(self, name, bodies, *, signature=None, warmup=1):
+    def capture(self, name, bodies, *, signature=None, warmup=1, pool=None):
         for _ in range(warmup):
             for body in bodies:
                 body()
         for body in bodies:
             body()
         self.captured.append((name, signature))
+        self.pools.append((name, pool))
         return _Rerun(bodies)
 
 
@@ -169,6 +171,14 @@ def test_kept_activations_stay_in_their_forward_slot_until_its_backward(recomput
             runner = applier._runner
             slots = [c for caps in runner._slots.values() for c in caps]
             assert len(slots) == 4 and not any(c.lent for c in slots)
+            # each forward slot in a pool of its own (its kept activations must not lie
+            # where another graph's temporaries do); every backward graph in one shared
+            # pool (they need their temporaries only while they run)
+            pools = applier.baseline.pools
+            fwd = [pool for name, pool in pools if ":fwd:" in name]
+            bwd = [pool for name, pool in pools if ":bwd:" in name]
+            assert len(fwd) >= 4 and set(fwd) == {None}  # (a moved weight captures again)
+            assert len(bwd) >= 4 and bwd[0] is not None and set(bwd) == {bwd[0]}
             captured = runner.captures
             with torch.no_grad():  # no backward will come: the slot is freed when dropped
                 layer(xs[0], planned_weights(params[0], arch))

@@ -103,6 +103,28 @@ def test_without_megatron_lm_the_spec_refuses_in_one_line(monkeypatch):
         megatron_lm_applier(types.SimpleNamespace(layernorm_epsilon=1e-5))
 
 
+@pytest.mark.parametrize(("value", "graphs"), [(None, None), ("1", True), ("0", False)])
+def test_the_graphs_variable_picks_the_fast_path_unless_told_otherwise(monkeypatch, value,
+                                                                       graphs):
+    """Unset: the applier's default (graphs on a CUDA device); ``1``/``0``: as asked."""
+    from kareus.integrations import megatron
+
+    if value is None:
+        monkeypatch.delenv(megatron.GRAPHS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(megatron.GRAPHS_ENV, value)
+    assert megatron._graphs_from_env() is graphs
+
+
+def test_a_bad_graphs_variable_is_refused_naming_it(monkeypatch):
+    from kareus.errors import ArgumentError
+    from kareus.integrations import megatron
+
+    monkeypatch.setenv(megatron.GRAPHS_ENV, "yes")
+    with pytest.raises(ArgumentError, match="KAREUS_GRAPHS='yes'"):
+        megatron._graphs_from_env()
+
+
 class _TEStandIn:
     """The methods of Megatron-Core's ``TESpecProvider`` that its TE spec calls, returning
     stand-in classes named as Transformer Engine's (not installed here)."""

@@ -37,7 +37,7 @@ def test_the_kareus_cases_add_only_the_spec_and_the_environment(tmp_path, capsys
     assert "--spec" not in own and "--transformer-impl local" in own
     assert mine.endswith("--spec kareus.integrations.megatron layer_spec")
     assert own.split("pretrain_gpt.py", 1)[1] in mine  # the same flags
-    assert "KAREUS_GRAPHS=1" in graphs
+    assert "KAREUS_GRAPHS=1" in graphs and "KAREUS_GRAPHS=0" in mine
     # the flags are a job kareus reads (the plan of --megatron-args)
     from kareus.integrations.megatron_args import parse_megatron_args
 
