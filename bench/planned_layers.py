@@ -21,7 +21,11 @@ one GPU, the group stood in for by the loopback collective, for each (mode, sche
 
 ``--rows`` runs several shapes in one go (``LAYERS:MBSxSEQ`` each, e.g. the issue's
 ``4:4x4096,8:8x4096,14:8x4096``); the rows of one shape are timed in interleaved rounds
-(a shuffled order per round).
+(a shuffled order per round). ``--issue-table`` is the whole comparison of own graphs
+against one graph of the step: those three shapes, the modes ``layers+graphs``,
+``stack+graphs``, ``layers@step``, ``stack@step``, 3 rounds, the GPU-only figure left
+out (busy fractions kept): sized to finish within 8 minutes on one H200 (not yet timed
+there; the wall time is printed and written to the JSON).
 
 Per row: iteration time (device events, median over rounds), **vs step** = this row's
 time over the ``@step`` row of the same layer mode and schedule (own graphs against one
@@ -31,13 +35,17 @@ out before the host had enqueued them, which a host-bound iteration does), **fed
 GPU-only / measured, kernels per iteration and the GPU-busy fraction of one profiled
 iteration's span (torch.profiler, as ``bench/host_bound.py``: the union of kernel intervals
 over first to last kernel). Per mode (JSON only): the memory its warm-up left reserved and
-its peak allocation, every schedule of the mode together.
+its peak allocation, every schedule of the mode together, and the graphs behind it
+(``graphs``: the applier's own graphs, every copy included, or the step captures;
+``graph_static_gib``: their static buffers, ``PlanApplier.graph_memory()``;
+``reserved_per_graph_gib``: the reserved growth over the graphs).
 
 Usage (one CUDA GPU; clocks are never changed)::
 
     python bench/planned_layers.py --json bench/results/planned_layers_h200.json
     python bench/planned_layers.py --rows 4:4x4096,8:8x4096,14:8x4096 \
         --modes layers+graphs,stack+graphs,layers@step,stack@step --json OUT.json
+    python bench/planned_layers.py --issue-table --json OUT.json
     python bench/planned_layers.py --device cpu --tiny   # a smoke run of the code path
 
 Prints a table and writes JSON (``--json``): machine, driver, torch, every row.
@@ -68,6 +76,9 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
 MODES = ("layers", "stack")
 KINDS = ("", "+graphs", "@step")
 SCHEDULES = ("sequential", "nanobatching", "kareus")
+#: The shapes and modes of ``--issue-table``.
+ISSUE_ROWS = "4:4x4096,8:8x4096,14:8x4096"
+ISSUE_MODES = "layers+graphs,stack+graphs,layers@step,stack@step"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -79,7 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--microbatches", type=int, default=2)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=5, help="timed rounds (each row once)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="timed rounds (each row once); default 5, 3 with --issue-table")
     ap.add_argument("--device", default=None, help="default: cuda when present")
     ap.add_argument("--tiny", action="store_true",
                     help="a tiny model (hidden 64) for a smoke run of the code path")
@@ -93,7 +105,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="shapes LAYERS:MBSxSEQ, comma-separated (e.g. "
                          "4:4x4096,8:8x4096,14:8x4096); default: --layers, "
                          "--microbatch-size x --seq-len")
-    return ap.parse_args(argv)
+    ap.add_argument("--issue-table", action="store_true",
+                    help="the three shapes of the own-graphs-against-step table (" +
+                    ISSUE_ROWS + "), graphed and step modes, 3 rounds, no GPU-only figure")
+    ap.add_argument("--no-gpu-only", action="store_true",
+                    help="leave out the GPU-only time (iterations behind a sleeping kernel)")
+    args = ap.parse_args(argv)
+    if args.issue_table:
+        args.rows = args.rows or ISSUE_ROWS
+        args.modes = args.modes or ISSUE_MODES
+        args.no_gpu_only = True
+    if args.rounds is None:
+        args.rounds = 3 if args.issue_table else 5
+    return args
 
 
 def _shapes(args: argparse.Namespace) -> list[tuple[int, int, int]]:
@@ -242,11 +266,14 @@ def main(argv: list[str] | None = None) -> int:
     shapes = _shapes(args)
     out_rows: list[dict[str, Any]] = []
     workloads = []
+    started = time.perf_counter()
     for layers, mbs, seq in shapes:
         wl = _workload(args, layers, mbs, seq)
         workloads.append(wl.to_dict())
+        t0 = time.perf_counter()
         rows = _measure_shape(torch, args, wl, layers, modes, device)
         _print(rows, wl, args, layers, cuda)
+        print(f"({time.perf_counter() - t0:.0f} s)\n")
         out_rows += rows
         if cuda:  # this shape's graphs and buffers go (the appliers and runners refer
             # to each other: a collection frees them) before the next shape's
@@ -262,13 +289,14 @@ def main(argv: list[str] | None = None) -> int:
                   "plan": "synthetic (kareus.testing.make_workload_plan, slot 1, 8 SMs)",
                   "collective": "loopback (one GPU stands in for the group; SM caps not "
                                 "applied)",
-                  "rows": out_rows}
+                  "rows": out_rows, "wall_s": time.perf_counter() - started}
         if cuda:
             from host_bound import _versions
 
             result["machine"] = _versions()
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wall time {time.perf_counter() - started:.0f} s")
     return 0
 
 
@@ -335,8 +363,10 @@ def _measure_shape(torch: Any, args: argparse.Namespace, wl: Any, layers: int,
             timed(m, s)
         if cuda:
             sync()
-            memory[m] = {"reserved_growth_gib": (torch.cuda.memory_reserved() - before) / 2**30,
-                         "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30}
+            growth = (torch.cuda.memory_reserved() - before) / 2**30
+            memory[m] = {"reserved_growth_gib": growth,
+                         "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+                         **_graph_memory(its[m], growth)}
     times: dict[tuple[str, str], list[float]] = {r: [] for r in rows}
     rng = random.Random(0)
     for _ in range(args.rounds):
@@ -352,14 +382,7 @@ def _measure_shape(torch: Any, args: argparse.Namespace, wl: Any, layers: int,
                                "iteration_s": statistics.median(times[(m, s)]),
                                "iteration_s_all": times[(m, s)]}
         if cuda:
-            from host_bound import _profile_iteration, _queued_time_s
-
-            gpu_s, fed_ok = _queued_time_s(torch, lambda m=m, s=s: its[m].step(s), 2)
-            # GPU-only time is reliable only when the sleeping kernel outlasted the
-            # enqueueing (a host-bound iteration enqueues slower than the estimate assumes)
-            row.update(gpu_only_s=gpu_s if fed_ok else None, gpu_only_reliable=fed_ok,
-                       fed=min(1.0, gpu_s / row["iteration_s"]) if fed_ok else None,
-                       **_profile_iteration(torch, _Stepper(its[m]), s))
+            row.update(_device_figures(torch, args, its[m], s, row["iteration_s"]))
         out_rows.append(row)
     by = {(r["mode"], r["schedule"]): r for r in out_rows}
     for r in out_rows:  # own graphs (or eager) against one graph of the step
@@ -368,6 +391,37 @@ def _measure_shape(torch: Any, args: argparse.Namespace, wl: Any, layers: int,
         r["vs_step"] = (r["iteration_s"] / step["iteration_s"]
                         if step is not None and not r["mode"].endswith("@step") else None)
     return out_rows
+
+
+def _device_figures(torch: Any, args: argparse.Namespace, it: Any, schedule: str,
+                    iteration_s: float) -> dict[str, Any]:
+    """The GPU-only time and fed fraction (unless ``--no-gpu-only``), and the kernels and
+    busy fraction of one profiled iteration."""
+    from host_bound import _profile_iteration, _queued_time_s
+
+    out: dict[str, Any] = {}
+    if not args.no_gpu_only:
+        gpu_s, fed_ok = _queued_time_s(torch, lambda: it.step(schedule), 2)
+        # GPU-only time is reliable only when the sleeping kernel outlasted the
+        # enqueueing (a host-bound iteration enqueues slower than it assumes)
+        out.update(gpu_only_s=gpu_s if fed_ok else None, gpu_only_reliable=fed_ok,
+                   fed=min(1.0, gpu_s / iteration_s) if fed_ok else None)
+    out.update(**_profile_iteration(torch, _Stepper(it), schedule))
+    return out
+
+
+def _graph_memory(it: Any, growth_gib: float) -> dict[str, Any]:
+    """The graphs behind one mode: its appliers' own (``PlanApplier.graph_memory``) or its
+    step captures, their static buffers and the reserved growth per graph."""
+    if isinstance(it, StepCapture):
+        n, static, lending = len(it.graphs), 0, 0
+    else:
+        mems = [a.graph_memory() for a in it.appliers.values()]
+        n = sum(m.graphs for m in mems)
+        static = sum(m.static_bytes for m in mems)
+        lending = sum(m.lending for m in mems)
+    return {"graphs": n, "graphs_lending": lending, "graph_static_gib": static / 2**30,
+            "reserved_per_graph_gib": growth_gib / n if n else None}
 
 
 class _Stepper:

@@ -67,6 +67,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate")
     ap.add_argument("--backend", choices=BACKENDS, default="nccl_capped",
                     help="the plan's collectives (loopback: one GPU stands in for the group)")
+    ap.add_argument("--loopback", choices=("plain", "faithful"), default="plain",
+                    help="with --backend loopback: plain (a kernel of each collective's "
+                         "bytes) or faithful (each collective holds its SM count for the real "
+                         "collective's time, from the measured collective curves: a "
+                         "STAND-IN, said in the output)")
     ap.add_argument("--kernels", default=None, help="kernel set (default: fused on a GPU)")
     ap.add_argument("--no-graphs", action="store_true",
                     help="launch every op eagerly instead of replaying CUDA graphs of each "
@@ -130,6 +135,47 @@ def loss_agreement(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "max_rel_diff": worst}
 
 
+def _collectives(args: argparse.Namespace, plan: Any, wl: Any, world: int) -> tuple:
+    """The groups and collectives of the run: ``(groups, capped, default, named, note,
+    loopback, faithful)``."""
+    from kareus.exec.train import (
+        LoopbackGroups,
+        TorchParallelGroups,
+        make_collectives,
+        named_collectives,
+    )
+
+    p = wl.parallelism
+    loopback = args.backend == "loopback"
+    faithful = loopback and args.loopback == "faithful"
+    if args.loopback != "plain" and not loopback:
+        raise SystemExit("--loopback faithful goes with --backend loopback (one GPU)")
+    times = None
+    if faithful:
+        from kareus.profilers.collective_times import EmulatedCollectiveTimes
+
+        times = EmulatedCollectiveTimes(plan.gpu)
+    if loopback:
+        if world != 1:
+            raise SystemExit("--backend loopback stands in for the group on ONE GPU: run it "
+                             "with --nproc_per_node 1")
+        groups: Any = LoopbackGroups(tp=p.tp, cp=p.cp)
+    else:
+        if p.tp * p.cp != world:
+            raise SystemExit(f"the plan is for TP={p.tp} x CP={p.cp}: run it on that many GPUs "
+                             f"(not {world}), or on one GPU with --backend loopback")
+        groups = TorchParallelGroups(tp=p.tp)
+    caps = tuple(sorted({c.comm_sms for cs in plan.partition_configs().values() for c in cs}))
+    high = args.comm_priority == "high"
+    mode = "faithful" if faithful else "plain"
+    capped, default, note = make_collectives(groups, backend=args.backend, caps=caps,
+                                             high_priority=high, loopback=mode, times=times)
+    named = named_collectives(groups, {c.backend for cs in plan.partition_configs().values()
+                                       for c in cs if c.backend}, caps=caps,
+                              high_priority=high, loopback=mode, times=times)
+    return groups, capped, default, named, note, loopback, faithful
+
+
 def main(argv: list[str] | None = None) -> int:  # a linear script
     args = parse_args(argv)
     import torch
@@ -139,12 +185,8 @@ def main(argv: list[str] | None = None) -> int:  # a linear script
     from kareus.exec.frequency import DryRunFrequencyController, StreamOrderedTrigger
     from kareus.exec.schedule import DefaultConfig
     from kareus.exec.train import (
-        LoopbackGroups,
-        TorchParallelGroups,
         TrainingLoop,
-        make_collectives,
         measure_runs,
-        named_collectives,
         overlap_efficiency,
         shuffled_order,
     )
@@ -163,24 +205,10 @@ def main(argv: list[str] | None = None) -> int:  # a linear script
     plan = Plan.load(args.plan)
     wl = Workload.from_dict(dict(plan.workload or {}))
     p = wl.parallelism
-    loopback = args.backend == "loopback"
-    if loopback:
-        if world != 1:
-            raise SystemExit("--backend loopback stands in for the group on ONE GPU: run it "
-                             "with --nproc_per_node 1")
-        groups: Any = LoopbackGroups(tp=p.tp, cp=p.cp)
-    else:
-        if p.tp * p.cp != world:
-            raise SystemExit(f"the plan is for TP={p.tp} x CP={p.cp}: run it on that many GPUs "
-                             f"(not {world}), or on one GPU with --backend loopback")
-        groups = TorchParallelGroups(tp=p.tp)
-    caps = tuple(sorted({c.comm_sms for cs in plan.partition_configs().values() for c in cs}))
+    groups, capped, default, named, note, loopback, faithful = _collectives(
+        args, plan, wl, world)
     high = args.comm_priority == "high"
-    capped, default, note = make_collectives(groups, backend=args.backend, caps=caps,
-                                             high_priority=high)
-    named = named_collectives(groups, {c.backend for cs in plan.partition_configs().values()
-                                       for c in cs if c.backend}, caps=caps,
-                              high_priority=high)
+    mode = "faithful" if faithful else "plain"
     trigger = StreamOrderedTrigger(DryRunFrequencyController(gpu=plan.gpu))
     loop = TrainingLoop(workload=wl, groups=groups, collective=capped,
                         default_collective=default, plan=plan, backends=named,
@@ -248,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:  # a linear script
         systems = summarise(runs, list(loop.schedules))
         gpu = every[0]["gpu"]
         short = "h200" if "H200" in gpu else gpu.replace("NVIDIA ", "").replace(" ", "").lower()
-        machine = args.machine or f"{world}x{short}" + ("_loopback" if loopback else "")
+        machine = args.machine or f"{world}x{short}" + (
+            "_loopback_faithful" if faithful else "_loopback" if loopback else "")
         driver = None
         try:
             import pynvml
@@ -261,7 +290,9 @@ def main(argv: list[str] | None = None) -> int:  # a linear script
         ref = systems["nanobatching"]
         print(f"\n{wl.describe()}, {loop.layers} layers, {args.steps} timed iterations x "
               f"{args.repeats} repeats per schedule" +
-              (" -- ONE-GPU LOOPBACK SMOKE RUN, not a TP measurement" if loopback else ""))
+              (" -- STAND-IN: time-faithful loopback on one GPU, not a TP measurement"
+               if faithful else
+               " -- ONE-GPU LOOPBACK SMOKE RUN, not a TP measurement" if loopback else ""))
         print(f"{'schedule':13s} {'time (ms)':>10s} {'+-':>6s} {'energy (J)':>11s} {'+-':>6s} "
               f"{'time vs nb':>10s} {'energy vs nb':>12s}")
         for s, row in systems.items():
@@ -289,7 +320,12 @@ def main(argv: list[str] | None = None) -> int:  # a linear script
             "hardware": f"{world}x {gpu}",
             "comm_priority": args.comm_priority,
             "loopback": loopback,
-            "note": ("ONE-GPU LOOPBACK SMOKE RUN: one GPU runs one rank's shard of a "
+            "loopback_mode": mode if loopback else None,
+            "note": (f"STAND-IN (time-faithful loopback): one GPU runs one rank's shard of a "
+                     f"TP={p.tp} x CP={p.cp} job; each collective holds its SM count for the "
+                     "real collective's time (see collectives) while computing the "
+                     "loopback's data; no link traffic. Not a TP measurement." if faithful
+                     else "ONE-GPU LOOPBACK SMOKE RUN: one GPU runs one rank's shard of a "
                      f"TP={p.tp} x CP={p.cp} job and stands in for the rest of the group "
                      "(each collective a real kernel of its bytes on the side stream, no "
                      "link traffic, SM caps not applied). It checks the loop, schedules, "

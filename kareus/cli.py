@@ -132,6 +132,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _nonnegative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value}")
+    return value
+
+
 def _noise(text: str) -> float:
     """``--noise``: a relative spread in [0, 0.5), as the emulated profiler takes it."""
     try:
@@ -183,10 +193,76 @@ def _workload_from_megatron_flags(args: argparse.Namespace):  # type: ignore[no-
     return workload_from_megatron_args(flags, dp=dp, nanobatches=args.nanobatches)
 
 
+def _workload_from_torchtitan_flags(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """The workload of ``--torchtitan-args``: what torchtitan 0.3's Trainer runs for those
+    flags (``--module``/``--config`` and overrides, as ``-m torchtitan.train`` takes them)
+    on ``--gpus`` ranks; ``--recompute`` names the policy kareus's layers run in place of
+    torchtitan's per-op selective checkpointing."""
+    import contextlib
+    import io
+
+    from kareus.errors import WorkloadError
+    from kareus.integrations.megatron_args import read_megatron_flags
+    from kareus.integrations.torchtitan import (
+        check_torchtitan_version,
+        masks_documents,
+        workload_from_torchtitan_config,
+    )
+
+    given = [f"--{k.replace('_', '-')}" for k in (*_JOB_DEFAULTS, "workload", "model_file",
+                                                   "dp")
+             if getattr(args, k, None) is not None] + [
+                 f for f, on in (("--no-recompute", args.no_recompute),
+                                 ("--sp", getattr(args, "sp", False)),
+                                 ("--megatron-args",
+                                  getattr(args, "megatron_args", None) is not None)) if on]
+    if given:
+        raise ArgumentError(f"--torchtitan-args describes the model, the parallelism and the "
+                            f"batch; drop {', '.join(given)} (give them as torchtitan flags; "
+                            "--gpus is the job's rank count)")
+    check_torchtitan_version()
+    from torchtitan.config import ConfigManager  # type: ignore[import]
+
+    try:
+        argv = read_megatron_flags(args.torchtitan_args)
+    except KareusError as exc:
+        raise ArgumentError(str(exc).replace("--megatron-args", "--torchtitan-args")) from None
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            config = ConfigManager().parse_args(argv)
+    except SystemExit:
+        why = " ".join(err.getvalue().split())[-300:]
+        raise ArgumentError(f"--torchtitan-args: torchtitan's parser refused the flags "
+                            f"({why or 'no message'})") from None
+    if args.gpus is None:
+        raise ArgumentError("--torchtitan-args needs --gpus (the job's rank count: torchrun's "
+                            "WORLD_SIZE)")
+    wl = workload_from_torchtitan_config(config, world_size=args.gpus,
+                                         nanobatches=args.nanobatches,
+                                         selective_as=args.recompute)
+    if args.recompute is not None and wl.recompute != args.recompute:
+        raise ArgumentError(f"--recompute {args.recompute} contradicts the flags' "
+                            f"activation_checkpoint ({wl.recompute}); --recompute names the "
+                            "policy run in place of torchtitan's selective only")
+    if masks_documents(config):
+        raise WorkloadError("the model's attention masks packed documents (FlexAttention or "
+                            "VarlenAttention, block_causal), which kareus's cost model does not "
+                            "cost yet: give the layers torchtitan's SDPA attention "
+                            "(--override.imports kareus.testing.torchtitan_sdpa.causal_sdpa) "
+                            "for a plan")
+    if wl.parallelism.tp == 1 and wl.parallelism.cp == 1:
+        raise WorkloadError("the torchtitan flags give TP=1 and CP=1: no layer has a "
+                            "collective to overlap, so there is nothing to plan")
+    return wl
+
+
 def _workload_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from kareus.errors import WorkloadError
     from kareus.model.workload import Parallelism, Workload, get_model
 
+    if getattr(args, "torchtitan_args", None) is not None:
+        return _workload_from_torchtitan_flags(args)
     if getattr(args, "megatron_args", None) is not None:
         return _workload_from_megatron_flags(args)
     for name, default in _JOB_DEFAULTS.items():
@@ -342,7 +418,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
                   types=None if args.types is None else args.types.split(","),
                   backends=None if args.backends is None else args.backends.split(","),
                   deadline_s=args.deadline_s, energy_budget_j=args.energy_budget_j,
-                  graphs=False if getattr(args, "no_graphs", False) else None)
+                  graphs=False if getattr(args, "no_graphs", False) else None,
+                  loopback=args.loopback)
     if report is None:  # not rank 0
         return 0
     if report.result is not None:
@@ -379,6 +456,13 @@ def _check_profiler_options(args: argparse.Namespace) -> None:
         raise ArgumentError(f"--no-graphs emulates (or, with --profiler nvml, measures) eager "
                          f"execution; --profiler {args.profiler} replays as it ran: drop "
                          "--no-graphs")
+
+
+def _check_loopback_option(args: argparse.Namespace) -> None:
+    if getattr(args, "loopback", "plain") != "plain" and args.profiler != "nvml":
+        raise ArgumentError(f"--loopback {args.loopback} stands in for collectives on one "
+                            f"real GPU (--profiler nvml); --profiler {args.profiler} does "
+                            "not run them: drop --loopback")
 
 
 def _check_optimize_options(args: argparse.Namespace) -> None:
@@ -427,6 +511,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     """``kareus optimize``: search, compose and write the plans and tables of one workload
     (``--profiler nvml`` tunes on the real GPUs); returns the exit status."""
     _check_profiler_options(args)
+    _check_loopback_option(args)
     if args.profiler == "nvml":
         if args.jobs > 1:
             raise ArgumentError("--jobs is for emulated and replayed runs; a tuning run measures "
@@ -548,7 +633,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
                     order_seed=args.order_seed, seed=args.seed, tolerance=args.tolerance,
                     device=args.device, backend=args.backend,
                     graphs=False if args.no_graphs else None, busy_steps=args.busy_steps,
-                    out=args.out, log=None if args.quiet else print)
+                    min_window_s=args.min_window_s, loopback=args.loopback, out=args.out,
+                    log=None if args.quiet else print)
     if report is None:  # not rank 0
         return 0
     print(report.table())
@@ -611,6 +697,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "--workload/--model-file, --tp/--cp/--pp/--sp, --microbatches/"
                         "--microbatch-size/--seq-len and --recompute; the plan is accepted by "
                         "`--spec kareus.integrations.megatron layer_spec` (docs/integrations.md)")
+    p.add_argument("--torchtitan-args", default=None, metavar="FLAGS",
+                   help="the model, parallelism and batch as torchtitan 0.3's -m "
+                        "torchtitan.train flags (--module M --config C and overrides; one "
+                        "quoted string, or @FILE), with --gpus the job's rank count, instead "
+                        "of --workload/--model-file and the job options; --recompute names "
+                        "the policy run in place of torchtitan's selective checkpointing; "
+                        "the plan is what `python -m kareus.integrations.torchtitan --plan` "
+                        "takes (docs/integrations.md)")
     p.add_argument("--gpu", default=None,
                    help="GPU preset (default: a100-40gb, or the recording's GPU with "
                         "--profiler replay:FILE)")
@@ -670,6 +764,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backends", default=None, metavar="LIST",
                    help="--profiler nvml: collective backends to search (own, nccl_capped); "
                         "default: every one that runs on the group")
+    p.add_argument("--loopback", choices=("plain", "faithful"), default="plain",
+                   help="--profiler nvml in one process: the one-GPU stand-in for the TP and "
+                        "CP groups' collectives: plain (a kernel of their bytes, default) or "
+                        "faithful (each holds its SM count for the real collective's time, "
+                        "from the measured collective curves; a STAND-IN, said in tune.json)")
     p.add_argument("--record", default=None, metavar="FILE",
                    help="also save every measurement to FILE (replay it with "
                         "--profiler replay:FILE)")
@@ -767,6 +866,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--busy-steps", type=_nonnegative_int, default=2,
                    help="iterations queued behind a held GPU per system, for the GPU-busy "
                         "fraction (default 2; 0: skip)")
+    p.add_argument("--loopback", choices=("plain", "faithful"), default="plain",
+                   help="in one process: the stand-in for the groups' collectives: plain (a "
+                        "kernel of their bytes, default) or faithful (each holds its SM count "
+                        "for the real collective's time, from the measured collective "
+                        "curves; its figures are labelled STAND-IN)")
+    p.add_argument("--min-window-s", type=_nonnegative_float, default=None, metavar="S",
+                   help="shortest timed window of a run: iterations are added after --steps "
+                        "until it lasts this long, so that NVML's energy counter steps "
+                        "inside it (default: 7.5 of the counter's step periods, at least "
+                        "0.5 s; about 0.75 s on an H200)")
     p.add_argument("--out", default=None, metavar="PATH",
                    help="verify.json's path or folder (default: beside the plan)")
     p.add_argument("--gpu-file", default=None, metavar="FILE",

@@ -1,5 +1,5 @@
-"""A fake NVML module for CPU tests: a stepping energy counter, temperatures, clocks
-and locked-clock calls with a permission switch."""
+"""A fake NVML module for CPU tests: an energy counter that steps every ``period_s``, a
+power reading, temperatures, clocks and locked-clock calls with a permission switch."""
 
 from __future__ import annotations
 
@@ -32,6 +32,9 @@ class FakeDevice:
         self.locked: tuple[int, int] | None = None
         self.sm_clock_mhz = 1980
 
+    def power_w(self, t: float) -> float:
+        return self.idle_w + sum(w for a, b, w in self.busy if a <= t < b)
+
     def energy_j(self, t: float, t0: float) -> float:
         e = self.idle_w * (t - t0)
         for a, b, w in self.busy:
@@ -49,7 +52,8 @@ class FakeNVML:
     NVML_CLOCK_SM = NVML_CLOCK_SM
 
     def __init__(self, n: int = 1, *, period_s: float = 0.02, idle_w: float = 80.0,
-                 allow_clock_changes: bool = True, counter_moves: bool = True) -> None:
+                 allow_clock_changes: bool = True, counter_moves: bool = True,
+                 power_readings: bool = True) -> None:
         self.t0 = time.perf_counter()
         self.period_s = period_s
         # NVML reports UUIDs as "GPU-<hex>"; device i's ends in its index.
@@ -57,6 +61,7 @@ class FakeNVML:
                         for i in range(n)]
         self.allow = allow_clock_changes
         self.counter_moves = counter_moves
+        self.power_readings = power_readings
         self.calls: list[tuple] = []
         self.lock = threading.Lock()
         self.inits = 0
@@ -81,6 +86,14 @@ class FakeNVML:
         t_step = self.t0 + k * self.period_s
         with self.lock:
             return int(h.energy_j(t_step, self.t0) * 1000)
+
+    def nvmlDeviceGetPowerUsage(self, h: FakeDevice) -> int:
+        """The power now (mW); raises like a GPU without the reading when
+        ``power_readings`` is off."""
+        if not self.power_readings:
+            raise NVMLError(3)  # NVML_ERROR_NOT_SUPPORTED
+        with self.lock:
+            return int(h.power_w(time.perf_counter()) * 1000)
 
     def nvmlDeviceGetTemperature(self, h: FakeDevice, sensor: int) -> float:
         return h.temp_c

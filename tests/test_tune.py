@@ -375,6 +375,24 @@ def test_one_gpu_stands_in_for_each_group_at_its_size():
     assert kinds == {"all_reduce", "all_gather", "reduce_scatter"}
 
 
+def test_one_gpu_can_stand_in_time_faithfully_and_says_so():
+    pytest.importorskip("torch")
+    from kareus.errors import ArgumentError
+    from kareus.exec.train import STAND_IN_LABEL, TimedLoopbackGroupCollective
+    from kareus.tune import one_gpu_backends
+
+    wl = Workload.preset("qwen3-1.7b", tp=4, cp=2, microbatch_size=2, seq_len=256)
+    named, default, note = one_gpu_backends(wl, loopback="faithful", gpu="h200-sxm")
+    grouped = named["loopback"]
+    tp, cp = grouped.backend_for("all_reduce"), grouped.backend_for("all_gather")
+    assert isinstance(tp, TimedLoopbackGroupCollective) and tp.world_size == 4
+    assert isinstance(cp, TimedLoopbackGroupCollective) and cp.world_size == 2
+    assert note.startswith(STAND_IN_LABEL) and "MEASURED curve" in note
+    assert default is grouped or default.backend_for("all_reduce") is tp
+    with pytest.raises(ArgumentError, match="gpu="):
+        one_gpu_backends(wl, loopback="faithful")
+
+
 def test_the_last_line_counts_the_host_bound_measurements_and_says_what_to_do():
     from pathlib import Path
 

@@ -10,6 +10,10 @@ NVML numbers every GPU of the machine in PCI order; CUDA numbers only the GPUs
 set it per job). So CUDA device 0 of a rank is NVML device 0 only when nothing remaps
 them: [`nvml_device_index`][kareus.exec.nvml_device_index] finds the NVML index through the GPU's
 UUID, which both numberings share.
+
+It also holds the rule for how long a window read from NVML's total-energy counter must
+last ([`min_energy_window_s`][kareus.exec.nvml_device.min_energy_window_s]), shared by the
+training loop's runs (``kareus.exec.train.measure_runs``) and ``kareus verify``.
 """
 
 from __future__ import annotations
@@ -20,7 +24,36 @@ from typing import Any
 
 from kareus.errors import HardwareError
 
-__all__ = ["cuda_device_uuid", "load_nvml", "nvml_device_index"]
+__all__ = ["ENERGY_WINDOW_STEPS", "MIN_ENERGY_WINDOW_S", "cuda_device_uuid", "load_nvml",
+           "min_energy_window_s", "nvml_device_index"]
+
+#: The shortest window whose energy is read from the counter (s), whatever its step period.
+MIN_ENERGY_WINDOW_S = 0.5
+
+#: Counter steps a window spans at least (the NVML profiler's default ``window_steps``).
+ENERGY_WINDOW_STEPS = 6
+
+
+def min_energy_window_s(meter: Any = None) -> float:
+    """How long a window must last for its energy to come from the counter's steps:
+    ``ENERGY_WINDOW_STEPS + 1.5`` of the meter's observed step periods (the first and the
+    last step bound the span; half a step of slack at each end), at least
+    ``MIN_ENERGY_WINDOW_S`` (0.5 s). On an H200 (~100 ms steps) that is about 0.75 s:
+    six or more steps inside, the span's ends each known to the polling period.
+
+    Args:
+        meter: An [`EnergyMeter`][kareus.profilers.EnergyMeter] (started), or anything with
+            ``step_period_s()``; ``None`` or no period yet: 100 ms is assumed.
+    """
+    period = None
+    get = getattr(meter, "step_period_s", None)
+    if callable(get):
+        try:
+            period = get()
+        except Exception:  # a meter that cannot tell: assume an H200's period
+            period = None
+    period = 0.1 if not period or period <= 0 else float(period)
+    return max(MIN_ENERGY_WINDOW_S, (ENERGY_WINDOW_STEPS + 1.5) * period)
 
 
 def load_nvml(nvml: Any = None) -> Any:

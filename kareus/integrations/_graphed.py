@@ -23,9 +23,12 @@ chained stack ([`PlannedStack`][kareus.integrations.PlannedStack]) a graph is th
 microbatch computation of the stack, as the training loop's graphs are. What a graph reads
 and writes must stay at the addresses it was captured with:
 
-* **the forward's input** is copied into the forward graph's static buffer (one copy
-  kernel); the forward graph writes the inputs of layers ``1 ..`` it keeps for the
-  backward into its own static outputs;
+* **the forward's input** is read in place when it is a static output this runner lent
+  (the previous layer's output: a graph captured for that address reads it there),
+  copied into the forward graph's static buffer otherwise (one copy kernel; the
+  backward's output gradient likewise: read in place when it is the next layer's lent
+  input gradient); the forward graph writes the inputs of layers ``1 ..`` it keeps for
+  the backward into its own static outputs;
 * **the backward reads what its forward kept in place**: the forward graph's static input
   and kept inputs are its *slot*, which the backward graph of that forward reads where they
   lie (no clone out of the forward, no copy into the backward). A later replay of the same
@@ -38,9 +41,9 @@ and writes must stay at the addresses it was captured with:
   weight has come back at the same address on a later call (at most the model's layer
   count per computation; calls before that, and beyond it, share one graph). Sharing the
   pool is safe because nothing a later replay could overwrite is read after another graph
-  ran: static inputs and the kept inputs live outside the pool, and outputs are cloned
-  right after their replay. An executor given by the caller keeps a pool per graph, and
-  layers of one shape share a graph (their weights copied in);
+  ran: static inputs, outputs and the kept inputs live outside the pool. An executor
+  given by the caller keeps a pool per graph, and layers of one shape share a graph
+  (their weights copied in);
 * **weights** are read where they lie when the graph is captured (a parameter, or a view of
   one such as ``linear``'s transpose: the framework's optimizer updates it in place between
   replays). A weight that lies elsewhere on a later call (one made anew on every call, as
@@ -49,17 +52,30 @@ and writes must stay at the addresses it was captured with:
   shared graph) makes the runner capture that computation again with the weight copied
   into a static buffer from then on. The test is the address alone, which is exact: a
   tensor at the captured address is what the graph reads, whatever made it;
-* **outputs** handed to autograd are cloned after each replay: the layer's output (autograd
-  keeps it across microbatches, saved by the next op), the input gradient (it may become a
-  leaf's ``.grad``) and the weight gradients (accumulated by autograd into ``.grad``, or by
-  the framework's hooks into ``main_grad``: writing them into the framework's gradient
-  buffers inside the graph would bypass those hooks, so that is not done).
+* **outputs are lent**: the layer's output, the input gradient and the weight gradients
+  are static buffers the graph writes (allocated outside its pool, the weight gradients
+  in the layout eager execution gives them), handed to autograd as aliases, not clones.
+  Whoever takes them (the next op that saves the output, a ``.grad`` that steals a
+  weight gradient, the framework's hooks that add it into ``main_grad``) holds a
+  reference to the buffer's storage; a graph is replayed only when the references to
+  each of its outputs' storages are the runner's own again
+  (``torch._C._storage_Use_Count``, the liveness test of PyTorch's CUDA graph trees).
+  Otherwise the call replays (or captures, once) another copy of the graph; beyond
+  ``LEND_SLOTS`` held copies per computation a new copy clones its outputs (a caller that
+  keeps every output costs a copy each, not a graph each). The gradients still reach the
+  framework through autograd, per microbatch, so its hooks run as for an eager layer:
+  writing them into its gradient buffers inside the graph would bypass those hooks. A
+  lent tensor read on another stream must be released only once the current stream is
+  ordered after that read (as PyTorch's allocator asks without ``record_stream``).
 
 **Memory per graph** (activation = ``batch x seq / CP x hidden`` elements of the compute
-dtype; ``L`` = the stack's layers): a forward graph holds its static input and output (2
-activations) and the kept inputs (``L - 1`` activations); a backward graph reading its
-forward's slot holds the output gradient and the input gradient (2 activations) and the
-weight gradients (the ``L`` layers' weights' size); a backward graph fed copies (its
+dtype; ``L`` = the stack's layers): a forward graph holds its static input (none when it
+reads its input in place) and output (2 activations) and the kept inputs (``L - 1``
+activations); a backward graph reading its forward's slot holds the output gradient (none
+in place) and the input gradient (2 activations) and the weight gradients (the ``L``
+layers' weights' size); the lent outputs are what autograd holds anyway (eager
+execution allocates them afresh), and each further copy of a graph (outputs held at once)
+holds its own; a backward graph fed copies (its
 forward's graph was captured again since) holds the input and kept inputs as well (``L + 2``
 activations); a copied weight adds its size. The pool (shared by the executor's graphs, or one per graph
 with an executor given) holds the peak of the temporaries a computation allocates (one
@@ -87,9 +103,9 @@ pool among all graphs only under full recomputation): kept activations allocated
 shared pool could lie where another graph's temporaries do, which that graph's replay
 would overwrite while they are lent. Their backward graphs share one pool (on a
 ``TorchExecutor``: ``GraphedRunner._backward_pool``): they read their forward slot's
-buffers where they lie, in the forward's pool, and their outputs are cloned right after
-their replay, so the pool holds the largest backward's temporaries once, not once per
-layer and slot.
+buffers where they lie, in the forward's pool, and their outputs (the input and weight
+gradients, lent or cloned) are static buffers allocated outside any pool, so the pool
+holds the largest backward's temporaries once, not once per layer and slot.
 
 So, what graphs keep resident, per policy (what ``bench/recompute_policy.py`` reports as
 ``footprint``): a forward slot keeps its kept activations allocated for as long as the
@@ -116,10 +132,60 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
+
 from kareus.errors import ArgumentError, GraphCaptureError
 from kareus.integrations._kept import KeptActivations
 
-__all__ = ["GraphedRunner", "KeptInputs", "capture_in_progress", "computation_signature"]
+__all__ = ["GraphMemory", "GraphedRunner", "KeptInputs", "capture_in_progress",
+           "computation_signature"]
+
+#: Addresses per computation and input at which graphs read that input in place.
+IN_PLACE_ADDRESSES = 16
+
+#: Copies of one computation's graph whose static outputs may be held by callers at once
+#: (lent, not cloned) before further copies clone their outputs instead: outputs kept by
+#: the caller beyond this cost a copy each, not a graph each.
+LEND_SLOTS = 4
+
+
+@attrs.frozen
+class GraphMemory:
+    """What a planned-layer applier's own graphs hold (``PlanApplier.graph_memory()``).
+
+    Attributes:
+        graphs: Graphs captured and kept (every copy and input-address variant).
+        lending: Of those, graphs that lend their static outputs (the rest clone them).
+        static_bytes: Their static buffers: inputs copied in, outputs, kept inputs,
+            copied weights (the memory pools' temporaries are not counted: the caching
+            allocator's figures hold them).
+    """
+
+    graphs: int
+    lending: int
+    static_bytes: int
+
+    @property
+    def static_bytes_per_graph(self) -> float:
+        """The static buffers' mean size per graph (0 without graphs)."""
+        return self.static_bytes / self.graphs if self.graphs else 0.0
+
+
+def _can_count() -> bool:
+    """Whether this PyTorch tells how many tensors share a storage (the test of whether a
+    lent output is still held); without it outputs are cloned."""
+    import torch
+
+    return callable(getattr(torch._C, "_storage_Use_Count", None))
+
+
+def _storage_refs(t: Any) -> int:
+    """How many references hold ``t``'s storage (tensors and views on it, saved
+    tensors of autograd, ``.grad`` fields): ``torch._C._storage_Use_Count``, the count
+    PyTorch's own CUDA graph trees test their outputs' liveness with."""
+    import torch
+
+    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
 
 
 def shared_pool_streams() -> Any:
@@ -206,6 +272,7 @@ class _Slot:
         # a cycle would leave the forward's graph to the garbage collector, which may run
         # (and destroy it) inside a later capture
         self._x = forward.x
+        self.x_ptr = forward.x_ptr  # the input's address, read in place when ``x`` is None
         self._kept = list(forward.kept)
         self.owner: Any = None
         self.retired = False
@@ -214,7 +281,8 @@ class _Slot:
 
     @property
     def x(self) -> Any:
-        """The forward graph's static input."""
+        """The forward graph's static input (``None``: it reads its input in place, at
+        ``x_ptr``, where autograd keeps it for the backward)."""
         return self._x
 
     @property
@@ -284,6 +352,43 @@ class _Captured:
         self.lendings = 0  # how many times they were lent (which lending a release frees)
         # a forward slot: its capture's number; a backward: that of the slot it reads
         self.generation = 0
+        self.phase = "fwd"
+        # the static outputs the graph writes (output, or input and weight gradients),
+        # lent to autograd (``lends``) or cloned after each replay; the references to
+        # their storages the runner itself holds (``settle``)
+        self.outs: list[Any] = []
+        self.lends = False
+        self.own_refs: list[int] = []
+        # inputs read in place: the caller's tensors during a capture or replay only
+        self.current: tuple[Any, Any] = (None, None)
+        self.x_ptr = 0  # where the forward's input was when it was captured
+        self.key: tuple[Any, ...] = ()
+        self.family: tuple[Any, ...] = ()  # the computation, whatever copy or variant
+        self.rule: tuple[Any, ...] = ()  # the weights it reads (``_copy_always``)
+
+    def settle(self) -> None:
+        """Count the references the runner itself holds to each static output's storage
+        (the buffers, the graph's result): more later means a caller still holds one."""
+        self.own_refs = [_storage_refs(t) for t in self.outs] if self.lends else []
+
+    def busy(self) -> bool:
+        """Whether a caller still holds a static output this graph lent (an output that
+        autograd saved for a backward, a gradient that became a ``.grad``, a view of
+        either): its next replay would overwrite it. When none is held, the counts are
+        the runner's own and become the reference (a reference of the runner's that was
+        there when it settled and has gone since cannot hide a caller's later)."""
+        if not self.lends:
+            return False
+        counts = [_storage_refs(t) for t in self.outs]
+        if any(c > n for c, n in zip(counts, self.own_refs, strict=True)):
+            return True
+        self.own_refs = counts
+        return False
+
+    def hand_out(self, t: Any) -> Any:
+        """A static output for the caller: lent (an alias of the static buffer, which
+        ``busy`` then reports held until every alias of it is gone), or cloned."""
+        return t.detach() if self.lends else t.clone()
 
 
 class GraphedRunner:
@@ -306,11 +411,15 @@ class GraphedRunner:
         # graphs to the garbage collector (``kareus.exec._streams.CapturedGraph``)
         self._applier = weakref.ref(applier)
         self._graphs: dict[tuple[Any, ...], _Captured] = {}
+        # (weights a graph reads, layer, weight) that moved once: copied in from then on
         self._copy_always: set[tuple[tuple[Any, ...], int, int]] = set()
         self._names: dict[tuple[Any, ...], str] = {}
         self._seen: dict[tuple[Any, ...], set[int]] = {}
         self._own: dict[tuple[Any, ...], set[int]] = {}
         self._slots: dict[tuple[Any, ...], list[_Captured]] = {}
+        self._in_place: dict[tuple[Any, ...], set[int]] = {}
+        self._lent_ptrs: set[int] = set()  # where the static outputs this runner lends lie
+        self._families: dict[tuple[Any, ...], list[_Captured]] = {}
         self._backward_pools: dict[int, tuple[Any, Any]] = {}
         self.captures = 0
         self.loads = 0
@@ -327,7 +436,8 @@ class GraphedRunner:
     def run(self, phase: str, x: Any, weights: Sequence[Sequence[Any]], dy: Any = None,
             inputs: Sequence[Any] | KeptInputs | None = None, *,
             key: tuple[Any, ...] | None = None) -> tuple[Any, Any]:
-        """``PlanApplier.run`` from a graph: copy in, replay, clone out (see the module
+        """``PlanApplier.run`` from a graph: inputs read in place or copied in, replay,
+        outputs lent or cloned (see the module
         docstring). A forward returns its kept inputs as a ``KeptInputs``. ``key``: the
         computation's ``computation_signature``, when the caller has it."""
         if key is None:
@@ -339,10 +449,18 @@ class GraphedRunner:
                 raise ArgumentError("a planned layer's graphed backward takes what its "
                                     "forward kept (KeptActivations)")
             return self._backward_kept(key, x, weights, dy, inputs)
-        key = (*key, self._identity(key, weights))
+        # inputs read where they lie: the forward's input, the backward's output gradient
+        read = (self._stable(key, "x", x) if phase == "fwd" else None,
+                self._stable(key, "dy", dy) if phase == "bwd" else None)
+        identity = self._identity(key, weights)
+        family = (*key, identity)
+        key = (*key, ("in", *read), identity)
         slot = None
         if isinstance(inputs, KeptInputs):
-            if inputs.slot.retired:  # its forward graph was captured again: copies
+            if inputs.slot.retired or (inputs.slot.x is None
+                                       and x.data_ptr() != inputs.slot.x_ptr):
+                # its forward graph was captured again (or, read in place, its input is
+                # not where the forward read it): copies
                 inputs = inputs.tensors()
             else:
                 slot = inputs.slot
@@ -350,38 +468,109 @@ class GraphedRunner:
                     kept = inputs.tensors()
                     self.loads += 1
                     slot.evict()
-                    slot.x.copy_(x)  # the forward's input, as autograd saved it
+                    if slot.x is not None:  # (read in place: it is still there)
+                        slot.x.copy_(x)  # the forward's input, as autograd saved it
                     for dst, src in zip(slot.kept, kept, strict=True):
                         dst.copy_(src)
                 slot.owner = None  # consumed by this backward
                 key = (*key, "slot", slot.serial)
-        cap = self._graphs.get(key)
+        key, cap, lends = self._pick(key, family)
         if cap is None or self._moved(key, cap, weights):
             if cap is not None and cap.slot is not None and phase == "fwd":
                 self._retire(cap.slot)
-            cap = self._capture(key, phase, x, weights, dy, inputs, slot)
+            cap = self._capture(key, phase, x, weights, dy, inputs, slot, lends=lends,
+                                read=read, family=family, identity=identity)
         else:
             if phase == "fwd":
                 assert cap.slot is not None
                 cap.slot.evict()
             self._copy_in(cap, x, weights, dy, inputs)
-            cap.seq.replay()
+            cap.current = (x, dy)
+            try:
+                cap.seq.replay()
+            finally:
+                cap.current = (None, None)
         self.applier._record(phase, cap.ran)
         first, rest = cap.result
         if phase == "fwd":
             assert cap.slot is not None
-            return first.clone(), KeptInputs(cap.slot)
-        return first.clone(), [t.clone() for t in rest]
+            return cap.hand_out(first), KeptInputs(cap.slot)
+        return cap.hand_out(first), [cap.hand_out(t) for t in rest]
+
+    def memory(self) -> GraphMemory:
+        """The graphs kept and their static buffers (see ``GraphMemory``)."""
+        seen: set[int] = set()
+        total = 0
+        for cap in self._graphs.values():
+            bufs = [cap.x, cap.dy, *cap.inputs, *cap.kept, *cap.outs,
+                    *(w for row, cp in zip(cap.weights, cap.copied, strict=True)
+                      for w, c in zip(row, cp, strict=True) if c)]
+            for t in bufs:
+                if t is not None and t.data_ptr() not in seen:
+                    seen.add(t.data_ptr())
+                    total += t.numel() * t.element_size()
+        return GraphMemory(graphs=len(self._graphs),
+                           lending=sum(1 for c in self._graphs.values() if c.lends),
+                           static_bytes=total)
+
+    def _stable(self, key: tuple[Any, ...], what: str, t: Any) -> int | None:
+        """The address to read input ``what`` of computation ``key`` at in place (the
+        graph captured for that address reads it there, no copy), or ``None`` (copied
+        into a static buffer): a contiguous tensor at the start of a static output this
+        runner lent (the previous layer's output, or the next layer's input gradient:
+        addresses that stay this runner's as long as its graphs do), at most
+        ``IN_PLACE_ADDRESSES`` addresses per computation and input. Other tensors are
+        copied in: an address the allocator gives back on some calls and not on others
+        would capture a graph per address seen."""
+        if t is None or not t.is_contiguous():
+            return None
+        ptr = int(t.data_ptr())
+        if ptr not in self._lent_ptrs:
+            return None
+        known = self._in_place.setdefault((key, what), set())
+        if ptr in known or len(known) < IN_PLACE_ADDRESSES:
+            known.add(ptr)
+            return ptr
+        return None
+
+    def _pick(self, key: tuple[Any, ...], family: tuple[Any, ...]
+              ) -> tuple[tuple[Any, ...], _Captured | None, bool]:
+        """Which copy of computation ``key``'s graph this call replays: the first whose
+        static outputs nobody holds any more; else a new copy (``None``), which lends its
+        outputs while fewer than ``LEND_SLOTS`` lending graphs of the computation
+        (``family``: whatever inputs they read in place) are held, and clones them
+        otherwise (bounded memory when a caller keeps every output). Returns ``(key of
+        the copy, its graph or None, whether a new copy lends)``."""
+        j = 0
+        while True:
+            k = (*key, "copy", j)
+            cap = self._graphs.get(k)
+            if cap is None:
+                return k, None, self._lending_held(family) < LEND_SLOTS and _can_count()
+            if not cap.busy():
+                return k, cap, cap.lends
+            j += 1
+
+    def _lending_held(self, family: tuple[Any, ...]) -> int:
+        """How many graphs of computation ``family`` lent outputs that are still held."""
+        caps = self._families.get(family, [])
+        caps[:] = [c for c in caps if self._graphs.get(c.key) is c]  # current ones
+        return sum(1 for c in caps if c.lends and c.busy())
 
     def _forward_kept(self, key: tuple[Any, ...], x: Any,
                       weights: Sequence[Sequence[Any]]) -> tuple[Any, Any]:
         """The forward from a free slot; its kept activations lent, not copied."""
         slots = self._slots.setdefault(key, [])
-        idx = next((i for i, c in enumerate(slots) if not c.lent), len(slots))
+        idx = next((i for i, c in enumerate(slots) if not c.lent and not c.busy()),
+                   len(slots))
         skey = (*key, "slot", idx)
         cap = slots[idx] if idx < len(slots) else None
         if cap is None or self._moved(skey, cap, weights):
-            cap = self._capture(skey, "fwd", x, weights, None, None, None)
+            held = sum(1 for c in slots if c.lends and not c.lent and c.busy())
+            lends = (cap.lends if cap is not None
+                     else held < LEND_SLOTS and _can_count())
+            cap = self._capture(skey, "fwd", x, weights, None, None, None, lends=lends,
+                                family=key)
             cap.generation = self.captures
             _refuse_autograd_attention(cap.result[1])  # before the slot is used
             if idx < len(slots):
@@ -401,7 +590,7 @@ class GraphedRunner:
         # dropped without its backward (no grad needed, an exception): the slot is free
         weakref.finalize(lent, free)
         lent.slot = (skey, cap.generation, cap.lendings)
-        return out.clone(), lent
+        return cap.hand_out(out), lent
 
     def _backward_kept(self, key: tuple[Any, ...], x: Any, weights: Sequence[Sequence[Any]],
                        dy: Any, kept: KeptActivations) -> tuple[Any, list[Any]]:
@@ -417,14 +606,14 @@ class GraphedRunner:
             raise ArgumentError("a planned layer's forward buffers were released before its "
                                 "backward ran (a backward run twice: retain_graph is not "
                                 "supported on graphs with recompute 'none'/'selective')")
-        bkey = (*key, skey)
-        cap = self._graphs.get(bkey)
+        bkey, cap, lends = self._pick((*key, skey), key)
         if cap is None or cap.generation != generation or self._moved(bkey, cap, weights):
             # the backward graph reads the forward slot's buffers where they lie (a slot
             # captured again has new buffers: its backward is captured again too)
             static = KeptActivations(fwd.result[1].act, depth=kept.depth,
                                      nanobatches=kept.nanobatches)
-            cap = self._capture(bkey, "bwd", x, weights, dy, static, None)
+            cap = self._capture(bkey, "bwd", x, weights, dy, static, None,
+                                lends=lends if cap is None else cap.lends, family=key)
             cap.generation = generation
         else:
             self._copy_in(cap, x, weights, dy, None)
@@ -432,7 +621,7 @@ class GraphedRunner:
         kept.release()
         self.applier._record("bwd", cap.ran)
         first, rest = cap.result
-        return first.clone(), [t.clone() for t in rest]
+        return cap.hand_out(first), [cap.hand_out(t) for t in rest]
 
     def _identity(self, key: tuple[Any, ...], weights: Sequence[Sequence[Any]]) -> int | None:
         """Which graph of ``key`` this call replays: with a shared memory pool, each layer
@@ -458,8 +647,8 @@ class GraphedRunner:
         backend), or ``None`` where the executor takes no pool (an executor of another
         kind: a pool per graph, as before). Sharing is safe: a backward graph reads its
         forward slot's buffers, which lie in that forward graph's own pool, and its
-        outputs (input and weight gradients) are cloned right after its replay, before
-        another graph runs; so each backward graph needs the memory of its temporaries
+        outputs (input and weight gradients) are static buffers allocated outside any
+        pool (lent or cloned); so each backward graph needs the memory of its temporaries
         only while it runs, and one pool holds the largest of them instead of one each
         (a framework's layers, one node each: a backward graph per layer and forward
         slot)."""
@@ -478,11 +667,18 @@ class GraphedRunner:
         (their backwards read copies), and the backward graphs that read it go."""
         slot.retired = True
         ex = self.applier._executor()
-        for key in [k for k in self._graphs if k[-2:] == ("slot", slot.serial)]:
-            del self._graphs[key]
+        for key in [k for k, c in self._graphs.items()
+                    if c.phase == "bwd" and c.slot is slot]:
+            self._drop(self._graphs.pop(key))
             name = self._names.get(key)
             if name is not None:
                 ex.release_graphs(name)
+
+    def _drop(self, cap: _Captured) -> None:
+        """A graph goes (captured again, or its forward slot's was): its static outputs
+        are no longer addresses this runner lends."""
+        if cap.lends and cap.outs:
+            self._lent_ptrs.discard(int(cap.outs[0].data_ptr()))
 
     def _moved(self, key: tuple[Any, ...], cap: _Captured,
                weights: Sequence[Sequence[Any]]) -> bool:
@@ -492,7 +688,9 @@ class GraphedRunner:
         for i, ws in enumerate(weights):
             for j, w in enumerate(ws):
                 if not cap.copied[i][j] and w.data_ptr() != cap.ptrs[i][j]:
-                    self._copy_always.add((key, i, j))
+                    # every graph of these weights copies it from now on (each copy and
+                    # input variant, forward and backward)
+                    self._copy_always.add((cap.rule, i, j))
                     moved = True
         return moved
 
@@ -511,24 +709,34 @@ class GraphedRunner:
 
     def _capture(self, key: tuple[Any, ...], phase: str, x: Any,
                  weights: Sequence[Sequence[Any]], dy: Any, inputs: Any,
-                 slot: _Slot | None) -> _Captured:
+                 slot: _Slot | None, *, lends: bool = False,
+                 read: tuple[int | None, int | None] = (None, None),
+                 family: tuple[Any, ...] | None = None,
+                 identity: int | None = None) -> _Captured:
         import torch
 
         ap = self.applier
         cap = _Captured()
+        cap.phase, cap.lends, cap.key = phase, bool(lends), key
+        cap.family = key if family is None else family
+        # whose weights it reads: their layout, and the layer's own graphs' identity
+        cap.rule = (tuple((tuple(w.shape), tuple(w.stride()), w.dtype)
+                          for ws in weights for w in ws), identity)
+        self._families.setdefault(cap.family, []).append(cap)
         static_kept = inputs if isinstance(inputs, KeptActivations) else None
         if static_kept is not None:  # a backward reading its forward slot's activations
             inputs = None
-        if slot is None:
+        if slot is None and read[0] is None:
             cap.x = torch.empty_like(x, memory_format=torch.contiguous_format)
             cap.inputs = [torch.empty_like(t, memory_format=torch.contiguous_format)
                           for t in inputs or ()]
-        cap.dy = None if dy is None else torch.empty_like(dy,
-                                                          memory_format=torch.contiguous_format)
+        cap.x_ptr = int(x.data_ptr())
+        cap.dy = (None if dy is None or read[1] is not None
+                  else torch.empty_like(dy, memory_format=torch.contiguous_format))
         for i, ws in enumerate(weights):
             row, copied, ptrs = [], [], []
             for j, w in enumerate(ws):
-                copy = (key, i, j) in self._copy_always
+                copy = (cap.rule, i, j) in self._copy_always
                 row.append(torch.empty_strided(w.shape, w.stride(), dtype=w.dtype,
                                                device=w.device) if copy else w)
                 copied.append(copy)
@@ -537,18 +745,30 @@ class GraphedRunner:
             cap.copied.append(copied)
             cap.ptrs.append(ptrs)
         self._copy_in(cap, x, weights, dy, inputs)
+        # the static outputs (outside the pool, before the capture): the forward's
+        # output; the backward's input gradient and weight gradients, in the layout
+        # eager execution gives them (``zeros_like`` of each weight)
+        b, s, h = x.shape
+        cap.outs = [torch.empty((b * s, h), dtype=x.dtype, device=x.device)]
+        if phase == "bwd":
+            cap.outs += [torch.zeros_like(w) for ws in cap.weights for w in ws]
         if phase == "fwd" and ap.workload.recompute == "full":
             # outside the pool: the backward reads them after other replays
-            b, s, h = x.shape
             cap.kept = [torch.empty((b * s, h), dtype=x.dtype, device=x.device)
                         for _ in range(len(weights) - 1)]
 
         def body() -> None:
-            # what the graph reads: its own static buffers, or its forward's slot
+            # what the graph reads: its own static buffers, or its forward's slot; an
+            # input read in place where the caller's tensor lies (``current``: the
+            # tensor at that address during this capture or replay)
             gx, gin = (cap.x, cap.inputs) if slot is None else (slot.x, slot.kept)
-            cap.result, cap.ran = ap._run_eager(phase, gx, cap.weights, cap.dy,
+            if gx is None:
+                gx = cap.current[0]
+            gdy = cap.dy if cap.dy is not None else cap.current[1]
+            cap.result, cap.ran = ap._run_eager(phase, gx, cap.weights, gdy,
                                                 static_kept or gin or None,
-                                                kept_out=cap.kept or None)
+                                                kept_out=cap.kept or None,
+                                                out_bufs=cap.outs)
 
         name = self._names.setdefault(key, f"integrations:{phase}:{len(self._names)}")
         # The capture runs the body twice eagerly first (warm-up: the first call of a
@@ -560,14 +780,24 @@ class GraphedRunner:
         ex = ap._executor()
         pool = (self._backward_pool(ex) if phase == "bwd"
                 and ap.workload.recompute != "full" else None)
-        cap.seq = ex.capture(name, [body], signature=(key, self.captures), warmup=2,
-                             **({} if pool is None else {"pool": pool}))
-        cap.seq.replay()
+        cap.current = (x, dy)  # dropped after: a graph holds no caller's tensor
+        try:
+            cap.seq = ex.capture(name, [body], signature=(key, self.captures), warmup=2,
+                                 **({} if pool is None else {"pool": pool}))
+            cap.seq.replay()
+        finally:
+            cap.current = (None, None)
+        cap.settle()
+        if cap.lends:
+            self._lent_ptrs.add(int(cap.outs[0].data_ptr()))
         if phase == "fwd":
             cap.slot = _Slot(cap)
         else:
             cap.slot = slot
         self.captures += 1
+        old = self._graphs.get(key)
+        if old is not None:
+            self._drop(old)
         self._graphs[key] = cap
         return cap
 

@@ -168,6 +168,7 @@ class _LayerProgram(DecoderShard):
         self.device, self.dtype = torch.device(device), dtype
         self.rope_base, self.rope_inv_freq = float(rope_base), rope_inv_freq
         self._build_rope(torch)
+        self._tok_inv = self._inv_freq()  # on the device now: never copied inside a capture
         self._pool: dict[tuple[str, int, int], tuple[Any, Any]] = {}
         for n in sorted(set(nanobatch_counts), reverse=True):
             if self.mbs % n == 0:
@@ -188,19 +189,38 @@ class _LayerProgram(DecoderShard):
     #: ``0 .. seq - 1`` of every sequence: the shared tables).
     tok_cos: Any = None
     tok_sin: Any = None
+    _tok_inv: Any = None
+    #: Document ids ``[batch, seq]`` of the current call where attention masks packed
+    #: documents (``cumsum(positions == 0) - 1``: a document starts where its position is
+    #: 0), or None (causal over the whole sequence).
+    doc_ids: Any = None
 
-    def set_positions(self, positions: Any) -> None:
-        """Rotate by ``positions`` (``[batch, seq]`` token positions of this call) instead
-        of ``0 .. seq - 1``; ``None`` goes back to the shared tables."""
-        if positions is None:
-            self.tok_cos = self.tok_sin = None
-            return
+    def _inv_freq(self) -> Any:
+        """The RoPE inverse frequencies on the device (float32, ``head_dim / 2``)."""
         torch = self.torch
         if self.rope_inv_freq is not None:
-            inv = torch.as_tensor(self.rope_inv_freq, dtype=torch.float32).to(self.device)
-        else:
-            inv = 1.0 / (float(self.rope_base) ** (torch.arange(
-                0, self.hd, 2, device=self.device, dtype=torch.float32) / self.hd))
+            return torch.as_tensor(self.rope_inv_freq, dtype=torch.float32).to(self.device)
+        return 1.0 / (float(self.rope_base) ** (torch.arange(
+            0, self.hd, 2, device=self.device, dtype=torch.float32) / self.hd))
+
+    def _tok_rows(self, nb: int) -> slice:
+        """Rows of nanobatch ``nb`` in the per-token tables: its sequences' tokens, whole
+        (under sequence parallelism RoPE runs after the all-gather, on whole sequences)."""
+        t = self.mbs // self.n * self.sq
+        return slice(nb * t, (nb + 1) * t)
+
+    def set_positions(self, positions: Any, *, documents: bool = False) -> None:
+        """Rotate by ``positions`` (``[batch, seq]`` token positions of this call) instead
+        of ``0 .. seq - 1``; ``None`` goes back to the shared tables. ``documents``: the
+        attention masks the documents too (each token attends to the earlier tokens of
+        its own document only: torchtitan's ``block_causal``)."""
+        if positions is None:
+            self.tok_cos = self.tok_sin = self.doc_ids = None
+            return
+        torch = self.torch
+        self.doc_ids = (torch.cumsum((positions == 0).to(torch.int32), dim=1) - 1
+                        if documents else None)
+        inv = self._tok_inv
         pos = positions.reshape(-1).to(device=self.device, dtype=torch.float32)
         ang = torch.outer(pos, inv)
         ang = torch.cat((ang, ang), dim=-1)
@@ -211,25 +231,47 @@ class _LayerProgram(DecoderShard):
             super()._op_rope(layer, a, nb)
             return
         # The kernels take seq = cos.shape[0]: this nanobatch's tokens as one sequence of
-        # per-token tables (RoPE is per token), then back to [batch, seq, heads, hd].
-        b, rows = self.mbs // self.n, self.rows(nb)
-        q, k = self.ks.rope(a["qkv"], self.tok_cos[rows], self.tok_sin[rows],
+        # per-token tables (RoPE is per token), then back to [batch, seq, heads, hd]. Under
+        # sequence parallelism the gathered rows come in rank order: to sequence order first.
+        b, rows = self.mbs // self.n, self._tok_rows(nb)
+        qkv = self._to_seq_order(a["qkv"])
+        q, k = self.ks.rope(qkv, self.tok_cos[rows], self.tok_sin[rows],
                             heads=self.heads, kv_heads=self.kvh)
         a["q"] = q.reshape(b, self.sq, self.heads, self.hd)
         a["k"] = k.reshape(b, self.sq, self.kvh, self.hd)
-        a["v"] = a["qkv"].view(b, self.sq, self.heads + 2 * self.kvh, self.hd)[
+        a["v"] = qkv.view(b, self.sq, self.heads + 2 * self.kvh, self.hd)[
             :, :, self.heads + self.kvh:]
 
     def _op_rope_bwd(self, layer: int, a: dict[str, Any], nb: int) -> None:
         if self.tok_cos is None:
             super()._op_rope_bwd(layer, a, nb)
             return
-        rows = self.rows(nb)
+        rows = self._tok_rows(nb)
         t = rows.stop - rows.start
         dq = a["dq"].transpose(1, 2).reshape(1, t, self.heads, self.hd)
         dk = a["dk"].transpose(1, 2).reshape(1, t, self.kvh, self.hd)
         dv = a["dv"].transpose(1, 2).reshape(1, t, self.kvh, self.hd)
-        a["dqkv"] = self.ks.rope_bwd(dq, dk, dv, self.tok_cos[rows], self.tok_sin[rows])
+        a["dqkv"] = self._to_rank_order(
+            self.ks.rope_bwd(dq, dk, dv, self.tok_cos[rows], self.tok_sin[rows]))
+
+    def _op_attn_core(self, layer: int, a: dict[str, Any], nb: int) -> None:
+        if self.doc_ids is None:
+            super()._op_attn_core(layer, a, nb)
+            return
+        # packed documents masked: causal within each document (CP = 1: refused in run)
+        torch, b = self.torch, self.mbs // self.n
+        ids = self.doc_ids[nb * b:(nb + 1) * b]
+        s = ids.shape[1]
+        causal = torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
+        mask = ((ids[:, :, None] == ids[:, None, :]) & causal)[:, None]
+        q, k, v = (a[n].transpose(1, 2) for n in ("q", "k", "v"))
+        if torch.is_grad_enabled():  # keep what attn_core_bwd needs
+            a["graph"] = self.ks.attention_fwd(q, k, v, mask=mask)
+            o = a["graph"].output
+        else:
+            o = self.ks.attention(q, k, v, mask=mask)
+        a["attn"] = self._to_rank_order(o.detach().transpose(1, 2).reshape(b * self.sq,
+                                                                            self.q))
 
     def G(self, layer: int, name: str) -> Any:
         """The gradient buffer of weight ``name`` of layer ``layer`` in the current backward."""
@@ -680,8 +722,8 @@ class PlanApplier:
         return prog
 
     def run(self, phase: str, x: Any, weights: Sequence[Sequence[Any]], dy: Any = None,
-            inputs: Sequence[Any] | None = None, positions: Any = None
-            ) -> tuple[Any, list[Any]]:
+            inputs: Sequence[Any] | None = None, positions: Any = None,
+            documents: bool = False) -> tuple[Any, list[Any]]:
         """Run the forward (``dy=None``) or backward of ``len(weights)`` consecutive layers
         on detached tensors.
 
@@ -696,8 +738,15 @@ class PlanApplier:
                 (``x``'s tokens); otherwise its ``KeptActivations``.
             positions: ``[batch, seq]`` token positions for RoPE where they are not
                 ``0 .. seq - 1`` in every sequence (packed documents, positions restarting
-                at each one; CP = 1); None: ``0 .. seq - 1``. Attention stays causal over
-                the whole sequence.
+                at each one; CP = 1; under sequence parallelism the whole sequences'
+                positions, as RoPE runs after the all-gather); None: ``0 .. seq - 1``.
+                Attention stays causal over the whole sequence unless ``documents``.
+            documents: Attention masks the packed documents of ``positions`` (a document
+                starts where its position is 0; each token attends to the earlier tokens
+                of its own document: torchtitan's FlexAttention / VarlenAttention
+                ``block_causal``), exactly, through SDPA with a boolean mask (every score
+                computed, the masked ones dropped: not a block-sparse kernel). Plans do
+                not cost it (see ``kareus.integrations.torchtitan``).
 
         Returns:
             Forward: ``(output, kept)``, ``kept`` the inputs of layers ``1 ..`` under full
@@ -709,13 +758,14 @@ class PlanApplier:
         """
         from kareus.integrations._graphed import KeptInputs
 
+        if positions is None:
+            documents = False  # positions 0 .. seq - 1: one document per sequence
         if positions is not None:
             if self.workload.parallelism.cp != 1:
                 raise WorkloadError("packed-document positions are supported at CP=1 only")
-            if self.workload.parallelism.sequence_parallel:
-                raise WorkloadError("packed-document positions are not supported under "
-                                    "sequence parallelism: turn it off (sp=False)")
             b, s = int(x.shape[0]), int(x.shape[1])
+            if self.workload.parallelism.sequence_parallel:  # whole sequences' positions
+                s *= self.workload.parallelism.tp
             if tuple(positions.shape) not in ((b, s), (1, s)):
                 raise WorkloadError(f"positions of shape {tuple(positions.shape)} for a "
                                     f"batch of {b} x {s} tokens: pass [batch, seq]")
@@ -738,7 +788,8 @@ class PlanApplier:
                 return self._graphs_runner().run(phase, x, weights, dy, inputs, key=key)
         if isinstance(inputs, KeptInputs):  # a graphed forward's, run eagerly backward
             inputs = inputs.tensors()
-        result, ran = self._run_eager(phase, x, weights, dy, inputs, positions=positions)
+        result, ran = self._run_eager(phase, x, weights, dy, inputs, positions=positions,
+                                      documents=documents)
         self._record(phase, ran)
         return result
 
@@ -789,6 +840,15 @@ class PlanApplier:
                     "(torchtitan: training.disable_cuda_graphs), or, if your capture holds "
                     "the whole step, PlanApplier(whole_step_capture=True)")
 
+    def graph_memory(self) -> Any:
+        """What this applier's own CUDA graphs hold: a ``GraphMemory`` (graphs kept, how
+        many lend their outputs, their static buffers' bytes); zeros before any graph."""
+        from kareus.integrations._graphed import GraphMemory
+
+        if self._runner is None:
+            return GraphMemory(graphs=0, lending=0, static_bytes=0)
+        return self._runner.memory()
+
     def _graphs_runner(self) -> Any:
         if self._runner is None:
             from kareus.integrations._graphed import GraphedRunner
@@ -803,12 +863,17 @@ class PlanApplier:
 
     def _run_eager(self, phase: str, x: Any, weights: Sequence[Sequence[Any]], dy: Any,
                    inputs: Any, kept_out: Sequence[Any] | None = None,
-                   positions: Any = None
+                   positions: Any = None, documents: bool = False,
+                   out_bufs: Sequence[Any] | None = None
                    ) -> tuple[tuple[Any, Any], list[tuple[str, Any]]]:
         """``run``'s work, enqueued as it goes; also returns the partitions run. A forward
         writes the kept inputs into ``kept_out`` when given (a graph's static buffers;
         full recomputation only); ``positions``: RoPE positions of packed documents (see
-        ``run``)."""
+        ``run``). ``out_bufs``: where the results go (a graph's static outputs, which
+        the graphed runner lends to autograd): a forward's output ``[tokens, hidden]``;
+        a backward's input gradient ``[tokens, hidden]`` then every layer's weight
+        gradients in ``weight_names`` order (zeroed here, then accumulated into over the
+        nanobatches)."""
         import torch
 
         depth = len(weights)
@@ -838,10 +903,15 @@ class PlanApplier:
                 else:
                     prog.act[(top, i)]["dy"] = dy2[prog.rows(i)]
             prog.head = {}
-            prog.wgrads = [{name: torch.zeros_like(w) for name, w in ws.items()}
-                           for ws in prog.weights]
+            if out_bufs is None:
+                prog.wgrads = [{name: torch.zeros_like(w) for name, w in ws.items()}
+                               for ws in prog.weights]
+            else:
+                given = iter(out_bufs[1:])
+                prog.wgrads = [{name: next(given).zero_() for name in ws}
+                               for ws in prog.weights]
         stack = self._stack(phase, depth)
-        prog.set_positions(positions)
+        prog.set_positions(positions, documents=documents)
         try:
             if unsplit:
                 plan = self.plan
@@ -858,7 +928,7 @@ class PlanApplier:
                                     lambda key: plan_config(self.plan, key,  # type: ignore[arg-type]
                                                             ex.current)))
             if phase == "fwd":
-                out = torch.empty_like(x2)
+                out = torch.empty_like(x2) if out_bufs is None else out_bufs[0]
                 for i in range(n):
                     torch.add(prog.act[(top, i)]["x_mid"], prog._reduced("mlp_out", top, i),
                               out=out[prog.rows(i)])
@@ -874,7 +944,7 @@ class PlanApplier:
                         xin[prog.rows(i)] = prog.act[(layer, i)]["x_in"]
                     kept_inputs.append(xin)
                 return (out.view(b, s, h), kept_inputs), ran
-            dx = torch.empty_like(x2)
+            dx = torch.empty_like(x2) if out_bufs is None else out_bufs[0]
             for i in range(n):
                 dx[prog.rows(i)] = prog.act[(0, i)]["dx_in"]
             return ((dx.view(b, s, h), [g[name] for g in prog.wgrads for name in names]),
@@ -944,16 +1014,16 @@ class PlannedLayer:
         self.applier = applier
 
     def __call__(self, x: Any, weights: Mapping[str, Any] | Sequence[Any], *,
-                 positions: Any = None) -> Any:
+                 positions: Any = None, documents: bool = False) -> Any:
         """The layer's output for input ``x`` under ``weights`` (see the class);
         ``positions``: ``[batch, seq]`` RoPE positions of packed documents (see
         [`PlanApplier.run`][kareus.integrations.PlanApplier.run]), None for ``0 .. seq -
-        1``."""
+        1``; ``documents``: attention masks those documents (each attends to itself)."""
         ws = _ordered(weights, self.applier.weight_names)
         if x.dtype != ws[1].dtype:
             raise ArgumentError(f"the layer's input is {x.dtype} and its weights "
                                 f"{ws[1].dtype}: pass both in the compute dtype")
-        return _function().apply(self.applier, 1, positions, x, *ws)
+        return _function().apply(self.applier, 1, positions, bool(documents), x, *ws)
 
 
 class PlannedStack:
@@ -985,9 +1055,9 @@ class PlannedStack:
         self.applier, self.layers = applier, int(layers)
 
     def __call__(self, x: Any, weights: Sequence[Mapping[str, Any] | Sequence[Any]], *,
-                 positions: Any = None) -> Any:
-        """The last layer's output for input ``x`` (see the class; ``positions`` as
-        [`PlannedLayer`][kareus.integrations.PlannedLayer] takes them)."""
+                 positions: Any = None, documents: bool = False) -> Any:
+        """The last layer's output for input ``x`` (see the class; ``positions`` and
+        ``documents`` as [`PlannedLayer`][kareus.integrations.PlannedLayer] takes them)."""
         per_layer = [_ordered(w, self.applier.weight_names) for w in weights]
         if len(per_layer) != self.layers:
             raise ArgumentError(f"this stack has {self.layers} layers, got the weights of "
@@ -996,7 +1066,8 @@ class PlannedStack:
             raise ArgumentError(f"the stack's input is {x.dtype} and some weights are not: "
                                 "pass all in the compute dtype")
         flat = [w for ws in per_layer for w in ws]
-        return _function().apply(self.applier, self.layers, positions, x, *flat)
+        return _function().apply(self.applier, self.layers, positions, bool(documents), x,
+                                 *flat)
 
 
 def _ordered(weights: Mapping[str, Any] | Sequence[Any], names: Sequence[str]) -> list[Any]:
@@ -1032,12 +1103,13 @@ def _function() -> Any:
         """Forward and backward of one layer through a PlanApplier's executor."""
 
         @staticmethod
-        def forward(ctx: Any, applier: PlanApplier, layers: int, positions: Any, x: Any,
-                    *weights: Any) -> Any:
+        def forward(ctx: Any, applier: PlanApplier, layers: int, positions: Any,
+                    documents: bool, x: Any, *weights: Any) -> Any:
             out, inputs = applier.run("fwd", x.detach().contiguous(),
                                       _per_layer(weights, layers, len(applier.weight_names)),
-                                      positions=positions)
+                                      positions=positions, documents=documents)
             ctx.applier, ctx.layers, ctx.positions = applier, layers, positions
+            ctx.documents = documents
             ctx.weights = len(weights)
             # What the backward reads. Eager: autograd holds it (saved for backward), so it
             # is freed as soon as the backward has run, whoever keeps this node (a
@@ -1072,8 +1144,9 @@ def _function() -> Any:
                                           _per_layer(weights, ctx.layers,
                                                      len(ctx.applier.weight_names)),
                                           dy=dy.contiguous(),
-                                          inputs=inputs, positions=ctx.positions)
-            return (None, None, None, dx, *dws)
+                                          inputs=inputs, positions=ctx.positions,
+                                          documents=ctx.documents)
+            return (None, None, None, None, dx, *dws)
 
     def _per_layer(weights: Sequence[Any], layers: int, k: int) -> list[list[Any]]:
         # No copies: the 2-D weights only feed GEMMs, which take a transposed view's layout

@@ -88,15 +88,16 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from kareus._logging import get_logger
 from kareus.errors import ArgumentError, ArgumentTypeError, PlanError, WorkloadError
 from kareus.integrations._layer import PlanApplier
 from kareus.integrations._weights import head_norm, layer_weights, linear, qkv_from_separate
 from kareus.model.workload import ModelArch, Parallelism, Workload
 
-__all__ = ["TESTED_VERSIONS", "apply_plan", "chained_blocks", "main", "planned_blocks",
-           "recompute_from_torchtitan", "remove_plan", "sequence_parallel_of",
-           "workload_from_torchtitan",
-           "workload_from_trainer", "wrap_trainer"]
+__all__ = ["TESTED_VERSIONS", "apply_plan", "chained_blocks", "main", "masks_documents",
+           "planned_blocks", "recompute_from_torchtitan", "remove_plan",
+           "sequence_parallel_of", "workload_from_torchtitan",
+           "workload_from_torchtitan_config", "workload_from_trainer", "wrap_trainer"]
 
 #: The torchtitan releases this adapter is tested with (a ``packaging`` specifier).
 TESTED_VERSIONS = ">=0.3,<0.4"
@@ -112,6 +113,8 @@ _CHAIN_ATTR = "_kareus_chain"
 _COMPILED_ATTR = "_kareus_compiled_call_impl"
 
 _checked_version: str | None = None
+
+_log = get_logger(__name__)
 
 
 def check_torchtitan_version() -> str:
@@ -334,20 +337,32 @@ def sequence_parallel_of(model_or_config: Any) -> bool | None:
     return getattr(tp_type, "dim", None) == 1
 
 
-def recompute_from_torchtitan(activation_checkpoint: Any) -> str:
-    """The recomputation policy (``Workload.recompute``) of torchtitan 0.3's
-    ``Trainer.Config.activation_checkpoint``, where it means what kareus runs.
+#: What torchtitan 0.3's per-op selective checkpointing keeps and re-runs, for messages.
+_SELECTIVE_DIFFERS = ("torchtitan's selective is per-op (it keeps attention's output and every "
+                      "other matmul's and re-runs the norms, RoPE, SwiGLU and the other "
+                      "matmuls), not kareus's selective (the attention core re-run, all else "
+                      "kept)")
+
+
+def recompute_from_torchtitan(activation_checkpoint: Any, *,
+                              selective_as: str | None = None) -> str:
+    """The recomputation policy (``Workload.recompute``) kareus's planned layers run for
+    torchtitan 0.3's ``Trainer.Config.activation_checkpoint``.
 
     * ``None`` (the ``none`` subcommand): every activation kept: ``"none"``;
     * ``FullAC.Config`` (``full``): every block re-run from its input in the backward:
-      ``"full"`` (kareus's layer recomputes itself: its blocks are not wrapped in
-      torchtitan's checkpoint as well, which ``apply_plan`` refuses);
+      ``"full"`` (kareus's layer recomputes itself: torchtitan's checkpoint wrapper around
+      each planned block calls it directly);
     * ``SelectiveAC.Config`` (``selective``, torchtitan's default) is per-op selective
-      checkpointing: it keeps the outputs of attention, every other matmul and some
-      collectives and recomputes the rest, which is not kareus's ``"selective"`` (the
-      attention core re-run, everything else kept): refused, and so is
-      ``MemoryBudgetAC.Config`` (``memory-budget``: the compiler chooses what to keep).
-      torchtitan 0.3 has no per-layer selective option.
+      checkpointing: it keeps the outputs of attention, every other matmul and the
+      reduce-scatters and recomputes the rest. That is none of kareus's policies (its
+      ``"selective"`` re-runs the attention core alone and keeps everything else), so it
+      is not mapped silently: ``selective_as`` names the policy the planned layers run in
+      its place (``"selective"``, ``"full"`` or ``"none"``: the same values, other memory
+      and time; the plan is made for that policy), and without it the setting is refused.
+      torchtitan 0.3 has no per-layer selective option (``every N layers``) to map.
+    * ``MemoryBudgetAC.Config`` (``memory-budget``: the compiler chooses what to keep):
+      refused.
 
     Also takes the subcommand names (``"none"``, ``"full"``, ``"selective"``,
     ``"memory-budget"``).
@@ -355,7 +370,13 @@ def recompute_from_torchtitan(activation_checkpoint: Any) -> str:
     Raises:
         WorkloadError: a setting kareus's layer does not run (one line naming it).
         ArgumentTypeError: not an ``activation_checkpoint`` setting.
+        ArgumentError: ``selective_as`` is not a recomputation policy.
     """
+    from kareus.model.workload import RECOMPUTE_POLICIES
+
+    if selective_as is not None and selective_as not in RECOMPUTE_POLICIES:
+        raise ArgumentError(f"selective_as must be one of {RECOMPUTE_POLICIES}, got "
+                            f"{selective_as!r:.40}")
     names = {"none": "none", "full": "full", "selective": None, "memory-budget": None}
     if activation_checkpoint is None:
         return "none"
@@ -379,11 +400,19 @@ def recompute_from_torchtitan(activation_checkpoint: Any) -> str:
                                     f"SelectiveAC or MemoryBudgetAC config or None, got "
                                     f"{type(activation_checkpoint).__name__}")
         kind = found
-    if names[kind] is None:
-        raise WorkloadError(f"activation_checkpoint {kind!r} is not a recomputation kareus's "
-                            "layer runs (torchtitan's selective is per-op, not the attention "
-                            "core alone): set activation_checkpoint to 'none' or 'full' "
-                            "(activation-checkpoint:none, activation-checkpoint:full)")
+    if kind == "selective":
+        if selective_as is None:
+            raise WorkloadError(f"activation_checkpoint is selective: {_SELECTIVE_DIFFERS}; "
+                                "name the policy kareus's layers run in its place "
+                                "(selective_as='selective', 'full' or 'none'; kareus optimize "
+                                "--selective-as), or set activation-checkpoint:full or "
+                                "activation-checkpoint:none")
+        return selective_as
+    if kind == "memory-budget":
+        raise WorkloadError("activation_checkpoint is memory-budget (the compiler chooses "
+                            "what to recompute), not a policy kareus's layer runs: set "
+                            "activation-checkpoint:full, activation-checkpoint:none or "
+                            "activation-checkpoint:selective")
     return names[kind]  # type: ignore[return-value]
 
 
@@ -503,6 +532,9 @@ class _BlockLayout:
         self.interleaved = isinstance(att.rope, _classes().ComplexRoPE)
         self.qk_norm = getattr(att, "q_norm", None) is not None
         self.per_kv = int(att.n_heads) // int(att.n_kv_heads)
+        # FlexAttention / VarlenAttention: the decoder's masks are block_causal documents
+        self.documents = isinstance(att.inner_attention, (_classes().Flex,
+                                                          _classes().Varlen))
         self._order: dict[tuple[int, str], Any] = {}
 
     def _fused_qkv(self, w: Any) -> Any:
@@ -613,7 +645,8 @@ def planned_blocks(model: Any) -> list[Any]:
 
 def apply_plan(model: Any, *, workload: Workload, mesh: Any = None, tp_group: Any = None,
                plan: Any = None, schedule: str | None = None, chain: bool | None = None,
-               full_ac: bool = False, **applier_kwargs: Any) -> PlanApplier:
+               full_ac: bool = False, replace_ac: bool = False,
+               **applier_kwargs: Any) -> PlanApplier:
     """Run every ``Llama3TransformerBlock`` (or ``Qwen3TransformerBlock``) of a built
     torchtitan model under a plan.
 
@@ -655,7 +688,13 @@ def apply_plan(model: Any, *, workload: Workload, mesh: Any = None, tp_group: An
             block's forward in its backward itself (the workload's ``recompute="full"``),
             so each wrapper calls its block directly (checkpointing it again would run the
             planned forward, collectives included, inside the backward). Any other
-            wrapper is refused.
+            wrapper is refused unless ``replace_ac``.
+        replace_ac: The blocks are wrapped in any of torchtitan's activation checkpointing
+            (full or per-op selective) and kareus's layer runs the workload's
+            recomputation policy in its place (each wrapper calls its block directly);
+            [`wrap_trainer`][kareus.integrations.torchtitan.wrap_trainer] sets it from the
+            Trainer's ``activation_checkpoint``
+            ([`recompute_from_torchtitan`][kareus.integrations.torchtitan.recompute_from_torchtitan]).
         **applier_kwargs: Passed to [`PlanApplier`][kareus.integrations.PlanApplier]
             (``executor``, ``frequency``, ``kernels``, ``record``, ...); ``rope_inv_freq``
             and ``eps`` come from the model.
@@ -691,18 +730,18 @@ def apply_plan(model: Any, *, workload: Workload, mesh: Any = None, tp_group: An
     arch = _check_model(model, workload)  # its layers and its TP layout: the workload's
     blocks = planned_blocks(model)
     wrappers = _checkpoint_wrappers(model, blocks)
-    if wrappers and not full_ac:
+    if wrappers and not (full_ac or replace_ac):
         raise WorkloadError("the blocks are wrapped in activation checkpointing: kareus's "
-                            "layer recomputes each block's forward fully itself; in "
-                            "torchtitan 0.3 use full checkpointing (activation-checkpoint:full"
-                            ", with wrap_trainer) or none (activation-checkpoint:none), with "
-                            "a workload of the same recompute policy")
+                            "layer runs the workload's recomputation policy itself; pass "
+                            "replace_ac=True (wrap_trainer does) or build without "
+                            "checkpointing (activation-checkpoint:none)")
     if not blocks:
         raise WorkloadError("the model has no Llama 3 or Qwen3 block (a pipeline stage "
                             "without layers needs no plan)")
     if any(hasattr(m, _APPLIER_ATTR) or hasattr(m, _CHAIN_ATTR) for m in model.modules()):
         raise ArgumentError("a plan is applied to this model already: remove_plan(model) "
                             "first")
+    _check_documents(model, blocks, plan, schedule)
     # chain=True refuses before anything is replaced
     decoders = [] if chain is False else _decoders(model, blocks, strict=bool(chain))
     inv = _rope_inv_freq(blocks[0])
@@ -754,8 +793,8 @@ def _block_seq(workload: Workload) -> int:
 
 
 def _around_blocks(blocks: list[Any], wrappers: list[Any], applier: PlanApplier) -> None:
-    """What wraps the planned blocks: full activation-checkpoint wrappers call their block
-    directly (kareus's layer recomputes its forward itself); torch.compile of a block
+    """What wraps the planned blocks: activation-checkpoint wrappers call their block
+    directly (kareus's layer runs the workload's recomputation policy itself); torch.compile of a block
     (torchtitan compiles each, fullgraph) would trace into the planned layer, so the block
     runs uncompiled (its compiled call set aside, restored by ``remove_plan``; the planned
     forward is excluded from compilation) while torchtitan's compiled loss stays."""
@@ -789,10 +828,11 @@ def _plan_block(block: Any, applier: PlanApplier, layer: Any) -> tuple[Any, _Blo
 
     def forward(self: Any, x: Any, attention_masks: Any = None, positions: Any = None
                 ) -> Any:
-        pos = _rope_positions(attention_masks, positions)
+        pos = _rope_positions(attention_masks, positions, layout.documents)
         local, rewrap = _unwrap_input(x, sp)
         _check_seq(local, seq, sp)
-        return rewrap(layer(local, layout.weights(self), positions=pos))
+        return rewrap(layer(local, layout.weights(self), positions=pos,
+                            documents=layout.documents))
 
     import torch
 
@@ -929,12 +969,13 @@ class _Chain:
 
     def run(self, h: Any, attention_masks: Any = None, positions: Any = None) -> Any:
         """Every block of the decoder on ``h``: what its loop computes."""
-        pos = _rope_positions(attention_masks, positions)
+        documents = self.layouts[0].documents
+        pos = _rope_positions(attention_masks, positions, documents)
         local, rewrap = _unwrap_input(h, self.sp)
         _check_seq(local, self.seq, self.sp)
         weights = [lay.weights(blk) for lay, blk in zip(self.layouts, self.blocks,
                                                          strict=True)]
-        return rewrap(self.stack(local, weights, positions=pos))
+        return rewrap(self.stack(local, weights, positions=pos, documents=documents))
 
     def remove(self, decoder: Any) -> None:
         del decoder.layers.values
@@ -1015,16 +1056,17 @@ def _unwrap_input(x: Any, sp: bool = False) -> tuple[Any, Callable[[Any], Any]]:
     return x.to_local(), rewrap
 
 
-def _rope_positions(attention_masks: Any, positions: Any) -> Any:
-    """The positions the planned layer rotates by: None where they are ``0 .. seq - 1`` in
-    every sequence (no packing), this rank's ``[batch, seq]`` positions where documents
-    are packed (positions restart at each one: RoPE at those positions, attention causal
-    over the whole sequence, as torchtitan's SDPA attention computes).
+def _rope_positions(attention_masks: Any, positions: Any, documents: bool = False) -> Any:
+    """The positions the planned layer rotates by (and, with ``documents``, masks the
+    documents of): None where they are ``0 .. seq - 1`` in every sequence (no packing:
+    one document per sequence), this rank's ``[batch, seq]`` positions where documents are
+    packed (positions restart at each one).
 
-    Refuses what makes attention other than causal over the whole sequence: masks without
-    positions (a custom mask), and masks of packed documents (FlexAttention's or
-    VarlenAttention's ``block_causal``: each document attends only to itself). A mask
-    built from positions ``0, 1, ..., seq - 1`` in every row is plain causal."""
+    ``documents``: the block's attention is FlexAttention or VarlenAttention, whose masks
+    torchtitan's decoder builds from the positions (``block_causal``: each token attends
+    to the earlier tokens of its own document); the planned layer builds the same mask
+    from the positions. Without it (SDPA) attention is causal over the whole sequence and
+    the decoder passes no masks: masks there (a custom mask) are refused."""
     import torch
 
     if positions is None:
@@ -1032,6 +1074,14 @@ def _rope_positions(attention_masks: Any, positions: Any) -> Any:
             raise WorkloadError("kareus's layer computes causal attention: attention masks "
                                 "without positions (a custom mask) are not supported")
         return None
+    if attention_masks is not None and not documents:
+        raise WorkloadError("the block gets attention masks but its attention is not "
+                            "FlexAttention or VarlenAttention (block_causal documents): "
+                            "kareus's layer does not compute a custom mask")
+    if _capturing():
+        # inside a CUDA graph capture (torchtitan's step capture, replayed for every batch)
+        # the values cannot be read, and the next batch's may differ: always rotate by them
+        return _local(positions)
     # Every block of one forward gets the same positions tensor: read it once (reading a
     # GPU tensor's values waits for the GPU, which a check per block would do per layer).
     seen = _CHECKED_POSITIONS.get("last")
@@ -1042,15 +1092,14 @@ def _rope_positions(attention_masks: Any, positions: Any) -> Any:
         want = torch.arange(p.shape[-1], device=p.device, dtype=p.dtype)
         plain = bool(torch.equal(p, want.expand_as(p)))
         _CHECKED_POSITIONS["last"] = (weakref.ref(positions), positions._version, plain, p)
-    if plain:
-        return None
-    if attention_masks is not None:
-        raise WorkloadError("the batch packs documents and the model's attention masks "
-                            "them (FlexAttention or VarlenAttention, block_causal): kareus's "
-                            "layer attends causally over the whole sequence; give the "
-                            "layers torchtitan's ScaledDotProductAttention "
-                            "(attention.inner_attention) or train without kareus")
-    return p
+    return None if plain else p
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is being captured (False without CUDA)."""
+    import torch
+
+    return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 #: The positions tensor checked last (a weak reference, its version counter, whether
@@ -1059,10 +1108,6 @@ _CHECKED_POSITIONS: dict[str, Any] = {}
 
 
 # ------------------------------------------------------------------ torchtitan's Trainer
-
-
-#: The recompute policies a planned layer runs (it recomputes each layer's forward).
-_LAYER_POLICIES = ("full",)
 
 
 def _trainer_parts(trainer: Any) -> tuple[Any, Any, Any]:
@@ -1082,14 +1127,8 @@ def _trainer_parts(trainer: Any) -> tuple[Any, Any, Any]:
     return config, dims, parts[0]
 
 
-def _recompute_policy(config: Any) -> str:
-    """The recompute policy of torchtitan's ``activation_checkpoint`` setting
-    ([`recompute_from_torchtitan`][kareus.integrations.torchtitan.recompute_from_torchtitan])."""
-    return recompute_from_torchtitan(config.activation_checkpoint)
-
-
-def workload_from_trainer(trainer: Any, *, nanobatches: int = 2,
-                          name: str | None = None) -> Workload:
+def workload_from_trainer(trainer: Any, *, nanobatches: int = 2, name: str | None = None,
+                          selective_as: str | None = None) -> Workload:
     """The [`Workload`][kareus.model.Workload] a torchtitan 0.3 ``Trainer`` runs, read from
     its config and its model (what ``kareus optimize`` makes the plan for).
 
@@ -1098,14 +1137,15 @@ def workload_from_trainer(trainer: Any, *, nanobatches: int = 2,
       layers kareus's layer does not compute;
     * parallelism: ``tp``, ``cp``, ``pp`` and the data-parallel degree (``dp_replicate x
       dp_shard``) of ``trainer.parallel_dims``; ``sp`` from
-      ``parallelism.enable_sequence_parallel``;
+      ``parallelism.enable_sequence_parallel`` (on by default; off at TP = 1);
     * the batch: ``microbatch_size = training.local_batch_size`` (one local batch per
       gradient-accumulation step), ``num_microbatches`` the Trainer's
       ``gradient_accumulation_steps``, ``seq_len = training.seq_len``;
     * ``recompute`` from ``activation_checkpoint``
       ([`recompute_from_torchtitan`][kareus.integrations.torchtitan.recompute_from_torchtitan]):
       ``None`` (``activation-checkpoint:none``) is ``"none"``, ``full`` ``"full"``;
-      ``selective`` (torchtitan's default, per-op) and ``memory-budget`` are refused;
+      ``selective`` (torchtitan's default, per-op) is ``selective_as`` (refused without
+      it: no kareus policy is torchtitan's per-op selection), ``memory-budget`` refused;
     * ``dtype_bytes`` from the dtype the blocks compute in: ``training.dtype`` if bfloat16,
       else FSDP's ``training.mixed_precision_param`` (torchtitan wraps every block in
       FSDP, whose mixed precision casts the parameters).
@@ -1115,77 +1155,197 @@ def workload_from_trainer(trainer: Any, *, nanobatches: int = 2,
         nanobatches: The nanobatch count of the baseline ``"nanobatching"`` schedule (a
             planning choice, not the Trainer's; a plan records its own).
         name: The model's name in the workload (default ``"torchtitan-<module>-<flavor>"``).
+        selective_as: Under torchtitan's per-op selective checkpointing, the
+            recomputation policy kareus's planned layers run in its place
+            (``"selective"``, ``"full"`` or ``"none"``); ignored otherwise.
 
     Raises:
         ArgumentTypeError: not a built torchtitan Trainer.
-        WorkloadError: pipeline parallelism, selective or memory-budget checkpointing, or a
-            layer kareus's layer does not compute.
+        WorkloadError: pipeline parallelism, selective checkpointing without
+            ``selective_as``, memory-budget checkpointing, or a layer kareus's layer does
+            not compute.
     """
     config, dims, _ = _trainer_parts(trainer)
+    return _workload_of(config, trainer.model_config,
+                        (int(dims.tp), int(dims.cp), int(dims.pp),
+                         int(dims.dp_replicate) * int(dims.dp_shard)),
+                        int(trainer.gradient_accumulation_steps), nanobatches=nanobatches,
+                        name=name, selective_as=selective_as)
+
+
+def _workload_of(config: Any, model_config: Any, degrees: tuple[int, int, int, int],
+                 accumulation_steps: int, *, nanobatches: int, name: str | None,
+                 selective_as: str | None) -> Workload:
+    """The workload of a Trainer config, its (updated, overridden) model config, its
+    ``(tp, cp, pp, dp)`` and gradient-accumulation steps."""
     spec = getattr(config, "model_spec", None)
     if name is None:
         name = (f"torchtitan-{spec.name}-{spec.flavor}" if spec is not None
                 else "torchtitan-model")
-    arch = model_arch_from_torchtitan(trainer.model_config, name=name)
+    arch = model_arch_from_torchtitan(model_config, name=name)
     training = config.training
     compute = (training.dtype if training.dtype == "bfloat16"
                else training.mixed_precision_param)
-    par = Parallelism(tp=int(dims.tp), cp=int(dims.cp), pp=int(dims.pp),
-                      dp=int(dims.dp_replicate) * int(dims.dp_shard),
-                      sp=bool(config.parallelism.enable_sequence_parallel))
+    tp, cp, pp, dp = degrees
+    par = Parallelism(tp=tp, cp=cp, pp=pp, dp=dp,
+                      sp=tp > 1 and bool(config.parallelism.enable_sequence_parallel))
+    recompute = recompute_from_torchtitan(config.activation_checkpoint,
+                                          selective_as=selective_as)
     return Workload(model=arch, parallelism=par,
                     microbatch_size=int(training.local_batch_size),
                     seq_len=int(training.seq_len),
-                    num_microbatches=int(trainer.gradient_accumulation_steps),
-                    nanobatches=int(nanobatches), recompute=_recompute_policy(config),
+                    num_microbatches=int(accumulation_steps),
+                    nanobatches=int(nanobatches), recompute=recompute,
                     dtype_bytes=2 if compute == "bfloat16" else 4)
 
 
-def _refuse_unsupported(trainer: Any, config: Any, model: Any, workload: Workload) -> None:
+def workload_from_torchtitan_config(config: Any, *, world_size: int, nanobatches: int = 2,
+                                    name: str | None = None,
+                                    selective_as: str | None = None) -> Workload:
+    """The workload torchtitan 0.3's ``Trainer`` would run for ``config`` on ``world_size``
+    ranks, without building it (no devices, no data): what ``kareus optimize
+    --torchtitan-args`` makes a plan for, equal to
+    [`workload_from_trainer`][kareus.integrations.torchtitan.workload_from_trainer] of the
+    built Trainer.
+
+    The model config is updated from the config and its ``--override.imports`` applied,
+    as the Trainer does; the degrees are ``ParallelDims.from_config`` (a
+    ``data_parallel_shard_degree`` of -1 takes the ranks left); the gradient-accumulation
+    steps ``training.global_batch_size`` over ``training.local_batch_size`` times the
+    data-parallel degree.
+
+    Args:
+        config: A ``Trainer.Config`` (``ConfigManager().parse_args([...])``); not changed.
+        world_size: The ranks the job runs on (``torchrun``'s ``WORLD_SIZE``).
+        nanobatches: As ``workload_from_trainer`` takes it.
+        name: As ``workload_from_trainer`` takes it.
+        selective_as: As ``workload_from_trainer`` takes it.
+
+    Raises:
+        ArgumentError: no model in the config, or degrees that do not multiply to
+            ``world_size``, or batch sizes that do not divide.
+        WorkloadError: as ``workload_from_trainer``.
+    """
+    config, model_config = _trainer_config_copy(config)
+    par = config.parallelism
+    rep, shard = int(par.data_parallel_replicate_degree), int(par.data_parallel_shard_degree)
+    cp, tp, pp = (int(par.context_parallel_degree), int(par.tensor_parallel_degree),
+                  int(par.pipeline_parallel_degree))
+    world = int(world_size)
+    if shard < 0:
+        shard = world // (rep * cp * tp * pp)
+    if shard < 1 or rep * shard * cp * tp * pp != world:
+        raise ArgumentError(f"torchtitan's degrees (data_parallel_replicate {rep} x "
+                            f"data_parallel_shard {par.data_parallel_shard_degree} x context "
+                            f"{cp} x tensor {tp} x pipeline {pp}) do not make {world} ranks: "
+                            "give the job's GPU count (--gpus)")
+    dp = rep * shard
+    local, glob = int(config.training.local_batch_size), int(config.training.global_batch_size)
+    if glob < 0:
+        glob = local * dp
+    if glob <= 0 or glob % (local * dp):
+        raise ArgumentError(f"training.global_batch_size {glob} is not a multiple of "
+                            f"training.local_batch_size {local} x the data-parallel degree "
+                            f"{dp}")
+    return _workload_of(config, model_config, (tp, cp, pp, dp), glob // (local * dp),
+                        nanobatches=nanobatches, name=name, selective_as=selective_as)
+
+
+def _trainer_config_copy(config: Any) -> tuple[Any, Any]:
+    """A copy of a ``Trainer.Config`` and its model config, updated from it and with its
+    ``--override.imports`` applied, as the Trainer does when it is built."""
+    import copy
+
+    check_torchtitan_version()
+    if getattr(config, "model_spec", None) is None:
+        raise ArgumentError("the torchtitan config has no model: give --module and --config")
+    config = copy.deepcopy(config)
+    config.model_spec.model.update_from_config(config=config)
+    if config.override.imports:
+        from torchtitan.config.override import apply_overrides  # type: ignore[import]
+
+        apply_overrides(config.override, config)
+    return config, config.model_spec.model
+
+
+def masks_documents(model_or_config: Any) -> bool:
+    """Whether a torchtitan model's attention masks packed documents (``FlexAttention`` /
+    ``VarlenAttention``: ``block_causal``), which plans do not cost. Takes a built model,
+    its config, or a ``Trainer.Config`` (its model after its ``--override.imports``)."""
+    tt = _classes()
+    if getattr(model_or_config, "model_spec", None) is not None:
+        model_or_config = _trainer_config_copy(model_or_config)[1]
+    return any(isinstance(lc.attention.inner_attention, (tt.Flex.Config, tt.Varlen.Config))
+               for lc in _model_config(model_or_config).layers or ())
+
+
+def _refuse_unsupported(config: Any, model: Any, workload: Workload) -> None:
     """Refuse, in torchtitan 0.3's own words, what kareus's planned layers do not run
     exactly as torchtitan would (before the first step)."""
-    if workload.parallelism.sequence_parallel:
-        raise WorkloadError("parallelism.enable_sequence_parallel is on (torchtitan's "
-                            "default): kareus's planned layers do not run sequence "
-                            "parallelism yet; pass --parallelism.no-enable-sequence-parallel "
-                            "(Python: config.parallelism.enable_sequence_parallel = False)")
-    if workload.recompute not in _LAYER_POLICIES:
-        raise WorkloadError(f"activation_checkpoint is {workload.recompute} (torchtitan's "
-                            "default is selective): kareus's planned layers recompute each "
-                            "layer's forward fully; pass activation-checkpoint:full (Python: "
-                            "config.activation_checkpoint = FullAC.Config()) and make the "
-                            "plan for it")
     if workload.parallelism.cp != 1:
         raise WorkloadError("parallelism.context_parallel_degree > 1: torchtitan's context "
                             "parallelism is its own attention over load-balanced chunks; "
                             "run --parallelism.context_parallel_degree 1")
-    if getattr(trainer, "fwd_bwd_fn", None) != getattr(trainer, "_forward_backward_body",
-                                                       None):
-        raise WorkloadError("training.disable_cuda_graphs is off: the Trainer captures its "
-                            "forward-backward in a CUDA graph, which kareus's planned layers "
-                            "do not run inside yet; pass --training.disable-cuda-graphs "
-                            "(Python: config.training.disable_cuda_graphs = True)")
     if config.parallelism.spmd_backend == "full_dtensor":
         raise WorkloadError("parallelism.spmd_backend full_dtensor: kareus's adapter is "
                             "tested with spmd_types (the default) and partial_dtensor")
-    masked = _document_masks(config, model)
-    if masked is not None:
-        raise WorkloadError(f"the model's attention is {masked}, which masks packed "
-                            "documents (block_causal; torchtitan's text loader always packs): "
-                            "kareus's layer attends causally over the whole sequence; give "
-                            "the layers torchtitan's ScaledDotProductAttention "
-                            "(attention.inner_attention, e.g. with --override.imports) or "
-                            "train without kareus")
 
 
-def _document_masks(config: Any, model: Any) -> str | None:
-    """The name of the model's attention where it masks documents (None: it does not)."""
+def _refuse_replayed_plan(plan: Any, schedule: str | None, stage: int = 0) -> None:
+    """Under torchtitan's CUDA graphs one captured forward-backward is replayed for every
+    gradient-accumulation step: refuse, before step 1, a plan whose computations of one
+    phase differ (the replay would run the captured one's choice for all)."""
+    if plan is None or schedule not in (None, "kareus"):
+        return
+    for phase in ("fwd", "bwd"):
+        mine = {v for k, v in plan.assignment.items()
+                if k.startswith(f"s{stage}.") and k.endswith(f".{phase}")}
+        if len(mine) > 1:
+            raise WorkloadError(
+                f"training.disable_cuda_graphs is off: torchtitan captures one "
+                f"forward-backward and replays it for every gradient-accumulation step, but "
+                f"the plan gives the {phase} computations {len(mine)} different choices "
+                "(configurations, nanobatches or clocks): make a plan with one choice per "
+                "phase, or pass --training.disable-cuda-graphs")
+
+
+def _masks_documents(block: Any) -> bool:
+    """Whether a block's attention is FlexAttention or VarlenAttention (the decoder gives
+    it ``block_causal`` document masks)."""
     tt = _classes()
-    for lc in getattr(model.config, "layers", ()):
-        inner = lc.attention.inner_attention
-        if isinstance(inner, (tt.Flex.Config, tt.Varlen.Config)):
-            return type(inner).__qualname__.split(".")[0]
-    return None
+    return isinstance(block.attention.inner_attention, (tt.Flex, tt.Varlen))
+
+
+def _check_documents(model: Any, blocks: list[Any], plan: Any, schedule: str | None
+                     ) -> None:
+    """Refuse what the planned layers' document masks would not reproduce: blocks of both
+    kinds (masked and not), a decoder whose masks are not torchtitan's ``block_causal``
+    documents (an overridden ``get_attention_masks``), and a plan for masked attention
+    (plans cost causal attention over the whole sequence, not the pairs within
+    documents that run)."""
+    tt = _classes()
+    kinds = {_masks_documents(b) for b in blocks}
+    if len(kinds) > 1:
+        raise WorkloadError("some blocks attend with FlexAttention or VarlenAttention "
+                            "(document masks) and some with SDPA: kareus applies one "
+                            "attention to every layer")
+    if kinds != {True}:
+        return
+    Decoder = tt.Decoder
+    for m in model.modules():
+        if isinstance(m, Decoder) and (
+                type(m).get_attention_masks is not Decoder.get_attention_masks
+                or type(m)._create_flex_attention_mask_for_document
+                is not Decoder._create_flex_attention_mask_for_document):
+            raise WorkloadError(f"{type(m).__name__} builds its own attention masks: kareus's "
+                                "layer computes torchtitan's block_causal document mask only")
+    if plan is not None and schedule in (None, "kareus"):
+        raise WorkloadError("the model's attention masks packed documents (FlexAttention or "
+                            "VarlenAttention, block_causal), which kareus's cost model does "
+                            "not cost (it costs causal attention over the whole sequence): "
+                            "run a baseline schedule (plan=None, schedule='sequential' or "
+                            "'nanobatching'), or give the layers torchtitan's "
+                            "ScaledDotProductAttention (attention.inner_attention) for a plan")
 
 
 def _plan_of(plan: Any) -> Any:
@@ -1199,8 +1359,25 @@ def _plan_of(plan: Any) -> Any:
                             f"{type(plan).__name__}")
 
 
+def _step_capture(trainer: Any) -> bool:
+    """Whether the Trainer captures its forward-backward in a CUDA graph (torchtitan's
+    ``training.disable_cuda_graphs = False`` on an NVIDIA GPU: its ``fwd_bwd_fn`` is
+    ``wrap_with_cuda_graph`` of ``_forward_backward_body``; on a CPU the wrapper is the
+    body itself). Refuses a forward-backward wrapped by anything else."""
+    body = getattr(trainer, "_forward_backward_body", None)
+    if getattr(trainer, "fwd_bwd_fn", None) == body:
+        return False
+    if not trainer.config.training.disable_cuda_graphs:
+        return True
+    raise WorkloadError("the Trainer's fwd_bwd_fn is wrapped by something other than "
+                        "torchtitan's CUDA graphs (training.disable_cuda_graphs is set): "
+                        "kareus enters its scopes in torchtitan's own forward-backward; "
+                        "remove that wrapper")
+
+
 def wrap_trainer(trainer: Any, plan: Any = None, *, schedule: str | None = None,
-                 chain: bool | None = None, **applier_kwargs: Any) -> PlanApplier:
+                 chain: bool | None = None, selective_as: str | None = None,
+                 **applier_kwargs: Any) -> PlanApplier:
     """Apply a plan to a torchtitan 0.3 ``Trainer``: one call between ``config.build()``
     and ``trainer.train()``, on every rank.
 
@@ -1217,15 +1394,30 @@ def wrap_trainer(trainer: Any, plan: Any = None, *, schedule: str | None = None,
       global_valid_tokens, extra_kwargs)``; this replaces ``fwd_bwd_fn`` on the instance by
       the same steps, the forward in ``applier.microbatch(mb, "fwd")`` and the backward in
       ``applier.microbatch(mb, "bwd")``, ``mb`` counting the calls of one step;
+    * **CUDA graphs** (``training.disable_cuda_graphs = False``, torchtitan's default on
+      NVIDIA GPUs): those steps are wrapped in torchtitan's own ``wrap_with_cuda_graph``
+      as its body was, so torchtitan warms them up eagerly, captures them once and replays
+      the capture for every gradient-accumulation step; the planned layers launch their
+      kernels into that capture (no graphs of their own). As one capture serves every
+      microbatch, a plan must give every forward (and every backward) one choice: others
+      are refused here;
+    * **sequence parallelism** (``parallelism.enable_sequence_parallel``, the default):
+      the planned layers take and return this rank's sequence shard, as torchtitan's
+      blocks do (the workload's ``sp``);
+    * **activation checkpointing**: torchtitan's checkpoint wrapper around each block
+      calls the planned block directly, which runs the workload's recomputation policy:
+      ``full`` is kareus's ``"full"``, ``none`` its ``"none"``; torchtitan's per-op
+      ``selective`` (the default) is none of kareus's policies, so the policy run in its
+      place is named: the plan's workload's ``recompute`` (it was made for it), or
+      ``selective_as`` without a plan
+      ([`recompute_from_torchtitan`][kareus.integrations.torchtitan.recompute_from_torchtitan]);
     * **validation** (``validator.enable``): the validator's forward-only batches run the
       planned layers under the ``"sequential"`` schedule (no plan configuration exists for
       a forward without its backward; the values are the same);
     * **packed documents**: each batch's ``positions`` (restarting at every document)
       rotate the planned layers' RoPE, as torchtitan's blocks do;
     * **torch.compile** (``compile.enable``): the planned blocks run uncompiled (torch's
-      ``torch.compiler.disable``), torchtitan compiles the rest (the loss);
-    * **activation checkpointing**: ``activation-checkpoint:full`` is kareus's full
-      recomputation (the wrapper calls the planned block, which recomputes itself).
+      ``torch.compiler.disable``), torchtitan compiles the rest (the loss).
 
     Passing a [`PlanApplier`][kareus.integrations.PlanApplier] made with ``apply_plan``
     instead of a plan only enters its scopes (the lower-level path).
@@ -1237,21 +1429,24 @@ def wrap_trainer(trainer: Any, plan: Any = None, *, schedule: str | None = None,
         schedule: As ``apply_plan`` takes it (default ``"kareus"`` with a plan).
         chain: As ``apply_plan`` takes it. torchtitan wraps every block in FSDP (even at
             one data-parallel rank), so under the Trainer the blocks run per block.
+        selective_as: Under torchtitan's per-op selective checkpointing, the policy the
+            planned layers run in its place; default: the plan's workload's ``recompute``
+            (required without a plan).
         **applier_kwargs: Passed to ``apply_plan`` (``kernels``, ``record``, ...).
 
     Returns:
         The applier (``applier.partitions_run`` with ``record=True``).
 
     Raises:
-        WorkloadError: what kareus does not run as torchtitan would: sequence parallelism,
-            activation checkpointing other than full, context or pipeline parallelism,
-            CUDA graphs, attention masking packed documents, a layer kareus does not
-            compute.
+        WorkloadError: what kareus does not run as torchtitan would: context or pipeline
+            parallelism, memory-budget checkpointing, selective checkpointing without a
+            policy named, attention masking packed documents, a plan of several choices
+            per phase under CUDA graphs, a layer kareus does not compute.
         PlanError: the plan was made for another workload; a step runs more microbatches
             than the plan's workload.
     """
     if isinstance(plan, PlanApplier):
-        if applier_kwargs or schedule is not None or chain is not None:
+        if applier_kwargs or schedule is not None or chain is not None or selective_as:
             raise ArgumentError("wrap_trainer(trainer, applier) only enters the applier's "
                                 "scopes: pass plan options to apply_plan")
         check_torchtitan_version()
@@ -1260,26 +1455,38 @@ def wrap_trainer(trainer: Any, plan: Any = None, *, schedule: str | None = None,
             raise WorkloadError("pipeline parallelism (parallelism.pipeline_parallel_degree "
                                 "> 1): kareus's adapter does not enter the pipeline "
                                 "schedule's steps; run --parallelism.pipeline_parallel_degree 1")
-        if getattr(trainer, "fwd_bwd_fn", None) != getattr(trainer, "_forward_backward_body",
-                                                           None):
-            raise WorkloadError("the trainer's forward-backward is wrapped (CUDA graphs or "
-                                "another wrapper): pass --training.disable-cuda-graphs")
         applier = plan
+        captured = _step_capture(trainer)
+        if captured:
+            _refuse_replayed_plan(applier.plan, applier.schedule, applier.stage)
     else:
         plan = _plan_of(plan)
         config, dims, model = _trainer_parts(trainer)
-        nb = int((plan.workload or {}).get("nanobatches", 2)) if plan is not None else 2
-        workload = workload_from_trainer(trainer, nanobatches=nb)
-        _refuse_unsupported(trainer, config, model, workload)
+        planned = (plan.workload or {}) if plan is not None else {}
+        nb = int(planned.get("nanobatches", 2))
+        if selective_as is None and plan is not None:
+            selective_as = planned.get("recompute")
+        workload = workload_from_trainer(trainer, nanobatches=nb, selective_as=selective_as)
+        _refuse_unsupported(config, model, workload)
+        captured = _step_capture(trainer)
+        if captured:
+            _refuse_replayed_plan(plan, schedule)
+        from torchtitan.distributed.activation_checkpoint import (  # type: ignore[import-untyped, import-not-found]
+            SelectiveAC,
+        )
+
+        if isinstance(config.activation_checkpoint, SelectiveAC.Config):
+            _log.info("kareus: torchtitan's per-op selective activation checkpointing is "
+                      "replaced by kareus's recompute=%s in the planned layers",
+                      workload.recompute)
         applier = apply_plan(model, workload=workload, mesh=dims, plan=plan,
                              schedule=schedule, chain=chain,
-                             full_ac=workload.recompute == "full"
-                             and config.activation_checkpoint is not None,
+                             replace_ac=config.activation_checkpoint is not None,
                              **applier_kwargs)
         validator = getattr(trainer, "validator", None)
         if config.validator.enable and validator is not None:
             _wrap_validator(validator, applier)
-    _enter_scopes(trainer, applier)
+    _enter_scopes(trainer, applier, captured=captured)
     return applier
 
 
@@ -1300,9 +1507,10 @@ def _wrap_validator(validator: Any, applier: PlanApplier) -> None:
     validator.validate = sequential_validate
 
 
-def _enter_scopes(trainer: Any, applier: PlanApplier) -> None:
+def _enter_scopes(trainer: Any, applier: PlanApplier, *, captured: bool = False) -> None:
     """Replace the Trainer's ``fwd_bwd_fn`` by its own steps inside the applier's
-    microbatch scopes, and restart the microbatch count at each ``train_step``."""
+    microbatch scopes (wrapped in torchtitan's CUDA graph wrapper where the Trainer's was:
+    ``captured``), and restart the microbatch count at each ``train_step``."""
     limit = applier.workload.num_microbatches
     state = {"mb": 0}
     train_step = trainer.train_step
@@ -1313,6 +1521,8 @@ def _enter_scopes(trainer: Any, applier: PlanApplier) -> None:
 
     def fwd_bwd(inputs: Any, labels: Any, global_valid_tokens: Any,
                 extra_kwargs: dict[str, Any]) -> Any:
+        # under a step capture this runs for torchtitan's eager warm-up and its one
+        # capture only; the replays run what was captured
         mb = state["mb"]
         if mb >= limit:
             raise PlanError(f"a training step ran microbatch {mb}; the plan's workload has "
@@ -1329,8 +1539,16 @@ def _enter_scopes(trainer: Any, applier: PlanApplier) -> None:
                 loss.backward()
         return loss
 
-    trainer.fwd_bwd_fn = fwd_bwd
+    fn: Any = fwd_bwd
+    if captured:
+        from torchtitan.distributed.cudagraph import (  # type: ignore[import]
+            wrap_with_cuda_graph,
+        )
+
+        fn = wrap_with_cuda_graph(fwd_bwd)
+    trainer.fwd_bwd_fn = fn
     trainer.train_step = counted_train_step
+
 
 
 @contextlib.contextmanager
@@ -1350,17 +1568,21 @@ def _no_typecheck() -> Iterator[None]:
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m kareus.integrations.torchtitan [--plan PATH] [--schedule NAME]
-    --module M --config C [torchtitan's flags]``: torchtitan 0.3's own ``-m
+    [--selective-as POLICY] --module M --config C [torchtitan's flags]``: torchtitan 0.3's own ``-m
     torchtitan.train`` (its config parser, ``Trainer``, training loop and teardown) with
     [`wrap_trainer`][kareus.integrations.torchtitan.wrap_trainer] between building the
     Trainer and training it. ``--plan``: ``kareus optimize``'s ``plan.json`` made for
     [`workload_from_trainer`][kareus.integrations.torchtitan.workload_from_trainer] of
     this config; without it, ``--schedule`` names a baseline (``sequential``,
-    ``nanobatching``). Run it under ``torchrun`` as torchtitan's own entry point."""
+    ``nanobatching``). ``--selective-as``: under torchtitan's per-op selective activation
+    checkpointing (its default), the recomputation policy kareus's layers run in its place
+    (default: the plan's; required without a plan). Run it under ``torchrun`` as
+    torchtitan's own entry point."""
     import sys
 
     args = list(sys.argv[1:] if argv is None else argv)
-    mine: dict[str, str | None] = {"--plan": None, "--schedule": None}
+    mine: dict[str, str | None] = {"--plan": None, "--schedule": None,
+                                   "--selective-as": None}
     rest: list[str] = []
     it = iter(args)
     for arg in it:
@@ -1382,7 +1604,8 @@ def main(argv: list[str] | None = None) -> None:
     config = ConfigManager().parse_args(rest)
     trainer = config.build()
     try:
-        wrap_trainer(trainer, mine["--plan"], schedule=mine["--schedule"])
+        wrap_trainer(trainer, mine["--plan"], schedule=mine["--schedule"],
+                     selective_as=mine["--selective-as"])
         trainer.train()
     finally:
         trainer.close()

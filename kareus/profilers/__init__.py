@@ -12,6 +12,10 @@ on GPUs, an identity for manifests and resumes):
   kept in agreement by a [`Coordinator`][kareus.profilers.Coordinator].
 - [`ReplayProfiler`][kareus.profilers.ReplayProfiler] / [`RecordingProfiler`][kareus.profilers.RecordingProfiler]:
   measurements recorded once and replayed.
+- [`EmulatedCollectiveTimes`][kareus.profilers.EmulatedCollectiveTimes]: how long a real
+  collective takes (measured curves, or the emulator's link model), the times the
+  time-faithful one-GPU stand-in holds
+  ([`TimedLoopbackGroupCollective`][kareus.exec.train.TimedLoopbackGroupCollective]).
 - Calibration of the emulator from a GPU's own measurements: ``kareus.profilers.calibrate``
   (``kareus calibrate``) and ``kareus.profilers.profile_build`` (a GPU profile from recorded
   files).
@@ -28,6 +32,7 @@ from kareus._lazy import attach
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from kareus.model.profiler import Profiler, ProfilerWrapper
+    from kareus.profilers.collective_times import EmulatedCollectiveTimes
     from kareus.profilers.emulator import EmulatedGPU, EmulatedProfiler, EmulationTrace
     from kareus.profilers.nvml import (
         Coordinator,
@@ -50,10 +55,12 @@ _NAMES = {
                      "NVMLProfiler", "PartitionRunner", "TorchDistributedCoordinator",
                      "TorchPartitionRunner"), "kareus.profilers.nvml"),
     **dict.fromkeys(("RecordingProfiler", "ReplayProfiler"), "kareus.profilers.replay"),
+    "EmulatedCollectiveTimes": "kareus.profilers.collective_times",
 }
 
 __all__ = [
     "Coordinator",
+    "EmulatedCollectiveTimes",
     "EmulatedGPU",
     "EmulatedProfiler",
     "EmulationTrace",

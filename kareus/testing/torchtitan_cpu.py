@@ -187,7 +187,10 @@ def cpu_trainer_config(assets: str | os.PathLike[str], *args: str, module: str =
     so they override these. With ``sdpa`` (the default), attention is torchtitan's SDPA,
     causal over the packed sequence (``--override.imports``
     [`causal_sdpa`][kareus.testing.torchtitan_sdpa.causal_sdpa]): FlexAttention, which the
-    stock configs use, has no backward on a CPU.
+    stock configs use, has no backward on a CPU. With ``sdpa=False`` the stock attention
+    stays: torchtitan alone cannot train it here, but under ``wrap_trainer`` with a
+    baseline schedule the planned layers compute its document masks themselves (plans do
+    not cost them).
 
     Raises:
         SystemExit: torchtitan's parser refused an argument (it prints why).

@@ -93,7 +93,8 @@ def tuning_backends(env: Any, wanted: Sequence[str] | None,
     return named, notes
 
 
-def one_gpu_backends(workload: Workload) -> tuple[dict[str, Any], Any, str]:
+def one_gpu_backends(workload: Workload, *, loopback: str = "plain",
+                     gpu: str | None = None) -> tuple[dict[str, Any], Any, str]:
     """The collective backends of a tuning run on one GPU (a world of one process).
 
     The partitions' communication buffers are sized for their groups (a CP all-gather's
@@ -104,20 +105,48 @@ def one_gpu_backends(workload: Workload) -> tuple[dict[str, Any], Any, str]:
     [`LoopbackGroups`][kareus.exec.train.LoopbackGroups]). A workload with TP = CP = 1 gets a
     [`LoopbackCollective`][kareus.exec.LoopbackCollective] (a world of one; needs a GPU).
 
+    Args:
+        workload: The job.
+        loopback: ``"plain"`` (a kernel of the collective's bytes) or ``"faithful"`` (the
+            time-faithful stand-in,
+            [`TimedLoopbackGroupCollective`][kareus.exec.train.TimedLoopbackGroupCollective],
+            its times from [`EmulatedCollectiveTimes`][kareus.profilers.EmulatedCollectiveTimes]
+            of ``gpu``: every figure it makes is a STAND-IN's, and the note says so).
+        gpu: The GPU preset whose collective times the faithful stand-in takes.
+
     Returns:
         ``({"loopback": capped backend}, the default backend, a line saying what runs)``.
     """
     from kareus.exec.train import LoopbackGroups, make_collectives
 
     p = workload.parallelism
+    times = None
+    if loopback == "faithful":
+        from kareus.profilers.collective_times import EmulatedCollectiveTimes
+
+        if gpu is None:
+            raise ArgumentError("loopback='faithful' needs the GPU preset whose collective "
+                                "times it stands in for (gpu=)")
+        times = EmulatedCollectiveTimes(gpu)
     capped, default, note = make_collectives(LoopbackGroups(tp=p.tp, cp=p.cp),
-                                             backend="loopback")
+                                             backend="loopback", loopback=loopback,
+                                             times=times)
     if capped is None:  # TP = CP = 1: nothing to stand in for
         from kareus.exec.collectives import LoopbackCollective
 
         loop = LoopbackCollective()
         return {"loopback": loop}, loop, "LoopbackCollective (a world of one)"
     return {"loopback": capped}, default, note
+
+
+def _check_loopback(loopback: str, world: int) -> None:
+    from kareus.exec.train import LOOPBACK_MODES
+
+    if loopback not in LOOPBACK_MODES:
+        raise ArgumentError(f"--loopback must be one of {LOOPBACK_MODES}, got {loopback!r}")
+    if loopback != "plain" and world != 1:
+        raise ArgumentError(f"--loopback {loopback} stands in for the groups on one GPU; "
+                            f"{world} processes run the real collectives: leave it out")
 
 
 def detect_gpu_preset(device_name: str) -> str:
@@ -143,7 +172,7 @@ def tune(workload: Workload, *, out_dir: str | os.PathLike[str], gpu: str | None
          kernels: Any = None, deadline_s: float | None = None,
          energy_budget_j: float | None = None,
          profiler_options: dict[str, Any] | None = None,
-         graphs: bool | None = None) -> TuneReport | None:
+         graphs: bool | None = None, loopback: str = "plain") -> TuneReport | None:
     """Tune ``workload`` on this job's GPUs; call it on every rank (under ``torchrun``).
 
     The world is one pipeline stage's TP x CP group (``world_size == tp x cp``), or one
@@ -176,6 +205,11 @@ def tune(workload: Workload, *, out_dir: str | os.PathLike[str], gpu: str | None
         graphs: Measure CUDA-graph replays of each step (``None``, the default: as the
             training loop runs on a GPU) or eager launches (``False``);
             ``TorchExecutor(graphs=...)``.
+        loopback: In a world of one: ``"plain"`` (the default) or ``"faithful"`` (each
+            collective stood in for by a kernel that holds its SM count for the real
+            collective's time: ``one_gpu_backends``; ``tune.json`` and every line say
+            STAND-IN). Refused in a world of several processes (they run the real
+            collectives).
 
     Returns:
         The report on rank 0, ``None`` elsewhere.
@@ -228,8 +262,13 @@ def tune(workload: Workload, *, out_dir: str | os.PathLike[str], gpu: str | None
     spec = get_gpu(gpu_name)
 
     # Collective backends: every one that runs on this group, the same on every rank.
+    from kareus.exec.train import STAND_IN_LABEL
+
+    _check_loopback(loopback, world)
+    loop_note = ""
     if world == 1:
-        named, default, loop_note = one_gpu_backends(workload)
+        named, default, loop_note = one_gpu_backends(workload, loopback=loopback,
+                                                     gpu=gpu_name)
         notes: dict[str, str] = {}
     else:
         # One backend per TP and CP group (all-reduces over TP, all-gathers and
@@ -300,6 +339,10 @@ def tune(workload: Workload, *, out_dir: str | os.PathLike[str], gpu: str | None
                 "static_power_w": prof.static_power_w(),
                 "counter_step_s": prof.step_period_s,
                 "smoke_run": world == 1,
+                "loopback": loopback if world == 1 else None,
+                "stand_in": (f"{STAND_IN_LABEL}: every measurement of this run is a "
+                             "stand-in's" if world == 1 and loopback == "faithful" else None),
+                "collectives": loop_note if world == 1 else ", ".join(names),
                 # a partition is measured on this world's GPUs and stands for its TP x CP
                 # group: energy and static power scaled to the group where they differ
                 "energy_scope": (f"each partition measured on {world} GPU(s) and scaled to "

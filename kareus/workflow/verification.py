@@ -160,8 +160,9 @@ class SystemCheck:
         system: Its name (``"kareus"``, ``"megatron"``, ``"nanobatching"``).
         schedule: The training loop's schedule that ran it.
         predicted: What the tune composed.
-        measured: What the loop measured (energies scaled to the job); ``None`` when the
-            energy could not be read (no counter step in a window).
+        measured: What the loop measured (energies scaled to the job): the mean over the
+            runs whose energy was measured (``energy_runs`` of ``repeats``); ``None`` when
+            no run's energy was (never a number that was not measured).
         time_s_spread: Sample standard deviation of the time over repeats.
         total_j_spread: Same for the total energy (``None`` without energy).
         repeats: Runs averaged.
@@ -169,6 +170,15 @@ class SystemCheck:
             the CPU).
         sm_clock_mhz: Mean SM clock the meter sampled in its windows.
         measured_time_s: The measured iteration time (also when the energy is missing).
+        energy_method: How the energy was measured: ``"nvml_counter"`` (NVML's
+            total-energy counter between its steps inside each window),
+            ``"nvml_power_samples"`` (no counter step in a window: NVML's sampled power
+            readings, coarser), several joined by ``" + "`` with their run counts where
+            runs differed, ``"stand_in"`` (the CPU dry run: not a measurement), or
+            ``None``.
+        energy_runs: Runs whose energy was measured.
+        iterations: Timed iterations per run (the mean; ``steps`` or more, lengthened
+            for the energy counter).
     """
 
     system: str
@@ -181,6 +191,9 @@ class SystemCheck:
     repeats: int
     gpu_busy: float | None = None
     sm_clock_mhz: float | None = None
+    energy_method: str | None = None
+    energy_runs: int = 0
+    iterations: float = 0.0
 
     def ratios(self) -> dict[str, float | None]:
         """Measured over predicted, per figure (``None`` where there is none)."""
@@ -235,7 +248,11 @@ class VerifyReport:
         head = (f"{'system':13s} {'':9s} {'time (s)':>9s} {'static (J)':>11s} "
                 f"{'dynamic (J)':>12s} {'total (J)':>10s}  {'busy':>5s} {'SM MHz':>6s}")
         lines = ([] if self.measured else ["CPU DRY RUN: NOT A MEASUREMENT (see the note "
-                                           "below)"]) + [head, "-" * len(head)]
+                                           "below)"])
+        if self.facts.get("stand_in"):
+            lines.append(f"{self.facts['stand_in']}: every measured figure below is a "
+                         "stand-in's (see the note)")
+        lines += [head, "-" * len(head)]
 
         def row(label: str, f: Figures | None, time_s: float) -> str:
             if f is None:
@@ -256,6 +273,9 @@ class VerifyReport:
             ok = "ok" if s.within(self.tolerance) else f"OUTSIDE {100 * self.tolerance:g}%"
             lines.append(f"{'':13s} {'ratio':9s} {cells[0]:>9s} {cells[1]:>11s} "
                          f"{cells[2]:>12s} {cells[3]:>10s}  {ok}")
+            lines.append(f"{'':13s} energy from {s.energy_method or 'NOTHING (not measured)'}"
+                         f", {s.energy_runs} of {s.repeats} runs, {s.iterations:.0f} "
+                         "iterations per run")
         lines.append("")
         lines.append(self.note)
         return "\n".join(lines)
@@ -344,6 +364,8 @@ class _StandInMeter:
     """The CPU dry run's meter: a constant power per GPU, no counter, no clocks. NOT a
     measurement."""
 
+    energy_method = "stand_in"
+
     def __init__(self, power_w: float) -> None:
         self.power_w = float(power_w)
 
@@ -393,6 +415,7 @@ def verify(plan: Plan | str | os.PathLike[str], *,
            repeats: int = 2, order_seed: int = 0, seed: int = 0, tolerance: float = 0.10,
            device: str | None = None, backend: str | None = None, graphs: bool | None = None,
            kernels: Any = None, busy_steps: int = 2, nvml: Any = None,
+           min_window_s: float | None = None, loopback: str = "plain",
            out: str | os.PathLike[str] | None = None,
            log: Callable[[str], None] | None = None) -> VerifyReport | None:
     """Run the plan and the baselines it was compared with; compare with the predictions.
@@ -425,6 +448,20 @@ def verify(plan: Plan | str | os.PathLike[str], *,
             (per system; 0: no busy fraction).
         nvml: A fake NVML module (tests); ``None``: ``pynvml`` on a GPU, the stand-in
             meter on the CPU.
+        min_window_s: The shortest timed window of a run (s): iterations are added after
+            ``steps`` until the window lasts this long, so that NVML's energy counter
+            (which steps about every 100 ms on an H200) steps several times inside it;
+            ``None``: [`min_energy_window_s`][kareus.exec.nvml_device.min_energy_window_s]
+            of the meter (about 0.75 s on an H200; 0 for the CPU dry run's stand-in). A
+            run whose window still holds no counter step takes its energy from NVML's
+            sampled power readings, and ``verify.json`` says so (``energy_method``).
+        loopback: In one process: ``"plain"`` (the loopback kernel of each collective's
+            bytes, far shorter than the real collective) or ``"faithful"`` (each collective
+            holds its SM count for the real collective's time at that count and size, from
+            the measured collective curves or the emulator's link model:
+            [`TimedLoopbackGroupCollective`][kareus.exec.train.TimedLoopbackGroupCollective]);
+            every figure made with it is labelled a STAND-IN. Refused under ``torchrun``
+            (the real collectives run there).
         out: Where rank 0 writes ``verify.json`` (a file or a folder; ``None``: beside a
             plan file, or nowhere for a plan object).
         log: Progress lines (rank 0).
@@ -459,6 +496,8 @@ def verify(plan: Plan | str | os.PathLike[str], *,
     """
     if min(steps, repeats) < 1 or warmup < 0 or busy_steps < 0:
         raise ArgumentError("steps and repeats must be >= 1, warmup and busy_steps >= 0")
+    if min_window_s is not None:
+        min_window_s = check_number("min_window_s", min_window_s, minimum=0.0)
     tolerance = check_number("tolerance", tolerance, positive=True)
     plan, res, where = _load_inputs(plan, results)
     predicted = _predictions(plan, res, systems)
@@ -469,7 +508,7 @@ def verify(plan: Plan | str | os.PathLike[str], *,
 
     with contextlib.ExitStack() as stack:
         job = open_job_loop(stack, plan, device=device, backend=backend, graphs=graphs,
-                            kernels=kernels, seed=seed, nvml=nvml)
+                            kernels=kernels, seed=seed, nvml=nvml, loopback=loopback)
         loop, wl, cpu, rank, world = job.loop, job.workload, job.cpu, job.rank, job.world
 
         def say(msg: str) -> None:
@@ -484,8 +523,17 @@ def verify(plan: Plan | str | os.PathLike[str], *,
             torch.cuda.synchronize()
         say(f"warmed up; {wl.describe()}, {loop.layers} layers; {job.collectives_note}")
         order = shuffled_order(schedules, repeats, order_seed)
+        from kareus.exec.nvml_device import min_energy_window_s
+
+        if (min_window_s is None and hasattr(job.meter, "step_period_s")
+                and job.meter.step_period_s() is None):  # learn the counter's period
+            job.meter.wait_edges(3, timeout_s=1.0)
+        window = (min_window_s if min_window_s is not None else
+                  0.0 if isinstance(job.meter, _StandInMeter) else
+                  min_energy_window_s(job.meter))
         records = measure_runs(loop, order, steps=steps, warmup=warmup, meter=job.meter,
-                               barrier=job.barrier, log=say)
+                               barrier=job.barrier, log=say, min_window_s=window,
+                               agree=lambda n: max(job.gather(n)))
         busy_s: dict[str, float | None] = {s: None for s in schedules}
         if not cpu and busy_steps:
             busy_s = _queued_iteration_s(loop, schedules, busy_steps, torch)
@@ -498,6 +546,8 @@ def verify(plan: Plan | str | os.PathLike[str], *,
                          "collectives": job.collectives_note, "meter": job.meter_note,
                          "device": job.device_name, "warmup": warmup, "steps": steps,
                          "repeats": repeats, "order_seed": order_seed, "seed": seed,
+                         "min_window_s": window, "loopback": job.loopback,
+                         "stand_in": job.stand_in,
                          "graphs": bool(loop.graphs), "layers": loop.layers,
                          "elapsed_s": time.perf_counter() - t_begin})
     target = Path(out) if out is not None else (where / VERIFY_NAME if where else None)
@@ -525,6 +575,9 @@ class JobLoop:
         barrier: Every rank waits (``None`` in a world of one).
         gather: ``obj -> every rank's obj``.
         clock_requests: How many clock requests reached the dry-run controller.
+        loopback: The one-GPU stand-in (``"plain"`` or ``"faithful"``), ``None`` with
+            real collectives.
+        stand_in: The STAND-IN label of a time-faithful loopback's figures, else ``None``.
     """
 
     loop: Any
@@ -539,11 +592,13 @@ class JobLoop:
     barrier: Callable[[], Any] | None
     gather: Callable[[Any], list[Any]]
     clock_requests: Callable[[], int]
+    loopback: str | None = None
+    stand_in: str | None = None
 
 
 def open_job_loop(stack: contextlib.ExitStack, plan: Plan, *, device: str | None = None,
                   backend: str | None = None, graphs: bool | None = None, kernels: Any = None,
-                  seed: int = 0, nvml: Any = None) -> JobLoop:
+                  seed: int = 0, nvml: Any = None, loopback: str = "plain") -> JobLoop:
     """Set up the plan's job in this process as ``kareus verify`` does: the process group
     (several ranks) or loopback groups standing in for the job's (one), the collectives, a
     dry-run clock controller (stream-ordered on a GPU: clocks are never changed), the
@@ -574,18 +629,27 @@ def open_job_loop(stack: contextlib.ExitStack, plan: Plan, *, device: str | None
     if cpu and world != 1:
         raise ArgumentError("the CPU dry run is one process (loopback groups stand in for "
                             "the job's): run it without torchrun")
+    from kareus.exec.train import LOOPBACK_MODES
+
+    if loopback not in LOOPBACK_MODES:
+        raise ArgumentError(f"--loopback must be one of {LOOPBACK_MODES}, got {loopback!r}")
+    if loopback != "plain" and world != 1:
+        raise ArgumentError(f"--loopback {loopback} stands in for the groups in one process; "
+                            f"{world} processes run the real collectives: leave it out")
     ctx = _setup(stack, plan, wl, cpu=cpu, world=world, backend=backend, graphs=graphs,
-                 kernels=kernels, seed=seed, nvml=nvml)
+                 kernels=kernels, seed=seed, nvml=nvml, loopback=loopback)
     return JobLoop(loop=ctx["loop"], workload=wl, meter=ctx["meter"], cpu=cpu,
                    rank=ctx["rank"], world=world, device_name=ctx["device_name"],
                    collectives_note=ctx["collectives"], meter_note=ctx["meter_note"],
                    barrier=ctx["barrier"], gather=ctx["gather"],
-                   clock_requests=ctx["fired"])
+                   clock_requests=ctx["fired"],
+                   loopback=loopback if world == 1 and p.tp * p.cp > 1 else None,
+                   stand_in=ctx.get("stand_in"))
 
 
 def _setup(stack: contextlib.ExitStack, plan: Plan, wl: Workload, *, cpu: bool, world: int,
-           backend: str | None, graphs: bool | None, kernels: Any, seed: int, nvml: Any
-           ) -> dict[str, Any]:
+           backend: str | None, graphs: bool | None, kernels: Any, seed: int, nvml: Any,
+           loopback: str = "plain") -> dict[str, Any]:
     """The process group, groups, collectives, trigger, loop and meter (closed by
     ``stack``)."""
     import torch
@@ -628,9 +692,19 @@ def _setup(stack: contextlib.ExitStack, plan: Plan, wl: Workload, *, cpu: bool, 
     configs = [c for cs in plan.partition_configs().values() for c in cs]
     caps = tuple(sorted({c.comm_sms for c in configs}))
     named_wanted = {c.backend for c in configs if c.backend}
+    times = None
+    if loopback == "faithful" and world == 1 and p.tp * p.cp > 1:
+        from kareus.exec.train import STAND_IN_LABEL
+        from kareus.profilers.collective_times import EmulatedCollectiveTimes
+
+        times = EmulatedCollectiveTimes(plan.gpu)
+        ctx["stand_in"] = STAND_IN_LABEL
+    mode = "faithful" if times is not None else "plain"
     if p.tp * p.cp > 1:
-        capped, default, note = make_collectives(groups, backend=backend, caps=caps)
-        named = (named_collectives(groups, named_wanted, caps=caps)
+        capped, default, note = make_collectives(groups, backend=backend, caps=caps,
+                                                 loopback=mode, times=times)
+        named = (named_collectives(groups, named_wanted, caps=caps, loopback=mode,
+                                   times=times)
                  if named_wanted and not cpu else {})
     else:
         capped = default = named = None  # type: ignore[assignment]
@@ -720,11 +794,18 @@ def _report(plan: Plan, wl: Workload, predicted: Mapping[str, Figures],
         per = [e["runs"][k] for e in every]
         energies = [x["energy_j"] for x in per]
         clocks = [x.get("sm_clock_mhz") for x in per if x.get("sm_clock_mhz") is not None]
+        methods = sorted({str(x.get("energy_method")) for x in per})
         runs.append({"schedule": schedule, "repeat": repeat,
+                     # every rank ran the same iterations (agreed in measure_runs)
                      "step_time_s": [max(x["step_time_s"][i] for x in per)
-                                     for i in range(steps)],
+                                     for i in range(min(len(x["step_time_s"]) for x in per))],
+                     "window_s": max(x["window_s"] for x in per),
                      "energy_j": None if any(e is None for e in energies) else sum(energies),
                      "energy_j_by_rank": energies,
+                     "energy_method": (None if any(e is None for e in energies) else
+                                       " + ".join(methods)),
+                     "energy_method_by_rank": [x.get("energy_method") for x in per],
+                     "power_samples_by_rank": [x.get("power_samples", 0) for x in per],
                      "counter_steps_by_rank": [x["counter_steps"] for x in per],
                      "sm_clock_mhz": statistics.fmean(clocks) if clocks else None,
                      "losses": per[0]["losses"]})
@@ -736,8 +817,14 @@ def _report(plan: Plan, wl: Workload, predicted: Mapping[str, Figures],
         times = [statistics.fmean(r["step_time_s"]) for r in mine]
         t = statistics.fmean(times)
         raw = [r["energy_j"] for r in mine if r["energy_j"] is not None]
+        counts: dict[str, int] = {}
+        for r in mine:
+            if r["energy_j"] is not None:
+                counts[r["energy_method"]] = counts.get(r["energy_method"], 0) + 1
+        method = (None if not counts else next(iter(counts)) if len(counts) == 1 else
+                  " + ".join(f"{m} ({n} runs)" for m, n in sorted(counts.items())))
         measured = None
-        if raw and len(raw) == len(mine):
+        if raw:  # the runs whose energy was measured; none: no figure
             measured = Figures.of_measurement(job_measurement(
                 time_s=t, energy_j=statistics.fmean(raw), measured_gpus=world, job_gpus=job,
                 job_static_power_w=pred.static_j / pred.time_s))
@@ -750,16 +837,24 @@ def _report(plan: Plan, wl: Workload, predicted: Mapping[str, Figures],
             measured_time_s=t, time_s_spread=_spread(times),
             total_j_spread=_spread(raw) * job / world if measured is not None else None,
             repeats=len(mine), gpu_busy=busy,
-            sm_clock_mhz=statistics.fmean(clocks) if clocks else None))
+            sm_clock_mhz=statistics.fmean(clocks) if clocks else None,
+            energy_method=method, energy_runs=len(raw),
+            iterations=statistics.fmean(len(r["step_time_s"]) for r in mine)))
     machine = f"{world}x {facts.get('device')}" if not cpu else "this machine's CPU"
     if cpu:
         note = _DRY_NOTE
     else:
         note = (f"Measured on {machine}: time = device events, slowest rank; energy = NVML "
                 f"over {world} GPU(s) scaled to the job's {job} (static = the plan's static "
-                "power x measured time); clocks unchanged (dry-run controller)."
+                "power x measured time), each run's window lengthened to "
+                f"{facts.get('min_window_s') or 0:.2f} s or more for the counter to step "
+                "inside it (the method of each figure: energy_method); clocks unchanged "
+                "(dry-run controller)."
                 + (" One process stood in for the job's groups (loopback collectives)."
                    if world == 1 and job > 1 else ""))
+    if facts.get("stand_in"):
+        note = (f"{facts['stand_in']}. " + note + " Collectives: "
+                + str(facts.get("collectives")))
     facts = {**facts, "machine": machine, "workload": wl.to_dict(), "job_gpus": job,
              "measured_gpus": world,
              "plan": {"digest": plan.digest, "label": plan.label, "gpu": plan.gpu},
@@ -793,7 +888,10 @@ class PlanCheck:
 
     The first ``warmup`` iterations are not timed; the others are timed together (the
     device synchronised at both ends, so host gaps count, as they do in training), and
-    NVML's energy counter is read at its step edges over the same window. Energy is summed
+    NVML's energy counter is read at its step edges over the same window (time at least
+    [`min_energy_window_s`][kareus.exec.nvml_device.min_energy_window_s], about 0.75 s on
+    an H200, for the counter to step inside; a window without a counter step takes NVML's
+    sampled power readings instead, and the report says which: ``energy_method``). Energy is summed
     over the ranks of torch's default process group and scaled to the job's GPUs as the
     tune scales (``measured_gpus`` of them read, ``workload.parallelism.world_size``
     stood for); the time is the slowest rank's.
@@ -879,8 +977,16 @@ class PlanCheck:
                                 f"warmup={self.warmup}: call check.step() after each "
                                 "iteration, more than warmup times")
         e, d, counted = self._meter.energy_between(self._t0, t1)
-        energy = e / d * (t1 - self._t0) / timed if counted >= 1 and d > 0 else None
-        mine = {"time_s": (t1 - self._t0) / timed, "energy_j": energy}
+        energy, method = None, None
+        if counted >= 1 and d > 0:
+            energy = e / d * (t1 - self._t0) / timed
+            method = str(getattr(self._meter, "energy_method",
+                                     f"{type(self._meter).__name__}.energy_between"))
+        elif hasattr(self._meter, "mean_power_w"):  # no counter step: power readings
+            power, _ = self._meter.mean_power_w(self._t0, t1)
+            if power is not None:
+                energy, method = power * (t1 - self._t0) / timed, "nvml_power_samples"
+        mine = {"time_s": (t1 - self._t0) / timed, "energy_j": energy, "method": method}
         every = (self._gather or _default_gather)(mine)
         world = self._measured or len(every)
         t = max(x["time_s"] for x in every)
@@ -892,9 +998,12 @@ class PlanCheck:
             measured = Figures.of_measurement(job_measurement(
                 time_s=t, energy_j=sum(energies), measured_gpus=world, job_gpus=job,
                 job_static_power_w=pred.static_j / pred.time_s))
+        methods = sorted({str(x.get("method")) for x in every})
         check = SystemCheck(system="kareus", schedule="your loop", predicted=pred,
                             measured=measured, measured_time_s=t, time_s_spread=0.0,
-                            total_j_spread=None, repeats=1)
+                            total_j_spread=None, repeats=1,
+                            energy_method=" + ".join(methods) if measured else None,
+                            energy_runs=1 if measured else 0, iterations=timed)
         return VerifyReport(
             systems=(check,), tolerance=self.tolerance, measured=True,
             note=(f"Your loop: {timed} iteration(s) timed on the host (device synchronised "

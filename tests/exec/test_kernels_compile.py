@@ -104,3 +104,27 @@ def test_rope_kernels_compile_and_the_3d_grid_divides_nothing(half, backward):
 def test_swiglu_kernels_compile():
     for fn in (kt._swiglu_fwd_kernel, kt._swiglu_bwd_kernel):
         assert _compile(fn, {"BLOCK": 2048}, 8).asm["cubin"]
+
+
+@pytest.mark.parametrize("kind", [0, 1, 2])
+def test_the_timed_stand_in_kernel_compiles(kind):
+    # the time-faithful loopback's kernel: the copy, then a wait on %globaltimer (inline PTX)
+    from kareus.exec.kernels import timed_stand_in as ts
+
+    fn = ts._timed_kernel
+    sig = {"src": "*bf16", "dst": "*bf16", "m": "i32", "total": "i32", "group": "i32",
+           "scale": "fp32", "duration_ns": "i64", "KIND": "constexpr", "BLOCK": "constexpr"}
+    aligned = [["tt.divisibility", 16]]  # as Triton specializes 16-byte aligned arguments
+    src = ASTSource(fn=fn, signature=sig,
+                    constexprs={(fn.arg_names.index("KIND"),): kind,
+                                (fn.arg_names.index("BLOCK"),): ts._BLOCK},
+                    attrs={(i,): aligned for i in range(4)})
+    try:
+        k = triton.compile(src, target=HOPPER, options={"num_warps": ts._NUM_WARPS})
+    except RuntimeError as exc:  # no CUDA backend or ptxas in this Triton install
+        if "backend" in str(exc).lower() or "ptxas" in str(exc).lower():
+            pytest.skip(f"Triton cannot compile for CUDA here: {exc}")
+        raise
+    assert k.asm["cubin"] and "%globaltimer" in k.asm["ptx"]
+    # four 16-byte loads in flight per thread: the copy keeps up on a few SMs
+    assert k.asm["ptx"].count("ld.global.v4") == 4

@@ -774,3 +774,97 @@ def test_loopback_keeps_the_latest_calls_only():
     assert len(lb.calls) == kept  # trimmed when it reached 2 x kept
     assert lb.calls_total == 2 * kept
     assert lb.calls[-1] == ("all_reduce", 3, 4)
+
+
+# ---- energy windows against a counter that steps only every so often -----------------
+
+
+def _fake_nvml(**kw):
+    # imported here: this file also runs as a torchrun script, where tests/ is not on the path
+    from fake_nvml import FakeNVML
+
+    return FakeNVML(1, **kw)
+
+
+def _meter(nvml):
+    from kareus.profilers.nvml import EnergyMeter
+
+    return EnergyMeter(nvml=nvml, device_indices=[0], poll_interval_s=0.001).start()
+
+
+def test_a_run_lasts_long_enough_for_the_counter_to_step():
+    # An H200's counter steps every ~100 ms; iterations of ~1 ms would leave a window of a
+    # few of them without a step. The window is lengthened until the counter steps inside.
+    nvml = _fake_nvml(period_s=0.05, idle_w=300.0)
+    meter = _meter(nvml)
+    loop = loopback_loop(2, 1)
+    try:
+        meter.wait_edges(2, timeout_s=1.0)  # the meter knows the step period
+        recs = measure_runs(loop, [("sequential", 0)], steps=2, warmup=1, meter=meter,
+                            min_window_s=0.4)
+    finally:
+        meter.stop()
+    (r,) = recs
+    assert r.window_s >= 0.4 and len(r.step_time_s) > 2
+    assert len(r.losses) == 1 + len(r.step_time_s)
+    assert r.energy_method == "nvml_counter" and r.counter_steps >= 5
+    # 300 W over the window, per iteration
+    assert r.energy_j == pytest.approx(300.0 * r.window_s / len(r.step_time_s), rel=0.15)
+    d = r.to_dict()
+    assert d["iterations"] == len(r.step_time_s) and d["energy_method"] == "nvml_counter"
+
+
+def test_the_default_window_follows_the_counters_step_period():
+    from kareus.exec.nvml_device import MIN_ENERGY_WINDOW_S, min_energy_window_s
+
+    class Stepping:
+        def __init__(self, period):
+            self.period = period
+
+        def step_period_s(self):
+            return self.period
+
+    assert min_energy_window_s(None) == pytest.approx(7.5 * 0.1)  # an H200's 100 ms
+    assert min_energy_window_s(Stepping(0.2)) == pytest.approx(1.5)
+    assert min_energy_window_s(Stepping(0.001)) == MIN_ENERGY_WINDOW_S
+    assert min_energy_window_s(Stepping(None)) == pytest.approx(0.75)
+
+
+def test_without_a_counter_step_the_energy_comes_from_power_readings_and_says_so():
+    # the counter steps every 10 s: never inside a 0.3 s window
+    nvml = _fake_nvml(period_s=10.0, idle_w=250.0)
+    meter = _meter(nvml)
+    loop = loopback_loop(2, 1)
+    try:
+        (r,) = measure_runs(loop, [("nanobatching", 0)], steps=1, warmup=1, meter=meter,
+                            min_window_s=0.3)
+    finally:
+        meter.stop()
+    assert r.counter_steps == 0 and r.energy_method == "nvml_power_samples"
+    assert r.power_samples >= 2
+    assert r.energy_j == pytest.approx(250.0 * r.window_s / len(r.step_time_s), rel=0.05)
+
+
+def test_a_window_nothing_measured_has_no_energy():
+    nvml = _fake_nvml(period_s=10.0, idle_w=250.0, power_readings=False)
+    meter = _meter(nvml)
+    loop = loopback_loop(2, 1)
+    try:
+        (r,) = measure_runs(loop, [("sequential", 0)], steps=1, warmup=0, meter=meter,
+                            min_window_s=0.2)
+    finally:
+        meter.stop()
+    assert r.energy_j is None and r.energy_method is None and r.power_samples == 0
+
+
+def test_every_rank_runs_the_iterations_agreed():
+    loop = loopback_loop(2, 1)
+    asked = []
+
+    def agree(n):  # another rank wants 3 more iterations than this one
+        asked.append(n)
+        return n + 3 if len(asked) == 1 else 0
+
+    (r,) = measure_runs(loop, [("sequential", 0)], steps=2, warmup=0, min_window_s=0.0,
+                        agree=agree)
+    assert asked[0] == 0 and len(r.step_time_s) == 5

@@ -72,9 +72,11 @@ def _rope(x: torch.Tensor, base: float, interleaved: bool,
 def layer(x: torch.Tensor, w: dict[str, torch.Tensor], arch: ModelArch, *,
           base: float = 500000.0, interleaved: bool = False,
           inv: torch.Tensor | None = None,
-          positions: torch.Tensor | None = None) -> torch.Tensor:
+          positions: torch.Tensor | None = None, documents: bool = False) -> torch.Tensor:
     """The whole layer on whole weights: RMSNorm, causal GQA with RoPE (at ``positions``,
-    ``[batch, seq]``, default ``0 .. seq - 1``), SwiGLU, residuals."""
+    ``[batch, seq]``, default ``0 .. seq - 1``), SwiGLU, residuals; with ``documents`` the
+    attention masks the packed documents of ``positions`` (a document starts at position
+    0; torchtitan's document mask), by explicit scores and softmax."""
     b, s, h = x.shape
     hd, eps = arch.head_dim, arch.norm_eps
     y = F.rms_norm(x, (h,), w["n1"], eps)
@@ -84,8 +86,19 @@ def layer(x: torch.Tensor, w: dict[str, torch.Tensor], arch: ModelArch, *,
     q = _rope(q, base, interleaved, inv, positions)
     k = _rope(k, base, interleaved, inv, positions)
     v = F.linear(y, w["wv"]).view(b, s, -1, hd)
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                       is_causal=True, enable_gqa=True)
+    if documents:  # explicit: scores, the mask, softmax (no SDPA on either side)
+        doc = torch.cumsum((positions == 0).int(), dim=1) - 1
+        allowed = (doc[:, :, None] == doc[:, None, :]) & torch.ones(s, s, dtype=torch.bool,
+                                                                   device=x.device).tril()
+        rep = q.shape[2] // k.shape[2]
+        qt, kt = q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(rep, 1)
+        vt = v.transpose(1, 2).repeat_interleave(rep, 1)
+        scores = (qt @ kt.transpose(-1, -2)) / hd ** 0.5
+        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+        o = scores.softmax(-1) @ vt
+    else:
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                           v.transpose(1, 2), is_causal=True, enable_gqa=True)
     x = x + F.linear(o.transpose(1, 2).reshape(b, s, -1), w["wo"])
     y = F.rms_norm(x, (h,), w["n2"], eps)
     return x + F.linear(F.silu(F.linear(y, w["w1"])) * F.linear(y, w["w3"]), w["w2"])

@@ -19,6 +19,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from kareus.errors import ArgumentError
 from kareus.exec.executor import RecordingStreamBackend, TorchExecutor
 from kareus.exec.train import LoopbackGroups, make_collectives
@@ -30,17 +32,54 @@ sys.path.insert(0, str(HERE))
 from _reference import full_weights, planned_weights, workload
 
 
+class _Pinned(TorchDispatchMode):
+    """What a CUDA graph does to the tensors its work makes: every op that makes a new
+    tensor makes it at the address it had when the graph was captured. Recording (the
+    capture's run), each such op's result is kept in order; replaying, each such op's
+    result is copied into the tensor kept for it, which is returned instead. So a
+    replay overwrites what the capture made (a forward's kept activations, its outputs),
+    as a graph's replay does, and whoever still holds one of those tensors sees it
+    change. Views and ops that write into their inputs are left alone (they make no new
+    storage)."""
+
+    def __init__(self, kept: list[Any] | None) -> None:
+        super().__init__()
+        self.recording = kept is None
+        self.kept: list[Any] = [] if kept is None else kept
+        self.next = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.is_view or func._schema.is_mutable or not isinstance(out, torch.Tensor):
+            return out
+        if self.recording:
+            self.kept.append(out)
+            return out
+        pinned = self.kept[self.next]
+        self.next += 1
+        assert pinned.shape == out.shape and pinned.dtype == out.dtype, func
+        pinned.copy_(out)
+        return pinned
+
+
 class _Rerun:
-    def __init__(self, bodies):
-        self.bodies = bodies
+    def __init__(self, bodies, kept=None):
+        self.bodies, self.kept = bodies, kept
 
     def replay(self, index=None):
-        for body in self.bodies:
-            body()
+        if self.kept is None:  # a plain re-run
+            for body in self.bodies:
+                body()
+            return
+        for body, kept in zip(self.bodies, self.kept, strict=True):
+            with _Pinned(kept):
+                body()
 
 
 class RerunExecutor(TorchExecutor):
-    """A TorchExecutor whose graphs re-run their bodies on replay (test stand-in)."""
+    """A TorchExecutor whose graphs re-run their bodies on replay (test stand-in), every
+    tensor they make at the place it had at the capture (``_Pinned``), as a graph's
+    replay writes it."""
 
     def __init__(self, **kw: Any) -> None:
         super().__init__(streams=RecordingStreamBackend(), graphs=True, **kw)
@@ -51,11 +90,14 @@ class RerunExecutor(TorchExecutor):
         for _ in range(warmup):
             for body in bodies:
                 body()
+        kept = []
         for body in bodies:
-            body()
+            with _Pinned(None) as mode:
+                body()
+            kept.append(mode.kept)
         self.captured.append((name, signature))
         self.pools.append((name, pool))
-        return _Rerun(bodies)
+        return _Rerun(bodies, kept)
 
 
 def _applier(wl, *, graphs, plan=None, schedule=None):
@@ -97,6 +139,16 @@ def _run(applier, params, xs, *, plan):
 
 
 
+def _computation(key):
+    """A graph's key without the copy it is (``("copy", j)``) and without the forward
+    slot it is or reads (``("slot", n)``, or a kept-activations forward slot's key)."""
+    key = key[:-2] if key[-2:-1] == ("copy",) else key
+    key = key[:-2] if key[-2:-1] == ("slot",) else key
+    key = key[:-1] if key and isinstance(key[-1], tuple) and "slot" in key[-1] else key
+    # nor where it reads its inputs (``("in", x address, dy address)``: in place, or None)
+    return tuple(k for k in key if not (isinstance(k, tuple) and k[:1] == ("in",)))
+
+
 @pytest.mark.parametrize("recompute", ["full", "none", "selective"])
 @pytest.mark.parametrize("schedule", ["sequential", "nanobatching", "kareus"])
 def test_graphed_planned_stacks_compute_what_eager_ones_do(schedule, recompute):
@@ -118,9 +170,14 @@ def test_graphed_planned_stacks_compute_what_eager_ones_do(schedule, recompute):
             # a baseline: one forward and one backward graph, which the second microbatch
             # (other input, updated weights) replays; the plan: one pair per choice. A
             # graph is captured again only when a weight moved, and the only weight made
-            # anew on every call is the concatenated QKV (index 1 of each layer)
+            # anew on every call is the concatenated QKV (index 1 of each layer). The
+            # caller holds microbatch 0's output (``y``) while microbatch 1's forward runs,
+            # so that forward replays a second copy of the graph (the first one's static
+            # output is lent, not cloned)
             runner = applier._runner
-            assert len(runner._graphs) == (4 if plan is not None else 2)
+            computations = {_computation(k) for k in runner._graphs}
+            assert len(computations) == (4 if plan is not None else 2)
+            assert len(runner._graphs) <= 2 * len(computations)
             assert runner.captures == len(ex.captured) >= len(runner._graphs)
             copied = {j for cap in runner._graphs.values() for row in cap.copied
                       for j, c in enumerate(row) if c}
@@ -223,9 +280,10 @@ def test_a_weight_that_moves_is_copied_from_then_on():
     arch = wl.model
     params = [{k: torch.nn.Parameter(v) for k, v in full_weights(arch, 1).items()}]
     x = torch.randn(4, 8, arch.hidden, generator=torch.Generator().manual_seed(0))
+    xs = [x.clone(), x.clone()]  # inputs at two addresses: copied in (never read in place)
     stack = applier.stack(1)
     with torch.no_grad():
-        stack(x, [planned_weights(params[0], arch)])
+        stack(xs[0], [planned_weights(params[0], arch)])
     runner = applier._runner
     (cap,) = runner._graphs.values()
     # every weight is read where it lay at the capture
@@ -234,7 +292,7 @@ def test_a_weight_that_moves_is_copied_from_then_on():
     # a parameter that moves (a framework that reallocates) is captured again, copied
     params[0]["w1"] = torch.nn.Parameter(params[0]["w1"].detach().clone() * 2)
     with torch.no_grad():
-        got = stack(x, [planned_weights(params[0], arch)])
+        got = stack(xs[1], [planned_weights(params[0], arch)])
         want = _applier(wl, graphs=False).stack(1)(x, [planned_weights(params[0], arch)])
     assert runner.captures == 2
     (cap,) = runner._graphs.values()
@@ -417,12 +475,16 @@ def test_graphs_default_per_device(monkeypatch, caplog):
 
 
 # ---------------------------------------------------------------- backward reads its forward's slot
+@pytest.mark.parametrize("held", [False, True])
 @pytest.mark.parametrize("order", ["fwd-bwd", "all-forwards-first", "no-grad-forward-between"])
-def test_a_graphed_backward_reads_what_its_forward_kept_in_place(order):
+def test_a_graphed_backward_reads_what_its_forward_kept_in_place(order, held):
     # the backward graph reads the forward graph's static input and kept inputs where the
     # forward left them; another forward of the same graph before that backward first
     # gives the pending backward clones of them (copied back before its replay), so every
-    # order of forwards and backwards computes what eager execution does
+    # order of forwards and backwards computes what eager execution does. With the
+    # forward's output still held (``held``: the loss saved it, the caller keeps it) its
+    # static output is lent, so the next forward replays another copy of the graph, whose
+    # slot is its own: nothing to load
     wl = workload(tp=1, cp=2)
     xs = [torch.randn(4, 8, wl.model.hidden, generator=torch.Generator().manual_seed(s))
           for s in (0, 1)]
@@ -436,29 +498,42 @@ def test_a_graphed_backward_reads_what_its_forward_kept_in_place(order):
         def forward(x, params=params, stack=stack):
             return stack(x, [planned_weights(p, wl.model) for p in params])
 
+        scale = torch.linspace(0.5, 1.5, wl.model.hidden)
+
+        def loss(y, scale=scale):  # held: saves y for its backward; else no reference
+            return y.square().sum() if held else (y * scale).sum()
+
         for _ in range(2):  # the first iteration captures (a weight made anew moves once)
             loads = applier._graphs_runner().loads if graphs else 0
             leaves = [x.clone().requires_grad_(True) for x in xs]
             if order == "all-forwards-first":
-                ys = [forward(x) for x in leaves]
-                for y in reversed(ys):
-                    y.square().sum().backward()
+                ys, losses = [], []
+                for x in leaves:
+                    y = forward(x)
+                    losses.append(loss(y))
+                    ys.append(y if held else y.detach().clone())
+                    del y
+                for ls in reversed(losses):
+                    ls.backward()
             else:
                 ys = []
                 for x in leaves:
                     y = forward(x)
+                    ls = loss(y)
+                    y = y if held else y.detach().clone()
                     if order == "no-grad-forward-between":
                         with torch.no_grad():
                             forward(x * 3)  # overwrites the slot; y's backward is pending
-                    y.square().sum().backward()
+                    ls.backward()
                     ys.append(y)
         results.append(([y.detach() for y in ys], [x.grad for x in leaves],
                         {f"{i}.{k}": p.grad for i, lp in enumerate(params)
                          for k, p in lp.items()}))
         if graphs:
             runner = applier._runner
-            assert runner.loads - loads == {"fwd-bwd": 0, "all-forwards-first": 1,
-                                    "no-grad-forward-between": 2}[order]
+            expected = 0 if held else {"fwd-bwd": 0, "all-forwards-first": 1,
+                                       "no-grad-forward-between": 2}[order]
+            assert runner.loads - loads == expected
     (ye, dxe, ge), (yg, dxg, gg) = results
     for a, b in zip(ye + dxe, yg + dxg, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
@@ -506,11 +581,13 @@ def test_with_a_shared_pool_each_layer_replays_a_graph_of_its_own(schedule):
         results.append((out, grads))
         appliers.append(applier)
     runner = appliers[1]._runner
-    own = [k for k in runner._graphs if k[len(k) - 1 if k[-2] != "slot" else -3] is not None]
+    own = [k for k in runner._graphs if _computation(k)[-1] is not None]
     # forward and backward of each layer, per plan choice (one here), up to the model's
     # layer count (2): the third layer replays the graph the others' first calls share
-    assert wl.model.layers == 2 and len(own) == 4
-    assert any(k[-1] is None for k in runner._graphs)
+    # (a graph per layer, in as many copies as its outputs are held at once: a layer's
+    # output is the next one's saved input until that backward)
+    assert wl.model.layers == 2 and len({_computation(k) for k in own}) == 4
+    assert any(_computation(k)[-1] is None for k in runner._graphs)
     for k in own:
         copied = {j for row in runner._graphs[k].copied for j, c in enumerate(row) if c}
         assert copied <= {1}

@@ -1,8 +1,9 @@
 """The planned layer rotating RoPE at per-token positions (packed documents: positions that
 restart at each document), against the autograd reference layer at the same positions:
 on the CPU in float64 with float32 RoPE angles (the baselines' schedules, Llama's and
-Qwen3's layer), and on a GPU in bf16
-with the production kernels (skipped without CUDA)."""
+Qwen3's layer, each recomputation policy), with attention masking those documents too
+(torchtitan's block_causal), and on a GPU in bf16 with the production kernels (skipped
+without CUDA)."""
 
 from __future__ import annotations
 
@@ -32,10 +33,11 @@ def _packed(b: int, s: int, starts: tuple[int, ...]) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def _run(applier, x, w, positions, c):
+def _run(applier, x, w, positions, c, documents=False):
     x = x.clone().requires_grad_(True)
     p = {k: v.clone().requires_grad_(True) for k, v in w.items()}
-    y = applier.layer()(x, planned_weights(p, applier.workload.model), positions=positions)
+    y = applier.layer()(x, planned_weights(p, applier.workload.model), positions=positions,
+                        documents=documents)
     (y * c).sum().backward()
     return y.detach(), x.grad, {k: v.grad for k, v in p.items()}
 
@@ -69,6 +71,37 @@ def test_positions_rotate_as_the_reference_float64(schedule, qk):
     assert not torch.allclose(y0, y)
 
 
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("qk", [False, True], ids=["llama", "qwen3"])
+@pytest.mark.parametrize("schedule", ["sequential", "nanobatching"])
+def test_documents_masked_as_the_reference_float64(schedule, qk, recompute):
+    # each token attends to the earlier tokens of its own document only (a document starts
+    # where its position is 0), as torchtitan's FlexAttention / VarlenAttention block_causal
+    wl = workload(qk=qk, recompute=recompute)
+    arch = wl.model
+    w = {k: v.double() for k, v in full_weights(arch, 2).items()}
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(wl.microbatch_size, wl.seq_len, arch.hidden, generator=g,
+                    dtype=torch.float64)
+    c = torch.randn(x.shape, generator=g, dtype=torch.float64)
+    pos = _packed(wl.microbatch_size, wl.seq_len, (4, 9, 13))
+    applier = PlanApplier(workload=wl, groups=LoopbackGroups(tp=1), schedule=schedule,
+                          kernels="torch", eps=arch.norm_eps)
+    y, dx, dw = _run(applier, x, w, pos, c, documents=True)
+    xr = x.clone().requires_grad_(True)
+    pr = {k: v.clone().requires_grad_(True) for k, v in w.items()}
+    yr = layer(xr, pr, arch, positions=pos, documents=True)
+    (yr * c).sum().backward()
+    tol = {"rtol": 1e-6, "atol": 2e-6}
+    torch.testing.assert_close(y, yr.detach(), **tol)
+    torch.testing.assert_close(dx, xr.grad, **tol)
+    for k in w:
+        torch.testing.assert_close(dw[k], pr[k].grad, **tol, msg=k)
+    # the mask matters: causal over the whole sequence differs
+    y_causal, _, _ = _run(applier, x, w, pos, c)
+    assert not torch.allclose(y_causal, y)
+
+
 def test_positions_must_match_the_batch():
     wl = workload()
     applier = PlanApplier(workload=wl, groups=LoopbackGroups(tp=1), schedule="sequential",
@@ -81,8 +114,9 @@ def test_positions_must_match_the_batch():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
 @pytest.mark.parametrize("qk", [False, True], ids=["llama", "qwen3"])
-def test_positions_on_the_gpu_kernels_bf16(qk):
+def test_positions_on_the_gpu_kernels_bf16(qk, documents):
     # the production kernels (Triton RoPE) given per-token tables: as close to the fp32
     # reference at those positions as bf16 allows
     wl = workload(qk=qk, mbs=4, seq=256)
@@ -95,10 +129,77 @@ def test_positions_on_the_gpu_kernels_bf16(qk):
     pos = _packed(4, 256, (37, 100, 190)).to(dev)
     applier = PlanApplier(workload=wl, groups=LoopbackGroups(tp=1), schedule="nanobatching",
                           eps=arch.norm_eps)
-    y, dx, _ = _run(applier, x, w, pos, c)
+    y, dx, _ = _run(applier, x, w, pos, c, documents=documents)
     xr = x.float().clone().requires_grad_(True)
-    yr = layer(xr, {k: v.float() for k, v in w.items()}, arch, positions=pos)
+    yr = layer(xr, {k: v.float() for k, v in w.items()}, arch, positions=pos,
+               documents=documents)
     (yr * c.float()).sum().backward()
     for got, want, what in ((y, yr, "output"), (dx, xr.grad, "input gradient")):
         err = float((got.double() - want.double()).norm() / want.double().norm())
         assert err < 2e-2, f"{what}: relative error {err:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
+def test_positions_inside_an_enclosing_capture_follow_each_replay(documents):
+    # torchtitan's step capture: one forward-backward warmed up eagerly (here on plain
+    # positions), captured on one batch's positions and replayed on another's, copied into
+    # the captured tensors. The replay must rotate (and mask) by the copied positions:
+    # equal to eager execution on them, to bf16 rounding.
+    wl = workload(qk=True, mbs=4, seq=256)
+    arch = wl.model
+    dev = torch.device("cuda")
+    p = {k: v.to(dev, torch.bfloat16).requires_grad_(True)
+         for k, v in full_weights(arch, 2).items()}
+    g = torch.Generator().manual_seed(1)
+    x_new = torch.randn(4, 256, arch.hidden, generator=g).to(dev, torch.bfloat16)
+    pos_new = _packed(4, 256, (37, 100, 190)).to(dev)
+
+    def step(applier, x, pos):
+        y = applier.layer()(x, planned_weights(p, arch), positions=pos, documents=documents)
+        y.float().square().mean().backward()
+        return y.detach()
+
+    eager = PlanApplier(workload=wl, groups=LoopbackGroups(tp=1), schedule="nanobatching",
+                        eps=arch.norm_eps, graphs=False)
+    xe = x_new.clone().requires_grad_(True)
+    want_y = step(eager, xe, pos_new)
+    want = {k: v.grad.clone() for k, v in p.items()}
+
+    applier = PlanApplier(workload=wl, groups=LoopbackGroups(tp=1), schedule="nanobatching",
+                          eps=arch.norm_eps)
+    x = torch.randn(4, 256, arch.hidden, generator=g).to(dev, torch.bfloat16)
+    x.requires_grad_(True)
+    pos = torch.arange(256, device=dev).expand(4, 256).clone()  # plain, as a warm-up may be
+    for t in [*p.values(), x]:
+        t.grad = torch.zeros_like(t)
+
+    def body():
+        for t in [*p.values(), x]:
+            t.grad.zero_()
+        return step(applier, x, pos)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            body()
+    torch.cuda.current_stream().wait_stream(side)
+    pos.copy_(_packed(4, 256, (11, 64)).to(dev))  # the captured batch's own documents
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got_y = body()
+    with torch.no_grad():
+        x.copy_(x_new)
+        pos.copy_(pos_new)
+    graph.replay()
+    torch.cuda.synchronize()
+
+    def rel(a, b):
+        return float((a.double() - b.double()).norm() / b.double().norm())
+
+    assert rel(got_y, want_y) < 2e-2
+    assert rel(x.grad, xe.grad) < 2e-2
+    for k in want:
+        assert rel(p[k].grad, want[k]) < 2e-2, k

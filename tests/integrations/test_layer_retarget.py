@@ -106,6 +106,7 @@ def test_measure_compares_a_users_loop_with_the_plan():
     assert row.measured.static_j == pytest.approx(400.0 * 0.55)
     assert row.measured.dynamic_j == pytest.approx(550.0 - 220.0)
     assert row.ratios()["time_s"] == pytest.approx(1.1)
+    assert row.energy_method == "Meter.energy_between" and row.iterations == 4
     assert row.ratios()["total_j"] == pytest.approx(550.0 / 400.0)
     assert not rep.passed and row.within(0.4) and not row.within(0.3)
     assert "kareus" in rep.table() and rep.to_dict()["systems"]["kareus"]["ratios"]

@@ -57,7 +57,15 @@ VARIANTS = {"llama": ({}, False),
             # Megatron's full recomputation, every layer: kareus's layers chained
             "llama-full": ({"recompute_granularity": "full", "recompute_method": "uniform",
                             "recompute_num_layers": 1}, False),
-            "qwen3-sp": ({**_QWEN3, "sequence_parallel": True}, True)}
+            "qwen3-sp": ({**_QWEN3, "sequence_parallel": True}, True),
+            # kareus's layers replayed from graphs of their own (the CPU stand-in graph of
+            # test_layer_graphs, whose replays remake every tensor where the capture made
+            # it): their outputs and gradients lent to autograd, Megatron DDP's hooks
+            # adding them into main_grad; the example's training only. Under selective
+            # recomputation: with "none" the stand-in's results differ from eager, before
+            # lending as well (likely the CPU attention's kept autograd graph, which a
+            # replay in place does not remake; see test_layer_graphs_lending)
+            "llama-graphs": (_SELECTIVE, False)}
 
 
 def _plan(wl, **kw):
@@ -462,6 +470,53 @@ def _full_recompute_matches(config, wl, groups, out):
         ex.train(model, config, batches, steps=1, seq_len=SEQ)
 
 
+def _gpt_graphs_match(config, wl, groups, out, tied):
+    """The example's training (Megatron DDP with its main_grad hooks, the optimizer,
+    get_forward_backward_func) with kareus's layers on graphs of their own: losses,
+    main_grads and weights as with Megatron's layers."""
+    import megatron_gpt as ex
+    from test_layer_graphs import RerunExecutor
+
+    from kareus.exec.collectives import ProcessGroupCollective
+    from kareus.exec.train import GroupedCollective
+    from kareus.integrations import PlanApplier
+    from kareus.integrations.megatron import kareus_layer_spec, wrap_schedule
+
+    g = torch.Generator().manual_seed(7)
+    batches = []
+    for _ in range(MICROBATCHES):
+        tok = torch.randint(0, ex.VOCAB, (MBS, SEQ + 1), generator=g)
+        batches.append((tok[:, :-1], tok[:, 1:]))
+    torch.manual_seed(0)
+    own_model = ex.build_model(config, _model_spec(config, _own_spec(config)), SEQ, "cpu",
+                               tied=tied)
+    initial = {k: v.clone() if torch.is_tensor(v) else v
+               for k, v in own_model.state_dict().items()}
+    own = ex.train(own_model, config, batches, steps=3, seq_len=SEQ)
+    plan = _plan(wl)
+    gloo = GroupedCollective(tp=ProcessGroupCollective(group=groups.group("tp")), cp=None)
+    applier = PlanApplier(
+        workload=wl, groups=groups, plan=plan, kernels="torch", rope_base=ex.ROTARY_BASE,
+        eps=config.layernorm_epsilon, graphs=True,
+        executor=RerunExecutor(collective=gloo, default_collective=gloo, plan=plan),
+        baseline=RerunExecutor(collective=gloo, default_collective=gloo))
+    model = ex.build_model(config, _model_spec(config, kareus_layer_spec(applier)), SEQ, "cpu",
+                           tied=tied)
+    model.load_state_dict(initial)
+    with wrap_schedule(applier):
+        mine = ex.train(model, config, batches, steps=3, seq_len=SEQ)
+    runner = applier._runner
+    assert runner is not None and runner.captures > 0
+    assert any(cap.lends for cap in runner._graphs.values())
+    torch.testing.assert_close(torch.tensor(mine), torch.tensor(own), rtol=1e-4, atol=1e-5)
+    own_p, my_p = dict(own_model.named_parameters()), dict(model.named_parameters())
+    for n, p in own_p.items():
+        _close(my_p[n].main_grad, p.main_grad, f"graphed main_grad {n}")
+        _close(my_p[n].detach(), p.detach(), f"graphed weight {n}")
+    out["losses"] = mine
+    out["graphs"] = applier.graph_memory().graphs
+
+
 def _worker(out_dir: str, variant: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -493,6 +548,8 @@ def _worker(out_dir: str, variant: str) -> None:
     out: dict = {}
     if variant.endswith("-full"):
         _full_recompute_matches(config, wl, groups, out)
+    elif variant.endswith("-graphs"):
+        _gpt_graphs_match(config, wl, groups, out, tied)
     else:
         _layers_match(config, wl, groups, emb, out)
         _gpt_matches(config, wl, groups, out, tied)
@@ -508,6 +565,9 @@ def test_kareus_layers_are_megatron_s_layers_over_gloo(tmp_path, variant):
     from _ranks import run_ranks  # tests/integrations, on sys.path under pytest
 
     res = run_ranks(__file__, tmp_path, TP, variant)
+    if variant.endswith("-graphs"):  # trained from graphs of their own (see the worker)
+        assert res[0]["graphs"] > 0 and res[0]["losses"] == res[1]["losses"]
+        return
     if variant.endswith("-full"):  # chained training only (see _full_recompute_matches)
         assert res[0]["gpt"] and res[1]["gpt"] == res[0]["gpt"]
         assert any(k.startswith("bwd_") for _, k in res[0]["gpt"])

@@ -35,3 +35,16 @@ def test_the_bench_parses_its_shapes_and_refuses_graphed_modes_on_the_cpu():
         bench._modes(args, cuda=False)
     with pytest.raises(SystemExit, match="LAYERS:MBSxSEQ"):
         bench._shapes(bench.parse_args(["--rows", "4x4096"]))
+
+
+def test_the_issue_table_is_one_option():
+    # --issue-table: the three shapes of the own-graphs-against-step table, the graphed
+    # and step modes, 3 rounds, busy fractions without the GPU-only figure
+    bench = load_bench("planned_layers")
+    args = bench.parse_args(["--issue-table"])
+    assert bench._shapes(args) == [(4, 4, 4096), (8, 8, 4096), (14, 8, 4096)]
+    assert bench._modes(args, cuda=True) == ["layers+graphs", "stack+graphs", "layers@step",
+                                             "stack@step"]
+    assert args.rounds == 3 and args.no_gpu_only
+    assert bench.parse_args([]).rounds == 5
+    assert bench.parse_args(["--issue-table", "--rounds", "2"]).rounds == 2

@@ -568,8 +568,10 @@ def test_positions_are_read_once_per_tensor(monkeypatch):
     # packed documents: RoPE at their positions, attention causal over the sequence ...
     packed = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]] * 2)
     assert torch.equal(tt._rope_positions(None, packed), packed)
-    # ... unless the model's attention masks the documents (flex / varlen block_causal)
-    with pytest.raises(WorkloadError, match="masks them"):
+    # ... or masking them where the block's attention is flex / varlen (block_causal) ...
+    assert torch.equal(tt._rope_positions(object(), packed, True), packed)
+    # ... and masks given to an SDPA block (a custom mask) are refused
+    with pytest.raises(WorkloadError, match="not FlexAttention or VarlenAttention"):
         tt._rope_positions(object(), packed)
     with pytest.raises(WorkloadError, match="without positions"):
         tt._rope_positions(object(), None)
@@ -591,12 +593,76 @@ def test_the_trainer_s_activation_checkpoint_is_a_recomputation_policy_or_refuse
     assert kt.recompute_from_torchtitan(FullAC.Config()) == "full"
     assert kt.recompute_from_torchtitan("none") == "none"
     assert kt.recompute_from_torchtitan("full") == "full"
-    for setting in (SelectiveAC.Config(), MemoryBudgetAC.Config(), "selective",
-                    "memory-budget"):
-        with pytest.raises(WorkloadError, match="activation_checkpoint '") as err:
+    # torchtitan's per-op selective is none of kareus's policies: the one run in its
+    # place is named, or the setting is refused (saying what differs)
+    for setting in (SelectiveAC.Config(), "selective"):
+        with pytest.raises(WorkloadError, match="per-op.*selective_as") as err:
             kt.recompute_from_torchtitan(setting)
+        assert "\n" not in str(err.value)
+        for policy in ("none", "selective", "full"):
+            assert kt.recompute_from_torchtitan(setting, selective_as=policy) == policy
+    with pytest.raises(ArgumentError, match="selective_as"):
+        kt.recompute_from_torchtitan(SelectiveAC.Config(), selective_as="op")
+    # selective_as concerns selective only
+    assert kt.recompute_from_torchtitan(FullAC.Config(), selective_as="none") == "full"
+    for setting in (MemoryBudgetAC.Config(), "memory-budget"):
+        with pytest.raises(WorkloadError, match="memory-budget") as err:
+            kt.recompute_from_torchtitan(setting, selective_as="full")
         assert "\n" not in str(err.value)
     with pytest.raises(ArgumentTypeError, match="activation_checkpoint"):
         kt.recompute_from_torchtitan(object())
     with pytest.raises(ArgumentTypeError, match="activation_checkpoint"):
         kt.recompute_from_torchtitan("op")
+
+
+# ------------------------------------------------------------------ kareus optimize
+
+
+#: torchtitan's own flags for the debug Llama 3 at TP = 2 with SDPA attention (the stock
+#: FlexAttention masks documents, which plans do not cost), its defaults otherwise.
+TT_FLAGS = ("--module llama3 --config llama3_debugmodel --parallelism.tensor_parallel_degree 2 "
+            "--override.imports kareus.testing.torchtitan_sdpa.causal_sdpa "
+            "--training.seq_len 256 --training.local_batch_size 4 "
+            "--training.global_batch_size 8")
+
+
+def test_optimize_makes_the_plan_from_torchtitan_s_flags(tmp_path, capsys):
+    from torchtitan.config import ConfigManager
+
+    from kareus.cli import main
+    from kareus.compose.plan import Plan
+
+    common = ["--gpu", "h200-sxm", "--budget", "12", "--quiet"]
+    out = tmp_path / "out"
+    assert main(["optimize", "--torchtitan-args", TT_FLAGS, "--gpus", "2",
+                 "--recompute", "selective", *common, "--out", str(out)]) == 0
+    plan = Plan.load(out / "plan.json")
+    config = ConfigManager().parse_args(TT_FLAGS.split())
+    wl = kt.workload_from_torchtitan_config(config, world_size=2, selective_as="selective")
+    assert plan.workload == wl.to_dict()  # what wrap_trainer checks the plan against
+    assert (wl.parallelism.tp, wl.parallelism.sp, wl.microbatch_size, wl.num_microbatches,
+            wl.seq_len, wl.recompute) == (2, True, 4, 2, 256, "selective")
+    # the config given is not changed (its override applied to a copy): still flex
+    from torchtitan.models.common.attention import FlexAttention
+
+    inner = config.model_spec.model.layers[0].attention.inner_attention
+    assert isinstance(inner, FlexAttention.Config)
+    assert kt.masks_documents(config) is False  # as the Trainer builds it: SDPA
+    capsys.readouterr()
+    # what the flags describe is not given twice; the rank count is needed; the stock
+    # attention (document masks) is not costed; selective is named, not guessed
+    stock = TT_FLAGS.replace("--override.imports kareus.testing.torchtitan_sdpa.causal_sdpa",
+                             "")
+    for extra, flags, words in (
+            (["--gpus", "2", "--tp", "2"], TT_FLAGS, "drop --tp"),
+            ([], TT_FLAGS, "--gpus"),
+            (["--gpus", "3"], TT_FLAGS, "do not make 3 ranks"),
+            (["--gpus", "2", "--recompute", "selective"], stock, "does not cost"),
+            (["--gpus", "2"], TT_FLAGS, "selective_as"),
+            (["--gpus", "2", "--recompute", "none"], TT_FLAGS + " activation-checkpoint:full",
+             "contradicts"),
+            (["--gpus", "2"], TT_FLAGS + " --no-such-flag", "torchtitan's parser")):
+        assert main(["optimize", "--torchtitan-args", flags, *extra, *common,
+                     "--out", str(tmp_path / "x")]) == 2
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1, err

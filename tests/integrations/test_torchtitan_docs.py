@@ -54,3 +54,29 @@ def test_the_documented_cpu_smoke_test_trains(tmp_path):
     assert "Training completed" in out, out[-3000:]
     # two steps, each logged with its loss (torchtitan's metrics line)
     assert len(re.findall(r"step:\s*2\b", out)) >= 1, out[-3000:]
+
+
+def test_the_documented_optimize_command_describes_the_trainer_s_workload():
+    # the `kareus optimize --torchtitan-args` block: its torchtitan flags give the workload
+    # the documented training command runs (the same flags, 8 ranks)
+    from torchtitan.config import ConfigManager
+
+    from kareus.integrations.torchtitan import workload_from_torchtitan_config
+
+    text = (REPO / "docs" / "integrations.md").read_text()
+    blocks = [b for b in re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+              if "--torchtitan-args" in b]
+    assert len(blocks) == 1
+    cmd = shlex.split(blocks[0].replace("\\\n", " "))
+    flags = shlex.split(cmd[cmd.index("--torchtitan-args") + 1])
+    gpus = int(cmd[cmd.index("--gpus") + 1])
+    recompute = cmd[cmd.index("--recompute") + 1]
+    wl = workload_from_torchtitan_config(ConfigManager().parse_args(flags), world_size=gpus,
+                                         selective_as=recompute)
+    assert (wl.parallelism.tp, wl.parallelism.sp, wl.recompute) == (8, True, "selective")
+    assert wl.model.hidden == 4096 and wl.model.layers == 32
+    train = [b for b in re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+             if "-m kareus.integrations.torchtitan --plan" in b]
+    assert len(train) == 1
+    for flag in flags:  # the training command runs with the same flags
+        assert flag in train[0], flag

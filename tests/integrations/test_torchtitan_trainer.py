@@ -2,15 +2,18 @@
 
 Two processes over gloo (kareus.testing.torchtitan_cpu: the Trainer on the CPU), torchtitan's
 debug Llama 3 model (attention: torchtitan's causal SDPA, FlexAttention having no CPU
-backward), TP = 2, fp32, the loader's packed documents (``positions`` restarting at each
-document: the planned layers' RoPE at those positions), validation on, two gradient-
-accumulation microbatches per step, full activation checkpointing (kareus's recomputation),
-sequence parallelism off (refused until the planned layers run it). Each run is built from
-torchtitan's own command line; the run with a plan gets one ``wrap_trainer(trainer,
-plan)`` call. Every microbatch loss, every gradient norm and every validation loss equals
-torchtitan's own run to fp32 tolerance, with ``compile.enable`` too; and what is not run as
-torchtitan runs it is refused by ``wrap_trainer``, before step 1, in one line naming the
-setting.
+backward), TP = 2, fp32, torchtitan's defaults kept: sequence parallelism on, its per-op
+selective activation checkpointing (kareus's layers run the plan's recomputation policy in
+its place), the loader's packed documents (``positions`` restarting at each document: the
+planned layers' RoPE at those positions), validation on; two gradient-accumulation
+microbatches per step. Each run is built from torchtitan's own command line; the run with a
+plan gets one ``wrap_trainer(trainer, plan)`` call. Every microbatch loss, every gradient
+norm and every validation loss equals torchtitan's own run to fp32 tolerance, with
+``compile.enable`` too, under each of kareus's recomputation policies, and with the Trainer's
+forward-backward wrapped as torchtitan wraps it for CUDA graphs on a GPU (a stand-in wrapper:
+the plumbing; the capture itself is checked on a GPU by test_layer_graphs); and what is not
+run as torchtitan runs it is refused by ``wrap_trainer``, before step 1, in one line naming
+the setting.
 """
 
 from __future__ import annotations
@@ -32,23 +35,22 @@ pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"torchtitan's Trainer:
 
 #: The Trainer's command line of every run here (torchtitan's own flags).
 BASE = ["--parallelism.tensor_parallel_degree", "2",
-        "--parallelism.no-enable-sequence-parallel",
         "--training.seq_len", "64", "--training.local_batch_size", "4",
         "--training.global_batch_size", "8", "--training.steps", "2",
         "--training.mixed_precision_param", "float32", "--debug.seed", "0",
         "--validator.enable", "--validator.freq", "1", "--validator.steps", "2",
         "--metrics.log_freq", "1"]
 
-#: Full activation checkpointing: kareus's recomputation (a tyro subcommand: last).
-FULL_AC = "activation-checkpoint:full"
+#: Activation checkpointing subcommands (tyro: last on the command line).
+FULL_AC, NO_AC = "activation-checkpoint:full", "activation-checkpoint:none"
 
 #: Refused by wrap_trainer, by the setting it names: (extra flags, sdpa override, words).
 REFUSALS = {
-    "sequence_parallel": (["--parallelism.enable-sequence-parallel", FULL_AC], True,
-                          "--parallelism.no-enable-sequence-parallel"),
-    "selective_ac": (["activation-checkpoint:selective"], True, "activation-checkpoint:full"),
-    "no_ac": (["activation-checkpoint:none"], True, "activation-checkpoint:full"),
-    "flex_documents": ([FULL_AC], False, "FlexAttention, which masks packed documents"),
+    "selective_without_policy": ([], True, "selective_as"),
+    "memory_budget_ac": (["--compile.enable", "activation-checkpoint:memory-budget"], True,
+                         "activation_checkpoint is memory-budget"),
+    "plan_for_flex_documents": ([FULL_AC], False, "does not cost"),
+    "cuda_graphs_plan_of_several_choices": ([], True, "training.disable_cuda_graphs"),
 }
 
 
@@ -80,14 +82,35 @@ def _record(trainer) -> dict:
     return out
 
 
+class _StandInCapture:
+    """What torchtitan's ``wrap_with_cuda_graph`` makes of the forward-backward on a GPU
+    (on a CPU it returns the body itself): a wrapper, here calling through, recording the
+    function it wraps."""
+
+    wrapped: list = []
+
+    def __init__(self, fn):
+        self.fn = fn
+        _StandInCapture.wrapped.append(fn)
+
+    def __call__(self, *args):
+        return self.fn(*args)
+
+
 def _worker(out_dir: str, run: str, what: str) -> None:
     """One Trainer per process (torchtitan 0.3 builds one per process: a second one's
     fully_shard meets the first one's mesh). ``run``: ``torchtitan``, ``kareus`` or
-    ``refuse``; ``what``: ``eager``, ``compile`` or a key of REFUSALS."""
+    ``refuse``; ``what``: ``eager``, ``compile``, ``graphs`` (a stand-in step capture),
+    ``eager-none`` / ``eager-full`` (torchtitan's AC none / full) or a key of REFUSALS."""
     import torch.distributed as dist
+    import torchtitan.distributed.cudagraph as cudagraph
 
     from kareus.errors import KareusError
-    from kareus.integrations.torchtitan import workload_from_trainer, wrap_trainer
+    from kareus.integrations.torchtitan import (
+        workload_from_torchtitan_config,
+        workload_from_trainer,
+        wrap_trainer,
+    )
     from kareus.testing import make_workload_plan
     from kareus.testing.torchtitan_cpu import cpu_trainer_config, use_cpu, write_cpu_assets
 
@@ -99,31 +122,89 @@ def _worker(out_dir: str, run: str, what: str) -> None:
     if run == "refuse":
         flags, sdpa, _ = REFUSALS[what]
         trainer = cpu_trainer_config(assets, *BASE, *flags, sdpa=sdpa).build()
+        plan = None
+        if what == "plan_for_flex_documents":
+            plan = make_workload_plan(workload_from_trainer(trainer))
+        if what == "cuda_graphs_plan_of_several_choices":
+            trainer.fwd_bwd_fn = _StandInCapture(trainer._forward_backward_body)
+            plan = make_workload_plan(workload_from_trainer(trainer, selective_as="selective"),
+                                      freqs_mhz=(1980, 1410))
         try:
-            wrap_trainer(trainer, None, schedule="sequential")
+            wrap_trainer(trainer, plan, schedule=None if plan else "sequential")
             result["error"] = "accepted"
         except KareusError as e:
             result["error"] = str(e)
         result["step"] = trainer.step
+        trainer.close()
+    elif run == "documents":
+        result = _documents(trainer_config=cpu_trainer_config(assets, *BASE, sdpa=False))
     else:
-        flags = (["--compile.enable"] if what == "compile" else []) + [FULL_AC]
-        trainer = cpu_trainer_config(assets, *BASE, *flags).build()
+        ac = {"none": [NO_AC], "full": [FULL_AC]}.get(what.partition("-")[2], [])
+        flags = (["--compile.enable"] if what == "compile" else []) + ac
+        config = cpu_trainer_config(assets, *BASE, *flags)
+        # what kareus optimize --torchtitan-args makes the plan for, from the config alone
+        from_config = workload_from_torchtitan_config(config, world_size=2,
+                                                      selective_as="selective")
+        trainer = config.build()
         result = _record(trainer)
+        graphs = what == "graphs"
+        if graphs:  # the forward-backward wrapped as on a GPU with CUDA graphs on
+            trainer.fwd_bwd_fn = _StandInCapture(trainer._forward_backward_body)
+            cudagraph.wrap_with_cuda_graph = _StandInCapture
         applier = None
         if run == "kareus":
-            wl = workload_from_trainer(trainer)
-            plan = make_workload_plan(wl, pick=1, sms=8, freqs_mhz=(1980, 1410),
-                                      unsplit_microbatches=(1,))
+            wl = workload_from_trainer(trainer, selective_as="selective")
+            # one choice per phase where one capture is replayed for every microbatch
+            plan = (make_workload_plan(wl, pick=1, sms=8) if graphs else
+                    make_workload_plan(wl, pick=1, sms=8, freqs_mhz=(1980, 1410),
+                                       unsplit_microbatches=(1,)))
             applier = wrap_trainer(trainer, plan, kernels="torch", record=True)
             result["workload"] = wl.to_dict()
+            result["config_workload"] = from_config.to_dict()
             result["dtype_bytes"] = wl.dtype_bytes
+            result["wrapped"] = [getattr(f, "__name__", "?") for f in _StandInCapture.wrapped]
         trainer.train()
         if applier is not None:
             result["partitions"] = [(ph, k) for ph, k, _ in applier.partitions_run]
-    trainer.close()
+        trainer.close()
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _documents(trainer_config) -> dict:
+    """torchtitan's stock attention (FlexAttention, block_causal document masks): the
+    model's forward on packed batches with and without kareus's layers (a baseline
+    schedule: plans do not cost document masks), then training steps and validation under
+    kareus (FlexAttention has no backward on a CPU: torchtitan alone cannot train here)."""
+    from kareus.integrations.torchtitan import wrap_trainer
+
+    trainer = trainer_config.build()
+    model = trainer.model_parts[0]
+    it = iter(trainer.dataloader)
+    batches = [next(it) for _ in range(2)]
+
+    def logits() -> list:
+        out = []
+        for input_dict, labels in batches:
+            inputs, _, extra = trainer.post_dataloading_process(dict(input_dict), labels)
+            with torch.no_grad(), trainer.train_context():
+                y = model(inputs, **extra)
+            out.append((y.to_local() if hasattr(y, "to_local") else y).clone())
+        return out
+
+    want = logits()
+    wrap_trainer(trainer, None, schedule="nanobatching", selective_as="selective",
+                 kernels="torch")
+    got = logits()
+    result = _record(trainer)
+    trainer.train()
+    trainer.close()
+    packed = [bool((b[0]["positions"][:, 1:] == 0).any()) for b in batches]
+    result["packed"] = packed
+    result["max_diff"] = max(float((g - w).abs().max()) for g, w in zip(got, want, strict=True))
+    result["scale"] = max(float(w.abs().max()) for w in want)
+    return result
 
 
 def _run(tmp_path, run, what):
@@ -145,6 +226,7 @@ def _run(tmp_path, run, what):
 def _check_equal(tmp_path, what):
     want_ranks = _run(tmp_path, "torchtitan", what)
     got_ranks = _run(tmp_path, "kareus", what)
+    recompute = {"none": "none", "full": "full"}.get(what.partition("-")[2], "selective")
     for want, got in zip(want_ranks, got_ranks, strict=True):
         assert len(want["mb_losses"]) == 4 and len(want["val_losses"]) == 2
         assert got["mb_losses"] == pytest.approx(want["mb_losses"], rel=1e-5, abs=1e-7)
@@ -152,22 +234,50 @@ def _check_equal(tmp_path, what):
         assert got["grad_norms"] == pytest.approx(want["grad_norms"], rel=1e-4)
         assert got["val_losses"] == pytest.approx(want["val_losses"], rel=1e-5)
         wl = got["workload"]
+        assert got["config_workload"] == wl  # the config's workload is the Trainer's
         assert (wl["tp"], wl["sp"], wl["microbatch_size"], wl["seq_len"],
-                wl["num_microbatches"], wl["recompute"]) == (2, False, 4, 64, 2, "full")
+                wl["num_microbatches"], wl["recompute"]) == (2, True, 4, 64, 2, recompute)
         assert got["dtype_bytes"] == 4
         # the plan ran: its forward and backward partitions, the same on both ranks
         assert any(ph == "bwd" for ph, _ in got["partitions"])
+        # SP's partition types: all-gathers and reduce-scatters, no all-reduce
+        kinds = {k.rsplit("_", 1)[-1] for _, k in got["partitions"]}
+        assert {"ag", "rs"} <= kinds and "ar" not in kinds
+        if what == "graphs":  # kareus's steps went into torchtitan's capture wrapper
+            assert got["wrapped"][-1] == "fwd_bwd"
     assert got_ranks[0]["partitions"] == got_ranks[1]["partitions"]
 
 
 @pytest.mark.slow
-def test_a_plan_in_torchtitan_s_trainer_trains_torchtitan_s_model(tmp_path):
+def test_a_plan_in_torchtitan_s_trainer_with_its_defaults(tmp_path):
     _check_equal(tmp_path, "eager")
 
 
 @pytest.mark.slow
 def test_a_plan_in_torchtitan_s_compiled_trainer(tmp_path):
     _check_equal(tmp_path, "compile")
+
+
+@pytest.mark.slow
+def test_a_plan_in_torchtitan_s_step_capture(tmp_path):
+    _check_equal(tmp_path, "graphs")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_a_plan_under_torchtitan_s_other_checkpointing(tmp_path, ac):
+    _check_equal(tmp_path, f"eager-{ac}")
+
+
+@pytest.mark.slow
+def test_torchtitan_s_document_masks_in_planned_layers(tmp_path):
+    # stock attention (FlexAttention, block_causal): the forward equals torchtitan's on
+    # packed batches to fp32 tolerance, and the Trainer trains and validates under kareus
+    for r in _run(tmp_path, "documents", "flex"):
+        assert any(r["packed"])  # some batch packs documents
+        assert r["max_diff"] <= 1e-5 * r["scale"], r
+        assert len(r["mb_losses"]) == 4 and len(r["val_losses"]) == 2
+        assert all(0 < v < 20 for v in r["mb_losses"] + r["val_losses"])
 
 
 @pytest.mark.slow

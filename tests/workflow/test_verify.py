@@ -131,3 +131,70 @@ def test_refusals(folder, tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(HardwareError, match="--device cpu"):
             verify(folder)
+
+
+def test_a_counter_slower_than_the_runs_still_measures_every_system(folder, tmp_path):
+    # the counter steps every 150 ms; a run of a few CPU iterations lasts far less. The
+    # windows are lengthened (by default to 7.5 of the counter's periods) until it steps
+    # several times in each, so every system gets a measured energy.
+    nvml = FakeNVML(1, period_s=0.15, idle_w=100.0)
+    rep = verify(folder, device="cpu", steps=1, warmup=1, repeats=1, nvml=nvml,
+                 busy_steps=0, out=tmp_path)
+    assert rep is not None
+    data = json.loads((tmp_path / "verify.json").read_text())
+    assert data["min_window_s"] == pytest.approx(7.5 * 0.15, rel=0.1)
+    for s in rep.systems:
+        assert s.measured is not None and s.energy_method == "nvml_counter"
+        assert s.energy_runs == 1 and s.iterations > 1
+        assert s.measured.total_j == pytest.approx(2 * 100.0 * s.measured_time_s, rel=0.25)
+        assert data["systems"][s.system]["energy_method"] == "nvml_counter"
+    for run in data["runs"]:
+        assert run["window_s"] >= data["min_window_s"] and run["energy_method"] == "nvml_counter"
+    assert "energy from nvml_counter, 1 of 1 runs" in rep.table()
+
+
+def test_power_readings_stand_in_for_a_counter_that_did_not_step_and_are_labelled(
+        folder, tmp_path):
+    nvml = FakeNVML(1, period_s=30.0, idle_w=100.0)  # no step inside any window
+    rep = verify(folder, device="cpu", steps=1, warmup=0, repeats=1, nvml=nvml,
+                 busy_steps=0, systems=["kareus"], min_window_s=0.2, out=tmp_path)
+    assert rep is not None
+    (s,) = rep.systems
+    assert s.energy_method == "nvml_power_samples" and s.measured is not None
+    assert s.measured.total_j == pytest.approx(2 * 100.0 * s.measured_time_s, rel=0.25)
+    nothing = FakeNVML(1, period_s=30.0, idle_w=100.0, power_readings=False)
+    rep = verify(folder, device="cpu", steps=1, warmup=0, repeats=1, nvml=nothing,
+                 busy_steps=0, systems=["kareus"], min_window_s=0.2, out=tmp_path)
+    assert rep is not None
+    (s,) = rep.systems
+    # nothing measured the energy: no figure, said so, and the check fails
+    assert s.measured is None and s.energy_method is None and not s.within(1e9)
+    assert "NOTHING (not measured)" in rep.table()
+
+
+def test_the_time_faithful_loopback_is_labelled_a_stand_in_everywhere(folder, tmp_path):
+    rep = verify(folder, device="cpu", steps=1, warmup=0, repeats=1, busy_steps=0,
+                 systems=["kareus"], loopback="faithful", out=tmp_path)
+    assert rep is not None
+    data = json.loads((tmp_path / "verify.json").read_text())
+    assert data["loopback"] == "faithful" and data["stand_in"].startswith("STAND-IN")
+    # where the collective times come from: the H200 profile's curve measured on 2 GPUs
+    assert "STAND-IN" in data["collectives"] and "MEASURED curve" in data["collectives"]
+    assert rep.note.startswith("STAND-IN") and "STAND-IN" in rep.table()
+    plain = verify(folder, device="cpu", steps=1, warmup=0, repeats=1, busy_steps=0,
+                   systems=["kareus"], out=tmp_path)
+    assert plain is not None and plain.facts["stand_in"] is None
+    assert "STAND-IN" not in plain.table()
+    with pytest.raises(ArgumentError, match="--loopback"):
+        verify(folder, device="cpu", loopback="fast")
+
+
+def test_the_command_takes_loopback_faithful(folder, tmp_path, capsys):
+    out = tmp_path / "v.json"
+    main(["verify", str(folder), "--device", "cpu", "--steps", "1", "--repeats", "1",
+          "--quiet", "--out", str(out), "--systems", "kareus", "--loopback", "faithful"])
+    assert "STAND-IN" in capsys.readouterr().out
+    assert json.loads(out.read_text())["loopback"] == "faithful"
+    code = main(["optimize", "--workload", "qwen3-1.7b", "--tp", "2", "--loopback", "faithful",
+                 "--out", str(tmp_path / "o")])
+    assert code == 2 and "--loopback" in capsys.readouterr().err

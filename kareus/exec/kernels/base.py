@@ -139,9 +139,14 @@ class KernelSet(abc.ABC):
             grads.append(dw.float())
         return dqkv, grads[0], grads[1]
 
-    def attention(self, q: Any, k: Any, v: Any) -> Any:
+    def attention(self, q: Any, k: Any, v: Any, mask: Any = None) -> Any:
         """Causal attention of ``q`` [b, heads, s, hd] over grouped ``k``, ``v``
         [b, kv_heads, s_k, hd], on the first of ``sdpa_backends`` that takes it.
+
+        ``mask``: a boolean ``[b, 1, s, s_k]`` (True: attend) in place of the causal mask
+        (packed documents' block-causal mask: each token attends to its own document's
+        earlier tokens); SDPA then runs a backend that takes a mask (every score is
+        computed, the masked ones dropped: exact, not block-sparse).
 
         Grouped K/V are read in place (``enable_gqa``): copying them with
         ``repeat_interleave`` first cost 30% more time on one H200 (0.475 vs 0.364 ms
@@ -149,9 +154,9 @@ class KernelSet(abc.ABC):
         bench/probes/results/sdpa_gqa_probe_h200.json).
         """
         with self._sdpa_context():
-            return _sdpa(q, k, v)
+            return _sdpa(q, k, v, mask)
 
-    def attention_fwd(self, q: Any, k: Any, v: Any) -> Any:
+    def attention_fwd(self, q: Any, k: Any, v: Any, mask: Any = None) -> Any:
         """``attention`` as an explicit op pair: returns a
         ``SavedAttention`` (its ``output`` is the
         attention's output) for ``attention_bwd``.
@@ -160,8 +165,12 @@ class KernelSet(abc.ABC):
         the backward needs neither the autograd engine nor its thread: it captures in a
         CUDA graph and costs one dispatch (see ``kareus.exec.kernels._attention``).
         The backend is pinned per input signature (shapes, strides, dtype, device) at
-        its first call.
+        its first call. With a ``mask`` (see ``attention``) the backward goes through
+        autograd.
         """
+        if mask is not None:
+            return attention_forward(q, k, v, backend="masked",
+                                     fallback=lambda q, k, v: self.attention(q, k, v, mask))
         sig = (tuple(q.shape), tuple(k.shape), tuple(q.stride()), tuple(k.stride()),
                tuple(v.stride()), str(q.dtype), str(q.device))
         cache = self.__dict__.setdefault("_attention_backends", {})
@@ -241,18 +250,19 @@ def rms_norm_weight_grad(dy: Any, x: Any, eps: float = 1e-5) -> Any:
     return (dy.float() * xhat.to(x.dtype).float()).sum(0)
 
 
-def _sdpa(q: Any, k: Any, v: Any) -> Any:
+def _sdpa(q: Any, k: Any, v: Any, mask: Any = None) -> Any:
     import torch
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
+    how: dict[str, Any] = {"is_causal": True} if mask is None else {"attn_mask": mask}
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         try:
-            return sdpa(q, k, v, is_causal=True, enable_gqa=True)
+            return sdpa(q, k, v, enable_gqa=True, **how)
         except TypeError:  # PyTorch < 2.5: no enable_gqa
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-    return sdpa(q, k, v, is_causal=True)
+    return sdpa(q, k, v, **how)
 
 
 class ReferenceKernels(KernelSet):

@@ -24,7 +24,8 @@ Which op runs in which partition is the decoder schedule,
 [`kareus.exec.schedule`][kareus.exec.schedule], which this loop shares with the framework
 adapters ([`kareus.integrations`][kareus.integrations]); its names were re-exported here and
 still import from here for one release, with a ``DeprecationWarning``. Modules: ``_model`` (the
-decoder's ops), ``_groups`` (TP and CP groups, and the one-GPU loopback stand-ins), ``_loop``
+decoder's ops), ``_groups`` (TP and CP groups, and the one-GPU loopback stand-ins), ``_timed``
+(the time-faithful loopback stand-in), ``_collectives`` (building a job's collectives), ``_loop``
 (the loop, timing and energy of runs, overlap efficiency). A training script
 is ``examples/train_torchrun.py``; ``bench/train_e2e.py`` measures the three schedules.
 """
@@ -32,15 +33,19 @@ is ``examples/train_torchrun.py``; ``bench/train_e2e.py`` measures the three sch
 from __future__ import annotations
 
 from kareus.exec.model_check import refuse_uncomputed
-from kareus.exec.train._groups import (
+from kareus.exec.train._collectives import (
     BACKENDS,
+    LOOPBACK_MODES,
+    faithful_note,
+    make_collectives,
+    named_collectives,
+)
+from kareus.exec.train._groups import (
     GroupedCollective,
     LoopbackGroupCollective,
     LoopbackGroups,
     ParallelGroups,
     TorchParallelGroups,
-    make_collectives,
-    named_collectives,
 )
 from kareus.exec.train._loop import (
     RunRecord,
@@ -55,21 +60,33 @@ from kareus.exec.train._loop import (
     shuffled_order,
 )
 from kareus.exec.train._model import KEPT_FOR_BACKWARD, DecoderShard
+from kareus.exec.train._timed import (
+    STAND_IN_LABEL,
+    CollectiveTimes,
+    FixedRateCollectiveTimes,
+    TimedLoopbackGroupCollective,
+)
 
 __all__ = [
     "BACKENDS",
+    "CollectiveTimes",
     "DecoderShard",
+    "FixedRateCollectiveTimes",
     "KEPT_FOR_BACKWARD",
+    "LOOPBACK_MODES",
     "GroupedCollective",
     "LoopbackGroupCollective",
     "LoopbackGroups",
     "ParallelGroups",
     "RunRecord",
+    "STAND_IN_LABEL",
+    "TimedLoopbackGroupCollective",
     "TorchParallelGroups",
     "TrainingLoop",
     "check_plan_splits",
     "check_plan_types",
     "check_plan_workload",
+    "faithful_note",
     "given_plan",
     "make_collectives",
     "measure_runs",

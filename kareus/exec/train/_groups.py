@@ -30,11 +30,11 @@ from __future__ import annotations
 import contextlib
 from typing import Any, ClassVar
 
-from kareus.errors import ArgumentError, ArgumentTypeError, PlanError
+from kareus.errors import ArgumentError, ArgumentTypeError
 from kareus.exec.collectives import CollectiveBackend
 
-__all__ = ["BACKENDS", "GroupedCollective", "LoopbackGroupCollective", "LoopbackGroups",
-           "ParallelGroups", "TorchParallelGroups", "make_collectives", "named_collectives"]
+__all__ = ["GroupedCollective", "LoopbackGroupCollective", "LoopbackGroups", "ParallelGroups",
+           "TorchParallelGroups"]
 
 
 def _on(stream: Any) -> Any:
@@ -202,8 +202,23 @@ class LoopbackGroups(ParallelGroups):
             raise ArgumentError(f"tp and cp must be >= 1, got {tp}, {cp}")
         self.tp_size, self.cp_size = int(tp), int(cp)
         self.tp_rank = self.cp_rank = 0
+        self._through: dict[str, CollectiveBackend] = {}
 
     replicated: ClassVar[bool] = True
+
+    def run_through(self, backends: dict[str, CollectiveBackend | None]) -> None:
+        """Run the work outside partitions' collectives of each group (``"tp"``, ``"cp"``)
+        through that group's stand-in backend, on the current stream at its uncapped SM
+        count: the time-faithful stand-in
+        ([`TimedLoopbackGroupCollective`][kareus.exec.train.TimedLoopbackGroupCollective]),
+        so that they take as long as the partitions' collectives do
+        (``make_collectives(loopback="faithful")`` sets it; the first backend given for a
+        group stays). The data is what the plain methods compute; a max-reduction stays
+        the tensor as it is."""
+        for g, b in backends.items():
+            self.size(g)
+            if b is not None and g not in self._through:  # the first given stays
+                self._through[g] = b
 
     def all_reduce(self, tensor: Any, *, group: str, op: str = "sum") -> Any:
         """What the group's all-reduce gives when every rank holds ``tensor``."""
@@ -211,12 +226,16 @@ class LoopbackGroups(ParallelGroups):
         if op not in ("sum", "max"):
             raise ArgumentError(f"op must be 'sum' or 'max', got {op!r}")
         if op == "sum" and n > 1:
+            if group in self._through:
+                return self._through[group].all_reduce(tensor, None, None)
             tensor.mul_(n)
         return tensor
 
     def all_gather(self, output: Any, input: Any, *, group: str) -> Any:
         """What the group's all-gather gives when every rank holds ``input``: it repeated."""
         n = self.size(group)
+        if group in self._through and n > 1:
+            return self._through[group].all_gather(output, input, None, None)
         output.view(n, -1).copy_(input.reshape(1, -1).expand(n, -1))
         return output
 
@@ -227,6 +246,8 @@ class LoopbackGroups(ParallelGroups):
         import torch
 
         n = self.size(group)
+        if group in self._through and n > 1:
+            return self._through[group].reduce_scatter(output, input, None, None)
         torch.sum(input.reshape(n, -1), dim=0, out=output.view(-1))
         return output
 
@@ -407,100 +428,3 @@ class GroupedCollective(CollectiveBackend):
         for b in (self.tp, self.cp):
             if b is not None:
                 b.close()
-
-
-#: Backends :func:`make_collectives` builds for the plan's collectives.
-BACKENDS = ("nccl_capped", "own", "loopback")
-
-
-def make_collectives(groups: ParallelGroups, *, backend: str = "nccl_capped",
-                     caps: tuple[int, ...] = (), high_priority: bool = True
-                     ) -> tuple[GroupedCollective | None, GroupedCollective | None, str]:
-    """The collectives of a job: ``(capped, default, note)``.
-
-    Args:
-        groups: The job's groups ([`TorchParallelGroups`][kareus.exec.train.TorchParallelGroups], or
-            [`LoopbackGroups`][kareus.exec.train.LoopbackGroups] with ``backend="loopback"``).
-        backend: ``"nccl_capped"`` (NCCL communicators capped at each SM count),
-            ``"own"`` (kareus's SM-capped kernels on registered buffers) or
-            ``"loopback"`` (one GPU:
-            [`LoopbackGroupCollective`][kareus.exec.train.LoopbackGroupCollective]).
-        caps: SM counts to create NCCL communicators for up front (every rank, same order).
-        high_priority: Capped NCCL communicators on high-priority streams
-            ([`NCCLCappedCollective`][kareus.exec.NCCLCappedCollective]); pair it with the
-            executor's ``comm_high_priority``.
-
-    Returns:
-        The backend with exact SM caps, the one with the collectives' own CTA count
-        ([`ProcessGroupCollective`][kareus.exec.ProcessGroupCollective]; the loopback again on
-        one GPU), both ``None`` when TP = CP = 1, and a line saying what runs.
-    """
-    if backend not in BACKENDS:
-        raise ArgumentError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    sizes = {"tp": groups.tp_size, "cp": groups.cp_size}
-    if sizes["tp"] * sizes["cp"] == 1:
-        return None, None, "no collectives (TP = CP = 1)"
-    if backend == "loopback":
-        if not isinstance(groups, LoopbackGroups):
-            raise ArgumentError("the loopback backend goes with LoopbackGroups (one GPU)")
-        mk = {g: (LoopbackGroupCollective(group_size=n) if n > 1 else None) for g, n in sizes.items()}
-        return (GroupedCollective(**mk), GroupedCollective(**mk),
-                "loopback: one GPU stands in for the group (a real kernel of each "
-                "collective's bytes on the side stream; no link traffic, SM caps not applied)")
-    if not isinstance(groups, TorchParallelGroups):
-        raise ArgumentError(f"backend {backend!r} needs TorchParallelGroups")
-    from kareus.exec.collectives import (
-        NCCLCappedCollective,
-        OwnKernelCollective,
-        ProcessGroupCollective,
-    )
-
-    capped: dict[str, Any] = {}
-    default: dict[str, Any] = {}
-    for g, n in sizes.items():
-        if n == 1:
-            capped[g] = default[g] = None
-            continue
-        pg = groups.group(g)
-        default[g] = ProcessGroupCollective(group=pg)
-        if backend == "own":
-            capped[g] = OwnKernelCollective(group=pg)
-        else:
-            capped[g] = NCCLCappedCollective(group=pg, high_priority=high_priority)
-            for sms in caps:
-                capped[g].group_for(sms)
-    note = ("OwnKernelCollective (kareus's SM-capped kernels, registered buffers)"
-            if backend == "own" else
-            "NCCLCappedCollective (min_ctas = max_ctas = the plan's SM count)")
-    return GroupedCollective(**capped), GroupedCollective(**default), note
-
-
-def named_collectives(groups: ParallelGroups, names: Any, *, caps: tuple[int, ...] = (),
-                      high_priority: bool = True) -> dict[str, GroupedCollective]:
-    """Collectives for a plan whose configurations name their backend
-    (ScheduleConfig.backend (``kareus.model.config.ScheduleConfig.backend``)), for
-    [`TorchExecutor`][kareus.exec.TorchExecutor]'s ``backends=``.
-
-    Args:
-        groups: The job's groups; with [`LoopbackGroups`][kareus.exec.train.LoopbackGroups] every
-            name gets the loopback (one GPU stands in for the group, whatever backend the plan
-            chose).
-        names: Backend names (of ``BACKENDS`` other than ``"loopback"``).
-        caps: SM counts to create NCCL communicators for up front.
-        high_priority: As [`make_collectives`][kareus.exec.train.make_collectives]'s.
-
-    Raises:
-        ValueError: a name this loop cannot build.
-    """
-    out: dict[str, GroupedCollective] = {}
-    for name in sorted(set(names)):
-        if name not in BACKENDS or name == "loopback":
-            raise PlanError(f"the plan names collective backend {name!r}; the training loop "
-                            f"builds {[b for b in BACKENDS if b != 'loopback']}: make the "
-                            "plan with those")
-        kind = "loopback" if isinstance(groups, LoopbackGroups) else name
-        capped, _, _ = make_collectives(groups, backend=kind, caps=caps,
-                                        high_priority=high_priority)
-        if capped is not None:
-            out[name] = capped
-    return out

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import random
 import statistics
 import time
@@ -159,16 +160,25 @@ class RunRecord:
     Attributes:
         schedule: The schedule.
         repeat: Which repeat of that schedule.
-        step_time_s: Device-event time of each timed iteration on this rank.
+        step_time_s: Device-event time of each timed iteration on this rank (at least the
+            ``steps`` asked for; more where the window was lengthened for the energy
+            counter: ``measure_runs``'s ``min_window_s``).
         losses: Loss after each iteration's forward passes (every iteration, warm-up
             included: step ``k`` of every run starts from the same weights history).
         window_s: Host time of the timed iterations (synchronised at both ends).
-        energy_j: Energy of this rank's GPU per timed iteration (average power between
-            the first and last NVML counter steps of the window x the window / steps), or
-            ``None`` without a meter or with fewer than two counter steps.
+        energy_j: Energy of this rank's GPU per timed iteration, measured as
+            ``energy_method`` says, or ``None`` (nothing measured it).
         counter_steps: NVML counter steps inside the window.
         sm_clock_mhz: Mean SM clock the meter sampled in the window (``None`` without a
             meter that samples clocks, or without a sample).
+        energy_method: How ``energy_j`` was measured: ``"nvml_counter"`` (average power
+            between the first and last NVML counter steps inside the window x the window
+            / iterations), ``"nvml_power_samples"`` (no counter step inside the window:
+            the mean of NVML's power readings sampled in it x the window / iterations,
+            coarser), the meter's own ``energy_method`` where it names one (the CPU dry
+            run's stand-in: ``"stand_in"``, not a measurement), ``"<Type>.energy_between"``
+            for a meter that names none, or ``None`` (no energy).
+        power_samples: NVML power readings inside the window (the fallback's basis).
     """
 
     schedule: str
@@ -179,6 +189,8 @@ class RunRecord:
     energy_j: float | None
     counter_steps: int
     sm_clock_mhz: float | None = None
+    energy_method: str | None = None
+    power_samples: int = 0
 
     @property
     def time_s(self) -> float:
@@ -191,7 +203,8 @@ class RunRecord:
                 "step_time_s": list(self.step_time_s), "losses": list(self.losses),
                 "window_s": self.window_s, "energy_j": self.energy_j,
                 "counter_steps": self.counter_steps, "time_s": self.time_s,
-                "sm_clock_mhz": self.sm_clock_mhz}
+                "sm_clock_mhz": self.sm_clock_mhz, "iterations": len(self.step_time_s),
+                "energy_method": self.energy_method, "power_samples": self.power_samples}
 
 
 def shuffled_order(schedules: Sequence[str], repeats: int, seed: int) -> list[tuple[str, int]]:
@@ -663,27 +676,51 @@ def no_collective_backend() -> Any:
 
 def measure_runs(loop: TrainingLoop, order: Sequence[tuple[str, int]], *, steps: int,
                  warmup: int, meter: Any = None, barrier: Callable[[], None] | None = None,
-                 log: Callable[[str], None] | None = None) -> list[RunRecord]:
-    """Run ``warmup + steps`` iterations per ``(schedule, repeat)`` of ``order``, each
-    run from the initial weights, timing the last ``steps`` back to back.
+                 log: Callable[[str], None] | None = None, min_window_s: float | None = None,
+                 agree: Callable[[int], int] | None = None) -> list[RunRecord]:
+    """Run ``warmup + steps`` (or more) iterations per ``(schedule, repeat)`` of ``order``,
+    each run from the initial weights, timing the iterations after the warm-up back to back.
+
+    NVML's energy counter steps only every so often (about every 100 ms on an H200): a
+    window of a few 10-ms iterations may hold no step, and its energy could not be read.
+    So a run's timed window lasts at least ``min_window_s``: after the ``steps`` asked for,
+    more iterations are queued (as many as the first ones' pace says are missing, agreed
+    on every rank) until the window is that long. Where the counter still did not step
+    twice inside it, the energy is the mean of the meter's sampled power readings (NVML's
+    ``nvmlDeviceGetPowerUsage``) over the window, and the record says so
+    (``energy_method``); where neither was read, the energy is ``None``.
 
     Args:
         loop: The training loop.
         order: ``(schedule, repeat)`` pairs ([`shuffled_order`][kareus.exec.train.shuffled_order]);
             the same on every rank.
-        steps: Timed iterations per run.
+        steps: Timed iterations per run, at least.
         warmup: Untimed iterations first (their losses are recorded too).
         meter: An [`EnergyMeter`][kareus.profilers.EnergyMeter] already started, or ``None``.
         barrier: Called before each run (e.g. ``torch.distributed.barrier``).
         log: Progress lines.
+        min_window_s: The shortest timed window (s); ``None``: with a meter,
+            [`min_energy_window_s`][kareus.exec.nvml_device.min_energy_window_s] of it
+            (about 0.75 s on an H200), without one 0 (exactly ``steps`` iterations).
+        agree: ``n -> the largest n of every rank`` (every rank must run the same
+            iterations: their collectives pair up); ``None``: the largest over
+            ``torch.distributed``'s default group where one is initialised, else this
+            rank's.
 
     Returns:
         One [`RunRecord`][kareus.exec.train.RunRecord] per run, in ``order``.
     """
     import torch
 
+    from kareus.exec.nvml_device import min_energy_window_s
+
     if steps < 1 or warmup < 0:
         raise ArgumentError("steps must be >= 1 and warmup >= 0")
+    if min_window_s is None:
+        min_window_s = min_energy_window_s(meter) if meter is not None else 0.0
+    if min_window_s < 0:
+        raise ArgumentError(f"min_window_s must be >= 0, got {min_window_s}")
+    agree = agree or _default_agree()
     cuda = loop.model.device.type == "cuda"
     out = []
     for schedule, repeat in order:
@@ -694,11 +731,59 @@ def measure_runs(loop: TrainingLoop, order: Sequence[tuple[str, int]], *, steps:
         _sync(torch, cuda)
         if meter is not None and warmup:  # let the counter step once inside the gap
             meter.wait_edges(1, timeout_s=0.5)
-        events: list[tuple[Any, Any]] = []  # CUDA events, or host times without CUDA
-        t0 = time.perf_counter()
-        for _ in range(steps):
+        times, t0, t1 = _timed_window(loop, schedule, losses, steps=steps,
+                                      min_window_s=min_window_s, agree=agree, cuda=cuda)
+        n = len(times)
+        energy, counted, method, samples = _window_energy(meter, t0, t1, n)
+        clock = (meter.mean_sm_clock_mhz(t0, t1)
+                 if meter is not None and hasattr(meter, "mean_sm_clock_mhz") else None)
+        rec = RunRecord(schedule=schedule, repeat=repeat, step_time_s=times,
+                        losses=tuple(float(x) for x in losses), window_s=t1 - t0,
+                        energy_j=energy, counter_steps=counted, sm_clock_mhz=clock,
+                        energy_method=method, power_samples=samples)
+        out.append(rec)
+        if log is not None:
+            how = {"nvml_counter": f"{counted} counter steps",
+                   "nvml_power_samples": f"NO counter step: {samples} power readings"}
+            log(f"{schedule} repeat {repeat}: {1e3 * rec.time_s:.2f} ms/iteration over "
+                f"{n} iterations ({rec.window_s:.2f} s), loss {rec.losses[0]:.4f} -> "
+                f"{rec.losses[-1]:.4f}" +
+                (f", {energy:.1f} J/iteration on this GPU ({how.get(method or '', method)})"
+                 if energy is not None else
+                 (", energy NOT measured (no counter step, no power reading)"
+                  if meter is not None else "")))
+    return out
+
+
+def _default_agree() -> Callable[[int], int]:
+    """The largest ``n`` of every rank of the default process group (this rank's alone
+    without one)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return lambda n: n
+
+    def agree(n: int) -> int:
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, int(n))
+        return max(int(x) for x in every)
+    return agree
+
+
+def _timed_window(loop: TrainingLoop, schedule: str, losses: list[Any], *, steps: int,
+                  min_window_s: float, agree: Callable[[int], int], cuda: bool
+                  ) -> tuple[tuple[float, ...], float, float]:
+    """``steps`` iterations back to back, then more (agreed on every rank) until the window
+    lasts ``min_window_s``; each iteration's time, and the window's host ends."""
+    import torch
+
+    events: list[tuple[Any, Any]] = []  # CUDA events, or host times without CUDA
+
+    def run(n: int) -> None:
+        for _ in range(n):
             if cuda:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a = torch.cuda.Event(enable_timing=True)
+                b = torch.cuda.Event(enable_timing=True)
                 a.record()
                 losses.append(loop.step(schedule))
                 b.record()
@@ -707,26 +792,42 @@ def measure_runs(loop: TrainingLoop, order: Sequence[tuple[str, int]], *, steps:
                 s = time.perf_counter()
                 losses.append(loop.step(schedule))
                 events.append((s, time.perf_counter()))
+
+    t0 = time.perf_counter()
+    run(steps)
+    _sync(torch, cuda)
+    t1 = time.perf_counter()
+    for _ in range(8):  # the pace may change as the window grows: a few rounds at most
+        more = 0
+        if t1 - t0 < min_window_s:
+            pace = max((t1 - t0) / len(events), 1e-9)
+            more = max(1, math.ceil(1.05 * (min_window_s - (t1 - t0)) / pace))
+        more = int(agree(more))
+        if more <= 0:
+            break
+        run(more)
         _sync(torch, cuda)
         t1 = time.perf_counter()
-        times = tuple((a.elapsed_time(b) / 1e3) if cuda else (b - a) for a, b in events)
-        energy, counted, clock = None, 0, None
-        if meter is not None:
-            e, d, counted = meter.energy_between(t0, t1)
-            if counted >= 1 and d > 0:
-                energy = e / d * (t1 - t0) / steps
-            if hasattr(meter, "mean_sm_clock_mhz"):
-                clock = meter.mean_sm_clock_mhz(t0, t1)
-        rec = RunRecord(schedule=schedule, repeat=repeat, step_time_s=times,
-                        losses=tuple(float(x) for x in losses), window_s=t1 - t0,
-                        energy_j=energy, counter_steps=counted, sm_clock_mhz=clock)
-        out.append(rec)
-        if log is not None:
-            log(f"{schedule} repeat {repeat}: {1e3 * rec.time_s:.2f} ms/iteration, "
-                f"loss {rec.losses[0]:.4f} -> {rec.losses[-1]:.4f}" +
-                (f", {energy:.1f} J/iteration on this GPU ({counted} counter steps)"
-                 if energy is not None else ""))
-    return out
+    times = tuple((a.elapsed_time(b) / 1e3) if cuda else (b - a) for a, b in events)
+    return times, t0, t1
+
+
+def _window_energy(meter: Any, t0: float, t1: float, n: int
+                   ) -> tuple[float | None, int, str | None, int]:
+    """``(energy per iteration, counter steps, method, power readings)`` of a window of
+    ``n`` iterations (``RunRecord.energy_method`` says what each method is)."""
+    if meter is None:
+        return None, 0, None, 0
+    e, d, counted = meter.energy_between(t0, t1)
+    if counted >= 1 and d > 0:
+        method = str(getattr(meter, "energy_method", f"{type(meter).__name__}.energy_between"))
+        return e / d * (t1 - t0) / n, counted, method, 0
+    if hasattr(meter, "mean_power_w"):
+        power, samples = meter.mean_power_w(t0, t1)
+        if power is not None:
+            return power * (t1 - t0) / n, counted, "nvml_power_samples", samples
+        return None, counted, None, samples
+    return None, counted, None, 0
 
 
 def _sync(torch: Any, cuda: bool) -> None:

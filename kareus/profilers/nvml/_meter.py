@@ -5,10 +5,20 @@ exact, and their host times are known to about the polling period, so average po
 over an edge-to-edge span of a few steps is accurate to a fraction of a percent. Each
 step also records how long before it was seen the old value was last read; a step seen
 much later than usual (the polling thread kept off a busy CPU) does not bound a span.
+
+A window shorter than the counter's step period may hold no step at all (an H200's
+counter steps every ~100 ms, ``data/h200_nvml_energy_counter.json``; a training
+iteration of a small model takes ~10 ms). Callers make their windows long enough
+([`min_energy_window_s`][kareus.exec.nvml_device.min_energy_window_s]); the meter also
+samples NVML's power reading (``nvmlDeviceGetPowerUsage``) every 50 ms, so that a
+window without a counter step still has a measured, if coarser, figure
+([`mean_power_w`][kareus.profilers.EnergyMeter.mean_power_w]), which its users label as
+such.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import threading
 import time
@@ -54,6 +64,9 @@ class EnergyMeter:
         history: Edges kept per GPU.
     """
 
+    #: How the energy it gives is measured (the label runs and reports carry).
+    energy_method = "nvml_counter"
+
     def __init__(self, *, device_indices: Sequence[int] | None = None, nvml: Any = None,
                  poll_interval_s: float | None = None, history: int = 20000) -> None:
         self.nvml = load_nvml(nvml)
@@ -68,7 +81,8 @@ class EnergyMeter:
                   ", ".join(map(str, self.device_indices)), 1e3 * self.poll_interval_s)
         self._history = int(history)
         self._edges: list[list[_Edge]] = [[] for _ in self._handles]
-        self._samples: list[tuple[float, list[float], list[float]]] = []  # t, temps, clocks
+        # t, temps, clocks, powers (W; None when NVML gives no power reading)
+        self._samples: list[tuple[float, list[float], list[float], list[float] | None]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -89,6 +103,11 @@ class EnergyMeter:
     def temperatures_c(self) -> list[float]:
         """GPU temperatures (degrees C)."""
         return [float(self.nvml.nvmlDeviceGetTemperature(h, 0)) for h in self._handles]
+
+    def powers_w(self) -> list[float]:
+        """Current power readings (W) of NVML's ``nvmlDeviceGetPowerUsage`` (on recent
+        GPUs an average over the last second or less, not an instant)."""
+        return [float(self.nvml.nvmlDeviceGetPowerUsage(h)) / 1000.0 for h in self._handles]
 
     def sm_clocks_mhz(self) -> list[float]:
         """Current SM clocks (MHz)."""
@@ -148,10 +167,14 @@ class EnergyMeter:
                             del edges[: len(edges) - self._history]
                 last = vals
             if now >= next_sample:
+                s: tuple[float, list[float], list[float], list[float] | None] | None
                 try:
-                    s = (now, self.temperatures_c(), self.sm_clocks_mhz())
+                    s = (now, self.temperatures_c(), self.sm_clocks_mhz(), None)
                 except Exception:  # sampling is best effort
                     s = None
+                if s is not None:
+                    with contextlib.suppress(Exception):  # no power reading: counter only
+                        s = (s[0], s[1], s[2], self.powers_w())
                 if s is not None:
                     with self._lock:
                         self._samples.append(s)
@@ -249,5 +272,17 @@ class EnergyMeter:
     def mean_sm_clock_mhz(self, t0_s: float, t1_s: float) -> float | None:
         """Mean sampled SM clock over [t0_s, t1_s] (all GPUs of this meter)."""
         with self._lock:
-            vals = [c for t, _, cs in self._samples if t0_s <= t <= t1_s for c in cs]
+            vals = [c for t, _, cs, _p in self._samples if t0_s <= t <= t1_s for c in cs]
         return statistics.fmean(vals) if vals else None
+
+    def mean_power_w(self, t0_s: float, t1_s: float, *, device: int = 0
+                     ) -> tuple[float | None, int]:
+        """Mean of the power readings sampled inside [t0_s, t1_s] of GPU ``device`` (W) and
+        how many there were; ``(None, n)`` with fewer than two.
+
+        A coarser figure than the counter's: the readings are 50 ms apart and NVML may
+        average each over up to a second. For windows that hold no counter step."""
+        with self._lock:
+            vals = [p[device] for t, _, _c, p in self._samples
+                    if t0_s <= t <= t1_s and p is not None]
+        return (statistics.fmean(vals) if len(vals) >= 2 else None), len(vals)
