@@ -107,11 +107,33 @@ def _refusals(config: Any) -> list[str]:
          "(Megatron-LM: --hidden-dropout 0 --attention-dropout 0)"),
     ]
     refused = [msg for ok, msg in checks if not ok]
+    scale = _softmax_scale_refusal(config)
+    if scale is not None:
+        refused.append(scale)
     try:
         _recompute_policy(config)
     except WorkloadError as exc:
         refused.append(str(exc))
     return refused
+
+
+def _softmax_scale_refusal(config: Any) -> str | None:
+    """The refusal of an attention scale other than kareus's ``1/sqrt(head_dim)``, or
+    ``None``. Checked with the layer's config too, not only when a workload is read from it:
+    Megatron-Core's µP (``use_mup``, on its main branch) sets ``softmax_scale`` in the
+    config's ``__post_init__``, so a config can carry another scale than its dimensions say."""
+    scale = _get(config, "softmax_scale")
+    if scale is None:
+        return None
+    heads, hidden = getattr(config, "num_attention_heads", None), getattr(config, "hidden_size",
+                                                                          None)
+    channels = _get(config, "kv_channels")
+    head_dim = (int(channels) if channels is not None
+                else int(hidden) // int(heads) if heads and hidden else None)
+    if head_dim and abs(float(scale) - head_dim ** -0.5) <= 1e-9:
+        return None
+    return (f"kareus's attention scales scores by 1/sqrt(head_dim); the config sets "
+            f"softmax_scale={scale}: set softmax_scale=None")
 
 
 def _recompute_policy(config: Any) -> str:
@@ -340,10 +362,6 @@ def workload_from_megatron(config: Any, *, microbatch_size: int, seq_len: int,
         raise WorkloadError(f"hidden_size={hidden} is not a multiple of num_attention_heads="
                             f"{heads}: set kv_channels")
     head_dim = hidden // heads if channels is None else int(channels)
-    softmax_scale = _get(config, "softmax_scale")
-    if softmax_scale is not None and abs(float(softmax_scale) - head_dim ** -0.5) > 1e-9:
-        raise WorkloadError(f"kareus's attention scales scores by 1/sqrt(head_dim); the config "
-                            f"sets softmax_scale={softmax_scale}: set softmax_scale=None")
     arch = ModelArch(name=name, layers=_required(config, "num_layers"), hidden=hidden,
                      heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                      ffn=_required(config, "ffn_hidden_size"), vocab=int(vocab_size),

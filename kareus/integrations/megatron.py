@@ -71,8 +71,10 @@ __all__ = ["CHAIN_ENV", "GRAPHS_ENV", "LAYOUTS", "LAYOUT_ENV", "PLAN_ENV", "SCHE
            "megatron_lm_applier", "release_layer_spec", "unchain_layers",
            "workload_from_megatron", "workload_from_megatron_args", "wrap_schedule"]
 
-#: The Megatron-Core releases this module is tested with: ``(lowest, first untested)``.
-TESTED_MEGATRON = ("0.16.0", "0.17.0")
+#: The Megatron-Core releases this module is tested with: ``(lowest, first untested)``:
+#: the 0.15 and 0.16 lines (their CPU tests run with 0.15.3 and 0.16.1; Megatron-LM's
+#: ``pretrain_gpt.py`` of ``core_v0.15.3`` and ``core_v0.16.1`` built kareus's layers).
+TESTED_MEGATRON = ("0.15.0", "0.17.0")
 
 #: Set to ``1`` to run with an untested Megatron-Core release (a warning, not an error).
 UNTESTED_ENV = "KAREUS_MEGATRON_UNTESTED"
@@ -304,13 +306,17 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
         """The layer's output ``[seq, batch, hidden]`` and ``None`` (no cross-attention
         context), as Megatron's ``TransformerLayer.forward``."""
         if self._planned is None:
+            if padding_mask is not None:
+                # Megatron-Core 0.16 added this argument; 0.15's layer takes none (and its
+                # block never passes one), so it travels only when given
+                kwargs["padding_mask"] = padding_mask
             return super().forward(  # type: ignore[no-any-return]
                 hidden_states, attention_mask=attention_mask, context=context,
                 context_mask=context_mask, rotary_pos_emb=rotary_pos_emb,
                 rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
                 rotary_pos_cos_sin=rotary_pos_cos_sin, attention_bias=attention_bias,
                 inference_context=inference_context, packed_seq_params=packed_seq_params,
-                sequence_len_offset=sequence_len_offset, padding_mask=padding_mask,
+                sequence_len_offset=sequence_len_offset,
                 inference_params=inference_params, **kwargs)
         unsupported = {"packed_seq_params": packed_seq_params,
                        "inference_context": inference_context,

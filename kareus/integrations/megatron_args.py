@@ -246,6 +246,22 @@ def _get(args: Any, name: str, default: Any = None) -> Any:
     return getattr(args, name, default)
 
 
+#: Megatron-LM attributes whose name changed between release lines: the 0.16 name (a
+#: ``TransformerConfig`` field's) and the name Megatron-LM ``core_v0.15.x``'s
+#: ``parse_args`` stores the same flag under (``--norm-epsilon``, ``--apply-layernorm-1p``).
+_EARLIER_NAMES = {"layernorm_epsilon": "norm_epsilon",
+                  "layernorm_zero_centered_gamma": "apply_layernorm_1p"}
+
+
+def _renamed(args: Any, name: str, default: Any) -> Any:
+    """``args.name``, else the 0.15 line's name of the same flag, else ``default``: a
+    0.15 namespace read under the 0.16 name alone would give the default (``1e-5`` for
+    ``--norm-epsilon 1e-6``: another model, silently)."""
+    if hasattr(args, name):
+        return getattr(args, name)
+    return getattr(args, _EARLIER_NAMES[name], default)
+
+
 def padded_vocab_size(args: Any) -> int:
     """The vocabulary Megatron-LM builds the model with: ``args.padded_vocab_size`` when set,
     else the tokenizer's vocabulary (``NullTokenizer``: ``vocab_size + 1``) rounded up to a
@@ -339,8 +355,9 @@ def _config_of(args: Any) -> SimpleNamespace:
         "add_bias_linear": _get(args, "add_bias_linear", True),
         "add_qkv_bias": _get(args, "add_qkv_bias", False),
         "normalization": _get(args, "normalization", "LayerNorm"),
-        "layernorm_epsilon": _get(args, "layernorm_epsilon", 1e-5),
-        "layernorm_zero_centered_gamma": _get(args, "layernorm_zero_centered_gamma", False),
+        "layernorm_epsilon": _renamed(args, "layernorm_epsilon", 1e-5),
+        "layernorm_zero_centered_gamma": _renamed(args, "layernorm_zero_centered_gamma",
+                                                  False),
         "qk_layernorm": _get(args, "qk_layernorm", False),
         "qk_l2_norm": _get(args, "qk_l2_norm", False),
         "num_moe_experts": _get(args, "num_experts"),

@@ -8,7 +8,8 @@ optimizer checks for ``torch.cuda.*Tensor`` types, and its activation checkpoint
 and full recomputation) saves and restores the CUDA RNG state.
 [`install`][kareus.integrations.megatron_cpu.install] redirects those calls to the CPU in
 this process: torch's tensor factories map ``device="cuda"`` to the CPU,
-``torch.cuda.current_device`` names the CPU, pinned memory is plain CPU memory (Megatron's
+``torch.cuda.current_device`` names the CPU, ``torch.cuda.current_stream`` is one whose
+waits do nothing (the CPU runs in order), pinned memory is plain CPU memory (Megatron's
 context-parallel RoPE slicing pins an index tensor), CPU tensors report CUDA type names, and a
 no-op RNG tracker (and CUDA RNG state) replaces CUDA's, so dropout must be 0. It patches
 torch globally for the
@@ -70,6 +71,9 @@ def install() -> None:
         setattr(torch, name, factory(getattr(torch, name)))
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment, return-value]
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    # Megatron-Core's main branch waits, in DDP's gradient sync, on events of the current
+    # stream (its CUDA-graph replays'): the CPU runs in order, so there is nothing to wait on
+    torch.cuda.current_stream = lambda *a, **k: _InOrder()  # type: ignore[assignment]
     torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
     torch.Tensor.pin_memory = lambda self, *a, **k: self  # type: ignore[method-assign]
     own_type = torch.Tensor.type
@@ -89,3 +93,16 @@ def install() -> None:
     # restores the CUDA RNG state around the recomputed forward: there is none (no dropout)
     tensor_parallel.random._get_cuda_rng_state = lambda *a, **k: None
     tensor_parallel.random._set_cuda_rng_state = lambda *a, **k: None
+
+
+class _InOrder:
+    """The CPU's "current stream": work runs in program order, so waiting is a no-op."""
+
+    def wait_event(self, event: Any) -> None:
+        """Nothing to wait for."""
+
+    def wait_stream(self, stream: Any) -> None:
+        """Nothing to wait for."""
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""

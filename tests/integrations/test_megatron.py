@@ -88,20 +88,32 @@ def _shard(t, config):
 
 
 
+@pytest.mark.megatron_line
 def test_the_module_checks_megatron_s_version(monkeypatch):
     from kareus.integrations import megatron as km
 
     assert km.check_megatron_version() == km.MEGATRON_VERSION
     monkeypatch.delenv(km.UNTESTED_ENV, raising=False)
-    with pytest.raises(km.MegatronVersionError, match=r"megatron-core >=0\.16\.0,<0\.17\.0"):
+    # the two tested lines pass; the next one, the previous one and a non-version do not
+    for tested in ("0.15.0", "0.15.3", "0.16.0", "0.16.1"):
+        assert km.check_megatron_version(tested) == tested
+    with pytest.raises(km.MegatronVersionError, match=r"megatron-core >=0\.15\.0,<0\.17\.0"):
         km.check_megatron_version("0.17.1")
+    for untested in ("0.20.0", "0.14.0", "0.15.0rc7", "main"):
+        with pytest.raises(km.MegatronVersionError):
+            km.check_megatron_version(untested)
     with pytest.raises(ImportError):  # an ImportError too: the module does not import
         km.check_megatron_version("0.12.0")
+    try:  # one line: a user reads it as it is
+        km.check_megatron_version("0.17.1")
+    except km.MegatronVersionError as exc:
+        assert "\n" not in str(exc)
     monkeypatch.setenv(km.UNTESTED_ENV, "1")
     with pytest.warns(UserWarning, match="0.17.1"):
         assert km.check_megatron_version("0.17.1") == "0.17.1"
 
 
+@pytest.mark.megatron_line
 def test_the_spec_refuses_what_is_not_an_applier():
     from kareus.errors import ArgumentTypeError
     from kareus.integrations.megatron import KareusTransformerLayer, kareus_layer_spec
@@ -518,6 +530,7 @@ def _gpt_graphs_match(config, wl, groups, out, tied):
 
 
 def _worker(out_dir: str, variant: str) -> None:
+    import megatron.core
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
@@ -545,7 +558,8 @@ def _worker(out_dir: str, variant: str) -> None:
     groups = TorchParallelGroups.from_groups(tp=parallel_state.get_tensor_model_parallel_group())
     emb = RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=1.0,
                           rotary_base=ex.ROTARY_BASE)(SEQ)
-    out: dict = {}
+    # the Megatron-Core the workers ran (the test compares it with its own)
+    out: dict = {"megatron_core": megatron.core.__version__}
     if variant.endswith("-full"):
         _full_recompute_matches(config, wl, groups, out)
     elif variant.endswith("-graphs"):
@@ -559,12 +573,22 @@ def _worker(out_dir: str, variant: str) -> None:
     dist.destroy_process_group()
 
 
+#: The variants run on every tested Megatron-Core line (``megatron_line``): query/key norm
+#: under sequence parallelism, and the chained block under full recomputation.
+LINE_VARIANTS = ("qwen3-sp", "llama-full")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("variant", [
+    pytest.param(v, marks=pytest.mark.megatron_line) if v in LINE_VARIANTS else v
+    for v in sorted(VARIANTS)])
 def test_kareus_layers_are_megatron_s_layers_over_gloo(tmp_path, variant):
+    import megatron.core
     from _ranks import run_ranks  # tests/integrations, on sys.path under pytest
 
     res = run_ranks(__file__, tmp_path, TP, variant)
+    # the workers ran this process's Megatron-Core (a source tree first on PYTHONPATH too)
+    assert [r["megatron_core"] for r in res] == [megatron.core.__version__] * TP
     if variant.endswith("-graphs"):  # trained from graphs of their own (see the worker)
         assert res[0]["graphs"] > 0 and res[0]["losses"] == res[1]["losses"]
         return

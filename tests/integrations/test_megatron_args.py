@@ -134,13 +134,15 @@ def test_kareus_optimize_megatron_args_makes_the_plan_the_spec_accepts(tmp_path,
     assert "drop --tp" in capsys.readouterr().err
 
 
+@pytest.mark.megatron_line
 @pytest.mark.parametrize("extra", ["", " --qk-layernorm --norm-epsilon 1e-6 "
                                    "--untie-embeddings-and-output-weights --recompute-activations"])
 def test_the_parser_agrees_with_megatron_lm_s_own(monkeypatch, extra):
     """kareus's parser against Megatron-LM's ``parse_args`` + ``validate_args`` (run when
-    ``megatron.training`` is importable: a Megatron-LM checkout at ``core_v0.16.1`` on
-    ``PYTHONPATH``, with ``six`` and ``regex``): every attribute both have is equal, and the
-    workloads of both namespaces are equal."""
+    ``megatron.training`` is importable: a Megatron-LM checkout at ``core_v0.16.1`` or
+    ``core_v0.15.x`` on ``PYTHONPATH``, with ``six`` and ``regex``): every attribute both have
+    is equal, and the workloads of both namespaces are equal (``--norm-epsilon 1e-6`` read
+    from either line's namespace)."""
     import contextlib
     import io
     import shlex
@@ -159,10 +161,18 @@ def test_the_parser_agrees_with_megatron_lm_s_own(monkeypatch, extra):
     with contextlib.redirect_stdout(io.StringIO()):
         theirs = training_args.validate_args(training_args.parse_args(), {})
     mine = parse_megatron_args(job)
+    # Megatron-LM core_v0.15.x stores two of the flags under other names (0.16 stores them
+    # under the TransformerConfig field's): the same values, read by either name
+    for new, old in (("layernorm_epsilon", "norm_epsilon"),
+                     ("layernorm_zero_centered_gamma", "apply_layernorm_1p")):
+        if not hasattr(theirs, new):
+            assert getattr(theirs, old) == getattr(mine, new), old
     differ = {k: (getattr(theirs, k), v) for k, v in vars(mine).items()
               if hasattr(theirs, k) and getattr(theirs, k) != v}
     assert not differ
-    assert set(vars(mine)) - set(vars(theirs)) <= {"recompute_activations"}  # validate deletes
+    renamed = {"layernorm_epsilon", "layernorm_zero_centered_gamma"} - set(vars(theirs))
+    # validate_args deletes recompute_activations
+    assert set(vars(mine)) - set(vars(theirs)) <= {"recompute_activations"} | renamed
     theirs.padded_vocab_size = 32256  # the tokenizer's build sets it: NullTokenizer 32001
     assert workload_from_megatron_args(theirs) == workload_from_megatron_args(
         job, dp=theirs.data_parallel_size)

@@ -176,6 +176,10 @@ def test_a_layer_checks_its_config_against_the_workload(change, field):
     cfg = _config()
     arch = _wl(cfg).model
     check_layer_config(cfg, arch, tp=2)
+    # another attention scale (Megatron-Core main's µP sets one in the config) is refused by
+    # the layer's own check too, whatever made the workload
+    with pytest.raises(WorkloadError, match="softmax_scale=None"):
+        check_layer_config(_config(softmax_scale=0.5), arch, tp=2)
     with pytest.raises(WorkloadError, match=field) as err:
         check_layer_config(cfg, arch.__class__(**{**arch.to_dict(), **change}), tp=2)
     assert "\n" not in str(err.value)

@@ -70,6 +70,7 @@ def megatron_lm_args(qwen3: bool) -> argparse.Namespace:
         spec=["kareus.integrations.megatron", "layer_spec"])
 
 
+@pytest.mark.megatron_line
 def test_the_spec_is_a_module_level_modulespec_before_any_process_group():
     """``--spec MODULE NAME``: Megatron imports MODULE and takes NAME as it is."""
     import torch.distributed as dist
@@ -83,6 +84,7 @@ def test_the_spec_is_a_module_level_modulespec_before_any_process_group():
     assert spec.submodules is None  # chosen per layer from its config
 
 
+@pytest.mark.megatron_line
 def test_the_spec_refuses_megatron_lm_s_persisted_layernorm():
     from megatron.core.transformer.spec_utils import build_module
 
@@ -94,6 +96,7 @@ def test_the_spec_refuses_megatron_lm_s_persisted_layernorm():
                      layer_number=1)
 
 
+@pytest.mark.megatron_line
 def test_without_megatron_lm_the_spec_refuses_in_one_line(monkeypatch):
     from kareus.errors import ArgumentError
     from kareus.integrations.megatron import megatron_lm_applier
@@ -177,6 +180,7 @@ def _leaf_pairs(theirs, mine, path=""):
             yield f"{path}{field}", a, b
 
 
+@pytest.mark.megatron_line
 def test_the_te_layout_is_megatron_s_te_spec(monkeypatch):
     """Megatron-Core's own ``get_gpt_layer_with_transformer_engine_spec``, read with a
     stand-in for Transformer Engine's classes (not installed): kareus's TE layout has an
@@ -380,7 +384,8 @@ def _worker(out_dir: str, variant: str) -> None:
     dist.destroy_process_group()
 
 
-#: A Megatron-LM checkout (``core_v0.16.1``: ``pretrain_gpt.py``, ``gpt_builders.py``,
+#: A Megatron-LM checkout (``core_v0.16.1`` or ``core_v0.15.x``, matching the installed
+#: megatron-core: ``pretrain_gpt.py``, ``gpt_builders.py``,
 #: ``model_provider.py``, ``megatron/training``, ...) for the test with Megatron-LM's own code.
 MEGATRON_LM_ENV = "KAREUS_TEST_MEGATRON_LM"
 REAL_FLAGS = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention "
@@ -394,10 +399,30 @@ REAL_FLAGS = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-q
               "--use-cpu-initialization")
 
 
-def _real_megatron_lm_worker(out_dir: str) -> None:
+def _example_qwen3_flags() -> str:
+    """The flags of ``examples/integrations/megatron_lm_pretrain.py --shape qwen3`` (the GPU
+    run's), shrunk for the CPU: fp32 (no ``--bf16``), CPU initialisation, 2 layers of hidden
+    64, 4 heads of 32 channels (heads x channels is not hidden, as in the larger Qwen3s)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "megatron_lm_pretrain", EXAMPLE / "megatron_lm_pretrain.py")
+    ex = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ex)
+    args = ex.parse_args(["--megatron-lm", ".", "--shape", "qwen3", "--layers", "2",
+                          "--hidden", "64", "--heads", "4", "--kv-heads", "2",
+                          "--kv-channels", "32", "--ffn", "128", "--seq", "32", "--mbs", "2",
+                          "--gbs", "4", "--iters", "2", "--vocab", "999"])
+    flags = [f for f in ex.job_flags(args) if f != "--bf16"]
+    return " ".join([*flags, "--use-cpu-initialization"])
+
+
+def _real_megatron_lm_worker(out_dir: str, shape: str = "llama") -> None:
     """Megatron-LM's own argument parsing and ``gpt_builder`` (what ``pretrain_gpt.py``
     runs to build the model), with ``--spec kareus.integrations.megatron layer_spec`` and
-    without it (Megatron's local layers), on one CPU process."""
+    without it (Megatron's local layers), on one CPU process: ``REAL_FLAGS`` (a Llama
+    layer) or the example's ``--shape qwen3`` flags (query/key RMSNorm, eps 1e-6, tied
+    embeddings, RoPE base 1e6)."""
     import contextlib
     import importlib.util
     import io
@@ -430,23 +455,33 @@ def _real_megatron_lm_worker(out_dir: str) -> None:
         sys.argv = ["pretrain_gpt.py", *shlex.split(flags)]
         with contextlib.redirect_stdout(io.StringIO()):
             args = margs.validate_args(margs.parse_args(), {})
-            args.padded_vocab_size = _vocab_size_with_padding(1001, args)  # NullTokenizer
+            # the NullTokenizer's vocabulary: --vocab-size and its end-of-document token
+            args.padded_vocab_size = _vocab_size_with_padding(args.vocab_size + 1, args)
         global_vars.set_args(args)
         return args
+
+    flags = REAL_FLAGS if shape == "llama" else _example_qwen3_flags()
 
     dist.init_process_group("gloo")
     parallel_state.initialize_model_parallel()
     megatron_cpu.install()
     own_schedule = schedules.forward_backward_no_pipelining
     torch.manual_seed(0)
-    own = gpt_builders.gpt_builder(parsed(REAL_FLAGS), True, True)
-    spec_flags = REAL_FLAGS + " --spec kareus.integrations.megatron layer_spec"
+    own = gpt_builders.gpt_builder(parsed(flags), True, True)
+    spec_flags = flags + " --spec kareus.integrations.megatron layer_spec"
     mine = gpt_builders.gpt_builder(parsed(spec_flags), True, True)
     assert [type(lay) for lay in mine.decoder.layers] == [km.KareusTransformerLayer] * 2
-    assert km._Entry.applier.workload == workload_from_megatron_args(spec_flags)
+    workload = km._Entry.applier.workload
+    assert workload == workload_from_megatron_args(spec_flags)
+    qwen3 = shape == "qwen3"
+    assert (workload.model.qk_norm, workload.model.norm_eps) == (qwen3, 1e-6 if qwen3 else 1e-5)
+    assert workload.model.tied_embeddings and own.share_embeddings_and_output_weights
+    if qwen3:
+        assert mine.decoder.layers[0].self_attention.q_layernorm.eps == 1e-6
+        assert workload.model.head_dim == 32 and km._Entry.applier.rope_base == 1e6
     assert get_forward_backward_func() is not own_schedule  # wrapped before train() asks
     mine.load_state_dict(own.state_dict())
-    tok = torch.randint(0, 1000, (2, 33), generator=torch.Generator().manual_seed(1))
+    tok = torch.randint(0, 999, (2, 33), generator=torch.Generator().manual_seed(1))
     pos = torch.arange(32).expand(2, 32)
     mask = torch.ones(32, 32, dtype=torch.bool).triu(1)[None, None]  # the dataloader's
     losses = []
@@ -464,16 +499,20 @@ def _real_megatron_lm_worker(out_dir: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get(MEGATRON_LM_ENV),
-                    reason=f"{MEGATRON_LM_ENV}=<a Megatron-LM checkout at core_v0.16.1> not set")
-def test_megatron_lm_s_own_builder_builds_kareus_layers_from_the_spec(tmp_path):
+                    reason=f"{MEGATRON_LM_ENV}=<a Megatron-LM checkout at core_v0.16.1 or "
+                           "core_v0.15.x> not set")
+@pytest.mark.megatron_line
+@pytest.mark.parametrize("shape", ["llama", "qwen3"])
+def test_megatron_lm_s_own_builder_builds_kareus_layers_from_the_spec(tmp_path, shape):
     from _ranks import run_ranks
 
-    res = run_ranks(__file__, tmp_path, 1, "megatron-lm")
+    res = run_ranks(__file__, tmp_path, 1, f"megatron-lm-{shape}")
     assert res[0]["losses"][0] == pytest.approx(res[0]["losses"][1], rel=1e-5)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["llama", "qwen3"])
+@pytest.mark.parametrize("variant", [
+    "llama", pytest.param("qwen3", marks=pytest.mark.megatron_line)])
 def test_pretrain_gpt_s_spec_trains_kareus_layers_as_megatron_s_own(tmp_path, variant):
     from _ranks import run_ranks  # tests/integrations, on sys.path under pytest
 
@@ -491,7 +530,7 @@ def test_pretrain_gpt_s_spec_trains_kareus_layers_as_megatron_s_own(tmp_path, va
 
 
 if __name__ == "__main__":
-    if sys.argv[2] == "megatron-lm":
-        _real_megatron_lm_worker(sys.argv[1])
+    if sys.argv[2].startswith("megatron-lm-"):
+        _real_megatron_lm_worker(sys.argv[1], sys.argv[2].removeprefix("megatron-lm-"))
     else:
         _worker(sys.argv[1], sys.argv[2])

@@ -59,6 +59,7 @@ def megatron_1f1b(stage: int, stages: int, microbatches: int) -> list[tuple[int,
     return order + [(i, "bwd") for i in range(microbatches - warmup, microbatches)]
 
 
+@pytest.mark.megatron_line
 def test_megatron_s_1f1b_order_is_the_one_kareus_plans():
     from kareus.model.pipeline import get_schedule
 
@@ -214,6 +215,7 @@ def _worker(out_dir: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.megatron_line
 def test_kareus_layers_under_megatron_s_1f1b_pipeline_over_gloo(tmp_path):
     world = TP * PP
     from _ranks import run_ranks  # tests/integrations, on sys.path under pytest

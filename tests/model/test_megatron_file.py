@@ -76,6 +76,7 @@ def test_megatron_lm_s_arguments_as_json(tmp_path):
     assert model_from_megatron_config({**ARGS, "padded_vocab_size": 32768}).vocab == 32768
 
 
+@pytest.mark.megatron_line
 def test_a_saved_transformer_config(tmp_path):
     """``dataclasses.asdict`` of a real TransformerConfig (functions by name), with the
     model's vocab_size beside it."""

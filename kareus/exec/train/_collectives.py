@@ -160,9 +160,10 @@ def named_collectives(groups: ParallelGroups, names: Any, *, caps: tuple[int, ..
         names: Backend names (of ``BACKENDS`` other than ``"loopback"``).
         caps: SM counts to create NCCL communicators for up front.
         high_priority: As [`make_collectives`][kareus.exec.train.make_collectives]'s.
-        loopback, times: As [`make_collectives`][kareus.exec.train.make_collectives]'s (with
+        loopback: As [`make_collectives`][kareus.exec.train.make_collectives]'s (with
             ``LoopbackGroups``; the faithful stand-in of a name takes that backend's
             collective times: ``"own"`` kareus's kernels', ``"nccl_capped"`` NCCL's).
+        times: As [`make_collectives`][kareus.exec.train.make_collectives]'s.
 
     Raises:
         ValueError: a name this loop cannot build.
