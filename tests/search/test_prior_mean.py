@@ -113,30 +113,26 @@ def test_a_search_with_a_prior_mean_logs_it_and_resumes_only_with_it(medium_spac
     assert MultiPassSearch(medium_space, prior_mean=pm, budget=16).initial_size == 8
 
 
-def _per_clock_quality(space: ConfigSpace, truth, configs) -> float:
-    """Mean over clocks of the hypervolume, in (time, dynamic energy), of the measured
-    configurations at that clock over the true front's there (noise-free values): what the
-    microbatch composer takes is each type's front at each clock."""
+def _quality(space: ConfigSpace, truth, configs) -> float:
+    """Hypervolume, in (time, total energy), of the measured configurations over the true
+    front's (noise-free values; reference point 1.1 x the true front's worst)."""
     part = space.partition
     vals = {c: truth.measure(part, c) for c in space.configs}
-    out = []
-    for f in space.freqs_mhz:
-        at = [c for c in space.configs if c.freq_mhz == f]
-        true = np.array([(vals[c].time_s, vals[c].dynamic_energy_j) for c in at])
-        front = pareto_front(true)
-        ref = reference_point(front, 0.1)
-        mine = np.array([(vals[c].time_s, vals[c].dynamic_energy_j) for c in configs
-                         if c.freq_mhz == f])
-        out.append(hypervolume(mine, ref) / hypervolume(front, ref) if len(mine) else 0.0)
-    return float(np.mean(out))
+    true = np.array([(vals[c].time_s, vals[c].energy_j) for c in space.configs])
+    front = pareto_front(true)
+    ref = reference_point(front, 0.1)
+    mine = np.array([(vals[c].time_s, vals[c].energy_j) for c in configs])
+    return hypervolume(mine, ref) / hypervolume(front, ref)
 
 
 def test_a_wrong_model_as_prior_mean_still_finds_better_fronts_at_a_small_budget(
         llama_partitions):
     """Honest on the emulator: the GPU measured is the preset *perturbed* (every constant
     about 10% off, EmulatedGPU.perturbed), the prior mean the preset itself. From the
-    baselines' measurements, 8 profiles with the prior mean find better fronts at each clock
-    than 8 without it (the design and the passes alone)."""
+    baselines' measurements, 8 profiles with the prior mean find better fronts than 8
+    without it (the design and the passes alone), on average and in the worst case (at the
+    time of writing 0.958 / 1.000 / 0.915 against 0.954 / 0.049 / 0.805 of the true front's
+    hypervolume)."""
     from kareus.profilers.emulator import EmulatedGPU, EmulatedProfiler
 
     space = ConfigSpace(llama_partitions["fwd_attn"], "a100-40gb",
@@ -155,6 +151,7 @@ def test_a_wrong_model_as_prior_mean_still_finds_better_fronts_at_a_small_budget
         a.run(prof)
         b = MultiPassSearch(space, **kw)
         b.run(prof)
-        with_prior.append(_per_clock_quality(space, truth, [o.config for o in a.observations]))
-        without.append(_per_clock_quality(space, truth, [o.config for o in b.observations]))
-    assert np.mean(with_prior) > np.mean(without), (with_prior, without)
+        with_prior.append(_quality(space, truth, [o.config for o in a.observations]))
+        without.append(_quality(space, truth, [o.config for o in b.observations]))
+    assert np.mean(with_prior) > np.mean(without) + 0.01, (with_prior, without)
+    assert min(with_prior) >= min(without), (with_prior, without)
