@@ -74,8 +74,27 @@ def compare(kareus: Any, baseline: Any) -> dict[str, Any]:
             "min_saving": min(savings) if savings else None}
 
 
+def profilers(gpu: str, seed: int, truth: str, prior: str) -> tuple[Any, Any]:
+    """(what measures, the searches' prior model or None).
+
+    ``truth``: ``"preset"`` = the GPU's emulated preset (1% noise, as ``kareus optimize``);
+    ``"perturbed"`` = the preset with every model constant scaled by a seeded factor
+    (``EmulatedGPU.perturbed(seed)``, about 10% each), standing for the GPU a model only
+    approximates. ``prior``: ``"none"``, or ``"preset"`` = the noise-free preset as each
+    search's prior mean (with ``truth="preset"`` that prior is exactly right: an upper
+    bound, not a result).
+    """
+    from kareus.profilers.emulator import EmulatedGPU, EmulatedProfiler
+
+    model = EmulatedGPU.from_spec(gpu)
+    measured = model if truth == "preset" else model.perturbed(seed)
+    prior_model = None if prior == "none" else EmulatedProfiler(model, noise=0.0)
+    return EmulatedProfiler(measured, seed=seed), prior_model
+
+
 def run(jobs: list[tuple[str, str, str, dict[str, Any]]], budgets: list[int],
-        seeds: list[int]) -> list[dict[str, Any]]:
+        seeds: list[int], *, truth: str = "preset", prior: str = "none"
+        ) -> list[dict[str, Any]]:
     from kareus.model import Workload
     from kareus.workflow import optimize
 
@@ -85,11 +104,14 @@ def run(jobs: list[tuple[str, str, str, dict[str, Any]]], budgets: list[int],
         for seed in seeds:
             for budget in budgets:
                 t0 = time.monotonic()
-                res = optimize(wl, gpu, budget=budget, seed=seed, progress=False)
+                profiler, prior_model = profilers(gpu, seed, truth, prior)
+                res = optimize(wl, profiler=profiler, budget=budget, seed=seed,
+                               progress=False, prior_model=prior_model)
                 wall = time.monotonic() - t0
                 for base in BASELINES:
                     rows.append({"job": label, "seed": seed, "budget": budget,
-                                 "baseline": base, "wall_s": wall,
+                                 "baseline": base, "wall_s": wall, "truth": truth,
+                                 "prior": prior,
                                  **compare(res.kareus, res.frontiers[base])})
     return rows
 
@@ -99,11 +121,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budgets", default="8,16,32,96")
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--quick", action="store_true", help="one small job, budgets 8 and 16")
+    ap.add_argument("--jobs", default=None, help="job labels to run (comma-separated)")
+    ap.add_argument("--truth", choices=("preset", "perturbed"), default="preset",
+                    help="what measures: the emulated preset, or a perturbed copy per seed")
+    ap.add_argument("--prior", choices=("none", "preset"), default="none",
+                    help="the searches' prior mean: none, or the noise-free preset")
     ap.add_argument("--json", default=None, metavar="PATH")
     args = ap.parse_args(argv)
     budgets = [8, 16] if args.quick else [int(b) for b in args.budgets.split(",")]
     seeds = [int(s) for s in args.seeds.split(",")]
-    rows = run(QUICK_JOBS if args.quick else JOBS, budgets, seeds)
+    jobs = QUICK_JOBS if args.quick else JOBS
+    if args.jobs:
+        jobs = [j for j in jobs if j[0] in args.jobs.split(",")]
+    rows = run(jobs, budgets, seeds, truth=args.truth, prior=args.prior)
     top = max(budgets)
     ref = {(r["job"], r["seed"]): r["median_saving"] for r in rows
            if r["budget"] == top and r["baseline"] == "nanobatching+perseus"}

@@ -35,6 +35,19 @@ Usage::
     python bench/search_efficiency.py [--quick] [--json PATH] [--jobs N]
         [--seeds N] [--first-seed S] [--methods kareus,random,reference]
         [--partitions MODEL/GPU/TYPE,...]
+    python bench/search_efficiency.py --small-budgets [--truth perturbed|preset] [--quick]
+        [--seeds N] [--json PATH]
+
+``--small-budgets`` measures what real tuning runs afford instead: kareus at budgets 8, 12,
+16, 32 and 96, each a search of its own, started from what the baselines measure of the type
+(the default SM count in the first slot at every clock, as prior observations), without and
+with the *preset* emulator's noise-free prediction as prior mean (``PriorMean``), measured
+on ``--truth``: ``perturbed`` (default) = ``EmulatedGPU.perturbed(seed)``, every model
+constant about 10% off, so the prior is a model of the GPU, not the GPU; ``preset`` = the
+preset itself (then the prior mean is exactly right: an upper bound). Besides the
+hypervolume ratio it reports the per-clock ratio: the mean over clocks of the hypervolume in
+(time, dynamic energy) of the measured configurations at each clock over the true front's
+there, which is what the microbatch composer takes.
 
 ``--quick`` (for CI; under 5 minutes on a 2-core machine) runs a documented subset:
 five partition types per GPU (llama3.2-3b fwd_attn, bwd_mlp; qwen3-1.7b fwd_attn_in_ag,
@@ -214,6 +227,124 @@ def run_unit(unit: tuple[str, str, str, int, tuple[str, ...], str]) -> dict[str,
     return out
 
 
+SMALL_BUDGETS = (8, 12, 16, 32, 96)
+VARIANTS = ("priors", "priors+mean")
+
+
+def baseline_like_priors(space: ConfigSpace, profiler: Any) -> list[Any]:
+    """What the baselines measure of a type before kareus searches it (``kareus.workflow``'s
+    ``baseline_priors``): the default SM count in the first slot (nanobatching + Perseus; a
+    type with no overlap: sequential, Perseus) at every clock."""
+    from kareus.search import Observation
+
+    sms = space.gpu.default_comm_sms
+    first = next((s for s in space.slots if s is not None), None)
+    return [Observation(config=c, measurement=profiler.measure(space.partition, c))
+            for c in space.configs if c.comm_sms == sms and c.launch_slot == first]
+
+
+def per_clock_ratio(space: ConfigSpace, dyn: np.ndarray, truth: np.ndarray, idx: list[int]
+                    ) -> float:
+    """Mean over clocks of the hypervolume in (time, dynamic energy) of the measured
+    configurations at the clock over the true front's there (noise-free): the microbatch
+    composer takes each type's front at each clock, not its front over all clocks."""
+    freqs = np.array([c.freq_mhz for c in space.configs])
+    pts = np.column_stack([truth[:, 0], dyn])
+    chosen = np.zeros(len(space), dtype=bool)
+    chosen[idx] = True
+    out = []
+    for f in np.unique(freqs):
+        at = freqs == f
+        front = pareto_front(pts[at])
+        ref = reference_point(front, 0.1)
+        mine = pts[at & chosen]
+        out.append(hypervolume(mine, ref) / hypervolume(front, ref) if len(mine) else 0.0)
+    return float(np.mean(out))
+
+
+def run_small_unit(unit: tuple[str, str, str, int, str]) -> dict[str, Any]:
+    """kareus at each small budget, from the baselines' measurements (priors), without and
+    with the preset emulator's prediction as prior mean, measured on ``truth``."""
+    from kareus.profilers.emulator import EmulatedGPU, EmulatedProfiler
+    from kareus.search import PriorMean
+
+    model, gpu, name, seed, truth_kind = unit
+    space = ConfigSpace(model_partitions(model)[name], gpu)
+    preset = EmulatedGPU.from_spec(gpu)
+    world = preset if truth_kind == "preset" else preset.perturbed(seed)
+    exact = EmulatedProfiler(world, noise=0.0)
+    ms = [exact.measure(space.partition, c) for c in space.configs]
+    truth = np.array([(m.time_s, m.energy_j) for m in ms])
+    dyn = np.array([m.dynamic_energy_j for m in ms])
+    front = pareto_front(truth)
+    ref = reference_point(front, 0.1)
+    hv_true = hypervolume(front, ref)
+    mean = PriorMean.from_profiler(space, EmulatedProfiler(preset, noise=0.0))
+    out: dict[str, Any] = {}
+    for variant in VARIANTS:
+        for b in SMALL_BUDGETS:
+            prof = EmulatedProfiler(world, noise=NOISE, seed=1000 + seed)
+            priors = baseline_like_priors(space, prof)
+            search = MultiPassSearch(space, budget=b, seed=seed, stop_patience=None,
+                                     progress=False, prior=priors,
+                                     prior_mean=mean if variant == "priors+mean" else None)
+            search.run(prof)
+            idx = [space.index(o.config) for o in search.observations]
+            out[f"{variant}/{b}"] = {
+                "hv": hypervolume(truth[idx], ref) / hv_true,
+                "per_clock": per_clock_ratio(space, dyn, truth, idx)}
+        base_idx = [space.index(o.config) for o in priors]
+        out[f"{variant}/0"] = {"hv": hypervolume(truth[base_idx], ref) / hv_true,
+                               "per_clock": per_clock_ratio(space, dyn, truth, base_idx)}
+    return out
+
+
+def small_main(args: argparse.Namespace) -> int:
+    """``--small-budgets``: kareus at 8-96 profiles from the baselines' measurements, with
+    and without a prior mean (see the module doc)."""
+    seeds = list(range(args.first_seed, args.first_seed + (args.seeds or 2)))
+    parts = partitions(args.quick)
+    if args.partitions:
+        wanted = [w.strip() for w in args.partitions.split(",") if w.strip()]
+        parts = [(m, g, p) for m, g, p in parts
+                 if any(f"{m}/{g}/{p.name}".endswith(w) for w in wanted)]
+    units = [(m, g, p.name, s, args.truth) for m, g, p in parts for s in seeds]
+    t0 = time.time()
+    if args.jobs > 1:
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(args.jobs) as pool:
+            results = list(pool.map(run_small_unit, units))
+    else:
+        results = [run_small_unit(u) for u in units]
+    table: dict[str, Any] = {}
+    print(f"truth: {args.truth}; {len(parts)} partitions x {len(seeds)} seeds; median (worst)")
+    print(f"{'variant':12s} {'metric':9s} " + " ".join(f"{b:>15d}" for b in (0, *SMALL_BUDGETS)))
+    for variant in VARIANTS:
+        for metric in ("hv", "per_clock"):
+            row = {}
+            for b in (0, *SMALL_BUDGETS):
+                vals = [r[f"{variant}/{b}"][metric] for r in results]
+                row[str(b)] = {"median": round(statistics.median(vals), 4),
+                               "worst": round(min(vals), 4),
+                               "mean": round(statistics.fmean(vals), 4)}
+            table[f"{variant}/{metric}"] = row
+            print(f"{variant:12s} {metric:9s} " + " ".join(
+                f"{row[str(b)]['median']:7.4f} ({row[str(b)]['worst']:.3f})"
+                for b in (0, *SMALL_BUDGETS)))
+    print(f"(EMULATED; budget 0 = the baselines' measurements alone; {time.time() - t0:.0f} s)")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "emulated": True, "truth": args.truth, "seeds": seeds,
+            "partitions": [f"{m}/{g}/{p.name}" for m, g, p in parts],
+            "budgets": list(SMALL_BUDGETS), "noise": NOISE, "git_head": _git("rev-parse",
+                                                                              "--short", "HEAD"),
+            "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores",
+            "wall_s": round(time.time() - t0, 1), "table": table}, indent=1) + "\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:  # noqa: C901 - a linear bench script, one branch per option and output
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="documented subset (CI)")
@@ -227,7 +358,15 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - a linear bench s
     ap.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
     ap.add_argument("--profiler", choices=("emulated", "fake"), default="emulated",
                     help="'fake' = kareus.testing.FakeProfiler, for development only")
+    ap.add_argument("--small-budgets", action="store_true",
+                    help="kareus at budgets 8/12/16/32/96 from the baselines' measurements, "
+                         "without and with the preset emulator as prior mean")
+    ap.add_argument("--truth", choices=("preset", "perturbed"), default="perturbed",
+                    help="with --small-budgets: what measures (the preset, or a perturbed "
+                         "copy per seed, EmulatedGPU.perturbed)")
     args = ap.parse_args(argv)
+    if args.small_budgets:
+        return small_main(args)
     methods = tuple(m for m in ("kareus", "random", "reference")
                     if m in args.methods.split(","))
     unknown = set(args.methods.split(",")) - {"kareus", "random", "reference"}

@@ -122,12 +122,26 @@ def emulated_keys() -> list[str]:
     return [f"{m}/{g}/{p.name}" for m, g, p in partitions(quick=False)]
 
 
-def one_search(task: tuple[str, str, int, int]) -> dict[str, Any]:
+def _prior_mean(space: Any, data: dict[str, Any]) -> Any:
+    """The calibrated emulator's prediction of a measured grid's space (``--prior-mean
+    emulator``): the shipped H200 profile, NCCL's capped-CTA curves (what the grids ran),
+    the grid's stream priority, noise off."""
+    from kareus.profilers.emulator import EmulatedGPU, EmulatedProfiler, measured_priority
+    from kareus.search import PriorMean
+
+    priority, _ = measured_priority(data)
+    gpu = EmulatedGPU.from_profile("h200-sxm", comm_backend="nccl", comm_priority=priority)
+    return PriorMean.from_profiler(space, EmulatedProfiler(gpu, noise=0.0))
+
+
+def one_search(task: tuple[str, str, int, int] | tuple[str, str, int, int, str]
+               ) -> dict[str, Any]:
     """Replay one default search; the best measured energy and time, and the profiles.
 
     On an emulated case the values are the noise-free ones of the configurations the
     search measured (it measured them with noise)."""
-    path, name, budget, seed = task
+    path, name, budget, seed = task[:4]
+    prior = task[4] if len(task) > 4 else "none"
     if path == "emulated":
         from kareus.profilers.emulator import EmulatedProfiler
 
@@ -140,7 +154,12 @@ def one_search(task: tuple[str, str, int, int]) -> dict[str, Any]:
         part = parts[name]
         space = profiler.space(part)
         truth = profiler
-    search = MultiPassSearch(space, budget=budget, seed=seed, progress=False)
+    mean = None
+    if prior == "emulator":
+        if path == "emulated":
+            raise SystemExit("--prior-mean emulator replays the measured grids only")
+        mean = _prior_mean(space, data)
+    search = MultiPassSearch(space, budget=budget, seed=seed, progress=False, prior_mean=mean)
     t0 = time.perf_counter()
     front = search.run(profiler, part)
     wall = time.perf_counter() - t0
@@ -161,6 +180,9 @@ def main() -> int:  # noqa: C901 - a linear bench script, one branch per option 
     ap.add_argument("--first-seed", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--prior-mean", choices=("none", "emulator"), default="none",
+                    help="the searches' prior mean: none, or the emulator calibrated to the "
+                         "shipped H200 profile (NCCL curves), predicting the grid")
     ap.add_argument("--emulated", action="store_true",
                     help="the emulated development set instead of the measured grids")
     args = ap.parse_args()
@@ -195,7 +217,7 @@ def main() -> int:  # noqa: C901 - a linear bench script, one branch per option 
                 "repeat_noise": repeat_noise(data, name),
                 "values": {"energy": [m.energy_j for m in ms], "time": [m.time_s for m in ms]},
                 "budgets": {}}
-            tasks += [(path, name, b, s) for b in budgets for s in seeds]
+            tasks += [(path, name, b, s, args.prior_mean) for b in budgets for s in seeds]
 
     if args.jobs > 1:
         from concurrent.futures import ProcessPoolExecutor
@@ -276,7 +298,8 @@ def main() -> int:  # noqa: C901 - a linear bench script, one branch per option 
                "command": "python bench/small_budget.py " + " ".join(sys.argv[1:]),
                "commit": commit, "machine": platform.platform(),
                "cpus": os.cpu_count(), "seeds": list(seeds), "budgets": budgets,
-               "elapsed_s": elapsed, "cases": list(cases.values())}
+               "prior_mean": args.prior_mean, "elapsed_s": elapsed,
+               "cases": list(cases.values())}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1) + "\n")
     return 0

@@ -51,6 +51,7 @@ from kareus.search._initial_design import (
 from kareus.search._log import LOG_FORMAT, LOG_VERSION, prior_count
 from kareus.search._multi_pass_search import MultiPassSearch
 from kareus.search._objective_model import ObjectiveModel, ObjectivePrediction
+from kareus.search._prior_mean import PriorMean
 from kareus.search._spec import (
     DEFAULT_BUDGET,
     SearchSpec,
@@ -99,6 +100,7 @@ __all__ = [
     "ObjectivePrediction",
     "Observation",
     "PartitionFrontier",
+    "PriorMean",
     "RandomPass",
     "SearchSpec",
     "Surrogate",

@@ -81,7 +81,8 @@ def space_description(space: ConfigSpace) -> dict[str, Any]:
 
 
 def log_header(space: ConfigSpace, *, seed: int, batch_size: int, budget: int,
-               initial_size: int, measured_with: Mapping[str, str] | None = None
+               initial_size: int, measured_with: Mapping[str, str] | None = None,
+               prior_mean: Mapping[str, str] | None = None
                ) -> dict[str, Any]:
     """The header record of a new search log.
 
@@ -94,6 +95,9 @@ def log_header(space: ConfigSpace, *, seed: int, batch_size: int, budget: int,
         measured_with: How the measurements are made, beyond the space (e.g.
             ``{"execution": "graphed"}``); recorded when given and not empty, and checked
             on resume (``check_header``).
+        prior_mean: The search's prior mean, ``{"source": ..., "digest": ...}``
+            ([`PriorMean`][kareus.search.PriorMean]); recorded when given, its digest
+            checked on resume.
 
     Returns:
         The header record (``kind == "header"``), with the kareus version and the time of
@@ -108,6 +112,8 @@ def log_header(space: ConfigSpace, *, seed: int, batch_size: int, budget: int,
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if measured_with:
         head["measured_with"] = dict(measured_with)
+    if prior_mean:
+        head["prior_mean"] = dict(prior_mean)
     return head
 
 
@@ -235,7 +241,8 @@ def _verified(path: Path, records: list[dict[str, Any]], line_numbers: list[int]
 
 
 def check_header(head: dict[str, Any], space: ConfigSpace, seed: int, path: Path,
-                 measured_with: Mapping[str, str] | None = None) -> None:
+                 measured_with: Mapping[str, str] | None = None,
+                 prior_mean: str | None = None) -> None:
     """Check that the header ``head`` of the log at ``path`` belongs to this search.
 
     Args:
@@ -246,6 +253,9 @@ def check_header(head: dict[str, Any], space: ConfigSpace, seed: int, path: Path
         measured_with: How this search's measurements are made (``log_header``); a
             log that recorded other values, or none where this search has some, is
             another search's (a log of eager runs does not resume a graph-captured one).
+        prior_mean: The digest of this search's prior mean (``None``: it has none); a log
+            started from another prior mean, or from none, chose its batches from other
+            predictions and is another search's.
 
     Raises:
         OutputError: for another format or version, or another partition, GPU, space,
@@ -268,3 +278,11 @@ def check_header(head: dict[str, Any], space: ConfigSpace, seed: int, path: Path
         said = f"its measured_with is {theirs!r:.80}" if theirs else "it records no measured_with"
         raise OutputError(f"search log {path} was measured another way: {said}, this "
                           f"search's is {ours!r:.80}: {REMEDY}")
+    logged = head.get("prior_mean")
+    theirs_digest = logged.get("digest") if isinstance(logged, dict) else None
+    if theirs_digest != prior_mean:
+        said = (f"from the prior mean {logged.get('source')!r:.60} (digest {theirs_digest})"
+                if isinstance(logged, dict) else "without a prior mean")
+        ours_said = "none" if prior_mean is None else f"digest {prior_mean}"
+        raise OutputError(f"search log {path} was started {said}; this search's prior mean is "
+                          f"{ours_said}: {REMEDY}")

@@ -64,6 +64,7 @@ from kareus.search._log import (
     sync_log,
 )
 from kareus.search._objective_model import ObjectiveModel
+from kareus.search._prior_mean import PriorMean
 from kareus.search.acquisition import (
     AcquisitionContext,
     AcquisitionPass,
@@ -97,7 +98,10 @@ class MultiPassSearch:
             the space's size.
         initial_size: Profiles of the space-filling initial design; ``None`` =
             [`default_initial_size`][kareus.search.default_initial_size] of the budget (16 from 32
-            profiles up, half the budget but at least 8 below). A resumed search keeps its log's.
+            profiles up, half the budget but at least 8 below), or none with a
+            ``prior_mean`` and at least two ``prior`` observations in the space (the
+            surrogates start from the model calibrated on them, and the passes choose
+            every profile). A resumed search keeps its log's.
         initial_design: ``"maximin"`` ([`maximin_design`][kareus.search.maximin_design],
             space-filling) or
             ``"random"`` (uniform, as the reference artifact does).
@@ -133,6 +137,11 @@ class MultiPassSearch:
             do not count toward ``budget``. Those outside the space, and repeats, are
             left out. A new log records them first; a resumed search takes its log's (the
             ones given then are not used), so it continues exactly as it began.
+        prior_mean: A model's prediction of every configuration of ``space``
+            ([`PriorMean`][kareus.search.PriorMean], e.g. the emulator calibrated to the
+            GPU): the surrogates model the residual, measured over predicted, in log space.
+            Recorded in a new log's header (its source and digest); resuming a log with
+            another prior mean, or with none where the log has one, is refused.
 
     Raises:
         TypeError: for a space, surrogate or pass of the wrong type.
@@ -161,6 +170,7 @@ class MultiPassSearch:
         progress: bool | None = None,
         measured_with: Mapping[str, str] | None = None,
         prior: Iterable[Observation] = (),
+        prior_mean: PriorMean | None = None,
     ) -> None:
         if not isinstance(space, ConfigSpace):
             raise ArgumentTypeError(f"space must be a kareus ConfigSpace, got "
@@ -174,6 +184,15 @@ class MultiPassSearch:
         self.passes = self._check_passes(default_passes() if passes is None else passes)
         self.batch_size = 8 if batch_size is None else check_count("batch_size", batch_size)
         self.budget = min(224 if budget is None else check_count("budget", budget), len(space))
+        if prior_mean is not None:
+            if not isinstance(prior_mean, PriorMean):
+                raise ArgumentTypeError(f"prior_mean must be a kareus PriorMean, got "
+                                        f"{type(prior_mean).__name__}")
+            if len(prior_mean) != len(space):
+                raise ArgumentError(f"prior_mean predicts {len(prior_mean)} configurations; "
+                                    f"the space has {len(space)}: make it from this space "
+                                    "(PriorMean.from_profiler(space, model))")
+        self.prior_mean = prior_mean
         if initial_size is not None:
             check_count("initial_size", initial_size)
         if stop_patience is not None:
@@ -183,7 +202,8 @@ class MultiPassSearch:
         if resume is not None and Path(resume).exists() and Path(resume).stat().st_size > 0:
             resume_records = read_log(Path(resume))
             check_header(resume_records[0], space, self.seed, Path(resume),
-                         measured_with=measured_with)
+                         measured_with=measured_with,
+                         prior_mean=None if prior_mean is None else prior_mean.digest)
         if resume_records is not None:
             # A resumed search keeps the design its log was started with, whatever the
             # budget now (the default size depends on the budget, which may change).
@@ -198,7 +218,12 @@ class MultiPassSearch:
                                     "initial_size=None (or the same size)")
             self.initial_size = logged
         elif initial_size is None:
-            self.initial_size = default_initial_size(self.budget)
+            prior = list(prior)
+            usable = {o.config for o in prior if isinstance(o, Observation) and o.config in space}
+            # A model's prediction of every configuration, calibrated on the priors, is a
+            # better start than a space-filling design: every profile goes to the passes.
+            self.initial_size = (0 if prior_mean is not None and len(usable) >= 2
+                                 else default_initial_size(self.budget))
         else:
             self.initial_size = min(int(initial_size), self.budget)
         if initial_design not in ("maximin", "random"):
@@ -256,7 +281,10 @@ class MultiPassSearch:
                 self._log_path = p
                 self._write(log_header(space, seed=self.seed, batch_size=self.batch_size,
                                        budget=self.budget, initial_size=self.initial_size,
-                                       measured_with=measured_with))
+                                       measured_with=measured_with,
+                                       prior_mean=None if prior_mean is None
+                                       else {"source": prior_mean.source,
+                                             "digest": prior_mean.digest}))
             self._tell_prior(prior)
 
     # ---------------------------------------------------------------------- checking
@@ -375,8 +403,10 @@ class MultiPassSearch:
         sp = np.array([o.measurement.static_power_w for o in obs])
         static = float(np.median(sp))
         model = ObjectiveModel(self.surrogate, seed=self.seed * 7919 + self._batches)
-        model.fit(self._features[idx], t, e - sp * t, static)
-        prediction = model.predict(self._features)
+        off = None if self.prior_mean is None else self.prior_mean.log_values()
+        model.fit(self._features[idx], t, e - sp * t, static,
+                  offset=None if off is None else (off[0][idx], off[1][idx]))
+        prediction = model.predict(self._features, offset=off)
         available = ~self._measured
         available[self._pending] = False
         rng = np.random.default_rng([self.seed, self._batches])

@@ -97,9 +97,12 @@ class ObjectiveModel:
         self.time_model: Surrogate | None = None
         self.dynamic_model: Surrogate | None = None
         self.static_power_w = 0.0
+        #: Whether the last fit modelled the residual from an offset (a prior mean).
+        self.with_offset = False
 
     def fit(self, X: ArrayLike, time_s: ArrayLike, dynamic_energy_j: ArrayLike,
-            static_power_w: float) -> ObjectiveModel:
+            static_power_w: float, *, offset: tuple[ArrayLike, ArrayLike] | None = None
+            ) -> ObjectiveModel:
         """Fit the time and dynamic-energy models (log space); return ``self``.
 
         Args:
@@ -107,6 +110,11 @@ class ObjectiveModel:
             time_s: Measured times, seconds (n,), positive.
             dynamic_energy_j: Measured dynamic energies, joules (n,).
             static_power_w: Static power of the scope, watts.
+            offset: A prior mean in log space, ``(log time, log dynamic energy)`` of each
+                row (a [`PriorMean`][kareus.search.PriorMean]'s ``log_values``): the
+                surrogates then model the residual, log measured minus the offset, and
+                [`predict`][kareus.search.ObjectiveModel.predict] needs the offsets of its
+                rows too. ``None``: the surrogates model the log values themselves.
 
         Raises:
             ValueError: for a time <= 0, or bad shapes.
@@ -116,26 +124,51 @@ class ObjectiveModel:
         if np.any(t <= 0):
             raise ArgumentError("times must be positive")
         floor = max(float(np.median(np.abs(d))) * 1e-3, 1e-12)
-        self.time_model = self.template.clone(seed=self.seed * 2 + 1).fit(X, np.log(t))
-        self.dynamic_model = self.template.clone(seed=self.seed * 2 + 2).fit(
-            X, np.log(np.maximum(d, floor)))
+        log_t, log_d = np.log(t), np.log(np.maximum(d, floor))
+        if offset is not None:
+            off_t, off_d = self._offset(offset, len(t))
+            log_t, log_d = log_t - off_t, log_d - off_d
+        self.time_model = self.template.clone(seed=self.seed * 2 + 1).fit(X, log_t)
+        self.dynamic_model = self.template.clone(seed=self.seed * 2 + 2).fit(X, log_d)
         self.static_power_w = float(static_power_w)
+        self.with_offset = offset is not None
         return self
 
-    def predict(self, X: ArrayLike) -> ObjectivePrediction:
+    @staticmethod
+    def _offset(offset: tuple[ArrayLike, ArrayLike], n: int) -> tuple[np.ndarray, np.ndarray]:
+        off_t, off_d = (np.asarray(o, dtype=np.float64).reshape(-1) for o in offset)
+        if off_t.shape != (n,) or off_d.shape != (n,):
+            raise ArgumentError(f"offset must hold two arrays of {n} values (one per row), got "
+                                f"{off_t.shape} and {off_d.shape}")
+        return off_t, off_d
+
+    def predict(self, X: ArrayLike, *, offset: tuple[ArrayLike, ArrayLike] | None = None
+                ) -> ObjectivePrediction:
         """Predicted time, dynamic energy and their spreads for each row of ``X``.
+
+        Args:
+            X: Features (n x d).
+            offset: The prior mean of each row, ``(log time, log dynamic energy)``: needed
+                exactly when the model was fitted with one.
 
         Raises:
             RuntimeError: if called before [`fit`][kareus.search.ObjectiveModel.fit].
+            ValueError: an offset given to a model fitted without one, or the reverse.
         """
         if self.time_model is None or self.dynamic_model is None:
             raise RuntimeError("ObjectiveModel.predict called before fit")
+        if (offset is not None) != self.with_offset:
+            raise ArgumentError("ObjectiveModel.predict: give offset= exactly when fit had one "
+                                "(the surrogates model the residual from it)")
         if self.time_model.has_spread and self.dynamic_model.has_spread:
             tm, ts = self.time_model.predict_spread(X)
             dm, ds = self.dynamic_model.predict_spread(X)
         else:
             tm, ts = self.time_model.predict(X), None
             dm, ds = self.dynamic_model.predict(X), None
+        if offset is not None:
+            off_t, off_d = self._offset(offset, len(tm))
+            tm, dm = tm + off_t, dm + off_d
         return ObjectivePrediction(time_s=np.exp(tm), dynamic_energy_j=np.exp(dm),
                                    static_power_w=self.static_power_w,
                                    time_spread=ts, dynamic_spread=ds)

@@ -32,6 +32,7 @@ from kareus.model.partition import Partition
 from kareus.model.profiler import Profiler
 from kareus.search._defaults import SURROGATES
 from kareus.search._multi_pass_search import MultiPassSearch
+from kareus.search._prior_mean import PriorMean
 from kareus.search.acquisition import AcquisitionPass
 from kareus.search.partition_frontier import Observation, PartitionFrontier
 from kareus.search.surrogate import Surrogate
@@ -161,7 +162,8 @@ class SearchSpec:
 
     def search(self, space: ConfigSpace, *, log: str | os.PathLike[str] | None = None,
                progress: bool | None = False, measured_with: dict[str, str] | None = None,
-               prior: Sequence[Observation] = ()) -> MultiPassSearch:
+               prior: Sequence[Observation] = (),
+               prior_mean: PriorMean | None = None) -> MultiPassSearch:
         """A new search of ``space`` as this specification says.
 
         Args:
@@ -172,6 +174,8 @@ class SearchSpec:
                 log's header, [`MultiPassSearch`][kareus.search.MultiPassSearch]).
             prior: Observations paid for elsewhere that the search starts from, outside
                 its budget (``MultiPassSearch``'s ``prior``).
+            prior_mean: A model's prediction of every configuration of ``space``, the
+                surrogates' prior mean (``MultiPassSearch``'s ``prior_mean``).
 
         Returns:
             The search, ready to ask or to run.
@@ -181,11 +185,13 @@ class SearchSpec:
                                progress=progress, surrogate=self.surrogate_template(),
                                passes=None if self.passes is None else copy.deepcopy(
                                    list(self.passes)),
-                               measured_with=measured_with, prior=prior)
+                               measured_with=measured_with, prior=prior,
+                               prior_mean=prior_mean)
 
     def run(self, profiler: Profiler, partition: Partition, *,
             log: str | os.PathLike[str] | None = None, progress: bool | None = False,
-            prior: Sequence[Observation] = ()) -> PartitionFrontier:
+            prior: Sequence[Observation] = (),
+            prior_model: Profiler | None = None) -> PartitionFrontier:
         """Search ``partition``'s space (``profiler.space(partition)``) with ``profiler``.
 
         The log's header records how the profiler feeds its GPU
@@ -199,14 +205,21 @@ class SearchSpec:
             progress: Show a progress bar (``None``: on a terminal).
             prior: Observations of the type measured already, outside the budget
                 (``MultiPassSearch``'s ``prior``).
+            prior_model: A noise-free model of the GPU (e.g. the calibrated emulator) whose
+                prediction of every configuration is the surrogates' prior mean
+                ([`PriorMean.from_profiler`][kareus.search.PriorMean.from_profiler]);
+                ``None`` = none.
 
         Returns:
             The type's frontier.
         """
         execution = profiler.execution
-        search = self.search(profiler.space(partition), log=log, progress=progress,
+        space = profiler.space(partition)
+        search = self.search(space, log=log, progress=progress,
                              measured_with=None if execution is None
-                             else {"execution": execution}, prior=prior)
+                             else {"execution": execution}, prior=prior,
+                             prior_mean=None if prior_model is None
+                             else PriorMean.from_profiler(space, prior_model))
         return search.run(profiler, partition)
 
     def __call__(self, profiler: Profiler, partition: Partition) -> PartitionFrontier:

@@ -42,7 +42,12 @@ from kareus.model.measurement import Measurement
 from kareus.model.partition import OutsideWork, Partition, PartitionSet, build_partitions
 from kareus.model.profiler import Profiler, ProfilerWrapper
 from kareus.model.workload import Workload
-from kareus.search import Observation, PartitionFrontier, SearchSpec, search_log_path
+from kareus.search import (
+    Observation,
+    PartitionFrontier,
+    SearchSpec,
+    search_log_path,
+)
 from kareus.workflow.checks import require_outside_work, system_names
 
 __all__ = ["baseline_priors", "exhaustive_search", "measure_outside_work", "measure_systems",
@@ -254,7 +259,8 @@ def baseline_priors(profiler: Profiler, workload: Workload, types: Mapping[str, 
 def search_types(profiler: Profiler, types: Mapping[str, Partition], search: SearchSpec, *,
                  log_dir: Path | None = None, progress: bool | None = False,
                  pool: Executor | None = None, pset: PartitionSet | None = None,
-                 priors: Mapping[str, Sequence[Observation]] | None = None
+                 priors: Mapping[str, Sequence[Observation]] | None = None,
+                 prior_model: Profiler | None = None
                  ) -> dict[str, PartitionFrontier]:
     """kareus's search of every partition type, by key, as ``search`` says.
 
@@ -271,6 +277,9 @@ def search_types(profiler: Profiler, types: Mapping[str, Partition], search: Sea
             from its workload.
         priors: Observations each type's search starts from, by key, outside its budget
             ([`baseline_priors`][kareus.workflow.baseline_priors]).
+        prior_model: A noise-free model of the GPU whose prediction of every configuration
+            is each search's prior mean ([`SearchSpec.run`][kareus.search.SearchSpec.run]);
+            ``None`` = none.
 
     Returns:
         Key -> the type's frontier.
@@ -282,11 +291,12 @@ def search_types(profiler: Profiler, types: Mapping[str, Partition], search: Sea
         if pset is None:
             raise ArgumentError("search_types(pool=...) needs pset= (the GPUs of each task)")
         frontiers, _ = run_searches(pool, profiler, pset, search=search, log_dir=log_dir,
-                                    types=types, priors=priors)
+                                    types=types, priors=priors, prior_model=prior_model)
         return frontiers
     return {key: search.run(profiler, part,
                             log=None if log_dir is None else search_log_path(log_dir, key),
-                            progress=progress, prior=tuple(priors.get(key, ())))
+                            progress=progress, prior=tuple(priors.get(key, ())),
+                            prior_model=prior_model)
             for key, part in types.items()}
 
 

@@ -276,12 +276,13 @@ def manifest_inputs(workload: Workload, profiler: Profiler, *, budget: int,
                     surrogate: Surrogate | str | None, systems: Sequence[str] | None,
                     microbatch_composer: Any = None, iteration_composer: Any = None,
                     passes: Sequence[tuple[AcquisitionPass, float]] | None = None,
-                    partitions: Any = None) -> dict[str, Any]:
+                    partitions: Any = None, prior_model: Profiler | None = None
+                    ) -> dict[str, Any]:
     """Every input of ``optimize`` that changes a number, as the manifest of its output
     folder records it: a folder whose manifest differs is refused.
 
-    ``passes`` and ``partitions`` are recorded only when given (not the defaults), so a
-    folder made before they could be given keeps its manifest."""
+    ``passes``, ``partitions`` and ``prior_model`` are recorded only when given (not the
+    defaults), so a folder made before they could be given keeps its manifest."""
     gpu = profiler.gpu
     spec: dict[str, Any] | str
     try:
@@ -304,6 +305,7 @@ def manifest_inputs(workload: Workload, profiler: Profiler, *, budget: int,
         **({} if passes is None else {"passes": [[_name_of(p), _stable_repr(p), float(w)]
                                                  for p, w in passes]}),
         **({} if partitions is None else {"partitions": _partitions_identity(partitions)}),
+        **({} if prior_model is None else {"prior_model": prior_model.identity()}),
     }
 
 

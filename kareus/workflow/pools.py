@@ -114,6 +114,7 @@ class SearchTask:
         num_gpus: GPUs the task needs (its profiling group; 0 on the emulator); engines
             that place tasks on GPUs ([`RayExecutor`][kareus.workflow.ray.RayExecutor]) read it.
         prior: Observations the search starts from, outside its budget.
+        prior_model: The model whose prediction is the surrogates' prior mean, or ``None``.
     """
 
     name: str
@@ -124,6 +125,7 @@ class SearchTask:
     log: bool
     num_gpus: int = 0
     prior: tuple[Observation, ...] = ()
+    prior_model: Profiler | None = None
 
     def __call__(self) -> SearchTaskResult:
         start = time.monotonic()
@@ -135,7 +137,7 @@ class SearchTask:
                 if self.resume_text:
                     log.write_text(self.resume_text, encoding="utf-8")
             frontier = self.search.run(self.profiler, self.partition, log=log, progress=False,
-                                       prior=self.prior)
+                                       prior=self.prior, prior_model=self.prior_model)
             text = log.read_text(encoding="utf-8") if log is not None and log.exists() else None
             priors = prior_count(log) if log is not None else len(self.prior)
         after = self.profiler.measurement_count
@@ -149,7 +151,8 @@ class SearchTask:
 def run_searches(executor: Executor, profiler: Profiler, pset: PartitionSet, *,
                  search: SearchSpec, log_dir: Path | None,
                  types: Mapping[str, Partition] | None = None,
-                 priors: Mapping[str, Sequence[Observation]] | None = None
+                 priors: Mapping[str, Sequence[Observation]] | None = None,
+                 prior_model: Profiler | None = None
                  ) -> tuple[dict[str, PartitionFrontier], dict[str, int]]:
     """Run every partition type's search as a task of ``executor``; see the module doc.
 
@@ -164,6 +167,8 @@ def run_searches(executor: Executor, profiler: Profiler, pset: PartitionSet, *,
             ([`kareus.compose.kareus_types`][kareus.compose.kareus_types] gives kareus's, the
             unsplit types included).
         priors: Observations each type's search starts from, by key.
+        prior_model: The model whose prediction is every search's prior mean
+            ([`SearchSpec.run`][kareus.search.SearchSpec.run]), or ``None``.
 
     Returns:
         ``(frontiers, profiles)`` per type, as a serial run gives them; ``profiler``'s call
@@ -189,7 +194,9 @@ def run_searches(executor: Executor, profiler: Profiler, pset: PartitionSet, *,
         task = SearchTask(name=name, partition=parts[name], profiler=copy.deepcopy(profiler),
                           search=search, resume_text=resume, log=log_dir is not None,
                           num_gpus=task_gpus(profiler, parts[name], gpus),
-                          prior=tuple((priors or {}).get(name, ())))
+                          prior=tuple((priors or {}).get(name, ())),
+                          prior_model=None if prior_model is None
+                          else copy.deepcopy(prior_model))
         futures[name] = executor.submit(task)
     final = {n: f.result() for n, f in futures.items()}
     records = [final[n].log_record(1) for n in names]

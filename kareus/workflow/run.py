@@ -107,6 +107,7 @@ def optimize(
     pool: Executor | None = None,
     fresh: bool = False,
     execution: str | None = None,
+    prior_model: Profiler | None = None,
 ) -> OptimizationResult:
 
     """Search, compose and compare: the whole kareus pipeline for one workload.
@@ -178,6 +179,12 @@ def optimize(
             (``"graphed"`` for the embedded emulator). Like ``gpu``, it chooses the default
             profiler and is refused beside your own (give it to that profiler). Stated in the
             table, ``results.json``, the manifest and each search log's header.
+        prior_model: A noise-free model of the GPU (an
+            [`EmulatedProfiler`][kareus.profilers.EmulatedProfiler] with ``noise=0``, e.g.
+            calibrated to the GPU's profile) whose prediction of every configuration is
+            each search's prior mean: the surrogates model how the measurements differ
+            from it ([`PriorMean`][kareus.search.PriorMean]). ``None`` = none. It must
+            model the profiler's GPU. Recorded in the manifest and each search log.
 
     What it writes: nothing, unless ``log_dir`` is given; then only the search logs and
     the folder's manifest and lock there. ``results.json`` and ``plan.json`` are written
@@ -235,7 +242,8 @@ def optimize(
                   passes=passes, budget=budget, batch_size=batch_size, seed=seed,
                   systems=systems, schedule=schedule, surrogate=surrogate,
                   microbatch_composer=microbatch_composer,
-                  iteration_composer=iteration_composer, execution=execution)
+                  iteration_composer=iteration_composer, execution=execution,
+                  prior_model=prior_model)
     log_path = Path(log_dir) if log_dir is not None else None
     guard = contextlib.ExitStack()
     if log_path is not None and not is_held(log_path):
@@ -270,6 +278,7 @@ class OptimizationRun:
             profiler ([`estimate_run_s`][kareus.workflow.estimate_run_s]).
         left_out: Systems of the default five that this workload cannot run (the
             nanobatching ones when a microbatch holds one sequence), each composed by none.
+        prior_model: The model whose prediction is each search's prior mean, or ``None``.
     """
 
     workload: Workload
@@ -283,6 +292,7 @@ class OptimizationRun:
     manifest: dict[str, Any]
     estimate_s: float
     left_out: tuple[str, ...] = ()
+    prior_model: Profiler | None = None
 
     def run(self, *, log_dir: Path | None = None, pool: Executor | None = None,
             progress: bool | None = None) -> OptimizationResult:
@@ -322,7 +332,8 @@ class OptimizationRun:
         if pool is not None:  # every type's priors first, then the searches as tasks
             priors = priors_of(types)
             frontiers = search_types(profiler, types, self.search, log_dir=log_dir,
-                                     progress=progress, pool=pool, pset=pset, priors=priors)
+                                     progress=progress, pool=pool, pset=pset, priors=priors,
+                                     prior_model=self.prior_model)
         else:  # one type after another, its priors right before its search: the order a
             # resumed run reads the logs back in (each log holds its priors, then its search)
             priors, frontiers = {}, {}
@@ -331,7 +342,7 @@ class OptimizationRun:
                 priors.update(one)
                 frontiers.update(search_types(profiler, {key: part}, self.search,
                                               log_dir=log_dir, progress=progress,
-                                              priors=one))
+                                              priors=one, prior_model=self.prior_model))
         # kareus's own profiles: its frontiers also hold the baselines' measurements its
         # searches started from (a resumed search's, recorded in its log, counted too)
         profiles = {name: len(fr.measured()) - (
@@ -373,6 +384,7 @@ def prepare(
     microbatch_composer: AnyMicrobatchComposer | None = None,
     iteration_composer: AnyIterationComposer | None = None,
     execution: str | None = None,
+    prior_model: Profiler | None = None,
 ) -> OptimizationRun:
     """Check every input of an ``optimize`` run and return it, ready to run; nothing is
     measured or written. The arguments are [`optimize`][kareus.workflow.optimize]'s.
@@ -401,17 +413,26 @@ def prepare(
                             + (f", {profiler.execution}" if profiler.execution else "")
                             + f": leave {given}= out (or give it to your profiler)")
     preflight(workload, profiler, schedule=schedule)  # before any long work
+    if prior_model is not None:
+        if not isinstance(prior_model, Profiler):
+            raise ArgumentTypeError(f"prior_model must be a kareus Profiler, got "
+                                    f"{type(prior_model).__name__}")
+        if prior_model.gpu.name != profiler.gpu.name:
+            raise ArgumentError(f"prior_model models {prior_model.gpu.name}, the profiler "
+                                f"measures {profiler.gpu.name}: give prior_model a model of "
+                                f"{profiler.gpu.name}")
     build = partition_builder(partitions, workload)
     manifest = manifest_inputs(
         workload, profiler, budget=spec.budget, batch_size=spec.batch_size, seed=spec.seed,
         schedule=schedule, surrogate=spec.surrogate, systems=systems,
         microbatch_composer=microbatch_composer, iteration_composer=iteration_composer,
-        passes=spec.passes, partitions=partitions)
+        passes=spec.passes, partitions=partitions, prior_model=prior_model)
     return OptimizationRun(workload=workload, profiler=profiler, search=spec,
                            systems=tuple(names), left_out=left_out, schedule=schedule,
                            partitions=build,
                            microbatch_composer=microbatch_composer,
                            iteration_composer=iteration_composer, manifest=manifest,
+                           prior_model=prior_model,
                            estimate_s=estimate_run_s(workload, profiler, spec.budget))
 
 

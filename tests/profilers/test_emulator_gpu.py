@@ -89,3 +89,36 @@ def test_comm_curves_are_named_records_and_convert_from_tuples():
     assert curve == CommCurve("all_reduce", 4, 30.0, 400.0)
     assert isinstance(curve.gb_per_s_per_sm, float) and curve.link_gb_per_s == 400.0
     assert mine.comm_curve("all_reduce", 2) == (30.0, 400.0)
+
+
+def test_a_perturbed_gpu_is_another_gpu_of_the_same_kind():
+    """``perturbed(seed)``: every constant of PERTURBED scaled by its own seeded factor
+    (fractions capped at 1), the collective curves scaled with the scalar rates, op kinds
+    given time and power factors; the datasheet kept; the same seed, the same GPU."""
+    import math
+
+    import pytest
+
+    from kareus.errors import ArgumentError
+    from kareus.profilers import EmulatedGPU
+
+    base = EmulatedGPU.from_spec("h200-sxm")
+    a, b = base.perturbed(0), base.perturbed(1)
+    assert a == base.perturbed(0) and a != b and a.spec == base.spec
+    assert "perturbed (seed 0, spread 0.1)" in a.calibration
+    for name in EmulatedGPU.PERTURBED:
+        x, y = getattr(base, name), getattr(a, name)
+        assert y != x
+        assert abs(math.log(y / x)) < 0.5 or y == 1.0  # 5 sd: a seeded draw (or capped)
+    rate = a.comm_gb_per_s_per_sm / base.comm_gb_per_s_per_sm
+    assert [c.gb_per_s_per_sm / d.gb_per_s_per_sm for c, d in
+            zip(a.comm_curves, base.comm_curves)] == pytest.approx([rate] * len(a.comm_curves))
+    assert {c.op for c in a.op_calibration if c.partition == "*"} == {
+        "gemm", "attention", "elementwise"}
+    assert a.tensor_interference >= base.tensor_interference
+    assert base.perturbed(3, spread=0.0).gemm_efficiency == base.gemm_efficiency
+    calibrated = EmulatedGPU.from_profile("h200-sxm").perturbed(0)
+    assert len(calibrated.op_calibration) >= len(EmulatedGPU.from_profile("h200-sxm")
+                                                 .op_calibration)
+    with pytest.raises(ArgumentError, match="spread"):
+        base.perturbed(0, spread=-1)

@@ -81,3 +81,37 @@ def test_kareus_searches_start_from_the_baselines_measurements(tmp_path):
         assert len(pf.measured()) >= 8 + (len(perseus[key.split("@")[0]].measured())
                                           if key.endswith("@n1") else 0)
         assert prior_count(search_log_path(tmp_path, key)) > 0
+
+
+def test_optimize_takes_a_prior_model_and_stays_ahead_of_every_baseline(tmp_path):
+    """``prior_model=``: each search's prior mean is that model's prediction (recorded in
+    its log and the manifest); kareus is still behind no baseline; a model of another GPU
+    or not a profiler is refused in one line; resuming without it is refused."""
+    import json
+
+    from kareus.errors import ArgumentError, ArgumentTypeError, OutputError
+    from kareus.profilers import EmulatedGPU, EmulatedProfiler
+    from kareus.search import search_log_path
+
+    wl = Workload.preset(JOBS[0][0], **JOBS[0][2])
+    model = EmulatedGPU.from_spec("h200-sxm")
+    measured = EmulatedProfiler(model.perturbed(1), seed=1)  # the GPU is not the model
+    result = optimize(wl, profiler=measured, budget=8, progress=False, log_dir=tmp_path,
+                      prior_model=EmulatedProfiler(model, noise=0.0))
+    for name, frontier in result.frontiers.items():
+        if name != "kareus":
+            assert _behind(result.kareus, frontier) == [], name
+    for key in result.profiles:
+        head = json.loads(search_log_path(tmp_path, key).read_text().splitlines()[0])
+        assert head["prior_mean"]["source"].startswith("EmulatedProfiler h200-sxm")
+        assert head["initial_size"] == 0  # the model, calibrated on the priors, starts it
+    manifest = json.loads((tmp_path / "kareus-manifest.json").read_text())
+    assert manifest["inputs"]["prior_model"]["noise"] == 0.0
+    with pytest.raises(ArgumentError, match="prior_model models a100-40gb"):
+        optimize(wl, "h200-sxm", budget=8, progress=False,
+                 prior_model=EmulatedProfiler("a100-40gb", noise=0.0))
+    with pytest.raises(ArgumentTypeError, match="prior_model must be a kareus Profiler"):
+        optimize(wl, "h200-sxm", budget=8, progress=False, prior_model="h200-sxm")
+    with pytest.raises(OutputError):  # the folder's manifest (or a log) says otherwise
+        optimize(wl, profiler=EmulatedProfiler(model.perturbed(1), seed=1), budget=8,
+                 progress=False, log_dir=tmp_path)

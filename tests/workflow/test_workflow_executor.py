@@ -220,3 +220,24 @@ def test_optimize_on_a_local_ray_matches_serial(serial: tuple[OptimizationResult
         assert ex.requests == [(0.0, 1)] * len(ref.profiles)  # the emulator needs no GPU
     _same(ref, res)
     assert _logs(tmp_path) == _logs(ref_logs)
+
+
+def test_pool_with_a_prior_model_matches_serial(tmp_path: Path) -> None:
+    """``prior_model=`` travels with each task (a copy of the model): the pooled run's
+    frontiers and logs are the serial run's."""
+    from kareus.profilers.emulator import EmulatedGPU
+
+    model = EmulatedGPU.from_spec("a100-40gb")
+
+    def run(pool: Executor | None, out: Path) -> OptimizationResult:
+        return optimize(WL, profiler=EmulatedProfiler(model.perturbed(2), seed=3),
+                        log_dir=out, pool=pool, prior_model=EmulatedProfiler(model, noise=0.0),
+                        **KW)
+
+    ref = run(None, tmp_path / "serial")
+    with ThreadPoolExecutor(max_workers=2) as ex:
+        res = run(ex, tmp_path / "pool")
+    _same(ref, res)
+    assert _logs(tmp_path / "pool") == _logs(tmp_path / "serial")
+    assert all('"prior_mean"' in p.read_text().splitlines()[0]
+               for p in (tmp_path / "pool").glob("search-*.jsonl"))

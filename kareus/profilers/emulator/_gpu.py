@@ -372,6 +372,77 @@ class EmulatedGPU:
         """A copy with some constants changed (validated again)."""
         return attrs.evolve(self, **changes)
 
+    #: The constants [`perturbed`][kareus.profilers.EmulatedGPU.perturbed] scales (fractions
+    #: are capped at 1).
+    PERTURBED = ("gemm_efficiency", "attention_efficiency", "vector_efficiency",
+                 "tensor_feed_tflops", "hbm_efficiency", "mem_knee_fraction",
+                 "comm_gb_per_s_per_sm", "comm_link_gb_per_s", "comm_freq_exponent",
+                 "comm_sm_activity", "comm_interference", "sm_busy_power_w", "tensor_power_w",
+                 "mem_op_sm_activity", "uncore_power_w", "hbm_energy_pj_per_byte",
+                 "voltage_floor")
+
+    def perturbed(self, seed: int, *, spread: float = 0.1) -> EmulatedGPU:
+        """Another GPU of the same kind, as far from this model as a model is from the GPU.
+
+        For testing what uses this model as a *prior* (a search's prior mean,
+        [`kareus.search.PriorMean`][kareus.search.PriorMean]) honestly on the emulator:
+        measuring with the model itself would make the prior exactly right. Each constant
+        of ``PERTURBED`` (op efficiencies, the HBM and tensor feed rates, the collectives'
+        per-SM and link rates, whose measured curves are scaled alike, their clock
+        exponent and interference, every power term, the voltage floor) is multiplied by
+        its own factor ``exp(spread x z)`` with ``z`` standard normal, seeded by ``seed``
+        (fractions capped at 1); ``tensor_interference`` gains ``spread x |z|`` (a
+        slow-down the model may not know of); and each op kind (GEMM, attention,
+        elementwise) without a calibration of its own, and each op calibrated from a
+        profile, gets a time factor ``exp(spread / 2 x z)`` and a power factor
+        ``exp(spread x z)``. The datasheet
+        (clocks, SMs, power limit, static power) is kept.
+
+        Args:
+            seed: Seed of the factors (one perturbed GPU per seed).
+            spread: Standard deviation of the log factors (0.1: about 10% per constant;
+                the calibrated model is within a few per cent of the measured grids,
+                docs/emulator.md).
+
+        Returns:
+            The perturbed model; its ``calibration`` says how it was made.
+        """
+        import numpy as np
+
+        if not (isinstance(spread, (int, float)) and math.isfinite(spread) and spread >= 0):
+            raise ArgumentError(f"spread must be a finite number >= 0, got {spread!r}")
+        rng = np.random.default_rng([int(seed), 0x5EED])
+        changes: dict[str, Any] = {}
+        for name in self.PERTURBED:
+            value = getattr(self, name) * math.exp(spread * rng.standard_normal())
+            fraction = attrs.fields_dict(type(self))[name].validator is _fraction
+            changes[name] = min(value, 1.0) if fraction else value
+        changes["tensor_interference"] = (self.tensor_interference
+                                          + spread * abs(rng.standard_normal()))
+        rate = changes["comm_gb_per_s_per_sm"] / self.comm_gb_per_s_per_sm
+        link = changes["comm_link_gb_per_s"] / self.comm_link_gb_per_s
+        changes["comm_curves"] = tuple(
+            CommCurve(c.kind, c.group_size, c.gb_per_s_per_sm * rate, c.link_gb_per_s * link)
+            for c in self.comm_curves)
+        def factors() -> tuple[float, float]:
+            return (math.exp(spread / 2 * rng.standard_normal()),
+                    math.exp(spread * rng.standard_normal()))
+
+        records = []
+        for c in self.op_calibration:  # each calibrated op its own factors
+            tf, pf = factors()
+            records.append(OpCalibration(c.partition, c.op, c.time_factor * tf,
+                                         c.power_factor * pf, c.model_s, c.source))
+        have = {c.op for c in self.op_calibration if c.partition == "*"}
+        for kind in ("gemm", "attention", "elementwise"):
+            tf, pf = factors()
+            if kind not in have:
+                records.append(OpCalibration("*", kind, tf, pf, 0.0, "perturbed"))
+        changes["op_calibration"] = tuple(records)
+        note = f"perturbed (seed {int(seed)}, spread {spread:g})"
+        changes["calibration"] = f"{self.calibration}, {note}" if self.calibration else note
+        return attrs.evolve(self, **changes)
+
     # ------------------------------------------------------------------ physics helpers
     @property
     def name(self) -> str:
