@@ -361,13 +361,19 @@ def _check_policy_memory(held, graphed, base):
             continue
         assert 0.97 * want <= got <= want + 2 * 2 * 32 * 512, (policy, got, want)
     # graphed, the forward slots hold what the eager forwards keep (two microbatches in
-    # flight: two slots per stack or layer), so what the graphs keep allocated moves with
-    # the policy: none - selective as much as eager (the same graphs otherwise); full far
-    # less (its graphs' static buffers and outputs differ in number, not its activations)
+    # flight: at least two slots per stack or layer), so what the graphs keep allocated
+    # moves with the policy: none - selective at least half as much as eager (the same
+    # graphs otherwise), at most LEND_SLOTS / 2 times as much (a forward whose outputs are
+    # still lent replays another copy of its graph, which has slots of its own: on 1x
+    # H200, 1.68x per layer and 2.06x stacked); full far less (its graphs' static buffers
+    # and outputs differ in number, not its activations)
+    from kareus.integrations._graphed import LEND_SLOTS
+
     assert graphed["none"] > graphed["selective"] > graphed["full"], graphed
     eager_diff = held["none"] - held["selective"]
     graphed_diff = graphed["none"] - graphed["selective"]
-    assert 0.5 * eager_diff <= graphed_diff <= 1.5 * eager_diff, (graphed, held)
+    assert 0.5 * eager_diff <= graphed_diff <= LEND_SLOTS / 2 * 1.1 * eager_diff, (graphed,
+                                                                                   held)
     assert graphed["selective"] - graphed["full"] >= 0.5 * (held["selective"] - held["full"])
 
 
