@@ -41,6 +41,7 @@ def compare(result: dict[str, Any], *, gpu: str = "h200-sxm", sms: int = 16
             ) -> list[dict[str, Any]]:
     """One row per measured partition: measured and emulated eager / graphed ratios."""
     from kareus.model.config import ScheduleConfig
+    from kareus.model.decoder import QK_NORM_OPS
     from kareus.model.gpu_profile import GPUProfile
     from kareus.model.partition import build_partitions
     from kareus.model.workload import Workload
@@ -55,7 +56,12 @@ def compare(result: dict[str, Any], *, gpu: str = "h200-sxm", sms: int = 16
         wl = Workload.preset(preset, tp=tp, cp=cp, microbatch_size=mbs, seq_len=4096,
                              nanobatches=2)
         part = build_partitions(wl).types[r["partition"]]
-        cfg = ScheduleConfig(freq, sms, r["slot"])
+        slot = r["slot"]
+        if slot is not None and slot not in [s.name for s in part.slots]:
+            # measured before the query/key norms were fused with RoPE: the fused op took
+            # RoPE's place (and launch slot) in a qk-norm layer's op list
+            slot = {old: fused for old, fused in QK_NORM_OPS.values()}.get(slot, slot)
+        cfg = ScheduleConfig(freq, sms, slot)
         t = {m: e.ground_truth(part, cfg).time_s for m, e in emus.items()}
         rows.append({"workload": r["workload"], "partition": r["partition"],
                      "measured_eager_over_graphed": r["eager_s"] / r["graphed_s"],
