@@ -882,12 +882,6 @@ class PlanApplier:
         names = self.weight_names
         prog.weights = [dict(zip(names, ws, strict=True)) for ws in weights]
         prog.phase, prog.n = phase, n
-        prog._kv_chunks, prog._dkv_from_later = {}, {}
-        if prog.seq_split and prog.policy == "full" and prog.tp == prog.cp == 1:
-            raise ArgumentError(
-                f"full recomputation along the sequence (one sequence, nanobatches={n}) "
-                "needs TP or CP > 1: without a collective the backward cannot run the "
-                "recomputed forward in chunk order (use nanobatches=1)")
         if phase == "fwd":
             prog.act, prog.head, prog.wgrads = {}, {"x0": x2}, []
         else:
@@ -897,9 +891,6 @@ class PlanApplier:
                     raise ArgumentError(f"the backward under recompute={prog.policy!r} "
                                         "takes what the forward kept (its second result)")
                 prog.act = inputs.for_backward(depth, n)
-                if prog.seq_split and prog.policy == "selective":
-                    # the attention core re-run reads the earlier chunks' keys and values
-                    prog._kv_chunks = {key: (a["k"], a["v"]) for key, a in prog.act.items()}
             else:
                 prog.act = self._inputs_kept(prog, x2, inputs, depth, n)
             for i in range(n):
@@ -915,6 +906,7 @@ class PlanApplier:
                 given = iter(out_bufs[1:])
                 prog.wgrads = [{name: next(given).zero_() for name in ws}
                                for ws in prog.weights]
+        self._along_sequence(prog)
         stack = self._stack(phase, depth)
         prog.set_positions(positions, documents=documents)
         try:
@@ -959,6 +951,27 @@ class PlanApplier:
             prog.act, prog.head, prog.weights, prog.wgrads = {}, {}, [], []
             prog._kv_chunks, prog._dkv_from_later = {}, {}
             prog.set_positions(None)
+
+    @staticmethod
+    def _along_sequence(prog: _LayerProgram) -> None:
+        """The chunks' state of nanobatches along the sequence for the computation about to
+        run (``DecoderShard``'s module docstring): none yet, but under selective
+        recomputation's backward the chunks' kept keys and values, which the attention
+        core re-run reads.
+
+        Raises:
+            ArgumentError: full recomputation along the sequence at TP = CP = 1.
+        """
+        prog._kv_chunks, prog._dkv_from_later = {}, {}
+        if not prog.seq_split:
+            return
+        if prog.policy == "full" and prog.tp == prog.cp == 1:
+            raise ArgumentError(
+                f"full recomputation along the sequence (one sequence, nanobatches={prog.n}) "
+                "needs TP or CP > 1: without a collective the backward cannot run the "
+                "recomputed forward in chunk order (use nanobatches=1)")
+        if prog.phase == "bwd" and prog.policy == "selective":
+            prog._kv_chunks = {key: (a["k"], a["v"]) for key, a in prog.act.items()}
 
     @staticmethod
     def _inputs_kept(prog: _LayerProgram, x2: Any, inputs: Any, depth: int,

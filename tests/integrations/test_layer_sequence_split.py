@@ -31,6 +31,7 @@ sys.path.insert(0, str(HERE))
 from _ranks import run_ranks
 from _reference import full_weights, layer, planned_weights, shard, workload
 
+
 #: float64 throughout; the planned layer's RoPE tables come from float32 angles (as in
 #: bf16 training), so even the unsplit sequential schedule differs from the reference by
 #: ~1e-7 relative (a wrong chunk would differ by ~1e-2)
@@ -172,14 +173,15 @@ def test_gloo_tp2_along_the_sequence_matches_the_whole_layer(tmp_path, qk):
     wl = workload(2, 1, n=2, mbs=1, microbatches=2, qk=qk)
     arch = wl.model
     layers = [_weights(arch, seed) for seed in (1, 2)]
-    outs = []
+    outs: list = []
+    grads: list[dict] = []
     for mb in range(wl.num_microbatches):
         g = torch.Generator().manual_seed(100 + mb)
         x = torch.randn(1, wl.seq_len, arch.hidden, generator=g, dtype=torch.float64)
         c = torch.randn(1, wl.seq_len, arch.hidden, generator=g, dtype=torch.float64)
         y, dx, per_mb = _reference(arch, layers, x, c)
         outs.append((y, dx))
-        grads = per_mb if mb == 0 else [{k: g + more[k] for k, g in a.items()}
+        grads = per_mb if mb == 0 else [{k: v + more[k] for k, v in a.items()}
                                         for a, more in zip(grads, per_mb, strict=True)]
     for recompute in ("full", "selective", "none"):
         for schedule in ("sequential", "nanobatching", "kareus", "kareus-stack"):

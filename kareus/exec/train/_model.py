@@ -33,6 +33,19 @@ The loss is the mean cross-entropy of next-token prediction over every token of 
 iteration, computed vocabulary-parallel (max, sum of exponentials and target logit
 all-reduced over TP).
 
+**Nanobatches along the sequence** (``Workload.sequence_split``: a microbatch of one
+sequence in ``n > 1`` nanobatches, CP = 1, without sequence parallelism): nanobatch ``j`` is
+tokens ``[j c, (j + 1) c)`` (``c = seq_len / n``), rotated at those absolute positions; its
+attention takes its own queries over the keys and values of chunks ``0..j`` of the layer
+(kept from the earlier chunks' RoPE op), causal aligned to the lower right (query ``i``
+sees keys ``0 .. j c + i``: ``kareus.exec._cp_attention``'s pieces). The backward runs the
+chunks last first (``chunk``: the schedule's ``i``-th nanobatch is chunk ``n - 1 - i``;
+the forward that full recomputation re-runs keeps the forward's order), and chunk ``j``'s
+attention backward adds its dK and dV of chunks ``0..j-1`` to theirs before their
+``rope_bwd`` runs: ``kareus.model.partition``'s op order, whose per-chunk types
+(``fwd_attn_c0``, ...) each unit runs as. Full recomputation needs a collective between
+the recomputed forward and the backward (TP or CP > 1): refused at TP = CP = 1.
+
 **Sequence parallelism** (``sp=True`` at TP > 1, Megatron-LM's ``--sequence-parallel``; the
 op order of ``decoder_layer(phase, sp=True)``): between the TP regions each TP rank holds
 its shard of every sequence of a nanobatch, positions ``[r sq/TP, (r+1) sq/TP)`` of each
