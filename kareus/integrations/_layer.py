@@ -971,7 +971,7 @@ class PlanApplier:
                 "needs TP or CP > 1: without a collective the backward cannot run the "
                 "recomputed forward in chunk order (use nanobatches=1)")
         if prog.phase == "bwd" and prog.policy == "selective":
-            prog._kv_chunks = {key: (a["k"], a["v"]) for key, a in prog.act.items()}
+            prog._kv_chunks = {key: a["kvbuf"] for key, a in prog.act.items()}
 
     @staticmethod
     def _inputs_kept(prog: _LayerProgram, x2: Any, inputs: Any, depth: int,

@@ -140,6 +140,32 @@ def test_each_chunk_runs_as_its_partition_type(policy):
             "fwd_attn_c1", "fwd_attn_c0", "fwd_attn_c1"]
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_the_forward_keeps_no_more_than_the_memory_model_counts(policy):
+    """Each chunk's keys and values are written into the layer's buffer of the whole
+    sequence, and chunk j's attention reads a view of its first (j + 1) c tokens: the keys
+    and values are held once, not once more per later chunk (at most the memory model's
+    count, which holds the QKV projection's output for the values)."""
+    from kareus.exec.train import make_collectives
+    from kareus.model.memory import kept_activation_bytes
+    from tests.exec.test_train_loop import _kept_storage_bytes
+
+    wl = workload(2, 2, policy)
+    groups = LoopbackGroups(tp=2)
+    capped, default, _ = make_collectives(groups, backend="loopback")
+    loop = TrainingLoop(workload=wl, groups=groups, collective=capped,
+                        default_collective=default, streams=RecordingStreamBackend(),
+                        kernels="torch", device="cpu", dtype="float32")
+    fwd, bwd = (c for c in loop.computations if c.microbatch == 0)
+    loop._run_computation("nanobatching", fwd)
+    got = _kept_storage_bytes(loop.model.act)
+    assert got <= kept_activation_bytes(wl.with_(dtype_bytes=4), layers=loop.layers)
+    # only selective recomputation's backward reads the keys and values again
+    assert bool(loop.model._kv_chunks) is (policy == "selective")
+    loop._run_computation("nanobatching", bwd)
+    assert not loop.model._kv_chunks
+
+
 @pytest.mark.parametrize(("change", "match"), [
     ({"parallelism": Parallelism(tp=2, sp=True)}, "sequence parallelism"),
     ({"seq_len": 15, "nanobatches": 3, "model": None}, None)])

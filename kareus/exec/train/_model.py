@@ -114,10 +114,10 @@ layout (``attn``, a view of the same memory on the fused kernels), the residual 
 (``x_mid``), the gate and up projections and the SwiGLU output; ``"selective"`` keeps
 the same but the attention's output and statistics, holding instead what its
 recomputation reads: the queries (``q``), and the keys and values, this rank's (``k``,
-``v``) without CP, every chunk's as gathered, by position (``kvs``) under CP, so that no
+``v``; along the sequence views of the layer's whole ``kvbuf``) without CP, every chunk's as gathered, by position (``kvs``) under CP, so that no
 collective runs again (the two are added by ``DecoderShard`` per CP size)."""
 _KEPT = KEPT_FOR_BACKWARD
-_KEPT_NO_CP = frozenset({"k", "v"})
+_KEPT_NO_CP = frozenset({"k", "v", "kvbuf"})
 _KEPT_CP = frozenset({"kvs"})
 #: Names of the backward's own ops and collectives (the rest are forward ops, which the
 #: backward runs again under recomputation).
@@ -230,10 +230,12 @@ class DecoderShard:
         self.loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         self.act: dict[tuple[int, int], dict[str, Any]] = {}
         self.head: dict[str, Any] = {}
-        #: Along the sequence: each (layer, chunk)'s keys and values, which the later
-        #: chunks' attention reads, and the earlier chunks' dK, dV that the later chunks'
-        #: attention backward gave (with how many chunks gave them).
-        self._kv_chunks: dict[tuple[int, int], tuple[Any, Any]] = {}
+        #: Along the sequence: the layer's keys and values of the whole sequence
+        #: (``[2, 1, seq, kv_heads, head_dim]``, each chunk's RoPE op writing its part) by
+        #: (layer, chunk) whose part is written, which the later chunks' attention reads, and
+        #: the earlier chunks' dK, dV that the later chunks' attention backward gave (with
+        #: how many chunks gave them).
+        self._kv_chunks: dict[tuple[int, int], Any] = {}
         self._dkv_from_later: dict[tuple[int, int], tuple[Any, int]] = {}
         self.n = 1
         self.phase = "fwd"
@@ -785,8 +787,21 @@ class DecoderShard:
         a["q"] = q.reshape(b, sq, self.heads, self.hd)
         a["k"] = k.reshape(b, sq, self.kvh, self.hd)
         a["v"] = v
-        if self.seq_split:
-            self._kv_chunks[(layer, nb)] = (a["k"], v)
+        if self.seq_split:  # into the layer's K/V of the whole sequence, chunk by chunk
+            buf = (self._kv_chunks.get((layer, 0)) if nb else
+                   self.torch.empty((2, b, self.sq, self.kvh, self.hd), device=self.device,
+                                    dtype=self.dtype))
+            if buf is None:
+                raise RuntimeError(f"layer {layer}'s chunk {nb} ran before its chunk 0 "
+                                   "(nanobatches along the sequence run in order)")
+            # written through .data: the earlier chunks' attention saved views of this
+            # buffer for its backward, and a write into a later chunk's part (other memory)
+            # must not count as a change of what they saved (autograd's version counter)
+            part = slice(nb * sq, (nb + 1) * sq)
+            buf.data[0, :, part].copy_(a["k"])
+            buf.data[1, :, part].copy_(v)
+            a["k"], a["v"], a["kvbuf"] = buf[0, :, part], buf[1, :, part], buf
+            self._kv_chunks[(layer, nb)] = buf
         if self.cp > 1:  # this chunk's K and V, packed for the all-gather
             loc = self._buf("kv", nb).view(2, b, self.sq, self.kvh, self.hd)
             loc[0].copy_(a["k"])
@@ -823,17 +838,15 @@ class DecoderShard:
         """Along the sequence: chunk ``j``'s queries over the keys and values of chunks
         ``0..j`` of the layer, causal aligned to the lower right (query ``i`` sees the keys
         up to ``j c + i``: ``chunk_piece``); with ``keep``, its saved state as ``graph``."""
-        torch = self.torch
         c = self.sq // self.n
         try:
-            kv = [self._kv_chunks[(layer, i)] for i in range(j + 1)]
+            buf = [self._kv_chunks[(layer, i)] for i in range(j + 1)][0]
         except KeyError:
             raise RuntimeError(f"layer {layer}'s chunk {j} attention ran before an earlier "
                                "chunk's keys and values (nanobatches along the sequence run "
                                "in order)") from None
-        k = kv[0][0] if j == 0 else torch.cat([x[0] for x in kv], dim=1)
-        v = kv[0][1] if j == 0 else torch.cat([x[1] for x in kv], dim=1)
-        o, saved = cp_attention(self.ks, q, k.transpose(1, 2), v.transpose(1, 2),
+        kv = buf[:, :, :(j + 1) * c]  # a view: the keys and values are held once
+        o, saved = cp_attention(self.ks, q, kv[0].transpose(1, 2), kv[1].transpose(1, 2),
                                 chunk_piece(c, j), keep=keep)
         if keep:
             a["graph"] = saved
