@@ -166,22 +166,20 @@ def test_the_forward_keeps_no_more_than_the_memory_model_counts(policy):
     assert not loop.model._kv_chunks
 
 
-@pytest.mark.parametrize(("change", "match"), [
-    ({"parallelism": Parallelism(tp=2, sp=True)}, "sequence parallelism"),
-    ({"seq_len": 15, "nanobatches": 3, "model": None}, None)])
-def test_what_the_loop_does_not_run_along_the_sequence_is_refused(change, match):
-    from kareus.exec.train import LoopbackGroups as LG
+def test_what_the_loop_does_not_run_along_the_sequence_is_refused():
     from kareus.exec.train import make_collectives
 
     wl = workload(2, 2, "full")
-    if match is None:  # a sequence the nanobatches do not divide: the workload refuses it
-        with pytest.raises(WorkloadError, match="does not split"):
-            wl.with_(seq_len=15, nanobatches=2)
-        return
-    wl = wl.with_(**change)
-    groups = LG(tp=2)
+    # a sequence the nanobatches do not divide, and CP > 1: the workload refuses them
+    with pytest.raises(WorkloadError, match="does not split"):
+        wl.with_(seq_len=15)
+    with pytest.raises(WorkloadError, match="along the sequence"):
+        wl.with_(parallelism=Parallelism(tp=2, cp=2))
+    # sequence parallelism: the loop refuses it
+    wl = wl.with_(parallelism=Parallelism(tp=2, sp=True))
+    groups = LoopbackGroups(tp=2)
     capped, default, _ = make_collectives(groups, backend="loopback")
-    with pytest.raises(WorkloadError, match=match):
+    with pytest.raises(WorkloadError, match="without sequence parallelism"):
         TrainingLoop(workload=wl, groups=groups, collective=capped,
                      default_collective=default, streams=RecordingStreamBackend(),
                      kernels="torch", device="cpu", dtype="float64")
