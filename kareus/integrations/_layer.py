@@ -664,7 +664,8 @@ class PlanApplier:
             WorkloadError: ``x`` is not ``[batch, seq / CP, hidden]`` of the workload
                 (``[batch, seq / (CP x TP), hidden]`` under sequence parallelism; under the
                 kareus schedule: the plan's exact microbatch shape; otherwise a batch that
-                splits into the nanobatches).
+                splits into the nanobatches, or one sequence that does, at CP = 1 without
+                sequence parallelism: nanobatches along the sequence).
         """
         wl = self.workload
         p = wl.parallelism
