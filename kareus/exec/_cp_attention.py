@@ -60,6 +60,13 @@ def attention_pieces(seq_local: int, cp: int, rank: int) -> tuple[_Piece, ...]:
     return tuple(_Piece(i * c, (i + 1) * c, (j + 1) * c) for i, j in enumerate(chunks))
 
 
+def chunk_piece(c: int, j: int) -> tuple[_Piece, ...]:
+    """The causal piece of chunk ``j`` of a sequence split into chunks of ``c`` tokens
+    (nanobatches along the sequence, CP = 1): its ``c`` queries over the keys of chunks
+    ``0..j``, query ``i`` seeing the keys up to ``j c + i``."""
+    return (_Piece(0, c, (j + 1) * c),)
+
+
 def order_kv(gathered: Any, *, cp: int, b: int, sq: int, kvh: int, hd: int) -> Any:
     """The all-gathered keys and values (``[cp, 2, b, sq, kvh, hd]`` elements, rank-major,
     each rank's chunks in its order) as a new ``[2, b, 2 cp c, kvh, hd]`` tensor in position

@@ -42,6 +42,7 @@ collectives in the same order; nothing here depends on timing. Pure Python (no t
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -337,12 +338,16 @@ def _plan_config(plan_config_of: Callable[[str], Any], types: Mapping[str, TypeS
     return key, (cfg if slot == cfg.launch_slot else attrs.evolve(cfg, launch_slot=slot))
 
 
+_CHUNK_SUFFIX = re.compile(r"_c\d+$")
+
+
 def run_computation(executor: Executor, stack: Sequence[Piece], *, schedule: str, nanobatches: int,  # noqa: C901 - one branch per schedule, checked up front; they share the enqueue helpers
                     run_op: Callable[[Op, int], Any],
                     comm_args: Callable[[Comm, int], tuple[Any, Any]],
                     types: Mapping[str, TypeShape] | None = None,
                     plan_config_of: Callable[[str], Any] | None = None,
                     sequential_config_of: Callable[[str], Any] | None = None,
+                    chunk_of: Callable[[str, int], int] | None = None,
                     ) -> list[tuple[str, Any]]:
     """Enqueue one microbatch computation's stack under ``schedule`` through ``executor``.
 
@@ -363,6 +368,10 @@ def run_computation(executor: Executor, stack: Sequence[Piece], *, schedule: str
         sequential_config_of: ``"sequential"`` only: ``type name -> configuration`` of
             each piece's collective (a plan's computation run unsplit: its SM count,
             launched after the piece's ops); ``None`` = the collective's own CTA count.
+        chunk_of: Nanobatches along the sequence (``Workload.sequence_split``): ``(first
+            op name, nanobatch as run) -> chunk`` of a unit, so that a unit whose type is
+            one per chunk (``{name}_c{chunk}``, its attention's cost) runs as its chunk's
+            type; ``None``: no per-chunk types.
 
     Returns:
         ``(partition key, configuration)`` of every partition run, in order.
@@ -377,6 +386,17 @@ def run_computation(executor: Executor, stack: Sequence[Piece], *, schedule: str
         raise ArgumentError("the kareus schedule needs types and plan_config_of")
     shapes = dict(types or {})
     ran: list[tuple[str, Any]] = []
+    by_chunk: dict[int, dict[str, TypeShape]] = {}
+
+    def shapes_of(piece: Piece, nb: int) -> dict[str, TypeShape]:
+        """The types a unit can run as: without those of the other chunks."""
+        if chunk_of is None or not piece.ops:
+            return shapes
+        c = chunk_of(piece.op_names[0], nb)
+        if c not in by_chunk:
+            by_chunk[c] = {k: v for k, v in shapes.items()
+                           if _CHUNK_SUFFIX.search(k) is None or k.endswith(f"_c{c}")}
+        return by_chunk[c]
 
     def ops_of(piece: Piece, nb: int, part: Any = None) -> None:
         for op in piece.ops:
@@ -395,8 +415,10 @@ def run_computation(executor: Executor, stack: Sequence[Piece], *, schedule: str
                 ops_of(piece, ops_nb, part)
         ran.append((key, cfg))
 
-    def key_for(op_names: tuple[str, ...], comm: Comm) -> str:
-        hit = match_type(shapes, op_names, comm.kind, comm.group) if shapes else None
+    def key_for(op_names: tuple[str, ...], comm: Comm,
+                among: Mapping[str, TypeShape] | None = None) -> str:
+        among = shapes if among is None else among
+        hit = match_type(among, op_names, comm.kind, comm.group) if among else None
         return hit[0] if hit is not None else f"{comm.kind}:{'+'.join(op_names) or 'tail'}"
 
     if schedule == "sequential":
@@ -420,7 +442,7 @@ def run_computation(executor: Executor, stack: Sequence[Piece], *, schedule: str
     if first is not None and schedule == "kareus":
         for kind in ("all_reduce", "all_gather", "reduce_scatter"):
             for group in ("tp", "cp"):
-                hit = match_type(shapes, first.op_names, kind, group)
+                hit = match_type(shapes_of(first, 0), first.op_names, kind, group)
                 if hit is not None:
                     partner[(kind, group)] = hit[0]
     pending: tuple[Comm, int] | None = None
@@ -430,12 +452,13 @@ def run_computation(executor: Executor, stack: Sequence[Piece], *, schedule: str
                 ops_of(piece, nb)
             else:
                 comm, cnb = pending
+                mine = shapes_of(piece, nb)
                 if schedule == "kareus":
                     assert plan_config_of is not None
-                    key, cfg = _plan_config(plan_config_of, shapes, piece.op_names, comm,
+                    key, cfg = _plan_config(plan_config_of, mine, piece.op_names, comm,
                                             partner.get((comm.kind, comm.group)))
                 else:
-                    key, cfg = key_for(piece.op_names, comm), DefaultConfig(
+                    key, cfg = key_for(piece.op_names, comm, mine), DefaultConfig(
                         piece.op_names[0] if piece.ops else None)
                 tensor, output = comm_args(comm, cnb)
                 with executor.partition(key, config=cfg, op_names=piece.op_names) as part:

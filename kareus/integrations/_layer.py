@@ -172,7 +172,7 @@ class _LayerProgram(DecoderShard):
         self._tok_inv = self._inv_freq()  # on the device now: never copied inside a capture
         self._pool: dict[tuple[str, int, int], tuple[Any, Any]] = {}
         for n in sorted(set(nanobatch_counts), reverse=True):
-            if self.mbs % n == 0:
+            if self.mbs % n == 0 or (self.mbs == 1 and self.sq % n == 0):  # or along it
                 self._alloc_pool(torch, n)
         self.act: dict[tuple[int, int], dict[str, Any]] = {}
         self.head: dict[str, Any] = {}
@@ -232,8 +232,8 @@ class _LayerProgram(DecoderShard):
         tables: the kernels take ``seq = cos.shape[0]``, so its tokens rotate as one
         sequence of per-token tables (RoPE, and the query/key norms fused with it, are
         per token); the decoder's ops view the results back to ``[batch, seq, ...]``."""
-        if self.tok_cos is None:
-            return self.cos, self.sin
+        if self.tok_cos is None:  # (along the sequence: the chunk's rows)
+            return super()._rope_tables(nb)
         rows = self._tok_rows(nb)
         return self.tok_cos[rows], self.tok_sin[rows]
 
@@ -664,7 +664,8 @@ class PlanApplier:
             WorkloadError: ``x`` is not ``[batch, seq / CP, hidden]`` of the workload
                 (``[batch, seq / (CP x TP), hidden]`` under sequence parallelism; under the
                 kareus schedule: the plan's exact microbatch shape; otherwise a batch that
-                splits into the nanobatches).
+                splits into the nanobatches, or one sequence that does, at CP = 1 without
+                sequence parallelism: nanobatches along the sequence).
         """
         wl = self.workload
         p = wl.parallelism
@@ -690,9 +691,17 @@ class PlanApplier:
             if self.plan is not None:
                 counts |= {c.nanobatches for c in self.plan.choices
                            if c.nanobatches is not None}
-            if self.schedule != "sequential" and b % wl.nanobatches:
+            along = b == 1 and wl.nanobatches > 1  # one sequence: split along it
+            if self.schedule != "sequential" and b % wl.nanobatches and not along:
                 raise WorkloadError(f"a batch of {b} sequences does not split into "
                                     f"{wl.nanobatches} nanobatches")
+            if self.schedule != "sequential" and along and (
+                    p.cp > 1 or (p.sequence_parallel and p.tp > 1) or s % wl.nanobatches):
+                raise WorkloadError(
+                    f"nanobatches along the sequence (one sequence, nanobatches="
+                    f"{wl.nanobatches}) run at CP=1 without sequence parallelism, on a "
+                    f"sequence the nanobatches divide (got CP={p.cp}, seq={s}): use "
+                    "nanobatches=1 or a larger batch")
             prog = _LayerProgram(workload=wl, groups=self.groups,
                                  # registered communication buffers on a GPU
                                  backend=(self._executor() if self.has_comm
@@ -753,6 +762,11 @@ class PlanApplier:
                 raise WorkloadError(f"positions of shape {tuple(positions.shape)} for a "
                                     f"batch of {b} x {s} tokens: pass [batch, seq]")
             positions = positions.expand(b, s)
+            if b == 1 and self.schedule != "sequential" and self.workload.nanobatches > 1:
+                raise WorkloadError("packed-document positions are not supported with "
+                                    "nanobatches along the sequence (one sequence, "
+                                    f"nanobatches={self.workload.nanobatches}): use "
+                                    "nanobatches=1 or a larger batch")
         if capture_in_progress():
             # Someone captures the stream (the framework's step, the user's graph): the
             # kernels, events and collectives go into that capture; no graph of our own
@@ -893,6 +907,7 @@ class PlanApplier:
                 given = iter(out_bufs[1:])
                 prog.wgrads = [{name: next(given).zero_() for name in ws}
                                for ws in prog.weights]
+        self._along_sequence(prog)
         stack = self._stack(phase, depth)
         prog.set_positions(positions, documents=documents)
         try:
@@ -909,7 +924,8 @@ class PlanApplier:
                     run_op=prog.run_op, comm_args=prog.comm_args, types=self.types,
                     plan_config_of=(None if self.schedule != "kareus" else
                                     lambda key: plan_config(self.plan, key,  # type: ignore[arg-type]
-                                                            ex.current)))
+                                                            ex.current)),
+                    chunk_of=prog.chunk if prog.seq_split else None)
             if phase == "fwd":
                 out = torch.empty_like(x2) if out_bufs is None else out_bufs[0]
                 for i in range(n):
@@ -934,7 +950,29 @@ class PlanApplier:
                     ran)
         finally:
             prog.act, prog.head, prog.weights, prog.wgrads = {}, {}, [], []
+            prog._kv_chunks, prog._dkv_from_later = {}, {}
             prog.set_positions(None)
+
+    @staticmethod
+    def _along_sequence(prog: _LayerProgram) -> None:
+        """The chunks' state of nanobatches along the sequence for the computation about to
+        run (``DecoderShard``'s module docstring): none yet, but under selective
+        recomputation's backward the chunks' kept keys and values, which the attention
+        core re-run reads.
+
+        Raises:
+            ArgumentError: full recomputation along the sequence at TP = CP = 1.
+        """
+        prog._kv_chunks, prog._dkv_from_later = {}, {}
+        if not prog.seq_split:
+            return
+        if prog.policy == "full" and prog.tp == prog.cp == 1:
+            raise ArgumentError(
+                f"full recomputation along the sequence (one sequence, nanobatches={prog.n}) "
+                "needs TP or CP > 1: without a collective the backward cannot run the "
+                "recomputed forward in chunk order (use nanobatches=1)")
+        if prog.phase == "bwd" and prog.policy == "selective":
+            prog._kv_chunks = {key: a["kvbuf"] for key, a in prog.act.items()}
 
     @staticmethod
     def _inputs_kept(prog: _LayerProgram, x2: Any, inputs: Any, depth: int,

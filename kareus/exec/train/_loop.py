@@ -573,7 +573,8 @@ class TrainingLoop:
                 self.partitions_run = run_computation(
                     ex, self.stacks[comp.phase], schedule=schedule, nanobatches=n,
                     run_op=m.run_op, comm_args=m.comm_args, types=self.types,
-                    plan_config_of=self._plan_config_of(ex))
+                    plan_config_of=self._plan_config_of(ex),
+                    chunk_of=m.chunk if m.seq_split else None)
             m.finish()
 
     def graph_sequence(self, schedule: str) -> Any:

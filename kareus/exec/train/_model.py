@@ -33,6 +33,19 @@ The loss is the mean cross-entropy of next-token prediction over every token of 
 iteration, computed vocabulary-parallel (max, sum of exponentials and target logit
 all-reduced over TP).
 
+**Nanobatches along the sequence** (``Workload.sequence_split``: a microbatch of one
+sequence in ``n > 1`` nanobatches, CP = 1, without sequence parallelism): nanobatch ``j`` is
+tokens ``[j c, (j + 1) c)`` (``c = seq_len / n``), rotated at those absolute positions; its
+attention takes its own queries over the keys and values of chunks ``0..j`` of the layer
+(kept from the earlier chunks' RoPE op), causal aligned to the lower right (query ``i``
+sees keys ``0 .. j c + i``: ``kareus.exec._cp_attention``'s pieces). The backward runs the
+chunks last first (``chunk``: the schedule's ``i``-th nanobatch is chunk ``n - 1 - i``;
+the forward that full recomputation re-runs keeps the forward's order), and chunk ``j``'s
+attention backward adds its dK and dV of chunks ``0..j-1`` to theirs before their
+``rope_bwd`` runs: ``kareus.model.partition``'s op order, whose per-chunk types
+(``fwd_attn_c0``, ...) each unit runs as. Full recomputation needs a collective between
+the recomputed forward and the backward (TP or CP > 1): refused at TP = CP = 1.
+
 **Sequence parallelism** (``sp=True`` at TP > 1, Megatron-LM's ``--sequence-parallel``; the
 op order of ``decoder_layer(phase, sp=True)``): between the TP regions each TP rank holds
 its shard of every sequence of a nanobatch, positions ``[r sq/TP, (r+1) sq/TP)`` of each
@@ -68,6 +81,7 @@ from typing import Any
 from kareus.errors import ArgumentError, WorkloadError
 from kareus.exec._cp_attention import (
     attention_pieces,
+    chunk_piece,
     cp_attention,
     cp_attention_bwd,
     order_kv,
@@ -100,11 +114,14 @@ layout (``attn``, a view of the same memory on the fused kernels), the residual 
 (``x_mid``), the gate and up projections and the SwiGLU output; ``"selective"`` keeps
 the same but the attention's output and statistics, holding instead what its
 recomputation reads: the queries (``q``), and the keys and values, this rank's (``k``,
-``v``) without CP, every chunk's as gathered, by position (``kvs``) under CP, so that no
+``v``; along the sequence views of the layer's whole ``kvbuf``) without CP, every chunk's as gathered, by position (``kvs``) under CP, so that no
 collective runs again (the two are added by ``DecoderShard`` per CP size)."""
 _KEPT = KEPT_FOR_BACKWARD
-_KEPT_NO_CP = frozenset({"k", "v"})
+_KEPT_NO_CP = frozenset({"k", "v", "kvbuf"})
 _KEPT_CP = frozenset({"kvs"})
+#: Names of the backward's own ops and collectives (the rest are forward ops, which the
+#: backward runs again under recomputation).
+_BACKWARD_SUFFIXES = ("_bwd", "_dgrad", "_wgrad", "_grad")
 
 
 def _group_backend(c: Any, kind: str, group: str) -> Any:
@@ -178,9 +195,16 @@ class DecoderShard:
             if num % den:
                 raise WorkloadError(f"{what}={num} is not divisible by {den} (TP={tp}, CP={cp})")
         for n in nanobatch_counts:
-            if n < 1 or microbatch_size % n:
+            along = microbatch_size == 1 and n > 1  # one sequence: split along it
+            if n < 1 or (microbatch_size % n and not along):
                 raise WorkloadError(f"microbatch_size={microbatch_size} does not split into "
                                     f"{n} nanobatches")
+            if along and (cp > 1 or (sp and tp > 1) or seq_len % n):
+                raise WorkloadError(
+                    f"nanobatches along the sequence (microbatch_size=1, nanobatches={n}) "
+                    "run at CP=1 without sequence parallelism, on a seq_len divisible by "
+                    f"the nanobatches (got CP={cp}, sp={bool(sp) and tp > 1}, "
+                    f"seq_len={seq_len}): use nanobatches=1 or a larger microbatch")
         self.backend = backend
         self._shard_dims(arch, groups, int(microbatch_size), seq_len // cp, sp=sp)
         self.num_microbatches = int(num_microbatches)
@@ -206,6 +230,13 @@ class DecoderShard:
         self.loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         self.act: dict[tuple[int, int], dict[str, Any]] = {}
         self.head: dict[str, Any] = {}
+        #: Along the sequence: the layer's keys and values of the whole sequence
+        #: (``[2, 1, seq, kv_heads, head_dim]``, each chunk's RoPE op writing its part) by
+        #: (layer, chunk) whose part is written, which the later chunks' attention reads, and
+        #: the earlier chunks' dK, dV that the later chunks' attention backward gave (with
+        #: how many chunks gave them).
+        self._kv_chunks: dict[tuple[int, int], Any] = {}
+        self._dkv_from_later: dict[tuple[int, int], tuple[Any, int]] = {}
         self.n = 1
         self.phase = "fwd"
 
@@ -380,8 +411,7 @@ class DecoderShard:
                 if c.group == group]
 
     def _alloc_pool(self, torch: Any, n: int) -> None:
-        b = self.mbs // n
-        t = b * self.sq
+        t = self.mbs * self.sq // n
         cands = ([] if self.backend is None else list(self.backend)
                  if isinstance(self.backend, (list, tuple)) else [self.backend])
         for name, kind, group in self._comms():
@@ -422,7 +452,7 @@ class DecoderShard:
 
     def comm_args(self, comm: Comm, nb: int) -> tuple[Any, Any]:
         """``(tensor, output)`` of collective ``comm`` of nanobatch ``nb``."""
-        return self._pool[(comm.name, self.n, nb)]
+        return self._pool[(comm.name, self.n, self.chunk(comm.name, nb))]
 
     def _buf(self, name: str, nb: int) -> Any:
         """The tensor an op writes for collective ``name`` (its input)."""
@@ -453,13 +483,22 @@ class DecoderShard:
         loss's backward, the LM head's and the final norm's."""
         if phase not in ("fwd", "bwd"):
             raise ArgumentError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
-        if nanobatches < 1 or self.mbs % nanobatches:
+        if nanobatches < 1 or (self.mbs % nanobatches
+                               and not (self.mbs == 1 and self.sq % nanobatches == 0)):
             raise ArgumentError(f"{self.mbs} sequences do not split into {nanobatches} "
                                 "nanobatches")
         if self.pool_buffers() and not any(k[1] == nanobatches for k in self._pool):
             raise ArgumentError(f"no buffers for {nanobatches} nanobatches: pass it in "
                                 "nanobatch_counts")
+        if (self.mbs == 1 and nanobatches > 1 and self.policy == "full"
+                and self.tp == self.cp == 1):
+            raise ArgumentError(
+                "full recomputation along the sequence (microbatch_size=1, nanobatches="
+                f"{nanobatches}) needs TP or CP > 1: without a collective the backward's "
+                "pieces cannot run the recomputed forward in chunk order (use nanobatches=1)")
         self.phase, self.n = phase, nanobatches
+        if phase == "fwd":
+            self._kv_chunks, self._dkv_from_later = {}, {}
         with self.torch.no_grad():
             if phase == "fwd":
                 if tokens is None or labels is None:
@@ -487,13 +526,41 @@ class DecoderShard:
                 self._embed_bwd()
                 self.act = {}
                 self.head = {}
+                self._kv_chunks, self._dkv_from_later = {}, {}
 
     def rows(self, nb: int) -> slice:
         """Token rows of nanobatch ``nb`` in a whole-microbatch ``[tokens, hidden]`` tensor of
         this rank's residual stream (its sequence shard's tokens under sequence
         parallelism)."""
-        t = self.mbs // self.n * self.sq // (self.tp if self.sp else 1)
+        t = self.mbs * self.sq // self.n // (self.tp if self.sp else 1)
         return slice(nb * t, (nb + 1) * t)
+
+    # ------------------------------------------------------------------ along the sequence
+    @property
+    def seq_split(self) -> bool:
+        """Whether the current computation splits its one sequence into ``n`` chunks
+        (``Workload.sequence_split``: microbatch_size 1, nanobatches > 1): nanobatch ``j``
+        holds tokens ``[j c, (j + 1) c)``, ``c = seq_len / n``."""
+        return self.mbs == 1 and self.n > 1
+
+    def _nb_shape(self) -> tuple[int, int]:
+        """``(sequences, tokens per sequence)`` of one nanobatch."""
+        if self.seq_split:
+            return 1, self.sq // self.n
+        return self.mbs // self.n, self.sq
+
+    def chunk(self, name: str, nb: int) -> int:
+        """The nanobatch an op or collective named ``name`` works on when the schedule
+        runs it as its ``nb``-th: ``nb`` itself, but along the sequence the backward runs
+        the chunks last first (a chunk's attention backward adds to the earlier chunks'
+        dK and dV, which their ``rope_bwd`` reads: ``kareus.model.partition``'s op
+        order), the forward recomputed by ``"full"`` recomputation first first (a chunk's
+        attention reads the earlier chunks' keys and values)."""
+        if not self.seq_split or self.phase == "fwd":
+            return nb
+        if self.policy == "full" and not name.endswith(_BACKWARD_SUFFIXES):
+            return nb
+        return self.n - 1 - nb
 
     # ------------------------------------------------------------------ sequence parallelism
     def _gathered(self, name: str, nb: int) -> Any:
@@ -608,7 +675,7 @@ class DecoderShard:
     def _embed_bwd(self) -> None:
         torch = self.torch
         dx0 = torch.empty(self.mbs * self.sq, self.h, device=self.device, dtype=self.dtype)
-        t = self.mbs // self.n * self.sq
+        t = self.mbs * self.sq // self.n
         for i in range(self.n):
             if self.sp:  # layer 0's input gradient, gathered by the stack's last collective
                 dx0[i * t:(i + 1) * t] = self._to_seq_order(self._gathered("mlp_out_grad", i))
@@ -633,6 +700,7 @@ class DecoderShard:
     def run_op(self, op: Op, nb: int) -> None:
         """Enqueue op ``op`` of nanobatch ``nb`` of the current computation."""
         fn: Callable[[int, dict[str, Any], int], None] = getattr(self, "_op_" + op.name)
+        nb = self.chunk(op.name, nb)
         a = self.act.setdefault((op.layer, nb), {})
         if op.name == "attn_core" and (self.phase == "bwd" or self.policy == "none"):
             with self.torch.enable_grad():  # keeps the attention's state for attn_core_bwd
@@ -680,7 +748,11 @@ class DecoderShard:
 
     def _rope_tables(self, nb: int) -> tuple[Any, Any]:
         """The cos/sin tables RoPE reads for nanobatch ``nb`` (``[seq, head_dim]``, position
-        ``p`` in row ``p``): the shared ones."""
+        ``p`` in row ``p``): the shared ones; along the sequence the chunk's rows (its
+        tokens' absolute positions)."""
+        if self.seq_split:
+            c = self.sq // self.n
+            return self.cos[nb * c:(nb + 1) * c], self.sin[nb * c:(nb + 1) * c]
         return self.cos, self.sin
 
     def _op_rope(self, layer: int, a: dict[str, Any], nb: int) -> None:
@@ -697,8 +769,9 @@ class DecoderShard:
                           qk_norm: bool) -> None:
         """The queries, keys and values of the packed QKV (``_op_rope``, and
         ``_op_qk_norm_rope`` with ``qk_norm``), in sequence order; under CP this chunk's K
-        and V packed for the all-gather."""
-        b = self.mbs // self.n
+        and V packed for the all-gather; along the sequence the chunk's K and V kept for the
+        later chunks' attention."""
+        b, sq = self._nb_shape()
         qkv = self._to_seq_order(a["qkv"])
         cos, sin = self._rope_tables(nb)
         if qk_norm:
@@ -708,22 +781,39 @@ class DecoderShard:
                                         heads=self.heads, kv_heads=self.kvh, eps=self.eps)
         else:
             q, k = self.ks.rope(qkv, cos, sin, heads=self.heads, kv_heads=self.kvh)
-        v = qkv.view(b, self.sq, self.heads + 2 * self.kvh, self.hd)[
+        v = qkv.view(b, sq, self.heads + 2 * self.kvh, self.hd)[
             :, :, self.heads + self.kvh:]
         # (per-token tables return one sequence of the nanobatch's tokens: a view back)
-        a["q"] = q.reshape(b, self.sq, self.heads, self.hd)
-        a["k"] = k.reshape(b, self.sq, self.kvh, self.hd)
+        a["q"] = q.reshape(b, sq, self.heads, self.hd)
+        a["k"] = k.reshape(b, sq, self.kvh, self.hd)
         a["v"] = v
+        if self.seq_split:  # into the layer's K/V of the whole sequence, chunk by chunk
+            buf = (self._kv_chunks.get((layer, 0)) if nb else
+                   self.torch.empty((2, b, self.sq, self.kvh, self.hd), device=self.device,
+                                    dtype=self.dtype))
+            if buf is None:
+                raise RuntimeError(f"layer {layer}'s chunk {nb} ran before its chunk 0 "
+                                   "(nanobatches along the sequence run in order)")
+            # written through .data: the earlier chunks' attention saved views of this
+            # buffer for its backward, and a write into a later chunk's part (other memory)
+            # must not count as a change of what they saved (autograd's version counter)
+            part = slice(nb * sq, (nb + 1) * sq)
+            buf.data[0, :, part].copy_(a["k"])
+            buf.data[1, :, part].copy_(v)
+            a["k"], a["v"], a["kvbuf"] = buf[0, :, part], buf[1, :, part], buf
+            self._kv_chunks[(layer, nb)] = buf
         if self.cp > 1:  # this chunk's K and V, packed for the all-gather
             loc = self._buf("kv", nb).view(2, b, self.sq, self.kvh, self.hd)
             loc[0].copy_(a["k"])
             loc[1].copy_(v)
 
     def _op_attn_core(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        b = self.mbs // self.n
+        b, sq = self._nb_shape()
         q = a["q"].transpose(1, 2)
         keep = self.torch.is_grad_enabled()  # keep what attn_core_bwd needs
-        if self.cp > 1:  # every chunk's K and V by position, then one causal piece per chunk
+        if self.seq_split:
+            o = self._chunk_attention(layer, a, nb, q, keep=keep)
+        elif self.cp > 1:  # every chunk's K and V by position, then one causal piece per chunk
             kv = a.get("kvs")  # selective recomputation: the gathered K, V kept
             if kv is None:
                 kv = order_kv(self._reduced("kv", layer, nb), cp=self.cp, b=b, sq=self.sq,
@@ -741,8 +831,33 @@ class DecoderShard:
                 o = a["graph"].output
             else:
                 o = self.ks.attention(q, k, v)
-        a["attn"] = self._to_rank_order(o.detach().transpose(1, 2).reshape(b * self.sq,
-                                                                            self.q))
+        a["attn"] = self._to_rank_order(o.detach().transpose(1, 2).reshape(b * sq, self.q))
+
+    def _chunk_attention(self, layer: int, a: dict[str, Any], j: int, q: Any, *,
+                         keep: bool) -> Any:
+        """Along the sequence: chunk ``j``'s queries over the keys and values of chunks
+        ``0..j`` of the layer, causal aligned to the lower right (query ``i`` sees the keys
+        up to ``j c + i``: ``chunk_piece``); with ``keep``, its saved state as ``graph``."""
+        c = self.sq // self.n
+        try:
+            buf = [self._kv_chunks[(layer, i)] for i in range(j + 1)][0]
+        except KeyError:
+            raise RuntimeError(f"layer {layer}'s chunk {j} attention ran before an earlier "
+                               "chunk's keys and values (nanobatches along the sequence run "
+                               "in order)") from None
+        kv = buf[:, :, :(j + 1) * c]  # a view: the keys and values are held once
+        o, saved = cp_attention(self.ks, q, kv[0].transpose(1, 2), kv[1].transpose(1, 2),
+                                chunk_piece(c, j), keep=keep)
+        if keep:
+            a["graph"] = saved
+        # the last reader of the layer's keys and values: the last chunk's attention in
+        # the forward (and in the forward that full recomputation re-runs), the first
+        # chunk's in selective recomputation's backward (which runs the chunks last first)
+        last = 0 if self.phase == "bwd" and self.policy == "selective" else self.n - 1
+        if j == last and not (self.phase == "fwd" and self.policy == "selective"):
+            for i in range(self.n):
+                self._kv_chunks.pop((layer, i), None)
+        return o
 
     def _op_out_proj(self, layer: int, a: dict[str, Any], nb: int) -> None:
         out, pooled = self._out("attn_out", layer, nb)
@@ -831,31 +946,54 @@ class DecoderShard:
                        accumulate=True)
 
     def _op_attn_core_bwd(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        b = self.mbs // self.n
+        b, sq = self._nb_shape()
         saved = a.pop("graph")
-        do = self._to_seq_order(a["dattn"]).view(b, self.sq, self.heads,
-                                                 self.hd).transpose(1, 2)
-        if self.cp > 1:  # every chunk's dK, dV, packed for the reduce-scatter
+        do = self._to_seq_order(a["dattn"]).view(b, sq, self.heads, self.hd).transpose(1, 2)
+        if self.seq_split:
+            self._chunk_attention_bwd(layer, a, nb, do, saved)
+        elif self.cp > 1:  # every chunk's dK, dV, packed for the reduce-scatter
             a["dq"], dkv = cp_attention_bwd(do, saved, self.pieces, keys=self.seq)
             scatter_kv_grad(dkv, self._buf("kv_grad", nb), cp=self.cp, b=b, sq=self.sq,
                             kvh=self.kvh, hd=self.hd)
         else:
             a["dq"], a["dk"], a["dv"] = self.ks.attention_bwd(do, saved)
 
+    def _chunk_attention_bwd(self, layer: int, a: dict[str, Any], j: int, do: Any,
+                             saved: Any) -> None:
+        """Along the sequence: chunk ``j``'s attention backward. Its dK and dV cover chunks
+        ``0..j``: its own part, plus what every later chunk gave it (their backward ran
+        first), is the chunk's; the earlier chunks' parts are kept for theirs."""
+        c = self.sq // self.n
+        a["dq"], dkv = cp_attention_bwd(do, saved, chunk_piece(c, j), keys=(j + 1) * c)
+        own = dkv[:, :, j * c:]
+        given, count = self._dkv_from_later.pop((layer, j), (None, 0))
+        if count != self.n - 1 - j:
+            raise RuntimeError(f"layer {layer}'s chunk {j} attention backward ran before the "
+                               "later chunks' (nanobatches along the sequence run the "
+                               "backward last first)")
+        if given is not None:
+            own.add_(given)
+        for i in range(j):
+            part = dkv[:, :, i * c:(i + 1) * c]
+            prev, k = self._dkv_from_later.get((layer, i), (None, 0))
+            self._dkv_from_later[(layer, i)] = (part if prev is None else prev.add_(part),
+                                                k + 1)
+        a["dk"], a["dv"] = own[0].transpose(1, 2), own[1].transpose(1, 2)
+
     def _attention_grads(self, layer: int, a: dict[str, Any], nb: int
                          ) -> tuple[Any, Any, Any]:
         """``(dq, dk, dv)`` of this rank's tokens, ``[batch, seq, heads, head_dim]`` (dK and
         dV reduce-scattered under CP); with per-token tables (``_rope_tables``), one
         sequence of the nanobatch's tokens."""
-        b = self.mbs // self.n
+        b, sq = self._nb_shape()
         if self.cp > 1:
-            loc = self._reduced("kv_grad", layer, nb).view(2, b, self.sq, self.kvh, self.hd)
+            loc = self._reduced("kv_grad", layer, nb).view(2, b, sq, self.kvh, self.hd)
             dk, dv = loc[0], loc[1]
         else:
             dk, dv = a["dk"].transpose(1, 2), a["dv"].transpose(1, 2)
         dq = a["dq"].transpose(1, 2)
         seq = self._rope_tables(nb)[0].shape[0]
-        if seq != self.sq:
+        if seq != sq:
             dq, dk, dv = (g.reshape(-1, seq, *g.shape[2:]) for g in (dq, dk, dv))
         return dq, dk, dv
 
