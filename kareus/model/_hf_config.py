@@ -16,7 +16,19 @@ onto the fields of [`ModelArch`][kareus.model.ModelArch]:
 | rms_norm_eps | norm_eps | absent: 1e-6 (the families' default) |
 | tie_word_embeddings | tied_embeddings | absent: false (the families' default) |
 | (family) | qkv_bias | Qwen2's attention always has a QKV bias |
-| (family) | qk_norm | Qwen3 RMS-normalises q and k per head |
+| (family) | qk_norm | Qwen3 and Qwen3 MoE RMS-normalise q and k per head |
+| num_experts | moe.experts | Qwen3 MoE only |
+| num_experts_per_tok | moe.experts_per_token | Qwen3 MoE only |
+| moe_intermediate_size | moe.expert_ffn | Qwen3 MoE only |
+| decoder_sparse_step | moe.layer_step | Qwen3 MoE; absent: 1 (every layer) |
+
+Qwen3 MoE (``Qwen3MoeForCausalLM``, ``model_type`` ``qwen3_moe``) is read as a model whose
+layers' MLP is a mixture of experts ([`MoEArch`][kareus.model.moe.MoEArch]; no shared
+expert; the router's softmax in float32, as ``transformers`` computes it): every layer must be
+an MoE layer (``decoder_sparse_step`` 1, ``mlp_only_layers`` empty), and the router's
+load-balancing loss must be off (``output_router_logits`` false: kareus does not cost it).
+``norm_topk_prob`` (renormalising the top-k probabilities) is accepted either way: it is part
+of the router's top-k op. The other families' experts keys are refused.
 
 Anything else a config asks for that changes the work and that kareus does not compute is
 refused with a one-line ``SpecFileError`` naming the key, never approximated: sliding-window
@@ -48,6 +60,7 @@ HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
 #: Keys of mixture-of-experts configs: any of them set means experts, which the dense
@@ -108,11 +121,15 @@ def _refuse_unsupported(d: Mapping[str, Any], family: str, where: str) -> None:
         raise SpecFileError(f"{where}: layer_types other than 'full_attention' are not "
                             "computed (sliding-window layers): kareus costs full causal "
                             "attention in every layer")
-    for key in _MOE_KEYS:
-        if d.get(key) not in (None, 0):
-            raise SpecFileError(f"{where}: {key} {d[key]!r:.40} is not computed: kareus costs "
-                                "dense MLPs, not experts")
-    if family in ("llama", "qwen3") and d.get("attention_bias") not in (None, False):
+    if family == "qwen3_moe":
+        _refuse_unsupported_moe(d, where)
+    else:
+        for key in _MOE_KEYS:
+            if d.get(key) not in (None, 0):
+                raise SpecFileError(f"{where}: {key} {d[key]!r:.40} is not computed: kareus "
+                                    f"costs experts of qwen3_moe configs only, a {family} "
+                                    "config's MLP is dense")
+    if family in ("llama", "qwen3", "qwen3_moe") and d.get("attention_bias") not in (None, False):
         raise SpecFileError(f"{where}: attention_bias {d['attention_bias']!r:.40} is not "
                             f"computed: in {family} it biases the output projection as well as "
                             "QKV, and kareus costs a QKV bias only")
@@ -137,6 +154,34 @@ def _refuse_unsupported(d: Mapping[str, Any], family: str, where: str) -> None:
                                 "takes no scaling or Llama 3's (rope_type 'llama3')")
 
 
+def _refuse_unsupported_moe(d: Mapping[str, Any], where: str) -> None:
+    """One line naming the first key of a Qwen3 MoE config whose value kareus does not
+    compute (module docstring)."""
+    step = d.get("decoder_sparse_step", 1)
+    if step is not None and step != 1:
+        raise SpecFileError(f"{where}: decoder_sparse_step {step!r:.40} is not computed: "
+                            "kareus costs models whose every layer is MoE (1)")
+    dense = d.get("mlp_only_layers")
+    if dense not in (None, []):
+        raise SpecFileError(f"{where}: mlp_only_layers {dense!r:.60} is not computed: kareus "
+                            "costs models whose every layer is MoE (an empty list)")
+    if d.get("output_router_logits") not in (None, False):
+        raise SpecFileError(f"{where}: output_router_logits {d['output_router_logits']!r:.40} "
+                            "is not computed: kareus does not cost the router's "
+                            "load-balancing loss (set it false)")
+    for key in ("shared_expert_intermediate_size", "n_shared_experts"):
+        if d.get(key) not in (None, 0):
+            raise SpecFileError(f"{where}: {key} {d[key]!r:.40} is not computed: a qwen3_moe "
+                                "layer has no shared expert")
+
+
+def _moe_fields(d: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The [`MoEArch`][kareus.model.moe.MoEArch] fields of a Qwen3 MoE config."""
+    return {"experts": _needed(d, "num_experts", "qwen3_moe", where),
+            "experts_per_token": _needed(d, "num_experts_per_tok", "qwen3_moe", where),
+            "expert_ffn": _needed(d, "moe_intermediate_size", "qwen3_moe", where)}
+
+
 def hf_arch_fields(d: Mapping[str, Any], where: str) -> dict[str, Any]:
     """The [`ModelArch`][kareus.model.ModelArch] fields of a Hugging Face config (all but
     ``name``), plus ``model_type`` (the family), checked as the module docstring says.
@@ -155,8 +200,8 @@ def hf_arch_fields(d: Mapping[str, Any], where: str) -> dict[str, Any]:
         kv_heads = _needed(d, "num_key_value_heads", family, where)
     if d.get("head_dim") is not None:
         head_dim = _int(d["head_dim"], "head_dim", where)
-    elif family == "qwen3":
-        raise SpecFileError(f"{where}: missing head_dim (a qwen3 config needs it)")
+    elif family in ("qwen3", "qwen3_moe"):
+        raise SpecFileError(f"{where}: missing head_dim (a {family} config needs it)")
     elif heads > 0 and hidden % heads == 0:
         head_dim = hidden // heads
     else:
@@ -166,6 +211,7 @@ def hf_arch_fields(d: Mapping[str, Any], where: str) -> dict[str, Any]:
     if not math.isfinite(eps) or not 0 < eps < 1:
         raise SpecFileError(f"{where}: rms_norm_eps must be in (0, 1), got {eps!r}")
     tied = d.get("tie_word_embeddings", False)
+    moe = {"moe": _moe_fields(d, where)} if family == "qwen3_moe" else {}
     return {
         "model_type": family,
         "layers": _needed(d, "num_hidden_layers", family, where),
@@ -175,8 +221,9 @@ def hf_arch_fields(d: Mapping[str, Any], where: str) -> dict[str, Any]:
         "head_dim": head_dim,
         "ffn": _needed(d, "intermediate_size", family, where),
         "vocab": _needed(d, "vocab_size", family, where),
-        "qk_norm": family == "qwen3",
+        "qk_norm": family in ("qwen3", "qwen3_moe"),
         "norm_eps": eps,
         "qkv_bias": family == "qwen2",
         "tied_embeddings": _bool(tied, "tie_word_embeddings", where),
+        **moe,
     }
