@@ -23,7 +23,7 @@ onto the fields of [`ModelArch`][kareus.model.ModelArch]:
 | decoder_sparse_step | moe.layer_step | Qwen3 MoE; absent: 1 (every layer) |
 
 Qwen3 MoE (``Qwen3MoeForCausalLM``, ``model_type`` ``qwen3_moe``) is read as a model whose
-layers' MLP is a mixture of experts ([`MoEArch`][kareus.model.moe.MoEArch]; no shared
+layers' MLP is a mixture of experts ([`MoEArch`][kareus.model.MoEArch]; no shared
 expert; the router's softmax in float32, as ``transformers`` computes it): every layer must be
 an MoE layer (``decoder_sparse_step`` 1, ``mlp_only_layers`` empty), and the router's
 load-balancing loss must be off (``output_router_logits`` false: kareus does not cost it).
@@ -176,7 +176,7 @@ def _refuse_unsupported_moe(d: Mapping[str, Any], where: str) -> None:
 
 
 def _moe_fields(d: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """The [`MoEArch`][kareus.model.moe.MoEArch] fields of a Qwen3 MoE config."""
+    """The [`MoEArch`][kareus.model.MoEArch] fields of a Qwen3 MoE config."""
     return {"experts": _needed(d, "num_experts", "qwen3_moe", where),
             "experts_per_token": _needed(d, "num_experts_per_tok", "qwen3_moe", where),
             "expert_ffn": _needed(d, "moe_intermediate_size", "qwen3_moe", where)}

@@ -337,9 +337,14 @@ class PartitionSet:
     def model_flops_per_gpu_iteration(self) -> float:
         """Model FLOPs per GPU per iteration: 3x forward, recomputation not counted.
 
-        Averaged over the pipeline stages (each stage's GPUs do their stage's share).
+        Averaged over the pipeline stages (each stage's GPUs do their stage's share). Of a
+        mixture of experts with routing imbalance, the mean rank's FLOPs (balanced
+        routing): the partitions hold the busiest rank's, which is not model work.
         """
         wl = self.workload
+        if wl.routing_imbalance != 1:
+            return build_partitions(wl.with_(routing_imbalance=1.0)
+                                    ).model_flops_per_gpu_iteration()
         pp = wl.parallelism.pp
         fwd_partitions = sum(self.types[t].flops * c for t, c in self.counts["fwd"].items())
         total = sum(3.0 * (fwd_partitions + self.outside[(s, "fwd")].flops) for s in range(pp))

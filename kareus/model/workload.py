@@ -110,7 +110,7 @@ def _lower(name: object) -> object:
 
 
 def _moe(value: object) -> MoEArch | None:
-    """``ModelArch.moe`` from a [`MoEArch`][kareus.model.moe.MoEArch], its dict or ``None``."""
+    """``ModelArch.moe`` from a [`MoEArch`][kareus.model.MoEArch], its dict or ``None``."""
     if value is None or isinstance(value, MoEArch):
         return value
     if isinstance(value, Mapping):
@@ -150,7 +150,7 @@ class ModelArch:
             ``vocab x hidden`` matrix, not two): its weight gradient accumulates into the
             embedding's.
         moe: The layers' mixture-of-experts block
-            ([`MoEArch`][kareus.model.moe.MoEArch]: experts, top-k, expert width, shared
+            ([`MoEArch`][kareus.model.MoEArch]: experts, top-k, expert width, shared
             experts, router dtype) in place of the dense MLP; ``None`` (default): a dense
             SwiGLU MLP of width ``ffn``. A dict is read as ``MoEArch.from_dict`` reads it.
     """
@@ -196,7 +196,7 @@ class ModelArch:
         holds: the projections (and the QKV bias, split with its output columns) divided
         over the ranks, the norm weights (the q/k norms' too) replicated on each. With
         ``moe``, the MoE block's share of one of ``ep`` expert-parallel ranks
-        ([`MoEArch.params_per_rank`][kareus.model.moe.MoEArch.params_per_rank]: experts
+        ([`MoEArch.params_per_rank`][kareus.model.MoEArch.params_per_rank]: experts
         not split over TP) in place of the dense MLP."""
         qkv = (self.heads + 2 * self.kv_heads) * self.head_dim
         mlp = 3 * self.hidden * self.ffn if self.moe is None else 0
@@ -273,7 +273,7 @@ def model_from_dict(d: Mapping[str, Any], *, where: str = "model") -> ModelArch:
         d: ``name``, ``layers``, ``hidden``, ``heads``, ``kv_heads``, ``head_dim``, ``ffn``,
             ``vocab`` (all needed), and optionally the layer features ``qk_norm``,
             ``qkv_bias``, ``tied_embeddings`` (true or false), ``norm_eps`` (a number) and
-            ``moe`` (a table of [`MoEArch`][kareus.model.moe.MoEArch] fields: ``[moe]`` in
+            ``moe`` (a table of [`MoEArch`][kareus.model.MoEArch] fields: ``[moe]`` in
             TOML); nothing else.
         where: What ``d`` is, for messages (a file name).
 

@@ -8,10 +8,10 @@ import pytest
 
 pytest.importorskip("torch")
 
-from kareus.errors import WorkloadError  # noqa: E402
-from kareus.exec.torch_partition import runnable_partitions  # noqa: E402
-from kareus.exec.train import LoopbackGroups, TrainingLoop, refuse_uncomputed  # noqa: E402
-from kareus.model.workload import Workload  # noqa: E402
+from kareus.errors import WorkloadError
+from kareus.exec.torch_partition import runnable_partitions
+from kareus.exec.train import LoopbackGroups, TrainingLoop, refuse_uncomputed
+from kareus.model.workload import Workload
 
 MOE = Workload.preset("qwen3-30b-a3b", dp=2, ep=2, microbatch_size=2, seq_len=256,
                       num_microbatches=1)

@@ -275,3 +275,12 @@ def test_memory_counts_the_ranks_experts_only():
 def test_errors_are_kareus_errors():
     with pytest.raises(KareusError):
         _wl(ep=3, dp=3)
+
+
+def test_model_flops_are_the_mean_ranks_under_imbalance():
+    balanced = build_partitions(_wl()).model_flops_per_gpu_iteration()
+    skewed = build_partitions(_wl(rho=1.5))
+    assert skewed.model_flops_per_gpu_iteration() == balanced
+    # while the busiest rank's partitions do more
+    assert (skewed["fwd_moe_experts"].flops
+            > build_partitions(_wl())["fwd_moe_experts"].flops)
