@@ -309,7 +309,8 @@ def model_from_hf_config(config: str | os.PathLike[str] | Mapping[str, Any], *,
     ``tie_word_embeddings``; Qwen2 has a QKV bias, Qwen3 normalises queries and keys per
     head. Qwen3 MoE (``Qwen3MoeForCausalLM``, ``qwen3_moe``) is read with its experts
     (``num_experts``, ``num_experts_per_tok``, ``moe_intermediate_size``: ``ModelArch.moe``)
-    when every layer is MoE. What a config asks for that kareus does not compute is refused,
+    when every layer is MoE, and so is Mixtral (``MixtralForCausalLM``, ``mixtral``:
+    ``num_local_experts`` experts of width ``intermediate_size``, without a sliding window). What a config asks for that kareus does not compute is refused,
     in one line naming the key: a sliding window, experts of another family, dense layers
     among MoE ones (``decoder_sparse_step``, ``mlp_only_layers``), the router's
     load-balancing loss (``output_router_logits``), an activation other than ``silu``, biases

@@ -70,8 +70,38 @@ def test_other_families_experts_are_still_refused():
     dense = {k: v for k, v in QWEN3_30B_A3B.items() if k not in ("architectures",)}
     dense["model_type"] = "qwen3"
     with pytest.raises(SpecFileError, match="num_experts 128 is not computed: kareus costs "
-                                            "experts of qwen3_moe configs only"):
+                                            "experts of qwen3_moe and mixtral configs only"):
         model_from_hf_config(dense)
+
+
+# mistralai/Mixtral-8x7B-v0.1's config.json on Hugging Face
+MIXTRAL_8X7B: dict[str, Any] = {
+    "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1,
+    "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+    "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mixtral",
+    "num_attention_heads": 32, "num_experts_per_tok": 2, "num_hidden_layers": 32,
+    "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": False,
+    "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02,
+    "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.36.0.dev0", "use_cache": True, "vocab_size": 32000,
+}
+
+
+def test_mixtral_config_is_the_preset():
+    assert model_from_hf_config(MIXTRAL_8X7B, name="mixtral-8x7b") == get_model("mixtral-8x7b")
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"sliding_window": 4096}, "sliding_window 4096 is not computed"),
+    ({"router_jitter_noise": 0.01}, "router_jitter_noise 0.01 is not computed"),
+    ({"output_router_logits": True}, "output_router_logits True is not computed"),
+    ({"num_local_experts": None}, "missing num_local_experts (a mixtral config needs it)"),
+])
+def test_what_a_mixtral_config_asks_beyond_kareus_is_refused(tmp_path, change, needle):
+    path = _write(tmp_path, {**MIXTRAL_8X7B, **change})
+    with pytest.raises(SpecFileError) as err:
+        load_model_file(path)
+    assert needle in str(err.value) and "\n" not in str(err.value)
 
 
 def test_kareus_model_file_with_a_moe_table(tmp_path: Path):
