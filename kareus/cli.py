@@ -66,7 +66,9 @@ def cmd_workloads(args: argparse.Namespace) -> int:
 
     rows = []
     for m in MODEL_PRESETS.values():
-        rows.append([m.name, m.layers, m.hidden, m.heads, m.kv_heads, m.head_dim, m.ffn, m.vocab,
+        # a mixture of experts' MLP: its experts' width (the dense width is unused)
+        ffn = m.ffn if m.moe is None else f"{m.moe.expert_ffn} x{m.moe.experts}"
+        rows.append([m.name, m.layers, m.hidden, m.heads, m.kv_heads, m.head_dim, ffn, m.vocab,
                      f"{m.params / 1e9:.2f}", _features(m)])
     print(_table(["workload", "layers", "hidden", "heads", "KV heads", "head dim", "FFN",
                   "vocab", "params (B)", "layer features"], rows))
@@ -78,6 +80,9 @@ def _features(m) -> str:  # type: ignore[no-untyped-def]
     words = [w for w, on in (("qk-norm", m.qk_norm), ("QKV bias", m.qkv_bias),
                              ("tied embeddings", m.tied_embeddings)) if on]
     words.append(f"eps {m.norm_eps:g}")
+    if m.moe is not None:
+        shared = (f" + {m.moe.shared_experts} shared" if m.moe.shared_experts else "")
+        words.append(f"MoE: {m.moe.experts} experts{shared}, top-{m.moe.experts_per_token}")
     return ", ".join(words)
 
 

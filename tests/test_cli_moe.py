@@ -66,3 +66,11 @@ def test_ep_beside_framework_flags_is_refused(tmp_path, capsys):
                  "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "--megatron-args describes the model" in err and "--ep" in err
+
+
+def test_workloads_lists_the_moe_presets_with_their_experts(capsys):
+    assert main(["workloads"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("qwen3-30b-a3b"))
+    assert "768 x128" in line and "MoE: 128 experts, top-8" in line and "30.53" in line
+    assert "MoE" not in next(x for x in out.splitlines() if x.startswith("qwen3-1.7b"))
