@@ -752,7 +752,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ep", type=_int_up_to(_MAX_DEGREE), default=None,
                    help="expert parallel degree of a mixture-of-experts model (default 1): "
                         "it divides TP x CP x DP (Megatron-Core's MoE parallel folding, "
-                        "experts not split over TP); at most 8 (one NVLink node)")
+                        "experts not split over TP); a divisor of 8 (one NVLink node)")
     p.add_argument("--routing-imbalance", type=_positive_float, default=None,
                    help="of a mixture-of-experts model: the busiest expert-parallel rank's "
                         "tokens over the mean, in [1, --ep] (default 1.0: balanced routing)")

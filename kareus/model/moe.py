@@ -19,8 +19,9 @@ op order, ``kareus.model.partition`` the costs).
 
 The layout kareus computes is Megatron-Core's all-to-all token dispatcher with "MoE parallel
 folding" at an expert tensor-parallel size of 1: the experts are not split over TP; the
-``ep`` ranks of an expert-parallel group are ranks of one pipeline stage (``ep`` divides
-``tp x cp x dp``; the expert weights' gradients are reduced over the remaining
+``ep`` ranks of an expert-parallel group are consecutive ranks of one pipeline stage
+(``ep`` divides ``tp x cp x dp``, and divides the 8 GPUs of a node, so that the group's
+all-to-alls stay on NVLink; the expert weights' gradients are reduced over the remaining
 ``tp x cp x dp / ep`` ranks); at TP > 1 sequence parallelism is required (as Megatron-Core
 requires it with MoE), so each rank routes its own sequence shard. Dropless routing: every
 token reaches its experts (no capacity factor, no dropped tokens).

@@ -663,9 +663,10 @@ class Workload:
              "costed yet: kareus models models whose every layer is MoE (layer_step=1)"),
             (moe.experts % p.ep == 0,
              f"ep={p.ep} does not divide the {moe.experts} experts"),
-            (p.ep <= _GPUS_PER_NODE,
-             f"ep={p.ep}: an expert-parallel all-to-all across nodes is not modelled; use "
-             f"ep <= {_GPUS_PER_NODE} (one node's NVLink)"),
+            # EP groups are consecutive ranks of a stage: inside one node when EP divides it
+            (_GPUS_PER_NODE % p.ep == 0,
+             f"ep={p.ep}: an expert-parallel all-to-all across nodes is not modelled; use an "
+             f"ep that divides {_GPUS_PER_NODE} (one node's NVLink)"),
             (p.tp == 1 or p.sequence_parallel,
              f"MoE at TP={p.tp} needs sequence parallelism (sp=True, --sp), as Megatron-Core "
              "requires"),
