@@ -287,3 +287,20 @@ def test_model_flops_are_the_mean_ranks_under_imbalance():
     # while the busiest rank's partitions do more
     assert (skewed["fwd_moe_experts"].flops
             > build_partitions(_wl())["fwd_moe_experts"].flops)
+
+
+def test_selective_recomputation_and_context_parallelism_with_experts():
+    ps = build_partitions(_wl(recompute="selective"))
+    ops = [o.name for o in ps["bwd_attn_moe_unpermute"].compute_ops]
+    assert ops.index("attn_core") == ops.index("out_dgrad") - 1  # recomputed before it
+    cp = Workload(model=SMALL, parallelism=Parallelism(cp=2, dp=1, ep=2), microbatch_size=2,
+                  seq_len=16, num_microbatches=2, nanobatches=2)
+    names = build_partitions(cp).names
+    assert names == ["fwd_attn_in_ag", "fwd_attn_out_moe_route_ag",
+                     "fwd_attn_out_moe_route_a2a", "fwd_moe_experts", "fwd_attn_in_a2a",
+                     "bwd_attn_in_moe_unpermute", "bwd_moe_experts", "bwd_attn_out_a2a",
+                     "bwd_attn_out_rs", "fwd_attn_in_rs"]
+    # CP splits the sequence: each rank routes its 8 of the nanobatch's 16 tokens
+    router = next(o for o in build_partitions(cp)["fwd_attn_out_moe_route_a2a"].compute_ops
+                  if o.name == "router")
+    assert router.flops == 2 * 8 * 64 * 8
