@@ -64,3 +64,20 @@ def test_moe_partitions_measure_and_more_sms_speed_the_all_to_all():
     assert seq[1].time_s < seq[0].time_s  # the sequential all-to-all on more SMs
     overlapped = prof.measure(part, ScheduleConfig(1980, 32, "expert_gate_up"))
     assert overlapped.time_s < seq[1].time_s  # beside the other nanobatch's experts
+
+
+def test_measured_all_to_all_points_of_a_profile_replace_the_stand_in():
+    import attrs
+
+    from kareus.model.gpu_profile import CollectivePoint, GPUProfile
+
+    profile = GPUProfile.preset("h200-sxm")
+    # an all-to-all measured on 8 GPUs at 64 MiB: 20 GB/s per SM up to a 300 GB/s link
+    points = tuple(CollectivePoint(backend="own", collective="all_to_all", group_size=8,
+                                   size_bytes=64 * 2**20, comm_sms=s, time_s=1e-3,
+                                   bus_gbps=min(20.0 * s, 300.0)) for s in (2, 4, 8, 32, 64))
+    gpu = EmulatedGPU.from_profile(attrs.evolve(profile,
+                                                collectives=profile.collectives + points))
+    rate, link = gpu.comm_curve("all_to_all", 8)
+    assert (rate, link) != gpu.comm_curve("all_gather", 8)
+    assert 15 < rate < 25 and 250 < link < 350
