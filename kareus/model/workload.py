@@ -109,6 +109,12 @@ def _lower(name: object) -> object:
     return name.lower() if isinstance(name, str) else name
 
 
+def _as_float(value: object) -> object:
+    """A whole number as a float (``1`` and ``1.0`` are one workload, one description);
+    anything else as given, for the check to refuse."""
+    return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
 def _moe(value: object) -> MoEArch | None:
     """``ModelArch.moe`` from a [`MoEArch`][kareus.model.MoEArch], its dict or ``None``."""
     if value is None or isinstance(value, MoEArch):
@@ -599,7 +605,7 @@ class Workload:
     recompute: str = attrs.field(default="full", converter=recompute_policy)
     nanobatches: int = 2
     dtype_bytes: int = 2
-    routing_imbalance: float = 1.0
+    routing_imbalance: float = attrs.field(default=1.0, converter=_as_float)
 
     def __attrs_post_init__(self) -> None:
         m, p = self.model, self.parallelism

@@ -304,3 +304,10 @@ def test_selective_recomputation_and_context_parallelism_with_experts():
     router = next(o for o in build_partitions(cp)["fwd_attn_out_moe_route_a2a"].compute_ops
                   if o.name == "router")
     assert router.flops == 2 * 8 * 64 * 8
+
+
+def test_a_whole_imbalance_is_the_same_workload_as_its_float():
+    assert _wl(rho=1) == _wl(rho=1.0)
+    assert isinstance(_wl(rho=2).routing_imbalance, float)
+    with pytest.raises(WorkloadError, match="routing_imbalance"):
+        _wl(rho=True)  # type: ignore[arg-type]
