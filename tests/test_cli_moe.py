@@ -74,3 +74,20 @@ def test_workloads_lists_the_moe_presets_with_their_experts(capsys):
     line = next(x for x in out.splitlines() if x.startswith("qwen3-30b-a3b"))
     assert "768 x128" in line and "MoE: 128 experts, top-8" in line and "30.53" in line
     assert "MoE" not in next(x for x in out.splitlines() if x.startswith("qwen3-1.7b"))
+
+
+def test_verify_refuses_to_run_an_moe_plan(tmp_path, capsys):
+    pytest.importorskip("torch")
+    model = tmp_path / "moe-small.toml"
+    model.write_text('name = "moe-small"\nlayers = 2\nhidden = 256\nheads = 4\nkv_heads = 2\n'
+                     'head_dim = 64\nffn = 512\nvocab = 1024\n[moe]\nexperts = 8\n'
+                     'experts_per_token = 2\nexpert_ffn = 128\n')
+    out = tmp_path / "out"
+    assert main(["optimize", "--model-file", str(model), "--gpu", "h200-sxm", "--tp", "2",
+                 "--sp", "--pp", "1", "--ep", "2", "--microbatches", "2",
+                 "--microbatch-size", "2", "--seq-len", "256", "--budget", "4",
+                 "--out", str(out), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["verify", str(out), "--steps", "1", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "kareus's training loop does not compute moe" in err and err.count("\n") == 1
