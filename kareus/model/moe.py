@@ -18,12 +18,14 @@ that does not depend on them, like every other collective (``kareus.model.decode
 op order, ``kareus.model.partition`` the costs).
 
 The layout kareus computes is Megatron-Core's all-to-all token dispatcher with "MoE parallel
-folding" at an expert tensor-parallel size of 1: the experts are not split over TP; the
-``ep`` ranks of an expert-parallel group are consecutive ranks of one pipeline stage
-(``ep`` divides ``tp x cp x dp``, and divides the 8 GPUs of a node, so that the group's
-all-to-alls stay on NVLink; the expert weights' gradients are reduced over the remaining
-``tp x cp x dp / ep`` ranks); at TP > 1 sequence parallelism is required (as Megatron-Core
-requires it with MoE), so each rank routes its own sequence shard. Dropless routing: every
+folding" at an expert tensor-parallel size of 1 (``expert_tensor_parallel_size=1``,
+Megatron-LM's ``--expert-tensor-parallel-size 1``; Megatron-Core's default is TP, which
+differs at TP > 1): the experts are not split over TP; the ``ep`` ranks of an
+expert-parallel group are consecutive ranks of one pipeline stage (``ep`` divides
+``tp x cp x dp``, and divides the 8 GPUs of a node, so that the group's all-to-alls stay on
+NVLink; the expert weights' gradients are reduced over the remaining ``tp x cp x dp / ep``
+ranks); at TP > 1 sequence parallelism is required (Megatron-Core's ``MoELayer`` raises in
+training without it), so each rank routes its own sequence shard. Dropless routing: every
 token reaches its experts (no capacity factor, no dropped tokens).
 
 Pure data; no torch.
