@@ -1,0 +1,100 @@
+"""bench/probes/verify_energy_probe.py on a CPU: its command line, its refusal without a
+GPU, and the arithmetic that places verify's energy miss (the per-layer counts, the
+composition as the tune composes, the loop's regression over two depths, the table)."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+from bench_scripts import load_bench
+
+from kareus.model.partition import build_partitions
+from kareus.model.workload import Parallelism, Workload, get_model
+
+probe = load_bench("probes/verify_energy_probe")
+
+
+def _workload(layers: int, nanobatches: int = 1) -> Workload:
+    return Workload(model=attrs.evolve(get_model("qwen3-1.7b"), layers=layers),
+                    parallelism=Parallelism(tp=4, cp=2), microbatch_size=8, seq_len=4096,
+                    num_microbatches=4, nanobatches=nanobatches)
+
+
+def test_command_line_and_refusal_without_a_gpu(capsys):
+    args = probe.parse_args(["--layers", "4", "--small-layers", "2", "--schedule",
+                             "nanobatching", "--loopback", "faithful"])
+    assert (args.layers, args.small_layers, args.schedule, args.loopback) == (
+        4, 2, "nanobatching", "faithful")
+    with pytest.raises(SystemExit):
+        probe.parse_args(["--layers", "2", "--small-layers", "2"])
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the refusal is not reachable")
+    assert probe.main([]) == 2
+    assert "no CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("nanobatches", [1, 2])
+def test_one_layers_partitions_are_what_the_composition_counts_per_layer(nanobatches):
+    pset = build_partitions(_workload(4, nanobatches))
+    per_layer = probe.per_layer_counts(pset.counts, 4)
+    # full recomputation: every forward type runs twice per layer, every backward one once
+    assert set(per_layer) == set(pset.types)
+    for phase, counts in pset.counts.items():
+        for name, c in counts.items():
+            assert c % 4 == 0, (phase, name)
+    assert sum(per_layer.values()) * 4 == sum(c for ph in pset.counts.values()
+                                              for c in ph.values())
+    seq = probe.mix_order(pset.counts, 4)
+    assert sorted(seq) == sorted(n for n, c in per_layer.items() for _ in range(c))
+    assert seq[0].startswith("fwd")
+    if nanobatches == 1:
+        assert per_layer == {"fwd_attn_in": 2, "fwd_attn_out": 2, "fwd_mlp": 2,
+                             "bwd_mlp": 1, "bwd_attn_out": 1, "bwd_attn_in": 1}
+
+
+def test_the_composition_and_the_regression_agree_on_a_loop_that_is_the_sum_of_its_parts():
+    pset = build_partitions(_workload(4))
+    per_layer = probe.per_layer_counts(pset.counts, 4)
+    singles = {n: {"time_s": 1e-3 * (k + 1), "energy_j": 0.5 * (k + 1)}
+               for k, n in enumerate(sorted(per_layer))}
+    outside = {"fwd": {"time_s": 0.004, "energy_j": 2.0},
+               "bwd": {"time_s": 0.008, "energy_j": 4.0}}
+    tail = {"time_s": 0.002, "energy_j": 1.0}
+    c = {L: probe.composed(singles, per_layer, layers=L, microbatches=4, outside=outside,
+                           tail=tail) for L in (1, 4)}
+    layer_e = 4 * sum(n * singles[t]["energy_j"] for t, n in per_layer.items())
+    assert c[4]["layer_energy_j"] == pytest.approx(layer_e)
+    assert c[4]["outside_energy_j"] == pytest.approx(4 * 6.0 + 1.0)
+    assert c[4]["energy_j"] == pytest.approx(4 * layer_e + 25.0)
+    assert c[4]["outside_time_s"] == pytest.approx(4 * 0.012 + 0.002)
+    # a loop that costs exactly the composition at two depths: the regression recovers
+    # the composition's per-layer and outside parts
+    reg = probe.regression(c[1], c[4], 1, 4)
+    for key in ("layer_time_s", "layer_energy_j", "outside_time_s", "outside_energy_j"):
+        assert reg[key] == pytest.approx(c[4][key])
+
+
+def test_the_table_sets_each_measured_piece_beside_its_reference():
+    fig = {"time_s": 0.1, "energy_j": 10.0, "sm_clock_mhz": 1800.0}
+    hot = {"time_s": 0.098, "energy_j": 10.8, "sm_clock_mhz": 1850.0}
+    comp = {**fig, "layer_time_s": 0.02, "layer_energy_j": 2.0, "outside_time_s": 0.02,
+            "outside_energy_j": 2.0}
+    data = {"options": {"layers": 4},
+            "composed": {"tune": comp, "steady": comp},
+            "loop": {"verify": hot, "steady": fig,
+                     "regression": {"layer_time_s": 0.02, "layer_energy_j": 2.2,
+                                    "outside_time_s": 0.02, "outside_energy_j": 2.0}},
+            "mix": {"mix": hot, "singles": fig},
+            "types": {"fwd_mlp": {"tune": fig, "steady": fig}},
+            "outside": {"fwd": {"tune": fig, "steady": fig}}}
+    rows = probe.compare_rows(data)
+    by = {(r[0], r[1]): r for r in rows}
+    assert by[("loop L=4 verify", "composed tune")][6:8] == ["0.980", "1.080"]
+    assert by[("loop L=4 verify", "loop steady")][7] == "1.080"
+    assert by[("per layer (loop)", "composed steady")][7] == "1.100"
+    assert by[("outside+tail (loop)", "composed steady")][7] == "1.000"
+    assert by[("layer mix", "sum of singles")][8:] == ["1850", "1800"]
+    assert ("fwd_mlp", "steady") in by and ("outside fwd", "steady") in by
+    text = probe.table(rows)
+    assert text.splitlines()[0].split()[:2] == ["measured", "against"]
