@@ -168,6 +168,12 @@ def regression(small: Mapping[str, float], big: Mapping[str, float], small_layer
     return out
 
 
+def _mean(xs: Sequence[float | None]) -> float | None:
+    """The mean of the values that are there (``None`` without any)."""
+    got = [x for x in xs if x is not None]
+    return statistics.fmean(got) if got else None
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     """``a / b`` (``None`` where either is missing or ``b`` is 0)."""
     return None if a is None or not b else a / b
@@ -203,6 +209,40 @@ def compare_rows(data: Mapping[str, Any]) -> list[list[str]]:
     for name, t in data["outside"].items():
         row(f"outside {name}", t["tune"], t["steady"], "time_s", "energy_j", "steady")
     return rows
+
+
+def findings(data: Mapping[str, Any]) -> list[str]:
+    """One line per question the probe answers, with the figure that answers it (energy
+    and time ratios, measured / reference; the docstring says how to read them)."""
+    def r(a: Mapping[str, Any], b: Mapping[str, Any], key: str) -> str:
+        x = ratio(a.get(key), b.get(key))
+        return "-" if x is None else f"{x:.3f}"
+
+    tune, steady = data["composed"]["tune"], data["composed"]["steady"]
+    lv, ls = data["loop"]["verify"], data["loop"]["steady"]
+    reg, mix = data["loop"]["regression"], data["mix"]
+    per_type = [ratio(t["tune"]["energy_j"], t["steady"]["energy_j"])
+                for t in [*data["types"].values(), *data["outside"].values()]]
+    known = [x for x in per_type if x is not None]
+    return [
+        f"the miss as verify sees it: loop (verify's window) / composed (tune's "
+        f"measurements): energy {r(lv, tune, 'energy_j')}, time {r(lv, tune, 'time_s')}",
+        f"verify's window: loop verify / loop steady: energy {r(lv, ls, 'energy_j')}, time "
+        f"{r(lv, ls, 'time_s')} (far from 1: a transient after idle, not the steady state)",
+        f"the tune's window: composed tune / composed steady: energy "
+        f"{r(tune, steady, 'energy_j')}; per piece {min(known):.3f}-{max(known):.3f}"
+        if known else "the tune's window: -",
+        f"steady against steady: loop / composed: energy {r(ls, steady, 'energy_j')}, time "
+        f"{r(ls, steady, 'time_s')}",
+        f"where: per layer {r(reg, steady, 'layer_energy_j')} (time "
+        f"{r(reg, steady, 'layer_time_s')}), outside the layers "
+        f"{r(reg, steady, 'outside_energy_j')} (time {r(reg, steady, 'outside_time_s')})",
+        f"additivity: one layer's partitions back to back / alone, summed: energy "
+        f"{r(mix['mix'], mix['singles'], 'energy_j')}, time "
+        f"{r(mix['mix'], mix['singles'], 'time_s')}, SM clock "
+        f"{_mhz(mix['mix'].get('sm_clock_mhz'))} against {_mhz(mix['singles'].get('sm_clock_mhz'))}"
+        " MHz",
+    ]
 
 
 def _mhz(x: float | None) -> str:
@@ -312,8 +352,8 @@ def _measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
         return RunnableOutsideWork(work, system_wl, comm_sms=comm_sms)
 
     meter = EnergyMeter()
-    prof = NVMLProfiler(gpu=spec, runner=TorchPartitionRunner(executor, seed=1234,
-                                                              resolve=resolve),
+    prof_runner = TorchPartitionRunner(executor, seed=1234, resolve=resolve)
+    prof = NVMLProfiler(gpu=spec, runner=prof_runner,
                         meter=meter, frequency=DryRunFrequencyController(gpu=spec),
                         comm_sms=[sms], outside=outside_runnable)
     sync = torch.cuda.synchronize
@@ -357,9 +397,10 @@ def _measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
         for name, work in works.items():
             scope = wl.parallelism.world_size if name == "tail" else group
             prof.measure_outside(work, f, group_size=scope)
-            rec = prof.last_record
+            orec = prof.last_record
+            assert orec is not None
             part = outside_runnable(work, None)
-            outside[name] = {"tune": _tune_figures(rec),
+            outside[name] = {"tune": _tune_figures(orec),
                              "steady": steady(own_runner(f"outside-{name}").prepare(
                                  part, ScheduleConfig(f, sms, None)), meter,
                                  settle_s=args.settle_s, window_s=args.window_s, sync=sync)}
@@ -378,8 +419,7 @@ def _measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
         mixed = steady(mix_step, meter, settle_s=args.settle_s, window_s=args.window_s,
                        sync=sync)
         singles = {k: sum(types[n]["steady"][k] for n in seq) for k in ("time_s", "energy_j")}
-        singles["sm_clock_mhz"] = statistics.fmean(
-            types[n]["steady"]["sm_clock_mhz"] or 0.0 for n in seq)
+        singles["sm_clock_mhz"] = _mean([types[n]["steady"]["sm_clock_mhz"] for n in seq])
         out["mix"] = {"order": seq, "mix": mixed, "singles": singles}
         log(f"layer mix {mixed['energy_j']:.3f} J against {singles['energy_j']:.3f} J "
             "alone, summed")
@@ -388,14 +428,13 @@ def _measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
         tail = outside.get("tail")
         out["composed"] = {}
         for how in ("tune", "steady"):
-            c = composed({n: t[how] for n, t in types.items()}, per_layer,
+            c: dict[str, Any] = composed({n: t[how] for n, t in types.items()}, per_layer,
                          layers=args.layers, microbatches=args.microbatches,
                          outside={k: v[how] for k, v in outside.items() if k != "tail"},
                          tail=tail[how] if tail else None)
-            clocks = [t[how]["sm_clock_mhz"] for t in types.values() if t[how]["sm_clock_mhz"]]
-            c["sm_clock_mhz"] = statistics.fmean(clocks) if clocks else None
+            c["sm_clock_mhz"] = _mean([t[how]["sm_clock_mhz"] for t in types.values()])
             out["composed"][how] = c
-        prof.runner.release()
+        prof_runner.release()
 
         # 5. the training loop, as verify runs it and steady, at two depths
         window = min_energy_window_s(meter)
@@ -417,12 +456,11 @@ def _measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
             sync()
             recs = measure_runs(loop, [(args.schedule, 0), (args.schedule, 1)], steps=2,
                                 warmup=1, meter=meter, min_window_s=window)
-            ok = [r for r in recs if r.energy_j is not None]
-            verify = {"time_s": statistics.fmean(r.time_s for r in recs),
-                      "energy_j": statistics.fmean(r.energy_j for r in ok) if ok else None,
-                      "sm_clock_mhz": statistics.fmean(r.sm_clock_mhz for r in recs
-                                                       if r.sm_clock_mhz) if recs else None,
-                      "runs": [r.to_dict() for r in recs]}
+            verify: dict[str, Any] = {
+                "time_s": statistics.fmean(r.time_s for r in recs),
+                "energy_j": _mean([r.energy_j for r in recs]),
+                "sm_clock_mhz": _mean([r.sm_clock_mhz for r in recs]),
+                "runs": [r.to_dict() for r in recs]}
             count = [0]
 
             def loop_step(loop: Any = loop, count: list[int] = count) -> None:
@@ -458,9 +496,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         import torch
+        cuda = bool(torch.cuda.is_available())
     except ImportError:
-        torch = None
-    if torch is None or not torch.cuda.is_available():
+        cuda = False
+    if not cuda:
         print("verify_energy_probe.py: no CUDA GPU; this probe measures on one (see --help)",
               file=sys.stderr)
         return 2
@@ -486,6 +525,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print(table(rows))
     print("per GPU (the one measured) per iteration; ratios: measured / reference")
+    data["findings"] = findings(data)
+    print()
+    print("\n".join(data["findings"]))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(data, indent=1) + "\n")

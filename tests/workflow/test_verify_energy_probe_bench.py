@@ -98,3 +98,23 @@ def test_the_table_sets_each_measured_piece_beside_its_reference():
     assert ("fwd_mlp", "steady") in by and ("outside fwd", "steady") in by
     text = probe.table(rows)
     assert text.splitlines()[0].split()[:2] == ["measured", "against"]
+
+
+def test_the_findings_name_the_ratio_that_answers_each_question():
+    fig = {"time_s": 0.1, "energy_j": 10.0, "sm_clock_mhz": 1800.0}
+    hot = {"time_s": 0.098, "energy_j": 10.8, "sm_clock_mhz": 1850.0}
+    comp = {**fig, "layer_time_s": 0.02, "layer_energy_j": 2.0, "outside_time_s": 0.02,
+            "outside_energy_j": 2.0}
+    data = {"composed": {"tune": comp, "steady": comp},
+            "loop": {"verify": hot, "steady": fig,
+                     "regression": {"layer_time_s": 0.02, "layer_energy_j": 2.0,
+                                    "outside_time_s": 0.02, "outside_energy_j": 2.5}},
+            "mix": {"mix": fig, "singles": fig},
+            "types": {"fwd_mlp": {"tune": hot, "steady": fig}},
+            "outside": {"fwd": {"tune": fig, "steady": fig}}}
+    lines = probe.findings(data)
+    assert "energy 1.080, time 0.980" in lines[0]
+    assert "loop verify / loop steady: energy 1.080" in lines[1]
+    assert "per piece 1.000-1.080" in lines[2]
+    assert "per layer 1.000" in lines[4] and "outside the layers 1.250" in lines[4]
+    assert "SM clock 1800 against 1800 MHz" in lines[5]
