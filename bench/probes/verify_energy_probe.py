@@ -21,7 +21,7 @@ training loop that ``kareus verify`` runs, each two ways, so the miss can be pla
   other (a power cap shared by hot and cool kernels, caches);
 * **loop**: the library's training loop at ``--layers`` and ``--small-layers`` layers,
   as ``kareus verify`` measures it (1 warm-up iteration, a window of ~0.75 s, two
-  repeats) and steady (``--settle-s`` then ``--window-s``; the weights reset every 6
+  repeats; at ``--layers`` also after ``--settle-s`` of warm-up iterations) and steady (``--settle-s`` then ``--window-s``; the weights reset every 6
   iterations, as verify's runs are); the two depths give the loop's energy per layer
   (slope) and outside the layers (intercept).
 
@@ -29,8 +29,11 @@ Everything is per GPU (the one measured) per iteration, before any scaling to th
 The table ``compare`` sets each measured piece beside its composition from the tune's and
 the steady measurements. How to read it:
 
-* ``loop verify / loop steady`` far from 1: verify's short windows after idle see a
-  transient (power limiter, clocks), not the steady state;
+* ``loop verify / loop steady`` far from 1: verify's short windows are not the steady
+  state; ``loop verify, warm`` (the same window after ``--settle-s`` of warm-up) near 1
+  then says it is the transient after verify's one warm-up iteration and idle wait (power
+  limiter, clocks), still far says it is the window itself (its start locked to a counter
+  step: NVML's readings sampling the iteration's phases unevenly);
 * ``loop steady / composed steady`` vs ``loop verify / composed tune``: what remains
   once both sides are steady;
 * ``per layer`` vs ``outside + tail``: the miss is in the layers (partitions) or in the
@@ -199,6 +202,9 @@ def compare_rows(data: Mapping[str, Any]) -> list[list[str]]:
     row(f"{big} verify", lv, tune, "time_s", "energy_j", "composed tune")
     row(f"{big} steady", ls, steady, "time_s", "energy_j", "composed steady")
     row(f"{big} verify", lv, ls, "time_s", "energy_j", "loop steady")
+    if data["loop"].get("verify_warm"):
+        row(f"{big} verify, warm", data["loop"]["verify_warm"], ls, "time_s", "energy_j",
+            "loop steady")
     row("composed tune", tune, steady, "time_s", "energy_j", "composed steady")
     row("per layer (loop)", reg, steady, "layer_time_s", "layer_energy_j", "composed steady")
     row("outside+tail (loop)", reg, steady, "outside_time_s", "outside_energy_j",
@@ -228,7 +234,11 @@ def findings(data: Mapping[str, Any]) -> list[str]:
         f"the miss as verify sees it: loop (verify's window) / composed (tune's "
         f"measurements): energy {r(lv, tune, 'energy_j')}, time {r(lv, tune, 'time_s')}",
         f"verify's window: loop verify / loop steady: energy {r(lv, ls, 'energy_j')}, time "
-        f"{r(lv, ls, 'time_s')} (far from 1: a transient after idle, not the steady state)",
+        f"{r(lv, ls, 'time_s')} (far from 1: verify's short window is not the steady "
+        "state); after a long warm-up: energy "
+        f"{r(data['loop'].get('verify_warm') or {}, ls, 'energy_j')} (near 1: the "
+        "transient after verify's one warm-up iteration; still far: the window's start "
+        "locked to a counter step, NVML sampling the iteration's phases unevenly)",
         f"the tune's window: composed tune / composed steady: energy "
         f"{r(tune, steady, 'energy_j')}; per piece {min(known):.3f}-{max(known):.3f}"
         if known else "the tune's window: -",
@@ -293,6 +303,15 @@ def steady(step: Callable[[], Any], meter: Any, *, settle_s: float, window_s: fl
             "sm_clock_mhz": meter.mean_sm_clock_mhz(t0, t1),
             "sub_powers_w": meter.split_powers_w(t0, t1, 4),
             "temp_c": max(meter.temperatures_c())}
+
+
+def _runs_figures(recs: Sequence[Any]) -> dict[str, Any]:
+    """Verify's figures of some runs (``measure_runs``' records): mean time, energy and SM
+    clock per iteration (this GPU), and the runs."""
+    return {"time_s": statistics.fmean(r.time_s for r in recs),
+            "energy_j": _mean([r.energy_j for r in recs]),
+            "sm_clock_mhz": _mean([r.sm_clock_mhz for r in recs]),
+            "runs": [r.to_dict() for r in recs]}
 
 
 def _tune_figures(rec: Any) -> dict[str, Any]:
@@ -439,6 +458,7 @@ def _measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
         # 5. the training loop, as verify runs it and steady, at two depths
         window = min_energy_window_s(meter)
         loops: dict[str, Any] = {}
+        verify_warm: dict[str, Any] | None = None
         for layers in (args.small_layers, args.layers):
             lwl = job(layers)
             times = None
@@ -456,11 +476,13 @@ def _measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
             sync()
             recs = measure_runs(loop, [(args.schedule, 0), (args.schedule, 1)], steps=2,
                                 warmup=1, meter=meter, min_window_s=window)
-            verify: dict[str, Any] = {
-                "time_s": statistics.fmean(r.time_s for r in recs),
-                "energy_j": _mean([r.energy_j for r in recs]),
-                "sm_clock_mhz": _mean([r.sm_clock_mhz for r in recs]),
-                "runs": [r.to_dict() for r in recs]}
+            verify = _runs_figures(recs)
+            if layers == args.layers:  # verify's window after a long warm-up
+                warm = max(1, math.ceil(args.settle_s / verify["time_s"]))
+                verify_warm = _runs_figures(measure_runs(
+                    loop, [(args.schedule, 0), (args.schedule, 1)], steps=2, warmup=warm,
+                    meter=meter, min_window_s=window))
+                verify_warm["warmup_iterations"] = warm
             count = [0]
 
             def loop_step(loop: Any = loop, count: list[int] = count) -> None:
@@ -479,7 +501,8 @@ def _measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
             del loop
             torch.cuda.empty_cache()
         big, small = loops[str(args.layers)], loops[str(args.small_layers)]
-        out["loop"] = {"verify": big["verify"], "steady": big["steady"],
+        out["loop"] = {"verify": big["verify"], "verify_warm": verify_warm,
+                       "steady": big["steady"],
                        "small": small,
                        "regression": regression(small["steady"], big["steady"],
                                                 args.small_layers, args.layers)}
