@@ -17,8 +17,11 @@ training loop that ``kareus verify`` runs, each two ways, so the miss can be pla
 * **steady**: the same programs run back to back for ``--settle-s``, then a window of
   ``--window-s`` (the power limiter and the temperature settled, many counter steps);
 * **mix**: one decoder layer's partitions of one microbatch (forward, recomputation,
-  backward) back to back as one step, steady: additivity of the partitions beside each
-  other (a power cap shared by hot and cool kernels, caches);
+  backward) back to back as one step, and a whole microbatch (its outside work and every
+  layer), steady: additivity of the programs beside each other (the power limit acts on
+  the average over the mix: ``bench/results/emulator_power_probe_h200.json`` measured GEMMs
+  12% faster and 9% more energy per GEMM at 75% duty beside spin gaps than back to back at
+  the limit; caches);
 * **loop**: the library's training loop at ``--layers`` and ``--small-layers`` layers,
   as ``kareus verify`` measures it (1 warm-up iteration, a window of ~0.75 s, two
   repeats; at ``--layers`` also after ``--settle-s`` of warm-up iterations) and steady (``--settle-s`` then ``--window-s``; the weights reset every 6
@@ -39,10 +42,12 @@ the steady measurements. How to read it:
 * ``per layer`` vs ``outside + tail``: the miss is in the layers (partitions) or in the
   work outside them (embedding, LM head, loss, optimizer: the outside work's stand-in
   programs are not the loop's code);
-* ``mix / sum of singles`` above 1 with a higher SM clock in the mix: partitions are not
-  additive under the power cap (alone, a hot partition is throttled; beside cooler ones
-  it runs at a higher clock and draws more); about 1 while ``per layer`` is above 1: the
-  loop's layer differs from the runnable partitions (its kernels or its data);
+* ``mix / sum of singles`` (a layer, a microbatch) above 1 in energy, below in time, with
+  a higher SM clock in the mix: the programs are not additive under the power limit
+  (alone, a hot program is throttled; beside cooler ones it runs at a higher clock and
+  draws more): a composition of programs measured alone misses it;
+* ``loop steady / (M x microbatch mix + tail)`` far from 1: the loop's code (or data)
+  differs from the tune's programs (e.g. the outside work's stand-in kernels);
 * per type, ``tune / steady`` far from 1: the tune's short window is not steady.
 
 Usage (1x H200; about 3 minutes; clocks are never changed)::
@@ -139,6 +144,28 @@ def mix_order(counts: Mapping[str, Mapping[str, int]], layers: int) -> list[str]
             for _ in range(c // layers)]
 
 
+def microbatch_order(counts: Mapping[str, Mapping[str, int]], layers: int) -> list[str]:
+    """One microbatch's forward and backward computations as the tune's programs: the
+    forward's outside work (``"outside:fwd"``) and every layer's forward partitions, then
+    the backward's outside work and every layer's backward-computation partitions."""
+    out = []
+    for phase in ("fwd", "bwd"):
+        one = [name for name, c in counts.get(phase, {}).items() for _ in range(c // layers)]
+        out += [f"outside:{phase}", *one * layers]
+    return out
+
+
+def summed(alone: Mapping[str, Mapping[str, Any]], order: Sequence[str]) -> dict[str, Any]:
+    """Time and energy of ``order``'s programs measured alone, summed, and their mean SM
+    clock weighted by time."""
+    t = sum(alone[n]["time_s"] for n in order)
+    clocked = [(alone[n]["time_s"], alone[n].get("sm_clock_mhz")) for n in order]
+    known = [(w, c) for w, c in clocked if c]
+    return {"time_s": t, "energy_j": sum(alone[n]["energy_j"] for n in order),
+            "sm_clock_mhz": (sum(w * c for w, c in known) / sum(w for w, _ in known)
+                             if known else None)}
+
+
 def composed(singles: Mapping[str, Mapping[str, float]], per_layer: Mapping[str, int], *,
              layers: int, microbatches: int, outside: Mapping[str, Mapping[str, float]],
              tail: Mapping[str, float] | None) -> dict[str, float]:
@@ -210,6 +237,12 @@ def compare_rows(data: Mapping[str, Any]) -> list[list[str]]:
     row("outside+tail (loop)", reg, steady, "outside_time_s", "outside_energy_j",
         "composed steady")
     row("layer mix", mix["mix"], mix["singles"], "time_s", "energy_j", "sum of singles")
+    if data.get("mix_microbatch"):
+        mb = data["mix_microbatch"]
+        row("microbatch mix", mb["mix"], mb["singles"], "time_s", "energy_j",
+            "sum of singles")
+        row(f"{big} steady", ls, data["programs_iteration"], "time_s", "energy_j",
+            "M x microbatch mix + tail")
     for name, t in data["types"].items():
         row(f"{name}", t["tune"], t["steady"], "time_s", "energy_j", "steady")
     for name, t in data["outside"].items():
@@ -230,7 +263,7 @@ def findings(data: Mapping[str, Any]) -> list[str]:
     per_type = [ratio(t["tune"]["energy_j"], t["steady"]["energy_j"])
                 for t in [*data["types"].values(), *data["outside"].values()]]
     known = [x for x in per_type if x is not None]
-    return [
+    lines = [
         f"the miss as verify sees it: loop (verify's window) / composed (tune's "
         f"measurements): energy {r(lv, tune, 'energy_j')}, time {r(lv, tune, 'time_s')}",
         f"verify's window: loop verify / loop steady: energy {r(lv, ls, 'energy_j')}, time "
@@ -253,6 +286,18 @@ def findings(data: Mapping[str, Any]) -> list[str]:
         f"{_mhz(mix['mix'].get('sm_clock_mhz'))} against {_mhz(mix['singles'].get('sm_clock_mhz'))}"
         " MHz",
     ]
+    if data.get("mix_microbatch"):
+        mb, prog = data["mix_microbatch"], data["programs_iteration"]
+        lines += [
+            f"additivity over a microbatch (outside work included): energy "
+            f"{r(mb['mix'], mb['singles'], 'energy_j')}, time "
+            f"{r(mb['mix'], mb['singles'], 'time_s')}, SM clock "
+            f"{_mhz(mb['mix'].get('sm_clock_mhz'))} against "
+            f"{_mhz(mb['singles'].get('sm_clock_mhz'))} MHz (above 1 with a higher clock: "
+            "the power limit averages over the mix, not over each program)",
+            f"the loop's code against the tune's programs: loop steady / (M x microbatch mix "
+            f"+ tail): energy {r(ls, prog, 'energy_j')}, time {r(ls, prog, 'time_s')}"]
+    return lines
 
 
 def _mhz(x: float | None) -> str:
@@ -419,10 +464,12 @@ def _measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
             orec = prof.last_record
             assert orec is not None
             part = outside_runnable(work, None)
+            steps[f"outside:{name}"] = own_runner(f"outside-{name}").prepare(
+                part, ScheduleConfig(f, sms, None))
             outside[name] = {"tune": _tune_figures(orec),
-                             "steady": steady(own_runner(f"outside-{name}").prepare(
-                                 part, ScheduleConfig(f, sms, None)), meter,
-                                 settle_s=args.settle_s, window_s=args.window_s, sync=sync)}
+                             "steady": steady(steps[f"outside:{name}"], meter,
+                                              settle_s=args.settle_s, window_s=args.window_s,
+                                              sync=sync)}
             log(f"outside {name}: tune {outside[name]['tune']['energy_j']:.3f} J, steady "
                 f"{outside[name]['steady']['energy_j']:.3f} J")
         out["outside"] = outside
@@ -435,13 +482,25 @@ def _measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
             for n in seq:
                 steps[n]()
 
+        alone = {**{n: t["steady"] for n, t in types.items()},
+                 **{f"outside:{n}": o["steady"] for n, o in outside.items()}}
         mixed = steady(mix_step, meter, settle_s=args.settle_s, window_s=args.window_s,
                        sync=sync)
-        singles = {k: sum(types[n]["steady"][k] for n in seq) for k in ("time_s", "energy_j")}
-        singles["sm_clock_mhz"] = _mean([types[n]["steady"]["sm_clock_mhz"] for n in seq])
-        out["mix"] = {"order": seq, "mix": mixed, "singles": singles}
-        log(f"layer mix {mixed['energy_j']:.3f} J against {singles['energy_j']:.3f} J "
-            "alone, summed")
+        out["mix"] = {"order": seq, "mix": mixed, "singles": summed(alone, seq)}
+        log(f"layer mix {mixed['energy_j']:.3f} J against "
+            f"{out['mix']['singles']['energy_j']:.3f} J alone, summed")
+        # ... and a whole microbatch (its outside work and every layer, forward then
+        # backward), the loop's computations made of the tune's programs
+        mb_seq = microbatch_order(pset.counts, args.layers)
+
+        def mb_step() -> None:
+            for n in mb_seq:
+                steps[n]()
+
+        mb = steady(mb_step, meter, settle_s=args.settle_s, window_s=args.window_s, sync=sync)
+        out["mix_microbatch"] = {"order": mb_seq, "mix": mb, "singles": summed(alone, mb_seq)}
+        log(f"microbatch mix {mb['energy_j']:.3f} J against "
+            f"{out['mix_microbatch']['singles']['energy_j']:.3f} J alone, summed")
 
         # 4. the composition, from either measurement
         tail = outside.get("tail")
@@ -506,6 +565,11 @@ def _measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
                        "small": small,
                        "regression": regression(small["steady"], big["steady"],
                                                 args.small_layers, args.layers)}
+        t_mb = out["mix_microbatch"]["mix"]
+        out["programs_iteration"] = {
+            k: args.microbatches * t_mb[k] + (tail["steady"][k] if tail else 0.0)
+            for k in ("time_s", "energy_j")}
+        out["programs_iteration"]["sm_clock_mhz"] = t_mb.get("sm_clock_mhz")
     finally:
         prof.close()
         for backend in named.values():

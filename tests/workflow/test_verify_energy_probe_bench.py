@@ -96,6 +96,11 @@ def test_the_table_sets_each_measured_piece_beside_its_reference():
     assert by[("outside+tail (loop)", "composed steady")][7] == "1.000"
     assert by[("layer mix", "sum of singles")][8:] == ["1850", "1800"]
     assert ("fwd_mlp", "steady") in by and ("outside fwd", "steady") in by
+    data["mix_microbatch"] = {"mix": hot, "singles": fig}
+    data["programs_iteration"] = fig
+    by = {(r[0], r[1]): r for r in probe.compare_rows(data)}
+    assert by[("microbatch mix", "sum of singles")][7] == "1.080"
+    assert by[("loop L=4 steady", "M x microbatch mix + tail")][7] == "1.000"
     text = probe.table(rows)
     assert text.splitlines()[0].split()[:2] == ["measured", "against"]
 
@@ -112,9 +117,33 @@ def test_the_findings_name_the_ratio_that_answers_each_question():
             "mix": {"mix": fig, "singles": fig},
             "types": {"fwd_mlp": {"tune": hot, "steady": fig}},
             "outside": {"fwd": {"tune": fig, "steady": fig}}}
+    data["mix_microbatch"] = {"mix": hot, "singles": fig}
+    data["programs_iteration"] = fig
     lines = probe.findings(data)
+    assert "additivity over a microbatch (outside work included): energy 1.080, time 0.980" \
+        in lines[6]
+    assert "loop steady / (M x microbatch mix + tail): energy 1.000" in lines[7]
     assert "energy 1.080, time 0.980" in lines[0]
     assert "loop verify / loop steady: energy 1.080" in lines[1]
     assert "per piece 1.000-1.080" in lines[2]
     assert "per layer 1.000" in lines[4] and "outside the layers 1.250" in lines[4]
     assert "SM clock 1800 against 1800 MHz" in lines[5]
+
+
+def test_a_microbatch_of_programs_is_its_outside_work_and_every_layer():
+    pset = build_partitions(_workload(2))
+    seq = probe.microbatch_order(pset.counts, 2)
+    per_layer = probe.per_layer_counts(pset.counts, 2)
+    assert seq[0] == "outside:fwd" and seq.count("outside:bwd") == 1
+    assert len(seq) == 2 + 2 * sum(per_layer.values())
+    fwd = seq[1:seq.index("outside:bwd")]
+    assert len(fwd) == 2 * 3 and all(n.startswith("fwd") for n in fwd)
+    alone = {n: {"time_s": 1.0, "energy_j": 2.0, "sm_clock_mhz": 1600.0}
+             for n in set(seq) if not n.startswith("outside")}
+    alone |= {"outside:fwd": {"time_s": 3.0, "energy_j": 1.0, "sm_clock_mhz": 1980.0},
+              "outside:bwd": {"time_s": 1.0, "energy_j": 1.0, "sm_clock_mhz": None}}
+    tot = probe.summed(alone, seq)
+    n = len(seq) - 2
+    assert tot["time_s"] == n + 4.0 and tot["energy_j"] == 2.0 * n + 2.0
+    # the clock weighted by time, over the programs that have one
+    assert tot["sm_clock_mhz"] == pytest.approx((1600.0 * n + 1980.0 * 3) / (n + 3))
