@@ -19,9 +19,9 @@ training loop that ``kareus verify`` runs, each two ways, so the miss can be pla
 * **mix**: one decoder layer's partitions of one microbatch (forward, recomputation,
   backward) back to back as one step, and a whole microbatch (its outside work and every
   layer), steady: additivity of the programs beside each other (the power limit acts on
-  the average over the mix: ``bench/results/emulator_power_probe_h200.json`` measured GEMMs
-  12% faster and 9% more energy per GEMM at 75% duty beside spin gaps than back to back at
-  the limit; caches);
+  the average over the mix: in ``bench/results/emulator_power_probe_h200.json`` GEMMs took
+  12% less time and about 9% more energy each at 75% duty beside spin gaps (taken at a
+  spinning block's 121 W) than back to back at the limit; caches);
 * **loop**: the library's training loop at ``--layers`` and ``--small-layers`` layers,
   as ``kareus verify`` measures it (1 warm-up iteration, a window of ~0.75 s, two
   repeats; at ``--layers`` also after ``--settle-s`` of warm-up iterations) and steady (``--settle-s`` then ``--window-s``; the weights reset every 6
@@ -58,6 +58,15 @@ Usage (1x H200; about 3 minutes; clocks are never changed)::
 
 ``--schedule nanobatching`` probes the nanobatching system instead of Megatron-LM's
 sequential one; ``--loopback faithful`` the time-faithful stand-in (a STAND-IN's figures).
+
+``--emulated`` (no GPU, seconds): the emulator's estimate of the power limit's coupling
+for the same job, every piece limited alone (as composed) against the whole iteration
+limited as one mix, at ``--layers`` and ``--small-layers`` (``--gpu calibrated``: the
+H200 model calibrated on its shipped profile). EMULATED figures: its collectives are the
+real ones' model, not the loopback stand-ins::
+
+    python bench/probes/verify_energy_probe.py --emulated --gpu calibrated \
+        --json bench/probes/results/verify_energy_probe_emulated.json
 """
 
 from __future__ import annotations
@@ -109,6 +118,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--settle-s", type=float, default=1.0,
                     help="back-to-back running before each steady window")
     ap.add_argument("--window-s", type=float, default=2.0, help="each steady window")
+    ap.add_argument("--emulated", action="store_true",
+                    help="no GPU: the emulator's estimate of the power limit's coupling for "
+                         "the same job (every piece limited alone, as composed, against the "
+                         "whole iteration limited as one mix), at --layers and "
+                         "--small-layers; EMULATED figures, not measurements")
+    ap.add_argument("--gpu", default="h200-sxm",
+                    help="with --emulated: the GPU preset, or 'calibrated' (its shipped "
+                         "measured profile, NCCL curves)")
     ap.add_argument("--json", type=Path, default=None, help="write the result here")
     args = ap.parse_args(argv)
     if not 1 <= args.small_layers < args.layers:
@@ -313,6 +330,79 @@ def table(rows: list[list[str]]) -> str:
                        for i, (c, w) in enumerate(zip(r, widths))) for r in [head, *rows]]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ the emulator (CPU)
+
+
+def emulated_coupling(args: argparse.Namespace, layers: int) -> dict[str, Any]:
+    """The emulator's answer to "is a composition of pieces each measured under the power
+    limit additive?" for the probed job at ``layers`` layers (per GPU per iteration).
+
+    ``alone``: every piece (partition, outside work, tail) emulated at the maximum clock
+    with the power limit acting on it alone (as each is measured, and then composed);
+    ``mix``: the pieces emulated without the limit at one common clock, the highest at
+    which the iteration's average power is within the limit (the limit acting on the
+    average over the iteration, as the power probe measured it doing over a few ms).
+    EMULATED figures."""
+    import attrs
+
+    from kareus.model.config import ScheduleConfig
+    from kareus.model.partition import OutsideWork, build_partitions
+    from kareus.model.workload import Parallelism, Workload, get_model
+    from kareus.profilers import EmulatedGPU, EmulatedProfiler
+
+    gpu: Any = (EmulatedGPU.from_profile("h200-sxm", comm_backend="nccl")
+                if args.gpu == "calibrated" else args.gpu)
+    wl = Workload(model=attrs.evolve(get_model(args.model), layers=layers),
+                  parallelism=Parallelism(tp=args.tp, cp=args.cp),
+                  microbatch_size=args.microbatch_size, seq_len=args.seq_len,
+                  num_microbatches=args.microbatches)
+    pset = build_partitions(wl.with_(nanobatches=1) if args.schedule == "sequential" else wl)
+    free = EmulatedProfiler(gpu, noise=0.0, power_limit=False, group_gpus=1)
+    limited = EmulatedProfiler(gpu, noise=0.0, power_limit=True, group_gpus=1)
+    spec = free.gpu
+    m = wl.num_microbatches
+    # (instances per iteration, a partition and its launch slot, or outside work)
+    pieces: list[tuple[int, Any, str | None]] = []
+    for phase in ("fwd", "bwd"):
+        for name, c in pset.counts[phase].items():
+            part = pset.types[name]
+            slot = (part.slots[0].name if args.schedule == "nanobatching" and part.slots
+                    else None)
+            pieces.append((m * c, part, slot))
+        pieces.append((m, pset.outside[(0, phase)], None))
+    if not pset.iteration.empty:
+        pieces.append((1, pset.iteration, None))
+
+    def total(prof: Any, f: int) -> tuple[float, float]:
+        t = e = 0.0
+        for n, what, slot in pieces:
+            got = (prof.measure_outside(what, f, group_size=1) if isinstance(what, OutsideWork)
+                   else prof.measure(what, ScheduleConfig(f, spec.default_comm_sms, slot)))
+            t, e = t + n * got.time_s, e + n * got.energy_j
+        return t, e
+
+    ta, ea = total(limited, spec.max_clock_mhz)
+    mix_f, (tb, eb) = spec.max_clock_mhz, total(free, spec.max_clock_mhz)
+    for f in sorted(spec.clocks_mhz, reverse=True):
+        mix_f, (tb, eb) = f, total(free, f)
+        if eb <= spec.power_limit_w * tb:
+            break
+    return {"layers": layers, "power_limit_w": spec.power_limit_w,
+            "alone": {"time_s": ta, "energy_j": ea, "power_w": ea / ta},
+            "mix": {"time_s": tb, "energy_j": eb, "power_w": eb / tb, "sm_clock_mhz": mix_f},
+            "time_ratio": tb / ta, "energy_ratio": eb / ea}
+
+
+def emulated_lines(found: Sequence[Mapping[str, Any]], label: str) -> list[str]:
+    """One line per depth of ``emulated_coupling``."""
+    return [f"EMULATED ({label}), {d['layers']} layer(s): pieces limited alone "
+            f"{1e3 * d['alone']['time_s']:.1f} ms {d['alone']['energy_j']:.2f} J "
+            f"({d['alone']['power_w']:.0f} W); one mix at {d['mix']['sm_clock_mhz']} MHz "
+            f"{1e3 * d['mix']['time_s']:.1f} ms {d['mix']['energy_j']:.2f} J "
+            f"({d['mix']['power_w']:.0f} W): mix / alone time {d['time_ratio']:.3f}, "
+            f"energy {d['energy_ratio']:.3f}" for d in found]
 
 
 # ------------------------------------------------------------------ measuring (GPU)
@@ -578,9 +668,33 @@ def _measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
     return out
 
 
+def _emulated_main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    """``--emulated``: the emulator's coupling estimate at both depths; print, write."""
+    found = [emulated_coupling(args, n) for n in (args.small_layers, args.layers)]
+    lines = emulated_lines(found, args.gpu)
+    print("\n".join(lines))
+    data = {"what": ("EMULATED, not measured: the emulator's estimate of how far a "
+                     "composition of pieces each under the power limit alone (as the tune "
+                     "measures and composes them) is from the iteration under one limit "
+                     "(as the loop runs), per GPU per iteration"),
+            "measured": False,
+            "command": "bench/probes/verify_energy_probe.py " + " ".join(
+                sys.argv[1:] if argv is None else argv),
+            "options": {k: (str(v) if isinstance(v, Path) else v)
+                        for k, v in vars(args).items()},
+            "depths": found, "lines": lines}
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(data, indent=1) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Measure, print the table, write the JSON."""
     args = parse_args(argv)
+    if args.emulated:
+        return _emulated_main(args, argv)
     try:
         import torch
         cuda = bool(torch.cuda.is_available())

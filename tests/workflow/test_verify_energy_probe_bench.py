@@ -147,3 +147,23 @@ def test_a_microbatch_of_programs_is_its_outside_work_and_every_layer():
     assert tot["time_s"] == n + 4.0 and tot["energy_j"] == 2.0 * n + 2.0
     # the clock weighted by time, over the programs that have one
     assert tot["sm_clock_mhz"] == pytest.approx((1600.0 * n + 1980.0 * 3) / (n + 3))
+
+
+def test_the_emulated_estimate_limits_the_mix_as_a_whole_and_says_it_is_emulated(tmp_path,
+                                                                                 capsys):
+    out = tmp_path / "e.json"
+    assert probe.main(["--emulated", "--layers", "2", "--small-layers", "1", "--seq-len",
+                       "1024", "--json", str(out)]) == 0
+    assert "EMULATED (h200-sxm), 2 layer(s)" in capsys.readouterr().out
+    import json
+
+    data = json.loads(out.read_text())
+    assert data["measured"] is False and "EMULATED" in data["what"]
+    assert [d["layers"] for d in data["depths"]] == [1, 2]
+    for d in data["depths"]:
+        limit = d["power_limit_w"]
+        assert d["alone"]["power_w"] <= limit * (1 + 1e-9)  # each piece within it alone
+        assert d["mix"]["power_w"] <= limit * (1 + 1e-9)  # and the iteration as a whole
+        assert d["mix"]["sm_clock_mhz"] <= 1980
+        assert d["energy_ratio"] == pytest.approx(d["mix"]["energy_j"] / d["alone"]["energy_j"])
+        assert d["time_ratio"] == pytest.approx(d["mix"]["time_s"] / d["alone"]["time_s"])
