@@ -245,6 +245,9 @@ def compare_rows(data: Mapping[str, Any]) -> list[list[str]]:
     big = f"loop L={data['options']['layers']}"
     row(f"{big} verify", lv, tune, "time_s", "energy_j", "composed tune")
     row(f"{big} steady", ls, steady, "time_s", "energy_j", "composed steady")
+    if data.get("composed_small"):
+        row(f"loop L={data['options']['small_layers']} steady", data["loop"]["small"]["steady"],
+            data["composed_small"]["steady"], "time_s", "energy_j", "composed steady")
     row(f"{big} verify", lv, ls, "time_s", "energy_j", "loop steady")
     if data["loop"].get("verify_warm"):
         row(f"{big} verify, warm", data["loop"]["verify_warm"], ls, "time_s", "energy_j",
@@ -296,7 +299,11 @@ def findings(data: Mapping[str, Any]) -> list[str]:
         f"{r(ls, steady, 'time_s')}",
         f"where: per layer {r(reg, steady, 'layer_energy_j')} (time "
         f"{r(reg, steady, 'layer_time_s')}), outside the layers "
-        f"{r(reg, steady, 'outside_energy_j')} (time {r(reg, steady, 'outside_time_s')})",
+        f"{r(reg, steady, 'outside_energy_j')} (time {r(reg, steady, 'outside_time_s')}); "
+        "a split that assumes each piece costs the same at both depths: compare the loop's "
+        f"SM clocks, {_mhz((data['loop'].get('small') or {}).get('steady', {}).get('sm_clock_mhz'))}"
+        f" and {_mhz(ls.get('sm_clock_mhz'))} MHz (they differ where the power limit "
+        "averages over a different mix)",
         f"additivity: one layer's partitions back to back / alone, summed: energy "
         f"{r(mix['mix'], mix['singles'], 'energy_j')}, time "
         f"{r(mix['mix'], mix['singles'], 'time_s')}, SM clock "
@@ -594,14 +601,16 @@ def _measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
 
         # 4. the composition, from either measurement
         tail = outside.get("tail")
-        out["composed"] = {}
+        out["composed"], out["composed_small"] = {}, {}
         for how in ("tune", "steady"):
-            c: dict[str, Any] = composed({n: t[how] for n, t in types.items()}, per_layer,
-                         layers=args.layers, microbatches=args.microbatches,
-                         outside={k: v[how] for k, v in outside.items() if k != "tail"},
-                         tail=tail[how] if tail else None)
-            c["sm_clock_mhz"] = _mean([t[how]["sm_clock_mhz"] for t in types.values()])
-            out["composed"][how] = c
+            for key, depth in (("composed", args.layers), ("composed_small", args.small_layers)):
+                c: dict[str, Any] = composed(
+                    {n: t[how] for n, t in types.items()}, per_layer, layers=depth,
+                    microbatches=args.microbatches,
+                    outside={k: v[how] for k, v in outside.items() if k != "tail"},
+                    tail=tail[how] if tail else None)
+                c["sm_clock_mhz"] = _mean([t[how]["sm_clock_mhz"] for t in types.values()])
+                out[key][how] = c
         prof_runner.release()
 
         # 5. the training loop, as verify runs it and steady, at two depths

@@ -98,7 +98,12 @@ def test_the_table_sets_each_measured_piece_beside_its_reference():
     assert ("fwd_mlp", "steady") in by and ("outside fwd", "steady") in by
     data["mix_microbatch"] = {"mix": hot, "singles": fig}
     data["programs_iteration"] = fig
+    data["options"]["small_layers"] = 1
+    data["composed_small"] = {"steady": fig}
+    data["loop"]["small"] = {"steady": hot}
     by = {(r[0], r[1]): r for r in probe.compare_rows(data)}
+    assert by[("loop L=1 steady", "composed steady")][6:8] == ["0.980", "1.080"]
+    assert "compare the loop's SM clocks, 1850 and 1800 MHz" in probe.findings(data)[4]
     assert by[("microbatch mix", "sum of singles")][7] == "1.080"
     assert by[("loop L=4 steady", "M x microbatch mix + tail")][7] == "1.000"
     text = probe.table(rows)
