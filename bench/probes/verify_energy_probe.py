@@ -465,7 +465,10 @@ def _tune_figures(rec: Any) -> dict[str, Any]:
             "window_s": rec.window_s, "temp_c": rec.start_temp_c}
 
 
-def _measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:  # noqa: C901 - the probe's steps in order
+def _measure(args: argparse.Namespace, log: Callable[[str], None],  # noqa: C901 - the probe's steps in order
+             out: dict[str, Any]) -> dict[str, Any]:
+    """Every measurement of the probe, filled into ``out`` as it goes (a failure leaves
+    what was measured before it there)."""
     import attrs
     import torch
 
@@ -518,7 +521,7 @@ def _measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
                         meter=meter, frequency=DryRunFrequencyController(gpu=spec),
                         comm_sms=[sms], outside=outside_runnable)
     sync = torch.cuda.synchronize
-    out: dict[str, Any] = {"device": device, "gpu": spec.name, "collectives": note}
+    out.update({"device": device, "gpu": spec.name, "collectives": note})
     try:
         prof.start()
         out["idle_power_w"] = prof.idle_power_w
@@ -718,7 +721,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - t_begin:6.1f}s] {msg}", flush=True)
 
-    data = _measure(args, log)
+    data: dict[str, Any] = {}
+    error = None
+    try:
+        _measure(args, log, data)
+    except Exception as exc:  # keep what was measured before the failure
+        import traceback
+
+        error = f"{type(exc).__name__}: {exc}"
+        data["traceback"] = traceback.format_exc()
+        print(data["traceback"], file=sys.stderr, flush=True)
+        log(f"FAILED: {error}")
     data["options"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     data["what"] = ("verify's energy miss placed (issue 36): per GPU per iteration, the "
                     "loop as verify measures it and steady, against the tune's composition "
@@ -730,19 +743,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     data["date_utc"] = datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds")
     data["elapsed_s"] = time.perf_counter() - t_begin
-    rows = compare_rows(data)
-    data["table"] = rows
-    print()
-    print(table(rows))
-    print("per GPU (the one measured) per iteration; ratios: measured / reference")
-    data["findings"] = findings(data)
-    print()
-    print("\n".join(data["findings"]))
+    if error is None:
+        rows = compare_rows(data)
+        data["table"] = rows
+        print()
+        print(table(rows))
+        print("per GPU (the one measured) per iteration; ratios: measured / reference")
+        data["findings"] = findings(data)
+        print()
+        print("\n".join(data["findings"]))
+    else:
+        data["error"] = error
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(data, indent=1) + "\n")
-        print(f"wrote {args.json}")
-    return 0
+        args.json.write_text(json.dumps(data, indent=1, default=str) + "\n")
+        print(f"wrote {args.json}" + (" (PARTIAL: the run failed)" if error else ""))
+    return 0 if error is None else 1
 
 
 if __name__ == "__main__":
