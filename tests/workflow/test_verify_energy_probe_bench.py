@@ -172,3 +172,24 @@ def test_the_emulated_estimate_limits_the_mix_as_a_whole_and_says_it_is_emulated
         assert d["mix"]["sm_clock_mhz"] <= 1980
         assert d["energy_ratio"] == pytest.approx(d["mix"]["energy_j"] / d["alone"]["energy_j"])
         assert d["time_ratio"] == pytest.approx(d["mix"]["time_s"] / d["alone"]["time_s"])
+
+
+def test_a_steady_window_reads_the_counter_inside_it():
+    # a fake GPU drawing 80 W idle: each step of the window takes ~5 ms of host time
+    import time
+
+    from fake_nvml import FakeNVML
+
+    from kareus.profilers.nvml import EnergyMeter
+
+    nvml = FakeNVML(1, period_s=0.02, idle_w=80.0)
+    meter = EnergyMeter(nvml=nvml, device_indices=[0], poll_interval_s=0.001).start()
+    try:
+        got = probe.steady(lambda: time.sleep(0.005), meter, settle_s=0.05, window_s=0.5,
+                           sync=lambda: None)
+    finally:
+        meter.stop()
+    assert got["power_w"] == pytest.approx(80.0, rel=0.05)
+    assert got["energy_j"] == pytest.approx(80.0 * got["time_s"], rel=0.05)
+    assert got["counter_steps"] >= 10 and got["steps"] >= 3
+    assert got["window_s"] >= 0.5 and len(got["sub_powers_w"]) == 4
