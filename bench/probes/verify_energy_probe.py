@@ -24,9 +24,10 @@ training loop that ``kareus verify`` runs, each two ways, so the miss can be pla
   spinning block's 121 W) than back to back at the limit; caches);
 * **loop**: the library's training loop at ``--layers`` and ``--small-layers`` layers,
   as ``kareus verify`` measures it (1 warm-up iteration, a window of ~0.75 s, two
-  repeats; at ``--layers`` also after ``--settle-s`` of warm-up iterations) and steady (``--settle-s`` then ``--window-s``; the weights reset every 6
-  iterations, as verify's runs are); the two depths give the loop's energy per layer
-  (slope) and outside the layers (intercept).
+  repeats; at ``--layers`` also after ``--settle-s`` of warm-up iterations) and steady
+  (``--settle-s`` then ``--window-s``; the weights reset every 6 iterations, as verify's
+  runs are); each depth beside its composition, and the two depths give the loop's
+  energy per layer (slope) and outside the layers (intercept).
 
 Everything is per GPU (the one measured) per iteration, before any scaling to the job.
 The table ``compare`` sets each measured piece beside its composition from the tune's and
@@ -65,7 +66,7 @@ limited as one mix, at ``--layers`` and ``--small-layers`` (``--gpu calibrated``
 H200 model calibrated on its shipped profile). EMULATED figures: its collectives are the
 real ones' model, not the loopback stand-ins::
 
-    python bench/probes/verify_energy_probe.py --emulated --gpu calibrated \
+    python bench/probes/verify_energy_probe.py --emulated --gpu calibrated \\
         --json bench/probes/results/verify_energy_probe_emulated.json
 """
 
