@@ -14,8 +14,9 @@ from kareus.model.decoder import moe_decoder_layer
 from kareus.model.memory import estimate_memory
 from kareus.model.moe import MoEArch
 from kareus.model.ops import CommKind, ComputeOp, OpKind
-from kareus.model.partition import iteration_work, stage_params_per_rank
+from kareus.model.partition import Partition, iteration_work, stage_params_per_rank
 from kareus.model.workload import ModelArch, Parallelism, Workload, get_model
+from kareus.testing import PartitionConformance, check_partition
 
 # A small MoE shape whose counts are easy to check by hand: hidden 64, 8 experts of width
 # 32, top-2, router in float32.
@@ -311,3 +312,28 @@ def test_a_whole_imbalance_is_the_same_workload_as_its_float():
     assert isinstance(_wl(rho=2).routing_imbalance, float)
     with pytest.raises(WorkloadError, match="routing_imbalance"):
         _wl(rho=True)  # type: ignore[arg-type]
+
+
+class TestMoEPartitionConformance(PartitionConformance):
+    """An expert-parallel partition: the all-to-all's 8 ranks span DP replicas, so its
+    scope (one stage's TP x CP GPUs) does not hold the collective's group."""
+
+    def make_partition(self) -> Partition:
+        wl = Workload.preset("qwen3-30b-a3b", dp=8, ep=8, microbatch_size=2, seq_len=1024)
+        part = build_partitions(wl)["fwd_moe_experts"]
+        assert part.group_gpus == 1 and part.comm_op.group_size == 8
+        return part
+
+
+def test_every_built_moe_partition_conforms():
+    for kw in (dict(dp=8, ep=8), dict(tp=2, sp=True, dp=4, ep=8), dict(cp=2, dp=4, ep=8)):
+        wl = Workload.preset("qwen3-30b-a3b", microbatch_size=2, seq_len=1024, **kw)
+        for part in build_partitions(wl):
+            check_partition(lambda part=part: part)
+
+
+def test_the_scope_exception_is_the_expert_parallel_group_only():
+    part = build_partitions(_wl())["fwd_moe_experts"]
+    not_ep = attrs.evolve(part, comm_group="tp")
+    with pytest.raises(AssertionError, match="must be an int that includes the collective"):
+        check_partition(lambda: not_ep)
