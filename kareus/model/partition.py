@@ -230,8 +230,9 @@ class TransformerPartition(OpPartition):
         stage_gpus: GPUs of the pipeline stage that run it (TP x CP); ``None`` = the
             collective's group. Sets [`group_gpus`][kareus.model.TransformerPartition.group_gpus],
             the scope of its measurements.
-        comm_group: The parallel group its collective runs over (``"tp"`` or ``"cp"``;
-            ``""``: not said). Under sequence parallelism with CP, a TP and a CP collective
+        comm_group: The parallel group its collective runs over (``"tp"``, ``"cp"``, or
+            ``"ep"``: a mixture of experts' all-to-all, whose ranks span data-parallel
+            replicas, so ``stage_gpus`` need not hold them; ``""``: not said). Under sequence parallelism with CP, a TP and a CP collective
             may be of one kind; the runtime tells them apart by it.
     """
 
