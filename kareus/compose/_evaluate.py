@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kareus.compose.plan import Plan
+from kareus.errors import ArgumentError
 from kareus.compose.systems import kareus_type_key
 from kareus.model.measurement import Measurement
 from kareus.model.partition import PartitionSet, build_partitions
@@ -27,7 +28,9 @@ def evaluate_plan(plan: Plan, *, frontiers: Mapping[str, PartitionFrontier],
                   outside: Mapping[tuple[int, str], Mapping[int, Measurement]] | None,
                   static_power_w: float, energy_scale: float | None = None,
                   schedule: PipelineSchedule | None = None,
-                  tail: Measurement | None = None) -> tuple[float, float, float]:
+                  tail: Measurement | None = None,
+                  outside_of: Mapping[int, Mapping[tuple[int, str], Mapping[int, Measurement]]]
+                  | None = None) -> tuple[float, float, float]:
     """Re-evaluate a plan from its parts: partition measurements, counts and outside work.
 
     Each computation's time is ``sum count x partition time + outside time`` at its
@@ -55,6 +58,11 @@ def evaluate_plan(plan: Plan, *, frontiers: Mapping[str, PartitionFrontier],
             microbatches.
         tail: The per-iteration work after the pipeline flush over every GPU (as the
             iteration composer was given it); ``None`` = none.
+        outside_of: Nanobatch count -> the outside work measured for that split, for
+            choices of another count than ``partitions``'s workload. Needed where the
+            outside work depends on the count: a workload of unchained layers
+            (``Workload.chained_layers=False``), whose bare computations and exposed
+            collectives are outside work; otherwise ``outside`` serves every count.
 
     Returns:
         ``(time_s, energy_j, dynamic_energy_j)``.
@@ -92,8 +100,18 @@ def evaluate_plan(plan: Plan, *, frontiers: Mapping[str, PartitionFrontier],
             o = lookup[(key, ch.config(tname))]
             t += count * o.time_s
             e += count * o.dynamic_energy_j
-        if outside is not None:
-            m = outside[(c.stage, c.phase)][ch.freq_mhz]
+        table = outside
+        if outside is not None and n is not None and n != base.nanobatches:
+            if outside_of is not None and n in outside_of:
+                table = outside_of[n]
+            elif not base.chained_layers:
+                raise ArgumentError(
+                    f"the plan's {c.phase} computation of microbatch {c.microbatch} splits "
+                    f"into {n} nanobatches; its workload's layers are unchained, whose outside "
+                    f"work depends on the split: pass outside_of={{{n}: ...}} (the outside "
+                    "work of that split, measured)")
+        if table is not None:
+            m = table[(c.stage, c.phase)][ch.freq_mhz]
             t += m.time_s
             e += m.dynamic_energy_j
         durations[c] = t

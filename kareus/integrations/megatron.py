@@ -671,7 +671,9 @@ SCHEDULE_ENV = "KAREUS_SCHEDULE"
 #: elsewhere (the fast path unless told otherwise).
 GRAPHS_ENV = "KAREUS_GRAPHS"
 #: ``0``: the ``layer_spec`` entry leaves the decoder's layers unchained (each layer its own
-#: node); default: chained (``chain_layers``).
+#: node; its workload has ``chained_layers=False``, so a plan must be made for that:
+#: ``kareus optimize --megatron-args ... --unchained-layers``); default: chained
+#: (``chain_layers``).
 CHAIN_ENV = "KAREUS_CHAIN"
 #: ``local`` or ``te``: the parameter names of the ``layer_spec`` entry's layers; unset:
 #: ``te`` when Megatron-LM runs with ``--transformer-impl transformer_engine`` (its
@@ -746,6 +748,8 @@ def megatron_lm_applier(config: Any) -> PlanApplier:
 
     args = _megatron_lm_args()
     workload = workload_from_megatron_args(args, config=config)
+    if os.environ.get(CHAIN_ENV) == "0":  # the layers run one by one: plans made for that
+        workload = workload.with_(chained_layers=False)
     if _Entry.applier is not None:
         if _Entry.applier.workload != workload:
             raise ArgumentError("layer_spec built a second model with another workload in this "
@@ -922,6 +926,8 @@ def _why_not_chained(block: Any, args: Mapping[str, Any]) -> tuple[str, bool] | 
     applier = layers[0].kareus_applier
     if applier is None or any(lay.kareus_applier is not applier for lay in layers):
         return "a layer runs Megatron's own forward or another applier", False
+    if not applier.workload.chained_layers:  # what its plan was made for: layer by layer
+        return "the workload's layers are unchained (chained_layers=False)", False
     cfg = block.config
     for bad, what in ((cfg.fp8 or getattr(cfg, "fp4", None), "fp8 or fp4"),
                       (cfg.cpu_offloading, "cpu_offloading")):

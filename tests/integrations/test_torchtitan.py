@@ -452,6 +452,10 @@ def _worker(out_dir: str, backend: str, name: str) -> None:
         assert wl.parallelism.sequence_parallel == sp == kt.sequence_parallel_of(cfg)
         plan = make_workload_plan(wl, pick=1, sms=8, freqs_mhz=(1980, 1410),
                                   unsplit_microbatches=(1,))
+        # per block (chain=False) a plan runs only if made for blocks run one by one
+        per_block = wl.with_(chained_layers=False)
+        per_block_plan = make_workload_plan(per_block, pick=1, sms=8, freqs_mhz=(1980, 1410),
+                                            unsplit_microbatches=(1,))
         for schedule, chain in RUNS:
             model = copy.deepcopy(base)
             with context():
@@ -459,8 +463,10 @@ def _worker(out_dir: str, backend: str, name: str) -> None:
             own = _own_forwards(model)
             applier = None
             if schedule != "torchtitan":
-                applier = kt.apply_plan(model, workload=wl, mesh=dims, schedule=schedule,
-                                        plan=plan if schedule == "kareus" else None,
+                mine = per_block if (schedule, chain) == ("kareus", False) else wl
+                applier = kt.apply_plan(model, workload=mine, mesh=dims, schedule=schedule,
+                                        plan=(None if schedule != "kareus" else
+                                              per_block_plan if mine is per_block else plan),
                                         kernels="torch", record=True, chain=chain)
             losses, logits, forwards = [], [], []
             for mb in range(wl.num_microbatches):
@@ -527,7 +533,8 @@ def test_gloo_tp2_equals_torchtitan(tmp_path, backend, name):
                    ["partitions"])
         # The exposed forward collectives: in a forward cut into nanobatches, a collective
         # with nothing left to overlap runs in a partition of no ops, launched after them
-        # (launch slot None; named "<kind>:tail" under the baselines). Per block, each
+        # (launch slot None; named "<kind>:tail" under the baselines, and under a plan for
+        # blocks run one by one, which costs them at their own CTA count). Per block, each
         # layer's last all-reduce is one; chained, only the decoder's last.
         for schedule in ("nanobatching", "kareus"):
             split = [0, 1] if schedule == "nanobatching" else [0]  # the plan: mb 1 unsplit
@@ -536,7 +543,7 @@ def test_gloo_tp2_equals_torchtitan(tmp_path, backend, name):
                 for mb in split:
                     tails = [k for k, slot in forwards[mb] if slot is None]
                     assert len(tails) == per_forward, (schedule, chain, mb, forwards[mb])
-                    if schedule == "nanobatching":
+                    if schedule == "nanobatching" or chain is False:
                         kind = "reduce_scatter" if name.endswith("-sp") else "all_reduce"
                         assert tails == [f"{kind}:tail"] * per_forward
             # the unsplit microbatch runs the same partitions either way
