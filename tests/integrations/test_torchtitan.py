@@ -290,6 +290,55 @@ def test_blocks_with_anything_around_their_call_run_per_block():
         kt.apply_plan(model, workload=wl, kernels="torch", chain="yes")
 
 
+def test_a_workload_of_unchained_layers_runs_per_block_even_where_blocks_chain():
+    # Workload.chained_layers=False: the plan costs each block run on its own, so the
+    # blocks run so (the same values), and chain=True is refused before anything changes.
+    cfg = config(fuse=True)
+    ref = build(cfg)
+    model = copy.deepcopy(ref)
+    wl = kt.workload_from_torchtitan(cfg, tp=1, microbatch_size=MBS, seq_len=SEQ,
+                                     num_microbatches=1).with_(chained_layers=False)
+    with pytest.raises(WorkloadError, match="chained_layers=False"):
+        kt.apply_plan(model, workload=wl, schedule="nanobatching", kernels="torch",
+                      chain=True)
+    assert not any("forward" in m.__dict__ for m in model.modules())  # nothing replaced
+    applier = kt.apply_plan(model, workload=wl, schedule="nanobatching", kernels="torch")
+    tokens = torch.randint(0, VOCAB, (MBS, SEQ))
+    assert kt.chained_blocks(model) == []
+    torch.testing.assert_close(model(tokens), ref(tokens), rtol=1e-5, atol=1e-5)
+    assert {k[-1] for k in applier._programs} == {1}
+
+
+@pytest.mark.parametrize("around", ["hook", "chain=False", "fully_shard"])
+def test_a_plan_for_chained_layers_is_refused_where_blocks_run_one_by_one(around):
+    # The plan's partitions must be those that run: a plan made for chained layers
+    # (chained_layers=True, the default) where a block cannot chain (FSDP's fully_shard,
+    # a hook, chain=False) is refused in one line, before anything is replaced.
+    cfg = config(fuse=True)
+    model = build(cfg)
+    wl = kt.workload_from_torchtitan(cfg, tp=2, microbatch_size=MBS, seq_len=SEQ,
+                                     num_microbatches=1)
+    plan = make_workload_plan(wl)
+    chain = None
+    if around == "hook":
+        model.layers["1"].register_forward_pre_hook(lambda *a: None)
+    elif around == "chain=False":
+        chain = False
+    else:
+        from torch.distributed.fsdp import FSDPModule
+
+        blk = model.layers["0"]  # what fully_shard makes of a block: an FSDPModule
+        blk.__class__ = type("FSDPBlock", (FSDPModule, type(blk)), {})
+    with pytest.raises(WorkloadError) as err:
+        kt.apply_plan(model, workload=wl, plan=plan, kernels="torch", chain=chain)
+    msg = str(err.value)
+    assert "made for chained layers" in msg and "--unchained-layers" in msg
+    assert "\n" not in msg
+    if around == "fully_shard":
+        assert "fully_shard" in msg
+    assert not any("forward" in m.__dict__ for m in model.modules())  # nothing replaced
+
+
 def test_apply_plan_refusals():
     cfg = config(fuse=True)
     model = build(cfg)
@@ -633,6 +682,40 @@ TT_FLAGS = ("--module llama3 --config llama3_debugmodel --parallelism.tensor_par
             "--training.global_batch_size 8")
 
 
+def test_under_the_trainer_s_fsdp_blocks_a_plan_for_chained_layers_is_refused():
+    # A stand-in Trainer with torchtitan's config of TT_FLAGS and its model, each block
+    # an FSDPModule as fully_shard leaves it (torchtitan 0.3 wraps every block, at any
+    # data-parallel degree): the workload is one of unchained layers, equal to the config's
+    # (what kareus optimize --torchtitan-args plans for), and wrap_trainer refuses a plan
+    # made for chained layers in one line, before anything is applied.
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.config import ConfigManager
+
+    flags = TT_FLAGS.split() + ["activation-checkpoint:none"]
+    config = ConfigManager().parse_args(flags)
+    _, model_config = kt._trainer_config_copy(config)
+    model = model_config.build()
+    for blk in kt.planned_blocks(model):
+        blk.__class__ = type("FSDP" + type(blk).__name__, (FSDPModule, type(blk)), {})
+    trainer = SimpleNamespace(
+        config=config, model_config=model_config, model_parts=[model],
+        parallel_dims=SimpleNamespace(tp=2, cp=1, pp=1, dp_replicate=1, dp_shard=1,
+                                      pp_enabled=False),
+        gradient_accumulation_steps=2)
+    wl = kt.workload_from_trainer(trainer)
+    assert wl.chained_layers is False
+    assert wl == kt.workload_from_torchtitan_config(config, world_size=2)
+    with pytest.raises(WorkloadError) as err:
+        kt.wrap_trainer(trainer, make_workload_plan(wl.with_(chained_layers=True)))
+    msg = str(err.value)
+    assert "fully_shard" in msg and "--torchtitan-args" in msg and "\n" not in msg
+    assert not any("forward" in m.__dict__ for m in model.modules())  # nothing applied
+    # unwrapped blocks could chain: a workload read from them says so
+    for blk in kt.planned_blocks(model):
+        blk.__class__ = blk.__class__.__mro__[2]
+    assert kt.workload_from_trainer(trainer).chained_layers is True
+
+
 def test_optimize_makes_the_plan_from_torchtitan_s_flags(tmp_path, capsys):
     from torchtitan.config import ConfigManager
 
@@ -647,6 +730,8 @@ def test_optimize_makes_the_plan_from_torchtitan_s_flags(tmp_path, capsys):
     config = ConfigManager().parse_args(TT_FLAGS.split())
     wl = kt.workload_from_torchtitan_config(config, world_size=2, selective_as="selective")
     assert plan.workload == wl.to_dict()  # what wrap_trainer checks the plan against
+    # the Trainer wraps every block in FSDP: the plan is for layers run one by one
+    assert plan.workload["chained_layers"] is False
     assert (wl.parallelism.tp, wl.parallelism.sp, wl.microbatch_size, wl.num_microbatches,
             wl.seq_len, wl.recompute) == (2, True, 4, 2, 256, "selective")
     # the config given is not changed (its override applied to a copy): still flex
