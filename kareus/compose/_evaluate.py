@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from kareus.compose.plan import Plan
-from kareus.errors import ArgumentError
 from kareus.compose.systems import kareus_type_key
+from kareus.errors import ArgumentError
 from kareus.model.measurement import Measurement
 from kareus.model.partition import PartitionSet, build_partitions
 from kareus.model.pipeline import Computation, PipelineSchedule, one_f_one_b
@@ -92,6 +92,7 @@ def evaluate_plan(plan: Plan, *, frontiers: Mapping[str, PartitionFrontier],
         n = ch.nanobatches
         if n not in counts_of:
             counts_of[n] = build_partitions(base.with_(nanobatches=n)).counts
+        table = _outside_table(outside, outside_of, base, n, c)
         t = e = 0.0
         for tname, count in counts_of[n][c.phase].items():
             if count <= 0:
@@ -100,16 +101,6 @@ def evaluate_plan(plan: Plan, *, frontiers: Mapping[str, PartitionFrontier],
             o = lookup[(key, ch.config(tname))]
             t += count * o.time_s
             e += count * o.dynamic_energy_j
-        table = outside
-        if outside is not None and n is not None and n != base.nanobatches:
-            if outside_of is not None and n in outside_of:
-                table = outside_of[n]
-            elif not base.chained_layers:
-                raise ArgumentError(
-                    f"the plan's {c.phase} computation of microbatch {c.microbatch} splits "
-                    f"into {n} nanobatches; its workload's layers are unchained, whose outside "
-                    f"work depends on the split: pass outside_of={{{n}: ...}} (the outside "
-                    "work of that split, measured)")
         if table is not None:
             m = table[(c.stage, c.phase)][ch.freq_mhz]
             t += m.time_s
@@ -121,3 +112,25 @@ def evaluate_plan(plan: Plan, *, frontiers: Mapping[str, PartitionFrontier],
         time_s += tail.time_s
         dyn += tail.dynamic_energy_j
     return time_s, dyn + static_power_w * time_s, dyn
+
+
+def _outside_table(outside: Any, outside_of: Any, base: Any, n: int | None,
+                   c: Computation) -> Any:
+    """The outside work of computation ``c`` split into ``n`` nanobatches: ``outside``, or
+    that split's from ``outside_of`` where the workload's own count is another.
+
+    Raises:
+        ArgumentError: unchained layers (outside work that depends on the split) and no
+            outside work of that split given.
+    """
+    if outside is None or n is None or n == base.nanobatches:
+        return outside
+    if outside_of is not None and n in outside_of:
+        return outside_of[n]
+    if not base.chained_layers:
+        raise ArgumentError(
+            f"the plan's {c.phase} computation of microbatch {c.microbatch} splits into {n} "
+            "nanobatches; its workload's layers are unchained, whose outside work depends on "
+            f"the split: pass outside_of={{{n}: ...}} (the outside work of that split, "
+            "measured)")
+    return outside

@@ -34,7 +34,9 @@ its type (the layer below it starts the chain) and the last a prefix. A slot tha
 the unit's first op launches with that op; one after its last op runs sequentially
 ([`clip_slot`][kareus.exec.schedule.clip_slot]). The last collective of a computation overlaps
 nothing: it runs exposed with the SM count of its cyclic partner type (the first piece's type
-with that collective), as the partition model pairs it.
+with that collective), as the partition model pairs it in a chain; for layers run one by one
+(``Workload.chained_layers=False``, ``exposed_default``) with its own CTA count, as the
+partition model costs it there (outside work).
 
 Every rank runs the same pieces in the same order, so every rank issues the same
 collectives in the same order; nothing here depends on timing. Pure Python (no torch).

@@ -851,7 +851,9 @@ def chain_layers(model: Any) -> Any:
     own layer) or not the others', forward hooks on a layer (the stack does not call the
     layers as modules: DDP's ``overlap_param_gather`` registers such hooks), and the
     configurations ``workload_from_megatron`` refuses for kareus (fp8 or fp4,
-    CPU offloading); the configuration and hook cases warn once per block.
+    CPU offloading), and an applier whose workload's layers are unchained
+    (``Workload.chained_layers=False``: its plan costs each layer run on its own); the
+    configuration and hook cases warn once per block.
     With ``recompute_granularity="full"`` the stack recomputes each layer itself (Megatron's
     block checkpoint is not used), which is how kareus layers run Megatron's full
     recomputation: unchained, a kareus layer refuses it in training. ``unchain_layers(model)`` restores the block's forward.

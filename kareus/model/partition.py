@@ -18,12 +18,29 @@ bandwidth contention.
 forward and backward, and the work outside partitions (embedding, LM head and loss). All FLOPs and
 bytes are per rank.
 
-Modelling choices (documented in docs/architecture.md): the chain of one stage is
-treated as cyclic, so the first computation of a stage is paired with the last
-collective of the stage (one exposed collective and one bare computation per stage
-and microbatch are counted as one overlapped pair); residual additions are omitted;
-with full recomputation the backward pass of each layer re-runs its forward,
-collectives included, so backward computations also hold forward partition types.
+Modelling choices (documented in docs/architecture.md): where a stage's layers run as one
+chain (``Workload.chained_layers``, the default), the chain is treated as cyclic, so the
+first computation of a stage is paired with the last collective of the stage (one exposed
+collective and one bare computation per stage and microbatch are counted as one overlapped
+pair); residual additions are omitted; with full recomputation the backward pass of each
+layer re-runs its forward, collectives included, so backward computations also hold
+forward partition types.
+
+Where each layer runs as its own planned layer (``chained_layers=False``: torchtitan's
+``Trainer``, which wraps every block in FSDP; Megatron-Core layers left unchained), no
+pair crosses a layer boundary. Each layer's computation is then what the runtime runs for
+one layer (``_layer_pieces``: its forward, or its backward after the recomputed forward
+under full recomputation; under sequence parallelism the backward opens with the
+all-gather of its output's gradient and leaves its input's gradient sharded), cut at its
+collectives into pieces, each nanobatch of a piece beside the collective of the unit
+before it in that layer (``_unchained_units``). What has nothing before it runs bare (the
+layer's first unit; the input norm's backward of the later nanobatches, after the pieces'
+collectives) and a collective with nothing after it runs exposed (the layer's last; under
+sequence parallelism the output gradient's all-gathers of the first ``n - 1``
+nanobatches, which no op follows): both are costed per layer as work outside partitions
+(``PartitionSet.outside``, at the computation's clock; the exposed collectives at their
+own CTA count, as the runtime runs them for such a workload). A computation of one
+nanobatch is the same either way (each collective after its own ops).
 
 The model's layer features change the op lists: with ``qk_norm`` the per-head query/key
 norms run fused with RoPE, so ``rope`` is ``qk_norm_rope`` and ``rope_bwd`` is

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from kareus.errors import WorkloadError
-from kareus.model import ScheduleConfig, Workload, build_partitions
+from kareus.model import Workload, build_partitions
 from kareus.model.ops import CommKind
 
 #: (name, workload keywords) over the layouts and policies the builder knows.
