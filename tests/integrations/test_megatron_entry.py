@@ -119,6 +119,27 @@ def test_the_graphs_variable_picks_the_fast_path_unless_told_otherwise(monkeypat
     assert megatron._graphs_from_env() is graphs
 
 
+def test_a_block_of_unchained_layers_runs_them_one_by_one():
+    # An applier whose workload's layers are unchained (KAREUS_CHAIN=0's, or
+    # Workload.chained_layers=False): the chained block runs Megatron's own forward, layer
+    # by layer, which is what its plan costs; without a warning (it is what was asked).
+    from kareus.integrations import megatron
+    from kareus.model import Workload
+
+    wl = Workload.preset("qwen3-1.7b", tp=2)
+    for chained, why in ((True, None), (False, "unchained")):
+        applier = types.SimpleNamespace(workload=wl.with_(chained_layers=chained))
+        block = types.SimpleNamespace(
+            layers=[types.SimpleNamespace(kareus_applier=applier, _forward_pre_hooks={},
+                                          _forward_hooks={}) for _ in range(2)],
+            config=types.SimpleNamespace(fp8=None, fp4=None, cpu_offloading=False))
+        got = megatron._why_not_chained(block, {})
+        if why is None:
+            assert got is None
+        else:
+            assert why in got[0] and got[1] is False
+
+
 def test_a_bad_graphs_variable_is_refused_naming_it(monkeypatch):
     from kareus.errors import ArgumentError
     from kareus.integrations import megatron
