@@ -30,8 +30,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _reference import full_weights, planned_weights, shard, workload
 
-CASES = {  # name: (tp, cp, sp, recompute)
+CASES = {  # name: (tp, cp, sp, recompute[, microbatch size: 1 splits along the sequence])
     "tp2-none": (2, 1, False, "none"),
+    "tp2-seqsplit-selective": (2, 1, False, "selective", 1),
     "tp2-selective": (2, 1, False, "selective"),
     "tp2-full": (2, 1, False, "full"),
     "tp2-sp-none": (2, 1, True, "none"),
@@ -40,8 +41,8 @@ CASES = {  # name: (tp, cp, sp, recompute)
 }
 
 
-def _unchained(tp, cp, sp, recompute, n=2):
-    wl = workload(tp, cp, recompute=recompute, n=n)
+def _unchained(tp, cp, sp, recompute, mbs=4, n=2):
+    wl = workload(tp, cp, recompute=recompute, n=n, mbs=mbs)
     return wl.with_(parallelism=Parallelism(tp=tp, cp=cp, sp=sp), chained_layers=False)
 
 
@@ -113,7 +114,7 @@ def test_one_planned_layer_runs_the_unchained_partitions(case):
 
 
 def test_unsplit_computations_are_the_chained_ones():
-    wl = _unchained(2, 1, True, "full", n=1)
+    wl = _unchained(2, 1, True, "full", mbs=4, n=1)
     a, b = build_partitions(wl), build_partitions(wl.with_(chained_layers=True))
     assert a.counts == b.counts and a.outside == b.outside
     assert {k: v.compute_ops for k, v in a.types.items()} == {
