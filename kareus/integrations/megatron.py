@@ -747,9 +747,7 @@ def megatron_lm_applier(config: Any) -> PlanApplier:
     from kareus.exec.train import TorchParallelGroups
 
     args = _megatron_lm_args()
-    workload = workload_from_megatron_args(args, config=config)
-    if os.environ.get(CHAIN_ENV) == "0":  # the layers run one by one: plans made for that
-        workload = workload.with_(chained_layers=False)
+    workload = _entry_workload(args, config)
     if _Entry.applier is not None:
         if _Entry.applier.workload != workload:
             raise ArgumentError("layer_spec built a second model with another workload in this "
@@ -775,6 +773,16 @@ def megatron_lm_applier(config: Any) -> PlanApplier:
     stack.enter_context(wrap_schedule(applier, chain=os.environ.get(CHAIN_ENV) != "0"))
     _Entry.applier, _Entry.stack = applier, stack
     return applier
+
+
+def _entry_workload(args: Any, config: Any) -> Any:
+    """The ``layer_spec`` entry's workload: Megatron-LM's arguments' and the layer's
+    config's, its layers unchained (``chained_layers=False``) under ``KAREUS_CHAIN=0``,
+    where they run one by one, so that a plan is checked against what runs."""
+    workload = workload_from_megatron_args(args, config=config)
+    if os.environ.get(CHAIN_ENV) == "0":
+        workload = workload.with_(chained_layers=False)
+    return workload
 
 
 def _graphs_from_env() -> bool | None:
