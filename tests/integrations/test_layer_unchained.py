@@ -139,3 +139,61 @@ def test_a_plan_for_chained_layers_is_refused_by_unchained_layers_and_back():
                         plan=make_workload_plan(plan_wl))
         assert "--unchained-layers" in str(err.value)
         assert "\n" not in str(err.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_unchained_plan_on_cuda_streams_computes_the_sequential_layers(graphs):
+    """On one GPU (TP=4 x CP=2 stood in for by loopback collectives, bf16, a TorchExecutor
+    on CUDA streams, eager or from the applier's own graphs): two planned layers under a
+    plan for unchained layers compute what the sequential schedule computes, the plan's
+    collectives at its SM count and the exposed ones at their own CTA count."""
+    from kareus.exec.schedule import DefaultConfig
+    from kareus.exec.train import make_collectives
+    from kareus.model.workload import ModelArch, Workload
+
+    arch = ModelArch(name="small", layers=2, hidden=512, heads=8, kv_heads=4, head_dim=64,
+                     ffn=1024, vocab=1000)
+    wl = Workload(model=arch, parallelism=Parallelism(tp=4, cp=2), microbatch_size=4,
+                  seq_len=512, num_microbatches=2, nanobatches=2, chained_layers=False)
+    groups = LoopbackGroups(tp=4, cp=2)
+    capped, default, _ = make_collectives(groups, backend="loopback")
+    plan = make_workload_plan(wl, sms=16, freqs_mhz=(1980, 1410))
+    p = {k: v.to("cuda", torch.bfloat16).requires_grad_(True)
+         for k, v in shard(full_weights(arch, 1), arch, 4, 0).items()}
+    x = torch.randn(4, 256, arch.hidden, generator=torch.Generator().manual_seed(0)).to(
+        "cuda", torch.bfloat16)
+    results = {}
+    for schedule in ("sequential", "kareus"):
+        applier = PlanApplier(workload=wl, groups=groups, plan=plan, schedule=schedule,
+                              collective=capped, default_collective=default, record=True,
+                              graphs=graphs and schedule == "kareus")
+        layer = applier.layer()
+        outs = []
+        for mb in range(2):
+            xm = x.clone().requires_grad_(True)
+            with applier.microbatch(mb, "fwd"):
+                y = layer(layer(xm, planned_weights(p, arch)), planned_weights(p, arch))
+            with applier.microbatch(mb, "bwd"):
+                y.float().square().mean().backward()
+            outs.append((y.detach(), xm.grad))
+        grads = {k: v.grad.clone() for k, v in p.items()}
+        for v in p.values():
+            v.grad = None
+        results[schedule] = (outs, grads)
+        if schedule == "kareus":
+            ran = applier.partitions_run
+            assert {cfg.comm_sms for _, k, cfg in ran if ":" not in k} == {16}
+            assert all(isinstance(cfg, DefaultConfig) for _, k, cfg in ran if ":" in k)
+            assert any(":" in k for _, k, _ in ran)  # exposed collectives ran
+    torch.cuda.synchronize()
+
+    def rel(a, b):
+        return float((a.double() - b.double()).norm() / max(float(b.double().norm()), 1e-12))
+
+    (outs, grads), (bouts, bgrads) = results["kareus"], results["sequential"]
+    for (y, dx), (by, bdx) in zip(outs, bouts, strict=True):
+        assert rel(y, by) < 2e-2 and rel(dx, bdx) < 2e-2
+    for k, g in grads.items():
+        assert rel(g, bgrads[k]) < 2e-2, k
