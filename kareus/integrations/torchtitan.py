@@ -909,7 +909,7 @@ def _decoders(model: Any, blocks: list[Any], *, strict: bool) -> list[tuple[Any,
         own = list(_layers_values(m))
         if own and all(id(b) in planned for b in own):
             for b in own if strict else ():
-                why = _around_call(b, None)
+                why = _around_call(b, None, compiled=False)  # apply_plan uncompiles it
                 if why is not None:
                     raise WorkloadError(f"chain=True: a block of {type(m).__name__} {why}; "
                                         "pass chain=None to run such blocks per block")
@@ -937,9 +937,11 @@ def _layers_values(decoder: Any) -> Any:
     return torch.nn.ModuleDict.values(layers)
 
 
-def _around_call(block: Any, installed: Any) -> str | None:
+def _around_call(block: Any, installed: Any, *, compiled: bool = True) -> str | None:
     """What would run around ``block``'s call, which a stack skips (None: nothing);
-    ``installed``: the planned forward the block must still have (None: not checked)."""
+    ``installed``: the planned forward the block must still have (None: not checked);
+    ``compiled=False``: not ``torch.compile`` (``apply_plan`` sets a planned block's
+    compiled call aside)."""
     from torch.nn.modules import module as torch_module
 
     fsdp: tuple[type, ...] = ()
@@ -951,7 +953,7 @@ def _around_call(block: Any, installed: Any) -> str | None:
         pass
     if isinstance(block, fsdp):
         return "is sharded by fully_shard (FSDP: its hooks gather the parameters)"
-    if getattr(block, "_compiled_call_impl", None) is not None:
+    if compiled and getattr(block, "_compiled_call_impl", None) is not None:
         return "is compiled (torch.compile)"
     if (block._forward_pre_hooks or block._forward_hooks or block._backward_hooks
             or block._backward_pre_hooks):
@@ -1243,9 +1245,10 @@ def _blocks_chain(model: Any) -> str | None:
     """Why ``model``'s planned blocks cannot run as one stack (``None``: they can): under
     torchtitan 0.3's Trainer every block is wrapped in FSDP (``fully_shard``: its llama3
     and qwen3 ``parallelize`` functions call ``apply_fsdp_to_decoder`` at every
-    data-parallel degree, one included), whose hooks a stack would skip."""
+    data-parallel degree, one included), whose hooks a stack would skip. A compiled block
+    can chain: ``apply_plan`` runs it uncompiled."""
     for blk in planned_blocks(model):
-        why = _around_call(blk, None)
+        why = _around_call(blk, None, compiled=False)
         if why is not None:
             return f"a block {why}"
     return None

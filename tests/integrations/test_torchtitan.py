@@ -339,6 +339,20 @@ def test_a_plan_for_chained_layers_is_refused_where_blocks_run_one_by_one(around
     assert not any("forward" in m.__dict__ for m in model.modules())  # nothing replaced
 
 
+def test_a_compiled_block_can_chain_as_apply_plan_runs_it_uncompiled():
+    # torch.compile of a block (torchtitan's compile.enable) is set aside by apply_plan,
+    # so it does not keep the blocks from chaining: a plan for chained layers passes the
+    # chaining check (and stops at the TP group, which this test does not give)
+    cfg = config(fuse=True)
+    model = build(cfg)
+    model.layers["0"]._compiled_call_impl = torch.compile(model.layers["0"].forward)
+    assert kt._blocks_chain(model) is None
+    wl = kt.workload_from_torchtitan(cfg, tp=2, microbatch_size=MBS, seq_len=SEQ,
+                                     num_microbatches=1)
+    with pytest.raises(ArgumentError, match="mesh="):
+        kt.apply_plan(model, workload=wl, plan=make_workload_plan(wl), kernels="torch")
+
+
 def test_apply_plan_refusals():
     cfg = config(fuse=True)
     model = build(cfg)
