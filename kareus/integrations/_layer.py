@@ -63,13 +63,17 @@ The ops are the same code as the training loop's decoder, on the production kern
 
 **What a layer boundary costs.** kareus's own loop chains layers: the forward all-reduce of
 one layer's MLP output runs beside the next layer's attention-input ops. A planned layer is
-one autograd node, and what runs between two nodes belongs to the framework, so the last
-collective of each layer's forward (the MLP output's all-reduce of its last nanobatch) runs
-exposed, with the SM count of the partition type it pairs with, as Megatron-LM runs every
-collective; the other collectives overlap as planned (a backward ends with the input norm's
-backward, which overlaps its last all-reduce either way).
-[`PlannedStack`][kareus.integrations.PlannedStack] runs consecutive layers as one node and
-chains them as the loop does.
+one autograd node, and what runs between two nodes belongs to the framework, so the first
+unit of each layer's computation runs bare (nothing of the layer before it) and its last
+collective (the forward MLP output's all-reduce of its last nanobatch; under sequence
+parallelism also the all-gathers of the output gradient's first nanobatches, before the
+backward's first ops) runs exposed, as Megatron-LM runs every collective; the other
+collectives overlap as planned. A workload made for such layers
+(``Workload.chained_layers=False``) costs exactly that (``kareus.model.partition``), and
+its exposed collectives run with their own CTA count, as it costs them; under a workload
+of chained layers they run with the SM count of the partition type they pair with in the
+chain. [`PlannedStack`][kareus.integrations.PlannedStack] runs consecutive layers as one
+node and chains them as the loop does (refused for a workload of unchained layers).
 
 **Sequence parallelism** (``workload.parallelism.sp`` at TP > 1, Megatron-Core's
 ``sequence_parallel=True``, torchtitan's ``enable_sequence_parallel``): a layer's input and
@@ -925,7 +929,8 @@ class PlanApplier:
                     plan_config_of=(None if self.schedule != "kareus" else
                                     lambda key: plan_config(self.plan, key,  # type: ignore[arg-type]
                                                             ex.current)),
-                    chunk_of=prog.chunk if prog.seq_split else None)
+                    chunk_of=prog.chunk if prog.seq_split else None,
+                    exposed_default=not self.workload.chained_layers)
             if phase == "fwd":
                 out = torch.empty_like(x2) if out_bufs is None else out_bufs[0]
                 for i in range(n):
@@ -1073,6 +1078,12 @@ class PlannedStack:
                                     f"{type(applier).__name__}")
         if int(layers) < 1:
             raise ArgumentError(f"a planned stack has at least one layer, got {layers}")
+        if int(layers) > 1 and not applier.workload.chained_layers:
+            raise WorkloadError(f"a stack of {int(layers)} layers chains them, but the "
+                                "workload's layers are unchained (chained_layers=False: its "
+                                "plan costs each layer run on its own): run each layer with "
+                                "applier.layer(), or make the workload with "
+                                "chained_layers=True")
         self.applier, self.layers = applier, int(layers)
 
     def __call__(self, x: Any, weights: Sequence[Mapping[str, Any] | Sequence[Any]], *,
