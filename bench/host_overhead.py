@@ -18,8 +18,15 @@ against the Python around it. Per schedule (``sequential``, ``nanobatching``, ``
 under the synthetic plan of ``kareus.testing.make_workload_plan``) and mode (``layers``:
 one node per layer; ``stack``: one node for every layer), per node: the forward's host
 microseconds (time of the layer call), the backward's (the autograd engine's backward of
-the microbatch over its nodes), medians over ``--rounds`` timed iterations after warm-up.
-``--profile`` prints the cProfile top functions of one mode and schedule.
+the microbatch over its nodes), the **lead** (host time from the iteration's start through
+its first node: what the GPU waits out before its first launch when the iteration starts
+on an idle GPU, as ``bench/planned_layers.py`` times it), medians over ``--rounds`` timed
+iterations after warm-up. Beside them, the **bare node** row: an autograd function with the
+same inputs that does nothing but what any autograd node of a layer does (saves its input
+and weights, hands out an output and preallocated weight gradients, which autograd
+accumulates into ``.grad`` as it does the planned layers'): the floor of what a node
+costs the host whoever runs it, for comparison. ``--profile`` prints the cProfile top
+functions of one mode and schedule.
 
 Usage::
 
@@ -147,10 +154,53 @@ class _Timer:
         self.fwd: list[float] = []
         self.bwd: list[float] = []
         self.scope: list[float] = []
+        self.lead: list[float] = []
+
+
+class _BareApplier:
+    """Stands in for a ``PlanApplier`` in ``_iteration``: nodes of the bare autograd
+    function (``_bare_function``), a scope that does nothing."""
+
+    def __init__(self, torch: Any, weights: Any, x: Any) -> None:
+        self.fn = _bare_function(torch)
+        self.out = torch.empty_like(x)
+        self.dx = torch.empty_like(x)
+        self.grads = [[torch.zeros_like(p) for p in w.values()] for w in weights]
+
+    @contextlib.contextmanager
+    def microbatch(self, mb: int, phase: str) -> Any:
+        yield None
+
+    def layer(self) -> Any:
+        return lambda y, w: self.fn.apply(self, 1, None, False, y, *w.values())
+
+    def stack(self, layers: int) -> Any:
+        return lambda y, ws: self.fn.apply(self, layers, None, False, y,
+                                           *(p for w in ws for p in w.values()))
+
+
+def _bare_function(torch: Any) -> Any:
+    class BareNode(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, applier: Any, layers: int, positions: Any, documents: bool,
+                    x: Any, *weights: Any) -> Any:
+            ctx.applier, ctx.layers = applier, layers
+            ctx.save_for_backward(x, *weights)
+            return applier.out.detach()
+
+        @staticmethod
+        def backward(ctx: Any, dy: Any) -> Any:
+            ctx.saved_tensors  # noqa: B018 - unpacked, as a planned layer's backward does
+            grads = [g.detach() for gs in ctx.applier.grads[:ctx.layers] for g in gs]
+            return (None, None, None, None, ctx.applier.dx.detach(), *grads)
+
+    return BareNode
 
 
 def _iteration(applier: Any, mode: str, weights: Any, data: Any, t: _Timer | None) -> None:
     clock = time.perf_counter
+    start = clock()
+    lead = None  # through the iteration's first node
     for mb, (x, dy) in enumerate(data):
         s0 = clock()
         with applier.microbatch(mb, "fwd"):
@@ -166,6 +216,9 @@ def _iteration(applier: Any, mode: str, weights: Any, data: Any, t: _Timer | Non
                     y = layer(y, w)
                     if t is not None:
                         t.fwd.append(clock() - a)
+            if lead is None:
+                lead = t.fwd[-len(weights) if mode == "layers" else -1] + (s1 - start) \
+                    if t is not None else 0.0
             s2 = clock()
         s3 = clock()
         with applier.microbatch(mb, "bwd"):
@@ -176,32 +229,42 @@ def _iteration(applier: Any, mode: str, weights: Any, data: Any, t: _Timer | Non
         if t is not None:
             t.bwd.append(s5 - s4)
             t.scope.append((s1 - s0) + (s3 - s2) + (s4 - s3) + (s6 - s5))
+    if t is not None and lead is not None:
+        t.lead.append(lead)
     for w in weights:
         for p in w.values():
             p.grad = None
 
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Every (mode, schedule) row: host microseconds per node."""
+    """Every (mode, schedule) row, and the bare node's: host microseconds per node."""
+    import torch
+
     rows = []
     for mode in MODES:
-        for schedule in SCHEDULES:
-            applier, weights, data = _setup(args, schedule)
+        for schedule in (*SCHEDULES, "bare node"):
+            applier, weights, data = _setup(args, "sequential" if schedule == "bare node"
+                                            else schedule)
+            runner = None
+            if schedule == "bare node":
+                applier = _BareApplier(torch, weights, data[0][0])
             for _ in range(args.warmup):
                 _iteration(applier, mode, weights, data, None)
-            captures = applier._runner.captures if applier._runner is not None else 0
+            runner = getattr(applier, "_runner", None)
+            captures = runner.captures if runner is not None else 0
             t = _Timer()
             for _ in range(args.rounds):
                 _iteration(applier, mode, weights, data, t)
             nodes = args.layers if mode == "layers" else 1
-            after = applier._runner.captures if applier._runner is not None else 0
-            fwd_us = 1e6 * statistics.median(t.fwd)
-            bwd_us = 1e6 * statistics.median(t.bwd) / nodes
+            after = runner.captures if runner is not None else 0
             rows.append({"mode": mode, "schedule": schedule, "layers": args.layers,
                          "nodes_per_phase": nodes,
-                         "fwd_us_per_node": fwd_us, "bwd_us_per_node": bwd_us,
+                         "fwd_us_per_node": 1e6 * statistics.median(t.fwd),
+                         "bwd_us_per_node": 1e6 * statistics.median(t.bwd) / nodes,
+                         "lead_us": 1e6 * statistics.median(t.lead),
                          "scopes_us_per_microbatch": 1e6 * statistics.median(t.scope),
-                         "graphs": applier.graph_memory().graphs,
+                         "graphs": (applier.graph_memory().graphs if runner is not None
+                                    else 0),
                          "captures_while_timed": after - captures})
     return rows
 
@@ -234,11 +297,11 @@ def main(argv: list[str] | None = None) -> int:
           f"replay (emulated: no CUDA call); {args.layers} layers, {args.microbatches} "
           f"microbatches, recompute={args.recompute}, median of {args.rounds} iterations")
     print(f"{'mode':<7} {'schedule':<13} {'fwd us/node':>11} {'bwd us/node':>11} "
-          f"{'scopes us/mb':>12} {'graphs':>6}")
+          f"{'lead us':>8} {'scopes us/mb':>12} {'graphs':>6}")
     for r in rows:
         print(f"{r['mode']:<7} {r['schedule']:<13} {r['fwd_us_per_node']:>11.1f} "
-              f"{r['bwd_us_per_node']:>11.1f} {r['scopes_us_per_microbatch']:>12.1f} "
-              f"{r['graphs']:>6}")
+              f"{r['bwd_us_per_node']:>11.1f} {r['lead_us']:>8.1f} "
+              f"{r['scopes_us_per_microbatch']:>12.1f} {r['graphs']:>6}")
     if args.json is not None:
         result = {"command": "python bench/host_overhead.py " + " ".join(argv or sys.argv[1:]),
                   "date": datetime.date.today().isoformat(),

@@ -342,32 +342,8 @@ def _measure_shape(torch: Any, args: argparse.Namespace, wl: Any, layers: int,
         if cuda:
             torch.cuda.synchronize()
 
-    leads = {m: _LeadProbe(torch, it) for m, it in its.items()
-             if cuda and m.endswith("+graphs")}
-    hosts: dict[tuple[str, str], list[float]] = {}
-    lead_s: dict[tuple[str, str], list[float]] = {}
-
-    def timed(mode: str, schedule: str) -> float:
-        sync()
-        if not cuda:
-            t0 = time.perf_counter()
-            its[mode].step(schedule)
-            return time.perf_counter() - t0
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        probe = leads.get(mode)
-        if probe is not None:
-            probe.arm()
-        a.record()
-        t0 = time.perf_counter()
-        its[mode].step(schedule)
-        host = time.perf_counter() - t0
-        b.record()
-        b.synchronize()
-        hosts.setdefault((mode, schedule), []).append(host)
-        if probe is not None and probe.event is not None:
-            lead_s.setdefault((mode, schedule), []).append(a.elapsed_time(probe.event) / 1e3)
-        return a.elapsed_time(b) / 1e3
-
+    clock = _Clock(torch, its, cuda)
+    timed = clock.timed
     rows = [(m, s) for m in its for s in SCHEDULES]
     # warm-up: programs, buffers, kernels' first launches, captures (a step capture
     # warms its planned layers up on a side stream, outside the capture, first); per
@@ -388,8 +364,8 @@ def _measure_shape(torch: Any, args: argparse.Namespace, wl: Any, layers: int,
                          "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
                          **_graph_memory(its[m], growth)}
     times: dict[tuple[str, str], list[float]] = {r: [] for r in rows}
-    hosts.clear()
-    lead_s.clear()
+    clock.hosts.clear()  # the rounds' only
+    clock.leads.clear()
     rng = random.Random(0)
     for _ in range(args.rounds):
         order = rows[:]
@@ -403,22 +379,64 @@ def _measure_shape(torch: Any, args: argparse.Namespace, wl: Any, layers: int,
                                "mode": m, "schedule": s, **memory.get(m, {}),
                                "iteration_s": statistics.median(times[(m, s)]),
                                "iteration_s_all": times[(m, s)]}
-        if (m, s) in hosts:
-            row["host_s"] = statistics.median(hosts[(m, s)])
-        if (m, s) in lead_s:
-            row["lead_s"] = statistics.median(lead_s[(m, s)])
+        if (m, s) in clock.hosts:
+            row["host_s"] = statistics.median(clock.hosts[(m, s)])
+        if (m, s) in clock.leads:
+            row["lead_s"] = statistics.median(clock.leads[(m, s)])
         if cuda:
             row.update(_device_figures(torch, args, its[m], s, row["iteration_s"]))
         out_rows.append(row)
-    by = {(r["mode"], r["schedule"]): r for r in out_rows}
-    for r in out_rows:  # own graphs (or eager) against one graph of the step
+    _versus_step(out_rows)
+    return out_rows
+
+
+def _versus_step(rows: list[dict[str, Any]]) -> None:
+    """Each row's time over the ``@step`` row of its layer mode and schedule (own graphs,
+    or eager, against one graph of the step), with and without its lead."""
+    by = {(r["mode"], r["schedule"]): r for r in rows}
+    for r in rows:
         base = r["mode"].split("+")[0].split("@")[0]
         step = by.get((base + "@step", r["schedule"]))
         r["vs_step"] = (r["iteration_s"] / step["iteration_s"]
                         if step is not None and not r["mode"].endswith("@step") else None)
         if r["vs_step"] is not None and "lead_s" in r:
             r["vs_step_less_lead"] = (r["iteration_s"] - r["lead_s"]) / step["iteration_s"]
-    return out_rows
+
+
+class _Clock:
+    """One iteration of a (mode, schedule), timed from an idle device: device events
+    around it (host time on the CPU), and on a GPU the host's time to enqueue it and, for
+    the applier's own graphs, the lead to its first graph launch (``_LeadProbe``)."""
+
+    def __init__(self, torch: Any, its: dict[str, Any], cuda: bool) -> None:
+        self.torch, self.its, self.cuda = torch, its, cuda
+        self.probes = {m: _LeadProbe(torch, it) for m, it in its.items()
+                       if cuda and m.endswith("+graphs")}
+        self.hosts: dict[tuple[str, str], list[float]] = {}
+        self.leads: dict[tuple[str, str], list[float]] = {}
+
+    def timed(self, mode: str, schedule: str) -> float:
+        torch, step = self.torch, self.its[mode].step
+        if not self.cuda:
+            t0 = time.perf_counter()
+            step(schedule)
+            return time.perf_counter() - t0
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        probe = self.probes.get(mode)
+        if probe is not None:
+            probe.arm()
+        a.record()
+        t0 = time.perf_counter()
+        step(schedule)
+        host = time.perf_counter() - t0
+        b.record()
+        b.synchronize()
+        self.hosts.setdefault((mode, schedule), []).append(host)
+        if probe is not None and probe.event is not None:
+            self.leads.setdefault((mode, schedule), []).append(
+                a.elapsed_time(probe.event) / 1e3)
+        return a.elapsed_time(b) / 1e3
 
 
 class _LeadProbe:

@@ -436,18 +436,18 @@ class GraphedRunner:
 
     def run(self, phase: str, x: Any, weights: Sequence[Sequence[Any]], dy: Any = None,
             inputs: Sequence[Any] | KeptInputs | None = None, *,
-            key: int | None = None) -> tuple[Any, Any]:
+            number: int | None = None) -> tuple[Any, Any]:
         """``PlanApplier.run`` from a graph: inputs read in place or copied in, replay,
         outputs lent or cloned (see the module
-        docstring). A forward returns its kept inputs as a ``KeptInputs``. ``key``: the
+        docstring). A forward returns its kept inputs as a ``KeptInputs``. ``number``: the
         applier's number for the computation's ``computation_signature``
         (``PlanApplier._signature_number``), when the caller has it. The runner's keys
         start with that number, not the signature itself: a signature holds every
         weight's layout, and a dictionary hashes its key again on every look-up."""
         ap = self.applier
-        if key is None:
-            key = ap._signature_number(phase, x, weights, inputs)
-        key = (key,)
+        if number is None:
+            number = ap._signature_number(phase, x, weights, inputs)
+        key: tuple[Any, ...] = (number,)
         if ap.workload.recompute != "full":  # activations kept: lent slots
             if phase == "fwd":
                 return self._forward_kept(key, x, weights)

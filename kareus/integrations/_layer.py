@@ -821,7 +821,8 @@ class PlanApplier:
             # packed-document positions change per batch: such calls run eagerly (a graph
             # of our own would keep the first batch's RoPE tables)
             if positions is None and self._own_graphs(x):
-                return self._graphs_runner().run(phase, x, weights, dy, inputs, key=number)
+                return self._graphs_runner().run(phase, x, weights, dy, inputs,
+                                                 number=number)
         if isinstance(inputs, KeptInputs):  # a graphed forward's, run eagerly backward
             inputs = inputs.tensors()
         result, ran = self._run_eager(phase, x, weights, dy, inputs, positions=positions,
@@ -1142,6 +1143,8 @@ class PlannedStack:
 def _ordered(weights: Mapping[str, Any] | Sequence[Any], names: Sequence[str]) -> list[Any]:
     """``weights`` (by name or in order) as a list in the order of ``names``."""
     if isinstance(weights, Mapping):
+        if weights.keys() == set(names):  # the usual case, in one comparison
+            return [weights[n] for n in names]
         missing = [n for n in names if n not in weights]
         extra = sorted(set(weights) - set(names))
         if missing or extra:
