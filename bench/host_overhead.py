@@ -284,6 +284,18 @@ def profile(args: argparse.Namespace, which: str) -> str:
     return out.getvalue()
 
 
+def _commit() -> str | None:
+    """The commit of the kareus measured (its checkout's ``git rev-parse``), if any."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=_REPO,
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.profile:
@@ -309,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
                               "python": platform.python_version(),
                               "torch": torch.__version__},
                   "measured": "CPU, stand-in replay (emulated: no CUDA call, no graph "
-                              "launch)", "rows": rows}
+                              "launch)", "code": _commit(), "rows": rows}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     return 0
