@@ -11,10 +11,13 @@ This bench measures that host time **without a GPU** (emulated: no CUDA call is 
 applier's default executors on a stand-in stream backend whose graphs are captured as the
 real ones are (the bodies run twice, then once "captured") and whose replay launches
 nothing (``GraphSequence`` and everything above it run as on a GPU; the CUDA graph
-launch itself, a few microseconds, is not in the figures, nor the CUDA copy kernels'
-launch cost: a copy of a tiny CPU tensor stands in for each). The model is tiny (hidden
-64, Qwen3's layout with query/key norms), so the tensor work on the host is negligible
-against the Python around it. Per schedule (``sequential``, ``nanobatching``, ``kareus``
+launch itself is not in the figures, nor the CUDA copy kernels' launch cost: a copy of a
+tiny CPU tensor stands in for each). The model is tiny (hidden 64, Qwen3's layout with
+query/key norms), so the tensor work on the host is negligible against the Python around
+it. With ``--device cuda`` (a GPU) it measures the real path instead: the applier's
+default executors and their CUDA graphs, replayed, with heads of 64 (hidden 512), whose
+GPU work is shorter than the host's, so the figures are the host's alone. Per schedule
+(``sequential``, ``nanobatching``, ``kareus``
 under the synthetic plan of ``kareus.testing.make_workload_plan``) and mode (``layers``:
 one node per layer; ``stack``: one node for every layer), per node: the forward's host
 microseconds (time of the layer call), the backward's (the autograd engine's backward of
@@ -33,6 +36,7 @@ Usage::
     python bench/host_overhead.py                       # table
     python bench/host_overhead.py --json bench/results/host_overhead_cpu.json
     python bench/host_overhead.py --profile layers:kareus
+    python bench/host_overhead.py --device cuda --json bench/results/host_overhead_h200.json
 """
 
 from __future__ import annotations
@@ -66,6 +70,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=200, help="timed iterations per row")
     ap.add_argument("--warmup", type=int, default=5, help="iterations before timing")
     ap.add_argument("--recompute", default="full", choices=("full", "selective", "none"))
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="cuda: the applier's own CUDA graphs, replayed for real (a model "
+                         "with heads of 64; the host time of the real path: graph "
+                         "launches and copy kernels included)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--profile", default=None, metavar="MODE:SCHEDULE",
                     help="print cProfile's top functions of that row (e.g. layers:kareus)")
@@ -117,32 +125,43 @@ def _setup(args: argparse.Namespace, schedule: str) -> tuple[Any, Any, Any]:
     from kareus.model.workload import ModelArch, Parallelism, Workload
     from kareus.testing import make_workload_plan
 
-    arch = ModelArch(name="tiny-qwen3", layers=args.layers, hidden=64, heads=8, kv_heads=8,
-                     head_dim=8, ffn=128, vocab=100, qk_norm=True, norm_eps=1e-6)
+    cuda = args.device == "cuda"
+    # on a GPU, heads of 64 (the fused attention kernels' sizes), still a small model
+    hd = 64 if cuda else 8
+    arch = ModelArch(name="tiny-qwen3", layers=args.layers, hidden=8 * hd, heads=8,
+                     kv_heads=8, head_dim=hd, ffn=16 * hd, vocab=100, qk_norm=True,
+                     norm_eps=1e-6)
     wl = Workload(model=arch, parallelism=Parallelism(tp=4, cp=2), microbatch_size=4,
                   seq_len=32, num_microbatches=args.microbatches, nanobatches=2,
                   recompute=args.recompute)
     groups = LoopbackGroups(tp=4, cp=2)
     capped, default, _ = make_collectives(groups, backend="loopback")
     plan = make_workload_plan(wl, sms=8)
-    ex_cls = _stand_in_executor_class()
-    shared = args.recompute == "full"
-    applier = PlanApplier(
-        workload=wl, groups=groups, plan=plan, schedule=schedule, kernels="torch",
-        eps=1e-6, graphs=True,
-        baseline=ex_cls(shared=shared, collective=default, default_collective=default),
-        executor=ex_cls(shared=shared, collective=capped, default_collective=default,
-                        plan=plan))
+    if cuda:  # the applier's default executors: CUDA graphs, replayed for real
+        applier = PlanApplier(workload=wl, groups=groups, plan=plan, schedule=schedule,
+                              collective=capped, default_collective=default, eps=1e-6,
+                              graphs=True)
+    else:
+        ex_cls = _stand_in_executor_class()
+        shared = args.recompute == "full"
+        applier = PlanApplier(
+            workload=wl, groups=groups, plan=plan, schedule=schedule, kernels="torch",
+            eps=1e-6, graphs=True,
+            baseline=ex_cls(shared=shared, collective=default, default_collective=default),
+            executor=ex_cls(shared=shared, collective=capped, default_collective=default,
+                            plan=plan))
+    device, dtype = (torch.device("cuda"), torch.bfloat16) if cuda else ("cpu", torch.float32)
     g = torch.Generator().manual_seed(0)
     a = wl.model
     q, kv, f = a.heads // 4 * a.head_dim, a.kv_heads // 4 * a.head_dim, a.ffn // 4
     shapes = {"w_attn_norm": (a.hidden,), "Wqkv": (a.hidden, q + 2 * kv), "Wo": (q, a.hidden),
               "w_mlp_norm": (a.hidden,), "Wg": (a.hidden, f), "Wu": (a.hidden, f),
               "Wd": (f, a.hidden), "w_q_norm": (a.head_dim,), "w_k_norm": (a.head_dim,)}
-    weights = [{n: (torch.randn(s, generator=g) * 0.02).requires_grad_(True)
+    weights = [{n: (torch.randn(s, generator=g) * 0.02).to(device, dtype).requires_grad_(True)
                 for n, s in shapes.items()} for _ in range(args.layers)]
     shape = (wl.microbatch_size, wl.seq_len // 2, a.hidden)
-    data = [(torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+    data = [(torch.randn(shape, generator=g).to(device, dtype),
+             torch.randn(shape, generator=g).to(device, dtype))
             for _ in range(args.microbatches)]
     return applier, weights, data
 
@@ -303,11 +322,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import torch
 
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda needs a CUDA GPU")
     torch.set_num_threads(1)
     rows = measure(args)
-    print(f"host time per planned-layer node on graphs=True, CPU-measured with a stand-in "
-          f"replay (emulated: no CUDA call); {args.layers} layers, {args.microbatches} "
-          f"microbatches, recompute={args.recompute}, median of {args.rounds} iterations")
+    how = ("the applier's own CUDA graphs replayed on the GPU (host time: no synchronisation "
+           "inside the iteration)" if args.device == "cuda" else
+           "CPU-measured with a stand-in replay (emulated: no CUDA call, no graph launch)")
+    print(f"host time per planned-layer node on graphs=True, {how}; {args.layers} layers, "
+          f"{args.microbatches} microbatches, recompute={args.recompute}, median of "
+          f"{args.rounds} iterations")
     print(f"{'mode':<7} {'schedule':<13} {'fwd us/node':>11} {'bwd us/node':>11} "
           f"{'lead us':>8} {'scopes us/mb':>12} {'graphs':>6}")
     for r in rows:
@@ -320,8 +344,9 @@ def main(argv: list[str] | None = None) -> int:
                   "machine": {"cpu": platform.processor() or platform.machine(),
                               "python": platform.python_version(),
                               "torch": torch.__version__},
-                  "measured": "CPU, stand-in replay (emulated: no CUDA call, no graph "
-                              "launch)", "code": _commit(), "rows": rows}
+                  "measured": how, "device": args.device, "code": _commit(), "rows": rows}
+        if args.device == "cuda":
+            result["machine"]["gpu"] = torch.cuda.get_device_name()
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     return 0

@@ -49,3 +49,29 @@ def test_the_profile_names_the_graphed_runner():
     text = bench.profile(bench.parse_args(["--layers", "1", "--rounds", "2", "--warmup", "1",
                                            "--top", "60"]), "layers:kareus")
     assert "function calls" in text and "_graphed.py" in text
+
+
+def test_the_real_path_needs_a_gpu(monkeypatch):
+    import torch
+
+    bench = load_bench("host_overhead")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        bench.main(["--device", "cuda"])
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_timed_iterations_replay_real_graphs(tmp_path):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    bench = load_bench("host_overhead")
+    out = tmp_path / "ho.json"
+    assert bench.main(["--device", "cuda", "--layers", "2", "--rounds", "5",
+                       "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["device"] == "cuda" and "gpu" in result["machine"]
+    for r in result["rows"]:
+        assert r["captures_while_timed"] == 0
+        assert (r["graphs"] > 0) == (r["schedule"] != "bare node")
