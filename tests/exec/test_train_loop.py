@@ -72,7 +72,8 @@ def plan_for(wl: Workload, *, pick: int = 1, sms: int = 8, backend: str | None =
     cfgs = {}
     for name, p in build_partitions(wl).types.items():
         slots = [s.name for s in p.slots]
-        cfgs[name] = ScheduleConfig(1980, sms, slots[min(pick, len(slots) - 1)],
+        cfgs[name] = ScheduleConfig(1980, sms,
+                                    slots[min(pick, len(slots) - 1)] if slots else None,
                                     backend=backend)
     comps = get_schedule("1f1b", 1, wl.num_microbatches).stage_orders[0]
     return Plan(gpu="h200-sxm", num_stages=1, num_microbatches=wl.num_microbatches,
