@@ -33,8 +33,10 @@ graph of the step), **host ms** = the host's time to enqueue the iteration (medi
 the rounds: below the iteration time, the host ran ahead of the GPU), **lead ms** (own
 graphs only) = the device time from the iteration's start event to the first graph launch
 (an event recorded right before it: the host time of the first node, which the GPU waits
-out; a step capture launches its one graph at once) and **vs step, less lead** = (time -
-lead) over the step's time, the GPU's own time of the iteration (iterations enqueued behind a
+out; a step capture launches its one graph at once), **launch us** = the host time of
+that first launch call (of the step capture's one launch in its rows;
+``first_launch_host_s``), **less lead** = (time - lead) over the step's time, the
+GPU-only time: the GPU's own time of the iteration (iterations enqueued behind a
 sleeping kernel, so the host never holds the GPU back; ``n/a`` when the sleeping kernel ran
 out before the host had enqueued them, which a host-bound iteration does), **fed** =
 GPU-only / measured, kernels per iteration and the GPU-busy fraction of one profiled
@@ -228,6 +230,7 @@ class StepCapture:
         self.torch, self.it = torch, it
         self.graphs: dict[str, Any] = {}
         self.grads: list[Any] = []  # the gradients the graphs write (kept alive here)
+        self.launch_s: float | None = None
 
     def _body(self, schedule: str) -> None:
         for t in self.grads:
@@ -238,7 +241,9 @@ class StepCapture:
         g = self.graphs.get(schedule)
         if g is None:
             g = self.graphs[schedule] = self._capture(schedule)
+        t0 = time.perf_counter()
         g.replay()
+        self.launch_s = time.perf_counter() - t0  # the host time of the launch call
 
     def _capture(self, schedule: str) -> Any:
         torch = self.torch
@@ -366,6 +371,7 @@ def _measure_shape(torch: Any, args: argparse.Namespace, wl: Any, layers: int,
     times: dict[tuple[str, str], list[float]] = {r: [] for r in rows}
     clock.hosts.clear()  # the rounds' only
     clock.leads.clear()
+    clock.launches.clear()
     rng = random.Random(0)
     for _ in range(args.rounds):
         order = rows[:]
@@ -383,6 +389,8 @@ def _measure_shape(torch: Any, args: argparse.Namespace, wl: Any, layers: int,
             row["host_s"] = statistics.median(clock.hosts[(m, s)])
         if (m, s) in clock.leads:
             row["lead_s"] = statistics.median(clock.leads[(m, s)])
+        if (m, s) in clock.launches:
+            row["first_launch_host_s"] = statistics.median(clock.launches[(m, s)])
         if cuda:
             row.update(_device_figures(torch, args, its[m], s, row["iteration_s"]))
         out_rows.append(row)
@@ -414,6 +422,7 @@ class _Clock:
                        if cuda and m.endswith("+graphs")}
         self.hosts: dict[tuple[str, str], list[float]] = {}
         self.leads: dict[tuple[str, str], list[float]] = {}
+        self.launches: dict[tuple[str, str], list[float]] = {}
 
     def timed(self, mode: str, schedule: str) -> float:
         torch, step = self.torch, self.its[mode].step
@@ -436,6 +445,9 @@ class _Clock:
         if probe is not None and probe.event is not None:
             self.leads.setdefault((mode, schedule), []).append(
                 a.elapsed_time(probe.event) / 1e3)
+            self.launches.setdefault((mode, schedule), []).append(probe.launch_s)
+        elif isinstance(self.its[mode], StepCapture):
+            self.launches.setdefault((mode, schedule), []).append(self.its[mode].launch_s)
         return a.elapsed_time(b) / 1e3
 
 
@@ -448,6 +460,7 @@ class _LeadProbe:
 
     def __init__(self, torch: Any, it: Any) -> None:
         self.torch, self.event, self.armed = torch, None, False
+        self.launch_s: float | None = None  # the host time of that launch call
         seen: set[int] = set()
         for applier in it.appliers.values():
             for ex in (applier.baseline, applier.executor):
@@ -459,15 +472,19 @@ class _LeadProbe:
 
     def _wrap(self, replay: Any) -> Any:
         def first_launch(graph: Any) -> None:
-            if self.armed:
-                self.armed = False
-                self.event = self.torch.cuda.Event(enable_timing=True)
-                self.event.record()
+            if not self.armed:
+                replay(graph)
+                return
+            self.armed = False
+            self.event = self.torch.cuda.Event(enable_timing=True)
+            self.event.record()
+            t0 = time.perf_counter()
             replay(graph)
+            self.launch_s = time.perf_counter() - t0
         return first_launch
 
     def arm(self) -> None:
-        self.armed, self.event = True, None
+        self.armed, self.event, self.launch_s = True, None, None
 
 
 def _device_figures(torch: Any, args: argparse.Namespace, it: Any, schedule: str,
@@ -518,7 +535,7 @@ def _print(rows: list[dict[str, Any]], wl: Any, args: argparse.Namespace, layers
           f"microbatches of {wl.microbatch_size} x {wl.seq_len}; loopback; synthetic plan")
     head = f"{'mode':<13} {'schedule':<13} {'iteration ms':>12} {'vs step':>7}"
     if cuda:
-        head += (f" {'host ms':>7} {'lead ms':>7} {'less lead':>9}"
+        head += (f" {'host ms':>7} {'lead ms':>7} {'launch us':>9} {'less lead':>9}"
                  f" {'GPU-only ms':>11} {'fed':>5} {'busy':>5} {'kernels':>7}")
     print(head)
     for r in rows:
@@ -528,8 +545,10 @@ def _print(rows: list[dict[str, Any]], wl: Any, args: argparse.Namespace, layers
         if cuda:
             busy, gpu, fed = r.get("busy"), r.get("gpu_only_s"), r.get("fed")
             host, lead, less = r.get("host_s"), r.get("lead_s"), r.get("vs_step_less_lead")
+            launch = r.get("first_launch_host_s")
             line += (f" {'' if host is None else f'{1e3 * host:.3f}':>7}"
                      f" {'' if lead is None else f'{1e3 * lead:.3f}':>7}"
+                     f" {'' if launch is None else f'{1e6 * launch:.1f}':>9}"
                      f" {'' if less is None else f'{less:.3f}':>9}"
                      f" {'n/a' if gpu is None else f'{1e3 * gpu:.3f}':>11} "
                      f"{'n/a' if fed is None else f'{fed:.2f}':>5} "

@@ -89,4 +89,5 @@ def test_the_lead_probe_records_before_the_first_launch_of_an_armed_iteration():
     appliers["b"].executor.streams.replay("g1")
     shared.replay("g2")
     assert recorded == [1] and probe.event is not None  # before g1's launch, once
+    assert probe.launch_s is not None and probe.launch_s >= 0  # g1's launch call, timed
     assert launched == ["g0", "g1", "g2"]  # each launched exactly once (wrapped once)
