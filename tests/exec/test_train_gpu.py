@@ -13,6 +13,7 @@ Skipped without torch or without CUDA.
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -99,10 +100,8 @@ def test_loopback_one_nanobatch_runs_every_schedule_as_sequential(mbs):
     # (1x H200: losses 6.9907 / 5.2171 / 3.2119 / 1.4400 against the sequential
     # schedule's 6.9838 / 5.3827 / 3.5988 / 2.1318 at TP=2 loopback, lr 1e-3). Now every
     # schedule runs as the sequential one: the same kernels in the same order.
-    m = ModelArch(name="small", layers=2, hidden=512, heads=8, kv_heads=4, head_dim=64,
-                  ffn=1024, vocab=1000)
-    wl = Workload(model=m, parallelism=Parallelism(tp=2), microbatch_size=mbs,
-                  seq_len=512, num_microbatches=2, nanobatches=1, recompute="selective")
+    wl = attrs.evolve(workload(2, 1, "selective"), microbatch_size=mbs, seq_len=512,
+                      nanobatches=1)
     groups = LoopbackGroups(tp=2)
     capped, default, _ = make_collectives(groups, backend="loopback")
     loop = TrainingLoop(workload=wl, groups=groups, collective=capped,
