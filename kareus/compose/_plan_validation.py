@@ -149,7 +149,8 @@ def _parse_workload(w: Any, source: str) -> Any:
     from kareus.model.workload import RECOMPUTE_POLICIES, Workload  # keeps the module light
 
     w = _obj(w, source, "workload")
-    _keys(w, sorted(_WORKLOAD_KEYS), _WORKLOAD_KEYS | {"sp", *_MOE_WORKLOAD_KEYS}, source,
+    _keys(w, sorted(_WORKLOAD_KEYS),
+          _WORKLOAD_KEYS | {"sp", "chained_layers", *_MOE_WORKLOAD_KEYS}, source,
           "workload")
     if isinstance(w["model"], dict):  # the architecture of a model that is not a preset
         from kareus.model.workload import ModelArch
@@ -171,6 +172,11 @@ def _parse_workload(w: Any, source: str) -> Any:
     ep = _int(w.get("ep", 1), source, "workload.ep", 1, 100_000_000)
     moe = ({} if "routing_imbalance" not in w else {"routing_imbalance": _num(
         w["routing_imbalance"], source, "workload.routing_imbalance", positive=True)})
+    # absent: chained layers (every plan written before the setting was made for them)
+    chained = w.get("chained_layers", True)
+    if not isinstance(chained, bool):
+        raise _err(source, "workload.chained_layers",
+                   f"{short_repr(chained)} is not true or false")
     try:
         return Workload.preset(model, tp=ints["tp"], cp=ints["cp"], pp=ints["pp"],
                                dp=ints["dp"], sp=sp, ep=ep,
@@ -178,7 +184,7 @@ def _parse_workload(w: Any, source: str) -> Any:
                                seq_len=ints["seq_len"],
                                num_microbatches=ints["num_microbatches"],
                                recompute=w["recompute"], nanobatches=ints["nanobatches"],
-                               **moe)
+                               chained_layers=chained, **moe)
     except (KareusError, ValueError, TypeError) as exc:
         raise _err(source, "workload", str(exc)) from None
 

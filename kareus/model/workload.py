@@ -595,6 +595,15 @@ class Workload:
             balanced routing, the default; at most ``ep``: every token on one rank). The
             busiest rank sets the pace of the all-to-alls and of the expert GEMMs, so both
             are costed at its load (``kareus.model.partition``).
+        chained_layers: Whether a stage's layers run as one chain (``True``, the default:
+            kareus's training loop, a [`PlannedStack`][kareus.integrations.PlannedStack],
+            torchtitan or Megatron-Core blocks chained by the adapters): layer ``l+1``'s
+            first ops overlap layer ``l``'s last collective. ``False``: each layer runs as
+            its own planned layer (one autograd node per layer: torchtitan's ``Trainer``,
+            which wraps every block in FSDP, or Megatron-Core layers left unchained), so
+            no collective overlaps across a layer boundary; ``build_partitions`` then
+            costs, per layer, the computation that runs bare and the collectives that run
+            exposed (``kareus.model.partition``).
     """
 
     model: ModelArch = attrs.field(converter=get_model)
@@ -606,9 +615,13 @@ class Workload:
     nanobatches: int = 2
     dtype_bytes: int = 2
     routing_imbalance: float = attrs.field(default=1.0, converter=_as_float)
+    chained_layers: bool = attrs.field(default=True)
 
     def __attrs_post_init__(self) -> None:
         m, p = self.model, self.parallelism
+        if not isinstance(self.chained_layers, bool):
+            raise WorkloadError(f"chained_layers must be True or False, got "
+                                f"{self.chained_layers!r:.40}")
         for field in ("microbatch_size", "seq_len", "num_microbatches", "nanobatches",
                       "dtype_bytes"):
             _check_count(field, getattr(self, field))
@@ -679,6 +692,9 @@ class Workload:
             (p.tp == 1 or moe.shared_experts == 0,
              f"shared experts at TP={p.tp} are not modelled (Megatron-Core splits them over "
              "TP with collectives of their own): use tp=1"),
+            (self.chained_layers,
+             "unchained layers (chained_layers=False, --unchained-layers) are not modelled "
+             "for mixture-of-experts layers: use chained layers"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -785,7 +801,8 @@ class Workload:
                 f"mbs={self.microbatch_size} seq={self.seq_len} "
                 f"microbatches={self.num_microbatches} nanobatches={self.nanobatches}"
                 f"{'' if self.recompute == 'none' else f' recompute={self.recompute}'}"
-                f"{f' imbalance={self.routing_imbalance:g}' if self.routing_imbalance != 1 else ''}")
+                f"{f' imbalance={self.routing_imbalance:g}' if self.routing_imbalance != 1 else ''}"
+                f"{'' if self.chained_layers else ' unchained layers'}")
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready description: ``model`` is the whole architecture, name and features
@@ -793,18 +810,22 @@ class Workload:
         says which model it was made for, and [`from_dict`][kareus.model.Workload.from_dict]
         rebuilds that one). Descriptions written before this named a preset only; they still
         load, as the current preset. ``ep`` and ``routing_imbalance`` are written for a
-        mixture-of-experts model only (a dense workload's description is as before)."""
+        mixture-of-experts model only (a dense workload's description is as before);
+        ``chained_layers`` is written only when it is ``False`` (a description without it
+        means chained layers, as every one written before the setting did)."""
         p = self.parallelism
         model: object = self.model.to_dict()
-        d: dict[str, object] = {
+        out: dict[str, object] = {
             "model": model, "tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": p.dp, "sp": p.sp,
             "microbatch_size": self.microbatch_size, "seq_len": self.seq_len,
             "num_microbatches": self.num_microbatches, "recompute": self.recompute,
             "nanobatches": self.nanobatches}
         if self.model.moe is not None:
-            d["ep"] = p.ep
-            d["routing_imbalance"] = self.routing_imbalance
-        return d
+            out["ep"] = p.ep
+            out["routing_imbalance"] = self.routing_imbalance
+        if not self.chained_layers:
+            out["chained_layers"] = False
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, object]) -> Workload:
@@ -824,5 +845,5 @@ class Workload:
         par["sp"] = d.get("sp", False)
         rest = {k: d[k] for k in ("microbatch_size", "seq_len", "num_microbatches",
                                   "recompute", "nanobatches", "dtype_bytes",
-                                  "routing_imbalance") if k in d}
+                                  "routing_imbalance", "chained_layers") if k in d}
         return cls(model=arch, parallelism=Parallelism(**par), **rest)  # type: ignore[arg-type]

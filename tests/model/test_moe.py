@@ -337,3 +337,10 @@ def test_the_scope_exception_is_the_expert_parallel_group_only():
     not_ep = attrs.evolve(part, comm_group="tp")
     with pytest.raises(AssertionError, match="must be an int that includes the collective"):
         check_partition(lambda: not_ep)
+
+
+def test_unchained_moe_layers_are_refused():
+    # the unchained pieces are the dense layer's: an MoE model is refused, not costed dense
+    with pytest.raises(WorkloadError, match="unchained layers .* are not modelled for "
+                                            "mixture-of-experts"):
+        _wl(chained_layers=False)
