@@ -50,7 +50,7 @@ from typing import Any
 
 import attrs
 
-from kareus.errors import ArgumentError, UnknownSlotError
+from kareus.errors import ArgumentError, PlanError, UnknownSlotError
 from kareus.exec._executor_role import Executor
 from kareus.model.decoder import NOT_READ_BY_BACKWARD, LayerPhase, decoder_layer
 from kareus.model.partition import TransformerPartition
@@ -343,6 +343,25 @@ def _plan_config(plan_config_of: Callable[[str], Any], types: Mapping[str, TypeS
 _CHUNK_SUFFIX = re.compile(r"_c\d+$")
 
 
+def _config_of_kind(config_of: Callable[[str], Any], shapes: Mapping[str, TypeShape],
+                    comm: Comm, key: str) -> tuple[str, Any]:
+    """``(type, configuration)`` for a collective no type's ops hold (an opening collective,
+    e.g. the all-gather of the output gradient a backward under sequence parallelism starts
+    with): the first type of its kind and group that the computation's choice configures
+    (a plan's choice names only its phase's types, so a type of the other phase is
+    skipped); ``config_of(key)``'s error where none is."""
+    first: PlanError | None = None
+    for name, sh in shapes.items():
+        if sh.comm_kind == comm.kind and sh.comm_group in (None, comm.group):
+            try:
+                return name, config_of(name)
+            except PlanError as exc:
+                first = first or exc
+    if first is not None:
+        raise first
+    return key, config_of(key)
+
+
 def run_computation(executor: Executor, stack: Sequence[Piece], *, schedule: str, nanobatches: int,  # noqa: C901 - one branch per schedule, checked up front; they share the enqueue helpers
                     run_op: Callable[[Op, int], Any],
                     comm_args: Callable[[Comm, int], tuple[Any, Any]],
@@ -449,11 +468,12 @@ def run_computation(executor: Executor, stack: Sequence[Piece], *, schedule: str
             key = key_for(piece.op_names, piece.comm)
             cfg: Any = DefaultConfig(None)
             if sequential_config_of is not None:
-                if key not in shapes:  # no type holds these ops: the first of its kind
-                    key = next((n for n, sh in shapes.items()
-                                if sh.comm_kind == piece.comm.kind
-                                and sh.comm_group in (None, piece.comm.group)), key)
-                cfg = attrs.evolve(sequential_config_of(key), launch_slot=None)
+                if key not in shapes:  # no type holds these ops (an opening collective)
+                    key, found = _config_of_kind(sequential_config_of, shapes, piece.comm,
+                                                 key)
+                else:
+                    found = sequential_config_of(key)
+                cfg = attrs.evolve(found, launch_slot=None)
             launch(key, cfg, piece.comm, 0, piece, 0)
         return ran
 
