@@ -46,6 +46,9 @@ def plans() -> list[dict]:
         (Workload.preset(attrs.evolve(get_model("qwen3-30b-a3b"), name="my-moe", layers=4),
                          dp=2, ep=2, microbatch_size=2, seq_len=512, num_microbatches=2,
                          routing_imbalance=1.25), "1f1b"),
+        # layers run one by one (chained_layers false: torchtitan's FSDP-wrapped blocks)
+        (Workload.preset("qwen3-1.7b", tp=2, microbatch_size=2, seq_len=512,
+                         num_microbatches=2, chained_layers=False), "1f1b"),
     ]
     out = []
     for wl, schedule in runs:
@@ -65,7 +68,11 @@ def test_schema_is_shipped_and_names_every_key_of_a_plan(plans):
             assert set(SCHEMA["$defs"]["choice"]["required"]) == set(ch) - {"nanobatches"}
         if d["workload"] is not None:
             moe = {"ep", "routing_imbalance"} if "moe" in d["workload"]["model"] else set()
-            assert set(d["workload"]) == set(SCHEMA["$defs"]["workload"]["required"]) | moe
+            # written only when false (plans of chained layers are unchanged)
+            unchained = {"chained_layers"} if "chained_layers" in d["workload"] else set()
+            assert d["workload"].get("chained_layers", False) is False
+            assert set(d["workload"]) == (set(SCHEMA["$defs"]["workload"]["required"]) | moe
+                                          | unchained)
     assert {d["schedule"] for d in plans} == {"1f1b", "gpipe"}
     assert any(isinstance(d["workload"]["model"], dict) for d in plans)
 
@@ -176,3 +183,13 @@ def test_an_moe_plan_loads_with_its_expert_parallelism(plans):
     wl = Workload.from_dict(plan.workload)
     assert wl.parallelism.ep == 2 and wl.routing_imbalance == 1.25
     assert wl.model.moe is not None and wl.model.moe.experts == 128
+
+
+def test_an_unchained_plan_validates_and_loads_unchained(plans):
+    jsonschema = pytest.importorskip("jsonschema", reason="jsonschema (the dev extra) "
+                                     "validates plans against the schema")
+    unchained = [d for d in plans if d["workload"].get("chained_layers") is False]
+    assert unchained
+    jsonschema.validate(unchained[0], SCHEMA, cls=jsonschema.Draft202012Validator)
+    plan = Plan.from_dict(json.loads(json.dumps(unchained[0])))
+    assert Workload.from_dict(plan.workload).chained_layers is False
