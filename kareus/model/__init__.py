@@ -23,6 +23,7 @@ from kareus.model.decoder import (
     decoder_layer,
     layer_collectives,
 )
+from kareus.model.documents import document_pairs, document_tokens_of
 from kareus.model.gpu import GPU_PRESETS, GPUSpec, get_gpu, gpu_names
 from kareus.model.measurement import Measurement
 from kareus.model.ops import CommKind, CommOp, ComputeOp, OpKind
@@ -91,6 +92,8 @@ __all__ = [
     "cp_chunks",
     "cp_positions",
     "decoder_layer",
+    "document_pairs",
+    "document_tokens_of",
     "get_gpu",
     "get_model",
     "get_schedule",

@@ -521,6 +521,19 @@ class Workload:
             its sequences, or, for a microbatch of one sequence, chunks of that sequence
             (``sequence_split``; CP = 1 only).
         dtype_bytes: Bytes per activation element (2 for bf16).
+        document_tokens: ``None`` (default): each sequence is one document, its attention
+            causal over the whole sequence. Otherwise the sequences pack documents and
+            the attention masks them (each token attends to the earlier tokens of its own
+            document: torchtitan's FlexAttention / VarlenAttention ``block_causal``), and
+            this is the documents' length in tokens as the cost model takes it: each
+            sequence is cut into documents of ``document_tokens`` tokens (the last one
+            the remainder), whose causal attention is costed (``document_pairs``: about
+            ``seq_len x document_tokens / 2`` score pairs per sequence instead of
+            ``seq_len^2 / 2``). For documents of varied lengths ``L_i`` the same work is
+            ``sum L_i^2 / sum L_i`` (each token's document length, averaged over tokens:
+            [`document_tokens_of`][kareus.model.document_tokens_of] measures it from a
+            batch's positions), which is longer than their plain mean. CP = 1 only, and
+            not with nanobatches along the sequence.
     """
 
     model: ModelArch = attrs.field(converter=get_model)
@@ -531,12 +544,15 @@ class Workload:
     recompute: str = attrs.field(default="full", converter=recompute_policy)
     nanobatches: int = 2
     dtype_bytes: int = 2
+    document_tokens: int | None = None
 
     def __attrs_post_init__(self) -> None:
         m, p = self.model, self.parallelism
         for field in ("microbatch_size", "seq_len", "num_microbatches", "nanobatches",
                       "dtype_bytes"):
             _check_count(field, getattr(self, field))
+        if self.document_tokens is not None:
+            _check_count("document_tokens", self.document_tokens)
         if self.recompute not in RECOMPUTE_POLICIES:
             raise WorkloadError(f"recompute must be one of {', '.join(RECOMPUTE_POLICIES)}, "
                                 f"got {self.recompute!r:.40}")
@@ -568,6 +584,13 @@ class Workload:
              f"sequence parallelism at TP={p.tp} needs each nanobatch's "
              f"{self.seq_len // self.nanobatches} tokens divisible by TP"),
             (self.num_microbatches >= 1, "num_microbatches must be >= 1"),
+            (self.document_tokens is None or p.cp == 1,
+             f"packed documents (document_tokens={self.document_tokens}) are modelled at "
+             f"CP=1 only, got CP={p.cp}"),
+            (self.document_tokens is None or not self.sequence_split,
+             f"packed documents (document_tokens={self.document_tokens}) are not modelled "
+             f"with nanobatches along the sequence (microbatch_size=1, nanobatches="
+             f"{self.nanobatches}): use nanobatches=1 or a larger microbatch"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -662,20 +685,26 @@ class Workload:
                 f"CP={p.cp} PP={p.pp} DP={p.dp} "
                 f"mbs={self.microbatch_size} seq={self.seq_len} "
                 f"microbatches={self.num_microbatches} nanobatches={self.nanobatches}"
-                f"{'' if self.recompute == 'none' else f' recompute={self.recompute}'}")
+                f"{'' if self.recompute == 'none' else f' recompute={self.recompute}'}"
+                f"{'' if self.document_tokens is None else f' documents={self.document_tokens}'}")
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready description: ``model`` is the whole architecture, name and features
         included, also for a preset (a preset may change between versions: a plan then still
         says which model it was made for, and [`from_dict`][kareus.model.Workload.from_dict]
         rebuilds that one). Descriptions written before this named a preset only; they still
-        load, as the current preset."""
+        load, as the current preset. ``document_tokens`` is written where documents are
+        masked (absent: one document per sequence)."""
         p = self.parallelism
         model: object = self.model.to_dict()
-        return {"model": model, "tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": p.dp, "sp": p.sp,
-                "microbatch_size": self.microbatch_size, "seq_len": self.seq_len,
-                "num_microbatches": self.num_microbatches, "recompute": self.recompute,
-                "nanobatches": self.nanobatches}
+        d: dict[str, object] = {
+            "model": model, "tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": p.dp, "sp": p.sp,
+            "microbatch_size": self.microbatch_size, "seq_len": self.seq_len,
+            "num_microbatches": self.num_microbatches, "recompute": self.recompute,
+            "nanobatches": self.nanobatches}
+        if self.document_tokens is not None:
+            d["document_tokens"] = self.document_tokens
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, object]) -> Workload:
@@ -694,5 +723,6 @@ class Workload:
                                for k in ("tp", "cp", "pp", "dp")}
         par["sp"] = d.get("sp", False)
         rest = {k: d[k] for k in ("microbatch_size", "seq_len", "num_microbatches",
-                                  "recompute", "nanobatches", "dtype_bytes") if k in d}
+                                  "recompute", "nanobatches", "dtype_bytes",
+                                  "document_tokens") if k in d}
         return cls(model=arch, parallelism=Parallelism(**par), **rest)  # type: ignore[arg-type]

@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _reference import full_weights, layer, planned_weights, workload
+from _reference import full_weights, layer, planned_weights, shard, workload
 
 from kareus.errors import WorkloadError
 from kareus.exec.train import LoopbackGroups
@@ -100,6 +100,61 @@ def test_documents_masked_as_the_reference_float64(schedule, qk, recompute):
     # the mask matters: causal over the whole sequence differs
     y_causal, _, _ = _run(applier, x, w, pos, c)
     assert not torch.allclose(y_causal, y)
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_a_plan_for_packed_documents_runs_them_masked(recompute):
+    # a plan costed for packed documents (Workload.document_tokens) applies to layers that
+    # mask them: the plan's schedule gives the baseline's values (float64, TP = 2 stood in
+    # by one process); a plan costed for causal attention over whole sequences is refused
+    # where the layers mask documents, and a plan of one document setting for a job of
+    # another, each in one line
+    from kareus.errors import PlanError
+    from kareus.testing import RecordingExecutor, make_workload_plan
+
+    wl = workload(2, recompute=recompute).with_(document_tokens=5)
+    arch = wl.model
+    w = {k: v.double() for k, v in shard(full_weights(arch, 2), arch, 2, 0).items()}
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(wl.microbatch_size, wl.seq_len, arch.hidden, generator=g,
+                    dtype=torch.float64)
+    c = torch.randn(x.shape, generator=g, dtype=torch.float64)
+    pos = _packed(wl.microbatch_size, wl.seq_len, (4, 9, 13))
+    plan = make_workload_plan(wl, sms=8)
+    assert plan.workload["document_tokens"] == 5
+
+    def run(applier):
+        xg = x.clone().requires_grad_(True)
+        p = {k: v.clone().requires_grad_(True) for k, v in w.items()}
+        with applier.microbatch(0, "fwd"):
+            y = applier.layer()(xg, planned_weights(p, arch), positions=pos, documents=True)
+        with applier.microbatch(0, "bwd"):
+            (y * c).sum().backward()
+        return y.detach(), xg.grad, {k: v.grad for k, v in p.items()}
+
+    def applier(plan, job=wl):
+        return PlanApplier(workload=job, groups=LoopbackGroups(tp=2), plan=plan,
+                           executor=RecordingExecutor(plan=plan) if plan else None,
+                           baseline=RecordingExecutor(),
+                           schedule=None if plan else "sequential", kernels="torch",
+                           eps=arch.norm_eps, record=True)
+
+    planned = applier(plan)
+    y, dx, dw = run(planned)
+    assert any(ph == "bwd" for ph, _, _ in planned.partitions_run)
+    y0, dx0, dw0 = run(applier(None))
+    torch.testing.assert_close(y, y0)
+    torch.testing.assert_close(dx, dx0)
+    for k in dw:
+        torch.testing.assert_close(dw[k], dw0[k], msg=k)
+    causal = wl.with_(document_tokens=None)
+    with pytest.raises(PlanError, match="document_tokens") as err:
+        run(applier(make_workload_plan(causal, sms=8), causal))
+    assert "\n" not in str(err.value)
+    with pytest.raises(PlanError, match="document_tokens: plan 5, job 7"):
+        applier(plan, wl.with_(document_tokens=7))
+    with pytest.raises(PlanError, match="document_tokens: plan 5, job None"):
+        applier(plan, causal)
 
 
 def test_positions_must_match_the_batch():

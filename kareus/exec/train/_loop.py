@@ -97,8 +97,8 @@ def check_plan_workload(plan: Plan, workload: Workload, *, one_stage: bool = Tru
     Raises:
         PlanError: the plan has more than one pipeline stage (``one_stage``) or not the
             workload's PP stages, or its recorded workload differs from ``workload`` in TP,
-            CP, microbatch size, sequence length, nanobatches, microbatches, recomputation
-            or model.
+            CP, microbatch size, sequence length, nanobatches, microbatches, recomputation,
+            packed documents (``document_tokens``) or model.
     """
     if not isinstance(plan, Plan):
         raise ArgumentTypeError(f"plan must be a kareus.compose.Plan, got "
@@ -124,6 +124,10 @@ def check_plan_workload(plan: Plan, workload: Workload, *, one_stage: bool = Tru
             "recompute")
     diff = [f"{k}: plan {theirs.get(k)!r}, job {mine[k]!r}" for k in keys
             if k in theirs and theirs[k] != mine[k]]
+    # packed documents masked (their attention costed): absent is one document per sequence
+    if theirs.get("document_tokens") != mine.get("document_tokens"):
+        diff.append(f"document_tokens: plan {theirs.get('document_tokens')!r}, job "
+                    f"{mine.get('document_tokens')!r}")
     if "model" in w:
         diff += _architecture_differences(w["model"], workload.model)
     if diff:
@@ -290,6 +294,12 @@ class TrainingLoop:
         if p.pp != 1 or p.dp != 1:
             raise WorkloadError(f"the training loop runs PP=1, DP=1; the workload has "
                                 f"PP={p.pp}, DP={p.dp}")
+        if workload.document_tokens is not None:
+            raise WorkloadError(f"the training loop's data are whole sequences, causal "
+                                f"attention over each; the workload masks packed documents "
+                                f"(document_tokens={workload.document_tokens}): drop "
+                                "document_tokens (packed documents run in the planned layers: "
+                                "kareus.integrations.PlanApplier)")
         if (groups.tp_size, groups.cp_size) != (p.tp, p.cp):
             raise WorkloadError(f"the groups are TP={groups.tp_size} x CP={groups.cp_size}; the "
                                 f"workload asks for TP={p.tp} x CP={p.cp}")
