@@ -420,7 +420,8 @@ def workload_from_torchtitan(model_or_config: Any, *, tp: int, cp: int = 1,
                              microbatch_size: int, seq_len: int, num_microbatches: int,
                              nanobatches: int = 2, pp: int = 1, dp: int = 1,
                              name: str = "torchtitan-llama3",
-                             recompute: str = "full", sp: bool | None = None) -> Workload:
+                             recompute: str = "full", sp: bool | None = None,
+                             document_tokens: int | None = None) -> Workload:
     """The workload ``kareus optimize`` makes a plan for, from a torchtitan Llama 3 model.
 
     Args:
@@ -444,6 +445,11 @@ def workload_from_torchtitan(model_or_config: Any, *, tp: int, cp: int = 1,
         sp: Sequence parallelism (``parallelism.enable_sequence_parallel``); ``None``: as
             the model's TP plan says ([`sequence_parallel_of`][kareus.integrations.torchtitan.sequence_parallel_of];
             off without one).
+        document_tokens: Where the model's attention masks packed documents
+            ([`masks_documents`][kareus.integrations.torchtitan.masks_documents]), their
+            length the plan is costed for (``Workload.document_tokens``); ``apply_plan``
+            refuses a plan for such a model without it, and it for a model whose attention
+            masks none.
 
     Raises:
         ArgumentTypeError: not a torchtitan model or config.
@@ -458,7 +464,7 @@ def workload_from_torchtitan(model_or_config: Any, *, tp: int, cp: int = 1,
                                                         sp=bool(sp)),
                     microbatch_size=microbatch_size, seq_len=seq_len,
                     num_microbatches=num_microbatches, nanobatches=nanobatches,
-                    recompute=recompute)
+                    recompute=recompute, document_tokens=document_tokens)
 
 
 # ------------------------------------------------------------------ the blocks' weights

@@ -395,6 +395,65 @@ def test_packed_documents_rotate_at_their_positions(fuse, name):
     assert not torch.allclose(planned(tokens).detach(), outs[1][0], atol=1e-4)
 
 
+def _flex(cfg):
+    """``cfg`` with torchtitan's stock FlexAttention (block_causal document masks)."""
+    from torchtitan.models.common.attention import FlexAttention
+
+    for lc in cfg.layers:
+        lc.attention.inner_attention = FlexAttention.Config()
+    return cfg
+
+
+def test_document_masks_need_a_workload_that_says_so():
+    # FlexAttention masks packed documents: a plan needs a workload with document_tokens
+    # (the attention within documents costed), and a workload with it needs such a model
+    flex = _flex(config(fuse=True))
+    assert kt.masks_documents(flex) and not kt.masks_documents(config(fuse=True))
+    kw = dict(microbatch_size=MBS, seq_len=SEQ, num_microbatches=1)
+    causal = kt.workload_from_torchtitan(flex, tp=2, **kw)
+    docs = kt.workload_from_torchtitan(flex, tp=2, document_tokens=8, **kw)
+    assert docs.document_tokens == 8
+    with pytest.raises(WorkloadError, match="document_tokens=") as err:
+        kt.apply_plan(build(flex), workload=causal, plan=make_workload_plan(causal))
+    assert "\n" not in str(err.value)
+    # accepted up to the TP group this process does not have
+    with pytest.raises(ArgumentError, match="mesh="):
+        kt.apply_plan(build(flex), workload=docs, plan=make_workload_plan(docs))
+    sdpa = config(fuse=True)
+    with pytest.raises(WorkloadError, match="without document_tokens"):
+        kt.apply_plan(build(sdpa), workload=kt.workload_from_torchtitan(
+            sdpa, tp=1, document_tokens=8, **kw), schedule="sequential")
+
+
+@pytest.mark.slow
+def test_planned_blocks_mask_documents_as_torchtitan_s_flex_attention():
+    # torchtitan's stock attention (FlexAttention, block_causal masks built by its decoder
+    # from the positions) against the planned blocks masking the same documents (the
+    # dense-mask path on the CPU; FlexAttention has no CPU backward, so torchtitan's side
+    # runs forward only), then the planned model's backward runs
+    cfg = _flex(config(fuse=True))
+    base = build(cfg)
+    planned = copy.deepcopy(base)
+    wl = kt.workload_from_torchtitan(cfg, tp=1, microbatch_size=MBS, seq_len=SEQ,
+                                     num_microbatches=1, document_tokens=6)
+    kt.apply_plan(planned, workload=wl, schedule="nanobatching", kernels="torch")
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, VOCAB, (MBS, SEQ), generator=g)
+    packed = torch.stack([torch.cat((torch.arange(k), torch.arange(SEQ - k)))
+                          for k in (3, 8, 11, 16)])
+    with torch.no_grad():
+        want = base(tokens, positions=packed, attention_masks=base.get_attention_masks(packed))
+    got = planned(tokens, positions=packed, attention_masks=planned.get_attention_masks(packed))
+    torch.testing.assert_close(got.detach(), want, rtol=1e-4, atol=1e-5)
+    got.square().mean().backward()
+    assert all(p.grad is not None and bool(p.grad.isfinite().all())
+               for p in planned.parameters())
+    # the masks matter: the same positions, causal over the whole sequence, differ
+    sdpa = build(config(fuse=True))
+    with torch.no_grad():
+        assert not torch.allclose(sdpa(tokens, positions=packed), want, atol=1e-4)
+
+
 # ------------------------------------------------------------------ two processes, gloo
 
 
@@ -619,7 +678,8 @@ def test_the_trainer_s_activation_checkpoint_is_a_recomputation_policy_or_refuse
 
 
 #: torchtitan's own flags for the debug Llama 3 at TP = 2 with SDPA attention (the stock
-#: FlexAttention masks documents, which plans do not cost), its defaults otherwise.
+#: FlexAttention masks documents: their length is given with --document-tokens), its
+#: defaults otherwise.
 TT_FLAGS = ("--module llama3 --config llama3_debugmodel --parallelism.tensor_parallel_degree 2 "
             "--override.imports kareus.testing.torchtitan_sdpa.causal_sdpa "
             "--training.seq_len 256 --training.local_batch_size 4 "
@@ -653,11 +713,31 @@ def test_optimize_makes_the_plan_from_torchtitan_s_flags(tmp_path, capsys):
     # attention (document masks) is not costed; selective is named, not guessed
     stock = TT_FLAGS.replace("--override.imports kareus.testing.torchtitan_sdpa.causal_sdpa",
                              "")
+    # the stock attention (FlexAttention, block_causal) with the documents' length given:
+    # the plan costs the attention within documents of that length
+    docs = tmp_path / "docs"
+    assert main(["optimize", "--torchtitan-args", stock, "--gpus", "2", "--recompute",
+                 "selective", "--document-tokens", "64", *common, "--out", str(docs)]) == 0
+    stock_config = ConfigManager().parse_args(stock.split())
+    assert kt.masks_documents(stock_config)
+    want = kt.workload_from_torchtitan_config(stock_config, world_size=2,
+                                              selective_as="selective", document_tokens=64)
+    assert Plan.load(docs / "plan.json").workload == want.to_dict()
+    assert want.document_tokens == 64 and want.with_(document_tokens=None) == wl
+    with pytest.raises(WorkloadError, match="document_tokens="):
+        kt.workload_from_torchtitan_config(stock_config, world_size=2,
+                                           selective_as="selective")
+    with pytest.raises(WorkloadError, match="drop document_tokens"):
+        kt.workload_from_torchtitan_config(config, world_size=2, selective_as="selective",
+                                           document_tokens=64)
+    capsys.readouterr()
     for extra, flags, words in (
             (["--gpus", "2", "--tp", "2"], TT_FLAGS, "drop --tp"),
             ([], TT_FLAGS, "--gpus"),
             (["--gpus", "3"], TT_FLAGS, "do not make 3 ranks"),
-            (["--gpus", "2", "--recompute", "selective"], stock, "does not cost"),
+            (["--gpus", "2", "--recompute", "selective"], stock, "give --document-tokens"),
+            (["--gpus", "2", "--recompute", "selective", "--document-tokens", "64"],
+             TT_FLAGS, "masks no documents"),
             (["--gpus", "2"], TT_FLAGS, "selective_as"),
             (["--gpus", "2", "--recompute", "none"], TT_FLAGS + " activation-checkpoint:full",
              "contradicts"),
