@@ -196,13 +196,49 @@ def test_positions_on_the_gpu_kernels_bf16(qk, documents):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
-def test_positions_inside_an_enclosing_capture_follow_each_replay(documents):
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_flex_documents_in_planned_layers_equal_the_dense_mask_bf16(recompute):
+    # the planned layer's block-sparse path (compiled FlexAttention, heads of 32) against
+    # its dense-mask path on the same bf16 inputs: output and every gradient
+    from kareus.exec.kernels import TorchKernels
+
+    wl = workload(qk=True, mbs=4, seq=256, head_dim=32, recompute=recompute)
+    arch = wl.model
+    dev = torch.device("cuda")
+    w = {k: v.to(dev, torch.bfloat16) for k, v in full_weights(arch, 2).items()}
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 256, arch.hidden, generator=g).to(dev, torch.bfloat16)
+    c = torch.randn(4, 256, arch.hidden, generator=g).to(dev, torch.bfloat16)
+    pos = _packed(4, 256, (37, 100, 190)).to(dev)
+    runs = {}
+    for backend in ("flex", "mask"):
+        ks = TorchKernels()
+        ks.documents_backend = backend
+        applier = PlanApplier(workload=wl, groups=LoopbackGroups(tp=1),
+                              schedule="nanobatching", kernels=ks, eps=arch.norm_eps)
+        runs[backend] = _run(applier, x, w, pos, c, documents=True)
+
+    def rel(a, b):
+        return float((a.double() - b.double()).norm() / b.double().norm())
+
+    (y, dx, dw), (ym, dxm, dwm) = runs["flex"], runs["mask"]
+    assert rel(y, ym) < 1e-2 and rel(dx, dxm) < 2e-2
+    for k in dw:
+        assert rel(dw[k], dwm[k]) < 2e-2, k
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("documents,head_dim", [(False, 8), (True, 8), (True, 32)],
+                         ids=["causal", "documents-dense-mask", "documents-flex"])
+def test_positions_inside_an_enclosing_capture_follow_each_replay(documents, head_dim):
     # torchtitan's step capture: one forward-backward warmed up eagerly (here on plain
     # positions), captured on one batch's positions and replayed on another's, copied into
     # the captured tensors. The replay must rotate (and mask) by the copied positions:
-    # equal to eager execution on them, to bf16 rounding.
-    wl = workload(qk=True, mbs=4, seq=256)
+    # equal to eager execution on them, to bf16 rounding. Heads of 8 attend through the
+    # dense mask (FlexAttention's GPU kernel takes 16 and more), of 32 through compiled
+    # FlexAttention, its block mask built inside the capture.
+    wl = workload(qk=True, mbs=4, seq=256, head_dim=head_dim)
     arch = wl.model
     dev = torch.device("cuda")
     p = {k: v.to(dev, torch.bfloat16).requires_grad_(True)

@@ -52,7 +52,8 @@ class KernelSet(abc.ABC):
         documents_backend: How ``attention`` runs packed documents' block-causal mask (a
             ``DocumentMask``): ``"flex"`` (block-sparse FlexAttention, compiled on a GPU),
             ``"mask"`` (SDPA with the dense boolean mask), or ``None`` (default): flex on a
-            CUDA device, the dense mask elsewhere (see ``kareus.exec.kernels._documents``).
+            CUDA device (heads of 16 and more: its GPU kernel's least), the dense mask
+            elsewhere (see ``kareus.exec.kernels._documents``).
     """
 
     name: str = "custom"
@@ -168,10 +169,11 @@ class KernelSet(abc.ABC):
 
     def document_backend(self, q: Any) -> str:
         """How ``attention`` runs a ``DocumentMask`` for queries ``q``: ``documents_backend``,
-        or by default ``"flex"`` on a CUDA device and ``"mask"`` elsewhere."""
+        or by default ``"flex"`` on a CUDA device and ``"mask"`` elsewhere (and for heads
+        narrower than 16, which FlexAttention's GPU kernel does not take)."""
         backend = self.documents_backend
         if backend is None:
-            return "flex" if q.device.type == "cuda" else "mask"
+            return "flex" if q.device.type == "cuda" and q.shape[-1] >= 16 else "mask"
         if backend not in DOCUMENT_BACKENDS:
             raise ArgumentError(f"documents_backend must be one of {DOCUMENT_BACKENDS} or "
                                 f"None, got {backend!r}")
