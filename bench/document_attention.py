@@ -46,6 +46,70 @@ def positions(batch: int, seq: int, document_tokens: int, seed: int) -> list[lis
     return rows
 
 
+def timed(fn, n: int, gpu: bool) -> float:
+    """Mean milliseconds of ``fn()`` over ``n`` calls after two warm-ups (CUDA events on a
+    GPU, the host clock on a CPU)."""
+    import torch
+
+    for _ in range(2):
+        fn()
+    if not gpu:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - t0) / n * 1e3
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(n):
+        fn()
+    e1.record()
+    torch.cuda.synchronize()
+    return e0.elapsed_time(e1) / n
+
+
+def measure(name: str, ks, pos, q, k, v, do, repeats: int) -> tuple[dict, object]:
+    """One row: path ``name`` (``flex``, ``mask`` or ``causal``) on these inputs, and its
+    output."""
+    import torch
+
+    from kareus.exec.kernels import DocumentMask
+
+    gpu = q.device.type == "cuda"
+
+    def build():
+        docs = DocumentMask(pos)
+        if name == "flex":
+            docs.block_mask()
+        elif name == "mask":
+            docs.dense()
+        return docs
+
+    row: dict[str, object] = {}
+    mask = None
+    if name != "causal":
+        row["mask_ms"] = timed(build, repeats, gpu)
+        mask = build()
+    if not gpu:  # forward only: FlexAttention has no CPU backward
+        with torch.no_grad():
+            row["fwd_ms"] = timed(lambda: ks.attention(q, k, v, mask), repeats, gpu)
+            return row, ks.attention(q, k, v, mask)
+    row["fwd_ms"] = timed(lambda: ks.attention_fwd(q, k, v, mask), repeats, gpu)
+    saved = ks.attention_fwd(q, k, v, mask)
+    out = saved.output
+    row["bwd_ms"] = timed(lambda s=saved: ks.attention_bwd(do, s), repeats, gpu)
+    del saved
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    s = ks.attention_fwd(q, k, v, None if name == "causal" else build())
+    ks.attention_bwd(do, s)
+    del s
+    torch.cuda.synchronize()
+    row["peak_extra_mib"] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
+    return row, out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, nargs="+", default=[4096, 8192])
@@ -61,38 +125,21 @@ def main() -> int:
 
     import torch
 
-    from kareus.exec.kernels import DocumentMask, TorchKernels
+    from kareus.exec.kernels import TorchKernels
     from kareus.model import document_pairs, document_tokens_of
 
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     gpu = dev.type == "cuda"
     dtype = torch.bfloat16 if gpu else torch.float32
     torch.manual_seed(0)
-
-    def timed(fn, n: int) -> float:
-        for _ in range(2):
-            fn()
-        if not gpu:
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            return (time.perf_counter() - t0) / n * 1e3
-        torch.cuda.synchronize()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(n):
-            fn()
-        e1.record()
-        torch.cuda.synchronize()
-        return e0.elapsed_time(e1) / n
-
-    flex, dense = TorchKernels(), TorchKernels()
-    flex.documents_backend, dense.documents_backend = "flex", "mask"
+    kernels = {"flex": TorchKernels(), "mask": TorchKernels()}
+    kernels["causal"] = kernels["flex"]
+    kernels["flex"].documents_backend, kernels["mask"].documents_backend = "flex", "mask"
+    b, h, kvh, hd = args.batch, args.heads, args.kv_heads, args.head_dim
     rows: list[dict[str, object]] = []
     for seq in args.seq:
-        pos_list = positions(args.batch, seq, args.document_tokens, seed=seq)
+        pos_list = positions(b, seq, args.document_tokens, seed=seq)
         pos = torch.tensor(pos_list, device=dev)
-        b, h, kvh, hd = args.batch, args.heads, args.kv_heads, args.head_dim
         q = torch.randn(b, h, seq, hd, device=dev, dtype=dtype)
         k = torch.randn(b, kvh, seq, hd, device=dev, dtype=dtype)
         v = torch.randn(b, kvh, seq, hd, device=dev, dtype=dtype)
@@ -100,74 +147,23 @@ def main() -> int:
         eff = document_tokens_of(pos_list)
         share = document_pairs(seq, round(eff)) / document_pairs(seq, None)
         outputs = {}
-        for name in ("flex", "mask", "causal"):
-            ks = dense if name == "mask" else flex
-            mask = None
-
-            def build(name: str = name) -> object:
-                docs = DocumentMask(pos)
-                if name == "flex":
-                    docs.block_mask()
-                elif name == "mask":
-                    docs.dense()
-                return docs
-
-            row: dict[str, object] = {"seq": seq, "path": name, "batch": b, "heads": h,
-                                      "kv_heads": kvh, "head_dim": hd,
-                                      "document_tokens_of_batch": round(eff, 1)}
-            if name != "causal":
-                row["mask_ms"] = timed(build, args.repeats)
-                mask = build()
-                row["cost_model_pair_share"] = round(share, 4)
+        for name, ks in kernels.items():
             reps = args.repeats if gpu or name != "mask" else max(2, args.repeats // 4)
-            fwd_only = not gpu
-            if fwd_only:
-                with torch.no_grad():
-                    row["fwd_ms"] = timed(lambda ks=ks, mask=mask: ks.attention(q, k, v, mask),
-                                          reps)
-                    outputs[name] = ks.attention(q, k, v, mask)
-            else:
-                row["fwd_ms"] = timed(lambda ks=ks, mask=mask: ks.attention_fwd(q, k, v, mask),
-                                      reps)
-                saved = ks.attention_fwd(q, k, v, mask)
-                outputs[name] = saved.output
-                row["bwd_ms"] = timed(lambda ks=ks, saved=saved: ks.attention_bwd(do, saved),
-                                      reps)
-                del saved
-                torch.cuda.synchronize()
-                base = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-                s = ks.attention_fwd(q, k, v, build() if name != "causal" else None)
-                ks.attention_bwd(do, s)
-                del s
-                torch.cuda.synchronize()
-                row["peak_extra_mib"] = round((torch.cuda.max_memory_allocated() - base)
-                                              / 2**20, 1)
-            rows.append(row)
+            row, outputs[name] = measure(name, ks, pos, q, k, v, do, reps)
+            rows.append({"seq": seq, "path": name, "batch": b, "heads": h, "kv_heads": kvh,
+                         "head_dim": hd, "document_tokens_of_batch": round(eff, 1), **row,
+                         **({} if name == "causal" else
+                            {"cost_model_pair_share": round(share, 4)})})
         diff = float((outputs["flex"].float() - outputs["mask"].float()).abs().max())
         for row in rows[-3:]:
             row["flex_vs_mask_max_abs_diff"] = diff
-    cols = ["seq", "path", "mask_ms", "fwd_ms", "bwd_ms", "peak_extra_mib",
-            "cost_model_pair_share"]
-    print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
-    for row in rows:
-        cells = []
-        for c in cols:
-            val = row.get(c, "")
-            cells.append(f"{val:.3f}" if isinstance(val, float) and c.endswith("_ms")
-                         else str(val))
-        print("| " + " | ".join(cells) + " |")
-    for seq in args.seq:
-        r = {row["path"]: row for row in rows if row["seq"] == seq}
-        tot = {p: float(r[p]["fwd_ms"]) + float(r[p].get("bwd_ms", 0.0))  # type: ignore[arg-type]
-               for p in r}
-        print(f"seq {seq}: flex {tot['flex']:.3f} ms vs mask {tot['mask']:.3f} ms "
-              f"({tot['mask'] / tot['flex']:.2f}x), causal {tot['causal']:.3f} ms; flex vs mask "
-              f"max abs diff {r['flex']['flex_vs_mask_max_abs_diff']:.3g}")
+    report(rows, args.seq)
     if args.json:
-        out = {"command": "python bench/document_attention.py " + " ".join(
-                   f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-                   for k, v in vars(args).items() if v is not None and k != "json"),
+        opts = " ".join(f"--{key.replace('_', '-')} "
+                        f"{' '.join(map(str, val)) if isinstance(val, list) else val}"
+                        for key, val in vars(args).items()
+                        if val is not None and key != "json")
+        out = {"command": f"python bench/document_attention.py {opts}",
                "machine": (torch.cuda.get_device_name() if gpu
                            else f"CPU ({platform.processor() or platform.machine()})"),
                "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""),
@@ -175,6 +171,24 @@ def main() -> int:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
     return 0
+
+
+def report(rows: list[dict[str, object]], seqs: list[int]) -> None:
+    """The table, and per sequence length the paths' totals side by side."""
+    cols = ["seq", "path", "mask_ms", "fwd_ms", "bwd_ms", "peak_extra_mib",
+            "cost_model_pair_share"]
+    print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+    for row in rows:
+        cells = [f"{row[c]:.3f}" if c.endswith("_ms") and c in row else str(row.get(c, ""))
+                 for c in cols]
+        print("| " + " | ".join(cells) + " |")
+    for seq in seqs:
+        r = {str(row["path"]): row for row in rows if row["seq"] == seq}
+        tot = {p: float(r[p]["fwd_ms"]) + float(r[p].get("bwd_ms", 0.0))  # type: ignore[arg-type]
+               for p in r}
+        print(f"seq {seq}: flex {tot['flex']:.3f} ms vs mask {tot['mask']:.3f} ms "
+              f"({tot['mask'] / tot['flex']:.2f}x), causal {tot['causal']:.3f} ms; flex vs "
+              f"mask max abs diff {r['flex']['flex_vs_mask_max_abs_diff']:.3g}")
 
 
 if __name__ == "__main__":

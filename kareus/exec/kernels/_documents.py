@@ -112,7 +112,8 @@ class DocumentMask:
 
             ids = self.doc_ids
             s = ids.shape[1]
-            causal = torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
+            at = torch.arange(s, device=ids.device)
+            causal = at[:, None] >= at[None, :]
             self._dense = ((ids[:, :, None] == ids[:, None, :]) & causal)[:, None]
         return self._dense
 
