@@ -157,6 +157,39 @@ def test_a_plan_for_packed_documents_runs_them_masked(recompute):
         applier(plan, causal)
 
 
+def test_the_document_mask_is_built_once_per_batch():
+    # every layer of one forward (and the backward's re-run) gets the same positions
+    # tensor: its DocumentMask is built once and shared; a changed or new tensor gets its own
+    wl = workload(recompute="full")
+    arch = wl.model
+    applier = PlanApplier(workload=wl, groups=LoopbackGroups(tp=1), schedule="nanobatching",
+                          kernels="torch", eps=arch.norm_eps)
+    ws = [planned_weights({k: v.clone().requires_grad_(True)
+                           for k, v in full_weights(arch, seed).items()}, arch)
+          for seed in (1, 2)]
+    x = torch.randn(wl.microbatch_size, wl.seq_len, arch.hidden, requires_grad=True)
+    pos = _packed(wl.microbatch_size, wl.seq_len, (4, 9, 13))
+    built = []
+    real = applier._document_mask
+
+    def spy(given, positions, device):
+        docs = real(given, positions, device)
+        built.append(docs)
+        return docs
+
+    applier._document_mask = spy
+    layer = applier.layer()
+    y = layer(layer(x, ws[0], positions=pos, documents=True), ws[1], positions=pos,
+              documents=True)
+    y.sum().backward()  # full recomputation: each layer's forward re-run, masked again
+    assert len(built) == 4 and all(d is built[0] for d in built)
+    pos.add_(0)  # written since: built again
+    layer(x, ws[0], positions=pos, documents=True)
+    assert built[-1] is not built[0]
+    layer(x, ws[0], positions=pos.clone(), documents=True)  # another tensor
+    assert built[-1] is not built[-2]
+
+
 def test_positions_must_match_the_batch():
     wl = workload()
     applier = PlanApplier(workload=wl, groups=LoopbackGroups(tp=1), schedule="sequential",
