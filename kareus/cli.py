@@ -258,19 +258,6 @@ def _workload_from_torchtitan_flags(args: argparse.Namespace):  # type: ignore[n
         raise ArgumentError(f"--recompute {args.recompute} contradicts the flags' "
                             f"activation_checkpoint ({wl.recompute}); --recompute names the "
                             "policy run in place of torchtitan's selective only")
-    docs = getattr(args, "document_tokens", None)
-    masked = masks_documents(config)
-    if masked and docs is None:
-        raise ArgumentError("the model's attention masks packed documents (FlexAttention or "
-                            "VarlenAttention, block_causal), whose length the flags do not "
-                            "say: give --document-tokens (sum of squared document lengths "
-                            "over sum of lengths of your data: kareus.model.document_tokens_of)")
-    if docs is not None and not masked:
-        raise ArgumentError("--document-tokens: the model's attention (SDPA) is causal over "
-                            "the whole sequence and masks no documents; drop it")
-    wl = workload_from_torchtitan_config(config, world_size=args.gpus,
-                                         nanobatches=args.nanobatches,
-                                         selective_as=args.recompute, document_tokens=docs)
     if wl.parallelism.tp == 1 and wl.parallelism.cp == 1:
         raise WorkloadError("the torchtitan flags give TP=1 and CP=1: no layer has a "
                             "collective to overlap, so there is nothing to plan")
