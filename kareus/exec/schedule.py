@@ -357,7 +357,8 @@ def run_computation(executor: Executor, stack: Sequence[Piece], *, schedule: str
         stack: The computation's pieces ([`pieces`][kareus.exec.schedule.pieces] of
             [`stack_stream`][kareus.exec.schedule.stack_stream]).
         schedule: One of ``SCHEDULES``.
-        nanobatches: Parts the microbatch is cut into (1 for ``"sequential"``).
+        nanobatches: Parts the microbatch is cut into (1 for ``"sequential"``; with 1,
+            every schedule runs sequentially: the ops after a collective read it).
         run_op: ``(op, nanobatch) -> None``: enqueue one op of one nanobatch.
         comm_args: ``(comm, nanobatch) -> (tensor, output)``: the collective's tensor (and
             output tensor for all-gather / reduce-scatter, else ``None``).
@@ -384,6 +385,16 @@ def run_computation(executor: Executor, stack: Sequence[Piece], *, schedule: str
         raise ArgumentError(f"nanobatches must be >= 1, got {nanobatches}")
     if schedule == "kareus" and (types is None or plan_config_of is None):
         raise ArgumentError("the kareus schedule needs types and plan_config_of")
+    if nanobatches == 1 and schedule != "sequential":
+        # One nanobatch: the ops after a collective read its result, so nothing can run
+        # beside it (pairing a piece's ops with the collective before them, as the
+        # nanobatches after the first do, would let them read it while it runs). Every
+        # schedule then runs as the sequential one does, which is what the partition model
+        # costs at one nanobatch (each segment with its own collective, not overlappable);
+        # under a plan each collective takes its type's configuration (SM count).
+        if schedule == "kareus" and sequential_config_of is None:
+            sequential_config_of = plan_config_of
+        schedule = "sequential"
     shapes = dict(types or {})
     ran: list[tuple[str, Any]] = []
     by_chunk: dict[int, dict[str, TypeShape]] = {}

@@ -807,6 +807,7 @@ def _report(plan: Plan, wl: Workload, predicted: Mapping[str, Figures],
                      "energy_method_by_rank": [x.get("energy_method") for x in per],
                      "power_samples_by_rank": [x.get("power_samples", 0) for x in per],
                      "counter_steps_by_rank": [x["counter_steps"] for x in per],
+                     "sub_powers_w_by_rank": [x.get("sub_powers_w", []) for x in per],
                      "sm_clock_mhz": statistics.fmean(clocks) if clocks else None,
                      "losses": per[0]["losses"]})
     job = wl.parallelism.world_size

@@ -72,7 +72,8 @@ def plan_for(wl: Workload, *, pick: int = 1, sms: int = 8, backend: str | None =
     cfgs = {}
     for name, p in build_partitions(wl).types.items():
         slots = [s.name for s in p.slots]
-        cfgs[name] = ScheduleConfig(1980, sms, slots[min(pick, len(slots) - 1)],
+        cfgs[name] = ScheduleConfig(1980, sms,
+                                    slots[min(pick, len(slots) - 1)] if slots else None,
                                     backend=backend)
     comps = get_schedule("1f1b", 1, wl.num_microbatches).stage_orders[0]
     return Plan(gpu="h200-sxm", num_stages=1, num_microbatches=wl.num_microbatches,
@@ -812,6 +813,9 @@ def test_a_run_lasts_long_enough_for_the_counter_to_step():
     assert r.energy_j == pytest.approx(300.0 * r.window_s / len(r.step_time_s), rel=0.15)
     d = r.to_dict()
     assert d["iterations"] == len(r.step_time_s) and d["energy_method"] == "nvml_counter"
+    # the span's parts, each at the fake GPU's steady 300 W
+    assert len(r.sub_powers_w) == 3 and d["sub_powers_w"] == list(r.sub_powers_w)
+    assert all(w == pytest.approx(300.0, rel=0.15) for w in r.sub_powers_w)
 
 
 def test_the_default_window_follows_the_counters_step_period():

@@ -93,6 +93,11 @@ def test_verify_runs_every_system_and_scales_the_counter_to_the_job(folder, tmp_
     assert data["measured"] is False and data["job_gpus"] == 2 and data["measured_gpus"] == 1
     assert "scaled to 2" in data["energy_scope"]
     assert len(data["runs"]) == 6 and data["plan"]["digest"] == plan.digest
+    # each run's window in parts (a trend would say it was not steady), per rank
+    for run in data["runs"]:
+        (parts,) = run["sub_powers_w_by_rank"]
+        assert 1 <= len(parts) <= 3
+        assert all(w == pytest.approx(100.0, rel=0.25) for w in parts)
     assert "dry-run" in data["clocks"]
     assert set(data["systems"]["kareus"]["ratios"]) == {"time_s", "static_j", "dynamic_j",
                                                         "total_j"}

@@ -183,6 +183,10 @@ class RunRecord:
             run's stand-in: ``"stand_in"``, not a measurement), ``"<Type>.energy_between"``
             for a meter that names none, or ``None`` (no energy).
         power_samples: NVML power readings inside the window (the fallback's basis).
+        sub_powers_w: This GPU's average power over consecutive parts of the counter's
+            span inside the window (W; up to ``WINDOW_PARTS``, each between counter steps;
+            empty without them): a trend says the window was not steady (e.g. the power
+            limiter still settling after the warm-up), which its mean hides.
     """
 
     schedule: str
@@ -195,6 +199,7 @@ class RunRecord:
     sm_clock_mhz: float | None = None
     energy_method: str | None = None
     power_samples: int = 0
+    sub_powers_w: tuple[float, ...] = ()
 
     @property
     def time_s(self) -> float:
@@ -208,7 +213,13 @@ class RunRecord:
                 "window_s": self.window_s, "energy_j": self.energy_j,
                 "counter_steps": self.counter_steps, "time_s": self.time_s,
                 "sm_clock_mhz": self.sm_clock_mhz, "iterations": len(self.step_time_s),
-                "energy_method": self.energy_method, "power_samples": self.power_samples}
+                "energy_method": self.energy_method, "power_samples": self.power_samples,
+                "sub_powers_w": list(self.sub_powers_w)}
+
+
+#: Parts of a run's counter span whose average powers its record keeps
+#: (``RunRecord.sub_powers_w``).
+WINDOW_PARTS = 3
 
 
 def shuffled_order(schedules: Sequence[str], repeats: int, seed: int) -> list[tuple[str, int]]:
@@ -748,10 +759,12 @@ def measure_runs(loop: TrainingLoop, order: Sequence[tuple[str, int]], *, steps:
         energy, counted, method, samples = _window_energy(meter, t0, t1, n)
         clock = (meter.mean_sm_clock_mhz(t0, t1)
                  if meter is not None and hasattr(meter, "mean_sm_clock_mhz") else None)
+        parts = (tuple(float(w) for w in meter.split_powers_w(t0, t1, WINDOW_PARTS))
+                 if meter is not None and hasattr(meter, "split_powers_w") else ())
         rec = RunRecord(schedule=schedule, repeat=repeat, step_time_s=times,
                         losses=tuple(float(x) for x in losses), window_s=t1 - t0,
                         energy_j=energy, counter_steps=counted, sm_clock_mhz=clock,
-                        energy_method=method, power_samples=samples)
+                        energy_method=method, power_samples=samples, sub_powers_w=parts)
         out.append(rec)
         if log is not None:
             how = {"nvml_counter": f"{counted} counter steps",
