@@ -13,7 +13,12 @@
 * the same for torchtitan's ``qwen3`` with sequence parallelism on
   (``enable_sequence_parallel=True``: each block takes and returns this rank's sequence
   shard, ``Shard(1)``; the workload reads ``sp`` from the model's TP plan);
-* blocks with a hook around their call run per block (chain=True refuses them).
+* blocks with a hook around their call run per block (chain=True refuses them);
+* torchtitan's stock FlexAttention (block_causal document masks) on packed batches, at
+  TP = 1 and at TP = 2 with sequence parallelism: the planned blocks' logits equal
+  torchtitan's (its forward only: FlexAttention has no CPU backward), under the baseline
+  and under a plan made for the documents (``document_tokens``, whose gradients equal the
+  baseline's); a plan whose workload does not say so is refused, and the reverse.
 """
 
 from __future__ import annotations
@@ -476,6 +481,8 @@ def _own_forwards(model):
 
 
 def _worker(out_dir: str, backend: str, name: str) -> None:
+    flex = name.endswith("-flex")  # "qwen3-sp-flex": torchtitan's stock FlexAttention
+    name = name.removesuffix("-flex")
     sp = name.endswith("-sp")  # "qwen3-sp": torchtitan's TP plan with sequence parallelism
     name = name.removesuffix("-sp")
     import torch.distributed as dist
@@ -500,6 +507,12 @@ def _worker(out_dir: str, backend: str, name: str) -> None:
     dims = ParallelDims.from_config(parallelism, world_size=2)
     dims.build_mesh()
     context = dist_utils.get_spmd_context(parallel_dims=dims)
+    if flex:
+        result = _flex_runs(MODELS[name], parallelism, dims, context)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     result: dict = {}
     make = MODELS[name]
     for fuse in (False, True):
@@ -554,6 +567,72 @@ def _worker(out_dir: str, backend: str, name: str) -> None:
     dist.barrier()
     dist.destroy_process_group()
 
+
+
+def _flex_runs(make, parallelism, dims, context) -> dict:
+    """TP = 2 with torchtitan's stock FlexAttention (block_causal document masks) on packed
+    batches: torchtitan's own forward (no backward: FlexAttention has none on a CPU), then
+    kareus's layers under the sequential baseline and under a plan made for the documents
+    (``document_tokens``), forward and backward."""
+    from torchtitan.components.loss import cross_entropy_loss
+
+    cfg = _flex(make(fuse=True))
+    cfg.update_from_config(config=SimpleNamespace(parallelism=parallelism))
+    base = build(cfg)
+    wl = kt.workload_from_torchtitan(cfg, tp=2, microbatch_size=MBS, seq_len=SEQ,
+                                     num_microbatches=2, document_tokens=6)
+    plan = make_workload_plan(wl, pick=1, sms=8)
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=g)
+    packed = torch.stack([torch.cat((torch.arange(k), torch.arange(SEQ - k)))
+                          for k in (3, 8, 11, 16)])
+    result: dict = {}
+    for schedule in ("torchtitan", "sequential", "kareus"):
+        model = copy.deepcopy(base)
+        with context():
+            model.parallelize(dims)
+        applier = None
+        if schedule != "torchtitan":
+            applier = kt.apply_plan(model, workload=wl, mesh=dims, schedule=schedule,
+                                    plan=plan if schedule == "kareus" else None,
+                                    kernels="torch", record=True)
+        with context():
+            masks = model.get_attention_masks(packed)
+            if applier is None:
+                with torch.no_grad():
+                    out = model(tokens[:, :-1], packed, masks)
+                result[schedule] = {"logits": _full(out).detach().clone()}
+                continue
+            with applier.microbatch(0, "fwd"):
+                out = model(tokens[:, :-1], packed, masks)
+            loss = cross_entropy_loss(out, tokens[:, 1:], global_vocab_size=VOCAB)
+            with applier.microbatch(0, "bwd"):
+                loss.backward()
+        result[schedule] = {
+            "logits": _full(out).detach().clone(),
+            "grads": {n: _full(p.grad).detach().clone() for n, p in model.named_parameters()},
+            "partitions": [(ph, k) for ph, k, _ in applier.partitions_run]}
+    return result
+
+
+@pytest.mark.slow
+def test_gloo_tp2_flex_documents_equal_torchtitan_s(tmp_path):
+    # TP = 2 with sequence parallelism and torchtitan's stock FlexAttention on packed
+    # documents: the planned layers (sequential baseline, and a plan costed for the
+    # documents) give torchtitan's logits; the plan's gradients are the baseline's
+    from _ranks import run_ranks  # tests/integrations, on sys.path under pytest
+
+    res = run_ranks(__file__, tmp_path, 2, "spmd_types", "qwen3-sp-flex")
+    for r in res:
+        want = r["torchtitan"]["logits"]
+        for schedule in ("sequential", "kareus"):
+            torch.testing.assert_close(r[schedule]["logits"], want, rtol=1e-4, atol=1e-5,
+                                       msg=schedule)
+        assert any(ph == "bwd" for ph, _ in r["kareus"]["partitions"])
+        for n, grad in r["sequential"]["grads"].items():
+            torch.testing.assert_close(r["kareus"]["grads"][n], grad, rtol=1e-4, atol=1e-6,
+                                       msg=n)
+    assert res[0]["kareus"]["partitions"] == res[1]["kareus"]["partitions"]
 
 
 @pytest.mark.slow
