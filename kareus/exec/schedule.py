@@ -34,7 +34,9 @@ its type (the layer below it starts the chain) and the last a prefix. A slot tha
 the unit's first op launches with that op; one after its last op runs sequentially
 ([`clip_slot`][kareus.exec.schedule.clip_slot]). The last collective of a computation overlaps
 nothing: it runs exposed with the SM count of its cyclic partner type (the first piece's type
-with that collective), as the partition model pairs it.
+with that collective), as the partition model pairs it in a chain; for layers run one by one
+(``Workload.chained_layers=False``, ``exposed_default``) with its own CTA count, as the
+partition model costs it there (outside work).
 
 Every rank runs the same pieces in the same order, so every rank issues the same
 collectives in the same order; nothing here depends on timing. Pure Python (no torch).
@@ -348,6 +350,7 @@ def run_computation(executor: Executor, stack: Sequence[Piece], *, schedule: str
                     plan_config_of: Callable[[str], Any] | None = None,
                     sequential_config_of: Callable[[str], Any] | None = None,
                     chunk_of: Callable[[str, int], int] | None = None,
+                    exposed_default: bool = False,
                     ) -> list[tuple[str, Any]]:
     """Enqueue one microbatch computation's stack under ``schedule`` through ``executor``.
 
@@ -373,6 +376,12 @@ def run_computation(executor: Executor, stack: Sequence[Piece], *, schedule: str
             op name, nanobatch as run) -> chunk`` of a unit, so that a unit whose type is
             one per chunk (``{name}_c{chunk}``, its attention's cost) runs as its chunk's
             type; ``None``: no per-chunk types.
+        exposed_default: ``"kareus"``: a collective that overlaps nothing (the
+            computation's last, or one before a piece without ops) runs with its own CTA
+            count (the executor's default collective, ``DefaultConfig``), as the partition
+            model costs the exposed collectives of layers run one by one
+            (``Workload.chained_layers=False``: outside work); ``False`` (default): with
+            the SM count of its cyclic partner type, as a chain's is costed.
 
     Returns:
         ``(partition key, configuration)`` of every partition run, in order.
@@ -464,7 +473,9 @@ def run_computation(executor: Executor, stack: Sequence[Piece], *, schedule: str
             else:
                 comm, cnb = pending
                 mine = shapes_of(piece, nb)
-                if schedule == "kareus":
+                if schedule == "kareus" and exposed_default and not piece.ops:
+                    key, cfg = key_for((), comm), DefaultConfig(None)
+                elif schedule == "kareus":
                     assert plan_config_of is not None
                     key, cfg = _plan_config(plan_config_of, mine, piece.op_names, comm,
                                             partner.get((comm.kind, comm.group)))
@@ -479,7 +490,7 @@ def run_computation(executor: Executor, stack: Sequence[Piece], *, schedule: str
             pending = (piece.comm, nb) if piece.comm is not None else None
     if pending is not None:  # the last collective: nothing left to overlap
         comm, cnb = pending
-        if schedule == "kareus":
+        if schedule == "kareus" and not exposed_default:
             assert plan_config_of is not None
             key, cfg = _plan_config(plan_config_of, shapes, (), comm,
                                     partner.get((comm.kind, comm.group)))

@@ -534,6 +534,15 @@ class Workload:
             [`document_tokens_of`][kareus.model.document_tokens_of] measures it from a
             batch's positions), which is longer than their plain mean. CP = 1 only, and
             not with nanobatches along the sequence.
+        chained_layers: Whether a stage's layers run as one chain (``True``, the default:
+            kareus's training loop, a [`PlannedStack`][kareus.integrations.PlannedStack],
+            torchtitan or Megatron-Core blocks chained by the adapters): layer ``l+1``'s
+            first ops overlap layer ``l``'s last collective. ``False``: each layer runs as
+            its own planned layer (one autograd node per layer: torchtitan's ``Trainer``,
+            which wraps every block in FSDP, or Megatron-Core layers left unchained), so
+            no collective overlaps across a layer boundary; ``build_partitions`` then
+            costs, per layer, the computation that runs bare and the collectives that run
+            exposed (``kareus.model.partition``).
     """
 
     model: ModelArch = attrs.field(converter=get_model)
@@ -545,9 +554,13 @@ class Workload:
     nanobatches: int = 2
     dtype_bytes: int = 2
     document_tokens: int | None = None
+    chained_layers: bool = attrs.field(default=True)
 
     def __attrs_post_init__(self) -> None:
         m, p = self.model, self.parallelism
+        if not isinstance(self.chained_layers, bool):
+            raise WorkloadError(f"chained_layers must be True or False, got "
+                                f"{self.chained_layers!r:.40}")
         for field in ("microbatch_size", "seq_len", "num_microbatches", "nanobatches",
                       "dtype_bytes"):
             _check_count(field, getattr(self, field))
@@ -686,7 +699,8 @@ class Workload:
                 f"mbs={self.microbatch_size} seq={self.seq_len} "
                 f"microbatches={self.num_microbatches} nanobatches={self.nanobatches}"
                 f"{'' if self.recompute == 'none' else f' recompute={self.recompute}'}"
-                f"{'' if self.document_tokens is None else f' documents={self.document_tokens}'}")
+                f"{'' if self.document_tokens is None else f' documents={self.document_tokens}'}"
+                f"{'' if self.chained_layers else ' unchained layers'}")
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready description: ``model`` is the whole architecture, name and features
@@ -694,7 +708,9 @@ class Workload:
         says which model it was made for, and [`from_dict`][kareus.model.Workload.from_dict]
         rebuilds that one). Descriptions written before this named a preset only; they still
         load, as the current preset. ``document_tokens`` is written where documents are
-        masked (absent: one document per sequence)."""
+        masked (absent: one document per sequence); ``chained_layers`` only when it is
+        ``False`` (a description without it means chained layers, as every one written
+        before the setting did)."""
         p = self.parallelism
         model: object = self.model.to_dict()
         d: dict[str, object] = {
@@ -704,6 +720,8 @@ class Workload:
             "nanobatches": self.nanobatches}
         if self.document_tokens is not None:
             d["document_tokens"] = self.document_tokens
+        if not self.chained_layers:
+            d["chained_layers"] = False
         return d
 
     @classmethod
@@ -724,5 +742,5 @@ class Workload:
         par["sp"] = d.get("sp", False)
         rest = {k: d[k] for k in ("microbatch_size", "seq_len", "num_microbatches",
                                   "recompute", "nanobatches", "dtype_bytes",
-                                  "document_tokens") if k in d}
+                                  "document_tokens", "chained_layers") if k in d}
         return cls(model=arch, parallelism=Parallelism(**par), **rest)  # type: ignore[arg-type]

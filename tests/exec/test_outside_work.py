@@ -57,3 +57,19 @@ def test_sequence_parallel_outside_work_runs_its_tp_collectives_on_the_tp_group(
         prog.run_plain()
     assert {k for k, _, _ in tp.calls} == {"reduce_scatter", "all_gather"}
     assert prog.state["xns"].shape[0] * 4 == prog.state["xn"].shape[0]  # norm on the shard
+
+
+def test_unchained_layers_outside_work_is_refused_on_the_gpu_path_in_one_line():
+    # a workload of unchained layers costs each layer's bare first unit as outside work:
+    # the GPU path has no kernels for it yet, and says so
+    from kareus.errors import ArgumentError
+    from kareus.exec.outside_work import RunnableOutsideWork
+    from kareus.model import Workload, build_partitions
+
+    wl = Workload.preset("qwen3-1.7b", tp=2, chained_layers=False)
+    work = build_partitions(wl).outside[(0, "fwd")]
+    with pytest.raises(ArgumentError, match="unchained layers") as err:
+        RunnableOutsideWork(work, wl)
+    assert "\n" not in str(err.value)
+    chained = wl.with_(chained_layers=True)
+    RunnableOutsideWork(build_partitions(chained).outside[(0, "fwd")], chained)
