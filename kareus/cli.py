@@ -200,6 +200,9 @@ def _workload_from_megatron_flags(args: argparse.Namespace):  # type: ignore[no-
     if tp > 8 or tp * cp * pp * dp > _MAX_GPUS:
         raise WorkloadError(f"TP={tp} x CP={cp} x PP={pp} x DP={dp}: beyond what kareus models "
                             f"(TP <= 8, at most {_MAX_GPUS:,} GPUs)")
+    if getattr(args, "document_tokens", None) is not None:
+        raise ArgumentError("--document-tokens: Megatron-Core's planned layers attend causally "
+                            "over whole sequences; drop it with --megatron-args")
     return workload_from_megatron_args(flags, dp=dp, nanobatches=args.nanobatches)
 
 
@@ -248,19 +251,23 @@ def _workload_from_torchtitan_flags(args: argparse.Namespace):  # type: ignore[n
     if args.gpus is None:
         raise ArgumentError("--torchtitan-args needs --gpus (the job's rank count: torchrun's "
                             "WORLD_SIZE)")
+    docs = getattr(args, "document_tokens", None)
+    masked = masks_documents(config)
+    if masked and docs is None:
+        raise ArgumentError("the model's attention masks packed documents (FlexAttention or "
+                            "VarlenAttention, block_causal), whose length the flags do not "
+                            "say: give --document-tokens (sum of squared document lengths "
+                            "over sum of lengths of your data: kareus.model.document_tokens_of)")
+    if docs is not None and not masked:
+        raise ArgumentError("--document-tokens: the model's attention (SDPA) is causal over "
+                            "the whole sequence and masks no documents; drop it")
     wl = workload_from_torchtitan_config(config, world_size=args.gpus,
                                          nanobatches=args.nanobatches,
-                                         selective_as=args.recompute)
+                                         selective_as=args.recompute, document_tokens=docs)
     if args.recompute is not None and wl.recompute != args.recompute:
         raise ArgumentError(f"--recompute {args.recompute} contradicts the flags' "
                             f"activation_checkpoint ({wl.recompute}); --recompute names the "
                             "policy run in place of torchtitan's selective only")
-    if masks_documents(config):
-        raise WorkloadError("the model's attention masks packed documents (FlexAttention or "
-                            "VarlenAttention, block_causal), which kareus's cost model does not "
-                            "cost yet: give the layers torchtitan's SDPA attention "
-                            "(--override.imports kareus.testing.torchtitan_sdpa.causal_sdpa) "
-                            "for a plan")
     if wl.parallelism.tp == 1 and wl.parallelism.cp == 1:
         raise WorkloadError("the torchtitan flags give TP=1 and CP=1: no layer has a "
                             "collective to overlap, so there is nothing to plan")
@@ -328,7 +335,8 @@ def _job_workload(args: argparse.Namespace):  # type: ignore[no-untyped-def]
                                                          dp=dp, sp=bool(args.sp), ep=ep),
                     microbatch_size=args.microbatch_size, seq_len=args.seq_len,
                     num_microbatches=args.microbatches, recompute=_recompute_from_args(args),
-                    nanobatches=args.nanobatches, **moe)
+                    nanobatches=args.nanobatches,
+                    document_tokens=getattr(args, "document_tokens", None), **moe)
 
 
 def _recompute_from_args(args: argparse.Namespace) -> str:
@@ -753,6 +761,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sequences per microbatch (default 8)")
     p.add_argument("--seq-len", type=_int_up_to(_MAX_SEQ_LEN), default=None,
                    help="sequence length (default 4096)")
+    p.add_argument("--document-tokens", type=_int_up_to(_MAX_SEQ_LEN), default=None,
+                   metavar="TOKENS",
+                   help="the sequences pack documents and the attention masks them "
+                        "(torchtitan's FlexAttention/VarlenAttention block_causal): the "
+                        "documents' length as the cost model takes it (sum of squared "
+                        "lengths over sum of lengths: kareus.model.document_tokens_of); "
+                        "default: one document per sequence")
     p.add_argument("--nanobatches", type=_int_up_to(_MAX_NANOBATCHES), default=2,
                    help="nanobatches per microbatch for overlap (default 2)")
     p.add_argument("--sp", action="store_true",

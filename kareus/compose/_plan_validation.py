@@ -150,7 +150,8 @@ def _parse_workload(w: Any, source: str) -> Any:
 
     w = _obj(w, source, "workload")
     _keys(w, sorted(_WORKLOAD_KEYS),
-          _WORKLOAD_KEYS | {"sp", "chained_layers", *_MOE_WORKLOAD_KEYS}, source,
+          _WORKLOAD_KEYS | {"sp", "document_tokens", "chained_layers", *_MOE_WORKLOAD_KEYS},
+          source,
           "workload")
     if isinstance(w["model"], dict):  # the architecture of a model that is not a preset
         from kareus.model.workload import ModelArch
@@ -172,6 +173,8 @@ def _parse_workload(w: Any, source: str) -> Any:
     ep = _int(w.get("ep", 1), source, "workload.ep", 1, 100_000_000)
     moe = ({} if "routing_imbalance" not in w else {"routing_imbalance": _num(
         w["routing_imbalance"], source, "workload.routing_imbalance", positive=True)})
+    docs = (None if w.get("document_tokens") is None else
+            _int(w["document_tokens"], source, "workload.document_tokens", 1, 100_000_000))
     # absent: chained layers (every plan written before the setting was made for them)
     chained = w.get("chained_layers", True)
     if not isinstance(chained, bool):
@@ -184,7 +187,7 @@ def _parse_workload(w: Any, source: str) -> Any:
                                seq_len=ints["seq_len"],
                                num_microbatches=ints["num_microbatches"],
                                recompute=w["recompute"], nanobatches=ints["nanobatches"],
-                               chained_layers=chained, **moe)
+                               document_tokens=docs, chained_layers=chained, **moe)
     except (KareusError, ValueError, TypeError) as exc:
         raise _err(source, "workload", str(exc)) from None
 

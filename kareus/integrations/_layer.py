@@ -199,10 +199,11 @@ class _LayerProgram(DecoderShard):
     tok_cos: Any = None
     tok_sin: Any = None
     _tok_inv: Any = None
-    #: Document ids ``[batch, seq]`` of the current call where attention masks packed
-    #: documents (``cumsum(positions == 0) - 1``: a document starts where its position is
-    #: 0), or None (causal over the whole sequence).
-    doc_ids: Any = None
+    #: The packed documents of the current call where attention masks them (a
+    #: ``kareus.exec.kernels.DocumentMask``: a document starts where its position is 0;
+    #: built once per call, its masks shared by every layer), or None (causal over the
+    #: whole sequence).
+    doc_mask: Any = None
 
     def _inv_freq(self) -> Any:
         """The RoPE inverse frequencies on the device (float32, ``head_dim / 2``)."""
@@ -218,17 +219,22 @@ class _LayerProgram(DecoderShard):
         t = self.mbs // self.n * self.sq
         return slice(nb * t, (nb + 1) * t)
 
-    def set_positions(self, positions: Any, *, documents: bool = False) -> None:
+    def set_positions(self, positions: Any, *, documents: Any = False) -> None:
         """Rotate by ``positions`` (``[batch, seq]`` token positions of this call) instead
         of ``0 .. seq - 1``; ``None`` goes back to the shared tables. ``documents``: the
         attention masks the documents too (each token attends to the earlier tokens of
-        its own document only: torchtitan's ``block_causal``)."""
+        its own document only: torchtitan's ``block_causal``); a ``DocumentMask`` of
+        these positions is used as given (built once per batch: ``PlanApplier.run``)."""
         if positions is None:
-            self.tok_cos = self.tok_sin = self.doc_ids = None
+            self.tok_cos = self.tok_sin = self.doc_mask = None
             return
         torch = self.torch
-        self.doc_ids = (torch.cumsum((positions == 0).to(torch.int32), dim=1) - 1
-                        if documents else None)
+        from kareus.exec.kernels import DocumentMask
+
+        if isinstance(documents, DocumentMask):
+            self.doc_mask = documents
+        else:
+            self.doc_mask = (DocumentMask(positions.to(self.device)) if documents else None)
         inv = self._tok_inv
         pos = positions.reshape(-1).to(device=self.device, dtype=torch.float32)
         ang = torch.outer(pos, inv)
@@ -246,17 +252,16 @@ class _LayerProgram(DecoderShard):
         return self.tok_cos[rows], self.tok_sin[rows]
 
     def _op_attn_core(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        if self.doc_ids is None:
+        if self.doc_mask is None:
             super()._op_attn_core(layer, a, nb)
             return
-        # packed documents masked: causal within each document (CP = 1: refused in run)
-        torch, b = self.torch, self.mbs // self.n
-        ids = self.doc_ids[nb * b:(nb + 1) * b]
-        s = ids.shape[1]
-        causal = torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
-        mask = ((ids[:, :, None] == ids[:, None, :]) & causal)[:, None]
+        # packed documents masked: causal within each document (CP = 1: refused in run);
+        # the kernel set runs it block-sparse on a GPU (FlexAttention), with the dense
+        # mask on SDPA elsewhere (kareus.exec.kernels._documents)
+        b = self.mbs // self.n
+        mask = self.doc_mask.rows(nb * b, (nb + 1) * b)
         q, k, v = (a[n].transpose(1, 2) for n in ("q", "k", "v"))
-        if torch.is_grad_enabled():  # keep what attn_core_bwd needs
+        if self.torch.is_grad_enabled():  # keep what attn_core_bwd needs
             a["graph"] = self.ks.attention_fwd(q, k, v, mask=mask)
             o = a["graph"].output
         else:
@@ -776,9 +781,12 @@ class PlanApplier:
             documents: Attention masks the packed documents of ``positions`` (a document
                 starts where its position is 0; each token attends to the earlier tokens
                 of its own document: torchtitan's FlexAttention / VarlenAttention
-                ``block_causal``), exactly, through SDPA with a boolean mask (every score
-                computed, the masked ones dropped: not a block-sparse kernel). Plans do
-                not cost it (see ``kareus.integrations.torchtitan``).
+                ``block_causal``), exactly: block-sparse on FlexAttention on a GPU (the
+                tiles no document pair connects are skipped), through SDPA with the
+                dense boolean mask elsewhere (the kernel set's ``documents_backend``;
+                ``kareus.exec.kernels.DocumentMask``). Under a plan the workload must say
+                so (``Workload.document_tokens``: the plan then costs the attention
+                within documents).
 
         Returns:
             Forward: ``(output, kept)``, ``kept`` the inputs of layers ``1 ..`` under full
@@ -799,12 +807,20 @@ class PlanApplier:
             if tuple(positions.shape) not in ((b, s), (1, s)):
                 raise WorkloadError(f"positions of shape {tuple(positions.shape)} for a "
                                     f"batch of {b} x {s} tokens: pass [batch, seq]")
+            given = positions
             positions = positions.expand(b, s)
             if b == 1 and self.schedule != "sequential" and self.workload.nanobatches > 1:
                 raise WorkloadError("packed-document positions are not supported with "
                                     "nanobatches along the sequence (one sequence, "
                                     f"nanobatches={self.workload.nanobatches}): use "
                                     "nanobatches=1 or a larger batch")
+            if documents:
+                if self.schedule == "kareus" and self.workload.document_tokens is None:
+                    raise PlanError("the planned layers mask packed documents, but the plan "
+                                    "was costed for causal attention over whole sequences: "
+                                    "make the plan for a workload with document_tokens= "
+                                    "(kareus optimize --document-tokens)")
+                documents = self._document_mask(given, positions, x.device)
         if capture_in_progress():
             # Someone captures the stream (the framework's step, the user's graph): the
             # kernels, events and collectives go into that capture; no graph of our own
@@ -828,6 +844,34 @@ class PlanApplier:
         self._record(phase, ran)
         return result
 
+    def _document_mask(self, given: Any, positions: Any, device: Any) -> Any:
+        """The ``DocumentMask`` of ``positions`` (``given`` expanded), built once per batch:
+        kept for the next call with the same positions tensor, unchanged since (its
+        version counter), which every layer of one forward (and its backward) passes.
+        Inside a CUDA graph capture it is built every call, in the capture (a mask built
+        outside would be replayed with the batch it was built for)."""
+        from kareus.exec.kernels import DocumentMask
+
+        if capture_in_progress():
+            return DocumentMask(positions.to(device))
+        last = self._last_documents
+        if (last is not None and last[0]() is given and last[1] == given._version
+                and last[2] == (tuple(positions.shape), str(device))):
+            return last[3]
+        import weakref
+
+        docs = DocumentMask(positions.to(device))
+        try:
+            ref = weakref.ref(given)
+        except TypeError:  # not weakly referable: not kept
+            return docs
+        self._last_documents = (ref, given._version, (tuple(positions.shape), str(device)),
+                                docs)
+        return docs
+
+    #: The packed documents' mask built last: ``(weak reference to the positions, their
+    #: version, (shape, device), DocumentMask)`` (``_document_mask``).
+    _last_documents: Any = None
     def _signature_number(self, phase: str, x: Any, weights: Sequence[Sequence[Any]],
                           inputs: Any) -> int:
         """The computation's ``computation_signature``, recorded as run outside any
@@ -907,7 +951,7 @@ class PlanApplier:
 
     def _run_eager(self, phase: str, x: Any, weights: Sequence[Sequence[Any]], dy: Any,
                    inputs: Any, kept_out: Sequence[Any] | None = None,
-                   positions: Any = None, documents: bool = False,
+                   positions: Any = None, documents: Any = False,
                    out_bufs: Sequence[Any] | None = None
                    ) -> tuple[tuple[Any, Any], list[tuple[str, Any]]]:
         """``run``'s work, enqueued as it goes; also returns the partitions run. A forward

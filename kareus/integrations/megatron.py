@@ -186,6 +186,8 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
             # otherwise stop in the local attention's own assertion instead of this line
             check_layer_config(config, applier.workload.model, applier.workload.parallelism.tp,
                                applier.workload.parallelism.cp)
+        if applier is not None:
+            _refuse_documents(applier)
         super().__init__(*args, **kwargs)
         cfg = self.config
         self._heads = int(cfg.num_attention_heads)
@@ -237,6 +239,7 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
             p = applier.workload.parallelism
             check_layer_config(self.config, applier.workload.model, p.tp, p.cp,
                                recompute=applier.workload.recompute, sp=p.sequence_parallel)
+            _refuse_documents(applier)
             self._check_cp_group(applier)
         self.kareus_applier = applier
         self._planned = applier.layer() if applier is not None else None
@@ -389,6 +392,16 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
                                 "rotary_percent 1): pass PlanApplier(rope_base=<GPTModel's "
                                 "rotary_base>) or rope_inv_freq=model.rotary_pos_emb.inv_freq")
         self._rope_checked.add((s, str(device)))
+
+
+def _refuse_documents(applier: PlanApplier) -> None:
+    """A workload of packed documents (``document_tokens``) is refused: the layer attends
+    causally over whole sequences (Megatron's packed sequences are refused per call)."""
+    if applier.workload.document_tokens is not None:
+        raise WorkloadError(f"the workload masks packed documents (document_tokens="
+                            f"{applier.workload.document_tokens}); kareus's Megatron-Core "
+                            "layer attends causally over whole sequences: make the workload "
+                            "without document_tokens")
 
 
 def _sequence_length(layer: KareusTransformerLayer, hidden_states: Any) -> int:

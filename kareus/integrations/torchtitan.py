@@ -426,7 +426,8 @@ def workload_from_torchtitan(model_or_config: Any, *, tp: int, cp: int = 1,
                              microbatch_size: int, seq_len: int, num_microbatches: int,
                              nanobatches: int = 2, pp: int = 1, dp: int = 1,
                              name: str = "torchtitan-llama3",
-                             recompute: str = "full", sp: bool | None = None) -> Workload:
+                             recompute: str = "full", sp: bool | None = None,
+                             document_tokens: int | None = None) -> Workload:
     """The workload ``kareus optimize`` makes a plan for, from a torchtitan Llama 3 model.
 
     Args:
@@ -450,6 +451,11 @@ def workload_from_torchtitan(model_or_config: Any, *, tp: int, cp: int = 1,
         sp: Sequence parallelism (``parallelism.enable_sequence_parallel``); ``None``: as
             the model's TP plan says ([`sequence_parallel_of`][kareus.integrations.torchtitan.sequence_parallel_of];
             off without one).
+        document_tokens: Where the model's attention masks packed documents
+            ([`masks_documents`][kareus.integrations.torchtitan.masks_documents]), their
+            length the plan is costed for (``Workload.document_tokens``); ``apply_plan``
+            refuses a plan for such a model without it, and it for a model whose attention
+            masks none.
 
     Raises:
         ArgumentTypeError: not a torchtitan model or config.
@@ -464,7 +470,7 @@ def workload_from_torchtitan(model_or_config: Any, *, tp: int, cp: int = 1,
                                                         sp=bool(sp)),
                     microbatch_size=microbatch_size, seq_len=seq_len,
                     num_microbatches=num_microbatches, nanobatches=nanobatches,
-                    recompute=recompute)
+                    recompute=recompute, document_tokens=document_tokens)
 
 
 # ------------------------------------------------------------------ the blocks' weights
@@ -753,7 +759,7 @@ def apply_plan(model: Any, *, workload: Workload, mesh: Any = None, tp_group: An
     if any(hasattr(m, _APPLIER_ATTR) or hasattr(m, _CHAIN_ATTR) for m in model.modules()):
         raise ArgumentError("a plan is applied to this model already: remove_plan(model) "
                             "first")
-    _check_documents(model, blocks, plan, schedule)
+    _check_documents(model, blocks, plan, schedule, workload)
     asked = chain is True
     chain, strict = _chaining(model, blocks, workload, plan, schedule, chain)
     # chain=True (or a plan for chained layers) refuses before anything is replaced
@@ -1192,7 +1198,8 @@ def _trainer_parts(trainer: Any) -> tuple[Any, Any, Any]:
 
 
 def workload_from_trainer(trainer: Any, *, nanobatches: int = 2, name: str | None = None,
-                          selective_as: str | None = None) -> Workload:
+                          selective_as: str | None = None,
+                          document_tokens: int | None = None) -> Workload:
     """The [`Workload`][kareus.model.Workload] a torchtitan 0.3 ``Trainer`` runs, read from
     its config and its model (what ``kareus optimize`` makes the plan for).
 
@@ -1213,6 +1220,12 @@ def workload_from_trainer(trainer: Any, *, nanobatches: int = 2, name: str | Non
     * ``dtype_bytes`` from the dtype the blocks compute in: ``training.dtype`` if bfloat16,
       else FSDP's ``training.mixed_precision_param`` (torchtitan wraps every block in
       FSDP, whose mixed precision casts the parameters);
+    * ``document_tokens``: where the model's attention masks packed documents
+      (FlexAttention or VarlenAttention, ``block_causal``:
+      [`masks_documents`][kareus.integrations.torchtitan.masks_documents]), the
+      documents' length the plan is costed for, which no config says (it is the data's):
+      given here, refused when missing; with SDPA attention (causal over the whole
+      sequence) none.
     * ``chained_layers`` from the blocks: ``False``, since every block is wrapped in FSDP
       (``fully_shard``, even at one data-parallel rank), whose hooks run around each
       block's call, so the blocks run one by one (each its own planned layer) and the plan
@@ -1226,12 +1239,18 @@ def workload_from_trainer(trainer: Any, *, nanobatches: int = 2, name: str | Non
         selective_as: Under torchtitan's per-op selective checkpointing, the
             recomputation policy kareus's planned layers run in its place
             (``"selective"``, ``"full"`` or ``"none"``); ignored otherwise.
+        document_tokens: Where the attention masks packed documents: their length as
+            the cost model takes it (``Workload.document_tokens``: sum of the squared
+            document lengths over the sum of lengths of your data,
+            [`document_tokens_of`][kareus.model.document_tokens_of] of a batch's
+            ``positions``).
 
     Raises:
         ArgumentTypeError: not a built torchtitan Trainer.
         WorkloadError: pipeline parallelism, selective checkpointing without
-            ``selective_as``, memory-budget checkpointing, or a layer kareus's layer does
-            not compute.
+            ``selective_as``, memory-budget checkpointing, a layer kareus's layer does
+            not compute, attention masking documents without ``document_tokens`` (or
+            ``document_tokens`` for attention that masks none).
     """
     config, dims, model = _trainer_parts(trainer)
     return _workload_of(config, trainer.model_config,
@@ -1239,6 +1258,7 @@ def workload_from_trainer(trainer: Any, *, nanobatches: int = 2, name: str | Non
                          int(dims.dp_replicate) * int(dims.dp_shard)),
                         int(trainer.gradient_accumulation_steps), nanobatches=nanobatches,
                         name=name, selective_as=selective_as,
+                        document_tokens=document_tokens,
                         chained=_blocks_chain(model) is None)
 
 
@@ -1257,10 +1277,13 @@ def _blocks_chain(model: Any) -> str | None:
 
 def _workload_of(config: Any, model_config: Any, degrees: tuple[int, int, int, int],
                  accumulation_steps: int, *, nanobatches: int, name: str | None,
-                 selective_as: str | None, chained: bool = False) -> Workload:
+                 selective_as: str | None, document_tokens: int | None,
+                 documents_required: bool = True, chained: bool = False) -> Workload:
     """The workload of a Trainer config, its (updated, overridden) model config, its
-    ``(tp, cp, pp, dp)`` and gradient-accumulation steps; ``chained``: whether its blocks
-    can run as one stack (never under the Trainer: ``_blocks_chain``)."""
+    ``(tp, cp, pp, dp)`` and gradient-accumulation steps; ``documents_required``: a model
+    whose attention masks documents needs ``document_tokens`` (otherwise the workload
+    then has none: a baseline, which costs nothing); ``chained``: whether its blocks can
+    run as one stack (never under the Trainer: ``_blocks_chain``)."""
     spec = getattr(config, "model_spec", None)
     if name is None:
         name = (f"torchtitan-{spec.name}-{spec.flavor}" if spec is not None
@@ -1274,18 +1297,30 @@ def _workload_of(config: Any, model_config: Any, degrees: tuple[int, int, int, i
                       sp=tp > 1 and bool(config.parallelism.enable_sequence_parallel))
     recompute = recompute_from_torchtitan(config.activation_checkpoint,
                                           selective_as=selective_as)
+    masked = _config_masks_documents(model_config)
+    if masked and document_tokens is None and documents_required:
+        raise WorkloadError("the model's attention masks packed documents (FlexAttention or "
+                            "VarlenAttention, block_causal), whose length no config says: "
+                            "pass document_tokens= (the sum of squared document lengths "
+                            "over the sum of lengths of your data: "
+                            "kareus.model.document_tokens_of)")
+    if not masked and document_tokens is not None:
+        raise WorkloadError(f"document_tokens={document_tokens}, but the model's attention "
+                            "(SDPA) is causal over the whole sequence and masks no "
+                            "documents: drop document_tokens")
     return Workload(model=arch, parallelism=par,
                     microbatch_size=int(training.local_batch_size),
                     seq_len=int(training.seq_len),
                     num_microbatches=int(accumulation_steps),
                     nanobatches=int(nanobatches), recompute=recompute,
                     dtype_bytes=2 if compute == "bfloat16" else 4,
-                    chained_layers=bool(chained))
+                    document_tokens=document_tokens, chained_layers=bool(chained))
 
 
 def workload_from_torchtitan_config(config: Any, *, world_size: int, nanobatches: int = 2,
                                     name: str | None = None,
-                                    selective_as: str | None = None) -> Workload:
+                                    selective_as: str | None = None,
+                                    document_tokens: int | None = None) -> Workload:
     """The workload torchtitan 0.3's ``Trainer`` would run for ``config`` on ``world_size``
     ranks, without building it (no devices, no data): what ``kareus optimize
     --torchtitan-args`` makes a plan for, equal to
@@ -1305,6 +1340,8 @@ def workload_from_torchtitan_config(config: Any, *, world_size: int, nanobatches
         nanobatches: As ``workload_from_trainer`` takes it.
         name: As ``workload_from_trainer`` takes it.
         selective_as: As ``workload_from_trainer`` takes it.
+        document_tokens: As ``workload_from_trainer`` takes it (required where the
+            attention masks packed documents).
 
     Raises:
         ArgumentError: no model in the config, or degrees that do not multiply to
@@ -1333,7 +1370,8 @@ def workload_from_torchtitan_config(config: Any, *, world_size: int, nanobatches
                             f"training.local_batch_size {local} x the data-parallel degree "
                             f"{dp}")
     return _workload_of(config, model_config, (tp, cp, pp, dp), glob // (local * dp),
-                        nanobatches=nanobatches, name=name, selective_as=selective_as)
+                        nanobatches=nanobatches, name=name, selective_as=selective_as,
+                        document_tokens=document_tokens)
 
 
 def _trainer_config_copy(config: Any) -> tuple[Any, Any]:
@@ -1355,11 +1393,16 @@ def _trainer_config_copy(config: Any) -> tuple[Any, Any]:
 
 def masks_documents(model_or_config: Any) -> bool:
     """Whether a torchtitan model's attention masks packed documents (``FlexAttention`` /
-    ``VarlenAttention``: ``block_causal``), which plans do not cost. Takes a built model,
-    its config, or a ``Trainer.Config`` (its model after its ``--override.imports``)."""
-    tt = _classes()
+    ``VarlenAttention``: ``block_causal``), whose workload then needs ``document_tokens``
+    (the documents' length its plan is costed for). Takes a built model, its config, or a
+    ``Trainer.Config`` (its model after its ``--override.imports``)."""
     if getattr(model_or_config, "model_spec", None) is not None:
         model_or_config = _trainer_config_copy(model_or_config)[1]
+    return _config_masks_documents(model_or_config)
+
+
+def _config_masks_documents(model_or_config: Any) -> bool:
+    tt = _classes()
     return any(isinstance(lc.attention.inner_attention, (tt.Flex.Config, tt.Varlen.Config))
                for lc in _model_config(model_or_config).layers or ())
 
@@ -1401,13 +1444,14 @@ def _masks_documents(block: Any) -> bool:
     return isinstance(block.attention.inner_attention, (tt.Flex, tt.Varlen))
 
 
-def _check_documents(model: Any, blocks: list[Any], plan: Any, schedule: str | None
-                     ) -> None:
-    """Refuse what the planned layers' document masks would not reproduce: blocks of both
-    kinds (masked and not), a decoder whose masks are not torchtitan's ``block_causal``
-    documents (an overridden ``get_attention_masks``), and a plan for masked attention
-    (plans cost causal attention over the whole sequence, not the pairs within
-    documents that run)."""
+def _check_documents(model: Any, blocks: list[Any], plan: Any, schedule: str | None,
+                     workload: Workload) -> None:
+    """Refuse what the planned layers' document masks would not reproduce, or a plan would
+    not cost: blocks of both kinds (masked and not), a decoder whose masks are not
+    torchtitan's ``block_causal`` documents (an overridden ``get_attention_masks``), a plan
+    for masked attention whose workload does not say so (``document_tokens``: it was
+    costed for causal attention over whole sequences, not the pairs within documents
+    that run), and a workload that says so for attention that masks none."""
     tt = _classes()
     kinds = {_masks_documents(b) for b in blocks}
     if len(kinds) > 1:
@@ -1415,6 +1459,11 @@ def _check_documents(model: Any, blocks: list[Any], plan: Any, schedule: str | N
                             "(document masks) and some with SDPA: kareus applies one "
                             "attention to every layer")
     if kinds != {True}:
+        if workload.document_tokens is not None:
+            raise WorkloadError(f"the workload masks packed documents (document_tokens="
+                                f"{workload.document_tokens}), the model's attention (SDPA) "
+                                "is causal over the whole sequence: make the workload "
+                                "without document_tokens")
         return
     Decoder = tt.Decoder
     for m in model.modules():
@@ -1424,13 +1473,13 @@ def _check_documents(model: Any, blocks: list[Any], plan: Any, schedule: str | N
                 is not Decoder._create_flex_attention_mask_for_document):
             raise WorkloadError(f"{type(m).__name__} builds its own attention masks: kareus's "
                                 "layer computes torchtitan's block_causal document mask only")
-    if plan is not None and schedule in (None, "kareus"):
+    if (plan is not None and schedule in (None, "kareus")
+            and workload.document_tokens is None):
         raise WorkloadError("the model's attention masks packed documents (FlexAttention or "
-                            "VarlenAttention, block_causal), which kareus's cost model does "
-                            "not cost (it costs causal attention over the whole sequence): "
-                            "run a baseline schedule (plan=None, schedule='sequential' or "
-                            "'nanobatching'), or give the layers torchtitan's "
-                            "ScaledDotProductAttention (attention.inner_attention) for a plan")
+                            "VarlenAttention, block_causal), but the workload does not "
+                            "(document_tokens): make the plan for a workload with "
+                            "document_tokens= (kareus optimize --document-tokens), whose "
+                            "cost is the attention within documents")
 
 
 def _plan_of(plan: Any) -> Any:
@@ -1500,7 +1549,11 @@ def wrap_trainer(trainer: Any, plan: Any = None, *, schedule: str | None = None,
       planned layers under the ``"sequential"`` schedule (no plan configuration exists for
       a forward without its backward; the values are the same);
     * **packed documents**: each batch's ``positions`` (restarting at every document)
-      rotate the planned layers' RoPE, as torchtitan's blocks do;
+      rotate the planned layers' RoPE, as torchtitan's blocks do; where the model's
+      attention masks them (FlexAttention or VarlenAttention, ``block_causal``), the
+      planned layers mask them as torchtitan does (block-sparse FlexAttention on a GPU),
+      and a plan must have been made for a workload that says so
+      (``document_tokens``, taken from the plan);
     * **torch.compile** (``compile.enable``): the planned blocks run uncompiled (torch's
       ``torch.compiler.disable``), torchtitan compiles the rest (the loss).
 
@@ -1527,8 +1580,9 @@ def wrap_trainer(trainer: Any, plan: Any = None, *, schedule: str | None = None,
     Raises:
         WorkloadError: what kareus does not run as torchtitan would: context or pipeline
             parallelism, memory-budget checkpointing, selective checkpointing without a
-            policy named, attention masking packed documents, a plan of several choices
-            per phase under CUDA graphs, a layer kareus does not compute, a plan made for
+            policy named, attention masking packed documents under a plan whose workload
+            has no ``document_tokens`` (or the reverse), a plan of several choices per
+            phase under CUDA graphs, a layer kareus does not compute, a plan made for
             chained layers.
         PlanError: the plan was made for another workload; a step runs more microbatches
             than the plan's workload.
@@ -1554,7 +1608,17 @@ def wrap_trainer(trainer: Any, plan: Any = None, *, schedule: str | None = None,
         nb = int(planned.get("nanobatches", 2))
         if selective_as is None and plan is not None:
             selective_as = planned.get("recompute")
-        workload = workload_from_trainer(trainer, nanobatches=nb, selective_as=selective_as)
+        # packed documents masked: the plan's workload says their length (a baseline needs
+        # none: it is not costed)
+        docs = planned.get("document_tokens")
+        workload = _workload_of(config, trainer.model_config,
+                                (int(dims.tp), int(dims.cp), int(dims.pp),
+                                 int(dims.dp_replicate) * int(dims.dp_shard)),
+                                int(trainer.gradient_accumulation_steps), nanobatches=nb,
+                                name=None, selective_as=selective_as,
+                                document_tokens=None if docs is None else int(docs),
+                                documents_required=False,
+                                chained=_blocks_chain(model) is None)
         _refuse_unsupported(config, model, workload)
         if (plan is not None and planned.get("chained_layers", True)
                 and not workload.chained_layers):

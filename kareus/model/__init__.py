@@ -24,6 +24,7 @@ from kareus.model.decoder import (
     layer_collectives,
     moe_decoder_layer,
 )
+from kareus.model.documents import document_pairs, document_tokens_of
 from kareus.model.gpu import GPU_PRESETS, GPUSpec, get_gpu, gpu_names
 from kareus.model.measurement import Measurement
 from kareus.model.moe import MoEArch
@@ -94,6 +95,8 @@ __all__ = [
     "cp_chunks",
     "cp_positions",
     "decoder_layer",
+    "document_pairs",
+    "document_tokens_of",
     "get_gpu",
     "get_model",
     "get_schedule",

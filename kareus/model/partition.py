@@ -78,6 +78,11 @@ is then one partition type per chunk (suffixed ``_c{i}``). The forward runs the 
 order (a chunk's attention needs the earlier chunks' K and V) and the backward in reverse
 (a chunk's attention backward adds to the earlier chunks' dK and dV, which their QKV
 backward reads), which decides which chunk overlaps the collective of the segment before.
+
+Packed documents whose attention is masked (``Workload.document_tokens``, CP = 1) cost the
+attention that runs: the causal halves of the documents' squares
+([`document_pairs`][kareus.model.document_pairs]) instead of the whole sequence's, forward
+and backward (and selective recomputation's re-run); every other op is unchanged.
 """
 
 from __future__ import annotations
@@ -89,6 +94,7 @@ import attrs
 
 from kareus.errors import ArgumentError, WorkloadError
 from kareus.model.decoder import ATTENTION_SEGMENT, decoder_layer, moe_decoder_layer
+from kareus.model.documents import document_pairs
 from kareus.model.ops import CommKind, CommOp, ComputeOp, OpKind
 from kareus.model.workload import Workload
 
@@ -411,8 +417,11 @@ class _Shapes:
             self.b = wl.microbatch_size // parts  # sequences
             self.sq = wl.seq_len // p.cp  # query tokens per sequence on this rank
             self.sk = wl.seq_len  # key tokens per sequence after the CP all-gather
-            # causal attention, load-balanced over CP ranks: half the score matrix
-            self.pairs = 0.5 * self.sq * self.sk
+            # causal attention, load-balanced over CP ranks: half the score matrix; with
+            # packed documents masked (CP = 1), the causal halves of the documents'
+            # squares (kareus.model.documents)
+            self.pairs = (0.5 * self.sq * self.sk if wl.document_tokens is None
+                          else document_pairs(wl.seq_len, wl.document_tokens))
         else:  # one sequence (CP = 1), its chunk ``chunk`` of ``parts``
             self.b = 1
             self.sq = wl.seq_len // parts

@@ -595,6 +595,19 @@ class Workload:
             balanced routing, the default; at most ``ep``: every token on one rank). The
             busiest rank sets the pace of the all-to-alls and of the expert GEMMs, so both
             are costed at its load (``kareus.model.partition``).
+        document_tokens: ``None`` (default): each sequence is one document, its attention
+            causal over the whole sequence. Otherwise the sequences pack documents and
+            the attention masks them (each token attends to the earlier tokens of its own
+            document: torchtitan's FlexAttention / VarlenAttention ``block_causal``), and
+            this is the documents' length in tokens as the cost model takes it: each
+            sequence is cut into documents of ``document_tokens`` tokens (the last one
+            the remainder), whose causal attention is costed (``document_pairs``: about
+            ``seq_len x document_tokens / 2`` score pairs per sequence instead of
+            ``seq_len^2 / 2``). For documents of varied lengths ``L_i`` the same work is
+            ``sum L_i^2 / sum L_i`` (each token's document length, averaged over tokens:
+            [`document_tokens_of`][kareus.model.document_tokens_of] measures it from a
+            batch's positions), which is longer than their plain mean. CP = 1 only, and
+            not with nanobatches along the sequence.
         chained_layers: Whether a stage's layers run as one chain (``True``, the default:
             kareus's training loop, a [`PlannedStack`][kareus.integrations.PlannedStack],
             torchtitan or Megatron-Core blocks chained by the adapters): layer ``l+1``'s
@@ -615,6 +628,7 @@ class Workload:
     nanobatches: int = 2
     dtype_bytes: int = 2
     routing_imbalance: float = attrs.field(default=1.0, converter=_as_float)
+    document_tokens: int | None = None
     chained_layers: bool = attrs.field(default=True)
 
     def __attrs_post_init__(self) -> None:
@@ -625,6 +639,8 @@ class Workload:
         for field in ("microbatch_size", "seq_len", "num_microbatches", "nanobatches",
                       "dtype_bytes"):
             _check_count(field, getattr(self, field))
+        if self.document_tokens is not None:
+            _check_count("document_tokens", self.document_tokens)
         if self.recompute not in RECOMPUTE_POLICIES:
             raise WorkloadError(f"recompute must be one of {', '.join(RECOMPUTE_POLICIES)}, "
                                 f"got {self.recompute!r:.40}")
@@ -656,6 +672,13 @@ class Workload:
              f"sequence parallelism at TP={p.tp} needs each nanobatch's "
              f"{self.seq_len // self.nanobatches} tokens divisible by TP"),
             (self.num_microbatches >= 1, "num_microbatches must be >= 1"),
+            (self.document_tokens is None or p.cp == 1,
+             f"packed documents (document_tokens={self.document_tokens}) are modelled at "
+             f"CP=1 only, got CP={p.cp}"),
+            (self.document_tokens is None or not self.sequence_split,
+             f"packed documents (document_tokens={self.document_tokens}) are not modelled "
+             f"with nanobatches along the sequence (microbatch_size=1, nanobatches="
+             f"{self.nanobatches}): use nanobatches=1 or a larger microbatch"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -802,6 +825,7 @@ class Workload:
                 f"microbatches={self.num_microbatches} nanobatches={self.nanobatches}"
                 f"{'' if self.recompute == 'none' else f' recompute={self.recompute}'}"
                 f"{f' imbalance={self.routing_imbalance:g}' if self.routing_imbalance != 1 else ''}"
+                f"{'' if self.document_tokens is None else f' documents={self.document_tokens}'}"
                 f"{'' if self.chained_layers else ' unchained layers'}")
 
     def to_dict(self) -> dict[str, object]:
@@ -811,21 +835,24 @@ class Workload:
         rebuilds that one). Descriptions written before this named a preset only; they still
         load, as the current preset. ``ep`` and ``routing_imbalance`` are written for a
         mixture-of-experts model only (a dense workload's description is as before);
-        ``chained_layers`` is written only when it is ``False`` (a description without it
+        ``document_tokens`` is written where documents are masked (absent: one document per
+        sequence); ``chained_layers`` only when it is ``False`` (a description without it
         means chained layers, as every one written before the setting did)."""
         p = self.parallelism
         model: object = self.model.to_dict()
-        out: dict[str, object] = {
+        d: dict[str, object] = {
             "model": model, "tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": p.dp, "sp": p.sp,
             "microbatch_size": self.microbatch_size, "seq_len": self.seq_len,
             "num_microbatches": self.num_microbatches, "recompute": self.recompute,
             "nanobatches": self.nanobatches}
         if self.model.moe is not None:
-            out["ep"] = p.ep
-            out["routing_imbalance"] = self.routing_imbalance
+            d["ep"] = p.ep
+            d["routing_imbalance"] = self.routing_imbalance
+        if self.document_tokens is not None:
+            d["document_tokens"] = self.document_tokens
         if not self.chained_layers:
-            out["chained_layers"] = False
-        return out
+            d["chained_layers"] = False
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, object]) -> Workload:
@@ -845,5 +872,6 @@ class Workload:
         par["sp"] = d.get("sp", False)
         rest = {k: d[k] for k in ("microbatch_size", "seq_len", "num_microbatches",
                                   "recompute", "nanobatches", "dtype_bytes",
-                                  "routing_imbalance", "chained_layers") if k in d}
+                                  "routing_imbalance", "document_tokens",
+                                  "chained_layers") if k in d}
         return cls(model=arch, parallelism=Parallelism(**par), **rest)  # type: ignore[arg-type]

@@ -99,7 +99,7 @@ def check_plan_workload(plan: Plan, workload: Workload, *, one_stage: bool = Tru
         PlanError: the plan has more than one pipeline stage (``one_stage``) or not the
             workload's PP stages, or its recorded workload differs from ``workload`` in TP,
             CP, microbatch size, sequence length, nanobatches, microbatches, recomputation,
-            chained layers or model.
+            packed documents (``document_tokens``), chained layers or model.
     """
     if not isinstance(plan, Plan):
         raise ArgumentTypeError(f"plan must be a kareus.compose.Plan, got "
@@ -128,6 +128,10 @@ def check_plan_workload(plan: Plan, workload: Workload, *, one_stage: bool = Tru
             "recompute", "chained_layers")
     diff = [f"{k}: plan {theirs.get(k)!r}, job {mine[k]!r}" for k in keys
             if k in theirs and theirs[k] != mine[k]]
+    # packed documents masked (their attention costed): absent is one document per sequence
+    if theirs.get("document_tokens") != mine.get("document_tokens"):
+        diff.append(f"document_tokens: plan {theirs.get('document_tokens')!r}, job "
+                    f"{mine.get('document_tokens')!r}")
     if theirs["chained_layers"] != mine["chained_layers"]:
         diff[diff.index(f"chained_layers: plan {theirs['chained_layers']!r}, job "
                         f"{mine['chained_layers']!r}")] += (
@@ -314,6 +318,12 @@ class TrainingLoop:
         if p.pp != 1 or p.dp != 1:
             raise WorkloadError(f"the training loop runs PP=1, DP=1; the workload has "
                                 f"PP={p.pp}, DP={p.dp}")
+        if workload.document_tokens is not None:
+            raise WorkloadError(f"the training loop's data are whole sequences, causal "
+                                f"attention over each; the workload masks packed documents "
+                                f"(document_tokens={workload.document_tokens}): drop "
+                                "document_tokens (packed documents run in the planned layers: "
+                                "kareus.integrations.PlanApplier)")
         if not workload.chained_layers:
             raise WorkloadError("the training loop runs its layers as one chain; the workload "
                                 "has chained_layers=False (layers run one by one, as "
