@@ -272,12 +272,12 @@ class OutsideWork:
     LM head and loss, their vocabulary-parallel all-reduces, and the pipeline send of the
     computation's output to the next stage (forward) or of its input gradient to the
     previous one (backward). Per iteration (``PartitionSet.iteration``): the optimizer
-    step and the data-parallel gradient reduction.
+    step and the gradient reduction over the DP x CP ranks.
 
     Attributes:
         ops: Computation ops, per rank.
         comms: Collectives run after them without overlap (e.g. vocab-parallel all-reduces,
-            the data-parallel gradient reduction).
+            the gradient reduction over DP x CP).
         comms_cross_node: Whether ``comms`` cross nodes (then the inter-node network, not
             NVLink, limits them).
         p2p_bytes: Bytes this rank sends to a neighbouring pipeline stage after ``ops`` and
@@ -343,7 +343,7 @@ class PartitionSet:
         outside: ``outside[(stage, phase)]`` = the work outside partitions.
         iteration: Work once per iteration after the pipeline flush, per GPU of the stage
             with the most parameters (every stage runs it at the same time): the optimizer
-            step and the data-parallel gradient reduction (``iteration_work``).
+            step and the gradient reduction over DP x CP (``iteration_work``).
     """
 
     workload: Workload
