@@ -800,10 +800,11 @@ def iteration_work(wl: Workload, *, distributed_optimizer: bool = True) -> Outsi
       over its ``dp_cp`` group (its distributed optimizer shards over that group too). With
       the distributed optimizer (default), a reduce-scatter of the fp32 gradients and,
       after the step, an all-gather of the bf16 weights over the group; without it, an
-      all-reduce of the fp32 gradients. Named ``dp_*`` at CP = 1 and ``dp_cp_*`` at
-      CP > 1 (the group). Across nodes when the group spans more than one node
-      (``grad_reduction_crosses_node``: a CP group alone stays in its stage's node; with
-      DP > 1 the group crosses nodes when the job does).
+      all-reduce of the fp32 gradients. Named for the group: ``dp_*`` at CP = 1,
+      ``cp_*`` at DP = 1 (the CP group itself, which a stage's runnable outside work
+      runs on), ``dp_cp_*`` otherwise. Across nodes when the group spans more than one
+      node (``grad_reduction_crosses_node``: a CP group alone stays in its stage's node;
+      with DP > 1 the group crosses nodes when the job does).
     * The Adam step over the parameters this rank updates (all of its stage's, or
       ``1 / (DP x CP)`` of them with the distributed optimizer): ``ADAM_BYTES_PER_PARAM``
       of HBM traffic and ``ADAM_FLOPS_PER_PARAM`` per parameter, one memory-bound op.
@@ -823,7 +824,7 @@ def iteration_work(wl: Workload, *, distributed_optimizer: bool = True) -> Outsi
     comms: list[CommOp] = []
     share = n
     group = p.dp * p.cp  # Megatron-Core's dp_cp group
-    prefix = "dp" if p.cp == 1 else "dp_cp"
+    prefix = "dp" if p.cp == 1 else "cp" if p.dp == 1 else "dp_cp"
     if group > 1:
         if distributed_optimizer:
             comms = [CommOp(name=f"{prefix}_grad_reduce_scatter", kind=CommKind.REDUCE_SCATTER,

@@ -90,9 +90,9 @@ def test_gradients_reduced_over_cp_at_dp_1() -> None:
     work = iteration_work(wl)
     rs, tied, ag = work.comms
     assert (rs.name, rs.kind, rs.bytes, rs.group_size) == (
-        "dp_cp_grad_reduce_scatter", CommKind.REDUCE_SCATTER, 4 * n, 2)  # fp32 gradients
+        "cp_grad_reduce_scatter", CommKind.REDUCE_SCATTER, 4 * n, 2)  # fp32 gradients
     assert (ag.name, ag.kind, ag.bytes, ag.group_size) == (
-        "dp_cp_param_all_gather", CommKind.ALL_GATHER, 2 * n, 2)  # bf16 weights
+        "cp_param_all_gather", CommKind.ALL_GATHER, 2 * n, 2)  # bf16 weights
     assert tied.name == "embedding_grad_all_reduce"
     assert work.ops[0].bytes_moved == pytest.approx(ADAM_BYTES_PER_PARAM * n / 2)
     # The CP group is GPUs 4 apart inside its stage's 8: NVLink; the tied all-reduce joins
@@ -103,7 +103,7 @@ def test_gradients_reduced_over_cp_at_dp_1() -> None:
     plain = iteration_work(wl, distributed_optimizer=False)
     ar = plain.comms[0]
     assert (ar.name, ar.kind, ar.bytes, ar.group_size) == (
-        "dp_cp_grad_all_reduce", CommKind.ALL_REDUCE, 4 * n, 2)
+        "cp_grad_all_reduce", CommKind.ALL_REDUCE, 4 * n, 2)
     assert plain.ops[0].bytes_moved == pytest.approx(ADAM_BYTES_PER_PARAM * n)
     assert build_partitions(wl).iteration == work
 

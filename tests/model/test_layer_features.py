@@ -226,7 +226,7 @@ def test_tied_embeddings_on_one_stage_shrink_the_step_and_memory() -> None:
     assert a.ops[0].bytes_moved - b.ops[0].bytes_moved == pytest.approx(
         ADAM_BYTES_PER_PARAM * shared / 2)
     # One stage: no tied copy to keep in sync; only the gradients' reduction over CP.
-    grad = ["dp_cp_grad_reduce_scatter", "dp_cp_param_all_gather"]
+    grad = ["cp_grad_reduce_scatter", "cp_param_all_gather"]
     assert [c.name for c in a.comms] == [c.name for c in b.comms] == grad
     ma, mb = estimate_memory(plain), estimate_memory(tied)
     assert ma.weights_bytes - mb.weights_bytes == pytest.approx(2 * shared)
@@ -244,9 +244,9 @@ def test_tied_embeddings_across_stages_all_reduce_their_gradient() -> None:
     a, b = iteration_work(plain), iteration_work(tied)
     assert a.ops == b.ops
     # Between the gradients' reduce-scatter over the CP group and the weights' all-gather.
-    assert [c.name for c in a.comms] == ["dp_cp_grad_reduce_scatter", "dp_cp_param_all_gather"]
-    assert [c.name for c in b.comms] == ["dp_cp_grad_reduce_scatter",
-                                         "embedding_grad_all_reduce", "dp_cp_param_all_gather"]
+    assert [c.name for c in a.comms] == ["cp_grad_reduce_scatter", "cp_param_all_gather"]
+    assert [c.name for c in b.comms] == ["cp_grad_reduce_scatter",
+                                         "embedding_grad_all_reduce", "cp_param_all_gather"]
     ar = b.comms[1]
     assert (ar.name, ar.kind, ar.group_size) == ("embedding_grad_all_reduce",
                                                  CommKind.ALL_REDUCE, 2)

@@ -81,7 +81,7 @@ def test_the_emulator_costs_the_model_s_layer_features() -> None:
 def test_collectives_inside_a_node_of_a_job_over_several() -> None:
     # A CP group's gradient reduction on NVLink beside a tied all-reduce over the network.
     prof = EmulatedProfiler("h200-sxm", noise=0)
-    rs = CommOp(name="dp_cp_grad_reduce_scatter", kind=CommKind.REDUCE_SCATTER,
+    rs = CommOp(name="cp_grad_reduce_scatter", kind=CommKind.REDUCE_SCATTER,
                 bytes=1 << 30, group_size=2)
     ar = CommOp(name="embedding_grad_all_reduce", kind=CommKind.ALL_REDUCE, bytes=1 << 28,
                 group_size=2)
