@@ -258,6 +258,16 @@ def _workload_from_torchtitan_flags(args: argparse.Namespace):  # type: ignore[n
 
 
 def _workload_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """The job's workload; ``--unchained-layers``: its layers run one by one
+    (``Workload.chained_layers=False``); ``--torchtitan-args`` says so itself (torchtitan's
+    Trainer wraps every block in FSDP)."""
+    wl = _job_workload(args)
+    if getattr(args, "unchained_layers", False) and wl.chained_layers:
+        wl = wl.with_(chained_layers=False)
+    return wl
+
+
+def _job_workload(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from kareus.errors import WorkloadError
     from kareus.model.workload import Parallelism, Workload, get_model
 
@@ -735,6 +745,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sequence parallelism (Megatron-LM's --sequence-parallel): each TP "
                         "all-reduce becomes a reduce-scatter and an all-gather, norms on the "
                         "sequence shard; nothing changes at --tp 1")
+    p.add_argument("--unchained-layers", action="store_true",
+                   help="the layers run one by one, each its own planned layer (Megatron-Core "
+                        "layers left unchained, KAREUS_CHAIN=0): no collective overlaps "
+                        "across a layer boundary, each layer's first ops run bare and its "
+                        "last collective exposed, and the plan is made for that; "
+                        "--torchtitan-args sets it (torchtitan's Trainer wraps every block "
+                        "in FSDP, so its blocks never chain)")
     p.add_argument("--recompute", default=None, choices=("none", "selective", "full"),
                    help="activation recomputation: full (the default: the backward re-runs "
                         "each layer's forward), selective (the attention core only, as "

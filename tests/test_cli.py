@@ -541,3 +541,26 @@ def test_optimize_with_sp_and_selective_recomputation_writes_a_plan_for_that_lay
     # the folder is the SP job's: the all-reduce layout is another job
     assert main(_small(tmp_path, "--recompute", "selective")) == 2
     assert "sp" in capsys.readouterr().err
+
+
+def test_unchained_layers_make_a_plan_for_layers_run_one_by_one(tmp_path, capsys):
+    """--unchained-layers: the workload's layers run one by one (each its own planned layer,
+    as torchtitan's FSDP-wrapped blocks or Megatron-Core's unchained layers), the plan file
+    says so, and its partition types are those of that workload; without the flag the plan
+    file has no such key (the format of every plan before)."""
+    from kareus.cli import _workload_from_args, build_parser
+    from kareus.compose.plan import Plan
+    from kareus.model import Workload, build_partitions
+
+    args = build_parser().parse_args(["optimize", "--workload", "qwen3-1.7b",
+                                      "--unchained-layers"])
+    assert _workload_from_args(args).chained_layers is False
+    args = build_parser().parse_args(["optimize", "--workload", "qwen3-1.7b"])
+    assert _workload_from_args(args).chained_layers is True
+    assert main([*_small(tmp_path), "--unchained-layers"]) == 0
+    capsys.readouterr()
+    plan = Plan.load(tmp_path / "out" / "plan.json")
+    assert plan.workload["chained_layers"] is False
+    wl = Workload.from_dict(plan.workload)
+    assert set(plan.partition_configs(nanobatches=wl.nanobatches)) == set(
+        build_partitions(wl).types)

@@ -147,7 +147,8 @@ def _parse_workload(w: Any, source: str) -> Any:
     from kareus.model.workload import RECOMPUTE_POLICIES, Workload  # keeps the module light
 
     w = _obj(w, source, "workload")
-    _keys(w, sorted(_WORKLOAD_KEYS), _WORKLOAD_KEYS | {"sp"}, source, "workload")
+    _keys(w, sorted(_WORKLOAD_KEYS), _WORKLOAD_KEYS | {"sp", "chained_layers"}, source,
+          "workload")
     if isinstance(w["model"], dict):  # the architecture of a model that is not a preset
         from kareus.model.workload import ModelArch
 
@@ -164,12 +165,18 @@ def _parse_workload(w: Any, source: str) -> Any:
     sp = w.get("sp", False)
     if not isinstance(sp, bool):
         raise _err(source, "workload.sp", f"{short_repr(sp)} is not true or false")
+    # absent: chained layers (every plan written before the setting was made for them)
+    chained = w.get("chained_layers", True)
+    if not isinstance(chained, bool):
+        raise _err(source, "workload.chained_layers",
+                   f"{short_repr(chained)} is not true or false")
     try:
         return Workload.preset(model, tp=ints["tp"], cp=ints["cp"], pp=ints["pp"],
                                dp=ints["dp"], sp=sp, microbatch_size=ints["microbatch_size"],
                                seq_len=ints["seq_len"],
                                num_microbatches=ints["num_microbatches"],
-                               recompute=w["recompute"], nanobatches=ints["nanobatches"])
+                               recompute=w["recompute"], nanobatches=ints["nanobatches"],
+                               chained_layers=chained)
     except (KareusError, ValueError, TypeError) as exc:
         raise _err(source, "workload", str(exc)) from None
 

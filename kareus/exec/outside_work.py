@@ -68,6 +68,11 @@ class RunnableOutsideWork(RunnablePartition):
             raise ArgumentTypeError(f"workload must be a Workload, got {type(workload).__name__}")
         unknown = [op.name for op in work.ops
                    if op.name not in OUTSIDE_OPS and op.kind.compute_bound]
+        if unknown and not workload.chained_layers:
+            raise ArgumentError("a workload of unchained layers (chained_layers=False) costs "
+                                "each layer's bare computation as outside work, which the GPU "
+                                f"path does not run yet (ops {sorted(set(unknown))}): measure "
+                                "it on the emulator, or tune the chained workload")
         if unknown:
             raise ArgumentError(f"no kernel for the compute-bound outside ops {unknown}; known: "
                              f"{OUTSIDE_OPS} (memory-bound ones run as copies of their bytes)")

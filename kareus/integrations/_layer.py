@@ -63,13 +63,17 @@ The ops are the same code as the training loop's decoder, on the production kern
 
 **What a layer boundary costs.** kareus's own loop chains layers: the forward all-reduce of
 one layer's MLP output runs beside the next layer's attention-input ops. A planned layer is
-one autograd node, and what runs between two nodes belongs to the framework, so the last
-collective of each layer's forward (the MLP output's all-reduce of its last nanobatch) runs
-exposed, with the SM count of the partition type it pairs with, as Megatron-LM runs every
-collective; the other collectives overlap as planned (a backward ends with the input norm's
-backward, which overlaps its last all-reduce either way).
-[`PlannedStack`][kareus.integrations.PlannedStack] runs consecutive layers as one node and
-chains them as the loop does.
+one autograd node, and what runs between two nodes belongs to the framework, so the first
+unit of each layer's computation runs bare (nothing of the layer before it) and its last
+collective (the forward MLP output's all-reduce of its last nanobatch; under sequence
+parallelism also the all-gathers of the output gradient's first nanobatches, before the
+backward's first ops) runs exposed, as Megatron-LM runs every collective; the other
+collectives overlap as planned. A workload made for such layers
+(``Workload.chained_layers=False``) costs exactly that (``kareus.model.partition``), and
+its exposed collectives run with their own CTA count, as it costs them; under a workload
+of chained layers they run with the SM count of the partition type they pair with in the
+chain. [`PlannedStack`][kareus.integrations.PlannedStack] runs consecutive layers as one
+node and chains them as the loop does (refused for a workload of unchained layers).
 
 **Sequence parallelism** (``workload.parallelism.sp`` at TP > 1, Megatron-Core's
 ``sequence_parallel=True``, torchtitan's ``enable_sequence_parallel``): a layer's input and
@@ -130,7 +134,11 @@ from kareus.exec.schedule import (
     type_shapes,
 )
 from kareus.exec.train import DecoderShard, ParallelGroups, refuse_uncomputed
-from kareus.integrations._graphed import capture_in_progress, computation_signature
+from kareus.integrations._graphed import (
+    KeptInputs,
+    capture_in_progress,
+    computation_signature,
+)
 from kareus.integrations._kept import KeptActivations
 from kareus.integrations._weights import QK_NORM_WEIGHTS, layer_weights
 from kareus.model.workload import Workload
@@ -379,8 +387,9 @@ class PlanApplier:
         self.baseline: Executor
         self.whole_step_capture = bool(whole_step_capture)
         #: Signatures of computations run outside any capture (``_graphed.computation_signature``):
-        #: what an enclosing capture may take without setting anything up inside it.
-        self._warmed: set[tuple[Any, ...]] = set()
+        #: what an enclosing capture may take without setting anything up inside it; each
+        #: with its number (the graphed runner's key for it).
+        self._warmed: dict[tuple[Any, ...], int] = {}
         self.graphs = graphs is None or bool(graphs)  # resolved below
         self._build_executors(plan, executor, baseline, collective, default_collective,
                               frequency, streams)
@@ -401,6 +410,10 @@ class PlanApplier:
                         "or executors that capture")
         self._runner: Any = None
         self._started = False
+        #: Per plan (the current one), per computation ``(stage, microbatch, phase)``:
+        #: ``_computation_choice``'s answer; and a number per plan choice seen.
+        self._choices: tuple[Plan, dict[tuple[int, int, str], Any]] | None = None
+        self._choice_tokens: dict[Any, int] = {}
         if start:
             self.start()
 
@@ -634,11 +647,19 @@ class PlanApplier:
 
     def _computation(self, phase: str) -> tuple[int, bool]:
         """``(nanobatches, unsplit under a plan)`` of the current computation."""
+        n, unsplit, _ = self._computation_choice(phase)
+        return n, unsplit
+
+    def _computation_choice(self, phase: str) -> tuple[int, bool, int | None]:
+        """``(nanobatches, unsplit under a plan, the plan's choice for it)`` of the current
+        computation; the choice as a number, the same for equal choices (of any plan this
+        applier ran: a retarget's too), ``None`` under a baseline. Looked up in the plan
+        once per computation and plan, then kept (a planned layer asks on every call)."""
         wl = self.workload
         if self.schedule == "sequential":
-            return 1, False
+            return 1, False, None
         if self.schedule == "nanobatching":
-            return wl.nanobatches, False
+            return wl.nanobatches, False, None
         ex, plan = self._executor(), self.plan
         assert plan is not None
         current = ex.current
@@ -653,8 +674,27 @@ class PlanApplier:
             raise PlanError(f"a planned layer's {phase} ran inside applier.microbatch(..., "
                             f"{current[2]!r}): wrap the forward in 'fwd' and the backward "
                             "in 'bwd'")
+        cache = self._choices
+        if cache is None or cache[0] is not plan:  # a retarget's plan: looked up anew
+            cache = self._choices = (plan, {})
+        hit = cache[1].get(current)
+        if hit is None:
+            hit = cache[1][current] = self._look_up_choice(plan, current)
+        return hit
+
+    def _look_up_choice(self, plan: Plan, current: tuple[int, int, str]
+                        ) -> tuple[int, bool, int | None]:
+        from kareus.exec.plan_lookup import computation_key
+
         n = plan_nanobatches(plan, *current)
-        return n, n == 1 and wl.nanobatches > 1
+        key = computation_key(*current)
+        index = plan.assignment.get(key, key)
+        # the choice itself (frequency, nanobatches, every configuration and SM count),
+        # not its index: another plan (a retarget) may hold another choice at that index
+        choice = (plan.choices[index] if isinstance(index, int)
+                  and 0 <= index < len(plan.choices) else index)
+        token = self._choice_tokens.setdefault(choice, len(self._choice_tokens))
+        return n, n == 1 and self.workload.nanobatches > 1, token
 
     def program(self, x: Any, layers: int = 1) -> _LayerProgram:
         """The program of ``layers`` consecutive layers for inputs shaped like ``x`` (one per
@@ -748,8 +788,6 @@ class PlanApplier:
             ``(gradient of x, the weight gradients of every layer, layer by layer in
             ``weight_names`` order)``.
         """
-        from kareus.integrations._graphed import KeptInputs
-
         if positions is None:
             documents = False  # positions 0 .. seq - 1: one document per sequence
         if positions is not None:
@@ -777,12 +815,12 @@ class PlanApplier:
                                         "forward and backward together")
             self._check_enclosing(phase, x, weights, inputs)
         else:
-            key = computation_signature(self, phase, x, weights, inputs)
-            self._warmed.add(key)
+            number = self._signature_number(phase, x, weights, inputs)
             # packed-document positions change per batch: such calls run eagerly (a graph
             # of our own would keep the first batch's RoPE tables)
             if positions is None and self._own_graphs(x):
-                return self._graphs_runner().run(phase, x, weights, dy, inputs, key=key)
+                return self._graphs_runner().run(phase, x, weights, dy, inputs,
+                                                 number=number)
         if isinstance(inputs, KeptInputs):  # a graphed forward's, run eagerly backward
             inputs = inputs.tensors()
         result, ran = self._run_eager(phase, x, weights, dy, inputs, positions=positions,
@@ -790,16 +828,25 @@ class PlanApplier:
         self._record(phase, ran)
         return result
 
+    def _signature_number(self, phase: str, x: Any, weights: Sequence[Sequence[Any]],
+                          inputs: Any) -> int:
+        """The computation's ``computation_signature``, recorded as run outside any
+        capture, as a number (one per distinct signature; hashed once per call)."""
+        key = computation_signature(self, phase, x, weights, inputs)
+        return self._warmed.setdefault(key, len(self._warmed))
+
     def _own_graphs(self, x: Any) -> bool:
         """Whether this call replays a graph of its own: graphs on, and the tensors on the
         device the executor captures (a CUDA graph holds no CPU work: tensors on the CPU
         run eagerly, on a GPU machine too)."""
         if not self.graphs:
             return False
+        if x.device.type == "cuda":
+            return True
         from kareus.exec import TorchStreamBackend
 
         streams = getattr(self._executor(), "streams", None)
-        return x.device.type == "cuda" or not isinstance(streams, TorchStreamBackend)
+        return not isinstance(streams, TorchStreamBackend)
 
     def _check_enclosing(self, phase: str, x: Any, weights: Sequence[Sequence[Any]],
                          inputs: Sequence[Any] | None) -> None:
@@ -925,7 +972,8 @@ class PlanApplier:
                     plan_config_of=(None if self.schedule != "kareus" else
                                     lambda key: plan_config(self.plan, key,  # type: ignore[arg-type]
                                                             ex.current)),
-                    chunk_of=prog.chunk if prog.seq_split else None)
+                    chunk_of=prog.chunk if prog.seq_split else None,
+                    exposed_default=not self.workload.chained_layers)
             if phase == "fwd":
                 out = torch.empty_like(x2) if out_bufs is None else out_bufs[0]
                 for i in range(n):
@@ -1073,6 +1121,12 @@ class PlannedStack:
                                     f"{type(applier).__name__}")
         if int(layers) < 1:
             raise ArgumentError(f"a planned stack has at least one layer, got {layers}")
+        if int(layers) > 1 and not applier.workload.chained_layers:
+            raise WorkloadError(f"a stack of {int(layers)} layers chains them, but the "
+                                "workload's layers are unchained (chained_layers=False: its "
+                                "plan costs each layer run on its own): run each layer with "
+                                "applier.layer(), or make the workload with "
+                                "chained_layers=True")
         self.applier, self.layers = applier, int(layers)
 
     def __call__(self, x: Any, weights: Sequence[Mapping[str, Any] | Sequence[Any]], *,
@@ -1094,6 +1148,8 @@ class PlannedStack:
 def _ordered(weights: Mapping[str, Any] | Sequence[Any], names: Sequence[str]) -> list[Any]:
     """``weights`` (by name or in order) as a list in the order of ``names``."""
     if isinstance(weights, Mapping):
+        if weights.keys() == set(names):  # the usual case, in one comparison
+            return [weights[n] for n in names]
         missing = [n for n in names if n not in weights]
         extra = sorted(set(weights) - set(names))
         if missing or extra:

@@ -73,7 +73,12 @@ instance (around torchtitan's own redistribution wrapper) to mark the loop, and 
 running the stack (every other caller gets the blocks). Blocks with anything around their
 call that a stack would skip (FSDP's ``fully_shard`` hooks, module hooks,
 ``torch.compile``) run per block, checked at every forward; ``chain=False`` turns it off,
-``chain=True`` requires it.
+``chain=True`` requires it. The workload says which runs (``Workload.chained_layers``), so
+that the plan's partitions are those that run: torchtitan's ``Trainer`` wraps every block
+in FSDP, so under it the blocks never chain, ``workload_from_trainer`` says
+``chained_layers=False`` and the plan costs each block run on its own (its first ops bare,
+its last collective exposed); a plan for chained layers is refused where the blocks cannot
+chain, and a workload of unchained layers runs per block wherever it is applied.
 
 Tested with torchtitan 0.3.0 on torch 2.14.1 (``pip install "kareus[torchtitan]"``; its
 Trainer does not run on torch 2.13); other torchtitan versions are refused (their model API
@@ -682,7 +687,12 @@ def apply_plan(model: Any, *, workload: Workload, mesh: Any = None, tp_group: An
             ``"nanobatching"``.
         chain: ``None`` (the default): chain each decoder's blocks where it can (see
             above), per block otherwise; ``True``: chain or refuse (``WorkloadError`` saying
-            why, here or at the forward); ``False``: every block per block.
+            why, here or at the forward); ``False``: every block per block. The plan's
+            partitions must be those that run: a workload of unchained layers
+            (``chained_layers=False``, as torchtitan's Trainer runs its FSDP-wrapped
+            blocks) runs per block whatever ``chain`` says (``True`` refused), and a plan
+            for chained layers is refused unless every block chains (here, and at every
+            forward).
         full_ac: The blocks are wrapped in torchtitan's *full* activation checkpointing
             (``activation_checkpoint = FullAC.Config()``): kareus's layer recomputes each
             block's forward in its backward itself (the workload's ``recompute="full"``),
@@ -710,7 +720,8 @@ def apply_plan(model: Any, *, workload: Workload, mesh: Any = None, tp_group: An
             Qwen3 block, has a layer
             kareus does not compute, is wrapped in activation checkpointing, or the
             workload asks for context parallelism; ``chain=True`` and a decoder's blocks
-            cannot be chained.
+            cannot be chained (or the workload's layers are unchained); a plan for chained
+            layers and blocks that cannot all be chained.
         ArgumentError: the TP group is missing or given twice, or an applier argument the
             model sets.
     """
@@ -742,8 +753,10 @@ def apply_plan(model: Any, *, workload: Workload, mesh: Any = None, tp_group: An
         raise ArgumentError("a plan is applied to this model already: remove_plan(model) "
                             "first")
     _check_documents(model, blocks, plan, schedule)
-    # chain=True refuses before anything is replaced
-    decoders = [] if chain is False else _decoders(model, blocks, strict=bool(chain))
+    asked = chain is True
+    chain, strict = _chaining(model, blocks, workload, plan, schedule, chain)
+    # chain=True (or a plan for chained layers) refuses before anything is replaced
+    decoders = [] if chain is False else _decoders(model, blocks, strict=strict)
     inv = _rope_inv_freq(blocks[0])
     import torch
 
@@ -761,8 +774,49 @@ def apply_plan(model: Any, *, workload: Workload, mesh: Any = None, tp_group: An
     installed = {id(blk): _plan_block(blk, applier, layer) for blk in blocks}
     _around_blocks(blocks, wrappers, applier)
     for decoder, own in decoders:
-        _Chain(decoder, own, applier, [installed[id(b)] for b in own], strict=bool(chain))
+        _Chain(decoder, own, applier, [installed[id(b)] for b in own], strict=strict,
+               chain_asked=asked)
     return applier
+
+
+def _chaining(model: Any, blocks: list[Any], workload: Workload, plan: Any,
+              schedule: str | None, chain: bool | None) -> tuple[bool | None, bool]:
+    """``(chain, strict)`` for ``apply_plan``: whether to chain the decoders' blocks and
+    whether a block that cannot be chained is refused (at ``apply_plan`` and at every
+    forward) rather than run per block.
+
+    The plan's partitions must be those that run. A workload of unchained layers
+    (``chained_layers=False``, torchtitan's Trainer) is run per block, even where the
+    blocks could chain: that is what its plan costs, and per block computes the same
+    values (``chain=True`` is refused). A plan for chained layers is refused unless every
+    block is chained; the check is repeated at every forward.
+
+    Raises:
+        WorkloadError: ``chain=True`` with unchained layers; a plan for chained layers where
+            the blocks cannot all chain (FSDP's ``fully_shard``, module hooks,
+            ``torch.compile``, ``chain=False``, blocks outside a torchtitan ``Decoder``).
+    """
+    if not workload.chained_layers:
+        if chain:
+            raise WorkloadError("chain=True, but the workload's layers are unchained "
+                                "(chained_layers=False: its plan costs each block run on its "
+                                "own): pass chain=None, or make the workload and its plan "
+                                "with chained_layers=True")
+        return False, False
+    if plan is None or schedule not in (None, "kareus"):
+        return chain, bool(chain)
+    why = "chain=False runs each block on its own" if chain is False else _blocks_chain(model)
+    if why is None:
+        try:
+            _decoders(model, blocks, strict=True)
+        except WorkloadError:
+            why = "some planned blocks are not the layers of a torchtitan Decoder"
+    if why is not None:
+        raise WorkloadError(f"the plan was made for chained layers (its workload's "
+                            f"chained_layers=True), but {why}, so the blocks run one by one: "
+                            "make the plan for unchained layers (kareus optimize "
+                            "--unchained-layers, or --torchtitan-args, which reads it)")
+    return True, True
 
 
 def _check_model(model: Any, workload: Workload) -> Any:
@@ -855,7 +909,7 @@ def _decoders(model: Any, blocks: list[Any], *, strict: bool) -> list[tuple[Any,
         own = list(_layers_values(m))
         if own and all(id(b) in planned for b in own):
             for b in own if strict else ():
-                why = _around_call(b, None)
+                why = _around_call(b, None, compiled=False)  # apply_plan uncompiles it
                 if why is not None:
                     raise WorkloadError(f"chain=True: a block of {type(m).__name__} {why}; "
                                         "pass chain=None to run such blocks per block")
@@ -883,9 +937,11 @@ def _layers_values(decoder: Any) -> Any:
     return torch.nn.ModuleDict.values(layers)
 
 
-def _around_call(block: Any, installed: Any) -> str | None:
+def _around_call(block: Any, installed: Any, *, compiled: bool = True) -> str | None:
     """What would run around ``block``'s call, which a stack skips (None: nothing);
-    ``installed``: the planned forward the block must still have (None: not checked)."""
+    ``installed``: the planned forward the block must still have (None: not checked);
+    ``compiled=False``: not ``torch.compile`` (``apply_plan`` sets a planned block's
+    compiled call aside)."""
     from torch.nn.modules import module as torch_module
 
     fsdp: tuple[type, ...] = ()
@@ -897,7 +953,7 @@ def _around_call(block: Any, installed: Any) -> str | None:
         pass
     if isinstance(block, fsdp):
         return "is sharded by fully_shard (FSDP: its hooks gather the parameters)"
-    if getattr(block, "_compiled_call_impl", None) is not None:
+    if compiled and getattr(block, "_compiled_call_impl", None) is not None:
         return "is compiled (torch.compile)"
     if (block._forward_pre_hooks or block._forward_hooks or block._backward_hooks
             or block._backward_pre_hooks):
@@ -923,8 +979,9 @@ class _Chain:
     stack; any other call, or a block that cannot be chained now, gets the blocks."""
 
     def __init__(self, decoder: Any, blocks: list[Any], applier: PlanApplier,
-                 installed: list[tuple[Any, _BlockLayout]], *, strict: bool) -> None:
-        self.blocks, self.strict = blocks, strict
+                 installed: list[tuple[Any, _BlockLayout]], *, strict: bool,
+                 chain_asked: bool = True) -> None:
+        self.blocks, self.strict, self.chain_asked = blocks, strict, chain_asked
         self.installed = [f for f, _ in installed]
         self.layouts = [lay for _, lay in installed]
         self.stack = applier.stack(len(blocks))
@@ -950,6 +1007,12 @@ class _Chain:
                 why = self.why_not()
                 if why is None:
                     return (self.run,)
+                if self.strict and not self.chain_asked:
+                    raise WorkloadError(f"the plan was made for chained layers "
+                                        f"(chained_layers=True), but a block of "
+                                        f"{self.decoder_name} {why}: remove that, or make the "
+                                        "plan for unchained layers (kareus optimize "
+                                        "--unchained-layers)")
                 if self.strict:
                     raise WorkloadError(f"chain=True: a block of {self.decoder_name} {why}; "
                                         "pass chain=None to run such blocks per block")
@@ -1148,7 +1211,11 @@ def workload_from_trainer(trainer: Any, *, nanobatches: int = 2, name: str | Non
       it: no kareus policy is torchtitan's per-op selection), ``memory-budget`` refused;
     * ``dtype_bytes`` from the dtype the blocks compute in: ``training.dtype`` if bfloat16,
       else FSDP's ``training.mixed_precision_param`` (torchtitan wraps every block in
-      FSDP, whose mixed precision casts the parameters).
+      FSDP, whose mixed precision casts the parameters);
+    * ``chained_layers`` from the blocks: ``False``, since every block is wrapped in FSDP
+      (``fully_shard``, even at one data-parallel rank), whose hooks run around each
+      block's call, so the blocks run one by one (each its own planned layer) and the plan
+      is made for that: per layer, its first ops bare and its last collective exposed.
 
     Args:
         trainer: The built Trainer (``config.build()``), before ``train()``.
@@ -1165,19 +1232,34 @@ def workload_from_trainer(trainer: Any, *, nanobatches: int = 2, name: str | Non
             ``selective_as``, memory-budget checkpointing, or a layer kareus's layer does
             not compute.
     """
-    config, dims, _ = _trainer_parts(trainer)
+    config, dims, model = _trainer_parts(trainer)
     return _workload_of(config, trainer.model_config,
                         (int(dims.tp), int(dims.cp), int(dims.pp),
                          int(dims.dp_replicate) * int(dims.dp_shard)),
                         int(trainer.gradient_accumulation_steps), nanobatches=nanobatches,
-                        name=name, selective_as=selective_as)
+                        name=name, selective_as=selective_as,
+                        chained=_blocks_chain(model) is None)
+
+
+def _blocks_chain(model: Any) -> str | None:
+    """Why ``model``'s planned blocks cannot run as one stack (``None``: they can): under
+    torchtitan 0.3's Trainer every block is wrapped in FSDP (``fully_shard``: its llama3
+    and qwen3 ``parallelize`` functions call ``apply_fsdp_to_decoder`` at every
+    data-parallel degree, one included), whose hooks a stack would skip. A compiled block
+    can chain: ``apply_plan`` runs it uncompiled."""
+    for blk in planned_blocks(model):
+        why = _around_call(blk, None, compiled=False)
+        if why is not None:
+            return f"a block {why}"
+    return None
 
 
 def _workload_of(config: Any, model_config: Any, degrees: tuple[int, int, int, int],
                  accumulation_steps: int, *, nanobatches: int, name: str | None,
-                 selective_as: str | None) -> Workload:
+                 selective_as: str | None, chained: bool = False) -> Workload:
     """The workload of a Trainer config, its (updated, overridden) model config, its
-    ``(tp, cp, pp, dp)`` and gradient-accumulation steps."""
+    ``(tp, cp, pp, dp)`` and gradient-accumulation steps; ``chained``: whether its blocks
+    can run as one stack (never under the Trainer: ``_blocks_chain``)."""
     spec = getattr(config, "model_spec", None)
     if name is None:
         name = (f"torchtitan-{spec.name}-{spec.flavor}" if spec is not None
@@ -1196,7 +1278,8 @@ def _workload_of(config: Any, model_config: Any, degrees: tuple[int, int, int, i
                     seq_len=int(training.seq_len),
                     num_microbatches=int(accumulation_steps),
                     nanobatches=int(nanobatches), recompute=recompute,
-                    dtype_bytes=2 if compute == "bfloat16" else 4)
+                    dtype_bytes=2 if compute == "bfloat16" else 4,
+                    chained_layers=bool(chained))
 
 
 def workload_from_torchtitan_config(config: Any, *, world_size: int, nanobatches: int = 2,
@@ -1206,7 +1289,8 @@ def workload_from_torchtitan_config(config: Any, *, world_size: int, nanobatches
     ranks, without building it (no devices, no data): what ``kareus optimize
     --torchtitan-args`` makes a plan for, equal to
     [`workload_from_trainer`][kareus.integrations.torchtitan.workload_from_trainer] of the
-    built Trainer.
+    built Trainer: its layers unchained (``chained_layers=False``: the Trainer wraps every
+    block in FSDP, so its blocks run one by one).
 
     The model config is updated from the config and its ``--override.imports`` applied,
     as the Trainer does; the degrees are ``ParallelDims.from_config`` (a
@@ -1428,7 +1512,9 @@ def wrap_trainer(trainer: Any, plan: Any = None, *, schedule: str | None = None,
             ``plan.json``), ``None`` (a baseline ``schedule``), or an applier.
         schedule: As ``apply_plan`` takes it (default ``"kareus"`` with a plan).
         chain: As ``apply_plan`` takes it. torchtitan wraps every block in FSDP (even at
-            one data-parallel rank), so under the Trainer the blocks run per block.
+            one data-parallel rank), so under the Trainer the blocks run per block: the
+            workload is one of unchained layers (``chained_layers=False``), and a plan made
+            for chained layers is refused.
         selective_as: Under torchtitan's per-op selective checkpointing, the policy the
             planned layers run in its place; default: the plan's workload's ``recompute``
             (required without a plan).
@@ -1441,7 +1527,8 @@ def wrap_trainer(trainer: Any, plan: Any = None, *, schedule: str | None = None,
         WorkloadError: what kareus does not run as torchtitan would: context or pipeline
             parallelism, memory-budget checkpointing, selective checkpointing without a
             policy named, attention masking packed documents, a plan of several choices
-            per phase under CUDA graphs, a layer kareus does not compute.
+            per phase under CUDA graphs, a layer kareus does not compute, a plan made for
+            chained layers.
         PlanError: the plan was made for another workload; a step runs more microbatches
             than the plan's workload.
     """
@@ -1468,6 +1555,13 @@ def wrap_trainer(trainer: Any, plan: Any = None, *, schedule: str | None = None,
             selective_as = planned.get("recompute")
         workload = workload_from_trainer(trainer, nanobatches=nb, selective_as=selective_as)
         _refuse_unsupported(config, model, workload)
+        if (plan is not None and planned.get("chained_layers", True)
+                and not workload.chained_layers):
+            raise WorkloadError("the plan was made for chained layers, but torchtitan's "
+                                "Trainer wraps every block in FSDP (fully_shard, at any "
+                                "data-parallel degree), so its blocks run one by one: make "
+                                "the plan with kareus optimize --torchtitan-args (which "
+                                "reads this) or --unchained-layers")
         captured = _step_capture(trainer)
         if captured:
             _refuse_replayed_plan(plan, schedule)

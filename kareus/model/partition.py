@@ -18,12 +18,29 @@ bandwidth contention.
 forward and backward, and the work outside partitions (embedding, LM head and loss). All FLOPs and
 bytes are per rank.
 
-Modelling choices (documented in docs/architecture.md): the chain of one stage is
-treated as cyclic, so the first computation of a stage is paired with the last
-collective of the stage (one exposed collective and one bare computation per stage
-and microbatch are counted as one overlapped pair); residual additions are omitted;
-with full recomputation the backward pass of each layer re-runs its forward,
-collectives included, so backward computations also hold forward partition types.
+Modelling choices (documented in docs/architecture.md): where a stage's layers run as one
+chain (``Workload.chained_layers``, the default), the chain is treated as cyclic, so the
+first computation of a stage is paired with the last collective of the stage (one exposed
+collective and one bare computation per stage and microbatch are counted as one overlapped
+pair); residual additions are omitted; with full recomputation the backward pass of each
+layer re-runs its forward, collectives included, so backward computations also hold
+forward partition types.
+
+Where each layer runs as its own planned layer (``chained_layers=False``: torchtitan's
+``Trainer``, which wraps every block in FSDP; Megatron-Core layers left unchained), no
+pair crosses a layer boundary. Each layer's computation is then what the runtime runs for
+one layer (``_layer_pieces``: its forward, or its backward after the recomputed forward
+under full recomputation; under sequence parallelism the backward opens with the
+all-gather of its output's gradient and leaves its input's gradient sharded), cut at its
+collectives into pieces, each nanobatch of a piece beside the collective of the unit
+before it in that layer (``_unchained_units``). What has nothing before it runs bare (the
+layer's first unit; the input norm's backward of the later nanobatches, after the pieces'
+collectives) and a collective with nothing after it runs exposed (the layer's last; under
+sequence parallelism the output gradient's all-gathers of the first ``n - 1``
+nanobatches, which no op follows): both are costed per layer as work outside partitions
+(``PartitionSet.outside``, at the computation's clock; the exposed collectives at their
+own CTA count, as the runtime runs them for such a workload). A computation of one
+nanobatch is the same either way (each collective after its own ops).
 
 The model's layer features change the op lists: with ``qk_norm`` the per-head query/key
 norms run fused with RoPE, so ``rope`` is ``qk_norm_rope`` and ``rope_bwd`` is
@@ -698,6 +715,109 @@ def _overlap_pairs(wl: Workload, segs_of: dict[str, list[list[_Segment]]]) -> li
     return pairs
 
 
+def _layer_pieces(wl: Workload, phase: str, s: _Shapes) -> list[tuple[str, _Segment]]:
+    """One layer's ``phase`` computation as a planned layer of its own runs it (the runtime's
+    ``stack_stream`` of one layer, cut at its collectives), as ``(phase of its ops, piece)``:
+    each piece a run of ops and the collective after it (``comm=None`` for the ops after the
+    last collective: the backward's input-norm backward). The backward re-runs the forward
+    first under full recomputation; under sequence parallelism it opens with the
+    all-gather of its output's gradient (a piece without ops) and ends without gathering
+    its input's (the framework's layer below does). A collective over a group of one GPU
+    does not run: its ops join the next piece."""
+    p = wl.parallelism
+    comms = _layer_comms(wl, s)
+    sp = s.sp
+    run = [("fwd", decoder_layer("fwd", qk_norm=s.qk_norm, sp=sp))] if (
+        phase == "fwd" or wl.recompute == "full") else []
+    if phase == "bwd":
+        run.append(("bwd", decoder_layer("bwd", qk_norm=s.qk_norm, sp=sp,
+                                         recompute=wl.recompute)))
+    raw: list[tuple[str, str, tuple[str, ...], tuple[str, str] | None]] = []
+    if phase == "bwd" and sp:
+        raw.append(("bwd", "dy", (), ("all_gather", "tp")))
+    for ph, layer in run:
+        for seg in layer.segments:
+            c = seg.collective
+            raw.append((ph, seg.name, seg.op_names, (c.kind, c.group)))
+        if layer.tail:
+            raw.append((ph, "attn_norm", layer.tail, None))
+    if phase == "bwd" and sp:
+        ph, name, names, _ = raw[-1]  # the input gradient's all-gather: the layer below's
+        raw[-1] = (ph, name, names, None)
+    ops = {ph: _layer_ops(ph, s) for ph in {ph for ph, _ in run}}
+    out: list[tuple[str, _Segment]] = []
+    held: list[tuple[str, str, tuple[str, ...]]] = []  # ops whose collective does not run
+    for ph, name, names, key in raw:
+        comm = comms[key] if key is not None else None
+        if key is not None and comm is None:
+            held.append((ph, name, names))
+            continue
+        if held and {h[0] for h in held} != {ph}:
+            raise WorkloadError(
+                f"{wl.model.name}: unchained layers (chained_layers=False) at TP={p.tp} with "
+                "full recomputation run the recomputed forward's ops and the backward's in "
+                "one unit, which kareus does not model: use chained layers or TP > 1")
+        seg_names = [h[1] for h in held] + [name]
+        label = (ATTENTION_SEGMENT if sorted(seg_names) == ["attn_in", "attn_out"]
+                 else "_".join(seg_names))
+        seg_ops = tuple(ops[ph][o] for h in held for o in h[2]) + tuple(
+            ops[ph][o] for o in names)
+        out.append((ph, _Segment(label, seg_ops, comm, key[1] if comm is not None and key
+                                 else "")))
+        held = []
+    if held:  # ops after the last collective that runs
+        ph = held[0][0]
+        out.append((ph, _Segment("_".join(h[1] for h in held),
+                                 tuple(ops[ph][o] for h in held for o in h[2]), None)))
+    return out
+
+
+def _unchained_units(wl: Workload, chunks: Sequence[int | None]
+                     ) -> tuple[list[_Pair], dict[str, tuple[ComputeOp, ...]],
+                                dict[str, tuple[CommOp, ...]]]:
+    """What one planned layer of its own runs per microbatch computation, nanobatched
+    (``Workload.chained_layers=False``), as the runtime schedule runs its pieces: the unit
+    (piece ``j``, nanobatch ``i``) beside the collective of the unit before it in stream
+    order (``(j, i-1)``, or ``(j-1, n-1)`` for ``i = 0``). So the layer's first unit runs
+    bare (nothing before it in the layer), a piece without ops leaves the collective
+    before it exposed, and the last collective runs exposed after everything.
+
+    Returns:
+        The overlapped pairs (as ``_overlap_pairs``, one instance per layer each), and per
+        phase one layer's bare computation (its ops) and exposed collectives."""
+    n = wl.nanobatches
+    pieces_of = {phase: [_layer_pieces(wl, phase, _Shapes(wl, n, c)) for c in chunks]
+                 for phase in PHASES}
+    pairs: list[_Pair] = []
+    bare: dict[str, tuple[ComputeOp, ...]] = {}
+    exposed: dict[str, tuple[CommOp, ...]] = {}
+    for counted in PHASES:
+        per_chunk = pieces_of[counted]
+        base = per_chunk[0]
+        b_ops: list[ComputeOp] = []
+        e_comms: list[CommOp] = []
+        pending: tuple[CommOp, str] | None = None
+        for j, (ph, seg) in enumerate(base):
+            same = all(pc[j][1].ops == seg.ops for pc in per_chunk)
+            for i in range(n):
+                # forward ops in chunk order, backward ops last chunk first (``_overlap_pairs``)
+                c = i if ph == "fwd" else n - 1 - i
+                unit = seg if same else per_chunk[c][j][1]
+                if pending is None:
+                    b_ops += unit.ops
+                elif unit.ops:
+                    pairs.append((counted, ph, unit, pending[0], pending[1], 1,
+                                  None if same else c))
+                else:
+                    e_comms.append(pending[0])
+                pending = (seg.comm, seg.group) if seg.comm is not None else None
+        if pending is not None:
+            e_comms.append(pending[0])
+        bare[counted] = tuple(b_ops)
+        exposed[counted] = tuple(e_comms)
+    return pairs, bare, exposed
+
+
 def build_partitions(workload: Workload) -> PartitionSet:
     """Partition types, per-microbatch instance counts and outside work of a workload.
 
@@ -718,9 +838,16 @@ def build_partitions(workload: Workload) -> PartitionSet:
     # the layer's segments per chunk: one list, or, along the sequence, one per chunk (only
     # the attention ops' costs differ between them)
     chunks: list[int | None] = list(range(n)) if wl.sequence_split else [None]
-    segs_of = {phase: [_normalise(_layer_segments(wl, phase, _Shapes(wl, n, c)))
-                       for c in chunks] for phase in PHASES}
-    pairs = _overlap_pairs(wl, segs_of)
+    outside = _outside_work(wl)
+    if wl.chained_layers or n == 1:
+        segs_of = {phase: [_normalise(_layer_segments(wl, phase, _Shapes(wl, n, c)))
+                           for c in chunks] for phase in PHASES}
+        pairs = _overlap_pairs(wl, segs_of)
+    else:
+        pairs, bare, exposed = _unchained_units(wl, chunks)
+        outside = {key: attrs.evolve(work, ops=work.ops + bare[key[1]] * L,
+                                     comms=work.comms + exposed[key[1]] * L)
+                   for key, work in outside.items()}
     overlapped: dict[tuple[str, str], set[tuple[CommKind, str]]] = {}
     for _, phase, seg, comm, group, _, _ in pairs:
         overlapped.setdefault((phase, seg.name), set()).add((comm.kind, group))
@@ -736,7 +863,7 @@ def build_partitions(workload: Workload) -> PartitionSet:
         counts[counted][name] = counts[counted].get(name, 0) + k * L
 
     return PartitionSet(workload=wl, types=dict(types), counts=counts,
-                        outside=_outside_work(wl), iteration=iteration_work(wl))
+                        outside=outside, iteration=iteration_work(wl))
 
 
 def stage_params_per_rank(wl: Workload) -> float:

@@ -521,6 +521,15 @@ class Workload:
             its sequences, or, for a microbatch of one sequence, chunks of that sequence
             (``sequence_split``; CP = 1 only).
         dtype_bytes: Bytes per activation element (2 for bf16).
+        chained_layers: Whether a stage's layers run as one chain (``True``, the default:
+            kareus's training loop, a [`PlannedStack`][kareus.integrations.PlannedStack],
+            torchtitan or Megatron-Core blocks chained by the adapters): layer ``l+1``'s
+            first ops overlap layer ``l``'s last collective. ``False``: each layer runs as
+            its own planned layer (one autograd node per layer: torchtitan's ``Trainer``,
+            which wraps every block in FSDP, or Megatron-Core layers left unchained), so
+            no collective overlaps across a layer boundary; ``build_partitions`` then
+            costs, per layer, the computation that runs bare and the collectives that run
+            exposed (``kareus.model.partition``).
     """
 
     model: ModelArch = attrs.field(converter=get_model)
@@ -531,9 +540,13 @@ class Workload:
     recompute: str = attrs.field(default="full", converter=recompute_policy)
     nanobatches: int = 2
     dtype_bytes: int = 2
+    chained_layers: bool = attrs.field(default=True)
 
     def __attrs_post_init__(self) -> None:
         m, p = self.model, self.parallelism
+        if not isinstance(self.chained_layers, bool):
+            raise WorkloadError(f"chained_layers must be True or False, got "
+                                f"{self.chained_layers!r:.40}")
         for field in ("microbatch_size", "seq_len", "num_microbatches", "nanobatches",
                       "dtype_bytes"):
             _check_count(field, getattr(self, field))
@@ -662,20 +675,27 @@ class Workload:
                 f"CP={p.cp} PP={p.pp} DP={p.dp} "
                 f"mbs={self.microbatch_size} seq={self.seq_len} "
                 f"microbatches={self.num_microbatches} nanobatches={self.nanobatches}"
-                f"{'' if self.recompute == 'none' else f' recompute={self.recompute}'}")
+                f"{'' if self.recompute == 'none' else f' recompute={self.recompute}'}"
+                f"{'' if self.chained_layers else ' unchained layers'}")
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready description: ``model`` is the whole architecture, name and features
         included, also for a preset (a preset may change between versions: a plan then still
         says which model it was made for, and [`from_dict`][kareus.model.Workload.from_dict]
         rebuilds that one). Descriptions written before this named a preset only; they still
-        load, as the current preset."""
+        load, as the current preset. ``chained_layers`` is written only when it is
+        ``False`` (a description without it means chained layers, as every one written
+        before the setting did)."""
         p = self.parallelism
         model: object = self.model.to_dict()
-        return {"model": model, "tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": p.dp, "sp": p.sp,
-                "microbatch_size": self.microbatch_size, "seq_len": self.seq_len,
-                "num_microbatches": self.num_microbatches, "recompute": self.recompute,
-                "nanobatches": self.nanobatches}
+        out: dict[str, object] = {
+            "model": model, "tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": p.dp, "sp": p.sp,
+            "microbatch_size": self.microbatch_size, "seq_len": self.seq_len,
+            "num_microbatches": self.num_microbatches, "recompute": self.recompute,
+            "nanobatches": self.nanobatches}
+        if not self.chained_layers:
+            out["chained_layers"] = False
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, object]) -> Workload:
@@ -694,5 +714,6 @@ class Workload:
                                for k in ("tp", "cp", "pp", "dp")}
         par["sp"] = d.get("sp", False)
         rest = {k: d[k] for k in ("microbatch_size", "seq_len", "num_microbatches",
-                                  "recompute", "nanobatches", "dtype_bytes") if k in d}
+                                  "recompute", "nanobatches", "dtype_bytes", "chained_layers")
+                if k in d}
         return cls(model=arch, parallelism=Parallelism(**par), **rest)  # type: ignore[arg-type]

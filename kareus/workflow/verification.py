@@ -606,7 +606,8 @@ def open_job_loop(stack: contextlib.ExitStack, plan: Plan, *, device: str | None
     what was opened. Arguments as [`verify`][kareus.workflow.verification.verify].
 
     Raises:
-        PlanError: the plan's job has PP or DP above 1 (the loop runs one stage).
+        PlanError: the plan's job has PP or DP above 1 (the loop runs one stage), or its
+            layers are unchained (the loop chains them).
         HardwareError: no CUDA device without ``device="cpu"``; no energy counter.
         ArgumentError: a world that is neither one process nor the job's TP x CP.
     """
@@ -615,6 +616,11 @@ def open_job_loop(stack: contextlib.ExitStack, plan: Plan, *, device: str | None
     if p.pp != 1 or p.dp != 1:
         raise PlanError(f"kareus verify runs one pipeline stage of one data-parallel replica "
                         f"(the library's loop); the plan's job has PP={p.pp}, DP={p.dp}")
+    if not wl.chained_layers:
+        raise PlanError("kareus verify runs the plan in kareus's own training loop, whose "
+                        "layers chain; the plan is for layers run one by one (chained_layers="
+                        "false, e.g. torchtitan's Trainer): verifying it where it runs is not "
+                        "done yet")
     import torch
 
     if device is None:

@@ -103,3 +103,19 @@ def test_the_iteration_s_gradient_reduction_over_cp_runs_on_the_cp_group(tp):
     assert [c.group_size for c in work.comms] == [4, 4]
     assert len(runnable.left_out) == 2 and "a group of 4" in runnable.left_out[0]
     assert tpc.calls == cpc.calls == []
+
+
+def test_unchained_layers_outside_work_is_refused_on_the_gpu_path_in_one_line():
+    # a workload of unchained layers costs each layer's bare first unit as outside work:
+    # the GPU path has no kernels for it yet, and says so
+    from kareus.errors import ArgumentError
+    from kareus.exec.outside_work import RunnableOutsideWork
+    from kareus.model import Workload, build_partitions
+
+    wl = Workload.preset("qwen3-1.7b", tp=2, chained_layers=False)
+    work = build_partitions(wl).outside[(0, "fwd")]
+    with pytest.raises(ArgumentError, match="unchained layers") as err:
+        RunnableOutsideWork(work, wl)
+    assert "\n" not in str(err.value)
+    chained = wl.with_(chained_layers=True)
+    RunnableOutsideWork(build_partitions(chained).outside[(0, "fwd")], chained)

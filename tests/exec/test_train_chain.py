@@ -23,6 +23,7 @@ from kareus.exec.schedule import (
     match_type,
     pieces,
     run_computation,
+    sp_backward_stream,
     stack_stream,
     type_shapes,
 )
@@ -416,3 +417,33 @@ def test_one_nanobatch_never_runs_ops_beside_a_collective(schedule, tp, cp, reco
             sms = {e[1]: e[3] for e in ex.log if e[0] == "collective"}
             for key, cfg in ran:
                 assert sms[key] == cfg.comm_sms == plan_config(plan, key, (0, 0, phase)).comm_sms
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_an_unsplit_computation_s_opening_collective_takes_its_phase_s_configuration(
+        recompute):
+    # Under sequence parallelism a backward opens with the all-gather of the output
+    # gradient, which no type's ops hold; run unsplit under a plan it took "the first type
+    # of its kind", a forward type that a real plan's backward choice does not configure
+    # (PlanError mid-step). It now takes a type of its kind that the choice configures.
+    from kareus.testing import make_workload_plan
+
+    wl = workload(2, 1, recompute, sp=True)
+    plan = make_workload_plan(wl, unsplit_microbatches=(0,))
+    whole = wl.with_(nanobatches=1)
+    types = type_shapes(build_partitions(whole))
+    for phase in ("fwd", "bwd"):
+        stream = stream_of(whole, phase)
+        if phase == "bwd":  # as a planned layer runs it: dy gathered first
+            stream = sp_backward_stream(stream, whole.model.layers, gather_input_grad=False)
+        assert phase == "fwd" or not pieces(stream)[0].ops  # the opening collective
+        ex = RecordingExecutor(plan=plan)
+        ex.start()
+        model = FakeModel(ex.log)
+        with ex.microbatch(0, 0, phase):
+            ran = run_computation(
+                ex, pieces(stream), schedule="sequential", nanobatches=1,
+                run_op=model.run_op, comm_args=model.comm_args, types=types,
+                sequential_config_of=lambda k, ex=ex: plan_config(plan, k, ex.current))
+        want = set(plan.choices[plan.assignment[f"s0.m0.{phase}"]].types)
+        assert ran and {k for k, _ in ran} <= want, phase

@@ -330,7 +330,8 @@ def test_a_plan_splitting_a_backward_otherwise_than_its_forward(policy):
     wl = workload(2, 1, policy)
     plan = make_workload_plan(wl, unsplit_microbatches=(0,))
     key = "s0.m0.fwd"
-    plan = attrs.evolve(plan, assignment={**plan.assignment, key: 0})  # m0's forward split
+    split = plan.assignment["s0.m1.fwd"]  # m1's forward choice: split
+    plan = attrs.evolve(plan, assignment={**plan.assignment, key: split})  # m0's too
     assert plan.nanobatches(key) == 2 and plan.nanobatches("s0.m0.bwd") == 1
     groups = LoopbackGroups(tp=2)
     capped, default, _ = make_collectives(groups, backend="loopback")

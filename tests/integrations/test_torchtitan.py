@@ -290,6 +290,69 @@ def test_blocks_with_anything_around_their_call_run_per_block():
         kt.apply_plan(model, workload=wl, kernels="torch", chain="yes")
 
 
+def test_a_workload_of_unchained_layers_runs_per_block_even_where_blocks_chain():
+    # Workload.chained_layers=False: the plan costs each block run on its own, so the
+    # blocks run so (the same values), and chain=True is refused before anything changes.
+    cfg = config(fuse=True)
+    ref = build(cfg)
+    model = copy.deepcopy(ref)
+    wl = kt.workload_from_torchtitan(cfg, tp=1, microbatch_size=MBS, seq_len=SEQ,
+                                     num_microbatches=1).with_(chained_layers=False)
+    with pytest.raises(WorkloadError, match="chained_layers=False"):
+        kt.apply_plan(model, workload=wl, schedule="nanobatching", kernels="torch",
+                      chain=True)
+    assert not any("forward" in m.__dict__ for m in model.modules())  # nothing replaced
+    applier = kt.apply_plan(model, workload=wl, schedule="nanobatching", kernels="torch")
+    tokens = torch.randint(0, VOCAB, (MBS, SEQ))
+    assert kt.chained_blocks(model) == []
+    torch.testing.assert_close(model(tokens), ref(tokens), rtol=1e-5, atol=1e-5)
+    assert {k[-1] for k in applier._programs} == {1}
+
+
+@pytest.mark.parametrize("around", ["hook", "chain=False", "fully_shard"])
+def test_a_plan_for_chained_layers_is_refused_where_blocks_run_one_by_one(around):
+    # The plan's partitions must be those that run: a plan made for chained layers
+    # (chained_layers=True, the default) where a block cannot chain (FSDP's fully_shard,
+    # a hook, chain=False) is refused in one line, before anything is replaced.
+    cfg = config(fuse=True)
+    model = build(cfg)
+    wl = kt.workload_from_torchtitan(cfg, tp=2, microbatch_size=MBS, seq_len=SEQ,
+                                     num_microbatches=1)
+    plan = make_workload_plan(wl)
+    chain = None
+    if around == "hook":
+        model.layers["1"].register_forward_pre_hook(lambda *a: None)
+    elif around == "chain=False":
+        chain = False
+    else:
+        from torch.distributed.fsdp import FSDPModule
+
+        blk = model.layers["0"]  # what fully_shard makes of a block: an FSDPModule
+        blk.__class__ = type("FSDPBlock", (FSDPModule, type(blk)), {})
+    with pytest.raises(WorkloadError) as err:
+        kt.apply_plan(model, workload=wl, plan=plan, kernels="torch", chain=chain)
+    msg = str(err.value)
+    assert "made for chained layers" in msg and "--unchained-layers" in msg
+    assert "\n" not in msg
+    if around == "fully_shard":
+        assert "fully_shard" in msg
+    assert not any("forward" in m.__dict__ for m in model.modules())  # nothing replaced
+
+
+def test_a_compiled_block_can_chain_as_apply_plan_runs_it_uncompiled():
+    # torch.compile of a block (torchtitan's compile.enable) is set aside by apply_plan,
+    # so it does not keep the blocks from chaining: a plan for chained layers passes the
+    # chaining check (and stops at the TP group, which this test does not give)
+    cfg = config(fuse=True)
+    model = build(cfg)
+    model.layers["0"]._compiled_call_impl = torch.compile(model.layers["0"].forward)
+    assert kt._blocks_chain(model) is None
+    wl = kt.workload_from_torchtitan(cfg, tp=2, microbatch_size=MBS, seq_len=SEQ,
+                                     num_microbatches=1)
+    with pytest.raises(ArgumentError, match="mesh="):
+        kt.apply_plan(model, workload=wl, plan=make_workload_plan(wl), kernels="torch")
+
+
 def test_apply_plan_refusals():
     cfg = config(fuse=True)
     model = build(cfg)
@@ -452,6 +515,10 @@ def _worker(out_dir: str, backend: str, name: str) -> None:
         assert wl.parallelism.sequence_parallel == sp == kt.sequence_parallel_of(cfg)
         plan = make_workload_plan(wl, pick=1, sms=8, freqs_mhz=(1980, 1410),
                                   unsplit_microbatches=(1,))
+        # per block (chain=False) a plan runs only if made for blocks run one by one
+        per_block = wl.with_(chained_layers=False)
+        per_block_plan = make_workload_plan(per_block, pick=1, sms=8, freqs_mhz=(1980, 1410),
+                                            unsplit_microbatches=(1,))
         for schedule, chain in RUNS:
             model = copy.deepcopy(base)
             with context():
@@ -459,8 +526,10 @@ def _worker(out_dir: str, backend: str, name: str) -> None:
             own = _own_forwards(model)
             applier = None
             if schedule != "torchtitan":
-                applier = kt.apply_plan(model, workload=wl, mesh=dims, schedule=schedule,
-                                        plan=plan if schedule == "kareus" else None,
+                mine = per_block if (schedule, chain) == ("kareus", False) else wl
+                applier = kt.apply_plan(model, workload=mine, mesh=dims, schedule=schedule,
+                                        plan=(None if schedule != "kareus" else
+                                              per_block_plan if mine is per_block else plan),
                                         kernels="torch", record=True, chain=chain)
             losses, logits, forwards = [], [], []
             for mb in range(wl.num_microbatches):
@@ -527,7 +596,8 @@ def test_gloo_tp2_equals_torchtitan(tmp_path, backend, name):
                    ["partitions"])
         # The exposed forward collectives: in a forward cut into nanobatches, a collective
         # with nothing left to overlap runs in a partition of no ops, launched after them
-        # (launch slot None; named "<kind>:tail" under the baselines). Per block, each
+        # (launch slot None; named "<kind>:tail" under the baselines, and under a plan for
+        # blocks run one by one, which costs them at their own CTA count). Per block, each
         # layer's last all-reduce is one; chained, only the decoder's last.
         for schedule in ("nanobatching", "kareus"):
             split = [0, 1] if schedule == "nanobatching" else [0]  # the plan: mb 1 unsplit
@@ -536,7 +606,7 @@ def test_gloo_tp2_equals_torchtitan(tmp_path, backend, name):
                 for mb in split:
                     tails = [k for k, slot in forwards[mb] if slot is None]
                     assert len(tails) == per_forward, (schedule, chain, mb, forwards[mb])
-                    if schedule == "nanobatching":
+                    if schedule == "nanobatching" or chain is False:
                         kind = "reduce_scatter" if name.endswith("-sp") else "all_reduce"
                         assert tails == [f"{kind}:tail"] * per_forward
             # the unsplit microbatch runs the same partitions either way
@@ -626,6 +696,40 @@ TT_FLAGS = ("--module llama3 --config llama3_debugmodel --parallelism.tensor_par
             "--training.global_batch_size 8")
 
 
+def test_under_the_trainer_s_fsdp_blocks_a_plan_for_chained_layers_is_refused():
+    # A stand-in Trainer with torchtitan's config of TT_FLAGS and its model, each block
+    # an FSDPModule as fully_shard leaves it (torchtitan 0.3 wraps every block, at any
+    # data-parallel degree): the workload is one of unchained layers, equal to the config's
+    # (what kareus optimize --torchtitan-args plans for), and wrap_trainer refuses a plan
+    # made for chained layers in one line, before anything is applied.
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.config import ConfigManager
+
+    flags = TT_FLAGS.split() + ["activation-checkpoint:none"]
+    config = ConfigManager().parse_args(flags)
+    _, model_config = kt._trainer_config_copy(config)
+    model = model_config.build()
+    for blk in kt.planned_blocks(model):
+        blk.__class__ = type("FSDP" + type(blk).__name__, (FSDPModule, type(blk)), {})
+    trainer = SimpleNamespace(
+        config=config, model_config=model_config, model_parts=[model],
+        parallel_dims=SimpleNamespace(tp=2, cp=1, pp=1, dp_replicate=1, dp_shard=1,
+                                      pp_enabled=False),
+        gradient_accumulation_steps=2)
+    wl = kt.workload_from_trainer(trainer)
+    assert wl.chained_layers is False
+    assert wl == kt.workload_from_torchtitan_config(config, world_size=2)
+    with pytest.raises(WorkloadError) as err:
+        kt.wrap_trainer(trainer, make_workload_plan(wl.with_(chained_layers=True)))
+    msg = str(err.value)
+    assert "fully_shard" in msg and "--torchtitan-args" in msg and "\n" not in msg
+    assert not any("forward" in m.__dict__ for m in model.modules())  # nothing applied
+    # unwrapped blocks could chain: a workload read from them says so
+    for blk in kt.planned_blocks(model):
+        blk.__class__ = blk.__class__.__mro__[2]
+    assert kt.workload_from_trainer(trainer).chained_layers is True
+
+
 def test_optimize_makes_the_plan_from_torchtitan_s_flags(tmp_path, capsys):
     from torchtitan.config import ConfigManager
 
@@ -640,6 +744,8 @@ def test_optimize_makes_the_plan_from_torchtitan_s_flags(tmp_path, capsys):
     config = ConfigManager().parse_args(TT_FLAGS.split())
     wl = kt.workload_from_torchtitan_config(config, world_size=2, selective_as="selective")
     assert plan.workload == wl.to_dict()  # what wrap_trainer checks the plan against
+    # the Trainer wraps every block in FSDP: the plan is for layers run one by one
+    assert plan.workload["chained_layers"] is False
     assert (wl.parallelism.tp, wl.parallelism.sp, wl.microbatch_size, wl.num_microbatches,
             wl.seq_len, wl.recompute) == (2, True, 4, 2, 256, "selective")
     # the config given is not changed (its override applied to a copy): still flex

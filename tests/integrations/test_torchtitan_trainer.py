@@ -51,6 +51,7 @@ REFUSALS = {
                          "activation_checkpoint is memory-budget"),
     "plan_for_flex_documents": ([FULL_AC], False, "does not cost"),
     "cuda_graphs_plan_of_several_choices": ([], True, "training.disable_cuda_graphs"),
+    "plan_for_chained_layers": ([], True, "wraps every block in FSDP (fully_shard"),
 }
 
 
@@ -125,6 +126,10 @@ def _worker(out_dir: str, run: str, what: str) -> None:
         plan = None
         if what == "plan_for_flex_documents":
             plan = make_workload_plan(workload_from_trainer(trainer))
+        if what == "plan_for_chained_layers":  # the Trainer's blocks never chain
+            wl = workload_from_trainer(trainer, selective_as="selective")
+            result["chained_layers"] = wl.chained_layers
+            plan = make_workload_plan(wl.with_(chained_layers=True))
         if what == "cuda_graphs_plan_of_several_choices":
             trainer.fwd_bwd_fn = _StandInCapture(trainer._forward_backward_body)
             plan = make_workload_plan(workload_from_trainer(trainer, selective_as="selective"),
@@ -238,6 +243,8 @@ def _check_equal(tmp_path, what):
         assert (wl["tp"], wl["sp"], wl["microbatch_size"], wl["seq_len"],
                 wl["num_microbatches"], wl["recompute"]) == (2, True, 4, 64, 2, recompute)
         assert got["dtype_bytes"] == 4
+        # every block is wrapped in FSDP: the layers run one by one, the plan is for that
+        assert wl["chained_layers"] is False
         # the plan ran: its forward and backward partitions, the same on both ranks
         assert any(ph == "bwd" for ph, _ in got["partitions"])
         # SP's partition types: all-gathers and reduce-scatters, no all-reduce
@@ -286,6 +293,8 @@ def test_what_kareus_does_not_run_is_refused_before_step_1(tmp_path, name):
     for r in _run(tmp_path, "refuse", name):
         assert REFUSALS[name][2] in r["error"], r["error"]
         assert "\n" not in r["error"] and r["step"] == 0
+        if name == "plan_for_chained_layers":
+            assert r["chained_layers"] is False
 
 
 if __name__ == "__main__":

@@ -203,3 +203,13 @@ def test_the_command_takes_loopback_faithful(folder, tmp_path, capsys):
     code = main(["optimize", "--workload", "qwen3-1.7b", "--tp", "2", "--loopback", "faithful",
                  "--out", str(tmp_path / "o")])
     assert code == 2 and "--loopback" in capsys.readouterr().err
+
+
+def test_a_plan_for_unchained_layers_is_refused_in_one_line(tmp_path):
+    # kareus's loop chains its layers; a plan made for layers run one by one
+    # (chained_layers=False, torchtitan's Trainer) is not verified in it
+    optimize(tiny().with_(chained_layers=False), "h200-sxm", budget=4, seed=1,
+             progress=False).save(tmp_path, figure=False)
+    with pytest.raises(PlanError, match="chained_layers") as err:
+        verify(tmp_path, device="cpu")
+    assert "\n" not in str(err.value)

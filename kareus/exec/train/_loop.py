@@ -97,8 +97,8 @@ def check_plan_workload(plan: Plan, workload: Workload, *, one_stage: bool = Tru
     Raises:
         PlanError: the plan has more than one pipeline stage (``one_stage``) or not the
             workload's PP stages, or its recorded workload differs from ``workload`` in TP,
-            CP, microbatch size, sequence length, nanobatches, microbatches, recomputation
-            or model.
+            CP, microbatch size, sequence length, nanobatches, microbatches, recomputation,
+            chained layers or model.
     """
     if not isinstance(plan, Plan):
         raise ArgumentTypeError(f"plan must be a kareus.compose.Plan, got "
@@ -120,10 +120,19 @@ def check_plan_workload(plan: Plan, workload: Workload, *, one_stage: bool = Tru
     # Megatron-LM); plans written before sequence parallelism have none
     theirs["sp"] = bool(theirs.get("sp", False)) and theirs.get("tp") != 1
     mine["sp"] = workload.parallelism.sequence_parallel
+    # absent from a description: chained layers (as every plan written before the setting)
+    theirs["chained_layers"] = bool(theirs.get("chained_layers", True))
+    mine["chained_layers"] = workload.chained_layers
     keys = ("tp", "cp", "sp", "microbatch_size", "seq_len", "nanobatches", "num_microbatches",
-            "recompute")
+            "recompute", "chained_layers")
     diff = [f"{k}: plan {theirs.get(k)!r}, job {mine[k]!r}" for k in keys
             if k in theirs and theirs[k] != mine[k]]
+    if theirs["chained_layers"] != mine["chained_layers"]:
+        diff[diff.index(f"chained_layers: plan {theirs['chained_layers']!r}, job "
+                        f"{mine['chained_layers']!r}")] += (
+            " (the job runs its layers one by one: make the plan with kareus optimize "
+            "--unchained-layers)" if theirs["chained_layers"] else
+            " (the job chains its layers: make the plan without --unchained-layers)")
     if "model" in w:
         diff += _architecture_differences(w["model"], workload.model)
     if diff:
@@ -301,6 +310,10 @@ class TrainingLoop:
         if p.pp != 1 or p.dp != 1:
             raise WorkloadError(f"the training loop runs PP=1, DP=1; the workload has "
                                 f"PP={p.pp}, DP={p.dp}")
+        if not workload.chained_layers:
+            raise WorkloadError("the training loop runs its layers as one chain; the workload "
+                                "has chained_layers=False (layers run one by one, as "
+                                "framework blocks wrapped in FSDP do): use chained_layers=True")
         if (groups.tp_size, groups.cp_size) != (p.tp, p.cp):
             raise WorkloadError(f"the groups are TP={groups.tp_size} x CP={groups.cp_size}; the "
                                 f"workload asks for TP={p.tp} x CP={p.cp}")
