@@ -362,13 +362,13 @@ class PlanApplier:
             raise PlanError("the kareus schedule applies a plan: pass plan= (a Plan, e.g. "
                             "Plan.load(PATH) of an optimize run's plan.json) or run a baseline "
                             "schedule")
+        refuse_uncomputed(workload.model, where="kareus's planned layer",
+                          computes=frozenset({"norm_eps", "qk_norm"}))
         _check_workload(workload, groups)
         if abs(float(eps) - workload.model.norm_eps) > 1e-12 * max(1.0, float(eps)):
             raise ArgumentError(f"the model's RMSNorm uses eps={eps:g}, the workload's model "
                                 f"{workload.model.norm_eps:g} (norm_eps): make the workload "
                                 "from the model's own config")
-        refuse_uncomputed(workload.model, where="kareus's planned layer",
-                          computes=frozenset({"norm_eps", "qk_norm"}))
         if not 0 <= int(stage) < workload.parallelism.pp:
             raise ArgumentError(f"stage must be this rank's pipeline stage, 0 .. "
                                 f"{workload.parallelism.pp - 1} (PP={workload.parallelism.pp}), "

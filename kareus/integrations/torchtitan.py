@@ -203,8 +203,9 @@ def _check_layer(where: str, lc: Any) -> None:
         raise WorkloadError(f"{where} is a {type(lc).__qualname__}: kareus applies plans to "
                             "Llama3TransformerBlock and Qwen3TransformerBlock layers only")
     if getattr(lc, "moe", None) is not None or lc.feed_forward is None:
-        raise WorkloadError(f"{where} is a mixture of experts: kareus's layer has a dense "
-                            "SwiGLU MLP; run MoE layers without kareus")
+        raise WorkloadError(f"{where} is a mixture of experts: kareus's planned layer runs a "
+                            "dense SwiGLU MLP (MoE layers are planned and emulated by kareus "
+                            "optimize --ep, not run yet); run MoE layers without kareus")
     if type(lc.feed_forward) is not tt.FeedForward.Config:
         raise WorkloadError(f"{where}'s MLP is a {type(lc.feed_forward).__qualname__}: "
                             "kareus's layer computes torchtitan's plain FeedForward (SwiGLU)")

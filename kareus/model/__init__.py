@@ -22,9 +22,11 @@ from kareus.model.decoder import (
     LayerSegment,
     decoder_layer,
     layer_collectives,
+    moe_decoder_layer,
 )
 from kareus.model.gpu import GPU_PRESETS, GPUSpec, get_gpu, gpu_names
 from kareus.model.measurement import Measurement
+from kareus.model.moe import MoEArch
 from kareus.model.ops import CommKind, CommOp, ComputeOp, OpKind
 from kareus.model.partition import (
     LaunchSlot,
@@ -74,6 +76,7 @@ __all__ = [
     "LayerSegment",
     "Measurement",
     "ModelArch",
+    "MoEArch",
     "OpKind",
     "OpPartition",
     "OutsideWork",
@@ -99,5 +102,6 @@ __all__ = [
     "launch_slots",
     "layer_collectives",
     "model_names",
+    "moe_decoder_layer",
     "one_f_one_b",
 ]

@@ -38,6 +38,14 @@ pipeline stage (the largest stage is the one that matters):
   the sequence;
 - the **logits** of one microbatch on the last stage in fp32 (the loss is computed there).
 
+A mixture-of-experts model (``ModelArch.moe``) holds ``experts / ep`` experts per rank, and
+their optimizer state is sharded over the expert-data-parallel group (``tp x cp x dp / ep``
+ranks, ``kareus.model.moe``); in place of the SwiGLU gate, up and product a layer keeps, per
+token routed by the rank, the router's probabilities (``experts`` values of the router
+dtype), the ``top-k`` permuted input rows and expert output rows, and the experts' gate, up
+and product (``3 x expert_ffn`` each of ``top-k x routing_imbalance`` rows), plus the
+shared experts' gate, up and product.
+
 The CUDA context, the allocator's fragmentation and communication buffers are not counted,
 so a workload this check passes may still not fit: the check refuses only what surely
 does not.
@@ -124,7 +132,9 @@ def _saved_bytes_per_token(wl: Workload) -> _SavedBytes:
         # the rotated queries and every chunk's keys and values, gathered by position
         sharded = d * hq + d * 2 * cp * hkv
         core = 2 * d * hq + lse  # each causal piece's output, and the whole output
-    sharded += core + d * 3 * m.ffn  # gate, up and their SwiGLU product
+    # gate, up and their SwiGLU product (a mixture of experts': _moe_saved_bytes_per_token)
+    sharded += core + (d * 3 * m.ffn if m.moe is None else 0)
+    moe_kept = 0.0 if m.moe is None else _moe_saved_bytes_per_token(wl)
     if m.qk_norm and cp > 1:
         # the fused norm-and-RoPE backward reads the projection's output before the norms
         # (no statistics: it recomputes them): without CP that is the QKV projection kept
@@ -133,7 +143,20 @@ def _saved_bytes_per_token(wl: Workload) -> _SavedBytes:
     # two norms: each keeps its input (the residual stream) and the projections read
     # their output (QKV, and the gate and up projections)
     return _SavedBytes(residual=2 * d * m.hidden, gathered=2 * d * m.hidden,
-                       sharded=float(sharded), attention_core=float(core))
+                       sharded=float(sharded) + moe_kept, attention_core=float(core))
+
+
+def _moe_saved_bytes_per_token(wl: Workload) -> float:
+    """What a mixture-of-experts block keeps for its backward per token (module docstring).
+    Counted with the tensors sharded over TP: under sequence parallelism (required at
+    TP > 1) the block runs on the rank's ``1 / TP`` shard of the tokens."""
+    moe, d = wl.model.moe, wl.dtype_bytes
+    assert moe is not None
+    k, h = moe.experts_per_token, wl.model.hidden
+    rows = k * wl.routing_imbalance
+    return (moe.experts * moe.router_dtype_bytes + 2 * d * k * h
+            + d * rows * 3 * moe.expert_ffn
+            + d * 3 * moe.shared_experts * moe.shared_expert_ffn)
 
 
 def _kept_bytes_per_token(wl: Workload) -> tuple[float, float]:
@@ -178,7 +201,12 @@ def estimate_memory(workload: Workload, *, schedule: str = "1f1b") -> MemoryEsti
     """
     wl, p, m = workload, workload.parallelism, workload.model
     tokens = wl.microbatch_size * wl.seq_len / p.cp
-    per_layer = m.layer_params_per_rank(p.tp)
+    per_layer = m.layer_params_per_rank(p.tp, p.ep)
+    # a mixture of experts' routed experts: their optimizer state is sharded over the
+    # expert-data-parallel group, not DP x CP
+    experts = (0.0 if m.moe is None
+               else wl.layers_per_stage * m.moe.expert_params_per_rank(m.hidden, ep=p.ep))
+    edp = p.tp * p.cp * p.dp // p.ep
     kept, working = _kept_bytes_per_token(wl)
     best: MemoryEstimate | None = None
     for stage in range(p.pp):
@@ -195,9 +223,12 @@ def estimate_memory(workload: Workload, *, schedule: str = "1f1b") -> MemoryEsti
         act = inflight * wl.layers_per_stage * kept * tokens + working * tokens
         if stage == p.pp - 1:
             act += tokens * m.vocab / p.tp * 4
+        # the rest over DP x CP (Megatron-Core's dp_cp group)
+        dense = p.dp * p.cp
+        optimizer = (12 * params / dense if m.moe is None
+                     else 12 * ((params - experts) / dense + experts / edp))
         est = MemoryEstimate(stage=stage, weights_bytes=2 * params, grads_bytes=2 * params,
-                             optimizer_bytes=12 * params / (p.dp * p.cp),
-                             activations_bytes=act)
+                             optimizer_bytes=optimizer, activations_bytes=act)
         if best is None or est.total_bytes > best.total_bytes:
             best = est
     assert best is not None

@@ -88,7 +88,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import attrs
 
 from kareus.errors import ArgumentError, ArgumentTypeError, WorkloadError
-from kareus.model.decoder import ATTENTION_SEGMENT, decoder_layer
+from kareus.model.decoder import ATTENTION_SEGMENT, decoder_layer, moe_decoder_layer
 from kareus.model.ops import CommKind, CommOp, ComputeOp, OpKind
 from kareus.model.workload import Workload
 
@@ -248,8 +248,9 @@ class TransformerPartition(OpPartition):
         stage_gpus: GPUs of the pipeline stage that run it (TP x CP); ``None`` = the
             collective's group. Sets [`group_gpus`][kareus.model.TransformerPartition.group_gpus],
             the scope of its measurements.
-        comm_group: The parallel group its collective runs over (``"tp"`` or ``"cp"``;
-            ``""``: not said). Under sequence parallelism with CP, a TP and a CP collective
+        comm_group: The parallel group its collective runs over (``"tp"``, ``"cp"``, or
+            ``"ep"``: a mixture of experts' all-to-all, whose ranks span data-parallel
+            replicas, so ``stage_gpus`` need not hold them; ``""``: not said). Under sequence parallelism with CP, a TP and a CP collective
             may be of one kind; the runtime tells them apart by it.
     """
 
@@ -391,9 +392,14 @@ class PartitionSet:
     def model_flops_per_gpu_iteration(self) -> float:
         """Model FLOPs per GPU per iteration: 3x forward, recomputation not counted.
 
-        Averaged over the pipeline stages (each stage's GPUs do their stage's share).
+        Averaged over the pipeline stages (each stage's GPUs do their stage's share). Of a
+        mixture of experts with routing imbalance, the mean rank's FLOPs (balanced
+        routing): the partitions hold the busiest rank's, which is not model work.
         """
         wl = self.workload
+        if wl.routing_imbalance != 1:
+            return build_partitions(wl.with_(routing_imbalance=1.0)
+                                    ).model_flops_per_gpu_iteration()
         pp = wl.parallelism.pp
         fwd_partitions = sum(self.types[t].flops * c for t, c in self.counts["fwd"].items())
         total = sum(3.0 * (fwd_partitions + self.outside[(s, "fwd")].flops) for s in range(pp))
@@ -422,6 +428,18 @@ class _Shapes:
     """Per-rank shapes of one nanobatch (or one microbatch, with ``parts=1``); with
     ``chunk``, of chunk ``chunk`` of a microbatch of one sequence split along the sequence
     into ``parts`` (``Workload.sequence_split``)."""
+
+    # mixture-of-experts shapes, set by ``_moe_shapes`` for an MoE model only
+    tm: int
+    k: int
+    experts: int
+    local: int
+    fe: int
+    fs: int
+    rd: int
+    rows: float
+    group_rows: float
+    sort: bool
 
     def __init__(self, wl: Workload, parts: int, chunk: int | None = None) -> None:
         m, p = wl.model, wl.parallelism
@@ -455,6 +473,9 @@ class _Shapes:
         self.head_dim = m.head_dim
         self.qk_norm = m.qk_norm
         self.qkv_bias = m.qkv_bias
+        self.moe = m.moe
+        if m.moe is not None:
+            _moe_shapes(self, wl)
 
     def gemm(self, name: str, m: int, k: int, n: int, *, bias_add: bool = False,
              bias_grad: bool = False) -> ComputeOp:
@@ -550,6 +571,120 @@ def _layer_ops(phase: str, s: _Shapes) -> dict[str, ComputeOp]:
     return {op.name: op for op in ops}
 
 
+def _moe_shapes(s: _Shapes, wl: Workload) -> None:
+    """The mixture-of-experts shapes of one rank (``kareus.model.moe``): ``tm`` tokens
+    routed by this rank (its sequence shard under sequence parallelism), ``rows`` token
+    rows its experts receive (``tm x top-k``, times ``Workload.routing_imbalance`` on the
+    busiest expert-parallel rank, whose load every rank waits for), ``local`` experts of
+    width ``fe``, and ``group_rows`` tokens per local expert (the mean over them)."""
+    moe = wl.model.moe
+    assert moe is not None
+    ep = wl.parallelism.ep
+    s.tm = s.tn
+    s.k = moe.experts_per_token
+    s.experts = moe.experts
+    s.local = moe.experts // ep
+    s.fe = moe.expert_ffn
+    s.fs = moe.shared_experts * moe.shared_expert_ffn  # the shared experts side by side
+    s.rd = moe.router_dtype_bytes
+    s.rows = wl.routing_imbalance * s.tm * s.k
+    s.group_rows = s.rows / s.local
+    # Megatron-Core sorts the received tokens by local expert (and back) when an EP rank
+    # holds more than one expert
+    s.sort = ep > 1 and s.local > 1
+
+
+def _moe_ops(phase: str, s: _Shapes) -> dict[str, ComputeOp]:
+    """The MoE block's ops of ``phase`` (``kareus.model.decoder.moe_decoder_layer``), by
+    name. Per rank, with ``tm`` routed tokens, ``r`` received rows, ``E`` experts, ``k``
+    top-k, ``fe`` the expert width, ``d`` the activation and ``rd`` the router dtype's bytes:
+
+    * ``router``: GEMM ``tm x h @ h x E`` (its input's cast to the router dtype fused into
+      it); ``router_topk``: softmax over the ``E`` logits and the top-k (reads the logits,
+      writes the probabilities kept for the backward, the top-k values and int64 indices;
+      5 FLOPs per logit); ``permute``: each token copied to its ``k`` rows (reads
+      ``tm x h``, writes ``tm k x h`` and reads the int64 row map);
+    * ``expert_sort`` / ``expert_unsort``: the received rows reordered by local expert and
+      back (read and write ``r x h`` each);
+    * ``expert_gate_up``, ``expert_down``: grouped GEMMs over the ``E / ep`` local experts
+      (gate and up as one ``r x h @ h x 2fe``, then ``r x fe @ fe x h``), each expert's
+      weight read once; ``expert_swiglu`` as the dense layer's SwiGLU on ``r x fe``;
+    * ``unpermute``: each token's ``k`` rows weighted by their probabilities and summed
+      (reads ``tm k x h`` and the probabilities, writes ``tm x h``; with shared experts it
+      also reads and adds their output);
+    * shared experts: the dense layer's SwiGLU MLP of width ``shared_experts x
+      shared_expert_ffn`` on the ``tm`` tokens;
+
+    and their backward: each GEMM's data and weight gradient (a grouped GEMM's weight
+    gradient reads the token rows and writes each expert's weight gradient), the SwiGLU
+    backward, ``unpermute_bwd`` (reads the output gradient, the expert outputs and the
+    probabilities, writes the rows' gradients and the probabilities' gradients),
+    ``permute_bwd`` (sums each token's ``k`` row gradients), ``router_topk_bwd`` (the
+    softmax's backward over the ``E`` logits), ``router_dgrad`` / ``router_wgrad``.
+    """
+    h, tm, k, E, fe, d, rd = s.h, s.tm, s.k, s.experts, s.fe, s.d, s.rd
+    r, L = s.rows, s.local
+    fs = s.fs
+    ew = OpKind.ELEMENTWISE
+
+    def grouped(name: str, flops: float, token_elems: float, weight_elems: float) -> ComputeOp:
+        # token-side operands and output, plus each local expert's weight read (or its
+        # gradient written) once
+        return ComputeOp(name=name, kind=OpKind.GEMM, flops=flops,
+                         bytes_moved=(token_elems + L * weight_elems) * d,
+                         group_rows=s.group_rows)
+
+    def mem(name: str, kind: OpKind, nbytes: float, flops: float) -> ComputeOp:
+        return ComputeOp(name=name, kind=kind, flops=flops, bytes_moved=nbytes)
+
+    ops: list[ComputeOp] = []
+    if phase == "fwd":
+        ops += [ComputeOp(name="router", kind=OpKind.GEMM, flops=2.0 * tm * h * E,
+                          bytes_moved=tm * h * d + (h * E + tm * E) * rd),
+                mem("router_topk", ew, 2 * tm * E * rd + tm * k * (rd + 8), 5.0 * tm * E),
+                mem("permute", ew, (tm + tm * k) * h * d + tm * k * 8, 0.0)]
+        if fs:
+            ops += [s.gemm("shared_gate", tm, h, fs), s.gemm("shared_up", tm, h, fs),
+                    s.mem("shared_swiglu", OpKind.ACTIVATION, 3 * tm * fs, 2.0),
+                    s.gemm("shared_down", tm, fs, h)]
+        if s.sort:
+            ops += [mem("expert_sort", ew, 2 * r * h * d, 0.0),
+                    mem("expert_unsort", ew, 2 * r * h * d, 0.0)]
+        ops += [grouped("expert_gate_up", 2.0 * r * h * 2 * fe, r * h + r * 2 * fe, h * 2 * fe),
+                s.mem("expert_swiglu", OpKind.ACTIVATION, 3 * r * fe, 2.0),
+                grouped("expert_down", 2.0 * r * fe * h, r * fe + r * h, fe * h),
+                mem("unpermute", ew, (tm * k * h + tm * h + (tm * h if fs else 0)) * d
+                    + tm * k * rd, 2.0 * tm * k * h + (tm * h if fs else 0))]
+        return {op.name: op for op in ops}
+    ops += [mem("unpermute_bwd", ew, (tm * h + 2 * tm * k * h) * d + 2 * tm * k * rd,
+                3.0 * tm * k * h)]
+    if s.sort:
+        ops += [mem("expert_unsort_bwd", ew, 2 * r * h * d, 0.0),
+                mem("expert_sort_bwd", ew, 2 * r * h * d, 0.0)]
+    if fs:
+        ops += [s.gemm("shared_down_dgrad", tm, h, fs), s.gemm("shared_down_wgrad", fs, tm, h),
+                s.mem("shared_swiglu_bwd", OpKind.ACTIVATION, 5 * tm * fs, 3.0),
+                s.gemm("shared_gate_dgrad", tm, fs, h), s.gemm("shared_up_dgrad", tm, fs, h),
+                s.gemm("shared_gate_wgrad", h, tm, fs), s.gemm("shared_up_wgrad", h, tm, fs)]
+    ops += [grouped("expert_down_dgrad", 2.0 * r * h * fe, r * h + r * fe, h * fe),
+            grouped("expert_down_wgrad", 2.0 * r * fe * h, r * fe + r * h, fe * h),
+            s.mem("expert_swiglu_bwd", OpKind.ACTIVATION, 5 * r * fe, 3.0),
+            grouped("expert_gate_up_dgrad", 2.0 * r * 2 * fe * h, r * 2 * fe + r * h, 2 * fe * h),
+            grouped("expert_gate_up_wgrad", 2.0 * h * r * 2 * fe, r * h + r * 2 * fe, h * 2 * fe),
+            mem("permute_bwd", ew, (tm * k + tm) * h * d, 1.0 * tm * k * h),
+            mem("router_topk_bwd", ew, 2 * tm * E * rd + tm * k * rd, 4.0 * tm * E),
+            ComputeOp(name="router_dgrad", kind=OpKind.GEMM, flops=2.0 * tm * E * h,
+                      bytes_moved=(tm * E + E * h) * rd + tm * h * d),
+            ComputeOp(name="router_wgrad", kind=OpKind.GEMM, flops=2.0 * h * tm * E,
+                      bytes_moved=tm * h * d + (tm * E + h * E) * rd)]
+    return {op.name: op for op in ops}
+
+
+#: The dense MLP's ops, which a mixture-of-experts layer does not run.
+_DENSE_MLP_OPS = ("gate", "up", "swiglu", "down", "down_dgrad", "down_wgrad", "swiglu_bwd",
+                  "gate_dgrad", "up_dgrad", "gate_wgrad", "up_wgrad")
+
+
 def _layer_comms(wl: Workload, s: _Shapes) -> dict[tuple[str, str], CommOp | None]:
     """A layer's collectives by ``(kind, group)`` (``None`` where the group has one GPU).
 
@@ -577,6 +712,11 @@ def _layer_comms(wl: Workload, s: _Shapes) -> dict[tuple[str, str], CommOp | Non
         ("reduce_scatter", "cp"): (CommOp(name="cp_reduce_scatter_dkv",
                                           kind=CommKind.REDUCE_SCATTER, bytes=kv_bytes,
                                           group_size=p.cp) if cp else None),
+        # a mixture of experts' dispatch and combine (forward and backward): the token rows
+        # the busiest EP rank receives, of which (EP-1)/EP cross its links (``bus_bytes``)
+        ("all_to_all", "ep"): (CommOp(name="ep_all_to_all", kind=CommKind.ALL_TO_ALL,
+                                      bytes=s.rows * s.h * s.d, group_size=p.ep)
+                               if s.moe is not None and p.ep > 1 else None),
     }
 
 
@@ -589,7 +729,12 @@ def _layer_segments(wl: Workload, phase: str, s: _Shapes) -> list[_Segment]:
     p = wl.parallelism
     comms = _layer_comms(wl, s)
     ops = _layer_ops(phase, s)
-    layer = decoder_layer(phase, qk_norm=s.qk_norm, sp=s.sp, recompute=s.recompute)
+    if s.moe is None:
+        layer = decoder_layer(phase, qk_norm=s.qk_norm, sp=s.sp, recompute=s.recompute)
+    else:  # the MoE block in place of the dense MLP
+        ops = {n: op for n, op in ops.items() if n not in _DENSE_MLP_OPS} | _moe_ops(phase, s)
+        layer = moe_decoder_layer(phase, qk_norm=s.qk_norm, sp=s.sp, recompute=s.recompute,
+                                  shared_experts=s.fs > 0, sort_tokens=s.sort)
     unknown = sorted(set(layer.op_names) ^ set(ops))
     if unknown:  # the op order and the costs name the same ops
         raise AssertionError(f"decoder ops without a cost or not in the op order: {unknown}")
@@ -644,7 +789,7 @@ def _chains(wl: Workload, segs: dict[str, list[_Segment]]) -> list[tuple[str, st
     pairing is kept.)"""
     if wl.recompute != "full":
         return [("fwd", "fwd", "fwd"), ("bwd", "bwd", "bwd")]
-    if wl.parallelism.tp == 1:
+    if wl.parallelism.tp == 1 and wl.model.moe is None:
         return [("fwd", "fwd", "fwd"), ("bwd", "bwd", "bwd"), ("bwd", "fwd", "fwd")]
     return [("fwd", "fwd", "fwd"), ("bwd", "bwd", "fwd"), ("bwd", "fwd", "bwd")]
 
@@ -827,10 +972,11 @@ def build_partitions(workload: Workload) -> PartitionSet:
     wl = workload
     p = wl.parallelism
     n = wl.nanobatches
-    if p.tp == 1 and p.cp == 1:
+    if p.tp == 1 and p.cp == 1 and p.ep == 1:
         raise WorkloadError(
             f"{wl.model.name}: with TP=1 and CP=1 no layer has a collective to overlap; "
-            "kareus needs tensor or context parallelism (set tp >= 2 or cp >= 2)")
+            "kareus needs tensor or context parallelism (set tp >= 2 or cp >= 2)"
+            + ("" if wl.model.moe is None else ", or expert parallelism (ep >= 2)"))
     L = wl.layers_per_stage
     types: dict[str, TransformerPartition] = {}
     counts: dict[str, dict[str, int]] = {ph: {} for ph in PHASES}
@@ -879,7 +1025,7 @@ def stage_params_per_rank(wl: Workload) -> float:
     ``iteration_work``), so each end stage holds one
     matrix either way."""
     m, p = wl.model, wl.parallelism
-    layers = wl.layers_per_stage * m.layer_params_per_rank(p.tp)
+    layers = wl.layers_per_stage * m.layer_params_per_rank(p.tp, p.ep)
     embed = m.vocab * m.hidden / p.tp
     if p.pp == 1:
         return layers + (1 if m.tied_embeddings else 2) * embed + m.hidden
@@ -941,11 +1087,18 @@ def iteration_work(wl: Workload, *, distributed_optimizer: bool = True) -> Outsi
       last (its LM head's), so that both copies take the same step (Megatron-LM's embedding
       group, two GPUs); across nodes when the job spans more than one node.
 
+    * A mixture-of-experts model's routed experts are not replicated over DP but over the
+      expert-data-parallel group of ``tp x cp x dp / ep`` ranks (``kareus.model.moe``):
+      their gradients are reduced (and their step divided) over that group, the rest of
+      the parameters over DP x CP as above (``_expert_iteration_work``).
+
     Assumptions (engineering estimates, stated in docs/emulator.md): gradients kept and
     reduced in fp32 (Megatron-LM's ``--bf16`` turns on
     ``--accumulate-allreduce-grads-in-fp32``), no gradient-reduction overlap with the
     backward pass (Megatron-LM's ``--overlap-grad-reduce`` is off by default).
     """
+    if wl.model.moe is not None:
+        return _expert_iteration_work(wl, distributed_optimizer=distributed_optimizer)
     p, m = wl.parallelism, wl.model
     n = stage_params_per_rank(wl)
     comms: list[CommOp] = []
@@ -976,6 +1129,53 @@ def iteration_work(wl: Workload, *, distributed_optimizer: bool = True) -> Outsi
                      flops=ADAM_FLOPS_PER_PARAM * share,
                      bytes_moved=ADAM_BYTES_PER_PARAM * share)
     return OutsideWork(ops=(step,), comms=tuple(comms), comms_cross_node=cross,
+                       comms_in_node=in_node)
+
+
+def _expert_iteration_work(wl: Workload, *, distributed_optimizer: bool) -> OutsideWork:
+    """``iteration_work`` of a mixture-of-experts model: the routed experts' gradients
+    reduced over the expert-data-parallel group (``tp x cp x dp / ep`` ranks), every other
+    parameter's over DP x CP (Megatron-Core's ``dp_cp`` group, named as ``iteration_work``
+    names it, inside a node where ``grad_reduction_crosses_node`` says so; the expert group
+    across nodes when the job spans more than one); each reduction as ``iteration_work``
+    says (distributed optimizer:
+    reduce-scatter of fp32 gradients, all-gather of bf16 weights, the step over the rank's
+    share; else an all-reduce)."""
+    p, m = wl.parallelism, wl.model
+    assert m.moe is not None
+    n = stage_params_per_rank(wl)
+    experts = wl.layers_per_stage * m.moe.expert_params_per_rank(m.hidden, ep=p.ep)
+    prefix = "dp" if p.cp == 1 else "cp" if p.dp == 1 else "dp_cp"
+    groups = ((prefix, n - experts, p.dp * p.cp), ("edp", experts, p.tp * p.cp * p.dp // p.ep))
+    reduce: list[CommOp] = []
+    gather: list[CommOp] = []
+    share = 0.0
+    for name, params, size in groups:
+        if size == 1:
+            share += params
+            continue
+        if distributed_optimizer:
+            reduce.append(CommOp(name=f"{name}_grad_reduce_scatter",
+                                 kind=CommKind.REDUCE_SCATTER, bytes=int(4 * params),
+                                 group_size=size))
+            gather.append(CommOp(name=f"{name}_param_all_gather", kind=CommKind.ALL_GATHER,
+                                 bytes=int(2 * params), group_size=size))
+            share += params / size
+        else:
+            reduce.append(CommOp(name=f"{name}_grad_all_reduce", kind=CommKind.ALL_REDUCE,
+                                 bytes=int(4 * params), group_size=size))
+            share += params
+    if m.tied_embeddings and p.pp > 1:
+        v_local = -(-m.vocab // p.tp)
+        reduce.append(CommOp(name="embedding_grad_all_reduce", kind=CommKind.ALL_REDUCE,
+                             bytes=4 * v_local * m.hidden, group_size=2))
+    step = ComputeOp(name="optimizer_step", kind=OpKind.ELEMENTWISE,
+                     flops=ADAM_FLOPS_PER_PARAM * share,
+                     bytes_moved=ADAM_BYTES_PER_PARAM * share)
+    cross = p.world_size > GPUS_PER_NODE
+    in_node = ([c.name for c in (*reduce, *gather) if c.name.startswith(prefix + "_")]
+               if cross and not grad_reduction_crosses_node(wl) else [])
+    return OutsideWork(ops=(step,), comms=(*reduce, *gather), comms_cross_node=cross,
                        comms_in_node=in_node)
 
 

@@ -37,6 +37,7 @@ from kareus.compose import Plan
 from kareus.errors import ArgumentError, ArgumentTypeError, KareusError, PlanError, WorkloadError
 from kareus.exec._graphs import prefer_workspace_free_gemms
 from kareus.exec.executor import Executor, TorchExecutor, plan_config, plan_nanobatches
+from kareus.exec.model_check import refuse_uncomputed
 from kareus.exec.schedule import (
     SCHEDULES,
     DefaultConfig,
@@ -302,6 +303,9 @@ class TrainingLoop:
 
         if not isinstance(workload, Workload):
             raise ArgumentTypeError(f"workload must be a Workload, got {type(workload).__name__}")
+        # first: a model whose layers the loop does not compute (e.g. mixture of experts)
+        refuse_uncomputed(workload.model, where="kareus's training loop",
+                          computes=frozenset({"qk_norm", "norm_eps"}))
         if torch.cuda.is_available():
             # Before the first GEMM; graphed or eager, one memset fewer per GEMM
             # (kareus.exec._graphs).
