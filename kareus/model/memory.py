@@ -7,7 +7,9 @@ pipeline stage (the largest stage is the one that matters):
 - **weights** in bf16 (2 bytes per parameter) and **gradients** in bf16 (2 bytes); tied
   embeddings are one matrix on a single stage, a copy on each end stage with PP > 1;
 - **optimizer state**: fp32 master weights and Adam's two moments (12 bytes per parameter),
-  sharded over the data-parallel replicas as Megatron-LM's distributed optimizer does;
+  sharded over the DP x CP ranks that hold the same weights, as Megatron-LM's distributed
+  optimizer does (its ``dp_cp`` group; the same shard the iteration's Adam step updates,
+  ``kareus.model.partition.iteration_work``);
 - **activations** of the microbatches in flight (1F1B: stage ``s`` of ``p`` holds up to
   ``p - s`` microbatches; GPipe: all of them), per the workload's recomputation policy, as
   kareus's layer keeps them (``kept_activation_bytes``; a test counts the bytes its
@@ -70,7 +72,7 @@ class MemoryEstimate:
         stage: The pipeline stage (the one with the largest total).
         weights_bytes: bf16 weights.
         grads_bytes: bf16 gradients.
-        optimizer_bytes: fp32 master weights and Adam moments, sharded over DP.
+        optimizer_bytes: fp32 master weights and Adam moments, sharded over DP x CP.
         activations_bytes: Saved activations of the microbatches in flight, the working set
             of one recomputed layer, and (last stage) one microbatch's fp32 logits.
     """
@@ -201,7 +203,7 @@ def estimate_memory(workload: Workload, *, schedule: str = "1f1b") -> MemoryEsti
     tokens = wl.microbatch_size * wl.seq_len / p.cp
     per_layer = m.layer_params_per_rank(p.tp, p.ep)
     # a mixture of experts' routed experts: their optimizer state is sharded over the
-    # expert-data-parallel group, not DP
+    # expert-data-parallel group, not DP x CP
     experts = (0.0 if m.moe is None
                else wl.layers_per_stage * m.moe.expert_params_per_rank(m.hidden, ep=p.ep))
     edp = p.tp * p.cp * p.dp // p.ep
@@ -221,8 +223,10 @@ def estimate_memory(workload: Workload, *, schedule: str = "1f1b") -> MemoryEsti
         act = inflight * wl.layers_per_stage * kept * tokens + working * tokens
         if stage == p.pp - 1:
             act += tokens * m.vocab / p.tp * 4
-        optimizer = (12 * params / p.dp if m.moe is None
-                     else 12 * ((params - experts) / p.dp + experts / edp))
+        # the rest over DP x CP (Megatron-Core's dp_cp group)
+        dense = p.dp * p.cp
+        optimizer = (12 * params / dense if m.moe is None
+                     else 12 * ((params - experts) / dense + experts / edp))
         est = MemoryEstimate(stage=stage, weights_bytes=2 * params, grads_bytes=2 * params,
                              optimizer_bytes=optimizer, activations_bytes=act)
         if best is None or est.total_bytes > best.total_bytes:

@@ -92,7 +92,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import attrs
 
-from kareus.errors import ArgumentError, WorkloadError
+from kareus.errors import ArgumentError, ArgumentTypeError, WorkloadError
 from kareus.model.decoder import ATTENTION_SEGMENT, decoder_layer, moe_decoder_layer
 from kareus.model.documents import document_pairs
 from kareus.model.ops import CommKind, CommOp, ComputeOp, OpKind
@@ -109,6 +109,7 @@ __all__ = [
     "PartitionSet",
     "TransformerPartition",
     "build_partitions",
+    "grad_reduction_crosses_node",
     "iteration_work",
     "launch_slots",
     "stage_params_per_rank",
@@ -280,6 +281,13 @@ def _nonneg_float(instance: object, attribute: attrs.Attribute, value: float) ->
         raise ArgumentError(f"OutsideWork.{attribute.name} must be a number >= 0, got {value!r}")
 
 
+def _names(value: Iterable[str]) -> tuple[str, ...]:
+    if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+        raise ArgumentTypeError(f"OutsideWork.comms_in_node must be a sequence of collective "
+                                f"names, got {value!r:.60}")
+    return tuple(value)
+
+
 @attrs.frozen(kw_only=True)
 class OutsideWork:
     """Work that is not part of any partition, run sequentially.
@@ -288,17 +296,23 @@ class OutsideWork:
     LM head and loss, their vocabulary-parallel all-reduces, and the pipeline send of the
     computation's output to the next stage (forward) or of its input gradient to the
     previous one (backward). Per iteration (``PartitionSet.iteration``): the optimizer
-    step and the data-parallel gradient reduction.
+    step and the gradient reduction over the DP x CP ranks.
 
     Attributes:
         ops: Computation ops, per rank.
         comms: Collectives run after them without overlap (e.g. vocab-parallel all-reduces,
-            the data-parallel gradient reduction).
+            the gradient reduction over DP x CP).
         comms_cross_node: Whether ``comms`` cross nodes (then the inter-node network, not
             NVLink, limits them).
         p2p_bytes: Bytes this rank sends to a neighbouring pipeline stage after ``ops`` and
             ``comms`` (0: none); the matching receive runs at the same time.
         p2p_cross_node: Whether the pipeline send crosses nodes.
+        comms_in_node: Names of those ``comms`` whose group lies inside one node (NVLink)
+            although ``comms_cross_node`` is set: a job over several nodes whose collectives
+            do not all span them (the iteration's gradient reduction over a CP group of one
+            node beside the tied embedding's all-reduce between end stages on two nodes,
+            ``iteration_work``). Empty (the default): ``comms_cross_node`` says it for every
+            collective. Shown in the work's ``repr`` only when not empty.
     """
 
     ops: tuple[ComputeOp, ...] = attrs.field(converter=_compute_ops, factory=tuple)
@@ -306,6 +320,29 @@ class OutsideWork:
     comms_cross_node: bool = False
     p2p_bytes: float = attrs.field(default=0.0, validator=_nonneg_float)
     p2p_cross_node: bool = False
+    comms_in_node: tuple[str, ...] = attrs.field(converter=_names, factory=tuple, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        names = {c.name for c in self.comms}
+        unknown = [n for n in self.comms_in_node if n not in names]
+        if unknown:
+            raise ArgumentError(f"OutsideWork.comms_in_node names {unknown}, which are not "
+                                f"among its comms {sorted(names)}")
+
+    def __repr__(self) -> str:
+        # attrs's repr of the other fields, unchanged when ``comms_in_node`` is empty: the
+        # repr keys measurements (the emulator's noise, output folders), so work that never
+        # sets the field keeps the keys it had before the field existed.
+        fields = [f"{a.name}={getattr(self, a.name)!r}" for a in attrs.fields(type(self))
+                  if a.name != "comms_in_node"]
+        if self.comms_in_node:
+            fields.append(f"comms_in_node={self.comms_in_node!r}")
+        return f"{type(self).__name__}({', '.join(fields)})"
+
+    def crosses_node(self, comm: CommOp) -> bool:
+        """Whether ``comm`` (one of ``comms``) crosses nodes: ``comms_cross_node``, unless
+        ``comms_in_node`` names it."""
+        return self.comms_cross_node and comm.name not in self.comms_in_node
 
     @property
     def empty(self) -> bool:
@@ -330,7 +367,7 @@ class PartitionSet:
         outside: ``outside[(stage, phase)]`` = the work outside partitions.
         iteration: Work once per iteration after the pipeline flush, per GPU of the stage
             with the most parameters (every stage runs it at the same time): the optimizer
-            step and the data-parallel gradient reduction (``iteration_work``).
+            step and the gradient reduction over DP x CP (``iteration_work``).
     """
 
     workload: Workload
@@ -1013,30 +1050,61 @@ ADAM_BYTES_PER_PARAM = 30.0
 ADAM_FLOPS_PER_PARAM = 12.0
 
 
+def grad_reduction_crosses_node(wl: Workload) -> bool:
+    """Whether a gradient-reduction group of the workload (the ``DP x CP`` ranks that hold
+    one TP rank's shard of one pipeline stage) spans more than one node
+    (``GPUS_PER_NODE`` GPUs a node).
+
+    Ranks are laid out TP fastest, then CP, then PP, then DP (``rank = tp + TP (cp + CP (pp
+    + PP dp))``; Megatron-LM's order with ``--use-tp-pp-dp-mapping``, ``tp-cp-ep-pp-dp``):
+    the layout the pipeline sends' node test already assumes (a stage group of ``TP x CP``
+    GPUs times ``PP`` in one node). A CP group alone (DP = 1) then stays inside the
+    ``TP x CP`` block of its stage; with DP > 1 the group reaches across the whole job, so
+    it crosses nodes exactly when the job spans more than one. (Megatron-Core's default
+    order ``tp-cp-ep-dp-pp`` puts DP inside PP instead; not modelled.)
+    """
+    p = wl.parallelism
+    for tp in range(p.tp):
+        for pp in range(p.pp):
+            nodes = {(tp + p.tp * (cp + p.cp * (pp + p.pp * dp))) // GPUS_PER_NODE
+                     for cp in range(p.cp) for dp in range(p.dp)}
+            if len(nodes) > 1:
+                return True
+    return False
+
+
 def iteration_work(wl: Workload, *, distributed_optimizer: bool = True) -> OutsideWork:
     """The work once per iteration after the pipeline flush, per GPU of the largest stage.
 
-    * Data-parallel gradient reduction when DP > 1: with Megatron-LM's distributed
-      optimizer (default), a reduce-scatter of the fp32 gradients and, after the step, an
-      all-gather of the bf16 weights over the DP group; without it, an all-reduce of the
-      fp32 gradients. Across nodes when the job spans more than one node's GPUs.
-    * The Adam step over the parameters this rank updates (all of its stage's, or 1/DP of
-      them with the distributed optimizer): ``ADAM_BYTES_PER_PARAM`` of HBM traffic and
-      ``ADAM_FLOPS_PER_PARAM`` per parameter, one memory-bound op.
+    * Gradient reduction over the ``DP x CP`` ranks that hold the same weights when
+      ``DP x CP > 1``: every data-parallel replica and every context-parallel rank computes
+      gradients of the same weights from different tokens, and Megatron-Core reduces them
+      over its ``dp_cp`` group (its distributed optimizer shards over that group too). With
+      the distributed optimizer (default), a reduce-scatter of the fp32 gradients and,
+      after the step, an all-gather of the bf16 weights over the group; without it, an
+      all-reduce of the fp32 gradients. Named for the group: ``dp_*`` at CP = 1,
+      ``cp_*`` at DP = 1 (the CP group itself, which a stage's runnable outside work
+      runs on), ``dp_cp_*`` otherwise. Across nodes when the group spans more than one
+      node (``grad_reduction_crosses_node``: a CP group alone stays in its stage's node;
+      with DP > 1 the group crosses nodes when the job does).
+    * The Adam step over the parameters this rank updates (all of its stage's, or
+      ``1 / (DP x CP)`` of them with the distributed optimizer): ``ADAM_BYTES_PER_PARAM``
+      of HBM traffic and ``ADAM_FLOPS_PER_PARAM`` per parameter, one memory-bound op.
 
     * With tied embeddings and PP > 1, an all-reduce of the tied matrix's fp32 gradient
       (``vocab / TP x hidden``) between the first stage (its embedding's gradient) and the
       last (its LM head's), so that both copies take the same step (Megatron-LM's embedding
-      group, two GPUs).
+      group, two GPUs); across nodes when the job spans more than one node.
 
     * A mixture-of-experts model's routed experts are not replicated over DP but over the
       expert-data-parallel group of ``tp x cp x dp / ep`` ranks (``kareus.model.moe``):
       their gradients are reduced (and their step divided) over that group, the rest of
-      the parameters over DP as above (``_expert_iteration_work``).
+      the parameters over DP x CP as above (``_expert_iteration_work``).
 
     Assumptions (engineering estimates, stated in docs/emulator.md): gradients kept and
-    reduced in fp32, no gradient-reduction overlap with the backward pass (Megatron-LM's
-    ``--overlap-grad-reduce`` is off by default).
+    reduced in fp32 (Megatron-LM's ``--bf16`` turns on
+    ``--accumulate-allreduce-grads-in-fp32``), no gradient-reduction overlap with the
+    backward pass (Megatron-LM's ``--overlap-grad-reduce`` is off by default).
     """
     if wl.model.moe is not None:
         return _expert_iteration_work(wl, distributed_optimizer=distributed_optimizer)
@@ -1044,41 +1112,50 @@ def iteration_work(wl: Workload, *, distributed_optimizer: bool = True) -> Outsi
     n = stage_params_per_rank(wl)
     comms: list[CommOp] = []
     share = n
-    if p.dp > 1:
+    group = p.dp * p.cp  # Megatron-Core's dp_cp group
+    prefix = "dp" if p.cp == 1 else "cp" if p.dp == 1 else "dp_cp"
+    if group > 1:
         if distributed_optimizer:
-            comms = [CommOp(name="dp_grad_reduce_scatter", kind=CommKind.REDUCE_SCATTER,
-                            bytes=int(4 * n), group_size=p.dp),
-                     CommOp(name="dp_param_all_gather", kind=CommKind.ALL_GATHER,
-                            bytes=int(2 * n), group_size=p.dp)]
-            share = n / p.dp
+            comms = [CommOp(name=f"{prefix}_grad_reduce_scatter", kind=CommKind.REDUCE_SCATTER,
+                            bytes=int(4 * n), group_size=group),
+                     CommOp(name=f"{prefix}_param_all_gather", kind=CommKind.ALL_GATHER,
+                            bytes=int(2 * n), group_size=group)]
+            share = n / group
         else:
-            comms = [CommOp(name="dp_grad_all_reduce", kind=CommKind.ALL_REDUCE,
-                            bytes=int(4 * n), group_size=p.dp)]
+            comms = [CommOp(name=f"{prefix}_grad_all_reduce", kind=CommKind.ALL_REDUCE,
+                            bytes=int(4 * n), group_size=group)]
+    cross = p.world_size > GPUS_PER_NODE
+    in_node = ([c.name for c in comms] if cross and comms and not grad_reduction_crosses_node(wl)
+               else [])
     if m.tied_embeddings and p.pp > 1:
-        # After the data-parallel reduction of the gradients, before the step (and so
-        # before the weights' all-gather of the distributed optimizer).
+        # After the gradient reduction, before the step (and so before the weights'
+        # all-gather of the distributed optimizer).
         v_local = -(-m.vocab // p.tp)
         tied = CommOp(name="embedding_grad_all_reduce", kind=CommKind.ALL_REDUCE,
                       bytes=4 * v_local * m.hidden, group_size=2)
-        comms.insert(1 if p.dp > 1 else 0, tied)
+        comms.insert(1 if group > 1 else 0, tied)
     step = ComputeOp(name="optimizer_step", kind=OpKind.ELEMENTWISE,
                      flops=ADAM_FLOPS_PER_PARAM * share,
                      bytes_moved=ADAM_BYTES_PER_PARAM * share)
-    return OutsideWork(ops=(step,), comms=tuple(comms),
-                       comms_cross_node=p.world_size > GPUS_PER_NODE)
+    return OutsideWork(ops=(step,), comms=tuple(comms), comms_cross_node=cross,
+                       comms_in_node=in_node)
 
 
 def _expert_iteration_work(wl: Workload, *, distributed_optimizer: bool) -> OutsideWork:
     """``iteration_work`` of a mixture-of-experts model: the routed experts' gradients
     reduced over the expert-data-parallel group (``tp x cp x dp / ep`` ranks), every other
-    parameter's over DP; each reduction as ``iteration_work`` says (distributed optimizer:
+    parameter's over DP x CP (Megatron-Core's ``dp_cp`` group, named as ``iteration_work``
+    names it, inside a node where ``grad_reduction_crosses_node`` says so; the expert group
+    across nodes when the job spans more than one); each reduction as ``iteration_work``
+    says (distributed optimizer:
     reduce-scatter of fp32 gradients, all-gather of bf16 weights, the step over the rank's
     share; else an all-reduce)."""
     p, m = wl.parallelism, wl.model
     assert m.moe is not None
     n = stage_params_per_rank(wl)
     experts = wl.layers_per_stage * m.moe.expert_params_per_rank(m.hidden, ep=p.ep)
-    groups = (("dp", n - experts, p.dp), ("edp", experts, p.tp * p.cp * p.dp // p.ep))
+    prefix = "dp" if p.cp == 1 else "cp" if p.dp == 1 else "dp_cp"
+    groups = ((prefix, n - experts, p.dp * p.cp), ("edp", experts, p.tp * p.cp * p.dp // p.ep))
     reduce: list[CommOp] = []
     gather: list[CommOp] = []
     share = 0.0
@@ -1104,8 +1181,11 @@ def _expert_iteration_work(wl: Workload, *, distributed_optimizer: bool) -> Outs
     step = ComputeOp(name="optimizer_step", kind=OpKind.ELEMENTWISE,
                      flops=ADAM_FLOPS_PER_PARAM * share,
                      bytes_moved=ADAM_BYTES_PER_PARAM * share)
-    return OutsideWork(ops=(step,), comms=(*reduce, *gather),
-                       comms_cross_node=p.world_size > GPUS_PER_NODE)
+    cross = p.world_size > GPUS_PER_NODE
+    in_node = ([c.name for c in (*reduce, *gather) if c.name.startswith(prefix + "_")]
+               if cross and not grad_reduction_crosses_node(wl) else [])
+    return OutsideWork(ops=(step,), comms=(*reduce, *gather), comms_cross_node=cross,
+                       comms_in_node=in_node)
 
 
 def _outside_work(wl: Workload) -> dict[tuple[int, str], OutsideWork]:

@@ -32,6 +32,21 @@ def test_data_parallelism_shards_only_the_optimizer_state():
                                                              one.activations_bytes)
 
 
+def test_context_parallelism_shards_the_optimizer_state_with_dp():
+    # The distributed optimizer shards over DP x CP (Megatron-Core's dp_cp group): the
+    # shard the iteration's Adam step updates.
+    from kareus.model.partition import ADAM_BYTES_PER_PARAM, iteration_work
+
+    one = estimate_memory(_wl())
+    for dp, cp in [(1, 2), (2, 2), (4, 1)]:
+        wl = _wl(dp=dp, cp=cp)
+        est = estimate_memory(wl)
+        assert est.optimizer_bytes == pytest.approx(one.optimizer_bytes / (dp * cp))
+        assert est.weights_bytes == one.weights_bytes
+        stepped = iteration_work(wl).ops[0].bytes_moved / ADAM_BYTES_PER_PARAM
+        assert est.optimizer_bytes == pytest.approx(12 * stepped)
+
+
 def test_tensor_and_pipeline_parallelism_shrink_the_weights():
     base = estimate_memory(_wl()).weights_bytes
     assert estimate_memory(_wl(tp=2)).weights_bytes < 0.51 * base

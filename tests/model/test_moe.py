@@ -269,6 +269,29 @@ def test_experts_are_split_over_ep_and_reduced_over_the_expert_data_parallel_gro
         30.0 * ((n - experts_per_rank) / 4 + experts_per_rank / 2))
 
 
+def test_the_dense_parameters_are_reduced_over_dp_x_cp():
+    # Megatron-Core reduces the non-expert gradients over its dp_cp group and the experts'
+    # over the expert-data-parallel group (tp x cp x dp / ep ranks, which holds CP already).
+    h = 64
+    experts_per_rank = 2 * 4 * 3 * h * 32  # 2 layers x 4 local experts (EP = 2)
+    for dp, names in [(2, ["dp_cp_grad_reduce_scatter", "edp_grad_reduce_scatter",
+                           "dp_cp_param_all_gather", "edp_param_all_gather"]),
+                      (1, ["cp_grad_reduce_scatter", "cp_param_all_gather"])]:  # edp of 1
+        wl = Workload(model=SMALL, parallelism=Parallelism(cp=2, dp=dp, ep=2),
+                      microbatch_size=2, seq_len=16, num_microbatches=2, nanobatches=2)
+        work = iteration_work(wl)
+        n = stage_params_per_rank(wl)
+        assert [c.name for c in work.comms] == names
+        dense = work.comms[0]
+        assert (dense.bytes, dense.group_size) == (int(4 * (n - experts_per_rank)), 2 * dp)
+        edp = 2 * dp // 2
+        (step,) = work.ops
+        assert step.bytes_moved == pytest.approx(
+            30.0 * ((n - experts_per_rank) / (2 * dp) + experts_per_rank / edp))
+        mem = estimate_memory(wl)
+        assert mem.optimizer_bytes == pytest.approx(step.bytes_moved / 30.0 * 12)
+
+
 def test_memory_counts_the_ranks_experts_only():
     full = estimate_memory(Workload.preset("qwen3-30b-a3b", dp=8, ep=8, microbatch_size=4))
     one = estimate_memory(Workload.preset("qwen3-30b-a3b", dp=8, ep=1, microbatch_size=4))
