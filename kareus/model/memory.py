@@ -4,7 +4,9 @@ A workload that cannot be trained on its GPUs must be refused before minutes of 
 not reported with an iteration time. ``estimate_memory`` counts, per GPU of each
 pipeline stage (the largest stage is the one that matters):
 
-- **weights** in bf16 (2 bytes per parameter) and **gradients** in bf16 (2 bytes); tied
+- **weights** in bf16 (2 bytes per parameter) and **gradients** in fp32 (4 bytes: Megatron-LM
+  accumulates and reduces gradients in fp32 buffers under ``--bf16``, its ``main_grad``, the
+  gradients ``kareus.model.partition.iteration_work`` reduce-scatters); tied
   embeddings are one matrix on a single stage, a copy on each end stage with PP > 1;
 - **optimizer state**: fp32 master weights and Adam's two moments (12 bytes per parameter),
   sharded over the DP x CP ranks that hold the same weights, as Megatron-LM's distributed
@@ -71,7 +73,7 @@ class MemoryEstimate:
     Attributes:
         stage: The pipeline stage (the one with the largest total).
         weights_bytes: bf16 weights.
-        grads_bytes: bf16 gradients.
+        grads_bytes: fp32 gradients (the training job's ``main_grad`` buffers).
         optimizer_bytes: fp32 master weights and Adam moments, sharded over DP x CP.
         activations_bytes: Saved activations of the microbatches in flight, the working set
             of one recomputed layer, and (last stage) one microbatch's fp32 logits.
@@ -227,7 +229,7 @@ def estimate_memory(workload: Workload, *, schedule: str = "1f1b") -> MemoryEsti
         dense = p.dp * p.cp
         optimizer = (12 * params / dense if m.moe is None
                      else 12 * ((params - experts) / dense + experts / edp))
-        est = MemoryEstimate(stage=stage, weights_bytes=2 * params, grads_bytes=2 * params,
+        est = MemoryEstimate(stage=stage, weights_bytes=2 * params, grads_bytes=4 * params,
                              optimizer_bytes=optimizer, activations_bytes=act)
         if best is None or est.total_bytes > best.total_bytes:
             best = est
