@@ -812,12 +812,8 @@ def _chaining(model: Any, blocks: list[Any], workload: Workload, plan: Any,
         return False, False
     if plan is None or schedule not in (None, "kareus"):
         return chain, bool(chain)
-    why = "chain=False runs each block on its own" if chain is False else _blocks_chain(model)
-    if why is None:
-        try:
-            _decoders(model, blocks, strict=True)
-        except WorkloadError:
-            why = "some planned blocks are not the layers of a torchtitan Decoder"
+    why = ("chain=False runs each block on its own" if chain is False
+           else _why_unchained(model, blocks))
     if why is not None:
         raise WorkloadError(f"the plan was made for chained layers (its workload's "
                             f"chained_layers=True), but {why}, so the blocks run one by one: "
@@ -1259,7 +1255,21 @@ def workload_from_trainer(trainer: Any, *, nanobatches: int = 2, name: str | Non
                         int(trainer.gradient_accumulation_steps), nanobatches=nanobatches,
                         name=name, selective_as=selective_as,
                         document_tokens=document_tokens,
-                        chained=_blocks_chain(model) is None)
+                        chained=_why_unchained(model) is None)
+
+
+def _why_unchained(model: Any, blocks: list[Any] | None = None) -> str | None:
+    """Why ``model``'s planned blocks (``blocks``, or all of them) cannot run as one stack
+    (``None``: they can): something around a block's call (``_blocks_chain``), or a block
+    that is not a layer of a torchtitan ``Decoder`` (e.g. wrapped for activation
+    checkpointing, as the Trainer's default selective checkpointing does)."""
+    why = _blocks_chain(model)
+    if why is None:
+        try:
+            _decoders(model, planned_blocks(model) if blocks is None else blocks, strict=True)
+        except WorkloadError:
+            why = "some planned blocks are not the layers of a torchtitan Decoder"
+    return why
 
 
 def _blocks_chain(model: Any) -> str | None:
@@ -1611,6 +1621,7 @@ def wrap_trainer(trainer: Any, plan: Any = None, *, schedule: str | None = None,
         # packed documents masked: the plan's workload says their length (a baseline needs
         # none: it is not costed)
         docs = planned.get("document_tokens")
+        unchained = _why_unchained(model)
         workload = _workload_of(config, trainer.model_config,
                                 (int(dims.tp), int(dims.cp), int(dims.pp),
                                  int(dims.dp_replicate) * int(dims.dp_shard)),
@@ -1618,13 +1629,15 @@ def wrap_trainer(trainer: Any, plan: Any = None, *, schedule: str | None = None,
                                 name=None, selective_as=selective_as,
                                 document_tokens=None if docs is None else int(docs),
                                 documents_required=False,
-                                chained=_blocks_chain(model) is None)
+                                chained=unchained is None)
         _refuse_unsupported(config, model, workload)
         if (plan is not None and planned.get("chained_layers", True)
                 and not workload.chained_layers):
-            raise WorkloadError("the plan was made for chained layers, but torchtitan's "
-                                "Trainer wraps every block in FSDP (fully_shard, at any "
-                                "data-parallel degree), so its blocks run one by one: make "
+            # torchtitan 0.3's Trainer wraps every block in FSDP (fully_shard) on a GPU at
+            # any data-parallel degree, and in a checkpoint wrapper under activation
+            # checkpointing: its blocks run one by one
+            raise WorkloadError(f"the plan was made for chained layers, but under this "
+                                f"Trainer {unchained}, so its blocks run one by one: make "
                                 "the plan with kareus optimize --torchtitan-args (which "
                                 "reads this) or --unchained-layers")
         captured = _step_capture(trainer)

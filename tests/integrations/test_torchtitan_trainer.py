@@ -53,7 +53,7 @@ REFUSALS = {
                          "activation_checkpoint is memory-budget"),
     "plan_for_flex_documents": ([FULL_AC], False, "document_tokens"),
     "cuda_graphs_plan_of_several_choices": ([], True, "training.disable_cuda_graphs"),
-    "plan_for_chained_layers": ([], True, "wraps every block in FSDP (fully_shard"),
+    "plan_for_chained_layers": ([], True, "so its blocks run one by one: make the plan"),
 }
 
 
@@ -146,7 +146,7 @@ def _worker(out_dir: str, run: str, what: str) -> None:
         trainer.close()
     elif run == "documents":
         result = _documents(trainer_config=cpu_trainer_config(assets, *BASE, sdpa=False),
-                            planned=what == "plan")
+                            planned=what if what == "baseline" else what == "plan")
     else:
         ac = {"none": [NO_AC], "full": [FULL_AC]}.get(what.partition("-")[2], [])
         flags = (["--compile.enable"] if what == "compile" else []) + ac
@@ -181,16 +181,26 @@ def _worker(out_dir: str, run: str, what: str) -> None:
     dist.destroy_process_group()
 
 
-def _documents(trainer_config, planned: bool = False) -> dict:
+def _documents(trainer_config, planned: bool | str = False) -> dict:
     """torchtitan's stock attention (FlexAttention, block_causal document masks): the
     model's forward on packed batches with and without kareus's layers (a baseline
     schedule), then training steps and validation under kareus (FlexAttention has no
     backward on a CPU: torchtitan alone cannot train here). ``planned``: the steps run
-    under a plan made for the documents (``document_tokens``) instead of the baseline."""
+    under a plan made for the documents (``document_tokens``) instead of the baseline;
+    ``"baseline"``: the baseline's steps alone, without the forward check first."""
     from kareus.integrations.torchtitan import workload_from_trainer, wrap_trainer
     from kareus.testing import make_workload_plan
 
     trainer = trainer_config.build()
+    if planned == "baseline":  # the baseline schedule's steps alone (the plan's reference:
+        # the forward check below reads batches from the Trainer's stateful dataloader
+        # first, so the steps after it train on other batches)
+        result = _record(trainer)
+        wrap_trainer(trainer, None, schedule="nanobatching", selective_as="selective",
+                     kernels="torch")
+        trainer.train()
+        trainer.close()
+        return result
     if planned:  # the Trainer's steps under a plan costed for 16-token documents
         wl = workload_from_trainer(trainer, selective_as="selective", document_tokens=16)
         result = _record(trainer)
@@ -307,7 +317,7 @@ def test_torchtitan_s_document_masks_in_planned_layers(tmp_path):
 def test_a_plan_for_torchtitan_s_document_masks(tmp_path):
     # a plan made for the stock attention's packed documents (document_tokens) trains as
     # the baseline schedule does: the same microbatch, step and validation losses
-    base = _run(tmp_path, "documents", "flex")
+    base = _run(tmp_path, "documents", "baseline")
     planned = _run(tmp_path, "documents", "plan")
     for want, got in zip(base, planned, strict=True):
         assert got["workload"]["document_tokens"] == 16
