@@ -29,7 +29,14 @@ there; the wall time is printed and written to the JSON).
 
 Per row: iteration time (device events, median over rounds), **vs step** = this row's
 time over the ``@step`` row of the same layer mode and schedule (own graphs against one
-graph of the step), the GPU's own time of the iteration (iterations enqueued behind a
+graph of the step), **host ms** = the host's time to enqueue the iteration (medians over
+the rounds: below the iteration time, the host ran ahead of the GPU), **lead ms** (own
+graphs only) = the device time from the iteration's start event to the first graph launch
+(an event recorded right before it: the host time of the first node, which the GPU waits
+out; a step capture launches its one graph at once), **launch us** = the host time of
+that first launch call (of the step capture's one launch in its rows;
+``first_launch_host_s``), **less lead** = (time - lead) over the step's time, the
+GPU-only time: the GPU's own time of the iteration (iterations enqueued behind a
 sleeping kernel, so the host never holds the GPU back; ``n/a`` when the sleeping kernel ran
 out before the host had enqueued them, which a host-bound iteration does), **fed** =
 GPU-only / measured, kernels per iteration and the GPU-busy fraction of one profiled
@@ -110,11 +117,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     ISSUE_ROWS + "), graphed and step modes, 3 rounds, no GPU-only figure")
     ap.add_argument("--no-gpu-only", action="store_true",
                     help="leave out the GPU-only time (iterations behind a sleeping kernel)")
+    ap.add_argument("--gpu-only", action="store_true",
+                    help="with --issue-table: keep the GPU-only time")
     args = ap.parse_args(argv)
     if args.issue_table:
         args.rows = args.rows or ISSUE_ROWS
         args.modes = args.modes or ISSUE_MODES
-        args.no_gpu_only = True
+        args.no_gpu_only = not args.gpu_only
     if args.rounds is None:
         args.rounds = 3 if args.issue_table else 5
     return args
@@ -221,6 +230,7 @@ class StepCapture:
         self.torch, self.it = torch, it
         self.graphs: dict[str, Any] = {}
         self.grads: list[Any] = []  # the gradients the graphs write (kept alive here)
+        self.launch_s: float | None = None
 
     def _body(self, schedule: str) -> None:
         for t in self.grads:
@@ -231,7 +241,9 @@ class StepCapture:
         g = self.graphs.get(schedule)
         if g is None:
             g = self.graphs[schedule] = self._capture(schedule)
+        t0 = time.perf_counter()
         g.replay()
+        self.launch_s = time.perf_counter() - t0  # the host time of the launch call
 
     def _capture(self, schedule: str) -> Any:
         torch = self.torch
@@ -335,19 +347,8 @@ def _measure_shape(torch: Any, args: argparse.Namespace, wl: Any, layers: int,
         if cuda:
             torch.cuda.synchronize()
 
-    def timed(mode: str, schedule: str) -> float:
-        sync()
-        if not cuda:
-            t0 = time.perf_counter()
-            its[mode].step(schedule)
-            return time.perf_counter() - t0
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        its[mode].step(schedule)
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b) / 1e3
-
+    clock = _Clock(torch, its, cuda)
+    timed = clock.timed
     rows = [(m, s) for m in its for s in SCHEDULES]
     # warm-up: programs, buffers, kernels' first launches, captures (a step capture
     # warms its planned layers up on a side stream, outside the capture, first); per
@@ -368,6 +369,9 @@ def _measure_shape(torch: Any, args: argparse.Namespace, wl: Any, layers: int,
                          "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
                          **_graph_memory(its[m], growth)}
     times: dict[tuple[str, str], list[float]] = {r: [] for r in rows}
+    clock.hosts.clear()  # the rounds' only
+    clock.leads.clear()
+    clock.launches.clear()
     rng = random.Random(0)
     for _ in range(args.rounds):
         order = rows[:]
@@ -381,16 +385,106 @@ def _measure_shape(torch: Any, args: argparse.Namespace, wl: Any, layers: int,
                                "mode": m, "schedule": s, **memory.get(m, {}),
                                "iteration_s": statistics.median(times[(m, s)]),
                                "iteration_s_all": times[(m, s)]}
+        if (m, s) in clock.hosts:
+            row["host_s"] = statistics.median(clock.hosts[(m, s)])
+        if (m, s) in clock.leads:
+            row["lead_s"] = statistics.median(clock.leads[(m, s)])
+        if (m, s) in clock.launches:
+            row["first_launch_host_s"] = statistics.median(clock.launches[(m, s)])
         if cuda:
             row.update(_device_figures(torch, args, its[m], s, row["iteration_s"]))
         out_rows.append(row)
-    by = {(r["mode"], r["schedule"]): r for r in out_rows}
-    for r in out_rows:  # own graphs (or eager) against one graph of the step
+    _versus_step(out_rows)
+    return out_rows
+
+
+def _versus_step(rows: list[dict[str, Any]]) -> None:
+    """Each row's time over the ``@step`` row of its layer mode and schedule (own graphs,
+    or eager, against one graph of the step), with and without its lead."""
+    by = {(r["mode"], r["schedule"]): r for r in rows}
+    for r in rows:
         base = r["mode"].split("+")[0].split("@")[0]
         step = by.get((base + "@step", r["schedule"]))
         r["vs_step"] = (r["iteration_s"] / step["iteration_s"]
                         if step is not None and not r["mode"].endswith("@step") else None)
-    return out_rows
+        if r["vs_step"] is not None and "lead_s" in r:
+            r["vs_step_less_lead"] = (r["iteration_s"] - r["lead_s"]) / step["iteration_s"]
+
+
+class _Clock:
+    """One iteration of a (mode, schedule), timed from an idle device: device events
+    around it (host time on the CPU), and on a GPU the host's time to enqueue it and, for
+    the applier's own graphs, the lead to its first graph launch (``_LeadProbe``)."""
+
+    def __init__(self, torch: Any, its: dict[str, Any], cuda: bool) -> None:
+        self.torch, self.its, self.cuda = torch, its, cuda
+        self.probes = {m: _LeadProbe(torch, it) for m, it in its.items()
+                       if cuda and m.endswith("+graphs")}
+        self.hosts: dict[tuple[str, str], list[float]] = {}
+        self.leads: dict[tuple[str, str], list[float]] = {}
+        self.launches: dict[tuple[str, str], list[float]] = {}
+
+    def timed(self, mode: str, schedule: str) -> float:
+        torch, step = self.torch, self.its[mode].step
+        if not self.cuda:
+            t0 = time.perf_counter()
+            step(schedule)
+            return time.perf_counter() - t0
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        probe = self.probes.get(mode)
+        if probe is not None:
+            probe.arm()
+        a.record()
+        t0 = time.perf_counter()
+        step(schedule)
+        host = time.perf_counter() - t0
+        b.record()
+        b.synchronize()
+        self.hosts.setdefault((mode, schedule), []).append(host)
+        if probe is not None and probe.event is not None:
+            self.leads.setdefault((mode, schedule), []).append(
+                a.elapsed_time(probe.event) / 1e3)
+            self.launches.setdefault((mode, schedule), []).append(probe.launch_s)
+        elif isinstance(self.its[mode], StepCapture):
+            self.launches.setdefault((mode, schedule), []).append(self.its[mode].launch_s)
+        return a.elapsed_time(b) / 1e3
+
+
+class _LeadProbe:
+    """The device time from an iteration's start to its first graph launch, for the
+    applier's own graphs: while armed, the next graph launch of any of the mode's appliers
+    first records a CUDA event on the stream it launches on (the GPU, idle since the start
+    event, reaches it as soon as the host enqueues it). The appliers' stream backends'
+    ``replay`` is wrapped on the instance."""
+
+    def __init__(self, torch: Any, it: Any) -> None:
+        self.torch, self.event, self.armed = torch, None, False
+        self.launch_s: float | None = None  # the host time of that launch call
+        seen: set[int] = set()
+        for applier in it.appliers.values():
+            for ex in (applier.baseline, applier.executor):
+                streams = getattr(ex, "streams", None)
+                if streams is None or id(streams) in seen:
+                    continue
+                seen.add(id(streams))
+                streams.replay = self._wrap(streams.replay)
+
+    def _wrap(self, replay: Any) -> Any:
+        def first_launch(graph: Any) -> None:
+            if not self.armed:
+                replay(graph)
+                return
+            self.armed = False
+            self.event = self.torch.cuda.Event(enable_timing=True)
+            self.event.record()
+            t0 = time.perf_counter()
+            replay(graph)
+            self.launch_s = time.perf_counter() - t0
+        return first_launch
+
+    def arm(self) -> None:
+        self.armed, self.event, self.launch_s = True, None, None
 
 
 def _device_figures(torch: Any, args: argparse.Namespace, it: Any, schedule: str,
@@ -441,7 +535,8 @@ def _print(rows: list[dict[str, Any]], wl: Any, args: argparse.Namespace, layers
           f"microbatches of {wl.microbatch_size} x {wl.seq_len}; loopback; synthetic plan")
     head = f"{'mode':<13} {'schedule':<13} {'iteration ms':>12} {'vs step':>7}"
     if cuda:
-        head += f" {'GPU-only ms':>11} {'fed':>5} {'busy':>5} {'kernels':>7}"
+        head += (f" {'host ms':>7} {'lead ms':>7} {'launch us':>9} {'less lead':>9}"
+                 f" {'GPU-only ms':>11} {'fed':>5} {'busy':>5} {'kernels':>7}")
     print(head)
     for r in rows:
         vs = r.get("vs_step")
@@ -449,7 +544,13 @@ def _print(rows: list[dict[str, Any]], wl: Any, args: argparse.Namespace, layers
                 f"{'' if vs is None else f'{vs:.3f}':>7}")
         if cuda:
             busy, gpu, fed = r.get("busy"), r.get("gpu_only_s"), r.get("fed")
-            line += (f" {'n/a' if gpu is None else f'{1e3 * gpu:.3f}':>11} "
+            host, lead, less = r.get("host_s"), r.get("lead_s"), r.get("vs_step_less_lead")
+            launch = r.get("first_launch_host_s")
+            line += (f" {'' if host is None else f'{1e3 * host:.3f}':>7}"
+                     f" {'' if lead is None else f'{1e3 * lead:.3f}':>7}"
+                     f" {'' if launch is None else f'{1e6 * launch:.1f}':>9}"
+                     f" {'' if less is None else f'{less:.3f}':>9}"
+                     f" {'n/a' if gpu is None else f'{1e3 * gpu:.3f}':>11} "
                      f"{'n/a' if fed is None else f'{fed:.2f}':>5} "
                      f"{'n/a' if busy is None else f'{busy:.2f}':>5} "
                      f"{r.get('kernels', 0):>7}")

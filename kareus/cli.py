@@ -66,7 +66,9 @@ def cmd_workloads(args: argparse.Namespace) -> int:
 
     rows = []
     for m in MODEL_PRESETS.values():
-        rows.append([m.name, m.layers, m.hidden, m.heads, m.kv_heads, m.head_dim, m.ffn, m.vocab,
+        # a mixture of experts' MLP: its experts' width (the dense width is unused)
+        ffn = m.ffn if m.moe is None else f"{m.moe.expert_ffn} x{m.moe.experts}"
+        rows.append([m.name, m.layers, m.hidden, m.heads, m.kv_heads, m.head_dim, ffn, m.vocab,
                      f"{m.params / 1e9:.2f}", _features(m)])
     print(_table(["workload", "layers", "hidden", "heads", "KV heads", "head dim", "FFN",
                   "vocab", "params (B)", "layer features"], rows))
@@ -78,6 +80,9 @@ def _features(m) -> str:  # type: ignore[no-untyped-def]
     words = [w for w, on in (("qk-norm", m.qk_norm), ("QKV bias", m.qkv_bias),
                              ("tied embeddings", m.tied_embeddings)) if on]
     words.append(f"eps {m.norm_eps:g}")
+    if m.moe is not None:
+        shared = (f" + {m.moe.shared_experts} shared" if m.moe.shared_experts else "")
+        words.append(f"MoE: {m.moe.experts} experts{shared}, top-{m.moe.experts_per_token}")
     return ", ".join(words)
 
 
@@ -158,13 +163,18 @@ def _noise(text: str) -> float:
 _JOB_DEFAULTS = {"tp": 4, "cp": 1, "pp": 2, "microbatches": 8, "microbatch_size": 8,
                  "seq_len": 4096}
 
+#: The mixture-of-experts options (``None`` in the parser: refused beside
+#: ``--megatron-args`` / ``--torchtitan-args``, whose MoE layers kareus does not read yet).
+_MOE_OPTIONS = ("ep", "routing_imbalance")
+
 
 def _workload_from_megatron_flags(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """The workload of ``--megatron-args``: the job as Megatron-LM's flags describe it."""
     from kareus.errors import WorkloadError
     from kareus.integrations.megatron_args import parse_megatron_args, workload_from_megatron_args
 
-    given = [f"--{k.replace('_', '-')}" for k in (*_JOB_DEFAULTS, "workload", "model_file")
+    given = [f"--{k.replace('_', '-')}" for k in (*_JOB_DEFAULTS, "workload", "model_file",
+                                                   *_MOE_OPTIONS)
              if getattr(args, k, None) is not None] + [
                  f for f, on in (("--no-recompute", args.no_recompute),
                                  ("--recompute", getattr(args, "recompute", None) is not None),
@@ -190,6 +200,9 @@ def _workload_from_megatron_flags(args: argparse.Namespace):  # type: ignore[no-
     if tp > 8 or tp * cp * pp * dp > _MAX_GPUS:
         raise WorkloadError(f"TP={tp} x CP={cp} x PP={pp} x DP={dp}: beyond what kareus models "
                             f"(TP <= 8, at most {_MAX_GPUS:,} GPUs)")
+    if getattr(args, "document_tokens", None) is not None:
+        raise ArgumentError("--document-tokens: Megatron-Core's planned layers attend causally "
+                            "over whole sequences; drop it with --megatron-args")
     return workload_from_megatron_args(flags, dp=dp, nanobatches=args.nanobatches)
 
 
@@ -210,7 +223,7 @@ def _workload_from_torchtitan_flags(args: argparse.Namespace):  # type: ignore[n
     )
 
     given = [f"--{k.replace('_', '-')}" for k in (*_JOB_DEFAULTS, "workload", "model_file",
-                                                   "dp")
+                                                   "dp", *_MOE_OPTIONS)
              if getattr(args, k, None) is not None] + [
                  f for f, on in (("--no-recompute", args.no_recompute),
                                  ("--sp", getattr(args, "sp", False)),
@@ -238,19 +251,23 @@ def _workload_from_torchtitan_flags(args: argparse.Namespace):  # type: ignore[n
     if args.gpus is None:
         raise ArgumentError("--torchtitan-args needs --gpus (the job's rank count: torchrun's "
                             "WORLD_SIZE)")
+    docs = getattr(args, "document_tokens", None)
+    masked = masks_documents(config)
+    if masked and docs is None:
+        raise ArgumentError("the model's attention masks packed documents (FlexAttention or "
+                            "VarlenAttention, block_causal), whose length the flags do not "
+                            "say: give --document-tokens (sum of squared document lengths "
+                            "over sum of lengths of your data: kareus.model.document_tokens_of)")
+    if docs is not None and not masked:
+        raise ArgumentError("--document-tokens: the model's attention (SDPA) is causal over "
+                            "the whole sequence and masks no documents; drop it")
     wl = workload_from_torchtitan_config(config, world_size=args.gpus,
                                          nanobatches=args.nanobatches,
-                                         selective_as=args.recompute)
+                                         selective_as=args.recompute, document_tokens=docs)
     if args.recompute is not None and wl.recompute != args.recompute:
         raise ArgumentError(f"--recompute {args.recompute} contradicts the flags' "
                             f"activation_checkpoint ({wl.recompute}); --recompute names the "
                             "policy run in place of torchtitan's selective only")
-    if masks_documents(config):
-        raise WorkloadError("the model's attention masks packed documents (FlexAttention or "
-                            "VarlenAttention, block_causal), which kareus's cost model does not "
-                            "cost yet: give the layers torchtitan's SDPA attention "
-                            "(--override.imports kareus.testing.torchtitan_sdpa.causal_sdpa) "
-                            "for a plan")
     if wl.parallelism.tp == 1 and wl.parallelism.cp == 1:
         raise WorkloadError("the torchtitan flags give TP=1 and CP=1: no layer has a "
                             "collective to overlap, so there is nothing to plan")
@@ -258,6 +275,16 @@ def _workload_from_torchtitan_flags(args: argparse.Namespace):  # type: ignore[n
 
 
 def _workload_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """The job's workload; ``--unchained-layers``: its layers run one by one
+    (``Workload.chained_layers=False``); ``--torchtitan-args`` says so itself (torchtitan's
+    Trainer wraps every block in FSDP)."""
+    wl = _job_workload(args)
+    if getattr(args, "unchained_layers", False) and wl.chained_layers:
+        wl = wl.with_(chained_layers=False)
+    return wl
+
+
+def _job_workload(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from kareus.errors import WorkloadError
     from kareus.model.workload import Parallelism, Workload, get_model
 
@@ -288,10 +315,12 @@ def _workload_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-de
             raise WorkloadError(
                 f"--gpus {args.gpus} and --dp {args.dp} disagree: {args.gpus} GPUs at TP x CP x "
                 f"PP = {per_replica} make DP = {dp}; give one of --gpus and --dp")
-    if args.tp == 1 and args.cp == 1:
+    ep = getattr(args, "ep", None) or 1
+    if args.tp == 1 and args.cp == 1 and ep == 1:
         raise WorkloadError("--tp 1 --cp 1: no layer has a collective to overlap, and kareus "
                             "schedules collectives; use --tp 2 or more, or --cp 2 or more (the "
-                            "default is --tp 4)")
+                            "default is --tp 4)"
+                            + ("" if model.moe is None else ", or --ep 2 or more"))
     world = args.tp * args.cp * args.pp * dp
     if world > _MAX_GPUS:
         raise WorkloadError(
@@ -300,11 +329,14 @@ def _workload_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-de
     if args.tp > 8:
         raise WorkloadError(f"--tp {args.tp}: tensor parallelism beyond one 8-GPU NVLink node "
                             "is not modelled; use --tp <= 8 and spread the rest over --cp/--pp")
+    imbalance = getattr(args, "routing_imbalance", None)
+    moe = {} if imbalance is None else {"routing_imbalance": imbalance}
     return Workload(model=model, parallelism=Parallelism(tp=args.tp, cp=args.cp, pp=args.pp,
-                                                         dp=dp, sp=bool(args.sp)),
+                                                         dp=dp, sp=bool(args.sp), ep=ep),
                     microbatch_size=args.microbatch_size, seq_len=args.seq_len,
                     num_microbatches=args.microbatches, recompute=_recompute_from_args(args),
-                    nanobatches=args.nanobatches)
+                    nanobatches=args.nanobatches,
+                    document_tokens=getattr(args, "document_tokens", None), **moe)
 
 
 def _recompute_from_args(args: argparse.Namespace) -> str:
@@ -729,12 +761,33 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sequences per microbatch (default 8)")
     p.add_argument("--seq-len", type=_int_up_to(_MAX_SEQ_LEN), default=None,
                    help="sequence length (default 4096)")
+    p.add_argument("--document-tokens", type=_int_up_to(_MAX_SEQ_LEN), default=None,
+                   metavar="TOKENS",
+                   help="the sequences pack documents and the attention masks them "
+                        "(torchtitan's FlexAttention/VarlenAttention block_causal): the "
+                        "documents' length as the cost model takes it (sum of squared "
+                        "lengths over sum of lengths: kareus.model.document_tokens_of); "
+                        "default: one document per sequence")
     p.add_argument("--nanobatches", type=_int_up_to(_MAX_NANOBATCHES), default=2,
                    help="nanobatches per microbatch for overlap (default 2)")
     p.add_argument("--sp", action="store_true",
                    help="sequence parallelism (Megatron-LM's --sequence-parallel): each TP "
                         "all-reduce becomes a reduce-scatter and an all-gather, norms on the "
                         "sequence shard; nothing changes at --tp 1")
+    p.add_argument("--ep", type=_int_up_to(_MAX_DEGREE), default=None,
+                   help="expert parallel degree of a mixture-of-experts model (default 1): "
+                        "it divides TP x CP x DP (Megatron-Core's MoE parallel folding, "
+                        "experts not split over TP); a divisor of 8 (one NVLink node)")
+    p.add_argument("--routing-imbalance", type=_positive_float, default=None,
+                   help="of a mixture-of-experts model: the busiest expert-parallel rank's "
+                        "tokens over the mean, in [1, --ep] (default 1.0: balanced routing)")
+    p.add_argument("--unchained-layers", action="store_true",
+                   help="the layers run one by one, each its own planned layer (Megatron-Core "
+                        "layers left unchained, KAREUS_CHAIN=0): no collective overlaps "
+                        "across a layer boundary, each layer's first ops run bare and its "
+                        "last collective exposed, and the plan is made for that; "
+                        "--torchtitan-args sets it (torchtitan's Trainer wraps every block "
+                        "in FSDP, so its blocks never chain)")
     p.add_argument("--recompute", default=None, choices=("none", "selective", "full"),
                    help="activation recomputation: full (the default: the backward re-runs "
                         "each layer's forward), selective (the attention core only, as "

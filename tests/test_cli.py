@@ -523,6 +523,26 @@ def test_sp_and_recompute_options_make_the_workload(capsys):
     assert info.value.code == 2 and "--recompute" in capsys.readouterr().err
 
 
+def test_document_tokens_make_the_workload_and_the_plan(tmp_path, capsys):
+    from kareus.cli import _workload_from_args, build_parser
+    from kareus.compose.plan import Plan
+
+    def wl(*extra):
+        return _workload_from_args(build_parser().parse_args(
+            ["optimize", "--workload", "qwen3-1.7b", *extra]))
+
+    assert wl().document_tokens is None
+    assert wl("--document-tokens", "512").document_tokens == 512
+    # packed documents' attention is modelled at CP = 1 only: refused in one line
+    assert main(["optimize", "--workload", "qwen3-1.7b", "--cp", "2",
+                 "--document-tokens", "512"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "CP=1 only" in err
+    assert main(_small(tmp_path, "--document-tokens", "256")) == 0
+    plan = Plan.load(tmp_path / "out" / "plan.json")
+    assert plan.workload["document_tokens"] == 256
+
+
 def test_optimize_with_sp_and_selective_recomputation_writes_a_plan_for_that_layout(tmp_path,
                                                                                     capsys):
     import json
@@ -541,3 +561,26 @@ def test_optimize_with_sp_and_selective_recomputation_writes_a_plan_for_that_lay
     # the folder is the SP job's: the all-reduce layout is another job
     assert main(_small(tmp_path, "--recompute", "selective")) == 2
     assert "sp" in capsys.readouterr().err
+
+
+def test_unchained_layers_make_a_plan_for_layers_run_one_by_one(tmp_path, capsys):
+    """--unchained-layers: the workload's layers run one by one (each its own planned layer,
+    as torchtitan's FSDP-wrapped blocks or Megatron-Core's unchained layers), the plan file
+    says so, and its partition types are those of that workload; without the flag the plan
+    file has no such key (the format of every plan before)."""
+    from kareus.cli import _workload_from_args, build_parser
+    from kareus.compose.plan import Plan
+    from kareus.model import Workload, build_partitions
+
+    args = build_parser().parse_args(["optimize", "--workload", "qwen3-1.7b",
+                                      "--unchained-layers"])
+    assert _workload_from_args(args).chained_layers is False
+    args = build_parser().parse_args(["optimize", "--workload", "qwen3-1.7b"])
+    assert _workload_from_args(args).chained_layers is True
+    assert main([*_small(tmp_path), "--unchained-layers"]) == 0
+    capsys.readouterr()
+    plan = Plan.load(tmp_path / "out" / "plan.json")
+    assert plan.workload["chained_layers"] is False
+    wl = Workload.from_dict(plan.workload)
+    assert set(plan.partition_configs(nanobatches=wl.nanobatches)) == set(
+        build_partitions(wl).types)

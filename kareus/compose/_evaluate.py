@@ -14,6 +14,7 @@ from typing import Any
 
 from kareus.compose.plan import Plan
 from kareus.compose.systems import kareus_type_key
+from kareus.errors import ArgumentError
 from kareus.model.measurement import Measurement
 from kareus.model.partition import PartitionSet, build_partitions
 from kareus.model.pipeline import Computation, PipelineSchedule, one_f_one_b
@@ -27,7 +28,9 @@ def evaluate_plan(plan: Plan, *, frontiers: Mapping[str, PartitionFrontier],
                   outside: Mapping[tuple[int, str], Mapping[int, Measurement]] | None,
                   static_power_w: float, energy_scale: float | None = None,
                   schedule: PipelineSchedule | None = None,
-                  tail: Measurement | None = None) -> tuple[float, float, float]:
+                  tail: Measurement | None = None,
+                  outside_of: Mapping[int, Mapping[tuple[int, str], Mapping[int, Measurement]]]
+                  | None = None) -> tuple[float, float, float]:
     """Re-evaluate a plan from its parts: partition measurements, counts and outside work.
 
     Each computation's time is ``sum count x partition time + outside time`` at its
@@ -55,6 +58,11 @@ def evaluate_plan(plan: Plan, *, frontiers: Mapping[str, PartitionFrontier],
             microbatches.
         tail: The per-iteration work after the pipeline flush over every GPU (as the
             iteration composer was given it); ``None`` = none.
+        outside_of: Nanobatch count -> the outside work measured for that split, for
+            choices of another count than ``partitions``'s workload. Needed where the
+            outside work depends on the count: a workload of unchained layers
+            (``Workload.chained_layers=False``), whose bare computations and exposed
+            collectives are outside work; otherwise ``outside`` serves every count.
 
     Returns:
         ``(time_s, energy_j, dynamic_energy_j)``.
@@ -84,6 +92,7 @@ def evaluate_plan(plan: Plan, *, frontiers: Mapping[str, PartitionFrontier],
         n = ch.nanobatches
         if n not in counts_of:
             counts_of[n] = build_partitions(base.with_(nanobatches=n)).counts
+        table = _outside_table(outside, outside_of, base, n, c)
         t = e = 0.0
         for tname, count in counts_of[n][c.phase].items():
             if count <= 0:
@@ -92,8 +101,8 @@ def evaluate_plan(plan: Plan, *, frontiers: Mapping[str, PartitionFrontier],
             o = lookup[(key, ch.config(tname))]
             t += count * o.time_s
             e += count * o.dynamic_energy_j
-        if outside is not None:
-            m = outside[(c.stage, c.phase)][ch.freq_mhz]
+        if table is not None:
+            m = table[(c.stage, c.phase)][ch.freq_mhz]
             t += m.time_s
             e += m.dynamic_energy_j
         durations[c] = t
@@ -103,3 +112,25 @@ def evaluate_plan(plan: Plan, *, frontiers: Mapping[str, PartitionFrontier],
         time_s += tail.time_s
         dyn += tail.dynamic_energy_j
     return time_s, dyn + static_power_w * time_s, dyn
+
+
+def _outside_table(outside: Any, outside_of: Any, base: Any, n: int | None,
+                   c: Computation) -> Any:
+    """The outside work of computation ``c`` split into ``n`` nanobatches: ``outside``, or
+    that split's from ``outside_of`` where the workload's own count is another.
+
+    Raises:
+        ArgumentError: unchained layers (outside work that depends on the split) and no
+            outside work of that split given.
+    """
+    if outside is None or n is None or n == base.nanobatches:
+        return outside
+    if outside_of is not None and n in outside_of:
+        return outside_of[n]
+    if not base.chained_layers:
+        raise ArgumentError(
+            f"the plan's {c.phase} computation of microbatch {c.microbatch} splits into {n} "
+            "nanobatches; its workload's layers are unchained, whose outside work depends on "
+            f"the split: pass outside_of={{{n}: ...}} (the outside work of that split, "
+            "measured)")
+    return outside

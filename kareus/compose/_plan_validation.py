@@ -48,6 +48,8 @@ _TOP_KEYS = frozenset(_REQUIRED_KEYS) | {"label", "workload", "digest"}
 _WORKLOAD_INTS = ("tp", "cp", "pp", "dp", "microbatch_size", "seq_len", "num_microbatches",
                   "nanobatches")
 _WORKLOAD_KEYS = frozenset(("model", "recompute", *_WORKLOAD_INTS))
+#: The optional workload keys of a mixture-of-experts model's plan (``Workload.to_dict``).
+_MOE_WORKLOAD_KEYS = ("ep", "routing_imbalance")
 
 
 def _err(source: str, field: str, msg: str) -> PlanError:
@@ -147,7 +149,10 @@ def _parse_workload(w: Any, source: str) -> Any:
     from kareus.model.workload import RECOMPUTE_POLICIES, Workload  # keeps the module light
 
     w = _obj(w, source, "workload")
-    _keys(w, sorted(_WORKLOAD_KEYS), _WORKLOAD_KEYS | {"sp"}, source, "workload")
+    _keys(w, sorted(_WORKLOAD_KEYS),
+          _WORKLOAD_KEYS | {"sp", "document_tokens", "chained_layers", *_MOE_WORKLOAD_KEYS},
+          source,
+          "workload")
     if isinstance(w["model"], dict):  # the architecture of a model that is not a preset
         from kareus.model.workload import ModelArch
 
@@ -164,12 +169,25 @@ def _parse_workload(w: Any, source: str) -> Any:
     sp = w.get("sp", False)
     if not isinstance(sp, bool):
         raise _err(source, "workload.sp", f"{short_repr(sp)} is not true or false")
+    # a mixture of experts' (absent in a dense model's plan: the defaults)
+    ep = _int(w.get("ep", 1), source, "workload.ep", 1, 100_000_000)
+    moe = ({} if "routing_imbalance" not in w else {"routing_imbalance": _num(
+        w["routing_imbalance"], source, "workload.routing_imbalance", positive=True)})
+    docs = (None if w.get("document_tokens") is None else
+            _int(w["document_tokens"], source, "workload.document_tokens", 1, 100_000_000))
+    # absent: chained layers (every plan written before the setting was made for them)
+    chained = w.get("chained_layers", True)
+    if not isinstance(chained, bool):
+        raise _err(source, "workload.chained_layers",
+                   f"{short_repr(chained)} is not true or false")
     try:
         return Workload.preset(model, tp=ints["tp"], cp=ints["cp"], pp=ints["pp"],
-                               dp=ints["dp"], sp=sp, microbatch_size=ints["microbatch_size"],
+                               dp=ints["dp"], sp=sp, ep=ep,
+                               microbatch_size=ints["microbatch_size"],
                                seq_len=ints["seq_len"],
                                num_microbatches=ints["num_microbatches"],
-                               recompute=w["recompute"], nanobatches=ints["nanobatches"])
+                               recompute=w["recompute"], nanobatches=ints["nanobatches"],
+                               document_tokens=docs, chained_layers=chained, **moe)
     except (KareusError, ValueError, TypeError) as exc:
         raise _err(source, "workload", str(exc)) from None
 

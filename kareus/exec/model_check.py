@@ -24,7 +24,9 @@ def refuse_uncomputed(arch: ModelArch, *, where: str,
 
     Planning such a model works (the partition model costs its ops); running it needs a
     decoder that computes: per-head query/key RMSNorm (``qk_norm``), a QKV bias
-    (``qkv_bias``, computed nowhere yet), an RMSNorm epsilon other than 1e-5 (``norm_eps``).
+    (``qkv_bias``, computed nowhere yet), an RMSNorm epsilon other than 1e-5 (``norm_eps``),
+    mixture-of-experts layers (``moe``: router, experts and the expert-parallel all-to-alls;
+    computed nowhere yet).
     ``computes`` names the ones the caller computes (the training loop: ``qk_norm`` and
     ``norm_eps``). Tied input and output embeddings concern only the training loop, which
     computes them.
@@ -39,6 +41,9 @@ def refuse_uncomputed(arch: ModelArch, *, where: str,
         missing.append("qkv_bias=True (a QKV bias)")
     if abs(arch.norm_eps - 1e-5) > 1e-12 and "norm_eps" not in computes:
         missing.append(f"norm_eps={arch.norm_eps:g} (its RMSNorm kernels use 1e-5)")
+    if arch.moe is not None and "moe" not in computes:
+        missing.append("moe (mixture-of-experts layers: router, experts, expert-parallel "
+                       "all-to-alls)")
     if missing:
         raise WorkloadError(f"{where} does not compute {'; '.join(missing)} of model "
                             f"{arch.name!r} yet, and would train another model: plan it (the "

@@ -13,7 +13,9 @@ plain step (no launch slot: the configuration only sets the clock). A memory-bou
 without a kernel of its own here (an optimizer step, say) runs as a device copy that
 moves the op's bytes (read and written once). Collectives over another group than the
 executor's (data-parallel reductions, pipeline sends) cannot run in one stage's group:
-they are left out and listed in ``RunnableOutsideWork.left_out``.
+they are left out and listed in ``RunnableOutsideWork.left_out``. The iteration's gradient
+reduction of a job with CP > 1 and DP = 1 is the CP group's (``cp_grad_reduce_scatter``,
+``cp_param_all_gather``): it runs on the executor's CP backend.
 
 torch is imported inside the functions that need it.
 """
@@ -66,6 +68,11 @@ class RunnableOutsideWork(RunnablePartition):
             raise ArgumentTypeError(f"workload must be a Workload, got {type(workload).__name__}")
         unknown = [op.name for op in work.ops
                    if op.name not in OUTSIDE_OPS and op.kind.compute_bound]
+        if unknown and not workload.chained_layers:
+            raise ArgumentError("a workload of unchained layers (chained_layers=False) costs "
+                                "each layer's bare computation as outside work, which the GPU "
+                                f"path does not run yet (ops {sorted(set(unknown))}): measure "
+                                "it on the emulator, or tune the chained workload")
         if unknown:
             raise ArgumentError(f"no kernel for the compute-bound outside ops {unknown}; known: "
                              f"{OUTSIDE_OPS} (memory-bound ones run as copies of their bytes)")
@@ -209,9 +216,15 @@ class RunnableOutsideWork(RunnablePartition):
             ctx["xn"] = ks.rms_norm(ctx["x"], ctx["w_norm"])
             ctx["logits"] = ks.matmul(ctx["xn"], ctx["W"])
         ops = [op(n) for n in names]
-        world = _world_size(collective)
         for k, comm in enumerate(self.work.comms):
-            if world not in (1, comm.group_size):  # world 1: the loopback stand-in
+            # The ranks of the group the comm would run over here (the CP group's for a
+            # ``cp_`` collective, such as the iteration's gradient reduction at DP = 1);
+            # 1: the loopback stand-in.
+            world = _group_world_size(collective, comm)
+            if world is None:
+                self.left_out.append(f"{comm.name} (a group of {comm.group_size}, none here)")
+                continue
+            if world not in (1, comm.group_size):
                 self.left_out.append(f"{comm.name} (a group of {comm.group_size}, not this "
                                      f"group of {world})")
                 continue
@@ -263,6 +276,31 @@ def _world_size(collective: Any) -> int:
         return 1
 
 
+def _comm_group(comm: CommOp) -> str | None:
+    """A collective's group, from its name (``tp_...``, ``cp_...``): under sequence
+    parallelism the TP group runs all-gathers and reduce-scatters too, and the iteration's
+    gradient reduction at DP = 1 is the CP group's (``None``: routed by kind)."""
+    return next((x for x in ("tp", "cp") if comm.name.startswith(x + "_")), None)
+
+
+def _group_world_size(collective: Any, comm: CommOp) -> int | None:
+    """Ranks of the group ``comm`` runs over here. Where the executor's collective routes
+    by group (a ``GroupedCollective``: it has ``for_group``), the backend of the comm's
+    named group, or of its kind's group when it names none (all-reduces: TP; all-gathers,
+    reduce-scatters: CP); ``None`` when there is no such backend (a degree of 1). Else the
+    executor's (``_world_size``)."""
+    backend = getattr(collective, "collective", collective)
+    route = getattr(backend, "for_group", None)
+    if not callable(route):
+        return _world_size(collective)
+    group = _comm_group(comm)
+    try:
+        target = route(group) if group is not None else backend.backend_for(comm.kind.value)
+        return int(target.world_size)
+    except ArgumentError:  # no backend of that group here
+        return None
+
+
 def _comm_op(torch: Any, comm: CommOp, collective: Any, sms: int | None, model_bytes: int,
              device: Any, dtype: Any) -> Callable[[], Any]:
     """One collective of the work, run on the current stream through the executor's backend
@@ -270,9 +308,7 @@ def _comm_op(torch: Any, comm: CommOp, collective: Any, sms: int | None, model_b
     n = int(comm.bytes) // int(model_bytes)
     g = comm.group_size
     kind = comm.kind.value
-    # Its group, from its name (``tp_...``, ``cp_...``): under sequence parallelism the TP
-    # group runs all-gathers and reduce-scatters too (``None``: routed by kind).
-    group = next((x for x in ("tp", "cp") if comm.name.startswith(x + "_")), None)
+    group = _comm_group(comm)
 
     def buf(numel: int) -> Any:  # registered with the group that runs it, where it can
         return _comm_zeros(torch, collective, (numel,), device, dtype, kind, group)

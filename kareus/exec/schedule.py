@@ -34,7 +34,9 @@ its type (the layer below it starts the chain) and the last a prefix. A slot tha
 the unit's first op launches with that op; one after its last op runs sequentially
 ([`clip_slot`][kareus.exec.schedule.clip_slot]). The last collective of a computation overlaps
 nothing: it runs exposed with the SM count of its cyclic partner type (the first piece's type
-with that collective), as the partition model pairs it.
+with that collective), as the partition model pairs it in a chain; for layers run one by one
+(``Workload.chained_layers=False``, ``exposed_default``) with its own CTA count, as the
+partition model costs it there (outside work).
 
 Every rank runs the same pieces in the same order, so every rank issues the same
 collectives in the same order; nothing here depends on timing. Pure Python (no torch).
@@ -48,7 +50,7 @@ from typing import Any
 
 import attrs
 
-from kareus.errors import ArgumentError, UnknownSlotError
+from kareus.errors import ArgumentError, PlanError, UnknownSlotError
 from kareus.exec._executor_role import Executor
 from kareus.model.decoder import NOT_READ_BY_BACKWARD, LayerPhase, decoder_layer
 from kareus.model.partition import TransformerPartition
@@ -341,6 +343,25 @@ def _plan_config(plan_config_of: Callable[[str], Any], types: Mapping[str, TypeS
 _CHUNK_SUFFIX = re.compile(r"_c\d+$")
 
 
+def _config_of_kind(config_of: Callable[[str], Any], shapes: Mapping[str, TypeShape],
+                    comm: Comm, key: str) -> tuple[str, Any]:
+    """``(type, configuration)`` for a collective no type's ops hold (an opening collective,
+    e.g. the all-gather of the output gradient a backward under sequence parallelism starts
+    with): the first type of its kind and group that the computation's choice configures
+    (a plan's choice names only its phase's types, so a type of the other phase is
+    skipped); ``config_of(key)``'s error where none is."""
+    first: PlanError | None = None
+    for name, sh in shapes.items():
+        if sh.comm_kind == comm.kind and sh.comm_group in (None, comm.group):
+            try:
+                return name, config_of(name)
+            except PlanError as exc:
+                first = first or exc
+    if first is not None:
+        raise first
+    return key, config_of(key)
+
+
 def run_computation(executor: Executor, stack: Sequence[Piece], *, schedule: str, nanobatches: int,  # noqa: C901 - one branch per schedule, checked up front; they share the enqueue helpers
                     run_op: Callable[[Op, int], Any],
                     comm_args: Callable[[Comm, int], tuple[Any, Any]],
@@ -348,6 +369,7 @@ def run_computation(executor: Executor, stack: Sequence[Piece], *, schedule: str
                     plan_config_of: Callable[[str], Any] | None = None,
                     sequential_config_of: Callable[[str], Any] | None = None,
                     chunk_of: Callable[[str, int], int] | None = None,
+                    exposed_default: bool = False,
                     ) -> list[tuple[str, Any]]:
     """Enqueue one microbatch computation's stack under ``schedule`` through ``executor``.
 
@@ -357,7 +379,8 @@ def run_computation(executor: Executor, stack: Sequence[Piece], *, schedule: str
         stack: The computation's pieces ([`pieces`][kareus.exec.schedule.pieces] of
             [`stack_stream`][kareus.exec.schedule.stack_stream]).
         schedule: One of ``SCHEDULES``.
-        nanobatches: Parts the microbatch is cut into (1 for ``"sequential"``).
+        nanobatches: Parts the microbatch is cut into (1 for ``"sequential"``; with 1,
+            every schedule runs sequentially: the ops after a collective read it).
         run_op: ``(op, nanobatch) -> None``: enqueue one op of one nanobatch.
         comm_args: ``(comm, nanobatch) -> (tensor, output)``: the collective's tensor (and
             output tensor for all-gather / reduce-scatter, else ``None``).
@@ -372,6 +395,12 @@ def run_computation(executor: Executor, stack: Sequence[Piece], *, schedule: str
             op name, nanobatch as run) -> chunk`` of a unit, so that a unit whose type is
             one per chunk (``{name}_c{chunk}``, its attention's cost) runs as its chunk's
             type; ``None``: no per-chunk types.
+        exposed_default: ``"kareus"``: a collective that overlaps nothing (the
+            computation's last, or one before a piece without ops) runs with its own CTA
+            count (the executor's default collective, ``DefaultConfig``), as the partition
+            model costs the exposed collectives of layers run one by one
+            (``Workload.chained_layers=False``: outside work); ``False`` (default): with
+            the SM count of its cyclic partner type, as a chain's is costed.
 
     Returns:
         ``(partition key, configuration)`` of every partition run, in order.
@@ -384,6 +413,16 @@ def run_computation(executor: Executor, stack: Sequence[Piece], *, schedule: str
         raise ArgumentError(f"nanobatches must be >= 1, got {nanobatches}")
     if schedule == "kareus" and (types is None or plan_config_of is None):
         raise ArgumentError("the kareus schedule needs types and plan_config_of")
+    if nanobatches == 1 and schedule != "sequential":
+        # One nanobatch: the ops after a collective read its result, so nothing can run
+        # beside it (pairing a piece's ops with the collective before them, as the
+        # nanobatches after the first do, would let them read it while it runs). Every
+        # schedule then runs as the sequential one does, which is what the partition model
+        # costs at one nanobatch (each segment with its own collective, not overlappable);
+        # under a plan each collective takes its type's configuration (SM count).
+        if schedule == "kareus" and sequential_config_of is None:
+            sequential_config_of = plan_config_of
+        schedule = "sequential"
     shapes = dict(types or {})
     ran: list[tuple[str, Any]] = []
     by_chunk: dict[int, dict[str, TypeShape]] = {}
@@ -429,11 +468,12 @@ def run_computation(executor: Executor, stack: Sequence[Piece], *, schedule: str
             key = key_for(piece.op_names, piece.comm)
             cfg: Any = DefaultConfig(None)
             if sequential_config_of is not None:
-                if key not in shapes:  # no type holds these ops: the first of its kind
-                    key = next((n for n, sh in shapes.items()
-                                if sh.comm_kind == piece.comm.kind
-                                and sh.comm_group in (None, piece.comm.group)), key)
-                cfg = attrs.evolve(sequential_config_of(key), launch_slot=None)
+                if key not in shapes:  # no type holds these ops (an opening collective)
+                    key, found = _config_of_kind(sequential_config_of, shapes, piece.comm,
+                                                 key)
+                else:
+                    found = sequential_config_of(key)
+                cfg = attrs.evolve(found, launch_slot=None)
             launch(key, cfg, piece.comm, 0, piece, 0)
         return ran
 
@@ -453,7 +493,9 @@ def run_computation(executor: Executor, stack: Sequence[Piece], *, schedule: str
             else:
                 comm, cnb = pending
                 mine = shapes_of(piece, nb)
-                if schedule == "kareus":
+                if schedule == "kareus" and exposed_default and not piece.ops:
+                    key, cfg = key_for((), comm), DefaultConfig(None)
+                elif schedule == "kareus":
                     assert plan_config_of is not None
                     key, cfg = _plan_config(plan_config_of, mine, piece.op_names, comm,
                                             partner.get((comm.kind, comm.group)))
@@ -468,7 +510,7 @@ def run_computation(executor: Executor, stack: Sequence[Piece], *, schedule: str
             pending = (piece.comm, nb) if piece.comm is not None else None
     if pending is not None:  # the last collective: nothing left to overlap
         comm, cnb = pending
-        if schedule == "kareus":
+        if schedule == "kareus" and not exposed_default:
             assert plan_config_of is not None
             key, cfg = _plan_config(plan_config_of, shapes, (), comm,
                                     partner.get((comm.kind, comm.group)))

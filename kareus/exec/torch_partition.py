@@ -92,6 +92,12 @@ class RunnableTransformerPartition(RunnablePartition):
                                 "nanobatches along the batch only, and microbatch_size=1 "
                                 f"holds one sequence; use nanobatches=1 (the cost model and "
                                 "the emulator split along the sequence)")
+        if workload.document_tokens is not None:
+            raise WorkloadError(f"{workload.model.name}: kareus's runnable partitions run "
+                                "causal attention over whole sequences, not packed documents "
+                                f"(document_tokens={workload.document_tokens}): measure "
+                                "without document_tokens, or cost packed documents on the "
+                                "emulated GPU")
         builders = _op_builders()
         unknown = [op.name for op in partition.compute_ops if op.name not in builders]
         if unknown:

@@ -179,15 +179,6 @@ def _can_count() -> bool:
     return callable(getattr(torch._C, "_storage_Use_Count", None))
 
 
-def _storage_refs(t: Any) -> int:
-    """How many references hold ``t``'s storage (tensors and views on it, saved
-    tensors of autograd, ``.grad`` fields): ``torch._C._storage_Use_Count``, the count
-    PyTorch's own CUDA graph trees test their outputs' liveness with."""
-    import torch
-
-    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
-
-
 def shared_pool_streams() -> Any:
     """CUDA streams whose graphs all share one memory pool (a
     [`TorchStreamBackend`][kareus.exec.TorchStreamBackend] whose ``graph_pool`` is always the
@@ -239,23 +230,14 @@ def computation_signature(applier: Any, phase: str, x: Any,
     whether the plan runs it unsplit, the plan's choice for it (its configurations and SM
     counts), shapes, strides and dtypes. Two calls with one signature enqueue the same
     kernels on tensors of the same layout (a graph of one replays the other)."""
-    from kareus.exec.plan_lookup import computation_key
-
-    n, unsplit = applier._computation(phase)
-    choice: Any = None
-    if applier.schedule == "kareus":
-        current = applier._executor().current
-        key = computation_key(*current)
-        index = applier.plan.assignment.get(key, key)
-        # the choice itself (frequency, nanobatches, every configuration and SM count),
-        # not its index: another plan (a retarget) may hold another choice at that index
-        choice = (applier.plan.choices[index] if isinstance(index, int)
-                  and 0 <= index < len(applier.plan.choices) else index)
-    wsig = tuple((tuple(w.shape), tuple(w.stride()), w.dtype) for ws in weights for w in ws)
+    # the plan's choice (frequency, nanobatches, every configuration and SM count) as a
+    # number per distinct choice: the applier looks it up once per computation and plan
+    n, unsplit, choice = applier._computation_choice(phase)
+    # shapes as torch.Size (a tuple: equal and hashed as one)
+    wsig = tuple([(w.shape, w.stride(), w.dtype) for ws in weights for w in ws])
     kept = (-1 if isinstance(inputs, KeptActivations)  # every activation a policy keeps
             else len(inputs or ()))
-    return (phase, len(weights), n, unsplit, choice, tuple(x.shape), x.dtype,
-            str(x.device), wsig, kept)
+    return (phase, len(weights), n, unsplit, choice, x.shape, x.dtype, x.device, wsig, kept)
 
 
 class _Slot:
@@ -313,14 +295,12 @@ class KeptInputs:
     """
 
     def __init__(self, slot: _Slot) -> None:
-        import weakref
-
         self.slot = slot
         self.clones: list[Any] | None = None
         slot.owner = weakref.ref(self)
 
     def __len__(self) -> int:
-        return len(self.slot.kept)
+        return len(self.slot._kept)
 
     def in_place(self) -> bool:
         """Whether the slot still holds this forward's buffers."""
@@ -359,6 +339,14 @@ class _Captured:
         self.outs: list[Any] = []
         self.lends = False
         self.own_refs: list[int] = []
+        # the outputs' storages (``_cdata``: held by ``outs``) and the count function,
+        # set by ``settle``: ``busy`` asks only these on every call
+        self._storages: list[int] = []
+        self._use_count: Any = None
+        # every weight's address at the capture when none is copied (``_moved``'s fast
+        # test), else None; the (layer, weight) of the copied ones (``_copy_in``)
+        self.read_ptrs: list[int] | None = None
+        self.copy_idx: list[tuple[int, int]] = []
         # inputs read in place: the caller's tensors during a capture or replay only
         self.current: tuple[Any, Any] = (None, None)
         self.x_ptr = 0  # where the forward's input was when it was captured
@@ -368,8 +356,19 @@ class _Captured:
 
     def settle(self) -> None:
         """Count the references the runner itself holds to each static output's storage
-        (the buffers, the graph's result): more later means a caller still holds one."""
-        self.own_refs = [_storage_refs(t) for t in self.outs] if self.lends else []
+        (the buffers, the graph's result): more later means a caller still holds one.
+        The count is ``torch._C._storage_Use_Count`` (how many references hold a storage:
+        tensors and views on it, saved tensors of autograd, ``.grad`` fields; the count
+        PyTorch's own CUDA graph trees test their outputs' liveness with), asked of the
+        storages found here once (``outs`` holds them for the graph's life)."""
+        if self.lends:
+            import torch
+
+            self._use_count = torch._C._storage_Use_Count
+            self._storages = [t.untyped_storage()._cdata for t in self.outs]
+            self.own_refs = [self._use_count(c) for c in self._storages]
+        else:
+            self.own_refs = []
 
     def busy(self) -> bool:
         """Whether a caller still holds a static output this graph lent (an output that
@@ -379,7 +378,9 @@ class _Captured:
         there when it settled and has gone since cannot hide a caller's later)."""
         if not self.lends:
             return False
-        counts = [_storage_refs(t) for t in self.outs]
+        counts = list(map(self._use_count, self._storages))
+        if counts == self.own_refs:  # the usual case: nothing held
+            return False
         if any(c > n for c, n in zip(counts, self.own_refs, strict=True)):
             return True
         self.own_refs = counts
@@ -435,14 +436,19 @@ class GraphedRunner:
 
     def run(self, phase: str, x: Any, weights: Sequence[Sequence[Any]], dy: Any = None,
             inputs: Sequence[Any] | KeptInputs | None = None, *,
-            key: tuple[Any, ...] | None = None) -> tuple[Any, Any]:
+            number: int | None = None) -> tuple[Any, Any]:
         """``PlanApplier.run`` from a graph: inputs read in place or copied in, replay,
         outputs lent or cloned (see the module
-        docstring). A forward returns its kept inputs as a ``KeptInputs``. ``key``: the
-        computation's ``computation_signature``, when the caller has it."""
-        if key is None:
-            key = computation_signature(self.applier, phase, x, weights, inputs)
-        if self.applier.workload.recompute != "full":  # activations kept: lent slots
+        docstring). A forward returns its kept inputs as a ``KeptInputs``. ``number``: the
+        applier's number for the computation's ``computation_signature``
+        (``PlanApplier._signature_number``), when the caller has it. The runner's keys
+        start with that number, not the signature itself: a signature holds every
+        weight's layout, and a dictionary hashes its key again on every look-up."""
+        ap = self.applier
+        if number is None:
+            number = ap._signature_number(phase, x, weights, inputs)
+        key: tuple[Any, ...] = (number,)
+        if ap.workload.recompute != "full":  # activations kept: lent slots
             if phase == "fwd":
                 return self._forward_kept(key, x, weights)
             if not isinstance(inputs, KeptActivations):
@@ -490,7 +496,8 @@ class GraphedRunner:
                 cap.seq.replay()
             finally:
                 cap.current = (None, None)
-        self.applier._record(phase, cap.ran)
+        if ap.record:
+            ap._record(phase, cap.ran)
         first, rest = cap.result
         if phase == "fwd":
             assert cap.slot is not None
@@ -632,7 +639,9 @@ class GraphedRunner:
         if not _shares_pool(self.applier._executor()):
             return None
         ptr = int(weights[0][0].data_ptr())
-        own = self._own.setdefault(key, set())
+        own = self._own.get(key)
+        if own is None:
+            own = self._own[key] = set()
         if ptr in own:
             return ptr
         seen = self._seen.setdefault(key, set())
@@ -684,6 +693,9 @@ class GraphedRunner:
                weights: Sequence[Sequence[Any]]) -> bool:
         """Whether a weight read in place lies elsewhere now (then it is copied from now on
         and the computation captured again)."""
+        if (cap.read_ptrs is not None  # none copied: one comparison of every address
+                and [w.data_ptr() for ws in weights for w in ws] == cap.read_ptrs):
+            return False
         moved = False
         for i, ws in enumerate(weights):
             for j, w in enumerate(ws):
@@ -702,10 +714,8 @@ class GraphedRunner:
                 dst.copy_(src)
         if cap.dy is not None:
             cap.dy.copy_(dy)
-        for i, ws in enumerate(weights):
-            for j, w in enumerate(ws):
-                if cap.copied[i][j]:
-                    cap.weights[i][j].copy_(w)
+        for i, j in cap.copy_idx:
+            cap.weights[i][j].copy_(weights[i][j])
 
     def _capture(self, key: tuple[Any, ...], phase: str, x: Any,
                  weights: Sequence[Sequence[Any]], dy: Any, inputs: Any,
@@ -744,6 +754,10 @@ class GraphedRunner:
             cap.weights.append(row)
             cap.copied.append(copied)
             cap.ptrs.append(ptrs)
+        cap.copy_idx = [(i, j) for i, cs in enumerate(cap.copied)
+                        for j, c in enumerate(cs) if c]
+        cap.read_ptrs = (None if cap.copy_idx
+                         else [p for ptrs in cap.ptrs for p in ptrs])
         self._copy_in(cap, x, weights, dy, inputs)
         # the static outputs (outside the pool, before the capture): the forward's
         # output; the backward's input gradient and weight gradients, in the layout

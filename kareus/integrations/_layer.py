@@ -63,13 +63,17 @@ The ops are the same code as the training loop's decoder, on the production kern
 
 **What a layer boundary costs.** kareus's own loop chains layers: the forward all-reduce of
 one layer's MLP output runs beside the next layer's attention-input ops. A planned layer is
-one autograd node, and what runs between two nodes belongs to the framework, so the last
-collective of each layer's forward (the MLP output's all-reduce of its last nanobatch) runs
-exposed, with the SM count of the partition type it pairs with, as Megatron-LM runs every
-collective; the other collectives overlap as planned (a backward ends with the input norm's
-backward, which overlaps its last all-reduce either way).
-[`PlannedStack`][kareus.integrations.PlannedStack] runs consecutive layers as one node and
-chains them as the loop does.
+one autograd node, and what runs between two nodes belongs to the framework, so the first
+unit of each layer's computation runs bare (nothing of the layer before it) and its last
+collective (the forward MLP output's all-reduce of its last nanobatch; under sequence
+parallelism also the all-gathers of the output gradient's first nanobatches, before the
+backward's first ops) runs exposed, as Megatron-LM runs every collective; the other
+collectives overlap as planned. A workload made for such layers
+(``Workload.chained_layers=False``) costs exactly that (``kareus.model.partition``), and
+its exposed collectives run with their own CTA count, as it costs them; under a workload
+of chained layers they run with the SM count of the partition type they pair with in the
+chain. [`PlannedStack`][kareus.integrations.PlannedStack] runs consecutive layers as one
+node and chains them as the loop does (refused for a workload of unchained layers).
 
 **Sequence parallelism** (``workload.parallelism.sp`` at TP > 1, Megatron-Core's
 ``sequence_parallel=True``, torchtitan's ``enable_sequence_parallel``): a layer's input and
@@ -130,7 +134,11 @@ from kareus.exec.schedule import (
     type_shapes,
 )
 from kareus.exec.train import DecoderShard, ParallelGroups, refuse_uncomputed
-from kareus.integrations._graphed import capture_in_progress, computation_signature
+from kareus.integrations._graphed import (
+    KeptInputs,
+    capture_in_progress,
+    computation_signature,
+)
 from kareus.integrations._kept import KeptActivations
 from kareus.integrations._weights import QK_NORM_WEIGHTS, layer_weights
 from kareus.model.workload import Workload
@@ -191,10 +199,11 @@ class _LayerProgram(DecoderShard):
     tok_cos: Any = None
     tok_sin: Any = None
     _tok_inv: Any = None
-    #: Document ids ``[batch, seq]`` of the current call where attention masks packed
-    #: documents (``cumsum(positions == 0) - 1``: a document starts where its position is
-    #: 0), or None (causal over the whole sequence).
-    doc_ids: Any = None
+    #: The packed documents of the current call where attention masks them (a
+    #: ``kareus.exec.kernels.DocumentMask``: a document starts where its position is 0;
+    #: built once per call, its masks shared by every layer), or None (causal over the
+    #: whole sequence).
+    doc_mask: Any = None
 
     def _inv_freq(self) -> Any:
         """The RoPE inverse frequencies on the device (float32, ``head_dim / 2``)."""
@@ -210,17 +219,22 @@ class _LayerProgram(DecoderShard):
         t = self.mbs // self.n * self.sq
         return slice(nb * t, (nb + 1) * t)
 
-    def set_positions(self, positions: Any, *, documents: bool = False) -> None:
+    def set_positions(self, positions: Any, *, documents: Any = False) -> None:
         """Rotate by ``positions`` (``[batch, seq]`` token positions of this call) instead
         of ``0 .. seq - 1``; ``None`` goes back to the shared tables. ``documents``: the
         attention masks the documents too (each token attends to the earlier tokens of
-        its own document only: torchtitan's ``block_causal``)."""
+        its own document only: torchtitan's ``block_causal``); a ``DocumentMask`` of
+        these positions is used as given (built once per batch: ``PlanApplier.run``)."""
         if positions is None:
-            self.tok_cos = self.tok_sin = self.doc_ids = None
+            self.tok_cos = self.tok_sin = self.doc_mask = None
             return
         torch = self.torch
-        self.doc_ids = (torch.cumsum((positions == 0).to(torch.int32), dim=1) - 1
-                        if documents else None)
+        from kareus.exec.kernels import DocumentMask
+
+        if isinstance(documents, DocumentMask):
+            self.doc_mask = documents
+        else:
+            self.doc_mask = (DocumentMask(positions.to(self.device)) if documents else None)
         inv = self._tok_inv
         pos = positions.reshape(-1).to(device=self.device, dtype=torch.float32)
         ang = torch.outer(pos, inv)
@@ -238,17 +252,16 @@ class _LayerProgram(DecoderShard):
         return self.tok_cos[rows], self.tok_sin[rows]
 
     def _op_attn_core(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        if self.doc_ids is None:
+        if self.doc_mask is None:
             super()._op_attn_core(layer, a, nb)
             return
-        # packed documents masked: causal within each document (CP = 1: refused in run)
-        torch, b = self.torch, self.mbs // self.n
-        ids = self.doc_ids[nb * b:(nb + 1) * b]
-        s = ids.shape[1]
-        causal = torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
-        mask = ((ids[:, :, None] == ids[:, None, :]) & causal)[:, None]
+        # packed documents masked: causal within each document (CP = 1: refused in run);
+        # the kernel set runs it block-sparse on a GPU (FlexAttention), with the dense
+        # mask on SDPA elsewhere (kareus.exec.kernels._documents)
+        b = self.mbs // self.n
+        mask = self.doc_mask.rows(nb * b, (nb + 1) * b)
         q, k, v = (a[n].transpose(1, 2) for n in ("q", "k", "v"))
-        if torch.is_grad_enabled():  # keep what attn_core_bwd needs
+        if self.torch.is_grad_enabled():  # keep what attn_core_bwd needs
             a["graph"] = self.ks.attention_fwd(q, k, v, mask=mask)
             o = a["graph"].output
         else:
@@ -354,13 +367,13 @@ class PlanApplier:
             raise PlanError("the kareus schedule applies a plan: pass plan= (a Plan, e.g. "
                             "Plan.load(PATH) of an optimize run's plan.json) or run a baseline "
                             "schedule")
+        refuse_uncomputed(workload.model, where="kareus's planned layer",
+                          computes=frozenset({"norm_eps", "qk_norm"}))
         _check_workload(workload, groups)
         if abs(float(eps) - workload.model.norm_eps) > 1e-12 * max(1.0, float(eps)):
             raise ArgumentError(f"the model's RMSNorm uses eps={eps:g}, the workload's model "
                                 f"{workload.model.norm_eps:g} (norm_eps): make the workload "
                                 "from the model's own config")
-        refuse_uncomputed(workload.model, where="kareus's planned layer",
-                          computes=frozenset({"norm_eps", "qk_norm"}))
         if not 0 <= int(stage) < workload.parallelism.pp:
             raise ArgumentError(f"stage must be this rank's pipeline stage, 0 .. "
                                 f"{workload.parallelism.pp - 1} (PP={workload.parallelism.pp}), "
@@ -379,8 +392,9 @@ class PlanApplier:
         self.baseline: Executor
         self.whole_step_capture = bool(whole_step_capture)
         #: Signatures of computations run outside any capture (``_graphed.computation_signature``):
-        #: what an enclosing capture may take without setting anything up inside it.
-        self._warmed: set[tuple[Any, ...]] = set()
+        #: what an enclosing capture may take without setting anything up inside it; each
+        #: with its number (the graphed runner's key for it).
+        self._warmed: dict[tuple[Any, ...], int] = {}
         self.graphs = graphs is None or bool(graphs)  # resolved below
         self._build_executors(plan, executor, baseline, collective, default_collective,
                               frequency, streams)
@@ -401,6 +415,10 @@ class PlanApplier:
                         "or executors that capture")
         self._runner: Any = None
         self._started = False
+        #: Per plan (the current one), per computation ``(stage, microbatch, phase)``:
+        #: ``_computation_choice``'s answer; and a number per plan choice seen.
+        self._choices: tuple[Plan, dict[tuple[int, int, str], Any]] | None = None
+        self._choice_tokens: dict[Any, int] = {}
         if start:
             self.start()
 
@@ -634,11 +652,19 @@ class PlanApplier:
 
     def _computation(self, phase: str) -> tuple[int, bool]:
         """``(nanobatches, unsplit under a plan)`` of the current computation."""
+        n, unsplit, _ = self._computation_choice(phase)
+        return n, unsplit
+
+    def _computation_choice(self, phase: str) -> tuple[int, bool, int | None]:
+        """``(nanobatches, unsplit under a plan, the plan's choice for it)`` of the current
+        computation; the choice as a number, the same for equal choices (of any plan this
+        applier ran: a retarget's too), ``None`` under a baseline. Looked up in the plan
+        once per computation and plan, then kept (a planned layer asks on every call)."""
         wl = self.workload
         if self.schedule == "sequential":
-            return 1, False
+            return 1, False, None
         if self.schedule == "nanobatching":
-            return wl.nanobatches, False
+            return wl.nanobatches, False, None
         ex, plan = self._executor(), self.plan
         assert plan is not None
         current = ex.current
@@ -653,8 +679,27 @@ class PlanApplier:
             raise PlanError(f"a planned layer's {phase} ran inside applier.microbatch(..., "
                             f"{current[2]!r}): wrap the forward in 'fwd' and the backward "
                             "in 'bwd'")
+        cache = self._choices
+        if cache is None or cache[0] is not plan:  # a retarget's plan: looked up anew
+            cache = self._choices = (plan, {})
+        hit = cache[1].get(current)
+        if hit is None:
+            hit = cache[1][current] = self._look_up_choice(plan, current)
+        return hit
+
+    def _look_up_choice(self, plan: Plan, current: tuple[int, int, str]
+                        ) -> tuple[int, bool, int | None]:
+        from kareus.exec.plan_lookup import computation_key
+
         n = plan_nanobatches(plan, *current)
-        return n, n == 1 and wl.nanobatches > 1
+        key = computation_key(*current)
+        index = plan.assignment.get(key, key)
+        # the choice itself (frequency, nanobatches, every configuration and SM count),
+        # not its index: another plan (a retarget) may hold another choice at that index
+        choice = (plan.choices[index] if isinstance(index, int)
+                  and 0 <= index < len(plan.choices) else index)
+        token = self._choice_tokens.setdefault(choice, len(self._choice_tokens))
+        return n, n == 1 and self.workload.nanobatches > 1, token
 
     def program(self, x: Any, layers: int = 1) -> _LayerProgram:
         """The program of ``layers`` consecutive layers for inputs shaped like ``x`` (one per
@@ -695,12 +740,6 @@ class PlanApplier:
             if self.schedule != "sequential" and b % wl.nanobatches and not along:
                 raise WorkloadError(f"a batch of {b} sequences does not split into "
                                     f"{wl.nanobatches} nanobatches")
-            if self.schedule != "sequential" and along and x.device.type == "cuda":
-                # exact on the CPU (float64 references); its first GPU run (1x H200)
-                # failed its checks, so a GPU refuses it until they pass
-                raise WorkloadError(f"nanobatches along the sequence (one sequence, "
-                                    f"nanobatches={wl.nanobatches}) are not yet checked on a "
-                                    "GPU: use nanobatches=1 or a larger batch there")
             if self.schedule != "sequential" and along and (
                     p.cp > 1 or (p.sequence_parallel and p.tp > 1) or s % wl.nanobatches):
                 raise WorkloadError(
@@ -742,9 +781,12 @@ class PlanApplier:
             documents: Attention masks the packed documents of ``positions`` (a document
                 starts where its position is 0; each token attends to the earlier tokens
                 of its own document: torchtitan's FlexAttention / VarlenAttention
-                ``block_causal``), exactly, through SDPA with a boolean mask (every score
-                computed, the masked ones dropped: not a block-sparse kernel). Plans do
-                not cost it (see ``kareus.integrations.torchtitan``).
+                ``block_causal``), exactly: block-sparse on FlexAttention on a GPU (the
+                tiles no document pair connects are skipped), through SDPA with the
+                dense boolean mask elsewhere (the kernel set's ``documents_backend``;
+                ``kareus.exec.kernels.DocumentMask``). Under a plan the workload must say
+                so (``Workload.document_tokens``: the plan then costs the attention
+                within documents).
 
         Returns:
             Forward: ``(output, kept)``, ``kept`` the inputs of layers ``1 ..`` under full
@@ -754,8 +796,6 @@ class PlanApplier:
             ``(gradient of x, the weight gradients of every layer, layer by layer in
             ``weight_names`` order)``.
         """
-        from kareus.integrations._graphed import KeptInputs
-
         if positions is None:
             documents = False  # positions 0 .. seq - 1: one document per sequence
         if positions is not None:
@@ -767,12 +807,20 @@ class PlanApplier:
             if tuple(positions.shape) not in ((b, s), (1, s)):
                 raise WorkloadError(f"positions of shape {tuple(positions.shape)} for a "
                                     f"batch of {b} x {s} tokens: pass [batch, seq]")
+            given = positions
             positions = positions.expand(b, s)
             if b == 1 and self.schedule != "sequential" and self.workload.nanobatches > 1:
                 raise WorkloadError("packed-document positions are not supported with "
                                     "nanobatches along the sequence (one sequence, "
                                     f"nanobatches={self.workload.nanobatches}): use "
                                     "nanobatches=1 or a larger batch")
+            if documents:
+                if self.schedule == "kareus" and self.workload.document_tokens is None:
+                    raise PlanError("the planned layers mask packed documents, but the plan "
+                                    "was costed for causal attention over whole sequences: "
+                                    "make the plan for a workload with document_tokens= "
+                                    "(kareus optimize --document-tokens)")
+                documents = self._document_mask(given, positions, x.device)
         if capture_in_progress():
             # Someone captures the stream (the framework's step, the user's graph): the
             # kernels, events and collectives go into that capture; no graph of our own
@@ -783,12 +831,12 @@ class PlanApplier:
                                         "forward and backward together")
             self._check_enclosing(phase, x, weights, inputs)
         else:
-            key = computation_signature(self, phase, x, weights, inputs)
-            self._warmed.add(key)
+            number = self._signature_number(phase, x, weights, inputs)
             # packed-document positions change per batch: such calls run eagerly (a graph
             # of our own would keep the first batch's RoPE tables)
             if positions is None and self._own_graphs(x):
-                return self._graphs_runner().run(phase, x, weights, dy, inputs, key=key)
+                return self._graphs_runner().run(phase, x, weights, dy, inputs,
+                                                 number=number)
         if isinstance(inputs, KeptInputs):  # a graphed forward's, run eagerly backward
             inputs = inputs.tensors()
         result, ran = self._run_eager(phase, x, weights, dy, inputs, positions=positions,
@@ -796,16 +844,53 @@ class PlanApplier:
         self._record(phase, ran)
         return result
 
+    def _document_mask(self, given: Any, positions: Any, device: Any) -> Any:
+        """The ``DocumentMask`` of ``positions`` (``given`` expanded), built once per batch:
+        kept for the next call with the same positions tensor, unchanged since (its
+        version counter), which every layer of one forward (and its backward) passes.
+        Inside a CUDA graph capture it is built every call, in the capture (a mask built
+        outside would be replayed with the batch it was built for)."""
+        from kareus.exec.kernels import DocumentMask
+
+        if capture_in_progress():
+            return DocumentMask(positions.to(device))
+        last = self._last_documents
+        if (last is not None and last[0]() is given and last[1] == given._version
+                and last[2] == (tuple(positions.shape), str(device))):
+            return last[3]
+        import weakref
+
+        docs = DocumentMask(positions.to(device))
+        try:
+            ref = weakref.ref(given)
+        except TypeError:  # not weakly referable: not kept
+            return docs
+        self._last_documents = (ref, given._version, (tuple(positions.shape), str(device)),
+                                docs)
+        return docs
+
+    #: The packed documents' mask built last: ``(weak reference to the positions, their
+    #: version, (shape, device), DocumentMask)`` (``_document_mask``).
+    _last_documents: Any = None
+    def _signature_number(self, phase: str, x: Any, weights: Sequence[Sequence[Any]],
+                          inputs: Any) -> int:
+        """The computation's ``computation_signature``, recorded as run outside any
+        capture, as a number (one per distinct signature; hashed once per call)."""
+        key = computation_signature(self, phase, x, weights, inputs)
+        return self._warmed.setdefault(key, len(self._warmed))
+
     def _own_graphs(self, x: Any) -> bool:
         """Whether this call replays a graph of its own: graphs on, and the tensors on the
         device the executor captures (a CUDA graph holds no CPU work: tensors on the CPU
         run eagerly, on a GPU machine too)."""
         if not self.graphs:
             return False
+        if x.device.type == "cuda":
+            return True
         from kareus.exec import TorchStreamBackend
 
         streams = getattr(self._executor(), "streams", None)
-        return x.device.type == "cuda" or not isinstance(streams, TorchStreamBackend)
+        return not isinstance(streams, TorchStreamBackend)
 
     def _check_enclosing(self, phase: str, x: Any, weights: Sequence[Sequence[Any]],
                          inputs: Sequence[Any] | None) -> None:
@@ -866,7 +951,7 @@ class PlanApplier:
 
     def _run_eager(self, phase: str, x: Any, weights: Sequence[Sequence[Any]], dy: Any,
                    inputs: Any, kept_out: Sequence[Any] | None = None,
-                   positions: Any = None, documents: bool = False,
+                   positions: Any = None, documents: Any = False,
                    out_bufs: Sequence[Any] | None = None
                    ) -> tuple[tuple[Any, Any], list[tuple[str, Any]]]:
         """``run``'s work, enqueued as it goes; also returns the partitions run. A forward
@@ -931,7 +1016,8 @@ class PlanApplier:
                     plan_config_of=(None if self.schedule != "kareus" else
                                     lambda key: plan_config(self.plan, key,  # type: ignore[arg-type]
                                                             ex.current)),
-                    chunk_of=prog.chunk if prog.seq_split else None)
+                    chunk_of=prog.chunk if prog.seq_split else None,
+                    exposed_default=not self.workload.chained_layers)
             if phase == "fwd":
                 out = torch.empty_like(x2) if out_bufs is None else out_bufs[0]
                 for i in range(n):
@@ -1079,6 +1165,12 @@ class PlannedStack:
                                     f"{type(applier).__name__}")
         if int(layers) < 1:
             raise ArgumentError(f"a planned stack has at least one layer, got {layers}")
+        if int(layers) > 1 and not applier.workload.chained_layers:
+            raise WorkloadError(f"a stack of {int(layers)} layers chains them, but the "
+                                "workload's layers are unchained (chained_layers=False: its "
+                                "plan costs each layer run on its own): run each layer with "
+                                "applier.layer(), or make the workload with "
+                                "chained_layers=True")
         self.applier, self.layers = applier, int(layers)
 
     def __call__(self, x: Any, weights: Sequence[Mapping[str, Any] | Sequence[Any]], *,
@@ -1100,6 +1192,8 @@ class PlannedStack:
 def _ordered(weights: Mapping[str, Any] | Sequence[Any], names: Sequence[str]) -> list[Any]:
     """``weights`` (by name or in order) as a list in the order of ``names``."""
     if isinstance(weights, Mapping):
+        if weights.keys() == set(names):  # the usual case, in one comparison
+            return [weights[n] for n in names]
         missing = [n for n in names if n not in weights]
         extra = sorted(set(weights) - set(names))
         if missing or extra:

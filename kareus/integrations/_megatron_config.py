@@ -82,8 +82,9 @@ def _refusals(config: Any) -> list[str]:
         (not _get(config, "qk_clip") and not _get(config, "log_max_attention_logit"),
          "kareus's attention does not record the largest attention logit: set qk_clip=False "
          "and log_max_attention_logit=False"),
-        (not _get(config, "num_moe_experts"), "kareus's layer has a dense MLP: set "
-         "num_moe_experts=None"),
+        (not _get(config, "num_moe_experts"), "kareus's planned layer runs a dense MLP "
+         "(mixture-of-experts layers are planned and emulated by kareus optimize --ep, not "
+         "run in Megatron-Core yet): set num_moe_experts=None"),
         (not _get(config, "multi_latent_attention"), "kareus's attention is grouped-query "
          "attention: multi-latent attention is not supported"),
         (not _get(config, "experimental_attention_variant")

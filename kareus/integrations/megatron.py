@@ -186,6 +186,8 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
             # otherwise stop in the local attention's own assertion instead of this line
             check_layer_config(config, applier.workload.model, applier.workload.parallelism.tp,
                                applier.workload.parallelism.cp)
+        if applier is not None:
+            _refuse_documents(applier)
         super().__init__(*args, **kwargs)
         cfg = self.config
         self._heads = int(cfg.num_attention_heads)
@@ -237,6 +239,7 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
             p = applier.workload.parallelism
             check_layer_config(self.config, applier.workload.model, p.tp, p.cp,
                                recompute=applier.workload.recompute, sp=p.sequence_parallel)
+            _refuse_documents(applier)
             self._check_cp_group(applier)
         self.kareus_applier = applier
         self._planned = applier.layer() if applier is not None else None
@@ -389,6 +392,16 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
                                 "rotary_percent 1): pass PlanApplier(rope_base=<GPTModel's "
                                 "rotary_base>) or rope_inv_freq=model.rotary_pos_emb.inv_freq")
         self._rope_checked.add((s, str(device)))
+
+
+def _refuse_documents(applier: PlanApplier) -> None:
+    """A workload of packed documents (``document_tokens``) is refused: the layer attends
+    causally over whole sequences (Megatron's packed sequences are refused per call)."""
+    if applier.workload.document_tokens is not None:
+        raise WorkloadError(f"the workload masks packed documents (document_tokens="
+                            f"{applier.workload.document_tokens}); kareus's Megatron-Core "
+                            "layer attends causally over whole sequences: make the workload "
+                            "without document_tokens")
 
 
 def _sequence_length(layer: KareusTransformerLayer, hidden_states: Any) -> int:
@@ -671,7 +684,9 @@ SCHEDULE_ENV = "KAREUS_SCHEDULE"
 #: elsewhere (the fast path unless told otherwise).
 GRAPHS_ENV = "KAREUS_GRAPHS"
 #: ``0``: the ``layer_spec`` entry leaves the decoder's layers unchained (each layer its own
-#: node); default: chained (``chain_layers``).
+#: node; its workload has ``chained_layers=False``, so a plan must be made for that:
+#: ``kareus optimize --megatron-args ... --unchained-layers``); default: chained
+#: (``chain_layers``).
 CHAIN_ENV = "KAREUS_CHAIN"
 #: ``local`` or ``te``: the parameter names of the ``layer_spec`` entry's layers; unset:
 #: ``te`` when Megatron-LM runs with ``--transformer-impl transformer_engine`` (its
@@ -745,7 +760,7 @@ def megatron_lm_applier(config: Any) -> PlanApplier:
     from kareus.exec.train import TorchParallelGroups
 
     args = _megatron_lm_args()
-    workload = workload_from_megatron_args(args, config=config)
+    workload = _entry_workload(args, config)
     if _Entry.applier is not None:
         if _Entry.applier.workload != workload:
             raise ArgumentError("layer_spec built a second model with another workload in this "
@@ -771,6 +786,16 @@ def megatron_lm_applier(config: Any) -> PlanApplier:
     stack.enter_context(wrap_schedule(applier, chain=os.environ.get(CHAIN_ENV) != "0"))
     _Entry.applier, _Entry.stack = applier, stack
     return applier
+
+
+def _entry_workload(args: Any, config: Any) -> Any:
+    """The ``layer_spec`` entry's workload: Megatron-LM's arguments' and the layer's
+    config's, its layers unchained (``chained_layers=False``) under ``KAREUS_CHAIN=0``,
+    where they run one by one, so that a plan is checked against what runs."""
+    workload = workload_from_megatron_args(args, config=config)
+    if os.environ.get(CHAIN_ENV) == "0":
+        workload = workload.with_(chained_layers=False)
+    return workload
 
 
 def _graphs_from_env() -> bool | None:
@@ -847,7 +872,9 @@ def chain_layers(model: Any) -> Any:
     own layer) or not the others', forward hooks on a layer (the stack does not call the
     layers as modules: DDP's ``overlap_param_gather`` registers such hooks), and the
     configurations ``workload_from_megatron`` refuses for kareus (fp8 or fp4,
-    CPU offloading); the configuration and hook cases warn once per block.
+    CPU offloading), and an applier whose workload's layers are unchained
+    (``Workload.chained_layers=False``: its plan costs each layer run on its own); the
+    configuration and hook cases warn once per block.
     With ``recompute_granularity="full"`` the stack recomputes each layer itself (Megatron's
     block checkpoint is not used), which is how kareus layers run Megatron's full
     recomputation: unchained, a kareus layer refuses it in training. ``unchain_layers(model)`` restores the block's forward.
@@ -922,6 +949,8 @@ def _why_not_chained(block: Any, args: Mapping[str, Any]) -> tuple[str, bool] | 
     applier = layers[0].kareus_applier
     if applier is None or any(lay.kareus_applier is not applier for lay in layers):
         return "a layer runs Megatron's own forward or another applier", False
+    if not applier.workload.chained_layers:  # what its plan was made for: layer by layer
+        return "the workload's layers are unchained (chained_layers=False)", False
     cfg = block.config
     for bad, what in ((cfg.fp8 or getattr(cfg, "fp4", None), "fp8 or fp4"),
                       (cfg.cpu_offloading, "cpu_offloading")):

@@ -73,7 +73,12 @@ instance (around torchtitan's own redistribution wrapper) to mark the loop, and 
 running the stack (every other caller gets the blocks). Blocks with anything around their
 call that a stack would skip (FSDP's ``fully_shard`` hooks, module hooks,
 ``torch.compile``) run per block, checked at every forward; ``chain=False`` turns it off,
-``chain=True`` requires it.
+``chain=True`` requires it. The workload says which runs (``Workload.chained_layers``), so
+that the plan's partitions are those that run: torchtitan's ``Trainer`` wraps every block
+in FSDP, so under it the blocks never chain, ``workload_from_trainer`` says
+``chained_layers=False`` and the plan costs each block run on its own (its first ops bare,
+its last collective exposed); a plan for chained layers is refused where the blocks cannot
+chain, and a workload of unchained layers runs per block wherever it is applied.
 
 Tested with torchtitan 0.3.0 on torch 2.14.1 (``pip install "kareus[torchtitan]"``; its
 Trainer does not run on torch 2.13); other torchtitan versions are refused (their model API
@@ -198,8 +203,9 @@ def _check_layer(where: str, lc: Any) -> None:
         raise WorkloadError(f"{where} is a {type(lc).__qualname__}: kareus applies plans to "
                             "Llama3TransformerBlock and Qwen3TransformerBlock layers only")
     if getattr(lc, "moe", None) is not None or lc.feed_forward is None:
-        raise WorkloadError(f"{where} is a mixture of experts: kareus's layer has a dense "
-                            "SwiGLU MLP; run MoE layers without kareus")
+        raise WorkloadError(f"{where} is a mixture of experts: kareus's planned layer runs a "
+                            "dense SwiGLU MLP (MoE layers are planned and emulated by kareus "
+                            "optimize --ep, not run yet); run MoE layers without kareus")
     if type(lc.feed_forward) is not tt.FeedForward.Config:
         raise WorkloadError(f"{where}'s MLP is a {type(lc.feed_forward).__qualname__}: "
                             "kareus's layer computes torchtitan's plain FeedForward (SwiGLU)")
@@ -420,7 +426,8 @@ def workload_from_torchtitan(model_or_config: Any, *, tp: int, cp: int = 1,
                              microbatch_size: int, seq_len: int, num_microbatches: int,
                              nanobatches: int = 2, pp: int = 1, dp: int = 1,
                              name: str = "torchtitan-llama3",
-                             recompute: str = "full", sp: bool | None = None) -> Workload:
+                             recompute: str = "full", sp: bool | None = None,
+                             document_tokens: int | None = None) -> Workload:
     """The workload ``kareus optimize`` makes a plan for, from a torchtitan Llama 3 model.
 
     Args:
@@ -444,6 +451,11 @@ def workload_from_torchtitan(model_or_config: Any, *, tp: int, cp: int = 1,
         sp: Sequence parallelism (``parallelism.enable_sequence_parallel``); ``None``: as
             the model's TP plan says ([`sequence_parallel_of`][kareus.integrations.torchtitan.sequence_parallel_of];
             off without one).
+        document_tokens: Where the model's attention masks packed documents
+            ([`masks_documents`][kareus.integrations.torchtitan.masks_documents]), their
+            length the plan is costed for (``Workload.document_tokens``); ``apply_plan``
+            refuses a plan for such a model without it, and it for a model whose attention
+            masks none.
 
     Raises:
         ArgumentTypeError: not a torchtitan model or config.
@@ -458,7 +470,7 @@ def workload_from_torchtitan(model_or_config: Any, *, tp: int, cp: int = 1,
                                                         sp=bool(sp)),
                     microbatch_size=microbatch_size, seq_len=seq_len,
                     num_microbatches=num_microbatches, nanobatches=nanobatches,
-                    recompute=recompute)
+                    recompute=recompute, document_tokens=document_tokens)
 
 
 # ------------------------------------------------------------------ the blocks' weights
@@ -682,7 +694,12 @@ def apply_plan(model: Any, *, workload: Workload, mesh: Any = None, tp_group: An
             ``"nanobatching"``.
         chain: ``None`` (the default): chain each decoder's blocks where it can (see
             above), per block otherwise; ``True``: chain or refuse (``WorkloadError`` saying
-            why, here or at the forward); ``False``: every block per block.
+            why, here or at the forward); ``False``: every block per block. The plan's
+            partitions must be those that run: a workload of unchained layers
+            (``chained_layers=False``, as torchtitan's Trainer runs its FSDP-wrapped
+            blocks) runs per block whatever ``chain`` says (``True`` refused), and a plan
+            for chained layers is refused unless every block chains (here, and at every
+            forward).
         full_ac: The blocks are wrapped in torchtitan's *full* activation checkpointing
             (``activation_checkpoint = FullAC.Config()``): kareus's layer recomputes each
             block's forward in its backward itself (the workload's ``recompute="full"``),
@@ -710,7 +727,8 @@ def apply_plan(model: Any, *, workload: Workload, mesh: Any = None, tp_group: An
             Qwen3 block, has a layer
             kareus does not compute, is wrapped in activation checkpointing, or the
             workload asks for context parallelism; ``chain=True`` and a decoder's blocks
-            cannot be chained.
+            cannot be chained (or the workload's layers are unchained); a plan for chained
+            layers and blocks that cannot all be chained.
         ArgumentError: the TP group is missing or given twice, or an applier argument the
             model sets.
     """
@@ -741,9 +759,11 @@ def apply_plan(model: Any, *, workload: Workload, mesh: Any = None, tp_group: An
     if any(hasattr(m, _APPLIER_ATTR) or hasattr(m, _CHAIN_ATTR) for m in model.modules()):
         raise ArgumentError("a plan is applied to this model already: remove_plan(model) "
                             "first")
-    _check_documents(model, blocks, plan, schedule)
-    # chain=True refuses before anything is replaced
-    decoders = [] if chain is False else _decoders(model, blocks, strict=bool(chain))
+    _check_documents(model, blocks, plan, schedule, workload)
+    asked = chain is True
+    chain, strict = _chaining(model, blocks, workload, plan, schedule, chain)
+    # chain=True (or a plan for chained layers) refuses before anything is replaced
+    decoders = [] if chain is False else _decoders(model, blocks, strict=strict)
     inv = _rope_inv_freq(blocks[0])
     import torch
 
@@ -761,8 +781,49 @@ def apply_plan(model: Any, *, workload: Workload, mesh: Any = None, tp_group: An
     installed = {id(blk): _plan_block(blk, applier, layer) for blk in blocks}
     _around_blocks(blocks, wrappers, applier)
     for decoder, own in decoders:
-        _Chain(decoder, own, applier, [installed[id(b)] for b in own], strict=bool(chain))
+        _Chain(decoder, own, applier, [installed[id(b)] for b in own], strict=strict,
+               chain_asked=asked)
     return applier
+
+
+def _chaining(model: Any, blocks: list[Any], workload: Workload, plan: Any,
+              schedule: str | None, chain: bool | None) -> tuple[bool | None, bool]:
+    """``(chain, strict)`` for ``apply_plan``: whether to chain the decoders' blocks and
+    whether a block that cannot be chained is refused (at ``apply_plan`` and at every
+    forward) rather than run per block.
+
+    The plan's partitions must be those that run. A workload of unchained layers
+    (``chained_layers=False``, torchtitan's Trainer) is run per block, even where the
+    blocks could chain: that is what its plan costs, and per block computes the same
+    values (``chain=True`` is refused). A plan for chained layers is refused unless every
+    block is chained; the check is repeated at every forward.
+
+    Raises:
+        WorkloadError: ``chain=True`` with unchained layers; a plan for chained layers where
+            the blocks cannot all chain (FSDP's ``fully_shard``, module hooks,
+            ``torch.compile``, ``chain=False``, blocks outside a torchtitan ``Decoder``).
+    """
+    if not workload.chained_layers:
+        if chain:
+            raise WorkloadError("chain=True, but the workload's layers are unchained "
+                                "(chained_layers=False: its plan costs each block run on its "
+                                "own): pass chain=None, or make the workload and its plan "
+                                "with chained_layers=True")
+        return False, False
+    if plan is None or schedule not in (None, "kareus"):
+        return chain, bool(chain)
+    why = "chain=False runs each block on its own" if chain is False else _blocks_chain(model)
+    if why is None:
+        try:
+            _decoders(model, blocks, strict=True)
+        except WorkloadError:
+            why = "some planned blocks are not the layers of a torchtitan Decoder"
+    if why is not None:
+        raise WorkloadError(f"the plan was made for chained layers (its workload's "
+                            f"chained_layers=True), but {why}, so the blocks run one by one: "
+                            "make the plan for unchained layers (kareus optimize "
+                            "--unchained-layers, or --torchtitan-args, which reads it)")
+    return True, True
 
 
 def _check_model(model: Any, workload: Workload) -> Any:
@@ -855,7 +916,7 @@ def _decoders(model: Any, blocks: list[Any], *, strict: bool) -> list[tuple[Any,
         own = list(_layers_values(m))
         if own and all(id(b) in planned for b in own):
             for b in own if strict else ():
-                why = _around_call(b, None)
+                why = _around_call(b, None, compiled=False)  # apply_plan uncompiles it
                 if why is not None:
                     raise WorkloadError(f"chain=True: a block of {type(m).__name__} {why}; "
                                         "pass chain=None to run such blocks per block")
@@ -883,9 +944,11 @@ def _layers_values(decoder: Any) -> Any:
     return torch.nn.ModuleDict.values(layers)
 
 
-def _around_call(block: Any, installed: Any) -> str | None:
+def _around_call(block: Any, installed: Any, *, compiled: bool = True) -> str | None:
     """What would run around ``block``'s call, which a stack skips (None: nothing);
-    ``installed``: the planned forward the block must still have (None: not checked)."""
+    ``installed``: the planned forward the block must still have (None: not checked);
+    ``compiled=False``: not ``torch.compile`` (``apply_plan`` sets a planned block's
+    compiled call aside)."""
     from torch.nn.modules import module as torch_module
 
     fsdp: tuple[type, ...] = ()
@@ -897,7 +960,7 @@ def _around_call(block: Any, installed: Any) -> str | None:
         pass
     if isinstance(block, fsdp):
         return "is sharded by fully_shard (FSDP: its hooks gather the parameters)"
-    if getattr(block, "_compiled_call_impl", None) is not None:
+    if compiled and getattr(block, "_compiled_call_impl", None) is not None:
         return "is compiled (torch.compile)"
     if (block._forward_pre_hooks or block._forward_hooks or block._backward_hooks
             or block._backward_pre_hooks):
@@ -923,8 +986,9 @@ class _Chain:
     stack; any other call, or a block that cannot be chained now, gets the blocks."""
 
     def __init__(self, decoder: Any, blocks: list[Any], applier: PlanApplier,
-                 installed: list[tuple[Any, _BlockLayout]], *, strict: bool) -> None:
-        self.blocks, self.strict = blocks, strict
+                 installed: list[tuple[Any, _BlockLayout]], *, strict: bool,
+                 chain_asked: bool = True) -> None:
+        self.blocks, self.strict, self.chain_asked = blocks, strict, chain_asked
         self.installed = [f for f, _ in installed]
         self.layouts = [lay for _, lay in installed]
         self.stack = applier.stack(len(blocks))
@@ -950,6 +1014,12 @@ class _Chain:
                 why = self.why_not()
                 if why is None:
                     return (self.run,)
+                if self.strict and not self.chain_asked:
+                    raise WorkloadError(f"the plan was made for chained layers "
+                                        f"(chained_layers=True), but a block of "
+                                        f"{self.decoder_name} {why}: remove that, or make the "
+                                        "plan for unchained layers (kareus optimize "
+                                        "--unchained-layers)")
                 if self.strict:
                     raise WorkloadError(f"chain=True: a block of {self.decoder_name} {why}; "
                                         "pass chain=None to run such blocks per block")
@@ -1128,7 +1198,8 @@ def _trainer_parts(trainer: Any) -> tuple[Any, Any, Any]:
 
 
 def workload_from_trainer(trainer: Any, *, nanobatches: int = 2, name: str | None = None,
-                          selective_as: str | None = None) -> Workload:
+                          selective_as: str | None = None,
+                          document_tokens: int | None = None) -> Workload:
     """The [`Workload`][kareus.model.Workload] a torchtitan 0.3 ``Trainer`` runs, read from
     its config and its model (what ``kareus optimize`` makes the plan for).
 
@@ -1148,7 +1219,17 @@ def workload_from_trainer(trainer: Any, *, nanobatches: int = 2, name: str | Non
       it: no kareus policy is torchtitan's per-op selection), ``memory-budget`` refused;
     * ``dtype_bytes`` from the dtype the blocks compute in: ``training.dtype`` if bfloat16,
       else FSDP's ``training.mixed_precision_param`` (torchtitan wraps every block in
-      FSDP, whose mixed precision casts the parameters).
+      FSDP, whose mixed precision casts the parameters);
+    * ``document_tokens``: where the model's attention masks packed documents
+      (FlexAttention or VarlenAttention, ``block_causal``:
+      [`masks_documents`][kareus.integrations.torchtitan.masks_documents]), the
+      documents' length the plan is costed for, which no config says (it is the data's):
+      given here, refused when missing; with SDPA attention (causal over the whole
+      sequence) none.
+    * ``chained_layers`` from the blocks: ``False``, since every block is wrapped in FSDP
+      (``fully_shard``, even at one data-parallel rank), whose hooks run around each
+      block's call, so the blocks run one by one (each its own planned layer) and the plan
+      is made for that: per layer, its first ops bare and its last collective exposed.
 
     Args:
         trainer: The built Trainer (``config.build()``), before ``train()``.
@@ -1158,26 +1239,51 @@ def workload_from_trainer(trainer: Any, *, nanobatches: int = 2, name: str | Non
         selective_as: Under torchtitan's per-op selective checkpointing, the
             recomputation policy kareus's planned layers run in its place
             (``"selective"``, ``"full"`` or ``"none"``); ignored otherwise.
+        document_tokens: Where the attention masks packed documents: their length as
+            the cost model takes it (``Workload.document_tokens``: sum of the squared
+            document lengths over the sum of lengths of your data,
+            [`document_tokens_of`][kareus.model.document_tokens_of] of a batch's
+            ``positions``).
 
     Raises:
         ArgumentTypeError: not a built torchtitan Trainer.
         WorkloadError: pipeline parallelism, selective checkpointing without
-            ``selective_as``, memory-budget checkpointing, or a layer kareus's layer does
-            not compute.
+            ``selective_as``, memory-budget checkpointing, a layer kareus's layer does
+            not compute, attention masking documents without ``document_tokens`` (or
+            ``document_tokens`` for attention that masks none).
     """
-    config, dims, _ = _trainer_parts(trainer)
+    config, dims, model = _trainer_parts(trainer)
     return _workload_of(config, trainer.model_config,
                         (int(dims.tp), int(dims.cp), int(dims.pp),
                          int(dims.dp_replicate) * int(dims.dp_shard)),
                         int(trainer.gradient_accumulation_steps), nanobatches=nanobatches,
-                        name=name, selective_as=selective_as)
+                        name=name, selective_as=selective_as,
+                        document_tokens=document_tokens,
+                        chained=_blocks_chain(model) is None)
+
+
+def _blocks_chain(model: Any) -> str | None:
+    """Why ``model``'s planned blocks cannot run as one stack (``None``: they can): under
+    torchtitan 0.3's Trainer every block is wrapped in FSDP (``fully_shard``: its llama3
+    and qwen3 ``parallelize`` functions call ``apply_fsdp_to_decoder`` at every
+    data-parallel degree, one included), whose hooks a stack would skip. A compiled block
+    can chain: ``apply_plan`` runs it uncompiled."""
+    for blk in planned_blocks(model):
+        why = _around_call(blk, None, compiled=False)
+        if why is not None:
+            return f"a block {why}"
+    return None
 
 
 def _workload_of(config: Any, model_config: Any, degrees: tuple[int, int, int, int],
                  accumulation_steps: int, *, nanobatches: int, name: str | None,
-                 selective_as: str | None) -> Workload:
+                 selective_as: str | None, document_tokens: int | None,
+                 documents_required: bool = True, chained: bool = False) -> Workload:
     """The workload of a Trainer config, its (updated, overridden) model config, its
-    ``(tp, cp, pp, dp)`` and gradient-accumulation steps."""
+    ``(tp, cp, pp, dp)`` and gradient-accumulation steps; ``documents_required``: a model
+    whose attention masks documents needs ``document_tokens`` (otherwise the workload
+    then has none: a baseline, which costs nothing); ``chained``: whether its blocks can
+    run as one stack (never under the Trainer: ``_blocks_chain``)."""
     spec = getattr(config, "model_spec", None)
     if name is None:
         name = (f"torchtitan-{spec.name}-{spec.flavor}" if spec is not None
@@ -1191,22 +1297,36 @@ def _workload_of(config: Any, model_config: Any, degrees: tuple[int, int, int, i
                       sp=tp > 1 and bool(config.parallelism.enable_sequence_parallel))
     recompute = recompute_from_torchtitan(config.activation_checkpoint,
                                           selective_as=selective_as)
+    masked = _config_masks_documents(model_config)
+    if masked and document_tokens is None and documents_required:
+        raise WorkloadError("the model's attention masks packed documents (FlexAttention or "
+                            "VarlenAttention, block_causal), whose length no config says: "
+                            "pass document_tokens= (the sum of squared document lengths "
+                            "over the sum of lengths of your data: "
+                            "kareus.model.document_tokens_of)")
+    if not masked and document_tokens is not None:
+        raise WorkloadError(f"document_tokens={document_tokens}, but the model's attention "
+                            "(SDPA) is causal over the whole sequence and masks no "
+                            "documents: drop document_tokens")
     return Workload(model=arch, parallelism=par,
                     microbatch_size=int(training.local_batch_size),
                     seq_len=int(training.seq_len),
                     num_microbatches=int(accumulation_steps),
                     nanobatches=int(nanobatches), recompute=recompute,
-                    dtype_bytes=2 if compute == "bfloat16" else 4)
+                    dtype_bytes=2 if compute == "bfloat16" else 4,
+                    document_tokens=document_tokens, chained_layers=bool(chained))
 
 
 def workload_from_torchtitan_config(config: Any, *, world_size: int, nanobatches: int = 2,
                                     name: str | None = None,
-                                    selective_as: str | None = None) -> Workload:
+                                    selective_as: str | None = None,
+                                    document_tokens: int | None = None) -> Workload:
     """The workload torchtitan 0.3's ``Trainer`` would run for ``config`` on ``world_size``
     ranks, without building it (no devices, no data): what ``kareus optimize
     --torchtitan-args`` makes a plan for, equal to
     [`workload_from_trainer`][kareus.integrations.torchtitan.workload_from_trainer] of the
-    built Trainer.
+    built Trainer: its layers unchained (``chained_layers=False``: the Trainer wraps every
+    block in FSDP, so its blocks run one by one).
 
     The model config is updated from the config and its ``--override.imports`` applied,
     as the Trainer does; the degrees are ``ParallelDims.from_config`` (a
@@ -1220,6 +1340,8 @@ def workload_from_torchtitan_config(config: Any, *, world_size: int, nanobatches
         nanobatches: As ``workload_from_trainer`` takes it.
         name: As ``workload_from_trainer`` takes it.
         selective_as: As ``workload_from_trainer`` takes it.
+        document_tokens: As ``workload_from_trainer`` takes it (required where the
+            attention masks packed documents).
 
     Raises:
         ArgumentError: no model in the config, or degrees that do not multiply to
@@ -1248,7 +1370,8 @@ def workload_from_torchtitan_config(config: Any, *, world_size: int, nanobatches
                             f"training.local_batch_size {local} x the data-parallel degree "
                             f"{dp}")
     return _workload_of(config, model_config, (tp, cp, pp, dp), glob // (local * dp),
-                        nanobatches=nanobatches, name=name, selective_as=selective_as)
+                        nanobatches=nanobatches, name=name, selective_as=selective_as,
+                        document_tokens=document_tokens)
 
 
 def _trainer_config_copy(config: Any) -> tuple[Any, Any]:
@@ -1270,11 +1393,16 @@ def _trainer_config_copy(config: Any) -> tuple[Any, Any]:
 
 def masks_documents(model_or_config: Any) -> bool:
     """Whether a torchtitan model's attention masks packed documents (``FlexAttention`` /
-    ``VarlenAttention``: ``block_causal``), which plans do not cost. Takes a built model,
-    its config, or a ``Trainer.Config`` (its model after its ``--override.imports``)."""
-    tt = _classes()
+    ``VarlenAttention``: ``block_causal``), whose workload then needs ``document_tokens``
+    (the documents' length its plan is costed for). Takes a built model, its config, or a
+    ``Trainer.Config`` (its model after its ``--override.imports``)."""
     if getattr(model_or_config, "model_spec", None) is not None:
         model_or_config = _trainer_config_copy(model_or_config)[1]
+    return _config_masks_documents(model_or_config)
+
+
+def _config_masks_documents(model_or_config: Any) -> bool:
+    tt = _classes()
     return any(isinstance(lc.attention.inner_attention, (tt.Flex.Config, tt.Varlen.Config))
                for lc in _model_config(model_or_config).layers or ())
 
@@ -1316,13 +1444,14 @@ def _masks_documents(block: Any) -> bool:
     return isinstance(block.attention.inner_attention, (tt.Flex, tt.Varlen))
 
 
-def _check_documents(model: Any, blocks: list[Any], plan: Any, schedule: str | None
-                     ) -> None:
-    """Refuse what the planned layers' document masks would not reproduce: blocks of both
-    kinds (masked and not), a decoder whose masks are not torchtitan's ``block_causal``
-    documents (an overridden ``get_attention_masks``), and a plan for masked attention
-    (plans cost causal attention over the whole sequence, not the pairs within
-    documents that run)."""
+def _check_documents(model: Any, blocks: list[Any], plan: Any, schedule: str | None,
+                     workload: Workload) -> None:
+    """Refuse what the planned layers' document masks would not reproduce, or a plan would
+    not cost: blocks of both kinds (masked and not), a decoder whose masks are not
+    torchtitan's ``block_causal`` documents (an overridden ``get_attention_masks``), a plan
+    for masked attention whose workload does not say so (``document_tokens``: it was
+    costed for causal attention over whole sequences, not the pairs within documents
+    that run), and a workload that says so for attention that masks none."""
     tt = _classes()
     kinds = {_masks_documents(b) for b in blocks}
     if len(kinds) > 1:
@@ -1330,6 +1459,11 @@ def _check_documents(model: Any, blocks: list[Any], plan: Any, schedule: str | N
                             "(document masks) and some with SDPA: kareus applies one "
                             "attention to every layer")
     if kinds != {True}:
+        if workload.document_tokens is not None:
+            raise WorkloadError(f"the workload masks packed documents (document_tokens="
+                                f"{workload.document_tokens}), the model's attention (SDPA) "
+                                "is causal over the whole sequence: make the workload "
+                                "without document_tokens")
         return
     Decoder = tt.Decoder
     for m in model.modules():
@@ -1339,13 +1473,13 @@ def _check_documents(model: Any, blocks: list[Any], plan: Any, schedule: str | N
                 is not Decoder._create_flex_attention_mask_for_document):
             raise WorkloadError(f"{type(m).__name__} builds its own attention masks: kareus's "
                                 "layer computes torchtitan's block_causal document mask only")
-    if plan is not None and schedule in (None, "kareus"):
+    if (plan is not None and schedule in (None, "kareus")
+            and workload.document_tokens is None):
         raise WorkloadError("the model's attention masks packed documents (FlexAttention or "
-                            "VarlenAttention, block_causal), which kareus's cost model does "
-                            "not cost (it costs causal attention over the whole sequence): "
-                            "run a baseline schedule (plan=None, schedule='sequential' or "
-                            "'nanobatching'), or give the layers torchtitan's "
-                            "ScaledDotProductAttention (attention.inner_attention) for a plan")
+                            "VarlenAttention, block_causal), but the workload does not "
+                            "(document_tokens): make the plan for a workload with "
+                            "document_tokens= (kareus optimize --document-tokens), whose "
+                            "cost is the attention within documents")
 
 
 def _plan_of(plan: Any) -> Any:
@@ -1415,7 +1549,11 @@ def wrap_trainer(trainer: Any, plan: Any = None, *, schedule: str | None = None,
       planned layers under the ``"sequential"`` schedule (no plan configuration exists for
       a forward without its backward; the values are the same);
     * **packed documents**: each batch's ``positions`` (restarting at every document)
-      rotate the planned layers' RoPE, as torchtitan's blocks do;
+      rotate the planned layers' RoPE, as torchtitan's blocks do; where the model's
+      attention masks them (FlexAttention or VarlenAttention, ``block_causal``), the
+      planned layers mask them as torchtitan does (block-sparse FlexAttention on a GPU),
+      and a plan must have been made for a workload that says so
+      (``document_tokens``, taken from the plan);
     * **torch.compile** (``compile.enable``): the planned blocks run uncompiled (torch's
       ``torch.compiler.disable``), torchtitan compiles the rest (the loss).
 
@@ -1428,7 +1566,9 @@ def wrap_trainer(trainer: Any, plan: Any = None, *, schedule: str | None = None,
             ``plan.json``), ``None`` (a baseline ``schedule``), or an applier.
         schedule: As ``apply_plan`` takes it (default ``"kareus"`` with a plan).
         chain: As ``apply_plan`` takes it. torchtitan wraps every block in FSDP (even at
-            one data-parallel rank), so under the Trainer the blocks run per block.
+            one data-parallel rank), so under the Trainer the blocks run per block: the
+            workload is one of unchained layers (``chained_layers=False``), and a plan made
+            for chained layers is refused.
         selective_as: Under torchtitan's per-op selective checkpointing, the policy the
             planned layers run in its place; default: the plan's workload's ``recompute``
             (required without a plan).
@@ -1440,8 +1580,10 @@ def wrap_trainer(trainer: Any, plan: Any = None, *, schedule: str | None = None,
     Raises:
         WorkloadError: what kareus does not run as torchtitan would: context or pipeline
             parallelism, memory-budget checkpointing, selective checkpointing without a
-            policy named, attention masking packed documents, a plan of several choices
-            per phase under CUDA graphs, a layer kareus does not compute.
+            policy named, attention masking packed documents under a plan whose workload
+            has no ``document_tokens`` (or the reverse), a plan of several choices per
+            phase under CUDA graphs, a layer kareus does not compute, a plan made for
+            chained layers.
         PlanError: the plan was made for another workload; a step runs more microbatches
             than the plan's workload.
     """
@@ -1466,8 +1608,25 @@ def wrap_trainer(trainer: Any, plan: Any = None, *, schedule: str | None = None,
         nb = int(planned.get("nanobatches", 2))
         if selective_as is None and plan is not None:
             selective_as = planned.get("recompute")
-        workload = workload_from_trainer(trainer, nanobatches=nb, selective_as=selective_as)
+        # packed documents masked: the plan's workload says their length (a baseline needs
+        # none: it is not costed)
+        docs = planned.get("document_tokens")
+        workload = _workload_of(config, trainer.model_config,
+                                (int(dims.tp), int(dims.cp), int(dims.pp),
+                                 int(dims.dp_replicate) * int(dims.dp_shard)),
+                                int(trainer.gradient_accumulation_steps), nanobatches=nb,
+                                name=None, selective_as=selective_as,
+                                document_tokens=None if docs is None else int(docs),
+                                documents_required=False,
+                                chained=_blocks_chain(model) is None)
         _refuse_unsupported(config, model, workload)
+        if (plan is not None and planned.get("chained_layers", True)
+                and not workload.chained_layers):
+            raise WorkloadError("the plan was made for chained layers, but torchtitan's "
+                                "Trainer wraps every block in FSDP (fully_shard, at any "
+                                "data-parallel degree), so its blocks run one by one: make "
+                                "the plan with kareus optimize --torchtitan-args (which "
+                                "reads this) or --unchained-layers")
         captured = _step_capture(trainer)
         if captured:
             _refuse_replayed_plan(plan, schedule)

@@ -22,9 +22,12 @@ from kareus.model.decoder import (
     LayerSegment,
     decoder_layer,
     layer_collectives,
+    moe_decoder_layer,
 )
+from kareus.model.documents import document_pairs, document_tokens_of
 from kareus.model.gpu import GPU_PRESETS, GPUSpec, get_gpu, gpu_names
 from kareus.model.measurement import Measurement
+from kareus.model.moe import MoEArch
 from kareus.model.ops import CommKind, CommOp, ComputeOp, OpKind
 from kareus.model.partition import (
     LaunchSlot,
@@ -74,6 +77,7 @@ __all__ = [
     "LayerSegment",
     "Measurement",
     "ModelArch",
+    "MoEArch",
     "OpKind",
     "OpPartition",
     "OutsideWork",
@@ -91,6 +95,8 @@ __all__ = [
     "cp_chunks",
     "cp_positions",
     "decoder_layer",
+    "document_pairs",
+    "document_tokens_of",
     "get_gpu",
     "get_model",
     "get_schedule",
@@ -99,5 +105,6 @@ __all__ = [
     "launch_slots",
     "layer_collectives",
     "model_names",
+    "moe_decoder_layer",
     "one_f_one_b",
 ]

@@ -16,7 +16,26 @@ onto the fields of [`ModelArch`][kareus.model.ModelArch]:
 | rms_norm_eps | norm_eps | absent: 1e-6 (the families' default) |
 | tie_word_embeddings | tied_embeddings | absent: false (the families' default) |
 | (family) | qkv_bias | Qwen2's attention always has a QKV bias |
-| (family) | qk_norm | Qwen3 RMS-normalises q and k per head |
+| (family) | qk_norm | Qwen3 and Qwen3 MoE RMS-normalise q and k per head |
+| num_experts | moe.experts | Qwen3 MoE (Mixtral: num_local_experts) |
+| num_experts_per_tok | moe.experts_per_token | Qwen3 MoE, Mixtral |
+| moe_intermediate_size | moe.expert_ffn | Qwen3 MoE (Mixtral: intermediate_size) |
+| decoder_sparse_step | moe.layer_step | Qwen3 MoE; absent: 1 (every layer) |
+
+Qwen3 MoE (``Qwen3MoeForCausalLM``, ``model_type`` ``qwen3_moe``) is read as a model whose
+layers' MLP is a mixture of experts ([`MoEArch`][kareus.model.MoEArch]; no shared
+expert; the router's softmax in float32, as ``transformers`` computes it): every layer must be
+an MoE layer (``decoder_sparse_step`` 1, ``mlp_only_layers`` empty), and the router's
+load-balancing loss must be off (``output_router_logits`` false: kareus does not cost it).
+``norm_topk_prob`` (renormalising the top-k probabilities) is accepted either way: it is part
+of the router's top-k op.
+
+Mixtral (``MixtralForCausalLM``, ``model_type`` ``mixtral``) is read the same way: every
+layer is MoE, ``num_local_experts`` experts of width ``intermediate_size`` (its ``ffn`` too),
+``num_experts_per_tok`` of them per token, no query/key norm; refused: a sliding window
+(``sliding_window`` set: Mistral's attention then reads a window, not the whole causal
+prefix), routing noise (``router_jitter_noise`` other than 0) and the load-balancing loss
+(``output_router_logits``). The other families' experts keys are refused.
 
 Anything else a config asks for that changes the work and that kareus does not compute is
 refused with a one-line ``SpecFileError`` naming the key, never approximated: sliding-window
@@ -48,7 +67,12 @@ HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
+
+#: The families whose configs describe mixture-of-experts layers kareus reads.
+_MOE_FAMILIES = ("qwen3_moe", "mixtral")
 
 #: Keys of mixture-of-experts configs: any of them set means experts, which the dense
 #: layer kareus costs does not have.
@@ -108,11 +132,17 @@ def _refuse_unsupported(d: Mapping[str, Any], family: str, where: str) -> None:
         raise SpecFileError(f"{where}: layer_types other than 'full_attention' are not "
                             "computed (sliding-window layers): kareus costs full causal "
                             "attention in every layer")
-    for key in _MOE_KEYS:
-        if d.get(key) not in (None, 0):
-            raise SpecFileError(f"{where}: {key} {d[key]!r:.40} is not computed: kareus costs "
-                                "dense MLPs, not experts")
-    if family in ("llama", "qwen3") and d.get("attention_bias") not in (None, False):
+    if family == "qwen3_moe":
+        _refuse_unsupported_moe(d, where)
+    elif family == "mixtral":
+        _refuse_unsupported_mixtral(d, where)
+    else:
+        for key in _MOE_KEYS:
+            if d.get(key) not in (None, 0):
+                raise SpecFileError(f"{where}: {key} {d[key]!r:.40} is not computed: kareus "
+                                    f"costs experts of qwen3_moe and mixtral configs only, a "
+                                    f"{family} config's MLP is dense")
+    if family in ("llama", "qwen3", "qwen3_moe") and d.get("attention_bias") not in (None, False):
         raise SpecFileError(f"{where}: attention_bias {d['attention_bias']!r:.40} is not "
                             f"computed: in {family} it biases the output projection as well as "
                             "QKV, and kareus costs a QKV bias only")
@@ -137,6 +167,54 @@ def _refuse_unsupported(d: Mapping[str, Any], family: str, where: str) -> None:
                                 "takes no scaling or Llama 3's (rope_type 'llama3')")
 
 
+def _refuse_unsupported_moe(d: Mapping[str, Any], where: str) -> None:
+    """One line naming the first key of a Qwen3 MoE config whose value kareus does not
+    compute (module docstring)."""
+    step = d.get("decoder_sparse_step", 1)
+    if step is not None and step != 1:
+        raise SpecFileError(f"{where}: decoder_sparse_step {step!r:.40} is not computed: "
+                            "kareus costs models whose every layer is MoE (1)")
+    dense = d.get("mlp_only_layers")
+    if dense not in (None, []):
+        raise SpecFileError(f"{where}: mlp_only_layers {dense!r:.60} is not computed: kareus "
+                            "costs models whose every layer is MoE (an empty list)")
+    if d.get("output_router_logits") not in (None, False):
+        raise SpecFileError(f"{where}: output_router_logits {d['output_router_logits']!r:.40} "
+                            "is not computed: kareus does not cost the router's "
+                            "load-balancing loss (set it false)")
+    for key in ("shared_expert_intermediate_size", "n_shared_experts"):
+        if d.get(key) not in (None, 0):
+            raise SpecFileError(f"{where}: {key} {d[key]!r:.40} is not computed: a qwen3_moe "
+                                "layer has no shared expert")
+
+
+def _refuse_unsupported_mixtral(d: Mapping[str, Any], where: str) -> None:
+    """One line naming the first key of a Mixtral config whose value kareus does not compute
+    (module docstring)."""
+    if d.get("sliding_window") is not None:
+        raise SpecFileError(f"{where}: sliding_window {d['sliding_window']!r:.40} is not "
+                            "computed: kareus costs full causal attention (null)")
+    noise = d.get("router_jitter_noise", 0.0)
+    if noise not in (None, 0, 0.0):
+        raise SpecFileError(f"{where}: router_jitter_noise {noise!r:.40} is not computed: "
+                            "kareus costs routing without noise (0.0)")
+    if d.get("output_router_logits") not in (None, False):
+        raise SpecFileError(f"{where}: output_router_logits {d['output_router_logits']!r:.40} "
+                            "is not computed: kareus does not cost the router's "
+                            "load-balancing loss (set it false)")
+
+
+def _moe_fields(d: Mapping[str, Any], family: str, where: str) -> dict[str, Any]:
+    """The [`MoEArch`][kareus.model.MoEArch] fields of a Qwen3 MoE or Mixtral config."""
+    if family == "mixtral":
+        return {"experts": _needed(d, "num_local_experts", family, where),
+                "experts_per_token": _needed(d, "num_experts_per_tok", family, where),
+                "expert_ffn": _needed(d, "intermediate_size", family, where)}
+    return {"experts": _needed(d, "num_experts", "qwen3_moe", where),
+            "experts_per_token": _needed(d, "num_experts_per_tok", "qwen3_moe", where),
+            "expert_ffn": _needed(d, "moe_intermediate_size", "qwen3_moe", where)}
+
+
 def hf_arch_fields(d: Mapping[str, Any], where: str) -> dict[str, Any]:
     """The [`ModelArch`][kareus.model.ModelArch] fields of a Hugging Face config (all but
     ``name``), plus ``model_type`` (the family), checked as the module docstring says.
@@ -155,8 +233,8 @@ def hf_arch_fields(d: Mapping[str, Any], where: str) -> dict[str, Any]:
         kv_heads = _needed(d, "num_key_value_heads", family, where)
     if d.get("head_dim") is not None:
         head_dim = _int(d["head_dim"], "head_dim", where)
-    elif family == "qwen3":
-        raise SpecFileError(f"{where}: missing head_dim (a qwen3 config needs it)")
+    elif family in ("qwen3", "qwen3_moe"):
+        raise SpecFileError(f"{where}: missing head_dim (a {family} config needs it)")
     elif heads > 0 and hidden % heads == 0:
         head_dim = hidden // heads
     else:
@@ -166,6 +244,7 @@ def hf_arch_fields(d: Mapping[str, Any], where: str) -> dict[str, Any]:
     if not math.isfinite(eps) or not 0 < eps < 1:
         raise SpecFileError(f"{where}: rms_norm_eps must be in (0, 1), got {eps!r}")
     tied = d.get("tie_word_embeddings", False)
+    moe = {"moe": _moe_fields(d, family, where)} if family in _MOE_FAMILIES else {}
     return {
         "model_type": family,
         "layers": _needed(d, "num_hidden_layers", family, where),
@@ -175,8 +254,9 @@ def hf_arch_fields(d: Mapping[str, Any], where: str) -> dict[str, Any]:
         "head_dim": head_dim,
         "ffn": _needed(d, "intermediate_size", family, where),
         "vocab": _needed(d, "vocab_size", family, where),
-        "qk_norm": family == "qwen3",
+        "qk_norm": family in ("qwen3", "qwen3_moe"),
         "norm_eps": eps,
         "qkv_bias": family == "qwen2",
         "tied_embeddings": _bool(tied, "tie_word_embeddings", where),
+        **moe,
     }

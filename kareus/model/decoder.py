@@ -70,6 +70,42 @@ before RoPE) runs fused with RoPE, in either layout: the layer's ``rope`` become
 qk_norm=True)``; one kernel each, ``KernelSet.qk_norm_rope`` / ``qk_norm_rope_bwd``), the
 op the CP all-gather of K/V waits for included.
 
+**Mixture of experts** (``ModelArch.moe``, ``kareus.model.moe``): the MLP is a router,
+experts and the expert-parallel all-to-alls over the EP group (``moe_decoder_layer``). The
+layer computes Megatron-Core's all-to-all dispatcher with expert tensor parallelism 1, so
+its MoE block runs no TP collective: at TP = 1 (no SP)::
+
+    forward:  attn_norm qkv rope            | CP all-gather of K/V ("kv")
+              attn_core out_proj            | (TP all-reduce: TP = 1, does not run)
+              mlp_norm router router_topk permute
+                                            | EP all-to-all ("dispatch")
+              [shared_gate shared_up shared_swiglu shared_down]
+              expert_sort expert_gate_up expert_swiglu expert_down expert_unsort
+                                            | EP all-to-all ("combine")
+              unpermute                     (tail)
+    backward: unpermute_bwd                 | EP all-to-all ("combine_grad")
+              expert_unsort_bwd [shared_down_dgrad ... shared_up_wgrad]
+              expert_down_dgrad expert_down_wgrad expert_swiglu_bwd expert_gate_up_dgrad
+              expert_gate_up_wgrad expert_sort_bwd
+                                            | EP all-to-all ("dispatch_grad")
+              permute_bwd router_topk_bwd router_dgrad router_wgrad mlp_norm_bwd
+              out_dgrad out_wgrad attn_core_bwd
+                                            | CP reduce-scatter of dK/dV ("kv_grad")
+              rope_bwd qkv_dgrad qkv_wgrad  | (TP all-reduce: TP = 1, does not run)
+              attn_norm_bwd                 (tail)
+
+and under sequence parallelism (required at TP > 1, as Megatron-Core requires it with MoE)
+the attention half is the sequence-parallel layer's, and the MoE block runs on the rank's
+sequence shard: ``mlp_norm ... permute`` follow the attention's reduce-scatter directly,
+and the backward's ``permute_bwd ... mlp_norm_bwd`` end with the all-gather of the output
+gradient ("attn_out_grad") before ``out_dgrad``. The layer's input gradient stays on the
+shard (the MoE block below reads the shard), so the backward ends with the tail
+``attn_norm_bwd``, no all-gather. ``expert_sort`` / ``expert_unsort`` (and their backward)
+reorder the received tokens by local expert and back (Megatron-Core's ``sort_chunks_by_idxs``):
+they run only when an EP rank holds more than one expert and EP > 1. The shared experts'
+ops (bracketed) run only with shared experts: after the dispatch is launched, beside it in
+stream order (they do not read its output).
+
 So the emulator costs exactly the ops the layer runs, in the order it runs them. Pure data;
 no torch.
 """
@@ -95,10 +131,11 @@ __all__ = [
     "SP_DECODER_LAYER",
     "decoder_layer",
     "layer_collectives",
+    "moe_decoder_layer",
 ]
 
-_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
-_GROUPS = ("tp", "cp")
+_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+_GROUPS = ("tp", "cp", "ep")
 
 
 def _names(names: Iterable[str]) -> tuple[str, ...]:
@@ -119,8 +156,10 @@ class LayerCollective:
             ``"attn_in"``, ``"mlp_in"`` (forward all-gathers of the normed inputs) and
             ``"attn_out_grad"``, ``"mlp_out_grad"`` (backward all-gathers of the output
             gradients).
-        group: The parallel group it runs over: ``"tp"`` or ``"cp"`` (it does not run when
-            that group has one GPU).
+        group: The parallel group it runs over: ``"tp"``, ``"cp"`` or ``"ep"`` (it does not
+            run when that group has one GPU). The EP collectives of a mixture-of-experts
+            layer are all-to-alls: ``"dispatch"`` and ``"combine"`` forward,
+            ``"combine_grad"`` and ``"dispatch_grad"`` backward.
         producer: The op that completes its input tensor (the last op to write it).
     """
 
@@ -347,3 +386,87 @@ def layer_collectives(*, tp: int = 2, cp: int = 2,
     layer = SP_DECODER_LAYER if sp else DECODER_LAYER
     return tuple(c for phase in ("fwd", "bwd") for c in layer[phase].collectives
                  if sizes[c.group] > 1)
+
+
+# ----------------------------------------------------------------------------- MoE layer
+
+
+def _a2a(tensor: str, producer: str) -> LayerCollective:
+    return LayerCollective("all_to_all", tensor, "ep", producer)
+
+
+#: The MoE block's ops by name: router and permutation before the dispatch, the experts
+#: between the all-to-alls, the un-permutation after the combine (``moe_decoder_layer``).
+_MOE_ROUTE = ("mlp_norm", "router", "router_topk", "permute")
+_MOE_SHARED = ("shared_gate", "shared_up", "shared_swiglu", "shared_down")
+_MOE_SHARED_BWD = ("shared_down_dgrad", "shared_down_wgrad", "shared_swiglu_bwd",
+                   "shared_gate_dgrad", "shared_up_dgrad", "shared_gate_wgrad",
+                   "shared_up_wgrad")
+_MOE_ROUTE_BWD = ("permute_bwd", "router_topk_bwd", "router_dgrad", "router_wgrad",
+                  "mlp_norm_bwd")
+
+
+def _moe_experts(shared: bool, sort: bool) -> tuple[str, ...]:
+    return ((*_MOE_SHARED,) if shared else ()) + (("expert_sort",) if sort else ()) + (
+        "expert_gate_up", "expert_swiglu", "expert_down") + (("expert_unsort",) if sort else ())
+
+
+def _moe_experts_bwd(shared: bool, sort: bool) -> tuple[str, ...]:
+    return (("expert_unsort_bwd",) if sort else ()) + ((*_MOE_SHARED_BWD,) if shared else ()) + (
+        "expert_down_dgrad", "expert_down_wgrad", "expert_swiglu_bwd", "expert_gate_up_dgrad",
+        "expert_gate_up_wgrad") + (("expert_sort_bwd",) if sort else ())
+
+
+def _moe_layer(phase: str, *, sp: bool, shared: bool, sort: bool) -> LayerPhase:
+    experts = _moe_experts(shared, sort)
+    experts_bwd = _moe_experts_bwd(shared, sort)
+    if phase == "fwd":
+        attention = SP_DECODER_LAYER["fwd"].segments[:3] if sp else DECODER_LAYER["fwd"].segments[:2]
+        return LayerPhase("fwd", (
+            *attention,
+            LayerSegment("moe_route", _MOE_ROUTE, _a2a("dispatch", "permute")),
+            LayerSegment("moe_experts", experts, _a2a("combine", experts[-1])),
+        ), tail=("unpermute",))
+    head = (LayerSegment("moe_unpermute", ("unpermute_bwd",), _a2a("combine_grad", "unpermute_bwd")),
+            LayerSegment("moe_experts", experts_bwd,
+                         _a2a("dispatch_grad", experts_bwd[-1])))
+    if sp:
+        return LayerPhase("bwd", (
+            *head,
+            LayerSegment("moe_route", _MOE_ROUTE_BWD, _ag("attn_out_grad", "mlp_norm_bwd")),
+            LayerSegment("attn_out", ("out_dgrad", "out_wgrad", "attn_core_bwd"),
+                         LayerCollective("reduce_scatter", "kv_grad", "cp", "attn_core_bwd")),
+            LayerSegment("attn_in", ("rope_bwd", "qkv_dgrad", "qkv_wgrad"),
+                         _rs("attn_in_grad", "qkv_dgrad")),
+        ), tail=("attn_norm_bwd",))
+    return LayerPhase("bwd", (
+        *head,
+        LayerSegment("attn_out", (*_MOE_ROUTE_BWD, "out_dgrad", "out_wgrad", "attn_core_bwd"),
+                     LayerCollective("reduce_scatter", "kv_grad", "cp", "attn_core_bwd")),
+        LayerSegment("attn_in", ("rope_bwd", "qkv_dgrad", "qkv_wgrad"),
+                     _ar("attn_in_grad", "qkv_dgrad")),
+    ), tail=("attn_norm_bwd",))
+
+
+def moe_decoder_layer(phase: str, *, qk_norm: bool = False, sp: bool = False,
+                      recompute: str = "full", shared_experts: bool = False,
+                      sort_tokens: bool = True) -> LayerPhase:
+    """The mixture-of-experts decoder layer's ``phase`` (``"fwd"`` or ``"bwd"``), the op
+    order of the module docstring: the attention half of ``decoder_layer`` (``sp``: the
+    sequence-parallel layout), the MoE block in place of the MLP. ``shared_experts``: the
+    shared experts' ops run beside the dispatch; ``sort_tokens``: the received tokens are
+    sorted by local expert and back (an EP rank with more than one expert, EP > 1);
+    ``qk_norm`` and ``recompute`` as ``decoder_layer`` takes them."""
+    if phase not in DECODER_LAYER:
+        raise ArgumentError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
+    if recompute not in ("none", "selective", "full"):
+        raise ArgumentError(f"recompute must be 'none', 'selective' or 'full', "
+                            f"got {recompute!r:.40}")
+    layer = _moe_layer(phase, sp=sp, shared=shared_experts, sort=sort_tokens)
+    if qk_norm:
+        op, fused = QK_NORM_OPS[phase]
+        layer = _replace(layer, op, fused)
+    if recompute == "selective" and phase == "bwd":
+        op, before = SELECTIVE_RECOMPUTE
+        layer = _insert(layer, "before", before, (op,))
+    return layer

@@ -284,7 +284,8 @@ class CollectivePoint:
         backend: Whose kernels ran, e.g. ``"own"`` (kareus's SM-capped kernels, staged),
             ``"own_reg"`` (the same on registered buffers), ``"nccl_capped"`` (NCCL with
             ``min_ctas = max_ctas``), ``"nccl_uncapped"`` (NCCL's own choice).
-        collective: ``"all_reduce"``, ``"all_gather"`` or ``"reduce_scatter"``.
+        collective: ``"all_reduce"``, ``"all_gather"``, ``"reduce_scatter"`` or
+            ``"all_to_all"`` (a [`CommKind`][kareus.model.CommKind] value).
         group_size: GPUs in the collective's group (>= 2).
         size_bytes: Message size in bytes (the nccl-tests convention of the benchmark).
         comm_sms: SMs (CTAs) the collective ran on; ``None`` = the backend chose.

@@ -4,10 +4,14 @@ A workload that cannot be trained on its GPUs must be refused before minutes of 
 not reported with an iteration time. ``estimate_memory`` counts, per GPU of each
 pipeline stage (the largest stage is the one that matters):
 
-- **weights** in bf16 (2 bytes per parameter) and **gradients** in bf16 (2 bytes); tied
+- **weights** in bf16 (2 bytes per parameter) and **gradients** in fp32 (4 bytes: Megatron-LM
+  accumulates and reduces gradients in fp32 buffers under ``--bf16``, its ``main_grad``, the
+  gradients ``kareus.model.partition.iteration_work`` reduce-scatters); tied
   embeddings are one matrix on a single stage, a copy on each end stage with PP > 1;
 - **optimizer state**: fp32 master weights and Adam's two moments (12 bytes per parameter),
-  sharded over the data-parallel replicas as Megatron-LM's distributed optimizer does;
+  sharded over the DP x CP ranks that hold the same weights, as Megatron-LM's distributed
+  optimizer does (its ``dp_cp`` group; the same shard the iteration's Adam step updates,
+  ``kareus.model.partition.iteration_work``);
 - **activations** of the microbatches in flight (1F1B: stage ``s`` of ``p`` holds up to
   ``p - s`` microbatches; GPipe: all of them), per the workload's recomputation policy, as
   kareus's layer keeps them (``kept_activation_bytes``; a test counts the bytes its
@@ -36,6 +40,14 @@ pipeline stage (the largest stage is the one that matters):
   the sequence;
 - the **logits** of one microbatch on the last stage in fp32 (the loss is computed there).
 
+A mixture-of-experts model (``ModelArch.moe``) holds ``experts / ep`` experts per rank, and
+their optimizer state is sharded over the expert-data-parallel group (``tp x cp x dp / ep``
+ranks, ``kareus.model.moe``); in place of the SwiGLU gate, up and product a layer keeps, per
+token routed by the rank, the router's probabilities (``experts`` values of the router
+dtype), the ``top-k`` permuted input rows and expert output rows, and the experts' gate, up
+and product (``3 x expert_ffn`` each of ``top-k x routing_imbalance`` rows), plus the
+shared experts' gate, up and product.
+
 The CUDA context, the allocator's fragmentation and communication buffers are not counted,
 so a workload this check passes may still not fit: the check refuses only what surely
 does not.
@@ -61,8 +73,8 @@ class MemoryEstimate:
     Attributes:
         stage: The pipeline stage (the one with the largest total).
         weights_bytes: bf16 weights.
-        grads_bytes: bf16 gradients.
-        optimizer_bytes: fp32 master weights and Adam moments, sharded over DP.
+        grads_bytes: fp32 gradients (the training job's ``main_grad`` buffers).
+        optimizer_bytes: fp32 master weights and Adam moments, sharded over DP x CP.
         activations_bytes: Saved activations of the microbatches in flight, the working set
             of one recomputed layer, and (last stage) one microbatch's fp32 logits.
     """
@@ -122,7 +134,9 @@ def _saved_bytes_per_token(wl: Workload) -> _SavedBytes:
         # the rotated queries and every chunk's keys and values, gathered by position
         sharded = d * hq + d * 2 * cp * hkv
         core = 2 * d * hq + lse  # each causal piece's output, and the whole output
-    sharded += core + d * 3 * m.ffn  # gate, up and their SwiGLU product
+    # gate, up and their SwiGLU product (a mixture of experts': _moe_saved_bytes_per_token)
+    sharded += core + (d * 3 * m.ffn if m.moe is None else 0)
+    moe_kept = 0.0 if m.moe is None else _moe_saved_bytes_per_token(wl)
     if m.qk_norm and cp > 1:
         # the fused norm-and-RoPE backward reads the projection's output before the norms
         # (no statistics: it recomputes them): without CP that is the QKV projection kept
@@ -131,7 +145,20 @@ def _saved_bytes_per_token(wl: Workload) -> _SavedBytes:
     # two norms: each keeps its input (the residual stream) and the projections read
     # their output (QKV, and the gate and up projections)
     return _SavedBytes(residual=2 * d * m.hidden, gathered=2 * d * m.hidden,
-                       sharded=float(sharded), attention_core=float(core))
+                       sharded=float(sharded) + moe_kept, attention_core=float(core))
+
+
+def _moe_saved_bytes_per_token(wl: Workload) -> float:
+    """What a mixture-of-experts block keeps for its backward per token (module docstring).
+    Counted with the tensors sharded over TP: under sequence parallelism (required at
+    TP > 1) the block runs on the rank's ``1 / TP`` shard of the tokens."""
+    moe, d = wl.model.moe, wl.dtype_bytes
+    assert moe is not None
+    k, h = moe.experts_per_token, wl.model.hidden
+    rows = k * wl.routing_imbalance
+    return (moe.experts * moe.router_dtype_bytes + 2 * d * k * h
+            + d * rows * 3 * moe.expert_ffn
+            + d * 3 * moe.shared_experts * moe.shared_expert_ffn)
 
 
 def _kept_bytes_per_token(wl: Workload) -> tuple[float, float]:
@@ -176,7 +203,12 @@ def estimate_memory(workload: Workload, *, schedule: str = "1f1b") -> MemoryEsti
     """
     wl, p, m = workload, workload.parallelism, workload.model
     tokens = wl.microbatch_size * wl.seq_len / p.cp
-    per_layer = m.layer_params_per_rank(p.tp)
+    per_layer = m.layer_params_per_rank(p.tp, p.ep)
+    # a mixture of experts' routed experts: their optimizer state is sharded over the
+    # expert-data-parallel group, not DP x CP
+    experts = (0.0 if m.moe is None
+               else wl.layers_per_stage * m.moe.expert_params_per_rank(m.hidden, ep=p.ep))
+    edp = p.tp * p.cp * p.dp // p.ep
     kept, working = _kept_bytes_per_token(wl)
     best: MemoryEstimate | None = None
     for stage in range(p.pp):
@@ -193,8 +225,12 @@ def estimate_memory(workload: Workload, *, schedule: str = "1f1b") -> MemoryEsti
         act = inflight * wl.layers_per_stage * kept * tokens + working * tokens
         if stage == p.pp - 1:
             act += tokens * m.vocab / p.tp * 4
-        est = MemoryEstimate(stage=stage, weights_bytes=2 * params, grads_bytes=2 * params,
-                             optimizer_bytes=12 * params / p.dp, activations_bytes=act)
+        # the rest over DP x CP (Megatron-Core's dp_cp group)
+        dense = p.dp * p.cp
+        optimizer = (12 * params / dense if m.moe is None
+                     else 12 * ((params - experts) / dense + experts / edp))
+        est = MemoryEstimate(stage=stage, weights_bytes=2 * params, grads_bytes=4 * params,
+                             optimizer_bytes=optimizer, activations_bytes=act)
         if best is None or est.total_bytes > best.total_bytes:
             best = est
     assert best is not None

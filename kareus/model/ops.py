@@ -6,8 +6,14 @@ turn that into time and energy for a given GPU and configuration. GEMM and
 attention ops are *compute-bound kinds*: each gets its own launch slot. Every
 other kind is *memory-bound*, and consecutive memory-bound ops share one slot.
 
-A [`CommOp`][kareus.model.CommOp] is a collective over a group of GPUs: all-reduce, all-gather or
-reduce-scatter, with the message size in bytes per rank.
+A [`CommOp`][kareus.model.CommOp] is a collective over a group of GPUs: all-reduce, all-gather,
+reduce-scatter or all-to-all (the expert-parallel dispatch and combine of a mixture-of-experts
+layer), with the message size in bytes per rank.
+
+A GEMM may be *grouped* (``ComputeOp.group_rows > 0``): one kernel running one GEMM per
+expert of a mixture-of-experts layer, each over the tokens routed to that expert; its
+FLOPs and bytes are the sum over the experts, and ``group_rows`` is the token rows of each
+expert's GEMM (the emulator's tile model reads it).
 """
 
 from __future__ import annotations
@@ -46,11 +52,13 @@ class CommKind(str, enum.Enum):
     ALL_REDUCE = "all_reduce"
     ALL_GATHER = "all_gather"
     REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
 
     @property
     def short(self) -> str:
-        """Two-letter abbreviation: ``ar``, ``ag`` or ``rs``."""
-        return {"all_reduce": "ar", "all_gather": "ag", "reduce_scatter": "rs"}[self.value]
+        """Abbreviation: ``ar``, ``ag``, ``rs`` or ``a2a``."""
+        return {"all_reduce": "ar", "all_gather": "ag", "reduce_scatter": "rs",
+                "all_to_all": "a2a"}[self.value]
 
 
 def _nonneg(instance: object, attribute: attrs.Attribute, value: float) -> None:
@@ -67,18 +75,31 @@ class ComputeOp:
         kind: The [`OpKind`][kareus.model.OpKind].
         flops: Floating-point operations this rank executes.
         bytes_moved: Bytes read from plus written to HBM by this rank.
+        group_rows: For a grouped GEMM (one kernel, one GEMM per expert), the token rows
+            of each group's GEMM (tokens per expert, a mean: it may be fractional); ``0``
+            (default): not grouped. Only a GEMM may be grouped.
     """
 
     name: str
     kind: OpKind = attrs.field(converter=OpKind)
     flops: float = attrs.field(validator=_nonneg)
     bytes_moved: float = attrs.field(validator=_nonneg)
+    # not in the repr: a dense op's repr (which digests of outside work take) stays as it was
+    group_rows: float = attrs.field(default=0.0, validator=_nonneg, repr=False)
 
     def __attrs_post_init__(self) -> None:
         if not self.name:
             raise ArgumentError("a ComputeOp needs a name")
         if self.flops == 0 and self.bytes_moved == 0:
             raise ArgumentError(f"op {self.name!r} does no work (0 FLOPs and 0 bytes)")
+        if self.group_rows and self.kind is not OpKind.GEMM:
+            raise ArgumentError(f"op {self.name!r}: only a GEMM may be grouped (group_rows "
+                                f"> 0), not a {self.kind.value} op")
+
+    @property
+    def grouped(self) -> bool:
+        """Whether the op is a grouped GEMM (``group_rows > 0``)."""
+        return self.group_rows > 0
 
     @property
     def compute_bound(self) -> bool:
@@ -93,7 +114,8 @@ class ComputeOp:
     def scaled(self, factor: float, *, name: str | None = None) -> ComputeOp:
         """The same op with FLOPs and bytes multiplied by ``factor``."""
         return ComputeOp(name=name or self.name, kind=self.kind,
-                         flops=self.flops * factor, bytes_moved=self.bytes_moved * factor)
+                         flops=self.flops * factor, bytes_moved=self.bytes_moved * factor,
+                         group_rows=self.group_rows)
 
 
 @attrs.frozen(kw_only=True)
@@ -104,7 +126,9 @@ class CommOp:
         name: e.g. ``"tp_all_reduce"``.
         kind: The [`CommKind`][kareus.model.CommKind].
         bytes: Message size per rank: the tensor reduced (all-reduce), the gathered
-            output (all-gather), or the input to be reduced and scattered (reduce-scatter).
+            output (all-gather), the input to be reduced and scattered (reduce-scatter), or
+            the rows a rank exchanges (all-to-all: of which ``(g-1)/g`` go to or come from
+            the other ranks).
         group_size: GPUs taking part.
     """
 
@@ -123,7 +147,8 @@ class CommOp:
     def bus_bytes(self) -> float:
         """Bytes each rank sends over its links (the 'bus bandwidth' convention of nccl-tests).
 
-        All-reduce moves ``2 (g-1)/g`` of the message; all-gather and reduce-scatter ``(g-1)/g``.
+        All-reduce moves ``2 (g-1)/g`` of the message; all-gather, reduce-scatter and
+        all-to-all ``(g-1)/g``.
         """
         g = self.group_size
         factor = 2.0 * (g - 1) / g if self.kind is CommKind.ALL_REDUCE else (g - 1) / g

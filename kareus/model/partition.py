@@ -18,12 +18,29 @@ bandwidth contention.
 forward and backward, and the work outside partitions (embedding, LM head and loss). All FLOPs and
 bytes are per rank.
 
-Modelling choices (documented in docs/architecture.md): the chain of one stage is
-treated as cyclic, so the first computation of a stage is paired with the last
-collective of the stage (one exposed collective and one bare computation per stage
-and microbatch are counted as one overlapped pair); residual additions are omitted;
-with full recomputation the backward pass of each layer re-runs its forward,
-collectives included, so backward computations also hold forward partition types.
+Modelling choices (documented in docs/architecture.md): where a stage's layers run as one
+chain (``Workload.chained_layers``, the default), the chain is treated as cyclic, so the
+first computation of a stage is paired with the last collective of the stage (one exposed
+collective and one bare computation per stage and microbatch are counted as one overlapped
+pair); residual additions are omitted; with full recomputation the backward pass of each
+layer re-runs its forward, collectives included, so backward computations also hold
+forward partition types.
+
+Where each layer runs as its own planned layer (``chained_layers=False``: torchtitan's
+``Trainer``, which wraps every block in FSDP; Megatron-Core layers left unchained), no
+pair crosses a layer boundary. Each layer's computation is then what the runtime runs for
+one layer (``_layer_pieces``: its forward, or its backward after the recomputed forward
+under full recomputation; under sequence parallelism the backward opens with the
+all-gather of its output's gradient and leaves its input's gradient sharded), cut at its
+collectives into pieces, each nanobatch of a piece beside the collective of the unit
+before it in that layer (``_unchained_units``). What has nothing before it runs bare (the
+layer's first unit; the input norm's backward of the later nanobatches, after the pieces'
+collectives) and a collective with nothing after it runs exposed (the layer's last; under
+sequence parallelism the output gradient's all-gathers of the first ``n - 1``
+nanobatches, which no op follows): both are costed per layer as work outside partitions
+(``PartitionSet.outside``, at the computation's clock; the exposed collectives at their
+own CTA count, as the runtime runs them for such a workload). A computation of one
+nanobatch is the same either way (each collective after its own ops).
 
 The model's layer features change the op lists: with ``qk_norm`` the per-head query/key
 norms run fused with RoPE, so ``rope`` is ``qk_norm_rope`` and ``rope_bwd`` is
@@ -61,6 +78,11 @@ is then one partition type per chunk (suffixed ``_c{i}``). The forward runs the 
 order (a chunk's attention needs the earlier chunks' K and V) and the backward in reverse
 (a chunk's attention backward adds to the earlier chunks' dK and dV, which their QKV
 backward reads), which decides which chunk overlaps the collective of the segment before.
+
+Packed documents whose attention is masked (``Workload.document_tokens``, CP = 1) cost the
+attention that runs: the causal halves of the documents' squares
+([`document_pairs`][kareus.model.document_pairs]) instead of the whole sequence's, forward
+and backward (and selective recomputation's re-run); every other op is unchanged.
 """
 
 from __future__ import annotations
@@ -70,8 +92,9 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import attrs
 
-from kareus.errors import ArgumentError, WorkloadError
-from kareus.model.decoder import ATTENTION_SEGMENT, decoder_layer
+from kareus.errors import ArgumentError, ArgumentTypeError, WorkloadError
+from kareus.model.decoder import ATTENTION_SEGMENT, decoder_layer, moe_decoder_layer
+from kareus.model.documents import document_pairs
 from kareus.model.ops import CommKind, CommOp, ComputeOp, OpKind
 from kareus.model.workload import Workload
 
@@ -86,6 +109,7 @@ __all__ = [
     "PartitionSet",
     "TransformerPartition",
     "build_partitions",
+    "grad_reduction_crosses_node",
     "iteration_work",
     "launch_slots",
     "stage_params_per_rank",
@@ -230,8 +254,9 @@ class TransformerPartition(OpPartition):
         stage_gpus: GPUs of the pipeline stage that run it (TP x CP); ``None`` = the
             collective's group. Sets [`group_gpus`][kareus.model.TransformerPartition.group_gpus],
             the scope of its measurements.
-        comm_group: The parallel group its collective runs over (``"tp"`` or ``"cp"``;
-            ``""``: not said). Under sequence parallelism with CP, a TP and a CP collective
+        comm_group: The parallel group its collective runs over (``"tp"``, ``"cp"``, or
+            ``"ep"``: a mixture of experts' all-to-all, whose ranks span data-parallel
+            replicas, so ``stage_gpus`` need not hold them; ``""``: not said). Under sequence parallelism with CP, a TP and a CP collective
             may be of one kind; the runtime tells them apart by it.
     """
 
@@ -256,6 +281,13 @@ def _nonneg_float(instance: object, attribute: attrs.Attribute, value: float) ->
         raise ArgumentError(f"OutsideWork.{attribute.name} must be a number >= 0, got {value!r}")
 
 
+def _names(value: Iterable[str]) -> tuple[str, ...]:
+    if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+        raise ArgumentTypeError(f"OutsideWork.comms_in_node must be a sequence of collective "
+                                f"names, got {value!r:.60}")
+    return tuple(value)
+
+
 @attrs.frozen(kw_only=True)
 class OutsideWork:
     """Work that is not part of any partition, run sequentially.
@@ -264,17 +296,23 @@ class OutsideWork:
     LM head and loss, their vocabulary-parallel all-reduces, and the pipeline send of the
     computation's output to the next stage (forward) or of its input gradient to the
     previous one (backward). Per iteration (``PartitionSet.iteration``): the optimizer
-    step and the data-parallel gradient reduction.
+    step and the gradient reduction over the DP x CP ranks.
 
     Attributes:
         ops: Computation ops, per rank.
         comms: Collectives run after them without overlap (e.g. vocab-parallel all-reduces,
-            the data-parallel gradient reduction).
+            the gradient reduction over DP x CP).
         comms_cross_node: Whether ``comms`` cross nodes (then the inter-node network, not
             NVLink, limits them).
         p2p_bytes: Bytes this rank sends to a neighbouring pipeline stage after ``ops`` and
             ``comms`` (0: none); the matching receive runs at the same time.
         p2p_cross_node: Whether the pipeline send crosses nodes.
+        comms_in_node: Names of those ``comms`` whose group lies inside one node (NVLink)
+            although ``comms_cross_node`` is set: a job over several nodes whose collectives
+            do not all span them (the iteration's gradient reduction over a CP group of one
+            node beside the tied embedding's all-reduce between end stages on two nodes,
+            ``iteration_work``). Empty (the default): ``comms_cross_node`` says it for every
+            collective. Shown in the work's ``repr`` only when not empty.
     """
 
     ops: tuple[ComputeOp, ...] = attrs.field(converter=_compute_ops, factory=tuple)
@@ -282,6 +320,29 @@ class OutsideWork:
     comms_cross_node: bool = False
     p2p_bytes: float = attrs.field(default=0.0, validator=_nonneg_float)
     p2p_cross_node: bool = False
+    comms_in_node: tuple[str, ...] = attrs.field(converter=_names, factory=tuple, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        names = {c.name for c in self.comms}
+        unknown = [n for n in self.comms_in_node if n not in names]
+        if unknown:
+            raise ArgumentError(f"OutsideWork.comms_in_node names {unknown}, which are not "
+                                f"among its comms {sorted(names)}")
+
+    def __repr__(self) -> str:
+        # attrs's repr of the other fields, unchanged when ``comms_in_node`` is empty: the
+        # repr keys measurements (the emulator's noise, output folders), so work that never
+        # sets the field keeps the keys it had before the field existed.
+        fields = [f"{a.name}={getattr(self, a.name)!r}" for a in attrs.fields(type(self))
+                  if a.name != "comms_in_node"]
+        if self.comms_in_node:
+            fields.append(f"comms_in_node={self.comms_in_node!r}")
+        return f"{type(self).__name__}({', '.join(fields)})"
+
+    def crosses_node(self, comm: CommOp) -> bool:
+        """Whether ``comm`` (one of ``comms``) crosses nodes: ``comms_cross_node``, unless
+        ``comms_in_node`` names it."""
+        return self.comms_cross_node and comm.name not in self.comms_in_node
 
     @property
     def empty(self) -> bool:
@@ -306,7 +367,7 @@ class PartitionSet:
         outside: ``outside[(stage, phase)]`` = the work outside partitions.
         iteration: Work once per iteration after the pipeline flush, per GPU of the stage
             with the most parameters (every stage runs it at the same time): the optimizer
-            step and the data-parallel gradient reduction (``iteration_work``).
+            step and the gradient reduction over DP x CP (``iteration_work``).
     """
 
     workload: Workload
@@ -337,9 +398,14 @@ class PartitionSet:
     def model_flops_per_gpu_iteration(self) -> float:
         """Model FLOPs per GPU per iteration: 3x forward, recomputation not counted.
 
-        Averaged over the pipeline stages (each stage's GPUs do their stage's share).
+        Averaged over the pipeline stages (each stage's GPUs do their stage's share). Of a
+        mixture of experts with routing imbalance, the mean rank's FLOPs (balanced
+        routing): the partitions hold the busiest rank's, which is not model work.
         """
         wl = self.workload
+        if wl.routing_imbalance != 1:
+            return build_partitions(wl.with_(routing_imbalance=1.0)
+                                    ).model_flops_per_gpu_iteration()
         pp = wl.parallelism.pp
         fwd_partitions = sum(self.types[t].flops * c for t, c in self.counts["fwd"].items())
         total = sum(3.0 * (fwd_partitions + self.outside[(s, "fwd")].flops) for s in range(pp))
@@ -369,6 +435,18 @@ class _Shapes:
     ``chunk``, of chunk ``chunk`` of a microbatch of one sequence split along the sequence
     into ``parts`` (``Workload.sequence_split``)."""
 
+    # mixture-of-experts shapes, set by ``_moe_shapes`` for an MoE model only
+    tm: int
+    k: int
+    experts: int
+    local: int
+    fe: int
+    fs: int
+    rd: int
+    rows: float
+    group_rows: float
+    sort: bool
+
     def __init__(self, wl: Workload, parts: int, chunk: int | None = None) -> None:
         m, p = wl.model, wl.parallelism
         self.d = wl.dtype_bytes
@@ -376,8 +454,11 @@ class _Shapes:
             self.b = wl.microbatch_size // parts  # sequences
             self.sq = wl.seq_len // p.cp  # query tokens per sequence on this rank
             self.sk = wl.seq_len  # key tokens per sequence after the CP all-gather
-            # causal attention, load-balanced over CP ranks: half the score matrix
-            self.pairs = 0.5 * self.sq * self.sk
+            # causal attention, load-balanced over CP ranks: half the score matrix; with
+            # packed documents masked (CP = 1), the causal halves of the documents'
+            # squares (kareus.model.documents)
+            self.pairs = (0.5 * self.sq * self.sk if wl.document_tokens is None
+                          else document_pairs(wl.seq_len, wl.document_tokens))
         else:  # one sequence (CP = 1), its chunk ``chunk`` of ``parts``
             self.b = 1
             self.sq = wl.seq_len // parts
@@ -401,6 +482,9 @@ class _Shapes:
         self.head_dim = m.head_dim
         self.qk_norm = m.qk_norm
         self.qkv_bias = m.qkv_bias
+        self.moe = m.moe
+        if m.moe is not None:
+            _moe_shapes(self, wl)
 
     def gemm(self, name: str, m: int, k: int, n: int, *, bias_add: bool = False,
              bias_grad: bool = False) -> ComputeOp:
@@ -496,6 +580,120 @@ def _layer_ops(phase: str, s: _Shapes) -> dict[str, ComputeOp]:
     return {op.name: op for op in ops}
 
 
+def _moe_shapes(s: _Shapes, wl: Workload) -> None:
+    """The mixture-of-experts shapes of one rank (``kareus.model.moe``): ``tm`` tokens
+    routed by this rank (its sequence shard under sequence parallelism), ``rows`` token
+    rows its experts receive (``tm x top-k``, times ``Workload.routing_imbalance`` on the
+    busiest expert-parallel rank, whose load every rank waits for), ``local`` experts of
+    width ``fe``, and ``group_rows`` tokens per local expert (the mean over them)."""
+    moe = wl.model.moe
+    assert moe is not None
+    ep = wl.parallelism.ep
+    s.tm = s.tn
+    s.k = moe.experts_per_token
+    s.experts = moe.experts
+    s.local = moe.experts // ep
+    s.fe = moe.expert_ffn
+    s.fs = moe.shared_experts * moe.shared_expert_ffn  # the shared experts side by side
+    s.rd = moe.router_dtype_bytes
+    s.rows = wl.routing_imbalance * s.tm * s.k
+    s.group_rows = s.rows / s.local
+    # Megatron-Core sorts the received tokens by local expert (and back) when an EP rank
+    # holds more than one expert
+    s.sort = ep > 1 and s.local > 1
+
+
+def _moe_ops(phase: str, s: _Shapes) -> dict[str, ComputeOp]:
+    """The MoE block's ops of ``phase`` (``kareus.model.decoder.moe_decoder_layer``), by
+    name. Per rank, with ``tm`` routed tokens, ``r`` received rows, ``E`` experts, ``k``
+    top-k, ``fe`` the expert width, ``d`` the activation and ``rd`` the router dtype's bytes:
+
+    * ``router``: GEMM ``tm x h @ h x E`` (its input's cast to the router dtype fused into
+      it); ``router_topk``: softmax over the ``E`` logits and the top-k (reads the logits,
+      writes the probabilities kept for the backward, the top-k values and int64 indices;
+      5 FLOPs per logit); ``permute``: each token copied to its ``k`` rows (reads
+      ``tm x h``, writes ``tm k x h`` and reads the int64 row map);
+    * ``expert_sort`` / ``expert_unsort``: the received rows reordered by local expert and
+      back (read and write ``r x h`` each);
+    * ``expert_gate_up``, ``expert_down``: grouped GEMMs over the ``E / ep`` local experts
+      (gate and up as one ``r x h @ h x 2fe``, then ``r x fe @ fe x h``), each expert's
+      weight read once; ``expert_swiglu`` as the dense layer's SwiGLU on ``r x fe``;
+    * ``unpermute``: each token's ``k`` rows weighted by their probabilities and summed
+      (reads ``tm k x h`` and the probabilities, writes ``tm x h``; with shared experts it
+      also reads and adds their output);
+    * shared experts: the dense layer's SwiGLU MLP of width ``shared_experts x
+      shared_expert_ffn`` on the ``tm`` tokens;
+
+    and their backward: each GEMM's data and weight gradient (a grouped GEMM's weight
+    gradient reads the token rows and writes each expert's weight gradient), the SwiGLU
+    backward, ``unpermute_bwd`` (reads the output gradient, the expert outputs and the
+    probabilities, writes the rows' gradients and the probabilities' gradients),
+    ``permute_bwd`` (sums each token's ``k`` row gradients), ``router_topk_bwd`` (the
+    softmax's backward over the ``E`` logits), ``router_dgrad`` / ``router_wgrad``.
+    """
+    h, tm, k, E, fe, d, rd = s.h, s.tm, s.k, s.experts, s.fe, s.d, s.rd
+    r, L = s.rows, s.local
+    fs = s.fs
+    ew = OpKind.ELEMENTWISE
+
+    def grouped(name: str, flops: float, token_elems: float, weight_elems: float) -> ComputeOp:
+        # token-side operands and output, plus each local expert's weight read (or its
+        # gradient written) once
+        return ComputeOp(name=name, kind=OpKind.GEMM, flops=flops,
+                         bytes_moved=(token_elems + L * weight_elems) * d,
+                         group_rows=s.group_rows)
+
+    def mem(name: str, kind: OpKind, nbytes: float, flops: float) -> ComputeOp:
+        return ComputeOp(name=name, kind=kind, flops=flops, bytes_moved=nbytes)
+
+    ops: list[ComputeOp] = []
+    if phase == "fwd":
+        ops += [ComputeOp(name="router", kind=OpKind.GEMM, flops=2.0 * tm * h * E,
+                          bytes_moved=tm * h * d + (h * E + tm * E) * rd),
+                mem("router_topk", ew, 2 * tm * E * rd + tm * k * (rd + 8), 5.0 * tm * E),
+                mem("permute", ew, (tm + tm * k) * h * d + tm * k * 8, 0.0)]
+        if fs:
+            ops += [s.gemm("shared_gate", tm, h, fs), s.gemm("shared_up", tm, h, fs),
+                    s.mem("shared_swiglu", OpKind.ACTIVATION, 3 * tm * fs, 2.0),
+                    s.gemm("shared_down", tm, fs, h)]
+        if s.sort:
+            ops += [mem("expert_sort", ew, 2 * r * h * d, 0.0),
+                    mem("expert_unsort", ew, 2 * r * h * d, 0.0)]
+        ops += [grouped("expert_gate_up", 2.0 * r * h * 2 * fe, r * h + r * 2 * fe, h * 2 * fe),
+                s.mem("expert_swiglu", OpKind.ACTIVATION, 3 * r * fe, 2.0),
+                grouped("expert_down", 2.0 * r * fe * h, r * fe + r * h, fe * h),
+                mem("unpermute", ew, (tm * k * h + tm * h + (tm * h if fs else 0)) * d
+                    + tm * k * rd, 2.0 * tm * k * h + (tm * h if fs else 0))]
+        return {op.name: op for op in ops}
+    ops += [mem("unpermute_bwd", ew, (tm * h + 2 * tm * k * h) * d + 2 * tm * k * rd,
+                3.0 * tm * k * h)]
+    if s.sort:
+        ops += [mem("expert_unsort_bwd", ew, 2 * r * h * d, 0.0),
+                mem("expert_sort_bwd", ew, 2 * r * h * d, 0.0)]
+    if fs:
+        ops += [s.gemm("shared_down_dgrad", tm, h, fs), s.gemm("shared_down_wgrad", fs, tm, h),
+                s.mem("shared_swiglu_bwd", OpKind.ACTIVATION, 5 * tm * fs, 3.0),
+                s.gemm("shared_gate_dgrad", tm, fs, h), s.gemm("shared_up_dgrad", tm, fs, h),
+                s.gemm("shared_gate_wgrad", h, tm, fs), s.gemm("shared_up_wgrad", h, tm, fs)]
+    ops += [grouped("expert_down_dgrad", 2.0 * r * h * fe, r * h + r * fe, h * fe),
+            grouped("expert_down_wgrad", 2.0 * r * fe * h, r * fe + r * h, fe * h),
+            s.mem("expert_swiglu_bwd", OpKind.ACTIVATION, 5 * r * fe, 3.0),
+            grouped("expert_gate_up_dgrad", 2.0 * r * 2 * fe * h, r * 2 * fe + r * h, 2 * fe * h),
+            grouped("expert_gate_up_wgrad", 2.0 * h * r * 2 * fe, r * h + r * 2 * fe, h * 2 * fe),
+            mem("permute_bwd", ew, (tm * k + tm) * h * d, 1.0 * tm * k * h),
+            mem("router_topk_bwd", ew, 2 * tm * E * rd + tm * k * rd, 4.0 * tm * E),
+            ComputeOp(name="router_dgrad", kind=OpKind.GEMM, flops=2.0 * tm * E * h,
+                      bytes_moved=(tm * E + E * h) * rd + tm * h * d),
+            ComputeOp(name="router_wgrad", kind=OpKind.GEMM, flops=2.0 * h * tm * E,
+                      bytes_moved=tm * h * d + (tm * E + h * E) * rd)]
+    return {op.name: op for op in ops}
+
+
+#: The dense MLP's ops, which a mixture-of-experts layer does not run.
+_DENSE_MLP_OPS = ("gate", "up", "swiglu", "down", "down_dgrad", "down_wgrad", "swiglu_bwd",
+                  "gate_dgrad", "up_dgrad", "gate_wgrad", "up_wgrad")
+
+
 def _layer_comms(wl: Workload, s: _Shapes) -> dict[tuple[str, str], CommOp | None]:
     """A layer's collectives by ``(kind, group)`` (``None`` where the group has one GPU).
 
@@ -523,6 +721,11 @@ def _layer_comms(wl: Workload, s: _Shapes) -> dict[tuple[str, str], CommOp | Non
         ("reduce_scatter", "cp"): (CommOp(name="cp_reduce_scatter_dkv",
                                           kind=CommKind.REDUCE_SCATTER, bytes=kv_bytes,
                                           group_size=p.cp) if cp else None),
+        # a mixture of experts' dispatch and combine (forward and backward): the token rows
+        # the busiest EP rank receives, of which (EP-1)/EP cross its links (``bus_bytes``)
+        ("all_to_all", "ep"): (CommOp(name="ep_all_to_all", kind=CommKind.ALL_TO_ALL,
+                                      bytes=s.rows * s.h * s.d, group_size=p.ep)
+                               if s.moe is not None and p.ep > 1 else None),
     }
 
 
@@ -535,7 +738,12 @@ def _layer_segments(wl: Workload, phase: str, s: _Shapes) -> list[_Segment]:
     p = wl.parallelism
     comms = _layer_comms(wl, s)
     ops = _layer_ops(phase, s)
-    layer = decoder_layer(phase, qk_norm=s.qk_norm, sp=s.sp, recompute=s.recompute)
+    if s.moe is None:
+        layer = decoder_layer(phase, qk_norm=s.qk_norm, sp=s.sp, recompute=s.recompute)
+    else:  # the MoE block in place of the dense MLP
+        ops = {n: op for n, op in ops.items() if n not in _DENSE_MLP_OPS} | _moe_ops(phase, s)
+        layer = moe_decoder_layer(phase, qk_norm=s.qk_norm, sp=s.sp, recompute=s.recompute,
+                                  shared_experts=s.fs > 0, sort_tokens=s.sort)
     unknown = sorted(set(layer.op_names) ^ set(ops))
     if unknown:  # the op order and the costs name the same ops
         raise AssertionError(f"decoder ops without a cost or not in the op order: {unknown}")
@@ -590,7 +798,7 @@ def _chains(wl: Workload, segs: dict[str, list[_Segment]]) -> list[tuple[str, st
     pairing is kept.)"""
     if wl.recompute != "full":
         return [("fwd", "fwd", "fwd"), ("bwd", "bwd", "bwd")]
-    if wl.parallelism.tp == 1:
+    if wl.parallelism.tp == 1 and wl.model.moe is None:
         return [("fwd", "fwd", "fwd"), ("bwd", "bwd", "bwd"), ("bwd", "fwd", "fwd")]
     return [("fwd", "fwd", "fwd"), ("bwd", "bwd", "fwd"), ("bwd", "fwd", "bwd")]
 
@@ -661,6 +869,109 @@ def _overlap_pairs(wl: Workload, segs_of: dict[str, list[list[_Segment]]]) -> li
     return pairs
 
 
+def _layer_pieces(wl: Workload, phase: str, s: _Shapes) -> list[tuple[str, _Segment]]:
+    """One layer's ``phase`` computation as a planned layer of its own runs it (the runtime's
+    ``stack_stream`` of one layer, cut at its collectives), as ``(phase of its ops, piece)``:
+    each piece a run of ops and the collective after it (``comm=None`` for the ops after the
+    last collective: the backward's input-norm backward). The backward re-runs the forward
+    first under full recomputation; under sequence parallelism it opens with the
+    all-gather of its output's gradient (a piece without ops) and ends without gathering
+    its input's (the framework's layer below does). A collective over a group of one GPU
+    does not run: its ops join the next piece."""
+    p = wl.parallelism
+    comms = _layer_comms(wl, s)
+    sp = s.sp
+    run = [("fwd", decoder_layer("fwd", qk_norm=s.qk_norm, sp=sp))] if (
+        phase == "fwd" or wl.recompute == "full") else []
+    if phase == "bwd":
+        run.append(("bwd", decoder_layer("bwd", qk_norm=s.qk_norm, sp=sp,
+                                         recompute=wl.recompute)))
+    raw: list[tuple[str, str, tuple[str, ...], tuple[str, str] | None]] = []
+    if phase == "bwd" and sp:
+        raw.append(("bwd", "dy", (), ("all_gather", "tp")))
+    for ph, layer in run:
+        for seg in layer.segments:
+            c = seg.collective
+            raw.append((ph, seg.name, seg.op_names, (c.kind, c.group)))
+        if layer.tail:
+            raw.append((ph, "attn_norm", layer.tail, None))
+    if phase == "bwd" and sp:
+        ph, name, names, _ = raw[-1]  # the input gradient's all-gather: the layer below's
+        raw[-1] = (ph, name, names, None)
+    ops = {ph: _layer_ops(ph, s) for ph in {ph for ph, _ in run}}
+    out: list[tuple[str, _Segment]] = []
+    held: list[tuple[str, str, tuple[str, ...]]] = []  # ops whose collective does not run
+    for ph, name, names, key in raw:
+        comm = comms[key] if key is not None else None
+        if key is not None and comm is None:
+            held.append((ph, name, names))
+            continue
+        if held and {h[0] for h in held} != {ph}:
+            raise WorkloadError(
+                f"{wl.model.name}: unchained layers (chained_layers=False) at TP={p.tp} with "
+                "full recomputation run the recomputed forward's ops and the backward's in "
+                "one unit, which kareus does not model: use chained layers or TP > 1")
+        seg_names = [h[1] for h in held] + [name]
+        label = (ATTENTION_SEGMENT if sorted(seg_names) == ["attn_in", "attn_out"]
+                 else "_".join(seg_names))
+        seg_ops = tuple(ops[ph][o] for h in held for o in h[2]) + tuple(
+            ops[ph][o] for o in names)
+        out.append((ph, _Segment(label, seg_ops, comm, key[1] if comm is not None and key
+                                 else "")))
+        held = []
+    if held:  # ops after the last collective that runs
+        ph = held[0][0]
+        out.append((ph, _Segment("_".join(h[1] for h in held),
+                                 tuple(ops[ph][o] for h in held for o in h[2]), None)))
+    return out
+
+
+def _unchained_units(wl: Workload, chunks: Sequence[int | None]
+                     ) -> tuple[list[_Pair], dict[str, tuple[ComputeOp, ...]],
+                                dict[str, tuple[CommOp, ...]]]:
+    """What one planned layer of its own runs per microbatch computation, nanobatched
+    (``Workload.chained_layers=False``), as the runtime schedule runs its pieces: the unit
+    (piece ``j``, nanobatch ``i``) beside the collective of the unit before it in stream
+    order (``(j, i-1)``, or ``(j-1, n-1)`` for ``i = 0``). So the layer's first unit runs
+    bare (nothing before it in the layer), a piece without ops leaves the collective
+    before it exposed, and the last collective runs exposed after everything.
+
+    Returns:
+        The overlapped pairs (as ``_overlap_pairs``, one instance per layer each), and per
+        phase one layer's bare computation (its ops) and exposed collectives."""
+    n = wl.nanobatches
+    pieces_of = {phase: [_layer_pieces(wl, phase, _Shapes(wl, n, c)) for c in chunks]
+                 for phase in PHASES}
+    pairs: list[_Pair] = []
+    bare: dict[str, tuple[ComputeOp, ...]] = {}
+    exposed: dict[str, tuple[CommOp, ...]] = {}
+    for counted in PHASES:
+        per_chunk = pieces_of[counted]
+        base = per_chunk[0]
+        b_ops: list[ComputeOp] = []
+        e_comms: list[CommOp] = []
+        pending: tuple[CommOp, str] | None = None
+        for j, (ph, seg) in enumerate(base):
+            same = all(pc[j][1].ops == seg.ops for pc in per_chunk)
+            for i in range(n):
+                # forward ops in chunk order, backward ops last chunk first (``_overlap_pairs``)
+                c = i if ph == "fwd" else n - 1 - i
+                unit = seg if same else per_chunk[c][j][1]
+                if pending is None:
+                    b_ops += unit.ops
+                elif unit.ops:
+                    pairs.append((counted, ph, unit, pending[0], pending[1], 1,
+                                  None if same else c))
+                else:
+                    e_comms.append(pending[0])
+                pending = (seg.comm, seg.group) if seg.comm is not None else None
+        if pending is not None:
+            e_comms.append(pending[0])
+        bare[counted] = tuple(b_ops)
+        exposed[counted] = tuple(e_comms)
+    return pairs, bare, exposed
+
+
 def build_partitions(workload: Workload) -> PartitionSet:
     """Partition types, per-microbatch instance counts and outside work of a workload.
 
@@ -670,10 +981,11 @@ def build_partitions(workload: Workload) -> PartitionSet:
     wl = workload
     p = wl.parallelism
     n = wl.nanobatches
-    if p.tp == 1 and p.cp == 1:
+    if p.tp == 1 and p.cp == 1 and p.ep == 1:
         raise WorkloadError(
             f"{wl.model.name}: with TP=1 and CP=1 no layer has a collective to overlap; "
-            "kareus needs tensor or context parallelism (set tp >= 2 or cp >= 2)")
+            "kareus needs tensor or context parallelism (set tp >= 2 or cp >= 2)"
+            + ("" if wl.model.moe is None else ", or expert parallelism (ep >= 2)"))
     L = wl.layers_per_stage
     types: dict[str, TransformerPartition] = {}
     counts: dict[str, dict[str, int]] = {ph: {} for ph in PHASES}
@@ -681,9 +993,16 @@ def build_partitions(workload: Workload) -> PartitionSet:
     # the layer's segments per chunk: one list, or, along the sequence, one per chunk (only
     # the attention ops' costs differ between them)
     chunks: list[int | None] = list(range(n)) if wl.sequence_split else [None]
-    segs_of = {phase: [_normalise(_layer_segments(wl, phase, _Shapes(wl, n, c)))
-                       for c in chunks] for phase in PHASES}
-    pairs = _overlap_pairs(wl, segs_of)
+    outside = _outside_work(wl)
+    if wl.chained_layers or n == 1:
+        segs_of = {phase: [_normalise(_layer_segments(wl, phase, _Shapes(wl, n, c)))
+                           for c in chunks] for phase in PHASES}
+        pairs = _overlap_pairs(wl, segs_of)
+    else:
+        pairs, bare, exposed = _unchained_units(wl, chunks)
+        outside = {key: attrs.evolve(work, ops=work.ops + bare[key[1]] * L,
+                                     comms=work.comms + exposed[key[1]] * L)
+                   for key, work in outside.items()}
     overlapped: dict[tuple[str, str], set[tuple[CommKind, str]]] = {}
     for _, phase, seg, comm, group, _, _ in pairs:
         overlapped.setdefault((phase, seg.name), set()).add((comm.kind, group))
@@ -699,7 +1018,7 @@ def build_partitions(workload: Workload) -> PartitionSet:
         counts[counted][name] = counts[counted].get(name, 0) + k * L
 
     return PartitionSet(workload=wl, types=dict(types), counts=counts,
-                        outside=_outside_work(wl), iteration=iteration_work(wl))
+                        outside=outside, iteration=iteration_work(wl))
 
 
 def stage_params_per_rank(wl: Workload) -> float:
@@ -715,7 +1034,7 @@ def stage_params_per_rank(wl: Workload) -> float:
     ``iteration_work``), so each end stage holds one
     matrix either way."""
     m, p = wl.model, wl.parallelism
-    layers = wl.layers_per_stage * m.layer_params_per_rank(p.tp)
+    layers = wl.layers_per_stage * m.layer_params_per_rank(p.tp, p.ep)
     embed = m.vocab * m.hidden / p.tp
     if p.pp == 1:
         return layers + (1 if m.tied_embeddings else 2) * embed + m.hidden
@@ -731,52 +1050,142 @@ ADAM_BYTES_PER_PARAM = 30.0
 ADAM_FLOPS_PER_PARAM = 12.0
 
 
+def grad_reduction_crosses_node(wl: Workload) -> bool:
+    """Whether a gradient-reduction group of the workload (the ``DP x CP`` ranks that hold
+    one TP rank's shard of one pipeline stage) spans more than one node
+    (``GPUS_PER_NODE`` GPUs a node).
+
+    Ranks are laid out TP fastest, then CP, then PP, then DP (``rank = tp + TP (cp + CP (pp
+    + PP dp))``; Megatron-LM's order with ``--use-tp-pp-dp-mapping``, ``tp-cp-ep-pp-dp``):
+    the layout the pipeline sends' node test already assumes (a stage group of ``TP x CP``
+    GPUs times ``PP`` in one node). A CP group alone (DP = 1) then stays inside the
+    ``TP x CP`` block of its stage; with DP > 1 the group reaches across the whole job, so
+    it crosses nodes exactly when the job spans more than one. (Megatron-Core's default
+    order ``tp-cp-ep-dp-pp`` puts DP inside PP instead; not modelled.)
+    """
+    p = wl.parallelism
+    for tp in range(p.tp):
+        for pp in range(p.pp):
+            nodes = {(tp + p.tp * (cp + p.cp * (pp + p.pp * dp))) // GPUS_PER_NODE
+                     for cp in range(p.cp) for dp in range(p.dp)}
+            if len(nodes) > 1:
+                return True
+    return False
+
+
 def iteration_work(wl: Workload, *, distributed_optimizer: bool = True) -> OutsideWork:
     """The work once per iteration after the pipeline flush, per GPU of the largest stage.
 
-    * Data-parallel gradient reduction when DP > 1: with Megatron-LM's distributed
-      optimizer (default), a reduce-scatter of the fp32 gradients and, after the step, an
-      all-gather of the bf16 weights over the DP group; without it, an all-reduce of the
-      fp32 gradients. Across nodes when the job spans more than one node's GPUs.
-    * The Adam step over the parameters this rank updates (all of its stage's, or 1/DP of
-      them with the distributed optimizer): ``ADAM_BYTES_PER_PARAM`` of HBM traffic and
-      ``ADAM_FLOPS_PER_PARAM`` per parameter, one memory-bound op.
+    * Gradient reduction over the ``DP x CP`` ranks that hold the same weights when
+      ``DP x CP > 1``: every data-parallel replica and every context-parallel rank computes
+      gradients of the same weights from different tokens, and Megatron-Core reduces them
+      over its ``dp_cp`` group (its distributed optimizer shards over that group too). With
+      the distributed optimizer (default), a reduce-scatter of the fp32 gradients and,
+      after the step, an all-gather of the bf16 weights over the group; without it, an
+      all-reduce of the fp32 gradients. Named for the group: ``dp_*`` at CP = 1,
+      ``cp_*`` at DP = 1 (the CP group itself, which a stage's runnable outside work
+      runs on), ``dp_cp_*`` otherwise. Across nodes when the group spans more than one
+      node (``grad_reduction_crosses_node``: a CP group alone stays in its stage's node;
+      with DP > 1 the group crosses nodes when the job does).
+    * The Adam step over the parameters this rank updates (all of its stage's, or
+      ``1 / (DP x CP)`` of them with the distributed optimizer): ``ADAM_BYTES_PER_PARAM``
+      of HBM traffic and ``ADAM_FLOPS_PER_PARAM`` per parameter, one memory-bound op.
 
     * With tied embeddings and PP > 1, an all-reduce of the tied matrix's fp32 gradient
       (``vocab / TP x hidden``) between the first stage (its embedding's gradient) and the
       last (its LM head's), so that both copies take the same step (Megatron-LM's embedding
-      group, two GPUs).
+      group, two GPUs); across nodes when the job spans more than one node.
+
+    * A mixture-of-experts model's routed experts are not replicated over DP but over the
+      expert-data-parallel group of ``tp x cp x dp / ep`` ranks (``kareus.model.moe``):
+      their gradients are reduced (and their step divided) over that group, the rest of
+      the parameters over DP x CP as above (``_expert_iteration_work``).
 
     Assumptions (engineering estimates, stated in docs/emulator.md): gradients kept and
-    reduced in fp32, no gradient-reduction overlap with the backward pass (Megatron-LM's
-    ``--overlap-grad-reduce`` is off by default).
+    reduced in fp32 (Megatron-LM's ``--bf16`` turns on
+    ``--accumulate-allreduce-grads-in-fp32``), no gradient-reduction overlap with the
+    backward pass (Megatron-LM's ``--overlap-grad-reduce`` is off by default).
     """
+    if wl.model.moe is not None:
+        return _expert_iteration_work(wl, distributed_optimizer=distributed_optimizer)
     p, m = wl.parallelism, wl.model
     n = stage_params_per_rank(wl)
     comms: list[CommOp] = []
     share = n
-    if p.dp > 1:
+    group = p.dp * p.cp  # Megatron-Core's dp_cp group
+    prefix = "dp" if p.cp == 1 else "cp" if p.dp == 1 else "dp_cp"
+    if group > 1:
         if distributed_optimizer:
-            comms = [CommOp(name="dp_grad_reduce_scatter", kind=CommKind.REDUCE_SCATTER,
-                            bytes=int(4 * n), group_size=p.dp),
-                     CommOp(name="dp_param_all_gather", kind=CommKind.ALL_GATHER,
-                            bytes=int(2 * n), group_size=p.dp)]
-            share = n / p.dp
+            comms = [CommOp(name=f"{prefix}_grad_reduce_scatter", kind=CommKind.REDUCE_SCATTER,
+                            bytes=int(4 * n), group_size=group),
+                     CommOp(name=f"{prefix}_param_all_gather", kind=CommKind.ALL_GATHER,
+                            bytes=int(2 * n), group_size=group)]
+            share = n / group
         else:
-            comms = [CommOp(name="dp_grad_all_reduce", kind=CommKind.ALL_REDUCE,
-                            bytes=int(4 * n), group_size=p.dp)]
+            comms = [CommOp(name=f"{prefix}_grad_all_reduce", kind=CommKind.ALL_REDUCE,
+                            bytes=int(4 * n), group_size=group)]
+    cross = p.world_size > GPUS_PER_NODE
+    in_node = ([c.name for c in comms] if cross and comms and not grad_reduction_crosses_node(wl)
+               else [])
     if m.tied_embeddings and p.pp > 1:
-        # After the data-parallel reduction of the gradients, before the step (and so
-        # before the weights' all-gather of the distributed optimizer).
+        # After the gradient reduction, before the step (and so before the weights'
+        # all-gather of the distributed optimizer).
         v_local = -(-m.vocab // p.tp)
         tied = CommOp(name="embedding_grad_all_reduce", kind=CommKind.ALL_REDUCE,
                       bytes=4 * v_local * m.hidden, group_size=2)
-        comms.insert(1 if p.dp > 1 else 0, tied)
+        comms.insert(1 if group > 1 else 0, tied)
     step = ComputeOp(name="optimizer_step", kind=OpKind.ELEMENTWISE,
                      flops=ADAM_FLOPS_PER_PARAM * share,
                      bytes_moved=ADAM_BYTES_PER_PARAM * share)
-    return OutsideWork(ops=(step,), comms=tuple(comms),
-                       comms_cross_node=p.world_size > GPUS_PER_NODE)
+    return OutsideWork(ops=(step,), comms=tuple(comms), comms_cross_node=cross,
+                       comms_in_node=in_node)
+
+
+def _expert_iteration_work(wl: Workload, *, distributed_optimizer: bool) -> OutsideWork:
+    """``iteration_work`` of a mixture-of-experts model: the routed experts' gradients
+    reduced over the expert-data-parallel group (``tp x cp x dp / ep`` ranks), every other
+    parameter's over DP x CP (Megatron-Core's ``dp_cp`` group, named as ``iteration_work``
+    names it, inside a node where ``grad_reduction_crosses_node`` says so; the expert group
+    across nodes when the job spans more than one); each reduction as ``iteration_work``
+    says (distributed optimizer:
+    reduce-scatter of fp32 gradients, all-gather of bf16 weights, the step over the rank's
+    share; else an all-reduce)."""
+    p, m = wl.parallelism, wl.model
+    assert m.moe is not None
+    n = stage_params_per_rank(wl)
+    experts = wl.layers_per_stage * m.moe.expert_params_per_rank(m.hidden, ep=p.ep)
+    prefix = "dp" if p.cp == 1 else "cp" if p.dp == 1 else "dp_cp"
+    groups = ((prefix, n - experts, p.dp * p.cp), ("edp", experts, p.tp * p.cp * p.dp // p.ep))
+    reduce: list[CommOp] = []
+    gather: list[CommOp] = []
+    share = 0.0
+    for name, params, size in groups:
+        if size == 1:
+            share += params
+            continue
+        if distributed_optimizer:
+            reduce.append(CommOp(name=f"{name}_grad_reduce_scatter",
+                                 kind=CommKind.REDUCE_SCATTER, bytes=int(4 * params),
+                                 group_size=size))
+            gather.append(CommOp(name=f"{name}_param_all_gather", kind=CommKind.ALL_GATHER,
+                                 bytes=int(2 * params), group_size=size))
+            share += params / size
+        else:
+            reduce.append(CommOp(name=f"{name}_grad_all_reduce", kind=CommKind.ALL_REDUCE,
+                                 bytes=int(4 * params), group_size=size))
+            share += params
+    if m.tied_embeddings and p.pp > 1:
+        v_local = -(-m.vocab // p.tp)
+        reduce.append(CommOp(name="embedding_grad_all_reduce", kind=CommKind.ALL_REDUCE,
+                             bytes=4 * v_local * m.hidden, group_size=2))
+    step = ComputeOp(name="optimizer_step", kind=OpKind.ELEMENTWISE,
+                     flops=ADAM_FLOPS_PER_PARAM * share,
+                     bytes_moved=ADAM_BYTES_PER_PARAM * share)
+    cross = p.world_size > GPUS_PER_NODE
+    in_node = ([c.name for c in (*reduce, *gather) if c.name.startswith(prefix + "_")]
+               if cross and not grad_reduction_crosses_node(wl) else [])
+    return OutsideWork(ops=(step,), comms=(*reduce, *gather), comms_cross_node=cross,
+                       comms_in_node=in_node)
 
 
 def _outside_work(wl: Workload) -> dict[tuple[int, str], OutsideWork]:

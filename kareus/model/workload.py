@@ -44,6 +44,7 @@ from kareus.model._spec_file import (
     _read_table,
     _register,
 )
+from kareus.model.moe import MoEArch
 
 __all__ = [
     "MODEL_PRESETS",
@@ -62,6 +63,11 @@ __all__ = [
     "unregister_model",
 ]
 
+
+#: GPUs per node: an expert-parallel group larger than one node's would cross the network
+#: (``kareus.model.partition.GPUS_PER_NODE`` is the same figure; the 8-GPU NVLink nodes of
+#: DGX A100 / H100 / H200 class machines).
+_GPUS_PER_NODE = 8
 
 #: The largest size or count a workload may hold: a 32-bit index (the kernels index
 #: tensors with it), and low enough that FLOP and byte counts stay finite floats.
@@ -103,6 +109,22 @@ def _lower(name: object) -> object:
     return name.lower() if isinstance(name, str) else name
 
 
+def _as_float(value: object) -> object:
+    """A whole number as a float (``1`` and ``1.0`` are one workload, one description);
+    anything else as given, for the check to refuse."""
+    return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+def _moe(value: object) -> MoEArch | None:
+    """``ModelArch.moe`` from a [`MoEArch`][kareus.model.MoEArch], its dict or ``None``."""
+    if value is None or isinstance(value, MoEArch):
+        return value
+    if isinstance(value, Mapping):
+        return MoEArch.from_dict(value)
+    raise WorkloadError(f"moe must be a MoEArch, a table of its fields or None, got "
+                        f"{type(value).__name__}")
+
+
 @attrs.frozen(kw_only=True)
 class ModelArch:
     """A decoder-only transformer with grouped-query attention and a SwiGLU MLP.
@@ -133,6 +155,10 @@ class ModelArch:
         tied_embeddings: The LM head uses the input embedding's weight matrix (one
             ``vocab x hidden`` matrix, not two): its weight gradient accumulates into the
             embedding's.
+        moe: The layers' mixture-of-experts block
+            ([`MoEArch`][kareus.model.MoEArch]: experts, top-k, expert width, shared
+            experts, router dtype) in place of the dense MLP; ``None`` (default): a dense
+            SwiGLU MLP of width ``ffn``. A dict is read as ``MoEArch.from_dict`` reads it.
     """
 
     name: str = attrs.field(converter=_lower)
@@ -147,6 +173,7 @@ class ModelArch:
     norm_eps: float = 1e-5
     qkv_bias: bool = False
     tied_embeddings: bool = False
+    moe: MoEArch | None = attrs.field(default=None, converter=_moe)
 
     def __attrs_post_init__(self) -> None:
         for field in ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab"):
@@ -166,18 +193,24 @@ class ModelArch:
     @property
     def layer_params(self) -> int:
         """Parameters of one transformer layer: the QKV (with its bias, if any), output and
-        MLP weights, the two norm weights, and the q/k norm weights with ``qk_norm``."""
+        MLP weights (with ``moe``: the router, every expert and the shared experts), the two
+        norm weights, and the q/k norm weights with ``qk_norm``."""
         return int(self.layer_params_per_rank(1))
 
-    def layer_params_per_rank(self, tp: int) -> float:
+    def layer_params_per_rank(self, tp: int, ep: int = 1) -> float:
         """Parameters of one transformer layer that one of ``tp`` tensor-parallel ranks
         holds: the projections (and the QKV bias, split with its output columns) divided
-        over the ranks, the norm weights (the q/k norms' too) replicated on each."""
+        over the ranks, the norm weights (the q/k norms' too) replicated on each. With
+        ``moe``, the MoE block's share of one of ``ep`` expert-parallel ranks
+        ([`MoEArch.params_per_rank`][kareus.model.MoEArch.params_per_rank]: experts
+        not split over TP) in place of the dense MLP."""
         qkv = (self.heads + 2 * self.kv_heads) * self.head_dim
+        mlp = 3 * self.hidden * self.ffn if self.moe is None else 0
         sharded = (self.hidden * qkv + self.heads * self.head_dim * self.hidden
-                   + 3 * self.hidden * self.ffn + (qkv if self.qkv_bias else 0))
+                   + mlp + (qkv if self.qkv_bias else 0))
         replicated = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
-        return sharded / tp + replicated
+        moe = 0.0 if self.moe is None else self.moe.params_per_rank(self.hidden, ep=ep)
+        return sharded / tp + replicated + moe
 
     @property
     def embedding_params(self) -> int:
@@ -203,6 +236,8 @@ class ModelArch:
         for f in attrs.fields(ModelArch):
             if f.name in _MODEL_FEATURES and d[f.name] == f.default:
                 del d[f.name]
+        if self.moe is not None:
+            d["moe"] = self.moe.to_dict()
         return d
 
     @classmethod
@@ -227,7 +262,7 @@ class ModelArch:
 #: The fields a model file must give.
 _MODEL_FIELDS = ("name", "layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab")
 #: The layer features a model file may give (absent: the defaults of a plain Llama layer).
-_MODEL_FEATURES = ("qk_norm", "norm_eps", "qkv_bias", "tied_embeddings")
+_MODEL_FEATURES = ("qk_norm", "norm_eps", "qkv_bias", "tied_embeddings", "moe")
 
 
 def _build(kwargs: dict[str, Any], where: str) -> ModelArch:
@@ -243,8 +278,9 @@ def model_from_dict(d: Mapping[str, Any], *, where: str = "model") -> ModelArch:
     Args:
         d: ``name``, ``layers``, ``hidden``, ``heads``, ``kv_heads``, ``head_dim``, ``ffn``,
             ``vocab`` (all needed), and optionally the layer features ``qk_norm``,
-            ``qkv_bias``, ``tied_embeddings`` (true or false) and ``norm_eps`` (a number);
-            nothing else.
+            ``qkv_bias``, ``tied_embeddings`` (true or false), ``norm_eps`` (a number) and
+            ``moe`` (a table of [`MoEArch`][kareus.model.MoEArch] fields: ``[moe]`` in
+            TOML); nothing else.
         where: What ``d`` is, for messages (a file name).
 
     Raises:
@@ -262,6 +298,8 @@ def model_from_dict(d: Mapping[str, Any], *, where: str = "model") -> ModelArch:
             kwargs[f] = _bool(d[f], f, where)
     if "norm_eps" in d:
         kwargs["norm_eps"] = _float(d["norm_eps"], "norm_eps", where)
+    if "moe" in d:
+        kwargs["moe"] = d["moe"]
     return _build(kwargs, where)
 
 
@@ -275,8 +313,13 @@ def model_from_hf_config(config: str | os.PathLike[str] | Mapping[str, Any], *,
     ``num_attention_heads``, ``num_key_value_heads``, ``head_dim`` (else ``hidden_size /
     num_attention_heads``), ``intermediate_size``, ``vocab_size``, ``rms_norm_eps``,
     ``tie_word_embeddings``; Qwen2 has a QKV bias, Qwen3 normalises queries and keys per
-    head. What a config asks for that kareus does not compute is refused, in one line naming
-    the key: a sliding window, experts (MoE), an activation other than ``silu``, biases
+    head. Qwen3 MoE (``Qwen3MoeForCausalLM``, ``qwen3_moe``) is read with its experts
+    (``num_experts``, ``num_experts_per_tok``, ``moe_intermediate_size``: ``ModelArch.moe``)
+    when every layer is MoE, and so is Mixtral (``MixtralForCausalLM``, ``mixtral``:
+    ``num_local_experts`` experts of width ``intermediate_size``, without a sliding window). What a config asks for that kareus does not compute is refused,
+    in one line naming the key: a sliding window, experts of another family, dense layers
+    among MoE ones (``decoder_sparse_step``, ``mlp_only_layers``), the router's
+    load-balancing loss (``output_router_logits``), an activation other than ``silu``, biases
     beyond Qwen2's QKV bias (``attention_bias`` in Llama and Qwen3 also adds one to the
     output projection; ``mlp_bias``), attention dropout, and RoPE scaling other than
     Llama 3's (which changes RoPE's frequencies, not its FLOPs). Nothing is downloaded.
@@ -381,6 +424,20 @@ MODEL_PRESETS: dict[str, ModelArch] = {
     "llama3.3-70b": ModelArch(name="llama3.3-70b", layers=80, hidden=8192, heads=64, kv_heads=8,
                               head_dim=128, ffn=28672, vocab=128256, norm_eps=1e-5,
                               tied_embeddings=False),
+    # Mixture of experts. Qwen/Qwen3-30B-A3B's config.json: 48 layers, all MoE
+    # (decoder_sparse_step 1, no mlp_only_layers), 128 experts of width 768, top-8, no shared
+    # expert; ffn is the config's intermediate_size (its dense MLP width, which no layer
+    # uses when every layer is MoE).
+    "qwen3-30b-a3b": ModelArch(name="qwen3-30b-a3b", layers=48, hidden=2048, heads=32,
+                               kv_heads=4, head_dim=128, ffn=6144, vocab=151936, qk_norm=True,
+                               norm_eps=1e-6, tied_embeddings=False,
+                               moe=MoEArch(experts=128, experts_per_token=8, expert_ffn=768)),
+    # mistralai/Mixtral-8x7B-v0.1's config.json: 32 layers, every one MoE, 8 experts
+    # (num_local_experts) of width 14336 (intermediate_size), top-2, no sliding window.
+    "mixtral-8x7b": ModelArch(name="mixtral-8x7b", layers=32, hidden=4096, heads=32,
+                              kv_heads=8, head_dim=128, ffn=14336, vocab=32000, norm_eps=1e-5,
+                              tied_embeddings=False,
+                              moe=MoEArch(experts=8, experts_per_token=2, expert_ffn=14336)),
 }
 
 
@@ -462,10 +519,17 @@ def get_model(name: str | ModelArch) -> ModelArch:
 
 @attrs.frozen(kw_only=True)
 class Parallelism:
-    """Tensor, context, pipeline and data parallel degrees, and the TP layout.
+    """Tensor, context, pipeline and data parallel degrees, the TP layout, and the expert
+    parallel degree.
 
     Attributes:
         tp, cp, pp, dp: The degrees.
+        ep: Expert parallelism of a mixture-of-experts model: each of ``ep`` ranks holds
+            ``experts / ep`` experts, and tokens travel to them in all-to-alls. It folds
+            into the other degrees (no GPUs of its own, ``world_size`` unchanged): the
+            ``ep`` ranks of a group are ranks of one pipeline stage, so ``ep`` divides
+            ``tp x cp x dp`` (Megatron-Core's MoE parallel folding, expert tensor
+            parallelism 1; ``kareus.model.moe``). 1: none.
         sp: Sequence parallelism (Megatron-LM's ``--sequence-parallel``, torchtitan's
             ``enable_sequence_parallel``): between the TP regions each TP rank holds
             ``1 / tp`` of the sequence, and each TP all-reduce is a reduce-scatter and an
@@ -478,12 +542,17 @@ class Parallelism:
     pp: int = 1
     dp: int = 1
     sp: bool = False
+    ep: int = 1
 
     def __attrs_post_init__(self) -> None:
-        for field in ("tp", "cp", "pp", "dp"):
+        for field in ("tp", "cp", "pp", "dp", "ep"):
             _check_count(f"parallelism {field}", getattr(self, field))
         if not isinstance(self.sp, bool):
             raise WorkloadError(f"parallelism sp must be True or False, got {self.sp!r:.40}")
+        if (self.tp * self.cp * self.dp) % self.ep:
+            raise WorkloadError(f"parallelism ep={self.ep} must divide tp x cp x dp = "
+                                f"{self.tp * self.cp * self.dp} (expert-parallel ranks are "
+                                "ranks of one pipeline stage); raise dp or lower ep")
 
     @property
     def sequence_parallel(self) -> bool:
@@ -521,6 +590,33 @@ class Workload:
             its sequences, or, for a microbatch of one sequence, chunks of that sequence
             (``sequence_split``; CP = 1 only).
         dtype_bytes: Bytes per activation element (2 for bf16).
+        routing_imbalance: Of a mixture-of-experts model under expert parallelism: the
+            token rows the busiest expert-parallel rank receives over the mean (1.0:
+            balanced routing, the default; at most ``ep``: every token on one rank). The
+            busiest rank sets the pace of the all-to-alls and of the expert GEMMs, so both
+            are costed at its load (``kareus.model.partition``).
+        document_tokens: ``None`` (default): each sequence is one document, its attention
+            causal over the whole sequence. Otherwise the sequences pack documents and
+            the attention masks them (each token attends to the earlier tokens of its own
+            document: torchtitan's FlexAttention / VarlenAttention ``block_causal``), and
+            this is the documents' length in tokens as the cost model takes it: each
+            sequence is cut into documents of ``document_tokens`` tokens (the last one
+            the remainder), whose causal attention is costed (``document_pairs``: about
+            ``seq_len x document_tokens / 2`` score pairs per sequence instead of
+            ``seq_len^2 / 2``). For documents of varied lengths ``L_i`` the same work is
+            ``sum L_i^2 / sum L_i`` (each token's document length, averaged over tokens:
+            [`document_tokens_of`][kareus.model.document_tokens_of] measures it from a
+            batch's positions), which is longer than their plain mean. CP = 1 only, and
+            not with nanobatches along the sequence.
+        chained_layers: Whether a stage's layers run as one chain (``True``, the default:
+            kareus's training loop, a [`PlannedStack`][kareus.integrations.PlannedStack],
+            torchtitan or Megatron-Core blocks chained by the adapters): layer ``l+1``'s
+            first ops overlap layer ``l``'s last collective. ``False``: each layer runs as
+            its own planned layer (one autograd node per layer: torchtitan's ``Trainer``,
+            which wraps every block in FSDP, or Megatron-Core layers left unchained), so
+            no collective overlaps across a layer boundary; ``build_partitions`` then
+            costs, per layer, the computation that runs bare and the collectives that run
+            exposed (``kareus.model.partition``).
     """
 
     model: ModelArch = attrs.field(converter=get_model)
@@ -531,12 +627,20 @@ class Workload:
     recompute: str = attrs.field(default="full", converter=recompute_policy)
     nanobatches: int = 2
     dtype_bytes: int = 2
+    routing_imbalance: float = attrs.field(default=1.0, converter=_as_float)
+    document_tokens: int | None = None
+    chained_layers: bool = attrs.field(default=True)
 
     def __attrs_post_init__(self) -> None:
         m, p = self.model, self.parallelism
+        if not isinstance(self.chained_layers, bool):
+            raise WorkloadError(f"chained_layers must be True or False, got "
+                                f"{self.chained_layers!r:.40}")
         for field in ("microbatch_size", "seq_len", "num_microbatches", "nanobatches",
                       "dtype_bytes"):
             _check_count(field, getattr(self, field))
+        if self.document_tokens is not None:
+            _check_count("document_tokens", self.document_tokens)
         if self.recompute not in RECOMPUTE_POLICIES:
             raise WorkloadError(f"recompute must be one of {', '.join(RECOMPUTE_POLICIES)}, "
                                 f"got {self.recompute!r:.40}")
@@ -568,10 +672,64 @@ class Workload:
              f"sequence parallelism at TP={p.tp} needs each nanobatch's "
              f"{self.seq_len // self.nanobatches} tokens divisible by TP"),
             (self.num_microbatches >= 1, "num_microbatches must be >= 1"),
+            (self.document_tokens is None or p.cp == 1,
+             f"packed documents (document_tokens={self.document_tokens}) are modelled at "
+             f"CP=1 only, got CP={p.cp}"),
+            (self.document_tokens is None or not self.sequence_split,
+             f"packed documents (document_tokens={self.document_tokens}) are not modelled "
+             f"with nanobatches along the sequence (microbatch_size=1, nanobatches="
+             f"{self.nanobatches}): use nanobatches=1 or a larger microbatch"),
         ]
         for ok, msg in checks:
             if not ok:
                 raise WorkloadError(f"{m.name}: {msg}")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        """What kareus computes of a mixture of experts (``kareus.model.moe``), else one
+        line naming the field."""
+        m, p, rho = self.model, self.parallelism, self.routing_imbalance
+        if isinstance(rho, bool) or not isinstance(rho, (int, float)) or not 1.0 <= rho <= p.ep:
+            raise WorkloadError(f"{m.name}: routing_imbalance must be a number in [1, ep] = "
+                                f"[1, {p.ep}] (the busiest expert-parallel rank's tokens over "
+                                f"the mean), got {short_repr(rho)}")
+        moe = m.moe
+        if moe is None:
+            if p.ep > 1:
+                raise WorkloadError(f"{m.name}: ep={p.ep} needs a mixture-of-experts model "
+                                    "(this one has a dense MLP): use ep=1")
+            return
+        checks = [
+            (moe.layer_step == 1,
+             f"moe.layer_step={moe.layer_step} (dense layers between MoE layers) is not "
+             "costed yet: kareus models models whose every layer is MoE (layer_step=1)"),
+            (moe.experts % p.ep == 0,
+             f"ep={p.ep} does not divide the {moe.experts} experts"),
+            # EP groups are consecutive ranks of a stage: inside one node when EP divides it
+            (_GPUS_PER_NODE % p.ep == 0,
+             f"ep={p.ep}: an expert-parallel all-to-all across nodes is not modelled; use an "
+             f"ep that divides {_GPUS_PER_NODE} (one node's NVLink)"),
+            (p.tp == 1 or p.sequence_parallel,
+             f"MoE at TP={p.tp} needs sequence parallelism (sp=True, --sp), as Megatron-Core "
+             "requires"),
+            (p.tp == 1 or moe.shared_experts == 0,
+             f"shared experts at TP={p.tp} are not modelled (Megatron-Core splits them over "
+             "TP with collectives of their own): use tp=1"),
+            (self.chained_layers,
+             "unchained layers (chained_layers=False, --unchained-layers) are not modelled "
+             "for mixture-of-experts layers: use chained layers"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise WorkloadError(f"{m.name}: {msg}")
+
+    @property
+    def moe_tokens_per_rank(self) -> int:
+        """Tokens of one microbatch one rank routes through its MoE block: its sequence
+        shard under sequence parallelism (``tokens_per_rank / tp``), else
+        ``tokens_per_rank``."""
+        p = self.parallelism
+        return self.tokens_per_rank // p.tp if p.sequence_parallel else self.tokens_per_rank
 
     @classmethod
     def preset(
@@ -583,6 +741,7 @@ class Workload:
         pp: int = 1,
         dp: int = 1,
         sp: bool = False,
+        ep: int = 1,
         **kwargs: object,
     ) -> Workload:
         """A workload of a preset model, e.g. ``Workload.preset("llama3.2-3b", tp=4)``.
@@ -592,7 +751,8 @@ class Workload:
         pp=2)``, the other fields at their defaults (8 microbatches of 8 x 4096 tokens,
         2 nanobatches, recomputation).
         """
-        return cls(model=get_model(name), parallelism=Parallelism(tp=tp, cp=cp, pp=pp, dp=dp, sp=sp),
+        return cls(model=get_model(name),
+                   parallelism=Parallelism(tp=tp, cp=cp, pp=pp, dp=dp, sp=sp, ep=ep),
                    **kwargs)  # type: ignore[arg-type]
 
     @classmethod
@@ -606,6 +766,7 @@ class Workload:
         pp: int = 1,
         dp: int = 1,
         sp: bool = False,
+        ep: int = 1,
         **kwargs: object,
     ) -> Workload:
         """A workload of the model a Hugging Face ``config.json`` describes, e.g.
@@ -623,7 +784,7 @@ class Workload:
             WorkloadError: the parallelism or batch does not fit the model.
         """
         arch = model_from_hf_config(config, name=name)
-        return cls(model=arch, parallelism=Parallelism(tp=tp, cp=cp, pp=pp, dp=dp, sp=sp),
+        return cls(model=arch, parallelism=Parallelism(tp=tp, cp=cp, pp=pp, dp=dp, sp=sp, ep=ep),
                    **kwargs)  # type: ignore[arg-type]
 
     @property
@@ -659,23 +820,39 @@ class Workload:
         """One line: model, parallelism and batch."""
         p = self.parallelism
         return (f"{self.model.name} TP={p.tp}{' SP' if p.sequence_parallel else ''} "
-                f"CP={p.cp} PP={p.pp} DP={p.dp} "
+                f"CP={p.cp} PP={p.pp} DP={p.dp}{f' EP={p.ep}' if p.ep > 1 else ''} "
                 f"mbs={self.microbatch_size} seq={self.seq_len} "
                 f"microbatches={self.num_microbatches} nanobatches={self.nanobatches}"
-                f"{'' if self.recompute == 'none' else f' recompute={self.recompute}'}")
+                f"{'' if self.recompute == 'none' else f' recompute={self.recompute}'}"
+                f"{f' imbalance={self.routing_imbalance:g}' if self.routing_imbalance != 1 else ''}"
+                f"{'' if self.document_tokens is None else f' documents={self.document_tokens}'}"
+                f"{'' if self.chained_layers else ' unchained layers'}")
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready description: ``model`` is the whole architecture, name and features
         included, also for a preset (a preset may change between versions: a plan then still
         says which model it was made for, and [`from_dict`][kareus.model.Workload.from_dict]
         rebuilds that one). Descriptions written before this named a preset only; they still
-        load, as the current preset."""
+        load, as the current preset. ``ep`` and ``routing_imbalance`` are written for a
+        mixture-of-experts model only (a dense workload's description is as before);
+        ``document_tokens`` is written where documents are masked (absent: one document per
+        sequence); ``chained_layers`` only when it is ``False`` (a description without it
+        means chained layers, as every one written before the setting did)."""
         p = self.parallelism
         model: object = self.model.to_dict()
-        return {"model": model, "tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": p.dp, "sp": p.sp,
-                "microbatch_size": self.microbatch_size, "seq_len": self.seq_len,
-                "num_microbatches": self.num_microbatches, "recompute": self.recompute,
-                "nanobatches": self.nanobatches}
+        d: dict[str, object] = {
+            "model": model, "tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": p.dp, "sp": p.sp,
+            "microbatch_size": self.microbatch_size, "seq_len": self.seq_len,
+            "num_microbatches": self.num_microbatches, "recompute": self.recompute,
+            "nanobatches": self.nanobatches}
+        if self.model.moe is not None:
+            d["ep"] = p.ep
+            d["routing_imbalance"] = self.routing_imbalance
+        if self.document_tokens is not None:
+            d["document_tokens"] = self.document_tokens
+        if not self.chained_layers:
+            d["chained_layers"] = False
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, object]) -> Workload:
@@ -691,8 +868,10 @@ class Workload:
         model = d["model"]
         arch = ModelArch.from_dict(model) if isinstance(model, dict) else get_model(str(model))
         par: dict[str, Any] = {k: int(d.get(k, 1))  # type: ignore[call-overload]
-                               for k in ("tp", "cp", "pp", "dp")}
+                               for k in ("tp", "cp", "pp", "dp", "ep")}
         par["sp"] = d.get("sp", False)
         rest = {k: d[k] for k in ("microbatch_size", "seq_len", "num_microbatches",
-                                  "recompute", "nanobatches", "dtype_bytes") if k in d}
+                                  "recompute", "nanobatches", "dtype_bytes",
+                                  "routing_imbalance", "document_tokens",
+                                  "chained_layers") if k in d}
         return cls(model=arch, parallelism=Parallelism(**par), **rest)  # type: ignore[arg-type]

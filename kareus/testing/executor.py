@@ -277,7 +277,9 @@ def make_workload_plan(workload: Any, *, pick: int = 1, sms: int = 8,
     Every partition type launches its collective at its slot number ``pick`` (clipped to
     its last) with ``sms`` SMs; microbatch ``m`` runs at ``freqs_mhz[m % len(freqs_mhz)]``;
     the microbatches in ``unsplit_microbatches`` run unsplit (the partition types of
-    ``workload.with_(nanobatches=1)``), the others in the workload's nanobatches.
+    ``workload.with_(nanobatches=1)``), the others in the workload's nanobatches. Its
+    time and energy figures are placeholders (1 s; 0.5 J dynamic, 100 W static, so 100.5 J
+    in all: consistent, so the plan saves and loads), not a prediction.
 
     Raises:
         WorkloadError: the workload has no collective (TP = CP = 1).
@@ -285,29 +287,38 @@ def make_workload_plan(workload: Any, *, pick: int = 1, sms: int = 8,
     from kareus.model.partition import build_partitions
     from kareus.model.pipeline import get_schedule
 
-    def configs(wl: Any, freq: int) -> dict[str, ScheduleConfig]:
+    def configs(wl: Any, freq: int, phase: str) -> dict[str, ScheduleConfig]:
+        """Every partition type a ``phase`` computation of ``wl`` runs (a plan's choice
+        names exactly those)."""
+        pset = build_partitions(wl)
         out = {}
-        for name, p in build_partitions(wl).types.items():
-            slots = [s.name for s in p.slots]
+        for name in sorted(pset.counts[phase]):
+            slots = [s.name for s in pset.types[name].slots]
             slot = slots[min(pick, len(slots) - 1)] if slots else None  # unsplit: after
             out[name] = ScheduleConfig(freq, sms, slot, backend=backend)
         return out
 
     freqs = [int(f) for f in freqs_mhz]
     unsplit = {int(m) for m in unsplit_microbatches}
-    choices = [MicrobatchChoice(freq_mhz=f, configs=configs(workload, f),
-                                nanobatches=workload.nanobatches) for f in freqs]
-    if unsplit:
-        whole = workload.with_(nanobatches=1)
-        choices += [MicrobatchChoice(freq_mhz=f, configs=configs(whole, f), nanobatches=1)
-                    for f in freqs]
+    whole = workload.with_(nanobatches=1) if unsplit else workload
     stages = workload.parallelism.pp
     comps = [c for order in get_schedule("1f1b", stages, workload.num_microbatches).stage_orders
              for c in order]
-    assignment = {c.key(): (c.microbatch % len(freqs)
-                            + (len(freqs) if c.microbatch in unsplit else 0)) for c in comps}
+    # one choice per (clock, split, phase) that some computation runs, in first-use order
+    index: dict[tuple[int, bool, str], int] = {}
+    choices: list[MicrobatchChoice] = []
+    assignment = {}
+    for c in comps:
+        key = (freqs[c.microbatch % len(freqs)], c.microbatch in unsplit, c.phase)
+        if key not in index:
+            f, whole_mb, phase = key
+            wl = whole if whole_mb else workload
+            index[key] = len(choices)
+            choices.append(MicrobatchChoice(freq_mhz=f, configs=configs(wl, f, phase),
+                                            nanobatches=wl.nanobatches))
+        assignment[c.key()] = index[key]
     return Plan(gpu="h200-sxm", num_stages=stages, num_microbatches=workload.num_microbatches,
-                choices=choices, assignment=assignment, time_s=1.0, energy_j=1.0,
+                choices=choices, assignment=assignment, time_s=1.0, energy_j=100.5,
                 dynamic_energy_j=0.5, static_power_w=100.0, workload=workload.to_dict())
 
 

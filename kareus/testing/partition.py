@@ -10,7 +10,9 @@ same suite as pytest tests.
 The checks: types and a name; unique op names; slots that point at the ops they name
 (each slot's first op at its index, its ops consecutive, the slots in stream order, none
 when the partition is not overlappable) and are found by [`slot`][kareus.model.Partition.slot];
-a measurement scope that includes the collective's group; FLOPs and bytes that add up;
+a measurement scope that includes the collective's group (an expert-parallel
+collective's, whose ranks span data-parallel replicas, aside: its scope is the stage's);
+FLOPs and bytes that add up;
 a configuration space (sequential included) over the slots; and a factory that describes
 the same partition every time.
 """
@@ -76,7 +78,10 @@ def _check_slots(make: Callable[[], Partition]) -> None:
 def _check_scope(make: Callable[[], Partition]) -> None:
     p = make()
     g = p.group_gpus
-    assert isinstance(g, int) and g >= p.comm_op.group_size, \
+    # An expert-parallel collective's ranks span data-parallel replicas: its partition's
+    # scope is the stage's TP x CP GPUs, which need not hold the whole group
+    spans_replicas = getattr(p, "comm_group", "") == "ep"
+    assert isinstance(g, int) and g >= 1 and (spans_replicas or g >= p.comm_op.group_size), \
         (f"group_gpus (the measurement scope, {g!r}) must be an int that includes the "
          f"collective's group ({p.comm_op.group_size} GPUs)")
 

@@ -188,9 +188,10 @@ def cpu_trainer_config(assets: str | os.PathLike[str], *args: str, module: str =
     causal over the packed sequence (``--override.imports``
     [`causal_sdpa`][kareus.testing.torchtitan_sdpa.causal_sdpa]): FlexAttention, which the
     stock configs use, has no backward on a CPU. With ``sdpa=False`` the stock attention
-    stays: torchtitan alone cannot train it here, but under ``wrap_trainer`` with a
-    baseline schedule the planned layers compute its document masks themselves (plans do
-    not cost them).
+    stays: torchtitan alone cannot train it here, but under ``wrap_trainer`` the planned
+    layers compute its document masks themselves (on the CPU through SDPA with the dense
+    mask), under a baseline schedule or a plan made for the documents
+    (``document_tokens``).
 
     Raises:
         SystemExit: torchtitan's parser refused an argument (it prints why).

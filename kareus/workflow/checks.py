@@ -151,12 +151,12 @@ def preflight(workload: Workload, profiler: Profiler, *, schedule: str = "1f1b")
 
 
 def check_parallelism(workload: Workload) -> None:
-    """Refuse a workload with no collective to schedule (TP = CP = 1, what
-    ``Workload.preset(name)`` gives)."""
+    """Refuse a workload with no collective to schedule (TP = CP = 1 and no expert
+    parallelism, what ``Workload.preset(name)`` gives)."""
     from kareus.errors import WorkloadError
 
     p = workload.parallelism
-    if p.tp == 1 and p.cp == 1:
+    if p.tp == 1 and p.cp == 1 and p.ep == 1:
         raise WorkloadError(
             f"{workload.describe()}: with TP=1 and CP=1 no layer has a collective to overlap, "
             f"and kareus schedules collectives; give the workload tensor or context "

@@ -292,7 +292,7 @@ def manifest_inputs(workload: Workload, profiler: Profiler, *, budget: int,
     return {
         "kareus_version": __version__,
         "workload": {**workload.to_dict(), "dtype_bytes": workload.dtype_bytes,
-                     "architecture": attrs.asdict(workload.model)},
+                     "architecture": _architecture(workload)},
         "gpu": {"name": gpu.name, "spec_digest": _digest_json(spec)},
         "budget": budget,
         "batch_size": batch_size,
@@ -307,6 +307,15 @@ def manifest_inputs(workload: Workload, profiler: Profiler, *, budget: int,
         **({} if partitions is None else {"partitions": _partitions_identity(partitions)}),
         **({} if prior_model is None else {"prior_model": prior_model.identity()}),
     }
+
+
+def _architecture(workload: Workload) -> dict[str, Any]:
+    """Every field of the workload's model, as the manifest records it; ``moe`` only for a
+    mixture-of-experts model (a dense model's manifest is as before the field existed)."""
+    arch = attrs.asdict(workload.model)
+    if arch.get("moe", 0) is None:
+        del arch["moe"]
+    return arch
 
 
 def _partitions_identity(partitions: Any) -> Any:

@@ -606,7 +606,8 @@ def open_job_loop(stack: contextlib.ExitStack, plan: Plan, *, device: str | None
     what was opened. Arguments as [`verify`][kareus.workflow.verification.verify].
 
     Raises:
-        PlanError: the plan's job has PP or DP above 1 (the loop runs one stage).
+        PlanError: the plan's job has PP or DP above 1 (the loop runs one stage), or its
+            layers are unchained (the loop chains them).
         HardwareError: no CUDA device without ``device="cpu"``; no energy counter.
         ArgumentError: a world that is neither one process nor the job's TP x CP.
     """
@@ -615,6 +616,11 @@ def open_job_loop(stack: contextlib.ExitStack, plan: Plan, *, device: str | None
     if p.pp != 1 or p.dp != 1:
         raise PlanError(f"kareus verify runs one pipeline stage of one data-parallel replica "
                         f"(the library's loop); the plan's job has PP={p.pp}, DP={p.dp}")
+    if not wl.chained_layers:
+        raise PlanError("kareus verify runs the plan in kareus's own training loop, whose "
+                        "layers chain; the plan is for layers run one by one (chained_layers="
+                        "false, e.g. torchtitan's Trainer): verifying it where it runs is not "
+                        "done yet")
     import torch
 
     if device is None:
@@ -807,6 +813,7 @@ def _report(plan: Plan, wl: Workload, predicted: Mapping[str, Figures],
                      "energy_method_by_rank": [x.get("energy_method") for x in per],
                      "power_samples_by_rank": [x.get("power_samples", 0) for x in per],
                      "counter_steps_by_rank": [x["counter_steps"] for x in per],
+                     "sub_powers_w_by_rank": [x.get("sub_powers_w", []) for x in per],
                      "sm_clock_mhz": statistics.fmean(clocks) if clocks else None,
                      "losses": per[0]["losses"]})
     job = wl.parallelism.world_size

@@ -41,6 +41,14 @@ def plans() -> list[dict]:
         (Workload(model=own, parallelism=Workload.preset(
             "qwen3-1.7b", tp=2, pp=2).parallelism, microbatch_size=2, seq_len=512,
             num_microbatches=3), "gpipe"),
+        # a mixture of experts of one's own, expert parallel (its workload has ep and
+        # routing_imbalance, its model a moe table)
+        (Workload.preset(attrs.evolve(get_model("qwen3-30b-a3b"), name="my-moe", layers=4),
+                         dp=2, ep=2, microbatch_size=2, seq_len=512, num_microbatches=2,
+                         routing_imbalance=1.25), "1f1b"),
+        # layers run one by one (chained_layers false: torchtitan's FSDP-wrapped blocks)
+        (Workload.preset("qwen3-1.7b", tp=2, microbatch_size=2, seq_len=512,
+                         num_microbatches=2, chained_layers=False), "1f1b"),
     ]
     out = []
     for wl, schedule in runs:
@@ -59,7 +67,12 @@ def test_schema_is_shipped_and_names_every_key_of_a_plan(plans):
             assert set(ch) == set(SCHEMA["$defs"]["choice"]["properties"])
             assert set(SCHEMA["$defs"]["choice"]["required"]) == set(ch) - {"nanobatches"}
         if d["workload"] is not None:
-            assert set(d["workload"]) == set(SCHEMA["$defs"]["workload"]["required"])
+            moe = {"ep", "routing_imbalance"} if "moe" in d["workload"]["model"] else set()
+            # written only when false (plans of chained layers are unchanged)
+            unchained = {"chained_layers"} if "chained_layers" in d["workload"] else set()
+            assert d["workload"].get("chained_layers", False) is False
+            assert set(d["workload"]) == (set(SCHEMA["$defs"]["workload"]["required"]) | moe
+                                          | unchained)
     assert {d["schedule"] for d in plans} == {"1f1b", "gpipe"}
     assert any(isinstance(d["workload"]["model"], dict) for d in plans)
 
@@ -107,6 +120,8 @@ CORRUPTIONS = {
     "workload a number": _set("workload", 5),
     "workload tp 0": _set("workload/tp", 0),
     "workload extra key": _set("workload/colour", "red"),
+    "workload ep 0": _set("workload/ep", 0),
+    "workload routing imbalance below 1": _set("workload/routing_imbalance", 0.5),
     "workload model empty": _set("workload/model", ""),
     "choices empty": _set("choices", []),
     "frequency a float": _set("choices/0/freq_mhz", 1410.5),
@@ -158,3 +173,23 @@ def test_corrupt_plans_fail_the_schema_and_the_loader(plans, name):
         jsonschema.validate(d, SCHEMA, cls=jsonschema.Draft202012Validator)
     with pytest.raises(PlanError):  # the loader refuses it too
         Plan.from_dict(d)
+
+
+def test_an_moe_plan_loads_with_its_expert_parallelism(plans):
+    moe = [d for d in plans if isinstance(d["workload"]["model"], dict)
+           and "moe" in d["workload"]["model"]]
+    assert moe
+    plan = Plan.from_dict(json.loads(json.dumps(moe[0])))
+    wl = Workload.from_dict(plan.workload)
+    assert wl.parallelism.ep == 2 and wl.routing_imbalance == 1.25
+    assert wl.model.moe is not None and wl.model.moe.experts == 128
+
+
+def test_an_unchained_plan_validates_and_loads_unchained(plans):
+    jsonschema = pytest.importorskip("jsonschema", reason="jsonschema (the dev extra) "
+                                     "validates plans against the schema")
+    unchained = [d for d in plans if d["workload"].get("chained_layers") is False]
+    assert unchained
+    jsonschema.validate(unchained[0], SCHEMA, cls=jsonschema.Draft202012Validator)
+    plan = Plan.from_dict(json.loads(json.dumps(unchained[0])))
+    assert Workload.from_dict(plan.workload).chained_layers is False

@@ -23,6 +23,7 @@ from kareus.exec.schedule import (
     match_type,
     pieces,
     run_computation,
+    sp_backward_stream,
     stack_stream,
     type_shapes,
 )
@@ -62,7 +63,8 @@ def plan_for(wl: Workload, *, pick: int = 1, sms: int = 8) -> Plan:
     cfgs = {}
     for k, (name, p) in enumerate(sorted(ps.types.items())):
         slots = [s.name for s in p.slots]
-        cfgs[name] = ScheduleConfig(1980, sms + k, slots[min(pick, len(slots) - 1)])
+        cfgs[name] = ScheduleConfig(1980, sms + k,
+                                    slots[min(pick, len(slots) - 1)] if slots else None)
     comps = get_schedule("1f1b", 1, wl.num_microbatches).stage_orders[0]
     return Plan(gpu="h200-sxm", num_stages=1, num_microbatches=wl.num_microbatches,
                 choices=[MicrobatchChoice(freq_mhz=1980, configs=cfgs)],
@@ -389,3 +391,59 @@ def test_full_recomputation_skips_what_no_backward_reads_only_without_collective
         want = [n for n in fwd if not (skipped and n in NOT_READ_BY_BACKWARD)] * 2
         assert again == want, (tp, cp)
         assert ("down" in again) is not skipped
+
+
+@pytest.mark.parametrize("schedule", ["nanobatching", "kareus"])
+@pytest.mark.parametrize("tp,cp,recompute", [(2, 1, "full"), (2, 2, "none"), (1, 2, "selective")])
+def test_one_nanobatch_never_runs_ops_beside_a_collective(schedule, tp, cp, recompute):
+    # At one nanobatch the ops after a collective read its result: a schedule that paired
+    # them with it (as it pairs the next nanobatch's) raced on a GPU (the loop's TP=2
+    # loopback losses drifted from the sequential schedule's on 1x H200; the CPU runs ops
+    # in order and cannot see it). Each collective is joined before any later op runs,
+    # and the run is the sequential schedule's, under a plan with its SM counts.
+    wl = workload(tp, cp, recompute, n=1)
+    plan = plan_for(wl) if schedule == "kareus" else None
+    for phase in ("fwd", "bwd"):
+        ex, _, ran = run(wl, phase, schedule, plan)
+        log = [e for e in ex.log if e[0] in ("collective", "join", "ran")]
+        for i, e in enumerate(log):
+            if e[0] == "collective":
+                assert log[i + 1] == ("join", e[1]), (phase, log[i:i + 3])
+                assert e[4] is None  # launched after the piece's ops
+        seq_ex, _, seq_ran = run(wl, phase, "sequential")
+        assert [k for k, _ in ran] == [k for k, _ in seq_ran]
+        assert [e for e in ex.log if e[0] == "ran"] == [e for e in seq_ex.log if e[0] == "ran"]
+        if schedule == "kareus":
+            sms = {e[1]: e[3] for e in ex.log if e[0] == "collective"}
+            for key, cfg in ran:
+                assert sms[key] == cfg.comm_sms == plan_config(plan, key, (0, 0, phase)).comm_sms
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_an_unsplit_computation_s_opening_collective_takes_its_phase_s_configuration(
+        recompute):
+    # Under sequence parallelism a backward opens with the all-gather of the output
+    # gradient, which no type's ops hold; run unsplit under a plan it took "the first type
+    # of its kind", a forward type that a real plan's backward choice does not configure
+    # (PlanError mid-step). It now takes a type of its kind that the choice configures.
+    from kareus.testing import make_workload_plan
+
+    wl = workload(2, 1, recompute, sp=True)
+    plan = make_workload_plan(wl, unsplit_microbatches=(0,))
+    whole = wl.with_(nanobatches=1)
+    types = type_shapes(build_partitions(whole))
+    for phase in ("fwd", "bwd"):
+        stream = stream_of(whole, phase)
+        if phase == "bwd":  # as a planned layer runs it: dy gathered first
+            stream = sp_backward_stream(stream, whole.model.layers, gather_input_grad=False)
+        assert phase == "fwd" or not pieces(stream)[0].ops  # the opening collective
+        ex = RecordingExecutor(plan=plan)
+        ex.start()
+        model = FakeModel(ex.log)
+        with ex.microbatch(0, 0, phase):
+            ran = run_computation(
+                ex, pieces(stream), schedule="sequential", nanobatches=1,
+                run_op=model.run_op, comm_args=model.comm_args, types=types,
+                sequential_config_of=lambda k, ex=ex: plan_config(plan, k, ex.current))
+        want = set(plan.choices[plan.assignment[f"s0.m0.{phase}"]].types)
+        assert ran and {k for k, _ in ran} <= want, phase

@@ -13,6 +13,7 @@ Skipped without torch or without CUDA.
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -90,6 +91,29 @@ def test_loopback_schedules_on_cuda_streams(tp, cp, sp):
         loop.reset()
         eager = [float(loop.step("sequential")) for _ in range(4)]
         assert eager == pytest.approx(ref, rel=2e-2)
+
+
+@pytest.mark.parametrize("mbs", [1, 2])
+def test_loopback_one_nanobatch_runs_every_schedule_as_sequential(mbs):
+    # At one nanobatch the ops after a collective read it: the nanobatching and kareus
+    # schedules once paired them with it, so on CUDA streams they read it while it ran
+    # (1x H200: losses 6.9907 / 5.2171 / 3.2119 / 1.4400 against the sequential
+    # schedule's 6.9838 / 5.3827 / 3.5988 / 2.1318 at TP=2 loopback, lr 1e-3). Now every
+    # schedule runs as the sequential one: the same kernels in the same order.
+    wl = attrs.evolve(workload(2, 1, "selective"), microbatch_size=mbs, seq_len=512,
+                      nanobatches=1)
+    groups = LoopbackGroups(tp=2)
+    capped, default, _ = make_collectives(groups, backend="loopback")
+    loop = TrainingLoop(workload=wl, groups=groups, collective=capped,
+                        default_collective=default, plan=plan_for(wl, sms=8), lr=1e-3)
+    losses = {}
+    for s in loop.schedules:
+        loop.reset()
+        losses[s] = [float(loop.step(s)) for _ in range(4)]
+    ref = losses["sequential"]
+    assert ref[-1] < ref[0]
+    assert losses["nanobatching"] == pytest.approx(ref, rel=1e-3)
+    assert losses["kareus"] == pytest.approx(ref, rel=2e-3)
 
 
 def test_measure_runs_with_the_energy_meter():

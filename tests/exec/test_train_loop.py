@@ -72,7 +72,8 @@ def plan_for(wl: Workload, *, pick: int = 1, sms: int = 8, backend: str | None =
     cfgs = {}
     for name, p in build_partitions(wl).types.items():
         slots = [s.name for s in p.slots]
-        cfgs[name] = ScheduleConfig(1980, sms, slots[min(pick, len(slots) - 1)],
+        cfgs[name] = ScheduleConfig(1980, sms,
+                                    slots[min(pick, len(slots) - 1)] if slots else None,
                                     backend=backend)
     comps = get_schedule("1f1b", 1, wl.num_microbatches).stage_orders[0]
     return Plan(gpu="h200-sxm", num_stages=1, num_microbatches=wl.num_microbatches,
@@ -329,7 +330,8 @@ def test_a_plan_splitting_a_backward_otherwise_than_its_forward(policy):
     wl = workload(2, 1, policy)
     plan = make_workload_plan(wl, unsplit_microbatches=(0,))
     key = "s0.m0.fwd"
-    plan = attrs.evolve(plan, assignment={**plan.assignment, key: 0})  # m0's forward split
+    split = plan.assignment["s0.m1.fwd"]  # m1's forward choice: split
+    plan = attrs.evolve(plan, assignment={**plan.assignment, key: split})  # m0's too
     assert plan.nanobatches(key) == 2 and plan.nanobatches("s0.m0.bwd") == 1
     groups = LoopbackGroups(tp=2)
     capped, default, _ = make_collectives(groups, backend="loopback")
@@ -812,6 +814,9 @@ def test_a_run_lasts_long_enough_for_the_counter_to_step():
     assert r.energy_j == pytest.approx(300.0 * r.window_s / len(r.step_time_s), rel=0.15)
     d = r.to_dict()
     assert d["iterations"] == len(r.step_time_s) and d["energy_method"] == "nvml_counter"
+    # the span's parts, each at the fake GPU's steady 300 W
+    assert len(r.sub_powers_w) == 3 and d["sub_powers_w"] == list(r.sub_powers_w)
+    assert all(w == pytest.approx(300.0, rel=0.15) for w in r.sub_powers_w)
 
 
 def test_the_default_window_follows_the_counters_step_period():

@@ -185,21 +185,6 @@ def test_what_the_loop_does_not_run_along_the_sequence_is_refused():
                      kernels="torch", device="cpu", dtype="float64")
 
 
-def test_a_gpu_refuses_nanobatches_along_the_sequence_until_checked_there():
-    """Its first run on 1x H200 failed its GPU checks (the loop's loss did not fall; a
-    planned layer's gradient was missing): a CUDA device refuses it, before building
-    anything (so this runs without a GPU)."""
-    from kareus.exec.train import make_collectives
-
-    wl = workload(1, 2, "selective")
-    groups = LoopbackGroups(tp=1)
-    capped, default, _ = make_collectives(groups, backend="loopback")
-    with pytest.raises(WorkloadError, match="not yet checked on a GPU"):
-        TrainingLoop(workload=wl, groups=groups, collective=capped,
-                     default_collective=default, streams=RecordingStreamBackend(),
-                     kernels="torch", device="cuda", dtype="float32")
-
-
 # ------------------------------------------------------------------ two ranks over gloo
 
 

@@ -12,9 +12,10 @@ F = torch.nn.functional
 
 
 def workload(tp: int = 1, cp: int = 1, *, n: int = 2, mbs: int = 4, seq: int = 16,
-             microbatches: int = 2, qk: bool = False, recompute: str = "full") -> Workload:
+             microbatches: int = 2, qk: bool = False, recompute: str = "full",
+             head_dim: int = 8) -> Workload:
     qwen3 = {"qk_norm": True, "norm_eps": 1e-6} if qk else {}
-    arch = ModelArch(name="tiny", layers=2, hidden=32, heads=4, kv_heads=2, head_dim=8,
+    arch = ModelArch(name="tiny", layers=2, hidden=32, heads=4, kv_heads=2, head_dim=head_dim,
                      ffn=64, vocab=50, **qwen3)
     return Workload(model=arch, parallelism=Parallelism(tp=tp, cp=cp), microbatch_size=mbs,
                     seq_len=seq, num_microbatches=microbatches, nanobatches=n,

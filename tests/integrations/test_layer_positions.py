@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _reference import full_weights, layer, planned_weights, workload
+from _reference import full_weights, layer, planned_weights, shard, workload
 
 from kareus.errors import WorkloadError
 from kareus.exec.train import LoopbackGroups
@@ -102,6 +102,94 @@ def test_documents_masked_as_the_reference_float64(schedule, qk, recompute):
     assert not torch.allclose(y_causal, y)
 
 
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_a_plan_for_packed_documents_runs_them_masked(recompute):
+    # a plan costed for packed documents (Workload.document_tokens) applies to layers that
+    # mask them: the plan's schedule gives the baseline's values (float64, TP = 2 stood in
+    # by one process); a plan costed for causal attention over whole sequences is refused
+    # where the layers mask documents, and a plan of one document setting for a job of
+    # another, each in one line
+    from kareus.errors import PlanError
+    from kareus.testing import RecordingExecutor, make_workload_plan
+
+    wl = workload(2, recompute=recompute).with_(document_tokens=5)
+    arch = wl.model
+    w = {k: v.double() for k, v in shard(full_weights(arch, 2), arch, 2, 0).items()}
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(wl.microbatch_size, wl.seq_len, arch.hidden, generator=g,
+                    dtype=torch.float64)
+    c = torch.randn(x.shape, generator=g, dtype=torch.float64)
+    pos = _packed(wl.microbatch_size, wl.seq_len, (4, 9, 13))
+    plan = make_workload_plan(wl, sms=8)
+    assert plan.workload["document_tokens"] == 5
+
+    def run(applier):
+        xg = x.clone().requires_grad_(True)
+        p = {k: v.clone().requires_grad_(True) for k, v in w.items()}
+        with applier.microbatch(0, "fwd"):
+            y = applier.layer()(xg, planned_weights(p, arch), positions=pos, documents=True)
+        with applier.microbatch(0, "bwd"):
+            (y * c).sum().backward()
+        return y.detach(), xg.grad, {k: v.grad for k, v in p.items()}
+
+    def applier(plan, job=wl):
+        return PlanApplier(workload=job, groups=LoopbackGroups(tp=2), plan=plan,
+                           executor=RecordingExecutor(plan=plan) if plan else None,
+                           baseline=RecordingExecutor(),
+                           schedule=None if plan else "sequential", kernels="torch",
+                           eps=arch.norm_eps, record=True)
+
+    planned = applier(plan)
+    y, dx, dw = run(planned)
+    assert any(ph == "bwd" for ph, _, _ in planned.partitions_run)
+    y0, dx0, dw0 = run(applier(None))
+    torch.testing.assert_close(y, y0)
+    torch.testing.assert_close(dx, dx0)
+    for k in dw:
+        torch.testing.assert_close(dw[k], dw0[k], msg=k)
+    causal = wl.with_(document_tokens=None)
+    with pytest.raises(PlanError, match="document_tokens") as err:
+        run(applier(make_workload_plan(causal, sms=8), causal))
+    assert "\n" not in str(err.value)
+    with pytest.raises(PlanError, match="document_tokens: plan 5, job 7"):
+        applier(plan, wl.with_(document_tokens=7))
+    with pytest.raises(PlanError, match="document_tokens: plan 5, job None"):
+        applier(plan, causal)
+
+
+def test_the_document_mask_is_built_once_per_batch():
+    # every layer of one forward (and the backward's re-run) gets the same positions
+    # tensor: its DocumentMask is built once and shared; a changed or new tensor gets its own
+    wl = workload(recompute="full")
+    arch = wl.model
+    applier = PlanApplier(workload=wl, groups=LoopbackGroups(tp=1), schedule="nanobatching",
+                          kernels="torch", eps=arch.norm_eps)
+    ws = [planned_weights({k: v.clone().requires_grad_(True)
+                           for k, v in full_weights(arch, seed).items()}, arch)
+          for seed in (1, 2)]
+    x = torch.randn(wl.microbatch_size, wl.seq_len, arch.hidden, requires_grad=True)
+    pos = _packed(wl.microbatch_size, wl.seq_len, (4, 9, 13))
+    built = []
+    real = applier._document_mask
+
+    def spy(given, positions, device):
+        docs = real(given, positions, device)
+        built.append(docs)
+        return docs
+
+    applier._document_mask = spy
+    layer = applier.layer()
+    y = layer(layer(x, ws[0], positions=pos, documents=True), ws[1], positions=pos,
+              documents=True)
+    y.sum().backward()  # full recomputation: each layer's forward re-run, masked again
+    assert len(built) == 4 and all(d is built[0] for d in built)
+    pos.add_(0)  # written since: built again
+    layer(x, ws[0], positions=pos, documents=True)
+    assert built[-1] is not built[0]
+    layer(x, ws[0], positions=pos.clone(), documents=True)  # another tensor
+    assert built[-1] is not built[-2]
+
+
 def test_positions_must_match_the_batch():
     wl = workload()
     applier = PlanApplier(workload=wl, groups=LoopbackGroups(tp=1), schedule="sequential",
@@ -141,13 +229,49 @@ def test_positions_on_the_gpu_kernels_bf16(qk, documents):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
-def test_positions_inside_an_enclosing_capture_follow_each_replay(documents):
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_flex_documents_in_planned_layers_equal_the_dense_mask_bf16(recompute):
+    # the planned layer's block-sparse path (compiled FlexAttention, heads of 32) against
+    # its dense-mask path on the same bf16 inputs: output and every gradient
+    from kareus.exec.kernels import TorchKernels
+
+    wl = workload(qk=True, mbs=4, seq=256, head_dim=32, recompute=recompute)
+    arch = wl.model
+    dev = torch.device("cuda")
+    w = {k: v.to(dev, torch.bfloat16) for k, v in full_weights(arch, 2).items()}
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 256, arch.hidden, generator=g).to(dev, torch.bfloat16)
+    c = torch.randn(4, 256, arch.hidden, generator=g).to(dev, torch.bfloat16)
+    pos = _packed(4, 256, (37, 100, 190)).to(dev)
+    runs = {}
+    for backend in ("flex", "mask"):
+        ks = TorchKernels()
+        ks.documents_backend = backend
+        applier = PlanApplier(workload=wl, groups=LoopbackGroups(tp=1),
+                              schedule="nanobatching", kernels=ks, eps=arch.norm_eps)
+        runs[backend] = _run(applier, x, w, pos, c, documents=True)
+
+    def rel(a, b):
+        return float((a.double() - b.double()).norm() / b.double().norm())
+
+    (y, dx, dw), (ym, dxm, dwm) = runs["flex"], runs["mask"]
+    assert rel(y, ym) < 1e-2 and rel(dx, dxm) < 2e-2
+    for k in dw:
+        assert rel(dw[k], dwm[k]) < 2e-2, k
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("documents,head_dim", [(False, 8), (True, 8), (True, 32)],
+                         ids=["causal", "documents-dense-mask", "documents-flex"])
+def test_positions_inside_an_enclosing_capture_follow_each_replay(documents, head_dim):
     # torchtitan's step capture: one forward-backward warmed up eagerly (here on plain
     # positions), captured on one batch's positions and replayed on another's, copied into
     # the captured tensors. The replay must rotate (and mask) by the copied positions:
-    # equal to eager execution on them, to bf16 rounding.
-    wl = workload(qk=True, mbs=4, seq=256)
+    # equal to eager execution on them, to bf16 rounding. Heads of 8 attend through the
+    # dense mask (FlexAttention's GPU kernel takes 16 and more), of 32 through compiled
+    # FlexAttention, its block mask built inside the capture.
+    wl = workload(qk=True, mbs=4, seq=256, head_dim=head_dim)
     arch = wl.model
     dev = torch.device("cuda")
     p = {k: v.to(dev, torch.bfloat16).requires_grad_(True)

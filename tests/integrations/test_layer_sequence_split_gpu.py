@@ -30,12 +30,7 @@ from kareus.model.workload import ModelArch, Parallelism, Workload
 from kareus.testing import make_workload_plan
 
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-              # The checks that lift the GPU's refusal: their first run on 1x H200
-              # (2026-12-04) failed (the loop's loss did not fall at TP = 1; a planned
-              # layer's gradient came back None), so a GPU refuses the split until they pass
-              pytest.mark.skip(reason="nanobatches along the sequence are refused on a GPU "
-                                      "until these checks pass (see the module)")]
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 def workload(tp: int, recompute: str, n: int = 2) -> Workload:
@@ -60,8 +55,9 @@ def test_bf16_planned_layers_along_the_sequence_match_the_reference(how, recompu
     c = torch.randn(1, wl.seq_len, arch.hidden, generator=g).to(dev)
 
     def torch_layers(xin, dtype):
-        ps = [{k: v.to(dtype).requires_grad_(True) for k, v in f.items()} for f in fulls]
-        xi = xin.to(dtype).requires_grad_(True)
+        ps = [{k: v.detach().to(dtype).requires_grad_(True) for k, v in f.items()}
+              for f in fulls]
+        xi = xin.detach().to(dtype).requires_grad_(True)
         y = xi
         for p in ps:
             y = layer(y, p, arch)
@@ -70,8 +66,9 @@ def test_bf16_planned_layers_along_the_sequence_match_the_reference(how, recompu
 
     yr, xr, pr = torch_layers(x, torch.float32)
     yt, xt, pt = torch_layers(x, torch.bfloat16)
-    ps = [{k: v.to(torch.bfloat16).requires_grad_(True) for k, v in f.items()} for f in fulls]
-    xb = x.to(torch.bfloat16).requires_grad_(True)
+    ps = [{k: v.detach().to(torch.bfloat16).requires_grad_(True) for k, v in f.items()}
+          for f in fulls]
+    xb = x.detach().to(torch.bfloat16).requires_grad_(True)
     applier = PlanApplier(workload=wl, groups=LoopbackGroups(tp=1), schedule="nanobatching",
                           eps=arch.norm_eps)
     ws = [planned_weights(p, arch) for p in ps]

@@ -281,6 +281,13 @@ def _layer_refusals(lay, emb, config):
             lay.set_applier(PlanApplier(workload=wrong, groups=applier.groups, kernels="torch",
                                         eps=wrong.model.norm_eps))
         assert "\n" not in str(err.value)
+    # ... and packed documents, which the Megatron-Core layer does not mask
+    with pytest.raises(WorkloadError, match="document_tokens=") as err:
+        # (refused by the workload itself where the cost model does not model them: CP > 1)
+        docs = wl.with_(document_tokens=SEQ // 2)
+        lay.set_applier(PlanApplier(workload=docs, groups=applier.groups, kernels="torch",
+                                    eps=docs.model.norm_eps))
+    assert "\n" not in str(err.value)
     # ... and its layout: sequence-sharded hidden states or whole ones
     other = wl.with_(parallelism=attrs.evolve(wl.parallelism, sp=not wl.parallelism.sp))
     want = f"sequence_parallel={config.sequence_parallel}"

@@ -119,6 +119,46 @@ def test_the_graphs_variable_picks_the_fast_path_unless_told_otherwise(monkeypat
     assert megatron._graphs_from_env() is graphs
 
 
+def test_a_block_of_unchained_layers_runs_them_one_by_one():
+    # An applier whose workload's layers are unchained (KAREUS_CHAIN=0's, or
+    # Workload.chained_layers=False): the chained block runs Megatron's own forward, layer
+    # by layer, which is what its plan costs; without a warning (it is what was asked).
+    from kareus.integrations import megatron
+    from kareus.model import Workload
+
+    wl = Workload.preset("qwen3-1.7b", tp=2)
+    for chained, why in ((True, None), (False, "unchained")):
+        applier = types.SimpleNamespace(workload=wl.with_(chained_layers=chained))
+        block = types.SimpleNamespace(
+            layers=[types.SimpleNamespace(kareus_applier=applier, _forward_pre_hooks={},
+                                          _forward_hooks={}) for _ in range(2)],
+            config=types.SimpleNamespace(fp8=None, fp4=None, cpu_offloading=False))
+        got = megatron._why_not_chained(block, {})
+        if why is None:
+            assert got is None
+        else:
+            assert why in got[0] and got[1] is False
+
+
+@pytest.mark.parametrize(("value", "chained"), [(None, True), ("1", True), ("0", False)])
+def test_kareus_chain_0_makes_the_entry_s_workload_one_of_unchained_layers(monkeypatch, value,
+                                                                           chained):
+    """``KAREUS_CHAIN=0`` leaves the layers unchained: the entry's workload says so, so a plan
+    made for chained layers is refused (check_plan_workload) and one made with ``kareus
+    optimize --megatron-args ... --unchained-layers`` is taken."""
+    from kareus.integrations import megatron
+    from kareus.integrations.megatron_args import workload_from_megatron_args
+
+    if value is None:
+        monkeypatch.delenv(megatron.CHAIN_ENV, raising=False)
+    else:
+        monkeypatch.setenv(megatron.CHAIN_ENV, value)
+    args = megatron_lm_args(qwen3=False)
+    wl = megatron._entry_workload(args, None)
+    assert wl.chained_layers is chained
+    assert wl.with_(chained_layers=True) == workload_from_megatron_args(args)
+
+
 def test_a_bad_graphs_variable_is_refused_naming_it(monkeypatch):
     from kareus.errors import ArgumentError
     from kareus.integrations import megatron

@@ -5,6 +5,7 @@ step capture) are refused without a GPU."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -48,3 +49,45 @@ def test_the_issue_table_is_one_option():
     assert args.rounds == 3 and args.no_gpu_only
     assert bench.parse_args([]).rounds == 5
     assert bench.parse_args(["--issue-table", "--rounds", "2"]).rounds == 2
+
+
+def test_the_issue_table_keeps_the_gpu_only_time_when_asked():
+    bench = load_bench("planned_layers")
+    assert not bench.parse_args(["--issue-table", "--gpu-only"]).no_gpu_only
+
+
+def test_the_lead_probe_records_before_the_first_launch_of_an_armed_iteration():
+    # lead ms: an event recorded right before the first graph launch after arm(), once,
+    # whichever of the mode's appliers launches it; later launches are left alone
+    bench = load_bench("planned_layers")
+    launched, recorded = [], []
+
+    class Event:
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self):
+            recorded.append(len(launched))
+
+    torch_stand_in = SimpleNamespace(cuda=SimpleNamespace(Event=Event))
+
+    class Streams:
+        def replay(self, graph):
+            launched.append(graph)
+
+    class Ex:
+        def __init__(self, streams):
+            self.streams = streams
+
+    shared = Streams()
+    appliers = {"a": type("A", (), {"baseline": Ex(shared), "executor": None})(),
+                "b": type("A", (), {"baseline": Ex(shared), "executor": Ex(Streams())})()}
+    probe = bench._LeadProbe(torch_stand_in, type("It", (), {"appliers": appliers})())
+    shared.replay("g0")  # not armed: no event
+    assert probe.event is None and recorded == []
+    probe.arm()
+    appliers["b"].executor.streams.replay("g1")
+    shared.replay("g2")
+    assert recorded == [1] and probe.event is not None  # before g1's launch, once
+    assert probe.launch_s is not None and probe.launch_s >= 0  # g1's launch call, timed
+    assert launched == ["g0", "g1", "g2"]  # each launched exactly once (wrapped once)

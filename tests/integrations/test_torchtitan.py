@@ -13,7 +13,12 @@
 * the same for torchtitan's ``qwen3`` with sequence parallelism on
   (``enable_sequence_parallel=True``: each block takes and returns this rank's sequence
   shard, ``Shard(1)``; the workload reads ``sp`` from the model's TP plan);
-* blocks with a hook around their call run per block (chain=True refuses them).
+* blocks with a hook around their call run per block (chain=True refuses them);
+* torchtitan's stock FlexAttention (block_causal document masks) on packed batches, at
+  TP = 1 and at TP = 2 with sequence parallelism: the planned blocks' logits equal
+  torchtitan's (its forward only: FlexAttention has no CPU backward), under the baseline
+  and under a plan made for the documents (``document_tokens``, whose gradients equal the
+  baseline's); a plan whose workload does not say so is refused, and the reverse.
 """
 
 from __future__ import annotations
@@ -290,6 +295,69 @@ def test_blocks_with_anything_around_their_call_run_per_block():
         kt.apply_plan(model, workload=wl, kernels="torch", chain="yes")
 
 
+def test_a_workload_of_unchained_layers_runs_per_block_even_where_blocks_chain():
+    # Workload.chained_layers=False: the plan costs each block run on its own, so the
+    # blocks run so (the same values), and chain=True is refused before anything changes.
+    cfg = config(fuse=True)
+    ref = build(cfg)
+    model = copy.deepcopy(ref)
+    wl = kt.workload_from_torchtitan(cfg, tp=1, microbatch_size=MBS, seq_len=SEQ,
+                                     num_microbatches=1).with_(chained_layers=False)
+    with pytest.raises(WorkloadError, match="chained_layers=False"):
+        kt.apply_plan(model, workload=wl, schedule="nanobatching", kernels="torch",
+                      chain=True)
+    assert not any("forward" in m.__dict__ for m in model.modules())  # nothing replaced
+    applier = kt.apply_plan(model, workload=wl, schedule="nanobatching", kernels="torch")
+    tokens = torch.randint(0, VOCAB, (MBS, SEQ))
+    assert kt.chained_blocks(model) == []
+    torch.testing.assert_close(model(tokens), ref(tokens), rtol=1e-5, atol=1e-5)
+    assert {k[-1] for k in applier._programs} == {1}
+
+
+@pytest.mark.parametrize("around", ["hook", "chain=False", "fully_shard"])
+def test_a_plan_for_chained_layers_is_refused_where_blocks_run_one_by_one(around):
+    # The plan's partitions must be those that run: a plan made for chained layers
+    # (chained_layers=True, the default) where a block cannot chain (FSDP's fully_shard,
+    # a hook, chain=False) is refused in one line, before anything is replaced.
+    cfg = config(fuse=True)
+    model = build(cfg)
+    wl = kt.workload_from_torchtitan(cfg, tp=2, microbatch_size=MBS, seq_len=SEQ,
+                                     num_microbatches=1)
+    plan = make_workload_plan(wl)
+    chain = None
+    if around == "hook":
+        model.layers["1"].register_forward_pre_hook(lambda *a: None)
+    elif around == "chain=False":
+        chain = False
+    else:
+        from torch.distributed.fsdp import FSDPModule
+
+        blk = model.layers["0"]  # what fully_shard makes of a block: an FSDPModule
+        blk.__class__ = type("FSDPBlock", (FSDPModule, type(blk)), {})
+    with pytest.raises(WorkloadError) as err:
+        kt.apply_plan(model, workload=wl, plan=plan, kernels="torch", chain=chain)
+    msg = str(err.value)
+    assert "made for chained layers" in msg and "--unchained-layers" in msg
+    assert "\n" not in msg
+    if around == "fully_shard":
+        assert "fully_shard" in msg
+    assert not any("forward" in m.__dict__ for m in model.modules())  # nothing replaced
+
+
+def test_a_compiled_block_can_chain_as_apply_plan_runs_it_uncompiled():
+    # torch.compile of a block (torchtitan's compile.enable) is set aside by apply_plan,
+    # so it does not keep the blocks from chaining: a plan for chained layers passes the
+    # chaining check (and stops at the TP group, which this test does not give)
+    cfg = config(fuse=True)
+    model = build(cfg)
+    model.layers["0"]._compiled_call_impl = torch.compile(model.layers["0"].forward)
+    assert kt._blocks_chain(model) is None
+    wl = kt.workload_from_torchtitan(cfg, tp=2, microbatch_size=MBS, seq_len=SEQ,
+                                     num_microbatches=1)
+    with pytest.raises(ArgumentError, match="mesh="):
+        kt.apply_plan(model, workload=wl, plan=make_workload_plan(wl), kernels="torch")
+
+
 def test_apply_plan_refusals():
     cfg = config(fuse=True)
     model = build(cfg)
@@ -395,6 +463,65 @@ def test_packed_documents_rotate_at_their_positions(fuse, name):
     assert not torch.allclose(planned(tokens).detach(), outs[1][0], atol=1e-4)
 
 
+def _flex(cfg):
+    """``cfg`` with torchtitan's stock FlexAttention (block_causal document masks)."""
+    from torchtitan.models.common.attention import FlexAttention
+
+    for lc in cfg.layers:
+        lc.attention.inner_attention = FlexAttention.Config()
+    return cfg
+
+
+def test_document_masks_need_a_workload_that_says_so():
+    # FlexAttention masks packed documents: a plan needs a workload with document_tokens
+    # (the attention within documents costed), and a workload with it needs such a model
+    flex = _flex(config(fuse=True))
+    assert kt.masks_documents(flex) and not kt.masks_documents(config(fuse=True))
+    kw = dict(microbatch_size=MBS, seq_len=SEQ, num_microbatches=1)
+    causal = kt.workload_from_torchtitan(flex, tp=2, **kw)
+    docs = kt.workload_from_torchtitan(flex, tp=2, document_tokens=8, **kw)
+    assert docs.document_tokens == 8
+    with pytest.raises(WorkloadError, match="document_tokens=") as err:
+        kt.apply_plan(build(flex), workload=causal, plan=make_workload_plan(causal))
+    assert "\n" not in str(err.value)
+    # accepted up to the TP group this process does not have
+    with pytest.raises(ArgumentError, match="mesh="):
+        kt.apply_plan(build(flex), workload=docs, plan=make_workload_plan(docs))
+    sdpa = config(fuse=True)
+    with pytest.raises(WorkloadError, match="without document_tokens"):
+        kt.apply_plan(build(sdpa), workload=kt.workload_from_torchtitan(
+            sdpa, tp=1, document_tokens=8, **kw), schedule="sequential")
+
+
+@pytest.mark.slow
+def test_planned_blocks_mask_documents_as_torchtitan_s_flex_attention():
+    # torchtitan's stock attention (FlexAttention, block_causal masks built by its decoder
+    # from the positions) against the planned blocks masking the same documents (the
+    # dense-mask path on the CPU; FlexAttention has no CPU backward, so torchtitan's side
+    # runs forward only), then the planned model's backward runs
+    cfg = _flex(config(fuse=True))
+    base = build(cfg)
+    planned = copy.deepcopy(base)
+    wl = kt.workload_from_torchtitan(cfg, tp=1, microbatch_size=MBS, seq_len=SEQ,
+                                     num_microbatches=1, document_tokens=6)
+    kt.apply_plan(planned, workload=wl, schedule="nanobatching", kernels="torch")
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, VOCAB, (MBS, SEQ), generator=g)
+    packed = torch.stack([torch.cat((torch.arange(k), torch.arange(SEQ - k)))
+                          for k in (3, 8, 11, 16)])
+    with torch.no_grad():
+        want = base(tokens, positions=packed, attention_masks=base.get_attention_masks(packed))
+    got = planned(tokens, positions=packed, attention_masks=planned.get_attention_masks(packed))
+    torch.testing.assert_close(got.detach(), want, rtol=1e-4, atol=1e-5)
+    got.square().mean().backward()
+    assert all(p.grad is not None and bool(p.grad.isfinite().all())
+               for p in planned.parameters())
+    # the masks matter: the same positions, causal over the whole sequence, differ
+    sdpa = build(config(fuse=True))
+    with torch.no_grad():
+        assert not torch.allclose(sdpa(tokens, positions=packed), want, atol=1e-4)
+
+
 # ------------------------------------------------------------------ two processes, gloo
 
 
@@ -417,6 +544,8 @@ def _own_forwards(model):
 
 
 def _worker(out_dir: str, backend: str, name: str) -> None:
+    flex = name.endswith("-flex")  # "qwen3-sp-flex": torchtitan's stock FlexAttention
+    name = name.removesuffix("-flex")
     sp = name.endswith("-sp")  # "qwen3-sp": torchtitan's TP plan with sequence parallelism
     name = name.removesuffix("-sp")
     import torch.distributed as dist
@@ -441,6 +570,12 @@ def _worker(out_dir: str, backend: str, name: str) -> None:
     dims = ParallelDims.from_config(parallelism, world_size=2)
     dims.build_mesh()
     context = dist_utils.get_spmd_context(parallel_dims=dims)
+    if flex:
+        result = _flex_runs(MODELS[name], parallelism, dims, context)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     result: dict = {}
     make = MODELS[name]
     for fuse in (False, True):
@@ -452,6 +587,10 @@ def _worker(out_dir: str, backend: str, name: str) -> None:
         assert wl.parallelism.sequence_parallel == sp == kt.sequence_parallel_of(cfg)
         plan = make_workload_plan(wl, pick=1, sms=8, freqs_mhz=(1980, 1410),
                                   unsplit_microbatches=(1,))
+        # per block (chain=False) a plan runs only if made for blocks run one by one
+        per_block = wl.with_(chained_layers=False)
+        per_block_plan = make_workload_plan(per_block, pick=1, sms=8, freqs_mhz=(1980, 1410),
+                                            unsplit_microbatches=(1,))
         for schedule, chain in RUNS:
             model = copy.deepcopy(base)
             with context():
@@ -459,8 +598,10 @@ def _worker(out_dir: str, backend: str, name: str) -> None:
             own = _own_forwards(model)
             applier = None
             if schedule != "torchtitan":
-                applier = kt.apply_plan(model, workload=wl, mesh=dims, schedule=schedule,
-                                        plan=plan if schedule == "kareus" else None,
+                mine = per_block if (schedule, chain) == ("kareus", False) else wl
+                applier = kt.apply_plan(model, workload=mine, mesh=dims, schedule=schedule,
+                                        plan=(None if schedule != "kareus" else
+                                              per_block_plan if mine is per_block else plan),
                                         kernels="torch", record=True, chain=chain)
             losses, logits, forwards = [], [], []
             for mb in range(wl.num_microbatches):
@@ -497,6 +638,72 @@ def _worker(out_dir: str, backend: str, name: str) -> None:
 
 
 
+def _flex_runs(make, parallelism, dims, context) -> dict:
+    """TP = 2 with torchtitan's stock FlexAttention (block_causal document masks) on packed
+    batches: torchtitan's own forward (no backward: FlexAttention has none on a CPU), then
+    kareus's layers under the sequential baseline and under a plan made for the documents
+    (``document_tokens``), forward and backward."""
+    from torchtitan.components.loss import cross_entropy_loss
+
+    cfg = _flex(make(fuse=True))
+    cfg.update_from_config(config=SimpleNamespace(parallelism=parallelism))
+    base = build(cfg)
+    wl = kt.workload_from_torchtitan(cfg, tp=2, microbatch_size=MBS, seq_len=SEQ,
+                                     num_microbatches=2, document_tokens=6)
+    plan = make_workload_plan(wl, pick=1, sms=8)
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=g)
+    packed = torch.stack([torch.cat((torch.arange(k), torch.arange(SEQ - k)))
+                          for k in (3, 8, 11, 16)])
+    result: dict = {}
+    for schedule in ("torchtitan", "sequential", "kareus"):
+        model = copy.deepcopy(base)
+        with context():
+            model.parallelize(dims)
+        applier = None
+        if schedule != "torchtitan":
+            applier = kt.apply_plan(model, workload=wl, mesh=dims, schedule=schedule,
+                                    plan=plan if schedule == "kareus" else None,
+                                    kernels="torch", record=True)
+        with context():
+            masks = model.get_attention_masks(packed)
+            if applier is None:
+                with torch.no_grad():
+                    out = model(tokens[:, :-1], packed, masks)
+                result[schedule] = {"logits": _full(out).detach().clone()}
+                continue
+            with applier.microbatch(0, "fwd"):
+                out = model(tokens[:, :-1], packed, masks)
+            loss = cross_entropy_loss(out, tokens[:, 1:], global_vocab_size=VOCAB)
+            with applier.microbatch(0, "bwd"):
+                loss.backward()
+        result[schedule] = {
+            "logits": _full(out).detach().clone(),
+            "grads": {n: _full(p.grad).detach().clone() for n, p in model.named_parameters()},
+            "partitions": [(ph, k) for ph, k, _ in applier.partitions_run]}
+    return result
+
+
+@pytest.mark.slow
+def test_gloo_tp2_flex_documents_equal_torchtitan_s(tmp_path):
+    # TP = 2 with sequence parallelism and torchtitan's stock FlexAttention on packed
+    # documents: the planned layers (sequential baseline, and a plan costed for the
+    # documents) give torchtitan's logits; the plan's gradients are the baseline's
+    from _ranks import run_ranks  # tests/integrations, on sys.path under pytest
+
+    res = run_ranks(__file__, tmp_path, 2, "spmd_types", "qwen3-sp-flex")
+    for r in res:
+        want = r["torchtitan"]["logits"]
+        for schedule in ("sequential", "kareus"):
+            torch.testing.assert_close(r[schedule]["logits"], want, rtol=1e-4, atol=1e-5,
+                                       msg=schedule)
+        assert any(ph == "bwd" for ph, _ in r["kareus"]["partitions"])
+        for n, grad in r["sequential"]["grads"].items():
+            torch.testing.assert_close(r["kareus"]["grads"][n], grad, rtol=1e-4, atol=1e-6,
+                                       msg=n)
+    assert res[0]["kareus"]["partitions"] == res[1]["kareus"]["partitions"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [*sorted(MODELS), "qwen3-sp"])
 @pytest.mark.parametrize("backend", ["spmd_types", "partial_dtensor"])
@@ -527,7 +734,8 @@ def test_gloo_tp2_equals_torchtitan(tmp_path, backend, name):
                    ["partitions"])
         # The exposed forward collectives: in a forward cut into nanobatches, a collective
         # with nothing left to overlap runs in a partition of no ops, launched after them
-        # (launch slot None; named "<kind>:tail" under the baselines). Per block, each
+        # (launch slot None; named "<kind>:tail" under the baselines, and under a plan for
+        # blocks run one by one, which costs them at their own CTA count). Per block, each
         # layer's last all-reduce is one; chained, only the decoder's last.
         for schedule in ("nanobatching", "kareus"):
             split = [0, 1] if schedule == "nanobatching" else [0]  # the plan: mb 1 unsplit
@@ -536,7 +744,7 @@ def test_gloo_tp2_equals_torchtitan(tmp_path, backend, name):
                 for mb in split:
                     tails = [k for k, slot in forwards[mb] if slot is None]
                     assert len(tails) == per_forward, (schedule, chain, mb, forwards[mb])
-                    if schedule == "nanobatching":
+                    if schedule == "nanobatching" or chain is False:
                         kind = "reduce_scatter" if name.endswith("-sp") else "all_reduce"
                         assert tails == [f"{kind}:tail"] * per_forward
             # the unsplit microbatch runs the same partitions either way
@@ -619,11 +827,46 @@ def test_the_trainer_s_activation_checkpoint_is_a_recomputation_policy_or_refuse
 
 
 #: torchtitan's own flags for the debug Llama 3 at TP = 2 with SDPA attention (the stock
-#: FlexAttention masks documents, which plans do not cost), its defaults otherwise.
+#: FlexAttention masks documents: their length is given with --document-tokens), its
+#: defaults otherwise.
 TT_FLAGS = ("--module llama3 --config llama3_debugmodel --parallelism.tensor_parallel_degree 2 "
             "--override.imports kareus.testing.torchtitan_sdpa.causal_sdpa "
             "--training.seq_len 256 --training.local_batch_size 4 "
             "--training.global_batch_size 8")
+
+
+def test_under_the_trainer_s_fsdp_blocks_a_plan_for_chained_layers_is_refused():
+    # A stand-in Trainer with torchtitan's config of TT_FLAGS and its model, each block
+    # an FSDPModule as fully_shard leaves it (torchtitan 0.3 wraps every block, at any
+    # data-parallel degree): the workload is one of unchained layers, equal to the config's
+    # (what kareus optimize --torchtitan-args plans for), and wrap_trainer refuses a plan
+    # made for chained layers in one line, before anything is applied.
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.config import ConfigManager
+
+    flags = TT_FLAGS.split() + ["activation-checkpoint:none"]
+    config = ConfigManager().parse_args(flags)
+    _, model_config = kt._trainer_config_copy(config)
+    model = model_config.build()
+    for blk in kt.planned_blocks(model):
+        blk.__class__ = type("FSDP" + type(blk).__name__, (FSDPModule, type(blk)), {})
+    trainer = SimpleNamespace(
+        config=config, model_config=model_config, model_parts=[model],
+        parallel_dims=SimpleNamespace(tp=2, cp=1, pp=1, dp_replicate=1, dp_shard=1,
+                                      pp_enabled=False),
+        gradient_accumulation_steps=2)
+    wl = kt.workload_from_trainer(trainer)
+    assert wl.chained_layers is False
+    assert wl == kt.workload_from_torchtitan_config(config, world_size=2)
+    with pytest.raises(WorkloadError) as err:
+        kt.wrap_trainer(trainer, make_workload_plan(wl.with_(chained_layers=True)))
+    msg = str(err.value)
+    assert "fully_shard" in msg and "--torchtitan-args" in msg and "\n" not in msg
+    assert not any("forward" in m.__dict__ for m in model.modules())  # nothing applied
+    # unwrapped blocks could chain: a workload read from them says so
+    for blk in kt.planned_blocks(model):
+        blk.__class__ = blk.__class__.__mro__[2]
+    assert kt.workload_from_trainer(trainer).chained_layers is True
 
 
 def test_optimize_makes_the_plan_from_torchtitan_s_flags(tmp_path, capsys):
@@ -640,6 +883,8 @@ def test_optimize_makes_the_plan_from_torchtitan_s_flags(tmp_path, capsys):
     config = ConfigManager().parse_args(TT_FLAGS.split())
     wl = kt.workload_from_torchtitan_config(config, world_size=2, selective_as="selective")
     assert plan.workload == wl.to_dict()  # what wrap_trainer checks the plan against
+    # the Trainer wraps every block in FSDP: the plan is for layers run one by one
+    assert plan.workload["chained_layers"] is False
     assert (wl.parallelism.tp, wl.parallelism.sp, wl.microbatch_size, wl.num_microbatches,
             wl.seq_len, wl.recompute) == (2, True, 4, 2, 256, "selective")
     # the config given is not changed (its override applied to a copy): still flex
@@ -653,11 +898,31 @@ def test_optimize_makes_the_plan_from_torchtitan_s_flags(tmp_path, capsys):
     # attention (document masks) is not costed; selective is named, not guessed
     stock = TT_FLAGS.replace("--override.imports kareus.testing.torchtitan_sdpa.causal_sdpa",
                              "")
+    # the stock attention (FlexAttention, block_causal) with the documents' length given:
+    # the plan costs the attention within documents of that length
+    docs = tmp_path / "docs"
+    assert main(["optimize", "--torchtitan-args", stock, "--gpus", "2", "--recompute",
+                 "selective", "--document-tokens", "64", *common, "--out", str(docs)]) == 0
+    stock_config = ConfigManager().parse_args(stock.split())
+    assert kt.masks_documents(stock_config)
+    want = kt.workload_from_torchtitan_config(stock_config, world_size=2,
+                                              selective_as="selective", document_tokens=64)
+    assert Plan.load(docs / "plan.json").workload == want.to_dict()
+    assert want.document_tokens == 64 and want.with_(document_tokens=None) == wl
+    with pytest.raises(WorkloadError, match="document_tokens="):
+        kt.workload_from_torchtitan_config(stock_config, world_size=2,
+                                           selective_as="selective")
+    with pytest.raises(WorkloadError, match="drop document_tokens"):
+        kt.workload_from_torchtitan_config(config, world_size=2, selective_as="selective",
+                                           document_tokens=64)
+    capsys.readouterr()
     for extra, flags, words in (
             (["--gpus", "2", "--tp", "2"], TT_FLAGS, "drop --tp"),
             ([], TT_FLAGS, "--gpus"),
             (["--gpus", "3"], TT_FLAGS, "do not make 3 ranks"),
-            (["--gpus", "2", "--recompute", "selective"], stock, "does not cost"),
+            (["--gpus", "2", "--recompute", "selective"], stock, "give --document-tokens"),
+            (["--gpus", "2", "--recompute", "selective", "--document-tokens", "64"],
+             TT_FLAGS, "masks no documents"),
             (["--gpus", "2"], TT_FLAGS, "selective_as"),
             (["--gpus", "2", "--recompute", "none"], TT_FLAGS + " activation-checkpoint:full",
              "contradicts"),

@@ -74,6 +74,7 @@ def test_the_documented_optimize_command_describes_the_trainer_s_workload():
     wl = workload_from_torchtitan_config(ConfigManager().parse_args(flags), world_size=gpus,
                                          selective_as=recompute)
     assert (wl.parallelism.tp, wl.parallelism.sp, wl.recompute) == (8, True, "selective")
+    assert wl.chained_layers is False  # the Trainer's blocks are FSDP-wrapped: one by one
     assert wl.model.hidden == 4096 and wl.model.layers == 32
     train = [b for b in re.findall(r"```bash\n(.*?)```", text, flags=re.S)
              if "-m kareus.integrations.torchtitan --plan" in b]

@@ -5,7 +5,9 @@ debug Llama 3 model (attention: torchtitan's causal SDPA, FlexAttention having n
 backward), TP = 2, fp32, torchtitan's defaults kept: sequence parallelism on, its per-op
 selective activation checkpointing (kareus's layers run the plan's recomputation policy in
 its place), the loader's packed documents (``positions`` restarting at each document: the
-planned layers' RoPE at those positions), validation on; two gradient-accumulation
+planned layers' RoPE at those positions; with torchtitan's stock FlexAttention, masked as
+its block_causal masks them, under a plan made for them: ``document_tokens``), validation
+on; two gradient-accumulation
 microbatches per step. Each run is built from torchtitan's own command line; the run with a
 plan gets one ``wrap_trainer(trainer, plan)`` call. Every microbatch loss, every gradient
 norm and every validation loss equals torchtitan's own run to fp32 tolerance, with
@@ -49,8 +51,9 @@ REFUSALS = {
     "selective_without_policy": ([], True, "selective_as"),
     "memory_budget_ac": (["--compile.enable", "activation-checkpoint:memory-budget"], True,
                          "activation_checkpoint is memory-budget"),
-    "plan_for_flex_documents": ([FULL_AC], False, "does not cost"),
+    "plan_for_flex_documents": ([FULL_AC], False, "document_tokens"),
     "cuda_graphs_plan_of_several_choices": ([], True, "training.disable_cuda_graphs"),
+    "plan_for_chained_layers": ([], True, "wraps every block in FSDP (fully_shard"),
 }
 
 
@@ -123,8 +126,13 @@ def _worker(out_dir: str, run: str, what: str) -> None:
         flags, sdpa, _ = REFUSALS[what]
         trainer = cpu_trainer_config(assets, *BASE, *flags, sdpa=sdpa).build()
         plan = None
-        if what == "plan_for_flex_documents":
-            plan = make_workload_plan(workload_from_trainer(trainer))
+        if what == "plan_for_flex_documents":  # a plan costed for whole-sequence attention
+            plan = make_workload_plan(workload_from_trainer(
+                trainer, document_tokens=16).with_(document_tokens=None))
+        if what == "plan_for_chained_layers":  # the Trainer's blocks never chain
+            wl = workload_from_trainer(trainer, selective_as="selective")
+            result["chained_layers"] = wl.chained_layers
+            plan = make_workload_plan(wl.with_(chained_layers=True))
         if what == "cuda_graphs_plan_of_several_choices":
             trainer.fwd_bwd_fn = _StandInCapture(trainer._forward_backward_body)
             plan = make_workload_plan(workload_from_trainer(trainer, selective_as="selective"),
@@ -137,7 +145,8 @@ def _worker(out_dir: str, run: str, what: str) -> None:
         result["step"] = trainer.step
         trainer.close()
     elif run == "documents":
-        result = _documents(trainer_config=cpu_trainer_config(assets, *BASE, sdpa=False))
+        result = _documents(trainer_config=cpu_trainer_config(assets, *BASE, sdpa=False),
+                            planned=what == "plan")
     else:
         ac = {"none": [NO_AC], "full": [FULL_AC]}.get(what.partition("-")[2], [])
         flags = (["--compile.enable"] if what == "compile" else []) + ac
@@ -172,14 +181,26 @@ def _worker(out_dir: str, run: str, what: str) -> None:
     dist.destroy_process_group()
 
 
-def _documents(trainer_config) -> dict:
+def _documents(trainer_config, planned: bool = False) -> dict:
     """torchtitan's stock attention (FlexAttention, block_causal document masks): the
     model's forward on packed batches with and without kareus's layers (a baseline
-    schedule: plans do not cost document masks), then training steps and validation under
-    kareus (FlexAttention has no backward on a CPU: torchtitan alone cannot train here)."""
-    from kareus.integrations.torchtitan import wrap_trainer
+    schedule), then training steps and validation under kareus (FlexAttention has no
+    backward on a CPU: torchtitan alone cannot train here). ``planned``: the steps run
+    under a plan made for the documents (``document_tokens``) instead of the baseline."""
+    from kareus.integrations.torchtitan import workload_from_trainer, wrap_trainer
+    from kareus.testing import make_workload_plan
 
     trainer = trainer_config.build()
+    if planned:  # the Trainer's steps under a plan costed for 16-token documents
+        wl = workload_from_trainer(trainer, selective_as="selective", document_tokens=16)
+        result = _record(trainer)
+        applier = wrap_trainer(trainer, make_workload_plan(wl, pick=1, sms=8),
+                               kernels="torch", record=True)
+        trainer.train()
+        trainer.close()
+        result["workload"] = wl.to_dict()
+        result["partitions"] = [(ph, k) for ph, k, _ in applier.partitions_run]
+        return result
     model = trainer.model_parts[0]
     it = iter(trainer.dataloader)
     batches = [next(it) for _ in range(2)]
@@ -238,6 +259,8 @@ def _check_equal(tmp_path, what):
         assert (wl["tp"], wl["sp"], wl["microbatch_size"], wl["seq_len"],
                 wl["num_microbatches"], wl["recompute"]) == (2, True, 4, 64, 2, recompute)
         assert got["dtype_bytes"] == 4
+        # every block is wrapped in FSDP: the layers run one by one, the plan is for that
+        assert wl["chained_layers"] is False
         # the plan ran: its forward and backward partitions, the same on both ranks
         assert any(ph == "bwd" for ph, _ in got["partitions"])
         # SP's partition types: all-gathers and reduce-scatters, no all-reduce
@@ -281,11 +304,27 @@ def test_torchtitan_s_document_masks_in_planned_layers(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_plan_for_torchtitan_s_document_masks(tmp_path):
+    # a plan made for the stock attention's packed documents (document_tokens) trains as
+    # the baseline schedule does: the same microbatch, step and validation losses
+    base = _run(tmp_path, "documents", "flex")
+    planned = _run(tmp_path, "documents", "plan")
+    for want, got in zip(base, planned, strict=True):
+        assert got["workload"]["document_tokens"] == 16
+        assert any(ph == "bwd" for ph, _ in got["partitions"])
+        assert got["mb_losses"] == pytest.approx(want["mb_losses"], rel=1e-5, abs=1e-7)
+        assert got["grad_norms"] == pytest.approx(want["grad_norms"], rel=1e-4)
+        assert got["val_losses"] == pytest.approx(want["val_losses"], rel=1e-5)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(REFUSALS))
 def test_what_kareus_does_not_run_is_refused_before_step_1(tmp_path, name):
     for r in _run(tmp_path, "refuse", name):
         assert REFUSALS[name][2] in r["error"], r["error"]
         assert "\n" not in r["error"] and r["step"] == 0
+        if name == "plan_for_chained_layers":
+            assert r["chained_layers"] is False
 
 
 if __name__ == "__main__":

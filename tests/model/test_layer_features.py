@@ -222,12 +222,15 @@ def test_tied_embeddings_on_one_stage_shrink_the_step_and_memory() -> None:
     shared = 32000 * 1024 / 4  # one vocab x hidden matrix, split over TP = 4
     assert stage_params_per_rank(plain) - stage_params_per_rank(tied) == pytest.approx(shared)
     a, b = iteration_work(plain), iteration_work(tied)
+    # The distributed optimizer's step covers 1 / (DP x CP) = 1/2 of the rank's parameters.
     assert a.ops[0].bytes_moved - b.ops[0].bytes_moved == pytest.approx(
-        ADAM_BYTES_PER_PARAM * shared)
-    assert a.comms == b.comms == ()  # one stage: nothing to keep in sync
+        ADAM_BYTES_PER_PARAM * shared / 2)
+    # One stage: no tied copy to keep in sync; only the gradients' reduction over CP.
+    grad = ["cp_grad_reduce_scatter", "cp_param_all_gather"]
+    assert [c.name for c in a.comms] == [c.name for c in b.comms] == grad
     ma, mb = estimate_memory(plain), estimate_memory(tied)
     assert ma.weights_bytes - mb.weights_bytes == pytest.approx(2 * shared)
-    assert ma.optimizer_bytes - mb.optimizer_bytes == pytest.approx(12 * shared)
+    assert ma.optimizer_bytes - mb.optimizer_bytes == pytest.approx(12 * shared / 2)  # DP x CP = 2
     # The LM head's weight gradient goes into the embedding's: the same kernels per microbatch.
     assert build_partitions(plain).outside == build_partitions(tied).outside
     assert build_partitions(plain).types == build_partitions(tied).types
@@ -239,19 +242,24 @@ def test_tied_embeddings_across_stages_all_reduce_their_gradient() -> None:
     assert stage_params_per_rank(plain) == stage_params_per_rank(tied)
     assert estimate_memory(plain) == estimate_memory(tied)
     a, b = iteration_work(plain), iteration_work(tied)
-    assert a.ops == b.ops and a.comms == ()
-    (ar,) = b.comms
+    assert a.ops == b.ops
+    # Between the gradients' reduce-scatter over the CP group and the weights' all-gather.
+    assert [c.name for c in a.comms] == ["cp_grad_reduce_scatter", "cp_param_all_gather"]
+    assert [c.name for c in b.comms] == ["cp_grad_reduce_scatter",
+                                         "embedding_grad_all_reduce", "cp_param_all_gather"]
+    ar = b.comms[1]
     assert (ar.name, ar.kind, ar.group_size) == ("embedding_grad_all_reduce",
                                                  CommKind.ALL_REDUCE, 2)
     assert ar.bytes == 4 * 32000 / 4 * 1024  # fp32 gradient of one TP shard
-    assert b.comms_cross_node  # 16 GPUs: the end stages on two nodes
-    # Data parallelism: between the gradients' reduce-scatter and the weights' all-gather.
+    assert b.crosses_node(ar)  # 16 GPUs: the end stages on two nodes
+    assert not b.crosses_node(b.comms[0])  # the CP group: inside its stage's node
+    # Data parallelism too: the same order, over DP x CP.
     dp = iteration_work(_wl(attrs.evolve(PLAIN, tied_embeddings=True), dp=2))
-    assert [c.name for c in dp.comms] == ["dp_grad_reduce_scatter", "embedding_grad_all_reduce",
-                                          "dp_param_all_gather"]
+    assert [c.name for c in dp.comms] == ["dp_cp_grad_reduce_scatter",
+                                          "embedding_grad_all_reduce", "dp_cp_param_all_gather"]
     # A vocabulary TP does not divide: the padded shard.
     odd = _wl(attrs.evolve(PLAIN, vocab=32001, tied_embeddings=True))
-    assert iteration_work(odd).comms[0].bytes == 4 * 8001 * 1024
+    assert iteration_work(odd).comms[1].bytes == 4 * 8001 * 1024
 
 
 def test_norm_eps_changes_no_work() -> None:

@@ -21,7 +21,7 @@ def test_weights_of_one_stage_one_shard_are_the_model():
     est = estimate_memory(wl)
     assert est.stage == 0
     assert est.weights_bytes == pytest.approx(2 * wl.model.params)  # bf16
-    assert est.grads_bytes == est.weights_bytes
+    assert est.grads_bytes == 2 * est.weights_bytes  # fp32 gradients of bf16 weights
     assert est.optimizer_bytes == pytest.approx(6 * est.weights_bytes)  # 12 B vs 2 B
 
 
@@ -30,6 +30,21 @@ def test_data_parallelism_shards_only_the_optimizer_state():
     assert four.optimizer_bytes == pytest.approx(one.optimizer_bytes / 4)
     assert (four.weights_bytes, four.activations_bytes) == (one.weights_bytes,
                                                              one.activations_bytes)
+
+
+def test_context_parallelism_shards_the_optimizer_state_with_dp():
+    # The distributed optimizer shards over DP x CP (Megatron-Core's dp_cp group): the
+    # shard the iteration's Adam step updates.
+    from kareus.model.partition import ADAM_BYTES_PER_PARAM, iteration_work
+
+    one = estimate_memory(_wl())
+    for dp, cp in [(1, 2), (2, 2), (4, 1)]:
+        wl = _wl(dp=dp, cp=cp)
+        est = estimate_memory(wl)
+        assert est.optimizer_bytes == pytest.approx(one.optimizer_bytes / (dp * cp))
+        assert est.weights_bytes == one.weights_bytes
+        stepped = iteration_work(wl).ops[0].bytes_moved / ADAM_BYTES_PER_PARAM
+        assert est.optimizer_bytes == pytest.approx(12 * stepped)
 
 
 def test_tensor_and_pipeline_parallelism_shrink_the_weights():

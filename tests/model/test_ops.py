@@ -43,7 +43,19 @@ def test_bus_bytes_follow_the_nccl_tests_convention():
     rs = CommOp(name="rs", kind=CommKind.REDUCE_SCATTER, bytes=8e6, group_size=4)
     assert ar.bus_bytes == pytest.approx(2 * 3 / 4 * 8e6)
     assert ag.bus_bytes == pytest.approx(3 / 4 * 8e6) == rs.bus_bytes
-    assert [k.short for k in CommKind] == ["ar", "ag", "rs"]
+    a2a = CommOp(name="a2a", kind=CommKind.ALL_TO_ALL, bytes=8e6, group_size=4)
+    assert a2a.bus_bytes == pytest.approx(3 / 4 * 8e6)  # (g-1)/g to the peers
+    assert [k.short for k in CommKind] == ["ar", "ag", "rs", "a2a"]
+
+
+def test_only_a_gemm_may_be_grouped():
+    op = ComputeOp(name="expert_down", kind=OpKind.GEMM, flops=1e9, bytes_moved=1e6,
+                   group_rows=12.5)
+    assert op.grouped and op.scaled(2.0).group_rows == 12.5
+    assert "group_rows" not in repr(op)  # a dense op's repr is as before the field
+    assert not ComputeOp(name="g", kind=OpKind.GEMM, flops=1.0, bytes_moved=1.0).grouped
+    with pytest.raises(ValueError, match="only a GEMM may be grouped"):
+        ComputeOp(name="x", kind=OpKind.ELEMENTWISE, flops=1.0, bytes_moved=1.0, group_rows=4)
 
 
 @pytest.mark.parametrize("kw, match", [

@@ -76,3 +76,38 @@ def test_the_emulator_costs_the_model_s_layer_features() -> None:
     tail = prof.measure_outside(b.iteration, 1410, group_size=world)
     untied = prof.measure_outside(a.iteration, 1410, group_size=world)
     assert tail.time_s > untied.time_s
+
+
+def test_collectives_inside_a_node_of_a_job_over_several() -> None:
+    # A CP group's gradient reduction on NVLink beside a tied all-reduce over the network.
+    prof = EmulatedProfiler("h200-sxm", noise=0)
+    rs = CommOp(name="cp_grad_reduce_scatter", kind=CommKind.REDUCE_SCATTER,
+                bytes=1 << 30, group_size=2)
+    ar = CommOp(name="embedding_grad_all_reduce", kind=CommKind.ALL_REDUCE, bytes=1 << 28,
+                group_size=2)
+    gpu = prof.emulated_gpu
+    near = prof.measure_outside(OutsideWork(comms=(rs,)), 1980, group_size=1)
+    mixed = prof.measure_outside(OutsideWork(comms=(rs, ar), comms_cross_node=True,
+                                             comms_in_node=(rs.name,)), 1980, group_size=1)
+    net = gpu.network_latency_s + ar.bus_bytes / (gpu.network_gb_per_s * 1e9)
+    assert mixed.time_s == pytest.approx(near.time_s + net)
+    far = prof.measure_outside(OutsideWork(comms=(rs, ar), comms_cross_node=True), 1980,
+                               group_size=1)
+    assert far.time_s > mixed.time_s  # the same reduce-scatter at the NIC's rate
+
+
+def test_the_gradient_reduction_over_cp_lengthens_the_tail() -> None:
+    # The README's job (TP=4 CP=2 PP=2, DP=1): the gradients' reduce-scatter and the
+    # weights' all-gather over the CP group on NVLink, and the step over half the weights.
+    wl = Workload.preset("qwen3-1.7b", tp=4, cp=2, pp=2, microbatch_size=16)
+    work = build_partitions(wl).iteration
+    prof = EmulatedProfiler("a100-40gb", noise=0)
+    world = wl.parallelism.world_size
+    tail = prof.measure_outside(work, 1410, group_size=world)
+    rs, tied, ag = work.comms
+    parts = [prof.measure_outside(OutsideWork(ops=work.ops), 1410, group_size=world),
+             prof.measure_outside(OutsideWork(comms=(rs, ag)), 1410, group_size=world),
+             prof.measure_outside(OutsideWork(comms=(tied,), comms_cross_node=True), 1410,
+                                  group_size=world)]
+    assert tail.time_s == pytest.approx(sum(m.time_s for m in parts), rel=0.02)
+    assert parts[1].time_s > 0.5 * parts[0].time_s  # not a rounding error

@@ -139,3 +139,20 @@ def test_make_acquisition_context():
     assert ctx.n_candidates == 50 and len(ctx.chosen) == 3
     assert not ctx.available[ctx.chosen].any()
     assert ctx.prediction.spread is None
+
+
+def test_make_workload_plan_makes_a_plan_that_saves_and_loads(tmp_path):
+    # Its figures are placeholders, but consistent ones: a plan file a user writes with it
+    # loads back (energy = dynamic + static power x time), splits and unsplit choices alike.
+    from kareus.compose import Plan
+    from kareus.model.workload import Parallelism
+    from kareus.testing import make_workload_plan
+
+    wl = Workload(model="qwen3-1.7b", parallelism=Parallelism(tp=2, pp=2),
+                  microbatch_size=2, seq_len=512, num_microbatches=4)
+    plan = make_workload_plan(wl, freqs_mhz=(1980, 1410), unsplit_microbatches=(1,))
+    plan.save(tmp_path / "plan.json")
+    back = Plan.load(tmp_path / "plan.json")
+    assert back.digest == plan.digest
+    assert back.energy_j == pytest.approx(back.dynamic_energy_j
+                                          + back.static_power_w * back.time_s)

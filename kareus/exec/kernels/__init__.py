@@ -42,6 +42,9 @@ backward are two explicit ops (``attention_forward`` keeps a ``SavedAttention``,
 ``attention_backward`` reads it; no autograd engine between them, so both capture in a CUDA
 graph): every kernel set's ``attention_fwd`` / ``attention_bwd`` run on them, and a caller
 with its own mask (the training loop's context-parallel chunks) calls them directly.
+Packed documents' block-causal attention (``attention(q, k, v, mask=DocumentMask(positions))``)
+runs block-sparse on FlexAttention on a GPU, on SDPA with the dense mask elsewhere
+(``kareus.exec.kernels._documents`` says why FlexAttention and not varlen flash).
 
 To run your own kernels, subclass ``KernelSet`` (or one of the classes here) and
 pass an instance as ``kernels=`` to
@@ -57,10 +60,13 @@ torch and triton are imported inside the functions that need them.
 from __future__ import annotations
 
 from kareus.exec.kernels._attention import SavedAttention, attention_backward, attention_forward
+from kareus.exec.kernels._documents import DOCUMENT_BACKENDS, DocumentMask
 from kareus.exec.kernels.base import KernelSet, ReferenceKernels, TorchKernels
 from kareus.exec.kernels.registry import available_kernels, get_kernels, register_kernels
 
 __all__ = [
+    "DOCUMENT_BACKENDS",
+    "DocumentMask",
     "KernelSet",
     "ReferenceKernels",
     "SavedAttention",

@@ -19,6 +19,7 @@ from typing import Any
 
 from kareus.errors import ArgumentError
 from kareus.exec.kernels._attention import attention_backward, attention_forward
+from kareus.exec.kernels._documents import DOCUMENT_BACKENDS, DocumentMask, document_attention
 from kareus.exec.kernels._layout import _split_qkv
 
 __all__ = [
@@ -48,11 +49,17 @@ class KernelSet(abc.ABC):
         name: Short name (``"triton"``, ``"torch"``, ``"reference"``, yours).
         sdpa_backends: ``torch.nn.attention.SDPBackend`` member names, in priority order,
             that ``attention`` may use (the math backend is always the last resort).
+        documents_backend: How ``attention`` runs packed documents' block-causal mask (a
+            ``DocumentMask``): ``"flex"`` (block-sparse FlexAttention, compiled on a GPU),
+            ``"mask"`` (SDPA with the dense boolean mask), or ``None`` (default): flex on a
+            CUDA device (heads of 16 and more: its GPU kernel's least), the dense mask
+            elsewhere (see ``kareus.exec.kernels._documents``).
     """
 
     name: str = "custom"
     sdpa_backends: tuple[str, ...] = ("CUDNN_ATTENTION", "FLASH_ATTENTION",
                                       "EFFICIENT_ATTENTION")
+    documents_backend: str | None = None
 
     @abc.abstractmethod
     def rms_norm(self, x: Any, w: Any, eps: float = 1e-5) -> Any:
@@ -143,18 +150,34 @@ class KernelSet(abc.ABC):
         """Causal attention of ``q`` [b, heads, s, hd] over grouped ``k``, ``v``
         [b, kv_heads, s_k, hd], on the first of ``sdpa_backends`` that takes it.
 
-        ``mask``: a boolean ``[b, 1, s, s_k]`` (True: attend) in place of the causal mask
-        (packed documents' block-causal mask: each token attends to its own document's
-        earlier tokens); SDPA then runs a backend that takes a mask (every score is
-        computed, the masked ones dropped: exact, not block-sparse).
+        ``mask``: a boolean ``[b, 1, s, s_k]`` (True: attend) in place of the causal mask,
+        on which SDPA runs a backend that takes a mask (every score is computed, the
+        masked ones dropped); or packed documents' block-causal mask, a ``DocumentMask``
+        (each token attends to its own document's earlier tokens), run as
+        ``documents_backend`` says (block-sparse FlexAttention on a GPU).
 
         Grouped K/V are read in place (``enable_gqa``): copying them with
         ``repeat_interleave`` first cost 30% more time on one H200 (0.475 vs 0.364 ms
         for 4 x 12 query heads over 4 K/V heads, 4096 tokens, head dim 128;
         bench/probes/results/sdpa_gqa_probe_h200.json).
         """
+        if isinstance(mask, DocumentMask):
+            return document_attention(q, k, v, mask, backend=self.document_backend(q),
+                                      dense=self.attention)
         with self._sdpa_context():
             return _sdpa(q, k, v, mask)
+
+    def document_backend(self, q: Any) -> str:
+        """How ``attention`` runs a ``DocumentMask`` for queries ``q``: ``documents_backend``,
+        or by default ``"flex"`` on a CUDA device and ``"mask"`` elsewhere (and for heads
+        narrower than 16, which FlexAttention's GPU kernel does not take)."""
+        backend = self.documents_backend
+        if backend is None:
+            return "flex" if q.device.type == "cuda" and q.shape[-1] >= 16 else "mask"
+        if backend not in DOCUMENT_BACKENDS:
+            raise ArgumentError(f"documents_backend must be one of {DOCUMENT_BACKENDS} or "
+                                f"None, got {backend!r}")
+        return backend
 
     def attention_fwd(self, q: Any, k: Any, v: Any, mask: Any = None) -> Any:
         """``attention`` as an explicit op pair: returns a
@@ -165,8 +188,8 @@ class KernelSet(abc.ABC):
         the backward needs neither the autograd engine nor its thread: it captures in a
         CUDA graph and costs one dispatch (see ``kareus.exec.kernels._attention``).
         The backend is pinned per input signature (shapes, strides, dtype, device) at
-        its first call. With a ``mask`` (see ``attention``) the backward goes through
-        autograd.
+        its first call. With a ``mask`` (see ``attention``; a ``DocumentMask`` too) the
+        backward goes through autograd.
         """
         if mask is not None:
             return attention_forward(q, k, v, backend="masked",

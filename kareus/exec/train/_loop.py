@@ -37,6 +37,7 @@ from kareus.compose import Plan
 from kareus.errors import ArgumentError, ArgumentTypeError, KareusError, PlanError, WorkloadError
 from kareus.exec._graphs import prefer_workspace_free_gemms
 from kareus.exec.executor import Executor, TorchExecutor, plan_config, plan_nanobatches
+from kareus.exec.model_check import refuse_uncomputed
 from kareus.exec.schedule import (
     SCHEDULES,
     DefaultConfig,
@@ -97,8 +98,8 @@ def check_plan_workload(plan: Plan, workload: Workload, *, one_stage: bool = Tru
     Raises:
         PlanError: the plan has more than one pipeline stage (``one_stage``) or not the
             workload's PP stages, or its recorded workload differs from ``workload`` in TP,
-            CP, microbatch size, sequence length, nanobatches, microbatches, recomputation
-            or model.
+            CP, microbatch size, sequence length, nanobatches, microbatches, recomputation,
+            packed documents (``document_tokens``), chained layers or model.
     """
     if not isinstance(plan, Plan):
         raise ArgumentTypeError(f"plan must be a kareus.compose.Plan, got "
@@ -120,10 +121,23 @@ def check_plan_workload(plan: Plan, workload: Workload, *, one_stage: bool = Tru
     # Megatron-LM); plans written before sequence parallelism have none
     theirs["sp"] = bool(theirs.get("sp", False)) and theirs.get("tp") != 1
     mine["sp"] = workload.parallelism.sequence_parallel
+    # absent from a description: chained layers (as every plan written before the setting)
+    theirs["chained_layers"] = bool(theirs.get("chained_layers", True))
+    mine["chained_layers"] = workload.chained_layers
     keys = ("tp", "cp", "sp", "microbatch_size", "seq_len", "nanobatches", "num_microbatches",
-            "recompute")
+            "recompute", "chained_layers")
     diff = [f"{k}: plan {theirs.get(k)!r}, job {mine[k]!r}" for k in keys
             if k in theirs and theirs[k] != mine[k]]
+    # packed documents masked (their attention costed): absent is one document per sequence
+    if theirs.get("document_tokens") != mine.get("document_tokens"):
+        diff.append(f"document_tokens: plan {theirs.get('document_tokens')!r}, job "
+                    f"{mine.get('document_tokens')!r}")
+    if theirs["chained_layers"] != mine["chained_layers"]:
+        diff[diff.index(f"chained_layers: plan {theirs['chained_layers']!r}, job "
+                        f"{mine['chained_layers']!r}")] += (
+            " (the job runs its layers one by one: make the plan with kareus optimize "
+            "--unchained-layers)" if theirs["chained_layers"] else
+            " (the job chains its layers: make the plan without --unchained-layers)")
     if "model" in w:
         diff += _architecture_differences(w["model"], workload.model)
     if diff:
@@ -179,6 +193,10 @@ class RunRecord:
             run's stand-in: ``"stand_in"``, not a measurement), ``"<Type>.energy_between"``
             for a meter that names none, or ``None`` (no energy).
         power_samples: NVML power readings inside the window (the fallback's basis).
+        sub_powers_w: This GPU's average power over consecutive parts of the counter's
+            span inside the window (W; up to ``WINDOW_PARTS``, each between counter steps;
+            empty without them): a trend says the window was not steady (e.g. the power
+            limiter still settling after the warm-up), which its mean hides.
     """
 
     schedule: str
@@ -191,6 +209,7 @@ class RunRecord:
     sm_clock_mhz: float | None = None
     energy_method: str | None = None
     power_samples: int = 0
+    sub_powers_w: tuple[float, ...] = ()
 
     @property
     def time_s(self) -> float:
@@ -204,7 +223,13 @@ class RunRecord:
                 "window_s": self.window_s, "energy_j": self.energy_j,
                 "counter_steps": self.counter_steps, "time_s": self.time_s,
                 "sm_clock_mhz": self.sm_clock_mhz, "iterations": len(self.step_time_s),
-                "energy_method": self.energy_method, "power_samples": self.power_samples}
+                "energy_method": self.energy_method, "power_samples": self.power_samples,
+                "sub_powers_w": list(self.sub_powers_w)}
+
+
+#: Parts of a run's counter span whose average powers its record keeps
+#: (``RunRecord.sub_powers_w``).
+WINDOW_PARTS = 3
 
 
 def shuffled_order(schedules: Sequence[str], repeats: int, seed: int) -> list[tuple[str, int]]:
@@ -282,6 +307,9 @@ class TrainingLoop:
 
         if not isinstance(workload, Workload):
             raise ArgumentTypeError(f"workload must be a Workload, got {type(workload).__name__}")
+        # first: a model whose layers the loop does not compute (e.g. mixture of experts)
+        refuse_uncomputed(workload.model, where="kareus's training loop",
+                          computes=frozenset({"qk_norm", "norm_eps"}))
         if torch.cuda.is_available():
             # Before the first GEMM; graphed or eager, one memset fewer per GEMM
             # (kareus.exec._graphs).
@@ -290,6 +318,16 @@ class TrainingLoop:
         if p.pp != 1 or p.dp != 1:
             raise WorkloadError(f"the training loop runs PP=1, DP=1; the workload has "
                                 f"PP={p.pp}, DP={p.dp}")
+        if workload.document_tokens is not None:
+            raise WorkloadError(f"the training loop's data are whole sequences, causal "
+                                f"attention over each; the workload masks packed documents "
+                                f"(document_tokens={workload.document_tokens}): drop "
+                                "document_tokens (packed documents run in the planned layers: "
+                                "kareus.integrations.PlanApplier)")
+        if not workload.chained_layers:
+            raise WorkloadError("the training loop runs its layers as one chain; the workload "
+                                "has chained_layers=False (layers run one by one, as "
+                                "framework blocks wrapped in FSDP do): use chained_layers=True")
         if (groups.tp_size, groups.cp_size) != (p.tp, p.cp):
             raise WorkloadError(f"the groups are TP={groups.tp_size} x CP={groups.cp_size}; the "
                                 f"workload asks for TP={p.tp} x CP={p.cp}")
@@ -738,10 +776,12 @@ def measure_runs(loop: TrainingLoop, order: Sequence[tuple[str, int]], *, steps:
         energy, counted, method, samples = _window_energy(meter, t0, t1, n)
         clock = (meter.mean_sm_clock_mhz(t0, t1)
                  if meter is not None and hasattr(meter, "mean_sm_clock_mhz") else None)
+        parts = (tuple(float(w) for w in meter.split_powers_w(t0, t1, WINDOW_PARTS))
+                 if meter is not None and hasattr(meter, "split_powers_w") else ())
         rec = RunRecord(schedule=schedule, repeat=repeat, step_time_s=times,
                         losses=tuple(float(x) for x in losses), window_s=t1 - t0,
                         energy_j=energy, counter_steps=counted, sm_clock_mhz=clock,
-                        energy_method=method, power_samples=samples)
+                        energy_method=method, power_samples=samples, sub_powers_w=parts)
         out.append(rec)
         if log is not None:
             how = {"nvml_counter": f"{counted} counter steps",

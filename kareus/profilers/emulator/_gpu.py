@@ -119,6 +119,13 @@ def _op_calibration_tuple(value: Iterable[Sequence[Any]]) -> tuple[OpCalibration
     return tuple(out)
 
 
+#: The collective whose curve an all-to-all without a measured curve of its own takes
+#: (``EmulatedGPU.comm_curve``): the all-gather's, a copy to the peers without reduction.
+#: A stated, uncalibrated model until all-to-all points are measured (``kareus calibrate``
+#: on several GPUs).
+ALL_TO_ALL_STAND_IN = {CommKind.ALL_TO_ALL.value: CommKind.ALL_GATHER.value}
+
+
 @attrs.frozen(kw_only=True)
 class EmulatedGPU:
     """The physical model of one GPU: the datasheet [`GPUSpec`][kareus.model.GPUSpec] plus model constants.
@@ -474,10 +481,17 @@ class EmulatedGPU:
 
     def comm_curve(self, kind: str | CommKind | None = None, group_size: int | None = None
                    ) -> tuple[float, float]:
-        """(bus GB/s per SM at the maximum clock, link limit GB/s) of a collective."""
+        """(bus GB/s per SM at the maximum clock, link limit GB/s) of a collective.
+
+        An all-to-all without a curve of its own (no measured all-to-all curve ships with
+        kareus) takes the all-gather's of the same group size (``ALL_TO_ALL_STAND_IN``):
+        both copy ``(g-1)/g`` of the message to the peers over NVLink without reducing,
+        one direct transfer per peer through the NVSwitch. Uncalibrated: docs/emulator.md."""
         if kind is not None and self.comm_curves:
             k = CommKind(kind).value
             same = [c for c in self.comm_curves if c.kind == k]
+            if not same and k in ALL_TO_ALL_STAND_IN:
+                same = [c for c in self.comm_curves if c.kind == ALL_TO_ALL_STAND_IN[k]]
             if same:
                 g = int(group_size) if group_size is not None else same[0].group_size
                 best = min(same, key=lambda c: (abs(c.group_size - g), -c.group_size))

@@ -167,10 +167,12 @@ class EmulatedProfiler(Profiler):
 
     def _outside_gpu(self, work: OutsideWork, freq_mhz: int, sms: int) -> tuple[float, float]:
         """(time, energy of one GPU) of outside work: ops and NVLink collectives in the
-        simulation; collectives that cross nodes and the pipeline send at the network's
-        (or NVLink's) rate while the GPU waits (idle + uncore power, link energy)."""
+        simulation; collectives that cross nodes (``OutsideWork.crosses_node``) and the
+        pipeline send at the network's (or NVLink's) rate while the GPU waits (idle +
+        uncore power, link energy)."""
         gpu = self.emulated_gpu
-        sim_comms = [] if work.comms_cross_node else work.comms
+        sim_comms = [c for c in work.comms if not work.crosses_node(c)]
+        net_comms = [c for c in work.comms if work.crosses_node(c)]
         time_s = energy = 0.0
         f = freq_mhz
         if work.ops or sim_comms:
@@ -180,9 +182,9 @@ class EmulatedProfiler(Profiler):
         wait_w = gpu.spec.idle_power_w + gpu.uncore_power_w * gpu.dynamic_scale(f)
         e_link = gpu.link_energy_pj_per_byte * 1e-12
         transfers: list[tuple[float, float]] = []  # (bytes on the wire, bytes/s)
-        if work.comms_cross_node:
+        if net_comms:
             net = gpu.network_gb_per_s * 1e9
-            transfers += [(c.bus_bytes, net) for c in work.comms]
+            transfers += [(c.bus_bytes, net) for c in net_comms]
         if work.p2p_bytes:
             rate = (gpu.network_gb_per_s * 1e9 if work.p2p_cross_node
                     else gpu.comm_curve("all_gather", 2)[1] * 1e9)

@@ -115,9 +115,10 @@ class _RunningCollective:
 def _collective(gpu: EmulatedGPU, comm: CommOp, sms: int, start: int | None) -> _Collective:
     """A collective for ``_Sim.run``. Ring all-gather moves fewer local HBM bytes per
     bus byte (write what arrives, read it to forward) than all-reduce and reduce-scatter
-    (which also read the local operand): 2/3 of ``comm_hbm_bytes_per_bus_byte``."""
+    (which also read the local operand): 2/3 of ``comm_hbm_bytes_per_bus_byte``; so does
+    an all-to-all (read what it sends, write what arrives)."""
     factor = gpu.comm_hbm_bytes_per_bus_byte
-    if comm.kind is CommKind.ALL_GATHER:
+    if comm.kind in (CommKind.ALL_GATHER, CommKind.ALL_TO_ALL):
         factor *= 2.0 / 3.0
     return _Collective(comm.bus_bytes, sms, start, factor, comm.kind.value, comm.group_size,
                        gpu.collective_host_s)

@@ -1,0 +1,42 @@
+"""Mixture-of-experts layers are planned and emulated, not executed yet: every layer that
+runs a plan refuses an MoE workload in one line before it builds anything (never a dense
+layer run in its place)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+
+from kareus.errors import WorkloadError
+from kareus.exec.torch_partition import runnable_partitions
+from kareus.exec.train import LoopbackGroups, TrainingLoop, refuse_uncomputed
+from kareus.model.workload import Workload
+
+MOE = Workload.preset("qwen3-30b-a3b", dp=2, ep=2, microbatch_size=2, seq_len=256,
+                      num_microbatches=1)
+
+
+def _one_line(err: pytest.ExceptionInfo[WorkloadError]) -> str:
+    msg = str(err.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_refuse_uncomputed_names_the_experts():
+    with pytest.raises(WorkloadError) as err:
+        refuse_uncomputed(MOE.model, where="here", computes=frozenset({"qk_norm", "norm_eps"}))
+    assert "does not compute moe (mixture-of-experts layers" in _one_line(err)
+
+
+def test_runnable_partitions_refuse_an_moe_workload():
+    with pytest.raises(WorkloadError) as err:
+        runnable_partitions(MOE)
+    assert "kareus's runnable partitions does not compute moe" in _one_line(err)
+
+
+def test_training_loop_refuses_an_moe_workload_first():
+    # refused before the groups are looked at (they are wrong here too)
+    with pytest.raises(WorkloadError) as err:
+        TrainingLoop(workload=MOE, groups=LoopbackGroups(tp=4))
+    assert "kareus's training loop does not compute moe" in _one_line(err)
