@@ -19,6 +19,7 @@
   [`system_config_indices`][kareus.search.system_config_indices], sized by
   [`default_initial_size`][kareus.search.default_initial_size]), the defaults
   ([`default_passes`][kareus.search.default_passes],
+  [`prior_mean_passes`][kareus.search.prior_mean_passes],
   [`reference_passes`][kareus.search.reference_passes],
   [`default_surrogate`][kareus.search.default_surrogate],
   [`tree_surrogate`][kareus.search.tree_surrogate]).
@@ -38,6 +39,7 @@ from kareus.search._defaults import (
     SURROGATES,
     default_passes,
     default_surrogate,
+    prior_mean_passes,
     reference_passes,
     tree_surrogate,
 )
@@ -63,6 +65,7 @@ from kareus.search._xgboost_surrogate import XGBoostSurrogate
 from kareus.search.acquisition import (
     AcquisitionContext,
     AcquisitionPass,
+    ClockSweepPass,
     FastestPass,
     HingePass,
     HypervolumePass,
@@ -90,6 +93,7 @@ __all__ = [
     "AcquisitionContext",
     "AcquisitionPass",
     "BootstrapEnsemble",
+    "ClockSweepPass",
     "FastestPass",
     "GaussianProcessSurrogate",
     "HingePass",
@@ -110,6 +114,7 @@ __all__ = [
     "default_initial_size",
     "default_passes",
     "default_surrogate",
+    "prior_mean_passes",
     "hypervolume",
     "hypervolume_improvement",
     "maximin_design",

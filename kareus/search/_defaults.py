@@ -1,6 +1,8 @@
 """The search's default choices: the pass mix that fills each batch and the surrogate.
 
 * [`default_passes`][kareus.search.default_passes] - kareus's pass mix (30/10/20/10/10).
+* [`prior_mean_passes`][kareus.search.prior_mean_passes] - the mix of a search with a prior mean:
+  part of each batch spread over the clocks ([`ClockSweepPass`][kareus.search.ClockSweepPass]).
 * [`reference_passes`][kareus.search.reference_passes] - the pass mix of the public reference
   artifact of the Kareus paper (40/20/20/20), for comparison.
 * [`default_surrogate`][kareus.search.default_surrogate] - a Gaussian process on the physical
@@ -22,6 +24,7 @@ from kareus.search._gaussian_process import GaussianProcessSurrogate
 from kareus.search._xgboost_surrogate import XGBoostSurrogate
 from kareus.search.acquisition import (
     AcquisitionPass,
+    ClockSweepPass,
     HingePass,
     HypervolumePass,
     NeighbourhoodPass,
@@ -33,6 +36,7 @@ __all__ = [
     "SURROGATES",
     "default_passes",
     "default_surrogate",
+    "prior_mean_passes",
     "reference_passes",
     "tree_surrogate",
 ]
@@ -63,6 +67,29 @@ def default_passes() -> list[tuple[AcquisitionPass, float]]:
             (NeighbourhoodPass(), 0.2),
             (HypervolumePass("total", front="denoised", optimism=2.0), 0.1),
             (HingePass(), 0.1)]
+
+
+def prior_mean_passes() -> list[tuple[AcquisitionPass, float]]:
+    """The pass mix of a search with a prior mean: 3/1/1/1/2 of each batch of 8.
+
+    Hypervolume in (time, total energy) (3), in (time, dynamic energy) (1), the
+    neighbourhood of the front (1), the optimistic total-energy pass (1), and two picks
+    spread over the clocks by [`ClockSweepPass`][kareus.search.ClockSweepPass]: the microbatch
+    composer sums the types' fronts at each clock, so a type needs good measured
+    configurations at every clock the plans run, and with a model of the GPU as prior
+    mean the surrogates predict a configuration's value at clocks not measured yet well
+    enough to choose them. Without a prior mean the surrogates know too little of the other
+    clocks after a few profiles, and the sweep did worse (docs/search.md), so
+    [`default_passes`][kareus.search.default_passes] stays the mix there.
+
+    Returns:
+        ``(pass, weight)`` pairs for ``MultiPassSearch(passes=...)``.
+    """
+    return [(HypervolumePass("total", front="denoised"), 3.0),
+            (HypervolumePass("dynamic", front="denoised"), 1.0),
+            (NeighbourhoodPass(), 1.0),
+            (HypervolumePass("total", front="denoised", optimism=2.0), 1.0),
+            (ClockSweepPass(), 2.0)]
 
 
 def reference_passes() -> list[tuple[AcquisitionPass, float]]:

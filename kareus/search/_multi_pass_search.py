@@ -51,7 +51,7 @@ from kareus.model.config import ConfigSpace, ScheduleConfig
 from kareus.model.measurement import Measurement
 from kareus.model.partition import Partition
 from kareus.model.profiler import Profiler
-from kareus.search._defaults import default_passes, default_surrogate
+from kareus.search._defaults import default_passes, default_surrogate, prior_mean_passes
 from kareus.search._features import search_features
 from kareus.search._initial_design import default_initial_size
 from kareus.search._initial_design import initial_design as initial_design_indices
@@ -78,6 +78,10 @@ from kareus.search.surrogate import Surrogate
 
 __all__ = ["MultiPassSearch"]
 
+#: With a prior mean, up to this budget (profiles), batches of this size by default: the
+#: model's first guesses are corrected after every few profiles instead of every 8.
+_SMALL_BUDGET_BATCH = (32, 4)
+
 _log = get_logger(__name__)
 
 
@@ -91,9 +95,12 @@ class MultiPassSearch:
             Gaussian process: mean + posterior spread);
             [`tree_surrogate`][kareus.search.tree_surrogate] is the XGBoost ensemble.
         passes: ``(pass, weight)`` pairs that fill each batch in proportion to their weights;
-            ``None`` = [`default_passes`][kareus.search.default_passes] (30/10/20/10/10). A pass
+            ``None`` = [`default_passes`][kareus.search.default_passes] (30/10/20/10/10), or
+            with a ``prior_mean`` [`prior_mean_passes`][kareus.search.prior_mean_passes]. A pass
             that cannot fill its share leaves it to the next passes, then to random picks.
-        batch_size: Configurations per batch; ``None`` = 8.
+        batch_size: Configurations per batch; ``None`` = 8, or 4 with a ``prior_mean`` and a
+            budget of at most 32 profiles (at 16 profiles a refit
+            after every 4 found more of the saving than after every 8, docs/search.md).
         budget: Profiles in all; ``None`` = 224 (the reference artifact's budget). Capped at
             the space's size.
         initial_size: Profiles of the space-filling initial design; ``None`` =
@@ -181,9 +188,15 @@ class MultiPassSearch:
         self.space = space
         self.seed = check_count("seed", seed, minimum=0)
         self.surrogate = default_surrogate(self.seed) if surrogate is None else surrogate
-        self.passes = self._check_passes(default_passes() if passes is None else passes)
-        self.batch_size = 8 if batch_size is None else check_count("batch_size", batch_size)
+        if passes is None:
+            passes = default_passes() if prior_mean is None else prior_mean_passes()
+        self.passes = self._check_passes(passes)
         self.budget = min(224 if budget is None else check_count("budget", budget), len(space))
+        if batch_size is not None:
+            self.batch_size = check_count("batch_size", batch_size)
+        else:
+            small = prior_mean is not None and self.budget <= _SMALL_BUDGET_BATCH[0]
+            self.batch_size = _SMALL_BUDGET_BATCH[1] if small else 8
         if prior_mean is not None:
             if not isinstance(prior_mean, PriorMean):
                 raise ArgumentTypeError(f"prior_mean must be a kareus PriorMean, got "

@@ -54,6 +54,7 @@ from kareus.search.pareto import (
 __all__ = [
     "AcquisitionContext",
     "AcquisitionPass",
+    "ClockSweepPass",
     "FastestPass",
     "HingePass",
     "HypervolumePass",
@@ -562,6 +563,89 @@ class RandomPass(AcquisitionPass):
         if k <= 0 or idx.size == 0:
             return np.zeros(0, dtype=np.int64)
         return context.rng.choice(idx, size=min(k, idx.size), replace=False).astype(np.int64)
+
+
+class ClockSweepPass(AcquisitionPass):
+    """Each clock's own front in (time, dynamic energy): what the microbatch composer takes.
+
+    The composer sums, at each clock frequency, the fronts of every partition type in
+    (time, *dynamic* energy) ([`MicrobatchComposer`][kareus.compose.MicrobatchComposer]), so
+    a type needs good measured configurations at every clock the plans run, not only where
+    its front in (time, total energy) lies. This pass scores each candidate by the
+    hypervolume its predicted point adds to the front of the configurations measured *at its
+    own clock* (their predicted values, denoised), relative to that clock's reference point
+    ((1 + ``margin``) x its worst measured time and dynamic energy) so clocks weigh alike,
+    and picks greedily: each pick joins its clock's front before the next is scored, so a
+    batch spreads over the clocks where the model predicts the largest gain instead of
+    piling onto one. A clock with nothing measured scores against the reference
+    (1 + ``margin``) x its best predicted time and dynamic energy. Column 0 of the context's
+    ``features`` is the clock (MHz, as ``search_features`` gives); without ``features``
+    or ``observed_index`` it falls back to
+    [`HypervolumePass("dynamic")`][kareus.search.HypervolumePass].
+
+    Args:
+        margin: Reference point of each clock's front, as a fraction beyond its worst point.
+    """
+
+    def __init__(self, *, margin: float = 0.1) -> None:
+        check_number("margin", margin, positive=True)
+        self.margin = float(margin)
+
+    @property
+    def name(self) -> str:
+        """``clock-sweep``."""
+        return "clock-sweep"
+
+    def select(self, context: AcquisitionContext, k: int) -> np.ndarray:
+        """Up to ``k`` available candidates, greedily by relative hypervolume improvement of
+        their clock's front in (time, dynamic energy)."""
+        available = context.available.copy()
+        if k <= 0 or not available.any():
+            return np.zeros(0, dtype=np.int64)
+        where = context.observed_index
+        if context.features is None or where is None or (len(where) and (where < 0).any()):
+            return HypervolumePass("dynamic", front="denoised").select(context, k)
+        p = context.prediction
+        pts = np.column_stack([p.time_s, p.dynamic_energy_j])
+        clock = np.asarray(context.features[:, 0])
+        fronts: dict[float, np.ndarray] = {}
+        refs: dict[float, np.ndarray] = {}
+        members: dict[float, np.ndarray] = {}
+        for f in np.unique(clock):
+            members[f] = np.flatnonzero(clock == f)
+            measured = where[clock[where] == f]
+            chosen = context.chosen[clock[context.chosen] == f]
+            known = np.concatenate([measured, chosen])
+            fronts[f] = pareto_front(pts[known]) if known.size else np.zeros((0, 2))
+            # the reference of the clock's measured front (of what was chosen with nothing
+            # measured there; of its best predicted values with neither)
+            refs[f] = (reference_point(pts[measured if measured.size else known], self.margin)
+                       if known.size else (1 + self.margin) * pts[members[f]].min(axis=0))
+        score = np.full(len(pts), -np.inf)
+
+        def rescore(f: float) -> None:
+            i = members[f]
+            ref, front = refs[f], fronts[f]
+            hvi = hypervolume_improvement(pts[i], front, ref) / float(ref[0] * ref[1])
+            score[i] = np.where(hvi > 0, hvi, -_epsilon_distance(pts[i], front) - 1.0)
+
+        for f in members:
+            rescore(f)
+        picks: list[int] = []
+        for _ in range(k):
+            if not available.any():
+                break
+            take = _top_k(score, available, 1, context.rng)
+            i = int(take[0])
+            picks.append(i)
+            available[i] = False
+            f = clock[i]
+            fronts[f] = pareto_front(np.vstack([fronts[f], pts[[i]]]))
+            rescore(f)
+        return np.asarray(picks, dtype=np.int64)
+
+    def __repr__(self) -> str:
+        return f"ClockSweepPass(margin={self.margin})"
 
 
 def allocate(weights: Sequence[float], k: int, *, remainder: str = "largest") -> list[int]:

@@ -13,6 +13,7 @@ from kareus.search import ObjectivePrediction
 from kareus.search.acquisition import (
     AcquisitionContext,
     AcquisitionPass,
+    ClockSweepPass,
     FastestPass,
     HingePass,
     HypervolumePass,
@@ -64,6 +65,11 @@ class TestNeighbourhood(AcquisitionPassConformance):
 class TestHinge(AcquisitionPassConformance):
     def make_pass(self) -> AcquisitionPass:
         return HingePass()
+
+
+class TestClockSweep(AcquisitionPassConformance):
+    def make_pass(self) -> AcquisitionPass:
+        return ClockSweepPass()
 
 
 def context(time_s, dynamic_j, *, observed, spread=None, available=None, features=None,
@@ -320,3 +326,74 @@ def test_allocate_properties(weights, k):
     exact = np.asarray(weights) / sum(weights) * k
     assert np.all(np.asarray(shares) >= np.floor(exact - 1e-6))
     assert np.all(np.asarray(shares) <= np.ceil(exact + 1e-6))
+
+
+def clocked_context(clock_mhz, time_s, dynamic_j, measured, *, chosen=()) -> AcquisitionContext:
+    """Candidates at clocks (feature column 0), the ``measured`` ones among them observed at
+    their predicted values."""
+    f = np.column_stack([np.asarray(clock_mhz, dtype=float), np.ones(len(clock_mhz))])
+    t, d = np.asarray(time_s, dtype=float), np.asarray(dynamic_j, dtype=float)
+    idx = np.asarray(measured, dtype=np.int64)
+    available = np.ones(len(t), dtype=bool)
+    available[idx] = False
+    ctx = context(t, d, observed=np.column_stack([t[idx], d[idx]]), available=available,
+                  features=f, observed_index=idx)
+    return ctx.with_chosen(list(chosen)) if chosen else ctx
+
+
+def test_clock_sweep_spreads_a_batch_over_the_clocks():
+    # Three clocks, each with its measured default (0, 3, 6). At 1410 MHz candidate 1
+    # improves on the default by a lot (and 2 adds little next to it); at 1200 and 1000 MHz
+    # one candidate each improves on its clock's default a little. Over all clocks,
+    # candidate 1 dominates the 1200 MHz improvement, so the hypervolume pass never takes
+    # it; the composer needs it (it sums the types' fronts at each clock), and the sweep,
+    # scoring each clock's own front, takes one candidate per clock.
+    clock = [1410, 1410, 1410, 1200, 1200, 1200, 1000, 1000, 1000]
+    t = [1.00, 0.90, 0.905, 1.18, 1.16, 1.30, 1.41, 1.39, 1.60]
+    d = [10.0, 7.0, 6.98, 8.00, 7.85, 9.00, 6.50, 6.40, 8.00]
+    ctx = clocked_context(clock, t, d, [0, 3, 6])
+    picks = ClockSweepPass().select(ctx, 3).tolist()
+    assert picks[0] == 1
+    assert sorted(picks) == [1, 4, 7]
+    assert 4 not in HypervolumePass("dynamic", front="denoised").select(ctx, 3).tolist()
+
+
+def test_clock_sweep_counts_what_the_batch_chose_already():
+    # Candidate 1 chosen by an earlier pass of the batch joins its clock's front, so the
+    # sweep goes to the other clocks first.
+    clock = [1410, 1410, 1410, 1200, 1200, 1000, 1000]
+    t = [1.00, 0.90, 0.905, 1.18, 1.16, 1.41, 1.39]
+    d = [10.0, 9.0, 8.95, 8.00, 7.85, 6.50, 6.40]
+    ctx = clocked_context(clock, t, d, [0, 3, 5], chosen=[1])
+    assert sorted(ClockSweepPass().select(ctx, 2).tolist()) == [4, 6]
+
+
+def test_clock_sweep_scores_a_clock_with_nothing_measured():
+    # Nothing measured at 1000 MHz: its candidates still score (against their own best
+    # predicted values), so the sweep reaches clocks the measurements have not.
+    clock = [1410, 1410, 1000, 1000]
+    ctx = clocked_context(clock, [1.0, 0.999, 1.4, 1.5], [10.0, 9.999, 6.0, 6.5], [0])
+    picks = ClockSweepPass().select(ctx, 2).tolist()
+    assert 2 in picks and len(picks) == 2
+
+
+@given(st.integers(0, 10_000), st.integers(1, 12), st.integers(0, 4))
+def test_clock_sweep_picks_are_valid(seed, k, n_chosen):
+    rng = np.random.default_rng(seed)
+    n = 60
+    clock = rng.choice([1980, 1800, 1500, 1215], n)
+    t = rng.uniform(1.0, 2.0, n) * 1980 / clock
+    d = rng.uniform(5.0, 10.0, n)
+    measured = rng.choice(n, 8, replace=False)
+    ctx = clocked_context(clock, t, d, measured)
+    if n_chosen:
+        ctx = ctx.with_chosen(rng.choice(np.flatnonzero(ctx.available), n_chosen,
+                                         replace=False))
+    avail = ctx.available.copy()
+    picks = ClockSweepPass().select(ctx, k)
+    assert np.array_equal(ctx.available, avail)
+    assert len(set(picks.tolist())) == len(picks) == min(k, int(avail.sum()))
+    assert avail[picks].all()
+    again = ClockSweepPass().select(clocked_context(clock, t, d, measured).with_chosen(
+        ctx.chosen) if n_chosen else clocked_context(clock, t, d, measured), k)
+    assert np.array_equal(picks, again)

@@ -10,6 +10,7 @@ from kareus.search import (
     allocate,
     default_passes,
     default_surrogate,
+    prior_mean_passes,
     reference_passes,
     tree_surrogate,
 )
@@ -26,6 +27,13 @@ def test_default_and_reference_mixes():
     assert [w for _, w in reference_passes()] == [0.4, 0.2, 0.2, 0.2]
     assert [p.name for p, _ in reference_passes()] == ["hv-total", "hv-dynamic", "hv-static",
                                                        "uncertainty"]
+
+
+def test_prior_mean_mix_spreads_two_of_eight_over_the_clocks():
+    mix = prior_mean_passes()
+    assert [p.name for p, _ in mix] == ["hv-total", "hv-dynamic", "local",
+                                        "hv-total-optimistic2", "clock-sweep"]
+    assert allocate([w for _, w in mix], 8) == [3, 1, 1, 1, 2]
 
 
 def test_surrogate_templates():

@@ -87,6 +87,8 @@ def test_a_search_with_a_prior_mean_logs_it_and_resumes_only_with_it(medium_spac
     assert whole.initial_size == 0  # the model, calibrated on the priors, is the start
     whole.run(prof)
     assert "initial" not in whole.chosen_by.values() and whole.n_measured == 16
+    # with a prior mean part of each batch is spread over the clocks (prior_mean_passes)
+    assert "clock-sweep" in whole.chosen_by.values()
     # interrupted after one batch and resumed: the same choices
     path = tmp_path / "s.jsonl"
     prof = FakeProfiler(noise=0.01, seed=3)
@@ -111,6 +113,11 @@ def test_a_search_with_a_prior_mean_logs_it_and_resumes_only_with_it(medium_spac
         MultiPassSearch(medium_space, prior_mean=pm.time_s)  # type: ignore[arg-type]
     # without priors the design stays: a model alone is not calibrated yet
     assert MultiPassSearch(medium_space, prior_mean=pm, budget=16).initial_size == 8
+    # with a prior mean, small budgets refit after every 4 profiles; otherwise every 8
+    assert MultiPassSearch(medium_space, prior_mean=pm, budget=32).batch_size == 4
+    assert MultiPassSearch(medium_space, prior_mean=pm, budget=33).batch_size == 8
+    assert MultiPassSearch(medium_space, budget=16).batch_size == 8
+    assert MultiPassSearch(medium_space, prior_mean=pm, budget=16, batch_size=8).batch_size == 8
 
 
 def _quality(space: ConfigSpace, truth, configs) -> float:
