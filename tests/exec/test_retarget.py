@@ -237,7 +237,7 @@ def _worker(out: str) -> None:
 def test_two_gloo_ranks_take_rank_zeros_point(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           "--master_port=29761", str(Path(__file__).resolve()), str(tmp_path)]
+           "--standalone", str(Path(__file__).resolve()), str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300,
                           check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
