@@ -362,12 +362,23 @@ def decoder_layer(phase: str, *, qk_norm: bool = False, sp: bool = False,
     forward phase before the backward phase (the runtime schedule strings it; without
     ``NOT_READ_BY_BACKWARD`` where the layer has no collective), so it changes no phase's
     ops; nor does ``"none"``."""
+    _check_phase_and_policy(phase, recompute)
+    return _with_features((SP_DECODER_LAYER if sp else DECODER_LAYER)[phase], phase,
+                          qk_norm=qk_norm, recompute=recompute)
+
+
+def _check_phase_and_policy(phase: str, recompute: str) -> None:
     if phase not in DECODER_LAYER:
         raise ArgumentError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
     if recompute not in ("none", "selective", "full"):
         raise ArgumentError(f"recompute must be 'none', 'selective' or 'full', "
                             f"got {recompute!r:.40}")
-    layer = (SP_DECODER_LAYER if sp else DECODER_LAYER)[phase]
+
+
+def _with_features(layer: LayerPhase, phase: str, *, qk_norm: bool,
+                   recompute: str) -> LayerPhase:
+    """``layer`` with the model's features applied: the query/key norms fused into RoPE's
+    op, and selective recomputation's attention core before the backward's ``out_dgrad``."""
     if qk_norm:
         op, fused = QK_NORM_OPS[phase]
         layer = _replace(layer, op, fused)
@@ -457,16 +468,6 @@ def moe_decoder_layer(phase: str, *, qk_norm: bool = False, sp: bool = False,
     shared experts' ops run beside the dispatch; ``sort_tokens``: the received tokens are
     sorted by local expert and back (an EP rank with more than one expert, EP > 1);
     ``qk_norm`` and ``recompute`` as ``decoder_layer`` takes them."""
-    if phase not in DECODER_LAYER:
-        raise ArgumentError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
-    if recompute not in ("none", "selective", "full"):
-        raise ArgumentError(f"recompute must be 'none', 'selective' or 'full', "
-                            f"got {recompute!r:.40}")
-    layer = _moe_layer(phase, sp=sp, shared=shared_experts, sort=sort_tokens)
-    if qk_norm:
-        op, fused = QK_NORM_OPS[phase]
-        layer = _replace(layer, op, fused)
-    if recompute == "selective" and phase == "bwd":
-        op, before = SELECTIVE_RECOMPUTE
-        layer = _insert(layer, "before", before, (op,))
-    return layer
+    _check_phase_and_policy(phase, recompute)
+    return _with_features(_moe_layer(phase, sp=sp, shared=shared_experts, sort=sort_tokens),
+                          phase, qk_norm=qk_norm, recompute=recompute)
