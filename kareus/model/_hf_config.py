@@ -167,6 +167,15 @@ def _refuse_unsupported(d: Mapping[str, Any], family: str, where: str) -> None:
                                 "takes no scaling or Llama 3's (rope_type 'llama3')")
 
 
+def _refuse_router_logits(d: Mapping[str, Any], where: str) -> None:
+    """The router's load-balancing loss (``output_router_logits``), which kareus does not
+    cost, refused in one line."""
+    if d.get("output_router_logits") not in (None, False):
+        raise SpecFileError(f"{where}: output_router_logits {d['output_router_logits']!r:.40} "
+                            "is not computed: kareus does not cost the router's "
+                            "load-balancing loss (set it false)")
+
+
 def _refuse_unsupported_moe(d: Mapping[str, Any], where: str) -> None:
     """One line naming the first key of a Qwen3 MoE config whose value kareus does not
     compute (module docstring)."""
@@ -178,10 +187,7 @@ def _refuse_unsupported_moe(d: Mapping[str, Any], where: str) -> None:
     if dense not in (None, []):
         raise SpecFileError(f"{where}: mlp_only_layers {dense!r:.60} is not computed: kareus "
                             "costs models whose every layer is MoE (an empty list)")
-    if d.get("output_router_logits") not in (None, False):
-        raise SpecFileError(f"{where}: output_router_logits {d['output_router_logits']!r:.40} "
-                            "is not computed: kareus does not cost the router's "
-                            "load-balancing loss (set it false)")
+    _refuse_router_logits(d, where)
     for key in ("shared_expert_intermediate_size", "n_shared_experts"):
         if d.get(key) not in (None, 0):
             raise SpecFileError(f"{where}: {key} {d[key]!r:.40} is not computed: a qwen3_moe "
@@ -198,10 +204,7 @@ def _refuse_unsupported_mixtral(d: Mapping[str, Any], where: str) -> None:
     if noise not in (None, 0, 0.0):
         raise SpecFileError(f"{where}: router_jitter_noise {noise!r:.40} is not computed: "
                             "kareus costs routing without noise (0.0)")
-    if d.get("output_router_logits") not in (None, False):
-        raise SpecFileError(f"{where}: output_router_logits {d['output_router_logits']!r:.40} "
-                            "is not computed: kareus does not cost the router's "
-                            "load-balancing loss (set it false)")
+    _refuse_router_logits(d, where)
 
 
 def _moe_fields(d: Mapping[str, Any], family: str, where: str) -> dict[str, Any]:
