@@ -26,6 +26,9 @@
 - [`SearchSpec`][kareus.search.SearchSpec]: how every partition type is searched (budget, batch
   size, seed, surrogate, passes), one value for every place a search runs: ``kareus.optimize``,
   the systems' composition, a tuning run, the tasks of a pool or a Ray cluster.
+- [`smoothed_frontier`][kareus.search.smoothed_frontier]: a frontier's measured configurations
+  valued by surrogates fitted on all of them, so that composition chooses by values that
+  pool the noise out (``optimize(smooth=True)``).
 
 Import from here: the modules with a leading underscore are implementation modules, one
 concern each; ``surrogate`` and ``acquisition`` hold
@@ -54,6 +57,7 @@ from kareus.search._log import LOG_FORMAT, LOG_VERSION, prior_count
 from kareus.search._multi_pass_search import MultiPassSearch
 from kareus.search._objective_model import ObjectiveModel, ObjectivePrediction
 from kareus.search._prior_mean import PriorMean
+from kareus.search._smoothing import smoothed_frontier
 from kareus.search._spec import (
     DEFAULT_BUDGET,
     SearchSpec,
@@ -126,6 +130,7 @@ __all__ = [
     "search_features",
     "prior_count",
     "search_log_path",
+    "smoothed_frontier",
     "system_config_indices",
     "tree_surrogate",
 ]

@@ -47,6 +47,7 @@ from kareus.workflow.result import (
     iso_time_energy_saving,
 )
 from kareus.workflow.run import OptimizationRun, optimize, prepare
+from kareus.workflow.smoothing import smooth_kareus
 from kareus.workflow.verification import (
     Figures,
     PlanCheck,
@@ -78,6 +79,7 @@ __all__ = [
     "prepare",
     "require_outside_work",
     "resolve_surrogate",
+    "smooth_kareus",
     "search_types",
     "verify",
 ]

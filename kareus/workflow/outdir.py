@@ -276,13 +276,13 @@ def manifest_inputs(workload: Workload, profiler: Profiler, *, budget: int,
                     surrogate: Surrogate | str | None, systems: Sequence[str] | None,
                     microbatch_composer: Any = None, iteration_composer: Any = None,
                     passes: Sequence[tuple[AcquisitionPass, float]] | None = None,
-                    partitions: Any = None, prior_model: Profiler | None = None
-                    ) -> dict[str, Any]:
+                    partitions: Any = None, prior_model: Profiler | None = None,
+                    smooth: bool = False) -> dict[str, Any]:
     """Every input of ``optimize`` that changes a number, as the manifest of its output
     folder records it: a folder whose manifest differs is refused.
 
-    ``passes``, ``partitions`` and ``prior_model`` are recorded only when given (not the
-    defaults), so a folder made before they could be given keeps its manifest."""
+    ``passes``, ``partitions``, ``prior_model`` and ``smooth`` are recorded only when given
+    (not the defaults), so a folder made before they could be given keeps its manifest."""
     gpu = profiler.gpu
     spec: dict[str, Any] | str
     try:
@@ -306,6 +306,7 @@ def manifest_inputs(workload: Workload, profiler: Profiler, *, budget: int,
                                                  for p, w in passes]}),
         **({} if partitions is None else {"partitions": _partitions_identity(partitions)}),
         **({} if prior_model is None else {"prior_model": prior_model.identity()}),
+        **({"smooth": True} if smooth else {}),
     }
 
 

@@ -43,6 +43,7 @@ from kareus.compose.systems import (
     AnyIterationComposer,
     AnyMicrobatchComposer,
     PartitionBuilder,
+    compose_measured,
     kareus_types,
 )
 from kareus.errors import ArgumentError, ArgumentTypeError
@@ -70,6 +71,7 @@ from kareus.workflow.checks import (
 from kareus.workflow.compose import compose_systems
 from kareus.workflow.measure import (
     baseline_priors,
+    measure_systems,
     partition_builder,
     search_types,
 )
@@ -80,6 +82,7 @@ from kareus.workflow.outdir import (
     recover_torn_logs,
 )
 from kareus.workflow.result import OptimizationResult
+from kareus.workflow.smoothing import smooth_kareus
 
 __all__ = ["OptimizationRun", "optimize", "prepare"]
 
@@ -108,6 +111,7 @@ def optimize(
     fresh: bool = False,
     execution: str | None = None,
     prior_model: Profiler | None = None,
+    smooth: bool = False,
 ) -> OptimizationResult:
 
     """Search, compose and compare: the whole kareus pipeline for one workload.
@@ -185,6 +189,14 @@ def optimize(
             each search's prior mean: the surrogates model how the measurements differ
             from it ([`PriorMean`][kareus.search.PriorMean]). ``None`` = none. It must
             model the profiler's GPU. Recorded in the manifest and each search log.
+        smooth: Compose kareus's plans on *smoothed* values: each configuration measured
+            for a kareus partition type valued by surrogates fitted on all of that type's
+            measurements ([`smooth_kareus`][kareus.workflow.smooth_kareus]), which pools
+            the noise of single measurements out, instead of on its one measurement,
+            whose luck the composition would otherwise select. kareus's figures are then
+            estimates from measurements; the baselines' stay measured, and so do kareus's
+            anchors (its frontier still holds every baseline point). ``False`` = as
+            measured (the default). Recorded in the manifest when on.
 
     What it writes: nothing, unless ``log_dir`` is given; then only the search logs and
     the folder's manifest and lock there. ``results.json`` and ``plan.json`` are written
@@ -243,7 +255,7 @@ def optimize(
                   systems=systems, schedule=schedule, surrogate=surrogate,
                   microbatch_composer=microbatch_composer,
                   iteration_composer=iteration_composer, execution=execution,
-                  prior_model=prior_model)
+                  prior_model=prior_model, smooth=smooth)
     log_path = Path(log_dir) if log_dir is not None else None
     guard = contextlib.ExitStack()
     if log_path is not None and not is_held(log_path):
@@ -279,6 +291,7 @@ class OptimizationRun:
         left_out: Systems of the default five that this workload cannot run (the
             nanobatching ones when a microbatch holds one sequence), each composed by none.
         prior_model: The model whose prediction is each search's prior mean, or ``None``.
+        smooth: Whether kareus composes on smoothed values (``optimize``'s ``smooth``).
     """
 
     workload: Workload
@@ -293,6 +306,7 @@ class OptimizationRun:
     estimate_s: float
     left_out: tuple[str, ...] = ()
     prior_model: Profiler | None = None
+    smooth: bool = False
 
     def run(self, *, log_dir: Path | None = None, pool: Executor | None = None,
             progress: bool | None = None) -> OptimizationResult:
@@ -354,13 +368,27 @@ class OptimizationRun:
         bar = ProgressBar(None, desc=f"composing {len(names)} systems", enabled=progress)
         bar.refresh()
         with bar, bar.heartbeat():
-            result = compose_systems(workload, profiler, systems=names,
-                                     kareus_frontiers=frontiers,
-                                     freqs_mhz=None if clocks is None else list(clocks),
-                                     schedule=partial(get_schedule, self.schedule),
-                                     microbatch_composer=self.microbatch_composer,
-                                     iteration_composer=self.iteration_composer,
-                                     partitions=build)
+            if not self.smooth:
+                result = compose_systems(workload, profiler, systems=names,
+                                         kareus_frontiers=frontiers,
+                                         freqs_mhz=None if clocks is None else list(clocks),
+                                         schedule=partial(get_schedule, self.schedule),
+                                         microbatch_composer=self.microbatch_composer,
+                                         iteration_composer=self.iteration_composer,
+                                         partitions=build)
+            else:  # what compose_systems does, kareus's frontiers smoothed in between
+                measured = smooth_kareus(
+                    measure_systems(workload, profiler, systems=names,
+                                    kareus_frontiers=frontiers,
+                                    freqs_mhz=None if clocks is None else list(clocks),
+                                    partitions=build),
+                    profiler, prior_model=self.prior_model,
+                    surrogate=self.search.surrogate_template(), seed=self.search.seed)
+                result = compose_measured(
+                    measured, schedule=get_schedule(self.schedule, workload.parallelism.pp,
+                                                    workload.num_microbatches),
+                    microbatch_composer=self.microbatch_composer,
+                    iteration_composer=self.iteration_composer)
             bar.set_status("done")
         return OptimizationResult(workload=workload, gpu=profiler.gpu.name, partitions=pset,
                                   composition=result, wall_s=time.monotonic() - start,
@@ -385,6 +413,7 @@ def prepare(
     iteration_composer: AnyIterationComposer | None = None,
     execution: str | None = None,
     prior_model: Profiler | None = None,
+    smooth: bool = False,
 ) -> OptimizationRun:
     """Check every input of an ``optimize`` run and return it, ready to run; nothing is
     measured or written. The arguments are [`optimize`][kareus.workflow.optimize]'s.
@@ -426,13 +455,15 @@ def prepare(
         workload, profiler, budget=spec.budget, batch_size=spec.batch_size, seed=spec.seed,
         schedule=schedule, surrogate=spec.surrogate, systems=systems,
         microbatch_composer=microbatch_composer, iteration_composer=iteration_composer,
-        passes=spec.passes, partitions=partitions, prior_model=prior_model)
+        passes=spec.passes, partitions=partitions, prior_model=prior_model, smooth=smooth)
+    if not isinstance(smooth, bool):
+        raise ArgumentTypeError(f"smooth must be True or False, got {smooth!r:.40}")
     return OptimizationRun(workload=workload, profiler=profiler, search=spec,
                            systems=tuple(names), left_out=left_out, schedule=schedule,
                            partitions=build,
                            microbatch_composer=microbatch_composer,
                            iteration_composer=iteration_composer, manifest=manifest,
-                           prior_model=prior_model,
+                           prior_model=prior_model, smooth=smooth,
                            estimate_s=estimate_run_s(workload, profiler, spec.budget))
 
 
