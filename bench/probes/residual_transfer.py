@@ -32,12 +32,12 @@ from pathlib import Path
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
-import numpy as np
+import numpy as np  # noqa: E402 (after the BLAS thread settings)
 
-from kareus.compose import kareus_types
-from kareus.model import Workload
-from kareus.profilers.emulator import EmulatedGPU, EmulatedProfiler
-from kareus.search import GaussianProcessSurrogate, search_features
+from kareus.compose import kareus_types  # noqa: E402 (after the BLAS thread settings)
+from kareus.model import Workload  # noqa: E402 (after the BLAS thread settings)
+from kareus.profilers.emulator import EmulatedGPU, EmulatedProfiler  # noqa: E402 (after the BLAS thread settings)
+from kareus.search import GaussianProcessSurrogate, search_features  # noqa: E402 (after the BLAS thread settings)
 
 #: The jobs (bench/baseline_dominance.py's, by label): (preset, GPU, workload keywords).
 JOBS = {

@@ -34,7 +34,7 @@ __all__ = ["smoothed_frontier"]
 
 def smoothed_frontier(frontier: PartitionFrontier, space: ConfigSpace, *,
                       prior_mean: PriorMean | None = None, surrogate: Surrogate | None = None,
-                      seed: int = 0) -> PartitionFrontier:
+                      seed: int = 0, keep_time: bool = False) -> PartitionFrontier:
     """``frontier`` with every measured configuration valued by surrogates fitted on all of
     its measurements.
 
@@ -52,6 +52,8 @@ def smoothed_frontier(frontier: PartitionFrontier, space: ConfigSpace, *,
         surrogate: The surrogate template; ``None`` =
             [`default_surrogate`][kareus.search.default_surrogate].
         seed: Seeds the surrogates' clones (the result is deterministic for a seed).
+        keep_time: Keep each configuration's measured time (only its dynamic energy
+            smoothed; its total energy recombined with the measured time).
 
     Returns:
         A frontier of the same configurations, in the order first measured, with smoothed
@@ -101,6 +103,8 @@ def smoothed_frontier(frontier: PartitionFrontier, space: ConfigSpace, *,
     for i, pt, pd in zip(rows, pred.time_s, pred.dynamic_energy_j):
         o = obs[first[int(i)]]
         s = o.measurement.static_power_w
+        if keep_time:
+            pt = o.time_s
         smoothed.append(Observation(config=o.config, measurement=Measurement(
             time_s=float(pt), energy_j=float(pt * s + max(float(pd), 0.0)),
             static_power_w=s)))

@@ -108,3 +108,15 @@ def test_smoothing_refuses_what_it_cannot_smooth(small_space, medium_space):
         smoothed_frontier(list(pf.observations), medium_space)  # type: ignore[arg-type]
     with pytest.raises(ArgumentTypeError, match="PriorMean"):
         smoothed_frontier(pf, medium_space, prior_mean=[1.0])  # type: ignore[arg-type]
+
+
+def test_keep_time_smooths_the_energy_alone(medium_space):
+    pf, truth = _measured(medium_space, 120)
+    both = smoothed_frontier(pf, medium_space)
+    energy = smoothed_frontier(pf, medium_space, keep_time=True)
+    assert [o.time_s for o in energy.observations] == [o.time_s for o in pf.observations]
+    assert [o.dynamic_energy_j for o in energy.observations] == \
+        pytest.approx([o.dynamic_energy_j for o in both.observations], rel=1e-12)
+    _, raw_e = _log_errors(list(pf.observations), truth)
+    _, sm_e = _log_errors(list(energy.observations), truth)
+    assert sm_e < 0.7 * raw_e
