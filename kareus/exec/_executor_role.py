@@ -63,16 +63,34 @@ __all__ = ["COMM_KINDS", "CollectiveLaunch", "Executor", "LaunchConfig", "Partit
 
 _log = get_logger(__name__)
 
-#: Collective kinds the executor can launch (the names of ``CollectiveBackend`` methods).
-COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+#: Collective kinds the executor can launch (the names of ``CollectiveBackend`` methods). An
+#: all-to-all (a mixture of experts' dispatch and combine over the expert-parallel group)
+#: also names its split sizes (``splits``: rows received from and sent to each rank).
+COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 #: The parallel groups a collective may name (``None``: routed by its kind).
-COMM_GROUPS = ("tp", "cp")
+COMM_GROUPS = ("tp", "cp", "ep")
 
 
 def _check_group(group: str | None) -> None:
     if group is not None and group not in COMM_GROUPS:
         raise ArgumentError(f"group must be one of {COMM_GROUPS} or None, got {group!r:.40}")
+
+
+def _check_splits(kind: str, splits: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """An all-to-all's ``(output_splits, input_splits)`` as two tuples of ints (required
+    for it, refused for the other kinds)."""
+    if kind != "all_to_all":
+        if splits is not None:
+            raise ArgumentError(f"splits are an all-to-all's; a {kind} takes none")
+        return None
+    if splits is None or len(splits) != 2:
+        raise ArgumentError("an all_to_all needs splits=(output_splits, input_splits)")
+    out, inp = (tuple(int(x) for x in s) for s in splits)
+    if len(out) != len(inp) or min((*out, *inp), default=0) < 0:
+        raise ArgumentError(f"all_to_all splits must be two lists of rows per rank (>= 0), "
+                            f"one entry per rank of the group; got {len(out)} and {len(inp)}")
+    return out, inp
 
 
 class LaunchConfig(Protocol):
@@ -114,11 +132,17 @@ class CollectiveLaunch:
         config: The configuration it runs under.
         slot: The op it launches with (it starts right before that op), or ``None``: after
             every op of the partition (sequential, or exposed).
-        group: The parallel group it runs over, ``"tp"`` or ``"cp"``, when the caller says
-            (``None``: the backend routes by kind, as a
+        group: The parallel group it runs over, ``"tp"``, ``"cp"`` or ``"ep"``, when the
+            caller says (``None``: the backend routes by kind, as a
             [`GroupedCollective`][kareus.exec.train.GroupedCollective] does: all-reduces over
-            TP, all-gathers and reduce-scatters over CP). Sequence parallelism all-gathers
-            and reduce-scatters over TP, so its collectives name their group.
+            TP, all-gathers and reduce-scatters over CP, all-to-alls over EP). Sequence
+            parallelism all-gathers and reduce-scatters over TP, so its collectives name
+            their group.
+        splits: An all-to-all's ``(output_splits, input_splits)``: the rows it receives
+            from and sends to each rank of the group, in rank order (``None`` for the
+            other kinds). A mixture of experts' token counts are data-dependent: the
+            caller exchanges them before the launch (every rank's sends are another's
+            receives).
     """
 
     partition: str
@@ -128,6 +152,7 @@ class CollectiveLaunch:
     config: LaunchConfig
     slot: str | None
     group: str | None = None
+    splits: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     @property
     def sms(self) -> int | None:
@@ -171,16 +196,20 @@ class PartitionHook(abc.ABC):
 
     @abc.abstractmethod
     def communicate(self, tensor: Any, *, kind: str = "all_reduce", output: Any = None,
-                    group: str | None = None) -> None:
+                    group: str | None = None,
+                    splits: tuple[Sequence[int], Sequence[int]] | None = None) -> None:
         """Register the collective of this partition (launched at the configured slot).
 
         Args:
             tensor: The tensor to all-reduce in place, or the input of an all-gather /
-                reduce-scatter.
-            kind: ``"all_reduce"``, ``"all_gather"`` or ``"reduce_scatter"``.
-            output: Output tensor of all-gather / reduce-scatter.
-            group: The parallel group, ``"tp"`` or ``"cp"`` (``None``: routed by kind;
-                [`CollectiveLaunch.group`][kareus.exec.CollectiveLaunch]).
+                reduce-scatter / all-to-all.
+            kind: ``"all_reduce"``, ``"all_gather"``, ``"reduce_scatter"`` or
+                ``"all_to_all"``.
+            output: Output tensor of all-gather / reduce-scatter / all-to-all.
+            group: The parallel group, ``"tp"``, ``"cp"`` or ``"ep"`` (``None``: routed by
+                kind; [`CollectiveLaunch.group`][kareus.exec.CollectiveLaunch]).
+            splits: An all-to-all's ``(output_splits, input_splits)``
+                ([`CollectiveLaunch.splits`][kareus.exec.CollectiveLaunch]).
         """
 
     @abc.abstractmethod
@@ -226,14 +255,17 @@ class PartitionScope(PartitionHook):
         self._op_names = tuple(op_names) if op_names is not None else None
         self._count = 0
         self._comm: tuple[str, Any, Any, str | None] | None = None
+        self._splits: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         self._launched = False
         self._handle: Any = None
         self.ops_run: list[str] = []
 
     def communicate(self, tensor: Any, *, kind: str = "all_reduce", output: Any = None,
-                    group: str | None = None) -> None:
+                    group: str | None = None,
+                    splits: tuple[Sequence[int], Sequence[int]] | None = None) -> None:
         """Register the collective ([`PartitionHook.communicate`][kareus.exec.PartitionHook.communicate]); a kind outside
-        ``COMM_KINDS`` or a group other than ``"tp"``, ``"cp"`` is a ValueError."""
+        ``COMM_KINDS``, a group other than ``"tp"``, ``"cp"``, ``"ep"``, or an all-to-all
+        without its splits (or splits of another kind) is a ValueError."""
         if kind not in COMM_KINDS:
             raise ArgumentError(f"kind must be one of {COMM_KINDS}, got {kind!r}")
         _check_group(group)
@@ -242,6 +274,7 @@ class PartitionScope(PartitionHook):
         if kind != "all_reduce" and output is None:
             raise ArgumentError(f"{kind} needs an output tensor")
         self._comm = (kind, tensor, output, group)
+        self._splits = _check_splits(kind, splits)
 
     def op(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Issue computation op ``name`` (``fn(*args, **kwargs)``) through the executor's
@@ -265,7 +298,7 @@ class PartitionScope(PartitionHook):
         kind, tensor, output, group = self._comm
         self._handle = self._ex.launch_collective(CollectiveLaunch(
             partition=self.key, kind=kind, tensor=tensor, output=output, config=self.config,
-            slot=at, group=group))
+            slot=at, group=group, splits=self._splits))
         self._launched = True
 
     def close(self) -> None:
@@ -569,7 +602,8 @@ class Executor(abc.ABC):
 
     def run_collective(self, kind: str, tensor: Any, output: Any = None, *,
                        sms: int | None = None, partition: str = "collective",
-                       group: str | None = None) -> None:
+                       group: str | None = None,
+                       splits: tuple[Sequence[int], Sequence[int]] | None = None) -> None:
         """Run one collective by itself, in stream order: after everything issued so far,
         and what comes next waits for it (the outside work's collectives, which run among
         its ops rather than beside them). The role's default launches and joins it through
@@ -582,18 +616,20 @@ class Executor(abc.ABC):
             output: The output of an all-gather / reduce-scatter.
             sms: SMs it gets (``None``: the backend's own choice).
             partition: What it belongs to (for the hooks' records).
-            group: Its group (``"tp"``, ``"cp"``; ``None``: routed by kind).
+            group: Its group (``"tp"``, ``"cp"``, ``"ep"``; ``None``: routed by kind).
+            splits: An all-to-all's ``(output_splits, input_splits)``.
 
         Raises:
-            ValueError: ``kind`` is not one of ``COMM_KINDS``, or an all-gather /
-                reduce-scatter has no output.
+            ValueError: ``kind`` is not one of ``COMM_KINDS``, an all-gather /
+                reduce-scatter / all-to-all has no output, or an all-to-all no splits.
         """
         if kind not in COMM_KINDS:
             raise ArgumentError(f"kind must be one of {COMM_KINDS}, got {kind!r}")
         if kind != "all_reduce" and output is None:
             raise ArgumentError(f"{kind} needs an output tensor")
         _check_group(group)
-        self._run_exposed(partition, kind, tensor, output, _Exposed(comm_sms=sms), group=group)
+        self._run_exposed(partition, kind, tensor, output, _Exposed(comm_sms=sms), group=group,
+                          splits=_check_splits(kind, splits))
 
     def _open_scope(self, key: str, config: LaunchConfig,
                     op_names: Sequence[str] | None) -> PartitionScope:
@@ -602,11 +638,12 @@ class Executor(abc.ABC):
         return PartitionScope(self, key, config, op_names)
 
     def _run_exposed(self, key: str, kind: str, tensor: Any, output: Any,
-                     config: LaunchConfig, *, group: str | None = None) -> None:
+                     config: LaunchConfig, *, group: str | None = None,
+                     splits: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> None:
         """A collective after everything issued so far, joined right away."""
         self.join_collective(self.launch_collective(CollectiveLaunch(
             partition=key, kind=kind, tensor=tensor, output=output, config=config, slot=None,
-            group=group)))
+            group=group, splits=splits)))
 
     # -- training-loop hooks ---------------------------------------------------------
     @contextlib.contextmanager
