@@ -204,8 +204,10 @@ class TorchParallelGroups(ParallelGroups):
         self._edp_rank_given = 0 if edp is None else int(dist.get_rank(edp))
         return self
 
+    _edp_rank_given: int | None = None
+
     def _edp_rank(self) -> int:
-        given = getattr(self, "_edp_rank_given", None)
+        given = self._edp_rank_given
         return super()._edp_rank() if given is None else given
 
     def group(self, name: str) -> Any:

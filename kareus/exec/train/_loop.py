@@ -63,6 +63,18 @@ __all__ = [
 ]
 
 
+def _check_groups(workload: Workload, groups: Any) -> None:
+    """Refuse groups of other degrees than the workload's TP, CP and EP."""
+    p = workload.parallelism
+    if (groups.tp_size, groups.cp_size) != (p.tp, p.cp):
+        raise WorkloadError(f"the groups are TP={groups.tp_size} x CP={groups.cp_size}; the "
+                            f"workload asks for TP={p.tp} x CP={p.cp}")
+    if getattr(groups, "ep_size", 1) != p.ep:
+        raise WorkloadError(f"the groups are EP={getattr(groups, 'ep_size', 1)}; the "
+                            f"workload asks for EP={p.ep} (TorchParallelGroups(tp=..., "
+                            "ep=...))")
+
+
 def _check_moe_run(workload: Workload, graphs: bool | None) -> None:
     """Refuse, in one line each, what the loop does not run of a mixture of experts: CUDA
     graphs (the dispatch's split sizes are data-dependent, read on the host after the
@@ -344,13 +356,7 @@ class TrainingLoop:
             raise WorkloadError("the training loop runs its layers as one chain; the workload "
                                 "has chained_layers=False (layers run one by one, as "
                                 "framework blocks wrapped in FSDP do): use chained_layers=True")
-        if (groups.tp_size, groups.cp_size) != (p.tp, p.cp):
-            raise WorkloadError(f"the groups are TP={groups.tp_size} x CP={groups.cp_size}; the "
-                                f"workload asks for TP={p.tp} x CP={p.cp}")
-        if getattr(groups, "ep_size", 1) != p.ep:
-            raise WorkloadError(f"the groups are EP={getattr(groups, 'ep_size', 1)}; the "
-                                f"workload asks for EP={p.ep} (TorchParallelGroups(tp=..., "
-                                "ep=...))")
+        _check_groups(workload, groups)
         moe = workload.model.moe
         if moe is not None:
             _check_moe_run(workload, graphs)

@@ -146,10 +146,10 @@ class MoEBlock:
     n: int
     act: dict[tuple[int, int], dict[str, Any]]
 
-    def W(self, layer: int, name: str) -> Any:  # noqa: N802 - the shard's accessor
+    def W(self, layer: int, name: str) -> Any:
         raise NotImplementedError
 
-    def G(self, layer: int, name: str) -> Any:  # noqa: N802 - the shard's accessor
+    def G(self, layer: int, name: str) -> Any:
         raise NotImplementedError
 
     def _reduced(self, name: str, layer: int, nb: int) -> Any:
@@ -272,7 +272,8 @@ class MoEBlock:
         r = Route(order=order, row_token=order // self.topk, input_splits=tuple(sent),
                   output_splits=tuple(sum(row) for row in got), tokens_per_expert=per_expert)
         if self.sort_tokens:  # (source rank, expert) chunks -> (expert, source rank)
-            offs, o = [], 0
+            offs: list[list[int]] = []
+            o = 0
             for row in got:
                 offs.append([])
                 for c in row:
