@@ -223,9 +223,11 @@ def router_wgrad(x: Any, dlogits: Any) -> Any:
 # ------------------------------------------------------------------------ permutation
 
 
-def permute(x: Any, indices: Any, *, experts: int, ep: int = 1) -> tuple[Any, TokenPermutation]:
+def permute(x: Any, indices: Any, *, experts: int, ep: int = 1,
+            out: Any = None) -> tuple[Any, TokenPermutation]:
     """Copy each token once per chosen expert: ``(rows [t k, h], TokenPermutation)``,
-    rows ordered by global expert, then token (see the module docstring)."""
+    rows ordered by global expert, then token (see the module docstring); into ``out``
+    (a ``[t k, h]`` tensor, e.g. the dispatch's send buffer) when given."""
     import torch
 
     if experts % ep:
@@ -238,9 +240,13 @@ def permute(x: Any, indices: Any, *, experts: int, ep: int = 1) -> tuple[Any, To
     token_of_row = torch.div(order, k, rounding_mode="floor")
     row_of = torch.empty_like(order)
     row_of[order] = torch.arange(order.numel(), device=order.device)
-    counts = torch.bincount(flat, minlength=experts)
+    # rows per expert by a scatter-add (bincount's output size would need the host)
+    counts = torch.zeros(experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     perm = TokenPermutation(row_of=row_of.view(t, k), token_of_row=token_of_row,
                             tokens_per_expert=counts, ep=int(ep))
+    if out is not None:
+        return torch.index_select(x, 0, token_of_row, out=out), perm
     return x.index_select(0, token_of_row), perm
 
 
@@ -264,18 +270,19 @@ def unpermute(rows: Any, probs: Any, perm: TokenPermutation, *, shared: Any = No
     return out if shared is None else out + shared
 
 
-def unpermute_bwd(dout: Any, rows: Any, probs: Any,
-                  perm: TokenPermutation) -> tuple[Any, Any]:
+def unpermute_bwd(dout: Any, rows: Any, probs: Any, perm: TokenPermutation, *,
+                  out: Any = None) -> tuple[Any, Any]:
     """``(drows [t k, h], dprobs [t, k])`` of ``unpermute`` for its output's gradient
     ``dout`` (``shared``'s gradient is ``dout`` itself): each row's gradient is its token's
     ``dout`` times its probability (rounded to the rows' dtype), each probability's the dot
-    product of ``dout`` with its row (in the probabilities' dtype)."""
+    product of ``dout`` with its row (in the probabilities' dtype). ``drows`` is written
+    into ``out`` when given (the combine gradient's send buffer)."""
     import torch
 
     wide = torch.promote_types(_wide(torch, rows.dtype), probs.dtype)
     d = dout.to(wide)
     drows_tk = (d.unsqueeze(1) * probs.to(wide).unsqueeze(-1)).to(rows.dtype)  # [t, k, h]
-    drows = torch.empty_like(rows)
+    drows = torch.empty_like(rows) if out is None else out
     drows[perm.row_of.reshape(-1)] = drows_tk.reshape(-1, rows.shape[-1])
     dprobs = (rows[perm.row_of].to(wide) * d.unsqueeze(1)).sum(-1).to(probs.dtype)
     return drows, dprobs
@@ -314,25 +321,30 @@ def _chunk_gather(torch: Any, sizes: Any, total: int, *, inverse: bool) -> Any:
     return offset + torch.arange(total, device=sizes.device)
 
 
-def expert_sort(rows: Any, counts: Any) -> Any:
+def expert_sort(rows: Any, counts: Any, *, out: Any = None) -> Any:
     """Received rows from (source rank, local expert) chunk order to (local expert, source
-    rank) order; ``counts`` ``[ep, L]`` the rows of each chunk (see the module docstring)."""
+    rank) order; ``counts`` ``[ep, L]`` the rows of each chunk (see the module docstring;
+    an int tensor on the rows' device keeps the op free of host copies, as a CUDA graph
+    needs). Into ``out`` when given."""
+    return _reorder(rows, counts, inverse=False, out=out)
+
+
+def expert_unsort(rows: Any, counts: Any, *, out: Any = None) -> Any:
+    """The inverse of ``expert_sort`` (the same ``counts``); into ``out`` when given (the
+    combine's send buffer)."""
+    return _reorder(rows, counts, inverse=True, out=out)
+
+
+def _reorder(rows: Any, counts: Any, *, inverse: bool, out: Any) -> Any:
     import torch
 
     c = _counts_table(torch, counts, rows.device)
-    if c.shape[0] == 1 or c.shape[1] == 1:
-        return rows.clone()
-    return rows.index_select(0, _chunk_gather(torch, c, rows.shape[0], inverse=False))
-
-
-def expert_unsort(rows: Any, counts: Any) -> Any:
-    """The inverse of ``expert_sort`` (the same ``counts``)."""
-    import torch
-
-    c = _counts_table(torch, counts, rows.device)
-    if c.shape[0] == 1 or c.shape[1] == 1:
-        return rows.clone()
-    return rows.index_select(0, _chunk_gather(torch, c, rows.shape[0], inverse=True))
+    if c.shape[0] == 1 or c.shape[1] == 1:  # one chunk per expert or per rank: in order
+        return rows.clone() if out is None else out.copy_(rows)
+    index = _chunk_gather(torch, c, rows.shape[0], inverse=inverse)
+    if out is not None:
+        return torch.index_select(rows, 0, index, out=out)
+    return rows.index_select(0, index)
 
 
 # -------------------------------------------------------------------- grouped GEMMs
@@ -383,21 +395,23 @@ def _offsets(torch: Any, counts: Any, device: Any) -> Any:
     return torch.cumsum(_group_counts(torch, counts).to(device), 0).to(torch.int32)
 
 
-def grouped_mm(x: Any, w: Any, counts: Any, *, path: str = "auto") -> Any:
+def grouped_mm(x: Any, w: Any, counts: Any, *, path: str = "auto", out: Any = None) -> Any:
     """Each group's rows times its weight: ``[r, in] x [G, in, out] -> [r, out]``, group
     ``g`` the ``counts[g]`` rows after the groups before it (``counts``: ``G`` host ints, an
-    int tensor, or a ``[ep, G]`` table summed over ranks). ``path``: see
-    ``grouped_mm_path``."""
+    int tensor, or a ``[ep, G]`` table summed over ranks; the ``torch._grouped_mm`` path
+    reads a device tensor without host copies, the loop reads host ints without a
+    synchronisation). ``path``: see ``grouped_mm_path``. Into ``out`` when given."""
     import torch
 
     if w.dim() != 3 or x.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ArgumentError(f"grouped_mm needs x [rows, in] and w [groups, in, out], got "
                             f"{tuple(x.shape)} and {tuple(w.shape)}")
     if grouped_mm_path(x, w, path) == "grouped_mm":
-        return torch._grouped_mm(x, w, offs=_offsets(torch, counts, x.device))
+        y = torch._grouped_mm(x, w, offs=_offsets(torch, counts, x.device))
+        return y if out is None else out.copy_(y)
     sizes = _host_counts(torch, counts)
     _check_groups(sizes, w.shape[0], x.shape[0])
-    out = x.new_empty(x.shape[0], w.shape[2])
+    out = x.new_empty(x.shape[0], w.shape[2]) if out is None else out
     start = 0
     for g, n in enumerate(sizes):
         if n:

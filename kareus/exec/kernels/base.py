@@ -293,38 +293,46 @@ class KernelSet(abc.ABC):
         """``x^T @ dlogits`` ``[h, E]`` in the router dtype."""
         return _moe.router_wgrad(x, dlogits)
 
-    def permute(self, x: Any, indices: Any, *, experts: int,
-                ep: int = 1) -> tuple[Any, Any]:
+    def permute(self, x: Any, indices: Any, *, experts: int, ep: int = 1,
+                out: Any = None) -> tuple[Any, Any]:
         """``(rows [t k, h], TokenPermutation)``: each token once per chosen expert, by
-        global expert (= destination EP rank, then local expert), then token."""
-        return _moe.permute(x, indices, experts=experts, ep=ep)
+        global expert (= destination EP rank, then local expert), then token; into
+        ``out`` when given."""
+        return _moe.permute(x, indices, experts=experts, ep=ep, out=out)
 
     def permute_bwd(self, drows: Any, perm: Any) -> Any:
         """``dx`` ``[t, h]``: each token's row gradients summed (top-k order)."""
         return _moe.permute_bwd(drows, perm)
 
-    def expert_sort(self, rows: Any, counts: Any) -> Any:
+    def expert_sort(self, rows: Any, counts: Any, *, out: Any = None) -> Any:
         """Received rows from (source rank, local expert) to (local expert, source rank)
-        order; ``counts`` ``[ep, L]`` rows per chunk."""
-        return _moe.expert_sort(rows, counts)
+        order; ``counts`` ``[ep, L]`` rows per chunk; into ``out`` when given."""
+        return _moe.expert_sort(rows, counts, out=out)
 
-    def expert_unsort(self, rows: Any, counts: Any) -> Any:
-        """The inverse of ``expert_sort``."""
-        return _moe.expert_unsort(rows, counts)
+    def expert_unsort(self, rows: Any, counts: Any, *, out: Any = None) -> Any:
+        """The inverse of ``expert_sort``; into ``out`` when given."""
+        return _moe.expert_unsort(rows, counts, out=out)
 
-    def expert_sort_bwd(self, drows: Any, counts: Any) -> Any:
+    def expert_sort_bwd(self, drows: Any, counts: Any, *, out: Any = None) -> Any:
         """The gradient of ``expert_sort``: ``expert_unsort`` of the gradient."""
-        return self.expert_unsort(drows, counts)
+        return self.expert_unsort(drows, counts, out=out)
 
-    def expert_unsort_bwd(self, drows: Any, counts: Any) -> Any:
+    def expert_unsort_bwd(self, drows: Any, counts: Any, *, out: Any = None) -> Any:
         """The gradient of ``expert_unsort``: ``expert_sort`` of the gradient."""
-        return self.expert_sort(drows, counts)
+        return self.expert_sort(drows, counts, out=out)
 
-    def grouped_mm(self, x: Any, w: Any, counts: Any) -> Any:
+    def grouped_mm(self, x: Any, w: Any, counts: Any, *, out: Any = None) -> Any:
         """``[r, in] x [G, in, out] -> [r, out]``, each group's rows by its weight
         (``counts``: rows per group, host ints or a tensor, or a ``[ep, G]`` table);
-        the data gradient is ``grouped_mm(dy, w.transpose(1, 2), counts)``."""
-        return _moe.grouped_mm(x, w, counts, path=self.grouped_gemm)
+        the data gradient is ``grouped_mm(dy, w.transpose(1, 2), counts)``; into ``out``
+        when given."""
+        return _moe.grouped_mm(x, w, counts, path=self.grouped_gemm, out=out)
+
+    def grouped_mm_path(self, x: Any, w: Any) -> str:
+        """``"grouped_mm"`` or ``"loop"``: how ``grouped_mm(x, w, ...)`` runs (its counts:
+        a device tensor for the first, host ints for the loop, keep each free of host
+        round trips)."""
+        return _moe.grouped_mm_path(x, w, self.grouped_gemm)
 
     def grouped_mm_wgrad(self, x: Any, dy: Any, counts: Any) -> Any:
         """Each group's ``x_g^T dy_g``: ``[G, in, out]`` (zero for a group without rows)."""
@@ -343,9 +351,11 @@ class KernelSet(abc.ABC):
         order, float32 or wider, rounded once), plus ``shared``."""
         return _moe.unpermute(rows, probs, perm, shared=shared)
 
-    def unpermute_bwd(self, dout: Any, rows: Any, probs: Any, perm: Any) -> tuple[Any, Any]:
-        """``(drows [t k, h], dprobs [t, k])`` of ``unpermute``."""
-        return _moe.unpermute_bwd(dout, rows, probs, perm)
+    def unpermute_bwd(self, dout: Any, rows: Any, probs: Any, perm: Any, *,
+                      out: Any = None) -> tuple[Any, Any]:
+        """``(drows [t k, h], dprobs [t, k])`` of ``unpermute``; ``drows`` into ``out``
+        when given."""
+        return _moe.unpermute_bwd(dout, rows, probs, perm, out=out)
 
     def kernel_names(self) -> dict[str, str]:
         """Which kernel each op gets, for reports (attention: see ``attention_backend``)."""
