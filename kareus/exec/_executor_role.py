@@ -63,34 +63,38 @@ __all__ = ["COMM_KINDS", "CollectiveLaunch", "Executor", "LaunchConfig", "Partit
 
 _log = get_logger(__name__)
 
-#: Collective kinds the executor can launch (the names of ``CollectiveBackend`` methods). An
-#: all-to-all (a mixture of experts' dispatch and combine over the expert-parallel group)
-#: also names its split sizes (``splits``: rows received from and sent to each rank).
+#: Collective kinds the executor can launch (the names of ``CollectiveBackend`` methods).
 COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
-#: The parallel groups a collective may name (``None``: routed by its kind).
+#: The parallel groups a collective may name (``None``: routed by its kind); ``"ep"``: a
+#: mixture of experts' expert-parallel group (its all-to-alls).
 COMM_GROUPS = ("tp", "cp", "ep")
+
+#: An all-to-all's splits: ``(output_splits, input_splits)``, host lists of row counts, one
+#: per rank (``CollectiveBackend.all_to_all``'s).
+Splits = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def _check_splits(kind: str, splits: Any) -> Splits | None:
+    """``splits`` as a pair of int tuples (an all-to-all needs them; the others take none)."""
+    if kind != "all_to_all":
+        if splits is not None:
+            raise ArgumentError(f"{kind} takes no splits (only all_to_all does)")
+        return None
+    if splits is None:
+        raise ArgumentError("all_to_all needs splits=(output_splits, input_splits), host "
+                            "lists of row counts, one per rank")
+    try:
+        outs, ins = splits
+        return tuple(int(v) for v in outs), tuple(int(v) for v in ins)
+    except (TypeError, ValueError):
+        raise ArgumentError("splits must be (output_splits, input_splits), two lists of row "
+                            f"counts, got {splits!r:.60}") from None
 
 
 def _check_group(group: str | None) -> None:
     if group is not None and group not in COMM_GROUPS:
         raise ArgumentError(f"group must be one of {COMM_GROUPS} or None, got {group!r:.40}")
-
-
-def _check_splits(kind: str, splits: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """An all-to-all's ``(output_splits, input_splits)`` as two tuples of ints (required
-    for it, refused for the other kinds)."""
-    if kind != "all_to_all":
-        if splits is not None:
-            raise ArgumentError(f"splits are an all-to-all's; a {kind} takes none")
-        return None
-    if splits is None or len(splits) != 2:
-        raise ArgumentError("an all_to_all needs splits=(output_splits, input_splits)")
-    out, inp = (tuple(int(x) for x in s) for s in splits)
-    if len(out) != len(inp) or min((*out, *inp), default=0) < 0:
-        raise ArgumentError(f"all_to_all splits must be two lists of rows per rank (>= 0), "
-                            f"one entry per rank of the group; got {len(out)} and {len(inp)}")
-    return out, inp
 
 
 class LaunchConfig(Protocol):
@@ -128,21 +132,19 @@ class CollectiveLaunch:
         kind: One of ``COMM_KINDS``.
         tensor: The tensor to all-reduce in place, or the input of an all-gather /
             reduce-scatter.
-        output: The output of an all-gather / reduce-scatter (``None`` for all-reduce).
+        output: The output of an all-gather / reduce-scatter / all-to-all (``None`` for
+            all-reduce).
         config: The configuration it runs under.
         slot: The op it launches with (it starts right before that op), or ``None``: after
             every op of the partition (sequential, or exposed).
-        group: The parallel group it runs over, ``"tp"``, ``"cp"`` or ``"ep"``, when the
-            caller says (``None``: the backend routes by kind, as a
+        group: The parallel group it runs over, ``"tp"`` or ``"cp"``, when the caller says
+            (``None``: the backend routes by kind, as a
             [`GroupedCollective`][kareus.exec.train.GroupedCollective] does: all-reduces over
-            TP, all-gathers and reduce-scatters over CP, all-to-alls over EP). Sequence
-            parallelism all-gathers and reduce-scatters over TP, so its collectives name
-            their group.
-        splits: An all-to-all's ``(output_splits, input_splits)``: the rows it receives
-            from and sends to each rank of the group, in rank order (``None`` for the
-            other kinds). A mixture of experts' token counts are data-dependent: the
-            caller exchanges them before the launch (every rank's sends are another's
-            receives).
+            TP, all-gathers and reduce-scatters over CP). Sequence parallelism all-gathers
+            and reduce-scatters over TP, so its collectives name their group; a mixture of
+            experts' all-to-alls name ``"ep"``.
+        splits: An all-to-all's ``(output_splits, input_splits)`` (host tuples of row
+            counts, one per rank); ``None`` for the other kinds.
     """
 
     partition: str
@@ -152,7 +154,7 @@ class CollectiveLaunch:
     config: LaunchConfig
     slot: str | None
     group: str | None = None
-    splits: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    splits: Splits | None = None
 
     @property
     def sms(self) -> int | None:
@@ -196,8 +198,7 @@ class PartitionHook(abc.ABC):
 
     @abc.abstractmethod
     def communicate(self, tensor: Any, *, kind: str = "all_reduce", output: Any = None,
-                    group: str | None = None,
-                    splits: tuple[Sequence[int], Sequence[int]] | None = None) -> None:
+                    group: str | None = None, splits: Any = None) -> None:
         """Register the collective of this partition (launched at the configured slot).
 
         Args:
@@ -208,8 +209,8 @@ class PartitionHook(abc.ABC):
             output: Output tensor of all-gather / reduce-scatter / all-to-all.
             group: The parallel group, ``"tp"``, ``"cp"`` or ``"ep"`` (``None``: routed by
                 kind; [`CollectiveLaunch.group`][kareus.exec.CollectiveLaunch]).
-            splits: An all-to-all's ``(output_splits, input_splits)``
-                ([`CollectiveLaunch.splits`][kareus.exec.CollectiveLaunch]).
+            splits: An all-to-all's ``(output_splits, input_splits)``, host lists of row
+                counts, one per rank (required for it, refused for the other kinds).
         """
 
     @abc.abstractmethod
@@ -254,27 +255,25 @@ class PartitionScope(PartitionHook):
         self.config = config
         self._op_names = tuple(op_names) if op_names is not None else None
         self._count = 0
-        self._comm: tuple[str, Any, Any, str | None] | None = None
-        self._splits: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        self._comm: tuple[str, Any, Any, str | None, Splits | None] | None = None
         self._launched = False
         self._handle: Any = None
         self.ops_run: list[str] = []
 
     def communicate(self, tensor: Any, *, kind: str = "all_reduce", output: Any = None,
-                    group: str | None = None,
-                    splits: tuple[Sequence[int], Sequence[int]] | None = None) -> None:
+                    group: str | None = None, splits: Any = None) -> None:
         """Register the collective ([`PartitionHook.communicate`][kareus.exec.PartitionHook.communicate]); a kind outside
-        ``COMM_KINDS``, a group other than ``"tp"``, ``"cp"``, ``"ep"``, or an all-to-all
-        without its splits (or splits of another kind) is a ValueError."""
+        ``COMM_KINDS``, a group outside ``COMM_GROUPS``, or an all-to-all without splits is a
+        ValueError."""
         if kind not in COMM_KINDS:
             raise ArgumentError(f"kind must be one of {COMM_KINDS}, got {kind!r}")
         _check_group(group)
+        checked = _check_splits(kind, splits)
         if self._comm is not None:
             raise RuntimeError(f"partition {self.key!r} already has a collective")
         if kind != "all_reduce" and output is None:
             raise ArgumentError(f"{kind} needs an output tensor")
-        self._comm = (kind, tensor, output, group)
-        self._splits = _check_splits(kind, splits)
+        self._comm = (kind, tensor, output, group, checked)
 
     def op(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Issue computation op ``name`` (``fn(*args, **kwargs)``) through the executor's
@@ -295,10 +294,10 @@ class PartitionScope(PartitionHook):
             raise RuntimeError(
                 f"partition {self.key!r} reached its launch slot {self.config.launch_slot!r} "
                 "before communicate() named the collective")
-        kind, tensor, output, group = self._comm
+        kind, tensor, output, group, splits = self._comm
         self._handle = self._ex.launch_collective(CollectiveLaunch(
             partition=self.key, kind=kind, tensor=tensor, output=output, config=self.config,
-            slot=at, group=group, splits=self._splits))
+            slot=at, group=group, splits=splits))
         self._launched = True
 
     def close(self) -> None:
@@ -521,7 +520,7 @@ class Executor(abc.ABC):
     def run_partition(self, ops: Sequence[Callable[[], Any]], op_names: Sequence[str],
                       comm_tensor: Any, config: LaunchConfig, *,
                       comm_kind: str = "all_reduce", comm_output: Any = None,
-                      comm_group: str | None = None) -> None:
+                      comm_group: str | None = None, comm_splits: Any = None) -> None:
         """Enqueue one partition: ``ops`` in order, the collective at ``config``'s slot
         (joined at the end). The configuration's clock is not applied here: it is set per
         microbatch ([`microbatch`][kareus.exec.Executor.microbatch]).
@@ -532,8 +531,9 @@ class Executor(abc.ABC):
             comm_tensor: The tensor the collective acts on.
             config: The schedule configuration.
             comm_kind: The collective (one of ``COMM_KINDS``).
-            comm_output: Output tensor of all-gather / reduce-scatter.
-            comm_group: Its group (``"tp"``, ``"cp"``; ``None``: routed by kind).
+            comm_output: Output tensor of all-gather / reduce-scatter / all-to-all.
+            comm_group: Its group (``"tp"``, ``"cp"``, ``"ep"``; ``None``: routed by kind).
+            comm_splits: An all-to-all's ``(output_splits, input_splits)``.
 
         Raises:
             UnknownSlotError: ``config.launch_slot`` is not one of ``op_names``.
@@ -545,7 +545,8 @@ class Executor(abc.ABC):
             raise UnknownSlotError(f"launch slot {config.launch_slot!r} is not one of the ops "
                                    f"{list(op_names)} (or None for sequential)")
         scope = self._open_scope("partition", config, op_names)
-        scope.communicate(comm_tensor, kind=comm_kind, output=comm_output, group=comm_group)
+        scope.communicate(comm_tensor, kind=comm_kind, output=comm_output, group=comm_group,
+                          splits=comm_splits)
         for name, fn in zip(op_names, ops):
             scope.op(name, fn)
         scope.close()
@@ -553,7 +554,7 @@ class Executor(abc.ABC):
     def run_nanobatched(self, ops: Sequence[Callable[[int], Any]], op_names: Sequence[str],
                         comm_tensors: Sequence[Any], config: LaunchConfig, *,
                         comm_kind: str = "all_reduce", comm_outputs: Sequence[Any] | None = None,
-                        comm_group: str | None = None) -> None:
+                        comm_group: str | None = None, comm_splits: Any = None) -> None:
         """Run one layer segment over ``n >= 2`` nanobatches, each nanobatch's collective
         overlapping the next nanobatch's computation from ``config``'s slot on.
 
@@ -572,7 +573,10 @@ class Executor(abc.ABC):
             config: The schedule configuration.
             comm_kind: The collective.
             comm_outputs: Per nanobatch, the output tensor (all-gather / reduce-scatter).
-            comm_group: The collectives' group (``"tp"``, ``"cp"``; ``None``: routed by kind).
+            comm_group: The collectives' group (``"tp"``, ``"cp"``, ``"ep"``; ``None``:
+                routed by kind).
+            comm_splits: The all-to-alls' ``(output_splits, input_splits)``, the same for
+                every nanobatch.
 
         Raises:
             ValueError: fewer than two nanobatches.
@@ -587,23 +591,22 @@ class Executor(abc.ABC):
         for i in range(1, n):
             if config.sequential:
                 self._run_exposed(f"nanobatch{i - 1}", comm_kind, comm_tensors[i - 1],
-                                  outs[i - 1], config, group=comm_group)
+                                  outs[i - 1], config, group=comm_group, splits=comm_splits)
                 for fn in ops:
                     fn(i)
                 continue
             scope = self._open_scope(f"nanobatch{i - 1}", config, op_names)
             scope.communicate(comm_tensors[i - 1], kind=comm_kind, output=outs[i - 1],
-                              group=comm_group)
+                              group=comm_group, splits=comm_splits)
             for name, fn in zip(op_names, ops):
                 scope.op(name, fn, i)
             scope.close()
         self._run_exposed(f"nanobatch{n - 1}", comm_kind, comm_tensors[n - 1], outs[n - 1],
-                          config, group=comm_group)
+                          config, group=comm_group, splits=comm_splits)
 
     def run_collective(self, kind: str, tensor: Any, output: Any = None, *,
                        sms: int | None = None, partition: str = "collective",
-                       group: str | None = None,
-                       splits: tuple[Sequence[int], Sequence[int]] | None = None) -> None:
+                       group: str | None = None, splits: Any = None) -> None:
         """Run one collective by itself, in stream order: after everything issued so far,
         and what comes next waits for it (the outside work's collectives, which run among
         its ops rather than beside them). The role's default launches and joins it through
@@ -639,11 +642,11 @@ class Executor(abc.ABC):
 
     def _run_exposed(self, key: str, kind: str, tensor: Any, output: Any,
                      config: LaunchConfig, *, group: str | None = None,
-                     splits: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> None:
+                     splits: Any = None) -> None:
         """A collective after everything issued so far, joined right away."""
         self.join_collective(self.launch_collective(CollectiveLaunch(
             partition=key, kind=kind, tensor=tensor, output=output, config=config, slot=None,
-            group=group, splits=splits)))
+            group=group, splits=_check_splits(kind, splits))))
 
     # -- training-loop hooks ---------------------------------------------------------
     @contextlib.contextmanager

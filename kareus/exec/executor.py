@@ -114,15 +114,15 @@ def _route(backend: Any, kind: str, group: str | None) -> Any:
     return backend
 
 
-def _issue(backend: Any, kind: str, tensor: Any, output: Any, stream: Any, sms: int | None,
-           splits: tuple[tuple[int, ...], tuple[int, ...]] | None) -> None:
+def _call(backend: Any, kind: str, tensor: Any, output: Any, stream: Any, sms: int | None,
+          splits: Any) -> None:
     """Enqueue one collective of ``kind`` on ``backend`` (an all-to-all with its
     ``(output_splits, input_splits)``)."""
     if kind == "all_reduce":
         backend.all_reduce(tensor, stream, sms)
     elif kind == "all_to_all":
-        assert splits is not None
-        backend.all_to_all(output, tensor, list(splits[0]), list(splits[1]), stream, sms)
+        outs, ins = splits
+        backend.all_to_all(output, tensor, list(outs), list(ins), stream, sms)
     else:
         getattr(backend, kind)(output, tensor, stream, sms)
 
@@ -314,8 +314,7 @@ class TorchExecutor(Executor):
 
     def run_collective(self, kind: str, tensor: Any, output: Any = None, *,
                        sms: int | None = None, partition: str = "collective",
-                       group: str | None = None,
-                       splits: tuple[Sequence[int], Sequence[int]] | None = None) -> None:
+                       group: str | None = None, splits: Any = None) -> None:
         """Run one collective by itself on the current stream, through
         [`backend_for`][kareus.exec.TorchExecutor.backend_for] ``(sms)`` with ``sms`` SMs
         (the outside work's collectives; no side stream, so nothing to join).
@@ -326,13 +325,13 @@ class TorchExecutor(Executor):
         if kind not in COMM_KINDS:
             raise ArgumentError(f"kind must be one of {COMM_KINDS}, got {kind!r}")
         backend = _route(self.backend_for(sms), kind, group)
-        _issue(backend, kind, tensor, output, self.streams.current_stream(), sms,
-               _check_splits(kind, splits))
+        stream = self.streams.current_stream()
+        _call(backend, kind, tensor, output, stream, sms, _check_splits(kind, splits))
 
     # -- the mechanism ---------------------------------------------------------------
     def _launch_comm(self, comm: tuple[str, Any, Any], sms: int | None,
                      backend_name: str | None = None, group: str | None = None,
-                     splits: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> Any:
+                     splits: Any = None) -> Any:
         kind, tensor, output = comm
         backend = _route(self.backend_for(sms, backend_name), kind, group)
         compute = self.streams.current_stream()
@@ -340,7 +339,7 @@ class TorchExecutor(Executor):
         ready = self.streams.record_event(compute)
         self.streams.wait_event(side, ready)
         with self.streams.use_stream(side):
-            _issue(backend, kind, tensor, output, side, sms, splits)
+            _call(backend, kind, tensor, output, side, sms, splits)
         return self.streams.record_event(side)
 
     def _join(self, done_event: Any) -> None:
