@@ -12,7 +12,9 @@ gradients with it to fp32 tolerance. It is the same math:
   softmax over them (Megatron-Core's default ``softmax`` score function with
   ``moe_router_pre_softmax=False``, Mixtral's router, Qwen3 MoE's with
   ``norm_topk_prob=True``); no auxiliary loss, no score bias, no capacity (dropless);
-* experts: SwiGLU MLPs, expert ``e`` computing ``(silu(x W1[e, 0]) * (x W1[e, 1])) W2[e]``;
+* experts: SwiGLU MLPs, expert ``e`` computing ``(silu(x G_e) * (x U_e)) W2[e]`` with
+  ``W1[e] = [G_e | U_e]`` (gate then up along the output dimension, as Megatron-Core's
+  fused ``linear_fc1`` and kareus's kernels store them, input-major);
 * output: each token's experts' outputs weighted by their probabilities and summed, plus
   the shared experts' SwiGLU MLP of every token when given.
 
@@ -33,8 +35,8 @@ def moe_block_reference(x: Any, router_weight: Any, expert_w1: Any, expert_w2: A
     Args:
         x: The block's input, ``[tokens, hidden]`` (the post-attention norm's output).
         router_weight: ``[hidden, experts]``.
-        expert_w1: Every expert's gate and up projections, ``[experts, 2, hidden, ffn]``
-            (index 0 the gate, 1 the up projection).
+        expert_w1: Every expert's gate and up projections side by side,
+            ``[experts, hidden, 2 ffn]`` (the gate's ``ffn`` columns first).
         expert_w2: Every expert's down projection, ``[experts, ffn, hidden]``.
         top_k: Experts per token (``MoEArch.experts_per_token``).
         shared: The shared experts' ``(gate [hidden, f], up [hidden, f], down [f, hidden])``
@@ -60,8 +62,8 @@ def moe_block_reference(x: Any, router_weight: Any, expert_w1: Any, expert_w2: A
         if tokens.numel() == 0:
             continue
         weight = (probs * hit).sum(dim=-1)[tokens]
-        xe = x[tokens]
-        y = (F.silu(xe @ expert_w1[e, 0]) * (xe @ expert_w1[e, 1])) @ expert_w2[e]
+        gate, up = (x[tokens] @ expert_w1[e]).chunk(2, dim=-1)
+        y = (F.silu(gate) * up) @ expert_w2[e]
         out = out.index_add(0, tokens, weight.unsqueeze(1) * y)
     if shared is not None:
         wg, wu, wd = shared

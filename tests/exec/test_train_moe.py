@@ -167,8 +167,8 @@ def _biased_block(x, wr, w1, w2, k, bias, shared):
         hit = idx == e
         tok = hit.any(-1).nonzero().squeeze(1)
         if tok.numel():
-            xe = x[tok]
-            y = (F.silu(xe @ w1[e, 0]) * (xe @ w1[e, 1])) @ w2[e]
+            gate, up = (x[tok] @ w1[e]).chunk(2, dim=-1)
+            y = (F.silu(gate) * up) @ w2[e]
             out = out.index_add(0, tok, (probs * hit).sum(-1)[tok].unsqueeze(1) * y)
     if shared is not None:
         wg, wu, wd = shared
@@ -263,11 +263,11 @@ def test_moe_reference_block_is_the_dense_mlp_with_one_expert():
     # top-1 of one expert: probability 1, the block is that expert's SwiGLU MLP
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 8, generator=g, dtype=torch.float64)
-    w1 = torch.randn(1, 2, 8, 6, generator=g, dtype=torch.float64)
+    w1 = torch.randn(1, 8, 12, generator=g, dtype=torch.float64)
     w2 = torch.randn(1, 6, 8, generator=g, dtype=torch.float64)
     wr = torch.randn(8, 1, generator=g, dtype=torch.float64)
     y = moe_block_reference(x, wr, w1, w2, top_k=1)
-    assert torch.allclose(y, (F.silu(x @ w1[0, 0]) * (x @ w1[0, 1])) @ w2[0])
+    assert torch.allclose(y, (F.silu(x @ w1[0, :, :6]) * (x @ w1[0, :, 6:])) @ w2[0])
     with pytest.raises(ValueError, match="top_k"):
         moe_block_reference(x, wr, w1, w2, top_k=2)
 

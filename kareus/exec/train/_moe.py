@@ -25,8 +25,9 @@ all-to-all token dispatcher, dropless, at an expert tensor-parallel size of 1:
   source rank; Megatron-Core's ``sort_chunks_by_idxs``) when a rank holds more than one
   expert, and ``expert_unsort`` restores the order after the experts;
 * ``expert_gate_up``, ``expert_swiglu``, ``expert_down``: each local expert's SwiGLU MLP on
-  its rows (``W1e``: ``[local experts, 2, hidden, expert_ffn]``, gate then up; ``W2e``:
-  ``[local experts, expert_ffn, hidden]``);
+  its rows, two grouped GEMMs (``W1e``: ``[local experts, hidden, 2 expert_ffn]``, gate
+  then up, as Megatron-Core's fused ``linear_fc1``; ``W2e``: ``[local experts, expert_ffn,
+  hidden]``);
 * the combine all-to-all (``"combine"``) returns the rows to the ranks that routed them;
   ``unpermute`` weights each row by its probability (in the router dtype), sums each
   token's ``k`` rows and adds the shared experts' output: the layer's MLP output, which the
@@ -60,8 +61,10 @@ on the host; a graph fixes every shape at capture. The loop refuses a mixture of
 with ``graphs=True`` (``TrainingLoop(graphs=False)``, eager launches); the dense layers
 are unaffected.
 
-The grouped GEMMs run as one GEMM of the ``KernelSet`` per local expert (``_expert_mm``,
-``_expert_wgrad``); the row copies and the routing are torch indexing ops.
+Every op runs on the ``KernelSet``'s MoE kernels (``router``, ``router_topk``,
+``permute``, ``expert_sort``, ``grouped_mm`` (``torch._grouped_mm`` on the production path),
+``expert_swiglu``, ``unpermute`` and their backward: ``kareus.exec.kernels``); this module
+only strings them, exchanges the counts and keeps the activations.
 
 torch is imported inside the functions that need it.
 """
@@ -78,8 +81,8 @@ __all__ = ["MOE_KEPT", "MoEBlock", "moe_layout"]
 
 #: Per-layer MoE activations each recomputation policy keeps for the backward (beside the
 #: dense layer's ``KEPT_FOR_BACKWARD``; ``"full"`` keeps none of them).
-MOE_KEPT: frozenset[str] = frozenset({"xn2", "probs", "topi", "route", "xe", "eg", "eu",
-                                      "ea", "comb_out", "sg", "su", "sa"})
+MOE_KEPT: frozenset[str] = frozenset({"xn2", "probs", "topi", "route", "xe", "h1", "ea",
+                                      "comb_out", "sg", "su", "sa"})
 
 #: The MoE block's per-layer collectives (all-to-alls over the EP group), whose tensors
 #: are the layer's activations (their sizes follow the routing), not pool buffers.
@@ -91,23 +94,20 @@ class Route:
     """One MoE block's routing of one nanobatch (what every op after ``permute`` reads).
 
     Attributes:
-        order: For each permuted row, its index in the ``[tokens, k]`` top-k table (rows
-            ordered by global expert, then token).
-        row_token: For each permuted row, its token.
+        perm: Where ``permute`` put each token's copies (the kernels'
+            ``TokenPermutation``).
         input_splits: Rows sent to each EP rank (the dispatch's input splits).
         output_splits: Rows received from each EP rank.
-        tokens_per_expert: Rows of each local expert (after the sort).
-        sort_idx: The received rows in local-expert order (``None``: no sort).
-        unsort_idx: Its inverse.
+        recv: ``[ep][local experts]`` rows received from each rank for each local expert
+            (host lists: the sorts' chunk table).
+        local_counts: Rows of each local expert (after the sort).
     """
 
-    order: Any
-    row_token: Any
+    perm: Any
     input_splits: tuple[int, ...]
     output_splits: tuple[int, ...]
-    tokens_per_expert: tuple[int, ...]
-    sort_idx: Any = None
-    unsort_idx: Any = None
+    recv: list[list[int]]
+    local_counts: list[int]
 
 
 def moe_layout(moe: Any, *, tp: int, cp: int, ep: int, sp: bool) -> None:
@@ -158,6 +158,9 @@ class MoEBlock:
     def _buf(self, name: str, nb: int) -> Any:
         raise NotImplementedError
 
+    def _out_std(self) -> float:
+        raise NotImplementedError
+
     # ------------------------------------------------------------------ dimensions
     def _moe_dims(self) -> None:
         """The MoE block's dimensions on this rank (after ``_shard_dims``)."""
@@ -169,7 +172,6 @@ class MoEBlock:
         self.fe = moe.expert_ffn
         self.fs = moe.shared_experts * moe.shared_expert_ffn
         self.sort_tokens = self.ep > 1 and self.local_experts > 1
-        self.rdt = getattr(self.torch, moe.router_dtype)
 
     def _moe_shapes(self) -> dict[str, tuple[tuple[int, ...], float, bool]]:
         """The MoE block's replicated weights per layer: name -> (shape, std, sharded)."""
@@ -186,42 +188,9 @@ class MoEBlock:
         initialised from its global index, so the EP ranks hold different experts and a
         model of one rank holds them all."""
         h, L = self.h, self.local_experts
-        return {"W1e": ((L, 2, h, self.fe), 0.02), "W2e": ((L, self.fe, h), self._out_std())}
-
-    def _out_std(self) -> float:
-        raise NotImplementedError
+        return {"W1e": ((L, h, 2 * self.fe), 0.02), "W2e": ((L, self.fe, h), self._out_std())}
 
     # ------------------------------------------------------------------ helpers
-    def _expert_mm(self, x: Any, w: Any, counts: tuple[int, ...], *, out: Any = None,
-                   transpose: bool = False, accumulate: bool = False) -> Any:
-        """The grouped GEMM: ``x``'s rows of local expert ``e`` (``counts[e]`` of them, in
-        expert order) times ``w[e]`` (transposed with ``transpose``), one KernelSet GEMM per
-        expert, into ``out``'s rows."""
-        torch = self.torch
-        cols = w.shape[-2] if transpose else w.shape[-1]
-        if out is None:
-            out = torch.empty(x.shape[0], cols, device=x.device, dtype=x.dtype)
-        lo = 0
-        for e, c in enumerate(counts):
-            if c:
-                we = w[e].t() if transpose else w[e]
-                self.ks.matmul(x[lo:lo + c], we, out=out[lo:lo + c], accumulate=accumulate)
-            lo += c
-        return out
-
-    def _expert_wgrad(self, x: Any, dy: Any, counts: tuple[int, ...], gw: Any) -> None:
-        """Each local expert's weight gradient ``x_e^T dy_e``, added into ``gw[e]``."""
-        lo = 0
-        for e, c in enumerate(counts):
-            if c:
-                self.ks.matmul(x[lo:lo + c].t(), dy[lo:lo + c], out=gw[e], accumulate=True)
-            lo += c
-
-    def _ep_rows(self, a: dict[str, Any], sent: str, received: str) -> Any:
-        """The rows an all-to-all delivered (``a[received]``), or at EP = 1 (no all-to-all)
-        the rows it would have sent (``a[sent]``)."""
-        return a[received] if self.ep > 1 else a[sent]
-
     def moe_comm_args(self, name: str, layer: int, nb: int) -> tuple[Any, Any, Any]:
         """``(input, output, (output_splits, input_splits))`` of the MoE all-to-all
         ``name`` of ``layer``, nanobatch ``nb`` (its tensors are the layer's activations)."""
@@ -240,6 +209,21 @@ class MoEBlock:
     def _rows(self, n: int) -> Any:
         return self.torch.empty(n, self.h, device=self.device, dtype=self.dtype)
 
+    def _sent_or_received(self, a: dict[str, Any], sent: str, received: str) -> Any:
+        """What an all-to-all delivered (``a[received]``; its input ``a[sent]`` dropped),
+        or at EP = 1, where it does not run, its input."""
+        rows = a.pop(sent) if self.ep == 1 else a.pop(received)
+        a.pop(sent, None)
+        return rows
+
+    def _to_send(self, a: dict[str, Any], rows: Any, sent: str, received: str,
+                 n_received: int) -> None:
+        """``rows`` as an all-to-all's input, and its output buffer of ``n_received`` rows
+        (at EP = 1 the rows themselves: it does not run)."""
+        a[sent] = rows
+        if self.ep > 1:
+            a[received] = self._rows(n_received)
+
     # ------------------------------------------------------------------ forward
     def _moe_mlp_norm(self, layer: int, a: dict[str, Any], nb: int) -> None:
         """The MoE layer's ``mlp_norm``: the residual sum and its norm, on this rank's
@@ -249,106 +233,73 @@ class MoEBlock:
             self.eps)
 
     def _op_router(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        a["logits"] = self.ks.matmul(a["xn2"].to(self.rdt), self.W(layer, "Wr").to(self.rdt))
+        a["logits"] = self.ks.router(a["xn2"], self.W(layer, "Wr"),
+                                     dtype=self.moe.router_dtype)
 
     def _op_router_topk(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        top, a["topi"] = self.torch.topk(a.pop("logits"), self.topk, dim=-1)
-        a["probs"] = self.torch.softmax(top, dim=-1)
+        a["probs"], a["topi"] = self.ks.router_topk(a.pop("logits"), self.topk)
 
     def _op_permute(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        """Exchange the token counts per expert over the EP group, then copy each token to
-        its ``k`` rows in expert order (the dispatch's input)."""
-        torch = self.torch
-        experts = a["topi"].reshape(-1)
-        order = torch.sort(experts, stable=True).indices
-        counts = torch.bincount(experts, minlength=self.n_experts).view(self.ep, -1)
-        if self.ep > 1:  # every rank's counts for this rank's experts (a host read follows)
-            recv = torch.empty_like(counts)
-            self.groups.all_to_all(recv, counts, [1] * self.ep, [1] * self.ep, group="ep")
+        """Copy each token to its ``k`` rows in expert order (the dispatch's input), and
+        exchange the rows per expert over the EP group (the dispatch's splits, read on the
+        host)."""
+        rows, perm = self.ks.permute(a["xn2"], a["topi"], experts=self.n_experts, ep=self.ep)
+        counts = perm.send_counts
+        if self.ep > 1:  # every rank's rows for this rank's experts
+            recv = self.torch.empty_like(counts)
+            self.groups.all_to_all(recv, counts.contiguous(), [1] * self.ep, [1] * self.ep,
+                                   group="ep")
         else:
             recv = counts
-        sent, got = counts.sum(dim=1).tolist(), recv.tolist()
-        per_expert = tuple(sum(row[e] for row in got) for e in range(self.local_experts))
-        r = Route(order=order, row_token=order // self.topk, input_splits=tuple(sent),
-                  output_splits=tuple(sum(row) for row in got), tokens_per_expert=per_expert)
-        if self.sort_tokens:  # (source rank, expert) chunks -> (expert, source rank)
-            offs: list[list[int]] = []
-            o = 0
-            for row in got:
-                offs.append([])
-                for c in row:
-                    offs[-1].append(o)
-                    o += c
-            idx = [i for e in range(self.local_experts) for s in range(self.ep)
-                   for i in range(offs[s][e], offs[s][e] + got[s][e])]
-            r.sort_idx = torch.tensor(idx, dtype=torch.int64, device=self.device)
-            r.unsort_idx = torch.empty_like(r.sort_idx)
-            r.unsort_idx[r.sort_idx] = torch.arange(len(idx), device=self.device)
+        got = [[int(c) for c in row] for row in recv.tolist()]
+        r = Route(perm=perm, input_splits=tuple(perm.input_splits()),
+                  output_splits=tuple(sum(row) for row in got), recv=got,
+                  local_counts=[sum(row[e] for row in got) for e in range(self.local_experts)])
         a["route"] = r
-        a["disp_in"] = a["xn2"].index_select(0, r.row_token)
-        if self.ep > 1:
-            a["disp_out"] = self._rows(sum(r.output_splits))
-
-    def _op_expert_sort(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        a["xe"] = a.pop("disp_out").index_select(0, a["route"].sort_idx)
+        self._to_send(a, rows, "disp_in", "disp_out", sum(r.output_splits))
 
     def _expert_input(self, a: dict[str, Any]) -> Any:
+        """The received rows in local-expert order (after the sort, when it runs)."""
         if "xe" not in a:
-            a["xe"] = a.pop("disp_out") if self.ep > 1 else a.pop("disp_in")
-        a.pop("disp_in", None)  # sent
+            a["xe"] = self._sent_or_received(a, "disp_in", "disp_out")
         return a["xe"]
 
-    def _op_expert_gate_up(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        x, w = self._expert_input(a), self.W(layer, "W1e")
-        n = a["route"].tokens_per_expert
-        a["eg"] = self._expert_mm(x, w[:, 0], n, out=self._ffn_rows(x, self.fe))
-        a["eu"] = self._expert_mm(x, w[:, 1], n, out=self._ffn_rows(x, self.fe))
+    def _op_expert_sort(self, layer: int, a: dict[str, Any], nb: int) -> None:
+        rows = self._sent_or_received(a, "disp_in", "disp_out")
+        a["xe"] = self.ks.expert_sort(rows, a["route"].recv)
 
-    def _ffn_rows(self, x: Any, f: int) -> Any:
-        return self.torch.empty(x.shape[0], f, device=self.device, dtype=self.dtype)
+    def _op_expert_gate_up(self, layer: int, a: dict[str, Any], nb: int) -> None:
+        a["h1"] = self.ks.grouped_mm(self._expert_input(a), self.W(layer, "W1e"),
+                                     a["route"].local_counts)
 
     def _op_expert_swiglu(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        a["ea"] = self.ks.swiglu(a["eg"], a["eu"])
+        a["ea"] = self.ks.expert_swiglu(a["h1"])
 
     def _op_expert_down(self, layer: int, a: dict[str, Any], nb: int) -> None:
         r: Route = a["route"]
-        y = self._expert_mm(a["ea"], self.W(layer, "W2e"), r.tokens_per_expert)
+        y = self.ks.grouped_mm(a["ea"], self.W(layer, "W2e"), r.local_counts)
         if self.sort_tokens:
             a["ey"] = y
         else:
-            self._to_combine(a, y)
-
-    def _to_combine(self, a: dict[str, Any], rows: Any) -> None:
-        """The experts' output rows in received order: the combine's input (at EP = 1 its
-        output: no all-to-all)."""
-        r: Route = a["route"]
-        if self.ep > 1:
-            a["comb_in"] = rows
-            a["comb_out"] = self._rows(sum(r.input_splits))
-        else:
-            a["comb_out"] = rows
+            self._to_send(a, y, "comb_in", "comb_out", sum(r.input_splits))
 
     def _op_expert_unsort(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        self._to_combine(a, a.pop("ey").index_select(0, a["route"].unsort_idx))
-
-    def _row_probs(self, a: dict[str, Any]) -> Any:
-        """Each permuted row's probability (router dtype)."""
-        return a["probs"].reshape(-1).index_select(0, a["route"].order)
+        r: Route = a["route"]
+        self._to_send(a, self.ks.expert_unsort(a.pop("ey"), r.recv), "comb_in", "comb_out",
+                      sum(r.input_splits))
 
     def _op_unpermute(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        """Each token's rows weighted by their probabilities and summed (in the promoted
-        dtype of rows and probabilities, as Megatron-Core's un-permutation), plus the
-        shared experts' output: the layer's MLP output."""
-        torch = self.torch
-        r: Route = a["route"]
-        a.pop("comb_in", None)  # sent
-        rows = a["comb_out"] * self._row_probs(a).unsqueeze(1)
-        y = torch.zeros(a["xn2"].shape[0], self.h, device=self.device, dtype=rows.dtype)
-        y.index_add_(0, r.row_token, rows)
-        y = y.to(self.dtype)
-        if self.fs:
-            y.add_(a.pop("sy"))
-        a["mlp_out"] = y
+        """Each token's rows weighted by their probabilities and summed, plus the shared
+        experts' output: the layer's MLP output (the next layer's norm adds it to the
+        residual stream). The combined rows are kept (the probabilities' gradient)."""
+        a["mlp_out"] = self.ks.unpermute(self._combined(a), a["probs"], a["route"].perm,
+                                         shared=a.pop("sy", None))
+
+    def _combined(self, a: dict[str, Any]) -> Any:
+        """The combine's output rows (kept as ``comb_out``; at EP = 1 its input)."""
+        if "comb_in" in a:
+            a["comb_out"] = self._sent_or_received(a, "comb_in", "comb_out")
+        return a["comb_out"]
 
     def _op_shared_gate(self, layer: int, a: dict[str, Any], nb: int) -> None:
         a["sg"] = self.ks.matmul(a["xn2"], self.W(layer, "Wsg"))
@@ -364,97 +315,79 @@ class MoEBlock:
 
     # ------------------------------------------------------------------ backward
     def _op_unpermute_bwd(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        """Each row's gradient (the token's output gradient times the row's probability)
-        for the combine's backward, and each probability's (the output gradient dotted
-        with the row)."""
-        torch = self.torch
+        """Each row's gradient (its token's output gradient times its probability), sent
+        back to the experts, and each probability's (the output gradient dotted with the
+        row)."""
         r: Route = a["route"]
-        dy = a["dy"].index_select(0, r.row_token)
-        p = self._row_probs(a)
-        drows = (dy * p.unsqueeze(1)).to(self.dtype)
-        dp = (dy.to(p.dtype) * a.pop("comb_out").to(p.dtype)).sum(dim=1)
-        dprobs = torch.zeros_like(a["probs"]).view(-1)
-        dprobs.index_copy_(0, r.order, dp)
-        a["dprobs"] = dprobs.view_as(a["probs"])
-        if self.ep > 1:
-            a["cg_in"] = drows
-            a["cg_out"] = self._rows(sum(r.output_splits))
-        else:
-            a["dey"] = drows
+        drows, a["dprobs"] = self.ks.unpermute_bwd(a["dy"], self._combined(a), a["probs"],
+                                                   r.perm)
+        del a["comb_out"]
+        self._to_send(a, drows, "cg_in", "cg_out", sum(r.output_splits))
 
     def _expert_out_grad(self, a: dict[str, Any]) -> Any:
-        """The gradient of the experts' output rows in expert order."""
+        """The gradient of the experts' output rows in local-expert order."""
         if "dey" not in a:
-            a.pop("cg_in", None)
-            a["dey"] = a.pop("cg_out")
+            a["dey"] = self._sent_or_received(a, "cg_in", "cg_out")
         return a["dey"]
 
     def _op_expert_unsort_bwd(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        a.pop("cg_in", None)
-        a["dey"] = a.pop("cg_out").index_select(0, a["route"].sort_idx)
+        rows = self._sent_or_received(a, "cg_in", "cg_out")
+        a["dey"] = self.ks.expert_unsort_bwd(rows, a["route"].recv)
 
     def _op_expert_down_dgrad(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        a["dea"] = self._expert_mm(self._expert_out_grad(a), self.W(layer, "W2e"),
-                                   a["route"].tokens_per_expert, transpose=True)
+        a["dea"] = self.ks.grouped_mm(self._expert_out_grad(a),
+                                      self.W(layer, "W2e").transpose(1, 2),
+                                      a["route"].local_counts)
 
     def _op_expert_down_wgrad(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        self._expert_wgrad(a["ea"], self._expert_out_grad(a), a["route"].tokens_per_expert,
-                           self.G(layer, "W2e"))
+        dw = self.ks.grouped_mm_wgrad(a.pop("ea"), self._expert_out_grad(a),
+                                      a["route"].local_counts)
+        self.G(layer, "W2e").add_(dw)
+        del a["dey"]
 
     def _op_expert_swiglu_bwd(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        a["deg"], a["deu"] = self.ks.swiglu_bwd(a.pop("dea"), a["eg"], a["eu"])
+        a["dh1"] = self.ks.expert_swiglu_bwd(a.pop("dea"), a.pop("h1"))
 
     def _op_expert_gate_up_dgrad(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        w, n = self.W(layer, "W1e"), a["route"].tokens_per_expert
-        dx = self._expert_mm(a["deg"], w[:, 0], n, transpose=True)
-        a["dxe"] = self._expert_mm(a["deu"], w[:, 1], n, out=dx, transpose=True,
-                                   accumulate=True)
-        if not self.sort_tokens:
-            self._to_dispatch_grad(a, a.pop("dxe"))
+        r: Route = a["route"]
+        dx = self.ks.grouped_mm(a["dh1"], self.W(layer, "W1e").transpose(1, 2),
+                                r.local_counts)
+        if self.sort_tokens:
+            a["dxe"] = dx
+        else:
+            self._to_send(a, dx, "dg_in", "dg_out", sum(r.input_splits))
 
     def _op_expert_gate_up_wgrad(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        gw, n = self.G(layer, "W1e"), a["route"].tokens_per_expert
-        self._expert_wgrad(a["xe"], a["deg"], n, gw[:, 0])
-        self._expert_wgrad(a["xe"], a["deu"], n, gw[:, 1])
-
-    def _to_dispatch_grad(self, a: dict[str, Any], rows: Any) -> None:
-        """The input rows' gradients in received order: the dispatch's backward's input (at
-        EP = 1 its output)."""
-        r: Route = a["route"]
-        if self.ep > 1:
-            a["dg_in"] = rows
-            a["dg_out"] = self._rows(sum(r.input_splits))
-        else:
-            a["dg_out"] = rows
+        dw = self.ks.grouped_mm_wgrad(a.pop("xe"), a.pop("dh1"), a["route"].local_counts)
+        self.G(layer, "W1e").add_(dw)
 
     def _op_expert_sort_bwd(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        self._to_dispatch_grad(a, a.pop("dxe").index_select(0, a["route"].unsort_idx))
+        r: Route = a["route"]
+        self._to_send(a, self.ks.expert_sort_bwd(a.pop("dxe"), r.recv), "dg_in", "dg_out",
+                      sum(r.input_splits))
 
-    def _dxn2(self, a: dict[str, Any]) -> Any:
-        """The gradient of the normed input, accumulated by the shared experts', the
-        permutation's and the router's backward (zeros first)."""
-        if "dxn2" not in a:
-            a["dxn2"] = self.torch.zeros_like(a["xn2"])
-        return a["dxn2"]
+    def _dxn2(self, a: dict[str, Any], d: Any) -> None:
+        """Add ``d`` to the gradient of the normed input (the shared experts', the
+        permutation's and the router's backward each give part of it)."""
+        if "dxn2" in a:
+            a["dxn2"].add_(d)
+        else:
+            a["dxn2"] = d
 
     def _op_permute_bwd(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        a.pop("dg_in", None)
-        self._dxn2(a).index_add_(0, a["route"].row_token, a.pop("dg_out"))
+        drows = self._sent_or_received(a, "dg_in", "dg_out")
+        self._dxn2(a, self.ks.permute_bwd(drows, a["route"].perm))
 
     def _op_router_topk_bwd(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        """The softmax's backward over the top-k, scattered to the chosen logits."""
-        p, dp = a["probs"], a.pop("dprobs")
-        dv = p * (dp - (dp * p).sum(dim=-1, keepdim=True))
-        dlogits = self.torch.zeros(p.shape[0], self.n_experts, device=self.device,
-                                   dtype=p.dtype)
-        a["dlogits"] = dlogits.scatter_(1, a["topi"], dv)
+        a["dlogits"] = self.ks.router_topk_bwd(a.pop("dprobs"), a["probs"], a["topi"],
+                                               self.n_experts)
 
     def _op_router_dgrad(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        d = self.ks.matmul(a["dlogits"], self.W(layer, "Wr").to(self.rdt).t())
-        self._dxn2(a).add_(d.to(self.dtype))
+        self._dxn2(a, self.ks.router_dgrad(a["dlogits"], self.W(layer, "Wr"),
+                                           dtype=self.dtype))
 
     def _op_router_wgrad(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        g = self.ks.matmul(a["xn2"].to(self.rdt).t(), a.pop("dlogits"))
+        g = self.ks.router_wgrad(a["xn2"], a.pop("dlogits"))
         self.G(layer, "Wr").add_(g.to(self.dtype))
 
     def _moe_mlp_norm_bwd(self, layer: int, a: dict[str, Any], nb: int) -> None:
@@ -477,10 +410,10 @@ class MoEBlock:
         a["dsg"], a["dsu"] = self.ks.swiglu_bwd(a.pop("dsa"), a["sg"], a["su"])
 
     def _op_shared_gate_dgrad(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        self._dxn2(a).add_(self.ks.matmul(a["dsg"], self.W(layer, "Wsg").t()))
+        self._dxn2(a, self.ks.matmul(a["dsg"], self.W(layer, "Wsg").t()))
 
     def _op_shared_up_dgrad(self, layer: int, a: dict[str, Any], nb: int) -> None:
-        self.ks.matmul(a["dsu"], self.W(layer, "Wsu").t(), out=self._dxn2(a), accumulate=True)
+        self.ks.matmul(a["dsu"], self.W(layer, "Wsu").t(), out=a["dxn2"], accumulate=True)
 
     def _op_shared_gate_wgrad(self, layer: int, a: dict[str, Any], nb: int) -> None:
         self.ks.matmul(a["xn2"].t(), a.pop("dsg"), out=self.G(layer, "Wsg"), accumulate=True)
