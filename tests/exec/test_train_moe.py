@@ -21,6 +21,7 @@ Skipped without torch.
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -287,14 +288,37 @@ def test_moe_refusals_are_one_line():
     with pytest.raises(WorkloadError, match="EP=2"):  # groups of another EP degree
         TrainingLoop(workload=moe_workload(cp=2, ep=2), groups=LoopbackGroups(tp=1, cp=2),
                      **kw)
-    with pytest.raises(ArgumentError, match="stand-in"):
-        make_collectives(_FakeEPGroups(), backend="loopback")
+    with pytest.raises(ArgumentError, match="time-faithful"):
+        make_collectives(LoopbackGroups(tp=1, cp=2, ep=2), backend="loopback",
+                         loopback="faithful")
+    with pytest.raises(ArgumentError, match="divide"):
+        LoopbackGroups(tp=1, cp=2, ep=4)
 
 
-class _FakeEPGroups(LoopbackGroups):
-    def __init__(self) -> None:
-        super().__init__(tp=1, cp=2)
-        self.ep_size = 2
+def test_loopback_stands_in_for_the_expert_parallel_group():
+    # one process standing in for EP=2 over CP=2 (and TP=2 x EP=2 with SP): the dispatch
+    # and combine run through the stand-in's all-to-all at the plan's slots; the loss stays
+    # finite and falls, a reset starts over. (The rows "other ranks" return are stand-ins
+    # cycled within each nanobatch's exchange, so the schedules' functions differ slightly
+    # after the first step: a timing stand-in, not the model.)
+    for tp, cp, shared in ((1, 2, True), (2, 1, False)):
+        wl = moe_workload(tp=tp, cp=cp, ep=2, shared=shared)
+        groups = LoopbackGroups(tp=tp, cp=cp, ep=2)
+        capped, default, _ = make_collectives(groups, backend="loopback")
+        loop = TrainingLoop(workload=wl, groups=groups, collective=capped,
+                            default_collective=default, plan=make_workload_plan(wl),
+                            streams=RecordingStreamBackend(), kernels="torch", device="cpu",
+                            dtype="float32", lr=1e-2)
+        first = {}
+        for s in loop.schedules:
+            loop.reset()
+            losses = [float(loop.step(s)) for _ in range(4)]
+            first[s] = losses
+            assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], (s, losses)
+        loop.reset()
+        assert float(loop.step("kareus")) == pytest.approx(first["kareus"][0], rel=1e-6)
+        calls = [c for c in capped.ep.calls if c[0] == "all_to_all"]
+        assert calls and any(sms == 8 for _, _, sms in calls)  # the plan's SM count
 
 
 # ------------------------------------------------------------------ two ranks over gloo

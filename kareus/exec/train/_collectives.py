@@ -98,10 +98,9 @@ def make_collectives(groups: ParallelGroups, *, backend: str = "nccl_capped",
         raise ArgumentError(f"backend must be one of {BACKENDS}, got {backend!r}")
     sizes = {"tp": groups.tp_size, "cp": groups.cp_size}
     if groups.ep_size > 1:  # a mixture of experts' dispatch and combine
-        if isinstance(groups, LoopbackGroups):
-            raise ArgumentError(f"expert parallelism (EP={groups.ep_size}) has no one-GPU "
-                                "stand-in yet: run it over torch.distributed "
-                                "(TorchParallelGroups(tp=..., ep=...))")
+        if backend == "loopback" and loopback == "faithful":
+            raise ArgumentError(f"expert parallelism (EP={groups.ep_size}) has no "
+                                "time-faithful stand-in yet: use loopback='plain'")
         sizes["ep"] = groups.ep_size
     if sizes["tp"] * sizes["cp"] * sizes.get("ep", 1) == 1:
         return None, None, "no collectives (TP = CP = EP = 1)"

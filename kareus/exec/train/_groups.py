@@ -272,15 +272,24 @@ class LoopbackGroups(ParallelGroups):
     and can fall below zero as training goes on. It is a deterministic function of the same
     kernels, for timing the loop and comparing its schedules on one GPU.
 
+    A mixture of experts' EP group (``ep``) stands in the same way: every rank routes as
+    this one does, so each sends this rank its rows for rank 0's experts, and this rank's
+    experts (rank 0's) run ``ep`` copies of those rows; the combine returns, for the rows
+    this rank sent to rank ``s``, rows of what its own experts computed (``_loopback_rows``).
+
     Args:
         tp: The tensor-parallel degree to stand in for.
         cp: The context-parallel degree to stand in for.
+        ep: The expert-parallel degree to stand in for (it divides ``tp x cp``).
     """
 
-    def __init__(self, *, tp: int, cp: int = 1) -> None:
-        if tp < 1 or cp < 1:
-            raise ArgumentError(f"tp and cp must be >= 1, got {tp}, {cp}")
+    def __init__(self, *, tp: int, cp: int = 1, ep: int = 1) -> None:
+        if tp < 1 or cp < 1 or ep < 1:
+            raise ArgumentError(f"tp, cp and ep must be >= 1, got {tp}, {cp}, {ep}")
+        if (tp * cp) % ep:
+            raise ArgumentError(f"ep={ep} must divide tp x cp = {tp * cp}")
         self.tp_size, self.cp_size = int(tp), int(cp)
+        self.ep_size, self.edp_size = int(ep), int(tp) * int(cp) // int(ep)
         self.tp_rank = self.cp_rank = 0
         self._through: dict[str, CollectiveBackend] = {}
 
@@ -319,6 +328,13 @@ class LoopbackGroups(ParallelGroups):
         output.view(n, -1).copy_(input.reshape(1, -1).expand(n, -1))
         return output
 
+    def all_to_all(self, output: Any, input: Any, output_splits: list[int],
+                   input_splits: list[int], *, group: str = "ep") -> Any:
+        """What the group's all-to-all gives when every rank holds ``input``: from each rank,
+        the rows this rank sends rank 0 (``_loopback_rows``)."""
+        self.size(group)
+        return _loopback_rows(output, input, output_splits, input_splits)
+
     def reduce_scatter(self, output: Any, input: Any, *, group: str) -> Any:
         """The sum of ``input``'s blocks (the adjoint of
         [`all_gather`][kareus.exec.train.LoopbackGroups.all_gather], as
@@ -330,6 +346,33 @@ class LoopbackGroups(ParallelGroups):
             return self._through[group].reduce_scatter(output, input, None, None)
         torch.sum(input.reshape(n, -1), dim=0, out=output.view(-1))
         return output
+
+
+def _loopback_rows(output: Any, input: Any, output_splits: list[int],
+                   input_splits: list[int]) -> Any:
+    """An all-to-all's stand-in on one rank (rank 0 of a group whose every rank holds this
+    rank's data): block ``s`` of ``output`` (``output_splits[s]`` rows) is what rank ``s``
+    sends rank 0, the first block of ``input`` (``input_splits[0]`` rows), cycled to the
+    block's length (zeros from an empty block). The dispatch's blocks and the count
+    exchange's are then exact copies (every rank sends rank 0 as many rows as this one);
+    the combine's, whose blocks are the rows this rank sent each rank, are rows of what
+    rank 0's experts computed: the bytes and shapes of the real exchange, not its values
+    (and, as the cycle runs within each call, a function of how the microbatch is split
+    into nanobatches)."""
+    first = input[:int(input_splits[0])] if len(input_splits) else input[:0]
+    lo = 0
+    for n in output_splits:
+        n = int(n)
+        block = output[lo:lo + n]
+        lo += n
+        if n == 0:
+            continue
+        if first.shape[0] == 0:
+            block.zero_()
+            continue
+        reps = -(-n // first.shape[0])
+        block.copy_(first.repeat(reps, *([1] * (first.dim() - 1)))[:n])
+    return output
 
 
 class LoopbackGroupCollective(CollectiveBackend):
@@ -397,6 +440,15 @@ class LoopbackGroupCollective(CollectiveBackend):
         self._record("all_gather", int(output.numel()), sms)
         with _on(stream):
             output.view(self._size, -1).copy_(input.reshape(1, -1).expand(self._size, -1))
+        return output
+
+    def all_to_all(self, output: Any, input: Any, output_splits: list[int],
+                   input_splits: list[int], stream: Any, sms: int | None) -> Any:
+        """The EP group's all-to-all as [`LoopbackGroups`][kareus.exec.train.LoopbackGroups]
+        stands it in (every rank holds this rank's data), on ``stream``."""
+        self._record("all_to_all", int(output.numel()), sms)
+        with _on(stream):
+            _loopback_rows(output, input, output_splits, input_splits)
         return output
 
     def reduce_scatter(self, output: Any, input: Any, stream: Any, sms: int | None) -> Any:
