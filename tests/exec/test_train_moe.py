@@ -232,12 +232,15 @@ def _check_against_reference(res: list[dict], wl: Workload, schedules: tuple[str
 # ------------------------------------------------------------------ one process
 
 
-def _one_process(wl: Workload) -> dict[str, Any]:
-    loop = TrainingLoop(workload=wl, groups=LoopbackGroups(tp=1, cp=1),
-                        streams=RecordingStreamBackend(), kernels="torch", device="cpu",
-                        dtype="float32", lr=LR)
+def _one_process(wl: Workload, *, device: str = "cpu") -> dict[str, Any]:
+    """Two steps of each schedule in one process (``device="cuda"``: on the current GPU, its
+    streams and default kernels, float32), the results on the CPU."""
+    kw: dict[str, Any] = ({"streams": RecordingStreamBackend(), "kernels": "torch",
+                           "device": "cpu"} if device == "cpu" else {})
+    loop = TrainingLoop(workload=wl, groups=LoopbackGroups(tp=1, cp=1), dtype="float32",
+                        lr=LR, **kw)
     res = {"rank": 0, "tp_rank": 0, "ep_rank": 0,
-           "params": {k: v.clone() for k, v in loop.model.params.items()}}
+           "params": {k: v.cpu().clone() for k, v in loop.model.params.items()}}
     for s in loop.schedules:  # no plan at TP = CP = EP = 1 (nothing to overlap)
         res[s] = _two_steps(loop, s)
     return res
@@ -248,8 +251,8 @@ def _two_steps(loop: TrainingLoop, schedule: str) -> dict[str, Any]:
     out: dict[str, Any] = {"losses": [], "grads": []}
     for _ in range(2):
         out["losses"].append(float(loop.step(schedule)))
-        out["grads"].append({k: v.clone() for k, v in loop.model.grads.items()})
-    out["weights"] = {k: v.clone() for k, v in loop.model.params.items()}
+        out["grads"].append({k: v.cpu().clone() for k, v in loop.model.grads.items()})
+    out["weights"] = {k: v.cpu().clone() for k, v in loop.model.params.items()}
     return out
 
 
