@@ -408,6 +408,12 @@ def _worker(out_dir: str, case: str) -> None:
         res[s] = _two_steps(loop, s)
         res[s]["ran"] = [(k, c.launch_slot) for k, c in loop.partitions_run]
     res["received"] = received
+    if case == "ep2tp2":  # a plan that runs microbatch 1 unsplit (its own partition types)
+        plan = make_workload_plan(wl, unsplit_microbatches=(1,))
+        other = TrainingLoop(workload=wl, groups=groups, collective=coll, plan=plan,
+                             streams=RecordingStreamBackend(), kernels="torch", device="cpu",
+                             dtype="float32", lr=LR)
+        res["kareus-unsplit"] = _two_steps(other, "kareus")
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
@@ -434,7 +440,8 @@ def test_gloo_moe_ranks_match_the_whole_model(tmp_path, case, world):
     assert len(set(rows)) > 1, rows
     if skew:
         assert rows[1] == 0 and all(min(r) > 0 for r in res[0]["received"]), rows
-    _check_against_reference(res, wl, ("sequential", "nanobatching", "kareus"),
+    _check_against_reference(res, wl, ("sequential", "nanobatching", "kareus")
+                             + (("kareus-unsplit",) if case == "ep2tp2" else ()),
                              bias=_SKEW if skew else None)
 
 
