@@ -33,12 +33,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kareus.errors import ArgumentError, WorkloadError
+from kareus.errors import ArgumentError, PlanError, WorkloadError
 from kareus.exec.executor import RecordingStreamBackend
 from kareus.exec.train import (
     GroupedCollective,
     LoopbackGroups,
     TrainingLoop,
+    check_plan_workload,
     make_collectives,
 )
 from kareus.model.moe import MoEArch
@@ -296,6 +297,13 @@ def test_moe_refusals_are_one_line():
                          loopback="faithful")
     with pytest.raises(ArgumentError, match="divide"):
         LoopbackGroups(tp=1, cp=2, ep=4)
+
+
+def test_a_plan_for_another_expert_parallel_degree_is_refused():
+    plan = make_workload_plan(moe_workload(tp=2, cp=2, ep=2))
+    check_plan_workload(plan, moe_workload(tp=2, cp=2, ep=2))
+    with pytest.raises(PlanError, match="ep: plan 2, job 4"):
+        check_plan_workload(plan, moe_workload(tp=2, cp=2, ep=4))
 
 
 def test_loopback_stands_in_for_the_expert_parallel_group():

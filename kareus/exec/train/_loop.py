@@ -125,7 +125,7 @@ def check_plan_workload(plan: Plan, workload: Workload, *, one_stage: bool = Tru
     Raises:
         PlanError: the plan has more than one pipeline stage (``one_stage``) or not the
             workload's PP stages, or its recorded workload differs from ``workload`` in TP,
-            CP, microbatch size, sequence length, nanobatches, microbatches, recomputation,
+            CP, EP, microbatch size, sequence length, nanobatches, microbatches, recomputation,
             packed documents (``document_tokens``), chained layers or model.
     """
     if not isinstance(plan, Plan):
@@ -151,8 +151,11 @@ def check_plan_workload(plan: Plan, workload: Workload, *, one_stage: bool = Tru
     # absent from a description: chained layers (as every plan written before the setting)
     theirs["chained_layers"] = bool(theirs.get("chained_layers", True))
     mine["chained_layers"] = workload.chained_layers
-    keys = ("tp", "cp", "sp", "microbatch_size", "seq_len", "nanobatches", "num_microbatches",
-            "recompute", "chained_layers")
+    # expert parallelism: absent is 1 (a dense model, or a plan written before MoE)
+    theirs["ep"] = theirs.get("ep", 1)
+    mine["ep"] = workload.parallelism.ep
+    keys = ("tp", "cp", "sp", "ep", "microbatch_size", "seq_len", "nanobatches",
+            "num_microbatches", "recompute", "chained_layers")
     diff = [f"{k}: plan {theirs.get(k)!r}, job {mine[k]!r}" for k in keys
             if k in theirs and theirs[k] != mine[k]]
     # packed documents masked (their attention costed): absent is one document per sequence

@@ -251,9 +251,10 @@ class MoEBlock:
                                    group="ep")
         else:
             recv = counts
-        got = [[int(c) for c in row] for row in recv.tolist()]
-        r = Route(perm=perm, input_splits=tuple(perm.input_splits()),
-                  output_splits=tuple(sum(row) for row in got), recv=got,
+        # one host read of both tables (the sizes every later op and all-to-all needs)
+        sent, got = (self.torch.stack((counts, recv)).tolist())
+        r = Route(perm=perm, input_splits=tuple(int(sum(row)) for row in sent),
+                  output_splits=tuple(int(sum(row)) for row in got), recv=got,
                   local_counts=[sum(row[e] for row in got) for e in range(self.local_experts)])
         a["route"] = r
         self._to_send(a, rows, "disp_in", "disp_out", sum(r.output_splits))
