@@ -192,3 +192,27 @@ def test_a_rank_of_the_expert_group_takes_its_splits():
 
     assert part.build(device="cpu", collective=Rank1(2)).comm_splits == ([128, 128],
                                                                          [128, 128])
+
+
+def test_the_profilers_runner_runs_an_all_to_all_partition():
+    from kareus.exec.torch_partition import RunnableTransformerPartition
+    from kareus.profilers.nvml import TorchPartitionRunner
+
+    class CPUPartition(RunnableTransformerPartition):
+        def build(self, *, device=None, seed=0, collective=None):
+            return super().build(device="cpu", seed=seed, collective=collective)
+
+    wl = workload("ep4_cp2_shared_imbalanced")
+    base = runnable_partitions(wl, ["fwd_moe_experts"], dtype="float32")["fwd_moe_experts"]
+    part = CPUPartition(base.partition, wl, dtype="float32")
+    class Allocating(HostAllToAll):  # the executor asks its backend for the buffers
+        def empty(self, shape, dtype):
+            return torch.zeros(shape, dtype=dtype)
+
+    coll = Allocating(4)
+    runner = TorchPartitionRunner(TorchExecutor(collective=coll,
+                                                streams=RecordingStreamBackend()), seed=2)
+    step = runner.prepare(part, ScheduleConfig(1980, 8, "expert_gate_up"))
+    for _ in range(3):
+        step()
+    assert len(coll.a2a) >= 3 and set(map(repr, coll.a2a)) == {repr(([48] * 4, [48] * 4))}
