@@ -69,6 +69,18 @@ backward opens with the all-gather of the top layer's output gradient (a collect
 stack, through the executor: ``sp_backward_stack``). The norm weights' gradients are
 summed over TP before the optimizer step (each rank's shard of tokens gave part of them).
 
+**Mixture of experts** (``arch.moe``): each layer's MLP is the MoE block of
+``kareus.model.decoder.moe_decoder_layer``, its ops written in ``kareus.exec.train._moe``
+(mixed in): the router, top-k, permutation with the count exchange over the EP group, the
+experts between the dispatch and combine all-to-alls (whose tensors are the layer's
+activations, sized by the routing: ``comm_args`` gives their splits), the un-permutation
+as the forward's tail (it opens the next layer's stream), the shared experts. The experts'
+weights sit after every other weight in the flat buffers (``n_dense``), so the optimizer
+step sums their gradients over the expert-data-parallel group and the rest over CP. Under
+sequence parallelism the MoE block reads and writes the sequence shard: no TP collective
+around it, the top layer's output gradient and layer 0's input gradient stay sharded (the
+embedding's backward gathers the latter outside the stack).
+
 torch is imported inside the functions that need it.
 """
 
