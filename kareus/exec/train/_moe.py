@@ -29,9 +29,11 @@ all-to-all token dispatcher, dropless, at an expert tensor-parallel size of 1:
   then up, as Megatron-Core's fused ``linear_fc1``; ``W2e``: ``[local experts, expert_ffn,
   hidden]``);
 * the combine all-to-all (``"combine"``) returns the rows to the ranks that routed them;
-  ``unpermute`` weights each row by its probability (in the router dtype), sums each
-  token's ``k`` rows and adds the shared experts' output: the layer's MLP output, which the
-  next layer's input norm adds to the residual stream;
+  ``unpermute`` weights each row by its probability and sums each token's ``k`` rows (in
+  float32 or the router dtype, whichever is wider, rounded once), then adds the shared
+  experts' output: the layer's MLP output, which the next layer's input norm adds to the
+  residual stream. (Megatron-Core 0.16 multiplies the probabilities in inside its experts,
+  before the down projection: the same sum, other roundings; ``kareus.exec.kernels``);
 * shared experts (``MoEArch.shared_experts``; TP = 1): one SwiGLU MLP of width
   ``shared_experts x shared_expert_ffn`` on every token (several shared experts side by side
   are that one MLP), run after the dispatch is launched.
@@ -39,7 +41,8 @@ all-to-all token dispatcher, dropless, at an expert tensor-parallel size of 1:
 The backward mirrors it: ``unpermute_bwd`` gives each row's gradient (the output's, times
 its probability) and each probability's (the output's gradient dotted with the row), the
 ``"combine_grad"`` all-to-all sends the rows' gradients to the experts, the experts'
-backward runs (data and weight gradients per expert, accumulated in place), the
+backward runs (each grouped GEMM's data gradient, and its weight gradients added to the
+experts' gradient buffers), the
 ``"dispatch_grad"`` all-to-all returns the input rows' gradients, ``permute_bwd`` sums
 each token's ``k`` of them, ``router_topk_bwd`` is the softmax's backward scattered to
 the chosen logits, ``router_dgrad`` and ``router_wgrad`` the router GEMM's.
@@ -57,9 +60,9 @@ re-runs the forward, routing, count exchange and both all-to-alls included, up t
 combine (the un-permutation's output is read by no backward op).
 
 **CUDA graphs**: the rows each rank sends and receives are known only after the routing,
-on the host; a graph fixes every shape at capture. The loop refuses a mixture of experts
-with ``graphs=True`` (``TrainingLoop(graphs=False)``, eager launches); the dense layers
-are unaffected.
+on the host; a graph fixes every shape at capture. A training loop of a mixture-of-experts model
+runs every schedule eagerly (``graphs=None`` resolves to ``False`` for it) and refuses
+``graphs=True`` in one line.
 
 Every op runs on the ``KernelSet``'s MoE kernels (``router``, ``router_topk``,
 ``permute``, ``expert_sort``, ``grouped_mm`` (``torch._grouped_mm`` on the production path),
@@ -77,7 +80,7 @@ import attrs
 
 from kareus.errors import WorkloadError
 
-__all__ = ["MOE_KEPT", "MoEBlock", "moe_layout"]
+__all__ = ["MOE_COMMS", "MOE_KEPT", "MoEBlock", "Route", "moe_layout"]
 
 #: Per-layer MoE activations each recomputation policy keeps for the backward (beside the
 #: dense layer's ``KEPT_FOR_BACKWARD``; ``"full"`` keeps none of them).
