@@ -36,6 +36,7 @@ torch = pytest.importorskip("torch")
 from kareus.errors import ArgumentError, PlanError, WorkloadError
 from kareus.exec.executor import RecordingStreamBackend
 from kareus.exec.train import (
+    FixedRateCollectiveTimes,
     GroupedCollective,
     LoopbackGroups,
     TrainingLoop,
@@ -292,9 +293,6 @@ def test_moe_refusals_are_one_line():
     with pytest.raises(WorkloadError, match="EP=2"):  # groups of another EP degree
         TrainingLoop(workload=moe_workload(cp=2, ep=2), groups=LoopbackGroups(tp=1, cp=2),
                      **kw)
-    with pytest.raises(ArgumentError, match="time-faithful"):
-        make_collectives(LoopbackGroups(tp=1, cp=2, ep=2), backend="loopback",
-                         loopback="faithful")
     with pytest.raises(ArgumentError, match="divide"):
         LoopbackGroups(tp=1, cp=2, ep=4)
 
@@ -330,6 +328,31 @@ def test_loopback_stands_in_for_the_expert_parallel_group():
         assert float(loop.step("kareus")) == pytest.approx(first["kareus"][0], rel=1e-6)
         calls = [c for c in capped.ep.calls if c[0] == "all_to_all"]
         assert calls and any(sms == 8 for _, _, sms in calls)  # the plan's SM count
+
+
+def test_the_time_faithful_stand_in_times_the_all_to_alls():
+    # the faithful stand-in holds each all-to-all's SMs for its time (on the CPU: the time
+    # recorded, the plain stand-in's data) and says where its times come from
+    wl = moe_workload(cp=2, ep=2)
+    groups = LoopbackGroups(tp=1, cp=2, ep=2)
+    capped, default, note = make_collectives(groups, backend="loopback", loopback="faithful",
+                                             times=FixedRateCollectiveTimes())
+    assert note.count("group of 2") == 2 and "STAND-IN" in note  # the CP and EP groups
+    loop = TrainingLoop(workload=wl, groups=groups, collective=capped,
+                        default_collective=default, plan=make_workload_plan(wl),
+                        streams=RecordingStreamBackend(), kernels="torch", device="cpu",
+                        dtype="float32")
+    loss = float(loop.step("kareus"))
+    assert math.isfinite(loss)
+    timed = [t for t in capped.ep.timed if t[0] == "all_to_all"]
+    assert timed and all(secs > 0 and sms == 8 for _, _, sms, secs in timed)
+    # a stand-in of the plain one's data
+    plain = LoopbackGroups(tp=1, cp=2, ep=2)
+    pc, pd, _ = make_collectives(plain, backend="loopback")
+    other = TrainingLoop(workload=wl, groups=plain, collective=pc, default_collective=pd,
+                         plan=make_workload_plan(wl), streams=RecordingStreamBackend(),
+                         kernels="torch", device="cpu", dtype="float32")
+    assert float(other.step("kareus")) == pytest.approx(loss, rel=1e-6)
 
 
 # ------------------------------------------------------------------ two ranks over gloo

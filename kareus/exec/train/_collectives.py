@@ -45,8 +45,7 @@ def faithful_note(backends: Iterable[TimedLoopbackGroupCollective | None]) -> st
     for b in backends:
         if b is None:
             continue
-        kinds = ("all_reduce", "all_gather", "reduce_scatter")
-        srcs = sorted({b.source(k) for k in kinds})
+        srcs = sorted({b.source(k) for k in b.kinds})
         parts.append(f"group of {b.world_size} ({b.backend} kernels): " + "; ".join(srcs))
     return (f"{STAND_IN_LABEL}: one GPU stands in for the group; each collective computes "
             "the loopback's data in a kernel of exactly its SM count that holds those SMs "
@@ -98,9 +97,6 @@ def make_collectives(groups: ParallelGroups, *, backend: str = "nccl_capped",
         raise ArgumentError(f"backend must be one of {BACKENDS}, got {backend!r}")
     sizes = {"tp": groups.tp_size, "cp": groups.cp_size}
     if groups.ep_size > 1:  # a mixture of experts' dispatch and combine
-        if backend == "loopback" and loopback == "faithful":
-            raise ArgumentError(f"expert parallelism (EP={groups.ep_size}) has no "
-                                "time-faithful stand-in yet: use loopback='plain'")
         sizes["ep"] = groups.ep_size
     if sizes["tp"] * sizes["cp"] * sizes.get("ep", 1) == 1:
         return None, None, "no collectives (TP = CP = EP = 1)"
@@ -113,9 +109,10 @@ def make_collectives(groups: ParallelGroups, *, backend: str = "nccl_capped",
             if times is None:
                 raise ArgumentError("loopback='faithful' needs times= (a CollectiveTimes: "
                                     "kareus.profilers.EmulatedCollectiveTimes)")
-            timed = {g: (TimedLoopbackGroupCollective(group_size=n, times=times,
-                                                      backend=curves) if n > 1 else None)
-                     for g, n in sizes.items()}
+            timed = {g: (TimedLoopbackGroupCollective(
+                group_size=n, times=times, backend=curves,
+                kinds=("all_to_all",) if g == "ep" else None) if n > 1 else None)
+                for g, n in sizes.items()}
             groups.run_through(dict(timed))  # the outside work's collectives too
             return (GroupedCollective(**timed), GroupedCollective(**timed),
                     faithful_note(timed.values()))

@@ -351,27 +351,21 @@ class LoopbackGroups(ParallelGroups):
 def _loopback_rows(output: Any, input: Any, output_splits: list[int],
                    input_splits: list[int]) -> Any:
     """An all-to-all's stand-in on one rank (rank 0 of a group whose every rank holds this
-    rank's data): block ``s`` of ``output`` (``output_splits[s]`` rows) is what rank ``s``
-    sends rank 0, the first block of ``input`` (``input_splits[0]`` rows), cycled to the
-    block's length (zeros from an empty block). The dispatch's blocks and the count
-    exchange's are then exact copies (every rank sends rank 0 as many rows as this one);
-    the combine's, whose blocks are the rows this rank sent each rank, are rows of what
-    rank 0's experts computed: the bytes and shapes of the real exchange, not its values
-    (and, as the cycle runs within each call, a function of how the microbatch is split
-    into nanobatches)."""
+    rank's data): every rank sends rank 0 what this rank sends it, the first block of
+    ``input`` (``input_splits[0]`` rows), so ``output`` is that block repeated, cycled to
+    its length (zeros from an empty block). The dispatch's and the count exchange's blocks
+    are then exact (every rank sends rank 0 as many rows as this one); the combine's, whose
+    blocks are the rows this rank sent each rank, are rows of what rank 0's experts
+    computed: the bytes and shapes of the real exchange, not its values (and, as the cycle
+    runs within each call, a function of how the microbatch is split into nanobatches)."""
     first = input[:int(input_splits[0])] if len(input_splits) else input[:0]
-    lo = 0
-    for n in output_splits:
-        n = int(n)
-        block = output[lo:lo + n]
-        lo += n
-        if n == 0:
-            continue
-        if first.shape[0] == 0:
-            block.zero_()
-            continue
-        reps = -(-n // first.shape[0])
-        block.copy_(first.repeat(reps, *([1] * (first.dim() - 1)))[:n])
+    n = int(output.shape[0])
+    if n == 0:
+        return output
+    if first.shape[0] == 0:
+        return output.zero_()
+    reps = -(-n // int(first.shape[0]))
+    output.copy_(first.repeat(reps, *([1] * (first.dim() - 1)))[:n])
     return output
 
 
