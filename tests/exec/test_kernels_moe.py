@@ -192,3 +192,12 @@ def test_out_arguments_write_the_same_values_in_place():
     want = ks.unpermute_bwd(dout, rows, probs, perm)
     assert drows.data_ptr() == buf.data_ptr()
     assert torch.equal(drows, want[0]) and torch.equal(dprobs, want[1])
+
+
+def test_router_dtype_by_name_or_torch_dtype():
+    ks = TorchKernels()
+    x, w = torch.randn(3, 4, dtype=torch.bfloat16), torch.randn(4, 5, dtype=torch.bfloat16)
+    assert ks.router(x, w).dtype == torch.float32
+    assert ks.router(x, w, dtype=torch.float64).dtype == torch.float64
+    with pytest.raises(ArgumentError, match="router dtype must be a floating dtype"):
+        ks.router(x, w, dtype=torch.int32)

@@ -169,12 +169,16 @@ def _wide(torch: Any, dtype: Any) -> Any:
     return torch.promote_types(dtype, torch.float32)
 
 
-def router(x: Any, w: Any, *, dtype: str = "float32") -> Any:
-    """Router logits ``x @ w`` in ``dtype`` (``[t, h] @ [h, E] -> [t, E]``): both operands
-    cast to the router dtype first."""
+def router(x: Any, w: Any, *, dtype: Any = "float32") -> Any:
+    """Router logits ``x @ w`` in ``dtype`` (``[t, h] @ [h, E] -> [t, E]``; a name of
+    ``kareus.model.moe.ROUTER_DTYPES`` or a torch dtype): both operands cast to the router
+    dtype first."""
     import torch
 
-    rd = getattr(torch, dtype)
+    rd = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if not isinstance(rd, torch.dtype) or not rd.is_floating_point:
+        raise ArgumentError(f"router dtype must be a floating dtype such as 'float32', got "
+                            f"{dtype!r:.40}")
     return torch.matmul(x.to(rd), w.to(rd))
 
 
