@@ -231,3 +231,22 @@ def test_autograd_wrappers_give_autograds_gradients(ks):
     for got, want in ((x.grad, ref[1][0]), (wr_.grad, ref[2]), (w1_.grad, ref[3]),
                       (w2_.grad, ref[4])):
         assert rel(got, want) < tol
+
+
+def test_routing_and_unpermutation_match_megatron_cores_functions():
+    moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
+    ks = TorchKernels()
+    g = torch.Generator().manual_seed(9)
+    t, E, k, h = 17, 8, 2, 6
+    logits = torch.randn(t, E, generator=g)
+    probs, idx = ks.router_topk(logits, k)
+    mc_probs, mc_map = moe_utils.topk_routing_with_score_function(logits, k)
+    dense = torch.zeros(t, E).scatter_(1, idx, probs)
+    assert torch.equal(mc_map, dense > 0)
+    assert torch.allclose(mc_probs, dense, rtol=1e-6, atol=0)
+    x = torch.randn(t, h, generator=g)
+    rows, perm = ks.permute(x, idx, experts=E, ep=4)
+    y = torch.randn(t * k, h, generator=g)  # the experts' outputs, in the permuted order
+    mc_out = moe_utils.unpermute(y, perm.token_of_row, x.shape, probs=mc_probs,
+                                 routing_map=mc_map)
+    assert torch.allclose(ks.unpermute(y, probs, perm), mc_out, rtol=1e-5, atol=1e-6)
