@@ -32,7 +32,9 @@ are cast, the product is in that dtype). The top-k takes the ``k`` largest logit
 softmax over those ``k`` only: Megatron-Core's default score function (``softmax`` with
 ``moe_router_pre_softmax=False``). That equals Qwen3 MoE's ``softmax`` over all ``E``
 logits, then top-k, then division by the chosen probabilities' sum
-(``norm_topk_prob=True``), and Mixtral's (which always renormalises): the softmax is
+(``norm_topk_prob=True``), Mixtral's (which always renormalises) and torchtitan's
+``TokenChoiceTopKRouter`` with ``score_func="softmax"``, ``route_norm=True`` and
+``route_scale=1`` (its gate in float32 as well): the softmax is
 monotone, so both choose the same experts, and ``exp(l_i) / S`` divided by
 ``sum_j exp(l_j) / S`` over the chosen ``j`` is ``exp(l_i) / sum_j exp(l_j)``, the softmax
 over the chosen logits (equal in exact arithmetic; the float roundings differ). Ties
