@@ -85,7 +85,27 @@ kareus keeps them on the routing rank (``unpermute_bwd`` computes their gradient
 
 Data-dependent sizes: ``permute`` and the sorts need no host synchronisation (their
 sizes are ``t k`` and the received total); the grouped GEMMs' loop path and the splits
-read counts on the host. Every op returns new tensors; none modifies its inputs.
+read counts on the host. With device counts for the sorts and ``torch._grouped_mm``, and
+host counts for the loop, every op captures in a CUDA graph (for counts fixed at capture).
+Every op returns new tensors (or writes ``out=`` where it takes one, e.g. an all-to-all's
+send buffer); none modifies its inputs.
+
+**The API** (``KernelSet`` methods, every set; ``kareus.exec.kernels.autograd`` has
+differentiable ``moe_*`` wrappers of them)::
+
+    router(x, w, *, dtype="float32") -> logits [t, E]
+    router_topk(logits, k) -> (probs [t, k], indices [t, k] int64)
+    router_topk_bwd(dprobs, probs, indices, experts) -> dlogits [t, E]
+    router_dgrad(dlogits, w, *, dtype=None) -> dx [t, h];  router_wgrad(x, dlogits) -> dw [h, E]
+    permute(x, indices, *, experts, ep=1, out=None) -> (rows [t k, h], TokenPermutation)
+    permute_bwd(drows, perm) -> dx [t, h]
+    expert_sort(rows, counts, *, out=None) / expert_unsort(...) -> rows   (counts [ep, L])
+    expert_sort_bwd(drows, counts, *, out=None) / expert_unsort_bwd(...) -> drows
+    grouped_mm(x, w, counts, *, out=None) -> [r, out]   (w [G, in, out]; counts [G] or [ep, G])
+    grouped_mm_wgrad(x, dy, counts) -> dw [G, in, out];  grouped_mm_path(x, w) -> str
+    expert_swiglu(h) -> a [r, fe];  expert_swiglu_bwd(da, h) -> dh [r, 2 fe]
+    unpermute(rows, probs, perm, *, shared=None) -> out [t, h]
+    unpermute_bwd(dout, rows, probs, perm, *, out=None) -> (drows [t k, h], dprobs [t, k])
 
 torch is imported inside the functions.
 """
