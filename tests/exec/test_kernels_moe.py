@@ -192,3 +192,61 @@ def test_out_arguments_write_the_same_values_in_place():
     want = ks.unpermute_bwd(dout, rows, probs, perm)
     assert drows.data_ptr() == buf.data_ptr()
     assert torch.equal(drows, want[0]) and torch.equal(dprobs, want[1])
+
+
+def test_router_dtype_by_name_or_torch_dtype():
+    ks = TorchKernels()
+    x, w = torch.randn(3, 4, dtype=torch.bfloat16), torch.randn(4, 5, dtype=torch.bfloat16)
+    assert ks.router(x, w).dtype == torch.float32
+    assert ks.router(x, w, dtype=torch.float64).dtype == torch.float64
+    with pytest.raises(ArgumentError, match="router dtype must be a floating dtype"):
+        ks.router(x, w, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("ks", [ReferenceKernels(), _Loop()], ids=["reference", "torch-loop"])
+def test_autograd_wrappers_give_autograds_gradients(ks):
+    from kareus.exec.kernels import autograd as kag
+
+    xs, wr, w1, w2, dout = make(7, ranks=1, t=9, h=8, E=4, fe=4, empty=(2,))
+    ref = dense_reference(xs, wr, w1, w2, dout, 2)
+    x = xs[0].clone().requires_grad_()
+    wr_, w1_, w2_ = (w.clone().requires_grad_() for w in (wr, w1, w2))
+    logits = kag.moe_router(x, wr_, dtype="float64", kernels=ks)
+    probs, idx = kag.moe_router_topk(logits, 2, kernels=ks)
+    rows, perm = kag.moe_permute(x, idx, experts=4, ep=2, kernels=ks)
+    # The rows come in (rank, local expert) chunks; sorted as a [2, 2] table they are in
+    # (local expert, rank) order: global experts 0, 2, 1, 3, whose weights are taken so.
+    table = perm.send_counts
+    xs_sorted = kag.moe_expert_sort(rows, table, kernels=ks)
+    order = [0, 2, 1, 3]
+    groups = table.t().reshape(-1).tolist()
+    h1 = kag.moe_grouped_mm(xs_sorted, w1_[order], groups, kernels=ks)
+    a = kag.moe_expert_swiglu(h1, kernels=ks)
+    y = kag.moe_grouped_mm(a, w2_[order], groups, kernels=ks)
+    out = kag.moe_unpermute(kag.moe_expert_unsort(y, table, kernels=ks), probs, perm,
+                            kernels=ks)
+    (out * dout[0]).sum().backward()
+    tol = 1e-12 if isinstance(ks, ReferenceKernels) else 1e-6
+    assert rel(out.detach(), ref[0][0]) < tol
+    for got, want in ((x.grad, ref[1][0]), (wr_.grad, ref[2]), (w1_.grad, ref[3]),
+                      (w2_.grad, ref[4])):
+        assert rel(got, want) < tol
+
+
+def test_routing_and_unpermutation_match_megatron_cores_functions():
+    moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
+    ks = TorchKernels()
+    g = torch.Generator().manual_seed(9)
+    t, E, k, h = 17, 8, 2, 6
+    logits = torch.randn(t, E, generator=g)
+    probs, idx = ks.router_topk(logits, k)
+    mc_probs, mc_map = moe_utils.topk_routing_with_score_function(logits, k)
+    dense = torch.zeros(t, E).scatter_(1, idx, probs)
+    assert torch.equal(mc_map, dense > 0)
+    assert torch.allclose(mc_probs, dense, rtol=1e-6, atol=0)
+    x = torch.randn(t, h, generator=g)
+    rows, perm = ks.permute(x, idx, experts=E, ep=4)
+    y = torch.randn(t * k, h, generator=g)  # the experts' outputs, in the permuted order
+    mc_out = moe_utils.unpermute(y, perm.token_of_row, x.shape, probs=mc_probs,
+                                 routing_map=mc_map)
+    assert torch.allclose(ks.unpermute(y, probs, perm), mc_out, rtol=1e-5, atol=1e-6)

@@ -22,9 +22,9 @@ from kareus.model.workload import ModelArch, Parallelism, Workload
 from kareus.testing import RecordingCollective
 
 
-def moe_model(shared: bool = False, experts: int = 8) -> ModelArch:
+def moe_model(shared: bool = False, experts: int = 8, qwen3: bool = False) -> ModelArch:
     return ModelArch(name="tinymoe", layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64,
-                     ffn=512, vocab=1000,
+                     ffn=512, vocab=1000, qk_norm=qwen3, norm_eps=1e-6 if qwen3 else 1e-5,
                      moe=MoEArch(experts=experts, experts_per_token=2, expert_ffn=128,
                                  shared_experts=1 if shared else 0,
                                  shared_expert_ffn=64 if shared else 0))
@@ -33,7 +33,7 @@ def moe_model(shared: bool = False, experts: int = 8) -> ModelArch:
 WORKLOADS = {
     "ep2": (moe_model(), Parallelism(ep=2, dp=2), 1.0),
     "ep4_cp2_shared_imbalanced": (moe_model(shared=True), Parallelism(ep=4, dp=4, cp=2), 1.5),
-    "tp2_sp_ep2": (moe_model(), Parallelism(tp=2, ep=2, sp=True), 1.0),
+    "tp2_sp_ep2_qk_norm": (moe_model(qwen3=True), Parallelism(tp=2, ep=2, sp=True), 1.0),
     "ep8_one_expert_per_rank": (moe_model(), Parallelism(ep=8, dp=8), 1.25),
 }
 
