@@ -358,15 +358,12 @@ def _loopback_rows(output: Any, input: Any, output_splits: list[int],
     blocks are the rows this rank sent each rank, are rows of what rank 0's experts
     computed: the bytes and shapes of the real exchange, not its values (and, as the cycle
     runs within each call, a function of how the microbatch is split into nanobatches)."""
+    import torch
+
+    from kareus.exec.collectives import cycle_rows
+
     first = input[:int(input_splits[0])] if len(input_splits) else input[:0]
-    n = int(output.shape[0])
-    if n == 0:
-        return output
-    if first.shape[0] == 0:
-        return output.zero_()
-    reps = -(-n // int(first.shape[0]))
-    output.copy_(first.repeat(reps, *([1] * (first.dim() - 1)))[:n])
-    return output
+    return cycle_rows(torch, output, first)
 
 
 class LoopbackGroupCollective(CollectiveBackend):
