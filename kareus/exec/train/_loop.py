@@ -69,6 +69,10 @@ def _check_groups(workload: Workload, groups: Any) -> None:
     if (groups.tp_size, groups.cp_size) != (p.tp, p.cp):
         raise WorkloadError(f"the groups are TP={groups.tp_size} x CP={groups.cp_size}; the "
                             f"workload asks for TP={p.tp} x CP={p.cp}")
+    if getattr(groups, "dp_size", 1) != p.dp:
+        raise WorkloadError(f"the groups are DP={getattr(groups, 'dp_size', 1)}; the "
+                            f"workload asks for DP={p.dp} (TorchParallelGroups(tp=..., "
+                            "dp=...))")
     if getattr(groups, "ep_size", 1) != p.ep:
         raise WorkloadError(f"the groups are EP={getattr(groups, 'ep_size', 1)}; the "
                             f"workload asks for EP={p.ep} (TorchParallelGroups(tp=..., "
@@ -125,7 +129,7 @@ def check_plan_workload(plan: Plan, workload: Workload, *, one_stage: bool = Tru
     Raises:
         PlanError: the plan has more than one pipeline stage (``one_stage``) or not the
             workload's PP stages, or its recorded workload differs from ``workload`` in TP,
-            CP, EP, microbatch size, sequence length, nanobatches, microbatches, recomputation,
+            CP, EP (and DP, ``one_stage``), microbatch size, sequence length, nanobatches, microbatches, recomputation,
             packed documents (``document_tokens``), chained layers or model.
     """
     if not isinstance(plan, Plan):
@@ -154,8 +158,10 @@ def check_plan_workload(plan: Plan, workload: Workload, *, one_stage: bool = Tru
     # expert parallelism: absent is 1 (a dense model, or a plan written before MoE)
     theirs["ep"] = theirs.get("ep", 1)
     mine["ep"] = workload.parallelism.ep
-    keys = ("tp", "cp", "sp", "ep", "microbatch_size", "seq_len", "nanobatches",
-            "num_microbatches", "recompute", "chained_layers")
+    keys: tuple[str, ...] = ("tp", "cp", "sp", "ep", "microbatch_size", "seq_len",
+                             "nanobatches", "num_microbatches", "recompute", "chained_layers")
+    if one_stage:  # the library's loop runs the job's data parallelism itself
+        keys += ("dp",)
     diff = [f"{k}: plan {theirs.get(k)!r}, job {mine[k]!r}" for k in keys
             if k in theirs and theirs[k] != mine[k]]
     # packed documents masked (their attention costed): absent is one document per sequence
@@ -275,8 +281,9 @@ class TrainingLoop:
 
     Args:
         workload: The job: model dimensions, TP, CP, microbatch size, sequence length,
-            microbatches per iteration, nanobatches, recomputation. PP and DP must be 1.
-        groups: This rank's [`ParallelGroups`][kareus.exec.train.ParallelGroups] (TP x CP of the
+            microbatches per iteration, nanobatches, recomputation. PP must be 1; DP > 1
+            runs replicas on their own microbatches (``TorchParallelGroups(dp=...)``).
+        groups: This rank's [`ParallelGroups`][kareus.exec.train.ParallelGroups] (TP x CP x DP of the
             workload).
         collective: The partitions' collectives with exact SM caps (a
             [`GroupedCollective`][kareus.exec.train.GroupedCollective]); also the source of the
@@ -346,9 +353,9 @@ class TrainingLoop:
             # (kareus.exec._graphs).
             prefer_workspace_free_gemms()
         p = workload.parallelism
-        if p.pp != 1 or p.dp != 1:
-            raise WorkloadError(f"the training loop runs PP=1, DP=1; the workload has "
-                                f"PP={p.pp}, DP={p.dp}")
+        if p.pp != 1:
+            raise WorkloadError(f"the training loop runs one pipeline stage (PP=1); the "
+                                f"workload has PP={p.pp}")
         if workload.document_tokens is not None:
             raise WorkloadError(f"the training loop's data are whole sequences, causal "
                                 f"attention over each; the workload masks packed documents "
@@ -479,7 +486,9 @@ class TrainingLoop:
         lo_id, hi_id = ((m.v0, min(m.v0 + m.v_local, wl.model.vocab))
                         if getattr(self.groups, "replicated", False) else (0, wl.model.vocab))
         self.batches = []
-        for mb in range(wl.num_microbatches):
+        # each data-parallel replica its own microbatches (replica r: r x M .. r x M + M - 1)
+        first = getattr(self.groups, "dp_rank", 0) * wl.num_microbatches
+        for mb in range(first, first + wl.num_microbatches):
             g = torch.Generator(device="cpu").manual_seed(seed * 7919 + 104729 + mb)
             tok = torch.randint(lo_id, hi_id, (wl.microbatch_size, wl.seq_len + 1),
                                 generator=g)

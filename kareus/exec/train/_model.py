@@ -278,6 +278,8 @@ class DecoderShard(MoEBlock):
         the MLP (what every op reads)."""
         self.arch, self.groups = arch, groups
         self.tp, self.cp, self.r = groups.tp_size, groups.cp_size, groups.cp_rank
+        #: Data-parallel replicas (each on its own microbatches; the loss is their mean).
+        self.dp = int(getattr(groups, "dp_size", 1))
         #: Whether the sequence-parallel layout runs (``sp`` at TP > 1).
         self.sp = bool(sp) and self.tp > 1
         if self.sp and seq_local % self.tp:
@@ -299,7 +301,8 @@ class DecoderShard(MoEBlock):
         #: The model's mixture of experts (``None``: a dense MLP).
         self.moe = arch.moe
         if self.moe is not None:
-            moe_layout(self.moe, tp=self.tp, cp=self.cp, ep=groups.ep_size, sp=self.sp)
+            moe_layout(self.moe, tp=self.tp, cp=self.cp, ep=groups.ep_size, sp=self.sp,
+                       dp=self.dp)
             self._moe_dims()
         elif groups.ep_size > 1:
             raise WorkloadError(f"EP={groups.ep_size} needs a mixture-of-experts model")
@@ -700,10 +703,13 @@ class DecoderShard(MoEBlock):
         pack = torch.stack((logits.sum(dim=1), tgt))
         self.groups.all_reduce(pack, group="tp")
         s, tgt = pack[0], pack[1]
-        n_tokens = self.num_microbatches * self.mbs * self.seq
+        # the mean over every token of the iteration, every data-parallel replica's
+        n_tokens = self.num_microbatches * self.mbs * self.seq * self.dp
         loss_local = (s.log() + m - tgt).sum() / n_tokens
         cp_loss = loss_local.clone()
         self.groups.all_reduce(cp_loss, group="cp")  # every CP rank reports the whole loss
+        if self.dp > 1:  # and every replica
+            self.groups.all_reduce(cp_loss, group="dp")
         self.loss_sum.add_(cp_loss)
         logits.div_(s.unsqueeze(1))
         rows = torch.arange(logits.shape[0], device=self.device)
@@ -1140,8 +1146,10 @@ class DecoderShard(MoEBlock):
                 for layer in range(self.layers):
                     for name in self._moe_shapes():
                         self.groups.all_reduce(self.G(layer, name), group="tp")
-            # the dense weights' over CP; the experts' over the ranks that hold them
+            # the dense weights' over CP and DP; the experts' over the ranks that hold them
             self.groups.all_reduce(self.flat_grad[:self.n_dense], group="cp")
+            if self.dp > 1:
+                self.groups.all_reduce(self.flat_grad[:self.n_dense], group="dp")
             if self.n_dense < self.flat_grad.numel():
                 self.groups.all_reduce(self.flat_grad[self.n_dense:], group="edp")
             self.master_param.grad.copy_(self.flat_grad)

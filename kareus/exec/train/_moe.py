@@ -113,18 +113,18 @@ class Route:
     local_counts: list[int]
 
 
-def moe_layout(moe: Any, *, tp: int, cp: int, ep: int, sp: bool) -> None:
+def moe_layout(moe: Any, *, tp: int, cp: int, ep: int, sp: bool, dp: int = 1) -> None:
     """Refuse a mixture-of-experts layout the loop does not compute (one line each).
 
     Raises:
-        WorkloadError: EP does not divide the experts or TP x CP; TP > 1 without
+        WorkloadError: EP does not divide the experts or TP x CP x DP; TP > 1 without
             sequence parallelism; shared experts at TP > 1.
     """
     if moe.experts % ep:
         raise WorkloadError(f"ep={ep} does not divide the {moe.experts} experts")
-    if (tp * cp) % ep:
-        raise WorkloadError(f"ep={ep} must divide TP x CP = {tp * cp} (the training loop runs "
-                            "DP=1: the EP ranks fold over the TP and CP ranks)")
+    if (tp * cp * dp) % ep:
+        raise WorkloadError(f"ep={ep} must divide TP x CP x DP = {tp * cp * dp} (the EP ranks "
+                            "fold over the TP, CP and DP ranks)")
     if tp > 1 and not sp:
         raise WorkloadError(f"a mixture of experts at TP={tp} needs sequence parallelism "
                             "(sp=True), as Megatron-Core requires")
