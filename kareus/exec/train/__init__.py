@@ -4,7 +4,7 @@ The library's training loop, for measuring what a plan does to a real job and as
 pattern for applying one in your own loop. Each rank builds its shard of a decoder from a
 preset's dimensions ([`DecoderShard`][kareus.exec.train.DecoderShard]: N layers, random
 initialisation, fp32 master weights, AdamW, cross-entropy of next-token prediction on random
-tokens), tensor and context parallel, every op on the production kernels (``kareus.exec.kernels``),
+tokens), tensor, context and data parallel, every op on the production kernels (``kareus.exec.kernels``),
 and runs iterations through an [`Executor`][kareus.exec.Executor] (a
 [`TorchExecutor`][kareus.exec.TorchExecutor] by default, or any executor passed as
 ``TrainingLoop(executor=..., baseline=...)``) under one of three schedules ([`SCHEDULES`][kareus.exec.schedule.SCHEDULES]):
