@@ -235,11 +235,12 @@ def _check_against_reference(res: list[dict], wl: Workload, schedules: tuple[str
 # ------------------------------------------------------------------ one process
 
 
-def _one_process(wl: Workload, *, device: str = "cpu") -> dict[str, Any]:
+def _one_process(wl: Workload, *, device: str = "cpu", kernels: str | None = "torch"
+                 ) -> dict[str, Any]:
     """Two steps of each schedule in one process (``device="cuda"``: on the current GPU, its
-    streams and default kernels, float32), the results on the CPU."""
+    streams, float32, ``kernels``: ``None`` the default set), the results on the CPU."""
     kw: dict[str, Any] = ({"streams": RecordingStreamBackend(), "kernels": "torch",
-                           "device": "cpu"} if device == "cpu" else {})
+                           "device": "cpu"} if device == "cpu" else {"kernels": kernels})
     loop = TrainingLoop(workload=wl, groups=LoopbackGroups(tp=1, cp=1), dtype="float32",
                         lr=LR, **kw)
     res = {"rank": 0, "tp_rank": 0, "ep_rank": 0,

@@ -39,10 +39,11 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
+@pytest.mark.parametrize("kernels", [None, "torch"])  # the default set, and plain torch
 @pytest.mark.parametrize(("recompute", "shared"), [("none", True), ("full", False)])
-def test_float32_moe_loop_on_the_gpu_matches_autograd(recompute, shared):
+def test_float32_moe_loop_on_the_gpu_matches_autograd(recompute, shared, kernels):
     wl = moe_workload(recompute=recompute, shared=shared)
-    _check_against_reference([_one_process(wl, device="cuda")], wl,
+    _check_against_reference([_one_process(wl, device="cuda", kernels=kernels)], wl,
                              ("sequential", "nanobatching"))
 
 
