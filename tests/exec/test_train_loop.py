@@ -165,6 +165,39 @@ def reference(shards: list[dict[str, Any]], arch: ModelArch, layers: int,
     return float(loss.detach()), grads
 
 
+def step_reference(loop: TrainingLoop, params: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    """The float64 autograd ``reference`` of one step of a one-rank ``loop`` (TP = 1) from
+    ``params`` (its parameters before the step, on the CPU) on the loop's batches: the loss
+    and every gradient."""
+    wl = loop.workload
+    batches = [(t.cpu(), lab.cpu()) for t, lab in loop.batches]
+    ref_loss, (ref,) = reference([params], wl.model, loop.layers, batches,
+                                 wl.num_microbatches * wl.microbatch_size * wl.seq_len)
+    return ref_loss, ref
+
+
+def losses_by_schedule(loop: TrainingLoop, steps: int) -> dict[str, list[float]]:
+    """``steps`` losses of each of ``loop``'s schedules, each from the loop's initial state
+    (``reset``)."""
+    losses = {}
+    for s in loop.schedules:
+        loop.reset()
+        losses[s] = [float(loop.step(s)) for _ in range(steps)]
+    return losses
+
+
+def assert_bf16_step(loss: float, grads: dict[str, Any], ref_loss: float, ref: dict[str, Any],
+                     *what: object) -> None:
+    """A bf16 step (on a GPU) against its float64 ``step_reference``: the loss within 5e-3
+    and every gradient within 3e-2, relative (bf16 rounding); ``what`` names the case."""
+    from _helpers import rel_error  # tests/, on sys.path under pytest (not in the workers)
+
+    assert loss == pytest.approx(ref_loss, rel=5e-3), what
+    for k, g in grads.items():
+        err = rel_error(g, ref[k])
+        assert err < 3e-2, (*what, k, err)
+
+
 def _close(a, b, tol=1e-4):
     return float((a.double() - b.double()).norm() / max(b.double().norm(), 1e-12)) < tol
 
@@ -216,10 +249,7 @@ def test_a_layer_feature_the_decoder_does_not_compute_is_refused(change, field):
 @pytest.mark.parametrize("tp,cp,recompute", [(2, 1, True), (1, 2, True), (2, 2, False)])
 def test_loopback_schedules_agree_and_the_loss_falls(tp, cp, recompute):
     loop = loopback_loop(tp, cp, recompute)
-    losses = {}
-    for s in loop.schedules:
-        loop.reset()
-        losses[s] = [float(loop.step(s)) for _ in range(4)]
+    losses = losses_by_schedule(loop, 4)
     ref = losses["sequential"]
     for s, got in losses.items():
         assert got == pytest.approx(ref, rel=1e-5), s

@@ -11,11 +11,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from _helpers import cuda_marks
+
 from kareus.model.workload import ModelArch, Parallelism, Workload
 from kareus.workflow import optimize, verify
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = cuda_marks()
 
 
 def test_verify_measures_every_system_on_one_gpu(tmp_path):
