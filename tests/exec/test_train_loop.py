@@ -630,6 +630,32 @@ def _worker(out_dir: str, features: str, tp: str = "2") -> None:
     dist.destroy_process_group()
 
 
+def _gloo_ranks(out_dir: Path, world: int, *args: str) -> list[dict[str, Any]]:
+    """This file's ``_worker(out_dir, *args)`` in ``world`` processes over gloo (torchrun,
+    a free port of its own); asserts they all exit 0 and returns what each rank saved, in
+    rank order."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={world}", str(Path(__file__).resolve()), str(out_dir), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def _ranks_match_the_whole_model(res: list[dict[str, Any]], wl: Workload,
+                                 shards: list[dict[str, Any]]) -> None:
+    """Every rank's loss (1e-5) and gradients (1e-4), under each schedule, are the float64
+    reference's of the whole model assembled from the TP ``shards``, on whole sequences."""
+    ref_loss, ref = reference(shards, wl.model, wl.model.layers, res[0]["batches"],
+                              wl.num_microbatches * wl.microbatch_size * wl.seq_len)
+    for s in ("sequential", "nanobatching", "kareus"):
+        for r in res:
+            assert r[s]["loss"] == pytest.approx(ref_loss, rel=1e-5), s
+            for k, g in r[s]["grads"].items():
+                assert _close(g, ref[r["tp_rank"]][k]), (s, r["tp_rank"], r["cp_rank"], k)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("tp", "features"), [
     (2, "llama/full"), (2, "qwen3/full"), (1, "qwen3/full"), (2, "llama/none"),
@@ -640,15 +666,7 @@ def test_gloo_ranks_match_the_whole_model(tmp_path, tp, features):
     # eps 1e-6 and tied embeddings (a vocabulary-parallel output layer on the embedding);
     # none / selective: the activations kept (selective: the gathered K/V too, the
     # attention core re-run in the backward without its all-gather)
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    world = 2 * tp
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={world}", str(Path(__file__).resolve()), str(tmp_path),
-           features, str(tp)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300,
-                          check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    res = _gloo_ranks(tmp_path, 2 * tp, features, str(tp))
     wl = _four_rank_workload(features, tp)
     by = {(r["tp_rank"], r["cp_rank"]): r for r in res}
     shards = [by[(t, 0)]["params"] for t in range(tp)]
@@ -656,13 +674,7 @@ def test_gloo_ranks_match_the_whole_model(tmp_path, tp, features):
         for t in range(tp):
             for k, v in by[(t, c)]["params"].items():
                 assert torch.equal(v, shards[t][k]), k
-    ref_loss, ref = reference(shards, wl.model, wl.model.layers, res[0]["batches"],
-                              wl.num_microbatches * wl.microbatch_size * wl.seq_len)
-    for s in ("sequential", "nanobatching", "kareus"):
-        for r in res:
-            assert r[s]["loss"] == pytest.approx(ref_loss, rel=1e-5), s
-            for k, g in r[s]["grads"].items():
-                assert _close(g, ref[r["tp_rank"]][k]), (s, r["tp_rank"], r["cp_rank"], k)
+    _ranks_match_the_whole_model(res, wl, shards)
 
 
 @pytest.mark.slow
@@ -675,24 +687,11 @@ def test_sequence_parallel_gloo_ranks_match_the_whole_model(tmp_path, layout, np
     # norm's output gathered. TP=2 keeps every activation (the gathered inputs copied for
     # the weight gradients); TP=2 x CP=2 recomputes. Two sequences per nanobatch, so the
     # reordering around RoPE and attention runs.
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", str(Path(__file__).resolve()), str(tmp_path), layout]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300,
-                          check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
+    res = _gloo_ranks(tmp_path, nproc, layout)
     wl = _four_rank_workload(layout)
     assert wl.parallelism.sequence_parallel
     by = {(r["tp_rank"], r["cp_rank"]): r for r in res}
-    shards = [by[(t, 0)]["params"] for t in range(2)]
-    ref_loss, ref = reference(shards, wl.model, wl.model.layers, res[0]["batches"],
-                              wl.num_microbatches * wl.microbatch_size * wl.seq_len)
-    for s in ("sequential", "nanobatching", "kareus"):
-        for r in res:
-            assert r[s]["loss"] == pytest.approx(ref_loss, rel=1e-5), s
-            for k, g in r[s]["grads"].items():
-                assert _close(g, ref[r["tp_rank"]][k]), (s, r["tp_rank"], r["cp_rank"], k)
+    _ranks_match_the_whole_model(res, wl, [by[(t, 0)]["params"] for t in range(2)])
 
 
 if __name__ == "__main__":

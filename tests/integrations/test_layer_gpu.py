@@ -25,6 +25,7 @@ from _helpers import (
     assert_as_close_as_torch,
     assert_run_as_close_as_torch,
     cuda_marks,
+    megatron_ddp_hooks,
     rel_error,
     small_workload,
     warm_up_on_a_side_stream,
@@ -440,25 +441,6 @@ def test_graphed_planned_layers_at_every_recomputation_policy_on_cuda(how):
     _check_policy_memory(held, graphed, base)
 
 
-def _megatron_ddp_hooks(params):
-    """Megatron-Core DDP's gradient path on each parameter: an fp32 ``main_grad`` and a
-    hook on its gradient accumulator that adds ``.grad`` into it and drops ``.grad``."""
-    nodes = []
-    for lp in params:
-        for t in lp.values():
-            t.main_grad = torch.zeros_like(t, dtype=torch.float32)
-
-            def hook(*_, t=t):
-                if t.grad is not None:
-                    t.main_grad.add_(t.grad.data)
-                t.grad = None
-
-            node = t.expand_as(t).grad_fn.next_functions[0][0]
-            node.register_hook(hook)
-            nodes.append(node)
-    return nodes
-
-
 def _accumulating_iteration(applier, params, xs, order, arch):
     """One iteration of ``len(xs)`` microbatches through one planned layer per entry of
     ``params``, the gradients accumulating; returns the outputs and input gradients."""
@@ -518,7 +500,7 @@ def test_graphed_layers_lend_outputs_and_accumulate_the_eager_gradients_on_cuda(
         params = [{k: v.detach().clone().requires_grad_(True) for k, v in p.items()},
                   {k: (v.detach() * 2 if v.dim() > 1 else v.detach().clone())
                    .requires_grad_(True) for k, v in p.items()}]
-        nodes = _megatron_ddp_hooks(params) if hooks == "main_grad" else []
+        nodes = megatron_ddp_hooks(params) if hooks == "main_grad" else []
         applier = PlanApplier(workload=wl, groups=groups, plan=plan, schedule=schedule,
                               collective=capped, default_collective=default,
                               graphs=graphs, eps=arch.norm_eps)

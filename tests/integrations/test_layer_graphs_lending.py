@@ -15,7 +15,6 @@ from __future__ import annotations
 import sys
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -29,6 +28,7 @@ from kareus.testing import make_workload_plan
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from _helpers import megatron_ddp_hooks
 from _reference import full_weights, planned_weights, workload
 from test_layer_graphs import _applier
 
@@ -92,27 +92,6 @@ def test_outputs_held_across_microbatches_keep_their_values(mode, recompute):
         torch.testing.assert_close(gg[k], ge[k], rtol=1e-6, atol=1e-6, msg=k)
 
 
-def _megatron_style_hooks(params):
-    """Megatron-Core DDP's gradient path: an fp32 ``main_grad`` per parameter, and a hook
-    on the parameter's gradient accumulator that adds ``.grad`` into it and drops
-    ``.grad`` (``DistributedDataParallel._make_backward_post_hook``, gradient
-    accumulation fusion off)."""
-    keep = []
-    for lp in params:
-        for p in lp.values():
-            p.main_grad = torch.zeros_like(p, dtype=torch.float32)
-
-            def hook(*_: Any, p=p) -> None:
-                if p.grad is not None:
-                    p.main_grad.add_(p.grad.data)
-                p.grad = None
-
-            acc = p.expand_as(p).grad_fn.next_functions[0][0]
-            acc.register_hook(hook)
-            keep.append(acc)
-    return keep
-
-
 @pytest.mark.parametrize("order", ["1f1b", "all-forwards-first"])
 @pytest.mark.parametrize("schedule", ["sequential", "kareus"])
 @pytest.mark.parametrize("recompute", ["full", "selective"])
@@ -132,7 +111,7 @@ def test_megatron_style_main_grad_accumulation_gets_the_eager_gradients(schedule
     results = []
     for graphs in (False, True):
         params = _params(wl, (1, 2))
-        keep = _megatron_style_hooks(params)
+        keep = megatron_ddp_hooks(params)
         applier = _applier(wl, graphs=graphs, plan=plan,
                            schedule=None if plan else schedule)
         layer = applier.layer()
