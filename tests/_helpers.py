@@ -11,6 +11,7 @@ importable from every test: pytest puts tests/ on the path for its conftest.py).
 * ``qk_counting_kernels``: the default kernel set, counting its query/key norm and RoPE
   calls, fused or as ``KernelSet``'s unfused composition;
 * ``warm_up_on_a_side_stream``: the warm-up a user's CUDA graph capture needs;
+* ``lab_gpu_toml``: the spec file of a made-up GPU;
 * ``megatron_ddp_hooks``: Megatron-Core DDP's gradient path (``main_grad``) on plain
   tensors.
 
@@ -59,6 +60,25 @@ def small_workload(tp: int = 1, cp: int = 1, *, sp: bool = False, qk: bool = Fal
     return Workload(model=m, parallelism=Parallelism(tp=tp, cp=cp, sp=sp),
                     microbatch_size=mbs, seq_len=seq, num_microbatches=2, nanobatches=n,
                     recompute=recompute)
+
+
+def lab_gpu_toml(name: str, search_count: int) -> str:
+    """A GPU spec file (TOML) of a made-up 100-SM GPU named ``name`` whose clock search takes
+    ``search_count`` clocks (every field ``load_gpu_file`` reads)."""
+    return f"""\
+name = "{name}"
+sm_count = 100
+clocks_mhz = {{min = 300, max = 1500, step = 15}}
+search_clocks_mhz = {{max = 1500, step = 60, count = {search_count}}}
+bf16_peak_tflops = 300.0
+hbm_bandwidth_gbps = 2000.0
+nvlink_bandwidth_gbps = 400.0
+power_limit_w = 450.0
+static_power_w = 90.0
+idle_power_w = 60.0
+default_comm_sms = 24
+memory_gib = 48
+"""
 
 
 def rel_error(got: Any, want: Any) -> float:

@@ -51,14 +51,8 @@ F = torch.nn.functional
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The models here are tiny: torch's intra-op threads only contend (40x slower on a
-    busy 2-core machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+#: torch's intra-op threads: one (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def workload(tp: int, cp: int, recompute: bool | str = True, n: int = 2) -> Workload:
