@@ -29,6 +29,7 @@ from kareus.testing import make_workload_plan
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from _helpers import assert_runs_close
 from _reference import full_weights, planned_weights, workload
 
 
@@ -98,6 +99,13 @@ class RerunExecutor(TorchExecutor):
         self.captured.append((name, signature))
         self.pools.append((name, pool))
         return _Rerun(bodies, kept)
+
+
+def _same_runs(want, got):
+    """Each run of ``got`` (output, input gradient, weight gradients) equals ``want``'s, to
+    1e-6."""
+    for w, g in zip(want, got, strict=True):
+        assert_runs_close(g, w, rtol=1e-6, atol=1e-6)
 
 
 def _applier(wl, *, graphs, plan=None, schedule=None):
@@ -182,11 +190,7 @@ def test_graphed_planned_stacks_compute_what_eager_ones_do(schedule, recompute):
             copied = {j for cap in runner._graphs.values() for row in cap.copied
                       for j, c in enumerate(row) if c}
             assert copied <= {1}
-    for (ye, dxe, ge), (yg, dxg, gg) in zip(*results, strict=True):
-        torch.testing.assert_close(yg, ye, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(dxg, dxe, rtol=1e-6, atol=1e-6)
-        for k in ge:
-            torch.testing.assert_close(gg[k], ge[k], rtol=1e-6, atol=1e-6, msg=k)
+    _same_runs(*results)
 
 
 @pytest.mark.parametrize("recompute", ["none", "selective"])
@@ -240,11 +244,7 @@ def test_kept_activations_stay_in_their_forward_slot_until_its_backward(recomput
             with torch.no_grad():  # no backward will come: the slot is freed when dropped
                 layer(xs[0], planned_weights(params[0], arch))
             assert not any(c.lent for c in slots) and runner.captures == captured
-    for (ye, dxe, ge), (yg, dxg, gg) in zip(*results, strict=True):
-        torch.testing.assert_close(yg, ye, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(dxg, dxe, rtol=1e-6, atol=1e-6)
-        for k in ge:
-            torch.testing.assert_close(gg[k], ge[k], rtol=1e-6, atol=1e-6, msg=k)
+    _same_runs(*results)
 
 
 def test_a_graphed_backward_reads_its_own_forward_s_slot_once():
@@ -385,11 +385,7 @@ def test_inside_an_enclosing_capture_layers_launch_into_it(monkeypatch, schedule
     assert _Counting.replays == replays
     if graphs:
         assert applier._runner.captures == captures
-    for (ye, dxe, ge), (yg, dxg, gg) in zip(want, got, strict=True):
-        torch.testing.assert_close(yg, ye, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(dxg, dxe, rtol=1e-6, atol=1e-6)
-        for k in ge:
-            torch.testing.assert_close(gg[k], ge[k], rtol=1e-6, atol=1e-6, msg=k)
+    _same_runs(want, got)
 
 
 def test_a_first_run_inside_a_capture_is_refused(monkeypatch):
@@ -426,11 +422,7 @@ def test_a_plan_that_differs_per_microbatch_needs_a_whole_step_capture(monkeypat
         with pytest.raises(PlanError, match="whole_step_capture=True"):
             _run(per_mb, params(), xs, plan=True)
         got = _run(whole, params(), xs, plan=True)
-    for (ye, dxe, ge), (yg, dxg, gg) in zip(want, got, strict=True):
-        torch.testing.assert_close(yg, ye, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(dxg, dxe, rtol=1e-6, atol=1e-6)
-        for k in ge:
-            torch.testing.assert_close(gg[k], ge[k], rtol=1e-6, atol=1e-6, msg=k)
+    _same_runs(want, got)
     # one choice for every microbatch: any capture takes it
     uniform = _applier(wl, graphs=True, plan=make_workload_plan(wl))
     _run(uniform, params(), xs, plan=True)
