@@ -29,13 +29,8 @@ from kareus.testing import make_workload_plan
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _helpers import megatron_ddp_hooks
-from _reference import full_weights, planned_weights, workload
-from test_layer_graphs import _applier
-
-
-def _params(wl, seeds):
-    return [{k: torch.nn.Parameter(v) for k, v in full_weights(wl.model, s).items()}
-            for s in seeds]
+from _reference import planned_weights, workload
+from test_layer_graphs import _applier, _inputs, _params
 
 
 def _grads(params, attr="grad"):
@@ -54,11 +49,10 @@ def test_outputs_held_across_microbatches_keep_their_values(mode, recompute):
     # saved by its loss, the weight gradients accumulating into .grad over them (the
     # first microbatch's stolen by autograd, the others added into it): as eager
     wl = workload(tp=1, cp=2, recompute=recompute)
-    xs = [torch.randn(4, 8, wl.model.hidden, generator=torch.Generator().manual_seed(s))
-          for s in range(6)]
+    xs = _inputs(wl.model, range(6))
     results = []
     for graphs in (False, True):
-        params = _params(wl, (1, 2))
+        params = _params(wl.model)
         applier = _applier(wl, graphs=graphs, schedule="nanobatching")
         for _ in range(2):  # the second iteration replays
             leaves = [x.clone().requires_grad_(True) for x in xs]
@@ -106,11 +100,10 @@ def test_megatron_style_main_grad_accumulation_gets_the_eager_gradients(schedule
     # tests/integrations/test_layer_gpu.py checks "none" there. Not resolved.)
     wl = workload(tp=1, cp=2, microbatches=3, recompute=recompute)
     plan = make_workload_plan(wl) if schedule == "kareus" else None
-    xs = [torch.randn(4, 8, wl.model.hidden, generator=torch.Generator().manual_seed(s))
-          for s in range(3)]
+    xs = _inputs(wl.model, range(3))
     results = []
     for graphs in (False, True):
-        params = _params(wl, (1, 2))
+        params = _params(wl.model)
         keep = megatron_ddp_hooks(params)
         applier = _applier(wl, graphs=graphs, plan=plan,
                            schedule=None if plan else schedule)
@@ -186,10 +179,8 @@ def test_in_steady_state_graphs_copy_nothing_eager_execution_does_not(mode, monk
     # with lending and in-place reads off (the runner before), a copy per input and
     # output of every replay
     wl = workload(tp=1, cp=2)
-    xs = [torch.randn(4, 8, wl.model.hidden, generator=torch.Generator().manual_seed(s))
-          for s in (0, 1)]
-    dys = [torch.randn(4, 8, wl.model.hidden, generator=torch.Generator().manual_seed(s))
-           for s in (2, 3)]
+    xs = _inputs(wl.model)
+    dys = _inputs(wl.model, (2, 3))
     counter = _CopyCounter()
     run_eager = PlanApplier._run_eager
 
