@@ -43,9 +43,10 @@ def cuda_marks() -> list[pytest.MarkDecorator]:
 
 def needs_cuda(test: T) -> T:
     """``cuda_marks`` on one test of a module whose other tests run on the CPU."""
+    marked: Any = test
     for mark in reversed(cuda_marks()):
-        test = mark(test)
-    return test
+        marked = mark(marked)
+    return marked
 
 
 def small_workload(tp: int = 1, cp: int = 1, *, sp: bool = False, qk: bool = False,
