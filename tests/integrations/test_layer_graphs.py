@@ -263,9 +263,8 @@ def test_a_graphed_backward_reads_its_own_forward_s_slot_once():
     wl = workload(tp=1, cp=2, recompute="selective")
     arch = wl.model
     eager = _applier(wl, graphs=False, schedule="nanobatching")
-    params = {k: torch.nn.Parameter(v) for k, v in full_weights(arch, 1).items()}
-    x = torch.randn(4, 8, arch.hidden, generator=torch.Generator().manual_seed(0),
-                    requires_grad=True)
+    (params,), (x,) = _params(arch, (1,)), _inputs(arch, (0,))
+    x.requires_grad_(True)
     y = eager.layer()(x, planned_weights(params, arch))
     y.sum().backward(retain_graph=True)
     first = x.grad.clone()
@@ -273,9 +272,8 @@ def test_a_graphed_backward_reads_its_own_forward_s_slot_once():
     y.sum().backward()
     torch.testing.assert_close(x.grad, first)
     applier = _applier(wl, graphs=True, schedule="nanobatching")
-    params = {k: torch.nn.Parameter(v) for k, v in full_weights(arch, 1).items()}
-    x = torch.randn(4, 8, arch.hidden, generator=torch.Generator().manual_seed(0),
-                    requires_grad=True)
+    (params,), (x,) = _params(arch, (1,)), _inputs(arch, (0,))
+    x.requires_grad_(True)
     y = applier.layer()(x, planned_weights(params, arch))
     y.sum().backward(retain_graph=True)
     applier.layer()(x.detach(), planned_weights(params, arch)).sum()  # the slot again
@@ -328,7 +326,7 @@ def test_a_graphed_layer_under_a_plan_needs_its_microbatch_scope():
     wl = workload(tp=1, cp=2)
     applier = _applier(wl, graphs=True, plan=make_workload_plan(wl))
     x = torch.randn(4, 8, wl.model.hidden)
-    params = {k: torch.nn.Parameter(v) for k, v in full_weights(wl.model, 1).items()}
+    (params,) = _params(wl.model, (1,))
     with pytest.raises(PlanError, match="microbatch"):
         applier.stack(1)(x, [planned_weights(params, wl.model)])
 
@@ -400,7 +398,7 @@ def test_a_first_run_inside_a_capture_is_refused(monkeypatch):
 
     wl = workload(tp=1, cp=2)
     applier = _applier(wl, graphs=True)
-    params = {k: torch.nn.Parameter(v) for k, v in full_weights(wl.model, 1).items()}
+    (params,) = _params(wl.model, (1,))
     x = torch.randn(4, 8, wl.model.hidden)
     _fake_capture(monkeypatch)
     with pytest.raises(GraphCaptureError, match="before it ever ran outside one"):
@@ -550,8 +548,7 @@ def test_with_a_shared_pool_each_layer_replays_a_graph_of_its_own(schedule):
     xs = _inputs(wl.model)
     results, appliers = [], []
     for graphs in (False, True):
-        params = [{k: torch.nn.Parameter(v) for k, v in full_weights(wl.model, seed).items()}
-                  for seed in (1, 2, 3)]
+        params = _params(wl.model, (1, 2, 3))
         applier = _applier(wl, graphs=graphs, plan=plan,
                            schedule=None if plan else schedule)
         for ex in (applier.baseline, applier.executor):
