@@ -95,7 +95,7 @@ def _degrees(plan: Plan, tp: int | None, cp: int | None, dp: int | None) -> tupl
 def stage_of_rank(rank: int, *, tp: int, cp: int = 1, dp: int = 1, pp: int | None = None,
                   rank_order: str = RANK_ORDERS[0]) -> int:
     """The pipeline stage of a global rank under ``rank_order``
-    ([`RANK_ORDERS`][kareus.model.RANK_ORDERS]): Megatron-LM's default ``tp-cp-ep-dp-pp``
+    (``kareus.model.RANK_ORDERS``): Megatron-LM's default ``tp-cp-ep-dp-pp``
     (TP varies fastest, PP slowest), or ``tp-cp-ep-pp-dp`` (``--use-tp-pp-dp-mapping``,
     which needs ``pp``)."""
     if rank_order not in RANK_ORDERS:
