@@ -103,9 +103,9 @@ def one_gpu_backends(workload: Workload, *, loopback: str = "plain",
     more than one rank, routed by kind as in training (all-reduces to TP, all-gathers and
     reduce-scatters to CP; [`make_collectives`][kareus.exec.train.make_collectives] with
     [`LoopbackGroups`][kareus.exec.train.LoopbackGroups]). A workload with TP = CP = 1 gets a
-    [`LoopbackCollective`][kareus.exec.LoopbackCollective] (a world of one; needs a GPU), whose
-    all-to-all stands in for a mixture of experts' expert-parallel group (plain only: the
-    faithful stand-in, and EP beside TP or CP groups, are refused in one line).
+    [`LoopbackCollective`][kareus.exec.LoopbackCollective] (a world of one; needs a GPU). A
+    mixture of experts' expert-parallel group gets its stand-in beside them (all-to-alls to
+    it: ``LoopbackGroups(ep=...)``, plain or time-faithful).
 
     Args:
         workload: The job.
@@ -122,17 +122,6 @@ def one_gpu_backends(workload: Workload, *, loopback: str = "plain",
     from kareus.exec.train import LoopbackGroups, make_collectives
 
     p = workload.parallelism
-    if workload.model.moe is not None and p.ep > 1:
-        # The expert-parallel group's all-to-alls run on LoopbackCollective's plain stand-in
-        # (a world of one), which has no time-faithful variant and no place beside the TP and
-        # CP groups' stand-ins yet: refused rather than run as something else.
-        if loopback == "faithful":
-            raise ArgumentError("--loopback faithful has no time-faithful stand-in for the "
-                                "expert-parallel all-to-all yet (--ep): use --loopback plain")
-        if p.tp * p.cp > 1:
-            raise ArgumentError("one GPU does not stand in for the TP/CP groups and the "
-                                "expert-parallel group together yet (--ep with --tp or --cp "
-                                "above 1): tune with --tp 1 --cp 1 on one GPU")
     times = None
     if loopback == "faithful":
         from kareus.profilers.collective_times import EmulatedCollectiveTimes
@@ -141,18 +130,17 @@ def one_gpu_backends(workload: Workload, *, loopback: str = "plain",
             raise ArgumentError("loopback='faithful' needs the GPU preset whose collective "
                                 "times it stands in for (gpu=)")
         times = EmulatedCollectiveTimes(gpu)
-    capped, default, note = make_collectives(LoopbackGroups(tp=p.tp, cp=p.cp),
+    # a mixture of experts' EP group stood in beside the TP and CP groups (its all-to-alls:
+    # LoopbackGroupCollective.all_to_all, timed by the faithful stand-in)
+    ep = p.ep if workload.model.moe is not None else 1
+    capped, default, note = make_collectives(LoopbackGroups(tp=p.tp, cp=p.cp, ep=ep, dp=p.dp),
                                              backend="loopback", loopback=loopback,
                                              times=times)
-    if capped is None:  # TP = CP = 1: nothing to stand in for
+    if capped is None:  # TP = CP = EP = 1: nothing to stand in for
         from kareus.exec.collectives import LoopbackCollective
 
         loop = LoopbackCollective()
-        note = "LoopbackCollective (a world of one)"
-        if workload.model.moe is not None and p.ep > 1:
-            note += (f"; the expert-parallel all-to-all (EP={p.ep}) stood in by writing the "
-                     "received rows from the sent ones (no links)")
-        return {"loopback": loop}, loop, note
+        return {"loopback": loop}, loop, "LoopbackCollective (a world of one)"
     return {"loopback": capped}, default, note
 
 
