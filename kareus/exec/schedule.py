@@ -38,6 +38,12 @@ with that collective), as the partition model pairs it in a chain; for layers ru
 (``Workload.chained_layers=False``, ``exposed_default``) with its own CTA count, as the
 partition model costs it there (outside work).
 
+A mixture-of-experts model's layers are ``kareus.model.decoder.moe_decoder_layer``'s
+(``stack_stream(..., ep=, moe=)``): their dispatch and combine all-to-alls over the EP group
+(and those of the gradients) are collectives of the stream like the others, whose split
+sizes ``comm_args`` gives when they are launched (the routing decided them); a sequential
+all-to-all is named after its piece's ops, which make its tensors.
+
 Every rank runs the same pieces in the same order, so every rank issues the same
 collectives in the same order; nothing here depends on timing. Pure Python (no torch).
 """
@@ -404,7 +410,7 @@ def _communicate(part: Any, comm: Comm, args: tuple[Any, ...]) -> None:
 
 def run_computation(executor: Executor, stack: Sequence[Piece], *, schedule: str, nanobatches: int,  # noqa: C901 - one branch per schedule, checked up front; they share the enqueue helpers
                     run_op: Callable[[Op, int], Any],
-                    comm_args: Callable[[Comm, int], tuple[Any, Any]],
+                    comm_args: Callable[[Comm, int], tuple[Any, ...]],
                     types: Mapping[str, TypeShape] | None = None,
                     plan_config_of: Callable[[str], Any] | None = None,
                     sequential_config_of: Callable[[str], Any] | None = None,
