@@ -64,7 +64,7 @@ __all__ = [
 
 
 def _check_groups(workload: Workload, groups: Any) -> None:
-    """Refuse groups of other degrees than the workload's TP, CP and EP."""
+    """Refuse groups of other degrees than the workload's TP, CP, DP and EP."""
     p = workload.parallelism
     if (groups.tp_size, groups.cp_size) != (p.tp, p.cp):
         raise WorkloadError(f"the groups are TP={groups.tp_size} x CP={groups.cp_size}; the "
@@ -129,8 +129,9 @@ def check_plan_workload(plan: Plan, workload: Workload, *, one_stage: bool = Tru
     Raises:
         PlanError: the plan has more than one pipeline stage (``one_stage``) or not the
             workload's PP stages, or its recorded workload differs from ``workload`` in TP,
-            CP, EP (and DP, ``one_stage``), microbatch size, sequence length, nanobatches, microbatches, recomputation,
-            packed documents (``document_tokens``), chained layers or model.
+            CP, EP (and DP, ``one_stage``), microbatch size, sequence length, nanobatches,
+            microbatches, recomputation, packed documents (``document_tokens``), chained
+            layers or model.
     """
     if not isinstance(plan, Plan):
         raise ArgumentTypeError(f"plan must be a kareus.compose.Plan, got "
@@ -277,14 +278,15 @@ def shuffled_order(schedules: Sequence[str], repeats: int, seed: int) -> list[tu
 
 
 class TrainingLoop:
-    """One rank of a decoder trained with tensor and context parallelism under a plan.
+    """One rank of a decoder trained with tensor, context, data (and expert) parallelism
+    under a plan.
 
     Args:
         workload: The job: model dimensions, TP, CP, microbatch size, sequence length,
             microbatches per iteration, nanobatches, recomputation. PP must be 1; DP > 1
             runs replicas on their own microbatches (``TorchParallelGroups(dp=...)``).
-        groups: This rank's [`ParallelGroups`][kareus.exec.train.ParallelGroups] (TP x CP x DP of the
-            workload).
+        groups: This rank's [`ParallelGroups`][kareus.exec.train.ParallelGroups] (TP x CP x
+            DP, and EP, of the workload).
         collective: The partitions' collectives with exact SM caps (a
             [`GroupedCollective`][kareus.exec.train.GroupedCollective]); also the source of the
             communication buffers.
@@ -345,7 +347,7 @@ class TrainingLoop:
 
         if not isinstance(workload, Workload):
             raise ArgumentTypeError(f"workload must be a Workload, got {type(workload).__name__}")
-        # first: a model whose layers the loop does not compute (e.g. mixture of experts)
+        # first: a model whose layers the loop does not compute (e.g. a QKV bias)
         refuse_uncomputed(workload.model, where="kareus's training loop",
                           computes=frozenset({"qk_norm", "norm_eps", "moe"}))
         if torch.cuda.is_available():
