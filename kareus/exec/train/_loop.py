@@ -978,13 +978,17 @@ def overlap_efficiency(workload: Workload, *, executor: Executor,
         def comm() -> None:
             executor.run_partition([], [], prog.comm_tensor, alone,  # noqa: B023
                                    comm_kind=kind,  # noqa: B023
-                                   comm_output=prog.comm_output)  # noqa: B023
+                                   comm_output=prog.comm_output,  # noqa: B023
+                                   comm_group=prog.comm_group,  # noqa: B023
+                                   comm_splits=prog.comm_splits)  # noqa: B023
             prog.advance()  # noqa: B023
 
         def both() -> None:
             executor.run_partition(prog.ops, prog.op_names, prog.comm_tensor,  # noqa: B023
                                    cfg, comm_kind=kind,  # noqa: B023
-                                   comm_output=prog.comm_output)  # noqa: B023
+                                   comm_output=prog.comm_output,  # noqa: B023
+                                   comm_group=prog.comm_group,  # noqa: B023
+                                   comm_splits=prog.comm_splits)  # noqa: B023
             prog.advance()  # noqa: B023
 
         row = {}
