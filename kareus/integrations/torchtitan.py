@@ -96,7 +96,9 @@ from typing import Any
 from kareus._logging import get_logger
 from kareus.errors import ArgumentError, ArgumentTypeError, PlanError, WorkloadError
 from kareus.integrations._layer import PlanApplier
+from kareus.integrations._torchtitan_moe import TORCHTITAN_MOE_NOT_RUN, moe_of_layer
 from kareus.integrations._weights import head_norm, layer_weights, linear, qkv_from_separate
+from kareus.model.moe import MoEArch
 from kareus.model.workload import ModelArch, Parallelism, Workload
 
 __all__ = ["TESTED_VERSIONS", "apply_plan", "chained_blocks", "main", "masks_documents",
@@ -202,11 +204,12 @@ def _check_layer(where: str, lc: Any) -> None:
     if not any(isinstance(lc, b.Config) for b in tt.Blocks):
         raise WorkloadError(f"{where} is a {type(lc).__qualname__}: kareus applies plans to "
                             "Llama3TransformerBlock and Qwen3TransformerBlock layers only")
-    if getattr(lc, "moe", None) is not None or lc.feed_forward is None:
-        raise WorkloadError(f"{where} is a mixture of experts: kareus's planned layer runs a "
-                            "dense SwiGLU MLP (MoE layers are planned and emulated by kareus "
-                            "optimize --ep, not run yet); run MoE layers without kareus")
-    if type(lc.feed_forward) is not tt.FeedForward.Config:
+    moe = getattr(lc, "moe", None) is not None
+    if moe == (lc.feed_forward is not None):
+        raise WorkloadError(f"{where} has {'both' if moe else 'neither'} a feed_forward "
+                            f"{'and' if moe else 'nor'} a moe: kareus's layer has one MLP, "
+                            "dense or a mixture of experts")
+    if not moe and type(lc.feed_forward) is not tt.FeedForward.Config:
         raise WorkloadError(f"{where}'s MLP is a {type(lc.feed_forward).__qualname__}: "
                             "kareus's layer computes torchtitan's plain FeedForward (SwiGLU)")
     att = lc.attention
@@ -235,8 +238,8 @@ def _check_layer(where: str, lc: Any) -> None:
                             "kareus's layer computes causal attention (SDPA, flex, varlen)")
     ff = lc.feed_forward
     qkv = att.qkv_linear
-    linears = [ff.w1, ff.w2, ff.w3, att.wo] + ([qkv.wqkv] if hasattr(qkv, "wqkv")
-                                               else [qkv.wq, qkv.wkv])
+    linears = ([] if moe else [ff.w1, ff.w2, ff.w3]) + [att.wo] + (
+        [qkv.wqkv] if hasattr(qkv, "wqkv") else [qkv.wq, qkv.wkv])
     if any(getattr(lin, "bias", False) for lin in linears):
         raise WorkloadError(f"{where} has biases in its projections: kareus's layer has none")
     _check_norms(where, lc)
@@ -271,9 +274,12 @@ def _layer_eps(where: str, lc: Any) -> float:
     return eps["attention_norm"]
 
 
-def _layer_dims(i: int, lc: Any, dim: int) -> tuple[int, int, int, int, bool, float]:
-    """``(heads, kv_heads, head_dim, ffn, qk_norm, eps)`` of layer config ``lc``, refusing
-    what kareus's layer does not compute."""
+def _layer_dims(i: int, lc: Any, dim: int
+                ) -> tuple[int, int, int, int, bool, float, MoEArch | None]:
+    """``(heads, kv_heads, head_dim, ffn, qk_norm, eps, moe)`` of layer config ``lc``,
+    refusing what kareus's layer does not compute. An MoE layer's ``ffn`` is its experts'
+    width (torchtitan's MoE config has no dense width, which no layer of an all-MoE model
+    uses)."""
     where = f"layer {i}"
     _check_layer(where, lc)
     att, ff = lc.attention, lc.feed_forward
@@ -284,28 +290,39 @@ def _layer_dims(i: int, lc: Any, dim: int) -> tuple[int, int, int, int, bool, fl
         raise WorkloadError(f"{where} rotates {att.rope.dim} of {hd} dimensions per head: "
                             "kareus's layer rotates the whole head (partial RoPE is not "
                             "supported)")
-    if int(ff.w1.in_features) != dim:
+    moe = None if getattr(lc, "moe", None) is None else moe_of_layer(where, lc, dim)
+    if moe is None and int(ff.w1.in_features) != dim:
         raise WorkloadError(f"{where}'s MLP takes {ff.w1.in_features} features, the model "
                             f"{dim}")
     qk = att.qk_norm is not None
     if qk and int(att.qk_norm.normalized_shape) != hd:
         raise WorkloadError(f"{where}'s qk_norm normalizes {att.qk_norm.normalized_shape} "
                             f"features, a head has {hd}: kareus normalizes each head")
-    return heads, kv, hd, int(ff.w1.out_features), qk, _layer_eps(where, lc)
+    ffn = int(ff.w1.out_features) if moe is None else moe.expert_ffn
+    return heads, kv, hd, ffn, qk, _layer_eps(where, lc), moe
 
 
 def model_arch_from_torchtitan(model_or_config: Any, *, name: str = "torchtitan-llama3"
                                ) -> ModelArch:
-    """The [`ModelArch`][kareus.model.ModelArch] of a torchtitan Llama 3 or Qwen3 dense
-    model (built or config): ``dim``, the layer count, heads, key/value heads, head
-    dimension, the SwiGLU hidden size as the model builds it (``feed_forward.w1``'s output
-    features), the vocabulary, and the layer features: ``qk_norm`` (the attention's
+    """The [`ModelArch`][kareus.model.ModelArch] of a torchtitan Llama 3 or Qwen3 model,
+    dense or Qwen3 MoE (built or config): ``dim``, the layer count, heads, key/value heads,
+    head dimension, the SwiGLU hidden size as the model builds it (``feed_forward.w1``'s
+    output features), the vocabulary, and the layer features: ``qk_norm`` (the attention's
     per-head ``qk_norm``, Qwen3's), ``norm_eps`` (the norms' one epsilon) and
     ``tied_embeddings`` (``enable_weight_tying``).
 
+    A Qwen3 MoE model's layers (``moe`` set, every layer) give ``ModelArch.moe``
+    (``kareus.integrations._torchtitan_moe``: experts, top-k, the experts' width, shared
+    experts), and ``ffn`` is the experts' width (torchtitan's MoE config has no dense
+    width); what kareus's MoE block does not compute (``load_balance_coeff``, torchtitan's
+    default aux-loss-free balancing, sigmoid scores, no ``route_norm``, ``route_scale``,
+    group-limited routing, another dispatcher or expert module) is refused in one line.
+    Such a model is planned and emulated; ``apply_plan`` does not run it yet.
+
     Raises:
         ArgumentTypeError: not a torchtitan decoder model or config.
-        WorkloadError: a layer kareus's layer does not compute (MoE, a query/key norm other
+        WorkloadError: a layer kareus's layer does not compute (an MoE setting above, a
+            query/key norm other
             than an RMSNorm with a weight over each head, norms of different eps, biases,
             partial RoPE, windowed attention, a fused TP GEMM backend), or layers of
             different shapes.
@@ -317,13 +334,16 @@ def model_arch_from_torchtitan(model_or_config: Any, *, name: str = "torchtitan-
         raise WorkloadError("the model has no layers")
     dims = [_layer_dims(i, lc, dim) for i, lc in enumerate(layers)]
     if any(d != dims[0] for d in dims):
-        raise WorkloadError(f"the layers differ in shape ({sorted(set(dims))}): a plan is "
-                            "made for one layer shape")
-    heads, kv, hd, ffn, qk, eps = dims[0]
+        odd = next(i for i, d in enumerate(dims) if d != dims[0])
+        raise WorkloadError(f"the layers differ in shape (layer 0 {dims[0]}, layer {odd} "
+                            f"{dims[odd]}): a plan is made for one layer shape (a model whose "
+                            "every layer is dense, or every layer a mixture of experts)")
+    heads, kv, hd, ffn, qk, eps, moe = dims[0]
     return ModelArch(name=name, layers=len(layers), hidden=dim, heads=heads, kv_heads=kv,
                      head_dim=hd, ffn=ffn, vocab=int(cfg.vocab_size), qk_norm=qk,
                      norm_eps=eps,
-                     tied_embeddings=bool(getattr(cfg, "enable_weight_tying", False)))
+                     tied_embeddings=bool(getattr(cfg, "enable_weight_tying", False)),
+                     moe=moe)
 
 
 def sequence_parallel_of(model_or_config: Any) -> bool | None:
@@ -427,7 +447,7 @@ def workload_from_torchtitan(model_or_config: Any, *, tp: int, cp: int = 1,
                              nanobatches: int = 2, pp: int = 1, dp: int = 1,
                              name: str = "torchtitan-llama3",
                              recompute: str = "full", sp: bool | None = None,
-                             document_tokens: int | None = None) -> Workload:
+                             document_tokens: int | None = None, ep: int = 1) -> Workload:
     """The workload ``kareus optimize`` makes a plan for, from a torchtitan Llama 3 model.
 
     Args:
@@ -456,21 +476,36 @@ def workload_from_torchtitan(model_or_config: Any, *, tp: int, cp: int = 1,
             length the plan is costed for (``Workload.document_tokens``); ``apply_plan``
             refuses a plan for such a model without it, and it for a model whose attention
             masks none.
+        ep: Expert-parallel degree of a Qwen3 MoE model
+            (``parallelism.expert_parallel_degree``); it must divide ``tp x cp x dp``.
 
     Raises:
         ArgumentTypeError: not a torchtitan model or config.
         WorkloadError: the model has a layer kareus's layer does not compute (see
             [`model_arch_from_torchtitan`][kareus.integrations.torchtitan.model_arch_from_torchtitan]),
-            or the degrees do not divide its heads.
+            or the degrees do not divide its heads, or an MoE model at TP > 1 without
+            expert parallelism (torchtitan then splits the experts over TP).
     """
     arch = model_arch_from_torchtitan(model_or_config, name=name)
     if sp is None:
         sp = bool(sequence_parallel_of(model_or_config))
+    _check_moe_degrees(arch, tp, ep)
     return Workload(model=arch, parallelism=Parallelism(tp=tp, cp=cp, pp=pp, dp=dp,
-                                                        sp=bool(sp)),
+                                                        sp=bool(sp), ep=ep),
                     microbatch_size=microbatch_size, seq_len=seq_len,
                     num_microbatches=num_microbatches, nanobatches=nanobatches,
                     recompute=recompute, document_tokens=document_tokens)
+
+
+def _check_moe_degrees(arch: ModelArch, tp: int, ep: int) -> None:
+    """Refuse what torchtitan's MoE runs at these degrees and kareus does not: at TP > 1
+    with expert parallelism off, torchtitan splits each expert's hidden dimension over TP
+    (its dense placement), where kareus's experts are whole on every rank."""
+    if arch.moe is not None and int(tp) > 1 and int(ep) == 1:
+        raise WorkloadError(f"at tensor_parallel_degree={tp} with expert_parallel_degree=1 "
+                            "torchtitan splits every expert over TP, and kareus's experts are "
+                            "not split over TP: set parallelism.expert_parallel_degree > 1 "
+                            "(it folds the TP ranks into expert parallelism)")
 
 
 # ------------------------------------------------------------------ the blocks' weights
@@ -826,6 +861,8 @@ def _check_model(model: Any, workload: Workload) -> Any:
     """The model's own config against the workload, whatever made the workload: its layers'
     architecture and its TP plan's layout. Returns the model's ``ModelArch``."""
     arch = model_arch_from_torchtitan(model, name=workload.model.name)
+    if arch.moe is not None:
+        raise WorkloadError(TORCHTITAN_MOE_NOT_RUN)
     for field in ("hidden", "heads", "kv_heads", "head_dim", "ffn", "qk_norm", "norm_eps",
                   "qkv_bias"):
         mine, theirs = getattr(arch, field), getattr(workload.model, field)
@@ -1303,7 +1340,13 @@ def _workload_of(config: Any, model_config: Any, degrees: tuple[int, int, int, i
     compute = (training.dtype if training.dtype == "bfloat16"
                else training.mixed_precision_param)
     tp, cp, pp, dp = degrees
-    par = Parallelism(tp=tp, cp=cp, pp=pp, dp=dp,
+    ep = int(getattr(config.parallelism, "expert_parallel_degree", 1) or 1)
+    if arch.moe is not None and bool(getattr(getattr(config, "debug", None),
+                                             "moe_force_load_balance", False)):
+        raise WorkloadError("debug.moe_force_load_balance routes tokens round-robin, not by "
+                            "the router's logits as kareus's router does: turn it off")
+    _check_moe_degrees(arch, tp, ep)
+    par = Parallelism(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep if arch.moe is not None else 1,
                       sp=tp > 1 and bool(config.parallelism.enable_sequence_parallel))
     recompute = recompute_from_torchtitan(config.activation_checkpoint,
                                           selective_as=selective_as)
