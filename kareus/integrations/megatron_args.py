@@ -264,7 +264,29 @@ def parse_megatron_args(flags: str | Sequence[str]) -> argparse.Namespace:
         ns.position_embedding_type = "rope"
     if ns.seq_length is None:
         ns.seq_length = ns.max_position_embeddings
+    _derive_moe(ns)
     return ns
+
+
+def _derive_moe(ns: argparse.Namespace) -> None:
+    """Megatron-LM's derived MoE arguments (``validate_args``): ``--num-experts 0`` is
+    none, ``--moe-ffn-hidden-size`` defaults to ``--ffn-hidden-size`` with experts,
+    ``--expert-tensor-parallel-size`` to TP, a one-entry ``--moe-router-load-balancing-type``
+    or ``--moe-aux-loss-coeff`` list to its entry, and ``--moe-layer-freq N`` is the number N
+    (a pattern, which Megatron-LM evaluates as Python, stays text: refused)."""
+    if ns.num_experts == 0:
+        ns.num_experts = None
+    if ns.num_experts is not None and ns.moe_ffn_hidden_size is None:
+        ns.moe_ffn_hidden_size = ns.ffn_hidden_size
+    if ns.expert_tensor_parallel_size is None:
+        ns.expert_tensor_parallel_size = ns.tensor_model_parallel_size
+    for name in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
+        value = getattr(ns, name)
+        if isinstance(value, list) and len(value) == 1:
+            setattr(ns, name, value[0])
+    freq = ns.moe_layer_freq
+    if isinstance(freq, str) and freq.strip().isdigit():
+        ns.moe_layer_freq = int(freq)
 
 
 def _drop_ignored(argv: Sequence[str]) -> list[str]:

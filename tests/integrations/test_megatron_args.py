@@ -91,7 +91,8 @@ def test_what_kareus_does_not_compute_is_refused_by_its_flag(drop, add, says):
 
 
 def test_a_layer_kareus_does_not_compute_is_refused_by_its_field():
-    with pytest.raises(WorkloadError, match="num_moe_experts"):
+    # experts with Megatron-LM's default all-gather dispatcher: named by its field
+    with pytest.raises(WorkloadError, match="moe_token_dispatcher_type='alltoall'"):
         workload_from_megatron_args(JOB + " --num-experts 8", dp=2)
     with pytest.raises(MegatronArgsError, match="global-batch-size 64 is not a multiple"):
         workload_from_megatron_args(JOB, dp=3)
