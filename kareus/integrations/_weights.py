@@ -40,6 +40,29 @@ parameters' gradients (Megatron-Core's ``main_grad`` accumulation, DTensor place
 FSDP) sees them as from its own layer. A transpose is a view; a reordering costs one copy
 of the weight per forward, small beside a layer's activations.
 
+**Mixture of experts** (``ModelArch.moe``). An MoE layer's MLP weights are the router and
+this rank's ``experts / EP`` local experts (expert tensor parallelism 1: each whole), plus
+the shared experts when the model has them (replicated at TP = 1), named by
+[`moe_weight_names`][kareus.integrations.moe_weight_names]:
+
+======================  ===========================================================
+``W_router``            ``[hidden, experts]``: the router's GEMM (every expert's logit)
+``Wg_experts``          ``[local experts, hidden, expert_ffn]``: each local expert's
+                        SwiGLU gate projection, the local experts in expert order
+``Wu_experts``          ``[local experts, hidden, expert_ffn]``: the up projections
+``Wd_experts``          ``[local experts, expert_ffn, hidden]``: the down projections
+``Wg_shared``           ``[hidden, shared_expert_ffn]``: the shared experts' gate (one
+                        SwiGLU MLP of their total width)
+``Wu_shared``           ``[hidden, shared_expert_ffn]``: their up projection
+``Wd_shared``           ``[shared_expert_ffn, hidden]``: their down projection
+======================  ===========================================================
+
+EP rank ``r`` holds experts ``r * experts / EP`` to ``(r + 1) * experts / EP - 1``, as
+Megatron-Core and torchtitan place them. [`experts_from_linears`][kareus.integrations.experts_from_linears]
+reads per-expert ``[out, in]`` linears (Megatron-Core's ``SequentialMLP`` and
+``TEGroupedMLP``), [`experts_from_stacked`][kareus.integrations.experts_from_stacked]
+stacked ``[experts, out, in]`` tensors (torchtitan's ``GroupedExperts``).
+
 Why rows can be permuted at all: attention scores are dot products of a query and a key
 head, unchanged when both have their ``head_dim`` entries permuted the same way; so a model
 that rotates interleaved pairs ``(2i, 2i+1)`` is the same model as one that rotates halves
@@ -53,14 +76,73 @@ from typing import Any
 
 from kareus.errors import ArgumentError
 
-__all__ = ["LAYER_WEIGHTS", "QK_NORM_WEIGHTS", "gate_up_from_fused", "head_norm",
-           "layer_weights", "linear", "qkv_from_grouped", "qkv_from_separate"]
+__all__ = ["LAYER_WEIGHTS", "MOE_WEIGHTS", "QK_NORM_WEIGHTS", "SHARED_EXPERT_WEIGHTS",
+           "experts_from_linears", "experts_from_stacked", "gate_up_from_fused", "head_norm",
+           "layer_weights", "linear", "moe_weight_names", "qkv_from_grouped",
+           "qkv_from_separate"]
 
 #: The weights of a planned layer, in the order [`PlannedLayer`][kareus.integrations.PlannedLayer] takes them.
 LAYER_WEIGHTS = ("w_attn_norm", "Wqkv", "Wo", "w_mlp_norm", "Wg", "Wu", "Wd")
 
 #: The per-head query and key RMSNorm weights a ``qk_norm`` model's layer adds (after ``LAYER_WEIGHTS``).
 QK_NORM_WEIGHTS = ("w_q_norm", "w_k_norm")
+
+
+#: The weights of an MoE layer's router and local experts (see the module docstring).
+MOE_WEIGHTS = ("W_router", "Wg_experts", "Wu_experts", "Wd_experts")
+
+#: The weights an MoE layer's shared experts add (after ``MOE_WEIGHTS``).
+SHARED_EXPERT_WEIGHTS = ("Wg_shared", "Wu_shared", "Wd_shared")
+
+
+def moe_weight_names(shared_experts: bool) -> tuple[str, ...]:
+    """The names of an MoE layer's MLP weights in kareus's layout: ``MOE_WEIGHTS``, then,
+    with shared experts (``MoEArch.shared_experts`` > 0), ``SHARED_EXPERT_WEIGHTS``."""
+    return MOE_WEIGHTS + (SHARED_EXPERT_WEIGHTS if shared_experts else ())
+
+
+def experts_from_linears(fc1: Any, fc2: Any) -> tuple[Any, Any, Any]:
+    """kareus's ``(Wg_experts, Wu_experts, Wd_experts)`` from each local expert's fused
+    gate/up projection (``[2 expert_ffn, hidden]``, the gate's rows first, as Megatron-Core's
+    gated ``linear_fc1`` holds them) and its down projection (``[hidden, expert_ffn]``), in
+    expert order: a stack of differentiable views, so the gradients reach each expert's own
+    parameters.
+
+    Args:
+        fc1: The local experts' ``linear_fc1`` weights (a sequence, one per expert).
+        fc2: Their ``linear_fc2`` weights.
+    """
+    import torch
+
+    fc1, fc2 = list(fc1), list(fc2)
+    if not fc1 or len(fc1) != len(fc2):
+        raise ArgumentError(f"one fc1 and one fc2 weight per local expert, got {len(fc1)} and "
+                            f"{len(fc2)}")
+    gates, ups = zip(*(gate_up_from_fused(w) for w in fc1), strict=True)
+    for i, w in enumerate(fc2):
+        _require_2d(f"fc2[{i}]", w)
+    shape = tuple(gates[0].shape)  # [hidden, ffn]: a gate's, and a down projection's [out, in]
+    if any(tuple(w.shape) != shape for w in (*gates, *ups, *fc2)):
+        raise ArgumentError("the experts' fc1 weights must all be [2 ffn, hidden] and their "
+                            "fc2 weights [hidden, ffn] of the same ffn and hidden")
+    return (torch.stack(gates), torch.stack(ups), torch.stack([w.t() for w in fc2]))
+
+
+def experts_from_stacked(w1: Any, w3: Any, w2: Any) -> tuple[Any, Any, Any]:
+    """kareus's ``(Wg_experts, Wu_experts, Wd_experts)`` from the local experts' stacked
+    ``[out, in]`` projections (torchtitan's ``GroupedExperts``: ``w1`` the gate and ``w3``
+    the up projection, ``[experts, expert_ffn, hidden]``; ``w2`` the down projection,
+    ``[experts, hidden, expert_ffn]``): transposed views."""
+    for name, w in (("w1", w1), ("w3", w3), ("w2", w2)):
+        if getattr(w, "dim", None) is None or w.dim() != 3:
+            raise ArgumentError(f"{name} must be a 3-D [experts, out, in] weight, got shape "
+                                f"{tuple(getattr(w, 'shape', ()))}")
+    e, f, h = w1.shape
+    if tuple(w3.shape) != (e, f, h) or tuple(w2.shape) != (e, h, f):
+        raise ArgumentError(f"w1 and w3 must be [experts, ffn, hidden] and w2 [experts, "
+                            f"hidden, ffn], got {tuple(w1.shape)}, {tuple(w3.shape)}, "
+                            f"{tuple(w2.shape)}")
+    return w1.transpose(1, 2), w3.transpose(1, 2), w2.transpose(1, 2)
 
 
 def layer_weights(qk_norm: bool) -> tuple[str, ...]:

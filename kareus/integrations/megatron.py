@@ -26,6 +26,10 @@ block's instance ``forward``), nothing forked or copied:
 * [`workload_from_megatron`][kareus.integrations.megatron.workload_from_megatron] reads the
   workload a plan is made for from the ``TransformerConfig``, refusing what kareus's layer
   does not compute.
+* [`moe_layer_weights`][kareus.integrations.megatron.moe_layer_weights] reads a
+  Megatron-Core ``MoELayer``'s router and local experts in kareus's layout (differentiable
+  views), for the planned MoE layer and for checking kareus's MoE semantics against
+  Megatron-Core's (the layer itself still refuses ``num_moe_experts``).
 
 The module is tested with the Megatron-Core releases in ``TESTED_MEGATRON`` and refuses
 another at import (``MegatronVersionError``); set ``KAREUS_MEGATRON_UNTESTED=1`` to try
@@ -60,7 +64,12 @@ from packaging.version import Version
 from kareus.errors import ArgumentError, ArgumentTypeError, KareusError, WorkloadError
 from kareus.integrations._layer import PlanApplier
 from kareus.integrations._megatron_config import check_layer_config, workload_from_megatron
-from kareus.integrations._weights import gate_up_from_fused, linear, qkv_from_grouped
+from kareus.integrations._weights import (
+    experts_from_linears,
+    gate_up_from_fused,
+    linear,
+    qkv_from_grouped,
+)
 from kareus.integrations.megatron_args import workload_from_megatron_args
 from kareus.model import cp_positions
 
@@ -68,6 +77,7 @@ __all__ = ["CHAIN_ENV", "GRAPHS_ENV", "LAYOUTS", "LAYOUT_ENV", "PLAN_ENV", "SCHE
            "TESTED_MEGATRON", "UNTESTED_ENV", "KareusCoreAttention", "KareusTransformerLayer",
            "MegatronVersionError", "SequenceParallelRMSNorm", "chain_layers",
            "check_layer_config", "check_megatron_version", "kareus_layer_spec", "layer_spec",
+           "moe_layer_weights",
            "megatron_lm_applier", "release_layer_spec", "unchain_layers",
            "workload_from_megatron", "workload_from_megatron_args", "wrap_schedule"]
 
@@ -392,6 +402,62 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
                                 "rotary_percent 1): pass PlanApplier(rope_base=<GPTModel's "
                                 "rotary_base>) or rope_inv_freq=model.rotary_pos_emb.inv_freq")
         self._rope_checked.add((s, str(device)))
+
+
+def moe_layer_weights(layer: Any) -> dict[str, Any]:
+    """This rank's MoE weights of a Megatron-Core ``MoELayer`` in kareus's layout
+    (``kareus.integrations.moe_weight_names``: ``W_router``, the local experts'
+    ``Wg_experts``/``Wu_experts``/``Wd_experts`` and, with shared experts, ``Wg_shared``/
+    ``Wu_shared``/``Wd_shared``), as differentiable views of the layer's own parameters.
+
+    Reads every expert module Megatron-Core builds: ``SequentialMLP`` (each local expert's
+    gated ``linear_fc1`` ``[2 ffn, hidden]``, gate rows first, and ``linear_fc2``),
+    ``TEGroupedMLP`` (``linear_fc1.weight<i>``, ``linear_fc2.weight<i>``, the same
+    layouts) and the legacy ``GroupedMLP`` (``weight1`` holding each local expert's
+    ``[hidden, 2 ffn]`` block, gate columns first, ``weight2`` each ``[ffn, hidden]``).
+    The local experts are this rank's (``experts / expert_model_parallel_size`` of them, in
+    expert order); expert tensor parallelism must be 1 and the shared experts unsplit
+    (TP = 1), as the MoE workload requires.
+
+    Raises:
+        WorkloadError: experts split over tensor parallelism, or shared experts split over
+            TP.
+        ArgumentTypeError: not an ``MoELayer`` (no router and experts).
+    """
+    router, experts = getattr(layer, "router", None), getattr(layer, "experts", None)
+    if router is None or experts is None:
+        raise ArgumentTypeError(f"expected a Megatron-Core MoELayer, got {type(layer).__name__}")
+    config = layer.config
+    tp = int(getattr(config, "tensor_model_parallel_size", 1) or 1)
+    etp = getattr(config, "expert_tensor_parallel_size", None)
+    if (tp if etp is None else int(etp)) != 1:
+        raise WorkloadError("the layer's experts are split over tensor parallelism "
+                            "(expert_tensor_parallel_size > 1): kareus's experts are whole: "
+                            "set expert_tensor_parallel_size=1")
+    n = int(layer.num_local_experts)
+    if hasattr(experts, "local_experts"):  # SequentialMLP
+        local = list(experts.local_experts)
+        wg, wu, wd = experts_from_linears([e.linear_fc1.weight for e in local],
+                                          [e.linear_fc2.weight for e in local])
+    elif hasattr(experts, "weight1"):  # the legacy GroupedMLP: one block per local expert
+        h = int(config.hidden_size)
+        w1 = experts.weight1.view(n, h, -1)
+        f = w1.shape[-1] // 2
+        wg, wu, wd = w1[..., :f], w1[..., f:], experts.weight2.view(n, -1, h)
+    else:  # TEGroupedMLP: one weight per local expert
+        wg, wu, wd = experts_from_linears(
+            [getattr(experts.linear_fc1, f"weight{i}") for i in range(n)],
+            [getattr(experts.linear_fc2, f"weight{i}") for i in range(n)])
+    out = {"W_router": linear(router.weight), "Wg_experts": wg, "Wu_experts": wu,
+           "Wd_experts": wd}
+    shared = getattr(layer, "shared_experts", None)
+    if shared is not None:
+        if tp != 1:
+            raise WorkloadError("the layer's shared experts are split over tensor parallelism "
+                                f"(TP={tp}): kareus's shared experts are whole (TP = 1)")
+        out["Wg_shared"], out["Wu_shared"] = gate_up_from_fused(shared.linear_fc1.weight)
+        out["Wd_shared"] = linear(shared.linear_fc2.weight)
+    return out
 
 
 def _refuse_documents(applier: PlanApplier) -> None:

@@ -17,6 +17,16 @@ process, for good (there is no uninstall): run it only in a process of its own t
 Megatron with gloo, in fp32 (``examples/integrations/megatron_gpt.py --cpu``, and kareus's
 CPU tests of the Megatron adapter, which run the same code).
 
+Mixture-of-experts layers (``MoELayer`` with the all-to-all token dispatcher) need three
+more: the dispatcher makes a side stream (``torch.cuda.Stream``) and events for its
+device-to-host copies of the token counts, so streams, ``torch.cuda.stream`` and events
+become in-order no-ops; it moves those counts to the host only when they are on a GPU
+(``maybe_move_tensor_to_cpu``), and hands them to ``all_to_all_single`` as split sizes, which
+a CPU tensor is not, so on the CPU they become the numpy arrays a GPU run gets; and
+Megatron-Core 0.16's router names Transformer Engine's ``te_general_gemm`` even when
+Transformer Engine is not installed, so the name is set to ``None`` (its own fallback,
+``torch.mm`` in the router dtype).
+
 When to call it, in this order::
 
     dist.init_process_group("gloo")
@@ -86,6 +96,7 @@ def install() -> None:
         return t
 
     torch.Tensor.type = tensor_type  # type: ignore[method-assign, assignment]
+    _install_moe()
     # The no-op RNG tracker (dropout is 0): CUDA's would call torch.cuda.get_rng_state().
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True,
                                                   force_reset=True)
@@ -93,6 +104,47 @@ def install() -> None:
     # restores the CUDA RNG state around the recomputed forward: there is none (no dropout)
     tensor_parallel.random._get_cuda_rng_state = lambda *a, **k: None
     tensor_parallel.random._set_cuda_rng_state = lambda *a, **k: None
+
+
+def _install_moe() -> None:
+    """The three MoE redirections of the module doc (after the torch ones above)."""
+    import contextlib
+
+    import torch
+    from megatron.core.transformer.moe import (  # type: ignore[import-untyped, import-not-found]
+        moe_utils,
+        token_dispatcher,
+    )
+
+    torch.cuda.Stream = lambda *a, **k: _InOrder()  # type: ignore[assignment, misc]
+    torch.cuda.Event = lambda *a, **k: _Done()  # type: ignore[assignment, misc]
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+    def to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if torch.is_tensor(tensor) and as_numpy:
+            return tensor.numpy()
+        return tensor
+
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
+
+
+class _Done:
+    """A CPU "event": the work before it has run when it is recorded."""
+
+    def record(self, *a: Any, **k: Any) -> None:
+        """Nothing to record."""
+
+    def wait(self, *a: Any, **k: Any) -> None:
+        """Nothing to wait for."""
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
+
+    def query(self) -> bool:
+        """Always done."""
+        return True
 
 
 class _InOrder:
@@ -106,3 +158,7 @@ class _InOrder:
 
     def synchronize(self) -> None:
         """Nothing to wait for."""
+
+    def record_event(self, event: Any = None) -> Any:
+        """An event that is already done."""
+        return event if event is not None else _Done()

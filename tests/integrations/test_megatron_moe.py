@@ -1,0 +1,227 @@
+"""Megatron-Core's ``MoELayer`` computes kareus's MoE semantics (CPU, gloo, 2 ranks).
+
+The worker builds Megatron-Core's own ``MoELayer`` (the local spec's ``SequentialMLP``
+experts, the all-to-all token dispatcher, ``moe_router_dtype="fp32"``, no auxiliary loss,
+dropless, ``expert_tensor_parallel_size=1``) at EP = 2, in three layouts:
+
+* ``ep2``: TP = 1, the two ranks data-parallel replicas whose tokens meet in the
+  expert-parallel all-to-alls;
+* ``ep2-tp2-sp``: TP = 2 with sequence parallelism and EP = 2 over the same two ranks
+  (Megatron-Core's MoE parallel folding): each rank routes its own sequence shard;
+* ``ep2-shared``: ``ep2`` with a shared expert (``moe_shared_expert_intermediate_size``).
+
+It trains two SGD steps (the router's gradient summed over the ranks, as Megatron-Core's
+DDP and ``finalize_model_grads`` do; the experts' gradients are each rank's own, there
+being one expert-data-parallel rank) and saves, per step, each rank's tokens, output, loss
+and gradients, and its weights read by ``kareus.integrations.megatron.moe_layer_weights``
+(kareus's layout). The parent runs kareus's semantics in float64 on the whole set of
+weights (the ranks' local experts side by side) over every rank's tokens and checks the
+losses, outputs, input gradients, router and expert gradients and the weights after both
+steps to fp32 tolerance; so the weight mapping (gate and up order, expert order over the EP
+ranks, the router's layout) is checked too.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+HERE = Path(__file__).resolve().parent
+
+SEQ, MBS, HIDDEN, EXPERTS, TOP_K, EXPERT_FFN, SHARED_FFN, LR = 16, 2, 16, 4, 2, 24, 40, 0.1
+VARIANTS = {"ep2": dict(tp=1), "ep2-tp2-sp": dict(tp=2), "ep2-shared": dict(tp=1, shared=True)}
+
+
+def _worker(out_dir: str, variant: str) -> None:
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    opts = VARIANTS[variant]
+    tp, shared = opts["tp"], opts.get("shared", False)
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=2,
+                                 expert_tensor_parallel_size=1)
+    from kareus.integrations import megatron_cpu
+
+    megatron_cpu.install()
+    torch.manual_seed(1234)
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.spec_utils import build_module
+
+    from kareus.integrations._megatron_config import workload_from_megatron
+    from kareus.integrations.megatron import moe_layer_weights
+
+    config = TransformerConfig(
+        num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, ffn_hidden_size=32,
+        num_moe_experts=EXPERTS, moe_router_topk=TOP_K, moe_ffn_hidden_size=EXPERT_FFN,
+        moe_shared_expert_intermediate_size=SHARED_FFN if shared else None,
+        moe_token_dispatcher_type="alltoall", moe_router_dtype="fp32",
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+        tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
+        expert_model_parallel_size=2, expert_tensor_parallel_size=1,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        bias_activation_fusion=False, normalization="RMSNorm", hidden_dropout=0.0,
+        attention_dropout=0.0, params_dtype=torch.float32, use_cpu_initialization=True)
+    # the workload kareus reads from this config: the MoE block the reference computes
+    wl = workload_from_megatron(config, microbatch_size=MBS, seq_len=SEQ, num_microbatches=1,
+                                vocab_size=64, dp=2 // tp)
+    layer = build_module(get_moe_module_spec(use_te=False, num_experts=EXPERTS,
+                                             moe_grouped_gemm=False), config=config)
+    layer.train()
+    # distinct weights on every rank's experts (one seed per EP rank), the router's and the
+    # shared experts' the same on every rank (they are replicated); spread so that no
+    # token's top-k is near a tie
+    ep_rank = ps.get_expert_model_parallel_rank()
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(7)
+        layer.router.weight.normal_(0, 0.5, generator=g)
+        if shared:
+            for p in layer.shared_experts.parameters():
+                p.normal_(0, 0.2, generator=g)
+        g = torch.Generator().manual_seed(100 + ep_rank)
+        for p in layer.experts.parameters():
+            p.normal_(0, 0.2, generator=g)
+    # each rank's tokens: its own sequences (TP = 1: data-parallel replicas), or its shard
+    # of the TP group's sequences (sequence parallelism)
+    group_seed = 11 + (rank if tp == 1 else 0)
+    g = torch.Generator().manual_seed(group_seed)
+    x_full = torch.randn(SEQ, MBS, HIDDEN, generator=g)
+    target_full = torch.randn(SEQ, MBS, HIDDEN, generator=g)
+    tp_rank, s = ps.get_tensor_model_parallel_rank(), SEQ // tp
+    x_local = x_full[tp_rank * s:(tp_rank + 1) * s].contiguous()
+    target = target_full[tp_rank * s:(tp_rank + 1) * s].contiguous()
+    params = dict(layer.named_parameters())
+    steps = []
+    for _ in range(2):
+        weights = {k: v.detach().clone() for k, v in moe_layer_weights(layer).items()}
+        x = x_local.clone().requires_grad_(True)
+        out, bias = layer(x)
+        assert bias is None
+        loss = (out * target).sum()
+        loss.backward()
+        # the router's (and shared experts') gradient: every rank's tokens', summed, as
+        # Megatron-Core's DDP (data parallel) and finalize_model_grads (sequence parallel)
+        # sum it; the experts' are each rank's own (one expert-data-parallel rank)
+        for name, p in params.items():
+            if not name.startswith("experts."):
+                dist.all_reduce(p.grad)
+        grads = {k: v.detach().clone()
+                 for k, v in _grads_in_kareus_layout(layer, moe_layer_weights).items()}
+        steps.append({"weights": weights, "x": x_local, "target": target,
+                      "out": out.detach().clone(), "x_grad": x.grad.detach().clone(),
+                      "loss": float(loss), "grads": grads})
+        with torch.no_grad():
+            for p in params.values():
+                p -= LR * p.grad
+                p.grad = None
+    final = {k: v.detach().clone() for k, v in moe_layer_weights(layer).items()}
+    torch.save({"steps": steps, "final": final, "ep_rank": ep_rank, "tp_rank": tp_rank,
+                "workload_moe": wl.model.moe, "ep": wl.parallelism.ep},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _grads_in_kareus_layout(layer, reader):
+    """The parameters' gradients read through the same mapping as the weights: the
+    mapping applied to a copy of the layer whose parameters hold their gradients."""
+    saved = {n: p.data.clone() for n, p in layer.named_parameters()}
+    try:
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.data = p.grad.clone()
+        return {k: v.detach().clone() for k, v in reader(layer).items()}
+    finally:
+        for n, p in layer.named_parameters():
+            p.data = saved[n]
+
+
+def _close(got, want, *, msg: str = "", rtol: float = 1e-5, atol: float = 1e-5) -> None:
+    """fp32 tolerance against a float64 reference: ``rtol`` per element, and ``atol``
+    relative to the tensor's largest entry (an entry that nearly cancels is as exact as the
+    sums of fp32 products it comes from)."""
+    scale = max(1.0, float(want.abs().max())) if want.numel() else 1.0
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol * scale,
+                               msg=lambda detail: f"{msg} (scale {scale:.3g}): {detail}")
+
+
+def _full(weights_per_ep_rank: list[dict]) -> dict:
+    """Every expert's weights, the EP ranks' local experts side by side; the rest the
+    first rank's."""
+    full = dict(weights_per_ep_rank[0])
+    for k in ("Wg_experts", "Wu_experts", "Wd_experts"):
+        full[k] = torch.cat([w[k] for w in weights_per_ep_rank])
+    return full
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_megatron_moe_layer_computes_kareus_semantics(tmp_path, variant):
+    from _moe_reference import min_logit_gap, moe_block  # tests/integrations
+    from _ranks import run_ranks
+
+    from kareus.model.moe import MoEArch
+
+    res = run_ranks(__file__, tmp_path, 2, variant)
+    shared = VARIANTS[variant].get("shared", False)
+    assert res[0]["ep"] == 2 and res[0]["workload_moe"] == MoEArch(
+        experts=EXPERTS, experts_per_token=TOP_K, expert_ffn=EXPERT_FFN,
+        shared_experts=int(shared), shared_expert_ffn=SHARED_FFN if shared else 0)
+    by_ep = sorted(res, key=lambda r: r["ep_rank"])
+    w = {k: v.double().requires_grad_(True) for k, v in _full(
+        [r["steps"][0]["weights"] for r in by_ep]).items()}
+    for step in range(2):
+        # every rank read the same router (and shared experts): replicated
+        for r in res[1:]:
+            for k in w:
+                if not k.endswith("_experts"):
+                    _close(r["steps"][step]["weights"][k],
+                                               res[0]["steps"][step]["weights"][k])
+        # the weights each rank read are the reference's (after the previous step's update)
+        got = _full([r["steps"][step]["weights"] for r in by_ep])
+        for k, v in w.items():
+            _close(got[k].double(), v.detach(), rtol=1e-5, atol=1e-6,
+                                       msg=f"step {step} weight {k}")
+        xs = [r["steps"][step]["x"].double().reshape(-1, HIDDEN).requires_grad_(True)
+              for r in res]
+        outs = [moe_block(x, w, TOP_K) for x in xs]
+        for x in xs:
+            assert min_logit_gap(x.detach(), w["W_router"].detach(), TOP_K) > 1e-3
+        loss = sum((o * r["steps"][step]["target"].double().reshape(o.shape)).sum()
+                   for o, r in zip(outs, res, strict=True))
+        loss.backward()
+        total = sum(r["steps"][step]["loss"] for r in res)
+        assert total == pytest.approx(float(loss.detach()), rel=1e-5, abs=1e-5), f"step {step}"
+        for o, x, r in zip(outs, xs, res, strict=True):
+            mine = r["steps"][step]
+            _close(mine["out"].double().reshape(o.shape), o.detach(),
+                                       rtol=1e-5, atol=1e-5, msg=f"step {step} output")
+            _close(mine["x_grad"].double().reshape(x.shape), x.grad,
+                                       rtol=1e-5, atol=1e-5, msg=f"step {step} input grad")
+        grads = _full([r["steps"][step]["grads"] for r in by_ep])
+        for k, v in w.items():
+            _close(grads[k].double(), v.grad, rtol=1e-5, atol=1e-5,
+                                       msg=f"step {step} grad {k}")
+        with torch.no_grad():
+            for v in w.values():
+                v -= LR * v.grad
+                v.grad = None
+    final = _full([r["final"] for r in by_ep])
+    for k, v in w.items():
+        _close(final[k].double(), v.detach(), rtol=1e-5, atol=1e-5,
+                                   msg=f"final weight {k}")
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], sys.argv[2])
