@@ -102,7 +102,7 @@ from kareus.model.moe import MoEArch
 from kareus.model.workload import ModelArch, Parallelism, Workload
 
 __all__ = ["TESTED_VERSIONS", "apply_plan", "chained_blocks", "main", "masks_documents",
-           "planned_blocks", "recompute_from_torchtitan", "remove_plan",
+           "moe_block_weights", "planned_blocks", "recompute_from_torchtitan", "remove_plan",
            "sequence_parallel_of", "workload_from_torchtitan",
            "workload_from_torchtitan_config", "workload_from_trainer", "wrap_trainer"]
 
@@ -516,6 +516,40 @@ def _local(t: Any) -> Any:
     gradient comes back as a DTensor of the parameter's placements), or the tensor."""
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
+
+
+def moe_block_weights(moe: Any) -> dict[str, Any]:
+    """This rank's weights of a torchtitan 0.3 ``MoE`` module (a Qwen3 MoE block's
+    ``moe``) in kareus's layout (``kareus.integrations.moe_weight_names``): ``W_router``
+    from the router's ``gate`` (``[experts, dim]``, transposed), the local experts'
+    ``Wg_experts``/``Wu_experts``/``Wd_experts`` from ``GroupedExperts``' ``w1_EFD`` (gate),
+    ``w3_EFD`` (up) and ``w2_EDF`` (down) (``kareus.integrations.experts_from_stacked``;
+    under expert parallelism each a DTensor sharded over ``ep`` on the expert dimension:
+    this rank's shard), and the shared experts' ``w1``/``w3``/``w2`` when the block has
+    them. Differentiable views of the module's parameters. The router's weight is whole
+    on every rank and applied to this rank's tokens (its sequence shard under TP), so its
+    gradient is handed back as this rank's part, as the query/key norms' are
+    (``_head_norm``).
+
+    Raises:
+        ArgumentTypeError: not a torchtitan ``MoE`` module.
+    """
+    from kareus.integrations._weights import experts_from_stacked
+
+    routed, router = getattr(moe, "routed_experts", None), getattr(moe, "router", None)
+    inner = getattr(routed, "inner_experts", None)
+    if inner is None or router is None:
+        raise ArgumentTypeError(f"expected a torchtitan MoE module, got {type(moe).__name__}")
+    wg, wu, wd = experts_from_stacked(_local(inner.w1_EFD), _local(inner.w3_EFD),
+                                      _local(inner.w2_EDF))
+    out = {"W_router": linear(_head_norm(router.gate.weight)), "Wg_experts": wg,
+           "Wu_experts": wu, "Wd_experts": wd}
+    shared = getattr(moe, "shared_experts", None)
+    if shared is not None:
+        out["Wg_shared"] = linear(_local(shared.w1.weight))
+        out["Wu_shared"] = linear(_local(shared.w3.weight))
+        out["Wd_shared"] = linear(_local(shared.w2.weight))
+    return out
 
 
 def _head_norm(weight: Any) -> Any:
