@@ -160,9 +160,9 @@ class _RecordingScope(PartitionScope):
     _ex: RecordingExecutor
 
     def communicate(self, tensor: Any, *, kind: str = "all_reduce", output: Any = None,
-                    group: str | None = None) -> None:
+                    group: str | None = None, splits: Any = None) -> None:
         """Registers the partition's collective (launched at the configured slot); records it."""
-        super().communicate(tensor, kind=kind, output=output, group=group)
+        super().communicate(tensor, kind=kind, output=output, group=group, splits=splits)
         self._ex.log.append(("communicate", self.key, kind))
 
 

@@ -97,8 +97,13 @@ def make_collectives(groups: ParallelGroups, *, backend: str = "nccl_capped",
     if backend not in BACKENDS:
         raise ArgumentError(f"backend must be one of {BACKENDS}, got {backend!r}")
     sizes = {"tp": groups.tp_size, "cp": groups.cp_size}
-    if sizes["tp"] * sizes["cp"] == 1:
-        return None, None, "no collectives (TP = CP = 1)"
+    if groups.ep_size > 1:  # a mixture of experts' dispatch and combine
+        if backend == "loopback" and loopback == "faithful":
+            raise ArgumentError(f"expert parallelism (EP={groups.ep_size}) has no "
+                                "time-faithful stand-in yet: use loopback='plain'")
+        sizes["ep"] = groups.ep_size
+    if sizes["tp"] * sizes["cp"] * sizes.get("ep", 1) == 1:
+        return None, None, "no collectives (TP = CP = EP = 1)"
     if loopback not in LOOPBACK_MODES:
         raise ArgumentError(f"loopback must be one of {LOOPBACK_MODES}, got {loopback!r}")
     if backend == "loopback":

@@ -63,6 +63,33 @@ __all__ = [
 ]
 
 
+def _check_groups(workload: Workload, groups: Any) -> None:
+    """Refuse groups of other degrees than the workload's TP, CP and EP."""
+    p = workload.parallelism
+    if (groups.tp_size, groups.cp_size) != (p.tp, p.cp):
+        raise WorkloadError(f"the groups are TP={groups.tp_size} x CP={groups.cp_size}; the "
+                            f"workload asks for TP={p.tp} x CP={p.cp}")
+    if getattr(groups, "ep_size", 1) != p.ep:
+        raise WorkloadError(f"the groups are EP={getattr(groups, 'ep_size', 1)}; the "
+                            f"workload asks for EP={p.ep} (TorchParallelGroups(tp=..., "
+                            "ep=...))")
+
+
+def _check_moe_run(workload: Workload, graphs: bool | None) -> None:
+    """Refuse, in one line each, what the loop does not run of a mixture of experts: CUDA
+    graphs (the dispatch's split sizes are data-dependent, read on the host after the
+    routing: ``kareus.exec.train._moe``) and nanobatches along the sequence."""
+    if graphs:
+        raise WorkloadError("a mixture of experts runs eagerly in the training loop: its "
+                            "all-to-alls' sizes follow the routing, read on the host, which a "
+                            "CUDA graph cannot capture; pass graphs=False")
+    if workload.sequence_split:
+        raise WorkloadError("a mixture of experts with nanobatches along the sequence "
+                            f"(microbatch_size=1, nanobatches={workload.nanobatches}) is not "
+                            "run by the training loop: use nanobatches=1 or a larger "
+                            "microbatch")
+
+
 def check_plan_splits(plan: Plan, workload: Workload) -> None:
     """Refuse a plan that splits a microbatch's backward into other nanobatches than its
     forward when the workload keeps activations (``recompute`` ``"none"`` or
@@ -272,7 +299,8 @@ class TrainingLoop:
         comm_high_priority: Collectives on a high-priority stream, for every schedule
             ([`TorchExecutor`][kareus.exec.TorchExecutor]'s ``comm_high_priority``).
         graphs: Run each schedule's iteration from CUDA graphs (``None``, the default: on
-            a CUDA device, or as the executors passed in capture; ``False``: eager
+            a CUDA device, or as the executors passed in capture, except for a mixture of
+            experts, whose routing-sized all-to-alls run eagerly; ``False``: eager
             launches). Every schedule is run the same way, so comparisons stay fair. See
             [`step`][kareus.exec.train.TrainingLoop.step].
         executor: The executor that applies the plan (any
@@ -309,7 +337,7 @@ class TrainingLoop:
             raise ArgumentTypeError(f"workload must be a Workload, got {type(workload).__name__}")
         # first: a model whose layers the loop does not compute (e.g. mixture of experts)
         refuse_uncomputed(workload.model, where="kareus's training loop",
-                          computes=frozenset({"qk_norm", "norm_eps"}))
+                          computes=frozenset({"qk_norm", "norm_eps", "moe"}))
         if torch.cuda.is_available():
             # Before the first GEMM; graphed or eager, one memset fewer per GEMM
             # (kareus.exec._graphs).
@@ -328,10 +356,11 @@ class TrainingLoop:
             raise WorkloadError("the training loop runs its layers as one chain; the workload "
                                 "has chained_layers=False (layers run one by one, as "
                                 "framework blocks wrapped in FSDP do): use chained_layers=True")
-        if (groups.tp_size, groups.cp_size) != (p.tp, p.cp):
-            raise WorkloadError(f"the groups are TP={groups.tp_size} x CP={groups.cp_size}; the "
-                                f"workload asks for TP={p.tp} x CP={p.cp}")
-        has_comm = p.tp * p.cp > 1
+        _check_groups(workload, groups)
+        moe = workload.model.moe
+        if moe is not None:
+            _check_moe_run(workload, graphs)
+        has_comm = p.tp * p.cp * p.ep > 1
         plan = _plan_of(plan, executor, baseline,
                         needs_collective=has_comm and collective is None)
         if plan is not None:
@@ -357,9 +386,12 @@ class TrainingLoop:
         self.layers = self.model.layers
         streams_ = {ph: stack_stream(ph, self.layers, tp=p.tp, cp=p.cp,
                                      recompute=workload.recompute,
-                                     qk_norm=workload.model.qk_norm, sp=p.sequence_parallel)
+                                     qk_norm=workload.model.qk_norm, sp=p.sequence_parallel,
+                                     ep=p.ep, moe=moe)
                     for ph in ("fwd", "bwd")}
-        if p.sequence_parallel:  # opened by the all-gather of the LM head's input gradient
+        # opened by the all-gather of the LM head's input gradient (an MoE layer's backward
+        # reads its output gradient on the shard: no all-gather)
+        if p.sequence_parallel and moe is None:
             streams_["bwd"] = sp_backward_stream(streams_["bwd"], self.layers)
         self.stacks: dict[str, list[Piece]] = {ph: pieces(st) for ph, st in streams_.items()}
         name = plan.schedule if plan is not None else schedule
@@ -371,7 +403,10 @@ class TrainingLoop:
                               for c in self.computations})
         if graphs is None:
             given = executor or baseline
-            graphs = given.graphs if given is not None else self.model.device.type == "cuda"
+            graphs = given.graphs if given is not None else (
+                self.model.device.type == "cuda" and moe is None)  # MoE: eager by default
+            if moe is not None:
+                _check_moe_run(workload, graphs)
         self.graphs = bool(graphs)
         self.baseline: Executor
         self.executor: Executor | None
