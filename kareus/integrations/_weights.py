@@ -42,26 +42,28 @@ of the weight per forward, small beside a layer's activations.
 
 **Mixture of experts** (``ModelArch.moe``). An MoE layer's MLP weights are the router and
 this rank's ``experts / EP`` local experts (expert tensor parallelism 1: each whole), plus
-the shared experts when the model has them (replicated at TP = 1), named by
+the shared experts when the model has them (replicated at TP = 1), named as the training
+loop's decoder names them (``kareus.exec.train``), by
 [`moe_weight_names`][kareus.integrations.moe_weight_names]:
 
 ======================  ===========================================================
-``W_router``            ``[hidden, experts]``: the router's GEMM (every expert's logit)
-``Wg_experts``          ``[local experts, hidden, expert_ffn]``: each local expert's
-                        SwiGLU gate projection, the local experts in expert order
-``Wu_experts``          ``[local experts, hidden, expert_ffn]``: the up projections
-``Wd_experts``          ``[local experts, expert_ffn, hidden]``: the down projections
-``Wg_shared``           ``[hidden, shared_expert_ffn]``: the shared experts' gate (one
-                        SwiGLU MLP of their total width)
-``Wu_shared``           ``[hidden, shared_expert_ffn]``: their up projection
-``Wd_shared``           ``[shared_expert_ffn, hidden]``: their down projection
+``Wr``                  ``[hidden, experts]``: the router's GEMM (every expert's logit)
+``W1e``                 ``[local experts, hidden, 2 expert_ffn]``: each local expert's
+                        SwiGLU gate projection, then its up projection, side by side
+                        (the gate's ``expert_ffn`` columns first), the local experts in
+                        expert order
+``W2e``                 ``[local experts, expert_ffn, hidden]``: their down projections
+``Wsg``, ``Wsu``        ``[hidden, shared width]``: the shared experts' gate and up
+                        projections (several shared experts side by side: one SwiGLU
+                        MLP of their summed width)
+``Wsd``                 ``[shared width, hidden]``: their down projection
 ======================  ===========================================================
 
 EP rank ``r`` holds experts ``r * experts / EP`` to ``(r + 1) * experts / EP - 1``, as
 Megatron-Core and torchtitan place them. [`experts_from_linears`][kareus.integrations.experts_from_linears]
 reads per-expert ``[out, in]`` linears (Megatron-Core's ``SequentialMLP`` and
 ``TEGroupedMLP``), [`experts_from_stacked`][kareus.integrations.experts_from_stacked]
-stacked ``[experts, out, in]`` tensors (torchtitan's ``GroupedExperts``).
+stacked ``[experts, out, in]`` gate, up and down tensors (torchtitan's ``GroupedExperts``).
 
 Why rows can be permuted at all: attention scores are dot products of a query and a key
 head, unchanged when both have their ``head_dim`` entries permuted the same way; so a model
@@ -89,10 +91,10 @@ QK_NORM_WEIGHTS = ("w_q_norm", "w_k_norm")
 
 
 #: The weights of an MoE layer's router and local experts (see the module docstring).
-MOE_WEIGHTS = ("W_router", "Wg_experts", "Wu_experts", "Wd_experts")
+MOE_WEIGHTS = ("Wr", "W1e", "W2e")
 
 #: The weights an MoE layer's shared experts add (after ``MOE_WEIGHTS``).
-SHARED_EXPERT_WEIGHTS = ("Wg_shared", "Wu_shared", "Wd_shared")
+SHARED_EXPERT_WEIGHTS = ("Wsg", "Wsu", "Wsd")
 
 
 def moe_weight_names(shared_experts: bool) -> tuple[str, ...]:
@@ -101,12 +103,12 @@ def moe_weight_names(shared_experts: bool) -> tuple[str, ...]:
     return MOE_WEIGHTS + (SHARED_EXPERT_WEIGHTS if shared_experts else ())
 
 
-def experts_from_linears(fc1: Any, fc2: Any) -> tuple[Any, Any, Any]:
-    """kareus's ``(Wg_experts, Wu_experts, Wd_experts)`` from each local expert's fused
-    gate/up projection (``[2 expert_ffn, hidden]``, the gate's rows first, as Megatron-Core's
-    gated ``linear_fc1`` holds them) and its down projection (``[hidden, expert_ffn]``), in
-    expert order: a stack of differentiable views, so the gradients reach each expert's own
-    parameters.
+def experts_from_linears(fc1: Any, fc2: Any) -> tuple[Any, Any]:
+    """kareus's ``(W1e, W2e)`` from each local expert's fused gate/up projection
+    (``[2 expert_ffn, hidden]``, the gate's rows first, as Megatron-Core's gated
+    ``linear_fc1`` holds them) and its down projection (``[hidden, expert_ffn]``), in expert
+    order: stacks of transposed views, differentiable, so the gradients reach each expert's
+    own parameters.
 
     Args:
         fc1: The local experts' ``linear_fc1`` weights (a sequence, one per expert).
@@ -118,21 +120,25 @@ def experts_from_linears(fc1: Any, fc2: Any) -> tuple[Any, Any, Any]:
     if not fc1 or len(fc1) != len(fc2):
         raise ArgumentError(f"one fc1 and one fc2 weight per local expert, got {len(fc1)} and "
                             f"{len(fc2)}")
-    gates, ups = zip(*(gate_up_from_fused(w) for w in fc1), strict=True)
-    for i, w in enumerate(fc2):
-        _require_2d(f"fc2[{i}]", w)
-    shape = tuple(gates[0].shape)  # [hidden, ffn]: a gate's, and a down projection's [out, in]
-    if any(tuple(w.shape) != shape for w in (*gates, *ups, *fc2)):
+    for i, (w1, w2) in enumerate(zip(fc1, fc2, strict=True)):
+        _require_2d(f"fc1[{i}]", w1)
+        _require_2d(f"fc2[{i}]", w2)
+    f2, h = fc1[0].shape
+    if f2 % 2 or any(tuple(w.shape) != (f2, h) for w in fc1) or any(
+            tuple(w.shape) != (h, f2 // 2) for w in fc2):
         raise ArgumentError("the experts' fc1 weights must all be [2 ffn, hidden] and their "
-                            "fc2 weights [hidden, ffn] of the same ffn and hidden")
-    return (torch.stack(gates), torch.stack(ups), torch.stack([w.t() for w in fc2]))
+                            "fc2 weights [hidden, ffn], of one ffn and hidden")
+    return torch.stack([w.t() for w in fc1]), torch.stack([w.t() for w in fc2])
 
 
-def experts_from_stacked(w1: Any, w3: Any, w2: Any) -> tuple[Any, Any, Any]:
-    """kareus's ``(Wg_experts, Wu_experts, Wd_experts)`` from the local experts' stacked
-    ``[out, in]`` projections (torchtitan's ``GroupedExperts``: ``w1`` the gate and ``w3``
-    the up projection, ``[experts, expert_ffn, hidden]``; ``w2`` the down projection,
-    ``[experts, hidden, expert_ffn]``): transposed views."""
+def experts_from_stacked(w1: Any, w3: Any, w2: Any) -> tuple[Any, Any]:
+    """kareus's ``(W1e, W2e)`` from the local experts' stacked ``[out, in]`` projections
+    (torchtitan's ``GroupedExperts``: ``w1`` the gate and ``w3`` the up projection,
+    ``[experts, expert_ffn, hidden]``; ``w2`` the down projection,
+    ``[experts, hidden, expert_ffn]``): the gate and up transposed side by side (a copy,
+    differentiable), the down projection transposed (a view)."""
+    import torch
+
     for name, w in (("w1", w1), ("w3", w3), ("w2", w2)):
         if getattr(w, "dim", None) is None or w.dim() != 3:
             raise ArgumentError(f"{name} must be a 3-D [experts, out, in] weight, got shape "
@@ -142,7 +148,7 @@ def experts_from_stacked(w1: Any, w3: Any, w2: Any) -> tuple[Any, Any, Any]:
         raise ArgumentError(f"w1 and w3 must be [experts, ffn, hidden] and w2 [experts, "
                             f"hidden, ffn], got {tuple(w1.shape)}, {tuple(w3.shape)}, "
                             f"{tuple(w2.shape)}")
-    return w1.transpose(1, 2), w3.transpose(1, 2), w2.transpose(1, 2)
+    return torch.cat((w1.transpose(1, 2), w3.transpose(1, 2)), dim=2), w2.transpose(1, 2)
 
 
 def layer_weights(qk_norm: bool) -> tuple[str, ...]:

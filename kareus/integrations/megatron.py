@@ -406,15 +406,16 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
 
 def moe_layer_weights(layer: Any) -> dict[str, Any]:
     """This rank's MoE weights of a Megatron-Core ``MoELayer`` in kareus's layout
-    (``kareus.integrations.moe_weight_names``: ``W_router``, the local experts'
-    ``Wg_experts``/``Wu_experts``/``Wd_experts`` and, with shared experts, ``Wg_shared``/
-    ``Wu_shared``/``Wd_shared``), as differentiable views of the layer's own parameters.
+    (``kareus.integrations.moe_weight_names``: ``Wr``, the local experts' ``W1e`` and
+    ``W2e`` and, with shared experts, ``Wsg``/``Wsu``/``Wsd``), as differentiable views of
+    the layer's own parameters.
 
     Reads every expert module Megatron-Core builds: ``SequentialMLP`` (each local expert's
     gated ``linear_fc1`` ``[2 ffn, hidden]``, gate rows first, and ``linear_fc2``),
     ``TEGroupedMLP`` (``linear_fc1.weight<i>``, ``linear_fc2.weight<i>``, the same
     layouts) and the legacy ``GroupedMLP`` (``weight1`` holding each local expert's
-    ``[hidden, 2 ffn]`` block, gate columns first, ``weight2`` each ``[ffn, hidden]``).
+    ``[hidden, 2 ffn]`` block, gate columns first: ``W1e`` itself, and ``weight2`` each
+    ``[ffn, hidden]``: ``W2e``).
     The local experts are this rank's (``experts / expert_model_parallel_size`` of them, in
     expert order); expert tensor parallelism must be 1 and the shared experts unsplit
     (TP = 1), as the MoE workload requires.
@@ -437,26 +438,23 @@ def moe_layer_weights(layer: Any) -> dict[str, Any]:
     n = int(layer.num_local_experts)
     if hasattr(experts, "local_experts"):  # SequentialMLP
         local = list(experts.local_experts)
-        wg, wu, wd = experts_from_linears([e.linear_fc1.weight for e in local],
-                                          [e.linear_fc2.weight for e in local])
+        w1e, w2e = experts_from_linears([e.linear_fc1.weight for e in local],
+                                        [e.linear_fc2.weight for e in local])
     elif hasattr(experts, "weight1"):  # the legacy GroupedMLP: one block per local expert
         h = int(config.hidden_size)
-        w1 = experts.weight1.view(n, h, -1)
-        f = w1.shape[-1] // 2
-        wg, wu, wd = w1[..., :f], w1[..., f:], experts.weight2.view(n, -1, h)
+        w1e, w2e = experts.weight1.view(n, h, -1), experts.weight2.view(n, -1, h)
     else:  # TEGroupedMLP: one weight per local expert
-        wg, wu, wd = experts_from_linears(
+        w1e, w2e = experts_from_linears(
             [getattr(experts.linear_fc1, f"weight{i}") for i in range(n)],
             [getattr(experts.linear_fc2, f"weight{i}") for i in range(n)])
-    out = {"W_router": linear(router.weight), "Wg_experts": wg, "Wu_experts": wu,
-           "Wd_experts": wd}
+    out = {"Wr": linear(router.weight), "W1e": w1e, "W2e": w2e}
     shared = getattr(layer, "shared_experts", None)
     if shared is not None:
         if tp != 1:
             raise WorkloadError("the layer's shared experts are split over tensor parallelism "
                                 f"(TP={tp}): kareus's shared experts are whole (TP = 1)")
-        out["Wg_shared"], out["Wu_shared"] = gate_up_from_fused(shared.linear_fc1.weight)
-        out["Wd_shared"] = linear(shared.linear_fc2.weight)
+        out["Wsg"], out["Wsu"] = gate_up_from_fused(shared.linear_fc1.weight)
+        out["Wsd"] = linear(shared.linear_fc2.weight)
     return out
 
 

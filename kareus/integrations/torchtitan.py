@@ -520,10 +520,10 @@ def _local(t: Any) -> Any:
 
 def moe_block_weights(moe: Any) -> dict[str, Any]:
     """This rank's weights of a torchtitan 0.3 ``MoE`` module (a Qwen3 MoE block's
-    ``moe``) in kareus's layout (``kareus.integrations.moe_weight_names``): ``W_router``
-    from the router's ``gate`` (``[experts, dim]``, transposed), the local experts'
-    ``Wg_experts``/``Wu_experts``/``Wd_experts`` from ``GroupedExperts``' ``w1_EFD`` (gate),
-    ``w3_EFD`` (up) and ``w2_EDF`` (down) (``kareus.integrations.experts_from_stacked``;
+    ``moe``) in kareus's layout (``kareus.integrations.moe_weight_names``): ``Wr`` from the
+    router's ``gate`` (``[experts, dim]``, transposed), the local experts' ``W1e`` and
+    ``W2e`` from ``GroupedExperts``' ``w1_EFD`` (gate), ``w3_EFD`` (up) and ``w2_EDF``
+    (down) (``kareus.integrations.experts_from_stacked``;
     under expert parallelism each a DTensor sharded over ``ep`` on the expert dimension:
     this rank's shard), and the shared experts' ``w1``/``w3``/``w2`` when the block has
     them. Differentiable views of the module's parameters. The router's weight is whole
@@ -540,15 +540,14 @@ def moe_block_weights(moe: Any) -> dict[str, Any]:
     inner = getattr(routed, "inner_experts", None)
     if inner is None or router is None:
         raise ArgumentTypeError(f"expected a torchtitan MoE module, got {type(moe).__name__}")
-    wg, wu, wd = experts_from_stacked(_local(inner.w1_EFD), _local(inner.w3_EFD),
-                                      _local(inner.w2_EDF))
-    out = {"W_router": linear(_head_norm(router.gate.weight)), "Wg_experts": wg,
-           "Wu_experts": wu, "Wd_experts": wd}
+    w1e, w2e = experts_from_stacked(_local(inner.w1_EFD), _local(inner.w3_EFD),
+                                    _local(inner.w2_EDF))
+    out = {"Wr": linear(_head_norm(router.gate.weight)), "W1e": w1e, "W2e": w2e}
     shared = getattr(moe, "shared_experts", None)
     if shared is not None:
-        out["Wg_shared"] = linear(_local(shared.w1.weight))
-        out["Wu_shared"] = linear(_local(shared.w3.weight))
-        out["Wd_shared"] = linear(_local(shared.w2.weight))
+        out["Wsg"] = linear(_local(shared.w1.weight))
+        out["Wsu"] = linear(_local(shared.w3.weight))
+        out["Wsd"] = linear(_local(shared.w2.weight))
     return out
 
 

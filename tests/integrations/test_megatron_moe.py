@@ -156,19 +156,10 @@ def _close(got, want, *, msg: str = "", rtol: float = 1e-5, atol: float = 1e-5) 
                                msg=lambda detail: f"{msg} (scale {scale:.3g}): {detail}")
 
 
-def _full(weights_per_ep_rank: list[dict]) -> dict:
-    """Every expert's weights, the EP ranks' local experts side by side; the rest the
-    first rank's."""
-    full = dict(weights_per_ep_rank[0])
-    for k in ("Wg_experts", "Wu_experts", "Wd_experts"):
-        full[k] = torch.cat([w[k] for w in weights_per_ep_rank])
-    return full
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_megatron_moe_layer_computes_kareus_semantics(tmp_path, variant):
-    from _moe_reference import min_logit_gap, moe_block  # tests/integrations
+    from _moe_checks import full_weights, min_logit_gap, moe  # tests/integrations
     from _ranks import run_ranks
 
     from kareus.model.moe import MoEArch
@@ -179,25 +170,25 @@ def test_megatron_moe_layer_computes_kareus_semantics(tmp_path, variant):
         experts=EXPERTS, experts_per_token=TOP_K, expert_ffn=EXPERT_FFN,
         shared_experts=int(shared), shared_expert_ffn=SHARED_FFN if shared else 0)
     by_ep = sorted(res, key=lambda r: r["ep_rank"])
-    w = {k: v.double().requires_grad_(True) for k, v in _full(
+    w = {k: v.double().requires_grad_(True) for k, v in full_weights(
         [r["steps"][0]["weights"] for r in by_ep]).items()}
     for step in range(2):
         # every rank read the same router (and shared experts): replicated
         for r in res[1:]:
             for k in w:
-                if not k.endswith("_experts"):
+                if k not in ("W1e", "W2e"):
                     _close(r["steps"][step]["weights"][k],
                                                res[0]["steps"][step]["weights"][k])
         # the weights each rank read are the reference's (after the previous step's update)
-        got = _full([r["steps"][step]["weights"] for r in by_ep])
+        got = full_weights([r["steps"][step]["weights"] for r in by_ep])
         for k, v in w.items():
             _close(got[k].double(), v.detach(), rtol=1e-5, atol=1e-6,
                                        msg=f"step {step} weight {k}")
         xs = [r["steps"][step]["x"].double().reshape(-1, HIDDEN).requires_grad_(True)
               for r in res]
-        outs = [moe_block(x, w, TOP_K) for x in xs]
+        outs = [moe(x, w, TOP_K) for x in xs]
         for x in xs:
-            assert min_logit_gap(x.detach(), w["W_router"].detach(), TOP_K) > 1e-3
+            assert min_logit_gap(x.detach(), w["Wr"].detach(), TOP_K) > 1e-3
         loss = sum((o * r["steps"][step]["target"].double().reshape(o.shape)).sum()
                    for o, r in zip(outs, res, strict=True))
         loss.backward()
@@ -209,7 +200,7 @@ def test_megatron_moe_layer_computes_kareus_semantics(tmp_path, variant):
                                        rtol=1e-5, atol=1e-5, msg=f"step {step} output")
             _close(mine["x_grad"].double().reshape(x.shape), x.grad,
                                        rtol=1e-5, atol=1e-5, msg=f"step {step} input grad")
-        grads = _full([r["steps"][step]["grads"] for r in by_ep])
+        grads = full_weights([r["steps"][step]["grads"] for r in by_ep])
         for k, v in w.items():
             _close(grads[k].double(), v.grad, rtol=1e-5, atol=1e-5,
                                        msg=f"step {step} grad {k}")
@@ -217,7 +208,7 @@ def test_megatron_moe_layer_computes_kareus_semantics(tmp_path, variant):
             for v in w.values():
                 v -= LR * v.grad
                 v.grad = None
-    final = _full([r["final"] for r in by_ep])
+    final = full_weights([r["final"] for r in by_ep])
     for k, v in w.items():
         _close(final[k].double(), v.detach(), rtol=1e-5, atol=1e-5,
                                    msg=f"final weight {k}")

@@ -151,10 +151,9 @@ def _in_kareus_layout(grads: dict) -> dict:
     from kareus.integrations import experts_from_stacked
 
     p = "routed_experts.inner_experts."
-    wg, wu, wd = experts_from_stacked(grads[p + "w1_EFD"], grads[p + "w3_EFD"],
-                                      grads[p + "w2_EDF"])
-    return {"W_router": grads["router.gate.weight"].t(), "Wg_experts": wg, "Wu_experts": wu,
-            "Wd_experts": wd}
+    w1e, w2e = experts_from_stacked(grads[p + "w1_EFD"], grads[p + "w3_EFD"],
+                                    grads[p + "w2_EDF"])
+    return {"Wr": grads["router.gate.weight"].t(), "W1e": w1e, "W2e": w2e}
 
 
 def _close(got, want, *, msg: str, rtol: float = 2e-2, atol: float = 2e-2) -> None:
@@ -167,7 +166,7 @@ def _close(got, want, *, msg: str, rtol: float = 2e-2, atol: float = 2e-2) -> No
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_torchtitan_qwen3_moe_block_computes_kareus_semantics(tmp_path, variant):
-    from _moe_reference import min_logit_gap, moe_block  # tests/integrations
+    from _moe_checks import full_weights, min_logit_gap, moe  # tests/integrations
     from _ranks import run_ranks
 
     from kareus.model.moe import MoEArch
@@ -176,23 +175,17 @@ def test_torchtitan_qwen3_moe_block_computes_kareus_semantics(tmp_path, variant)
     assert res[0]["ep"] == 2 and res[0]["workload_moe"] == MoEArch(
         experts=EXPERTS, experts_per_token=TOP_K, expert_ffn=EXPERT_FFN)
 
-    def full(per_rank):
-        out = dict(per_rank[0])
-        for k in ("Wg_experts", "Wu_experts", "Wd_experts"):
-            out[k] = torch.cat([w[k] for w in per_rank])
-        return out
-
     by_ep = sorted(res, key=lambda r: r["ep_rank"])
     # each step from the weights the block holds then (bf16 experts: a float64 trajectory
     # of its own would drift from the block's by bf16 rounding, and could route otherwise)
     for step in range(2):
         w = {k: v.double().requires_grad_(True)
-             for k, v in full([r["steps"][step]["weights"] for r in by_ep]).items()}
+             for k, v in full_weights([r["steps"][step]["weights"] for r in by_ep]).items()}
         xs = [r["steps"][step]["x"].double().reshape(-1, DIM).requires_grad_(True)
               for r in res]
         for x in xs:
-            assert min_logit_gap(x.detach(), w["W_router"].detach(), TOP_K) > 1e-4
-        outs = [moe_block(x, w, TOP_K) for x in xs]
+            assert min_logit_gap(x.detach(), w["Wr"].detach(), TOP_K) > 1e-4
+        outs = [moe(x, w, TOP_K) for x in xs]
         loss = sum((o * r["steps"][step]["target"].double().reshape(o.shape)).sum()
                    for o, r in zip(outs, res, strict=True))
         loss.backward()
@@ -203,18 +196,18 @@ def test_torchtitan_qwen3_moe_block_computes_kareus_semantics(tmp_path, variant)
             _close(mine["out"].double().reshape(o.shape), o.detach(), msg=f"step {step} out")
             _close(mine["x_grad"].double().reshape(x.shape), x.grad,
                    msg=f"step {step} input grad")
-        grads = full([r["steps"][step]["grads"] for r in by_ep])
+        grads = full_weights([r["steps"][step]["grads"] for r in by_ep])
         for k, v in w.items():
             _close(grads[k].double(), v.grad, msg=f"step {step} grad {k}")
         # the update: the next step's weights (or the final ones) are these less LR x the
         # reference's gradient
-        after = full([r["steps"][step + 1]["weights"] if step == 0 else r["final"]
+        after = full_weights([r["steps"][step + 1]["weights"] if step == 0 else r["final"]
                       for r in by_ep])
         for k, v in w.items():
             _close(after[k].double(), (v - LR * v.grad).detach(), msg=f"step {step} update {k}")
         # the router and the expert weights moved: the check is not of a fixed point
-        assert not torch.equal(after["W_router"], full(
-            [r["steps"][step]["weights"] for r in by_ep])["W_router"])
+        assert not torch.equal(after["Wr"], full_weights(
+            [r["steps"][step]["weights"] for r in by_ep])["Wr"])
 
 
 if __name__ == "__main__":
