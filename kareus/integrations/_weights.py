@@ -151,12 +151,18 @@ def experts_from_stacked(w1: Any, w3: Any, w2: Any) -> tuple[Any, Any]:
     return torch.cat((w1.transpose(1, 2), w3.transpose(1, 2)), dim=2), w2.transpose(1, 2)
 
 
-def layer_weights(qk_norm: bool) -> tuple[str, ...]:
+def layer_weights(qk_norm: bool, moe: Any = None) -> tuple[str, ...]:
     """The weights of one planned layer of a model, in the order a
     [`PlannedLayer`][kareus.integrations.PlannedLayer] takes them: ``LAYER_WEIGHTS``, then,
     when the model normalizes each query and key head (``qk_norm``, see
-    [`ModelArch`][kareus.model.ModelArch]), ``QK_NORM_WEIGHTS``."""
-    return LAYER_WEIGHTS + (QK_NORM_WEIGHTS if qk_norm else ())
+    [`ModelArch`][kareus.model.ModelArch]), ``QK_NORM_WEIGHTS``. A mixture-of-experts
+    model's (``moe``, its [`MoEArch`][kareus.model.MoEArch]) has the MoE block's weights
+    in place of the MLP's ``Wg``, ``Wu``, ``Wd``
+    ([`moe_weight_names`][kareus.integrations.moe_weight_names])."""
+    dense = LAYER_WEIGHTS if moe is None else tuple(
+        n for n in LAYER_WEIGHTS if n not in ("Wg", "Wu", "Wd")) + moe_weight_names(
+            bool(moe.shared_experts))
+    return dense + (QK_NORM_WEIGHTS if qk_norm else ())
 
 
 def linear(weight: Any) -> Any:
