@@ -1098,6 +1098,11 @@ def _check_workload(workload: Workload, groups: ParallelGroups) -> None:
         raise WorkloadError(f"the groups' expert-parallel group has {groups.ep_size} ranks, "
                             f"the workload asks for EP={p.ep}: pass the EP group "
                             "(TorchParallelGroups.from_groups(ep=...))")
+    if arch.moe is not None and (p.tp * p.cp) % p.ep:
+        raise WorkloadError(f"kareus's planned MoE layer folds its EP={p.ep} ranks over the "
+                            f"TP x CP = {p.tp * p.cp} ranks of a layer (its EP groups within "
+                            "one data-parallel replica); EP over data-parallel replicas is not "
+                            "computed yet: use an EP that divides TP x CP")
     for what, num, den in (("heads", arch.heads, p.tp), ("kv_heads", arch.kv_heads, p.tp),
                            ("ffn", arch.ffn, p.tp),
                            ("seq_len", workload.seq_len, 2 * p.cp if p.cp > 1 else 1)):

@@ -14,14 +14,8 @@ from kareus.errors import ArgumentError, ArgumentTypeError, WorkloadError
 from kareus.integrations._megatron_moe import moe_from_megatron, moe_refusals
 from kareus.model.workload import ModelArch, Parallelism, Workload
 
-__all__ = ["MOE_NOT_RUN", "check_layer_config", "workload_from_megatron"]
+__all__ = ["check_layer_config", "workload_from_megatron"]
 
-#: The refusal of a Megatron-Core MoE layer by a planned layer (one line): its workload is
-#: read and planned (``workload_from_megatron``, ``kareus optimize``), not run yet.
-MOE_NOT_RUN = ("kareus's planned layer runs a dense MLP: Megatron-Core mixture-of-experts "
-               "layers (num_moe_experts) are read, planned and emulated (workload_from_megatron, "
-               "kareus optimize --ep), not run by a planned layer yet: set num_moe_experts=None "
-               "or run the MoE model without kareus's layers")
 
 #: Megatron-Core's defaults (``TransformerConfig``) of the fields read here.
 _DEFAULTS: dict[str, Any] = {
@@ -213,7 +207,8 @@ def _sequence_parallel(config: Any, tp: int) -> bool:
 
 
 def check_layer_config(config: Any, arch: ModelArch, tp: int, cp: int = 1,
-                       recompute: str | None = None, *, sp: bool | None = None) -> None:
+                       recompute: str | None = None, *, sp: bool | None = None,
+                       ep: int | None = None) -> None:
     """Check a Megatron-Core layer's own config against the model a workload describes,
     whatever made that workload (``workload_from_megatron``, a preset, a hand-made
     [`ModelArch`][kareus.model.ModelArch]): kareus's layer computes the workload's model, so
@@ -231,13 +226,13 @@ def check_layer_config(config: Any, arch: ModelArch, tp: int, cp: int = 1,
             of ``workload_from_megatron``'s refusals), or one of its fields differs from the
             workload's model (dimensions, ``qk_layernorm``, ``layernorm_epsilon``,
             ``add_qkv_bias``), TP, CP, the recomputation policy, or (``sp`` given: the
-            workload's ``Parallelism.sequence_parallel``) ``sequence_parallel``.
+            workload's ``Parallelism.sequence_parallel``) ``sequence_parallel``; a mixture
+            of experts whose block (experts, top-k, widths, shared experts, router dtype)
+            or (``ep`` given) ``expert_model_parallel_size`` differs from the workload's.
     """
     refused = _refusals(config)
     if refused:
         raise WorkloadError(refused[0])
-    if _get(config, "num_moe_experts"):
-        raise WorkloadError(MOE_NOT_RUN)
     heads = _required(config, "num_attention_heads")
     groups = _get(config, "num_query_groups")
     channels = _get(config, "kv_channels")
@@ -264,6 +259,17 @@ def check_layer_config(config: Any, arch: ModelArch, tp: int, cp: int = 1,
             raise WorkloadError(f"the Megatron config has {field}={got}, the workload's model "
                                 f"{theirs}={want}: make the workload with "
                                 "workload_from_megatron(config, ...)")
+    moe, config_ep = moe_from_megatron(config)
+    if moe != arch.moe:
+        raise WorkloadError(f"the Megatron config's mixture of experts is {moe}, the "
+                            f"workload's model {arch.moe} (num_moe_experts, moe_router_topk, "
+                            "moe_ffn_hidden_size, moe_shared_expert_intermediate_size, "
+                            "moe_router_dtype): make the workload with "
+                            "workload_from_megatron(config, ...)")
+    if ep is not None and moe is not None and config_ep != int(ep):
+        raise WorkloadError(f"the Megatron config has expert_model_parallel_size={config_ep}, "
+                            f"the workload EP={ep}: make the workload with "
+                            "workload_from_megatron(config, ...)")
     eps = _eps(config)
     if abs(eps - arch.norm_eps) > 1e-12 * max(1.0, eps):
         raise WorkloadError(f"the Megatron config has layernorm_epsilon={eps:g}, the "
@@ -334,8 +340,8 @@ def workload_from_megatron(config: Any, *, microbatch_size: int, seq_len: int,
     compute, e.g. a capacity factor, ``moe_aux_loss_coeff`` above 0, the z-loss, expert
     bias, sigmoid scores, group-limited routing, the all-gather or flex dispatchers, dense
     layers between MoE layers, is refused in one line naming the field). Such a workload is
-    planned and emulated (``kareus optimize``); a planned layer does not run it yet
-    (``check_layer_config`` refuses ``num_moe_experts``).
+    planned and emulated (``kareus optimize``) and runs in kareus's planned layer
+    (``kareus_layer_spec``: Megatron-Core's local MoE spec, ``SequentialMLP`` experts).
 
     A config kareus's layer does not compute is refused rather than approximated: kareus's
     layer is a pre-norm Llama or Qwen3 layer (RMSNorm, causal grouped-query attention with

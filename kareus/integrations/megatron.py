@@ -184,7 +184,8 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
                 layout = _megatron_lm_layout()
             kwargs["submodules"] = _layer_submodules(
                 bool(getattr(config, "qk_layernorm", False)), layout,
-                cp=int(getattr(config, "context_parallel_size", 1) or 1) > 1)
+                cp=int(getattr(config, "context_parallel_size", 1) or 1) > 1,
+                experts=getattr(config, "num_moe_experts", None))
         if isinstance(applier, _FromMegatronLM):
             applier = megatron_lm_applier(config)
         if applier is not None and not isinstance(applier, PlanApplier):
@@ -195,7 +196,8 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
             # before Megatron builds the submodules: a CP config with a CP=1 applier would
             # otherwise stop in the local attention's own assertion instead of this line
             check_layer_config(config, applier.workload.model, applier.workload.parallelism.tp,
-                               applier.workload.parallelism.cp)
+                               applier.workload.parallelism.cp,
+                               ep=applier.workload.parallelism.ep)
         if applier is not None:
             _refuse_documents(applier)
         super().__init__(*args, **kwargs)
@@ -248,7 +250,8 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
         if applier is not None:
             p = applier.workload.parallelism
             check_layer_config(self.config, applier.workload.model, p.tp, p.cp,
-                               recompute=applier.workload.recompute, sp=p.sequence_parallel)
+                               recompute=applier.workload.recompute, sp=p.sequence_parallel,
+                               ep=p.ep)
             _refuse_documents(applier)
             self._check_cp_group(applier)
         self.kareus_applier = applier
@@ -277,11 +280,13 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
                 reads the weights without calling those modules, so the hooks would not run.
         """
         att, mlp = self.self_attention, self.mlp
+        moe = getattr(mlp, "router", None) is not None
         read = [("input_layernorm", self.input_layernorm),
                 ("self_attention.linear_qkv", att.linear_qkv),
                 ("self_attention.linear_proj", att.linear_proj),
-                ("pre_mlp_layernorm", self.pre_mlp_layernorm),
-                ("mlp.linear_fc1", mlp.linear_fc1), ("mlp.linear_fc2", mlp.linear_fc2)]
+                ("pre_mlp_layernorm", self.pre_mlp_layernorm)]
+        read += ([(f"mlp.{n}", m) for n, m in mlp.named_modules() if n] if moe else
+                 [("mlp.linear_fc1", mlp.linear_fc1), ("mlp.linear_fc2", mlp.linear_fc2)])
         if self._qk_norm:
             read += [("self_attention.q_layernorm", att.q_layernorm),
                      ("self_attention.k_layernorm", att.k_layernorm)]
@@ -291,8 +296,12 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
                                     "(Megatron DDP's overlap_param_gather sets some): a kareus "
                                     "layer reads its weights without calling its modules, so "
                                     "they would not run; turn overlap_param_gather off")
-        wg, wu = gate_up_from_fused(mlp.linear_fc1.weight)
         te = self.layout == "te"
+        if moe:  # the MoE block's router and this rank's experts (local layout)
+            mine = moe_layer_weights(mlp)
+        else:
+            wg, wu = gate_up_from_fused(mlp.linear_fc1.weight)
+            mine = {"Wg": wg, "Wu": wu, "Wd": linear(mlp.linear_fc2.weight)}
         out = {"w_attn_norm": (att.linear_qkv.layer_norm_weight if te
                                else self.input_layernorm.weight),
                "Wqkv": qkv_from_grouped(att.linear_qkv.weight, heads=self._heads // self._tp,
@@ -300,8 +309,7 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
                                         head_dim=self._head_dim),
                "Wo": linear(att.linear_proj.weight),
                "w_mlp_norm": (mlp.linear_fc1.layer_norm_weight if te
-                              else self.pre_mlp_layernorm.weight),
-               "Wg": wg, "Wu": wu, "Wd": linear(mlp.linear_fc2.weight)}
+                              else self.pre_mlp_layernorm.weight), **mine}
         if self._qk_norm:
             # Whole on every TP rank; each rank's heads give part of the gradient, which
             # Megatron's finalize_model_grads sums over TP (its q/k_layernorm rule)
@@ -581,23 +589,34 @@ def kareus_layer_spec(applier: PlanApplier | None, *, qk_layernorm: bool | None 
         raise WorkloadError("kareus_layer_spec(layout='te') does not mark its fused norms' "
                             "weights for sequence parallelism: use layout='local' with "
                             "sequence_parallel=True")
-    subs = _layer_submodules(qk_layernorm, layout, cp=cp)
+    moe = applier.workload.model.moe if applier is not None else None
+    subs = _layer_submodules(qk_layernorm, layout, cp=cp,
+                             experts=None if moe is None else moe.experts)
     if sp:  # the local spec's norms refuse sequence_parallel: the same RMSNorm, marked
         subs = _sequence_parallel_norms(subs, qk_layernorm)
     return ModuleSpec(module=KareusTransformerLayer, params={"applier": applier},
                       submodules=subs)
 
 
-def _layer_submodules(qk_layernorm: bool, layout: str, *, cp: bool = False) -> Any:
+def _layer_submodules(qk_layernorm: bool, layout: str, *, cp: bool = False,
+                      experts: int | None = None) -> Any:
     """The ``TransformerLayerSubmodules`` of kareus's layer in ``layout``; with ``cp`` (the
     workload's CP > 1) the core attention is the parameter-free
     [`KareusCoreAttention`][kareus.integrations.megatron.KareusCoreAttention] (Megatron's
-    local attention refuses context parallelism)."""
+    local attention refuses context parallelism); with ``experts`` (a mixture of experts)
+    the MLP is the local spec's ``MoELayer`` (``SequentialMLP`` experts: the parameter names
+    of Megatron-Core's local MoE spec)."""
     from megatron.core.transformer.identity_op import IdentityOp  # type: ignore[import-untyped, import-not-found]
 
     if layout not in LAYOUTS:
         raise ArgumentError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    sub = get_gpt_layer_local_spec(normalization="RMSNorm",
+    if experts and layout != "local":
+        raise WorkloadError("kareus's mixture-of-experts layers take Megatron-Core's local "
+                            "spec's names (SequentialMLP experts), not the Transformer Engine "
+                            "spec's (TEGroupedMLP): use layout='local' (Megatron-LM: "
+                            "--transformer-impl local, or KAREUS_LAYOUT=local)")
+    sub = get_gpt_layer_local_spec(num_experts=experts or None, moe_grouped_gemm=False,
+                                   normalization="RMSNorm",
                                    qk_layernorm=qk_layernorm).submodules
     attn, mlp = sub.self_attention, sub.mlp
     te = layout == "te"
@@ -838,8 +857,11 @@ def megatron_lm_applier(config: Any) -> PlanApplier:
         plan = Plan.load(path / "plan.json" if path.is_dir() else path)
     cp = (parallel_state.get_context_parallel_group()
           if workload.parallelism.cp > 1 else None)
+    ep = workload.parallelism.ep > 1  # the expert-parallel group and its data-parallel one
     groups = TorchParallelGroups.from_groups(
-        tp=parallel_state.get_tensor_model_parallel_group(), cp=cp)
+        tp=parallel_state.get_tensor_model_parallel_group(), cp=cp,
+        ep=parallel_state.get_expert_model_parallel_group() if ep else None,
+        edp=parallel_state.get_expert_data_parallel_group() if ep else None)
     applier = PlanApplier(workload=workload, groups=groups, plan=plan,
                           schedule=os.environ.get(SCHEDULE_ENV) or None,
                           stage=parallel_state.get_pipeline_model_parallel_rank(),

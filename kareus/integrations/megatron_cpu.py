@@ -18,9 +18,10 @@ Megatron with gloo, in fp32 (``examples/integrations/megatron_gpt.py --cpu``, an
 CPU tests of the Megatron adapter, which run the same code).
 
 Mixture-of-experts layers (``MoELayer`` with the all-to-all token dispatcher) need three
-more: the dispatcher makes a side stream (``torch.cuda.Stream``) and events for its
-device-to-host copies of the token counts, so streams, ``torch.cuda.stream`` and events
-become in-order no-ops; it moves those counts to the host only when they are on a GPU
+more: the dispatcher makes one side stream (``torch.cuda.Stream``, a class attribute) for
+its device-to-host copies of the token counts and records an event on it, so that stream
+is an in-order stand-in whose events are done when recorded (``torch.cuda.stream`` of it
+is a no-op on a CPU build); it moves those counts to the host only when they are on a GPU
 (``maybe_move_tensor_to_cpu``), and hands them to ``all_to_all_single`` as split sizes, which
 a CPU tensor is not, so on the CPU they become the numpy arrays a GPU run gets; and
 Megatron-Core 0.16's router names Transformer Engine's ``te_general_gemm`` even when
@@ -108,17 +109,15 @@ def install() -> None:
 
 def _install_moe() -> None:
     """The three MoE redirections of the module doc (after the torch ones above)."""
-    import contextlib
-
     import torch
     from megatron.core.transformer.moe import (  # type: ignore[import-untyped, import-not-found]
         moe_utils,
         token_dispatcher,
     )
 
-    torch.cuda.Stream = lambda *a, **k: _InOrder()  # type: ignore[assignment, misc]
-    torch.cuda.Event = lambda *a, **k: _Done()  # type: ignore[assignment, misc]
-    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
+    # the dispatcher's one side stream (a class attribute, made on first use with
+    # torch.cuda.Stream, which a CPU build refuses); torch.cuda.stream(it) is a no-op there
+    token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _InOrder()
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -214,5 +215,161 @@ def test_megatron_moe_layer_computes_kareus_semantics(tmp_path, variant):
                                    msg=f"final weight {k}")
 
 
+# ------------------------------------------------------------------ the planned MoE layer
+
+EXAMPLE = HERE.parents[1] / "examples" / "integrations"
+LAYER_SEQ, LAYER_MBS, MICROBATCHES = 16, 4, 2
+#: Megatron-Core's own MoE layers against kareus's planned ones: TP = 2 with sequence
+#: parallelism and EP = 2 over the same ranks, Qwen3-style attention, under each
+#: recomputation policy kareus's layer runs without Megatron's block re-running it.
+LAYER_VARIANTS = {"layers-tp2-sp": {},
+                  "layers-tp2-sp-selective": {"recompute_granularity": "selective",
+                                              "recompute_modules": ["core_attn"]}}
+
+
+def _own_moe_spec():
+    """Megatron-Core's own MoE layer (the local spec, ``SequentialMLP`` experts) with the
+    norms that take ``sequence_parallel`` (kareus's ``SequenceParallelRMSNorm``: torch's
+    RMSNorm, the weight marked for Megatron's TP gradient sum; the local spec's refuse it)."""
+    import dataclasses
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from kareus.integrations.megatron import SequenceParallelRMSNorm as norm
+
+    spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False,
+                                    normalization="RMSNorm", qk_layernorm=True)
+    sub, att = spec.submodules, spec.submodules.self_attention
+    att = ModuleSpec(module=att.module, params=att.params, submodules=dataclasses.replace(
+        att.submodules, q_layernorm=norm, k_layernorm=norm))
+    return ModuleSpec(module=spec.module, params=spec.params, submodules=dataclasses.replace(
+        sub, input_layernorm=norm, pre_mlp_layernorm=norm, self_attention=att))
+
+
+def _layers_worker(out_dir: str, variant: str) -> None:
+    """Megatron-Core's MoE ``TransformerLayer``s and kareus's planned ones
+    (``kareus_layer_spec``), the same weights, under every schedule."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.transformer.spec_utils import build_module
+
+    sys.path.insert(0, str(EXAMPLE))
+    import megatron_gpt as ex
+
+    from kareus.exec.train import TorchParallelGroups
+    from kareus.integrations import PlanApplier, megatron_cpu
+    from kareus.integrations.megatron import kareus_layer_spec, workload_from_megatron
+    from kareus.testing import make_workload_plan
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=2,
+                                 expert_tensor_parallel_size=1)
+    megatron_cpu.install()
+    config = ex.make_config(
+        2, torch.float32, num_layers=2, hidden_size=32, num_attention_heads=4,
+        num_query_groups=2, kv_channels=8, ffn_hidden_size=64, qk_layernorm=True,
+        layernorm_epsilon=1e-6, sequence_parallel=True, activation_func=F.silu,
+        num_moe_experts=EXPERTS, moe_router_topk=TOP_K, moe_ffn_hidden_size=EXPERT_FFN,
+        moe_token_dispatcher_type="alltoall", moe_router_dtype="fp32",
+        moe_router_load_balancing_type="none", expert_model_parallel_size=2,
+        expert_tensor_parallel_size=1, **LAYER_VARIANTS[variant])
+    wl = workload_from_megatron(config, microbatch_size=LAYER_MBS, seq_len=LAYER_SEQ,
+                                num_microbatches=MICROBATCHES, vocab_size=64)
+    groups = TorchParallelGroups.from_groups(tp=ps.get_tensor_model_parallel_group(),
+                                             ep=ps.get_expert_model_parallel_group())
+    emb = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, rotary_base=ex.ROTARY_BASE)(
+        LAYER_SEQ)
+    torch.manual_seed(1)  # every rank the same attention and router; experts per EP rank
+    own = [build_module(_own_moe_spec(), config=config, layer_number=i + 1) for i in range(2)]
+    ep_rank = ps.get_expert_model_parallel_rank()
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(7)
+        for lay in own:
+            lay.mlp.router.weight.normal_(0, 0.5, generator=g)
+            for norm in (lay.input_layernorm, lay.pre_mlp_layernorm):
+                norm.weight.add_(0.1 * torch.randn(norm.weight.shape, generator=g))
+        g = torch.Generator().manual_seed(100 + ep_rank)
+        for lay in own:
+            for p in lay.mlp.experts.parameters():
+                p.normal_(0, 0.2, generator=g)
+    tp_rank, s = ps.get_tensor_model_parallel_rank(), LAYER_SEQ // 2
+
+    def run(layers, applier=None):
+        outs = []
+        for mb in range(MICROBATCHES):
+            g = torch.Generator().manual_seed(100 + mb)
+            x = torch.randn(LAYER_SEQ, LAYER_MBS, 32, generator=g)
+            c = torch.randn(LAYER_SEQ, LAYER_MBS, 32, generator=g)
+            x = x[tp_rank * s:(tp_rank + 1) * s].contiguous().requires_grad_(True)
+            c = c[tp_rank * s:(tp_rank + 1) * s]
+            with applier.microbatch(mb, "fwd") if applier else nullcontext():
+                y = x
+                for lay in layers:
+                    y, ctx = lay(hidden_states=y, attention_mask=None, rotary_pos_emb=emb)
+                    y = y[0] if isinstance(y, tuple) else y
+            with applier.microbatch(mb, "bwd") if applier else nullcontext():
+                (y * c).sum().backward()
+            outs.append((y.detach(), x.grad.clone()))
+        grads = [{n: p.grad.clone() for n, p in lay.named_parameters()} for lay in layers]
+        for lay in layers:
+            lay.zero_grad(set_to_none=True)
+        return outs, grads
+
+    want = run(own)
+    plan = make_workload_plan(wl, pick=1, sms=8, freqs_mhz=(1980, 1410),
+                              unsplit_microbatches=(1,))
+    out: dict = {"want": want, "names": [n for n, _ in own[0].named_parameters()]}
+    for schedule in ("sequential", "nanobatching", "kareus"):
+        applier = PlanApplier(workload=wl, groups=groups, schedule=schedule,
+                              plan=plan if schedule == "kareus" else None, kernels="torch",
+                              rope_base=ex.ROTARY_BASE, eps=config.layernorm_epsilon,
+                              record=True)
+        mine = [build_module(kareus_layer_spec(applier), config=config, layer_number=i + 1)
+                for i in range(2)]
+        for m, o in zip(mine, own, strict=True):
+            m.load_state_dict(o.state_dict())
+        out[schedule] = {"run": run(mine, applier if schedule == "kareus" else None),
+                         "names": [n for n, _ in mine[0].named_parameters()],
+                         "partitions": [(ph, k) for ph, k, _ in applier.partitions_run]}
+    torch.save(out, os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
+    dist.barrier()
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", sorted(LAYER_VARIANTS))
+def test_planned_moe_layers_are_megatron_s_moe_layers(tmp_path, variant):
+    """kareus's planned MoE layers (``kareus_layer_spec`` with an MoE workload) compute
+    Megatron-Core's own ``MoELayer`` decoder layers: outputs, input gradients and every
+    parameter's gradient (attention shards, norms, the router's and the experts') under the
+    sequential, nanobatching and kareus schedules (a plan), fp32 tolerance."""
+    from _ranks import run_ranks
+
+    res = run_ranks(__file__, tmp_path, 2, variant)
+    for r in res:
+        (want_outs, want_grads) = r["want"]
+        for schedule in ("sequential", "nanobatching", "kareus"):
+            mine = r[schedule]
+            assert mine["names"] == r["names"]  # Megatron's own parameter names
+            outs, grads = mine["run"]
+            for mb, ((y, dx), (wy, wdx)) in enumerate(zip(outs, want_outs, strict=True)):
+                _close(y, wy, msg=f"{schedule} mb {mb} output", rtol=1e-4)
+                _close(dx, wdx, msg=f"{schedule} mb {mb} input grad", rtol=1e-4)
+            for i, (g, w) in enumerate(zip(grads, want_grads, strict=True)):
+                assert set(g) == set(w)
+                for n in w:
+                    _close(g[n], w[n], msg=f"{schedule} layer {i} {n}", rtol=1e-4)
+    assert res[0]["kareus"]["partitions"] == res[1]["kareus"]["partitions"]
+    assert any("moe" in k for _, k in res[0]["kareus"]["partitions"])
+
+
 if __name__ == "__main__":
-    _worker(sys.argv[1], sys.argv[2])
+    if sys.argv[2].startswith("layers"):
+        _layers_worker(sys.argv[1], sys.argv[2])
+    else:
+        _worker(sys.argv[1], sys.argv[2])

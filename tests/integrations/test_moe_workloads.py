@@ -13,11 +13,7 @@ import attrs
 import pytest
 
 from kareus.errors import WorkloadError
-from kareus.integrations._megatron_config import (
-    MOE_NOT_RUN,
-    check_layer_config,
-    workload_from_megatron,
-)
+from kareus.integrations._megatron_config import check_layer_config, workload_from_megatron
 from kareus.integrations.megatron_args import MegatronArgsError, workload_from_megatron_args
 from kareus.model.workload import Workload
 
@@ -123,12 +119,21 @@ def test_megatron_ep_without_experts_is_refused():
         _read(num_moe_experts=None, moe_ffn_hidden_size=None)
 
 
-def test_megatron_layer_still_refuses_an_moe_config():
-    config = types.SimpleNamespace(**QWEN3_30B_A3B)
-    wl = _read()
-    with pytest.raises(WorkloadError) as err:
-        check_layer_config(config, wl.model, tp=1)
-    assert str(err.value) == MOE_NOT_RUN and "num_moe_experts" in MOE_NOT_RUN
+def test_megatron_layer_checks_its_moe_config_against_the_workload():
+    config = types.SimpleNamespace(**{**QWEN3_30B_A3B, "tensor_model_parallel_size": 2,
+                                      "sequence_parallel": True})
+    wl = _read(tensor_model_parallel_size=2, sequence_parallel=True)
+    check_layer_config(config, wl.model, tp=2, ep=8)  # the same model: accepted
+    with pytest.raises(WorkloadError, match="expert_model_parallel_size=8, the workload EP=4"):
+        check_layer_config(config, wl.model, tp=2, ep=4)
+    # the block differs: another router dtype, another top-k
+    bf16 = types.SimpleNamespace(**{**vars(config), "moe_router_dtype": None})
+    with pytest.raises(WorkloadError, match="mixture of experts is MoEArch") as err:
+        check_layer_config(bf16, wl.model, tp=2)
+    assert "router_dtype='bfloat16'" in str(err.value) and "\n" not in str(err.value)
+    dense = attrs.evolve(wl.model, moe=None)
+    with pytest.raises(WorkloadError, match="workload's model None"):
+        check_layer_config(config, dense, tp=2)
 
 
 def test_megatron_real_transformer_config_is_read_the_same():
@@ -255,11 +260,21 @@ def test_torchtitan_planned_layers_still_refuse_an_moe_model():
     assert str(err.value) == TORCHTITAN_MOE_NOT_RUN
 
 
-def test_planned_layer_refuses_an_moe_workload():
+def test_planned_layer_refuses_ep_it_does_not_fold():
     pytest.importorskip("torch")
-    from kareus.exec.train import LoopbackGroups
+    from kareus.exec.train import LoopbackGroups, ParallelGroups
     from kareus.integrations._layer import PlanApplier
 
+    class DataParallelEP(ParallelGroups):  # a framework's EP group over two DP replicas
+        tp_size, tp_rank, cp_size, cp_rank, ep_size, ep_rank = 1, 0, 1, 0, 2, 0
+
+    # EP over data-parallel replicas (TP = 1, EP = 2, DP = 2): not computed by the planned
+    # layer, whose EP ranks fold over TP x CP
     wl = Workload.preset("qwen3-30b-a3b", dp=2, ep=2, microbatch_size=2, seq_len=256)
-    with pytest.raises(WorkloadError, match="kareus's planned layer does not compute moe"):
-        PlanApplier(workload=wl, groups=LoopbackGroups(tp=1))
+    with pytest.raises(WorkloadError, match="EP over data-parallel replicas is not computed"):
+        PlanApplier(workload=wl, groups=DataParallelEP(), eps=1e-6)
+    # the groups' EP group must be the workload's
+    wl = Workload.preset("qwen3-30b-a3b", tp=2, sp=True, ep=2, microbatch_size=2,
+                         seq_len=256)
+    with pytest.raises(WorkloadError, match="expert-parallel group has 1 ranks"):
+        PlanApplier(workload=wl, groups=LoopbackGroups(tp=2), eps=1e-6)
