@@ -48,15 +48,7 @@ from typing import Any
 from kareus.errors import WorkloadError
 from kareus.model.moe import MoEArch
 
-__all__ = ["TORCHTITAN_MOE_NOT_RUN", "moe_of_layer"]
-
-#: The refusal of a torchtitan MoE layer by a planned layer (one line): it is read and
-#: planned (``workload_from_torchtitan``, ``kareus optimize``), not run yet.
-TORCHTITAN_MOE_NOT_RUN = (
-    "kareus's planned layer runs a dense SwiGLU MLP: torchtitan's mixture-of-experts layers "
-    "(Qwen3 MoE) are read, planned and emulated (workload_from_torchtitan, kareus optimize "
-    "--ep), not run by a planned layer yet; run the MoE model without kareus's layers")
-
+__all__ = ["moe_of_layer"]
 
 def _classes() -> Any:
     import types

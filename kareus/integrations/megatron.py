@@ -28,8 +28,8 @@ block's instance ``forward``), nothing forked or copied:
   does not compute.
 * [`moe_layer_weights`][kareus.integrations.megatron.moe_layer_weights] reads a
   Megatron-Core ``MoELayer``'s router and local experts in kareus's layout (differentiable
-  views), for the planned MoE layer and for checking kareus's MoE semantics against
-  Megatron-Core's (the layer itself still refuses ``num_moe_experts``).
+  views): what the planned MoE layer runs on (``kareus_layer_spec`` with an MoE workload:
+  the local spec's ``MoELayer``).
 
 The module is tested with the Megatron-Core releases in ``TESTED_MEGATRON`` and refuses
 another at import (``MegatronVersionError``); set ``KAREUS_MEGATRON_UNTESTED=1`` to try
@@ -569,6 +569,14 @@ def kareus_layer_spec(applier: PlanApplier | None, *, qk_layernorm: bool | None 
             (``qk_norm``), without them when there is no applier.
         layout: ``"local"`` (Megatron-Core's local spec's names) or ``"te"`` (its
             Transformer Engine spec's names).
+
+    With a mixture-of-experts workload (``ModelArch.moe``; the config's ``num_moe_experts``
+    and the rest of its MoE block must be the workload's: ``check_layer_config``) the MLP is
+    the local spec's ``MoELayer`` (``get_gpt_layer_local_spec(num_experts=...)``:
+    ``SequentialMLP`` experts, Megatron-Core's parameter names), run by the planned layer
+    eagerly (``moe_layer_weights`` reads its router and this rank's experts); the
+    applier's groups need the EP group (``TorchParallelGroups.from_groups(ep=
+    parallel_state.get_expert_model_parallel_group())``); the TE layout is refused.
 
     With context parallelism in the applier's workload (CP > 1) the spec's core attention
     is [`KareusCoreAttention`][kareus.integrations.megatron.KareusCoreAttention], a

@@ -96,8 +96,8 @@ from typing import Any
 from kareus._logging import get_logger
 from kareus.errors import ArgumentError, ArgumentTypeError, PlanError, WorkloadError
 from kareus.integrations._layer import PlanApplier
-from kareus.integrations._torchtitan_moe import TORCHTITAN_MOE_NOT_RUN, moe_of_layer
-from kareus.integrations._weights import head_norm, layer_weights, linear, qkv_from_separate
+from kareus.integrations._torchtitan_moe import moe_of_layer
+from kareus.integrations._weights import LAYER_WEIGHTS, head_norm, linear, qkv_from_separate
 from kareus.model.moe import MoEArch
 from kareus.model.workload import ModelArch, Parallelism, Workload
 
@@ -317,7 +317,8 @@ def model_arch_from_torchtitan(model_or_config: Any, *, name: str = "torchtitan-
     width); what kareus's MoE block does not compute (``load_balance_coeff``, torchtitan's
     default aux-loss-free balancing, sigmoid scores, no ``route_norm``, ``route_scale``,
     group-limited routing, another dispatcher or expert module) is refused in one line.
-    Such a model is planned and emulated; ``apply_plan`` does not run it yet.
+    Such a model is planned and emulated, and ``apply_plan`` runs its blocks under a plan
+    (TP = 2 or more with sequence parallelism and EP folded over TP, or EP over CP).
 
     Raises:
         ArgumentTypeError: not a torchtitan decoder model or config.
@@ -611,6 +612,9 @@ class _BlockLayout:
         # Llama 3's ComplexRoPE rotates interleaved pairs, Qwen3's CosSinRoPE halves
         self.interleaved = isinstance(att.rope, _classes().ComplexRoPE)
         self.qk_norm = getattr(att, "q_norm", None) is not None
+        #: A Qwen3 MoE block: its MLP is the ``moe`` module (``moe_block_weights``).
+        self.moe = getattr(block, "moe", None) is not None
+        self.shared_experts = self.moe and block.moe.shared_experts is not None
         self.per_kv = int(att.n_heads) // int(att.n_kv_heads)
         # FlexAttention / VarlenAttention: the decoder's masks are block_causal documents
         self.documents = isinstance(att.inner_attention, (_classes().Flex,
@@ -633,7 +637,7 @@ class _BlockLayout:
 
     def weights(self, block: Any) -> dict[str, Any]:
         """The block's weights in kareus's layout, differentiable views of its parameters."""
-        att, ff = block.attention, block.feed_forward
+        att = block.attention
         if self.fused:
             qkv = self._fused_qkv(_local(att.qkv_linear.wqkv.weight))
         else:
@@ -642,17 +646,22 @@ class _BlockLayout:
                                     _local(q.wv.weight), head_dim=self.head_dim,
                                     interleaved_rope=self.interleaved)
         norm = _head_norm if self.sp else _local  # see _head_norm
+        if self.moe:  # the router (this rank's part of its gradient) and the EP shard
+            mlp = moe_block_weights(block.moe)
+        else:
+            ff = block.feed_forward
+            mlp = {"Wg": linear(_local(ff.w1.weight)), "Wu": linear(_local(ff.w3.weight)),
+                   "Wd": linear(_local(ff.w2.weight))}
         out = {"w_attn_norm": norm(block.attention_norm.weight), "Wqkv": qkv,
                "Wo": linear(_local(att.wo.weight)),
-               "w_mlp_norm": norm(block.ffn_norm.weight),
-               "Wg": linear(_local(ff.w1.weight)), "Wu": linear(_local(ff.w3.weight)),
-               "Wd": linear(_local(ff.w2.weight))}
+               "w_mlp_norm": norm(block.ffn_norm.weight), **mlp}
         if self.qk_norm:  # whole on every TP rank: see _head_norm
             out["w_q_norm"] = head_norm(_head_norm(att.q_norm.weight),
                                         interleaved_rope=self.interleaved)
             out["w_k_norm"] = head_norm(_head_norm(att.k_norm.weight),
                                         interleaved_rope=self.interleaved)
-        assert tuple(out) == layer_weights(self.qk_norm)
+        assert set(out) == set(LAYER_WEIGHTS[:4]) | set(mlp) | (
+            {"w_q_norm", "w_k_norm"} if self.qk_norm else set())
         return out
 
 
@@ -842,7 +851,7 @@ def apply_plan(model: Any, *, workload: Workload, mesh: Any = None, tp_group: An
     from kareus.exec.train import TorchParallelGroups
 
     group = _tp_group(mesh, tp_group, workload.parallelism.tp)
-    groups = TorchParallelGroups.from_groups(tp=group)
+    groups = TorchParallelGroups.from_groups(tp=group, ep=_ep_group(mesh, workload))
     applier = PlanApplier(workload=workload, groups=groups, plan=plan, schedule=schedule,
                           rope_inv_freq=inv, eps=arch.norm_eps, **applier_kwargs)
     layer = applier.layer()
@@ -852,6 +861,25 @@ def apply_plan(model: Any, *, workload: Workload, mesh: Any = None, tp_group: An
         _Chain(decoder, own, applier, [installed[id(b)] for b in own], strict=strict,
                chain_asked=asked)
     return applier
+
+
+def _ep_group(mesh: Any, workload: Workload) -> Any:
+    """The expert-parallel process group of a Qwen3 MoE workload at EP > 1: the ``ep``
+    dimension of torchtitan's ``ParallelDims`` (its sparse mesh, which its experts are
+    sharded over), or ``None`` at EP = 1."""
+    if workload.parallelism.ep == 1:
+        return None
+    get = getattr(mesh, "get_optional_mesh", None)
+    ep_mesh = get("ep") if callable(get) else None
+    if ep_mesh is None:
+        raise ArgumentError(f"the workload has EP={workload.parallelism.ep}: pass mesh= "
+                            "torchtitan's ParallelDims (parallelism.expert_parallel_degree), "
+                            "whose ep mesh holds the experts")
+    if int(ep_mesh.size()) != workload.parallelism.ep:
+        raise WorkloadError(f"torchtitan's ep mesh has {ep_mesh.size()} ranks, the workload "
+                            f"EP={workload.parallelism.ep}: make the workload with "
+                            "workload_from_torchtitan(model, ep=...)")
+    return ep_mesh.get_group()
 
 
 def _chaining(model: Any, blocks: list[Any], workload: Workload, plan: Any,
@@ -894,9 +922,9 @@ def _check_model(model: Any, workload: Workload) -> Any:
     """The model's own config against the workload, whatever made the workload: its layers'
     architecture and its TP plan's layout. Returns the model's ``ModelArch``."""
     arch = model_arch_from_torchtitan(model, name=workload.model.name)
-    if arch.moe is not None:
-        raise WorkloadError(TORCHTITAN_MOE_NOT_RUN)
-    for field in ("hidden", "heads", "kv_heads", "head_dim", "ffn", "qk_norm", "norm_eps",
+    # an MoE model's MLP is its block (the dense width no layer has is not compared)
+    mlp = ("ffn",) if arch.moe is None and workload.model.moe is None else ("moe",)
+    for field in ("hidden", "heads", "kv_heads", "head_dim", *mlp, "qk_norm", "norm_eps",
                   "qkv_bias"):
         mine, theirs = getattr(arch, field), getattr(workload.model, field)
         if mine != theirs:

@@ -250,14 +250,16 @@ def test_torchtitan_experts_split_over_tp_are_refused():
     assert _tt_workload(_qwen3_moe(), tp=2, sp=True, ep=2, dp=4).parallelism.ep == 2
 
 
-def test_torchtitan_planned_layers_still_refuse_an_moe_model():
-    from kareus.integrations._torchtitan_moe import TORCHTITAN_MOE_NOT_RUN
+def test_torchtitan_planned_layers_check_the_moe_block_against_the_workload():
     from kareus.integrations.torchtitan import apply_plan
 
     config = _qwen3_moe()
-    with pytest.raises(WorkloadError) as err:
-        apply_plan(config, workload=_tt_workload(config))
-    assert str(err.value) == TORCHTITAN_MOE_NOT_RUN
+    wl = _tt_workload(config)
+    other = wl.with_(model=attrs.evolve(wl.model, moe=attrs.evolve(wl.model.moe,
+                                                                   experts_per_token=4)))
+    with pytest.raises(WorkloadError, match="the model's layers have moe=MoEArch") as err:
+        apply_plan(config, workload=other)
+    assert "\n" not in str(err.value)
 
 
 def test_planned_layer_refuses_ep_it_does_not_fold():

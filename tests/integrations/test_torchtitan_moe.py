@@ -210,5 +210,124 @@ def test_torchtitan_qwen3_moe_block_computes_kareus_semantics(tmp_path, variant)
             [r["steps"][step]["weights"] for r in by_ep])["Wr"])
 
 
+# ------------------------------------------------------------------ the planned MoE layer
+
+VOCAB, MICROBATCHES = 64, 2
+
+
+def _model_worker(out_dir: str) -> None:
+    """torchtitan's own two-layer Qwen3 MoE model and the same model under kareus's planned
+    layers (``apply_plan``), TP = 2 with sequence parallelism and EP = 2 over the same two
+    ranks, under every schedule: losses, logits and every parameter's gradient."""
+    import copy
+    from contextlib import nullcontext
+
+    import torch.distributed as dist
+
+    cfg = _config(2)
+    cfg.layers = cfg.layers + [copy.deepcopy(cfg.layers[0])]  # two MoE layers
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    import torchtitan.distributed.parallel_dims as tt_parallel_dims
+    import torchtitan.distributed.utils as dist_utils
+    import torchtitan.tools.utils as tt_utils
+    from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.config import ParallelismConfig
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    import kareus.integrations.torchtitan as kt
+    from kareus.testing import make_workload_plan
+
+    tt_parallel_dims.device_type = tt_utils.device_type = "cpu"
+    dist_utils.set_spmd_backend("partial_dtensor")
+    parallelism = ParallelismConfig(tensor_parallel_degree=2, expert_parallel_degree=2,
+                                    enable_sequence_parallel=True,
+                                    spmd_backend="partial_dtensor")
+    dims = ParallelDims.from_config(parallelism, world_size=2)
+    dims.build_mesh()
+    context = dist_utils.get_spmd_context(parallel_dims=dims)
+    cfg.update_from_config(config=SimpleNamespace(parallelism=parallelism))
+    wl = kt.workload_from_torchtitan(cfg, tp=2, ep=2, microbatch_size=MBS, seq_len=SEQ,
+                                     num_microbatches=MICROBATCHES, recompute="full")
+    assert wl.parallelism.sequence_parallel
+    plan = make_workload_plan(wl, pick=1, sms=8, freqs_mhz=(1980, 1410),
+                              unsplit_microbatches=(1,))
+    torch.manual_seed(0)
+    base = cfg.build()
+    base.init_states()
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(7)
+        for layer in base.layers.values():
+            layer.moe.router.gate.weight.normal_(0, 0.5, generator=g)
+            for p in layer.moe.routed_experts.parameters():
+                p.normal_(0, 0.2, generator=g)
+    result: dict = {}
+    for schedule in ("torchtitan", "sequential", "nanobatching", "kareus"):
+        model = copy.deepcopy(base)
+        with context():
+            model.parallelize(dims)
+        applier = None
+        if schedule != "torchtitan":
+            applier = kt.apply_plan(model, workload=wl, mesh=dims, schedule=schedule,
+                                    plan=plan if schedule == "kareus" else None,
+                                    kernels="torch", record=True)
+        losses, logits = [], []
+        for mb in range(MICROBATCHES):
+            g = torch.Generator().manual_seed(10 + mb)
+            tokens = torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=g)
+            with context():
+                with applier.microbatch(mb, "fwd") if applier else nullcontext():
+                    out = model(tokens[:, :-1])
+                loss = cross_entropy_loss(out, tokens[:, 1:], global_vocab_size=VOCAB)
+                with applier.microbatch(mb, "bwd") if applier else nullcontext():
+                    loss.backward()
+            losses.append(float(_full(loss).detach()))
+            logits.append(_full(out).detach().clone())
+        result[schedule] = {
+            "losses": losses, "logits": logits,
+            "grads": {n: _full(p.grad).detach().clone() for n, p in model.named_parameters()},
+            "partitions": ([(ph, k) for ph, k, _ in applier.partitions_run]
+                           if applier else [])}
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+@pytest.mark.slow
+def test_planned_moe_layers_are_torchtitan_s_qwen3_moe_blocks(tmp_path):
+    """kareus's planned layers run torchtitan's Qwen3 MoE blocks (``apply_plan``) at TP = 2
+    with sequence parallelism and EP = 2: the losses, logits and every parameter's gradient
+    (attention, norms, router, experts; the embedding and LM head through them) are
+    torchtitan's own under the sequential, nanobatching and kareus schedules (a plan), to
+    bfloat16 tolerance: torchtitan's experts compute in bf16, kareus's in the model's dtype
+    (fp32 here). The kareus schedules agree with one another to fp32 tolerance."""
+    from _ranks import run_ranks
+
+    res = run_ranks(__file__, tmp_path, 2, "model")
+    for r in res:
+        want = r["torchtitan"]
+        for schedule in ("sequential", "nanobatching", "kareus"):
+            got = r[schedule]
+            assert got["losses"] == pytest.approx(want["losses"], rel=2e-2), schedule
+            for a, b in zip(got["logits"], want["logits"], strict=True):
+                _close(a.double(), b.double(), msg=f"{schedule} logits")
+            for n, g in want["grads"].items():
+                _close(got["grads"][n].double(), g.double(), msg=f"{schedule} grad {n}")
+            if schedule != "sequential":  # kareus's schedules: the same fp32 values
+                for n, g in r["sequential"]["grads"].items():
+                    torch.testing.assert_close(got["grads"][n], g, rtol=1e-4, atol=1e-5,
+                                               msg=lambda m, n=n, s=schedule: f"{s} {n}: {m}")
+        assert any("moe" in k for _, k in r["kareus"]["partitions"])
+    assert res[0]["kareus"]["partitions"] == res[1]["kareus"]["partitions"]
+
+
 if __name__ == "__main__":
-    _worker(sys.argv[1], sys.argv[2])
+    if sys.argv[2] == "model":
+        _model_worker(sys.argv[1])
+    else:
+        _worker(sys.argv[1], sys.argv[2])
