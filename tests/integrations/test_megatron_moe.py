@@ -335,10 +335,75 @@ def _layers_worker(out_dir: str, variant: str) -> None:
         out[schedule] = {"run": run(mine, applier if schedule == "kareus" else None),
                          "names": [n for n, _ in mine[0].named_parameters()],
                          "partitions": [(ph, k) for ph, k, _ in applier.partitions_run]}
+    out["gpt"] = _gpt_trains_alike(config, wl, groups, ep_rank, plan)
     torch.save(out, os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
     dist.barrier()
     ps.destroy_model_parallel()
     dist.destroy_process_group()
+
+
+def _gpt_trains_alike(config, wl, groups, ep_rank, plan) -> dict:
+    """The example's GPTModel with these MoE layers trained two iterations (Megatron DDP,
+    ``finalize_model_grads``, Megatron's Adam, ``get_forward_backward_func``) with
+    Megatron-Core's own layers and with kareus's under ``wrap_schedule``, each schedule:
+    the losses, every ``main_grad`` of the last iteration and every weight after both."""
+    sys.path.insert(0, str(EXAMPLE))
+    import megatron_gpt as ex
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from kareus.integrations import PlanApplier
+    from kareus.integrations.megatron import (
+        SequenceParallelRMSNorm,
+        kareus_layer_spec,
+        wrap_schedule,
+    )
+
+    def block(spec):  # the final norm takes sequence_parallel too
+        return TransformerBlockSubmodules(layer_specs=[spec] * config.num_layers,
+                                          layer_norm=SequenceParallelRMSNorm)
+
+    g = torch.Generator().manual_seed(3)
+    batches = []
+    for _ in range(MICROBATCHES):
+        tok = torch.randint(0, ex.VOCAB, (LAYER_MBS, LAYER_SEQ + 1), generator=g)
+        batches.append((tok[:, :-1], tok[:, 1:]))
+    torch.manual_seed(0)
+    own_model = ex.build_model(config, block(_own_moe_spec()), LAYER_SEQ, "cpu")
+    with torch.no_grad():  # each EP rank's experts its own; routing away from ties
+        g = torch.Generator().manual_seed(7)
+        for layer in own_model.decoder.layers:
+            layer.mlp.router.weight.normal_(0, 0.5, generator=g)
+        g = torch.Generator().manual_seed(100 + ep_rank)
+        for layer in own_model.decoder.layers:
+            for p in layer.mlp.experts.parameters():
+                p.normal_(0, 0.2, generator=g)
+    initial = {k: v.clone() if torch.is_tensor(v) else v
+               for k, v in own_model.state_dict().items()}
+    own = ex.train(own_model, config, batches, steps=2, seq_len=LAYER_SEQ)
+    want = {n: (p.main_grad.clone(), p.detach().clone())
+            for n, p in own_model.named_parameters()}
+    result = {"own": own}
+    for schedule in ("sequential", "nanobatching", "kareus"):
+        applier = PlanApplier(workload=wl, groups=groups, schedule=schedule,
+                              plan=plan if schedule == "kareus" else None, kernels="torch",
+                              rope_base=ex.ROTARY_BASE, eps=config.layernorm_epsilon,
+                              record=True)
+        # the previous training's hooks off the config first: Megatron-Core's SequentialMLP
+        # deep-copies the config (its experts' width), which an optimizer's bound method in
+        # it (grad_scale_func) does not survive; ex.train sets them again
+        config.grad_scale_func = config.finalize_model_grads_func = config.no_sync_func = None
+        model = ex.build_model(config, block(kareus_layer_spec(applier)), LAYER_SEQ, "cpu")
+        model.load_state_dict(initial)
+        with wrap_schedule(applier):
+            losses = ex.train(model, config, batches, steps=2, seq_len=LAYER_SEQ)
+        mine = dict(model.named_parameters())
+        assert set(mine) == set(want)
+        result[schedule] = {"losses": losses,
+                            "params": {n: (mine[n].main_grad.clone(), mine[n].detach().clone())
+                                       for n in want},
+                            "partitions": [(ph, k) for ph, k, _ in applier.partitions_run]}
+    result["want"] = want
+    return result
 
 
 @pytest.mark.slow
@@ -347,7 +412,9 @@ def test_planned_moe_layers_are_megatron_s_moe_layers(tmp_path, variant):
     """kareus's planned MoE layers (``kareus_layer_spec`` with an MoE workload) compute
     Megatron-Core's own ``MoELayer`` decoder layers: outputs, input gradients and every
     parameter's gradient (attention shards, norms, the router's and the experts') under the
-    sequential, nanobatching and kareus schedules (a plan), fp32 tolerance."""
+    sequential, nanobatching and kareus schedules (a plan), fp32 tolerance; and the GPT
+    model built of them trains as Megatron-Core's own: losses, ``main_grad`` and weights
+    after two iterations (DDP, Adam), every schedule."""
     from _ranks import run_ranks
 
     res = run_ranks(__file__, tmp_path, 2, variant)
@@ -366,6 +433,17 @@ def test_planned_moe_layers_are_megatron_s_moe_layers(tmp_path, variant):
                     _close(g[n], w[n], msg=f"{schedule} layer {i} {n}", rtol=1e-4)
     assert res[0]["kareus"]["partitions"] == res[1]["kareus"]["partitions"]
     assert any("moe" in k for _, k in res[0]["kareus"]["partitions"])
+    # the GPT model trained two iterations: losses, main_grads and weights
+    for r in res:
+        gpt = r["gpt"]
+        for schedule in ("sequential", "nanobatching", "kareus"):
+            mine = gpt[schedule]
+            assert mine["losses"] == pytest.approx(gpt["own"], rel=1e-5), schedule
+            for n, (grad, weight) in gpt["want"].items():
+                got_grad, got_weight = mine["params"][n]
+                _close(got_grad, grad, msg=f"{schedule} main_grad {n}", rtol=1e-4)
+                _close(got_weight, weight, msg=f"{schedule} weight {n}", rtol=1e-4)
+        assert any("moe" in k for _, k in gpt["kareus"]["partitions"])
 
 
 if __name__ == "__main__":
