@@ -137,7 +137,13 @@ def test_kareus_optimize_megatron_args_makes_the_plan_the_spec_accepts(tmp_path,
 
 @pytest.mark.megatron_line
 @pytest.mark.parametrize("extra", ["", " --qk-layernorm --norm-epsilon 1e-6 "
-                                   "--untie-embeddings-and-output-weights --recompute-activations"])
+                                   "--untie-embeddings-and-output-weights --recompute-activations",
+                                   # a mixture of experts, EP folded over TP (sequence parallel)
+                                   " --sequence-parallel --num-experts 8 --moe-router-topk 2 "
+                                   "--moe-ffn-hidden-size 512 --expert-model-parallel-size 2 "
+                                   "--expert-tensor-parallel-size 1 --moe-router-dtype fp32 "
+                                   "--moe-token-dispatcher-type alltoall --moe-permute-fusion "
+                                   "--moe-layer-freq 1"])
 def test_the_parser_agrees_with_megatron_lm_s_own(monkeypatch, extra):
     """kareus's parser against Megatron-LM's ``parse_args`` + ``validate_args`` (run when
     ``megatron.training`` is importable: a Megatron-LM checkout at ``core_v0.16.1`` or
