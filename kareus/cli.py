@@ -170,6 +170,10 @@ _JOB_DEFAULTS = {"tp": 4, "cp": 1, "pp": 2, "microbatches": 8, "microbatch_size"
 #: setting (it is the data's): it applies to their workloads too.
 _MOE_OPTIONS = ("ep",)
 
+#: ``kareus.model.RANK_ORDERS``, spelt here so that building the parser does not import the
+#: model package (tests/test_cli.py checks that they agree).
+_RANK_ORDERS = ("tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp")
+
 
 def _workload_from_megatron_flags(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """The workload of ``--megatron-args``: the job as Megatron-LM's flags describe it."""
@@ -177,7 +181,7 @@ def _workload_from_megatron_flags(args: argparse.Namespace):  # type: ignore[no-
     from kareus.integrations.megatron_args import parse_megatron_args, workload_from_megatron_args
 
     given = [f"--{k.replace('_', '-')}" for k in (*_JOB_DEFAULTS, "workload", "model_file",
-                                                   *_MOE_OPTIONS)
+                                                   "rank_order", *_MOE_OPTIONS)
              if getattr(args, k, None) is not None] + [
                  f for f, on in (("--no-recompute", args.no_recompute),
                                  ("--recompute", getattr(args, "recompute", None) is not None),
@@ -236,7 +240,7 @@ def _workload_from_torchtitan_flags(args: argparse.Namespace):  # type: ignore[n
     )
 
     given = [f"--{k.replace('_', '-')}" for k in (*_JOB_DEFAULTS, "workload", "model_file",
-                                                   "dp", *_MOE_OPTIONS)
+                                                   "dp", "rank_order", *_MOE_OPTIONS)
              if getattr(args, k, None) is not None] + [
                  f for f, on in (("--no-recompute", args.no_recompute),
                                  ("--sp", getattr(args, "sp", False)),
@@ -345,8 +349,10 @@ def _job_workload(args: argparse.Namespace):  # type: ignore[no-untyped-def]
                             "is not modelled; use --tp <= 8 and spread the rest over --cp/--pp")
     imbalance = getattr(args, "routing_imbalance", None)
     moe = {} if imbalance is None else {"routing_imbalance": imbalance}
+    order = getattr(args, "rank_order", None) or _RANK_ORDERS[0]
     return Workload(model=model, parallelism=Parallelism(tp=args.tp, cp=args.cp, pp=args.pp,
-                                                         dp=dp, sp=bool(args.sp), ep=ep),
+                                                         dp=dp, sp=bool(args.sp), ep=ep,
+                                                         rank_order=order),
                     microbatch_size=args.microbatch_size, seq_len=args.seq_len,
                     num_microbatches=args.microbatches, recompute=_recompute_from_args(args),
                     nanobatches=args.nanobatches,
@@ -792,6 +798,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="expert parallel degree of a mixture-of-experts model (default 1): "
                         "it divides TP x CP x DP (Megatron-Core's MoE parallel folding, "
                         "experts not split over TP); a divisor of 8 (one NVLink node)")
+    p.add_argument("--rank-order", default=None, choices=_RANK_ORDERS,
+                   help="how the job's ranks are laid out, fastest first (Megatron-Core's "
+                        "order): tp-cp-ep-dp-pp (default, Megatron-LM's and torchtitan's) or "
+                        "tp-cp-ep-pp-dp (Megatron-LM's --use-tp-pp-dp-mapping); it decides "
+                        "which pipeline sends and gradient reductions cross nodes")
     p.add_argument("--routing-imbalance", type=_positive_float, default=None,
                    help="of a mixture-of-experts model: the busiest expert-parallel rank's "
                         "tokens over the mean, in [1, --ep] (default 1.0: balanced routing)")

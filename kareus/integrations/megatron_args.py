@@ -58,6 +58,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import attrs
+
 from kareus.errors import ArgumentError, ArgumentTypeError, WorkloadError
 from kareus.integrations._megatron_config import workload_from_megatron
 from kareus.model.workload import Workload
@@ -176,6 +178,7 @@ _READ: tuple[tuple[str, dict[str, Any]], ...] = (
     _bool("--apply-residual-connection-post-layernorm"),
     _bool("--fp32-residual-connection"),
     _bool("--overlap-param-gather"),
+    _bool("--use-tp-pp-dp-mapping"),
     ("--transformer-impl", {"default": "transformer_engine"}),
     ("--spec", {"nargs": "*", "default": None}),
 )
@@ -496,6 +499,9 @@ def workload_from_megatron_args(args: argparse.Namespace | str | Sequence[str], 
         config: The model's own ``TransformerConfig`` (the layer passes it); default: the
             fields Megatron-LM sets from ``args``.
 
+    The ranks' layout is Megatron-LM's: ``tp-cp-ep-dp-pp``, or ``tp-cp-ep-pp-dp`` under
+    ``--use-tp-pp-dp-mapping`` (``Parallelism.rank_order``).
+
     Raises:
         MegatronArgsError: a flag kareus does not read, a Megatron-LM default or flag
             kareus's layer does not compute (named by its flag: dropout, bias, SwiGLU,
@@ -519,7 +525,7 @@ def workload_from_megatron_args(args: argparse.Namespace | str | Sequence[str], 
         raise MegatronArgsError(f"--global-batch-size {gbs} is not a multiple of "
                                 f"--micro-batch-size {mbs} x DP {dp_}")
     try:
-        return workload_from_megatron(
+        wl = workload_from_megatron(
             config if config is not None else _config_of(ns), microbatch_size=mbs,
             seq_len=int(_get(ns, "seq_length")), num_microbatches=gbs // (mbs * dp_),
             vocab_size=padded_vocab_size(ns), nanobatches=nanobatches, name=name, dp=dp_,
@@ -528,3 +534,6 @@ def workload_from_megatron_args(args: argparse.Namespace | str | Sequence[str], 
     except WorkloadError as exc:
         raise WorkloadError(f"Megatron-LM arguments: {exc} (the flag of TransformerConfig "
                             "field x is --x with dashes)") from None
+    if _get(ns, "use_tp_pp_dp_mapping", False):  # the ranks' layout (RANK_ORDERS)
+        wl = wl.with_(parallelism=attrs.evolve(wl.parallelism, rank_order="tp-cp-ep-pp-dp"))
+    return wl

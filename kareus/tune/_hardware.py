@@ -103,7 +103,9 @@ def one_gpu_backends(workload: Workload, *, loopback: str = "plain",
     more than one rank, routed by kind as in training (all-reduces to TP, all-gathers and
     reduce-scatters to CP; [`make_collectives`][kareus.exec.train.make_collectives] with
     [`LoopbackGroups`][kareus.exec.train.LoopbackGroups]). A workload with TP = CP = 1 gets a
-    [`LoopbackCollective`][kareus.exec.LoopbackCollective] (a world of one; needs a GPU).
+    [`LoopbackCollective`][kareus.exec.LoopbackCollective] (a world of one; needs a GPU), whose
+    all-to-all stands in for a mixture of experts' expert-parallel group (plain only: the
+    faithful stand-in, and EP beside TP or CP groups, are refused in one line).
 
     Args:
         workload: The job.
@@ -120,6 +122,17 @@ def one_gpu_backends(workload: Workload, *, loopback: str = "plain",
     from kareus.exec.train import LoopbackGroups, make_collectives
 
     p = workload.parallelism
+    if workload.model.moe is not None and p.ep > 1:
+        # The expert-parallel group's all-to-alls run on LoopbackCollective's plain stand-in
+        # (a world of one), which has no time-faithful variant and no place beside the TP and
+        # CP groups' stand-ins yet: refused rather than run as something else.
+        if loopback == "faithful":
+            raise ArgumentError("--loopback faithful has no time-faithful stand-in for the "
+                                "expert-parallel all-to-all yet (--ep): use --loopback plain")
+        if p.tp * p.cp > 1:
+            raise ArgumentError("one GPU does not stand in for the TP/CP groups and the "
+                                "expert-parallel group together yet (--ep with --tp or --cp "
+                                "above 1): tune with --tp 1 --cp 1 on one GPU")
     times = None
     if loopback == "faithful":
         from kareus.profilers.collective_times import EmulatedCollectiveTimes
@@ -135,7 +148,11 @@ def one_gpu_backends(workload: Workload, *, loopback: str = "plain",
         from kareus.exec.collectives import LoopbackCollective
 
         loop = LoopbackCollective()
-        return {"loopback": loop}, loop, "LoopbackCollective (a world of one)"
+        note = "LoopbackCollective (a world of one)"
+        if workload.model.moe is not None and p.ep > 1:
+            note += (f"; the expert-parallel all-to-all (EP={p.ep}) stood in by writing the "
+                     "received rows from the sent ones (no links)")
+        return {"loopback": loop}, loop, note
     return {"loopback": capped}, default, note
 
 

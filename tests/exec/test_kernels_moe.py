@@ -12,8 +12,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from moe_block import dense_reference, make, moe_block
+
 from kareus.errors import ArgumentError
-from kareus.exec.kernels import ReferenceKernels, TokenPermutation, TorchKernels
+from kareus.exec.kernels import ReferenceKernels, TorchKernels
 
 F64 = torch.float64
 
@@ -28,125 +30,6 @@ class _Loop(TorchKernels):
 
 class _Grouped(TorchKernels):
     grouped_gemm = "grouped_mm"
-
-
-def make(seed, *, ranks, t, h, E, fe, empty=(), popular=None, dtype=F64):
-    """Per-rank inputs and shared weights; experts in ``empty`` are never chosen (a
-    constant input column times a large negative router weight), ``popular`` is chosen
-    by every token."""
-    g = torch.Generator().manual_seed(seed)
-    xs = []
-    for _ in range(ranks):
-        x = torch.randn(t, h, generator=g, dtype=F64)
-        x[:, 0] = 1.0
-        xs.append(x.to(dtype))
-    wr = torch.randn(h, E, generator=g, dtype=F64) * 0.5
-    for e in empty:
-        wr[0, e] = -100.0
-    if popular is not None:
-        wr[0, popular] = 100.0
-    w1 = torch.randn(E, h, 2 * fe, generator=g, dtype=F64) * h ** -0.5
-    w2 = torch.randn(E, fe, h, generator=g, dtype=F64) * fe ** -0.5
-    dout = [torch.randn(t, h, generator=g, dtype=F64).to(dtype) for _ in range(ranks)]
-    return xs, wr, w1.to(dtype), w2.to(dtype), dout
-
-
-def dense_reference(xs, wr, w1, w2, dout, k):
-    """Every rank's MoE output and the gradients, by autograd of the per-token formula."""
-    xs = [x.detach().double().requires_grad_() for x in xs]
-    wr, w1, w2 = (w.detach().double().requires_grad_() for w in (wr, w1, w2))
-    fe = w2.shape[1]
-    outs = []
-    for x in xs:
-        logits = x @ wr
-        top, idx = torch.topk(logits, k, dim=-1)
-        p = torch.softmax(top, dim=-1)
-        out = torch.zeros_like(x)
-        for i in range(x.shape[0]):
-            for j in range(k):
-                e = int(idx[i, j])
-                hh = x[i] @ w1[e]
-                a = torch.nn.functional.silu(hh[:fe]) * hh[fe:]
-                out[i] = out[i] + p[i, j] * (a @ w2[e])
-        outs.append(out)
-    loss = sum((o * d.double()).sum() for o, d in zip(outs, dout, strict=True))
-    loss.backward()
-    return ([o.detach() for o in outs], [x.grad for x in xs], wr.grad, w1.grad, w2.grad)
-
-
-def exchange(chunks_of):
-    """An all-to-all in one process: ``chunks_of[s][r]`` (rows rank s sends rank r) ->
-    per rank r, the received rows in source-rank order."""
-    ranks = len(chunks_of)
-    return [torch.cat([chunks_of[s][r] for s in range(ranks)]) for r in range(ranks)]
-
-
-def split_rows(x, splits):
-    return list(torch.split(x, splits))
-
-
-def moe_block(ks, xs, wr, w1, w2, dout, *, k, ep, router_dtype="float64"):
-    """Forward and backward of the MoE block on ``ep`` ranks through kernel set ``ks``
-    (the all-to-alls simulated by ``exchange``)."""
-    E = wr.shape[1]
-    L = E // ep
-    r_state = []
-    dispatch = []
-    for x in xs:
-        logits = ks.router(x, wr, dtype=router_dtype)
-        probs, idx = ks.router_topk(logits, k)
-        rows, perm = ks.permute(x, idx, experts=E, ep=ep)
-        assert isinstance(perm, TokenPermutation)
-        r_state.append((logits, probs, idx, perm))
-        dispatch.append(split_rows(rows, perm.input_splits()))
-    received = exchange(dispatch)
-    send = torch.stack([st[3].send_counts for st in r_state])  # [src, dst, L]
-    e_state, combine = [], []
-    for r in range(ep):
-        counts = send[:, r, :]  # [src, L] rows received from each source per local expert
-        lw1, lw2 = w1[r * L:(r + 1) * L], w2[r * L:(r + 1) * L]
-        xs_sorted = ks.expert_sort(received[r], counts.tolist())
-        local = counts.sum(0)
-        h1 = ks.grouped_mm(xs_sorted, lw1, local.tolist())
-        a = ks.expert_swiglu(h1)
-        y = ks.grouped_mm(a, lw2, local)  # counts as a tensor too
-        ys = ks.expert_unsort(y, counts)
-        e_state.append((counts, xs_sorted, h1, a))
-        combine.append(split_rows(ys, counts.sum(1).tolist()))
-    back = exchange(combine)
-    outs = [ks.unpermute(back[s], r_state[s][1], r_state[s][3]) for s in range(ep)]
-    # backward
-    grad_disp, dprobs_of = [], []
-    for s in range(ep):
-        _, probs, _, perm = r_state[s]
-        drows, dprobs = ks.unpermute_bwd(dout[s], back[s], probs, perm)
-        dprobs_of.append(dprobs)
-        grad_disp.append(split_rows(drows, perm.input_splits()))
-    grad_recv = exchange(grad_disp)
-    dw1 = torch.zeros_like(w1)
-    dw2 = torch.zeros_like(w2)
-    grad_comb = []
-    for r in range(ep):
-        counts, xs_sorted, h1, a = e_state[r]
-        lw1, lw2 = w1[r * L:(r + 1) * L], w2[r * L:(r + 1) * L]
-        local = counts.sum(0).tolist()
-        dy = ks.expert_unsort_bwd(grad_recv[r], counts)
-        da = ks.grouped_mm(dy, lw2.transpose(1, 2), local)
-        dw2[r * L:(r + 1) * L] = ks.grouped_mm_wgrad(a, dy, local)
-        dh = ks.expert_swiglu_bwd(da, h1)
-        dxs = ks.grouped_mm(dh, lw1.transpose(1, 2), local)
-        dw1[r * L:(r + 1) * L] = ks.grouped_mm_wgrad(xs_sorted, dh, local)
-        grad_comb.append(split_rows(ks.expert_sort_bwd(dxs, counts), counts.sum(1).tolist()))
-    grad_rows = exchange(grad_comb)
-    dxs_out, dwr = [], torch.zeros(wr.shape, dtype=getattr(torch, router_dtype))
-    for s in range(ep):
-        logits, probs, idx, perm = r_state[s]
-        dx = ks.permute_bwd(grad_rows[s], perm)
-        dlogits = ks.router_topk_bwd(dprobs_of[s], probs, idx, E)
-        dx = dx + ks.router_dgrad(dlogits, wr, dtype=dx.dtype)
-        dwr += ks.router_wgrad(xs[s], dlogits)
-        dxs_out.append(dx)
-    return outs, dxs_out, dwr, dw1, dw2
 
 
 CASES = {
@@ -283,3 +166,87 @@ def test_bad_inputs_are_refused_in_one_line():
         ks.router_topk(torch.zeros(2, 3), 4)
     with pytest.raises(ArgumentError, match="table"):
         ks.expert_sort(x, [1, 2, 2])
+
+
+def test_out_arguments_write_the_same_values_in_place():
+    ks = _Loop()
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 8, generator=g)
+    idx = torch.tensor([[0, 3], [1, 2], [3, 0], [2, 1], [0, 1], [3, 2]])
+    rows, perm = ks.permute(x, idx, experts=4, ep=2)
+    buf = torch.full((12, 8), float("nan"))
+    got, _ = ks.permute(x, idx, experts=4, ep=2, out=buf)
+    assert got.data_ptr() == buf.data_ptr() and torch.equal(buf, rows)
+    counts = [[2, 1], [3, 0]]
+    for fn in (ks.expert_sort, ks.expert_unsort, ks.expert_sort_bwd, ks.expert_unsort_bwd):
+        buf = torch.full((6, 8), float("nan"))
+        assert torch.equal(fn(x, counts, out=buf), fn(x, counts)) and torch.equal(buf, fn(x, counts))
+    w = torch.randn(2, 8, 4, generator=g)  # rows of 16 bytes (torch._grouped_mm)
+    buf = torch.full((6, 4), float("nan"))
+    for k in (_Loop(), _Grouped()):
+        assert torch.allclose(k.grouped_mm(x, w, [4, 2], out=buf), k.grouped_mm(x, w, [4, 2]))
+    probs = torch.rand(6, 2, generator=g)
+    dout = torch.randn(6, 8, generator=g)
+    buf = torch.full((12, 8), float("nan"))
+    drows, dprobs = ks.unpermute_bwd(dout, rows, probs, perm, out=buf)
+    want = ks.unpermute_bwd(dout, rows, probs, perm)
+    assert drows.data_ptr() == buf.data_ptr()
+    assert torch.equal(drows, want[0]) and torch.equal(dprobs, want[1])
+
+
+def test_router_dtype_by_name_or_torch_dtype():
+    ks = TorchKernels()
+    x, w = torch.randn(3, 4, dtype=torch.bfloat16), torch.randn(4, 5, dtype=torch.bfloat16)
+    assert ks.router(x, w).dtype == torch.float32
+    assert ks.router(x, w, dtype=torch.float64).dtype == torch.float64
+    with pytest.raises(ArgumentError, match="router dtype must be a floating dtype"):
+        ks.router(x, w, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("ks", [ReferenceKernels(), _Loop()], ids=["reference", "torch-loop"])
+def test_autograd_wrappers_give_autograds_gradients(ks):
+    from kareus.exec.kernels import autograd as kag
+
+    xs, wr, w1, w2, dout = make(7, ranks=1, t=9, h=8, E=4, fe=4, empty=(2,))
+    ref = dense_reference(xs, wr, w1, w2, dout, 2)
+    x = xs[0].clone().requires_grad_()
+    wr_, w1_, w2_ = (w.clone().requires_grad_() for w in (wr, w1, w2))
+    logits = kag.moe_router(x, wr_, dtype="float64", kernels=ks)
+    probs, idx = kag.moe_router_topk(logits, 2, kernels=ks)
+    rows, perm = kag.moe_permute(x, idx, experts=4, ep=2, kernels=ks)
+    # The rows come in (rank, local expert) chunks; sorted as a [2, 2] table they are in
+    # (local expert, rank) order: global experts 0, 2, 1, 3, whose weights are taken so.
+    table = perm.send_counts
+    xs_sorted = kag.moe_expert_sort(rows, table, kernels=ks)
+    order = [0, 2, 1, 3]
+    groups = table.t().reshape(-1).tolist()
+    h1 = kag.moe_grouped_mm(xs_sorted, w1_[order], groups, kernels=ks)
+    a = kag.moe_expert_swiglu(h1, kernels=ks)
+    y = kag.moe_grouped_mm(a, w2_[order], groups, kernels=ks)
+    out = kag.moe_unpermute(kag.moe_expert_unsort(y, table, kernels=ks), probs, perm,
+                            kernels=ks)
+    (out * dout[0]).sum().backward()
+    tol = 1e-12 if isinstance(ks, ReferenceKernels) else 1e-6
+    assert rel(out.detach(), ref[0][0]) < tol
+    for got, want in ((x.grad, ref[1][0]), (wr_.grad, ref[2]), (w1_.grad, ref[3]),
+                      (w2_.grad, ref[4])):
+        assert rel(got, want) < tol
+
+
+def test_routing_and_unpermutation_match_megatron_cores_functions():
+    moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
+    ks = TorchKernels()
+    g = torch.Generator().manual_seed(9)
+    t, E, k, h = 17, 8, 2, 6
+    logits = torch.randn(t, E, generator=g)
+    probs, idx = ks.router_topk(logits, k)
+    mc_probs, mc_map = moe_utils.topk_routing_with_score_function(logits, k)
+    dense = torch.zeros(t, E).scatter_(1, idx, probs)
+    assert torch.equal(mc_map, dense > 0)
+    assert torch.allclose(mc_probs, dense, rtol=1e-6, atol=0)
+    x = torch.randn(t, h, generator=g)
+    rows, perm = ks.permute(x, idx, experts=E, ep=4)
+    y = torch.randn(t * k, h, generator=g)  # the experts' outputs, in the permuted order
+    mc_out = moe_utils.unpermute(y, perm.token_of_row, x.shape, probs=mc_probs,
+                                 routing_map=mc_map)
+    assert torch.allclose(ks.unpermute(y, probs, perm), mc_out, rtol=1e-5, atol=1e-6)

@@ -22,9 +22,9 @@ from kareus.model.workload import ModelArch, Parallelism, Workload
 from kareus.testing import RecordingCollective
 
 
-def moe_model(shared: bool = False, experts: int = 8) -> ModelArch:
+def moe_model(shared: bool = False, experts: int = 8, qwen3: bool = False) -> ModelArch:
     return ModelArch(name="tinymoe", layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64,
-                     ffn=512, vocab=1000,
+                     ffn=512, vocab=1000, qk_norm=qwen3, norm_eps=1e-6 if qwen3 else 1e-5,
                      moe=MoEArch(experts=experts, experts_per_token=2, expert_ffn=128,
                                  shared_experts=1 if shared else 0,
                                  shared_expert_ffn=64 if shared else 0))
@@ -33,7 +33,7 @@ def moe_model(shared: bool = False, experts: int = 8) -> ModelArch:
 WORKLOADS = {
     "ep2": (moe_model(), Parallelism(ep=2, dp=2), 1.0),
     "ep4_cp2_shared_imbalanced": (moe_model(shared=True), Parallelism(ep=4, dp=4, cp=2), 1.5),
-    "tp2_sp_ep2": (moe_model(), Parallelism(tp=2, ep=2, sp=True), 1.0),
+    "tp2_sp_ep2_qk_norm": (moe_model(qwen3=True), Parallelism(tp=2, ep=2, sp=True), 1.0),
     "ep8_one_expert_per_rank": (moe_model(), Parallelism(ep=8, dp=8), 1.25),
 }
 
@@ -192,3 +192,27 @@ def test_a_rank_of_the_expert_group_takes_its_splits():
 
     assert part.build(device="cpu", collective=Rank1(2)).comm_splits == ([128, 128],
                                                                          [128, 128])
+
+
+def test_the_profilers_runner_runs_an_all_to_all_partition():
+    from kareus.exec.torch_partition import RunnableTransformerPartition
+    from kareus.profilers.nvml import TorchPartitionRunner
+
+    class CPUPartition(RunnableTransformerPartition):
+        def build(self, *, device=None, seed=0, collective=None):
+            return super().build(device="cpu", seed=seed, collective=collective)
+
+    wl = workload("ep4_cp2_shared_imbalanced")
+    base = runnable_partitions(wl, ["fwd_moe_experts"], dtype="float32")["fwd_moe_experts"]
+    part = CPUPartition(base.partition, wl, dtype="float32")
+    class Allocating(HostAllToAll):  # the executor asks its backend for the buffers
+        def empty(self, shape, dtype):
+            return torch.zeros(shape, dtype=dtype)
+
+    coll = Allocating(4)
+    runner = TorchPartitionRunner(TorchExecutor(collective=coll,
+                                                streams=RecordingStreamBackend()), seed=2)
+    step = runner.prepare(part, ScheduleConfig(1980, 8, "expert_gate_up"))
+    for _ in range(3):
+        step()
+    assert len(coll.a2a) >= 3 and set(map(repr, coll.a2a)) == {repr(([48] * 4, [48] * 4))}

@@ -114,6 +114,22 @@ def layer(x: torch.Tensor, w: dict[str, torch.Tensor], arch: ModelArch, *,
     return x + F.linear(F.silu(F.linear(y, w["w1"])) * F.linear(y, w["w3"]), w["w2"])
 
 
+def reference_run(x: torch.Tensor, w: dict[str, torch.Tensor], arch: ModelArch,
+                  c: torch.Tensor, *, dtype: torch.dtype | None = None,
+                  **kw: object
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor | None]]:
+    """``layer`` (``kw``: its keywords) by autograd on copies of ``x`` and ``w`` (cast to
+    ``dtype`` if given: PyTorch's own autograd of the layer in that precision), under the
+    loss ``sum(y * c)`` in ``c``'s dtype: the output (detached), the input gradient and
+    every weight's gradient, by name."""
+    xr = x.detach().to(dtype or x.dtype, copy=True).requires_grad_(True)
+    pr = {k: v.detach().to(dtype or v.dtype, copy=True).requires_grad_(True)
+          for k, v in w.items()}
+    y = layer(xr, pr, arch, **kw)  # type: ignore[arg-type]
+    (y.to(c.dtype) * c).sum().backward()
+    return y.detach(), xr.grad, {k: v.grad for k, v in pr.items()}
+
+
 def planned_weights(p: dict[str, torch.Tensor], arch: ModelArch, *,
                     interleaved: bool = False) -> dict[str, torch.Tensor]:
     """kareus's layout of a (sharded) layer's weights, through the public helpers."""

@@ -49,6 +49,14 @@ def test_the_job_s_flags_make_megatron_s_workload():
     assert padded_vocab_size(argparse.Namespace(padded_vocab_size=50304)) == 50304
 
 
+def test_the_rank_layout_follows_the_mapping_flag():
+    # Megatron-LM lays ranks out tp-cp-ep-dp-pp unless --use-tp-pp-dp-mapping is given.
+    assert workload_from_megatron_args(JOB, dp=2).parallelism.rank_order == "tp-cp-ep-dp-pp"
+    mapped = workload_from_megatron_args(JOB + " --use-tp-pp-dp-mapping", dp=2)
+    assert mapped.parallelism.rank_order == "tp-cp-ep-pp-dp"
+    assert mapped.parallelism.global_rank(pp=1) == 2  # the next stage of one replica
+
+
 def test_the_docs_command_line_is_a_job_kareus_reads():
     """docs/integrations.md's pretrain_gpt.py flags: the workload its plan is made for."""
     import re

@@ -83,7 +83,7 @@ from kareus.exec.collectives._errors import (
     CommSMCountError,
     NoCollectiveBackendError,
 )
-from kareus.exec.collectives._loopback import LoopbackCollective
+from kareus.exec.collectives._loopback import LoopbackCollective, cycle_rows
 from kareus.exec.collectives._mscclpp import MscclppCollective, MscclppRunner
 from kareus.exec.collectives._nccl import NCCL_MAX_CTAS, NCCLCappedCollective
 from kareus.exec.collectives._own import (
@@ -143,6 +143,7 @@ __all__ = [
     "choose_all_reduce_algorithm",
     "choose_collective_backend",
     "choose_registered_all_reduce_algorithm",
+    "cycle_rows",
     "mscclpp_available",
     "plan_pieces",
     "probe_collective_environment",

@@ -26,7 +26,7 @@ from kareus.exec.collectives._base import (
     _check_tensor,
 )
 
-__all__ = ["LoopbackCollective"]
+__all__ = ["LoopbackCollective", "cycle_rows"]
 
 
 class LoopbackCollective(CollectiveBackend):
@@ -103,7 +103,11 @@ class LoopbackCollective(CollectiveBackend):
 
 def cycle_rows(torch: Any, output: Any, input: Any) -> Any:
     """``output[j] = input[j mod rows]`` for every row ``j`` of ``output`` (zeros when
-    ``input`` has no row): the loopback all-to-all's data, one pass over the output."""
+    ``input`` has no row), in place; returns ``output``. What a one-GPU stand-in's
+    all-to-all computes ([`LoopbackCollective.all_to_all`][kareus.exec.LoopbackCollective]),
+    for stand-ins of an expert-parallel group elsewhere (the time-faithful one's
+    ``timed_collective("cycle", ...)`` computes the same on the GPU). ``torch`` is the
+    torch module."""
     n_out, n_in = int(output.shape[0]), int(input.shape[0])
     if n_out == 0:
         return output

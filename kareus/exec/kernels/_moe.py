@@ -32,7 +32,9 @@ are cast, the product is in that dtype). The top-k takes the ``k`` largest logit
 softmax over those ``k`` only: Megatron-Core's default score function (``softmax`` with
 ``moe_router_pre_softmax=False``). That equals Qwen3 MoE's ``softmax`` over all ``E``
 logits, then top-k, then division by the chosen probabilities' sum
-(``norm_topk_prob=True``), and Mixtral's (which always renormalises): the softmax is
+(``norm_topk_prob=True``), Mixtral's (which always renormalises) and torchtitan's
+``TokenChoiceTopKRouter`` with ``score_func="softmax"``, ``route_norm=True`` and
+``route_scale=1`` (its gate in float32 as well): the softmax is
 monotone, so both choose the same experts, and ``exp(l_i) / S`` divided by
 ``sum_j exp(l_j) / S`` over the chosen ``j`` is ``exp(l_i) / sum_j exp(l_j)``, the softmax
 over the chosen logits (equal in exact arithmetic; the float roundings differ). Ties
@@ -83,7 +85,27 @@ kareus keeps them on the routing rank (``unpermute_bwd`` computes their gradient
 
 Data-dependent sizes: ``permute`` and the sorts need no host synchronisation (their
 sizes are ``t k`` and the received total); the grouped GEMMs' loop path and the splits
-read counts on the host. Every op returns new tensors; none modifies its inputs.
+read counts on the host. With device counts for the sorts and ``torch._grouped_mm``, and
+host counts for the loop, every op captures in a CUDA graph (for counts fixed at capture).
+Every op returns new tensors (or writes ``out=`` where it takes one, e.g. an all-to-all's
+send buffer); none modifies its inputs.
+
+**The API** (``KernelSet`` methods, every set; ``kareus.exec.kernels.autograd`` has
+differentiable ``moe_*`` wrappers of them)::
+
+    router(x, w, *, dtype="float32") -> logits [t, E]
+    router_topk(logits, k) -> (probs [t, k], indices [t, k] int64)
+    router_topk_bwd(dprobs, probs, indices, experts) -> dlogits [t, E]
+    router_dgrad(dlogits, w, *, dtype=None) -> dx [t, h];  router_wgrad(x, dlogits) -> dw [h, E]
+    permute(x, indices, *, experts, ep=1, out=None) -> (rows [t k, h], TokenPermutation)
+    permute_bwd(drows, perm) -> dx [t, h]
+    expert_sort(rows, counts, *, out=None) / expert_unsort(...) -> rows   (counts [ep, L])
+    expert_sort_bwd(drows, counts, *, out=None) / expert_unsort_bwd(...) -> drows
+    grouped_mm(x, w, counts, *, out=None) -> [r, out]   (w [G, in, out]; counts [G] or [ep, G])
+    grouped_mm_wgrad(x, dy, counts) -> dw [G, in, out];  grouped_mm_path(x, w) -> str
+    expert_swiglu(h) -> a [r, fe];  expert_swiglu_bwd(da, h) -> dh [r, 2 fe]
+    unpermute(rows, probs, perm, *, shared=None) -> out [t, h]
+    unpermute_bwd(dout, rows, probs, perm, *, out=None) -> (drows [t k, h], dprobs [t, k])
 
 torch is imported inside the functions.
 """
@@ -169,12 +191,16 @@ def _wide(torch: Any, dtype: Any) -> Any:
     return torch.promote_types(dtype, torch.float32)
 
 
-def router(x: Any, w: Any, *, dtype: str = "float32") -> Any:
-    """Router logits ``x @ w`` in ``dtype`` (``[t, h] @ [h, E] -> [t, E]``): both operands
-    cast to the router dtype first."""
+def router(x: Any, w: Any, *, dtype: Any = "float32") -> Any:
+    """Router logits ``x @ w`` in ``dtype`` (``[t, h] @ [h, E] -> [t, E]``; a name of
+    ``kareus.model.moe.ROUTER_DTYPES`` or a torch dtype): both operands cast to the router
+    dtype first."""
     import torch
 
-    rd = getattr(torch, dtype)
+    rd = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if not isinstance(rd, torch.dtype) or not rd.is_floating_point:
+        raise ArgumentError(f"router dtype must be a floating dtype such as 'float32', got "
+                            f"{dtype!r:.40}")
     return torch.matmul(x.to(rd), w.to(rd))
 
 

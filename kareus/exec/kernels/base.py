@@ -271,8 +271,9 @@ class KernelSet(abc.ABC):
     # The MoE block's ops (``kareus.exec.kernels._moe`` explains each and the data flow
     # between them and the all-to-alls); plain torch by default, in every set.
 
-    def router(self, x: Any, w: Any, *, dtype: str = "float32") -> Any:
-        """Router logits ``x @ w`` (``[t, h] @ [h, E]``) in the router dtype ``dtype``."""
+    def router(self, x: Any, w: Any, *, dtype: Any = "float32") -> Any:
+        """Router logits ``x @ w`` (``[t, h] @ [h, E]``) in the router dtype ``dtype`` (its
+        name, ``MoEArch.router_dtype``, or a torch dtype)."""
         return _moe.router(x, w, dtype=dtype)
 
     def router_topk(self, logits: Any, k: int) -> tuple[Any, Any]:
