@@ -35,7 +35,10 @@ its ``TopKRouter`` at these settings (Megatron-Core 0.15 and 0.16; field: value,
   ``moe_latent_size`` projections; shared experts without ``moe_shared_expert_gate`` (a
   sigmoid gate on their output);
 * every layer MoE: ``moe_layer_freq`` 1 (or a list of ones);
-* ``moe_layer_recompute`` off (recomputation is the workload's policy).
+* ``moe_layer_recompute`` off (recomputation is the workload's policy);
+* ``overlap_moe_expert_parallel_comm`` off (Megatron-Core's combined 1F1B schedule, which
+  overlaps one microbatch's all-to-alls with another's computation by calling the layer's
+  parts itself: kareus plans that overlap, and its layer runs whole).
 
 Accepted and read: ``num_moe_experts`` (``MoEArch.experts``), ``moe_router_topk``
 (``experts_per_token``), ``moe_ffn_hidden_size`` (``expert_ffn``; ``None`` means
@@ -79,7 +82,8 @@ MOE_DEFAULTS: dict[str, Any] = {
     "moe_token_dispatcher_type": "allgather", "moe_enable_deepep": False,
     "moe_expert_capacity_factor": None, "moe_pad_expert_input_to_capacity": False,
     "moe_token_dropping": False, "moe_apply_probs_on_input": False, "moe_latent_size": None,
-    "moe_layer_recompute": False, "expert_model_parallel_size": 1,
+    "moe_layer_recompute": False, "overlap_moe_expert_parallel_comm": False,
+    "expert_model_parallel_size": 1,
     "expert_tensor_parallel_size": None, "tensor_model_parallel_size": 1,
     "ffn_hidden_size": None, "bf16": False, "fp16": False,
 }
@@ -192,6 +196,10 @@ def moe_refusals(config: Any) -> list[str]:
          "kareus's shared experts have no gate: set moe_shared_expert_gate=False"),
         (not _get(config, "moe_layer_recompute"),
          "kareus's layer recomputes by the workload's policy: set moe_layer_recompute=False"),
+        (not _get(config, "overlap_moe_expert_parallel_comm"),
+         "kareus plans the expert-parallel all-to-alls' overlap itself, and Megatron-Core's "
+         "combined 1F1B schedule would run the layers' parts without kareus's layer: set "
+         "overlap_moe_expert_parallel_comm=False"),
     ]
     return [msg for ok, msg in checks if not ok]
 
