@@ -36,6 +36,9 @@ its ``TopKRouter`` at these settings (Megatron-Core 0.15 and 0.16; field: value,
   sigmoid gate on their output);
 * every layer MoE: ``moe_layer_freq`` 1 (or a list of ones);
 * ``moe_layer_recompute`` off (recomputation is the workload's policy);
+* no CUDA graphs (``cuda_graph_impl`` ``"none"``, ``enable_cuda_graph`` and
+  ``external_cuda_graph`` off): kareus's MoE layer runs eagerly, its split sizes read on
+  the host after the routing;
 * ``overlap_moe_expert_parallel_comm`` off (Megatron-Core's combined 1F1B schedule, which
   overlaps one microbatch's all-to-alls with another's computation by calling the layer's
   parts itself: kareus plans that overlap, and its layer runs whole).
@@ -83,6 +86,7 @@ MOE_DEFAULTS: dict[str, Any] = {
     "moe_expert_capacity_factor": None, "moe_pad_expert_input_to_capacity": False,
     "moe_token_dropping": False, "moe_apply_probs_on_input": False, "moe_latent_size": None,
     "moe_layer_recompute": False, "overlap_moe_expert_parallel_comm": False,
+    "cuda_graph_impl": "none", "enable_cuda_graph": False, "external_cuda_graph": False,
     "expert_model_parallel_size": 1,
     "expert_tensor_parallel_size": None, "tensor_model_parallel_size": 1,
     "ffn_hidden_size": None, "bf16": False, "fp16": False,
@@ -196,6 +200,12 @@ def moe_refusals(config: Any) -> list[str]:
          "kareus's shared experts have no gate: set moe_shared_expert_gate=False"),
         (not _get(config, "moe_layer_recompute"),
          "kareus's layer recomputes by the workload's policy: set moe_layer_recompute=False"),
+        (_get(config, "cuda_graph_impl") in (None, "none")
+         and not _get(config, "enable_cuda_graph") and not _get(config, "external_cuda_graph"),
+         f"kareus's MoE layer runs eagerly (the rows each rank sends are known only after the "
+         f"routing, on the host; a CUDA graph fixes them): set cuda_graph_impl='none' (got "
+         f"{_get(config, 'cuda_graph_impl')!r}), enable_cuda_graph=False and "
+         "external_cuda_graph=False"),
         (not _get(config, "overlap_moe_expert_parallel_comm"),
          "kareus plans the expert-parallel all-to-alls' overlap itself, and Megatron-Core's "
          "combined 1F1B schedule would run the layers' parts without kareus's layer: set "

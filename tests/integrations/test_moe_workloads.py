@@ -99,6 +99,8 @@ def test_megatron_shared_experts_and_router_dtype_are_read():
     ("moe_shared_expert_gate", True, "moe_shared_expert_gate=False"),
     ("moe_layer_recompute", True, "moe_layer_recompute=False"),
     ("overlap_moe_expert_parallel_comm", True, "overlap_moe_expert_parallel_comm=False"),
+    ("cuda_graph_impl", "transformer_engine", "cuda_graph_impl='none'"),
+    ("enable_cuda_graph", True, "enable_cuda_graph=False"),
 ])
 def test_megatron_moe_settings_kareus_does_not_compute_are_refused(field, value, needle):
     with pytest.raises(WorkloadError, match=needle.replace("(", r"\(").replace(")", r"\)")
