@@ -25,6 +25,17 @@ microbatch computation. This module lends that schedule to someone else's layer:
   differentiable helpers of ``kareus.integrations``) and returns the layer's output, differentiable in both: the weight
   gradients flow back into the framework's parameters by autograd.
 
+**Mixture of experts** (``ModelArch.moe``): the layer's MLP is the MoE block the training
+loop computes (``kareus.exec.train``'s ``DecoderShard`` MoE ops: router, top-k, the token
+count exchange, permutation, the dispatch and combine all-to-alls over the EP group of the
+applier's groups at the plan's slots, grouped SwiGLU experts, un-permutation), its weights
+the router and this rank's experts in place of ``Wg``, ``Wu``, ``Wd``
+([`moe_weight_names`][kareus.integrations.moe_weight_names]). It runs eagerly
+(``graphs=True`` is refused: the rows each rank sends are known only after the routing, on
+the host), with its EP ranks folded over TP x CP (EP over data-parallel replicas is
+refused); the router's and shared experts' gradients come back as this rank's part, the
+experts' as this rank's experts', for the framework's reductions.
+
 The forward runs the layer's forward stream ([`stack_stream`][kareus.exec.schedule.stack_stream]
 of one layer) through the executor and keeps for the backward what the workload's
 recomputation policy (``Workload.recompute``) says
@@ -1125,7 +1136,8 @@ class PlannedLayer:
     TP equal runs of those tokens, as Megatron-Core scatters its ``[seq, batch, hidden]``),
     ``weights`` the layer's weights
     in kareus's layout (a mapping by the names of the applier's ``weight_names`` or a
-    sequence in that order: ``LAYER_WEIGHTS``' seven, and the query and key norm weights
+    sequence in that order: ``LAYER_WEIGHTS``' seven (a mixture of experts: the MoE
+    block's weights in place of the MLP's), and the query and key norm weights
     ``w_q_norm``, ``w_k_norm`` when the workload's model has ``qk_norm``; see
     [`layer_weights`][kareus.integrations.layer_weights]; built from the framework's
     parameters with the differentiable helpers of ``kareus.integrations``); it returns the layer's output (the input plus attention and
