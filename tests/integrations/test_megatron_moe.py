@@ -215,6 +215,79 @@ def test_megatron_moe_layer_computes_kareus_semantics(tmp_path, variant):
                                    msg=f"final weight {k}")
 
 
+# ------------------------------------------------------------------ the expert modules' layouts
+
+
+def _fake_moe_layer(kind: str, w1e, w2e):
+    """A stand-in of an ``MoELayer`` whose experts are laid out as Megatron-Core's
+    ``kind`` holds them (``SequentialMLP``, ``TEGroupedMLP``, the legacy ``GroupedMLP``),
+    from kareus's ``W1e`` ``[e, h, 2 f]`` and ``W2e`` ``[e, f, h]``: the modules that need
+    Transformer Engine or the grouped_gemm package are not built on this CPU."""
+    from types import SimpleNamespace
+
+    nn = torch.nn
+    e, h, _ = w1e.shape
+    if kind == "sequential":
+        experts = nn.Module()
+        experts.local_experts = nn.ModuleList()
+        for i in range(e):
+            mlp = nn.Module()
+            mlp.linear_fc1 = nn.Linear(h, 2 * w1e.shape[2] // 2, bias=False)
+            mlp.linear_fc1.weight = nn.Parameter(w1e[i].t().clone())
+            mlp.linear_fc2 = nn.Linear(1, 1, bias=False)
+            mlp.linear_fc2.weight = nn.Parameter(w2e[i].t().clone())
+            experts.local_experts.append(mlp)
+    elif kind == "te":
+        experts = nn.Module()
+        experts.linear_fc1, experts.linear_fc2 = nn.Module(), nn.Module()
+        for i in range(e):
+            experts.linear_fc1.register_parameter(f"weight{i}", nn.Parameter(w1e[i].t().clone()))
+            experts.linear_fc2.register_parameter(f"weight{i}", nn.Parameter(w2e[i].t().clone()))
+    else:  # legacy GroupedMLP: [h, e 2f] and [e f, h] buffers, each expert's block in order
+        experts = nn.Module()
+        experts.weight1 = nn.Parameter(w1e.clone().reshape(h, -1))
+        experts.weight2 = nn.Parameter(w2e.clone().reshape(-1, h))
+    layer = nn.Module()
+    layer.router = nn.Module()
+    layer.router.weight = nn.Parameter(torch.randn(8, h))
+    layer.experts = experts
+    layer.num_local_experts = e
+    layer.config = SimpleNamespace(tensor_model_parallel_size=1, expert_tensor_parallel_size=1,
+                                   hidden_size=h)
+    return layer
+
+
+@pytest.mark.parametrize("kind", ["sequential", "te", "legacy"])
+def test_moe_layer_weights_reads_every_expert_layout(kind):
+    """``moe_layer_weights`` gives kareus's ``W1e``/``W2e`` from each of Megatron-Core's
+    expert modules' layouts, as differentiable views (the gradient of a loss of them lands
+    in the module's own parameters, where they hold those weights)."""
+    from kareus.integrations.megatron import moe_layer_weights
+
+    g = torch.Generator().manual_seed(0)
+    w1e, w2e = torch.randn(3, 16, 2 * 24, generator=g), torch.randn(3, 24, 16, generator=g)
+    layer = _fake_moe_layer(kind, w1e, w2e)
+    got = moe_layer_weights(layer)
+    assert set(got) == {"Wr", "W1e", "W2e"}
+    torch.testing.assert_close(got["W1e"], w1e, rtol=0, atol=0)
+    torch.testing.assert_close(got["W2e"], w2e, rtol=0, atol=0)
+    torch.testing.assert_close(got["Wr"], layer.router.weight.t(), rtol=0, atol=0)
+    (got["W1e"][1, 2, 30] * 2 + got["W2e"][2, 5, 7] * 3).backward()
+    grads = {n: p.grad for n, p in layer.named_parameters() if p.grad is not None}
+    total = sum(float(gr.sum()) for gr in grads.values())
+    assert total == pytest.approx(5.0)  # reached the parameters, once each
+
+
+def test_moe_layer_weights_refuses_experts_split_over_tp():
+    from kareus.errors import WorkloadError
+    from kareus.integrations.megatron import moe_layer_weights
+
+    layer = _fake_moe_layer("te", torch.randn(2, 8, 8), torch.randn(2, 4, 8))
+    layer.config.tensor_model_parallel_size, layer.config.expert_tensor_parallel_size = 2, None
+    with pytest.raises(WorkloadError, match="expert_tensor_parallel_size=1"):
+        moe_layer_weights(layer)
+
+
 # ------------------------------------------------------------------ the planned MoE layer
 
 EXAMPLE = HERE.parents[1] / "examples" / "integrations"
