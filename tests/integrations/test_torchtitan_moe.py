@@ -9,6 +9,7 @@ has; under the ``spmd_types`` backend they are list all-to-alls of uneven tensor
 gloo refuses), in two layouts:
 
 * ``ep2``: TP = 1, the two ranks' own tokens meeting in the expert-parallel all-to-alls;
+* ``ep2-shared``: ``ep2`` with a shared expert (a ``FeedForward`` beside the routed ones);
 * ``ep2-tp2-sp``: TP = 2 with sequence parallelism, EP = 2 over the same ranks: each rank
   routes its sequence shard.
 
@@ -40,10 +41,13 @@ pytest.importorskip("torchtitan")
 HERE = Path(__file__).resolve().parent
 
 SEQ, MBS, DIM, EXPERTS, TOP_K, EXPERT_FFN, LR = 16, 2, 32, 4, 2, 32, 0.1
-VARIANTS = {"ep2": 1, "ep2-tp2-sp": 2}
+SHARED_FFN = 40
+#: variant -> (TP, shared expert): TP = 1 with and without a shared expert (torchtitan
+#: splits shared experts over TP, which kareus does not model), TP = 2 with SP.
+VARIANTS = {"ep2": (1, False), "ep2-shared": (1, True), "ep2-tp2-sp": (2, False)}
 
 
-def _config(tp: int):
+def _config(tp: int, shared: bool = False):
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear, RMSNorm
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.qwen3 import _build_qwen3_moe_layers
@@ -56,6 +60,14 @@ def _config(tp: int):
     for lc in layers:  # SDPA: flex has no CPU backward; no aux-loss-free balancing
         lc.attention.inner_attention = ScaledDotProductAttention.Config()
         lc.moe.load_balance_coeff = None
+        if shared:
+            from functools import partial
+
+            from torchtitan.models.common.config_utils import make_ffn_config
+
+            init = {"weight": partial(torch.nn.init.normal_, std=0.02)}
+            lc.moe.shared_experts = make_ffn_config(dim=DIM, hidden_dim=SHARED_FFN,
+                                                    w1_param_init=init, w2w3_param_init=init)
     return Qwen3Model.Config(
         dim=DIM, vocab_size=64,
         tok_embeddings=Embedding.Config(num_embeddings=64, embedding_dim=DIM),
@@ -66,8 +78,8 @@ def _config(tp: int):
 def _worker(out_dir: str, variant: str) -> None:
     import torch.distributed as dist
 
-    tp = VARIANTS[variant]
-    cfg = _config(tp)  # imports torchtitan's models (its "fake" process-group backend)
+    tp, shared = VARIANTS[variant]
+    cfg = _config(tp, shared)  # imports torchtitan's models (its "fake" process-group backend)
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank = dist.get_rank()
@@ -101,6 +113,9 @@ def _worker(out_dir: str, variant: str) -> None:
         moe.router.gate.weight.normal_(0, 0.5, generator=g)
         for p in moe.routed_experts.parameters():
             p.normal_(0, 0.2, generator=g)
+        if shared:
+            for p in moe.shared_experts.parameters():
+                p.normal_(0, 0.2, generator=g)
     with context():
         model.parallelize(dims)
     g = torch.Generator().manual_seed(11 + (rank if tp == 1 else 0))
@@ -124,7 +139,7 @@ def _worker(out_dir: str, variant: str) -> None:
         grads = {}
         for name, p in params.items():
             grad = p.grad
-            if name.startswith("router."):  # replicated: every rank's tokens', summed
+            if name.startswith(("router.", "shared_experts.")):  # replicated: summed
                 grad = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
                 if tp == 1:
                     dist.all_reduce(grad)
@@ -153,7 +168,12 @@ def _in_kareus_layout(grads: dict) -> dict:
     p = "routed_experts.inner_experts."
     w1e, w2e = experts_from_stacked(grads[p + "w1_EFD"], grads[p + "w3_EFD"],
                                     grads[p + "w2_EDF"])
-    return {"Wr": grads["router.gate.weight"].t(), "W1e": w1e, "W2e": w2e}
+    out = {"Wr": grads["router.gate.weight"].t(), "W1e": w1e, "W2e": w2e}
+    if "shared_experts.w1.weight" in grads:
+        out |= {"Wsg": grads["shared_experts.w1.weight"].t(),
+                "Wsu": grads["shared_experts.w3.weight"].t(),
+                "Wsd": grads["shared_experts.w2.weight"].t()}
+    return out
 
 
 def _close(got, want, *, msg: str, rtol: float = 2e-2, atol: float = 2e-2) -> None:
@@ -172,8 +192,10 @@ def test_torchtitan_qwen3_moe_block_computes_kareus_semantics(tmp_path, variant)
     from kareus.model.moe import MoEArch
 
     res = run_ranks(__file__, tmp_path, 2, variant)
+    shared = VARIANTS[variant][1]
     assert res[0]["ep"] == 2 and res[0]["workload_moe"] == MoEArch(
-        experts=EXPERTS, experts_per_token=TOP_K, expert_ffn=EXPERT_FFN)
+        experts=EXPERTS, experts_per_token=TOP_K, expert_ffn=EXPERT_FFN,
+        shared_experts=int(shared), shared_expert_ffn=SHARED_FFN if shared else 0)
 
     by_ep = sorted(res, key=lambda r: r["ep_rank"])
     # each step from the weights the block holds then (bf16 experts: a float64 trajectory
