@@ -163,9 +163,12 @@ def _noise(text: str) -> float:
 _JOB_DEFAULTS = {"tp": 4, "cp": 1, "pp": 2, "microbatches": 8, "microbatch_size": 8,
                  "seq_len": 4096}
 
-#: The mixture-of-experts options (``None`` in the parser: refused beside
-#: ``--megatron-args`` / ``--torchtitan-args``, whose MoE layers kareus does not read yet).
-_MOE_OPTIONS = ("ep", "routing_imbalance")
+#: The mixture-of-experts options the framework's flags give (``None`` in the parser:
+#: refused beside ``--megatron-args`` / ``--torchtitan-args``, which say the expert-parallel
+#: degree themselves: ``--expert-model-parallel-size``,
+#: ``--parallelism.expert_parallel_degree``). ``--routing-imbalance`` is no framework's
+#: setting (it is the data's): it applies to their workloads too.
+_MOE_OPTIONS = ("ep",)
 
 #: ``kareus.model.RANK_ORDERS``, spelt here so that building the parser does not import the
 #: model package (tests/test_cli.py checks that they agree).
@@ -197,17 +200,27 @@ def _workload_from_megatron_flags(args: argparse.Namespace):  # type: ignore[no-
         if args.dp is not None and args.dp != args.gpus // (tp * cp * pp):
             raise WorkloadError(f"--gpus {args.gpus} and --dp {args.dp} disagree: give one")
         dp = args.gpus // (tp * cp * pp)
-    if tp == 1 and cp == 1:
-        raise WorkloadError("the Megatron-LM flags give TP=1 and CP=1: no layer has a "
-                            "collective to overlap, so there is nothing to plan; train with "
-                            "layer_spec without KAREUS_PLAN (the sequential schedule)")
+    if tp == 1 and cp == 1 and not (flags.num_experts
+                                    and flags.expert_model_parallel_size > 1):
+        raise WorkloadError("the Megatron-LM flags give TP=1 and CP=1 (and no expert "
+                            "parallelism): no layer has a collective to overlap, so there is "
+                            "nothing to plan; train with layer_spec without KAREUS_PLAN (the "
+                            "sequential schedule)")
     if tp > 8 or tp * cp * pp * dp > _MAX_GPUS:
         raise WorkloadError(f"TP={tp} x CP={cp} x PP={pp} x DP={dp}: beyond what kareus models "
                             f"(TP <= 8, at most {_MAX_GPUS:,} GPUs)")
     if getattr(args, "document_tokens", None) is not None:
         raise ArgumentError("--document-tokens: Megatron-Core's planned layers attend causally "
                             "over whole sequences; drop it with --megatron-args")
-    return workload_from_megatron_args(flags, dp=dp, nanobatches=args.nanobatches)
+    return _imbalanced(workload_from_megatron_args(flags, dp=dp, nanobatches=args.nanobatches),
+                       args)
+
+
+def _imbalanced(wl, args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """``wl`` with ``--routing-imbalance`` (an assumption about the data, which no
+    framework flag says), when given."""
+    imbalance = getattr(args, "routing_imbalance", None)
+    return wl if imbalance is None else wl.with_(routing_imbalance=imbalance)
 
 
 def _workload_from_torchtitan_flags(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -272,10 +285,11 @@ def _workload_from_torchtitan_flags(args: argparse.Namespace):  # type: ignore[n
         raise ArgumentError(f"--recompute {args.recompute} contradicts the flags' "
                             f"activation_checkpoint ({wl.recompute}); --recompute names the "
                             "policy run in place of torchtitan's selective only")
-    if wl.parallelism.tp == 1 and wl.parallelism.cp == 1:
-        raise WorkloadError("the torchtitan flags give TP=1 and CP=1: no layer has a "
-                            "collective to overlap, so there is nothing to plan")
-    return wl
+    if wl.parallelism.tp == 1 and wl.parallelism.cp == 1 and wl.parallelism.ep == 1:
+        raise WorkloadError("the torchtitan flags give TP=1 and CP=1 (and no expert "
+                            "parallelism): no layer has a collective to overlap, so there is "
+                            "nothing to plan")
+    return _imbalanced(wl, args)
 
 
 def _workload_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
