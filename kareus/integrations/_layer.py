@@ -32,9 +32,11 @@ applier's groups at the plan's slots, grouped SwiGLU experts, un-permutation), i
 the router and this rank's experts in place of ``Wg``, ``Wu``, ``Wd``
 ([`moe_weight_names`][kareus.integrations.moe_weight_names]). It runs eagerly
 (``graphs=True`` is refused: the rows each rank sends are known only after the routing, on
-the host), with its EP ranks folded over TP x CP (EP over data-parallel replicas is
-refused); the router's and shared experts' gradients come back as this rank's part, the
-experts' as this rank's experts', for the framework's reductions.
+the host), its EP ranks folded over TP, CP and the data-parallel replicas as the framework
+made its EP group (each replica runs its own microbatches; the all-to-alls carry every
+replica's tokens to their experts); the router's and shared experts' gradients come back as
+this rank's part, the experts' as this rank's experts' (every replica's tokens routed to
+them), for the framework's reductions.
 
 The forward runs the layer's forward stream ([`stack_stream`][kareus.exec.schedule.stack_stream]
 of one layer) through the executor and keeps for the backward what the workload's
@@ -181,7 +183,8 @@ class _LayerProgram(DecoderShard):
 
         self.layers, self.backend = int(layers), backend
         self._shard_dims(workload.model, groups, int(microbatch_size), int(seq_local),
-                         sp=workload.parallelism.sequence_parallel)
+                         sp=workload.parallelism.sequence_parallel,
+                         dp=workload.parallelism.dp)
         self.num_microbatches = 1
         self._set_policy(workload.recompute)
         self.ks, self.torch = get_kernels(kernels), torch
@@ -1109,11 +1112,6 @@ def _check_workload(workload: Workload, groups: ParallelGroups) -> None:
         raise WorkloadError(f"the groups' expert-parallel group has {groups.ep_size} ranks, "
                             f"the workload asks for EP={p.ep}: pass the EP group "
                             "(TorchParallelGroups.from_groups(ep=...))")
-    if arch.moe is not None and (p.tp * p.cp) % p.ep:
-        raise WorkloadError(f"kareus's planned MoE layer folds its EP={p.ep} ranks over the "
-                            f"TP x CP = {p.tp * p.cp} ranks of a layer (its EP groups within "
-                            "one data-parallel replica); EP over data-parallel replicas is not "
-                            "computed yet: use an EP that divides TP x CP")
     for what, num, den in (("heads", arch.heads, p.tp), ("kv_heads", arch.kv_heads, p.tp),
                            ("ffn", arch.ffn, p.tp),
                            ("seq_len", workload.seq_len, 2 * p.cp if p.cp > 1 else 1)):

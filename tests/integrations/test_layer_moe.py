@@ -2,7 +2,8 @@
 
 TP = 2 with sequence parallelism and EP = 2 over the same two ranks (Megatron-Core's MoE
 parallel folding; each rank routes its sequence shard), and CP = 2 with EP = 2 over the
-CP ranks and a shared expert (shared experts are not modelled at TP > 1), a Qwen3-style
+CP ranks and a shared expert (shared experts are not modelled at TP > 1), and EP = 2 over
+two data-parallel replicas (each with its own microbatches), a Qwen3-style
 layer (per-head query/key norm) whose MLP is 4 experts, top-2, under
 every schedule (sequential, nanobatching, kareus with a plan, and the plan over two layers
 chained as one stack), with full, selective and no recomputation: each rank's outputs, input
@@ -42,8 +43,10 @@ def workload(recompute: str, shared: bool, layout: str = "tp2-sp") -> Workload:
                   shared_experts=int(shared), shared_expert_ffn=SHARED if shared else 0)
     arch = ModelArch(name="tiny-moe", layers=2, hidden=32, heads=4, kv_heads=2, head_dim=8,
                      ffn=64, vocab=50, qk_norm=True, norm_eps=1e-6, moe=moe)
-    par = (Parallelism(tp=2, sp=True, ep=2) if layout == "tp2-sp"
-           else Parallelism(tp=1, cp=2, ep=2))  # "cp2": EP over the CP ranks
+    par = {"tp2-sp": Parallelism(tp=2, sp=True, ep=2),
+           "cp2": Parallelism(tp=1, cp=2, ep=2),  # EP over the CP ranks
+           "dp2": Parallelism(tp=1, dp=2, ep=2),  # EP over two data-parallel replicas
+           }[layout]
     return Workload(model=arch, parallelism=par,
                     microbatch_size=4, seq_len=16, num_microbatches=2, nanobatches=2,
                     recompute=recompute)
@@ -93,15 +96,18 @@ def _worker(out_dir: str, recompute: str, shared: str, layout: str) -> None:
     rank = dist.get_rank()
     wl = workload(recompute, shared == "1", layout)
     par = wl.parallelism
-    base = TorchParallelGroups(tp=par.tp, ep=2)  # the "framework's" groups (CP: the rest)
+    # the "framework's" groups (CP: the rest)
+    base = TorchParallelGroups(tp=par.tp, ep=2, dp=par.dp)
     groups = TorchParallelGroups.from_groups(tp=base.tp_group if par.tp > 1 else None,
                                              cp=base.cp_group if par.cp > 1 else None,
                                              ep=base.ep_group)
+    dp_rank = base.dp_rank
     arch = wl.model
     plan = make_workload_plan(wl, pick=1, sms=8, freqs_mhz=(1980, 1410),
                               unsplit_microbatches=(1,))
     rows = _positions(wl, groups.tp_rank, groups.cp_rank)
-    result = {"tp_rank": groups.tp_rank, "cp_rank": groups.cp_rank, "ep_rank": groups.ep_rank}
+    result = {"tp_rank": groups.tp_rank, "cp_rank": groups.cp_rank, "ep_rank": groups.ep_rank,
+              "dp_rank": dp_rank}
     for schedule in SCHEDULES:
         stacked = schedule.endswith("-stack")
         applier = PlanApplier(workload=wl, groups=groups, schedule=schedule.split("-")[0],
@@ -119,7 +125,7 @@ def _worker(out_dir: str, recompute: str, shared: str, layout: str) -> None:
 
         outs = []
         for mb in range(wl.num_microbatches):
-            g = torch.Generator().manual_seed(100 + mb)
+            g = torch.Generator().manual_seed(100 + mb + 1000 * dp_rank)  # a replica's data
             x = torch.randn(wl.microbatch_size, wl.seq_len, arch.hidden, generator=g)
             c = torch.randn(wl.microbatch_size, wl.seq_len, arch.hidden, generator=g)
             xl = x[:, rows].clone().requires_grad_(True)
@@ -154,7 +160,8 @@ def _kareus(ps: dict, arch: ModelArch) -> dict:
     return w | {k: ps[k] for k in ("Wr", "W1e", "W2e", "Wsg", "Wsu", "Wsd") if k in ps}
 
 
-def _reference(wl: Workload):
+def _reference(wl: Workload, dp_rank: int = 0):
+    """The float64 layer on data-parallel replica ``dp_rank``'s microbatches."""
     arch = wl.model
     layers = []
     for seed in (1, 2):
@@ -164,7 +171,7 @@ def _reference(wl: Workload):
         layers.append(ws)
     outs = []
     for mb in range(wl.num_microbatches):
-        g = torch.Generator().manual_seed(100 + mb)
+        g = torch.Generator().manual_seed(100 + mb + 1000 * dp_rank)
         x = torch.randn(wl.microbatch_size, wl.seq_len, arch.hidden, generator=g).double()
         c = torch.randn(wl.microbatch_size, wl.seq_len, arch.hidden, generator=g).double()
         x.requires_grad_(True)
@@ -185,15 +192,18 @@ def _close(got, want, what):
 @pytest.mark.slow
 @pytest.mark.parametrize(("layout", "recompute", "shared"),
                          [("tp2-sp", "full", False), ("tp2-sp", "none", False),
-                          ("cp2", "selective", True)],
-                         ids=["tp2-sp-full", "tp2-sp-none", "cp2-selective-shared"])
+                          ("cp2", "selective", True), ("dp2", "selective", True)],
+                         ids=["tp2-sp-full", "tp2-sp-none", "cp2-selective-shared",
+                              "dp2-selective-shared"])
 def test_planned_moe_layer_computes_the_reference_under_every_schedule(tmp_path, layout,
                                                                         recompute, shared):
     res = run_ranks(__file__, tmp_path, 2, recompute, str(int(shared)), layout)
     wl = workload(recompute, shared, layout)
-    outs, grads = _reference(wl)
+    dp = wl.parallelism.dp
+    refs = [_reference(wl, d) for d in range(dp)]  # each replica's own microbatches
     for schedule in SCHEDULES:
         for r in res:
+            outs = refs[r["dp_rank"]][0]
             rows = _positions(wl, r["tp_rank"], r["cp_rank"])
             for mb, ((y, dx), (ry, rdx)) in enumerate(zip(r[schedule]["outs"], outs,
                                                           strict=True)):
@@ -201,7 +211,9 @@ def test_planned_moe_layer_computes_the_reference_under_every_schedule(tmp_path,
                 _close(dx, rdx[:, rows], f"{schedule} mb {mb} input grad")
         for li in range(2):
             mine = [r[schedule]["grads"][li] for r in res]
-            want = grads[li]
+            # the experts' gradients gather every replica's tokens routed to them; the
+            # replicated weights' are each rank's part, summed over ranks by the framework
+            want = {k: sum(ref[1][li][k] for ref in refs) for k in refs[0][1][li]}
             n = EXPERTS // 2
             for k, g in want.items():
                 if k in ("W1e", "W2e"):  # each EP rank's experts

@@ -273,13 +273,14 @@ class DecoderShard(MoEBlock):
 
     # ------------------------------------------------------------------ parameters
     def _shard_dims(self, arch: ModelArch, groups: Any, microbatch_size: int,
-                    seq_local: int, *, sp: bool = False) -> None:
+                    seq_local: int, *, sp: bool = False, dp: int | None = None) -> None:
         """This rank's dimensions: TP/CP coordinates, tokens, and its share of the heads and
-        the MLP (what every op reads)."""
+        the MLP (what every op reads). ``dp``: the data-parallel replicas, where the groups
+        do not hold a DP group (a planned layer's: the framework reduces the gradients)."""
         self.arch, self.groups = arch, groups
         self.tp, self.cp, self.r = groups.tp_size, groups.cp_size, groups.cp_rank
         #: Data-parallel replicas (each on its own microbatches; the loss is their mean).
-        self.dp = int(getattr(groups, "dp_size", 1))
+        self.dp = int(getattr(groups, "dp_size", 1)) if dp is None else int(dp)
         #: Whether the sequence-parallel layout runs (``sp`` at TP > 1).
         self.sp = bool(sp) and self.tp > 1
         if self.sp and seq_local % self.tp:
