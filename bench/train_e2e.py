@@ -159,12 +159,12 @@ def _collectives(args: argparse.Namespace, plan: Any, wl: Any, world: int) -> tu
         if world != 1:
             raise SystemExit("--backend loopback stands in for the group on ONE GPU: run it "
                              "with --nproc_per_node 1")
-        groups: Any = LoopbackGroups(tp=p.tp, cp=p.cp)
+        groups: Any = LoopbackGroups(tp=p.tp, cp=p.cp, ep=p.ep)
     else:
         if p.tp * p.cp != world:
             raise SystemExit(f"the plan is for TP={p.tp} x CP={p.cp}: run it on that many GPUs "
                              f"(not {world}), or on one GPU with --backend loopback")
-        groups = TorchParallelGroups(tp=p.tp)
+        groups = TorchParallelGroups(tp=p.tp, ep=p.ep)
     caps = tuple(sorted({c.comm_sms for cs in plan.partition_configs().values() for c in cs}))
     high = args.comm_priority == "high"
     mode = "faithful" if faithful else "plain"

@@ -183,12 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.backend == "loopback":
         if world != 1:
             raise SystemExit("--backend loopback runs on one GPU (--nproc_per_node 1)")
-        groups: Any = LoopbackGroups(tp=p.tp, cp=p.cp)
+        groups: Any = LoopbackGroups(tp=p.tp, cp=p.cp, ep=p.ep)
     elif p.tp * p.cp != world:
         raise SystemExit(f"the plan is for TP={p.tp} x CP={p.cp}; run it with that many "
                          f"processes, not {world}")
     else:
-        groups = TorchParallelGroups(tp=p.tp)
+        groups = TorchParallelGroups(tp=p.tp, ep=p.ep)
     caps = tuple(sorted({c.comm_sms for cs in plan.partition_configs().values() for c in cs}))
     capped, default, note = make_collectives(groups, backend=args.backend, caps=caps)
     named = named_collectives(groups, {c.backend for cs in plan.partition_configs().values()

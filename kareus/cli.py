@@ -163,9 +163,16 @@ def _noise(text: str) -> float:
 _JOB_DEFAULTS = {"tp": 4, "cp": 1, "pp": 2, "microbatches": 8, "microbatch_size": 8,
                  "seq_len": 4096}
 
-#: The mixture-of-experts options (``None`` in the parser: refused beside
-#: ``--megatron-args`` / ``--torchtitan-args``, whose MoE layers kareus does not read yet).
-_MOE_OPTIONS = ("ep", "routing_imbalance")
+#: The mixture-of-experts options the framework's flags give (``None`` in the parser:
+#: refused beside ``--megatron-args`` / ``--torchtitan-args``, which say the expert-parallel
+#: degree themselves: ``--expert-model-parallel-size``,
+#: ``--parallelism.expert_parallel_degree``). ``--routing-imbalance`` is no framework's
+#: setting (it is the data's): it applies to their workloads too.
+_MOE_OPTIONS = ("ep",)
+
+#: ``kareus.model.RANK_ORDERS``, spelt here so that building the parser does not import the
+#: model package (tests/test_cli.py checks that they agree).
+_RANK_ORDERS = ("tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp")
 
 
 def _workload_from_megatron_flags(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -174,7 +181,7 @@ def _workload_from_megatron_flags(args: argparse.Namespace):  # type: ignore[no-
     from kareus.integrations.megatron_args import parse_megatron_args, workload_from_megatron_args
 
     given = [f"--{k.replace('_', '-')}" for k in (*_JOB_DEFAULTS, "workload", "model_file",
-                                                   *_MOE_OPTIONS)
+                                                   "rank_order", *_MOE_OPTIONS)
              if getattr(args, k, None) is not None] + [
                  f for f, on in (("--no-recompute", args.no_recompute),
                                  ("--recompute", getattr(args, "recompute", None) is not None),
@@ -193,17 +200,27 @@ def _workload_from_megatron_flags(args: argparse.Namespace):  # type: ignore[no-
         if args.dp is not None and args.dp != args.gpus // (tp * cp * pp):
             raise WorkloadError(f"--gpus {args.gpus} and --dp {args.dp} disagree: give one")
         dp = args.gpus // (tp * cp * pp)
-    if tp == 1 and cp == 1:
-        raise WorkloadError("the Megatron-LM flags give TP=1 and CP=1: no layer has a "
-                            "collective to overlap, so there is nothing to plan; train with "
-                            "layer_spec without KAREUS_PLAN (the sequential schedule)")
+    if tp == 1 and cp == 1 and not (flags.num_experts
+                                    and flags.expert_model_parallel_size > 1):
+        raise WorkloadError("the Megatron-LM flags give TP=1 and CP=1 (and no expert "
+                            "parallelism): no layer has a collective to overlap, so there is "
+                            "nothing to plan; train with layer_spec without KAREUS_PLAN (the "
+                            "sequential schedule)")
     if tp > 8 or tp * cp * pp * dp > _MAX_GPUS:
         raise WorkloadError(f"TP={tp} x CP={cp} x PP={pp} x DP={dp}: beyond what kareus models "
                             f"(TP <= 8, at most {_MAX_GPUS:,} GPUs)")
     if getattr(args, "document_tokens", None) is not None:
         raise ArgumentError("--document-tokens: Megatron-Core's planned layers attend causally "
                             "over whole sequences; drop it with --megatron-args")
-    return workload_from_megatron_args(flags, dp=dp, nanobatches=args.nanobatches)
+    return _imbalanced(workload_from_megatron_args(flags, dp=dp, nanobatches=args.nanobatches),
+                       args)
+
+
+def _imbalanced(wl, args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """``wl`` with ``--routing-imbalance`` (an assumption about the data, which no
+    framework flag says), when given."""
+    imbalance = getattr(args, "routing_imbalance", None)
+    return wl if imbalance is None else wl.with_(routing_imbalance=imbalance)
 
 
 def _workload_from_torchtitan_flags(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -223,7 +240,7 @@ def _workload_from_torchtitan_flags(args: argparse.Namespace):  # type: ignore[n
     )
 
     given = [f"--{k.replace('_', '-')}" for k in (*_JOB_DEFAULTS, "workload", "model_file",
-                                                   "dp", *_MOE_OPTIONS)
+                                                   "dp", "rank_order", *_MOE_OPTIONS)
              if getattr(args, k, None) is not None] + [
                  f for f, on in (("--no-recompute", args.no_recompute),
                                  ("--sp", getattr(args, "sp", False)),
@@ -268,10 +285,11 @@ def _workload_from_torchtitan_flags(args: argparse.Namespace):  # type: ignore[n
         raise ArgumentError(f"--recompute {args.recompute} contradicts the flags' "
                             f"activation_checkpoint ({wl.recompute}); --recompute names the "
                             "policy run in place of torchtitan's selective only")
-    if wl.parallelism.tp == 1 and wl.parallelism.cp == 1:
-        raise WorkloadError("the torchtitan flags give TP=1 and CP=1: no layer has a "
-                            "collective to overlap, so there is nothing to plan")
-    return wl
+    if wl.parallelism.tp == 1 and wl.parallelism.cp == 1 and wl.parallelism.ep == 1:
+        raise WorkloadError("the torchtitan flags give TP=1 and CP=1 (and no expert "
+                            "parallelism): no layer has a collective to overlap, so there is "
+                            "nothing to plan")
+    return _imbalanced(wl, args)
 
 
 def _workload_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -331,8 +349,10 @@ def _job_workload(args: argparse.Namespace):  # type: ignore[no-untyped-def]
                             "is not modelled; use --tp <= 8 and spread the rest over --cp/--pp")
     imbalance = getattr(args, "routing_imbalance", None)
     moe = {} if imbalance is None else {"routing_imbalance": imbalance}
+    order = getattr(args, "rank_order", None) or _RANK_ORDERS[0]
     return Workload(model=model, parallelism=Parallelism(tp=args.tp, cp=args.cp, pp=args.pp,
-                                                         dp=dp, sp=bool(args.sp), ep=ep),
+                                                         dp=dp, sp=bool(args.sp), ep=ep,
+                                                         rank_order=order),
                     microbatch_size=args.microbatch_size, seq_len=args.seq_len,
                     num_microbatches=args.microbatches, recompute=_recompute_from_args(args),
                     nanobatches=args.nanobatches,
@@ -779,6 +799,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="expert parallel degree of a mixture-of-experts model (default 1): "
                         "it divides TP x CP x DP (Megatron-Core's MoE parallel folding, "
                         "experts not split over TP); a divisor of 8 (one NVLink node)")
+    p.add_argument("--rank-order", default=None, choices=_RANK_ORDERS,
+                   help="how the job's ranks are laid out, fastest first (Megatron-Core's "
+                        "order): tp-cp-ep-dp-pp (default, Megatron-LM's and torchtitan's) or "
+                        "tp-cp-ep-pp-dp (Megatron-LM's --use-tp-pp-dp-mapping); it decides "
+                        "which pipeline sends and gradient reductions cross nodes")
     p.add_argument("--routing-imbalance", type=_positive_float, default=None,
                    help="of a mixture-of-experts model: the busiest expert-parallel rank's "
                         "tokens over the mean, in [1, --ep] (default 1.0: balanced routing)")

@@ -584,3 +584,33 @@ def test_unchained_layers_make_a_plan_for_layers_run_one_by_one(tmp_path, capsys
     wl = Workload.from_dict(plan.workload)
     assert set(plan.partition_configs(nanobatches=wl.nanobatches)) == set(
         build_partitions(wl).types)
+
+
+def test_rank_orders_spelt_as_the_model_spells_them() -> None:
+    from kareus import cli
+    from kareus.model import RANK_ORDERS
+
+    assert cli._RANK_ORDERS == RANK_ORDERS
+
+
+def test_rank_order_option_reaches_the_workload() -> None:
+    from kareus.cli import _workload_from_args, build_parser
+    from kareus.errors import ArgumentError
+
+    def wl(*flags: str):  # type: ignore[no-untyped-def]
+        return _workload_from_args(build_parser().parse_args(
+            ["optimize", "--workload", "llama3.2-3b", "--tp", "2", "--pp", "4", "--dp", "2",
+             *flags]))
+
+    default, mapped = wl(), wl("--rank-order", "tp-cp-ep-pp-dp")
+    assert default.parallelism.rank_order == "tp-cp-ep-dp-pp"
+    assert mapped.parallelism.rank_order == "tp-cp-ep-pp-dp"
+    # the stages of one replica in one node under the mapping, four ranks apart otherwise
+    from kareus.model import build_partitions
+
+    assert build_partitions(default).outside[(0, "fwd")].p2p_cross_node
+    assert not build_partitions(mapped).outside[(0, "fwd")].p2p_cross_node
+    with pytest.raises(ArgumentError, match="drop --rank-order"):
+        _workload_from_args(build_parser().parse_args(
+            ["optimize", "--megatron-args", "--num-layers 4", "--rank-order",
+             "tp-cp-ep-pp-dp"]))

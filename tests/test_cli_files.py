@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from _helpers import lab_gpu_toml
 
 from kareus.cli import main
 from kareus.compose.plan import Plan
@@ -16,27 +17,11 @@ from kareus.model.workload import ModelArch, Workload
 
 MODEL = {"name": "lab-3b", "layers": 4, "hidden": 2048, "heads": 16, "kv_heads": 8,
          "head_dim": 128, "ffn": 5632, "vocab": 32000}
-GPU_TOML = """\
-name = "lab-gpu"
-sm_count = 100
-clocks_mhz = {min = 300, max = 1500, step = 15}
-search_clocks_mhz = {max = 1500, step = 60, count = 6}
-bf16_peak_tflops = 300.0
-hbm_bandwidth_gbps = 2000.0
-nvlink_bandwidth_gbps = 400.0
-power_limit_w = 450.0
-static_power_w = 90.0
-idle_power_w = 60.0
-default_comm_sms = 24
-memory_gib = 48
-"""
+GPU_TOML = lab_gpu_toml("lab-gpu", search_count=6)
 
 
-@pytest.fixture(autouse=True)
-def _clean_registry():
-    yield
-    for name in list(files.registered_models()) + list(files.registered_gpus()):
-        files.unregister(name)
+#: the models and GPUs a test registers: unregistered after it (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("clean_spec_registry")
 
 
 @pytest.fixture()

@@ -76,18 +76,24 @@ def test_workloads_lists_the_moe_presets_with_their_experts(capsys):
     assert "MoE" not in next(x for x in out.splitlines() if x.startswith("qwen3-1.7b"))
 
 
-def test_verify_refuses_to_run_an_moe_plan(tmp_path, capsys):
-    pytest.importorskip("torch")
-    model = tmp_path / "moe-small.toml"
-    model.write_text('name = "moe-small"\nlayers = 2\nhidden = 256\nheads = 4\nkv_heads = 2\n'
-                     'head_dim = 64\nffn = 512\nvocab = 1024\n[moe]\nexperts = 8\n'
-                     'experts_per_token = 2\nexpert_ffn = 128\n')
-    out = tmp_path / "out"
-    assert main(["optimize", "--model-file", str(model), "--gpu", "h200-sxm", "--tp", "2",
-                 "--sp", "--pp", "1", "--ep", "2", "--microbatches", "2",
-                 "--microbatch-size", "2", "--seq-len", "256", "--budget", "4",
-                 "--out", str(out), "--quiet"]) == 0
-    capsys.readouterr()
-    assert main(["verify", str(out), "--steps", "1", "--device", "cpu"]) == 2
-    err = capsys.readouterr().err
-    assert "kareus's training loop does not compute moe" in err and err.count("\n") == 1
+def test_optimize_plans_an_moe_job_from_megatron_lm_flags(tmp_path, capsys):
+    # the workload of Megatron-LM's MoE flags is the preset's: planned and emulated the same
+    flags = ("--num-layers 48 --hidden-size 2048 --num-attention-heads 32 "
+             "--group-query-attention --num-query-groups 4 --kv-channels 128 "
+             "--ffn-hidden-size 6144 --swiglu --disable-bias-linear --normalization RMSNorm "
+             "--norm-epsilon 1e-6 --qk-layernorm --position-embedding-type rope "
+             "--untie-embeddings-and-output-weights --hidden-dropout 0 --attention-dropout 0 "
+             "--bf16 --seq-length 1024 --micro-batch-size 2 --global-batch-size 32 "
+             "--padded-vocab-size 151936 --num-experts 128 --moe-router-topk 8 "
+             "--moe-ffn-hidden-size 768 --expert-model-parallel-size 8 "
+             "--moe-token-dispatcher-type alltoall --moe-router-dtype fp32 --moe-grouped-gemm")
+    assert main(["optimize", "--megatron-args", flags, "--gpu", "h200-sxm", "--gpus", "8",
+                 "--routing-imbalance", "1.25", "--budget", "8",
+                 "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split()[0] for line in out.splitlines()
+            if len(line.split()) == 6 and line.split()[0] in SYSTEMS]
+    assert rows == list(SYSTEMS)
+    wl = json.loads((tmp_path / "out" / "results.json").read_text())["workload"]
+    assert wl["ep"] == 8 and wl["routing_imbalance"] == 1.25
+    assert wl["model"]["moe"] == {"experts": 128, "experts_per_token": 8, "expert_ffn": 768}

@@ -146,11 +146,12 @@ def _parse_choice(d: Any, field: str, gpu: Any, source: str,
 
 
 def _parse_workload(w: Any, source: str) -> Any:
-    from kareus.model.workload import RECOMPUTE_POLICIES, Workload  # keeps the module light
+    from kareus.model.workload import RANK_ORDERS, RECOMPUTE_POLICIES, Workload  # light module
 
     w = _obj(w, source, "workload")
     _keys(w, sorted(_WORKLOAD_KEYS),
-          _WORKLOAD_KEYS | {"sp", "document_tokens", "chained_layers", *_MOE_WORKLOAD_KEYS},
+          _WORKLOAD_KEYS | {"sp", "document_tokens", "chained_layers", "rank_order",
+                            *_MOE_WORKLOAD_KEYS},
           source,
           "workload")
     if isinstance(w["model"], dict):  # the architecture of a model that is not a preset
@@ -180,9 +181,14 @@ def _parse_workload(w: Any, source: str) -> Any:
     if not isinstance(chained, bool):
         raise _err(source, "workload.chained_layers",
                    f"{short_repr(chained)} is not true or false")
+    # absent: Megatron-LM's default order
+    order = w.get("rank_order", RANK_ORDERS[0])
+    if order not in RANK_ORDERS:
+        raise _err(source, "workload.rank_order",
+                   f"{short_repr(order)} is not one of {', '.join(RANK_ORDERS)}")
     try:
         return Workload.preset(model, tp=ints["tp"], cp=ints["cp"], pp=ints["pp"],
-                               dp=ints["dp"], sp=sp, ep=ep,
+                               dp=ints["dp"], sp=sp, ep=ep, rank_order=order,
                                microbatch_size=ints["microbatch_size"],
                                seq_len=ints["seq_len"],
                                num_microbatches=ints["num_microbatches"],

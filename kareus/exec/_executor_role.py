@@ -64,10 +64,32 @@ __all__ = ["COMM_KINDS", "CollectiveLaunch", "Executor", "LaunchConfig", "Partit
 _log = get_logger(__name__)
 
 #: Collective kinds the executor can launch (the names of ``CollectiveBackend`` methods).
-COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
-#: The parallel groups a collective may name (``None``: routed by its kind).
-COMM_GROUPS = ("tp", "cp")
+#: The parallel groups a collective may name (``None``: routed by its kind); ``"ep"``: a
+#: mixture of experts' expert-parallel group (its all-to-alls).
+COMM_GROUPS = ("tp", "cp", "ep")
+
+#: An all-to-all's splits: ``(output_splits, input_splits)``, host lists of row counts, one
+#: per rank (``CollectiveBackend.all_to_all``'s).
+Splits = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def _check_splits(kind: str, splits: Any) -> Splits | None:
+    """``splits`` as a pair of int tuples (an all-to-all needs them; the others take none)."""
+    if kind != "all_to_all":
+        if splits is not None:
+            raise ArgumentError(f"{kind} takes no splits (only all_to_all does)")
+        return None
+    if splits is None:
+        raise ArgumentError("all_to_all needs splits=(output_splits, input_splits), host "
+                            "lists of row counts, one per rank")
+    try:
+        outs, ins = splits
+        return tuple(int(v) for v in outs), tuple(int(v) for v in ins)
+    except (TypeError, ValueError):
+        raise ArgumentError("splits must be (output_splits, input_splits), two lists of row "
+                            f"counts, got {splits!r:.60}") from None
 
 
 def _check_group(group: str | None) -> None:
@@ -110,7 +132,8 @@ class CollectiveLaunch:
         kind: One of ``COMM_KINDS``.
         tensor: The tensor to all-reduce in place, or the input of an all-gather /
             reduce-scatter.
-        output: The output of an all-gather / reduce-scatter (``None`` for all-reduce).
+        output: The output of an all-gather / reduce-scatter / all-to-all (``None`` for
+            all-reduce).
         config: The configuration it runs under.
         slot: The op it launches with (it starts right before that op), or ``None``: after
             every op of the partition (sequential, or exposed).
@@ -118,7 +141,10 @@ class CollectiveLaunch:
             (``None``: the backend routes by kind, as a
             [`GroupedCollective`][kareus.exec.train.GroupedCollective] does: all-reduces over
             TP, all-gathers and reduce-scatters over CP). Sequence parallelism all-gathers
-            and reduce-scatters over TP, so its collectives name their group.
+            and reduce-scatters over TP, so its collectives name their group; a mixture of
+            experts' all-to-alls name ``"ep"``.
+        splits: An all-to-all's ``(output_splits, input_splits)`` (host tuples of row
+            counts, one per rank); ``None`` for the other kinds.
     """
 
     partition: str
@@ -128,6 +154,7 @@ class CollectiveLaunch:
     config: LaunchConfig
     slot: str | None
     group: str | None = None
+    splits: Splits | None = None
 
     @property
     def sms(self) -> int | None:
@@ -171,16 +198,19 @@ class PartitionHook(abc.ABC):
 
     @abc.abstractmethod
     def communicate(self, tensor: Any, *, kind: str = "all_reduce", output: Any = None,
-                    group: str | None = None) -> None:
+                    group: str | None = None, splits: Any = None) -> None:
         """Register the collective of this partition (launched at the configured slot).
 
         Args:
             tensor: The tensor to all-reduce in place, or the input of an all-gather /
-                reduce-scatter.
-            kind: ``"all_reduce"``, ``"all_gather"`` or ``"reduce_scatter"``.
-            output: Output tensor of all-gather / reduce-scatter.
-            group: The parallel group, ``"tp"`` or ``"cp"`` (``None``: routed by kind;
-                [`CollectiveLaunch.group`][kareus.exec.CollectiveLaunch]).
+                reduce-scatter / all-to-all.
+            kind: ``"all_reduce"``, ``"all_gather"``, ``"reduce_scatter"`` or
+                ``"all_to_all"``.
+            output: Output tensor of all-gather / reduce-scatter / all-to-all.
+            group: The parallel group, ``"tp"``, ``"cp"`` or ``"ep"`` (``None``: routed by
+                kind; [`CollectiveLaunch.group`][kareus.exec.CollectiveLaunch]).
+            splits: An all-to-all's ``(output_splits, input_splits)``, host lists of row
+                counts, one per rank (required for it, refused for the other kinds).
         """
 
     @abc.abstractmethod
@@ -225,23 +255,25 @@ class PartitionScope(PartitionHook):
         self.config = config
         self._op_names = tuple(op_names) if op_names is not None else None
         self._count = 0
-        self._comm: tuple[str, Any, Any, str | None] | None = None
+        self._comm: tuple[str, Any, Any, str | None, Splits | None] | None = None
         self._launched = False
         self._handle: Any = None
         self.ops_run: list[str] = []
 
     def communicate(self, tensor: Any, *, kind: str = "all_reduce", output: Any = None,
-                    group: str | None = None) -> None:
+                    group: str | None = None, splits: Any = None) -> None:
         """Register the collective ([`PartitionHook.communicate`][kareus.exec.PartitionHook.communicate]); a kind outside
-        ``COMM_KINDS`` or a group other than ``"tp"``, ``"cp"`` is a ValueError."""
+        ``COMM_KINDS``, a group outside ``COMM_GROUPS``, or an all-to-all without splits is a
+        ValueError."""
         if kind not in COMM_KINDS:
             raise ArgumentError(f"kind must be one of {COMM_KINDS}, got {kind!r}")
         _check_group(group)
+        checked = _check_splits(kind, splits)
         if self._comm is not None:
             raise RuntimeError(f"partition {self.key!r} already has a collective")
         if kind != "all_reduce" and output is None:
             raise ArgumentError(f"{kind} needs an output tensor")
-        self._comm = (kind, tensor, output, group)
+        self._comm = (kind, tensor, output, group, checked)
 
     def op(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Issue computation op ``name`` (``fn(*args, **kwargs)``) through the executor's
@@ -262,10 +294,10 @@ class PartitionScope(PartitionHook):
             raise RuntimeError(
                 f"partition {self.key!r} reached its launch slot {self.config.launch_slot!r} "
                 "before communicate() named the collective")
-        kind, tensor, output, group = self._comm
+        kind, tensor, output, group, splits = self._comm
         self._handle = self._ex.launch_collective(CollectiveLaunch(
             partition=self.key, kind=kind, tensor=tensor, output=output, config=self.config,
-            slot=at, group=group))
+            slot=at, group=group, splits=splits))
         self._launched = True
 
     def close(self) -> None:
@@ -488,7 +520,7 @@ class Executor(abc.ABC):
     def run_partition(self, ops: Sequence[Callable[[], Any]], op_names: Sequence[str],
                       comm_tensor: Any, config: LaunchConfig, *,
                       comm_kind: str = "all_reduce", comm_output: Any = None,
-                      comm_group: str | None = None) -> None:
+                      comm_group: str | None = None, comm_splits: Any = None) -> None:
         """Enqueue one partition: ``ops`` in order, the collective at ``config``'s slot
         (joined at the end). The configuration's clock is not applied here: it is set per
         microbatch ([`microbatch`][kareus.exec.Executor.microbatch]).
@@ -499,8 +531,9 @@ class Executor(abc.ABC):
             comm_tensor: The tensor the collective acts on.
             config: The schedule configuration.
             comm_kind: The collective (one of ``COMM_KINDS``).
-            comm_output: Output tensor of all-gather / reduce-scatter.
-            comm_group: Its group (``"tp"``, ``"cp"``; ``None``: routed by kind).
+            comm_output: Output tensor of all-gather / reduce-scatter / all-to-all.
+            comm_group: Its group (``"tp"``, ``"cp"``, ``"ep"``; ``None``: routed by kind).
+            comm_splits: An all-to-all's ``(output_splits, input_splits)``.
 
         Raises:
             UnknownSlotError: ``config.launch_slot`` is not one of ``op_names``.
@@ -512,7 +545,8 @@ class Executor(abc.ABC):
             raise UnknownSlotError(f"launch slot {config.launch_slot!r} is not one of the ops "
                                    f"{list(op_names)} (or None for sequential)")
         scope = self._open_scope("partition", config, op_names)
-        scope.communicate(comm_tensor, kind=comm_kind, output=comm_output, group=comm_group)
+        scope.communicate(comm_tensor, kind=comm_kind, output=comm_output, group=comm_group,
+                          splits=comm_splits)
         for name, fn in zip(op_names, ops):
             scope.op(name, fn)
         scope.close()
@@ -520,7 +554,7 @@ class Executor(abc.ABC):
     def run_nanobatched(self, ops: Sequence[Callable[[int], Any]], op_names: Sequence[str],
                         comm_tensors: Sequence[Any], config: LaunchConfig, *,
                         comm_kind: str = "all_reduce", comm_outputs: Sequence[Any] | None = None,
-                        comm_group: str | None = None) -> None:
+                        comm_group: str | None = None, comm_splits: Any = None) -> None:
         """Run one layer segment over ``n >= 2`` nanobatches, each nanobatch's collective
         overlapping the next nanobatch's computation from ``config``'s slot on.
 
@@ -539,7 +573,10 @@ class Executor(abc.ABC):
             config: The schedule configuration.
             comm_kind: The collective.
             comm_outputs: Per nanobatch, the output tensor (all-gather / reduce-scatter).
-            comm_group: The collectives' group (``"tp"``, ``"cp"``; ``None``: routed by kind).
+            comm_group: The collectives' group (``"tp"``, ``"cp"``, ``"ep"``; ``None``:
+                routed by kind).
+            comm_splits: The all-to-alls' ``(output_splits, input_splits)``, the same for
+                every nanobatch.
 
         Raises:
             ValueError: fewer than two nanobatches.
@@ -554,22 +591,22 @@ class Executor(abc.ABC):
         for i in range(1, n):
             if config.sequential:
                 self._run_exposed(f"nanobatch{i - 1}", comm_kind, comm_tensors[i - 1],
-                                  outs[i - 1], config, group=comm_group)
+                                  outs[i - 1], config, group=comm_group, splits=comm_splits)
                 for fn in ops:
                     fn(i)
                 continue
             scope = self._open_scope(f"nanobatch{i - 1}", config, op_names)
             scope.communicate(comm_tensors[i - 1], kind=comm_kind, output=outs[i - 1],
-                              group=comm_group)
+                              group=comm_group, splits=comm_splits)
             for name, fn in zip(op_names, ops):
                 scope.op(name, fn, i)
             scope.close()
         self._run_exposed(f"nanobatch{n - 1}", comm_kind, comm_tensors[n - 1], outs[n - 1],
-                          config, group=comm_group)
+                          config, group=comm_group, splits=comm_splits)
 
     def run_collective(self, kind: str, tensor: Any, output: Any = None, *,
                        sms: int | None = None, partition: str = "collective",
-                       group: str | None = None) -> None:
+                       group: str | None = None, splits: Any = None) -> None:
         """Run one collective by itself, in stream order: after everything issued so far,
         and what comes next waits for it (the outside work's collectives, which run among
         its ops rather than beside them). The role's default launches and joins it through
@@ -582,18 +619,20 @@ class Executor(abc.ABC):
             output: The output of an all-gather / reduce-scatter.
             sms: SMs it gets (``None``: the backend's own choice).
             partition: What it belongs to (for the hooks' records).
-            group: Its group (``"tp"``, ``"cp"``; ``None``: routed by kind).
+            group: Its group (``"tp"``, ``"cp"``, ``"ep"``; ``None``: routed by kind).
+            splits: An all-to-all's ``(output_splits, input_splits)``.
 
         Raises:
-            ValueError: ``kind`` is not one of ``COMM_KINDS``, or an all-gather /
-                reduce-scatter has no output.
+            ValueError: ``kind`` is not one of ``COMM_KINDS``, an all-gather /
+                reduce-scatter / all-to-all has no output, or an all-to-all no splits.
         """
         if kind not in COMM_KINDS:
             raise ArgumentError(f"kind must be one of {COMM_KINDS}, got {kind!r}")
         if kind != "all_reduce" and output is None:
             raise ArgumentError(f"{kind} needs an output tensor")
         _check_group(group)
-        self._run_exposed(partition, kind, tensor, output, _Exposed(comm_sms=sms), group=group)
+        self._run_exposed(partition, kind, tensor, output, _Exposed(comm_sms=sms), group=group,
+                          splits=_check_splits(kind, splits))
 
     def _open_scope(self, key: str, config: LaunchConfig,
                     op_names: Sequence[str] | None) -> PartitionScope:
@@ -602,11 +641,12 @@ class Executor(abc.ABC):
         return PartitionScope(self, key, config, op_names)
 
     def _run_exposed(self, key: str, kind: str, tensor: Any, output: Any,
-                     config: LaunchConfig, *, group: str | None = None) -> None:
+                     config: LaunchConfig, *, group: str | None = None,
+                     splits: Any = None) -> None:
         """A collective after everything issued so far, joined right away."""
         self.join_collective(self.launch_collective(CollectiveLaunch(
             partition=key, kind=kind, tensor=tensor, output=output, config=config, slot=None,
-            group=group)))
+            group=group, splits=_check_splits(kind, splits))))
 
     # -- training-loop hooks ---------------------------------------------------------
     @contextlib.contextmanager

@@ -36,20 +36,25 @@ class PartitionProgram:
 
     Attributes:
         op_names: The ops' names, in stream order.
-        comm_kind: ``"all_reduce"``, ``"all_gather"`` or ``"reduce_scatter"``; ``None`` for
+        comm_kind: ``"all_reduce"``, ``"all_gather"``, ``"reduce_scatter"`` or
+            ``"all_to_all"``; ``None`` for
             work that runs its collectives among its ops (outside work), run plainly.
         writer: The op that writes [`output`][kareus.exec.PartitionProgram.output] (the collective's
             next input), or ``None`` when no op of the program does (the input is produced
             elsewhere).
-        comm_group: The collective's parallel group (``"tp"``, ``"cp"``), for the
-            executor's ``comm_group=``; ``None``: routed by kind.
+        comm_group: The collective's parallel group (``"tp"``, ``"cp"``, ``"ep"``), for
+            the executor's ``comm_group=``; ``None``: routed by kind.
+        comm_splits: An all-to-all's ``(output_splits, input_splits)`` (host lists of row
+            counts, one per rank), for the executor's ``comm_splits=``; ``None`` for the
+            other kinds.
         step: Steps taken so far (see [`advance`][kareus.exec.PartitionProgram.advance]).
     """
 
     def __init__(self, *, op_names: Sequence[str], ops: Sequence[Callable[[], Any]],
                  comm_kind: str | None, buffers: Sequence[Any], comm_outputs: Sequence[Any] = (),
                  state: dict[str, Any] | None = None, writer: str | None = None,
-                 comm_group: str | None = None) -> None:
+                 comm_group: str | None = None,
+                 comm_splits: tuple[Sequence[int], Sequence[int]] | None = None) -> None:
         if len(op_names) != len(ops):
             raise ArgumentError(f"{len(ops)} ops but {len(op_names)} names")
         if writer is not None and writer not in op_names:
@@ -64,6 +69,7 @@ class PartitionProgram:
         self.state = state if state is not None else {}
         self.writer = writer
         self.comm_group = comm_group
+        self.comm_splits = comm_splits
         self.step = 0
 
     @property
@@ -137,7 +143,9 @@ def _comm_buffers(torch: Any, comm: CommOp, model_bytes: int, device: Any, dtype
                   shape: tuple[int, ...],
                   collective: Any = None,
                   group: str | None = None) -> tuple[list[Any], list[Any]]:
-    """Two input buffers (and two outputs for all-gather / reduce-scatter), zeroed.
+    """Two input buffers (and two outputs for all-gather / reduce-scatter / all-to-all),
+    zeroed. An all-to-all's are ``shape`` each (its caller sizes them: the rows a rank
+    sends and receives).
 
     ``comm.bytes`` counts the model's elements at ``model_bytes`` bytes each (the
     workload's ``dtype_bytes``, 2 for bf16), whatever ``dtype`` the kernels run in: the
@@ -148,6 +156,11 @@ def _comm_buffers(torch: Any, comm: CommOp, model_bytes: int, device: Any, dtype
     fixed order (inputs, then outputs), so that a backend whose ``empty`` is collective
     sees the same calls on every rank.
     """
+    kind = comm.kind.value
+    if comm.kind is CommKind.ALL_TO_ALL:
+        pair = [_comm_zeros(torch, collective, tuple(shape), device, dtype, kind, group)
+                for _ in range(4)]
+        return pair[:2], pair[2:]
     n, rest = divmod(int(comm.bytes), int(model_bytes))
     if rest or n <= 0:
         raise ArgumentError(f"{comm.name}: {comm.bytes} bytes is not a whole number of "
@@ -159,7 +172,6 @@ def _comm_buffers(torch: Any, comm: CommOp, model_bytes: int, device: Any, dtype
         in_shape, out_shape = (n // g,), (n // g * g,)
     else:
         in_shape, out_shape = (n // g * g,), (n // g,)
-    kind = comm.kind.value
     ins = [_comm_zeros(torch, collective, in_shape, device, dtype, kind, group)
            for _ in range(2)]
     outs = ([] if out_shape is None

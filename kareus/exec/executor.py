@@ -68,6 +68,7 @@ from kareus.exec._executor_role import (
     LaunchConfig,
     PartitionHook,
     PartitionScope,
+    _check_splits,
 )
 from kareus.exec._graphs import GraphSequence, prefer_workspace_free_gemms
 from kareus.exec._streams import RecordingStreamBackend, StreamBackend, TorchStreamBackend
@@ -111,6 +112,19 @@ def _route(backend: Any, kind: str, group: str | None) -> Any:
     if group is not None and callable(pick):
         return pick(group)
     return backend
+
+
+def _call(backend: Any, kind: str, tensor: Any, output: Any, stream: Any, sms: int | None,
+          splits: Any) -> None:
+    """Enqueue one collective of ``kind`` on ``backend`` (an all-to-all with its
+    ``(output_splits, input_splits)``)."""
+    if kind == "all_reduce":
+        backend.all_reduce(tensor, stream, sms)
+    elif kind == "all_to_all":
+        outs, ins = splits
+        backend.all_to_all(output, tensor, list(outs), list(ins), stream, sms)
+    else:
+        getattr(backend, kind)(output, tensor, stream, sms)
 
 
 class TorchExecutor(Executor):
@@ -280,7 +294,7 @@ class TorchExecutor(Executor):
             The event recorded on the side stream after the collective.
         """
         return self._launch_comm((launch.kind, launch.tensor, launch.output), launch.sms,
-                                 launch.backend, launch.group)
+                                 launch.backend, launch.group, launch.splits)
 
     def join_collective(self, handle: Any) -> None:
         """Make the current stream wait on the collective's event (``handle``)."""
@@ -300,7 +314,7 @@ class TorchExecutor(Executor):
 
     def run_collective(self, kind: str, tensor: Any, output: Any = None, *,
                        sms: int | None = None, partition: str = "collective",
-                       group: str | None = None) -> None:
+                       group: str | None = None, splits: Any = None) -> None:
         """Run one collective by itself on the current stream, through
         [`backend_for`][kareus.exec.TorchExecutor.backend_for] ``(sms)`` with ``sms`` SMs
         (the outside work's collectives; no side stream, so nothing to join).
@@ -312,14 +326,12 @@ class TorchExecutor(Executor):
             raise ArgumentError(f"kind must be one of {COMM_KINDS}, got {kind!r}")
         backend = _route(self.backend_for(sms), kind, group)
         stream = self.streams.current_stream()
-        if kind == "all_reduce":
-            backend.all_reduce(tensor, stream, sms)
-        else:
-            getattr(backend, kind)(output, tensor, stream, sms)
+        _call(backend, kind, tensor, output, stream, sms, _check_splits(kind, splits))
 
     # -- the mechanism ---------------------------------------------------------------
     def _launch_comm(self, comm: tuple[str, Any, Any], sms: int | None,
-                     backend_name: str | None = None, group: str | None = None) -> Any:
+                     backend_name: str | None = None, group: str | None = None,
+                     splits: Any = None) -> Any:
         kind, tensor, output = comm
         backend = _route(self.backend_for(sms, backend_name), kind, group)
         compute = self.streams.current_stream()
@@ -327,10 +339,7 @@ class TorchExecutor(Executor):
         ready = self.streams.record_event(compute)
         self.streams.wait_event(side, ready)
         with self.streams.use_stream(side):
-            if kind == "all_reduce":
-                backend.all_reduce(tensor, side, sms)
-            else:
-                getattr(backend, kind)(output, tensor, side, sms)
+            _call(backend, kind, tensor, output, side, sms, splits)
         return self.streams.record_event(side)
 
     def _join(self, done_event: Any) -> None:

@@ -38,6 +38,12 @@ with that collective), as the partition model pairs it in a chain; for layers ru
 (``Workload.chained_layers=False``, ``exposed_default``) with its own CTA count, as the
 partition model costs it there (outside work).
 
+A mixture-of-experts model's layers are ``kareus.model.decoder.moe_decoder_layer``'s
+(``stack_stream(..., ep=, moe=)``): their dispatch and combine all-to-alls over the EP group
+(and those of the gradients) are collectives of the stream like the others, whose split
+sizes ``comm_args`` gives when they are launched (the routing decided them); a sequential
+all-to-all is named after its piece's ops, which make its tensors.
+
 Every rank runs the same pieces in the same order, so every rank issues the same
 collectives in the same order; nothing here depends on timing. Pure Python (no torch).
 """
@@ -52,7 +58,12 @@ import attrs
 
 from kareus.errors import ArgumentError, PlanError, UnknownSlotError
 from kareus.exec._executor_role import Executor
-from kareus.model.decoder import NOT_READ_BY_BACKWARD, LayerPhase, decoder_layer
+from kareus.model.decoder import (
+    NOT_READ_BY_BACKWARD,
+    LayerPhase,
+    decoder_layer,
+    moe_decoder_layer,
+)
 from kareus.model.partition import TransformerPartition
 from kareus.model.workload import RECOMPUTE_POLICIES, recompute_policy
 
@@ -90,12 +101,13 @@ class Comm:
     """One collective of the stack.
 
     Attributes:
-        kind: ``"all_reduce"``, ``"all_gather"`` or ``"reduce_scatter"``.
+        kind: ``"all_reduce"``, ``"all_gather"``, ``"reduce_scatter"`` or ``"all_to_all"``
+            (a mixture of experts' dispatch and combine).
         name: The tensor it acts on (a
             [`LayerCollective.tensor`][kareus.model.LayerCollective]: ``"attn_out"``,
-            ``"kv"``, ...).
+            ``"kv"``, ``"dispatch"``, ...).
         layer: Its layer.
-        group: The parallel group it runs over, ``"tp"`` or ``"cp"`` (a
+        group: The parallel group it runs over, ``"tp"``, ``"cp"`` or ``"ep"`` (a
             [`LayerCollective.group`][kareus.model.LayerCollective]): under sequence
             parallelism with CP a TP and a CP collective may be of one kind; the
             executor's collective backend runs it over that group.
@@ -149,10 +161,10 @@ class DefaultConfig:
         return self.launch_slot is None
 
 
-def _layer(phase: LayerPhase, layer: int, tp: int, cp: int) -> list[Op | Comm]:
+def _layer(phase: LayerPhase, layer: int, tp: int, cp: int, ep: int = 1) -> list[Op | Comm]:
     """One layer's segments of ``phase`` (not its tail): ops, then the collective, when its
     group has more than one GPU."""
-    sizes = {"tp": tp, "cp": cp}
+    sizes = {"tp": tp, "cp": cp, "ep": ep}
     out: list[Op | Comm] = []
     for seg in phase.segments:
         out += [Op(n, layer) for n in seg.op_names]
@@ -164,7 +176,7 @@ def _layer(phase: LayerPhase, layer: int, tp: int, cp: int) -> list[Op | Comm]:
 
 def stack_stream(phase: str, layers: int, *, tp: int, cp: int,
                  recompute: bool | str, qk_norm: bool = False,
-                 sp: bool = False) -> list[Op | Comm]:
+                 sp: bool = False, ep: int = 1, moe: Any = None) -> list[Op | Comm]:
     """The ops and collectives of one microbatch computation of ``layers`` layers, in order.
 
     Args:
@@ -179,6 +191,16 @@ def stack_stream(phase: str, layers: int, *, tp: int, cp: int,
         qk_norm: The model normalises queries and keys per head (the layer's ops of
             ``decoder_layer(phase, qk_norm=True)``).
         sp: The sequence-parallel layout (``decoder_layer(phase, sp=True)``).
+        ep: Expert-parallel degree (``> 1``: the MoE layer's dispatch and combine
+            all-to-alls run).
+        moe: The model's [`MoEArch`][kareus.model.MoEArch] (``None``: a dense MLP): the
+            layers of ``moe_decoder_layer`` (shared experts when it has them; the received
+            tokens sorted by local expert when an EP rank holds more than one, at EP > 1).
+            The forward's tail, the un-permutation after the combine, opens the next
+            layer's forward (layer ``l``'s ``unpermute`` right before layer ``l+1``'s
+            ``attn_norm``; the top layer's last). Full recomputation re-runs each layer's
+            forward up to its combine: the un-permutation's output (the layer's) is read
+            by no backward op.
 
     Returns:
         [`Op`][kareus.exec.schedule.Op] and [`Comm`][kareus.exec.schedule.Comm] items. Backward: layer
@@ -194,23 +216,33 @@ def stack_stream(phase: str, layers: int, *, tp: int, cp: int,
     if policy not in RECOMPUTE_POLICIES:
         raise ArgumentError(f"recompute must be one of {RECOMPUTE_POLICIES} or a bool, "
                             f"got {recompute!r:.40}")
-    fwd = decoder_layer("fwd", qk_norm=qk_norm, sp=sp)
-    bwd = decoder_layer("bwd", qk_norm=qk_norm, sp=sp, recompute=str(policy))
+    if ep < 1 or (ep > 1 and moe is None):
+        raise ArgumentError(f"ep={ep} needs the model's mixture of experts (moe=)")
+    if moe is None:
+        fwd = decoder_layer("fwd", qk_norm=qk_norm, sp=sp)
+        bwd = decoder_layer("bwd", qk_norm=qk_norm, sp=sp, recompute=str(policy))
+    else:
+        kw = {"qk_norm": qk_norm, "sp": sp, "shared_experts": moe.shared_experts > 0,
+              "sort_tokens": ep > 1 and moe.experts // ep > 1}
+        fwd = moe_decoder_layer("fwd", **kw)
+        bwd = moe_decoder_layer("bwd", recompute=str(policy), **kw)
     out: list[Op | Comm] = []
     if phase == "fwd":
         for layer in range(layers):
-            out += _layer(fwd, layer, tp, cp)
-        return out
+            if layer > 0:
+                out += [Op(n, layer - 1) for n in fwd.tail]
+            out += _layer(fwd, layer, tp, cp, ep)
+        return out + [Op(n, layers - 1) for n in fwd.tail]
     # full recomputation re-runs each layer's forward, less what no backward op reads
     # where the layer has no collective (``NOT_READ_BY_BACKWARD``)
-    skip = NOT_READ_BY_BACKWARD if tp == cp == 1 else ()
+    skip = NOT_READ_BY_BACKWARD if tp == cp == 1 and moe is None else ()
     for layer in reversed(range(layers)):
         if policy == "full":
-            out += [x for x in _layer(fwd, layer, tp, cp)
+            out += [x for x in _layer(fwd, layer, tp, cp, ep)
                     if not (isinstance(x, Op) and x.name in skip)]
         if layer < layers - 1:
             out += [Op(n, layer + 1) for n in bwd.tail]
-        out += _layer(bwd, layer, tp, cp)
+        out += _layer(bwd, layer, tp, cp, ep)
     out += [Op(n, 0) for n in bwd.tail]
     return out
 
@@ -362,9 +394,23 @@ def _config_of_kind(config_of: Callable[[str], Any], shapes: Mapping[str, TypeSh
     return key, config_of(key)
 
 
+def _communicate(part: Any, comm: Comm, args: tuple[Any, ...]) -> None:
+    """Name ``comm`` as the partition's collective, from ``comm_args``'s ``(tensor, output)``
+    or, for an all-to-all, ``(tensor, output, splits)``."""
+    tensor, output, *rest = args
+    if comm.kind == "all_to_all":
+        if not rest:
+            raise ArgumentError(f"comm_args gave no splits for all-to-all {comm.name!r}: "
+                                "return (tensor, output, (output_splits, input_splits))")
+        part.communicate(tensor, kind=comm.kind, output=output, group=comm.group,
+                         splits=rest[0])
+    else:
+        part.communicate(tensor, kind=comm.kind, output=output, group=comm.group)
+
+
 def run_computation(executor: Executor, stack: Sequence[Piece], *, schedule: str, nanobatches: int,  # noqa: C901 - one branch per schedule, checked up front; they share the enqueue helpers
                     run_op: Callable[[Op, int], Any],
-                    comm_args: Callable[[Comm, int], tuple[Any, Any]],
+                    comm_args: Callable[[Comm, int], tuple[Any, ...]],
                     types: Mapping[str, TypeShape] | None = None,
                     plan_config_of: Callable[[str], Any] | None = None,
                     sequential_config_of: Callable[[str], Any] | None = None,
@@ -383,7 +429,9 @@ def run_computation(executor: Executor, stack: Sequence[Piece], *, schedule: str
             every schedule runs sequentially: the ops after a collective read it).
         run_op: ``(op, nanobatch) -> None``: enqueue one op of one nanobatch.
         comm_args: ``(comm, nanobatch) -> (tensor, output)``: the collective's tensor (and
-            output tensor for all-gather / reduce-scatter, else ``None``).
+            output tensor for all-gather / reduce-scatter, else ``None``); for an
+            all-to-all ``(tensor, output, (output_splits, input_splits))``, the splits
+            known when it is launched (a mixture of experts' routing ran before).
         types: Partition types by name ([`type_shapes`][kareus.exec.schedule.type_shapes]); needed by
             ``"kareus"`` and used to name the partitions of the baselines.
         plan_config_of: ``type name -> ScheduleConfig`` of the current computation
@@ -446,12 +494,17 @@ def run_computation(executor: Executor, stack: Sequence[Piece], *, schedule: str
 
     def launch(key: str, cfg: Any, comm: Comm, nb: int, piece: Piece | None,
                ops_nb: int) -> None:
-        tensor, output = comm_args(comm, nb)
         names = piece.op_names if piece is not None else ()
         with executor.partition(key, config=cfg, op_names=names) as part:
-            part.communicate(tensor, kind=comm.kind, output=output, group=comm.group)
-            if piece is not None:
+            if comm.kind == "all_to_all" and piece is not None:
+                # after its ops (launch_slot None: it starts as the scope closes): they
+                # make its tensors, whose sizes follow the routing
                 ops_of(piece, ops_nb, part)
+                _communicate(part, comm, comm_args(comm, nb))
+            else:
+                _communicate(part, comm, comm_args(comm, nb))
+                if piece is not None:
+                    ops_of(piece, ops_nb, part)
         ran.append((key, cfg))
 
     def key_for(op_names: tuple[str, ...], comm: Comm,
@@ -480,11 +533,13 @@ def run_computation(executor: Executor, stack: Sequence[Piece], *, schedule: str
     partner: dict[tuple[str, str], str] = {}
     first = next((piece for piece in stack if piece.ops), None)  # not an opening collective
     if first is not None and schedule == "kareus":
-        for kind in ("all_reduce", "all_gather", "reduce_scatter"):
-            for group in ("tp", "cp"):
-                hit = match_type(shapes_of(first, 0), first.op_names, kind, group)
-                if hit is not None:
-                    partner[(kind, group)] = hit[0]
+        for kind, group in (("all_reduce", "tp"), ("all_gather", "tp"),
+                            ("reduce_scatter", "tp"), ("all_reduce", "cp"),
+                            ("all_gather", "cp"), ("reduce_scatter", "cp"),
+                            ("all_to_all", "ep")):
+            hit = match_type(shapes_of(first, 0), first.op_names, kind, group)
+            if hit is not None:
+                partner[(kind, group)] = hit[0]
     pending: tuple[Comm, int] | None = None
     for piece in stack:
         for nb in range(nanobatches):
@@ -502,9 +557,9 @@ def run_computation(executor: Executor, stack: Sequence[Piece], *, schedule: str
                 else:
                     key, cfg = key_for(piece.op_names, comm, mine), DefaultConfig(
                         piece.op_names[0] if piece.ops else None)
-                tensor, output = comm_args(comm, cnb)
+                args = comm_args(comm, cnb)
                 with executor.partition(key, config=cfg, op_names=piece.op_names) as part:
-                    part.communicate(tensor, kind=comm.kind, output=output, group=comm.group)
+                    _communicate(part, comm, args)
                     ops_of(piece, nb, part)
                 ran.append((key, cfg))
             pending = (piece.comm, nb) if piece.comm is not None else None

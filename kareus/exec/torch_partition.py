@@ -46,6 +46,7 @@ from kareus.exec._partition_program import PartitionProgram, RunnablePartition, 
 from kareus.exec._transformer_ops import (
     _ACCUMULATED_BY,
     _OUTPUT_OPS,
+    _a2a_writers,
     _Dims,
     _dims,
     _op_builders,
@@ -86,7 +87,7 @@ class RunnableTransformerPartition(RunnablePartition):
         if not isinstance(workload, Workload):
             raise ArgumentTypeError(f"workload must be a Workload, got {type(workload).__name__}")
         refuse_uncomputed(workload.model, where="kareus's runnable partitions",
-                          computes=frozenset({"qk_norm", "norm_eps"}))
+                          computes=frozenset({"qk_norm", "norm_eps", "moe"}))
         if workload.sequence_split:
             raise WorkloadError(f"{workload.model.name}: kareus's runnable partitions split "
                                 "nanobatches along the batch only, and microbatch_size=1 "
@@ -148,6 +149,13 @@ class RunnableTransformerPartition(RunnablePartition):
         """Allocate inputs, weights and buffers on ``device`` (default: the current CUDA
         device), run each op once to materialise its outputs, and return the program.
 
+        A mixture of experts' all-to-all partition (dispatch, combine and their gradients)
+        gets send and receive buffers of the busiest rank's received rows and the splits of
+        an even all-to-all of them (``PartitionProgram.comm_splits``; the MoE shapes in
+        ``kareus.exec._transformer_ops``), for this rank of the expert-parallel group: the
+        ``rank`` of ``collective`` when it is a backend over a group of ``ep`` ranks, else
+        rank 0 (a stand-in on one GPU).
+
         Args:
             device: Where to build (a CUDA device; ``"cpu"`` works for small shapes).
             seed: Seed of the random inputs and weights.
@@ -172,9 +180,14 @@ class RunnableTransformerPartition(RunnablePartition):
         ctx: dict[str, Any] = {"_gen": gen, "_device": dev, "_dtype": dtype,
                                "_kernels": get_kernels(self.kernels)}
         group = getattr(self.partition, "comm_group", None) or None
-        bufs, outs = _comm_buffers(torch, self.comm_op, self.workload.dtype_bytes, dev,
-                                   dtype, (d.t, d.h), collective,
-                                   group if d.sp > 1 else None)
+        a2a = self.comm_op.kind is CommKind.ALL_TO_ALL
+        if a2a and d.moe is None:
+            raise ArgumentError(f"partition {self.name!r}: an all-to-all without a mixture of "
+                                "experts in the workload's model")
+        bufs, outs = _comm_buffers(
+            torch, self.comm_op, self.workload.dtype_bytes, dev, dtype,
+            (d.moe.rows, d.h) if a2a and d.moe is not None else (d.t, d.h), collective,
+            group if d.sp > 1 or a2a else None)
         holder: dict[str, Any] = {}
         builders = _op_builders()
         names = [op.name for op in self.compute_ops]
@@ -184,7 +197,10 @@ class RunnableTransformerPartition(RunnablePartition):
         # sequence shard), the reduce-scatters' from the output projections and input
         # gradients (on every token).
         kind = self.comm_op.kind
-        if d.sp > 1 and kind is not CommKind.ALL_REDUCE:
+        if a2a:  # the dispatch's / combine's (and their gradients') send buffer
+            out_ops = [n for n in names if n in _a2a_writers()]
+            writes_buffer = bool(out_ops)
+        elif d.sp > 1 and kind is not CommKind.ALL_REDUCE:
             group = getattr(self.partition, "comm_group", None)
             out_ops = [n for n in names if n in _writers(kind.value, group, True)]
             rows = d.ts if kind is CommKind.ALL_GATHER else d.t
@@ -201,9 +217,12 @@ class RunnableTransformerPartition(RunnablePartition):
             out = (lambda: holder["prog"].output) if writes else None
             fn = builders[name](torch, ctx, d, out)
             ops.append(fn)
+        splits = None
+        if a2a and d.moe is not None:
+            splits = d.moe.splits(_ep_rank(collective, d.moe.ep))
         prog = PartitionProgram(op_names=names, ops=ops, comm_kind=self.comm_op.kind.value,
                                 buffers=bufs, comm_outputs=outs, state=ctx, writer=writer,
-                                comm_group=group)
+                                comm_group=group, comm_splits=splits)
         holder["prog"] = prog
         with torch.no_grad():
             prog.run_plain()  # materialise every intermediate once
@@ -212,6 +231,17 @@ class RunnableTransformerPartition(RunnablePartition):
 
     def __repr__(self) -> str:
         return f"Runnable{self.partition!r}"
+
+
+def _ep_rank(collective: Any, ep: int) -> int:
+    """This process's rank in the expert-parallel group, as far as ``collective`` tells
+    (a backend over ``ep`` ranks), else 0."""
+    try:
+        if int(collective.world_size) == ep:
+            return int(collective.rank)
+    except (AttributeError, TypeError, ValueError, NotImplementedError):
+        pass
+    return 0
 
 
 def runnable_partitions(workload: Workload, names: Sequence[str] | None = None, *,

@@ -18,8 +18,11 @@ checkpoints belong to a framework:
   [`qkv_from_separate`][kareus.integrations.qkv_from_separate],
   [`qkv_from_grouped`][kareus.integrations.qkv_from_grouped],
   [`gate_up_from_fused`][kareus.integrations.gate_up_from_fused],
-  [`head_norm`][kareus.integrations.head_norm]): differentiable views of a
-  framework's weights, so that gradients reach its parameters by autograd;
+  [`head_norm`][kareus.integrations.head_norm]; a mixture-of-experts layer's router and
+  experts: [`moe_weight_names`][kareus.integrations.moe_weight_names],
+  [`experts_from_linears`][kareus.integrations.experts_from_linears],
+  [`experts_from_stacked`][kareus.integrations.experts_from_stacked]): differentiable views
+  of a framework's weights, so that gradients reach its parameters by autograd;
 * ``kareus.integrations.megatron`` (``pip install "kareus[megatron]"``) and
   ``kareus.integrations.torchtitan`` (``pip install "kareus[torchtitan]"``): the same
   through each framework's extension points, imported on demand
@@ -42,25 +45,35 @@ from __future__ import annotations
 from kareus.integrations._layer import PlanApplier, PlannedLayer, PlannedStack
 from kareus.integrations._weights import (
     LAYER_WEIGHTS,
+    MOE_WEIGHTS,
     QK_NORM_WEIGHTS,
+    SHARED_EXPERT_WEIGHTS,
+    experts_from_linears,
+    experts_from_stacked,
     gate_up_from_fused,
     head_norm,
     layer_weights,
     linear,
+    moe_weight_names,
     qkv_from_grouped,
     qkv_from_separate,
 )
 
 __all__ = [
     "LAYER_WEIGHTS",
+    "MOE_WEIGHTS",
     "PlanApplier",
     "PlannedLayer",
     "PlannedStack",
     "QK_NORM_WEIGHTS",
+    "SHARED_EXPERT_WEIGHTS",
+    "experts_from_linears",
+    "experts_from_stacked",
     "gate_up_from_fused",
     "head_norm",
     "layer_weights",
     "linear",
+    "moe_weight_names",
     "qkv_from_grouped",
     "qkv_from_separate",
 ]

@@ -27,7 +27,9 @@ class KeptActivations:
     while they are lent (``kareus.integrations._graphed``).
 
     Args:
-        act: ``(layer, nanobatch) -> {name: tensor or saved attention}``.
+        act: ``(layer, nanobatch) -> {name: tensor, saved attention, list, host value or
+            attrs record of them}`` (a mixture of experts keeps its routing: a record of
+            tensors and host split sizes).
         depth: Layers of the computation.
         nanobatches: Nanobatches the forward ran in.
         release: Called once when the backward has read them (graphs: frees the slot).
@@ -90,6 +92,11 @@ class KeptActivations:
                 return ("list", [shape(x) for x in v])
             if v is None:
                 return ("none",)
+            if isinstance(v, int | float | bool | str | tuple):  # host values (split sizes)
+                return ("value", v)
+            if attrs.has(type(v)):  # a record of tensors and host values (an MoE routing)
+                return ("attrs", type(v), {f.alias: shape(getattr(v, f.name))
+                                           for f in attrs.fields(type(v))})
             return ("tensor", slot(v))
 
         layout = {key: {name: shape(v) for name, v in a.items()}
@@ -112,6 +119,10 @@ class KeptActivations:
                 return [value(x) for x in s[1]]
             if s[0] == "none":
                 return None
+            if s[0] == "value":
+                return s[1]
+            if s[0] == "attrs":
+                return s[1](**{name: value(x) for name, x in s[2].items()})
             return tensors[s[1]]
 
         act = {key: {name: value(s) for name, s in a.items()} for key, a in act_layout.items()}

@@ -25,6 +25,19 @@ microbatch computation. This module lends that schedule to someone else's layer:
   differentiable helpers of ``kareus.integrations``) and returns the layer's output, differentiable in both: the weight
   gradients flow back into the framework's parameters by autograd.
 
+**Mixture of experts** (``ModelArch.moe``): the layer's MLP is the MoE block the training
+loop computes (``kareus.exec.train``'s ``DecoderShard`` MoE ops: router, top-k, the token
+count exchange, permutation, the dispatch and combine all-to-alls over the EP group of the
+applier's groups at the plan's slots, grouped SwiGLU experts, un-permutation), its weights
+the router and this rank's experts in place of ``Wg``, ``Wu``, ``Wd``
+([`moe_weight_names`][kareus.integrations.moe_weight_names]). It runs eagerly
+(``graphs=True`` is refused: the rows each rank sends are known only after the routing, on
+the host), its EP ranks folded over TP, CP and the data-parallel replicas as the framework
+made its EP group (each replica runs its own microbatches; the all-to-alls carry every
+replica's tokens to their experts); the router's and shared experts' gradients come back as
+this rank's part, the experts' as this rank's experts' (every replica's tokens routed to
+them), for the framework's reductions.
+
 The forward runs the layer's forward stream ([`stack_stream`][kareus.exec.schedule.stack_stream]
 of one layer) through the executor and keeps for the backward what the workload's
 recomputation policy (``Workload.recompute``) says
@@ -170,7 +183,8 @@ class _LayerProgram(DecoderShard):
 
         self.layers, self.backend = int(layers), backend
         self._shard_dims(workload.model, groups, int(microbatch_size), int(seq_local),
-                         sp=workload.parallelism.sequence_parallel)
+                         sp=workload.parallelism.sequence_parallel,
+                         dp=workload.parallelism.dp)
         self.num_microbatches = 1
         self._set_policy(workload.recompute)
         self.ks, self.torch = get_kernels(kernels), torch
@@ -368,8 +382,13 @@ class PlanApplier:
                             "Plan.load(PATH) of an optimize run's plan.json) or run a baseline "
                             "schedule")
         refuse_uncomputed(workload.model, where="kareus's planned layer",
-                          computes=frozenset({"norm_eps", "qk_norm"}))
+                          computes=frozenset({"norm_eps", "qk_norm", "moe"}))
         _check_workload(workload, groups)
+        if workload.model.moe is not None and graphs:
+            raise ArgumentError("graphs=True: a mixture-of-experts layer runs eagerly (the "
+                                "rows each rank sends and receives are known only after the "
+                                "routing, on the host, and a CUDA graph fixes them at "
+                                "capture); pass graphs=False or leave it None")
         if abs(float(eps) - workload.model.norm_eps) > 1e-12 * max(1.0, float(eps)):
             raise ArgumentError(f"the model's RMSNorm uses eps={eps:g}, the workload's model "
                                 f"{workload.model.norm_eps:g} (norm_eps): make the workload "
@@ -380,7 +399,8 @@ class PlanApplier:
                                 f"got {stage}")
         self.workload, self.groups, self.schedule = workload, groups, schedule
         #: The names of one layer's weights, in the order the planned layers take them.
-        self.weight_names: tuple[str, ...] = layer_weights(workload.model.qk_norm)
+        self.weight_names: tuple[str, ...] = layer_weights(workload.model.qk_norm,
+                                                           workload.model.moe)
         self.stage, self.kernels, self.rope_base = int(stage), kernels, float(rope_base)
         self.rope_inv_freq = rope_inv_freq
         self.record = bool(record)
@@ -395,11 +415,12 @@ class PlanApplier:
         #: what an enclosing capture may take without setting anything up inside it; each
         #: with its number (the graphed runner's key for it).
         self._warmed: dict[tuple[Any, ...], int] = {}
-        self.graphs = graphs is None or bool(graphs)  # resolved below
+        # resolved below; a mixture of experts runs eagerly (checked above)
+        self.graphs = workload.model.moe is None and (graphs is None or bool(graphs))
         self._build_executors(plan, executor, baseline, collective, default_collective,
                               frequency, streams)
         capturing = [ex for ex in (self.baseline, self.executor) if ex is not None]
-        if graphs is None:
+        if graphs is None and workload.model.moe is None:
             self.graphs = all(ex.graphs for ex in capturing)
             _log.info("kareus planned layers: %s", (
                 "own CUDA graphs per computation, eager into an enclosing capture "
@@ -427,7 +448,7 @@ class PlanApplier:
         from kareus.model.partition import build_partitions
 
         wl = self.workload
-        self.has_comm = wl.parallelism.tp * wl.parallelism.cp > 1
+        self.has_comm = wl.parallelism.tp * wl.parallelism.cp * wl.parallelism.ep > 1
         self.types: dict[str, TypeShape] = (type_shapes(build_partitions(wl))
                                             if self.has_comm else {})
         self.unsplit_types: dict[str, TypeShape] = (
@@ -441,10 +462,14 @@ class PlanApplier:
         key = (phase, layers)
         if key not in self._stacks:
             p = self.workload.parallelism
+            moe = self.workload.model.moe
             stream = stack_stream(phase, layers, tp=p.tp, cp=p.cp,
                                   recompute=self.workload.recompute,
-                                  qk_norm=self.workload.model.qk_norm, sp=p.sequence_parallel)
-            if phase == "bwd" and p.sequence_parallel:  # gather dy first; dx stays a shard
+                                  qk_norm=self.workload.model.qk_norm, sp=p.sequence_parallel,
+                                  ep=p.ep, moe=moe)
+            # gather dy first; dx stays a shard (an MoE layer's backward reads dy on the
+            # shard: no all-gather)
+            if phase == "bwd" and p.sequence_parallel and moe is None:
                 stream = sp_backward_stream(stream, layers, gather_input_grad=False)
             self._stacks[key] = pieces(stream)
         return self._stacks[key]
@@ -529,7 +554,7 @@ class PlanApplier:
             return default, capped
         # On the CPU there is no SM to cap: the groups' own collectives (gloo) run both.
         sides = {g: (ProcessGroupCollective(group=groups.group(g))  # type: ignore[attr-defined]
-                     if groups.size(g) > 1 else None) for g in ("tp", "cp")}
+                     if groups.size(g) > 1 else None) for g in ("tp", "cp", "ep")}
         own = GroupedCollective(**sides)
         return own, own
 
@@ -986,7 +1011,7 @@ class PlanApplier:
             else:
                 prog.act = self._inputs_kept(prog, x2, inputs, depth, n)
             for i in range(n):
-                if prog.sp:  # the input of the stack's first collective (sp_backward_stream)
+                if prog.sp and prog.moe is None:  # the stack's first collective's input
                     prog._buf("mlp_out_grad", i).view(-1, h).copy_(dy2[prog.rows(i)])
                 else:
                     prog.act[(top, i)]["dy"] = dy2[prog.rows(i)]
@@ -1083,6 +1108,10 @@ def _check_workload(workload: Workload, groups: ParallelGroups) -> None:
     if (groups.tp_size, groups.cp_size) != (p.tp, p.cp):
         raise WorkloadError(f"the groups are TP={groups.tp_size} x CP={groups.cp_size}; the "
                             f"workload asks for TP={p.tp} x CP={p.cp}")
+    if groups.ep_size != p.ep:
+        raise WorkloadError(f"the groups' expert-parallel group has {groups.ep_size} ranks, "
+                            f"the workload asks for EP={p.ep}: pass the EP group "
+                            "(TorchParallelGroups.from_groups(ep=...))")
     for what, num, den in (("heads", arch.heads, p.tp), ("kv_heads", arch.kv_heads, p.tp),
                            ("ffn", arch.ffn, p.tp),
                            ("seq_len", workload.seq_len, 2 * p.cp if p.cp > 1 else 1)):
@@ -1105,7 +1134,8 @@ class PlannedLayer:
     TP equal runs of those tokens, as Megatron-Core scatters its ``[seq, batch, hidden]``),
     ``weights`` the layer's weights
     in kareus's layout (a mapping by the names of the applier's ``weight_names`` or a
-    sequence in that order: ``LAYER_WEIGHTS``' seven, and the query and key norm weights
+    sequence in that order: ``LAYER_WEIGHTS``' seven (a mixture of experts: the MoE
+    block's weights in place of the MLP's), and the query and key norm weights
     ``w_q_norm``, ``w_k_norm`` when the workload's model has ``qk_norm``; see
     [`layer_weights`][kareus.integrations.layer_weights]; built from the framework's
     parameters with the differentiable helpers of ``kareus.integrations``); it returns the layer's output (the input plus attention and

@@ -11,9 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 from kareus.errors import ArgumentError, ArgumentTypeError, WorkloadError
+from kareus.integrations._megatron_moe import moe_from_megatron, moe_refusals
 from kareus.model.workload import ModelArch, Parallelism, Workload
 
 __all__ = ["check_layer_config", "workload_from_megatron"]
+
 
 #: Megatron-Core's defaults (``TransformerConfig``) of the fields read here.
 _DEFAULTS: dict[str, Any] = {
@@ -82,9 +84,6 @@ def _refusals(config: Any) -> list[str]:
         (not _get(config, "qk_clip") and not _get(config, "log_max_attention_logit"),
          "kareus's attention does not record the largest attention logit: set qk_clip=False "
          "and log_max_attention_logit=False"),
-        (not _get(config, "num_moe_experts"), "kareus's planned layer runs a dense MLP "
-         "(mixture-of-experts layers are planned and emulated by kareus optimize --ep, not "
-         "run in Megatron-Core yet): set num_moe_experts=None"),
         (not _get(config, "multi_latent_attention"), "kareus's attention is grouped-query "
          "attention: multi-latent attention is not supported"),
         (not _get(config, "experimental_attention_variant")
@@ -108,6 +107,7 @@ def _refusals(config: Any) -> list[str]:
          "(Megatron-LM: --hidden-dropout 0 --attention-dropout 0)"),
     ]
     refused = [msg for ok, msg in checks if not ok]
+    refused += moe_refusals(config)
     scale = _softmax_scale_refusal(config)
     if scale is not None:
         refused.append(scale)
@@ -207,7 +207,8 @@ def _sequence_parallel(config: Any, tp: int) -> bool:
 
 
 def check_layer_config(config: Any, arch: ModelArch, tp: int, cp: int = 1,
-                       recompute: str | None = None, *, sp: bool | None = None) -> None:
+                       recompute: str | None = None, *, sp: bool | None = None,
+                       ep: int | None = None) -> None:
     """Check a Megatron-Core layer's own config against the model a workload describes,
     whatever made that workload (``workload_from_megatron``, a preset, a hand-made
     [`ModelArch`][kareus.model.ModelArch]): kareus's layer computes the workload's model, so
@@ -225,7 +226,9 @@ def check_layer_config(config: Any, arch: ModelArch, tp: int, cp: int = 1,
             of ``workload_from_megatron``'s refusals), or one of its fields differs from the
             workload's model (dimensions, ``qk_layernorm``, ``layernorm_epsilon``,
             ``add_qkv_bias``), TP, CP, the recomputation policy, or (``sp`` given: the
-            workload's ``Parallelism.sequence_parallel``) ``sequence_parallel``.
+            workload's ``Parallelism.sequence_parallel``) ``sequence_parallel``; a mixture
+            of experts whose block (experts, top-k, widths, shared experts, router dtype)
+            or (``ep`` given) ``expert_model_parallel_size`` differs from the workload's.
     """
     refused = _refusals(config)
     if refused:
@@ -256,6 +259,17 @@ def check_layer_config(config: Any, arch: ModelArch, tp: int, cp: int = 1,
             raise WorkloadError(f"the Megatron config has {field}={got}, the workload's model "
                                 f"{theirs}={want}: make the workload with "
                                 "workload_from_megatron(config, ...)")
+    moe, config_ep = moe_from_megatron(config)
+    if moe != arch.moe:
+        raise WorkloadError(f"the Megatron config's mixture of experts is {moe}, the "
+                            f"workload's model {arch.moe} (num_moe_experts, moe_router_topk, "
+                            "moe_ffn_hidden_size, moe_shared_expert_intermediate_size, "
+                            "moe_router_dtype): make the workload with "
+                            "workload_from_megatron(config, ...)")
+    if ep is not None and moe is not None and config_ep != int(ep):
+        raise WorkloadError(f"the Megatron config has expert_model_parallel_size={config_ep}, "
+                            f"the workload EP={ep}: make the workload with "
+                            "workload_from_megatron(config, ...)")
     eps = _eps(config)
     if abs(eps - arch.norm_eps) > 1e-12 * max(1.0, eps):
         raise WorkloadError(f"the Megatron config has layernorm_epsilon={eps:g}, the "
@@ -280,7 +294,7 @@ def workload_from_megatron(config: Any, *, microbatch_size: int, seq_len: int,
                            num_microbatches: int, vocab_size: int, nanobatches: int = 2,
                            name: str = "megatron-gpt", tp: int | None = None,
                            cp: int | None = None, pp: int | None = None,
-                           dp: int | None = None,
+                           dp: int | None = None, ep: int | None = None,
                            share_embeddings_and_output_weights: bool = False) -> Workload:
     """The [`Workload`][kareus.model.Workload] of a Megatron-Core GPT model: what a plan for
     its decoder layers is made for (``kareus optimize``, ``kareus.optimize``).
@@ -318,6 +332,17 @@ def workload_from_megatron(config: Any, *, microbatch_size: int, seq_len: int,
     ``tied_embeddings``: the embeddings and the output layer stay Megatron's, so tying them
     changes nothing kareus runs, only the model the plan's iteration costs.
 
+    A mixture-of-experts config (``num_moe_experts``) becomes the model's
+    [`MoEArch`][kareus.model.MoEArch] and ``expert_model_parallel_size`` the workload's
+    ``Parallelism.ep``: Megatron-Core's ``MoELayer`` with the all-to-all token dispatcher,
+    expert tensor parallelism 1, softmax over the top-k logits, dropless, no auxiliary loss
+    (``kareus.integrations._megatron_moe`` maps every MoE field; what kareus does not
+    compute, e.g. a capacity factor, ``moe_aux_loss_coeff`` above 0, the z-loss, expert
+    bias, sigmoid scores, group-limited routing, the all-gather or flex dispatchers, dense
+    layers between MoE layers, is refused in one line naming the field). Such a workload is
+    planned and emulated (``kareus optimize``) and runs in kareus's planned layer
+    (``kareus_layer_spec``: Megatron-Core's local MoE spec, ``SequentialMLP`` experts).
+
     A config kareus's layer does not compute is refused rather than approximated: kareus's
     layer is a pre-norm Llama or Qwen3 layer (RMSNorm, causal grouped-query attention with
     rotate-half RoPE, a bias-free SwiGLU MLP) without dropout: a dropout rate above 0
@@ -336,7 +361,9 @@ def workload_from_megatron(config: Any, *, microbatch_size: int, seq_len: int,
         tp: Override the config's tensor-parallel degree.
         cp: Override the config's context-parallel degree.
         pp: Override the config's pipeline-parallel degree.
-        dp: The data-parallel degree (default 1: a plan of one stage does not depend on it).
+        dp: The data-parallel degree (default 1: a plan of one stage does not depend on it;
+            under expert parallelism ``ep`` must divide ``tp x cp x dp``).
+        ep: Override the config's expert-parallel degree (``expert_model_parallel_size``).
         share_embeddings_and_output_weights: ``GPTModel``'s argument of that name (the
             output layer reuses the input embedding).
 
@@ -363,16 +390,18 @@ def workload_from_megatron(config: Any, *, microbatch_size: int, seq_len: int,
         raise WorkloadError(f"hidden_size={hidden} is not a multiple of num_attention_heads="
                             f"{heads}: set kv_channels")
     head_dim = hidden // heads if channels is None else int(channels)
+    moe, ep_ = moe_from_megatron(config)
     arch = ModelArch(name=name, layers=_required(config, "num_layers"), hidden=hidden,
                      heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                      ffn=_required(config, "ffn_hidden_size"), vocab=int(vocab_size),
                      qk_norm=bool(_get(config, "qk_layernorm")), norm_eps=eps,
-                     tied_embeddings=bool(share_embeddings_and_output_weights))
+                     tied_embeddings=bool(share_embeddings_and_output_weights), moe=moe)
     par = Parallelism(
         tp=int(tp if tp is not None else (_get(config, "tensor_model_parallel_size") or 1)),
         cp=cp_,
         pp=int(pp if pp is not None else (_get(config, "pipeline_model_parallel_size") or 1)),
-        dp=int(dp if dp is not None else 1), sp=bool(_get(config, "sequence_parallel")))
+        dp=int(dp if dp is not None else 1), sp=bool(_get(config, "sequence_parallel")),
+        ep=int(ep if ep is not None else ep_))
     return Workload(model=arch, parallelism=par, microbatch_size=microbatch_size,
                     seq_len=seq_len, num_microbatches=num_microbatches,
                     recompute=_recompute_policy(config),

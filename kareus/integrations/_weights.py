@@ -40,6 +40,31 @@ parameters' gradients (Megatron-Core's ``main_grad`` accumulation, DTensor place
 FSDP) sees them as from its own layer. A transpose is a view; a reordering costs one copy
 of the weight per forward, small beside a layer's activations.
 
+**Mixture of experts** (``ModelArch.moe``). An MoE layer's MLP weights are the router and
+this rank's ``experts / EP`` local experts (expert tensor parallelism 1: each whole), plus
+the shared experts when the model has them (replicated at TP = 1), named as the training
+loop's decoder names them (``kareus.exec.train``), by
+[`moe_weight_names`][kareus.integrations.moe_weight_names]:
+
+======================  ===========================================================
+``Wr``                  ``[hidden, experts]``: the router's GEMM (every expert's logit)
+``W1e``                 ``[local experts, hidden, 2 expert_ffn]``: each local expert's
+                        SwiGLU gate projection, then its up projection, side by side
+                        (the gate's ``expert_ffn`` columns first), the local experts in
+                        expert order
+``W2e``                 ``[local experts, expert_ffn, hidden]``: their down projections
+``Wsg``, ``Wsu``        ``[hidden, shared width]``: the shared experts' gate and up
+                        projections (several shared experts side by side: one SwiGLU
+                        MLP of their summed width)
+``Wsd``                 ``[shared width, hidden]``: their down projection
+======================  ===========================================================
+
+EP rank ``r`` holds experts ``r * experts / EP`` to ``(r + 1) * experts / EP - 1``, as
+Megatron-Core and torchtitan place them. [`experts_from_linears`][kareus.integrations.experts_from_linears]
+reads per-expert ``[out, in]`` linears (Megatron-Core's ``SequentialMLP`` and
+``TEGroupedMLP``), [`experts_from_stacked`][kareus.integrations.experts_from_stacked]
+stacked ``[experts, out, in]`` gate, up and down tensors (torchtitan's ``GroupedExperts``).
+
 Why rows can be permuted at all: attention scores are dot products of a query and a key
 head, unchanged when both have their ``head_dim`` entries permuted the same way; so a model
 that rotates interleaved pairs ``(2i, 2i+1)`` is the same model as one that rotates halves
@@ -53,8 +78,10 @@ from typing import Any
 
 from kareus.errors import ArgumentError
 
-__all__ = ["LAYER_WEIGHTS", "QK_NORM_WEIGHTS", "gate_up_from_fused", "head_norm",
-           "layer_weights", "linear", "qkv_from_grouped", "qkv_from_separate"]
+__all__ = ["LAYER_WEIGHTS", "MOE_WEIGHTS", "QK_NORM_WEIGHTS", "SHARED_EXPERT_WEIGHTS",
+           "experts_from_linears", "experts_from_stacked", "gate_up_from_fused", "head_norm",
+           "layer_weights", "linear", "moe_weight_names", "qkv_from_grouped",
+           "qkv_from_separate"]
 
 #: The weights of a planned layer, in the order [`PlannedLayer`][kareus.integrations.PlannedLayer] takes them.
 LAYER_WEIGHTS = ("w_attn_norm", "Wqkv", "Wo", "w_mlp_norm", "Wg", "Wu", "Wd")
@@ -63,12 +90,79 @@ LAYER_WEIGHTS = ("w_attn_norm", "Wqkv", "Wo", "w_mlp_norm", "Wg", "Wu", "Wd")
 QK_NORM_WEIGHTS = ("w_q_norm", "w_k_norm")
 
 
-def layer_weights(qk_norm: bool) -> tuple[str, ...]:
+#: The weights of an MoE layer's router and local experts (see the module docstring).
+MOE_WEIGHTS = ("Wr", "W1e", "W2e")
+
+#: The weights an MoE layer's shared experts add (after ``MOE_WEIGHTS``).
+SHARED_EXPERT_WEIGHTS = ("Wsg", "Wsu", "Wsd")
+
+
+def moe_weight_names(shared_experts: bool) -> tuple[str, ...]:
+    """The names of an MoE layer's MLP weights in kareus's layout: ``MOE_WEIGHTS``, then,
+    with shared experts (``MoEArch.shared_experts`` > 0), ``SHARED_EXPERT_WEIGHTS``."""
+    return MOE_WEIGHTS + (SHARED_EXPERT_WEIGHTS if shared_experts else ())
+
+
+def experts_from_linears(fc1: Any, fc2: Any) -> tuple[Any, Any]:
+    """kareus's ``(W1e, W2e)`` from each local expert's fused gate/up projection
+    (``[2 expert_ffn, hidden]``, the gate's rows first, as Megatron-Core's gated
+    ``linear_fc1`` holds them) and its down projection (``[hidden, expert_ffn]``), in expert
+    order: stacks of transposed views, differentiable, so the gradients reach each expert's
+    own parameters.
+
+    Args:
+        fc1: The local experts' ``linear_fc1`` weights (a sequence, one per expert).
+        fc2: Their ``linear_fc2`` weights.
+    """
+    import torch
+
+    fc1, fc2 = list(fc1), list(fc2)
+    if not fc1 or len(fc1) != len(fc2):
+        raise ArgumentError(f"one fc1 and one fc2 weight per local expert, got {len(fc1)} and "
+                            f"{len(fc2)}")
+    for i, (w1, w2) in enumerate(zip(fc1, fc2, strict=True)):
+        _require_2d(f"fc1[{i}]", w1)
+        _require_2d(f"fc2[{i}]", w2)
+    f2, h = fc1[0].shape
+    if f2 % 2 or any(tuple(w.shape) != (f2, h) for w in fc1) or any(
+            tuple(w.shape) != (h, f2 // 2) for w in fc2):
+        raise ArgumentError("the experts' fc1 weights must all be [2 ffn, hidden] and their "
+                            "fc2 weights [hidden, ffn], of one ffn and hidden")
+    return torch.stack([w.t() for w in fc1]), torch.stack([w.t() for w in fc2])
+
+
+def experts_from_stacked(w1: Any, w3: Any, w2: Any) -> tuple[Any, Any]:
+    """kareus's ``(W1e, W2e)`` from the local experts' stacked ``[out, in]`` projections
+    (torchtitan's ``GroupedExperts``: ``w1`` the gate and ``w3`` the up projection,
+    ``[experts, expert_ffn, hidden]``; ``w2`` the down projection,
+    ``[experts, hidden, expert_ffn]``): the gate and up transposed side by side (a copy,
+    differentiable), the down projection transposed (a view)."""
+    import torch
+
+    for name, w in (("w1", w1), ("w3", w3), ("w2", w2)):
+        if getattr(w, "dim", None) is None or w.dim() != 3:
+            raise ArgumentError(f"{name} must be a 3-D [experts, out, in] weight, got shape "
+                                f"{tuple(getattr(w, 'shape', ()))}")
+    e, f, h = w1.shape
+    if tuple(w3.shape) != (e, f, h) or tuple(w2.shape) != (e, h, f):
+        raise ArgumentError(f"w1 and w3 must be [experts, ffn, hidden] and w2 [experts, "
+                            f"hidden, ffn], got {tuple(w1.shape)}, {tuple(w3.shape)}, "
+                            f"{tuple(w2.shape)}")
+    return torch.cat((w1.transpose(1, 2), w3.transpose(1, 2)), dim=2), w2.transpose(1, 2)
+
+
+def layer_weights(qk_norm: bool, moe: Any = None) -> tuple[str, ...]:
     """The weights of one planned layer of a model, in the order a
     [`PlannedLayer`][kareus.integrations.PlannedLayer] takes them: ``LAYER_WEIGHTS``, then,
     when the model normalizes each query and key head (``qk_norm``, see
-    [`ModelArch`][kareus.model.ModelArch]), ``QK_NORM_WEIGHTS``."""
-    return LAYER_WEIGHTS + (QK_NORM_WEIGHTS if qk_norm else ())
+    [`ModelArch`][kareus.model.ModelArch]), ``QK_NORM_WEIGHTS``. A mixture-of-experts
+    model's (``moe``, its [`MoEArch`][kareus.model.MoEArch]) has the MoE block's weights
+    in place of the MLP's ``Wg``, ``Wu``, ``Wd``
+    ([`moe_weight_names`][kareus.integrations.moe_weight_names])."""
+    dense = LAYER_WEIGHTS if moe is None else tuple(
+        n for n in LAYER_WEIGHTS if n not in ("Wg", "Wu", "Wd")) + moe_weight_names(
+            bool(moe.shared_experts))
+    return dense + (QK_NORM_WEIGHTS if qk_norm else ())
 
 
 def linear(weight: Any) -> Any:

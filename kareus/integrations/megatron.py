@@ -26,6 +26,10 @@ block's instance ``forward``), nothing forked or copied:
 * [`workload_from_megatron`][kareus.integrations.megatron.workload_from_megatron] reads the
   workload a plan is made for from the ``TransformerConfig``, refusing what kareus's layer
   does not compute.
+* [`moe_layer_weights`][kareus.integrations.megatron.moe_layer_weights] reads a
+  Megatron-Core ``MoELayer``'s router and local experts in kareus's layout (differentiable
+  views): what the planned MoE layer runs on (``kareus_layer_spec`` with an MoE workload:
+  the local spec's ``MoELayer``).
 
 The module is tested with the Megatron-Core releases in ``TESTED_MEGATRON`` and refuses
 another at import (``MegatronVersionError``); set ``KAREUS_MEGATRON_UNTESTED=1`` to try
@@ -60,7 +64,12 @@ from packaging.version import Version
 from kareus.errors import ArgumentError, ArgumentTypeError, KareusError, WorkloadError
 from kareus.integrations._layer import PlanApplier
 from kareus.integrations._megatron_config import check_layer_config, workload_from_megatron
-from kareus.integrations._weights import gate_up_from_fused, linear, qkv_from_grouped
+from kareus.integrations._weights import (
+    experts_from_linears,
+    gate_up_from_fused,
+    linear,
+    qkv_from_grouped,
+)
 from kareus.integrations.megatron_args import workload_from_megatron_args
 from kareus.model import cp_positions
 
@@ -68,6 +77,7 @@ __all__ = ["CHAIN_ENV", "GRAPHS_ENV", "LAYOUTS", "LAYOUT_ENV", "PLAN_ENV", "SCHE
            "TESTED_MEGATRON", "UNTESTED_ENV", "KareusCoreAttention", "KareusTransformerLayer",
            "MegatronVersionError", "SequenceParallelRMSNorm", "chain_layers",
            "check_layer_config", "check_megatron_version", "kareus_layer_spec", "layer_spec",
+           "moe_layer_weights",
            "megatron_lm_applier", "release_layer_spec", "unchain_layers",
            "workload_from_megatron", "workload_from_megatron_args", "wrap_schedule"]
 
@@ -174,7 +184,8 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
                 layout = _megatron_lm_layout()
             kwargs["submodules"] = _layer_submodules(
                 bool(getattr(config, "qk_layernorm", False)), layout,
-                cp=int(getattr(config, "context_parallel_size", 1) or 1) > 1)
+                cp=int(getattr(config, "context_parallel_size", 1) or 1) > 1,
+                experts=getattr(config, "num_moe_experts", None))
         if isinstance(applier, _FromMegatronLM):
             applier = megatron_lm_applier(config)
         if applier is not None and not isinstance(applier, PlanApplier):
@@ -185,7 +196,8 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
             # before Megatron builds the submodules: a CP config with a CP=1 applier would
             # otherwise stop in the local attention's own assertion instead of this line
             check_layer_config(config, applier.workload.model, applier.workload.parallelism.tp,
-                               applier.workload.parallelism.cp)
+                               applier.workload.parallelism.cp,
+                               ep=applier.workload.parallelism.ep)
         if applier is not None:
             _refuse_documents(applier)
         super().__init__(*args, **kwargs)
@@ -238,7 +250,8 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
         if applier is not None:
             p = applier.workload.parallelism
             check_layer_config(self.config, applier.workload.model, p.tp, p.cp,
-                               recompute=applier.workload.recompute, sp=p.sequence_parallel)
+                               recompute=applier.workload.recompute, sp=p.sequence_parallel,
+                               ep=p.ep)
             _refuse_documents(applier)
             self._check_cp_group(applier)
         self.kareus_applier = applier
@@ -267,11 +280,13 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
                 reads the weights without calling those modules, so the hooks would not run.
         """
         att, mlp = self.self_attention, self.mlp
+        moe = getattr(mlp, "router", None) is not None
         read = [("input_layernorm", self.input_layernorm),
                 ("self_attention.linear_qkv", att.linear_qkv),
                 ("self_attention.linear_proj", att.linear_proj),
-                ("pre_mlp_layernorm", self.pre_mlp_layernorm),
-                ("mlp.linear_fc1", mlp.linear_fc1), ("mlp.linear_fc2", mlp.linear_fc2)]
+                ("pre_mlp_layernorm", self.pre_mlp_layernorm)]
+        read += ([(f"mlp.{n}", m) for n, m in mlp.named_modules() if n] if moe else
+                 [("mlp.linear_fc1", mlp.linear_fc1), ("mlp.linear_fc2", mlp.linear_fc2)])
         if self._qk_norm:
             read += [("self_attention.q_layernorm", att.q_layernorm),
                      ("self_attention.k_layernorm", att.k_layernorm)]
@@ -281,8 +296,12 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
                                     "(Megatron DDP's overlap_param_gather sets some): a kareus "
                                     "layer reads its weights without calling its modules, so "
                                     "they would not run; turn overlap_param_gather off")
-        wg, wu = gate_up_from_fused(mlp.linear_fc1.weight)
         te = self.layout == "te"
+        if moe:  # the MoE block's router and this rank's experts (local layout)
+            mine = moe_layer_weights(mlp)
+        else:
+            wg, wu = gate_up_from_fused(mlp.linear_fc1.weight)
+            mine = {"Wg": wg, "Wu": wu, "Wd": linear(mlp.linear_fc2.weight)}
         out = {"w_attn_norm": (att.linear_qkv.layer_norm_weight if te
                                else self.input_layernorm.weight),
                "Wqkv": qkv_from_grouped(att.linear_qkv.weight, heads=self._heads // self._tp,
@@ -290,8 +309,7 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
                                         head_dim=self._head_dim),
                "Wo": linear(att.linear_proj.weight),
                "w_mlp_norm": (mlp.linear_fc1.layer_norm_weight if te
-                              else self.pre_mlp_layernorm.weight),
-               "Wg": wg, "Wu": wu, "Wd": linear(mlp.linear_fc2.weight)}
+                              else self.pre_mlp_layernorm.weight), **mine}
         if self._qk_norm:
             # Whole on every TP rank; each rank's heads give part of the gradient, which
             # Megatron's finalize_model_grads sums over TP (its q/k_layernorm rule)
@@ -392,6 +410,60 @@ class KareusTransformerLayer(TransformerLayer):  # type: ignore[misc]
                                 "rotary_percent 1): pass PlanApplier(rope_base=<GPTModel's "
                                 "rotary_base>) or rope_inv_freq=model.rotary_pos_emb.inv_freq")
         self._rope_checked.add((s, str(device)))
+
+
+def moe_layer_weights(layer: Any) -> dict[str, Any]:
+    """This rank's MoE weights of a Megatron-Core ``MoELayer`` in kareus's layout
+    (``kareus.integrations.moe_weight_names``: ``Wr``, the local experts' ``W1e`` and
+    ``W2e`` and, with shared experts, ``Wsg``/``Wsu``/``Wsd``), as differentiable views of
+    the layer's own parameters.
+
+    Reads every expert module Megatron-Core builds: ``SequentialMLP`` (each local expert's
+    gated ``linear_fc1`` ``[2 ffn, hidden]``, gate rows first, and ``linear_fc2``),
+    ``TEGroupedMLP`` (``linear_fc1.weight<i>``, ``linear_fc2.weight<i>``, the same
+    layouts) and the legacy ``GroupedMLP`` (``weight1`` holding each local expert's
+    ``[hidden, 2 ffn]`` block, gate columns first: ``W1e`` itself, and ``weight2`` each
+    ``[ffn, hidden]``: ``W2e``).
+    The local experts are this rank's (``experts / expert_model_parallel_size`` of them, in
+    expert order); expert tensor parallelism must be 1 and the shared experts unsplit
+    (TP = 1), as the MoE workload requires.
+
+    Raises:
+        WorkloadError: experts split over tensor parallelism, or shared experts split over
+            TP.
+        ArgumentTypeError: not an ``MoELayer`` (no router and experts).
+    """
+    router, experts = getattr(layer, "router", None), getattr(layer, "experts", None)
+    if router is None or experts is None:
+        raise ArgumentTypeError(f"expected a Megatron-Core MoELayer, got {type(layer).__name__}")
+    config = layer.config
+    tp = int(getattr(config, "tensor_model_parallel_size", 1) or 1)
+    etp = getattr(config, "expert_tensor_parallel_size", None)
+    if (tp if etp is None else int(etp)) != 1:
+        raise WorkloadError("the layer's experts are split over tensor parallelism "
+                            "(expert_tensor_parallel_size > 1): kareus's experts are whole: "
+                            "set expert_tensor_parallel_size=1")
+    n = int(layer.num_local_experts)
+    if hasattr(experts, "local_experts"):  # SequentialMLP
+        local = list(experts.local_experts)
+        w1e, w2e = experts_from_linears([e.linear_fc1.weight for e in local],
+                                        [e.linear_fc2.weight for e in local])
+    elif hasattr(experts, "weight1"):  # the legacy GroupedMLP: one block per local expert
+        h = int(config.hidden_size)
+        w1e, w2e = experts.weight1.view(n, h, -1), experts.weight2.view(n, -1, h)
+    else:  # TEGroupedMLP: one weight per local expert
+        w1e, w2e = experts_from_linears(
+            [getattr(experts.linear_fc1, f"weight{i}") for i in range(n)],
+            [getattr(experts.linear_fc2, f"weight{i}") for i in range(n)])
+    out = {"Wr": linear(router.weight), "W1e": w1e, "W2e": w2e}
+    shared = getattr(layer, "shared_experts", None)
+    if shared is not None:
+        if tp != 1:
+            raise WorkloadError("the layer's shared experts are split over tensor parallelism "
+                                f"(TP={tp}): kareus's shared experts are whole (TP = 1)")
+        out["Wsg"], out["Wsu"] = gate_up_from_fused(shared.linear_fc1.weight)
+        out["Wsd"] = linear(shared.linear_fc2.weight)
+    return out
 
 
 def _refuse_documents(applier: PlanApplier) -> None:
@@ -498,6 +570,14 @@ def kareus_layer_spec(applier: PlanApplier | None, *, qk_layernorm: bool | None 
         layout: ``"local"`` (Megatron-Core's local spec's names) or ``"te"`` (its
             Transformer Engine spec's names).
 
+    With a mixture-of-experts workload (``ModelArch.moe``; the config's ``num_moe_experts``
+    and the rest of its MoE block must be the workload's: ``check_layer_config``) the MLP is
+    the local spec's ``MoELayer`` (``get_gpt_layer_local_spec(num_experts=...)``:
+    ``SequentialMLP`` experts, Megatron-Core's parameter names), run by the planned layer
+    eagerly (``moe_layer_weights`` reads its router and this rank's experts); the
+    applier's groups need the EP group (``TorchParallelGroups.from_groups(ep=
+    parallel_state.get_expert_model_parallel_group())``); the TE layout is refused.
+
     With context parallelism in the applier's workload (CP > 1) the spec's core attention
     is [`KareusCoreAttention`][kareus.integrations.megatron.KareusCoreAttention], a
     stand-in without parameters: Megatron's local ``DotProductAttention`` refuses CP, and
@@ -517,23 +597,34 @@ def kareus_layer_spec(applier: PlanApplier | None, *, qk_layernorm: bool | None 
         raise WorkloadError("kareus_layer_spec(layout='te') does not mark its fused norms' "
                             "weights for sequence parallelism: use layout='local' with "
                             "sequence_parallel=True")
-    subs = _layer_submodules(qk_layernorm, layout, cp=cp)
+    moe = applier.workload.model.moe if applier is not None else None
+    subs = _layer_submodules(qk_layernorm, layout, cp=cp,
+                             experts=None if moe is None else moe.experts)
     if sp:  # the local spec's norms refuse sequence_parallel: the same RMSNorm, marked
         subs = _sequence_parallel_norms(subs, qk_layernorm)
     return ModuleSpec(module=KareusTransformerLayer, params={"applier": applier},
                       submodules=subs)
 
 
-def _layer_submodules(qk_layernorm: bool, layout: str, *, cp: bool = False) -> Any:
+def _layer_submodules(qk_layernorm: bool, layout: str, *, cp: bool = False,
+                      experts: int | None = None) -> Any:
     """The ``TransformerLayerSubmodules`` of kareus's layer in ``layout``; with ``cp`` (the
     workload's CP > 1) the core attention is the parameter-free
     [`KareusCoreAttention`][kareus.integrations.megatron.KareusCoreAttention] (Megatron's
-    local attention refuses context parallelism)."""
+    local attention refuses context parallelism); with ``experts`` (a mixture of experts)
+    the MLP is the local spec's ``MoELayer`` (``SequentialMLP`` experts: the parameter names
+    of Megatron-Core's local MoE spec)."""
     from megatron.core.transformer.identity_op import IdentityOp  # type: ignore[import-untyped, import-not-found]
 
     if layout not in LAYOUTS:
         raise ArgumentError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    sub = get_gpt_layer_local_spec(normalization="RMSNorm",
+    if experts and layout != "local":
+        raise WorkloadError("kareus's mixture-of-experts layers take Megatron-Core's local "
+                            "spec's names (SequentialMLP experts), not the Transformer Engine "
+                            "spec's (TEGroupedMLP): use layout='local' (Megatron-LM: "
+                            "--transformer-impl local, or KAREUS_LAYOUT=local)")
+    sub = get_gpt_layer_local_spec(num_experts=experts or None, moe_grouped_gemm=False,
+                                   normalization="RMSNorm",
                                    qk_layernorm=qk_layernorm).submodules
     attn, mlp = sub.self_attention, sub.mlp
     te = layout == "te"
@@ -774,8 +865,11 @@ def megatron_lm_applier(config: Any) -> PlanApplier:
         plan = Plan.load(path / "plan.json" if path.is_dir() else path)
     cp = (parallel_state.get_context_parallel_group()
           if workload.parallelism.cp > 1 else None)
+    ep = workload.parallelism.ep > 1  # the expert-parallel group and its data-parallel one
     groups = TorchParallelGroups.from_groups(
-        tp=parallel_state.get_tensor_model_parallel_group(), cp=cp)
+        tp=parallel_state.get_tensor_model_parallel_group(), cp=cp,
+        ep=parallel_state.get_expert_model_parallel_group() if ep else None,
+        edp=parallel_state.get_expert_data_parallel_group() if ep else None)
     applier = PlanApplier(workload=workload, groups=groups, plan=plan,
                           schedule=os.environ.get(SCHEDULE_ENV) or None,
                           stage=parallel_state.get_pipeline_model_parallel_rank(),

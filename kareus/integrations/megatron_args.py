@@ -26,6 +26,17 @@ What is computed as Megatron-LM computes it (``megatron/training/arguments.py`` 
   selective``; ``--bf16`` / ``--fp16`` as 2-byte activations;
 * the model's features: ``--qk-layernorm``, ``--norm-epsilon``, ``--untie-embeddings-and-output-weights``
   (tied by default in Megatron-LM), ``--add-qkv-bias``; ``--rotary-base`` is the applier's RoPE base.
+* a mixture of experts: ``--num-experts``, ``--moe-router-topk``, ``--moe-ffn-hidden-size``
+  (default ``--ffn-hidden-size``), ``--moe-shared-expert-intermediate-size``,
+  ``--expert-model-parallel-size`` (the workload's ``ep``), ``--moe-router-dtype`` and the
+  other ``--moe-*`` flags of Megatron-LM ``core_v0.16.1`` (the ``TransformerConfig`` fields of
+  the same names), read as ``kareus.integrations._megatron_moe`` reads the config: kareus's MoE
+  block is Megatron-Core's ``MoELayer`` with ``--moe-token-dispatcher-type alltoall`` (not
+  Megatron-LM's default ``allgather``), ``--expert-tensor-parallel-size 1``, softmax over the
+  top-k logits, dropless, without an auxiliary loss, every layer MoE (``--moe-layer-freq 1``);
+  any other value (a capacity factor, ``--moe-aux-loss-coeff`` above 0, the z-loss, expert
+  bias, sigmoid scores, group-limited routing, ...) is refused in one line naming the flag's
+  ``TransformerConfig`` field (``--moe-aux-loss-coeff`` is ``moe_aux_loss_coeff``).
 
 Megatron-LM's argument parser lives in ``megatron.training``, which is not in the
 ``megatron-core`` wheel on PyPI (only in the Megatron-LM repository), so kareus cannot call it:
@@ -46,6 +57,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+
+import attrs
 
 from kareus.errors import ArgumentError, ArgumentTypeError, WorkloadError
 from kareus.integrations._megatron_config import workload_from_megatron
@@ -124,11 +137,48 @@ _READ: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--make-vocab-size-divisible-by", {"type": int, "default": 128}),
     ("--tokenizer-type", {"default": None}),
     ("--num-experts", {"type": int, "default": None}),
+    ("--expert-tensor-parallel-size", {"type": int, "default": None}),
+    ("--moe-router-topk", {"type": int, "default": 2}),
+    ("--moe-ffn-hidden-size", {"type": int, "default": None}),
+    ("--moe-shared-expert-intermediate-size", {"type": int, "default": None}),
+    _bool("--moe-shared-expert-overlap"),
+    _bool("--moe-shared-expert-gate"),
+    ("--moe-layer-freq", {"default": 1}),
+    ("--moe-router-dtype", {"default": None, "choices": ("fp32", "fp64")}),
+    ("--moe-token-dispatcher-type", {"default": "allgather",
+                                     "choices": ("allgather", "alltoall", "flex")}),
+    _bool("--moe-enable-deepep"),
+    ("--moe-flex-dispatcher-backend", {"default": "deepep"}),
+    _bool("--moe-grouped-gemm"),
+    _bool("--moe-use-legacy-grouped-gemm"),
+    _bool("--moe-permute-fusion"),
+    _bool("--moe-router-fusion"),
+    ("--moe-router-load-balancing-type", {"nargs": "+", "default": "aux_loss"}),
+    ("--moe-aux-loss-coeff", {"type": float, "nargs": "+", "default": 0.0}),
+    ("--moe-z-loss-coeff", {"type": float, "default": None}),
+    ("--moe-input-jitter-eps", {"type": float, "default": None}),
+    ("--moe-router-score-function", {"default": "softmax", "choices": ("softmax", "sigmoid")}),
+    _bool("--moe-router-pre-softmax"),
+    ("--moe-router-topk-scaling-factor", {"type": float, "default": None}),
+    ("--moe-router-num-groups", {"type": int, "default": None}),
+    ("--moe-router-group-topk", {"type": int, "default": None}),
+    _bool("--moe-router-enable-expert-bias"),
+    _bool("--moe-router-force-load-balancing"),
+    _bool("--moe-router-padding-for-fp8"),
+    _bool("--moe-router-padding-for-quantization"),
+    _bool("--moe-enable-routing-replay"),
+    ("--moe-expert-capacity-factor", {"type": float, "default": None}),
+    _bool("--moe-pad-expert-input-to-capacity"),
+    ("--moe-token-drop-policy", {"default": "probs", "choices": ("probs", "position")}),
+    _bool("--moe-apply-probs-on-input"),
+    ("--moe-latent-size", {"type": int, "default": None}),
+    _bool("--moe-layer-recompute"),
     _bool("--multi-latent-attention"),
     ("--window-size", {"default": None}),
     _bool("--apply-residual-connection-post-layernorm"),
     _bool("--fp32-residual-connection"),
     _bool("--overlap-param-gather"),
+    _bool("--use-tp-pp-dp-mapping"),
     ("--transformer-impl", {"default": "transformer_engine"}),
     ("--spec", {"nargs": "*", "default": None}),
 )
@@ -136,10 +186,10 @@ _READ: tuple[tuple[str, dict[str, Any]], ...] = (
 #: Flags (taking a value) that change nothing kareus costs or runs: data, tokenizer files,
 #: optimizer, schedule of the learning rate, logging, checkpoints, evaluation, seeds,
 #: initialisation, distributed set-up, fusions of Megatron's own kernels.
-_IGNORED_VALUE = frozenset(["--data-path", "--split", "--train-data-path", "--valid-data-path", "--test-data-path", "--data-cache-path", "--vocab-file", "--merge-file", "--tokenizer-model", "--num-workers", "--data-args-path", "--per-split-data-args-path", "--train-iters", "--train-samples", "--eval-iters", "--eval-interval", "--log-interval", "--save-interval", "--save", "--load", "--pretrained-checkpoint", "--ckpt-format", "--tensorboard-dir", "--wandb-project", "--wandb-exp-name", "--wandb-save-dir", "--lr", "--min-lr", "--lr-decay-style", "--lr-decay-iters", "--lr-decay-samples", "--lr-warmup-iters", "--lr-warmup-samples", "--lr-warmup-fraction", "--lr-warmup-init", "--weight-decay", "--start-weight-decay", "--end-weight-decay", "--weight-decay-incr-style", "--clip-grad", "--adam-beta1", "--adam-beta2", "--adam-eps", "--sgd-momentum", "--optimizer", "--loss-scale", "--initial-loss-scale", "--min-loss-scale", "--loss-scale-window", "--hysteresis", "--init-method-std", "--seed", "--data-parallel-random-init", "--distributed-backend", "--distributed-timeout-minutes", "--local-rank", "--exit-interval", "--exit-duration-in-mins", "--exit-signal-handler-for-dataloader", "--timing-log-level", "--timing-log-option", "--tensorboard-log-interval", "--tensorboard-queue-size", "--log-params-norm-interval", "--num-dataset-builder-threads", "--dataloader-type", "--mmap-bin-files", "--object-storage-cache-path", "--ddp-bucket-size", "--ddp-num-buckets", "--attention-backend", "--use-checkpoint-args", "--non-persistent-save-interval", "--non-persistent-ckpt-type", "--manual-gc-interval", "--tokenizer-special-tokens", "--tiktoken-pattern", "--tokenizer-metadata", "--eod-mask-loss-type", "--dist-ckpt-strictness", "--ckpt-convert-format", "--ckpt-convert-save", "--profile-step-start", "--profile-step-end", "--profile-ranks", "--result-rejected-tracker-filename", "--train-sync-interval", "--check-weight-hash-across-dp-replicas-interval", "--num-distributed-optimizer-instances", "--main-grads-dtype", "--main-params-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype", "--init-model-with-meta-device", "--logging-level", "--straggler-minmax-count", "--rerun-mode", "--data-sharding", "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"])
+_IGNORED_VALUE = frozenset(["--data-path", "--split", "--train-data-path", "--valid-data-path", "--test-data-path", "--data-cache-path", "--vocab-file", "--merge-file", "--tokenizer-model", "--num-workers", "--data-args-path", "--per-split-data-args-path", "--train-iters", "--train-samples", "--eval-iters", "--eval-interval", "--log-interval", "--save-interval", "--save", "--load", "--pretrained-checkpoint", "--ckpt-format", "--tensorboard-dir", "--wandb-project", "--wandb-exp-name", "--wandb-save-dir", "--lr", "--min-lr", "--lr-decay-style", "--lr-decay-iters", "--lr-decay-samples", "--lr-warmup-iters", "--lr-warmup-samples", "--lr-warmup-fraction", "--lr-warmup-init", "--weight-decay", "--start-weight-decay", "--end-weight-decay", "--weight-decay-incr-style", "--clip-grad", "--adam-beta1", "--adam-beta2", "--adam-eps", "--sgd-momentum", "--optimizer", "--loss-scale", "--initial-loss-scale", "--min-loss-scale", "--loss-scale-window", "--hysteresis", "--init-method-std", "--seed", "--data-parallel-random-init", "--distributed-backend", "--distributed-timeout-minutes", "--local-rank", "--exit-interval", "--exit-duration-in-mins", "--exit-signal-handler-for-dataloader", "--timing-log-level", "--timing-log-option", "--tensorboard-log-interval", "--tensorboard-queue-size", "--log-params-norm-interval", "--num-dataset-builder-threads", "--dataloader-type", "--mmap-bin-files", "--object-storage-cache-path", "--ddp-bucket-size", "--ddp-num-buckets", "--attention-backend", "--use-checkpoint-args", "--non-persistent-save-interval", "--non-persistent-ckpt-type", "--manual-gc-interval", "--tokenizer-special-tokens", "--tiktoken-pattern", "--tokenizer-metadata", "--eod-mask-loss-type", "--dist-ckpt-strictness", "--ckpt-convert-format", "--ckpt-convert-save", "--profile-step-start", "--profile-step-end", "--profile-ranks", "--result-rejected-tracker-filename", "--train-sync-interval", "--check-weight-hash-across-dp-replicas-interval", "--num-distributed-optimizer-instances", "--main-grads-dtype", "--main-params-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype", "--init-model-with-meta-device", "--logging-level", "--straggler-minmax-count", "--rerun-mode", "--data-sharding", "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers", "--moe-router-bias-update-rate", "--moe-deepep-num-sms", "--moe-hybridep-num-sms"])
 
 #: Flags without a value that change nothing kareus costs or runs.
-_IGNORED_SWITCH = frozenset(["--mock-data", "--use-mcore-models", "--no-load-optim", "--no-load-rng", "--no-save-optim", "--no-save-rng", "--use-distributed-optimizer", "--overlap-grad-reduce", "--use-flash-attn", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm", "--no-async-tensor-model-parallel-allreduce", "--attention-softmax-in-fp32", "--accumulate-allreduce-grads-in-fp32", "--log-throughput", "--log-timers-to-tensorboard", "--log-validation-ppl-to-tensorboard", "--log-memory-to-tensorboard", "--log-params-norm", "--log-num-zeros-in-grad", "--log-progress", "--log-world-size-to-tensorboard", "--log-loss-scale-to-tensorboard", "--log-energy", "--tensorboard-log-interval", "--no-check-for-nan-in-loss-and-grad", "--check-for-nan-in-loss-and-grad", "--manual-gc", "--no-manual-gc-eval", "--bf16-reduced-precision-matmul", "--use-cpu-initialization", "--empty-unused-memory-level", "--no-create-attention-mask-in-dataloader", "--dist-ckpt-save-pre-mcore-014", "--auto-detect-ckpt-format", "--finetune", "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss", "--legacy-tokenizer", "--use-dist-ckpt", "--async-save", "--no-initialization", "--profile", "--use-pytorch-profiler", "--record-memory-history", "--barrier-with-L1-time", "--disable-straggler-on-startup", "--enable-one-logger", "--no-mmap-bin-files", "--deterministic-mode", "--calculate-per-token-loss", "--check-weight-hash-across-dp-replicas-interval", "--ckpt-fully-parallel-save", "--ckpt-fully-parallel-load", "--ckpt-assume-constant-structure", "--no-ckpt-fully-parallel-save", "--use-torch-optimizer-for-cpu-offload", "--overlap-param-gather-with-optimizer-step", "--align-grad-reduce", "--align-param-gather", "--no-align-grad-reduce", "--no-align-param-gather", "--tp-comm-overlap", "--log-straggler", "--skip-train", "--trust-remote-code"])
+_IGNORED_SWITCH = frozenset(["--mock-data", "--use-mcore-models", "--no-load-optim", "--no-load-rng", "--no-save-optim", "--no-save-rng", "--use-distributed-optimizer", "--overlap-grad-reduce", "--use-flash-attn", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm", "--no-async-tensor-model-parallel-allreduce", "--attention-softmax-in-fp32", "--accumulate-allreduce-grads-in-fp32", "--log-throughput", "--log-timers-to-tensorboard", "--log-validation-ppl-to-tensorboard", "--log-memory-to-tensorboard", "--log-params-norm", "--log-num-zeros-in-grad", "--log-progress", "--log-world-size-to-tensorboard", "--log-loss-scale-to-tensorboard", "--log-energy", "--tensorboard-log-interval", "--no-check-for-nan-in-loss-and-grad", "--check-for-nan-in-loss-and-grad", "--manual-gc", "--no-manual-gc-eval", "--bf16-reduced-precision-matmul", "--use-cpu-initialization", "--empty-unused-memory-level", "--no-create-attention-mask-in-dataloader", "--dist-ckpt-save-pre-mcore-014", "--auto-detect-ckpt-format", "--finetune", "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss", "--legacy-tokenizer", "--use-dist-ckpt", "--async-save", "--no-initialization", "--profile", "--use-pytorch-profiler", "--record-memory-history", "--barrier-with-L1-time", "--disable-straggler-on-startup", "--enable-one-logger", "--no-mmap-bin-files", "--deterministic-mode", "--calculate-per-token-loss", "--check-weight-hash-across-dp-replicas-interval", "--ckpt-fully-parallel-save", "--ckpt-fully-parallel-load", "--ckpt-assume-constant-structure", "--no-ckpt-fully-parallel-save", "--use-torch-optimizer-for-cpu-offload", "--overlap-param-gather-with-optimizer-step", "--align-grad-reduce", "--align-param-gather", "--no-align-grad-reduce", "--no-align-param-gather", "--tp-comm-overlap", "--log-straggler", "--skip-train", "--trust-remote-code", "--moe-per-layer-logging"])
 
 def read_megatron_flags(flags: str | Sequence[str]) -> list[str]:
     """The flag list of a string (split as a shell does), a sequence of strings, or
@@ -217,7 +267,29 @@ def parse_megatron_args(flags: str | Sequence[str]) -> argparse.Namespace:
         ns.position_embedding_type = "rope"
     if ns.seq_length is None:
         ns.seq_length = ns.max_position_embeddings
+    _derive_moe(ns)
     return ns
+
+
+def _derive_moe(ns: argparse.Namespace) -> None:
+    """Megatron-LM's derived MoE arguments (``validate_args``): ``--num-experts 0`` is
+    none, ``--moe-ffn-hidden-size`` defaults to ``--ffn-hidden-size`` with experts,
+    ``--expert-tensor-parallel-size`` to TP, a one-entry ``--moe-router-load-balancing-type``
+    or ``--moe-aux-loss-coeff`` list to its entry, and ``--moe-layer-freq N`` is the number N
+    (a pattern, which Megatron-LM evaluates as Python, stays text: refused)."""
+    if ns.num_experts == 0:
+        ns.num_experts = None
+    if ns.num_experts is not None and ns.moe_ffn_hidden_size is None:
+        ns.moe_ffn_hidden_size = ns.ffn_hidden_size
+    if ns.expert_tensor_parallel_size is None:
+        ns.expert_tensor_parallel_size = ns.tensor_model_parallel_size
+    for name in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
+        value = getattr(ns, name)
+        if isinstance(value, list) and len(value) == 1:
+            setattr(ns, name, value[0])
+    freq = ns.moe_layer_freq
+    if isinstance(freq, str) and freq.strip().isdigit():
+        ns.moe_layer_freq = int(freq)
 
 
 def _drop_ignored(argv: Sequence[str]) -> list[str]:
@@ -313,8 +385,9 @@ def _flag_refusals(args: Any) -> str | None:
         (bool(_get(args, "squared_relu", False) or _get(args, "quick_geglu", False)
               or _get(args, "openai_gelu", False)),
          "kareus's MLP is SwiGLU: drop --squared-relu / --quick-geglu / --openai-gelu"),
-        (int(_get(args, "expert_model_parallel_size", 1) or 1) != 1,
-         "kareus's layer has a dense MLP: drop --expert-model-parallel-size"),
+        (not _moe_freq_one(_get(args, "moe_layer_freq", 1)),
+         f"kareus models models whose every layer is MoE: give --moe-layer-freq 1 (got "
+         f"{_get(args, 'moe_layer_freq', 1)!r:.60})"),
         (_get(args, "virtual_pipeline_model_parallel_size") is not None
          or _get(args, "num_layers_per_virtual_pipeline_stage") is not None
          or _get(args, "num_virtual_stages_per_pipeline_rank") is not None,
@@ -327,6 +400,37 @@ def _flag_refusals(args: Any) -> str | None:
          "all-gather hooks of --overlap-param-gather would not run: drop it"),
     )
     return next((msg for bad, msg in checks if bad), None)
+
+
+def _moe_freq_one(freq: Any) -> bool:
+    """``--moe-layer-freq`` says every layer is MoE: ``1`` (a pattern, which Megatron-LM
+    evaluates as Python, is not evaluated here: give 1)."""
+    if isinstance(freq, list | tuple):
+        return len(freq) > 0 and all(f == 1 for f in freq)
+    try:
+        return int(freq) == 1
+    except (TypeError, ValueError):
+        return False
+
+
+#: The MoE ``TransformerConfig`` fields a Megatron-LM flag of the same name sets (read by
+#: ``kareus.integrations._megatron_moe``), with Megatron-LM's defaults.
+_MOE_FIELDS: dict[str, Any] = {
+    "moe_router_topk": 2, "moe_ffn_hidden_size": None,
+    "moe_shared_expert_intermediate_size": None, "moe_shared_expert_gate": False,
+    "moe_shared_expert_overlap": False, "moe_layer_freq": 1, "moe_router_dtype": None,
+    "moe_token_dispatcher_type": "allgather", "moe_enable_deepep": False,
+    "moe_grouped_gemm": False, "moe_router_load_balancing_type": "aux_loss",
+    "moe_aux_loss_coeff": 0.0, "moe_z_loss_coeff": None, "moe_input_jitter_eps": None,
+    "moe_router_score_function": "softmax", "moe_router_pre_softmax": False,
+    "moe_router_topk_scaling_factor": None, "moe_router_num_groups": None,
+    "moe_router_group_topk": None, "moe_router_enable_expert_bias": False,
+    "moe_router_force_load_balancing": False, "moe_router_padding_for_fp8": False,
+    "moe_router_padding_for_quantization": False, "moe_enable_routing_replay": False,
+    "moe_expert_capacity_factor": None, "moe_pad_expert_input_to_capacity": False,
+    "moe_apply_probs_on_input": False, "moe_latent_size": None, "moe_layer_recompute": False,
+    "expert_model_parallel_size": 1, "expert_tensor_parallel_size": None,
+}
 
 
 def _config_of(args: Any) -> SimpleNamespace:
@@ -360,7 +464,8 @@ def _config_of(args: Any) -> SimpleNamespace:
                                                   False),
         "qk_layernorm": _get(args, "qk_layernorm", False),
         "qk_l2_norm": _get(args, "qk_l2_norm", False),
-        "num_moe_experts": _get(args, "num_experts"),
+        "num_moe_experts": _get(args, "num_experts") or None,
+        **{name: _get(args, name, default) for name, default in _MOE_FIELDS.items()},
         "multi_latent_attention": _get(args, "multi_latent_attention", False),
         "window_size": _get(args, "window_size"),
         "apply_residual_connection_post_layernorm": _get(
@@ -394,6 +499,9 @@ def workload_from_megatron_args(args: argparse.Namespace | str | Sequence[str], 
         config: The model's own ``TransformerConfig`` (the layer passes it); default: the
             fields Megatron-LM sets from ``args``.
 
+    The ranks' layout is Megatron-LM's: ``tp-cp-ep-dp-pp``, or ``tp-cp-ep-pp-dp`` under
+    ``--use-tp-pp-dp-mapping`` (``Parallelism.rank_order``).
+
     Raises:
         MegatronArgsError: a flag kareus does not read, a Megatron-LM default or flag
             kareus's layer does not compute (named by its flag: dropout, bias, SwiGLU,
@@ -417,7 +525,7 @@ def workload_from_megatron_args(args: argparse.Namespace | str | Sequence[str], 
         raise MegatronArgsError(f"--global-batch-size {gbs} is not a multiple of "
                                 f"--micro-batch-size {mbs} x DP {dp_}")
     try:
-        return workload_from_megatron(
+        wl = workload_from_megatron(
             config if config is not None else _config_of(ns), microbatch_size=mbs,
             seq_len=int(_get(ns, "seq_length")), num_microbatches=gbs // (mbs * dp_),
             vocab_size=padded_vocab_size(ns), nanobatches=nanobatches, name=name, dp=dp_,
@@ -426,3 +534,6 @@ def workload_from_megatron_args(args: argparse.Namespace | str | Sequence[str], 
     except WorkloadError as exc:
         raise WorkloadError(f"Megatron-LM arguments: {exc} (the flag of TransformerConfig "
                             "field x is --x with dashes)") from None
+    if _get(ns, "use_tp_pp_dp_mapping", False):  # the ranks' layout (RANK_ORDERS)
+        wl = wl.with_(parallelism=attrs.evolve(wl.parallelism, rank_order="tp-cp-ep-pp-dp"))
+    return wl

@@ -17,6 +17,17 @@ process, for good (there is no uninstall): run it only in a process of its own t
 Megatron with gloo, in fp32 (``examples/integrations/megatron_gpt.py --cpu``, and kareus's
 CPU tests of the Megatron adapter, which run the same code).
 
+Mixture-of-experts layers (``MoELayer`` with the all-to-all token dispatcher) need three
+more: the dispatcher makes one side stream (``torch.cuda.Stream``, a class attribute) for
+its device-to-host copies of the token counts and records an event on it, so that stream
+is an in-order stand-in whose events are done when recorded (``torch.cuda.stream`` of it
+is a no-op on a CPU build); it moves those counts to the host only when they are on a GPU
+(``maybe_move_tensor_to_cpu``), and hands them to ``all_to_all_single`` as split sizes, which
+a CPU tensor is not, so on the CPU they become the numpy arrays a GPU run gets; and
+Megatron-Core 0.16's router names Transformer Engine's ``te_general_gemm`` even when
+Transformer Engine is not installed, so the name is set to ``None`` (its own fallback,
+``torch.mm`` in the router dtype).
+
 When to call it, in this order::
 
     dist.init_process_group("gloo")
@@ -86,6 +97,7 @@ def install() -> None:
         return t
 
     torch.Tensor.type = tensor_type  # type: ignore[method-assign, assignment]
+    _install_moe()
     # The no-op RNG tracker (dropout is 0): CUDA's would call torch.cuda.get_rng_state().
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True,
                                                   force_reset=True)
@@ -93,6 +105,45 @@ def install() -> None:
     # restores the CUDA RNG state around the recomputed forward: there is none (no dropout)
     tensor_parallel.random._get_cuda_rng_state = lambda *a, **k: None
     tensor_parallel.random._set_cuda_rng_state = lambda *a, **k: None
+
+
+def _install_moe() -> None:
+    """The three MoE redirections of the module doc (after the torch ones above)."""
+    import torch
+    from megatron.core.transformer.moe import (  # type: ignore[import-untyped, import-not-found]
+        moe_utils,
+        token_dispatcher,
+    )
+
+    # the dispatcher's one side stream (a class attribute, made on first use with
+    # torch.cuda.Stream, which a CPU build refuses); torch.cuda.stream(it) is a no-op there
+    token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _InOrder()
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+    def to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if torch.is_tensor(tensor) and as_numpy:
+            return tensor.numpy()
+        return tensor
+
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
+
+
+class _Done:
+    """A CPU "event": the work before it has run when it is recorded."""
+
+    def record(self, *a: Any, **k: Any) -> None:
+        """Nothing to record."""
+
+    def wait(self, *a: Any, **k: Any) -> None:
+        """Nothing to wait for."""
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
+
+    def query(self) -> bool:
+        """Always done."""
+        return True
 
 
 class _InOrder:
@@ -106,3 +157,7 @@ class _InOrder:
 
     def synchronize(self) -> None:
         """Nothing to wait for."""
+
+    def record_event(self, event: Any = None) -> Any:
+        """An event that is already done."""
+        return event if event is not None else _Done()

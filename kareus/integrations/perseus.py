@@ -51,6 +51,7 @@ from typing import Any
 from kareus._io import write_text_atomic
 from kareus.compose.plan import Plan
 from kareus.errors import ArgumentError, ArgumentTypeError, PlanError
+from kareus.model import RANK_ORDERS
 from kareus.model.pipeline import get_schedule
 
 __all__ = [
@@ -91,9 +92,19 @@ def _degrees(plan: Plan, tp: int | None, cp: int | None, dp: int | None) -> tupl
     return out[0], out[1], out[2]
 
 
-def stage_of_rank(rank: int, *, tp: int, cp: int = 1, dp: int = 1) -> int:
-    """The pipeline stage of a global rank in Megatron-LM's default rank order
-    (``tp-cp-dp-pp``: TP varies fastest, PP slowest)."""
+def stage_of_rank(rank: int, *, tp: int, cp: int = 1, dp: int = 1, pp: int | None = None,
+                  rank_order: str = RANK_ORDERS[0]) -> int:
+    """The pipeline stage of a global rank under ``rank_order``
+    (``kareus.model.RANK_ORDERS``): Megatron-LM's default ``tp-cp-ep-dp-pp``
+    (TP varies fastest, PP slowest), or ``tp-cp-ep-pp-dp`` (``--use-tp-pp-dp-mapping``,
+    which needs ``pp``)."""
+    if rank_order not in RANK_ORDERS:
+        raise ArgumentError(f"rank_order must be one of {', '.join(RANK_ORDERS)}, got "
+                            f"{rank_order!r:.40}")
+    if rank_order == "tp-cp-ep-pp-dp":
+        if pp is None:
+            raise ArgumentError("stage_of_rank: rank_order 'tp-cp-ep-pp-dp' needs pp=")
+        return (rank // (tp * cp)) % pp
     return rank // (tp * cp * dp)
 
 
@@ -104,7 +115,9 @@ def optimizer_arguments(plan: Plan, rank: int, *, tp: int | None = None,
 
     Zeus has no context-parallel degree: the job registers with ``dp_degree = cp * dp``,
     and the rank's ``dp_rank`` counts the CP ranks inside each DP rank
-    (``dp_rank * cp + cp_rank``), in Megatron-LM's default rank order (``tp-cp-dp-pp``).
+    (``dp_rank * cp + cp_rank``), with the ranks laid out in the plan's workload's rank
+    order (``Workload.parallelism.rank_order``; Megatron-LM's default ``tp-cp-ep-dp-pp``
+    where the plan does not say).
     Pass the result with the rank's ``device_id`` and the server's URL::
 
         from zeus.optimizer.pipeline_frequency import PipelineFrequencyOptimizer
@@ -134,15 +147,21 @@ def optimizer_arguments(plan: Plan, rank: int, *, tp: int | None = None,
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
         raise ArgumentError(f"rank must be an integer in [0, {world}) (TP {tp_} x CP {cp_} x "
                          f"DP {dp_} x PP {plan.num_stages}), got {rank!r}")
-    return {"rank": rank, "dp_rank": (rank // tp_) % (cp_ * dp_),
-            "pp_rank": stage_of_rank(rank, tp=tp_, cp=cp_, dp=dp_), "tp_rank": rank % tp_,
+    order = str((plan.workload or {}).get("rank_order", RANK_ORDERS[0]))
+    pp_rank = stage_of_rank(rank, tp=tp_, cp=cp_, dp=dp_, pp=plan.num_stages, rank_order=order)
+    cp_rank = (rank // tp_) % cp_
+    dp_rank = (rank // (tp_ * cp_ * (plan.num_stages if order == "tp-cp-ep-pp-dp" else 1))
+               ) % dp_
+    return {"rank": rank, "dp_rank": dp_rank * cp_ + cp_rank,
+            "pp_rank": pp_rank, "tp_rank": rank % tp_,
             "dp_degree": cp_ * dp_, "pp_degree": plan.num_stages, "tp_degree": tp_,
             "world_size": world}
 
 
 def rank_schedules(plan: Plan, *, tp: int | None = None, cp: int | None = None,
                    dp: int | None = None) -> list[list[tuple[str, int]]]:
-    """Per global rank, its stage's schedule (Megatron-LM's default rank order).
+    """Per global rank, its stage's schedule (the ranks laid out in the plan's workload's
+    rank order, Megatron-LM's default ``tp-cp-ep-dp-pp`` where it does not say).
 
     Args:
         plan: The plan.
@@ -156,7 +175,9 @@ def rank_schedules(plan: Plan, *, tp: int | None = None, cp: int | None = None,
     tp_, cp_, dp_ = _degrees(plan, tp, cp, dp)
     stages = stage_schedules(plan)
     world = tp_ * cp_ * dp_ * plan.num_stages
-    return [list(stages[stage_of_rank(r, tp=tp_, cp=cp_, dp=dp_)]) for r in range(world)]
+    order = str((plan.workload or {}).get("rank_order", RANK_ORDERS[0]))
+    return [list(stages[stage_of_rank(r, tp=tp_, cp=cp_, dp=dp_, pp=plan.num_stages,
+                                      rank_order=order)]) for r in range(world)]
 
 
 def frequency_schedules(plan: Plan, *, tp: int | None = None, cp: int | None = None,

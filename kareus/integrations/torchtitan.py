@@ -96,11 +96,13 @@ from typing import Any
 from kareus._logging import get_logger
 from kareus.errors import ArgumentError, ArgumentTypeError, PlanError, WorkloadError
 from kareus.integrations._layer import PlanApplier
-from kareus.integrations._weights import head_norm, layer_weights, linear, qkv_from_separate
+from kareus.integrations._torchtitan_moe import moe_of_layer
+from kareus.integrations._weights import LAYER_WEIGHTS, head_norm, linear, qkv_from_separate
+from kareus.model.moe import MoEArch
 from kareus.model.workload import ModelArch, Parallelism, Workload
 
 __all__ = ["TESTED_VERSIONS", "apply_plan", "chained_blocks", "main", "masks_documents",
-           "planned_blocks", "recompute_from_torchtitan", "remove_plan",
+           "moe_block_weights", "planned_blocks", "recompute_from_torchtitan", "remove_plan",
            "sequence_parallel_of", "workload_from_torchtitan",
            "workload_from_torchtitan_config", "workload_from_trainer", "wrap_trainer"]
 
@@ -202,11 +204,12 @@ def _check_layer(where: str, lc: Any) -> None:
     if not any(isinstance(lc, b.Config) for b in tt.Blocks):
         raise WorkloadError(f"{where} is a {type(lc).__qualname__}: kareus applies plans to "
                             "Llama3TransformerBlock and Qwen3TransformerBlock layers only")
-    if getattr(lc, "moe", None) is not None or lc.feed_forward is None:
-        raise WorkloadError(f"{where} is a mixture of experts: kareus's planned layer runs a "
-                            "dense SwiGLU MLP (MoE layers are planned and emulated by kareus "
-                            "optimize --ep, not run yet); run MoE layers without kareus")
-    if type(lc.feed_forward) is not tt.FeedForward.Config:
+    moe = getattr(lc, "moe", None) is not None
+    if moe == (lc.feed_forward is not None):
+        raise WorkloadError(f"{where} has {'both' if moe else 'neither'} a feed_forward "
+                            f"{'and' if moe else 'nor'} a moe: kareus's layer has one MLP, "
+                            "dense or a mixture of experts")
+    if not moe and type(lc.feed_forward) is not tt.FeedForward.Config:
         raise WorkloadError(f"{where}'s MLP is a {type(lc.feed_forward).__qualname__}: "
                             "kareus's layer computes torchtitan's plain FeedForward (SwiGLU)")
     att = lc.attention
@@ -235,8 +238,8 @@ def _check_layer(where: str, lc: Any) -> None:
                             "kareus's layer computes causal attention (SDPA, flex, varlen)")
     ff = lc.feed_forward
     qkv = att.qkv_linear
-    linears = [ff.w1, ff.w2, ff.w3, att.wo] + ([qkv.wqkv] if hasattr(qkv, "wqkv")
-                                               else [qkv.wq, qkv.wkv])
+    linears = ([] if moe else [ff.w1, ff.w2, ff.w3]) + [att.wo] + (
+        [qkv.wqkv] if hasattr(qkv, "wqkv") else [qkv.wq, qkv.wkv])
     if any(getattr(lin, "bias", False) for lin in linears):
         raise WorkloadError(f"{where} has biases in its projections: kareus's layer has none")
     _check_norms(where, lc)
@@ -271,9 +274,12 @@ def _layer_eps(where: str, lc: Any) -> float:
     return eps["attention_norm"]
 
 
-def _layer_dims(i: int, lc: Any, dim: int) -> tuple[int, int, int, int, bool, float]:
-    """``(heads, kv_heads, head_dim, ffn, qk_norm, eps)`` of layer config ``lc``, refusing
-    what kareus's layer does not compute."""
+def _layer_dims(i: int, lc: Any, dim: int
+                ) -> tuple[int, int, int, int, bool, float, MoEArch | None]:
+    """``(heads, kv_heads, head_dim, ffn, qk_norm, eps, moe)`` of layer config ``lc``,
+    refusing what kareus's layer does not compute. An MoE layer's ``ffn`` is its experts'
+    width (torchtitan's MoE config has no dense width, which no layer of an all-MoE model
+    uses)."""
     where = f"layer {i}"
     _check_layer(where, lc)
     att, ff = lc.attention, lc.feed_forward
@@ -284,28 +290,40 @@ def _layer_dims(i: int, lc: Any, dim: int) -> tuple[int, int, int, int, bool, fl
         raise WorkloadError(f"{where} rotates {att.rope.dim} of {hd} dimensions per head: "
                             "kareus's layer rotates the whole head (partial RoPE is not "
                             "supported)")
-    if int(ff.w1.in_features) != dim:
+    moe = None if getattr(lc, "moe", None) is None else moe_of_layer(where, lc, dim)
+    if moe is None and int(ff.w1.in_features) != dim:
         raise WorkloadError(f"{where}'s MLP takes {ff.w1.in_features} features, the model "
                             f"{dim}")
     qk = att.qk_norm is not None
     if qk and int(att.qk_norm.normalized_shape) != hd:
         raise WorkloadError(f"{where}'s qk_norm normalizes {att.qk_norm.normalized_shape} "
                             f"features, a head has {hd}: kareus normalizes each head")
-    return heads, kv, hd, int(ff.w1.out_features), qk, _layer_eps(where, lc)
+    ffn = int(ff.w1.out_features) if moe is None else moe.expert_ffn
+    return heads, kv, hd, ffn, qk, _layer_eps(where, lc), moe
 
 
 def model_arch_from_torchtitan(model_or_config: Any, *, name: str = "torchtitan-llama3"
                                ) -> ModelArch:
-    """The [`ModelArch`][kareus.model.ModelArch] of a torchtitan Llama 3 or Qwen3 dense
-    model (built or config): ``dim``, the layer count, heads, key/value heads, head
-    dimension, the SwiGLU hidden size as the model builds it (``feed_forward.w1``'s output
-    features), the vocabulary, and the layer features: ``qk_norm`` (the attention's
+    """The [`ModelArch`][kareus.model.ModelArch] of a torchtitan Llama 3 or Qwen3 model,
+    dense or Qwen3 MoE (built or config): ``dim``, the layer count, heads, key/value heads,
+    head dimension, the SwiGLU hidden size as the model builds it (``feed_forward.w1``'s
+    output features), the vocabulary, and the layer features: ``qk_norm`` (the attention's
     per-head ``qk_norm``, Qwen3's), ``norm_eps`` (the norms' one epsilon) and
     ``tied_embeddings`` (``enable_weight_tying``).
 
+    A Qwen3 MoE model's layers (``moe`` set, every layer) give ``ModelArch.moe``
+    (``kareus.integrations._torchtitan_moe``: experts, top-k, the experts' width, shared
+    experts), and ``ffn`` is the experts' width (torchtitan's MoE config has no dense
+    width); what kareus's MoE block does not compute (``load_balance_coeff``, torchtitan's
+    default aux-loss-free balancing, sigmoid scores, no ``route_norm``, ``route_scale``,
+    group-limited routing, another dispatcher or expert module) is refused in one line.
+    Such a model is planned and emulated, and ``apply_plan`` runs its blocks under a plan
+    (TP = 2 or more with sequence parallelism and EP folded over TP, or EP over CP).
+
     Raises:
         ArgumentTypeError: not a torchtitan decoder model or config.
-        WorkloadError: a layer kareus's layer does not compute (MoE, a query/key norm other
+        WorkloadError: a layer kareus's layer does not compute (an MoE setting above, a
+            query/key norm other
             than an RMSNorm with a weight over each head, norms of different eps, biases,
             partial RoPE, windowed attention, a fused TP GEMM backend), or layers of
             different shapes.
@@ -317,13 +335,16 @@ def model_arch_from_torchtitan(model_or_config: Any, *, name: str = "torchtitan-
         raise WorkloadError("the model has no layers")
     dims = [_layer_dims(i, lc, dim) for i, lc in enumerate(layers)]
     if any(d != dims[0] for d in dims):
-        raise WorkloadError(f"the layers differ in shape ({sorted(set(dims))}): a plan is "
-                            "made for one layer shape")
-    heads, kv, hd, ffn, qk, eps = dims[0]
+        odd = next(i for i, d in enumerate(dims) if d != dims[0])
+        raise WorkloadError(f"the layers differ in shape (layer 0 {dims[0]}, layer {odd} "
+                            f"{dims[odd]}): a plan is made for one layer shape (a model whose "
+                            "every layer is dense, or every layer a mixture of experts)")
+    heads, kv, hd, ffn, qk, eps, moe = dims[0]
     return ModelArch(name=name, layers=len(layers), hidden=dim, heads=heads, kv_heads=kv,
                      head_dim=hd, ffn=ffn, vocab=int(cfg.vocab_size), qk_norm=qk,
                      norm_eps=eps,
-                     tied_embeddings=bool(getattr(cfg, "enable_weight_tying", False)))
+                     tied_embeddings=bool(getattr(cfg, "enable_weight_tying", False)),
+                     moe=moe)
 
 
 def sequence_parallel_of(model_or_config: Any) -> bool | None:
@@ -427,7 +448,7 @@ def workload_from_torchtitan(model_or_config: Any, *, tp: int, cp: int = 1,
                              nanobatches: int = 2, pp: int = 1, dp: int = 1,
                              name: str = "torchtitan-llama3",
                              recompute: str = "full", sp: bool | None = None,
-                             document_tokens: int | None = None) -> Workload:
+                             document_tokens: int | None = None, ep: int = 1) -> Workload:
     """The workload ``kareus optimize`` makes a plan for, from a torchtitan Llama 3 model.
 
     Args:
@@ -456,21 +477,36 @@ def workload_from_torchtitan(model_or_config: Any, *, tp: int, cp: int = 1,
             length the plan is costed for (``Workload.document_tokens``); ``apply_plan``
             refuses a plan for such a model without it, and it for a model whose attention
             masks none.
+        ep: Expert-parallel degree of a Qwen3 MoE model
+            (``parallelism.expert_parallel_degree``); it must divide ``tp x cp x dp``.
 
     Raises:
         ArgumentTypeError: not a torchtitan model or config.
         WorkloadError: the model has a layer kareus's layer does not compute (see
             [`model_arch_from_torchtitan`][kareus.integrations.torchtitan.model_arch_from_torchtitan]),
-            or the degrees do not divide its heads.
+            or the degrees do not divide its heads, or an MoE model at TP > 1 without
+            expert parallelism (torchtitan then splits the experts over TP).
     """
     arch = model_arch_from_torchtitan(model_or_config, name=name)
     if sp is None:
         sp = bool(sequence_parallel_of(model_or_config))
+    _check_moe_degrees(arch, tp, ep)
     return Workload(model=arch, parallelism=Parallelism(tp=tp, cp=cp, pp=pp, dp=dp,
-                                                        sp=bool(sp)),
+                                                        sp=bool(sp), ep=ep),
                     microbatch_size=microbatch_size, seq_len=seq_len,
                     num_microbatches=num_microbatches, nanobatches=nanobatches,
                     recompute=recompute, document_tokens=document_tokens)
+
+
+def _check_moe_degrees(arch: ModelArch, tp: int, ep: int) -> None:
+    """Refuse what torchtitan's MoE runs at these degrees and kareus does not: at TP > 1
+    with expert parallelism off, torchtitan splits each expert's hidden dimension over TP
+    (its dense placement), where kareus's experts are whole on every rank."""
+    if arch.moe is not None and int(tp) > 1 and int(ep) == 1:
+        raise WorkloadError(f"at tensor_parallel_degree={tp} with expert_parallel_degree=1 "
+                            "torchtitan splits every expert over TP, and kareus's experts are "
+                            "not split over TP: set parallelism.expert_parallel_degree > 1 "
+                            "(it folds the TP ranks into expert parallelism)")
 
 
 # ------------------------------------------------------------------ the blocks' weights
@@ -481,6 +517,39 @@ def _local(t: Any) -> Any:
     gradient comes back as a DTensor of the parameter's placements), or the tensor."""
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
+
+
+def moe_block_weights(moe: Any) -> dict[str, Any]:
+    """This rank's weights of a torchtitan 0.3 ``MoE`` module (a Qwen3 MoE block's
+    ``moe``) in kareus's layout (``kareus.integrations.moe_weight_names``): ``Wr`` from the
+    router's ``gate`` (``[experts, dim]``, transposed), the local experts' ``W1e`` and
+    ``W2e`` from ``GroupedExperts``' ``w1_EFD`` (gate), ``w3_EFD`` (up) and ``w2_EDF``
+    (down) (``kareus.integrations.experts_from_stacked``;
+    under expert parallelism each a DTensor sharded over ``ep`` on the expert dimension:
+    this rank's shard), and the shared experts' ``w1``/``w3``/``w2`` when the block has
+    them. Differentiable views of the module's parameters. The router's weight is whole
+    on every rank and applied to this rank's tokens (its sequence shard under TP), so its
+    gradient is handed back as this rank's part, as the query/key norms' are
+    (``_head_norm``).
+
+    Raises:
+        ArgumentTypeError: not a torchtitan ``MoE`` module.
+    """
+    from kareus.integrations._weights import experts_from_stacked
+
+    routed, router = getattr(moe, "routed_experts", None), getattr(moe, "router", None)
+    inner = getattr(routed, "inner_experts", None)
+    if inner is None or router is None:
+        raise ArgumentTypeError(f"expected a torchtitan MoE module, got {type(moe).__name__}")
+    w1e, w2e = experts_from_stacked(_local(inner.w1_EFD), _local(inner.w3_EFD),
+                                    _local(inner.w2_EDF))
+    out = {"Wr": linear(_head_norm(router.gate.weight)), "W1e": w1e, "W2e": w2e}
+    shared = getattr(moe, "shared_experts", None)
+    if shared is not None:
+        out["Wsg"] = linear(_local(shared.w1.weight))
+        out["Wsu"] = linear(_local(shared.w3.weight))
+        out["Wsd"] = linear(_local(shared.w2.weight))
+    return out
 
 
 def _head_norm(weight: Any) -> Any:
@@ -543,6 +612,9 @@ class _BlockLayout:
         # Llama 3's ComplexRoPE rotates interleaved pairs, Qwen3's CosSinRoPE halves
         self.interleaved = isinstance(att.rope, _classes().ComplexRoPE)
         self.qk_norm = getattr(att, "q_norm", None) is not None
+        #: A Qwen3 MoE block: its MLP is the ``moe`` module (``moe_block_weights``).
+        self.moe = getattr(block, "moe", None) is not None
+        self.shared_experts = self.moe and block.moe.shared_experts is not None
         self.per_kv = int(att.n_heads) // int(att.n_kv_heads)
         # FlexAttention / VarlenAttention: the decoder's masks are block_causal documents
         self.documents = isinstance(att.inner_attention, (_classes().Flex,
@@ -565,7 +637,7 @@ class _BlockLayout:
 
     def weights(self, block: Any) -> dict[str, Any]:
         """The block's weights in kareus's layout, differentiable views of its parameters."""
-        att, ff = block.attention, block.feed_forward
+        att = block.attention
         if self.fused:
             qkv = self._fused_qkv(_local(att.qkv_linear.wqkv.weight))
         else:
@@ -574,17 +646,22 @@ class _BlockLayout:
                                     _local(q.wv.weight), head_dim=self.head_dim,
                                     interleaved_rope=self.interleaved)
         norm = _head_norm if self.sp else _local  # see _head_norm
+        if self.moe:  # the router (this rank's part of its gradient) and the EP shard
+            mlp = moe_block_weights(block.moe)
+        else:
+            ff = block.feed_forward
+            mlp = {"Wg": linear(_local(ff.w1.weight)), "Wu": linear(_local(ff.w3.weight)),
+                   "Wd": linear(_local(ff.w2.weight))}
         out = {"w_attn_norm": norm(block.attention_norm.weight), "Wqkv": qkv,
                "Wo": linear(_local(att.wo.weight)),
-               "w_mlp_norm": norm(block.ffn_norm.weight),
-               "Wg": linear(_local(ff.w1.weight)), "Wu": linear(_local(ff.w3.weight)),
-               "Wd": linear(_local(ff.w2.weight))}
+               "w_mlp_norm": norm(block.ffn_norm.weight), **mlp}
         if self.qk_norm:  # whole on every TP rank: see _head_norm
             out["w_q_norm"] = head_norm(_head_norm(att.q_norm.weight),
                                         interleaved_rope=self.interleaved)
             out["w_k_norm"] = head_norm(_head_norm(att.k_norm.weight),
                                         interleaved_rope=self.interleaved)
-        assert tuple(out) == layer_weights(self.qk_norm)
+        assert set(out) == set(LAYER_WEIGHTS[:4]) | set(mlp) | (
+            {"w_q_norm", "w_k_norm"} if self.qk_norm else set())
         return out
 
 
@@ -774,7 +851,7 @@ def apply_plan(model: Any, *, workload: Workload, mesh: Any = None, tp_group: An
     from kareus.exec.train import TorchParallelGroups
 
     group = _tp_group(mesh, tp_group, workload.parallelism.tp)
-    groups = TorchParallelGroups.from_groups(tp=group)
+    groups = TorchParallelGroups.from_groups(tp=group, ep=_ep_group(mesh, workload))
     applier = PlanApplier(workload=workload, groups=groups, plan=plan, schedule=schedule,
                           rope_inv_freq=inv, eps=arch.norm_eps, **applier_kwargs)
     layer = applier.layer()
@@ -784,6 +861,25 @@ def apply_plan(model: Any, *, workload: Workload, mesh: Any = None, tp_group: An
         _Chain(decoder, own, applier, [installed[id(b)] for b in own], strict=strict,
                chain_asked=asked)
     return applier
+
+
+def _ep_group(mesh: Any, workload: Workload) -> Any:
+    """The expert-parallel process group of a Qwen3 MoE workload at EP > 1: the ``ep``
+    dimension of torchtitan's ``ParallelDims`` (its sparse mesh, which its experts are
+    sharded over), or ``None`` at EP = 1."""
+    if workload.parallelism.ep == 1:
+        return None
+    get = getattr(mesh, "get_optional_mesh", None)
+    ep_mesh = get("ep") if callable(get) else None
+    if ep_mesh is None:
+        raise ArgumentError(f"the workload has EP={workload.parallelism.ep}: pass mesh= "
+                            "torchtitan's ParallelDims (parallelism.expert_parallel_degree), "
+                            "whose ep mesh holds the experts")
+    if int(ep_mesh.size()) != workload.parallelism.ep:
+        raise WorkloadError(f"torchtitan's ep mesh has {ep_mesh.size()} ranks, the workload "
+                            f"EP={workload.parallelism.ep}: make the workload with "
+                            "workload_from_torchtitan(model, ep=...)")
+    return ep_mesh.get_group()
 
 
 def _chaining(model: Any, blocks: list[Any], workload: Workload, plan: Any,
@@ -826,7 +922,9 @@ def _check_model(model: Any, workload: Workload) -> Any:
     """The model's own config against the workload, whatever made the workload: its layers'
     architecture and its TP plan's layout. Returns the model's ``ModelArch``."""
     arch = model_arch_from_torchtitan(model, name=workload.model.name)
-    for field in ("hidden", "heads", "kv_heads", "head_dim", "ffn", "qk_norm", "norm_eps",
+    # an MoE model's MLP is its block (the dense width no layer has is not compared)
+    mlp = ("ffn",) if arch.moe is None and workload.model.moe is None else ("moe",)
+    for field in ("hidden", "heads", "kv_heads", "head_dim", *mlp, "qk_norm", "norm_eps",
                   "qkv_bias"):
         mine, theirs = getattr(arch, field), getattr(workload.model, field)
         if mine != theirs:
@@ -1303,7 +1401,13 @@ def _workload_of(config: Any, model_config: Any, degrees: tuple[int, int, int, i
     compute = (training.dtype if training.dtype == "bfloat16"
                else training.mixed_precision_param)
     tp, cp, pp, dp = degrees
-    par = Parallelism(tp=tp, cp=cp, pp=pp, dp=dp,
+    ep = int(getattr(config.parallelism, "expert_parallel_degree", 1) or 1)
+    if arch.moe is not None and bool(getattr(getattr(config, "debug", None),
+                                             "moe_force_load_balance", False)):
+        raise WorkloadError("debug.moe_force_load_balance routes tokens round-robin, not by "
+                            "the router's logits as kareus's router does: turn it off")
+    _check_moe_degrees(arch, tp, ep)
+    par = Parallelism(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep if arch.moe is not None else 1,
                       sp=tp > 1 and bool(config.parallelism.enable_sequence_parallel))
     recompute = recompute_from_torchtitan(config.activation_checkpoint,
                                           selective_as=selective_as)

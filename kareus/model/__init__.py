@@ -49,6 +49,7 @@ from kareus.model.pipeline import (
 from kareus.model.profiler import Profiler, ProfilerWrapper
 from kareus.model.workload import (
     MODEL_PRESETS,
+    RANK_ORDERS,
     RECOMPUTE_POLICIES,
     ModelArch,
     Parallelism,
@@ -89,6 +90,7 @@ __all__ = [
     "ProfilerWrapper",
     "ScheduleConfig",
     "TransformerPartition",
+    "RANK_ORDERS",
     "RECOMPUTE_POLICIES",
     "Workload",
     "build_partitions",

@@ -27,8 +27,11 @@ layers' MLP is a mixture of experts ([`MoEArch`][kareus.model.MoEArch]; no share
 expert; the router's softmax in float32, as ``transformers`` computes it): every layer must be
 an MoE layer (``decoder_sparse_step`` 1, ``mlp_only_layers`` empty), and the router's
 load-balancing loss must be off (``output_router_logits`` false: kareus does not cost it).
-``norm_topk_prob`` (renormalising the top-k probabilities) is accepted either way: it is part
-of the router's top-k op.
+``norm_topk_prob`` must be true: kareus's router renormalises the top-k probabilities (a
+softmax over the top-k logits, which the training loop and the planned layers compute);
+``transformers``' ``Qwen3MoeConfig`` defaults to false (the top-k of a softmax over every
+expert, not renormalised: another weighting of the experts), so a config without the key
+is refused too (Qwen/Qwen3-30B-A3B's sets it true).
 
 Mixtral (``MixtralForCausalLM``, ``model_type`` ``mixtral``) is read the same way: every
 layer is MoE, ``num_local_experts`` experts of width ``intermediate_size`` (its ``ffn`` too),
@@ -188,6 +191,11 @@ def _refuse_unsupported_moe(d: Mapping[str, Any], where: str) -> None:
         raise SpecFileError(f"{where}: mlp_only_layers {dense!r:.60} is not computed: kareus "
                             "costs models whose every layer is MoE (an empty list)")
     _refuse_router_logits(d, where)
+    if d.get("norm_topk_prob") is not True:
+        raise SpecFileError(f"{where}: norm_topk_prob {d.get('norm_topk_prob')!r:.40} is not "
+                            "computed: kareus's router renormalises the top-k probabilities "
+                            "(a softmax over the top-k logits): set it true (absent means "
+                            "transformers' default, false)")
     for key in ("shared_expert_intermediate_size", "n_shared_experts"):
         if d.get(key) not in (None, 0):
             raise SpecFileError(f"{where}: {key} {d[key]!r:.40} is not computed: a qwen3_moe "

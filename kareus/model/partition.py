@@ -110,6 +110,7 @@ __all__ = [
     "TransformerPartition",
     "build_partitions",
     "grad_reduction_crosses_node",
+    "pipeline_sends_cross_node",
     "iteration_work",
     "launch_slots",
     "stage_params_per_rank",
@@ -1053,23 +1054,40 @@ ADAM_FLOPS_PER_PARAM = 12.0
 def grad_reduction_crosses_node(wl: Workload) -> bool:
     """Whether a gradient-reduction group of the workload (the ``DP x CP`` ranks that hold
     one TP rank's shard of one pipeline stage) spans more than one node
-    (``GPUS_PER_NODE`` GPUs a node).
+    (``GPUS_PER_NODE`` GPUs a node), with the ranks laid out as the workload's
+    ``Parallelism.rank_order`` says (``Parallelism.global_rank``).
 
-    Ranks are laid out TP fastest, then CP, then PP, then DP (``rank = tp + TP (cp + CP (pp
-    + PP dp))``; Megatron-LM's order with ``--use-tp-pp-dp-mapping``, ``tp-cp-ep-pp-dp``):
-    the layout the pipeline sends' node test already assumes (a stage group of ``TP x CP``
-    GPUs times ``PP`` in one node). A CP group alone (DP = 1) then stays inside the
-    ``TP x CP`` block of its stage; with DP > 1 the group reaches across the whole job, so
-    it crosses nodes exactly when the job spans more than one. (Megatron-Core's default
-    order ``tp-cp-ep-dp-pp`` puts DP inside PP instead; not modelled.)
+    Under Megatron-Core's default order (``tp-cp-ep-dp-pp``) a stage's replicas sit next to
+    each other, so the group of a ``TP x CP x DP`` block within one node stays there; under
+    ``--use-tp-pp-dp-mapping`` (``tp-cp-ep-pp-dp``) the replicas of a stage lie ``TP x CP x
+    PP`` ranks apart. A CP group alone (DP = 1) stays inside the ``TP x CP`` block of its
+    stage in both.
     """
     p = wl.parallelism
     for tp in range(p.tp):
         for pp in range(p.pp):
-            nodes = {(tp + p.tp * (cp + p.cp * (pp + p.pp * dp))) // GPUS_PER_NODE
+            nodes = {p.global_rank(tp=tp, cp=cp, dp=dp, pp=pp) // GPUS_PER_NODE
                      for cp in range(p.cp) for dp in range(p.dp)}
             if len(nodes) > 1:
                 return True
+    return False
+
+
+def pipeline_sends_cross_node(wl: Workload) -> bool:
+    """Whether any pipeline send of the workload (the same TP, CP and DP coordinates on
+    neighbouring stages) crosses nodes, with the ranks laid out as
+    ``Parallelism.rank_order`` says: under the default order (``tp-cp-ep-dp-pp``) the
+    neighbouring stage lies ``TP x CP x DP`` ranks away, under ``tp-cp-ep-pp-dp``
+    ``TP x CP``. The emulator costs every send at the slowest link a send takes."""
+    p = wl.parallelism
+    for pp in range(p.pp - 1):
+        for dp in range(p.dp):
+            for cp in range(p.cp):
+                for tp in range(p.tp):
+                    a = p.global_rank(tp=tp, cp=cp, dp=dp, pp=pp)
+                    b = p.global_rank(tp=tp, cp=cp, dp=dp, pp=pp + 1)
+                    if a // GPUS_PER_NODE != b // GPUS_PER_NODE:
+                        return True
     return False
 
 
@@ -1219,10 +1237,9 @@ def _outside_work(wl: Workload) -> dict[tuple[int, str], OutsideWork]:
     # (backward) of one microbatch, bf16, split over the TP ranks (each sends its 1/TP
     # share, gathered on the other side: Megatron-LM's scatter-gather of pipeline tensors;
     # under sequence parallelism the share is the rank's sequence shard).
-    # Stages sit on different nodes when a stage group of TP x CP GPUs times PP does not
-    # fit in one node.
+    # Stages sit on different nodes as the rank order lays them out.
     p2p = t * h * s.d / p.tp
-    cross = p.tp * p.cp * p.pp > GPUS_PER_NODE
+    cross = pipeline_sends_cross_node(wl)
     for stage in range(p.pp):
         fwd_ops: list[ComputeOp] = []
         bwd_ops: list[ComputeOp] = []

@@ -48,6 +48,7 @@ from kareus.model.moe import MoEArch
 
 __all__ = [
     "MODEL_PRESETS",
+    "RANK_ORDERS",
     "RECOMPUTE_POLICIES",
     "ModelArch",
     "Parallelism",
@@ -68,6 +69,16 @@ __all__ = [
 #: (``kareus.model.partition.GPUS_PER_NODE`` is the same figure; the 8-GPU NVLink nodes of
 #: DGX A100 / H100 / H200 class machines).
 _GPUS_PER_NODE = 8
+
+#: How a job's global ranks are laid out over its parallel degrees, fastest first, spelt as
+#: Megatron-Core spells its ``order``: ``"tp-cp-ep-dp-pp"`` (Megatron-Core's and
+#: Megatron-LM's default, and torchtitan's device mesh ``[pp, dp, cp, tp]``: a pipeline
+#: stage's data-parallel replicas sit next to each other, the stages furthest apart) and
+#: ``"tp-cp-ep-pp-dp"`` (Megatron-LM's ``--use-tp-pp-dp-mapping``: the stages of one
+#: replica next to each other). EP folds into the ranks of one stage either way
+#: (``kareus.model.moe``). The order decides which groups cross nodes: the pipeline sends
+#: and the gradient reductions (``kareus.model.partition``).
+RANK_ORDERS = ("tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp")
 
 #: The largest size or count a workload may hold: a 32-bit index (the kernels index
 #: tensors with it), and low enough that FLOP and byte counts stay finite floats.
@@ -535,6 +546,8 @@ class Parallelism:
             ``1 / tp`` of the sequence, and each TP all-reduce is a reduce-scatter and an
             all-gather (``kareus.model.decoder``). With ``tp == 1`` it changes nothing (as
             in Megatron-LM, which turns it off there).
+        rank_order: How the global ranks are laid out, one of ``RANK_ORDERS``
+            (``global_rank``); the default is Megatron-Core's and torchtitan's.
     """
 
     tp: int = 1
@@ -543,12 +556,17 @@ class Parallelism:
     dp: int = 1
     sp: bool = False
     ep: int = 1
+    rank_order: str = RANK_ORDERS[0]
 
     def __attrs_post_init__(self) -> None:
         for field in ("tp", "cp", "pp", "dp", "ep"):
             _check_count(f"parallelism {field}", getattr(self, field))
         if not isinstance(self.sp, bool):
             raise WorkloadError(f"parallelism sp must be True or False, got {self.sp!r:.40}")
+        if self.rank_order not in RANK_ORDERS:
+            raise WorkloadError(f"parallelism rank_order must be one of {', '.join(RANK_ORDERS)} "
+                                f"(Megatron-Core's order, fastest first), got "
+                                f"{short_repr(self.rank_order)}")
         if (self.tp * self.cp * self.dp) % self.ep:
             raise WorkloadError(f"parallelism ep={self.ep} must divide tp x cp x dp = "
                                 f"{self.tp * self.cp * self.dp} (expert-parallel ranks are "
@@ -568,6 +586,14 @@ class Parallelism:
     def gpus_per_stage(self) -> int:
         """GPUs that run one pipeline stage of one data-parallel replica (TP x CP)."""
         return self.tp * self.cp
+
+    def global_rank(self, *, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
+        """The global rank at these coordinates under ``rank_order`` (TP fastest, then CP,
+        then DP and PP in the order's sequence); ranks ``8 k .. 8 k + 7`` share node ``k``."""
+        inner = tp + self.tp * cp
+        if self.rank_order == "tp-cp-ep-pp-dp":
+            return inner + self.tp * self.cp * (pp + self.pp * dp)
+        return inner + self.tp * self.cp * (dp + self.dp * pp)
 
 
 @attrs.frozen(kw_only=True)
@@ -742,6 +768,7 @@ class Workload:
         dp: int = 1,
         sp: bool = False,
         ep: int = 1,
+        rank_order: str = RANK_ORDERS[0],
         **kwargs: object,
     ) -> Workload:
         """A workload of a preset model, e.g. ``Workload.preset("llama3.2-3b", tp=4)``.
@@ -752,7 +779,8 @@ class Workload:
         2 nanobatches, recomputation).
         """
         return cls(model=get_model(name),
-                   parallelism=Parallelism(tp=tp, cp=cp, pp=pp, dp=dp, sp=sp, ep=ep),
+                   parallelism=Parallelism(tp=tp, cp=cp, pp=pp, dp=dp, sp=sp, ep=ep,
+                                           rank_order=rank_order),
                    **kwargs)  # type: ignore[arg-type]
 
     @classmethod
@@ -767,6 +795,7 @@ class Workload:
         dp: int = 1,
         sp: bool = False,
         ep: int = 1,
+        rank_order: str = RANK_ORDERS[0],
         **kwargs: object,
     ) -> Workload:
         """A workload of the model a Hugging Face ``config.json`` describes, e.g.
@@ -784,8 +813,8 @@ class Workload:
             WorkloadError: the parallelism or batch does not fit the model.
         """
         arch = model_from_hf_config(config, name=name)
-        return cls(model=arch, parallelism=Parallelism(tp=tp, cp=cp, pp=pp, dp=dp, sp=sp, ep=ep),
-                   **kwargs)  # type: ignore[arg-type]
+        par = Parallelism(tp=tp, cp=cp, pp=pp, dp=dp, sp=sp, ep=ep, rank_order=rank_order)
+        return cls(model=arch, parallelism=par, **kwargs)  # type: ignore[arg-type]
 
     @property
     def layers_per_stage(self) -> int:
@@ -821,6 +850,7 @@ class Workload:
         p = self.parallelism
         return (f"{self.model.name} TP={p.tp}{' SP' if p.sequence_parallel else ''} "
                 f"CP={p.cp} PP={p.pp} DP={p.dp}{f' EP={p.ep}' if p.ep > 1 else ''} "
+                f"{'' if p.rank_order == RANK_ORDERS[0] else f'order={p.rank_order} '}"
                 f"mbs={self.microbatch_size} seq={self.seq_len} "
                 f"microbatches={self.num_microbatches} nanobatches={self.nanobatches}"
                 f"{'' if self.recompute == 'none' else f' recompute={self.recompute}'}"
@@ -837,7 +867,10 @@ class Workload:
         mixture-of-experts model only (a dense workload's description is as before);
         ``document_tokens`` is written where documents are masked (absent: one document per
         sequence); ``chained_layers`` only when it is ``False`` (a description without it
-        means chained layers, as every one written before the setting did)."""
+        means chained layers, as every one written before the setting did);
+        ``rank_order`` only when it is not the default (descriptions written before the
+        setting costed the ``"tp-cp-ep-pp-dp"`` layout; they load as the default, which
+        differs only for jobs with ``dp > 1``, ``pp > 1`` and ``tp x cp`` under a node)."""
         p = self.parallelism
         model: object = self.model.to_dict()
         d: dict[str, object] = {
@@ -852,6 +885,8 @@ class Workload:
             d["document_tokens"] = self.document_tokens
         if not self.chained_layers:
             d["chained_layers"] = False
+        if p.rank_order != RANK_ORDERS[0]:
+            d["rank_order"] = p.rank_order
         return d
 
     @classmethod
@@ -870,6 +905,8 @@ class Workload:
         par: dict[str, Any] = {k: int(d.get(k, 1))  # type: ignore[call-overload]
                                for k in ("tp", "cp", "pp", "dp", "ep")}
         par["sp"] = d.get("sp", False)
+        if "rank_order" in d:
+            par["rank_order"] = d["rank_order"]
         rest = {k: d[k] for k in ("microbatch_size", "seq_len", "num_microbatches",
                                   "recompute", "nanobatches", "dtype_bytes",
                                   "routing_imbalance", "document_tokens",

@@ -17,6 +17,10 @@
   [`Partition`][kareus.model.Partition].
 * [`check_kernels`][kareus.testing.check_kernels] - conformance checks for any kernel set
   (``kareus.exec.kernels.KernelSet``: each op against its formula in float64).
+* [`moe_block_reference`][kareus.testing.moe_block_reference] - a mixture-of-experts block
+  (router, top-k, SwiGLU experts, shared experts) as plain autograd of whole tensors, the
+  reference an MoE implementation's outputs and gradients are compared with
+  (``kareus.testing.moe``).
 * [`check_microbatch_composer`][kareus.testing.check_microbatch_composer],
   [`check_iteration_composer`][kareus.testing.check_iteration_composer] - conformance checks for any
   [`FrontierComposer`][kareus.compose.FrontierComposer] of either level.
@@ -60,6 +64,7 @@ from kareus.testing.executor import (
     make_workload_plan,
 )
 from kareus.testing.kernels import KERNEL_CHECKS, KernelSetConformance, check_kernels
+from kareus.testing.moe import moe_block_reference
 from kareus.testing.partition import PARTITION_CHECKS, PartitionConformance, check_partition
 from kareus.testing.profiler import (
     PROFILER_CHECKS,
@@ -101,5 +106,6 @@ __all__ = [
     "make_acquisition_context",
     "make_test_plan",
     "make_workload_plan",
+    "moe_block_reference",
 ]
 

@@ -81,6 +81,7 @@ class RecordingCollective(CollectiveBackend):
 
     Attributes:
         calls: ``(op, tensor or input, sms)`` of every call, in order.
+        splits: ``(output_splits, input_splits)`` of every all-to-all, in order.
     """
 
     name: ClassVar[str] = "recording"
@@ -92,6 +93,7 @@ class RecordingCollective(CollectiveBackend):
         self._sm_count = int(sm_count)
         self._prefix = name
         self.calls: list[tuple[str, Any, int | None]] = []
+        self.splits: list[tuple[list[int], list[int]]] = []
 
     @property
     def world_size(self) -> int:
@@ -131,6 +133,21 @@ class RecordingCollective(CollectiveBackend):
         self._log(f"reduce_scatter({input}->{output})", stream, sms)
         return output
 
+    def all_to_all(self, output: Any, input: Any, output_splits: Any, input_splits: Any,
+                   stream: Any, sms: int | None) -> Any:
+        """Records an all-to-all of ``input`` into ``output`` and its splits (one entry per
+        rank of the fake group, else ``CollectiveArgumentError``); returns ``output``."""
+        from kareus.exec.collectives import CollectiveArgumentError
+
+        for what, sp in (("output_splits", output_splits), ("input_splits", input_splits)):
+            if len(sp) != self._world:
+                raise CollectiveArgumentError(f"all_to_all: {what} must list one row count "
+                                              f"per rank ({self._world}), got {len(sp)}")
+        self.calls.append(("all_to_all", input, sms))
+        self.splits.append((list(output_splits), list(input_splits)))
+        self._log(f"all_to_all({input}->{output})", stream, sms)
+        return output
+
 
 class RecordingTrigger(FrequencyTrigger):
     """A frequency trigger that records each request instead of changing a clock.
@@ -160,9 +177,9 @@ class _RecordingScope(PartitionScope):
     _ex: RecordingExecutor
 
     def communicate(self, tensor: Any, *, kind: str = "all_reduce", output: Any = None,
-                    group: str | None = None) -> None:
+                    group: str | None = None, splits: Any = None) -> None:
         """Registers the partition's collective (launched at the configured slot); records it."""
-        super().communicate(tensor, kind=kind, output=output, group=group)
+        super().communicate(tensor, kind=kind, output=output, group=group, splits=splits)
         self._ex.log.append(("communicate", self.key, kind))
 
 

@@ -17,7 +17,13 @@ formula (autograd of it for the backward ops):
   gradients),
 * ``swiglu`` / ``swiglu_bwd``,
 * ``attention`` (causal, grouped K/V) and ``attention_fwd`` / ``attention_bwd``,
-* ``matmul`` (into ``out=``, and accumulating with ``accumulate=True``);
+* ``matmul`` (into ``out=``, and accumulating with ``accumulate=True``),
+* the mixture-of-experts ops (``moe``): ``router`` (in float32), ``router_topk`` (the top-k
+  experts and the softmax over their logits) and its backward, ``permute`` (rows by
+  expert, then token) and ``permute_bwd``, ``expert_sort`` / ``expert_unsort`` (chunks from
+  (source rank, local expert) to (local expert, source rank) order and back),
+  ``grouped_mm`` / ``grouped_mm_wgrad`` (uneven groups, an empty one),
+  ``expert_swiglu`` and its backward, ``unpermute`` and its backward;
 
 and every check also requires the op to leave its inputs as they were (a runnable
 partition runs an op again and again on the same inputs). Tolerances follow the dtype
@@ -231,6 +237,85 @@ def _check_matmul(ks: Any, c: _Case) -> None:
     _unchanged("matmul", keep, [a, b])
 
 
+def _check_moe(ks: Any, c: _Case) -> None:
+    torch = c.torch
+    t, h, E, k, fe = 11, 32, 4, 2, 16
+    x, wr = c.rnd(t, h), c.rnd(h, E, scale=h ** -0.5)
+    keep = [x.clone(), wr.clone()]
+    x64, wr64 = x.double().cpu(), wr.double().cpu()
+    logits = ks.router(x, wr, dtype="float32")
+    assert logits.dtype == torch.float32, "router: logits in the router dtype (float32)"
+    c.close("router", logits, x64 @ wr64)
+    probs, idx = ks.router_topk(logits, k)
+    lg = logits.double().cpu().requires_grad_()
+    top, idx64 = torch.topk(lg, k, dim=-1)
+    p64 = torch.softmax(top, dim=-1)
+    assert torch.equal(idx.cpu(), idx64), "router_topk: not the top-k experts, in order"
+    c.close("router_topk probs (softmax over the chosen logits)", probs, p64.detach())
+    dp = c.rnd(t, k).float()
+    p64.backward(dp.double().cpu())
+    c.close("router_topk_bwd", ks.router_topk_bwd(dp, probs, idx, E), lg.grad)
+    # permutation: rows by expert, then token (Megatron-Core's order)
+    rows, perm = ks.permute(x, idx, experts=E, ep=2)
+    order = [i for e in range(E) for i in range(t) if e in idx64[i].tolist()]
+    assert perm.token_of_row.cpu().tolist() == order, "permute: rows not by expert, then token"
+    assert torch.equal(rows.cpu(), x.cpu()[order]), "permute: rows are not the tokens' copies"
+    low = sum(1 for i in range(t) for e in idx64[i].tolist() if e < E // 2)
+    assert perm.input_splits() == [low, t * k - low], \
+        "permute: rows per destination rank (input_splits)"
+    drows = c.rnd(t * k, h)
+    dx = torch.zeros(t, h, dtype=torch.float64).index_add_(0, torch.tensor(order),
+                                                          drows.double().cpu())
+    c.close("permute_bwd", ks.permute_bwd(drows, perm), dx)
+    # the received chunks by local expert and back
+    table = [[2, 0, 1], [1, 3, 0]]
+    recv = c.rnd(7, h)
+    starts = [[0, 2, 2], [3, 4, 7]]
+    want = [r for e in range(3) for s in range(2)
+            for r in range(starts[s][e], starts[s][e] + table[s][e])]
+    sorted_rows = ks.expert_sort(recv, table)
+    assert torch.equal(sorted_rows.cpu(), recv.cpu()[want]), "expert_sort: wrong order"
+    assert torch.equal(ks.expert_unsort(sorted_rows, table).cpu(), recv.cpu()), \
+        "expert_unsort: not expert_sort's inverse"
+    # grouped SwiGLU experts over uneven groups, one empty
+    counts = [5, 0, 6]
+    xs, w1, w2 = c.rnd(11, h), c.rnd(3, h, 2 * fe, scale=h ** -0.5), c.rnd(3, fe, h)
+    dy = c.rnd(11, h)
+    keep_e = [xs.clone(), w1.clone(), w2.clone(), dy.clone()]
+    x_d, w1_d, w2_d = (v.double().cpu().requires_grad_() for v in (xs, w1, w2))
+    bounds = [(0, 5, 0), (5, 11, 2)]
+    h1_d = torch.cat([x_d[a:b] @ w1_d[g] for a, b, g in bounds])
+    a_d = torch.nn.functional.silu(h1_d[:, :fe]) * h1_d[:, fe:]
+    y_d = torch.cat([a_d[a:b] @ w2_d[g] for a, b, g in bounds])
+    y_d.backward(dy.double().cpu())
+    h1 = ks.grouped_mm(xs, w1, counts)
+    c.close("grouped_mm (gate/up)", h1, h1_d.detach())
+    a = ks.expert_swiglu(h1)
+    c.close("expert_swiglu", a, a_d.detach())
+    c.close("grouped_mm (down)", ks.grouped_mm(a, w2, counts), y_d.detach())
+    da = ks.grouped_mm(dy, w2.transpose(1, 2), counts)
+    dw2 = ks.grouped_mm_wgrad(a, dy, counts)
+    c.close("grouped_mm_wgrad (down)", dw2, w2_d.grad)
+    assert float(dw2[1].abs().max()) == 0.0, "grouped_mm_wgrad: an empty group's is not zero"
+    dh = ks.expert_swiglu_bwd(da, h1)
+    c.close("grouped_mm (data gradient)", ks.grouped_mm(dh, w1.transpose(1, 2), counts),
+            x_d.grad)
+    c.close("grouped_mm_wgrad (gate/up)", ks.grouped_mm_wgrad(xs, dh, counts), w1_d.grad)
+    _unchanged("grouped expert ops", keep_e, [xs, w1, w2, dy])
+    # the probability-weighted sum back per token
+    back, dout = c.rnd(t * k, h), c.rnd(t, h)
+    b_d = back.double().cpu().requires_grad_()
+    pr_d = probs.double().cpu().requires_grad_()
+    rof = perm.row_of.cpu()
+    out_d = (b_d[rof] * pr_d.unsqueeze(-1)).sum(1)
+    out_d.backward(dout.double().cpu())
+    c.close("unpermute", ks.unpermute(back, probs, perm), out_d.detach())
+    d_rows, d_probs = ks.unpermute_bwd(dout, back, probs, perm)
+    c.close("unpermute_bwd rows", d_rows, b_d.grad)
+    c.close("unpermute_bwd probs", d_probs, pr_d.grad)
+    _unchanged("moe ops", keep, [x, wr])
+
+
 def _check_kernel_names(ks: Any, c: _Case) -> None:
     names = ks.kernel_names()
     assert isinstance(names, dict) and all(isinstance(v, str) for v in names.values()), \
@@ -247,6 +332,7 @@ KERNEL_CHECKS: dict[str, Callable[[Any, _Case], None]] = {
     "swiglu": _check_swiglu,
     "attention": _check_attention,
     "matmul": _check_matmul,
+    "moe": _check_moe,
     "kernel_names": _check_kernel_names,
 }
 

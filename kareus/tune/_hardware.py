@@ -103,7 +103,9 @@ def one_gpu_backends(workload: Workload, *, loopback: str = "plain",
     more than one rank, routed by kind as in training (all-reduces to TP, all-gathers and
     reduce-scatters to CP; [`make_collectives`][kareus.exec.train.make_collectives] with
     [`LoopbackGroups`][kareus.exec.train.LoopbackGroups]). A workload with TP = CP = 1 gets a
-    [`LoopbackCollective`][kareus.exec.LoopbackCollective] (a world of one; needs a GPU).
+    [`LoopbackCollective`][kareus.exec.LoopbackCollective] (a world of one; needs a GPU). A
+    mixture of experts' expert-parallel group gets its stand-in beside them (all-to-alls to
+    it: ``LoopbackGroups(ep=...)``, plain or time-faithful).
 
     Args:
         workload: The job.
@@ -128,10 +130,13 @@ def one_gpu_backends(workload: Workload, *, loopback: str = "plain",
             raise ArgumentError("loopback='faithful' needs the GPU preset whose collective "
                                 "times it stands in for (gpu=)")
         times = EmulatedCollectiveTimes(gpu)
-    capped, default, note = make_collectives(LoopbackGroups(tp=p.tp, cp=p.cp),
+    # a mixture of experts' EP group stood in beside the TP and CP groups (its all-to-alls:
+    # LoopbackGroupCollective.all_to_all, timed by the faithful stand-in)
+    ep = p.ep if workload.model.moe is not None else 1
+    capped, default, note = make_collectives(LoopbackGroups(tp=p.tp, cp=p.cp, ep=ep, dp=p.dp),
                                              backend="loopback", loopback=loopback,
                                              times=times)
-    if capped is None:  # TP = CP = 1: nothing to stand in for
+    if capped is None:  # TP = CP = EP = 1: nothing to stand in for
         from kareus.exec.collectives import LoopbackCollective
 
         loop = LoopbackCollective()

@@ -686,10 +686,10 @@ def _setup(stack: contextlib.ExitStack, plan: Plan, wl: Workload, *, cpu: bool, 
         if p.tp * p.cp != world:
             raise ArgumentError(f"the plan is for TP={p.tp} x CP={p.cp}: run it on that many "
                                 f"GPUs (not {world}), or in one process on one GPU")
-        groups: Any = TorchParallelGroups(tp=p.tp)
+        groups: Any = TorchParallelGroups(tp=p.tp, ep=p.ep)
         backend = backend or "nccl_capped"
     else:
-        groups = LoopbackGroups(tp=p.tp, cp=p.cp)
+        groups = LoopbackGroups(tp=p.tp, cp=p.cp, ep=p.ep)
         if backend not in (None, "loopback"):
             raise ArgumentError("one process stands in for the job's groups with the "
                                 "loopback collective: leave --backend out (or run on TP x CP "

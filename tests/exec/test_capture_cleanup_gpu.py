@@ -15,11 +15,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from _helpers import cuda_marks
+
 from kareus.exec import _streams
 from kareus.exec.executor import TorchStreamBackend
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = cuda_marks()
 
 
 @pytest.fixture

@@ -9,8 +9,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+from _helpers import cuda_marks
+
+pytestmark = cuda_marks()
 
 F = torch.nn.functional
 

@@ -20,6 +20,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from _helpers import warm_up_on_a_side_stream
+
 from kareus.errors import ArgumentError
 from kareus.exec.kernels import DocumentMask, TorchKernels
 
@@ -230,12 +232,7 @@ def test_flex_inside_a_cuda_graph_follows_each_batch_s_documents():
     def body():
         return _fwd_bwd(ks, q, k, v, DocumentMask(pos), do)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            body()
-    torch.cuda.current_stream().wait_stream(side)
+    warm_up_on_a_side_stream(body)
     with torch._dynamo.config.patch(error_on_recompile=True):
         want = _fwd_bwd(ks, q, k, v, DocumentMask(second), do)  # no recompile
         graph = torch.cuda.CUDAGraph()

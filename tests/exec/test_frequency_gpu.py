@@ -9,6 +9,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from _helpers import cuda_marks
+
 from kareus.exec.frequency import (
     DryRunFrequencyController,
     EventPollingMarker,
@@ -16,8 +18,7 @@ from kareus.exec.frequency import (
     StreamOrderedTrigger,
 )
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = cuda_marks()
 
 
 def _marker(kind):

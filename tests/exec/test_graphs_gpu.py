@@ -12,6 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from _helpers import cuda_marks
 from test_train_gpu import workload
 from test_train_loop import plan_for
 
@@ -20,8 +21,7 @@ from kareus.exec.frequency import DryRunFrequencyController, StreamOrderedTrigge
 from kareus.exec.kernels import get_kernels
 from kareus.exec.train import LoopbackGroups, TrainingLoop, make_collectives
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = cuda_marks()
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(8, 8), (12, 4)])

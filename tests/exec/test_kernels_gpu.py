@@ -10,12 +10,13 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
+from _helpers import cuda_marks
+
 from kareus.exec.kernels import ReferenceKernels, get_kernels
 from kareus.exec.kernels import autograd as kag
 from kareus.exec.kernels.triton_ops import TritonKernels, liger_version
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = cuda_marks()
 
 BF16_TOL = 1e-2
 SETS = [False] + ([True] if liger_version() else [])

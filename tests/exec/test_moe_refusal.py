@@ -1,6 +1,7 @@
-"""Mixture-of-experts layers are planned and emulated, not executed yet: every layer that
-runs a plan refuses an MoE workload in one line before it builds anything (never a dense
-layer run in its place)."""
+"""Mixture-of-experts layers are planned and emulated everywhere; the runnable partitions
+(tests/exec/test_torch_partition_moe.py) and the training loop (tests/exec/test_train_moe.py)
+compute them, and every layer that does not yet refuses an MoE workload in one line before
+it builds anything (never a dense layer run in its place)."""
 
 from __future__ import annotations
 
@@ -29,14 +30,15 @@ def test_refuse_uncomputed_names_the_experts():
     assert "does not compute moe (mixture-of-experts layers" in _one_line(err)
 
 
-def test_runnable_partitions_refuse_an_moe_workload():
-    with pytest.raises(WorkloadError) as err:
-        runnable_partitions(MOE)
-    assert "kareus's runnable partitions does not compute moe" in _one_line(err)
+def test_runnable_partitions_take_an_moe_workload():
+    parts = runnable_partitions(MOE)  # built lazily: nothing is allocated here
+    assert any(p.comm_op.kind.value == "all_to_all" for p in parts.values())
 
 
-def test_training_loop_refuses_an_moe_workload_first():
-    # refused before the groups are looked at (they are wrong here too)
+def test_training_loop_computes_moe_and_refuses_what_it_does_not_run():
+    # the loop computes the MoE layer (no refusal of moe); groups of other degrees than the
+    # workload's are refused in one line
     with pytest.raises(WorkloadError) as err:
         TrainingLoop(workload=MOE, groups=LoopbackGroups(tp=4))
-    assert "kareus's training loop does not compute moe" in _one_line(err)
+    msg = _one_line(err)
+    assert "does not compute moe" not in msg and "TP=4" in msg

@@ -16,6 +16,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
+from _helpers import cuda_marks
+
 from kareus.exec.train import (
     LoopbackGroupCollective,
     LoopbackGroups,
@@ -27,8 +29,7 @@ from kareus.exec.train import (
 from kareus.model.workload import ModelArch, Parallelism, Workload
 from kareus.profilers import EmulatedCollectiveTimes
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = cuda_marks()
 
 MIB = 1 << 20
 

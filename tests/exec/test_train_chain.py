@@ -139,8 +139,14 @@ def test_the_stream_runs_the_decoder_layers_op_order():
     stream = stack_stream("bwd", 1, tp=2, cp=2, recompute=False, qk_norm=True)
     assert tuple(x.name for x in stream if isinstance(x, Op)) == \
         decoder_layer("bwd", qk_norm=True).op_names
-    assert set(_op_builders()) == names
-    assert {n[len("_op_"):] for n in dir(DecoderShard) if n.startswith("_op_")} == names
+    # both also run the mixture-of-experts layer's ops (every variant: shared experts, the
+    # received tokens' sort)
+    from kareus.model.decoder import moe_decoder_layer
+
+    moe = {n for ph in ("fwd", "bwd") for n in moe_decoder_layer(
+        ph, shared_experts=True, sort_tokens=True).op_names}
+    assert set(_op_builders()) == names | moe
+    assert {n[len("_op_"):] for n in dir(DecoderShard) if n.startswith("_op_")} == names | moe
     ps = build_partitions(workload(2, 2))
     assert {op.name for p in ps for op in p.compute_ops} == names - qk
     wl_qk = workload(2, 2)

@@ -18,7 +18,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_train_loop import plan_for, reference
+from _helpers import cuda_marks, small_workload
+from test_train_loop import assert_bf16_step, losses_by_schedule, plan_for, step_reference
 
 from kareus.exec.train import (
     LoopbackGroups,
@@ -27,17 +28,13 @@ from kareus.exec.train import (
     measure_runs,
     shuffled_order,
 )
-from kareus.model.workload import ModelArch, Parallelism, Workload
+from kareus.model.workload import Workload
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = cuda_marks()
 
 
 def workload(tp: int, cp: int, recompute: bool | str = True, sp: bool = False) -> Workload:
-    m = ModelArch(name="small", layers=2, hidden=512, heads=8, kv_heads=4, head_dim=64,
-                  ffn=1024, vocab=1000)
-    return Workload(model=m, parallelism=Parallelism(tp=tp, cp=cp, sp=sp), microbatch_size=4,
-                    seq_len=256, num_microbatches=2, nanobatches=2, recompute=recompute)
+    return small_workload(tp, cp, sp=sp, seq=256, recompute=recompute)
 
 
 @pytest.mark.parametrize("recompute", ["full", "selective", "none"])
@@ -48,14 +45,7 @@ def test_bf16_loop_on_fused_kernels_matches_autograd(schedule, recompute):
     m = loop.model
     params = {k: v.detach().float().cpu() for k, v in m.params.items()}
     loss = float(loop.step(schedule))
-    batches = [(t.cpu(), lab.cpu()) for t, lab in loop.batches]
-    ref_loss, (ref,) = reference([params], wl.model, loop.layers, batches,
-                                 wl.num_microbatches * wl.microbatch_size * wl.seq_len)
-    assert loss == pytest.approx(ref_loss, rel=5e-3)
-    for k, g in m.grads.items():
-        r = ref[k].double()
-        err = float((g.double().cpu() - r).norm() / max(float(r.norm()), 1e-12))
-        assert err < 3e-2, (k, err)
+    assert_bf16_step(loss, m.grads, *step_reference(loop, params))
 
 
 @pytest.mark.parametrize("tp,cp,sp", [(2, 1, False), (2, 2, False), (2, 1, True),
@@ -106,10 +96,7 @@ def test_loopback_one_nanobatch_runs_every_schedule_as_sequential(mbs):
     capped, default, _ = make_collectives(groups, backend="loopback")
     loop = TrainingLoop(workload=wl, groups=groups, collective=capped,
                         default_collective=default, plan=plan_for(wl, sms=8), lr=1e-3)
-    losses = {}
-    for s in loop.schedules:
-        loop.reset()
-        losses[s] = [float(loop.step(s)) for _ in range(4)]
+    losses = losses_by_schedule(loop, 4)
     ref = losses["sequential"]
     assert ref[-1] < ref[0]
     assert losses["nanobatching"] == pytest.approx(ref, rel=1e-3)

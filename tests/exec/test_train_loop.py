@@ -51,14 +51,8 @@ F = torch.nn.functional
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The models here are tiny: torch's intra-op threads only contend (40x slower on a
-    busy 2-core machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+#: torch's intra-op threads: one (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def workload(tp: int, cp: int, recompute: bool | str = True, n: int = 2) -> Workload:
@@ -165,6 +159,39 @@ def reference(shards: list[dict[str, Any]], arch: ModelArch, layers: int,
     return float(loss.detach()), grads
 
 
+def step_reference(loop: TrainingLoop, params: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    """The float64 autograd ``reference`` of one step of a one-rank ``loop`` (TP = 1) from
+    ``params`` (its parameters before the step, on the CPU) on the loop's batches: the loss
+    and every gradient."""
+    wl = loop.workload
+    batches = [(t.cpu(), lab.cpu()) for t, lab in loop.batches]
+    ref_loss, (ref,) = reference([params], wl.model, loop.layers, batches,
+                                 wl.num_microbatches * wl.microbatch_size * wl.seq_len)
+    return ref_loss, ref
+
+
+def losses_by_schedule(loop: TrainingLoop, steps: int) -> dict[str, list[float]]:
+    """``steps`` losses of each of ``loop``'s schedules, each from the loop's initial state
+    (``reset``)."""
+    losses = {}
+    for s in loop.schedules:
+        loop.reset()
+        losses[s] = [float(loop.step(s)) for _ in range(steps)]
+    return losses
+
+
+def assert_bf16_step(loss: float, grads: dict[str, Any], ref_loss: float, ref: dict[str, Any],
+                     *what: object) -> None:
+    """A bf16 step (on a GPU) against its float64 ``step_reference``: the loss within 5e-3
+    and every gradient within 3e-2, relative (bf16 rounding); ``what`` names the case."""
+    from _helpers import rel_error  # tests/, on sys.path under pytest (not in the workers)
+
+    assert loss == pytest.approx(ref_loss, rel=5e-3), what
+    for k, g in grads.items():
+        err = rel_error(g, ref[k])
+        assert err < 3e-2, (*what, k, err)
+
+
 def _close(a, b, tol=1e-4):
     return float((a.double() - b.double()).norm() / max(b.double().norm(), 1e-12)) < tol
 
@@ -216,10 +243,7 @@ def test_a_layer_feature_the_decoder_does_not_compute_is_refused(change, field):
 @pytest.mark.parametrize("tp,cp,recompute", [(2, 1, True), (1, 2, True), (2, 2, False)])
 def test_loopback_schedules_agree_and_the_loss_falls(tp, cp, recompute):
     loop = loopback_loop(tp, cp, recompute)
-    losses = {}
-    for s in loop.schedules:
-        loop.reset()
-        losses[s] = [float(loop.step(s)) for _ in range(4)]
+    losses = losses_by_schedule(loop, 4)
     ref = losses["sequential"]
     for s, got in losses.items():
         assert got == pytest.approx(ref, rel=1e-5), s
@@ -600,6 +624,32 @@ def _worker(out_dir: str, features: str, tp: str = "2") -> None:
     dist.destroy_process_group()
 
 
+def _gloo_ranks(out_dir: Path, world: int, *args: str) -> list[dict[str, Any]]:
+    """This file's ``_worker(out_dir, *args)`` in ``world`` processes over gloo (torchrun,
+    a free port of its own); asserts they all exit 0 and returns what each rank saved, in
+    rank order."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={world}", str(Path(__file__).resolve()), str(out_dir), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def _ranks_match_the_whole_model(res: list[dict[str, Any]], wl: Workload,
+                                 shards: list[dict[str, Any]]) -> None:
+    """Every rank's loss (1e-5) and gradients (1e-4), under each schedule, are the float64
+    reference's of the whole model assembled from the TP ``shards``, on whole sequences."""
+    ref_loss, ref = reference(shards, wl.model, wl.model.layers, res[0]["batches"],
+                              wl.num_microbatches * wl.microbatch_size * wl.seq_len)
+    for s in ("sequential", "nanobatching", "kareus"):
+        for r in res:
+            assert r[s]["loss"] == pytest.approx(ref_loss, rel=1e-5), s
+            for k, g in r[s]["grads"].items():
+                assert _close(g, ref[r["tp_rank"]][k]), (s, r["tp_rank"], r["cp_rank"], k)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("tp", "features"), [
     (2, "llama/full"), (2, "qwen3/full"), (1, "qwen3/full"), (2, "llama/none"),
@@ -610,15 +660,7 @@ def test_gloo_ranks_match_the_whole_model(tmp_path, tp, features):
     # eps 1e-6 and tied embeddings (a vocabulary-parallel output layer on the embedding);
     # none / selective: the activations kept (selective: the gathered K/V too, the
     # attention core re-run in the backward without its all-gather)
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    world = 2 * tp
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={world}", str(Path(__file__).resolve()), str(tmp_path),
-           features, str(tp)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300,
-                          check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    res = _gloo_ranks(tmp_path, 2 * tp, features, str(tp))
     wl = _four_rank_workload(features, tp)
     by = {(r["tp_rank"], r["cp_rank"]): r for r in res}
     shards = [by[(t, 0)]["params"] for t in range(tp)]
@@ -626,13 +668,7 @@ def test_gloo_ranks_match_the_whole_model(tmp_path, tp, features):
         for t in range(tp):
             for k, v in by[(t, c)]["params"].items():
                 assert torch.equal(v, shards[t][k]), k
-    ref_loss, ref = reference(shards, wl.model, wl.model.layers, res[0]["batches"],
-                              wl.num_microbatches * wl.microbatch_size * wl.seq_len)
-    for s in ("sequential", "nanobatching", "kareus"):
-        for r in res:
-            assert r[s]["loss"] == pytest.approx(ref_loss, rel=1e-5), s
-            for k, g in r[s]["grads"].items():
-                assert _close(g, ref[r["tp_rank"]][k]), (s, r["tp_rank"], r["cp_rank"], k)
+    _ranks_match_the_whole_model(res, wl, shards)
 
 
 @pytest.mark.slow
@@ -645,24 +681,11 @@ def test_sequence_parallel_gloo_ranks_match_the_whole_model(tmp_path, layout, np
     # norm's output gathered. TP=2 keeps every activation (the gathered inputs copied for
     # the weight gradients); TP=2 x CP=2 recomputes. Two sequences per nanobatch, so the
     # reordering around RoPE and attention runs.
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", str(Path(__file__).resolve()), str(tmp_path), layout]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300,
-                          check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
+    res = _gloo_ranks(tmp_path, nproc, layout)
     wl = _four_rank_workload(layout)
     assert wl.parallelism.sequence_parallel
     by = {(r["tp_rank"], r["cp_rank"]): r for r in res}
-    shards = [by[(t, 0)]["params"] for t in range(2)]
-    ref_loss, ref = reference(shards, wl.model, wl.model.layers, res[0]["batches"],
-                              wl.num_microbatches * wl.microbatch_size * wl.seq_len)
-    for s in ("sequential", "nanobatching", "kareus"):
-        for r in res:
-            assert r[s]["loss"] == pytest.approx(ref_loss, rel=1e-5), s
-            for k, g in r[s]["grads"].items():
-                assert _close(g, ref[r["tp_rank"]][k]), (s, r["tp_rank"], r["cp_rank"], k)
+    _ranks_match_the_whole_model(res, wl, [by[(t, 0)]["params"] for t in range(2)])
 
 
 if __name__ == "__main__":

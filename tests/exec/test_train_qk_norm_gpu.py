@@ -4,7 +4,8 @@ the default set), never RoPE alone, and its loss and gradients match both the un
 composition (each head normalised by ``rms_norm``, then ``rope``: how the decoder ran them
 before the fused op) and the float64 autograd reference, within bf16 rounding.
 
-``qk_counting_kernels`` is shared with ``tests/integrations/test_layer_qk_norm_gpu.py``.
+``qk_counting_kernels`` (tests/_helpers.py) is shared with
+``tests/integrations/test_layer_qk_norm_gpu.py``.
 Skipped without torch or without CUDA.
 """
 
@@ -17,46 +18,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_train_loop import reference
+from _helpers import cuda_marks, qk_counting_kernels, rel_error, small_workload
+from test_train_loop import assert_bf16_step, step_reference
 
 from kareus.exec.kernels import KernelSet, get_kernels
 from kareus.exec.train import LoopbackGroups, TrainingLoop
-from kareus.model.workload import ModelArch, Parallelism, Workload
+from kareus.model.workload import Workload
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-
-def qk_counting_kernels(fused: bool) -> Any:
-    """The default kernel set of this machine, counting its RoPE calls (``calls``); with
-    ``fused=False`` its query/key norm and RoPE run as ``KernelSet``'s composition of
-    ``rms_norm`` and ``rope`` (the unfused math) instead of its fused kernels."""
-    default = type(get_kernels(None))
-
-    class Counting(default):  # type: ignore[misc, valid-type]
-        def __init__(self) -> None:
-            super().__init__()
-            self.calls: Counter[str] = Counter()
-
-        def qk_norm_rope(self, *a: Any, **k: Any) -> Any:
-            self.calls["qk_norm_rope"] += 1
-            impl = default.qk_norm_rope if fused else KernelSet.qk_norm_rope
-            return impl(self, *a, **k)
-
-        def qk_norm_rope_bwd(self, *a: Any, **k: Any) -> Any:
-            self.calls["qk_norm_rope_bwd"] += 1
-            impl = default.qk_norm_rope_bwd if fused else KernelSet.qk_norm_rope_bwd
-            return impl(self, *a, **k)
-
-        def rope(self, *a: Any, **k: Any) -> Any:
-            self.calls["rope"] += 1
-            return super().rope(*a, **k)
-
-        def rope_bwd(self, *a: Any, **k: Any) -> Any:
-            self.calls["rope_bwd"] += 1
-            return super().rope_bwd(*a, **k)
-
-    return Counting()
+pytestmark = cuda_marks()
 
 
 def check_default_set_fuses() -> None:
@@ -77,16 +46,8 @@ def check_calls(fused: Counter[str], unfused: Counter[str]) -> None:
     assert unfused["rope_bwd"] == unfused["qk_norm_rope_bwd"] > 0, unfused
 
 
-def rel_err(got: Any, want: Any) -> float:
-    g, w = got.detach().double().cpu(), want.detach().double().cpu()
-    return float((g - w).norm() / max(float(w.norm()), 1e-12))
-
-
 def workload(recompute: str) -> Workload:
-    m = ModelArch(name="small-qwen3", layers=2, hidden=512, heads=8, kv_heads=4, head_dim=64,
-                  ffn=1024, vocab=1000, qk_norm=True, norm_eps=1e-6)
-    return Workload(model=m, parallelism=Parallelism(tp=1, cp=1), microbatch_size=4,
-                    seq_len=256, num_microbatches=2, nanobatches=2, recompute=recompute)
+    return small_workload(qk=True, name="small-qwen3", seq=256, recompute=recompute)
 
 
 def _step(wl: Workload, ks: Any, schedule: str) -> tuple[float, dict[str, Any], Any, Any]:
@@ -117,11 +78,6 @@ def test_loop_runs_the_fused_query_key_norm_and_matches_the_unfused_math(schedul
     # fused against unfused: the same function, bf16 rounding apart
     assert loss_f == pytest.approx(loss_u, rel=5e-3)
     for k in grads_f:
-        assert rel_err(grads_f[k], grads_u[k]) < 2e-2, (k, rel_err(grads_f[k], grads_u[k]))
+        assert rel_error(grads_f[k], grads_u[k]) < 2e-2, (k, rel_error(grads_f[k], grads_u[k]))
     # and against the float64 autograd reference of the whole model
-    batches = [(t.cpu(), lab.cpu()) for t, lab in loop.batches]
-    ref_loss, (ref,) = reference([params], wl.model, loop.layers, batches,
-                                 wl.num_microbatches * wl.microbatch_size * wl.seq_len)
-    assert loss_f == pytest.approx(ref_loss, rel=5e-3)
-    for k in grads_f:
-        assert rel_err(grads_f[k], ref[k]) < 3e-2, (k, rel_err(grads_f[k], ref[k]))
+    assert_bf16_step(loss_f, grads_f, *step_reference(loop, params))

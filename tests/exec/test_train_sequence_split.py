@@ -34,12 +34,8 @@ REPO = Path(__file__).resolve().parents[2]
 POLICIES = ("full", "selective", "none")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+#: torch's intra-op threads: one (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def workload(tp: int, n: int, recompute: str, features: str = "llama") -> Workload:

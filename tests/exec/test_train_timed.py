@@ -31,13 +31,8 @@ from kareus.exec.train import (
     named_collectives,
 )
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+#: torch's intra-op threads: one (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 RATE = FixedRateCollectiveTimes(gb_per_s_per_sm=10.0, link_gb_per_s=200.0, latency_s=5e-6,

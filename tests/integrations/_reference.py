@@ -75,7 +75,9 @@ def layer(x: torch.Tensor, w: dict[str, torch.Tensor], arch: ModelArch, *,
           inv: torch.Tensor | None = None,
           positions: torch.Tensor | None = None, documents: bool = False) -> torch.Tensor:
     """The whole layer on whole weights: RMSNorm, causal GQA with RoPE (at ``positions``,
-    ``[batch, seq]``, default ``0 .. seq - 1``), SwiGLU, residuals; with ``documents`` the
+    ``[batch, seq]``, default ``0 .. seq - 1``), SwiGLU (a model with ``moe``: the MoE
+    block of ``kareus.testing.moe_block_reference`` on ``w``'s ``Wr``, ``W1e``, ``W2e``),
+    residuals; with ``documents`` the
     attention masks the packed documents of ``positions`` (a document starts at position
     0; torchtitan's document mask), by explicit scores and softmax."""
     b, s, h = x.shape
@@ -102,7 +104,30 @@ def layer(x: torch.Tensor, w: dict[str, torch.Tensor], arch: ModelArch, *,
                                            v.transpose(1, 2), is_causal=True, enable_gqa=True)
     x = x + F.linear(o.transpose(1, 2).reshape(b, s, -1), w["wo"])
     y = F.rms_norm(x, (h,), w["n2"], eps)
+    if arch.moe is not None:  # the MoE block (kareus's layout, every expert): the library's
+        from kareus.testing import moe_block_reference
+
+        shared = (w["Wsg"], w["Wsu"], w["Wsd"]) if "Wsg" in w else None
+        return x + moe_block_reference(y.reshape(b * s, h), w["Wr"], w["W1e"], w["W2e"],
+                                       top_k=arch.moe.experts_per_token,
+                                       shared=shared).view(b, s, h)
     return x + F.linear(F.silu(F.linear(y, w["w1"])) * F.linear(y, w["w3"]), w["w2"])
+
+
+def reference_run(x: torch.Tensor, w: dict[str, torch.Tensor], arch: ModelArch,
+                  c: torch.Tensor, *, dtype: torch.dtype | None = None,
+                  **kw: object
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor | None]]:
+    """``layer`` (``kw``: its keywords) by autograd on copies of ``x`` and ``w`` (cast to
+    ``dtype`` if given: PyTorch's own autograd of the layer in that precision), under the
+    loss ``sum(y * c)`` in ``c``'s dtype: the output (detached), the input gradient and
+    every weight's gradient, by name."""
+    xr = x.detach().to(dtype or x.dtype, copy=True).requires_grad_(True)
+    pr = {k: v.detach().to(dtype or v.dtype, copy=True).requires_grad_(True)
+          for k, v in w.items()}
+    y = layer(xr, pr, arch, **kw)  # type: ignore[arg-type]
+    (y.to(c.dtype) * c).sum().backward()
+    return y.detach(), xr.grad, {k: v.grad for k, v in pr.items()}
 
 
 def planned_weights(p: dict[str, torch.Tensor], arch: ModelArch, *,

@@ -21,15 +21,26 @@ import pytest
 torch = pytest.importorskip("torch")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _reference import full_weights, layer, planned_weights, shard
+from _helpers import (
+    assert_as_close_as_torch,
+    assert_run_as_close_as_torch,
+    cuda_marks,
+    megatron_ddp_hooks,
+    rel_error,
+    small_workload,
+    warm_up_on_a_side_stream,
+)
+from _reference import full_weights, planned_weights, reference_run, shard
 
 from kareus.exec.train import LoopbackGroups, make_collectives
 from kareus.integrations import PlanApplier
-from kareus.model.workload import ModelArch, Parallelism, Workload
+from kareus.model.workload import Workload
 from kareus.testing import make_workload_plan
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = cuda_marks()
+
+#: the names other GPU layer tests imported from this module (now in tests/_helpers.py)
+_rel, _as_close_as_torch = rel_error, assert_as_close_as_torch
 
 
 @contextlib.contextmanager
@@ -60,28 +71,13 @@ def _user_capture(graph):
 
 def workload(tp: int, cp: int, qk: bool = False) -> Workload:
     """A small layer; ``qk``: Qwen3's (per-head query/key norms, eps 1e-6)."""
-    m = ModelArch(name="small", layers=2, hidden=512, heads=8, kv_heads=4, head_dim=64,
-                  ffn=1024, vocab=1000, qk_norm=qk, norm_eps=1e-6 if qk else 1e-5)
-    return Workload(model=m, parallelism=Parallelism(tp=tp, cp=cp), microbatch_size=4,
-                    seq_len=512, num_microbatches=2, nanobatches=2)
-
-
-def _rel(got, want):
-    return float((got.detach().double() - want.detach().double()).norm()
-                 / max(float(want.detach().double().norm()), 1e-12))
+    return small_workload(tp, cp, qk=qk)
 
 
 def _close(got, want, what, tol=2e-2):
     """Relative error in norm (bf16 rounding of sums of hundreds of terms, not a bug)."""
-    err = _rel(got, want)
+    err = rel_error(got, want)
     assert err < tol, f"{what}: relative error {err:.3g}"
-
-
-def _as_close_as_torch(got, torch_bf16, want, what):
-    """``got`` (bf16, kareus) is about as close to the fp32 ``want`` as PyTorch's own bf16
-    autograd of the same layer (``torch_bf16``) is: bf16 rounding, not a bug."""
-    err, base = _rel(got, want), _rel(torch_bf16, want)
-    assert err < max(2 * base, 5e-3), f"{what}: relative error {err:.3g}, torch bf16 {base:.3g}"
 
 
 @pytest.mark.parametrize("qk", [False, True], ids=["llama", "qwen3"])
@@ -96,15 +92,8 @@ def test_bf16_planned_layer_matches_the_reference(schedule, qk):
     x = torch.randn(4, 512, arch.hidden, generator=g).to(dev, torch.bfloat16).float()
     c = torch.randn(4, 512, arch.hidden, generator=g).to(dev)
 
-    ref_p = {k: v.clone().requires_grad_(True) for k, v in full.items()}
-    xr = x.clone().requires_grad_(True)
-    yr = layer(xr, ref_p, arch)
-    (yr * c).sum().backward()
-
-    tb = {k: v.to(torch.bfloat16).requires_grad_(True) for k, v in full.items()}
-    xt = x.to(torch.bfloat16).requires_grad_(True)
-    yt = layer(xt, tb, arch)
-    (yt.float() * c).sum().backward()
+    want = reference_run(x, full, arch, c)
+    torch_bf16 = reference_run(x, full, arch, c, dtype=torch.bfloat16)
 
     p = {k: v.to(torch.bfloat16).requires_grad_(True) for k, v in full.items()}
     xb = x.to(torch.bfloat16).requires_grad_(True)
@@ -112,10 +101,8 @@ def test_bf16_planned_layer_matches_the_reference(schedule, qk):
                           eps=arch.norm_eps)
     y = applier.layer()(xb, planned_weights(p, arch))
     (y.float() * c).sum().backward()
-    _as_close_as_torch(y, yt, yr, "output")
-    _as_close_as_torch(xb.grad, xt.grad, xr.grad, "input gradient")
-    for k in full:
-        _as_close_as_torch(p[k].grad, tb[k].grad, ref_p[k].grad, k)
+    assert_run_as_close_as_torch((y, xb.grad, {k: v.grad for k, v in p.items()}),
+                                 torch_bf16, want)
 
 
 def _loopback_tp4_cp2(qk: bool = False):
@@ -304,12 +291,7 @@ def test_planned_layers_inside_an_enclosing_cuda_graph_give_the_eager_gradients(
             t.grad.zero_()
         return step(applier, xs, ws)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            body()
-    torch.cuda.current_stream().wait_stream(side)
+    warm_up_on_a_side_stream(body)
     own = applier._runner.captures if graphs else 0
     graph = torch.cuda.CUDAGraph()
     with _user_capture(graph):
@@ -459,25 +441,6 @@ def test_graphed_planned_layers_at_every_recomputation_policy_on_cuda(how):
     _check_policy_memory(held, graphed, base)
 
 
-def _megatron_ddp_hooks(params):
-    """Megatron-Core DDP's gradient path on each parameter: an fp32 ``main_grad`` and a
-    hook on its gradient accumulator that adds ``.grad`` into it and drops ``.grad``."""
-    nodes = []
-    for lp in params:
-        for t in lp.values():
-            t.main_grad = torch.zeros_like(t, dtype=torch.float32)
-
-            def hook(*_, t=t):
-                if t.grad is not None:
-                    t.main_grad.add_(t.grad.data)
-                t.grad = None
-
-            node = t.expand_as(t).grad_fn.next_functions[0][0]
-            node.register_hook(hook)
-            nodes.append(node)
-    return nodes
-
-
 def _accumulating_iteration(applier, params, xs, order, arch):
     """One iteration of ``len(xs)`` microbatches through one planned layer per entry of
     ``params``, the gradients accumulating; returns the outputs and input gradients."""
@@ -537,7 +500,7 @@ def test_graphed_layers_lend_outputs_and_accumulate_the_eager_gradients_on_cuda(
         params = [{k: v.detach().clone().requires_grad_(True) for k, v in p.items()},
                   {k: (v.detach() * 2 if v.dim() > 1 else v.detach().clone())
                    .requires_grad_(True) for k, v in p.items()}]
-        nodes = _megatron_ddp_hooks(params) if hooks == "main_grad" else []
+        nodes = megatron_ddp_hooks(params) if hooks == "main_grad" else []
         applier = PlanApplier(workload=wl, groups=groups, plan=plan, schedule=schedule,
                               collective=capped, default_collective=default,
                               graphs=graphs, eps=arch.norm_eps)

@@ -100,6 +100,27 @@ class RerunExecutor(TorchExecutor):
         return _Rerun(bodies, kept)
 
 
+def _same_runs(want, got):
+    """Each run of ``got`` (output, input gradient, weight gradients) equals ``want``'s, to
+    1e-6."""
+    from _helpers import assert_runs_close  # tests/: on sys.path under pytest, not in workers
+
+    for w, g in zip(want, got, strict=True):
+        assert_runs_close(g, w, rtol=1e-6, atol=1e-6)
+
+
+def _inputs(arch, seeds=(0, 1)):
+    """A layer input ``[4, 8, hidden]`` a seed."""
+    return [torch.randn(4, 8, arch.hidden, generator=torch.Generator().manual_seed(s))
+            for s in seeds]
+
+
+def _params(arch, seeds=(1, 2)):
+    """A layer's weights a seed (``full_weights``), as parameters."""
+    return [{k: torch.nn.Parameter(v) for k, v in full_weights(arch, s).items()}
+            for s in seeds]
+
+
 def _applier(wl, *, graphs, plan=None, schedule=None):
     groups = LoopbackGroups(tp=wl.parallelism.tp, cp=wl.parallelism.cp)
     capped, default, _ = make_collectives(groups, backend="loopback")
@@ -156,12 +177,10 @@ def test_graphed_planned_stacks_compute_what_eager_ones_do(schedule, recompute):
     # under the plan, microbatch 1 runs unsplit: another choice, so graphs of its own
     plan = (make_workload_plan(wl, unsplit_microbatches=(1,)) if schedule == "kareus"
             else None)
-    xs = [torch.randn(4, 8, wl.model.hidden, generator=torch.Generator().manual_seed(s))
-          for s in (0, 1)]
+    xs = _inputs(wl.model)
     results = []
     for graphs in (False, True):
-        params = [{k: torch.nn.Parameter(v) for k, v in full_weights(wl.model, seed).items()}
-                  for seed in (1, 2)]
+        params = _params(wl.model)
         applier = _applier(wl, graphs=graphs, plan=plan,
                            schedule=None if plan else schedule)
         results.append(_run(applier, params, xs, plan=plan is not None))
@@ -182,11 +201,7 @@ def test_graphed_planned_stacks_compute_what_eager_ones_do(schedule, recompute):
             copied = {j for cap in runner._graphs.values() for row in cap.copied
                       for j, c in enumerate(row) if c}
             assert copied <= {1}
-    for (ye, dxe, ge), (yg, dxg, gg) in zip(*results, strict=True):
-        torch.testing.assert_close(yg, ye, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(dxg, dxe, rtol=1e-6, atol=1e-6)
-        for k in ge:
-            torch.testing.assert_close(gg[k], ge[k], rtol=1e-6, atol=1e-6, msg=k)
+    _same_runs(*results)
 
 
 @pytest.mark.parametrize("recompute", ["none", "selective"])
@@ -197,12 +212,10 @@ def test_kept_activations_stay_in_their_forward_slot_until_its_backward(recomput
     dropped. Outputs and gradients equal eager execution."""
     wl = workload(tp=1, cp=2, recompute=recompute)
     arch = wl.model
-    xs = [torch.randn(4, 8, arch.hidden, generator=torch.Generator().manual_seed(s))
-          for s in (0, 1)]
+    xs = _inputs(arch)
     results = []
     for graphs in (False, True):
-        params = [{k: torch.nn.Parameter(v) for k, v in full_weights(arch, seed).items()}
-                  for seed in (1, 2)]
+        params = _params(arch)
         applier = _applier(wl, graphs=graphs, schedule="nanobatching")
         layer = applier.layer()
         got = []
@@ -240,11 +253,7 @@ def test_kept_activations_stay_in_their_forward_slot_until_its_backward(recomput
             with torch.no_grad():  # no backward will come: the slot is freed when dropped
                 layer(xs[0], planned_weights(params[0], arch))
             assert not any(c.lent for c in slots) and runner.captures == captured
-    for (ye, dxe, ge), (yg, dxg, gg) in zip(*results, strict=True):
-        torch.testing.assert_close(yg, ye, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(dxg, dxe, rtol=1e-6, atol=1e-6)
-        for k in ge:
-            torch.testing.assert_close(gg[k], ge[k], rtol=1e-6, atol=1e-6, msg=k)
+    _same_runs(*results)
 
 
 def test_a_graphed_backward_reads_its_own_forward_s_slot_once():
@@ -254,9 +263,8 @@ def test_a_graphed_backward_reads_its_own_forward_s_slot_once():
     wl = workload(tp=1, cp=2, recompute="selective")
     arch = wl.model
     eager = _applier(wl, graphs=False, schedule="nanobatching")
-    params = {k: torch.nn.Parameter(v) for k, v in full_weights(arch, 1).items()}
-    x = torch.randn(4, 8, arch.hidden, generator=torch.Generator().manual_seed(0),
-                    requires_grad=True)
+    (params,), (x,) = _params(arch, (1,)), _inputs(arch, (0,))
+    x.requires_grad_(True)
     y = eager.layer()(x, planned_weights(params, arch))
     y.sum().backward(retain_graph=True)
     first = x.grad.clone()
@@ -264,9 +272,8 @@ def test_a_graphed_backward_reads_its_own_forward_s_slot_once():
     y.sum().backward()
     torch.testing.assert_close(x.grad, first)
     applier = _applier(wl, graphs=True, schedule="nanobatching")
-    params = {k: torch.nn.Parameter(v) for k, v in full_weights(arch, 1).items()}
-    x = torch.randn(4, 8, arch.hidden, generator=torch.Generator().manual_seed(0),
-                    requires_grad=True)
+    (params,), (x,) = _params(arch, (1,)), _inputs(arch, (0,))
+    x.requires_grad_(True)
     y = applier.layer()(x, planned_weights(params, arch))
     y.sum().backward(retain_graph=True)
     applier.layer()(x.detach(), planned_weights(params, arch)).sum()  # the slot again
@@ -278,7 +285,7 @@ def test_a_weight_that_moves_is_copied_from_then_on():
     wl = workload(tp=1, cp=2)
     applier = _applier(wl, graphs=True)
     arch = wl.model
-    params = [{k: torch.nn.Parameter(v) for k, v in full_weights(arch, 1).items()}]
+    params = _params(arch, (1,))
     x = torch.randn(4, 8, arch.hidden, generator=torch.Generator().manual_seed(0))
     xs = [x.clone(), x.clone()]  # inputs at two addresses: copied in (never read in place)
     stack = applier.stack(1)
@@ -319,7 +326,7 @@ def test_a_graphed_layer_under_a_plan_needs_its_microbatch_scope():
     wl = workload(tp=1, cp=2)
     applier = _applier(wl, graphs=True, plan=make_workload_plan(wl))
     x = torch.randn(4, 8, wl.model.hidden)
-    params = {k: torch.nn.Parameter(v) for k, v in full_weights(wl.model, 1).items()}
+    (params,) = _params(wl.model, (1,))
     with pytest.raises(PlanError, match="microbatch"):
         applier.stack(1)(x, [planned_weights(params, wl.model)])
 
@@ -337,7 +344,7 @@ def test_every_body_is_warmed_up_twice_before_its_capture(monkeypatch):
 
     monkeypatch.setattr(RerunExecutor, "capture", recording)
     wl = workload(tp=1, cp=2)
-    params = [{k: torch.nn.Parameter(v) for k, v in full_weights(wl.model, 1).items()}]
+    params = _params(wl.model, (1,))
     xs = [torch.randn(4, 8, wl.model.hidden, generator=torch.Generator().manual_seed(0))]
     _run(_applier(wl, graphs=True, plan=None, schedule="sequential"), params, xs, plan=False)
     assert asked and set(asked) == {2}
@@ -368,12 +375,10 @@ def test_inside_an_enclosing_capture_layers_launch_into_it(monkeypatch, schedule
                         lambda self, name, bodies, **kw: _Counting(bodies))
     wl = workload(tp=1, cp=2)
     plan = make_workload_plan(wl) if schedule == "kareus" else None
-    xs = [torch.randn(4, 8, wl.model.hidden, generator=torch.Generator().manual_seed(s))
-          for s in (0, 1)]
+    xs = _inputs(wl.model)
 
     def params():
-        return [{k: torch.nn.Parameter(v) for k, v in full_weights(wl.model, seed).items()}
-                for seed in (1, 2)]
+        return _params(wl.model)
 
     want = _run(_applier(wl, graphs=False, plan=plan, schedule=schedule), params(), xs,
                 plan=plan is not None)
@@ -385,11 +390,7 @@ def test_inside_an_enclosing_capture_layers_launch_into_it(monkeypatch, schedule
     assert _Counting.replays == replays
     if graphs:
         assert applier._runner.captures == captures
-    for (ye, dxe, ge), (yg, dxg, gg) in zip(want, got, strict=True):
-        torch.testing.assert_close(yg, ye, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(dxg, dxe, rtol=1e-6, atol=1e-6)
-        for k in ge:
-            torch.testing.assert_close(gg[k], ge[k], rtol=1e-6, atol=1e-6, msg=k)
+    _same_runs(want, got)
 
 
 def test_a_first_run_inside_a_capture_is_refused(monkeypatch):
@@ -397,7 +398,7 @@ def test_a_first_run_inside_a_capture_is_refused(monkeypatch):
 
     wl = workload(tp=1, cp=2)
     applier = _applier(wl, graphs=True)
-    params = {k: torch.nn.Parameter(v) for k, v in full_weights(wl.model, 1).items()}
+    (params,) = _params(wl.model, (1,))
     x = torch.randn(4, 8, wl.model.hidden)
     _fake_capture(monkeypatch)
     with pytest.raises(GraphCaptureError, match="before it ever ran outside one"):
@@ -410,11 +411,10 @@ def test_a_plan_that_differs_per_microbatch_needs_a_whole_step_capture(monkeypat
 
     wl = workload(tp=1, cp=2)
     plan = make_workload_plan(wl, freqs_mhz=(1980, 1410))  # two choices: two clocks
-    xs = [torch.randn(4, 8, wl.model.hidden, generator=torch.Generator().manual_seed(s))
-          for s in (0, 1)]
+    xs = _inputs(wl.model)
 
     def params():
-        return [{k: torch.nn.Parameter(v) for k, v in full_weights(wl.model, 1).items()}]
+        return _params(wl.model, (1,))
 
     want = _run(_applier(wl, graphs=False, plan=plan), params(), xs, plan=True)
     per_mb, whole = (_applier(wl, graphs=True, plan=plan) for _ in range(2))
@@ -426,11 +426,7 @@ def test_a_plan_that_differs_per_microbatch_needs_a_whole_step_capture(monkeypat
         with pytest.raises(PlanError, match="whole_step_capture=True"):
             _run(per_mb, params(), xs, plan=True)
         got = _run(whole, params(), xs, plan=True)
-    for (ye, dxe, ge), (yg, dxg, gg) in zip(want, got, strict=True):
-        torch.testing.assert_close(yg, ye, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(dxg, dxe, rtol=1e-6, atol=1e-6)
-        for k in ge:
-            torch.testing.assert_close(gg[k], ge[k], rtol=1e-6, atol=1e-6, msg=k)
+    _same_runs(want, got)
     # one choice for every microbatch: any capture takes it
     uniform = _applier(wl, graphs=True, plan=make_workload_plan(wl))
     _run(uniform, params(), xs, plan=True)
@@ -486,12 +482,10 @@ def test_a_graphed_backward_reads_what_its_forward_kept_in_place(order, held):
     # static output is lent, so the next forward replays another copy of the graph, whose
     # slot is its own: nothing to load
     wl = workload(tp=1, cp=2)
-    xs = [torch.randn(4, 8, wl.model.hidden, generator=torch.Generator().manual_seed(s))
-          for s in (0, 1)]
+    xs = _inputs(wl.model)
     results = []
     for graphs in (False, True):
-        params = [{k: torch.nn.Parameter(v) for k, v in full_weights(wl.model, seed).items()}
-                  for seed in (1, 2)]
+        params = _params(wl.model)
         applier = _applier(wl, graphs=graphs, schedule="nanobatching")
         stack = applier.stack(2)
 
@@ -551,12 +545,10 @@ def test_with_a_shared_pool_each_layer_replays_a_graph_of_its_own(schedule):
     # per-microbatch order; the gradients are eager's
     wl = workload(tp=1, cp=2)
     plan = make_workload_plan(wl) if schedule == "kareus" else None
-    xs = [torch.randn(4, 8, wl.model.hidden, generator=torch.Generator().manual_seed(s))
-          for s in (0, 1)]
+    xs = _inputs(wl.model)
     results, appliers = [], []
     for graphs in (False, True):
-        params = [{k: torch.nn.Parameter(v) for k, v in full_weights(wl.model, seed).items()}
-                  for seed in (1, 2, 3)]
+        params = _params(wl.model, (1, 2, 3))
         applier = _applier(wl, graphs=graphs, plan=plan,
                            schedule=None if plan else schedule)
         for ex in (applier.baseline, applier.executor):
@@ -618,9 +610,8 @@ def test_inside_an_enclosing_capture_the_clock_requests_go_into_it(monkeypatch):
         baseline=RerunExecutor(collective=default, default_collective=default),
         executor=RerunExecutor(collective=capped, default_collective=default, plan=plan,
                                frequency=trigger))
-    params = [{k: torch.nn.Parameter(v) for k, v in full_weights(wl.model, 1).items()}]
-    xs = [torch.randn(4, 8, wl.model.hidden, generator=torch.Generator().manual_seed(s))
-          for s in (0, 1)]
+    params = _params(wl.model, (1,))
+    xs = _inputs(wl.model)
     _run(applier, params, xs, plan=True)  # warm-up, outside
     trigger.requests.clear()
     _fake_capture(monkeypatch)
@@ -645,8 +636,7 @@ def test_a_graphed_applier_and_its_graphs_go_without_the_garbage_collector():
                        streams=RecordingStreamBackend(), graphs=True)
     applier = PlanApplier(workload=wl, groups=groups, kernels="torch", graphs=True,
                           baseline=ex)
-    params = [{k: torch.nn.Parameter(v) for k, v in full_weights(wl.model, seed).items()}
-              for seed in (1, 2)]
+    params = _params(wl.model)
     x = torch.randn(4, 8, wl.model.hidden, generator=torch.Generator().manual_seed(0))
     y = applier.stack(2)(x.requires_grad_(True), [planned_weights(p, wl.model)
                                                   for p in params])

@@ -15,7 +15,6 @@ from __future__ import annotations
 import sys
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -29,13 +28,9 @@ from kareus.testing import make_workload_plan
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _reference import full_weights, planned_weights, workload
-from test_layer_graphs import _applier
-
-
-def _params(wl, seeds):
-    return [{k: torch.nn.Parameter(v) for k, v in full_weights(wl.model, s).items()}
-            for s in seeds]
+from _helpers import megatron_ddp_hooks
+from _reference import planned_weights, workload
+from test_layer_graphs import _applier, _inputs, _params
 
 
 def _grads(params, attr="grad"):
@@ -54,11 +49,10 @@ def test_outputs_held_across_microbatches_keep_their_values(mode, recompute):
     # saved by its loss, the weight gradients accumulating into .grad over them (the
     # first microbatch's stolen by autograd, the others added into it): as eager
     wl = workload(tp=1, cp=2, recompute=recompute)
-    xs = [torch.randn(4, 8, wl.model.hidden, generator=torch.Generator().manual_seed(s))
-          for s in range(6)]
+    xs = _inputs(wl.model, range(6))
     results = []
     for graphs in (False, True):
-        params = _params(wl, (1, 2))
+        params = _params(wl.model)
         applier = _applier(wl, graphs=graphs, schedule="nanobatching")
         for _ in range(2):  # the second iteration replays
             leaves = [x.clone().requires_grad_(True) for x in xs]
@@ -92,27 +86,6 @@ def test_outputs_held_across_microbatches_keep_their_values(mode, recompute):
         torch.testing.assert_close(gg[k], ge[k], rtol=1e-6, atol=1e-6, msg=k)
 
 
-def _megatron_style_hooks(params):
-    """Megatron-Core DDP's gradient path: an fp32 ``main_grad`` per parameter, and a hook
-    on the parameter's gradient accumulator that adds ``.grad`` into it and drops
-    ``.grad`` (``DistributedDataParallel._make_backward_post_hook``, gradient
-    accumulation fusion off)."""
-    keep = []
-    for lp in params:
-        for p in lp.values():
-            p.main_grad = torch.zeros_like(p, dtype=torch.float32)
-
-            def hook(*_: Any, p=p) -> None:
-                if p.grad is not None:
-                    p.main_grad.add_(p.grad.data)
-                p.grad = None
-
-            acc = p.expand_as(p).grad_fn.next_functions[0][0]
-            acc.register_hook(hook)
-            keep.append(acc)
-    return keep
-
-
 @pytest.mark.parametrize("order", ["1f1b", "all-forwards-first"])
 @pytest.mark.parametrize("schedule", ["sequential", "kareus"])
 @pytest.mark.parametrize("recompute", ["full", "selective"])
@@ -127,12 +100,11 @@ def test_megatron_style_main_grad_accumulation_gets_the_eager_gradients(schedule
     # tests/integrations/test_layer_gpu.py checks "none" there. Not resolved.)
     wl = workload(tp=1, cp=2, microbatches=3, recompute=recompute)
     plan = make_workload_plan(wl) if schedule == "kareus" else None
-    xs = [torch.randn(4, 8, wl.model.hidden, generator=torch.Generator().manual_seed(s))
-          for s in range(3)]
+    xs = _inputs(wl.model, range(3))
     results = []
     for graphs in (False, True):
-        params = _params(wl, (1, 2))
-        keep = _megatron_style_hooks(params)
+        params = _params(wl.model)
+        keep = megatron_ddp_hooks(params)
         applier = _applier(wl, graphs=graphs, plan=plan,
                            schedule=None if plan else schedule)
         layer = applier.layer()
@@ -207,10 +179,8 @@ def test_in_steady_state_graphs_copy_nothing_eager_execution_does_not(mode, monk
     # with lending and in-place reads off (the runner before), a copy per input and
     # output of every replay
     wl = workload(tp=1, cp=2)
-    xs = [torch.randn(4, 8, wl.model.hidden, generator=torch.Generator().manual_seed(s))
-          for s in (0, 1)]
-    dys = [torch.randn(4, 8, wl.model.hidden, generator=torch.Generator().manual_seed(s))
-           for s in (2, 3)]
+    xs = _inputs(wl.model)
+    dys = _inputs(wl.model, (2, 3))
     counter = _CopyCounter()
     run_eager = PlanApplier._run_eager
 

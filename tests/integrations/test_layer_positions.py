@@ -15,7 +15,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _reference import full_weights, layer, planned_weights, shard, workload
+from _helpers import assert_runs_close, needs_cuda, rel_error, warm_up_on_a_side_stream
+from _reference import full_weights, planned_weights, reference_run, shard, workload
 
 from kareus.errors import WorkloadError
 from kareus.exec.train import LoopbackGroups
@@ -33,6 +34,31 @@ def _packed(b: int, s: int, starts: tuple[int, ...]) -> torch.Tensor:
     return torch.stack(rows)
 
 
+#: float64 against float64 (the RoPE angles float32 on both sides)
+_FLOAT64 = {"rtol": 1e-6, "atol": 2e-6}
+
+
+def _float64_batch(wl, seed: int, starts: tuple[int, ...]):
+    """A float64 input, the loss's weights ``c`` and packed positions (documents starting
+    at ``starts``) of one microbatch of ``wl``."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(wl.microbatch_size, wl.seq_len, wl.model.hidden, generator=g,
+                    dtype=torch.float64)
+    c = torch.randn(x.shape, generator=g, dtype=torch.float64)
+    return x, c, _packed(wl.microbatch_size, wl.seq_len, starts)
+
+
+def _bf16_batch(wl):
+    """On the GPU, in bf16: the layer's weights (seed 2), an input and the loss's weights
+    ``c`` (seed 1), and packed positions, of one microbatch of 4 sequences of 256 tokens."""
+    dev = torch.device("cuda")
+    w = {k: v.to(dev, torch.bfloat16) for k, v in full_weights(wl.model, 2).items()}
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 256, wl.model.hidden, generator=g).to(dev, torch.bfloat16)
+    c = torch.randn(4, 256, wl.model.hidden, generator=g).to(dev, torch.bfloat16)
+    return w, x, c, _packed(4, 256, (37, 100, 190)).to(dev)
+
+
 def _run(applier, x, w, positions, c, documents=False):
     x = x.clone().requires_grad_(True)
     p = {k: v.clone().requires_grad_(True) for k, v in w.items()}
@@ -48,27 +74,15 @@ def test_positions_rotate_as_the_reference_float64(schedule, qk):
     wl = workload(qk=qk)
     arch = wl.model
     w = {k: v.double() for k, v in full_weights(arch, 2).items()}
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(wl.microbatch_size, wl.seq_len, arch.hidden, generator=g,
-                    dtype=torch.float64)
-    c = torch.randn(x.shape, generator=g, dtype=torch.float64)
-    pos = _packed(wl.microbatch_size, wl.seq_len, (5, 11))
+    x, c, pos = _float64_batch(wl, 1, (5, 11))
     applier = PlanApplier(workload=wl, groups=LoopbackGroups(tp=1), schedule=schedule,
                           kernels="torch", eps=arch.norm_eps)
-    y, dx, dw = _run(applier, x, w, pos, c)
-    xr = x.clone().requires_grad_(True)
-    pr = {k: v.clone().requires_grad_(True) for k, v in w.items()}
-    yr = layer(xr, pr, arch, positions=pos)
-    (yr * c).sum().backward()
+    got = _run(applier, x, w, pos, c)
     # (the RoPE angles are float32 on both sides: ~1e-7, as at positions 0 .. seq - 1)
-    tol = {"rtol": 1e-6, "atol": 2e-6}
-    torch.testing.assert_close(y, yr.detach(), **tol)
-    torch.testing.assert_close(dx, xr.grad, **tol)
-    for k in w:
-        torch.testing.assert_close(dw[k], pr[k].grad, **tol, msg=k)
+    assert_runs_close(got, reference_run(x, w, arch, c, positions=pos), **_FLOAT64)
     # and the positions matter
     y0, _, _ = _run(applier, x, w, None, c)
-    assert not torch.allclose(y0, y)
+    assert not torch.allclose(y0, got[0])
 
 
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
@@ -80,26 +94,15 @@ def test_documents_masked_as_the_reference_float64(schedule, qk, recompute):
     wl = workload(qk=qk, recompute=recompute)
     arch = wl.model
     w = {k: v.double() for k, v in full_weights(arch, 2).items()}
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(wl.microbatch_size, wl.seq_len, arch.hidden, generator=g,
-                    dtype=torch.float64)
-    c = torch.randn(x.shape, generator=g, dtype=torch.float64)
-    pos = _packed(wl.microbatch_size, wl.seq_len, (4, 9, 13))
+    x, c, pos = _float64_batch(wl, 3, (4, 9, 13))
     applier = PlanApplier(workload=wl, groups=LoopbackGroups(tp=1), schedule=schedule,
                           kernels="torch", eps=arch.norm_eps)
-    y, dx, dw = _run(applier, x, w, pos, c, documents=True)
-    xr = x.clone().requires_grad_(True)
-    pr = {k: v.clone().requires_grad_(True) for k, v in w.items()}
-    yr = layer(xr, pr, arch, positions=pos, documents=True)
-    (yr * c).sum().backward()
-    tol = {"rtol": 1e-6, "atol": 2e-6}
-    torch.testing.assert_close(y, yr.detach(), **tol)
-    torch.testing.assert_close(dx, xr.grad, **tol)
-    for k in w:
-        torch.testing.assert_close(dw[k], pr[k].grad, **tol, msg=k)
+    got = _run(applier, x, w, pos, c, documents=True)
+    want = reference_run(x, w, arch, c, positions=pos, documents=True)
+    assert_runs_close(got, want, **_FLOAT64)
     # the mask matters: causal over the whole sequence differs
     y_causal, _, _ = _run(applier, x, w, pos, c)
-    assert not torch.allclose(y_causal, y)
+    assert not torch.allclose(y_causal, got[0])
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])
@@ -115,11 +118,7 @@ def test_a_plan_for_packed_documents_runs_them_masked(recompute):
     wl = workload(2, recompute=recompute).with_(document_tokens=5)
     arch = wl.model
     w = {k: v.double() for k, v in shard(full_weights(arch, 2), arch, 2, 0).items()}
-    g = torch.Generator().manual_seed(4)
-    x = torch.randn(wl.microbatch_size, wl.seq_len, arch.hidden, generator=g,
-                    dtype=torch.float64)
-    c = torch.randn(x.shape, generator=g, dtype=torch.float64)
-    pos = _packed(wl.microbatch_size, wl.seq_len, (4, 9, 13))
+    x, c, pos = _float64_batch(wl, 4, (4, 9, 13))
     plan = make_workload_plan(wl, sms=8)
     assert plan.workload["document_tokens"] == 5
 
@@ -140,13 +139,9 @@ def test_a_plan_for_packed_documents_runs_them_masked(recompute):
                            eps=arch.norm_eps, record=True)
 
     planned = applier(plan)
-    y, dx, dw = run(planned)
+    got = run(planned)
     assert any(ph == "bwd" for ph, _, _ in planned.partitions_run)
-    y0, dx0, dw0 = run(applier(None))
-    torch.testing.assert_close(y, y0)
-    torch.testing.assert_close(dx, dx0)
-    for k in dw:
-        torch.testing.assert_close(dw[k], dw0[k], msg=k)
+    assert_runs_close(got, run(applier(None)))
     causal = wl.with_(document_tokens=None)
     with pytest.raises(PlanError, match="document_tokens") as err:
         run(applier(make_workload_plan(causal, sms=8), causal))
@@ -200,8 +195,7 @@ def test_positions_must_match_the_batch():
         applier.layer()(x, planned_weights(w, wl.model), positions=torch.zeros(3, 3))
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@needs_cuda
 @pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
 @pytest.mark.parametrize("qk", [False, True], ids=["llama", "qwen3"])
 def test_positions_on_the_gpu_kernels_bf16(qk, documents):
@@ -209,26 +203,18 @@ def test_positions_on_the_gpu_kernels_bf16(qk, documents):
     # reference at those positions as bf16 allows
     wl = workload(qk=qk, mbs=4, seq=256)
     arch = wl.model
-    dev = torch.device("cuda")
-    w = {k: v.to(dev, torch.bfloat16) for k, v in full_weights(arch, 2).items()}
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(4, 256, arch.hidden, generator=g).to(dev, torch.bfloat16)
-    c = torch.randn(4, 256, arch.hidden, generator=g).to(dev, torch.bfloat16)
-    pos = _packed(4, 256, (37, 100, 190)).to(dev)
+    w, x, c, pos = _bf16_batch(wl)
     applier = PlanApplier(workload=wl, groups=LoopbackGroups(tp=1), schedule="nanobatching",
                           eps=arch.norm_eps)
     y, dx, _ = _run(applier, x, w, pos, c, documents=documents)
-    xr = x.float().clone().requires_grad_(True)
-    yr = layer(xr, {k: v.float() for k, v in w.items()}, arch, positions=pos,
-               documents=documents)
-    (yr * c.float()).sum().backward()
-    for got, want, what in ((y, yr, "output"), (dx, xr.grad, "input gradient")):
-        err = float((got.double() - want.double()).norm() / want.double().norm())
+    yr, dxr, _ = reference_run(x, w, arch, c.float(), dtype=torch.float32, positions=pos,
+                               documents=documents)
+    for got, want, what in ((y, yr, "output"), (dx, dxr, "input gradient")):
+        err = rel_error(got, want)
         assert err < 2e-2, f"{what}: relative error {err:.3g}"
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@needs_cuda
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_flex_documents_in_planned_layers_equal_the_dense_mask_bf16(recompute):
     # the planned layer's block-sparse path (compiled FlexAttention, heads of 32) against
@@ -237,12 +223,7 @@ def test_flex_documents_in_planned_layers_equal_the_dense_mask_bf16(recompute):
 
     wl = workload(qk=True, mbs=4, seq=256, head_dim=32, recompute=recompute)
     arch = wl.model
-    dev = torch.device("cuda")
-    w = {k: v.to(dev, torch.bfloat16) for k, v in full_weights(arch, 2).items()}
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(4, 256, arch.hidden, generator=g).to(dev, torch.bfloat16)
-    c = torch.randn(4, 256, arch.hidden, generator=g).to(dev, torch.bfloat16)
-    pos = _packed(4, 256, (37, 100, 190)).to(dev)
+    w, x, c, pos = _bf16_batch(wl)
     runs = {}
     for backend in ("flex", "mask"):
         ks = TorchKernels()
@@ -251,17 +232,13 @@ def test_flex_documents_in_planned_layers_equal_the_dense_mask_bf16(recompute):
                               schedule="nanobatching", kernels=ks, eps=arch.norm_eps)
         runs[backend] = _run(applier, x, w, pos, c, documents=True)
 
-    def rel(a, b):
-        return float((a.double() - b.double()).norm() / b.double().norm())
-
     (y, dx, dw), (ym, dxm, dwm) = runs["flex"], runs["mask"]
-    assert rel(y, ym) < 1e-2 and rel(dx, dxm) < 2e-2
+    assert rel_error(y, ym) < 1e-2 and rel_error(dx, dxm) < 2e-2
     for k in dw:
-        assert rel(dw[k], dwm[k]) < 2e-2, k
+        assert rel_error(dw[k], dwm[k]) < 2e-2, k
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@needs_cuda
 @pytest.mark.parametrize("documents,head_dim", [(False, 8), (True, 8), (True, 32)],
                          ids=["causal", "documents-dense-mask", "documents-flex"])
 def test_positions_inside_an_enclosing_capture_follow_each_replay(documents, head_dim):
@@ -304,12 +281,7 @@ def test_positions_inside_an_enclosing_capture_follow_each_replay(documents, hea
             t.grad.zero_()
         return step(applier, x, pos)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            body()
-    torch.cuda.current_stream().wait_stream(side)
+    warm_up_on_a_side_stream(body)
     pos.copy_(_packed(4, 256, (11, 64)).to(dev))  # the captured batch's own documents
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -319,11 +291,7 @@ def test_positions_inside_an_enclosing_capture_follow_each_replay(documents, hea
         pos.copy_(pos_new)
     graph.replay()
     torch.cuda.synchronize()
-
-    def rel(a, b):
-        return float((a.double() - b.double()).norm() / b.double().norm())
-
-    assert rel(got_y, want_y) < 2e-2
-    assert rel(x.grad, xe.grad) < 2e-2
+    assert rel_error(got_y, want_y) < 2e-2
+    assert rel_error(x.grad, xe.grad) < 2e-2
     for k in want:
-        assert rel(p[k].grad, want[k]) < 2e-2, k
+        assert rel_error(p[k].grad, want[k]) < 2e-2, k

@@ -21,23 +21,19 @@ import pytest
 torch = pytest.importorskip("torch")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _helpers import assert_as_close_as_torch, cuda_marks, rel_error, small_workload
 from _reference import full_weights, layer, planned_weights, shard
-from test_layer_gpu import _as_close_as_torch, _rel
 
 from kareus.exec.train import LoopbackGroups, make_collectives
 from kareus.integrations import PlanApplier
-from kareus.model.workload import ModelArch, Parallelism, Workload
+from kareus.model.workload import Workload
 from kareus.testing import make_workload_plan
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = cuda_marks()
 
 
 def workload(tp: int, recompute: str, n: int = 2) -> Workload:
-    m = ModelArch(name="small", layers=2, hidden=512, heads=8, kv_heads=4, head_dim=64,
-                  ffn=1024, vocab=1000)
-    return Workload(model=m, parallelism=Parallelism(tp=tp), microbatch_size=1,
-                    seq_len=1024, num_microbatches=2, nanobatches=n, recompute=recompute)
+    return small_workload(tp, mbs=1, seq=1024, n=n, recompute=recompute)
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -84,11 +80,11 @@ def test_bf16_planned_layers_along_the_sequence_match_the_reference(how, recompu
             for w in ws:
                 y = applier.layer()(y, w)
         (y.float() * c).sum().backward()
-        _as_close_as_torch(y, yt, yr, "output")
-        _as_close_as_torch(xb.grad, xt.grad, xr.grad, "input gradient")
+        assert_as_close_as_torch(y, yt, yr, "output")
+        assert_as_close_as_torch(xb.grad, xt.grad, xr.grad, "input gradient")
         for p, p_t, p_r in zip(ps, pt, pr, strict=True):
             for k in p:
-                _as_close_as_torch(p[k].grad, p_t[k].grad, p_r[k].grad, k)
+                assert_as_close_as_torch(p[k].grad, p_t[k].grad, p_r[k].grad, k)
 
 
 @pytest.mark.parametrize("recompute", ["full", "selective", "none"])
@@ -121,4 +117,4 @@ def test_loopback_tp2_plan_along_the_sequence_runs_every_schedule_alike(recomput
     for s in ("nanobatching", "kareus"):
         for a, b in zip(got[s], got["sequential"], strict=True):
             for u, v in zip(a, b, strict=True):
-                assert _rel(u, v) < 2e-2, s
+                assert rel_error(u, v) < 2e-2, s

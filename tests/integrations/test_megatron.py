@@ -176,6 +176,64 @@ def _model_spec(config, layer_spec):
                                       layer_norm=SequenceParallelRMSNorm)
 
 
+def _batches():
+    """The example's training batches (seed 7): ``MICROBATCHES`` of ``MBS`` sequences of
+    ``SEQ`` tokens and their next tokens."""
+    import megatron_gpt as ex
+
+    g = torch.Generator().manual_seed(7)
+    batches = []
+    for _ in range(MICROBATCHES):
+        tok = torch.randint(0, ex.VOCAB, (MBS, SEQ + 1), generator=g)
+        batches.append((tok[:, :-1], tok[:, 1:]))
+    return batches
+
+
+def _own_training(config, spec, batches, steps, tied=False):
+    """The example's GPTModel with ``spec``'s layers (Megatron's own; built at seed 0) trained
+    ``steps`` iterations: the model, its state before training and the losses."""
+    import megatron_gpt as ex
+
+    torch.manual_seed(0)
+    own_model = ex.build_model(config, spec, SEQ, "cpu", tied=tied)
+    initial = {k: v.clone() if torch.is_tensor(v) else v  # _extra_state: None
+               for k, v in own_model.state_dict().items()}
+    return own_model, initial, ex.train(own_model, config, batches, steps=steps, seq_len=SEQ)
+
+
+def _gpt_applier(config, wl, groups, plan, **kw):
+    """The example's training's applier: the plan, the CPU kernels, the example's RoPE base
+    and the config's norm epsilon (``kw``: the other arguments)."""
+    import megatron_gpt as ex
+
+    from kareus.integrations import PlanApplier
+
+    return PlanApplier(workload=wl, groups=groups, plan=plan, kernels="torch",
+                       rope_base=ex.ROTARY_BASE, eps=config.layernorm_epsilon, **kw)
+
+
+def _kareus_model(config, applier, initial, tied=False):
+    """The example's GPTModel with kareus's layers (``applier``'s), in ``initial`` state."""
+    import megatron_gpt as ex
+
+    from kareus.integrations.megatron import kareus_layer_spec
+
+    model = ex.build_model(config, _model_spec(config, kareus_layer_spec(applier)), SEQ, "cpu",
+                           tied=tied)
+    model.load_state_dict(initial)
+    return model
+
+
+def _trained_alike(model, mine, own_model, own, what):
+    """kareus's training (``model``, losses ``mine``) went as Megatron's own: the losses, and
+    after it every parameter's DDP ``main_grad`` and weight (fp32, 1e-4)."""
+    torch.testing.assert_close(torch.tensor(mine), torch.tensor(own), rtol=1e-4, atol=1e-5)
+    own_p, my_p = dict(own_model.named_parameters()), dict(model.named_parameters())
+    for n, p in own_p.items():
+        _close(my_p[n].main_grad, p.main_grad, f"{what}main_grad {n}")
+        _close(my_p[n].detach(), p.detach(), f"{what}weight {n}")
+
+
 def _layers_match(config, wl, groups, emb, out):
     """Megatron's layers and kareus's, same weights, every schedule."""
     from megatron.core.transformer.spec_utils import build_module
@@ -309,24 +367,13 @@ def _gpt_matches(config, wl, groups, out, tied):
     import megatron_gpt as ex
     from megatron.core.pipeline_parallel import schedules
 
-    from kareus.integrations import PlanApplier
-    from kareus.integrations.megatron import kareus_layer_spec, wrap_schedule
+    from kareus.integrations.megatron import wrap_schedule
 
-    g = torch.Generator().manual_seed(7)
-    batches = []
-    for _ in range(MICROBATCHES):
-        tok = torch.randint(0, ex.VOCAB, (MBS, SEQ + 1), generator=g)
-        batches.append((tok[:, :-1], tok[:, 1:]))
-    torch.manual_seed(0)
-    own_model = ex.build_model(config, _model_spec(config, _own_spec(config)), SEQ, "cpu",
-                               tied=tied)
-    initial = {k: v.clone() if torch.is_tensor(v) else v  # _extra_state: None
-               for k, v in own_model.state_dict().items()}
-    own = ex.train(own_model, config, batches, steps=2, seq_len=SEQ)
-
+    batches = _batches()
+    own_model, initial, own = _own_training(config, _model_spec(config, _own_spec(config)),
+                                            batches, 2, tied)
     plan = _plan(wl)
-    applier = PlanApplier(workload=wl, groups=groups, plan=plan, kernels="torch",
-                          rope_base=ex.ROTARY_BASE, eps=config.layernorm_epsilon, record=True)
+    applier = _gpt_applier(config, wl, groups, plan, record=True)
     scopes = []
     enter = applier.microbatch
 
@@ -335,9 +382,7 @@ def _gpt_matches(config, wl, groups, out, tied):
         return enter(mb, phase)
 
     applier.microbatch = spy  # type: ignore[method-assign]
-    model = ex.build_model(config, _model_spec(config, kareus_layer_spec(applier)), SEQ, "cpu",
-                           tied=tied)
-    model.load_state_dict(initial)
+    model = _kareus_model(config, applier, initial, tied)
     originals = (schedules.forward_step, schedules.backward_step,
                  schedules.forward_backward_no_pipelining)
     with wrap_schedule(applier):
@@ -347,12 +392,8 @@ def _gpt_matches(config, wl, groups, out, tied):
             schedules.forward_backward_no_pipelining) == originals
     assert scopes == [(m, ph) for _ in range(2) for m in range(MICROBATCHES)
                       for ph in ("fwd", "bwd")], scopes
-    torch.testing.assert_close(torch.tensor(mine), torch.tensor(own), rtol=1e-4, atol=1e-5)
-    own_p, my_p = dict(own_model.named_parameters()), dict(model.named_parameters())
-    assert set(own_p) == set(my_p)
-    for n, p in own_p.items():
-        _close(my_p[n].main_grad, p.main_grad, f"main_grad {n}")
-        _close(my_p[n].detach(), p.detach(), f"weight {n}")
+    assert set(dict(own_model.named_parameters())) == set(dict(model.named_parameters()))
+    _trained_alike(model, mine, own_model, own, "")
     out["gpt"] = [(ph, k) for ph, k, _ in applier.partitions_run]
     out["losses"] = mine
     out["exposed"] = {"layers": _exposed_per_forward(applier)}
@@ -385,31 +426,18 @@ def _chained_gpt_matches(config, wl, groups, plan, initial, batches, own_model, 
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     from kareus.errors import ArgumentError
-    from kareus.integrations import PlanApplier
-    from kareus.integrations.megatron import (
-        chain_layers,
-        kareus_layer_spec,
-        unchain_layers,
-        wrap_schedule,
-    )
+    from kareus.integrations.megatron import chain_layers, unchain_layers, wrap_schedule
 
     with pytest.raises(ArgumentError, match="kareus_layer_spec"):
         chain_layers(own_model)  # Megatron's own layers
-    applier = PlanApplier(workload=wl, groups=groups, plan=plan, kernels="torch",
-                          rope_base=ex.ROTARY_BASE, eps=config.layernorm_epsilon, record=True)
-    model = ex.build_model(config, _model_spec(config, kareus_layer_spec(applier)), SEQ, "cpu",
-                           tied=tied)
-    model.load_state_dict(initial)
+    applier = _gpt_applier(config, wl, groups, plan, record=True)
+    model = _kareus_model(config, applier, initial, tied)
     block = model.decoder
     assert chain_layers(model) is model and "forward" in vars(block)
     chain_layers(model)  # again: no change
     with wrap_schedule(applier):
         mine = ex.train(model, config, batches, steps=2, seq_len=SEQ)
-    torch.testing.assert_close(torch.tensor(mine), torch.tensor(own), rtol=1e-4, atol=1e-5)
-    own_p, my_p = dict(own_model.named_parameters()), dict(model.named_parameters())
-    for n, p in own_p.items():
-        _close(my_p[n].main_grad, p.main_grad, f"chained main_grad {n}")
-        _close(my_p[n].detach(), p.detach(), f"chained weight {n}")
+    _trained_alike(model, mine, own_model, own, "chained ")
     out["exposed"]["chained"] = _exposed_per_forward(applier)
     out["chained"] = [(ph, k) for ph, k, _ in applier.partitions_run]
 
@@ -450,38 +478,18 @@ def _full_recompute_matches(config, wl, groups, out):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from kareus.errors import ArgumentError
-    from kareus.integrations import PlanApplier
-    from kareus.integrations.megatron import (
-        chain_layers,
-        kareus_layer_spec,
-        unchain_layers,
-        wrap_schedule,
-    )
+    from kareus.integrations.megatron import chain_layers, unchain_layers, wrap_schedule
 
-    assert wl.recompute == "full"
-    g = torch.Generator().manual_seed(7)
-    batches = []
-    for _ in range(MICROBATCHES):
-        tok = torch.randint(0, ex.VOCAB, (MBS, SEQ + 1), generator=g)
-        batches.append((tok[:, :-1], tok[:, 1:]))
-    torch.manual_seed(0)
-    own_model = ex.build_model(config, get_gpt_layer_local_spec(normalization="RMSNorm"),
-                               SEQ, "cpu")
-    initial = {k: v.clone() if torch.is_tensor(v) else v
-               for k, v in own_model.state_dict().items()}
-    own = ex.train(own_model, config, batches, steps=2, seq_len=SEQ)
-    applier = PlanApplier(workload=wl, groups=groups, plan=_plan(wl), kernels="torch",
-                          rope_base=ex.ROTARY_BASE, eps=config.layernorm_epsilon, record=True)
-    model = ex.build_model(config, kareus_layer_spec(applier), SEQ, "cpu")
-    model.load_state_dict(initial)
+    assert wl.recompute == "full" and not config.sequence_parallel
+    batches = _batches()
+    own_model, initial, own = _own_training(
+        config, get_gpt_layer_local_spec(normalization="RMSNorm"), batches, 2)
+    applier = _gpt_applier(config, wl, groups, _plan(wl), record=True)
+    model = _kareus_model(config, applier, initial)
     chain_layers(model)
     with wrap_schedule(applier):
         mine = ex.train(model, config, batches, steps=2, seq_len=SEQ)
-    torch.testing.assert_close(torch.tensor(mine), torch.tensor(own), rtol=1e-4, atol=1e-5)
-    own_p, my_p = dict(own_model.named_parameters()), dict(model.named_parameters())
-    for n, p in own_p.items():
-        _close(my_p[n].main_grad, p.main_grad, f"full main_grad {n}")
-        _close(my_p[n].detach(), p.detach(), f"full weight {n}")
+    _trained_alike(model, mine, own_model, own, "full ")
     out["gpt"] = out["chained"] = [(ph, k) for ph, k, _ in applier.partitions_run]
     out["losses"] = mine
     unchain_layers(model)
@@ -498,40 +506,24 @@ def _gpt_graphs_match(config, wl, groups, out, tied):
 
     from kareus.exec.collectives import ProcessGroupCollective
     from kareus.exec.train import GroupedCollective
-    from kareus.integrations import PlanApplier
-    from kareus.integrations.megatron import kareus_layer_spec, wrap_schedule
+    from kareus.integrations.megatron import wrap_schedule
 
-    g = torch.Generator().manual_seed(7)
-    batches = []
-    for _ in range(MICROBATCHES):
-        tok = torch.randint(0, ex.VOCAB, (MBS, SEQ + 1), generator=g)
-        batches.append((tok[:, :-1], tok[:, 1:]))
-    torch.manual_seed(0)
-    own_model = ex.build_model(config, _model_spec(config, _own_spec(config)), SEQ, "cpu",
-                               tied=tied)
-    initial = {k: v.clone() if torch.is_tensor(v) else v
-               for k, v in own_model.state_dict().items()}
-    own = ex.train(own_model, config, batches, steps=3, seq_len=SEQ)
+    batches = _batches()
+    own_model, initial, own = _own_training(config, _model_spec(config, _own_spec(config)),
+                                            batches, 3, tied)
     plan = _plan(wl)
     gloo = GroupedCollective(tp=ProcessGroupCollective(group=groups.group("tp")), cp=None)
-    applier = PlanApplier(
-        workload=wl, groups=groups, plan=plan, kernels="torch", rope_base=ex.ROTARY_BASE,
-        eps=config.layernorm_epsilon, graphs=True,
+    applier = _gpt_applier(
+        config, wl, groups, plan, graphs=True,
         executor=RerunExecutor(collective=gloo, default_collective=gloo, plan=plan),
         baseline=RerunExecutor(collective=gloo, default_collective=gloo))
-    model = ex.build_model(config, _model_spec(config, kareus_layer_spec(applier)), SEQ, "cpu",
-                           tied=tied)
-    model.load_state_dict(initial)
+    model = _kareus_model(config, applier, initial, tied)
     with wrap_schedule(applier):
         mine = ex.train(model, config, batches, steps=3, seq_len=SEQ)
     runner = applier._runner
     assert runner is not None and runner.captures > 0
     assert any(cap.lends for cap in runner._graphs.values())
-    torch.testing.assert_close(torch.tensor(mine), torch.tensor(own), rtol=1e-4, atol=1e-5)
-    own_p, my_p = dict(own_model.named_parameters()), dict(model.named_parameters())
-    for n, p in own_p.items():
-        _close(my_p[n].main_grad, p.main_grad, f"graphed main_grad {n}")
-        _close(my_p[n].detach(), p.detach(), f"graphed weight {n}")
+    _trained_alike(model, mine, own_model, own, "graphed ")
     out["losses"] = mine
     out["graphs"] = applier.graph_memory().graphs
 

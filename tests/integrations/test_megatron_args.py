@@ -49,6 +49,14 @@ def test_the_job_s_flags_make_megatron_s_workload():
     assert padded_vocab_size(argparse.Namespace(padded_vocab_size=50304)) == 50304
 
 
+def test_the_rank_layout_follows_the_mapping_flag():
+    # Megatron-LM lays ranks out tp-cp-ep-dp-pp unless --use-tp-pp-dp-mapping is given.
+    assert workload_from_megatron_args(JOB, dp=2).parallelism.rank_order == "tp-cp-ep-dp-pp"
+    mapped = workload_from_megatron_args(JOB + " --use-tp-pp-dp-mapping", dp=2)
+    assert mapped.parallelism.rank_order == "tp-cp-ep-pp-dp"
+    assert mapped.parallelism.global_rank(pp=1) == 2  # the next stage of one replica
+
+
 def test_the_docs_command_line_is_a_job_kareus_reads():
     """docs/integrations.md's pretrain_gpt.py flags: the workload its plan is made for."""
     import re
@@ -91,7 +99,8 @@ def test_what_kareus_does_not_compute_is_refused_by_its_flag(drop, add, says):
 
 
 def test_a_layer_kareus_does_not_compute_is_refused_by_its_field():
-    with pytest.raises(WorkloadError, match="num_moe_experts"):
+    # experts with Megatron-LM's default all-gather dispatcher: named by its field
+    with pytest.raises(WorkloadError, match="moe_token_dispatcher_type='alltoall'"):
         workload_from_megatron_args(JOB + " --num-experts 8", dp=2)
     with pytest.raises(MegatronArgsError, match="global-batch-size 64 is not a multiple"):
         workload_from_megatron_args(JOB, dp=3)
@@ -136,7 +145,13 @@ def test_kareus_optimize_megatron_args_makes_the_plan_the_spec_accepts(tmp_path,
 
 @pytest.mark.megatron_line
 @pytest.mark.parametrize("extra", ["", " --qk-layernorm --norm-epsilon 1e-6 "
-                                   "--untie-embeddings-and-output-weights --recompute-activations"])
+                                   "--untie-embeddings-and-output-weights --recompute-activations",
+                                   # a mixture of experts, EP folded over TP (sequence parallel)
+                                   " --sequence-parallel --num-experts 8 --moe-router-topk 2 "
+                                   "--moe-ffn-hidden-size 512 --expert-model-parallel-size 2 "
+                                   "--expert-tensor-parallel-size 1 --moe-router-dtype fp32 "
+                                   "--moe-token-dispatcher-type alltoall --moe-permute-fusion "
+                                   "--moe-layer-freq 1"])
 def test_the_parser_agrees_with_megatron_lm_s_own(monkeypatch, extra):
     """kareus's parser against Megatron-LM's ``parse_args`` + ``validate_args`` (run when
     ``megatron.training`` is importable: a Megatron-LM checkout at ``core_v0.16.1`` or

@@ -116,7 +116,7 @@ def test_the_layer_s_recomputation_must_be_the_workload_s():
     ({"layernorm_zero_centered_gamma": True}, "zero_centered"),
     ({"qk_l2_norm": True}, "qk_l2_norm=False"),
     ({"qk_clip": True}, "qk_clip=False"),
-    ({"num_moe_experts": 8}, "num_moe_experts=None"),
+    ({"num_moe_experts": 8}, "moe_token_dispatcher_type='alltoall'"),  # Megatron's default
     ({"layernorm_epsilon": 0.0}, "layernorm_epsilon must be in"),
     ({"multi_latent_attention": True}, "multi-latent"),
     ({"window_size": (128, 0)}, "window_size=None"),

@@ -73,7 +73,7 @@ def test_the_qwen3_shape_is_qwen3_1_7b_s_layer_as_kareus_reads_its_flags(tmp_pat
     for extra, named in (("--add-qkv-bias", "add_qkv_bias"),
                          ("--hidden-dropout 0.1", "--hidden-dropout"),
                          ("--rotary-interleaved", "rotary_interleaved"),
-                         ("--qk-l2-norm", "qk_l2_norm"), ("--num-experts 8", "num_moe_experts"),
+                         ("--qk-l2-norm", "qk_l2_norm"), ("--num-experts 8", "moe_token_dispatcher_type"),
                          ("--apply-layernorm-1p", "layernorm_zero_centered_gamma")):
         with pytest.raises(KareusError, match=named) as err:
             workload_from_megatron_args(f"{job} {extra}")

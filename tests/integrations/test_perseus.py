@@ -114,6 +114,24 @@ def test_cp_is_folded_into_dp_for_zeus(plan: Plan) -> None:
         optimizer_arguments(attrs.evolve(plan, workload=None), 0, tp=2)
 
 
+def test_tp_pp_dp_mapping_lays_stages_out_inside_replicas(plan: Plan) -> None:
+    # --use-tp-pp-dp-mapping (tp-cp-ep-pp-dp): rank = tp + 2 (cp + 2 (pp + 2 dp))
+    mapped = attrs.evolve(plan, workload={**(plan.workload or {}),
+                                          "rank_order": "tp-cp-ep-pp-dp"})
+    stages = stage_schedules(plan)
+    ranks = rank_schedules(mapped)
+    assert all(ranks[r] == stages[(r // 4) % 2] for r in range(16))
+    for r, a in enumerate(optimizer_arguments(mapped, x) for x in range(16)):
+        tp_rank, cp_rank, pp_rank, dp_rank = r % 2, (r // 2) % 2, (r // 4) % 2, r // 8
+        assert (a["tp_rank"], a["pp_rank"], a["dp_rank"]) == (tp_rank, pp_rank,
+                                                              dp_rank * 2 + cp_rank)
+    assert stage_of_rank(4, tp=2, cp=2, dp=2, pp=2, rank_order="tp-cp-ep-pp-dp") == 1
+    with pytest.raises(ValueError, match="needs pp="):
+        stage_of_rank(4, tp=2, rank_order="tp-cp-ep-pp-dp")
+    with pytest.raises(ValueError, match="rank_order must be one of"):
+        stage_of_rank(4, tp=2, rank_order="pp-tp")
+
+
 def test_perseus_server_reads_the_file(plan: Plan, tmp_path: Path) -> None:
     # Runs where Zeus's frequency server is installed (zeus[pfo-server]: fastapi, lowtime,
     # torch, pydantic 1.x); checked with zeus 0.16.0: both schedulers loaded kareus's files

@@ -187,6 +187,21 @@ def test_qwen3_s_workload(fuse):
     assert (m.qk_norm, m.norm_eps, m.tied_embeddings, m.qkv_bias) == (True, 1e-6, True, False)
 
 
+def _one_rank(cfg):
+    """torchtitan's model of ``cfg`` (``build``), a copy of it to plan, and the workload of
+    one rank (TP = 1) running it on one microbatch."""
+    ref = build(cfg)
+    model = copy.deepcopy(ref)
+    return ref, model, kt.workload_from_torchtitan(cfg, tp=1, microbatch_size=MBS, seq_len=SEQ,
+                                                   num_microbatches=1)
+
+
+#: the schedules of the one-rank tests: the blocks chained (the default) or, nanobatching,
+#: per block
+_SCHEDULES_AND_CHAINS = pytest.mark.parametrize(
+    "schedule,chain", [("sequential", None), ("nanobatching", None), ("nanobatching", False)])
+
+
 def _same_step(ref, model):
     """One forward and backward of ``ref`` and of the planned ``model`` on the same tokens:
     the same logits and every parameter's gradient; returns the tokens."""
@@ -205,15 +220,11 @@ def _same_step(ref, model):
 
 
 @pytest.mark.parametrize("fuse", [False, True])
-@pytest.mark.parametrize("schedule,chain", [("sequential", None), ("nanobatching", None),
-                                            ("nanobatching", False)])
+@_SCHEDULES_AND_CHAINS
 def test_a_planned_qwen3_is_torchtitan_s_qwen3(fuse, schedule, chain):
     # TP = 1: rotate-half RoPE (no row reordering), the q/k norm weights and eps 1e-6
     cfg = qwen3_config(fuse=fuse)
-    ref = build(cfg)
-    model = copy.deepcopy(ref)
-    wl = kt.workload_from_torchtitan(cfg, tp=1, microbatch_size=MBS, seq_len=SEQ,
-                                     num_microbatches=1)
+    ref, model, wl = _one_rank(cfg)
     applier = kt.apply_plan(model, workload=wl, schedule=schedule, kernels="torch",
                             chain=chain)
     plain = 1.0 / (1000000.0 ** (torch.arange(0, 16, 2).float() / 16))
@@ -231,17 +242,13 @@ def test_a_planned_qwen3_is_torchtitan_s_qwen3(fuse, schedule, chain):
 
 
 @pytest.mark.parametrize("fuse", [False, True])
-@pytest.mark.parametrize("schedule,chain", [("sequential", None), ("nanobatching", None),
-                                            ("nanobatching", False)])
+@_SCHEDULES_AND_CHAINS
 def test_a_planned_model_is_torchtitan_s_model(fuse, schedule, chain):
     # TP = 1: the layout (fused groups, interleaved RoPE rows), the scaled frequencies and
     # the gradients through the views, without processes; the blocks chained (the
     # default) or per block.
     cfg = config(fuse=fuse)
-    ref = build(cfg)
-    model = copy.deepcopy(ref)
-    wl = kt.workload_from_torchtitan(cfg, tp=1, microbatch_size=MBS, seq_len=SEQ,
-                                     num_microbatches=1)
+    ref, model, wl = _one_rank(cfg)
     applier = kt.apply_plan(model, workload=wl, schedule=schedule, kernels="torch",
                             chain=chain)
     assert len(kt.chained_blocks(model)) == (0 if chain is False else LAYERS)
@@ -261,10 +268,7 @@ def test_blocks_with_anything_around_their_call_run_per_block():
     # A stack skips the blocks' __call__: a block with a hook (fully_shard's FSDP hooks,
     # say) runs per block, checked at every forward; chain=True refuses it, typed.
     cfg = config(fuse=True)
-    ref = build(cfg)
-    model = copy.deepcopy(ref)
-    wl = kt.workload_from_torchtitan(cfg, tp=1, microbatch_size=MBS, seq_len=SEQ,
-                                     num_microbatches=1)
+    ref, model, wl = _one_rank(cfg)
     applier = kt.apply_plan(model, workload=wl, schedule="nanobatching", kernels="torch")
     tokens = torch.randint(0, VOCAB, (MBS, SEQ))
     want = ref(tokens)
@@ -299,10 +303,8 @@ def test_a_workload_of_unchained_layers_runs_per_block_even_where_blocks_chain()
     # Workload.chained_layers=False: the plan costs each block run on its own, so the
     # blocks run so (the same values), and chain=True is refused before anything changes.
     cfg = config(fuse=True)
-    ref = build(cfg)
-    model = copy.deepcopy(ref)
-    wl = kt.workload_from_torchtitan(cfg, tp=1, microbatch_size=MBS, seq_len=SEQ,
-                                     num_microbatches=1).with_(chained_layers=False)
+    ref, model, wl = _one_rank(cfg)
+    wl = wl.with_(chained_layers=False)
     with pytest.raises(WorkloadError, match="chained_layers=False"):
         kt.apply_plan(model, workload=wl, schedule="nanobatching", kernels="torch",
                       chain=True)

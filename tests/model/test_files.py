@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from _helpers import lab_gpu_toml
 
 from kareus.errors import KareusError, UnknownPresetError
-from kareus.model import files
 from kareus.model.files import (
     SpecFileError,
     gpu_from_dict,
@@ -20,7 +20,6 @@ from kareus.model.files import (
     register_gpu,
     register_model,
     spec_to_dict,
-    unregister,
 )
 from kareus.model.gpu import GPU_PRESETS, GPUSpec, get_gpu, gpu_names
 from kareus.model.workload import MODEL_PRESETS, ModelArch, Workload, get_model, model_names
@@ -36,27 +35,11 @@ ffn = 2816
 vocab = 32000
 """
 
-GPU_TOML = """\
-name = "Lab-GPU"
-sm_count = 100
-clocks_mhz = {min = 300, max = 1500, step = 15}
-search_clocks_mhz = {max = 1500, step = 60, count = 10}
-bf16_peak_tflops = 300.0
-hbm_bandwidth_gbps = 2000.0
-nvlink_bandwidth_gbps = 400.0
-power_limit_w = 450.0
-static_power_w = 90.0
-idle_power_w = 60.0
-default_comm_sms = 24
-memory_gib = 48
-"""
+GPU_TOML = lab_gpu_toml("Lab-GPU", search_count=10)
 
 
-@pytest.fixture(autouse=True)
-def _clean_registry():
-    yield
-    for name in list(files.registered_models()) + list(files.registered_gpus()):
-        unregister(name)
+#: the models and GPUs a test registers: unregistered after it (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("clean_spec_registry")
 
 
 def _write(tmp_path: Path, name: str, text: str | bytes) -> Path:

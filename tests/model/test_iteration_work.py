@@ -9,10 +9,10 @@ from kareus.model import Workload, build_partitions
 from kareus.model.ops import CommKind, CommOp
 from kareus.model.partition import (
     ADAM_BYTES_PER_PARAM,
-    GPUS_PER_NODE,
     OutsideWork,
     grad_reduction_crosses_node,
     iteration_work,
+    pipeline_sends_cross_node,
     stage_params_per_rank,
 )
 
@@ -75,7 +75,7 @@ def _qwen3_stage_params_by_hand(tp: int, pp: int) -> int:
     return 28 // pp * layer + embed + h  # the embedding or LM head stage, + final norm
 
 
-def _qwen3(**kw: int) -> Workload:
+def _qwen3(**kw: object) -> Workload:
     return Workload.preset("qwen3-1.7b", microbatch_size=16, seq_len=4096,
                            num_microbatches=8, **kw)  # type: ignore[arg-type]
 
@@ -116,7 +116,7 @@ def test_gradients_reduced_over_dp_x_cp() -> None:
     assert (rs.name, rs.bytes, rs.group_size) == ("dp_cp_grad_reduce_scatter", 4 * n, 4)
     assert (ag.name, ag.bytes, ag.group_size) == ("dp_cp_param_all_gather", 2 * n, 4)
     assert work.ops[0].bytes_moved == pytest.approx(ADAM_BYTES_PER_PARAM * n / 4)
-    # DP outside PP: the replicas' GPUs of one shard sit 16 apart, on two nodes.
+    # A group of 4 ranks (CP 4 apart, DP 8 apart) in a block of 16: on two nodes.
     assert grad_reduction_crosses_node(wl)
     assert work.comms_in_node == () and all(work.crosses_node(c) for c in work.comms)
     # TP=2 CP=2 DP=2 on one node of 8: everything over NVLink.
@@ -139,26 +139,69 @@ def test_data_parallel_alone_is_unchanged() -> None:
         ("embedding_grad_all_reduce", CommKind.ALL_REDUCE, 4 * 151_936 // 4 * 2048, 2),
         ("dp_param_all_gather", CommKind.ALL_GATHER, 2 * n, 2)]
     assert work.ops[0].bytes_moved == pytest.approx(ADAM_BYTES_PER_PARAM * n / 2)
-    assert work.comms_cross_node and work.comms_in_node == ()
-    assert "comms_in_node" not in repr(work)
+    # Megatron-LM's default order puts a stage's two replicas 4 ranks apart, in one node;
+    # with --use-tp-pp-dp-mapping they sit 8 apart, on two nodes.
+    assert work.comms_cross_node and work.comms_in_node == (
+        "dp_grad_reduce_scatter", "dp_param_all_gather")
+    mapped = iteration_work(_qwen3(tp=4, pp=2, dp=2, rank_order="tp-cp-ep-pp-dp"))
+    assert mapped.comms == work.comms and mapped.comms_in_node == ()
+    assert "comms_in_node" not in repr(mapped)
     # CP = DP = 1: no reduction at all.
     assert iteration_work(_qwen3(tp=4, pp=2)).comms[0].name == "embedding_grad_all_reduce"
     assert len(iteration_work(_qwen3(tp=4, pp=1)).comms) == 0
 
 
-@pytest.mark.parametrize(("tp", "cp", "pp", "dp", "crosses"), [
-    (4, 2, 2, 1, False),  # CP ranks 4 apart in a block of 8
-    (8, 2, 1, 1, True),   # a stage of 16 GPUs: its CP ranks 8 apart
-    (2, 3, 2, 1, True),   # blocks of 6: the second straddles the node boundary
-    (1, 1, 1, 8, False),  # DP over one node
-    (1, 1, 1, 16, True),
-    (2, 1, 4, 2, True),   # DP outside PP: replicas 8 apart
+@pytest.mark.parametrize(("tp", "cp", "pp", "dp", "order", "crosses"), [
+    (4, 2, 2, 1, "tp-cp-ep-dp-pp", False),  # CP ranks 4 apart in a block of 8
+    (8, 2, 1, 1, "tp-cp-ep-dp-pp", True),   # a stage of 16 GPUs: its CP ranks 8 apart
+    (2, 3, 2, 1, "tp-cp-ep-dp-pp", True),   # blocks of 6: the second straddles a node
+    (1, 1, 1, 8, "tp-cp-ep-dp-pp", False),  # DP over one node
+    (1, 1, 1, 16, "tp-cp-ep-dp-pp", True),
+    (2, 1, 4, 2, "tp-cp-ep-dp-pp", False),  # DP inside PP: replicas 2 apart
+    (2, 1, 4, 2, "tp-cp-ep-pp-dp", True),   # DP outside PP: replicas 8 apart
+    (4, 2, 2, 1, "tp-cp-ep-pp-dp", False),  # DP = 1: the order does not matter
 ])
-def test_gradient_group_layout(tp: int, cp: int, pp: int, dp: int, crosses: bool) -> None:
-    wl = Workload.preset("llama3.2-3b", tp=tp, cp=cp, pp=pp, dp=dp, seq_len=6144)
+def test_gradient_group_layout(tp: int, cp: int, pp: int, dp: int, order: str,
+                               crosses: bool) -> None:
+    wl = Workload.preset("llama3.2-3b", tp=tp, cp=cp, pp=pp, dp=dp, seq_len=6144,
+                         rank_order=order)
     assert grad_reduction_crosses_node(wl) is crosses
-    if cp == 1:  # the test data parallelism alone always had: the job spans nodes
-        assert crosses == (wl.parallelism.world_size > GPUS_PER_NODE)
+
+
+@pytest.mark.parametrize(("tp", "cp", "pp", "dp", "order", "crosses"), [
+    (2, 1, 2, 1, "tp-cp-ep-dp-pp", False),  # 4 GPUs
+    (8, 1, 2, 1, "tp-cp-ep-dp-pp", True),   # a stage per node
+    (2, 1, 4, 2, "tp-cp-ep-dp-pp", True),   # stages 4 ranks apart: 0-3 / 4-7 / 8-11 / ...
+    (2, 1, 4, 2, "tp-cp-ep-pp-dp", False),  # a replica's 4 stages in ranks 0-7
+    (2, 1, 2, 4, "tp-cp-ep-dp-pp", True),   # stages 8 apart
+    (2, 1, 2, 4, "tp-cp-ep-pp-dp", False),
+    (1, 3, 2, 2, "tp-cp-ep-pp-dp", True),   # replicas of 6: the second straddles a node
+])
+def test_pipeline_send_layout(tp: int, cp: int, pp: int, dp: int, order: str,
+                              crosses: bool) -> None:
+    wl = Workload.preset("llama3.2-3b", tp=tp, cp=cp, pp=pp, dp=dp, rank_order=order,
+                         seq_len=6144)
+    assert pipeline_sends_cross_node(wl) is crosses
+    assert build_partitions(wl).outside[(0, "fwd")].p2p_cross_node is crosses
+
+
+def test_rank_order_global_ranks() -> None:
+    from kareus.model import Parallelism
+
+    p = Parallelism(tp=2, cp=2, pp=2, dp=3)
+    ranks = {p.global_rank(tp=t, cp=c, dp=d, pp=s) for t in range(2) for c in range(2)
+             for d in range(3) for s in range(2)}
+    assert ranks == set(range(p.world_size))
+    assert p.global_rank(dp=1) == 4 and p.global_rank(pp=1) == 12  # DP inside PP
+    q = Parallelism(tp=2, cp=2, pp=2, dp=3, rank_order="tp-cp-ep-pp-dp")
+    assert q.global_rank(pp=1) == 4 and q.global_rank(dp=1) == 8
+    with pytest.raises(Exception, match="rank_order must be one of tp-cp-ep-dp-pp"):
+        Parallelism(rank_order="pp-dp-tp")
+    # Written only when not the default, and read back.
+    wl = Workload.preset("llama3.2-3b", tp=2, pp=2, dp=2, rank_order="tp-cp-ep-pp-dp")
+    assert wl.to_dict()["rank_order"] == "tp-cp-ep-pp-dp"
+    assert Workload.from_dict(wl.to_dict()) == wl
+    assert "rank_order" not in Workload.preset("llama3.2-3b", tp=2).to_dict()
 
 
 def test_outside_work_comms_in_node() -> None:

@@ -58,6 +58,9 @@ def test_qwen3_moe_config_file_makes_a_workload(tmp_path: Path):
     ({"num_experts_per_tok": 200}, "at most moe.experts"),
     ({"attention_bias": True}, "in qwen3_moe it biases the output projection"),
     ({"shared_expert_intermediate_size": 5632}, "a qwen3_moe layer has no shared expert"),
+    # the top-k of a softmax over every expert, not renormalised: another weighting
+    ({"norm_topk_prob": False}, "norm_topk_prob False is not computed"),
+    ({"norm_topk_prob": None}, "norm_topk_prob None is not computed"),  # transformers: False
 ])
 def test_what_a_qwen3_moe_config_asks_beyond_kareus_is_refused(tmp_path, change, needle):
     path = _write(tmp_path, {**QWEN3_30B_A3B, **change})

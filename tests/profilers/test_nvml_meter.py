@@ -63,3 +63,25 @@ def test_the_profiler_sees_only_sharply_timed_steps():
     m = _meter_with_edges(edges)
     assert [mj for _, mj in m.timed_edges(0.0, 1.0)] == [0, 10_000, 30_000, 40_000]
     assert [mj for _, mj in m.timed_edges(0.35, 1.0)] == [40_000]  # one step: kept
+
+
+def test_the_step_period_ignores_the_first_read_and_late_steps():
+    # Steps every 150 ms. The thread's first read (a value, not a step) came 10 ms before
+    # the first step; then steps seen alternately late and on time on a busy CPU: the
+    # median gap over every read, the first included, would say 80 ms.
+    first = _Edge(0.140, 0, 0.0005, step=False)
+    seen = [(0.150, 0.0005), (0.300 + 0.070, 0.080), (0.450 + 0.0004, 0.0004),
+            (0.600 + 0.070, 0.080), (0.750 + 0.0004, 0.0004)]
+    m = _meter_with_edges([])
+    m._edges[0] = [first] + [_Edge(t, 1000 * (k + 1), blur)
+                             for k, (t, blur) in enumerate(seen)]
+    times = [0.140] + [t for t, _ in seen]
+    raw = sorted(b - a for a, b in zip(times, times[1:]))
+    assert raw[len(raw) // 2] == pytest.approx(0.0804)  # what the old estimate gave
+    # no two consecutive sharp steps: the mean gap over the steps
+    assert m.step_period_s() == pytest.approx(0.150, rel=0.01)
+    sharp = [_Edge(0.150 * k, 1000 * k, 0.0005) for k in range(1, 5)]
+    m._edges[0] = [first, *sharp]
+    assert m.step_period_s() == pytest.approx(0.150)
+    m._edges[0] = [first, sharp[0]]
+    assert m.step_period_s() is None  # one step: no period yet

@@ -25,13 +25,8 @@ from kareus.model.workload import ModelArch, Parallelism, Workload
 from kareus.workflow import optimize
 from kareus.workflow.verification import Figures, job_measurement, verify
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+#: torch's intra-op threads: one (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tiny(tp: int = 2, seq: int = 8) -> Workload:

@@ -11,19 +11,26 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from _helpers import cuda_marks
+
 from kareus.model.workload import ModelArch, Parallelism, Workload
 from kareus.workflow import optimize, verify
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = cuda_marks()
 
 
-def test_verify_measures_every_system_on_one_gpu(tmp_path):
+def _optimize_into(folder):
+    """A small TP=2 x CP=2 job optimized on the H200 emulator (budget 4), saved in
+    ``folder`` for ``verify``."""
     arch = ModelArch(name="small", layers=4, hidden=1024, heads=16, kv_heads=8, head_dim=64,
                      ffn=4096, vocab=32000)
     wl = Workload(model=arch, parallelism=Parallelism(tp=2, cp=2), microbatch_size=2,
                   seq_len=2048, num_microbatches=4, nanobatches=2)
-    optimize(wl, "h200-sxm", budget=4, seed=0, progress=False).save(tmp_path, figure=False)
+    optimize(wl, "h200-sxm", budget=4, seed=0, progress=False).save(folder, figure=False)
+
+
+def test_verify_measures_every_system_on_one_gpu(tmp_path):
+    _optimize_into(tmp_path)
     rep = verify(tmp_path, steps=3, repeats=2, busy_steps=2)
     assert rep is not None and rep.measured
     assert [s.system for s in rep.systems] == ["megatron", "nanobatching", "kareus"]
@@ -45,11 +52,7 @@ def test_verify_measures_every_system_on_one_gpu(tmp_path):
 
 
 def test_verify_with_the_time_faithful_loopback_says_stand_in(tmp_path):
-    arch = ModelArch(name="small", layers=4, hidden=1024, heads=16, kv_heads=8, head_dim=64,
-                     ffn=4096, vocab=32000)
-    wl = Workload(model=arch, parallelism=Parallelism(tp=2, cp=2), microbatch_size=2,
-                  seq_len=2048, num_microbatches=4, nanobatches=2)
-    optimize(wl, "h200-sxm", budget=4, seed=0, progress=False).save(tmp_path, figure=False)
+    _optimize_into(tmp_path)
     rep = verify(tmp_path, steps=3, repeats=1, busy_steps=0, loopback="faithful")
     assert rep is not None and rep.measured and rep.note.startswith("STAND-IN")
     for s in rep.systems:

@@ -26,6 +26,14 @@ on ``stream`` using ``sms`` SMs:
   rank), so that the tuning path and the executor run end to end on one GPU; it measures no
   communication.
 
+All-to-all (a mixture of experts' expert-parallel dispatch and combine:
+``all_to_all(output, input, output_splits, input_splits, stream, sms)``, variable splits in
+rows as ``torch.distributed.all_to_all_single`` takes them) runs on NCCL capped (its CTA cap
+applies to NCCL's all-to-all kernel too) and on the process-group backend (gloo on the
+CPU as well); the loopback stand-in moves the received rows' bytes on one GPU; kareus's own
+kernels have none yet (``all_to_all`` raises
+[`CollectiveUnavailableError`][kareus.exec.CollectiveUnavailableError]).
+
 Communication buffers: a backend may offer ``empty(shape, dtype)`` (registered memory
 that every rank has mapped, for the own kernels; the other backends run on it too);
 [TorchExecutor.empty][kareus.exec.TorchExecutor.empty] asks its backends
@@ -75,7 +83,7 @@ from kareus.exec.collectives._errors import (
     CommSMCountError,
     NoCollectiveBackendError,
 )
-from kareus.exec.collectives._loopback import LoopbackCollective
+from kareus.exec.collectives._loopback import LoopbackCollective, cycle_rows
 from kareus.exec.collectives._mscclpp import MscclppCollective, MscclppRunner
 from kareus.exec.collectives._nccl import NCCL_MAX_CTAS, NCCLCappedCollective
 from kareus.exec.collectives._own import (
@@ -99,6 +107,7 @@ from kareus.exec.collectives._validation import (
     staging_bytes_needed,
     validate_comm_sms,
     validate_dtype,
+    validate_splits,
     validate_world_size,
 )
 
@@ -134,6 +143,7 @@ __all__ = [
     "choose_all_reduce_algorithm",
     "choose_collective_backend",
     "choose_registered_all_reduce_algorithm",
+    "cycle_rows",
     "mscclpp_available",
     "plan_pieces",
     "probe_collective_environment",
@@ -141,5 +151,6 @@ __all__ = [
     "staging_bytes_needed",
     "validate_comm_sms",
     "validate_dtype",
+    "validate_splits",
     "validate_world_size",
 ]

@@ -11,7 +11,11 @@ import abc
 from typing import Any, ClassVar
 
 from kareus.exec.collectives._errors import CollectiveArgumentError, CollectiveUnavailableError
-from kareus.exec.collectives._validation import validate_comm_sms, validate_dtype
+from kareus.exec.collectives._validation import (
+    validate_comm_sms,
+    validate_dtype,
+    validate_splits,
+)
 
 __all__ = ["CollectiveBackend"]
 
@@ -35,7 +39,8 @@ def _require_dist(group: Any) -> tuple[Any, Any]:
 
 
 class CollectiveBackend(abc.ABC):
-    """A way to run all-reduce, all-gather and reduce-scatter on an exact SM count.
+    """A way to run all-reduce, all-gather, reduce-scatter (and all-to-all, where the
+    backend has it) on an exact SM count.
 
     Every op is enqueued on ``stream`` (``None``: the current stream) and uses
     ``sms`` SMs (thread blocks / CTAs); ``sms=None`` asks for the library's own choice,
@@ -48,8 +53,17 @@ class CollectiveBackend(abc.ABC):
     ``all_gather(output, input)`` writes rank q's ``input`` to
     ``output.view(-1)[q*m:(q+1)*m]`` with ``m = input.numel()``;
     ``reduce_scatter(output, input)`` writes to rank r's ``output`` the sum over ranks
-    of ``input.view(-1)[r*m:(r+1)*m]`` with ``m = output.numel()``. Tensors are
+    of ``input.view(-1)[r*m:(r+1)*m]`` with ``m = output.numel()``;
+    ``all_to_all(output, input, output_splits, input_splits)`` sends rows (dimension 0)
+    ``input[sum(input_splits[:q]) : sum(input_splits[:q+1])]`` to rank q and writes the
+    rows received from rank q at ``output[sum(output_splits[:q]) : ...]`` (variable
+    splits, host lists of row counts: ``torch.distributed.all_to_all_single``'s
+    semantics, what a mixture of experts' token dispatcher runs). Tensors are
     contiguous CUDA tensors of one supported dtype on the current device.
+
+    ``all_to_all`` is not abstract (backends written before it keep working): by default
+    it raises [`CollectiveUnavailableError`][kareus.exec.CollectiveUnavailableError] naming
+    the backend; the NCCL capped, process-group and loopback backends implement it.
 
     A backend may also offer ``empty(shape, dtype)`` for tensors its collectives run
     faster on ([`OwnKernelCollective.empty`][kareus.exec.OwnKernelCollective.empty]); runnable
@@ -139,6 +153,19 @@ class CollectiveBackend(abc.ABC):
     def reduce_scatter(self, output: Any, input: Any, stream: Any, sms: int | None) -> Any:
         """Sums ``input`` over the group and keeps this rank's block in ``output``."""
 
+    def all_to_all(self, output: Any, input: Any, output_splits: Any, input_splits: Any,
+                   stream: Any, sms: int | None) -> Any:
+        """Sends ``input_splits[q]`` rows of ``input`` (in rank order) to rank q and
+        receives ``output_splits[q]`` rows from rank q into ``output``, in rank order;
+        returns ``output``. The splits are host lists of row counts, one per rank.
+
+        Raises:
+            CollectiveUnavailableError: this backend has no all-to-all (the default).
+        """
+        raise CollectiveUnavailableError(
+            f"the {self.name or type(self).__name__} collective backend runs no all-to-all; "
+            "use nccl_capped (SM-capped) or process_group for expert-parallel groups")
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Releases resources (collective where the backend holds shared buffers)."""
 
@@ -186,6 +213,35 @@ def _check_pair(op: str, output: Any, input: Any, world: int, device: int) -> st
             f"{output.numel()} elements, got {input.numel()}"
         )
     return d_in
+
+
+def _check_all_to_all(output: Any, input: Any, output_splits: Any, input_splits: Any,
+                      world: int, device: int | None) -> tuple[list[int], list[int]]:
+    """Validates an all-to-all's tensors (``device=None``: any device, e.g. gloo on the CPU)
+    and splits; returns the splits as int lists."""
+    import torch
+
+    for t, what in ((output, "output"), (input, "input")):
+        if device is not None:
+            _check_tensor(t, what, device)
+        elif not isinstance(t, torch.Tensor):
+            raise CollectiveArgumentError(f"all_to_all: {what} must be a torch.Tensor, got "
+                                          f"{type(t).__name__}")
+        elif not t.is_contiguous():
+            raise CollectiveArgumentError(f"all_to_all: {what} must be contiguous; call "
+                                          ".contiguous() first")
+        if t.dim() == 0:
+            raise CollectiveArgumentError(f"all_to_all: {what} needs rows (dimension 0), got a "
+                                          "0-d tensor")
+    if output.dtype != input.dtype:
+        raise CollectiveArgumentError(f"all_to_all: input is {input.dtype} but output is "
+                                      f"{output.dtype}; use one dtype")
+    if tuple(output.shape[1:]) != tuple(input.shape[1:]):
+        raise CollectiveArgumentError(f"all_to_all: rows of input {tuple(input.shape[1:])} and "
+                                      f"output {tuple(output.shape[1:])} differ; give both one "
+                                      "row shape")
+    return validate_splits(output_splits, input_splits, world_size=world,
+                           output_rows=int(output.shape[0]), input_rows=int(input.shape[0]))
 
 
 def _resolve_stream(stream: Any) -> Any:

@@ -5,7 +5,10 @@ stream ordering and the registered-buffer allocation should still run end to end
 before a multi-GPU run spends its time only measuring.
 [`LoopbackCollective`][kareus.exec.LoopbackCollective] is that stand-in: a group of one rank, whose
 all-reduce leaves the tensor as it is (the sum over one rank) but reads and writes it once in a
-kernel on the given stream, and whose all-gather and reduce-scatter copy the one shard. Its ``sms``
+kernel on the given stream, and whose all-gather and reduce-scatter copy the one shard. Its
+all-to-all stands in for an expert-parallel group of ``len(output_splits)`` ranks: it writes
+every received row (the output's bytes) from the sent rows, repeated in order (the exact
+all-to-all of a world of one when the splits have one entry). Its ``sms``
 is checked like a capped backend's and otherwise not applied (the copy kernels take what they take),
 so its measurements are of the computation beside a memory-bound kernel, never of communication:
 a smoke run's figures, not kareus's.
@@ -16,9 +19,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from kareus.exec.collectives._base import CollectiveBackend, _check_pair, _check_tensor
+from kareus.exec.collectives._base import (
+    CollectiveBackend,
+    _check_all_to_all,
+    _check_pair,
+    _check_tensor,
+)
 
-__all__ = ["LoopbackCollective"]
+__all__ = ["LoopbackCollective", "cycle_rows"]
 
 
 class LoopbackCollective(CollectiveBackend):
@@ -75,3 +83,40 @@ class LoopbackCollective(CollectiveBackend):
         with self._torch.cuda.stream(stream):
             output.view(-1).copy_(input.view(-1))
         return output
+
+    def all_to_all(self, output: Any, input: Any, output_splits: Any, input_splits: Any,
+                   stream: Any, sms: int | None) -> Any:
+        """The stand-in for an all-to-all over ``len(output_splits)`` ranks, on ``stream``:
+        ``output``'s rows are ``input``'s rows repeated in order (row ``j`` from input row
+        ``j mod rows``; zeros from an empty input), so the call reads the sent rows and
+        writes every received one, as the real all-to-all does on this rank. With one rank
+        it is that rank's all-to-all (a copy). The splits are checked against the tensors
+        (both lists of one length, the group stood in for)."""
+        if sms is not None:
+            self._check_sms(sms)
+        world = len(output_splits) if hasattr(output_splits, "__len__") else 1
+        _check_all_to_all(output, input, output_splits, input_splits, world, self._device)
+        with self._torch.cuda.stream(stream):
+            cycle_rows(self._torch, output, input)
+        return output
+
+
+def cycle_rows(torch: Any, output: Any, input: Any) -> Any:
+    """``output[j] = input[j mod rows]`` for every row ``j`` of ``output`` (zeros when
+    ``input`` has no row), in place; returns ``output``. What a one-GPU stand-in's
+    all-to-all computes ([`LoopbackCollective.all_to_all`][kareus.exec.LoopbackCollective]),
+    for stand-ins of an expert-parallel group elsewhere (the time-faithful one's
+    ``timed_collective("cycle", ...)`` computes the same on the GPU). ``torch`` is the
+    torch module."""
+    n_out, n_in = int(output.shape[0]), int(input.shape[0])
+    if n_out == 0:
+        return output
+    if n_in == 0:
+        return output.zero_()
+    reps = -(-n_out // n_in)
+    if reps == 1:
+        output.copy_(input[:n_out])
+    else:
+        output.view(n_out, -1).copy_(
+            input.reshape(1, n_in, -1).expand(reps, n_in, -1).reshape(reps * n_in, -1)[:n_out])
+    return output

@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 from kareus.exec.collectives._base import (
     _DIST_TENSOR_COLLECTIVE,
     CollectiveBackend,
+    _check_all_to_all,
     _check_pair,
     _check_tensor,
     _resolve_stream,
@@ -101,6 +102,26 @@ class NCCLCappedCollective(CollectiveBackend):
     def reduce_scatter(self, output: Any, input: Any, stream: Any, sms: int | None) -> Any:
         """Sums ``input`` over the group into this rank's ``output`` (NCCL, ``sms`` CTAs)."""
         return self._shard_collective("reduce_scatter", output, input, stream, sms)
+
+    def all_to_all(self, output: Any, input: Any, output_splits: Any, input_splits: Any,
+                   stream: Any, sms: int | None) -> Any:
+        """Variable-split all-to-all (``torch.distributed.all_to_all_single``) on the
+        communicator capped at ``sms`` CTAs: ``input_splits[q]`` rows to rank q,
+        ``output_splits[q]`` rows from rank q into ``output``, in rank order.
+
+        NCCL runs an all-to-all as grouped point-to-point sends and receives; that the
+        communicator's ``max_ctas`` bounds their kernel's grid as it bounds the other
+        collectives' is what the config promises, still to be measured on GPUs
+        (``tests/exec/test_collectives_all_to_all_gpu.py``, on two or more)."""
+        import torch
+        import torch.distributed as dist
+
+        outs, ins = _check_all_to_all(output, input, output_splits, input_splits,
+                                      self._world, self._device)
+        g = self.group_for(sms)
+        with torch.cuda.stream(_resolve_stream(stream)):
+            dist.all_to_all_single(output, input, outs, ins, group=g)
+        return output
 
     def _shard_collective(self, op: str, output: Any, input: Any, stream: Any,
                           sms: int | None) -> Any:

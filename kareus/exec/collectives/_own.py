@@ -14,7 +14,11 @@ from kareus.exec.collectives._base import (
     _check_tensor,
     _resolve_stream,
 )
-from kareus.exec.collectives._errors import CollectiveArgumentError, CollectiveLaunchError
+from kareus.exec.collectives._errors import (
+    CollectiveArgumentError,
+    CollectiveLaunchError,
+    CollectiveUnavailableError,
+)
 from kareus.exec.collectives._validation import (
     _DTYPE_BYTES,
     _MIB,
@@ -392,6 +396,22 @@ class OwnKernelCollective(CollectiveBackend):
             self._launch(op, dtype, input.data_ptr() + start * esize,
                          output.data_ptr() + start * esize, count, m, "", sms, stream)
         return output
+
+    def all_to_all(self, output: Any, input: Any, output_splits: Any, input_splits: Any,
+                   stream: Any, sms: int | None) -> Any:
+        """Refused: kareus's own kernels have no all-to-all yet.
+
+        An own kernel earns its place only where it beats NCCL at few SMs, as the
+        all-reduce, all-gather and reduce-scatter kernels were measured to; an all-to-all
+        kernel needs that measurement on GPUs first. Use ``NCCLCappedCollective``.
+
+        Raises:
+            CollectiveUnavailableError: always.
+        """
+        raise CollectiveUnavailableError(
+            "kareus's own collective kernels have no all-to-all yet (one must first be "
+            "measured against NCCL's at few SMs on GPUs); use nccl_capped for the "
+            "expert-parallel group")
 
     def close(self) -> None:
         """Frees the buffers, registered tensors included.

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from kareus.exec.collectives._base import _DIST_TENSOR_COLLECTIVE, CollectiveBackend
+from kareus.exec.collectives._base import (
+    _DIST_TENSOR_COLLECTIVE,
+    CollectiveBackend,
+    _check_all_to_all,
+)
 
 __all__ = ["ProcessGroupCollective"]
 
@@ -64,6 +68,24 @@ class ProcessGroupCollective(CollectiveBackend):
     def reduce_scatter(self, output: Any, input: Any, stream: Any, sms: int | None) -> Any:
         """Sums ``input`` over the group and keeps this rank's block in ``output``."""
         return self._shard_collective("reduce_scatter", output, input, stream)
+
+    def all_to_all(self, output: Any, input: Any, output_splits: Any, input_splits: Any,
+                   stream: Any, sms: int | None) -> Any:
+        """Variable-split all-to-all through ``torch.distributed.all_to_all_single``:
+        ``input_splits[q]`` rows to rank q, ``output_splits[q]`` rows from rank q into
+        ``output``, in rank order (NCCL on GPUs; gloo on the CPU, where ``stream`` is
+        ``None``)."""
+        import contextlib
+
+        import torch
+
+        outs, ins = _check_all_to_all(output, input, output_splits, input_splits,
+                                      self.world_size, None)
+        on = (torch.cuda.stream(stream) if isinstance(stream, torch.cuda.Stream)
+              else contextlib.nullcontext())
+        with on:
+            self._dist.all_to_all_single(output, input, outs, ins, group=self.group)
+        return output
 
     def _shard_collective(self, op: str, output: Any, input: Any, stream: Any) -> Any:
         """All-gather or reduce-scatter through ``torch.distributed``'s flat-tensor call."""

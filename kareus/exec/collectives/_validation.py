@@ -8,6 +8,7 @@ and the bus-bandwidth factor of nccl-tests. Nothing here imports torch.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 from kareus.exec.collectives._errors import CollectiveArgumentError, CommSMCountError
@@ -26,6 +27,7 @@ __all__ = [
     "staging_bytes_needed",
     "validate_comm_sms",
     "validate_dtype",
+    "validate_splits",
     "validate_world_size",
 ]
 
@@ -108,6 +110,47 @@ def validate_dtype(dtype: Any) -> str:
             f"collectives support {', '.join(SUPPORTED_DTYPES)}, got {dtype}; cast the tensor first"
         )
     return name
+
+
+def _split_list(splits: Any, what: str, world_size: int, rows: int) -> list[int]:
+    if isinstance(splits, (str, bytes)) or not hasattr(splits, "__len__"):
+        raise CollectiveArgumentError(f"all_to_all: {what} must be a list of row counts, one "
+                                      f"per rank, got {type(splits).__name__}")
+    if len(splits) != world_size:
+        raise CollectiveArgumentError(f"all_to_all: {what} must list one row count per rank "
+                                      f"({world_size}), got {len(splits)}")
+    out = []
+    for v in splits:
+        try:  # ints and integer scalars (numpy, 0-d tensors) that index as ints
+            iv = None if isinstance(v, bool) else operator.index(v)
+        except TypeError:
+            iv = None
+        if iv is None or iv < 0:
+            raise CollectiveArgumentError(f"all_to_all: {what} must hold whole row counts "
+                                          f">= 0, got {v!r:.40}")
+        out.append(iv)
+    if sum(out) != rows:
+        raise CollectiveArgumentError(f"all_to_all: {what} sum to {sum(out)} rows, the tensor "
+                                      f"has {rows}; pass the row counts of this call")
+    return out
+
+
+def validate_splits(output_splits: Any, input_splits: Any, *, world_size: int,
+                    output_rows: int, input_rows: int) -> tuple[list[int], list[int]]:
+    """Checks an all-to-all's splits (host lists of row counts, one per rank, as
+    ``torch.distributed.all_to_all_single`` takes them) and returns them as int lists.
+
+    ``input_splits[q]`` rows of the input (in rank order) go to rank ``q``;
+    ``output_splits[q]`` rows come from rank ``q``. Each list holds ``world_size``
+    whole counts >= 0 summing to its tensor's rows. That rank ``q``'s ``input_splits``
+    entry for this rank equals this rank's ``output_splits[q]`` cannot be checked
+    locally: the caller exchanges the counts first (a mixture of experts' dispatcher does).
+
+    Raises:
+        CollectiveArgumentError: One line naming the list and what is wrong.
+    """
+    return (_split_list(output_splits, "output_splits", world_size, output_rows),
+            _split_list(input_splits, "input_splits", world_size, input_rows))
 
 
 def _validate_op(op: str) -> str:

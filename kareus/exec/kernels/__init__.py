@@ -19,6 +19,10 @@ op                 what it computes
 ``swiglu_bwd``     ``dg`` and ``du`` of that
 ``attention``      causal scaled-dot-product attention, grouped K/V read in place
 ``matmul``         GEMMs on cuBLAS (``torch.matmul``; ``addmm_`` to accumulate)
+MoE ops            a mixture of experts' router, top-k, token permutation, sort by local
+                   expert, grouped expert GEMMs (``grouped_mm``: ``torch._grouped_mm`` on
+                   sm90+ bf16, a GEMM loop elsewhere), un-permutation and their backward
+                   (``kareus.exec.kernels._moe``; plain torch in every set)
 =================  ======================================================================
 
 Implementations (``get_kernels`` picks one by name):
@@ -61,15 +65,18 @@ from __future__ import annotations
 
 from kareus.exec.kernels._attention import SavedAttention, attention_backward, attention_forward
 from kareus.exec.kernels._documents import DOCUMENT_BACKENDS, DocumentMask
+from kareus.exec.kernels._moe import GROUPED_GEMM_PATHS, TokenPermutation
 from kareus.exec.kernels.base import KernelSet, ReferenceKernels, TorchKernels
 from kareus.exec.kernels.registry import available_kernels, get_kernels, register_kernels
 
 __all__ = [
     "DOCUMENT_BACKENDS",
     "DocumentMask",
+    "GROUPED_GEMM_PATHS",
     "KernelSet",
     "ReferenceKernels",
     "SavedAttention",
+    "TokenPermutation",
     "TorchKernels",
     "attention_backward",
     "attention_forward",

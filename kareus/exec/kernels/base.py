@@ -18,6 +18,7 @@ import abc
 from typing import Any
 
 from kareus.errors import ArgumentError
+from kareus.exec.kernels import _moe
 from kareus.exec.kernels._attention import attention_backward, attention_forward
 from kareus.exec.kernels._documents import DOCUMENT_BACKENDS, DocumentMask, document_attention
 from kareus.exec.kernels._layout import _split_qkv
@@ -30,6 +31,13 @@ __all__ = [
 
 OPS = ("rms_norm", "rms_norm_bwd", "rope", "rope_bwd", "swiglu", "swiglu_bwd", "attention",
        "matmul")
+
+#: The mixture-of-experts ops every kernel set has (``kareus.exec.kernels._moe`` defines
+#: them; plain torch by default).
+MOE_OPS = ("router", "router_topk", "router_topk_bwd", "router_dgrad", "router_wgrad",
+           "permute", "permute_bwd", "expert_sort", "expert_unsort", "grouped_mm",
+           "grouped_mm_wgrad", "expert_swiglu", "expert_swiglu_bwd", "unpermute",
+           "unpermute_bwd")
 
 
 class KernelSet(abc.ABC):
@@ -54,12 +62,17 @@ class KernelSet(abc.ABC):
             ``"mask"`` (SDPA with the dense boolean mask), or ``None`` (default): flex on a
             CUDA device (heads of 16 and more: its GPU kernel's least), the dense mask
             elsewhere (see ``kareus.exec.kernels._documents``).
+        grouped_gemm: How the mixture-of-experts grouped GEMMs run: ``"auto"`` (default:
+            ``torch._grouped_mm`` on a CUDA GPU of compute capability 9.0+ in bfloat16, a
+            loop of ``torch.matmul`` elsewhere), ``"grouped_mm"`` or ``"loop"``
+            (``kareus.exec.kernels._moe``).
     """
 
     name: str = "custom"
     sdpa_backends: tuple[str, ...] = ("CUDNN_ATTENTION", "FLASH_ATTENTION",
                                       "EFFICIENT_ATTENTION")
     documents_backend: str | None = None
+    grouped_gemm: str = "auto"
 
     @abc.abstractmethod
     def rms_norm(self, x: Any, w: Any, eps: float = 1e-5) -> Any:
@@ -253,10 +266,112 @@ class KernelSet(abc.ABC):
             return out.addmm_(a, b)
         return torch.matmul(a, b, out=out) if out is not None else torch.matmul(a, b)
 
+
+    # -------------------------------------------------------------- mixture of experts
+    # The MoE block's ops (``kareus.exec.kernels._moe`` explains each and the data flow
+    # between them and the all-to-alls); plain torch by default, in every set.
+
+    def router(self, x: Any, w: Any, *, dtype: Any = "float32") -> Any:
+        """Router logits ``x @ w`` (``[t, h] @ [h, E]``) in the router dtype ``dtype`` (its
+        name, ``MoEArch.router_dtype``, or a torch dtype)."""
+        return _moe.router(x, w, dtype=dtype)
+
+    def router_topk(self, logits: Any, k: int) -> tuple[Any, Any]:
+        """``(probs, indices)`` ``[t, k]``: the top-``k`` experts and the softmax over
+        their logits (Megatron-Core's default; Qwen3 MoE's and Mixtral's renormalised
+        softmax-then-top-k, equal in exact arithmetic)."""
+        return _moe.router_topk(logits, k)
+
+    def router_topk_bwd(self, dprobs: Any, probs: Any, indices: Any, experts: int) -> Any:
+        """``dlogits`` ``[t, E]`` of ``router_topk``."""
+        return _moe.router_topk_bwd(dprobs, probs, indices, experts)
+
+    def router_dgrad(self, dlogits: Any, w: Any, *, dtype: Any = None) -> Any:
+        """``dlogits @ w^T`` in the router dtype, cast to ``dtype`` (a torch dtype)."""
+        return _moe.router_dgrad(dlogits, w, dtype=dtype)
+
+    def router_wgrad(self, x: Any, dlogits: Any) -> Any:
+        """``x^T @ dlogits`` ``[h, E]`` in the router dtype."""
+        return _moe.router_wgrad(x, dlogits)
+
+    def permute(self, x: Any, indices: Any, *, experts: int, ep: int = 1,
+                out: Any = None) -> tuple[Any, Any]:
+        """``(rows [t k, h], TokenPermutation)``: each token once per chosen expert, by
+        global expert (= destination EP rank, then local expert), then token; into
+        ``out`` when given."""
+        return _moe.permute(x, indices, experts=experts, ep=ep, out=out)
+
+    def permute_bwd(self, drows: Any, perm: Any) -> Any:
+        """``dx`` ``[t, h]``: each token's row gradients summed (top-k order)."""
+        return _moe.permute_bwd(drows, perm)
+
+    def expert_sort(self, rows: Any, counts: Any, *, out: Any = None) -> Any:
+        """Received rows from (source rank, local expert) to (local expert, source rank)
+        order; ``counts`` ``[ep, L]`` rows per chunk; into ``out`` when given."""
+        return _moe.expert_sort(rows, counts, out=out)
+
+    def expert_unsort(self, rows: Any, counts: Any, *, out: Any = None) -> Any:
+        """The inverse of ``expert_sort``; into ``out`` when given."""
+        return _moe.expert_unsort(rows, counts, out=out)
+
+    def expert_sort_bwd(self, drows: Any, counts: Any, *, out: Any = None) -> Any:
+        """The gradient of ``expert_sort``: ``expert_unsort`` of the gradient."""
+        return self.expert_unsort(drows, counts, out=out)
+
+    def expert_unsort_bwd(self, drows: Any, counts: Any, *, out: Any = None) -> Any:
+        """The gradient of ``expert_unsort``: ``expert_sort`` of the gradient."""
+        return self.expert_sort(drows, counts, out=out)
+
+    def grouped_mm(self, x: Any, w: Any, counts: Any, *, out: Any = None) -> Any:
+        """``[r, in] x [G, in, out] -> [r, out]``, each group's rows by its weight
+        (``counts``: rows per group, host ints or a tensor, or a ``[ep, G]`` table);
+        the data gradient is ``grouped_mm(dy, w.transpose(1, 2), counts)``; into ``out``
+        when given."""
+        return _moe.grouped_mm(x, w, counts, path=self.grouped_gemm, out=out)
+
+    def grouped_mm_path(self, x: Any, w: Any) -> str:
+        """``"grouped_mm"`` or ``"loop"``: how ``grouped_mm(x, w, ...)`` runs (its counts:
+        a device tensor for the first, host ints for the loop, keep each free of host
+        round trips)."""
+        return _moe.grouped_mm_path(x, w, self.grouped_gemm)
+
+    def grouped_mm_wgrad(self, x: Any, dy: Any, counts: Any) -> Any:
+        """Each group's ``x_g^T dy_g``: ``[G, in, out]`` (zero for a group without rows)."""
+        return _moe.grouped_mm_wgrad(x, dy, counts, path=self.grouped_gemm)
+
+    def expert_swiglu(self, h: Any) -> Any:
+        """``silu(gate) * up`` of the fused gate/up output ``[r, 2 fe]`` (gate first)."""
+        return _moe.expert_swiglu(self, h)
+
+    def expert_swiglu_bwd(self, da: Any, h: Any) -> Any:
+        """``dh`` ``[r, 2 fe]`` of ``expert_swiglu``."""
+        return _moe.expert_swiglu_bwd(self, da, h)
+
+    def unpermute(self, rows: Any, probs: Any, perm: Any, *, shared: Any = None) -> Any:
+        """``[t, h]``: each token's rows weighted by its probabilities and summed (top-k
+        order, float32 or wider, rounded once), plus ``shared``."""
+        return _moe.unpermute(rows, probs, perm, shared=shared)
+
+    def unpermute_bwd(self, dout: Any, rows: Any, probs: Any, perm: Any, *,
+                      out: Any = None) -> tuple[Any, Any]:
+        """``(drows [t k, h], dprobs [t, k])`` of ``unpermute``; ``drows`` into ``out``
+        when given."""
+        return _moe.unpermute_bwd(dout, rows, probs, perm, out=out)
+
     def kernel_names(self) -> dict[str, str]:
         """Which kernel each op gets, for reports (attention: see ``attention_backend``)."""
+        grouped = {"auto": "torch._grouped_mm on CUDA sm90+ bf16, else a torch.matmul loop",
+                   "grouped_mm": "torch._grouped_mm",
+                   "loop": "torch.matmul loop (one GEMM per expert)"}.get(
+                       self.grouped_gemm, self.grouped_gemm)
         return {"attention": "sdpa(" + " > ".join(b.lower() for b in self.sdpa_backends) + ")",
-                "matmul": "cublas (torch.matmul; addmm_ to accumulate)"}
+                "matmul": "cublas (torch.matmul; addmm_ to accumulate)",
+                "grouped_mm": grouped, "grouped_mm_wgrad": grouped,
+                "expert_swiglu": "this set's swiglu on the gate/up halves",
+                "expert_swiglu_bwd": "this set's swiglu_bwd, gate/up packed",
+                **{op: "torch formula (moe)" for op in MOE_OPS
+                   if op not in ("grouped_mm", "grouped_mm_wgrad", "expert_swiglu",
+                                 "expert_swiglu_bwd")}}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
@@ -300,6 +415,7 @@ class ReferenceKernels(KernelSet):
     """
 
     name = "reference"
+    grouped_gemm = "loop"  # one GEMM per expert, in any dtype (float64 too)
     # Attention on the same SDPA backends as the other sets, so that this set differs in
     # the elementwise formulas only. (PyTorch's default dispatch depends on the process's
     # earlier backend choices: on one H200 it ran flash, or for qwen3-1.7b CP=2's 2048

@@ -18,7 +18,10 @@ What it computes (``kind``):
   holds ``src``: ``scale`` = the group size; ``dst`` may be ``src``);
 * ``"repeat"``: ``dst[j] = src[j % m]`` for ``j < group * m`` (the all-gather);
 * ``"sum_blocks"``: ``dst[i] = sum_k src[k * m + i]`` for ``i < m`` (the reduce-scatter:
-  the adjoint of the all-gather).
+  the adjoint of the all-gather);
+* ``"cycle"``: ``dst[j] = src[j % m]`` for every ``j < dst.numel()``, any sizes (an
+  all-to-all's stand-in: the received bytes written from the sent ones, as
+  ``LoopbackCollective.all_to_all`` does without the timing).
 
 If moving the bytes takes longer than ``duration_ns`` the kernel takes that long (it
 never cuts the copy short). Each block's clock starts when the block starts: a block
@@ -40,7 +43,7 @@ from kareus.errors import ArgumentError
 __all__ = ["KINDS", "timed_collective"]
 
 #: What the kernel computes: name -> the kernel's constexpr code.
-KINDS = {"scale": 0, "repeat": 1, "sum_blocks": 2}
+KINDS = {"scale": 0, "repeat": 1, "sum_blocks": 2, "cycle": 1}
 
 # Elements per block per loop step and warps per block: 16 warps of 32 elements per thread
 # keep four 16-byte loads in flight per thread (32 KiB per SM), so that the copy on a few
@@ -95,9 +98,10 @@ def timed_collective(kind: str, dst: Any, src: Any, *, group: int, ctas: int,
     """Launch the stand-in on the current CUDA stream; returns ``dst``.
 
     Args:
-        kind: ``"scale"``, ``"repeat"`` or ``"sum_blocks"`` (see the module).
+        kind: ``"scale"``, ``"repeat"``, ``"sum_blocks"`` or ``"cycle"`` (see the module).
         dst: Output (contiguous CUDA tensor): ``src``'s size for ``"scale"``,
-            ``group`` times it for ``"repeat"``, a ``group``-th of it for ``"sum_blocks"``.
+            ``group`` times it for ``"repeat"``, a ``group``-th of it for ``"sum_blocks"``,
+            any size for ``"cycle"`` (``src`` then not empty).
         src: Input (contiguous, same dtype and device).
         group: The group size stood in for.
         ctas: Thread blocks (the collective's SM count), >= 1.
@@ -116,7 +120,10 @@ def timed_collective(kind: str, dst: Any, src: Any, *, group: int, ctas: int,
     if not (src.is_contiguous() and dst.is_contiguous()) or src.dtype != dst.dtype:
         raise ArgumentError("the timed stand-in needs contiguous src and dst of one dtype")
     n_src, n_dst = int(src.numel()), int(dst.numel())
-    want = {"scale": n_src, "repeat": n_src * group, "sum_blocks": n_src // group}[kind]
+    want = {"scale": n_src, "repeat": n_src * group, "sum_blocks": n_src // group,
+            "cycle": n_dst}[kind]
+    if kind == "cycle" and n_src == 0 and n_dst:
+        raise ArgumentError("cycle: src is empty but dst is not; zero dst instead")
     if n_dst != want or (kind == "sum_blocks" and n_src % group):
         raise ArgumentError(f"{kind}: dst has {n_dst} elements for src's {n_src} in a group "
                             f"of {group}; expected {want}")

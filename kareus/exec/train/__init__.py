@@ -4,7 +4,7 @@ The library's training loop, for measuring what a plan does to a real job and as
 pattern for applying one in your own loop. Each rank builds its shard of a decoder from a
 preset's dimensions ([`DecoderShard`][kareus.exec.train.DecoderShard]: N layers, random
 initialisation, fp32 master weights, AdamW, cross-entropy of next-token prediction on random
-tokens), tensor and context parallel, every op on the production kernels (``kareus.exec.kernels``),
+tokens), tensor, context and data parallel, every op on the production kernels (``kareus.exec.kernels``),
 and runs iterations through an [`Executor`][kareus.exec.Executor] (a
 [`TorchExecutor`][kareus.exec.TorchExecutor] by default, or any executor passed as
 ``TrainingLoop(executor=..., baseline=...)``) under one of three schedules ([`SCHEDULES`][kareus.exec.schedule.SCHEDULES]):
@@ -20,11 +20,20 @@ The three run the same ops on the same data from the same weights, so their loss
 step by step (up to the rounding of different GEMM shapes and of the attention backward's
 accumulation order).
 
+A model with a mixture of experts (``ModelArch.moe``) runs its MoE layers (``_moe``: router,
+top-k, permutation, grouped SwiGLU experts, shared experts, un-permutation, on the kernel
+set's MoE kernels) with expert parallelism folded over the TP and CP ranks
+(``TorchParallelGroups(tp=..., ep=...)``): the dispatch and combine all-to-alls and their
+gradients are collectives of the schedule like the others, their split sizes exchanged
+between the EP ranks after the routing; it runs eagerly (no CUDA graphs: the sizes are
+data-dependent).
+
 Which op runs in which partition is the decoder schedule,
 [`kareus.exec.schedule`][kareus.exec.schedule], which this loop shares with the framework
 adapters ([`kareus.integrations`][kareus.integrations]); its names were re-exported here and
 still import from here for one release, with a ``DeprecationWarning``. Modules: ``_model`` (the
-decoder's ops), ``_groups`` (TP and CP groups, and the one-GPU loopback stand-ins), ``_timed``
+decoder's ops), ``_moe`` (the mixture-of-experts block's ops), ``_groups`` (TP, CP and EP
+groups, and the one-GPU loopback stand-ins), ``_timed``
 (the time-faithful loopback stand-in), ``_collectives`` (building a job's collectives), ``_loop``
 (the loop, timing and energy of runs, overlap efficiency). A training script
 is ``examples/train_torchrun.py``; ``bench/train_e2e.py`` measures the three schedules.

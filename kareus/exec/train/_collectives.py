@@ -45,8 +45,7 @@ def faithful_note(backends: Iterable[TimedLoopbackGroupCollective | None]) -> st
     for b in backends:
         if b is None:
             continue
-        kinds = ("all_reduce", "all_gather", "reduce_scatter")
-        srcs = sorted({b.source(k) for k in kinds})
+        srcs = sorted({b.source(k) for k in b.kinds})
         parts.append(f"group of {b.world_size} ({b.backend} kernels): " + "; ".join(srcs))
     return (f"{STAND_IN_LABEL}: one GPU stands in for the group; each collective computes "
             "the loopback's data in a kernel of exactly its SM count that holds those SMs "
@@ -97,8 +96,10 @@ def make_collectives(groups: ParallelGroups, *, backend: str = "nccl_capped",
     if backend not in BACKENDS:
         raise ArgumentError(f"backend must be one of {BACKENDS}, got {backend!r}")
     sizes = {"tp": groups.tp_size, "cp": groups.cp_size}
-    if sizes["tp"] * sizes["cp"] == 1:
-        return None, None, "no collectives (TP = CP = 1)"
+    if groups.ep_size > 1:  # a mixture of experts' dispatch and combine
+        sizes["ep"] = groups.ep_size
+    if sizes["tp"] * sizes["cp"] * sizes.get("ep", 1) == 1:
+        return None, None, "no collectives (TP = CP = EP = 1)"
     if loopback not in LOOPBACK_MODES:
         raise ArgumentError(f"loopback must be one of {LOOPBACK_MODES}, got {loopback!r}")
     if backend == "loopback":
@@ -108,9 +109,10 @@ def make_collectives(groups: ParallelGroups, *, backend: str = "nccl_capped",
             if times is None:
                 raise ArgumentError("loopback='faithful' needs times= (a CollectiveTimes: "
                                     "kareus.profilers.EmulatedCollectiveTimes)")
-            timed = {g: (TimedLoopbackGroupCollective(group_size=n, times=times,
-                                                      backend=curves) if n > 1 else None)
-                     for g, n in sizes.items()}
+            timed = {g: (TimedLoopbackGroupCollective(
+                group_size=n, times=times, backend=curves,
+                kinds=("all_to_all",) if g == "ep" else None) if n > 1 else None)
+                for g, n in sizes.items()}
             groups.run_through(dict(timed))  # the outside work's collectives too
             return (GroupedCollective(**timed), GroupedCollective(**timed),
                     faithful_note(timed.values()))

@@ -1,8 +1,22 @@
-"""Tensor- and context-parallel groups of a training job, and their one-GPU stand-in.
+"""Tensor-, context- and expert-parallel groups of a training job, and their one-GPU stand-in.
 
-A job of ``world = TP x CP`` ranks lays ranks out TP-fastest (``rank = cp_rank * TP +
-tp_rank``, as Megatron-LM does): the TP group of a rank is the ``TP`` consecutive ranks
-around it, its CP group the ranks ``TP`` apart. Two kinds of collective use them:
+A job of ``world = TP x CP x DP`` ranks lays ranks out TP-fastest, then CP, then DP
+(``rank = (dp_rank * CP + cp_rank) * TP + tp_rank``, as Megatron-LM does): the TP group of a
+rank is the ``TP`` consecutive ranks around it, its CP group the ranks ``TP`` apart within
+its data-parallel replica, its DP group the ranks ``TP x CP`` apart (the replicas, each
+training on its own microbatches).
+
+A mixture-of-experts model adds two groups folded over the same ranks
+(``kareus.model.moe``: Megatron-Core's "MoE parallel folding" at an expert tensor-parallel
+size of 1): its expert-parallel (EP) group is ``EP`` consecutive ranks (``ep_rank = rank
+% EP``; ``EP`` divides ``TP x CP x DP``), which hold ``experts / EP`` experts each and
+exchange token rows in all-to-alls; its expert-data-parallel (EDP) group is the
+``TP x CP x DP / EP`` ranks ``EP`` apart, which hold the same experts and sum their
+gradients (the dense weights' gradients are summed over CP and DP; the router's and the
+shared experts', replicated over TP and fed by each TP rank's sequence shard, over TP as
+well).
+
+Two kinds of collective use them:
 
 * the partitions' collectives (TP all-reduce; CP all-gather of K/V and reduce-scatter of
   their gradients) go through a [`CollectiveBackend`][kareus.exec.CollectiveBackend] on
@@ -46,20 +60,35 @@ def _on(stream: Any) -> Any:
     return contextlib.nullcontext()
 
 
+#: The groups a job's collectives run over (``ParallelGroups.size``).
+GROUPS = ("tp", "cp", "dp", "ep", "edp")
+
+
 class ParallelGroups:
-    """The TP and CP coordinates of this rank and the outside work's all-reduce.
+    """The TP, CP (and EP, EDP) coordinates of this rank and the outside work's collectives.
 
     Attributes:
         tp_size: Tensor-parallel degree.
         tp_rank: This rank's place in its TP group.
         cp_size: Context-parallel degree.
         cp_rank: This rank's place in its CP group.
+        dp_size: Data-parallel degree (replicas of the model, each on its own data).
+        dp_rank: This rank's replica.
+        ep_size: Expert-parallel degree (1 without a mixture of experts).
+        ep_rank: This rank's place in its EP group.
+        edp_size: Expert-data-parallel degree, ``TP x CP x DP / EP``: the ranks that hold
+            the same experts.
     """
 
     tp_size: int
     tp_rank: int
     cp_size: int
     cp_rank: int
+    dp_size: int = 1
+    dp_rank: int = 0
+    ep_size: int = 1
+    ep_rank: int = 0
+    edp_size: int = 1
 
     #: Whether every rank of each group holds this rank's data (a one-process stand-in such
     #: as [`LoopbackGroups`][kareus.exec.train.LoopbackGroups]): the training loop then draws
@@ -84,67 +113,147 @@ class ParallelGroups:
         LM head's input gradient); returns ``output``."""
         raise NotImplementedError
 
+    def all_to_all(self, output: Any, input: Any, output_splits: list[int],
+                   input_splits: list[int], *, group: str = "ep") -> Any:
+        """Send ``input_splits[r]`` rows of ``input`` (in rank order) to rank ``r`` of the
+        group and receive ``output_splits[r]`` rows from it into ``output``, on the current
+        stream (a mixture of experts' token counts before its dispatch); returns ``output``."""
+        raise NotImplementedError
+
     def size(self, group: str) -> int:
-        """Ranks in the ``"tp"`` or ``"cp"`` group."""
-        if group not in ("tp", "cp"):
-            raise ArgumentError(f"group must be 'tp' or 'cp', got {group!r}")
-        return self.tp_size if group == "tp" else self.cp_size
+        """Ranks in the ``"tp"``, ``"cp"``, ``"ep"`` or ``"edp"`` group."""
+        if group not in GROUPS:
+            raise ArgumentError(f"group must be one of {GROUPS}, got {group!r:.40}")
+        return {"tp": self.tp_size, "cp": self.cp_size, "dp": self.dp_size,
+                "ep": self.ep_size, "edp": self.edp_size}[group]
+
+    def rank_in(self, group: str) -> int:
+        """This rank's place in ``group``."""
+        self.size(group)
+        return {"tp": self.tp_rank, "cp": self.cp_rank, "dp": self.dp_rank,
+                "ep": self.ep_rank, "edp": self._edp_rank()}[group]
+
+    def _edp_rank(self) -> int:
+        rank = (self.dp_rank * self.cp_size + self.cp_rank) * self.tp_size + self.tp_rank
+        return rank // self.ep_size
 
 
 class TorchParallelGroups(ParallelGroups):
-    """TP and CP process groups of an initialised ``torch.distributed`` world.
+    """TP and CP (and EP, EDP) process groups of an initialised ``torch.distributed`` world.
 
     Args:
-        tp: Tensor-parallel degree; ``world_size / tp`` is the CP degree.
+        tp: Tensor-parallel degree; ``world_size / (tp x dp)`` is the CP degree.
+        ep: Expert-parallel degree (a mixture of experts; 1: none): ``ep`` consecutive
+            ranks form an EP group, the ranks ``ep`` apart an EDP group (module docstring).
+        dp: Data-parallel degree (replicas; the slowest-varying coordinate).
 
     Raises:
-        ValueError: ``tp`` does not divide the world size.
+        ValueError: ``tp x dp`` does not divide the world size, or ``ep`` does not.
     """
 
-    def __init__(self, *, tp: int) -> None:
+    def __init__(self, *, tp: int, ep: int = 1, dp: int = 1) -> None:
         import torch.distributed as dist
 
         world, rank = dist.get_world_size(), dist.get_rank()
-        if tp < 1 or world % tp:
-            raise ArgumentError(f"tp={tp} does not divide the world size {world}")
-        self.tp_size, self.cp_size = int(tp), world // tp
-        self.tp_rank, self.cp_rank = rank % tp, rank // tp
+        if tp < 1 or dp < 1 or world % (tp * dp):
+            raise ArgumentError(f"tp x dp = {tp} x {dp} does not divide the world size {world}")
+        if ep < 1 or world % ep:
+            raise ArgumentError(f"ep={ep} does not divide the world size {world} "
+                                "(TP x CP x DP)")
+        cp = world // (tp * dp)
+        self.tp_size, self.cp_size, self.dp_size = int(tp), cp, int(dp)
+        self.tp_rank, self.cp_rank, self.dp_rank = rank % tp, (rank // tp) % cp, rank // (tp * cp)
+        self.ep_size, self.ep_rank, self.edp_size = int(ep), rank % ep, world // ep
         self._dist = dist
         self.tp_group: Any = None
         self.cp_group: Any = None
-        for c in range(self.cp_size):  # every rank creates every group, in one order
-            g = dist.new_group([c * tp + t for t in range(tp)])
-            if c == self.cp_rank:
+        self.dp_group: Any = None
+        self.ep_group: Any = None
+        self.edp_group: Any = None
+        self._new_groups(dist, world, rank)
+
+    def _new_groups(self, dist: Any, world: int, rank: int) -> None:
+        """Every group, created by every rank in one order (``new_group`` is collective)."""
+        tp, cp, dp, ep = self.tp_size, self.cp_size, self.dp_size, self.ep_size
+        replica = tp * cp
+        for b in range(world // tp):  # every rank creates every group, in one order
+            g = dist.new_group([b * tp + t for t in range(tp)])
+            if b == rank // tp:
                 self.tp_group = g
-        for t in range(tp):
-            g = dist.new_group([c * tp + t for c in range(self.cp_size)])
-            if t == self.tp_rank:
-                self.cp_group = g
+        for d in range(dp):
+            for t in range(tp):
+                g = dist.new_group([d * replica + c * tp + t for c in range(cp)])
+                if (d, t) == (self.dp_rank, self.tp_rank):
+                    self.cp_group = g
+        if dp > 1:
+            for i in range(replica):
+                g = dist.new_group([d * replica + i for d in range(dp)])
+                if i == rank % replica:
+                    self.dp_group = g
+        if ep > 1:
+            for e in range(world // ep):
+                g = dist.new_group([e * ep + i for i in range(ep)])
+                if e == rank // ep:
+                    self.ep_group = g
+        if ep > 1 and world // ep > 1:
+            for i in range(ep):
+                g = dist.new_group([e * ep + i for e in range(world // ep)])
+                if i == self.ep_rank:
+                    self.edp_group = g
 
     @classmethod
-    def from_groups(cls, *, tp: Any = None, cp: Any = None) -> TorchParallelGroups:
+    def from_groups(cls, *, tp: Any = None, cp: Any = None, ep: Any = None,
+                    edp: Any = None, dp: Any = None) -> TorchParallelGroups:
         """The groups a framework already made (Megatron-Core's ``parallel_state``, a
         torchtitan device mesh's ``get_group``, a hand-written model's ``new_group``).
 
         Args:
             tp: The tensor-parallel ``torch.distributed`` group of this rank (``None``: TP = 1).
             cp: The context-parallel group of this rank (``None``: CP = 1).
+            ep: The expert-parallel group of this rank (``None``: EP = 1).
+            edp: The expert-data-parallel group of this rank (``None``: one rank).
+            dp: The data-parallel group of this rank (``None``: DP = 1).
         """
         import torch.distributed as dist
 
         self = cls.__new__(cls)
         self._dist = dist
-        self.tp_group, self.cp_group = tp, cp
+        self.tp_group, self.cp_group, self.ep_group, self.edp_group = tp, cp, ep, edp
+        self.dp_group = dp
+        self.dp_size = 1 if dp is None else int(dist.get_world_size(dp))
+        self.dp_rank = 0 if dp is None else int(dist.get_rank(dp))
         self.tp_size = 1 if tp is None else int(dist.get_world_size(tp))
         self.tp_rank = 0 if tp is None else int(dist.get_rank(tp))
         self.cp_size = 1 if cp is None else int(dist.get_world_size(cp))
         self.cp_rank = 0 if cp is None else int(dist.get_rank(cp))
+        self.ep_size = 1 if ep is None else int(dist.get_world_size(ep))
+        self.ep_rank = 0 if ep is None else int(dist.get_rank(ep))
+        self.edp_size = 1 if edp is None else int(dist.get_world_size(edp))
+        self._edp_rank_given = 0 if edp is None else int(dist.get_rank(edp))
         return self
 
+    _edp_rank_given: int | None = None
+
+    def _edp_rank(self) -> int:
+        given = self._edp_rank_given
+        return super()._edp_rank() if given is None else given
+
     def group(self, name: str) -> Any:
-        """The ``torch.distributed`` group ``"tp"`` or ``"cp"``."""
+        """The ``torch.distributed`` group ``"tp"``, ``"cp"``, ``"ep"`` or ``"edp"``."""
         self.size(name)
-        return self.tp_group if name == "tp" else self.cp_group
+        return {"tp": self.tp_group, "cp": self.cp_group, "dp": self.dp_group,
+                "ep": self.ep_group, "edp": self.edp_group}[name]
+
+    def all_to_all(self, output: Any, input: Any, output_splits: list[int],
+                   input_splits: list[int], *, group: str = "ep") -> Any:
+        """The group's all-to-all into ``output`` on the current stream (rows of dim 0)."""
+        if self.size(group) == 1:
+            return output.copy_(input)
+        self._dist.all_to_all_single(output, input.contiguous(),
+                                     output_split_sizes=list(output_splits),
+                                     input_split_sizes=list(input_splits),
+                                     group=self.group(group))
+        return output
 
     def all_reduce(self, tensor: Any, *, group: str, op: str = "sum") -> Any:
         """Reduce ``tensor`` in place over the group on the current stream."""
@@ -178,8 +287,7 @@ class TorchParallelGroups(ParallelGroups):
         else:  # gloo has no reduce-scatter: the sum, then this rank's block
             tmp = input.contiguous().clone()
             self._dist.all_reduce(tmp, group=self.group(group))
-            rank = self.tp_rank if group == "tp" else self.cp_rank
-            output.copy_(tmp.view(n, *output.shape)[rank])
+            output.copy_(tmp.view(n, *output.shape)[self.rank_in(group)])
         return output
 
 
@@ -192,15 +300,25 @@ class LoopbackGroups(ParallelGroups):
     and can fall below zero as training goes on. It is a deterministic function of the same
     kernels, for timing the loop and comparing its schedules on one GPU.
 
+    A mixture of experts' EP group (``ep``) stands in the same way: every rank routes as
+    this one does, so each sends this rank its rows for rank 0's experts, and this rank's
+    experts (rank 0's) run ``ep`` copies of those rows; the combine returns, for the rows
+    this rank sent to rank ``s``, rows of what its own experts computed (``_loopback_rows``).
+
     Args:
         tp: The tensor-parallel degree to stand in for.
         cp: The context-parallel degree to stand in for.
+        ep: The expert-parallel degree to stand in for (it divides ``tp x cp x dp``).
+        dp: The data-parallel degree to stand in for (every replica holds this one's data).
     """
 
-    def __init__(self, *, tp: int, cp: int = 1) -> None:
-        if tp < 1 or cp < 1:
-            raise ArgumentError(f"tp and cp must be >= 1, got {tp}, {cp}")
-        self.tp_size, self.cp_size = int(tp), int(cp)
+    def __init__(self, *, tp: int, cp: int = 1, ep: int = 1, dp: int = 1) -> None:
+        if min(tp, cp, ep, dp) < 1:
+            raise ArgumentError(f"tp, cp, ep and dp must be >= 1, got {tp}, {cp}, {ep}, {dp}")
+        if (tp * cp * dp) % ep:
+            raise ArgumentError(f"ep={ep} must divide tp x cp x dp = {tp * cp * dp}")
+        self.tp_size, self.cp_size, self.dp_size = int(tp), int(cp), int(dp)
+        self.ep_size, self.edp_size = int(ep), int(tp) * int(cp) * int(dp) // int(ep)
         self.tp_rank = self.cp_rank = 0
         self._through: dict[str, CollectiveBackend] = {}
 
@@ -239,6 +357,13 @@ class LoopbackGroups(ParallelGroups):
         output.view(n, -1).copy_(input.reshape(1, -1).expand(n, -1))
         return output
 
+    def all_to_all(self, output: Any, input: Any, output_splits: list[int],
+                   input_splits: list[int], *, group: str = "ep") -> Any:
+        """What the group's all-to-all gives when every rank holds ``input``: from each rank,
+        the rows this rank sends rank 0 (``_loopback_rows``)."""
+        self.size(group)
+        return _loopback_rows(output, input, output_splits, input_splits)
+
     def reduce_scatter(self, output: Any, input: Any, *, group: str) -> Any:
         """The sum of ``input``'s blocks (the adjoint of
         [`all_gather`][kareus.exec.train.LoopbackGroups.all_gather], as
@@ -250,6 +375,24 @@ class LoopbackGroups(ParallelGroups):
             return self._through[group].reduce_scatter(output, input, None, None)
         torch.sum(input.reshape(n, -1), dim=0, out=output.view(-1))
         return output
+
+
+def _loopback_rows(output: Any, input: Any, output_splits: list[int],
+                   input_splits: list[int]) -> Any:
+    """An all-to-all's stand-in on one rank (rank 0 of a group whose every rank holds this
+    rank's data): every rank sends rank 0 what this rank sends it, the first block of
+    ``input`` (``input_splits[0]`` rows), so ``output`` is that block repeated, cycled to
+    its length (zeros from an empty block). The dispatch's and the count exchange's blocks
+    are then exact (every rank sends rank 0 as many rows as this one); the combine's, whose
+    blocks are the rows this rank sent each rank, are rows of what rank 0's experts
+    computed: the bytes and shapes of the real exchange, not its values (and, as the cycle
+    runs within each call, a function of how the microbatch is split into nanobatches)."""
+    import torch
+
+    from kareus.exec.collectives import cycle_rows
+
+    first = input[:int(input_splits[0])] if len(input_splits) else input[:0]
+    return cycle_rows(torch, output, first)
 
 
 class LoopbackGroupCollective(CollectiveBackend):
@@ -319,6 +462,15 @@ class LoopbackGroupCollective(CollectiveBackend):
             output.view(self._size, -1).copy_(input.reshape(1, -1).expand(self._size, -1))
         return output
 
+    def all_to_all(self, output: Any, input: Any, output_splits: list[int],
+                   input_splits: list[int], stream: Any, sms: int | None) -> Any:
+        """The EP group's all-to-all as [`LoopbackGroups`][kareus.exec.train.LoopbackGroups]
+        stands it in (every rank holds this rank's data), on ``stream``."""
+        self._record("all_to_all", int(output.numel()), sms)
+        with _on(stream):
+            _loopback_rows(output, input, output_splits, input_splits)
+        return output
+
     def reduce_scatter(self, output: Any, input: Any, stream: Any, sms: int | None) -> Any:
         """``output`` = the sum of ``input``'s ``group_size`` blocks, on ``stream``.
 
@@ -340,26 +492,34 @@ class LoopbackGroupCollective(CollectiveBackend):
 
 
 class GroupedCollective(CollectiveBackend):
-    """One backend for the executor that sends all-reduces to the TP group's backend and
-    all-gathers / reduce-scatters to the CP group's, unless the collective names its group
+    """One backend for the executor that sends all-reduces to the TP group's backend,
+    all-gathers / reduce-scatters to the CP group's and all-to-alls to the EP group's,
+    unless the collective names its group
     ([`for_group`][kareus.exec.train.GroupedCollective.for_group]: sequence parallelism's
     all-gathers and reduce-scatters run over TP).
 
     Args:
         tp: Backend of the TP group (``None`` when TP = 1).
         cp: Backend of the CP group (``None`` when CP = 1).
+        ep: Backend of the expert-parallel group (``None`` when EP = 1 or no mixture of
+            experts): it runs the dispatch and combine all-to-alls
+            (``all_to_all(output, input, output_splits, input_splits, stream, sms)``).
     """
 
     name: ClassVar[str] = "grouped"
 
-    def __init__(self, *, tp: CollectiveBackend | None, cp: CollectiveBackend | None) -> None:
-        for label, b in (("tp", tp), ("cp", cp)):
+    def __init__(self, *, tp: CollectiveBackend | None, cp: CollectiveBackend | None,
+                 ep: CollectiveBackend | None = None) -> None:
+        for label, b in (("tp", tp), ("cp", cp), ("ep", ep)):
             if b is not None and not isinstance(b, CollectiveBackend):
                 raise ArgumentTypeError(f"{label} must be a CollectiveBackend or None, got "
                                         f"{type(b).__name__}")
-        if tp is None and cp is None:
-            raise ArgumentError("GroupedCollective needs a TP or a CP backend")
-        self.tp, self.cp = tp, cp
+        if tp is None and cp is None and ep is None:
+            raise ArgumentError("GroupedCollective needs a TP, CP or EP backend")
+        self.tp, self.cp, self.ep = tp, cp, ep
+
+    def _backends(self) -> tuple[CollectiveBackend, ...]:
+        return tuple(b for b in (self.tp, self.cp, self.ep) if b is not None)
 
     def backend_for(self, kind: str) -> CollectiveBackend:
         """The backend that runs collectives of ``kind``.
@@ -367,38 +527,39 @@ class GroupedCollective(CollectiveBackend):
         Raises:
             ValueError: that group has no backend (its degree is 1).
         """
-        b = self.tp if kind == "all_reduce" else self.cp
-        if kind not in ("all_reduce", "all_gather", "reduce_scatter") or b is None:
-            raise ArgumentError(f"no backend runs {kind!r} here (TP or CP degree 1?)")
+        b = {"all_reduce": self.tp, "all_gather": self.cp, "reduce_scatter": self.cp,
+             "all_to_all": self.ep}.get(kind)
+        if b is None:
+            raise ArgumentError(f"no backend runs {kind!r} here (TP, CP or EP degree 1?)")
         return b
 
     def for_group(self, group: str) -> CollectiveBackend:
-        """The backend of the ``"tp"`` or ``"cp"`` group (what the executor uses for a
-        collective that names its group: [`CollectiveLaunch.group`][kareus.exec.CollectiveLaunch]).
+        """The backend of the ``"tp"``, ``"cp"`` or ``"ep"`` group (what the executor uses
+        for a collective that names its group:
+        [`CollectiveLaunch.group`][kareus.exec.CollectiveLaunch]).
 
         Raises:
-            ValueError: ``group`` is neither, or that group has no backend (degree 1).
+            ValueError: ``group`` is none of them, or that group has no backend (degree 1).
         """
-        if group not in ("tp", "cp"):
-            raise ArgumentError(f"group must be 'tp' or 'cp', got {group!r:.40}")
-        b = self.tp if group == "tp" else self.cp
+        if group not in ("tp", "cp", "ep"):
+            raise ArgumentError(f"group must be 'tp', 'cp' or 'ep', got {group!r:.40}")
+        b = {"tp": self.tp, "cp": self.cp, "ep": self.ep}[group]
         if b is None:
             raise ArgumentError(f"no backend runs collectives over {group!r} here (degree 1)")
         return b
 
     def _first(self) -> CollectiveBackend:
-        b = self.tp if self.tp is not None else self.cp
-        assert b is not None
-        return b
+        return self._backends()[0]
 
     @property
     def world_size(self) -> int:
-        """Ranks of the TP group (of the CP group when TP = 1)."""
+        """Ranks of the TP group (of the CP group when TP = 1, of the EP group when both
+        are 1)."""
         return self._first().world_size
 
     @property
     def rank(self) -> int:
-        """This rank in the TP group (in the CP group when TP = 1)."""
+        """This rank in the TP group (in the CP group when TP = 1, ...)."""
         return self._first().rank
 
     @property
@@ -408,8 +569,8 @@ class GroupedCollective(CollectiveBackend):
 
     @property
     def max_sms(self) -> int:
-        """The smaller of the two backends' limits."""
-        return min(b.max_sms for b in (self.tp, self.cp) if b is not None)
+        """The smallest of the backends' limits."""
+        return min(b.max_sms for b in self._backends())
 
     def all_reduce(self, tensor: Any, stream: Any, sms: int | None) -> Any:
         """The TP group's all-reduce."""
@@ -423,8 +584,17 @@ class GroupedCollective(CollectiveBackend):
         """The CP group's reduce-scatter."""
         return self.backend_for("reduce_scatter").reduce_scatter(output, input, stream, sms)
 
+    def all_to_all(self, output: Any, input: Any, output_splits: list[int],
+                   input_splits: list[int], stream: Any, sms: int | None) -> Any:
+        """The EP group's all-to-all (rows of dim 0: ``input_splits[r]`` to rank ``r``,
+        ``output_splits[r]`` from it)."""
+        b: Any = self.backend_for("all_to_all")
+        return b.all_to_all(output, input, output_splits, input_splits, stream, sms)
+
     def close(self) -> None:
-        """Close both backends."""
-        for b in (self.tp, self.cp):
-            if b is not None:
+        """Close every backend (once each: a group's backend may serve two names)."""
+        seen: set[int] = set()
+        for b in self._backends():
+            if id(b) not in seen:
+                seen.add(id(b))
                 b.close()

@@ -63,6 +63,37 @@ __all__ = [
 ]
 
 
+def _check_groups(workload: Workload, groups: Any) -> None:
+    """Refuse groups of other degrees than the workload's TP, CP, DP and EP."""
+    p = workload.parallelism
+    if (groups.tp_size, groups.cp_size) != (p.tp, p.cp):
+        raise WorkloadError(f"the groups are TP={groups.tp_size} x CP={groups.cp_size}; the "
+                            f"workload asks for TP={p.tp} x CP={p.cp}")
+    if getattr(groups, "dp_size", 1) != p.dp:
+        raise WorkloadError(f"the groups are DP={getattr(groups, 'dp_size', 1)}; the "
+                            f"workload asks for DP={p.dp} (TorchParallelGroups(tp=..., "
+                            "dp=...))")
+    if getattr(groups, "ep_size", 1) != p.ep:
+        raise WorkloadError(f"the groups are EP={getattr(groups, 'ep_size', 1)}; the "
+                            f"workload asks for EP={p.ep} (TorchParallelGroups(tp=..., "
+                            "ep=...))")
+
+
+def _check_moe_run(workload: Workload, graphs: bool | None) -> None:
+    """Refuse, in one line each, what the loop does not run of a mixture of experts: CUDA
+    graphs (the dispatch's split sizes are data-dependent, read on the host after the
+    routing: ``kareus.exec.train._moe``) and nanobatches along the sequence."""
+    if graphs:
+        raise WorkloadError("a mixture of experts runs eagerly in the training loop: its "
+                            "all-to-alls' sizes follow the routing, read on the host, which a "
+                            "CUDA graph cannot capture; pass graphs=False")
+    if workload.sequence_split:
+        raise WorkloadError("a mixture of experts with nanobatches along the sequence "
+                            f"(microbatch_size=1, nanobatches={workload.nanobatches}) is not "
+                            "run by the training loop: use nanobatches=1 or a larger "
+                            "microbatch")
+
+
 def check_plan_splits(plan: Plan, workload: Workload) -> None:
     """Refuse a plan that splits a microbatch's backward into other nanobatches than its
     forward when the workload keeps activations (``recompute`` ``"none"`` or
@@ -98,8 +129,9 @@ def check_plan_workload(plan: Plan, workload: Workload, *, one_stage: bool = Tru
     Raises:
         PlanError: the plan has more than one pipeline stage (``one_stage``) or not the
             workload's PP stages, or its recorded workload differs from ``workload`` in TP,
-            CP, microbatch size, sequence length, nanobatches, microbatches, recomputation,
-            packed documents (``document_tokens``), chained layers or model.
+            CP, EP (and DP, ``one_stage``), microbatch size, sequence length, nanobatches,
+            microbatches, recomputation, packed documents (``document_tokens``), chained
+            layers or model.
     """
     if not isinstance(plan, Plan):
         raise ArgumentTypeError(f"plan must be a kareus.compose.Plan, got "
@@ -124,8 +156,13 @@ def check_plan_workload(plan: Plan, workload: Workload, *, one_stage: bool = Tru
     # absent from a description: chained layers (as every plan written before the setting)
     theirs["chained_layers"] = bool(theirs.get("chained_layers", True))
     mine["chained_layers"] = workload.chained_layers
-    keys = ("tp", "cp", "sp", "microbatch_size", "seq_len", "nanobatches", "num_microbatches",
-            "recompute", "chained_layers")
+    # expert parallelism: absent is 1 (a dense model, or a plan written before MoE)
+    theirs["ep"] = theirs.get("ep", 1)
+    mine["ep"] = workload.parallelism.ep
+    keys: tuple[str, ...] = ("tp", "cp", "sp", "ep", "microbatch_size", "seq_len",
+                             "nanobatches", "num_microbatches", "recompute", "chained_layers")
+    if one_stage:  # the library's loop runs the job's data parallelism itself
+        keys += ("dp",)
     diff = [f"{k}: plan {theirs.get(k)!r}, job {mine[k]!r}" for k in keys
             if k in theirs and theirs[k] != mine[k]]
     # packed documents masked (their attention costed): absent is one document per sequence
@@ -241,13 +278,15 @@ def shuffled_order(schedules: Sequence[str], repeats: int, seed: int) -> list[tu
 
 
 class TrainingLoop:
-    """One rank of a decoder trained with tensor and context parallelism under a plan.
+    """One rank of a decoder trained with tensor, context, data (and expert) parallelism
+    under a plan.
 
     Args:
         workload: The job: model dimensions, TP, CP, microbatch size, sequence length,
-            microbatches per iteration, nanobatches, recomputation. PP and DP must be 1.
-        groups: This rank's [`ParallelGroups`][kareus.exec.train.ParallelGroups] (TP x CP of the
-            workload).
+            microbatches per iteration, nanobatches, recomputation. PP must be 1; DP > 1
+            runs replicas on their own microbatches (``TorchParallelGroups(dp=...)``).
+        groups: This rank's [`ParallelGroups`][kareus.exec.train.ParallelGroups] (TP x CP x
+            DP, and EP, of the workload).
         collective: The partitions' collectives with exact SM caps (a
             [`GroupedCollective`][kareus.exec.train.GroupedCollective]); also the source of the
             communication buffers.
@@ -272,7 +311,8 @@ class TrainingLoop:
         comm_high_priority: Collectives on a high-priority stream, for every schedule
             ([`TorchExecutor`][kareus.exec.TorchExecutor]'s ``comm_high_priority``).
         graphs: Run each schedule's iteration from CUDA graphs (``None``, the default: on
-            a CUDA device, or as the executors passed in capture; ``False``: eager
+            a CUDA device, or as the executors passed in capture, except for a mixture of
+            experts, whose routing-sized all-to-alls run eagerly; ``False``: eager
             launches). Every schedule is run the same way, so comparisons stay fair. See
             [`step`][kareus.exec.train.TrainingLoop.step].
         executor: The executor that applies the plan (any
@@ -307,17 +347,17 @@ class TrainingLoop:
 
         if not isinstance(workload, Workload):
             raise ArgumentTypeError(f"workload must be a Workload, got {type(workload).__name__}")
-        # first: a model whose layers the loop does not compute (e.g. mixture of experts)
+        # first: a model whose layers the loop does not compute (e.g. a QKV bias)
         refuse_uncomputed(workload.model, where="kareus's training loop",
-                          computes=frozenset({"qk_norm", "norm_eps"}))
+                          computes=frozenset({"qk_norm", "norm_eps", "moe"}))
         if torch.cuda.is_available():
             # Before the first GEMM; graphed or eager, one memset fewer per GEMM
             # (kareus.exec._graphs).
             prefer_workspace_free_gemms()
         p = workload.parallelism
-        if p.pp != 1 or p.dp != 1:
-            raise WorkloadError(f"the training loop runs PP=1, DP=1; the workload has "
-                                f"PP={p.pp}, DP={p.dp}")
+        if p.pp != 1:
+            raise WorkloadError(f"the training loop runs one pipeline stage (PP=1); the "
+                                f"workload has PP={p.pp}")
         if workload.document_tokens is not None:
             raise WorkloadError(f"the training loop's data are whole sequences, causal "
                                 f"attention over each; the workload masks packed documents "
@@ -328,10 +368,11 @@ class TrainingLoop:
             raise WorkloadError("the training loop runs its layers as one chain; the workload "
                                 "has chained_layers=False (layers run one by one, as "
                                 "framework blocks wrapped in FSDP do): use chained_layers=True")
-        if (groups.tp_size, groups.cp_size) != (p.tp, p.cp):
-            raise WorkloadError(f"the groups are TP={groups.tp_size} x CP={groups.cp_size}; the "
-                                f"workload asks for TP={p.tp} x CP={p.cp}")
-        has_comm = p.tp * p.cp > 1
+        _check_groups(workload, groups)
+        moe = workload.model.moe
+        if moe is not None:
+            _check_moe_run(workload, graphs)
+        has_comm = p.tp * p.cp * p.ep > 1
         plan = _plan_of(plan, executor, baseline,
                         needs_collective=has_comm and collective is None)
         if plan is not None:
@@ -357,9 +398,12 @@ class TrainingLoop:
         self.layers = self.model.layers
         streams_ = {ph: stack_stream(ph, self.layers, tp=p.tp, cp=p.cp,
                                      recompute=workload.recompute,
-                                     qk_norm=workload.model.qk_norm, sp=p.sequence_parallel)
+                                     qk_norm=workload.model.qk_norm, sp=p.sequence_parallel,
+                                     ep=p.ep, moe=moe)
                     for ph in ("fwd", "bwd")}
-        if p.sequence_parallel:  # opened by the all-gather of the LM head's input gradient
+        # opened by the all-gather of the LM head's input gradient (an MoE layer's backward
+        # reads its output gradient on the shard: no all-gather)
+        if p.sequence_parallel and moe is None:
             streams_["bwd"] = sp_backward_stream(streams_["bwd"], self.layers)
         self.stacks: dict[str, list[Piece]] = {ph: pieces(st) for ph, st in streams_.items()}
         name = plan.schedule if plan is not None else schedule
@@ -371,7 +415,10 @@ class TrainingLoop:
                               for c in self.computations})
         if graphs is None:
             given = executor or baseline
-            graphs = given.graphs if given is not None else self.model.device.type == "cuda"
+            graphs = given.graphs if given is not None else (
+                self.model.device.type == "cuda" and moe is None)  # MoE: eager by default
+            if moe is not None:
+                _check_moe_run(workload, graphs)
         self.graphs = bool(graphs)
         self.baseline: Executor
         self.executor: Executor | None
@@ -441,7 +488,9 @@ class TrainingLoop:
         lo_id, hi_id = ((m.v0, min(m.v0 + m.v_local, wl.model.vocab))
                         if getattr(self.groups, "replicated", False) else (0, wl.model.vocab))
         self.batches = []
-        for mb in range(wl.num_microbatches):
+        # each data-parallel replica its own microbatches (replica r: r x M .. r x M + M - 1)
+        first = getattr(self.groups, "dp_rank", 0) * wl.num_microbatches
+        for mb in range(first, first + wl.num_microbatches):
             g = torch.Generator(device="cpu").manual_seed(seed * 7919 + 104729 + mb)
             tok = torch.randint(lo_id, hi_id, (wl.microbatch_size, wl.seq_len + 1),
                                 generator=g)
@@ -929,13 +978,17 @@ def overlap_efficiency(workload: Workload, *, executor: Executor,
         def comm() -> None:
             executor.run_partition([], [], prog.comm_tensor, alone,  # noqa: B023
                                    comm_kind=kind,  # noqa: B023
-                                   comm_output=prog.comm_output)  # noqa: B023
+                                   comm_output=prog.comm_output,  # noqa: B023
+                                   comm_group=prog.comm_group,  # noqa: B023
+                                   comm_splits=prog.comm_splits)  # noqa: B023
             prog.advance()  # noqa: B023
 
         def both() -> None:
             executor.run_partition(prog.ops, prog.op_names, prog.comm_tensor,  # noqa: B023
                                    cfg, comm_kind=kind,  # noqa: B023
-                                   comm_output=prog.comm_output)  # noqa: B023
+                                   comm_output=prog.comm_output,  # noqa: B023
+                                   comm_group=prog.comm_group,  # noqa: B023
+                                   comm_splits=prog.comm_splits)  # noqa: B023
             prog.advance()  # noqa: B023
 
         row = {}

@@ -69,6 +69,18 @@ backward opens with the all-gather of the top layer's output gradient (a collect
 stack, through the executor: ``sp_backward_stack``). The norm weights' gradients are
 summed over TP before the optimizer step (each rank's shard of tokens gave part of them).
 
+**Mixture of experts** (``arch.moe``): each layer's MLP is the MoE block of
+``kareus.model.decoder.moe_decoder_layer``, its ops written in ``kareus.exec.train._moe``
+(mixed in): the router, top-k, permutation with the count exchange over the EP group, the
+experts between the dispatch and combine all-to-alls (whose tensors are the layer's
+activations, sized by the routing: ``comm_args`` gives their splits), the un-permutation
+as the forward's tail (it opens the next layer's stream), the shared experts. The experts'
+weights sit after every other weight in the flat buffers (``n_dense``), so the optimizer
+step sums their gradients over the expert-data-parallel group and the rest over CP. Under
+sequence parallelism the MoE block reads and writes the sequence shard: no TP collective
+around it, the top layer's output gradient and layer 0's input gradient stay sharded (the
+embedding's backward gathers the latter outside the stack).
+
 torch is imported inside the functions that need it.
 """
 
@@ -90,8 +102,9 @@ from kareus.exec._cp_attention import (
 from kareus.exec._executor_role import Executor
 from kareus.exec.model_check import refuse_uncomputed
 from kareus.exec.schedule import Comm, Op
+from kareus.exec.train._moe import MOE_COMMS, MOE_KEPT, MoEBlock, moe_layout
 from kareus.model.context_parallel import cp_positions
-from kareus.model.decoder import layer_collectives
+from kareus.model.decoder import layer_collectives, moe_decoder_layer
 from kareus.model.workload import RECOMPUTE_POLICIES, ModelArch, recompute_policy
 
 __all__ = ["DecoderShard"]
@@ -137,8 +150,9 @@ def _group_backend(c: Any, kind: str, group: str) -> Any:
     return route(kind) if callable(route) else c
 
 
-class DecoderShard:
-    """One rank's shard of a Llama-shaped decoder, run op by op.
+class DecoderShard(MoEBlock):
+    """One rank's shard of a Llama-shaped decoder, run op by op (with a mixture-of-experts
+    block in place of the MLP for a model with ``arch.moe``: ``kareus.exec.train._moe``).
 
     Args:
         arch: Model dimensions (hidden size, heads, KV heads, head dim, FFN, vocabulary).
@@ -184,7 +198,7 @@ class DecoderShard:
         from kareus.exec.kernels import get_kernels
 
         refuse_uncomputed(arch, where="kareus's training loop",
-                          computes=frozenset({"qk_norm", "norm_eps"}))
+                          computes=frozenset({"qk_norm", "norm_eps", "moe"}))
         tp, cp = groups.tp_size, groups.cp_size
         self.layers = arch.layers if layers is None else int(layers)
         if self.layers < 1:
@@ -206,6 +220,7 @@ class DecoderShard:
                     f"the nanobatches (got CP={cp}, sp={bool(sp) and tp > 1}, "
                     f"seq_len={seq_len}): use nanobatches=1 or a larger microbatch")
         self.backend = backend
+        self.torch = torch
         self._shard_dims(arch, groups, int(microbatch_size), seq_len // cp, sp=sp)
         self.num_microbatches = int(num_microbatches)
         policy = recompute_policy(recompute)
@@ -248,6 +263,8 @@ class DecoderShard:
         self._kept_names = _KEPT[policy] | (_KEPT_CP if policy == "selective" and self.cp > 1
                                             else _KEPT_NO_CP if policy == "selective"
                                             else frozenset())
+        if self.moe is not None and policy != "full":  # the MoE block's (``MOE_KEPT``)
+            self._kept_names = self._kept_names | MOE_KEPT
 
     def kept(self, a: dict[str, Any]) -> dict[str, Any]:
         """Of one layer's activations of one nanobatch after its forward, those its backward
@@ -256,11 +273,14 @@ class DecoderShard:
 
     # ------------------------------------------------------------------ parameters
     def _shard_dims(self, arch: ModelArch, groups: Any, microbatch_size: int,
-                    seq_local: int, *, sp: bool = False) -> None:
+                    seq_local: int, *, sp: bool = False, dp: int | None = None) -> None:
         """This rank's dimensions: TP/CP coordinates, tokens, and its share of the heads and
-        the MLP (what every op reads)."""
+        the MLP (what every op reads). ``dp``: the data-parallel replicas, where the groups
+        do not hold a DP group (a planned layer's: the framework reduces the gradients)."""
         self.arch, self.groups = arch, groups
         self.tp, self.cp, self.r = groups.tp_size, groups.cp_size, groups.cp_rank
+        #: Data-parallel replicas (each on its own microbatches; the loss is their mean).
+        self.dp = int(getattr(groups, "dp_size", 1)) if dp is None else int(dp)
         #: Whether the sequence-parallel layout runs (``sp`` at TP > 1).
         self.sp = bool(sp) and self.tp > 1
         if self.sp and seq_local % self.tp:
@@ -279,6 +299,14 @@ class DecoderShard:
         self.f = arch.ffn // self.tp
         self.q, self.kv = self.heads * self.hd, self.kvh * self.hd
         self.eps, self.qk_norm = arch.norm_eps, arch.qk_norm
+        #: The model's mixture of experts (``None``: a dense MLP).
+        self.moe = arch.moe
+        if self.moe is not None:
+            moe_layout(self.moe, tp=self.tp, cp=self.cp, ep=groups.ep_size, sp=self.sp,
+                       dp=self.dp)
+            self._moe_dims()
+        elif groups.ep_size > 1:
+            raise WorkloadError(f"EP={groups.ep_size} needs a mixture-of-experts model")
 
     def _shapes(self) -> dict[str, tuple[tuple[int, ...], float, bool]]:
         """name -> (shape, init std (0: ones), sharded over TP)."""
@@ -291,6 +319,10 @@ class DecoderShard:
             "w_mlp_norm": ((h,), 0.0, False),
             "Wg": ((h, self.f), std, True), "Wu": ((h, self.f), std, True),
             "Wd": ((self.f, h), out_std, True)}
+        if self.moe is not None:  # the MoE block in place of the MLP (experts: _expert_shapes)
+            for k in ("Wg", "Wu", "Wd"):
+                del per_layer[k]
+            per_layer |= self._moe_shapes()
         if self.qk_norm:  # one RMSNorm weight over head_dim for every query and key head
             per_layer["w_q_norm"] = ((self.hd,), 0.0, False)
             per_layer["w_k_norm"] = ((self.hd,), 0.0, False)
@@ -311,9 +343,20 @@ class DecoderShard:
             return self.params["emb"].t()
         return self.params["Wlm"]
 
+    def _out_std(self) -> float:
+        """The initial std of the output projections (``Wo``, ``Wd``, the experts' down
+        projections): ``0.02 / sqrt(2 layers)``."""
+        return 0.02 / math.sqrt(2 * self.layers)
+
     def _build_params(self, torch: Any) -> None:
+        """Every weight in one flat buffer (bf16, with fp32 masters): the dense ones first,
+        then this rank's experts (``n_dense`` elements in; their gradients are summed over
+        the expert-data-parallel group, the others' over CP)."""
         shapes = self._shapes()
-        total = sum(math.prod(s) for s, _, _ in shapes.values())
+        experts = ({f"l{layer}.{k}": v for layer in range(self.layers)
+                    for k, v in self._expert_shapes().items()} if self.moe is not None else {})
+        total = (sum(math.prod(s) for s, _, _ in shapes.values())
+                 + sum(math.prod(s) for s, _ in experts.values()))
         self.master = torch.empty(total, device=self.device, dtype=torch.float32)
         self.flat = torch.empty(total, device=self.device, dtype=self.dtype)
         self.flat_grad = torch.zeros(total, device=self.device, dtype=self.dtype)
@@ -331,6 +374,20 @@ class DecoderShard:
                 g.manual_seed(self.seed * 1_000_003 + key * 17 + (self.groups.tp_rank
                                                                   if sharded else 0))
                 m.copy_(torch.randn(shape, generator=g, device=self.device) * std)
+            self.params[name] = self.flat[off:off + n].view(shape)
+            self.grads[name] = self.flat_grad[off:off + n].view(shape)
+            off += n
+        #: Elements of the flat buffers before the experts' weights.
+        self.n_dense = off
+        for name, (shape, std) in experts.items():
+            n = math.prod(shape)
+            m = self.master[off:off + n].view(shape)
+            for e in range(shape[0]):  # each expert from its global index
+                g = torch.Generator(device=self.device)
+                label = f"{name}.{self.first_expert + e}"
+                key = sum(ord(c) * 131 ** i for i, c in enumerate(label)) % (2 ** 31)
+                g.manual_seed(self.seed * 1_000_003 + key * 17)
+                m[e].copy_(torch.randn(shape[1:], generator=g, device=self.device) * std)
             self.params[name] = self.flat[off:off + n].view(shape)
             self.grads[name] = self.flat_grad[off:off + n].view(shape)
             off += n
@@ -405,8 +462,16 @@ class DecoderShard:
         return [(name, kind) for name, kind, _ in self._comms()]
 
     def _comms(self) -> list[tuple[str, str, str]]:
-        """``(name, kind, group)`` of the collectives of one layer, TP's first."""
-        ours = layer_collectives(tp=self.tp, cp=self.cp, sp=self.sp)  # in order
+        """``(name, kind, group)`` of the TP and CP collectives of one layer, TP's first
+        (the pool's buffers; a mixture of experts' all-to-alls take the layer's
+        activations)."""
+        if self.moe is not None:
+            sizes = {"tp": self.tp, "cp": self.cp, "ep": 1}
+            ours = tuple(c for ph in ("fwd", "bwd")
+                         for c in moe_decoder_layer(ph, sp=self.sp).collectives
+                         if sizes[c.group] > 1)
+        else:
+            ours = layer_collectives(tp=self.tp, cp=self.cp, sp=self.sp)  # in order
         return [(c.tensor, c.kind, c.group) for group in ("tp", "cp") for c in ours
                 if c.group == group]
 
@@ -450,8 +515,11 @@ class DecoderShard:
         """Every communication buffer (for checks that they are registered)."""
         return [t for pair in self._pool.values() for t in pair if t is not None]
 
-    def comm_args(self, comm: Comm, nb: int) -> tuple[Any, Any]:
-        """``(tensor, output)`` of collective ``comm`` of nanobatch ``nb``."""
+    def comm_args(self, comm: Comm, nb: int) -> tuple[Any, ...]:
+        """``(tensor, output)`` of collective ``comm`` of nanobatch ``nb`` (a mixture of
+        experts' all-to-all: ``(tensor, output, (output_splits, input_splits))``)."""
+        if comm.name in MOE_COMMS:
+            return self.moe_comm_args(comm.name, comm.layer, self.chunk(comm.name, nb))
         return self._pool[(comm.name, self.n, self.chunk(comm.name, nb))]
 
     def _buf(self, name: str, nb: int) -> Any:
@@ -636,10 +704,13 @@ class DecoderShard:
         pack = torch.stack((logits.sum(dim=1), tgt))
         self.groups.all_reduce(pack, group="tp")
         s, tgt = pack[0], pack[1]
-        n_tokens = self.num_microbatches * self.mbs * self.seq
+        # the mean over every token of the iteration, every data-parallel replica's
+        n_tokens = self.num_microbatches * self.mbs * self.seq * self.dp
         loss_local = (s.log() + m - tgt).sum() / n_tokens
         cp_loss = loss_local.clone()
         self.groups.all_reduce(cp_loss, group="cp")  # every CP rank reports the whole loss
+        if self.dp > 1:  # and every replica
+            self.groups.all_reduce(cp_loss, group="dp")
         self.loss_sum.add_(cp_loss)
         logits.div_(s.unsqueeze(1))
         rows = torch.arange(logits.shape[0], device=self.device)
@@ -666,7 +737,7 @@ class DecoderShard:
         self.grads["w_final"].add_(dw.to(self.dtype))
         top = self.layers - 1
         for i in range(self.n):
-            if self.sp:  # the stack's first collective gathers it (sp_backward_stack)
+            if self.sp and self.moe is None:  # the stack's first collective gathers it
                 self._buf("mlp_out_grad", i).view(-1, self.h).copy_(dxf[self.rows(i)])
             else:
                 self.act.setdefault((top, i), {})["dy"] = dxf[self.rows(i)]
@@ -677,7 +748,13 @@ class DecoderShard:
         dx0 = torch.empty(self.mbs * self.sq, self.h, device=self.device, dtype=self.dtype)
         t = self.mbs * self.sq // self.n
         for i in range(self.n):
-            if self.sp:  # layer 0's input gradient, gathered by the stack's last collective
+            if self.sp and self.moe is not None:  # on the shard (the MoE block reads it)
+                shard = self.act[(0, i)]["dx_in"]
+                full = self.torch.empty(self.tp, *shard.shape, device=self.device,
+                                        dtype=shard.dtype)
+                self.groups.all_gather(full, shard, group="tp")
+                dx0[i * t:(i + 1) * t] = self._to_seq_order(full.view(-1, self.h))
+            elif self.sp:  # layer 0's input gradient, gathered by the stack's last collective
                 dx0[i * t:(i + 1) * t] = self._to_seq_order(self._gathered("mlp_out_grad", i))
             else:
                 dx0[self.rows(i)] = self.act[(0, i)]["dx_in"]
@@ -868,6 +945,9 @@ class DecoderShard:
             del a["attn"]
 
     def _op_mlp_norm(self, layer: int, a: dict[str, Any], nb: int) -> None:
+        if self.moe is not None:
+            self._moe_mlp_norm(layer, a, nb)
+            return
         a["x_mid"], a["xn2"] = self.ks.add_rms_norm(
             a["x_in"], self._reduced("attn_out", layer, nb), self.W(layer, "w_mlp_norm"),
             self.eps)
@@ -925,6 +1005,9 @@ class DecoderShard:
                        out=self.G(layer, "Wu"), accumulate=True)
 
     def _op_mlp_norm_bwd(self, layer: int, a: dict[str, Any], nb: int) -> None:
+        if self.moe is not None:
+            self._moe_mlp_norm_bwd(layer, a, nb)
+            return
         dres = (self._buf("mlp_out_grad", nb).view(-1, self.h) if self.sp else a["dy"])
         a["dx_mid"] = self.ks.rms_norm_bwd_add(
             self._reduced("mlp_in_grad", layer, nb), a["x_mid"], self.W(layer, "w_mlp_norm"),
@@ -1030,7 +1113,7 @@ class DecoderShard:
         dx_in = self.ks.rms_norm_bwd_add(
             self._reduced("attn_in_grad", layer, nb), a["x_in"], self.W(layer, "w_attn_norm"),
             a["dx_mid"], self.G(layer, "w_attn_norm"), self.eps)
-        if self.sp:  # the shard, for the all-gather of the layer below's output gradient
+        if self.sp and self.moe is None:  # for the all-gather of the layer below's output grad
             dx_in = self._buf("mlp_out_grad", nb).view(-1, self.h).copy_(dx_in)
         if layer > 0:
             self.act[(layer - 1, nb)]["dy"] = dx_in
@@ -1047,7 +1130,9 @@ class DecoderShard:
     def optimizer_step(self) -> None:
         """Sum gradients over CP ranks (and the query/key norms' over TP ranks, whose heads
         each saw part of them, and under sequence parallelism the other norms' over TP
-        ranks, whose sequence shards each saw part of them), then AdamW on the fp32 masters; bf16 weights follow."""
+        ranks, whose sequence shards each saw part of them; a mixture of experts' router
+        and shared experts' over TP too, and its experts' over the expert-data-parallel
+        group instead of CP), then AdamW on the fp32 masters; bf16 weights follow."""
         with self.torch.no_grad():
             if self.qk_norm and self.tp > 1:  # each TP rank's heads gave part of these
                 for layer in range(self.layers):
@@ -1058,7 +1143,16 @@ class DecoderShard:
                     for name in ("w_attn_norm", "w_mlp_norm"):
                         self.groups.all_reduce(self.G(layer, name), group="tp")
                 self.groups.all_reduce(self.grads["w_final"], group="tp")
-            self.groups.all_reduce(self.flat_grad, group="cp")
+            if self.moe is not None and self.tp > 1:  # replicated over TP, fed by shards
+                for layer in range(self.layers):
+                    for name in self._moe_shapes():
+                        self.groups.all_reduce(self.G(layer, name), group="tp")
+            # the dense weights' over CP and DP; the experts' over the ranks that hold them
+            self.groups.all_reduce(self.flat_grad[:self.n_dense], group="cp")
+            if self.dp > 1:
+                self.groups.all_reduce(self.flat_grad[:self.n_dense], group="dp")
+            if self.n_dense < self.flat_grad.numel():
+                self.groups.all_reduce(self.flat_grad[self.n_dense:], group="edp")
             self.master_param.grad.copy_(self.flat_grad)
             self.optimizer.step()
             self.flat.copy_(self.master)

@@ -117,9 +117,15 @@ class TimedLoopbackGroupCollective(LoopbackGroupCollective):
 
     name: ClassVar[str] = "loopback_faithful"
 
-    def __init__(self, *, group_size: int, times: CollectiveTimes, backend: str = "nccl"
-                 ) -> None:
+    #: The collectives this group runs (``faithful_note`` says where their times come
+    #: from): a TP or CP group's three, an EP group's all-to-all.
+    kinds: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter")
+
+    def __init__(self, *, group_size: int, times: CollectiveTimes, backend: str = "nccl",
+                 kinds: tuple[str, ...] | None = None) -> None:
         super().__init__(group_size=group_size)
+        if kinds is not None:
+            self.kinds = tuple(kinds)
         if not isinstance(times, CollectiveTimes):
             raise ArgumentTypeError(f"times must be a CollectiveTimes, got "
                                     f"{type(times).__name__}")
@@ -199,4 +205,26 @@ class TimedLoopbackGroupCollective(LoopbackGroupCollective):
         with _on(stream):
             timed_collective("sum_blocks", output.view(-1), input.reshape(-1).contiguous(),
                              group=self.world_size, ctas=used, duration_ns=ns)
+        return output
+
+    def all_to_all(self, output: Any, input: Any, output_splits: list[int],
+                   input_splits: list[int], stream: Any, sms: int | None) -> Any:
+        """The EP group's all-to-all as the plain stand-in computes it (the first block of
+        ``input`` cycled over ``output``), holding the SMs for the all-to-all's time (its
+        message: the received rows' bytes, as ``CommOp.bytes`` counts a dispatch)."""
+        nbytes = output.numel() * output.element_size()
+        if not output.is_cuda:
+            self._timed("all_to_all", nbytes, sms)
+            return super().all_to_all(output, input, output_splits, input_splits, stream, sms)
+        from kareus.exec.kernels.timed_stand_in import timed_collective
+
+        self._record("all_to_all", int(output.numel()), sms)
+        used, ns = self._timed("all_to_all", nbytes, sms)
+        first = input[:int(input_splits[0])].contiguous()
+        with _on(stream):
+            if first.numel() == 0 or output.numel() == 0:  # nothing to cycle: zeros
+                output.zero_()
+            else:
+                timed_collective("cycle", output.view(-1), first.view(-1),
+                                 group=self.world_size, ctas=used, duration_ns=ns)
         return output

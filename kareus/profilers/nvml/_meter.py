@@ -43,6 +43,8 @@ class _Edge:
     # How long before t_s the old value was last read (the step happened in between): the
     # polling period, or much more when the thread was kept off the CPU.
     blur_s: float = 0.0
+    # False for the first read after the thread starts: a value, not a step.
+    step: bool = True
 
 
 class EnergyMeter:
@@ -143,7 +145,7 @@ class EnergyMeter:
         now = time.perf_counter()
         with self._lock:
             for k, v in enumerate(last):
-                self._edges[k].append(_Edge(now, v, now - read_at))
+                self._edges[k].append(_Edge(now, v, now - read_at, step=False))
         next_sample = now
         while not self._stop.is_set():
             before = read_at  # the old values were read no earlier than this
@@ -200,10 +202,25 @@ class EnergyMeter:
         return [(e.t_s, e.energy_mj) for e in self._window_ends(inside)]
 
     def step_period_s(self, device: int = 0) -> float | None:
-        """Median time between counter steps seen so far (``None`` before two steps)."""
-        ts = [t for t, _ in self.edges(device)]
-        gaps = [b - a for a, b in zip(ts[:-1], ts[1:]) if b > a]
-        return statistics.median(gaps) if gaps else None
+        """The time between counter steps seen so far (``None`` before two steps).
+
+        The median gap between consecutive steps that were both seen sharply (each within
+        [`sharp_edge_s`][kareus.profilers.EnergyMeter.sharp_edge_s] of the read before
+        it); where no such pair exists yet (a polling thread kept off a busy CPU sees steps
+        late), the mean gap over every step seen, in which a step seen late shortens the
+        next gap by what it lengthened its own. The first read after the thread starts is
+        a value, not a step, and takes no part.
+        """
+        with self._lock:
+            steps = [e for e in self._edges[device] if e.step]
+        if len(steps) < 2 or steps[-1].t_s <= steps[0].t_s:
+            return None
+        sharp = self.sharp_edge_s()
+        gaps = [b.t_s - a.t_s for a, b in zip(steps[:-1], steps[1:])
+                if b.t_s > a.t_s and a.blur_s <= sharp and b.blur_s <= sharp]
+        if gaps:
+            return statistics.median(gaps)
+        return (steps[-1].t_s - steps[0].t_s) / (len(steps) - 1)
 
     def wait_edges(self, count: int, *, timeout_s: float = 5.0) -> None:
         """Block until every GPU's counter has stepped ``count`` more times."""

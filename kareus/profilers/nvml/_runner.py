@@ -184,7 +184,8 @@ class TorchPartitionRunner(PartitionRunner):
             def eager() -> None:
                 ex.run_partition(prog.ops, prog.op_names, prog.comm_tensor, config,
                                  comm_kind=prog.comm_kind, comm_output=prog.comm_output,
-                                 comm_group=getattr(prog, "comm_group", None))
+                                 comm_group=getattr(prog, "comm_group", None),
+                                 comm_splits=getattr(prog, "comm_splits", None))
                 prog.advance()
         if not self.graphs:
             return eager
