@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kareus.errors import ArgumentError
+
 __all__ = ["moe_block_reference"]
 
 
@@ -52,7 +54,7 @@ def moe_block_reference(x: Any, router_weight: Any, expert_w1: Any, expert_w2: A
     F = torch.nn.functional
     experts = router_weight.shape[1]
     if not 1 <= top_k <= experts:
-        raise ValueError(f"top_k must be in 1..{experts}, got {top_k}")
+        raise ArgumentError(f"top_k must be in 1..{experts}, got {top_k}")
     top, idx = torch.topk(x @ router_weight, top_k, dim=-1)
     probs = torch.softmax(top, dim=-1)
     out = torch.zeros_like(x)

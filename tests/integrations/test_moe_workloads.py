@@ -265,19 +265,12 @@ def test_torchtitan_planned_layers_check_the_moe_block_against_the_workload():
     assert "\n" not in str(err.value)
 
 
-def test_planned_layer_refuses_ep_it_does_not_fold():
+def test_planned_layer_refuses_an_ep_group_that_is_not_the_workload_s():
     pytest.importorskip("torch")
-    from kareus.exec.train import LoopbackGroups, ParallelGroups
+    from kareus.exec.train import LoopbackGroups
     from kareus.integrations._layer import PlanApplier
 
-    class DataParallelEP(ParallelGroups):  # a framework's EP group over two DP replicas
-        tp_size, tp_rank, cp_size, cp_rank, ep_size, ep_rank = 1, 0, 1, 0, 2, 0
-
-    # EP over data-parallel replicas (TP = 1, EP = 2, DP = 2): not computed by the planned
-    # layer, whose EP ranks fold over TP x CP
-    wl = Workload.preset("qwen3-30b-a3b", dp=2, ep=2, microbatch_size=2, seq_len=256)
-    with pytest.raises(WorkloadError, match="EP over data-parallel replicas is not computed"):
-        PlanApplier(workload=wl, groups=DataParallelEP(), eps=1e-6)
+    # (EP over data-parallel replicas is computed: tests/integrations/test_layer_moe.py)
     # the groups' EP group must be the workload's
     wl = Workload.preset("qwen3-30b-a3b", tp=2, sp=True, ep=2, microbatch_size=2,
                          seq_len=256)

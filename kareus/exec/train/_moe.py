@@ -150,9 +150,11 @@ class MoEBlock:
     act: dict[tuple[int, int], dict[str, Any]]
 
     def W(self, layer: int, name: str) -> Any:
+        """Layer ``layer``'s weight ``name`` (``DecoderShard.W``)."""
         raise NotImplementedError
 
     def G(self, layer: int, name: str) -> Any:
+        """Layer ``layer``'s gradient buffer of weight ``name`` (``DecoderShard.G``)."""
         raise NotImplementedError
 
     def _reduced(self, name: str, layer: int, nb: int) -> Any:
