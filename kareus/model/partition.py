@@ -871,7 +871,7 @@ def _overlap_pairs(wl: Workload, segs_of: dict[str, list[list[_Segment]]]) -> li
 
 
 #: The piece name of a layer's tail (the ops after its last collective) by its ops.
-_TAIL_NAMES = {("attn_norm_bwd",): "attn_norm", ("unpermute",): "moe_unpermute"}
+_TAIL_NAMES: dict[tuple[str, ...], str] = {("attn_norm_bwd",): "attn_norm", ("unpermute",): "moe_unpermute"}
 
 
 def _piece_ops(phase: str, s: _Shapes) -> dict[str, ComputeOp]:
