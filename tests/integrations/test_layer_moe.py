@@ -241,6 +241,9 @@ def test_planned_moe_layer_computes_the_reference_under_every_schedule(tmp_path,
         assert res[0][schedule]["partitions"] == res[1][schedule]["partitions"]
     planned = {k for _, k in res[0]["kareus"]["partitions"]}
     assert planned and all("moe" in k or "attn" in k for k in planned)
+    # unchained, each layer's un-permutation runs beside its own last combine (a type of
+    # the unchained set only)
+    assert ("fwd_moe_unpermute" in planned) == (not wl.chained_layers)
 
 
 def test_planned_moe_layer_refuses_graphs():
