@@ -30,14 +30,19 @@ Where each layer runs as its own planned layer (``chained_layers=False``: torcht
 ``Trainer``, which wraps every block in FSDP; Megatron-Core layers left unchained), no
 pair crosses a layer boundary. Each layer's computation is then what the runtime runs for
 one layer (``_layer_pieces``: its forward, or its backward after the recomputed forward
-under full recomputation; under sequence parallelism the backward opens with the
-all-gather of its output's gradient and leaves its input's gradient sharded), cut at its
-collectives into pieces, each nanobatch of a piece beside the collective of the unit
-before it in that layer (``_unchained_units``). What has nothing before it runs bare (the
-layer's first unit; the input norm's backward of the later nanobatches, after the pieces'
-collectives) and a collective with nothing after it runs exposed (the layer's last; under
-sequence parallelism the output gradient's all-gathers of the first ``n - 1``
-nanobatches, which no op follows): both are costed per layer as work outside partitions
+under full recomputation; under sequence parallelism a dense layer's backward opens with
+the all-gather of its output's gradient and leaves its input's gradient sharded; a mixture
+of experts' is ``moe_decoder_layer``'s: its forward ends with the un-permutation after the
+combine, which its recomputed forward does not re-run, and its backward reads and leaves
+the gradients on the sequence shard), cut at its collectives into pieces, each nanobatch
+of a piece beside the collective of the unit before it in that layer
+(``_unchained_units``). What has nothing before it runs bare (the layer's first unit; the
+ops after the last collective, the input norm's backward or a mixture of experts'
+un-permutation, of the later nanobatches) and a collective with nothing after it runs
+exposed (a dense layer's forward's last; under sequence parallelism the output gradient's
+all-gathers of the first ``n - 1`` nanobatches, which no op follows; a mixture-of-experts
+layer exposes none, its last collective having the first nanobatch's tail beside it):
+both are costed per layer as work outside partitions
 (``PartitionSet.outside``, at the computation's clock; the exposed collectives at their
 own CTA count, as the runtime runs them for such a workload). A computation of one
 nanobatch is the same either way (each collective after its own ops).
