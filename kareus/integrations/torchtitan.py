@@ -1524,6 +1524,13 @@ def _config_masks_documents(model_or_config: Any) -> bool:
 def _refuse_unsupported(config: Any, model: Any, workload: Workload) -> None:
     """Refuse, in torchtitan 0.3's own words, what kareus's planned layers do not run
     exactly as torchtitan would (before the first step)."""
+    if workload.model.moe is not None:
+        # the workload models unchained MoE layers, but the Trainer's FSDP-wrapped MoE
+        # blocks (experts sharded over its expert-data-parallel mesh) are checked against
+        # torchtitan's own run nowhere: refused, not trusted
+        raise WorkloadError("a mixture-of-experts model (moe in the model config) under "
+                            "torchtitan's Trainer is not checked against torchtitan's own run: "
+                            "apply the plan to the blocks chained (apply_plan, no FSDP)")
     if workload.parallelism.cp != 1:
         raise WorkloadError("parallelism.context_parallel_degree > 1: torchtitan's context "
                             "parallelism is its own attention over load-balanced chunks; "

@@ -30,14 +30,19 @@ Where each layer runs as its own planned layer (``chained_layers=False``: torcht
 ``Trainer``, which wraps every block in FSDP; Megatron-Core layers left unchained), no
 pair crosses a layer boundary. Each layer's computation is then what the runtime runs for
 one layer (``_layer_pieces``: its forward, or its backward after the recomputed forward
-under full recomputation; under sequence parallelism the backward opens with the
-all-gather of its output's gradient and leaves its input's gradient sharded), cut at its
-collectives into pieces, each nanobatch of a piece beside the collective of the unit
-before it in that layer (``_unchained_units``). What has nothing before it runs bare (the
-layer's first unit; the input norm's backward of the later nanobatches, after the pieces'
-collectives) and a collective with nothing after it runs exposed (the layer's last; under
-sequence parallelism the output gradient's all-gathers of the first ``n - 1``
-nanobatches, which no op follows): both are costed per layer as work outside partitions
+under full recomputation; under sequence parallelism a dense layer's backward opens with
+the all-gather of its output's gradient and leaves its input's gradient sharded; a mixture
+of experts' is ``moe_decoder_layer``'s: its forward ends with the un-permutation after the
+combine, which its recomputed forward does not re-run, and its backward reads and leaves
+the gradients on the sequence shard), cut at its collectives into pieces, each nanobatch
+of a piece beside the collective of the unit before it in that layer
+(``_unchained_units``). What has nothing before it runs bare (the layer's first unit; the
+ops after the last collective, the input norm's backward or a mixture of experts'
+un-permutation, of the later nanobatches) and a collective with nothing after it runs
+exposed (a dense layer's forward's last; under sequence parallelism the output gradient's
+all-gathers of the first ``n - 1`` nanobatches, which no op follows; a mixture-of-experts
+layer exposes none, its last collective having the first nanobatch's tail beside it):
+both are costed per layer as work outside partitions
 (``PartitionSet.outside``, at the computation's clock; the exposed collectives at their
 own CTA count, as the runtime runs them for such a workload). A computation of one
 nanobatch is the same either way (each collective after its own ops).
@@ -870,36 +875,64 @@ def _overlap_pairs(wl: Workload, segs_of: dict[str, list[list[_Segment]]]) -> li
     return pairs
 
 
+#: The piece name of a layer's tail (the ops after its last collective) by its ops.
+_TAIL_NAMES: dict[tuple[str, ...], str] = {("attn_norm_bwd",): "attn_norm", ("unpermute",): "moe_unpermute"}
+
+
+def _piece_ops(phase: str, s: _Shapes) -> dict[str, ComputeOp]:
+    """Every op of the layer's ``phase`` (``_layer_ops``, the MoE block's in place of the
+    dense MLP's for a mixture-of-experts model), by name."""
+    ops = _layer_ops(phase, s)
+    if s.moe is None:
+        return ops
+    return {n: op for n, op in ops.items() if n not in _DENSE_MLP_OPS} | _moe_ops(phase, s)
+
+
 def _layer_pieces(wl: Workload, phase: str, s: _Shapes) -> list[tuple[str, _Segment]]:
     """One layer's ``phase`` computation as a planned layer of its own runs it (the runtime's
     ``stack_stream`` of one layer, cut at its collectives), as ``(phase of its ops, piece)``:
     each piece a run of ops and the collective after it (``comm=None`` for the ops after the
-    last collective: the backward's input-norm backward). The backward re-runs the forward
-    first under full recomputation; under sequence parallelism it opens with the
+    last collective: the backward's input-norm backward, a mixture of experts' forward
+    un-permutation). The backward re-runs the forward first under full recomputation (a
+    mixture of experts' up to its combine: the un-permutation's output is read by no
+    backward op); under sequence parallelism a dense layer's backward opens with the
     all-gather of its output's gradient (a piece without ops) and ends without gathering
-    its input's (the framework's layer below does). A collective over a group of one GPU
-    does not run: its ops join the next piece."""
+    its input's (the framework's layer below does), while a mixture of experts' backward
+    reads its output's gradient on the sequence shard and leaves its input's there (no
+    all-gather at either end). The layer is ``moe_decoder_layer`` for a mixture-of-experts
+    model (its shared experts and the expert sort as ``_layer_segments`` chooses them), else
+    ``decoder_layer``. A collective over a group of one GPU does not run: its ops join the
+    next piece."""
     p = wl.parallelism
     comms = _layer_comms(wl, s)
     sp = s.sp
-    run = [("fwd", decoder_layer("fwd", qk_norm=s.qk_norm, sp=sp))] if (
-        phase == "fwd" or wl.recompute == "full") else []
+    moe = s.moe is not None
+    if moe:
+        fwd, bwd = (moe_decoder_layer(ph, qk_norm=s.qk_norm, sp=sp, recompute=wl.recompute,
+                                      shared_experts=s.fs > 0, sort_tokens=s.sort)
+                    for ph in PHASES)
+    else:
+        fwd, bwd = (decoder_layer("fwd", qk_norm=s.qk_norm, sp=sp),
+                    decoder_layer("bwd", qk_norm=s.qk_norm, sp=sp, recompute=wl.recompute))
+    # (phase of the ops, the layer's phase, whether its tail runs: not the recomputed
+    # forward's, as the runtime's ``stack_stream`` runs it)
+    run = [("fwd", fwd, phase == "fwd")] if phase == "fwd" or wl.recompute == "full" else []
     if phase == "bwd":
-        run.append(("bwd", decoder_layer("bwd", qk_norm=s.qk_norm, sp=sp,
-                                         recompute=wl.recompute)))
+        run.append(("bwd", bwd, True))
+    gathers = phase == "bwd" and sp and not moe  # the dense layer's output-gradient gathers
     raw: list[tuple[str, str, tuple[str, ...], tuple[str, str] | None]] = []
-    if phase == "bwd" and sp:
+    if gathers:
         raw.append(("bwd", "dy", (), ("all_gather", "tp")))
-    for ph, layer in run:
+    for ph, layer, tail in run:
         for seg in layer.segments:
             c = seg.collective
             raw.append((ph, seg.name, seg.op_names, (c.kind, c.group)))
-        if layer.tail:
-            raw.append((ph, "attn_norm", layer.tail, None))
-    if phase == "bwd" and sp:
+        if tail and layer.tail:
+            raw.append((ph, _TAIL_NAMES[layer.tail], layer.tail, None))
+    if gathers:
         ph, name, names, _ = raw[-1]  # the input gradient's all-gather: the layer below's
         raw[-1] = (ph, name, names, None)
-    ops = {ph: _layer_ops(ph, s) for ph in {ph for ph, _ in run}}
+    ops = {ph: _piece_ops(ph, s) for ph in {ph for ph, _, _ in run}}
     out: list[tuple[str, _Segment]] = []
     held: list[tuple[str, str, tuple[str, ...]]] = []  # ops whose collective does not run
     for ph, name, names, key in raw:

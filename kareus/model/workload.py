@@ -741,9 +741,6 @@ class Workload:
             (p.tp == 1 or moe.shared_experts == 0,
              f"shared experts at TP={p.tp} are not modelled (Megatron-Core splits them over "
              "TP with collectives of their own): use tp=1"),
-            (self.chained_layers,
-             "unchained layers (chained_layers=False, --unchained-layers) are not modelled "
-             "for mixture-of-experts layers: use chained layers"),
         ]
         for ok, msg in checks:
             if not ok:

@@ -6,7 +6,8 @@ CP ranks and a shared expert (shared experts are not modelled at TP > 1), and EP
 two data-parallel replicas (each with its own microbatches), a Qwen3-style
 layer (per-head query/key norm) whose MLP is 4 experts, top-2, under
 every schedule (sequential, nanobatching, kareus with a plan, and the plan over two layers
-chained as one stack), with full, selective and no recomputation: each rank's outputs, input
+chained as one stack; and, for layers run one by one (``chained_layers=False``), the plan
+made for that), with full, selective and no recomputation: each rank's outputs, input
 gradients and weight gradients in kareus's layout against the float64 reference layer
 (attention as ``_reference.layer``, the MoE block as
 [`moe_block_reference`][kareus.testing.moe_block_reference]), to fp32 tolerance. The
@@ -39,6 +40,9 @@ SCHEDULES = ("sequential", "nanobatching", "kareus", "kareus-stack")
 
 
 def workload(recompute: str, shared: bool, layout: str = "tp2-sp") -> Workload:
+    """The tiny MoE workload of ``layout`` (a ``-unchained`` suffix: its layers run one by
+    one, ``chained_layers=False``)."""
+    layout, unchained, _ = layout.partition("-unchained")
     moe = MoEArch(experts=EXPERTS, experts_per_token=TOP_K, expert_ffn=EXPERT_FFN,
                   shared_experts=int(shared), shared_expert_ffn=SHARED if shared else 0)
     arch = ModelArch(name="tiny-moe", layers=2, hidden=32, heads=4, kv_heads=2, head_dim=8,
@@ -49,7 +53,7 @@ def workload(recompute: str, shared: bool, layout: str = "tp2-sp") -> Workload:
            }[layout]
     return Workload(model=arch, parallelism=par,
                     microbatch_size=4, seq_len=16, num_microbatches=2, nanobatches=2,
-                    recompute=recompute)
+                    recompute=recompute, chained_layers=not unchained)
 
 
 def moe_weights(arch: ModelArch, seed: int) -> dict:
@@ -84,6 +88,12 @@ def _positions(wl: Workload, tp_rank: int, cp_rank: int):
     return torch.arange(tp_rank * s, (tp_rank + 1) * s)
 
 
+def _schedules(wl: Workload) -> tuple[str, ...]:
+    """The schedules run: a stack of layers only where they chain."""
+    return SCHEDULES if wl.chained_layers else tuple(
+        s for s in SCHEDULES if not s.endswith("-stack"))
+
+
 def _worker(out_dir: str, recompute: str, shared: str, layout: str) -> None:
     import torch.distributed as dist
 
@@ -108,7 +118,7 @@ def _worker(out_dir: str, recompute: str, shared: str, layout: str) -> None:
     rows = _positions(wl, groups.tp_rank, groups.cp_rank)
     result = {"tp_rank": groups.tp_rank, "cp_rank": groups.cp_rank, "ep_rank": groups.ep_rank,
               "dp_rank": dp_rank}
-    for schedule in SCHEDULES:
+    for schedule in _schedules(wl):
         stacked = schedule.endswith("-stack")
         applier = PlanApplier(workload=wl, groups=groups, schedule=schedule.split("-")[0],
                               plan=plan if schedule.startswith("kareus") else None,
@@ -192,16 +202,19 @@ def _close(got, want, what):
 @pytest.mark.slow
 @pytest.mark.parametrize(("layout", "recompute", "shared"),
                          [("tp2-sp", "full", False), ("tp2-sp", "none", False),
-                          ("cp2", "selective", True), ("dp2", "selective", True)],
+                          ("cp2", "selective", True), ("dp2", "selective", True),
+                          ("tp2-sp-unchained", "full", False),
+                          ("cp2-unchained", "none", True)],
                          ids=["tp2-sp-full", "tp2-sp-none", "cp2-selective-shared",
-                              "dp2-selective-shared"])
+                              "dp2-selective-shared", "tp2-sp-full-unchained",
+                              "cp2-none-shared-unchained"])
 def test_planned_moe_layer_computes_the_reference_under_every_schedule(tmp_path, layout,
                                                                         recompute, shared):
     res = run_ranks(__file__, tmp_path, 2, recompute, str(int(shared)), layout)
     wl = workload(recompute, shared, layout)
     dp = wl.parallelism.dp
     refs = [_reference(wl, d) for d in range(dp)]  # each replica's own microbatches
-    for schedule in SCHEDULES:
+    for schedule in _schedules(wl):
         for r in res:
             outs = refs[r["dp_rank"]][0]
             rows = _positions(wl, r["tp_rank"], r["cp_rank"])
@@ -228,6 +241,9 @@ def test_planned_moe_layer_computes_the_reference_under_every_schedule(tmp_path,
         assert res[0][schedule]["partitions"] == res[1][schedule]["partitions"]
     planned = {k for _, k in res[0]["kareus"]["partitions"]}
     assert planned and all("moe" in k or "attn" in k for k in planned)
+    # unchained, each layer's un-permutation runs beside its own last combine (a type of
+    # the unchained set only)
+    assert ("fwd_moe_unpermute" in planned) == (not wl.chained_layers)
 
 
 def test_planned_moe_layer_refuses_graphs():

@@ -1,7 +1,9 @@
 """Planned layers run one by one under a workload of unchained layers
 (``Workload.chained_layers=False``): what runs is what the plan costs.
 
-One process stands in for the TP (x CP) group on the recording executor. Per computation of
+One process stands in for the TP (x CP, x EP) group on the recording executor, for dense
+layers and for mixture-of-experts layers (test_layer_moe's tiny model: the expert-parallel
+all-to-alls, the forward's un-permutation after the combine, a shared expert). Per computation of
 one planned layer, the partitions run (their keys, their ops) are the partition types and
 counts of ``build_partitions`` (per layer), the collectives that run exposed are the
 unchained partition set's exposed collectives (in its outside work), at their own CTA count
@@ -29,6 +31,9 @@ from kareus.testing import RecordingExecutor, make_workload_plan
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _reference import full_weights, planned_weights, shard, workload
+from test_layer_moe import _kareus as moe_planned
+from test_layer_moe import local_moe, moe_weights
+from test_layer_moe import workload as moe_workload
 
 CASES = {  # name: (tp, cp, sp, recompute[, microbatch size: 1 splits along the sequence])
     "tp2-none": (2, 1, False, "none"),
@@ -51,13 +56,21 @@ def _one_layer(wl, plan):
     log per computation."""
     arch = wl.model
     p = wl.parallelism
-    ws = planned_weights({k: torch.nn.Parameter(v) for k, v in
-                          shard(full_weights(arch, 1), arch, p.tp, 0).items()}, arch)
+    dense = shard(full_weights(arch, 1), arch, p.tp, 0)
+    if arch.moe is None:
+        ws = planned_weights({k: torch.nn.Parameter(v) for k, v in dense.items()}, arch)
+    else:  # the attention's weights and this EP rank's experts (test_layer_moe's layout)
+        ps = {k: torch.nn.Parameter(v) for k, v in dense.items() if k not in ("w1", "w2", "w3")}
+        ps |= {k: torch.nn.Parameter(v) for k, v in local_moe(
+            moe_weights(arch, 1), p.ep, 0).items()}
+        ws = moe_planned(ps, arch)
     seq = wl.seq_len // p.cp // (p.tp if p.sequence_parallel else 1)
     x = torch.randn(wl.microbatch_size, seq, arch.hidden, requires_grad=True)
     ex = RecordingExecutor(plan=plan)
-    applier = PlanApplier(workload=wl, groups=LoopbackGroups(tp=p.tp, cp=p.cp), executor=ex,
-                          baseline=RecordingExecutor(), kernels="torch")
+    applier = PlanApplier(workload=wl, groups=LoopbackGroups(tp=p.tp, cp=p.cp, ep=p.ep,
+                                                             dp=p.dp),
+                          executor=ex, baseline=RecordingExecutor(), kernels="torch",
+                          eps=arch.norm_eps)
     with applier.microbatch(0, "fwd"):
         y = applier.layer()(x, ws)
     start = len(ex.log)
@@ -79,9 +92,26 @@ def _partitions(log):
     return out
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+#: Mixture-of-experts cases: name: (test_layer_moe's layout, recompute, shared expert).
+MOE_CASES = {
+    "moe-tp2-sp-ep2-full": ("tp2-sp", "full", False),
+    "moe-tp2-sp-ep2-selective": ("tp2-sp", "selective", False),
+    "moe-tp2-sp-ep2-none": ("tp2-sp", "none", False),
+    "moe-cp2-ep2-shared-full": ("cp2", "full", True),
+    "moe-dp2-ep2-shared-none": ("dp2", "none", True),
+}
+
+
+def _case(case):
+    if case in MOE_CASES:
+        layout, recompute, shared = MOE_CASES[case]
+        return moe_workload(recompute, shared, layout).with_(chained_layers=False)
+    return _unchained(*CASES[case])
+
+
+@pytest.mark.parametrize("case", sorted(CASES) + sorted(MOE_CASES))
 def test_one_planned_layer_runs_the_unchained_partitions(case):
-    wl = _unchained(*CASES[case])
+    wl = _case(case)
     pset = build_partitions(wl)
     chained = build_partitions(wl.with_(chained_layers=True))
     L = wl.layers_per_stage

@@ -295,9 +295,12 @@ LAYER_SEQ, LAYER_MBS, MICROBATCHES = 16, 4, 2
 #: Megatron-Core's own MoE layers against kareus's planned ones: TP = 2 with sequence
 #: parallelism and EP = 2 over the same ranks, Qwen3-style attention, under each
 #: recomputation policy kareus's layer runs without Megatron's block re-running it.
+#: ``-unchained``: the layers run one by one (``chained_layers=False``, as under
+#: ``KAREUS_CHAIN=0``), under the plan made for that.
 LAYER_VARIANTS = {"layers-tp2-sp": {},
                   "layers-tp2-sp-selective": {"recompute_granularity": "selective",
-                                              "recompute_modules": ["core_attn"]}}
+                                              "recompute_modules": ["core_attn"]},
+                  "layers-tp2-sp-unchained": {}}
 
 
 def _own_moe_spec():
@@ -352,6 +355,8 @@ def _layers_worker(out_dir: str, variant: str) -> None:
         expert_tensor_parallel_size=1, **LAYER_VARIANTS[variant])
     wl = workload_from_megatron(config, microbatch_size=LAYER_MBS, seq_len=LAYER_SEQ,
                                 num_microbatches=MICROBATCHES, vocab_size=64)
+    if variant.endswith("-unchained"):
+        wl = wl.with_(chained_layers=False)
     groups = TorchParallelGroups.from_groups(tp=ps.get_tensor_model_parallel_group(),
                                              ep=ps.get_expert_model_parallel_group())
     emb = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, rotary_base=ex.ROTARY_BASE)(
@@ -507,6 +512,10 @@ def test_planned_moe_layers_are_megatron_s_moe_layers(tmp_path, variant):
                     _close(g[n], w[n], msg=f"{schedule} layer {i} {n}", rtol=1e-4)
     assert res[0]["kareus"]["partitions"] == res[1]["kareus"]["partitions"]
     assert any("moe" in k for _, k in res[0]["kareus"]["partitions"])
+    # unchained, each layer's un-permutation runs beside its own last combine (a type of
+    # the unchained set only); chained, it opens the next layer's first unit
+    assert (("fwd", "fwd_moe_unpermute") in res[0]["kareus"]["partitions"]) == (
+        variant.endswith("-unchained"))
     # the GPT model trained two iterations: losses, main_grads and weights
     for r in res:
         gpt = r["gpt"]

@@ -933,3 +933,16 @@ def test_optimize_makes_the_plan_from_torchtitan_s_flags(tmp_path, capsys):
                      "--out", str(tmp_path / "x")]) == 2
         err = capsys.readouterr().err
         assert words in err and err.count("\n") == 1, err
+
+
+def test_wrap_trainer_refuses_a_mixture_of_experts_model_before_anything_else():
+    # the workload models unchained MoE layers now, but the Trainer's FSDP-wrapped MoE blocks
+    # run under a plan are checked nowhere: wrap_trainer's up-front check refuses them
+    from kareus.errors import WorkloadError
+    from kareus.model import Workload
+
+    wl = Workload.preset("qwen3-30b-a3b", tp=1, dp=8, ep=8, microbatch_size=4, seq_len=4096,
+                         chained_layers=False)
+    with pytest.raises(WorkloadError, match="mixture-of-experts .* Trainer") as err:
+        kt._refuse_unsupported(None, None, wl)
+    assert "\n" not in str(err.value)

@@ -362,8 +362,14 @@ def test_the_scope_exception_is_the_expert_parallel_group_only():
         check_partition(lambda: not_ep)
 
 
-def test_unchained_moe_layers_are_refused():
-    # the unchained pieces are the dense layer's: an MoE model is refused, not costed dense
-    with pytest.raises(WorkloadError, match="unchained layers .* are not modelled for "
-                                            "mixture-of-experts"):
-        _wl(chained_layers=False)
+def test_unchained_moe_layers_are_costed_from_the_moe_layer():
+    # each layer its own planned layer: the pieces are the MoE layer's (router, experts,
+    # all-to-alls, the forward's un-permutation after the combine), never the dense MLP's
+    # (tests/model/test_partition_unchained.py checks the counts and the work)
+    wl = _wl(chained_layers=False)
+    ps = build_partitions(wl)
+    names = {op.name for p in ps for op in p.compute_ops} | {
+        op.name for work in ps.outside.values() for op in work.ops}
+    assert {"router", "expert_gate_up", "unpermute", "unpermute_bwd"} <= names
+    assert not names & {"gate", "up", "down", "swiglu"}
+    assert {p.comm_op.kind for p in ps} == {CommKind.ALL_TO_ALL}
