@@ -1,6 +1,6 @@
 """A mixture-of-experts block, forward and backward, through a kernel set's MoE ops, with
 the expert-parallel all-to-alls simulated in one process, and its float64 autograd
-reference (a dense per-token formula): shared by the CPU and GPU kernel tests
+reference (kareus.testing.moe_block_reference per rank): shared by the CPU and GPU kernel tests
 (importable from every test: pytest puts tests/ on the path for its conftest.py)."""
 
 from __future__ import annotations
@@ -34,23 +34,13 @@ def make(seed, *, ranks, t, h, E, fe, empty=(), popular=None, dtype=F64):
 
 
 def dense_reference(xs, wr, w1, w2, dout, k):
-    """Every rank's MoE output and the gradients, by autograd of the per-token formula."""
+    """Every rank's MoE output and the gradients, by autograd of kareus's reference block
+    ([`moe_block_reference`][kareus.testing.moe_block_reference]) on each rank's tokens."""
+    from kareus.testing import moe_block_reference
+
     xs = [x.detach().double().requires_grad_() for x in xs]
     wr, w1, w2 = (w.detach().double().requires_grad_() for w in (wr, w1, w2))
-    fe = w2.shape[1]
-    outs = []
-    for x in xs:
-        logits = x @ wr
-        top, idx = torch.topk(logits, k, dim=-1)
-        p = torch.softmax(top, dim=-1)
-        out = torch.zeros_like(x)
-        for i in range(x.shape[0]):
-            for j in range(k):
-                e = int(idx[i, j])
-                hh = x[i] @ w1[e]
-                a = torch.nn.functional.silu(hh[:fe]) * hh[fe:]
-                out[i] = out[i] + p[i, j] * (a @ w2[e])
-        outs.append(out)
+    outs = [moe_block_reference(x, wr, w1, w2, top_k=k) for x in xs]
     loss = sum((o * d.double()).sum() for o, d in zip(outs, dout, strict=True))
     loss.backward()
     return ([o.detach() for o in outs], [x.grad for x in xs], wr.grad, w1.grad, w2.grad)
