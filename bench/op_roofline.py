@@ -36,7 +36,7 @@ partition type is built as a runnable partition with a kernel set
   the mixture-of-experts preset at EP=8 (DP=8), its router, top-k, permutation, sort by
   local expert, grouped expert GEMMs and un-permutation with their backward; a grouped
   GEMM has no single ``torch.matmul`` to compare with (``peak_frac`` only; its two paths
-  side by side: ``bench/grouped_gemm.py``). Not in the default list.
+  side by side: ``bench/moe_gemm.py``). Not in the default list.
 
 Targets (printed last): every elementwise op <= 1.5x its roofline; every GEMM >= 75% of
 the measured peak or within 5% of the best ``torch.matmul`` at its shape; each

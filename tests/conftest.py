@@ -47,3 +47,17 @@ def clean_spec_registry():
     yield
     for name in list(files.registered_models()) + list(files.registered_gpus()):
         files.unregister(name)
+
+
+@pytest.fixture
+def ctrl_c_delivered():
+    """SIGINT raises ``KeyboardInterrupt`` in this process for the test, as in a terminal,
+    restored after it: a process started in the background by a non-interactive shell
+    (``command &``, ``nohup``) inherits SIGINT ignored, and Python then leaves it ignored,
+    so an in-process Ctrl-C test would see nothing arrive."""
+    import signal
+
+    before = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)

@@ -406,6 +406,7 @@ def test_sigterm_handler_is_put_back_after_the_command(tmp_path):
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+@pytest.mark.usefixtures("ctrl_c_delivered")
 @pytest.mark.parametrize(("signame", "status", "word"), [
     ("SIGTERM", 143, "stopped by SIGTERM"), ("SIGINT", 130, "interrupted")])
 def test_a_stop_while_the_command_sets_up_is_one_line_not_lost(signame, status, word,

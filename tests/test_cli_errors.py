@@ -101,6 +101,7 @@ def test_noise_out_of_range_is_refused_by_the_parser(value, capsys):
     assert err.startswith("kareus: error: argument --noise: ") and err.count("\n") == 1
 
 
+@pytest.mark.usefixtures("ctrl_c_delivered")
 def test_a_stop_swallowed_by_the_command_still_fails(gpus_raising, monkeypatch, capsys):
     """A Ctrl-C whose exception something caught and dropped (a broad except, a finaliser)
     is not a success: the command reports it when it returns."""
@@ -120,6 +121,7 @@ def test_a_stop_swallowed_by_the_command_still_fails(gpus_raising, monkeypatch, 
     assert captured.err == "kareus: interrupted\n"
 
 
+@pytest.mark.usefixtures("ctrl_c_delivered")
 def test_a_stop_turned_into_another_exception_is_a_stop(monkeypatch, capsys):
     """numpy's import reports a stop that lands inside its C initialisation as an
     ImportError ("PyCapsule_Import could not import module datetime"): a failure after a
@@ -147,6 +149,7 @@ def test_a_failure_while_the_parser_is_built_is_one_line(monkeypatch, capsys):
     assert capsys.readouterr().err.startswith("kareus: internal error: ImportError: numpy is")
 
 
+@pytest.mark.usefixtures("ctrl_c_delivered")
 def test_a_stop_that_lands_in_a_finaliser_is_delivered_again(monkeypatch, capsys):
     """Python only prints an exception raised in a ``__del__``; the command's hook sends the
     stop to the main thread again, so the command stops there, not at its end."""

@@ -21,8 +21,8 @@ float32 (wall time; a check of the code path, not a measurement).
 
 Usage (one GPU; changes no GPU setting)::
 
-    python bench/grouped_gemm.py --json bench/results/grouped_gemm_h200.json
-    python bench/grouped_gemm.py --smoke --json /tmp/grouped_gemm_smoke.json
+    python bench/moe_gemm.py --json bench/results/moe_gemm_h200.json
+    python bench/moe_gemm.py --smoke --json /tmp/moe_gemm_smoke.json
 """
 
 from __future__ import annotations
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"(bf16 peak of {gpu_name}: {peak:g} TFLOP/s"
           + ("; --smoke: CPU wall time in float32, not a measurement)" if args.smoke else ")"))
     if args.json:
-        out = {"bench": "grouped_gemm", "smoke": args.smoke, "device": (
+        out = {"bench": "moe_gemm", "smoke": args.smoke, "device": (
                    torch.cuda.get_device_name() if device == "cuda" else platform.processor()
                    or platform.machine()),
                "gpu_preset": gpu_name, "bf16_peak_tflops": peak, "dtype": dtype_name,

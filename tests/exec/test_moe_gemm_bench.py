@@ -1,4 +1,4 @@
-"""bench/grouped_gemm.py: the expert shapes are the runnable partitions' (the partition
+"""bench/moe_gemm.py: the expert shapes are the runnable partitions' (the partition
 model's per-rank shapes at EP=8 for both presets), and ``--smoke`` runs every GEMM on both
 paths on the CPU (tiny shapes, not a measurement: the GPU run is), the two paths agreeing."""
 
@@ -14,7 +14,7 @@ from bench_scripts import load_bench
 
 
 def test_expert_shapes_at_ep8():
-    bench = load_bench("grouped_gemm")
+    bench = load_bench("moe_gemm")
     q = bench.expert_shapes("qwen3-30b-a3b", ep=8, microbatch_size=8, seq_len=4096,
                             nanobatches=2, imbalance=1.0)
     # 4 sequences of 4096 tokens a nanobatch, top-8: 131,072 rows over 16 local experts
@@ -27,7 +27,7 @@ def test_expert_shapes_at_ep8():
 
 
 def test_smoke_run_times_every_gemm_on_both_paths(tmp_path, capsys):
-    bench = load_bench("grouped_gemm")
+    bench = load_bench("moe_gemm")
     out = tmp_path / "gg.json"
     assert bench.main(["--smoke", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
