@@ -187,3 +187,24 @@ def megatron_ddp_hooks(params: list[dict[str, Any]]) -> list[Any]:
             acc.register_hook(hook)
             keep.append(acc)
     return keep
+
+
+def run_gloo_ranks(script: str, ranks: int = 2, *, timeout_s: float = 300.0) -> str:
+    """Run test module ``script`` (its ``__main__`` is the worker) as ``ranks`` processes
+    under ``torch.distributed.run`` on this machine, with the repository on the path and one
+    thread each; assert every rank exited 0 and printed ``rank R ok``; return its stdout."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(repo), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
+           "--standalone", str(Path(script).resolve())]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for r in range(ranks):
+        assert f"rank {r} ok" in proc.stdout, proc.stdout[-3000:]
+    return proc.stdout

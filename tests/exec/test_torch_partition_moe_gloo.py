@@ -6,14 +6,7 @@ process-group backend, and receives exactly what the other rank sent
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _worker() -> None:
@@ -69,13 +62,9 @@ def _worker() -> None:
 
 def test_moe_partitions_exchange_rows_between_two_gloo_ranks():
     pytest.importorskip("torch")
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           "--standalone", str(Path(__file__).resolve())]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300,
-                          check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "rank 0 ok" in proc.stdout and "rank 1 ok" in proc.stdout
+    from _helpers import run_gloo_ranks
+
+    run_gloo_ranks(__file__)
 
 
 if __name__ == "__main__":
