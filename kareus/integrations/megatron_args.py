@@ -62,6 +62,7 @@ import attrs
 
 from kareus.errors import ArgumentError, ArgumentTypeError, WorkloadError
 from kareus.integrations._megatron_config import workload_from_megatron
+from kareus.integrations._megatron_moe import MOE_DEFAULTS
 from kareus.model.workload import Workload
 
 __all__ = ["MegatronArgsError", "parse_megatron_args", "read_megatron_flags",
@@ -414,23 +415,11 @@ def _moe_freq_one(freq: Any) -> bool:
 
 
 #: The MoE ``TransformerConfig`` fields a Megatron-LM flag of the same name sets (read by
-#: ``kareus.integrations._megatron_moe``), with Megatron-LM's defaults.
+#: ``kareus.integrations._megatron_moe``), with Megatron-LM's defaults: the config's own
+#: (the same values), and two flags the config table does not hold.
 _MOE_FIELDS: dict[str, Any] = {
-    "moe_router_topk": 2, "moe_ffn_hidden_size": None,
-    "moe_shared_expert_intermediate_size": None, "moe_shared_expert_gate": False,
-    "moe_shared_expert_overlap": False, "moe_layer_freq": 1, "moe_router_dtype": None,
-    "moe_token_dispatcher_type": "allgather", "moe_enable_deepep": False,
-    "moe_grouped_gemm": False, "moe_router_load_balancing_type": "aux_loss",
-    "moe_aux_loss_coeff": 0.0, "moe_z_loss_coeff": None, "moe_input_jitter_eps": None,
-    "moe_router_score_function": "softmax", "moe_router_pre_softmax": False,
-    "moe_router_topk_scaling_factor": None, "moe_router_num_groups": None,
-    "moe_router_group_topk": None, "moe_router_enable_expert_bias": False,
-    "moe_router_force_load_balancing": False, "moe_router_padding_for_fp8": False,
-    "moe_router_padding_for_quantization": False, "moe_enable_routing_replay": False,
-    "moe_expert_capacity_factor": None, "moe_pad_expert_input_to_capacity": False,
-    "moe_apply_probs_on_input": False, "moe_latent_size": None, "moe_layer_recompute": False,
-    "expert_model_parallel_size": 1, "expert_tensor_parallel_size": None,
-}
+    **{k: v for k, v in MOE_DEFAULTS.items() if k.startswith(("moe_", "expert_"))},
+    "moe_shared_expert_overlap": False, "moe_grouped_gemm": False}
 
 
 def _config_of(args: Any) -> SimpleNamespace:
